@@ -1,0 +1,65 @@
+"""The `mixprec` command: argument parsing and printing only; the work lives in the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from mixprec import __version__
+from mixprec.hardware import FAST, REFUSED, SLOW, detect, measure, resolve_auto, support_matrix
+
+_STYLE = {FAST: "green", "supported": "yellow", SLOW: "red", REFUSED: "red bold"}
+
+
+def _info(args: argparse.Namespace) -> int:
+    console = Console()
+    info = detect(args.device)
+    console.print(f"[bold]mixprec {__version__}[/] · torch {torch.__version__}")
+    console.print(f"device: {info.describe()}")
+    table = Table(title="precision support on this device")
+    table.add_column("precision")
+    table.add_column("status")
+    table.add_column("why")
+    for name, s in support_matrix(info).items():
+        table.add_row(name, f"[{_STYLE[s.status]}]{s.status}[/]", s.reason)
+    console.print(table)
+    console.print(f'"auto" resolves to: [bold]{resolve_auto(info).name}[/]')
+    if args.measure:
+        rates = measure(device=info.device, seconds=args.seconds)
+        t = Table(title="matmul throughput (measured now)")
+        t.add_column("dtype")
+        t.add_column("GFLOP/s", justify="right")
+        t.add_column("vs float32", justify="right")
+        base = rates.get("float32")
+        for dtype, rate in rates.items():
+            t.add_row(dtype, f"{rate:,.1f}", f"{rate / base:.2f}x" if base else "-")
+        console.print(t)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mixprec", description="Mixed-precision training tools for PyTorch."
+    )
+    parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("info", help="this device and which precisions are fast on it")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: best)")
+    p.add_argument("--measure", action="store_true", help="also measure matmul GFLOP/s")
+    p.add_argument("--seconds", type=float, default=0.3, help="measuring time per dtype")
+    p.set_defaults(func=_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Dtype names, aliases and format facts (max, smallest normal, epsilon).
+
+One place that knows how people spell dtypes ("f16", "half", "bfloat16", torch.float16)
+and what each format can represent, so policies, the doctor and the bench agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mixprec.errors import PolicySpecError
+
+FLOAT8_DTYPES: tuple[torch.dtype, ...] = tuple(
+    d
+    for d in (
+        getattr(torch, "float8_e4m3fn", None),
+        getattr(torch, "float8_e5m2", None),
+        getattr(torch, "float8_e4m3fnuz", None),
+        getattr(torch, "float8_e5m2fnuz", None),
+    )
+    if d is not None
+)
+
+# Canonical name of each dtype a policy may use, and every spelling accepted for it.
+_CANONICAL: dict[torch.dtype, str] = {
+    torch.float64: "float64",
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    **{d: str(d).removeprefix("torch.") for d in FLOAT8_DTYPES},
+}
+_ALIASES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "f64": torch.float64,
+    "double": torch.float64,
+    "float32": torch.float32,
+    "f32": torch.float32,
+    "float": torch.float32,
+    "full": torch.float32,
+    "float16": torch.float16,
+    "f16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    **{name: d for d, name in _CANONICAL.items() if d in FLOAT8_DTYPES},
+}
+DTYPE_NAMES: tuple[str, ...] = tuple(_ALIASES)
+
+LOW_PRECISION_FLOATS: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, *FLOAT8_DTYPES)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Canonical short name of a dtype ("float32", "bfloat16", ...)."""
+    return _CANONICAL.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def to_dtype(value: str | torch.dtype) -> torch.dtype:
+    """Parse a dtype spelled as a torch.dtype, "float32", "f32", "half", "bf16", ...
+
+    Raises PolicySpecError naming the bad value and the accepted spellings.
+    """
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in _ALIASES:
+            return _ALIASES[key]
+    raise PolicySpecError(
+        f"unknown dtype {value!r}; accepted: a torch.dtype or one of {', '.join(DTYPE_NAMES)}"
+    )
+
+
+def is_float8(dtype: torch.dtype) -> bool:
+    """True for the float8 formats (e4m3, e5m2 and their fnuz variants)."""
+    return dtype in FLOAT8_DTYPES
+
+
+@dataclass(frozen=True)
+class FormatInfo:
+    """What a floating format can represent: used by the doctor and the scalers."""
+
+    dtype: torch.dtype
+    bits: int
+    max: float
+    smallest_normal: float
+    smallest_subnormal: float
+    eps: float
+
+    @property
+    def name(self) -> str:
+        return dtype_name(self.dtype)
+
+
+def format_info(dtype: torch.dtype | str) -> FormatInfo:
+    """Range and resolution facts of a floating dtype (from torch.finfo)."""
+    dtype = to_dtype(dtype)
+    if not dtype.is_floating_point:
+        raise PolicySpecError(f"{dtype} is not a floating dtype")
+    fi = torch.finfo(dtype)
+    # smallest subnormal = smallest normal * eps (one ulp below the normal range)
+    return FormatInfo(
+        dtype=dtype,
+        bits=fi.bits,
+        max=float(fi.max),
+        smallest_normal=float(fi.smallest_normal),
+        smallest_subnormal=float(fi.smallest_normal) * float(fi.eps),
+        eps=float(fi.eps),
+    )

@@ -1,0 +1,15 @@
+"""Exceptions raised by mixprec, each a subclass of a builtin users already catch."""
+
+from __future__ import annotations
+
+
+class PolicySpecError(ValueError):
+    """A precision spec (name, jmp string, dtype, map rule) could not be understood."""
+
+
+class PrecisionError(ValueError):
+    """A precision is refused on the device in hand, or far slower there than float32."""
+
+
+class SlowPrecisionError(PrecisionError):
+    """The precision runs on this device but much slower than float32; pass allow_slow=True."""

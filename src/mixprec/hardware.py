@@ -1,0 +1,310 @@
+"""What the device in hand supports, what is fast on it, and what "auto" means there.
+
+The support matrix is predicted from hardware facts (CPU flags, CUDA compute capability,
+MPS) and can be confirmed by `measure` (matmul GFLOP/s per dtype). A refused precision
+raises; one far slower than float32 raises unless the caller allows it. Nothing here ever
+switches a user to another precision silently.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+import warnings
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.dtypes import dtype_name
+from mixprec.errors import PrecisionError, SlowPrecisionError
+from mixprec.policy import Policy
+
+FAST, SUPPORTED, SLOW, REFUSED = "fast", "supported", "slow", "refused"
+_RANK = {FAST: 0, SUPPORTED: 1, SLOW: 2, REFUSED: 3}
+
+MATRIX_PRECISIONS: tuple[str, ...] = (
+    "32-true",
+    "64-true",
+    "bf16-mixed",
+    "bf16-true",
+    "16-mixed",
+    "16-true",
+)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Facts about one device that decide which precisions are fast on it."""
+
+    type: str
+    name: str
+    index: int | None = None
+    cpu_flags: frozenset[str] = field(default_factory=frozenset)
+    capability: tuple[int, int] | None = None
+    total_memory: int | None = None
+    torch_version: str = torch.__version__
+
+    @property
+    def device(self) -> torch.device:
+        return (
+            torch.device(self.type, self.index)
+            if self.index is not None
+            else torch.device(self.type)
+        )
+
+    def describe(self) -> str:
+        if self.type == "cuda":
+            cc = f"compute capability {self.capability[0]}.{self.capability[1]}"
+            mem = f", {self.total_memory / 2**30:.0f} GiB" if self.total_memory else ""
+            return f"{self.device} ({self.name}, {cc}{mem})"
+        if self.type == "cpu":
+            shown = sorted(self.cpu_flags & set(_CPU_FLAGS_OF_INTEREST))
+            flags = ", ".join(shown) if shown else "no bf16/fp16 matrix extensions"
+            return f"cpu ({self.name}; {flags}; {torch.get_num_threads()} threads)"
+        return f"{self.device} ({self.name})"
+
+
+@dataclass(frozen=True)
+class Support:
+    """One cell of the support matrix: a status and the reason for it."""
+
+    status: str
+    reason: str
+
+
+_CPU_FLAGS_OF_INTEREST = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512bw")
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    if platform.machine() == "arm64" and platform.system() == "Darwin":
+        return frozenset({"apple_silicon"})
+    return frozenset()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def default_device() -> torch.device:
+    """The device a user most likely means: CUDA, then MPS, then CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Device of a model's first parameter or buffer (cpu for an empty model)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+@lru_cache(maxsize=None)
+def _detect(type_: str, index: int | None) -> DeviceInfo:
+    if type_ == "cuda":
+        idx = index if index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        return DeviceInfo(
+            "cuda",
+            props.name,
+            idx,
+            capability=(props.major, props.minor),
+            total_memory=props.total_memory,
+        )
+    if type_ == "mps":
+        return DeviceInfo("mps", f"Apple GPU (macOS {platform.mac_ver()[0]})")
+    if type_ == "cpu":
+        return DeviceInfo("cpu", _cpu_name(), cpu_flags=_cpu_flags())
+    raise PrecisionError(f"unknown device type {type_!r}; mixprec knows cpu, cuda and mps")
+
+
+def detect(device: torch.device | str | None = None) -> DeviceInfo:
+    """Facts about `device` (default: the best available one)."""
+    device = torch.device(device) if device is not None else default_device()
+    return _detect(device.type, device.index)
+
+
+def dtype_support(dtype: torch.dtype, info: DeviceInfo) -> Support:
+    """How well `info`'s device runs matmuls and convolutions in `dtype`."""
+    flags = info.cpu_flags
+    if info.type == "cpu":
+        if dtype == torch.float32:
+            return Support(FAST, "baseline")
+        if dtype == torch.float64:
+            return Support(SUPPORTED, "runs at about half the float32 rate")
+        if dtype == torch.bfloat16:
+            if flags & {"amx_bf16", "avx512_bf16"}:
+                have = "/".join(sorted(flags & {"amx_bf16", "avx512_bf16"}))
+                return Support(FAST, f"bfloat16 matrix instructions ({have})")
+            if "avx512bw" in flags or "apple_silicon" in flags:
+                return Support(
+                    SUPPORTED, "no bf16 instructions: converted in software, about float32 speed"
+                )
+            return Support(SLOW, "no bf16 or avx512 instructions: emulated, slower than float32")
+        if dtype == torch.float16:
+            if "amx_fp16" in flags:
+                return Support(FAST, "float16 matrix instructions (amx_fp16)")
+            if "avx512_fp16" in flags or "apple_silicon" in flags:
+                return Support(SUPPORTED, "float16 vector instructions: about float32 speed")
+            return Support(
+                SLOW,
+                "no float16 hardware (no avx512_fp16/amx_fp16): about 100x slower than float32",
+            )
+    if info.type == "cuda":
+        major, minor = info.capability or (0, 0)
+        cc = f"compute capability {major}.{minor}"
+        if dtype == torch.float32:
+            if major >= 8:
+                return Support(FAST, f"baseline ({cc}; TF32 tensor cores if enabled)")
+            return Support(FAST, "baseline")
+        if dtype == torch.float64:
+            return Support(SUPPORTED, "runs; most GPUs have a low float64 rate")
+        if dtype == torch.float16:
+            if major >= 7:
+                return Support(FAST, f"tensor cores ({cc} >= 7.0)")
+            return Support(SUPPORTED, f"no tensor cores ({cc} < 7.0): saves memory, not time")
+        if dtype == torch.bfloat16:
+            if major >= 8:
+                return Support(FAST, f"bf16 tensor cores ({cc} >= 8.0)")
+            return Support(REFUSED, f"bfloat16 needs compute capability 8.0+, this GPU has {cc}")
+    if info.type == "mps":
+        if dtype == torch.float64:
+            return Support(REFUSED, "MPS has no float64")
+        if dtype == torch.bfloat16:
+            if torch.backends.mps.is_macos_or_newer(14, 0):
+                return Support(SUPPORTED, "bfloat16 on macOS 14+")
+            return Support(REFUSED, "bfloat16 on MPS needs macOS 14 or newer")
+        if dtype in (torch.float32, torch.float16):
+            return Support(FAST, "native")
+    return Support(REFUSED, f"{dtype_name(dtype)} training is not supported on {info.type}")
+
+
+def policy_support(policy: Any, info: DeviceInfo) -> Support:
+    """The worst support over every dtype a policy (or each policy of a map) uses."""
+    policies = policy.policies() if getattr(policy, "is_policy_map", False) else {Policy(policy)}
+    worst = Support(FAST, "")
+    for p in sorted(policies, key=lambda p: p.name):
+        # storage matters only if refused; speed is decided by the compute dtype
+        for dtype in dict.fromkeys((p.compute_dtype, p.param_dtype, p.output_dtype)):
+            s = dtype_support(dtype, info)
+            if dtype != p.compute_dtype and s.status != REFUSED:
+                continue
+            if _RANK[s.status] > _RANK[worst.status] or not worst.reason:
+                worst = Support(s.status, f"{dtype_name(dtype)}: {s.reason}")
+    return worst
+
+
+def support_matrix(info: DeviceInfo | None = None) -> dict[str, Support]:
+    """Support of each common precision on the device (default: the best available)."""
+    info = info or detect()
+    return {name: policy_support(Policy(name), info) for name in MATRIX_PRECISIONS}
+
+
+def resolve_auto(info: DeviceInfo | None = None) -> Policy:
+    """The fastest precision that keeps training stable on the device: bf16 mixed where
+    bf16 is fast, float16 mixed (with loss scaling) where only float16 is, else float32."""
+    info = info or detect()
+    for name in ("bf16-mixed", "16-mixed"):
+        if policy_support(Policy(name), info).status == FAST:
+            return Policy(name)
+    return Policy("32-true")
+
+
+def check(
+    policy: Any,
+    device: torch.device | str | None = None,
+    allow_slow: bool = False,
+    info: DeviceInfo | None = None,
+) -> Support:
+    """Raise if `policy` is refused on the device, or far slower than float32 there unless
+    `allow_slow`; return the support (status and reason) otherwise."""
+    info = info or detect(device)
+    s = policy_support(policy, info)
+    name = policy.name if hasattr(policy, "name") else str(policy)
+    if s.status == REFUSED:
+        ok = [n for n, c in support_matrix(info).items() if c.status != REFUSED]
+        raise PrecisionError(
+            f"precision {name!r} is refused on {info.describe()}: {s.reason}. "
+            f"Supported here: {', '.join(ok)}"
+        )
+    if s.status == SLOW and not allow_slow:
+        fast = [n for n, c in support_matrix(info).items() if c.status == FAST]
+        raise SlowPrecisionError(
+            f"precision {name!r} runs on {info.describe()} but far slower than float32 "
+            f"({s.reason}). Pass allow_slow=True to run it anyway (e.g. to study numerics), "
+            f"or pick one that is fast here: {', '.join(fast)}"
+        )
+    return s
+
+
+def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -> None:
+    """Warn (never raise) when a policy is slow or refused here: for tools that convert or
+    diagnose numerics in any precision, which can be studied anywhere."""
+    info = detect(device)
+    s = policy_support(policy, info)
+    if s.status in (SLOW, REFUSED):
+        name = policy.name if hasattr(policy, "name") else str(policy)
+        warnings.warn(
+            f"precision {name!r} is {s.status} on {info.describe()}: {s.reason}",
+            stacklevel=3,
+        )
+
+
+def measure(
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16),
+    device: torch.device | str | None = None,
+    seconds: float = 0.3,
+) -> dict[str, float]:
+    """Matmul GFLOP/s per dtype on the device, about `seconds` each.
+
+    The matrix size grows from 128 until one multiply takes a few milliseconds, so a dtype
+    that is 100x slower on this hardware still finishes in about `seconds`.
+    """
+    device = torch.device(device) if device is not None else default_device()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    out: dict[str, float] = {}
+    for dtype in dtypes:
+        if dtype_support(dtype, detect(device)).status == REFUSED:
+            continue
+        n = 128
+        while True:
+            a = torch.randn(n, n, device=device).to(dtype)
+            b = torch.randn(n, n, device=device).to(dtype)
+            a @ b
+            sync()
+            t0 = time.perf_counter()
+            a @ b
+            sync()
+            one = time.perf_counter() - t0
+            if one > 0.005 or n >= 4096:
+                break
+            n *= 2
+        reps = max(1, int(seconds / max(one, 1e-6)))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync()
+        elapsed = time.perf_counter() - t0
+        out[dtype_name(dtype)] = 2 * n**3 * reps / elapsed / 1e9
+    return out

@@ -1,0 +1,277 @@
+"""Per-layer policies: rules from module paths or module types to a `Policy`.
+
+Precedence, highest first, for each module (qualified name from `named_modules()`):
+
+1. an exact path rule (the key equals the module's name);
+2. a regex path rule (`re.fullmatch(key, name)`; no implicit prefix match);
+3. a type rule (`isinstance(module, key)`);
+4. a float32 island: normalization and softmax-type layers compute in float32 when the
+   policy they would inherit is mixed (torch's CPU autocast keeps them in 16 bit);
+5. the parent's effective policy (children inherit);
+6. the map's default.
+
+Two rules of the same rank matching one module is an error naming both.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.errors import PolicySpecError
+from mixprec.policy import Policy, global_policy
+
+ISLAND_TYPES: tuple[type[nn.Module], ...] = tuple(
+    t
+    for t in (
+        nn.modules.batchnorm._NormBase,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.LocalResponseNorm,
+        getattr(nn, "RMSNorm", None),
+        nn.Softmax,
+        nn.LogSoftmax,
+        nn.Softmin,
+    )
+    if t is not None
+)
+
+RuleKey = str | type
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """The effective policy of one module and why it applies."""
+
+    policy: Policy
+    source: str
+
+
+def island_policy(inherited: Policy) -> Policy:
+    """The float32 island a norm/softmax layer gets inside a mixed policy."""
+    return Policy(
+        param_dtype=inherited.param_dtype, compute_dtype="float32", output_dtype="float32"
+    )
+
+
+def _type_name(t: type) -> str:
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _import_type(path: str) -> type:
+    module, _, name = path.rpartition(".")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError):
+        raise PolicySpecError(f"cannot import module type {path!r} named in a policy map") from None
+    return obj
+
+
+class PolicyMap:
+    """A default policy plus ordered rules (path regex or module type -> policy)."""
+
+    is_policy_map = True
+
+    def __init__(
+        self,
+        default: Any = None,
+        rules: Mapping[RuleKey, Any] | None = None,
+        *,
+        float32_islands: bool = True,
+    ) -> None:
+        self.default: Policy = Policy(default) if default is not None else global_policy()
+        self.float32_islands = float32_islands
+        self._paths: dict[str, tuple[re.Pattern[str], Policy]] = {}
+        self._types: dict[type, Policy] = {}
+        for key, spec in (rules or {}).items():
+            policy = Policy(spec)
+            if isinstance(key, type) and issubclass(key, nn.Module):
+                self._types[key] = policy
+            elif isinstance(key, str):
+                try:
+                    self._paths[key] = (re.compile(key), policy)
+                except re.error as err:
+                    raise PolicySpecError(f"rule {key!r} is not a valid regex: {err}") from None
+            else:
+                raise PolicySpecError(
+                    f"rule key {key!r} must be a module path regex (str) or an nn.Module subclass"
+                )
+
+    @property
+    def rules(self) -> dict[RuleKey, Policy]:
+        """The rules as given, path rules first."""
+        return {**{k: p for k, (_, p) in self._paths.items()}, **self._types}
+
+    def _ruled(self, name: str, module: nn.Module) -> Resolution | None:
+        if name in self._paths:
+            return Resolution(self._paths[name][1], f"path rule {name!r}")
+        for rank, hits in (
+            ("regex rule", [k for k, (rx, _) in self._paths.items() if rx.fullmatch(name)]),
+            ("type rule", [t for t in self._types if isinstance(module, t)]),
+        ):
+            if len(hits) > 1:
+                shown = ", ".join(repr(h) if isinstance(h, str) else h.__name__ for h in hits)
+                raise PolicySpecError(
+                    f"module {name or '<root>'!r} ({type(module).__name__}) is matched by "
+                    f"{len(hits)} {rank}s of the same rank: {shown}; make them disjoint"
+                )
+            if hits:
+                hit = hits[0]
+                if isinstance(hit, str):
+                    return Resolution(self._paths[hit][1], f"regex rule {hit!r}")
+                return Resolution(self._types[hit], f"type rule {hit.__name__}")
+        return None
+
+    def resolve(self, model: nn.Module) -> dict[str, Resolution]:
+        """Effective policy of every module of `model`, keyed by qualified name."""
+        out: dict[str, Resolution] = {}
+        for name, module in model.named_modules(remove_duplicate=False):
+            if name in out:
+                continue
+            ruled = self._ruled(name, module)
+            if ruled is not None:
+                out[name] = ruled
+                continue
+            parent = name.rpartition(".")[0] if name else None
+            if parent is None:
+                inherited = Resolution(self.default, "default")
+            else:
+                up = out[parent].policy
+                inherited = Resolution(up, f"inherited from {parent or '<root>'}")
+            if (
+                self.float32_islands
+                and isinstance(module, ISLAND_TYPES)
+                and inherited.policy.is_mixed
+            ):
+                out[name] = Resolution(island_policy(inherited.policy), "float32 island")
+            else:
+                out[name] = inherited
+        return out
+
+    def policies(self) -> set[Policy]:
+        """Every policy this map can hand out (default, rules, and islands)."""
+        found = {self.default, *self._types.values(), *(p for _, p in self._paths.values())}
+        if self.float32_islands:
+            found |= {island_policy(p) for p in found if p.is_mixed}
+        return found
+
+    def compute_dtypes(self) -> set[torch.dtype]:
+        return {p.compute_dtype for p in self.policies()}
+
+    @property
+    def needs_loss_scaling(self) -> bool:
+        return any(p.needs_loss_scaling for p in self.policies())
+
+    @property
+    def name(self) -> str:
+        return f"map({self.default.name}, {len(self._paths) + len(self._types)} rules)"
+
+    def to_config(self) -> dict[str, Any]:
+        """JSON-friendly dict; type keys are stored as 'type:package.module.Class'."""
+        return {
+            "default": self.default.to_config(),
+            "rules": [{"path": k, "policy": p.to_config()} for k, (_, p) in self._paths.items()]
+            + [{"type": _type_name(t), "policy": p.to_config()} for t, p in self._types.items()],
+            "float32_islands": self.float32_islands,
+        }
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> PolicyMap:
+        rules: dict[RuleKey, Policy] = {}
+        for rule in config.get("rules", []):
+            key = rule["path"] if "path" in rule else _import_type(rule["type"])
+            rules[key] = Policy.from_config(rule["policy"])
+        return cls(
+            Policy.from_config(config["default"]),
+            rules,
+            float32_islands=config.get("float32_islands", True),
+        )
+
+    def to_code(self) -> str:
+        """Python source that rebuilds this map (what the doctor prints for users to paste)."""
+        lines = ["mixprec.PolicyMap(", f"    {self.default.name!r},", "    {"]
+        for key, (_, p) in self._paths.items():
+            lines.append(f"        {key!r}: {p.name!r},")
+        for t, p in self._types.items():
+            lines.append(f"        {_type_name(t)}: {p.name!r},")
+        lines.append("    },")
+        if not self.float32_islands:
+            lines.append("    float32_islands=False,")
+        lines.append(")")
+        return "\n".join(lines)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PolicyMap):
+            return NotImplemented
+        return self.to_config() == other.to_config()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        rules = ", ".join(
+            f"{k!r}: {p.name!r}" if isinstance(k, str) else f"{k.__name__}: {p.name!r}"
+            for k, p in self.rules.items()
+        )
+        return f"PolicyMap({self.default.name!r}, {{{rules}}})"
+
+
+def as_map(policy: Any = None) -> PolicyMap:
+    """Any spec, Policy or PolicyMap as a PolicyMap (None: the global policy)."""
+    if isinstance(policy, PolicyMap):
+        return policy
+    return PolicyMap(Policy(policy) if policy is not None else global_policy())
+
+
+class Explanation(dict):
+    """Effective policy per module path, with the reason; prints as a rich table."""
+
+    def __init__(self, model: nn.Module, resolved: dict[str, Resolution]) -> None:
+        super().__init__({name: r.policy for name, r in resolved.items()})
+        self.sources = {name: r.source for name, r in resolved.items()}
+        self.types = {name: type(m).__name__ for name, m in model.named_modules()}
+
+    def __rich__(self) -> Any:
+        from rich.table import Table
+
+        table = Table(title="effective precision per module")
+        for col in ("module", "type", "policy", "param", "compute", "output", "why"):
+            table.add_column(col)
+        for name, p in self.items():
+            table.add_row(
+                name or "<root>",
+                self.types.get(name, ""),
+                p.name,
+                str(p.param_dtype).removeprefix("torch."),
+                str(p.compute_dtype).removeprefix("torch."),
+                str(p.output_dtype).removeprefix("torch."),
+                self.sources[name],
+            )
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=140, record=True, file=_NullIO())
+        console.print(self)
+        return console.export_text()
+
+
+class _NullIO:
+    def write(self, _: str) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+
+def explain(model: nn.Module, policy: Any = None) -> Explanation:
+    """What each layer of `model` will really run in under `policy` (default: global)."""
+    return Explanation(model, as_map(policy).resolve(model))

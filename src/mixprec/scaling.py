@@ -1,0 +1,455 @@
+"""Loss scalers: small state machines over tensors that keep float16 gradients in range.
+
+A loss scaler multiplies the loss before ``backward`` so that small gradients do not flush
+to zero in float16, then divides the gradients back ("unscales") and reports whether any of
+them overflowed to inf/NaN. The optimizer step is skipped on overflow and the scale adapts.
+
+The scalers know nothing about modules or optimizers: they work on lists of gradient
+tensors. The scale lives on the device as a float32 tensor; unscaling and the overflow
+check are one fused pass per (device, dtype) group, and updating the scale is an on-device
+operation, so the only host synchronization in a step is the caller reading the overflow
+flag to decide whether to skip.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DynamicLossScaler",
+    "LossScaleDivergedError",
+    "LossScaler",
+    "LossScalerStats",
+    "NoLossScaler",
+    "StaticLossScaler",
+    "as_loss_scaler",
+]
+
+
+class LossScaleDivergedError(RuntimeError):
+    """Raised when gradients keep overflowing although the loss scale cannot go any lower."""
+
+
+@dataclass(frozen=True)
+class LossScalerStats:
+    """A snapshot of a scaler's counters.
+
+    ``steps`` counts calls to ``update`` (one per optimizer step, taken or skipped),
+    ``last_overflow_step`` is the 0-based index of the latest skipped step (None if none).
+    """
+
+    scale: float
+    steps: int
+    skipped_steps: int
+    consecutive_skips: int
+    last_overflow_step: int | None
+
+
+class LossScaler:
+    """Common machinery of all scalers: scaling, fused unscale/check, counters, state.
+
+    Subclasses decide how the scale moves (``_update_scale``) and whether it is at its floor
+    (``_at_floor``). The typical step is::
+
+        scaler.scale(loss).backward()
+        found_inf = scaler.synchronize(scaler.unscale_(grads))
+        overflow = bool(found_inf.item())      # the one host sync
+        if not overflow:
+            optimizer.step()
+        scaler.update(found_inf, overflow)
+
+    ``synchronize`` all-reduces the flag (max) over ``process_group`` when
+    ``torch.distributed`` is initialized with more than one rank, so every rank skips together.
+    """
+
+    enabled: bool = True
+    kind: str = "base"
+
+    def __init__(
+        self,
+        scale: float,
+        *,
+        max_skips_at_min_scale: int = 10,
+        process_group: Any = None,
+    ) -> None:
+        if not scale > 0 or not math.isfinite(scale):
+            raise ValueError(f"loss scale must be a positive finite number, got {scale}")
+        if max_skips_at_min_scale < 1:
+            raise ValueError(f"max_skips_at_min_scale must be >= 1, got {max_skips_at_min_scale}")
+        self.max_skips_at_min_scale = max_skips_at_min_scale
+        self.process_group = process_group
+        self._scale = torch.full((), float(scale), dtype=torch.float32)
+        self._one = torch.ones((), dtype=torch.float32)
+        self._steps = 0
+        self._skipped = 0
+        self._consecutive = 0
+        self._skips_at_floor = 0
+        self._last_overflow: int | None = None
+
+    # -- device placement -------------------------------------------------------------------
+
+    def to(self, device: torch.device | str) -> LossScaler:
+        """Move the scale (and any other state tensors) to ``device``; returns self."""
+        for name, value in list(vars(self).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(self, name, value.to(device))
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        """Device holding the scale tensor."""
+        return self._scale.device
+
+    # -- the hot path -----------------------------------------------------------------------
+
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The current scale as a float32 0-dim tensor on ``device`` (no host sync)."""
+        return self._scale
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale as a Python float (a host sync)."""
+        return float(self._scale.item())
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Return ``loss`` multiplied by the current scale; call ``backward`` on the result."""
+        return loss * self._scale.to(loss.device, non_blocking=True)
+
+    def unscale_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Divide ``grads`` in place by the scale; return the overflow flag.
+
+        The flag is a float32 0-dim tensor on ``device``: 0.0 if every gradient is finite,
+        positive otherwise. Gradients may live on several devices and dtypes.
+        """
+        # Reciprocal in float64 then rounded, as torch.amp.GradScaler does, so that both
+        # multiply the gradients by the very same float32 number.
+        return self._check_and_scale(grads, self._scale.double().reciprocal().float())
+
+    def check_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Only look for inf/NaN in ``grads`` (left as they are); return the overflow flag.
+
+        Used with fused optimizers that unscale inside their own kernel (``grad_scale``).
+        """
+        return self._check_and_scale(grads, self._one)
+
+    def synchronize(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """All-reduce ``found_inf`` (max) across ranks when running distributed; in place."""
+        if dist.is_available() and dist.is_initialized():
+            if dist.get_world_size(self.process_group) > 1:
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.process_group)
+        return found_inf
+
+    def update(self, found_inf: torch.Tensor, overflow: bool | None = None) -> None:
+        """Advance one step: count it, move the scale on device, detect divergence.
+
+        ``overflow`` is ``bool(found_inf)`` when the caller already read it (pass it: reading
+        it here would be a second host sync). Raises ``LossScaleDivergedError`` when the step
+        overflowed ``max_skips_at_min_scale`` times in a row with the scale at its floor.
+        """
+        if overflow is None:
+            overflow = bool(found_inf.item())
+        if overflow:
+            self._skips_at_floor = self._skips_at_floor + 1 if self._at_floor() else 0
+            self._skipped += 1
+            self._consecutive += 1
+            self._last_overflow = self._steps
+        else:
+            self._consecutive = 0
+            self._skips_at_floor = 0
+        self._steps += 1
+        self._update_scale(found_inf.to(self._scale.device))
+        if self._skips_at_floor >= self.max_skips_at_min_scale:
+            raise LossScaleDivergedError(self._divergence_message())
+
+    # -- statistics and state ---------------------------------------------------------------
+
+    def stats(self) -> LossScalerStats:
+        """Current scale and step counters (reading the scale is a host sync)."""
+        return LossScalerStats(
+            scale=self.loss_scale,
+            steps=self._steps,
+            skipped_steps=self._skipped,
+            consecutive_skips=self._consecutive,
+            last_overflow_step=self._last_overflow,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume exactly, valid before the first step too."""
+        return {
+            "kind": self.kind,
+            "scale": self.loss_scale,
+            "steps": self._steps,
+            "skipped_steps": self._skipped,
+            "consecutive_skips": self._consecutive,
+            "skips_at_min_scale": self._skips_at_floor,
+            "last_overflow_step": self._last_overflow,
+            "max_skips_at_min_scale": self.max_skips_at_min_scale,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a state saved by ``state_dict`` of a scaler of the same kind."""
+        if state.get("kind") != self.kind:
+            raise ValueError(
+                f"cannot load a {state.get('kind')!r} loss scaler state into a {self.kind!r} "
+                f"scaler; build the scaler the checkpoint was saved with"
+            )
+        self._scale.fill_(state["scale"])
+        self._steps = state["steps"]
+        self._skipped = state["skipped_steps"]
+        self._consecutive = state["consecutive_skips"]
+        self._skips_at_floor = state["skips_at_min_scale"]
+        self._last_overflow = state["last_overflow_step"]
+        self.max_skips_at_min_scale = state["max_skips_at_min_scale"]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(scale={self.loss_scale:g}, steps={self._steps})"
+
+    # -- subclass hooks ---------------------------------------------------------------------
+
+    def _update_scale(self, found_inf: torch.Tensor) -> None:
+        """Move the scale on device given this step's flag (a static scale does not move)."""
+
+    def _at_floor(self) -> bool:
+        """Whether the scale cannot be lowered any further (always, for a static scale)."""
+        return True
+
+    def _divergence_message(self) -> str:
+        return (
+            f"training diverged: gradients were inf/NaN on {self._skips_at_floor} consecutive "
+            f"steps with the loss scale at its minimum ({self.loss_scale:g}); "
+            f"{self._skipped} of {self._steps} steps were skipped. A smaller scale cannot help: "
+            f"the forward or backward pass itself produces inf/NaN. Run `mixprec doctor` to "
+            f"find the layer, or train with bfloat16 ('bf16-mixed'), which needs no loss scaling."
+        )
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _check_and_scale(self, grads: Sequence[torch.Tensor], inv: torch.Tensor) -> torch.Tensor:
+        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for grad in grads:
+            if grad.is_sparse:
+                grad = grad._values()
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+        flags: dict[torch.device, torch.Tensor] = {found_inf.device: found_inf}
+        scales: dict[torch.device, torch.Tensor] = {inv.device: inv}
+        for (device, _), tensors in groups.items():
+            flag = flags.get(device)
+            if flag is None:
+                flag = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+            scale = scales.get(device)
+            if scale is None:
+                scale = scales[device] = inv.to(device)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, scale)
+        for device, flag in flags.items():
+            if device != found_inf.device:
+                found_inf += flag.to(found_inf.device)
+        return found_inf
+
+
+class NoLossScaler(LossScaler):
+    """No scaling and no overflow check, for bfloat16, float32 and float64 training.
+
+    ``scale`` returns the loss unchanged; ``unscale_`` and ``check_`` leave the gradients
+    alone and report no overflow, so every step is taken, exactly as in plain PyTorch.
+    """
+
+    enabled = False
+    kind = "none"
+
+    def __init__(self) -> None:
+        super().__init__(1.0)
+        self._no_overflow = torch.zeros((), dtype=torch.float32)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """Return ``loss`` unchanged."""
+        return loss
+
+    def unscale_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Leave ``grads`` alone; report no overflow."""
+        return self._no_overflow
+
+    def check_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Report no overflow without looking."""
+        return self._no_overflow
+
+    def synchronize(self, found_inf: torch.Tensor) -> torch.Tensor:
+        """Nothing to agree on: no rank ever overflows."""
+        return found_inf
+
+    def update(self, found_inf: torch.Tensor, overflow: bool | None = None) -> None:
+        """Count the step."""
+        self._steps += 1
+
+    @property
+    def loss_scale(self) -> float:
+        """Always 1.0."""
+        return 1.0
+
+
+class StaticLossScaler(LossScaler):
+    """A fixed loss scale: overflowing steps are skipped, the scale never moves.
+
+    Since the scale cannot go lower, ``max_skips_at_min_scale`` consecutive overflows raise
+    ``LossScaleDivergedError``.
+    """
+
+    kind = "static"
+
+
+class DynamicLossScaler(LossScaler):
+    """A scale that backs off on overflow and grows after ``growth_interval`` clean steps.
+
+    Args:
+        init_scale: starting scale (torch and DeepSpeed use 2**16, Keras 2**15).
+        growth_factor: multiplier after ``growth_interval`` consecutive clean steps (> 1).
+        backoff_factor: multiplier when the scale backs off (in (0, 1)).
+        growth_interval: clean steps in a row needed to grow.
+        hysteresis: overflow credits, as in DeepSpeed/Megatron. Each overflow spends one; the
+            scale backs off only once they are spent, and they refill when the scale grows.
+            1 means "back off on every overflow" (torch.amp.GradScaler's behaviour).
+        min_scale, max_scale: bounds the scale is clamped to. With ``hysteresis=1``,
+            ``min_scale=0`` and ``max_scale=inf`` the scale follows torch.amp.GradScaler
+            exactly; growth never produces an infinite scale.
+        max_skips_at_min_scale: overflowing steps in a row at ``min_scale`` before
+            ``LossScaleDivergedError`` is raised.
+        process_group: group the overflow flag is all-reduced over (default: the world).
+    """
+
+    kind = "dynamic"
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        *,
+        max_skips_at_min_scale: int = 10,
+        process_group: Any = None,
+    ) -> None:
+        super().__init__(
+            init_scale, max_skips_at_min_scale=max_skips_at_min_scale, process_group=process_group
+        )
+        if not growth_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
+        if growth_interval < 1 or hysteresis < 1:
+            raise ValueError(
+                f"growth_interval and hysteresis must be >= 1, got {growth_interval}, {hysteresis}"
+            )
+        if not 0.0 <= min_scale <= init_scale <= max_scale:
+            raise ValueError(
+                f"need 0 <= min_scale <= init_scale <= max_scale, "
+                f"got {min_scale}, {init_scale}, {max_scale}"
+            )
+        self.init_scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.hysteresis = int(hysteresis)
+        self.min_scale = float(min_scale)
+        self.max_scale = float(max_scale)
+        self._growth_tracker = torch.zeros((), dtype=torch.int32)
+        self._credits = torch.full((), self.hysteresis, dtype=torch.int32)
+
+    def _update_scale(self, found_inf: torch.Tensor) -> None:
+        if self.hysteresis == 1:
+            torch._amp_update_scale_(
+                self._scale,
+                self._growth_tracker,
+                found_inf,
+                self.growth_factor,
+                self.backoff_factor,
+                self.growth_interval,
+            )
+        else:
+            self._update_with_hysteresis(found_inf)
+        self._scale.clamp_(self.min_scale, self.max_scale)
+
+    def _update_with_hysteresis(self, found_inf: torch.Tensor) -> None:
+        # The same transition as _amp_update_scale_ plus a credit counter, written as
+        # branch-free tensor ops so that nothing is read back to the host.
+        overflow = found_inf > 0
+        credits = torch.where(overflow, self._credits - 1, self._credits)
+        back_off = overflow & (credits <= 0)
+        clean_run = torch.where(overflow, 0, self._growth_tracker + 1)
+        grow = clean_run >= self.growth_interval
+        grown = self._scale * self.growth_factor
+        grown = torch.where(torch.isfinite(grown), grown, self._scale)
+        new_scale = torch.where(
+            back_off,
+            self._scale * self.backoff_factor,
+            torch.where(grow, grown, self._scale),
+        )
+        self._scale.copy_(new_scale)
+        self._growth_tracker.copy_(torch.where(grow, 0, clean_run))
+        self._credits.copy_(torch.where(grow, self.hysteresis, credits.clamp(min=0)))
+
+    def _at_floor(self) -> bool:
+        return self.loss_scale <= self.min_scale
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scale, growth tracker, hysteresis credits, counters and settings."""
+        state = super().state_dict()
+        state.update(
+            growth_tracker=int(self._growth_tracker.item()),
+            credits=int(self._credits.item()),
+            init_scale=self.init_scale,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+            hysteresis=self.hysteresis,
+            min_scale=self.min_scale,
+            max_scale=self.max_scale,
+        )
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the scale, counters and settings saved by ``state_dict``."""
+        super().load_state_dict(state)
+        self._growth_tracker.fill_(state["growth_tracker"])
+        self._credits.fill_(state["credits"])
+        self.init_scale = state["init_scale"]
+        self.growth_factor = state["growth_factor"]
+        self.backoff_factor = state["backoff_factor"]
+        self.growth_interval = state["growth_interval"]
+        self.hysteresis = state["hysteresis"]
+        self.min_scale = state["min_scale"]
+        self.max_scale = state["max_scale"]
+
+
+def as_loss_scaler(spec: LossScaler | str | float | None, *, needs_scaling: bool) -> LossScaler:
+    """Build a scaler from a user's choice.
+
+    ``None`` picks a ``DynamicLossScaler`` when ``needs_scaling`` (float16 in the policy) and a
+    ``NoLossScaler`` otherwise. ``"dynamic"`` and ``"none"`` name those two, a number is a
+    fixed scale (``StaticLossScaler``), and a scaler instance is used as given.
+    """
+    if isinstance(spec, LossScaler):
+        return spec
+    if spec is None:
+        return DynamicLossScaler() if needs_scaling else NoLossScaler()
+    if isinstance(spec, str):
+        if spec == "dynamic":
+            return DynamicLossScaler()
+        if spec == "none":
+            return NoLossScaler()
+        raise ValueError(
+            f"unknown loss scaler {spec!r}: use 'dynamic', 'none', a number (static scale) "
+            f"or a LossScaler instance"
+        )
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        return StaticLossScaler(float(spec))
+    raise TypeError(f"cannot make a loss scaler from {type(spec).__name__}: {spec!r}")
