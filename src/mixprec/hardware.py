@@ -12,7 +12,7 @@ import platform
 import time
 import warnings
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import torch
@@ -120,7 +120,7 @@ def device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-@lru_cache(maxsize=None)
+@cache
 def _detect(type_: str, index: int | None) -> DeviceInfo:
     if type_ == "cuda":
         idx = index if index is not None else torch.cuda.current_device()

@@ -136,8 +136,10 @@ def _parse(spec: Any) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     name = _ALIASES.get(key, key)
     if name in _NAMED:
         return _NAMED[name]
-    if key.removeprefix("torch.") in DTYPE_NAMES:
-        dtype = to_dtype(key)
+    bare = key.removeprefix("torch.")
+    if bare not in _HINTS and bare in DTYPE_NAMES and bare == dtype_name(to_dtype(bare)):
+        # a full dtype name ("float16", "torch.bfloat16", float8 names): every role in it
+        dtype = to_dtype(bare)
         return dtype, dtype, dtype
     hint = f" (did you mean {_HINTS[key]}?)" if key in _HINTS else ""
     raise PolicySpecError(f"unknown precision {spec!r}{hint}; " + _accepted())

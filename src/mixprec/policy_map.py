@@ -172,7 +172,8 @@ class PolicyMap:
 
     @property
     def name(self) -> str:
-        return f"map({self.default.name}, {len(self._paths) + len(self._types)} rules)"
+        n = len(self._paths) + len(self._types)
+        return self.default.name if n == 0 else f"{self.default.name} + {n} rule(s)"
 
     def to_config(self) -> dict[str, Any]:
         """JSON-friendly dict; type keys are stored as 'type:package.module.Class'."""

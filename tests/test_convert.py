@@ -1,0 +1,229 @@
+"""`apply` / `remove`: dtypes of params, intermediate and final outputs, regions, round trips."""
+
+import copy
+import io
+import pickle
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import Policy, PolicyMap
+
+f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
+NORMS = (nn.BatchNorm2d, nn.LayerNorm)
+
+
+class Zoo(nn.Module):
+    """One of each layer kind the issue names, two inputs (tokens and an image)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.lstm = nn.LSTM(16, 16, batch_first=True)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.ln = nn.LayerNorm(16)
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.img = nn.Linear(64, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens, image):
+        h = self.emb(tokens)
+        h, _ = self.lstm(h)
+        h, _ = self.attn(h, h, h, need_weights=False)
+        h = self.ln(h).mean(1)
+        g = self.bn(self.conv(image)).flatten(1)
+        return self.head(h + self.img(g))
+
+
+def inputs(batch=3):
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, 20, (batch, 5), generator=g), torch.randn(batch, 1, 4, 4, generator=g)
+
+
+def record_outputs(model):
+    seen = {}
+    handles = [
+        m.register_forward_hook(
+            lambda mod, args, out, name=name: seen.__setitem__(
+                name, (out[0] if isinstance(out, tuple) else out).dtype
+            )
+        )
+        for name, m in model.named_modules()
+        if name
+    ]
+    return seen, handles
+
+
+POLICIES = ["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
+
+
+# torch's CPU autocast has no float16 LSTM kernel (oneDNN refuses the primitive), so under
+# 16-mixed the LSTM gets an explicit float32 rule here, as a user on CPU would write.
+LSTM_FP32 = {"lstm": "32-true"}
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+def test_dtypes_of_params_intermediates_and_output(spec):
+    policy = Policy(spec)
+    rules = LSTM_FP32 if spec == "16-mixed" else {}
+    model = mixprec.apply(Zoo(), PolicyMap(policy, rules))
+    # integer buffers untouched, floating ones follow the param dtype
+    assert model.bn.num_batches_tracked.dtype == torch.int64
+    assert model.bn.running_mean.dtype == policy.param_dtype
+    assert {p.dtype for p in model.parameters()} == {policy.param_dtype}
+    seen, _ = record_outputs(model)
+    out = model(*inputs())
+    assert out.dtype == policy.output_dtype
+    compute = policy.compute_dtype
+    if policy.is_mixed:
+        # matmul-type layers ran in the compute dtype under autocast ...
+        for name in ("lstm", "attn", "conv", "img", "head"):
+            assert seen[name] == (f32 if name in rules else compute), name
+        # ... the embedding looks up float32 rows, and norms are float32 islands
+        assert seen["emb"] == f32
+        assert seen["ln"] == seen["bn"] == f32
+    else:
+        assert set(seen.values()) == {compute}
+    out.float().sum().backward()
+    assert all(p.grad.dtype == policy.param_dtype for p in model.parameters())
+
+
+def test_a_float32_rule_inside_a_bf16_model_really_runs_in_float32():
+    torch.manual_seed(0)
+    model = Zoo()
+    reference = copy.deepcopy(model)
+    mixprec.apply(model, PolicyMap("bf16-mixed", {"img": "32-true"}))
+    seen, _ = record_outputs(model)
+    got = {}
+    model.img.register_forward_hook(lambda m, a, o: got.update(inp=a[0], out=o))
+    model(*inputs())
+    assert seen["img"] == f32 and seen["head"] == bf16
+    # the float32 island's result equals float32 math on the same (bf16-rounded) input
+    expected = reference.img(got["inp"].float())
+    assert got["inp"].dtype == f32
+    torch.testing.assert_close(got["out"], expected, rtol=0, atol=0)
+
+
+def test_islands_keep_norms_in_float32_inside_16_bit_layers():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Softmax(-1))
+    mixprec.apply(model, "bf16-mixed")
+    seen, _ = record_outputs(model)
+    model(torch.randn(2, 8))
+    assert seen == {"0": bf16, "1": f32, "2": f32}
+
+
+def test_uniform_policy_costs_one_region_and_islands_one_each():
+    model = mixprec.apply(Zoo(), "bf16-mixed")
+    wrapped = sorted(n for n, m in model.named_modules() if "forward" in m.__dict__)
+    assert wrapped == ["", "bn", "ln"]
+    mixprec.apply(model, "bf16-true")
+    assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == [""]
+
+
+def test_reapply_does_not_stack_and_remove_restores_the_plain_module():
+    model = Zoo()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mixprec.apply(model, "bf16-mixed")
+    mixprec.apply(model, "bf16-mixed")
+    mixprec.apply(model, PolicyMap("16-mixed", LSTM_FP32))
+    assert mixprec.applied_policy(model).default == Policy("16-mixed")
+    assert type(model.__dict__["forward"].module) is Zoo
+    assert model(*inputs()).dtype == f32
+    mixprec.apply(model, "bf16-true")
+    mixprec.remove(model)
+    assert mixprec.applied_policy(model) is None
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    after = model.state_dict()
+    assert {k: v.dtype for k, v in after.items()} == {k: v.dtype for k, v in before.items()}
+    # the bf16-true round trip rounded the weights, but only to bf16 precision
+    # (BatchNorm's running statistics moved in the training-mode forward above)
+    for k in before:
+        if before[k].is_floating_point() and "running" not in k:
+            torch.testing.assert_close(after[k], before[k], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "saved, loaded", [("bf16-true", "32-true"), ("32-true", "16-true"), ("bf16-mixed", "64-true")]
+)
+def test_checkpoint_from_one_policy_loads_under_another(saved, loaded):
+    a = mixprec.apply(Zoo(), saved)
+    b = mixprec.apply(Zoo(), loaded)
+    state = a.state_dict()
+    assert state.keys() == Zoo().state_dict().keys()
+    b.load_state_dict(state)
+    for k, v in b.state_dict().items():
+        assert v.dtype == (Policy(loaded).param_dtype if v.is_floating_point() else v.dtype)
+        torch.testing.assert_close(v, state[k].to(v.dtype), rtol=0, atol=0)
+
+
+def test_deepcopy_and_pickle_keep_the_policy():
+    model = mixprec.apply(Zoo(), "bf16-mixed")
+    copied = copy.deepcopy(model)
+    assert copied.__dict__["forward"].module is copied
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    unpickled = pickle.loads(pickle.dumps(model))
+    expected = model(*inputs())
+    for other in (copied, loaded, unpickled):
+        assert mixprec.applied_policy(other).default == Policy("bf16-mixed")
+        torch.testing.assert_close(other(*inputs()), expected, rtol=0, atol=0)
+
+
+def test_torch_compile_of_an_applied_model_runs_and_matches():
+    torch._dynamo.reset()
+    model = mixprec.apply(
+        nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4)), "bf16-mixed"
+    )
+    x = torch.randn(4, 8)
+    compiled = torch.compile(model)
+    out = compiled(x)
+    assert out.dtype == f32
+    torch.testing.assert_close(out, model(x), rtol=2e-2, atol=2e-2)
+    out.sum().backward()
+
+
+def test_output_cast_reaches_nested_structures():
+    @dataclass
+    class Out:
+        logits: torch.Tensor
+        ids: torch.Tensor
+
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"a": (y, [y * 2]), "b": Out(y, torch.arange(3))}
+
+    model = mixprec.apply(Nested(), "bf16-mixed")
+    out = model(torch.randn(2, 4))
+    assert out["a"][0].dtype == out["a"][1][0].dtype == out["b"].logits.dtype == f32
+    assert out["b"].ids.dtype == torch.int64
+
+
+def test_true_policy_casts_floating_inputs_not_integer_ones():
+    model = mixprec.apply(Zoo(), "bf16-true")
+    tokens, image = inputs()
+    assert model(tokens, image.double()).dtype == bf16
+
+
+def test_shared_parameter_with_conflicting_dtypes_is_refused():
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    model = nn.Sequential(a, b)
+    with pytest.raises(mixprec.PolicySpecError, match="shared with '0.weight'"):
+        mixprec.apply(model, PolicyMap("32-true", {"1": "bf16-true"}))
+
+
+def test_apply_uses_the_global_policy_by_default():
+    with mixprec.policy_scope("bf16-true"):
+        model = mixprec.apply(nn.Linear(2, 2))
+    assert model.weight.dtype == bf16

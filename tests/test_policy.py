@@ -1,0 +1,186 @@
+"""Policy parsing, equality, config round-trips, global policy and scopes."""
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mixprec
+from mixprec import Policy, PolicySpecError
+
+f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
+
+EXPECTED = {
+    # Lightning names and aliases
+    "16-mixed": (f32, f16, f32),
+    "bf16-mixed": (f32, bf16, f32),
+    "16-true": (f16, f16, f16),
+    "bf16-true": (bf16, bf16, bf16),
+    "32-true": (f32, f32, f32),
+    "64-true": (f64, f64, f64),
+    16: (f32, f16, f32),
+    "16": (f32, f16, f32),
+    32: (f32, f32, f32),
+    "32": (f32, f32, f32),
+    64: (f64, f64, f64),
+    "64": (f64, f64, f64),
+    "bf16": (f32, bf16, f32),
+    # Keras names
+    "mixed_float16": (f32, f16, f32),
+    "mixed_bfloat16": (f32, bf16, f32),
+    "float32": (f32, f32, f32),
+    "float16": (f16, f16, f16),
+    "bfloat16": (bf16, bf16, bf16),
+    "float64": (f64, f64, f64),
+    # jmp specs
+    "params=float32,compute=bfloat16,output=float32": (f32, bf16, f32),
+    "p=f32,c=bf16,o=f32": (f32, bf16, f32),
+    "p=f32,c=f16,o=f16": (f32, f16, f16),
+    "params=full,compute=half,output=full": (f32, f16, f32),
+    "c=bf16": (f32, bf16, f32),
+    # torch dtypes
+    torch.bfloat16: (bf16, bf16, bf16),
+    torch.float32: (f32, f32, f32),
+}
+
+
+@pytest.mark.parametrize("spec", list(EXPECTED), ids=[str(s) for s in EXPECTED])
+def test_every_name_parses_to_its_dtypes(spec):
+    p = Policy(spec)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == EXPECTED[spec]
+    assert p.variable_dtype == p.param_dtype
+
+
+def test_spellings_of_one_policy_are_equal_and_share_a_name():
+    a, b, c = Policy("bf16-mixed"), Policy("mixed_bfloat16"), Policy("p=f32,c=bf16,o=f32")
+    assert a == b == c and hash(a) == hash(b) == hash(c)
+    assert {a, b, c} == {a}
+    assert str(a) == str(b) == "bf16-mixed"
+    assert repr(c) == "Policy('bf16-mixed')"
+    assert Policy("mixed_float16") == Policy(16) == Policy("16-mixed")
+
+
+def test_uncommon_policy_gets_a_jmp_style_name():
+    p = Policy(param_dtype="bfloat16", compute_dtype="float32", output_dtype="bfloat16")
+    assert p.name == "params=bfloat16,compute=float32,output=bfloat16"
+    assert Policy(p.name) == p
+
+
+def test_keyword_form_and_defaults():
+    assert Policy(param_dtype=f32, compute_dtype=bf16) == Policy("bf16-mixed")
+    assert Policy(variable_dtype="f16") == Policy("16-true")
+    assert Policy("bf16-mixed", output_dtype="bfloat16").output_dtype == bf16
+    with pytest.raises(PolicySpecError, match="not both"):
+        Policy(param_dtype=f32, variable_dtype=f32)
+
+
+def test_flags():
+    assert Policy("16-mixed").needs_loss_scaling and Policy("16-true").needs_loss_scaling
+    assert not Policy("bf16-mixed").needs_loss_scaling
+    assert not Policy("32-true").needs_loss_scaling
+    assert Policy("bf16-mixed").is_mixed and not Policy("bf16-true").is_mixed
+
+
+def test_immutable():
+    p = Policy("bf16-mixed")
+    with pytest.raises(AttributeError):
+        p.compute_dtype = f32  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("fp16", r"unknown precision 'fp16' \(did you mean '16-mixed'"),
+        ("half", "did you mean"),
+        ("bf17-mixed", "unknown precision 'bf17-mixed'.*accepted: .*'bf16-mixed'"),
+        ("", "unknown precision ''"),
+        (8, "unknown precision 8"),
+        (True, "must be a string, int, torch.dtype or Policy, not bool"),
+        (1.5, "not float"),
+        ("p=f32,c=f99", "unknown dtype 'f99'.*accepted"),
+        ("p=f32,x=f16", "unknown key 'x'"),
+        ("p=f32,p=f16", "given twice"),
+        ("p=f32,c", "malformed part 'c'"),
+        ("p=f32,c=", "malformed part"),
+        (torch.int8, "int8 is not a floating dtype"),
+        ("p=f32,c=float8_e4m3fn", "float8 tensors need per-tensor scales"),
+        ("transformer-engine", "float8 recipe"),
+    ],
+)
+def test_bad_specs_say_what_is_wrong_and_what_is_accepted(spec, message):
+    with pytest.raises(PolicySpecError, match=message):
+        Policy(spec)
+
+
+def test_unknown_name_lists_every_accepted_name():
+    with pytest.raises(ValueError) as err:
+        Policy("turbo")
+    for name in mixprec.POLICY_NAMES:
+        assert repr(name) in str(err.value)
+
+
+def test_auto_resolves_through_the_hardware_module():
+    assert Policy("auto") == mixprec.resolve_auto()
+
+
+DTYPES = st.sampled_from(["float64", "float32", "float16", "bfloat16", "f32", "half", "bf16"])
+
+
+@given(DTYPES, DTYPES, DTYPES)
+def test_name_round_trip_is_stable(param, compute, output):
+    p = Policy(param_dtype=param, compute_dtype=compute, output_dtype=output)
+    again = Policy(p.name)
+    assert again == p and again.name == p.name
+    assert Policy.from_config(p.to_config()) == p
+    assert Policy(Policy(again.name).name) == p
+
+
+def test_from_config_rejects_unknown_keys():
+    with pytest.raises(PolicySpecError, match="unknown policy config keys"):
+        Policy.from_config({"param_dtype": "float32", "colour": "red"})
+
+
+def test_global_policy_and_scope_restore_also_on_error():
+    assert mixprec.global_policy() == Policy("32-true")
+    mixprec.set_global_policy("mixed_bfloat16")
+    try:
+        assert mixprec.global_policy() == Policy("bf16-mixed")
+        with pytest.raises(RuntimeError):
+            with mixprec.policy_scope("16-mixed") as p:
+                assert mixprec.global_policy() == p == Policy("16-mixed")
+                with mixprec.policy_scope("64"):
+                    assert mixprec.global_policy() == Policy("64-true")
+                assert mixprec.global_policy() == Policy("16-mixed")
+                raise RuntimeError("boom")
+        assert mixprec.global_policy() == Policy("bf16-mixed")
+    finally:
+        mixprec.set_global_policy("32-true")
+
+
+def test_policy_scope_is_per_thread():
+    inside = threading.Event()
+    release = threading.Event()
+    seen = {}
+
+    def worker():
+        with mixprec.policy_scope("bf16-true"):
+            seen["worker"] = mixprec.global_policy()
+            inside.set()
+            release.wait(5)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    inside.wait(5)
+    seen["main"] = mixprec.global_policy()
+    release.set()
+    t.join()
+    assert seen == {"worker": Policy("bf16-true"), "main": Policy("32-true")}
+
+
+def test_policies_pickle():
+    import pickle
+
+    p = Policy("p=f32,c=bf16,o=bf16")
+    assert pickle.loads(pickle.dumps(p)) == p

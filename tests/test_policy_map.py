@@ -1,0 +1,109 @@
+"""PolicyMap precedence, ambiguity, inheritance, islands, config and explain."""
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import Policy, PolicyMap, PolicySpecError
+
+
+def encoder() -> nn.Module:
+    layer = lambda: nn.ModuleDict(  # noqa: E731
+        {"attn": nn.Linear(4, 4), "attn_norm": nn.LayerNorm(4), "mlp": nn.Linear(4, 4)}
+    )
+    return nn.ModuleDict({"layers": nn.ModuleList([layer(), layer()]), "head": nn.Linear(4, 2)})
+
+
+def resolved(model, pmap):
+    return {name: r.policy.name for name, r in pmap.resolve(model).items()}
+
+
+def test_precedence_exact_then_regex_then_type_then_default():
+    m = encoder()
+    pmap = PolicyMap(
+        "bf16-mixed",
+        {
+            "layers.0.attn": "64-true",  # exact beats the regex below
+            r"layers\.\d+\.attn": "32-true",
+            nn.Linear: "16-mixed",  # type rule for every other Linear
+        },
+    )
+    got = resolved(m, pmap)
+    assert got["layers.0.attn"] == "64-true"
+    assert got["layers.1.attn"] == "32-true"
+    assert got["layers.0.mlp"] == got["head"] == "16-mixed"
+    assert got[""] == got["layers"] == "bf16-mixed"
+
+
+def test_no_implicit_prefix_match():
+    m = encoder()
+    got = resolved(m, PolicyMap("bf16-mixed", {r"layers\.0\.attn": "32-true"}))
+    assert got["layers.0.attn"] == "32-true"
+    assert got["layers.0.attn_norm"] == "32-true"  # island, not the attn rule
+    sources = PolicyMap("bf16-mixed", {r"layers\.0\.attn": "32-true"}).resolve(m)
+    assert sources["layers.0.attn_norm"].source == "float32 island"
+
+
+def test_children_inherit_their_parents_policy_unless_ruled():
+    m = encoder()
+    pmap = PolicyMap("32-true", {r"layers\.1": "bf16-true", r"layers\.1\.mlp": "32-true"})
+    got = resolved(m, pmap)
+    assert got["layers.1.attn"] == got["layers.1.attn_norm"] == "bf16-true"
+    assert got["layers.1.mlp"] == "32-true"
+    assert got["layers.0.attn"] == "32-true"
+
+
+def test_two_rules_of_one_rank_are_an_error_naming_both():
+    m = encoder()
+    pmap = PolicyMap("bf16-mixed", {r"layers\.0\..*": "32-true", r".*\.attn": "16-mixed"})
+    with pytest.raises(PolicySpecError, match=r"layers.0.attn.*2 regex rules.*'layers\\\\.0"):
+        pmap.resolve(m)
+    both_types = PolicyMap("bf16-mixed", {nn.Linear: "32-true", nn.Module: "16-mixed"})
+    with pytest.raises(PolicySpecError, match="type rules of the same rank: Linear, Module"):
+        both_types.resolve(m)
+
+
+def test_islands_only_under_mixed_policies_and_overridable():
+    m = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Softmax(-1))
+    assert resolved(m, PolicyMap("bf16-mixed"))["1"] == "32-true"
+    assert resolved(m, PolicyMap("bf16-mixed"))["2"] == "32-true"
+    assert resolved(m, PolicyMap("bf16-true"))["1"] == "bf16-true"
+    assert resolved(m, PolicyMap("bf16-mixed", {nn.LayerNorm: "bf16-mixed"}))["1"] == "bf16-mixed"
+    assert resolved(m, PolicyMap("bf16-mixed", float32_islands=False))["1"] == "bf16-mixed"
+
+
+def test_bad_rules():
+    with pytest.raises(PolicySpecError, match="not a valid regex"):
+        PolicyMap("32-true", {"layers.(": "16-mixed"})
+    with pytest.raises(PolicySpecError, match="must be a module path regex"):
+        PolicyMap("32-true", {3: "16-mixed"})
+    with pytest.raises(PolicySpecError, match="unknown precision 'fp17'"):
+        PolicyMap("32-true", {"head": "fp17"})
+
+
+def test_config_round_trip_and_code():
+    pmap = PolicyMap("bf16-mixed", {r"layers\.\d+\.attn": "32-true", nn.LayerNorm: "bf16-mixed"})
+    again = PolicyMap.from_config(pmap.to_config())
+    assert again == pmap
+    rebuilt = eval(pmap.to_code(), {"mixprec": mixprec, "torch": torch})
+    assert rebuilt == pmap
+    assert pmap.needs_loss_scaling is False
+    assert PolicyMap("bf16-mixed", {"head": "16-mixed"}).needs_loss_scaling is True
+    assert pmap.compute_dtypes() == {torch.bfloat16, torch.float32}
+
+
+def test_default_is_the_global_policy_when_not_given():
+    with mixprec.policy_scope("bf16-true"):
+        assert PolicyMap().default == Policy("bf16-true")
+
+
+def test_explain_returns_every_module_and_prints_a_table():
+    m = encoder()
+    e = mixprec.explain(m, PolicyMap("bf16-mixed", {"head": "32-true"}))
+    assert set(e) == {name for name, _ in m.named_modules()}
+    assert e["head"] == Policy("32-true")
+    assert e.sources["head"] == "path rule 'head'"
+    assert e.sources["layers.0.mlp"] == "inherited from layers.0"
+    text = str(e)
+    assert "effective precision per module" in text and "float32 island" in text
