@@ -108,6 +108,17 @@ def test_a_float32_rule_inside_a_bf16_model_really_runs_in_float32():
     torch.testing.assert_close(got["out"], expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("spec", ["bf16-true", "16-true"])
+def test_a_float32_layer_inside_a_true_policy_hands_back_the_parents_dtype(spec):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2))
+    mixprec.apply(model, PolicyMap(spec, {"1": "float32"}))
+    seen, _ = record_outputs(model)
+    out = model(torch.randn(2, 8))
+    low = Policy(spec).compute_dtype
+    assert model[1].weight.dtype == f32 and model[2].weight.dtype == low
+    assert seen == {"0": low, "1": low, "2": low} and out.dtype == low
+
+
 def test_islands_keep_norms_in_float32_inside_16_bit_layers():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Softmax(-1))
     mixprec.apply(model, "bf16-mixed")

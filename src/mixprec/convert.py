@@ -67,15 +67,20 @@ class _Region:
         module: nn.Module,
         policy: Policy,
         *,
-        root: bool,
+        parent: Policy | None,
         original: Any,
     ) -> None:
         self.module = module
         self.autocast = policy.is_mixed
         self.compute_dtype = policy.compute_dtype
-        self.output_dtype = policy.output_dtype
+        # Inside a "true" parent nothing casts between siblings, so a region hands its
+        # result back in the parent's compute dtype; elsewhere in its own output dtype.
+        if parent is not None and not parent.is_mixed:
+            self.output_dtype = parent.compute_dtype
+        else:
+            self.output_dtype = policy.output_dtype
         # Below the root a "true"/island region must switch off an enclosing autocast.
-        self.disable_autocast = not policy.is_mixed and not root
+        self.disable_autocast = not policy.is_mixed and parent is not None
         self.original = original
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -169,13 +174,11 @@ def apply(model: nn.Module, policy: Any = None) -> nn.Module:
         _set_dtype(module, resolved[name].policy.param_dtype, owners, name)
     for name, module in model.named_modules():
         policy_here = resolved[name].policy
-        root = name == ""
-        if not root:
-            parent = resolved[name.rpartition(".")[0]].policy
-            if _region_key(parent) == _region_key(policy_here):
-                continue
+        parent = resolved[name.rpartition(".")[0]].policy if name else None
+        if parent is not None and _region_key(parent) == _region_key(policy_here):
+            continue
         module.__dict__["forward"] = _Region(
-            module, policy_here, root=root, original=module.__dict__.get("forward")
+            module, policy_here, parent=parent, original=module.__dict__.get("forward")
         )
     model.__dict__[_STATE] = AppliedState(pmap, original)
     return model

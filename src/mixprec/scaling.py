@@ -91,6 +91,7 @@ class LossScaler:
         self._consecutive = 0
         self._skips_at_floor = 0
         self._last_overflow: int | None = None
+        self._scaled_since_update = False
 
     # -- device placement -------------------------------------------------------------------
 
@@ -118,19 +119,34 @@ class LossScaler:
         """The current scale as a Python float (a host sync)."""
         return float(self._scale.item())
 
+    @property
+    def scaled_since_update(self) -> bool:
+        """Whether ``scale`` was called since the last ``update``.
+
+        Gradients produced before an ``update`` were scaled by the previous scale; unscaling
+        them with the new one would silently corrupt them, so optimizers check this.
+        """
+        return self._scaled_since_update
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """Return ``loss`` multiplied by the current scale; call ``backward`` on the result."""
+        self._scaled_since_update = True
         return loss * self._scale.to(loss.device, non_blocking=True)
 
     def unscale_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Divide ``grads`` in place by the scale; return the overflow flag.
 
         The flag is a float32 0-dim tensor on ``device``: 0.0 if every gradient is finite,
-        positive otherwise. Gradients may live on several devices and dtypes.
+        positive otherwise. Gradients may live on several devices and dtypes; a sparse
+        gradient is unscaled through its values.
         """
         # Reciprocal in float64 then rounded, as torch.amp.GradScaler does, so that both
-        # multiply the gradients by the very same float32 number.
-        return self._check_and_scale(grads, self._scale.double().reciprocal().float())
+        # multiply the gradients by the very same float32 number (MPS has no float64).
+        if self._scale.device.type == "mps":
+            inv = self._scale.reciprocal()
+        else:
+            inv = self._scale.double().reciprocal().float()
+        return self._check_and_scale(grads, inv)
 
     def check_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Only look for inf/NaN in ``grads`` (left as they are); return the overflow flag.
@@ -164,6 +180,7 @@ class LossScaler:
             self._consecutive = 0
             self._skips_at_floor = 0
         self._steps += 1
+        self._scaled_since_update = False
         self._update_scale(found_inf.to(self._scale.device))
         if self._skips_at_floor >= self.max_skips_at_min_scale:
             raise LossScaleDivergedError(self._divergence_message())

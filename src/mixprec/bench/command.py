@@ -1,0 +1,209 @@
+"""`mixprec bench`: argument parsing, progress and printing; the work is in `suite`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from mixprec.bench.models import BUILTIN_MODELS
+from mixprec.bench.report import (
+    busy_machine_warning,
+    max_batch_lines,
+    notes,
+    rich_table,
+    summarize,
+    write_outputs,
+)
+from mixprec.bench.runner import OK, OOM, RunResult
+from mixprec.bench.suite import PRESETS, BenchOptions, Config, plan, run_bench
+
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from "2GiB", "512M", "1.5g", "1000000" (binary units: K=1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size; use bytes or a number with K, M, G or T (e.g. 2GiB, 512M)"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2)])
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"batch sizes must be positive integers (space- or comma-separated), got {text!r}"
+        ) from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `mixprec bench` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "bench",
+        help="float32 vs mixed precision: ms/step, speedup, memory (each run in a fresh process)",
+        description=(
+            "Time training steps of a model in float32 and in mixed precision on this machine, "
+            "across batch sizes, each configuration in a fresh process; with no arguments: the "
+            "seed blog's CNN, float32 vs the precision `mixprec info` recommends here."
+        ),
+    )
+    p.add_argument(
+        "--model",
+        default="cnn",
+        help=f"{', '.join(BUILTIN_MODELS)}, or module:factory / file.py:factory (a function "
+        "returning (model, make_batch(batch_size), loss_fn(outputs, targets)))",
+    )
+    p.add_argument(
+        "--precision",
+        nargs="+",
+        action="extend",
+        metavar="SPEC",
+        help="precision specs, space-separated (32-true bf16-mixed 16-mixed "
+        "'p=f32,c=bf16,o=f32' ...); default: 32-true and the recommended mixed one",
+    )
+    p.add_argument(
+        "--batch-sizes",
+        nargs="+",
+        type=_batch_sizes,
+        metavar="N",
+        help="batch sizes (space- or comma-separated); default depends on the model",
+    )
+    p.add_argument("--image-size", type=int, help="image side for --model cnn (default 128)")
+    p.add_argument("--steps", type=int, help="timed steps per configuration (default 10)")
+    p.add_argument(
+        "--warmup", type=int, help="untimed steps after the (untimed) memory step (default 1)"
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), help="blog: 256x256, batch 32..512 (GPU)")
+    p.add_argument("--device", help="cpu or cuda[:N] (default: the best available)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's default here)")
+    p.add_argument("--tf32", choices=("on", "off", "both"), help="CUDA float32 rows (default both)")
+    p.add_argument(
+        "--allow-slow",
+        action="store_true",
+        help="also run precisions far slower than float32 here (float16 without fp16 hardware)",
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=parse_size,
+        metavar="SIZE",
+        help="memory a configuration may use (e.g. 2GiB); above it the row is OOM",
+    )
+    p.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="also find the largest batch that fits per precision (CPU: needs --memory-limit)",
+    )
+    p.add_argument(
+        "--float32-islands",
+        choices=("on", "off", "both"),
+        default="on",
+        help="mixed rows with norm/softmax layers in float32 (on, mixprec's default), left to "
+        "autocast (off), or both, to see what the islands cost",
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
+    p.add_argument("--out", type=Path, help="output folder (default ./mixprec-bench/<timestamp>)")
+    p.set_defaults(func=run_command)
+    return p
+
+
+def _options(args: argparse.Namespace) -> BenchOptions:
+    batch_sizes = [b for group in args.batch_sizes for b in group] if args.batch_sizes else None
+    return BenchOptions(
+        model=args.model,
+        precisions=args.precision,
+        batch_sizes=batch_sizes,
+        image_size=args.image_size,
+        steps=args.steps,
+        warmup=args.warmup,
+        device=args.device,
+        threads=args.threads,
+        tf32=args.tf32,
+        allow_slow=args.allow_slow,
+        memory_limit=args.memory_limit,
+        max_batch=args.max_batch,
+        preset=args.preset,
+        float32_islands=args.float32_islands,
+        timeout=args.timeout,
+    )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the benchmark described by parsed `args`; returns the exit code."""
+    console = Console()
+    if not console.is_terminal:  # a log file or a pipe: do not squeeze the table into 80
+        console = Console(width=150)
+    err = Console(stderr=True)
+    try:
+        p = plan(_options(args))
+    except ValueError as e:
+        err.print(f"[red]mixprec bench: error:[/] {e}", highlight=False, soft_wrap=True)
+        return 2
+    out = args.out or Path("mixprec-bench") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    png = importlib.util.find_spec("matplotlib") is not None
+    if not png:
+        err.print(
+            "matplotlib is not installed: bench.png will not be written "
+            "(pip install 'mixprec[plot]')"
+        )
+    o = p.options
+    console.print(
+        f"[bold]mixprec bench[/]: {o.model}, {', '.join(p.precisions)}, "
+        f"batch {', '.join(map(str, o.batch_sizes or []))} on {p.device}"
+    )
+    console.print(f"reproduce: {p.command}", highlight=False, soft_wrap=True)
+    load = [round(x, 2) for x in os.getloadavg()]
+    busy = busy_machine_warning(load, o.threads or 1, p.device.type)
+    if busy:
+        err.print(f"[yellow]{busy}[/]", highlight=False, soft_wrap=True)
+
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not console.is_terminal,
+    )
+    with progress:
+        task = progress.add_task("configurations", total=len(p.configs))
+
+        def on_config(config: Config, result: RunResult) -> None:
+            shown = "OOM" if result.status == OOM else result.status
+            progress.update(
+                task, advance=1, description=f"{config.label} @ {config.batch_size}: {shown}"
+            )
+
+        def on_probe(name: str, batch: int, fits: bool) -> None:
+            progress.update(
+                task, description=f"max batch {name}: {batch} {'fits' if fits else 'OOM'}"
+            )
+
+        report = run_bench(p, on_config, on_probe)
+    summaries = summarize(report)
+    console.print(rich_table(report, summaries))
+    for line in notes(report, summaries):
+        console.print(f"  {line}", highlight=False)
+    for s in summaries:
+        if s.status not in (OK, OOM):
+            err.print(f"[red]{s.label} @ {s.batch_size}: {s.status}[/] {s.error}", highlight=False)
+    if report.max_batch:
+        console.print("[bold]largest batch that fits[/]")
+        for line in max_batch_lines(report):
+            console.print(f"  {line}", highlight=False)
+    paths = write_outputs(out, report, png=png)
+    console.print(f"results: {', '.join(str(x) for x in paths if x.exists())}", highlight=False)
+    return 0 if all(s.status in (OK, OOM) for s in summaries) else 1

@@ -1,0 +1,233 @@
+"""The workloads `mixprec bench` times: the seed blog's CNN, an MLP, a small transformer, or
+a user's own model from a factory.
+
+A workload is a model, a function making one synthetic batch of a given size, and a loss.
+Built-in workloads are seeded, so every subprocess of a run builds the same weights and data.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+BUILTIN_MODELS: tuple[str, ...] = ("cnn", "mlp", "transformer")
+DEFAULT_BATCH_SIZES: dict[str, tuple[int, ...]] = {
+    "cnn": (8, 16, 32),
+    "mlp": (64, 128, 256),
+    "transformer": (4, 8, 16),
+}
+DEFAULT_IMAGE_SIZE = 128
+NUM_CLASSES = 10
+
+
+@dataclass
+class Workload:
+    """One benchmark workload.
+
+    `make_batch(batch_size)` returns `(inputs, targets)` as CPU tensors (or nested
+    structures of them); `loss_fn(model(inputs), targets)` returns a scalar loss.
+    """
+
+    model: nn.Module
+    make_batch: Callable[[int], tuple[Any, Any]]
+    loss_fn: Callable[[Any, Any], Tensor]
+    description: str
+
+
+class BlogCNN(nn.Sequential):
+    """The seed blog's Keras CNN in torch: conv 64 7x7/2 + relu + batchnorm, conv 128 11x11/2
+    + relu + batchnorm, global average pool, dense 10, softmax ("same" padding as in Keras).
+
+    It outputs probabilities, like the blog's model; the blog kept the softmax in float32,
+    which mixprec's float32 island for softmax layers does by itself.
+    """
+
+    def __init__(self, num_classes: int = NUM_CLASSES) -> None:
+        super().__init__(
+            nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3),
+            nn.ReLU(),
+            nn.BatchNorm2d(64),
+            nn.Conv2d(64, 128, kernel_size=11, stride=2, padding=5),
+            nn.ReLU(),
+            nn.BatchNorm2d(128),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(128, num_classes),
+            nn.Softmax(dim=1),
+        )
+
+
+def probabilities_nll(probs: Tensor, targets: Tensor) -> Tensor:
+    """Sparse categorical cross-entropy on probabilities, clipped at 1e-7 as Keras does."""
+    return nn.functional.nll_loss(torch.log(probs.float().clamp_min(1e-7)), targets)
+
+
+def _cnn(image_size: int) -> Workload:
+    def make_batch(batch_size: int) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(1)
+        x = torch.rand(batch_size, 3, image_size, image_size, generator=g)
+        y = torch.randint(0, NUM_CLASSES, (batch_size,), generator=g)
+        return x, y
+
+    return Workload(
+        BlogCNN(),
+        make_batch,
+        probabilities_nll,
+        f"blog CNN on synthetic {image_size}x{image_size} RGB images, Adam",
+    )
+
+
+class MLP(nn.Sequential):
+    """1024-4096-4096-10 with ReLU: matmul-bound, the best case for low-precision compute."""
+
+    def __init__(self, width: int = 4096, in_features: int = 1024) -> None:
+        super().__init__(
+            nn.Linear(in_features, width),
+            nn.ReLU(),
+            nn.Linear(width, width),
+            nn.ReLU(),
+            nn.Linear(width, NUM_CLASSES),
+        )
+
+
+def _mlp() -> Workload:
+    def make_batch(batch_size: int) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(1)
+        return torch.randn(batch_size, 1024, generator=g), torch.randint(
+            0, NUM_CLASSES, (batch_size,), generator=g
+        )
+
+    return Workload(MLP(), make_batch, nn.functional.cross_entropy, "MLP 1024-4096-4096-10, Adam")
+
+
+class TinyTransformer(nn.Module):
+    """A small pre-norm transformer language model (embedding, encoder layers, LM head)."""
+
+    def __init__(
+        self, vocab: int = 1000, dim: int = 256, heads: int = 4, layers: int = 2, seq: int = 128
+    ) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq, dim))
+        layer = nn.TransformerEncoderLayer(
+            dim, heads, 4 * dim, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        return self.head(self.norm(self.encoder(x)))
+
+
+def _transformer() -> Workload:
+    vocab, seq = 1000, 128
+
+    def make_batch(batch_size: int) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, vocab, (batch_size, seq + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    return Workload(
+        TinyTransformer(vocab=vocab, seq=seq),
+        make_batch,
+        loss_fn,
+        f"transformer LM (2 layers, dim 256, 4 heads, vocab {vocab}), {seq} tokens, Adam",
+    )
+
+
+def check_model_name(name: str) -> None:
+    """Raise ValueError unless `name` is a built-in model or a `module:factory` reference."""
+    if name in BUILTIN_MODELS:
+        return
+    module, sep, attr = name.rpartition(":")
+    if not sep or not module or not attr.isidentifier():
+        raise ValueError(
+            f"unknown model {name!r}: use one of {', '.join(BUILTIN_MODELS)} or "
+            "'module:factory' / 'path/to/file.py:factory' (a function returning "
+            "(model, make_batch, loss_fn))"
+        )
+
+
+def _import_factory(name: str) -> Callable[..., Any]:
+    module_name, _, attr = name.rpartition(":")
+    path = Path(module_name)
+    try:
+        if module_name.endswith(".py"):
+            if not path.is_file():
+                raise ValueError(f"model factory file {module_name!r} does not exist")
+            spec = importlib.util.spec_from_file_location(f"_mixprec_bench_{path.stem}", path)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        else:
+            if "" not in sys.path:
+                sys.path.insert(0, "")
+            module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"cannot import the module of model factory {name!r}: {err}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ValueError(f"{module_name!r} has no callable {attr!r} (from --model {name!r})")
+    return factory
+
+
+def check_model(name: str) -> None:
+    """Raise ValueError unless `name` is a built-in model or an importable callable factory
+    (the factory is not called: that happens in the benchmark's own processes)."""
+    check_model_name(name)
+    if name not in BUILTIN_MODELS:
+        _import_factory(name)
+
+
+def _from_factory(name: str) -> Workload:
+    factory = _import_factory(name)
+    made = factory()
+    if isinstance(made, Workload):
+        return made
+    if not (isinstance(made, tuple) and len(made) == 3):
+        raise ValueError(
+            f"model factory {name!r} must return (model, make_batch, loss_fn), "
+            f"got {type(made).__name__}"
+        )
+    model, make_batch, loss_fn = made
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"model factory {name!r} returned {type(model).__name__} as the model, "
+            "expected an nn.Module"
+        )
+    if not callable(make_batch) or not callable(loss_fn):
+        raise ValueError(
+            f"model factory {name!r}: make_batch(batch_size) and loss_fn(outputs, targets) "
+            "must be callables"
+        )
+    if len(inspect.signature(make_batch).parameters) < 1:
+        raise ValueError(f"model factory {name!r}: make_batch must take the batch size")
+    return Workload(model, make_batch, loss_fn, f"{type(model).__name__} from {name}")
+
+
+def load_workload(name: str, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = 0) -> Workload:
+    """Build workload `name` ("cnn", "mlp", "transformer" or "module:factory") with fixed
+    seeds, so that every process of a run gets the same weights and data."""
+    check_model_name(name)
+    torch.manual_seed(seed)
+    if name == "cnn":
+        return _cnn(image_size)
+    if name == "mlp":
+        return _mlp()
+    if name == "transformer":
+        return _transformer()
+    return _from_factory(name)

@@ -1,0 +1,305 @@
+"""Summaries and outputs of a bench run: the terminal table, results.json, results.csv,
+report.md and bench.png (ms/step and peak memory against batch size, one line per precision).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from mixprec.bench.runner import OK, OOM
+from mixprec.bench.suite import BLOG_V100_MS, BenchReport, Row
+
+BASELINE = "32-true"
+COLUMNS = (
+    "batch",
+    "precision",
+    "ms/step median",
+    "min-max",
+    "samples/s",
+    "speedup",
+    "peak memory",
+    "raw torch ms/step",
+    "mixprec overhead",
+)
+
+
+@dataclass
+class Summary:
+    """The numbers of one table row (None where the configuration did not run)."""
+
+    label: str
+    precision: str
+    batch_size: int
+    tf32: bool | None
+    status: str
+    median_ms: float | None
+    min_ms: float | None
+    max_ms: float | None
+    samples_per_s: float | None
+    speedup: float | None
+    peak_memory: int | None
+    raw_median_ms: float | None
+    raw_peak_memory: int | None
+    overhead: float | None
+    skipped_steps: int
+    raw_skipped_steps: int | None
+    error: str | None
+
+
+def _baseline(rows: list[Row], batch: int) -> float | None:
+    for row in rows:
+        r = row.result
+        if row.config.spec == BASELINE and row.config.batch_size == batch and r.status == OK:
+            return statistics.median(r.mixprec.step_ms)
+    return None
+
+
+def summarize(report: BenchReport) -> list[Summary]:
+    """One summary per configuration: medians, speedup vs float32 at the same batch size,
+    and our overhead vs the raw torch loop (our median / raw median - 1)."""
+    out = []
+    for row in report.rows:
+        c, r = row.config, row.result
+        ours = r.mixprec
+        ok = r.status == OK and bool(ours.step_ms)
+        med = statistics.median(ours.step_ms) if ok else None
+        base = _baseline(report.rows, c.batch_size)
+        raw = r.raw
+        raw_ok = ok and raw is not None and raw.status == OK and bool(raw.step_ms)
+        raw_med = statistics.median(raw.step_ms) if raw_ok and raw is not None else None
+        out.append(
+            Summary(
+                label=c.label,
+                precision=c.spec,
+                batch_size=c.batch_size,
+                tf32=c.tf32,
+                status=r.status,
+                median_ms=med,
+                min_ms=min(ours.step_ms) if ok else None,
+                max_ms=max(ours.step_ms) if ok else None,
+                samples_per_s=c.batch_size / med * 1e3 if med else None,
+                speedup=base / med if med and base else None,
+                peak_memory=ours.peak_memory,
+                raw_median_ms=raw_med,
+                raw_peak_memory=raw.peak_memory if raw is not None else None,
+                overhead=med / raw_med - 1 if med and raw_med else None,
+                skipped_steps=ours.skipped_steps,
+                raw_skipped_steps=raw.skipped_steps if raw is not None else None,
+                error=r.error or ours.error,
+            )
+        )
+    return out
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def _cells(s: Summary) -> list[str]:
+    if s.status != OK:
+        shown = "OOM" if s.status == OOM else s.status
+        return [str(s.batch_size), s.label, shown, "-", "-", "-", "-", "-", "-"]
+    return [
+        str(s.batch_size),
+        s.label,
+        f"{s.median_ms:,.1f}",
+        f"{s.min_ms:,.1f}-{s.max_ms:,.1f}",
+        f"{s.samples_per_s:,.1f}",
+        f"{s.speedup:.2f}x" if s.speedup is not None else "-",
+        _mib(s.peak_memory),
+        f"{s.raw_median_ms:,.1f}" if s.raw_median_ms is not None else "-",
+        f"{s.overhead * 100:+.1f}%" if s.overhead is not None else "-",
+    ]
+
+
+def rich_table(report: BenchReport, summaries: list[Summary]) -> Table:
+    """The blog-style table for the terminal."""
+    meta = report.metadata
+    table = Table(title=f"mixprec bench: {meta['model']} on {meta['device']}")
+    for i, col in enumerate(COLUMNS):
+        table.add_column(col, justify="left" if i == 1 else "right")
+    for s in summaries:
+        style = "red" if s.status != OK else None
+        table.add_row(*_cells(s), style=style)
+    return table
+
+
+def max_batch_lines(report: BenchReport) -> list[str]:
+    """One line per precision: the largest batch that fit and the first that did not."""
+    lines = []
+    for name, found in report.max_batch.items():
+        if found["capped"]:
+            lines.append(f"{name}: >= {found['max_batch']} (search stopped at the cap)")
+        elif found["max_batch"] == 0:
+            lines.append(f"{name}: not even batch 1 fits (batch {found['first_oom']}: OOM)")
+        else:
+            lines.append(
+                f"{name}: {found['max_batch']} fits, {found['first_oom']} runs out of memory"
+            )
+    return lines
+
+
+def busy_machine_warning(load: list[float] | None, threads: int, device_type: str) -> str | None:
+    """A warning when other work keeps the CPUs busy: with every core in use, threads wait
+    for each other at each parallel op and CPU timings lose their meaning."""
+    if device_type != "cpu" or not load:
+        return None
+    cores = os.cpu_count() or 1
+    if load[0] <= cores - threads + 0.5:
+        return None
+    return (
+        f"WARNING: the machine is busy (1-minute load {load[0]} on {cores} cores, "
+        f"{threads} thread(s) asked for): timings are distorted; run on an idle machine "
+        "or with fewer --threads"
+    )
+
+
+def notes(report: BenchReport, summaries: list[Summary]) -> list[str]:
+    """How the numbers were taken, shown under the table and in report.md."""
+    meta = report.metadata
+    out = [
+        f"timing: {meta['timing']}; {meta['steps']} timed steps after the memory step and "
+        f"{meta['warmup']} warm-up step(s), {meta['threads']} thread(s)",
+        f"peak memory: {meta['memory_method']}",
+        "speedup: float32 (32-true) median / this median at the same batch size",
+        "mixprec overhead: our median / the raw torch.autocast loop's median - 1 (mixed "
+        "precisions only); mixprec computes norm and softmax layers in float32 islands "
+        "(rows marked 'no f32 islands' leave them to autocast, as the raw loop does)",
+    ]
+    busy = busy_machine_warning(
+        meta.get("load_average_before"), meta["threads"], meta.get("device_type", "")
+    )
+    if busy:
+        out.append(busy)
+    for name, status in meta["support"].items():
+        if status.startswith("slow"):
+            out.append(f"{name} is {status} (run because of --allow-slow)")
+    for s in summaries:
+        if s.skipped_steps or s.raw_skipped_steps:
+            raw = f" (raw loop: {s.raw_skipped_steps})" if s.raw_skipped_steps is not None else ""
+            out.append(
+                f"{s.label} at batch {s.batch_size}: {s.skipped_steps} steps skipped on "
+                f"gradient overflow while the loss scale settled{raw}"
+            )
+    if meta.get("memory_limit"):
+        out.append(f"memory limit: {meta['memory_limit']} bytes per loop (OOM above it)")
+    return out
+
+
+def to_json(report: BenchReport, summaries: list[Summary]) -> dict[str, Any]:
+    """results.json: metadata, every raw step time, and the summaries."""
+    return {
+        "metadata": report.metadata,
+        "results": [
+            {"config": asdict(row.config), "result": asdict(row.result), "summary": asdict(s)}
+            for row, s in zip(report.rows, summaries, strict=True)
+        ],
+        "max_batch": report.max_batch,
+    }
+
+
+def write_csv(path: Path, summaries: list[Summary]) -> None:
+    """results.csv: one row per configuration."""
+    fields = list(Summary.__dataclass_fields__)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for s in summaries:
+            writer.writerow(asdict(s))
+
+
+def markdown(report: BenchReport, summaries: list[Summary]) -> str:
+    """report.md: environment, command, the table, notes and the max-batch search."""
+    meta = report.metadata
+    lines = [
+        f"# mixprec bench: {meta['model']}",
+        "",
+        f"- device: {meta['device']}",
+        f"- torch {meta['torch_version']}, mixprec {meta['mixprec_version']}"
+        + (f", CUDA {meta['cuda_version']}" if meta.get("cuda_version") else ""),
+        f"- started {meta['started']}, took {meta.get('elapsed_s', '?')} s; load average "
+        f"(1/5/15 min) {meta.get('load_average_before')} before, "
+        f"{meta.get('load_average_after')} after",
+        f"- reproduce: `{meta['command']}`",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    lines += ["| " + " | ".join(_cells(s)) + " |" for s in summaries]
+    lines += ["", *[f"- {n}" for n in notes(report, summaries)]]
+    failed = [s for s in summaries if s.status != OK and s.error]
+    if failed:
+        lines += ["", "## Configurations that did not run", ""]
+        lines += [f"- {s.label} at batch {s.batch_size}: {s.status} ({s.error})" for s in failed]
+    if meta.get("preset") == "blog":
+        lines += [
+            "",
+            "## Beside the seed blog (Tesla V100, TensorFlow 2.1, mixed_float16 vs float32)",
+            "",
+            "| batch | blog mixed ms/step | blog float32 ms/step | blog speedup |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {b} | {mixed} | {fp32} | {fp32 / mixed:.2f}x |"
+            for b, (mixed, fp32) in BLOG_V100_MS.items()
+        ]
+    if report.max_batch:
+        lines += ["", "## Largest batch that fits", ""]
+        lines += [f"- {line}" for line in max_batch_lines(report)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path, report: BenchReport, summaries: list[Summary]) -> None:
+    """bench.png: ms/step (median, min-max bars) and peak memory against batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label in dict.fromkeys(s.label for s in summaries):
+        ok = [s for s in summaries if s.label == label and s.median_ms is not None]
+        if not ok:
+            continue
+        xs = [s.batch_size for s in ok]
+        med = [s.median_ms for s in ok]
+        err = [
+            [m - s.min_ms for m, s in zip(med, ok, strict=True)],
+            [s.max_ms - m for m, s in zip(med, ok, strict=True)],
+        ]
+        ax_t.errorbar(xs, med, yerr=err, marker="o", capsize=3, label=label)
+        ax_m.plot(xs, [s.peak_memory / 2**20 for s in ok], marker="o", label=label)
+    for ax, ylabel in ((ax_t, "ms/step (median, min-max)"), (ax_m, "peak memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        if ax.get_lines():
+            ax.legend()
+    fig.suptitle(f"{report.metadata['model']} on {report.metadata['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(out: Path, report: BenchReport, png: bool = True) -> list[Path]:
+    """Write results.json, results.csv, report.md and (with `png`, which needs matplotlib)
+    bench.png into `out`; returns the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = summarize(report)
+    paths = [out / n for n in ("results.json", "results.csv", "report.md", "bench.png")]
+    paths[0].write_text(json.dumps(to_json(report, summaries), indent=1))
+    write_csv(paths[1], summaries)
+    paths[2].write_text(markdown(report, summaries))
+    if not png:
+        return paths[:3]
+    plot(paths[3], report, summaries)
+    return paths

@@ -1,0 +1,420 @@
+"""One benchmark configuration (model, precision, batch size), run in a fresh process.
+
+`run_isolated` starts `python -m mixprec.bench.runner SPEC RESULT` so that every
+configuration begins with clean memory, threads and caches; the child writes a JSON result.
+
+In the child, each loop is built and run up to its first optimizer update (one step,
+unless float16 overflow skips some) while its peak memory is measured:
+
+- CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, minus what was
+  allocated before the loop was built (so a second loop in the process is not counted);
+- CPU: the peak of live tensor bytes, summed from the CPU allocator's allocation and free
+  events recorded by `torch.profiler` (`profile_memory=True`) over the same span (weights,
+  optimizer state, batch, activations, gradients).
+
+Then the warm-up steps, then the timed steps with GC disabled and CUDA synchronised. A mixed
+configuration also runs a hand-written `torch.autocast` loop (plus `torch.amp.GradScaler`
+for float16) on an identical model; its steps alternate with ours, so both see the same
+machine load, and "mixprec overhead" compares like with like.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+OK, OOM, ERROR, TIMEOUT = "ok", "oom", "error", "timeout"
+CPU_MEMORY_METHOD = (
+    "peak live tensor bytes from the CPU allocator's events (torch.profiler, "
+    "profile_memory=True), from model build to the first optimizer update"
+)
+CUDA_MEMORY_METHOD = (
+    "torch.cuda.max_memory_allocated from model build to the first optimizer update"
+)
+_ADDRESS_SPACE_SLACK = 512 * 2**20
+MAX_STEPS_TO_FIRST_UPDATE = 32
+
+
+@dataclass
+class RunSpec:
+    """Everything one configuration needs; JSON-serialisable for the child process."""
+
+    model: str
+    precision: str
+    batch_size: int
+    image_size: int
+    device: str
+    steps: int
+    warmup: int
+    threads: int
+    tf32: bool | None = None
+    allow_slow: bool = False
+    raw: bool = False
+    memory_limit: int | None = None
+    float32_islands: bool = True
+    seed: int = 0
+
+
+@dataclass
+class LoopResult:
+    """Outcome of one training loop (ours or the raw torch one) in a configuration.
+
+    `skipped_steps` counts optimizer steps skipped on gradient overflow over all the loop's
+    steps (memory, warm-up and timed ones); skipped steps are cheaper.
+    """
+
+    status: str = OK
+    error: str | None = None
+    peak_memory: int | None = None
+    step_ms: list[float] = field(default_factory=list)
+    skipped_steps: int = 0
+    final_loss: float | None = None
+
+
+@dataclass
+class RunResult:
+    """What the child reports: our loop, and the raw torch loop when one was asked for."""
+
+    status: str
+    mixprec: LoopResult
+    raw: LoopResult | None = None
+    memory_method: str = ""
+    error: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunResult:
+        raw = d.get("raw")
+        return cls(
+            status=d["status"],
+            mixprec=LoopResult(**d["mixprec"]),
+            raw=LoopResult(**raw) if raw is not None else None,
+            memory_method=d.get("memory_method", ""),
+            error=d.get("error"),
+        )
+
+
+def is_oom(err: BaseException) -> bool:
+    """Whether an exception means the device ran out of memory."""
+    if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    msg = str(err)
+    return "can't allocate memory" in msg or "out of memory" in msg.lower()
+
+
+def set_tf32(enabled: bool) -> None:
+    """Allow (or forbid) TF32 tensor cores for float32 matmuls and convolutions on CUDA."""
+    mode = "tf32" if enabled else "ieee"
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = mode
+        torch.backends.cudnn.conv.fp32_precision = mode
+    else:
+        matmul.allow_tf32 = enabled
+        torch.backends.cudnn.allow_tf32 = enabled
+
+
+# -- memory --------------------------------------------------------------------------------
+
+
+def _cpu_peak(events: list[Any]) -> int:
+    """Peak of the running sum of CPU allocation (+) and free (-) events, in bytes."""
+    cpu = torch._C._autograd.DeviceType.CPU
+    mem = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]" and e.device_type() == cpu
+    )
+    live = peak = 0
+    for _, nbytes in mem:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _measured(device: torch.device, work: Callable[[], Any]) -> tuple[Any, int]:
+    """Run `work` and return its result and the peak memory it allocated (see module doc)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = work()
+        torch.cuda.synchronize(device)
+        return out, torch.cuda.max_memory_allocated(device) - base
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        out = work()
+    return out, _cpu_peak(prof.profiler.kineto_results.events())
+
+
+def _limit_memory(spec: RunSpec, device: torch.device) -> None:
+    """Enforce `spec.memory_limit` like a device's capacity: allocations beyond it fail.
+
+    CUDA: the caching allocator's per-process fraction. CPU: an address-space limit
+    (RLIMIT_AS) of the process's current size plus the limit for each loop plus slack for
+    allocator arenas, so an over-limit step fails with a real allocation error; the
+    measured peak is also compared with the limit, per loop, by the caller.
+    """
+    limit = spec.memory_limit
+    if limit is None:
+        return
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+        return
+    # Start the thread pool and its allocator arenas before measuring the process size.
+    torch.nn.functional.conv2d(torch.ones(2, 3, 16, 16), torch.ones(4, 3, 3, 3)).sum()
+    with open("/proc/self/statm") as f:
+        size = int(f.read().split()[0]) * resource.getpagesize()
+    loops = 2 if spec.raw else 1
+    cap = size + loops * limit + _ADDRESS_SPACE_SLACK
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+
+
+# -- the two loops -------------------------------------------------------------------------
+
+
+@dataclass
+class _Loop:
+    """A ready training loop: `step()` runs one training step and returns its loss.
+
+    `optimizer` is the plain torch optimizer doing the updates: its per-parameter step
+    counter tells how many steps were taken rather than skipped on overflow.
+    """
+
+    train_step: Callable[[], Tensor]
+    optimizer: torch.optim.Optimizer
+    steps_run: int = 0
+
+    def step(self) -> Tensor:
+        self.steps_run += 1
+        return self.train_step()
+
+    @property
+    def steps_taken(self) -> int:
+        for state in self.optimizer.state.values():
+            return int(state["step"])
+        return 0
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _build_mixprec(spec: RunSpec, device: torch.device) -> _Loop:
+    """Our loop: the workload set up through `mixprec.Precision`."""
+    from mixprec.bench.models import load_workload
+    from mixprec.policy_map import PolicyMap
+    from mixprec.precision import Precision
+
+    work = load_workload(spec.model, spec.image_size, spec.seed)
+    model = work.model.to(device)
+    inputs, targets = _to_device(work.make_batch(spec.batch_size), device)
+    policy = PolicyMap(spec.precision, float32_islands=spec.float32_islands)
+    precision = Precision(policy, device=device, allow_slow=spec.allow_slow)
+    model, optimizer = precision.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    loss_fn = work.loss_fn
+
+    def step() -> Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(precision.convert_input(inputs)), targets)
+        precision.backward(loss)
+        precision.step(optimizer)
+        return loss.detach()
+
+    return _Loop(step, optimizer.optimizer)
+
+
+def _build_raw(spec: RunSpec, device: torch.device) -> _Loop:
+    """The hand-written torch loop for a mixed policy: autocast, plus GradScaler for float16."""
+    from mixprec.bench.models import load_workload
+    from mixprec.policy import Policy
+
+    policy = Policy(spec.precision)
+    work = load_workload(spec.model, spec.image_size, spec.seed)
+    model = work.model.to(device)
+    inputs, targets = _to_device(work.make_batch(spec.batch_size), device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    dtype = policy.compute_dtype
+    scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+    loss_fn = work.loss_fn
+
+    def step() -> Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype):
+            loss = loss_fn(model(inputs), targets)
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        return loss.detach()
+
+    return _Loop(step, optimizer)
+
+
+def _first_update(build: Callable[[RunSpec, torch.device], _Loop], spec: RunSpec) -> _Loop:
+    """Build a loop and run it up to its first taken optimizer step, which creates the
+    optimizer's state (float16 runs skip their first steps while the loss scale settles)."""
+    loop = build(spec, torch.device(spec.device))
+    while loop.steps_taken == 0 and loop.steps_run < MAX_STEPS_TO_FIRST_UPDATE:
+        loop.step()
+    return loop
+
+
+def _oom_message(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).strip()[:300]}"
+
+
+def run_config(spec: RunSpec) -> RunResult:
+    """Run one configuration in this process (the child side of `run_isolated`)."""
+    device = torch.device(spec.device)
+    torch.set_num_threads(spec.threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        if spec.tf32 is not None:
+            set_tf32(spec.tf32)
+    method = CUDA_MEMORY_METHOD if device.type == "cuda" else CPU_MEMORY_METHOD
+    _limit_memory(spec, device)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+    builders = {"mixprec": _build_mixprec, **({"raw": _build_raw} if spec.raw else {})}
+    results = {name: LoopResult() for name in builders}
+    loops: dict[str, _Loop] = {}
+    for name, build in builders.items():
+        res = results[name]
+        try:
+            loop, res.peak_memory = _measured(device, lambda b=build: _first_update(b, spec))
+        except Exception as err:  # noqa: BLE001 - OOM is a result; anything else propagates
+            if not is_oom(err):
+                raise
+            res.status, res.error = OOM, _oom_message(err)
+            _release(device)
+            continue
+        if spec.memory_limit is not None and res.peak_memory > spec.memory_limit:
+            res.status = OOM
+            res.error = (
+                f"peak {res.peak_memory} bytes is over the memory limit of "
+                f"{spec.memory_limit} bytes"
+            )
+            del loop
+            _release(device)
+            continue
+        loops[name] = loop
+
+    ours = results["mixprec"]
+    if ours.status == OK:
+        try:
+            for _ in range(spec.warmup):
+                for loop in loops.values():
+                    loop.step()
+                    sync()
+            _time_interleaved(loops, results, spec.steps, sync)
+        except Exception as err:  # noqa: BLE001
+            if not is_oom(err):
+                raise
+            ours.status, ours.error = OOM, _oom_message(err)
+    if ours.status == OK:
+        for name, loop in loops.items():
+            results[name].skipped_steps = loop.steps_run - loop.steps_taken
+    return RunResult(ours.status, ours, results.get("raw"), method)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _time_interleaved(
+    loops: dict[str, _Loop], results: dict[str, LoopResult], steps: int, sync: Callable[[], None]
+) -> None:
+    """Time `steps` steps of each loop, alternating which goes first, with GC disabled."""
+    names = list(loops)
+    last: dict[str, Tensor] = {}
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(steps):
+            for name in names if i % 2 == 0 else names[::-1]:
+                sync()
+                t0 = time.perf_counter()
+                last[name] = loops[name].step()
+                sync()
+                results[name].step_ms.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        gc.enable()
+    for name, loss in last.items():
+        results[name].final_loss = float(loss)
+
+
+# -- process boundary ----------------------------------------------------------------------
+
+
+def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> RunResult:
+    """Run `spec` in a fresh Python process and return its result.
+
+    A child killed by SIGKILL (the kernel's out-of-memory killer) is reported as OOM; a
+    crash or an exception in the child as an error carrying the end of its output.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    tag = f"{spec.precision}-{spec.batch_size}-{spec.tf32}".replace("/", "_").replace(",", "_")
+    out_path = workdir / f"result-{tag}-{os.getpid()}-{time.monotonic_ns()}.json"
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads))
+    cmd = [sys.executable, "-m", "mixprec.bench.runner", json.dumps(asdict(spec)), str(out_path)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return RunResult(TIMEOUT, LoopResult(TIMEOUT), error=f"no result after {timeout:.0f} s")
+    try:
+        if out_path.exists():
+            return RunResult.from_dict(json.loads(out_path.read_text()))
+    finally:
+        out_path.unlink(missing_ok=True)
+    if proc.returncode == -9:
+        msg = "killed by SIGKILL, the usual sign of running out of host memory"
+        return RunResult(OOM, LoopResult(OOM, msg), error=msg)
+    tail = (proc.stderr or proc.stdout or "").strip()[-1500:]
+    msg = f"benchmark process exited with code {proc.returncode}: {tail}"
+    return RunResult(ERROR, LoopResult(ERROR, msg), error=msg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Child entry point: `python -m mixprec.bench.runner SPEC_JSON RESULT_PATH`."""
+    spec_json, result_path = argv if argv is not None else sys.argv[1:3]
+    spec = RunSpec(**json.loads(spec_json))
+    try:
+        result = run_config(spec)
+    except Exception as err:  # noqa: BLE001 - reported to the parent, which shows it
+        detail = "".join(traceback.format_exception_only(type(err), err)).strip()
+        result = RunResult(ERROR, LoopResult(ERROR, detail), error=detail)
+        traceback.print_exc()
+    Path(result_path).write_text(json.dumps(asdict(result)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

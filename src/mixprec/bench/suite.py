@@ -1,0 +1,405 @@
+"""The float32-vs-mixed experiment: plan the configurations, run each in a fresh process,
+and (optionally) search the largest batch that fits per precision.
+
+`plan` validates everything before any process starts (unknown specs, precisions the
+hardware refuses, far-slower-than-float32 ones without `allow_slow`), so a bad option fails
+in a second with a message saying what is accepted.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shlex
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixprec import __version__
+from mixprec.bench.models import (
+    DEFAULT_BATCH_SIZES,
+    DEFAULT_IMAGE_SIZE,
+    check_model,
+)
+from mixprec.bench.runner import OK, OOM, RunResult, RunSpec, run_isolated
+from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
+from mixprec.hardware import SLOW, DeviceInfo, check, default_device, detect, resolve_auto
+from mixprec.policy import Policy
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The seed blog's experiment: its CNN on 256x256 images, batch 32 to 512, on a GPU;
+    # float32 vs float16 mixed (the blog's) and the precision recommended for this GPU.
+    "blog": {
+        "model": "cnn",
+        "precisions": ["32-true", "16-mixed", "auto"],
+        "image_size": 256,
+        "batch_sizes": [32, 64, 128, 256, 512],
+        "steps": 20,
+        "warmup": 5,
+    },
+}
+# The seed blog's Tesla V100 results, ms/step of its CNN on 256x256 images (Keras fit,
+# epoch 20): batch size -> (mixed_float16, float32). Smaller batches are garbled in the text.
+BLOG_V100_MS: dict[int, tuple[int, int]] = {128: (97, 106), 256: (188, 206), 512: (377, 415)}
+MAX_BATCH_CAP = 2**16
+
+
+@dataclass
+class BenchOptions:
+    """What to run. `None` fields take defaults from the model, the preset or the device."""
+
+    model: str = "cnn"
+    precisions: list[str] | None = None
+    batch_sizes: list[int] | None = None
+    image_size: int | None = None
+    steps: int | None = None
+    warmup: int | None = None
+    device: str | None = None
+    threads: int | None = None
+    tf32: str | None = None
+    allow_slow: bool = False
+    memory_limit: int | None = None
+    max_batch: bool = False
+    preset: str | None = None
+    float32_islands: str = "on"
+    timeout: float = 900.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """One row of the experiment: a precision (and TF32 setting) at one batch size."""
+
+    label: str
+    spec: str
+    batch_size: int
+    tf32: bool | None
+    raw: bool
+    float32_islands: bool = True
+
+
+@dataclass
+class Plan:
+    """Validated options, the configurations to run, and the reproduce command."""
+
+    options: BenchOptions
+    device: torch.device
+    precisions: dict[str, Policy]
+    support: dict[str, str]
+    configs: list[Config]
+    command: str
+
+
+@dataclass
+class Row:
+    """A configuration and what its process reported."""
+
+    config: Config
+    result: RunResult
+
+
+@dataclass
+class BenchReport:
+    """Everything a run produced: metadata, one row per configuration, max-batch search."""
+
+    metadata: dict[str, Any]
+    rows: list[Row]
+    max_batch: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _positive(name: str, value: int | None, minimum: int = 1) -> None:
+    if value is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _resolve(opts: BenchOptions) -> BenchOptions:
+    """Fill defaults: the preset's values first, then the model's, then the machine's."""
+    if opts.preset is not None:
+        if opts.preset not in PRESETS:
+            raise ValueError(f"unknown preset {opts.preset!r}; known: {', '.join(PRESETS)}")
+        preset = PRESETS[opts.preset]
+        opts = replace(
+            opts,
+            **{k: v for k, v in preset.items() if k != "model" and getattr(opts, k) is None},
+        )
+        if opts.model != preset["model"]:
+            raise ValueError(f"--preset {opts.preset} runs --model {preset['model']}")
+    check_model(opts.model)
+    if opts.image_size is not None and opts.model != "cnn":
+        raise ValueError("--image-size applies to --model cnn only")
+    builtin = opts.model in DEFAULT_BATCH_SIZES
+    if opts.batch_sizes is None and not builtin:
+        raise ValueError(f"--model {opts.model} needs --batch-sizes (no defaults for it)")
+    return replace(
+        opts,
+        batch_sizes=sorted(set(opts.batch_sizes or DEFAULT_BATCH_SIZES[opts.model])),
+        image_size=opts.image_size or DEFAULT_IMAGE_SIZE,
+        steps=opts.steps if opts.steps is not None else 10,
+        warmup=opts.warmup if opts.warmup is not None else 1,
+        threads=opts.threads or torch.get_num_threads(),
+    )
+
+
+def _device(name: str | None) -> torch.device:
+    device = torch.device(name) if name is not None else default_device()
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"mixprec bench runs on cpu or cuda, not {device.type}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA GPU is available here")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _precisions(
+    specs: list[str] | None, device: torch.device, allow_slow: bool
+) -> tuple[dict[str, Policy], dict[str, str]]:
+    """Parse and hardware-check every spec; label -> policy and label -> support note."""
+    info = detect(device)
+    if specs is None:
+        auto = resolve_auto(info)
+        specs = ["32-true"] if auto.name == "32-true" else ["32-true", auto.name]
+    policies: dict[str, Policy] = {}
+    support: dict[str, str] = {}
+    for spec in specs:
+        try:
+            policy = Policy(spec)
+            s = check(policy, device, allow_slow=allow_slow, info=info)
+        except SlowPrecisionError as err:
+            raise ValueError(f"{err} (mixprec bench: pass --allow-slow)") from None
+        except (PolicySpecError, PrecisionError) as err:
+            raise ValueError(str(err)) from None
+        policies.setdefault(policy.name, policy)
+        support[policy.name] = f"{s.status}: {s.reason}" if s.status == SLOW else s.status
+    return policies, support
+
+
+def _tf32_modes(tf32: str | None, device: torch.device) -> list[bool | None]:
+    if device.type != "cuda":
+        if tf32 is not None:
+            raise ValueError(
+                f"--tf32 applies to CUDA GPUs only; this run is on {device.type}, "
+                "where float32 has no TF32 mode"
+            )
+        return [None]
+    modes = {"on": [True], "off": [False], "both": [False, True], None: [False, True]}
+    if tf32 not in modes:
+        raise ValueError(f"--tf32 must be on, off or both, got {tf32!r}")
+    return modes[tf32]
+
+
+def _island_modes(islands: str) -> list[bool]:
+    modes = {"on": [True], "off": [False], "both": [True, False]}
+    if islands not in modes:
+        raise ValueError(f"--float32-islands must be on, off or both, got {islands!r}")
+    return modes[islands]
+
+
+def _label(name: str, policy: Policy, tf32: bool | None, modes: list[bool | None]) -> str:
+    if tf32 is None or policy.compute_dtype != torch.float32 or len(modes) == 1:
+        return name
+    return f"{name} (TF32 {'on' if tf32 else 'off'})"
+
+
+def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
+    """The explicit command that re-runs exactly these settings on this machine."""
+    parts = ["mixprec", "bench", "--model", opts.model]
+    if opts.model == "cnn":
+        parts += ["--image-size", str(opts.image_size)]
+    parts += ["--batch-sizes", *map(str, opts.batch_sizes or [])]
+    parts += ["--precision", *(opts.precisions or [])]
+    parts += ["--steps", str(opts.steps), "--warmup", str(opts.warmup)]
+    parts += ["--device", str(device), "--threads", str(opts.threads)]
+    if opts.tf32 is not None:
+        parts += ["--tf32", opts.tf32]
+    if opts.allow_slow:
+        parts.append("--allow-slow")
+    if opts.memory_limit is not None:
+        parts += ["--memory-limit", str(opts.memory_limit)]
+    if opts.max_batch:
+        parts.append("--max-batch")
+    if opts.float32_islands != "on":
+        parts += ["--float32-islands", opts.float32_islands]
+    return shlex.join(parts)
+
+
+def plan(options: BenchOptions) -> Plan:
+    """Validate `options` and list the configurations; raises ValueError on bad input."""
+    opts = _resolve(options)
+    for name, value, minimum in (
+        ("--steps", opts.steps, 1),
+        ("--warmup", opts.warmup, 0),
+        ("--threads", opts.threads, 1),
+        ("--image-size", opts.image_size, 8),
+        ("--memory-limit", opts.memory_limit, 1),
+    ):
+        _positive(name, value, minimum)
+    for b in opts.batch_sizes or []:
+        _positive("every batch size", b)
+    device = _device(opts.device)
+    if opts.max_batch and device.type == "cpu" and opts.memory_limit is None:
+        raise ValueError(
+            "--max-batch on a CPU needs --memory-limit (e.g. 2GiB): host memory is shared "
+            "and swaps long before a batch 'does not fit'"
+        )
+    policies, support = _precisions(opts.precisions, device, opts.allow_slow)
+    opts = replace(opts, precisions=list(policies))
+    modes = _tf32_modes(opts.tf32, device)
+    islands = _island_modes(opts.float32_islands)
+    configs = []
+    for batch in opts.batch_sizes or []:
+        for name, policy in policies.items():
+            fp32_compute = policy.compute_dtype == torch.float32
+            for tf32 in modes if fp32_compute else modes[:1]:
+                for island in islands if policy.is_mixed else [True]:
+                    label = _label(name, policy, tf32, modes)
+                    if not island:
+                        label += " (no f32 islands)"
+                    configs.append(Config(label, name, batch, tf32, policy.is_mixed, island))
+    return Plan(opts, device, policies, support, configs, reproduce_command(opts, device))
+
+
+def _spec(p: Plan, config: Config) -> RunSpec:
+    o = p.options
+    return RunSpec(
+        model=o.model,
+        precision=config.spec,
+        batch_size=config.batch_size,
+        image_size=o.image_size or DEFAULT_IMAGE_SIZE,
+        device=str(p.device),
+        steps=o.steps or 1,
+        warmup=o.warmup or 0,
+        threads=o.threads or 1,
+        tf32=config.tf32,
+        allow_slow=o.allow_slow,
+        raw=config.raw,
+        memory_limit=o.memory_limit,
+        float32_islands=config.float32_islands,
+    )
+
+
+def _load_average() -> list[float] | None:
+    """The OS's 1/5/15-minute load averages: other work on the machine skews timings."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _describe(info: DeviceInfo, threads: int) -> str:
+    """The device as `mixprec info` shows it, with the thread count the children use."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return info.describe()
+    finally:
+        torch.set_num_threads(before)
+
+
+def metadata(p: Plan) -> dict[str, Any]:
+    """Environment and settings recorded with the results."""
+    info = detect(p.device)
+    o = p.options
+    return {
+        "mixprec_version": __version__,
+        "torch_version": torch.__version__,
+        "cuda_version": torch.version.cuda,
+        "device": _describe(info, o.threads or 1),
+        "device_type": p.device.type,
+        "model": o.model,
+        "image_size": o.image_size if o.model == "cnn" else None,
+        "batch_sizes": o.batch_sizes,
+        "precisions": o.precisions,
+        "support": p.support,
+        "steps": o.steps,
+        "warmup": o.warmup,
+        "threads": o.threads,
+        "memory_limit": o.memory_limit,
+        "float32_islands": o.float32_islands,
+        "preset": o.preset,
+        "command": p.command,
+        "started": datetime.datetime.now().isoformat(timespec="seconds"),
+        "load_average_before": _load_average(),
+        "timing": (
+            "per step: zero_grad, forward, loss, backward, optimizer step (CUDA synchronised); "
+            "warm-up excluded, GC disabled, median of the timed steps; a mixed precision's "
+            "raw torch.autocast loop alternates steps with ours in the same process"
+        ),
+    }
+
+
+def _fits(p: Plan, name: str, batch: int, workdir: Path) -> tuple[bool, RunResult]:
+    tf32 = _tf32_modes(p.options.tf32, p.device)[0]
+    island = _island_modes(p.options.float32_islands)[0]
+    config = Config(name, name, batch, tf32, raw=False, float32_islands=island)
+    spec = replace(_spec(p, config), steps=1, warmup=0)
+    result = run_isolated(spec, workdir, p.options.timeout)
+    if result.status not in (OK, OOM):
+        raise RuntimeError(f"max-batch probe {name} at batch {batch} failed: {result.error}")
+    return result.status == OK, result
+
+
+def search_max_batch(
+    p: Plan, name: str, workdir: Path, on_probe: Callable[[int, bool], None] | None = None
+) -> dict[str, Any]:
+    """Largest batch of precision `name` that fits: double from the smallest batch size
+    until one runs out of memory, then bisect between the last fit and the first OOM."""
+    probes: list[dict[str, Any]] = []
+
+    def probe(batch: int) -> bool:
+        ok, result = _fits(p, name, batch, workdir)
+        probes.append({"batch_size": batch, "fits": ok, "peak_memory": result.mixprec.peak_memory})
+        if on_probe is not None:
+            on_probe(batch, ok)
+        return ok
+
+    lo, hi = 0, None
+    batch = min(p.options.batch_sizes or [1])
+    while batch <= MAX_BATCH_CAP:
+        if probe(batch):
+            lo, batch = batch, batch * 2
+        else:
+            hi = batch
+            break
+    if hi is not None:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
+    return {"max_batch": lo, "first_oom": hi, "capped": hi is None, "probes": probes}
+
+
+def run_bench(
+    p: Plan,
+    on_config: Callable[[Config, RunResult], None] | None = None,
+    on_probe: Callable[[str, int, bool], None] | None = None,
+) -> BenchReport:
+    """Run every configuration of plan `p` (each in a fresh process), then the max-batch
+    search if asked; callbacks report progress."""
+    meta = metadata(p)
+    t0 = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mixprec-bench-") as tmp:
+        for config in p.configs:
+            result = run_isolated(_spec(p, config), Path(tmp), p.options.timeout)
+            rows.append(Row(config, result))
+            if on_config is not None:
+                on_config(config, result)
+        max_batch = {}
+        if p.options.max_batch:
+            for name in p.precisions:
+                cb = (lambda b, ok, name=name: on_probe(name, b, ok)) if on_probe else None
+                max_batch[name] = search_max_batch(p, name, Path(tmp), cb)
+    meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    meta["load_average_after"] = _load_average()
+    meta["memory_method"] = next(
+        (r.result.memory_method for r in rows if r.result.memory_method), ""
+    )
+    return BenchReport(meta, rows, max_batch)

@@ -1,0 +1,415 @@
+"""`PrecisionMonitor`: watch per-layer ranges during training and warn before they break.
+
+Every `every_n_steps` optimizer steps, forward hooks measure each layer's output held in a
+low-precision dtype (float16, bfloat16, float8): its amax and the fraction of nonzero values
+below the dtype's smallest normal; tensor hooks do the same for the gradient flowing back
+into it. On other steps no hook is installed, so they cost nothing. The numbers stay on the
+device until the step ends, then come back in one transfer.
+
+Warnings (a `PrecisionWarning` and a log record, each naming the layer) are raised once per
+layer and kind when a layer's amax comes within `headroom` of its dtype's max, when its
+growth over recent samples projects it past the max within `horizon_steps`, when it is
+already inf/NaN, and when the loss scaler keeps skipping steps.
+
+Use it as a Trainer callback, or in any loop::
+
+    monitor = PrecisionMonitor(every_n_steps=50).attach(model)
+    for step, (x, y) in enumerate(data):
+        monitor.start_step(step)
+        ...forward, backward, optimizer step...
+        monitor.end_step(step, scaler=precision.scaler)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.doctor.probe import floating_tensors
+from mixprec.dtypes import LOW_PRECISION_FLOATS, format_info
+from mixprec.scaling import LossScaler
+from mixprec.trainer.callbacks import Callback
+
+if TYPE_CHECKING:
+    from mixprec.trainer.trainer import Trainer
+
+log = logging.getLogger("mixprec")
+
+
+class PrecisionWarning(RuntimeWarning):
+    """A layer's values are heading outside what its dtype can hold, or the scaler keeps
+    skipping steps."""
+
+
+@dataclass(frozen=True)
+class LayerSample:
+    """One layer's numbers at one monitored step (gradient fields are NaN before backward
+    reached the layer or when its output needs no gradient)."""
+
+    step: int
+    dtype: str
+    amax: float
+    underflow: float
+    grad_amax: float
+    grad_underflow: float
+
+
+class PrecisionMonitor(Callback):
+    """Track per-layer amax and underflow every `every_n_steps` steps and warn early.
+
+    Args:
+        every_n_steps: monitor one step in this many (step 0 included).
+        headroom: warn when a layer's amax exceeds its dtype's max divided by this.
+        horizon_steps: warn when the amax trend (a log-linear fit over the last samples)
+            reaches the dtype's max within this many steps.
+        skip_patience: warn when the scaler skipped this many steps in a row, or at least
+            half the steps since the last monitored one (and at least this many).
+        underflow_warn: warn when this fraction of a layer's nonzero outputs or gradients
+            falls below the dtype's smallest normal.
+        history: samples kept per layer.
+        log_fn: called with ``({name: value}, step)`` on each monitored step; as a Trainer
+            callback the default sends them to the trainer's loggers.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        *,
+        headroom: float = 4.0,
+        horizon_steps: int | None = None,
+        skip_patience: int = 3,
+        underflow_warn: float = 0.5,
+        history: int = 32,
+        log_fn: Callable[[dict[str, float], int], None] | None = None,
+    ) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be at least 1, got {every_n_steps}")
+        if not headroom >= 1:
+            raise ValueError(f"headroom must be >= 1 (a factor below the max), got {headroom}")
+        if skip_patience < 1:
+            raise ValueError(f"skip_patience must be at least 1, got {skip_patience}")
+        if not 0 < underflow_warn <= 1:
+            raise ValueError(f"underflow_warn must be a fraction in (0, 1], got {underflow_warn}")
+        self.every_n_steps = every_n_steps
+        self.headroom = headroom
+        self.horizon_steps = horizon_steps if horizon_steps is not None else 10 * every_n_steps
+        self.skip_patience = skip_patience
+        self.underflow_warn = underflow_warn
+        self.log_fn = log_fn
+        self.history: dict[str, deque[LayerSample]] = {}
+        self.warnings: list[str] = []
+        self._maxlen = history
+        self._model: nn.Module | None = None
+        self._names: dict[int, str] = {}
+        self._handles: list[Any] = []
+        self._pending: dict[str, list[tuple[torch.dtype, list[Tensor]]]] = {}
+        self._grads: dict[str, list[Tensor]] = {}
+        self._seen: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+        self._armed_step: int | None = None
+        self._done_step: int | None = None
+        self._warned: set[tuple[str, str]] = set()
+        self._last_scaler: tuple[int, int] | None = None
+
+    # -- the standalone interface ------------------------------------------------------------
+
+    def attach(self, model: nn.Module) -> PrecisionMonitor:
+        """Watch `model` (after `mixprec.apply` or `Precision.setup`); returns self."""
+        self.detach()
+        self._model = model
+        self._names = {id(m): name for name, m in model.named_modules()}
+        return self
+
+    def detach(self) -> None:
+        """Stop watching: remove any installed hook."""
+        self._disarm()
+        self._model = None
+
+    def should_monitor(self, step: int) -> bool:
+        """Whether `step` is one of the monitored steps."""
+        return step % self.every_n_steps == 0
+
+    def start_step(self, step: int) -> bool:
+        """Install the hooks if `step` is monitored (call before the forward); returns
+        whether it is."""
+        if self._model is None:
+            raise RuntimeError("PrecisionMonitor.start_step before attach(model)")
+        if self._armed_step == step:
+            return True
+        if not self.should_monitor(step) or self._done_step == step:
+            return False
+        self._disarm()
+        self._armed_step = step
+        for module in self._model.modules():
+            self._handles.append(module.register_forward_hook(self._forward_hook))
+        return True
+
+    def end_step(self, step: int, scaler: LossScaler | None = None) -> dict[str, float]:
+        """Collect the monitored step's numbers (after backward), check them and the scaler,
+        warn, log; returns the logged metrics (empty on unmonitored steps)."""
+        if self._armed_step is None or self._armed_step != step:
+            return {}
+        names: list[tuple[str, torch.dtype]] = []
+        tensors: list[Tensor] = []
+        for name, entries in self._pending.items():
+            for dtype, stats in entries:
+                names.append((name, dtype))
+                tensors += stats
+        grad_names = list(self._grads)
+        for name in grad_names:
+            tensors += self._grads[name]
+        self._disarm()
+        self._done_step = step
+        values = torch.stack([t.float().cpu() for t in tensors]).tolist() if tensors else []
+        samples = self._samples(step, names, grad_names, values)
+        metrics: dict[str, float] = {}
+        # inf/NaN propagate downstream: only the first layer (in execution order) is named
+        first_bad = next((n for n, s in samples.items() if not math.isfinite(s.amax)), None)
+        for name, sample in samples.items():
+            self.history.setdefault(name, deque(maxlen=self._maxlen)).append(sample)
+            metrics[f"precision/{name}/amax"] = sample.amax
+            metrics[f"precision/{name}/underflow"] = sample.underflow
+            if not math.isnan(sample.grad_amax):
+                metrics[f"precision/{name}/grad_amax"] = sample.grad_amax
+                metrics[f"precision/{name}/grad_underflow"] = sample.grad_underflow
+            if math.isfinite(sample.amax) or name == first_bad:
+                self._check_layer(name, sample)
+        if scaler is not None:
+            metrics.update(self._check_scaler(step, scaler, samples))
+        if self.log_fn is not None and metrics:
+            self.log_fn(metrics, step)
+        return metrics
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self._names.get(id(module), "?") or "<root>"
+        for t in floating_tensors(output):
+            if t.dtype not in LOW_PRECISION_FLOATS or id(t) in self._seen or not t.numel():
+                continue
+            self._seen[id(t)] = t
+            info = format_info(t.dtype)
+            self._pending.setdefault(name, []).append((t.dtype, _range_stats(t, info)))
+            if t.requires_grad:
+                self._handles.append(t.register_hook(self._grad_hook(name, info)))
+
+    def _grad_hook(self, name: str, info: Any) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            if not grad.numel():
+                return
+            amax, under, nonzero = _range_stats(grad, info)
+            old = self._grads.get(name)
+            if old is None:
+                self._grads[name] = [amax, under, nonzero]
+            else:  # several outputs or calls: combine
+                self._grads[name] = [
+                    torch.maximum(old[0], amax),
+                    old[1] + under,
+                    old[2] + nonzero,
+                ]
+
+        return hook
+
+    def _disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pending.clear()
+        self._grads.clear()
+        self._seen.clear()
+        self._armed_step = None
+
+    # -- analysis ----------------------------------------------------------------------------
+
+    def _samples(
+        self,
+        step: int,
+        names: list[tuple[str, torch.dtype]],
+        grad_names: list[str],
+        values: list[float],
+    ) -> dict[str, LayerSample]:
+        merged: dict[str, list[Any]] = {}
+        i = 0
+        for name, dtype in names:
+            amax, under, nonzero = values[i : i + 3]
+            i += 3
+            m = merged.setdefault(name, [dtype, 0.0, 0.0, 0.0])
+            m[1] = amax if math.isnan(amax) or math.isnan(m[1]) else max(m[1], amax)
+            m[2] += under
+            m[3] += nonzero
+        grads: dict[str, tuple[float, float]] = {}
+        for name in grad_names:
+            amax, under, nonzero = values[i : i + 3]
+            i += 3
+            grads[name] = (amax, under / nonzero if nonzero else 0.0)
+        out = {}
+        for name, (dtype, amax, under, nonzero) in merged.items():
+            g_amax, g_under = grads.get(name, (math.nan, math.nan))
+            out[name] = LayerSample(
+                step=step,
+                dtype=format_info(dtype).name,
+                amax=amax,
+                underflow=under / nonzero if nonzero else 0.0,
+                grad_amax=g_amax,
+                grad_underflow=g_under,
+            )
+        return out
+
+    def _warn(self, name: str, kind: str, message: str) -> None:
+        if (name, kind) in self._warned:
+            return
+        self._warned.add((name, kind))
+        self.warnings.append(message)
+        log.warning(message)
+        warnings.warn(message, PrecisionWarning, stacklevel=4)
+
+    def _check_layer(self, name: str, s: LayerSample) -> None:
+        info = format_info(s.dtype)
+        if not math.isfinite(s.amax):
+            self._warn(
+                name,
+                "nonfinite",
+                f"layer {name} produced inf/NaN in {s.dtype} at step {s.step}; run "
+                "`mixprec doctor` on this batch to find where it starts",
+            )
+            return
+        if s.amax > info.max / self.headroom:
+            self._warn(
+                name,
+                "near-max",
+                f"layer {name} reaches {s.amax:.3g} at step {s.step}, within "
+                f"{self.headroom:g}x of {s.dtype} max {info.max:g}: it will overflow soon",
+            )
+        else:
+            eta = self._projected_overflow(name, info.max)
+            if eta is not None and eta - s.step <= self.horizon_steps:
+                self._warn(
+                    name,
+                    "trend",
+                    f"layer {name} amax grew to {s.amax:.3g} by step {s.step}; at this rate "
+                    f"it passes {s.dtype} max {info.max:g} around step {eta}",
+                )
+        if s.underflow >= self.underflow_warn:
+            self._warn(
+                name,
+                "underflow",
+                f"layer {name}: {s.underflow:.0%} of its nonzero outputs are below {s.dtype}'s "
+                f"smallest normal {info.smallest_normal:.2g} at step {s.step}",
+            )
+        if not math.isnan(s.grad_underflow) and s.grad_underflow >= self.underflow_warn:
+            self._warn(
+                name,
+                "grad-underflow",
+                f"layer {name}: {s.grad_underflow:.0%} of the (scaled) gradients reaching it "
+                f"are below {s.dtype}'s smallest normal at step {s.step}: raise the loss scale",
+            )
+
+    def _projected_overflow(self, name: str, limit: float) -> int | None:
+        """Step at which a least-squares line through log2(amax) of the last samples crosses
+        log2(limit); None without a rising trend (fewer than 3 samples, or flat)."""
+        samples = [s for s in self.history.get(name, ()) if s.amax > 0 and math.isfinite(s.amax)]
+        samples = samples[-8:]
+        if len(samples) < 3:
+            return None
+        xs = [float(s.step) for s in samples]
+        ys = [math.log2(s.amax) for s in samples]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx == 0:
+            return None
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+        if slope <= 0:
+            return None
+        return int(xs[-1] + (math.log2(limit) - ys[-1]) / slope)
+
+    def _check_scaler(
+        self, step: int, scaler: LossScaler, samples: dict[str, LayerSample]
+    ) -> dict[str, float]:
+        stats = scaler.stats()
+        window_steps, window_skips = stats.steps, stats.skipped_steps
+        if self._last_scaler is not None:
+            window_steps -= self._last_scaler[0]
+            window_skips -= self._last_scaler[1]
+        self._last_scaler = (stats.steps, stats.skipped_steps)
+        skipping = stats.consecutive_skips >= self.skip_patience or (
+            window_skips >= self.skip_patience and window_skips * 2 >= window_steps
+        )
+        if not skipping:
+            self._warned.discard(("<scaler>", "skipping"))  # a new episode warns again
+        else:
+            suspects = sorted(
+                samples.items(),
+                key=lambda kv: -_fill(kv[1]),
+            )[:3]
+            shown = ", ".join(
+                f"{name} ({'inf/NaN' if not math.isfinite(s.amax) else f'amax {s.amax:.3g}'})"
+                for name, s in suspects
+            )
+            self._warn(
+                "<scaler>",
+                "skipping",
+                f"the loss scaler keeps skipping steps: {window_skips} of the last "
+                f"{window_steps} ({stats.consecutive_skips} in a row), scale now "
+                f"{stats.scale:g}; layers closest to their dtype's max: {shown or 'none seen'}",
+            )
+        return {
+            "precision/loss_scale": stats.scale,
+            "precision/skipped_steps": float(stats.skipped_steps),
+        }
+
+    # -- Trainer callback --------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
+        self.attach(model)
+
+    def on_train_batch_start(
+        self, trainer: Trainer, model: nn.Module, batch: Any, batch_idx: int
+    ) -> None:
+        self.start_step(trainer.global_step)
+
+    def on_before_optimizer_step(self, trainer: Trainer, model: nn.Module, optimizer: Any) -> None:
+        # every micro-batch of the step has run forward and backward; validation (whose
+        # forwards must not count) comes later
+        step = self._armed_step
+        if step is None:
+            return
+        precision = trainer.precision
+        metrics = self.end_step(step, scaler=precision.scaler if precision is not None else None)
+        if metrics and self.log_fn is None and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step + 1)  # the trainer logs step s as s + 1
+
+    def on_fit_end(self, trainer: Trainer, model: nn.Module) -> None:
+        self.detach()
+
+
+def _range_stats(t: Tensor, info: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """(amax, values below the smallest normal, nonzero values) of `t`, on its device.
+    amax is inf/NaN when `t` holds any."""
+    t = t.detach()
+    if t.dtype not in _NORM_OK:
+        t = t.float()  # float8 has no abs/min/max kernels on every device
+    lo, hi = torch.aminmax(t)  # NaN and inf propagate
+    amax = torch.maximum(lo.abs(), hi.abs())
+    a = t.abs()
+    nonzero = torch.count_nonzero(a)
+    under = torch.count_nonzero(a < info.smallest_normal) - (a.numel() - nonzero)
+    return amax, under, nonzero
+
+
+_NORM_OK = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fill(s: LayerSample) -> float:
+    """How full a layer's range is: amax / dtype max (inf for inf/NaN)."""
+    if not math.isfinite(s.amax):
+        return math.inf
+    return s.amax / format_info(s.dtype).max

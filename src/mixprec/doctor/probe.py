@@ -1,0 +1,480 @@
+"""Hooks that watch one forward and backward pass of a model copy, module by module.
+
+A reference run records every module's inputs and outputs (cloned, so later in-place ops
+cannot change them), the largest magnitude of each one's gradient, and every parameter's
+gradient. A target run of an identical copy compares each tensor with its reference twin:
+range (amax, smallest magnitude), how much falls outside the target dtype (overflow,
+underflow, flush to zero), non-finite values, and the error against the reference; for the
+gradients flowing between modules it only counts inf/NaN (where a backward pass breaks).
+
+Tensors are matched by position: the i-th output of the k-th call of module `name`.
+A tensor seen several times (the output of a block is also its last child's output and the
+next layer's input) is measured once, in a few passes that allocate no large temporaries;
+small tensors are measured together at the end (see `Comparisons`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.dtypes import format_info
+
+# Columns of one statistics row (the same for activations and gradients).
+FIELDS: tuple[str, ...] = (
+    "numel",  # elements compared
+    "nonzero",  # nonzero elements in the reference
+    "amax",  # largest |reference| (unscaled)
+    "amin",  # smallest nonzero |reference| (unscaled; inf when all are zero)
+    "overflow",  # reference values above the dtype's max (after scaling)
+    "underflow",  # nonzero reference values below the dtype's smallest normal (after scaling)
+    "ref_sq",  # sum of squares of the reference
+    "flushed",  # underflow values (see above) that are zero in the target (when counted)
+    "nonfinite",  # inf/NaN in the target
+    "err_sq",  # sum of squared differences target - reference (unscaled)
+)
+
+Key = tuple[str, int, str, int]  # (module name, call index, "in"/"out", position)
+
+_info = functools.cache(format_info)
+_NO_ZERO = 1e30  # added to exact zeros so that the smallest nonzero magnitude is a plain min
+
+
+def floating_tensors(obj: Any) -> list[Tensor]:
+    """Every floating tensor in a nested tuple/list/dict/dataclass, in a stable order."""
+    if isinstance(obj, Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in floating_tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in floating_tensors(x)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in floating_tensors(getattr(obj, f.name))]
+    return []
+
+
+def snapshot(t: Tensor) -> Tensor:
+    """A detached float32 copy of `t` (later in-place ops on `t` do not reach it)."""
+    return t.detach().to(torch.float32, copy=True)
+
+
+class Scratch:
+    """A reusable float32 buffer: fresh multi-megabyte temporaries cost more (page faults)
+    than the passes over them."""
+
+    def __init__(self) -> None:
+        self._buf: Tensor | None = None
+
+    def like(self, t: Tensor) -> Tensor:
+        n = t.numel()
+        if self._buf is None or self._buf.numel() < n or self._buf.device != t.device:
+            self._buf = torch.empty(n, dtype=torch.float32, device=t.device)
+        return self._buf[:n].view(t.shape)
+
+
+class RefTensor:
+    """A reference run's tensor (a float32 snapshot) and, computed on first use and shared by
+    every run compared with it, its statistics: magnitudes and norm, and the counts against
+    each target dtype's limits."""
+
+    def __init__(self, t: Tensor, scratch: Scratch) -> None:
+        self.value = snapshot(t)
+        self._scratch = scratch
+        self._base: tuple[float, float, float, float] | None = None
+        self._counts: dict[tuple[torch.dtype, float], tuple[float, float]] = {}
+
+    def base(self) -> tuple[float, float, float, float]:
+        """(nonzero count, amax, smallest nonzero magnitude, sum of squares)."""
+        if self._base is None:
+            r = self.value
+            if not r.numel():
+                self._base = (0.0, 0.0, math.inf, 0.0)
+                return self._base
+            a = torch.abs(r, out=self._scratch.like(r))
+            lo, hi = torch.aminmax(r)
+            amax, amin, norm = torch.stack(
+                [torch.maximum(lo.abs(), hi.abs()), a.amin(), torch.linalg.vector_norm(r)]
+            ).tolist()
+            nonzero = float(r.numel())
+            if amin == 0:  # zeros: count them, and find the smallest nonzero magnitude
+                # in float passes (boolean ones are several times slower on CPUs): with
+                # s = sign|r|, sum(s) counts the nonzeros and |r| + (1 - s) * big moves the
+                # zeros out of the way of the minimum
+                s = torch.sign(a)
+                nonzero, amin = torch.stack(
+                    [
+                        s.sum(dtype=torch.float64),  # exact beyond 2**24 elements
+                        s.sub_(1.0).mul_(-_NO_ZERO).add_(a).amin().double(),
+                    ]
+                ).tolist()
+            self._base = (nonzero, amax, amin if nonzero else math.inf, norm * norm)
+        return self._base
+
+    def stats(self, limit: torch.dtype, scale: float) -> list[float]:
+        """numel, nonzero, amax, amin, overflow, underflow, ref_sq: the first 7 FIELDS, with
+        `limit`'s max and smallest normal applied to the values times `scale`."""
+        nonzero, amax, amin, sq = self.base()
+        key = (limit, scale)
+        if key not in self._counts:
+            info = _info(limit)
+            high, low = info.max / scale, info.smallest_normal / scale
+            zeros = self.value.numel() - nonzero
+            a = self.value.abs() if amax > high or amin < low else None
+            over = torch.count_nonzero(a > high).item() if a is not None and amax > high else 0
+            under = (
+                torch.count_nonzero(a < low).item() - zeros if a is not None and amin < low else 0
+            )
+            self._counts[key] = (float(over), float(under))
+        over, under = self._counts[key]
+        return [float(self.value.numel()), nonzero, amax, amin, over, under, sq]
+
+
+def count_nonfinite(t: Tensor) -> int:
+    """inf/NaN values in `t`: x - x is NaN exactly there (float passes, no bool tensor)."""
+    return int((t - t).nan_to_num_(1.0).sum(dtype=torch.float64).item())
+
+
+def _target_stats(
+    t: Tensor, ref: RefTensor, limit: torch.dtype, scale: float, flushed: bool, scratch: Scratch
+) -> list[float]:
+    """FIELDS of one target tensor against its reference, with no large temporaries;
+    `flushed` counts the underflowing reference values that are zero in the target."""
+    r = ref.value
+    head = ref.stats(limit, scale)
+    lost = 0
+    if flushed and head[5] > 0:
+        low = _info(limit).smallest_normal / scale
+        lost = torch.count_nonzero((t == 0) & (r != 0) & (r.abs() < low)).item()
+    # r - t / scale in one pass, through the scratch buffer (its sign does not matter)
+    err = torch.linalg.vector_norm(torch.add(r, t, alpha=-1.0 / scale, out=scratch.like(r)))
+    err = err.item()
+    nonfinite = 0 if math.isfinite(err) else count_nonfinite(t)
+    return [*head, float(lost), float(nonfinite), err * err]
+
+
+class Comparisons:
+    """Target tensors compared with their reference twins, under a tag each.
+
+    Large tensors are measured as they are added (no copy, a few passes through a scratch
+    buffer); small ones are copied and measured together at the end, concatenated with
+    per-tensor segment reductions, so that a model of many small layers costs a few big
+    operations rather than many tiny ones. Each pair has a `limit` dtype whose max and
+    smallest normal the scaled reference is checked against, and the `scale` the target's
+    values carry (a loss scale for gradients; the error is measured with it divided out).
+    """
+
+    SMALL = 4096  # elements; below this a tensor waits to be measured with the others
+
+    def __init__(self, scratch: Scratch | None = None) -> None:
+        self._rows: dict[Any, list[float]] = {}
+        self._small: dict[torch.device, list[tuple[Any, Tensor, Tensor, float, float]]] = {}
+        self._scratch = scratch or Scratch()
+
+    def add(
+        self,
+        tag: Any,
+        target: Tensor,
+        reference: RefTensor,
+        limit: torch.dtype,
+        scale: float = 1.0,
+        *,
+        flushed: bool = False,
+    ) -> None:
+        """Measure `target` (its current values) against `reference`; `flushed` also counts
+        the underflowing reference values that became zero (always done for small ones)."""
+        target = target.detach()
+        if target.shape != reference.value.shape or target.numel() == 0:
+            return
+        if target.numel() >= self.SMALL:
+            self._rows[tag] = _target_stats(target, reference, limit, scale, flushed, self._scratch)
+            return
+        info = _info(limit)
+        unscaled = target.reshape(-1).to(torch.float32, copy=True)
+        if scale != 1.0:
+            unscaled.div_(scale)
+        self._small.setdefault(target.device, []).append(
+            (
+                tag,
+                unscaled,
+                reference.value.reshape(-1),
+                info.max / scale,
+                info.smallest_normal / scale,
+            )
+        )
+
+    def compute(self) -> dict[Any, list[float]]:
+        """One statistics row (FIELDS) per tag."""
+        for device, items in self._small.items():
+            lengths = torch.tensor([item[1].numel() for item in items], device=device)
+            rows = _segment_stats(
+                torch.cat([item[1] for item in items]),
+                torch.cat([item[2] for item in items]),
+                lengths,
+                torch.tensor([item[3] for item in items], device=device),
+                torch.tensor([item[4] for item in items], device=device),
+            )
+            self._rows.update(zip((item[0] for item in items), rows, strict=True))
+        self._small.clear()
+        return self._rows
+
+
+def _segment_stats(
+    t: Tensor, r: Tensor, lengths: Tensor, high: Tensor, low: Tensor
+) -> list[list[float]]:
+    """FIELDS for each segment (consecutive `lengths` elements) of the unscaled target `t`
+    against `r`, where segment i's reference is checked against `high[i]` and `low[i]`
+    (the dtype's max and smallest normal divided by the scale); three segment reductions."""
+    ra = r.abs()
+    nonzero = r != 0
+    tiny = nonzero & (ra < torch.repeat_interleave(low, lengths))
+    diff = t - r
+    counts = torch.stack(
+        [
+            nonzero,
+            ra > torch.repeat_interleave(high, lengths),
+            tiny,
+            tiny & (t == 0),
+            ~torch.isfinite(t),
+        ],
+        dim=1,
+    ).to(torch.float32)
+    sums = torch.segment_reduce(
+        torch.cat([counts, (r * r)[:, None], (diff * diff)[:, None]], dim=1),
+        "sum",
+        lengths=lengths,
+        axis=0,
+    )
+    amax = torch.segment_reduce(ra, "max", lengths=lengths)
+    amin = torch.segment_reduce(torch.where(nonzero, ra, math.inf), "min", lengths=lengths)
+    nonzero_n, overflow, underflow, flushed, nonfinite, ref_sq, err_sq = sums.unbind(1)
+    columns = [lengths.to(torch.float32), nonzero_n, amax, amin, overflow, underflow, ref_sq]
+    columns += [flushed, nonfinite, err_sq]
+    return torch.stack(columns, dim=1).tolist()
+
+
+def lowest_float(dtypes: list[torch.dtype]) -> torch.dtype:
+    """The floating dtype with the smallest range among `dtypes` (float32 if none)."""
+    floats = [d for d in dtypes if d.is_floating_point]
+    if not floats:
+        return torch.float32
+    return min(floats, key=lambda d: (_info(d).max, _info(d).eps))
+
+
+def sum_rows(rows: list[list[float]]) -> dict[str, float]:
+    """Combine statistics rows of several tensors into one (sums, max, min as fits)."""
+    if not rows:
+        return {}
+    out = {name: 0.0 for name in FIELDS}
+    out["amin"] = math.inf
+    for row in rows:
+        for name, value in zip(FIELDS, row, strict=True):
+            if name == "amax":
+                out[name] = max(out[name], value)
+            elif name == "amin":
+                out[name] = min(out[name], value)
+            else:
+                out[name] += value
+    return out
+
+
+@dataclass
+class Call:
+    """One call of one module: the keys of its input and output tensors."""
+
+    name: str
+    index: int
+    inputs: list[Key] = field(default_factory=list)
+    outputs: list[Key] = field(default_factory=list)
+
+
+@dataclass
+class Slot:
+    """One distinct tensor seen during a run."""
+
+    key: Key
+    dtype: torch.dtype
+    value: RefTensor | None = None  # reference runs: the tensor
+    grad_amax: Tensor | None = None  # reference runs: largest magnitude of its gradient
+    grad_nonfinite: int = 0  # target runs: inf/NaN in its gradient
+    twin: Slot | None = None  # target runs: the reference tensor at the same position
+
+
+class Recording:
+    """What one run saw: calls in completion order, tensors by key, parameter gradients,
+    and (target runs) the queued comparisons with the reference."""
+
+    def __init__(self) -> None:
+        self.calls: list[Call] = []
+        self.slots: dict[Key, Slot] = {}
+        self.call_at: dict[tuple[str, int], Call] = {}
+        self.loss: float = math.nan
+        self.param_grads: dict[str, RefTensor | None] = {}
+        self.types: dict[str, str] = {}
+        self.params_of: dict[str, list[str]] = {}
+        self.param_limits: dict[str, torch.dtype] = {}
+        self.scratch = Scratch()
+        self.comparisons = Comparisons(self.scratch)
+        self._rows: dict[Any, list[float]] | None = None
+
+    def rows(self) -> tuple[dict[Key, list[float]], dict[str, list[float]]]:
+        """Statistics rows of values (by tensor key) and of parameter gradients (by name);
+        computed on first call."""
+        if self._rows is None:
+            self._rows = self.comparisons.compute()
+        split: dict[str, dict[Any, list[float]]] = {"value": {}, "param": {}}
+        for (kind, key), row in self._rows.items():
+            split[kind][key] = row
+        return split["value"], split["param"]
+
+
+class Probe:
+    """Hooks every module of a model copy for one run; use as `with Probe(...) as rec:`.
+
+    With `reference=None` it records every tensor; given the recording of a reference run
+    it queues each tensor for comparison with its twin there instead. `grad_scale` is the
+    loss scale the target's backward runs at.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        reference: Recording | None = None,
+        *,
+        grad_scale: float = 1.0,
+    ) -> None:
+        self.model = model
+        self.reference = reference
+        self.grad_scale = grad_scale
+        self.recording = Recording()
+        self._handles: list[Any] = []
+        self._seen: dict[int, tuple[Tensor, int, Key]] = {}
+        self._counts: dict[str, int] = {}
+        self._open: dict[str, list[Call]] = {}
+
+    # -- tensor bookkeeping ------------------------------------------------------------------
+
+    def _slot_for(self, t: Tensor, call: Call, kind: str, i: int) -> Key:
+        """The key of `t`: an existing one if this very tensor (same version) was seen."""
+        seen = self._seen.get(id(t))
+        if seen is not None and seen[0] is t and seen[1] == t._version:
+            return seen[2]
+        key: Key = (call.name, call.index, kind, i)
+        self._seen[id(t)] = (t, t._version, key)
+        slot = Slot(key, t.dtype)
+        self.recording.slots[key] = slot
+        if self.reference is None:
+            slot.value = RefTensor(t, self.recording.scratch)
+        else:
+            slot.twin = self._twin(call, kind, i)
+            if slot.twin is not None and slot.twin.value is not None:
+                self.recording.comparisons.add(("value", key), t, slot.twin.value, t.dtype)
+        if t.requires_grad:
+            self._handles.append(t.register_hook(self._grad_hook(slot)))
+        return key
+
+    def _grad_hook(self, slot: Slot) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            if not grad.numel():
+                return
+            if self.reference is None:
+                low, high = torch.aminmax(grad.detach())
+                slot.grad_amax = torch.maximum(low.abs(), high.abs())
+            elif not math.isfinite(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32)):
+                slot.grad_nonfinite = count_nonfinite(grad.detach())
+
+        return hook
+
+    def _twin(self, call: Call, kind: str, i: int) -> Slot | None:
+        """The reference run's tensor at the same position (module, call, input/output, i)."""
+        assert self.reference is not None
+        twin = self.reference.call_at.get((call.name, call.index))
+        if twin is None:
+            return None
+        keys = twin.inputs if kind == "in" else twin.outputs
+        return self.reference.slots.get(keys[i]) if i < len(keys) else None
+
+    # -- module hooks ------------------------------------------------------------------------
+
+    def _pre(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            index = self._counts.get(name, 0)
+            self._counts[name] = index + 1
+            call = Call(name, index)
+            for i, t in enumerate(floating_tensors((args, kwargs))):
+                call.inputs.append(self._slot_for(t, call, "in", i))
+            self._open.setdefault(name, []).append(call)
+
+        return hook
+
+    def _post(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            call = self._open[name].pop()
+            for i, t in enumerate(floating_tensors(output)):
+                call.outputs.append(self._slot_for(t, call, "out", i))
+            self.recording.calls.append(call)
+            self.recording.call_at[(call.name, call.index)] = call
+
+        return hook
+
+    def __enter__(self) -> Recording:
+        for name, module in self.model.named_modules():
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre(name), with_kwargs=True)
+            )
+            self._handles.append(module.register_forward_hook(self._post(name), with_kwargs=True))
+        return self.recording
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._seen.clear()
+        self._open.clear()
+
+
+def measure_param_grads(
+    params: list[tuple[str, Tensor]],
+    recording: Recording,
+    reference: Recording | None,
+    limits: dict[str, torch.dtype],
+    scale: float,
+) -> None:
+    """Store (reference run) or compare with the reference (target run) the gradient of
+    each named parameter; `limits` gives the dtype whose range counts for each one."""
+    for name, p in params:
+        grad = p.grad
+        if reference is None:
+            recording.param_grads[name] = (
+                RefTensor(grad, recording.scratch) if grad is not None else None
+            )
+            continue
+        twin = reference.param_grads.get(name)
+        if grad is None or twin is None:
+            continue
+        recording.comparisons.add(("param", name), grad, twin, limits[name], scale, flushed=True)
+
+
+@contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Run a block with the RNG of the CPU (and of `device` if it is a GPU) seeded to
+    `seed`, restoring their states afterwards."""
+    cpu_state = torch.get_rng_state()
+    gpu = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else None
+    gpu_state = gpu.get_state() if gpu is not None else None
+    torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds every GPU
+    if gpu is not None:
+        gpu.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if gpu is not None:
+            gpu.set_state(gpu_state)

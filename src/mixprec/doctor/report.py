@@ -1,0 +1,285 @@
+"""How a Diagnosis looks: a rich table for the terminal, markdown and PNG plots on disk."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mixprec.dtypes import format_info
+
+if TYPE_CHECKING:
+    from mixprec.doctor.diagnosis import Diagnosis, ModuleReport
+    from mixprec.policy_map import PolicyMap
+
+_STYLE = {"ok": "green", "at risk": "yellow", "broken": "red bold"}
+_COLUMNS = (
+    "module",
+    "type",
+    "dtype",
+    "amax",
+    "min abs",
+    "overflow",
+    "underflow",
+    "inf/nan",
+    "rel err",
+    "SQNR dB",
+    "param grad underflow",
+    "verdict",
+)
+
+
+def _num(x: float) -> str:
+    if x is None or math.isnan(x):
+        return "-"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x == 0:
+        return "0"
+    return f"{x:.3g}" if 1e-2 <= abs(x) < 1e4 else f"{x:.2e}"
+
+
+def _pct(x: float) -> str:
+    if x == 0:
+        return "0"
+    return f"{x:.1%}" if x >= 0.001 else "<0.1%"
+
+
+# the terminal shows fewer columns than the markdown report
+_TERMINAL = ("module", "type", "dtype", "amax", "inf/nan", "rel err", "SQNR dB", "verdict")
+
+
+def _cells(m: ModuleReport, columns: tuple[str, ...] = _COLUMNS) -> list[str]:
+    cells = {
+        "module": m.display_name,
+        "type": m.type,
+        "dtype": m.dtype,
+        "amax": _num(m.amax),
+        "min abs": _num(m.amin),
+        "overflow": _pct(m.overflow),
+        "underflow": _pct(m.underflow),
+        "inf/nan": str(m.nonfinite),
+        "rel err": _num(m.rel_error),
+        "SQNR dB": _num(m.sqnr_db),
+        "param grad underflow": _pct(max(m.param_grad_underflow, m.param_grad_flushed)),
+        "verdict": m.verdict,
+    }
+    return [cells[c] for c in columns]
+
+
+def summary(d: Diagnosis) -> str:
+    """What was compared, the two losses, the loss scale and the verdict counts."""
+    broken = sum(m.verdict == "broken" for m in d.modules.values())
+    risky = sum(m.verdict == "at risk" for m in d.modules.values())
+    scale = ""
+    if d.precision.needs_loss_scaling:
+        scale = (
+            f"; loss scale {d.loss_scale:g} (recommended initial scale "
+            f"{d.recommended_loss_scale:g})"
+        )
+    return (
+        f"{d.precision.name} vs {d.reference.name} on {d.device}: loss {d.target_loss:.6g} vs "
+        f"{d.loss:.6g} (relative error {_num(d.loss_rel_error)}), gradient relative error "
+        f"{_num(d.grad_rel_error)}{scale}\n"
+        f"{len(d.modules)} modules: {broken} broken, {risky} at risk"
+    )
+
+
+def rich_view(d: Diagnosis, rows: int = 15) -> Any:
+    """A rich renderable: summary, the worst modules as a table, and the findings."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"worst modules ({min(rows, len(d.modules))} of {len(d.modules)})")
+    for col in _TERMINAL:
+        table.add_column(col, justify="left" if col in ("module", "type", "verdict") else "right")
+    for m in d.worst(rows):
+        cells = _cells(m, _TERMINAL)
+        cells[-1] = f"[{_STYLE[m.verdict]}]{m.verdict}[/]"
+        table.add_row(*cells)
+    parts: list[Any] = [Text(summary(d)), table]
+    for m in d.findings:
+        parts.append(
+            Text.from_markup(
+                f"[{_STYLE[m.verdict]}]{m.verdict}[/] [bold]{m.display_name}[/] "
+                f"({m.type}): {m.reason}"
+            )
+        )
+    if not d.findings:
+        parts.append(Text.from_markup("[green]no finding: every module is ok[/]"))
+    return Group(*parts)
+
+
+def as_text(d: Diagnosis) -> str:
+    """The rich view rendered as plain text (what `str(diagnosis)` gives)."""
+    from rich.console import Console
+
+    console = Console(width=160, record=True, file=_Null(), color_system=None)
+    console.print(rich_view(d))
+    return console.export_text()
+
+
+class _Null:
+    def write(self, _: str) -> int:
+        return 0
+
+    def flush(self) -> None:
+        pass
+
+
+def to_markdown(
+    d: Diagnosis,
+    plots: dict[str, str] | None = None,
+    recommended: PolicyMap | None = None,
+    fixed: Diagnosis | None = None,
+) -> str:
+    """The report as markdown: summary, findings, the recommended policy and how its run
+    compares (`fixed`), the plots, every module's and parameter's statistics."""
+    lines = ["# mixprec doctor report", ""]
+    for line in summary(d).splitlines():
+        lines += [line, ""]
+    lines += ["## Findings", ""]
+    if d.findings:
+        lines += [
+            f"- **{m.verdict}** `{m.display_name}` ({m.type}): {m.reason}" for m in d.findings
+        ]
+    else:
+        lines.append("No finding: every module is ok.")
+    if recommended is not None:
+        lines += ["", "## Recommended policy", "", "```python", recommended.to_code(), "```", ""]
+        lines += ["Found by fixing one module at a time and running again after each fix:", ""]
+        lines += [f"- {line}" for line in d.recommend_log]
+    if fixed is not None:
+        lines += ["", "With the recommended policy:", ""]
+        for line in summary(fixed).splitlines():
+            lines += [line, ""]
+    for caption, path in (plots or {}).items():
+        lines += ["", f"![{caption}]({path})"]
+    lines += ["", "## Every module (execution order)", ""]
+    lines.append("| " + " | ".join(_COLUMNS) + " | note |")
+    lines.append("|" + "---|" * (len(_COLUMNS) + 1))
+    for m in d.modules.values():
+        note = m.reason or m.note
+        lines.append("| " + " | ".join([*_cells(m), note]).replace("<root>", "(root)") + " |")
+    lines += ["", "## Parameter gradients", ""]
+    lines.append("| parameter | dtype | grad amax | underflow | flushed | overflow | inf/nan |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for p in d.params.values():
+        lines.append(
+            f"| {p.name} | {p.dtype} | {_num(p.grad_amax)} | {_pct(p.underflow)} | "
+            f"{_pct(p.flushed)} | {_pct(p.overflow)} | {p.nonfinite} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot_error(d: Diagnosis, path: Path, fixed: Diagnosis | None) -> None:
+    import matplotlib.pyplot as plt
+
+    mods = list(d.modules.values())
+    runs = [(d.precision.name if not d.precision.rules else "target policy", d)]
+    if fixed is not None:
+        runs.append(("recommended policy", fixed))
+    finite = [
+        m.rel_error
+        for _, run in runs
+        for m in run.modules.values()
+        if math.isfinite(m.rel_error) and m.rel_error > 0
+    ]
+    top = max(finite, default=1e-3) * 30
+    bottom = min(finite, default=1e-4) / 3
+    width = 0.8 / len(runs)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(mods)), 4.2))
+    for j, (label, run) in enumerate(runs):
+        xs = [i + (j - (len(runs) - 1) / 2) * width for i in range(len(mods))]
+        values = [
+            run.modules[m.name].rel_error if m.name in run.modules else math.nan for m in mods
+        ]
+        shown = [top if not math.isfinite(v) else max(v, bottom) for v in values]
+        bars = ax.bar(xs, shown, width=width, label=label, color=_RUN_COLOR[j])
+        for bar, value in zip(bars, values, strict=True):
+            if not math.isfinite(value):
+                bar.set_hatch("//")
+                bar.set_edgecolor("black")
+    for i, m in enumerate(mods):
+        if m.verdict != "ok":
+            ax.annotate(
+                m.verdict, (i, top), ha="center", va="bottom", fontsize=7, color=_COLOR[m.verdict]
+            )
+    ax.set_yscale("log")
+    ax.set_ylim(bottom, top * 3)
+    ax.set_xticks(range(len(mods)), [m.display_name for m in mods], rotation=90, fontsize=7)
+    ax.set_ylabel("relative error vs reference")
+    ax.set_title(
+        f"per-layer output error vs {d.reference.default.name} (hatched: inf/NaN)", fontsize=10
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_range(d: Diagnosis, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    info = format_info(d.dtype)
+    mods = list(d.modules.values())
+    xs = list(range(len(mods)))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(mods)), 4.2))
+    ax.scatter(
+        xs,
+        [m.amax if m.amax > 0 else math.nan for m in mods],
+        c=[_COLOR[m.verdict] for m in mods],
+        marker="^",
+        label="amax (colour: verdict)",
+    )
+    ax.scatter(
+        xs,
+        [m.amin if 0 < m.amin < math.inf else math.nan for m in mods],
+        color="tab:blue",
+        marker="v",
+        label="smallest nonzero magnitude",
+    )
+    ax.axhline(info.max, color="red", linestyle="--", label=f"{info.name} max {info.max:g}")
+    ax.axhline(
+        info.smallest_normal,
+        color="orange",
+        linestyle="--",
+        label=f"{info.name} smallest normal {info.smallest_normal:.2g}",
+    )
+    ax.set_yscale("log")
+    ax.set_xticks(xs, [m.display_name for m in mods], rotation=90, fontsize=7)
+    ax.set_ylabel("magnitude of the output (reference run)")
+    ax.set_title(f"per-layer output range against {info.name}'s limits", fontsize=10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+_COLOR = {"ok": "tab:green", "at risk": "tab:orange", "broken": "tab:red"}
+_RUN_COLOR = ("tab:gray", "tab:green")
+
+
+def save(
+    d: Diagnosis,
+    directory: str | Path,
+) -> Path:
+    """Write report.md, error.png and range.png into `directory`; return report.md's path.
+    After `recommend`, the report shows the policy and its verified run next to the target."""
+    recommended, fixed = d.recommended, d.fixed
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(
+            "writing the doctor's plots needs matplotlib: pip install 'mixprec[plot]'"
+        ) from None
+    matplotlib.use("Agg")
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    _plot_error(d, out / "error.png", fixed)
+    _plot_range(d, out / "range.png")
+    plots = {"per-layer relative error": "error.png", "per-layer range": "range.png"}
+    report = out / "report.md"
+    report.write_text(to_markdown(d, plots, recommended, fixed))
+    return report

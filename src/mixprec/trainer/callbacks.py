@@ -1,0 +1,371 @@
+"""Callbacks: code that runs at fixed points of the Trainer's loops.
+
+The hooks, in the order one epoch calls them::
+
+    on_fit_start
+      on_train_epoch_start
+        on_train_batch_start
+          (forward, backward for each micro-batch; at the end of an accumulation window:)
+          on_before_optimizer_step      gradients unscaled, not yet clipped
+        [validation when due: on_validation_start, on_validation_batch_end..., on_validation_end]
+        on_train_batch_end              after that batch's validation, if one was due
+      [validation at the end of the epoch]
+      on_train_epoch_end                after the epoch's scheduler step
+    on_fit_end
+
+`ModelCheckpoint` and `EarlyStopping` are the two callbacks most runs want.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from mixprec.trainer.trainer import Trainer
+
+log = logging.getLogger("mixprec")
+
+
+class Callback:
+    """Base class: override the hooks you need; each receives the trainer and the model."""
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state in a checkpoint (unique among the run's callbacks)."""
+        return type(self).__qualname__
+
+    def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
+        """Training is about to start (model set up, checkpoint restored if any)."""
+
+    def on_fit_end(self, trainer: Trainer, model: nn.Module) -> None:
+        """Training finished (also after an early stop)."""
+
+    def on_train_epoch_start(self, trainer: Trainer, model: nn.Module) -> None:
+        """A training epoch starts."""
+
+    def on_train_epoch_end(self, trainer: Trainer, model: nn.Module) -> None:
+        """A training epoch ended, its validation and epoch-interval schedulers done."""
+
+    def on_train_batch_start(
+        self, trainer: Trainer, model: nn.Module, batch: Any, batch_idx: int
+    ) -> None:
+        """A training batch is about to go through the model."""
+
+    def on_train_batch_end(
+        self, trainer: Trainer, model: nn.Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """A training batch is done (``outputs`` is what training_step returned)."""
+
+    def on_before_optimizer_step(self, trainer: Trainer, model: nn.Module, optimizer: Any) -> None:
+        """Gradients are accumulated and unscaled, not clipped yet; the step comes next."""
+
+    def on_validation_start(self, trainer: Trainer, model: nn.Module) -> None:
+        """A validation pass starts."""
+
+    def on_validation_batch_end(
+        self, trainer: Trainer, model: nn.Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """A validation batch is done."""
+
+    def on_validation_end(self, trainer: Trainer, model: nn.Module) -> None:
+        """A validation pass ended; its epoch metrics are in ``trainer.callback_metrics``."""
+
+    def on_test_start(self, trainer: Trainer, model: nn.Module) -> None:
+        """A test pass starts."""
+
+    def on_test_batch_end(
+        self, trainer: Trainer, model: nn.Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """A test batch is done."""
+
+    def on_test_end(self, trainer: Trainer, model: nn.Module) -> None:
+        """A test pass ended."""
+
+    def on_exception(self, trainer: Trainer, model: nn.Module, exception: BaseException) -> None:
+        """The run is failing with ``exception`` (re-raised after the callbacks ran)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What to keep in a checkpoint to resume this callback."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""
+
+
+_MODES = ("min", "max")
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in _MODES:
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+
+
+def _monitored(trainer: Trainer, monitor: str, who: str) -> float:
+    metrics = trainer.callback_metrics
+    if monitor not in metrics:
+        shown = ", ".join(sorted(metrics)) or "none yet"
+        raise KeyError(
+            f"{who} monitors {monitor!r}, which was not logged; logged metrics: {shown}. "
+            "Log it with self.log(...) in training_step/validation_step, or fix the name"
+        )
+    return float(metrics[monitor])
+
+
+class ModelCheckpoint(Callback):
+    """Save checkpoints: every epoch (or every N optimizer steps), the best ``save_top_k`` by
+    a monitored metric, and optionally ``last.ckpt``.
+
+    Args:
+        dirpath: directory for the files (default: ``<run dir>/checkpoints``).
+        filename: a ``str.format`` template over ``epoch``, ``step`` and logged metrics,
+            e.g. ``"{epoch}-{val_loss:.3f}"`` (default ``"epoch={epoch}-step={step}"``).
+        monitor: metric deciding which checkpoints are best; None keeps the latest ones.
+        mode: ``"min"`` or ``"max"``: whether a lower or a higher ``monitor`` is better.
+        save_top_k: how many checkpoints to keep (-1: all, 0: none but ``last.ckpt``).
+        save_last: also keep ``last.ckpt``, always the most recent save.
+        every_n_epochs: save at the end of every N-th epoch.
+        every_n_train_steps: save every N optimizer steps instead of at epoch ends.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str] | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        save_top_k: int = 1,
+        save_last: bool = False,
+        every_n_epochs: int = 1,
+        every_n_train_steps: int | None = None,
+    ) -> None:
+        _check_mode(mode)
+        if save_top_k < -1:
+            raise ValueError(f"save_top_k must be -1 (keep all), 0 or more, got {save_top_k}")
+        if every_n_epochs < 1 or (every_n_train_steps is not None and every_n_train_steps < 1):
+            raise ValueError("every_n_epochs and every_n_train_steps must be positive")
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        # from the arguments, not from the run directory chosen later: the key must be the
+        # same when a resumed run restores the state (before on_fit_start)
+        self._key = f"ModelCheckpoint[monitor={monitor},dirpath={dirpath}]"
+        self.filename = filename or "epoch={epoch}-step={step}"
+        self.monitor = monitor
+        self.mode = mode
+        self.save_top_k = save_top_k
+        self.save_last = save_last
+        self.every_n_epochs = every_n_epochs
+        self.every_n_train_steps = every_n_train_steps
+        self.best_k_models: dict[str, float] = {}
+        self.best_model_path = ""
+        self.best_model_score: float | None = None
+        self.last_model_path = ""
+        self._saved: list[str] = []
+
+    @property
+    def state_key(self) -> str:
+        return self._key
+
+    def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
+        if self.dirpath is None:
+            self.dirpath = trainer.run_dir / "checkpoints"
+
+    def on_train_batch_end(
+        self, trainer: Trainer, model: nn.Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        n = self.every_n_train_steps
+        if n is not None and trainer.stepped_this_batch and trainer.global_step % n == 0:
+            self._save(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, model: nn.Module) -> None:
+        if (
+            self.every_n_train_steps is None
+            and (trainer.current_epoch + 1) % self.every_n_epochs == 0
+        ):
+            self._save(trainer)
+
+    def _path_for(self, trainer: Trainer) -> Path:
+        assert self.dirpath is not None
+        fields = {k.replace("/", "_"): v for k, v in trainer.callback_metrics.items()}
+        fields.update(epoch=trainer.current_epoch, step=trainer.global_step)
+        try:
+            name = self.filename.format(**fields)
+        except (KeyError, ValueError) as err:
+            raise ValueError(
+                f"ModelCheckpoint filename {self.filename!r} cannot be filled: {err}; "
+                f"available fields: {', '.join(sorted(fields))}"
+            ) from None
+        path = self.dirpath / f"{name}.ckpt"
+        version = 1
+        while str(path) in self._saved or (path.exists() and str(path) not in self.best_k_models):
+            path = self.dirpath / f"{name}-v{version}.ckpt"
+            version += 1
+        return path
+
+    def _better(self, a: float, b: float) -> bool:
+        return a < b if self.mode == "min" else a > b
+
+    def _save(self, trainer: Trainer) -> None:
+        score = None
+        if self.monitor is not None:
+            score = _monitored(trainer, self.monitor, "ModelCheckpoint")
+            if math.isnan(score):
+                score = math.inf if self.mode == "min" else -math.inf
+        keep = self.save_top_k
+        worst = None
+        if keep != 0 and score is not None and 0 < keep <= len(self.best_k_models):
+            worst = max(
+                self.best_k_models,
+                key=lambda p: (
+                    self.best_k_models[p] if self.mode == "min" else -self.best_k_models[p]
+                ),
+            )
+            if not self._better(score, self.best_k_models[worst]):
+                keep = 0  # not among the best: only last.ckpt, if asked
+        # the bookkeeping first, so that the checkpoint written holds it (it is the best one,
+        # the last one...); files are removed only once the new one is safely written
+        path: Path | None = None
+        stale: list[str] = []
+        if keep != 0:
+            path = self._path_for(trainer)
+            self._saved.append(str(path))
+            if score is not None:
+                self.best_k_models[str(path)] = score
+                if worst is not None:
+                    stale.append(worst)
+                    del self.best_k_models[worst]
+                best = min if self.mode == "min" else max
+                self.best_model_path = best(self.best_k_models, key=self.best_k_models.__getitem__)
+                self.best_model_score = self.best_k_models[self.best_model_path]
+            else:
+                self.best_model_path = str(path)
+                while keep > 0 and len(self._saved) > keep:
+                    stale.append(self._saved[0])
+                    self._saved.pop(0)
+        last = self.dirpath / "last.ckpt"  # type: ignore[operator]
+        if self.save_last:
+            self.last_model_path = str(last)
+        if path is not None:
+            trainer.save_checkpoint(path)
+            if self.save_last:
+                trainer.link_checkpoint(path, last)
+        elif self.save_last:
+            trainer.save_checkpoint(last)
+        for old in stale:
+            self._remove(trainer, old)
+
+    def _remove(self, trainer: Trainer, path: str) -> None:
+        if path in self._saved:
+            self._saved.remove(path)
+        if trainer.is_global_zero:
+            Path(path).unlink(missing_ok=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "best_k_models": dict(self.best_k_models),
+            "best_model_path": self.best_model_path,
+            "best_model_score": self.best_model_score,
+            "last_model_path": self.last_model_path,
+            "saved": list(self._saved),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best_k_models = dict(state["best_k_models"])
+        self.best_model_path = state["best_model_path"]
+        self.best_model_score = state["best_model_score"]
+        self.last_model_path = state["last_model_path"]
+        self._saved = list(state["saved"])
+
+
+class EarlyStopping(Callback):
+    """Stop training when ``monitor`` has not improved by ``min_delta`` for ``patience``
+    validation passes in a row, or as soon as it is inf/NaN (``check_finite``)."""
+
+    def __init__(
+        self,
+        monitor: str,
+        min_delta: float = 0.0,
+        patience: int = 3,
+        mode: str = "min",
+        check_finite: bool = True,
+    ) -> None:
+        _check_mode(mode)
+        if patience < 1:
+            raise ValueError(f"patience must be at least 1, got {patience}")
+        self.monitor = monitor
+        self.min_delta = abs(min_delta)
+        self.patience = patience
+        self.mode = mode
+        self.check_finite = check_finite
+        self.best_score = math.inf if mode == "min" else -math.inf
+        self.wait_count = 0
+        self.stopped_epoch: int | None = None
+        self.reason = ""
+
+    @property
+    def state_key(self) -> str:
+        return f"EarlyStopping[monitor={self.monitor}]"
+
+    def on_validation_end(self, trainer: Trainer, model: nn.Module) -> None:
+        if trainer.stage != "fit":
+            return
+        score = _monitored(trainer, self.monitor, "EarlyStopping")
+        if self.check_finite and not math.isfinite(score):
+            self._stop(trainer, f"{self.monitor} = {score} is not finite")
+            return
+        improved = (
+            score < self.best_score - self.min_delta
+            if self.mode == "min"
+            else score > self.best_score + self.min_delta
+        )
+        if improved:
+            self.best_score = score
+            self.wait_count = 0
+            return
+        self.wait_count += 1
+        if self.wait_count >= self.patience:
+            self._stop(
+                trainer,
+                f"{self.monitor} did not improve on {self.best_score:.6g} by more than "
+                f"{self.min_delta:g} in {self.patience} validation passes",
+            )
+
+    def _stop(self, trainer: Trainer, reason: str) -> None:
+        trainer.should_stop = True
+        self.stopped_epoch = trainer.current_epoch
+        self.reason = reason
+        if trainer.is_global_zero:
+            log.info(
+                "early stopping at epoch %d, step %d: %s",
+                trainer.current_epoch,
+                trainer.global_step,
+                reason,
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best_score": self.best_score, "wait_count": self.wait_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.best_score = state["best_score"]
+        self.wait_count = state["wait_count"]
+
+
+def callback_states(callbacks: list[Callback]) -> dict[str, Any]:
+    """The non-empty states of ``callbacks`` keyed by `Callback.state_key` (unique)."""
+    out: dict[str, Any] = {}
+    for cb in callbacks:
+        state = cb.state_dict()
+        if not state:
+            continue
+        key = cb.state_key
+        if key in out:
+            raise ValueError(
+                f"two callbacks share the state key {key!r}; give them distinct settings "
+                "(e.g. another dirpath or monitor) so a checkpoint can tell them apart"
+            )
+        out[key] = state
+    return out

@@ -1,0 +1,211 @@
+"""Batches and data loaders as the Trainer needs them: on the device, sharded over processes,
+and able to restart in the middle of an epoch.
+
+A ``DataLoader`` is rebuilt (same dataset, workers, collate function...) when it needs a
+``DistributedSampler`` or has to skip the batches a resumed run already consumed; skipping
+happens on the batch sampler, so skipped batches are never loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor in a nested list/tuple/dict batch to ``device``."""
+    if isinstance(batch, Tensor):
+        if batch.device == device:
+            return batch
+        return batch.to(device, non_blocking=batch.is_pinned())
+    if isinstance(batch, (list, tuple)):
+        items = [to_device(x, device) for x in batch]
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+            return type(batch)(*items)
+        return type(batch)(items)
+    if isinstance(batch, dict):
+        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
+    return batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """The leading dimension of the first tensor found in ``batch`` (1 if there is none)."""
+    if isinstance(batch, Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, (list, tuple)):
+        for x in batch:
+            return batch_size_of(x)
+    if isinstance(batch, dict):
+        for x in batch.values():
+            return batch_size_of(x)
+    return 1
+
+
+def num_batches(loader: Iterable[Any], limit: int | float | None, what: str) -> int | None:
+    """How many batches of ``loader`` one epoch uses, given a ``limit_*_batches`` value.
+
+    None means the loader has no length (then the epoch ends when it is exhausted, and a
+    fractional limit is refused).
+    """
+    try:
+        total: int | None = len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        total = None
+    if limit is None:
+        return total
+    if isinstance(limit, float):
+        if total is None:
+            raise ValueError(
+                f"limit_{what}_batches={limit} is a fraction, but the {what} data has no len(); "
+                "pass an int number of batches"
+            )
+        return max(1, math.floor(total * limit)) if limit > 0 else 0
+    return limit if total is None else min(total, limit)
+
+
+class SkipBatches(Sampler[list[int]]):
+    """The batches of ``batch_sampler`` from the ``skip``-th on (indices only; no data).
+
+    ``then`` runs once the skipped batches are drawn, before the first kept one: a resumed
+    run restores its random generators there, after the sampler drew its shuffling seed from
+    the epoch's starting state and before any sample of the kept batches is loaded.
+    """
+
+    def __init__(
+        self,
+        batch_sampler: Iterable[list[int]],
+        skip: int,
+        then: Callable[[], None] | None = None,
+    ) -> None:
+        self.batch_sampler = batch_sampler
+        self.skip = skip
+        self.then = then
+
+    def __iter__(self) -> Iterator[list[int]]:
+        it = iter(self.batch_sampler)
+        for _ in range(self.skip):
+            next(it, None)
+        if self.then is not None:
+            self.then()
+        yield from it
+
+    def __len__(self) -> int:
+        return max(0, len(self.batch_sampler) - self.skip)  # type: ignore[arg-type]
+
+
+def _rebuild(loader: DataLoader, batch_sampler: Iterable[list[int]]) -> DataLoader:
+    return DataLoader(
+        loader.dataset,
+        batch_sampler=batch_sampler,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+    )
+
+
+def _check_map_style(loader: Any, why: str) -> DataLoader:
+    if not isinstance(loader, DataLoader):
+        raise TypeError(f"{why} needs a torch.utils.data.DataLoader, got {type(loader).__name__}")
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError(
+            f"{why} needs a map-style dataset; an IterableDataset must shard itself "
+            "(use torch.utils.data.get_worker_info and torch.distributed.get_rank())"
+        )
+    if loader.batch_sampler is None:
+        raise TypeError(f"{why} needs a DataLoader with a batch_size (automatic batching)")
+    return loader
+
+
+def distributed(loader: Any, rank: int, world_size: int, seed: int) -> DataLoader:
+    """``loader`` with its sampler replaced by a ``DistributedSampler`` for this rank.
+
+    Shuffling is kept if the loader shuffled (its order then comes from ``seed`` and the
+    epoch); a loader that already has a DistributedSampler is returned as is.
+    """
+    loader = _check_map_style(loader, "strategy='ddp' (to insert a DistributedSampler)")
+    if any(isinstance(s, DistributedSampler) for s in _samplers(loader)):
+        return loader
+    batch_sampler = loader.batch_sampler
+    if type(batch_sampler) is not BatchSampler:
+        raise TypeError(
+            f"cannot shard a DataLoader with a custom batch_sampler "
+            f"({type(batch_sampler).__name__}) automatically; give it a DistributedSampler "
+            "yourself"
+        )
+    sampler = DistributedSampler(
+        loader.dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=isinstance(loader.sampler, RandomSampler),
+        seed=seed,
+        drop_last=batch_sampler.drop_last,
+    )
+    return _rebuild(
+        loader, BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last)
+    )
+
+
+def _samplers(loader: Any) -> list[Any]:
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    found = (
+        getattr(loader, "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
+    )
+    return list({id(s): s for s in found if s is not None}.values())
+
+
+def set_epoch(loader: Any, epoch: int) -> None:
+    """Tell a DistributedSampler (or any sampler with ``set_epoch``) the epoch, for its order."""
+    for sampler in _samplers(loader):
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+
+
+def generators(loader: Any) -> list[torch.Generator]:
+    """The torch generators deciding ``loader``'s order (its own and its sampler's)."""
+    found: dict[int, torch.Generator] = {}
+    for owner in (loader, getattr(loader, "sampler", None)):
+        gen = getattr(owner, "generator", None)
+        if isinstance(gen, torch.Generator):
+            found[id(gen)] = gen
+    return list(found.values())
+
+
+def iterate_from(
+    loader: Iterable[Any], skip: int, then: Callable[[], None] | None = None
+) -> Iterator[Any]:
+    """An iterator over ``loader`` starting at batch ``skip``; ``then`` runs after the
+    skipped batches and before the first kept one is loaded (see `SkipBatches`).
+
+    A DataLoader over a map-style dataset skips on its batch sampler (nothing is loaded);
+    anything else is iterated and the first ``skip`` batches are dropped.
+    """
+    if isinstance(loader, DataLoader) and loader.batch_sampler is not None:
+        if not isinstance(loader.dataset, IterableDataset):
+            return iter(_rebuild(loader, SkipBatches(loader.batch_sampler, skip, then)))
+    it = iter(loader)
+    for _ in range(skip):
+        next(it, None)
+    if then is not None:
+        then()
+    return it

@@ -1,0 +1,141 @@
+"""`TrainingModule`: an ``nn.Module`` that also says how to train, validate and test itself.
+
+The hooks and their names are Lightning's, so a LightningModule's body moves over unchanged:
+``training_step`` returns the loss (or a dict with ``"loss"``), ``configure_optimizers``
+returns an optimizer or optimizers with schedulers, and ``self.log`` records a metric.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from mixprec.trainer.trainer import Trainer
+
+
+class TrainingModule(nn.Module):
+    """Subclass it, write ``forward`` and ``training_step``; the rest has defaults."""
+
+    @property
+    def trainer(self) -> Trainer:
+        """The Trainer running this module (only while it runs)."""
+        trainer = self.__dict__.get("_trainer")
+        if trainer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not attached to a Trainer: trainer-dependent calls "
+                "(self.log, self.trainer, self.global_step) work inside Trainer.fit/validate/test"
+            )
+        return trainer
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the Trainer is not part of the model: pickling (spawned ddp) leaves it behind
+        state = dict(self.__dict__)
+        state.pop("_trainer", None)
+        return state
+
+    @property
+    def current_epoch(self) -> int:
+        """Epoch being run (0-based)."""
+        return self.trainer.current_epoch
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken or skipped so far."""
+        return self.trainer.global_step
+
+    def log(
+        self,
+        name: str,
+        value: Tensor | float,
+        *,
+        prog_bar: bool = False,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        sync_dist: bool = False,
+        batch_size: int | None = None,
+    ) -> None:
+        """Record a metric for the loggers, the progress bar (``prog_bar``) and callbacks.
+
+        Defaults as in Lightning: in ``training_step`` a value is logged per step; in
+        validation/test steps its mean over the epoch (weighted by ``batch_size`` when
+        given) is logged once. With both ``on_step`` and ``on_epoch`` the names get
+        ``_step`` and ``_epoch`` suffixes. Epoch means are averaged over processes under
+        ddp; ``sync_dist`` also averages per-step values (a collective on every step).
+        """
+        self.trainer._metrics.log(
+            name,
+            value,
+            prog_bar=prog_bar,
+            on_step=on_step,
+            on_epoch=on_epoch,
+            sync_dist=sync_dist,
+            batch_size=batch_size,
+        )
+
+    def log_dict(self, metrics: dict[str, Tensor | float], **kwargs: Any) -> None:
+        """`log` each item of ``metrics`` with the same options."""
+        for name, value in metrics.items():
+            self.log(name, value, **kwargs)
+
+    # -- the steps ----------------------------------------------------------------------------
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor | dict[str, Any]:
+        """Return the loss of one batch (a scalar tensor, or a dict holding ``"loss"``)."""
+        raise TypeError(
+            f"{type(self).__name__} must define training_step(batch, batch_idx) returning the "
+            "loss; for a plain nn.Module pass loss_fn= to Trainer.fit instead"
+        )
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Any:
+        """Compute and `log` validation metrics for one batch."""
+        raise TypeError(
+            f"validation data was given but {type(self).__name__} defines no validation_step"
+        )
+
+    def test_step(self, batch: Any, batch_idx: int) -> Any:
+        """Compute and `log` test metrics for one batch."""
+        raise TypeError(f"test data was given but {type(self).__name__} defines no test_step")
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """Return predictions for one batch; by default ``self(batch)`` (or ``self(batch[0])``
+        when the batch is an ``(inputs, targets)`` pair)."""
+        if isinstance(batch, (tuple, list)):
+            return self(batch[0])
+        return self(batch)
+
+    def configure_optimizers(self) -> Any:
+        """Return what to optimize with, in any form Lightning accepts:
+
+        - an optimizer, or a list/tuple of optimizers;
+        - ``([optimizers], [schedulers])``;
+        - a dict ``{"optimizer": opt, "lr_scheduler": sched_or_config}`` or a list of them,
+          where a scheduler config is ``{"scheduler": s, "interval": "epoch" | "step",
+          "frequency": 1, "monitor": "val_loss"}``.
+
+        The default is ``torch.optim.AdamW(self.parameters(), lr=1e-3)``.
+        """
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    # -- hooks (all optional) -------------------------------------------------------------------
+
+    def on_fit_start(self) -> None:
+        """Called once the model is on its device, converted and wrapped, before training."""
+
+    def on_fit_end(self) -> None:
+        """Called after the last epoch or step."""
+
+    def on_train_epoch_start(self) -> None:
+        """Called before the first batch of each training epoch."""
+
+    def on_train_epoch_end(self) -> None:
+        """Called after each training epoch (after its validation, if any)."""
+
+    def on_validation_epoch_end(self) -> None:
+        """Called after each validation pass, while its metrics can still be logged."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Called once per optimizer step with the accumulated gradients already unscaled
+        and not yet clipped (as in Lightning 2), e.g. to log gradient norms."""

@@ -1,0 +1,261 @@
+"""Where training runs: one device, or one process per device with DistributedDataParallel.
+
+``DDPStrategy`` works in two ways. Launched by ``torchrun`` (the environment holds ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), each process joins the
+group the launcher described; this is also how training spans several machines. Started from
+a plain ``python`` process, the Trainer launches the processes itself on this machine
+(``torch.multiprocessing``, "spawn" by default, "fork" with ``strategy="ddp_fork"``); each
+child then sees the same environment variables a torchrun child would and takes the first
+path. The backend is gloo on CPU and nccl on CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import tempfile
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from mixprec.trainer.data import distributed
+
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
+STRATEGIES = ("auto", "single_device", "ddp", "ddp_fork")
+_LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one of a group described by torchrun-style env variables."""
+    return all(k in os.environ for k in _LAUNCH_ENV)
+
+
+def resolve_accelerator(accelerator: str) -> str:
+    """ "cpu", "cuda" or "mps" for an ``accelerator`` flag; raise if it is unknown or absent."""
+    if not isinstance(accelerator, str) or accelerator.lower() not in ACCELERATORS:
+        raise ValueError(
+            f"unknown accelerator {accelerator!r}; accepted: {', '.join(map(repr, ACCELERATORS))}"
+        )
+    name = accelerator.lower()
+    mps = getattr(torch.backends, "mps", None)
+    has_mps = bool(mps and mps.is_available())
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "mps" if has_mps else "cpu"
+    if name in ("cuda", "gpu"):
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"accelerator={accelerator!r} but CUDA is not available here (torch "
+                f"{torch.__version__}); use accelerator='cpu' or 'auto'"
+            )
+        return "cuda"
+    if name == "mps" and not has_mps:
+        raise ValueError("accelerator='mps' but MPS is not available here; use 'cpu' or 'auto'")
+    return name
+
+
+def resolve_devices(accelerator: str, devices: int | str | list[int]) -> list[int]:
+    """Device indices (CUDA) or process slots (CPU) from a ``devices`` flag."""
+    if devices == "auto":
+        return list(range(torch.cuda.device_count())) if accelerator == "cuda" else [0]
+    if isinstance(devices, bool) or not isinstance(devices, (int, list, tuple)):
+        raise ValueError(
+            f"devices must be a positive int, a list of GPU indices or 'auto', got {devices!r}"
+        )
+    if isinstance(devices, int):
+        if devices < 1:
+            raise ValueError(f"devices must be at least 1, got {devices}")
+        ids = list(range(devices))
+    else:
+        ids = list(devices)
+        if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise ValueError(f"devices as a list must hold GPU indices >= 0, got {devices!r}")
+        if accelerator != "cuda":
+            raise ValueError(
+                f"a list of device indices ({devices!r}) needs accelerator='cuda'; "
+                f"on {accelerator} pass the number of processes"
+            )
+    if accelerator == "cuda" and max(ids) >= torch.cuda.device_count():
+        raise ValueError(
+            f"devices={devices!r} asks for GPU {max(ids)}, but {torch.cuda.device_count()} "
+            "are visible"
+        )
+    if accelerator == "mps" and len(ids) > 1:
+        raise ValueError("MPS has one device; use devices=1")
+    return ids
+
+
+class SingleDeviceStrategy:
+    """Everything in this process on one device."""
+
+    name = "single_device"
+    launches_processes = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.world_size = 1
+        self.global_rank = 0
+        self.local_rank = 0
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this process logs, shows progress and writes checkpoints."""
+        return self.global_rank == 0
+
+    def setup(self) -> None:
+        """Join the process group, if any, and pin this process's device."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module that training steps run through."""
+        return model
+
+    def no_sync(self, wrapped: nn.Module, sync: bool) -> AbstractContextManager[Any]:
+        """A context for one micro-batch; gradients are all-reduced only when ``sync``."""
+        return contextlib.nullcontext()
+
+    def prepare_loader(self, loader: Iterable[Any], seed: int) -> Iterable[Any]:
+        """``loader`` as this process should iterate it."""
+        return loader
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Average ``values`` over processes."""
+        return values
+
+    def any(self, flag: bool) -> bool:
+        """True if ``flag`` is true in any process."""
+        return flag
+
+    def teardown(self) -> None:
+        """Leave the process group if this strategy created it."""
+
+
+class DDPStrategy(SingleDeviceStrategy):
+    """One process per device; gradients all-reduced by DistributedDataParallel."""
+
+    name = "ddp"
+
+    def __init__(self, accelerator: str, device_ids: list[int], start_method: str = "spawn"):
+        if accelerator == "mps":
+            raise ValueError("strategy='ddp' does not run on MPS; use accelerator='cpu' or 'cuda'")
+        self.accelerator = accelerator
+        self.device_ids = device_ids
+        self.start_method = start_method
+        self.backend = "nccl" if accelerator == "cuda" else "gloo"
+        first = (
+            torch.device("cuda", device_ids[0]) if accelerator == "cuda" else torch.device("cpu")
+        )
+        super().__init__(first)
+        self._owns_group = False
+
+    @property
+    def launches_processes(self) -> bool:  # type: ignore[override]
+        """True when this process must start the others (not launched by torchrun)."""
+        return not launched_by_torchrun()
+
+    def setup(self) -> None:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", len(self.device_ids)))
+        if local_world != len(self.device_ids):
+            raise ValueError(
+                f"Trainer(devices={len(self.device_ids)}) but the launcher started {local_world} "
+                "processes on this machine; make them match (torchrun --nproc-per-node)"
+            )
+        if not dist.is_initialized():
+            dist.init_process_group(self.backend, init_method="env://")
+            self._owns_group = True
+        self.world_size = dist.get_world_size()
+        self.global_rank = dist.get_rank()
+        self.local_rank = int(os.environ["LOCAL_RANK"])
+        if self.accelerator == "cuda":
+            self.device = torch.device("cuda", self.device_ids[self.local_rank])
+            torch.cuda.set_device(self.device)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def no_sync(self, wrapped: nn.Module, sync: bool) -> AbstractContextManager[Any]:
+        return contextlib.nullcontext() if sync else wrapped.no_sync()  # type: ignore[operator]
+
+    def prepare_loader(self, loader: Iterable[Any], seed: int) -> Iterable[Any]:
+        return distributed(loader, self.global_rank, self.world_size, seed)
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        out = values.detach().to(self.device, torch.float64).clone()
+        dist.all_reduce(out)
+        return out / self.world_size
+
+    def any(self, flag: bool) -> bool:
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def teardown(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+    def launch(self, function: Callable[..., Any], *args: Any) -> Any:
+        """Run ``function(*args)`` in ``len(device_ids)`` new processes on this machine;
+        return what rank 0 returned. Raises what a child raised."""
+        nprocs = len(self.device_ids)
+        if self.start_method == "fork":
+            if torch.cuda.is_initialized():
+                raise RuntimeError(
+                    "strategy='ddp_fork' cannot fork after CUDA was initialized in this process; "
+                    "use strategy='ddp' (spawn) or torchrun"
+                )
+            payload: Any = (function, args)
+        else:
+            try:
+                payload = pickle.dumps((function, args))
+            except (pickle.PicklingError, AttributeError, TypeError) as err:
+                raise TypeError(
+                    f"strategy='ddp' starts {nprocs} fresh processes (spawn), so the model, data, "
+                    f"loss_fn, optimizer and callbacks must be picklable: {err}. Define them at "
+                    "module level (not lambdas or local classes), launch with torchrun, or use "
+                    "strategy='ddp_fork' (Linux, CPU)"
+                ) from None
+        threads = max(1, (os.cpu_count() or 1) // nprocs) if self.accelerator == "cpu" else 0
+        with tempfile.TemporaryDirectory(prefix="mixprec-ddp-") as tmp:
+            result = Path(tmp) / "rank0.pt"
+            mp.start_processes(
+                _child,
+                args=(payload, nprocs, _free_port(), str(result), threads),
+                nprocs=nprocs,
+                start_method=self.start_method,
+                join=True,
+            )
+            # written by our own rank-0 child a moment ago: a trusted pickle
+            return torch.load(result, weights_only=False)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(rank: int, payload: Any, nprocs: int, port: int, result: str, threads: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+    )
+    if threads:
+        torch.set_num_threads(threads)
+    function, args = pickle.loads(payload) if isinstance(payload, bytes) else payload
+    out = function(*args)
+    if rank == 0:
+        torch.save(out, result)

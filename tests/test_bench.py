@@ -1,0 +1,396 @@
+"""`mixprec bench` end to end on tiny settings: real subprocesses, real torch, real files.
+
+Every run uses one thread and tiny images so that the whole file stays well under 90 s on
+a shared 2-core machine; the numbers are checked for sanity, never for speed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from mixprec.bench.command import parse_size
+from mixprec.bench.report import busy_machine_warning, markdown, summarize
+from mixprec.bench.runner import OK, OOM, LoopResult, RunResult, _measured
+from mixprec.bench.suite import BenchOptions, BenchReport, Config, Row, plan
+from mixprec.cli import main
+from mixprec.hardware import SLOW, detect, policy_support, resolve_auto
+from mixprec.policy import Policy
+
+TINY = ["--threads", "1", "--warmup", "0"]
+
+FACTORY = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.LayerNorm(64), nn.Linear(64, 4))
+
+        def make_batch(n):
+            g = torch.Generator().manual_seed(0)
+            return torch.randn(n, 32, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+        return model, make_batch, nn.functional.cross_entropy
+
+
+    class Hog(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 2)
+
+        def forward(self, x):
+            x.new_empty(2**29)  # 2 GiB, never touched: fine without a memory limit
+            return self.lin(x)
+
+
+    def hog():
+        batch = lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,)))
+        return Hog(), batch, nn.functional.cross_entropy
+
+
+    def broken():
+        return nn.Linear(2, 2)
+    """
+)
+
+
+@pytest.fixture
+def factory_dir(tmp_path: Path) -> Path:
+    (tmp_path / "benchfactory.py").write_text(FACTORY)
+    return tmp_path
+
+
+def _bench(tmp_path: Path, *args: str) -> tuple[int, dict, list[dict], str]:
+    out = tmp_path / "out"
+    code = main(["bench", *args, "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    with (out / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    return code, results, rows, (out / "report.md").read_text()
+
+
+def test_default_experiment_end_to_end_writes_all_four_outputs(tmp_path, capsys):
+    code, results, rows, md = _bench(
+        tmp_path, "--image-size", "16", "--batch-sizes", "2", "4", "--steps", "2", *TINY
+    )
+    assert code == 0
+    auto = resolve_auto(detect("cpu")).name
+    expected = ["32-true"] if auto == "32-true" else ["32-true", auto]
+    meta = results["metadata"]
+    assert meta["precisions"] == expected
+    assert meta["model"] == "cnn" and meta["image_size"] == 16
+    assert meta["torch_version"] == torch.__version__
+    assert meta["command"].startswith("mixprec bench --model cnn --image-size 16")
+    assert "profiler" in meta["memory_method"]
+
+    entries = results["results"]
+    assert [(e["config"]["spec"], e["config"]["batch_size"]) for e in entries] == [
+        (p, b) for b in (2, 4) for p in expected
+    ]
+    for e in entries:
+        ours = e["result"]["mixprec"]
+        assert e["result"]["status"] == OK
+        assert len(ours["step_ms"]) == 2 and all(t > 0 for t in ours["step_ms"])
+        assert math.isfinite(ours["final_loss"])
+        # the model's weights alone (Adam: weights, grads, two moments) are ~16 MiB
+        assert 16 * 2**20 < ours["peak_memory"] < 64 * 2**20
+        raw = e["result"]["raw"]
+        if Policy(e["config"]["spec"]).is_mixed:
+            assert len(raw["step_ms"]) == 2 and raw["peak_memory"] > 0
+            # same weights, same batch, same number of steps: nearly the same loss
+            assert ours["final_loss"] == pytest.approx(raw["final_loss"], abs=0.05)
+            assert e["summary"]["overhead"] is not None
+        else:
+            assert raw is None and e["summary"]["overhead"] is None
+    # the batch dimension shows in the measured memory
+    by = {(e["config"]["spec"], e["config"]["batch_size"]): e for e in entries}
+    peak = {k: v["result"]["mixprec"]["peak_memory"] for k, v in by.items()}
+    assert peak[("32-true", 4)] > peak[("32-true", 2)]
+    assert by[("32-true", 2)]["summary"]["speedup"] == 1.0
+
+    assert len(rows) == len(entries)
+    for row, e in zip(rows, entries, strict=True):
+        assert float(row["median_ms"]) == pytest.approx(e["summary"]["median_ms"])
+        assert row["status"] == OK
+    assert "| batch | precision | ms/step median |" in md
+    assert f"reproduce: `{meta['command']}`" in md
+    png = (tmp_path / "out" / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+    printed = capsys.readouterr().out
+    assert "ms/step median" in printed and meta["command"] in printed
+
+
+def test_memory_limit_reports_oom_and_the_run_continues(tmp_path, capsys):
+    # blog CNN on 64x64 images: ~24 MB at batch 1 (weights + Adam), ~100 MB at batch 64
+    code, results, rows, md = _bench(
+        tmp_path,
+        *("--image-size", "64", "--batch-sizes", "64", "1", "--precision", "32-true"),
+        *("--memory-limit", "50MB", "--steps", "1"),
+        *TINY,
+    )
+    assert code == 0
+    status = {e["config"]["batch_size"]: e["result"] for e in results["results"]}
+    assert status[1]["status"] == OK and status[1]["mixprec"]["peak_memory"] < 50 * 2**20
+    assert status[64]["status"] == OOM and "over the memory limit" in status[64]["mixprec"]["error"]
+    assert [r["status"] for r in rows] == [OK, OOM]
+    assert "| 64 | 32-true | OOM | - |" in md
+    assert "OOM" in capsys.readouterr().out
+
+
+def test_allocation_beyond_the_memory_limit_fails_like_an_oom(tmp_path, factory_dir, capsys):
+    code, results, _, _ = _bench(
+        tmp_path,
+        *("--model", f"{factory_dir / 'benchfactory.py'}:hog", "--batch-sizes", "2"),
+        *("--precision", "32-true", "--memory-limit", "100M", "--steps", "1"),
+        *TINY,
+    )
+    assert code == 0
+    (entry,) = results["results"]
+    assert entry["result"]["status"] == OOM
+    assert "can't allocate memory" in entry["result"]["mixprec"]["error"]
+
+
+def test_user_factory_model_runs_through_both_loops(tmp_path, factory_dir):
+    code, results, _, _ = _bench(
+        tmp_path,
+        *("--model", f"{factory_dir / 'benchfactory.py'}:make", "--batch-sizes", "8"),
+        *("--precision", "32-true", "bf16-mixed", "--allow-slow", "--steps", "3"),
+        *TINY,
+    )
+    assert code == 0
+    by = {e["config"]["spec"]: e["result"] for e in results["results"]}
+    assert by["32-true"]["status"] == by["bf16-mixed"]["status"] == OK
+    loss32 = by["32-true"]["mixprec"]["final_loss"]
+    assert by["bf16-mixed"]["mixprec"]["final_loss"] == pytest.approx(loss32, abs=0.05)
+    assert by["bf16-mixed"]["raw"]["final_loss"] == pytest.approx(loss32, abs=0.05)
+    assert len(by["bf16-mixed"]["raw"]["step_ms"]) == 3
+    assert results["metadata"]["model"].endswith("benchfactory.py:make")
+
+
+def test_user_factory_by_module_name(tmp_path, factory_dir, monkeypatch):
+    monkeypatch.chdir(factory_dir)
+    code, results, _, _ = _bench(
+        tmp_path,
+        *("--model", "benchfactory:make", "--batch-sizes", "2", "--precision", "32-true"),
+        *("--steps", "1"),
+        *TINY,
+    )
+    assert code == 0 and results["results"][0]["result"]["status"] == OK
+
+
+def test_a_factory_returning_the_wrong_thing_is_reported(tmp_path, factory_dir, capsys):
+    code, results, _, md = _bench(
+        tmp_path,
+        *("--model", f"{factory_dir / 'benchfactory.py'}:broken", "--batch-sizes", "2"),
+        *("--precision", "32-true", "--steps", "1"),
+        *TINY,
+    )
+    assert code == 1
+    error = results["results"][0]["result"]["error"]
+    assert "must return (model, make_batch, loss_fn)" in error
+    assert "must return (model, make_batch, loss_fn)" in capsys.readouterr().err
+    assert "did not run" in md
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "resnet"], "unknown model 'resnet'"),
+        (["--model", "nope.py:make"], "does not exist"),
+        (["--precision", "fp16"], "unknown precision 'fp16'"),
+        (["--precision", "p=f32,c=float8_e4m3fn,o=f32"], "float8"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--image-size", "4"], "--image-size must be >= 8"),
+        (["--model", "mlp", "--image-size", "64"], "--image-size applies to --model cnn"),
+        (["--model", "mixprec.bench.models:BlogCNN"], "needs --batch-sizes"),
+        (["--tf32", "on", "--device", "cpu"], "--tf32 applies to CUDA"),
+        (["--max-batch", "--device", "cpu"], "needs --memory-limit"),
+        (["--device", "mps"], "runs on cpu or cuda"),
+    ],
+)
+def test_bad_options_give_clear_errors(args, message, capsys, tmp_path):
+    assert main(["bench", *args, "--out", str(tmp_path / "never")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch-sizes", "0"], "batch sizes must be positive integers"),
+        (["--batch-sizes", "8,x"], "batch sizes must be positive integers"),
+        (["--memory-limit", "lots"], "is not a size"),
+        (["--tf32", "maybe"], "choose from 'on', 'off', 'both'"),
+        (["--preset", "imagenet"], "choose from 'blog'"),
+    ],
+)
+def test_malformed_options_are_argparse_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_far_slower_precisions_need_allow_slow():
+    slow = policy_support(Policy("16-mixed"), detect("cpu")).status == SLOW
+    opts = BenchOptions(precisions=["32-true", "16-mixed"], device="cpu")
+    if slow:  # a CPU without float16 hardware (e.g. AMD Zen 4)
+        with pytest.raises(ValueError, match="--allow-slow"):
+            plan(opts)
+        opts.allow_slow = True
+        assert plan(opts).support["16-mixed"].startswith("slow")
+    else:
+        assert not plan(opts).support["16-mixed"].startswith("slow")
+
+
+def test_plan_of_the_blog_preset_and_islands_both():
+    p = plan(BenchOptions(preset="blog", precisions=["32-true", "bf16"], float32_islands="both"))
+    o = p.options
+    assert (o.image_size, o.batch_sizes, o.steps, o.warmup) == (256, [32, 64, 128, 256, 512], 20, 5)
+    labels = [c.label for c in p.configs if c.batch_size == 32]
+    assert labels == ["32-true", "bf16-mixed", "bf16-mixed (no f32 islands)"]
+    assert [c.raw for c in p.configs[:3]] == [False, True, True]
+    assert "--precision 32-true bf16-mixed" in p.command
+    assert "--float32-islands both" in p.command
+
+
+def test_max_batch_search_finds_the_boundary(tmp_path):
+    # 64x64 blog CNN: ~24 MB of weights and Adam state at batch 8, ~30 MB at batch 16
+    code = main(
+        [
+            "bench",
+            *("--image-size", "64", "--batch-sizes", "8", "--precision", "32-true"),
+            *("--steps", "1", "--memory-limit", "27M", "--max-batch"),
+            *TINY,
+            *("--out", str(tmp_path)),
+        ]
+    )
+    assert code == 0
+    found = json.loads((tmp_path / "results.json").read_text())["max_batch"]["32-true"]
+    probes = {p["batch_size"]: p for p in found["probes"]}
+    best, first_oom = found["max_batch"], found["first_oom"]
+    assert 1 <= best and first_oom == best + 1
+    assert probes[best]["fits"] and probes[best]["peak_memory"] <= 27 * 2**20
+    assert not probes[first_oom]["fits"] and probes[first_oom]["peak_memory"] > 27 * 2**20
+    # doubling from the smallest batch size until the first OOM, then bisection
+    sizes = [p["batch_size"] for p in found["probes"]]
+    assert sizes[:3] == [8, 16, 12] and 8 < best < 16
+    assert (
+        f"32-true: {best} fits, {first_oom} runs out of memory"
+        in (tmp_path / "report.md").read_text()
+    )
+
+
+def test_cpu_peak_memory_is_the_peak_of_live_tensor_bytes():
+    def work():
+        a = torch.empty(3_000_000, dtype=torch.uint8)
+        b = torch.empty(1_000_000, dtype=torch.uint8)
+        del a
+        c = torch.empty(2_500_000, dtype=torch.uint8)
+        return b, c
+
+    (b, c), peak = _measured(torch.device("cpu"), work)
+    assert peak == 4_000_000  # a + b; after a is freed, b + c is only 3.5 MB
+
+
+def _report(rows: list[Row]) -> BenchReport:
+    meta = {
+        "model": "cnn",
+        "device": "cpu (test)",
+        "torch_version": torch.__version__,
+        "mixprec_version": "0",
+        "started": "now",
+        "command": "mixprec bench",
+        "timing": "t",
+        "steps": 3,
+        "warmup": 1,
+        "threads": 1,
+        "memory_method": "m",
+        "support": {"32-true": "fast", "bf16-mixed": "fast"},
+    }
+    return BenchReport(meta, rows)
+
+
+def test_summaries_speedup_overhead_and_oom_rows():
+    def ok(ms, raw_ms=None, peak=100):
+        raw = LoopResult(step_ms=raw_ms, peak_memory=peak) if raw_ms else None
+        return RunResult(OK, LoopResult(step_ms=ms, peak_memory=peak), raw)
+
+    rows = [
+        Row(Config("32-true", "32-true", 8, None, False), ok([40.0, 10.0, 30.0])),
+        Row(
+            Config("bf16-mixed", "bf16-mixed", 8, None, True),
+            ok([12.0, 15.0, 99.0], [12.0, 50.0, 10.0]),
+        ),
+        Row(Config("32-true", "32-true", 16, None, False), RunResult(OOM, LoopResult(OOM, "x"))),
+        Row(Config("bf16-mixed", "bf16-mixed", 16, None, True), ok([20.0], [16.0])),
+    ]
+    s = summarize(_report(rows))
+    assert (s[0].median_ms, s[0].min_ms, s[0].max_ms, s[0].speedup) == (30.0, 10.0, 40.0, 1.0)
+    assert s[0].samples_per_s == pytest.approx(8 / 0.030)
+    assert s[1].speedup == pytest.approx(30.0 / 15.0)
+    assert s[1].overhead == pytest.approx(15.0 / 12.0 - 1)
+    assert s[2].status == OOM and s[2].median_ms is None
+    assert s[3].speedup is None  # no float32 result at batch 16 to compare with
+    assert s[3].overhead == pytest.approx(0.25)
+    md = markdown(_report(rows), s)
+    assert "| 8 | bf16-mixed | 15.0 | 12.0-99.0 | 533.3 | 2.00x | 0.0 MiB | 12.0 | +25.0% |" in md
+    assert "| 16 | 32-true | OOM | - | - | - | - | - | - |" in md
+
+
+def test_blog_preset_report_shows_the_blogs_v100_numbers():
+    report = _report(
+        [
+            Row(
+                Config("32-true", "32-true", 128, False, False),
+                RunResult(OK, LoopResult(step_ms=[50.0])),
+            )
+        ]
+    )
+    report.metadata["preset"] = "blog"
+    md = markdown(report, summarize(report))
+    assert "| 128 | 97 | 106 | 1.09x |" in md and "| 512 | 377 | 415 | 1.10x |" in md
+
+
+def test_busy_machine_warning():
+    cores = os.cpu_count() or 1
+    assert busy_machine_warning([0.0, 0.0, 0.0], cores, "cpu") is None
+    assert "busy" in busy_machine_warning([cores + 1.0, 0.0, 0.0], 1, "cpu")
+    assert busy_machine_warning([cores + 1.0, 0.0, 0.0], 1, "cuda") is None
+
+
+def test_parse_size():
+    assert parse_size("1000") == 1000
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("512M") == 512 * 2**20
+    assert parse_size("1.5k") == 1536
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rows_say_tf32_and_measure_device_memory(tmp_path):
+    code, results, _, md = _bench(
+        tmp_path,
+        *("--device", "cuda", "--image-size", "32", "--batch-sizes", "4"),
+        *("--precision", "32-true", "16-mixed", "--tf32", "both", "--steps", "2"),
+        *TINY,
+    )
+    assert code == 0
+    labels = [e["config"]["label"] for e in results["results"]]
+    assert labels == ["32-true (TF32 off)", "32-true (TF32 on)", "16-mixed"]
+    for e in results["results"]:
+        assert e["result"]["status"] == OK and e["result"]["mixprec"]["peak_memory"] > 0
+    assert "max_memory_allocated" in results["metadata"]["memory_method"]
+    assert "32-true (TF32 on)" in md

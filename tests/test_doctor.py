@@ -1,0 +1,522 @@
+"""The doctor on models with planted float16 faults: each found by name, nothing healthy
+flagged, and the recommended policy verified by training."""
+
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec
+from mixprec import PolicyMap, PolicySpecError, PrecisionError
+from mixprec.cli import main
+from mixprec.doctor import AT_RISK, BROKEN, OK, diagnose
+from mixprec.doctor.probe import FIELDS, Comparisons, RefTensor, Scratch
+from mixprec.hardware import FAST, SUPPORTED, detect, dtype_support
+from mixprec.precision import Precision
+from mixprec.scaling import LossScaleDivergedError
+from mixprec.trainer import TrainingModule
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.filterwarnings("ignore:precision .* is slow")
+
+
+class Overflow(nn.Module):
+    """`proj` outputs up to 1e5 (> float16 max 65504); the LayerNorm after it makes that
+    harmless in float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.act = nn.ReLU()
+        self.proj = nn.Linear(16, 16)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.proj(self.act(self.inp(x)))))
+
+
+def overflow_model(peak: float = 1e5) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Overflow()
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    with torch.no_grad():
+        amax = model.proj(model.act(model.inp(x))).abs().max()
+        model.proj.weight.mul_(peak / amax)
+        model.proj.bias.mul_(peak / amax)
+    return model, (x, y)
+
+
+class NaiveSoftmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.exp() / x.exp().sum(-1, keepdim=True)
+
+
+class ExpNet(nn.Module):
+    """Scores up to 20: exp(20) = 4.9e8 overflows float16 inside `attn`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.scores = nn.Linear(16, 8)
+        self.attn = NaiveSoftmax()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.attn(self.scores(torch.relu(self.inp(x)))))
+
+
+def exp_model() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = ExpNet()
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    with torch.no_grad():
+        peak = model.scores(torch.relu(model.inp(x))).max()
+        model.scores.weight.mul_(20.0 / peak)
+        model.scores.bias.mul_(20.0 / peak)
+    return model, (x, y)
+
+
+class Branch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(8, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+        self.aux = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.trunk(x)
+        return self.head(h), self.aux(h)
+
+
+def branch_loss(out: tuple[torch.Tensor, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    main_out, aux_out = out
+    return F.cross_entropy(main_out, y) + 1e-6 * F.cross_entropy(aux_out, y)
+
+
+class Healthy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.block = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 16))
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(self.embed(x))
+        return self.head(self.norm(h + self.mlp(h)).mean(1))
+
+
+def healthy_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(4, 6, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
+
+
+def bf16_usable() -> bool:
+    return dtype_support(torch.bfloat16, detect("cpu")).status in (FAST, SUPPORTED)
+
+
+def names(d, verdict=None):
+    return [m.name for m in d.findings if verdict is None or m.verdict == verdict]
+
+
+# -- planted faults --------------------------------------------------------------------------
+
+
+def test_linear_overflowing_float16_is_blamed_and_nothing_downstream():
+    model, batch = overflow_model(1e5)
+    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    assert names(d) == ["proj"]
+    proj = d.modules["proj"]
+    assert proj.verdict == BROKEN and proj.origin
+    assert proj.reason.startswith("output reaches 1.0e5 > float16 max 65504")
+    assert proj.amax == pytest.approx(1e5, rel=1e-5)
+    assert proj.nonfinite > 0 and 0 < proj.overflow < 1
+    assert math.isinf(proj.rel_error) and proj.sqnr_db == -math.inf
+    # inf/NaN flow on through norm and head, which are not blamed
+    for name in ("norm", "head"):
+        assert d.modules[name].verdict == OK and d.modules[name].nonfinite > 0
+        assert d.modules[name].note == "inf/NaN arrive from elsewhere"
+    assert d.modules[""].verdict == OK and d.modules[""].note == "contains proj (broken)"
+    for name in ("inp", "act"):
+        assert d.modules[name].nonfinite == 0 and d.modules[name].rel_error < 1e-2
+    assert math.isnan(d.target_loss) and math.isfinite(d.loss)
+    assert not d.passes()
+
+
+def test_the_same_model_is_fine_in_bfloat16():
+    model, batch = overflow_model(1e5)
+    d = diagnose(model, batch, F.cross_entropy, precision="bf16-mixed")
+    assert d.findings == [] and d.passes()
+    assert d.loss_scale == 1.0 and d.recommended_loss_scale == 1.0
+
+
+def test_activations_near_the_max_are_at_risk():
+    model, batch = overflow_model(3e4)  # fits float16, within 4x of its max
+    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    assert names(d) == ["proj"] and d.modules["proj"].verdict == AT_RISK
+    assert d.modules["proj"].reason == "output reaches 3.0e4, within 4x of float16 max 65504"
+    assert d.passes()  # at risk, not broken: the run is still within tolerance
+
+
+def test_exp_without_max_subtraction_is_blamed():
+    model, batch = exp_model()
+    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    assert names(d) == ["attn"]
+    attn = d.modules["attn"]
+    assert attn.verdict == BROKEN and attn.input_nonfinite == 0 and attn.nonfinite > 0
+    assert "inf/NaN although its inputs are finite" in attn.reason
+    assert attn.amax <= 1.0  # the reference output is a softmax: the overflow is inside
+    assert d.modules["scores"].verdict == OK and d.modules["scores"].amax < 65504 / 4
+    fix = d.recommend()
+    # autocast does not change exp's dtype, so only float32 repairs it
+    assert fix == PolicyMap("16-mixed", {"attn": "32-true"})
+
+
+def test_branch_gradients_underflow_without_loss_scaling():
+    torch.manual_seed(0)
+    model, batch = Branch(), (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    d = diagnose(model, batch, branch_loss, precision="16-mixed", loss_scale=1.0)
+    assert names(d) == ["aux"]
+    aux = d.modules["aux"]
+    assert aux.verdict in (AT_RISK, BROKEN)
+    assert aux.param_grad_underflow > 0.9
+    assert "at loss scale 1" in aux.reason
+    assert f"loss scale {int(d.recommended_loss_scale)} keeps them" in aux.reason
+    assert d.params["aux.weight"].underflow > 0.9 and d.params["head.weight"].underflow < 0.05
+    # with the scale a dynamic scaler settles at, nothing underflows
+    scaled = diagnose(model, batch, branch_loss, precision="16-mixed")
+    assert scaled.loss_scale == min(2.0**16, scaled.recommended_loss_scale) > 1
+    assert scaled.findings == [] and scaled.params["aux.weight"].underflow < 0.05
+
+
+class Shift(nn.Module):
+    """(x + 2048) - 2048: float16 spacing at 2048 is 2, so unit-sized values are lost."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + 2048.0) - 2048.0
+
+
+def test_precision_loss_is_at_risk_and_fixed_in_float32():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Shift(), nn.ReLU(), nn.Linear(16, 4))
+    batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    assert names(d) == ["1"]
+    shift = d.modules["1"]
+    assert shift.verdict == AT_RISK and shift.kind == "precision"
+    assert shift.rel_error > 0.1 and d.modules["0"].rel_error < 1e-2
+    assert "its error against the reference grows to" in shift.reason
+    assert d.modules["2"].verdict == OK  # the error it passes on is not ReLU's fault
+    assert d.recommend() == PolicyMap("16-mixed", {"1": "32-true"})
+
+
+class _BoostGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 1000.0
+
+
+class GradBoost(nn.Module):
+    """Identity forward, gradient x 1000 backward (a gradient-scaling layer)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _BoostGrad.apply(x)
+
+
+def test_backward_overflow_is_blamed_where_it_starts():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), GradBoost(), nn.ReLU(), nn.Linear(16, 4))
+    batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed", loss_scale=2.0**16)
+    assert all(m.nonfinite == 0 for m in d.modules.values())  # the forward is fine
+    assert names(d) == ["1"]
+    boost = d.modules["1"]
+    assert boost.grad_nonfinite == 0 and boost.input_grad_nonfinite > 0
+    assert boost.reason.startswith("its backward produces inf/NaN gradients at loss scale 65536")
+    assert f"a loss scale of at most {int(d.recommended_loss_scale)} fits" in boost.reason
+    assert d.modules["0"].verdict == OK and d.modules["0"].param_grad_nonfinite > 0
+    # at the scale a dynamic scaler settles at, the backward is finite
+    assert diagnose(model, batch, F.cross_entropy, precision="16-mixed").findings == []
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_healthy_model_has_no_finding(precision):
+    torch.manual_seed(0)
+    model = Healthy()
+    d = diagnose(model, healthy_batch(), F.cross_entropy, precision=precision)
+    assert d.findings == []
+    assert all(m.verdict == OK and m.nonfinite == 0 for m in d.modules.values())
+    assert d.passes()
+    assert d.recommend() == PolicyMap(precision)
+    assert "no finding" in str(d)
+
+
+def test_recommended_policy_verifies_and_prints_as_code():
+    model, batch = overflow_model(1e5)
+    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    fix = d.recommend()
+    expected = "bf16-mixed" if bf16_usable() else "32-true"
+    assert fix == PolicyMap("16-mixed", {"proj": expected})
+    assert eval(fix.to_code(), {"mixprec": mixprec}) == fix
+    assert d.fixed is not None and d.fixed.passes() and d.fixed.findings == []
+    again = diagnose(model, batch, F.cross_entropy, precision=fix)
+    assert again.passes() and again.loss_rel_error < 1e-2
+    with pytest.raises(ValueError, match="tolerance"):
+        d.recommend(tolerance=0)
+
+
+def test_true_float16_overflow_cannot_be_fixed_per_layer_and_says_why():
+    model, batch = overflow_model(1e5)
+    d = diagnose(model, batch, F.cross_entropy, precision="16-true")
+    assert names(d) == ["proj"]
+    with pytest.raises(PrecisionError, match="try a mixed policy"):
+        d.recommend()
+
+
+def test_two_faults_are_fixed_one_after_the_other():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from doctor_demo import make
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    model, batch, loss_fn = make()
+    d = diagnose(model, batch, loss_fn)
+    # only the first fault shows: the second one's inputs are already inf/NaN
+    assert names(d) == ["inp"]
+    fix = d.recommend()
+    rules = fix.rules
+    assert set(rules) == {"inp", "pool.softmax"}
+    assert rules["pool.softmax"] == mixprec.Policy("32-true")
+    assert d.fixed.passes()
+    assert any("pool.softmax" in line for line in d.recommend_log)
+
+
+def test_float16_training_nan_fixed_by_recommended_policy():
+    """Plain 16-mixed never takes a step (NaN); the recommended map trains like float32."""
+
+    def train(policy) -> float:
+        model, (x, y) = overflow_model(1e5)
+        precision = Precision(policy, allow_slow=True)
+        model, opt = precision.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+        loss = torch.tensor(math.nan)
+        for _ in range(25):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            precision.backward(loss)
+            precision.step(opt)
+        return float(loss.detach())
+
+    model, batch = overflow_model(1e5)
+    fix = diagnose(model, batch, F.cross_entropy, precision="16-mixed").recommend()
+    reference = train("32-true")
+    try:
+        plain = train("16-mixed")
+    except LossScaleDivergedError:
+        plain = math.nan
+    fixed = train(fix)
+    assert math.isnan(plain)
+    assert math.isfinite(fixed)
+    assert fixed == pytest.approx(reference, rel=0.05)
+    assert reference < 1.0  # it did learn (cross-entropy of 4 classes starts near 1.4)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1024.0])
+def test_large_and_small_tensors_are_measured_alike(monkeypatch, scale):
+    """Large tensors are measured one by one, small ones batched: both give the same row."""
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(3000, generator=g) * 1e-3
+    r[::10] = 0.0
+    r[5] = 7e4  # beyond float16's max
+    r[7] = 1e-10  # below float16's smallest normal, also when scaled by 1024
+    target = (r * scale).to(torch.float16)  # overflows to inf at 5, rounds elsewhere
+    reference = RefTensor(r, Scratch())
+    rows = {}
+    for small in (1 << 20, 0):
+        monkeypatch.setattr(Comparisons, "SMALL", small)
+        c = Comparisons()
+        c.add("x", target, reference, torch.float16, scale, flushed=True)
+        rows[small] = dict(zip(FIELDS, c.compute()["x"], strict=True))
+    batched, single = rows[1 << 20], rows[0]
+    assert batched["numel"] == single["numel"] == 3000
+    assert batched["nonzero"] == single["nonzero"] == 2700
+    assert batched["amax"] == single["amax"] == pytest.approx(7e4)
+    assert batched["overflow"] == single["overflow"] == 1
+    assert batched["nonfinite"] == single["nonfinite"] == 1
+    assert batched["underflow"] == single["underflow"] > 0
+    assert batched["flushed"] == single["flushed"]
+    assert batched["amin"] == single["amin"]
+    assert batched["ref_sq"] == pytest.approx(single["ref_sq"], rel=1e-5)
+    assert math.isinf(batched["err_sq"]) or math.isnan(batched["err_sq"])
+
+
+# -- the user's model and inputs -------------------------------------------------------------
+
+
+def test_users_model_is_left_exactly_as_it_was():
+    model, batch = overflow_model(1e5)
+    mixprec.apply(model, "bf16-mixed")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    forwards = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+    rng = torch.get_rng_state()
+    model.train()
+    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    d.recommend()
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert model.training
+    assert mixprec.applied_policy(model) == PolicyMap("bf16-mixed")
+    for name, m in model.named_modules():
+        assert m.__dict__.get("forward") is forwards[name]
+        assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+    for k, v in model.state_dict().items():
+        assert v.dtype == dtypes[k] and torch.equal(v, before[k])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_recommend_refuses_a_model_changed_since_the_diagnosis():
+    model, batch = overflow_model(1e5)
+    d = diagnose(model, batch, F.cross_entropy)
+    with torch.no_grad():
+        model.proj.weight.mul_(0.5)
+    with pytest.raises(ValueError, match="the model changed since it was diagnosed"):
+        d.recommend()
+
+
+class Classifier(TrainingModule):
+    """training_step calls the submodules directly and logs: the doctor must still run it
+    in the policy's region and drop the log calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, _ = overflow_model(1e5)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net.head(self.net.norm(self.net.proj(self.net.inp(x)))), y)
+        self.log("train_loss", loss)
+        return {"loss": loss}
+
+
+def test_training_module_is_diagnosed_through_training_step():
+    model = Classifier()
+    _, batch = overflow_model(1e5)
+    d = diagnose(model, batch, precision="16-mixed")
+    assert names(d) == ["net.proj"]
+
+
+def test_module_called_twice_is_aggregated():
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(self.shared(torch.tanh(self.shared(x))))
+
+    torch.manual_seed(0)
+    d = diagnose(Twice(), (torch.randn(4, 8), torch.randint(0, 2, (4,))), F.cross_entropy)
+    assert d.modules["shared"].calls == 2 and d.modules["shared"].numel == 64
+    assert d.findings == []
+
+
+def test_loss_scale_recommendation_is_exact():
+    model = nn.Linear(4, 1, bias=False)
+    nn.init.ones_(model.weight)
+    batch = (torch.ones(2, 4), torch.zeros(2))
+
+    def loss_fn(out, _):
+        return 1000.0 * out.sum()
+
+    d = diagnose(model, batch, loss_fn, precision="16-mixed")
+    # largest gradient: d loss / d weight = 1000 * 2 = 2000; 65504 / (8 * 2000) = 4.09 -> 4
+    assert d.params["weight"].grad_amax == 2000.0
+    assert d.recommended_loss_scale == 4.0 and d.loss_scale == 4.0
+    assert diagnose(model, batch, loss_fn, precision="16-mixed", loss_scale=64).loss_scale == 64
+    scaler = mixprec.scaling.StaticLossScaler(8.0)
+    assert diagnose(model, batch, loss_fn, loss_scale=scaler).loss_scale == 8.0
+
+
+def test_bad_inputs_say_what_is_accepted():
+    model, (x, y) = overflow_model(1e5)
+    with pytest.raises(TypeError, match="nn.Module"):
+        diagnose(lambda t: t, (x, y), F.cross_entropy)
+    with pytest.raises(TypeError, match=r"\(inputs\.\.\., target\)"):
+        diagnose(model, x, F.cross_entropy)
+    with pytest.raises(TypeError, match="pass loss_fn"):
+        diagnose(model, x)
+    with pytest.raises(ValueError, match="reference run .* non-finite loss"):
+        diagnose(model, (torch.full_like(x, math.inf), y), F.cross_entropy)
+    with pytest.raises(ValueError, match="loss_scale must be a positive"):
+        diagnose(model, (x, y), F.cross_entropy, loss_scale=0)
+    with pytest.raises(PolicySpecError, match="unknown precision"):
+        diagnose(model, (x, y), F.cross_entropy, precision="fp17")
+
+
+# -- report and command line ------------------------------------------------------------------
+
+
+def test_report_is_written_with_plots(tmp_path):
+    model, batch = overflow_model(1e5)
+    d = diagnose(model, batch, F.cross_entropy)
+    d.recommend()
+    path = d.save(tmp_path / "report")
+    text = path.read_text()
+    assert "**broken** `proj` (Linear): output reaches 1.0e5 > float16 max 65504" in text
+    assert "## Recommended policy" in text and "'proj':" in text
+    assert "With the recommended policy:" in text
+    for png in ("error.png", "range.png"):
+        data = (path.parent / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+        assert f"]({png})" in text
+
+
+def test_cli_doctor_on_the_example(tmp_path, capsys):
+    out = tmp_path / "rep"
+    code = main(["doctor", str(ROOT / "examples/doctor_demo.py:make"), "--out", str(out)])
+    text = capsys.readouterr().out
+    assert code == 1  # broken layers found
+    assert "inp" in text and "output reaches" in text and "mixprec.PolicyMap(" in text
+    assert "'pool.softmax': '32-true'" in text
+    assert (out / "report.md").is_file() and (out / "error.png").is_file()
+
+
+def test_cli_doctor_clean_model_and_bad_factory(tmp_path, capsys):
+    factory = tmp_path / "clean.py"
+    factory.write_text(
+        "import torch, torch.nn.functional as F\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Linear(4, 2), (torch.randn(8, 4), torch.randint(0, 2, (8,))), "
+        "F.cross_entropy\n"
+    )
+    assert main(["doctor", f"{factory}:make", "--precision", "bf16-mixed", "--no-report"]) == 0
+    assert "no finding" in capsys.readouterr().out
+    assert main(["doctor", str(factory), "--no-report"]) == 2
+    assert "expected FILE.py:FACTORY" in capsys.readouterr().err
+    assert main(["doctor", f"{factory}:nothing", "--no-report"]) == 2
+    assert "has no callable 'nothing'" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_diagnose_on_cuda():
+    model, batch = overflow_model(1e5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = diagnose(model, batch, F.cross_entropy, device="cuda")
+    assert d.device.type == "cuda" and names(d) == ["proj"]
+    assert next(model.parameters()).device.type == "cpu"

@@ -1,0 +1,165 @@
+"""PrecisionMonitor: cheap per-layer range tracking that warns, by layer name, before
+float16 overflows and when the loss scaler keeps skipping."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import mixprec
+from mixprec.doctor.monitor import PrecisionMonitor, PrecisionWarning
+from mixprec.scaling import DynamicLossScaler
+from mixprec.trainer import Callback, Logger, Trainer
+
+pytestmark = pytest.mark.filterwarnings("ignore:precision .* is slow")
+
+
+def model_16_mixed() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 2)
+    )
+    return mixprec.apply(model, "16-mixed")
+
+
+def hooks(model: nn.Module) -> int:
+    return sum(len(m._forward_hooks) for m in model.modules())
+
+
+def run(model, monitor, steps, grow, scaler=None):
+    """A loop in which layer "2"'s weight doubles after every step; returns the first step
+    whose forward produced inf/NaN anywhere."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    first_bad = None
+    for step in range(steps):
+        monitor.start_step(step)
+        out = model(x)
+        if first_bad is None and not torch.isfinite(out).all():
+            first_bad = step
+        (out.float().pow(2).mean() * (scaler.loss_scale if scaler else 1.0)).backward()
+        with torch.no_grad():
+            model[2].weight.mul_(grow)
+        if scaler is not None:
+            overflow = first_bad is not None
+            scaler.update(torch.tensor(float(overflow)), overflow)
+        monitor.end_step(step, scaler)
+    return first_bad
+
+
+def test_warns_with_the_layer_name_before_it_overflows():
+    model = model_16_mixed()
+    logged = []
+    monitor = PrecisionMonitor(every_n_steps=2, log_fn=lambda m, s: logged.append((s, m)))
+    monitor.attach(model)
+    with pytest.warns(PrecisionWarning) as caught:
+        first_bad = run(model, monitor, 20, grow=2.0)
+    messages = [str(w.message) for w in caught]
+    assert first_bad is not None
+    trend = next(i for i, m in enumerate(messages) if "at this rate it passes float16 max" in m)
+    near = next(i for i, m in enumerate(messages) if "within 4x of float16 max 65504" in m)
+    assert messages[trend].startswith("layer 2 amax grew")
+    assert messages[near].startswith("layer 2 reaches")
+    # both warnings came from steps before the first inf/NaN
+    warned_at = [int(messages[i].split("step ")[1].split()[0].rstrip(";,")) for i in (trend, near)]
+    assert max(warned_at) < first_bad
+    # inf/NaN is named once, at the layer where it starts, not downstream
+    nonfinite = [m for m in messages if "produced inf/NaN" in m]
+    assert len(nonfinite) == 1
+    assert nonfinite[0].startswith("layer 2 produced inf/NaN in float16 at step ")
+    # metrics: every monitored step, every low-precision layer; islands (float32) are skipped
+    assert [s for s, _ in logged] == list(range(0, 20, 2))
+    first = logged[0][1]
+    assert {"precision/0/amax", "precision/2/amax", "precision/4/grad_amax"} <= set(first)
+    assert not any(k.startswith("precision/3/") for k in first)  # LayerNorm runs in float32
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        assert first["precision/0/amax"] == float(model[0](x).abs().max())  # never changes
+    assert len(monitor.history["2"]) == 10
+
+
+def test_hooks_exist_only_on_monitored_steps():
+    model = model_16_mixed()
+    monitor = PrecisionMonitor(every_n_steps=3).attach(model)
+    assert hooks(model) == 0
+    assert monitor.start_step(1) is False and hooks(model) == 0
+    assert monitor.end_step(1) == {}
+    assert monitor.start_step(3) is True and hooks(model) == len(list(model.modules()))
+    model(torch.randn(2, 8)).sum().backward()
+    metrics = monitor.end_step(3)
+    assert hooks(model) == 0 and metrics["precision/2/amax"] > 0
+    assert monitor.start_step(3) is False  # a step is measured once
+    monitor.detach()
+    with pytest.raises(RuntimeError, match="before attach"):
+        monitor.start_step(0)
+
+
+def test_warns_when_the_scaler_keeps_skipping():
+    model = model_16_mixed()
+    monitor = PrecisionMonitor(every_n_steps=5, skip_patience=3).attach(model)
+    scaler = DynamicLossScaler(init_scale=2.0**8, min_scale=1.0, max_skips_at_min_scale=100)
+    with pytest.warns(PrecisionWarning) as caught:
+        run(model, monitor, 30, grow=4.0, scaler=scaler)
+    skipping = [str(w.message) for w in caught if "keeps skipping" in str(w.message)]
+    assert len(skipping) == 1
+    assert "2 (inf/NaN)" in skipping[0]  # names the layer that overflows
+    assert scaler.stats().skipped_steps > 3
+
+
+def test_argument_checks():
+    for kwargs, match in (
+        ({"every_n_steps": 0}, "every_n_steps"),
+        ({"headroom": 0.5}, "headroom"),
+        ({"skip_patience": 0}, "skip_patience"),
+        ({"underflow_warn": 0}, "underflow_warn"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            PrecisionMonitor(**kwargs)
+
+
+class ListLogger(Logger):
+    def __init__(self) -> None:
+        super().__init__("unused")
+        self.records: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics, step):
+        self.records.append((step, dict(metrics)))
+
+
+class Grow(Callback):
+    """Sabotage: doubles one layer's weight after every step."""
+
+    def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+        with torch.no_grad():
+            model[2].weight.mul_(2.0)
+
+
+def test_as_a_trainer_callback(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 2)
+    )
+    data = DataLoader(TensorDataset(torch.randn(64, 8), torch.randint(0, 2, (64,))), 8)
+    logger = ListLogger()
+    monitor = PrecisionMonitor(every_n_steps=2)
+    trainer = Trainer(
+        precision="16-mixed",
+        allow_slow_precision=True,
+        max_steps=16,
+        callbacks=[monitor, Grow()],
+        logger=logger,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.warns(PrecisionWarning, match="layer 2 "):
+        trainer.fit(model, data, loss_fn=F.cross_entropy)
+    monitored = [s for s, m in logger.records if "precision/2/amax" in m]
+    assert monitored == [1, 3, 5, 7, 9, 11, 13, 15]  # steps 0, 2, ... logged as 1, 3, ...
+    amax = [m["precision/2/amax"] for _, m in logger.records if "precision/2/amax" in m]
+    finite = [a for a in amax if math.isfinite(a)]
+    assert finite == sorted(finite) and finite[-1] > 8 * finite[0]
+    assert all("precision/loss_scale" in m for _, m in logger.records if "precision/2/amax" in m)
+    assert hooks(model) == 0  # detached at the end of fit

@@ -1,0 +1,339 @@
+"""LossScaleOptimizer on real float16 arithmetic: skipping, clipping, accumulation, several
+optimizers, fused AdamW, the scheduler gate, master weights and exact resume."""
+
+import copy
+import io
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.optim import LossScaleOptimizer, joint_step, scheduler_step
+from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
+
+f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def _mlp(seed: int = 0, dtype: torch.dtype = f32) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(dtype)
+
+
+def _batches(n: int, seed: int = 0, size: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 1, generator=gen)
+    out = []
+    for _ in range(n):
+        x = torch.randn(size, 8, generator=gen)
+        out.append((x, torch.tanh(x @ w) + 0.01 * torch.randn(size, 1, generator=gen)))
+    return out
+
+
+def _all_finite(tensors) -> bool:
+    return all(torch.isfinite(t).all() for t in tensors)
+
+
+def _adam_state_tensors(opt: LossScaleOptimizer) -> list[torch.Tensor]:
+    return [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+def test_overflowing_scale_skips_backs_off_and_never_corrupts():
+    """A scale too large for float16 makes the fp16 backward overflow: steps are skipped,
+    the scale halves each time, and no inf/NaN reaches a parameter or Adam's state."""
+    model = _mlp()
+    opt = LossScaleOptimizer(
+        torch.optim.Adam(model.parameters(), lr=1e-2),
+        DynamicLossScaler(init_scale=2.0**24, max_scale=2.0**24, growth_interval=1000),
+    )
+    taken = []
+    for x, y in _batches(30):
+        with torch.autocast("cpu", dtype=f16):
+            out = model(x)
+        loss = F.mse_loss(out.float(), y)
+        opt.backward(loss)
+        taken.append(opt.step())
+        assert opt.step_was_skipped is not taken[-1]
+        assert _all_finite(model.parameters()) and _all_finite(_adam_state_tensors(opt))
+        opt.zero_grad()
+    skips = taken.count(False)
+    assert skips >= 4 and taken[:skips] == [False] * skips and all(taken[skips:])
+    assert opt.loss_scale == 2.0**24 / 2**skips
+    assert opt.scaler.stats().skipped_steps == skips
+
+
+def test_recovers_and_grows_after_growth_interval_clean_steps():
+    model = _mlp()
+    opt = LossScaleOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), DynamicLossScaler(2.0**8, growth_interval=4)
+    )
+    scales = []
+    for i, (x, y) in enumerate(_batches(10)):
+        opt.backward(F.mse_loss(model(x), y))
+        if i == 1:
+            model[0].bias.grad[0] = math.inf
+        opt.step()
+        opt.zero_grad()
+        scales.append(opt.loss_scale)
+    assert scales == [256.0, 128.0, 128.0, 128.0, 128.0, 256.0, 256.0, 256.0, 256.0, 512.0]
+
+
+def test_clipping_after_unscale_equals_clipping_fp32_gradients():
+    ref, ours = _mlp(), _mlp()
+    opt = LossScaleOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), StaticLossScaler(2.0**12))
+    x, y = _batches(1)[0]
+    F.mse_loss(ref(x), y).backward()
+    ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    opt.backward(F.mse_loss(ours(x), y))
+    opt.unscale_()
+    opt.unscale_()  # idempotent within a step
+    our_norm = nn.utils.clip_grad_norm_(opt.params_with_grads(), 0.05)
+    assert torch.equal(ref_norm, our_norm)  # power-of-two scaling is exact in float32
+    for a, b in zip(ref.parameters(), ours.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+    with pytest.raises(RuntimeError, match="after unscale_"):
+        opt.backward(F.mse_loss(ours(x), y))
+    opt.zero_grad()  # clears the gradients and the step's unscale with them
+    opt.backward(F.mse_loss(ours(x), y))
+    assert opt.step()
+
+
+def test_gradient_accumulation_unscales_once_per_step():
+    full, micro = _mlp(), _mlp()
+    ref_opt = torch.optim.SGD(full.parameters(), lr=0.1)
+    opt = LossScaleOptimizer(torch.optim.SGD(micro.parameters(), lr=0.1))
+    calls = []
+    unscale = opt.scaler.unscale_
+    opt.scaler.unscale_ = lambda grads: calls.append(1) or unscale(grads)
+    for x, y in _batches(5, size=64):
+        F.mse_loss(full(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for xs, ys in zip(x.chunk(4), y.chunk(4), strict=True):
+            opt.backward(F.mse_loss(micro(xs), ys) / 4)
+        assert opt.step()
+        opt.zero_grad()
+    assert len(calls) == 5
+    for a, b in zip(full.parameters(), micro.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_two_optimizers_share_one_scaler_and_skip_together():
+    model = _mlp()
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    opt_a = LossScaleOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), scaler)
+    opt_b = LossScaleOptimizer(torch.optim.Adam(model[2].parameters(), lr=0.1), scaler)
+    before = copy.deepcopy(model.state_dict())
+    (x, y), (x2, y2) = _batches(2)
+    opt_a.backward(F.mse_loss(model(x), y))
+    model[2].weight.grad[0, 0] = math.nan  # only optimizer b sees it
+    assert joint_step(opt_a, opt_b) is False
+    assert opt_a.step_was_skipped and opt_b.step_was_skipped
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert (scaler.loss_scale, scaler.stats().steps) == (512.0, 1)  # one update, not two
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+
+    opt_a.backward(F.mse_loss(model(x2), y2))
+    assert joint_step(opt_a, opt_b) is True
+    assert not any(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+
+    # stepping them one by one after one backward would unscale b with a changed scale
+    opt_a.backward(F.mse_loss(model(x), y))
+    opt_a.step()
+    with pytest.raises(RuntimeError, match="joint_step"):
+        opt_b.step()
+
+
+def test_two_optimizers_with_their_own_backward_step_one_by_one():
+    """GAN-style: each optimizer has its own backward; each step is one scaler iteration."""
+    model = _mlp()
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    opt_a = LossScaleOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), scaler)
+    opt_b = LossScaleOptimizer(torch.optim.SGD(model[2].parameters(), lr=0.1), scaler)
+    for x, y in _batches(3):
+        for opt in (opt_a, opt_b):
+            opt.zero_grad()
+            opt.backward(F.mse_loss(model(x), y))
+            assert opt.step()
+    assert scaler.stats().steps == 6
+
+
+@pytest.mark.parametrize("explicit_unscale", [False, True])
+def test_fused_adamw_matches_grad_scaler_exactly(explicit_unscale):
+    ref_model, our_model = _mlp(), _mlp()
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    our_opt = torch.optim.AdamW(our_model.parameters(), lr=1e-2, fused=True)
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    ours = LossScaleOptimizer(
+        our_opt, DynamicLossScaler(2.0**10, growth_interval=3, min_scale=0, max_scale=math.inf)
+    )
+    for step, (x, y) in enumerate(_batches(40)):
+        ref.scale(F.mse_loss(ref_model(x), y)).backward()
+        ours.backward(F.mse_loss(our_model(x), y))
+        if step % 9 == 4:
+            ref_model[0].weight.grad[1, 1] = math.inf
+            our_model[0].weight.grad[1, 1] = math.inf
+        if explicit_unscale:
+            ref.unscale_(ref_opt)
+            ours.unscale_()
+        ref.step(ref_opt)
+        ref.update()
+        assert ours.step() is (step % 9 != 4)
+        assert ours.loss_scale == ref.get_scale()
+        for a, b in zip(ref_model.parameters(), our_model.parameters(), strict=True):
+            assert torch.equal(a, b)
+        assert _all_finite(_adam_state_tensors(ours))
+        ref_opt.zero_grad()
+        ours.zero_grad()
+    steps = {int(s["step"]) for s in our_opt.state.values()}
+    assert steps == {40 - 4}  # the 4 skipped steps do not count in Adam's bias correction
+
+
+def test_scheduler_does_not_advance_on_skipped_steps():
+    model = _mlp()
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), StaticLossScaler(8.0))
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+    advanced = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()"
+        for i, (x, y) in enumerate(_batches(6)):
+            opt.backward(F.mse_loss(model(x), y))
+            if i in (0, 3):
+                model[0].weight.grad.fill_(math.nan)
+            opt.step()
+            advanced.append(scheduler_step(sched, opt))
+            opt.zero_grad()
+    assert advanced == [False, True, True, False, True, True]
+    assert opt.param_groups[0]["lr"] == 0.5**4
+
+
+def test_pure_float16_with_master_weights_trains_like_float32():
+    *data, (x_eval, y_eval) = _batches(151, seed=3)
+    ref = _mlp(seed=1)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    half = _mlp(seed=1, dtype=f16)
+    opt = LossScaleOptimizer(torch.optim.Adam(half.parameters(), lr=1e-2))
+    assert all(p.dtype == f32 for p in opt.param_groups[0]["params"])  # masters
+    assert all(p.dtype == f16 for p in half.parameters())
+    for x, y in data:
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        opt.backward(F.mse_loss(half(x.half()).float(), y))
+        opt.step()
+        opt.zero_grad()
+    x, y = x_eval, y_eval
+    with torch.no_grad():
+        ref_loss = F.mse_loss(ref(x), y).item()
+        half_loss = F.mse_loss(half(x.half()).float(), y).item()
+        start = F.mse_loss(_mlp(seed=1)(x), y).item()
+    assert half_loss < start / 20
+    assert half_loss == pytest.approx(ref_loss, rel=0.02)
+    assert all(p.dtype == f16 for p in half.parameters())
+    # torch's own scaler refuses this model
+    plain = _mlp(dtype=f16)
+    torch_opt = torch.optim.Adam(plain.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(F.mse_loss(plain(x.half()).float(), y)).backward()
+    with pytest.raises(ValueError, match="FP16 gradients"):
+        scaler.step(torch_opt)
+
+
+def test_master_weights_keep_gradients_and_updates_float16_would_lose():
+    w = nn.Parameter(torch.ones(4, dtype=f16))
+    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=1e3), DynamicLossScaler(2.0**14))
+    x = torch.full((4,), 1e-4, dtype=f16)
+    opt.backward((w * x).sum() * torch.tensor(1e-4, dtype=f16))  # d/dw = 1e-8: fp16 flushes it
+    opt.unscale_()
+    master = opt.master_params[w]
+    torch.testing.assert_close(master.grad, torch.full((4,), 1e-8), rtol=2e-3, atol=0)
+    assert opt.step()
+    assert torch.all(master < 1.0) and torch.all(w == 1.0)  # 1 - 1e-5 rounds to 1 in fp16
+
+
+def test_bfloat16_master_weights_accumulate_small_updates():
+    w = nn.Parameter(torch.ones(1, dtype=bf16))
+    opt = LossScaleOptimizer(torch.optim.SGD([w], lr=1e-3), NoLossScaler(), master_weights=True)
+    plain_w = nn.Parameter(torch.ones(1, dtype=bf16))
+    plain = torch.optim.SGD([plain_w], lr=1e-3)
+    for _ in range(10):
+        opt.backward(w.float().sum())
+        opt.step()
+        opt.zero_grad()
+        plain_w.float().sum().backward()
+        plain.step()
+        plain.zero_grad()
+    assert plain_w.item() == 1.0  # 1 - 1e-3 rounds back to 1 in bfloat16, every time
+    assert opt.master_params[w].item() == pytest.approx(0.99, abs=1e-6)
+    assert w.item() == torch.tensor(0.99).to(bf16).item()
+
+
+def _fp16_run(model, opt, batches, inject_at=()):
+    for i, (x, y) in enumerate(batches):
+        opt.backward(F.mse_loss(model(x.half()).float(), y))
+        if i in inject_at:
+            model[0].weight.grad[0, 0] = math.inf
+        opt.step()
+        opt.zero_grad()
+
+
+def _fp16_setup(seed):
+    model = _mlp(seed=seed, dtype=f16)
+    scaler = DynamicLossScaler(2.0**12, growth_interval=3)
+    return model, LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), scaler)
+
+
+def test_save_and_restore_mid_run_continues_bit_identically():
+    batches = _batches(12, seed=5)
+    straight_model, straight = _fp16_setup(seed=0)
+    _fp16_run(straight_model, straight, batches, inject_at=(2, 8))
+
+    model, opt = _fp16_setup(seed=0)
+    _fp16_run(model, opt, batches[:6], inject_at=(2,))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    resumed_model, resumed = _fp16_setup(seed=42)  # different init, fresh scaler
+    resumed_model.load_state_dict(ckpt["model"])
+    resumed.load_state_dict(ckpt["opt"])
+    _fp16_run(resumed_model, resumed, batches[6:], inject_at=(2,))
+
+    for a, b in zip(straight_model.parameters(), resumed_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(straight.master_params.values(), resumed.master_params.values(), strict=True):
+        assert torch.equal(a, b)
+    assert straight.scaler.stats() == resumed.scaler.stats()
+    assert straight.scaler.state_dict() == resumed.scaler.state_dict()
+
+
+def test_state_dict_before_first_step_and_mismatched_masters():
+    model, opt = _fp16_setup(seed=0)
+    other_model, other = _fp16_setup(seed=1)
+    other.load_state_dict(opt.state_dict())
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), other_model.parameters(), strict=True)
+    )
+    fp32_opt = LossScaleOptimizer(torch.optim.Adam(_mlp().parameters()))
+    with pytest.raises(ValueError, match="master weights"):
+        fp32_opt.load_state_dict(opt.state_dict())
+
+
+def test_zero_grad_clears_model_grads_and_add_param_group_makes_masters():
+    model, opt = _fp16_setup(seed=0)
+    x, y = _batches(1)[0]
+    opt.backward(F.mse_loss(model(x.half()).float(), y))
+    assert all(p.grad is not None for p in model.parameters())
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    extra = nn.Parameter(torch.zeros(3, dtype=f16))
+    opt.add_param_group({"params": [extra]})
+    assert opt.master_params[extra].dtype == f32
+    with pytest.raises(TypeError, match="already wrapped"):
+        LossScaleOptimizer(opt)
+    assert "master_weights=5" in repr(opt)

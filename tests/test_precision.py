@@ -1,0 +1,202 @@
+"""Precision: the two-line path for any loop, on real bfloat16/float16 arithmetic."""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import mixprec.precision as precision_module
+from mixprec import Policy, PolicyMap, SlowPrecisionError, hardware
+from mixprec.hardware import detect
+from mixprec.optim import LossScaleOptimizer
+from mixprec.precision import Precision
+from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
+
+f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _data(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(8, 1, generator=gen)
+    xs = [torch.randn(32, 8, generator=gen) for _ in range(n)]
+    return [(x, torch.tanh(x @ w)) for x in xs]
+
+
+def _train(precision, model, opt, data) -> list[float]:
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x).float(), y)
+        precision.backward(loss)
+        precision.step(opt)
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize(
+    ("spec", "kwargs", "expected"),
+    [
+        ("16-mixed", {"allow_slow": True}, DynamicLossScaler),
+        ("16-true", {"allow_slow": True}, DynamicLossScaler),
+        ("bf16-mixed", {}, NoLossScaler),
+        ("bf16-true", {}, NoLossScaler),
+        ("32-true", {}, NoLossScaler),
+        ("bf16-mixed", {"scaler": 128.0}, StaticLossScaler),
+        (PolicyMap("bf16-mixed", {"2": "16-mixed"}), {"allow_slow": True}, DynamicLossScaler),
+    ],
+)
+def test_scaler_suits_the_policy_and_is_shared(spec, kwargs, expected):
+    precision = Precision(spec, **kwargs)
+    model = _mlp()
+    a, b = torch.optim.SGD(model[0].parameters()), torch.optim.SGD(model[2].parameters())
+    out = precision.setup(model, a, b)
+    assert out[0] is model and len(out) == 3
+    assert type(precision.scaler) is expected
+    assert all(isinstance(o, LossScaleOptimizer) and o.scaler is precision.scaler for o in out[1:])
+    assert precision.setup(_mlp()) is not None  # no optimizers: the model alone
+
+
+def test_bf16_mixed_two_line_loop_trains():
+    precision = Precision("bf16-mixed")
+    model = _mlp()
+    model, opt = precision.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    assert all(p.dtype == f32 for p in model.parameters())
+    x, _ = _data(1)[0]
+    assert model(x).dtype == f32  # bf16 compute inside, float32 out
+    losses = _train(precision, model, opt, _data(60))
+    assert losses[-1] < losses[0] / 5
+
+
+def test_float16_refused_on_a_cpu_without_float16_hardware_unless_allowed(monkeypatch):
+    bare = dataclasses.replace(detect("cpu"), name="old cpu", cpu_flags=frozenset({"avx2"}))
+
+    def check_on_bare_cpu(policy, device, allow_slow=False):
+        return hardware.check(policy, device, allow_slow, info=bare)
+
+    monkeypatch.setattr(precision_module, "check", check_on_bare_cpu)
+    with pytest.raises(SlowPrecisionError, match="allow_slow=True"):
+        Precision("16-mixed").setup(_mlp())
+    model = Precision("16-mixed", allow_slow=True).setup(_mlp())
+    assert isinstance(model, nn.Module)
+
+
+def test_16_true_keeps_float32_masters_and_trains():
+    precision = Precision("16-true", allow_slow=True, scaler=DynamicLossScaler(2.0**12))
+    model = _mlp()
+    model, opt = precision.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
+    assert all(p.dtype == f16 for p in model.parameters())
+    assert all(p.dtype == f32 for g in opt.param_groups for p in g["params"])
+    losses = _train(precision, model, opt, _data(60))
+    assert losses[-1] < losses[0] / 5
+    assert precision.scaler.stats().skipped_steps == 0
+
+
+def test_clip_grad_norm_unscales_and_clips_the_master_gradients():
+    precision = Precision("16-true", allow_slow=True, scaler=StaticLossScaler(2.0**10))
+    model = _mlp()
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data(1)[0]
+    precision.backward(F.mse_loss(model(x).float(), y))
+    expected = torch.linalg.vector_norm(
+        torch.stack(
+            [torch.linalg.vector_norm(p.grad.float() / 2.0**10) for p in model.parameters()]
+        )
+    )
+    norm = precision.clip_grad_norm_(model, 1e-3)
+    torch.testing.assert_close(norm, expected)
+    clipped = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(m.grad) for m in opt.master_params.values()])
+    )
+    torch.testing.assert_close(clipped, torch.tensor(1e-3), rtol=1e-4, atol=0)
+    precision.clip_grad_value_(model, 1e-5)  # unscale is idempotent: no second division
+    assert max(m.grad.abs().max() for m in opt.master_params.values()) <= 1e-5
+    assert precision.step(opt)
+
+
+def test_step_skips_every_optimizer_on_overflow_and_updates_once():
+    precision = Precision("bf16-mixed", scaler=DynamicLossScaler(2.0**8))
+    model = _mlp()
+    model, a, b = precision.setup(
+        model,
+        torch.optim.SGD(model[0].parameters(), lr=0.1),
+        torch.optim.SGD(model[2].parameters(), lr=0.1),
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _data(1)[0]
+    precision.backward(F.mse_loss(model(x), y))
+    model[2].bias.grad[0] = math.inf
+    assert precision.step() is False  # all set-up optimizers, one iteration
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters(), strict=True))
+    assert (precision.scaler.loss_scale, precision.scaler.stats().steps) == (128.0, 1)
+
+
+def test_clipping_one_optimizer_leaves_the_other_scaled_for_its_own_backward():
+    """GAN-style loop: clip and step the first optimizer, then backward for the second."""
+    precision = Precision("bf16-mixed", scaler=StaticLossScaler(64.0))
+    model = _mlp()
+    model, a, b = precision.setup(
+        model,
+        torch.optim.SGD(model[0].parameters(), lr=0.1),
+        torch.optim.SGD(model[2].parameters(), lr=0.1),
+    )
+    x, y = _data(1)[0]
+    for opt in (a, b):
+        opt.zero_grad()
+        precision.backward(F.mse_loss(model(x), y))
+        precision.clip_grad_norm_(opt, 1.0)
+        assert precision.step(opt)
+
+
+def test_autocast_runs_outside_code_in_the_compute_dtype():
+    a = torch.randn(4, 4)
+    with Precision("bf16-mixed").autocast():
+        assert (a @ a).dtype == bf16
+    with Precision("32-true").autocast():
+        assert (a @ a).dtype == f32
+
+
+@dataclass
+class _Batch:
+    x: torch.Tensor
+    labels: torch.Tensor
+
+
+def test_convert_input_casts_floats_for_true_policies_only():
+    batch = {"pair": (torch.ones(2), _Batch(torch.ones(3), torch.arange(3)))}
+    out = Precision("bf16-true").convert_input(batch)
+    assert out["pair"][0].dtype == bf16 and out["pair"][1].x.dtype == bf16
+    assert out["pair"][1].labels.dtype == torch.int64
+    assert Precision("bf16-mixed").convert_input(batch) is batch
+
+
+def test_state_dict_round_trip_and_kind_mismatch():
+    precision = Precision("16-true", allow_slow=True, scaler=DynamicLossScaler(2.0**9))
+    model = _mlp()
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    _train(precision, model, opt, _data(3))
+    state = precision.state_dict()
+    assert state["policy"] == Policy("16-true").to_config()
+    resumed = Precision("16-true", allow_slow=True)
+    resumed.load_state_dict(state)
+    assert resumed.scaler.state_dict() == precision.scaler.state_dict()
+    with pytest.raises(ValueError, match="'dynamic'"):
+        Precision("bf16-mixed").load_state_dict(state)
+
+
+def test_setup_refuses_an_optimizer_wrapped_with_another_scaler():
+    model = _mlp()
+    foreign = LossScaleOptimizer(torch.optim.SGD(model.parameters()), DynamicLossScaler())
+    with pytest.raises(ValueError, match="own scaler"):
+        Precision("bf16-mixed").setup(model, foreign)
+    shared = Precision("bf16-mixed", scaler=foreign.scaler)
+    assert shared.setup(model, foreign)[1] is foreign
+    assert "bf16-mixed" in repr(shared)

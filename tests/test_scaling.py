@@ -1,0 +1,225 @@
+"""Loss scalers: exact parity with torch.amp.GradScaler, backoff/growth, hysteresis, bounds,
+divergence, state round-trips, and real float16 gradients."""
+
+import math
+
+import pytest
+import torch
+
+from mixprec.optim import LossScaleOptimizer
+from mixprec.scaling import (
+    DynamicLossScaler,
+    LossScaleDivergedError,
+    NoLossScaler,
+    StaticLossScaler,
+    as_loss_scaler,
+)
+
+INF, NAN = float("inf"), float("nan")
+
+
+def _flag(x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def _trajectory(scaler: DynamicLossScaler, overflows: list[bool]) -> list[float]:
+    out = []
+    for o in overflows:
+        scaler.update(_flag(float(o)), o)
+        out.append(scaler.loss_scale)
+    return out
+
+
+def _tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+@pytest.mark.parametrize(
+    ("growth_interval", "steps", "make_opt"),
+    [
+        (3, 400, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9)),
+        (2000, 2300, lambda p: torch.optim.Adam(p, lr=1e-3)),
+    ],
+)
+def test_matches_torch_grad_scaler_exactly(growth_interval, steps, make_opt):
+    """Same gradients, injected inf/NaN: identical scale and parameters after every step."""
+    ref_model, our_model = _tiny_model(), _tiny_model()
+    ref_opt, our_opt = make_opt(ref_model.parameters()), make_opt(our_model.parameters())
+    ref = torch.amp.GradScaler("cpu", growth_interval=growth_interval)
+    ours = LossScaleOptimizer(
+        our_opt,
+        DynamicLossScaler(growth_interval=growth_interval, min_scale=0.0, max_scale=math.inf),
+    )
+    gen = torch.Generator().manual_seed(1)
+    skipped = 0
+    for step in range(steps):
+        x = torch.randn(16, 4, generator=gen)
+        y = torch.randn(16, 1, generator=gen)
+        inject = {7: INF, 8: NAN, 9: -INF}.get(step % 50)
+        for model, backward in (
+            (ref_model, lambda loss: ref.scale(loss).backward()),
+            (our_model, ours.backward),
+        ):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            backward(loss)
+            if inject is not None:
+                model[0].weight.grad[0, step % 4] = inject
+        ref.step(ref_opt)
+        ref.update()
+        stepped = ours.step()
+        skipped += not stepped
+        assert ours.loss_scale == ref.get_scale(), f"scale differs at step {step}"
+        for a, b in zip(ref_model.parameters(), our_model.parameters(), strict=True):
+            assert torch.equal(a, b), f"parameters differ at step {step}"
+        ref_opt.zero_grad()
+        ours.zero_grad()
+    assert skipped >= 3 * (steps // 50)
+    # the short interval drives the scale up to float32's limit, where growth stops
+    # before producing inf and the scaled loss itself overflows: natural overflows too
+    assert ours.scaler.stats().skipped_steps == skipped
+
+
+def test_backoff_and_growth_exact_values():
+    s = DynamicLossScaler(init_scale=1024.0, growth_interval=3)
+    assert _trajectory(s, [True, False, False, False, False, True, True]) == [
+        512.0, 512.0, 512.0, 1024.0, 1024.0, 512.0, 256.0,
+    ]  # fmt: skip
+    st = s.stats()
+    assert (st.steps, st.skipped_steps, st.consecutive_skips, st.last_overflow_step) == (7, 3, 2, 6)
+
+
+def test_hysteresis_spends_credits_then_backs_off_and_refills_on_growth():
+    s = DynamicLossScaler(init_scale=1024.0, growth_interval=2, hysteresis=3)
+    traj = _trajectory(s, [True, True, True, True, False, False, True, True, True])
+    # two credits spent without change, the third overflow halves, then every overflow
+    # halves until the scale grows (after 2 clean steps), which refills the 3 credits
+    assert traj == [1024.0, 1024.0, 512.0, 256.0, 256.0, 512.0, 512.0, 512.0, 256.0]
+
+
+class _BranchFree(DynamicLossScaler):
+    """Always takes the on-device path that serves hysteresis > 1."""
+
+    def _update_scale(self, found_inf):
+        self._update_with_hysteresis(found_inf)
+        self._scale.clamp_(self.min_scale, self.max_scale)
+
+
+def test_branch_free_update_equals_torch_update_at_hysteresis_one():
+    overflows = [i % 7 == 0 or i % 11 == 0 for i in range(400)]
+    kwargs = dict(init_scale=2.0**100, growth_interval=3, min_scale=0.0, max_scale=math.inf)
+    assert _trajectory(_BranchFree(**kwargs), overflows) == _trajectory(
+        DynamicLossScaler(**kwargs), overflows
+    )
+
+
+def test_min_and_max_bounds():
+    s = DynamicLossScaler(init_scale=4.0, min_scale=2.0, max_scale=8.0, growth_interval=1)
+    assert _trajectory(s, [False, False, False, True, True, True]) == [8.0, 8.0, 8.0, 4.0, 2.0, 2.0]
+
+
+def test_growth_never_reaches_float32_inf():
+    s = DynamicLossScaler(init_scale=2.0**126, growth_interval=1, max_scale=math.inf)
+    assert _trajectory(s, [False, False, False]) == [2.0**127, 2.0**127, 2.0**127]
+
+
+def test_divergence_error_at_min_scale():
+    s = DynamicLossScaler(init_scale=8.0, min_scale=2.0, max_skips_at_min_scale=3)
+    _trajectory(s, [True, True])  # 8 -> 4 -> 2: now at the floor
+    _trajectory(s, [True, True])  # two overflows at the floor: still allowed
+    with pytest.raises(LossScaleDivergedError, match="mixprec doctor") as err:
+        s.update(_flag(1.0), True)
+    assert "3 consecutive steps" in str(err.value)
+    # a clean step at the floor resets the count
+    s2 = DynamicLossScaler(init_scale=2.0, min_scale=2.0, max_skips_at_min_scale=2)
+    _trajectory(s2, [True, False, True, False, True])
+
+
+def test_static_scaler_never_moves_and_diverges_after_n_skips():
+    s = StaticLossScaler(128.0, max_skips_at_min_scale=4)
+    assert _trajectory(s, [False] * 5 + [True] * 3) == [128.0] * 8
+    with pytest.raises(LossScaleDivergedError):
+        s.update(_flag(1.0), True)
+
+
+def test_no_loss_scaler_is_identity():
+    s = NoLossScaler()
+    loss = torch.tensor(3.0)
+    g = torch.tensor([INF, 1.0])
+    assert s.scale(loss) is loss
+    assert s.unscale_([g]).item() == 0.0 and g[0].item() == INF
+    s.update(_flag(0.0))
+    assert (s.loss_scale, s.stats().steps, s.enabled) == (1.0, 1, False)
+
+
+def test_unscale_real_float16_bfloat16_float32_grads_in_one_call():
+    s = StaticLossScaler(1024.0)
+    fp16 = torch.tensor([1024.0, 2048.0], dtype=torch.float16)
+    bf16 = torch.tensor([512.0], dtype=torch.bfloat16)
+    fp32 = torch.tensor([3072.0])
+    found = s.unscale_([fp16, bf16, fp32])
+    assert found.item() == 0.0 and found.dtype == torch.float32 and found.dim() == 0
+    assert fp16.tolist() == [1.0, 2.0] and bf16.item() == 0.5 and fp32.item() == 3.0
+    # float16 overflow: 60000 * 2 does not fit in float16 and becomes inf
+    big = torch.tensor([60000.0], dtype=torch.float16) * 2
+    assert s.unscale_([fp32, big]).item() > 0
+    checked = torch.tensor([4.0])
+    assert s.check_([checked]).item() == 0.0 and checked.item() == 4.0
+
+
+def test_sparse_gradients_are_unscaled_through_their_values():
+    s = StaticLossScaler(4.0)
+    g = torch.sparse_coo_tensor([[0, 2]], [8.0, 4.0], (3,), check_invariants=True)
+    assert s.unscale_([g]).item() == 0.0
+    assert g.to_dense().tolist() == [2.0, 0.0, 1.0]
+
+
+def test_fp16_underflow_survives_with_scaling():
+    """d(loss)/dw = 1e-4 * 1e-4 flushes to zero in float16; scaled it survives."""
+
+    def grad_of_w(scaler):
+        w = torch.ones(4, dtype=torch.float16, requires_grad=True)
+        x = torch.full((4,), 1e-4, dtype=torch.float16)
+        loss = (w * x).sum() * torch.tensor(1e-4, dtype=torch.float16)
+        scaler.scale(loss).backward()
+        grad = w.grad.float()  # unscale in float32, as master weights do
+        scaler.unscale_([grad])
+        return grad
+
+    assert torch.count_nonzero(grad_of_w(NoLossScaler())) == 0
+    # the seed gradient of a float16 loss is the scale itself, so keep it below 65504
+    survived = grad_of_w(DynamicLossScaler(init_scale=2.0**14))
+    torch.testing.assert_close(survived, torch.full((4,), 1e-8), rtol=2e-3, atol=0)
+
+
+def test_state_dict_round_trip_before_first_step_and_mid_run():
+    fresh = DynamicLossScaler(init_scale=256.0, growth_interval=5, hysteresis=2)
+    restored = DynamicLossScaler()
+    restored.load_state_dict(fresh.state_dict())
+    assert restored.loss_scale == 256.0 and restored.hysteresis == 2
+
+    overflows = [False, True, True, False, False, True, False]
+    a = DynamicLossScaler(init_scale=256.0, growth_interval=3, hysteresis=2)
+    _trajectory(a, overflows[:4])
+    b = DynamicLossScaler()
+    b.load_state_dict(a.state_dict())
+    assert _trajectory(a, overflows[4:] * 3) == _trajectory(b, overflows[4:] * 3)
+    assert a.stats() == b.stats()
+
+
+def test_loading_another_kind_of_state_is_refused():
+    with pytest.raises(ValueError, match="'static'"):
+        DynamicLossScaler().load_state_dict(StaticLossScaler(8.0).state_dict())
+
+
+def test_as_loss_scaler_choices():
+    assert isinstance(as_loss_scaler(None, needs_scaling=True), DynamicLossScaler)
+    assert isinstance(as_loss_scaler(None, needs_scaling=False), NoLossScaler)
+    assert as_loss_scaler(64, needs_scaling=False).loss_scale == 64.0
+    assert isinstance(as_loss_scaler("none", needs_scaling=True), NoLossScaler)
+    s = DynamicLossScaler()
+    assert as_loss_scaler(s, needs_scaling=False) is s
+    with pytest.raises(ValueError, match="unknown loss scaler"):
+        as_loss_scaler("fast", needs_scaling=True)
+    with pytest.raises(ValueError):
+        DynamicLossScaler(init_scale=0.5, min_scale=1.0)

@@ -1,0 +1,261 @@
+"""Checkpoints: resuming is bit-identical to not stopping (mid-epoch too), a save killed
+half-way leaves the previous checkpoint loadable, and resuming in another precision works."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import mixprec
+from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule
+from mixprec.trainer import checkpoint as ckpt_io
+
+QUIET = dict(logger=False, enable_progress_bar=False)
+
+
+class Net(TrainingModule):
+    """Dropout (draws random numbers every step), a step-interval schedule, AdamW."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(6, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def loaders() -> tuple[DataLoader, DataLoader]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 6, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    data = TensorDataset(x * 0.1, y)
+    # 12 batches an epoch, shuffled from torch's global generator
+    return DataLoader(data, batch_size=8, shuffle=True), DataLoader(data, batch_size=48)
+
+
+def trainer(tmp: Path, spec: str, **kwargs) -> Trainer:
+    return Trainer(
+        precision=spec,
+        seed=7,
+        deterministic=True,
+        accumulate_grad_batches=2,
+        gradient_clip_val=1.0,
+        val_check_interval=4,
+        default_root_dir=tmp,
+        allow_slow_precision=True,
+        **QUIET,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("spec", ["32-true", "bf16-mixed", "16-mixed", "16-true"])
+@pytest.mark.parametrize("stop_at", [5, 12], ids=["mid-epoch", "epoch-end"])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, spec, stop_at):
+    """6 steps per epoch; 16 steps straight vs stop_at steps, save, resume with a model
+    initialised differently: every parameter, the lr and the loss scale match exactly."""
+    train, val = loaders()
+    straight = Net(seed=0)
+    t_straight = trainer(tmp_path / "a", spec, max_steps=16)
+    t_straight.fit(straight, train, val)
+
+    first = Net(seed=0)
+    t_first = trainer(tmp_path / "b", spec, max_steps=stop_at)
+    t_first.fit(first, train, val)
+    path = t_first.save_checkpoint(tmp_path / "half.ckpt")
+    assert t_first.batches_done == (stop_at * 2) % 12 or stop_at == 12
+
+    resumed = Net(seed=123)
+    t_resumed = trainer(tmp_path / "c", spec, max_steps=16)
+    t_resumed.fit(resumed, train, val, ckpt_path=path)
+
+    assert t_resumed.global_step == t_straight.global_step == 16
+    for (name, a), b in zip(
+        straight.state_dict().items(), resumed.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    opt_a, opt_b = t_straight.optimizers[0], t_resumed.optimizers[0]
+    assert opt_a.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"]
+    assert t_straight.precision.scaler.state_dict() == t_resumed.precision.scaler.state_dict()
+    for sa, sb in zip(opt_a.state.values(), opt_b.state.values(), strict=True):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_resume_from_the_last_epoch_checkpoint_written_by_model_checkpoint(tmp_path):
+    train, val = loaders()
+    straight = Net(seed=0)
+    trainer(tmp_path / "a", "bf16-mixed", max_epochs=3).fit(straight, train, val)
+    cb = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True, save_top_k=0)
+    trainer(tmp_path / "b", "bf16-mixed", max_epochs=2, callbacks=[cb]).fit(Net(0), train, val)
+    assert cb.last_model_path == str(tmp_path / "ck" / "last.ckpt")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["last.ckpt"]
+    resumed = Net(seed=5)
+    t = trainer(tmp_path / "c", "bf16-mixed", max_epochs=3)
+    t.fit(resumed, train, val, ckpt_path=cb.last_model_path)
+    assert (t.current_epoch, t.global_step) == (3, 18)
+    assert all(
+        torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True)
+    )
+
+
+def test_checkpoint_contents(tmp_path):
+    train, _ = loaders()
+    t = trainer(tmp_path, "16-mixed", max_steps=3)
+    t.fit(Net(0), train)
+    state = ckpt_io.load(t.save_checkpoint(tmp_path / "x.ckpt"))
+    assert state["mixprec_version"] == mixprec.__version__
+    assert state["torch_version"] == str(torch.__version__)
+    assert state["policy_name"] == "16-mixed"
+    assert state["precision"]["policy"] == mixprec.Policy("16-mixed").to_config()
+    assert state["precision"]["scaler"]["kind"] == "dynamic"
+    assert state["loop"] == {
+        "epoch": 0,
+        "batch": 6,
+        "global_step": 3,
+        "epoch_rng": state["loop"]["epoch_rng"],
+    }
+    assert set(state["rng"]) >= {"python", "torch", "numpy"}
+    assert len(state["optimizers"]) == 1 and len(state["schedulers"]) == 1
+    assert not list(tmp_path.glob(".*.tmp"))  # no temp file left behind
+
+
+def test_loading_something_else_raises_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        ckpt_io.load(tmp_path / "missing.ckpt")
+    torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
+    with pytest.raises(ValueError, match="not a mixprec checkpoint"):
+        ckpt_io.load(tmp_path / "other.ckpt")
+
+
+def test_saving_inside_an_accumulation_window_is_refused(tmp_path):
+    class SaveEarly(ModelCheckpoint):
+        def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+            trainer.save_checkpoint(tmp_path / "early.ckpt")
+
+    train, _ = loaders()
+    t = trainer(tmp_path, "32-true", max_steps=2, callbacks=[SaveEarly()])
+    with pytest.raises(RuntimeError, match="middle of a gradient accumulation window"):
+        t.fit(Net(0), train)
+
+
+KILLED_SAVE = """
+import sys, time, torch
+from mixprec.trainer import Callback, Trainer
+sys.path.insert(0, {tests!r})
+from test_trainer_checkpoint import Net, loaders
+
+class SlowToPickle:
+    def __reduce__(self):
+        print("writing", flush=True)
+        time.sleep(60)
+        return (int, (0,))
+
+class Payload(Callback):
+    saves = 0
+    def state_dict(self):
+        return {{"slow": SlowToPickle()}} if self.saves else {{"plain": 1}}
+
+payload = Payload()
+t = Trainer(max_steps=2, logger=False, enable_progress_bar=False, callbacks=[payload],
+            enable_checkpointing=False)
+t.fit(Net(0), loaders()[0])
+t.save_checkpoint({path!r})
+print("saved", flush=True)
+payload.saves = 1
+t.save_checkpoint({path!r})
+"""
+
+
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    path = tmp_path / "run.ckpt"
+    script = KILLED_SAVE.format(tests=str(Path(__file__).parent), path=str(path))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        good = path.read_bytes()
+        assert proc.stdout.readline().strip() == "writing"  # now inside the second save
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert path.read_bytes() == good
+    state = ckpt_io.load(path)
+    assert state["loop"]["global_step"] == 2 and state["callbacks"] == {"Payload": {"plain": 1}}
+    assert len(list(tmp_path.glob(".run.ckpt.*.tmp"))) == 1  # the abandoned temp file
+    resumed = Net(seed=3)
+    t = Trainer(max_steps=3, **QUIET, enable_checkpointing=False)
+    t.fit(resumed, loaders()[0], ckpt_path=path)
+    assert t.global_step == 3
+
+
+def test_resume_in_another_precision_uses_master_weights_and_says_so(tmp_path, caplog):
+    train, _ = loaders()
+    model = Net(0)
+    t16 = trainer(tmp_path / "a", "16-true", max_steps=3)
+    t16.fit(model, train)
+    masters = [m.detach().clone() for m in t16.optimizers[0].master_params.values()]
+    assert all(m.dtype == torch.float32 for m in masters)
+    path = t16.save_checkpoint(tmp_path / "fp16.ckpt")
+
+    resumed = Net(seed=9)
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        t32 = trainer(tmp_path / "b", "32-true", max_steps=3)
+        t32.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
+    text = caplog.text
+    assert "trained in precision 16-true, in 32-true" in text
+    assert "float32 master weights" in text
+    assert "'dynamic' loss scaler, this run uses 'none'" in text
+    assert t32.global_step == 3
+    # the float32 weights are the masters, not the float16 copies rounded back up
+    for p, m in zip(resumed.parameters(), masters, strict=True):
+        assert p.dtype == torch.float32 and torch.equal(p, m)
+    # and training goes on from there in the new precision
+    t32b = trainer(tmp_path / "c", "bf16-mixed", max_steps=5)
+    t32b.fit(resumed, train, ckpt_path=path)
+    assert t32b.global_step == 5 and all(torch.isfinite(p).all() for p in resumed.parameters())
+
+
+def test_model_checkpoint_state_is_in_its_own_checkpoint_and_comes_back(tmp_path):
+    train, val = loaders()
+    cb = ModelCheckpoint(monitor="val_loss", save_last=True)  # default dirpath: the run's
+    trainer(tmp_path / "a", "32-true", max_epochs=2, callbacks=[cb]).fit(Net(0), train, val)
+    saved = ckpt_io.load(cb.last_model_path)["callbacks"][cb.state_key]
+    assert saved["best_model_path"] == cb.best_model_path  # the file knows what it is
+    assert saved["last_model_path"] == cb.last_model_path
+
+    again = ModelCheckpoint(monitor="val_loss", save_last=True)
+    t = trainer(tmp_path / "b", "32-true", max_epochs=2, callbacks=[again])
+    t.fit(Net(1), train, val, ckpt_path=cb.last_model_path)  # nothing left: only restores
+    assert t.current_epoch == 2
+    assert (again.best_model_path, again.best_model_score) == (
+        cb.best_model_path,
+        cb.best_model_score,
+    )

@@ -1,0 +1,189 @@
+"""What a user sees and keeps: the progress bar and summary, the CSV file and the TensorBoard
+event file (read back with TensorBoard's own reader)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from mixprec.trainer import (
+    Callback,
+    CSVLogger,
+    RichProgressBar,
+    TensorBoardLogger,
+    Trainer,
+    TrainingModule,
+)
+
+
+def data(n: int = 64) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+class Model(TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        self.log("train_ce", loss, prog_bar=True)
+        self.log("seen", float(len(batch[1])), on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]), prog_bar=True)
+
+
+def fit(tmp_path, precision="32-true", **kwargs) -> Trainer:
+    trainer = Trainer(
+        precision=precision,
+        max_epochs=2,
+        default_root_dir=tmp_path,
+        allow_slow_precision=True,
+        **kwargs,
+    )
+    trainer.fit(Model(), DataLoader(data(), batch_size=16), DataLoader(data(32), batch_size=16))
+    return trainer
+
+
+def test_progress_bar_shows_the_run_and_a_summary_on_a_terminal(tmp_path):
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=200, color_system=None)
+    bar = RichProgressBar(console=console, refresh_seconds=0.0)
+    trainer = fit(tmp_path, "16-mixed", callbacks=[bar], logger=False)
+    text = out.getvalue()
+    for expected in (
+        "epoch 1/2",
+        "epoch 2/2",
+        "4/4",
+        "eta",
+        "loss ",
+        "loss scale 65,536",
+        "skipped 0",
+        "lr 1.00e-03",
+        "samples/s",
+        "train_ce",
+        "val_loss",
+        "mixprec run summary",
+        "16-mixed (",
+        "65536 (0 skipped steps)",
+        "epochs / steps",
+        "2 / 8",
+        "peak memory",
+        "throughput",
+    ):
+        assert expected in text, expected
+    assert not bar.active
+    assert trainer.summary()["epochs / steps"] == "2 / 8"
+
+
+def test_progress_bar_is_silent_when_not_a_terminal_or_disabled(tmp_path):
+    out = io.StringIO()
+    bar = RichProgressBar(console=Console(file=out))  # a file: not a terminal
+    fit(tmp_path, callbacks=[bar], logger=False)
+    assert out.getvalue() == "" and not bar.active
+    trainer = Trainer(enable_progress_bar=False, logger=False)
+    assert not any(isinstance(c, RichProgressBar) for c in trainer.callbacks)
+
+
+def test_csv_and_tensorboard_hold_every_logged_value(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = fit(tmp_path, "16-mixed", enable_progress_bar=False)
+    run = tmp_path / "logs" / "version_0"
+    assert trainer.run_dir == run
+    rows = list(csv.DictReader(open(run / "metrics.csv")))
+    columns = rows[0].keys()
+    for name in ("step", "loss", "lr", "loss_scale", "skipped_steps", "samples_per_sec"):
+        assert name in columns
+    for name in ("peak_memory_mib", "train_ce", "seen_step", "seen_epoch", "val_loss"):
+        assert name in columns
+    step_rows = [r for r in rows if r["loss"]]
+    assert [int(r["step"]) for r in step_rows] == list(range(1, 9))
+    assert all(
+        float(r["loss_scale"]) == 65536.0 and float(r["skipped_steps"]) == 0 for r in step_rows
+    )
+    # throughput and peak memory: once per flush (every 25 steps, and before each validation)
+    rated = [r for r in step_rows if r["samples_per_sec"]]
+    assert [int(r["step"]) for r in rated] == [4, 8]
+    assert all(float(r["samples_per_sec"]) > 0 and float(r["peak_memory_mib"]) > 1 for r in rated)
+    assert all(float(r["seen_step"]) == 16.0 for r in step_rows)
+    val_rows = [r for r in rows if r["val_loss"]]
+    assert [int(r["step"]) for r in val_rows] == [4, 8]
+    assert float(val_rows[-1]["val_loss"]) == pytest.approx(trainer.callback_metrics["val_loss"])
+
+    events = EventAccumulator(str(run))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {
+        "loss",
+        "lr",
+        "loss_scale",
+        "skipped_steps",
+        "samples_per_sec",
+        "peak_memory_mib",
+    } <= tags
+    assert {"train_ce", "seen_step", "seen_epoch", "val_loss"} <= tags
+    loss = events.Scalars("loss")
+    assert [e.step for e in loss] == list(range(1, 9))
+    for event, row in zip(loss, step_rows, strict=True):
+        assert event.value == pytest.approx(float(row["loss"]), rel=1e-6)
+    assert [e.step for e in events.Scalars("val_loss")] == [4, 8]
+
+
+def test_a_second_run_gets_its_own_version_directory(tmp_path):
+    fit(tmp_path, enable_progress_bar=False)
+    trainer = fit(tmp_path, enable_progress_bar=False)
+    assert trainer.run_dir.name == "version_1"
+    assert (tmp_path / "logs" / "version_1" / "metrics.csv").is_file()
+    assert (tmp_path / "logs" / "version_1" / "checkpoints" / "epoch=1-step=8.ckpt").is_file()
+
+
+def test_csv_logger_widens_its_header_and_survives_pickling(tmp_path):
+    logger = CSVLogger(tmp_path, name="x", flush_every=1)
+    logger.log_metrics({"a": 1.0}, step=1)
+    logger.log_metrics({"a": 2.0, "b": 3.0}, step=2)
+    logger.log_metrics({"b": 4.0}, step=3)
+    clone = pickle.loads(pickle.dumps(logger))  # file handles are not pickled
+    logger.finalize()
+    assert (tmp_path / "x" / "version_0" / "metrics.csv").read_text().splitlines() == [
+        "step,a,b",
+        "1,1.0,",
+        "2,2.0,3.0",
+        "3,,4.0",
+    ]
+    assert clone.path == logger.path
+    pickle.dumps(TensorBoardLogger(tmp_path))
+
+
+class StepCounter(Callback):
+    """Logs its own value through the trainer, for the step about to be taken."""
+
+    def on_before_optimizer_step(self, trainer, model, optimizer):
+        step = trainer.global_step + 1
+        trainer.log_metrics({"counted": torch.tensor(float(step))}, step)
+
+
+def test_callbacks_log_through_the_trainer_in_step_order(tmp_path):
+    trainer = fit(tmp_path, callbacks=[StepCounter()], enable_progress_bar=False)
+    rows = list(csv.DictReader(open(trainer.run_dir / "metrics.csv")))
+    steps = [int(r["step"]) for r in rows]
+    assert steps == sorted(steps)
+    counted = [(int(r["step"]), float(r["counted"])) for r in rows if r["counted"]]
+    assert counted == [(s, float(s)) for s in range(1, 9)]
+    assert trainer.callback_metrics["counted"] == 8.0
