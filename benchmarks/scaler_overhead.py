@@ -2,9 +2,9 @@
 11.8M-parameter MLP, measured two ways in one run:
 
 - in the step: the optimizer phase of the same step through `Precision` with a dynamic
-  scaler and with none, alternating step by step (this machine is noisy, so only
-  side-by-side numbers mean much);
-- directly: the scaler's own work (`unscale_`/`check_` over the real gradients, the one
+  scaler and with none, and with `torch.amp.GradScaler` for comparison, taking turns step
+  by step (this machine is noisy, so only side-by-side numbers mean much);
+- directly: the scaler's own work (`unscale_` over the real gradients, the one
   host read of the overflow flag, `update`) timed in isolation on fresh copies of the
   gradients, as a share of the median plain step.
 
@@ -42,53 +42,72 @@ def make_optimizer(model: nn.Module, fused: bool) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
 
-def run_pair(spec: str, fused: bool, steps: int, warmup: int, batch: int) -> dict[str, float]:
-    """Median ms of each phase for a step without and with a dynamic scaler, alternating."""
+def run_variants(spec: str, fused: bool, steps: int, warmup: int, batch: int) -> dict[str, float]:
+    """Median ms per phase of one step with no scaler, mixprec's dynamic scaler, and
+    torch.amp.GradScaler, the three taking turns step by step on copies of one model."""
     torch.manual_seed(0)
     base = mlp()
     x, y = torch.randn(batch, 1024), torch.randn(batch, 1024)
-    setups = {}
+    steppers = {}
     for name, scaler in (("plain", "none"), ("scaled", "dynamic")):
         precision = Precision(spec, allow_slow=True, scaler=scaler)
         model = copy.deepcopy(base)
         model, opt = precision.setup(model, make_optimizer(model, fused))
-        setups[name] = (precision, model, opt)
-    probe = DynamicLossScaler()  # a scaler of its own, so the run's scaler is not disturbed
-    times: dict[str, list[float]] = {
-        k: [] for k in ("plain_fb", "plain_opt", "scaled_fb", "scaled_opt", "alone")
-    }
+        steppers[name] = (
+            lambda m=model, o=opt, p=precision: p.backward(F.mse_loss(m(x), y)),
+            lambda o=opt, p=precision: p.step(o),
+            opt,
+        )
+    model = mixprec.apply(copy.deepcopy(base), spec)
+    opt = make_optimizer(model, fused)
+    grad_scaler = torch.amp.GradScaler("cpu")
+
+    def torch_step(o: torch.optim.Optimizer = opt) -> None:
+        grad_scaler.step(o)
+        grad_scaler.update()
+
+    steppers["torch"] = (
+        lambda m=model: grad_scaler.scale(F.mse_loss(m(x), y)).backward(),
+        torch_step,
+        opt,
+    )
+    probe = DynamicLossScaler()  # a scaler of its own, so the runs' scalers are not disturbed
+    times: dict[str, list[float]] = {"alone": []}
+    for name in steppers:
+        times[f"{name}_fb"], times[f"{name}_opt"] = [], []
+    names = list(steppers)
     gc.disable()
     try:
         for i in range(warmup + steps):
-            order = ["plain", "scaled"] if i % 2 == 0 else ["scaled", "plain"]
-            for name in order:
-                precision, model, opt = setups[name]
+            for name in names[i % 3 :] + names[: i % 3]:
+                backward, step, opt = steppers[name]
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
-                precision.backward(F.mse_loss(model(x), y))
+                backward()
                 t1 = time.perf_counter()
-                precision.step(opt)
+                step()
                 t2 = time.perf_counter()
                 if i >= warmup:
                     times[f"{name}_fb"].append((t1 - t0) * 1e3)
                     times[f"{name}_opt"].append((t2 - t1) * 1e3)
             # the scaler's own work, on fresh copies of this step's real gradients
-            grads = [p.grad for p in setups["scaled"][2].params_with_grads()]
+            grads = [p.grad for p in steppers["scaled"][2].params_with_grads()]
             work = [g.clone() for g in grads]
             for _ in range(3):
                 torch._foreach_copy_(work, grads)
                 t0 = time.perf_counter()
-                found = probe.check_(work) if fused else probe.unscale_(work)
+                found = probe.unscale_(work)
                 probe.update(found, bool(found.item()))
                 if i >= warmup:
                     times["alone"].append((time.perf_counter() - t0) * 1e3)
     finally:
         gc.enable()
     out = {k: statistics.median(v) for k, v in times.items()}
-    # paired: each step's difference with its neighbour in time, robust to load drifting
-    out["cost"] = statistics.median(
-        s - p for s, p in zip(times["scaled_opt"], times["plain_opt"], strict=True)
-    )
+    # paired: each step's difference with its neighbours in time, robust to load drifting
+    for name in ("scaled", "torch"):
+        out[f"{name}_cost"] = statistics.median(
+            s - p for s, p in zip(times[f"{name}_opt"], times["plain_opt"], strict=True)
+        )
     return out
 
 
@@ -110,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     rows = []
     for spec, fused, batch, label in CONFIGS:
-        t = run_pair(spec, fused, args.steps, args.warmup, batch)
+        t = run_variants(spec, fused, args.steps, args.warmup, batch)
         step = t["plain_fb"] + t["plain_opt"]
-        cost = t["cost"]
         rows.append(
             f"| {label} | {batch} | {step:.1f} | {t['plain_opt']:.2f} | {t['scaled_opt']:.2f} "
-            f"| {cost:.2f} | {cost / step:.2%} | {t['alone']:.2f} | {t['alone'] / step:.2%} |"
+            f"| {t['scaled_cost']:.2f} | {t['scaled_cost'] / step:.2%} "
+            f"| {t['torch_cost']:.2f} | {t['torch_cost'] / step:.2%} "
+            f"| {t['alone']:.2f} | {t['alone'] / step:.2%} |"
         )
     lines = [
         "# Loss scaler overhead: its share of a training step",
@@ -128,18 +148,21 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.getloadavg()[0]:.2f} (other work on the machine inflates every number).",
         "",
         "| setting | batch | step without scaler (ms) | optimizer phase, no scaler (ms) "
-        "| optimizer phase, dynamic scaler (ms) | scaler cost in the step (ms) | share "
-        "| scaler work alone (ms) | share |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| optimizer phase, mixprec scaler (ms) | mixprec scaler cost in the step (ms) "
+        "| share | torch GradScaler cost in the step (ms) | share "
+        "| mixprec scaler work alone (ms) | share |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         *rows,
         "",
         "A step is zero_grad + forward + loss + scaled backward (the first phase) and "
-        "`precision.step` (the optimizer phase), through `mixprec.Precision`; the same model "
-        "with a dynamic scaler and with none alternate step by step, medians of "
-        f"{args.steps} steps. The scaler's cost in the step is the median over steps of the "
-        "difference between the two optimizer phases run back to back: the inf check "
-        "(`check_` for fused optimizers, which unscale in their own kernel; the fused "
-        "`unscale_` pass otherwise), the one host read of the overflow flag and `update`. "
+        "`precision.step` (the optimizer phase), through `mixprec.Precision`; copies of one "
+        "model with no scaler, with mixprec's dynamic scaler, and with `torch.amp.GradScaler` "
+        "(`scaler.step` + `scaler.update` on the same applied model) take turns step by step; "
+        f"medians of {args.steps} steps. A scaler's cost in the step is the median over steps "
+        "of the difference between its optimizer phase and the scaler-free one run next to "
+        "it. mixprec's is the fused "
+        "`unscale_` + inf check pass, the one host read of the overflow flag and `update` "
+        "(fused optimizers get the flag and skip in their kernel). "
         "'Scaler work alone' times those calls in isolation on fresh copies of the step's "
         "real gradients. Shares are of the step without scaler.",
     ]

@@ -24,7 +24,7 @@ P100 = DeviceInfo("cuda", "Tesla P100", 0, capability=(6, 0))
             ZEN4,
             {"bf16-mixed": "fast", "16-mixed": "slow", "16-true": "slow", "64-true": "supported"},
         ),
-        (SPR, {"bf16-mixed": "fast", "16-mixed": "supported"}),
+        (SPR, {"bf16-mixed": "fast", "16-mixed": "slow"}),
         (OLD_CPU, {"bf16-mixed": "slow", "16-mixed": "slow", "32-true": "fast"}),
         (V100, {"bf16-mixed": "refused", "16-mixed": "fast", "32-true": "fast"}),
         (H100, {"bf16-mixed": "fast", "16-mixed": "fast", "bf16-true": "fast"}),

@@ -200,3 +200,20 @@ def test_setup_refuses_an_optimizer_wrapped_with_another_scaler():
     shared = Precision("bf16-mixed", scaler=foreign.scaler)
     assert shared.setup(model, foreign)[1] is foreign
     assert "bf16-mixed" in repr(shared)
+
+
+def test_a_float16_loss_cannot_carry_the_default_scale():
+    """The seed gradient of backward is the scale; 2**16 is inf in float16, so a float16
+    loss overflows once and the scale backs off to 2**15 (README tip)."""
+    precision = Precision("16-true", allow_slow=True)
+    model = _mlp()
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data(1)[0]
+    taken = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y.half())
+        assert loss.dtype == f16
+        precision.backward(loss)
+        taken.append(precision.step(opt))
+    assert taken == [False, True] and precision.scaler.loss_scale == 2.0**15

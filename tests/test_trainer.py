@@ -23,7 +23,7 @@ from mixprec.trainer import (
     TrainingModule,
     resolve_precision,
 )
-from mixprec.trainer.trainer import _parse_optimizers
+from mixprec.trainer.optimizers import parse_optimizers
 
 QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False)
 
@@ -388,7 +388,7 @@ def test_configure_optimizers_accepts_lightnings_forms(config, n_scheds):
 @pytest.mark.parametrize("bad", [None, "adam", [1, 2], {"lr_scheduler": 1}])
 def test_configure_optimizers_rejects_other_forms(bad):
     with pytest.raises(ValueError, match="configure_optimizers must return"):
-        _parse_optimizers(bad)
+        parse_optimizers(bad)
 
 
 def test_early_stopping_and_best_checkpoints(tmp_path):

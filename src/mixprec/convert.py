@@ -153,11 +153,15 @@ def _set_dtype(
                 store[key] = t.to(dtype)
 
 
-def apply(model: nn.Module, policy: Any = None) -> nn.Module:
+def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Module:
     """Convert `model` in place to `policy` (a spec, Policy or PolicyMap; None: the global
-    policy) and return it. Re-applying replaces the previous policy cleanly."""
+    policy) and return it. Re-applying replaces the previous policy cleanly.
+
+    Warns when the policy is slow or refused on the model's device (`warn=False` for
+    callers that already checked it, such as `Precision.setup`)."""
     pmap = as_map(policy)
-    warn_if_unsupported(pmap, device_of(model))
+    if warn:
+        warn_if_unsupported(pmap, device_of(model))
     state: AppliedState | None = model.__dict__.get(_STATE)
     if state is None:
         original = {

@@ -50,7 +50,8 @@ class LossScaleOptimizer:
 
     Args:
         optimizer: any ``torch.optim.Optimizer``; fused ones (``fused=True`` Adam, AdamW, SGD,
-            flagged ``_step_supports_amp_scaling``) unscale and skip inside their kernel.
+            flagged ``_step_supports_amp_scaling``) get the overflow flag and skip inside
+            their kernel, so no host sync precedes their step.
         scaler: ``None`` or ``"dynamic"`` (a new ``DynamicLossScaler``), a number (a static
             scale), ``"none"``, or a ``LossScaler`` instance, possibly shared with other
             optimizers.
@@ -78,7 +79,6 @@ class LossScaleOptimizer:
             self._add_masters(group)
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
         self._found_inf: torch.Tensor | None = None
-        self._grad_scale: torch.Tensor | None = None
         self.step_was_skipped = False
         first = next(iter(self._all_params()), None)
         if first is not None and self.scaler.device != first.device:
@@ -144,8 +144,7 @@ class LossScaleOptimizer:
         Call it before clipping or inspecting gradients; ``step`` calls it when needed.
         """
         if self._found_inf is None:
-            self._found_inf = self._unscale_or_check(unscale=True)
-            self._grad_scale = None
+            self._found_inf = self._unscale()
 
     def step(self) -> bool:
         """Unscale if needed, then take the step or skip it on inf/NaN, then update the scale.
@@ -160,7 +159,6 @@ class LossScaleOptimizer:
         low-precision parameters; a step's ``unscale_`` is forgotten with them."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._found_inf = None
-        self._grad_scale = None
         if set_to_none:
             for p in self._model_params:
                 p.grad = None
@@ -257,7 +255,7 @@ class LossScaleOptimizer:
             grads.append(g)
         return grads
 
-    def _unscale_or_check(self, *, unscale: bool) -> torch.Tensor:
+    def _unscale(self) -> torch.Tensor:
         grads = self._gather_grads()
         if grads and self.scaler.enabled and not self.scaler.scaled_since_update:
             raise RuntimeError(
@@ -267,31 +265,20 @@ class LossScaleOptimizer:
                 "backward feeds several optimizers, step them together: "
                 "mixprec.joint_step(opt_a, opt_b) or precision.step(opt_a, opt_b)."
             )
-        return self.scaler.unscale_(grads) if unscale else self.scaler.check_(grads)
-
-    def _prepare_step(self) -> torch.Tensor:
-        if self._found_inf is None:
-            if self._fused:
-                self._found_inf = self._unscale_or_check(unscale=False)
-                self._grad_scale = self.scaler.scale_tensor
-            else:
-                self.unscale_()
-        assert self._found_inf is not None
-        return self._found_inf
+        return self.scaler.unscale_(grads)
 
     def _inner_step(self, found_inf: torch.Tensor) -> None:
         if not self._fused:
             self.optimizer.step()
             return
-        # torch's protocol for fused optimizers: they read these two attributes, unscale
-        # inside their kernel (when grad_scale is set) and leave everything untouched when
-        # found_inf is non-zero.
-        self.optimizer.grad_scale = self._grad_scale  # type: ignore[attr-defined]
+        # torch's protocol for fused optimizers: they read `found_inf` (and `grad_scale`,
+        # left unset: the gradients are already unscaled) and leave everything untouched
+        # when it is non-zero. Unscaling in our pass rather than in their kernel is the
+        # cheaper split: a check-only pass plus an unscale inside the kernel costs more.
         self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
             self.optimizer.step()
         finally:
-            del self.optimizer.grad_scale  # type: ignore[attr-defined]
             del self.optimizer.found_inf  # type: ignore[attr-defined]
 
     def _finish_step(self, stepped: bool) -> None:
@@ -300,7 +287,6 @@ class LossScaleOptimizer:
                 torch._foreach_copy_(self._model_params, self._masters)
         self.step_was_skipped = not stepped
         self._found_inf = None
-        self._grad_scale = None
 
 
 def joint_step(*optimizers: LossScaleOptimizer) -> bool:
@@ -321,9 +307,11 @@ def joint_step(*optimizers: LossScaleOptimizer) -> bool:
                 opt._copy_grads_to_masters()
             opt.optimizer.step()
             opt._finish_step(True)
-        scaler.update(scaler.check_([]), False)
+        scaler.update(scaler.unscale_([]), False)
         return True
-    flags = [opt._prepare_step() for opt in optimizers]
+    for opt in optimizers:
+        opt.unscale_()
+    flags = [opt._found_inf for opt in optimizers]
     found_inf = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
     found_inf = scaler.synchronize(found_inf)
     # Fused optimizers skip by themselves on device, so with only those the flag is read

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from mixprec.convert import apply, cast_floating
-from mixprec.hardware import check, default_device, device_of
+from mixprec.hardware import check, default_device, detect, device_of, resolve_auto
 from mixprec.optim import LossScaleOptimizer, joint_step
 from mixprec.policy import Policy, as_policy
 from mixprec.policy_map import PolicyMap
@@ -61,8 +61,11 @@ class Precision:
         scaler: LossScaler | str | float | None = None,
         master_weights: bool | None = None,
     ) -> None:
-        self.policy: Policy | PolicyMap = as_policy(spec)
         self.device = torch.device(device) if device is not None else None
+        if isinstance(spec, str) and spec.strip().lower() == "auto" and self.device is not None:
+            # "auto" means the fastest stable precision on *this* device, not the default one
+            spec = resolve_auto(detect(self.device))
+        self.policy: Policy | PolicyMap = as_policy(spec)
         self.allow_slow = allow_slow
         self.scaler = as_loss_scaler(scaler, needs_scaling=self.policy.needs_loss_scaling)
         self.master_weights = master_weights
@@ -91,7 +94,7 @@ class Precision:
         if self.device is None:
             self.device = device_of(model)
         check(self.policy, self.device, allow_slow=self.allow_slow)
-        apply(model, self.policy)
+        apply(model, self.policy, warn=False)
         self.scaler.to(self.device)
         wrapped = [self._wrap(opt) for opt in optimizers]
         return (model, *wrapped) if wrapped else model

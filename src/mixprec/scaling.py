@@ -85,7 +85,6 @@ class LossScaler:
         self.max_skips_at_min_scale = max_skips_at_min_scale
         self.process_group = process_group
         self._scale = torch.full((), float(scale), dtype=torch.float32)
-        self._one = torch.ones((), dtype=torch.float32)
         self._steps = 0
         self._skipped = 0
         self._consecutive = 0
@@ -147,13 +146,6 @@ class LossScaler:
         else:
             inv = self._scale.double().reciprocal().float()
         return self._check_and_scale(grads, inv)
-
-    def check_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Only look for inf/NaN in ``grads`` (left as they are); return the overflow flag.
-
-        Used with fused optimizers that unscale inside their own kernel (``grad_scale``).
-        """
-        return self._check_and_scale(grads, self._one)
 
     def synchronize(self, found_inf: torch.Tensor) -> torch.Tensor:
         """All-reduce ``found_inf`` (max) across ranks when running distributed; in place."""
@@ -274,8 +266,8 @@ class LossScaler:
 class NoLossScaler(LossScaler):
     """No scaling and no overflow check, for bfloat16, float32 and float64 training.
 
-    ``scale`` returns the loss unchanged; ``unscale_`` and ``check_`` leave the gradients
-    alone and report no overflow, so every step is taken, exactly as in plain PyTorch.
+    ``scale`` returns the loss unchanged; ``unscale_`` leaves the gradients alone and
+    reports no overflow, so every step is taken, exactly as in plain PyTorch.
     """
 
     enabled = False
@@ -290,11 +282,7 @@ class NoLossScaler(LossScaler):
         return loss
 
     def unscale_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Leave ``grads`` alone; report no overflow."""
-        return self._no_overflow
-
-    def check_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Report no overflow without looking."""
+        """Leave ``grads`` alone; report no overflow (nothing is checked)."""
         return self._no_overflow
 
     def synchronize(self, found_inf: torch.Tensor) -> torch.Tensor:

@@ -265,6 +265,7 @@ def plot(path: Path, report: BenchReport, summaries: list[Summary]) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    batches = sorted({s.batch_size for s in summaries})
     for label in dict.fromkeys(s.label for s in summaries):
         ok = [s for s in summaries if s.label == label and s.median_ms is not None]
         if not ok:
@@ -279,6 +280,8 @@ def plot(path: Path, report: BenchReport, summaries: list[Summary]) -> None:
         ax_m.plot(xs, [s.peak_memory / 2**20 for s in ok], marker="o", label=label)
     for ax, ylabel in ((ax_t, "ms/step (median, min-max)"), (ax_m, "peak memory (MiB)")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.minorticks_off()
         ax.set_xlabel("batch size")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)

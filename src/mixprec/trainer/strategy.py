@@ -199,7 +199,10 @@ class DDPStrategy(SingleDeviceStrategy):
         return bool(t.item())
 
     def teardown(self) -> None:
+        # every rank arrives before the group goes away, so none tears it down while another
+        # still talks to it (gloo aborts the process then)
         if self._owns_group and dist.is_initialized():
+            dist.barrier()
             dist.destroy_process_group()
         self._owns_group = False
 

@@ -23,7 +23,7 @@ import random
 import resource
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ from mixprec.trainer.loggers import (
 )
 from mixprec.trainer.metrics import MetricStore
 from mixprec.trainer.module import TrainingModule
+from mixprec.trainer.optimizers import Scheduler, parse_optimizers, scheduler_entry
 from mixprec.trainer.progress import RichProgressBar
 from mixprec.trainer.strategy import (
     STRATEGIES,
@@ -135,15 +136,6 @@ def _peak_memory_mib(device: torch.device) -> float:
     return rss / 2**20 if os.uname().sysname == "Darwin" else rss / 2**10
 
 
-@dataclass
-class _Scheduler:
-    scheduler: Any
-    optimizer: LossScaleOptimizer
-    interval: str = "epoch"
-    frequency: int = 1
-    monitor: str | None = None
-
-
 class _StepRunner(nn.Module):
     """Runs one step of a kind ("training", "validation", ...) as a module's forward, so that
     DistributedDataParallel sees the training step as its forward (as Lightning does)."""
@@ -179,7 +171,7 @@ def _loss_of(output: Any) -> Tensor:
             "training_step must return the loss as a one-element tensor (or a dict with "
             f"'loss'), got {type(output).__name__}"
         )
-    return loss.reshape(())
+    return loss if loss.dim() == 0 else loss.reshape(())
 
 
 def _check_fraction_or_count(name: str, value: Any, allow_none: bool = True) -> None:
@@ -400,10 +392,12 @@ class Trainer:
         return items
 
     def _reset_run_state(self) -> None:
+        self._listeners: dict[str, list[Callback]] = {}
         self._runner: nn.Module | None = None
+        self._run_step: Callable[..., Any] | None = None
         self._raw_runner: _StepRunner | None = None
         self._optimizers: list[LossScaleOptimizer] = []
-        self._schedulers: list[_Scheduler] = []
+        self._schedulers: list[Scheduler] = []
         self._epoch_rng: dict[str, Any] | None = None
         self._resume_rng: dict[str, Any] | None = None
         self._in_window = False
@@ -419,8 +413,9 @@ class Trainer:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("model", "precision", "_runner", "_raw_runner", "_last_loss", "_fit_loss_fn"):
+        for key in ("model", "precision", "_runner", "_raw_runner", "_run_step", "_last_loss"):
             state[key] = None
+        state["_fit_loss_fn"], state["_listeners"] = None, {}
         state.pop("_train_loader", None)
         state.pop("_val_loader", None)
         state["_optimizers"], state["_schedulers"], state["_window_losses"] = [], [], []
@@ -649,6 +644,8 @@ class Trainer:
                         lg.finalize()
                     self.stage = None
             finally:
+                # the DDP wrapper holds the process group: release it before the group goes
+                self._runner = self._run_step = None
                 self.strategy.teardown()
 
     def _sync_run_dir(self) -> None:
@@ -677,6 +674,9 @@ class Trainer:
         self._runner = (
             self.strategy.wrap(self._raw_runner) if self.stage == "fit" else self._raw_runner
         )
+        # without a DDP wrapper, skip nn.Module's call machinery on every step
+        unwrapped = self._runner is self._raw_runner
+        self._run_step = self._raw_runner.forward if unwrapped else self._runner
         return list(wrapped[1:]) if optimizers else []
 
     def _configure_optimizers(
@@ -696,7 +696,7 @@ class Trainer:
         if not isinstance(model, TrainingModule):
             log.info("no optimizer given: using AdamW(lr=1e-3)")
             return [lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)], []
-        return _parse_optimizers(model.configure_optimizers())
+        return parse_optimizers(model.configure_optimizers())
 
     # -- fit ---------------------------------------------------------------------------------------
 
@@ -711,7 +711,7 @@ class Trainer:
     ) -> dict[str, Any]:
         optimizers, scheduler_configs = self._configure_optimizers(model, optimizer)
         self._optimizers = self._setup_model(model, loss_fn, optimizers)
-        self._schedulers = [self._scheduler(c) for c in scheduler_configs]
+        self._schedulers = [scheduler_entry(c, self._optimizers) for c in scheduler_configs]
         seed = self.seed if self.seed is not None else 0
         self._train_loader = self.strategy.prepare_loader(train, seed)
         self._val_loader = self.strategy.prepare_loader(val, seed) if val is not None else None
@@ -803,10 +803,10 @@ class Trainer:
         last_in_window = batch_idx - window_start == window - 1
         self._in_window = True
         with self.strategy.no_sync(self._runner, sync=last_in_window):
-            with precision.autocast():
-                output = self._runner("training", batch, batch_idx)
+            with self._step_context():
+                output = self._run_step("training", batch, batch_idx)
                 loss = _loss_of(output)
-            precision.backward(loss / window)
+            precision.backward(loss / window if window > 1 else loss)
         self._window_losses.append(loss.detach())
         self._samples += batch_size_of(batch)
 
@@ -816,6 +816,14 @@ class Trainer:
         if self._val_due(batch_idx):
             self._validate_during_fit()
         self._hook("on_train_batch_end", output, batch, batch_idx)
+
+    def _step_context(self) -> AbstractContextManager[Any]:
+        """The compute region for a step: a TrainingModule's step may call submodules
+        directly, so it runs under the precision's autocast; a plain module's forward enters
+        its region by itself."""
+        if isinstance(self.model, TrainingModule):
+            return self.precision.autocast()  # type: ignore[union-attr]
+        return contextlib.nullcontext()
 
     def _optimizer_step(self) -> None:
         assert self.precision is not None
@@ -927,7 +935,7 @@ class Trainer:
         self.batches_done = 0
         self._epoch_finished = False
 
-    def _monitored(self, s: _Scheduler) -> float:
+    def _monitored(self, s: Scheduler) -> float:
         if s.monitor not in self.callback_metrics:
             raise KeyError(
                 f"the scheduler monitors {s.monitor!r}, which was not logged; logged: "
@@ -978,7 +986,7 @@ class Trainer:
                 if self.num_eval_batches is not None and batch_idx >= self.num_eval_batches:
                     break
                 batch = precision.convert_input(to_device(batch, self.strategy.device))
-                with precision.autocast():
+                with self._step_context():
                     output = runner(kind, batch, batch_idx)
                 if plain:
                     self._metrics.log(f"{what}_loss", output, batch_size=batch_size_of(batch))
@@ -1006,7 +1014,7 @@ class Trainer:
         with torch.no_grad():
             for batch_idx, batch in enumerate(loader):
                 batch = self.precision.convert_input(to_device(batch, self.strategy.device))
-                with self.precision.autocast():
+                with self._step_context():
                     out.append(self._raw_runner("predict", batch, batch_idx))
         return out
 
@@ -1016,25 +1024,13 @@ class Trainer:
         model = self.model
         if isinstance(model, TrainingModule) and name in _MODULE_HOOKS:
             getattr(model, name)(*args)
-        for cb in self.callbacks:
+        listeners = self._listeners.get(name)
+        if listeners is None:  # the callbacks that override this hook (it runs per batch)
+            base = getattr(Callback, name)
+            listeners = [cb for cb in self.callbacks if getattr(type(cb), name) is not base]
+            self._listeners[name] = listeners
+        for cb in listeners:
             getattr(cb, name)(self, model, *args)
-
-    def _scheduler(self, config: dict[str, Any]) -> _Scheduler:
-        sched = config["scheduler"]
-        inner = getattr(sched, "optimizer", None)
-        owner = next((o for o in self._optimizers if o.optimizer is inner), None)
-        if owner is None:
-            raise ValueError(
-                f"scheduler {type(sched).__name__} does not drive any optimizer returned by "
-                "configure_optimizers"
-            )
-        interval = config.get("interval", "epoch")
-        if interval not in ("epoch", "step"):
-            raise ValueError(f"scheduler interval must be 'epoch' or 'step', got {interval!r}")
-        monitor = config.get("monitor")
-        if monitor is None and isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise ValueError("ReduceLROnPlateau needs a 'monitor' in its scheduler config")
-        return _Scheduler(sched, owner, interval, int(config.get("frequency", 1)), monitor)
 
     def progress_metrics(self) -> dict[str, float]:
         """What the progress bar shows now: loss, loss scale, skipped steps, lr, samples/s,
@@ -1223,46 +1219,6 @@ _MODULE_HOOKS = {
     "on_train_epoch_end",
     "on_before_optimizer_step",
 }
-
-
-def _parse_optimizers(config: Any) -> tuple[list[Any], list[dict[str, Any]]]:
-    """Lightning's accepted ``configure_optimizers`` results -> (optimizers, scheduler configs)."""
-
-    def sched_config(s: Any) -> dict[str, Any]:
-        if isinstance(s, dict):
-            if "scheduler" not in s:
-                raise ValueError(
-                    f"a scheduler config dict needs a 'scheduler' key, got {sorted(s)}"
-                )
-            unknown = set(s) - {"scheduler", "interval", "frequency", "monitor", "name", "strict"}
-            if unknown:
-                raise ValueError(f"unknown scheduler config keys {sorted(unknown)}")
-            return dict(s)
-        return {"scheduler": s}
-
-    if isinstance(config, torch.optim.Optimizer):
-        return [config], []
-    if isinstance(config, dict):
-        config = [config]
-    if isinstance(config, (list, tuple)):
-        if len(config) == 2 and isinstance(config[0], (list, tuple)):
-            opts, scheds = config
-            if all(isinstance(o, torch.optim.Optimizer) for o in opts):
-                scheds = scheds if isinstance(scheds, (list, tuple)) else [scheds]
-                return list(opts), [sched_config(s) for s in scheds]
-        if config and all(isinstance(o, torch.optim.Optimizer) for o in config):
-            return list(config), []
-        if config and all(isinstance(d, dict) and "optimizer" in d for d in config):
-            opts = [d["optimizer"] for d in config]
-            scheds = [
-                sched_config(d["lr_scheduler"]) for d in config if d.get("lr_scheduler") is not None
-            ]
-            return opts, scheds
-    raise ValueError(
-        "configure_optimizers must return an optimizer, a list of optimizers, "
-        "([optimizers], [schedulers]), or {'optimizer': ..., 'lr_scheduler': ...} (or a list "
-        f"of such dicts); got {type(config).__name__}"
-    )
 
 
 def _run_in_child(

@@ -1,0 +1,84 @@
+"""What ``configure_optimizers`` returns, in any form Lightning accepts, made uniform:
+optimizers, and schedulers with their interval, frequency and monitored metric."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mixprec.optim import LossScaleOptimizer
+
+
+@dataclass
+class Scheduler:
+    """A learning-rate scheduler, the wrapped optimizer it drives, and when it steps."""
+
+    scheduler: Any
+    optimizer: LossScaleOptimizer
+    interval: str = "epoch"
+    frequency: int = 1
+    monitor: str | None = None
+
+
+def parse_optimizers(config: Any) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Lightning's accepted ``configure_optimizers`` results -> (optimizers, scheduler configs)."""
+
+    def sched_config(s: Any) -> dict[str, Any]:
+        if isinstance(s, dict):
+            if "scheduler" not in s:
+                raise ValueError(
+                    f"a scheduler config dict needs a 'scheduler' key, got {sorted(s)}"
+                )
+            unknown = set(s) - {"scheduler", "interval", "frequency", "monitor"}
+            if unknown:
+                raise ValueError(
+                    f"unknown scheduler config keys {sorted(unknown)}; accepted: scheduler, "
+                    "interval ('epoch' or 'step'), frequency, monitor"
+                )
+            return dict(s)
+        return {"scheduler": s}
+
+    if isinstance(config, torch.optim.Optimizer):
+        return [config], []
+    if isinstance(config, dict):
+        config = [config]
+    if isinstance(config, (list, tuple)):
+        if len(config) == 2 and isinstance(config[0], (list, tuple)):
+            opts, scheds = config
+            if all(isinstance(o, torch.optim.Optimizer) for o in opts):
+                scheds = scheds if isinstance(scheds, (list, tuple)) else [scheds]
+                return list(opts), [sched_config(s) for s in scheds]
+        if config and all(isinstance(o, torch.optim.Optimizer) for o in config):
+            return list(config), []
+        if config and all(isinstance(d, dict) and "optimizer" in d for d in config):
+            opts = [d["optimizer"] for d in config]
+            scheds = [
+                sched_config(d["lr_scheduler"]) for d in config if d.get("lr_scheduler") is not None
+            ]
+            return opts, scheds
+    raise ValueError(
+        "configure_optimizers must return an optimizer, a list of optimizers, "
+        "([optimizers], [schedulers]), or {'optimizer': ..., 'lr_scheduler': ...} (or a list "
+        f"of such dicts); got {type(config).__name__}"
+    )
+
+
+def scheduler_entry(config: dict[str, Any], optimizers: list[LossScaleOptimizer]) -> Scheduler:
+    """A `Scheduler` from a config dict, bound to the wrapped optimizer it drives."""
+    sched = config["scheduler"]
+    inner = getattr(sched, "optimizer", None)
+    owner = next((o for o in optimizers if o.optimizer is inner), None)
+    if owner is None:
+        raise ValueError(
+            f"scheduler {type(sched).__name__} does not drive any optimizer returned by "
+            "configure_optimizers"
+        )
+    interval = config.get("interval", "epoch")
+    if interval not in ("epoch", "step"):
+        raise ValueError(f"scheduler interval must be 'epoch' or 'step', got {interval!r}")
+    monitor = config.get("monitor")
+    if monitor is None and isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError("ReduceLROnPlateau needs a 'monitor' in its scheduler config")
+    return Scheduler(sched, owner, interval, int(config.get("frequency", 1)), monitor)
