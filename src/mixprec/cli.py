@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from mixprec import __version__
+from mixprec.bench.command import add_parser as add_bench_parser
+from mixprec.doctor.command import add_parser as add_doctor_parser
 from mixprec.hardware import FAST, REFUSED, SLOW, detect, measure, resolve_auto, support_matrix
 
 _STYLE = {FAST: "green", "supported": "yellow", SLOW: "red", REFUSED: "red bold"}
@@ -52,9 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--measure", action="store_true", help="also measure matmul GFLOP/s")
     p.add_argument("--seconds", type=float, default=0.3, help="measuring time per dtype")
     p.set_defaults(func=_info)
-    from mixprec.bench.command import add_parser as add_bench_parser
     add_bench_parser(sub)
-    from mixprec.doctor.command import add_parser as add_doctor_parser
     add_doctor_parser(sub)
     return parser
 

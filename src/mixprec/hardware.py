@@ -164,14 +164,22 @@ def dtype_support(dtype: torch.dtype, info: DeviceInfo) -> Support:
             return Support(SLOW, "no bf16 or avx512 instructions: emulated, slower than float32")
         if dtype == torch.float16:
             if "amx_fp16" in flags:
-                return Support(SUPPORTED, "float16 matrix instructions (amx_fp16); "
-                               "convolutions may still use slow float16 kernels")
+                return Support(
+                    SUPPORTED,
+                    "float16 matrix instructions (amx_fp16); "
+                    "convolutions may still use slow float16 kernels",
+                )
             if "avx512_fp16" in flags or "apple_silicon" in flags:
-                return Support(SLOW, "float16 matmuls near float32 speed (avx512_fp16), but "
-                               "convolutions and most other float16 ops fall back to slow "
-                               "kernels (a CNN step measured ~100x slower than float32)")
-            return Support(SLOW, "no float16 hardware (no avx512_fp16/amx_fp16): about 100x "
-                           "slower than float32")
+                return Support(
+                    SLOW,
+                    "float16 matmuls near float32 speed (avx512_fp16), but "
+                    "convolutions and most other float16 ops fall back to slow "
+                    "kernels (a CNN step measured ~100x slower than float32)",
+                )
+            return Support(
+                SLOW,
+                "no float16 hardware (no avx512_fp16/amx_fp16): about 100x slower than float32",
+            )
     if info.type == "cuda":
         major, minor = info.capability or (0, 0)
         cc = f"compute capability {major}.{minor}"
