@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Device: {mixprec.detect('cpu').describe()}; torch {torch.__version__}",
         f"Model: MLP 1024-2560-2560-1024 ({params / 1e6:.1f}M parameters), MSE loss.",
         f"Load average (1 min) before / after the run: {load_before:.2f} / "
-        f"{os.getloadavg()[0]:.2f} (other work on the machine inflates every number).",
+        f"{os.getloadavg()[0]:.2f} (the run itself adds about 2; more means other work "
+        "shared the cores).",
         "",
         "| setting | batch | step without scaler (ms) | optimizer phase, no scaler (ms) "
         "| optimizer phase, mixprec scaler (ms) | mixprec scaler cost in the step (ms) "

@@ -367,7 +367,9 @@ def test_blog_preset_report_shows_the_blogs_v100_numbers():
 def test_busy_machine_warning():
     cores = os.cpu_count() or 1
     assert busy_machine_warning([0.0, 0.0, 0.0], cores, "cpu") is None
-    assert "busy" in busy_machine_warning([cores + 1.0, 0.0, 0.0], 1, "cpu")
+    assert "other work was using the CPUs" in busy_machine_warning(
+        [cores + 1.0, 0.0, 0.0], 1, "cpu"
+    )
     assert busy_machine_warning([cores + 1.0, 0.0, 0.0], 1, "cuda") is None
 
 

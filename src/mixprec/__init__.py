@@ -9,7 +9,7 @@ from mixprec.doctor import Diagnosis, PrecisionMonitor, diagnose
 from mixprec.dtypes import FormatInfo, format_info
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
 from mixprec.hardware import DeviceInfo, Support, detect, resolve_auto, support_matrix
-from mixprec.optim import LossScaleOptimizer, scheduler_step
+from mixprec.optim import LossScaleOptimizer, joint_step, scheduler_step
 from mixprec.policy import (
     POLICY_NAMES,
     Policy,
@@ -24,6 +24,7 @@ from mixprec.scaling import (
     DynamicLossScaler,
     LossScaleDivergedError,
     LossScaler,
+    LossScalerStats,
     NoLossScaler,
     StaticLossScaler,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "LossScaleDivergedError",
     "LossScaleOptimizer",
     "LossScaler",
+    "LossScalerStats",
     "ModelCheckpoint",
     "NoLossScaler",
     "Policy",
@@ -80,6 +82,7 @@ __all__ = [
     "explain",
     "format_info",
     "global_policy",
+    "joint_step",
     "policy_scope",
     "remove",
     "resolve_auto",

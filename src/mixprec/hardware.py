@@ -63,8 +63,12 @@ class DeviceInfo:
         if self.type == "cpu":
             shown = sorted(self.cpu_flags & set(_CPU_FLAGS_OF_INTEREST))
             flags = ", ".join(shown) if shown else "no bf16/fp16 matrix extensions"
-            return f"cpu ({self.name}; {flags}; {torch.get_num_threads()} threads)"
+            return f"cpu ({self.name}; {flags}; {_threads(torch.get_num_threads())})"
         return f"{self.device} ({self.name})"
+
+
+def _threads(n: int) -> str:
+    return "1 thread" if n == 1 else f"{n} threads"
 
 
 @dataclass(frozen=True)

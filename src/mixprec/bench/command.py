@@ -205,5 +205,5 @@ def run_command(args: argparse.Namespace) -> int:
         for line in max_batch_lines(report):
             console.print(f"  {line}", highlight=False)
     paths = write_outputs(out, report, png=png)
-    console.print(f"results: {', '.join(str(x) for x in paths if x.exists())}", highlight=False)
+    console.print(f"results: {', '.join(map(str, paths))}", highlight=False)
     return 0 if all(s.status in (OK, OOM) for s in summaries) else 1

@@ -156,9 +156,9 @@ def busy_machine_warning(load: list[float] | None, threads: int, device_type: st
     if load[0] <= cores - threads + 0.5:
         return None
     return (
-        f"WARNING: the machine is busy (1-minute load {load[0]} on {cores} cores, "
-        f"{threads} thread(s) asked for): timings are distorted; run on an idle machine "
-        "or with fewer --threads"
+        f"WARNING: other work was using the CPUs (1-minute load {load[0]} on {cores} cores, "
+        f"{threads} thread(s) asked for): timings may be distorted; check the min-max "
+        "spread, and rerun on an idle machine or with fewer --threads"
     )
 
 
