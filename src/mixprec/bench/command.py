@@ -111,7 +111,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--float32-islands",
         choices=("on", "off", "both"),
         default="on",
-        help="mixed rows with norm/softmax layers in float32 (on, mixprec's default), left to "
+        help="mixed rows with LayerNorm/softmax in float32 (on, mixprec's default), left to "
         "autocast (off), or both, to see what the islands cost",
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")

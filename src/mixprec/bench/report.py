@@ -171,7 +171,7 @@ def notes(report: BenchReport, summaries: list[Summary]) -> list[str]:
         f"peak memory: {meta['memory_method']}",
         "speedup: float32 (32-true) median / this median at the same batch size",
         "mixprec overhead: our median / the raw torch.autocast loop's median - 1 (mixed "
-        "precisions only); mixprec computes norm and softmax layers in float32 islands "
+        "precisions only); mixprec computes layer-norm-type and softmax layers in float32 islands "
         "(rows marked 'no f32 islands' leave them to autocast, as the raw loop does)",
     ]
     busy = busy_machine_warning(
