@@ -17,6 +17,7 @@ Two rules of the same rank matching one module is an error naming both.
 from __future__ import annotations
 
 import importlib
+import io
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -265,17 +266,9 @@ class Explanation(dict):
     def __str__(self) -> str:
         from rich.console import Console
 
-        console = Console(width=140, record=True, file=_NullIO())
+        console = Console(width=140, record=True, file=io.StringIO())
         console.print(self)
         return console.export_text()
-
-
-class _NullIO:
-    def write(self, _: str) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
 
 
 def explain(model: nn.Module, policy: Any = None) -> Explanation:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,17 +116,9 @@ def as_text(d: Diagnosis) -> str:
     """The rich view rendered as plain text (what `str(diagnosis)` gives)."""
     from rich.console import Console
 
-    console = Console(width=160, record=True, file=_Null(), color_system=None)
+    console = Console(width=160, record=True, file=io.StringIO(), color_system=None)
     console.print(rich_view(d))
     return console.export_text()
-
-
-class _Null:
-    def write(self, _: str) -> int:
-        return 0
-
-    def flush(self) -> None:
-        pass
 
 
 def to_markdown(
