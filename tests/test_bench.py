@@ -16,13 +16,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixprec import hardware
 from mixprec.bench.command import parse_size
 from mixprec.bench.report import busy_machine_warning, markdown, summarize
 from mixprec.bench.runner import OK, OOM, LoopResult, RunResult, _measured
 from mixprec.bench.suite import BenchOptions, BenchReport, Config, Row, plan
 from mixprec.cli import main
-from mixprec.hardware import SLOW, detect, policy_support, resolve_auto
+from mixprec.hardware import ALLOW_SLOW_ENV, DeviceInfo
 from mixprec.policy import Policy
+
+ZEN4 = DeviceInfo("cpu", "AMD Zen 4", cpu_flags=frozenset({"avx512bw", "avx512_bf16"}))
+AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
 
 TINY = ["--threads", "1", "--warmup", "0"]
 
@@ -79,14 +83,18 @@ def _bench(tmp_path: Path, *args: str) -> tuple[int, dict, list[dict], str]:
     return code, results, rows, (out / "report.md").read_text()
 
 
-def test_default_experiment_end_to_end_writes_all_four_outputs(tmp_path, capsys):
-    code, results, rows, md = _bench(
-        tmp_path, "--image-size", "16", "--batch-sizes", "2", "4", "--steps", "2", *TINY
-    )
+def test_default_experiment_end_to_end_writes_all_four_outputs(tmp_path, capsys, monkeypatch):
+    # planned as on a CPU with fast bf16; the child processes run bf16 on whatever this host
+    # is, allowed by the environment switch they inherit
+    monkeypatch.setenv(ALLOW_SLOW_ENV, "1")
+    with hardware.assume(ZEN4):
+        code, results, rows, md = _bench(
+            tmp_path, "--image-size", "16", "--batch-sizes", "2", "4", "--steps", "2", *TINY
+        )
     assert code == 0
-    auto = resolve_auto(detect("cpu")).name
-    expected = ["32-true"] if auto == "32-true" else ["32-true", auto]
+    expected = ["32-true", "bf16-mixed"]
     meta = results["metadata"]
+    assert meta["comparison_gap"] is None and "Why no mixed precision" not in md
     assert meta["precisions"] == expected
     assert meta["model"] == "cnn" and meta["image_size"] == 16
     assert meta["torch_version"] == torch.__version__
@@ -129,6 +137,56 @@ def test_default_experiment_end_to_end_writes_all_four_outputs(tmp_path, capsys)
 
     printed = capsys.readouterr().out
     assert "ms/step median" in printed and meta["command"] in printed
+
+
+def test_on_a_cpu_without_fast_bf16_the_default_run_says_why_it_timed_float32_only(
+    tmp_path, capsys
+):
+    with hardware.assume(AVX2_CPU):
+        code, results, _, md = _bench(
+            tmp_path, "--image-size", "16", "--batch-sizes", "2", "--steps", "1", *TINY
+        )
+    assert code == 0
+    meta = results["metadata"]
+    assert meta["precisions"] == ["32-true"]
+    gap = meta["comparison_gap"]
+    assert gap["asked"] is False
+    assert {n: w["status"] for n, w in gap["left_out"].items()} == {
+        "bf16-mixed": "slow",
+        "16-mixed": "slow",
+    }
+    rates = gap["matmul_gflops"]
+    assert set(rates) == {"float32", "bfloat16", "float16"} and all(r > 0 for r in rates.values())
+    anyway = gap["command"]
+    assert "--precision 32-true bf16-mixed 16-mixed" in anyway and anyway.endswith("--allow-slow")
+    printed = " ".join(capsys.readouterr().out.split())
+    for text in (md, printed):
+        flat = " ".join(text.split())
+        assert "No mixed precision is fast on this device, so only float32 was timed." in flat
+        assert "bf16-mixed is slow here (bfloat16: no bf16 or avx512 instructions" in flat
+        assert f"float32 {rates['float32']:,.1f} GFLOP/s" in flat
+        assert "bfloat16 is fast on NVIDIA GPUs of compute capability 8.0+" in flat
+        assert f"To time them here anyway: {anyway}" in flat
+    assert "## Why no mixed precision was timed" in md
+
+
+def test_asking_for_float32_only_says_what_was_left_out(tmp_path, capsys):
+    with hardware.assume(ZEN4):
+        code, results, _, md = _bench(
+            tmp_path,
+            *("--image-size", "16", "--batch-sizes", "2", "--steps", "1"),
+            *("--precision", "32-true"),
+            *TINY,
+        )
+    assert code == 0
+    gap = results["metadata"]["comparison_gap"]
+    assert gap["asked"] is True and gap["left_out"]["bf16-mixed"]["status"] == "fast"
+    # only the fast one is suggested, so no --allow-slow
+    assert "--precision 32-true bf16-mixed --steps" in gap["command"]
+    assert "--allow-slow" not in gap["command"]
+    flat = " ".join(md.split())
+    assert "Only 32-true was asked for (--precision), so only float32 was timed." in flat
+    assert "bf16-mixed is fast here" in flat
 
 
 def test_memory_limit_reports_oom_and_the_run_continues(tmp_path, capsys):
@@ -244,19 +302,20 @@ def test_malformed_options_are_argparse_errors(args, message, capsys):
 
 
 def test_far_slower_precisions_need_allow_slow():
-    slow = policy_support(Policy("16-mixed"), detect("cpu")).status == SLOW
     opts = BenchOptions(precisions=["32-true", "16-mixed"], device="cpu")
-    if slow:  # a CPU without float16 hardware (e.g. AMD Zen 4)
+    with hardware.assume(ZEN4):  # bf16 hardware, no float16 hardware
         with pytest.raises(ValueError, match="--allow-slow"):
             plan(opts)
         opts.allow_slow = True
         assert plan(opts).support["16-mixed"].startswith("slow")
-    else:
-        assert not plan(opts).support["16-mixed"].startswith("slow")
 
 
 def test_plan_of_the_blog_preset_and_islands_both():
-    p = plan(BenchOptions(preset="blog", precisions=["32-true", "bf16"], float32_islands="both"))
+    p = plan(
+        BenchOptions(
+            preset="blog", precisions=["32-true", "bf16"], float32_islands="both", allow_slow=True
+        )
+    )
     o = p.options
     assert (o.image_size, o.batch_sizes, o.steps, o.warmup) == (256, [32, 64, 128, 256, 512], 20, 5)
     labels = [c.label for c in p.configs if c.batch_size == 32]

@@ -1,11 +1,16 @@
 """Support matrix, "auto", and the refuse/slow checks, on the real device and on described ones."""
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
 
 import mixprec
-from mixprec import Policy, PolicyMap, PrecisionError, SlowPrecisionError
+from mixprec import Policy, PolicyMap, PrecisionError, SlowPrecisionError, hardware
 from mixprec.cli import main
 from mixprec.hardware import DeviceInfo, check, detect, policy_support, resolve_auto, support_matrix
 
@@ -108,3 +113,79 @@ def test_info_command_prints_the_matrix(capsys):
 def test_unknown_device_type_is_refused():
     with pytest.raises(PrecisionError, match="unknown device type 'meta'"):
         detect("meta")
+
+
+AMX_FLAGS = frozenset({"avx2", "avx512bw", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"})
+
+
+@pytest.mark.parametrize(
+    "env, kept, note",
+    [
+        ({}, AMX_FLAGS, None),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"avx2"}, "capped by ONEDNN_MAX_CPU_ISA=AVX2"),
+        ({"ONEDNN_MAX_CPU_ISA": "avx512_core"}, {"avx2", "avx512bw"}, "ONEDNN_MAX_CPU_ISA"),
+        (
+            {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+            {"avx2", "avx512bw", "avx512_bf16"},
+            "ONEDNN_MAX_CPU_ISA",
+        ),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, AMX_FLAGS - {"amx_fp16"}, "AMX"),
+        ({"ONEDNN_MAX_CPU_ISA": "ALL"}, AMX_FLAGS, None),
+        ({"DNNL_MAX_CPU_ISA": "AVX2"}, {"avx2"}, "DNNL_MAX_CPU_ISA=AVX2"),
+        ({"ATEN_CPU_CAPABILITY": "avx2"}, {"avx2"}, "capped by ATEN_CPU_CAPABILITY=avx2"),
+        ({"ATEN_CPU_CAPABILITY": "avx512"}, AMX_FLAGS, None),
+        ({"ONEDNN_MAX_CPU_ISA": "pentium"}, AMX_FLAGS, "ONEDNN_MAX_CPU_ISA=pentium not understood"),
+    ],
+)
+def test_isa_caps_users_set_for_torch_cap_the_flags(env, kept, note):
+    from mixprec.hardware import cap_cpu_flags
+
+    flags, why = cap_cpu_flags(AMX_FLAGS, env)
+    assert flags == kept
+    assert (why is None) if note is None else (note in why)
+
+
+def test_detection_honours_an_isa_cap_so_any_host_can_play_an_avx2_cpu(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    info = detect("cpu")
+    assert not info.cpu_flags & {"avx512bw", "avx512_bf16", "amx_bf16", "avx512_fp16"}
+    assert support_matrix(info)["bf16-mixed"].status == "slow"
+    assert resolve_auto(info) == Policy("32-true")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert detect("cpu").isa_cap is None or "ONEDNN" not in detect("cpu").isa_cap
+
+
+def test_assume_stands_in_for_the_host_and_restores_it():
+    host = detect("cpu")
+    with hardware.assume(ZEN4):
+        assert detect("cpu") is ZEN4 and detect() is not H100
+        with hardware.assume(OLD_CPU):
+            assert detect("cpu") is OLD_CPU
+            with pytest.raises(SlowPrecisionError, match="It is fast on NVIDIA GPUs"):
+                mixprec.Precision("bf16-mixed").setup(nn.Linear(2, 2))
+        assert detect("cpu") is ZEN4
+        assert mixprec.Precision("bf16-mixed").setup(nn.Linear(2, 2)).weight.dtype == torch.float32
+    assert detect("cpu") == host
+
+
+def test_cuda_on_a_torch_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a GPU")
+    with pytest.raises(PrecisionError, match="sees no CUDA GPU.*device='cpu'"):
+        detect("cuda")
+
+
+def test_info_under_an_isa_cap_rates_bf16_slow_and_says_where_it_is_fast():
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", COLUMNS="200")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec.cli", "info", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert re.search(r"bf16-mixed\s*│\s*slow", out)
+    assert '"auto" resolves to: 32-true' in out
+    assert "bfloat16 would be fast on: NVIDIA GPUs of compute capability 8.0+" in out

@@ -1,6 +1,5 @@
 """Precision: the two-line path for any loop, on real bfloat16/float16 arithmetic."""
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -9,9 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import mixprec.precision as precision_module
-from mixprec import Policy, PolicyMap, SlowPrecisionError, hardware
-from mixprec.hardware import detect
+from mixprec import Policy, PolicyMap, PrecisionError, SlowPrecisionError, hardware
+from mixprec.hardware import DeviceInfo
 from mixprec.optim import LossScaleOptimizer
 from mixprec.precision import Precision
 from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
@@ -47,10 +45,10 @@ def _train(precision, model, opt, data) -> list[float]:
     [
         ("16-mixed", {"allow_slow": True}, DynamicLossScaler),
         ("16-true", {"allow_slow": True}, DynamicLossScaler),
-        ("bf16-mixed", {}, NoLossScaler),
-        ("bf16-true", {}, NoLossScaler),
+        ("bf16-mixed", {"allow_slow": True}, NoLossScaler),
+        ("bf16-true", {"allow_slow": True}, NoLossScaler),
         ("32-true", {}, NoLossScaler),
-        ("bf16-mixed", {"scaler": 128.0}, StaticLossScaler),
+        ("bf16-mixed", {"scaler": 128.0, "allow_slow": True}, StaticLossScaler),
         (PolicyMap("bf16-mixed", {"2": "16-mixed"}), {"allow_slow": True}, DynamicLossScaler),
     ],
 )
@@ -62,11 +60,12 @@ def test_scaler_suits_the_policy_and_is_shared(spec, kwargs, expected):
     assert out[0] is model and len(out) == 3
     assert type(precision.scaler) is expected
     assert all(isinstance(o, LossScaleOptimizer) and o.scaler is precision.scaler for o in out[1:])
-    assert precision.setup(_mlp()) is not None  # no optimizers: the model alone
+    alone = _mlp()
+    assert precision.setup(alone) is alone  # no optimizers: the model alone
 
 
 def test_bf16_mixed_two_line_loop_trains():
-    precision = Precision("bf16-mixed")
+    precision = Precision("bf16-mixed", allow_slow=True)
     model = _mlp()
     model, opt = precision.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
     assert all(p.dtype == f32 for p in model.parameters())
@@ -76,17 +75,19 @@ def test_bf16_mixed_two_line_loop_trains():
     assert losses[-1] < losses[0] / 5
 
 
-def test_float16_refused_on_a_cpu_without_float16_hardware_unless_allowed(monkeypatch):
-    bare = dataclasses.replace(detect("cpu"), name="old cpu", cpu_flags=frozenset({"avx2"}))
-
-    def check_on_bare_cpu(policy, device, allow_slow=False):
-        return hardware.check(policy, device, allow_slow, info=bare)
-
-    monkeypatch.setattr(precision_module, "check", check_on_bare_cpu)
-    with pytest.raises(SlowPrecisionError, match="allow_slow=True"):
-        Precision("16-mixed").setup(_mlp())
-    model = Precision("16-mixed", allow_slow=True).setup(_mlp())
-    assert isinstance(model, nn.Module)
+@pytest.mark.parametrize("spec", ["16-mixed", "bf16-mixed", "bf16-true"])
+def test_low_precision_refused_on_an_avx2_cpu_unless_allowed(spec, monkeypatch):
+    bare = DeviceInfo("cpu", "old cpu", cpu_flags=frozenset({"avx2"}))
+    with hardware.assume(bare):
+        with pytest.raises(SlowPrecisionError, match="allow_slow=True.*MIXPREC_ALLOW_SLOW=1"):
+            Precision(spec).setup(_mlp())
+        model = Precision(spec, allow_slow=True).setup(_mlp())
+        assert {p.dtype for p in model.parameters()} == {Policy(spec).param_dtype}
+        monkeypatch.setenv("MIXPREC_ALLOW_SLOW", "1")
+        assert isinstance(Precision(spec).setup(_mlp()), nn.Module)
+        monkeypatch.setenv("MIXPREC_ALLOW_SLOW", "maybe")
+        with pytest.raises(PrecisionError, match="MIXPREC_ALLOW_SLOW='maybe' is not understood"):
+            Precision(spec).setup(_mlp())
 
 
 def test_16_true_keeps_float32_masters_and_trains():
@@ -123,7 +124,7 @@ def test_clip_grad_norm_unscales_and_clips_the_master_gradients():
 
 
 def test_step_skips_every_optimizer_on_overflow_and_updates_once():
-    precision = Precision("bf16-mixed", scaler=DynamicLossScaler(2.0**8))
+    precision = Precision("bf16-mixed", allow_slow=True, scaler=DynamicLossScaler(2.0**8))
     model = _mlp()
     model, a, b = precision.setup(
         model,
@@ -141,7 +142,7 @@ def test_step_skips_every_optimizer_on_overflow_and_updates_once():
 
 def test_clipping_one_optimizer_leaves_the_other_scaled_for_its_own_backward():
     """GAN-style loop: clip and step the first optimizer, then backward for the second."""
-    precision = Precision("bf16-mixed", scaler=StaticLossScaler(64.0))
+    precision = Precision("bf16-mixed", allow_slow=True, scaler=StaticLossScaler(64.0))
     model = _mlp()
     model, a, b = precision.setup(
         model,
@@ -196,8 +197,8 @@ def test_setup_refuses_an_optimizer_wrapped_with_another_scaler():
     model = _mlp()
     foreign = LossScaleOptimizer(torch.optim.SGD(model.parameters()), DynamicLossScaler())
     with pytest.raises(ValueError, match="own scaler"):
-        Precision("bf16-mixed").setup(model, foreign)
-    shared = Precision("bf16-mixed", scaler=foreign.scaler)
+        Precision("bf16-mixed", allow_slow=True).setup(model, foreign)
+    shared = Precision("bf16-mixed", allow_slow=True, scaler=foreign.scaler)
     assert shared.setup(model, foreign)[1] is foreign
     assert "bf16-mixed" in repr(shared)
 

@@ -1,12 +1,22 @@
-"""Every Python example in the README runs as written."""
+"""Every Python example in the README runs as written, the same way on every CPU."""
 
 import re
 from pathlib import Path
 
 import pytest
 
+from mixprec import SlowPrecisionError, hardware
+from mixprec.hardware import ALLOW_SLOW_ENV, DeviceInfo
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+# The README's promise is about a CPU without fast bf16: every host runs the examples as if it
+# were one, with the switch the README names, so the outcome never depends on the host.
+AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
+
+
+def _run(index: int) -> None:
+    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {})
 
 
 def test_readme_has_examples():
@@ -16,4 +26,16 @@ def test_readme_has_examples():
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    exec(compile(BLOCKS[index], f"README.md[python block {index}]", "exec"), {})
+    monkeypatch.setenv(ALLOW_SLOW_ENV, "1")
+    with hardware.assume(AVX2_CPU):
+        _run(index)
+
+
+def test_without_the_switch_a_cpu_without_fast_bf16_refuses_the_trainer_example(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    trainer_example = next(i for i, b in enumerate(BLOCKS) if 'Trainer(precision="bf16-mixed"' in b)
+    assert ALLOW_SLOW_ENV in README.read_text()
+    with hardware.assume(AVX2_CPU), pytest.raises(SlowPrecisionError, match=f"{ALLOW_SLOW_ENV}=1"):
+        _run(trainer_example)

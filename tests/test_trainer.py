@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec
-from mixprec.hardware import SLOW, DeviceInfo, detect, policy_support
+from mixprec import hardware
+from mixprec.hardware import SLOW, DeviceInfo
 from mixprec.precision import Precision
 from mixprec.trainer import (
     Callback,
@@ -108,7 +109,7 @@ def test_every_precision_spec_fits_and_the_loss_goes_down(spec):
 
 def test_the_chosen_precision_and_its_reason_are_logged_once(caplog):
     with caplog.at_level(logging.INFO, logger="mixprec"):
-        trainer = Trainer(precision="bf16", **QUIET)
+        trainer = Trainer(precision="bf16", allow_slow_precision=True, **QUIET)
         trainer.fit(mlp(), DataLoader(regression_data(32), batch_size=16), loss_fn=F.mse_loss)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("precision ")]
     assert len(lines) == 1
@@ -189,14 +190,17 @@ def test_auto_picks_per_device_and_never_silently_falls_back():
         resolve_precision("bf16-mixed", OLD_CPU)
 
 
-def test_float16_on_this_cpu_raises_exactly_when_it_is_slow_here():
-    slow_here = policy_support(mixprec.Policy("16-mixed"), detect("cpu")).status == SLOW
-    if slow_here:
-        with pytest.raises(mixprec.SlowPrecisionError):
+def test_float16_on_a_cpu_raises_exactly_when_it_is_slow_there():
+    amx_fp16 = DeviceInfo("cpu", "Granite Rapids", cpu_flags=frozenset({"amx_bf16", "amx_fp16"}))
+    with hardware.assume(OLD_CPU):
+        with pytest.raises(mixprec.SlowPrecisionError, match="allow_slow_precision=True"):
             Trainer(precision="16-mixed", accelerator="cpu", **QUIET)
-    else:
+        allowed = Trainer(
+            precision="16-mixed", accelerator="cpu", allow_slow_precision=True, **QUIET
+        )
+        assert allowed.support.status == SLOW
+    with hardware.assume(amx_fp16):
         assert Trainer(precision="16-mixed", accelerator="cpu", **QUIET).support.status != SLOW
-    assert Trainer(precision="16-mixed", accelerator="cpu", allow_slow_precision=True, **QUIET)
 
 
 def test_accumulation_and_clipping_match_a_hand_written_precision_loop():

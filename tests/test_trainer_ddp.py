@@ -148,7 +148,8 @@ from pathlib import Path
 if __name__ == "__main__":
     out = Path({out!r})
     trainer = Trainer(precision="bf16-mixed", strategy="ddp", devices=2, max_epochs=2,
-                      callbacks=[DumpParams(out)], default_root_dir=out, enable_progress_bar=False)
+                      allow_slow_precision=True, callbacks=[DumpParams(out)],
+                      default_root_dir=out, enable_progress_bar=False)
     trainer.fit(model(), DataLoader(data(), batch_size=8, shuffle=True), loss_fn=F.mse_loss)
 """
 

@@ -12,14 +12,29 @@ from rich.table import Table
 from mixprec import __version__
 from mixprec.bench.command import add_parser as add_bench_parser
 from mixprec.doctor.command import add_parser as add_doctor_parser
-from mixprec.hardware import FAST, REFUSED, SLOW, detect, measure, resolve_auto, support_matrix
+from mixprec.errors import PrecisionError
+from mixprec.hardware import (
+    FAST,
+    REFUSED,
+    SLOW,
+    detect,
+    fast_on,
+    measure,
+    resolve_auto,
+    support_matrix,
+)
+from mixprec.policy import Policy
 
 _STYLE = {FAST: "green", "supported": "yellow", SLOW: "red", REFUSED: "red bold"}
 
 
 def _info(args: argparse.Namespace) -> int:
     console = Console()
-    info = detect(args.device)
+    try:
+        info = detect(args.device)
+    except (PrecisionError, RuntimeError) as err:
+        Console(stderr=True).print(f"[red]mixprec info: error:[/] {err}", highlight=False)
+        return 2
     console.print(f"[bold]mixprec {__version__}[/] · torch {torch.__version__}")
     console.print(f"device: {info.describe()}")
     table = Table(title="precision support on this device")
@@ -30,6 +45,16 @@ def _info(args: argparse.Namespace) -> int:
         table.add_row(name, f"[{_STYLE[s.status]}]{s.status}[/]", s.reason)
     console.print(table)
     console.print(f'"auto" resolves to: [bold]{resolve_auto(info).name}[/]')
+    slow = {
+        Policy(name).compute_dtype
+        for name, s in support_matrix(info).items()
+        if s.status in (SLOW, REFUSED)
+    }
+    for dtype in sorted(slow, key=str):
+        where = fast_on(dtype)
+        if where:
+            name = str(dtype).removeprefix("torch.")
+            console.print(f"{name} would be fast on: {where}", highlight=False)
     if args.measure:
         rates = measure(device=info.device, seconds=args.seconds)
         t = Table(title="matmul throughput (measured now)")
@@ -38,9 +63,18 @@ def _info(args: argparse.Namespace) -> int:
         t.add_column("vs float32", justify="right")
         base = rates.get("float32")
         for dtype, rate in rates.items():
-            t.add_row(dtype, f"{rate:,.1f}", f"{rate / base:.2f}x" if base else "-")
+            t.add_row(dtype, f"{rate:,.1f}", _relative(rate, base))
         console.print(t)
     return 0
+
+
+def _relative(rate: float, base: float | None) -> str:
+    """A rate against float32's: "1.00x", "3.10x", or "0.0081x (124x slower)"."""
+    if not base or not rate:
+        return "-"
+    if rate >= base / 2:
+        return f"{rate / base:.2f}x"
+    return f"{rate / base:.2g}x ({base / rate:,.0f}x slower)"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,9 +8,12 @@ switches a user to another precision silently.
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -46,6 +49,7 @@ class DeviceInfo:
     capability: tuple[int, int] | None = None
     total_memory: int | None = None
     torch_version: str = torch.__version__
+    isa_cap: str | None = None
 
     @property
     def device(self) -> torch.device:
@@ -63,7 +67,8 @@ class DeviceInfo:
         if self.type == "cpu":
             shown = sorted(self.cpu_flags & set(_CPU_FLAGS_OF_INTEREST))
             flags = ", ".join(shown) if shown else "no bf16/fp16 matrix extensions"
-            return f"cpu ({self.name}; {flags}; {_threads(torch.get_num_threads())})"
+            cap = f"; {self.isa_cap}" if self.isa_cap else ""
+            return f"cpu ({self.name}; {flags}{cap}; {_threads(torch.get_num_threads())})"
         return f"{self.device} ({self.name})"
 
 
@@ -106,6 +111,63 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# oneDNN's ISA levels, lowest first, and the CPU flags each level lets its kernels use
+# (of those that decide bf16/fp16 speed); a level allows the flags of every level below it.
+_ONEDNN_LEVELS: tuple[tuple[tuple[str, ...], frozenset[str]], ...] = (
+    (("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"), frozenset()),
+    (("AVX512_CORE", "AVX512_CORE_VNNI"), frozenset({"avx512bw"})),
+    (("AVX512_CORE_BF16",), frozenset({"avx512_bf16"})),
+    (("AVX512_CORE_FP16", "AVX10_1_512"), frozenset({"avx512_fp16"})),
+    (("AVX512_CORE_AMX", "AVX10_1_512_AMX"), frozenset({"amx_bf16"})),
+    (("AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "ALL", "DEFAULT"), frozenset({"amx_fp16"})),
+)
+# ATen's CPU capability levels and the flags its vectorised kernels may use at each
+_ATEN_LEVELS: dict[str, frozenset[str]] = {
+    "DEFAULT": frozenset(),
+    "AVX2": frozenset(),
+    "AVX512": frozenset(_CPU_FLAGS_OF_INTEREST),
+}
+
+
+def _onednn_allowed(level: str) -> frozenset[str] | None:
+    allowed: set[str] = set()
+    for names, flags in _ONEDNN_LEVELS:
+        allowed |= flags
+        if level in names:
+            return frozenset(allowed)
+    return None
+
+
+def cap_cpu_flags(
+    flags: frozenset[str], environ: Mapping[str, str]
+) -> tuple[frozenset[str], str | None]:
+    """The CPU flags left usable under the ISA caps users already set for torch's kernels
+    (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``), and a note saying which cap applied.
+
+    Capping to AVX2 on a CPU with AMX makes its bf16 kernels as slow as an AVX2 CPU's, so the
+    support matrix follows the cap; an unknown value caps nothing and the note says so.
+    """
+    kept = set(flags)
+    notes = []
+    for var, allowed_of in (
+        ("ONEDNN_MAX_CPU_ISA", _onednn_allowed),
+        ("DNNL_MAX_CPU_ISA", _onednn_allowed),
+        ("ATEN_CPU_CAPABILITY", _ATEN_LEVELS.get),
+    ):
+        value = environ.get(var, "").strip()
+        if not value:
+            continue
+        allowed = allowed_of(value.upper())
+        if allowed is None:
+            notes.append(f"{var}={value} not understood, ignored")
+            continue
+        removed = kept & (set(_CPU_FLAGS_OF_INTEREST) - allowed)
+        if removed:
+            kept -= removed
+            notes.append(f"capped by {var}={value}")
+    return frozenset(kept), "; ".join(notes) or None
+
+
 def default_device() -> torch.device:
     """The device a user most likely means: CUDA, then MPS, then CPU."""
     if torch.cuda.is_available():
@@ -124,8 +186,12 @@ def device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+_ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+_assumed: dict[str, DeviceInfo] = {}
+
+
 @cache
-def _detect(type_: str, index: int | None) -> DeviceInfo:
+def _detect(type_: str, index: int | None, caps: tuple[str | None, ...]) -> DeviceInfo:
     if type_ == "cuda":
         idx = index if index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(idx)
@@ -139,14 +205,44 @@ def _detect(type_: str, index: int | None) -> DeviceInfo:
     if type_ == "mps":
         return DeviceInfo("mps", f"Apple GPU (macOS {platform.mac_ver()[0]})")
     if type_ == "cpu":
-        return DeviceInfo("cpu", _cpu_name(), cpu_flags=_cpu_flags())
+        env = {var: value for var, value in zip(_ISA_VARS, caps, strict=True) if value}
+        flags, cap = cap_cpu_flags(_cpu_flags(), env)
+        return DeviceInfo("cpu", _cpu_name(), cpu_flags=flags, isa_cap=cap)
     raise PrecisionError(f"unknown device type {type_!r}; mixprec knows cpu, cuda and mps")
 
 
 def detect(device: torch.device | str | None = None) -> DeviceInfo:
-    """Facts about `device` (default: the best available one)."""
+    """Facts about `device` (default: the best available one), or the `DeviceInfo` assumed
+    for its type by `assume`."""
     device = torch.device(device) if device is not None else default_device()
-    return _detect(device.type, device.index)
+    if device.type in _assumed:
+        return _assumed[device.type]
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PrecisionError(
+            f"device {str(device)!r}: this torch ({torch.__version__}) sees no CUDA GPU"
+            + ("" if torch.version.cuda else " (it is a CPU-only build)")
+            + "; use device='cpu', or install a CUDA build of torch on a machine with a GPU"
+        )
+    return _detect(device.type, device.index, tuple(os.environ.get(v) for v in _ISA_VARS))
+
+
+@contextmanager
+def assume(info: DeviceInfo) -> Iterator[DeviceInfo]:
+    """Within the block, `detect` answers `info` for devices of its type: every hardware
+    check (Precision, Trainer, bench, doctor, "auto") then judges that device, not the host.
+
+    For tests and for asking "what would happen on an H100 / an AVX2 CPU"; the code still
+    runs on the real device. Process-wide, so not for use from several threads at once.
+    """
+    before = _assumed.get(info.type)
+    _assumed[info.type] = info
+    try:
+        yield info
+    finally:
+        if before is None:
+            del _assumed[info.type]
+        else:
+            _assumed[info.type] = before
 
 
 def dtype_support(dtype: torch.dtype, info: DeviceInfo) -> Support:
@@ -244,6 +340,39 @@ def resolve_auto(info: DeviceInfo | None = None) -> Policy:
     return Policy("32-true")
 
 
+ALLOW_SLOW_ENV = "MIXPREC_ALLOW_SLOW"
+
+# Where each low-precision dtype has fast matmul/convolution hardware.
+_FAST_ON: dict[torch.dtype, str] = {
+    torch.bfloat16: (
+        "NVIDIA GPUs of compute capability 8.0+ (A100, RTX 30xx, H100 and newer), "
+        "CPUs with avx512_bf16 (AMD Zen 4+, Intel Cooper Lake) or amx_bf16 "
+        "(Intel Sapphire Rapids+), Apple silicon (M2+)"
+    ),
+    torch.float16: (
+        "NVIDIA GPUs of compute capability 7.0+ (V100, T4 and newer), Apple silicon; "
+        "on CPUs only those with amx_fp16 (Intel Granite Rapids+), for matmuls"
+    ),
+}
+
+
+def fast_on(dtype: torch.dtype) -> str | None:
+    """The hardware on which `dtype` training is fast (None for float32/float64)."""
+    return _FAST_ON.get(dtype)
+
+
+def allow_slow_from_env() -> bool:
+    """Whether ``MIXPREC_ALLOW_SLOW`` is set to a true value (1, true, yes, on)."""
+    value = os.environ.get(ALLOW_SLOW_ENV, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise PrecisionError(
+        f"{ALLOW_SLOW_ENV}={value!r} is not understood; use 1/true/yes/on or 0/false/no/off"
+    )
+
+
 def check(
     policy: Any,
     device: torch.device | str | None = None,
@@ -251,7 +380,7 @@ def check(
     info: DeviceInfo | None = None,
 ) -> Support:
     """Raise if `policy` is refused on the device, or far slower than float32 there unless
-    `allow_slow`; return the support (status and reason) otherwise."""
+    `allow_slow` (or ``MIXPREC_ALLOW_SLOW=1``); return the support (status and reason)."""
     info = info or detect(device)
     s = policy_support(policy, info)
     name = policy.name if hasattr(policy, "name") else str(policy)
@@ -261,14 +390,23 @@ def check(
             f"precision {name!r} is refused on {info.describe()}: {s.reason}. "
             f"Supported here: {', '.join(ok)}"
         )
-    if s.status == SLOW and not allow_slow:
+    if s.status == SLOW and not (allow_slow or allow_slow_from_env()):
         fast = [n for n, c in support_matrix(info).items() if c.status == FAST]
+        where = fast_on(_slowest_dtype(policy, info))
         raise SlowPrecisionError(
             f"precision {name!r} runs on {info.describe()} but far slower than float32 "
-            f"({s.reason}). Pass allow_slow=True to run it anyway (e.g. to study numerics), "
-            f"or pick one that is fast here: {', '.join(fast)}"
+            f"({s.reason}). It is fast on {where}. To run it here anyway (e.g. to study its "
+            "numerics on small tensors) pass allow_slow=True (Precision, apply), "
+            "allow_slow_precision=True (Trainer), --allow-slow (mixprec bench), or set "
+            f"{ALLOW_SLOW_ENV}=1; or pick one that is fast here: {', '.join(fast)}"
         )
     return s
+
+
+def _slowest_dtype(policy: Any, info: DeviceInfo) -> torch.dtype:
+    policies = policy.policies() if getattr(policy, "is_policy_map", False) else {Policy(policy)}
+    dtypes = {p.compute_dtype for p in policies}
+    return max(dtypes, key=lambda d: _RANK[dtype_support(d, info).status])
 
 
 def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -> None:

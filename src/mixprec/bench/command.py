@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from mixprec.bench.models import BUILTIN_MODELS
 from mixprec.bench.report import (
     busy_machine_warning,
+    comparison_gap_paragraph,
     max_batch_lines,
     notes,
     rich_table,
@@ -200,6 +201,9 @@ def run_command(args: argparse.Namespace) -> int:
     for s in summaries:
         if s.status not in (OK, OOM):
             err.print(f"[red]{s.label} @ {s.batch_size}: {s.status}[/] {s.error}", highlight=False)
+    gap = comparison_gap_paragraph(report, summaries)
+    if gap:
+        console.print(f"[yellow bold]why no mixed precision was timed:[/] {gap}", highlight=False)
     if report.max_batch:
         console.print("[bold]largest batch that fits[/]")
         for line in max_batch_lines(report):

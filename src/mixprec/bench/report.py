@@ -194,6 +194,70 @@ def notes(report: BenchReport, summaries: list[Summary]) -> list[str]:
     return out
 
 
+def _duration(ms: float) -> str:
+    seconds = ms / 1e3
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:,.0f} min"
+    return f"{seconds / 3600:,.1f} h"
+
+
+def comparison_gap_paragraph(report: BenchReport, summaries: list[Summary]) -> str | None:
+    """One paragraph saying why no mixed precision was timed: what was left out and why,
+    the dtype rates measured here, what timing them would cost, and the command to do it."""
+    gap = report.metadata.get("comparison_gap")
+    if not gap:
+        return None
+    meta = report.metadata
+    rates = gap["matmul_gflops"]
+    base = rates.get("float32")
+    if gap["asked"]:
+        first = f"Only {', '.join(meta['precisions'])} was asked for (--precision), so "
+    else:
+        first = "No mixed precision is fast on this device, so "
+    parts = [first + "only float32 was timed."]
+    for name, why in gap["left_out"].items():
+        parts.append(f"{name} is {why['status']} here ({why['reason']}).")
+    if base:
+        shown = []
+        for dtype, rate in rates.items():
+            if dtype == "float32" or not rate:
+                continue
+            factor = base / rate
+            rel = f"{factor:,.0f}x slower" if factor >= 1.5 else f"{1 / factor:.1f}x float32"
+            shown.append(f"{dtype} {rate:,.1f} ({rel})")
+        parts.append(
+            f"Matmul rates measured here now: float32 {base:,.1f} GFLOP/s"
+            + (", " + ", ".join(shown) if shown else "")
+            + "."
+        )
+    fp32 = [s for s in summaries if s.precision == BASELINE and s.median_ms is not None]
+    steps = meta["steps"] + meta["warmup"] + 1
+    per_step, timing = [], []
+    for name, why in gap["left_out"].items():
+        rate = rates.get(why["dtype"])
+        if why["status"] == "refused" or not (fp32 and base and rate) or base / rate < 1.5:
+            continue
+        largest = max(fp32, key=lambda s: s.batch_size)
+        per_step.append(f"{_duration(largest.median_ms * base / rate)} in {name}")
+        # ours and the raw torch loop alternate, so a mixed configuration runs its steps twice
+        timing.append(f"{_duration(sum(s.median_ms for s in fp32) * base / rate * steps * 2)}")
+    if per_step:
+        parts.append(
+            f"Estimated from those rates, a step at batch {largest.batch_size} (float32: "
+            f"{largest.median_ms:,.1f} ms) would take about {' and '.join(per_step)}, and "
+            f"timing {'it' if len(per_step) == 1 else 'them'} at these settings about "
+            f"{' and '.join(timing)}."
+        )
+    fast = [f"{w['dtype']} is fast on {w['fast_on']}" for w in gap["left_out"].values()]
+    if fast:
+        parts.append("Where mixed precision pays: " + "; ".join(fast) + ".")
+    if gap["command"]:
+        parts.append(f"To time them here anyway: {gap['command']}")
+    return " ".join(parts)
+
+
 def to_json(report: BenchReport, summaries: list[Summary]) -> dict[str, Any]:
     """results.json: metadata, every raw step time, and the summaries."""
     return {
@@ -235,6 +299,9 @@ def markdown(report: BenchReport, summaries: list[Summary]) -> str:
     ]
     lines += ["| " + " | ".join(_cells(s)) + " |" for s in summaries]
     lines += ["", *[f"- {n}" for n in notes(report, summaries)]]
+    gap = comparison_gap_paragraph(report, summaries)
+    if gap:
+        lines += ["", "## Why no mixed precision was timed", "", gap]
     failed = [s for s in summaries if s.status != OK and s.error]
     if failed:
         lines += ["", "## Configurations that did not run", ""]

@@ -28,7 +28,20 @@ from mixprec.bench.models import (
 )
 from mixprec.bench.runner import OK, OOM, RunResult, RunSpec, run_isolated
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
-from mixprec.hardware import SLOW, DeviceInfo, check, default_device, detect, resolve_auto
+from mixprec.hardware import (
+    FAST,
+    REFUSED,
+    SLOW,
+    DeviceInfo,
+    Support,
+    check,
+    default_device,
+    detect,
+    fast_on,
+    measure,
+    policy_support,
+    resolve_auto,
+)
 from mixprec.policy import Policy
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -47,6 +60,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 # epoch 20): batch size -> (mixed_float16, float32). Smaller batches are garbled in the text.
 BLOG_V100_MS: dict[int, tuple[int, int]] = {128: (97, 106), 256: (188, 206), 512: (377, 415)}
 MAX_BATCH_CAP = 2**16
+# The mixed precisions a float32-only run is compared against, in order of preference.
+MIXED_CANDIDATES = ("bf16-mixed", "16-mixed")
 
 
 @dataclass
@@ -92,6 +107,14 @@ class Plan:
     support: dict[str, str]
     configs: list[Config]
     command: str
+    asked: bool = False
+    left_out: dict[str, Support] = field(default_factory=dict)
+
+    @property
+    def times_low_precision(self) -> bool:
+        """Whether any precision of the plan computes in a 16-bit (or narrower) dtype."""
+        low = (torch.float32, torch.float64)
+        return any(p.compute_dtype not in low for p in self.precisions.values())
 
 
 @dataclass
@@ -248,6 +271,13 @@ def plan(options: BenchOptions) -> Plan:
             "and swaps long before a batch 'does not fit'"
         )
     policies, support = _precisions(opts.precisions, device, opts.allow_slow)
+    info = detect(device)
+    left_out = {
+        name: policy_support(Policy(name), info)
+        for name in MIXED_CANDIDATES
+        if name not in policies
+    }
+    asked = opts.precisions is not None
     opts = replace(opts, precisions=list(policies))
     modes = _tf32_modes(opts.tf32, device)
     islands = _island_modes(opts.float32_islands)
@@ -261,7 +291,47 @@ def plan(options: BenchOptions) -> Plan:
                     if not island:
                         label += " (no f32 islands)"
                     configs.append(Config(label, name, batch, tf32, policy.is_mixed, island))
-    return Plan(opts, device, policies, support, configs, reproduce_command(opts, device))
+    command = reproduce_command(opts, device)
+    return Plan(opts, device, policies, support, configs, command, asked, left_out)
+
+
+def comparison_gap(p: Plan) -> dict[str, Any] | None:
+    """Why a plan times no low precision, with the facts a user needs to decide: each mixed
+    precision left out and why, the matmul rate of each dtype measured here now, where they
+    would be fast, and the command that times them anyway. None when the plan has one."""
+    if p.times_low_precision:
+        return None
+    before = torch.get_num_threads()
+    torch.set_num_threads(p.options.threads or before)
+    try:
+        rates = measure(device=p.device, seconds=0.2)
+    finally:
+        torch.set_num_threads(before)
+    fast = [n for n, s in p.left_out.items() if s.status == FAST]
+    runnable = fast or [n for n, s in p.left_out.items() if s.status != REFUSED]
+    command = None
+    if runnable:
+        slow = any(p.left_out[n].status == SLOW for n in runnable)
+        anyway = replace(
+            p.options,
+            precisions=[*(p.options.precisions or []), *runnable],
+            allow_slow=p.options.allow_slow or slow,
+        )
+        command = reproduce_command(anyway, p.device)
+    return {
+        "asked": p.asked,
+        "left_out": {
+            name: {
+                "status": s.status,
+                "reason": s.reason,
+                "dtype": str(Policy(name).compute_dtype).removeprefix("torch."),
+                "fast_on": fast_on(Policy(name).compute_dtype),
+            }
+            for name, s in p.left_out.items()
+        },
+        "matmul_gflops": {k: round(v, 2) for k, v in rates.items()},
+        "command": command,
+    }
 
 
 def _spec(p: Plan, config: Config) -> RunSpec:
@@ -384,6 +454,7 @@ def run_bench(
     """Run every configuration of plan `p` (each in a fresh process), then the max-batch
     search if asked; callbacks report progress."""
     meta = metadata(p)
+    meta["comparison_gap"] = comparison_gap(p)
     t0 = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="mixprec-bench-") as tmp:
