@@ -13,3 +13,8 @@ class PrecisionError(ValueError):
 
 class SlowPrecisionError(PrecisionError):
     """The precision runs on this device but much slower than float32; pass allow_slow=True."""
+
+
+class FactoryError(ValueError):
+    """A ``file.py:factory`` / ``module:factory`` reference could not be loaded or called,
+    or gave something unusable."""

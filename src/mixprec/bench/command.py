@@ -15,6 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mixprec.bench.models import BUILTIN_MODELS
 from mixprec.bench.report import (
+    OUTPUT_FILES,
     busy_machine_warning,
     comparison_gap_paragraph,
     max_batch_lines,
@@ -25,6 +26,7 @@ from mixprec.bench.report import (
 )
 from mixprec.bench.runner import OK, OOM, RunResult
 from mixprec.bench.suite import PRESETS, BenchOptions, Config, plan, run_bench
+from mixprec.outputs import check_output_dir
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -148,12 +150,13 @@ def run_command(args: argparse.Namespace) -> int:
     if not console.is_terminal:  # a log file or a pipe: do not squeeze the table into 80
         console = Console(width=150)
     err = Console(stderr=True)
+    out = args.out or Path("mixprec-bench") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
         p = plan(_options(args))
+        check_output_dir(out, "--out", keep=OUTPUT_FILES)
     except ValueError as e:
         err.print(f"[red]mixprec bench: error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
-    out = args.out or Path("mixprec-bench") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     png = importlib.util.find_spec("matplotlib") is not None
     if not png:
         err.print(

@@ -7,17 +7,15 @@ Built-in workloads are seeded, so every subprocess of a run builds the same weig
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from mixprec.factory import FactoryError, call_factory, load_factory, parse_reference
 
 BUILTIN_MODELS: tuple[str, ...] = ("cnn", "mlp", "transformer")
 DEFAULT_BATCH_SIZES: dict[str, tuple[int, ...]] = {
@@ -153,36 +151,14 @@ def check_model_name(name: str) -> None:
     """Raise ValueError unless `name` is a built-in model or a `module:factory` reference."""
     if name in BUILTIN_MODELS:
         return
-    module, sep, attr = name.rpartition(":")
-    if not sep or not module or not attr.isidentifier():
+    try:
+        parse_reference(name)
+    except FactoryError:
         raise ValueError(
             f"unknown model {name!r}: use one of {', '.join(BUILTIN_MODELS)} or "
             "'module:factory' / 'path/to/file.py:factory' (a function returning "
             "(model, make_batch, loss_fn))"
-        )
-
-
-def _import_factory(name: str) -> Callable[..., Any]:
-    module_name, _, attr = name.rpartition(":")
-    path = Path(module_name)
-    try:
-        if module_name.endswith(".py"):
-            if not path.is_file():
-                raise ValueError(f"model factory file {module_name!r} does not exist")
-            spec = importlib.util.spec_from_file_location(f"_mixprec_bench_{path.stem}", path)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            if "" not in sys.path:
-                sys.path.insert(0, "")
-            module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"cannot import the module of model factory {name!r}: {err}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ValueError(f"{module_name!r} has no callable {attr!r} (from --model {name!r})")
-    return factory
+        ) from None
 
 
 def check_model(name: str) -> None:
@@ -190,32 +166,31 @@ def check_model(name: str) -> None:
     (the factory is not called: that happens in the benchmark's own processes)."""
     check_model_name(name)
     if name not in BUILTIN_MODELS:
-        _import_factory(name)
+        load_factory(name)
 
 
 def _from_factory(name: str) -> Workload:
-    factory = _import_factory(name)
-    made = factory()
+    made = call_factory(load_factory(name), name)
     if isinstance(made, Workload):
         return made
     if not (isinstance(made, tuple) and len(made) == 3):
-        raise ValueError(
+        raise FactoryError(
             f"model factory {name!r} must return (model, make_batch, loss_fn), "
             f"got {type(made).__name__}"
         )
     model, make_batch, loss_fn = made
     if not isinstance(model, nn.Module):
-        raise ValueError(
+        raise FactoryError(
             f"model factory {name!r} returned {type(model).__name__} as the model, "
             "expected an nn.Module"
         )
     if not callable(make_batch) or not callable(loss_fn):
-        raise ValueError(
+        raise FactoryError(
             f"model factory {name!r}: make_batch(batch_size) and loss_fn(outputs, targets) "
             "must be callables"
         )
     if len(inspect.signature(make_batch).parameters) < 1:
-        raise ValueError(f"model factory {name!r}: make_batch must take the batch size")
+        raise FactoryError(f"model factory {name!r}: make_batch must take the batch size")
     return Workload(model, make_batch, loss_fn, f"{type(model).__name__} from {name}")
 
 

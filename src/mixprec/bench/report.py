@@ -18,6 +18,7 @@ from mixprec.bench.runner import OK, OOM
 from mixprec.bench.suite import BLOG_V100_MS, BenchReport, Row
 
 BASELINE = "32-true"
+OUTPUT_FILES = ("results.json", "results.csv", "report.md", "bench.png")
 COLUMNS = (
     "batch",
     "precision",
@@ -365,7 +366,7 @@ def write_outputs(out: Path, report: BenchReport, png: bool = True) -> list[Path
     bench.png into `out`; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     summaries = summarize(report)
-    paths = [out / n for n in ("results.json", "results.csv", "report.md", "bench.png")]
+    paths = [out / n for n in OUTPUT_FILES]
     paths[0].write_text(json.dumps(to_json(report, summaries), indent=1))
     write_csv(paths[1], summaries)
     paths[2].write_text(markdown(report, summaries))

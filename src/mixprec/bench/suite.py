@@ -160,10 +160,10 @@ def _resolve(opts: BenchOptions) -> BenchOptions:
     return replace(
         opts,
         batch_sizes=sorted(set(opts.batch_sizes or DEFAULT_BATCH_SIZES[opts.model])),
-        image_size=opts.image_size or DEFAULT_IMAGE_SIZE,
+        image_size=opts.image_size if opts.image_size is not None else DEFAULT_IMAGE_SIZE,
         steps=opts.steps if opts.steps is not None else 10,
         warmup=opts.warmup if opts.warmup is not None else 1,
-        threads=opts.threads or torch.get_num_threads(),
+        threads=opts.threads if opts.threads is not None else torch.get_num_threads(),
     )
 
 
@@ -264,6 +264,8 @@ def plan(options: BenchOptions) -> Plan:
         _positive(name, value, minimum)
     for b in opts.batch_sizes or []:
         _positive("every batch size", b)
+    if not opts.timeout > 0:
+        raise ValueError(f"--timeout must be > 0 seconds, got {opts.timeout}")
     device = _device(opts.device)
     if opts.max_batch and device.type == "cpu" and opts.memory_limit is None:
         raise ValueError(

@@ -8,52 +8,13 @@ target precision runs clean, 1 when a module is broken in it, 2 for bad argument
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import sys
 import warnings
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from mixprec.doctor.diagnosis import BROKEN, DEFAULT_TOLERANCE, Diagnosis, diagnose
 from mixprec.errors import PolicySpecError, PrecisionError
-
-
-class FactoryError(ValueError):
-    """The `file.py:factory` argument could not be loaded or gave something unusable."""
-
-
-def load_factory(spec: str) -> Callable[[], Any]:
-    """Resolve "path/to/file.py:name" or "package.module:name" to the callable it names."""
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
-        raise FactoryError(
-            f"expected FILE.py:FACTORY or MODULE:FACTORY, got {spec!r} "
-            "(e.g. examples/doctor_demo.py:make)"
-        )
-    if target.endswith(".py") or "/" in target or "\\" in target:
-        path = Path(target)
-        if not path.is_file():
-            raise FactoryError(f"no such file: {path}")
-        module_spec = importlib.util.spec_from_file_location(f"_mixprec_doctor_{path.stem}", path)
-        if module_spec is None or module_spec.loader is None:
-            raise FactoryError(f"cannot import {path} as a Python module")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_spec.name] = module  # dataclasses and pickling look it up
-        module_spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as err:
-            raise FactoryError(f"cannot import module {target!r}: {err}") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        found = sorted(n for n in vars(module) if not n.startswith("_"))
-        raise FactoryError(
-            f"{target} has no callable {attr!r}; it defines: {', '.join(found) or 'nothing'}"
-        )
-    return factory
+from mixprec.factory import FactoryError, call_factory, load_factory
+from mixprec.outputs import check_output_dir
 
 
 def _unpack(made: Any) -> tuple[Any, Any, Any]:
@@ -76,7 +37,9 @@ def _run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            model, batch, loss_fn = _unpack(load_factory(args.factory)())
+            if not args.no_report:
+                check_output_dir(args.out, "--out")
+            model, batch, loss_fn = _unpack(call_factory(load_factory(args.factory), args.factory))
             diagnosis = diagnose(
                 model,
                 batch,
@@ -118,11 +81,17 @@ def _recommend(diagnosis: Diagnosis, tolerance: float, console: Any, err: Any) -
         console.print("with it: " + diagnosis.fixed.summary().splitlines()[0])
 
 
-def _loss_scale(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"loss scale must be positive, got {text}")
-    return value
+def _positive_float(what: str) -> Any:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what} must be a number, got {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{what} must be a positive number, got {text}")
+        return value
+
+    return parse
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -145,13 +114,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--reference", default="32-true", help="reference precision (32-true)")
     p.add_argument(
         "--loss-scale",
-        type=_loss_scale,
+        type=_positive_float("loss scale"),
         default=None,
         help="loss scale of the target's backward (default: where a dynamic scaler settles)",
     )
     p.add_argument(
         "--tolerance",
-        type=float,
+        type=_positive_float("tolerance"),
         default=DEFAULT_TOLERANCE,
         help=f"relative loss/gradient error the fix must reach ({DEFAULT_TOLERANCE})",
     )

@@ -1,0 +1,31 @@
+"""Checks on a tool's output directory, made before any work starts: a benchmark or a
+diagnosis that runs for minutes must not fail at the end because of where it writes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = ["check_output_dir"]
+
+
+def check_output_dir(path: str | os.PathLike[str], flag: str, keep: Iterable[str] = ()) -> Path:
+    """Raise ValueError unless `path` is, or can be made, a writable directory in which none
+    of the files named in `keep` exists yet (a previous run's results are never overwritten).
+    `flag` names the option in the message (``--out``)."""
+    out = Path(path)
+    for part in (out, *out.parents):
+        if part.exists() and not part.is_dir():
+            where = "is a file" if part == out else f"is under the file {part}"
+            raise ValueError(f"{flag} {out} {where}: give a directory path")
+    existing = next(p for p in (out, *out.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {out}: {existing} is not writable")
+    clashes = [name for name in keep if (out / name).exists()]
+    if clashes:
+        raise ValueError(
+            f"{flag} {out} already holds {', '.join(clashes)} from an earlier run; "
+            "choose another directory (or move those files) so they are not overwritten"
+        )
+    return out
