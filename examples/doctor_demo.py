@@ -103,7 +103,11 @@ def main() -> None:
     print(diagnosis)
     fix = diagnosis.recommend()
     print("recommended policy:\n" + fix.to_code())
-    for name, policy in (("32-true", "32-true"), ("16-mixed", "16-mixed"), ("recommended", fix)):
+    for name, policy in (
+        ("32-true", "32-true"),
+        ("16-mixed", "16-mixed"),
+        ("recommended", fix.policy),
+    ):
         net, batch, _ = make()
         try:
             final = train(net, batch, policy, steps=30)

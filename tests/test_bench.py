@@ -265,7 +265,7 @@ def test_a_factory_returning_the_wrong_thing_is_reported(tmp_path, factory_dir, 
     ("args", "message"),
     [
         (["--model", "resnet"], "unknown model 'resnet'"),
-        (["--model", "nope.py:make"], "does not exist"),
+        (["--model", "nope.py:make"], "no such file: nope.py"),
         (["--precision", "fp16"], "unknown precision 'fp16'"),
         (["--precision", "p=f32,c=float8_e4m3fn,o=f32"], "float8"),
         (["--steps", "0"], "--steps must be >= 1"),

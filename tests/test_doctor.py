@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec import PolicyMap, PolicySpecError, PrecisionError
+from mixprec import PolicyMap, PolicySpecError, PrecisionError, hardware
 from mixprec.cli import main
 from mixprec.doctor import AT_RISK, BROKEN, OK, diagnose
-from mixprec.doctor.probe import FIELDS, Comparisons, RefTensor, Scratch
-from mixprec.hardware import FAST, SUPPORTED, detect, dtype_support
+from mixprec.doctor.probe import Comparisons, RefTensor, Scratch
+from mixprec.hardware import DeviceInfo
 from mixprec.precision import Precision
 from mixprec.scaling import LossScaleDivergedError
 from mixprec.trainer import TrainingModule
@@ -118,10 +118,6 @@ def healthy_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 6, 8, generator=g), torch.randint(0, 4, (4,), generator=g)
 
 
-def bf16_usable() -> bool:
-    return dtype_support(torch.bfloat16, detect("cpu")).status in (FAST, SUPPORTED)
-
-
 def names(d, verdict=None):
     return [m.name for m in d.findings if verdict is None or m.verdict == verdict]
 
@@ -176,7 +172,7 @@ def test_exp_without_max_subtraction_is_blamed():
     assert d.modules["scores"].verdict == OK and d.modules["scores"].amax < 65504 / 4
     fix = d.recommend()
     # autocast does not change exp's dtype, so only float32 repairs it
-    assert fix == PolicyMap("16-mixed", {"attn": "32-true"})
+    assert fix.policy == PolicyMap("16-mixed", {"attn": "32-true"})
 
 
 def test_branch_gradients_underflow_without_loss_scaling():
@@ -214,7 +210,7 @@ def test_precision_loss_is_at_risk_and_fixed_in_float32():
     assert shift.rel_error > 0.1 and d.modules["0"].rel_error < 1e-2
     assert "its error against the reference grows to" in shift.reason
     assert d.modules["2"].verdict == OK  # the error it passes on is not ReLU's fault
-    assert d.recommend() == PolicyMap("16-mixed", {"1": "32-true"})
+    assert d.recommend().policy == PolicyMap("16-mixed", {"1": "32-true"})
 
 
 class _BoostGrad(torch.autograd.Function):
@@ -258,19 +254,31 @@ def test_healthy_model_has_no_finding(precision):
     assert d.findings == []
     assert all(m.verdict == OK and m.nonfinite == 0 for m in d.modules.values())
     assert d.passes()
-    assert d.recommend() == PolicyMap(precision)
+    assert d.recommend().policy == PolicyMap(precision)
     assert "no finding" in str(d)
 
 
-def test_recommended_policy_verifies_and_prints_as_code():
+@pytest.mark.parametrize(
+    ("cpu", "expected"),
+    [
+        (
+            DeviceInfo("cpu", "Zen 4", cpu_flags=frozenset({"avx512bw", "avx512_bf16"})),
+            "bf16-mixed",
+        ),
+        (DeviceInfo("cpu", "AVX2 only", cpu_flags=frozenset({"avx2"})), "32-true"),
+    ],
+    ids=["bf16-fast", "avx2-only"],
+)
+def test_recommended_policy_verifies_and_prints_as_code(cpu, expected):
     model, batch = overflow_model(1e5)
-    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
-    fix = d.recommend()
-    expected = "bf16-mixed" if bf16_usable() else "32-true"
-    assert fix == PolicyMap("16-mixed", {"proj": expected})
-    assert eval(fix.to_code(), {"mixprec": mixprec}) == fix
-    assert d.fixed is not None and d.fixed.passes() and d.fixed.findings == []
-    again = diagnose(model, batch, F.cross_entropy, precision=fix)
+    with hardware.assume(cpu):  # bfloat16 is the first fix only where it runs well
+        d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+        fix = d.recommend()
+    assert fix.policy == PolicyMap("16-mixed", {"proj": expected})
+    assert eval(fix.to_code(), {"mixprec": mixprec}) == fix.policy
+    assert fix.verified.passes() and fix.verified.findings == [] and fix.tolerance == 0.1
+    assert d.findings and d.modules["proj"].verdict == BROKEN  # recommend changed nothing
+    again = diagnose(model, batch, F.cross_entropy, precision=fix.policy)
     assert again.passes() and again.loss_rel_error < 1e-2
     with pytest.raises(ValueError, match="tolerance"):
         d.recommend(tolerance=0)
@@ -297,11 +305,11 @@ def test_two_faults_are_fixed_one_after_the_other():
     # only the first fault shows: the second one's inputs are already inf/NaN
     assert names(d) == ["inp"]
     fix = d.recommend()
-    rules = fix.rules
+    rules = fix.policy.rules
     assert set(rules) == {"inp", "pool.softmax"}
     assert rules["pool.softmax"] == mixprec.Policy("32-true")
-    assert d.fixed.passes()
-    assert any("pool.softmax" in line for line in d.recommend_log)
+    assert fix.verified.passes()
+    assert any("pool.softmax" in line for line in fix.log)
 
 
 def test_float16_training_nan_fixed_by_recommended_policy():
@@ -326,7 +334,7 @@ def test_float16_training_nan_fixed_by_recommended_policy():
         plain = train("16-mixed")
     except LossScaleDivergedError:
         plain = math.nan
-    fixed = train(fix)
+    fixed = train(fix.policy)
     assert math.isnan(plain)
     assert math.isfinite(fixed)
     assert fixed == pytest.approx(reference, rel=0.05)
@@ -348,7 +356,7 @@ def test_large_and_small_tensors_are_measured_alike(monkeypatch, scale):
         monkeypatch.setattr(Comparisons, "SMALL", small)
         c = Comparisons()
         c.add("x", target, reference, torch.float16, scale, flushed=True)
-        rows[small] = dict(zip(FIELDS, c.compute()["x"], strict=True))
+        rows[small] = c.compute()["x"]._asdict()
     batched, single = rows[1 << 20], rows[0]
     assert batched["numel"] == single["numel"] == 3000
     assert batched["nonzero"] == single["nonzero"] == 2700
@@ -472,8 +480,9 @@ def test_bad_inputs_say_what_is_accepted():
 def test_report_is_written_with_plots(tmp_path):
     model, batch = overflow_model(1e5)
     d = diagnose(model, batch, F.cross_entropy)
-    d.recommend()
-    path = d.save(tmp_path / "report")
+    without = d.save(tmp_path / "plain").read_text()
+    assert "## Recommended policy" not in without
+    path = d.save(tmp_path / "report", d.recommend())
     text = path.read_text()
     assert "**broken** `proj` (Linear): output reaches 1.0e5 > float16 max 65504" in text
     assert "## Recommended policy" in text and "'proj':" in text

@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cache
 from typing import Any
 
@@ -25,8 +26,25 @@ from mixprec.dtypes import dtype_name
 from mixprec.errors import PrecisionError, SlowPrecisionError
 from mixprec.policy import Policy
 
-FAST, SUPPORTED, SLOW, REFUSED = "fast", "supported", "slow", "refused"
-_RANK = {FAST: 0, SUPPORTED: 1, SLOW: 2, REFUSED: 3}
+
+class Status(str, Enum):
+    """How well a device runs a precision, best first."""
+
+    FAST = "fast"
+    SUPPORTED = "supported"
+    SLOW = "slow"
+    REFUSED = "refused"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def rank(self) -> int:
+        """0 for the best status: the worst dtype of a policy decides its support."""
+        return list(Status).index(self)
+
+
+FAST, SUPPORTED, SLOW, REFUSED = Status.FAST, Status.SUPPORTED, Status.SLOW, Status.REFUSED
 
 MATRIX_PRECISIONS: tuple[str, ...] = (
     "32-true",
@@ -80,7 +98,7 @@ def _threads(n: int) -> str:
 class Support:
     """One cell of the support matrix: a status and the reason for it."""
 
-    status: str
+    status: Status
     reason: str
 
 
@@ -319,7 +337,7 @@ def policy_support(policy: Any, info: DeviceInfo) -> Support:
             s = dtype_support(dtype, info)
             if dtype != p.compute_dtype and s.status != REFUSED:
                 continue
-            if _RANK[s.status] > _RANK[worst.status] or not worst.reason:
+            if s.status.rank > worst.status.rank or not worst.reason:
                 worst = Support(s.status, f"{dtype_name(dtype)}: {s.reason}")
     return worst
 
@@ -406,7 +424,7 @@ def check(
 def _slowest_dtype(policy: Any, info: DeviceInfo) -> torch.dtype:
     policies = policy.policies() if getattr(policy, "is_policy_map", False) else {Policy(policy)}
     dtypes = {p.compute_dtype for p in policies}
-    return max(dtypes, key=lambda d: _RANK[dtype_support(d, info).status])
+    return max(dtypes, key=lambda d: dtype_support(d, info).status.rank)
 
 
 def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -> None:

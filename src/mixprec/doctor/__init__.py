@@ -2,16 +2,9 @@
 them (`diagnose`, `Diagnosis.recommend`), and watch them during training
 (`PrecisionMonitor`)."""
 
-from mixprec.doctor.diagnosis import (
-    AT_RISK,
-    BROKEN,
-    OK,
-    Diagnosis,
-    ModuleReport,
-    ParamReport,
-    diagnose,
-)
+from mixprec.doctor.diagnosis import Diagnosis, Recommendation, diagnose
 from mixprec.doctor.monitor import LayerSample, PrecisionMonitor, PrecisionWarning
+from mixprec.doctor.verdicts import AT_RISK, BROKEN, OK, ModuleReport, ParamReport, Verdict
 
 __all__ = [
     "AT_RISK",
@@ -23,5 +16,7 @@ __all__ = [
     "ParamReport",
     "PrecisionMonitor",
     "PrecisionWarning",
+    "Recommendation",
+    "Verdict",
     "diagnose",
 ]

@@ -11,7 +11,8 @@ import argparse
 import warnings
 from typing import Any
 
-from mixprec.doctor.diagnosis import BROKEN, DEFAULT_TOLERANCE, Diagnosis, diagnose
+from mixprec.doctor.diagnosis import Diagnosis, diagnose
+from mixprec.doctor.verdicts import BROKEN, DEFAULT_TOLERANCE
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.factory import FactoryError, call_factory, load_factory
 from mixprec.outputs import check_output_dir
@@ -54,31 +55,32 @@ def _run(args: argparse.Namespace) -> int:
             err.print(f"[red]mixprec doctor: {error}[/]")
             return 2
         console.print(diagnosis.__rich__())
+        found = None
         if not args.no_recommend and diagnosis.findings:
-            _recommend(diagnosis, args.tolerance, console, err)
+            found = _recommend(diagnosis, args.tolerance, console, err)
     for note in sorted({str(w.message) for w in caught}):
         err.print(f"[dim]note: {note}[/]")
     if not args.no_report:
-        path = diagnosis.save(args.out)
+        path = diagnosis.save(args.out, found)
         console.print(
             f"\nreport: {path} (plots: {path.parent / 'error.png'}, {path.parent / 'range.png'})"
         )
     return 1 if any(m.verdict == BROKEN for m in diagnosis.modules.values()) else 0
 
 
-def _recommend(diagnosis: Diagnosis, tolerance: float, console: Any, err: Any) -> None:
+def _recommend(diagnosis: Diagnosis, tolerance: float, console: Any, err: Any) -> Any:
     try:
-        recommended = diagnosis.recommend(tolerance=tolerance)
+        found = diagnosis.recommend(tolerance=tolerance)
     except PrecisionError as error:
         err.print(f"[red]no recommendation: {error}[/]")
-        return
+        return None
     console.print("\n[bold]fixing, one module at a time:[/]")
-    for line in diagnosis.recommend_log:
+    for line in found.log:
         console.print(f"  {line}")
     console.print("\n[bold]recommended policy:[/]")
-    console.print(recommended.to_code(), markup=False, highlight=False)
-    if diagnosis.fixed is not None:
-        console.print("with it: " + diagnosis.fixed.summary().splitlines()[0])
+    console.print(found.to_code(), markup=False, highlight=False)
+    console.print("with it: " + found.verified.summary().splitlines()[0])
+    return found
 
 
 def _positive_float(what: str) -> Any:

@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.doctor.probe import floating_tensors
+from mixprec.doctor.verdicts import HEADROOM, UNDERFLOW_AT_RISK
 from mixprec.dtypes import LOW_PRECISION_FLOATS, format_info
 from mixprec.scaling import LossScaler
 from mixprec.trainer.callbacks import Callback
@@ -84,10 +85,10 @@ class PrecisionMonitor(Callback):
         self,
         every_n_steps: int = 50,
         *,
-        headroom: float = 4.0,
+        headroom: float = HEADROOM,
         horizon_steps: int | None = None,
         skip_patience: int = 3,
-        underflow_warn: float = 0.5,
+        underflow_warn: float = UNDERFLOW_AT_RISK,
         history: int = 32,
         log_fn: Callable[[dict[str, float], int], None] | None = None,
     ) -> None:

@@ -21,26 +21,65 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from mixprec.dtypes import format_info
 
-# Columns of one statistics row (the same for activations and gradients).
-FIELDS: tuple[str, ...] = (
-    "numel",  # elements compared
-    "nonzero",  # nonzero elements in the reference
-    "amax",  # largest |reference| (unscaled)
-    "amin",  # smallest nonzero |reference| (unscaled; inf when all are zero)
-    "overflow",  # reference values above the dtype's max (after scaling)
-    "underflow",  # nonzero reference values below the dtype's smallest normal (after scaling)
-    "ref_sq",  # sum of squares of the reference
-    "flushed",  # underflow values (see above) that are zero in the target (when counted)
-    "nonfinite",  # inf/NaN in the target
-    "err_sq",  # sum of squared differences target - reference (unscaled)
-)
+
+class RefStats(NamedTuple):
+    """A reference tensor's statistics against one target dtype (and loss scale)."""
+
+    numel: float  # elements compared
+    nonzero: float  # nonzero elements in the reference
+    amax: float  # largest |reference| (unscaled)
+    amin: float  # smallest nonzero |reference| (unscaled; inf when all are zero)
+    overflow: float  # reference values above the dtype's max (after scaling)
+    underflow: float  # nonzero reference values below the dtype's smallest normal (scaled)
+    ref_sq: float  # sum of squares of the reference
+
+
+class Stats(NamedTuple):
+    """One target tensor (or several, combined) against its reference: the same columns
+    for activations and gradients."""
+
+    numel: float
+    nonzero: float
+    amax: float
+    amin: float
+    overflow: float
+    underflow: float
+    ref_sq: float
+    flushed: float  # underflow values (see RefStats) that are zero in the target
+    nonfinite: float  # inf/NaN in the target
+    err_sq: float  # sum of squared differences target - reference (unscaled)
+
+    @property
+    def rel_error(self) -> float:
+        """||target - reference|| / ||reference|| (inf with inf/NaN, nan when empty)."""
+        if self.numel == 0:
+            return math.nan
+        if self.nonfinite > 0:
+            return math.inf
+        if self.ref_sq == 0:
+            return 0.0 if self.err_sq == 0 else math.inf
+        return math.sqrt(self.err_sq / self.ref_sq)
+
+    @property
+    def sqnr_db(self) -> float:
+        """Signal-to-quantization-noise ratio of the target in dB."""
+        if self.numel == 0:
+            return math.nan
+        if self.nonfinite > 0:
+            return -math.inf
+        if self.err_sq == 0:
+            return math.inf
+        if self.ref_sq == 0:
+            return -math.inf
+        return 10.0 * math.log10(self.ref_sq / self.err_sq)
+
 
 Key = tuple[str, int, str, int]  # (module name, call index, "in"/"out", position)
 
@@ -118,9 +157,9 @@ class RefTensor:
             self._base = (nonzero, amax, amin if nonzero else math.inf, norm * norm)
         return self._base
 
-    def stats(self, limit: torch.dtype, scale: float) -> list[float]:
-        """numel, nonzero, amax, amin, overflow, underflow, ref_sq: the first 7 FIELDS, with
-        `limit`'s max and smallest normal applied to the values times `scale`."""
+    def stats(self, limit: torch.dtype, scale: float) -> RefStats:
+        """Its statistics with `limit`'s max and smallest normal applied to the values times
+        `scale`."""
         nonzero, amax, amin, sq = self.base()
         key = (limit, scale)
         if key not in self._counts:
@@ -134,7 +173,7 @@ class RefTensor:
             )
             self._counts[key] = (float(over), float(under))
         over, under = self._counts[key]
-        return [float(self.value.numel()), nonzero, amax, amin, over, under, sq]
+        return RefStats(float(self.value.numel()), nonzero, amax, amin, over, under, sq)
 
 
 def count_nonfinite(t: Tensor) -> int:
@@ -144,20 +183,20 @@ def count_nonfinite(t: Tensor) -> int:
 
 def _target_stats(
     t: Tensor, ref: RefTensor, limit: torch.dtype, scale: float, flushed: bool, scratch: Scratch
-) -> list[float]:
-    """FIELDS of one target tensor against its reference, with no large temporaries;
-    `flushed` counts the underflowing reference values that are zero in the target."""
+) -> Stats:
+    """One target tensor against its reference, with no large temporaries; `flushed` counts
+    the underflowing reference values that are zero in the target."""
     r = ref.value
     head = ref.stats(limit, scale)
     lost = 0
-    if flushed and head[5] > 0:
+    if flushed and head.underflow > 0:
         low = _info(limit).smallest_normal / scale
         lost = torch.count_nonzero((t == 0) & (r != 0) & (r.abs() < low)).item()
     # r - t / scale in one pass, through the scratch buffer (its sign does not matter)
     err = torch.linalg.vector_norm(torch.add(r, t, alpha=-1.0 / scale, out=scratch.like(r)))
     err = err.item()
     nonfinite = 0 if math.isfinite(err) else count_nonfinite(t)
-    return [*head, float(lost), float(nonfinite), err * err]
+    return Stats(*head, float(lost), float(nonfinite), err * err)
 
 
 class Comparisons:
@@ -174,7 +213,7 @@ class Comparisons:
     SMALL = 4096  # elements; below this a tensor waits to be measured with the others
 
     def __init__(self, scratch: Scratch | None = None) -> None:
-        self._rows: dict[Any, list[float]] = {}
+        self._rows: dict[Any, Stats] = {}
         self._small: dict[torch.device, list[tuple[Any, Tensor, Tensor, float, float]]] = {}
         self._scratch = scratch or Scratch()
 
@@ -210,8 +249,8 @@ class Comparisons:
             )
         )
 
-    def compute(self) -> dict[Any, list[float]]:
-        """One statistics row (FIELDS) per tag."""
+    def compute(self) -> dict[Any, Stats]:
+        """The statistics of each tag."""
         for device, items in self._small.items():
             lengths = torch.tensor([item[1].numel() for item in items], device=device)
             rows = _segment_stats(
@@ -226,10 +265,8 @@ class Comparisons:
         return self._rows
 
 
-def _segment_stats(
-    t: Tensor, r: Tensor, lengths: Tensor, high: Tensor, low: Tensor
-) -> list[list[float]]:
-    """FIELDS for each segment (consecutive `lengths` elements) of the unscaled target `t`
+def _segment_stats(t: Tensor, r: Tensor, lengths: Tensor, high: Tensor, low: Tensor) -> list[Stats]:
+    """Statistics of each segment (consecutive `lengths` elements) of the unscaled target `t`
     against `r`, where segment i's reference is checked against `high[i]` and `low[i]`
     (the dtype's max and smallest normal divided by the scale); three segment reductions."""
     ra = r.abs()
@@ -257,7 +294,7 @@ def _segment_stats(
     nonzero_n, overflow, underflow, flushed, nonfinite, ref_sq, err_sq = sums.unbind(1)
     columns = [lengths.to(torch.float32), nonzero_n, amax, amin, overflow, underflow, ref_sq]
     columns += [flushed, nonfinite, err_sq]
-    return torch.stack(columns, dim=1).tolist()
+    return [Stats(*row) for row in torch.stack(columns, dim=1).tolist()]
 
 
 def lowest_float(dtypes: list[torch.dtype]) -> torch.dtype:
@@ -268,21 +305,16 @@ def lowest_float(dtypes: list[torch.dtype]) -> torch.dtype:
     return min(floats, key=lambda d: (_info(d).max, _info(d).eps))
 
 
-def sum_rows(rows: list[list[float]]) -> dict[str, float]:
-    """Combine statistics rows of several tensors into one (sums, max, min as fits)."""
-    if not rows:
-        return {}
-    out = {name: 0.0 for name in FIELDS}
-    out["amin"] = math.inf
-    for row in rows:
-        for name, value in zip(FIELDS, row, strict=True):
-            if name == "amax":
-                out[name] = max(out[name], value)
-            elif name == "amin":
-                out[name] = min(out[name], value)
-            else:
-                out[name] += value
-    return out
+def combine(stats: list[Stats]) -> Stats | None:
+    """The statistics of several tensors as one (counts and squares summed, the largest
+    amax, the smallest amin); None for none."""
+    if not stats:
+        return None
+    sums = [sum(column) for column in zip(*stats, strict=True)]
+    combined = Stats(*sums)
+    return combined._replace(
+        amax=max(s.amax for s in stats), amin=min((s.amin for s in stats), default=math.inf)
+    )
 
 
 @dataclass
@@ -322,14 +354,14 @@ class Recording:
         self.param_limits: dict[str, torch.dtype] = {}
         self.scratch = Scratch()
         self.comparisons = Comparisons(self.scratch)
-        self._rows: dict[Any, list[float]] | None = None
+        self._rows: dict[Any, Stats] | None = None
 
-    def rows(self) -> tuple[dict[Key, list[float]], dict[str, list[float]]]:
-        """Statistics rows of values (by tensor key) and of parameter gradients (by name);
+    def rows(self) -> tuple[dict[Key, Stats], dict[str, Stats]]:
+        """Statistics of values (by tensor key) and of parameter gradients (by name);
         computed on first call."""
         if self._rows is None:
             self._rows = self.comparisons.compute()
-        split: dict[str, dict[Any, list[float]]] = {"value": {}, "param": {}}
+        split: dict[str, dict[Any, Stats]] = {"value": {}, "param": {}}
         for (kind, key), row in self._rows.items():
             split[kind][key] = row
         return split["value"], split["param"]

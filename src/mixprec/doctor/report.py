@@ -7,13 +7,14 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mixprec.doctor.verdicts import AT_RISK, BROKEN, OK
 from mixprec.dtypes import format_info
 
 if TYPE_CHECKING:
-    from mixprec.doctor.diagnosis import Diagnosis, ModuleReport
-    from mixprec.policy_map import PolicyMap
+    from mixprec.doctor.diagnosis import Diagnosis, Recommendation
+    from mixprec.doctor.verdicts import ModuleReport
 
-_STYLE = {"ok": "green", "at risk": "yellow", "broken": "red bold"}
+_STYLE = {OK: "green", AT_RISK: "yellow", BROKEN: "red bold"}
 _COLUMNS = (
     "module",
     "type",
@@ -70,8 +71,8 @@ def _cells(m: ModuleReport, columns: tuple[str, ...] = _COLUMNS) -> list[str]:
 
 def summary(d: Diagnosis) -> str:
     """What was compared, the two losses, the loss scale and the verdict counts."""
-    broken = sum(m.verdict == "broken" for m in d.modules.values())
-    risky = sum(m.verdict == "at risk" for m in d.modules.values())
+    broken = sum(m.verdict == BROKEN for m in d.modules.values())
+    risky = sum(m.verdict == AT_RISK for m in d.modules.values())
     scale = ""
     if d.precision.needs_loss_scaling:
         scale = (
@@ -124,11 +125,10 @@ def as_text(d: Diagnosis) -> str:
 def to_markdown(
     d: Diagnosis,
     plots: dict[str, str] | None = None,
-    recommended: PolicyMap | None = None,
-    fixed: Diagnosis | None = None,
+    recommendation: Recommendation | None = None,
 ) -> str:
     """The report as markdown: summary, findings, the recommended policy and how its run
-    compares (`fixed`), the plots, every module's and parameter's statistics."""
+    compares, the plots, every module's and parameter's statistics."""
     lines = ["# mixprec doctor report", ""]
     for line in summary(d).splitlines():
         lines += [line, ""]
@@ -139,13 +139,13 @@ def to_markdown(
         ]
     else:
         lines.append("No finding: every module is ok.")
-    if recommended is not None:
-        lines += ["", "## Recommended policy", "", "```python", recommended.to_code(), "```", ""]
+    if recommendation is not None:
+        code = recommendation.to_code()
+        lines += ["", "## Recommended policy", "", "```python", code, "```", ""]
         lines += ["Found by fixing one module at a time and running again after each fix:", ""]
-        lines += [f"- {line}" for line in d.recommend_log]
-    if fixed is not None:
+        lines += [f"- {line}" for line in recommendation.log]
         lines += ["", "With the recommended policy:", ""]
-        for line in summary(fixed).splitlines():
+        for line in summary(recommendation.verified).splitlines():
             lines += [line, ""]
     for caption, path in (plots or {}).items():
         lines += ["", f"![{caption}]({path})"]
@@ -195,7 +195,7 @@ def _plot_error(d: Diagnosis, path: Path, fixed: Diagnosis | None) -> None:
                 bar.set_hatch("//")
                 bar.set_edgecolor("black")
     for i, m in enumerate(mods):
-        if m.verdict != "ok":
+        if m.verdict != OK:
             ax.annotate(
                 m.verdict, (i, top), ha="center", va="bottom", fontsize=7, color=_COLOR[m.verdict]
             )
@@ -250,17 +250,19 @@ def _plot_range(d: Diagnosis, path: Path) -> None:
     plt.close(fig)
 
 
-_COLOR = {"ok": "tab:green", "at risk": "tab:orange", "broken": "tab:red"}
+_COLOR = {OK: "tab:green", AT_RISK: "tab:orange", BROKEN: "tab:red"}
 _RUN_COLOR = ("tab:gray", "tab:green")
 
 
 def save(
     d: Diagnosis,
     directory: str | Path,
+    recommendation: Recommendation | None = None,
 ) -> Path:
     """Write report.md, error.png and range.png into `directory`; return report.md's path.
-    After `recommend`, the report shows the policy and its verified run next to the target."""
-    recommended, fixed = d.recommended, d.fixed
+    With a recommendation, the report shows the policy and its verified run next to the
+    target."""
+    fixed = recommendation.verified if recommendation is not None else None
     try:
         import matplotlib
     except ImportError:
@@ -274,5 +276,5 @@ def save(
     _plot_range(d, out / "range.png")
     plots = {"per-layer relative error": "error.png", "per-layer range": "range.png"}
     report = out / "report.md"
-    report.write_text(to_markdown(d, plots, recommended, fixed))
+    report.write_text(to_markdown(d, plots, recommendation))
     return report

@@ -1,0 +1,152 @@
+"""Running a model once in a precision, probed: the same batch, the same seed and a fresh
+copy of the caller's (untouched) model every time, the loss computed as the Trainer does."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.convert import apply
+from mixprec.doctor.probe import Probe, Recording, lowest_float, measure_param_grads, seeded
+from mixprec.policy_map import PolicyMap
+from mixprec.precision import Precision
+from mixprec.scaling import StaticLossScaler
+
+
+def move(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        items = [move(x, device) for x in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return type(obj)({k: move(v, device) for k, v in obj.items()})
+    return obj
+
+
+def _as_loss(result: Any, where: str) -> Tensor:
+    if isinstance(result, dict):
+        if "loss" not in result:
+            raise TypeError(f"{where} returned a dict without a 'loss' key: {sorted(result)}")
+        result = result["loss"]
+    if not isinstance(result, Tensor) or result.numel() != 1 or not result.is_floating_point():
+        got = tuple(result.shape) if isinstance(result, Tensor) else type(result).__name__
+        raise TypeError(
+            f"{where} must give a scalar floating loss tensor (or a dict with 'loss'), got {got};"
+            " pass loss_fn=... with a batch of (inputs, targets)"
+        )
+    return result.reshape(())
+
+
+def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
+    """Identity, storage, dtype and in-place version of every parameter and buffer: any
+    training step, conversion, move or load changes it."""
+    return [
+        (name, id(t), t.data_ptr(), t.dtype, t.device, t._version)
+        for name, t in model.state_dict(keep_vars=True).items()
+        if isinstance(t, Tensor)
+    ]
+
+
+class Session:
+    """Everything needed to run the model again in any precision on the same batch.
+
+    Each run deep-copies `model`, which is the caller's own model (never changed here):
+    a fingerprint taken at the start makes a later run refuse to go on if the caller has
+    changed the model since.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Any,
+        loss_fn: Callable[..., Tensor] | None,
+        device: torch.device,
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.batch = batch
+        self.loss_fn = loss_fn
+        self.device = device
+        self.seed = seed
+        self._fingerprint = _fingerprint(model)
+
+    def copy(self) -> nn.Module:
+        """A fresh copy of the model as it was diagnosed."""
+        if _fingerprint(self.model) != self._fingerprint:
+            raise ValueError(
+                "the model changed since it was diagnosed (a parameter or buffer was "
+                "modified, converted, moved or replaced); call diagnose() again"
+            )
+        return copy.deepcopy(self.model)
+
+    def _loss(self, model: nn.Module, precision: Precision) -> Tensor:
+        """The loss, computed as the Trainer does: inputs converted for a "true" policy,
+        the whole step in the policy's autocast region."""
+        batch = precision.convert_input(self.batch)
+        with precision.autocast():
+            if self.loss_fn is not None:
+                if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+                    raise TypeError(
+                        "with loss_fn the batch must be a tuple or list (inputs..., target), "
+                        f"got {type(batch).__name__}"
+                        + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else "")
+                    )
+                *inputs, target = batch
+                return _as_loss(self.loss_fn(model(*inputs), target), "loss_fn")
+            step = getattr(model, "training_step", None)
+            if step is None:
+                return _as_loss(model(batch), "the model (no loss_fn given)")
+            # self.log has no trainer to go to here: drop its calls (on this copy only)
+            for name in ("log", "log_dict"):
+                if callable(getattr(model, name, None)):
+                    setattr(model, name, _ignore)
+            return _as_loss(step(batch, 0), "training_step")
+
+    def run(self, policy: PolicyMap, reference: Recording | None, scale: float) -> Recording:
+        """One forward and backward of a fresh copy under `policy`, probed."""
+        model = self.copy()
+        for module in model.modules():
+            if isinstance(module, nn.modules.dropout._DropoutNd):
+                module.eval()  # both runs must see the same network
+        # `apply`, not `Precision.setup`: a slow precision warns instead of raising here
+        apply(model, policy)
+        precision = Precision(policy, device=self.device, scaler=StaticLossScaler(scale))
+        resolved = policy.resolve(model)
+        params = list(model.named_parameters())
+        limits = {
+            name: lowest_float([p.dtype, resolved[name.rpartition(".")[0]].policy.compute_dtype])
+            for name, p in params
+        }
+        probe = Probe(model, reference, grad_scale=scale)
+        with seeded(self.seed, self.device), probe as rec:
+            loss = self._loss(model, precision)
+            if not loss.requires_grad:
+                raise ValueError(
+                    "the loss does not require grad: is the model frozen or run under no_grad?"
+                )
+            precision.backward(loss)
+        rec.loss = float(loss.detach().float())
+        measure_param_grads(params, rec, reference, limits, scale)
+        rec.param_limits = limits
+        rec.types = {name: type(m).__name__ for name, m in model.named_modules()}
+        rec.params_of = {
+            name: [f"{name}.{k}" if name else k for k, v in m._parameters.items() if v is not None]
+            for name, m in model.named_modules()
+        }
+        return rec
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """Stands in for TrainingModule.log during a diagnosis."""
+
+
+def grad_amax(ref: Recording) -> float:
+    """Largest gradient magnitude the reference run saw (activations and parameters)."""
+    peaks = [s.grad_amax for s in ref.slots.values() if s.grad_amax is not None]
+    peaks += [g.value.abs().amax() for g in ref.param_grads.values() if g is not None]
+    return float(torch.stack([p.to("cpu") for p in peaks]).amax()) if peaks else 0.0

@@ -1,0 +1,370 @@
+"""Turning a target run's statistics into verdicts: one source for the verdicts, the
+thresholds that raise them (shared with the live `PrecisionMonitor`), and the reasons.
+
+Every module gets `OK`, `AT_RISK` or `BROKEN` and a sentence saying why; a problem is blamed
+where it starts (inputs fine, output not), never on the blocks that merely contain it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from mixprec.doctor.probe import Key, Recording, Stats, combine, lowest_float
+from mixprec.dtypes import LOW_PRECISION_FLOATS, dtype_name, format_info
+from mixprec.policy_map import PolicyMap
+
+
+class Verdict(str, Enum):
+    """How a module fares in the target precision, in order of severity."""
+
+    BROKEN = "broken"
+    AT_RISK = "at risk"
+    OK = "ok"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def severity(self) -> int:
+        """0 for the worst verdict: sorts findings worst first."""
+        return list(Verdict).index(self)
+
+
+OK, AT_RISK, BROKEN = Verdict.OK, Verdict.AT_RISK, Verdict.BROKEN
+
+# When a finding is raised. Chosen so that healthy float16/bfloat16 runs of common layers
+# (linear, conv, norms, attention, activations) raise none; see tests/test_doctor*.py.
+HEADROOM = 4.0  # "at risk" when a layer's amax comes within this factor of the dtype's max
+UNDERFLOW_AT_RISK = 0.5  # fraction of nonzero outputs below the smallest normal
+GRAD_UNDERFLOW_AT_RISK = 0.1  # fraction of nonzero parameter gradients that underflow
+GRAD_FLUSH_AT_RISK = 0.05  # ... that become exactly zero
+GRAD_FLUSH_BROKEN = 0.5  # ... beyond this, the layer effectively stops learning
+ERROR_AT_RISK = 0.1  # a layer's relative error above this (SQNR below 20 dB) ...
+ERROR_GROWTH = 10.0  # ... and this many times the error already in its inputs
+LOSS_SCALE_MARGIN = 8.0  # recommended scale keeps scaled gradients this far below the max
+MAX_LOSS_SCALE = 2.0**24
+DEFAULT_LOSS_SCALE = 2.0**16  # where a DynamicLossScaler starts
+DEFAULT_TOLERANCE = 0.1  # relative loss/gradient error a recommended policy must reach
+
+
+def _fmt(x: float) -> str:
+    """A magnitude for a sentence: 3 significant digits, or "7.1e4" style when large/small."""
+    if math.isnan(x):
+        return "nan"
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    if x == 0 or 1e-3 <= abs(x) < 1e4:
+        return f"{x:.3g}"
+    mantissa, exponent = f"{x:.1e}".split("e")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _scale(x: float) -> str:
+    return f"{int(x)}" if x >= 1 and x == int(x) else f"{x:g}"
+
+
+@dataclass
+class ModuleReport:
+    """Statistics and verdict of one module (all its calls together).
+
+    Ranges (`amax`, `amin`) are the reference run's, so they show what the target had to
+    hold; `overflow`/`underflow` are fractions of the reference values beyond the target
+    dtype's max / below its smallest normal (`underflow` of the nonzero ones); `flushed` is
+    the fraction of nonzero reference values that underflow and are exactly zero in the
+    target; `nonfinite` counts inf/NaN in the target; `rel_error` and `sqnr_db` compare the
+    target output with the reference output. `grad_nonfinite`/`input_grad_nonfinite` count
+    inf/NaN in the target's gradients of its output/inputs (at the run's loss scale);
+    `param_*` describe the module's own parameters' gradients.
+    """
+
+    name: str
+    type: str
+    order: int
+    dtype: str
+    calls: int
+    numel: int
+    amax: float
+    amin: float
+    overflow: float
+    underflow: float
+    flushed: float
+    nonfinite: int
+    rel_error: float
+    sqnr_db: float
+    input_amax: float
+    input_nonfinite: int
+    input_rel_error: float
+    input_underflow: float = 0.0
+    input_dtype: str = "float32"
+    grad_nonfinite: int = 0
+    input_grad_nonfinite: int = 0
+    param_grad_amax: float = math.nan
+    param_grad_underflow: float = 0.0
+    param_grad_flushed: float = 0.0
+    param_grad_nonfinite: int = 0
+    verdict: Verdict = OK
+    reason: str = ""
+    kind: str = ""  # "range" (fixable by a wider range) or "precision" (needs float32)
+    origin: bool = False
+    note: str = ""
+
+    @property
+    def display_name(self) -> str:
+        return self.name or "<root>"
+
+
+@dataclass
+class ParamReport:
+    """Gradient statistics of one parameter at the run's loss scale.
+
+    `underflow`: fraction of its nonzero reference gradient values whose scaled magnitude is
+    below the smallest normal of the dtype the gradient is computed in; `flushed`: fraction
+    that underflow and are exactly zero in the target; `overflow`: fraction whose scaled
+    magnitude is above that dtype's max.
+    """
+
+    name: str
+    module: str
+    dtype: str
+    numel: int
+    nonzero: int
+    grad_amax: float
+    underflow: float
+    flushed: float
+    overflow: float
+    nonfinite: int
+    rel_error: float
+
+
+def _frac(count: float, total: float) -> float:
+    return count / total if total else 0.0
+
+
+def _is_inside(child: str, parent: str) -> bool:
+    return (parent == "" and child != "") or child.startswith(parent + ".")
+
+
+def loss_scale_for(grad_amax: float, dtype: torch.dtype) -> float:
+    """Largest power of two keeping `grad_amax` x scale below `dtype`'s max by the margin."""
+    if grad_amax == 0:
+        return MAX_LOSS_SCALE
+    if not math.isfinite(grad_amax):
+        return 1.0
+    k = math.floor(math.log2(format_info(dtype).max / (LOSS_SCALE_MARGIN * grad_amax)))
+    return float(min(max(2.0**k, 1.0), MAX_LOSS_SCALE))
+
+
+def range_dtype(policy: PolicyMap) -> torch.dtype:
+    """The narrowest dtype any layer of `policy` computes or stores in."""
+    return lowest_float([d for p in policy.policies() for d in (p.compute_dtype, p.param_dtype)])
+
+
+def param_reports(target: Recording, params: dict[str, Stats]) -> dict[str, ParamReport]:
+    """One report per parameter gradient of the target run."""
+    reports = {}
+    for name, r in params.items():
+        limit = dtype_name(target.param_limits[name])
+        reports[name] = ParamReport(
+            name=name,
+            module=name.rpartition(".")[0],
+            dtype=limit,
+            numel=int(r.numel),
+            nonzero=int(r.nonzero),
+            grad_amax=r.amax,
+            underflow=_frac(r.underflow, r.nonzero),
+            flushed=_frac(r.flushed, r.nonzero),
+            overflow=_frac(r.overflow, r.numel),
+            nonfinite=int(r.nonfinite),
+            rel_error=r.rel_error,
+        )
+    return reports
+
+
+def module_reports(
+    target: Recording,
+    values: dict[Key, Stats],
+    params: dict[str, ParamReport],
+) -> tuple[dict[str, ModuleReport], set[str], set[str]]:
+    """Per-module statistics, plus the modules where inf/NaN first appear going forward
+    (finite inputs, non-finite output) and going backward (finite output gradient,
+    non-finite input gradient), judged call by call."""
+    calls_of: dict[str, list[Any]] = {}
+    for call in target.calls:
+        calls_of.setdefault(call.name, []).append(call)
+    reports: dict[str, ModuleReport] = {}
+    fwd_origins: set[str] = set()
+    bwd_origins: set[str] = set()
+
+    def rows(keys: list[Key]) -> Stats | None:
+        return combine([values[k] for k in dict.fromkeys(keys) if k in values])
+
+    def bad_grads(keys: list[Key]) -> int:
+        return sum(target.slots[k].grad_nonfinite for k in dict.fromkeys(keys))
+
+    for order, (name, calls) in enumerate(calls_of.items()):
+        out_keys = [k for c in calls for k in c.outputs]
+        in_keys = [k for c in calls for k in c.inputs]
+        out, inp = rows(out_keys), rows(in_keys)
+        if not out:
+            continue
+        own = [params[p] for p in target.params_of.get(name, []) if p in params]
+        nonzero = sum(p.nonzero for p in own)
+        for c in calls:
+            c_out, c_in = rows(c.outputs), rows(c.inputs)
+            if c_out and c_out.nonfinite > 0 and not (c_in and c_in.nonfinite):
+                fwd_origins.add(name)
+            if not bad_grads(c.outputs) and (bad_grads(c.inputs) or any(p.nonfinite for p in own)):
+                bwd_origins.add(name)
+        reports[name] = ModuleReport(
+            name=name,
+            type=target.types.get(name, ""),
+            order=order,
+            dtype=dtype_name(lowest_float([target.slots[k].dtype for k in out_keys])),
+            calls=len(calls),
+            numel=int(out.numel),
+            amax=out.amax,
+            amin=out.amin,
+            overflow=_frac(out.overflow, out.numel),
+            underflow=_frac(out.underflow, out.nonzero),
+            flushed=_frac(out.flushed, out.nonzero),
+            nonfinite=int(out.nonfinite),
+            rel_error=out.rel_error,
+            sqnr_db=out.sqnr_db,
+            input_amax=inp.amax if inp else 0.0,
+            input_nonfinite=int(inp.nonfinite) if inp else 0,
+            input_rel_error=inp.rel_error if inp else 0.0,
+            input_underflow=_frac(inp.underflow, inp.nonzero) if inp else 0.0,
+            input_dtype=dtype_name(lowest_float([target.slots[k].dtype for k in in_keys])),
+            grad_nonfinite=bad_grads(out_keys),
+            input_grad_nonfinite=bad_grads(in_keys),
+            param_grad_amax=max((p.grad_amax for p in own), default=math.nan),
+            param_grad_underflow=sum(p.underflow * p.nonzero for p in own) / nonzero
+            if nonzero
+            else 0.0,
+            param_grad_flushed=sum(p.flushed * p.nonzero for p in own) / nonzero
+            if nonzero
+            else 0.0,
+            param_grad_nonfinite=sum(p.nonfinite for p in own),
+        )
+    return reports, fwd_origins, bwd_origins
+
+
+def judge(
+    modules: dict[str, ModuleReport],
+    fwd_origins: set[str],
+    bwd_origins: set[str],
+    loss_scale: float,
+    recommended_scale: float,
+    range_dtype: torch.dtype,
+) -> None:
+    """Give every module a verdict and a reason, blaming only where a problem starts."""
+    scale_txt = f"loss scale {_scale(loss_scale)}"
+    forward_broken = any(m.nonfinite for m in modules.values())
+    for m in modules.values():
+        info = format_info(m.dtype) if m.dtype in _LOW else format_info(range_dtype)
+        low = m.dtype in _LOW
+        # a range problem already present in low-precision inputs belongs upstream
+        inherited = m.input_dtype in _LOW
+        if m.name in fwd_origins:
+            m.verdict, m.kind = BROKEN, "range"
+            if m.amax > info.max:
+                m.reason = (
+                    f"output reaches {_fmt(m.amax)} > {info.name} max {info.max:g} "
+                    f"({m.nonfinite} values become inf/NaN)"
+                )
+            elif m.input_amax > format_info(range_dtype).max:
+                limit = format_info(range_dtype)
+                m.reason = (
+                    f"its input reaches {_fmt(m.input_amax)} > {limit.name} max {limit.max:g} "
+                    f"and overflows when cast to {limit.name} here"
+                )
+            else:
+                m.reason = (
+                    f"{m.nonfinite} of {m.numel} outputs are inf/NaN although its inputs are "
+                    f"finite: a value inside it overflows {format_info(range_dtype).name} "
+                    f"(output is at most {_fmt(m.amax)} in the reference)"
+                )
+        elif not forward_broken and m.name in bwd_origins:
+            m.verdict, m.kind = BROKEN, "range"
+            hint = (
+                f"; a loss scale of at most {_scale(recommended_scale)} fits"
+                if loss_scale > recommended_scale
+                else ""
+            )
+            m.reason = (
+                f"its backward produces inf/NaN gradients at {scale_txt} "
+                f"({format_info(range_dtype).name} max {format_info(range_dtype).max:g}){hint}"
+            )
+        elif m.param_grad_flushed >= GRAD_FLUSH_BROKEN:
+            m.verdict, m.kind = BROKEN, "range"
+            m.reason = (
+                f"{m.param_grad_flushed:.0%} of its parameter gradients flush to zero in "
+                f"{format_info(range_dtype).name} at {scale_txt} (largest "
+                f"{_fmt(m.param_grad_amax)}); it stops learning"
+                + _scale_hint(m.param_grad_amax, loss_scale, recommended_scale, range_dtype)
+            )
+        elif (
+            low
+            and m.amax > info.max / HEADROOM
+            and not (inherited and m.input_amax > info.max / HEADROOM)
+        ):
+            m.verdict, m.kind = AT_RISK, "range"
+            m.reason = (
+                f"output reaches {_fmt(m.amax)}, within {HEADROOM:g}x of {info.name} max "
+                f"{info.max:g}"
+            )
+        elif (
+            low
+            and m.underflow >= UNDERFLOW_AT_RISK
+            and not (inherited and m.input_underflow >= UNDERFLOW_AT_RISK)
+        ):
+            m.verdict, m.kind = AT_RISK, "range"
+            m.reason = (
+                f"{m.underflow:.0%} of its nonzero outputs fall below {info.name}'s smallest "
+                f"normal {info.smallest_normal:.2g} (smallest {_fmt(m.amin)})"
+            )
+        elif (
+            m.param_grad_underflow >= GRAD_UNDERFLOW_AT_RISK
+            or m.param_grad_flushed >= GRAD_FLUSH_AT_RISK
+        ):
+            m.verdict, m.kind = AT_RISK, "range"
+            m.reason = (
+                f"{max(m.param_grad_underflow, m.param_grad_flushed):.0%} of its parameter "
+                f"gradients underflow {format_info(range_dtype).name} at {scale_txt}"
+                + _scale_hint(m.param_grad_amax, loss_scale, recommended_scale, range_dtype)
+            )
+        elif (
+            math.isfinite(m.rel_error)
+            and m.rel_error > ERROR_AT_RISK
+            and m.rel_error > ERROR_GROWTH * m.input_rel_error
+        ):
+            m.verdict, m.kind = AT_RISK, "precision"
+            m.reason = (
+                f"its error against the reference grows to {m.rel_error:.2g} here "
+                f"(inputs {m.input_rel_error:.2g}; SQNR {m.sqnr_db:.1f} dB)"
+            )
+    # Blame the innermost module: a block whose child explains the problem is not flagged.
+    flagged = [m for m in modules.values() if m.verdict != OK]
+    for m in flagged:
+        inner = [c for c in flagged if c is not m and _is_inside(c.name, m.name)]
+        if inner:
+            m.verdict, m.kind, m.reason = OK, "", ""
+            m.note = f"contains {inner[0].display_name} ({inner[0].verdict})"
+    for m in modules.values():
+        m.origin = m.verdict == BROKEN
+        if m.verdict == OK and not m.note and (m.nonfinite or m.grad_nonfinite):
+            m.note = "inf/NaN arrive from elsewhere"
+
+
+def _scale_hint(grad_amax: float, scale: float, recommended: float, dtype: torch.dtype) -> str:
+    if dtype != torch.float16 or not recommended > scale:
+        return ""
+    return f"; loss scale {_scale(recommended)} keeps them"
+
+
+_LOW = {dtype_name(d) for d in LOW_PRECISION_FLOATS}
