@@ -40,8 +40,7 @@ from mixprec.trainer import (
     TrainingModule,
     seed_everything,
 )
-
-__version__ = "0.1.0"
+from mixprec.version import __version__
 
 __all__ = [
     "POLICY_NAMES",

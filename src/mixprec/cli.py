@@ -9,7 +9,6 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mixprec import __version__
 from mixprec.bench.command import add_parser as add_bench_parser
 from mixprec.doctor.command import add_parser as add_doctor_parser
 from mixprec.errors import PrecisionError
@@ -24,6 +23,7 @@ from mixprec.hardware import (
     support_matrix,
 )
 from mixprec.policy import Policy
+from mixprec.version import __version__
 
 _STYLE = {FAST: "green", "supported": "yellow", SLOW: "red", REFUSED: "red bold"}
 

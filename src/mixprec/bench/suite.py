@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from mixprec import __version__
 from mixprec.bench.models import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_IMAGE_SIZE,
@@ -43,6 +42,7 @@ from mixprec.hardware import (
     resolve_auto,
 )
 from mixprec.policy import Policy
+from mixprec.version import __version__
 
 PRESETS: dict[str, dict[str, Any]] = {
     # The seed blog's experiment: its CNN on 256x256 images, batch 32 to 512, on a GPU;
