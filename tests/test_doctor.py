@@ -529,3 +529,20 @@ def test_diagnose_on_cuda():
         d = diagnose(model, batch, F.cross_entropy, device="cuda")
     assert d.device.type == "cuda" and names(d) == ["proj"]
     assert next(model.parameters()).device.type == "cpu"
+
+
+def test_an_integer_model_output_and_a_missing_gpu_are_named():
+    class Argmax(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.lin(x).argmax(-1)
+
+    batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    with pytest.raises(TypeError, match="no floating tensor \\(a int64 tensor\\).*argmax"):
+        diagnose(Argmax(), batch, lambda out, y: (out == y).float().mean())
+    if not torch.cuda.is_available():
+        with pytest.raises(PrecisionError, match="sees no CUDA GPU"):
+            diagnose(nn.Linear(4, 3), batch, F.cross_entropy, device="cuda")

@@ -358,6 +358,7 @@ def diagnose(
         raise TypeError(f"diagnose needs an nn.Module, got {type(model).__name__}")
     target_map, ref_map = as_map(precision), as_map(reference)
     where = torch.device(device) if device is not None else device_of(model)
+    detect(where)  # a device this torch cannot use is a clear error before any copy
     if device is not None and where != device_of(model):
         model = copy.deepcopy(model).to(where)  # the runs copy this one, not the caller's
     if device is not None:

@@ -11,7 +11,14 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.convert import apply
-from mixprec.doctor.probe import Probe, Recording, lowest_float, measure_param_grads, seeded
+from mixprec.doctor.probe import (
+    Probe,
+    Recording,
+    floating_tensors,
+    lowest_float,
+    measure_param_grads,
+    seeded,
+)
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.scaling import StaticLossScaler
@@ -97,7 +104,14 @@ class Session:
                         + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else "")
                     )
                 *inputs, target = batch
-                return _as_loss(self.loss_fn(model(*inputs), target), "loss_fn")
+                outputs = model(*inputs)
+                if not floating_tensors(outputs):
+                    raise TypeError(
+                        f"the model's output holds no floating tensor ({_kinds(outputs)}): no "
+                        "loss computed from it can reach the weights; return logits or "
+                        "scores, not argmax/indices"
+                    )
+                return _as_loss(self.loss_fn(outputs, target), "loss_fn")
             step = getattr(model, "training_step", None)
             if step is None:
                 return _as_loss(model(batch), "the model (no loss_fn given)")
@@ -139,6 +153,13 @@ class Session:
             for name, m in model.named_modules()
         }
         return rec
+
+
+def _kinds(outputs: Any) -> str:
+    """What a model returned, for an error: the dtype of a tensor, else the type's name."""
+    if isinstance(outputs, Tensor):
+        return f"a {str(outputs.dtype).removeprefix('torch.')} tensor"
+    return type(outputs).__name__
 
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
