@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `python benchmarks/apply_overhead.py --steps {args.steps} --warmup "
         f"{args.warmup} --batch {args.batch}`",
-        f"Device: {mixprec.detect('cpu').describe()}; torch {torch.__version__}",
+        f"Device: {mixprec.hardware.detect('cpu').describe()}; torch {torch.__version__}",
         "",
         "| model | raw autocast ms/step | mixprec.apply ms/step | overhead |",
         "|---|---:|---:|---:|",

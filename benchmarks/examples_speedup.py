@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     command = f"python benchmarks/examples_speedup.py --repeats {args.repeats}" + (
         " --others" if args.others else ""
     )
-    device = mixprec.detect("cpu").describe()
+    device = mixprec.hardware.detect("cpu").describe()
     rows = []
     for example in examples:
         key, label = EXAMPLES[example]

@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `python benchmarks/scaler_overhead.py --steps {args.steps} --warmup "
         f"{args.warmup}`",
-        f"Device: {mixprec.detect('cpu').describe()}; torch {torch.__version__}",
+        f"Device: {mixprec.hardware.detect('cpu').describe()}; torch {torch.__version__}",
         f"Model: MLP 1024-2560-2560-1024 ({params / 1e6:.1f}M parameters), MSE loss.",
         f"Load average (1 min) before / after the run: {load_before:.2f} / "
         f"{os.getloadavg()[0]:.2f} (the run itself adds about 2; more means other work "

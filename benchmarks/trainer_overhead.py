@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `python benchmarks/trainer_overhead.py --rounds {args.rounds} --steps "
         f"{args.steps}`",
-        f"Device: {mixprec.detect('cpu').describe()}; torch {torch.__version__}",
+        f"Device: {mixprec.hardware.detect('cpu').describe()}; torch {torch.__version__}",
         "",
         "| precision | model | hand loop ms/step | Trainer bare ms/step | Trainer defaults "
         "ms/step | one-off ms: hand / bare / defaults |",

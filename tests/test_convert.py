@@ -144,12 +144,12 @@ def test_reapply_does_not_stack_and_remove_restores_the_plain_module():
     mixprec.apply(model, "bf16-mixed")
     mixprec.apply(model, "bf16-mixed")
     mixprec.apply(model, PolicyMap("16-mixed", LSTM_FP32))
-    assert mixprec.applied_policy(model).default == Policy("16-mixed")
+    assert mixprec.convert.applied_policy(model).default == Policy("16-mixed")
     assert type(model.__dict__["forward"].module) is Zoo
     assert model(*inputs()).dtype == f32
     mixprec.apply(model, "bf16-true")
     mixprec.remove(model)
-    assert mixprec.applied_policy(model) is None
+    assert mixprec.convert.applied_policy(model) is None
     assert not any("forward" in m.__dict__ for m in model.modules())
     after = model.state_dict()
     assert {k: v.dtype for k, v in after.items()} == {k: v.dtype for k, v in before.items()}
@@ -185,7 +185,7 @@ def test_deepcopy_and_pickle_keep_the_policy():
     unpickled = pickle.loads(pickle.dumps(model))
     expected = model(*inputs())
     for other in (copied, loaded, unpickled):
-        assert mixprec.applied_policy(other) == PolicyMap("bf16-mixed", LSTM_FP32)
+        assert mixprec.convert.applied_policy(other) == PolicyMap("bf16-mixed", LSTM_FP32)
         torch.testing.assert_close(other(*inputs()), expected, rtol=0, atol=0)
 
 

@@ -385,7 +385,7 @@ def test_users_model_is_left_exactly_as_it_was():
     d.recommend()
     assert torch.equal(torch.get_rng_state(), rng)
     assert model.training
-    assert mixprec.applied_policy(model) == PolicyMap("bf16-mixed")
+    assert mixprec.convert.applied_policy(model) == PolicyMap("bf16-mixed")
     for name, m in model.named_modules():
         assert m.__dict__.get("forward") is forwards[name]
         assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks

@@ -117,12 +117,12 @@ def test_bad_specs_say_what_is_wrong_and_what_is_accepted(spec, message):
 def test_unknown_name_lists_every_accepted_name():
     with pytest.raises(ValueError) as err:
         Policy("turbo")
-    for name in mixprec.POLICY_NAMES:
+    for name in mixprec.policy.POLICY_NAMES:
         assert repr(name) in str(err.value)
 
 
 def test_auto_resolves_through_the_hardware_module():
-    assert Policy("auto") == mixprec.resolve_auto()
+    assert Policy("auto") == mixprec.hardware.resolve_auto()
 
 
 DTYPES = st.sampled_from(["float64", "float32", "float16", "bfloat16", "f32", "half", "bf16"])

@@ -104,7 +104,7 @@ def test_every_precision_spec_fits_and_the_loss_goes_down(spec):
         trainer.policy.default if isinstance(trainer.policy, mixprec.PolicyMap) else trainer.policy
     )
     assert model[0].weight.dtype == policy.param_dtype
-    assert mixprec.applied_policy(model) is not None
+    assert mixprec.convert.applied_policy(model) is not None
 
 
 def test_the_chosen_precision_and_its_reason_are_logged_once(caplog):

@@ -2,61 +2,49 @@
 
 Precision policies per layer, loss scaling, a Trainer with a precision flag, the
 float32-vs-mixed benchmark, and a numerics doctor: one path for data, many front doors.
+
+The names a user types daily live here; helpers stay in their modules (`mixprec.hardware`,
+`mixprec.optim`, `mixprec.dtypes`, `mixprec.trainer`, `mixprec.doctor`, `mixprec.bench`).
+The Trainer and the doctor load on first use, so `import mixprec` stays light (no rich, no
+Trainer).
 """
 
-from mixprec.convert import applied_policy, apply, cast_floating, remove
-from mixprec.doctor import Diagnosis, PrecisionMonitor, diagnose
-from mixprec.dtypes import FormatInfo, format_info
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from mixprec.convert import apply, remove
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
-from mixprec.hardware import DeviceInfo, Support, detect, resolve_auto, support_matrix
-from mixprec.optim import LossScaleOptimizer, joint_step, scheduler_step
-from mixprec.policy import (
-    POLICY_NAMES,
-    Policy,
-    as_policy,
-    global_policy,
-    policy_scope,
-    set_global_policy,
-)
+from mixprec.optim import LossScaleOptimizer
+from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
 from mixprec.policy_map import PolicyMap, explain
 from mixprec.precision import Precision
 from mixprec.scaling import (
     DynamicLossScaler,
     LossScaleDivergedError,
     LossScaler,
-    LossScalerStats,
     NoLossScaler,
     StaticLossScaler,
 )
-from mixprec.trainer import (
-    Callback,
-    CSVLogger,
-    EarlyStopping,
-    Logger,
-    ModelCheckpoint,
-    RichProgressBar,
-    TensorBoardLogger,
-    Trainer,
-    TrainingModule,
-    seed_everything,
-)
 from mixprec.version import __version__
 
+if TYPE_CHECKING:
+    from mixprec.doctor import PrecisionMonitor, diagnose
+    from mixprec.trainer import Trainer, TrainingModule
+
+_LAZY = {
+    "Trainer": "mixprec.trainer",
+    "TrainingModule": "mixprec.trainer",
+    "diagnose": "mixprec.doctor",
+    "PrecisionMonitor": "mixprec.doctor",
+}
+
 __all__ = [
-    "POLICY_NAMES",
-    "CSVLogger",
-    "Callback",
-    "DeviceInfo",
-    "Diagnosis",
     "DynamicLossScaler",
-    "EarlyStopping",
-    "FormatInfo",
-    "Logger",
     "LossScaleDivergedError",
     "LossScaleOptimizer",
     "LossScaler",
-    "LossScalerStats",
-    "ModelCheckpoint",
     "NoLossScaler",
     "Policy",
     "PolicyMap",
@@ -64,29 +52,29 @@ __all__ = [
     "Precision",
     "PrecisionError",
     "PrecisionMonitor",
-    "RichProgressBar",
     "SlowPrecisionError",
     "StaticLossScaler",
-    "Support",
-    "TensorBoardLogger",
     "Trainer",
     "TrainingModule",
     "__version__",
-    "applied_policy",
     "apply",
-    "as_policy",
-    "cast_floating",
-    "detect",
     "diagnose",
     "explain",
-    "format_info",
     "global_policy",
-    "joint_step",
     "policy_scope",
     "remove",
-    "resolve_auto",
-    "scheduler_step",
-    "seed_everything",
     "set_global_policy",
-    "support_matrix",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load the Trainer and the doctor on first use."""
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mixprec' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

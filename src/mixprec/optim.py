@@ -263,7 +263,7 @@ class LossScaleOptimizer:
                 "(call backward via LossScaleOptimizer.backward or Precision.backward), or the "
                 "shared scaler was already updated by another optimizer's step(). When one "
                 "backward feeds several optimizers, step them together: "
-                "mixprec.joint_step(opt_a, opt_b) or precision.step(opt_a, opt_b)."
+                "mixprec.optim.joint_step(opt_a, opt_b) or precision.step(opt_a, opt_b)."
             )
         return self.scaler.unscale_(grads)
 
