@@ -136,3 +136,12 @@ def test_doctor_bad_tolerance_and_out_fail_before_the_diagnosis(annotated, tmp_p
     a_file.write_text("")
     assert main(["doctor", ref, "--out", str(a_file / "report")]) == 2
     assert f"is under the file {a_file}" in " ".join(capsys.readouterr().err.split())
+
+
+def test_an_unknown_device_is_a_usage_error_everywhere(annotated, tmp_path, capsys):
+    assert main(["bench", "--device", "tpu", "--out", str(tmp_path / "o")]) == 2
+    assert "unknown device 'tpu'; mixprec runs on 'cpu', 'cuda'" in capsys.readouterr().err
+    assert main(["info", "--device", "tpu"]) == 2
+    assert "unknown device 'tpu'" in capsys.readouterr().err
+    assert main(["doctor", f"{annotated}:make_doctor", "--device", "tpu", "--no-report"]) == 2
+    assert "unknown device 'tpu'" in capsys.readouterr().err

@@ -229,10 +229,20 @@ def _detect(type_: str, index: int | None, caps: tuple[str | None, ...]) -> Devi
     raise PrecisionError(f"unknown device type {type_!r}; mixprec knows cpu, cuda and mps")
 
 
+def parse_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device; PrecisionError naming the accepted kinds otherwise."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise PrecisionError(
+            f"unknown device {device!r}; mixprec runs on 'cpu', 'cuda', 'cuda:N' and 'mps'"
+        ) from None
+
+
 def detect(device: torch.device | str | None = None) -> DeviceInfo:
     """Facts about `device` (default: the best available one), or the `DeviceInfo` assumed
     for its type by `assume`."""
-    device = torch.device(device) if device is not None else default_device()
+    device = parse_device(device) if device is not None else default_device()
     if device.type in _assumed:
         return _assumed[device.type]
     if device.type == "cuda" and not torch.cuda.is_available():

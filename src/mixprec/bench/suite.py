@@ -38,6 +38,7 @@ from mixprec.hardware import (
     detect,
     fast_on,
     measure,
+    parse_device,
     policy_support,
     resolve_auto,
 )
@@ -168,7 +169,10 @@ def _resolve(opts: BenchOptions) -> BenchOptions:
 
 
 def _device(name: str | None) -> torch.device:
-    device = torch.device(name) if name is not None else default_device()
+    try:
+        device = parse_device(name) if name is not None else default_device()
+    except PrecisionError as err:
+        raise ValueError(f"--device: {err}") from None
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"mixprec bench runs on cpu or cuda, not {device.type}")
     if device.type == "cuda":

@@ -37,7 +37,7 @@ from mixprec.doctor.verdicts import (
 )
 from mixprec.dtypes import format_info
 from mixprec.errors import PrecisionError
-from mixprec.hardware import FAST, SUPPORTED, detect, device_of, dtype_support
+from mixprec.hardware import FAST, SUPPORTED, detect, device_of, dtype_support, parse_device
 from mixprec.policy import Policy
 from mixprec.policy_map import PolicyMap, as_map
 from mixprec.scaling import LossScaler
@@ -357,7 +357,7 @@ def diagnose(
     if not isinstance(model, nn.Module):
         raise TypeError(f"diagnose needs an nn.Module, got {type(model).__name__}")
     target_map, ref_map = as_map(precision), as_map(reference)
-    where = torch.device(device) if device is not None else device_of(model)
+    where = parse_device(device) if device is not None else device_of(model)
     detect(where)  # a device this torch cannot use is a clear error before any copy
     if device is not None and where != device_of(model):
         model = copy.deepcopy(model).to(where)  # the runs copy this one, not the caller's
