@@ -196,7 +196,9 @@ def test_float16_on_this_cpu_raises_exactly_when_it_is_slow_here():
             Trainer(precision="16-mixed", accelerator="cpu", **QUIET)
     else:
         assert Trainer(precision="16-mixed", accelerator="cpu", **QUIET).support.status != SLOW
-    assert Trainer(precision="16-mixed", accelerator="cpu", allow_slow_precision=True, **QUIET)
+    allowed = Trainer(precision="16-mixed", accelerator="cpu", allow_slow_precision=True, **QUIET)
+    assert allowed.policy == mixprec.Policy("16-mixed")
+    assert (allowed.support.status == SLOW) == slow_here
 
 
 def test_accumulation_and_clipping_match_a_hand_written_precision_loop():

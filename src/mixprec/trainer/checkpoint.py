@@ -1,4 +1,6 @@
-"""Checkpoint files: written atomically, read back safely, with the RNG states of a run.
+"""Checkpoint files: written atomically, read back safely, with the RNG states of a run; what
+a Trainer checkpoint holds (`checkpoint_state`) and how a run is restored from one
+(`restore`, also across precisions).
 
 A save goes to a temporary file in the target's own directory, is flushed and fsync'ed, and
 only then renamed over the target (``os.replace``, atomic on POSIX and Windows). A process
@@ -9,13 +11,26 @@ Python values only, so loading one never runs code from the file.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor, nn
+
+import mixprec
+from mixprec.trainer.callbacks import ModelCheckpoint, callback_states
+
+if TYPE_CHECKING:
+    from mixprec.optim import LossScaleOptimizer
+    from mixprec.trainer.loop import FitRun, Run
+    from mixprec.trainer.trainer import Trainer
+
+log = logging.getLogger("mixprec")
 
 FORMAT = "mixprec.checkpoint"
 FORMAT_VERSION = 1
@@ -130,3 +145,157 @@ def set_rng_states(states: dict[str, Any]) -> None:
                 s["cached_gaussian"],
             )
         )
+
+
+def resolve_path(
+    ckpt_path: str | os.PathLike[str] | None, callback: ModelCheckpoint | None
+) -> Path | None:
+    """The file a ``ckpt_path`` argument names: a path, or ``"best"`` / ``"last"`` of the
+    run's ModelCheckpoint."""
+    if ckpt_path in ("best", "last"):
+        found = ""
+        if callback is not None:
+            found = callback.best_model_path if ckpt_path == "best" else callback.last_model_path
+        if not found:
+            raise ValueError(
+                f"ckpt_path={ckpt_path!r} but no ModelCheckpoint has saved a {ckpt_path} "
+                "checkpoint yet (for 'last' use ModelCheckpoint(save_last=True))"
+            )
+        return Path(found)
+    return Path(ckpt_path) if ckpt_path is not None else None
+
+
+# -- what a Trainer checkpoint holds ------------------------------------------------------------
+
+
+def checkpoint_state(trainer: Trainer, run: FitRun) -> dict[str, Any]:
+    """Everything needed to resume ``run`` exactly where it is now."""
+    at_epoch_end = run.epoch_finished
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "mixprec_version": mixprec.__version__,
+        "torch_version": str(torch.__version__),
+        "policy_name": run.precision.policy.name,
+        "loop": {
+            "epoch": trainer.current_epoch + 1 if at_epoch_end else trainer.current_epoch,
+            "batch": 0 if at_epoch_end else trainer.batches_done,
+            "global_step": trainer.global_step,
+            "epoch_rng": None if at_epoch_end else run.epoch_rng,
+        },
+        "model": run.model.state_dict(),
+        "optimizers": [opt.state_dict() for opt in run.optimizers],
+        "schedulers": [s.scheduler.state_dict() for s in run.schedulers],
+        "precision": run.precision.state_dict(),
+        "callbacks": callback_states(trainer.callbacks),
+        "rng": rng_states(),
+        "world_size": trainer.world_size,
+    }
+
+
+def load_weights(
+    run: Run, state: dict[str, Any], path: Path, optimizers: Sequence[LossScaleOptimizer] = ()
+) -> bool:
+    """Load the model weights; return whether the checkpoint's precision is this run's.
+
+    Across precisions the float32 master weights (if the checkpoint has them) are used in
+    place of the 16-bit parameters they shadow, and everything is cast to this run's dtypes.
+    """
+    saved_policy = state["precision"]["policy"]
+    same = saved_policy == run.precision.policy.to_config()
+    weights = dict(state["model"])
+    if not same:
+        log.info(
+            "resuming %s, trained in precision %s, in %s: weights are cast to this run's dtypes%s",
+            path,
+            state.get("policy_name", "?"),
+            run.precision.policy.name,
+            " (from the float32 master weights)"
+            if any(o["master_weights"] for o in state["optimizers"])
+            else "",
+        )
+        weights.update(saved_masters(run.model, optimizers, state))
+    run.model.load_state_dict(weights)
+    return same
+
+
+def saved_masters(
+    model: nn.Module, optimizers: Sequence[LossScaleOptimizer], state: dict[str, Any]
+) -> dict[str, Tensor]:
+    """Parameter name -> the checkpoint's float32 master of it.
+
+    A LossScaleOptimizer keeps masters, in order, for its float16 parameters; the
+    checkpoint's model weights say which parameters those were. Only a fit has optimizers
+    to say which masters belong to which parameter; evaluation uses the saved weights.
+    """
+    names = {p: n for n, p in model.named_parameters()}
+    out: dict[str, Tensor] = {}
+    for opt, saved in zip(optimizers, state["optimizers"], strict=False):
+        masters = iter(saved["master_weights"])
+        model_params = [p for g in opt.param_groups for p in g["params"]]
+        by_master = {m: p for p, m in opt.master_params.items()}
+        for p in model_params:
+            name = names.get(by_master.get(p, p))
+            if name is not None and state["model"][name].dtype == torch.float16:
+                master = next(masters, None)
+                if master is not None:
+                    out[name] = master
+    return out
+
+
+def restore(trainer: Trainer, run: FitRun, state: dict[str, Any], path: Path) -> None:
+    """Put ``run`` and ``trainer``'s progress back where the checkpoint ``state`` left them."""
+    same = load_weights(run, state, path, run.optimizers)
+    if len(state["optimizers"]) != len(run.optimizers) or len(state["schedulers"]) != len(
+        run.schedulers
+    ):
+        raise ValueError(
+            f"{path} has {len(state['optimizers'])} optimizers and {len(state['schedulers'])} "
+            f"schedulers; this run configured {len(run.optimizers)} and "
+            f"{len(run.schedulers)}: resume with the same configure_optimizers"
+        )
+    if not same:
+        names = {p: n for n, p in run.model.named_parameters()}
+        full = {**run.model.state_dict(), **saved_masters(run.model, run.optimizers, state)}
+    for opt, saved in zip(run.optimizers, state["optimizers"], strict=True):
+        if same:
+            opt.load_state_dict(saved)
+            continue
+        # across precisions: the inner optimizer's state (cast by torch to the new parameter
+        # dtypes) and this run's masters refreshed from full-precision weights
+        opt.optimizer.load_state_dict(saved["optimizer"])
+        with torch.no_grad():
+            for p, master in opt.master_params.items():
+                master.copy_(full[names[p]])
+    for s, saved in zip(run.schedulers, state["schedulers"], strict=True):
+        s.scheduler.load_state_dict(saved)
+    precision = run.precision
+    scaler_state = state["precision"]["scaler"]
+    if scaler_state.get("kind") == precision.scaler.kind:
+        precision.load_state_dict(state["precision"])
+    else:
+        log.info(
+            "%s had a %r loss scaler, this run uses %r: starting it fresh",
+            path,
+            scaler_state.get("kind"),
+            precision.scaler.kind,
+        )
+    trainer._load_callback_states(state["callbacks"])
+    loop = state["loop"]
+    trainer.current_epoch, trainer.batches_done = loop["epoch"], loop["batch"]
+    trainer.global_step = loop["global_step"]
+    if loop["epoch_rng"] is not None:
+        run.epoch_rng = loop["epoch_rng"]
+    run.resume_rng = state["rng"]
+    if state.get("world_size", 1) != trainer.world_size and trainer.batches_done:
+        raise ValueError(
+            f"{path} was saved mid-epoch with {state['world_size']} processes; resuming "
+            f"mid-epoch needs the same number (this run has {trainer.world_size})"
+        )
+    log.info(
+        "resumed from %s at epoch %d, batch %d, step %d",
+        path,
+        trainer.current_epoch,
+        trainer.batches_done,
+        trainer.global_step,
+    )

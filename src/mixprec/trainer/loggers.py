@@ -172,3 +172,24 @@ class TensorBoardLogger(Logger):
         if self._writer is not None:
             self._writer.close()
         self._writer = None
+
+
+def make_loggers(logger: Any, root: Path) -> list[Logger]:
+    """The run's loggers from the Trainer's ``logger`` flag (True: CSV, and TensorBoard when
+    installed, in the next free version directory under ``<root>/logs``)."""
+    if logger is False or logger is None:
+        return []
+    if logger is True:
+        version = next_version(root / "logs")
+        found: list[Logger] = [CSVLogger(root, version=version)]
+        if tensorboard_available():
+            found.append(TensorBoardLogger(root, version=version))
+        return found
+    items = list(logger) if isinstance(logger, (list, tuple)) else [logger]
+    for item in items:
+        if not isinstance(item, Logger):
+            raise ValueError(
+                "logger must be True, False, a mixprec Logger (CSVLogger, TensorBoardLogger) "
+                f"or a list of them, got {type(item).__name__}"
+            )
+    return items

@@ -19,14 +19,20 @@ import tempfile
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from mixprec.precision import Precision
+from mixprec.trainer.callbacks import callback_states
 from mixprec.trainer.data import distributed
+from mixprec.trainer.loggers import Logger
+
+if TYPE_CHECKING:
+    from mixprec.trainer.trainer import Trainer
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 STRATEGIES = ("auto", "single_device", "ddp", "ddp_fork")
@@ -92,6 +98,26 @@ def resolve_devices(accelerator: str, devices: int | str | list[int]) -> list[in
     return ids
 
 
+def make_strategy(
+    accelerator: str, devices: int | str | list[int], strategy: str
+) -> SingleDeviceStrategy:
+    """The strategy object for the Trainer's ``accelerator``, ``devices`` and ``strategy``."""
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(
+            f"unknown strategy {strategy!r}; accepted: {', '.join(map(repr, STRATEGIES))}"
+        )
+    accel = resolve_accelerator(accelerator)
+    ids = resolve_devices(accel, devices)
+    if strategy == "single_device" and len(ids) > 1:
+        raise ValueError(f"strategy='single_device' needs devices=1, got {devices!r}")
+    if strategy == "auto":
+        strategy = "ddp" if len(ids) > 1 else "single_device"
+    if strategy == "single_device":
+        device = torch.device("cuda", ids[0]) if accel == "cuda" else torch.device(accel)
+        return SingleDeviceStrategy(device)
+    return DDPStrategy(accel, ids, start_method="fork" if strategy == "ddp_fork" else "spawn")
+
+
 class SingleDeviceStrategy:
     """Everything in this process on one device."""
 
@@ -134,6 +160,9 @@ class SingleDeviceStrategy:
 
     def teardown(self) -> None:
         """Leave the process group if this strategy created it."""
+
+    def agree_on_version(self, loggers: list[Logger]) -> None:
+        """Make every process's loggers write to rank 0's run directory."""
 
 
 class DDPStrategy(SingleDeviceStrategy):
@@ -197,6 +226,13 @@ class DDPStrategy(SingleDeviceStrategy):
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
+
+    def agree_on_version(self, loggers: list[Logger]) -> None:
+        if self.world_size > 1 and loggers:
+            versions = [loggers[0].version]
+            dist.broadcast_object_list(versions, src=0)
+            for lg in loggers:
+                lg._version = versions[0]
 
     def teardown(self) -> None:
         # every rank arrives before the group goes away, so none tears it down while another
@@ -262,3 +298,49 @@ def _child(rank: int, payload: Any, nprocs: int, port: int, result: str, threads
     out = function(*args)
     if rank == 0:
         torch.save(out, result)
+
+
+# what a spawned rank 0 sends back to the Trainer in the parent process
+TRAINER_PROGRESS = ("current_epoch", "global_step", "batches_done", "should_stop")
+
+
+def run_in_child(
+    trainer: Trainer, stage: str, model: nn.Module, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """A launched process's whole job: run, and report what the parent needs (rank 0's is
+    kept): the result, the summary, the model's weights, progress and callback states."""
+    result = trainer._run(stage, model, kwargs)
+    if stage == "fit":
+        result, summary = None, result["summary"]
+    else:
+        summary = trainer.summary()
+    return {
+        "result": result,
+        "summary": summary,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "trainer": {
+            **{key: getattr(trainer, key) for key in TRAINER_PROGRESS},
+            "callback_metrics": trainer.callback_metrics,
+            "logged_metrics": trainer.logged_metrics,
+        },
+        "callbacks": callback_states(trainer.callbacks),
+    }
+
+
+def launch_stage(trainer: Trainer, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
+    """Run ``stage`` in the processes ``trainer.strategy`` launches; rank 0 sends back the
+    model's weights and the trainer's progress, which land on the objects the caller holds."""
+    for lg in trainer.loggers:
+        lg.version  # noqa: B018 (fix the run directory before the children start)
+    out = trainer.strategy.launch(run_in_child, trainer, stage, model, kwargs)  # type: ignore[attr-defined]
+    Precision(trainer.policy, device="cpu", allow_slow=True).setup(model)
+    model.load_state_dict(out["model"])
+    progress = out["trainer"]
+    for key in TRAINER_PROGRESS:
+        setattr(trainer, key, progress[key])
+    trainer._log.callback_metrics = progress["callback_metrics"]
+    trainer._log.logged_metrics = progress["logged_metrics"]
+    trainer._load_callback_states(out["callbacks"])
+    trainer.model, trainer._current = model, None
+    trainer._summary = out["summary"]
+    return out["result"]
