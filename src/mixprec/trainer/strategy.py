@@ -16,6 +16,8 @@ import os
 import pickle
 import socket
 import tempfile
+import time
+import traceback
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.multiprocessing.spawn import ProcessException
 
 from mixprec.precision import Precision
 from mixprec.trainer.callbacks import callback_states
@@ -158,8 +161,9 @@ class SingleDeviceStrategy:
         """True if ``flag`` is true in any process."""
         return flag
 
-    def teardown(self) -> None:
-        """Leave the process group if this strategy created it."""
+    def teardown(self, failed: bool = False) -> None:
+        """Leave the process group if this strategy created it; after a failure
+        (``failed``) without waiting for the other processes."""
 
     def agree_on_version(self, loggers: list[Logger]) -> None:
         """Make every process's loggers write to rank 0's run directory."""
@@ -234,11 +238,15 @@ class DDPStrategy(SingleDeviceStrategy):
             for lg in loggers:
                 lg._version = versions[0]
 
-    def teardown(self) -> None:
-        # every rank arrives before the group goes away, so none tears it down while another
-        # still talks to it (gloo aborts the process then)
+    def teardown(self, failed: bool = False) -> None:
+        # After a clean run every rank arrives before the group goes away, so none tears it
+        # down while another still talks to it. After a failure the others may be waiting in
+        # a collective this rank will never join: a barrier would wait with them until the
+        # backend's timeout (30 minutes), hiding the error. Leave at once instead: the peers'
+        # pending collectives fail, or the launcher stops them when this process exits.
         if self._owns_group and dist.is_initialized():
-            dist.barrier()
+            if not failed:
+                dist.barrier()
             dist.destroy_process_group()
         self._owns_group = False
 
@@ -265,16 +273,19 @@ class DDPStrategy(SingleDeviceStrategy):
                 ) from None
         threads = max(1, (os.cpu_count() or 1) // nprocs) if self.accelerator == "cpu" else 0
         with tempfile.TemporaryDirectory(prefix="mixprec-ddp-") as tmp:
-            result = Path(tmp) / "rank0.pt"
-            mp.start_processes(
-                _child,
-                args=(payload, nprocs, _free_port(), str(result), threads),
-                nprocs=nprocs,
-                start_method=self.start_method,
-                join=True,
-            )
+            try:
+                # when one process fails, torch stops the others (SIGTERM, then SIGKILL)
+                mp.start_processes(
+                    _child,
+                    args=(payload, nprocs, _free_port(), tmp, threads),
+                    nprocs=nprocs,
+                    start_method=self.start_method,
+                    join=True,
+                )
+            except ProcessException as err:
+                raise _first_failure(Path(tmp), nprocs, err) from None
             # written by our own rank-0 child a moment ago: a trusted pickle
-            return torch.load(result, weights_only=False)
+            return torch.load(Path(tmp) / "rank0.pt", weights_only=False)
 
 
 def _free_port() -> int:
@@ -283,7 +294,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, payload: Any, nprocs: int, port: int, result: str, threads: int) -> None:
+def _child(rank: int, payload: Any, nprocs: int, port: int, tmp: str, threads: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -295,9 +306,47 @@ def _child(rank: int, payload: Any, nprocs: int, port: int, result: str, threads
     if threads:
         torch.set_num_threads(threads)
     function, args = pickle.loads(payload) if isinstance(payload, bytes) else payload
-    out = function(*args)
+    try:
+        out = function(*args)
+    except BaseException as exc:
+        _record_failure(Path(tmp), rank, exc)
+        raise
     if rank == 0:
-        torch.save(out, result)
+        torch.save(out, Path(tmp) / "rank0.pt")
+
+
+def _record_failure(directory: Path, rank: int, exc: BaseException) -> None:
+    """Leave this process's exception (pickled if it can be), its traceback and the time it
+    was raised for the parent, which re-raises the first one."""
+    try:
+        pickled: bytes | None = pickle.dumps(exc)
+        pickle.loads(pickled)
+    except Exception:
+        pickled = None
+    record = {
+        "time": time.time(),
+        "exception": pickled,
+        "text": "".join(traceback.format_exception(exc)),
+    }
+    (directory / f"failure-rank{rank}.pkl").write_bytes(pickle.dumps(record))
+
+
+def _first_failure(directory: Path, nprocs: int, err: Exception) -> BaseException:
+    """The exception raised first among the launched processes (the others typically fail
+    after it, in a collective it left), with a note naming its rank and its traceback."""
+    records = []
+    for path in directory.glob("failure-rank*.pkl"):
+        # written by our own child processes: a trusted pickle
+        record = pickle.loads(path.read_bytes())
+        records.append((record["time"], int(path.stem.removeprefix("failure-rank")), record))
+    if not records:  # killed by a signal (out of memory?) before it could say why
+        return RuntimeError(f"a DDP process died without raising an exception: {err}")
+    _, rank, record = min(records, key=lambda r: r[:2])
+    exc = pickle.loads(record["exception"]) if record["exception"] is not None else None
+    if not isinstance(exc, BaseException):
+        exc = RuntimeError(record["text"].strip().splitlines()[-1])
+    exc.add_note(f"raised in DDP process rank {rank} of {nprocs}; its traceback:\n{record['text']}")
+    return exc
 
 
 # what a spawned rank 0 sends back to the Trainer in the parent process
@@ -327,12 +376,14 @@ def run_in_child(
     }
 
 
-def launch_stage(trainer: Trainer, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
+def launch_stage(
+    trainer: Trainer, strategy: DDPStrategy, stage: str, model: nn.Module, kwargs: dict[str, Any]
+) -> Any:
     """Run ``stage`` in the processes ``trainer.strategy`` launches; rank 0 sends back the
     model's weights and the trainer's progress, which land on the objects the caller holds."""
     for lg in trainer.loggers:
         lg.version  # noqa: B018 (fix the run directory before the children start)
-    out = trainer.strategy.launch(run_in_child, trainer, stage, model, kwargs)  # type: ignore[attr-defined]
+    out = strategy.launch(run_in_child, trainer, stage, model, kwargs)
     Precision(trainer.policy, device="cpu", allow_slow=True).setup(model)
     model.load_state_dict(out["model"])
     progress = out["trainer"]

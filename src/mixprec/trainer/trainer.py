@@ -378,9 +378,9 @@ class Trainer:
         return self._launch(stage, model, kwargs)
 
     def _launch(self, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
-        if not self.strategy.launches_processes:
-            return self._run(stage, model, kwargs)
-        return launch_stage(self, stage, model, kwargs)
+        if isinstance(self.strategy, DDPStrategy) and self.strategy.launches_processes:
+            return launch_stage(self, self.strategy, stage, model, kwargs)
+        return self._run(stage, model, kwargs)
 
     def _run(self, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
         """Run one stage in this process: seed, join the process group, set up, loop."""
@@ -392,14 +392,18 @@ class Trainer:
             seed_everything(self.config.seed)
         with determinism(self.config.deterministic):
             self.strategy.setup()
+            failed = True
             try:
                 self.strategy.agree_on_version(self.loggers)
                 if isinstance(model, TrainingModule):
                     model.__dict__["_trainer"] = self
                 try:
                     if stage == "fit":
-                        return self._fit(model, **kwargs)
-                    return self._run_eval_stage(stage, model, **kwargs)
+                        result = self._fit(model, **kwargs)
+                    else:
+                        result = self._run_eval_stage(stage, model, **kwargs)
+                    failed = False
+                    return result
                 except BaseException as exc:
                     for cb in self.callbacks:
                         cb.on_exception(self, model, exc)
@@ -413,7 +417,7 @@ class Trainer:
             finally:
                 if isinstance(self._current, FitRun):
                     self._current.release_wrapper()  # it holds the process group
-                self.strategy.teardown()
+                self.strategy.teardown(failed)  # no waiting for the others after an error
 
     def _setup(
         self, model: nn.Module, loss_fn: Any, optimizers: list[Any]
