@@ -137,7 +137,10 @@ def test_checkpoint_contents(tmp_path):
         "batch": 6,
         "global_step": 3,
         "epoch_rng": state["loop"]["epoch_rng"],
+        "epoch_batches": 12,
+        "batch_size": 8,
     }
+    assert state["optimizer_types"] == ["AdamW"]
     assert set(state["rng"]) >= {"python", "torch", "numpy"}
     assert len(state["optimizers"]) == 1 and len(state["schedulers"]) == 1
     assert not list(tmp_path.glob(".*.tmp"))  # no temp file left behind
@@ -147,7 +150,7 @@ def test_loading_something_else_raises_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         ckpt_io.load(tmp_path / "missing.ckpt")
     torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
-    with pytest.raises(ValueError, match="not a mixprec checkpoint"):
+    with pytest.raises(ValueError, match="not a readable mixprec checkpoint"):
         ckpt_io.load(tmp_path / "other.ckpt")
 
 

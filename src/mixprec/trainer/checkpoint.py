@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import random
 import tempfile
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 
 import mixprec
 from mixprec.trainer.callbacks import ModelCheckpoint, callback_states
+from mixprec.trainer.data import loader_batch_size
 
 if TYPE_CHECKING:
     from mixprec.optim import LossScaleOptimizer
@@ -80,21 +82,50 @@ def atomic_link(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Pat
     return dst
 
 
+class CheckpointError(ValueError):
+    """A file is not a readable mixprec checkpoint, or does not fit the run loading it."""
+
+
+# what every checkpoint the Trainer writes holds
+_KEYS = ("loop", "model", "optimizers", "schedulers", "precision", "callbacks", "rng")
+
+
 def load(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:
-    """Read a checkpoint written by `atomic_save`; raise a clear error for anything else."""
+    """Read a checkpoint written by `atomic_save`; raise `CheckpointError` for anything else
+    (truncated, empty, garbage, text, a pickled model, another program's checkpoint)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    state = torch.load(path, map_location=map_location, weights_only=True)
+    hint = "save one with Trainer.save_checkpoint or ModelCheckpoint"
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{path} is not a readable mixprec checkpoint: it holds pickled Python objects "
+            "(e.g. a whole model saved with torch.save(model)), and loading those would run "
+            f"code from the file; {hint}"
+        ) from None
+    except Exception as err:  # torch raises many kinds for a damaged file
+        detail = (str(err).strip().splitlines() or [""])[0][:120]
+        raise CheckpointError(
+            f"{path} is not a readable mixprec checkpoint ({path.stat().st_size} bytes): it "
+            f"is truncated, empty or not a file torch.save wrote ({type(err).__name__}: "
+            f"{detail}); {hint}"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(
-            f"{path} is not a mixprec checkpoint (expected a dict with format={FORMAT!r}); "
-            "save one with Trainer.save_checkpoint or ModelCheckpoint"
+        raise CheckpointError(
+            f"{path} is not a readable mixprec checkpoint (expected a dict with "
+            f"format={FORMAT!r}); {hint}"
         )
     if state.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(
+        raise CheckpointError(
             f"{path} has checkpoint format version {state['format_version']}, newer than this "
             f"mixprec understands ({FORMAT_VERSION}); upgrade mixprec to load it"
+        )
+    missing = [k for k in _KEYS if k not in state]
+    if missing:
+        raise CheckpointError(
+            f"{path} is not a readable mixprec checkpoint: it lacks {', '.join(missing)}"
         )
     return state
 
@@ -182,15 +213,106 @@ def checkpoint_state(trainer: Trainer, run: FitRun) -> dict[str, Any]:
             "batch": 0 if at_epoch_end else trainer.batches_done,
             "global_step": trainer.global_step,
             "epoch_rng": None if at_epoch_end else run.epoch_rng,
+            "epoch_batches": run.num_training_batches,
+            "batch_size": loader_batch_size(run.train_loader),
         },
         "model": run.model.state_dict(),
         "optimizers": [opt.state_dict() for opt in run.optimizers],
+        "optimizer_types": [type(opt.optimizer).__name__ for opt in run.optimizers],
         "schedulers": [s.scheduler.state_dict() for s in run.schedulers],
         "precision": run.precision.state_dict(),
         "callbacks": callback_states(trainer.callbacks),
         "rng": rng_states(),
         "world_size": trainer.world_size,
     }
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def check_weights(model: nn.Module, state: dict[str, Any], path: Path) -> None:
+    """Raise before anything is loaded if the checkpoint's weights are another model's."""
+    saved, own = state["model"], model.state_dict()
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in saved and tuple(saved[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or shapes:
+        parts = [
+            f"{label}: {_shown(items)}"
+            for label, items in (
+                ("missing in the checkpoint", missing),
+                ("not in this model", unexpected),
+                ("shapes differ (checkpoint vs model)", shapes),
+            )
+            if items
+        ]
+        raise CheckpointError(
+            f"{path} holds the weights of another model ({type(model).__name__} here); "
+            f"{'; '.join(parts)}. Nothing was loaded"
+        )
+
+
+def _check_optimizers(run: FitRun, state: dict[str, Any], path: Path) -> None:
+    if len(state["optimizers"]) != len(run.optimizers) or len(state["schedulers"]) != len(
+        run.schedulers
+    ):
+        raise CheckpointError(
+            f"{path} has {len(state['optimizers'])} optimizers and {len(state['schedulers'])} "
+            f"schedulers; this run configured {len(run.optimizers)} and "
+            f"{len(run.schedulers)}: resume with the same configure_optimizers"
+        )
+    saved_types = state.get("optimizer_types", [None] * len(run.optimizers))
+    for i, (opt, saved, saved_type) in enumerate(
+        zip(run.optimizers, state["optimizers"], saved_types, strict=True)
+    ):
+        groups = saved["optimizer"]["param_groups"]
+        mine = opt.optimizer.param_groups
+        same_settings = all(
+            set(g) - {"params"} == set(m) - {"params"} for g, m in zip(groups, mine, strict=False)
+        )
+        if saved_type not in (None, type(opt.optimizer).__name__) or not same_settings:
+            was = saved_type or f"one with settings {sorted(set(groups[0]) - {'params'})}"
+            raise CheckpointError(
+                f"{path} holds the state of optimizer {i} as {was}; this run's is "
+                f"{type(opt.optimizer).__name__}. Resume with the same optimizer, or start a "
+                f"new fit from the weights alone: model.load_state_dict(load(path)['model'])"
+            )
+        if [len(g["params"]) for g in groups] != [len(m["params"]) for m in mine]:
+            raise CheckpointError(
+                f"{path}: optimizer {i} has parameter groups of sizes "
+                f"{[len(g['params']) for g in groups]}, this run's "
+                f"{[len(m['params']) for m in mine]}: resume with the same configure_optimizers"
+            )
+
+
+def _check_resume_point(run: FitRun, loop: dict[str, Any], path: Path) -> None:
+    """A mid-epoch checkpoint replays its epoch's order and skips the batches done: that
+    needs the same batches as at the save."""
+    if not loop["batch"]:
+        return
+    saved_n, saved_bs = loop.get("epoch_batches"), loop.get("batch_size")
+    n, bs = run.num_training_batches, loader_batch_size(run.train_loader)
+    fix = (
+        "resume with the same data, batch size and limit_train_batches, or from a checkpoint "
+        "saved at the end of an epoch"
+    )
+    if saved_bs is not None and bs is not None and saved_bs != bs:
+        raise CheckpointError(
+            f"{path} was saved after {loop['batch']} batches of {saved_bs} samples in epoch "
+            f"{loop['epoch']}; this run's batches hold {bs}, so skipping {loop['batch']} "
+            f"batches would repeat or skip samples: {fix}"
+        )
+    if n is not None and (loop["batch"] >= n or (saved_n is not None and saved_n != n)):
+        of = f" of {saved_n}" if saved_n is not None else ""
+        raise CheckpointError(
+            f"{path} was saved at batch {loop['batch']}{of} of epoch {loop['epoch']}, but "
+            f"this run's epoch has {n} batches: {fix}"
+        )
 
 
 def load_weights(
@@ -201,6 +323,7 @@ def load_weights(
     Across precisions the float32 master weights (if the checkpoint has them) are used in
     place of the 16-bit parameters they shadow, and everything is cast to this run's dtypes.
     """
+    check_weights(run.model, state, path)
     saved_policy = state["precision"]["policy"]
     same = saved_policy == run.precision.policy.to_config()
     weights = dict(state["model"])
@@ -245,15 +368,17 @@ def saved_masters(
 
 def restore(trainer: Trainer, run: FitRun, state: dict[str, Any], path: Path) -> None:
     """Put ``run`` and ``trainer``'s progress back where the checkpoint ``state`` left them."""
-    same = load_weights(run, state, path, run.optimizers)
-    if len(state["optimizers"]) != len(run.optimizers) or len(state["schedulers"]) != len(
-        run.schedulers
-    ):
-        raise ValueError(
-            f"{path} has {len(state['optimizers'])} optimizers and {len(state['schedulers'])} "
-            f"schedulers; this run configured {len(run.optimizers)} and "
-            f"{len(run.schedulers)}: resume with the same configure_optimizers"
+    # everything is checked before anything is loaded: a failed resume leaves the model as it was
+    check_weights(run.model, state, path)
+    _check_optimizers(run, state, path)
+    loop = state["loop"]
+    if state.get("world_size", 1) != trainer.world_size and loop["batch"]:
+        raise CheckpointError(
+            f"{path} was saved mid-epoch with {state['world_size']} processes; resuming "
+            f"mid-epoch needs the same number (this run has {trainer.world_size})"
         )
+    _check_resume_point(run, loop, path)
+    same = load_weights(run, state, path, run.optimizers)
     if not same:
         names = {p: n for n, p in run.model.named_parameters()}
         full = {**run.model.state_dict(), **saved_masters(run.model, run.optimizers, state)}
@@ -281,17 +406,11 @@ def restore(trainer: Trainer, run: FitRun, state: dict[str, Any], path: Path) ->
             precision.scaler.kind,
         )
     trainer._load_callback_states(state["callbacks"])
-    loop = state["loop"]
     trainer.current_epoch, trainer.batches_done = loop["epoch"], loop["batch"]
     trainer.global_step = loop["global_step"]
     if loop["epoch_rng"] is not None:
         run.epoch_rng = loop["epoch_rng"]
     run.resume_rng = state["rng"]
-    if state.get("world_size", 1) != trainer.world_size and trainer.batches_done:
-        raise ValueError(
-            f"{path} was saved mid-epoch with {state['world_size']} processes; resuming "
-            f"mid-epoch needs the same number (this run has {trainer.world_size})"
-        )
     log.info(
         "resumed from %s at epoch %d, batch %d, step %d",
         path,

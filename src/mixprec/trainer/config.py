@@ -16,7 +16,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,7 +25,11 @@ from mixprec.policy import Policy, as_policy
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.trainer.callbacks import Callback, ModelCheckpoint
+from mixprec.trainer.module import TrainingModule
 from mixprec.trainer.progress import RichProgressBar
+
+if TYPE_CHECKING:
+    from mixprec.trainer.trainer import Trainer
 
 log = logging.getLogger("mixprec")
 
@@ -224,4 +228,56 @@ def make_callbacks(callbacks: Any, progress: bool, checkpointing: bool) -> list[
         items.append(ModelCheckpoint())
     if not checkpointing and any(isinstance(c, ModelCheckpoint) for c in items):
         raise ValueError("enable_checkpointing=False but a ModelCheckpoint callback was given")
+    # a checkpoint keeps each callback's state under its key: two with one key would mix up
+    keys: dict[str, Callback] = {}
+    for cb in items:
+        if type(cb).state_dict is Callback.state_dict:
+            continue  # keeps no state
+        if cb.state_key in keys:
+            raise ValueError(
+                f"two callbacks have the same state key {cb.state_key!r} (a checkpoint could "
+                "not tell their states apart); give them distinct settings (another dirpath, "
+                "monitor...) or drop the duplicate"
+            )
+        keys[cb.state_key] = cb
     return items
+
+
+def _check_writable(directory: Path, what: str) -> None:
+    """Raise now if ``directory`` cannot be created or written, rather than after an epoch."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(
+            f"{what} {directory} cannot be created: {existing} is a file, not a directory"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"{what} {directory} cannot be written: {existing} is read-only")
+
+
+def check_fit_inputs(trainer: Trainer, model: Any, train: Any, val: Any) -> None:
+    """What would otherwise fail only after the first epoch, or never end: no training data,
+    validation data the model cannot validate, directories that cannot be written."""
+    if train is None:
+        raise ValueError(
+            "fit needs training data: train_dataloaders is None (pass a DataLoader or any "
+            "iterable of batches)"
+        )
+    if (
+        val is not None
+        and trainer.config.limit_val_batches != 0
+        and isinstance(model, TrainingModule)
+        and type(model).validation_step is TrainingModule.validation_step
+    ):
+        raise ValueError(
+            f"validation data was given but {type(model).__name__} defines no "
+            "validation_step; define it, or leave val_dataloaders out"
+        )
+    if trainer.loggers or trainer.checkpoint_callback is not None:
+        _check_writable(trainer.config.default_root_dir, "default_root_dir")
+    for lg in trainer.loggers:
+        _check_writable(lg.save_dir, f"{type(lg).__name__} save_dir")
+    for cb in trainer.callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
+            _check_writable(cb.dirpath, "ModelCheckpoint dirpath")

@@ -28,6 +28,7 @@ from mixprec.trainer.data import (
     num_batches,
     set_epoch,
     to_device,
+    why_empty,
 )
 from mixprec.trainer.module import TrainingModule
 from mixprec.trainer.optimizers import Scheduler
@@ -64,6 +65,10 @@ class StepRunner(nn.Module):
         return self.loss_fn(out, target)
 
 
+class EmptyEpochError(ValueError):
+    """A training epoch had no batch to train on (the loop would never end)."""
+
+
 @dataclass
 class Run:
     """What one validate/test/predict call works with, set up on the device."""
@@ -72,11 +77,16 @@ class Run:
     precision: Precision
     runner: StepRunner
 
+    @property
+    def is_module(self) -> bool:
+        """Whether the model is a TrainingModule (else a plain module with a loss_fn)."""
+        return isinstance(self.model, TrainingModule)
+
     def step_context(self) -> AbstractContextManager[Any]:
         """The compute region for a step: a TrainingModule's step may call submodules
         directly, so it runs under the precision's autocast; a plain module's forward
         enters its region by itself."""
-        if isinstance(self.model, TrainingModule):
+        if self.is_module:
             return self.precision.autocast()
         return contextlib.nullcontext()
 
@@ -90,6 +100,7 @@ class FitRun(Run):
     optimizers: list[LossScaleOptimizer]
     schedulers: list[Scheduler]
     train_loader: Iterable[Any]
+    train_data: Iterable[Any]  # as the user gave it (for messages)
     val_loader: Iterable[Any] | None
     num_training_batches: int | None
     # generator states when this epoch's order was drawn (set by the epoch or a checkpoint)
@@ -99,6 +110,7 @@ class FitRun(Run):
     skipped_steps: int = 0  # counted here: reading the scaler's stats is a host sync
     epoch_finished: bool = False
     window_losses: list[Tensor] = field(default_factory=list)
+    trained_batches: int = 0  # batches of this epoch that returned a loss
 
     def release_wrapper(self) -> None:
         """Drop the DDP wrapper (it holds the process group) once the run is over."""
@@ -159,7 +171,8 @@ def train_epoch(trainer: Trainer, run: FitRun) -> None:
     trainer._log.samples = 0
     trainer._log.start_timing()
     n = run.num_training_batches
-    batch_idx = trainer.batches_done
+    first = batch_idx = trainer.batches_done
+    run.trained_batches = 0
     while n is None or batch_idx < n:
         try:
             batch = next(batches)
@@ -171,9 +184,21 @@ def train_epoch(trainer: Trainer, run: FitRun) -> None:
         trainer.should_stop = trainer.strategy.any(trainer.should_stop)  # all ranks together
         if fit_done(trainer):
             break
+    if first == 0 and batch_idx == 0:  # an epoch without batches would repeat forever
+        raise EmptyEpochError(
+            f"the training data gave no batch in epoch {trainer.current_epoch}: "
+            f"{why_empty(run.train_data, trainer.current_epoch)}"
+        )
+    finished = exhausted or batch_idx == n
+    if first == 0 and finished and run.trained_batches == 0:
+        raise EmptyEpochError(
+            f"training_step returned None for all {batch_idx} batches of epoch "
+            f"{trainer.current_epoch}, so nothing was trained; return the loss for the batches "
+            "to learn from"
+        )
     if run.in_window:  # an epoch of unknown length ended inside a window
         optimizer_step(trainer, run)
-    run.epoch_finished = exhausted or batch_idx == n
+    run.epoch_finished = finished
 
 
 def train_batch(trainer: Trainer, run: FitRun, batch: Any, batch_idx: int) -> None:
@@ -193,9 +218,19 @@ def train_batch(trainer: Trainer, run: FitRun, batch: Any, batch_idx: int) -> No
     with trainer.strategy.no_sync(run.wrapped, sync=last_in_window):
         with run.step_context():
             output = run.step("training", batch, batch_idx)
-            loss = loss_of(output)
-        precision.backward(loss / window if window > 1 else loss)
-    run.window_losses.append(loss.detach())
+            loss = loss_of(output, "training_step" if run.is_module else "loss_fn")
+        if loss is not None:
+            precision.backward(loss / window if window > 1 else loss)
+        elif trainer.world_size > 1:
+            raise RuntimeError(
+                f"training_step returned None for batch {batch_idx} on rank "
+                f"{trainer.strategy.global_rank}: under DDP a skipped batch would leave the "
+                "other processes waiting for its gradients; return a loss that contributes "
+                "nothing instead (e.g. loss * 0.0)"
+            )
+    if loss is not None:  # None: the batch is skipped, as in Lightning
+        run.window_losses.append(loss.detach())
+        run.trained_batches += 1
     trainer._log.samples += batch_size_of(batch)
 
     if last_in_window:
@@ -206,13 +241,21 @@ def train_batch(trainer: Trainer, run: FitRun, batch: Any, batch_idx: int) -> No
     trainer._hook("on_train_batch_end", output, batch, batch_idx)
 
 
-def loss_of(output: Any) -> Tensor:
-    """The loss in what a training step returned (a tensor, or a dict holding ``"loss"``)."""
+def loss_of(output: Any, who: str) -> Tensor | None:
+    """The loss in what ``who`` (training_step or loss_fn) returned: a tensor, a dict holding
+    ``"loss"``, or None (skip the batch)."""
+    if output is None:
+        return None
     loss = output.get("loss") if isinstance(output, dict) else output
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
+    if not isinstance(loss, Tensor):
         raise TypeError(
-            "training_step must return the loss as a one-element tensor (or a dict with "
-            f"'loss'), got {type(output).__name__}"
+            f"{who} must return the loss as a one-element tensor (or a dict with 'loss', or "
+            f"None to skip the batch), got {type(output).__name__}"
+        )
+    if loss.numel() != 1:
+        raise TypeError(
+            f"{who} must return the loss as a single number, got a tensor of shape "
+            f"{tuple(loss.shape)}: reduce it (e.g. .mean() or reduction='mean')"
         )
     return loss if loss.dim() == 0 else loss.reshape(())
 
@@ -220,6 +263,11 @@ def loss_of(output: Any) -> Tensor:
 def optimizer_step(trainer: Trainer, run: FitRun) -> None:
     """Unscale, hooks, clip, step or skip (all optimizers together), schedulers, log."""
     precision, config = run.precision, trainer.config
+    if not run.window_losses:  # every micro-batch of the window was skipped: nothing to step
+        for opt in run.optimizers:
+            opt.zero_grad(set_to_none=True)
+        run.in_window = False
+        return
     precision.unscale_()
     for opt in run.optimizers:
         trainer._hook("on_before_optimizer_step", opt)

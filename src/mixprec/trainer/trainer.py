@@ -27,6 +27,7 @@ from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.callbacks import Callback, ModelCheckpoint
 from mixprec.trainer.config import (
     TrainerConfig,
+    check_fit_inputs,
     choose_precision,
     determinism,
     make_callbacks,
@@ -34,9 +35,17 @@ from mixprec.trainer.config import (
     resolve_precision,
     seed_everything,
 )
-from mixprec.trainer.data import num_batches
+from mixprec.trainer.data import num_batches, why_empty
 from mixprec.trainer.loggers import Logger, make_loggers
-from mixprec.trainer.loop import FitRun, Run, StepRunner, fit_loop, predict_loop, run_eval
+from mixprec.trainer.loop import (
+    EmptyEpochError,
+    FitRun,
+    Run,
+    StepRunner,
+    fit_loop,
+    predict_loop,
+    run_eval,
+)
 from mixprec.trainer.metrics import MetricStore, StepLog, peak_memory_mib, summary_rows
 from mixprec.trainer.module import TrainingModule
 from mixprec.trainer.optimizers import configured_optimizers, scheduler_entry
@@ -277,6 +286,7 @@ class Trainer:
         with lr 1e-3).
         """
         _check_model(model, loss_fn)
+        check_fit_inputs(self, model, train_dataloaders, val_dataloaders)
         self._fit_loss_fn = loss_fn  # validate/test reuse it for this model
         kwargs = dict(
             train=train_dataloaders,
@@ -456,12 +466,15 @@ class Trainer:
             optimizers=opts,
             schedulers=[scheduler_entry(c, opts) for c in scheduler_configs],
             train_loader=train_loader,
+            train_data=train,
             val_loader=self.strategy.prepare_loader(val, seed) if val is not None else None,
             num_training_batches=num_batches(
                 train_loader, self.config.limit_train_batches, "train"
             ),
         )
         self._current = run
+        if run.num_training_batches == 0:
+            raise EmptyEpochError(f"the training data has no batch: {why_empty(train)}")
         self.current_epoch = self.global_step = self.batches_done = 0
         self.should_stop = False
         if ckpt_path is not None:
