@@ -296,3 +296,82 @@ def test_two_identical_model_checkpoints_are_refused_when_built(tmp_path):
 def test_save_checkpoint_before_fit_says_when_it_works(tmp_path):
     with pytest.raises(RuntimeError, match="during or after Trainer.fit"):
         Trainer(**QUIET).save_checkpoint(tmp_path / "x.ckpt")
+
+
+# -- nothing written before is lost ------------------------------------------------------------
+
+
+def fit_logged(root: Path, epochs: int) -> Trainer:
+    trainer = Trainer(max_epochs=epochs, default_root_dir=root, enable_progress_bar=False)
+    trainer.fit(Counts(), DataLoader(data(16), batch_size=4))
+    return trainer
+
+
+def test_resuming_with_a_new_trainer_keeps_the_checkpoint_it_resumed_from(tmp_path):
+    first = fit_logged(tmp_path, 1)
+    resumed_from = Path(first.checkpoint_callback.best_model_path)
+    assert resumed_from.parent == tmp_path / "logs" / "version_0" / "checkpoints"
+    trainer = Trainer(max_epochs=3, default_root_dir=tmp_path, enable_progress_bar=False)
+    trainer.fit(Counts(), DataLoader(data(16), batch_size=4), ckpt_path=resumed_from)
+    assert resumed_from.is_file()  # the earlier run's file is not "stale" to this run
+    ckpts = sorted(p.name for p in (tmp_path / "logs" / "version_1" / "checkpoints").iterdir())
+    assert ckpts == ["epoch=2-step=12.ckpt"]  # this run's own top-1 still rotates
+
+
+def test_resuming_into_the_same_directory_never_deletes_the_resumed_checkpoint(tmp_path):
+    ckdir = tmp_path / "ck"
+    first = Trainer(
+        max_epochs=1,
+        callbacks=[ModelCheckpoint(dirpath=ckdir)],
+        logger=False,
+        enable_progress_bar=False,
+    )
+    first.fit(Counts(), DataLoader(data(16), batch_size=4))
+    start = ckdir / "epoch=0-step=4.ckpt"
+    trainer = Trainer(
+        max_epochs=3,
+        callbacks=[ModelCheckpoint(dirpath=ckdir)],
+        logger=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(Counts(), DataLoader(data(16), batch_size=4), ckpt_path=start)
+    assert sorted(p.name for p in ckdir.iterdir()) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=2-step=12.ckpt",
+    ]
+
+
+def test_a_csv_logger_given_an_existing_version_appends_instead_of_overwriting(tmp_path):
+    from mixprec.trainer import CSVLogger
+
+    first = Trainer(
+        max_epochs=1,
+        logger=CSVLogger(tmp_path, version=0),
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    first.fit(Counts(), DataLoader(data(16), batch_size=4))
+    path = tmp_path / "logs" / "version_0" / "metrics.csv"
+    before = path.read_text().splitlines()
+    assert len(before) == 5  # header + 4 steps
+    again = Trainer(
+        max_epochs=1,
+        logger=CSVLogger(tmp_path, version=0),
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    again.fit(Counts(), DataLoader(data(8), batch_size=4))
+    after = path.read_text().splitlines()
+    assert after[: len(before)] == before and len(after) == len(before) + 2
+
+
+def test_two_default_trainers_built_together_get_separate_versions(tmp_path):
+    a = Trainer(max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False)
+    b = Trainer(max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False)
+    a.fit(Counts(), DataLoader(data(16), batch_size=4))
+    b.fit(Counts(), DataLoader(data(8), batch_size=4))
+    assert (a.run_dir.name, b.run_dir.name) == ("version_0", "version_1")
+    rows = [len((t.run_dir / "metrics.csv").read_text().splitlines()) for t in (a, b)]
+    assert rows == [5, 3]

@@ -233,7 +233,8 @@ class DDPStrategy(SingleDeviceStrategy):
 
     def agree_on_version(self, loggers: list[Logger]) -> None:
         if self.world_size > 1 and loggers:
-            versions = [loggers[0].version]
+            # only rank 0 chooses (choosing creates the directory)
+            versions = [loggers[0].version if self.global_rank == 0 else None]
             dist.broadcast_object_list(versions, src=0)
             for lg in loggers:
                 lg._version = versions[0]

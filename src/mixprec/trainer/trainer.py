@@ -149,6 +149,7 @@ class Trainer:
         self.stage: str | None = None
         self.num_eval_batches: int | None = None
         self.model: nn.Module | None = None  # the model of the current or last run
+        self.ckpt_path: Path | None = None  # the checkpoint the current or last fit resumed
         self._current: Run | None = None  # the current or last run in this process
         self._metrics = MetricStore()
         self._log = StepLog(self.loggers, self.strategy)
@@ -477,6 +478,7 @@ class Trainer:
             raise EmptyEpochError(f"the training data has no batch: {why_empty(train)}")
         self.current_epoch = self.global_step = self.batches_done = 0
         self.should_stop = False
+        self.ckpt_path = ckpt_path
         if ckpt_path is not None:
             ckpt_io.restore(self, run, ckpt_io.load(ckpt_path), ckpt_path)
         run.skipped_steps = precision.scaler.stats().skipped_steps
