@@ -217,6 +217,8 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path)
     t = Trainer(max_steps=3, **QUIET, enable_checkpointing=False)
     t.fit(resumed, loaders()[0], ckpt_path=path)
     assert t.global_step == 3
+    t.save_checkpoint(path)  # the next save into that directory removes the stray file
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_resume_in_another_precision_uses_master_weights_and_says_so(tmp_path, caplog):

@@ -375,3 +375,101 @@ def test_two_default_trainers_built_together_get_separate_versions(tmp_path):
     assert (a.run_dir.name, b.run_dir.name) == ("version_0", "version_1")
     rows = [len((t.run_dir / "metrics.csv").read_text().splitlines()) for t in (a, b)]
     assert rows == [5, 3]
+
+
+# -- saving: interrupted, disk full, stray files, permissions -----------------------------------
+
+SAVE_SCRIPT = """
+import resource, signal, sys, torch
+from mixprec.trainer import checkpoint as ckpt_io
+path = sys.argv[1]
+ckpt_io.atomic_save({{"format": "old"}}, path)
+{setup}
+state = {{"w%d" % i: torch.ones(2_000_000) for i in range(24)}}
+print("saving", flush=True)
+ckpt_io.atomic_save(state, path)
+print("saved", flush=True)
+"""
+
+
+def run_save(tmp_path: Path, setup: str = "", interrupt: bool = False) -> tuple[int, str]:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = SAVE_SCRIPT.format(setup=setup)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path / "run.ckpt")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "saving"
+    if interrupt:
+        time.sleep(0.02)  # inside the save (192 MB); held back until it completes
+        proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def test_ctrl_c_during_a_save_ends_as_a_clean_keyboard_interrupt(tmp_path):
+    import signal
+
+    code, err = run_save(tmp_path, interrupt=True)
+    assert code == -signal.SIGINT, err[-2000:]
+    assert err.strip().splitlines()[-1] == "KeyboardInterrupt", err[-2000:]
+    assert "inline_container" not in err and "RuntimeError" not in err
+    state = torch.load(tmp_path / "run.ckpt", weights_only=True)  # old or new, never half
+    assert state == {"format": "old"} or len(state) == 24
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_full_disk_says_so_and_names_the_file(tmp_path):
+    limit = "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n" + (
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))"
+    )
+    code, err = run_save(tmp_path, setup=limit)
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and last.startswith("OSError: [Errno 27]"), err[-2000:]
+    assert f"cannot write the checkpoint {tmp_path / 'run.ckpt'}: disk full or file too" in last
+    assert "inline_container" not in err
+    assert torch.load(tmp_path / "run.ckpt", weights_only=True) == {"format": "old"}
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_stale_temporary_files_of_killed_saves_are_removed_by_the_next_save(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = int(done.stdout)
+    host = ckpt_io._HOST
+    stale = tmp_path / f".a.ckpt.{host}.{dead}.0badc0de.tmp"
+    running = tmp_path / f".b.ckpt.{host}.{os.getppid()}.00c0ffee.tmp"  # a live process's
+    elsewhere = tmp_path / f".c.ckpt.otherhost.{dead}.0feeb1e0.tmp"  # maybe running there
+    for f in (stale, running, elsewhere):
+        f.write_bytes(b"partial")
+    ckpt_io.atomic_save({"x": 1}, tmp_path / "new.ckpt")
+    assert not stale.exists() and running.exists() and elsewhere.exists()
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_checkpoints_get_the_permissions_the_umask_gives_any_file(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        path = ckpt_io.atomic_save({"x": 1}, tmp_path / "x.ckpt")
+        ckpt_io.atomic_link(path, tmp_path / "last.ckpt")
+        plain = tmp_path / "plain.txt"
+        plain.write_text("x")
+    finally:
+        os.umask(old)
+    expected = plain.stat().st_mode & 0o777
+    assert expected == 0o666 & ~umask
+    assert (path.stat().st_mode & 0o777) == expected
+    assert ((tmp_path / "last.ckpt").stat().st_mode & 0o777) == expected

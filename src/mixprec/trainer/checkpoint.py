@@ -4,19 +4,26 @@ a Trainer checkpoint holds (`checkpoint_state`) and how a run is restored from o
 
 A save goes to a temporary file in the target's own directory, is flushed and fsync'ed, and
 only then renamed over the target (``os.replace``, atomic on POSIX and Windows). A process
-killed mid-save leaves the previous checkpoint intact and, at worst, a stray ``.tmp`` file.
+killed mid-save leaves the previous checkpoint intact and, at worst, a stray ``.tmp`` file,
+which the next save into that directory removes.
 Files are loaded with ``torch.load(weights_only=True)``: a checkpoint holds tensors and plain
 Python values only, so loading one never runs code from the file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import pickle
 import random
-import tempfile
-from collections.abc import Sequence
+import re
+import secrets
+import signal
+import socket
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,29 +56,126 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+_HOST = socket.gethostname().replace(".", "_") or "host"
+# .<target name>.<host>.<pid>.<token>.tmp: who wrote it, so that stale ones can be told apart
+_TMP = re.compile(r"\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp")
+_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def _new_tmp(target: Path) -> tuple[int, Path]:
+    """Create a temporary file next to ``target``; mode 0666 less the umask, like any file."""
+    while True:
+        tmp = target.parent / f".{target.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def clean_stale_tmp(directory: Path) -> list[Path]:
+    """Remove temporary files that killed saves left in ``directory``: those written on this
+    host by a process that no longer runs (a save in progress elsewhere is never touched)."""
+    removed = []
+    for entry in directory.glob(".*.tmp"):
+        m = _TMP.fullmatch(entry.name)
+        if m is None or m["host"] != _HOST:
+            continue
+        pid = int(m["pid"])
+        if pid != os.getpid() and not _alive(pid):
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    if removed:
+        log.info("removed %d temporary file(s) of interrupted saves in %s", len(removed), directory)
+    return removed
+
+
+@contextlib.contextmanager
+def _ctrl_c_after_save() -> Iterator[list[bool]]:
+    """Hold a Ctrl-C back until the block ends (a save then completes and the interrupt comes
+    right after it); a second Ctrl-C interrupts at once. Only where Python's default handler
+    is installed, in the main thread."""
+    pressed: list[bool] = []
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield pressed
+        return
+
+    def hold(signum: int, frame: Any) -> None:
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(True)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The first exception of the chain torch builds when a write fails half-way (it then
+    fails again finishing the archive, with an opaque 'inline_container' message)."""
+    seen = exc
+    while seen.__context__ is not None:
+        seen = seen.__context__
+    return seen
+
+
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` to ``path`` so that readers see the old file or the new one, never half."""
+    """``torch.save`` to ``path`` so that readers see the old file or the new one, never half.
+
+    Stale temporary files of killed saves in that directory are removed first. A full disk
+    raises ``OSError`` naming the path; Ctrl-C during the save lets it finish, then raises
+    ``KeyboardInterrupt`` (a second Ctrl-C abandons the save, leaving the old file).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    clean_stale_tmp(path.parent)
+    with _ctrl_c_after_save():
+        fd, tmp = _new_tmp(path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except BaseException as exc:
+            tmp.unlink(missing_ok=True)
+            cause = _cause(exc)
+            if isinstance(cause, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            if isinstance(cause, OSError) and cause.errno in _FULL:
+                raise OSError(
+                    cause.errno,
+                    f"cannot write the checkpoint {path}: disk full or file too large "
+                    f"({os.strerror(cause.errno)}); the previous file, if any, is intact. "
+                    "Free space or save elsewhere",
+                ) from None
+            raise
     return path
 
 
 def atomic_link(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
     """Make ``dst`` an atomic copy of ``src`` (a hard link where the filesystem allows)."""
     src, dst = Path(src), Path(dst)
-    tmp = dst.parent / f".{dst.name}.{os.getpid()}.tmp"
-    tmp.unlink(missing_ok=True)
+    fd, tmp = _new_tmp(dst)
+    os.close(fd)
+    tmp.unlink()
     try:
         os.link(src, tmp)
     except OSError:
