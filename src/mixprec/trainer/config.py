@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from mixprec.hardware import DeviceInfo, Support, check, detect, resolve_auto
 from mixprec.policy import Policy, as_policy
@@ -281,3 +282,14 @@ def check_fit_inputs(trainer: Trainer, model: Any, train: Any, val: Any) -> None
     for cb in trainer.callbacks:
         if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
             _check_writable(cb.dirpath, "ModelCheckpoint dirpath")
+
+
+def check_model(model: Any, loss_fn: Any) -> None:
+    """A model the Trainer can run: an nn.Module, with a loss_fn unless a TrainingModule."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(model, TrainingModule) and loss_fn is None:
+        raise ValueError(
+            f"{type(model).__name__} is a plain nn.Module: pass loss_fn=(output, target) -> "
+            "loss to fit/validate/test, or subclass mixprec.TrainingModule"
+        )

@@ -204,6 +204,23 @@ class StepLog:
         return self.fit_samples * self.where.world_size / self.fit_seconds
 
 
+_PROGRESS_LABELS = {
+    "loss": "loss",
+    "loss_scale": "loss scale",
+    "skipped_steps": "skipped",
+    "lr": "lr",
+    "samples_per_sec": "samples/s",
+}
+
+
+def shown_in_progress(metrics: dict[str, float], prog_bar: set[str]) -> dict[str, float]:
+    """What the progress bar shows: loss, loss scale, skipped steps, lr, samples/s (under
+    their labels), then the values logged with ``prog_bar=True``."""
+    out = {label: metrics[name] for name, label in _PROGRESS_LABELS.items() if name in metrics}
+    out.update({name: metrics[name] for name in sorted(prog_bar) if name in metrics})
+    return out
+
+
 _NOT_IN_SUMMARY = ("lr", "loss_scale", "skipped_steps", "samples_per_sec", "peak_memory_mib")
 
 

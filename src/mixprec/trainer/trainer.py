@@ -28,6 +28,7 @@ from mixprec.trainer.callbacks import Callback, ModelCheckpoint
 from mixprec.trainer.config import (
     TrainerConfig,
     check_fit_inputs,
+    check_model,
     choose_precision,
     determinism,
     make_callbacks,
@@ -46,8 +47,14 @@ from mixprec.trainer.loop import (
     predict_loop,
     run_eval,
 )
-from mixprec.trainer.metrics import MetricStore, StepLog, peak_memory_mib, summary_rows
-from mixprec.trainer.module import TrainingModule
+from mixprec.trainer.metrics import (
+    MetricStore,
+    StepLog,
+    peak_memory_mib,
+    shown_in_progress,
+    summary_rows,
+)
+from mixprec.trainer.module import MODULE_HOOKS, TrainingModule
 from mixprec.trainer.optimizers import configured_optimizers, scheduler_entry
 from mixprec.trainer.strategy import DDPStrategy, launch_stage, make_strategy
 
@@ -233,18 +240,7 @@ class Trainer:
     def progress_metrics(self) -> dict[str, float]:
         """What the progress bar shows now: loss, loss scale, skipped steps, lr, samples/s,
         and the values logged with ``prog_bar=True``."""
-        metrics = self.callback_metrics
-        shown = {
-            "loss": "loss",
-            "loss_scale": "loss scale",
-            "skipped_steps": "skipped",
-            "lr": "lr",
-            "samples_per_sec": "samples/s",
-        }
-        out = {label: metrics[name] for name, label in shown.items() if name in metrics}
-        prog_bar = sorted(self._metrics.prog_bar)
-        out.update({name: metrics[name] for name in prog_bar if name in metrics})
-        return out
+        return shown_in_progress(self.callback_metrics, self._metrics.prog_bar)
 
     def summary(self) -> dict[str, str]:
         """A one-screen account of the last fit: precision, progress, scaler, speed, memory."""
@@ -286,17 +282,11 @@ class Trainer:
         ``params -> optimizer``, or None (the module's ``configure_optimizers``, else AdamW
         with lr 1e-3).
         """
-        _check_model(model, loss_fn)
+        check_model(model, loss_fn)
         check_fit_inputs(self, model, train_dataloaders, val_dataloaders)
         self._fit_loss_fn = loss_fn  # validate/test reuse it for this model
-        kwargs = dict(
-            train=train_dataloaders,
-            val=val_dataloaders,
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            ckpt_path=ckpt_io.resolve_path(ckpt_path, self.checkpoint_callback),
-        )
-        self._launch("fit", model, kwargs)
+        kwargs = dict(train=train_dataloaders, val=val_dataloaders, loss_fn=loss_fn)
+        self._launch("fit", model, dict(kwargs, optimizer=optimizer, ckpt_path=ckpt_path))
 
     def validate(
         self,
@@ -336,10 +326,7 @@ class Trainer:
         model = self._eval_model(model, "predict")
         if dataloaders is None:
             raise ValueError("predict needs dataloaders")
-        kwargs = dict(
-            loader=dataloaders, ckpt_path=ckpt_io.resolve_path(ckpt_path, self.checkpoint_callback)
-        )
-        return self._launch("predict", model, kwargs)
+        return self._launch("predict", model, dict(loader=dataloaders, ckpt_path=ckpt_path))
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Write everything needed to resume at this point (rank 0 writes; atomic)."""
@@ -380,15 +367,12 @@ class Trainer:
             raise ValueError(f"{stage} needs dataloaders")
         if loss_fn is None and model is self.model:
             loss_fn = self._fit_loss_fn  # the plain module's loss from the last fit
-        _check_model(model, loss_fn)
-        kwargs = dict(
-            loader=dataloaders,
-            loss_fn=loss_fn,
-            ckpt_path=ckpt_io.resolve_path(ckpt_path, self.checkpoint_callback),
-        )
+        check_model(model, loss_fn)
+        kwargs = dict(loader=dataloaders, loss_fn=loss_fn, ckpt_path=ckpt_path)
         return self._launch(stage, model, kwargs)
 
     def _launch(self, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
+        kwargs["ckpt_path"] = ckpt_io.resolve_path(kwargs["ckpt_path"], self.checkpoint_callback)
         if isinstance(self.strategy, DDPStrategy) and self.strategy.launches_processes:
             return launch_stage(self, self.strategy, stage, model, kwargs)
         return self._run(stage, model, kwargs)
@@ -408,24 +392,22 @@ class Trainer:
                 self.strategy.agree_on_version(self.loggers)
                 if isinstance(model, TrainingModule):
                     model.__dict__["_trainer"] = self
-                try:
-                    if stage == "fit":
-                        result = self._fit(model, **kwargs)
-                    else:
-                        result = self._run_eval_stage(stage, model, **kwargs)
-                    failed = False
-                    return result
-                except BaseException as exc:
-                    for cb in self.callbacks:
-                        cb.on_exception(self, model, exc)
-                    raise
-                finally:
-                    self._log.flush()
-                    model.__dict__.pop("_trainer", None)
-                    for lg in self.loggers:
-                        lg.finalize()
-                    self.stage = None
+                if stage == "fit":
+                    result = self._fit(model, **kwargs)
+                else:
+                    result = self._run_eval_stage(stage, model, **kwargs)
+                failed = False
+                return result
+            except BaseException as exc:
+                for cb in self.callbacks:
+                    cb.on_exception(self, model, exc)
+                raise
             finally:
+                self._log.flush()
+                model.__dict__.pop("_trainer", None)
+                for lg in self.loggers:
+                    lg.finalize()
+                self.stage = None
                 if isinstance(self._current, FitRun):
                     self._current.release_wrapper()  # it holds the process group
                 self.strategy.teardown(failed)  # no waiting for the others after an error
@@ -511,7 +493,7 @@ class Trainer:
 
     def _hook(self, name: str, *args: Any) -> None:
         model = self.model
-        if isinstance(model, TrainingModule) and name in _MODULE_HOOKS:
+        if isinstance(model, TrainingModule) and name in MODULE_HOOKS:
             getattr(model, name)(*args)
         listeners = self._listeners.get(name)
         if listeners is None:  # the callbacks that override this hook (it runs per batch)
@@ -525,22 +507,3 @@ class Trainer:
         for cb in self.callbacks:
             if cb.state_key in states:
                 cb.load_state_dict(states[cb.state_key])
-
-
-_MODULE_HOOKS = {
-    "on_fit_start",
-    "on_fit_end",
-    "on_train_epoch_start",
-    "on_train_epoch_end",
-    "on_before_optimizer_step",
-}
-
-
-def _check_model(model: Any, loss_fn: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(model, TrainingModule) and loss_fn is None:
-        raise ValueError(
-            f"{type(model).__name__} is a plain nn.Module: pass loss_fn=(output, target) -> "
-            "loss to fit/validate/test, or subclass mixprec.TrainingModule"
-        )
