@@ -198,7 +198,7 @@ def test_float16_on_a_cpu_raises_exactly_when_it_is_slow_there():
         allowed = Trainer(
             precision="16-mixed", accelerator="cpu", allow_slow_precision=True, **QUIET
         )
-        assert allowed.support.status == SLOW
+        assert allowed.support.status == SLOW and allowed.policy == mixprec.Policy("16-mixed")
     with hardware.assume(amx_fp16):
         assert Trainer(precision="16-mixed", accelerator="cpu", **QUIET).support.status != SLOW
 

@@ -137,7 +137,10 @@ def test_checkpoint_contents(tmp_path):
         "batch": 6,
         "global_step": 3,
         "epoch_rng": state["loop"]["epoch_rng"],
+        "epoch_batches": 12,
+        "batch_size": 8,
     }
+    assert state["optimizer_types"] == ["AdamW"]
     assert set(state["rng"]) >= {"python", "torch", "numpy"}
     assert len(state["optimizers"]) == 1 and len(state["schedulers"]) == 1
     assert not list(tmp_path.glob(".*.tmp"))  # no temp file left behind
@@ -147,7 +150,7 @@ def test_loading_something_else_raises_clear_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         ckpt_io.load(tmp_path / "missing.ckpt")
     torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
-    with pytest.raises(ValueError, match="not a mixprec checkpoint"):
+    with pytest.raises(ValueError, match="not a readable mixprec checkpoint"):
         ckpt_io.load(tmp_path / "other.ckpt")
 
 
@@ -214,6 +217,8 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path)
     t = Trainer(max_steps=3, **QUIET, enable_checkpointing=False)
     t.fit(resumed, loaders()[0], ckpt_path=path)
     assert t.global_step == 3
+    t.save_checkpoint(path)  # the next save into that directory removes the stray file
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_resume_in_another_precision_uses_master_weights_and_says_so(tmp_path, caplog):

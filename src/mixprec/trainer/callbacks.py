@@ -165,6 +165,7 @@ class ModelCheckpoint(Callback):
         self.best_model_score: float | None = None
         self.last_model_path = ""
         self._saved: list[str] = []
+        self._restored_from: Path | None = None  # the directory a restored state describes
 
     @property
     def state_key(self) -> str:
@@ -173,6 +174,17 @@ class ModelCheckpoint(Callback):
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
         if self.dirpath is None:
             self.dirpath = trainer.run_dir / "checkpoints"
+        if self._restored_from is not None and self._restored_from != self.dirpath:
+            # the files a resumed run recorded belong to that run: never rank or delete them
+            log.info(
+                "ModelCheckpoint: resumed from a run that saved into %s; this run saves into "
+                "%s and leaves the earlier files alone (best so far: %s)",
+                self._restored_from,
+                self.dirpath,
+                self.best_model_path or "none",
+            )
+            self.best_k_models, self._saved, self.last_model_path = {}, [], ""
+        self._restored_from = None
 
     def on_train_batch_end(
         self, trainer: Trainer, model: nn.Module, outputs: Any, batch: Any, batch_idx: int
@@ -261,8 +273,14 @@ class ModelCheckpoint(Callback):
     def _remove(self, trainer: Trainer, path: str) -> None:
         if path in self._saved:
             self._saved.remove(path)
+        target = Path(path)
+        # never the checkpoint this fit resumed from, nor a file outside this callback's
+        # directory (another run's)
+        resumed = trainer.ckpt_path is not None and _same_file(target, trainer.ckpt_path)
+        if resumed or self.dirpath is None or target.parent.resolve() != self.dirpath.resolve():
+            return
         if trainer.is_global_zero:
-            Path(path).unlink(missing_ok=True)
+            target.unlink(missing_ok=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -271,6 +289,7 @@ class ModelCheckpoint(Callback):
             "best_model_score": self.best_model_score,
             "last_model_path": self.last_model_path,
             "saved": list(self._saved),
+            "dirpath": str(self.dirpath) if self.dirpath is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -279,6 +298,9 @@ class ModelCheckpoint(Callback):
         self.best_model_score = state["best_model_score"]
         self.last_model_path = state["last_model_path"]
         self._saved = list(state["saved"])
+        recorded = [*self._saved, *self.best_k_models, self.best_model_path]
+        known = state.get("dirpath") or next((str(Path(p).parent) for p in recorded if p), None)
+        self._restored_from = Path(known) if known else None
 
 
 class EarlyStopping(Callback):
@@ -352,6 +374,13 @@ class EarlyStopping(Callback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_score = state["best_score"]
         self.wait_count = state["wait_count"]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def callback_states(callbacks: list[Callback]) -> dict[str, Any]:

@@ -1,21 +1,45 @@
-"""Checkpoint files: written atomically, read back safely, with the RNG states of a run.
+"""Checkpoint files: written atomically, read back safely, with the RNG states of a run; what
+a Trainer checkpoint holds (`checkpoint_state`) and how a run is restored from one
+(`restore`, also across precisions).
 
 A save goes to a temporary file in the target's own directory, is flushed and fsync'ed, and
 only then renamed over the target (``os.replace``, atomic on POSIX and Windows). A process
-killed mid-save leaves the previous checkpoint intact and, at worst, a stray ``.tmp`` file.
+killed mid-save leaves the previous checkpoint intact and, at worst, a stray ``.tmp`` file,
+which the next save into that directory removes.
 Files are loaded with ``torch.load(weights_only=True)``: a checkpoint holds tensors and plain
 Python values only, so loading one never runs code from the file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
+import pickle
 import random
-import tempfile
+import re
+import secrets
+import signal
+import socket
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor, nn
+
+from mixprec.trainer.callbacks import ModelCheckpoint, callback_states
+from mixprec.trainer.data import loader_batch_size
+from mixprec.version import __version__
+
+if TYPE_CHECKING:
+    from mixprec.optim import LossScaleOptimizer
+    from mixprec.trainer.loop import FitRun, Run
+    from mixprec.trainer.trainer import Trainer
+
+log = logging.getLogger("mixprec")
 
 FORMAT = "mixprec.checkpoint"
 FORMAT_VERSION = 1
@@ -32,29 +56,126 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+_HOST = socket.gethostname().replace(".", "_") or "host"
+# .<target name>.<host>.<pid>.<token>.tmp: who wrote it, so that stale ones can be told apart
+_TMP = re.compile(r"\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp")
+_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def _new_tmp(target: Path) -> tuple[int, Path]:
+    """Create a temporary file next to ``target``; mode 0666 less the umask, like any file."""
+    while True:
+        tmp = target.parent / f".{target.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def clean_stale_tmp(directory: Path) -> list[Path]:
+    """Remove temporary files that killed saves left in ``directory``: those written on this
+    host by a process that no longer runs (a save in progress elsewhere is never touched)."""
+    removed = []
+    for entry in directory.glob(".*.tmp"):
+        m = _TMP.fullmatch(entry.name)
+        if m is None or m["host"] != _HOST:
+            continue
+        pid = int(m["pid"])
+        if pid != os.getpid() and not _alive(pid):
+            entry.unlink(missing_ok=True)
+            removed.append(entry)
+    if removed:
+        log.info("removed %d temporary file(s) of interrupted saves in %s", len(removed), directory)
+    return removed
+
+
+@contextlib.contextmanager
+def _ctrl_c_after_save() -> Iterator[list[bool]]:
+    """Hold a Ctrl-C back until the block ends (a save then completes and the interrupt comes
+    right after it); a second Ctrl-C interrupts at once. Only where Python's default handler
+    is installed, in the main thread."""
+    pressed: list[bool] = []
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield pressed
+        return
+
+    def hold(signum: int, frame: Any) -> None:
+        if pressed:
+            raise KeyboardInterrupt
+        pressed.append(True)
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The first exception of the chain torch builds when a write fails half-way (it then
+    fails again finishing the archive, with an opaque 'inline_container' message)."""
+    seen = exc
+    while seen.__context__ is not None:
+        seen = seen.__context__
+    return seen
+
+
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` to ``path`` so that readers see the old file or the new one, never half."""
+    """``torch.save`` to ``path`` so that readers see the old file or the new one, never half.
+
+    Stale temporary files of killed saves in that directory are removed first. A full disk
+    raises ``OSError`` naming the path; Ctrl-C during the save lets it finish, then raises
+    ``KeyboardInterrupt`` (a second Ctrl-C abandons the save, leaving the old file).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    clean_stale_tmp(path.parent)
+    with _ctrl_c_after_save():
+        fd, tmp = _new_tmp(path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+        except BaseException as exc:
+            tmp.unlink(missing_ok=True)
+            cause = _cause(exc)
+            if isinstance(cause, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            if isinstance(cause, OSError) and cause.errno in _FULL:
+                raise OSError(
+                    cause.errno,
+                    f"cannot write the checkpoint {path}: disk full or file too large "
+                    f"({os.strerror(cause.errno)}); the previous file, if any, is intact. "
+                    "Free space or save elsewhere",
+                ) from None
+            raise
     return path
 
 
 def atomic_link(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
     """Make ``dst`` an atomic copy of ``src`` (a hard link where the filesystem allows)."""
     src, dst = Path(src), Path(dst)
-    tmp = dst.parent / f".{dst.name}.{os.getpid()}.tmp"
-    tmp.unlink(missing_ok=True)
+    fd, tmp = _new_tmp(dst)
+    os.close(fd)
+    tmp.unlink()
     try:
         os.link(src, tmp)
     except OSError:
@@ -65,21 +186,50 @@ def atomic_link(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Pat
     return dst
 
 
+class CheckpointError(ValueError):
+    """A file is not a readable mixprec checkpoint, or does not fit the run loading it."""
+
+
+# what every checkpoint the Trainer writes holds
+_KEYS = ("loop", "model", "optimizers", "schedulers", "precision", "callbacks", "rng")
+
+
 def load(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:
-    """Read a checkpoint written by `atomic_save`; raise a clear error for anything else."""
+    """Read a checkpoint written by `atomic_save`; raise `CheckpointError` for anything else
+    (truncated, empty, garbage, text, a pickled model, another program's checkpoint)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
-    state = torch.load(path, map_location=map_location, weights_only=True)
+    hint = "save one with Trainer.save_checkpoint or ModelCheckpoint"
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"{path} is not a readable mixprec checkpoint: it holds pickled Python objects "
+            "(e.g. a whole model saved with torch.save(model)), and loading those would run "
+            f"code from the file; {hint}"
+        ) from None
+    except Exception as err:  # torch raises many kinds for a damaged file
+        detail = (str(err).strip().splitlines() or [""])[0][:120]
+        raise CheckpointError(
+            f"{path} is not a readable mixprec checkpoint ({path.stat().st_size} bytes): it "
+            f"is truncated, empty or not a file torch.save wrote ({type(err).__name__}: "
+            f"{detail}); {hint}"
+        ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise ValueError(
-            f"{path} is not a mixprec checkpoint (expected a dict with format={FORMAT!r}); "
-            "save one with Trainer.save_checkpoint or ModelCheckpoint"
+        raise CheckpointError(
+            f"{path} is not a readable mixprec checkpoint (expected a dict with "
+            f"format={FORMAT!r}); {hint}"
         )
     if state.get("format_version", 0) > FORMAT_VERSION:
-        raise ValueError(
+        raise CheckpointError(
             f"{path} has checkpoint format version {state['format_version']}, newer than this "
             f"mixprec understands ({FORMAT_VERSION}); upgrade mixprec to load it"
+        )
+    missing = [k for k in _KEYS if k not in state]
+    if missing:
+        raise CheckpointError(
+            f"{path} is not a readable mixprec checkpoint: it lacks {', '.join(missing)}"
         )
     return state
 
@@ -130,3 +280,245 @@ def set_rng_states(states: dict[str, Any]) -> None:
                 s["cached_gaussian"],
             )
         )
+
+
+def resolve_path(
+    ckpt_path: str | os.PathLike[str] | None, callback: ModelCheckpoint | None
+) -> Path | None:
+    """The file a ``ckpt_path`` argument names: a path, or ``"best"`` / ``"last"`` of the
+    run's ModelCheckpoint."""
+    if ckpt_path in ("best", "last"):
+        found = ""
+        if callback is not None:
+            found = callback.best_model_path if ckpt_path == "best" else callback.last_model_path
+        if not found:
+            raise ValueError(
+                f"ckpt_path={ckpt_path!r} but no ModelCheckpoint has saved a {ckpt_path} "
+                "checkpoint yet (for 'last' use ModelCheckpoint(save_last=True))"
+            )
+        return Path(found)
+    return Path(ckpt_path) if ckpt_path is not None else None
+
+
+# -- what a Trainer checkpoint holds ------------------------------------------------------------
+
+
+def checkpoint_state(trainer: Trainer, run: FitRun) -> dict[str, Any]:
+    """Everything needed to resume ``run`` exactly where it is now."""
+    at_epoch_end = run.epoch_finished
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "mixprec_version": __version__,
+        "torch_version": str(torch.__version__),
+        "policy_name": run.precision.policy.name,
+        "loop": {
+            "epoch": trainer.current_epoch + 1 if at_epoch_end else trainer.current_epoch,
+            "batch": 0 if at_epoch_end else trainer.batches_done,
+            "global_step": trainer.global_step,
+            "epoch_rng": None if at_epoch_end else run.epoch_rng,
+            "epoch_batches": run.num_training_batches,
+            "batch_size": loader_batch_size(run.train_loader),
+        },
+        "model": run.model.state_dict(),
+        "optimizers": [opt.state_dict() for opt in run.optimizers],
+        "optimizer_types": [type(opt.optimizer).__name__ for opt in run.optimizers],
+        "schedulers": [s.scheduler.state_dict() for s in run.schedulers],
+        "precision": run.precision.state_dict(),
+        "callbacks": callback_states(trainer.callbacks),
+        "rng": rng_states(),
+        "world_size": trainer.world_size,
+    }
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def check_weights(model: nn.Module, state: dict[str, Any], path: Path) -> None:
+    """Raise before anything is loaded if the checkpoint's weights are another model's."""
+    saved, own = state["model"], model.state_dict()
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in saved and tuple(saved[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or shapes:
+        parts = [
+            f"{label}: {_shown(items)}"
+            for label, items in (
+                ("missing in the checkpoint", missing),
+                ("not in this model", unexpected),
+                ("shapes differ (checkpoint vs model)", shapes),
+            )
+            if items
+        ]
+        raise CheckpointError(
+            f"{path} holds the weights of another model ({type(model).__name__} here); "
+            f"{'; '.join(parts)}. Nothing was loaded"
+        )
+
+
+def _check_optimizers(run: FitRun, state: dict[str, Any], path: Path) -> None:
+    if len(state["optimizers"]) != len(run.optimizers) or len(state["schedulers"]) != len(
+        run.schedulers
+    ):
+        raise CheckpointError(
+            f"{path} has {len(state['optimizers'])} optimizers and {len(state['schedulers'])} "
+            f"schedulers; this run configured {len(run.optimizers)} and "
+            f"{len(run.schedulers)}: resume with the same configure_optimizers"
+        )
+    saved_types = state.get("optimizer_types", [None] * len(run.optimizers))
+    for i, (opt, saved, saved_type) in enumerate(
+        zip(run.optimizers, state["optimizers"], saved_types, strict=True)
+    ):
+        groups = saved["optimizer"]["param_groups"]
+        mine = opt.optimizer.param_groups
+        same_settings = all(
+            set(g) - {"params"} == set(m) - {"params"} for g, m in zip(groups, mine, strict=False)
+        )
+        if saved_type not in (None, type(opt.optimizer).__name__) or not same_settings:
+            was = saved_type or f"one with settings {sorted(set(groups[0]) - {'params'})}"
+            raise CheckpointError(
+                f"{path} holds the state of optimizer {i} as {was}; this run's is "
+                f"{type(opt.optimizer).__name__}. Resume with the same optimizer, or start a "
+                f"new fit from the weights alone: model.load_state_dict(load(path)['model'])"
+            )
+        if [len(g["params"]) for g in groups] != [len(m["params"]) for m in mine]:
+            raise CheckpointError(
+                f"{path}: optimizer {i} has parameter groups of sizes "
+                f"{[len(g['params']) for g in groups]}, this run's "
+                f"{[len(m['params']) for m in mine]}: resume with the same configure_optimizers"
+            )
+
+
+def _check_resume_point(run: FitRun, loop: dict[str, Any], path: Path) -> None:
+    """A mid-epoch checkpoint replays its epoch's order and skips the batches done: that
+    needs the same batches as at the save."""
+    if not loop["batch"]:
+        return
+    saved_n, saved_bs = loop.get("epoch_batches"), loop.get("batch_size")
+    n, bs = run.num_training_batches, loader_batch_size(run.train_loader)
+    fix = (
+        "resume with the same data, batch size and limit_train_batches, or from a checkpoint "
+        "saved at the end of an epoch"
+    )
+    if saved_bs is not None and bs is not None and saved_bs != bs:
+        raise CheckpointError(
+            f"{path} was saved after {loop['batch']} batches of {saved_bs} samples in epoch "
+            f"{loop['epoch']}; this run's batches hold {bs}, so skipping {loop['batch']} "
+            f"batches would repeat or skip samples: {fix}"
+        )
+    if n is not None and (loop["batch"] >= n or (saved_n is not None and saved_n != n)):
+        of = f" of {saved_n}" if saved_n is not None else ""
+        raise CheckpointError(
+            f"{path} was saved at batch {loop['batch']}{of} of epoch {loop['epoch']}, but "
+            f"this run's epoch has {n} batches: {fix}"
+        )
+
+
+def load_weights(
+    run: Run, state: dict[str, Any], path: Path, optimizers: Sequence[LossScaleOptimizer] = ()
+) -> bool:
+    """Load the model weights; return whether the checkpoint's precision is this run's.
+
+    Across precisions the float32 master weights (if the checkpoint has them) are used in
+    place of the 16-bit parameters they shadow, and everything is cast to this run's dtypes.
+    """
+    check_weights(run.model, state, path)
+    saved_policy = state["precision"]["policy"]
+    same = saved_policy == run.precision.policy.to_config()
+    weights = dict(state["model"])
+    if not same:
+        log.info(
+            "resuming %s, trained in precision %s, in %s: weights are cast to this run's dtypes%s",
+            path,
+            state.get("policy_name", "?"),
+            run.precision.policy.name,
+            " (from the float32 master weights)"
+            if any(o["master_weights"] for o in state["optimizers"])
+            else "",
+        )
+        weights.update(saved_masters(run.model, optimizers, state))
+    run.model.load_state_dict(weights)
+    return same
+
+
+def saved_masters(
+    model: nn.Module, optimizers: Sequence[LossScaleOptimizer], state: dict[str, Any]
+) -> dict[str, Tensor]:
+    """Parameter name -> the checkpoint's float32 master of it.
+
+    A LossScaleOptimizer keeps masters, in order, for its float16 parameters; the
+    checkpoint's model weights say which parameters those were. Only a fit has optimizers
+    to say which masters belong to which parameter; evaluation uses the saved weights.
+    """
+    names = {p: n for n, p in model.named_parameters()}
+    out: dict[str, Tensor] = {}
+    for opt, saved in zip(optimizers, state["optimizers"], strict=False):
+        masters = iter(saved["master_weights"])
+        model_params = [p for g in opt.param_groups for p in g["params"]]
+        by_master = {m: p for p, m in opt.master_params.items()}
+        for p in model_params:
+            name = names.get(by_master.get(p, p))
+            if name is not None and state["model"][name].dtype == torch.float16:
+                master = next(masters, None)
+                if master is not None:
+                    out[name] = master
+    return out
+
+
+def restore(trainer: Trainer, run: FitRun, state: dict[str, Any], path: Path) -> None:
+    """Put ``run`` and ``trainer``'s progress back where the checkpoint ``state`` left them."""
+    # everything is checked before anything is loaded: a failed resume leaves the model as it was
+    check_weights(run.model, state, path)
+    _check_optimizers(run, state, path)
+    loop = state["loop"]
+    if state.get("world_size", 1) != trainer.world_size and loop["batch"]:
+        raise CheckpointError(
+            f"{path} was saved mid-epoch with {state['world_size']} processes; resuming "
+            f"mid-epoch needs the same number (this run has {trainer.world_size})"
+        )
+    _check_resume_point(run, loop, path)
+    same = load_weights(run, state, path, run.optimizers)
+    if not same:
+        names = {p: n for n, p in run.model.named_parameters()}
+        full = {**run.model.state_dict(), **saved_masters(run.model, run.optimizers, state)}
+    for opt, saved in zip(run.optimizers, state["optimizers"], strict=True):
+        if same:
+            opt.load_state_dict(saved)
+            continue
+        # across precisions: the inner optimizer's state (cast by torch to the new parameter
+        # dtypes) and this run's masters refreshed from full-precision weights
+        opt.optimizer.load_state_dict(saved["optimizer"])
+        with torch.no_grad():
+            for p, master in opt.master_params.items():
+                master.copy_(full[names[p]])
+    for s, saved in zip(run.schedulers, state["schedulers"], strict=True):
+        s.scheduler.load_state_dict(saved)
+    precision = run.precision
+    scaler_state = state["precision"]["scaler"]
+    if scaler_state.get("kind") == precision.scaler.kind:
+        precision.load_state_dict(state["precision"])
+    else:
+        log.info(
+            "%s had a %r loss scaler, this run uses %r: starting it fresh",
+            path,
+            scaler_state.get("kind"),
+            precision.scaler.kind,
+        )
+    trainer._load_callback_states(state["callbacks"])
+    trainer.current_epoch, trainer.batches_done = loop["epoch"], loop["batch"]
+    trainer.global_step = loop["global_step"]
+    if loop["epoch_rng"] is not None:
+        run.epoch_rng = loop["epoch_rng"]
+    run.resume_rng = state["rng"]
+    log.info(
+        "resumed from %s at epoch %d, batch %d, step %d",
+        path,
+        trainer.current_epoch,
+        trainer.batches_done,
+        trainer.global_step,
+    )

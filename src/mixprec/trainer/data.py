@@ -209,3 +209,35 @@ def iterate_from(
     if then is not None:
         then()
     return it
+
+
+def loader_batch_size(loader: Any) -> int | None:
+    """The batch size a DataLoader was built with (None when it has none or is not one)."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    size = getattr(batch_sampler, "batch_size", None) or getattr(loader, "batch_size", None)
+    return size if isinstance(size, int) else None
+
+
+def why_empty(data: Any, epoch: int = 0) -> str:
+    """Why ``data`` gives no batch, and what to do about it (for an error message)."""
+    if iter(data) is data:  # an iterator (a generator, map(...)): one pass only
+        used = f", used up by epoch {epoch - 1}" if epoch else ""
+        return (
+            f"it is a one-shot iterator ({type(data).__name__}){used}; pass data that can be "
+            "iterated again every epoch (a list, a DataLoader), or stop within one epoch "
+            "with max_steps"
+        )
+    if isinstance(data, DataLoader):
+        dataset = data.dataset
+        if isinstance(dataset, IterableDataset):
+            return f"its IterableDataset ({type(dataset).__name__}) yielded no sample"
+        size, batch = len(dataset), loader_batch_size(data)  # type: ignore[arg-type]
+        if size == 0:
+            return f"its dataset ({type(dataset).__name__}) is empty"
+        drop_last = getattr(data.batch_sampler, "drop_last", False)
+        if drop_last and batch is not None and size < batch:
+            return (
+                f"drop_last=True drops the only batch: the dataset has {size} samples, fewer "
+                f"than batch_size={batch}; lower batch_size or set drop_last=False"
+            )
+    return f"it ({type(data).__name__}) yielded nothing"

@@ -3,17 +3,25 @@
 Both loggers write into one run directory, ``<save_dir>/<name>/version_<n>``, and open their
 files on the first write, so a logger can be built, pickled to another process, and used
 there. The Trainer calls them on rank 0 only.
+
+A version is chosen (the next free one, its directory created at once so that no other run
+takes it) when it is first needed, not when the logger is built. A CSV logger given the
+version of an existing run appends to that run's ``metrics.csv``: resuming a run with its
+own version continues its log, and nothing written before is lost.
 """
 
 from __future__ import annotations
 
 import csv
 import importlib.util
+import logging
 import os
 import re
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import IO, Any
+
+log = logging.getLogger("mixprec")
 
 
 def next_version(root: str | os.PathLike[str]) -> int:
@@ -36,12 +44,18 @@ class Logger(ABC):
         self.save_dir = Path(save_dir)
         self.name = name
         self._version = version
+        self._version_of: Logger | None = None  # share another logger's version (defaults)
 
     @property
     def version(self) -> int:
-        """The run's version number, chosen on first use as the next free one."""
+        """The run's version number, chosen on first use as the next free one (and its
+        directory created, so that another run does not choose it too)."""
         if self._version is None:
-            self._version = next_version(self.save_dir / self.name)
+            if self._version_of is not None:
+                self._version = self._version_of.version
+            else:
+                self._version = next_version(self.save_dir / self.name)
+                self.log_dir.mkdir(parents=True, exist_ok=True)
         return self._version
 
     @property
@@ -65,8 +79,10 @@ class CSVLogger(Logger):
     """Append one row per ``log_metrics`` call to ``<log_dir>/metrics.csv``.
 
     Columns are ``step`` then metric names in order of first appearance. When a new name shows
-    up the file is rewritten once with the wider header (rows are kept in memory for that);
-    otherwise rows are appended, and the file is flushed every ``flush_every`` rows.
+    up the file is rewritten once with the wider header (rows are kept in memory for that;
+    the rewrite replaces the file atomically); otherwise rows are appended, and the file is
+    flushed every ``flush_every`` rows. A file already there (a run resumed with its version)
+    is continued: its rows are kept and new ones follow.
     """
 
     def __init__(
@@ -83,6 +99,7 @@ class CSVLogger(Logger):
         self._file: IO[str] | None = None
         self._writer: csv.DictWriter[str] | None = None
         self._pending = 0
+        self._read_existing = False
 
     @property
     def path(self) -> Path:
@@ -95,6 +112,8 @@ class CSVLogger(Logger):
         return state
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if not self._read_existing:
+            self._continue_existing()
         row = {"step": step, **metrics}
         self._rows.append(row)
         new = [k for k in metrics if k not in self._columns]
@@ -107,14 +126,33 @@ class CSVLogger(Logger):
         if self._pending >= self.flush_every:
             self.flush()
 
+    def _continue_existing(self) -> None:
+        self._read_existing = True
+        if self._rows or not self.path.is_file():
+            return
+        with open(self.path, newline="") as f:
+            reader = csv.DictReader(f)
+            columns, rows = list(reader.fieldnames or []), list(reader)
+        if columns[:1] != ["step"]:
+            raise ValueError(
+                f"{self.path} exists but is not a metrics file this logger wrote (its header "
+                f"is {columns[:5]}); give the CSVLogger another version or save_dir"
+            )
+        self._columns, self._rows = columns, rows
+        log.info("CSVLogger: continuing %s after its %d rows", self.path, len(rows))
+
     def _rewrite(self) -> None:
         if self._file is not None:
             self._file.close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w", newline="")  # noqa: SIM115 (kept open for appends)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self._columns, restval="")
+            writer.writeheader()
+            writer.writerows(self._rows)
+        os.replace(tmp, self.path)  # the rows written before are never half-overwritten
+        self._file = open(self.path, "a", newline="")  # noqa: SIM115 (kept open for appends)
         self._writer = csv.DictWriter(self._file, fieldnames=self._columns, restval="")
-        self._writer.writeheader()
-        self._writer.writerows(self._rows)
         self.flush()
 
     def flush(self) -> None:
@@ -172,3 +210,26 @@ class TensorBoardLogger(Logger):
         if self._writer is not None:
             self._writer.close()
         self._writer = None
+
+
+def make_loggers(logger: Any, root: Path) -> list[Logger]:
+    """The run's loggers from the Trainer's ``logger`` flag (True: CSV, and TensorBoard when
+    installed, in the next free version directory under ``<root>/logs``)."""
+    if logger is False or logger is None:
+        return []
+    if logger is True:  # the version is chosen when the run starts, shared by both
+        csv_logger = CSVLogger(root)
+        found: list[Logger] = [csv_logger]
+        if tensorboard_available():
+            tb = TensorBoardLogger(root)
+            tb._version_of = csv_logger
+            found.append(tb)
+        return found
+    items = list(logger) if isinstance(logger, (list, tuple)) else [logger]
+    for item in items:
+        if not isinstance(item, Logger):
+            raise ValueError(
+                "logger must be True, False, a mixprec Logger (CSVLogger, TensorBoardLogger) "
+                f"or a list of them, got {type(item).__name__}"
+            )
+    return items

@@ -1,4 +1,5 @@
-"""What ``self.log`` records: per-step values and per-epoch means, kept as device tensors.
+"""Metrics of a run: what ``self.log`` records (`MetricStore`), the rows handed to the loggers
+with the throughput (`StepLog`), and the end-of-run summary (`summary_rows`).
 
 Values stay tensors until a logger or the progress bar needs numbers, so logging a metric in
 ``training_step`` adds no host synchronization of its own.
@@ -6,11 +7,18 @@ Values stay tensors until a logger or the progress bar needs numbers, so logging
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import os
+import resource
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+# Logged values are kept as tensors and turned into numbers (a host sync on GPUs) and
+# written out in batches of this many steps, or sooner when a callback or the bar reads them.
+FLUSH_EVERY_N_STEPS = 25
 
 _Sums = dict[str, list[Any]]  # name -> [sum tensor, weight]
 
@@ -109,3 +117,132 @@ class MetricStore:
         self._epoch.clear()
         self._synced.clear()
         self.prog_bar.clear()
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this process: allocated on a CUDA device, resident (RSS) on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in KiB on Linux (bytes on macOS): the process's peak resident memory
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if os.uname().sysname == "Darwin" else rss / 2**10
+
+
+class _Sink(Protocol):
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+
+class _Where(Protocol):
+    device: torch.device
+    world_size: int
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+
+class StepLog:
+    """Rows of values per optimizer step, turned into numbers and sent to the loggers in
+    batches; measures the training throughput between flushes.
+
+    ``callback_metrics`` holds the latest number of every name, ``logged_metrics`` the same
+    for what reached the loggers (rank 0 writes; every rank keeps the numbers).
+    """
+
+    def __init__(self, loggers: Sequence[_Sink], where: _Where) -> None:
+        self.loggers = loggers
+        self.where = where
+        self.callback_metrics: dict[str, float] = {}
+        self.logged_metrics: dict[str, float] = {}
+        self.pending: list[tuple[int, dict[str, Tensor | float]]] = []
+        self.samples = 0  # training samples since the last flush
+        self.fit_samples = 0
+        self.fit_seconds = 0.0
+        self._since = 0.0
+
+    def start_timing(self) -> None:
+        """Training time counts from now (after validation, at an epoch's start)."""
+        self._since = time.perf_counter()
+
+    def reset_run(self) -> None:
+        """Forget the throughput of the previous run."""
+        self.pending.clear()
+        self.samples, self.fit_samples, self.fit_seconds = 0, 0, 0.0
+
+    def add(self, step: int, row: dict[str, Tensor | float], flush: bool = False) -> None:
+        """Queue ``row`` for ``step``; flush now if asked or when enough rows are waiting."""
+        self.pending.append((step, row))
+        if flush or len(self.pending) >= FLUSH_EVERY_N_STEPS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Turn the queued values into numbers and hand them to the loggers, adding the
+        throughput (training time since the last flush) and peak memory to the last row."""
+        if not self.pending:
+            return
+        if self.samples:
+            now = time.perf_counter()
+            seconds = max(now - self._since, 1e-9)
+            last = self.pending[-1][1]
+            last["samples_per_sec"] = self.samples * self.where.world_size / seconds
+            last["peak_memory_mib"] = peak_memory_mib(self.where.device)
+            self.fit_samples += self.samples
+            self.fit_seconds += seconds
+            self.samples, self._since = 0, now
+        pending, self.pending = self.pending, []
+        for step, row in pending:
+            numbers = {k: float(v) for k, v in row.items()}
+            self.callback_metrics.update(numbers)
+            self.logged_metrics.update(numbers)
+            if self.where.is_global_zero:
+                for lg in self.loggers:
+                    lg.log_metrics(numbers, step)
+
+    def throughput(self) -> float | None:
+        """Samples per second over all processes during the last fit (None before any)."""
+        if self.fit_seconds <= 0:
+            return None
+        return self.fit_samples * self.where.world_size / self.fit_seconds
+
+
+_PROGRESS_LABELS = {
+    "loss": "loss",
+    "loss_scale": "loss scale",
+    "skipped_steps": "skipped",
+    "lr": "lr",
+    "samples_per_sec": "samples/s",
+}
+
+
+def shown_in_progress(metrics: dict[str, float], prog_bar: set[str]) -> dict[str, float]:
+    """What the progress bar shows: loss, loss scale, skipped steps, lr, samples/s (under
+    their labels), then the values logged with ``prog_bar=True``."""
+    out = {label: metrics[name] for name, label in _PROGRESS_LABELS.items() if name in metrics}
+    out.update({name: metrics[name] for name in sorted(prog_bar) if name in metrics})
+    return out
+
+
+_NOT_IN_SUMMARY = ("lr", "loss_scale", "skipped_steps", "samples_per_sec", "peak_memory_mib")
+
+
+def summary_rows(
+    head: dict[str, str],
+    scaler_stats: Any,
+    throughput: float | None,
+    peak_mib: float,
+    metrics: dict[str, float],
+    checkpoint: str,
+) -> dict[str, str]:
+    """The one-screen account of a fit: ``head`` (precision, device, progress), then the
+    loss scale, throughput, peak memory, the last value of each metric, the best checkpoint."""
+    rows = dict(head)
+    if scaler_stats is not None:
+        rows["loss scale"] = f"{scaler_stats.scale:g} ({scaler_stats.skipped_steps} skipped steps)"
+    if throughput is not None:
+        rows["throughput"] = f"{throughput:,.1f} samples/s"
+    rows["peak memory"] = f"{peak_mib:,.0f} MiB"
+    for name in sorted(metrics):
+        if name not in _NOT_IN_SUMMARY:
+            rows[name] = f"{metrics[name]:.6g}"
+    if checkpoint:
+        rows["checkpoint"] = checkpoint
+    return rows

@@ -16,6 +16,18 @@ if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
 
+# the hooks a TrainingModule may define, called by the Trainer next to the callbacks' own
+MODULE_HOOKS = frozenset(
+    {
+        "on_fit_start",
+        "on_fit_end",
+        "on_train_epoch_start",
+        "on_train_epoch_end",
+        "on_before_optimizer_step",
+    }
+)
+
+
 class TrainingModule(nn.Module):
     """Subclass it, write ``forward`` and ``training_step``; the rest has defaults."""
 

@@ -3,12 +3,18 @@ optimizers, and schedulers with their interval, frequency and monitored metric."
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from mixprec.optim import LossScaleOptimizer
+from mixprec.trainer.module import TrainingModule
+
+log = logging.getLogger("mixprec")
 
 
 @dataclass
@@ -82,3 +88,26 @@ def scheduler_entry(config: dict[str, Any], optimizers: list[LossScaleOptimizer]
     if monitor is None and isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError("ReduceLROnPlateau needs a 'monitor' in its scheduler config")
     return Scheduler(sched, owner, interval, int(config.get("frequency", 1)), monitor)
+
+
+OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
+
+
+def configured_optimizers(
+    model: nn.Module, optimizer: Any
+) -> tuple[list[torch.optim.Optimizer | OptimizerFactory], list[dict[str, Any]]]:
+    """Optimizers (or factories called once the model is on its device) and scheduler
+    configs, from ``Trainer.fit(optimizer=...)`` or the module's ``configure_optimizers``."""
+    if optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return [optimizer], []
+        if callable(optimizer):
+            return [lambda m: optimizer(m.parameters())], []
+        raise ValueError(
+            "optimizer must be a torch.optim.Optimizer, a factory params -> optimizer, or "
+            f"None, got {type(optimizer).__name__}"
+        )
+    if not isinstance(model, TrainingModule):
+        log.info("no optimizer given: using AdamW(lr=1e-3)")
+        return [lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)], []
+    return parse_optimizers(model.configure_optimizers())

@@ -16,17 +16,26 @@ import os
 import pickle
 import socket
 import tempfile
+import time
+import traceback
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.multiprocessing.spawn import ProcessException
 
+from mixprec.precision import Precision
+from mixprec.trainer.callbacks import callback_states
 from mixprec.trainer.data import distributed
+from mixprec.trainer.loggers import Logger
+
+if TYPE_CHECKING:
+    from mixprec.trainer.trainer import Trainer
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 STRATEGIES = ("auto", "single_device", "ddp", "ddp_fork")
@@ -92,6 +101,26 @@ def resolve_devices(accelerator: str, devices: int | str | list[int]) -> list[in
     return ids
 
 
+def make_strategy(
+    accelerator: str, devices: int | str | list[int], strategy: str
+) -> SingleDeviceStrategy:
+    """The strategy object for the Trainer's ``accelerator``, ``devices`` and ``strategy``."""
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(
+            f"unknown strategy {strategy!r}; accepted: {', '.join(map(repr, STRATEGIES))}"
+        )
+    accel = resolve_accelerator(accelerator)
+    ids = resolve_devices(accel, devices)
+    if strategy == "single_device" and len(ids) > 1:
+        raise ValueError(f"strategy='single_device' needs devices=1, got {devices!r}")
+    if strategy == "auto":
+        strategy = "ddp" if len(ids) > 1 else "single_device"
+    if strategy == "single_device":
+        device = torch.device("cuda", ids[0]) if accel == "cuda" else torch.device(accel)
+        return SingleDeviceStrategy(device)
+    return DDPStrategy(accel, ids, start_method="fork" if strategy == "ddp_fork" else "spawn")
+
+
 class SingleDeviceStrategy:
     """Everything in this process on one device."""
 
@@ -132,8 +161,12 @@ class SingleDeviceStrategy:
         """True if ``flag`` is true in any process."""
         return flag
 
-    def teardown(self) -> None:
-        """Leave the process group if this strategy created it."""
+    def teardown(self, failed: bool = False) -> None:
+        """Leave the process group if this strategy created it; after a failure
+        (``failed``) without waiting for the other processes."""
+
+    def agree_on_version(self, loggers: list[Logger]) -> None:
+        """Make every process's loggers write to rank 0's run directory."""
 
 
 class DDPStrategy(SingleDeviceStrategy):
@@ -198,11 +231,23 @@ class DDPStrategy(SingleDeviceStrategy):
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
-    def teardown(self) -> None:
-        # every rank arrives before the group goes away, so none tears it down while another
-        # still talks to it (gloo aborts the process then)
+    def agree_on_version(self, loggers: list[Logger]) -> None:
+        if self.world_size > 1 and loggers:
+            # only rank 0 chooses (choosing creates the directory)
+            versions = [loggers[0].version if self.global_rank == 0 else None]
+            dist.broadcast_object_list(versions, src=0)
+            for lg in loggers:
+                lg._version = versions[0]
+
+    def teardown(self, failed: bool = False) -> None:
+        # After a clean run every rank arrives before the group goes away, so none tears it
+        # down while another still talks to it. After a failure the others may be waiting in
+        # a collective this rank will never join: a barrier would wait with them until the
+        # backend's timeout (30 minutes), hiding the error. Leave at once instead: the peers'
+        # pending collectives fail, or the launcher stops them when this process exits.
         if self._owns_group and dist.is_initialized():
-            dist.barrier()
+            if not failed:
+                dist.barrier()
             dist.destroy_process_group()
         self._owns_group = False
 
@@ -229,16 +274,19 @@ class DDPStrategy(SingleDeviceStrategy):
                 ) from None
         threads = max(1, (os.cpu_count() or 1) // nprocs) if self.accelerator == "cpu" else 0
         with tempfile.TemporaryDirectory(prefix="mixprec-ddp-") as tmp:
-            result = Path(tmp) / "rank0.pt"
-            mp.start_processes(
-                _child,
-                args=(payload, nprocs, _free_port(), str(result), threads),
-                nprocs=nprocs,
-                start_method=self.start_method,
-                join=True,
-            )
+            try:
+                # when one process fails, torch stops the others (SIGTERM, then SIGKILL)
+                mp.start_processes(
+                    _child,
+                    args=(payload, nprocs, _free_port(), tmp, threads),
+                    nprocs=nprocs,
+                    start_method=self.start_method,
+                    join=True,
+                )
+            except ProcessException as err:
+                raise _first_failure(Path(tmp), nprocs, err) from None
             # written by our own rank-0 child a moment ago: a trusted pickle
-            return torch.load(result, weights_only=False)
+            return torch.load(Path(tmp) / "rank0.pt", weights_only=False)
 
 
 def _free_port() -> int:
@@ -247,7 +295,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, payload: Any, nprocs: int, port: int, result: str, threads: int) -> None:
+def _child(rank: int, payload: Any, nprocs: int, port: int, tmp: str, threads: int) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -259,6 +307,92 @@ def _child(rank: int, payload: Any, nprocs: int, port: int, result: str, threads
     if threads:
         torch.set_num_threads(threads)
     function, args = pickle.loads(payload) if isinstance(payload, bytes) else payload
-    out = function(*args)
+    try:
+        out = function(*args)
+    except BaseException as exc:
+        _record_failure(Path(tmp), rank, exc)
+        raise
     if rank == 0:
-        torch.save(out, result)
+        torch.save(out, Path(tmp) / "rank0.pt")
+
+
+def _record_failure(directory: Path, rank: int, exc: BaseException) -> None:
+    """Leave this process's exception (pickled if it can be), its traceback and the time it
+    was raised for the parent, which re-raises the first one."""
+    try:
+        pickled: bytes | None = pickle.dumps(exc)
+        pickle.loads(pickled)
+    except Exception:
+        pickled = None
+    record = {
+        "time": time.time(),
+        "exception": pickled,
+        "text": "".join(traceback.format_exception(exc)),
+    }
+    (directory / f"failure-rank{rank}.pkl").write_bytes(pickle.dumps(record))
+
+
+def _first_failure(directory: Path, nprocs: int, err: Exception) -> BaseException:
+    """The exception raised first among the launched processes (the others typically fail
+    after it, in a collective it left), with a note naming its rank and its traceback."""
+    records = []
+    for path in directory.glob("failure-rank*.pkl"):
+        # written by our own child processes: a trusted pickle
+        record = pickle.loads(path.read_bytes())
+        records.append((record["time"], int(path.stem.removeprefix("failure-rank")), record))
+    if not records:  # killed by a signal (out of memory?) before it could say why
+        return RuntimeError(f"a DDP process died without raising an exception: {err}")
+    _, rank, record = min(records, key=lambda r: r[:2])
+    exc = pickle.loads(record["exception"]) if record["exception"] is not None else None
+    if not isinstance(exc, BaseException):
+        exc = RuntimeError(record["text"].strip().splitlines()[-1])
+    exc.add_note(f"raised in DDP process rank {rank} of {nprocs}; its traceback:\n{record['text']}")
+    return exc
+
+
+# what a spawned rank 0 sends back to the Trainer in the parent process
+TRAINER_PROGRESS = ("current_epoch", "global_step", "batches_done", "should_stop")
+
+
+def run_in_child(
+    trainer: Trainer, stage: str, model: nn.Module, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """A launched process's whole job: run, and report what the parent needs (rank 0's is
+    kept): the result, the summary, the model's weights, progress and callback states."""
+    result = trainer._run(stage, model, kwargs)
+    if stage == "fit":
+        result, summary = None, result["summary"]
+    else:
+        summary = trainer.summary()
+    return {
+        "result": result,
+        "summary": summary,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "trainer": {
+            **{key: getattr(trainer, key) for key in TRAINER_PROGRESS},
+            "callback_metrics": trainer.callback_metrics,
+            "logged_metrics": trainer.logged_metrics,
+        },
+        "callbacks": callback_states(trainer.callbacks),
+    }
+
+
+def launch_stage(
+    trainer: Trainer, strategy: DDPStrategy, stage: str, model: nn.Module, kwargs: dict[str, Any]
+) -> Any:
+    """Run ``stage`` in the processes ``trainer.strategy`` launches; rank 0 sends back the
+    model's weights and the trainer's progress, which land on the objects the caller holds."""
+    for lg in trainer.loggers:
+        lg.version  # noqa: B018 (fix the run directory before the children start)
+    out = strategy.launch(run_in_child, trainer, stage, model, kwargs)
+    Precision(trainer.policy, device="cpu", allow_slow=True).setup(model)
+    model.load_state_dict(out["model"])
+    progress = out["trainer"]
+    for key in TRAINER_PROGRESS:
+        setattr(trainer, key, progress[key])
+    trainer._log.callback_metrics = progress["callback_metrics"]
+    trainer._log.logged_metrics = progress["logged_metrics"]
+    trainer._load_callback_states(out["callbacks"])
+    trainer.model, trainer._current = model, None
+    trainer._summary = out["summary"]
+    return out["result"]

@@ -1,0 +1,295 @@
+"""The Trainer's flags turned into checked settings and objects: `TrainerConfig` (read-only
+loop settings), the precision a flag means on a device, the callback list, seeding and
+determinism.
+
+Every flag is validated when the Trainer is built, so a typo fails before any data is loaded
+and the message says what is accepted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from mixprec.hardware import DeviceInfo, Support, check, detect, resolve_auto
+from mixprec.policy import Policy, as_policy
+from mixprec.policy_map import PolicyMap
+from mixprec.precision import Precision
+from mixprec.trainer.callbacks import Callback, ModelCheckpoint
+from mixprec.trainer.module import TrainingModule
+from mixprec.trainer.progress import RichProgressBar
+
+if TYPE_CHECKING:
+    from mixprec.trainer.trainer import Trainer
+
+log = logging.getLogger("mixprec")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int_or_none(name: str, value: Any) -> None:
+    if value is not None and not (_is_int(value) and value >= 1):
+        raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+
+
+def _fraction_or_count(name: str, value: Any) -> None:
+    if value is None:
+        return
+    ok = (isinstance(value, float) and 0.0 <= value <= 1.0) or (_is_int(value) and value >= 0)
+    if not ok:
+        raise ValueError(
+            f"{name} must be None, a fraction 0.0-1.0 of the batches, or a number of batches "
+            f">= 0, got {value!r}"
+        )
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """When to stop, how to step, what to limit; see `Trainer` for each field's meaning.
+
+    ``max_epochs`` and ``max_steps`` both None means 1000 epochs (as in Lightning).
+    """
+
+    max_epochs: int | None = None
+    max_steps: int | None = None
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = None
+    gradient_clip_algorithm: str = "norm"
+    val_check_interval: float | int = 1.0
+    limit_train_batches: float | int | None = None
+    limit_val_batches: float | int | None = None
+    seed: int | None = None
+    deterministic: bool = False
+    allow_slow_precision: bool = False
+    default_root_dir: Path = Path(".")
+
+    def __post_init__(self) -> None:
+        _positive_int_or_none("max_epochs", self.max_epochs)
+        _positive_int_or_none("max_steps", self.max_steps)
+        if not (_is_int(self.accumulate_grad_batches) and self.accumulate_grad_batches >= 1):
+            raise ValueError(
+                "accumulate_grad_batches must be an int >= 1 (micro-batches per optimizer "
+                f"step; 1 means no accumulation), got {self.accumulate_grad_batches!r}"
+            )
+        clip = self.gradient_clip_val
+        if clip is not None and not (
+            isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip > 0
+        ):
+            raise ValueError(f"gradient_clip_val must be None or > 0, got {clip!r}")
+        if self.gradient_clip_algorithm not in ("norm", "value"):
+            raise ValueError(
+                "gradient_clip_algorithm must be 'norm' or 'value', got "
+                f"{self.gradient_clip_algorithm!r}"
+            )
+        interval = self.val_check_interval
+        if not (
+            (isinstance(interval, float) and 0.0 < interval <= 1.0)
+            or (_is_int(interval) and interval >= 1)
+        ):
+            raise ValueError(
+                "val_check_interval must be a fraction of an epoch in (0.0, 1.0] or a number "
+                f"of training batches >= 1, got {interval!r}"
+            )
+        _fraction_or_count("limit_train_batches", self.limit_train_batches)
+        if self.limit_train_batches == 0:
+            raise ValueError(
+                "limit_train_batches=0 leaves no batch to train on; to only validate, call "
+                "Trainer.validate"
+            )
+        _fraction_or_count("limit_val_batches", self.limit_val_batches)
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if self.max_epochs is None and self.max_steps is None:
+            object.__setattr__(self, "max_epochs", 1000)
+        object.__setattr__(self, "default_root_dir", Path(self.default_root_dir))
+
+
+def resolve_precision(
+    precision: Any, info: DeviceInfo, allow_slow: bool = False
+) -> tuple[Policy | PolicyMap, Support]:
+    """The policy a ``precision`` flag means on the device ``info`` describes, and its support.
+
+    ``"auto"`` picks the fastest stable precision for that device. Raises
+    ``mixprec.PolicySpecError`` for an unknown spec, ``mixprec.PrecisionError`` when the
+    device refuses the policy, ``mixprec.SlowPrecisionError`` when it runs far slower than
+    float32 there and ``allow_slow`` is false. Never substitutes another precision.
+    """
+    if isinstance(precision, str) and precision.strip().lower() == "auto":
+        policy: Policy | PolicyMap = resolve_auto(info)
+    else:
+        policy = as_policy(precision)
+    return policy, check(policy, allow_slow=allow_slow, info=info)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's (if installed) and torch's generators (all devices)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+    except ImportError:
+        return
+    np.random.seed(seed % 2**32)
+
+
+@contextlib.contextmanager
+def determinism(enabled: bool) -> Iterator[None]:
+    """Use deterministic algorithms inside the block when ``enabled``; restore after."""
+    if not enabled:
+        yield
+        return
+    before = (torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark)
+    # cuBLAS needs this before its first call to be deterministic
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        torch.backends.cudnn.benchmark = before[1]
+
+
+def choose_precision(
+    precision: Any, device: torch.device, allow_slow: bool
+) -> tuple[Policy | PolicyMap, Support, str]:
+    """The policy a Trainer's ``precision`` flag (a spec, or a configured `Precision`) means on
+    ``device``, its support there and the device's description; logged once (logger
+    ``"mixprec"``). Raises as `resolve_precision` does."""
+    template = precision if isinstance(precision, Precision) else None
+    if template is not None and template.device not in (None, device):
+        raise ValueError(
+            f"the Precision given was built for device {template.device}, but this Trainer "
+            f"runs on {device}; build it without device= (the Trainer sets it)"
+        )
+    info = detect(device)
+    policy, support = resolve_precision(
+        template.policy if template is not None else precision, info, allow_slow
+    )
+    if template is not None:
+        scaling = f"loss scaler {template.scaler!r}"
+    else:
+        scaling = "dynamic loss scaling" if policy.needs_loss_scaling else "no loss scaling"
+    description = info.describe()
+    log.info(
+        "precision %s on %s: %s (%s); %s",
+        policy.name,
+        description,
+        support.status,
+        support.reason,
+        scaling,
+    )
+    return policy, support, description
+
+
+def new_precision(
+    policy: Policy | PolicyMap, device: torch.device, allow_slow: bool, template: Precision | None
+) -> Precision:
+    """A fresh `Precision` for one run; a configured ``template`` gives its scaler settings
+    (copied as given, so every run starts from the same scale) and master-weight choice."""
+    if template is None:
+        return Precision(policy, device=device, allow_slow=allow_slow)
+    return Precision(
+        policy,
+        device=device,
+        allow_slow=allow_slow,
+        scaler=copy.deepcopy(template.scaler),
+        master_weights=template.master_weights,
+    )
+
+
+def make_callbacks(callbacks: Any, progress: bool, checkpointing: bool) -> list[Callback]:
+    """The run's callbacks: the given ones, plus the progress bar and a ModelCheckpoint
+    when enabled and not given."""
+    items = (
+        []
+        if callbacks is None
+        else list(callbacks)
+        if isinstance(callbacks, (list, tuple))
+        else [callbacks]
+    )
+    for item in items:
+        if not isinstance(item, Callback):
+            raise ValueError(f"callbacks must be Callback instances, got {type(item).__name__}")
+    if progress and not any(isinstance(c, RichProgressBar) for c in items):
+        items.append(RichProgressBar())
+    if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in items):
+        items.append(ModelCheckpoint())
+    if not checkpointing and any(isinstance(c, ModelCheckpoint) for c in items):
+        raise ValueError("enable_checkpointing=False but a ModelCheckpoint callback was given")
+    # a checkpoint keeps each callback's state under its key: two with one key would mix up
+    keys: dict[str, Callback] = {}
+    for cb in items:
+        if type(cb).state_dict is Callback.state_dict:
+            continue  # keeps no state
+        if cb.state_key in keys:
+            raise ValueError(
+                f"two callbacks have the same state key {cb.state_key!r} (a checkpoint could "
+                "not tell their states apart); give them distinct settings (another dirpath, "
+                "monitor...) or drop the duplicate"
+            )
+        keys[cb.state_key] = cb
+    return items
+
+
+def _check_writable(directory: Path, what: str) -> None:
+    """Raise now if ``directory`` cannot be created or written, rather than after an epoch."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(
+            f"{what} {directory} cannot be created: {existing} is a file, not a directory"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"{what} {directory} cannot be written: {existing} is read-only")
+
+
+def check_fit_inputs(trainer: Trainer, model: Any, train: Any, val: Any) -> None:
+    """What would otherwise fail only after the first epoch, or never end: no training data,
+    validation data the model cannot validate, directories that cannot be written."""
+    if train is None:
+        raise ValueError(
+            "fit needs training data: train_dataloaders is None (pass a DataLoader or any "
+            "iterable of batches)"
+        )
+    if (
+        val is not None
+        and trainer.config.limit_val_batches != 0
+        and isinstance(model, TrainingModule)
+        and type(model).validation_step is TrainingModule.validation_step
+    ):
+        raise ValueError(
+            f"validation data was given but {type(model).__name__} defines no "
+            "validation_step; define it, or leave val_dataloaders out"
+        )
+    if trainer.loggers or trainer.checkpoint_callback is not None:
+        _check_writable(trainer.config.default_root_dir, "default_root_dir")
+    for lg in trainer.loggers:
+        _check_writable(lg.save_dir, f"{type(lg).__name__} save_dir")
+    for cb in trainer.callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
+            _check_writable(cb.dirpath, "ModelCheckpoint dirpath")
+
+
+def check_model(model: Any, loss_fn: Any) -> None:
+    """A model the Trainer can run: an nn.Module, with a loss_fn unless a TrainingModule."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(model, TrainingModule) and loss_fn is None:
+        raise ValueError(
+            f"{type(model).__name__} is a plain nn.Module: pass loss_fn=(output, target) -> "
+            "loss to fit/validate/test, or subclass mixprec.TrainingModule"
+        )

@@ -1,0 +1,412 @@
+"""The loops: fit (epochs of batches, optimizer steps, validation when due), evaluation and
+prediction. Read `fit_loop`, `train_epoch` and `train_batch` top to bottom: that is the whole
+training algorithm.
+
+Every loop works on a run object (`Run`, `FitRun`) that `Trainer._run` builds once the model
+is on its device: its fields are set, so nothing here checks for a missing model or
+optimizer. Counters callbacks read (epoch, step, batches done) stay on the Trainer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.optim import LossScaleOptimizer, scheduler_step
+from mixprec.precision import Precision
+from mixprec.trainer import checkpoint as ckpt_io
+from mixprec.trainer.data import (
+    batch_size_of,
+    generators,
+    iterate_from,
+    num_batches,
+    set_epoch,
+    to_device,
+    why_empty,
+)
+from mixprec.trainer.module import TrainingModule
+from mixprec.trainer.optimizers import Scheduler
+
+if TYPE_CHECKING:
+    from mixprec.trainer.trainer import Trainer
+
+
+class StepRunner(nn.Module):
+    """Runs one step of a kind ("training", "validation", ...) as a module's forward, so that
+    DistributedDataParallel sees the training step as its forward (as Lightning does)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., Tensor] | None) -> None:
+        super().__init__()
+        self.module = model
+        self.__dict__["loss_fn"] = loss_fn  # never a submodule: not converted, not synced
+
+    def forward(self, kind: str, batch: Any, batch_idx: int) -> Any:
+        model = self.module
+        if isinstance(model, TrainingModule):
+            return getattr(model, f"{kind}_step")(batch, batch_idx)
+        if kind == "predict" and isinstance(batch, Tensor):
+            return model(batch)
+        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+            raise TypeError(
+                "a plain module's batches must be (inputs..., target) tuples or lists (for "
+                f"predict also a bare input tensor), got {type(batch).__name__}; for other "
+                "batches write a TrainingModule"
+            )
+        *inputs, target = batch
+        out = model(*inputs)
+        if kind == "predict":
+            return out  # the target, if the batch has one, is not needed
+        return self.loss_fn(out, target)
+
+
+class EmptyEpochError(ValueError):
+    """A training epoch had no batch to train on (the loop would never end)."""
+
+
+@dataclass
+class Run:
+    """What one validate/test/predict call works with, set up on the device."""
+
+    model: nn.Module
+    precision: Precision
+    runner: StepRunner
+
+    @property
+    def is_module(self) -> bool:
+        """Whether the model is a TrainingModule (else a plain module with a loss_fn)."""
+        return isinstance(self.model, TrainingModule)
+
+    def step_context(self) -> AbstractContextManager[Any]:
+        """The compute region for a step: a TrainingModule's step may call submodules
+        directly, so it runs under the precision's autocast; a plain module's forward
+        enters its region by itself."""
+        if self.is_module:
+            return self.precision.autocast()
+        return contextlib.nullcontext()
+
+
+@dataclass
+class FitRun(Run):
+    """A fit: the run, its optimizers, schedulers and loaders, and the loop's own state."""
+
+    wrapped: nn.Module  # what training steps run through (the DDP wrapper, or the runner)
+    step: Callable[..., Any]  # the training step: the wrapper, or the runner's forward
+    optimizers: list[LossScaleOptimizer]
+    schedulers: list[Scheduler]
+    train_loader: Iterable[Any]
+    train_data: Iterable[Any]  # as the user gave it (for messages)
+    val_loader: Iterable[Any] | None
+    num_training_batches: int | None
+    # generator states when this epoch's order was drawn (set by the epoch or a checkpoint)
+    epoch_rng: dict[str, Any] = field(default_factory=dict)
+    resume_rng: dict[str, Any] | None = None  # states to restore once resumed batches are skipped
+    in_window: bool = False  # gradients accumulated and not yet stepped
+    skipped_steps: int = 0  # counted here: reading the scaler's stats is a host sync
+    epoch_finished: bool = False
+    window_losses: list[Tensor] = field(default_factory=list)
+    trained_batches: int = 0  # batches of this epoch that returned a loss
+
+    def release_wrapper(self) -> None:
+        """Drop the DDP wrapper (it holds the process group) once the run is over."""
+        self.wrapped, self.step = self.runner, self.runner.forward
+
+
+# -- fit ------------------------------------------------------------------------------------
+
+
+def fit_loop(trainer: Trainer, run: FitRun) -> None:
+    """Epochs until a stop condition; an epoch cut by ``max_steps`` is left unfinished."""
+    if trainer.batches_done == 0:  # resuming at an epoch boundary, or starting
+        restore_resume_rng(run)
+    while not fit_done(trainer):
+        train_epoch(trainer, run)
+        if run.epoch_finished:
+            end_epoch(trainer, run)
+
+
+def fit_done(trainer: Trainer) -> bool:
+    """Whether training should stop now (early stop, ``max_steps`` or ``max_epochs``)."""
+    config = trainer.config
+    if trainer.should_stop:
+        return True
+    if config.max_steps is not None and trainer.global_step >= config.max_steps:
+        return True
+    return config.max_epochs is not None and trainer.current_epoch >= config.max_epochs
+
+
+def restore_resume_rng(run: FitRun) -> None:
+    """Put back the generator states saved with a checkpoint (once)."""
+    if run.resume_rng is not None:
+        ckpt_io.set_rng_states(run.resume_rng)
+        run.resume_rng = None
+
+
+def train_epoch(trainer: Trainer, run: FitRun) -> None:
+    """One epoch, or its rest when resumed mid-epoch, or until a stop condition."""
+    run.wrapped.train()
+    trainer._hook("on_train_epoch_start")
+    loader = run.train_loader
+    set_epoch(loader, trainer.current_epoch)
+    # The epoch's data order is drawn from the generators when iteration starts: their state
+    # then is kept (and checkpointed) so that a run resumed mid-epoch replays the same order,
+    # skips the batches already done, and goes on with the generators as they were at the save.
+    if trainer.batches_done == 0:
+        run.epoch_rng = {
+            "torch": torch.get_rng_state(),
+            "loader": [g.get_state() for g in generators(loader)],
+        }
+        batches = iter(loader)
+    else:
+        torch.set_rng_state(run.epoch_rng["torch"])
+        for g, s in zip(generators(loader), run.epoch_rng["loader"], strict=True):
+            g.set_state(s)
+        batches = iterate_from(loader, trainer.batches_done, lambda: restore_resume_rng(run))
+    exhausted = run.epoch_finished = False
+    trainer._log.samples = 0
+    trainer._log.start_timing()
+    n = run.num_training_batches
+    first = batch_idx = trainer.batches_done
+    run.trained_batches = 0
+    while n is None or batch_idx < n:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            exhausted = True
+            break
+        train_batch(trainer, run, batch, batch_idx)
+        batch_idx += 1
+        trainer.should_stop = trainer.strategy.any(trainer.should_stop)  # all ranks together
+        if fit_done(trainer):
+            break
+    if first == 0 and batch_idx == 0:  # an epoch without batches would repeat forever
+        raise EmptyEpochError(
+            f"the training data gave no batch in epoch {trainer.current_epoch}: "
+            f"{why_empty(run.train_data, trainer.current_epoch)}"
+        )
+    finished = exhausted or batch_idx == n
+    if first == 0 and finished and run.trained_batches == 0:
+        raise EmptyEpochError(
+            f"training_step returned None for all {batch_idx} batches of epoch "
+            f"{trainer.current_epoch}, so nothing was trained; return the loss for the batches "
+            "to learn from"
+        )
+    if run.in_window:  # an epoch of unknown length ended inside a window
+        optimizer_step(trainer, run)
+    run.epoch_finished = finished
+
+
+def train_batch(trainer: Trainer, run: FitRun, batch: Any, batch_idx: int) -> None:
+    """Forward and scaled backward of one micro-batch; the optimizer step at the end of its
+    accumulation window; validation when due."""
+    precision = run.precision
+    batch = precision.convert_input(to_device(batch, trainer.strategy.device))
+    trainer._hook("on_train_batch_start", batch, batch_idx)
+    trainer.stepped_this_batch = False
+
+    # forward and scaled backward; DDP all-reduces only on the window's last micro-batch
+    k, n = trainer.config.accumulate_grad_batches, run.num_training_batches
+    window_start = batch_idx - batch_idx % k
+    window = k if n is None else min(k, n - window_start)
+    last_in_window = batch_idx - window_start == window - 1
+    run.in_window = True
+    with trainer.strategy.no_sync(run.wrapped, sync=last_in_window):
+        with run.step_context():
+            output = run.step("training", batch, batch_idx)
+            loss = loss_of(output, "training_step" if run.is_module else "loss_fn")
+        if loss is not None:
+            precision.backward(loss / window if window > 1 else loss)
+        elif trainer.world_size > 1:
+            raise RuntimeError(
+                f"training_step returned None for batch {batch_idx} on rank "
+                f"{trainer.strategy.global_rank}: under DDP a skipped batch would leave the "
+                "other processes waiting for its gradients; return a loss that contributes "
+                "nothing instead (e.g. loss * 0.0)"
+            )
+    if loss is not None:  # None: the batch is skipped, as in Lightning
+        run.window_losses.append(loss.detach())
+        run.trained_batches += 1
+    trainer._log.samples += batch_size_of(batch)
+
+    if last_in_window:
+        optimizer_step(trainer, run)
+    trainer.batches_done = batch_idx + 1
+    if run.val_loader is not None and val_due(trainer, run, batch_idx):
+        validate_during_fit(trainer, run, run.val_loader)
+    trainer._hook("on_train_batch_end", output, batch, batch_idx)
+
+
+def loss_of(output: Any, who: str) -> Tensor | None:
+    """The loss in what ``who`` (training_step or loss_fn) returned: a tensor, a dict holding
+    ``"loss"``, or None (skip the batch)."""
+    if output is None:
+        return None
+    loss = output.get("loss") if isinstance(output, dict) else output
+    if not isinstance(loss, Tensor):
+        raise TypeError(
+            f"{who} must return the loss as a one-element tensor (or a dict with 'loss', or "
+            f"None to skip the batch), got {type(output).__name__}"
+        )
+    if loss.numel() != 1:
+        raise TypeError(
+            f"{who} must return the loss as a single number, got a tensor of shape "
+            f"{tuple(loss.shape)}: reduce it (e.g. .mean() or reduction='mean')"
+        )
+    return loss if loss.dim() == 0 else loss.reshape(())
+
+
+def optimizer_step(trainer: Trainer, run: FitRun) -> None:
+    """Unscale, hooks, clip, step or skip (all optimizers together), schedulers, log."""
+    precision, config = run.precision, trainer.config
+    if not run.window_losses:  # every micro-batch of the window was skipped: nothing to step
+        for opt in run.optimizers:
+            opt.zero_grad(set_to_none=True)
+        run.in_window = False
+        return
+    precision.unscale_()
+    for opt in run.optimizers:
+        trainer._hook("on_before_optimizer_step", opt)
+    if config.gradient_clip_val is not None:
+        for opt in run.optimizers:
+            if config.gradient_clip_algorithm == "norm":
+                precision.clip_grad_norm_(opt, config.gradient_clip_val)
+            else:
+                precision.clip_grad_value_(opt, config.gradient_clip_val)
+    if not precision.step():
+        run.skipped_steps += 1
+    for opt in run.optimizers:
+        opt.zero_grad(set_to_none=True)
+    run.in_window = False
+    trainer.global_step += 1
+    trainer.stepped_this_batch = True
+    for s in run.schedulers:
+        if s.interval == "step" and trainer.global_step % s.frequency == 0:
+            scheduler_step(s.scheduler, s.optimizer)  # does not advance on a skipped step
+    losses, run.window_losses = run.window_losses, []
+    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+    log_step(trainer, run, loss)
+
+
+def log_step(trainer: Trainer, run: FitRun, loss: Tensor) -> None:
+    """Queue this step's values: what self.log recorded, the loss, lr, loss scale and
+    skipped steps. They stay tensors (no host sync) until the log is flushed."""
+    row: dict[str, Tensor | float] = dict(trainer._metrics.take_step(trainer.strategy.mean))
+    row["loss"] = loss
+    row["lr"] = run.optimizers[0].param_groups[0]["lr"] if run.optimizers else 0.0
+    scaler = run.precision.scaler
+    if scaler.enabled:
+        row["loss_scale"] = scaler.scale_tensor.clone()
+        row["skipped_steps"] = float(run.skipped_steps)
+    trainer._log.add(trainer.global_step, row)
+
+
+def val_due(trainer: Trainer, run: FitRun, batch_idx: int) -> bool:
+    """Whether a validation pass runs after training batch ``batch_idx``."""
+    if trainer.config.limit_val_batches == 0:
+        return False
+    n = run.num_training_batches
+    if n is not None and batch_idx + 1 == n:
+        return True  # every epoch ends with a validation
+    interval = trainer.config.val_check_interval
+    if isinstance(interval, float):
+        if interval == 1.0 or n is None:
+            return False
+        interval = max(1, int(n * interval))
+    return (batch_idx + 1) % interval == 0
+
+
+def validate_during_fit(trainer: Trainer, run: FitRun, loader: Iterable[Any]) -> None:
+    """A validation pass inside fit; its time does not count as training time."""
+    trainer._log.flush()  # the throughput so far, before validation time starts counting
+    run_eval(trainer, run, "validation", loader, trainer.config.limit_val_batches)
+    run.wrapped.train()
+    trainer._log.start_timing()
+
+
+def end_epoch(trainer: Trainer, run: FitRun) -> None:
+    """Epoch-interval schedulers, the epoch-end hooks (checkpoints), the next epoch."""
+    for lg in trainer.loggers:
+        lg.flush()
+    for s in run.schedulers:
+        if s.interval == "epoch" and (trainer.current_epoch + 1) % s.frequency == 0:
+            args = [monitored(trainer, s)] if s.monitor else []
+            scheduler_step(s.scheduler, s.optimizer, *args)
+    trainer._hook("on_train_epoch_end")
+    trainer.current_epoch += 1
+    trainer.batches_done = 0
+    run.epoch_finished = False
+
+
+def monitored(trainer: Trainer, s: Scheduler) -> float:
+    """The value of the metric a plateau-type scheduler watches."""
+    metrics = trainer.callback_metrics
+    if s.monitor not in metrics:
+        raise KeyError(
+            f"the scheduler monitors {s.monitor!r}, which was not logged; logged: "
+            f"{', '.join(sorted(metrics)) or 'nothing'}"
+        )
+    return metrics[s.monitor]
+
+
+# -- evaluation and prediction ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def rng_unchanged() -> Iterator[None]:
+    """Run a block (validation) without moving the random generators training draws from,
+    so that how often one validates never changes the training run."""
+    states = ckpt_io.rng_states()
+    try:
+        yield
+    finally:
+        ckpt_io.set_rng_states(states)
+
+
+def run_eval(
+    trainer: Trainer, run: Run, kind: str, loader: Iterable[Any], limit: int | float | None
+) -> dict[str, float]:
+    """One validation or test pass; returns its epoch metrics (also logged)."""
+    what = "val" if kind == "validation" else "test"
+    trainer.num_eval_batches = num_batches(loader, limit, what)
+    model, metrics_store = run.model, trainer._metrics
+    plain = not isinstance(model, TrainingModule)
+    run.runner.eval()
+    metrics_store.training = False
+    with rng_unchanged(), torch.no_grad():
+        trainer._hook(f"on_{kind}_start")
+        for batch_idx, batch in enumerate(loader):
+            if trainer.num_eval_batches is not None and batch_idx >= trainer.num_eval_batches:
+                break
+            batch = run.precision.convert_input(to_device(batch, trainer.strategy.device))
+            with run.step_context():
+                output = run.runner(kind, batch, batch_idx)
+            if plain:
+                metrics_store.log(f"{what}_loss", output, batch_size=batch_size_of(batch))
+            step_metrics = metrics_store.take_step(trainer.strategy.mean)
+            if step_metrics:
+                trainer._log.add(trainer.global_step, dict(step_metrics), flush=True)
+            trainer._hook(f"on_{kind}_batch_end", output, batch, batch_idx)
+        if kind == "validation" and isinstance(model, TrainingModule):
+            model.on_validation_epoch_end()
+        metrics = metrics_store.take_epoch(trainer.strategy.mean)
+        trainer._log.add(trainer.global_step, dict(metrics), flush=True)
+        trainer._hook(f"on_{kind}_end")
+    metrics_store.training = True
+    return metrics
+
+
+def predict_loop(trainer: Trainer, run: Run, loader: Iterable[Any]) -> list[Any]:
+    """The outputs of ``predict_step`` (or of the module) for each batch, in order."""
+    run.runner.eval()
+    out = []
+    with torch.no_grad():
+        for batch_idx, batch in enumerate(loader):
+            batch = run.precision.convert_input(to_device(batch, trainer.strategy.device))
+            with run.step_context():
+                out.append(run.runner("predict", batch, batch_idx))
+    return out

@@ -1,0 +1,284 @@
+"""The Trainer's parts on their own: data helpers (devices, lengths, skipping, sharding),
+metric buffering and the summary, device flags, the config, a configured Precision."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+
+import mixprec
+from mixprec.scaling import DynamicLossScaler
+from mixprec.trainer import Trainer
+from mixprec.trainer.config import TrainerConfig
+from mixprec.trainer.data import (
+    batch_size_of,
+    distributed,
+    generators,
+    iterate_from,
+    num_batches,
+    set_epoch,
+    to_device,
+)
+from mixprec.trainer.metrics import MetricStore, StepLog, summary_rows
+from mixprec.trainer.strategy import resolve_devices
+
+QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False)
+
+
+# -- data -------------------------------------------------------------------------------------
+
+Pair = collections.namedtuple("Pair", "x y")
+
+
+def test_to_device_keeps_the_batch_structure():
+    batch = {"a": [torch.zeros(2), (torch.ones(1), "text")], "p": Pair(torch.zeros(3), 7)}
+    moved = to_device(batch, torch.device("meta"))
+    assert moved["a"][0].device.type == "meta" and moved["a"][1][0].device.type == "meta"
+    assert moved["a"][1][1] == "text" and isinstance(moved["a"][1], tuple)
+    assert isinstance(moved["p"], Pair) and moved["p"].x.device.type == "meta"
+    assert moved["p"].y == 7
+
+
+def test_batch_size_of_reads_the_first_tensor():
+    assert batch_size_of((torch.zeros(5, 2), torch.zeros(3))) == 5
+    assert batch_size_of({"x": torch.zeros(4)}) == 4
+    assert batch_size_of(torch.tensor(1.0)) == 1
+    assert batch_size_of("no tensor") == 1
+
+
+class Stream(IterableDataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        return iter(torch.arange(self.n, dtype=torch.float32))
+
+
+def test_num_batches_applies_limits_and_refuses_a_fraction_without_length():
+    loader = DataLoader(TensorDataset(torch.zeros(10)), batch_size=3)  # 4 batches
+    assert num_batches(loader, None, "train") == 4
+    assert num_batches(loader, 0.5, "train") == 2
+    assert num_batches(loader, 0.01, "train") == 1  # a positive fraction keeps one batch
+    assert num_batches(loader, 9, "train") == 4
+    assert num_batches(loader, 0, "val") == 0
+    stream = DataLoader(Stream(10), batch_size=3)
+    assert num_batches(stream, None, "train") is None
+    assert num_batches(stream, 2, "train") == 2
+    with pytest.raises(ValueError, match="limit_train_batches=0.5 is a fraction.*no len"):
+        num_batches(stream, 0.5, "train")
+
+
+class Counting(Dataset):
+    """Records which samples were loaded."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.loaded: list[int] = []
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.loaded.append(i)
+        return torch.tensor(float(i))
+
+
+def test_iterate_from_skips_on_the_sampler_without_loading_skipped_samples():
+    data = Counting(10)
+    calls = []
+    batches = list(iterate_from(DataLoader(data, batch_size=3), 2, lambda: calls.append(1)))
+    assert [b.tolist() for b in batches] == [[6.0, 7.0, 8.0], [9.0]]
+    assert data.loaded == [6, 7, 8, 9] and calls == [1]
+
+
+def test_iterate_from_drops_batches_of_an_iterable_and_replays_a_shuffle():
+    got = [b.tolist() for b in iterate_from(DataLoader(Stream(7), batch_size=3), 1)]
+    assert got == [[3.0, 4.0, 5.0], [6.0]]
+    g = torch.Generator().manual_seed(3)
+    loader = DataLoader(TensorDataset(torch.arange(12)), batch_size=4, shuffle=True, generator=g)
+    [state] = [gen.get_state() for gen in generators(loader)]
+    full = [b[0].tolist() for b in loader]
+    g.set_state(state)
+    assert [b[0].tolist() for b in iterate_from(loader, 1)] == full[1:]
+
+
+def test_distributed_shards_by_rank_and_refuses_what_it_cannot_shard():
+    loader = DataLoader(TensorDataset(torch.arange(8)), batch_size=2)
+    shards = [[b[0].tolist() for b in distributed(loader, r, 2, seed=0)] for r in range(2)]
+    assert shards == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
+    ddp_loader = distributed(loader, 0, 2, seed=0)
+    set_epoch(ddp_loader, 5)
+    assert ddp_loader.batch_sampler.sampler.epoch == 5
+    assert distributed(ddp_loader, 0, 2, seed=0) is ddp_loader  # already sharded
+    with pytest.raises(TypeError, match="map-style dataset"):
+        distributed(DataLoader(Stream(4), batch_size=2), 0, 2, seed=0)
+    with pytest.raises(TypeError, match="needs a torch.utils.data.DataLoader"):
+        distributed([torch.zeros(2)], 0, 2, seed=0)
+    custom = DataLoader(TensorDataset(torch.arange(4)), batch_sampler=[[0, 1], [2, 3]])
+    with pytest.raises(TypeError, match="custom batch_sampler"):
+        distributed(custom, 0, 2, seed=0)
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+
+def identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def test_metric_store_means_per_step_and_weighted_per_epoch():
+    store = MetricStore()
+    store.log("a", torch.tensor(1.0))
+    store.log("a", 3.0)
+    store.log("b", torch.tensor([2.0]), on_step=True, on_epoch=True, prog_bar=True)
+    step = store.take_step(identity)
+    assert {k: float(v) for k, v in step.items()} == {"a": 2.0, "b_step": 2.0}
+    assert store.take_step(identity) == {}
+    assert store.prog_bar == {"b_step", "b_epoch"}
+    store.training = False  # validation: epoch means by default
+    store.log("v", 1.0, batch_size=3)
+    store.log("v", 5.0, batch_size=1)
+    assert store.take_epoch(identity) == {"b_epoch": 2.0, "v": 2.0}
+    with pytest.raises(ValueError, match=r"shape \(2,\).*\.mean\(\)"):
+        store.log("x", torch.zeros(2))
+    with pytest.raises(ValueError, match="both False"):
+        store.log("x", 1.0, on_step=False, on_epoch=False)
+    with pytest.raises(ValueError, match="needs a number"):
+        store.log("x", "1")
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.rows.append((step, metrics))
+
+
+class Where:
+    def __init__(self, zero: bool) -> None:
+        self.device = torch.device("cpu")
+        self.world_size = 2
+        self.is_global_zero = zero
+
+
+def test_step_log_writes_in_batches_on_rank_zero_with_the_throughput():
+    sink = Sink()
+    steplog = StepLog([sink], Where(zero=True))
+    steplog.start_timing()
+    for step in range(1, 25):
+        steplog.add(step, {"loss": torch.tensor(float(step))})
+    assert sink.rows == []  # kept as tensors until 25 rows or a reader
+    steplog.samples = 40
+    steplog.add(25, {"loss": torch.tensor(25.0)})
+    assert [s for s, _ in sink.rows] == list(range(1, 26))
+    last = sink.rows[-1][1]
+    assert last["loss"] == 25.0 and last["samples_per_sec"] > 0 and last["peak_memory_mib"] > 0
+    assert "samples_per_sec" not in sink.rows[0][1]
+    assert steplog.callback_metrics["loss"] == 25.0 and steplog.throughput() > 0
+
+    other = Sink()
+    not_zero = StepLog([other], Where(zero=False))
+    not_zero.add(1, {"loss": 1.0}, flush=True)
+    assert other.rows == [] and not_zero.callback_metrics == {"loss": 1.0}
+    assert not_zero.throughput() is None
+
+
+def test_summary_rows_leave_out_the_per_step_figures():
+    class Stats:
+        scale = 1024.0
+        skipped_steps = 2
+
+    rows = summary_rows(
+        {"precision": "16-mixed"},
+        Stats(),
+        123.4,
+        56.0,
+        {"val_loss": 0.5, "lr": 0.1, "samples_per_sec": 3.0},
+        "best.ckpt",
+    )
+    assert rows == {
+        "precision": "16-mixed",
+        "loss scale": "1024 (2 skipped steps)",
+        "throughput": "123.4 samples/s",
+        "peak memory": "56 MiB",
+        "val_loss": "0.5",
+        "checkpoint": "best.ckpt",
+    }
+
+
+# -- flags --------------------------------------------------------------------------------------
+
+
+def test_resolve_devices():
+    assert resolve_devices("cpu", "auto") == [0]
+    assert resolve_devices("cpu", 3) == [0, 1, 2]
+    for bad, message in [
+        (0, "at least 1"),
+        (True, "positive int"),
+        ("2", "positive int"),
+        ([0, 1], "needs accelerator='cuda'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            resolve_devices("cpu", bad)
+    with pytest.raises(ValueError, match="MPS has one device"):
+        resolve_devices("mps", 2)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="asks for GPU 0, but 0 are visible"):
+            resolve_devices("cuda", [0])
+
+
+def test_config_is_frozen_and_defaults_to_1000_epochs():
+    config = TrainerConfig()
+    assert config.max_epochs == 1000 and config.max_steps is None
+    assert TrainerConfig(max_steps=5).max_epochs is None
+    with pytest.raises(AttributeError):
+        config.max_epochs = 3  # type: ignore[misc]
+    trainer = Trainer(max_steps=5, accumulate_grad_batches=2, **QUIET)
+    assert (trainer.max_steps, trainer.accumulate_grad_batches) == (5, 2)
+    assert trainer.max_epochs is None
+
+
+@pytest.mark.parametrize("value", [0, None, -1, 1.5, True])
+def test_accumulate_grad_batches_has_one_rule_and_one_message(value):
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches must be an int >= 1 \("):
+        Trainer(accumulate_grad_batches=value, **QUIET)
+
+
+def test_a_configured_precision_brings_its_scaler_settings_to_every_run():
+    template = mixprec.Precision(
+        "16-mixed", scaler=DynamicLossScaler(init_scale=2**12), allow_slow=True
+    )
+    trainer = Trainer(precision=template, max_steps=2, **QUIET)  # allow_slow comes along
+    assert trainer.policy == mixprec.Policy("16-mixed")
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(8, 4), 0.01 * torch.randn(8, 1))
+    for _ in range(2):  # each fit starts from the configured scale, not the last run's state
+        trainer.fit(nn.Linear(4, 1), DataLoader(data, batch_size=4), loss_fn=F.mse_loss)
+        stats = trainer.precision.scaler.stats()
+        assert stats.scale == 2**12 and stats.steps == 2 and stats.skipped_steps == 0
+        assert trainer.precision.scaler is not template.scaler
+    assert template.scaler.stats().steps == 0  # the given object is left as it was
+    with pytest.raises(ValueError, match="built for device meta"):
+        Trainer(precision=mixprec.Precision("32-true", device="meta"), **QUIET)
+
+
+def test_an_inf_free_run_at_a_low_init_scale_logs_that_scale(tmp_path):
+    template = mixprec.Precision("16-mixed", scaler=DynamicLossScaler(init_scale=256.0))
+    trainer = Trainer(
+        precision=template,
+        max_steps=1,
+        default_root_dir=tmp_path,
+        allow_slow_precision=True,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    data = TensorDataset(torch.randn(4, 4), torch.randn(4, 1))
+    trainer.fit(nn.Linear(4, 1), DataLoader(data, batch_size=4), loss_fn=F.mse_loss)
+    assert math.isclose(trainer.callback_metrics["loss_scale"], 256.0)
