@@ -212,15 +212,15 @@ _TF32_PROBE = textwrap.dedent(
 
 def test_tf32_switch_changes_float32_matmul_and_conv():
     """In a fresh process (TF32 is global state): off gives float32 accuracy (~1e-7), on
-    gives TF32's 10-bit mantissa (~1e-4), for cuBLAS matmuls and cuDNN convolutions."""
+    gives TF32's 10-bit mantissa (~3e-4), for cuBLAS matmuls and cuDNN convolutions."""
     proc = subprocess.run(
         [sys.executable, "-c", _TF32_PROBE], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
     errors = json.loads(proc.stdout.strip().splitlines()[-1])
     for off, on in zip(errors["False"], errors["True"], strict=True):
-        assert off < 1e-5
-        assert on > 1e-5 and on > 10 * off
+        assert off < 5e-5  # float32 (cuDNN may pick a Winograd-type algorithm: ~1e-6)
+        assert on > 1e-4 and on > 5 * off
 
 
 # -- memory reported from the device ----------------------------------------------------------

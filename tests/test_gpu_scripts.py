@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU = ROOT / "benchmarks" / "gpu"
 
 
-def _load_transformer():
-    spec = importlib.util.spec_from_file_location("gpu_transformer", GPU / "transformer.py")
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"gpu_{name}", GPU / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -23,7 +24,7 @@ def _load_transformer():
 
 def test_transformer_script_tiny_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    transformer = _load_transformer()
+    transformer = _load("transformer")
     out = tmp_path / "out"
     names = ["fp32 strict (TF32 off)", "16-mixed"]
     args = ["--device", "cpu", "--tiny", "--compile", "off", "--threads", "1", "--allow-slow"]
@@ -56,19 +57,35 @@ def test_transformer_script_tiny_on_cpu(tmp_path, monkeypatch):
 
 
 def test_transformer_script_refuses_cuda_without_a_gpu(tmp_path, capsys):
-    import torch
-
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    transformer = _load_transformer()
+    transformer = _load("transformer")
     assert transformer.main(["--device", "cuda", "--out", str(tmp_path)]) == 2
     assert "--device cpu --tiny" in capsys.readouterr().err
+
+
+def test_trainer_overhead_script_tiny_on_cpu(tmp_path, monkeypatch, capsys):
+    script = _load("trainer_overhead")
+    out = tmp_path / "trainer.md"
+    args = ["--device", "cpu", "--tiny", "--precision", "32-true", "--out", str(out)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a shared 2-core machine: one thread times steadily
+    try:
+        code = script.main(args)
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0
+    text = out.read_text()
+    assert "blog CNN on 16x16 images, batch 4" in text
+    row = next(line for line in text.splitlines() if line.startswith("| 32-true |"))
+    assert row.count("|") == 5 and row.count("%") == 2
+    assert text in capsys.readouterr().out
 
 
 def test_run_h100_script_is_valid_bash_and_lists_its_parts():
     script = GPU / "run_h100.sh"
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
-    for part in ("-m cuda", "--preset blog", "--max-batch --memory-limit", "transformer.py"):
+    for part in ("-m cuda", "--preset blog", "--max-batch", "transformer.py", "trainer_overhead"):
         assert part in text
     assert "results.tar.gz" in text

@@ -3,7 +3,7 @@
 # (each at most 10 minutes; the budgets below keep each under 9):
 #
 #   1. PYTHONPATH=src bash benchmarks/gpu/run_h100.sh               # cuda blog maxbatch suite
-#   2. PYTHONPATH=src bash benchmarks/gpu/run_h100.sh transformer
+#   2. PYTHONPATH=src bash benchmarks/gpu/run_h100.sh transformer trainer
 #
 # The device tool runs the command in the repository root and brings $OUT back. Parts can be
 # named one by one (`run_h100.sh blog maxbatch`); `all` runs every part in one go (up to
@@ -23,12 +23,16 @@
 #                fits (see benchmarks/gpu/README.md for why 4.5 GiB)
 #   transformer  benchmarks/gpu/transformer.py: a 218M-parameter decoder LM in five
 #                precisions, eager and torch.compile, mixprec against hand-written torch
+#   trainer      benchmarks/gpu/trainer_overhead.py: the Trainer against a hand-written
+#                Precision loop on the blog CNN (128x128, batch 128), bf16-mixed and 16-mixed
 #
 # Each part runs under `timeout` (seconds: CUDA_TIMEOUT, SUITE_TIMEOUT, BLOG_TIMEOUT,
-# MAXBATCH_TIMEOUT, TRANSFORMER_TIMEOUT; MEMORY_LIMIT overrides 4.5GiB). What comes back in
+# MAXBATCH_TIMEOUT, TRANSFORMER_TIMEOUT, TRAINER_TIMEOUT; MEMORY_LIMIT overrides 4.5GiB),
+# which also ends the part's child processes. What comes back in
 # $OUT (default ./h100-out), flat, at most 8 files: one log per part, summary.md (what ran,
 # exit codes, durations, the GPU, and the result tables), and results.tar.gz holding every
-# output folder (bench_blog_h100/, bench_maxbatch_h100/, transformer_h100/) and the logs.
+# output folder (bench_blog_h100/, bench_maxbatch_h100/, transformer_h100/,
+# trainer_h100/) and the logs.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -44,7 +48,7 @@ MEMORY_LIMIT="${MEMORY_LIMIT:-4.5GiB}"
 if [ "$#" -eq 0 ]; then
     set -- cuda blog maxbatch suite
 elif [ "$1" = all ]; then
-    set -- cuda blog maxbatch suite transformer
+    set -- cuda blog maxbatch suite transformer trainer
 fi
 
 {
@@ -92,16 +96,20 @@ for part in "$@"; do
                 --batch-sizes 256 --precision 32-true bf16-mixed --tf32 off \
                 --max-batch --memory-limit "$MEMORY_LIMIT" --out "$WORK/bench_maxbatch_h100" ;;
         transformer)
-            run transformer "${TRANSFORMER_TIMEOUT:-520}" python benchmarks/gpu/transformer.py \
+            run transformer "${TRANSFORMER_TIMEOUT:-420}" python benchmarks/gpu/transformer.py \
                 --device cuda --timeout 150 --out "$WORK/transformer_h100" ;;
+        trainer)
+            run trainer "${TRAINER_TIMEOUT:-100}" python benchmarks/gpu/trainer_overhead.py \
+                --device cuda --out "$WORK/trainer_h100/results.md" ;;
         *)
-            echo "unknown part '$part': use cuda, suite, blog, maxbatch, transformer or all" >&2
+            echo "unknown part '$part': use cuda, suite, blog, maxbatch, transformer, trainer" \
+                "or all" >&2
             exit 2 ;;
     esac
 done
 
 for report in bench_blog_h100/report.md bench_maxbatch_h100/report.md \
-    transformer_h100/results.md; do
+    transformer_h100/results.md trainer_h100/results.md; do
     if [ -f "$WORK/$report" ]; then
         { echo; echo "## $report"; echo; cat "$WORK/$report"; } >> "$SUMMARY"
     fi
