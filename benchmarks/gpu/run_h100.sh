@@ -21,7 +21,7 @@
 #   maxbatch     the same CNN at batch 256 under a 4.5 GiB memory limit, plus the largest
 #                batch that fits per precision: float32 runs out of memory where bf16-mixed
 #                fits (see benchmarks/gpu/README.md for why 4.5 GiB)
-#   transformer  benchmarks/gpu/transformer.py: a 218M-parameter decoder LM in five
+#   transformer  benchmarks/gpu/transformer.py: a 217M-parameter decoder LM in five
 #                precisions, eager and torch.compile, mixprec against hand-written torch
 #   trainer      benchmarks/gpu/trainer_overhead.py: the Trainer against a hand-written
 #                Precision loop on the blog CNN (128x128, batch 128), bf16-mixed and 16-mixed

@@ -1,6 +1,6 @@
 """Transformer language-model throughput per precision, mixprec against hand-written torch.
 
-A GPT-style decoder (d=1024, 12 layers, 16 heads, 512 tokens, vocab 32k, about 218M
+A GPT-style decoder (d=1024, 12 layers, 16 heads, 512 tokens, vocab 32k, about 217M
 parameters) trains with fused AdamW in five precisions: float32 with TF32 off ("fp32
 strict"), float32 with TF32 on, bf16-mixed, 16-mixed and bf16-true; each eagerly and with
 `torch.compile` (each block compiled on its own, so the 12 identical blocks share one
