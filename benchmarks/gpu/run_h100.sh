@@ -87,12 +87,12 @@ for part in "$@"; do
                 --durations=10
             SUITE+=(-m "not cuda") ;;
         suite)
-            run suite "${SUITE_TIMEOUT:-160}" "${SUITE[@]}" ;;
+            run suite "${SUITE_TIMEOUT:-140}" "${SUITE[@]}" ;;
         blog)
-            run blog "${BLOG_TIMEOUT:-160}" "${BENCH[@]}" --preset blog --device cuda \
+            run blog "${BLOG_TIMEOUT:-150}" "${BENCH[@]}" --preset blog --device cuda \
                 --out "$WORK/bench_blog_h100" ;;
         maxbatch)
-            run maxbatch "${MAXBATCH_TIMEOUT:-90}" "${BENCH[@]}" --preset blog --device cuda \
+            run maxbatch "${MAXBATCH_TIMEOUT:-130}" "${BENCH[@]}" --preset blog --device cuda \
                 --batch-sizes 256 --precision 32-true bf16-mixed --tf32 off \
                 --max-batch --memory-limit "$MEMORY_LIMIT" --out "$WORK/bench_maxbatch_h100" ;;
         transformer)
