@@ -274,6 +274,41 @@ def test_trainer_summary_reports_cuda_peak_memory(tmp_path):
     assert "loss scale" in summary and summary["epochs / steps"].endswith("/ 8")
 
 
+# -- distributed ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_trainer_ddp_on_cuda_uses_nccl_one_process_per_gpu(tmp_path):
+    """The Trainer's own DDP path on CUDA (nccl, spawned processes, one per visible GPU);
+    the trained weights come back to the caller's model. Two processes on one GPU are
+    refused with the reason: nccl needs a GPU per process."""
+    gpus = torch.cuda.device_count()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    before = [p.detach().clone() for p in model.parameters()]
+    data = TensorDataset(torch.randn(512, 32), torch.randint(0, 8, (512,)))
+    flags = dict(
+        precision="16-mixed",
+        accelerator="cuda",
+        strategy="ddp",
+        max_steps=6,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+        seed=0,
+    )
+    trainer = Trainer(devices=gpus, **flags)
+    trainer.fit(model, DataLoader(data, batch_size=16), loss_fn=F.cross_entropy)
+    assert trainer.global_step == 6
+    assert any(
+        not torch.equal(a, b.detach().cpu())
+        for a, b in zip(before, model.parameters(), strict=True)
+    )
+    with pytest.raises(ValueError, match="visible"):
+        Trainer(devices=gpus + 1, **flags)
+
+
 # -- two processes sharing one GPU over gloo --------------------------------------------------
 
 WORLD = 2
