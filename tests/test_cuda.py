@@ -3,8 +3,9 @@
 Float16 loss scaling is checked bit for bit against `torch.amp.GradScaler` + `torch.autocast`
 on the GPU (parameters, scale trajectory, skipped steps), including fused AdamW; pure float16
 trains through float32 masters; TF32 really switches; the bench and the Trainer report device
-memory from `torch.cuda.max_memory_allocated`; two processes sharing one GPU over gloo skip
-together; the doctor blames the same layer on CUDA as on the CPU.
+memory from `torch.cuda.max_memory_allocated`; the Trainer's DDP runs on nccl; two processes
+sharing one GPU over gloo skip together; the doctor blames the same layer on CUDA as on the
+CPU.
 """
 
 import copy
