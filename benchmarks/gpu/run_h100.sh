@@ -29,7 +29,7 @@
 # Each part runs under `timeout` (seconds: CUDA_TIMEOUT, SUITE_TIMEOUT, BLOG_TIMEOUT,
 # MAXBATCH_TIMEOUT, TRANSFORMER_TIMEOUT, TRAINER_TIMEOUT; MEMORY_LIMIT overrides 4.5GiB),
 # which also ends the part's child processes. What comes back in
-# $OUT (default ./h100-out), flat, at most 8 files: one log per part, summary.md (what ran,
+# $OUT (default $TMPDIR/mixprec-h100-out), flat, at most 8 files: one log per part, summary.md (what ran,
 # exit codes, durations, the GPU, and the result tables), and results.tar.gz holding every
 # output folder (bench_blog_h100/, bench_maxbatch_h100/, transformer_h100/,
 # trainer_h100/) and the logs.
@@ -39,7 +39,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-OUT="${OUT:-$ROOT/h100-out}"
+OUT="${OUT:-${TMPDIR:-/tmp}/mixprec-h100-out}"
 mkdir -p "$OUT"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/mixprec-h100.XXXXXX")"
 SUMMARY="$OUT/summary.md"
