@@ -28,11 +28,11 @@
 #
 # Each part runs under `timeout` (seconds: CUDA_TIMEOUT, SUITE_TIMEOUT, BLOG_TIMEOUT,
 # MAXBATCH_TIMEOUT, TRANSFORMER_TIMEOUT, TRAINER_TIMEOUT; MEMORY_LIMIT overrides 4.5GiB),
-# which also ends the part's child processes. What comes back in
-# $OUT (default $TMPDIR/mixprec-h100-out), flat, at most 8 files: one log per part, summary.md (what ran,
+# which also ends the part's child processes. What comes back in $OUT (default
+# $TMPDIR/mixprec-h100-out), flat, at most 8 files: one log per part, summary.md (what ran,
 # exit codes, durations, the GPU, and the result tables), and results.tar.gz holding every
-# output folder (bench_blog_h100/, bench_maxbatch_h100/, transformer_h100/,
-# trainer_h100/) and the logs.
+# output folder (bench_blog_h100/, bench_maxbatch_h100/, transformer_h100/, trainer_h100/)
+# and the logs.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
