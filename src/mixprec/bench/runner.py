@@ -162,23 +162,24 @@ def _measured(device: torch.device, work: Callable[[], Any]) -> tuple[Any, int]:
 def _limit_memory(spec: RunSpec, device: torch.device) -> None:
     """Enforce `spec.memory_limit` like a device's capacity: allocations beyond it fail.
 
-    CUDA: the caching allocator's per-process fraction. CPU: an address-space limit
-    (RLIMIT_AS) of the process's current size plus the limit for each loop plus slack for
-    allocator arenas, so an over-limit step fails with a real allocation error; the
-    measured peak is also compared with the limit, per loop, by the caller.
+    CUDA: the caching allocator's per-process fraction, the limit for each loop (the raw
+    loop lives beside ours). CPU: an address-space limit (RLIMIT_AS) of the process's
+    current size plus the limit for each loop plus slack for allocator arenas. Either way an
+    over-limit step fails with a real allocation error; the measured peak is also compared
+    with the limit, per loop, by the caller.
     """
     limit = spec.memory_limit
     if limit is None:
         return
+    loops = 2 if spec.raw else 1
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, loops * limit / total), device)
         return
     # Start the thread pool and its allocator arenas before measuring the process size.
     torch.nn.functional.conv2d(torch.ones(2, 3, 16, 16), torch.ones(4, 3, 3, 3)).sum()
     with open("/proc/self/statm") as f:
         size = int(f.read().split()[0]) * resource.getpagesize()
-    loops = 2 if spec.raw else 1
     cap = size + loops * limit + _ADDRESS_SPACE_SLACK
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
