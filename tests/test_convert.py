@@ -61,15 +61,16 @@ def record_outputs(model):
 POLICIES = ["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
 
 
-# torch's CPU autocast has no float16 LSTM kernel (oneDNN refuses the primitive), so under
-# 16-mixed the LSTM gets an explicit float32 rule here, as a user on CPU would write.
+# torch's CPU autocast has no float16 LSTM kernel, and no bfloat16 one on CPUs without
+# AVX-512 (oneDNN refuses the primitive), so under mixed policies the LSTM gets an explicit
+# float32 rule here, as a user on a CPU would write: the tests pass on every CPU.
 LSTM_FP32 = {"lstm": "32-true"}
 
 
 @pytest.mark.parametrize("spec", POLICIES)
 def test_dtypes_of_params_intermediates_and_output(spec):
     policy = Policy(spec)
-    rules = LSTM_FP32 if spec == "16-mixed" else {}
+    rules = LSTM_FP32 if policy.is_mixed else {}
     model = mixprec.apply(Zoo(), PolicyMap(policy, rules))
     # integer buffers untouched, floating ones follow the param dtype
     assert model.bn.num_batches_tracked.dtype == torch.int64
@@ -98,7 +99,7 @@ def test_a_float32_rule_inside_a_bf16_model_really_runs_in_float32():
     torch.manual_seed(0)
     model = Zoo()
     reference = copy.deepcopy(model)
-    mixprec.apply(model, PolicyMap("bf16-mixed", {"img": "32-true"}))
+    mixprec.apply(model, PolicyMap("bf16-mixed", {"img": "32-true", **LSTM_FP32}))
     seen, _ = record_outputs(model)
     got = {}
     model.img.register_forward_hook(lambda m, a, o: got.update(inp=a[0], out=o))
@@ -174,7 +175,7 @@ def test_checkpoint_from_one_policy_loads_under_another(saved, loaded):
 
 
 def test_deepcopy_and_pickle_keep_the_policy():
-    model = mixprec.apply(Zoo(), "bf16-mixed")
+    model = mixprec.apply(Zoo(), PolicyMap("bf16-mixed", LSTM_FP32))
     copied = copy.deepcopy(model)
     assert copied.__dict__["forward"].module is copied
     buf = io.BytesIO()
@@ -240,3 +241,152 @@ def test_apply_uses_the_global_policy_by_default():
     with mixprec.policy_scope("bf16-true"):
         model = mixprec.apply(nn.Linear(2, 2))
     assert model.weight.dtype == bf16
+
+
+# -- "true" precisions and tensors made inside forward --------------------------------------
+
+
+class MakesTensors(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x) + self.lin(torch.ones(x.shape[0], 3))  # a tensor made in forward
+
+
+@pytest.mark.parametrize("spec, dtype", [("64-true", f64), ("bf16-true", bf16), ("16-true", f16)])
+def test_true_policy_sets_the_default_dtype_for_the_forward_and_restores_it(spec, dtype):
+    model = mixprec.apply(MakesTensors(), spec, warn=False)
+    assert model(torch.ones(2, 3)).dtype == dtype
+    assert torch.get_default_dtype() == f32
+
+
+def test_default_dtype_is_restored_when_the_forward_raises():
+    class Fails(nn.Linear):
+        def forward(self, x):
+            assert torch.get_default_dtype() == f64
+            raise RuntimeError("boom")
+
+    model = mixprec.apply(Fails(2, 2), "64-true")
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.ones(1, 2))
+    assert torch.get_default_dtype() == f32
+
+
+def test_true_forwards_in_two_threads_each_see_their_own_default_dtype():
+    import threading
+
+    seen: dict[str, set[torch.dtype]] = {"64": set(), "32": set()}
+    start = threading.Barrier(2)
+
+    class Records(nn.Module):
+        def __init__(self, key):
+            super().__init__()
+            self.key = key
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            for _ in range(50):
+                seen[self.key].add(torch.ones(1).dtype)
+            return self.lin(x)
+
+    wide = mixprec.apply(Records("64"), "64-true")
+    # a float32 rule inside a 64-true root: its own region sets float32 back
+    narrow = mixprec.apply(nn.Sequential(Records("32")), PolicyMap("64-true", {"0": "32-true"}))
+
+    def run(model):
+        start.wait(5)
+        for _ in range(20):
+            model(torch.ones(1, 2))
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in (wide, narrow)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == {"64": {f64}, "32": {f32}}
+    assert torch.get_default_dtype() == f32
+
+
+def test_precision_forward_context_sets_the_default_dtype_of_a_true_policy():
+    precision = mixprec.Precision("64-true", device="cpu")
+    with precision.forward_context():
+        assert torch.ones(1).dtype == f64
+    assert torch.get_default_dtype() == f32
+    with mixprec.Precision("32-true", device="cpu").forward_context():
+        assert torch.ones(1).dtype == f32
+
+
+# -- remove, shared modules, rule typos ---------------------------------------------------
+
+
+class Rotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.rand(2), persistent=False)
+
+
+def test_remove_restores_non_persistent_buffers_too():
+    model = mixprec.apply(Rotary(), "bf16-true", warn=False)
+    assert model.inv_freq.dtype == bf16
+    mixprec.remove(model)
+    assert model.inv_freq.dtype == model.lin.weight.dtype == f32
+
+
+def test_one_module_at_two_paths_with_conflicting_rules_is_an_error_naming_both():
+    shared = nn.Linear(2, 2)
+    model = nn.ModuleDict({"a": nn.Sequential(shared), "b": nn.Sequential(shared)})
+    pmap = PolicyMap("32-true", {"a": "bf16-true"})
+    with pytest.raises(mixprec.PolicySpecError, match=r"reachable at 'a\.0' and 'b\.0'"):
+        mixprec.apply(model, pmap, warn=False)
+    with pytest.raises(mixprec.PolicySpecError, match="one module runs in one policy"):
+        mixprec.explain(model, pmap)
+    # agreeing paths are fine
+    mixprec.apply(model, PolicyMap("32-true", {"a": "64-true", "b": "64-true"}))
+    assert shared.weight.dtype == f64
+
+
+def test_a_path_rule_matching_no_module_warns_with_the_closest_paths():
+    model = nn.Sequential()
+    model.add_module("encoder", nn.Linear(2, 2))
+    with pytest.warns(UserWarning, match=r"'encodr' matches no module.*closest paths: 'encoder'"):
+        mixprec.apply(model, PolicyMap("32-true", {"encodr": "64-true"}))
+
+
+# -- what apply refuses, and says why -------------------------------------------------------
+
+
+def test_apply_checks_its_argument_types():
+    with pytest.raises(TypeError, match="apply needs an nn.Module, got str"):
+        mixprec.apply("bf16-mixed", nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_apply_refuses_torchscript_modules_and_says_what_to_do():
+    traced = torch.jit.trace(nn.Linear(2, 2), torch.randn(1, 2))
+    with pytest.raises(TypeError, match="TorchScript.*apply the policy to the eager module"):
+        mixprec.apply(traced, "64-true")
+
+
+def test_apply_under_inference_mode_leaves_a_trainable_model():
+    model = nn.Linear(2, 2)
+    with torch.inference_mode():
+        mixprec.apply(model, "64-true")
+    assert model.weight.dtype == f64 and not model.weight.is_inference()
+    model(torch.ones(1, 2)).sum().backward()
+    assert model.weight.grad is not None
+    with torch.inference_mode():
+        mixprec.remove(model)
+    assert not model.weight.is_inference()
+
+
+def test_lstm_under_16_mixed_on_cpu_names_the_limitation_and_the_fix():
+    model = nn.Sequential(nn.LSTM(3, 3))
+    mixprec.apply(model, "16-mixed", warn=False)
+    with pytest.raises(
+        mixprec.PrecisionError, match=r"no float16 kernel for RNN.*nn.LSTM: 'float32'"
+    ):
+        model(torch.randn(2, 1, 3))
+    mixprec.apply(model, PolicyMap("16-mixed", {nn.LSTM: "float32"}), warn=False)
+    assert model(torch.randn(2, 1, 3))[0].dtype == f32

@@ -108,3 +108,61 @@ def test_info_command_prints_the_matrix(capsys):
 def test_unknown_device_type_is_refused():
     with pytest.raises(PrecisionError, match="unknown device type 'meta'"):
         detect("meta")
+
+
+@pytest.mark.parametrize(
+    "info, expected", [(H100, "bf16-mixed"), (V100, "16-mixed"), (OLD_CPU, "32-true")]
+)
+def test_resolve_policy_resolves_auto_against_the_described_device(info, expected):
+    from mixprec.hardware import resolve_policy
+
+    assert resolve_policy("auto", info) == PolicyMap(expected)
+    assert resolve_policy(" AUTO ", info) == PolicyMap(expected)
+    # anything else means the same on every device
+    assert resolve_policy("16-true", info) == PolicyMap("16-true")
+    pmap = PolicyMap("bf16-mixed", {"head": "32-true"})
+    assert resolve_policy(pmap, info) is pmap
+
+
+def _gpu_machine(monkeypatch, cpu, gpu):
+    """A described machine whose default device is a GPU: `detect()` answers from the
+    descriptions, never from the host."""
+    from mixprec import hardware
+    from mixprec.bench import suite
+
+    def detect_described(device=None):
+        device = torch.device(device) if device is not None else torch.device("cuda", 0)
+        return gpu if device.type == "cuda" else cpu
+
+    monkeypatch.setattr(hardware, "default_device", lambda: torch.device("cuda", 0))
+    monkeypatch.setattr(hardware, "detect", detect_described)
+    monkeypatch.setattr(suite, "detect", detect_described)
+
+
+def test_bench_auto_on_the_cpu_of_a_gpu_machine_is_the_cpus_choice(monkeypatch):
+    from mixprec.bench import suite
+
+    _gpu_machine(monkeypatch, OLD_CPU, H100)
+    policies, _ = suite._precisions(["auto"], torch.device("cpu"), allow_slow=False)
+    assert list(policies) == ["32-true"]
+
+
+def test_precision_auto_resolves_at_setup_on_the_models_device(monkeypatch):
+    _gpu_machine(monkeypatch, OLD_CPU, V100)
+    precision = mixprec.Precision("auto")
+    with pytest.raises(RuntimeError, match=r"picks its policy and scaler at setup\(\)"):
+        precision.policy  # noqa: B018
+    precision.setup(nn.Linear(2, 2))  # a CPU model
+    assert precision.policy == PolicyMap("32-true")
+    assert precision.scaler.kind == "none"
+    assert mixprec.Precision("auto", device="cuda").policy == PolicyMap("16-mixed")
+
+
+def test_diagnose_resolves_auto_on_its_device(monkeypatch):
+    _gpu_machine(monkeypatch, OLD_CPU, V100)
+    model = nn.Sequential(nn.Linear(2, 2))
+    batch = (torch.ones(3, 2), torch.zeros(3, dtype=torch.int64))
+    report = mixprec.diagnose(
+        model, batch, nn.functional.cross_entropy, precision="auto", device="cpu"
+    )
+    assert report.precision == PolicyMap("32-true")

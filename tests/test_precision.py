@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec.precision as precision_module
-from mixprec import Policy, PolicyMap, SlowPrecisionError, hardware
+from mixprec import PolicyMap, SlowPrecisionError, hardware
 from mixprec.hardware import detect
 from mixprec.optim import LossScaleOptimizer
 from mixprec.precision import Precision
@@ -184,7 +184,7 @@ def test_state_dict_round_trip_and_kind_mismatch():
     model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     _train(precision, model, opt, _data(3))
     state = precision.state_dict()
-    assert state["policy"] == Policy("16-true").to_config()
+    assert state["policy"] == PolicyMap("16-true").to_config()
     resumed = Precision("16-true", allow_slow=True)
     resumed.load_state_dict(state)
     assert resumed.scaler.state_dict() == precision.scaler.state_dict()

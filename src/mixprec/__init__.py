@@ -8,7 +8,14 @@ from mixprec.convert import applied_policy, apply, cast_floating, remove
 from mixprec.doctor import Diagnosis, PrecisionMonitor, diagnose
 from mixprec.dtypes import FormatInfo, format_info
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
-from mixprec.hardware import DeviceInfo, Support, detect, resolve_auto, support_matrix
+from mixprec.hardware import (
+    DeviceInfo,
+    Support,
+    detect,
+    resolve_auto,
+    resolve_policy,
+    support_matrix,
+)
 from mixprec.optim import LossScaleOptimizer, joint_step, scheduler_step
 from mixprec.policy import (
     POLICY_NAMES,
@@ -86,6 +93,7 @@ __all__ = [
     "policy_scope",
     "remove",
     "resolve_auto",
+    "resolve_policy",
     "scheduler_step",
     "seed_everything",
     "set_global_policy",

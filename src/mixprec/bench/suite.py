@@ -28,7 +28,15 @@ from mixprec.bench.models import (
 )
 from mixprec.bench.runner import OK, OOM, RunResult, RunSpec, run_isolated
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
-from mixprec.hardware import SLOW, DeviceInfo, check, default_device, detect, resolve_auto
+from mixprec.hardware import (
+    SLOW,
+    DeviceInfo,
+    check,
+    default_device,
+    detect,
+    resolve_auto,
+    resolve_policy,
+)
 from mixprec.policy import Policy
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -168,7 +176,8 @@ def _precisions(
     support: dict[str, str] = {}
     for spec in specs:
         try:
-            policy = Policy(spec)
+            # "auto" means the fastest stable precision of the benchmarked device
+            policy = resolve_policy(spec, info).default
             s = check(policy, device, allow_slow=allow_slow, info=info)
         except SlowPrecisionError as err:
             raise ValueError(f"{err} (mixprec bench: pass --allow-slow)") from None

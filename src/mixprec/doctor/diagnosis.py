@@ -32,11 +32,12 @@ from mixprec.doctor.probe import (
 )
 from mixprec.dtypes import LOW_PRECISION_FLOATS, dtype_name, format_info
 from mixprec.errors import PrecisionError
-from mixprec.hardware import FAST, SUPPORTED, detect, device_of, dtype_support
+from mixprec.hardware import FAST, SUPPORTED, detect, device_of, dtype_support, resolve_policy
 from mixprec.policy import Policy
-from mixprec.policy_map import PolicyMap, as_map
+from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.scaling import LossScaler, StaticLossScaler
+from mixprec.tree import map_tensors
 
 OK, AT_RISK, BROKEN = "ok", "at risk", "broken"
 _SEVERITY = {BROKEN: 0, AT_RISK: 1, OK: 2}
@@ -171,17 +172,6 @@ def _frac(count: float, total: float) -> float:
 
 
 # -- running the model ---------------------------------------------------------------------
-
-
-def _move(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        items = [_move(x, device) for x in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, dict):
-        return type(obj)({k: _move(v, device) for k, v in obj.items()})
-    return obj
 
 
 def _as_loss(result: Any, where: str) -> Tensor:
@@ -833,12 +823,13 @@ def diagnose(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"diagnose needs an nn.Module, got {type(model).__name__}")
-    target_map, ref_map = as_map(precision), as_map(reference)
     where = torch.device(device) if device is not None else device_of(model)
+    # "auto" means the fastest stable precision of the device the runs happen on
+    target_map, ref_map = resolve_policy(precision, where), resolve_policy(reference, where)
     if device is not None and where != device_of(model):
         model = copy.deepcopy(model).to(where)  # the runs copy this one, not the caller's
     if device is not None:
-        batch = _move(batch, where)
+        batch = map_tensors(lambda t: t.to(where), batch)
     session = _Session(model, batch, loss_fn, where, seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reference may be slow here too: it is a probe

@@ -31,9 +31,8 @@ import torch
 from torch import Tensor, nn
 
 import mixprec
-from mixprec.hardware import DeviceInfo, Support, check, detect, resolve_auto
+from mixprec.hardware import DeviceInfo, Support, check, detect, resolve_policy
 from mixprec.optim import LossScaleOptimizer, scheduler_step
-from mixprec.policy import Policy, as_policy
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.trainer import checkpoint as ckpt_io
@@ -74,7 +73,7 @@ FLUSH_EVERY_N_STEPS = 25
 
 def resolve_precision(
     precision: Any, info: DeviceInfo, allow_slow: bool = False
-) -> tuple[Policy | PolicyMap, Support]:
+) -> tuple[PolicyMap, Support]:
     """The policy a ``precision`` flag means on the device ``info`` describes, and its support.
 
     ``"auto"`` picks the fastest stable precision for that device. Raises
@@ -82,10 +81,7 @@ def resolve_precision(
     device refuses the policy, ``mixprec.SlowPrecisionError`` when it runs far slower than
     float32 there and ``allow_slow`` is false. Never substitutes another precision.
     """
-    if isinstance(precision, str) and precision.strip().lower() == "auto":
-        policy: Policy | PolicyMap = resolve_auto(info)
-    else:
-        policy = as_policy(precision)
+    policy = resolve_policy(precision, info)
     return policy, check(policy, allow_slow=allow_slow, info=info)
 
 
@@ -819,10 +815,10 @@ class Trainer:
 
     def _step_context(self) -> AbstractContextManager[Any]:
         """The compute region for a step: a TrainingModule's step may call submodules
-        directly, so it runs under the precision's autocast; a plain module's forward enters
+        directly, so it runs in the precision's forward context; a plain module's forward enters
         its region by itself."""
         if isinstance(self.model, TrainingModule):
-            return self.precision.autocast()  # type: ignore[union-attr]
+            return self.precision.forward_context()  # type: ignore[union-attr]
         return contextlib.nullcontext()
 
     def _optimizer_step(self) -> None:
