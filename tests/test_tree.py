@@ -234,3 +234,18 @@ def test_doctor_moves_and_probes_a_namedtuple_batch():
         model, batch, nn.functional.cross_entropy, precision="bf16-mixed", device="cpu"
     )
     assert report.finite
+
+
+class Tagged(tuple):
+    def __new__(cls, items, tag="t"):
+        new = super().__new__(cls, items)
+        new.tag = tag
+        return new
+
+
+def test_tuple_subclasses_torch_return_types_and_custom_ones():
+    r = torch.max(torch.ones(3, 4, dtype=f64), 1)
+    out = mixprec.cast_floating(r, f32)
+    assert type(out) is type(r) and out.values.dtype == f32 and out.indices.dtype == torch.int64
+    tagged = mixprec.cast_floating(Tagged([_x()], tag="kept"), f32)
+    assert type(tagged) is Tagged and tagged.tag == "kept" and tagged[0].dtype == f32

@@ -168,8 +168,11 @@ def _parse(spec: Any) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         dtype = to_dtype(bare)
         return dtype, dtype, dtype
     dtype = getattr(torch, bare, None)
-    if isinstance(dtype, torch.dtype):
-        _validate(dtype, dtype, dtype)  # an integer or complex dtype: refused with the reason
+    if isinstance(dtype, torch.dtype):  # an integer or complex dtype: refused with the reason
+        raise PolicySpecError(
+            f"precision {spec!r} refused: {dtype_name(dtype)} is not a floating dtype; "
+            + _accepted()
+        )
     raise PolicySpecError(f"unknown precision {spec!r}; " + _accepted())
 
 

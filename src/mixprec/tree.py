@@ -35,6 +35,19 @@ def _blank_copy(obj: Any) -> Any:
         return new
 
 
+def _tuple_like(obj: tuple, items: list[Any]) -> tuple:
+    """A tuple subclass rebuilt with new items: through its constructor when that takes a
+    sequence (torch.return_types), else without `__init__`, attributes copied."""
+    cls = type(obj)
+    try:
+        new = cls(items)
+    except TypeError:
+        new = tuple.__new__(cls, items)
+    if hasattr(obj, "__dict__"):
+        new.__dict__.update(obj.__dict__)
+    return new
+
+
 def _is_dataclass_instance(obj: Any) -> bool:
     return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
 
@@ -71,9 +84,7 @@ class _Mapper:
                 elif cls is tuple:
                     return tuple(items)
                 else:
-                    new = tuple.__new__(cls, items)
-                    if hasattr(obj, "__dict__"):
-                        new.__dict__.update(obj.__dict__)
+                    new = _tuple_like(obj, items)
             elif cls is list:
                 return items
             else:
