@@ -40,11 +40,21 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     )
 
 
-# torch's default dtype is process-wide: a "true" forward sets it for its duration under
-# this lock, so two threads running forwards of different "true" precisions take turns
-# instead of seeing each other's default. A thread creating tensors without a dtype while
-# another thread's "true" forward runs sees that forward's default.
+# torch's default dtype is process-wide. A "true" forward that needs another default sets it
+# for its duration under this lock, so forwards of "true" precisions in two threads take turns
+# instead of seeing each other's default. A float32 forward outside any such block takes no
+# lock (float32 and mixed models keep running in parallel), so while another thread's
+# float64/16-bit "true" forward runs, it sees that forward's default.
 _default_dtype_lock = threading.RLock()
+_held = threading.local()  # .dtypes: the defaults this thread's open blocks set, innermost last
+
+
+def needs_default_dtype(dtype: torch.dtype) -> bool:
+    """Whether a forward computing in `dtype` must set torch's default dtype first."""
+    mine = getattr(_held, "dtypes", None)
+    if mine:
+        return mine[-1] != dtype
+    return dtype != torch.float32 or torch.get_default_dtype() != dtype
 
 
 @contextmanager
@@ -52,11 +62,14 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Make `dtype` torch's default dtype inside the block (restored on exit, also on error),
     so tensors a forward creates without a dtype (`torch.ones(n, 3)`) match its weights."""
     with _default_dtype_lock:
+        mine = _held.__dict__.setdefault("dtypes", [])
         before = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
+        mine.append(dtype)
         try:
             yield
         finally:
+            mine.pop()
             torch.set_default_dtype(before)
 
 
@@ -119,7 +132,7 @@ class _Region:
             args = cast_floating(args, self.compute_dtype)
             kwargs = cast_floating(kwargs, self.compute_dtype)
             with contextlib.ExitStack() as stack:
-                if torch.get_default_dtype() != self.compute_dtype:
+                if needs_default_dtype(self.compute_dtype):
                     stack.enter_context(default_dtype(self.compute_dtype))
                 if self.disable_autocast:
                     stack.enter_context(

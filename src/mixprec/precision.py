@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.convert import apply, cast_floating, default_dtype
+from mixprec.convert import apply, cast_floating, default_dtype, needs_default_dtype
 from mixprec.hardware import check, default_device, device_of, resolve_policy
 from mixprec.optim import LossScaleOptimizer, joint_step
 from mixprec.policy import is_auto
@@ -210,7 +210,7 @@ class Precision:
         if policy.is_mixed:
             with self.autocast():
                 yield
-        elif policy.compute_dtype != torch.get_default_dtype():
+        elif needs_default_dtype(policy.compute_dtype):
             with default_dtype(policy.compute_dtype):
                 yield
         else:
