@@ -392,3 +392,38 @@ def test_lstm_under_16_mixed_on_cpu_names_the_limitation_and_the_fix():
         model(torch.randn(2, 1, 3))
     mixprec.apply(model, PolicyMap("16-mixed", {nn.LSTM: "float32"}), warn=False)
     assert model(torch.randn(2, 1, 3))[0].dtype == f32
+
+
+def test_a_training_step_under_64_true_creates_float64_tensors():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    seen = []
+
+    class Module(mixprec.TrainingModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.lin(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            weight = torch.ones(x.shape[0], 1)  # made outside forward, in the step
+            seen.append(weight.dtype)
+            return ((self.lin(x) - y) ** 2 * weight).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+    trainer = mixprec.Trainer(
+        precision="64-true",
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(Module(), DataLoader(data, batch_size=4))
+    assert seen == [f64, f64]
+    assert torch.get_default_dtype() == f32
