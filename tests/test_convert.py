@@ -3,6 +3,7 @@
 import copy
 import io
 import pickle
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -61,9 +62,9 @@ def record_outputs(model):
 POLICIES = ["32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
 
 
-# torch's CPU autocast has no float16 LSTM kernel, and its bfloat16 one needs avx512 (oneDNN
-# refuses the primitive on AVX2-only CPUs), so under mixed policies the LSTM gets an explicit
-# float32 rule here, as a user on such a CPU would write: the suite passes on every CPU.
+# torch's CPU autocast has no float16 LSTM kernel, and no bfloat16 one on CPUs without
+# AVX-512 (oneDNN refuses the primitive), so under mixed policies the LSTM gets an explicit
+# float32 rule here, as a user on a CPU would write: the tests pass on every CPU.
 LSTM_FP32 = {"lstm": "32-true"}
 
 
@@ -241,3 +242,188 @@ def test_apply_uses_the_global_policy_by_default():
     with mixprec.policy_scope("bf16-true"):
         model = mixprec.apply(nn.Linear(2, 2))
     assert model.weight.dtype == bf16
+
+
+# -- "true" precisions and tensors made inside forward --------------------------------------
+
+
+class MakesTensors(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.lin(x) + self.lin(torch.ones(x.shape[0], 3))  # a tensor made in forward
+
+
+@pytest.mark.parametrize("spec, dtype", [("64-true", f64), ("bf16-true", bf16), ("16-true", f16)])
+def test_true_policy_sets_the_default_dtype_for_the_forward_and_restores_it(spec, dtype):
+    model = mixprec.apply(MakesTensors(), spec, warn=False)
+    assert model(torch.ones(2, 3)).dtype == dtype
+    assert torch.get_default_dtype() == f32
+
+
+def test_default_dtype_is_restored_when_the_forward_raises():
+    class Fails(nn.Linear):
+        def forward(self, x):
+            assert torch.get_default_dtype() == f64
+            raise RuntimeError("boom")
+
+    model = mixprec.apply(Fails(2, 2), "64-true")
+    with pytest.raises(RuntimeError, match="boom"):
+        model(torch.ones(1, 2))
+    assert torch.get_default_dtype() == f32
+
+
+def test_true_forwards_in_two_threads_each_see_their_own_default_dtype():
+    import threading
+
+    seen: dict[str, set[torch.dtype]] = {"64": set(), "32": set()}
+    start = threading.Barrier(2)
+
+    class Records(nn.Module):
+        def __init__(self, key):
+            super().__init__()
+            self.key = key
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            for _ in range(5):
+                seen[self.key].add(torch.ones(1).dtype)
+                time.sleep(0.001)  # hand the GIL to the other thread mid-forward
+            return self.lin(x)
+
+    wide = mixprec.apply(Records("64"), "64-true")
+    # a float32 rule inside a 64-true root: its own region sets float32 back
+    narrow = mixprec.apply(nn.Sequential(Records("32")), PolicyMap("64-true", {"0": "32-true"}))
+
+    def run(model):
+        start.wait(5)
+        for _ in range(10):
+            model(torch.ones(1, 2))
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in (wide, narrow)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == {"64": {f64}, "32": {f32}}
+    assert torch.get_default_dtype() == f32
+
+
+def test_precision_forward_context_sets_the_default_dtype_of_a_true_policy():
+    precision = mixprec.Precision("64-true", device="cpu")
+    with precision.forward_context():
+        assert torch.ones(1).dtype == f64
+    assert torch.get_default_dtype() == f32
+    with mixprec.Precision("32-true", device="cpu").forward_context():
+        assert torch.ones(1).dtype == f32
+
+
+# -- remove, shared modules, rule typos ---------------------------------------------------
+
+
+class Rotary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("inv_freq", torch.rand(2), persistent=False)
+
+
+def test_remove_restores_non_persistent_buffers_too():
+    model = mixprec.apply(Rotary(), "bf16-true", warn=False)
+    assert model.inv_freq.dtype == bf16
+    mixprec.remove(model)
+    assert model.inv_freq.dtype == model.lin.weight.dtype == f32
+
+
+def test_one_module_at_two_paths_with_conflicting_rules_is_an_error_naming_both():
+    shared = nn.Linear(2, 2)
+    model = nn.ModuleDict({"a": nn.Sequential(shared), "b": nn.Sequential(shared)})
+    pmap = PolicyMap("32-true", {"a": "bf16-true"})
+    with pytest.raises(mixprec.PolicySpecError, match=r"reachable at 'a\.0' and 'b\.0'"):
+        mixprec.apply(model, pmap, warn=False)
+    with pytest.raises(mixprec.PolicySpecError, match="one module runs in one policy"):
+        mixprec.explain(model, pmap)
+    # agreeing paths are fine
+    mixprec.apply(model, PolicyMap("32-true", {"a": "64-true", "b": "64-true"}))
+    assert shared.weight.dtype == f64
+
+
+def test_a_path_rule_matching_no_module_warns_with_the_closest_paths():
+    model = nn.Sequential()
+    model.add_module("encoder", nn.Linear(2, 2))
+    with pytest.warns(UserWarning, match=r"'encodr' matches no module.*closest paths: 'encoder'"):
+        mixprec.apply(model, PolicyMap("32-true", {"encodr": "64-true"}))
+
+
+# -- what apply refuses, and says why -------------------------------------------------------
+
+
+def test_apply_checks_its_argument_types():
+    with pytest.raises(TypeError, match="apply needs an nn.Module, got str"):
+        mixprec.apply("bf16-mixed", nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_apply_refuses_torchscript_modules_and_says_what_to_do():
+    traced = torch.jit.trace(nn.Linear(2, 2), torch.randn(1, 2))
+    with pytest.raises(TypeError, match="TorchScript.*apply the policy to the eager module"):
+        mixprec.apply(traced, "64-true")
+
+
+def test_apply_under_inference_mode_leaves_a_trainable_model():
+    model = nn.Linear(2, 2)
+    with torch.inference_mode():
+        mixprec.apply(model, "64-true")
+    assert model.weight.dtype == f64 and not model.weight.is_inference()
+    model(torch.ones(1, 2)).sum().backward()
+    assert model.weight.grad is not None
+    with torch.inference_mode():
+        mixprec.remove(model)
+    assert not model.weight.is_inference()
+
+
+def test_lstm_under_16_mixed_on_cpu_names_the_limitation_and_the_fix():
+    model = nn.Sequential(nn.LSTM(3, 3))
+    mixprec.apply(model, "16-mixed", warn=False)
+    with pytest.raises(
+        mixprec.PrecisionError, match=r"no float16 kernel for RNN.*nn.LSTM: 'float32'"
+    ):
+        model(torch.randn(2, 1, 3))
+    mixprec.apply(model, PolicyMap("16-mixed", {nn.LSTM: "float32"}), warn=False)
+    assert model(torch.randn(2, 1, 3))[0].dtype == f32
+
+
+def test_a_training_step_under_64_true_creates_float64_tensors():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    seen = []
+
+    class Module(mixprec.TrainingModule):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 1)
+
+        def forward(self, x):
+            return self.lin(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            weight = torch.ones(x.shape[0], 1)  # made outside forward, in the step
+            seen.append(weight.dtype)
+            return ((self.lin(x) - y) ** 2 * weight).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = TensorDataset(torch.randn(8, 3), torch.randn(8, 1))
+    trainer = mixprec.Trainer(
+        precision="64-true",
+        max_steps=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(Module(), DataLoader(data, batch_size=4))
+    assert seen == [f64, f64]
+    assert torch.get_default_dtype() == f32

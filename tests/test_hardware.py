@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -189,3 +190,54 @@ def test_info_under_an_isa_cap_rates_bf16_slow_and_says_where_it_is_fast():
     assert re.search(r"bf16-mixed\s*│\s*slow", out)
     assert '"auto" resolves to: 32-true' in out
     assert "bfloat16 would be fast on: NVIDIA GPUs of compute capability 8.0+" in out
+
+
+@pytest.mark.parametrize(
+    "info, expected", [(H100, "bf16-mixed"), (V100, "16-mixed"), (OLD_CPU, "32-true")]
+)
+def test_resolve_policy_resolves_auto_against_the_described_device(info, expected):
+    from mixprec.hardware import resolve_policy
+
+    assert resolve_policy("auto", info) == PolicyMap(expected)
+    assert resolve_policy(" AUTO ", info) == PolicyMap(expected)
+    # anything else means the same on every device
+    assert resolve_policy("16-true", info) == PolicyMap("16-true")
+    pmap = PolicyMap("bf16-mixed", {"head": "32-true"})
+    assert resolve_policy(pmap, info) is pmap
+
+
+@contextmanager
+def _gpu_machine(cpu, gpu):
+    """A described machine with a CPU and a GPU: every check answers from the descriptions,
+    never from the host."""
+    with hardware.assume(cpu), hardware.assume(gpu):
+        yield
+
+
+def test_bench_auto_on_the_cpu_of_a_gpu_machine_is_the_cpus_choice():
+    from mixprec.bench import suite
+
+    with _gpu_machine(OLD_CPU, H100):
+        policies, _ = suite._precisions(["auto"], torch.device("cpu"), allow_slow=False)
+    assert list(policies) == ["32-true"]
+
+
+@_gpu_machine(OLD_CPU, V100)
+def test_precision_auto_resolves_at_setup_on_the_models_device():
+    precision = mixprec.Precision("auto")
+    with pytest.raises(RuntimeError, match=r"picks its policy and scaler at setup\(\)"):
+        precision.policy  # noqa: B018
+    precision.setup(nn.Linear(2, 2))  # a CPU model
+    assert precision.policy == PolicyMap("32-true")
+    assert precision.scaler.kind == "none"
+    assert mixprec.Precision("auto", device="cuda").policy == PolicyMap("16-mixed")
+
+
+@_gpu_machine(OLD_CPU, V100)
+def test_diagnose_resolves_auto_on_its_device():
+    model = nn.Sequential(nn.Linear(2, 2))
+    batch = (torch.ones(3, 2), torch.zeros(3, dtype=torch.int64))
+    report = mixprec.diagnose(
+        model, batch, nn.functional.cross_entropy, precision="auto", device="cpu"
+    )
+    assert report.precision == PolicyMap("32-true")

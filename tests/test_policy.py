@@ -39,7 +39,6 @@ EXPECTED = {
     "p=f32,c=bf16,o=f32": (f32, bf16, f32),
     "p=f32,c=f16,o=f16": (f32, f16, f16),
     "params=full,compute=half,output=full": (f32, f16, f32),
-    "c=bf16": (f32, bf16, f32),
     # torch dtypes
     torch.bfloat16: (bf16, bf16, bf16),
     torch.float32: (f32, f32, f32),
@@ -105,6 +104,10 @@ def test_immutable():
         ("p=f32,c", "malformed part 'c'"),
         ("p=f32,c=", "malformed part"),
         (torch.int8, "int8 is not a floating dtype"),
+        ("uint8", "uint8 is not a floating dtype"),
+        ("torch.int32", "int32 is not a floating dtype"),
+        ("p=f32,c=int8", "int8 is not a floating dtype"),
+        ("complex64", "complex64 is not a floating dtype"),
         ("p=f32,c=float8_e4m3fn", "float8 tensors need per-tensor scales"),
         ("transformer-engine", "float8 recipe"),
     ],
@@ -121,8 +124,77 @@ def test_unknown_name_lists_every_accepted_name():
         assert repr(name) in str(err.value)
 
 
-def test_auto_resolves_through_the_hardware_module():
-    assert Policy("auto") == mixprec.hardware.resolve_auto()
+# jmp's own strings (jmp/_src/policy.py and its tests) and what jmp's get_policy makes of
+# them: params default to float32, compute follows params, output follows compute.
+JMP = {
+    "c=f16": (f32, f16, f16),
+    "c=bf16": (f32, bf16, bf16),
+    "c=float16": (f32, f16, f16),
+    "c=bfloat16": (f32, bf16, bf16),
+    "c=float32": (f32, f32, f32),
+    "p=f16,c=f16": (f16, f16, f16),
+    "p=f16,c=bf16": (f16, bf16, bf16),
+    "c=float16,o=full": (f32, f16, f32),
+    "c=bfloat16,o=full": (f32, bf16, f32),
+    "c=half,o=full": (f32, f16, f32),
+    "params=float32,compute=bfloat16": (f32, bf16, bf16),
+    "params=float32,compute=float16,output=float32": (f32, f16, f32),
+    "p=f64": (f64, f64, f64),
+    "o=bf16": (f32, f32, bf16),
+}
+
+
+@pytest.mark.parametrize("spec", list(JMP))
+def test_jmp_specs_mean_what_they_mean_in_jmp(spec):
+    p = Policy(spec)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == JMP[spec]
+
+
+@given(
+    st.sampled_from([None, "f32", "f16", "bf16", "f64", "full", "half", "bfloat16"]),
+    st.sampled_from([None, "f32", "f16", "bf16", "f64", "full", "half", "float16"]),
+    st.sampled_from([None, "f32", "f16", "bf16", "f64", "full", "half", "float32"]),
+    st.booleans(),
+)
+def test_jmp_defaults_chain_params_to_compute_to_output(p, c, o, long_keys):
+    keys = ("params", "compute", "output") if long_keys else ("p", "c", "o")
+    parts = [f"{k}={v}" for k, v in zip(keys, (p, c, o), strict=True) if v is not None]
+    if not parts:
+        return
+    dtype = mixprec.dtypes.to_dtype
+    param = dtype(p) if p else f32
+    compute = dtype(c) if c else param
+    output = dtype(o) if o else compute
+    got = Policy(",".join(parts))
+    assert (got.param_dtype, got.compute_dtype, got.output_dtype) == (param, compute, output)
+
+
+def test_where_lightning_and_jmp_disagree_lightning_wins_or_the_name_is_refused():
+    # Lightning: "bf16" is bf16-mixed (jmp would put every role in bfloat16)
+    assert Policy("bf16") == Policy("bf16-mixed")
+    # jmp's bare short names are ambiguous next to Lightning's "16": spelled out instead
+    for name, hint in [
+        ("f16", "'16-true'"),
+        ("half", "'16-true'"),
+        ("f32", "'32-true'"),
+        ("full", "'32-true'"),
+        ("f64", "'64-true'"),
+    ]:
+        with pytest.raises(PolicySpecError, match=f"did you mean {hint}"):
+            Policy(name)
+
+
+def test_auto_is_a_spec_no_policy_resolves_on_its_own():
+    for coerce in (Policy, mixprec.policy.as_policy, mixprec.PolicyMap):
+        with pytest.raises(PolicySpecError, match=r"resolve_policy\('auto', device\)"):
+            coerce("auto")
+
+
+def test_as_policy_takes_a_config_like_keras_get():
+    for spec in ("bf16-mixed", "p=f16,c=bf16,o=f32", "64-true"):
+        policy = Policy(spec)
+        assert mixprec.policy.as_policy(policy.to_config()) == policy
+    assert mixprec.policy.as_policy(None) == mixprec.global_policy()
 
 
 DTYPES = st.sampled_from(["float64", "float32", "float16", "bfloat16", "f32", "half", "bf16"])
@@ -138,8 +210,15 @@ def test_name_round_trip_is_stable(param, compute, output):
 
 
 def test_from_config_rejects_unknown_keys():
-    with pytest.raises(PolicySpecError, match="unknown policy config keys"):
+    with pytest.raises(PolicySpecError, match="unknown policy config keys.*expected param_dtype"):
         Policy.from_config({"param_dtype": "float32", "colour": "red"})
+
+
+def test_from_config_given_a_name_says_to_use_the_constructor():
+    with pytest.raises(PolicySpecError, match=r"not str 'bf16-mixed'.*Policy\('bf16-mixed'\)"):
+        Policy.from_config("bf16-mixed")  # type: ignore[arg-type]
+    with pytest.raises(PolicySpecError, match="PolicyMap config.*PolicyMap.from_config"):
+        Policy.from_config(mixprec.PolicyMap("bf16-mixed").to_config())
 
 
 def test_global_policy_and_scope_restore_also_on_error():

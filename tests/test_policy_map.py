@@ -107,3 +107,38 @@ def test_explain_returns_every_module_and_prints_a_table():
     assert e.sources["layers.0.mlp"] == "inherited from layers.0"
     text = str(e)
     assert "effective precision per module" in text and "float32 island" in text
+
+
+def test_rules_must_be_a_mapping():
+    with pytest.raises(TypeError, match="rules must be a mapping.*got str 'bf16-mixed'"):
+        PolicyMap("32-true", "bf16-mixed")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got list .*dict\(\.\.\.\)"):
+        PolicyMap("32-true", [("head", "bf16-mixed")])  # type: ignore[arg-type]
+
+
+def test_from_config_rule_without_a_policy_says_what_a_rule_is():
+    config = PolicyMap("bf16-mixed", {"head": "32-true"}).to_config()
+    del config["rules"][0]["policy"]
+    with pytest.raises(PolicySpecError, match=r"rule 0 of the policy map config.*'policy'"):
+        PolicyMap.from_config(config)
+    with pytest.raises(PolicySpecError, match="PolicyMap.from_config takes the dict"):
+        PolicyMap.from_config(Policy("bf16-mixed").to_config())
+
+
+def test_to_code_refuses_a_class_defined_in_a_function():
+    class Local(nn.Linear):
+        pass
+
+    with pytest.raises(PolicySpecError, match=r"Local is a class defined inside a function"):
+        PolicyMap("bf16-mixed", {Local: "32-true"}).to_code()
+
+
+def test_as_map_is_the_one_coercion():
+    from mixprec.policy_map import as_map
+
+    pmap = PolicyMap("bf16-mixed", {"head": "32-true"})
+    assert as_map(pmap) is pmap
+    assert as_map(pmap.to_config()) == pmap
+    assert as_map("bf16-mixed") == as_map(Policy("bf16-mixed")) == PolicyMap("bf16-mixed")
+    assert as_map(Policy("16-true").to_config()) == PolicyMap("16-true")
+    assert as_map("bf16-mixed").rules == {}

@@ -185,7 +185,7 @@ def test_state_dict_round_trip_and_kind_mismatch():
     model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     _train(precision, model, opt, _data(3))
     state = precision.state_dict()
-    assert state["policy"] == Policy("16-true").to_config()
+    assert state["policy"] == PolicyMap("16-true").to_config()
     resumed = Precision("16-true", allow_slow=True)
     resumed.load_state_dict(state)
     assert resumed.scaler.state_dict() == precision.scaler.state_dict()

@@ -100,10 +100,7 @@ def test_every_precision_spec_fits_and_the_loss_goes_down(spec):
     first, last = sum(rec.losses[:4]) / 4, sum(rec.losses[-4:]) / 4
     assert last < 0.5 * first, (first, last)
     # the model really is in the policy's storage dtype
-    policy = (
-        trainer.policy.default if isinstance(trainer.policy, mixprec.PolicyMap) else trainer.policy
-    )
-    assert model[0].weight.dtype == policy.param_dtype
+    assert model[0].weight.dtype == trainer.policy.default.param_dtype
     assert mixprec.convert.applied_policy(model) is not None
 
 
@@ -170,7 +167,7 @@ def test_accelerator_precision_pairs_that_are_refused_raise_precision_error():
     with pytest.raises(mixprec.PrecisionError, match="Supported here: 32-true"):
         resolve_precision("bf16-true", V100)
     policy, support = resolve_precision("16-mixed", V100)
-    assert policy == mixprec.Policy("16-mixed") and support.status == "fast"
+    assert policy == mixprec.PolicyMap("16-mixed") and support.status == "fast"
 
 
 def test_far_slower_than_float32_raises_unless_allowed():
@@ -178,13 +175,13 @@ def test_far_slower_than_float32_raises_unless_allowed():
         resolve_precision("16-mixed", ZEN4)
     assert not issubclass(mixprec.PrecisionError, mixprec.SlowPrecisionError)
     policy, support = resolve_precision("16-true", ZEN4, allow_slow=True)
-    assert policy == mixprec.Policy("16-true") and support.status == SLOW
+    assert policy == mixprec.PolicyMap("16-true") and support.status == SLOW
 
 
 def test_auto_picks_per_device_and_never_silently_falls_back():
-    assert resolve_precision("auto", ZEN4)[0] == mixprec.Policy("bf16-mixed")
-    assert resolve_precision("auto", V100)[0] == mixprec.Policy("16-mixed")
-    assert resolve_precision("auto", OLD_CPU)[0] == mixprec.Policy("32-true")
+    assert resolve_precision("auto", ZEN4)[0] == mixprec.PolicyMap("bf16-mixed")
+    assert resolve_precision("auto", V100)[0] == mixprec.PolicyMap("16-mixed")
+    assert resolve_precision("auto", OLD_CPU)[0] == mixprec.PolicyMap("32-true")
     # an explicit choice stays what it is, or raises
     with pytest.raises(mixprec.SlowPrecisionError):
         resolve_precision("bf16-mixed", OLD_CPU)
@@ -198,7 +195,7 @@ def test_float16_on_a_cpu_raises_exactly_when_it_is_slow_there():
         allowed = Trainer(
             precision="16-mixed", accelerator="cpu", allow_slow_precision=True, **QUIET
         )
-        assert allowed.support.status == SLOW and allowed.policy == mixprec.Policy("16-mixed")
+        assert allowed.support.status == SLOW and allowed.policy == mixprec.PolicyMap("16-mixed")
     with hardware.assume(amx_fp16):
         assert Trainer(precision="16-mixed", accelerator="cpu", **QUIET).support.status != SLOW
 

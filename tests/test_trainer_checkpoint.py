@@ -130,7 +130,7 @@ def test_checkpoint_contents(tmp_path):
     assert state["mixprec_version"] == mixprec.__version__
     assert state["torch_version"] == str(torch.__version__)
     assert state["policy_name"] == "16-mixed"
-    assert state["precision"]["policy"] == mixprec.Policy("16-mixed").to_config()
+    assert state["precision"]["policy"] == mixprec.PolicyMap("16-mixed").to_config()
     assert state["precision"]["scaler"]["kind"] == "dynamic"
     assert state["loop"] == {
         "epoch": 0,

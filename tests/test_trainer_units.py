@@ -256,7 +256,7 @@ def test_a_configured_precision_brings_its_scaler_settings_to_every_run():
         "16-mixed", scaler=DynamicLossScaler(init_scale=2**12), allow_slow=True
     )
     trainer = Trainer(precision=template, max_steps=2, **QUIET)  # allow_slow comes along
-    assert trainer.policy == mixprec.Policy("16-mixed")
+    assert trainer.policy == mixprec.PolicyMap("16-mixed")
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8, 4), 0.01 * torch.randn(8, 1))
     for _ in range(2):  # each fit starts from the configured scale, not the last run's state

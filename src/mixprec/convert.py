@@ -9,40 +9,68 @@ uniform policy costs one region. State-dict keys and shapes never change.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import difflib
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from mixprec.errors import PolicySpecError
+from mixprec.dtypes import dtype_name
+from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import device_of, warn_if_unsupported
 from mixprec.policy import Policy
 from mixprec.policy_map import PolicyMap, as_map
+from mixprec.tree import map_tensors
 
 _STATE = "_mixprec_state"
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating tensor in a nested tuple/list/dict/dataclass to `dtype`."""
-    if isinstance(obj, Tensor):
+    """Cast every floating tensor in a nested structure (see `mixprec.tree`) to `dtype`."""
+    if isinstance(obj, Tensor):  # the common case, without the walker's bookkeeping
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if isinstance(obj, (list, tuple)):
-        items = [cast_floating(x, dtype) for x in obj]
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-            return type(obj)(*items)
-        return type(obj)(items)
-    if isinstance(obj, dict):
-        return type(obj)({k: cast_floating(v, dtype) for k, v in obj.items()})
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {
-            f.name: cast_floating(getattr(obj, f.name), dtype)
-            for f in dataclasses.fields(obj)
-            if f.init
-        }
-        return dataclasses.replace(obj, **changes)
-    return obj
+    return map_tensors(
+        lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj
+    )
+
+
+# torch's default dtype is process-wide. A "true" forward that needs another default sets it
+# for its duration under this lock, so forwards of "true" precisions in two threads take turns
+# instead of seeing each other's default. A float32 forward outside any such block takes no
+# lock (float32 and mixed models keep running in parallel), so while another thread's
+# float64/16-bit "true" forward runs, it sees that forward's default.
+_default_dtype_lock = threading.RLock()
+_held = threading.local()  # .dtypes: the defaults this thread's open blocks set, innermost last
+
+
+def needs_default_dtype(dtype: torch.dtype) -> bool:
+    """Whether a forward computing in `dtype` must set torch's default dtype first."""
+    mine = getattr(_held, "dtypes", None)
+    if mine:
+        return mine[-1] != dtype
+    return dtype != torch.float32 or torch.get_default_dtype() != dtype
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Make `dtype` torch's default dtype inside the block (restored on exit, also on error),
+    so tensors a forward creates without a dtype (`torch.ones(n, 3)`) match its weights."""
+    with _default_dtype_lock:
+        mine = _held.__dict__.setdefault("dtypes", [])
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        mine.append(dtype)
+        try:
+            yield
+        finally:
+            mine.pop()
+            torch.set_default_dtype(before)
 
 
 def _device_type(args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module) -> str:
@@ -93,17 +121,44 @@ class _Region:
         else:
             forward = self.original
         if self.autocast:
-            with torch.autocast(_device_type(args, kwargs, module), dtype=self.compute_dtype):
-                out = forward(*args, **kwargs)
+            device_type = _device_type(args, kwargs, module)
+            try:
+                with torch.autocast(device_type, dtype=self.compute_dtype):
+                    out = forward(*args, **kwargs)
+            except RuntimeError as err:
+                _explain_rnn_error(err, module, device_type, self.compute_dtype)
+                raise
         else:
             args = cast_floating(args, self.compute_dtype)
             kwargs = cast_floating(kwargs, self.compute_dtype)
-            if self.disable_autocast:
-                with torch.autocast(_device_type(args, kwargs, module), enabled=False):
-                    out = forward(*args, **kwargs)
-            else:
+            with contextlib.ExitStack() as stack:
+                if needs_default_dtype(self.compute_dtype):
+                    stack.enter_context(default_dtype(self.compute_dtype))
+                if self.disable_autocast:
+                    stack.enter_context(
+                        torch.autocast(_device_type(args, kwargs, module), enabled=False)
+                    )
                 out = forward(*args, **kwargs)
         return cast_floating(out, self.output_dtype)
+
+
+def _explain_rnn_error(
+    err: RuntimeError, module: nn.Module, device_type: str, dtype: torch.dtype
+) -> None:
+    """Turn oneDNN's refusal of a 16-bit RNN under CPU autocast into the known limitation."""
+    if device_type != "cpu" or dtype not in (torch.float16, torch.bfloat16):
+        return
+    if "primitive" not in str(err):  # oneDNN: "could not create a primitive descriptor ..."
+        return
+    rnns = {name or "<root>": m for name, m in module.named_modules() if isinstance(m, nn.RNNBase)}
+    if rnns:
+        kinds = sorted({type(m).__name__ for m in rnns.values()})
+        rule = ", ".join(f"nn.{k}: 'float32'" for k in kinds)
+        raise PrecisionError(
+            f"torch's CPU autocast has no {dtype_name(dtype)} kernel for RNN layers on this "
+            f"CPU ({', '.join(rnns)}), so {dtype_name(dtype)} mixed precision cannot run them "
+            f"here. Give them a float32 rule: PolicyMap(..., {{{rule}}})"
+        ) from err
 
 
 @dataclass
@@ -111,7 +166,7 @@ class AppliedState:
     """What `apply` left on the root module: the map used and the dtypes it replaced."""
 
     policy: PolicyMap
-    original_dtypes: dict[str, torch.dtype]
+    original_dtypes: dict[tuple[str, str], torch.dtype]
 
 
 def _region_key(p: Policy) -> tuple[bool, torch.dtype, torch.dtype]:
@@ -153,29 +208,74 @@ def _set_dtype(
                 store[key] = t.to(dtype)
 
 
+def _check_model(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"apply needs an nn.Module, got {type(model).__name__}; pass the model, then the "
+            "policy: mixprec.apply(model, 'bf16-mixed')"
+        )
+    scripted = [
+        name or "<root>"
+        for name, m in model.named_modules()
+        if isinstance(m, torch.jit.ScriptModule)
+    ]
+    if scripted:
+        raise TypeError(
+            f"cannot apply a policy to TorchScript modules ({', '.join(scripted)}): their "
+            "forward is compiled and cannot be wrapped; apply the policy to the eager module "
+            "first, then torch.jit.trace / torch.jit.script it (or use torch.compile)"
+        )
+
+
+def _warn_unmatched(pmap: PolicyMap, model: nn.Module) -> None:
+    """A path rule that matches no module is a typo far more often than intent: say so."""
+    names = [name for name, _ in model.named_modules(remove_duplicate=False)]
+    for key in pmap.unmatched_paths(names):
+        close = difflib.get_close_matches(key, [n for n in names if n], n=3, cutoff=0.5)
+        hint = f"; closest paths: {', '.join(map(repr, close))}" if close else ""
+        warnings.warn(
+            f"policy rule {key!r} matches no module of {type(model).__name__} (rules are "
+            f"re.fullmatch'ed against named_modules() paths){hint}",
+            stacklevel=3,
+        )
+
+
+def _floating_dtypes(model: nn.Module) -> dict[tuple[str, str], torch.dtype]:
+    """Dtype of every floating parameter and buffer, persistent or not, by (owner, key)."""
+    return {
+        (name, key): t.dtype
+        for name, module in model.named_modules()
+        for store in (module._parameters, module._buffers)
+        for key, t in store.items()
+        if t is not None and t.is_floating_point()
+    }
+
+
 def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Module:
     """Convert `model` in place to `policy` (a spec, Policy or PolicyMap; None: the global
     policy) and return it. Re-applying replaces the previous policy cleanly.
 
     Warns when the policy is slow or refused on the model's device (`warn=False` for
-    callers that already checked it, such as `Precision.setup`)."""
+    callers that already checked it, such as `Precision.setup`), and when a path rule
+    matches no module."""
+    _check_model(model)
     pmap = as_map(policy)
     if warn:
         warn_if_unsupported(pmap, device_of(model))
     state: AppliedState | None = model.__dict__.get(_STATE)
+    resolved = pmap.resolve(model)
+    _warn_unmatched(pmap, model)
     if state is None:
-        original = {
-            n: t.dtype
-            for n, t in model.state_dict(keep_vars=True).items()
-            if isinstance(t, Tensor) and t.is_floating_point()
-        }
+        original = _floating_dtypes(model)
     else:
         original = state.original_dtypes
         _strip_regions(model)
-    resolved = pmap.resolve(model)
     owners: dict[int, tuple[str, Any]] = {}
-    for name, module in model.named_modules():
-        _set_dtype(module, resolved[name].policy.param_dtype, owners, name)
+    # under inference_mode the converted tensors would be inference tensors, which can
+    # never be trained again: convert as plain tensors whatever the caller's mode
+    with torch.inference_mode(False):
+        for name, module in model.named_modules():
+            _set_dtype(module, resolved[name].policy.param_dtype, owners, name)
     for name, module in model.named_modules():
         policy_here = resolved[name].policy
         parent = resolved[name.rpartition(".")[0]].policy if name else None
@@ -189,24 +289,26 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
 
 
 def remove(model: nn.Module) -> nn.Module:
-    """Undo `apply`: plain forwards again and the dtypes the model had before."""
+    """Undo `apply`: plain forwards again and the dtypes the model had before, for every
+    parameter and buffer (non-persistent ones such as a rotary `inv_freq` included)."""
     state: AppliedState | None = model.__dict__.pop(_STATE, None)
     if state is None:
         return model
     _strip_regions(model)
-    tensors = model.state_dict(keep_vars=True)
-    for name, dtype in state.original_dtypes.items():
-        t = tensors.get(name)
-        if t is None or t.dtype == dtype:
-            continue
-        owner_name, _, key = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        if key in owner._parameters:
-            t.data = t.data.to(dtype)
-            if t.grad is not None:
-                t.grad = t.grad.to(dtype)
-        else:
-            owner._buffers[key] = t.to(dtype)
+    modules = dict(model.named_modules())
+    with torch.inference_mode(False):
+        for (owner_name, key), dtype in state.original_dtypes.items():
+            owner = modules.get(owner_name)
+            if owner is None:
+                continue
+            if key in owner._parameters:
+                t = owner._parameters[key]
+                if t is not None and t.dtype != dtype:
+                    t.data = t.data.to(dtype)
+                    if t.grad is not None:
+                        t.grad = t.grad.to(dtype)
+            elif owner._buffers.get(key) is not None and owner._buffers[key].dtype != dtype:
+                owner._buffers[key] = owner._buffers[key].to(dtype)
     return model
 
 

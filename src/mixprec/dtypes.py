@@ -67,6 +67,9 @@ def to_dtype(value: str | torch.dtype) -> torch.dtype:
         key = value.strip().lower().removeprefix("torch.")
         if key in _ALIASES:
             return _ALIASES[key]
+        named = getattr(torch, key, None)
+        if isinstance(named, torch.dtype):
+            return named  # an integer or complex dtype: callers refuse it with the reason
     raise PolicySpecError(
         f"unknown dtype {value!r}; accepted: a torch.dtype or one of {', '.join(DTYPE_NAMES)}"
     )

@@ -24,7 +24,8 @@ from torch import nn
 
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PrecisionError, SlowPrecisionError
-from mixprec.policy import Policy
+from mixprec.policy import Policy, is_auto
+from mixprec.policy_map import PolicyMap, as_map
 
 
 class Status(str, Enum):
@@ -339,7 +340,7 @@ def dtype_support(dtype: torch.dtype, info: DeviceInfo) -> Support:
 
 def policy_support(policy: Any, info: DeviceInfo) -> Support:
     """The worst support over every dtype a policy (or each policy of a map) uses."""
-    policies = policy.policies() if getattr(policy, "is_policy_map", False) else {Policy(policy)}
+    policies = as_map(policy).policies()
     worst = Support(FAST, "")
     for p in sorted(policies, key=lambda p: p.name):
         # storage matters only if refused; speed is decided by the compute dtype
@@ -358,10 +359,10 @@ def support_matrix(info: DeviceInfo | None = None) -> dict[str, Support]:
     return {name: policy_support(Policy(name), info) for name in MATRIX_PRECISIONS}
 
 
-def resolve_auto(info: DeviceInfo | None = None) -> Policy:
-    """The fastest precision that keeps training stable on the device: bf16 mixed where
-    bf16 is fast, float16 mixed (with loss scaling) where only float16 is, else float32."""
-    info = info or detect()
+def resolve_auto(info: DeviceInfo) -> Policy:
+    """The fastest precision that keeps training stable on the device `info` describes:
+    bf16 mixed where bf16 is fast, float16 mixed (with loss scaling) where only float16 is,
+    else float32."""
     for name in ("bf16-mixed", "16-mixed"):
         if policy_support(Policy(name), info).status == FAST:
             return Policy(name)
@@ -401,6 +402,16 @@ def allow_slow_from_env() -> bool:
     )
 
 
+def resolve_policy(spec: Any, device: torch.device | str | DeviceInfo) -> PolicyMap:
+    """What `spec` means on `device` (a device or a `DeviceInfo` describing one), as a
+    PolicyMap: "auto" becomes `resolve_auto` for that device; any other spec, Policy,
+    config or PolicyMap is coerced as `as_map` does, whatever the device."""
+    if is_auto(spec):
+        info = device if isinstance(device, DeviceInfo) else detect(device)
+        return PolicyMap(resolve_auto(info))
+    return as_map(spec)
+
+
 def check(
     policy: Any,
     device: torch.device | str | None = None,
@@ -410,8 +421,9 @@ def check(
     """Raise if `policy` is refused on the device, or far slower than float32 there unless
     `allow_slow` (or ``MIXPREC_ALLOW_SLOW=1``); return the support (status and reason)."""
     info = info or detect(device)
+    policy = as_map(policy)
     s = policy_support(policy, info)
-    name = policy.name if hasattr(policy, "name") else str(policy)
+    name = policy.name
     if s.status == REFUSED:
         ok = [n for n, c in support_matrix(info).items() if c.status != REFUSED]
         raise PrecisionError(
@@ -432,8 +444,7 @@ def check(
 
 
 def _slowest_dtype(policy: Any, info: DeviceInfo) -> torch.dtype:
-    policies = policy.policies() if getattr(policy, "is_policy_map", False) else {Policy(policy)}
-    dtypes = {p.compute_dtype for p in policies}
+    dtypes = {p.compute_dtype for p in as_map(policy).policies()}
     return max(dtypes, key=lambda d: dtype_support(d, info).status.rank)
 
 
@@ -443,7 +454,7 @@ def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -
     info = detect(device)
     s = policy_support(policy, info)
     if s.status in (SLOW, REFUSED):
-        name = policy.name if hasattr(policy, "name") else str(policy)
+        name = as_map(policy).name
         warnings.warn(
             f"precision {name!r} is {s.status} on {info.describe()}: {s.reason}",
             stacklevel=3,

@@ -8,17 +8,14 @@ The global policy is process-wide; `policy_scope` overrides it for the current t
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from mixprec.dtypes import DTYPE_NAMES, dtype_name, is_float8, to_dtype
 from mixprec.errors import PolicySpecError
-
-if TYPE_CHECKING:
-    from mixprec.policy_map import PolicyMap
 
 f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 
@@ -48,16 +45,26 @@ _ALIASES: dict[str, str] = {
     "float16": "16-true",
     "bfloat16": "bf16-true",
 }
-POLICY_NAMES: tuple[str, ...] = (*_NAMED, *_ALIASES, "auto")
+POLICY_NAMES: tuple[str, ...] = (*_NAMED, *_ALIASES)
+
+# A spec value, not a policy: which policy it means depends on the device, so only code that
+# knows the device resolves it (`mixprec.hardware.resolve_policy`).
+AUTO = "auto"
 
 # Spellings people reach for that we refuse on purpose, with what they probably meant.
+# jmp reads a bare dtype as every role in it ("f16" = 16-true) while Lightning reads "16" as
+# 16-mixed: the short names are ambiguous as whole policies, so they must be spelled out.
 _HINTS: dict[str, str] = {
     "fp16": "'16-mixed' (float16 autocast, float32 weights) or '16-true'",
-    "half": "'16-mixed' or '16-true'",
-    "f16": "'16-mixed' or '16-true'",
+    "half": "'16-true' (everything in float16, as jmp reads it) or '16-mixed'",
+    "f16": "'16-true' (everything in float16, as jmp reads it) or '16-mixed'",
     "fp32": "'32-true'",
     "f32": "'32-true'",
     "full": "'32-true'",
+    "float": "'32-true'",
+    "fp64": "'64-true'",
+    "f64": "'64-true'",
+    "double": "'64-true'",
     "bfloat16-mixed": "'bf16-mixed'",
     "mixed_bf16": "'bf16-mixed'",
     "mixed_fp16": "'16-mixed'",
@@ -79,12 +86,19 @@ _JMP_KEYS: dict[str, str] = {
 def _accepted() -> str:
     return (
         f"accepted: one of {', '.join(repr(n) for n in POLICY_NAMES)}; the ints 16, 32, 64; "
-        "a torch.dtype; or a spec like 'params=float32,compute=bfloat16,output=float32' "
-        f"(keys p/c/o, dtypes {', '.join(DTYPE_NAMES)})"
+        "a torch.dtype; or a jmp spec like 'params=float32,compute=bfloat16,output=float32' "
+        f"(keys p/c/o, dtypes {', '.join(DTYPE_NAMES)}); 'auto' where a device is known"
     )
 
 
+def is_auto(spec: Any) -> bool:
+    """True for the spec "auto" (any case or surrounding blanks)."""
+    return isinstance(spec, str) and spec.strip().lower() == AUTO
+
+
 def _parse_jmp(spec: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """jmp's grammar: params default to float32, compute follows params, output follows
+    compute ("c=bf16" is params float32, compute and output bfloat16)."""
     found: dict[str, torch.dtype] = {}
     for part in spec.split(","):
         key, sep, value = part.partition("=")
@@ -108,7 +122,7 @@ def _parse_jmp(spec: str) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
             raise PolicySpecError(f"in policy spec {spec!r}: {err}") from None
     param = found.get("param", f32)
     compute = found.get("compute", param)
-    return param, compute, found.get("output", param)
+    return param, compute, found.get("output", compute)
 
 
 def _parse(spec: Any) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
@@ -121,28 +135,45 @@ def _parse(spec: Any) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
             return _NAMED[_ALIASES[str(spec)]]
         raise PolicySpecError(f"unknown precision {spec!r}; " + _accepted())
     if not isinstance(spec, str):
+        where = (
+            "; a PolicyMap holds several policies: pass it where maps are accepted "
+            "(apply, explain, Precision, Trainer)"
+            if type(spec).__name__ == "PolicyMap"
+            else ""
+        )
         raise PolicySpecError(
             f"a policy spec must be a string, int, torch.dtype or Policy, not "
-            f"{type(spec).__name__}; " + _accepted()
+            f"{type(spec).__name__}{where}; " + _accepted()
         )
     key = spec.strip().lower()
-    if key == "auto":
-        # The hardware module owns "auto": it knows what is fast on this machine.
-        from mixprec.hardware import resolve_auto
-
-        return _parse(resolve_auto())
+    if key == AUTO:
+        raise PolicySpecError(
+            "'auto' names no policy by itself: it means the fastest stable precision of a "
+            "device. Resolve it against the device with "
+            "mixprec.hardware.resolve_policy('auto', device) (Precision, the Trainer, "
+            "mixprec bench and mixprec doctor do this for you), or name a precision"
+        )
     if "=" in key:
         return _parse_jmp(key)
     name = _ALIASES.get(key, key)
     if name in _NAMED:
         return _NAMED[name]
     bare = key.removeprefix("torch.")
-    if bare not in _HINTS and bare in DTYPE_NAMES and bare == dtype_name(to_dtype(bare)):
+    if bare in _HINTS:
+        raise PolicySpecError(
+            f"unknown precision {spec!r} (did you mean {_HINTS[bare]}?); " + _accepted()
+        )
+    if bare in DTYPE_NAMES and bare == dtype_name(to_dtype(bare)):
         # a full dtype name ("float16", "torch.bfloat16", float8 names): every role in it
         dtype = to_dtype(bare)
         return dtype, dtype, dtype
-    hint = f" (did you mean {_HINTS[key]}?)" if key in _HINTS else ""
-    raise PolicySpecError(f"unknown precision {spec!r}{hint}; " + _accepted())
+    dtype = getattr(torch, bare, None)
+    if isinstance(dtype, torch.dtype):  # an integer or complex dtype: refused with the reason
+        raise PolicySpecError(
+            f"precision {spec!r} refused: {dtype_name(dtype)} is not a floating dtype; "
+            + _accepted()
+        )
+    raise PolicySpecError(f"unknown precision {spec!r}; " + _accepted())
 
 
 def _validate(param: torch.dtype, compute: torch.dtype, output: torch.dtype) -> None:
@@ -251,11 +282,26 @@ class Policy:
         }
 
     @classmethod
-    def from_config(cls, config: dict[str, str]) -> Policy:
+    def from_config(cls, config: Mapping[str, str]) -> Policy:
         """Inverse of `to_config`."""
+        if not isinstance(config, Mapping):
+            raise PolicySpecError(
+                f"from_config takes the dict to_config() returns (keys param_dtype, "
+                f"compute_dtype, output_dtype), not {type(config).__name__} {config!r}; "
+                f"for a name or dtype use Policy({config!r})"
+            )
+        if "default" in config:
+            raise PolicySpecError(
+                "this is a PolicyMap config (it has a 'default'): use PolicyMap.from_config"
+            )
         unknown = set(config) - {"param_dtype", "compute_dtype", "output_dtype"}
         if unknown:
-            raise PolicySpecError(f"unknown policy config keys {sorted(unknown)}")
+            raise PolicySpecError(
+                f"unknown policy config keys {sorted(unknown)}; expected param_dtype, "
+                "compute_dtype, output_dtype (what to_config() returns)"
+            )
+        if not config:
+            raise PolicySpecError("an empty policy config; expected what to_config() returns")
         return cls(**config)
 
     def __eq__(self, other: object) -> bool:
@@ -277,12 +323,15 @@ class Policy:
         return f"Policy({self.name!r})"
 
 
-def as_policy(spec: Any = None) -> Policy | PolicyMap:
-    """Coerce a spec, dtype, Policy or PolicyMap; None means the current global policy."""
+def as_policy(spec: Any = None) -> Policy:
+    """Coerce a spec, dtype, Policy or a `to_config()` dict (as Keras's
+    `dtype_policies.get` does); None means the current global policy."""
     if spec is None:
         return global_policy()
-    if isinstance(spec, Policy) or getattr(spec, "is_policy_map", False):
+    if isinstance(spec, Policy):
         return spec
+    if isinstance(spec, Mapping):
+        return Policy.from_config(spec)
     return Policy(spec)
 
 

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import PolicySpecError
-from mixprec.policy import Policy, global_policy
+from mixprec.policy import Policy, as_policy
 
 # What torch's CUDA autocast runs in float32 (layer_norm, group_norm, softmax, ...), made
 # true on every device. BatchNorm is not an island: its kernels take 16-bit inputs with
@@ -82,9 +82,10 @@ def _import_type(path: str) -> type:
 
 
 class PolicyMap:
-    """A default policy plus ordered rules (path regex or module type -> policy)."""
+    """A default policy plus ordered rules (path regex or module type -> policy).
 
-    is_policy_map = True
+    The one policy type the rest of mixprec holds: a plain policy is a map with no rules.
+    """
 
     def __init__(
         self,
@@ -93,12 +94,23 @@ class PolicyMap:
         *,
         float32_islands: bool = True,
     ) -> None:
-        self.default: Policy = Policy(default) if default is not None else global_policy()
+        self.default: Policy = as_policy(default)
         self.float32_islands = float32_islands
         self._paths: dict[str, tuple[re.Pattern[str], Policy]] = {}
         self._types: dict[type, Policy] = {}
+        if rules is not None and not isinstance(rules, Mapping):
+            example = (
+                " (dict(...) turns a list of (key, policy) pairs into one)"
+                if isinstance(rules, (list, tuple))
+                else ""
+            )
+            raise TypeError(
+                f"PolicyMap rules must be a mapping {{path regex or module type: policy}}, got "
+                f"{type(rules).__name__} {rules!r}{example}; e.g. "
+                "PolicyMap('bf16-mixed', {'head': '32-true', nn.LayerNorm: '32-true'})"
+            )
         for key, spec in (rules or {}).items():
-            policy = Policy(spec)
+            policy = as_policy(spec)
             if isinstance(key, type) and issubclass(key, nn.Module):
                 self._types[key] = policy
             elif isinstance(key, str):
@@ -136,31 +148,51 @@ class PolicyMap:
                 return Resolution(self._types[hit], f"type rule {hit.__name__}")
         return None
 
+    def unmatched_paths(self, names: list[str]) -> list[str]:
+        """The path rules that match none of `names` (module paths)."""
+        return [
+            key
+            for key, (rx, _) in self._paths.items()
+            if key not in names and not any(rx.fullmatch(n) for n in names)
+        ]
+
     def resolve(self, model: nn.Module) -> dict[str, Resolution]:
-        """Effective policy of every module of `model`, keyed by qualified name."""
+        """Effective policy of every module of `model`, keyed by qualified name.
+
+        A module reachable at two paths (shared) runs in one policy: paths resolving it to
+        different policies are an error naming both."""
         out: dict[str, Resolution] = {}
+        first_path: dict[int, str] = {}
         for name, module in model.named_modules(remove_duplicate=False):
             if name in out:
                 continue
-            ruled = self._ruled(name, module)
-            if ruled is not None:
-                out[name] = ruled
-                continue
-            parent = name.rpartition(".")[0] if name else None
-            if parent is None:
-                inherited = Resolution(self.default, "default")
-            else:
-                up = out[parent].policy
-                inherited = Resolution(up, f"inherited from {parent or '<root>'}")
-            if (
-                self.float32_islands
-                and isinstance(module, ISLAND_TYPES)
-                and inherited.policy.is_mixed
-            ):
-                out[name] = Resolution(island_policy(inherited.policy), "float32 island")
-            else:
-                out[name] = inherited
+            self._resolve_one(name, module, out)
+            other = first_path.setdefault(id(module), name)
+            if other != name and out[other].policy != out[name].policy:
+                a, b = out[other], out[name]
+                raise PolicySpecError(
+                    f"module {type(module).__name__} is reachable at {other!r} and {name!r}, "
+                    f"which resolve to {a.policy.name} ({a.source}) and {b.policy.name} "
+                    f"({b.source}); one module runs in one policy: give both paths the same "
+                    "policy"
+                )
         return out
+
+    def _resolve_one(self, name: str, module: nn.Module, out: dict[str, Resolution]) -> None:
+        ruled = self._ruled(name, module)
+        if ruled is not None:
+            out[name] = ruled
+            return
+        parent = name.rpartition(".")[0] if name else None
+        if parent is None:
+            inherited = Resolution(self.default, "default")
+        else:
+            up = out[parent].policy
+            inherited = Resolution(up, f"inherited from {parent or '<root>'}")
+        if self.float32_islands and isinstance(module, ISLAND_TYPES) and inherited.policy.is_mixed:
+            out[name] = Resolution(island_policy(inherited.policy), "float32 island")
+        else:
+            out[name] = inherited
 
     def policies(self) -> set[Policy]:
         """Every policy this map can hand out (default, rules, and islands)."""
@@ -192,22 +224,47 @@ class PolicyMap:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> PolicyMap:
+        """Inverse of `to_config`."""
+        if not isinstance(config, Mapping) or "default" not in config:
+            raise PolicySpecError(
+                "PolicyMap.from_config takes the dict PolicyMap.to_config() returns (keys "
+                f"default, rules, float32_islands), got {config!r}"
+            )
         rules: dict[RuleKey, Policy] = {}
-        for rule in config.get("rules", []):
+        for i, rule in enumerate(config.get("rules", [])):
+            if (
+                not isinstance(rule, Mapping)
+                or "policy" not in rule
+                or ("path" in rule) == ("type" in rule)
+            ):
+                raise PolicySpecError(
+                    f"rule {i} of the policy map config is {rule!r}; each rule is "
+                    "{'path': regex, 'policy': {...}} or {'type': 'package.module.Class', "
+                    "'policy': {...}}, with the policy as Policy.to_config() gives it"
+                )
             key = rule["path"] if "path" in rule else _import_type(rule["type"])
-            rules[key] = Policy.from_config(rule["policy"])
+            rules[key] = as_policy(rule["policy"])
         return cls(
-            Policy.from_config(config["default"]),
+            as_policy(config["default"]),
             rules,
             float32_islands=config.get("float32_islands", True),
         )
 
     def to_code(self) -> str:
-        """Python source that rebuilds this map (what the doctor prints for users to paste)."""
+        """Python source that rebuilds this map (what the doctor prints for users to paste).
+
+        Raises for a type rule whose class Python source cannot name (defined in a function).
+        """
         lines = ["mixprec.PolicyMap(", f"    {self.default.name!r},", "    {"]
         for key, (_, p) in self._paths.items():
             lines.append(f"        {key!r}: {p.name!r},")
         for t, p in self._types.items():
+            if "<locals>" in t.__qualname__:
+                raise PolicySpecError(
+                    f"type rule {t.__name__} is a class defined inside a function "
+                    f"({_type_name(t)}): source code cannot name it. Define the class at "
+                    "module level, or use a path rule for those modules"
+                )
             lines.append(f"        {_type_name(t)}: {p.name!r},")
         lines.append("    },")
         if not self.float32_islands:
@@ -231,10 +288,14 @@ class PolicyMap:
 
 
 def as_map(policy: Any = None) -> PolicyMap:
-    """Any spec, Policy or PolicyMap as a PolicyMap (None: the global policy)."""
+    """The one coercion to a policy type: a PolicyMap as it is, anything `as_policy` takes
+    (a spec, Policy, config dict; None: the global policy) as a map with no rules, and a
+    `PolicyMap.to_config()` dict as the map it describes."""
     if isinstance(policy, PolicyMap):
         return policy
-    return PolicyMap(Policy(policy) if policy is not None else global_policy())
+    if isinstance(policy, Mapping) and "default" in policy:
+        return PolicyMap.from_config(policy)
+    return PolicyMap(as_policy(policy))
 
 
 class Explanation(dict):

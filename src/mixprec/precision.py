@@ -17,18 +17,18 @@ the overflow flag, and the step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec.convert import apply, cast_floating
-from mixprec.hardware import check, default_device, detect, device_of, resolve_auto
+from mixprec.convert import apply, cast_floating, default_dtype, needs_default_dtype
+from mixprec.hardware import check, default_device, device_of, resolve_policy
 from mixprec.optim import LossScaleOptimizer, joint_step
-from mixprec.policy import Policy, as_policy
-from mixprec.policy_map import PolicyMap
+from mixprec.policy import is_auto
+from mixprec.policy_map import PolicyMap, as_map
 from mixprec.scaling import LossScaler, as_loss_scaler
 
 __all__ = ["Precision"]
@@ -42,8 +42,10 @@ class Precision:
     Args:
         spec: any policy spec (``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``, ``"32-true"``,
             Keras and jmp names, a dtype, ``"auto"``), a ``Policy`` or a ``PolicyMap``.
-        device: where training runs, for the hardware check and ``autocast`` (default: the
-            model's device at ``setup``). The model is not moved.
+        device: where training runs, for the hardware check, ``"auto"`` and ``autocast``
+            (default: the model's device at ``setup``). The model is not moved. ``"auto"``
+            without a device is resolved at ``setup``, and ``policy`` and ``scaler`` exist
+            from then on.
         allow_slow: accept a precision that works here but is far slower than float32
             (float16 on most CPUs), e.g. to study its numerics.
         scaler: ``None`` picks dynamic loss scaling when the policy uses float16 and none
@@ -62,21 +64,50 @@ class Precision:
         master_weights: bool | None = None,
     ) -> None:
         self.device = torch.device(device) if device is not None else None
-        if isinstance(spec, str) and spec.strip().lower() == "auto" and self.device is not None:
-            # "auto" means the fastest stable precision on *this* device, not the default one
-            spec = resolve_auto(detect(self.device))
-        self.policy: Policy | PolicyMap = as_policy(spec)
         self.allow_slow = allow_slow
-        self.scaler = as_loss_scaler(scaler, needs_scaling=self.policy.needs_loss_scaling)
         self.master_weights = master_weights
         self.optimizers: list[LossScaleOptimizer] = []
         self._owner: dict[torch.Tensor, LossScaleOptimizer] = {}
         self._master_of: dict[torch.Tensor, torch.Tensor] = {}
+        self._spec = spec
+        self._scaler_spec = scaler
+        self._policy: PolicyMap | None = None
+        self._scaler: LossScaler | None = None
+        if not is_auto(spec) or self.device is not None:
+            self._resolve(self.device)
+
+    def _resolve(self, device: torch.device | None) -> None:
+        # "auto" means the fastest stable precision on *this* device: known from the
+        # constructor's device or, at setup, the model's
+        if is_auto(self._spec):
+            assert device is not None
+            self._policy = resolve_policy(self._spec, device)
+        else:
+            self._policy = as_map(self._spec)
+        self._scaler = as_loss_scaler(
+            self._scaler_spec, needs_scaling=self._policy.needs_loss_scaling
+        )
+
+    @staticmethod
+    def _unresolved() -> RuntimeError:
+        return RuntimeError(
+            "Precision('auto') picks its policy and scaler at setup(), from the model's "
+            "device; call setup() first, or pass device=..."
+        )
 
     @property
-    def default_policy(self) -> Policy:
-        """The policy of the model's root (the map's default for a ``PolicyMap``)."""
-        return self.policy.default if isinstance(self.policy, PolicyMap) else self.policy
+    def policy(self) -> PolicyMap:
+        """The policy map in force (a plain policy is a map with no rules)."""
+        if self._policy is None:
+            raise self._unresolved()
+        return self._policy
+
+    @property
+    def scaler(self) -> LossScaler:
+        """The one loss scaler every optimizer set up here shares."""
+        if self._scaler is None:
+            raise self._unresolved()
+        return self._scaler
 
     # -- setup ------------------------------------------------------------------------------
 
@@ -93,6 +124,8 @@ class Precision:
         """
         if self.device is None:
             self.device = device_of(model)
+        if self._policy is None:
+            self._resolve(self.device)
         check(self.policy, self.device, allow_slow=self.allow_slow)
         apply(model, self.policy, warn=False)
         self.scaler.to(self.device)
@@ -164,15 +197,30 @@ class Precision:
     def autocast(self) -> AbstractContextManager[Any]:
         """A context running code outside the model (a loss, a metric) in the compute dtype
         of a mixed policy; does nothing for a "true" policy."""
-        policy = self.default_policy
+        policy = self.policy.default
         device = self.device or default_device()
         return torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed)
 
+    @contextmanager
+    def forward_context(self) -> Iterator[None]:
+        """The context a forward and its loss run in: ``autocast`` for a mixed policy; for a
+        "true" policy torch's default dtype set to the compute dtype (restored on exit), so
+        tensors created without a dtype (``torch.ones(n, 3)``) match the weights."""
+        policy = self.policy.default
+        if policy.is_mixed:
+            with self.autocast():
+                yield
+        elif needs_default_dtype(policy.compute_dtype):
+            with default_dtype(policy.compute_dtype):
+                yield
+        else:
+            yield
+
     def convert_input(self, batch: Any) -> Any:
-        """Cast the floating tensors of ``batch`` (nested lists, tuples, dicts, dataclasses)
-        to the compute dtype of a "true" policy; under a mixed policy autocast does the
-        casting, so the batch is returned unchanged."""
-        policy = self.default_policy
+        """Cast the floating tensors of ``batch`` (any nesting `mixprec.tree` walks) to the
+        compute dtype of a "true" policy; under a mixed policy autocast does the casting, so
+        the batch is returned unchanged."""
+        policy = self.policy.default
         if policy.is_mixed:
             return batch
         return cast_floating(batch, policy.compute_dtype)
@@ -188,6 +236,8 @@ class Precision:
         self.scaler.load_state_dict(state["scaler"])
 
     def __repr__(self) -> str:
+        if self._policy is None:
+            return f"Precision('auto', device={self.device})"
         return f"Precision({self.policy.name!r}, scaler={self.scaler!r}, device={self.device})"
 
     # -- internals --------------------------------------------------------------------------

@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mixprec.tree import map_tensors
+
 OK, OOM, ERROR, TIMEOUT = "ok", "oom", "error", "timeout"
 CPU_MEMORY_METHOD = (
     "peak live tensor bytes from the CPU allocator's events (torch.profiler, "
@@ -213,16 +215,6 @@ class _Loop:
         return 0
 
 
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
-
-
 def _build_mixprec(spec: RunSpec, device: torch.device) -> _Loop:
     """Our loop: the workload set up through `mixprec.Precision`."""
     from mixprec.bench.models import load_workload
@@ -231,7 +223,7 @@ def _build_mixprec(spec: RunSpec, device: torch.device) -> _Loop:
 
     work = load_workload(spec.model, spec.image_size, spec.seed)
     model = work.model.to(device)
-    inputs, targets = _to_device(work.make_batch(spec.batch_size), device)
+    inputs, targets = map_tensors(lambda t: t.to(device), work.make_batch(spec.batch_size))
     policy = PolicyMap(spec.precision, float32_islands=spec.float32_islands)
     precision = Precision(policy, device=device, allow_slow=spec.allow_slow)
     model, optimizer = precision.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
@@ -255,7 +247,7 @@ def _build_raw(spec: RunSpec, device: torch.device) -> _Loop:
     policy = Policy(spec.precision)
     work = load_workload(spec.model, spec.image_size, spec.seed)
     model = work.model.to(device)
-    inputs, targets = _to_device(work.make_batch(spec.batch_size), device)
+    inputs, targets = map_tensors(lambda t: t.to(device), work.make_batch(spec.batch_size))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     dtype = policy.compute_dtype
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None

@@ -41,6 +41,7 @@ from mixprec.hardware import (
     parse_device,
     policy_support,
     resolve_auto,
+    resolve_policy,
 )
 from mixprec.policy import Policy
 from mixprec.version import __version__
@@ -195,7 +196,8 @@ def _precisions(
     support: dict[str, str] = {}
     for spec in specs:
         try:
-            policy = Policy(spec)
+            # "auto" means the fastest stable precision of the benchmarked device
+            policy = resolve_policy(spec, info).default
             s = check(policy, device, allow_slow=allow_slow, info=info)
         except SlowPrecisionError as err:
             raise ValueError(f"{err} (mixprec bench: pass --allow-slow)") from None

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.doctor.probe import Recording
-from mixprec.doctor.running import Session, grad_amax, move
+from mixprec.doctor.running import Session, grad_amax
 from mixprec.doctor.verdicts import (
     AT_RISK,
     BROKEN,
@@ -37,10 +37,19 @@ from mixprec.doctor.verdicts import (
 )
 from mixprec.dtypes import format_info
 from mixprec.errors import PrecisionError
-from mixprec.hardware import FAST, SUPPORTED, detect, device_of, dtype_support, parse_device
+from mixprec.hardware import (
+    FAST,
+    SUPPORTED,
+    detect,
+    device_of,
+    dtype_support,
+    parse_device,
+    resolve_policy,
+)
 from mixprec.policy import Policy
-from mixprec.policy_map import PolicyMap, as_map
+from mixprec.policy_map import PolicyMap
 from mixprec.scaling import LossScaler
+from mixprec.tree import map_tensors
 
 
 class Diagnosis:
@@ -356,13 +365,14 @@ def diagnose(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"diagnose needs an nn.Module, got {type(model).__name__}")
-    target_map, ref_map = as_map(precision), as_map(reference)
     where = parse_device(device) if device is not None else device_of(model)
     detect(where)  # a device this torch cannot use is a clear error before any copy
+    # "auto" means the fastest stable precision of the device the runs happen on
+    target_map, ref_map = resolve_policy(precision, where), resolve_policy(reference, where)
     if device is not None and where != device_of(model):
         model = copy.deepcopy(model).to(where)  # the runs copy this one, not the caller's
     if device is not None:
-        batch = move(batch, where)
+        batch = map_tensors(lambda t: t.to(where), batch)
     session = Session(model, batch, loss_fn, where, seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reference may be slow here too: it is a probe

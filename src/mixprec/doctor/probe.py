@@ -15,7 +15,6 @@ small tensors are measured together at the end (see `Comparisons`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterator
@@ -27,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.dtypes import format_info
+from mixprec.tree import iter_tensors
 
 
 class RefStats(NamedTuple):
@@ -88,16 +88,8 @@ _NO_ZERO = 1e30  # added to exact zeros so that the smallest nonzero magnitude i
 
 
 def floating_tensors(obj: Any) -> list[Tensor]:
-    """Every floating tensor in a nested tuple/list/dict/dataclass, in a stable order."""
-    if isinstance(obj, Tensor):
-        return [obj] if obj.is_floating_point() else []
-    if isinstance(obj, (list, tuple)):
-        return [t for x in obj for t in floating_tensors(x)]
-    if isinstance(obj, dict):
-        return [t for x in obj.values() for t in floating_tensors(x)]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [t for f in dataclasses.fields(obj) for t in floating_tensors(getattr(obj, f.name))]
-    return []
+    """Every floating tensor in a nested structure (see `mixprec.tree`), in a stable order."""
+    return [t for t in iter_tensors(obj) if t.is_floating_point()]
 
 
 def snapshot(t: Tensor) -> Tensor:

@@ -24,17 +24,6 @@ from mixprec.precision import Precision
 from mixprec.scaling import StaticLossScaler
 
 
-def move(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, Tensor):
-        return obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        items = [move(x, device) for x in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, dict):
-        return type(obj)({k: move(v, device) for k, v in obj.items()})
-    return obj
-
-
 def _as_loss(result: Any, where: str) -> Tensor:
     if isinstance(result, dict):
         if "loss" not in result:

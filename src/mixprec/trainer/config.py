@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from mixprec.hardware import DeviceInfo, Support, check, detect, resolve_auto
-from mixprec.policy import Policy, as_policy
+from mixprec.hardware import DeviceInfo, Support, check, detect, resolve_policy
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
+from mixprec.scaling import LossScaler
 from mixprec.trainer.callbacks import Callback, ModelCheckpoint
 from mixprec.trainer.module import TrainingModule
 from mixprec.trainer.progress import RichProgressBar
@@ -118,7 +118,7 @@ class TrainerConfig:
 
 def resolve_precision(
     precision: Any, info: DeviceInfo, allow_slow: bool = False
-) -> tuple[Policy | PolicyMap, Support]:
+) -> tuple[PolicyMap, Support]:
     """The policy a ``precision`` flag means on the device ``info`` describes, and its support.
 
     ``"auto"`` picks the fastest stable precision for that device. Raises
@@ -126,10 +126,7 @@ def resolve_precision(
     device refuses the policy, ``mixprec.SlowPrecisionError`` when it runs far slower than
     float32 there and ``allow_slow`` is false. Never substitutes another precision.
     """
-    if isinstance(precision, str) and precision.strip().lower() == "auto":
-        policy: Policy | PolicyMap = resolve_auto(info)
-    else:
-        policy = as_policy(precision)
+    policy = resolve_policy(precision, info)
     return policy, check(policy, allow_slow=allow_slow, info=info)
 
 
@@ -162,9 +159,18 @@ def determinism(enabled: bool) -> Iterator[None]:
         torch.backends.cudnn.benchmark = before[1]
 
 
+def _template(precision: Precision) -> tuple[Any, LossScaler | None]:
+    """A configured Precision's policy and scaler; ("auto", None) while it still waits for a
+    device to resolve "auto" (the run's device decides, and the default scaler with it)."""
+    try:
+        return precision.policy, precision.scaler
+    except RuntimeError:
+        return "auto", None
+
+
 def choose_precision(
     precision: Any, device: torch.device, allow_slow: bool
-) -> tuple[Policy | PolicyMap, Support, str]:
+) -> tuple[PolicyMap, Support, str]:
     """The policy a Trainer's ``precision`` flag (a spec, or a configured `Precision`) means on
     ``device``, its support there and the device's description; logged once (logger
     ``"mixprec"``). Raises as `resolve_precision` does."""
@@ -175,11 +181,10 @@ def choose_precision(
             f"runs on {device}; build it without device= (the Trainer sets it)"
         )
     info = detect(device)
-    policy, support = resolve_precision(
-        template.policy if template is not None else precision, info, allow_slow
-    )
-    if template is not None:
-        scaling = f"loss scaler {template.scaler!r}"
+    spec, scaler = _template(template) if template is not None else (precision, None)
+    policy, support = resolve_precision(spec, info, allow_slow)
+    if scaler is not None:
+        scaling = f"loss scaler {scaler!r}"
     else:
         scaling = "dynamic loss scaling" if policy.needs_loss_scaling else "no loss scaling"
     description = info.describe()
@@ -195,7 +200,7 @@ def choose_precision(
 
 
 def new_precision(
-    policy: Policy | PolicyMap, device: torch.device, allow_slow: bool, template: Precision | None
+    policy: PolicyMap, device: torch.device, allow_slow: bool, template: Precision | None
 ) -> Precision:
     """A fresh `Precision` for one run; a configured ``template`` gives its scaler settings
     (copied as given, so every run starts from the same scale) and master-weight choice."""
@@ -205,7 +210,7 @@ def new_precision(
         policy,
         device=device,
         allow_slow=allow_slow,
-        scaler=copy.deepcopy(template.scaler),
+        scaler=copy.deepcopy(_template(template)[1]),
         master_weights=template.master_weights,
     )
 

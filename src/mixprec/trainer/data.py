@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch import Tensor
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -23,33 +22,21 @@ from torch.utils.data import (
     Sampler,
 )
 
+from mixprec.tree import iter_tensors, map_tensors
+
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a nested list/tuple/dict batch to ``device``."""
-    if isinstance(batch, Tensor):
-        if batch.device == device:
-            return batch
-        return batch.to(device, non_blocking=batch.is_pinned())
-    if isinstance(batch, (list, tuple)):
-        items = [to_device(x, device) for x in batch]
-        if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-            return type(batch)(*items)
-        return type(batch)(items)
-    if isinstance(batch, dict):
-        return type(batch)({k: to_device(v, device) for k, v in batch.items()})
-    return batch
+    """Move every tensor in a nested batch (any structure `mixprec.tree` walks: tuples,
+    lists, dicts, namedtuples, dataclasses, mappings) to ``device``."""
+    return map_tensors(
+        lambda t: t if t.device == device else t.to(device, non_blocking=t.is_pinned()), batch
+    )
 
 
 def batch_size_of(batch: Any) -> int:
     """The leading dimension of the first tensor found in ``batch`` (1 if there is none)."""
-    if isinstance(batch, Tensor):
-        return batch.shape[0] if batch.dim() else 1
-    if isinstance(batch, (list, tuple)):
-        for x in batch:
-            return batch_size_of(x)
-    if isinstance(batch, dict):
-        for x in batch.values():
-            return batch_size_of(x)
+    for t in iter_tensors(batch):
+        return t.shape[0] if t.dim() else 1
     return 1
 
 

@@ -84,10 +84,10 @@ class Run:
 
     def step_context(self) -> AbstractContextManager[Any]:
         """The compute region for a step: a TrainingModule's step may call submodules
-        directly, so it runs under the precision's autocast; a plain module's forward
+        directly, so it runs in the precision's forward context; a plain module's forward
         enters its region by itself."""
         if self.is_module:
-            return self.precision.autocast()
+            return self.precision.forward_context()
         return contextlib.nullcontext()
 
 
