@@ -1,0 +1,176 @@
+"""The package's shape: a light top level, imports that point one way, no import cycles."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import mixprec
+
+SRC = Path(mixprec.__file__).parent
+
+# Lower layers first; a module may import only from its own layer's package or from layers
+# below it. Utilities with no knowledge of precision sit at the bottom.
+LAYERS: list[set[str]] = [
+    {"errors", "version", "factory", "outputs"},
+    {"dtypes"},
+    {"policy"},
+    {"policy_map", "tree"},
+    {"hardware"},
+    {"convert", "scaling"},
+    {"optim"},
+    {"precision"},
+    {"trainer"},
+    {"doctor"},
+    {"bench"},
+    {"cli", "__init__"},
+]
+LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _component(module: str) -> str:
+    """`mixprec.trainer.loop` -> "trainer"; `mixprec` -> "__init__"."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported mixprec module, at module level?) for every import in `path`, skipping
+    those under `if TYPE_CHECKING:` (never run)."""
+    tree = ast.parse(path.read_text())
+    found: list[tuple[str, bool]] = []
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                if child.module.startswith("mixprec"):
+                    # `from pkg import module` imports that module, not only the package
+                    subs = [f"{child.module}.{a.name}" for a in child.names]
+                    found.extend((m, top) for m in subs if m in MODULES)
+                    if not all(m in MODULES for m in subs):
+                        found.append((child.module, top))
+            elif isinstance(child, ast.Import):
+                found.extend((a.name, top) for a in child.names if a.name.startswith("mixprec"))
+            inner = top and not isinstance(
+                child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+            )
+            visit(child, inner)
+
+    visit(tree, True)
+    return found
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    out = {}
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC.parent).with_suffix("")
+        parts = list(rel.parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def test_every_package_module_has_a_layer():
+    unknown = {_component(m) for m in _modules()} - set(LAYER_OF)
+    assert not unknown, f"add {sorted(unknown)} to LAYERS (and to docs/architecture.md)"
+
+
+def test_imports_point_down_the_layers():
+    wrong = []
+    for module, path in _modules().items():
+        here = _component(module)
+        for imported, _ in _imports(path):
+            there = _component(imported)
+            if there == "__init__" and imported == "mixprec" and here != "__init__":
+                wrong.append(f"{module} imports the top-level package (import a module instead)")
+            elif there != here and LAYER_OF[there] > LAYER_OF[here]:
+                wrong.append(f"{module} ({here}) imports {imported} ({there}), a layer above")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle_at_module_level():
+    modules = MODULES
+    graph = {
+        m: {i for i, top in _imports(p) if top and i in modules and i != m}
+        for m, p in modules.items()
+    }
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n) :] + [n]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_import_mixprec_is_light_and_the_trainer_loads_on_first_use():
+    code = (
+        "import sys, mixprec\n"
+        "heavy = sorted(m for m in sys.modules if m.startswith(('mixprec.trainer', "
+        "'mixprec.doctor', 'mixprec.bench', 'rich')))\n"
+        "print(heavy)\n"
+        "mixprec.Trainer\n"
+        "print('mixprec.trainer' in sys.modules, 'Trainer' in dir(mixprec))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert out == ["[]", "True True"]
+
+
+def test_the_top_level_holds_the_daily_names_only():
+    assert sorted(mixprec.__all__) == sorted(
+        [
+            "DynamicLossScaler",
+            "LossScaleDivergedError",
+            "LossScaleOptimizer",
+            "LossScaler",
+            "NoLossScaler",
+            "Policy",
+            "PolicyMap",
+            "PolicySpecError",
+            "Precision",
+            "PrecisionError",
+            "PrecisionMonitor",
+            "SlowPrecisionError",
+            "StaticLossScaler",
+            "Trainer",
+            "TrainingModule",
+            "__version__",
+            "apply",
+            "diagnose",
+            "explain",
+            "global_policy",
+            "policy_scope",
+            "remove",
+            "set_global_policy",
+        ]
+    )
+    for name in mixprec.__all__:
+        assert getattr(mixprec, name) is not None
+    try:
+        mixprec.joint_step  # noqa: B018
+    except AttributeError as err:
+        assert "no attribute 'joint_step'" in str(err)
+    else:
+        raise AssertionError("helpers live in their modules, not at the top level")
