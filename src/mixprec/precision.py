@@ -17,7 +17,7 @@ the overflow flag, and the step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -61,6 +61,10 @@ class Precision:
         scaler: LossScaler | str | float | None = None,
         master_weights: bool | None = None,
     ) -> None:
+        if not isinstance(allow_slow, bool):
+            raise TypeError(f"allow_slow must be True or False, got {allow_slow!r}")
+        if master_weights not in (None, True, False):
+            raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
         self.device = torch.device(device) if device is not None else None
         if isinstance(spec, str) and spec.strip().lower() == "auto" and self.device is not None:
             # "auto" means the fastest stable precision on *this* device, not the default one
@@ -70,8 +74,6 @@ class Precision:
         self.scaler = as_loss_scaler(scaler, needs_scaling=self.policy.needs_loss_scaling)
         self.master_weights = master_weights
         self.optimizers: list[LossScaleOptimizer] = []
-        self._owner: dict[torch.Tensor, LossScaleOptimizer] = {}
-        self._master_of: dict[torch.Tensor, torch.Tensor] = {}
 
     @property
     def default_policy(self) -> Policy:
@@ -91,15 +93,29 @@ class Precision:
         objects); raises ``mixprec.PrecisionError`` when the device refuses the policy or
         runs it far slower than float32 without ``allow_slow``.
         """
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"setup() takes the model (an nn.Module) first, got {type(model).__name__}"
+            )
+        for i, opt in enumerate(optimizers):
+            if not isinstance(opt, (torch.optim.Optimizer, LossScaleOptimizer)):
+                raise TypeError(
+                    f"setup() argument {i + 2} must be a torch.optim.Optimizer built from the "
+                    f"model's parameters, got {type(opt).__name__}"
+                )
         if self.device is None:
             self.device = device_of(model)
         check(self.policy, self.device, allow_slow=self.allow_slow)
         apply(model, self.policy, warn=False)
         self.scaler.to(self.device)
-        wrapped = [self._wrap(opt) for opt in optimizers]
+        wrapped = [self._wrap(opt, model) for opt in optimizers]
         return (model, *wrapped) if wrapped else model
 
-    def _wrap(self, optimizer: torch.optim.Optimizer | LossScaleOptimizer) -> LossScaleOptimizer:
+    def _wrap(
+        self, optimizer: torch.optim.Optimizer | LossScaleOptimizer, model: nn.Module
+    ) -> LossScaleOptimizer:
+        """The wrapper of ``optimizer``: the one made by an earlier ``setup`` (setting up
+        twice is harmless), else a new one sharing this precision's scaler."""
         if isinstance(optimizer, LossScaleOptimizer):
             if optimizer.scaler is not self.scaler:
                 raise ValueError(
@@ -108,14 +124,15 @@ class Precision:
                 )
             lso = optimizer
         else:
-            lso = LossScaleOptimizer(optimizer, self.scaler, master_weights=self.master_weights)
+            lso = self._wrapper_of(optimizer) or LossScaleOptimizer(
+                optimizer, self.scaler, master_weights=self.master_weights, model=model
+            )
         if lso not in self.optimizers:
             self.optimizers.append(lso)
-            for group in lso.param_groups:
-                self._owner.update(dict.fromkeys(group["params"], lso))
-            self._owner.update(dict.fromkeys(lso.master_params, lso))
-            self._master_of.update(lso.master_params)
         return lso
+
+    def _wrapper_of(self, optimizer: torch.optim.Optimizer) -> LossScaleOptimizer | None:
+        return next((w for w in self.optimizers if w.optimizer is optimizer), None)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -125,9 +142,9 @@ class Precision:
             opt.check_can_backward()
         self.scaler.scale(loss).backward(**kwargs)
 
-    def unscale_(self, *optimizers: LossScaleOptimizer) -> None:
+    def unscale_(self, *optimizers: LossScaleOptimizer | torch.optim.Optimizer) -> None:
         """Unscale the gradients of ``optimizers`` (default: all set up); idempotent per step."""
-        for opt in optimizers or self.optimizers:
+        for opt in [self._as_wrapper(o) for o in optimizers] or self.optimizers:
             opt.unscale_()
 
     def clip_grad_norm_(
@@ -154,10 +171,45 @@ class Precision:
         """Unscale, then clamp every gradient of ``params`` to ``[-clip_value, clip_value]``."""
         nn.utils.clip_grad_value_(self._unscaled_grad_holders(params), clip_value)
 
-    def step(self, *optimizers: LossScaleOptimizer) -> bool:
-        """Step ``optimizers`` (default: all set up) as one iteration: unscale, check, step
-        or skip together, update the scale once. Returns True when they stepped."""
-        return joint_step(*(optimizers or self.optimizers))
+    def step(
+        self,
+        *optimizers: LossScaleOptimizer | torch.optim.Optimizer,
+        closure: Callable[[], Any] | None = None,
+    ) -> bool:
+        """Step ``optimizers`` (default: all set up) as one iteration: unscale, check each
+        optimizer's gradients, step those without inf/NaN and skip the others (as
+        ``torch.amp.GradScaler``), update the scale once. Returns True when all stepped.
+
+        An optimizer passed to ``setup`` may be given in place of its wrapper. ``closure``
+        is for one LBFGS-style optimizer, without loss scaling.
+        """
+        wrapped = [self._as_wrapper(opt) for opt in optimizers] or self.optimizers
+        if not wrapped:
+            raise ValueError(
+                "no optimizer to step: pass optimizers to setup(model, optimizer) first"
+            )
+        if closure is not None:
+            if len(wrapped) != 1:
+                raise ValueError("a closure steps one optimizer: name it, step(opt, closure=f)")
+            return wrapped[0].step(closure)
+        if len(wrapped) == 1:
+            return wrapped[0].step()
+        return joint_step(*wrapped)
+
+    def _as_wrapper(self, optimizer: Any) -> LossScaleOptimizer:
+        if isinstance(optimizer, LossScaleOptimizer):
+            return optimizer
+        if isinstance(optimizer, torch.optim.Optimizer):
+            lso = self._wrapper_of(optimizer)
+            if lso is not None:
+                return lso
+            raise ValueError(
+                f"this {type(optimizer).__name__} was not set up by this Precision: "
+                f"model, optimizer = precision.setup(model, optimizer) first"
+            )
+        raise TypeError(
+            f"step() takes the optimizers returned by setup(), got {type(optimizer).__name__}"
+        )
 
     # -- code outside the model -------------------------------------------------------------
 
@@ -183,8 +235,15 @@ class Precision:
         """The policy's config and the scaler's state (optimizers save their own)."""
         return {"policy": self.policy.to_config(), "scaler": self.scaler.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the scaler saved by ``state_dict``."""
+        if not isinstance(state, Mapping) or "scaler" not in state:
+            keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(
+                f"not a Precision state (got {keys}); pass the dict from "
+                f"Precision.state_dict(). A loss scaler's state (also torch.amp.GradScaler's) "
+                f"goes to precision.scaler.load_state_dict(...)"
+            )
         self.scaler.load_state_dict(state["scaler"])
 
     def __repr__(self) -> str:
@@ -193,6 +252,9 @@ class Precision:
     # -- internals --------------------------------------------------------------------------
 
     def _unscaled_grad_holders(self, params: ParamsLike) -> list[torch.Tensor]:
+        """Unscale the optimizers owning ``params``, then return the tensors holding their
+        gradients (masters in place of low-precision parameters). Looked up afresh on each
+        call, so groups added and parameters unfrozen after ``setup`` are covered."""
         if isinstance(params, LossScaleOptimizer):
             params.unscale_()
             return params.params_with_grads()
@@ -202,7 +264,12 @@ class Precision:
             tensors = [params]
         else:
             tensors = list(params)
-        owners = {self._owner[t] for t in tensors if t in self._owner}
-        for opt in owners:
+        owner: dict[torch.Tensor, LossScaleOptimizer] = {}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    owner[opt.model_param(p)] = owner[p] = opt
+        for opt in {owner[t] for t in tensors if t in owner}:
             opt.unscale_()
-        return [self._master_of.get(t, t) for t in tensors]
+        master_of = {p: m for opt in self.optimizers for p, m in opt.master_params.items()}
+        return [master_of.get(t, t) for t in tensors]
