@@ -17,15 +17,15 @@ the overflow flag, and the step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.convert import apply, cast_floating
-from mixprec.hardware import check, default_device, detect, device_of, resolve_auto
+from mixprec.hardware import DeviceInfo, check, default_device, detect, device_of, resolve_auto
 from mixprec.optim import LossScaleOptimizer, joint_step
 from mixprec.policy import Policy, as_policy
 from mixprec.policy_map import PolicyMap
@@ -50,6 +50,9 @@ class Precision:
             otherwise; or ``"dynamic"``, ``"none"``, a number (static scale), a ``LossScaler``.
         master_weights: passed to each ``LossScaleOptimizer``: ``None`` keeps float32
             masters for float16 parameters, ``True`` also for bfloat16 ones, ``False`` never.
+        device_info: a described device (``mixprec.hardware.DeviceInfo``) to check the policy
+            against and resolve ``"auto"`` for, instead of detecting the device at ``setup``:
+            "on an H100", "on an AVX2-only CPU".
     """
 
     def __init__(
@@ -60,15 +63,23 @@ class Precision:
         allow_slow: bool = False,
         scaler: LossScaler | str | float | None = None,
         master_weights: bool | None = None,
+        device_info: DeviceInfo | None = None,
     ) -> None:
         if not isinstance(allow_slow, bool):
             raise TypeError(f"allow_slow must be True or False, got {allow_slow!r}")
         if master_weights not in (None, True, False):
             raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
+        if device_info is not None and not isinstance(device_info, DeviceInfo):
+            raise TypeError(
+                f"device_info must be a mixprec.hardware.DeviceInfo, "
+                f"got {type(device_info).__name__}"
+            )
         self.device = torch.device(device) if device is not None else None
-        if isinstance(spec, str) and spec.strip().lower() == "auto" and self.device is not None:
-            # "auto" means the fastest stable precision on *this* device, not the default one
-            spec = resolve_auto(detect(self.device))
+        self.device_info = device_info
+        if isinstance(spec, str) and spec.strip().lower() == "auto":
+            if device_info is not None or self.device is not None:
+                # "auto" means the fastest stable precision on *this* device, not the default
+                spec = resolve_auto(device_info or detect(self.device))
         self.policy: Policy | PolicyMap = as_policy(spec)
         self.allow_slow = allow_slow
         self.scaler = as_loss_scaler(scaler, needs_scaling=self.policy.needs_loss_scaling)
@@ -81,6 +92,19 @@ class Precision:
         return self.policy.default if isinstance(self.policy, PolicyMap) else self.policy
 
     # -- setup ------------------------------------------------------------------------------
+
+    @contextmanager
+    def init_module(self) -> Iterator[None]:
+        """Build a model directly in its storage dtype: parameters created inside this
+        context get the policy's param dtype (``bfloat16`` under ``"bf16-true"``, float32
+        under mixed policies) instead of being created in float32 and cast at ``setup``.
+        The default dtype is restored on exit, also when construction raises."""
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.default_policy.param_dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
 
     def setup(
         self, model: nn.Module, *optimizers: torch.optim.Optimizer | LossScaleOptimizer
@@ -105,7 +129,8 @@ class Precision:
                 )
         if self.device is None:
             self.device = device_of(model)
-        check(self.policy, self.device, allow_slow=self.allow_slow)
+        described = {"info": self.device_info} if self.device_info is not None else {}
+        check(self.policy, self.device, allow_slow=self.allow_slow, **described)
         apply(model, self.policy, warn=False)
         self.scaler.to(self.device)
         wrapped = [self._wrap(opt, model) for opt in optimizers]
