@@ -187,6 +187,26 @@ def test_lbfgs_closure_steps_like_plain_torch_without_loss_scaling():
         precision.step(opt)
 
 
+def test_lbfgs_closure_with_bf16_masters_re_evaluates_the_moved_masters():
+    precision = Precision("bf16-true", allow_slow=True, master_weights=True)
+    model = _mlp()
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
+    model, opt = precision.setup(model, lbfgs)
+    losses = []
+
+    def closure():
+        opt.zero_grad()
+        loss = _loss(model)
+        precision.backward(loss)
+        losses.append(loss.item())
+        return loss
+
+    assert precision.step(opt, closure=closure)
+    assert len(losses) > 2 and losses[-1] < losses[0]  # each evaluation saw the new masters
+    for p in model.parameters():
+        assert torch.equal(p, opt.master_params[p].to(bf16))
+
+
 def test_closure_with_loss_scaling_is_a_clear_error():
     model = _mlp()
     precision = Precision("32-true", scaler="dynamic")

@@ -129,3 +129,32 @@ def test_amp_aware_optimizer_sees_grad_scale_and_found_inf_like_torch():
             assert torch.equal(p, q)
     expected = [(None, 0.0), (None, 1.0), (None, 0.0), (None, 0.0)]
     assert ours.optimizer.seen == ref_opt.seen == expected
+
+
+def test_fused_optimizers_skip_one_by_one_on_device_like_grad_scaler():
+    """Two fused AdamW (they skip inside their kernel, the flag read after the step)."""
+
+    def adams(model: nn.Sequential) -> list[torch.optim.Optimizer]:
+        return [torch.optim.AdamW(model[i].parameters(), lr=1e-2, fused=True) for i in (0, 2)]
+
+    ref_model, our_model = _mlp(), _mlp()
+    ref_opts = adams(ref_model)
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    scaler = _torch_like()
+    ours = [LossScaleOptimizer(opt, scaler) for opt in adams(our_model)]
+    for step, (x, y) in enumerate(_batches(12)):
+        ref.scale(F.mse_loss(ref_model(x), y)).backward()
+        scaler.scale(F.mse_loss(our_model(x), y)).backward()
+        if step in _POISON:
+            ref_model[_POISON[step]].bias.grad[0] = math.nan
+            our_model[_POISON[step]].bias.grad[0] = math.nan
+        for opt in ref_opts:
+            ref.step(opt)
+        ref.update()
+        assert joint_step(*ours) is (step not in _POISON)
+        assert [o.step_was_skipped for o in ours] == [_POISON.get(step) == i for i in (0, 2)]
+        assert scaler.loss_scale == ref.get_scale()
+        for p, q in zip(ref_model.parameters(), our_model.parameters(), strict=True):
+            assert torch.equal(p, q)
+        for opt in [*ref_opts, *ours]:
+            opt.zero_grad()
