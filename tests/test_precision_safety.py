@@ -386,3 +386,16 @@ def test_joint_step_with_a_nan_in_one_of_two_16_true_optimizers_keeps_the_other_
     assert torch.equal(model[2].weight, before["2.weight"])
     assert torch.equal(model[0].weight, a.master_params[model[0].weight].to(f16))
     assert not torch.equal(model[0].weight, before["0.weight"])
+
+
+def test_a_bad_scaler_state_leaves_the_optimizer_untouched():
+    model = _mlp()
+    opt = LossScaleOptimizer(torch.optim.Adam(model.parameters()), DynamicLossScaler(2.0**8))
+    opt.backward(_loss(model))
+    opt.step()
+    state = opt.state_dict()
+    state["scaler"] = {"kind": "static", "scale": 4.0}
+    fresh = LossScaleOptimizer(torch.optim.Adam(_mlp().parameters()), DynamicLossScaler(2.0**8))
+    with pytest.raises(ValueError, match="cannot load a 'static' loss scaler state"):
+        fresh.load_state_dict(state)
+    assert not fresh.state and fresh.loss_scale == 2.0**8

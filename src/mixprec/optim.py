@@ -288,8 +288,8 @@ class LossScaleOptimizer:
             )
         self._check_inner_state(state["optimizer"], state["param_shapes"])
         masters = self._check_saved_masters(state["master_weights"])
+        self.scaler.load_state_dict(state["scaler"])  # checks its state before changing it
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
         if masters:
             with torch.no_grad():
                 torch._foreach_copy_(list(masters), [s.to(m.device) for m, s in masters.items()])
