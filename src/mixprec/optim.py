@@ -328,7 +328,8 @@ class LossScaleOptimizer:
         for group in self.optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
-                if not (p.requires_grad and p.dtype in self._master_dtypes):
+                trainable = p.requires_grad or p.grad is not None
+                if not (trainable and p.dtype in self._master_dtypes):
                     continue
                 master = nn.Parameter(p.detach().to(torch.float32))
                 params[i] = master
@@ -372,19 +373,45 @@ class LossScaleOptimizer:
             torch._foreach_copy_(dst, src)
 
     def _sync_masters(self) -> None:
-        """Master any new low-precision parameters, then move gradients into the masters."""
-        if self._master_dtypes:
+        """Move gradients into the masters, first giving a master to any low-precision
+        parameter found with a gradient but none (a group added on the wrapped optimizer, a
+        parameter unfrozen after wrapping). For steps that do not unscale."""
+        if self._has_unmastered_grads():
             self._add_masters()
         if self._masters:
             self._move_grads_to_masters()
 
+    def _has_unmastered_grads(self) -> bool:
+        master_dtypes = self._master_dtypes
+        if master_dtypes:
+            for p in self._all_params():
+                if p.dtype in master_dtypes and p.grad is not None:
+                    return True
+        return False
+
     def _gather_grads(self) -> list[torch.Tensor]:
-        self._sync_masters()
+        """``_sync_masters``, then every gradient the optimizer will use, in one pass over
+        the parameters in the common case."""
+        if self._masters:
+            self._move_grads_to_masters()
+        grads = self._grads()
+        if grads is None:
+            self._sync_masters()
+            grads = self._grads()
+            assert grads is not None
+        return grads
+
+    def _grads(self) -> list[torch.Tensor] | None:
+        """The gradients of the tensors in ``param_groups``; None if one of them is of a
+        dtype that should have a master (one pass over the parameters either way)."""
+        master_dtypes = self._master_dtypes
         grads = []
         for p in self._all_params():
             g = p.grad
             if g is None:
                 continue
+            if p.dtype in master_dtypes:
+                return None
             if g.is_sparse and g.dtype == torch.float16 and not g.is_coalesced():
                 # Duplicate indices are summed by the optimizer; check the sums instead.
                 g = p.grad = g.coalesce()
@@ -555,7 +582,8 @@ def joint_step(*optimizers: LossScaleOptimizer) -> bool:
         overflow = [bool(f) for f in found.tolist()]
     for opt, bad in zip(optimizers, overflow, strict=True):
         opt._finish_step(not bad)
-    scaler.update(found.amax(), any(overflow))
+    combined = found.amax() if len(flags) > 1 else flags[0]
+    scaler.update(combined, any(overflow))  # type: ignore[arg-type]
     return not any(overflow)
 
 
