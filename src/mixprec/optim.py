@@ -21,11 +21,11 @@ error rather than unscaling the second optimizer's gradients with a scale the fi
 already changed.
 
 Float16 trainable parameters get float32 master copies: the wrapped optimizer is re-pointed
-at the masters, gradients are copied into them and unscaled in float32 (where small values
-survive), the optimizer updates the masters, and the float16 parameters are refreshed from
-them after each taken step. The gradients are moved, not copied, into the masters, so
-``zero_grad`` on the wrapped optimizer clears everything. This makes pure float16 training
-work where ``torch.amp.GradScaler`` refuses float16 gradients.
+at the masters, gradients are moved into them (so ``zero_grad`` on the wrapped optimizer
+clears everything) and unscaled in float32 (where small values survive), the optimizer
+updates the masters, and the float16 parameters are refreshed from them after each taken
+step. This makes pure float16 training work where ``torch.amp.GradScaler`` refuses float16
+gradients.
 
 ``state_dict`` keys the masters by the optimizer's parameter index (torch's own key for
 optimizer state) and records the parameters' names and shapes, so a load is validated up
@@ -77,13 +77,13 @@ class LossScaleOptimizer:
     Args:
         optimizer: any ``torch.optim.Optimizer``; fused ones (``fused=True`` Adam, AdamW, SGD,
             flagged ``_step_supports_amp_scaling``) get the overflow flag and skip inside
-            their kernel, so no host sync precedes their step.
+            their kernel, so no host sync precedes their step. An optimizer has one live
+            wrapper: wrapping it again (a second ``Precision``, a re-run notebook cell) hands
+            its masters to the new wrapper and retires the old one, whose ``step`` then
+            raises instead of stepping the optimizer a second time.
         scaler: ``None`` or ``"dynamic"`` (a new ``DynamicLossScaler``), a number (a static
             scale), ``"none"``, or a ``LossScaler`` instance, possibly shared with other
             optimizers.
-            An optimizer has one live wrapper: wrapping it again (a second ``Precision``, a
-            re-run notebook cell) hands its masters to the new wrapper and retires the old
-            one, whose ``step`` then raises instead of stepping the optimizer a second time.
         master_weights: ``None`` keeps float32 masters for trainable float16 parameters;
             ``True`` also for bfloat16 ones; ``False`` never (float16 gradients are then
             unscaled in float16, where small values can flush to zero).
