@@ -14,28 +14,37 @@ Wrap your optimizer (as in Keras)::
 Several optimizers can share one scaler. When each has its own backward (a GAN's
 discriminator then generator), call each ``step()`` as usual: every step ends one scaler
 iteration. When one backward feeds several optimizers, step them together with
-``joint_step(opt_a, opt_b)``: all gradients are checked, all optimizers skip if any
-gradient overflowed, and the scale is updated once. Stepping them one by one instead
-raises an error rather than unscaling the second optimizer's gradients with a scale the
-first one already changed.
+``joint_step(opt_a, opt_b)``: as with ``torch.amp.GradScaler``, each optimizer is checked on
+its own gradients and skips only if they overflowed, the others step, and the scale is
+updated once (backing off if any overflowed). Stepping them one by one instead raises an
+error rather than unscaling the second optimizer's gradients with a scale the first one
+already changed.
 
 Float16 trainable parameters get float32 master copies: the wrapped optimizer is re-pointed
-at the masters, gradients are copied into them and unscaled in float32 (where small values
-survive), the optimizer updates the masters, and the float16 parameters are refreshed from
-them after each taken step. This makes pure float16 training work where
-``torch.amp.GradScaler`` refuses float16 gradients.
+at the masters, gradients are moved into them (so ``zero_grad`` on the wrapped optimizer
+clears everything) and unscaled in float32 (where small values survive), the optimizer
+updates the masters, and the float16 parameters are refreshed from them after each taken
+step. This makes pure float16 training work where ``torch.amp.GradScaler`` refuses float16
+gradients.
+
+``state_dict`` keys the masters by the optimizer's parameter index (torch's own key for
+optimizer state) and records the parameters' names and shapes, so a load is validated up
+front and ``master_weights_by_name`` can hand the masters to a run in another precision.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import inspect
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from mixprec.scaling import LossScaler, as_loss_scaler
 
-__all__ = ["LossScaleOptimizer", "joint_step", "scheduler_step"]
+__all__ = ["LossScaleOptimizer", "joint_step", "master_weights_by_name", "scheduler_step"]
 
 # which parameter dtypes get float32 masters, per value of `master_weights`
 _MASTER_DTYPES: dict[bool | None, tuple[torch.dtype, ...]] = {
@@ -44,6 +53,23 @@ _MASTER_DTYPES: dict[bool | None, tuple[torch.dtype, ...]] = {
     False: (),
 }
 
+# per-parameter state buffers of torch's optimizers that have the parameter's shape
+_PARAM_SHAPED_STATE = (
+    "exp_avg",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "momentum_buffer",
+    "square_avg",
+    "sum",
+)
+
+# optimizer -> (its latest wrapper, model parameter -> master): a new wrapper of the same
+# optimizer takes the masters over and retires the old wrapper
+_WRAPPERS: weakref.WeakKeyDictionary[
+    torch.optim.Optimizer,
+    tuple[weakref.ref[LossScaleOptimizer], dict[torch.Tensor, torch.Tensor]],
+] = weakref.WeakKeyDictionary()
+
 
 class LossScaleOptimizer:
     """Wrap ``optimizer`` so that its step is loss-scaled and, if needed, uses master weights.
@@ -51,13 +77,20 @@ class LossScaleOptimizer:
     Args:
         optimizer: any ``torch.optim.Optimizer``; fused ones (``fused=True`` Adam, AdamW, SGD,
             flagged ``_step_supports_amp_scaling``) get the overflow flag and skip inside
-            their kernel, so no host sync precedes their step.
+            their kernel, so no host sync precedes their step. An optimizer has one live
+            wrapper: wrapping it again (a second ``Precision``, a re-run notebook cell) hands
+            its masters to the new wrapper and retires the old one, whose ``step`` then
+            raises instead of stepping the optimizer a second time.
         scaler: ``None`` or ``"dynamic"`` (a new ``DynamicLossScaler``), a number (a static
             scale), ``"none"``, or a ``LossScaler`` instance, possibly shared with other
             optimizers.
         master_weights: ``None`` keeps float32 masters for trainable float16 parameters;
             ``True`` also for bfloat16 ones; ``False`` never (float16 gradients are then
             unscaled in float16, where small values can flush to zero).
+        model: the module the parameters belong to; its parameter names are saved in
+            ``state_dict`` (``Precision.setup`` passes it), so that ``master_weights_by_name``
+            can restore the masters by name. Without it, the names an optimizer built from
+            ``model.named_parameters()`` keeps are used.
     """
 
     def __init__(
@@ -66,18 +99,42 @@ class LossScaleOptimizer:
         scaler: LossScaler | str | float | None = None,
         *,
         master_weights: bool | None = None,
+        model: nn.Module | None = None,
     ) -> None:
         if isinstance(optimizer, LossScaleOptimizer):
             raise TypeError("this optimizer is already wrapped in a LossScaleOptimizer")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"LossScaleOptimizer wraps a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}; build one from the model's parameters first, "
+                f"e.g. torch.optim.AdamW(model.parameters())"
+            )
+        if master_weights not in _MASTER_DTYPES:
+            raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         self.optimizer = optimizer
         self.scaler = as_loss_scaler(scaler, needs_scaling=True)
+        self.model = model
         self._master_dtypes = _MASTER_DTYPES[master_weights]
         self._model_params: list[torch.Tensor] = []
         self._masters: list[torch.Tensor] = []
         self._master_of: dict[torch.Tensor, torch.Tensor] = {}
-        for group in optimizer.param_groups:
-            self._add_masters(group)
+        self._model_of: dict[torch.Tensor, torch.Tensor] = {}
+        self._retired = False
+        previous = _WRAPPERS.get(optimizer)
+        if previous is not None:
+            old = previous[0]()
+            if old is not None:
+                old._retired = True
+            for p, master in previous[1].items():
+                self._register_master(p, master)
+        _WRAPPERS[optimizer] = (weakref.ref(self), self._master_of)
+        self._add_masters()
         self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        step_args = inspect.signature(optimizer.step).parameters
+        closure = step_args.get("closure")
+        self._needs_closure = closure is not None and closure.default is inspect.Parameter.empty
         self._found_inf: torch.Tensor | None = None
         self.step_was_skipped = False
         first = next(iter(self._all_params()), None)
@@ -111,10 +168,18 @@ class LossScaleOptimizer:
         """Model parameter -> its float32 master, for parameters that have one."""
         return self._master_of
 
+    def model_param(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The model parameter a tensor of ``param_groups`` stands for (itself, unless it is
+        a master)."""
+        return self._model_of.get(tensor, tensor)
+
     def add_param_group(self, group: dict[str, Any]) -> None:
-        """Add a parameter group to the wrapped optimizer, with masters where needed."""
+        """Add a parameter group to the wrapped optimizer, with masters where needed.
+
+        A group added on the wrapped optimizer directly gets its masters at the next step.
+        """
         self.optimizer.add_param_group(group)
-        self._add_masters(self.optimizer.param_groups[-1])
+        self._add_masters()
 
     def params_with_grads(self) -> list[torch.Tensor]:
         """The tensors the optimizer updates that hold a gradient (masters in place of
@@ -143,15 +208,26 @@ class LossScaleOptimizer:
 
         Call it before clipping or inspecting gradients; ``step`` calls it when needed.
         """
+        self._check_live()
         if self._found_inf is None:
             self._found_inf = self._unscale()
 
-    def step(self) -> bool:
+    def step(self, closure: Callable[[], Any] | None = None) -> bool:
         """Unscale if needed, then take the step or skip it on inf/NaN, then update the scale.
 
         Returns True when the parameters were updated. Ends the scaler's iteration: when one
         backward feeds several optimizers sharing this scaler, use ``joint_step`` instead.
+        ``closure`` (for LBFGS-style optimizers that re-evaluate the loss) is supported
+        without loss scaling only: such a step cannot be skipped half-way.
         """
+        self._check_live()
+        if closure is not None:
+            return self._closure_step(closure)
+        if self._needs_closure:
+            raise TypeError(
+                f"{type(self.optimizer).__name__}.step() needs a closure that re-evaluates the "
+                f"loss: call step(closure) (precision.step(optimizer, closure=closure))"
+            )
         return joint_step(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -170,33 +246,54 @@ class LossScaleOptimizer:
     # -- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state, the scaler's state and the float32 master weights."""
+        """The optimizer's state, the scaler's state, the float32 master weights by parameter
+        index, and each parameter's shape and names (by index, as in the optimizer's state)."""
+        params = list(self._all_params())
+        names = self._param_names()
         return {
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "master_weights": [m.detach() for m in self._masters],
+            "master_weights": {i: p.detach() for i, p in enumerate(params) if p in self._model_of},
+            "param_shapes": [list(self.model_param(p).shape) for p in params],
+            "param_names": names,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict``; the model's low-precision parameters are refreshed from
-        the restored masters, so the run continues exactly where it was saved."""
-        saved = state["master_weights"]
-        if len(saved) != len(self._masters) or any(
-            s.shape != m.shape for s, m in zip(saved, self._masters, strict=True)
-        ):
-            raise ValueError(
-                f"checkpoint has {len(saved)} master weights that do not match this "
-                f"optimizer's {len(self._masters)}; was it saved with the same model and policy?"
-            )
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-        if self._masters:
+        the restored masters, so the run continues exactly where it was saved.
+
+        A plain torch optimizer state (``optimizer.state_dict()``) is accepted too: it goes
+        to the wrapped optimizer, the masters are refreshed from the model's parameters and
+        the scaler is left as it is. Everything is checked before anything is changed.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
+        if "optimizer" not in state and {"state", "param_groups"} <= state.keys():
+            self._check_inner_state(state, None)
+            self.optimizer.load_state_dict(dict(state))
             with torch.no_grad():
-                torch._foreach_copy_(
-                    self._masters,
-                    [s.to(m.device) for s, m in zip(saved, self._masters, strict=True)],
-                )
-                torch._foreach_copy_(self._model_params, self._masters)
+                for p, m in self._master_of.items():
+                    m.copy_(p)
+            return
+        missing = [
+            k
+            for k in ("optimizer", "scaler", "master_weights", "param_shapes", "param_names")
+            if k not in state
+        ]
+        if missing:
+            raise ValueError(
+                f"not a LossScaleOptimizer state: missing {missing} (keys: {sorted(state)}). "
+                f"Pass the dict from LossScaleOptimizer.state_dict() or from a torch "
+                f"optimizer's state_dict()"
+            )
+        self._check_inner_state(state["optimizer"], state["param_shapes"])
+        masters = self._check_saved_masters(state["master_weights"])
+        self.scaler.load_state_dict(state["scaler"])  # checks its state before changing it
+        self.optimizer.load_state_dict(state["optimizer"])
+        if masters:
+            with torch.no_grad():
+                torch._foreach_copy_(list(masters), [s.to(m.device) for m, s in masters.items()])
+                torch._foreach_copy_([self._model_of[m] for m in masters], [m for m in masters])
 
     def __repr__(self) -> str:
         return (
@@ -210,45 +307,111 @@ class LossScaleOptimizer:
         for group in self.optimizer.param_groups:
             yield from group["params"]
 
-    def _add_masters(self, group: dict[str, Any]) -> None:
-        params = group["params"]
-        for i, p in enumerate(params):
-            if not (p.requires_grad and p.dtype in self._master_dtypes):
-                continue
-            master = torch.nn.Parameter(p.detach().to(torch.float32))
-            params[i] = master
-            if p in self.optimizer.state:
-                self.optimizer.state[master] = {
-                    k: v.to(torch.float32) if torch.is_tensor(v) and v.dtype == p.dtype else v
-                    for k, v in self.optimizer.state.pop(p).items()
-                }
-            self._model_params.append(p)
-            self._masters.append(master)
-            self._master_of[p] = master
+    def _param_names(self) -> list[list[str]]:
+        """Names of each parameter (by index; shared parameters have several), from the
+        model when known, else from the groups' ``param_names`` (torch >= 2.6)."""
+        if self.model is not None:
+            names: dict[torch.Tensor, list[str]] = {}
+            for name, p in self.model.named_parameters(remove_duplicate=False):
+                names.setdefault(p, []).append(name)
+            return [names.get(self.model_param(p), []) for p in self._all_params()]
+        out: list[list[str]] = []
+        for group in self.optimizer.param_groups:
+            given = group.get("param_names")
+            out.extend([[n] for n in given] if given else [[] for _ in group["params"]])
+        return out
 
-    def _copy_grads_to_masters(self) -> None:
+    def _add_masters(self) -> None:
+        """Give every trainable parameter of a master dtype its float32 master; the ones
+        already mastered are float32 and skipped, so this also catches groups added on the
+        wrapped optimizer and parameters unfrozen after wrapping."""
+        for group in self.optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                trainable = p.requires_grad or p.grad is not None
+                if not (trainable and p.dtype in self._master_dtypes):
+                    continue
+                master = nn.Parameter(p.detach().to(torch.float32))
+                params[i] = master
+                if p in self.optimizer.state:
+                    self.optimizer.state[master] = {
+                        k: v.to(torch.float32) if torch.is_tensor(v) and v.dtype == p.dtype else v
+                        for k, v in self.optimizer.state.pop(p).items()
+                    }
+                self._register_master(p, master)
+
+    def _register_master(self, p: torch.Tensor, master: torch.Tensor) -> None:
+        self._model_params.append(p)
+        self._masters.append(master)
+        self._master_of[p] = master
+        self._model_of[master] = p
+
+    def _check_live(self) -> None:
+        if self._retired:
+            raise RuntimeError(
+                f"this LossScaleOptimizer was replaced by a newer wrapper of the same "
+                f"{type(self.optimizer).__name__} (setup() by another Precision, or a second "
+                f"LossScaleOptimizer): step the newer one, or the optimizer would be stepped "
+                f"twice per iteration"
+            )
+
+    def _move_grads_to_masters(self) -> None:
+        """Move the model parameters' gradients into their masters (as float32)."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         for p, m in zip(self._model_params, self._masters, strict=True):
             g = p.grad
             if g is None:
-                m.grad = None
-            elif m.grad is None or g.is_sparse or m.grad.is_sparse:
+                continue
+            if m.grad is None or g.is_sparse or m.grad.is_sparse:
                 m.grad = g.to(torch.float32)
             else:
                 dst.append(m.grad)
                 src.append(g)
+            p.grad = None
         if dst:
             torch._foreach_copy_(dst, src)
 
-    def _gather_grads(self) -> list[torch.Tensor]:
+    def _sync_masters(self) -> None:
+        """Move gradients into the masters, first giving a master to any low-precision
+        parameter found with a gradient but none (a group added on the wrapped optimizer, a
+        parameter unfrozen after wrapping). For steps that do not unscale."""
+        if self._has_unmastered_grads():
+            self._add_masters()
         if self._masters:
-            self._copy_grads_to_masters()
+            self._move_grads_to_masters()
+
+    def _has_unmastered_grads(self) -> bool:
+        master_dtypes = self._master_dtypes
+        if master_dtypes:
+            for p in self._all_params():
+                if p.dtype in master_dtypes and p.grad is not None:
+                    return True
+        return False
+
+    def _gather_grads(self) -> list[torch.Tensor]:
+        """``_sync_masters``, then every gradient the optimizer will use, in one pass over
+        the parameters in the common case."""
+        if self._masters:
+            self._move_grads_to_masters()
+        grads = self._grads()
+        if grads is None:
+            self._sync_masters()
+            grads = self._grads()
+            assert grads is not None
+        return grads
+
+    def _grads(self) -> list[torch.Tensor] | None:
+        """The gradients of the tensors in ``param_groups``; None if one of them is of a
+        dtype that should have a master (one pass over the parameters either way)."""
+        master_dtypes = self._master_dtypes
         grads = []
         for p in self._all_params():
             g = p.grad
             if g is None:
                 continue
+            if p.dtype in master_dtypes:
+                return None
             if g.is_sparse and g.dtype == torch.float16 and not g.is_coalesced():
                 # Duplicate indices are summed by the optimizer; check the sums instead.
                 g = p.grad = g.coalesce()
@@ -267,19 +430,46 @@ class LossScaleOptimizer:
             )
         return self.scaler.unscale_(grads)
 
-    def _inner_step(self, found_inf: torch.Tensor) -> None:
-        if not self._fused:
+    def _inner_step(self, found_inf: torch.Tensor | None) -> None:
+        if not self._fused or found_inf is None:
             self.optimizer.step()
             return
-        # torch's protocol for fused optimizers: they read `found_inf` (and `grad_scale`,
-        # left unset: the gradients are already unscaled) and leave everything untouched
-        # when it is non-zero. Unscaling in our pass rather than in their kernel is the
-        # cheaper split: a check-only pass plus an unscale inside the kernel costs more.
-        self.optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        # torch.amp's protocol for optimizers flagged _step_supports_amp_scaling, after a
+        # manual unscale: `found_inf` set, `grad_scale` kept if the user set one, else None
+        # (the gradients are already unscaled); both removed after the step. Unscaling in
+        # our pass rather than in their kernel is the cheaper split: a check-only pass plus
+        # an unscale inside the kernel costs more.
+        opt = self.optimizer
+        opt.grad_scale = getattr(opt, "grad_scale", None)  # type: ignore[attr-defined]
+        opt.found_inf = found_inf  # type: ignore[attr-defined]
         try:
-            self.optimizer.step()
+            opt.step()
         finally:
-            del self.optimizer.found_inf  # type: ignore[attr-defined]
+            del opt.grad_scale  # type: ignore[attr-defined]
+            del opt.found_inf  # type: ignore[attr-defined]
+
+    def _closure_step(self, closure: Callable[[], Any]) -> bool:
+        if self.scaler.enabled:
+            raise RuntimeError(
+                f"{type(self.optimizer).__name__} with a closure re-evaluates the loss several "
+                f"times per step, and a loss-scaled step cannot be skipped half-way. Train it "
+                f"without loss scaling: a bfloat16 or float32 precision ('bf16-mixed', "
+                f"'32-true') or scaler='none'"
+            )
+
+        def evaluate() -> Any:
+            if self._masters:  # the optimizer moved the masters: the model must follow
+                with torch.no_grad():
+                    torch._foreach_copy_(self._model_params, self._masters)
+            with torch.enable_grad():
+                loss = closure()
+            self._sync_masters()
+            return loss
+
+        self.optimizer.step(evaluate)
+        self._finish_step(True)
+        self.scaler.update(self.scaler.unscale_([]), False)
+        return True
 
     def _finish_step(self, stepped: bool) -> None:
         if stepped and self._masters:
@@ -288,44 +478,153 @@ class LossScaleOptimizer:
         self.step_was_skipped = not stepped
         self._found_inf = None
 
+    def _describe(self, index: int) -> str:
+        names = self._param_names()[index]
+        return f"parameter {index}" + (f" ({names[0]})" if names else "")
+
+    def _check_inner_state(self, saved: Any, shapes: Any) -> None:
+        """Refuse, before loading, an optimizer state saved for other parameters."""
+        if not isinstance(saved, Mapping) or not {"state", "param_groups"} <= saved.keys():
+            raise ValueError("the saved optimizer state lacks 'state' and 'param_groups'")
+        groups = self.optimizer.param_groups
+        sizes = [len(g["params"]) for g in groups]
+        saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
+        if sizes != saved_sizes:
+            raise ValueError(
+                f"the saved optimizer has parameter groups of sizes {saved_sizes}, this one "
+                f"{sizes}: it was saved for another model or another set of parameter groups"
+            )
+        params = [self.model_param(p) for p in self._all_params()]
+        if shapes is not None:
+            for i, (p, shape) in enumerate(zip(params, shapes, strict=True)):
+                if list(p.shape) != list(shape):
+                    raise ValueError(
+                        f"{self._describe(i)} has shape {list(p.shape)}, the checkpoint's "
+                        f"{list(shape)}: this optimizer state belongs to another model"
+                    )
+        index = [i for g in saved["param_groups"] for i in g["params"]]
+        for i, key in enumerate(index):
+            for name, value in saved["state"].get(key, {}).items():
+                if name in _PARAM_SHAPED_STATE and torch.is_tensor(value):
+                    if value.shape != params[i].shape:
+                        raise ValueError(
+                            f"{self._describe(i)} has shape {list(params[i].shape)}, its saved "
+                            f"{name!r} {list(value.shape)}: this optimizer state belongs to "
+                            f"another model"
+                        )
+
+    def _check_saved_masters(self, saved: Any) -> dict[torch.Tensor, torch.Tensor]:
+        """This optimizer's master -> the saved one, after checking they correspond."""
+        params = list(self._all_params())
+        here = {i for i, p in enumerate(params) if p in self._model_of}
+        if not isinstance(saved, Mapping) or set(saved) != here:
+            got = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
+            raise ValueError(
+                f"the checkpoint has float32 master weights for parameters {got}, this "
+                f"optimizer keeps them for {sorted(here)}: it was saved under another "
+                f"precision policy (or master_weights setting). To change precision, restore "
+                f"the weights with mixprec.optim.master_weights_by_name and load only the wrapped "
+                f"optimizer's state (optimizer.optimizer.load_state_dict)"
+            )
+        out = {}
+        for i in sorted(here):
+            if saved[i].shape != params[i].shape:
+                raise ValueError(
+                    f"{self._describe(i)}: saved master has shape {list(saved[i].shape)}, "
+                    f"this one {list(params[i].shape)}"
+                )
+            out[params[i]] = saved[i]
+        return out
+
 
 def joint_step(*optimizers: LossScaleOptimizer) -> bool:
     """Step several wrapped optimizers that share one scaler as one iteration.
 
-    Every optimizer's gradients are unscaled and checked, the overflow flags are combined
-    (and all-reduced across ranks), then either all optimizers step or all skip, and the
-    scale is updated once. Returns True when they stepped.
+    As ``torch.amp.GradScaler`` does: every optimizer's gradients are unscaled and checked
+    on their own (the flags are all-reduced across ranks), each optimizer steps unless its
+    own gradients overflowed, and the scale is updated once, backing off if any overflowed.
+    Returns True when every optimizer stepped; ``step_was_skipped`` tells each one.
     """
     if not optimizers:
         raise ValueError("joint_step() needs at least one LossScaleOptimizer")
+    for opt in optimizers:
+        if not isinstance(opt, LossScaleOptimizer):
+            raise TypeError(
+                f"joint_step() takes LossScaleOptimizers, got {type(opt).__name__}: step "
+                f"the optimizers returned by precision.setup() or wrap them first"
+            )
+        opt._check_live()
+    if len(set(map(id, optimizers))) != len(optimizers):
+        raise ValueError("an optimizer was passed twice: it would be stepped twice")
     scaler = optimizers[0].scaler
     if any(opt.scaler is not scaler for opt in optimizers):
         raise ValueError("joint_step() needs optimizers that share one scaler")
     if not scaler.enabled:
         for opt in optimizers:
-            if opt._masters:
-                opt._copy_grads_to_masters()
-            opt.optimizer.step()
+            opt._sync_masters()
+            opt._inner_step(None)
             opt._finish_step(True)
         scaler.update(scaler.unscale_([]), False)
         return True
     for opt in optimizers:
         opt.unscale_()
     flags = [opt._found_inf for opt in optimizers]
-    found_inf = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-    found_inf = scaler.synchronize(found_inf)
-    # Fused optimizers skip by themselves on device, so with only those the flag is read
-    # after their step is queued; otherwise it is read first (the one host sync).
-    overflow = None if all(opt._fused for opt in optimizers) else bool(found_inf.item())
-    if not overflow:
-        for opt in optimizers:
-            opt._inner_step(found_inf)
+    found = flags[0].reshape(1) if len(flags) == 1 else torch.stack(flags)  # type: ignore[arg-type]
+    found = scaler.synchronize(found)
+    # Fused optimizers skip by themselves on device, so with only those the flags are read
+    # after their step is queued; otherwise they are read first (the one host sync).
+    fused_only = all(opt._fused for opt in optimizers)
+    overflow = None if fused_only else [bool(f) for f in found.tolist()]
+    for i, opt in enumerate(optimizers):
+        if overflow is None or not overflow[i]:
+            opt._inner_step(found[i])
     if overflow is None:
-        overflow = bool(found_inf.item())
-    for opt in optimizers:
-        opt._finish_step(not overflow)
-    scaler.update(found_inf, overflow)
-    return not overflow
+        overflow = [bool(f) for f in found.tolist()]
+    for opt, bad in zip(optimizers, overflow, strict=True):
+        opt._finish_step(not bad)
+    combined = found.amax() if len(flags) > 1 else flags[0]
+    scaler.update(combined, any(overflow))  # type: ignore[arg-type]
+    return not any(overflow)
+
+
+def master_weights_by_name(
+    optimizer_state: Mapping[str, Any], model_state: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Parameter name -> float32 master weight, from a checkpoint, for a restore in another
+    precision.
+
+    ``optimizer_state`` is a ``LossScaleOptimizer.state_dict()`` and ``model_state`` the
+    model's ``state_dict()`` saved with it. Put the result over the model state before
+    loading it into the new model (``{**model_state, **masters}``): the float32 masters,
+    not the 16-bit parameters they shadow, become the new weights. Shared parameters get
+    an entry under each of their names. Raises ``ValueError`` when a master has no name
+    (saved by a wrapper built without ``model=`` from an optimizer without parameter names)
+    or does not match the model state.
+    """
+    missing = [k for k in ("master_weights", "param_names") if k not in optimizer_state]
+    if missing:
+        raise ValueError(
+            f"not a LossScaleOptimizer state: missing {missing} (keys: {sorted(optimizer_state)})"
+        )
+    names = optimizer_state["param_names"]
+    out: dict[str, torch.Tensor] = {}
+    for index, master in optimizer_state["master_weights"].items():
+        if not names[index]:
+            raise ValueError(
+                f"the master weight of parameter {index} has no name in this checkpoint: wrap "
+                f"the optimizer with LossScaleOptimizer(..., model=model) (Precision.setup does) "
+                f"or build it from model.named_parameters()"
+            )
+        for name in names[index]:
+            if name not in model_state:
+                raise ValueError(f"master weight {name!r} is not in the model state")
+            if model_state[name].shape != master.shape:
+                raise ValueError(
+                    f"master weight {name!r} has shape {list(master.shape)}, the model state "
+                    f"{list(model_state[name].shape)}"
+                )
+            out[name] = master
+    return out
 
 
 def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> bool:

@@ -17,7 +17,7 @@ the overflow flag, and the step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from mixprec.convert import apply, cast_floating, default_dtype, needs_default_dtype
-from mixprec.hardware import check, default_device, device_of, resolve_policy
+from mixprec.hardware import DeviceInfo, check, default_device, device_of, resolve_policy
 from mixprec.optim import LossScaleOptimizer, joint_step
 from mixprec.policy import is_auto
 from mixprec.policy_map import PolicyMap, as_map
@@ -52,6 +52,9 @@ class Precision:
             otherwise; or ``"dynamic"``, ``"none"``, a number (static scale), a ``LossScaler``.
         master_weights: passed to each ``LossScaleOptimizer``: ``None`` keeps float32
             masters for float16 parameters, ``True`` also for bfloat16 ones, ``False`` never.
+        device_info: a described device (``mixprec.hardware.DeviceInfo``) to check the policy
+            against and resolve ``"auto"`` for, instead of detecting the device at ``setup``:
+            "on an H100", "on an AVX2-only CPU".
     """
 
     def __init__(
@@ -62,8 +65,19 @@ class Precision:
         allow_slow: bool = False,
         scaler: LossScaler | str | float | None = None,
         master_weights: bool | None = None,
+        device_info: DeviceInfo | None = None,
     ) -> None:
+        if not isinstance(allow_slow, bool):
+            raise TypeError(f"allow_slow must be True or False, got {allow_slow!r}")
+        if master_weights not in (None, True, False):
+            raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
+        if device_info is not None and not isinstance(device_info, DeviceInfo):
+            raise TypeError(
+                f"device_info must be a mixprec.hardware.DeviceInfo, "
+                f"got {type(device_info).__name__}"
+            )
         self.device = torch.device(device) if device is not None else None
+        self.device_info = device_info
         self.allow_slow = allow_slow
         self.master_weights = master_weights
         self.optimizers: list[LossScaleOptimizer] = []
@@ -73,15 +87,16 @@ class Precision:
         self._scaler_spec = scaler
         self._policy: PolicyMap | None = None
         self._scaler: LossScaler | None = None
-        if not is_auto(spec) or self.device is not None:
+        if not is_auto(spec) or self.device is not None or device_info is not None:
             self._resolve(self.device)
 
     def _resolve(self, device: torch.device | None) -> None:
         # "auto" means the fastest stable precision on *this* device: known from the
         # constructor's device or, at setup, the model's
         if is_auto(self._spec):
-            assert device is not None
-            self._policy = resolve_policy(self._spec, device)
+            described = self.device_info or device
+            assert described is not None
+            self._policy = resolve_policy(self._spec, described)
         else:
             self._policy = as_map(self._spec)
         self._scaler = as_loss_scaler(
@@ -111,6 +126,19 @@ class Precision:
 
     # -- setup ------------------------------------------------------------------------------
 
+    @contextmanager
+    def init_module(self) -> Iterator[None]:
+        """Build a model directly in its storage dtype: parameters created inside this
+        context get the policy's param dtype (``bfloat16`` under ``"bf16-true"``, float32
+        under mixed policies) instead of being created in float32 and cast at ``setup``.
+        The default dtype is restored on exit, also when construction raises."""
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.policy.default.param_dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
     def setup(
         self, model: nn.Module, *optimizers: torch.optim.Optimizer | LossScaleOptimizer
     ) -> Any:
@@ -122,17 +150,32 @@ class Precision:
         objects); raises ``mixprec.PrecisionError`` when the device refuses the policy or
         runs it far slower than float32 without ``allow_slow``.
         """
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"setup() takes the model (an nn.Module) first, got {type(model).__name__}"
+            )
+        for i, opt in enumerate(optimizers):
+            if not isinstance(opt, (torch.optim.Optimizer, LossScaleOptimizer)):
+                raise TypeError(
+                    f"setup() argument {i + 2} must be a torch.optim.Optimizer built from the "
+                    f"model's parameters, got {type(opt).__name__}"
+                )
         if self.device is None:
             self.device = device_of(model)
         if self._policy is None:
             self._resolve(self.device)
-        check(self.policy, self.device, allow_slow=self.allow_slow)
+        described = {"info": self.device_info} if self.device_info is not None else {}
+        check(self.policy, self.device, allow_slow=self.allow_slow, **described)
         apply(model, self.policy, warn=False)
         self.scaler.to(self.device)
-        wrapped = [self._wrap(opt) for opt in optimizers]
+        wrapped = [self._wrap(opt, model) for opt in optimizers]
         return (model, *wrapped) if wrapped else model
 
-    def _wrap(self, optimizer: torch.optim.Optimizer | LossScaleOptimizer) -> LossScaleOptimizer:
+    def _wrap(
+        self, optimizer: torch.optim.Optimizer | LossScaleOptimizer, model: nn.Module
+    ) -> LossScaleOptimizer:
+        """The wrapper of ``optimizer``: the one made by an earlier ``setup`` (setting up
+        twice is harmless), else a new one sharing this precision's scaler."""
         if isinstance(optimizer, LossScaleOptimizer):
             if optimizer.scaler is not self.scaler:
                 raise ValueError(
@@ -141,14 +184,15 @@ class Precision:
                 )
             lso = optimizer
         else:
-            lso = LossScaleOptimizer(optimizer, self.scaler, master_weights=self.master_weights)
+            lso = self._wrapper_of(optimizer) or LossScaleOptimizer(
+                optimizer, self.scaler, master_weights=self.master_weights, model=model
+            )
         if lso not in self.optimizers:
             self.optimizers.append(lso)
-            for group in lso.param_groups:
-                self._owner.update(dict.fromkeys(group["params"], lso))
-            self._owner.update(dict.fromkeys(lso.master_params, lso))
-            self._master_of.update(lso.master_params)
         return lso
+
+    def _wrapper_of(self, optimizer: torch.optim.Optimizer) -> LossScaleOptimizer | None:
+        return next((w for w in self.optimizers if w.optimizer is optimizer), None)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -158,9 +202,9 @@ class Precision:
             opt.check_can_backward()
         self.scaler.scale(loss).backward(**kwargs)
 
-    def unscale_(self, *optimizers: LossScaleOptimizer) -> None:
+    def unscale_(self, *optimizers: LossScaleOptimizer | torch.optim.Optimizer) -> None:
         """Unscale the gradients of ``optimizers`` (default: all set up); idempotent per step."""
-        for opt in optimizers or self.optimizers:
+        for opt in [self._as_wrapper(o) for o in optimizers] or self.optimizers:
             opt.unscale_()
 
     def clip_grad_norm_(
@@ -187,10 +231,45 @@ class Precision:
         """Unscale, then clamp every gradient of ``params`` to ``[-clip_value, clip_value]``."""
         nn.utils.clip_grad_value_(self._unscaled_grad_holders(params), clip_value)
 
-    def step(self, *optimizers: LossScaleOptimizer) -> bool:
-        """Step ``optimizers`` (default: all set up) as one iteration: unscale, check, step
-        or skip together, update the scale once. Returns True when they stepped."""
-        return joint_step(*(optimizers or self.optimizers))
+    def step(
+        self,
+        *optimizers: LossScaleOptimizer | torch.optim.Optimizer,
+        closure: Callable[[], Any] | None = None,
+    ) -> bool:
+        """Step ``optimizers`` (default: all set up) as one iteration: unscale, check each
+        optimizer's gradients, step those without inf/NaN and skip the others (as
+        ``torch.amp.GradScaler``), update the scale once. Returns True when all stepped.
+
+        An optimizer passed to ``setup`` may be given in place of its wrapper. ``closure``
+        is for one LBFGS-style optimizer, without loss scaling.
+        """
+        wrapped = [self._as_wrapper(opt) for opt in optimizers] or self.optimizers
+        if not wrapped:
+            raise ValueError(
+                "no optimizer to step: pass optimizers to setup(model, optimizer) first"
+            )
+        if closure is not None:
+            if len(wrapped) != 1:
+                raise ValueError("a closure steps one optimizer: name it, step(opt, closure=f)")
+            return wrapped[0].step(closure)
+        if len(wrapped) == 1:
+            return wrapped[0].step()
+        return joint_step(*wrapped)
+
+    def _as_wrapper(self, optimizer: Any) -> LossScaleOptimizer:
+        if isinstance(optimizer, LossScaleOptimizer):
+            return optimizer
+        if isinstance(optimizer, torch.optim.Optimizer):
+            lso = self._wrapper_of(optimizer)
+            if lso is not None:
+                return lso
+            raise ValueError(
+                f"this {type(optimizer).__name__} was not set up by this Precision: "
+                f"model, optimizer = precision.setup(model, optimizer) first"
+            )
+        raise TypeError(
+            f"step() takes the optimizers returned by setup(), got {type(optimizer).__name__}"
+        )
 
     # -- code outside the model -------------------------------------------------------------
 
@@ -231,8 +310,15 @@ class Precision:
         """The policy's config and the scaler's state (optimizers save their own)."""
         return {"policy": self.policy.to_config(), "scaler": self.scaler.state_dict()}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the scaler saved by ``state_dict``."""
+        if not isinstance(state, Mapping) or "scaler" not in state:
+            keys = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(
+                f"not a Precision state (got {keys}); pass the dict from "
+                f"Precision.state_dict(). A loss scaler's state (also torch.amp.GradScaler's) "
+                f"goes to precision.scaler.load_state_dict(...)"
+            )
         self.scaler.load_state_dict(state["scaler"])
 
     def __repr__(self) -> str:
@@ -243,6 +329,9 @@ class Precision:
     # -- internals --------------------------------------------------------------------------
 
     def _unscaled_grad_holders(self, params: ParamsLike) -> list[torch.Tensor]:
+        """Unscale the optimizers owning ``params``, then return the tensors holding their
+        gradients (masters in place of low-precision parameters). Looked up afresh on each
+        call, so groups added and parameters unfrozen after ``setup`` are covered."""
         if isinstance(params, LossScaleOptimizer):
             params.unscale_()
             return params.params_with_grads()
@@ -252,7 +341,12 @@ class Precision:
             tensors = [params]
         else:
             tensors = list(params)
-        owners = {self._owner[t] for t in tensors if t in self._owner}
-        for opt in owners:
+        owner: dict[torch.Tensor, LossScaleOptimizer] = {}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    owner[opt.model_param(p)] = owner[p] = opt
+        for opt in {owner[t] for t in tensors if t in owner}:
             opt.unscale_()
-        return [self._master_of.get(t, t) for t in tensors]
+        master_of = {p: m for opt in self.optimizers for p, m in opt.master_params.items()}
+        return [master_of.get(t, t) for t in tensors]

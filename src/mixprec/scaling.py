@@ -14,9 +14,10 @@ flag to decide whether to skip.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from numbers import Integral, Real
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,57 @@ __all__ = [
 ]
 
 
+Outputs = TypeVar("Outputs")
+
+# the keys of torch.amp.GradScaler.state_dict() (an enabled scaler)
+_TORCH_GRAD_SCALER_KEYS = frozenset(
+    {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+)
+
+
 class LossScaleDivergedError(RuntimeError):
     """Raised when gradients keep overflowing although the loss scale cannot go any lower."""
+
+
+def _real(name: str, value: Any) -> float:
+    """``value`` as a float, refusing bools, strings and other non-numbers by name."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _positive_int(name: str, value: Any) -> int:
+    """``value`` as an int >= 1; a float such as 1.5 is refused rather than truncated."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
+
+
+def _scale_outputs(outputs: Any, scale: torch.Tensor) -> Any:
+    """Multiply every tensor in ``outputs`` (a tensor, or lists/tuples/dicts of them) by
+    ``scale``, keeping the container types, as torch.amp.GradScaler.scale does."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs * scale.to(outputs.device, non_blocking=True)
+    if isinstance(outputs, Mapping):
+        return type(outputs)({k: _scale_outputs(v, scale) for k, v in outputs.items()})
+    if isinstance(outputs, tuple) and hasattr(outputs, "_fields"):  # a namedtuple
+        return type(outputs)(*(_scale_outputs(v, scale) for v in outputs))
+    if isinstance(outputs, (list, tuple)):
+        return type(outputs)(_scale_outputs(v, scale) for v in outputs)
+    raise TypeError(
+        f"scale() takes a tensor or lists, tuples or dicts of tensors, got {type(outputs).__name__}"
+    )
+
+
+def _check_keys(state: Mapping[str, Any], keys: Sequence[str], what: str) -> None:
+    missing = [k for k in keys if k not in state]
+    if missing:
+        raise ValueError(
+            f"not a {what} state: missing {missing}; pass the dict returned by state_dict() "
+            f"of the scaler the checkpoint was saved with"
+        )
 
 
 @dataclass(frozen=True)
@@ -78,11 +128,12 @@ class LossScaler:
         max_skips_at_min_scale: int = 10,
         process_group: Any = None,
     ) -> None:
+        scale = _real("loss scale", scale)
         if not scale > 0 or not math.isfinite(scale):
             raise ValueError(f"loss scale must be a positive finite number, got {scale}")
-        if max_skips_at_min_scale < 1:
-            raise ValueError(f"max_skips_at_min_scale must be >= 1, got {max_skips_at_min_scale}")
-        self.max_skips_at_min_scale = max_skips_at_min_scale
+        self.max_skips_at_min_scale = _positive_int(
+            "max_skips_at_min_scale", max_skips_at_min_scale
+        )
         self.process_group = process_group
         self._scale = torch.full((), float(scale), dtype=torch.float32)
         self._steps = 0
@@ -127,10 +178,15 @@ class LossScaler:
         """
         return self._scaled_since_update
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """Return ``loss`` multiplied by the current scale; call ``backward`` on the result."""
+    def scale(self, outputs: Outputs) -> Outputs:
+        """Return ``outputs`` multiplied by the current scale; call ``backward`` on the result.
+
+        ``outputs`` is a loss tensor, or lists, tuples or dicts of them (several losses
+        backpropagated together), returned in the same structure.
+        """
+        scaled = _scale_outputs(outputs, self._scale)
         self._scaled_since_update = True
-        return loss * self._scale.to(loss.device, non_blocking=True)
+        return scaled
 
     def unscale_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Divide ``grads`` in place by the scale; return the overflow flag.
@@ -202,13 +258,22 @@ class LossScaler:
             "max_skips_at_min_scale": self.max_skips_at_min_scale,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a state saved by ``state_dict`` of a scaler of the same kind."""
-        if state.get("kind") != self.kind:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a state saved by ``state_dict`` of a scaler of the same kind.
+
+        A dynamic scaler also takes the state of a ``torch.amp.GradScaler``.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"a loss scaler state is a dict, got {type(state).__name__}")
+        if "kind" not in state:
+            self._load_foreign_state(state)
+            return
+        if state["kind"] != self.kind:
             raise ValueError(
-                f"cannot load a {state.get('kind')!r} loss scaler state into a {self.kind!r} "
+                f"cannot load a {state['kind']!r} loss scaler state into a {self.kind!r} "
                 f"scaler; build the scaler the checkpoint was saved with"
             )
+        _check_keys(state, self._state_keys(), f"{self.kind!r} loss scaler")
         self._scale.fill_(state["scale"])
         self._steps = state["steps"]
         self._skipped = state["skipped_steps"]
@@ -219,6 +284,36 @@ class LossScaler:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(scale={self.loss_scale:g}, steps={self._steps})"
+
+    def _state_keys(self) -> list[str]:
+        return [
+            "scale",
+            "steps",
+            "skipped_steps",
+            "consecutive_skips",
+            "skips_at_min_scale",
+            "last_overflow_step",
+            "max_skips_at_min_scale",
+        ]
+
+    def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
+        """A state without a ``kind``: from torch.amp.GradScaler, or not a scaler's at all."""
+        if not state:
+            raise ValueError(
+                "this loss scaler state is empty: it was saved by a disabled "
+                "torch.amp.GradScaler(enabled=False) and holds no scale to resume. Start the "
+                "scaler fresh (skip load_state_dict), or train without loss scaling "
+                "(scaler='none')"
+            )
+        if _TORCH_GRAD_SCALER_KEYS <= state.keys():
+            raise ValueError(
+                f"this is a torch.amp.GradScaler state (a dynamic scale); it loads into a "
+                f"DynamicLossScaler, not a {type(self).__name__}: use scaler='dynamic'"
+            )
+        raise ValueError(
+            f"not a loss scaler state (keys {sorted(state)}); pass the dict returned by "
+            f"state_dict() of a mixprec scaler or of a torch.amp.GradScaler"
+        )
 
     # -- subclass hooks ---------------------------------------------------------------------
 
@@ -277,9 +372,9 @@ class NoLossScaler(LossScaler):
         super().__init__(1.0)
         self._no_overflow = torch.zeros((), dtype=torch.float32)
 
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """Return ``loss`` unchanged."""
-        return loss
+    def scale(self, outputs: Outputs) -> Outputs:
+        """Return ``outputs`` unchanged."""
+        return outputs
 
     def unscale_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Leave ``grads`` alone; report no overflow (nothing is checked)."""
@@ -292,6 +387,11 @@ class NoLossScaler(LossScaler):
     def update(self, found_inf: torch.Tensor, overflow: bool | None = None) -> None:
         """Count the step."""
         self._steps += 1
+
+    def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
+        # a disabled torch.amp.GradScaler saves {}: no scaling, nothing to restore
+        if state:
+            super()._load_foreign_state(state)
 
     @property
     def loss_scale(self) -> float:
@@ -346,26 +446,26 @@ class DynamicLossScaler(LossScaler):
         super().__init__(
             init_scale, max_skips_at_min_scale=max_skips_at_min_scale, process_group=process_group
         )
-        if not growth_factor > 1.0:
-            raise ValueError(f"growth_factor must be > 1, got {growth_factor}")
+        growth_factor = _real("growth_factor", growth_factor)
+        backoff_factor = _real("backoff_factor", backoff_factor)
+        min_scale = _real("min_scale", min_scale)
+        max_scale = _real("max_scale", max_scale)
+        if not 1.0 < growth_factor < math.inf:
+            raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if growth_interval < 1 or hysteresis < 1:
-            raise ValueError(
-                f"growth_interval and hysteresis must be >= 1, got {growth_interval}, {hysteresis}"
-            )
         if not 0.0 <= min_scale <= init_scale <= max_scale:
             raise ValueError(
                 f"need 0 <= min_scale <= init_scale <= max_scale, "
                 f"got {min_scale}, {init_scale}, {max_scale}"
             )
         self.init_scale = float(init_scale)
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.hysteresis = int(hysteresis)
-        self.min_scale = float(min_scale)
-        self.max_scale = float(max_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = _positive_int("growth_interval", growth_interval)
+        self.hysteresis = _positive_int("hysteresis", hysteresis)
+        self.min_scale = min_scale
+        self.max_scale = max_scale
         self._growth_tracker = torch.zeros((), dtype=torch.int32)
         self._credits = torch.full((), self.hysteresis, dtype=torch.int32)
 
@@ -421,9 +521,49 @@ class DynamicLossScaler(LossScaler):
         )
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore the scale, counters and settings saved by ``state_dict``."""
+    def _state_keys(self) -> list[str]:
+        return [
+            *super()._state_keys(),
+            "growth_tracker",
+            "credits",
+            "init_scale",
+            "growth_factor",
+            "backoff_factor",
+            "growth_interval",
+            "hysteresis",
+            "min_scale",
+            "max_scale",
+        ]
+
+    def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``torch.amp.GradScaler.state_dict()``: its scale, growth tracker,
+        factors and interval. It has no hysteresis, bounds or counters: this scaler keeps its
+        own hysteresis and bounds, refills its credits and starts its counters at zero."""
+        if not (state and _TORCH_GRAD_SCALER_KEYS <= state.keys()):
+            super()._load_foreign_state(state)
+            return
+        scale = _real("scale", state["scale"])
+        growth_factor = _real("growth_factor", state["growth_factor"])
+        backoff_factor = _real("backoff_factor", state["backoff_factor"])
+        growth_interval = _positive_int("growth_interval", state["growth_interval"])
+        tracker = state["_growth_tracker"]
+        if not scale > 0 or not 1.0 < growth_factor or not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"invalid torch.amp.GradScaler state: {dict(state)}")
+        self._scale.fill_(scale)
+        self._growth_tracker.fill_(int(tracker))
+        self._credits.fill_(self.hysteresis)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self._steps = self._skipped = self._consecutive = self._skips_at_floor = 0
+        self._last_overflow = None
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the scale, counters and settings saved by ``state_dict``, or the state of
+        a ``torch.amp.GradScaler`` (see ``_load_foreign_state``)."""
         super().load_state_dict(state)
+        if "kind" not in state:
+            return
         self._growth_tracker.fill_(state["growth_tracker"])
         self._credits.fill_(state["credits"])
         self.init_scale = state["init_scale"]

@@ -23,19 +23,19 @@ import secrets
 import signal
 import socket
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from mixprec.optim import master_weights_by_name
 from mixprec.trainer.callbacks import ModelCheckpoint, callback_states
 from mixprec.trainer.data import loader_batch_size
 from mixprec.version import __version__
 
 if TYPE_CHECKING:
-    from mixprec.optim import LossScaleOptimizer
     from mixprec.trainer.loop import FitRun, Run
     from mixprec.trainer.trainer import Trainer
 
@@ -419,9 +419,7 @@ def _check_resume_point(run: FitRun, loop: dict[str, Any], path: Path) -> None:
         )
 
 
-def load_weights(
-    run: Run, state: dict[str, Any], path: Path, optimizers: Sequence[LossScaleOptimizer] = ()
-) -> bool:
+def load_weights(run: Run, state: dict[str, Any], path: Path) -> bool:
     """Load the model weights; return whether the checkpoint's precision is this run's.
 
     Across precisions the float32 master weights (if the checkpoint has them) are used in
@@ -441,32 +439,17 @@ def load_weights(
             if any(o["master_weights"] for o in state["optimizers"])
             else "",
         )
-        weights.update(saved_masters(run.model, optimizers, state))
+        weights.update(saved_masters(state))
     run.model.load_state_dict(weights)
     return same
 
 
-def saved_masters(
-    model: nn.Module, optimizers: Sequence[LossScaleOptimizer], state: dict[str, Any]
-) -> dict[str, Tensor]:
-    """Parameter name -> the checkpoint's float32 master of it.
-
-    A LossScaleOptimizer keeps masters, in order, for its float16 parameters; the
-    checkpoint's model weights say which parameters those were. Only a fit has optimizers
-    to say which masters belong to which parameter; evaluation uses the saved weights.
-    """
-    names = {p: n for n, p in model.named_parameters()}
+def saved_masters(state: dict[str, Any]) -> dict[str, Tensor]:
+    """Parameter name -> the checkpoint's float32 master of it, for a restore in another
+    precision (the masters are saved under their parameters' names)."""
     out: dict[str, Tensor] = {}
-    for opt, saved in zip(optimizers, state["optimizers"], strict=False):
-        masters = iter(saved["master_weights"])
-        model_params = [p for g in opt.param_groups for p in g["params"]]
-        by_master = {m: p for p, m in opt.master_params.items()}
-        for p in model_params:
-            name = names.get(by_master.get(p, p))
-            if name is not None and state["model"][name].dtype == torch.float16:
-                master = next(masters, None)
-                if master is not None:
-                    out[name] = master
+    for saved in state["optimizers"]:
+        out.update(master_weights_by_name(saved, state["model"]))
     return out
 
 
@@ -482,10 +465,10 @@ def restore(trainer: Trainer, run: FitRun, state: dict[str, Any], path: Path) ->
             f"mid-epoch needs the same number (this run has {trainer.world_size})"
         )
     _check_resume_point(run, loop, path)
-    same = load_weights(run, state, path, run.optimizers)
+    same = load_weights(run, state, path)
     if not same:
         names = {p: n for n, p in run.model.named_parameters()}
-        full = {**run.model.state_dict(), **saved_masters(run.model, run.optimizers, state)}
+        full = {**run.model.state_dict(), **saved_masters(state)}
     for opt, saved in zip(run.optimizers, state["optimizers"], strict=True):
         if same:
             opt.load_state_dict(saved)

@@ -1,0 +1,109 @@
+"""Loss scalers against torch.amp.GradScaler (issue 16): nested outputs, resuming from its
+state dict, and argument/state validation."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(6, 4, generator=gen), torch.randn(6, 2, generator=gen)) for _ in range(n)]
+
+
+def test_scale_accepts_nested_outputs_like_grad_scaler():
+    ours, ref = DynamicLossScaler(2.0), torch.amp.GradScaler("cpu", init_scale=2.0)
+    outputs = (torch.ones(1), [torch.full((2,), 3.0)])
+    scaled, expected = ours.scale(outputs), ref.scale(outputs)
+    assert type(scaled) is tuple and type(scaled[1]) is list
+    assert torch.equal(scaled[0], expected[0]) and torch.equal(scaled[1][0], expected[1][0])
+    scaled_dict = ours.scale({"a": torch.ones(2), "b": [torch.ones(1)]})
+    assert torch.equal(scaled_dict["a"], torch.full((2,), 2.0))
+    assert torch.equal(scaled_dict["b"][0], torch.full((1,), 2.0))
+    assert ours.scaled_since_update
+    assert NoLossScaler().scale(outputs) is outputs
+    with pytest.raises(TypeError, match="tensor or lists, tuples or dicts"):
+        ours.scale("loss")
+
+
+def test_resume_from_a_torch_grad_scaler_checkpoint():
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step, (x, y) in enumerate(_batches(7)):
+        ref.scale(F.mse_loss(model(x), y)).backward()
+        if step == 1:
+            model[0].bias.grad[0] = math.nan
+        ref.step(opt)
+        ref.update()
+        opt.zero_grad()
+    saved = ref.state_dict()
+    assert (saved["scale"], saved["_growth_tracker"]) == (1024.0, 1)  # 512 then grown once
+
+    ours = DynamicLossScaler(min_scale=0.0, max_scale=math.inf)  # other settings: replaced
+    ours.load_state_dict(saved)
+    assert (ours.loss_scale, ours.growth_interval, ours.growth_factor) == (1024.0, 4, 2.0)
+    for flag in [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0]:  # continue both, same flags
+        ref_flag = torch.tensor(flag)
+        torch._amp_update_scale_(
+            ref._scale, ref._growth_tracker, ref_flag, 2.0, 0.5, ref._growth_interval
+        )
+        ours.update(torch.tensor(flag))
+        assert ours.loss_scale == ref.get_scale()
+    assert ours.state_dict()["growth_tracker"] == ref.state_dict()["_growth_tracker"]
+
+
+def test_states_from_a_disabled_or_foreign_scaler_are_refused_clearly():
+    disabled = torch.amp.GradScaler("cpu", enabled=False).state_dict()
+    assert disabled == {}
+    with pytest.raises(ValueError, match="disabled torch.amp.GradScaler"):
+        DynamicLossScaler().load_state_dict(disabled)
+    NoLossScaler().load_state_dict(disabled)  # nothing to restore, nothing lost
+    torch_state = torch.amp.GradScaler("cpu").state_dict()
+    with pytest.raises(ValueError, match="loads into a DynamicLossScaler"):
+        StaticLossScaler(8.0).load_state_dict(torch_state)
+    with pytest.raises(ValueError, match="not a loss scaler state"):
+        DynamicLossScaler().load_state_dict({"lr": 0.1})
+    with pytest.raises(ValueError, match="missing"):
+        DynamicLossScaler().load_state_dict({"kind": "dynamic", "scale": 2.0})
+    with pytest.raises(TypeError, match="is a dict"):
+        DynamicLossScaler().load_state_dict([1.0])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"growth_interval": 1.5}, TypeError, "growth_interval must be an integer"),
+        ({"growth_interval": True}, TypeError, "growth_interval must be an integer"),
+        ({"growth_interval": 0}, ValueError, "growth_interval must be >= 1"),
+        ({"hysteresis": 2.0}, TypeError, "hysteresis must be an integer"),
+        ({"max_skips_at_min_scale": 0}, ValueError, "max_skips_at_min_scale must be >= 1"),
+        ({"growth_factor": "2"}, TypeError, "growth_factor must be a real number"),
+        ({"growth_factor": math.inf}, ValueError, "finite number > 1"),
+        ({"growth_factor": math.nan}, ValueError, "finite number > 1"),
+        ({"backoff_factor": 1.0}, ValueError, r"in \(0, 1\)"),
+        ({"init_scale": math.nan}, ValueError, "positive finite"),
+        ({"init_scale": None}, TypeError, "loss scale must be a real number"),
+        ({"min_scale": -1.0}, ValueError, "0 <= min_scale"),
+    ],
+)
+def test_scaler_arguments_are_validated(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DynamicLossScaler(**kwargs)
+
+
+def test_integral_arguments_of_other_int_types_are_accepted():
+    import numpy as np
+
+    scaler = DynamicLossScaler(growth_interval=np.int64(3), hysteresis=2)
+    assert scaler.growth_interval == 3 and type(scaler.growth_interval) is int
