@@ -126,3 +126,46 @@ def test_one_failing_rank_ends_the_run_with_its_own_error(tmp_path, strategy, wh
     assert f"user error in {where} on rank {rank}" in caught[0]
     assert f"rank {rank} of 2" in caught[0]  # the note says where it was raised
     assert left == []
+
+
+class SkipsOnRankOne(TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1 and self.trainer.strategy.global_rank == 1:
+            return None
+        return F.mse_loss(self(batch[0]), batch[1])
+
+
+SKIP_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from torch.utils.data import DataLoader
+from test_trainer_ddp_failures import SkipsOnRankOne, data
+from mixprec.trainer import Trainer
+
+if __name__ == "__main__":
+    trainer = Trainer(devices=2, strategy="ddp_fork", max_epochs=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False)
+    try:
+        trainer.fit(SkipsOnRankOne(), DataLoader(data(), batch_size=4))
+    except RuntimeError as err:
+        print("CAUGHT", str(err).splitlines()[0])
+"""
+
+
+def test_a_batch_skipped_on_one_rank_is_a_clear_error_under_ddp(tmp_path):
+    script = tmp_path / "skip.py"
+    script.write_text(textwrap.dedent(SKIP_SCRIPT.format(tests=str(Path(__file__).parent))))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert "CAUGHT training_step returned None for batch 1 on rank 1: under DDP" in proc.stdout, (
+        proc.stdout + proc.stderr[-3000:]
+    )

@@ -281,6 +281,20 @@ def test_a_root_dir_under_a_file_fails_before_training(tmp_path):
     assert model.steps == 0
 
 
+def test_a_root_dir_nothing_is_written_to_is_not_checked(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    trainer = Trainer(
+        max_epochs=1,
+        default_root_dir=blocker / "unused",
+        logger=False,
+        enable_progress_bar=False,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "ck")],
+    )
+    trainer.fit(Counts(), DataLoader(data(), batch_size=4))
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["epoch=0-step=4.ckpt"]
+
+
 def test_validation_data_without_validation_step_fails_before_training():
     model = Counts()
     with pytest.raises(ValueError, match="defines no validation_step"):

@@ -1,8 +1,10 @@
 """The Trainer: a fit loop with a precision flag, callbacks, loggers, checkpoints and DDP."""
 
 from mixprec.trainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
-from mixprec.trainer.config import resolve_precision, seed_everything
+from mixprec.trainer.checkpoint import CheckpointError
+from mixprec.trainer.config import TrainerConfig, resolve_precision, seed_everything
 from mixprec.trainer.loggers import CSVLogger, Logger, TensorBoardLogger
+from mixprec.trainer.loop import EmptyEpochError
 from mixprec.trainer.module import TrainingModule
 from mixprec.trainer.progress import RichProgressBar
 from mixprec.trainer.trainer import Trainer
@@ -10,12 +12,15 @@ from mixprec.trainer.trainer import Trainer
 __all__ = [
     "CSVLogger",
     "Callback",
+    "CheckpointError",
     "EarlyStopping",
+    "EmptyEpochError",
     "Logger",
     "ModelCheckpoint",
     "RichProgressBar",
     "TensorBoardLogger",
     "Trainer",
+    "TrainerConfig",
     "TrainingModule",
     "resolve_precision",
     "seed_everything",

@@ -200,8 +200,16 @@ class ModelCheckpoint(Callback):
         ):
             self._save(trainer)
 
+    def _directory(self) -> Path:
+        if self.dirpath is None:
+            raise RuntimeError(
+                "ModelCheckpoint saves during Trainer.fit only (its directory is chosen when "
+                "the fit starts)"
+            )
+        return self.dirpath
+
     def _path_for(self, trainer: Trainer) -> Path:
-        assert self.dirpath is not None
+        directory = self._directory()
         fields = {k.replace("/", "_"): v for k, v in trainer.callback_metrics.items()}
         fields.update(epoch=trainer.current_epoch, step=trainer.global_step)
         try:
@@ -211,10 +219,10 @@ class ModelCheckpoint(Callback):
                 f"ModelCheckpoint filename {self.filename!r} cannot be filled: {err}; "
                 f"available fields: {', '.join(sorted(fields))}"
             ) from None
-        path = self.dirpath / f"{name}.ckpt"
+        path = directory / f"{name}.ckpt"
         version = 1
         while str(path) in self._saved or (path.exists() and str(path) not in self.best_k_models):
-            path = self.dirpath / f"{name}-v{version}.ckpt"
+            path = directory / f"{name}-v{version}.ckpt"
             version += 1
         return path
 
@@ -258,7 +266,7 @@ class ModelCheckpoint(Callback):
                 while keep > 0 and len(self._saved) > keep:
                     stale.append(self._saved[0])
                     self._saved.pop(0)
-        last = self.dirpath / "last.ckpt"  # type: ignore[operator]
+        last = self._directory() / "last.ckpt"
         if self.save_last:
             self.last_model_path = str(last)
         if path is not None:

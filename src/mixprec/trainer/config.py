@@ -280,13 +280,15 @@ def check_fit_inputs(trainer: Trainer, model: Any, train: Any, val: Any) -> None
             f"validation data was given but {type(model).__name__} defines no "
             "validation_step; define it, or leave val_dataloaders out"
         )
-    if trainer.loggers or trainer.checkpoint_callback is not None:
-        _check_writable(trainer.config.default_root_dir, "default_root_dir")
     for lg in trainer.loggers:
-        _check_writable(lg.save_dir, f"{type(lg).__name__} save_dir")
+        what = "default_root_dir" if lg.save_dir == trainer.config.default_root_dir else "save_dir"
+        _check_writable(lg.save_dir, f"{type(lg).__name__} {what}")
     for cb in trainer.callbacks:
-        if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
-            _check_writable(cb.dirpath, "ModelCheckpoint dirpath")
+        if isinstance(cb, ModelCheckpoint):
+            if cb.dirpath is not None:
+                _check_writable(cb.dirpath, "ModelCheckpoint dirpath")
+            elif not trainer.loggers:  # it saves under <default_root_dir>/checkpoints
+                _check_writable(trainer.config.default_root_dir, "default_root_dir")
 
 
 def check_model(model: Any, loss_fn: Any) -> None:

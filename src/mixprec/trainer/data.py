@@ -208,11 +208,12 @@ def loader_batch_size(loader: Any) -> int | None:
 def why_empty(data: Any, epoch: int = 0) -> str:
     """Why ``data`` gives no batch, and what to do about it (for an error message)."""
     if iter(data) is data:  # an iterator (a generator, map(...)): one pass only
-        used = f", used up by epoch {epoch - 1}" if epoch else ""
+        if not epoch:
+            return f"it is an iterator ({type(data).__name__}) that yielded nothing"
         return (
-            f"it is a one-shot iterator ({type(data).__name__}){used}; pass data that can be "
-            "iterated again every epoch (a list, a DataLoader), or stop within one epoch "
-            "with max_steps"
+            f"it is a one-shot iterator ({type(data).__name__}), used up by epoch "
+            f"{epoch - 1}; pass data that can be iterated again every epoch (a list, a "
+            "DataLoader), or stop within one epoch with max_steps"
         )
     if isinstance(data, DataLoader):
         dataset = data.dataset

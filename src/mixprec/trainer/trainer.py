@@ -1,15 +1,10 @@
 """`Trainer`: the fit loop with a precision flag, for a `TrainingModule` or a plain module.
 
-Everything about precision goes through one `mixprec.Precision` (conversion, autocast, loss
-scaling, unscaling, skipping); the Trainer only decides when each piece runs. Where things
-live:
-
-- this file: the flags, the public entry points (fit, validate, test, predict, checkpoints),
-  and `_run`, which sets a model up on its device and builds the run object the loops use;
-- `loop`: the fit, evaluation and prediction loops (read `fit_loop` for the algorithm);
-- `checkpoint`: what a checkpoint holds, restoring from one, atomic files;
-- `metrics`: logged values, the rows sent to loggers, throughput, the summary;
-- `strategy`: devices, DDP and launching processes; `config`: the checked settings.
+Everything about precision goes through one `mixprec.Precision`; the Trainer decides when each
+piece runs. Here: the flags, the entry points, and `_run`, which sets a model up on its device
+into the run object the loops use. Elsewhere: the loops (`loop`, read `fit_loop`), checkpoint
+contents and restore (`checkpoint`), logged values and the summary (`metrics`), devices and
+DDP (`strategy`), the checked settings (`config`).
 """
 
 from __future__ import annotations
@@ -33,7 +28,6 @@ from mixprec.trainer.config import (
     determinism,
     make_callbacks,
     new_precision,
-    resolve_precision,
     seed_everything,
 )
 from mixprec.trainer.data import num_batches, why_empty
@@ -57,8 +51,6 @@ from mixprec.trainer.metrics import (
 from mixprec.trainer.module import MODULE_HOOKS, TrainingModule
 from mixprec.trainer.optimizers import configured_optimizers, scheduler_entry
 from mixprec.trainer.strategy import DDPStrategy, launch_stage, make_strategy
-
-__all__ = ["Trainer", "resolve_precision", "seed_everything"]
 
 
 class Trainer:
@@ -323,9 +315,7 @@ class Trainer:
                 "predict runs on one device (outputs stay in order); use a Trainer with "
                 "devices=1 for prediction"
             )
-        model = self._eval_model(model, "predict")
-        if dataloaders is None:
-            raise ValueError("predict needs dataloaders")
+        model = _model_for(model, self.model, dataloaders, "predict")
         return self._launch("predict", model, dict(loader=dataloaders, ckpt_path=ckpt_path))
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
@@ -353,18 +343,10 @@ class Trainer:
 
     # -- launching ----------------------------------------------------------------------------
 
-    def _eval_model(self, model: nn.Module | None, stage: str) -> nn.Module:
-        model = model if model is not None else self.model
-        if model is None:
-            raise ValueError(f"{stage} needs a model (none was given and no fit ran before)")
-        return model
-
     def _evaluate(
         self, stage: str, model: Any, dataloaders: Any, loss_fn: Any, ckpt_path: Any
     ) -> list[dict[str, float]]:
-        model = self._eval_model(model, stage)
-        if dataloaders is None:
-            raise ValueError(f"{stage} needs dataloaders")
+        model = _model_for(model, self.model, dataloaders, stage)
         if loss_fn is None and model is self.model:
             loss_fn = self._fit_loss_fn  # the plain module's loss from the last fit
         check_model(model, loss_fn)
@@ -507,3 +489,12 @@ class Trainer:
         for cb in self.callbacks:
             if cb.state_key in states:
                 cb.load_state_dict(states[cb.state_key])
+
+
+def _model_for(model: nn.Module | None, last: nn.Module | None, data: Any, stage: str) -> nn.Module:
+    chosen = model if model is not None else last
+    if chosen is None:
+        raise ValueError(f"{stage} needs a model (none was given and no fit ran before)")
+    if data is None:
+        raise ValueError(f"{stage} needs dataloaders")
+    return chosen
