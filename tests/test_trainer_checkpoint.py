@@ -264,3 +264,25 @@ def test_model_checkpoint_state_is_in_its_own_checkpoint_and_comes_back(tmp_path
         cb.best_model_path,
         cb.best_model_score,
     )
+
+
+def test_bfloat16_masters_are_used_when_resuming_in_another_precision(tmp_path):
+    # before: masters were saved as a list and matched to parameters by float16 dtype, so
+    # bfloat16 masters (master_weights=True) were dropped and the bf16 copies used instead
+    train, _ = loaders()
+    bf16 = mixprec.Precision("bf16-true", master_weights=True, allow_slow=True)
+    model = Net(0)
+    t = trainer(tmp_path / "a", bf16, max_steps=3)
+    t.fit(model, train)
+    masters = {
+        n: t.optimizers[0].master_params[p].detach().clone() for n, p in model.named_parameters()
+    }
+    params = dict(model.named_parameters())
+    assert any(not torch.equal(m, params[n].float()) for n, m in masters.items())
+    path = t.save_checkpoint(tmp_path / "bf16.ckpt")
+
+    resumed = Net(seed=9)
+    t32 = trainer(tmp_path / "b", "32-true", max_steps=3)
+    t32.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
+    for name, p in resumed.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, masters[name]), name
