@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from mixprec import Trainer
+from mixprec import Trainer, apply
 from mixprec.bench.runner import OK
 from mixprec.cli import main
 from mixprec.doctor import BROKEN, diagnose
@@ -419,3 +419,23 @@ def test_doctor_blames_the_same_float16_layer_on_cuda_as_on_cpu():
     for d in (cpu, cuda):
         assert d.modules["proj"].reason.startswith("output reaches 1.0e5 > float16 max 65504")
         assert d.modules["proj"].nonfinite > 0
+
+
+class _Lengths(nn.Module):
+    """Takes a CPU tensor (sequence lengths) before the CUDA input, as packed RNNs do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, lengths: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * lengths.to(x.device).float().mean()
+
+
+def test_a_cpu_tensor_passed_first_does_not_turn_off_gpu_autocast():
+    model = apply(_Lengths().cuda(), "bf16-mixed")
+    seen = {}
+    model.lin.register_forward_hook(lambda m, a, out: seen.update(dtype=out.dtype))
+    out = model(torch.tensor([3, 5]), torch.randn(4, 8, device="cuda"))
+    assert seen["dtype"] == torch.bfloat16  # CUDA autocast ran, not CPU autocast
+    assert out.dtype == torch.float32

@@ -74,13 +74,12 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _device_type(args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module) -> str:
-    for x in args:
-        if isinstance(x, Tensor):
-            return x.device.type
-    for x in kwargs.values():
-        if isinstance(x, Tensor):
-            return x.device.type
-    return device_of(module).type
+    """The device type the region's autocast must name: an accelerator as soon as an input
+    or the module's weights are on one (a CPU tensor passed first, such as sequence lengths,
+    must not turn on CPU autocast for a GPU model), else the first tensor's."""
+    found = [x.device.type for x in (*args, *kwargs.values()) if isinstance(x, Tensor)]
+    found.append(device_of(module).type)
+    return next((t for t in found if t not in ("cpu", "meta")), found[0])
 
 
 class _Region:
