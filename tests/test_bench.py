@@ -455,3 +455,19 @@ def test_cuda_rows_say_tf32_and_measure_device_memory(tmp_path):
         assert e["result"]["status"] == OK and e["result"]["mixprec"]["peak_memory"] > 0
     assert "max_memory_allocated" in results["metadata"]["memory_method"]
     assert "32-true (TF32 on)" in md
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA out of memory. Tried to allocate 2.00 GiB",
+        "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes",
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+    ],
+)
+def test_out_of_memory_in_any_library_words_counts_as_oom(message):
+    from mixprec.bench.runner import is_oom
+
+    assert is_oom(RuntimeError(message))
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))

@@ -113,7 +113,13 @@ def is_oom(err: BaseException) -> bool:
     if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
         return True
     msg = str(err)
-    return "can't allocate memory" in msg or "out of memory" in msg.lower()
+    # cuBLAS / cuDNN report a failed workspace allocation in their own words
+    library = ("ALLOC_FAILED", "ALLOCATION_FAILED", "NOT_ENOUGH_WORKSPACE")
+    return (
+        "can't allocate memory" in msg
+        or "out of memory" in msg.lower()
+        or any(word in msg for word in library)
+    )
 
 
 def set_tf32(enabled: bool) -> None:

@@ -491,7 +491,10 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
     """Run a block with the RNG of the CPU (and of `device` if it is a GPU) seeded to
     `seed`, restoring their states afterwards."""
     cpu_state = torch.get_rng_state()
-    gpu = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" else None
+    gpu = None
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gpu = torch.cuda.default_generators[index]
     gpu_state = gpu.get_state() if gpu is not None else None
     torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds every GPU
     if gpu is not None:

@@ -119,6 +119,14 @@ class MetricStore:
         self.prog_bar.clear()
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a run's peak-memory figure afresh, so earlier work in the process (another fit,
+    a model built on the GPU) does not count. CUDA only: a process's peak resident memory
+    on the CPU cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_mib(device: torch.device) -> float:
     """Peak memory of this process: allocated on a CUDA device, resident (RSS) on the CPU."""
     if device.type == "cuda":

@@ -45,6 +45,7 @@ from mixprec.trainer.metrics import (
     MetricStore,
     StepLog,
     peak_memory_mib,
+    reset_peak_memory,
     shown_in_progress,
     summary_rows,
 )
@@ -369,6 +370,7 @@ class Trainer:
             seed_everything(self.config.seed)
         with determinism(self.config.deterministic):
             self.strategy.setup()
+            reset_peak_memory(self.strategy.device)
             failed = True
             try:
                 self.strategy.agree_on_version(self.loggers)
