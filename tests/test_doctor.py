@@ -546,3 +546,82 @@ def test_an_integer_model_output_and_a_missing_gpu_are_named():
     if not torch.cuda.is_available():
         with pytest.raises(PrecisionError, match="sees no CUDA GPU"):
             diagnose(nn.Linear(4, 3), batch, F.cross_entropy, device="cuda")
+
+
+def _big_first_layer() -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """Layer "0" has weights around 300: in bfloat16 a unit in the last place there is 2, so
+    an Adam step of 0.01 rounds away; layer "1" (weights around 0.3) keeps its steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(1000.0)
+        model[0].bias.mul_(1000.0)
+    g = torch.Generator().manual_seed(1)
+    return model, (torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g))
+
+
+def test_vanishing_updates_of_16_bit_weights_are_named_and_fixed():
+    model, batch = _big_first_layer()
+    d = diagnose(model, batch, F.cross_entropy, precision="bf16-true", lr=1e-2)
+    big, small = d.modules["0"], d.modules["1"]
+    assert big.vanishing > 0.95 and small.vanishing < 0.1  # a few of layer 0's are near 0
+    assert big.verdict == BROKEN and big.kind == "precision"
+    assert f"{big.vanishing:.0%} of its parameter updates round away" in big.reason
+    assert "lr 0.01 (adam steps): it stops learning" in big.reason
+    assert small.verdict == OK
+    fix = d.recommend()
+    # float32 weights and math for layer 0, handing bfloat16 on to the rest as before
+    assert fix.policy == PolicyMap("bf16-true", {"0": "p=f32,c=f32,o=bf16"})
+    assert fix.verified.modules["0"].vanishing == 0.0 and fix.verified.passes()
+
+
+def test_no_vanishing_check_without_lr_or_with_float32_weights():
+    model, batch = _big_first_layer()
+    assert (
+        diagnose(model, batch, F.cross_entropy, precision="bf16-true").modules["0"].vanishing == 0
+    )
+    mixed = diagnose(model, batch, F.cross_entropy, precision="bf16-mixed", lr=1e-2)
+    assert all(m.vanishing == 0 for m in mixed.modules.values())
+
+
+def test_vanishing_fraction_is_exact_rounding():
+    from mixprec.doctor.verdicts import vanishing_fraction
+
+    w = torch.tensor([256.0, 256.0, 1.0, 0.0])
+    step = torch.tensor(
+        [0.9, 1.1, 0.0004, 0.0]
+    )  # ulp at 256: bf16 2, fp16 0.25; at 1: 2**-7, 2**-10
+    assert vanishing_fraction(w, step, torch.bfloat16) == 2 / 3
+    assert vanishing_fraction(w, step, torch.float16) == 1 / 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lr": -1.0}, "lr must be a positive finite number"),
+        ({"lr": 1.0, "optimizer": "lion"}, "one of adam, sgd"),
+    ],
+)
+def test_vanishing_check_bad_input(kwargs, message):
+    model, batch = _big_first_layer()
+    with pytest.raises(ValueError, match=message):
+        diagnose(model, batch, F.cross_entropy, precision="bf16-true", **kwargs)
+
+
+def test_cli_doctor_reports_vanishing_updates(tmp_path, capsys):
+    factory = tmp_path / "big.py"
+    factory.write_text(
+        "import torch, torch.nn.functional as F\n"
+        "from torch import nn\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))\n"
+        "    with torch.no_grad():\n"
+        "        model[0].weight.mul_(1000.0)\n"
+        "        model[0].bias.mul_(1000.0)\n"
+        "    return model, (torch.randn(16, 8), torch.randint(0, 2, (16,))), F.cross_entropy\n"
+    )
+    args = ["doctor", f"{factory}:make", "--precision", "bf16-true", "--lr", "0.01"]
+    assert main([*args, "--no-report"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "round away" in out and "'0': " in out

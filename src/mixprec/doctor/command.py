@@ -50,6 +50,8 @@ def _run(args: argparse.Namespace) -> int:
                 loss_scale=args.loss_scale,
                 device=args.device,
                 seed=args.seed,
+                lr=args.lr,
+                optimizer=args.optimizer,
             )
         except (FactoryError, PolicySpecError, PrecisionError, TypeError, ValueError) as error:
             err.print(f"[red]mixprec doctor: {error}[/]")
@@ -128,6 +130,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default=None, help="run on this device (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed of both runs")
+    p.add_argument(
+        "--lr",
+        type=_positive_float("lr"),
+        default=None,
+        help="learning rate: also report the parameter updates that round away in 16-bit "
+        "weights (true policies)",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=("adam", "sgd"),
+        default="adam",
+        help="how --lr sizes a step: adam (about lr per weight) or sgd (lr x gradient)",
+    )
     p.add_argument("--out", default="doctor-report", help="report directory (doctor-report)")
     p.add_argument("--no-recommend", action="store_true", help="only diagnose")
     p.add_argument("--no-report", action="store_true", help="write no report files")

@@ -29,11 +29,13 @@ from mixprec.doctor.verdicts import (
     OK,
     ModuleReport,
     ParamReport,
+    UpdateModel,
     judge,
     loss_scale_for,
     module_reports,
     param_reports,
     range_dtype,
+    vanishing_by_module,
 )
 from mixprec.dtypes import format_info
 from mixprec.errors import PrecisionError
@@ -82,7 +84,14 @@ class Diagnosis:
         self.recommended_loss_scale = recommended_loss_scale
         self.params: dict[str, ParamReport] = param_reports(target, params)
         self.modules, fwd, bwd = module_reports(target, values, self.params)
-        judge(self.modules, fwd, bwd, loss_scale, recommended_loss_scale, self.dtype)
+        self.update = session.update
+        if self.update is not None:
+            grads = {n: g.value for n, g in ref.param_grads.items() if g is not None}
+            vanishing = vanishing_by_module(session.model, precision, grads, self.update)
+            for name, share in vanishing.items():
+                if name in self.modules:
+                    self.modules[name].vanishing = share
+        judge(self.modules, fwd, bwd, loss_scale, recommended_loss_scale, self.dtype, self.update)
         ref_sq = sum(row.ref_sq for row in params.values())
         err_sq = sum(row.err_sq for row in params.values())
         nonfinite = sum(p.nonfinite for p in self.params.values())
@@ -343,6 +352,8 @@ def diagnose(
     loss_scale: float | LossScaler | None = None,
     device: str | torch.device | None = None,
     seed: int = 0,
+    lr: float | None = None,
+    optimizer: str = "adam",
 ) -> Diagnosis:
     """Run `model` forward and backward once in `reference` and once in `precision` on
     copies of the same weights, and compare them module by module.
@@ -355,6 +366,12 @@ def diagnose(
     `loss_scale` is the scale the target's backward runs at: a number, a LossScaler (its
     current scale), or None for what a dynamic scaler starting at 2^16 settles at on this
     batch (1 when the policy needs no scaling).
+
+    With `lr`, weights stored in 16 bits (a "true" policy) are also checked for vanishing
+    updates: the share of one optimizer step (`optimizer="adam"`: about `lr` per weight;
+    `"sgd"`: `lr` x gradient) that rounds away because it is below half a unit in the last
+    place of the weight. A module losing most of its updates is flagged (it stops learning):
+    the fix is compensated updates, float32 master weights, or a float32 rule.
 
     Dropout is off in both runs so they see the same network, and both start from the same
     RNG seed; the caller's RNG state is restored afterwards. The model itself is not
@@ -373,7 +390,8 @@ def diagnose(
         model = copy.deepcopy(model).to(where)  # the runs copy this one, not the caller's
     if device is not None:
         batch = map_tensors(lambda t: t.to(where), batch)
-    session = Session(model, batch, loss_fn, where, seed)
+    update = UpdateModel(lr, optimizer) if lr is not None else None
+    session = Session(model, batch, loss_fn, where, seed, update)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reference may be slow here too: it is a probe
         ref = session.run(ref_map, None, 1.0)

@@ -19,6 +19,7 @@ from mixprec.doctor.probe import (
     measure_param_grads,
     seeded,
 )
+from mixprec.doctor.verdicts import UpdateModel
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.scaling import StaticLossScaler
@@ -63,8 +64,10 @@ class Session:
         loss_fn: Callable[..., Tensor] | None,
         device: torch.device,
         seed: int,
+        update: UpdateModel | None = None,
     ) -> None:
         self.model = model
+        self.update = update
         self.batch = batch
         self.loss_fn = loss_fn
         self.device = device

@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+from torch import nn
 
 from mixprec.doctor.probe import Key, Recording, Stats, combine, lowest_float
 from mixprec.dtypes import LOW_PRECISION_FLOATS, dtype_name, format_info
@@ -50,6 +51,46 @@ LOSS_SCALE_MARGIN = 8.0  # recommended scale keeps scaled gradients this far bel
 MAX_LOSS_SCALE = 2.0**24
 DEFAULT_LOSS_SCALE = 2.0**16  # where a DynamicLossScaler starts
 DEFAULT_TOLERANCE = 0.1  # relative loss/gradient error a recommended policy must reach
+VANISH_AT_RISK = 0.25  # fraction of a layer's parameter updates that round away in storage
+VANISH_BROKEN = 0.9  # ... beyond this, the layer effectively stops learning
+UPDATE_RULES = ("adam", "sgd")
+
+
+@dataclass(frozen=True)
+class UpdateModel:
+    """How big one optimizer step is, for the vanishing-update check: Adam-type steps move
+    each weight by about `lr` (the update is normalised), SGD steps by `lr` x gradient."""
+
+    lr: float
+    rule: str = "adam"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
+        if self.rule not in UPDATE_RULES:
+            raise ValueError(
+                f"optimizer must be one of {', '.join(UPDATE_RULES)} (how the update is "
+                f"sized), got {self.rule!r}"
+            )
+
+    def delta(self, grad: torch.Tensor) -> torch.Tensor:
+        """The step a parameter with gradient `grad` takes (float32)."""
+        return -self.lr * (torch.sign(grad) if self.rule == "adam" else grad)
+
+    def describe(self) -> str:
+        return f"lr {self.lr:g} ({self.rule} steps)"
+
+
+def vanishing_fraction(weight: torch.Tensor, delta: torch.Tensor, dtype: torch.dtype) -> float:
+    """Fraction of the nonzero steps `delta` that leave `weight`, stored in `dtype`, exactly
+    unchanged: the update is below half a unit in the last place and rounds away."""
+    stored = weight.detach().to(dtype)
+    moving = delta != 0
+    total = int(moving.sum())
+    if not total:
+        return 0.0
+    lost = ((stored.float() + delta).to(dtype) == stored) & moving
+    return int(lost.sum()) / total
 
 
 def _fmt(x: float) -> str:
@@ -107,6 +148,7 @@ class ModuleReport:
     param_grad_underflow: float = 0.0
     param_grad_flushed: float = 0.0
     param_grad_nonfinite: int = 0
+    vanishing: float = 0.0  # share of its parameter updates that round away (with an lr)
     verdict: Verdict = OK
     reason: str = ""
     kind: str = ""  # "range" (fixable by a wider range) or "precision" (needs float32)
@@ -261,6 +303,7 @@ def judge(
     loss_scale: float,
     recommended_scale: float,
     range_dtype: torch.dtype,
+    update: UpdateModel | None = None,
 ) -> None:
     """Give every module a verdict and a reason, blaming only where a problem starts."""
     scale_txt = f"loss scale {_scale(loss_scale)}"
@@ -348,6 +391,8 @@ def judge(
                 f"its error against the reference grows to {m.rel_error:.2g} here "
                 f"(inputs {m.input_rel_error:.2g}; SQNR {m.sqnr_db:.1f} dB)"
             )
+    if update is not None:
+        _judge_vanishing(modules, update)
     # Blame the innermost module: a block whose child explains the problem is not flagged.
     flagged = [m for m in modules.values() if m.verdict != OK]
     for m in flagged:
@@ -359,6 +404,42 @@ def judge(
         m.origin = m.verdict == BROKEN
         if m.verdict == OK and not m.note and (m.nonfinite or m.grad_nonfinite):
             m.note = "inf/NaN arrive from elsewhere"
+
+
+def vanishing_by_module(
+    model: nn.Module, policy: PolicyMap, grads: dict[str, torch.Tensor], update: UpdateModel
+) -> dict[str, float]:
+    """Per module, the share of its own parameters' updates that round away in the dtype the
+    policy stores them in (16-bit only; float32 and float64 weights lose none), with the
+    reference run's gradients sizing the steps."""
+    resolved = policy.resolve(model)
+    lost: dict[str, float] = {}
+    sizes: dict[str, int] = {}
+    for name, param in model.named_parameters():
+        module = name.rpartition(".")[0]
+        dtype = resolved[module].policy.param_dtype
+        grad = grads.get(name)
+        if grad is None or format_info(dtype).bits > 16:
+            continue
+        delta = update.delta(grad.to(param.device))
+        n = int((delta != 0).sum())
+        lost[module] = lost.get(module, 0.0) + vanishing_fraction(param, delta, dtype) * n
+        sizes[module] = sizes.get(module, 0) + n
+    return {m: lost[m] / sizes[m] for m in lost if sizes[m]}
+
+
+def _judge_vanishing(modules: dict[str, ModuleReport], update: UpdateModel) -> None:
+    """Flag the modules, otherwise fine, whose 16-bit weights lose most of their updates."""
+    for m in modules.values():
+        if m.verdict != OK or m.vanishing < VANISH_AT_RISK:
+            continue
+        broken = m.vanishing >= VANISH_BROKEN
+        m.verdict, m.kind = (BROKEN if broken else AT_RISK), "precision"
+        m.reason = (
+            f"{m.vanishing:.0%} of its parameter updates round away in its 16-bit weights at "
+            f"{update.describe()}{': it stops learning' if broken else ''}; keep them with "
+            "compensated updates or float32 master weights, or give it a float32 rule"
+        )
 
 
 def _scale_hint(grad_amax: float, scale: float, recommended: float, dtype: torch.dtype) -> str:
