@@ -1,8 +1,9 @@
 """Compensated optimizer steps for 16-bit parameters kept without float32 master weights.
 
-A bfloat16 weight has 8 significant bits: an update smaller than about 2^-9 of the weight
-rounds away, so plain ``bf16-true`` training stalls once updates get small. Two fixes keep
-the memory of pure 16-bit training (no float32 copy of the weights):
+A bfloat16 weight has 8 significant bits: an update smaller than 2^-9..2^-8 of the weight
+(half the spacing of bfloat16 numbers there) rounds away, so plain ``bf16-true`` training
+stalls once updates get small. Two fixes keep the memory of pure 16-bit training (no
+float32 copy of the weights):
 
 - ``"kahan"``: each parameter gets a 16-bit compensation buffer holding what the last
   rounding lost; it is added back into the next update (Kahan summation). About 10 bytes
@@ -25,12 +26,16 @@ nearest, add up the same way. Measured over 1,000 AdamW updates of 1e-4 of each 
 from float64; with these two stochastic, within 0.64. The first moment and SGD's momentum
 (increments of 10% and more) round to nearest.
 
-Why our own ``torch._foreach_*`` code rather than torch-optimi's Kahan optimizers: optimi
-replaces the optimizer class, and a user's scheduler, ``Precision.setup`` and checkpoints
-all hold the torch optimizer; stepping the torch optimizer's own groups and state keeps
-them working and lets a checkpoint resume with or without compensation. Measured on this
-host (benchmarks/results/compensated.md) our step is as fast per step and uses the same
-bytes, and mixprec gains no dependency.
+Why our own ``torch._foreach_*`` code rather than a dependency on torch-optimi (measured
+side by side, ``python benchmarks/compensated.py``, benchmarks/results/compensated.md): the
+bytes are the same (10 per parameter with AdamW and Kahan). optimi's step is faster here
+(4.6 ms against 64 ms for 2.1M parameters on an AVX2 CPU: our stochastic state rounding
+draws random bits and round-trips through float32), but it rounds its bfloat16 second
+moment to nearest, and over 1,000 AdamW updates of 1e-4 its Kahan weights end 2.25 bfloat16
+steps from float64 (they move 13.0 steps where float64 moves 14.6), ours 0.62. And optimi
+replaces the optimizer class, while a user's scheduler, ``Precision.setup`` and checkpoints
+hold the torch optimizer: stepping the torch optimizer's own groups and state keeps them
+working, lets a checkpoint resume with or without compensation, and adds no dependency.
 """
 
 from __future__ import annotations
