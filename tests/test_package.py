@@ -15,7 +15,7 @@ SRC = Path(mixprec.__file__).parent
 # below it. Utilities with no knowledge of precision sit at the bottom.
 LAYERS: list[set[str]] = [
     {"errors", "version", "factory", "outputs"},
-    {"dtypes"},
+    {"dtypes", "compensated"},
     {"policy"},
     {"policy_map", "tree"},
     {"hardware"},

@@ -35,6 +35,7 @@ front and ``master_weights_by_name`` can hand the masters to a run in another pr
 from __future__ import annotations
 
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.compensated import COMPENSATED_DTYPES, Compensator, check_compensation
 from mixprec.scaling import LossScaler, as_loss_scaler
 
 __all__ = ["LossScaleOptimizer", "joint_step", "master_weights_by_name", "scheduler_step"]
@@ -59,6 +61,7 @@ _PARAM_SHAPED_STATE = (
     "exp_avg_sq",
     "max_exp_avg_sq",
     "momentum_buffer",
+    "compensation",
     "square_avg",
     "sum",
 )
@@ -91,6 +94,12 @@ class LossScaleOptimizer:
             ``state_dict`` (``Precision.setup`` passes it), so that ``master_weights_by_name``
             can restore the masters by name. Without it, the names an optimizer built from
             ``model.named_parameters()`` keeps are used.
+        compensation: ``"kahan"`` or ``"stochastic"`` steps a torch AdamW, Adam or SGD with
+            compensated updates of its bfloat16/float16 parameters instead of float32
+            masters (``mixprec.compensated``); ``None`` (default) steps the optimizer as it
+            is. It excludes ``master_weights=True`` and needs 16-bit trainable parameters.
+            Without it and without masters, 16-bit trainable parameters get one
+            ``UserWarning``: their small updates round away.
     """
 
     def __init__(
@@ -100,6 +109,7 @@ class LossScaleOptimizer:
         *,
         master_weights: bool | None = None,
         model: nn.Module | None = None,
+        compensation: str | None = None,
     ) -> None:
         if isinstance(optimizer, LossScaleOptimizer):
             raise TypeError("this optimizer is already wrapped in a LossScaleOptimizer")
@@ -113,6 +123,24 @@ class LossScaleOptimizer:
             raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        check_compensation(compensation)
+        self._compensator: Compensator | None = None
+        if compensation is not None:
+            if master_weights:
+                raise ValueError(
+                    "compensation and master_weights=True are two answers to one problem: "
+                    "float32 masters already keep small updates; choose one"
+                )
+            Compensator.check_optimizer(optimizer)
+            if not any(p.dtype in COMPENSATED_DTYPES for p in _trainable(optimizer)):
+                dtypes = sorted({str(p.dtype) for p in _trainable(optimizer)})
+                raise ValueError(
+                    f"compensation={compensation!r} is for bfloat16/float16 parameters, but "
+                    f"this optimizer's trainable parameters are {dtypes}: use a '*-true' "
+                    f"16-bit policy ('bf16-true'), or drop compensation"
+                )
+            master_weights = False
+            self._compensator = Compensator(compensation)
         self.optimizer = optimizer
         self.scaler = as_loss_scaler(scaler, needs_scaling=True)
         self.model = model
@@ -131,7 +159,12 @@ class LossScaleOptimizer:
                 self._register_master(p, master)
         _WRAPPERS[optimizer] = (weakref.ref(self), self._master_of)
         self._add_masters()
-        self._fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+        if compensation is None:
+            _warn_uncompensated(optimizer, self._master_dtypes)
+        # a compensated step runs our code, not a fused kernel that could skip by itself
+        self._fused = self._compensator is None and bool(
+            getattr(optimizer, "_step_supports_amp_scaling", False)
+        )
         step_args = inspect.signature(optimizer.step).parameters
         closure = step_args.get("closure")
         self._needs_closure = closure is not None and closure.default is inspect.Parameter.empty
@@ -162,6 +195,11 @@ class LossScaleOptimizer:
     def loss_scale(self) -> float:
         """The current loss scale (a host sync)."""
         return self.scaler.loss_scale
+
+    @property
+    def compensation(self) -> str | None:
+        """``"kahan"``, ``"stochastic"`` or None: how 16-bit parameters are updated."""
+        return self._compensator.kind if self._compensator is not None else None
 
     @property
     def master_params(self) -> Mapping[torch.Tensor, torch.Tensor]:
@@ -246,8 +284,9 @@ class LossScaleOptimizer:
     # -- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state, the scaler's state, the float32 master weights by parameter
-        index, and each parameter's shape and names (by index, as in the optimizer's state)."""
+        """The optimizer's state (with Kahan buffers), the scaler's state, the float32 master
+        weights by parameter index, each parameter's shape and names (by index, as in the
+        optimizer's state), and the compensation's kind and random generator states."""
         params = list(self._all_params())
         names = self._param_names()
         return {
@@ -256,6 +295,9 @@ class LossScaleOptimizer:
             "master_weights": {i: p.detach() for i, p in enumerate(params) if p in self._model_of},
             "param_shapes": [list(self.model_param(p).shape) for p in params],
             "param_names": names,
+            "compensation": (
+                self._compensator.state_dict() if self._compensator is not None else None
+            ),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -288,8 +330,17 @@ class LossScaleOptimizer:
             )
         self._check_inner_state(state["optimizer"], state["param_shapes"])
         masters = self._check_saved_masters(state["master_weights"])
+        compensation = state.get("compensation")
+        if self._compensator is not None and compensation is not None:
+            if compensation.get("kind") != self._compensator.kind:
+                raise ValueError(
+                    f"the checkpoint was trained with compensation {compensation.get('kind')!r}"
+                    f", this optimizer uses {self._compensator.kind!r}"
+                )
         self.scaler.load_state_dict(state["scaler"])  # checks its state before changing it
         self.optimizer.load_state_dict(state["optimizer"])
+        if self._compensator is not None and compensation is not None:
+            self._compensator.load_state_dict(compensation)
         if masters:
             with torch.no_grad():
                 torch._foreach_copy_(list(masters), [s.to(m.device) for m, s in masters.items()])
@@ -298,7 +349,7 @@ class LossScaleOptimizer:
     def __repr__(self) -> str:
         return (
             f"LossScaleOptimizer({type(self.optimizer).__name__}, scaler={self.scaler!r}, "
-            f"master_weights={len(self._masters)})"
+            f"master_weights={len(self._masters)}, compensation={self.compensation!r})"
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -431,6 +482,9 @@ class LossScaleOptimizer:
         return self.scaler.unscale_(grads)
 
     def _inner_step(self, found_inf: torch.Tensor | None) -> None:
+        if self._compensator is not None:
+            self._compensator.step(self.optimizer)
+            return
         if not self._fused or found_inf is None:
             self.optimizer.step()
             return
@@ -535,6 +589,31 @@ class LossScaleOptimizer:
                 )
             out[params[i]] = saved[i]
         return out
+
+
+def _trainable(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+
+def _warn_uncompensated(
+    optimizer: torch.optim.Optimizer, master_dtypes: tuple[torch.dtype, ...]
+) -> None:
+    """One ``UserWarning`` when 16-bit trainable parameters are stepped in place, uncompensated:
+    an update below 2^-9 (bfloat16) or 2^-12 (float16) of a weight rounds away."""
+    plain = {
+        str(p.dtype).removeprefix("torch.")
+        for p in _trainable(optimizer)
+        if p.dtype in COMPENSATED_DTYPES and p.dtype not in master_dtypes
+    }
+    if plain:
+        warnings.warn(
+            f"{type(optimizer).__name__} updates {'/'.join(sorted(plain))} parameters in place "
+            f"without float32 master weights: updates much smaller than a weight round away "
+            f"and training stalls. Pass compensation='kahan' (or 'stochastic') to Precision / "
+            f"LossScaleOptimizer, or master_weights=True",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def joint_step(*optimizers: LossScaleOptimizer) -> bool:

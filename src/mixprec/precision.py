@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.compensated import check_compensation
 from mixprec.convert import apply, cast_floating, default_dtype, needs_default_dtype
 from mixprec.hardware import DeviceInfo, check, default_device, device_of, resolve_policy
 from mixprec.optim import LossScaleOptimizer, joint_step
@@ -52,6 +53,11 @@ class Precision:
             otherwise; or ``"dynamic"``, ``"none"``, a number (static scale), a ``LossScaler``.
         master_weights: passed to each ``LossScaleOptimizer``: ``None`` keeps float32
             masters for float16 parameters, ``True`` also for bfloat16 ones, ``False`` never.
+        compensation: ``"kahan"`` or ``"stochastic"``: under a 16-bit ``*-true`` policy, step
+            AdamW/Adam/SGD with compensated updates of the 16-bit weights instead of keeping
+            float32 masters (``mixprec.compensated``; about 10 bytes per parameter with
+            AdamW and Kahan). ``None`` (default) changes nothing; uncompensated bfloat16
+            weights then get one warning at ``setup``. Excludes ``master_weights=True``.
         device_info: a described device (``mixprec.hardware.DeviceInfo``) to check the policy
             against and resolve ``"auto"`` for, instead of detecting the device at ``setup``:
             "on an H100", "on an AVX2-only CPU".
@@ -66,11 +72,18 @@ class Precision:
         scaler: LossScaler | str | float | None = None,
         master_weights: bool | None = None,
         device_info: DeviceInfo | None = None,
+        compensation: str | None = None,
     ) -> None:
         if not isinstance(allow_slow, bool):
             raise TypeError(f"allow_slow must be True or False, got {allow_slow!r}")
         if master_weights not in (None, True, False):
             raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
+        check_compensation(compensation)
+        if compensation is not None and master_weights:
+            raise ValueError(
+                "compensation and master_weights=True are two answers to one problem: float32 "
+                "masters already keep small updates; choose one"
+            )
         if device_info is not None and not isinstance(device_info, DeviceInfo):
             raise TypeError(
                 f"device_info must be a mixprec.hardware.DeviceInfo, "
@@ -80,6 +93,7 @@ class Precision:
         self.device_info = device_info
         self.allow_slow = allow_slow
         self.master_weights = master_weights
+        self.compensation = compensation
         self.optimizers: list[LossScaleOptimizer] = []
         self._owner: dict[torch.Tensor, LossScaleOptimizer] = {}
         self._master_of: dict[torch.Tensor, torch.Tensor] = {}
@@ -185,7 +199,11 @@ class Precision:
             lso = optimizer
         else:
             lso = self._wrapper_of(optimizer) or LossScaleOptimizer(
-                optimizer, self.scaler, master_weights=self.master_weights, model=model
+                optimizer,
+                self.scaler,
+                master_weights=self.master_weights,
+                model=model,
+                compensation=self.compensation,
             )
         if lso not in self.optimizers:
             self.optimizers.append(lso)

@@ -203,7 +203,8 @@ def new_precision(
     policy: PolicyMap, device: torch.device, allow_slow: bool, template: Precision | None
 ) -> Precision:
     """A fresh `Precision` for one run; a configured ``template`` gives its scaler settings
-    (copied as given, so every run starts from the same scale) and master-weight choice."""
+    (copied as given, so every run starts from the same scale), master-weight and
+    compensation choices."""
     if template is None:
         return Precision(policy, device=device, allow_slow=allow_slow)
     return Precision(
@@ -212,6 +213,7 @@ def new_precision(
         allow_slow=allow_slow,
         scaler=copy.deepcopy(_template(template)[1]),
         master_weights=template.master_weights,
+        compensation=template.compensation,
     )
 
 
