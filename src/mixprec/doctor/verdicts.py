@@ -438,7 +438,8 @@ def _judge_vanishing(modules: dict[str, ModuleReport], update: UpdateModel) -> N
         m.reason = (
             f"{m.vanishing:.0%} of its parameter updates round away in its 16-bit weights at "
             f"{update.describe()}{': it stops learning' if broken else ''}; keep them with "
-            "compensated updates or float32 master weights, or give it a float32 rule"
+            "Precision(..., compensation='kahan') or master_weights=True, or give it a "
+            "float32 rule"
         )
 
 
