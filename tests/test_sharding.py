@@ -294,4 +294,4 @@ def test_refuses_without_a_process_group():
 def test_refuses_a_slow_policy_unless_allowed(monkeypatch):
     monkeypatch.delenv("MIXPREC_ALLOW_SLOW", raising=False)
     with hardware.assume(AVX2_CPU), pytest.raises(SlowPrecisionError, match="allow_slow"):
-        shard(Net(), "bf16-mixed", mesh=object())  # checked before the mesh is used
+        shard(Net(), "bf16-mixed", mesh=object())  # type: ignore[arg-type]  # checked first

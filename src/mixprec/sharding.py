@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from mixprec.errors import PrecisionError
@@ -101,7 +102,7 @@ def _check_ready(
     pmap: Any,
     optimizer: torch.optim.Optimizer | None,
     scaler: LossScaler | None,
-    mesh: Any,
+    mesh: DeviceMesh | None,
 ) -> None:
     if optimizer is not None:
         mine = {id(p) for p in model.parameters()}
@@ -131,7 +132,7 @@ def shard(
     model: nn.Module,
     policy: Any,
     *,
-    mesh: Any = None,
+    mesh: DeviceMesh | None = None,
     wrap: WrapFn | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     optimizer_factory: OptimizerFactory | None = None,
@@ -144,8 +145,9 @@ def shard(
 
     Each unit (see `units`) is sharded with `mixed_precision_policy`, then the root. A mixed
     policy keeps the sharded parameters in their param dtype (float32 masters) and computes
-    in its compute dtype; a "true" policy's storage dtype is cast before sharding, as FSDP2
-    keeps the dtype it finds. Gradients are reduced in `reduce_dtype`.
+    in its compute dtype; a "true" policy's storage (parameters, floating buffers) is cast
+    before sharding, as FSDP2 keeps the dtype it finds. Gradients are reduced in
+    `reduce_dtype`.
 
     Raises `PrecisionError` before touching the model when torch.distributed is not
     initialised (and no `mesh` is given); when `optimizer` holds the model's unsharded
@@ -160,12 +162,15 @@ def shard(
     check(pmap, device_of(model), allow_slow=allow_slow)
     plan = units(model, pmap, wrap)
     resolved = pmap.resolve(model)
-    with torch.no_grad():
+    with torch.no_grad():  # FSDP2 keeps the storage dtype it finds: cast it first
         for name, module in model.named_modules():
             stored = resolved[name].policy.param_dtype
             for p in module.parameters(recurse=False):
                 if p.is_floating_point() and p.dtype != stored:
                     p.data = p.data.to(stored)
+            for key, b in module._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != stored:
+                    module._buffers[key] = b.to(stored)
     modules = dict(model.named_modules())
     for name, unit_policy in plan.items():
         enclosing = None
