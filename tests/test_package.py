@@ -22,6 +22,7 @@ LAYERS: list[set[str]] = [
     {"convert", "scaling"},
     {"optim"},
     {"precision"},
+    {"sharding"},
     {"trainer"},
     {"doctor"},
     {"bench"},

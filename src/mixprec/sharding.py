@@ -1,0 +1,191 @@
+"""`shard`: a mixprec policy (or map) carried over to FSDP2 (`fully_shard`) for any loop.
+
+FSDP2 does its own casting: each sharded unit all-gathers its parameters in `param_dtype`,
+casts its inputs to it and reduce-scatters gradients in `reduce_dtype`. `shard` derives those
+settings per unit from the policy `PolicyMap.resolve` gives the unit, so a mixed policy keeps
+float32 masters (the sharded parameters) and computes in 16 bit, and float32 islands stay in
+float32. It also refuses the set-ups that would fail late or silently (see `shard`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from mixprec.errors import PrecisionError
+from mixprec.hardware import check, device_of
+from mixprec.policy import Policy
+from mixprec.policy_map import as_map
+from mixprec.scaling import LossScaler
+
+__all__ = ["mixed_precision_policy", "shard", "units"]
+
+WrapFn = Callable[[str, nn.Module], bool]
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _default_units(model: nn.Module) -> list[str]:
+    """Transformer-block-like units: the children holding parameters of the root (when it is
+    a ModuleList/Sequential) and of its ModuleList/Sequential children."""
+    containers = [("", model)] if isinstance(model, (nn.ModuleList, nn.Sequential)) else []
+    containers += [
+        (name, child)
+        for name, child in model.named_children()
+        if isinstance(child, (nn.ModuleList, nn.Sequential))
+    ]
+    return [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, container in containers
+        for name, child in container.named_children()
+        if _has_params(child)
+    ]
+
+
+def units(model: nn.Module, policy: Any, wrap: WrapFn | None = None) -> dict[str, Policy]:
+    """The modules `shard` shards on their own, innermost first and the root ("") last, with
+    the policy each is sharded under.
+
+    Units are the `wrap(name, module)` hits (default: the blocks of top-level ModuleLists and
+    Sequentials), plus every module whose policy computes in another dtype than its parent's
+    (float32 islands, rules): FSDP2 casts per unit, so a different compute dtype needs one."""
+    resolved = as_map(policy).resolve(model)
+    chosen = (
+        {name for name, m in model.named_modules() if name and wrap(name, m)}
+        if wrap is not None
+        else set(_default_units(model))
+    )
+    for name, _ in model.named_modules():
+        parent = name.rpartition(".")[0]
+        if name and resolved[name].policy.compute_dtype != resolved[parent].policy.compute_dtype:
+            chosen.add(name)
+    in_model_order = [name for name in resolved if name in chosen]
+    ordered = sorted(in_model_order, key=lambda n: -n.count("."))  # stable: deepest first
+    return {name: resolved[name].policy for name in [*ordered, ""]}
+
+
+def mixed_precision_policy(
+    policy: Policy, *, enclosing: Policy | None, reduce_dtype: torch.dtype = torch.float32
+) -> MixedPrecisionPolicy:
+    """FSDP2's settings for one unit computing under `policy` inside a unit computing under
+    `enclosing` (None: the root).
+
+    Parameters are all-gathered and inputs cast to the compute dtype. Only the root casts its
+    output to the policy's output dtype; an inner unit hands its output back in the dtype its
+    enclosing unit computes in (nothing, when that is its own), since the enclosing unit's own
+    layers take it uncast: a float32 output there fails as "mixed dtype (CPU)"."""
+    if enclosing is None:
+        output = policy.output_dtype
+    elif enclosing.compute_dtype != policy.compute_dtype:
+        output = enclosing.compute_dtype
+    else:
+        output = None
+    return MixedPrecisionPolicy(
+        param_dtype=policy.compute_dtype,
+        reduce_dtype=reduce_dtype,
+        output_dtype=output,
+        cast_forward_inputs=True,
+    )
+
+
+def _check_ready(
+    model: nn.Module,
+    pmap: Any,
+    optimizer: torch.optim.Optimizer | None,
+    scaler: LossScaler | None,
+    mesh: DeviceMesh | None,
+) -> None:
+    if optimizer is not None:
+        mine = {id(p) for p in model.parameters()}
+        if any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
+            raise PrecisionError(
+                f"this {type(optimizer).__name__} was built before sharding: it holds the "
+                "model's unsharded parameters, which fully_shard replaces, so it would never "
+                "train the model. Build it after: model, optimizer = shard(model, policy, "
+                "optimizer_factory=lambda params: torch.optim.AdamW(params, lr=...))"
+            )
+    if pmap.needs_loss_scaling and (not isinstance(scaler, LossScaler) or not scaler.enabled):
+        raise PrecisionError(
+            f"precision {pmap.name!r} computes in float16 and needs loss scaling whose "
+            "overflow flag is all-reduced, so that every rank skips a step together: pass "
+            "scaler=DynamicLossScaler() (mixprec.scaling; synchronize() all-reduces the flag) "
+            "and step through LossScaleOptimizer(optimizer, scaler), or pass "
+            "scaler=Precision('16-mixed').scaler"
+        )
+    if mesh is None and not (dist.is_available() and dist.is_initialized()):
+        raise PrecisionError(
+            "shard needs torch.distributed: call dist.init_process_group(...) first (gloo on "
+            "CPU, nccl on GPUs; torchrun sets the rank and world size), or pass mesh=..."
+        )
+
+
+def shard(
+    model: nn.Module,
+    policy: Any,
+    *,
+    mesh: DeviceMesh | None = None,
+    wrap: WrapFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    optimizer_factory: OptimizerFactory | None = None,
+    scaler: LossScaler | None = None,
+    reduce_dtype: torch.dtype = torch.float32,
+    allow_slow: bool = False,
+) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
+    """Shard `model` in place with FSDP2 under `policy` (a spec, Policy or PolicyMap) and
+    return it, or `(model, optimizer)` when `optimizer_factory` is given.
+
+    Each unit (see `units`) is sharded with `mixed_precision_policy`, then the root. A mixed
+    policy keeps the sharded parameters in their param dtype (float32 masters) and computes
+    in its compute dtype; a "true" policy's storage (parameters, floating buffers) is cast
+    before sharding, as FSDP2 keeps the dtype it finds. Gradients are reduced in
+    `reduce_dtype`.
+
+    Raises `PrecisionError` before touching the model when torch.distributed is not
+    initialised (and no `mesh` is given); when `optimizer` holds the model's unsharded
+    parameters (build it after sharding: `optimizer_factory(params)` does); when the policy
+    computes in float16 and `scaler` is not an enabled mixprec `LossScaler`, whose
+    `synchronize` all-reduces the overflow flag; and, as `Precision` does, when the policy is
+    slow on the model's device unless `allow_slow` (or ``MIXPREC_ALLOW_SLOW=1``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard needs an nn.Module first, got {type(model).__name__}")
+    pmap = as_map(policy)
+    _check_ready(model, pmap, optimizer, scaler, mesh)
+    check(pmap, device_of(model), allow_slow=allow_slow)
+    plan = units(model, pmap, wrap)
+    resolved = pmap.resolve(model)
+    with torch.no_grad():  # FSDP2 keeps the storage dtype it finds: cast it first
+        for name, module in model.named_modules():
+            stored = resolved[name].policy.param_dtype
+            for p in module.parameters(recurse=False):
+                if p.is_floating_point() and p.dtype != stored:
+                    p.data = p.data.to(stored)
+            for key, b in module._buffers.items():
+                if b is not None and b.is_floating_point() and b.dtype != stored:
+                    module._buffers[key] = b.to(stored)
+    modules = dict(model.named_modules())
+    for name, unit_policy in plan.items():
+        enclosing = None
+        if name:
+            up = name.rpartition(".")[0]
+            while up and up not in plan:
+                up = up.rpartition(".")[0]
+            enclosing = plan[up]
+        fully_shard(
+            modules[name],
+            mesh=mesh,
+            mp_policy=mixed_precision_policy(
+                unit_policy, enclosing=enclosing, reduce_dtype=reduce_dtype
+            ),
+        )
+    if optimizer_factory is not None:
+        return model, optimizer_factory(model.parameters())
+    return model
