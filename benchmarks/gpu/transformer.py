@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mixprec.bench.runner import Loop
+
 # TFLOP/s, dense, H100 SXM (NVIDIA datasheet): what MFU is measured against
 PEAK_TFLOPS = {"float32": 67.0, "tf32": 494.0, "16-bit": 989.0}
 
@@ -166,26 +168,6 @@ class Job:
     warmup: int
     allow_slow: bool
     threads: int | None = None
-
-
-@dataclass
-class Loop:
-    """A training loop ready to step; `optimizer` is the plain torch optimizer, whose step
-    counter tells the steps taken from those skipped on float16 overflow."""
-
-    train_step: Callable[[], Tensor]
-    optimizer: torch.optim.Optimizer
-    steps_run: int = 0
-
-    def step(self) -> Tensor:
-        self.steps_run += 1
-        return self.train_step()
-
-    @property
-    def steps_taken(self) -> int:
-        for state in self.optimizer.state.values():
-            return int(state["step"])
-        return 0
 
 
 def _build_model(dims: Dims, device: torch.device) -> LM:

@@ -199,7 +199,7 @@ def _limit_memory(spec: RunSpec, device: torch.device) -> None:
 
 
 @dataclass
-class _Loop:
+class Loop:
     """A ready training loop: `step()` runs one training step and returns its loss.
 
     `optimizer` is the plain torch optimizer doing the updates: its per-parameter step
@@ -221,7 +221,7 @@ class _Loop:
         return 0
 
 
-def _build_mixprec(spec: RunSpec, device: torch.device) -> _Loop:
+def _build_mixprec(spec: RunSpec, device: torch.device) -> Loop:
     """Our loop: the workload set up through `mixprec.Precision`."""
     from mixprec.bench.models import load_workload
     from mixprec.policy_map import PolicyMap
@@ -242,10 +242,10 @@ def _build_mixprec(spec: RunSpec, device: torch.device) -> _Loop:
         precision.step(optimizer)
         return loss.detach()
 
-    return _Loop(step, optimizer.optimizer)
+    return Loop(step, optimizer.optimizer)
 
 
-def _build_raw(spec: RunSpec, device: torch.device) -> _Loop:
+def _build_raw(spec: RunSpec, device: torch.device) -> Loop:
     """The hand-written torch loop for a mixed policy: autocast, plus GradScaler for float16."""
     from mixprec.bench.models import load_workload
     from mixprec.policy import Policy
@@ -272,10 +272,10 @@ def _build_raw(spec: RunSpec, device: torch.device) -> _Loop:
             scaler.update()
         return loss.detach()
 
-    return _Loop(step, optimizer)
+    return Loop(step, optimizer)
 
 
-def _first_update(build: Callable[[RunSpec, torch.device], _Loop], spec: RunSpec) -> _Loop:
+def _first_update(build: Callable[[RunSpec, torch.device], Loop], spec: RunSpec) -> Loop:
     """Build a loop and run it up to its first taken optimizer step, which creates the
     optimizer's state (float16 runs skip their first steps while the loss scale settles)."""
     loop = build(spec, torch.device(spec.device))
@@ -302,7 +302,7 @@ def run_config(spec: RunSpec) -> RunResult:
 
     builders = {"mixprec": _build_mixprec, **({"raw": _build_raw} if spec.raw else {})}
     results = {name: LoopResult() for name in builders}
-    loops: dict[str, _Loop] = {}
+    loops: dict[str, Loop] = {}
     for name, build in builders.items():
         res = results[name]
         try:
@@ -349,7 +349,7 @@ def _release(device: torch.device) -> None:
 
 
 def _time_interleaved(
-    loops: dict[str, _Loop], results: dict[str, LoopResult], steps: int, sync: Callable[[], None]
+    loops: dict[str, Loop], results: dict[str, LoopResult], steps: int, sync: Callable[[], None]
 ) -> None:
     """Time `steps` steps of each loop, alternating which goes first, with GC disabled."""
     names = list(loops)
