@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from test_doctor import overflow_model
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -377,30 +378,8 @@ def test_ddp_gloo_on_one_gpu_ranks_skip_together(tmp_path):
 # -- the doctor: the same finding on CUDA as on the CPU ---------------------------------------
 
 
-class _Overflow(nn.Module):
-    """`proj` outputs up to 1e5 (> float16 max 65504); the LayerNorm after it makes that
-    harmless in float32."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.act = nn.ReLU()
-        self.proj = nn.Linear(16, 16)
-        self.norm = nn.LayerNorm(16)
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.proj(self.act(self.inp(x)))))
-
-
 def test_doctor_blames_the_same_float16_layer_on_cuda_as_on_cpu():
-    torch.manual_seed(0)
-    model = _Overflow()
-    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
-    with torch.no_grad():
-        amax = model.proj(model.act(model.inp(x))).abs().max()
-        model.proj.weight.mul_(1e5 / amax)
-        model.proj.bias.mul_(1e5 / amax)
+    model, (x, y) = overflow_model(1e5)  # the doctor tests' planted fault: proj reaches 1e5
     found = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # float16 is slow on most CPUs: a warning only
