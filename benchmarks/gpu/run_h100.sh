@@ -27,7 +27,8 @@
 #                Precision loop on the blog CNN (128x128, batch 128), bf16-mixed and 16-mixed
 #
 # Each part runs under `timeout` (seconds: CUDA_TIMEOUT, SUITE_TIMEOUT, BLOG_TIMEOUT,
-# MAXBATCH_TIMEOUT, TRANSFORMER_TIMEOUT, TRAINER_TIMEOUT; MEMORY_LIMIT overrides 4.5GiB),
+# MAXBATCH_TIMEOUT, TRANSFORMER_TIMEOUT, TRAINER_TIMEOUT; MEMORY_LIMIT overrides 4.5GiB;
+# SUITE_ARGS adds pytest options to the suite part, e.g. "-n 8" with pytest-xdist),
 # which also ends the part's child processes. What comes back in $OUT (default
 # $TMPDIR/mixprec-h100-out), flat, at most 8 files: one log per part, summary.md (what ran,
 # exit codes, durations, the GPU, and the result tables), and results.tar.gz holding every
@@ -79,7 +80,7 @@ run() {
 }
 
 BENCH=(python -m mixprec.cli bench)
-SUITE=(python -m pytest -q -p no:cacheprovider --durations=20)
+SUITE=(python -m pytest -q -p no:cacheprovider --durations=20 ${SUITE_ARGS:-})
 for part in "$@"; do
     case "$part" in
         cuda)
