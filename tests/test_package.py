@@ -19,6 +19,7 @@ LAYERS: list[set[str]] = [
     {"policy"},
     {"policy_map", "tree"},
     {"hardware"},
+    {"quantize"},
     {"convert", "scaling"},
     {"optim"},
     {"precision"},
@@ -26,6 +27,7 @@ LAYERS: list[set[str]] = [
     {"trainer"},
     {"doctor"},
     {"bench"},
+    {"integrations"},
     {"cli", "__init__"},
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
