@@ -205,12 +205,14 @@ class MixprecTrainer(transformers.Trainer):
     """
 
     def __init__(self, *args: Any, precision: Precision | Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.args.fp16 or self.args.bf16:
+        # checked before HF builds its Accelerator, whose precision is fixed per process
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None and (training_args.fp16 or training_args.bf16):
             raise ValueError(
                 "MixprecTrainer owns the precision: set TrainingArguments(fp16=False, "
                 "bf16=False), or HF's autocast would run on top of mixprec's policy"
             )
+        super().__init__(*args, **kwargs)
         if self.model is None:
             raise ValueError("MixprecTrainer needs model=... (model_init is not supported)")
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
