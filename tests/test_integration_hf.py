@@ -2,6 +2,7 @@
 `MixprecTrainer` (loss scaling, skipped steps, clipping of true gradients), and the
 Accelerate recipe, which must match a hand-written mixprec loop bit for bit."""
 
+import inspect
 import json
 import math
 import sys
@@ -96,6 +97,8 @@ class Overflow(transformers.TrainerCallback):
 
 def test_callback_in_a_plain_hf_trainer_writes_per_layer_amax(tmp_path):
     model = mixprec.apply(tiny_gpt2(), "bf16-mixed", warn=False)
+    # HF keeps the batch keys the forward's signature names: the converted one shows them
+    assert {"input_ids", "labels"} <= set(inspect.signature(model.forward).parameters)
     callback = PrecisionMonitorCallback(every_n_steps=2)
     trainer = transformers.Trainer(
         model=model,
@@ -116,6 +119,19 @@ def test_callback_in_a_plain_hf_trainer_writes_per_layer_amax(tmp_path):
     assert callback.warnings == []
     # no hook left behind: the converted model runs as before
     assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_callback_watches_hf_own_bf16_autocast(tmp_path):
+    callback = PrecisionMonitorCallback(every_n_steps=1, path=False)
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(),
+        args=hf_args(tmp_path, max_steps=1, bf16=True),
+        train_dataset=token_rows(n=4),
+        callbacks=[callback],
+    )
+    trainer.train()
+    row = trainer.state.log_history[0]
+    assert all(0 < row[f"precision/{layer}/amax"] < 100 for layer in LAYERS)
 
 
 @pytest.mark.filterwarnings("ignore:layer .* gradients reaching it")  # no loss scaling here
