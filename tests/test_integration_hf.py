@@ -199,13 +199,21 @@ def test_mixprec_trainer_skips_an_overflow_and_holds_the_schedule(tmp_path):
 
 def test_mixprec_trainer_clips_and_logs_unscaled_gradients(tmp_path):
     def grad_norms(precision: str) -> list[float]:
+        args = hf_args(
+            tmp_path / precision,
+            max_steps=1,
+            max_grad_norm=0.5,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,  # unscaled once, after the second micro-batch
+        )
         trainer = MixprecTrainer(
             model=tiny_gpt2(),
-            args=hf_args(tmp_path / precision, max_steps=1, max_grad_norm=0.5),
+            args=args,
             train_dataset=token_rows(),
             precision=Precision(precision, allow_slow=True),
         )
         trainer.train()
+        assert trainer.precision.scaler.stats().steps == 1
         return [float(r["grad_norm"]) for r in trainer.state.log_history if "grad_norm" in r]
 
     reference, scaled = grad_norms("32-true"), grad_norms("16-mixed")

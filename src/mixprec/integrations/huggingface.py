@@ -185,6 +185,8 @@ class SkipAwareScheduler:
         return scheduler_step(self.scheduler, self.optimizer, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (copy, unpickling): no endless lookup
+            raise AttributeError(name)
         return getattr(self.scheduler, name)
 
 
