@@ -247,6 +247,27 @@ def test_mixprec_trainer_with_a_given_optimizer_and_16_bit_weights(tmp_path):
     assert scheduler.last_epoch == 2
 
 
+def test_mixprec_trainer_resumes_an_hf_checkpoint_bit_for_bit(tmp_path):
+    def run(directory: str, resume: str | None = None) -> MixprecTrainer:
+        saving = dict(save_strategy="steps", save_steps=1) if resume is None else {}
+        trainer = MixprecTrainer(
+            model=tiny_gpt2(),
+            args=hf_args(tmp_path / directory, max_steps=2, **saving),
+            train_dataset=token_rows(n=12),
+            precision=Precision("16-mixed", allow_slow=True),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run("full")
+    resumed = run("resumed", resume=str(tmp_path / "full" / "checkpoint-1"))
+    pairs = zip(full.model.parameters(), resumed.model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    # the scaler (scale, counters) came back with the optimizer's state
+    assert resumed.precision.scaler.state_dict() == full.precision.scaler.state_dict()
+    assert resumed.precision.scaler.stats().steps == 2
+
+
 def test_mixprec_trainer_refuses_hf_mixed_precision(tmp_path):
     with pytest.raises(ValueError, match="fp16=False, bf16=False"):
         MixprecTrainer(
