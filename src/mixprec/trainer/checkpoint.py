@@ -85,7 +85,8 @@ def _alive(pid: int) -> bool:
 
 def clean_stale_tmp(directory: Path) -> list[Path]:
     """Remove temporary files (and directories) that killed saves left in ``directory``:
-    those written on this host by a process that no longer runs (a save in progress elsewhere is never touched)."""
+    those written on this host by a process that no longer runs (a save in progress
+    elsewhere is never touched)."""
     removed = []
     for entry in directory.glob(".*.tmp"):
         m = _TMP.fullmatch(entry.name)

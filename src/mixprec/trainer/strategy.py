@@ -129,10 +129,13 @@ class FSDP:
         if self.wrap is not None and not callable(self.wrap):
             raise ValueError(f"FSDP(wrap=...) must be (name, module) -> bool, got {self.wrap!r}")
         if self.reduce_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-            raise ValueError(f"FSDP(reduce_dtype=...) must be a float dtype, got {self.reduce_dtype!r}")
+            raise ValueError(
+                f"FSDP(reduce_dtype=...) must be a float dtype, got {self.reduce_dtype!r}"
+            )
         if not isinstance(self.sync_micro_batches, bool):
             raise ValueError(
-                f"FSDP(sync_micro_batches=...) must be True or False, got {self.sync_micro_batches!r}"
+                "FSDP(sync_micro_batches=...) must be True or False, got "
+                f"{self.sync_micro_batches!r}"
             )
 
 

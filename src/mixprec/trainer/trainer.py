@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from mixprec.optim import LossScaleOptimizer
 from mixprec.precision import Precision
 from mixprec.trainer import checkpoint as ckpt_io
+from mixprec.trainer import sharded
 from mixprec.trainer.callbacks import Callback, ModelCheckpoint
 from mixprec.trainer.config import (
     TrainerConfig,
@@ -52,7 +53,6 @@ from mixprec.trainer.metrics import (
 )
 from mixprec.trainer.module import MODULE_HOOKS, TrainingModule
 from mixprec.trainer.optimizers import configured_optimizers, scheduler_entry
-from mixprec.trainer import sharded
 from mixprec.trainer.strategy import FSDP, DDPStrategy, launch_stage, make_strategy
 
 
