@@ -7,9 +7,10 @@ train a few AdamW steps of the workload and report, per rank:
 - held bytes: the parameters, gradients and optimizer state this rank holds after a step
   (before ``zero_grad``), summed from the tensors themselves (a DTensor's local shard). DDP's
   communication buckets (about one more copy of the gradients) are not counted;
-- step peak: the peak of live tensor bytes during one whole step, from the allocator's events
-  (``torch.profiler``; CUDA: ``max_memory_allocated``): activations, gathered parameters and
-  buckets included;
+- step peak: what the rank held before a step (parameters and optimizer state, as above) plus
+  the peak growth of live tensor bytes during the step, from the allocator's events
+  (``torch.profiler``; CUDA: ``max_memory_allocated``): activations, gradients, gathered
+  parameters and buckets included;
 - process peak RSS: the process's resident-set high-water mark (``ru_maxrss``), torch's own
   libraries included, so it differs between strategies by less than the tensors do.
 """
@@ -148,13 +149,14 @@ def _rank(rank: int, spec: MemorySpec, port: int, out: str) -> None:
 
         for _ in range(max(0, spec.steps - 1)):
             step()
-        (loss, held), peak = _measured(device, step)
+        before = sum(held_bytes(model, opt))  # no gradients between steps
+        (loss, held), growth = _measured(device, step)
         row = RankMemory(
             spec.strategy,
             spec.precision,
             rank,
             *held,
-            step_peak=peak,
+            step_peak=before + growth,
             rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             final_loss=float(loss),
         )
@@ -264,9 +266,10 @@ def markdown(lines: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{head}{body}\n"
         "Per (strategy, precision), the rank holding the most. held = parameters + gradients "
         "+ optimizer state this rank holds after a step (local shards of DTensors; DDP's "
-        "gradient buckets not counted); step peak = peak live tensor bytes during one step "
-        "(allocator events via torch.profiler on CPU, max_memory_allocated on CUDA), "
-        "activations and gathered parameters included; process peak RSS = the process's "
+        "gradient buckets not counted); step peak = held before a step (parameters + "
+        "optimizer state) + the peak growth of live tensor bytes during it (allocator events "
+        "via torch.profiler on CPU, max_memory_allocated on CUDA): activations, gradients and "
+        "gathered parameters included; process peak RSS = the process's "
         "high-water mark, torch's libraries included.\n"
     )
 
