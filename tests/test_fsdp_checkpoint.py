@@ -212,7 +212,8 @@ def test_a_two_rank_checkpoint_resumes_in_one_process_resharded(saved, caplog):
 
     model = Net()
     Trainer(precision="bf16-mixed", **QUIET).validate(model, loader(), ckpt_path=checkpoint)
-    assert all(torch.equal(model.state_dict()[k], v) for k, v in _weights(saved / "step4.pt").items())
+    step4 = _weights(saved / "step4.pt")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in step4.items())
 
 
 @pytest.mark.slow
