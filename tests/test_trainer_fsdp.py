@@ -293,3 +293,17 @@ def test_bad_fsdp_settings_and_predict_are_refused():
     assert trainer.strategy.name == "fsdp"
     with pytest.raises(ValueError, match="predict runs on one device"):
         trainer.predict(Net(), [torch.zeros(2, 4)])
+
+
+def test_export_after_a_single_device_fit_takes_the_float32_masters(tmp_path):
+    model = Net()
+    trainer = Trainer(precision="16-true", max_steps=2, allow_slow_precision=True, **QUIET)
+    trainer.fit(model, DataLoader(data(), batch_size=8), loss_fn=F.mse_loss, optimizer=adamw)
+    [opt] = trainer.optimizers
+    masters = {n: opt.master_params[p] for n, p in model.named_parameters()}
+    exported = _weights(trainer.save_full_state_dict(tmp_path / "full.pt"))
+    assert all(v.dtype == torch.float32 for v in exported.values())
+    for name, master in masters.items():
+        assert torch.equal(exported[name], master), name
+    # the float16 weights are the masters rounded: the export keeps what they lose
+    assert any(not torch.equal(m, m.half().float()) for m in masters.values())

@@ -374,15 +374,15 @@ class Trainer:
         used where the run kept them; "true" 16-bit weights are cast (exact)."""
         path = Path(path)
         run = self._current
-        if self.stage is not None and run is not None:
+        if self.stage is None and self._gathered is not None:
+            weights = self._gathered  # the process group is gone
+        elif run is not None:  # in this process, during or after a run
             weights = self.strategy.full_state_dict(run.model)
             if isinstance(run, FitRun):
                 names = {p: n for n, p in run.model.named_parameters()}
                 for opt in run.optimizers:
                     weights.update({names[p]: m for p, m in opt.master_params.items()})
-        elif self._gathered is not None:
-            weights = self._gathered
-        elif self.model is not None:
+        elif self.model is not None:  # trained in processes the Trainer launched
             weights = dict(self.model.state_dict())
         else:
             raise RuntimeError("save_full_state_dict needs a model: call it during or after fit")
@@ -415,6 +415,7 @@ class Trainer:
     def _run(self, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
         """Run one stage in this process: seed, join the process group, set up, loop."""
         self.stage, self.model = stage, model
+        self._gathered = None
         self._metrics.clear()
         self._log.reset_run()
         self._listeners = {}
