@@ -73,6 +73,9 @@ class Overflowing(TrainingModule):
     def forward(self, x):
         return self.net(x)
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
     def training_step(self, batch, batch_idx):
         out = self(batch[0])
         if batch_idx == 1 and self.trainer.strategy.global_rank == 1:
@@ -131,8 +134,18 @@ def _overflow() -> dict[str, Any]:
         precision=precision, strategy="fsdp", devices=WORLD, max_steps=4, seed=0,
         allow_slow_precision=True, callbacks=[seen], **QUIET,
     )  # fmt: skip
-    trainer.fit(Overflowing(), DataLoader(data(), batch_size=8))
-    return seen.seen
+    model = Overflowing()
+    trainer.fit(model, DataLoader(data(), batch_size=8))
+    # the model stays sharded in this process: validating reuses its units ...
+    [metrics] = trainer.validate(model, DataLoader(data(), batch_size=8))
+    # ... which another precision cannot
+    other = Trainer(precision="32-true", strategy="fsdp", devices=WORLD, max_steps=1, **QUIET)
+    try:
+        other.fit(model, DataLoader(data(), batch_size=8))
+        refusal = ""
+    except PrecisionError as err:
+        refusal = str(err)
+    return {**seen.seen, "val_loss": metrics["val_loss"], "refusal": refusal}
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -218,6 +231,14 @@ def test_inf_on_one_rank_makes_both_skip_through_the_trainer(runs):
     for r in ranks:
         assert r["overflow"]["skipped"] == 1
         assert r["overflow"]["global_step"] == 4
+
+
+@pytest.mark.slow
+def test_a_sharded_model_is_reused_by_the_same_settings_and_refused_by_others(runs):
+    _, ranks = runs
+    for r in ranks:
+        assert 0 < r["overflow"]["val_loss"] < 10
+        assert "already sharded" in r["overflow"]["refusal"]
 
 
 @pytest.mark.slow

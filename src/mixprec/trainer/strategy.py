@@ -363,8 +363,19 @@ class FSDPStrategy(DDPStrategy):
         self.settings = settings or FSDP()
 
     def shard(self, model: nn.Module, precision: Precision) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+
         from mixprec.sharding import shard
 
+        sharded_as = (precision.policy.to_config(), self.settings)
+        if isinstance(model, FSDPModule):  # by an earlier fit/validate in this process
+            if model.__dict__.get("_mixprec_sharded_as") != sharded_as:
+                raise PrecisionError(
+                    f"this {type(model).__name__} is already sharded, under other settings "
+                    "than this run's (precision or FSDP(...)); FSDP shards a module once: "
+                    "build a new model, or use the same Trainer settings"
+                )
+            return True
         stored = {r.policy.param_dtype for r in precision.policy.resolve(model).values()}
         masters = {torch.float16} if precision.master_weights is None else set()
         if precision.master_weights:
@@ -385,6 +396,7 @@ class FSDPStrategy(DDPStrategy):
             reduce_dtype=self.settings.reduce_dtype,
             allow_slow=precision.allow_slow,
         )
+        model.__dict__["_mixprec_sharded_as"] = sharded_as
         return True
 
     def check_optimizers(self, model: nn.Module, optimizers: list[Any]) -> None:
