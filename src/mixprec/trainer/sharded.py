@@ -122,7 +122,9 @@ def save(trainer: Trainer, run: FitRun, path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def copy(strategy: SingleDeviceStrategy, src: str | os.PathLike[str], dst: str | os.PathLike[str]):
+def copy(
+    strategy: SingleDeviceStrategy, src: str | os.PathLike[str], dst: str | os.PathLike[str]
+) -> Path:
     """Make ``dst`` an atomic copy of the sharded checkpoint ``src`` (hard links where the
     filesystem allows); every rank calls it, rank 0 copies."""
     src, dst = Path(src), Path(dst)

@@ -357,7 +357,8 @@ class Trainer:
         return path
 
     def link_checkpoint(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-        """Make ``dst`` an atomic copy of the checkpoint ``src`` (rank 0 only)."""
+        """Make ``dst`` an atomic copy of the checkpoint ``src`` (rank 0 copies; a sharded
+        one's every rank calls this, as ModelCheckpoint does)."""
         if Path(src).is_dir():
             sharded.copy(self.strategy, src, dst)
         elif self.is_global_zero:
