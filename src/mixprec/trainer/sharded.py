@@ -26,6 +26,7 @@ import logging
 import os
 import secrets
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +99,17 @@ def _agreed_tmp(path: Path, rank: int) -> Path:
     if _distributed():
         dist.broadcast_object_list(name, src=0)
     return Path(name[0])  # type: ignore[arg-type]
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` in place; in one process without a group, without torch's warning that
+    it assumes exactly that."""
+    if _distributed():
+        dcp.load(state, checkpoint_id=path)
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
 
 
 def _inner(run: FitRun | Run) -> list[torch.optim.Optimizer]:
@@ -192,7 +204,7 @@ def load_weights(run: Run, path: str | os.PathLike[str]) -> None:
     _check_policy(run, state, path)
     _check_keys(run, path, optimizers=False)
     model_state, _ = get_state_dict(run.model, [])
-    dcp.load({"model": model_state}, checkpoint_id=path, no_dist=not _distributed())
+    _dcp_load({"model": model_state}, path)
     set_state_dict(run.model, [], model_state_dict=model_state, optim_state_dict={})
 
 
@@ -218,8 +230,7 @@ def restore(trainer: Trainer, run: FitRun, path: str | os.PathLike[str]) -> None
         )
     ckpt_io.check_resume_point(run, loop, path)
     model_state, optim_state = get_state_dict(run.model, _inner(run))
-    loaded = {"model": model_state, "optim": optim_state}
-    dcp.load(loaded, checkpoint_id=path, no_dist=not _distributed())
+    _dcp_load({"model": model_state, "optim": optim_state}, path)
     set_state_dict(
         run.model, _inner(run), model_state_dict=model_state, optim_state_dict=optim_state
     )
