@@ -207,6 +207,49 @@ def test_gradients_are_clipped_after_unscaling():
     assert update.norm().item() == pytest.approx(1e-3, rel=1e-3)
 
 
+@pytest.mark.parametrize(
+    ("spec", "lightning_flag"),
+    [(PolicyMap("bf16-mixed", float32_islands=False), "bf16-mixed"), ("32-true", "32-true")],
+    ids=["bf16-mixed", "32-true"],
+)
+def test_the_plugin_trains_bit_for_bit_as_lightnings_own_flag(spec, lightning_flag):
+    # with accumulation and clipping; without islands bf16-mixed is plain autocast in both
+    options = {"max_epochs": 2, "accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+    ours, theirs = _model(), _model()
+    _trainer(MixprecPrecision(spec, allow_slow=True), **options).fit(ours, _loader())
+    _trainer(precision=lightning_flag, **options).fit(theirs, _loader())
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class ManualRegressor(Regressor):
+    """Manual optimization: the step, clipping and scheduler are called by hand."""
+
+    def __init__(self, poison_step: int) -> None:
+        super().__init__(poison_step=poison_step)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        opt.step()
+        sched.step()
+
+
+def test_manual_optimization_skips_the_overflow_and_its_scheduler_step():
+    model = ManualRegressor(poison_step=1)
+    plugin = MixprecPrecision(
+        "16-mixed", allow_slow=True, scaler=DynamicLossScaler(init_scale=2.0**8)
+    )
+    _trainer(plugin, max_steps=3).fit(model, _loader())
+    stats = plugin.scaler.stats()
+    assert (stats.steps, stats.skipped_steps) == (3, 1)
+    assert model.lr_schedulers().last_epoch == 2
+
+
 # -- checkpoints ----------------------------------------------------------------------------
 
 
