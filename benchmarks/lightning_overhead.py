@@ -1,30 +1,34 @@
 """Lightning with mixprec's precision plugin vs Lightning's own precision, side by side.
 
 The same LightningModule (an MLP, AdamW, cross-entropy), initial weights and batches train
-one epoch per run in a Lightning ``Trainer``, two ways per precision:
+in a Lightning ``Trainer`` two ways per precision:
 
 - Lightning: ``pl.Trainer(precision=spec)`` (its ``MixedPrecision`` / default plugin);
 - mixprec: ``pl.Trainer(plugins=[MixprecPrecision(spec, allow_slow=True)])``.
 
-The two ways alternate round by round (the order flips each round) in one process; this
-machine is shared and noisy, so only these paired numbers mean much. Reported: the median
-iteration time of each way, their ratio and its range over rounds, and how far the two loss
-curves are apart. torch runs on ``--threads`` threads (default 1: with other
-jobs on the cores, more threads spin against each other).
+This machine is shared and noisy (load far above its core count), so the two runs train in
+lockstep: each in its own process, taking turns step by step (the order flips every step)
+and timing each step on its own clock while the other one waits. Whatever else runs on the
+machine then disturbs both alike. One step is everything from the end of one batch to the
+end of the next: data loading, ``convert_input``, hooks, forward, backward, optimizer and
+scheduler steps, Lightning's bookkeeping. Reported per precision: the median step time of
+each way over all rounds, their ratio and its range over rounds, and how far the two loss
+curves are apart. torch runs on one thread per process; the clock is the process's main
+thread CPU time by default (``--clock wall`` for the wall clock).
 
-    python benchmarks/lightning_overhead.py [--rounds 15] [--steps 40] [--out FILE]
+    python benchmarks/lightning_overhead.py [--rounds 3] [--steps 300] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import itertools
 import logging
+import multiprocessing as mp
 import statistics
 import sys
 import time
 import warnings
+from multiprocessing.connection import Connection
 
 import pytorch_lightning as pl
 import torch
@@ -34,6 +38,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec
 from mixprec.integrations.lightning import MixprecPrecision
+
+CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}
+WAYS = ("lightning", "mixprec")
 
 
 class LitMLP(pl.LightningModule):
@@ -57,25 +64,31 @@ class LitMLP(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-class StepTimer(pl.Callback):
-    """Seconds of each training iteration: from one batch's start to the next one's (data
-    loading, forward, backward, optimizer and scheduler steps, Lightning's bookkeeping), and
-    for the last one to the epoch's end."""
+class TakeTurns(pl.Callback):
+    """Waits for the parent's go before each step and reports the step's time after it."""
 
-    def __init__(self) -> None:
-        self.marks: list[float] = []
+    def __init__(self, conn: Connection, clock: str) -> None:
+        self.conn = conn
+        self.clock = CLOCKS[clock]
+        self.start = 0.0
 
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
+    def _wait(self) -> None:
+        self.conn.recv()
+        self.start = self.clock()
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._wait()
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: object,
+        batch: object,
+        batch_idx: int,
     ) -> None:
-        self.marks.append(time.perf_counter())
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.marks.append(time.perf_counter())
-
-    def steps(self, skip: int) -> list[float]:
-        """Per-iteration seconds, without the first ``skip`` (allocator, caches warming)."""
-        return [b - a for a, b in itertools.pairwise(self.marks)][skip:]
+        self.conn.send(self.clock() - self.start)
+        self._wait()
 
 
 def mlp(width: int) -> nn.Module:
@@ -84,16 +97,17 @@ def mlp(width: int) -> nn.Module:
     )
 
 
-def loader(steps: int, batch: int) -> DataLoader:
+def worker(way: str, spec: str, width: int, batch: int, steps: int, clock: str, conn) -> None:
+    """Train one epoch in lockstep with the other way; send back the losses at the end."""
+    torch.set_num_threads(1)
+    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    model = LitMLP(mlp(width))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(steps * batch, 64, generator=g)
     y = torch.randint(0, 10, (steps * batch,), generator=g)
-    return DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
-
-
-def run(way: str, spec: str, base: nn.Module, data: DataLoader) -> tuple[list[float], list[float]]:
-    """One epoch; returns (seconds of each iteration but the first two, the losses)."""
-    model, timer = LitMLP(copy.deepcopy(base)), StepTimer()
+    data = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=False)
     flags = (
         {"precision": spec}
         if way == "lightning"
@@ -107,37 +121,52 @@ def run(way: str, spec: str, base: nn.Module, data: DataLoader) -> tuple[list[fl
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[timer],
+        callbacks=[TakeTurns(conn, clock)],
         **flags,
     )
     trainer.fit(model, data)
-    return timer.steps(skip=2), torch.stack(model.losses).tolist()
+    conn.send(torch.stack(model.losses).tolist())
 
 
-WAYS = ("lightning", "mixprec")
-
-
-def measure(spec: str, width: int, batch: int, steps: int, rounds: int) -> dict[str, float]:
-    """Median iteration time of each way over all rounds, the median ratio and the range of
-    the per-round ratios, and how far apart the loss curves are."""
-    torch.manual_seed(0)
-    base, data = mlp(width), loader(steps, batch)
+def one_round(args: argparse.Namespace, spec: str) -> dict[str, tuple[list[float], list[float]]]:
+    """Both ways in lockstep for one epoch: {way: (step seconds, losses)}."""
+    ctx = mp.get_context("spawn")
+    conns, procs = {}, []
+    for way in WAYS:
+        here, there = ctx.Pipe()
+        p = ctx.Process(
+            target=worker,
+            args=(way, spec, args.width, args.batch, args.steps, args.clock, there),
+        )
+        p.start()
+        conns[way] = here
+        procs.append(p)
     seconds: dict[str, list[float]] = {w: [] for w in WAYS}
-    ratios: list[float] = []
-    gaps: list[float] = []
+    for step in range(args.steps):
+        for way in WAYS if step % 2 else WAYS[::-1]:
+            conns[way].send("go")
+            seconds[way].append(conns[way].recv())
+    for way in WAYS:
+        conns[way].send("go")  # past the last step: let both finish
+    out = {way: (seconds[way][2:], conns[way].recv()) for way in WAYS}
+    for p in procs:
+        p.join()
+    return out
+
+
+def measure(args: argparse.Namespace, spec: str) -> dict[str, float]:
+    steps: dict[str, list[float]] = {w: [] for w in WAYS}
+    ratios, gaps = [], []
     finals: dict[str, float] = {}
-    for r in range(rounds + 1):  # round 0 warms up
-        order = WAYS if r % 2 else WAYS[::-1]
-        out = {way: run(way, spec, base, data) for way in order}
-        if not r:
-            continue
+    for _ in range(args.rounds):
+        out = one_round(args, spec)
         for way in WAYS:
-            seconds[way] += out[way][0]
+            steps[way] += out[way][0]
         ratios.append(statistics.median(out["mixprec"][0]) / statistics.median(out["lightning"][0]))
         curves = [out[w][1] for w in WAYS]
         gaps.append(max(abs(a - b) for a, b in zip(*curves, strict=True)))
         finals = {w: out[w][1][-1] for w in WAYS}
-    lightning, ours = (statistics.median(seconds[w]) for w in WAYS)
+    lightning, ours = (statistics.median(steps[w]) for w in WAYS)
     return {
         "lightning_ms": lightning * 1e3,
         "mixprec_ms": ours * 1e3,
@@ -152,19 +181,16 @@ def measure(spec: str, width: int, batch: int, steps: int, rounds: int) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
     parser.add_argument("--out", default=None, help="write a markdown result file here")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore")
     rows = []
     for spec in ("bf16-mixed", "32-true"):
-        t = measure(spec, args.width, args.batch, args.steps, args.rounds)
+        t = measure(args, spec)
         rows.append(
             f"| {spec} | {t['lightning_ms']:.2f} | {t['mixprec_ms']:.2f} "
             f"| {t['ratio'] - 1:+.1%} ({t['ratio_lo'] - 1:+.1%} to {t['ratio_hi'] - 1:+.1%}) "
@@ -172,31 +198,30 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(rows[-1], flush=True)
     params = sum(p.numel() for p in mlp(args.width).parameters())
+    clock = "CPU time of each process's main thread" if args.clock == "cpu" else "wall clock"
     lines = [
         "# Lightning with `MixprecPrecision` vs Lightning's own precision",
         "",
         f"Command: `python benchmarks/lightning_overhead.py --rounds {args.rounds} --steps "
-        f"{args.steps} --width {args.width} --batch {args.batch} --threads {args.threads}`",
-        f"Device: {mixprec.hardware.detect('cpu').describe()}, torch on {args.threads} "
-        f"thread(s); torch {torch.__version__}, pytorch-lightning {pl.__version__}",
+        f"{args.steps} --width {args.width} --batch {args.batch} --clock {args.clock}`",
+        f"Device: {mixprec.hardware.detect('cpu').describe()}, one torch thread per run; "
+        f"torch {torch.__version__}, pytorch-lightning {pl.__version__}",
         "",
-        "| precision | Lightning `precision=` ms/step | `MixprecPrecision` ms/step | plugin time "
-        "vs Lightning (per-round range) | final loss: Lightning / plugin | max loss gap |",
+        "| precision | Lightning `precision=` ms/step | `MixprecPrecision` ms/step | plugin vs "
+        "Lightning (range over rounds) | final loss: Lightning / plugin | max loss gap |",
         "|---|---:|---:|---:|---:|---:|",
         *rows,
         "",
         f"Model: MLP 64-{args.width}-{args.width}-10 ({params / 1e6:.2f}M parameters), batch "
-        f"{args.batch}, AdamW, cross-entropy, one epoch of {args.steps} steps per run from the "
-        "same initial weights over the same batches. ms/step is the median time of one "
-        "training iteration (batch start to the next batch's start: data loading, forward, "
-        "backward, optimizer and scheduler steps, Lightning's bookkeeping) over all runs, "
-        "without each run's first two iterations; the percentage compares those medians, "
-        "and the range is that of the same ratio computed per round. Both ways run once per "
-        f"round, {args.rounds} rounds after one warm-up round, the order flipping each round. "
-        "'max loss gap' is the largest difference between the two runs' losses at the same "
-        "step, over all steps and rounds. On this CPU bfloat16 matmuls are much slower than "
-        "float32 (no AMX/AVX512-BF16): `allow_slow=True` lets the plugin run them; Lightning "
-        "runs them without asking.",
+        f"{args.batch}, AdamW, cross-entropy, one epoch of {args.steps} steps from the same "
+        "initial weights over the same batches. The two runs of a round train in lockstep in "
+        "two processes, one step each in turn (the order flipping every step). ms/step is "
+        f"the median step time ({clock}; end of one batch to the end of the next) over all "
+        f"{args.rounds} rounds, without each run's first two steps; the percentage compares "
+        "those medians, the range is the same ratio per round. 'max loss gap' is the largest "
+        "difference between the two runs' losses at the same step, over all steps and rounds. "
+        "On this CPU bfloat16 matmuls are much slower than float32 (no AMX/AVX512-BF16): "
+        "`allow_slow=True` lets the plugin run them; Lightning runs them without asking.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
