@@ -253,10 +253,15 @@ def test_manual_optimization_skips_the_overflow_and_its_scheduler_step():
 # -- checkpoints ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["16-mixed", "16-true"])
-def test_a_lightning_checkpoint_resumes_bit_identically(spec, tmp_path):
+@pytest.mark.parametrize(
+    ("spec", "options"),
+    [("16-mixed", {}), ("16-true", {}), ("bf16-true", {"compensation": "stochastic"})],
+    ids=["16-mixed", "16-true-masters", "bf16-true-stochastic"],
+)
+def test_a_lightning_checkpoint_resumes_bit_identically(spec, options, tmp_path):
     def plugin() -> MixprecPrecision:
-        return MixprecPrecision(spec, allow_slow=True, scaler=DynamicLossScaler(init_scale=2.0**8))
+        scaler = DynamicLossScaler(init_scale=2.0**8)
+        return MixprecPrecision(spec, allow_slow=True, scaler=scaler, **options)
 
     # an overflow in the first epoch, so the scaler's state differs from a fresh one
     straight, straight_plugin = _model(poison_step=1), plugin()
@@ -274,8 +279,9 @@ def test_a_lightning_checkpoint_resumes_bit_identically(spec, tmp_path):
     _trainer(resumed_plugin, max_epochs=2).fit(resumed, _loader(), ckpt_path=path)
 
     for (name, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
-        assert a.dtype == b.dtype
+        assert a.dtype == b.dtype == straight_plugin.policy.default.param_dtype
         assert torch.equal(a, b), name
+    assert resumed_plugin.optimizers[0].compensation == options.get("compensation")
     masters = [
         (m, n)
         for lso_a, lso_b in zip(straight_plugin.optimizers, resumed_plugin.optimizers, strict=True)
