@@ -8,15 +8,17 @@ in a Lightning ``Trainer`` two ways per precision:
 
 This machine is shared and noisy (load far above its core count), so the two runs train in
 lockstep: each in its own process, taking turns step by step (the order flips every step)
-and timing each step on its own clock while the other one waits. Whatever else runs on the
-machine then disturbs both alike. One step is everything from the end of one batch to the
+and timing each step on its own clock while the other one waits; both are pinned to the
+same CPU (``--cpu``), so neither gets a quieter core. Whatever else runs on the machine then
+disturbs both alike. One step is everything from the end of one batch to the
 end of the next: data loading, ``convert_input``, hooks, forward, backward, optimizer and
 scheduler steps, Lightning's bookkeeping. Reported per precision: the median step time of
 each way over all rounds, their ratio and its range over rounds, and how far the two loss
 curves are apart. torch runs on one thread per process; the clock is the process's main
 thread CPU time by default (``--clock wall`` for the wall clock).
 
-    python benchmarks/lightning_overhead.py [--rounds 3] [--steps 300] [--out FILE]
+    python benchmarks/lightning_overhead.py [--rounds 3] [--steps 300] [--width 256]
+        [--specs bf16-mixed 32-true] [--out FILE]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -97,8 +100,12 @@ def mlp(width: int) -> nn.Module:
     )
 
 
-def worker(way: str, spec: str, width: int, batch: int, steps: int, clock: str, conn) -> None:
+def worker(
+    way: str, spec: str, width: int, batch: int, steps: int, clock: str, cpu: int, conn
+) -> None:
     """Train one epoch in lockstep with the other way; send back the losses at the end."""
+    if cpu >= 0:
+        os.sched_setaffinity(0, {cpu})
     torch.set_num_threads(1)
     logging.getLogger("pytorch_lightning").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -136,7 +143,7 @@ def one_round(args: argparse.Namespace, spec: str) -> dict[str, tuple[list[float
         here, there = ctx.Pipe()
         p = ctx.Process(
             target=worker,
-            args=(way, spec, args.width, args.batch, args.steps, args.clock, there),
+            args=(way, spec, args.width, args.batch, args.steps, args.clock, args.cpu, there),
         )
         p.start()
         conns[way] = here
@@ -186,10 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu")
+    parser.add_argument("--specs", nargs="+", default=["bf16-mixed", "32-true"])
+    parser.add_argument(
+        "--cpu", type=int, default=0, help="the one CPU both runs are pinned to (-1: not pinned)"
+    )
     parser.add_argument("--out", default=None, help="write a markdown result file here")
     args = parser.parse_args(argv)
     rows = []
-    for spec in ("bf16-mixed", "32-true"):
+    for spec in args.specs:
         t = measure(args, spec)
         rows.append(
             f"| {spec} | {t['lightning_ms']:.2f} | {t['mixprec_ms']:.2f} "
@@ -203,9 +214,11 @@ def main(argv: list[str] | None = None) -> int:
         "# Lightning with `MixprecPrecision` vs Lightning's own precision",
         "",
         f"Command: `python benchmarks/lightning_overhead.py --rounds {args.rounds} --steps "
-        f"{args.steps} --width {args.width} --batch {args.batch} --clock {args.clock}`",
-        f"Device: {mixprec.hardware.detect('cpu').describe()}, one torch thread per run; "
-        f"torch {torch.__version__}, pytorch-lightning {pl.__version__}",
+        f"{args.steps} --width {args.width} --batch {args.batch} --clock {args.clock} "
+        f"--specs {' '.join(args.specs)} --cpu {args.cpu}`",
+        f"Device: {mixprec.hardware.detect('cpu').describe()}, one torch thread per run"
+        + (f", both runs pinned to CPU {args.cpu}; " if args.cpu >= 0 else "; ")
+        + f"torch {torch.__version__}, pytorch-lightning {pl.__version__}",
         "",
         "| precision | Lightning `precision=` ms/step | `MixprecPrecision` ms/step | plugin vs "
         "Lightning (range over rounds) | final loss: Lightning / plugin | max loss gap |",
