@@ -30,6 +30,7 @@ from mixprec.integrations.lightning import (  # noqa: E402
 )
 
 AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
+AMX_CPU = DeviceInfo("cpu", "Xeon with AMX", cpu_flags=frozenset({"avx512bw", "amx_bf16"}))
 BATCHES = 4  # batches per epoch
 LR, GAMMA = 0.05, 0.5
 
@@ -319,6 +320,16 @@ def test_a_described_device_is_judged_instead_of_the_host(monkeypatch):
     plugin = MixprecPrecision("bf16-mixed", device_info=AVX2_CPU)
     with pytest.raises(PrecisionError):
         _trainer(plugin, max_steps=1).fit(_model(), _loader())
+
+
+@pytest.mark.parametrize(("info", "picked"), [(AVX2_CPU, "32-true"), (AMX_CPU, "bf16-mixed")])
+def test_auto_is_resolved_on_the_strategys_device(info, picked):
+    plugin = MixprecPrecision("auto")
+    assert plugin.precision == "auto"
+    with hardware.assume(info):
+        trainer = _trainer(plugin, max_steps=1)
+        trainer.fit(_model(), _loader())
+    assert trainer.precision == picked
 
 
 def test_the_precision_flag_and_the_plugin_cannot_be_combined():
