@@ -251,6 +251,25 @@ def test_manual_optimization_skips_the_overflow_and_its_scheduler_step():
     assert model.lr_schedulers().last_epoch == 2
 
 
+class SkipsABatch(Regressor):
+    """Returns None from training_step on batch 1: Lightning skips that batch."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 1 else loss
+
+
+def test_a_batch_whose_training_step_returns_none_is_not_a_step():
+    model, rec = SkipsABatch(), StepRecorder()
+    plugin = MixprecPrecision(
+        "16-mixed", allow_slow=True, scaler=DynamicLossScaler(init_scale=2.0**8)
+    )
+    _trainer(plugin, max_epochs=1, gradient_clip_val=1.0, callbacks=[rec]).fit(model, _loader())
+    stats = plugin.scaler.stats()
+    assert (stats.steps, stats.skipped_steps) == (BATCHES - 1, 0)
+    assert len(rec.before) == BATCHES - 1  # no optimizer-step hooks for the skipped batch
+
+
 # -- checkpoints ----------------------------------------------------------------------------
 
 
