@@ -1,4 +1,6 @@
-"""mixprec inside other trainers: ``mixprec.integrations.lightning`` (a Lightning precision
-plugin and monitor callback) and ``mixprec.integrations.huggingface`` (``transformers.Trainer``
-and ``accelerate``). Each is imported by name and needs its package installed; ``import
-mixprec`` imports none of them."""
+"""mixprec inside other trainers: a Lightning precision plugin (`mixprec.integrations.lightning`)
+and Hugging Face hooks (`mixprec.integrations.huggingface`).
+
+Each integration is imported by name and needs its extra (`mixprec[lightning]`, `mixprec[hf]`);
+importing this package imports none of those libraries.
+"""

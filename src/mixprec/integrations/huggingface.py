@@ -34,7 +34,7 @@ import transformers
 from torch import nn
 
 from mixprec.doctor.monitor import PrecisionMonitor
-from mixprec.optim import LossScaleOptimizer, scheduler_step
+from mixprec.optim import LossScaleOptimizer, SkipAwareScheduler
 from mixprec.precision import Precision
 from mixprec.scaling import LossScaler
 
@@ -169,25 +169,6 @@ def scaled_backward_loss(loss: torch.Tensor, scaler: LossScaler) -> torch.Tensor
     if not scaler.enabled:
         return loss
     return _ScaleGradient.apply(loss, scaler)
-
-
-class SkipAwareScheduler:
-    """A learning-rate scheduler that does not advance when ``optimizer`` (a
-    ``LossScaleOptimizer``) skipped its last step; everything else (``get_last_lr``,
-    ``state_dict``...) is the wrapped scheduler's, so HF checkpoints hold its own state."""
-
-    def __init__(self, scheduler: Any, optimizer: LossScaleOptimizer) -> None:
-        self.scheduler = scheduler
-        self.optimizer = optimizer
-
-    def step(self, *args: Any, **kwargs: Any) -> bool:
-        """Advance unless the optimizer's last step was skipped; returns whether it did."""
-        return scheduler_step(self.scheduler, self.optimizer, *args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "scheduler":  # not set yet (copy, unpickling): no endless lookup
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
 
 
 class MixprecTrainer(transformers.Trainer):
