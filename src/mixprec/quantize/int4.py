@@ -98,6 +98,8 @@ class _Int4Weight(nn.Module):
 class Int4Linear(LoraMixin, _Int4Weight):
     """A Linear with grouped int4 weights, dequantized before each matmul; the bias trains."""
 
+    float_type = nn.Linear
+
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, group_size: int = 128
     ) -> None:
@@ -131,6 +133,8 @@ class Int4Linear(LoraMixin, _Int4Weight):
 
 class Int4Embedding(_Int4Weight):
     """An Embedding with grouped int4 rows; only the rows looked up are dequantized."""
+
+    float_type = nn.Embedding
 
     def __init__(
         self,

@@ -92,6 +92,8 @@ class Int8Linear(LoraMixin, nn.Module):
     floating buffers, so a policy stores them in its param dtype like any weight.
     """
 
+    float_type = nn.Linear
+
     quantization_mode = "int8"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
@@ -140,6 +142,8 @@ class Int8Linear(LoraMixin, nn.Module):
 
 class Int8Embedding(nn.Module):
     """An Embedding with int8 rows (one scale per row): each lookup is dequantized."""
+
+    float_type = nn.Embedding
 
     quantization_mode = "int8"
 
