@@ -298,12 +298,16 @@ def test_a_map_without_quantized_rules_explains_as_before():
     assert e.quantization == {} and "quantized" not in str(e).split("\n")[2]
 
 
-def test_a_float8_rule_skips_embeddings_and_dims_that_are_not_multiples_of_16():
+def test_a_float8_rule_skips_embeddings_odd_dims_and_what_torchao_finds_too_small():
     model = nn.Sequential(nn.Embedding(40, 32), nn.Linear(32, 48), nn.Linear(48, 40))
-    e = mixprec.explain(model, "float8_from_mixed_bfloat16")
+    e = mixprec.explain(model, "float8/rowwise_from_mixed_bfloat16")
     assert e.quantized == ["1"]
     assert e.skipped["0"].startswith("unsupported type Embedding: float8 quantizes Linear")
-    assert e.skipped["2"].startswith("too small for float8 matmuls: 48x40")
+    assert e.skipped["2"].startswith("too small for float8 matmuls: in_features=48, out_")
+    e = mixprec.explain(model, "float8_from_mixed_bfloat16")  # tensorwise
+    assert e.quantized == [] and e.skipped["1"].startswith("too small to gain: in_features=32")
+    wide = nn.Sequential(nn.Linear(16, 2048))
+    assert mixprec.explain(wide, "float8/delayed_from_mixed_bfloat16").quantized == ["0"]
 
 
 def test_multihead_attention_out_proj_is_never_swapped():

@@ -281,15 +281,15 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     state: AppliedState | None = model.__dict__.get(_STATE)
     resolved = pmap.resolve(model)
     _warn_unmatched(pmap, model)
-    to_quantize = {name: r.policy for name, r in resolved.items() if r.quantized}
-    if to_quantize:
-        quantize_modules(model, to_quantize)  # type: ignore[arg-type]
-        resolved = _after_swap(model, resolved)
     if state is None:
         original = _floating_dtypes(model)
     else:
         original = state.original_dtypes
         _strip_regions(model)
+    to_quantize = {name: r.policy for name, r in resolved.items() if r.quantized}
+    if to_quantize:  # on plain forwards: layers with a region are not swapped
+        quantize_modules(model, to_quantize)  # type: ignore[arg-type]
+        resolved = _after_swap(model, resolved)
     owners: dict[int, tuple[str, Any]] = {}
     # under inference_mode the converted tensors would be inference tensors, which can
     # never be trained again: convert as plain tensors whatever the caller's mode
