@@ -29,7 +29,7 @@ from mixprec.quantize import (
 from mixprec.quantize.int4 import dequantize_groups, pack, quantize_groups, unpack
 from mixprec.quantize.int8 import int_matmul, quantize_rows, quantize_tokens
 
-FAST = settings(max_examples=25, deadline=None)
+FAST = settings(max_examples=15, deadline=None)
 
 
 def _weights(rows: int, cols: int, seed: int, spread: float) -> torch.Tensor:
@@ -297,6 +297,16 @@ def test_quantize_reports_skips_and_honours_filters():
     # a policy name carries its options; quantizing again leaves quantized layers alone
     again = mixprec.quantize(model, "int4/16_from_float32")
     assert list(again.quantized) == ["a"] and model["b"].group_size == 16
+
+
+def test_embeddings_with_max_norm_or_sparse_gradients_stay_float():
+    model = nn.ModuleDict(
+        {"a": nn.Embedding(9, 32, max_norm=1.0), "b": nn.Embedding(9, 32, sparse=True)}
+    )
+    result = quantize(model, "int8")
+    assert result.quantized == {} and all(
+        "unsupported option" in r for r in result.skipped.values()
+    )
 
 
 def test_a_layer_at_two_paths_is_swapped_at_both():

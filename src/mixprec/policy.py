@@ -620,7 +620,13 @@ class QuantizedPolicy(Policy):
                 "unsupported type: the output projection of nn.MultiheadAttention, whose "
                 "forward reads its weight directly"
             )
-        if type(module) is nn.Linear or (self._mode != "float8" and type(module) is nn.Embedding):
+        embedding = self._mode != "float8" and type(module) is nn.Embedding
+        if embedding and (module.max_norm is not None or module.sparse):
+            return (
+                "unsupported option: an Embedding with max_norm or sparse=True changes its "
+                "weight or gradient in ways a quantized table cannot"
+            )
+        if type(module) is nn.Linear or embedding:
             features = module.in_features if type(module) is nn.Linear else module.embedding_dim
             if features < MIN_QUANTIZED_FEATURES:
                 return (

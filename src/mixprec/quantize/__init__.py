@@ -225,7 +225,8 @@ def quantize(
     ``(path, module) -> bool`` or a regex ``re.fullmatch``'ed on module paths; layers it
     rejects stay float. Layers too small or of other types stay float too; the result says
     which and why. Tied weights (an embedding and its output head) share one quantized copy.
-    Parameters of swapped layers are new tensors: build the optimizer afterwards.
+    Biases stay the same Parameter objects (an optimizer built before keeps training them);
+    the float weights leave the model.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize needs an nn.Module, got {type(model).__name__}")
@@ -259,8 +260,7 @@ def _float_layer(layer: nn.Module, memo: dict[int, nn.Parameter]) -> nn.Module:
         memo[key] = nn.Parameter(weight.detach().clone())
     if isinstance(layer, (Int8Linear, Int4Linear)):
         out = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
-        if layer.bias is not None:
-            out.bias = nn.Parameter(layer.bias.detach().clone())
+        out.bias = layer.bias
     else:
         out = nn.Embedding(layer.num_embeddings, layer.embedding_dim, layer.padding_idx)
     out.weight = memo[key]

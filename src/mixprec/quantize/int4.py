@@ -117,8 +117,7 @@ class Int4Linear(LoraMixin, _Int4Weight):
         so tied weights share one int4 copy)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size)
         layer._take(quantized or quantize_groups(linear.weight, group_size), linear.weight.dtype)
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.detach().clone(), linear.bias.requires_grad)
+        layer.bias = linear.bias  # the same Parameter: an optimizer holding it keeps working
         return layer.to(linear.weight.device)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -113,8 +113,7 @@ class Int8Linear(LoraMixin, nn.Module):
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
         q, scale = quantized if quantized is not None else quantize_rows(linear.weight)
         layer.qweight, layer.weight_scale = q, scale.to(linear.weight.dtype)
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.detach().clone(), linear.bias.requires_grad)
+        layer.bias = linear.bias  # the same Parameter: an optimizer holding it keeps working
         return layer.to(linear.weight.device)
 
     def dequantized_weight(self) -> Tensor:
