@@ -370,3 +370,25 @@ def test_enabling_lora_twice_is_refused():
     enable_lora(layer, 2)
     with pytest.raises(ValueError, match="already enabled"):
         enable_lora(layer, 2)
+
+
+def test_the_top_level_name_is_the_callable_package():
+    model = nn.Sequential(nn.Linear(32, 32))
+    assert list(mixprec.quantize(model, "int8").quantized) == ["0"]
+    assert mixprec.quantize.dequantize is dequantize and mixprec.quantize.enable_lora is enable_lora
+    assert type(mixprec.quantize.dequantize(model)[0]) is nn.Linear
+
+
+def test_an_optimizer_built_before_precision_setup_keeps_training_the_biases():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = mixprec.Precision("int8_from_float32")
+    model, opt = precision.setup(model, opt)
+    assert type(model[0]) is Int8Linear and type(model[2]) is Int8Linear
+    bias = model[2].bias.detach().clone()
+    with precision.forward_context():
+        loss = F.cross_entropy(model(torch.randn(8, 32)), torch.randint(0, 4, (8,)))
+    loss.backward()
+    opt.step()
+    assert not torch.equal(model[2].bias, bias)
