@@ -314,6 +314,18 @@ def test_a_layer_at_two_paths_is_swapped_at_both():
     model = nn.ModuleDict({"x": shared, "y": nn.Sequential(shared)})
     quantize(model, "int8")
     assert type(model["x"]) is Int8Linear and model["y"][0] is model["x"]
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    mixprec.apply(model, "int4/16_from_float32")
+    assert type(model[0]) is Int4Linear and model[2] is model[0]
+
+
+def test_a_tied_weight_quantized_two_ways_gets_two_copies():
+    model = _model()
+    pmap = mixprec.PolicyMap("32-true", {"0": "int8_from_float32", "5": "int4/16_from_float32"})
+    mixprec.apply(model, pmap)
+    assert type(model[0]) is Int8Embedding and type(model[5]) is Int4Linear
+    assert model[5].group_size == 16 and model[5].qweight.dtype == torch.uint8
 
 
 def test_bfloat16_storage_keeps_int_weights_and_stores_scales_in_bfloat16():

@@ -128,41 +128,40 @@ def _swap(model: nn.Module, new: Mapping[int, nn.Module]) -> None:
 
 
 def _describe(policy: QuantizedPolicy) -> str:
+    if policy.mode == "int4" and policy.group_size == -1:
+        return "int4 (per channel)"
     if policy.mode == "int4":
-        return (
-            f"int4 (groups of {policy.group_size})"
-            if policy.group_size != -1
-            else ("int4 (per channel)")
-        )
+        return f"int4 (groups of {policy.group_size})"
     if policy.mode == "float8":
         return f"float8 ({policy.recipe})"
     return "int8"
 
 
 def _quantized_layer(
-    module: nn.Module, policy: QuantizedPolicy, memo: dict[int, tuple[Tensor, ...]]
+    module: nn.Module, policy: QuantizedPolicy, memo: dict[tuple[Any, ...], tuple[Tensor, ...]]
 ) -> nn.Module:
-    """The int8/int4 layer for `module`; `memo` shares one quantized copy of a tied weight."""
+    """The int8/int4 layer for `module`; `memo` shares one quantized copy of a tied weight
+    quantized the same way."""
     weight = module.weight
+    key = (id(weight), policy.mode, policy.group_size)
+    linear = isinstance(module, nn.Linear)
     if policy.mode == "int8":
-        if id(weight) not in memo:
-            memo[id(weight)] = quantize_rows(weight)
-        cls8 = Int8Linear if isinstance(module, nn.Linear) else Int8Embedding
-        return cls8.from_float(module, memo[id(weight)])
-    key = id(weight)
+        if key not in memo:
+            memo[key] = quantize_rows(weight)
+        return (Int8Linear if linear else Int8Embedding).from_float(module, memo[key])
     if key not in memo:
         memo[key] = quantize_groups(weight, policy.group_size)
-    cls4 = Int4Linear if isinstance(module, nn.Linear) else Int4Embedding
+    cls4 = Int4Linear if linear else Int4Embedding
     return cls4.from_float(module, policy.group_size, memo[key])
 
 
 def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) -> QuantizeResult:
     """Quantize the modules at the given paths, each by its policy (the call `apply` makes
     for quantized rules); modules already quantized in that mode are left as they are."""
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))
     result = QuantizeResult()
     new: dict[int, nn.Module] = {}
-    memo: dict[int, tuple[Tensor, ...]] = {}
+    memo: dict[tuple[Any, ...], tuple[Tensor, ...]] = {}
     float8: dict[QuantizedPolicy, list[str]] = {}
     for path, policy in policies.items():
         module = modules[path]
