@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+import re
 
 import pytest
 import torch
@@ -282,7 +283,7 @@ def test_quantize_reports_skips_and_honours_filters():
             "n": nn.LayerNorm(32),
         }
     )
-    result = quantize(copy.deepcopy(model), "int8", filter=r"a|small")
+    result = quantize(copy.deepcopy(model), "int8", filter=re.compile(r"a|small"))
     assert list(result.quantized) == ["a"]
     assert result.skipped == {
         "b": "excluded by filter",

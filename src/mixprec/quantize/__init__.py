@@ -38,7 +38,7 @@ from mixprec.quantize.int4 import Int4Embedding, Int4Linear, quantize_groups
 from mixprec.quantize.int8 import Int8Embedding, Int8Linear, quantize_rows
 from mixprec.quantize.lora import LoraMixin
 
-Filter = Callable[[str, nn.Module], bool] | str | None
+Filter = Callable[[str, nn.Module], bool] | str | re.Pattern[str] | None
 QUANTIZED_TYPES: tuple[type[nn.Module], ...] = (
     Int8Linear,
     Int8Embedding,
@@ -105,7 +105,7 @@ def _as_policy(
 def _filter_fn(filter: Filter) -> Callable[[str, nn.Module], bool]:
     if filter is None:
         return lambda path, module: True
-    if isinstance(filter, str):
+    if isinstance(filter, (str, re.Pattern)):
         try:
             rx = re.compile(filter)
         except re.error as err:
