@@ -165,6 +165,7 @@ def test_the_top_level_holds_the_daily_names_only():
             "explain",
             "global_policy",
             "policy_scope",
+            "quantize",
             "remove",
             "set_global_policy",
         ]

@@ -14,6 +14,9 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+# the package, which is callable: mixprec.quantize(model, "int8") quantizes in place and
+# mixprec.quantize.dequantize / enable_lora / merge_lora are its other functions
+import mixprec.quantize as quantize
 from mixprec.convert import apply, remove
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
 from mixprec.optim import LossScaleOptimizer
@@ -62,6 +65,7 @@ __all__ = [
     "explain",
     "global_policy",
     "policy_scope",
+    "quantize",
     "remove",
     "set_global_policy",
 ]

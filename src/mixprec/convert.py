@@ -26,7 +26,8 @@ from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import device_of, warn_if_unsupported
 from mixprec.policy import Policy
-from mixprec.policy_map import PolicyMap, as_map
+from mixprec.policy_map import PolicyMap, Resolution, as_map
+from mixprec.quantize import quantize_modules
 from mixprec.tree import map_tensors
 
 _STATE = "_mixprec_state"
@@ -260,9 +261,25 @@ def _floating_dtypes(model: nn.Module) -> dict[tuple[str, str], torch.dtype]:
     }
 
 
+def _after_swap(model: nn.Module, resolved: dict[str, Resolution]) -> dict[str, Resolution]:
+    """Resolutions for the modules after quantized layers replaced float ones: a path keeps
+    its resolution, a path new below a swapped layer takes its nearest ancestor's."""
+    out: dict[str, Resolution] = {}
+    for name, _ in model.named_modules(remove_duplicate=False):
+        up = name
+        while up not in resolved:
+            up = up.rpartition(".")[0]
+        out[name] = resolved[up]
+    return out
+
+
 def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Module:
     """Convert `model` in place to `policy` (a spec, Policy or PolicyMap; None: the global
     policy) and return it. Re-applying replaces the previous policy cleanly.
+
+    Under a quantized policy (or rule) the layers it can quantize are swapped for quantized
+    ones (see `mixprec.quantize`; a one-way change that `remove` keeps) and everything else
+    follows its source float policy.
 
     Warns when the policy is slow or refused on the model's device (`warn=False` for
     callers that already checked it, such as `Precision.setup`), and when a path rule
@@ -279,6 +296,10 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     else:
         original = state.original_dtypes
         _strip_regions(model)
+    to_quantize = {name: r.policy for name, r in resolved.items() if r.quantized}
+    if to_quantize:  # on plain forwards: layers with a region are not swapped
+        quantize_modules(model, to_quantize)  # type: ignore[arg-type]
+        resolved = _after_swap(model, resolved)
     owners: dict[int, tuple[str, Any]] = {}
     # under inference_mode the converted tensors would be inference tensors, which can
     # never be trained again: convert as plain tensors whatever the caller's mode
@@ -299,7 +320,8 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
 
 def remove(model: nn.Module) -> nn.Module:
     """Undo `apply`: plain forwards again and the dtypes the model had before, for every
-    parameter and buffer (non-persistent ones such as a rotary `inv_freq` included)."""
+    parameter and buffer (non-persistent ones such as a rotary `inv_freq` included).
+    Layers a quantized policy swapped stay quantized (`mixprec.quantize.dequantize`)."""
     state: AppliedState | None = model.__dict__.pop(_STATE, None)
     if state is None:
         return model

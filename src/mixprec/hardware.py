@@ -24,7 +24,7 @@ from torch import nn
 
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PrecisionError, SlowPrecisionError
-from mixprec.policy import Policy, is_auto
+from mixprec.policy import Policy, QuantizedPolicy, is_auto
 from mixprec.policy_map import PolicyMap, as_map
 
 
@@ -338,11 +338,37 @@ def dtype_support(dtype: torch.dtype, info: DeviceInfo) -> Support:
     return Support(REFUSED, f"{dtype_name(dtype)} training is not supported on {info.type}")
 
 
+FLOAT8_FAST_ON = "NVIDIA GPUs of compute capability 8.9+ (L4, L40, H100 and newer)"
+
+
+def float8_support(info: DeviceInfo) -> Support:
+    """How well `info`'s device runs float8 matmuls (`torch._scaled_mm`)."""
+    if info.type == "cuda":
+        major, minor = info.capability or (0, 0)
+        if (major, minor) >= (8, 9):
+            return Support(FAST, f"float8 tensor cores (compute capability {major}.{minor})")
+        return Support(
+            SLOW,
+            f"no float8 tensor cores (compute capability {major}.{minor} < 8.9): float8 "
+            "matmuls are emulated, slower than bfloat16",
+        )
+    return Support(
+        SLOW,
+        f"no float8 matmul hardware on {info.type}: emulated (on an AVX2 CPU a float8 matmul "
+        "took ~3.4x a float32 one)",
+    )
+
+
 def policy_support(policy: Any, info: DeviceInfo) -> Support:
-    """The worst support over every dtype a policy (or each policy of a map) uses."""
+    """The worst support over every dtype a policy (or each policy of a map) uses; float8
+    quantized policies also need float8 matmul hardware (int8 and int4 run anywhere)."""
     policies = as_map(policy).policies()
     worst = Support(FAST, "")
     for p in sorted(policies, key=lambda p: p.name):
+        if isinstance(p, QuantizedPolicy) and p.mode == "float8":
+            s = float8_support(info)
+            if s.status.rank > worst.status.rank or not worst.reason:
+                worst = Support(s.status, f"float8: {s.reason}")
         # storage matters only if refused; speed is decided by the compute dtype
         for dtype in dict.fromkeys((p.compute_dtype, p.param_dtype, p.output_dtype)):
             s = dtype_support(dtype, info)
@@ -432,7 +458,11 @@ def check(
         )
     if s.status == SLOW and not (allow_slow or allow_slow_from_env()):
         fast = [n for n, c in support_matrix(info).items() if c.status == FAST]
-        where = fast_on(_slowest_dtype(policy, info))
+        where = (
+            FLOAT8_FAST_ON
+            if s.reason.startswith("float8:")
+            else fast_on(_slowest_dtype(policy, info))
+        )
         raise SlowPrecisionError(
             f"precision {name!r} runs on {info.describe()} but far slower than float32 "
             f"({s.reason}). It is fast on {where}. To run it here anyway (e.g. to study its "

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import PolicySpecError
-from mixprec.policy import Policy, as_policy
+from mixprec.policy import Policy, QuantizedPolicy, as_policy
 
 # What torch's CUDA autocast runs in float32 (layer_norm, group_norm, softmax, ...), made
 # true on every device. BatchNorm is not an island: its kernels take 16-bit inputs with
@@ -53,10 +53,26 @@ RuleKey = str | type
 
 @dataclass(frozen=True)
 class Resolution:
-    """The effective policy of one module and why it applies."""
+    """The effective policy of one module and why it applies; under a quantized policy,
+    whether the module is quantized or, for a layer with parameters, why it is skipped
+    (it then runs in the policy's source float policy)."""
 
     policy: Policy
     source: str
+    quantized: bool = False
+    skipped: str | None = None
+
+
+def _with_quantization(res: Resolution, module: nn.Module) -> Resolution:
+    policy = res.policy
+    if not isinstance(policy, QuantizedPolicy):
+        return res
+    reason = policy.skip_reason(module)
+    if reason is None:
+        return Resolution(policy, res.source, quantized=True)
+    if any(True for _ in module.parameters(recurse=False)):
+        return Resolution(policy, res.source, skipped=reason)
+    return Resolution(policy, res.source)
 
 
 def island_policy(inherited: Policy) -> Policy:
@@ -64,6 +80,12 @@ def island_policy(inherited: Policy) -> Policy:
     return Policy(
         param_dtype=inherited.param_dtype, compute_dtype="float32", output_dtype="float32"
     )
+
+
+def _is_a(module: nn.Module, t: type) -> bool:
+    """isinstance, where a quantized layer also counts as the float type it replaced (its
+    `float_type`), so a type rule keeps matching after `apply` or `quantize` swapped it."""
+    return isinstance(module, t) or issubclass(getattr(module, "float_type", type(None)), t)
 
 
 def _type_name(t: type) -> str:
@@ -133,7 +155,7 @@ class PolicyMap:
             return Resolution(self._paths[name][1], f"path rule {name!r}")
         for rank, hits in (
             ("regex rule", [k for k, (rx, _) in self._paths.items() if rx.fullmatch(name)]),
-            ("type rule", [t for t in self._types if isinstance(module, t)]),
+            ("type rule", [t for t in self._types if _is_a(module, t)]),
         ):
             if len(hits) > 1:
                 shown = ", ".join(repr(h) if isinstance(h, str) else h.__name__ for h in hits)
@@ -181,7 +203,7 @@ class PolicyMap:
     def _resolve_one(self, name: str, module: nn.Module, out: dict[str, Resolution]) -> None:
         ruled = self._ruled(name, module)
         if ruled is not None:
-            out[name] = ruled
+            out[name] = _with_quantization(ruled, module)
             return
         parent = name.rpartition(".")[0] if name else None
         if parent is None:
@@ -192,7 +214,7 @@ class PolicyMap:
         if self.float32_islands and isinstance(module, ISLAND_TYPES) and inherited.policy.is_mixed:
             out[name] = Resolution(island_policy(inherited.policy), "float32 island")
         else:
-            out[name] = inherited
+            out[name] = _with_quantization(inherited, module)
 
     def policies(self) -> set[Policy]:
         """Every policy this map can hand out (default, rules, and islands)."""
@@ -305,14 +327,43 @@ class Explanation(dict):
         super().__init__({name: r.policy for name, r in resolved.items()})
         self.sources = {name: r.source for name, r in resolved.items()}
         self.types = {name: type(m).__name__ for name, m in model.named_modules()}
+        # under a quantized policy: "int8" etc. for a quantized layer, "skipped: why" for a
+        # layer it leaves in its source float policy; layers quantized before, their mode
+        self.quantization: dict[str, str] = {}
+        for name, module in model.named_modules():
+            r = resolved.get(name)
+            if r is not None and r.quantized:
+                self.quantization[name] = r.policy.mode  # type: ignore[attr-defined]
+            elif r is not None and r.skipped:
+                self.quantization[name] = f"skipped: {r.skipped}"
+            elif isinstance(getattr(module, "quantization_mode", None), str):
+                self.quantization[name] = module.quantization_mode
+
+    @property
+    def quantized(self) -> list[str]:
+        """Paths of the layers that are (or will be) quantized."""
+        return [n for n, q in self.quantization.items() if not q.startswith("skipped")]
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Layers a quantized policy leaves in float, with the reason."""
+        return {
+            n: q.removeprefix("skipped: ")
+            for n, q in self.quantization.items()
+            if q.startswith("skipped")
+        }
 
     def __rich__(self) -> Any:
         from rich.table import Table
 
         table = Table(title="effective precision per module")
-        for col in ("module", "type", "policy", "param", "compute", "output", "why"):
+        columns = ["module", "type", "policy", "param", "compute", "output", "why"]
+        if self.quantization:
+            columns.insert(6, "quantized")
+        for col in columns:
             table.add_column(col)
         for name, p in self.items():
+            quantized = [self.quantization.get(name, "")] if self.quantization else []
             table.add_row(
                 name or "<root>",
                 self.types.get(name, ""),
@@ -320,6 +371,7 @@ class Explanation(dict):
                 str(p.param_dtype).removeprefix("torch."),
                 str(p.compute_dtype).removeprefix("torch."),
                 str(p.output_dtype).removeprefix("torch."),
+                *quantized,
                 self.sources[name],
             )
         return table
@@ -333,5 +385,6 @@ class Explanation(dict):
 
 
 def explain(model: nn.Module, policy: Any = None) -> Explanation:
-    """What each layer of `model` will really run in under `policy` (default: global)."""
+    """What each layer of `model` will really run in under `policy` (default: global), and
+    under quantized policies which layers are quantized and which skipped, and why."""
     return Explanation(model, as_map(policy).resolve(model))

@@ -1,0 +1,324 @@
+"""Quantized layers: `quantize(model, mode)` swaps Linear/Embedding layers for int8 or int4
+ones (or Linear for float8 training), in place, as Keras's ``model.quantize`` does.
+
+``mixprec.quantize`` is both this package and the function: ``mixprec.quantize(model,
+"int8")`` calls `quantize`, and ``mixprec.quantize.dequantize(model)`` reaches the rest.
+
+- int8 (`Int8Linear`, `Int8Embedding`): weights per output channel, activations per token at
+  run time, int8 x int8 -> int32 matmuls; the bias trains, the weight does not.
+- int4 (`Int4Linear`, `Int4Embedding`): grouped weights with a zero point, packed two per
+  byte, dequantized before each matmul.
+- float8: `mixprec.quantize.float8.convert_to_float8` (training numerics).
+
+Quantized layers keep their int tensors and scales as buffers, so ``state_dict`` holds them
+and a checkpoint loads into a model quantized the same way without quantizing again.
+`dequantize` gives float layers back; `enable_lora` / `merge_lora` fine-tune them.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+from mixprec.errors import PolicySpecError
+from mixprec.policy import (
+    DEFAULT_AMAX_HISTORY_LENGTH,
+    QUANTIZATION_MODES,
+    Policy,
+    QuantizedPolicy,
+    is_quantized,
+)
+from mixprec.quantize.int4 import Int4Embedding, Int4Linear, quantize_groups
+from mixprec.quantize.int8 import Int8Embedding, Int8Linear, quantize_rows
+from mixprec.quantize.lora import LoraMixin
+
+Filter = Callable[[str, nn.Module], bool] | str | re.Pattern[str] | None
+QUANTIZED_TYPES: tuple[type[nn.Module], ...] = (
+    Int8Linear,
+    Int8Embedding,
+    Int4Linear,
+    Int4Embedding,
+)
+
+__all__ = [
+    "Int4Embedding",
+    "Int4Linear",
+    "Int8Embedding",
+    "Int8Linear",
+    "QuantizeResult",
+    "dequantize",
+    "enable_lora",
+    "merge_lora",
+    "quantize",
+    "weight_bytes",
+]
+
+
+@dataclass
+class QuantizeResult:
+    """What `quantize` did: quantized layers (path -> what they became) and the layers with
+    parameters it left in float (path -> why)."""
+
+    quantized: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"quantized {len(self.quantized)} layer(s)"]
+        lines += [f"  {p}: {what}" for p, what in self.quantized.items()]
+        if self.skipped:
+            lines.append(f"skipped {len(self.skipped)}")
+            lines += [f"  {p or '<root>'}: {why}" for p, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def _as_policy(
+    mode: str | QuantizedPolicy, group_size: int | None, recipe: str | None, history: int | None
+) -> QuantizedPolicy:
+    """The quantized policy a `quantize` call means (its source is irrelevant here)."""
+    if is_quantized(mode):
+        if group_size is not None or recipe is not None or history is not None:
+            raise PolicySpecError(
+                f"{mode!r} names its options already; pass group_size/recipe/"
+                "amax_history_length only with a bare mode ('int8', 'int4', 'float8')"
+            )
+        return mode if isinstance(mode, QuantizedPolicy) else Policy(mode)  # type: ignore[return-value]
+    if not isinstance(mode, str) or mode.strip().lower() not in QUANTIZATION_MODES:
+        raise PolicySpecError(
+            f"unknown quantization mode {mode!r}; modes are {', '.join(QUANTIZATION_MODES)} "
+            "(or a quantized policy such as 'int4/64_from_float32')"
+        )
+    return QuantizedPolicy(
+        mode.strip().lower(),
+        "float32",
+        group_size=group_size,
+        recipe=recipe,
+        amax_history_length=history,
+    )
+
+
+def _filter_fn(filter: Filter) -> Callable[[str, nn.Module], bool]:
+    if filter is None:
+        return lambda path, module: True
+    if isinstance(filter, (str, re.Pattern)):
+        try:
+            rx = re.compile(filter)
+        except re.error as err:
+            raise PolicySpecError(f"filter {filter!r} is not a valid regex: {err}") from None
+        return lambda path, module: rx.fullmatch(path) is not None
+    if callable(filter):
+        return filter
+    raise TypeError(
+        f"filter must be a callable (path, module) -> bool or a regex on module paths, "
+        f"not {type(filter).__name__}"
+    )
+
+
+def _swap(model: nn.Module, new: Mapping[int, nn.Module]) -> None:
+    """Replace every reference to a module whose id is in `new` (at any path)."""
+    for module in list(model.modules()):
+        for name, child in module._modules.items():
+            if child is not None and id(child) in new:
+                module._modules[name] = new[id(child)]
+
+
+def _describe(policy: QuantizedPolicy) -> str:
+    if policy.mode == "int4" and policy.group_size == -1:
+        return "int4 (per channel)"
+    if policy.mode == "int4":
+        return f"int4 (groups of {policy.group_size})"
+    if policy.mode == "float8":
+        return f"float8 ({policy.recipe})"
+    return "int8"
+
+
+def _quantized_layer(
+    module: nn.Module, policy: QuantizedPolicy, memo: dict[tuple[Any, ...], tuple[Tensor, ...]]
+) -> nn.Module:
+    """The int8/int4 layer for `module`; `memo` shares one quantized copy of a tied weight
+    quantized the same way."""
+    weight = module.weight
+    key = (id(weight), policy.mode, policy.group_size)
+    linear = isinstance(module, nn.Linear)
+    if policy.mode == "int8":
+        if key not in memo:
+            memo[key] = quantize_rows(weight)
+        return (Int8Linear if linear else Int8Embedding).from_float(module, memo[key])
+    if key not in memo:
+        memo[key] = quantize_groups(weight, policy.group_size)
+    cls4 = Int4Linear if linear else Int4Embedding
+    return cls4.from_float(module, policy.group_size, memo[key])
+
+
+def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) -> QuantizeResult:
+    """Quantize the modules at the given paths, each by its policy (the call `apply` makes
+    for quantized rules); modules already quantized in that mode are left as they are."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    result = QuantizeResult()
+    new: dict[int, nn.Module] = {}
+    memo: dict[tuple[Any, ...], tuple[Tensor, ...]] = {}
+    float8: dict[QuantizedPolicy, list[str]] = {}
+    for path, policy in policies.items():
+        module = modules[path]
+        reason = policy.skip_reason(module)
+        if reason is not None:
+            result.skipped[path] = reason
+        elif isinstance(getattr(module, "quantization_mode", None), str):
+            continue
+        elif policy.mode == "float8":
+            float8.setdefault(policy, []).append(path)
+        else:
+            if not path:
+                raise ValueError(
+                    f"quantize swaps submodules, and the model itself is a "
+                    f"{type(module).__name__}: wrap it, e.g. nn.Sequential(model)"
+                )
+            if id(module) not in new:
+                new[id(module)] = _quantized_layer(module, policy, memo)
+            result.quantized[path] = _describe(policy)
+    _swap(model, new)
+    for policy, paths in float8.items():
+        _to_float8(model, policy, set(paths), result)
+    return result
+
+
+def _to_float8(
+    model: nn.Module, policy: QuantizedPolicy, paths: set[str], result: QuantizeResult
+) -> None:
+    from mixprec.quantize.float8 import convert_to_float8
+
+    before = dict(model.named_modules())
+    skipped = convert_to_float8(
+        model,
+        recipe=policy.recipe,
+        amax_history_length=policy.amax_history_length or DEFAULT_AMAX_HISTORY_LENGTH,
+        filter=lambda path, module: path in paths,
+    )
+    after = dict(model.named_modules())
+    for path in sorted(paths):
+        if path in skipped:
+            result.skipped[path] = skipped[path]
+        elif after.get(path) is not before[path]:
+            result.quantized[path] = _describe(policy)
+
+
+def quantize(
+    model: nn.Module,
+    mode: str | QuantizedPolicy,
+    *,
+    filter: Filter = None,
+    group_size: int | None = None,
+    recipe: str | None = None,
+    amax_history_length: int | None = None,
+) -> QuantizeResult:
+    """Quantize `model`'s Linear (and, for int8/int4, Embedding) layers in place.
+
+    `mode`: "int8", "int4" (`group_size`, default 128; -1 per channel) or "float8" (`recipe`
+    tensorwise/rowwise/rowwise_with_gw_hp/delayed, `amax_history_length` for delayed), or a
+    quantized policy or its name ("int4/64_from_float32"). `filter`: a callable
+    ``(path, module) -> bool`` or a regex ``re.fullmatch``'ed on module paths; layers it
+    rejects stay float. Layers too small or of other types stay float too; the result says
+    which and why. Tied weights (an embedding and its output head) share one quantized copy.
+    Biases stay the same Parameter objects (an optimizer built before keeps training them);
+    the float weights leave the model.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"quantize needs an nn.Module, got {type(model).__name__}")
+    policy = _as_policy(mode, group_size, recipe, amax_history_length)
+    keep = _filter_fn(filter)
+    chosen: dict[str, QuantizedPolicy] = {}
+    excluded: dict[str, str] = {}
+    for path, module in model.named_modules():
+        own = any(True for _ in module.parameters(recurse=False)) or isinstance(
+            module, QUANTIZED_TYPES
+        )
+        if not own:
+            continue
+        if policy.skip_reason(module) is None and not keep(path, module):
+            excluded[path] = "excluded by filter"
+        else:
+            chosen[path] = policy
+    result = quantize_modules(model, chosen)
+    result.skipped.update(excluded)
+    return result
+
+
+def _float_layer(layer: nn.Module, memo: dict[int, nn.Parameter]) -> nn.Module:
+    """The float Linear/Embedding a quantized layer stands for (adapters folded in)."""
+    key = id(layer.qweight)
+    weight = layer.dequantized_weight()
+    if isinstance(layer, LoraMixin) and layer.lora_rank:
+        delta = (layer.lora_B @ layer.lora_A) * (layer.lora_alpha / layer.lora_rank)
+        weight, key = weight + delta.detach().to(weight.dtype), id(layer)
+    if key not in memo:
+        memo[key] = nn.Parameter(weight.detach().clone())
+    if isinstance(layer, (Int8Linear, Int4Linear)):
+        out = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+        out.bias = layer.bias
+    else:
+        out = nn.Embedding(layer.num_embeddings, layer.embedding_dim, layer.padding_idx)
+    out.weight = memo[key]
+    return out.to(weight.device)
+
+
+def dequantize(model: nn.Module) -> nn.Module:
+    """Swap every int8/int4 layer of `model` back to a float Linear/Embedding holding its
+    dequantized weight (LoRA adapters folded in; tied weights tied again); returns `model`."""
+    memo: dict[int, nn.Parameter] = {}
+    new = {id(m): _float_layer(m, memo) for m in model.modules() if isinstance(m, QUANTIZED_TYPES)}
+    _swap(model, new)
+    return model
+
+
+def _lora_layers(module: nn.Module) -> list[LoraMixin]:
+    return [m for m in module.modules() if isinstance(m, LoraMixin)]
+
+
+def enable_lora(module: nn.Module, rank: int, alpha: float | None = None) -> list[nn.Parameter]:
+    """Add LoRA adapters of `rank` to every int8/int4 Linear in `module` (a layer or a whole
+    model) and return the new trainable parameters (give them to the optimizer). The
+    quantized weights never train; the biases of those layers are frozen too."""
+    layers = _lora_layers(module)
+    if not layers:
+        raise ValueError(
+            f"enable_lora found no int8/int4 Linear in {type(module).__name__}: quantize "
+            "first, e.g. mixprec.quantize(model, 'int8')"
+        )
+    return [p for layer in layers for p in layer.enable_lora(rank, alpha)]
+
+
+def merge_lora(module: nn.Module) -> int:
+    """Fold the adapters of every LoRA-enabled layer of `module` into its weight and quantize
+    it again; returns how many layers were merged."""
+    layers = [m for m in _lora_layers(module) if m.lora_rank]
+    for layer in layers:
+        layer.merge_lora()
+    return len(layers)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of all parameters and buffers of `model`, each storage counted once (tied
+    weights and shared quantized copies count once)."""
+    seen: dict[int, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+class _CallablePackage(types.ModuleType):
+    """Makes ``mixprec.quantize(model, mode)`` call `quantize` while the package's other
+    names stay reachable as ``mixprec.quantize.<name>``."""
+
+    def __call__(
+        self, model: nn.Module, mode: str | QuantizedPolicy, **options: Any
+    ) -> QuantizeResult:
+        return quantize(model, mode, **options)
+
+
+sys.modules[__name__].__class__ = _CallablePackage

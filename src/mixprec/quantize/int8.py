@@ -1,0 +1,178 @@
+"""int8 weights with dynamic int8 activations (W8A8), as Keras's int8 mode.
+
+Weights: one scale per output channel (per row), abs-max, ``q = round(w / scale)`` in
+[-127, 127] with ``scale = max|w_row| / 127``; Keras stores the reciprocal ``127 / max|w|``,
+the values are the same. Activations: one scale per token (row of the flattened input),
+computed from the tensor at run time. The matmul runs on int8 x int8 -> int32
+(`torch._int_mm`) and the int32 sums are dequantized with both scales.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mixprec.quantize.lora import LoraMixin
+
+QMAX = 127
+
+
+def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8: ``(q, scale)`` with ``w ~= q * scale[:, None]``, ``q`` in
+    [-127, 127] and ``|w - q * scale| <= scale / 2``; an all-zero row gets scale 1."""
+    w32 = w.detach().to(torch.float32)
+    amax = w32.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    q = torch.round(w32 / scale).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, scale.squeeze(-1)
+
+
+def int_matmul(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b.T`` for int8 ``a`` [M, K] and ``b`` [N, K], exactly, as int32 [M, N].
+
+    `torch._int_mm` on CPU (any shape) and on CUDA where it can run (M > 16, K and N
+    multiples of 8); elsewhere the same sums in float64, which holds them exactly (each is at
+    most 127 * 127 * K, far below 2**53), cast back to int32.
+    """
+    m, k = a.shape
+    n = b.shape[0]
+    if a.device.type == "cpu" or (a.device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0):
+        return torch._int_mm(a, b.t())
+    return (a.double() @ b.double().t()).to(torch.int32)
+
+
+def quantize_tokens(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-token (per-row of ``x`` flattened to 2-D) int8 quantization of activations."""
+    return quantize_rows(x.reshape(-1, x.shape[-1]))
+
+
+def int8_linear(x: Tensor, qweight: Tensor, weight_scale: Tensor) -> Tensor:
+    """The int8 matmul of `Int8Linear` without bias, as float32 of shape (*x.shape[:-1], N):
+    ``int_matmul(qx, qweight) * x_scale[:, None] * weight_scale[None, :]``."""
+    qx, x_scale = quantize_tokens(x)
+    acc = int_matmul(qx, qweight)
+    out = acc.to(torch.float32) * x_scale[:, None] * weight_scale.to(torch.float32)[None, :]
+    return out.reshape(*x.shape[:-1], qweight.shape[0])
+
+
+class _Int8Matmul(torch.autograd.Function):
+    """Forward: `int8_linear`. Backward: the input gets ``grad @ dequantized weight`` (the
+    activation rounding passes gradients straight through); the int8 weight gets none."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, qweight: Tensor, weight_scale: Tensor) -> Tensor:
+        ctx.save_for_backward(qweight, weight_scale)
+        ctx.x_dtype = x.dtype
+        return int8_linear(x, qweight, weight_scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        qweight, weight_scale = ctx.saved_tensors
+        if not ctx.needs_input_grad[0]:
+            return None, None, None
+        w = qweight.to(torch.float32) * weight_scale.to(torch.float32)[:, None]
+        return (grad.to(torch.float32) @ w).to(ctx.x_dtype), None, None
+
+
+def output_dtype(x: Tensor) -> torch.dtype:
+    """What an nn.Linear would return here: the autocast dtype inside autocast, else x's."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+class Int8Linear(LoraMixin, nn.Module):
+    """A Linear with int8 weights (per output channel) and per-token int8 activations.
+
+    The int8 weight and its scales are buffers (no gradient); the bias trains. Scales are
+    floating buffers, so a policy stores them in its param dtype like any weight.
+    """
+
+    float_type = nn.Linear
+
+    quantization_mode = "int8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones(out_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self._init_lora()
+
+    @classmethod
+    def from_float(
+        cls, linear: nn.Linear, quantized: tuple[Tensor, ...] | None = None
+    ) -> Int8Linear:
+        """Quantize `linear` (or take ``(qweight, weight_scale)`` already made from its
+        weight, so tied weights share one int8 copy)."""
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        q, scale = quantized if quantized is not None else quantize_rows(linear.weight)
+        layer.qweight, layer.weight_scale = q, scale.to(linear.weight.dtype)
+        layer.bias = linear.bias  # the same Parameter: an optimizer holding it keeps working
+        return layer.to(linear.weight.device)
+
+    def dequantized_weight(self) -> Tensor:
+        """``qweight * weight_scale`` in the scales' dtype (LoRA adapters not included)."""
+        return self.qweight.to(self.weight_scale.dtype) * self.weight_scale[:, None]
+
+    def requantize(self, weight: Tensor) -> None:
+        """Replace the int8 weight by the quantization of the float `weight`."""
+        q, scale = quantize_rows(weight)
+        self.qweight, self.weight_scale = q, scale.to(self.weight_scale.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = _Int8Matmul.apply(x, self.qweight, self.weight_scale)
+        if self.bias is not None:
+            out = out + self.bias.to(torch.float32)
+        out = out.to(output_dtype(x))
+        return self.add_lora(x, out)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}{self.lora_repr()}"
+        )
+
+
+class Int8Embedding(nn.Module):
+    """An Embedding with int8 rows (one scale per row): each lookup is dequantized."""
+
+    float_type = nn.Embedding
+
+    quantization_mode = "int8"
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None
+    ) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.padding_idx = padding_idx
+        shape = (num_embeddings, embedding_dim)
+        self.register_buffer("qweight", torch.zeros(shape, dtype=torch.int8))
+        self.register_buffer("weight_scale", torch.ones(num_embeddings))
+
+    @classmethod
+    def from_float(
+        cls, embedding: nn.Embedding, quantized: tuple[Tensor, ...] | None = None
+    ) -> Int8Embedding:
+        """Quantize `embedding` (or take ``(qweight, weight_scale)`` of its weight)."""
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx)
+        q, scale = quantized if quantized is not None else quantize_rows(embedding.weight)
+        layer.qweight, layer.weight_scale = q, scale.to(embedding.weight.dtype)
+        return layer.to(embedding.weight.device)
+
+    def dequantized_weight(self) -> Tensor:
+        """``qweight * weight_scale`` in the scales' dtype."""
+        return self.qweight.to(self.weight_scale.dtype) * self.weight_scale[:, None]
+
+    def forward(self, idx: Tensor) -> Tensor:
+        rows = F.embedding(idx, self.qweight).to(self.weight_scale.dtype)
+        return rows * F.embedding(idx, self.weight_scale[:, None])
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}"

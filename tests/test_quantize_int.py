@@ -1,0 +1,407 @@
+"""int8 and int4 quantized layers: error bounds, the exact integer matmul, state_dict
+round trips, dequantize, LoRA, and `quantize`'s choices and errors."""
+
+from __future__ import annotations
+
+import copy
+import io
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import mixprec
+from mixprec.errors import PolicySpecError
+from mixprec.quantize import (
+    Int4Embedding,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    dequantize,
+    enable_lora,
+    merge_lora,
+    quantize,
+    weight_bytes,
+)
+from mixprec.quantize.int4 import dequantize_groups, pack, quantize_groups, unpack
+from mixprec.quantize.int8 import int_matmul, quantize_rows, quantize_tokens
+
+FAST = settings(max_examples=15, deadline=None)
+
+
+def _weights(rows: int, cols: int, seed: int, spread: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * torch.logspace(-spread, spread, rows)[:, None]
+    w[0] = 0.0  # an all-zero channel
+    return w
+
+
+@FAST
+@given(st.integers(1, 9), st.integers(1, 40), st.integers(0, 99), st.floats(0, 3))
+def test_int8_rows_are_within_half_a_step_of_the_weight(rows, cols, seed, spread):
+    w = _weights(rows, cols, seed, spread)
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and scale.shape == (rows,)
+    assert q.abs().max() <= 127
+    err = (w - q.float() * scale[:, None]).abs()
+    assert (err <= scale[:, None] / 2 * (1 + 1e-6)).all()
+    amax = w.abs().amax(dim=1)
+    nonzero = amax > 0
+    # the largest weight of each channel lands on +-127, and the step is max|w| / 127
+    assert (q.abs().amax(dim=1)[nonzero] == 127).all()
+    torch.testing.assert_close(scale[nonzero], amax[nonzero] / 127, rtol=0, atol=0)
+    assert scale[0] == 1 and (q[0] == 0).all()
+
+
+@FAST
+@given(st.integers(1, 20), st.integers(1, 70), st.integers(1, 20), st.integers(0, 99))
+def test_int_matmul_is_the_exact_integer_product(m, k, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    out = int_matmul(a, b)
+    assert out.dtype == torch.int32 and torch.equal(out, (a.long() @ b.long().t()).int())
+
+
+def test_int8_linear_equals_a_float_reference_of_the_same_integer_math():
+    torch.manual_seed(0)
+    lin = nn.Linear(24, 10)
+    layer = Int8Linear.from_float(lin)
+    x = torch.randn(2, 3, 24) * torch.tensor([1.0, 1e-3, 50.0])[None, :, None]
+    qx = torch.round(x.reshape(6, 24) / (x.reshape(6, 24).abs().amax(1, keepdim=True) / 127))
+    qw, ws = quantize_rows(lin.weight)
+    assert torch.equal(layer.qweight, qw) and torch.equal(layer.weight_scale, ws)
+    acc = qx.double() @ qw.double().t()  # exact in float64
+    xs = x.reshape(6, 24).abs().amax(1) / 127
+    ref = (acc.float() * xs[:, None] * ws[None, :] + lin.bias.float()).reshape(2, 3, 10)
+    assert torch.equal(quantize_tokens(x)[0].float(), qx)
+    assert torch.equal(layer(x), ref)
+    # and it stays close to the float layer it came from
+    torch.testing.assert_close(layer(x), lin(x), rtol=0.05, atol=0.05 * lin(x).abs().max().item())
+
+
+def test_int8_weight_gets_no_gradient_bias_and_input_do():
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(nn.Linear(16, 4))
+    x = torch.randn(5, 16, requires_grad=True)
+    grad = torch.randn(5, 4)
+    layer(x).backward(grad)
+    assert [n for n, p in layer.named_parameters()] == ["bias"]
+    assert torch.equal(layer.bias.grad, grad.sum(0))
+    # straight through the activation rounding: d(x W^T)/dx with the dequantized weight
+    torch.testing.assert_close(x.grad, grad @ layer.dequantized_weight())
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(40, 32),
+        nn.Linear(32, 48),
+        nn.GELU(),
+        nn.LayerNorm(48),
+        nn.Linear(48, 32),
+        nn.Linear(32, 40, bias=False),
+    )
+    model[5].weight = model[0].weight  # tied output head
+    return model
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_state_dict_reloads_bit_identical_without_quantizing_again(mode):
+    model = _model()
+    result = quantize(model, mode)
+    assert sorted(result.quantized) == ["0", "1", "4", "5"]
+    x = torch.randint(0, 40, (3, 7))
+    y = model(x)
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    # a freshly initialised model quantized the same way takes the checkpoint as it is
+    torch.manual_seed(1)
+    other = _model()
+    for p in other.parameters():
+        nn.init.normal_(p)
+    quantize(other, mode)
+    assert not torch.equal(other(x), y)
+    other.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    assert torch.equal(other(x), y)
+    ints = {k: v.dtype for k, v in model.state_dict().items() if k.endswith("qweight")}
+    assert set(ints.values()) == {torch.int8 if mode == "int8" else torch.uint8}
+
+
+@pytest.mark.parametrize("mode, ratio", [("int8", 3.0), ("int4", 5.0)])
+def test_tied_weights_share_one_quantized_copy(mode, ratio):
+    model = _model()
+    before = weight_bytes(model)
+    quantize(model, mode)
+    assert model[0].qweight is model[5].qweight
+    assert before / weight_bytes(model) > ratio
+
+
+@FAST
+@given(st.integers(1, 5), st.integers(1, 33), st.integers(0, 99))
+def test_int4_packing_round_trips(rows, count, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (rows, count), generator=g, dtype=torch.uint8)
+    packed = pack(q)
+    assert packed.shape == (rows, (count + 1) // 2) and packed.dtype == torch.uint8
+    assert torch.equal(unpack(packed, count), q)
+    assert torch.equal(packed[:, 0] & 0x0F, q[:, 0])  # low nibble first
+
+
+@FAST
+@given(
+    st.integers(1, 6),
+    st.integers(1, 50),
+    st.sampled_from([-1, 2, 7, 16, 128]),
+    st.integers(0, 99),
+    st.floats(0, 3),
+)
+def test_int4_groups_are_within_half_a_step(rows, cols, group, seed, spread):
+    w = _weights(rows, cols, seed, spread)
+    if seed % 2:
+        w = w.abs()  # a one-signed weight: the grid still holds zero exactly
+    packed, scale, zero = quantize_groups(w, group)
+    size = cols if group == -1 else min(group, cols)
+    n = -(-cols // size)
+    assert scale.shape == zero.shape == (rows, n) and zero.max() <= 15
+    deq = dequantize_groups(packed, scale, zero, cols, group)
+    assert deq.shape == w.shape
+    step = scale.repeat_interleave(size, dim=1)[:, :cols]
+    assert ((w - deq).abs() <= step / 2 * (1 + 1e-5) + 1e-12).all()
+    assert (deq[w == 0] == 0).all()
+
+
+def test_int4_linear_is_the_float_matmul_of_its_dequantized_weight():
+    torch.manual_seed(0)
+    lin = nn.Linear(40, 6)
+    layer = Int4Linear.from_float(lin, group_size=16)
+    assert layer.weight_scale.shape == (6, 3) and layer.qweight.shape == (6, 24)
+    x = torch.randn(4, 40)
+    assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight(), lin.bias))
+    torch.testing.assert_close(layer(x), lin(x), rtol=0.1, atol=0.1)
+
+
+def test_int4_embedding_dequantizes_only_the_rows_looked_up():
+    torch.manual_seed(0)
+    emb = nn.Embedding(30, 20)
+    layer = Int4Embedding.from_float(emb, group_size=8)
+    idx = torch.tensor([[3, 0, 29], [7, 7, 1]])
+    assert torch.equal(layer(idx), F.embedding(idx, layer.dequantized_weight()))
+    layer8 = Int8Embedding.from_float(emb)
+    assert torch.equal(layer8(idx), F.embedding(idx, layer8.dequantized_weight()))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_dequantize_gives_float_layers_back_tied_again(mode):
+    model = _model()
+    quantize(model, mode)
+    weight = model[1].dequantized_weight()
+    x = torch.randint(0, 40, (2, 5))
+    y = model(x)
+    dequantize(model)
+    assert [type(m) for m in model] == [
+        nn.Embedding,
+        nn.Linear,
+        nn.GELU,
+        nn.LayerNorm,
+        nn.Linear,
+        nn.Linear,
+    ]
+    assert torch.equal(model[1].weight, weight) and model[5].weight is model[0].weight
+    if mode == "int4":  # weight-only: the float layers compute exactly the same
+        assert torch.equal(model(x), y)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_lora_trains_only_the_adapters_and_merges_into_the_same_outputs(mode):
+    model = _model()
+    quantize(model, mode)
+    frozen = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randint(0, 40, (4, 6))
+    y0 = model(x)
+    params = enable_lora(model, rank=4, alpha=8)
+    assert len(params) == 3 * 2  # three Linear layers (embeddings get none)
+    assert torch.equal(model(x), y0)  # B starts at zero
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        f"{i}.lora_{ab}" for i in (1, 4, 5) for ab in "AB"
+    } | {"3.weight", "3.bias"}
+    opt = torch.optim.SGD(params, lr=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in frozen.items())
+    y1 = model(x)
+    assert not torch.allclose(y1, y0)
+    layers = [model[i] for i in (1, 4, 5)]
+    with torch.no_grad():
+        merged = [
+            m.dequantized_weight() + m.lora_B @ m.lora_A * (m.lora_alpha / m.lora_rank)
+            for m in layers
+        ]
+    assert merge_lora(model) == 3
+    assert not any("lora" in n for n, _ in model.named_parameters())
+    for m, w in zip(layers, merged, strict=True):  # merged = the adapted weight, quantized
+        if mode == "int8":
+            q, scale = quantize_rows(w)
+            expected = q.float() * scale[:, None]
+        else:
+            expected = dequantize_groups(*quantize_groups(w, 128), w.shape[1], 128)
+        assert torch.equal(m.dequantized_weight(), expected)
+    # outputs move by the re-quantization only: a few % of the output range (int4's 16
+    # levels per channel of these N(0, 1) weights move it most)
+    tolerance = {"int8": 0.03, "int4": 0.15}[mode] * y1.abs().max().item()
+    torch.testing.assert_close(model(x), y1, rtol=0, atol=tolerance)
+    assert model[1].bias.requires_grad
+
+
+def test_lora_state_dict_round_trips():
+    model = _model()
+    quantize(model, "int8")
+    enable_lora(model[1], rank=2)
+    with torch.no_grad():
+        model[1].lora_B.normal_()
+    x = torch.randint(0, 40, (2, 3))
+    other = _model()
+    quantize(other, "int8")
+    enable_lora(other[1], rank=2)
+    other.load_state_dict(model.state_dict())
+    assert torch.equal(other(x), model(x))
+
+
+def test_quantize_reports_skips_and_honours_filters():
+    model = nn.ModuleDict(
+        {
+            "a": nn.Linear(32, 32),
+            "b": nn.Linear(32, 32),
+            "small": nn.Linear(4, 32),
+            "n": nn.LayerNorm(32),
+        }
+    )
+    result = quantize(copy.deepcopy(model), "int8", filter=re.compile(r"a|small"))
+    assert list(result.quantized) == ["a"]
+    assert result.skipped == {
+        "b": "excluded by filter",
+        "small": "too small: 4 input features (fewer than 16 save little and lose the most "
+        "accuracy)",
+        "n": "unsupported type LayerNorm: int8 quantizes Linear and Embedding",
+    }
+    result = quantize(model, "int4", filter=lambda path, m: path != "a", group_size=16)
+    assert list(result.quantized) == ["b"] and result.quantized["b"] == "int4 (groups of 16)"
+    assert type(model["a"]) is nn.Linear and model["b"].group_size == 16
+    assert "quantized 1 layer(s)" in str(result) and "excluded by filter" in str(result)
+    # a policy name carries its options; quantizing again leaves quantized layers alone
+    again = mixprec.quantize(model, "int4/16_from_float32")
+    assert list(again.quantized) == ["a"] and model["b"].group_size == 16
+
+
+def test_embeddings_with_max_norm_or_sparse_gradients_stay_float():
+    model = nn.ModuleDict(
+        {"a": nn.Embedding(9, 32, max_norm=1.0), "b": nn.Embedding(9, 32, sparse=True)}
+    )
+    result = quantize(model, "int8")
+    assert result.quantized == {} and all(
+        "unsupported option" in r for r in result.skipped.values()
+    )
+
+
+def test_a_layer_at_two_paths_is_swapped_at_both():
+    shared = nn.Linear(32, 32)
+    model = nn.ModuleDict({"x": shared, "y": nn.Sequential(shared)})
+    quantize(model, "int8")
+    assert type(model["x"]) is Int8Linear and model["y"][0] is model["x"]
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    mixprec.apply(model, "int4/16_from_float32")
+    assert type(model[0]) is Int4Linear and model[2] is model[0]
+
+
+def test_a_tied_weight_quantized_two_ways_gets_two_copies():
+    model = _model()
+    pmap = mixprec.PolicyMap("32-true", {"0": "int8_from_float32", "5": "int4/16_from_float32"})
+    mixprec.apply(model, pmap)
+    assert type(model[0]) is Int8Embedding and type(model[5]) is Int4Linear
+    assert model[5].group_size == 16 and model[5].qweight.dtype == torch.uint8
+
+
+def test_bfloat16_storage_keeps_int_weights_and_stores_scales_in_bfloat16():
+    model = nn.Sequential(nn.Linear(32, 32))
+    mixprec.apply(model, "int8_from_bfloat16", warn=False)
+    layer = model[0]
+    assert layer.qweight.dtype == torch.int8 and layer.weight_scale.dtype == torch.bfloat16
+    assert model(torch.randn(2, 32)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (
+            lambda: quantize(nn.Sequential(), "int2"),
+            PolicySpecError,
+            "modes are int8, int4, float8",
+        ),
+        (lambda: quantize(nn.Sequential(), "int8", group_size=64), PolicySpecError, "int4 option"),
+        (lambda: quantize(nn.Sequential(), "int4", group_size=0), PolicySpecError, "group size 0"),
+        (
+            lambda: quantize(nn.Sequential(), "int4/64_from_float32", group_size=32),
+            PolicySpecError,
+            "names its options already",
+        ),
+        (
+            lambda: quantize(nn.Sequential(), "int8", filter=3),
+            TypeError,
+            "filter must be a callable",
+        ),
+        (
+            lambda: quantize(nn.Sequential(), "int8", filter="("),
+            PolicySpecError,
+            "not a valid regex",
+        ),
+        (lambda: quantize(nn.Linear(32, 32), "int8"), ValueError, r"nn.Sequential\(model\)"),
+        (lambda: quantize("model", "int8"), TypeError, "needs an nn.Module"),
+        (lambda: enable_lora(nn.Linear(32, 4), 2), ValueError, "quantize first"),
+        (
+            lambda: enable_lora(Int8Linear.from_float(nn.Linear(32, 4)), 0),
+            ValueError,
+            "positive int",
+        ),
+        (lambda: Int4Linear(32, 4).merge_lora(), ValueError, "not enabled"),
+    ],
+)
+def test_bad_input_errors(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_enabling_lora_twice_is_refused():
+    layer = Int4Linear.from_float(nn.Linear(32, 4), group_size=16)
+    enable_lora(layer, 2)
+    with pytest.raises(ValueError, match="already enabled"):
+        enable_lora(layer, 2)
+
+
+def test_the_top_level_name_is_the_callable_package():
+    model = nn.Sequential(nn.Linear(32, 32))
+    assert list(mixprec.quantize(model, "int8").quantized) == ["0"]
+    assert mixprec.quantize.dequantize is dequantize and mixprec.quantize.enable_lora is enable_lora
+    assert type(mixprec.quantize.dequantize(model)[0]) is nn.Linear
+
+
+def test_an_optimizer_built_before_precision_setup_keeps_training_the_biases():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = mixprec.Precision("int8_from_float32")
+    model, opt = precision.setup(model, opt)
+    assert type(model[0]) is Int8Linear and type(model[2]) is Int8Linear
+    bias = model[2].bias.detach().clone()
+    with precision.forward_context():
+        loss = F.cross_entropy(model(torch.randn(8, 32)), torch.randint(0, 4, (8,)))
+    loss.backward()
+    opt.step()
+    assert not torch.equal(model[2].bias, bias)
