@@ -1,0 +1,1 @@
+"""Quantized modules: float8 training numerics (the package API is assembled at merge)."""
