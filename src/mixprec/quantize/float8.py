@@ -367,7 +367,9 @@ class Float8Linear(nn.Linear):
         return out
 
     def extra_repr(self) -> str:
-        extra = f", amax_history_length={self.amax_history_length}" if self.recipe == "delayed" else ""
+        extra = (
+            f", amax_history_length={self.amax_history_length}" if self.recipe == "delayed" else ""
+        )
         return f"{super().extra_repr()}, recipe={self.recipe!r}{extra}"
 
 
@@ -380,7 +382,9 @@ def _carry_hooks(source: nn.Module, target: nn.Module) -> None:
 # --- whole models ----------------------------------------------------------------------------
 
 
-def skip_reason(linear: nn.Module, recipe: str = "tensorwise", *, skip_small: bool = True) -> str | None:
+def skip_reason(
+    linear: nn.Module, recipe: str = "tensorwise", *, skip_small: bool = True
+) -> str | None:
     """Why `convert_to_float8` leaves this module alone, or None if it converts it.
 
     Only plain `nn.Linear` converts (a subclass may have a forward of its own, such as
