@@ -279,7 +279,9 @@ class Float8Linear(nn.Linear):
     Delayed scaling records each tensor's amax once per forward (and backward) in training
     mode with gradients enabled, newest first; the next step's scale comes from the
     history's max. Unlike Keras (scales start at 1.0 and lag two steps), the first step
-    scales dynamically and later steps use every amax up to the previous step.
+    scales dynamically and later steps use every amax up to the previous step. Under DDP
+    (buffers broadcast from rank 0 before each forward) every rank quantizes with rank 0's
+    scales.
 
     `emulate=True` forces the float32 emulation even where a real float8 matmul could run.
     """
@@ -467,6 +469,7 @@ def convert_to_float8(
     the path. `skip_small` applies torchao's size rule (see `skip_reason`); pass False for
     small layers. Parameters are shared with the new modules, so an optimizer built before
     keeps working. Convert before `mixprec.apply` (a Linear with a region is skipped).
+    `emulate=True` makes the new modules emulate float8 even where real kernels run.
     """
     check_recipe(recipe)
     check_history_length(amax_history_length)
