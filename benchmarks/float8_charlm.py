@@ -3,8 +3,9 @@
 For each float precision P given, two runs with the same seed, data order and steps: P
 itself, and "float8 from P" (every Linear of the blocks swapped for a tensorwise
 `Float8Linear`; the output head, tied to the embedding, stays in P: the logits layer is the
-one most often kept out of float8). The model is far below torchao's size rule, so `skip_small=False`:
-this measures float8's numerics, not its speed (on a CPU it is emulated and slower).
+one most often kept out of float8). The model is far below torchao's size rule, so
+`skip_small=False`: this measures float8's numerics, not its speed (on a CPU it is emulated
+and slower).
 
     PYTHONPATH=src python benchmarks/float8_charlm.py --width 64 --steps 150 --batch-size 16 \\
         --val-batches 10 --precisions 32-true,bf16-mixed
