@@ -21,21 +21,29 @@ from mixprec.hardware import detect
 from mixprec.quantize.float8 import RECIPES, Float8Linear
 
 
-def step_ms(module: nn.Module, x: torch.Tensor, reps: int, autocast: bool) -> float:
-    """Median milliseconds of forward + backward."""
-    times = []
+def one_step_ms(module: nn.Module, x: torch.Tensor, autocast: bool) -> float:
+    """Milliseconds of one forward + backward."""
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
+        out = module(x)
+    out.float().sum().backward()
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return 1000 * (time.perf_counter() - start)
+
+
+def interleaved_ms(modules: dict[str, nn.Module], x, reps: int, autocast: bool) -> dict[str, float]:
+    """Median step time of each module, the modules taking turns step by step (so a busy
+    neighbour on a shared host slows all of them alike), after two warm-up rounds."""
+    times: dict[str, list[float]] = {name: [] for name in modules}
     for i in range(reps + 2):
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
-            out = module(x)
-        out.float().sum().backward()
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        if i >= 2:  # two warm-up steps
-            times.append(1000 * (time.perf_counter() - start))
-    return statistics.median(times)
+        for name, module in modules.items():
+            ms = one_step_ms(module, x, autocast)
+            if i >= 2:
+                times[name].append(ms)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -56,15 +64,14 @@ def main() -> None:
     )
     print(
         f"Linear({args.features}, {args.features}) on {args.tokens} tokens, fwd+bwd, "
-        f"median of {args.reps}{', bf16 autocast' if args.bf16_autocast else ''}"
+        f"median of {args.reps}, taking turns{', bf16 autocast' if args.bf16_autocast else ''}"
     )
     print("| layer | ms/step | vs float32 Linear |\n|---|---|---|")
-    base = step_ms(linear, x, args.reps, args.bf16_autocast)
-    print(f"| nn.Linear | {base:.1f} | 1.00x |")
-    for recipe in RECIPES:
-        module = Float8Linear.from_float(linear, recipe)
-        ms = step_ms(module, x, args.reps, args.bf16_autocast)
-        print(f"| Float8Linear {recipe} | {ms:.1f} | {ms / base:.2f}x |")
+    modules = {"nn.Linear": linear}
+    modules.update({f"Float8Linear {r}": Float8Linear.from_float(linear, r) for r in RECIPES})
+    times = interleaved_ms(modules, x, args.reps, args.bf16_autocast)
+    for name, ms in times.items():
+        print(f"| {name} | {ms:.1f} | {ms / times['nn.Linear']:.2f}x |")
 
 
 if __name__ == "__main__":
