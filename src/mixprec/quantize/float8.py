@@ -110,12 +110,6 @@ def to_float8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     return (x.float() * scale).clamp(-limit, limit).to(fp8_dtype)
 
 
-def dequantize(x8: Tensor, scale: Tensor) -> Tensor:
-    """float32 values of a float8 tensor quantized with `scale` (multiplies by 1 / scale, the
-    factor `torch._scaled_mm` takes)."""
-    return x8.float() * scale.reciprocal()
-
-
 def real_scaled_mm_supported(a8: Tensor, b8: Tensor, out_dtype: torch.dtype, rowwise: bool) -> bool:
     """Whether ``a8 @ b8`` can run as a real float8 `torch._scaled_mm` on its device: CUDA of
     compute capability 8.9+, reduced and output dims multiples of 16, and for per-row scales
