@@ -19,10 +19,10 @@ Recipes (the facts come from torchao's and Keras's float8 training):
 
 Matmuls run through `torch._scaled_mm` on CUDA devices of compute capability 8.9+ where the
 shapes allow it (reduced and output dims multiples of 16; rowwise also needs a bfloat16
-output). Everywhere else they are emulated: dequantize to float32, float32 matmul, round to
-the output dtype. torch's CPU `_scaled_mm` computes the same thing (bit-identical at
-tile-friendly shapes, within one float32 ulp at odd ones) at the same speed, so the explicit
-form is used: plain torch ops that compile and run on any device.
+output and an SM 8.9/9.0 GPU). Everywhere else they are emulated: dequantize to float32,
+float32 matmul, round to the output dtype. torch's CPU `_scaled_mm` computes the same thing
+(bit-identical at tile-friendly shapes, within one float32 ulp at odd ones) at the same
+speed, so the explicit form is used: plain torch ops that compile and run on any device.
 """
 
 from __future__ import annotations
@@ -112,13 +112,15 @@ def to_float8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
 
 def real_scaled_mm_supported(a8: Tensor, b8: Tensor, out_dtype: torch.dtype, rowwise: bool) -> bool:
     """Whether ``a8 @ b8`` can run as a real float8 `torch._scaled_mm` on its device: CUDA of
-    compute capability 8.9+, reduced and output dims multiples of 16, and for per-row scales
-    a bfloat16 output."""
-    if not a8.is_cuda or torch.cuda.get_device_capability(a8.device) < (8, 9):
+    compute capability 8.9+, reduced and output dims multiples of 16; per-row scales also
+    need a bfloat16 output and an Ada or Hopper GPU (8.9 or 9.0: torch's row-wise kernels
+    are arch-specific, and newer GPUs gained them release by release)."""
+    if not a8.is_cuda:
         return False
-    if a8.shape[1] % 16 or b8.shape[1] % 16:
+    capability = torch.cuda.get_device_capability(a8.device)
+    if capability < (8, 9) or a8.shape[1] % 16 or b8.shape[1] % 16:
         return False
-    return not rowwise or out_dtype == torch.bfloat16
+    return not rowwise or (out_dtype == torch.bfloat16 and capability in ((8, 9), (9, 0)))
 
 
 def scaled_matmul(
