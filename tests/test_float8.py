@@ -335,6 +335,7 @@ def test_from_float_shares_parameters_and_keeps_state_dict_keys():
     back = module.to_float()
     assert type(back) is nn.Linear and back.weight is linear.weight
     assert "recipe='tensorwise'" in repr(module)
+    assert module.quantization_mode == "float8"  # as mixprec.quantize's layers name their mode
 
 
 def test_from_float_keeps_the_storage_dtype():

@@ -282,6 +282,9 @@ class Float8Linear(nn.Linear):
     `emulate=True` forces the float32 emulation even where a real float8 matmul could run.
     """
 
+    # what the quantized layers of `mixprec.quantize` say they are (explain, quantize)
+    quantization_mode = "float8"
+
     def __init__(
         self,
         in_features: int,
