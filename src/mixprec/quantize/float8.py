@@ -1,0 +1,514 @@
+"""Float8 training for Linear layers: e4m3 forward tensors, e5m2 output gradients (issue 12).
+
+`Float8Linear` quantizes a Linear's input and weight to float8 before its matmul, and the
+output gradient before the two backward matmuls, each with a scale that puts the tensor's
+largest magnitude (amax) on the format's max:
+
+    scale = finfo(fp8).max / max(amax, 1e-12)      quantize: clamp(x * scale, +-max).to(fp8)
+                                                   dequantize: float32(x8) * (1 / scale)
+
+Recipes (the facts come from torchao's and Keras's float8 training):
+
+- ``"tensorwise"`` (default): one scale per tensor from its current amax; e4m3 forward,
+  e5m2 output gradients.
+- ``"rowwise"``: e4m3 everywhere (output gradients included), power-of-2 scales, one per row
+  of a matmul's left operand and per column of its right operand along the reduced dimension.
+- ``"rowwise_with_gw_hp"``: rowwise, but grad_weight = g^T @ x stays in the compute dtype.
+- ``"delayed"`` (Keras's scheme): tensorwise, but each tensor's scale comes from the max of a
+  rolling history of its amaxes (buffers, so they checkpoint). See `Float8Linear`.
+
+Matmuls run through `torch._scaled_mm` on CUDA devices of compute capability 8.9+ where the
+shapes allow it (reduced and output dims multiples of 16; rowwise also needs a bfloat16
+output and an SM 8.9/9.0 GPU). Everywhere else they are emulated: dequantize to float32,
+float32 matmul, round to the output dtype. torch's CPU `_scaled_mm` computes the same thing
+(bit-identical at tile-friendly shapes, within one float32 ulp at odd ones) at the same
+speed, so the explicit form is used: plain torch ops that compile and run on any device.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.errors import PolicySpecError
+
+E4M3: torch.dtype = torch.float8_e4m3fn
+E5M2: torch.dtype = torch.float8_e5m2
+AMAX_FLOOR = 1e-12
+RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
+DEFAULT_AMAX_HISTORY = 1024
+# torchao's rule: below this size a tensorwise float8 matmul does not win back its casts.
+SMALL_IN_FEATURES, SMALL_OUT_FEATURES = 4096, 1024
+_ROWWISE = ("rowwise", "rowwise_with_gw_hp")
+# Delayed-scaling buffers, Keras's six variables per Dense: a scale and an amax history for
+# the input, the weight and the output gradient.
+DELAYED_BUFFERS: tuple[str, ...] = (
+    "input_scale",
+    "input_amax_history",
+    "weight_scale",
+    "weight_amax_history",
+    "grad_output_scale",
+    "grad_output_amax_history",
+)
+
+Filter = Callable[[str, nn.Module], bool] | str | re.Pattern[str] | None
+
+
+def check_recipe(recipe: str) -> str:
+    """The recipe name, or PolicySpecError listing the accepted ones."""
+    if recipe not in RECIPES:
+        raise PolicySpecError(
+            f"unknown float8 recipe {recipe!r}; accepted: {', '.join(repr(r) for r in RECIPES)}"
+        )
+    return recipe
+
+
+def check_history_length(length: int) -> int:
+    """A positive int amax history length, or PolicySpecError."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise PolicySpecError(
+            f"amax_history_length must be a positive int (Keras's default is "
+            f"{DEFAULT_AMAX_HISTORY}), got {length!r}"
+        )
+    return length
+
+
+# --- scales, casts and matmuls ------------------------------------------------------------
+
+
+def amax_to_scale(amax: Tensor, fp8_dtype: torch.dtype, *, power_of_2: bool = False) -> Tensor:
+    """float32 ``finfo(fp8).max / max(amax, 1e-12)``, rounded down to a power of 2 if asked.
+
+    The floor keeps an all-zero tensor finite (it quantizes to zeros); a NaN amax gives a NaN
+    scale and an infinite one a zero scale, so a non-finite tensor stays non-finite after the
+    round trip and a loss scaler still sees the overflow.
+    """
+    scale = torch.finfo(fp8_dtype).max / amax.float().clamp(min=AMAX_FLOOR)
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def tensor_scale(x: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """One scale (a 0-dim float32 tensor) for the whole tensor, from its current amax."""
+    return amax_to_scale(x.detach().abs().amax(), fp8_dtype)
+
+
+def axis_scale(x: Tensor, fp8_dtype: torch.dtype, dim: int) -> Tensor:
+    """Power-of-2 scales along `dim` of a 2-D tensor (kept as a size-1 dim): ``dim=-1`` gives
+    one per row, ``dim=0`` one per column."""
+    return amax_to_scale(x.detach().abs().amax(dim=dim, keepdim=True), fp8_dtype, power_of_2=True)
+
+
+def to_float8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """``x * scale`` in float32, saturated to the format's range, cast to `fp8_dtype`."""
+    limit = torch.finfo(fp8_dtype).max
+    return (x.float() * scale).clamp(-limit, limit).to(fp8_dtype)
+
+
+def real_scaled_mm_supported(a8: Tensor, b8: Tensor, out_dtype: torch.dtype, rowwise: bool) -> bool:
+    """Whether ``a8 @ b8`` can run as a real float8 `torch._scaled_mm` on its device: CUDA of
+    compute capability 8.9+, reduced and output dims multiples of 16; per-row scales also
+    need a bfloat16 output and an Ada or Hopper GPU (8.9 or 9.0: torch's row-wise kernels
+    are arch-specific, and newer GPUs gained them release by release)."""
+    if not a8.is_cuda:
+        return False
+    capability = torch.cuda.get_device_capability(a8.device)
+    if capability < (8, 9) or a8.shape[1] % 16 or b8.shape[1] % 16:
+        return False
+    return not rowwise or (out_dtype == torch.bfloat16 and capability in ((8, 9), (9, 0)))
+
+
+def scaled_matmul(
+    a8: Tensor,
+    a_inv: Tensor,
+    b8: Tensor,
+    b_inv: Tensor,
+    out_dtype: torch.dtype,
+    *,
+    emulate: bool = False,
+) -> Tensor:
+    """``(a8 * a_inv) @ (b8 * b_inv)`` in `out_dtype`: a8 is (M, K), b8 (K, N); the inverse
+    scales are 0-dim (tensorwise) or (M, 1) and (1, N) (rowwise).
+
+    `torch._scaled_mm` where `real_scaled_mm_supported` (it wants A row-major and B
+    column-major, so both are laid out here) unless `emulate`; else float32 emulation.
+    """
+    rowwise = a_inv.dim() > 0
+    if not emulate and real_scaled_mm_supported(a8, b8, out_dtype, rowwise):
+        return torch._scaled_mm(
+            a8.contiguous(),
+            b8.t().contiguous().t(),
+            a_inv.float(),
+            b_inv.float(),
+            out_dtype=out_dtype,
+        )
+    return ((a8.float() * a_inv) @ (b8.float() * b_inv)).to(out_dtype)
+
+
+def high_precision_matmul(
+    a: Tensor, b: Tensor, dtype: torch.dtype, *, emulate: bool = False
+) -> Tensor:
+    """``a @ b`` with both operands rounded to `dtype` and the result in `dtype`.
+
+    On CUDA a native matmul in `dtype`; elsewhere (or with `emulate`) a float32 matmul of the
+    rounded operands, rounded once: the same products with float32 accumulation, as a 16-bit
+    GEMM computes them, without the CPU's slow 16-bit kernels.
+    """
+    if a.is_cuda and not emulate:
+        return a.to(dtype) @ b.to(dtype)
+    return (a.to(dtype).float() @ b.to(dtype).float()).to(dtype)
+
+
+def _delayed_scale(
+    x: Tensor, scale: Tensor, history: Tensor, fp8_dtype: torch.dtype, record: bool
+) -> Tensor:
+    """The scale to quantize `x` with under delayed scaling, updating its buffers if `record`.
+
+    The stored scale (from the history of earlier steps) is used; before anything was
+    recorded (stored scale 0) the current tensor's own scale is. Recording rolls the history
+    (newest first), stores this amax (a non-finite amax is stored as 0, so one overflowing
+    step cannot freeze the scale for a whole history) and sets the stored scale from the
+    history's max (0, meaning "not known yet", while the history holds only zeros).
+    """
+    amax = x.detach().abs().amax().float()
+    used = torch.where(scale > 0, scale.float(), amax_to_scale(amax, fp8_dtype))
+    if record:
+        seen = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+        history.copy_(torch.cat([seen.reshape(1), history[:-1].float()]))
+        top = history.float().max()
+        scale.copy_(torch.where(top > 0, amax_to_scale(top, fp8_dtype), torch.zeros_like(top)))
+    return used
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """``x @ weight.T`` with float8 operands in both directions, per recipe (no bias)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        recipe: str,
+        out_dtype: torch.dtype,
+        emulate: bool,
+        record: bool,
+        *delayed: Tensor,
+    ) -> Tensor:
+        ctx.recipe, ctx.out_dtype, ctx.emulate, ctx.record = recipe, out_dtype, emulate, record
+        ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            if recipe in _ROWWISE:
+                sx, sw = axis_scale(x, E4M3, -1), axis_scale(weight, E4M3, -1)
+                x8, w8 = to_float8(x, sx, E4M3), to_float8(weight, sw, E4M3)
+                out = scaled_matmul(
+                    x8, sx.reciprocal(), w8.t(), sw.reciprocal().t(), out_dtype, emulate=emulate
+                )
+                ctx.save_for_backward(x, weight)
+                return out
+            if recipe == "delayed":
+                in_scale, in_hist, w_scale, w_hist, ctx.g_scale, ctx.g_hist = delayed
+                sx = _delayed_scale(x, in_scale, in_hist, E4M3, record)
+                sw = _delayed_scale(weight, w_scale, w_hist, E4M3, record)
+            else:
+                sx, sw = tensor_scale(x, E4M3), tensor_scale(weight, E4M3)
+            x8, w8 = to_float8(x, sx, E4M3), to_float8(weight, sw, E4M3)
+            x_inv, w_inv = sx.reciprocal(), sw.reciprocal()
+            out = scaled_matmul(x8, x_inv, w8.t(), w_inv, out_dtype, emulate=emulate)
+            ctx.save_for_backward(x8, w8, x_inv, w_inv)
+            return out
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        out_dtype, emulate = ctx.out_dtype, ctx.emulate
+        with torch.autocast(g.device.type, enabled=False):
+            if ctx.recipe in _ROWWISE:
+                x, weight = ctx.saved_tensors
+                sg, swc = axis_scale(g, E4M3, -1), axis_scale(weight, E4M3, 0)
+                grad_x = scaled_matmul(
+                    to_float8(g, sg, E4M3),
+                    sg.reciprocal(),
+                    to_float8(weight, swc, E4M3),
+                    swc.reciprocal(),
+                    out_dtype,
+                    emulate=emulate,
+                )
+                if ctx.recipe == "rowwise_with_gw_hp":
+                    grad_w = high_precision_matmul(g.t(), x, out_dtype, emulate=emulate)
+                else:
+                    sgc, sxc = axis_scale(g, E4M3, 0), axis_scale(x, E4M3, 0)
+                    grad_w = scaled_matmul(
+                        to_float8(g, sgc, E4M3).t(),
+                        sgc.reciprocal().t(),
+                        to_float8(x, sxc, E4M3),
+                        sxc.reciprocal(),
+                        out_dtype,
+                        emulate=emulate,
+                    )
+            else:
+                x8, w8, x_inv, w_inv = ctx.saved_tensors
+                if ctx.recipe == "delayed":
+                    sg = _delayed_scale(g, ctx.g_scale, ctx.g_hist, E5M2, ctx.record)
+                else:
+                    sg = tensor_scale(g, E5M2)
+                g8, g_inv = to_float8(g, sg, E5M2), sg.reciprocal()
+                grad_x = scaled_matmul(g8, g_inv, w8, w_inv, out_dtype, emulate=emulate)
+                grad_w = scaled_matmul(g8.t(), g_inv, x8, x_inv, out_dtype, emulate=emulate)
+        none = (None,) * (4 + (len(DELAYED_BUFFERS) if ctx.recipe == "delayed" else 0))
+        return (grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), *none)
+
+
+class Float8Linear(nn.Linear):
+    """An `nn.Linear` whose matmuls run in float8 (see the module docstring for the recipes).
+
+    The output comes out in the compute dtype: autocast's dtype inside `torch.autocast`
+    (bfloat16 under "bf16-mixed"), else the input's dtype; the bias is added in that dtype,
+    never quantized. Gradients come out of the matmuls in the compute dtype and are cast to
+    the input's and the weight's dtypes (float32 masters stay float32). The weight is the
+    Linear's own parameter in its storage dtype, so state-dict keys are a Linear's; the
+    "delayed" recipe adds six float32 buffers (`DELAYED_BUFFERS`), which checkpoint.
+
+    Delayed scaling records each tensor's amax once per forward (and backward) in training
+    mode with gradients enabled, newest first; the next step's scale comes from the
+    history's max. Unlike Keras (scales start at 1.0 and lag two steps), the first step
+    scales dynamically and later steps use every amax up to the previous step. Under DDP
+    (buffers broadcast from rank 0 before each forward) every rank quantizes with rank 0's
+    scales.
+
+    `emulate=True` forces the float32 emulation even where a real float8 matmul could run.
+    """
+
+    # what the quantized layers of `mixprec.quantize` say they are (explain, quantize), and
+    # the float type that PolicyMap type rules keep matching
+    quantization_mode = "float8"
+    float_type = nn.Linear
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        recipe: str = "tensorwise",
+        amax_history_length: int = DEFAULT_AMAX_HISTORY,
+        emulate: bool = False,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._setup(recipe, amax_history_length, emulate)
+
+    def _setup(self, recipe: str, amax_history_length: int, emulate: bool) -> None:
+        self.recipe = check_recipe(recipe)
+        self.amax_history_length = check_history_length(amax_history_length)
+        self.emulate = bool(emulate)
+        if recipe == "delayed":
+            device = self.weight.device
+            for name in DELAYED_BUFFERS:
+                shape = (amax_history_length,) if name.endswith("history") else ()
+                self.register_buffer(name, torch.zeros(shape, dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_float(
+        cls,
+        linear: nn.Linear,
+        recipe: str = "tensorwise",
+        amax_history_length: int = DEFAULT_AMAX_HISTORY,
+        *,
+        emulate: bool = False,
+    ) -> Float8Linear:
+        """A Float8Linear holding `linear`'s own weight and bias parameters (no copy), with
+        its training mode and forward hooks."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_float needs an nn.Linear, got {type(linear).__name__}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        new._setup(recipe, amax_history_length, emulate)
+        _carry_hooks(linear, new)
+        return new.train(linear.training)
+
+    def to_float(self) -> nn.Linear:
+        """A plain nn.Linear holding this module's parameters (the delayed buffers dropped)."""
+        linear = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = self.in_features, self.out_features
+        linear.weight, linear.bias = self.weight, self.bias
+        _carry_hooks(self, linear)
+        return linear.train(self.training)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features or not x.is_floating_point():
+            raise ValueError(
+                f"Float8Linear({self.in_features}, {self.out_features}) needs a floating input "
+                f"whose last dim is {self.in_features}, got {x.dtype} of shape {tuple(x.shape)}"
+            )
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            out_dtype = torch.get_autocast_dtype(device)
+        else:
+            out_dtype = x.dtype
+        record = self.training and torch.is_grad_enabled()
+        delayed = [getattr(self, n) for n in DELAYED_BUFFERS] if self.recipe == "delayed" else []
+        out = _Float8Matmul.apply(
+            x.reshape(-1, self.in_features),
+            self.weight,
+            self.recipe,
+            out_dtype,
+            self.emulate,
+            record,
+            *delayed,
+        )
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        extra = (
+            f", amax_history_length={self.amax_history_length}" if self.recipe == "delayed" else ""
+        )
+        return f"{super().extra_repr()}, recipe={self.recipe!r}{extra}"
+
+
+def _carry_hooks(source: nn.Module, target: nn.Module) -> None:
+    """Copy the forward pre/post hooks a module swap must not lose."""
+    target._forward_pre_hooks.update(source._forward_pre_hooks)
+    target._forward_hooks.update(source._forward_hooks)
+
+
+# --- whole models ----------------------------------------------------------------------------
+
+
+def skip_reason(
+    linear: nn.Module, recipe: str = "tensorwise", *, skip_small: bool = True
+) -> str | None:
+    """Why `convert_to_float8` leaves this module alone, or None if it converts it.
+
+    Only plain `nn.Linear` converts (a subclass may have a forward of its own, such as
+    MultiheadAttention's out_proj, which never calls it). With `skip_small` (the default)
+    torchao's rule also applies: dims that are not multiples of 16 cannot run a real float8
+    matmul, and a tensorwise/delayed layer with in_features <= 4096 and out_features <= 1024
+    is too small to win back its casts. ``skip_small=False`` converts those too (they run
+    emulated where `_scaled_mm` cannot): for tests, CPU studies and numerics checks.
+    """
+    check_recipe(recipe)
+    if isinstance(linear, Float8Linear):
+        return "already a Float8Linear"
+    if type(linear) is not nn.Linear:
+        kind = "a subclass of nn.Linear" if isinstance(linear, nn.Linear) else "not an nn.Linear"
+        return f"{type(linear).__name__} is {kind}; only plain nn.Linear is converted"
+    if not linear.weight.is_floating_point():
+        return f"weight dtype {linear.weight.dtype} is not floating"
+    if "forward" in linear.__dict__:
+        return "its forward is replaced on the instance (a mixprec region?); convert before apply"
+    if not skip_small:
+        return None
+    k, n = linear.in_features, linear.out_features
+    if k % 16 or n % 16:
+        return (
+            f"in_features={k}, out_features={n}: float8 matmuls need multiples of 16 "
+            "(skip_small=False converts it, emulated)"
+        )
+    if recipe not in _ROWWISE and k <= SMALL_IN_FEATURES and n <= SMALL_OUT_FEATURES:
+        return (
+            f"too small to gain: in_features={k} <= {SMALL_IN_FEATURES} and "
+            f"out_features={n} <= {SMALL_OUT_FEATURES} (torchao's rule for {recipe}; "
+            "skip_small=False converts it)"
+        )
+    return None
+
+
+def _path_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
+    """A filter as a callable(path, module) -> bool; a string or pattern must fullmatch."""
+    if filter is None:
+        return lambda path, module: True
+    if isinstance(filter, (str, re.Pattern)):
+        pattern = re.compile(filter)
+        return lambda path, module: pattern.fullmatch(path) is not None
+    if callable(filter):
+        return filter
+    raise TypeError(
+        f"filter must be None, a callable(path, module) -> bool or a regex on module paths "
+        f"(str or re.Pattern, matched with fullmatch), got {type(filter).__name__}"
+    )
+
+
+def _swap(model: nn.Module, make: Callable[[str, nn.Module], nn.Module | None]) -> None:
+    """Replace children in place where `make(path, child)` returns a module. A module reachable
+    at several paths is replaced by one new module everywhere (decided at its first path)."""
+    done: dict[int, nn.Module | None] = {}
+    for parent_path, parent in model.named_modules():
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            path = f"{parent_path}.{name}" if parent_path else name
+            if id(child) not in done:
+                done[id(child)] = make(path, child)
+            if done[id(child)] is not None:
+                parent._modules[name] = done[id(child)]
+
+
+def convert_to_float8(
+    model: nn.Module,
+    *,
+    recipe: str = "tensorwise",
+    amax_history_length: int = DEFAULT_AMAX_HISTORY,
+    filter: Filter = None,
+    skip_small: bool = True,
+    emulate: bool = False,
+) -> dict[str, str]:
+    """Swap the model's Linear layers for `Float8Linear` in place; return {path: reason} for
+    each Linear-like module left alone.
+
+    `filter` picks layers: a callable(path, module) -> bool or a regex that must fullmatch
+    the path. `skip_small` applies torchao's size rule (see `skip_reason`); pass False for
+    small layers. Parameters are shared with the new modules, so an optimizer built before
+    keeps working. Convert before `mixprec.apply` (a Linear with a region is skipped).
+    `emulate=True` makes the new modules emulate float8 even where real kernels run.
+    """
+    check_recipe(recipe)
+    check_history_length(amax_history_length)
+    keep = _path_filter(filter)
+    if isinstance(model, nn.Linear):
+        raise TypeError(
+            "convert_to_float8 swaps the Linear layers inside a model, and this model is a "
+            "Linear itself: use Float8Linear.from_float(linear)"
+        )
+    skipped: dict[str, str] = {}
+
+    def make(path: str, child: nn.Module) -> nn.Module | None:
+        if not isinstance(child, nn.Linear):
+            return None
+        reason = skip_reason(child, recipe, skip_small=skip_small)
+        if reason is None and not keep(path, child):
+            reason = "excluded by filter"
+        if reason is not None:
+            skipped[path] = reason
+            return None
+        return Float8Linear.from_float(child, recipe, amax_history_length, emulate=emulate)
+
+    _swap(model, make)
+    return skipped
+
+
+def convert_from_float8(model: nn.Module) -> list[str]:
+    """Swap every `Float8Linear` back to an `nn.Linear` holding the same parameters; return
+    the paths swapped (the delayed-scaling buffers are dropped)."""
+    if isinstance(model, Float8Linear):
+        raise TypeError("the model is a Float8Linear itself: use its to_float()")
+    paths: list[str] = []
+
+    def make(path: str, child: nn.Module) -> nn.Module | None:
+        if not isinstance(child, Float8Linear):
+            return None
+        paths.append(path)
+        return child.to_float()
+
+    _swap(model, make)
+    return paths

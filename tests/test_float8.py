@@ -1,0 +1,447 @@
+"""Float8 numerics of `mixprec.quantize.float8` on any CPU: scales, casts, each recipe's
+forward and backward against an explicit quantize-dequantize reference, delayed-scaling
+histories, non-finite inputs, conversion of whole models and its skip reasons.
+
+The references are written from the formulas (scale = finfo.max / max(amax, 1e-12), rounded
+down to a power of 2 for rowwise; dequantize = float8 value * (1 / scale), the factor
+`torch._scaled_mm` takes) with scales computed in Python. Quantized and dequantized operands
+are then bit-identical to the module's, so reference and module multiply the same float32
+matrices; only the summation order may differ (the BLAS picks a kernel per layout and per
+CPU). Results are therefore compared within the reordering bound K * 2^-23 * (|A| @ |B|)
+plus one ulp of the output dtype (a float32 value within that bound may round to the
+neighbouring bfloat16). A wrong scale, cast, saturation or transpose moves results by the
+float8 step (~6%), orders of magnitude beyond it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.errors import PolicySpecError
+from mixprec.quantize.float8 import (
+    DELAYED_BUFFERS,
+    E4M3,
+    E5M2,
+    RECIPES,
+    Float8Linear,
+    amax_to_scale,
+    axis_scale,
+    convert_from_float8,
+    convert_to_float8,
+    skip_reason,
+    tensor_scale,
+    to_float8,
+)
+
+MAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def py_scale(amax: float, dtype: torch.dtype, power_of_2: bool = False) -> float:
+    """The scale formula in Python floats (float32-rounded like torch's)."""
+    scale = torch.tensor(MAX[dtype] / max(amax, 1e-12), dtype=torch.float32).item()
+    if power_of_2:
+        _, exponent = math.frexp(scale)  # scale = m * 2**exponent with 0.5 <= m < 1
+        scale = 2.0 ** (exponent - 1)
+    return scale
+
+
+def scales(t: torch.Tensor, dtype: torch.dtype, dim: int | None) -> torch.Tensor:
+    """Reference scales: one per tensor (dim None) or power-of-2 ones along `dim`."""
+    if dim is None:
+        return torch.tensor(py_scale(t.abs().max().item(), dtype))
+    amax = t.abs().amax(dim=dim, keepdim=True)
+    return amax.float().apply_(lambda a: py_scale(a, dtype, power_of_2=True))
+
+
+def qdq(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Explicit quantize-dequantize in float32."""
+    q = torch.clamp(t.float() * scale, -MAX[dtype], MAX[dtype]).to(dtype)
+    return q.float() * (1.0 / scale)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a @ b`` and the bound on any reordering of its float32 sums."""
+    return a @ b, a.shape[1] * 2.0**-23 * (a.abs() @ b.abs())
+
+
+def reference(recipe, x, w, b, g, out_dtype):
+    """{name: (value, bound)} for y, grad_x, grad_w of a float8 linear, from the formulas."""
+    x2 = x.reshape(-1, x.shape[-1])
+    g2 = g.reshape(-1, g.shape[-1]).to(out_dtype).float()  # the gradient arrives rounded
+    if recipe in ("tensorwise", "delayed"):
+        xd, wd = qdq(x2, scales(x2, E4M3, None), E4M3), qdq(w, scales(w, E4M3, None), E4M3)
+        gd = qdq(g2, scales(g2, E5M2, None), E5M2)
+        gx, gw = mm(gd, wd), mm(gd.t(), xd)
+    else:
+        xd, wd = qdq(x2, scales(x2, E4M3, -1), E4M3), qdq(w, scales(w, E4M3, -1), E4M3)
+        gx = mm(qdq(g2, scales(g2, E4M3, -1), E4M3), qdq(w, scales(w, E4M3, 0), E4M3))
+        if recipe == "rowwise":
+            gd_cols = qdq(g2, scales(g2, E4M3, 0), E4M3)
+            gw = mm(gd_cols.t(), qdq(x2, scales(x2, E4M3, 0), E4M3))
+        else:  # high precision: operands rounded to the compute dtype, float32 products
+            gw = mm(g2.t(), x2.to(out_dtype).float())
+    y, y_bound = mm(xd, wd.t())
+    y = y.to(out_dtype) + b.to(out_dtype)
+    shape = (*x.shape[:-1], w.shape[0])
+    return {
+        "y": (y.reshape(shape), y_bound.reshape(shape)),
+        "grad_x": (gx[0].to(out_dtype).reshape(x.shape), gx[1].reshape(x.shape)),
+        "grad_w": (gw[0].to(out_dtype), gw[1]),
+    }
+
+
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, bound: torch.Tensor) -> None:
+    """Within the summation-order bound plus one ulp of `expected`'s dtype."""
+    ulp = expected.float().abs() * torch.finfo(expected.dtype).eps
+    diff = (actual.float() - expected.float()).abs()
+    excess = diff - (bound + ulp)
+    assert (excess <= 0).all(), f"off by {diff.max().item():.3g} (bound {bound.max().item():.3g})"
+
+
+def run(module, x, g, autocast=False):
+    x = x.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y = module(x)
+    y.backward(g.to(y.dtype))
+    return y, x.grad, module.weight.grad, None if module.bias is None else module.bias.grad
+
+
+# --- scales and casts ----------------------------------------------------------------------
+
+
+def test_tensor_scale_is_format_max_over_amax():
+    x = torch.tensor([[0.5, -3.0], [2.0, 1.0]])
+    assert tensor_scale(x, E4M3).item() == pytest.approx(448.0 / 3.0, rel=1e-7)
+    assert tensor_scale(x, E5M2).item() == pytest.approx(57344.0 / 3.0, rel=1e-7)
+    assert tensor_scale(x, E4M3).dtype == torch.float32
+
+
+def test_rowwise_scales_are_powers_of_two_per_row_and_column():
+    x = torch.tensor([[1.0, -3.0, 0.25], [100.0, 7.0, 0.0]])
+    rows, cols = axis_scale(x, E4M3, -1), axis_scale(x, E4M3, 0)
+    assert rows.shape == (2, 1) and cols.shape == (1, 3)
+    # 448 / 3 = 149.3 -> 128; 448 / 100 = 4.48 -> 4; 448 / 100, 448 / 7 = 64, 448 / .25 = 1792
+    assert rows.flatten().tolist() == [128.0, 4.0]
+    assert cols.flatten().tolist() == [4.0, 64.0, 1024.0]
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    assert torch.all(amax * rows <= 448) and torch.all(amax * rows * 2 > 448)
+
+
+def test_all_zero_tensor_gets_the_floor_not_a_division_by_zero():
+    zeros = torch.zeros(4, 4)
+    assert tensor_scale(zeros, E4M3).item() == pytest.approx(448.0 / 1e-12, rel=1e-6)
+    assert torch.isfinite(axis_scale(zeros, E4M3, 0)).all()
+    assert torch.equal(to_float8(zeros, tensor_scale(zeros, E4M3), E4M3).float(), zeros)
+
+
+def test_cast_saturates_instead_of_overflowing():
+    big = torch.tensor([1000.0, -1e6, 300.0])
+    # e4m3fn has no infinity: an unclamped cast of 1000 is NaN; ours clamps to +-448
+    assert to_float8(big, torch.tensor(1.0), E4M3).float().tolist() == [448.0, -448.0, 288.0]
+    assert to_float8(big * 100, torch.tensor(1.0), E5M2).float().tolist() == [
+        57344.0,
+        -57344.0,
+        28672.0,
+    ]
+
+
+def test_non_finite_amax_gives_non_finite_scales():
+    assert torch.isnan(amax_to_scale(torch.tensor(float("nan")), E4M3))
+    assert amax_to_scale(torch.tensor(float("inf")), E4M3).item() == 0.0
+
+
+# --- each recipe against the reference -----------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize("shape", [(2, 3, 32, 48), (5, 1, 20, 12)], ids=["x16", "odd"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["f32", "bf16-autocast"])
+def test_forward_and_backward_equal_the_reference(recipe, shape, autocast):
+    torch.manual_seed(0)
+    b0, b1, k, n = shape
+    linear = nn.Linear(k, n)
+    module = Float8Linear.from_float(linear, recipe)
+    x, g = torch.randn(b0, b1, k) * 3, torch.randn(b0, b1, n) * 1e-3
+    y, gx, gw, gb = run(module, x, g, autocast)
+    out_dtype = torch.bfloat16 if autocast else torch.float32
+    ref = reference(recipe, x, linear.weight.detach(), linear.bias.detach(), g, out_dtype)
+    assert y.dtype == out_dtype and gx.dtype == torch.float32 and gw.dtype == torch.float32
+    assert_matches(y, *ref["y"])
+    assert_matches(gx, *ref["grad_x"])
+    assert_matches(gw, *ref["grad_w"])
+    # the bias is added in the compute dtype: its gradient is a sum of rounded gradients
+    expected_gb = g.to(out_dtype).flatten(0, 1).float().sum(0).to(out_dtype)
+    assert_matches(gb, expected_gb, torch.zeros(()))
+
+
+def test_float8_error_is_small_but_real():
+    """Sanity of the whole thing against a float32 Linear: e4m3 carries 3 mantissa bits."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    x = torch.randn(16, 64)
+    exact = linear(x)
+    for recipe in RECIPES:
+        y = Float8Linear.from_float(linear, recipe)(x)
+        rel = ((y - exact).norm() / exact.norm()).item()
+        assert 1e-4 < rel < 0.06, (recipe, rel)
+
+
+def test_rowwise_uses_e4m3_for_gradients_and_tensorwise_e5m2():
+    """A gradient element 1e-6 below the rest: e5m2 (subnormals down to 2^-16 of max/amax's
+    scale) keeps it; e4m3's range is narrower, so rowwise flushes more of a wide gradient."""
+    linear = nn.Linear(16, 16, bias=False)
+    nn.init.eye_(linear.weight)
+    x = torch.eye(16)
+    g = torch.full((16, 16), 1e-6)
+    g[:, 0] = 1.0
+    grads = {}
+    for recipe in ("tensorwise", "rowwise"):
+        _, gx, _, _ = run(Float8Linear.from_float(linear, recipe), x, g)
+        grads[recipe] = gx
+    assert (grads["tensorwise"][:, 1:] != 0).all()  # 1e-6 * 57344 = 0.057 > 2^-16
+    assert (grads["rowwise"][:, 1:] == 0).all()  # 1e-6 * 256 = 2.6e-4 < 2^-9, flushed
+
+
+# --- delayed scaling -----------------------------------------------------------------------
+
+
+def delayed_module(length=3, k=16, n=16):
+    torch.manual_seed(0)
+    return Float8Linear.from_float(nn.Linear(k, n), "delayed", length)
+
+
+def test_delayed_buffers_are_keras_six_float32_variables():
+    module = delayed_module(length=5)
+    buffers = dict(module.named_buffers())
+    assert list(buffers) == list(DELAYED_BUFFERS)
+    assert all(b.dtype == torch.float32 for b in buffers.values())
+    assert [tuple(buffers[n].shape) for n in DELAYED_BUFFERS] == [(), (5,)] * 3
+    assert set(module.state_dict()) == {"weight", "bias", *DELAYED_BUFFERS}
+
+
+def test_delayed_first_step_scales_dynamically_then_from_the_history_max():
+    module = delayed_module(length=3)
+    w = module.weight.detach().clone()
+    amaxes = [2.0, 8.0, 1.0, 0.5, 0.25]
+    torch.manual_seed(1)
+    base = torch.rand(4, 16) * 0.2
+    for step, amax in enumerate(amaxes):
+        x = base.clone()
+        x[0, 0] = amax
+        g = torch.full((4, 16), 1e-3 * amax)
+        seen = amaxes[:step] or [amax]  # first step: nothing recorded, its own amax
+        window = seen[-3:]
+        y, gx, _, _ = run(module, x, g)
+        sx = torch.tensor(py_scale(max(window), E4M3))
+        wd = qdq(w, scales(w, E4M3, None), E4M3)
+        ry, bound = mm(qdq(x, sx, E4M3), wd.t())
+        assert_matches(y, ry + module.bias.detach(), bound)
+        sg = torch.tensor(py_scale(max(window) * 1e-3, E5M2))
+        assert_matches(gx, *mm(qdq(g, sg, E5M2), wd))
+        # the history rolls, newest first, and holds the last three amaxes
+        recent = amaxes[: step + 1][::-1][:3]
+        history = module.input_amax_history.tolist()
+        assert history == pytest.approx(recent + [0.0] * (3 - len(recent)))
+        expected = py_scale(max(recent), E4M3)
+        assert module.input_scale.item() == pytest.approx(expected, rel=1e-7)
+        assert module.grad_output_amax_history[0].item() == pytest.approx(amax * 1e-3, rel=1e-6)
+        assert module.weight_amax_history.tolist()[: step + 1] == pytest.approx(
+            [w.abs().max().item()] * min(step + 1, 3)
+        )
+        module.zero_grad()
+
+
+def test_delayed_records_only_when_training_with_gradients():
+    module = delayed_module()
+    x = torch.randn(4, 16)
+    module.eval()
+    module(x)
+    assert module.input_scale.item() == 0.0 and not module.input_amax_history.any()
+    module.train()
+    with torch.no_grad():
+        module(x)
+    assert not module.input_amax_history.any()
+    module(x)
+    assert module.input_amax_history[0].item() == x.abs().max().item()
+
+
+def test_delayed_non_finite_amax_is_recorded_as_zero_and_the_output_stays_nan():
+    module = delayed_module()
+    module(torch.ones(2, 16))
+    before = module.input_scale.clone()
+    x = torch.ones(2, 16)
+    x[1, 3] = float("nan")
+    y = module(x)
+    assert torch.isnan(y).any()
+    assert module.input_amax_history.tolist() == [0.0, 1.0, 0.0]
+    assert torch.equal(module.input_scale, before)  # still from the history's max (1.0)
+
+
+def test_delayed_all_zero_history_leaves_the_scale_unknown():
+    module = delayed_module()
+    module(torch.zeros(2, 16))
+    assert module.input_scale.item() == 0.0  # not 448 / 1e-12: the next step scales itself
+    x = torch.randn(2, 16)
+    y = module(x)
+    w = module.weight.detach()
+    ref, bound = mm(qdq(x, scales(x, E4M3, None), E4M3), qdq(w, scales(w, E4M3, None), E4M3).t())
+    assert_matches(y, ref + module.bias.detach(), bound)
+
+
+# --- non-finite and zero inputs ------------------------------------------------------------
+
+
+def test_nan_propagates_per_scaling_group():
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+    x[2, 5] = float("nan")
+    tensorwise = Float8Linear.from_float(linear, "tensorwise")(x)
+    assert torch.isnan(tensorwise).all()  # one scale for the whole tensor
+    rowwise = Float8Linear.from_float(linear, "rowwise")(x)
+    assert torch.isnan(rowwise[2]).all() and torch.isfinite(rowwise[[0, 1, 3]]).all()
+
+
+def test_inf_input_makes_the_output_non_finite():
+    linear = nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+    x[0, 0] = float("inf")
+    for recipe in RECIPES:
+        assert not torch.isfinite(Float8Linear.from_float(linear, recipe)(x)).all(), recipe
+
+
+def test_zero_input_and_zero_gradient_stay_finite():
+    for recipe in RECIPES:
+        linear = nn.Linear(16, 16)
+        module = Float8Linear.from_float(linear, recipe)
+        y, gx, gw, _ = run(module, torch.zeros(3, 16), torch.zeros(3, 16))
+        assert torch.equal(y, linear.bias.detach().expand(3, 16)), recipe
+        assert torch.equal(gx, torch.zeros(3, 16)) and torch.equal(gw, torch.zeros(16, 16))
+
+
+# --- modules and conversion ----------------------------------------------------------------
+
+
+def test_from_float_shares_parameters_and_keeps_state_dict_keys():
+    linear = nn.Linear(16, 32)
+    module = Float8Linear.from_float(linear)
+    assert module.weight is linear.weight and module.bias is linear.bias
+    assert module.state_dict().keys() == linear.state_dict().keys()
+    back = module.to_float()
+    assert type(back) is nn.Linear and back.weight is linear.weight
+    assert "recipe='tensorwise'" in repr(module)
+    assert module.quantization_mode == "float8"  # as mixprec.quantize's layers name their mode
+
+
+def test_from_float_keeps_the_storage_dtype():
+    linear = nn.Linear(16, 16).to(torch.bfloat16)
+    module = Float8Linear.from_float(linear)
+    x = torch.randn(2, 16, dtype=torch.bfloat16, requires_grad=True)
+    y = module(x)
+    y.sum().backward()
+    assert module.weight.dtype == torch.bfloat16 and y.dtype == torch.bfloat16
+    assert linear.weight.grad.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 32)
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        self.attn = nn.MultiheadAttention(32, 2)
+        self.odd = nn.Linear(32, 20)
+        self.head = nn.Linear(32, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_convert_swaps_linears_and_reports_every_skip():
+    net = Net()
+    params = {n: p for n, p in net.named_parameters()}
+    skipped = convert_to_float8(net, skip_small=False)
+    assert isinstance(net.body[0], Float8Linear) and isinstance(net.head, Float8Linear)
+    assert skipped == {
+        "attn.out_proj": (
+            "NonDynamicallyQuantizableLinear is a subclass of nn.Linear; "
+            "only plain nn.Linear is converted"
+        ),
+    }
+    assert net.head.weight is net.emb.weight  # tied weights stay tied
+    assert {n: p for n, p in net.named_parameters()} == params
+    assert sorted(convert_from_float8(net)) == ["body.0", "body.2", "head", "odd"]
+    assert type(net.body[0]) is nn.Linear and net.head.weight is net.emb.weight
+
+
+def test_skip_small_follows_torchaos_rule():
+    net = Net()
+    skipped = convert_to_float8(net)
+    assert "multiples of 16" in skipped["odd"]
+    assert skipped["body.0"].startswith("too small to gain: in_features=32 <= 4096")
+    assert not any(isinstance(m, Float8Linear) for m in net.modules())
+    big = nn.Linear(4096 + 16, 16, device="meta")
+    assert skip_reason(big) is None
+    assert skip_reason(nn.Linear(4096, 1024, device="meta")).startswith("too small")
+    assert skip_reason(nn.Linear(4096, 1024 + 16, device="meta")) is None
+    assert skip_reason(nn.Linear(32, 32, device="meta"), "rowwise") is None
+    assert skip_reason(nn.Linear(32, 20, device="meta"), "rowwise").startswith("in_features")
+    assert skip_reason(nn.Linear(32, 20), skip_small=False) is None
+
+
+def test_filter_by_regex_or_callable():
+    net = Net()
+    skipped = convert_to_float8(net, filter=r"body\.\d", skip_small=False)
+    assert isinstance(net.body[2], Float8Linear) and type(net.head) is nn.Linear
+    assert skipped["head"] == skipped["odd"] == "excluded by filter"
+    net = Net()
+    convert_to_float8(net, filter=lambda path, m: m.out_features == 64, skip_small=False)
+    assert [p for p, m in net.named_modules() if isinstance(m, Float8Linear)] == ["body.0"]
+    assert convert_to_float8(net, skip_small=False)["body.0"] == "already a Float8Linear"
+
+
+def test_a_module_shared_at_two_paths_becomes_one_float8_module():
+    shared = nn.Linear(16, 16)
+    net = nn.Sequential(shared, nn.ReLU(), shared)
+    convert_to_float8(net, skip_small=False, recipe="delayed", amax_history_length=2)
+    assert net[0] is net[2] and isinstance(net[0], Float8Linear)
+
+
+def test_a_linear_with_a_region_of_its_own_is_skipped():
+    from mixprec.convert import apply
+    from mixprec.policy_map import PolicyMap
+
+    net = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    apply(net, PolicyMap("bf16-mixed", {"1": "32-true"}), warn=False)
+    skipped = convert_to_float8(net, skip_small=False)
+    assert skipped == {
+        "1": "its forward is replaced on the instance (a mixprec region?); convert before apply"
+    }
+
+
+def test_errors_say_what_is_accepted():
+    with pytest.raises(PolicySpecError, match="accepted: 'tensorwise', 'rowwise'"):
+        convert_to_float8(Net(), recipe="axiswise")
+    with pytest.raises(PolicySpecError, match="amax_history_length must be a positive int"):
+        Float8Linear(16, 16, recipe="delayed", amax_history_length=0)
+    with pytest.raises(TypeError, match="filter must be None, a callable"):
+        convert_to_float8(Net(), filter=3)
+    with pytest.raises(TypeError, match="use Float8Linear.from_float"):
+        convert_to_float8(nn.Linear(16, 16))
+    with pytest.raises(ValueError, match=re.escape("needs a floating input whose last dim is 16")):
+        Float8Linear(16, 16)(torch.randn(4, 8))
+
+
+def test_cpu_scaled_mm_gives_the_emulated_values():
+    """Why the CPU path emulates: torch's CPU `_scaled_mm` computes the same dequantized
+    float32 product (bit-identical here; within a float32 ulp at odd shapes)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 32), torch.randn(48, 32)
+    sx, sw = tensor_scale(x, E4M3), tensor_scale(w, E4M3)
+    x8, w8 = to_float8(x, sx, E4M3), to_float8(w, sw, E4M3)
+    real = torch._scaled_mm(x8, w8.t(), sx.reciprocal(), sw.reciprocal(), out_dtype=torch.float32)
+    emulated = Float8Linear.from_float(nn.Linear(32, 48, bias=False))
+    emulated.weight.data = w
+    assert torch.equal(real, emulated(x).detach())

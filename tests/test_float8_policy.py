@@ -1,0 +1,103 @@
+"""float8 policies go where a policy goes: `mixprec.quantize`, a PolicyMap rule under `apply`,
+`explain`, and the Trainer's precision flag, all reaching `Float8Linear`."""
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.quantize.float8 import Float8Linear
+from mixprec.trainer import Trainer, TrainingModule
+
+
+def _model() -> nn.Sequential:
+    # 32 -> 2048 gains by torchao's size rule (out > 1024); 2048 -> 16 is too small to gain
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 2048), nn.ReLU(), nn.Linear(2048, 16))
+
+
+def test_quantize_float8_swaps_the_layers_that_gain_and_says_why_not_for_the_rest():
+    model = _model()
+    result = mixprec.quantize(model, "float8")
+    assert isinstance(model[0], Float8Linear) and model[0].recipe == "tensorwise"
+    assert type(model[2]) is nn.Linear
+    assert set(result.quantized) == {"0"} and "2" in result.skipped
+    assert "1024" in result.skipped["2"] or "small" in result.skipped["2"]
+
+
+def test_rowwise_recipe_from_the_policy_name_reaches_the_layer():
+    model = _model()
+    mixprec.quantize(model, mixprec.Policy("float8/rowwise_from_float32"))
+    assert isinstance(model[0], Float8Linear) and model[0].recipe == "rowwise"
+    # rowwise skips only dims that are not multiples of 16: both layers qualify
+    assert isinstance(model[2], Float8Linear)
+
+
+def test_delayed_policy_keeps_its_history_length():
+    model = _model()
+    mixprec.quantize(model, "float8/delayed:16_from_float32")
+    layer = model[0]
+    assert isinstance(layer, Float8Linear) and layer.recipe == "delayed"
+    histories = [b for n, b in layer.named_buffers() if "history" in n]
+    assert histories and all(h.shape[-1] == 16 for h in histories)
+
+
+def test_a_float8_rule_in_a_policy_map_applies_and_explains():
+    model = _model()
+    policy = mixprec.PolicyMap("32-true", {"0": "float8_from_float32"})
+    report = mixprec.explain(model, policy)
+    assert "0" in report.quantized and "2" not in report.quantized
+    mixprec.apply(model, policy, warn=False)  # emulated (slow) on a CPU: known here
+    assert isinstance(model[0], Float8Linear) and type(model[2]) is nn.Linear
+    x = torch.randn(8, 32)
+    out = model(x)
+    out.square().mean().backward()
+    assert out.dtype == torch.float32 and model[0].weight.grad is not None
+    # the float8 forward is close to, and not equal to, the float32 one
+    ref = _model()
+    err = (out - ref(x)).abs().max() / ref(x).abs().max()
+    assert 0 < err < 0.1
+
+
+def test_the_trainer_trains_under_a_float8_precision_string(tmp_path):
+    class Net(TrainingModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    torch.manual_seed(1)
+    data = [(torch.randn(8, 32), torch.randn(8, 16)) for _ in range(4)]
+    model = Net()
+    trainer = Trainer(
+        precision="float8_from_float32",
+        max_steps=4,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        allow_slow_precision=True,
+    )
+    before = model.net[0].weight.detach().clone()
+    trainer.fit(model, data)
+    assert trainer.global_step == 4
+    assert isinstance(model.net[0], Float8Linear)
+    assert not torch.equal(model.net[0].weight.detach(), before)
+
+
+def test_without_the_allow_flag_a_cpu_refuses_float8_as_emulated():
+    from mixprec import hardware
+    from mixprec.hardware import DeviceInfo
+
+    cpu = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
+    with hardware.assume(cpu), pytest.raises(mixprec.SlowPrecisionError):
+        mixprec.Precision("float8_from_float32").setup(_model())

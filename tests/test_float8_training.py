@@ -1,0 +1,201 @@
+"""Float8 layers in training: under `torch.compile`, inside `Precision("bf16-mixed")`, across
+a checkpoint and resume, under DDP (two gloo processes), and on a real GPU (real
+`torch._scaled_mm` against the emulation; skipped without a CUDA device of SM 8.9+)."""
+
+from __future__ import annotations
+
+import copy
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+
+from mixprec.precision import Precision
+from mixprec.quantize.float8 import DELAYED_BUFFERS, Float8Linear, convert_to_float8
+
+
+def mlp(recipe: str = "tensorwise", second: str | None = None, seed: int = 0) -> nn.Module:
+    """Linear-GELU-Linear on 32 features, converted to float8 (second layer may differ)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    convert_to_float8(model, recipe=recipe, amax_history_length=4, skip_small=False)
+    if second is not None:
+        model[2] = Float8Linear.from_float(model[2].to_float(), second, 4)
+    return model
+
+
+def batches(n: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 32, generator=g), torch.randn(8, 16, generator=g)) for _ in range(n)]
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, data, forward=None) -> list[float]:
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.mse_loss((forward or model)(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    ("recipe", "backend"), [("tensorwise", "inductor"), ("delayed", "aot_eager")]
+)
+def test_compiled_training_matches_eager_without_graph_breaks(recipe, backend):
+    torch._dynamo.reset()
+    counters.clear()
+    eager = mlp(recipe)
+    compiled = copy.deepcopy(eager)
+    data = batches(3)
+    eager_losses = train(eager, torch.optim.SGD(eager.parameters(), lr=0.1), data)
+    step = torch.compile(compiled, backend=backend, fullgraph=True)
+    compiled_losses = train(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1), data, step)
+    assert dict(counters["graph_break"]) == {}
+    assert compiled_losses == pytest.approx(eager_losses, rel=1e-5)
+    for (name, a), b in zip(state(eager).items(), state(compiled).values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    if recipe == "delayed":  # the buffers moved, in the compiled graph's backward too
+        assert (compiled[0].grad_output_amax_history[:3] > 0).all()
+
+
+def test_inside_precision_bf16_mixed_equals_plain_autocast():
+    model = mlp("rowwise", second="tensorwise")
+    plain = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    precision = Precision("bf16-mixed", allow_slow=True)
+    model, wrapped = precision.setup(model, opt)
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for x, y in batches(3):
+        with precision.forward_context():
+            out = model(x)
+            loss = F.mse_loss(out, y)
+        precision.backward(loss)
+        precision.step(wrapped)
+        wrapped.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            plain_loss = F.mse_loss(plain(x).float(), y)
+        plain_loss.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        assert out.dtype == torch.float32 and torch.equal(loss, plain_loss)
+    assert seen == [torch.bfloat16] * 3
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    for (name, a), b in zip(state(model).items(), state(plain).values(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
+    data = batches(6)
+    straight = mlp("delayed", second="tensorwise")
+    opt = torch.optim.AdamW(straight.parameters(), lr=1e-2)
+    train(straight, opt, data)
+
+    first = mlp("delayed", second="tensorwise")
+    opt = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    train(first, opt, data[:3])
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+
+    resumed = mlp("delayed", second="tensorwise", seed=123)  # other weights, fresh buffers
+    opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    ckpt = torch.load(tmp_path / "ckpt.pt")
+    resumed.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    assert {f"0.{n}" for n in DELAYED_BUFFERS} <= set(ckpt["model"])
+    train(resumed, opt, data[3:])
+    for (name, a), b in zip(state(straight).items(), state(resumed).values(), strict=True):
+        assert torch.equal(a, b), name
+    assert resumed[0].input_amax_history[:4].min() > 0  # four steps recorded, in order
+
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    try:
+        model = mlp("tensorwise", second="delayed")
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        data = [(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4]) for x, y in batches(3)]
+        train(ddp, opt, data)
+        torch.save(state(model), f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_ddp_keeps_replicas_identical_and_averages_float8_gradients(tmp_path):
+    """DDP broadcasts rank 0's buffers before each forward, so every rank quantizes with
+    rank 0's delayed scales; each then records its own amaxes until the next broadcast."""
+    mp.spawn(_ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for name in ranks[0]:
+        if name.endswith(("input_amax_history", "grad_output_amax_history")):
+            # rank 0's broadcast, then the last step's own amax (the two halves differ)
+            assert torch.equal(ranks[0][name][1:], ranks[1][name][1:]), name
+            assert not torch.equal(ranks[0][name][:1], ranks[1][name][:1]), name
+        elif not name.endswith(("input_scale", "grad_output_scale")):
+            assert torch.equal(ranks[0][name], ranks[1][name]), name
+    # One process doing what DDP does: each half's float8 gradients, averaged, one step.
+    model = mlp("tensorwise", second="delayed")
+    replica = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches(3):
+        replica.load_state_dict(model.state_dict())  # DDP broadcasts rank 0's buffers
+        grads = []
+        for rank, net in enumerate((model, replica)):
+            net.zero_grad()
+            F.mse_loss(net(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4]).backward()
+            grads.append([p.grad for p in net.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
+            p.grad = (g0 + g1) / WORLD
+        opt.step()
+    for name, value in state(model).items():
+        torch.testing.assert_close(ranks[0][name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _sm89() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _sm89(), reason="needs a CUDA GPU of compute capability 8.9+")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed"])
+def test_real_scaled_mm_matches_the_emulation_on_gpu(recipe):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, device="cuda")
+    real = Float8Linear.from_float(copy.deepcopy(linear), recipe)
+    emulated = Float8Linear.from_float(copy.deepcopy(linear), recipe, emulate=True)
+    x = torch.randn(40, 64, device="cuda")
+    g = torch.randn(40, 48, device="cuda")
+    results = []
+    for module in (real, emulated):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = module(xi)
+        y.backward(g.to(y.dtype))
+        results.append((y.float(), xi.grad, module.weight.grad))
+    # same float8 operands; the kernel applies the scales after a float32 accumulation
+    for name, a, b in zip(("y", "grad_x", "grad_w"), *results, strict=True):
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-3 * b.abs().max().item(), msg=name)
