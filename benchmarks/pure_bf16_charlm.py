@@ -76,11 +76,20 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/pure_bf16_charlm"))
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[c[0] for c in CONFIGS],
+        help="run these configurations; the others' rows are kept from OUT/results.json",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    saved = args.out / "results.json"
+    previous = {r["name"]: r for r in json.loads(saved.read_text())} if saved.exists() else {}
     runs = tempfile.mkdtemp(prefix="pure_bf16_charlm-")  # logs and checkpoints, not results
     for name, precision, compensation in CONFIGS:
+        if args.only and name not in args.only:
+            continue
         counter = TrainingBytes()
         result = charlm.run(
             precision,
@@ -94,17 +103,22 @@ def main() -> None:
             callbacks=[counter],
         )
         result |= {"name": name, "training_bytes": counter.bytes, "params": counter.params}
-        rows.append(result)
+        result["command"] = " ".join(["python", "benchmarks/pure_bf16_charlm.py", *sys.argv[1:]])
+        previous[name] = result
         print(json.dumps(result), flush=True)
-        (args.out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+        saved.write_text(json.dumps(list(previous.values()), indent=2) + "\n")
 
+    rows = [previous[c[0]] for c in CONFIGS if c[0] in previous]
+    if [r["name"] for r in rows[:2]] != ["float32", "bf16-mixed"]:
+        raise SystemExit("the report needs the float32 and bf16-mixed rows: run them too")
     base_loss = rows[0]["val_loss"]
     mixed_bytes = rows[1]["training_bytes"]
-    command = " ".join(["python", "benchmarks/pure_bf16_charlm.py", *sys.argv[1:]])
+    commands = sorted({r["command"] for r in rows})
     lines = [
         "# Pure bfloat16 on the char LM: held-out loss and training memory",
         "",
-        f"Command: `{command}`",
+        "Commands (each row records the one that made it, in results.json): "
+        + ", ".join(f"`{c}`" for c in commands),
         f"Host: {detect('cpu').describe()}; {platform.machine()}; torch {torch.__version__};"
         f" Python {platform.python_version()}",
         f"Model: examples/charlm.py, width {args.width}, 4 layers, block 128,"

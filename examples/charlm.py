@@ -134,8 +134,8 @@ class CharGPT(TrainingModule):
         return self.head(self.ln(self.blocks(self.tok(idx) + self.pos(pos))))
 
     def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        x, y = batch  # the loss in float32 also when the logits are 16-bit (a *-true run)
+        return F.cross_entropy(self(x).flatten(0, 1).float(), y.flatten())
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self._loss(batch)

@@ -282,3 +282,21 @@ def test_an_inf_free_run_at_a_low_init_scale_logs_that_scale(tmp_path):
     data = TensorDataset(torch.randn(4, 4), torch.randn(4, 1))
     trainer.fit(nn.Linear(4, 1), DataLoader(data, batch_size=4), loss_fn=F.mse_loss)
     assert math.isclose(trainer.callback_metrics["loss_scale"], 256.0)
+
+
+def test_logged_bfloat16_values_are_averaged_in_float64():
+    """A bf16 loss logged over many batches: summed in bf16 the mean would be off by up to
+    ~1% (a sum near 100 has bf16 steps of 0.5); the epoch mean is exact in float64."""
+    from mixprec.trainer.metrics import MetricStore
+
+    store = MetricStore()
+    store.training = False
+    values = torch.linspace(2.3, 2.8, 40).to(torch.bfloat16)
+    for v in values:
+        store.log("val_loss", v, batch_size=32)
+    exact = values.double().mean().item()
+    assert store.take_epoch(lambda t: t)["val_loss"] == pytest.approx(exact, rel=1e-12)
+    naive = values[0].clone() * 32
+    for v in values[1:]:
+        naive = naive + v * 32
+    assert abs(naive.item() / (32 * 40) - exact) > 1e-3  # what bf16 sums would have given
