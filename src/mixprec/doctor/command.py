@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from mixprec.doctor.diagnosis import Diagnosis, diagnose
-from mixprec.doctor.verdicts import BROKEN, DEFAULT_TOLERANCE
+from mixprec.doctor.verdicts import BROKEN, DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.factory import FactoryError, call_factory, load_factory
 from mixprec.outputs import check_output_dir
@@ -74,7 +74,7 @@ def _run(args: argparse.Namespace) -> int:
     return 1 if any(m.verdict == BROKEN for m in diagnosis.modules.values()) else 0
 
 
-def _recommend(diagnosis: Diagnosis, tolerance: float, console: Any, err: Any) -> Any:
+def _recommend(diagnosis: Diagnosis, tolerance: float | None, console: Any, err: Any) -> Any:
     try:
         found = diagnosis.recommend(tolerance=tolerance)
     except PrecisionError as error:
@@ -129,8 +129,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--tolerance",
         type=_positive_float("tolerance"),
-        default=DEFAULT_TOLERANCE,
-        help=f"relative loss/gradient error the fix must reach ({DEFAULT_TOLERANCE})",
+        default=None,
+        help=f"relative loss/gradient error the fix must reach ({DEFAULT_TOLERANCE}; "
+        f"{QUANTIZED_TOLERANCE} under a quantized policy)",
     )
     p.add_argument("--device", default=None, help="run on this device (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed of both runs")

@@ -27,6 +27,7 @@ from mixprec.doctor.verdicts import (
     DEFAULT_LOSS_SCALE,
     DEFAULT_TOLERANCE,
     OK,
+    QUANTIZED_TOLERANCE,
     ModuleReport,
     ParamReport,
     UpdateModel,
@@ -48,7 +49,7 @@ from mixprec.hardware import (
     parse_device,
     resolve_policy,
 )
-from mixprec.policy import Policy
+from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy_map import PolicyMap
 from mixprec.scaling import LossScaler
 from mixprec.tree import map_tensors
@@ -84,6 +85,9 @@ class Diagnosis:
         self.recommended_loss_scale = recommended_loss_scale
         self.params: dict[str, ParamReport] = param_reports(target, params)
         self.modules, fwd, bwd = module_reports(target, values, self.params)
+        for name, res in precision.resolve(session.model).items():
+            if res.quantized and name in self.modules:
+                self.modules[name].quantized = res.policy.name
         self.update = session.update
         if self.update is not None:
             grads = {n: g.value for n, g in ref.param_grads.items() if g is not None}
@@ -138,9 +142,19 @@ class Diagnosis:
             p.nonfinite for p in self.params.values()
         )
 
-    def passes(self, tolerance: float = DEFAULT_TOLERANCE) -> bool:
+    @property
+    def default_tolerance(self) -> float:
+        """The relative error `passes` and `recommend` accept unless told: looser under a
+        quantized policy, whose healthy layers already differ more from float."""
+        quantized = any(isinstance(p, QuantizedPolicy) for p in self.precision.policies())
+        return QUANTIZED_TOLERANCE if quantized else DEFAULT_TOLERANCE
+
+    def passes(self, tolerance: float | None = None) -> bool:
         """The target run is finite, no module is broken, and the loss and the gradient
-        (as one vector) are within `tolerance` relative error of the reference's."""
+        (as one vector) are within `tolerance` (default: `default_tolerance`) relative error
+        of the reference's."""
+        if tolerance is None:
+            tolerance = self.default_tolerance
         return (
             self.finite
             and not any(m.verdict == BROKEN for m in self.modules.values())
@@ -151,8 +165,9 @@ class Diagnosis:
     # -- the fix -----------------------------------------------------------------------------
 
     def _safer(self, module: ModuleReport, current: Policy | None) -> Policy | None:
-        """The next, safer policy for `module`: bfloat16 for a float16 range problem when
-        this device runs bfloat16, else float32; None when float32 was tried already."""
+        """The next, safer policy for `module`: a quantized layer first goes back to the float
+        policy it was quantized from; then bfloat16 for a float16 range problem when this
+        device runs bfloat16, else float32; None when float32 was tried already."""
         inherited = self.precision.resolve(self._session.model)[module.name].policy
         wide = (
             inherited.param_dtype
@@ -160,6 +175,10 @@ class Diagnosis:
             else torch.float32
         )
         steps = []
+        if isinstance(inherited, QuantizedPolicy):  # first the float policy it came from
+            source = inherited.source
+            steps.append(source)
+            inherited = source
         if (
             module.kind == "range"
             and self.dtype == torch.float16
@@ -177,6 +196,7 @@ class Diagnosis:
                 param_dtype=wide, compute_dtype=torch.float32, output_dtype=inherited.output_dtype
             )
         )
+        steps = list(dict.fromkeys(steps))  # a float32 source is already the last step
         if current is None:
             return steps[0]
         later = steps[steps.index(current) + 1 :] if current in steps else []
@@ -209,7 +229,7 @@ class Diagnosis:
             self.recommended_loss_scale,
         )
 
-    def recommend(self, tolerance: float = DEFAULT_TOLERANCE) -> Recommendation:
+    def recommend(self, tolerance: float | None = None) -> Recommendation:
         """The target policy with the fewest modules moved to a safer precision such that the
         target run is finite, has no broken module, and its loss and gradient are within
         `tolerance` (relative) of the reference.
@@ -219,6 +239,8 @@ class Diagnosis:
         the model. Raises PrecisionError when no per-module map gets there. The diagnosis
         itself is not changed: pass the result to `save` / `to_markdown` to report it.
         """
+        if tolerance is None:
+            tolerance = self.default_tolerance
         if not tolerance > 0:
             raise ValueError(f"tolerance must be a positive relative error, got {tolerance}")
         chosen: dict[str, Policy] = {}

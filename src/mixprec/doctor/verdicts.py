@@ -47,10 +47,14 @@ GRAD_FLUSH_AT_RISK = 0.05  # ... that become exactly zero
 GRAD_FLUSH_BROKEN = 0.5  # ... beyond this, the layer effectively stops learning
 ERROR_AT_RISK = 0.1  # a layer's relative error above this (SQNR below 20 dB) ...
 ERROR_GROWTH = 10.0  # ... and this many times the error already in its inputs
+QUANT_BROKEN = 0.5  # a quantized layer this wrong (SQNR below 6 dB) carries little signal
 LOSS_SCALE_MARGIN = 8.0  # recommended scale keeps scaled gradients this far below the max
 MAX_LOSS_SCALE = 2.0**24
 DEFAULT_LOSS_SCALE = 2.0**16  # where a DynamicLossScaler starts
 DEFAULT_TOLERANCE = 0.1  # relative loss/gradient error a recommended policy must reach
+# ... under a quantized policy: float8's e5m2 gradients keep 2 mantissa bits, so a healthy
+# float8 model's gradient is already 0.1-0.2 off the float one
+QUANTIZED_TOLERANCE = 0.3
 VANISH_AT_RISK = 0.25  # fraction of a layer's parameter updates that round away in storage
 VANISH_BROKEN = 0.9  # ... beyond this, the layer effectively stops learning
 UPDATE_RULES = ("adam", "sgd")
@@ -151,7 +155,10 @@ class ModuleReport:
     vanishing: float = 0.0  # share of its parameter updates that round away (with an lr)
     verdict: Verdict = OK
     reason: str = ""
-    kind: str = ""  # "range" (fixable by a wider range) or "precision" (needs float32)
+    # "range" (fixable by a wider range), "precision" (needs float32) or "quantization" (a
+    # quantized layer: its source float policy fixes it)
+    kind: str = ""
+    quantized: str = ""  # the quantized policy a quantized layer runs in
     origin: bool = False
     note: str = ""
 
@@ -386,11 +393,20 @@ def judge(
             and m.rel_error > ERROR_AT_RISK
             and m.rel_error > ERROR_GROWTH * m.input_rel_error
         ):
-            m.verdict, m.kind = AT_RISK, "precision"
-            m.reason = (
+            growth = (
                 f"its error against the reference grows to {m.rel_error:.2g} here "
                 f"(inputs {m.input_rel_error:.2g}; SQNR {m.sqnr_db:.1f} dB)"
             )
+            if m.quantized:
+                m.verdict = BROKEN if m.rel_error >= QUANT_BROKEN else AT_RISK
+                m.kind = "quantization"
+                m.reason = (
+                    f"quantized ({m.quantized}): {growth}; a few large values set the "
+                    "quantization scale, the rest lose their precision"
+                )
+            else:
+                m.verdict, m.kind = AT_RISK, "precision"
+                m.reason = growth
     if update is not None:
         _judge_vanishing(modules, update)
     # Blame the innermost module: a block whose child explains the problem is not flagged.

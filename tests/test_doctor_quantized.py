@@ -1,0 +1,80 @@
+"""The doctor under quantized policies: a layer whose activations have a few huge channels
+loses its signal when quantized (the scale follows the outliers); the doctor names it and
+recommends the float policy it was quantized from, and leaves healthy quantized models be."""
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.doctor import diagnose
+from mixprec.doctor.verdicts import BROKEN, QUANTIZED_TOLERANCE
+from mixprec.quantize.float8 import Float8Linear
+
+
+class Outliers(nn.Module):
+    """Multiplies the first channels by a huge factor, like the outlier features of LLMs."""
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[:, :4] * self.factor, x[:, 4:]], dim=1)
+
+
+def _planted(width: int, factor: float) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        Outliers(factor),
+        nn.Linear(width, width),  # the victim: its input's scale is set by 4 channels
+        nn.ReLU(),
+        nn.Linear(width, 16),
+    )
+    with torch.no_grad():
+        model[4].weight[:, :4] = 0  # the outlier channels carry no signal: the rest does
+    return model
+
+
+def _batch(width: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(32, 64), torch.randn(32, 16)
+
+
+@pytest.mark.filterwarnings("ignore:precision .* is slow")
+def test_float8_outliers_break_the_layer_after_them_and_its_float_policy_fixes_it():
+    # 2048 wide: torchao's size rule lets tensorwise float8 convert these layers
+    model = _planted(2048, 1e6)
+    d = diagnose(model, _batch(), nn.functional.mse_loss, "float8_from_float32")
+    (finding,) = d.findings
+    assert finding.name == "4" and finding.type == "Float8Linear"
+    assert finding.verdict == BROKEN and finding.kind == "quantization"
+    assert "float8_from_float32" in finding.reason and finding.sqnr_db < 6
+    assert d.default_tolerance == QUANTIZED_TOLERANCE and not d.passes()
+    fix = d.recommend()
+    assert fix.policy.rules == {"4": mixprec.Policy("float32")}
+    assert fix.verified.passes() and not fix.verified.findings
+    # the fix really runs layer 4 in float, the others still in float8
+    mixprec.apply(model, fix.policy, warn=False)
+    assert type(model[4]) is nn.Linear and isinstance(model[2], Float8Linear)
+
+
+@pytest.mark.filterwarnings("ignore:precision .* is slow")
+def test_int8_per_token_activations_lose_the_small_channels_next_to_outliers():
+    model = _planted(64, 1e4)  # int8 quantizes layers of any size from 16 inputs
+    d = diagnose(model, _batch(), nn.functional.mse_loss, "int8_from_float32")
+    names = [f.name for f in d.findings]
+    assert names == ["4"] and d.findings[0].kind == "quantization"
+    assert "int8_from_float32" in d.findings[0].reason
+    assert d.recommend().policy.rules == {"4": mixprec.Policy("float32")}
+
+
+@pytest.mark.filterwarnings("ignore:precision .* is slow")
+def test_a_healthy_model_passes_under_float8_at_the_quantized_tolerance():
+    model = _planted(2048, 1.0)  # no outliers
+    d = diagnose(model, _batch(), nn.functional.mse_loss, "float8_from_float32")
+    assert not d.findings and d.passes()
+    assert d.grad_rel_error > 0  # it really ran in float8
