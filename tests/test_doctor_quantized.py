@@ -78,3 +78,20 @@ def test_a_healthy_model_passes_under_float8_at_the_quantized_tolerance():
     d = diagnose(model, _batch(), nn.functional.mse_loss, "float8_from_float32")
     assert not d.findings and d.passes()
     assert d.grad_rel_error > 0  # it really ran in float8
+
+
+def test_the_bench_times_quantized_policies_without_the_no_low_precision_paragraph(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "mixprec.cli", "bench", "--model", "mlp", "--precision"]
+    cmd += ["32-true", "int8_from_float32", "--batch-sizes", "4", "--steps", "2"]
+    cmd += ["--warmup", "0", "--threads", "1", "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    rows = json.loads((out / "results.json").read_text())["results"]
+    int8 = next(r for r in rows if r["config"]["spec"] == "int8_from_float32")
+    assert int8["result"]["status"] == "ok" and len(int8["result"]["mixprec"]["step_ms"]) == 2
+    text = (out / "report.md").read_text()
+    assert "int8_from_float32" in text and "why no mixed precision" not in text.lower()

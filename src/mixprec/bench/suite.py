@@ -43,7 +43,7 @@ from mixprec.hardware import (
     resolve_auto,
     resolve_policy,
 )
-from mixprec.policy import Policy
+from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.version import __version__
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -114,9 +114,13 @@ class Plan:
 
     @property
     def times_low_precision(self) -> bool:
-        """Whether any precision of the plan computes in a 16-bit (or narrower) dtype."""
+        """Whether any precision of the plan computes in a 16-bit (or narrower) dtype, or
+        quantizes its matmuls (int8, float8)."""
         low = (torch.float32, torch.float64)
-        return any(p.compute_dtype not in low for p in self.precisions.values())
+        return any(
+            p.compute_dtype not in low or isinstance(p, QuantizedPolicy)
+            for p in self.precisions.values()
+        )
 
 
 @dataclass
