@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch._dynamo
+import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
@@ -186,8 +187,15 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="benchmarks/results/compile_cpu.md")
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="disable inductor's on-disk caches, so first steps time a full compilation",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.cold:
+        inductor_config.force_disable_caches = True
     load_before = [round(x, 2) for x in os.getloadavg()]
     rows = []
     t_start = time.perf_counter()
@@ -231,7 +239,8 @@ def main() -> int:
         "",
         "graphs: graphs compiled for the variant's first step (1 = no graph break); the "
         "warm-up and timed steps ran with torch._dynamo.config.error_on_recompile, so none "
-        "recompiled.",
+        "recompiled. first step: the compiled variants' compilation, "
+        + ("inductor's caches disabled (--cold)." if args.cold else "inductor's caches on."),
     ]
     text = "\n".join(lines) + "\n"
     print(text)
