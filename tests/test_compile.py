@@ -22,9 +22,11 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec
+from mixprec.bench.command import _options
 from mixprec.bench.report import notes, summarize
 from mixprec.bench.runner import run_config
 from mixprec.bench.suite import BenchOptions, BenchReport, Row, _spec, metadata, plan
+from mixprec.cli import build_parser
 from mixprec.policy_map import PolicyMap
 from mixprec.trainer import Callback, Trainer, TrainingModule
 from mixprec.trainer.checkpoint import load
@@ -374,6 +376,9 @@ def test_bench_plan_labels_compiled_rows_and_reproduces_the_flag(tmp_path, monke
     assert all(c.compiled for c in p.configs)
     assert p.command.endswith("--allow-slow --compile")
     assert metadata(p)["compile"] is True
+    args = build_parser().parse_args(["bench", "--model", "factory.py:make", "--compile"])
+    assert _options(args).compile is True
+    assert _options(build_parser().parse_args(["bench"])).compile is False
 
 
 @pytest.mark.slow
