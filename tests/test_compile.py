@@ -342,6 +342,44 @@ def test_eager_checkpoint_loads_into_a_compiled_trainer(tmp_path):
     assert "_compiled_call_impl" not in module.__dict__
 
 
+class RankReport(Callback):
+    """Each rank saves its parameters, whether it ran compiled and the graphs it compiled."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_fit_end(self, trainer, model):
+        report = {
+            "params": model.state_dict(),
+            "compiled": "_compiled_call_impl" in model.__dict__,
+            "graphs": counters["stats"]["unique_graphs"],
+        }
+        torch.save(report, self.directory / f"rank{trainer.strategy.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_ddp_wraps_the_compiled_model(tmp_path):
+    """Compiled before the DDP wrapper: each rank compiles once and the ranks, which see
+    different halves of the data, end with the same weights (the gradients were reduced)."""
+    trainer = Trainer(
+        with_rule("bf16-mixed"),
+        devices=2,
+        strategy="ddp_fork",
+        max_epochs=1,
+        compile={"backend": BACKEND},
+        callbacks=[RankReport(tmp_path)],
+        allow_slow_precision=True,
+        **QUIET,
+    )
+    trainer.fit(net(), _data(), loss_fn=F.mse_loss)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r0["compiled"] and r1["compiled"]
+    assert r0["graphs"] == r1["graphs"] == 1
+    for name, p in r0["params"].items():
+        assert torch.equal(p, r1["params"][name]), name
+    assert not torch.equal(r0["params"]["fc1.weight"], net().fc1.weight)  # it trained
+
+
 # -- mixprec bench --compile ---------------------------------------------------------------
 
 FACTORY = """
