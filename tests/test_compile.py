@@ -240,6 +240,10 @@ def test_compile_flag_is_checked():
         Trainer(compile="yes", **QUIET)
     with pytest.raises(ValueError, match=r"'mod', not a torch.compile argument; accepted: "):
         Trainer(compile={"mod": "max-autotune"}, **QUIET)
+    with pytest.raises(ValueError, match=r"compile=\{'mode': 'fast'\}: Unrecognized mode=fast"):
+        Trainer(compile={"mode": "fast"}, **QUIET)
+    with pytest.raises(ValueError, match=r"Invalid backend: 'nope'"):
+        Trainer(compile={"backend": "nope"}, **QUIET)
     assert Trainer(compile=True, **QUIET).compile == {}
     assert Trainer(compile={"mode": "reduce-overhead"}, **QUIET).compile == {
         "mode": "reduce-overhead"

@@ -126,6 +126,10 @@ def _compile_keywords() -> list[str]:
     return [name for name in params if name != "model"]
 
 
+def _no_op() -> None:
+    """What `compile_options` hands torch.compile to check the arguments (never called)."""
+
+
 def compile_options(value: Any) -> dict[str, Any] | None:
     """The torch.compile keyword arguments a Trainer's ``compile`` flag means: ``True`` is
     torch's defaults (``{}``), a dict is passed on as given, ``False``/``None`` is eager."""
@@ -141,6 +145,10 @@ def compile_options(value: Any) -> dict[str, Any] | None:
                 f"compile got {', '.join(map(repr, unknown))}, not a torch.compile argument; "
                 f"accepted: {', '.join(accepted)}"
             )
+        try:  # torch checks mode, backend and options when wrapping, not at the first step
+            torch.compile(_no_op, **value)
+        except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, InvalidBackend...
+            raise ValueError(f"compile={dict(value)!r}: {err}") from None
         return dict(value)
     raise ValueError(
         "compile must be True (torch.compile with its defaults), False, or a dict of "

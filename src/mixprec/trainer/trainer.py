@@ -88,8 +88,8 @@ class Trainer:
         allow_slow_precision: accept a precision that runs far slower than float32 on this
             device (float16 on CPUs without float16 hardware) instead of raising.
         compile: ``True`` compiles the model with ``torch.compile`` (torch's defaults), a dict
-            passes those keyword arguments (``{"mode": "max-autotune"}``), ``False`` runs it
-            eagerly. The model is compiled in place (``nn.Module.compile``) after conversion
+            passes those keyword arguments (``{"mode": "max-autotune"}``; checked by torch
+            when the Trainer is built), ``False`` runs it eagerly. The model is compiled in place (``nn.Module.compile``) after conversion
             and device placement, before DDP wrapping, and handed back uncompiled after the
             run; checkpoints keep its plain state-dict keys. A ``TrainingModule``'s steps run
             eagerly around its compiled ``__call__`` (``self(x)``), as in Lightning.
