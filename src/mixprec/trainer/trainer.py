@@ -89,10 +89,11 @@ class Trainer:
             device (float16 on CPUs without float16 hardware) instead of raising.
         compile: ``True`` compiles the model with ``torch.compile`` (torch's defaults), a dict
             passes those keyword arguments (``{"mode": "max-autotune"}``; checked by torch
-            when the Trainer is built), ``False`` runs it eagerly. The model is compiled in place (``nn.Module.compile``) after conversion
-            and device placement, before DDP wrapping, and handed back uncompiled after the
-            run; checkpoints keep its plain state-dict keys. A ``TrainingModule``'s steps run
-            eagerly around its compiled ``__call__`` (``self(x)``), as in Lightning.
+            when the Trainer is built), ``False`` runs it eagerly. The model is compiled in
+            place (``nn.Module.compile``) after conversion and device placement, before DDP
+            wrapping, and handed back uncompiled after the run; checkpoints keep its plain
+            state-dict keys. A ``TrainingModule``'s steps run eagerly around its compiled
+            ``__call__`` (``self(x)``), as in Lightning.
 
     Raises ``ValueError`` for a flag outside what is accepted (the message lists it),
     ``mixprec.PolicySpecError`` for an unknown precision, ``mixprec.PrecisionError`` when
