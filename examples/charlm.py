@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
-from mixprec.trainer import Trainer, TrainingModule
+from mixprec import Precision
+from mixprec.trainer import Callback, Trainer, TrainingModule
 
 # Modules present, under these names, in every CPython from 3.8 on.
 STDLIB_FILES = (
@@ -184,14 +185,23 @@ def run(
     root: str = "runs/charlm",
     seed: int = 0,
     width: int = 256,
+    compensation: str | None = None,
+    callbacks: list[Callback] | None = None,
 ) -> dict[str, object]:
-    """Train for ``steps`` optimizer steps; return the held-out loss with timings."""
+    """Train for ``steps`` optimizer steps; return the held-out loss with timings.
+    ``compensation`` ("kahan" or "stochastic") steps 16-bit weights without float32 masters
+    (a ``*-true`` precision)."""
     torch.manual_seed(seed)
     block = 128
     train, val = charlm_loaders(block, batch_size)
     model = CharGPT(block=block, dim=width, steps=steps)
+    spec = (
+        precision
+        if compensation is None
+        else Precision(precision, compensation=compensation, allow_slow=allow_slow)
+    )
     trainer = Trainer(
-        precision=precision,
+        precision=spec,
         devices=devices,
         max_steps=steps,
         val_check_interval=min(len(train), steps),
@@ -199,6 +209,7 @@ def run(
         default_root_dir=root,
         seed=seed,
         allow_slow_precision=allow_slow,
+        callbacks=callbacks,
     )
     start = time.perf_counter()
     trainer.fit(model, train, val)
@@ -214,6 +225,7 @@ def run(
     return {
         "example": "charlm",
         "precision": trainer.policy.name,
+        "compensation": compensation,
         "steps": trainer.global_step,
         "train_bytes": len(train.dataset) * block,
         "fit_seconds": round(fit_seconds, 2),
@@ -232,6 +244,11 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1, help="processes (ddp when > 1)")
     parser.add_argument("--width", type=int, default=256, help="model width (4 heads)")
     parser.add_argument("--allow-slow", action="store_true", help="run fp16 without fp16 hardware")
+    parser.add_argument(
+        "--compensation",
+        choices=["kahan", "stochastic"],
+        help="compensated updates of 16-bit weights (with a *-true precision)",
+    )
     parser.add_argument("--root", default="runs/charlm", help="logs and checkpoints go here")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     args = parser.parse_args()
@@ -243,6 +260,7 @@ def main() -> None:
         args.allow_slow,
         args.root,
         width=args.width,
+        compensation=args.compensation,
     )
     print(json.dumps(result, indent=2))
     if args.json:

@@ -55,6 +55,7 @@ def _info(args: argparse.Namespace) -> int:
         if where:
             name = str(dtype).removeprefix("torch.")
             console.print(f"{name} would be fast on: {where}", highlight=False)
+    console.print(_STRATEGIES, highlight=False)
     if args.measure:
         rates = measure(device=info.device, seconds=args.seconds)
         t = Table(title="matmul throughput (measured now)")
@@ -66,6 +67,15 @@ def _info(args: argparse.Namespace) -> int:
             t.add_row(dtype, f"{rate:,.1f}", _relative(rate, base))
         console.print(t)
     return 0
+
+
+_STRATEGIES = (
+    "several processes: Trainer(strategy='ddp') while the model, its gradients and optimizer "
+    "state fit one device (each process holds all of them; one all-reduce per step); "
+    "strategy='fsdp' when they do not (each of N processes holds 1/N of them, plus one unit's "
+    "gathered parameters at a time; an all-gather per unit in forward and backward). Memory "
+    "per rank, measured: mixprec bench --strategy fsdp --devices 2"
+)
 
 
 def _relative(rate: float, base: float | None) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
 import threading
 import warnings
 from collections.abc import Iterator
@@ -109,6 +110,15 @@ class _Region:
         # Below the root a "true"/island region must switch off an enclosing autocast.
         self.disable_autocast = not policy.is_mixed and parent is not None
         self.original = original
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The signature of the forward this region stands for: code that reads
+        `inspect.signature(model.forward)` (Hugging Face's Trainer picks the batch keys to
+        keep by it) sees the real arguments, not `(*args, **kwargs)`."""
+        if self.original is not None:
+            return inspect.signature(self.original)
+        return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module

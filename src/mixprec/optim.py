@@ -46,7 +46,13 @@ from torch import nn
 from mixprec.compensated import COMPENSATED_DTYPES, Compensator, check_compensation
 from mixprec.scaling import LossScaler, as_loss_scaler
 
-__all__ = ["LossScaleOptimizer", "joint_step", "master_weights_by_name", "scheduler_step"]
+__all__ = [
+    "LossScaleOptimizer",
+    "SkipAwareScheduler",
+    "joint_step",
+    "master_weights_by_name",
+    "scheduler_step",
+]
 
 # which parameter dtypes get float32 masters, per value of `master_weights`
 _MASTER_DTYPES: dict[bool | None, tuple[torch.dtype, ...]] = {
@@ -718,3 +724,37 @@ def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) ->
         return False
     scheduler.step(*args, **kwargs)
     return True
+
+
+class SkipAwareScheduler:
+    """An LR scheduler that does not advance when its ``LossScaleOptimizer`` skipped its last
+    step, for trainers that step schedulers themselves (Lightning, Hugging Face).
+
+    Attributes (``optimizer``, ``get_last_lr``, ``last_epoch``) are the wrapped scheduler's,
+    and so is the state saved in checkpoints (they load without mixprec); the scheduler itself
+    is ``.scheduler``.
+    """
+
+    def __init__(self, scheduler: Any, optimizer: LossScaleOptimizer) -> None:
+        self.scheduler = scheduler
+        self.loss_scale_optimizer = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> bool:
+        """Advance unless the optimizer's last step was skipped; returns whether it did."""
+        return scheduler_step(self.scheduler, self.loss_scale_optimizer, *args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped scheduler's state."""
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the wrapped scheduler's state."""
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (copying, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+    def __repr__(self) -> str:
+        return f"SkipAwareScheduler({self.scheduler!r})"

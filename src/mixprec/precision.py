@@ -154,9 +154,15 @@ class Precision:
             torch.set_default_dtype(previous)
 
     def setup(
-        self, model: nn.Module, *optimizers: torch.optim.Optimizer | LossScaleOptimizer
+        self,
+        model: nn.Module,
+        *optimizers: torch.optim.Optimizer | LossScaleOptimizer,
+        convert: bool = True,
     ) -> Any:
         """Check the policy on the device, convert ``model`` in place and wrap ``optimizers``.
+
+        ``convert=False`` leaves the model's dtypes and forward alone, for a model sharded by
+        `mixprec.sharding.shard` (FSDP2 casts per unit, and the policy was checked there).
 
         Returns ``model`` alone, or ``(model, *wrapped_optimizers)`` when optimizers are
         given. All wrapped optimizers share this precision's one scaler. Build the optimizers
@@ -180,7 +186,8 @@ class Precision:
             self._resolve(self.device)
         described = {"info": self.device_info} if self.device_info is not None else {}
         check(self.policy, self.device, allow_slow=self.allow_slow, **described)
-        apply(model, self.policy, warn=False)
+        if convert:
+            apply(model, self.policy, warn=False)
         self.scaler.to(self.device)
         wrapped = [self._wrap(opt, model) for opt in optimizers]
         return (model, *wrapped) if wrapped else model

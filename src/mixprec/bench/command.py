@@ -10,9 +10,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
+from rich.markdown import Markdown
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mixprec.bench import distributed
 from mixprec.bench.models import BUILTIN_MODELS
 from mixprec.bench.report import (
     OUTPUT_FILES,
@@ -26,7 +29,9 @@ from mixprec.bench.report import (
 )
 from mixprec.bench.runner import OK, OOM, RunResult
 from mixprec.bench.suite import PRESETS, BenchOptions, Config, plan, run_bench
+from mixprec.hardware import detect
 from mixprec.outputs import check_output_dir
+from mixprec.version import __version__
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -66,9 +71,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--model",
-        default="cnn",
         help=f"{', '.join(BUILTIN_MODELS)}, or module:factory / file.py:factory (a function "
-        "returning (model, make_batch(batch_size), loss_fn(outputs, targets)))",
+        "returning (model, make_batch(batch_size), loss_fn(outputs, targets))); default cnn "
+        "(transformer with --strategy)",
     )
     p.add_argument(
         "--precision",
@@ -124,6 +129,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "torch loop alike; the first step compiles and is reported apart",
     )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
+    p.add_argument(
+        "--strategy",
+        choices=distributed.STRATEGIES,
+        help="instead of timing: memory per rank of data-parallel training over --devices "
+        "processes, sharded (fsdp, compared with ddp) or whole (ddp); default precisions "
+        f"{' '.join(distributed.DEFAULT_PRECISIONS)}, model transformer, batch 2, 2 steps",
+    )
+    p.add_argument("--devices", type=int, default=2, help="processes for --strategy (default 2)")
     p.add_argument("--out", type=Path, help="output folder (default ./mixprec-bench/<timestamp>)")
     p.set_defaults(func=run_command)
     return p
@@ -132,7 +145,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def _options(args: argparse.Namespace) -> BenchOptions:
     batch_sizes = [b for group in args.batch_sizes for b in group] if args.batch_sizes else None
     return BenchOptions(
-        model=args.model,
+        model=args.model or "cnn",
         precisions=args.precision,
         batch_sizes=batch_sizes,
         image_size=args.image_size,
@@ -151,6 +164,63 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     )
 
 
+def run_memory_command(args: argparse.Namespace, console: Console, err: Console, out: Path) -> int:
+    """`--strategy`: memory per rank of DDP and FSDP training (`mixprec.bench.distributed`)."""
+    strategies = ["ddp", "fsdp"] if args.strategy == "fsdp" else ["ddp"]
+    precisions = args.precision or list(distributed.DEFAULT_PRECISIONS)
+    batch = [b for group in args.batch_sizes for b in group][0] if args.batch_sizes else 2
+    device = "cuda" if (args.device or "").startswith("cuda") else "cpu"
+    try:
+        if args.devices < 1 or (args.steps is not None and args.steps < 1):
+            raise ValueError("--devices and --steps must be at least 1")
+        if device == "cuda" and args.devices > torch.cuda.device_count():
+            raise ValueError(
+                f"--devices {args.devices} but {torch.cuda.device_count()} GPUs are visible"
+            )
+        distributed.check_precisions(precisions, device, args.allow_slow)
+        check_output_dir(out, "--out", keep=distributed.OUTPUT_FILES)
+    except ValueError as e:
+        err.print(f"[red]mixprec bench: error:[/] {e}", highlight=False, soft_wrap=True)
+        return 2
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.devices)
+    specs = [
+        distributed.MemorySpec(
+            strategy,
+            precision,
+            args.model or "transformer",
+            batch,
+            args.steps or 2,
+            args.devices,
+            device,
+            threads,
+            args.allow_slow,
+        )  # fmt: skip
+        for precision in precisions
+        for strategy in strategies
+    ]
+    command = distributed.command_line()
+    console.print(f"reproduce: {command}", highlight=False, soft_wrap=True)
+
+    def done(spec: distributed.MemorySpec, ranks: list[distributed.RankMemory]) -> None:
+        held = ", ".join(f"rank {r.rank} {r.held / 2**20:.2f} MiB" for r in ranks)
+        console.print(f"{spec.strategy} {spec.precision}: held {held}", highlight=False)
+
+    rows = distributed.run(specs, out / "ranks", done)
+    meta = {
+        "command": command,
+        "host": f"{detect(torch.device(device)).describe()}; {threads} threads per rank; "
+        f"torch {torch.__version__}; mixprec {__version__}",
+        "devices": args.devices,
+        "model": specs[0].model,
+        "batch_size": batch,
+        "steps": specs[0].steps,
+    }
+    paths = distributed.write(out, rows, meta)
+    console.print(Markdown(paths[1].read_text()))
+    console.print(f"results: {', '.join(map(str, paths))}", highlight=False)
+    return 0
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed `args`; returns the exit code."""
     console = Console()
@@ -158,6 +228,8 @@ def run_command(args: argparse.Namespace) -> int:
         console = Console(width=150)
     err = Console(stderr=True)
     out = args.out or Path("mixprec-bench") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if args.strategy is not None:
+        return run_memory_command(args, console, err, out)
     try:
         p = plan(_options(args))
         check_output_dir(out, "--out", keep=OUTPUT_FILES)

@@ -1,8 +1,10 @@
 """`mixprec doctor path/to/file.py:factory --precision 16-mixed`: argument parsing and printing.
 
 The factory takes no arguments and returns `(model, batch, loss_fn)`, or `(model, batch)`
-for a TrainingModule (or a model whose forward returns the loss). Exit status: 0 when the
-target precision runs clean, 1 when a module is broken in it, 2 for bad arguments.
+for a model that gives its own loss: a TrainingModule or LightningModule (`training_step`),
+a Hugging Face model (a dict batch with labels), or a model whose forward returns the loss.
+Exit status: 0 when the target precision runs clean, 1 when a module is broken in it, 2 for
+bad arguments.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ def _unpack(made: Any) -> tuple[Any, Any, Any]:
         model, batch, *rest = made
         return model, batch, rest[0] if rest else None
     raise FactoryError(
-        "the factory must return (model, batch, loss_fn), (training_module, batch) or a dict "
-        f"with 'model', 'batch' and optionally 'loss_fn'; got {type(made).__name__}"
+        "the factory must return (model, batch, loss_fn), (model, batch) for a model that "
+        "gives its own loss (TrainingModule, LightningModule, Hugging Face model with labels "
+        "in the batch), or a dict with 'model', 'batch' and optionally 'loss_fn'; got "
+        f"{type(made).__name__}"
     )
 
 
@@ -112,7 +116,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "factory",
         help="FILE.py:FACTORY or MODULE:FACTORY; the factory returns (model, batch, loss_fn) "
-        "or (training_module, batch)",
+        "or (model, batch) for a TrainingModule, LightningModule or Hugging Face model",
     )
     p.add_argument("--precision", default="16-mixed", help="target precision (16-mixed)")
     p.add_argument("--reference", default="32-true", help="reference precision (32-true)")

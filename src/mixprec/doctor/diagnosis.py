@@ -359,9 +359,11 @@ def diagnose(
     copies of the same weights, and compare them module by module.
 
     As in the Trainer, a batch `(inputs..., target)` gives `loss_fn(model(*inputs), target)`;
-    without `loss_fn`, a TrainingModule (any model with `training_step(batch, batch_idx)`)
-    is asked for its loss, and any other model must return the loss (or a dict with
-    "loss") from `model(batch)`.
+    without `loss_fn`, a Hugging Face model is called with the batch (a dict with labels) as
+    keyword arguments and its output's `.loss` taken; a TrainingModule or Lightning
+    LightningModule (any model with `training_step(batch, batch_idx)`) is asked for its
+    loss; and any other model must return the loss (or a dict with "loss") from
+    `model(batch)` (`mixprec.doctor.loss`).
 
     `loss_scale` is the scale the target's backward runs at: a number, a LossScaler (its
     current scale), or None for what a dynamic scaler starting at 2^16 settles at on this

@@ -11,10 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.convert import apply
+from mixprec.doctor.loss import batch_loss
 from mixprec.doctor.probe import (
     Probe,
     Recording,
-    floating_tensors,
     lowest_float,
     measure_param_grads,
     seeded,
@@ -23,20 +23,6 @@ from mixprec.doctor.verdicts import UpdateModel
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.scaling import StaticLossScaler
-
-
-def _as_loss(result: Any, where: str) -> Tensor:
-    if isinstance(result, dict):
-        if "loss" not in result:
-            raise TypeError(f"{where} returned a dict without a 'loss' key: {sorted(result)}")
-        result = result["loss"]
-    if not isinstance(result, Tensor) or result.numel() != 1 or not result.is_floating_point():
-        got = tuple(result.shape) if isinstance(result, Tensor) else type(result).__name__
-        raise TypeError(
-            f"{where} must give a scalar floating loss tensor (or a dict with 'loss'), got {got};"
-            " pass loss_fn=... with a batch of (inputs, targets)"
-        )
-    return result.reshape(())
 
 
 def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
@@ -88,30 +74,7 @@ class Session:
         the whole step in the policy's autocast region."""
         batch = precision.convert_input(self.batch)
         with precision.autocast():
-            if self.loss_fn is not None:
-                if not isinstance(batch, (list, tuple)) or len(batch) < 2:
-                    raise TypeError(
-                        "with loss_fn the batch must be a tuple or list (inputs..., target), "
-                        f"got {type(batch).__name__}"
-                        + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else "")
-                    )
-                *inputs, target = batch
-                outputs = model(*inputs)
-                if not floating_tensors(outputs):
-                    raise TypeError(
-                        f"the model's output holds no floating tensor ({_kinds(outputs)}): no "
-                        "loss computed from it can reach the weights; return logits or "
-                        "scores, not argmax/indices"
-                    )
-                return _as_loss(self.loss_fn(outputs, target), "loss_fn")
-            step = getattr(model, "training_step", None)
-            if step is None:
-                return _as_loss(model(batch), "the model (no loss_fn given)")
-            # self.log has no trainer to go to here: drop its calls (on this copy only)
-            for name in ("log", "log_dict"):
-                if callable(getattr(model, name, None)):
-                    setattr(model, name, _ignore)
-            return _as_loss(step(batch, 0), "training_step")
+            return batch_loss(model, batch, self.loss_fn)
 
     def run(self, policy: PolicyMap, reference: Recording | None, scale: float) -> Recording:
         """One forward and backward of a fresh copy under `policy`, probed."""
@@ -145,17 +108,6 @@ class Session:
             for name, m in model.named_modules()
         }
         return rec
-
-
-def _kinds(outputs: Any) -> str:
-    """What a model returned, for an error: the dtype of a tensor, else the type's name."""
-    if isinstance(outputs, Tensor):
-        return f"a {str(outputs.dtype).removeprefix('torch.')} tensor"
-    return type(outputs).__name__
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    """Stands in for TrainingModule.log during a diagnosis."""
 
 
 def grad_amax(ref: Recording) -> float:

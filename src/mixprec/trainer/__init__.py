@@ -1,4 +1,5 @@
-"""The Trainer: a fit loop with a precision flag, callbacks, loggers, checkpoints and DDP."""
+"""The Trainer: a fit loop with a precision flag, callbacks, loggers, checkpoints, DDP and
+FSDP."""
 
 from mixprec.trainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from mixprec.trainer.checkpoint import CheckpointError
@@ -7,6 +8,7 @@ from mixprec.trainer.loggers import CSVLogger, Logger, TensorBoardLogger
 from mixprec.trainer.loop import EmptyEpochError
 from mixprec.trainer.module import TrainingModule
 from mixprec.trainer.progress import RichProgressBar
+from mixprec.trainer.strategy import FSDP
 from mixprec.trainer.trainer import Trainer
 
 __all__ = [
@@ -15,6 +17,7 @@ __all__ = [
     "CheckpointError",
     "EarlyStopping",
     "EmptyEpochError",
+    "FSDP",
     "Logger",
     "ModelCheckpoint",
     "RichProgressBar",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -287,7 +288,13 @@ class ModelCheckpoint(Callback):
         resumed = trainer.ckpt_path is not None and _same_file(target, trainer.ckpt_path)
         if resumed or self.dirpath is None or target.parent.resolve() != self.dirpath.resolve():
             return
-        if trainer.is_global_zero:
+        if not trainer.is_global_zero:
+            return
+        if target.is_dir():  # sharded: renamed out of sight first, never left half-deleted
+            aside = target.with_name(f".{target.name}.{os.getpid()}.removed")
+            os.replace(target, aside)
+            shutil.rmtree(aside)
+        else:
             target.unlink(missing_ok=True)
 
     def state_dict(self) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import pickle
 import random
 import re
 import secrets
+import shutil
 import signal
 import socket
 import threading
@@ -83,8 +84,9 @@ def _alive(pid: int) -> bool:
 
 
 def clean_stale_tmp(directory: Path) -> list[Path]:
-    """Remove temporary files that killed saves left in ``directory``: those written on this
-    host by a process that no longer runs (a save in progress elsewhere is never touched)."""
+    """Remove temporary files (and directories) that killed saves left in ``directory``:
+    those written on this host by a process that no longer runs (a save in progress
+    elsewhere is never touched)."""
     removed = []
     for entry in directory.glob(".*.tmp"):
         m = _TMP.fullmatch(entry.name)
@@ -92,7 +94,10 @@ def clean_stale_tmp(directory: Path) -> list[Path]:
             continue
         pid = int(m["pid"])
         if pid != os.getpid() and not _alive(pid):
-            entry.unlink(missing_ok=True)
+            if entry.is_dir():  # a sharded checkpoint's (`mixprec.trainer.sharded`)
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
             removed.append(entry)
     if removed:
         log.info("removed %d temporary file(s) of interrupted saves in %s", len(removed), directory)
@@ -190,13 +195,18 @@ class CheckpointError(ValueError):
     """A file is not a readable mixprec checkpoint, or does not fit the run loading it."""
 
 
-# what every checkpoint the Trainer writes holds
+# what every checkpoint the Trainer writes holds; a sharded one's run state (`run_state`)
+# holds RUN_KEYS, its weights and optimizer state are in DCP shards (`sharded`)
+RUN_KEYS = ("loop", "schedulers", "precision", "callbacks", "rng")
 _KEYS = ("loop", "model", "optimizers", "schedulers", "precision", "callbacks", "rng")
 
 
-def load(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, Any]:
+def load(
+    path: str | os.PathLike[str], map_location: Any = "cpu", *, required: tuple[str, ...] = _KEYS
+) -> dict[str, Any]:
     """Read a checkpoint written by `atomic_save`; raise `CheckpointError` for anything else
-    (truncated, empty, garbage, text, a pickled model, another program's checkpoint)."""
+    (truncated, empty, garbage, text, a pickled model, another program's checkpoint), or one
+    lacking a ``required`` key."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no checkpoint at {path}")
@@ -226,7 +236,7 @@ def load(path: str | os.PathLike[str], map_location: Any = "cpu") -> dict[str, A
             f"{path} has checkpoint format version {state['format_version']}, newer than this "
             f"mixprec understands ({FORMAT_VERSION}); upgrade mixprec to load it"
         )
-    missing = [k for k in _KEYS if k not in state]
+    missing = [k for k in required if k not in state]
     if missing:
         raise CheckpointError(
             f"{path} is not a readable mixprec checkpoint: it lacks {', '.join(missing)}"
@@ -305,6 +315,16 @@ def resolve_path(
 
 def checkpoint_state(trainer: Trainer, run: FitRun) -> dict[str, Any]:
     """Everything needed to resume ``run`` exactly where it is now."""
+    return {
+        **run_state(trainer, run),
+        "model": run.model.state_dict(),
+        "optimizers": [opt.state_dict() for opt in run.optimizers],
+    }
+
+
+def run_state(trainer: Trainer, run: FitRun) -> dict[str, Any]:
+    """What a checkpoint holds besides the weights and the optimizers' state: versions,
+    policy, loop position, schedulers, scaler, callbacks, this process's RNG states."""
     at_epoch_end = run.epoch_finished
     return {
         "format": FORMAT,
@@ -320,8 +340,6 @@ def checkpoint_state(trainer: Trainer, run: FitRun) -> dict[str, Any]:
             "epoch_batches": run.num_training_batches,
             "batch_size": loader_batch_size(run.train_loader),
         },
-        "model": run.model.state_dict(),
-        "optimizers": [opt.state_dict() for opt in run.optimizers],
         "optimizer_types": [type(opt.optimizer).__name__ for opt in run.optimizers],
         "schedulers": [s.scheduler.state_dict() for s in run.schedulers],
         "precision": run.precision.state_dict(),
@@ -394,7 +412,7 @@ def _check_optimizers(run: FitRun, state: dict[str, Any], path: Path) -> None:
             )
 
 
-def _check_resume_point(run: FitRun, loop: dict[str, Any], path: Path) -> None:
+def check_resume_point(run: FitRun, loop: dict[str, Any], path: Path) -> None:
     """A mid-epoch checkpoint replays its epoch's order and skips the batches done: that
     needs the same batches as at the save."""
     if not loop["batch"]:
@@ -464,7 +482,7 @@ def restore(trainer: Trainer, run: FitRun, state: dict[str, Any], path: Path) ->
             f"{path} was saved mid-epoch with {state['world_size']} processes; resuming "
             f"mid-epoch needs the same number (this run has {trainer.world_size})"
         )
-    _check_resume_point(run, loop, path)
+    check_resume_point(run, loop, path)
     same = load_weights(run, state, path)
     if not same:
         names = {p: n for n, p in run.model.named_parameters()}

@@ -1,4 +1,6 @@
-"""Where training runs: one device, or one process per device with DistributedDataParallel.
+"""Where training runs: one device, or one process per device with DistributedDataParallel
+(every process holds the whole model) or FSDP2 (parameters, gradients and optimizer state
+sharded across the processes: ``FSDPStrategy``, `mixprec.sharding.shard`).
 
 ``DDPStrategy`` works in two ways. Launched by ``torchrun`` (the environment holds ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), each process joins the
@@ -6,7 +8,7 @@ group the launcher described; this is also how training spans several machines. 
 a plain ``python`` process, the Trainer launches the processes itself on this machine
 (``torch.multiprocessing``, "spawn" by default, "fork" with ``strategy="ddp_fork"``); each
 child then sees the same environment variables a torchrun child would and takes the first
-path. The backend is gloo on CPU and nccl on CUDA.
+path. The backend is gloo on CPU and nccl on CUDA. ``FSDPStrategy`` launches the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +32,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
+from mixprec.errors import PrecisionError
 from mixprec.precision import Precision
 from mixprec.trainer.callbacks import callback_states
 from mixprec.trainer.data import distributed
@@ -38,7 +42,7 @@ if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
-STRATEGIES = ("auto", "single_device", "ddp", "ddp_fork")
+STRATEGIES = ("auto", "single_device", "ddp", "ddp_fork", "fsdp")
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -101,13 +105,51 @@ def resolve_devices(accelerator: str, devices: int | str | list[int]) -> list[in
     return ids
 
 
+@dataclass(frozen=True)
+class FSDP:
+    """Settings of ``Trainer(strategy=FSDP(...))``; ``strategy="fsdp"`` is ``FSDP()``.
+
+    Args:
+        wrap: ``(name, module) -> bool``, the modules sharded as units of their own (default:
+            the blocks of top-level ModuleLists/Sequentials; float32 islands always are).
+            A module-level function: spawned processes unpickle it.
+        reduce_dtype: the dtype gradients are reduce-scattered in (float32 by default).
+        sync_micro_batches: with ``accumulate_grad_batches > 1``, False (default) keeps each
+            window's gradients unsharded and its parameters gathered between micro-batches
+            (no communication until the window's last backward, like DDP's ``no_sync``; one
+            unsharded copy of the parameters and gradients during the window); True
+            reduce-scatters and reshards after every micro-batch (least memory, most traffic).
+    """
+
+    wrap: Callable[[str, nn.Module], bool] | None = None
+    reduce_dtype: torch.dtype = torch.float32
+    sync_micro_batches: bool = False
+
+    def __post_init__(self) -> None:
+        if self.wrap is not None and not callable(self.wrap):
+            raise ValueError(f"FSDP(wrap=...) must be (name, module) -> bool, got {self.wrap!r}")
+        if self.reduce_dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise ValueError(
+                f"FSDP(reduce_dtype=...) must be a float dtype, got {self.reduce_dtype!r}"
+            )
+        if not isinstance(self.sync_micro_batches, bool):
+            raise ValueError(
+                "FSDP(sync_micro_batches=...) must be True or False, got "
+                f"{self.sync_micro_batches!r}"
+            )
+
+
 def make_strategy(
-    accelerator: str, devices: int | str | list[int], strategy: str
+    accelerator: str, devices: int | str | list[int], strategy: str | FSDP
 ) -> SingleDeviceStrategy:
     """The strategy object for the Trainer's ``accelerator``, ``devices`` and ``strategy``."""
+    settings = strategy if isinstance(strategy, FSDP) else FSDP()
+    if isinstance(strategy, FSDP):
+        strategy = "fsdp"
     if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(
-            f"unknown strategy {strategy!r}; accepted: {', '.join(map(repr, STRATEGIES))}"
+            f"unknown strategy {strategy!r}; accepted: {', '.join(map(repr, STRATEGIES))} "
+            "or an FSDP(...) object"
         )
     accel = resolve_accelerator(accelerator)
     ids = resolve_devices(accel, devices)
@@ -118,6 +160,8 @@ def make_strategy(
     if strategy == "single_device":
         device = torch.device("cuda", ids[0]) if accel == "cuda" else torch.device(accel)
         return SingleDeviceStrategy(device)
+    if strategy == "fsdp":
+        return FSDPStrategy(accel, ids, settings)
     return DDPStrategy(accel, ids, start_method="fork" if strategy == "ddp_fork" else "spawn")
 
 
@@ -126,6 +170,7 @@ class SingleDeviceStrategy:
 
     name = "single_device"
     launches_processes = False
+    sharded = False  # whether each process holds only a shard of the model
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -140,6 +185,19 @@ class SingleDeviceStrategy:
 
     def setup(self) -> None:
         """Join the process group, if any, and pin this process's device."""
+
+    def shard(self, model: nn.Module, precision: Precision) -> bool:
+        """Shard ``model`` in place under ``precision``'s policy; False when this strategy
+        keeps whole models (the precision then converts the model itself)."""
+        return False
+
+    def check_optimizers(self, model: nn.Module, optimizers: list[Any]) -> None:
+        """Raise if the optimizers cannot train ``model`` as this strategy set it up."""
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's whole state on the CPU in this process (a collective where sharded:
+        every process calls it, rank 0 gets the tensors)."""
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module that training steps run through."""
@@ -289,6 +347,94 @@ class DDPStrategy(SingleDeviceStrategy):
             return torch.load(Path(tmp) / "rank0.pt", weights_only=False)
 
 
+class FSDPStrategy(DDPStrategy):
+    """One process per device, launched as for DDP; parameters, gradients and optimizer
+    state sharded by FSDP2 under the run's policy (`mixprec.sharding.shard`): float32 sharded
+    masters for ``*-mixed`` policies, float32 islands as float32 units. Optimizers are built
+    after sharding; checkpoints are sharded (`mixprec.trainer.sharded`)."""
+
+    name = "fsdp"
+    sharded = True
+
+    def __init__(self, accelerator: str, device_ids: list[int], settings: FSDP | None = None):
+        if accelerator == "mps":
+            raise ValueError("strategy='fsdp' does not run on MPS; use accelerator='cpu' or 'cuda'")
+        super().__init__(accelerator, device_ids)
+        self.settings = settings or FSDP()
+
+    def shard(self, model: nn.Module, precision: Precision) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+
+        from mixprec.sharding import shard
+
+        sharded_as = (precision.policy.to_config(), self.settings)
+        if isinstance(model, FSDPModule):  # by an earlier fit/validate in this process
+            if model.__dict__.get("_mixprec_sharded_as") != sharded_as:
+                raise PrecisionError(
+                    f"this {type(model).__name__} is already sharded, under other settings "
+                    "than this run's (precision or FSDP(...)); FSDP shards a module once: "
+                    "build a new model, or use the same Trainer settings"
+                )
+            return True
+        stored = {r.policy.param_dtype for r in precision.policy.resolve(model).values()}
+        masters = {torch.float16} if precision.master_weights is None else set()
+        if precision.master_weights:
+            masters = {torch.float16, torch.bfloat16}
+        if stored & masters or precision.compensation is not None:
+            raise PrecisionError(
+                f"strategy='fsdp' keeps no float32 masters or compensation buffers beside 16-bit "
+                f"sharded parameters (precision {precision.policy.name!r}, master_weights="
+                f"{precision.master_weights}, compensation={precision.compensation!r}): use a "
+                "'*-mixed' policy, whose sharded parameters are the float32 masters, or "
+                "Precision(..., master_weights=False) for 16-bit weights without them"
+            )
+        shard(
+            model,
+            precision.policy,
+            wrap=self.settings.wrap,
+            scaler=precision.scaler,
+            reduce_dtype=self.settings.reduce_dtype,
+            allow_slow=precision.allow_slow,
+        )
+        model.__dict__["_mixprec_sharded_as"] = sharded_as
+        return True
+
+    def check_optimizers(self, model: nn.Module, optimizers: list[Any]) -> None:
+        mine = {id(p) for p in model.parameters()}
+        for opt in optimizers:
+            if any(id(p) not in mine for g in opt.param_groups for p in g["params"]):
+                raise PrecisionError(
+                    f"this {type(opt).__name__} holds parameters the sharded model does not "
+                    "have: it was built before sharding (FSDP replaces the parameters), so it "
+                    "would never train the model. Build it from self.parameters() inside "
+                    "configure_optimizers, or pass a factory: "
+                    "fit(..., optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))"
+                )
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model  # FSDP's hooks sit on the sharded model's units
+
+    def no_sync(self, wrapped: nn.Module, sync: bool) -> AbstractContextManager[Any]:
+        from torch.distributed.fsdp import FSDPModule
+
+        root = getattr(wrapped, "module", wrapped)
+        if self.settings.sync_micro_batches or not isinstance(root, FSDPModule):
+            return contextlib.nullcontext()
+        # outside the window's last micro-batch: no reduce-scatter, no reshard after backward
+        root.set_requires_gradient_sync(sync)
+        root.set_reshard_after_backward(sync)
+        return contextlib.nullcontext()
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -360,6 +506,9 @@ def run_in_child(
     """A launched process's whole job: run, and report what the parent needs (rank 0's is
     kept): the result, the summary, the model's weights, progress and callback states."""
     result = trainer._run(stage, model, kwargs)
+    weights = trainer._gathered  # a sharded model's whole state, gathered before teardown
+    if weights is None:
+        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if stage == "fit":
         result, summary = None, result["summary"]
     else:
@@ -367,7 +516,7 @@ def run_in_child(
     return {
         "result": result,
         "summary": summary,
-        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "model": weights,
         "trainer": {
             **{key: getattr(trainer, key) for key in TRAINER_PROGRESS},
             "callback_metrics": trainer.callback_metrics,
@@ -385,7 +534,8 @@ def launch_stage(
     for lg in trainer.loggers:
         lg.version  # noqa: B018 (fix the run directory before the children start)
     out = strategy.launch(run_in_child, trainer, stage, model, kwargs)
-    Precision(trainer.policy, device="cpu", allow_slow=True).setup(model)
+    if not strategy.sharded:  # a sharded run's weights land in the model as it was given
+        Precision(trainer.policy, device="cpu", allow_slow=True).setup(model)
     model.load_state_dict(out["model"])
     progress = out["trainer"]
     for key in TRAINER_PROGRESS:

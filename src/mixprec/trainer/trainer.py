@@ -14,11 +14,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from mixprec.optim import LossScaleOptimizer
 from mixprec.precision import Precision
 from mixprec.trainer import checkpoint as ckpt_io
+from mixprec.trainer import sharded
 from mixprec.trainer.callbacks import Callback, ModelCheckpoint
 from mixprec.trainer.config import (
     TrainerConfig,
@@ -52,7 +54,7 @@ from mixprec.trainer.metrics import (
 )
 from mixprec.trainer.module import MODULE_HOOKS, TrainingModule
 from mixprec.trainer.optimizers import configured_optimizers, scheduler_entry
-from mixprec.trainer.strategy import DDPStrategy, launch_stage, make_strategy
+from mixprec.trainer.strategy import FSDP, DDPStrategy, launch_stage, make_strategy
 
 
 class Trainer:
@@ -68,7 +70,11 @@ class Trainer:
         devices: processes/GPUs to use (an int, a list of GPU indices, or ``"auto"``).
         strategy: ``"auto"`` (one device, or ``"ddp"`` when ``devices > 1``),
             ``"single_device"``, ``"ddp"`` (joins torchrun, else spawns the processes),
-            ``"ddp_fork"`` (forks them: works with lambdas and notebooks; Linux, CPU).
+            ``"ddp_fork"`` (forks them: works with lambdas and notebooks; Linux, CPU),
+            ``"fsdp"`` or ``FSDP(...)`` (launched as ``"ddp"``; parameters, gradients and
+            optimizer state sharded with FSDP2; optimizers built after sharding, so pass a
+            factory or use ``configure_optimizers``; checkpoints are sharded directories;
+            a spawned fit's weights land in the given model unconverted).
         max_epochs, max_steps: when to stop (both None: 1000 epochs, as in Lightning).
             A step is one optimizer step, taken or skipped for overflow.
         accumulate_grad_batches: micro-batches per optimizer step.
@@ -107,7 +113,7 @@ class Trainer:
         precision: Any = "32-true",
         accelerator: str = "auto",
         devices: int | str | list[int] = 1,
-        strategy: str = "auto",
+        strategy: str | FSDP = "auto",
         max_epochs: int | None = None,
         max_steps: int | None = None,
         accumulate_grad_batches: int = 1,
@@ -164,6 +170,7 @@ class Trainer:
         self._metrics = MetricStore()
         self._log = StepLog(self.loggers, self.strategy)
         self._summary: dict[str, str] = {}  # from the processes a DDP launch started
+        self._gathered: dict[str, Tensor] | None = None  # a sharded run's weights, on rank 0
         self._fit_loss_fn: Any = None
         self._listeners: dict[str, list[Callback]] = {}
         self._uncompile: Callable[[], None] | None = None  # hands the run's model back eager
@@ -177,7 +184,14 @@ class Trainer:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(model=None, _current=None, _fit_loss_fn=None, _listeners={}, _uncompile=None)
+        state.update(
+            model=None,
+            _current=None,
+            _fit_loss_fn=None,
+            _listeners={},
+            _gathered=None,
+            _uncompile=None,
+        )
         return state
 
     # -- what callbacks and users read --------------------------------------------------------
@@ -291,6 +305,13 @@ class Trainer:
         """
         check_model(model, loss_fn)
         check_fit_inputs(self, model, train_dataloaders, val_dataloaders)
+        if self.strategy.sharded and isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(
+                f"strategy={self.strategy.name!r} builds the optimizer after sharding the model "
+                f"(FSDP replaces the parameters, so this {type(optimizer).__name__} would never "
+                "train it): pass a factory, e.g. optimizer=functools.partial(torch.optim.AdamW, "
+                "lr=1e-3), or build it in configure_optimizers"
+            )
         self._fit_loss_fn = loss_fn  # validate/test reuse it for this model
         kwargs = dict(train=train_dataloaders, val=val_dataloaders, loss_fn=loss_fn)
         self._launch("fit", model, dict(kwargs, optimizer=optimizer, ckpt_path=ckpt_path))
@@ -334,7 +355,10 @@ class Trainer:
         return self._launch("predict", model, dict(loader=dataloaders, ckpt_path=ckpt_path))
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
-        """Write everything needed to resume at this point (rank 0 writes; atomic)."""
+        """Write everything needed to resume at this point (rank 0 writes; atomic).
+
+        Under ``strategy="fsdp"`` every process calls it (ModelCheckpoint does) and the
+        checkpoint is a directory of shards (`mixprec.trainer.sharded`), atomic as a whole."""
         run = self._current
         if not isinstance(run, FitRun):
             raise RuntimeError(
@@ -347,14 +371,50 @@ class Trainer:
                 "accumulated gradients are not saved; save after an optimizer step"
             )
         path = Path(path)
-        if self.is_global_zero:
+        if self.strategy.sharded:
+            sharded.save(self, run, path)
+        elif self.is_global_zero:
             ckpt_io.atomic_save(ckpt_io.checkpoint_state(self, run), path)
         return path
 
     def link_checkpoint(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-        """Make ``dst`` an atomic copy of the checkpoint ``src`` (rank 0 only)."""
-        if self.is_global_zero:
+        """Make ``dst`` an atomic copy of the checkpoint ``src`` (rank 0 copies; a sharded
+        one's every rank calls this, as ModelCheckpoint does)."""
+        if Path(src).is_dir():
+            sharded.copy(self.strategy, src, dst)
+        elif self.is_global_zero:
             ckpt_io.atomic_link(src, dst)
+
+    def save_full_state_dict(self, path: str | os.PathLike[str]) -> Path:
+        """Write the model's whole state with floating tensors in float32, for inference:
+        a plain ``{name: tensor}`` file (atomic; ``torch.load(path, weights_only=True)``,
+        then ``model.load_state_dict``) loadable into the unsharded, unconverted model.
+
+        Inside a run (a callback) every process calls it: a sharded model is gathered and
+        rank 0 writes. After a fit it writes the weights the fit ended with (under torchrun
+        with ``"fsdp"``, those gathered on rank 0 when the fit ended). Float32 masters are
+        used where the run kept them; "true" 16-bit weights are cast (exact)."""
+        path = Path(path)
+        run = self._current
+        if self.stage is None and self._gathered is not None:
+            weights = self._gathered  # the process group is gone
+        elif run is not None:  # in this process, during or after a run
+            weights = self.strategy.full_state_dict(run.model)
+            if isinstance(run, FitRun):
+                names = {p: n for n, p in run.model.named_parameters()}
+                for opt in run.optimizers:
+                    weights.update({names[p]: m for p, m in opt.master_params.items()})
+        elif self.model is not None:  # trained in processes the Trainer launched
+            weights = dict(self.model.state_dict())
+        else:
+            raise RuntimeError("save_full_state_dict needs a model: call it during or after fit")
+        if self.is_global_zero:
+            full = {
+                k: v.detach().cpu().float() if v.is_floating_point() else v.detach().cpu()
+                for k, v in weights.items()
+            }
+            ckpt_io.atomic_save(full, path)
+        return path
 
     # -- launching ----------------------------------------------------------------------------
 
@@ -377,6 +437,7 @@ class Trainer:
     def _run(self, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
         """Run one stage in this process: seed, join the process group, set up, loop."""
         self.stage, self.model = stage, model
+        self._gathered = None
         self._metrics.clear()
         self._log.reset_run()
         self._listeners = {}
@@ -394,6 +455,8 @@ class Trainer:
                     result = self._fit(model, **kwargs)
                 else:
                     result = self._run_eval_stage(stage, model, **kwargs)
+                if self.strategy.sharded:  # while the process group is there
+                    self._gathered = self.strategy.full_state_dict(model)
                 failed = False
                 return result
             except BaseException as exc:
@@ -414,20 +477,26 @@ class Trainer:
                 self.strategy.teardown(failed)  # no waiting for the others after an error
 
     def _setup(
-        self, model: nn.Module, loss_fn: Any, optimizers: list[Any]
-    ) -> tuple[Precision, StepRunner, list[LossScaleOptimizer]]:
-        """Device, then precision (conversion, optimizer wrapping), then compilation: in that
-        order (DDP wraps the result)."""
+        self, model: nn.Module, loss_fn: Any, optimizer: Any = None, fit: bool = False
+    ) -> tuple[Precision, StepRunner, list[LossScaleOptimizer], list[dict[str, Any]]]:
+        """Device, then sharding (FSDP), then the optimizers (``fit``: built after sharding,
+        which replaces the parameters), then precision (conversion unless sharded, optimizer
+        wrapping), then compilation (``compile=``): in that order; DDP wraps the result.
+        Returns the scheduler configs too."""
         device = self.strategy.device
         model.to(device)
         precision = new_precision(
             self.policy, device, self.config.allow_slow_precision, self._precision_template
         )
+        is_sharded = self.strategy.shard(model, precision)
+        optimizers, scheduler_configs = configured_optimizers(model, optimizer) if fit else ([], [])
         made = [opt(model) if callable(opt) else opt for opt in optimizers]
-        wrapped = precision.setup(model, *made)
+        self.strategy.check_optimizers(model, made)
+        wrapped = precision.setup(model, *made, convert=not is_sharded)
         if self.config.compile is not None and self._uncompile is None:
             self._uncompile = compile_model(model, self.config.compile)
-        return precision, StepRunner(model, loss_fn), list(wrapped[1:]) if made else []
+        opts = list(wrapped[1:]) if made else []
+        return precision, StepRunner(model, loss_fn), opts, scheduler_configs
 
     def _fit(
         self,
@@ -438,8 +507,7 @@ class Trainer:
         optimizer: Any,
         ckpt_path: Path | None,
     ) -> dict[str, Any]:
-        optimizers, scheduler_configs = configured_optimizers(model, optimizer)
-        precision, runner, opts = self._setup(model, loss_fn, optimizers)
+        precision, runner, opts, scheduler_configs = self._setup(model, loss_fn, optimizer, True)
         wrapped = self.strategy.wrap(runner)
         seed = self.config.seed if self.config.seed is not None else 0
         train_loader = self.strategy.prepare_loader(train, seed)
@@ -465,7 +533,9 @@ class Trainer:
         self.current_epoch = self.global_step = self.batches_done = 0
         self.should_stop = False
         self.ckpt_path = ckpt_path
-        if ckpt_path is not None:
+        if ckpt_path is not None and ckpt_path.is_dir():
+            sharded.restore(self, run, ckpt_path)
+        elif ckpt_path is not None:
             ckpt_io.restore(self, run, ckpt_io.load(ckpt_path), ckpt_path)
         run.skipped_steps = precision.scaler.stats().skipped_steps
         self._hook("on_fit_start")
@@ -481,10 +551,12 @@ class Trainer:
         ckpt_path: Path | None,
         loss_fn: Any = None,
     ) -> Any:
-        precision, runner, _ = self._setup(model, loss_fn, [])
+        precision, runner, _, _ = self._setup(model, loss_fn)
         run = Run(model=model, precision=precision, runner=runner)
         self._current = run
-        if ckpt_path is not None:
+        if ckpt_path is not None and ckpt_path.is_dir():
+            sharded.load_weights(run, ckpt_path)
+        elif ckpt_path is not None:
             ckpt_io.load_weights(run, ckpt_io.load(ckpt_path), ckpt_path)
         if stage == "predict":
             return predict_loop(self, run, loader)

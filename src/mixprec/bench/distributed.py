@@ -1,0 +1,290 @@
+"""`mixprec bench --strategy fsdp --devices N`: memory per rank of data-parallel training,
+whole models (DDP) vs sharded ones (FSDP2 through `mixprec.sharding.shard`), per precision.
+
+Each (strategy, precision) runs in N fresh processes (gloo on CPU, nccl on CUDA), which
+train a few AdamW steps of the workload and report, per rank:
+
+- held bytes: the parameters, gradients and optimizer state this rank holds after a step
+  (before ``zero_grad``), summed from the tensors themselves (a DTensor's local shard). DDP's
+  communication buckets (about one more copy of the gradients) are not counted;
+- step peak: what the rank held before a step (parameters and optimizer state, as above) plus
+  the peak growth of live tensor bytes during the step, from the allocator's events
+  (``torch.profiler``; CUDA: ``max_memory_allocated``): activations, gradients, gathered
+  parameters and buckets included;
+- process peak RSS: the process's resident-set high-water mark (``ru_maxrss``), torch's own
+  libraries included, so it differs between strategies by less than the tensors do.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import resource
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from mixprec.bench.models import load_workload
+from mixprec.bench.runner import _measured
+from mixprec.hardware import check
+from mixprec.policy_map import as_map
+from mixprec.precision import Precision
+from mixprec.tree import map_tensors
+
+STRATEGIES = ("ddp", "fsdp")
+DEFAULT_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+OUTPUT_FILES = ("memory.json", "memory.md")
+
+
+@dataclass
+class MemorySpec:
+    """One (strategy, precision) measurement; picklable for the spawned ranks."""
+
+    strategy: str
+    precision: str
+    model: str
+    batch_size: int
+    steps: int
+    devices: int
+    device: str
+    threads: int
+    allow_slow: bool
+
+
+@dataclass
+class RankMemory:
+    """What one rank held and peaked at, in bytes."""
+
+    strategy: str
+    precision: str
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    step_peak: int
+    rss_peak: int
+    final_loss: float
+
+    @property
+    def held(self) -> int:
+        """Parameters + gradients + optimizer state."""
+        return self.params + self.grads + self.optimizer
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes this process holds: local shards of
+    DTensors, whole tensors otherwise; each storage counted once."""
+    params = sum(_local_bytes(p) for p in model.parameters())
+    grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    state = sum(
+        _local_bytes(v)
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    )
+    return params, grads, state
+
+
+def _blocks(name: str, module: nn.Module) -> bool:
+    return isinstance(module, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+
+
+def _rank(rank: int, spec: MemorySpec, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(spec.threads)
+    device = torch.device(spec.device, rank) if spec.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=spec.devices)
+    try:
+        work = load_workload(spec.model, seed=0)
+        model = work.model.to(device)
+        precision = Precision(spec.precision, device=device, allow_slow=spec.allow_slow)
+        adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+        if spec.strategy == "fsdp":
+            from mixprec.sharding import shard
+
+            wrap = _blocks if any(_blocks("", m) for m in model.modules()) else None
+            model, opt = shard(
+                model,
+                precision.policy,
+                wrap=wrap,
+                scaler=precision.scaler,
+                optimizer_factory=adamw,
+                allow_slow=spec.allow_slow,
+            )
+            model, lso = precision.setup(model, opt, convert=False)
+            step_model: nn.Module = model
+        else:
+            opt = adamw(model.parameters())
+            model, lso = precision.setup(model, opt)
+            ids = [device.index] if device.type == "cuda" else None
+            step_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        inputs, targets = work.make_batch(spec.batch_size)
+        inputs, targets = (map_tensors(lambda t: t.to(device), x) for x in (inputs, targets))
+
+        def step() -> tuple[torch.Tensor, tuple[int, int, int]]:
+            with precision.forward_context():
+                loss = work.loss_fn(step_model(inputs), targets)
+            precision.backward(loss)
+            precision.step()
+            held = held_bytes(model, opt)
+            lso.zero_grad(set_to_none=True)
+            return loss.detach(), held
+
+        for _ in range(max(0, spec.steps - 1)):
+            step()
+        before = sum(held_bytes(model, opt))  # no gradients between steps
+        (loss, held), growth = _measured(device, step)
+        row = RankMemory(
+            spec.strategy,
+            spec.precision,
+            rank,
+            *held,
+            step_peak=before + growth,
+            rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            final_loss=float(loss),
+        )
+        Path(out, f"rank{rank}.json").write_text(json.dumps(asdict(row)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure(spec: MemorySpec, workdir: Path) -> list[RankMemory]:
+    """Run ``spec`` in ``spec.devices`` fresh processes; every rank's numbers."""
+    out = workdir / f"{spec.strategy}-{spec.precision}"
+    out.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(
+        _rank,
+        args=(spec, _free_port(), str(out)),
+        nprocs=spec.devices,
+        start_method="spawn",
+        join=True,
+    )
+    return [
+        RankMemory(**json.loads((out / f"rank{r}.json").read_text())) for r in range(spec.devices)
+    ]
+
+
+def check_precisions(precisions: list[str], device: str, allow_slow: bool) -> None:
+    """Raise (`PrecisionError` / `SlowPrecisionError`, naming ``--allow-slow``) before any
+    process starts if a precision is refused or slow here."""
+    for spec in precisions:
+        check(as_map(spec), torch.device(device), allow_slow=allow_slow)
+
+
+def run(
+    specs: list[MemorySpec],
+    workdir: Path,
+    on_done: Callable[[MemorySpec, list[RankMemory]], None] | None = None,
+) -> list[RankMemory]:
+    """Measure every spec in turn."""
+    rows = []
+    for spec in specs:
+        ranks = measure(spec, workdir)
+        rows += ranks
+        if on_done is not None:
+            on_done(spec, ranks)
+    return rows
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def summary(rows: list[RankMemory]) -> list[dict[str, Any]]:
+    """One line per (strategy, precision): the largest rank's held bytes (and their parts),
+    as a fraction of DDP's in the same precision, and the largest peaks over the ranks."""
+    groups: dict[tuple[str, str], list[RankMemory]] = {}
+    for r in rows:
+        groups.setdefault((r.strategy, r.precision), []).append(r)
+    worst = {k: max(ranks, key=lambda r: r.held) for k, ranks in groups.items()}
+    lines = []
+    for (strategy, precision), r in worst.items():
+        ddp = worst.get(("ddp", precision))
+        ranks = groups[(strategy, precision)]
+        lines.append(
+            {
+                "strategy": strategy,
+                "precision": precision,
+                "params": r.params,
+                "grads": r.grads,
+                "optimizer": r.optimizer,
+                "held": r.held,
+                "held_vs_ddp": r.held / ddp.held if ddp is not None else None,
+                "step_peak": max(x.step_peak for x in ranks),
+                "rss_peak": max(x.rss_peak for x in ranks),
+                "final_loss": r.final_loss,
+            }
+        )
+    return lines
+
+
+def _ratio(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}x"
+
+
+def markdown(lines: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    """The table with the command and host it was measured with."""
+    head = (
+        "| strategy | precision | params MiB | grads MiB | optimizer MiB | held MiB | "
+        "held vs DDP | step peak MiB | process peak RSS MiB |\n"
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    body = "".join(
+        f"| {x['strategy']} | {x['precision']} | {_mib(x['params'])} | {_mib(x['grads'])} | "
+        f"{_mib(x['optimizer'])} | {_mib(x['held'])} | {_ratio(x['held_vs_ddp'])} | "
+        f"{_mib(x['step_peak'])} | {_mib(x['rss_peak'])} |\n"
+        for x in lines
+    )
+    return (
+        f"# Memory per rank: DDP vs FSDP ({meta['devices']} ranks)\n\n"
+        f"command: `{meta['command']}`\n\nhost: {meta['host']}\n\n"
+        f"model: {meta['model']}, batch {meta['batch_size']} per rank, AdamW, "
+        f"{meta['steps']} steps\n\n"
+        f"{head}{body}\n"
+        "Per (strategy, precision), the rank holding the most. held = parameters + gradients "
+        "+ optimizer state this rank holds after a step (local shards of DTensors; DDP's "
+        "gradient buckets not counted); step peak = held before a step (parameters + "
+        "optimizer state) + the peak growth of live tensor bytes during it (allocator events "
+        "via torch.profiler on CPU, max_memory_allocated on CUDA): activations, gradients and "
+        "gathered parameters included; process peak RSS = the process's "
+        "high-water mark, torch's libraries included.\n"
+    )
+
+
+def write(out: Path, rows: list[RankMemory], meta: dict[str, Any]) -> list[Path]:
+    """memory.json (every rank, the summary, the command and host) and memory.md."""
+    out.mkdir(parents=True, exist_ok=True)
+    lines = summary(rows)
+    payload = {**meta, "summary": lines, "ranks": [asdict(r) for r in rows]}
+    paths = [out / OUTPUT_FILES[0], out / OUTPUT_FILES[1]]
+    paths[0].write_text(json.dumps(payload, indent=2))
+    paths[1].write_text(markdown(lines, meta))
+    return paths
+
+
+def command_line() -> str:
+    """How this process was started, for the record."""
+    return " ".join(["mixprec", *sys.argv[1:]])

@@ -1,0 +1,311 @@
+"""mixprec inside Hugging Face ``transformers.Trainer`` and ``accelerate.Accelerator``.
+
+- ``PrecisionMonitorCallback``: mixprec's ``PrecisionMonitor`` as a ``TrainerCallback``;
+  per-layer amax/underflow of every n-th step go to the Trainer's log history (and, given
+  the trainer, through ``trainer.log`` to its reporting integrations) and to a JSON-lines file.
+- ``MixprecTrainer``: ``transformers.Trainer`` training under a mixprec policy or
+  ``PolicyMap`` with mixprec's loss scaling. The HF loop stays as it is; four methods adapt it.
+- ``prepare``: set a model and optimizer up once for a hand-written Accelerate loop, which
+  then changes by its backward line: ``accelerator.backward(precision.scaler.scale(loss))``.
+
+Why a subclass and not just ``optimizers=(wrapped, scheduler)``: in ``Trainer.training_step``
+the backward is ``accelerator.backward(loss)``, which scales only with Accelerate's own
+``GradScaler``; gradient clipping (``max_grad_norm``, 1.0 by default) runs right after the
+last backward, on whatever the gradients hold; and the scheduler is gated on
+``accelerator.optimizer_step_was_skipped``, which knows only optimizers Accelerate wrapped
+(a ``LossScaleOptimizer`` is not a ``torch.optim.Optimizer``, so ``prepare`` passes it
+through unwrapped). ``MixprecTrainer`` scales the gradient of the loss (its logged value is
+unchanged), unscales after the last micro-batch so that HF clips true gradients, and steps
+the scheduler only when the optimizer stepped.
+
+Importing this module imports ``transformers`` (and ``accelerate`` on first use of
+``prepare``); ``import mixprec`` imports neither.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from mixprec.doctor.monitor import PrecisionMonitor
+from mixprec.optim import LossScaleOptimizer, SkipAwareScheduler
+from mixprec.precision import Precision
+from mixprec.scaling import LossScaler
+
+__all__ = [
+    "MixprecTrainer",
+    "PrecisionMonitorCallback",
+    "SkipAwareScheduler",
+    "prepare",
+    "scaled_backward_loss",
+]
+
+
+# -- the monitor ------------------------------------------------------------------------------
+
+
+class PrecisionMonitorCallback(transformers.TrainerCallback):
+    """Run a ``PrecisionMonitor`` inside ``transformers.Trainer``.
+
+    Hooks go in at the step's first micro-batch (``on_step_begin``) on every
+    ``every_n_steps``-th optimizer step only; the numbers are read after the last backward
+    (``on_pre_optimizer_step``), checked with the monitor's thresholds (a
+    ``PrecisionWarning`` naming the layer), and written at ``on_step_end`` under the HF step
+    number: ``precision/<layer>/amax``, ``/underflow``, ``/grad_amax``, ``/grad_underflow``,
+    and the loss scale and skipped steps when the optimizer is a ``LossScaleOptimizer``.
+
+    Args:
+        every_n_steps: monitor one optimizer step in this many (step 0 included).
+        path: also append one JSON line per monitored step to this file; ``None``: the
+            Trainer's ``output_dir``/``precision_monitor.jsonl``; ``False``: no file.
+        trainer: log through ``trainer.log`` (the log history and every ``report_to``
+            integration: TensorBoard, W&B...). A callback cannot reach the Trainer that runs
+            it, so without this the rows go to ``state.log_history`` only.
+        monitor: a configured ``PrecisionMonitor`` (thresholds, history) instead of one
+            built from ``every_n_steps`` and ``monitor_options``.
+        monitor_options: passed to ``PrecisionMonitor`` (``headroom``, ``horizon_steps``...).
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        *,
+        path: str | Path | None | bool = None,
+        trainer: transformers.Trainer | None = None,
+        monitor: PrecisionMonitor | None = None,
+        **monitor_options: Any,
+    ) -> None:
+        if monitor is not None and monitor_options:
+            raise ValueError(
+                "pass either a PrecisionMonitor or its options, not both: "
+                f"{sorted(monitor_options)}"
+            )
+        if path is True:
+            raise TypeError("path is a file path, None (in output_dir) or False (no file)")
+        self.monitor = monitor or PrecisionMonitor(every_n_steps, **monitor_options)
+        self.trainer = trainer
+        self._path = path
+        self.path: Path | None = None
+        self._rows: dict[str, float] = {}
+
+    @property
+    def warnings(self) -> list[str]:
+        """The warnings raised so far, each naming its layer."""
+        return self.monitor.warnings
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model = kwargs.get("model")
+        if not isinstance(model, nn.Module):
+            raise TypeError("PrecisionMonitorCallback needs the Trainer's model (got none)")
+        self.monitor.attach(model)
+        if self._path is False:
+            self.path = None
+        else:
+            self.path = Path(self._path or Path(args.output_dir) / "precision_monitor.jsonl")
+            if state.is_world_process_zero:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.monitor.start_step(state.global_step)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step = state.global_step
+        if not self.monitor.should_monitor(step):
+            return
+        self._rows = self.monitor.end_step(step, scaler=_scaler_of(kwargs.get("optimizer")))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        rows, self._rows = self._rows, {}
+        if not rows or not state.is_world_process_zero:
+            return
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": state.global_step, **_json_safe(rows)}) + "\n")
+        if self.trainer is not None:
+            self.trainer.log(dict(rows))  # adds "epoch" and "step" like every HF log row
+        else:
+            state.log_history.append({**rows, "step": state.global_step})
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.monitor.detach()
+
+
+def _scaler_of(optimizer: Any) -> LossScaler | None:
+    return optimizer.scaler if isinstance(optimizer, LossScaleOptimizer) else None
+
+
+def _json_safe(row: dict[str, float]) -> dict[str, float | str]:
+    """inf/NaN as strings: JSON has no literal for them."""
+    return {k: v if math.isfinite(v) else str(v) for k, v in row.items()}
+
+
+# -- transformers.Trainer ---------------------------------------------------------------------
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the incoming gradient by the loss scale through
+    ``LossScaler.scale``, the very product ``scaler.scale(loss).backward()`` computes."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, scaler: LossScaler) -> torch.Tensor:
+        ctx.scaler = scaler
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.scaler.scale(grad), None
+
+
+def scaled_backward_loss(loss: torch.Tensor, scaler: LossScaler) -> torch.Tensor:
+    """``loss`` with the same value, whose backward produces gradients scaled by ``scaler``:
+    for loops that call ``loss.backward()`` themselves and log the loss they backpropagate
+    (``transformers.Trainer``). The gradients equal those of ``scaler.scale(loss)``."""
+    if not scaler.enabled:
+        return loss
+    return _ScaleGradient.apply(loss, scaler)
+
+
+class MixprecTrainer(transformers.Trainer):
+    """``transformers.Trainer`` under a mixprec precision: the model converted by the policy
+    (per-layer rules, float32 islands), the optimizer wrapped in a ``LossScaleOptimizer``,
+    mixprec's loss scaling (float16), and a scheduler that does not advance on skipped steps.
+
+    ``precision`` is a ``mixprec.Precision`` or any spec it takes (``"bf16-mixed"``, a
+    ``PolicyMap``). Everything else is ``transformers.Trainer``'s, with ``fp16=False`` and
+    ``bf16=False`` (HF's own autocast would run on top of the policy). An optimizer passed in
+    ``optimizers=(optimizer, scheduler)`` is wrapped too; build its scheduler on the plain
+    optimizer. To combine with another Trainer subclass: ``class T(MixprecTrainer, SFTTrainer)``.
+
+    HF clips ``model.parameters()``. Under a "true" 16-bit policy with float32 master
+    weights the gradients live in the masters, out of its reach: that case is refused with
+    ``max_grad_norm > 0`` (set ``max_grad_norm=0``, or use a mixed policy).
+    """
+
+    def __init__(self, *args: Any, precision: Precision | Any, **kwargs: Any) -> None:
+        # checked before HF builds its Accelerator, whose precision is fixed per process
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if training_args is not None and (training_args.fp16 or training_args.bf16):
+            raise ValueError(
+                "MixprecTrainer owns the precision: set TrainingArguments(fp16=False, "
+                "bf16=False), or HF's autocast would run on top of mixprec's policy"
+            )
+        super().__init__(*args, **kwargs)
+        if self.model is None:
+            raise ValueError("MixprecTrainer needs model=... (model_init is not supported)")
+        self.precision = precision if isinstance(precision, Precision) else Precision(precision)
+        if self.optimizer is not None:
+            self.model, self.optimizer = self.precision.setup(self.model, self.optimizer)
+        else:
+            self.model = self.precision.setup(self.model)
+        self.model_wrapped = self.model
+        self._unscaled = False
+
+    def create_optimizer(self, model: nn.Module | None = None) -> Any:
+        """HF's optimizer (or the one given), wrapped in the precision's LossScaleOptimizer."""
+        optimizer = super().create_optimizer(model)
+        if not isinstance(optimizer, LossScaleOptimizer):
+            _, optimizer = self.precision.setup(self.model, optimizer)
+            self.optimizer = optimizer
+        if self.args.max_grad_norm > 0 and optimizer.master_params:
+            raise ValueError(
+                f"{len(optimizer.master_params)} parameters keep float32 master weights "
+                f"(policy {self.precision.policy.name}): their gradients live in the masters, "
+                "which HF's clipping over model.parameters() does not see. Set "
+                "TrainingArguments(max_grad_norm=0), or train with a mixed policy"
+            )
+        return optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """HF's scheduler built on the plain optimizer, stepped only when the optimizer
+        stepped (``ReduceLROnPlateau`` follows its metric and is left as it is)."""
+        if self.lr_scheduler is None and optimizer is None:
+            optimizer = self.optimizer.optimizer
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+        if not isinstance(scheduler, (SkipAwareScheduler, plateau)):
+            self.lr_scheduler = SkipAwareScheduler(scheduler, self.optimizer)
+        return self.lr_scheduler
+
+    def compute_loss(
+        self, model: nn.Module, inputs: Any, return_outputs: bool = False, **kwargs: Any
+    ) -> Any:
+        """HF's loss, whose backward is scaled by the precision's loss scaler."""
+        result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        if not torch.is_grad_enabled():  # evaluation
+            return result
+        if return_outputs:
+            loss, outputs = result
+            return scaled_backward_loss(loss, self.precision.scaler), outputs
+        return scaled_backward_loss(result, self.precision.scaler)
+
+    def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
+        """HF's step; after the last micro-batch of an optimizer step, the gradients are
+        unscaled (and checked for inf/NaN) so that HF's clipping and grad-norm log see true
+        values. The first micro-batch after a step clears the masters' old gradients (HF
+        zeroes only the model's)."""
+        if self._unscaled:
+            self.optimizer.zero_grad()
+            self._unscaled = False
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.accelerator.sync_gradients:
+            self.optimizer.unscale_()
+            self._unscaled = True
+        return loss
+
+
+# -- accelerate -------------------------------------------------------------------------------
+
+
+def prepare(
+    accelerator: Any,
+    precision: Precision,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *objects: Any,
+) -> tuple[Any, ...]:
+    """Set ``model`` and ``optimizer`` up under ``precision`` and ``accelerator`` (built with
+    ``mixed_precision="no"``) once; returns ``(model, optimizer, *objects)`` prepared.
+
+    The model is moved to the accelerator's device, converted by the policy and the
+    optimizer wrapped (``precision.setup``), then everything goes through
+    ``accelerator.prepare``. Schedulers built on the plain optimizer come back as
+    Accelerate's schedulers that do not advance on a skipped step, and the wrapped
+    optimizer (its state, scaler and master weights) is registered for
+    ``accelerator.save_state``. The loop then scales its backward,
+    ``accelerator.backward(precision.scaler.scale(loss))``, clips with
+    ``precision.clip_grad_norm_`` (Accelerate's ``clip_grad_norm_`` does not unscale
+    mixprec's gradients), and with gradient accumulation steps the optimizer only when
+    ``accelerator.sync_gradients``.
+    """
+    from accelerate.scheduler import AcceleratedScheduler
+
+    if accelerator.mixed_precision != "no":
+        raise ValueError(
+            f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) casts on its own "
+            "(and on CPU 'fp16' silently trains in float32): build it with "
+            "mixed_precision='no' and let the mixprec precision choose"
+        )
+    if not isinstance(precision, Precision):
+        raise TypeError(
+            f"precision must be a mixprec.Precision, got {type(precision).__name__}: "
+            "mixprec.Precision('bf16-mixed') or Precision(policy_map)"
+        )
+    model = model.to(accelerator.device)  # masters are made on the parameters' device
+    model, wrapped = precision.setup(model, optimizer)
+    prepared = accelerator.prepare(model, wrapped, *objects)
+    for scheduler in prepared[2:]:
+        if isinstance(scheduler, AcceleratedScheduler):
+            if getattr(scheduler.scheduler, "optimizer", None) is not optimizer:
+                raise ValueError(
+                    "a scheduler passed to prepare() was built on another optimizer: build it "
+                    "on the optimizer given here (before wrapping)"
+                )
+            scheduler.optimizers = [wrapped]  # its skip check reads step_was_skipped
+    accelerator.register_for_checkpointing(wrapped)
+    return tuple(prepared)

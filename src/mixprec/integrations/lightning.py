@@ -1,0 +1,352 @@
+"""mixprec inside a Lightning ``Trainer``: a precision plugin and a PrecisionMonitor callback.
+
+::
+
+    import pytorch_lightning as pl
+    from mixprec import PolicyMap
+    from mixprec.integrations.lightning import MixprecPrecision, PrecisionMonitorCallback
+
+    plugin = MixprecPrecision(PolicyMap("bf16-mixed", {"head": "32-true"}))
+    trainer = pl.Trainer(plugins=[plugin], callbacks=[PrecisionMonitorCallback(every_n_steps=50)])
+
+What the plugin does at each point Lightning hands it:
+
+- ``convert_module``: checks the policy on the strategy's device and raises mixprec's
+  ``PrecisionError`` / ``SlowPrecisionError`` instead of switching precision (Lightning turns
+  ``16-mixed`` into ``bf16-mixed`` on CPU), then converts the LightningModule with
+  ``mixprec.apply`` (per-layer policies, float32 islands) before any DDP wrapping.
+- ``connect``: wraps each optimizer in a ``LossScaleOptimizer`` sharing the plugin's scaler
+  (float32 masters, compensation), and each LR scheduler in a ``SkipAwareScheduler``:
+  Lightning's loop steps its schedulers whether or not the optimizer stepped.
+- ``forward_context`` (every step's context), ``convert_input``, ``module_init_context``:
+  ``mixprec.Precision``'s own.
+- ``pre_backward``: scales the loss.
+- ``optimizer_step``: runs the closure (forward and backward), unscales, runs Lightning's
+  ``on_before_optimizer_step`` hooks and gradient clipping on the unscaled gradients, then
+  steps, or skips on inf/NaN, and updates the scale.
+- ``state_dict``: the scaler, and the float32 master weights and compensation state of each
+  optimizer (Lightning saves the wrapped optimizer's own state), so a resumed run continues
+  bit for bit.
+
+Lightning is an optional dependency (``pip install 'mixprec[lightning]'``): this module
+imports ``pytorch_lightning``; ``import mixprec`` and ``import mixprec.integrations`` do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    import pytorch_lightning as pl
+    from pytorch_lightning.core.optimizer import LightningOptimizer
+    from pytorch_lightning.plugins.precision import Precision as LightningPrecision
+    from pytorch_lightning.utilities.types import LRSchedulerConfig
+except ImportError as err:  # pragma: no cover - the extra is installed wherever tests run
+    raise ImportError(
+        "mixprec.integrations.lightning needs pytorch-lightning 2.6: "
+        "pip install 'mixprec[lightning]'"
+    ) from err
+
+from mixprec.doctor.monitor import PrecisionMonitor
+from mixprec.hardware import DeviceInfo, device_of
+from mixprec.optim import LossScaleOptimizer, SkipAwareScheduler
+from mixprec.policy_map import PolicyMap
+from mixprec.precision import Precision
+from mixprec.scaling import LossScaler
+
+__all__ = ["MixprecPrecision", "PrecisionMonitorCallback", "SkipAwareScheduler"]
+
+
+class MixprecPrecision(LightningPrecision):
+    """A Lightning precision plugin running mixprec's policies and loss scaling.
+
+    ``pl.Trainer(plugins=[MixprecPrecision("bf16-mixed")])``, without ``precision=``
+    (Lightning refuses both).
+
+    Args:
+        spec: any mixprec spec (``"bf16-mixed"``, ``"16-mixed"``, ``"16-true"``,
+            ``"bf16-true"``, ``"32-true"``, Keras and jmp names, ``"auto"``), a ``Policy``, a
+            ``PolicyMap`` (per-layer rules), or a ``mixprec.Precision`` (then the keyword
+            arguments stay at their defaults: the Precision carries them).
+        scaler, allow_slow, master_weights, compensation, device_info: as for
+            ``mixprec.Precision``: ``allow_slow`` accepts a precision far slower than float32
+            on the strategy's device (float16/bfloat16 on most CPUs), ``master_weights`` and
+            ``compensation`` choose how 16-bit ``*-true`` weights are updated,
+            ``device_info`` judges a described device instead of the real one.
+
+    The mixprec ``Precision`` doing the work is ``.mixprec``; ``.precision`` is the policy's
+    name in Lightning's vocabulary (``trainer.precision`` shows it).
+    """
+
+    def __init__(
+        self,
+        spec: Any = "32-true",
+        *,
+        scaler: LossScaler | str | float | None = None,
+        allow_slow: bool = False,
+        master_weights: bool | None = None,
+        compensation: str | None = None,
+        device_info: DeviceInfo | None = None,
+    ) -> None:
+        if isinstance(spec, Precision):
+            given = {
+                "scaler": scaler is not None,
+                "allow_slow": allow_slow is not False,
+                "master_weights": master_weights is not None,
+                "compensation": compensation is not None,
+                "device_info": device_info is not None,
+            }
+            extra = sorted(name for name, set_ in given.items() if set_)
+            if extra:
+                raise ValueError(
+                    f"MixprecPrecision(mixprec.Precision(...)) takes its settings from that "
+                    f"Precision; pass {', '.join(extra)} to mixprec.Precision instead"
+                )
+            self.mixprec = spec
+        else:
+            self.mixprec = Precision(
+                spec,
+                scaler=scaler,
+                allow_slow=allow_slow,
+                master_weights=master_weights,
+                compensation=compensation,
+                device_info=device_info,
+            )
+        self._module: nn.Module | None = None
+        self._wrappers: dict[torch.optim.Optimizer, LossScaleOptimizer] = {}
+        try:
+            self.precision = self.mixprec.policy.default.name  # type: ignore[assignment]
+        except RuntimeError:  # "auto": resolved at convert_module, on the strategy's device
+            self.precision = "auto"  # type: ignore[assignment]
+
+    @property
+    def policy(self) -> PolicyMap:
+        """The policy map in force."""
+        return self.mixprec.policy
+
+    @property
+    def scaler(self) -> LossScaler:
+        """The loss scaler all optimizers share."""
+        return self.mixprec.scaler
+
+    @property
+    def optimizers(self) -> list[LossScaleOptimizer]:
+        """The wrappers of the run's optimizers, in Lightning's order."""
+        return list(self._wrappers.values())
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Check the policy on the strategy's device (raising mixprec's ``PrecisionError``
+        or ``SlowPrecisionError``), then convert ``module`` in place with ``mixprec.apply``."""
+        device = _strategy_device(module)
+        if self.mixprec.device is None:
+            self.mixprec.device = device
+        elif self.mixprec.device.type != device.type:
+            raise ValueError(
+                f"the mixprec.Precision given to MixprecPrecision is for {self.mixprec.device}, "
+                f"but Lightning trains on {device}: build it without device=, or with "
+                f"device={device.type!r}"
+            )
+        self.mixprec.setup(module)
+        self._module = module
+        self.precision = self.mixprec.policy.default.name  # type: ignore[assignment]
+        return module
+
+    def connect(
+        self, model: nn.Module, optimizers: list[torch.optim.Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[torch.optim.Optimizer], list[Any]]:
+        """Wrap the optimizers in ``LossScaleOptimizer``s (Lightning keeps the torch
+        optimizers; the plugin steps them) and the schedulers in ``SkipAwareScheduler``s."""
+        if self._module is None:
+            raise RuntimeError(
+                "MixprecPrecision.connect() before convert_module(): this strategy does not "
+                "let a precision plugin convert the model (FSDP and DeepSpeed accept only "
+                "their own plugins); use Lightning's default or DDP strategy"
+            )
+        wrapped = self.mixprec.setup(self._module, *optimizers) if optimizers else ()
+        self._wrappers = dict(zip(optimizers, wrapped[1:], strict=True))
+        return model, optimizers, [self._skip_aware(config) for config in lr_schedulers]
+
+    def _skip_aware(self, config: Any) -> Any:
+        scheduler = config.scheduler
+        if isinstance(scheduler, SkipAwareScheduler):
+            scheduler = scheduler.scheduler
+        lso = self._wrappers.get(getattr(scheduler, "optimizer", None))  # type: ignore[arg-type]
+        if lso is None or not isinstance(config, LRSchedulerConfig):
+            return config
+        return dataclasses.replace(config, scheduler=SkipAwareScheduler(scheduler, lso))
+
+    def _wrapper(self, optimizer: Any) -> LossScaleOptimizer:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        lso = self._wrappers.get(optimizer)
+        if lso is None:
+            raise ValueError(
+                f"this {type(optimizer).__name__} is not one of the optimizers "
+                f"configure_optimizers() returned, which MixprecPrecision set up"
+            )
+        return lso
+
+    # -- contexts ---------------------------------------------------------------------------
+
+    def forward_context(self) -> AbstractContextManager[Any]:
+        """mixprec's forward context: autocast for mixed policies, the compute dtype as
+        torch's default for "true" ones. Lightning's train/val/test/predict step contexts
+        all enter it."""
+        return self.mixprec.forward_context()
+
+    def module_init_context(self) -> AbstractContextManager[Any]:
+        """Parameters created inside get the policy's param dtype (``Trainer.init_module``)."""
+        return self.mixprec.init_module()
+
+    def tensor_init_context(self) -> AbstractContextManager[Any]:
+        """As ``module_init_context``."""
+        return self.mixprec.init_module()
+
+    def convert_input(self, data: Any) -> Any:
+        """Floating tensors of a batch to the compute dtype of a "true" policy."""
+        return self.mixprec.convert_input(data)
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
+        """Scale the loss before Lightning's backward hooks and ``LightningModule.backward``."""
+        for lso in self._wrappers.values():
+            lso.check_can_backward()
+        return super().pre_backward(self.mixprec.scaler.scale(tensor), module)
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Any,
+        model: Any,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Run the closure, unscale, run the ``on_before_optimizer_step`` hooks and clipping,
+        then step or skip on inf/NaN and update the scale. Returns the closure's result."""
+        if kwargs:
+            raise TypeError(
+                f"MixprecPrecision steps optimizers without arguments, got {sorted(kwargs)}"
+            )
+        lso = self._wrapper(optimizer)
+        if lso._needs_closure:
+            raise TypeError(
+                f"{type(lso.optimizer).__name__} re-evaluates the loss inside step(), which a "
+                f"loss-scaled step cannot skip half-way; MixprecPrecision steps optimizers that "
+                f"take no closure (Adam, AdamW, SGD, ...)"
+            )
+        result = closure()
+        if result is None and model.automatic_optimization:
+            return None  # training_step returned None: Lightning skips the batch, no backward
+        lso.unscale_()
+        self._after_closure(model, optimizer)  # Lightning's hooks, then clip_gradients
+        lso.step()
+        return result
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        """Clip the unscaled gradients (float32 masters' where they exist) by total norm."""
+        self.mixprec.clip_grad_norm_(self._wrapper(optimizer), clip_val)
+
+    def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
+        """Clamp the unscaled gradients (float32 masters' where they exist)."""
+        self.mixprec.clip_grad_value_(self._wrapper(optimizer), clip_val)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The policy, the scaler, and per optimizer its float32 masters and compensation
+        state (everything but the wrapped optimizer's state, which Lightning saves)."""
+        optimizers = []
+        for lso in self._wrappers.values():
+            state = lso.state_dict()
+            del state["optimizer"]
+            optimizers.append(state)
+        return {"precision": self.mixprec.state_dict(), "optimizers": optimizers}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore the scaler and each optimizer's masters; Lightning restores the wrapped
+        optimizers' own state afterwards."""
+        if not isinstance(state_dict, Mapping) or not {"precision", "optimizers"} <= set(
+            state_dict
+        ):
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else state_dict
+            raise ValueError(
+                f"not a MixprecPrecision state (got {keys}): the checkpoint was saved by "
+                f"another precision plugin"
+            )
+        saved = state_dict["optimizers"]
+        if saved and len(saved) != len(self._wrappers):
+            raise ValueError(
+                f"the checkpoint holds the mixprec state of {len(saved)} optimizers, this run "
+                f"has {len(self._wrappers)}"
+            )
+        self.mixprec.load_state_dict(state_dict["precision"])
+        for lso, state in zip(self._wrappers.values(), saved, strict=False):
+            lso.load_state_dict({**state, "optimizer": lso.optimizer.state_dict()})
+
+    def __repr__(self) -> str:
+        return f"MixprecPrecision({self.mixprec!r})"
+
+
+def _strategy_device(module: nn.Module) -> torch.device:
+    """The device Lightning trains ``module`` on: the strategy's root device (the model may
+    not be moved there yet), else the module's."""
+    if isinstance(module, pl.LightningModule):
+        try:
+            return module.trainer.strategy.root_device
+        except RuntimeError:  # not attached to a Trainer
+            pass
+    return device_of(module)
+
+
+class PrecisionMonitorCallback(pl.Callback):
+    """mixprec's ``PrecisionMonitor`` as a Lightning callback: per-layer amax and underflow
+    of low-precision outputs and gradients every ``every_n_steps`` optimizer steps, early
+    warnings, and the numbers sent to the trainer's loggers (``logger.log_metrics``).
+
+    Args:
+        monitor: a configured ``PrecisionMonitor``; or leave it out and pass its keyword
+            arguments (``every_n_steps``, ``headroom``, ``skip_patience``, ...) here.
+
+    The loss scaler's numbers (scale, skipped steps) come along when the trainer runs a
+    ``MixprecPrecision``. ``.monitor`` holds the history and the warnings raised.
+    """
+
+    def __init__(self, monitor: PrecisionMonitor | None = None, **kwargs: Any) -> None:
+        if monitor is not None and kwargs:
+            raise ValueError(
+                f"pass either a PrecisionMonitor or its arguments, not both (got {sorted(kwargs)})"
+            )
+        if monitor is not None and not isinstance(monitor, PrecisionMonitor):
+            raise TypeError(f"monitor must be a PrecisionMonitor, got {type(monitor).__name__}")
+        self.monitor = monitor if monitor is not None else PrecisionMonitor(**kwargs)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.monitor.attach(pl_module)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.monitor.start_step(trainer.global_step)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any
+    ) -> None:
+        # every micro-batch of this step has run forward and backward
+        step = trainer.global_step
+        plugin = trainer.precision_plugin
+        scaler = plugin.scaler if isinstance(plugin, MixprecPrecision) else None
+        metrics = self.monitor.end_step(step, scaler=scaler)
+        if metrics and self.monitor.log_fn is None and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.monitor.detach()

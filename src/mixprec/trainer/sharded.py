@@ -1,0 +1,260 @@
+"""Sharded checkpoints of FSDP runs: a directory written with ``torch.distributed.checkpoint``
+(DCP), atomic as a whole.
+
+Layout of a checkpoint ``path/``::
+
+    .metadata, __<rank>_0.distcp   DCP: the model's and the optimizers' shards, each rank its
+                                   own (``get_state_dict``: keys are parameter names)
+    trainer-rank<r>.pt             rank r's run state (`checkpoint.run_state`): loop position,
+                                   scaler, schedulers, callbacks, its own RNG states
+
+Every rank writes into one temporary directory next to ``path`` (named by rank 0, like the
+temporary files of `checkpoint.atomic_save`); after a barrier rank 0 renames it to ``path``.
+A save killed before that leaves ``path`` as it was (the last complete checkpoint) and a
+temporary directory that the next save into that directory removes. When ``path`` already
+exists (``last.ckpt``) the old directory is first renamed aside, then removed; a crash
+between those two renames leaves it complete under ``.<name>.*.old``.
+
+Loading reshards: DCP reads whatever shards this run's ranks need, so a checkpoint written by
+2 ranks resumes with 1 (then each rank takes rank 0's run state, and a log line says so), or
+in a single-device run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from mixprec.trainer import checkpoint as ckpt_io
+
+if TYPE_CHECKING:
+    from mixprec.trainer.loop import FitRun, Run
+    from mixprec.trainer.strategy import SingleDeviceStrategy
+    from mixprec.trainer.trainer import Trainer
+
+log = logging.getLogger("mixprec")
+
+_RUN_STATE = "trainer-rank{}.pt"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _tmp_dir(target: Path) -> Path:
+    """A new temporary directory next to ``target``, named as `checkpoint.clean_stale_tmp`
+    recognises (host and pid of its writer)."""
+    host, pid = ckpt_io._HOST, os.getpid()
+    while True:
+        tmp = target.parent / f".{target.name}.{host}.{pid}.{secrets.token_hex(4)}.tmp"
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def _fsync_tree(directory: Path) -> None:
+    for entry in directory.iterdir():
+        if entry.is_file():
+            fd = os.open(entry, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    ckpt_io._fsync_dir(directory)
+
+
+def _install(tmp: Path, path: Path) -> None:
+    """Rename the complete directory ``tmp`` to ``path`` (rank 0, after every rank wrote)."""
+    _fsync_tree(tmp)
+    if path.exists():
+        aside = tmp.with_name(tmp.name.removesuffix(".tmp") + ".old")
+        os.replace(path, aside)
+        os.replace(tmp, path)
+        ckpt_io._fsync_dir(path.parent)
+        shutil.rmtree(aside)
+    else:
+        os.replace(tmp, path)
+        ckpt_io._fsync_dir(path.parent)
+
+
+def _agreed_tmp(path: Path, rank: int) -> Path:
+    """Rank 0 clears stale temporary directories and makes a new one; all ranks get it."""
+    name = [None]
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ckpt_io.clean_stale_tmp(path.parent)
+        name = [str(_tmp_dir(path))]
+    if _distributed():
+        dist.broadcast_object_list(name, src=0)
+    return Path(name[0])  # type: ignore[arg-type]
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` in place; in one process without a group, without torch's warning that
+    it assumes exactly that."""
+    if _distributed():
+        dcp.load(state, checkpoint_id=path)
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+
+
+def _inner(run: FitRun | Run) -> list[torch.optim.Optimizer]:
+    return [opt.optimizer for opt in getattr(run, "optimizers", [])]
+
+
+def save(trainer: Trainer, run: FitRun, path: str | os.PathLike[str]) -> Path:
+    """Write a sharded checkpoint of ``run`` at ``path`` (every rank calls it)."""
+    path = Path(path)
+    rank = trainer.strategy.global_rank
+    tmp = _agreed_tmp(path, rank)
+    model_state, optim_state = get_state_dict(run.model, _inner(run))
+    with ckpt_io._ctrl_c_after_save():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
+        ckpt_io.atomic_save(ckpt_io.run_state(trainer, run), tmp / _RUN_STATE.format(rank))
+        if _distributed():
+            dist.barrier()  # every rank's files are in
+        if rank == 0:
+            _install(tmp, path)
+        if _distributed():
+            dist.barrier()  # nobody reads or replaces it before it is there
+    return path
+
+
+def copy(
+    strategy: SingleDeviceStrategy, src: str | os.PathLike[str], dst: str | os.PathLike[str]
+) -> Path:
+    """Make ``dst`` an atomic copy of the sharded checkpoint ``src`` (hard links where the
+    filesystem allows); every rank calls it, rank 0 copies."""
+    src, dst = Path(src), Path(dst)
+    if strategy.global_rank == 0:
+        tmp = _tmp_dir(dst)
+        for entry in src.iterdir():
+            try:
+                os.link(entry, tmp / entry.name)
+            except OSError:
+                shutil.copy2(entry, tmp / entry.name)
+        _install(tmp, dst)
+    if _distributed():
+        dist.barrier()
+    return dst
+
+
+def _read_run_state(path: Path, rank: int, world: int) -> tuple[dict[str, Any], int]:
+    """This rank's run state (rank 0's when the world size changed) and the saved world size."""
+    if not path.is_dir() or not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"no sharded checkpoint at {path} (a directory with .metadata)")
+    saved_world = len(list(path.glob(_RUN_STATE.format("*"))))
+    own = path / _RUN_STATE.format(rank if saved_world == world else 0)
+    return ckpt_io.load(own, required=ckpt_io.RUN_KEYS), saved_world
+
+
+def _check_keys(run: Run, path: Path, optimizers: bool) -> None:
+    """Raise `CheckpointError` before loading if the shards are another model's."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved_model = {k.removeprefix("model."): m for k, m in saved.items() if k.startswith("model.")}
+    own = {k: v for k, v in run.model.state_dict().items() if isinstance(v, torch.Tensor)}
+    missing = [k for k in own if k not in saved_model]
+    shapes = [
+        f"{k} {tuple(saved_model[k].size)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in saved_model and tuple(saved_model[k].size) != tuple(v.shape)
+    ]
+    has_optim = any(k.startswith("optim.") for k in saved)
+    if missing or shapes or (optimizers and _inner(run) and not has_optim):
+        parts = [f"missing in the checkpoint: {', '.join(missing[:5])}"] if missing else []
+        parts += [f"shapes differ (checkpoint vs model): {', '.join(shapes[:5])}"] if shapes else []
+        parts += [] if parts else ["it holds no optimizer state"]
+        raise ckpt_io.CheckpointError(
+            f"{path} does not fit this run ({type(run.model).__name__}): {'; '.join(parts)}. "
+            "Nothing was loaded"
+        )
+
+
+def _check_policy(run: Run, state: dict[str, Any], path: Path) -> None:
+    saved = state["precision"]["policy"]
+    if saved != run.precision.policy.to_config():
+        raise ckpt_io.CheckpointError(
+            f"{path} was trained in precision {state.get('policy_name', '?')}, this run uses "
+            f"{run.precision.policy.name}: a sharded checkpoint resumes in its own precision. "
+            "To change precision, export the weights (Trainer.save_full_state_dict) and start "
+            "a new fit from them"
+        )
+
+
+def load_weights(run: Run, path: str | os.PathLike[str]) -> None:
+    """Load the model's weights from a sharded checkpoint (every rank calls it)."""
+    path = Path(path)
+    rank = dist.get_rank() if _distributed() else 0
+    world = dist.get_world_size() if _distributed() else 1
+    state, _ = _read_run_state(path, rank, world)
+    _check_policy(run, state, path)
+    _check_keys(run, path, optimizers=False)
+    model_state, _ = get_state_dict(run.model, [])
+    _dcp_load({"model": model_state}, path)
+    set_state_dict(run.model, [], model_state_dict=model_state, optim_state_dict={})
+
+
+def restore(trainer: Trainer, run: FitRun, path: str | os.PathLike[str]) -> None:
+    """Put ``run`` and ``trainer``'s progress back where the sharded checkpoint at ``path``
+    left them; another world size than at the save reshards (logged)."""
+    path = Path(path)
+    state, saved_world = _read_run_state(path, trainer.strategy.global_rank, trainer.world_size)
+    _check_policy(run, state, path)
+    _check_keys(run, path, optimizers=True)
+    types = [type(opt.optimizer).__name__ for opt in run.optimizers]
+    if state["optimizer_types"] != types or len(state["schedulers"]) != len(run.schedulers):
+        raise ckpt_io.CheckpointError(
+            f"{path} holds optimizers {state['optimizer_types']} and "
+            f"{len(state['schedulers'])} schedulers; this run configured {types} and "
+            f"{len(run.schedulers)}: resume with the same configure_optimizers"
+        )
+    loop = state["loop"]
+    if saved_world != trainer.world_size and loop["batch"]:
+        raise ckpt_io.CheckpointError(
+            f"{path} was saved mid-epoch with {saved_world} processes; resuming mid-epoch "
+            f"needs the same number (this run has {trainer.world_size})"
+        )
+    ckpt_io.check_resume_point(run, loop, path)
+    model_state, optim_state = get_state_dict(run.model, _inner(run))
+    _dcp_load({"model": model_state, "optim": optim_state}, path)
+    set_state_dict(
+        run.model, _inner(run), model_state_dict=model_state, optim_state_dict=optim_state
+    )
+    for s, saved in zip(run.schedulers, state["schedulers"], strict=True):
+        s.scheduler.load_state_dict(saved)
+    run.precision.load_state_dict(state["precision"])
+    trainer._load_callback_states(state["callbacks"])
+    trainer.current_epoch, trainer.batches_done = loop["epoch"], loop["batch"]
+    trainer.global_step = loop["global_step"]
+    if loop["epoch_rng"] is not None:
+        run.epoch_rng = loop["epoch_rng"]
+    run.resume_rng = state["rng"]
+    if saved_world != trainer.world_size:
+        log.info(
+            "resharded %s, saved by %d processes, onto %d: random generators resume from "
+            "rank 0's states",
+            path,
+            saved_world,
+            trainer.world_size,
+        )
+    log.info(
+        "resumed from %s at epoch %d, batch %d, step %d",
+        path,
+        trainer.current_epoch,
+        trainer.batches_done,
+        trainer.global_step,
+    )

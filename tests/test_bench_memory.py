@@ -1,0 +1,86 @@
+"""`mixprec bench --strategy`: memory per rank from the tensors each rank holds; one real
+2-process FSDP measurement, the counting itself, the report and the refusals."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import hardware
+from mixprec.bench import distributed
+from mixprec.bench.distributed import MemorySpec, RankMemory, held_bytes
+from mixprec.cli import main
+from mixprec.hardware import ALLOW_SLOW_ENV, DeviceInfo
+
+AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
+TINY = """
+import torch
+from torch import nn
+
+def factory():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    batch = lambda n: (torch.randn(n, 8), torch.randint(0, 4, (n,)))
+    return model, batch, nn.functional.cross_entropy
+"""
+N_PARAMS = 8 * 16 + 16 + 16 * 4 + 4
+STEP_TENSORS = 4 * 4  # AdamW keeps one float32 step count per parameter tensor
+
+
+def test_held_bytes_count_parameters_gradients_and_optimizer_state():
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    assert held_bytes(model, opt) == (4 * N_PARAMS, 4 * N_PARAMS, 8 * N_PARAMS + STEP_TENSORS)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_each_hold_half_of_what_one_ddp_rank_holds(tmp_path):
+    (tmp_path / "tiny.py").write_text(textwrap.dedent(TINY))
+    spec = MemorySpec(
+        "fsdp", "32-true", f"{tmp_path / 'tiny.py'}:factory", batch_size=4, steps=2,
+        devices=2, device="cpu", threads=1, allow_slow=False,
+    )  # fmt: skip
+    ranks = distributed.measure(spec, tmp_path / "runs")
+    ddp_held = 16 * N_PARAMS + STEP_TENSORS  # whole float32 model, gradients, AdamW state
+    for r in ranks:
+        assert (r.params, r.grads) == (2 * N_PARAMS, 2 * N_PARAMS)  # every dim 0 splits evenly
+        assert r.optimizer == 4 * N_PARAMS + STEP_TENSORS
+        assert r.held <= 0.55 * ddp_held
+        assert r.step_peak > r.held - r.grads  # held before the step, plus what the step made
+        assert r.rss_peak > 0 and r.final_loss == r.final_loss
+
+
+def test_report_compares_each_strategy_with_ddp_in_the_same_precision(tmp_path):
+    def row(strategy: str, rank: int, params: int) -> RankMemory:
+        return RankMemory(strategy, "bf16-mixed", rank, params, params, 2 * params, 10, 20, 1.0)
+
+    rows = [row("ddp", 0, 100), row("ddp", 1, 100), row("fsdp", 0, 52), row("fsdp", 1, 48)]
+    lines = distributed.summary(rows)
+    assert [(x["strategy"], x["held"], x["held_vs_ddp"]) for x in lines] == [
+        ("ddp", 400, 1.0),
+        ("fsdp", 208, 0.52),  # the rank holding the most
+    ]
+    meta = dict(command="mixprec bench --strategy fsdp", host="a host", devices=2,
+                model="tiny", batch_size=2, steps=2)  # fmt: skip
+    js, md = distributed.write(tmp_path, rows, meta)
+    assert "| fsdp | bf16-mixed |" in md.read_text() and "0.520x" in md.read_text()
+    assert "command: `mixprec bench --strategy fsdp`" in md.read_text()
+    assert json.loads(js.read_text())["ranks"][2]["params"] == 52
+
+
+def test_slow_precisions_and_bad_counts_are_refused_before_any_process_starts(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.delenv(ALLOW_SLOW_ENV, raising=False)
+    with hardware.assume(AVX2_CPU):
+        code = main(["bench", "--strategy", "fsdp", "--out", str(tmp_path / "a")])
+    assert code == 2 and "--allow-slow" in capsys.readouterr().err
+    assert main(["bench", "--strategy", "ddp", "--devices", "0", "--out", str(tmp_path)]) == 2
+    assert "--devices" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()

@@ -1,0 +1,233 @@
+"""Sharded checkpoints of Trainer(strategy="fsdp"): resuming on 2 ranks is bit-identical to
+not stopping (mid-epoch, dropout, a step schedule), an interrupted save leaves the last
+complete checkpoint loadable, and a 2-rank checkpoint resumes in one process (resharded).
+
+One group of two processes runs the distributed part (joined by the Trainer as a
+torchrun-launched one would be); the one-process resumes run here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from mixprec.trainer import Callback, CheckpointError, ModelCheckpoint, Trainer, TrainingModule
+from mixprec.trainer import checkpoint as ckpt_io
+
+WORLD = 2
+QUIET = dict(logger=False, enable_progress_bar=False, allow_slow_precision=True, seed=0)
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=g)
+    return TensorDataset(x, torch.randint(0, 3, (64,), generator=g))
+
+
+def loader() -> DataLoader:
+    return DataLoader(data(), batch_size=8, shuffle=True)  # 4 batches per rank and epoch
+
+
+class Net(TrainingModule):
+    """Dropout (draws random numbers every step), a LayerNorm island, a step schedule."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(
+            nn.Sequential(nn.Linear(6, width), nn.LayerNorm(width), nn.GELU(), nn.Dropout(0.2)),
+            nn.Linear(width, 3),
+        )
+
+    def forward(self, x):
+        return self.blocks(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class ExportAtEpochEnd(Callback):
+    """Every rank calls the export (a collective under FSDP); rank 0 writes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, model):
+        trainer.save_full_state_dict(self.path)
+
+
+def _fit(max_steps: int, callbacks: list[Callback], out: Path, **fit: Any) -> Trainer:
+    trainer = Trainer(
+        precision="bf16-mixed", strategy="fsdp", devices=WORLD, max_steps=max_steps,
+        callbacks=callbacks, **QUIET,
+    )  # fmt: skip
+    trainer.fit(Net(), loader(), **fit)
+    trainer.save_full_state_dict(out)
+    return trainer
+
+
+def _interrupted_save(directory: Path, like: Path) -> Path:
+    """What a save killed before its rename leaves: a temporary directory (of a process that
+    no longer runs) with some shards and no metadata."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tmp = directory / f".last.ckpt.{ckpt_io._HOST}.{gone.pid}.0badc0de.tmp"
+    tmp.mkdir()
+    shutil.copy2(like / "__0_0.distcp", tmp / "__0_0.distcp")
+    return tmp
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    d = Path(out)
+    try:
+        straight = ModelCheckpoint(dirpath=d / "straight", save_top_k=-1, save_last=True)
+        _fit(6, [straight, ExportAtEpochEnd(d / "step4.pt")], d / "straight.pt")
+
+        def every_3() -> ModelCheckpoint:
+            return ModelCheckpoint(
+                dirpath=d / "half", every_n_train_steps=3, save_top_k=-1, save_last=True
+            )
+
+        _fit(3, [every_3()], d / "half.pt")  # saved mid-epoch 0, after batch 3 of 4
+        if rank == 0:
+            _interrupted_save(d / "half", d / "half" / "last.ckpt")
+        dist.barrier()
+        _fit(6, [every_3()], d / "resumed.pt", ckpt_path=d / "half" / "epoch=0-step=3.ckpt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out: Path = tmp_path_factory.mktemp("fsdp_ckpt")
+    ctx = mp.start_processes(
+        _worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    for _ in range(240):  # bounded: a hung collective fails the tests instead of the session
+        if ctx.join(timeout=1):
+            break
+    else:
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail("the 2-process FSDP runs did not finish in 240 s")
+    return out
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def _run_state(checkpoint: Path, rank: int = 0) -> dict[str, Any]:
+    return torch.load(checkpoint / f"trainer-rank{rank}.pt", weights_only=True)
+
+
+@pytest.mark.slow
+def test_resume_on_two_ranks_is_bit_identical_to_not_stopping(saved):
+    straight, resumed = _weights(saved / "straight.pt"), _weights(saved / "resumed.pt")
+    start = Net().state_dict()
+    assert straight.keys() == resumed.keys() == start.keys()
+    assert any(not torch.equal(straight[k], start[k]) for k in start)  # it trained
+    for k, v in straight.items():
+        assert v.dtype == torch.float32
+        assert torch.equal(v, resumed[k]), k
+
+
+@pytest.mark.slow
+def test_every_rank_writes_its_shards_and_its_own_run_state(saved):
+    checkpoint = saved / "half" / "epoch=0-step=3.ckpt"
+    names = sorted(p.name for p in checkpoint.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"] + [
+        f"trainer-rank{r}.pt" for r in range(WORLD)
+    ]
+    r0, r1 = _run_state(checkpoint, 0), _run_state(checkpoint, 1)
+    assert r0["loop"]["global_step"] == r1["loop"]["global_step"] == 3
+    assert r0["loop"]["batch"] == 3  # the data position, mid-epoch
+    assert r0["world_size"] == WORLD
+    # the generators are each rank's own (the loaders' shuffles are drawn per rank)
+    assert "torch" in r0["rng"] and "torch" in r1["rng"]
+
+
+@pytest.mark.slow
+def test_an_interrupted_save_leaves_the_last_checkpoint_and_is_cleaned_up(saved):
+    half = saved / "half"
+    # the resume above loaded epoch=0-step=3 with the interrupted temporary directory beside
+    # it; the next save (step 6) removed that directory and replaced last.ckpt atomically
+    assert not list(half.glob(".*"))
+    assert sorted(p.name for p in half.iterdir()) == [
+        "epoch=0-step=3.ckpt",
+        "epoch=1-step=6.ckpt",
+        "last.ckpt",
+    ]
+    assert _run_state(half / "last.ckpt")["loop"]["global_step"] == 6
+    assert _run_state(saved / "straight" / "last.ckpt")["loop"]["global_step"] == 4
+
+
+@pytest.mark.slow
+def test_a_two_rank_checkpoint_resumes_in_one_process_resharded(saved, caplog):
+    checkpoint = saved / "straight" / "epoch=0-step=4.ckpt"  # at an epoch's end
+    model = Net()
+    trainer = Trainer(precision="bf16-mixed", max_steps=4, enable_checkpointing=False, **QUIET)
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        trainer.fit(model, loader(), ckpt_path=checkpoint)
+    assert "resharded" in caplog.text and "saved by 2 processes, onto 1" in caplog.text
+    assert trainer.global_step == 4 and trainer.current_epoch == 1
+    for k, v in _weights(saved / "step4.pt").items():  # gathered by the 2-rank run at step 4
+        assert torch.equal(model.state_dict()[k], v), k
+    [opt] = trainer.optimizers
+    assert all(s["step"].item() == 4 for s in opt.optimizer.state.values())
+    assert len(opt.optimizer.state) == len(list(model.parameters()))
+    assert trainer.lr_schedulers[0].last_epoch == 4
+
+    model = Net()
+    Trainer(precision="bf16-mixed", **QUIET).validate(model, loader(), ckpt_path=checkpoint)
+    step4 = _weights(saved / "step4.pt")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in step4.items())
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_that_do_not_fit_are_refused(saved):
+    mid_epoch = saved / "half" / "epoch=0-step=3.ckpt"
+    end = saved / "straight" / "epoch=0-step=4.ckpt"
+    one = Trainer(precision="bf16-mixed", max_steps=8, enable_checkpointing=False, **QUIET)
+    with pytest.raises(CheckpointError, match="mid-epoch with 2 processes"):
+        one.fit(Net(), loader(), ckpt_path=mid_epoch)
+    other = Trainer(precision="32-true", max_steps=8, enable_checkpointing=False, **QUIET)
+    with pytest.raises(CheckpointError, match="bf16-mixed.*save_full_state_dict"):
+        other.fit(Net(), loader(), ckpt_path=end)
+    model = Net(width=16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="shapes differ.*Nothing was loaded"):
+        one.fit(model, loader(), ckpt_path=end)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

@@ -1,0 +1,396 @@
+"""mixprec's Lightning plugin and monitor callback, in a real Lightning Trainer on CPU."""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pl = pytest.importorskip("pytorch_lightning")
+
+from mixprec import (  # noqa: E402
+    DynamicLossScaler,
+    PolicyMap,
+    Precision,
+    PrecisionError,
+    SlowPrecisionError,
+    hardware,
+)
+from mixprec.hardware import ALLOW_SLOW_ENV, DeviceInfo  # noqa: E402
+from mixprec.integrations.lightning import (  # noqa: E402
+    MixprecPrecision,
+    PrecisionMonitorCallback,
+    SkipAwareScheduler,
+)
+
+AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
+AMX_CPU = DeviceInfo("cpu", "Xeon with AMX", cpu_flags=frozenset({"avx512bw", "amx_bf16"}))
+BATCHES = 4  # batches per epoch
+LR, GAMMA = 0.05, 0.5
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+
+class Regressor(pl.LightningModule):
+    """A tiny MLP with a LayerNorm (a float32 island under mixed policies), a step-interval
+    StepLR, and an optional inf planted in the loss at one global step."""
+
+    def __init__(self, poison_step: int | None = None, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.ReLU(), nn.Linear(16, 1))
+        self.poison_step = poison_step
+        self.optimizer_name = optimizer
+        self.losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        self.losses.append(loss.item())
+        if self.global_step == self.poison_step:
+            loss = loss * math.inf
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=1.0)
+        else:
+            opt = torch.optim.AdamW(self.parameters(), lr=LR)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=GAMMA)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _loader() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(
+        torch.randn(8 * BATCHES, 8, generator=g), torch.randn(8 * BATCHES, 1, generator=g)
+    )
+    return DataLoader(data, batch_size=8, shuffle=False)
+
+
+def _trainer(plugin: MixprecPrecision | None = None, **kwargs) -> pl.Trainer:
+    options = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "logger": False,
+        **kwargs,
+    }
+    if plugin is not None:
+        options["plugins"] = [plugin]
+    return pl.Trainer(**options)
+
+
+def _model(**kwargs) -> Regressor:
+    torch.manual_seed(0)
+    return Regressor(**kwargs)
+
+
+class OutputDtypes(pl.Callback):
+    """The dtype each submodule's output had in the first training forward."""
+
+    def __init__(self) -> None:
+        self.dtypes: dict[str, torch.dtype] = {}
+        self.handles: list = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        for name, module in pl_module.net.named_children():
+            self.handles.append(module.register_forward_hook(self._hook(name)))
+
+    def _hook(self, name):
+        def hook(module, args, output):
+            self.dtypes.setdefault(name, output.dtype)
+
+        return hook
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class StepRecorder(pl.Callback):
+    """Parameters before and after each optimizer step, and the LR each step used."""
+
+    def __init__(self) -> None:
+        self.before: list[list[torch.Tensor]] = []
+        self.after: list[list[torch.Tensor]] = []
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.before.append([p.detach().clone() for p in pl_module.parameters()])
+        self.lrs.append(optimizer.param_groups[0]["lr"])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.after.append([p.detach().clone() for p in pl_module.parameters()])
+
+
+# -- training -----------------------------------------------------------------------------------
+
+
+def test_bf16_mixed_trains_with_islands_and_the_policy_name_shows_in_lightning():
+    model, dtypes = _model(), OutputDtypes()
+    start = [p.detach().clone() for p in model.parameters()]
+    plugin = MixprecPrecision("bf16-mixed", allow_slow=True)
+    trainer = _trainer(plugin, max_steps=6, callbacks=[dtypes])
+    trainer.fit(model, _loader())
+    assert trainer.precision == "bf16-mixed"
+    # linear layers compute in bfloat16, the LayerNorm is a float32 island, weights stay float32
+    assert dtypes.dtypes == {
+        "0": torch.bfloat16,
+        "1": torch.float32,
+        "2": torch.float32,
+        "3": torch.bfloat16,
+    }
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(not torch.equal(a, b) for a, b in zip(start, model.parameters(), strict=True))
+    assert all(math.isfinite(v) for v in model.losses)
+    assert plugin.scaler.stats().steps == 6  # every step through mixprec's optimizer wrapper
+
+
+def test_16_mixed_runs_in_float16_with_a_policy_map_rule_and_no_switch_to_bf16():
+    model, dtypes = _model(), OutputDtypes()
+    start = [p.detach().clone() for p in model.parameters()]
+    policy = PolicyMap("16-mixed", {"net.3": "32-true"})
+    plugin = MixprecPrecision(policy, allow_slow=True, scaler=DynamicLossScaler(init_scale=2.0**8))
+    trainer = _trainer(plugin, max_steps=6, callbacks=[dtypes])
+    trainer.fit(model, _loader())
+    # Lightning's own "16-mixed" on CPU would run bfloat16; the plugin keeps float16
+    assert dtypes.dtypes["0"] == torch.float16
+    assert dtypes.dtypes["3"] == torch.float32  # the rule
+    assert plugin.scaler.stats().steps == 6
+    assert plugin.scaler.stats().skipped_steps == 0
+    assert all(not torch.equal(a, b) for a, b in zip(start, model.parameters(), strict=True))
+    assert all(p.isfinite().all() for p in model.parameters())
+
+
+def test_an_overflow_is_skipped_and_does_not_advance_the_scheduler():
+    model, rec = _model(poison_step=2), StepRecorder()
+    plugin = MixprecPrecision(
+        "16-mixed", allow_slow=True, scaler=DynamicLossScaler(init_scale=2.0**8)
+    )
+    trainer = _trainer(plugin, max_steps=5, callbacks=[rec])
+    trainer.fit(model, _loader())
+    changed = [
+        any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
+        for before, after in zip(rec.before, rec.after, strict=True)
+    ]
+    assert changed == [True, True, False, True, True]
+    # the LR halves after each taken step only: the skipped step's LR is used again
+    assert rec.lrs == [LR, LR * GAMMA, LR * GAMMA**2, LR * GAMMA**2, LR * GAMMA**3]
+    config = trainer.lr_scheduler_configs[0]
+    assert isinstance(config.scheduler, SkipAwareScheduler)
+    assert config.scheduler.last_epoch == 4  # 5 steps, one skipped
+    stats = plugin.scaler.stats()
+    assert (stats.steps, stats.skipped_steps, stats.scale) == (5, 1, 2.0**7)
+
+
+def test_gradients_are_clipped_after_unscaling():
+    # SGD with lr=1: the update is the clipped gradient itself, whatever the loss scale
+    model, rec = _model(optimizer="sgd"), StepRecorder()
+    plugin = MixprecPrecision(
+        "16-mixed", allow_slow=True, scaler=DynamicLossScaler(init_scale=2.0**10)
+    )
+    trainer = _trainer(plugin, max_steps=1, gradient_clip_val=1e-3, callbacks=[rec])
+    trainer.fit(model, _loader())
+    update = torch.cat(
+        [(a - b).flatten() for a, b in zip(rec.before[0], rec.after[0], strict=True)]
+    )
+    assert update.norm().item() == pytest.approx(1e-3, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("spec", "lightning_flag"),
+    [(PolicyMap("bf16-mixed", float32_islands=False), "bf16-mixed"), ("32-true", "32-true")],
+    ids=["bf16-mixed", "32-true"],
+)
+def test_the_plugin_trains_bit_for_bit_as_lightnings_own_flag(spec, lightning_flag):
+    # with accumulation and clipping; without islands bf16-mixed is plain autocast in both
+    options = {"max_epochs": 2, "accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+    ours, theirs = _model(), _model()
+    _trainer(MixprecPrecision(spec, allow_slow=True), **options).fit(ours, _loader())
+    _trainer(precision=lightning_flag, **options).fit(theirs, _loader())
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class ManualRegressor(Regressor):
+    """Manual optimization: the step, clipping and scheduler are called by hand."""
+
+    def __init__(self, poison_step: int) -> None:
+        super().__init__(poison_step=poison_step)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+        opt.step()
+        sched.step()
+
+
+def test_manual_optimization_skips_the_overflow_and_its_scheduler_step():
+    model = ManualRegressor(poison_step=1)
+    plugin = MixprecPrecision(
+        "16-mixed", allow_slow=True, scaler=DynamicLossScaler(init_scale=2.0**8)
+    )
+    _trainer(plugin, max_steps=3).fit(model, _loader())
+    stats = plugin.scaler.stats()
+    assert (stats.steps, stats.skipped_steps) == (3, 1)
+    assert model.lr_schedulers().last_epoch == 2
+
+
+class SkipsABatch(Regressor):
+    """Returns None from training_step on batch 1: Lightning skips that batch."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return None if batch_idx == 1 else loss
+
+
+def test_a_batch_whose_training_step_returns_none_is_not_a_step():
+    model, rec = SkipsABatch(), StepRecorder()
+    plugin = MixprecPrecision(
+        "16-mixed", allow_slow=True, scaler=DynamicLossScaler(init_scale=2.0**8)
+    )
+    _trainer(plugin, max_epochs=1, gradient_clip_val=1.0, callbacks=[rec]).fit(model, _loader())
+    stats = plugin.scaler.stats()
+    assert (stats.steps, stats.skipped_steps) == (BATCHES - 1, 0)
+    assert len(rec.before) == BATCHES - 1  # no optimizer-step hooks for the skipped batch
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "options"),
+    [("16-mixed", {}), ("16-true", {}), ("bf16-true", {"compensation": "stochastic"})],
+    ids=["16-mixed", "16-true-masters", "bf16-true-stochastic"],
+)
+def test_a_lightning_checkpoint_resumes_bit_identically(spec, options, tmp_path):
+    def plugin() -> MixprecPrecision:
+        scaler = DynamicLossScaler(init_scale=2.0**8)
+        return MixprecPrecision(spec, allow_slow=True, scaler=scaler, **options)
+
+    # an overflow in the first epoch, so the scaler's state differs from a fresh one
+    straight, straight_plugin = _model(poison_step=1), plugin()
+    _trainer(straight_plugin, max_epochs=2).fit(straight, _loader())
+
+    half, half_plugin = _model(poison_step=1), plugin()
+    first = _trainer(half_plugin, max_epochs=1)
+    first.fit(half, _loader())
+    path = tmp_path / "half.ckpt"
+    first.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)
+    assert "MixprecPrecision" in saved
+
+    resumed, resumed_plugin = _model(poison_step=1), plugin()
+    _trainer(resumed_plugin, max_epochs=2).fit(resumed, _loader(), ckpt_path=path)
+
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert a.dtype == b.dtype == straight_plugin.policy.default.param_dtype
+        assert torch.equal(a, b), name
+    assert resumed_plugin.optimizers[0].compensation == options.get("compensation")
+    masters = [
+        (m, n)
+        for lso_a, lso_b in zip(straight_plugin.optimizers, resumed_plugin.optimizers, strict=True)
+        for m, n in zip(lso_a.master_params.values(), lso_b.master_params.values(), strict=True)
+    ]
+    assert len(masters) == (6 if spec == "16-true" else 0)  # float16 weights keep masters
+    assert all(torch.equal(m, n) for m, n in masters)
+    assert resumed_plugin.scaler.state_dict() == straight_plugin.scaler.state_dict()
+    assert resumed_plugin.scaler.stats().skipped_steps == 1
+
+
+def test_loading_another_plugins_state_is_refused():
+    with pytest.raises(ValueError, match="not a MixprecPrecision state"):
+        MixprecPrecision("bf16-mixed").load_state_dict({"scale": 65536.0})
+
+
+# -- refusals -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["bf16-mixed", "16-mixed"])
+def test_a_slow_precision_is_refused_with_mixprecs_error_and_accepted_when_allowed(
+    spec, monkeypatch
+):
+    monkeypatch.delenv(ALLOW_SLOW_ENV, raising=False)
+    with hardware.assume(AVX2_CPU):
+        with pytest.raises(SlowPrecisionError, match="allow_slow"):
+            _trainer(MixprecPrecision(spec), max_steps=1).fit(_model(), _loader())
+        model = _model()
+        _trainer(MixprecPrecision(spec, allow_slow=True), max_steps=1).fit(model, _loader())
+        assert model.losses
+
+
+def test_a_described_device_is_judged_instead_of_the_host(monkeypatch):
+    monkeypatch.delenv(ALLOW_SLOW_ENV, raising=False)
+    plugin = MixprecPrecision("bf16-mixed", device_info=AVX2_CPU)
+    with pytest.raises(PrecisionError):
+        _trainer(plugin, max_steps=1).fit(_model(), _loader())
+
+
+@pytest.mark.parametrize(("info", "picked"), [(AVX2_CPU, "32-true"), (AMX_CPU, "bf16-mixed")])
+def test_auto_is_resolved_on_the_strategys_device(info, picked):
+    plugin = MixprecPrecision("auto")
+    assert plugin.precision == "auto"
+    with hardware.assume(info):
+        trainer = _trainer(plugin, max_steps=1)
+        trainer.fit(_model(), _loader())
+    assert trainer.precision == picked
+
+
+def test_the_precision_flag_and_the_plugin_cannot_be_combined():
+    with pytest.raises(ValueError, match="Choose one"):
+        pl.Trainer(precision="bf16-mixed", plugins=[MixprecPrecision("bf16-mixed")])
+
+
+def test_a_precision_object_carries_its_own_settings():
+    precision = Precision("16-mixed", allow_slow=True)
+    assert MixprecPrecision(precision).mixprec is precision
+    with pytest.raises(ValueError, match="allow_slow"):
+        MixprecPrecision(precision, allow_slow=True)
+
+
+# -- the monitor ----------------------------------------------------------------------------
+
+
+def test_the_monitor_callback_logs_per_layer_numbers_through_lightnings_logger(tmp_path):
+    from pytorch_lightning.loggers import CSVLogger
+
+    callback = PrecisionMonitorCallback(every_n_steps=2)
+    plugin = MixprecPrecision(
+        "16-mixed", allow_slow=True, scaler=DynamicLossScaler(init_scale=2.0**8)
+    )
+    logger = CSVLogger(tmp_path, name="run", version=0)
+    _trainer(plugin, max_steps=4, logger=logger, callbacks=[callback]).fit(_model(), _loader())
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("precision/net.0/amax")]
+    assert [int(r["step"]) for r in rows] == [0, 2]
+    assert float(rows[0]["precision/net.0/amax"]) > 0
+    assert float(rows[0]["precision/net.0/grad_amax"]) > 0
+    assert float(rows[1]["precision/loss_scale"]) == 2.0**8
+    assert set(callback.monitor.history) >= {"net.0", "net.3"}
+
+
+def test_importing_mixprec_does_not_import_lightning():
+    code = (
+        "import sys, mixprec, mixprec.integrations\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('pytorch_lightning', 'lightning', 'lightning_fabric')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"

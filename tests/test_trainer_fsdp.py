@@ -1,0 +1,330 @@
+"""Trainer(strategy="fsdp") on gloo with two real processes, and the combinations it refuses.
+
+One group of two processes (started here, joined by the Trainer as a torchrun-launched one
+would be) runs every distributed scenario, since processes are costly on a shared 2-core host;
+one more test lets the Trainer spawn the processes itself."""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from mixprec import Precision
+from mixprec.errors import PrecisionError
+from mixprec.scaling import DynamicLossScaler
+from mixprec.trainer import Callback, Trainer, TrainingModule
+from mixprec.trainer.strategy import FSDP, FSDPStrategy
+
+WORLD = 2
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    return TensorDataset(x, 0.1 * (x @ torch.tensor([[1.0], [-1.0], [0.5], [2.0]])))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class Net(nn.Module):
+    """Blocks in a ModuleList (FSDP units) holding LayerNorms (float32 islands)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 16)
+        self.blocks = nn.ModuleList(Block(16) for _ in range(2))
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Overflowing(TrainingModule):
+    """Rank 1 alone puts inf into its gradients on the second batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+    def training_step(self, batch, batch_idx):
+        out = self(batch[0])
+        if batch_idx == 1 and self.trainer.strategy.global_rank == 1:
+            out.register_hook(lambda g: g * float("inf"))
+        return F.mse_loss(out, batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Seen(Callback):
+    """What each rank's run looked like: parameter types and dtypes, skipped steps."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_fit_end(self, trainer, model):
+        params = list(model.parameters())
+        self.seen = {
+            "param_types": {type(p).__name__ for p in params},
+            "param_dtypes": {p.dtype for p in params},
+            "local_numel": sum(getattr(p, "_local_tensor", p).numel() for p in params),
+            "skipped": trainer.precision.scaler.stats().skipped_steps,
+            "global_step": trainer.global_step,
+        }
+
+
+adamw = functools.partial(torch.optim.AdamW, lr=0.02)
+
+
+def _fit(strategy: Any, precision: str, path: Path, **flags: Any) -> dict[str, Any]:
+    """A 2-epoch fit; its weights exported to ``path``."""
+    seen = Seen()
+    trainer = Trainer(
+        precision=precision,
+        strategy=strategy,
+        devices=WORLD,
+        max_epochs=2,
+        allow_slow_precision=True,
+        callbacks=[seen],
+        seed=0,
+        **QUIET,
+        **flags,
+    )
+    loader = DataLoader(data(), batch_size=8, shuffle=True)
+    trainer.fit(Net(), loader, loss_fn=F.mse_loss, optimizer=adamw)
+    trainer.save_full_state_dict(path)  # after the fit
+    return {**seen.seen, "summary": trainer.summary()}
+
+
+def _overflow() -> dict[str, Any]:
+    seen = Seen()
+    # a scale that overflows only where the inf is put (65536 overflows float16 here)
+    precision = Precision("16-mixed", scaler=DynamicLossScaler(init_scale=256.0), allow_slow=True)
+    trainer = Trainer(
+        precision=precision, strategy="fsdp", devices=WORLD, max_steps=4, seed=0,
+        allow_slow_precision=True, callbacks=[seen], **QUIET,
+    )  # fmt: skip
+    model = Overflowing()
+    trainer.fit(model, DataLoader(data(), batch_size=8))
+    # the model stays sharded in this process: validating reuses its units ...
+    [metrics] = trainer.validate(model, DataLoader(data(), batch_size=8))
+    # ... which another precision cannot
+    other = Trainer(precision="32-true", strategy="fsdp", devices=WORLD, max_steps=1, **QUIET)
+    try:
+        other.fit(model, DataLoader(data(), batch_size=8))
+        refusal = ""
+    except PrecisionError as err:
+        refusal = str(err)
+    return {**seen.seen, "val_loss": metrics["val_loss"], "refusal": refusal}
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        directory = Path(out)
+        step = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
+        synced = FSDP(sync_micro_batches=True)
+        results = {
+            "fsdp": _fit("fsdp", "bf16-mixed", directory / "fsdp.pt", **step),
+            "ddp": _fit("ddp", "bf16-mixed", directory / "ddp.pt", **step),
+            "synced": _fit(synced, "bf16-mixed", directory / "synced.pt", **step),
+            "overflow": _overflow(),
+        }
+        torch.save(results, directory / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out: Path = tmp_path_factory.mktemp("fsdp")
+    ctx = mp.start_processes(
+        _worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    for _ in range(240):  # bounded: a hung collective fails the tests instead of the session
+        if ctx.join(timeout=1):
+            break
+    else:
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail("the 2-process FSDP runs did not finish in 240 s")
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_mixed_shards_float32_masters_and_ends_near_ddp(runs):
+    out, ranks = runs
+    for r in ranks:
+        seen = r["fsdp"]
+        assert seen["param_types"] == {"DTensor"} and seen["param_dtypes"] == {torch.float32}
+        assert seen["global_step"] == 4  # 2 epochs x 4 batches / 2 micro-batches per step
+        assert "x 2 (fsdp)" in r["fsdp"]["summary"]["device"]
+    n = sum(p.numel() for p in Net().parameters())
+    assert ranks[0]["fsdp"]["local_numel"] + ranks[1]["fsdp"]["local_numel"] == n
+    assert ranks[0]["fsdp"]["local_numel"] < n  # each rank holds a shard only
+    fsdp, ddp = _weights(out / "fsdp.pt"), _weights(out / "ddp.pt")
+    start = Net().state_dict()
+    assert fsdp.keys() == ddp.keys() == start.keys()
+    moved = max((fsdp[k] - start[k]).abs().max().item() for k in start)
+    assert moved > 0.02  # it trained
+    for k in start:
+        assert fsdp[k].dtype == torch.float32
+        torch.testing.assert_close(fsdp[k], ddp[k], atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_with_and_without_resharding_agree(runs):
+    out, _ = runs
+    unsharded, synced = _weights(out / "fsdp.pt"), _weights(out / "synced.pt")
+    for k, v in unsharded.items():
+        torch.testing.assert_close(v, synced[k], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_inf_on_one_rank_makes_both_skip_through_the_trainer(runs):
+    _, ranks = runs
+    for r in ranks:
+        assert r["overflow"]["skipped"] == 1
+        assert r["overflow"]["global_step"] == 4
+
+
+@pytest.mark.slow
+def test_a_sharded_model_is_reused_by_the_same_settings_and_refused_by_others(runs):
+    _, ranks = runs
+    for r in ranks:
+        assert 0 < r["overflow"]["val_loss"] < 10
+        assert "already sharded" in r["overflow"]["refusal"]
+
+
+@pytest.mark.slow
+def test_spawned_fsdp_returns_the_weights_to_the_callers_model(runs, tmp_path):
+    out, _ = runs
+    model = Net()
+    trainer = Trainer(
+        precision="bf16-mixed",
+        strategy="fsdp",
+        devices=WORLD,
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        allow_slow_precision=True,
+        seed=0,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+    )
+    trainer.fit(model, DataLoader(data(), batch_size=8, shuffle=True), loss_fn=F.mse_loss,
+                optimizer=adamw)  # fmt: skip
+    assert trainer.global_step == 4 and trainer.current_epoch == 2
+    assert "fsdp" in trainer.summary()["device"]
+    same_run = _weights(out / "fsdp.pt")  # the same fit, in a joined group
+    for k, v in model.state_dict().items():  # the caller's model: plain float32, trained
+        assert type(v) is torch.Tensor and v.dtype == torch.float32
+        assert torch.equal(v, same_run[k]), k
+    exported = trainer.save_full_state_dict(tmp_path / "full.pt")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in _weights(exported).items())
+    [checkpoint] = (tmp_path / "logs" / "version_0" / "checkpoints").iterdir()
+    assert checkpoint.is_dir() and (checkpoint / ".metadata").is_file()  # sharded
+
+
+# -- refusals (no processes needed) -----------------------------------------------------------
+
+
+def test_an_optimizer_built_before_sharding_is_refused_before_launching():
+    model = Net()
+    trainer = Trainer(strategy="fsdp", devices=2, **QUIET)
+    with pytest.raises(ValueError, match="after sharding.*functools.partial"):
+        trainer.fit(model, DataLoader(data(), batch_size=8), loss_fn=F.mse_loss,
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # fmt: skip
+
+
+def test_an_optimizer_of_other_parameters_is_refused():
+    strategy = FSDPStrategy("cpu", [0, 1])
+    stale = torch.optim.SGD(Net().parameters(), lr=0.1)
+    with pytest.raises(PrecisionError, match="built before sharding.*configure_optimizers"):
+        strategy.check_optimizers(Net(), [stale])
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [
+        Precision("16-true", allow_slow=True),
+        Precision("bf16-true", allow_slow=True, master_weights=True),
+        Precision("bf16-true", allow_slow=True, compensation="kahan"),
+    ],
+    ids=["16-true", "bf16-true-masters", "bf16-true-kahan"],
+)
+def test_masters_beside_16_bit_shards_are_refused(precision):
+    with pytest.raises(PrecisionError, match="'\\*-mixed' policy"):
+        FSDPStrategy("cpu", [0, 1]).shard(Net(), precision)
+
+
+def test_bad_fsdp_settings_and_predict_are_refused():
+    with pytest.raises(ValueError, match="sync_micro_batches"):
+        FSDP(sync_micro_batches="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        FSDP(reduce_dtype=torch.int8)
+    with pytest.raises(ValueError, match="FSDP\\(\\.\\.\\.\\)"):
+        Trainer(strategy="fsdp2")
+    trainer = Trainer(strategy=FSDP(), devices=2, **QUIET)
+    assert trainer.strategy.name == "fsdp"
+    with pytest.raises(ValueError, match="predict runs on one device"):
+        trainer.predict(Net(), [torch.zeros(2, 4)])
+
+
+def test_export_after_a_single_device_fit_takes_the_float32_masters(tmp_path):
+    model = Net()
+    trainer = Trainer(precision="16-true", max_steps=2, allow_slow_precision=True, **QUIET)
+    trainer.fit(model, DataLoader(data(), batch_size=8), loss_fn=F.mse_loss, optimizer=adamw)
+    [opt] = trainer.optimizers
+    masters = {n: opt.master_params[p] for n, p in model.named_parameters()}
+    exported = _weights(trainer.save_full_state_dict(tmp_path / "full.pt"))
+    assert all(v.dtype == torch.float32 for v in exported.values())
+    for name, master in masters.items():
+        assert torch.equal(exported[name], master), name
+    # the float16 weights are the masters rounded: the export keeps what they lose
+    assert any(not torch.equal(m, m.half().float()) for m in masters.values())
