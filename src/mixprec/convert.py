@@ -141,14 +141,18 @@ class _Region:
         else:
             args = cast_floating(args, self.compute_dtype)
             kwargs = cast_floating(kwargs, self.compute_dtype)
-            with contextlib.ExitStack() as stack:
-                if needs_default_dtype(self.compute_dtype):
-                    stack.enter_context(default_dtype(self.compute_dtype))
-                if self.disable_autocast:
-                    stack.enter_context(
-                        torch.autocast(_device_type(args, kwargs, module), enabled=False)
-                    )
-                out = forward(*args, **kwargs)
+            # plain `with` blocks, not an ExitStack: torch.compile traces these without a break
+            off = (
+                torch.autocast(_device_type(args, kwargs, module), enabled=False)
+                if self.disable_autocast
+                else contextlib.nullcontext()
+            )
+            if needs_default_dtype(self.compute_dtype):
+                with default_dtype(self.compute_dtype), off:
+                    out = forward(*args, **kwargs)
+            else:
+                with off:
+                    out = forward(*args, **kwargs)
         return cast_floating(out, self.output_dtype)
 
 

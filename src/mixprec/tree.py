@@ -16,6 +16,7 @@ from collections import ChainMap
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, TypeVar
 
+import torch
 from torch import Tensor
 
 T = TypeVar("T")
@@ -53,11 +54,15 @@ def _is_dataclass_instance(obj: Any) -> bool:
 
 
 class _Mapper:
-    """One `map_tensors` call: `memo` keeps a tensor or container seen twice shared."""
+    """One `map_tensors` call: `memo` keeps a tensor or container seen twice shared.
+
+    Under torch.compile there is no memo: `id()` of an input would make the compiled graph
+    guard on that very object and recompile for every new batch (inside a graph, mapping a
+    tensor twice costs nothing at run time)."""
 
     def __init__(self, fn: Callable[[Tensor], Any]) -> None:
         self.fn = fn
-        self.memo: dict[int, tuple[Any, Any]] = {}
+        self.memo: dict[int, tuple[Any, Any]] | None = None if torch.compiler.is_compiling() else {}
 
     def __call__(self, obj: Any) -> Any:
         is_tensor = isinstance(obj, Tensor)
@@ -65,6 +70,8 @@ class _Mapper:
             isinstance(obj, (tuple, list, Mapping)) or _is_dataclass_instance(obj)
         ):
             return obj
+        if self.memo is None:
+            return self.fn(obj) if is_tensor else self._rebuild(obj)
         seen = self.memo.get(id(obj))
         if seen is not None:
             return seen[1]

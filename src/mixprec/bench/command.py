@@ -122,6 +122,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="mixed rows with LayerNorm/softmax in float32 (on, mixprec's default), left to "
         "autocast (off), or both, to see what the islands cost",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the model (torch's defaults) in every row, mixprec's and the raw "
+        "torch loop alike; the first step compiles and is reported apart",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     p.add_argument(
         "--strategy",
@@ -154,6 +160,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         preset=args.preset,
         float32_islands=args.float32_islands,
         timeout=args.timeout,
+        compile=args.compile,
     )
 
 

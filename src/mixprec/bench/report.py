@@ -53,6 +53,9 @@ class Summary:
     skipped_steps: int
     raw_skipped_steps: int | None
     error: str | None
+    compiled: bool = False
+    first_step_s: float | None = None
+    raw_first_step_s: float | None = None
 
 
 def _baseline(rows: list[Row], batch: int) -> float | None:
@@ -95,6 +98,9 @@ def summarize(report: BenchReport) -> list[Summary]:
                 skipped_steps=ours.skipped_steps,
                 raw_skipped_steps=raw.skipped_steps if raw is not None else None,
                 error=r.error or ours.error,
+                compiled=c.compiled,
+                first_step_s=ours.first_step_s,
+                raw_first_step_s=raw.first_step_s if raw is not None else None,
             )
         )
     return out
@@ -192,6 +198,19 @@ def notes(report: BenchReport, summaries: list[Summary]) -> list[str]:
             )
     if meta.get("memory_limit"):
         out.append(f"memory limit: {meta['memory_limit']} bytes per loop (OOM above it)")
+    if meta.get("compile"):
+        out.append(
+            "compiled: every model runs under torch.compile (torch's defaults), compiled after "
+            "mixprec's conversion, in our loop and the raw torch loop alike; the first step "
+            "compiles, so it is timed apart (below) and the timed steps exclude it"
+        )
+    for s in summaries:
+        if s.compiled and s.first_step_s is not None:
+            raw = f", raw loop {s.raw_first_step_s:.1f} s" if s.raw_first_step_s else ""
+            out.append(
+                f"{s.label} at batch {s.batch_size}: first step (compilation) "
+                f"{s.first_step_s:.1f} s{raw}"
+            )
     return out
 
 

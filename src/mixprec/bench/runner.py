@@ -12,6 +12,11 @@ unless float16 overflow skips some) while its peak memory is measured:
   events recorded by `torch.profiler` (`profile_memory=True`) over the same span (weights,
   optimizer state, batch, activations, gradients).
 
+With `compile`, both loops' models are compiled alike (`torch.compile(model)`, torch's
+defaults, after conversion and placement; not `model.compile()`, which leaves a model made of
+torch.nn modules only, such as a raw `nn.Sequential`, uncompiled): the first step compiles,
+and its time is kept apart as `first_step_s`.
+
 Then the warm-up steps, then the timed steps with GC disabled and CUDA synchronised. A mixed
 configuration also runs a hand-written `torch.autocast` loop (plus `torch.amp.GradScaler`
 for float16) on an identical model; its steps alternate with ours, so both see the same
@@ -68,6 +73,7 @@ class RunSpec:
     memory_limit: int | None = None
     float32_islands: bool = True
     seed: int = 0
+    compile: bool = False
 
 
 @dataclass
@@ -75,7 +81,8 @@ class LoopResult:
     """Outcome of one training loop (ours or the raw torch one) in a configuration.
 
     `skipped_steps` counts optimizer steps skipped on gradient overflow over all the loop's
-    steps (memory, warm-up and timed ones); skipped steps are cheaper.
+    steps (memory, warm-up and timed ones); skipped steps are cheaper. `first_step_s` is the
+    wall time of the first step, compilation included when the model is compiled.
     """
 
     status: str = OK
@@ -84,6 +91,7 @@ class LoopResult:
     step_ms: list[float] = field(default_factory=list)
     skipped_steps: int = 0
     final_loss: float | None = None
+    first_step_s: float | None = None
 
 
 @dataclass
@@ -233,6 +241,8 @@ def _build_mixprec(spec: RunSpec, device: torch.device) -> Loop:
     policy = PolicyMap(spec.precision, float32_islands=spec.float32_islands)
     precision = Precision(policy, device=device, allow_slow=spec.allow_slow)
     model, optimizer = precision.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
+    if spec.compile:  # after conversion: the graph traces mixprec's regions and casts
+        model = torch.compile(model)
     loss_fn = work.loss_fn
 
     def step() -> Tensor:
@@ -255,6 +265,8 @@ def _build_raw(spec: RunSpec, device: torch.device) -> Loop:
     model = work.model.to(device)
     inputs, targets = map_tensors(lambda t: t.to(device), work.make_batch(spec.batch_size))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if spec.compile:
+        model = torch.compile(model)
     dtype = policy.compute_dtype
     scaler = torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
     loss_fn = work.loss_fn
@@ -275,13 +287,22 @@ def _build_raw(spec: RunSpec, device: torch.device) -> Loop:
     return Loop(step, optimizer)
 
 
-def _first_update(build: Callable[[RunSpec, torch.device], Loop], spec: RunSpec) -> Loop:
+def _first_update(
+    build: Callable[[RunSpec, torch.device], Loop], spec: RunSpec
+) -> tuple[Loop, float]:
     """Build a loop and run it up to its first taken optimizer step, which creates the
-    optimizer's state (float16 runs skip their first steps while the loss scale settles)."""
-    loop = build(spec, torch.device(spec.device))
+    optimizer's state (float16 runs skip their first steps while the loss scale settles);
+    also returns the seconds of the first step (which compiles a compiled model)."""
+    device = torch.device(spec.device)
+    loop = build(spec, device)
+    t0 = time.perf_counter()
+    loop.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    first = time.perf_counter() - t0
     while loop.steps_taken == 0 and loop.steps_run < MAX_STEPS_TO_FIRST_UPDATE:
         loop.step()
-    return loop
+    return loop, first
 
 
 def _oom_message(err: BaseException) -> str:
@@ -306,7 +327,9 @@ def run_config(spec: RunSpec) -> RunResult:
     for name, build in builders.items():
         res = results[name]
         try:
-            loop, res.peak_memory = _measured(device, lambda b=build: _first_update(b, spec))
+            (loop, res.first_step_s), res.peak_memory = _measured(
+                device, lambda b=build: _first_update(b, spec)
+            )
         except Exception as err:  # noqa: BLE001 - OOM is a result; anything else propagates
             if not is_oom(err):
                 raise

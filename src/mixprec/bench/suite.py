@@ -85,6 +85,7 @@ class BenchOptions:
     preset: str | None = None
     float32_islands: str = "on"
     timeout: float = 900.0
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class Config:
     tf32: bool | None
     raw: bool
     float32_islands: bool = True
+    compiled: bool = False
 
 
 @dataclass
@@ -258,6 +260,8 @@ def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
         parts.append("--max-batch")
     if opts.float32_islands != "on":
         parts += ["--float32-islands", opts.float32_islands]
+    if opts.compile:
+        parts.append("--compile")
     return shlex.join(parts)
 
 
@@ -302,7 +306,11 @@ def plan(options: BenchOptions) -> Plan:
                     label = _label(name, policy, tf32, modes)
                     if not island:
                         label += " (no f32 islands)"
-                    configs.append(Config(label, name, batch, tf32, policy.is_mixed, island))
+                    if opts.compile:
+                        label += " (compiled)"
+                    configs.append(
+                        Config(label, name, batch, tf32, policy.is_mixed, island, opts.compile)
+                    )
     command = reproduce_command(opts, device)
     return Plan(opts, device, policies, support, configs, command, asked, left_out)
 
@@ -362,6 +370,7 @@ def _spec(p: Plan, config: Config) -> RunSpec:
         raw=config.raw,
         memory_limit=o.memory_limit,
         float32_islands=config.float32_islands,
+        compile=config.compiled,
     )
 
 
@@ -403,6 +412,7 @@ def metadata(p: Plan) -> dict[str, Any]:
         "threads": o.threads,
         "memory_limit": o.memory_limit,
         "float32_islands": o.float32_islands,
+        "compile": o.compile,
         "preset": o.preset,
         "command": p.command,
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -418,7 +428,9 @@ def metadata(p: Plan) -> dict[str, Any]:
 def _fits(p: Plan, name: str, batch: int, workdir: Path) -> tuple[bool, RunResult]:
     tf32 = _tf32_modes(p.options.tf32, p.device)[0]
     island = _island_modes(p.options.float32_islands)[0]
-    config = Config(name, name, batch, tf32, raw=False, float32_islands=island)
+    config = Config(
+        name, name, batch, tf32, raw=False, float32_islands=island, compiled=p.options.compile
+    )
     spec = replace(_spec(p, config), steps=1, warmup=0)
     result = run_isolated(spec, workdir, p.options.timeout)
     if result.status not in (OK, OOM):

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import os
 import random
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,6 +76,7 @@ class TrainerConfig:
     deterministic: bool = False
     allow_slow_precision: bool = False
     default_root_dir: Path = Path(".")
+    compile: bool | dict[str, Any] | None = None  # stored as torch.compile's kwargs, or None
 
     def __post_init__(self) -> None:
         _positive_int_or_none("max_epochs", self.max_epochs)
@@ -113,7 +116,66 @@ class TrainerConfig:
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
         if self.max_epochs is None and self.max_steps is None:
             object.__setattr__(self, "max_epochs", 1000)
+        object.__setattr__(self, "compile", compile_options(self.compile))
         object.__setattr__(self, "default_root_dir", Path(self.default_root_dir))
+
+
+def _compile_keywords() -> list[str]:
+    """The keyword arguments torch.compile takes besides the model (this torch's own)."""
+    params = inspect.signature(torch.compile).parameters
+    return [name for name in params if name != "model"]
+
+
+def _no_op() -> None:
+    """What `compile_options` hands torch.compile to check the arguments (never called)."""
+
+
+def compile_options(value: Any) -> dict[str, Any] | None:
+    """The torch.compile keyword arguments a Trainer's ``compile`` flag means: ``True`` is
+    torch's defaults (``{}``), a dict is passed on as given, ``False``/``None`` is eager."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    accepted = _compile_keywords()
+    if isinstance(value, Mapping):
+        unknown = sorted(str(k) for k in value if k not in accepted)
+        if unknown:
+            raise ValueError(
+                f"compile got {', '.join(map(repr, unknown))}, not a torch.compile argument; "
+                f"accepted: {', '.join(accepted)}"
+            )
+        try:  # torch checks mode, backend and options when wrapping, not at the first step
+            torch.compile(_no_op, **value)
+        except Exception as err:  # noqa: BLE001 - torch raises RuntimeError, InvalidBackend...
+            raise ValueError(f"compile={dict(value)!r}: {err}") from None
+        return dict(value)
+    raise ValueError(
+        "compile must be True (torch.compile with its defaults), False, or a dict of "
+        f"torch.compile keyword arguments ({', '.join(accepted)}), e.g. "
+        f"compile={{'mode': 'max-autotune'}}; got {value!r}"
+    )
+
+
+def compile_model(model: nn.Module, options: dict[str, Any]) -> Callable[[], None]:
+    """Compile ``model`` in place (``nn.Module.compile``: its ``__call__`` runs compiled, its
+    parameters, state-dict keys and ``forward`` stay as they are, so checkpoints carry no
+    ``_orig_mod.`` prefix); returns the function that hands it back as it was.
+
+    Called once the model is converted and on its device, before any DDP wrapping: the
+    compiled graph then traces mixprec's regions and casts with the final dtypes."""
+    before = model.__dict__.get("_compiled_call_impl")
+    model.compile(**options)
+    shown = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    log.info("model %s compiled: torch.compile(%s)", type(model).__name__, shown)
+
+    def undo() -> None:
+        if before is None:
+            model.__dict__.pop("_compiled_call_impl", None)
+        else:
+            model.__dict__["_compiled_call_impl"] = before
+
+    return undo
 
 
 def resolve_precision(
@@ -297,6 +359,14 @@ def check_model(model: Any, loss_fn: Any) -> None:
     """A model the Trainer can run: an nn.Module, with a loss_fn unless a TrainingModule."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded by any torch.compile
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        raise TypeError(
+            "model was compiled before mixprec converted it (torch.compile(model)), which "
+            "also prefixes its checkpoint keys with '_orig_mod.'; pass the plain model and "
+            "Trainer(compile=True) (or a dict of torch.compile arguments): it compiles after "
+            "conversion"
+        )
     if not isinstance(model, TrainingModule) and loss_fn is None:
         raise ValueError(
             f"{type(model).__name__} is a plain nn.Module: pass loss_fn=(output, target) -> "

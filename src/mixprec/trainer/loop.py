@@ -85,8 +85,12 @@ class Run:
     def step_context(self) -> AbstractContextManager[Any]:
         """The compute region for a step: a TrainingModule's step may call submodules
         directly, so it runs in the precision's forward context; a plain module's forward
-        enters its region by itself."""
-        if self.is_module:
+        enters its region by itself. A compiled plain module under a "true" policy also runs
+        in the forward context, which sets torch's default dtype outside the compiled graph
+        (torch's AOT tracing drops a switch traced inside one, so the region's own switch is
+        a graph boundary)."""
+        compiled = "_compiled_call_impl" in self.model.__dict__  # Trainer(compile=...)
+        if self.is_module or (compiled and not self.precision.policy.default.is_mixed):
             return self.precision.forward_context()
         return contextlib.nullcontext()
 

@@ -27,6 +27,7 @@ from mixprec.trainer.config import (
     check_fit_inputs,
     check_model,
     choose_precision,
+    compile_model,
     determinism,
     make_callbacks,
     new_precision,
@@ -92,6 +93,13 @@ class Trainer:
             uninterrupted ones on the same machine).
         allow_slow_precision: accept a precision that runs far slower than float32 on this
             device (float16 on CPUs without float16 hardware) instead of raising.
+        compile: ``True`` compiles the model with ``torch.compile`` (torch's defaults), a dict
+            passes those keyword arguments (``{"mode": "max-autotune"}``; checked by torch
+            when the Trainer is built), ``False`` runs it eagerly. The model is compiled in
+            place (``nn.Module.compile``) after conversion and device placement, before DDP
+            wrapping, and handed back uncompiled after the run; checkpoints keep its plain
+            state-dict keys. A ``TrainingModule``'s steps run eagerly around its compiled
+            ``__call__`` (``self(x)``), as in Lightning.
 
     Raises ``ValueError`` for a flag outside what is accepted (the message lists it),
     ``mixprec.PolicySpecError`` for an unknown precision, ``mixprec.PrecisionError`` when
@@ -122,6 +130,7 @@ class Trainer:
         seed: int | None = None,
         deterministic: bool = False,
         allow_slow_precision: bool = False,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         template = precision if isinstance(precision, Precision) else None
         self.config = TrainerConfig(
@@ -137,6 +146,7 @@ class Trainer:
             deterministic=deterministic,
             allow_slow_precision=allow_slow_precision or bool(template and template.allow_slow),
             default_root_dir=Path(default_root_dir or os.getcwd()),
+            compile=compile,
         )
         self.strategy = make_strategy(accelerator, devices, strategy)
         self.policy, self.support, self.device_description = choose_precision(
@@ -163,6 +173,7 @@ class Trainer:
         self._gathered: dict[str, Tensor] | None = None  # a sharded run's weights, on rank 0
         self._fit_loss_fn: Any = None
         self._listeners: dict[str, list[Callback]] = {}
+        self._uncompile: Callable[[], None] | None = None  # hands the run's model back eager
 
     def __getattr__(self, name: str) -> Any:
         # the settings, read as trainer.max_epochs, trainer.accumulate_grad_batches, ...
@@ -173,7 +184,14 @@ class Trainer:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(model=None, _current=None, _fit_loss_fn=None, _listeners={}, _gathered=None)
+        state.update(
+            model=None,
+            _current=None,
+            _fit_loss_fn=None,
+            _listeners={},
+            _gathered=None,
+            _uncompile=None,
+        )
         return state
 
     # -- what callbacks and users read --------------------------------------------------------
@@ -252,6 +270,9 @@ class Trainer:
             "device": f"{self.device_description} x {self.world_size} ({self.strategy.name})",
             "epochs / steps": f"{self.current_epoch} / {self.global_step}",
         }
+        if self.config.compile is not None:
+            shown = ", ".join(f"{k}={v!r}" for k, v in self.config.compile.items())
+            head["compiled"] = f"torch.compile({shown})"
         scaler = run.precision.scaler
         cb = self.checkpoint_callback
         return summary_rows(
@@ -445,6 +466,9 @@ class Trainer:
             finally:
                 self._log.flush()
                 model.__dict__.pop("_trainer", None)
+                if self._uncompile is not None:
+                    self._uncompile()
+                    self._uncompile = None
                 for lg in self.loggers:
                     lg.finalize()
                 self.stage = None
@@ -457,7 +481,8 @@ class Trainer:
     ) -> tuple[Precision, StepRunner, list[LossScaleOptimizer], list[dict[str, Any]]]:
         """Device, then sharding (FSDP), then the optimizers (``fit``: built after sharding,
         which replaces the parameters), then precision (conversion unless sharded, optimizer
-        wrapping): in that order. Returns the scheduler configs too."""
+        wrapping), then compilation (``compile=``): in that order; DDP wraps the result.
+        Returns the scheduler configs too."""
         device = self.strategy.device
         model.to(device)
         precision = new_precision(
@@ -468,6 +493,8 @@ class Trainer:
         made = [opt(model) if callable(opt) else opt for opt in optimizers]
         self.strategy.check_optimizers(model, made)
         wrapped = precision.setup(model, *made, convert=not is_sharded)
+        if self.config.compile is not None and self._uncompile is None:
+            self._uncompile = compile_model(model, self.config.compile)
         opts = list(wrapped[1:]) if made else []
         return precision, StepRunner(model, loss_fn), opts, scheduler_configs
 

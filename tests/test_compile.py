@@ -1,0 +1,458 @@
+"""torch.compile with mixprec: regions, float32 islands and output casts cause no graph break
+and no recompile; `Trainer(compile=...)`; `mixprec bench --compile`.
+
+Real torch and tiny models. Graph breaks are counted with `torch._dynamo.explain`, compiles
+with `torch._dynamo.utils.counters` and `error_on_recompile`. Most tests compile with the
+"aot_eager" backend (dynamo and AOTAutograd, the parts that trace mixprec's code, without a
+C++ build); the two marked slow build with inductor, torch's default, as users get it.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils.data import DataLoader, TensorDataset
+
+import mixprec
+from mixprec.bench.command import _options
+from mixprec.bench.report import notes, summarize
+from mixprec.bench.runner import run_config
+from mixprec.bench.suite import BenchOptions, BenchReport, Row, _spec, metadata, plan
+from mixprec.cli import build_parser
+from mixprec.policy_map import PolicyMap
+from mixprec.trainer import Callback, Trainer, TrainingModule
+from mixprec.trainer.checkpoint import load
+
+BACKEND = "aot_eager"
+QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Every test compiles from scratch and counts only its own compiles."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+class Net(nn.Module):
+    """A LayerNorm (a float32 island under a mixed policy) between two linear layers."""
+
+    def __init__(self, output: str = "tensor") -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 4)
+        self.output = output
+
+    def forward(self, x: torch.Tensor):
+        h = self.head(torch.relu(self.norm(self.fc1(x))))
+        if self.output == "tuple":
+            return h, h.sum(-1)
+        if self.output == "dict":
+            return {"logits": h, "extra": [h * 2]}
+        return h
+
+
+def net(spec=None, output: str = "tensor") -> nn.Module:
+    torch.manual_seed(0)
+    model = Net(output)
+    if spec is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # bfloat16 is slow on CPUs without bf16 hardware
+            mixprec.apply(model, spec)
+    return model
+
+
+def with_rule(spec: str) -> PolicyMap:
+    """The policy with a float32 rule on the head (a region of its own below the root)."""
+    return PolicyMap(spec, {"head": "float32"})
+
+
+X = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+
+
+def breaks(fn, *args) -> tuple[int, int, list[str]]:
+    """Graphs and graph breaks of ``fn(*args)``, and the reasons; checks that the model's
+    layers are inside the graphs (a frame dynamo skips would count no break either)."""
+    torch._dynamo.reset()
+    ex = torch._dynamo.explain(fn)(*args)
+    ops = [op for graph in ex.ops_per_graph for op in graph]
+    assert sum(op is F.linear for op in ops) == 2 and F.layer_norm in ops, ops
+    return ex.graph_count, ex.graph_break_count, [b.reason for b in ex.break_reasons]
+
+
+# -- graph breaks --------------------------------------------------------------------------
+
+
+def test_the_model_alone_compiles_to_one_graph():
+    assert breaks(net(), X)[:2] == (1, 0)
+
+
+@pytest.mark.parametrize("spec", ["bf16-mixed", "16-mixed", "32-true"])
+def test_regions_islands_and_rules_cause_no_graph_break(spec):
+    model = net(with_rule(spec))
+    regions = [n for n, m in model.named_modules() if "forward" in m.__dict__]
+    if spec != "32-true":
+        assert regions == ["", "norm", "head"]  # root, the island and the rule: three regions
+    graphs, n_breaks, reasons = breaks(model, X)
+    assert (graphs, n_breaks) == (1, 0), reasons
+
+
+@pytest.mark.parametrize("output", ["tuple", "dict"])
+def test_output_casts_of_nested_outputs_cause_no_graph_break(output):
+    model = net("bf16-mixed", output)
+    eager = model(X)
+    graphs, n_breaks, reasons = breaks(model, X)
+    assert (graphs, n_breaks) == (1, 0), reasons
+    compiled = torch.compile(model, backend=BACKEND)(X)
+    first = compiled[0] if output == "tuple" else compiled["logits"]
+    assert first.dtype == torch.float32  # the output cast is in the graph
+    assert torch.equal(first, eager[0] if output == "tuple" else eager["logits"])
+
+
+def test_forward_context_under_compile():
+    precision = mixprec.Precision(with_rule("bf16-mixed"), allow_slow=True)
+    model = precision.setup(net())
+    target = torch.randn(8, 4)
+
+    def loss_of(x, y):
+        with precision.forward_context():
+            return F.mse_loss(model(x), y)
+
+    graphs, n_breaks, reasons = breaks(loss_of, X, target)
+    assert (graphs, n_breaks) == (1, 0), reasons
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(loss_of, backend=BACKEND)(X, target), loss_of(X, target))
+
+
+def test_true_policy_under_forward_context_has_no_graph_break():
+    precision = mixprec.Precision("bf16-true", allow_slow=True)
+    model = precision.setup(net())
+    with precision.forward_context():  # the default dtype is set outside the graph
+        graphs, n_breaks, reasons = breaks(model, X)
+    assert (graphs, n_breaks) == (1, 0), reasons
+
+
+def test_true_region_switching_the_default_dtype_breaks_the_graph_but_stays_exact():
+    # A float32 rule inside "bf16-true" must switch torch's default dtype for its forward;
+    # that region is a graph boundary (see the next test for why), and the result is exact.
+    model = net(with_rule("bf16-true"))
+    eager = model(X)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(model)(X).graph_break_count > 0
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=BACKEND)(X)
+    assert compiled.dtype == eager.dtype == torch.bfloat16
+    assert torch.equal(compiled, eager)
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_why_default_dtype_switches_stay_outside_graphs():
+    """torch's AOT tracing (inductor's front end) drops a `set_default_dtype` traced inside a
+    graph, so tensors created without a dtype would silently come out float32; mixprec keeps
+    the switch out of the graph. If this starts failing, torch fixed it and the lock in
+    `mixprec.convert.default_dtype` may be traced instead."""
+
+    def make_ones(x):
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return x + torch.ones(4)
+        finally:
+            torch.set_default_dtype(before)
+
+    x = torch.zeros(4, dtype=torch.bfloat16)
+    assert make_ones(x).dtype == torch.bfloat16
+    assert torch.compile(make_ones, backend=BACKEND)(x).dtype == torch.float32
+
+
+# -- recompiles ----------------------------------------------------------------------------
+
+
+def _train(model: nn.Module, steps: int) -> list[torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    target = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(X.clone()), target)  # a new input object every step
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("spec", ["bf16-mixed", "32-true"])
+def test_compiled_training_compiles_once_and_matches_eager(spec):
+    # "32-true": the root is a "true" region, which casts the inputs through the walker
+    eager = _train(net(with_rule(spec)), 4)
+    model = net(with_rule(spec))
+    compiled = torch.compile(model, backend=BACKEND)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        losses = _train(compiled, 4)  # forward and backward, weights changing every step
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["frames"]["ok"] == 1
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager), rtol=1e-2, atol=1e-3)
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.slow
+def test_inductor_build_of_a_mixed_model_with_islands():
+    """The default backend, as users get it: one compile, float32 outputs, bf16 numerics."""
+    eager = _train(net(with_rule("bf16-mixed")), 3)
+    model = net(with_rule("bf16-mixed"))
+    model.compile()  # in place, as the Trainer does
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        losses = _train(model, 3)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert model(X).dtype == torch.float32
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager), rtol=2e-2, atol=1e-3)
+    assert list(model.state_dict()) == list(net().state_dict())
+
+
+# -- Trainer(compile=...) ------------------------------------------------------------------
+
+
+def _data() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 16, generator=g)
+    return DataLoader(TensorDataset(x, torch.randn(32, 4, generator=g)), batch_size=8)
+
+
+def _trainer(tmp_path: Path, compile, policy=None, **kwargs) -> Trainer:
+    settings = {**QUIET, "max_epochs": 2, "allow_slow_precision": True, "seed": 0, **kwargs}
+    policy = policy or with_rule("bf16-mixed")
+    return Trainer(policy, default_root_dir=tmp_path, compile=compile, **settings)
+
+
+def test_compile_flag_is_checked():
+    with pytest.raises(ValueError, match=r"compile must be True .*fullgraph.*got 'yes'"):
+        Trainer(compile="yes", **QUIET)
+    with pytest.raises(ValueError, match=r"'mod', not a torch.compile argument; accepted: "):
+        Trainer(compile={"mod": "max-autotune"}, **QUIET)
+    with pytest.raises(ValueError, match=r"compile=\{'mode': 'fast'\}: Unrecognized mode=fast"):
+        Trainer(compile={"mode": "fast"}, **QUIET)
+    with pytest.raises(ValueError, match=r"Invalid backend: 'nope'"):
+        Trainer(compile={"backend": "nope"}, **QUIET)
+    assert Trainer(compile=True, **QUIET).compile == {}
+    assert Trainer(compile={"mode": "reduce-overhead"}, **QUIET).compile == {
+        "mode": "reduce-overhead"
+    }
+    assert Trainer(**QUIET).compile is None
+
+
+def test_a_model_compiled_before_conversion_is_refused(tmp_path):
+    trainer = _trainer(tmp_path, False)
+    with pytest.raises(TypeError, match=r"compiled before mixprec converted it.*compile=True"):
+        trainer.fit(torch.compile(net()), _data(), loss_fn=F.mse_loss)
+
+
+@pytest.mark.slow
+def test_trainer_compile_true_trains_like_eager_and_saves_plain_keys(tmp_path):
+    eager_model = net()
+    eager = _trainer(tmp_path / "eager", False)
+    eager.fit(eager_model, _data(), loss_fn=F.mse_loss)
+
+    model = net()
+    trainer = _trainer(tmp_path / "compiled", True)
+    trainer.fit(model, _data(), loss_fn=F.mse_loss)
+    assert counters["stats"]["unique_graphs"] == 1  # one compile for 8 steps
+    assert trainer.summary()["compiled"] == "torch.compile()"
+    assert "_compiled_call_impl" not in model.__dict__  # handed back eager
+    loss, eager_loss = trainer.callback_metrics["loss"], eager.callback_metrics["loss"]
+    assert loss == pytest.approx(eager_loss, rel=2e-2)
+
+    path = trainer.save_checkpoint(tmp_path / "compiled.ckpt")
+    keys = list(load(path)["model"])
+    assert keys == list(net().state_dict()) and not any("_orig_mod" in k for k in keys)
+    assert torch.equal(load(path)["model"]["fc1.weight"], model.fc1.weight)
+    # the compiled run's checkpoint resumes in an eager Trainer
+    resume = Trainer(with_rule("bf16-mixed"), max_epochs=3, allow_slow_precision=True, **QUIET)
+    resume.fit(net(), _data(), loss_fn=F.mse_loss, ckpt_path=path)
+    assert (resume.current_epoch, resume.global_step) == (3, 12)
+
+
+def test_trainer_compiles_a_true_policy_model_whole(tmp_path):
+    """Under "bf16-true" the Trainer runs a compiled plain module in the forward context, so
+    the default dtype is set outside the graph and the model's layers are all in one graph
+    (an nn.Sequential's own frames are torch's, which dynamo only traces from a caller)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+    trainer = _trainer(tmp_path, {"backend": BACKEND}, "bf16-true", max_epochs=1)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        trainer.fit(model, _data(), loss_fn=F.mse_loss)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["calls_captured"] >= 3  # linear, layer_norm, linear
+    assert model[0].weight.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32
+
+
+class CompiledAtValidation(Callback):
+    """Records whether the model runs compiled when validation starts."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_validation_start(self, trainer, model):
+        self.seen.append("_compiled_call_impl" in model.__dict__)
+
+
+class Module(TrainingModule):
+    """A TrainingModule whose step calls itself (its compiled `__call__`) and logs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = net()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.log("train_mse", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y))
+
+
+def test_eager_checkpoint_loads_into_a_compiled_trainer(tmp_path):
+    policy = PolicyMap("bf16-mixed", {"net.head": "float32"})
+    eager_module = Module()
+    eager = _trainer(tmp_path / "eager", False, policy)
+    eager.fit(eager_module, _data())
+    path = eager.save_checkpoint(tmp_path / "eager.ckpt")
+    expected = eager.validate(eager_module, _data())[0]["val_loss"]
+
+    probe = CompiledAtValidation()
+    compiled = _trainer(tmp_path / "compiled", {"backend": BACKEND}, policy, callbacks=probe)
+    module = Module()
+    got = compiled.validate(module, _data(), ckpt_path=path)[0]["val_loss"]
+    assert probe.seen == [True] and counters["frames"]["ok"] >= 1  # it ran compiled
+    assert got == pytest.approx(expected, rel=1e-3)
+    assert torch.equal(module.net.head.weight, eager_module.net.head.weight)
+    assert "_compiled_call_impl" not in module.__dict__
+
+
+class RankReport(Callback):
+    """Each rank saves its parameters, whether it ran compiled and the graphs it compiled."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_fit_end(self, trainer, model):
+        report = {
+            "params": model.state_dict(),
+            "compiled": "_compiled_call_impl" in model.__dict__,
+            "graphs": counters["stats"]["unique_graphs"],
+        }
+        torch.save(report, self.directory / f"rank{trainer.strategy.global_rank}.pt")
+
+
+@pytest.mark.slow
+def test_ddp_wraps_the_compiled_model(tmp_path):
+    """Compiled before the DDP wrapper: each rank compiles once and the ranks, which see
+    different halves of the data, end with the same weights (the gradients were reduced)."""
+    trainer = Trainer(
+        with_rule("bf16-mixed"),
+        devices=2,
+        strategy="ddp_fork",
+        max_epochs=1,
+        compile={"backend": BACKEND},
+        callbacks=[RankReport(tmp_path)],
+        allow_slow_precision=True,
+        **QUIET,
+    )
+    trainer.fit(net(), _data(), loss_fn=F.mse_loss)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r0["compiled"] and r1["compiled"]
+    assert r0["graphs"] == r1["graphs"] == 1
+    for name, p in r0["params"].items():
+        assert torch.equal(p, r1["params"][name]), name
+    assert not torch.equal(r0["params"]["fc1.weight"], net().fc1.weight)  # it trained
+
+
+# -- mixprec bench --compile ---------------------------------------------------------------
+
+FACTORY = """
+import torch
+from torch import nn
+
+
+def make():
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 4))
+
+    def make_batch(n):
+        g = torch.Generator().manual_seed(0)
+        return torch.randn(n, 16, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+    return model, make_batch, nn.functional.cross_entropy
+"""
+
+
+def test_bench_plan_labels_compiled_rows_and_reproduces_the_flag(tmp_path, monkeypatch):
+    (tmp_path / "factory.py").write_text(textwrap.dedent(FACTORY))
+    monkeypatch.chdir(tmp_path)
+    p = plan(
+        BenchOptions(
+            model="factory.py:make",
+            precisions=["32-true", "bf16-mixed"],
+            batch_sizes=[4],
+            allow_slow=True,
+            compile=True,
+        )
+    )
+    assert [c.label for c in p.configs] == ["32-true (compiled)", "bf16-mixed (compiled)"]
+    assert all(c.compiled for c in p.configs)
+    assert p.command.endswith("--allow-slow --compile")
+    assert metadata(p)["compile"] is True
+    args = build_parser().parse_args(["bench", "--model", "factory.py:make", "--compile"])
+    assert _options(args).compile is True
+    assert _options(build_parser().parse_args(["bench"])).compile is False
+
+
+@pytest.mark.slow
+def test_bench_compiles_both_loops_alike(tmp_path, monkeypatch):
+    """Ours and the raw torch loop each compile once (an nn.Sequential of torch modules too,
+    which `model.compile()` would leave eager); the first step is timed apart."""
+    (tmp_path / "factory.py").write_text(textwrap.dedent(FACTORY))
+    monkeypatch.chdir(tmp_path)
+    p = plan(
+        BenchOptions(
+            model="factory.py:make",
+            precisions=["bf16-mixed"],
+            batch_sizes=[4],
+            allow_slow=True,
+            compile=True,
+            steps=2,
+            warmup=1,
+            threads=torch.get_num_threads(),
+        )
+    )
+    (config,) = p.configs
+    spec = _spec(p, config)
+    assert spec.compile and spec.raw
+    result = run_config(spec)
+    assert counters["stats"]["unique_graphs"] == 2  # one graph per loop, no recompile
+    assert result.raw is not None
+    for loop in (result.mixprec, result.raw):
+        assert loop.status == "ok" and len(loop.step_ms) == 2 and loop.first_step_s > 0
+    assert result.mixprec.final_loss == pytest.approx(result.raw.final_loss, rel=0.05)
+    report = BenchReport(
+        dict(metadata(p), memory_method=result.memory_method), [Row(config, result)]
+    )
+    lines = notes(report, summarize(report))
+    assert any(line.startswith("compiled: every model runs under torch.compile") for line in lines)
+    assert any("bf16-mixed (compiled) at batch 4: first step (compilation)" in x for x in lines)
