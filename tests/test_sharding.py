@@ -24,6 +24,7 @@ from mixprec.hardware import DeviceInfo
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy
 from mixprec.policy_map import PolicyMap, island_policy
+from mixprec.precision import Precision
 from mixprec.scaling import DynamicLossScaler
 from mixprec.sharding import mixed_precision_policy, shard, units
 
@@ -295,3 +296,21 @@ def test_refuses_a_slow_policy_unless_allowed(monkeypatch):
     monkeypatch.delenv("MIXPREC_ALLOW_SLOW", raising=False)
     with hardware.assume(AVX2_CPU), pytest.raises(SlowPrecisionError, match="allow_slow"):
         shard(Net(), "bf16-mixed", mesh=object())  # type: ignore[arg-type]  # checked first
+
+
+def test_the_uncompensated_warning_names_the_fsdp_fix_for_sharded_16_bit_weights(tmp_path):
+    """Sharded bf16 weights can't take compensation or masters: the warning says what works."""
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        model = nn.Sequential(nn.Linear(8, 8)).to(torch.bfloat16)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters())
+        with pytest.warns(UserWarning, match="Sharded with FSDP, train a \\*-mixed policy"):
+            precision = Precision("bf16-true", allow_slow=True)
+            precision.setup(model, optimizer, convert=False)
+    finally:
+        dist.destroy_process_group()

@@ -601,6 +601,15 @@ def _trainable(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
 
 
+def _is_sharded(params: list[torch.Tensor]) -> bool:
+    """Whether any parameter is a DTensor (sharded by FSDP2)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in params)
+
+
 def _warn_uncompensated(
     optimizer: torch.optim.Optimizer, master_dtypes: tuple[torch.dtype, ...]
 ) -> None:
@@ -612,11 +621,19 @@ def _warn_uncompensated(
         if p.dtype in COMPENSATED_DTYPES and p.dtype not in master_dtypes
     }
     if plain:
+        sharded = _is_sharded(_trainable(optimizer))
+        fix = (
+            "Sharded with FSDP, train a *-mixed policy instead: FSDP keeps float32 sharded "
+            "masters and computes in 16 bits (compensation and master_weights are not offered "
+            "for sharded 16-bit weights)"
+            if sharded
+            else "Pass compensation='kahan' (or 'stochastic') to Precision / "
+            "LossScaleOptimizer, or master_weights=True"
+        )
         warnings.warn(
             f"{type(optimizer).__name__} updates {'/'.join(sorted(plain))} parameters in place "
             f"without float32 master weights: updates much smaller than a weight round away "
-            f"and training stalls. Pass compensation='kahan' (or 'stochastic') to Precision / "
-            f"LossScaleOptimizer, or master_weights=True",
+            f"and training stalls. {fix}",
             UserWarning,
             stacklevel=3,
         )
