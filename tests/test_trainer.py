@@ -143,7 +143,7 @@ def test_invalid_flags_raise_saying_what_is_accepted(kwargs, message):
 
 
 @pytest.mark.parametrize(
-    "spec, hint", [("fp16", "16-mixed"), ("int8", "accepted"), (8, "accepted")]
+    "spec, hint", [("fp16", "16-mixed"), ("int8", "int8_from_float32"), (8, "accepted")]
 )
 def test_unknown_precision_raises_a_policy_spec_error(spec, hint):
     with pytest.raises(mixprec.PolicySpecError, match=hint):
