@@ -224,10 +224,10 @@ def test_lora_trains_only_the_adapters_and_merges_into_the_same_outputs(mode):
     x = torch.randint(0, 40, (4, 6))
     y0 = model(x)
     params = enable_lora(model, rank=4, alpha=8)
-    assert len(params) == 3 * 2  # three Linear layers (embeddings get none)
-    assert torch.equal(model(x), y0)  # B starts at zero
+    assert len(params) == 4 * 2  # the embedding and three Linear layers
+    assert torch.equal(model(x), y0)  # B (A for the embedding) starts at zero
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {
-        f"{i}.lora_{ab}" for i in (1, 4, 5) for ab in "AB"
+        f"{i}.lora_{ab}" for i in (0, 1, 4, 5) for ab in "AB"
     } | {"3.weight", "3.bias"}
     opt = torch.optim.SGD(params, lr=0.05)
     for _ in range(3):
@@ -238,13 +238,14 @@ def test_lora_trains_only_the_adapters_and_merges_into_the_same_outputs(mode):
     assert all(torch.equal(after[k], v) for k, v in frozen.items())
     y1 = model(x)
     assert not torch.allclose(y1, y0)
-    layers = [model[i] for i in (1, 4, 5)]
+    layers = [model[i] for i in (0, 1, 4, 5)]
     with torch.no_grad():
         merged = [
             m.dequantized_weight() + m.lora_B @ m.lora_A * (m.lora_alpha / m.lora_rank)
-            for m in layers
+            for m in layers[1:]
         ]
-    assert merge_lora(model) == 3
+        merged.insert(0, layers[0].dequantized_weight() + layers[0].lora_delta())
+    assert merge_lora(model) == 4
     assert not any("lora" in n for n, _ in model.named_parameters())
     for m, w in zip(layers, merged, strict=True):  # merged = the adapted weight, quantized
         if mode == "int8":

@@ -3,6 +3,7 @@ checkpoint resume, `torch.compile` of quantized layers, and DDP replicas (issue 
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from pathlib import Path
@@ -119,6 +120,40 @@ def test_int8_lora_trains_only_the_adapters_and_resumes_bit_identically(tmp_path
     assert all(isinstance(straight[i], Int8Linear) for i in (0, 2))
     # the merged weight is quantized again: outputs move by int8 rounding only
     torch.testing.assert_close(merged, unmerged, rtol=0, atol=0.02 * unmerged.abs().max().item())
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_lora_on_a_quantized_embedding_trains_merges_and_dequantizes(mode):
+    """Adapters on an int8/int4 Embedding (padding_idx 0): they start as a no-op, only A/B
+    train, the padding row stays the quantized table's, merging and dequantizing keep the
+    outputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(40, 32, padding_idx=0), nn.Linear(32, 40))
+    mixprec.quantize(model, mode)
+    emb = model[0]
+    frozen = {k: v.clone() for k, v in model.state_dict().items()}
+    idx = torch.tensor([[0, 3, 7, 3], [12, 0, 39, 5]])
+    y0 = model(idx)
+    params = enable_lora(emb, rank=4)
+    assert params == [emb.lora_A, emb.lora_B] and emb.lora_A.shape == (4, 40)
+    assert emb.lora_B.shape == (32, 4) and torch.equal(model(idx), y0)
+    opt = torch.optim.AdamW(params, lr=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+        opt.step()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in frozen.items())
+    with torch.no_grad():
+        rows, table = emb(idx), emb.dequantized_weight()
+        assert torch.equal(rows[0, 0], table[0])  # padding row unchanged
+        assert not torch.allclose(rows, table[idx])
+        torch.testing.assert_close(rows, table[idx] + emb.lora_delta()[idx], rtol=1e-5, atol=1e-6)
+        as_float = mixprec.quantize.dequantize(copy.deepcopy(model))
+        assert type(as_float[0]) is nn.Embedding
+        torch.testing.assert_close(as_float[0](idx), rows, rtol=1e-5, atol=1e-6)
+        assert merge_lora(model) == 1 and emb.lora_A is None
+        tolerance = {"int8": 0.01, "int4": 0.1}[mode] * rows.abs().max().item()
+        torch.testing.assert_close(emb(idx), rows, rtol=0, atol=tolerance)
 
 
 def compiled_matches_eager(make: Callable[[], nn.Module]) -> None:

@@ -12,7 +12,8 @@ ones (or Linear for float8 training), in place, as Keras's ``model.quantize`` do
 
 Quantized layers keep their int tensors and scales as buffers, so ``state_dict`` holds them
 and a checkpoint loads into a model quantized the same way without quantizing again.
-`dequantize` gives float layers back; `enable_lora` / `merge_lora` fine-tune them.
+`dequantize` gives float layers back; `enable_lora` / `merge_lora` fine-tune them (LoRA
+adapters on the int8/int4 Linear and Embedding layers).
 """
 
 from __future__ import annotations
@@ -253,8 +254,7 @@ def _float_layer(layer: nn.Module, memo: dict[int, nn.Parameter]) -> nn.Module:
     key = id(layer.qweight)
     weight = layer.dequantized_weight()
     if isinstance(layer, LoraMixin) and layer.lora_rank:
-        delta = (layer.lora_B @ layer.lora_A) * (layer.lora_alpha / layer.lora_rank)
-        weight, key = weight + delta.detach().to(weight.dtype), id(layer)
+        weight, key = weight + layer.lora_delta().detach().to(weight.dtype), id(layer)
     if key not in memo:
         memo[key] = nn.Parameter(weight.detach().clone())
     if isinstance(layer, (Int8Linear, Int4Linear)):
@@ -280,14 +280,15 @@ def _lora_layers(module: nn.Module) -> list[LoraMixin]:
 
 
 def enable_lora(module: nn.Module, rank: int, alpha: float | None = None) -> list[nn.Parameter]:
-    """Add LoRA adapters of `rank` to every int8/int4 Linear in `module` (a layer or a whole
-    model) and return the new trainable parameters (give them to the optimizer). The
-    quantized weights never train; the biases of those layers are frozen too."""
+    """Add LoRA adapters of `rank` to every int8/int4 Linear and Embedding in `module` (a
+    layer or a whole model) and return the new trainable parameters (give them to the
+    optimizer). The quantized weights never train; the biases of those layers are frozen
+    too."""
     layers = _lora_layers(module)
     if not layers:
         raise ValueError(
-            f"enable_lora found no int8/int4 Linear in {type(module).__name__}: quantize "
-            "first, e.g. mixprec.quantize(model, 'int8')"
+            f"enable_lora found no int8/int4 Linear or Embedding in {type(module).__name__}: "
+            "quantize first, e.g. mixprec.quantize(model, 'int8')"
         )
     return [p for layer in layers for p in layer.enable_lora(rank, alpha)]
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.quantize.lora import LoraMixin
+from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
 QMAX = 15
 
@@ -130,7 +130,7 @@ class Int4Linear(LoraMixin, _Int4Weight):
         )
 
 
-class Int4Embedding(_Int4Weight):
+class Int4Embedding(LoraEmbeddingMixin, _Int4Weight):
     """An Embedding with grouped int4 rows; only the rows looked up are dequantized."""
 
     float_type = nn.Embedding
@@ -146,6 +146,7 @@ class Int4Embedding(_Int4Weight):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
         self._init_weight(num_embeddings, embedding_dim, group_size)
+        self._init_lora()
 
     @classmethod
     def from_float(
@@ -161,13 +162,17 @@ class Int4Embedding(_Int4Weight):
         return layer.to(embedding.weight.device)
 
     def forward(self, idx: Tensor) -> Tensor:
-        return dequantize_groups(
+        rows = dequantize_groups(
             self.qweight[idx],
             self.weight_scale[idx],
             self.weight_zero[idx],
             self.embedding_dim,
             self.group_size,
         )
+        return self.add_lora(idx, rows)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, group_size={self.group_size}"
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, "
+            f"group_size={self.group_size}{self.lora_repr()}"
+        )

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.quantize.lora import LoraMixin
+from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
 QMAX = 127
 
@@ -139,7 +139,7 @@ class Int8Linear(LoraMixin, nn.Module):
         )
 
 
-class Int8Embedding(nn.Module):
+class Int8Embedding(LoraEmbeddingMixin, nn.Module):
     """An Embedding with int8 rows (one scale per row): each lookup is dequantized."""
 
     float_type = nn.Embedding
@@ -155,6 +155,7 @@ class Int8Embedding(nn.Module):
         shape = (num_embeddings, embedding_dim)
         self.register_buffer("qweight", torch.zeros(shape, dtype=torch.int8))
         self.register_buffer("weight_scale", torch.ones(num_embeddings))
+        self._init_lora()
 
     @classmethod
     def from_float(
@@ -170,9 +171,14 @@ class Int8Embedding(nn.Module):
         """``qweight * weight_scale`` in the scales' dtype."""
         return self.qweight.to(self.weight_scale.dtype) * self.weight_scale[:, None]
 
+    def requantize(self, weight: Tensor) -> None:
+        """Replace the int8 rows by the quantization of the float `weight`."""
+        q, scale = quantize_rows(weight)
+        self.qweight, self.weight_scale = q, scale.to(self.weight_scale.dtype)
+
     def forward(self, idx: Tensor) -> Tensor:
         rows = F.embedding(idx, self.qweight).to(self.weight_scale.dtype)
-        return rows * F.embedding(idx, self.weight_scale[:, None])
+        return self.add_lora(idx, rows * F.embedding(idx, self.weight_scale[:, None]))
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        return f"{self.num_embeddings}, {self.embedding_dim}{self.lora_repr()}"
