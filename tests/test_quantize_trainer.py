@@ -80,7 +80,13 @@ def assert_resume_is_bit_identical(
 
 
 @pytest.mark.parametrize(
-    "spec", ["float8/delayed:16_from_float32", "float8_from_float32", "float8/rowwise_from_float32"]
+    "spec",
+    [
+        "float8/delayed:16_from_float32",
+        "float8/delayed:16_from_mixed_bfloat16",
+        "float8_from_float32",
+        "float8/rowwise_from_float32",
+    ],
 )
 def test_float8_trainer_resume_is_bit_identical(tmp_path, spec):
     model = assert_resume_is_bit_identical(float8_net, spec, tmp_path)
@@ -93,6 +99,11 @@ def test_float8_trainer_resume_is_bit_identical(tmp_path, spec):
             history = getattr(layer, f"{name}_amax_history")
             assert bool((history[:12] > 0).all()) and bool((history[12:] == 0).all()), name
             assert getattr(layer, f"{name}_scale").item() > 0
+
+
+@pytest.mark.parametrize("spec", ["bf16-mixed", "16-mixed"])
+def test_int8_lora_resumes_bit_identically_under_mixed_policies(tmp_path, spec):
+    assert_resume_is_bit_identical(int8_lora_net, spec, tmp_path)
 
 
 def test_int8_lora_trains_only_the_adapters_and_resumes_bit_identically(tmp_path):
@@ -177,6 +188,26 @@ def compiled_matches_eager(make: Callable[[], nn.Module]) -> None:
         torch.testing.assert_close(grads_c[name], grads_e[name], rtol=1e-4, atol=1e-6)
     for (name, a), (_, b) in zip(eager.named_buffers(), compiled.named_buffers(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=0, msg=name)
+
+
+def test_trainer_compile_of_a_float8_delayed_model_matches_eager(tmp_path):
+    """`Trainer(compile=True)`: the same parameters and amax histories as an eager run."""
+    models = {compile: float8_net(0) for compile in (False, True)}
+    for compile, model in models.items():
+        trainer = Trainer(
+            precision="float8/delayed:16_from_float32",
+            max_steps=4,
+            seed=3,
+            allow_slow_precision=True,
+            compile=compile,
+            default_root_dir=tmp_path,
+            **QUIET,
+        )
+        trainer.fit(model, loader(), loss_fn=F.mse_loss, optimizer=ADAMW)
+    eager, compiled = (m.state_dict() for m in models.values())
+    assert list(eager) == list(compiled)
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _small(mode: str) -> nn.Module:
