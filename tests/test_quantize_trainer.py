@@ -266,3 +266,29 @@ def test_ddp_float8_delayed_replicas_are_identical(tmp_path):
         history = f"0.{name}_amax_history"
         assert torch.equal(r0[history][1:], r1[history][1:]), history
         assert not torch.equal(r0[history][:1], r1[history][:1]), history
+
+
+@pytest.mark.slow
+def test_ddp_int8_lora_replicas_are_identical_and_the_int8_weights_untouched(tmp_path):
+    model = int8_lora_net(0)
+    frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora" not in k}
+    trainer = Trainer(
+        precision="bf16-mixed",
+        strategy="ddp",
+        devices=2,
+        accelerator="cpu",
+        max_steps=4,
+        allow_slow_precision=True,
+        callbacks=[DumpParams(tmp_path)],
+        default_root_dir=tmp_path,
+        **QUIET,
+    )
+    trainer.fit(model, loader(), loss_fn=F.mse_loss, optimizer=ADAMW)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert r0.keys() == r1.keys() == model.state_dict().keys()
+    for name, value in r0.items():
+        assert torch.equal(value, r1[name]), name
+        assert torch.equal(value, model.state_dict()[name]), name
+    for name, value in frozen.items():
+        assert torch.equal(r0[name], value), name
+    assert bool(r0["0.lora_B"].abs().sum() > 0)
