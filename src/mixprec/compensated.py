@@ -26,9 +26,9 @@ nearest, add up the same way. Measured over 1,000 AdamW updates of 1e-4 of each 
 from float64; with these two stochastic, within 0.64. The first moment and SGD's momentum
 (increments of 10% and more) round to nearest.
 
-The step runs in batches of at most ``BATCH_ELEMENTS`` elements (2^18 on a CPU): weights,
-gradients and moments are copied into float32 scratch buffers kept from step to step (about
-5 MiB on a CPU, never more than the group needs), computed on in place, and written back; the
+The step runs in batches (2^18 elements per thread on a CPU): weights, gradients and
+moments are copied into float32 scratch buffers kept from step to step (about 5.5 MiB per
+CPU thread, never more than the group needs), computed on in place, and written back; the
 random bits of a batch come from one generator call. Fresh full-size float32 copies cost more
 in page faults than the arithmetic on a CPU, and a batch that fits the cache makes its ~25
 passes there.
@@ -60,10 +60,11 @@ COMPENSATIONS: tuple[str, ...] = ("kahan", "stochastic")
 # parameter dtypes whose updates are compensated (others step plainly in their own dtype)
 COMPENSATED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 SUPPORTED = (torch.optim.Adam, torch.optim.SGD)  # AdamW is an Adam subclass
-# elements per batch of a step (see ``Compensator._batches``): cache-sized on the CPU; on an
-# accelerator large enough that the number of kernel launches stays small
-BATCH_ELEMENTS: dict[str, int] = {"cpu": 1 << 18}
-DEFAULT_BATCH_ELEMENTS = 1 << 24
+# elements per batch of a step (see ``Compensator._batches``): on the CPU 2^18 per thread (each
+# thread's share of a float32 buffer stays cache-sized, and more threads launch no more
+# kernels); on an accelerator large enough that the number of kernel launches stays small
+CPU_BATCH_PER_THREAD = 1 << 18
+BATCH_ELEMENTS = 1 << 24
 
 
 def check_compensation(value: Any) -> str | None:
@@ -288,8 +289,9 @@ class Compensator:
         self, rows: list[list[torch.Tensor]], buffers: int
     ) -> Iterator[tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]]:
         """``rows`` (each the parameter and its same-shaped tensors) in batches of at most
-        ``BATCH_ELEMENTS`` elements, by device, math dtype and 16-bit or not: each batch as
-        its columns and ``buffers`` lists of scratch tensors shaped like its pieces.
+        ``BATCH_ELEMENTS`` elements (``CPU_BATCH_PER_THREAD`` per thread on the CPU), by
+        device, math dtype and 16-bit or not: each batch as its columns and ``buffers`` lists
+        of scratch tensors shaped like its pieces.
 
         The scratch is kept from step to step: float32 copies of whole tensors cost more in
         page faults on a CPU than the arithmetic, and a batch that fits the cache makes its
@@ -301,7 +303,9 @@ class Compensator:
             key = (str(p.device), _math_dtype(p), p.dtype in COMPENSATED_DTYPES)
             kinds.setdefault(key, []).append(row)
         for (device, dtype, _), same in kinds.items():
-            size = BATCH_ELEMENTS.get(torch.device(device).type, DEFAULT_BATCH_ELEMENTS)
+            size = BATCH_ELEMENTS
+            if torch.device(device).type == "cpu":
+                size = CPU_BATCH_PER_THREAD * torch.get_num_threads()
             pieces: list[list[torch.Tensor]] = []
             for row in same:
                 if all(t.is_contiguous() for t in row):
