@@ -36,7 +36,7 @@ passes there.
 Why our own ``torch._foreach_*`` code rather than a dependency on torch-optimi (measured
 side by side, ``python benchmarks/compensated.py``, benchmarks/results/compensated.md): the
 bytes are the same (10 per parameter with AdamW and Kahan). optimi's step is faster here
-(8.0 ms against 24 ms for 2.1M parameters, one thread of a loaded AVX2 CPU: it steps in
+(8.3 ms against 23 ms for 2.1M parameters, one thread of a loaded AVX2 CPU: it steps in
 bfloat16 in place, we copy to float32 and round the second moment and the buffer
 stochastically), but it rounds its bfloat16 second moment to nearest, and over 1,000 AdamW
 updates of 1e-4 its Kahan weights end 2.25 bfloat16 steps from float64 (they move 13.0 steps
