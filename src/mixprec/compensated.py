@@ -26,22 +26,30 @@ nearest, add up the same way. Measured over 1,000 AdamW updates of 1e-4 of each 
 from float64; with these two stochastic, within 0.64. The first moment and SGD's momentum
 (increments of 10% and more) round to nearest.
 
+The step runs in batches (2^18 elements per thread on a CPU): weights, gradients and
+moments are copied into float32 scratch buffers kept from step to step (about 5.5 MiB per
+CPU thread, never more than the group needs), computed on in place, and written back; the
+random bits of a batch come from one generator call. Fresh full-size float32 copies cost more
+in page faults than the arithmetic on a CPU, and a batch that fits the cache makes its ~25
+passes there.
+
 Why our own ``torch._foreach_*`` code rather than a dependency on torch-optimi (measured
 side by side, ``python benchmarks/compensated.py``, benchmarks/results/compensated.md): the
 bytes are the same (10 per parameter with AdamW and Kahan). optimi's step is faster here
-(4.6 ms against 64 ms for 2.1M parameters on an AVX2 CPU: our stochastic state rounding
-draws random bits and round-trips through float32), but it rounds its bfloat16 second
-moment to nearest, and over 1,000 AdamW updates of 1e-4 its Kahan weights end 2.25 bfloat16
-steps from float64 (they move 13.0 steps where float64 moves 14.6), ours 0.62. And optimi
-replaces the optimizer class, while a user's scheduler, ``Precision.setup`` and checkpoints
-hold the torch optimizer: stepping the torch optimizer's own groups and state keeps them
-working, lets a checkpoint resume with or without compensation, and adds no dependency.
+(8.3 ms against 23 ms for 2.1M parameters, one thread of a loaded AVX2 CPU: it steps in
+bfloat16 in place, we copy to float32 and round the second moment and the buffer
+stochastically), but it rounds its bfloat16 second moment to nearest, and over 1,000 AdamW
+updates of 1e-4 its Kahan weights end 2.25 bfloat16 steps from float64 (they move 13.0 steps
+where float64 moves 14.6), ours 0.64-0.82 (seeds 0-5). And optimi replaces the optimizer
+class, while a user's scheduler, ``Precision.setup`` and checkpoints hold the torch optimizer:
+stepping the torch optimizer's own groups and state keeps them working, lets a checkpoint
+resume with or without compensation, and adds no dependency.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -52,6 +60,11 @@ COMPENSATIONS: tuple[str, ...] = ("kahan", "stochastic")
 # parameter dtypes whose updates are compensated (others step plainly in their own dtype)
 COMPENSATED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 SUPPORTED = (torch.optim.Adam, torch.optim.SGD)  # AdamW is an Adam subclass
+# elements per batch of a step (see ``Compensator._batches``): on the CPU 2^18 per thread (each
+# thread's share of a float32 buffer stays cache-sized, and more threads launch no more
+# kernels); on an accelerator large enough that the number of kernel launches stays small
+CPU_BATCH_PER_THREAD = 1 << 18
+BATCH_ELEMENTS = 1 << 24
 
 
 def check_compensation(value: Any) -> str | None:
@@ -74,29 +87,40 @@ def stochastic_round_(
     bfloat16 is the top half of float32: uniform random low 16 bits are added to the bit
     pattern and then cut off. float16 goes through its two neighbours (``nextafter``).
     """
-    noise = _random_bits(src.shape, src.device, generator)
+    words = torch.empty((src.numel() + 3) // 4, dtype=torch.int64, device=src.device)
+    (noise,) = _random_halves([src.numel()], words, generator)
+    _round_(dst, src.to(torch.float32, copy=True), noise)
+
+
+def _random_halves(
+    sizes: list[int], words: torch.Tensor, generator: torch.Generator | None
+) -> list[torch.Tensor]:
+    """One tensor of ``n`` uniform int16 values per size, all cut from a single draw of 64-bit
+    ``words`` (four values a word, ``sum((n + 3) // 4)`` of them): the CPU generator's cost is
+    per draw and per call, and the full 64-bit range takes no modulo."""
+    counts = [(n + 3) // 4 for n in sizes]
+    words.random_(-(2**63), None, generator=generator)
+    return [w.view(torch.int16)[:n] for w, n in zip(words.split(counts), sizes, strict=True)]
+
+
+def _round_(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor) -> None:
+    """Stochastic rounding of the float32 ``src`` into ``dst`` with the int16 ``noise``
+    (one per element); ``src`` is overwritten.
+
+    bfloat16: ``src``'s bits plus a uniform value in [0, 65536) (the signed noise plus
+    32768), in place on its int32 view, then its low 16 bits are cut off.
+    """
+    noise = noise.view(src.shape)
     if dst.dtype == torch.bfloat16:
-        bits = src.to(torch.float32).view(torch.int32) + noise
+        bits = src.view(torch.int32).add_(noise).add_(32768)
         dst.copy_(bits.bitwise_and_(-65536).view(torch.float32))
         return
-    src = src.to(torch.float32)
     near = src.to(dst.dtype)
     toward = torch.where(src > near.float(), math.inf, -math.inf).to(dst.dtype)
     other = torch.nextafter(near, toward)
     gap = other.float() - near.float()
     p = torch.where(gap != 0, (src - near.float()) / gap, 0.0)
-    dst.copy_(torch.where(noise.float() < p * 65536, other, near))
-
-
-def _random_bits(
-    shape: torch.Size, device: torch.device, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Uniform int32 values in [0, 65536): four per 64-bit random word, since the CPU
-    generator's cost is per draw (4x faster than ``randint`` on 16-bit ranges)."""
-    n = shape.numel()
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device)
-    words.random_(-(2**63), 2**63 - 1, generator=generator)
-    return words.view(torch.int16)[:n].view(shape).to(torch.int32).bitwise_and_(0xFFFF)
+    dst.copy_(torch.where(noise.float() + 32768 < p * 65536, other, near))
 
 
 def _math_dtype(p: torch.Tensor) -> torch.dtype:
@@ -121,6 +145,7 @@ class Compensator:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.seed = seed
         self._generators: dict[str, torch.Generator] = {}
+        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
 
     @staticmethod
     def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -169,12 +194,6 @@ class Compensator:
         state["step"] += 1
         return state
 
-    def _grads(self, group: dict, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        grads = [p.grad.to(_math_dtype(p)) for p in params]
-        if group.get("maximize"):
-            grads = torch._foreach_neg(grads)
-        return grads
-
     def _adam(self, optimizer: Any, group: dict, params: list[torch.Tensor]) -> None:
         lr, (beta1, beta2) = float(group["lr"]), group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
@@ -182,89 +201,200 @@ class Compensator:
             "decoupled_weight_decay", False
         )
         states = [self._state(optimizer, p, "exp_avg", "exp_avg_sq") for p in params]
-        grads = self._grads(group, params)
-        weights = [p.to(_math_dtype(p)) for p in params]
-        if wd and not decoupled:
-            grads = torch._foreach_add(grads, weights, alpha=wd)
-        m = [s["exp_avg"].to(_math_dtype(p)) for s, p in zip(states, params, strict=True)]
-        v = [s["exp_avg_sq"].to(_math_dtype(p)) for s, p in zip(states, params, strict=True)]
-        torch._foreach_lerp_(m, grads, 1 - beta1)
-        torch._foreach_mul_(v, beta2)
-        torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
-        torch._foreach_copy_([s["exp_avg"] for s in states], m)
-        self._store([s["exp_avg_sq"] for s in states], v)
         # one step count per group, as torch's Adam keeps them in lockstep
         step = states[0]["step"].item()
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, math.sqrt(1 - beta2**step))
-        torch._foreach_add_(denom, eps)
-        update = torch._foreach_div(m, denom)
-        torch._foreach_mul_(update, -lr / (1 - beta1**step))
-        if wd and decoupled:
-            torch._foreach_add_(update, weights, alpha=-lr * wd)
-        self._apply(params, weights, update, states)
+        bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
+        rows = [
+            [p, p.grad, s["exp_avg"], s["exp_avg_sq"], *self._compensation(p, s)]
+            for p, s in zip(params, states, strict=True)
+        ]
+        for batch, (g, w, m, v, d) in self._batches(rows, 5):
+            p16, grad, exp_avg, exp_avg_sq, *comp = batch  # comp: [Kahan buffers] or []
+            self._load_grads(group, g, grad, w, p16)
+            if wd and not decoupled:
+                torch._foreach_add_(g, w, alpha=wd)
+            torch._foreach_copy_(m, exp_avg)
+            torch._foreach_lerp_(m, g, 1 - beta1)
+            torch._foreach_copy_(exp_avg, m)
+            torch._foreach_copy_(v, exp_avg_sq)
+            torch._foreach_mul_(v, beta2)
+            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+            for x, y in zip(v, d, strict=True):
+                torch.sqrt(x, out=y)
+            self._store(exp_avg_sq, v)
+            torch._foreach_div_(d, bias2_sqrt)
+            torch._foreach_add_(d, eps)
+            torch._foreach_div_(m, d)  # m is now the update
+            torch._foreach_mul_(m, -lr / bias1)
+            if wd and decoupled:
+                torch._foreach_add_(m, w, alpha=-lr * wd)
+            self._apply(p16, w, m, comp[0] if comp else [], spare=d)
 
     def _sgd(self, optimizer: Any, group: dict, params: list[torch.Tensor]) -> None:
         lr, momentum, dampening = float(group["lr"]), group["momentum"], group["dampening"]
         wd, nesterov = group["weight_decay"], group["nesterov"]
         states = [self._state(optimizer, p) for p in params]
-        grads = self._grads(group, params)
-        weights = [p.to(_math_dtype(p)) for p in params]
-        if wd:
-            grads = torch._foreach_add(grads, weights, alpha=wd)
-        if momentum:
-            bufs = []
-            for s, p, g in zip(states, params, grads, strict=True):
-                if s.get("momentum_buffer") is None:  # torch starts the buffer at the gradient
-                    s["momentum_buffer"] = torch.empty_like(p)
-                    bufs.append(g.clone())
+        first = [bool(momentum) and s.get("momentum_buffer") is None for s in states]
+        for p, s, new in zip(params, states, first, strict=True):
+            if new:  # torch starts the buffer at the gradient
+                s["momentum_buffer"] = torch.empty_like(p)
+        for start in (True, False):
+            rows = [
+                [p, p.grad, *self._compensation(p, s)]
+                + ([s["momentum_buffer"]] if momentum else [])
+                for p, s, new in zip(params, states, first, strict=True)
+                if new == start
+            ]
+            for batch, (g, w, b, d) in self._batches(rows, 4):
+                p16, grad, *rest = batch  # rest: [Kahan buffers] and [momentum buffers]
+                comp = rest[0] if len(rest) > int(bool(momentum)) else []
+                self._load_grads(group, g, grad, w, p16)
+                if wd:
+                    torch._foreach_add_(g, w, alpha=wd)
+                if momentum:
+                    if start:
+                        torch._foreach_copy_(b, g)
+                    else:
+                        torch._foreach_copy_(b, rest[-1])
+                        torch._foreach_mul_(b, momentum)
+                        torch._foreach_add_(b, g, alpha=1 - dampening)
+                    torch._foreach_copy_(rest[-1], b)
+                    if nesterov:
+                        torch._foreach_add_(g, b, alpha=momentum)
+                    else:
+                        g = b
+                torch._foreach_mul_(g, -lr)  # g is now the update
+                self._apply(p16, w, g, comp, spare=d)
+
+    def _compensation(self, p: torch.Tensor, state: dict) -> list[torch.Tensor]:
+        """``[state["compensation"]]`` for a Kahan-compensated 16-bit ``p``, else ``[]``."""
+        kahan = self.kind == "kahan" and p.dtype in COMPENSATED_DTYPES
+        return [state["compensation"]] if kahan else []
+
+    @staticmethod
+    def _load_grads(
+        group: dict,
+        g: list[torch.Tensor],
+        grad: list[torch.Tensor],
+        w: list[torch.Tensor],
+        p: list[torch.Tensor],
+    ) -> None:
+        """Gradients (negated for ``maximize``) and weights into the math-dtype buffers."""
+        torch._foreach_copy_(g, grad)
+        if group.get("maximize"):
+            torch._foreach_neg_(g)
+        torch._foreach_copy_(w, p)
+
+    def _batches(
+        self, rows: list[list[torch.Tensor]], buffers: int
+    ) -> Iterator[tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]]:
+        """``rows`` (each the parameter and its same-shaped tensors) in batches of at most
+        ``BATCH_ELEMENTS`` elements (``CPU_BATCH_PER_THREAD`` per thread on the CPU), by
+        device, math dtype and 16-bit or not: each batch as its columns and ``buffers`` lists
+        of scratch tensors shaped like its pieces.
+
+        The scratch is kept from step to step: float32 copies of whole tensors cost more in
+        page faults on a CPU than the arithmetic, and a batch that fits the cache makes its
+        passes there. Contiguous tensors are cut into flat pieces; others go whole.
+        """
+        kinds: dict[tuple[str, torch.dtype, bool], list[list[torch.Tensor]]] = {}
+        for row in rows:
+            p = row[0]
+            key = (str(p.device), _math_dtype(p), p.dtype in COMPENSATED_DTYPES)
+            kinds.setdefault(key, []).append(row)
+        for (device, dtype, _), same in kinds.items():
+            size = BATCH_ELEMENTS
+            if torch.device(device).type == "cpu":
+                size = CPU_BATCH_PER_THREAD * torch.get_num_threads()
+            pieces: list[list[torch.Tensor]] = []
+            for row in same:
+                if all(t.is_contiguous() for t in row):
+                    flat = [t.view(-1) for t in row]
+                    n = flat[0].numel()
+                    pieces += [[f[i : i + size] for f in flat] for i in range(0, n, size)]
                 else:
-                    buf = s["momentum_buffer"].to(g.dtype).mul_(momentum)
-                    bufs.append(buf.add_(g, alpha=1 - dampening))
-            torch._foreach_copy_([s["momentum_buffer"] for s in states], bufs)
-            grads = torch._foreach_add(grads, bufs, alpha=momentum) if nesterov else bufs
-        update = torch._foreach_mul(grads, -lr)
-        self._apply(params, weights, update, states)
+                    pieces.append(row)
+            batch: list[list[torch.Tensor]] = []
+            total = 0
+            for piece in [*pieces, None]:
+                n = 0 if piece is None else piece[0].numel()
+                if batch and (piece is None or total + n > size):
+                    yield self._columns(batch, total, buffers, device, dtype)
+                    batch, total = [], 0
+                if piece is not None:
+                    batch.append(piece)
+                    total += n
+
+    def _columns(
+        self,
+        batch: list[list[torch.Tensor]],
+        total: int,
+        buffers: int,
+        device: str,
+        dtype: torch.dtype,
+    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+        """The batch's columns and ``buffers`` scratch lists shaped like its pieces."""
+        flat = self._scratch(device, dtype, buffers * total).view(buffers, total)
+        sizes = [piece[0].numel() for piece in batch]
+        scratch = [
+            [s.view(piece[0].shape) for s, piece in zip(buf.split(sizes), batch, strict=True)]
+            for buf in flat
+        ]
+        return [list(col) for col in zip(*batch, strict=True)], scratch
+
+    def _scratch(self, device: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A reused 1-D buffer of ``numel`` elements (grown when a step needs more)."""
+        buf = self._buffers.get((device, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[(device, dtype)] = buf
+        return buf[:numel]
 
     def _store(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         """Write slowly changing state back: 16-bit tensors are rounded stochastically, so
-        increments below half a 16-bit step still count (see the module docstring)."""
-        for d, s in zip(dst, src, strict=True):
-            if d.dtype in COMPENSATED_DTYPES:
-                stochastic_round_(d, s, self.generator(d.device))
-            else:
-                d.copy_(s)
+        increments below half a 16-bit step still count (see the module docstring). ``src``
+        may be overwritten."""
+        if dst and dst[0].dtype in COMPENSATED_DTYPES:  # a batch is all 16-bit or none
+            self._round_all(dst, src)
+        else:
+            torch._foreach_copy_(dst, src)
+
+    def _round_all(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        """Stochastic rounding of each float32 ``src`` (overwritten) into its 16-bit ``dst``
+        (one device), with one draw of random bits for them all."""
+        if not dst:
+            return
+        device = dst[0].device
+        sizes = [d.numel() for d in dst]
+        words = self._scratch(str(device), torch.int64, sum((n + 3) // 4 for n in sizes))
+        noise = _random_halves(sizes, words, self.generator(device))
+        for d, s, r in zip(dst, src, noise, strict=True):
+            _round_(d, s, r)
 
     def _apply(
         self,
         params: list[torch.Tensor],
         weights: list[torch.Tensor],
         update: list[torch.Tensor],
-        states: list[dict],
+        comp: list[torch.Tensor],
+        spare: list[torch.Tensor],
     ) -> None:
-        """``params = weights + update``, compensated for the 16-bit ones."""
-        low = [i for i, p in enumerate(params) if p.dtype in COMPENSATED_DTYPES]
-        rest = [i for i in range(len(params)) if i not in set(low)]
-        if rest:
-            torch._foreach_copy_(
-                [params[i] for i in rest],
-                torch._foreach_add([weights[i] for i in rest], [update[i] for i in rest]),
-            )
-        if not low:
-            return
-        p16 = [params[i] for i in low]
-        w = [weights[i] for i in low]
-        u = [update[i] for i in low]
-        if self.kind == "stochastic":
-            for dst, src in zip(p16, torch._foreach_add(w, u), strict=True):
-                stochastic_round_(dst, src, self.generator(dst.device))
-            return
-        comp = [states[i]["compensation"] for i in low]
-        torch._foreach_add_(u, [c.float() for c in comp])  # what earlier roundings lost
-        torch._foreach_copy_(p16, torch._foreach_add(w, u))  # round to nearest
-        # the part of u that did not make it into the parameter (exact in float32)
-        moved = torch._foreach_sub([p.float() for p in p16], w)
-        self._store(comp, torch._foreach_sub(u, moved))
+        """``params = weights + update``, compensated for the 16-bit ones (``comp`` holds
+        their Kahan buffers); overwrites ``weights``, ``update`` and ``spare``."""
+        if params[0].dtype not in COMPENSATED_DTYPES:  # a batch is all 16-bit or none
+            torch._foreach_add_(weights, update)
+            torch._foreach_copy_(params, weights)
+        elif self.kind == "stochastic":
+            torch._foreach_add_(weights, update)
+            self._round_all(params, weights)
+        else:
+            torch._foreach_add_(update, comp)  # what earlier roundings lost
+            for p, w, u, moved in zip(params, weights, update, spare, strict=True):
+                torch.add(w, u, out=p)  # the float32 sum, rounded to nearest
+                # the part of the update that made it into the parameter (exact)
+                torch.sub(p, w, out=moved)
+            torch._foreach_sub_(update, spare)
+            self._round_all(comp, update)
 
     def state_dict(self) -> dict[str, Any]:
         """The kind, the seed and each device's stochastic-rounding generator state."""
