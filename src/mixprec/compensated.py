@@ -64,7 +64,7 @@ SUPPORTED = (torch.optim.Adam, torch.optim.SGD)  # AdamW is an Adam subclass
 # thread's share of a float32 buffer stays cache-sized, and more threads launch no more
 # kernels); on an accelerator large enough that the number of kernel launches stays small
 CPU_BATCH_PER_THREAD = 1 << 18
-BATCH_ELEMENTS = 1 << 24
+BATCH_ELEMENTS = 1 << 22  # float32 scratch of about 80 MiB on the device
 
 
 def check_compensation(value: Any) -> str | None:
