@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -103,7 +104,7 @@ def main() -> None:
             callbacks=[counter],
         )
         result |= {"name": name, "training_bytes": counter.bytes, "params": counter.params}
-        result["command"] = " ".join(["python", "benchmarks/pure_bf16_charlm.py", *sys.argv[1:]])
+        result["command"] = shlex.join(["python", "benchmarks/pure_bf16_charlm.py", *sys.argv[1:]])
         previous[name] = result
         print(json.dumps(result), flush=True)
         saved.write_text(json.dumps(list(previous.values()), indent=2) + "\n")
