@@ -21,7 +21,6 @@ import functools
 import json
 import os
 import resource
-import socket
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -38,6 +37,7 @@ from mixprec.bench.runner import _measured
 from mixprec.hardware import check
 from mixprec.policy_map import as_map
 from mixprec.precision import Precision
+from mixprec.trainer.strategy import free_port
 from mixprec.tree import map_tensors
 
 STRATEGIES = ("ddp", "fsdp")
@@ -165,19 +165,13 @@ def _rank(rank: int, spec: MemorySpec, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(spec: MemorySpec, workdir: Path) -> list[RankMemory]:
     """Run ``spec`` in ``spec.devices`` fresh processes; every rank's numbers."""
     out = workdir / f"{spec.strategy}-{spec.precision}"
     out.mkdir(parents=True, exist_ok=True)
     mp.start_processes(
         _rank,
-        args=(spec, _free_port(), str(out)),
+        args=(spec, free_port(), str(out)),
         nprocs=spec.devices,
         start_method="spawn",
         join=True,

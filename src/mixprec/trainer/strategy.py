@@ -336,7 +336,7 @@ class DDPStrategy(SingleDeviceStrategy):
                 # when one process fails, torch stops the others (SIGTERM, then SIGKILL)
                 mp.start_processes(
                     _child,
-                    args=(payload, nprocs, _free_port(), tmp, threads),
+                    args=(payload, nprocs, free_port(), tmp, threads),
                     nprocs=nprocs,
                     start_method=self.start_method,
                     join=True,
@@ -435,7 +435,8 @@ class FSDPStrategy(DDPStrategy):
         return contextlib.nullcontext()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now, for a process group's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
