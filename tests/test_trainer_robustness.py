@@ -395,6 +395,7 @@ def test_two_default_trainers_built_together_get_separate_versions(tmp_path):
 
 SAVE_SCRIPT = """
 import resource, signal, sys, torch
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a program run from a shell
 from mixprec.trainer import checkpoint as ckpt_io
 path = sys.argv[1]
 ckpt_io.atomic_save({{"format": "old"}}, path)
