@@ -11,7 +11,6 @@ CPU.
 import copy
 import json
 import math
-import socket
 import subprocess
 import sys
 import textwrap
@@ -33,6 +32,7 @@ from mixprec.cli import main
 from mixprec.doctor import BROKEN, diagnose
 from mixprec.precision import Precision
 from mixprec.scaling import DynamicLossScaler
+from mixprec.trainer.strategy import free_port
 
 pytestmark = [
     pytest.mark.cuda,
@@ -316,12 +316,6 @@ def test_trainer_ddp_on_cuda_uses_nccl_one_process_per_gpu(tmp_path):
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
     """One rank: DDP over gloo on CUDA tensors (one GPU is shared, which nccl refuses)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -365,7 +359,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
 def test_ddp_gloo_on_one_gpu_ranks_skip_together(tmp_path):
     """The Trainer's ddp strategy uses nccl and one GPU per process, so with one GPU this
     runs torch.distributed directly: gloo, 2 spawned processes, CUDA tensors, `Precision`."""
-    mp.spawn(_ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD))
     for r in (r0, r1):
         assert r["taken"] == [True, True, False, True, True, True]

@@ -5,7 +5,6 @@ a checkpoint and resume, under DDP (two gloo processes), and on a real GPU (real
 from __future__ import annotations
 
 import copy
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from torch._dynamo.utils import counters
 
 from mixprec.precision import Precision
 from mixprec.quantize.float8 import DELAYED_BUFFERS, Float8Linear, convert_to_float8
+from mixprec.trainer.strategy import free_port
 
 
 def mlp(recipe: str = "tensorwise", second: str | None = None, seed: int = 0) -> nn.Module:
@@ -123,12 +123,6 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
@@ -148,7 +142,7 @@ def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
 def test_ddp_keeps_replicas_identical_and_averages_float8_gradients(tmp_path):
     """DDP broadcasts rank 0's buffers before each forward, so every rank quantizes with
     rank 0's delayed scales; each then records its own amaxes until the next broadcast."""
-    mp.spawn(_ddp_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for name in ranks[0]:
         if name.endswith(("input_amax_history", "grad_output_amax_history")):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from mixprec.trainer import Callback, CheckpointError, ModelCheckpoint, Trainer, TrainingModule
 from mixprec.trainer import checkpoint as ckpt_io
+from mixprec.trainer.strategy import free_port
 
 WORLD = 2
 QUIET = dict(logger=False, enable_progress_bar=False, allow_slow_precision=True, seed=0)
@@ -123,17 +123,11 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out: Path = tmp_path_factory.mktemp("fsdp_ckpt")
     ctx = mp.start_processes(
-        _worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
     )
     for _ in range(240):  # bounded: a hung collective fails the tests instead of the session
         if ctx.join(timeout=1):

@@ -1,7 +1,6 @@
 """Two gloo processes: only rank 1 sees an inf, and both ranks skip and back off together."""
 
 import math
-import socket
 
 import pytest
 import torch
@@ -11,14 +10,9 @@ import torch.nn.functional as F
 
 from mixprec.optim import LossScaleOptimizer
 from mixprec.scaling import DynamicLossScaler
+from mixprec.trainer.strategy import free_port
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
@@ -61,7 +55,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.slow
 def test_only_rank_one_overflows_and_both_ranks_skip(tmp_path):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     for r in results:
         assert r["taken"] == [True, False, True]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import math
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from mixprec.policy_map import PolicyMap, island_policy
 from mixprec.precision import Precision
 from mixprec.scaling import DynamicLossScaler
 from mixprec.sharding import mixed_precision_policy, shard, units
+from mixprec.trainer.strategy import free_port
 
 WORLD = 2
 STEPS = 4
@@ -188,17 +188,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out: Path = tmp_path_factory.mktemp("sharding")
     ctx = mp.start_processes(
-        _worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
     )
     for _ in range(180):  # bounded: a hung collective fails the tests instead of the session
         if ctx.join(timeout=1):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from mixprec import Precision
 from mixprec.errors import PrecisionError
 from mixprec.scaling import DynamicLossScaler
 from mixprec.trainer import Callback, Trainer, TrainingModule
-from mixprec.trainer.strategy import FSDP, FSDPStrategy
+from mixprec.trainer.strategy import FSDP, FSDPStrategy, free_port
 
 WORLD = 2
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
@@ -170,17 +169,11 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out: Path = tmp_path_factory.mktemp("fsdp")
     ctx = mp.start_processes(
-        _worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
+        _worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
     )
     for _ in range(240):  # bounded: a hung collective fails the tests instead of the session
         if ctx.join(timeout=1):
