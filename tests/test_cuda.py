@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from spawning import run_ranks
 from test_doctor import overflow_model
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -32,7 +31,6 @@ from mixprec.cli import main
 from mixprec.doctor import BROKEN, diagnose
 from mixprec.precision import Precision
 from mixprec.scaling import DynamicLossScaler
-from mixprec.trainer.strategy import free_port
 
 pytestmark = [
     pytest.mark.cuda,
@@ -316,50 +314,44 @@ def test_trainer_ddp_on_cuda_uses_nccl_one_process_per_gpu(tmp_path):
 WORLD = 2
 
 
-def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
+def _ddp_worker(rank: int, out_dir: str) -> None:
     """One rank: DDP over gloo on CUDA tensors (one GPU is shared, which nccl refuses)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    torch.cuda.set_device(CUDA)
+    model = _mlp()
+    start = [p.detach().clone() for p in model.parameters()]
+    precision = Precision("16-mixed", scaler=DynamicLossScaler(2.0**10))
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    ddp = DistributedDataParallel(model, device_ids=[CUDA.index])
+    taken, losses = [], []
+    for step, (x, y) in enumerate(_batches(6, seed=10 + rank)):
+        loss = F.cross_entropy(ddp(x), y)
+        precision.backward(loss)
+        if step == 2 and rank == 1:  # after DDP's all-reduce: only rank 1 sees it
+            model[0].weight.grad[0, 0] = math.inf
+        taken.append(precision.step(opt))
+        opt.zero_grad()
+        losses.append(loss.item())
+    torch.save(
+        {
+            "taken": taken,
+            "scale": precision.scaler.loss_scale,
+            "params": [p.detach().cpu() for p in model.parameters()],
+            "moved": any(
+                not torch.equal(a, b) for a, b in zip(start, model.parameters(), strict=True)
+            ),
+            "device": str(next(model.parameters()).device),
+        },
+        f"{out_dir}/rank{rank}.pt",
     )
-    try:
-        torch.cuda.set_device(CUDA)
-        model = _mlp()
-        start = [p.detach().clone() for p in model.parameters()]
-        precision = Precision("16-mixed", scaler=DynamicLossScaler(2.0**10))
-        model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        ddp = DistributedDataParallel(model, device_ids=[CUDA.index])
-        taken, losses = [], []
-        for step, (x, y) in enumerate(_batches(6, seed=10 + rank)):
-            loss = F.cross_entropy(ddp(x), y)
-            precision.backward(loss)
-            if step == 2 and rank == 1:  # after DDP's all-reduce: only rank 1 sees it
-                model[0].weight.grad[0, 0] = math.inf
-            taken.append(precision.step(opt))
-            opt.zero_grad()
-            losses.append(loss.item())
-        torch.save(
-            {
-                "taken": taken,
-                "scale": precision.scaler.loss_scale,
-                "params": [p.detach().cpu() for p in model.parameters()],
-                "moved": any(
-                    not torch.equal(a, b) for a, b in zip(start, model.parameters(), strict=True)
-                ),
-                "device": str(next(model.parameters()).device),
-            },
-            f"{out_dir}/rank{rank}.pt",
-        )
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
 def test_ddp_gloo_on_one_gpu_ranks_skip_together(tmp_path):
     """The Trainer's ddp strategy uses nccl and one GPU per process, so with one GPU this
     runs torch.distributed directly: gloo, 2 spawned processes, CUDA tensors, `Precision`."""
-    mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    run_ranks(_ddp_worker, str(tmp_path), nprocs=WORLD)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD))
     for r in (r0, r1):
         assert r["taken"] == [True, True, False, True, True, True]

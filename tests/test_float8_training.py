@@ -8,15 +8,13 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from spawning import run_ranks
 from torch import nn
 from torch._dynamo.utils import counters
 
 from mixprec.precision import Precision
 from mixprec.quantize.float8 import DELAYED_BUFFERS, Float8Linear, convert_to_float8
-from mixprec.trainer.strategy import free_port
 
 
 def mlp(recipe: str = "tensorwise", second: str | None = None, seed: int = 0) -> nn.Module:
@@ -123,26 +121,20 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
 WORLD = 2
 
 
-def _ddp_worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        model = mlp("tensorwise", second="delayed")
-        ddp = nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        data = [(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4]) for x, y in batches(3)]
-        train(ddp, opt, data)
-        torch.save(state(model), f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _ddp_worker(rank: int, out_dir: str) -> None:
+    model = mlp("tensorwise", second="delayed")
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    data = [(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4]) for x, y in batches(3)]
+    train(ddp, opt, data)
+    torch.save(state(model), f"{out_dir}/rank{rank}.pt")
 
 
 @pytest.mark.slow
 def test_ddp_keeps_replicas_identical_and_averages_float8_gradients(tmp_path):
     """DDP broadcasts rank 0's buffers before each forward, so every rank quantizes with
     rank 0's delayed scales; each then records its own amaxes until the next broadcast."""
-    mp.spawn(_ddp_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    run_ranks(_ddp_worker, str(tmp_path), nprocs=WORLD)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
     for name in ranks[0]:
         if name.endswith(("input_amax_history", "grad_output_amax_history")):

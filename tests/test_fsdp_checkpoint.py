@@ -8,7 +8,6 @@ torchrun-launched one would be); the one-process resumes run here."""
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,14 +16,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from spawning import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mixprec.trainer import Callback, CheckpointError, ModelCheckpoint, Trainer, TrainingModule
 from mixprec.trainer import checkpoint as ckpt_io
-from mixprec.trainer.strategy import free_port
 
 WORLD = 2
 QUIET = dict(logger=False, enable_progress_bar=False, allow_slow_precision=True, seed=0)
@@ -97,45 +95,27 @@ def _interrupted_save(directory: Path, like: Path) -> Path:
     return tmp
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def _worker(rank: int, out: str) -> None:
     d = Path(out)
-    try:
-        straight = ModelCheckpoint(dirpath=d / "straight", save_top_k=-1, save_last=True)
-        _fit(6, [straight, ExportAtEpochEnd(d / "step4.pt")], d / "straight.pt")
+    straight = ModelCheckpoint(dirpath=d / "straight", save_top_k=-1, save_last=True)
+    _fit(6, [straight, ExportAtEpochEnd(d / "step4.pt")], d / "straight.pt")
 
-        def every_3() -> ModelCheckpoint:
-            return ModelCheckpoint(
-                dirpath=d / "half", every_n_train_steps=3, save_top_k=-1, save_last=True
-            )
+    def every_3() -> ModelCheckpoint:
+        return ModelCheckpoint(
+            dirpath=d / "half", every_n_train_steps=3, save_top_k=-1, save_last=True
+        )
 
-        _fit(3, [every_3()], d / "half.pt")  # saved mid-epoch 0, after batch 3 of 4
-        if rank == 0:
-            _interrupted_save(d / "half", d / "half" / "last.ckpt")
-        dist.barrier()
-        _fit(6, [every_3()], d / "resumed.pt", ckpt_path=d / "half" / "epoch=0-step=3.ckpt")
-    finally:
-        dist.destroy_process_group()
+    _fit(3, [every_3()], d / "half.pt")  # saved mid-epoch 0, after batch 3 of 4
+    if rank == 0:
+        _interrupted_save(d / "half", d / "half" / "last.ckpt")
+    dist.barrier()
+    _fit(6, [every_3()], d / "resumed.pt", ckpt_path=d / "half" / "epoch=0-step=3.ckpt")
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out: Path = tmp_path_factory.mktemp("fsdp_ckpt")
-    ctx = mp.start_processes(
-        _worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    for _ in range(240):  # bounded: a hung collective fails the tests instead of the session
-        if ctx.join(timeout=1):
-            break
-    else:
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail("the 2-process FSDP runs did not finish in 240 s")
+    run_ranks(_worker, str(out), nprocs=WORLD)
     return out
 
 

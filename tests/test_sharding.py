@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from spawning import run_ranks
 from torch import nn
 
 from mixprec import hardware
@@ -26,7 +26,6 @@ from mixprec.policy_map import PolicyMap, island_policy
 from mixprec.precision import Precision
 from mixprec.scaling import DynamicLossScaler
 from mixprec.sharding import mixed_precision_policy, shard, units
-from mixprec.trainer.strategy import free_port
 
 WORLD = 2
 STEPS = 4
@@ -177,30 +176,15 @@ def _bf16_true(rank: int) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, port: int, out_dir: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
-    )
-    try:
-        results = {f.__name__: f(rank) for f in (_bf16_mixed, _fp16_inf, _bf16_true)}
-        torch.save(results, f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, out_dir: str) -> None:
+    results = {f.__name__: f(rank) for f in (_bf16_mixed, _fp16_inf, _bf16_true)}
+    torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out: Path = tmp_path_factory.mktemp("sharding")
-    ctx = mp.start_processes(
-        _worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    for _ in range(180):  # bounded: a hung collective fails the tests instead of the session
-        if ctx.join(timeout=1):
-            break
-    else:
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail("the 2-process FSDP run did not finish in 180 s")
+    run_ranks(_worker, str(out), nprocs=WORLD)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -7,15 +7,13 @@ one more test lets the Trainer spawn the processes itself."""
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from spawning import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -23,7 +21,7 @@ from mixprec import Precision
 from mixprec.errors import PrecisionError
 from mixprec.scaling import DynamicLossScaler
 from mixprec.trainer import Callback, Trainer, TrainingModule
-from mixprec.trainer.strategy import FSDP, FSDPStrategy, free_port
+from mixprec.trainer.strategy import FSDP, FSDPStrategy
 
 WORLD = 2
 QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
@@ -147,41 +145,23 @@ def _overflow() -> dict[str, Any]:
     return {**seen.seen, "val_loss": metrics["val_loss"], "refusal": refusal}
 
 
-def _worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD), LOCAL_WORLD_SIZE=str(WORLD),
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        directory = Path(out)
-        step = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
-        synced = FSDP(sync_micro_batches=True)
-        results = {
-            "fsdp": _fit("fsdp", "bf16-mixed", directory / "fsdp.pt", **step),
-            "ddp": _fit("ddp", "bf16-mixed", directory / "ddp.pt", **step),
-            "synced": _fit(synced, "bf16-mixed", directory / "synced.pt", **step),
-            "overflow": _overflow(),
-        }
-        torch.save(results, directory / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, out: str) -> None:
+    directory = Path(out)
+    step = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
+    synced = FSDP(sync_micro_batches=True)
+    results = {
+        "fsdp": _fit("fsdp", "bf16-mixed", directory / "fsdp.pt", **step),
+        "ddp": _fit("ddp", "bf16-mixed", directory / "ddp.pt", **step),
+        "synced": _fit(synced, "bf16-mixed", directory / "synced.pt", **step),
+        "overflow": _overflow(),
+    }
+    torch.save(results, directory / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
     out: Path = tmp_path_factory.mktemp("fsdp")
-    ctx = mp.start_processes(
-        _worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    for _ in range(240):  # bounded: a hung collective fails the tests instead of the session
-        if ctx.join(timeout=1):
-            break
-    else:
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail("the 2-process FSDP runs did not finish in 240 s")
+    run_ranks(_worker, str(out), nprocs=WORLD)
     return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -18,6 +18,7 @@ train a few AdamW steps of the workload and report, per rank:
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import os
 import resource
@@ -111,58 +112,64 @@ def _rank(rank: int, spec: MemorySpec, port: int, out: str) -> None:
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=spec.devices)
-    try:
-        work = load_workload(spec.model, seed=0)
-        model = work.model.to(device)
-        precision = Precision(spec.precision, device=device, allow_slow=spec.allow_slow)
-        adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
-        if spec.strategy == "fsdp":
-            from mixprec.sharding import shard
+    _measure_rank(rank, spec, device, out)  # an exception ends the process, group and all
+    # The group goes last: a DDP wrapper or FSDP mesh freed after it can hang at exit.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
 
-            wrap = _blocks if any(_blocks("", m) for m in model.modules()) else None
-            model, opt = shard(
-                model,
-                precision.policy,
-                wrap=wrap,
-                scaler=precision.scaler,
-                optimizer_factory=adamw,
-                allow_slow=spec.allow_slow,
-            )
-            model, lso = precision.setup(model, opt, convert=False)
-            step_model: nn.Module = model
-        else:
-            opt = adamw(model.parameters())
-            model, lso = precision.setup(model, opt)
-            ids = [device.index] if device.type == "cuda" else None
-            step_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
-        inputs, targets = work.make_batch(spec.batch_size)
-        inputs, targets = (map_tensors(lambda t: t.to(device), x) for x in (inputs, targets))
 
-        def step() -> tuple[torch.Tensor, tuple[int, int, int]]:
-            with precision.forward_context():
-                loss = work.loss_fn(step_model(inputs), targets)
-            precision.backward(loss)
-            precision.step()
-            held = held_bytes(model, opt)
-            lso.zero_grad(set_to_none=True)
-            return loss.detach(), held
+def _measure_rank(rank: int, spec: MemorySpec, device: torch.device, out: str) -> None:
+    """Train ``spec.steps`` steps on this rank and write what it held to ``rank{r}.json``."""
+    work = load_workload(spec.model, seed=0)
+    model = work.model.to(device)
+    precision = Precision(spec.precision, device=device, allow_slow=spec.allow_slow)
+    adamw = functools.partial(torch.optim.AdamW, lr=1e-3)
+    if spec.strategy == "fsdp":
+        from mixprec.sharding import shard
 
-        for _ in range(max(0, spec.steps - 1)):
-            step()
-        before = sum(held_bytes(model, opt))  # no gradients between steps
-        (loss, held), growth = _measured(device, step)
-        row = RankMemory(
-            spec.strategy,
-            spec.precision,
-            rank,
-            *held,
-            step_peak=before + growth,
-            rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            final_loss=float(loss),
+        wrap = _blocks if any(_blocks("", m) for m in model.modules()) else None
+        model, opt = shard(
+            model,
+            precision.policy,
+            wrap=wrap,
+            scaler=precision.scaler,
+            optimizer_factory=adamw,
+            allow_slow=spec.allow_slow,
         )
-        Path(out, f"rank{rank}.json").write_text(json.dumps(asdict(row)))
-    finally:
-        dist.destroy_process_group()
+        model, lso = precision.setup(model, opt, convert=False)
+        step_model: nn.Module = model
+    else:
+        opt = adamw(model.parameters())
+        model, lso = precision.setup(model, opt)
+        ids = [device.index] if device.type == "cuda" else None
+        step_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    inputs, targets = work.make_batch(spec.batch_size)
+    inputs, targets = (map_tensors(lambda t: t.to(device), x) for x in (inputs, targets))
+
+    def step() -> tuple[torch.Tensor, tuple[int, int, int]]:
+        with precision.forward_context():
+            loss = work.loss_fn(step_model(inputs), targets)
+        precision.backward(loss)
+        precision.step()
+        held = held_bytes(model, opt)
+        lso.zero_grad(set_to_none=True)
+        return loss.detach(), held
+
+    for _ in range(max(0, spec.steps - 1)):
+        step()
+    before = sum(held_bytes(model, opt))  # no gradients between steps
+    (loss, held), growth = _measured(device, step)
+    row = RankMemory(
+        spec.strategy,
+        spec.precision,
+        rank,
+        *held,
+        step_peak=before + growth,
+        rss_peak=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        final_loss=float(loss),
+    )
+    Path(out, f"rank{rank}.json").write_text(json.dumps(asdict(row)))
 
 
 def measure(spec: MemorySpec, workdir: Path) -> list[RankMemory]:
