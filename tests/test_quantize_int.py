@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 import re
+import warnings
 
 import pytest
 import torch
@@ -245,7 +246,8 @@ def test_lora_trains_only_the_adapters_and_merges_into_the_same_outputs(mode):
             for m in layers[1:]
         ]
         merged.insert(0, layers[0].dequantized_weight() + layers[0].lora_delta())
-    assert merge_lora(model) == 4
+    with pytest.warns(UserWarning, match="shared by 0, 5"):  # the tied embedding and head
+        assert merge_lora(model) == 4
     assert not any("lora" in n for n, _ in model.named_parameters())
     for m, w in zip(layers, merged, strict=True):  # merged = the adapted weight, quantized
         if mode == "int8":
@@ -406,3 +408,48 @@ def test_an_optimizer_built_before_precision_setup_keeps_training_the_biases():
     loss.backward()
     opt.step()
     assert not torch.equal(model[2].bias, bias)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4/8_from_float32"])
+def test_merging_adapters_of_a_tied_weight_unties_it_as_trained_and_says_so(mode):
+    class TiedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.head = nn.Linear(16, 32, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, idx: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(idx))
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    quantize(model, mode)
+    assert model.emb.qweight is model.head.qweight  # one quantized copy
+    one_copy = weight_bytes(model)
+    opt = torch.optim.SGD(enable_lora(model, rank=4), lr=0.5)
+    for _ in range(5):
+        loss = model(torch.randint(0, 32, (8,))).logsumexp(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    idx = torch.arange(32)
+    with torch.no_grad():
+        trained = model(idx)
+    untied = r"untied the quantized weight shared by emb, head.*\+\d+ bytes"
+    with pytest.warns(UserWarning, match=untied):
+        assert merge_lora(model) == 2
+    assert model.emb.qweight is not model.head.qweight
+    assert weight_bytes(model) == 2 * one_copy  # each holds its own copy now
+    with torch.no_grad():  # both adapters' changes kept, up to one more rounding
+        atol = 0.05 * trained.abs().max().item()
+        torch.testing.assert_close(model(idx), trained, rtol=0, atol=atol)
+
+
+def test_merging_untied_layers_gives_no_warning():
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
+    quantize(model, "int8")
+    enable_lora(model, rank=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert merge_lora(model) == 2

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import sys
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -295,11 +296,36 @@ def enable_lora(module: nn.Module, rank: int, alpha: float | None = None) -> lis
 
 def merge_lora(module: nn.Module) -> int:
     """Fold the adapters of every LoRA-enabled layer of `module` into its weight and quantize
-    it again; returns how many layers were merged."""
+    it again; returns how many layers were merged.
+
+    Layers that shared one quantized weight (a tied embedding and output head) trained
+    different changes of it, so after merging each holds its own copy, exactly as trained;
+    a warning names them and the bytes this adds."""
+    sharers: dict[int, list[tuple[str, LoraMixin]]] = {}
+    for name, m in module.named_modules(remove_duplicate=False):
+        if isinstance(m, LoraMixin):
+            sharers.setdefault(id(m.qweight), []).append((name or "<root>", m))  # type: ignore[attr-defined]
     layers = [m for m in _lora_layers(module) if m.lora_rank]
     for layer in layers:
         layer.merge_lora()
+    for group in sharers.values():
+        copies = {id(m.qweight): m for _, m in group}  # type: ignore[attr-defined]
+        if len(copies) > 1:
+            extra = sum(_storage_bytes(m) for m in list(copies.values())[1:])
+            names = ", ".join(sorted({n for n, _ in group}))
+            warnings.warn(
+                f"merge_lora untied the quantized weight shared by {names}: their adapters "
+                f"trained different changes, so each now holds its own copy (+{extra} "
+                "bytes). To keep one copy, leave the shared layers without adapters "
+                "(enable_lora on the other layers only).",
+                stacklevel=2,
+            )
     return len(layers)
+
+
+def _storage_bytes(layer: nn.Module) -> int:
+    """Bytes of a quantized layer's own weight buffers (the codes and their scales)."""
+    return sum(b.numel() * b.element_size() for b in layer.buffers(recurse=False))
 
 
 def weight_bytes(model: nn.Module) -> int:
