@@ -5,6 +5,7 @@ a checkpoint and resume, under DDP (two gloo processes), and on a real GPU (real
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
@@ -12,9 +13,20 @@ import torch.nn.functional as F
 from spawning import run_ranks
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils.data import DataLoader, TensorDataset
 
 from mixprec.precision import Precision
-from mixprec.quantize.float8 import DELAYED_BUFFERS, Float8Linear, convert_to_float8
+from mixprec.quantize.float8 import (
+    DELAYED_BUFFERS,
+    E4M3,
+    E5M2,
+    Float8Linear,
+    amax_to_scale,
+    convert_to_float8,
+    delayed_layers,
+    sync_amax_histories,
+)
+from mixprec.trainer import Trainer
 
 
 def mlp(recipe: str = "tensorwise", second: str | None = None, seed: int = 0) -> nn.Module:
@@ -159,6 +171,87 @@ def test_ddp_keeps_replicas_identical_and_averages_float8_gradients(tmp_path):
         opt.step()
     for name, value in state(model).items():
         torch.testing.assert_close(ranks[0][name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def _synced_ddp_worker(rank: int, out_dir: str) -> None:
+    model = mlp("delayed", second="delayed")
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for x, y in batches(3, seed=2):
+        opt.zero_grad()
+        half = slice(rank * 4, rank * 4 + 4)
+        F.mse_loss(ddp(x[half] * (1 + 3 * rank)), y[half]).backward()  # rank 1's run larger
+        assert sync_amax_histories(model) == 2
+        opt.step()
+    torch.save(state(model), f"{out_dir}/rank{rank}.pt")
+
+
+def _max_of_replicas(a: nn.Module, b: nn.Module) -> None:
+    """What `sync_amax_histories` should do, written out for two replicas in one process."""
+    for la, lb in zip(delayed_layers(a), delayed_layers(b), strict=True):
+        for name, fp8 in (("input", E4M3), ("weight", E4M3), ("grad_output", E5M2)):
+            ha, hb = (getattr(layer, f"{name}_amax_history") for layer in (la, lb))
+            top = torch.maximum(ha, hb)
+            for layer in (la, lb):
+                getattr(layer, f"{name}_amax_history").copy_(top)
+                getattr(layer, f"{name}_scale").copy_(amax_to_scale(top.max(), fp8))
+
+
+@pytest.mark.slow
+def test_synced_amax_histories_are_the_max_over_ranks_as_one_process_would_compute(tmp_path):
+    run_ranks(_synced_ddp_worker, str(tmp_path), nprocs=WORLD)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for name in ranks[0]:  # the ranks agree on everything, scales and histories included
+        assert torch.equal(ranks[0][name], ranks[1][name]), name
+    model = mlp("delayed", second="delayed")
+    replica = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches(3, seed=2):
+        replica.load_state_dict(model.state_dict())
+        grads = []
+        for rank, net in enumerate((model, replica)):
+            net.zero_grad()
+            half = slice(rank * 4, rank * 4 + 4)
+            F.mse_loss(net(x[half] * (1 + 3 * rank)), y[half]).backward()
+            grads.append([p.grad for p in net.parameters()])
+        _max_of_replicas(model, replica)
+        for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
+            p.grad = (g0 + g1) / WORLD
+        opt.step()
+    for name, value in state(model).items():
+        torch.testing.assert_close(ranks[0][name], value, rtol=1e-6, atol=1e-7, msg=name)
+    # the first layer's newest input amax is rank 1's (its inputs are 4x larger), on both
+    x, _ = batches(3, seed=2)[-1]
+    assert ranks[0]["0.input_amax_history"][0] == (x[4:8] * 4).abs().max()
+
+
+def _trainer_worker(rank: int, out_dir: str) -> None:
+    model = mlp("delayed", second="delayed")
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 32, generator=g) * torch.linspace(0.5, 4, 32)[:, None]
+    trainer = Trainer(
+        precision="32-true", strategy="ddp", devices=WORLD, max_steps=3, seed=0, logger=False,
+        enable_progress_bar=False, enable_checkpointing=False,
+    )  # fmt: skip
+    loader = DataLoader(TensorDataset(x, torch.randn(32, 16, generator=g)), batch_size=4)
+    trainer.fit(model, loader, loss_fn=F.mse_loss, optimizer=partial(torch.optim.SGD, lr=0.1))
+    torch.save(state(model), f"{out_dir}/rank{rank}.pt")
+
+
+@pytest.mark.slow
+def test_the_trainer_syncs_amax_histories_across_ranks(tmp_path):
+    run_ranks(_trainer_worker, str(tmp_path), nprocs=WORLD)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD))
+    for name in r0:
+        assert torch.equal(r0[name], r1[name]), name
+    assert (r0["2.grad_output_amax_history"][:3] > 0).all()  # three steps recorded
+
+
+def test_sync_is_a_no_op_in_one_process():
+    model = mlp("delayed")
+    before = state(model)
+    assert sync_amax_histories(model) == 0 and sync_amax_histories(nn.Linear(2, 2)) == 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
 
 
 def _sm89() -> bool:

@@ -275,9 +275,10 @@ class Float8Linear(nn.Linear):
     Delayed scaling records each tensor's amax once per forward (and backward) in training
     mode with gradients enabled, newest first; the next step's scale comes from the
     history's max. Unlike Keras (scales start at 1.0 and lag two steps), the first step
-    scales dynamically and later steps use every amax up to the previous step. Under DDP
-    (buffers broadcast from rank 0 before each forward) every rank quantizes with rank 0's
-    scales.
+    scales dynamically and later steps use every amax up to the previous step. Under
+    several processes `sync_amax_histories` (the Trainer calls it every optimizer step)
+    makes the histories the max over the ranks; without it DDP ranks quantize with rank 0's
+    (broadcast before each forward) and FSDP ranks with their own.
 
     `emulate=True` forces the float32 emulation even where a real float8 matmul could run.
     """
@@ -374,6 +375,52 @@ class Float8Linear(nn.Linear):
             f", amax_history_length={self.amax_history_length}" if self.recipe == "delayed" else ""
         )
         return f"{super().extra_repr()}, recipe={self.recipe!r}{extra}"
+
+
+def delayed_layers(model: nn.Module) -> list[Float8Linear]:
+    """The delayed-scaling float8 layers of `model`, each once."""
+    seen: dict[int, Float8Linear] = {}
+    for m in model.modules():
+        if isinstance(m, Float8Linear) and m.recipe == "delayed":
+            seen.setdefault(id(m), m)
+    return list(seen.values())
+
+
+def sync_amax_histories(model: nn.Module | list[Float8Linear], group: Any = None) -> int:
+    """Make every rank's delayed-scaling amax histories the elementwise max over the ranks
+    (one all-reduce for all layers) and set the scales from them; returns how many layers.
+
+    Call it on every rank after the backward passes of an optimizer step (the output
+    gradients' amaxes are recorded in backward). Without it each rank scales from its own
+    amaxes (FSDP2 leaves buffers alone) or from rank 0's (DDP broadcasts them before each
+    forward), so a rank whose data runs larger saturates. With it the next step's scales
+    come from the largest amax any rank saw, as one process on the whole batch would have.
+    The histories must have been equal on the ranks before the step (they are from a common
+    start: the same checkpoint, or DDP's first broadcast), so entry i means the same step
+    everywhere. `model` may be the list `delayed_layers` returns, to skip the module walk."""
+    import torch.distributed as dist
+
+    layers = delayed_layers(model) if isinstance(model, nn.Module) else model
+    if not layers or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return 0
+    histories = [
+        getattr(m, f"{name}_amax_history")
+        for m in layers
+        for name in ("input", "weight", "grad_output")
+    ]
+    flat = torch.cat([h.float() for h in histories])
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+    with torch.no_grad():
+        for h, new in zip(histories, flat.split([h.numel() for h in histories]), strict=True):
+            h.copy_(new)
+        for m in layers:
+            for name in ("input", "weight", "grad_output"):
+                top = getattr(m, f"{name}_amax_history").float().max()
+                fp8 = E5M2 if name == "grad_output" else E4M3
+                getattr(m, f"{name}_scale").copy_(
+                    torch.where(top > 0, amax_to_scale(top, fp8), torch.zeros_like(top))
+                )
+    return len(layers)
 
 
 def _carry_hooks(source: nn.Module, target: nn.Module) -> None:

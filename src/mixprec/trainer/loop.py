@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from mixprec.optim import LossScaleOptimizer, scheduler_step
 from mixprec.precision import Precision
+from mixprec.quantize.float8 import Float8Linear, sync_amax_histories
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.data import (
     batch_size_of,
@@ -115,6 +116,8 @@ class FitRun(Run):
     epoch_finished: bool = False
     window_losses: list[Tensor] = field(default_factory=list)
     trained_batches: int = 0  # batches of this epoch that returned a loss
+    # delayed-scaling float8 layers whose amax histories the ranks share (several processes)
+    amax_layers: list[Float8Linear] = field(default_factory=list)
 
     def release_wrapper(self) -> None:
         """Drop the DDP wrapper (it holds the process group) once the run is over."""
@@ -272,6 +275,8 @@ def optimizer_step(trainer: Trainer, run: FitRun) -> None:
             opt.zero_grad(set_to_none=True)
         run.in_window = False
         return
+    if run.amax_layers:  # the next step scales from the largest amax any rank saw
+        sync_amax_histories(run.amax_layers)
     precision.unscale_()
     for opt in run.optimizers:
         trainer._hook("on_before_optimizer_step", opt)

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from mixprec.optim import LossScaleOptimizer
 from mixprec.precision import Precision
+from mixprec.quantize.float8 import delayed_layers
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer import sharded
 from mixprec.trainer.callbacks import Callback, ModelCheckpoint
@@ -526,6 +527,7 @@ class Trainer:
             num_training_batches=num_batches(
                 train_loader, self.config.limit_train_batches, "train"
             ),
+            amax_layers=delayed_layers(model) if self.world_size > 1 else [],
         )
         self._current = run
         if run.num_training_batches == 0:
