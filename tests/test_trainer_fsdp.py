@@ -7,6 +7,9 @@ one more test lets the Trainer spawn the processes itself."""
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -301,3 +304,38 @@ def test_export_after_a_single_device_fit_takes_the_float32_masters(tmp_path):
         assert torch.equal(exported[name], master), name
     # the float16 weights are the masters rounded: the export keeps what they lose
     assert any(not torch.equal(m, m.half().float()) for m in masters.values())
+
+
+TORCHRUN_SCRIPT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from test_trainer_fsdp import _fit
+
+if __name__ == "__main__":
+    seen = _fit("fsdp", "bf16-mixed", Path({out!r}) / "torchrun.pt",
+                accumulate_grad_batches=2, gradient_clip_val=0.5)
+    assert seen["param_types"] == {{"DTensor"}} and seen["global_step"] == 4, seen
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_launched_fsdp_trains_as_the_joined_group_does(runs, tmp_path):
+    """`torchrun --standalone --nproc-per-node 2 train.py` with strategy="fsdp": the Trainer
+    joins torchrun's processes, and the fit equals the same fit in `runs`' group bit for
+    bit."""
+    out, _ = runs
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"  # as run_ranks' processes
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.run(
+        [*command, "--nproc-per-node", str(WORLD), str(script)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun, joined = _weights(tmp_path / "torchrun.pt"), _weights(out / "fsdp.pt")
+    assert torchrun.keys() == joined.keys()
+    for k, v in torchrun.items():
+        assert torch.equal(v, joined[k]), k
