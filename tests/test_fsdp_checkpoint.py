@@ -8,8 +8,11 @@ torchrun-launched one would be); the one-process resumes run here."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from mixprec.trainer import Callback, CheckpointError, ModelCheckpoint, Trainer, TrainingModule
 from mixprec.trainer import checkpoint as ckpt_io
+from mixprec.trainer.strategy import free_port
 
 WORLD = 2
 QUIET = dict(logger=False, enable_progress_bar=False, allow_slow_precision=True, seed=0)
@@ -205,3 +209,89 @@ def test_sharded_checkpoints_that_do_not_fit_are_refused(saved):
     with pytest.raises(CheckpointError, match="shapes differ.*Nothing was loaded"):
         one.fit(model, loader(), ckpt_path=end)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+KILLED_SAVE_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from test_fsdp_checkpoint import QUIET, Net, loader
+from mixprec.trainer import ModelCheckpoint, Trainer
+
+replace = os.replace
+
+
+def replace_then_die(src, dst):
+    replace(src, dst)
+    if str(dst).endswith(".old"):  # the old last.ckpt is aside, the new one not yet in
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+os.replace = replace_then_die
+every_2 = ModelCheckpoint(dirpath={out!r}, every_n_train_steps=2, save_top_k=-1, save_last=True)
+Trainer(precision="bf16-mixed", strategy="fsdp", devices=1, max_steps=4, callbacks=[every_2],
+        **QUIET).fit(Net(), loader())
+"""
+
+
+def test_a_save_killed_between_its_renames_loses_nothing(tmp_path, caplog):
+    """A real SIGKILL at the worst moment of a sharded save: the old last.ckpt renamed aside,
+    the new one still under its temporary name. The next resume puts the old one back (and
+    says so), and the next save clears what the killed one left."""
+    out = tmp_path / "ckpts"
+    script = tmp_path / "train.py"
+    script.write_text(KILLED_SAVE_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out)))
+    one_rank = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    port = str(free_port())
+    env = dict(os.environ, **one_rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    left = sorted(p.name for p in out.iterdir())
+    assert "last.ckpt" not in left and "epoch=0-step=4.ckpt" in left
+    assert [n for n in left if n.endswith(".old")] and [n for n in left if n.endswith(".tmp")]
+
+    every_2 = ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1, save_last=True)
+    start = StartStep()
+    trainer = Trainer(precision="bf16-mixed", max_steps=6, callbacks=[every_2, start], **QUIET)
+    with caplog.at_level(logging.WARNING, logger="mixprec"):
+        trainer.fit(Net(), loader(), ckpt_path=out / "last.ckpt")
+    assert "restored the checkpoint" in caplog.text
+    assert start.step == 2  # resumed from the checkpoint put back, not from scratch
+    assert trainer.global_step == 6
+    assert not list(out.glob(".*"))  # the killed save's leftovers are gone
+    # one process writes file checkpoints: last.ckpt went from a directory to a file
+    assert (out / "last.ckpt").is_file()
+    assert ckpt_io.load(out / "last.ckpt")["loop"]["global_step"] == 6
+
+
+class StartStep(Callback):
+    def on_fit_start(self, trainer, model):
+        self.step = trainer.global_step
+
+
+def test_install_replaces_across_kinds_and_an_aside_is_put_back_only_where_missing(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    name = f"{ckpt_io._HOST}.{gone.pid}"
+    last = tmp_path / "last.ckpt"
+    last.write_bytes(b"a file")
+    sharded_tmp = tmp_path / f".last.ckpt.{name}.0a.tmp"
+    sharded_tmp.mkdir()
+    (sharded_tmp / ".metadata").write_bytes(b"dcp")
+    ckpt_io.install(sharded_tmp, last)  # a directory where a file was
+    assert (last / ".metadata").read_bytes() == b"dcp" and not list(tmp_path.glob(".*"))
+    file_tmp = tmp_path / f".last.ckpt.{name}.0b.tmp"
+    file_tmp.write_bytes(b"a file again")
+    ckpt_io.install(file_tmp, last)  # and a file where a directory was
+    assert last.read_bytes() == b"a file again" and not list(tmp_path.glob(".*"))
+
+    aside = tmp_path / f".last.ckpt.{name}.0c.old"  # what a kill between the renames leaves
+    aside.write_bytes(b"the old one")
+    assert not ckpt_io.recover_aside(last)  # last.ckpt is there: the aside is outdated ...
+    assert ckpt_io.clean_stale_tmp(tmp_path) == [aside]  # ... and goes with the leftovers
+    last.rename(aside)  # now last.ckpt is missing: it comes back
+    assert ckpt_io.recover_aside(last) and last.read_bytes() == b"a file again"
+    live = tmp_path / f".other.ckpt.{ckpt_io._HOST}.{os.getppid()}.0d.old"  # a running save's
+    live.write_bytes(b"in use")
+    assert not ckpt_io.recover_aside(tmp_path / "other.ckpt") and live.exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import logging
 import os
 import pickle
@@ -60,6 +61,8 @@ def _fsync_dir(directory: Path) -> None:
 _HOST = socket.gethostname().replace(".", "_") or "host"
 # .<target name>.<host>.<pid>.<token>.tmp: who wrote it, so that stale ones can be told apart
 _TMP = re.compile(r"\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.[0-9a-f]+\.tmp")
+# .<target name>.<host>.<pid>.<token>.old: a checkpoint `install` moved aside to replace it
+_ASIDE = re.compile(r"\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.[0-9a-f]+\.old")
 _FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 
@@ -83,25 +86,86 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _remove(entry: Path) -> None:
+    if entry.is_dir():  # a sharded checkpoint's (`mixprec.trainer.sharded`)
+        shutil.rmtree(entry, ignore_errors=True)
+    else:
+        entry.unlink(missing_ok=True)
+
+
+def _left_by_dead_process(m: re.Match[str] | None) -> bool:
+    """Whether a temporary or aside name was written on this host by a process gone now."""
+    if m is None or m["host"] != _HOST:
+        return False
+    pid = int(m["pid"])
+    return pid != os.getpid() and not _alive(pid)
+
+
 def clean_stale_tmp(directory: Path) -> list[Path]:
-    """Remove temporary files (and directories) that killed saves left in ``directory``:
-    those written on this host by a process that no longer runs (a save in progress
-    elsewhere is never touched)."""
+    """Remove what killed saves left in ``directory``: temporary files (and directories)
+    and, where the checkpoint they replaced is there again, the old copies moved aside
+    (`install`); only those written on this host by a process that no longer runs (a save
+    in progress elsewhere is never touched)."""
     removed = []
     for entry in directory.glob(".*.tmp"):
-        m = _TMP.fullmatch(entry.name)
-        if m is None or m["host"] != _HOST:
-            continue
-        pid = int(m["pid"])
-        if pid != os.getpid() and not _alive(pid):
-            if entry.is_dir():  # a sharded checkpoint's (`mixprec.trainer.sharded`)
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
+        if _left_by_dead_process(_TMP.fullmatch(entry.name)):
+            _remove(entry)
+            removed.append(entry)
+    for entry in directory.glob(".*.old"):
+        m = _ASIDE.fullmatch(entry.name)
+        if _left_by_dead_process(m) and (directory / m["name"]).exists():  # type: ignore[index]
+            _remove(entry)
             removed.append(entry)
     if removed:
         log.info("removed %d temporary file(s) of interrupted saves in %s", len(removed), directory)
     return removed
+
+
+def install(tmp: Path, path: Path) -> None:
+    """Move the complete file or directory ``tmp`` (named by `_new_tmp` or like it) to
+    ``path``. A file onto a file, or onto nothing, is one atomic rename. Otherwise (a
+    sharded checkpoint's directory, or a file where one is, or the other way round) ``path``
+    is first renamed aside to ``.<name>.<host>.<pid>.<token>.old``, then removed: a crash
+    between the two renames leaves it complete there, and `recover_aside` puts it back."""
+    if path.exists() and (tmp.is_dir() or path.is_dir()):
+        aside = tmp.with_name(tmp.name.removesuffix(".tmp") + ".old")
+        os.replace(path, aside)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        _remove(aside)
+    else:
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+
+
+def recover_aside(path: Path) -> bool:
+    """Put a checkpoint back at ``path`` when a save killed between `install`'s two renames
+    left it aside (complete: a file, or a directory with DCP's ``.metadata``), written on
+    this host by a process that no longer runs; the newest such one if several. Returns
+    whether it did; safe to call from several processes at once."""
+    if path.exists() or not path.parent.is_dir():
+        return False
+    asides = []
+    for entry in path.parent.glob(f".{glob.escape(path.name)}.*.old"):
+        m = _ASIDE.fullmatch(entry.name)
+        complete = entry.is_file() or (entry / ".metadata").is_file()
+        if _left_by_dead_process(m) and m["name"] == path.name and complete:  # type: ignore[index]
+            asides.append(entry)
+    if not asides:
+        return False
+    newest = max(asides, key=lambda e: e.stat().st_mtime)
+    try:
+        os.replace(newest, path)
+    except OSError:  # another process put it back first
+        return False
+    _fsync_dir(path.parent)
+    log.warning(
+        "restored the checkpoint %s from %s, where a save killed between its two renames had "
+        "left it",
+        path,
+        newest.name,
+    )
+    return True
 
 
 @contextlib.contextmanager
@@ -149,6 +213,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    recover_aside(path)
     clean_stale_tmp(path.parent)
     with _ctrl_c_after_save():
         fd, tmp = _new_tmp(path)
@@ -157,8 +222,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
                 torch.save(obj, f)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, path)
-            _fsync_dir(path.parent)
+            install(tmp, path)
         except BaseException as exc:
             tmp.unlink(missing_ok=True)
             cause = _cause(exc)
@@ -186,8 +250,7 @@ def atomic_link(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Pat
     except OSError:
         atomic_save(load(src), dst)
         return dst
-    os.replace(tmp, dst)
-    _fsync_dir(dst.parent)
+    install(tmp, dst)
     return dst
 
 

@@ -13,7 +13,9 @@ temporary files of `checkpoint.atomic_save`); after a barrier rank 0 renames it 
 A save killed before that leaves ``path`` as it was (the last complete checkpoint) and a
 temporary directory that the next save into that directory removes. When ``path`` already
 exists (``last.ckpt``) the old directory is first renamed aside, then removed; a crash
-between those two renames leaves it complete under ``.<name>.*.old``.
+between those two renames leaves it complete under ``.<name>.<host>.<pid>.<token>.old``, and
+`checkpoint.recover_aside` puts it back (the Trainer calls it before it resumes from a path,
+and before a save to that path).
 
 Loading reshards: DCP reads whatever shards this run's ranks need, so a checkpoint written by
 2 ranks resumes with 1 (then each rank takes rank 0's run state, and a log line says so), or
@@ -78,22 +80,16 @@ def _fsync_tree(directory: Path) -> None:
 def _install(tmp: Path, path: Path) -> None:
     """Rename the complete directory ``tmp`` to ``path`` (rank 0, after every rank wrote)."""
     _fsync_tree(tmp)
-    if path.exists():
-        aside = tmp.with_name(tmp.name.removesuffix(".tmp") + ".old")
-        os.replace(path, aside)
-        os.replace(tmp, path)
-        ckpt_io._fsync_dir(path.parent)
-        shutil.rmtree(aside)
-    else:
-        os.replace(tmp, path)
-        ckpt_io._fsync_dir(path.parent)
+    ckpt_io.install(tmp, path)
 
 
 def _agreed_tmp(path: Path, rank: int) -> Path:
-    """Rank 0 clears stale temporary directories and makes a new one; all ranks get it."""
+    """Rank 0 puts back a checkpoint an interrupted install left aside, clears stale
+    temporary directories and makes a new one; all ranks get it."""
     name = [None]
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
+        ckpt_io.recover_aside(path)
         ckpt_io.clean_stale_tmp(path.parent)
         name = [str(_tmp_dir(path))]
     if _distributed():

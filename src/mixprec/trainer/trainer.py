@@ -431,6 +431,8 @@ class Trainer:
 
     def _launch(self, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
         kwargs["ckpt_path"] = ckpt_io.resolve_path(kwargs["ckpt_path"], self.checkpoint_callback)
+        if kwargs["ckpt_path"] is not None:  # one a killed save left aside
+            ckpt_io.recover_aside(kwargs["ckpt_path"])
         if isinstance(self.strategy, DDPStrategy) and self.strategy.launches_processes:
             return launch_stage(self, self.strategy, stage, model, kwargs)
         return self._run(stage, model, kwargs)
