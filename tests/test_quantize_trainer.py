@@ -239,7 +239,8 @@ class DumpParams(Callback):
 
 @pytest.mark.slow
 def test_ddp_float8_delayed_replicas_are_identical(tmp_path):
-    """Two gloo ranks, different data: identical parameters and shared amax histories."""
+    """Two gloo ranks, different data: identical parameters, amax histories and scales
+    (the Trainer all-reduces the histories to their max every step)."""
     model = float8_net(0)
     trainer = Trainer(
         precision="float8/delayed:16_from_float32",
@@ -256,16 +257,8 @@ def test_ddp_float8_delayed_replicas_are_identical(tmp_path):
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert r0.keys() == r1.keys()
     for name, value in r0.items():
-        if name.startswith("0.input") or name.startswith("0.grad_output"):
-            continue
-        assert torch.equal(value, r1[name]), name  # parameters, weight scale and history
-    # DDP broadcasts rank 0's buffers before each forward, so every rank quantized with the
-    # same scales; only the last step's amax of each rank's own input and output gradient
-    # (the newest history entry, and the scale made from it) is still its own
-    for name in ("input", "grad_output"):
-        history = f"0.{name}_amax_history"
-        assert torch.equal(r0[history][1:], r1[history][1:]), history
-        assert not torch.equal(r0[history][:1], r1[history][:1]), history
+        assert torch.equal(value, r1[name]), name
+    assert (r0["0.grad_output_amax_history"][:4] > 0).all()  # four steps recorded
 
 
 @pytest.mark.slow
