@@ -384,6 +384,41 @@ def test_ddp_wraps_the_compiled_model(tmp_path):
     assert not torch.equal(r0["params"]["fc1.weight"], net().fc1.weight)  # it trained
 
 
+class CompiledFlag(Callback):
+    """Each rank records whether its model ran compiled (FSDP's parameters stay sharded)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_fit_end(self, trainer, model):
+        compiled = "_compiled_call_impl" in model.__dict__
+        rank = trainer.strategy.global_rank
+        torch.save(compiled, self.directory / f"compiled{rank}.pt")
+
+
+@pytest.mark.slow
+def test_fsdp_compiles_the_sharded_model_and_trains_as_eager(tmp_path):
+    """compile= with strategy="fsdp": each rank compiles its sharded model (after
+    `fully_shard`, before the optimizer steps) and, with a backend that does not fuse, the
+    weights returned to the caller equal an eager FSDP run's."""
+    models = {}
+    for name, compile_ in (("eager", None), ("compiled", {"backend": BACKEND})):
+        models[name] = model = net()
+        trainer = Trainer(
+            with_rule("bf16-mixed"), devices=2, strategy="fsdp", max_epochs=1, seed=0,
+            compile=compile_, callbacks=[CompiledFlag(tmp_path / name)],
+            allow_slow_precision=True, **QUIET,
+        )  # fmt: skip
+        (tmp_path / name).mkdir()
+        trainer.fit(model, _data(), loss_fn=F.mse_loss)
+    assert [torch.load(tmp_path / "compiled" / f"compiled{r}.pt") for r in range(2)] == [True] * 2
+    assert [torch.load(tmp_path / "eager" / f"compiled{r}.pt") for r in range(2)] == [False] * 2
+    eager, compiled = models["eager"].state_dict(), models["compiled"].state_dict()
+    for k, v in eager.items():
+        assert torch.equal(v, compiled[k]), k
+    assert not torch.equal(eager["fc1.weight"], net().fc1.weight)  # it trained
+
+
 # -- mixprec bench --compile ---------------------------------------------------------------
 
 FACTORY = """
