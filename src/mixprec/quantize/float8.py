@@ -180,9 +180,15 @@ def _delayed_scale(
     if record:
         seen = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
         history.copy_(torch.cat([seen.reshape(1), history[:-1].float()]))
-        top = history.float().max()
-        scale.copy_(torch.where(top > 0, amax_to_scale(top, fp8_dtype), torch.zeros_like(top)))
+        scale.copy_(_history_scale(history, fp8_dtype))
     return used
+
+
+def _history_scale(history: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """The delayed scale from an amax history's max; 0 ("not known yet") while it holds
+    only zeros."""
+    top = history.float().max()
+    return torch.where(top > 0, amax_to_scale(top, fp8_dtype), torch.zeros_like(top))
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -379,11 +385,7 @@ class Float8Linear(nn.Linear):
 
 def delayed_layers(model: nn.Module) -> list[Float8Linear]:
     """The delayed-scaling float8 layers of `model`, each once."""
-    seen: dict[int, Float8Linear] = {}
-    for m in model.modules():
-        if isinstance(m, Float8Linear) and m.recipe == "delayed":
-            seen.setdefault(id(m), m)
-    return list(seen.values())
+    return [m for m in model.modules() if isinstance(m, Float8Linear) and m.recipe == "delayed"]
 
 
 def sync_amax_histories(model: nn.Module | list[Float8Linear], group: Any = None) -> int:
@@ -414,12 +416,9 @@ def sync_amax_histories(model: nn.Module | list[Float8Linear], group: Any = None
         for h, new in zip(histories, flat.split([h.numel() for h in histories]), strict=True):
             h.copy_(new)
         for m in layers:
-            for name in ("input", "weight", "grad_output"):
-                top = getattr(m, f"{name}_amax_history").float().max()
-                fp8 = E5M2 if name == "grad_output" else E4M3
-                getattr(m, f"{name}_scale").copy_(
-                    torch.where(top > 0, amax_to_scale(top, fp8), torch.zeros_like(top))
-                )
+            for name, fp8 in (("input", E4M3), ("weight", E4M3), ("grad_output", E5M2)):
+                history = getattr(m, f"{name}_amax_history")
+                getattr(m, f"{name}_scale").copy_(_history_scale(history, fp8))
     return len(layers)
 
 
