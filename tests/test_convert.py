@@ -238,6 +238,83 @@ def test_shared_parameter_with_conflicting_dtypes_is_refused():
         mixprec.apply(model, PolicyMap("32-true", {"1": "bf16-true"}))
 
 
+def test_a_refused_reapply_leaves_the_previous_policy_and_unrounded_weights():
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    b.weight = a.weight
+    model = nn.Sequential(a, b)
+    mixprec.apply(model, "bf16-mixed")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(mixprec.PolicySpecError, match="shared with '0.weight'"):
+        mixprec.apply(model, PolicyMap("bf16-true", {"1": "float32"}))
+    # nothing changed: float32 weights bit for bit, the mixed region still in place
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and after[k].dtype == f32 for k in before)
+    assert mixprec.convert.applied_policy(model) == PolicyMap("bf16-mixed")
+    seen, _ = record_outputs(model)
+    model(torch.randn(2, 4))
+    assert seen == {"0": bf16, "1": bf16}
+
+
+def test_a_float32_submodule_applied_on_its_own_leaves_the_parents_autocast():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    mixprec.apply(model, "bf16-mixed")
+    mixprec.apply(model[2], "float32")
+    seen, _ = record_outputs(model)
+    model(torch.randn(2, 4))
+    assert seen["0"] == bf16 and seen["2"] == f32
+
+
+def test_a_float32_model_computes_in_float32_under_the_callers_autocast():
+    model = mixprec.apply(nn.Linear(4, 4), "32-true")
+    x = torch.randn(2, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x)
+    assert out.dtype == f32
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, model.weight, model.bias))
+
+
+def test_a_module_shared_by_two_parents_runs_in_its_policy_through_both():
+    class Two(nn.Module):
+        def __init__(self, shared: nn.Module) -> None:
+            super().__init__()
+            self.a, self.b = nn.Sequential(shared), nn.Sequential(shared)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    got = []
+
+    class Probe(nn.Linear):  # records the dtype its matmul computed in
+        def forward(self, x):
+            out = super().forward(x)
+            got.append(out.dtype)
+            return out
+
+    model = Two(Probe(4, 4))
+    mixprec.apply(model, PolicyMap("bf16-mixed", {"b": "float32", r"[ab]\.0": "bf16-mixed"}))
+    model(torch.randn(2, 4))
+    assert got == [bf16, bf16]  # through the float32 parent 'b' too
+
+
+@pytest.mark.parametrize("default", ["bf16-mixed", "bf16-true"])
+def test_a_rule_on_multihead_attention_out_proj_is_refused(default):
+    # the attention reads out_proj.weight itself: out_proj's own forward never runs
+    model = nn.Sequential(nn.MultiheadAttention(8, 2, batch_first=True))
+    with pytest.raises(mixprec.PolicySpecError, match="give the rule to '0' itself"):
+        mixprec.apply(model, PolicyMap(default, {"0.out_proj": "float32"}))
+    assert all(p.dtype == f32 for p in model.parameters())
+    mixprec.apply(model, PolicyMap(default, {"0": "float32"}))  # the whole attention is fine
+    assert model[0].out_proj.weight.dtype == f32
+
+
+def test_explain_defaults_to_the_policy_the_model_was_given():
+    model = mixprec.apply(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), "bf16-mixed")
+    assert mixprec.explain(model)["1"] == Policy("bf16-mixed")
+    assert mixprec.explain(model, "32-true")["1"] == Policy("32-true")
+    assert mixprec.explain(nn.Linear(2, 2))[""] == mixprec.global_policy()
+
+
 def test_apply_uses_the_global_policy_by_default():
     with mixprec.policy_scope("bf16-true"):
         model = mixprec.apply(nn.Linear(2, 2))
@@ -318,6 +395,38 @@ def test_precision_forward_context_sets_the_default_dtype_of_a_true_policy():
     assert torch.get_default_dtype() == f32
     with mixprec.Precision("32-true", device="cpu").forward_context():
         assert torch.ones(1).dtype == f32
+
+
+def test_precision_backward_recomputes_a_checkpointed_true_forward_in_its_dtype():
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) * torch.ones(4)  # a tensor made without a dtype
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    reference = Model()
+    model = copy.deepcopy(reference)
+    precision = mixprec.Precision("64-true", device="cpu")
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(2, 4)
+    with precision.forward_context():
+        loss = model(precision.convert_input(x)).sum()
+    precision.backward(loss)  # the recompute would make float32 ones: a CheckpointError
+    assert torch.get_default_dtype() == f32
+    reference.double()
+    (reference.block.lin(x.double()) * torch.ones(4, dtype=f64)).sum().backward()
+    assert torch.equal(model.block.lin.weight.grad, reference.block.lin.weight.grad)
 
 
 # -- remove, shared modules, rule typos ---------------------------------------------------

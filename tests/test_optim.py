@@ -214,6 +214,45 @@ def test_scheduler_does_not_advance_on_skipped_steps():
     assert opt.param_groups[0]["lr"] == 0.5**4
 
 
+def test_scheduler_gate_also_takes_the_plain_optimizer_a_wrapper_steps():
+    model = _mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt = LossScaleOptimizer(inner, StaticLossScaler(8.0))
+    sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+    advanced = []
+    for i, (x, y) in enumerate(_batches(3)):
+        opt.backward(F.mse_loss(model(x), y))
+        if i == 1:
+            model[0].weight.grad.fill_(math.inf)
+        opt.step()
+        advanced.append(scheduler_step(sched, inner))
+        opt.zero_grad()
+    assert advanced == [True, False, True]
+    assert inner.param_groups[0]["lr"] == 0.25
+
+
+def test_a_parameter_unused_this_step_is_not_updated_by_last_steps_master_gradient():
+    # the model's own zero_grad clears the float16 gradients, not the float32 masters'
+    torch.manual_seed(0)
+    a, b = nn.Linear(2, 2).to(f16), nn.Linear(2, 2).to(f16)
+    opt = LossScaleOptimizer(torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1), 8.0)
+    x = torch.ones(1, 2, dtype=f16)
+    for use_b in (True, False):
+        a.zero_grad(), b.zero_grad()
+        before = b.weight.detach().clone()
+        out = b(a(x)) if use_b else a(x)
+        opt.backward(out.float().sum())
+        opt.step()
+        assert torch.equal(before, b.weight) is not use_b
+    # zero_grad(set_to_none=False) on the wrapper keeps zero master gradients, as torch does
+    opt.backward(b(a(x)).float().sum())
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    opt.backward(a(x).float().sum())
+    opt.step()
+    assert torch.equal(opt.master_params[b.weight].grad, torch.zeros(2, 2))
+
+
 def test_pure_float16_with_master_weights_trains_like_float32():
     *data, (x_eval, y_eval) = _batches(151, seed=3)
     ref = _mlp(seed=1)

@@ -62,9 +62,20 @@ def test_spellings_of_one_policy_are_equal_and_share_a_name():
 
 
 def test_uncommon_policy_gets_a_jmp_style_name():
-    p = Policy(param_dtype="bfloat16", compute_dtype="float32", output_dtype="bfloat16")
-    assert p.name == "params=bfloat16,compute=float32,output=bfloat16"
+    p = Policy(param_dtype="float32", compute_dtype="bfloat16", output_dtype="float16")
+    assert p.name == "params=float32,compute=bfloat16,output=float16"
     assert Policy(p.name) == p
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["p=bf16,c=f32", "p=f16,c=f32", "p=f32,c=f64", "p=f64,c=f32", "p=f64,c=bf16", "p=f16,c=bf16"],
+)
+def test_mixed_policies_autocast_cannot_run_are_refused(spec):
+    # autocast only lowers float32 weights to a 16-bit dtype: any other pair would compute
+    # in a dtype the policy does not name (or crash at the first matmul)
+    with pytest.raises(PolicySpecError, match="keeps its params in float32 and computes in"):
+        Policy(spec)
 
 
 def test_keyword_form_and_defaults():
@@ -133,7 +144,7 @@ JMP = {
     "c=bfloat16": (f32, bf16, bf16),
     "c=float32": (f32, f32, f32),
     "p=f16,c=f16": (f16, f16, f16),
-    "p=f16,c=bf16": (f16, bf16, bf16),
+    "p=f16,c=f16,o=f32": (f16, f16, f32),
     "c=float16,o=full": (f32, f16, f32),
     "c=bfloat16,o=full": (f32, bf16, f32),
     "c=half,o=full": (f32, f16, f32),
@@ -148,6 +159,11 @@ JMP = {
 def test_jmp_specs_mean_what_they_mean_in_jmp(spec):
     p = Policy(spec)
     assert (p.param_dtype, p.compute_dtype, p.output_dtype) == JMP[spec]
+
+
+def _runnable(param: torch.dtype, compute: torch.dtype) -> bool:
+    """Storage and compute autocast can run: one dtype, or float32 lowered to 16 bits."""
+    return param == compute or (param == f32 and compute in (f16, bf16))
 
 
 @given(
@@ -165,6 +181,10 @@ def test_jmp_defaults_chain_params_to_compute_to_output(p, c, o, long_keys):
     param = dtype(p) if p else f32
     compute = dtype(c) if c else param
     output = dtype(o) if o else compute
+    if not _runnable(param, compute):
+        with pytest.raises(PolicySpecError, match="cannot run"):
+            Policy(",".join(parts))
+        return
     got = Policy(",".join(parts))
     assert (got.param_dtype, got.compute_dtype, got.output_dtype) == (param, compute, output)
 
@@ -191,7 +211,7 @@ def test_auto_is_a_spec_no_policy_resolves_on_its_own():
 
 
 def test_as_policy_takes_a_config_like_keras_get():
-    for spec in ("bf16-mixed", "p=f16,c=bf16,o=f32", "64-true"):
+    for spec in ("bf16-mixed", "p=f32,c=bf16,o=f16", "64-true"):
         policy = Policy(spec)
         assert mixprec.policy.as_policy(policy.to_config()) == policy
     assert mixprec.policy.as_policy(None) == mixprec.global_policy()
@@ -202,6 +222,9 @@ DTYPES = st.sampled_from(["float64", "float32", "float16", "bfloat16", "f32", "h
 
 @given(DTYPES, DTYPES, DTYPES)
 def test_name_round_trip_is_stable(param, compute, output):
+    to = mixprec.dtypes.to_dtype
+    if not _runnable(to(param), to(compute)):
+        return
     p = Policy(param_dtype=param, compute_dtype=compute, output_dtype=output)
     again = Policy(p.name)
     assert again == p and again.name == p.name

@@ -9,7 +9,6 @@ uniform policy costs one region. State-dict keys and shapes never change.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import inspect
 import threading
@@ -26,11 +25,11 @@ from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import device_of, warn_if_unsupported
 from mixprec.policy import Policy
-from mixprec.policy_map import PolicyMap, Resolution, as_map
+from mixprec.policy_map import APPLIED_STATE, PolicyMap, Resolution, as_map
 from mixprec.quantize import quantize_modules
 from mixprec.tree import map_tensors
 
-_STATE = "_mixprec_state"
+_STATE = APPLIED_STATE
 
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
@@ -108,8 +107,6 @@ class _Region:
             self.output_dtype = parent.compute_dtype
         else:
             self.output_dtype = policy.output_dtype
-        # Below the root a "true"/island region must switch off an enclosing autocast.
-        self.disable_autocast = not policy.is_mixed and parent is not None
         self.original = original
 
     @property
@@ -141,12 +138,10 @@ class _Region:
         else:
             args = cast_floating(args, self.compute_dtype)
             kwargs = cast_floating(kwargs, self.compute_dtype)
-            # plain `with` blocks, not an ExitStack: torch.compile traces these without a break
-            off = (
-                torch.autocast(_device_type(args, kwargs, module), enabled=False)
-                if self.disable_autocast
-                else contextlib.nullcontext()
-            )
+            # A "true" region computes in its own dtype even inside an enclosing autocast (a
+            # parent's mixed region, or the caller's): autocast is switched off for it.
+            # Plain `with` blocks, not an ExitStack: torch.compile traces them without a break.
+            off = torch.autocast(_device_type(args, kwargs, module), enabled=False)
             if needs_default_dtype(self.compute_dtype):
                 with default_dtype(self.compute_dtype), off:
                     out = forward(*args, **kwargs)
@@ -197,29 +192,49 @@ def _strip_regions(model: nn.Module) -> None:
                 module.__dict__["forward"] = region.original
 
 
-def _set_dtype(
-    module: nn.Module, dtype: torch.dtype, owners: dict[int, tuple[str, Any]], name: str
-) -> None:
-    for kind, store in (("parameter", module._parameters), ("buffer", module._buffers)):
-        for key, t in store.items():
-            if t is None or not t.is_floating_point():
-                continue
-            seen = owners.get(id(t))
-            if seen is not None and seen[1] != dtype:
-                raise PolicySpecError(
-                    f"{kind} {name + '.' if name else ''}{key} is shared with {seen[0]!r}, but "
-                    f"the policy stores it as {dtype} here and {seen[1]} there; give both "
-                    "modules the same param dtype"
-                )
-            owners[id(t)] = (f"{name}.{key}" if name else key, dtype)
-            if t.dtype == dtype:
-                continue
+def _dtype_plan(
+    model: nn.Module, resolved: dict[str, Resolution]
+) -> list[tuple[nn.Module, str, str, torch.dtype]]:
+    """(module, "parameter"/"buffer", key, dtype) for every floating tensor whose dtype the
+    policy changes; a `PolicySpecError` for a tensor shared by modules that store it in
+    different dtypes. Changes nothing, so `apply` can check before it converts."""
+    owners: dict[int, tuple[str, torch.dtype]] = {}
+    plan = []
+    for name, module in model.named_modules():
+        dtype = resolved[name].policy.param_dtype
+        for kind, store in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for key, t in store.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                path = f"{name}.{key}" if name else key
+                seen = owners.setdefault(id(t), (path, dtype))
+                if seen[1] != dtype:
+                    raise PolicySpecError(
+                        f"{kind} {path} is shared with {seen[0]!r}, but the policy stores it "
+                        f"as {dtype} here and {seen[1]} there; give both modules the same "
+                        "param dtype"
+                    )
+                if t.dtype != dtype:
+                    plan.append((module, kind, key, dtype))
+    return plan
+
+
+def _convert(plan: list[tuple[nn.Module, str, str, torch.dtype]]) -> None:
+    # under inference_mode the converted tensors would be inference tensors, which can
+    # never be trained again: convert as plain tensors whatever the caller's mode
+    converted: dict[int, Tensor] = {}  # a buffer shared by two modules stays shared
+    with torch.inference_mode(False):
+        for module, kind, key, dtype in plan:
             if kind == "parameter":
+                t = module._parameters[key]
+                if t.dtype == dtype:  # shared with a module converted before
+                    continue
                 t.data = t.data.to(dtype)
                 if t.grad is not None:
                     t.grad = t.grad.to(dtype)
             else:
-                store[key] = t.to(dtype)
+                t = module._buffers[key]
+                module._buffers[key] = converted.setdefault(id(t), t.to(dtype))
 
 
 def _check_model(model: Any) -> None:
@@ -295,6 +310,10 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     state: AppliedState | None = model.__dict__.get(_STATE)
     resolved = pmap.resolve(model)
     _warn_unmatched(pmap, model)
+    # everything that can refuse the policy runs before the model changes: a refused
+    # re-apply leaves the previous policy in place, weights unrounded
+    _check_bypassed(model, resolved)
+    _dtype_plan(model, resolved)
     if state is None:
         original = _floating_dtypes(model)
     else:
@@ -304,22 +323,51 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     if to_quantize:  # on plain forwards: layers with a region are not swapped
         quantize_modules(model, to_quantize)  # type: ignore[arg-type]
         resolved = _after_swap(model, resolved)
-    owners: dict[int, tuple[str, Any]] = {}
-    # under inference_mode the converted tensors would be inference tensors, which can
-    # never be trained again: convert as plain tensors whatever the caller's mode
-    with torch.inference_mode(False):
-        for name, module in model.named_modules():
-            _set_dtype(module, resolved[name].policy.param_dtype, owners, name)
-    for name, module in model.named_modules():
-        policy_here = resolved[name].policy
-        parent = resolved[name.rpartition(".")[0]].policy if name else None
-        if parent is not None and _region_key(parent) == _region_key(policy_here):
-            continue
+    _convert(_dtype_plan(model, resolved))
+    for module, policy_here, parent in _regions(model, resolved):
         module.__dict__["forward"] = _Region(
             module, policy_here, parent=parent, original=module.__dict__.get("forward")
         )
     model.__dict__[_STATE] = AppliedState(pmap, original)
     return model
+
+
+def _regions(
+    model: nn.Module, resolved: dict[str, Resolution]
+) -> list[tuple[nn.Module, Policy, Policy | None]]:
+    """(module, policy, parent policy) for each module that needs a region of its own: the
+    root, and a module computing differently from its parent at any of its paths (a module
+    shared by two parents gets one when either differs, so it computes as its policy says
+    whichever path calls it)."""
+    found: dict[int, tuple[nn.Module, Policy, Policy | None]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        here = resolved[name].policy
+        parent = resolved[name.rpartition(".")[0]].policy if name else None
+        if parent is None or _region_key(parent) != _region_key(here):
+            found.setdefault(id(module), (module, here, parent))
+    return list(found.values())
+
+
+def _check_bypassed(model: nn.Module, resolved: dict[str, Resolution]) -> None:
+    """Refuse a policy that `MultiheadAttention.out_proj` cannot follow: the attention reads
+    its weight directly, so the projection's own forward (and region) never runs."""
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.MultiheadAttention):
+            continue
+        inner = f"{name}.out_proj" if name else "out_proj"
+        outer, proj = resolved[name], resolved[inner]
+        if proj.quantized or _dtypes(outer.policy) == _dtypes(proj.policy):
+            continue
+        raise PolicySpecError(
+            f"{inner!r} resolves to {proj.policy.name} ({proj.source}) but its "
+            f"MultiheadAttention {name or '<root>'!r} to {outer.policy.name}: the attention "
+            "uses out_proj's weight inside its own forward, so out_proj runs in the "
+            f"attention's policy; give the rule to {name or '<root>'!r} itself"
+        )
+
+
+def _dtypes(p: Policy) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    return (p.param_dtype, p.compute_dtype, p.output_dtype)
 
 
 def remove(model: nn.Module) -> nn.Module:

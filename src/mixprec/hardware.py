@@ -466,7 +466,7 @@ def check(
         raise SlowPrecisionError(
             f"precision {name!r} runs on {info.describe()} but far slower than float32 "
             f"({s.reason}). It is fast on {where}. To run it here anyway (e.g. to study its "
-            "numerics on small tensors) pass allow_slow=True (Precision, apply), "
+            "numerics on small tensors) pass allow_slow=True (Precision), "
             "allow_slow_precision=True (Trainer), --allow-slow (mixprec bench), or set "
             f"{ALLOW_SLOW_ENV}=1; or pick one that is fast here: {', '.join(fast)}"
         )

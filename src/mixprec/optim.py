@@ -175,6 +175,7 @@ class LossScaleOptimizer:
         closure = step_args.get("closure")
         self._needs_closure = closure is not None and closure.default is inspect.Parameter.empty
         self._found_inf: torch.Tensor | None = None
+        self._master_grads_stale = False
         self.step_was_skipped = False
         first = next(iter(self._all_params()), None)
         if first is not None and self.scaler.device != first.device:
@@ -279,6 +280,7 @@ class LossScaleOptimizer:
         low-precision parameters; a step's ``unscale_`` is forgotten with them."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._found_inf = None
+        self._master_grads_stale = False  # the masters' gradients are None or zeros now
         if set_to_none:
             for p in self._model_params:
                 p.grad = None
@@ -413,12 +415,19 @@ class LossScaleOptimizer:
             )
 
     def _move_grads_to_masters(self) -> None:
-        """Move the model parameters' gradients into their masters (as float32)."""
+        """Move the model parameters' gradients into their masters (as float32). The first
+        move after a step drops a master's gradient whose parameter has none: it is the last
+        step's (the model's own ``zero_grad`` cannot reach the masters), and stepping it again
+        would update a parameter this step did not use."""
+        drop_stale = self._master_grads_stale
+        self._master_grads_stale = False
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         for p, m in zip(self._model_params, self._masters, strict=True):
             g = p.grad
             if g is None:
+                if drop_stale:
+                    m.grad = None
                 continue
             if m.grad is None or g.is_sparse or m.grad.is_sparse:
                 m.grad = g.to(torch.float32)
@@ -535,6 +544,7 @@ class LossScaleOptimizer:
         if stepped and self._masters:
             with torch.no_grad():
                 torch._foreach_copy_(self._model_params, self._masters)
+        self._master_grads_stale = True
         self.step_was_skipped = not stepped
         self._found_inf = None
 
@@ -730,13 +740,18 @@ def master_weights_by_name(
 
 
 def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> bool:
-    """Advance ``scheduler`` unless ``optimizer`` (a LossScaleOptimizer) skipped its last step.
+    """Advance ``scheduler`` unless ``optimizer`` (a LossScaleOptimizer, or the optimizer one
+    wraps) skipped its last step.
 
     torch's schedulers cannot tell a skipped step from a taken one; without this gate a run
     with many overflows moves through its learning-rate schedule too fast. ``args`` and
     ``kwargs`` go to ``scheduler.step`` (e.g. a metric for ReduceLROnPlateau). Returns whether
     the scheduler advanced.
     """
+    if not isinstance(optimizer, LossScaleOptimizer):
+        # the plain optimizer a wrapper steps (Precision.step accepts either)
+        live = _WRAPPERS.get(optimizer)
+        optimizer = live[0]() if live is not None else optimizer
     if isinstance(optimizer, LossScaleOptimizer) and optimizer.step_was_skipped:
         return False
     scheduler.step(*args, **kwargs)

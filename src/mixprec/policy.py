@@ -199,6 +199,16 @@ def _validate(param: torch.dtype, compute: torch.dtype, output: torch.dtype) -> 
                 "scales (a float8 recipe with scaled matmuls), which a plain cast policy "
                 "cannot give; use float16/bfloat16 here"
             )
+    if param != compute and (param != f32 or compute not in (f16, bf16)):
+        # autocast lowers float32 tensors to a 16-bit dtype; it never raises a dtype and
+        # leaves float64 alone, so any other pair would run in dtypes the policy does not name
+        raise PolicySpecError(
+            f"params in {dtype_name(param)} with compute in {dtype_name(compute)} cannot run: "
+            "a mixed policy keeps its params in float32 and computes in float16 or bfloat16 "
+            "(autocast lowers float32 weights; it never raises a dtype and leaves float64 "
+            f"alone). To compute in {dtype_name(compute)}, store the params in it too "
+            f"(params={dtype_name(compute)},compute={dtype_name(compute)})"
+        )
 
 
 class Policy:
@@ -319,7 +329,8 @@ class Policy:
         if unknown:
             raise PolicySpecError(
                 f"unknown policy config keys {sorted(unknown)}; expected param_dtype, "
-                "compute_dtype, output_dtype (what to_config() returns)"
+                "compute_dtype, output_dtype (what to_config() returns). Rules by layer path "
+                "or type go in a PolicyMap: PolicyMap('bf16-mixed', {'head': 'float32'})"
             )
         if not config:
             raise PolicySpecError("an empty policy config; expected what to_config() returns")

@@ -384,7 +384,15 @@ class Explanation(dict):
         return console.export_text()
 
 
+# where `mixprec.apply` keeps what it did on the root module (its `AppliedState`)
+APPLIED_STATE = "_mixprec_state"
+
+
 def explain(model: nn.Module, policy: Any = None) -> Explanation:
-    """What each layer of `model` will really run in under `policy` (default: global), and
-    under quantized policies which layers are quantized and which skipped, and why."""
+    """What each layer of `model` runs in under `policy` (default: the policy `apply` gave
+    the model, else the global one), and under quantized policies which layers are
+    quantized and which skipped, and why."""
+    if policy is None:
+        applied = model.__dict__.get(APPLIED_STATE)
+        policy = applied.policy if applied is not None else None
     return Explanation(model, as_map(policy).resolve(model))

@@ -26,7 +26,14 @@ from torch import nn
 
 from mixprec.compensated import check_compensation
 from mixprec.convert import apply, cast_floating, default_dtype, needs_default_dtype
-from mixprec.hardware import DeviceInfo, check, default_device, device_of, resolve_policy
+from mixprec.hardware import (
+    DeviceInfo,
+    check,
+    default_device,
+    device_of,
+    parse_device,
+    resolve_policy,
+)
 from mixprec.optim import LossScaleOptimizer, joint_step
 from mixprec.policy import is_auto
 from mixprec.policy_map import PolicyMap, as_map
@@ -89,7 +96,7 @@ class Precision:
                 f"device_info must be a mixprec.hardware.DeviceInfo, "
                 f"got {type(device_info).__name__}"
             )
-        self.device = torch.device(device) if device is not None else None
+        self.device = parse_device(device) if device is not None else None
         self.device_info = device_info
         self.allow_slow = allow_slow
         self.master_weights = master_weights
@@ -222,10 +229,18 @@ class Precision:
     # -- the step ---------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Backpropagate ``loss`` scaled by the current loss scale."""
+        """Backpropagate ``loss`` scaled by the current loss scale. Under a "true" policy the
+        backward runs with the compute dtype as torch's default too, as the forward did: an
+        activation-checkpointed block recomputes its forward here, and a tensor it creates
+        without a dtype must come out as it did the first time."""
         for opt in self.optimizers:
             opt.check_can_backward()
-        self.scaler.scale(loss).backward(**kwargs)
+        policy = self.policy.default
+        if not policy.is_mixed and needs_default_dtype(policy.compute_dtype):
+            with default_dtype(policy.compute_dtype):
+                self.scaler.scale(loss).backward(**kwargs)
+        else:
+            self.scaler.scale(loss).backward(**kwargs)
 
     def unscale_(self, *optimizers: LossScaleOptimizer | torch.optim.Optimizer) -> None:
         """Unscale the gradients of ``optimizers`` (default: all set up); idempotent per step."""
