@@ -9,6 +9,7 @@ uniform policy costs one region. State-dict keys and shapes never change.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import threading
@@ -34,8 +35,12 @@ _STATE = APPLIED_STATE
 
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     """Cast every floating tensor in a nested structure (see `mixprec.tree`) to `dtype`."""
-    if isinstance(obj, Tensor):  # the common case, without the walker's bookkeeping
+    if isinstance(obj, Tensor):  # the common cases, without the walker's bookkeeping
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if type(obj) is tuple and all(isinstance(t, Tensor) for t in obj):
+        return tuple(cast_floating(t, dtype) for t in obj)
+    if type(obj) is dict and not obj:
+        return obj
     return map_tensors(
         lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj
     )
@@ -141,7 +146,11 @@ class _Region:
             # A "true" region computes in its own dtype even inside an enclosing autocast (a
             # parent's mixed region, or the caller's): autocast is switched off for it.
             # Plain `with` blocks, not an ExitStack: torch.compile traces them without a break.
-            off = torch.autocast(_device_type(args, kwargs, module), enabled=False)
+            off = (
+                torch.autocast(_device_type(args, kwargs, module), enabled=False)
+                if torch._C._is_any_autocast_enabled()
+                else contextlib.nullcontext()
+            )
             if needs_default_dtype(self.compute_dtype):
                 with default_dtype(self.compute_dtype), off:
                     out = forward(*args, **kwargs)
