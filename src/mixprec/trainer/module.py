@@ -23,6 +23,7 @@ MODULE_HOOKS = frozenset(
         "on_fit_end",
         "on_train_epoch_start",
         "on_train_epoch_end",
+        "on_train_end",
         "on_before_optimizer_step",
     }
 )
@@ -143,7 +144,12 @@ class TrainingModule(nn.Module):
         """Called before the first batch of each training epoch."""
 
     def on_train_epoch_end(self) -> None:
-        """Called after each training epoch (after its validation, if any)."""
+        """Called after each training epoch (after its validation, if any); what it logs is
+        for the epoch, reduced with the epoch's other training metrics before the callbacks'
+        ``on_train_epoch_end`` (ModelCheckpoint, EarlyStopping can monitor it)."""
+
+    def on_train_end(self) -> None:
+        """Called when training stops, at an epoch's end or inside one, before on_fit_end."""
 
     def on_validation_epoch_end(self) -> None:
         """Called after each validation pass, while its metrics can still be logged."""

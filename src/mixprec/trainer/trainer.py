@@ -572,9 +572,17 @@ class Trainer:
     # -- hooks ----------------------------------------------------------------------------------
 
     def _hook(self, name: str, *args: Any) -> None:
+        """Call hook ``name``: the module's, then the callbacks'."""
+        self._module_hook(name, *args)
+        self._callback_hook(name, *args)
+
+    def _module_hook(self, name: str, *args: Any) -> None:
         model = self.model
         if isinstance(model, TrainingModule) and name in MODULE_HOOKS:
             getattr(model, name)(*args)
+
+    def _callback_hook(self, name: str, *args: Any) -> None:
+        model = self.model
         listeners = self._listeners.get(name)
         if listeners is None:  # the callbacks that override this hook (it runs per batch)
             base = getattr(Callback, name)
