@@ -10,8 +10,10 @@ The hooks, in the order one epoch calls them::
         [validation when due: on_validation_start, on_validation_batch_end..., on_validation_end]
         on_train_batch_end              after that batch's validation, if one was due
         [data of unknown length at its end: the step of a shorter last window, validation]
-      on_train_epoch_end                the module's; the training epoch's metrics logged;
-                                        the epoch's schedulers stepped; then the callbacks'
+      on_train_epoch_end                epoch schedulers without a monitor stepped, then
+                                        the module's hook, the training epoch's metrics
+                                        logged, schedulers with a monitor stepped, then the
+                                        callbacks' hook
       on_train_end                      training stopped (at an epoch's end, or inside one)
     on_fit_end
 

@@ -146,7 +146,7 @@ class TrainingModule(nn.Module):
     def on_train_epoch_end(self) -> None:
         """Called after each training epoch (after its validation, if any); what it logs is
         for the epoch, reduced with the epoch's other training metrics before the callbacks'
-        ``on_train_epoch_end`` (ModelCheckpoint, EarlyStopping can monitor it)."""
+        ``on_train_epoch_end`` (ModelCheckpoint and plateau schedulers can monitor it)."""
 
     def on_train_end(self) -> None:
         """Called when training stops, at an epoch's end or inside one, before on_fit_end."""

@@ -82,7 +82,8 @@ class Trainer:
         gradient_clip_val, gradient_clip_algorithm: clip the unscaled gradients by total
             ``"norm"`` or by ``"value"`` before each step.
         val_check_interval: validate every this fraction of an epoch (float) or every this
-            many training batches (int), and always at the end of an epoch.
+            many training batches (int), and always at the end of an epoch (for data without
+            ``len()``: when it runs out).
         limit_train_batches, limit_val_batches: a fraction or a number of batches per epoch.
         callbacks: a Callback or a list of them.
         logger: True (CSV, and TensorBoard when installed), False, a Logger or a list.
