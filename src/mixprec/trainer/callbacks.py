@@ -3,6 +3,7 @@
 The hooks, in the order one epoch calls them::
 
     on_fit_start
+    on_train_start
       on_train_epoch_start
         on_train_batch_start
           (forward, backward for each micro-batch; at the end of an accumulation window:)
@@ -22,7 +23,10 @@ stopping, ``trainer.should_stop``) takes effect at the end of an accumulation wi
 stopped inside an epoch (by it or ``max_steps``) leaves the epoch unfinished: no
 ``on_train_epoch_end``, and its checkpoints resume inside the epoch.
 
-`ModelCheckpoint` and `EarlyStopping` are the two callbacks most runs want.
+A `TrainingModule` may define these hooks too (all but ``on_exception``, without the trainer
+and model arguments, as in Lightning), and ``on_validation_epoch_start/_end``,
+``on_test_epoch_start/_end``; its own run before the callbacks'. `ModelCheckpoint` and
+`EarlyStopping` are the two callbacks most runs want.
 """
 
 from __future__ import annotations
@@ -56,6 +60,9 @@ class Callback:
 
     def on_fit_end(self, trainer: Trainer, model: nn.Module) -> None:
         """Training finished (also after an early stop)."""
+
+    def on_train_start(self, trainer: Trainer, model: nn.Module) -> None:
+        """Training is about to start its first (or resumed) epoch."""
 
     def on_train_epoch_start(self, trainer: Trainer, model: nn.Module) -> None:
         """A training epoch starts."""

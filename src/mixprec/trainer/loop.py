@@ -138,6 +138,7 @@ def fit_loop(trainer: Trainer, run: FitRun) -> None:
     """Epochs until a stop condition; an epoch cut by ``max_steps`` or a stop request is left
     unfinished (a checkpoint of it resumes mid-epoch). A run resumed from a save on an epoch's
     last batch first ends that epoch, as the run that saved it did."""
+    trainer._hook("on_train_start")
     if trainer.batches_done == 0:  # resuming at an epoch boundary, or starting
         restore_resume_rng(run)
     while trainer.batches_done == run.num_training_batches or not fit_done(trainer):
@@ -455,6 +456,9 @@ def run_eval(
     metrics_store.training = False
     with rng_unchanged(), torch.no_grad():
         trainer._hook(f"on_{kind}_start")
+        if isinstance(model, TrainingModule):
+            with metrics_store.epoch_hook(f"on_{kind}_epoch_start"):
+                getattr(model, f"on_{kind}_epoch_start")()
         for batch_idx, batch in enumerate(loader):
             if trainer.num_eval_batches is not None and batch_idx >= trainer.num_eval_batches:
                 break
@@ -467,9 +471,9 @@ def run_eval(
             if step_metrics:
                 trainer._log.add(trainer.global_step, dict(step_metrics), flush=True)
             trainer._hook(f"on_{kind}_batch_end", output, batch, batch_idx)
-        if kind == "validation" and isinstance(model, TrainingModule):
-            with metrics_store.epoch_hook("on_validation_epoch_end"):
-                model.on_validation_epoch_end()
+        if isinstance(model, TrainingModule):
+            with metrics_store.epoch_hook(f"on_{kind}_epoch_end"):
+                getattr(model, f"on_{kind}_epoch_end")()
         metrics = metrics_store.take_epoch(trainer.strategy.mean)
         trainer._log.add(trainer.global_step, dict(metrics), flush=True)
         trainer._hook(f"on_{kind}_end")

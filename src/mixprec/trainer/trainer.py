@@ -27,6 +27,7 @@ from mixprec.trainer.config import (
     TrainerConfig,
     check_fit_inputs,
     check_model,
+    check_one_loader,
     choose_precision,
     compile_model,
     determinism,
@@ -54,7 +55,7 @@ from mixprec.trainer.metrics import (
     summary_rows,
 )
 from mixprec.trainer.module import MODULE_HOOKS, TrainingModule
-from mixprec.trainer.optimizers import configured_optimizers, scheduler_entry
+from mixprec.trainer.optimizers import configured_optimizers, scheduler_entry, warn_if_foreign
 from mixprec.trainer.strategy import FSDP, DDPStrategy, launch_stage, make_strategy
 
 
@@ -496,6 +497,8 @@ class Trainer:
         optimizers, scheduler_configs = configured_optimizers(model, optimizer) if fit else ([], [])
         made = [opt(model) if callable(opt) else opt for opt in optimizers]
         self.strategy.check_optimizers(model, made)
+        if self.is_global_zero:
+            warn_if_foreign(model, made)
         wrapped = precision.setup(model, *made, convert=not is_sharded)
         if self.config.compile is not None and self._uncompile is None:
             self._uncompile = compile_model(model, self.config.compile)
@@ -604,4 +607,5 @@ def _model_for(model: nn.Module | None, last: nn.Module | None, data: Any, stage
         raise ValueError(f"{stage} needs a model (none was given and no fit ran before)")
     if data is None:
         raise ValueError(f"{stage} needs dataloaders")
+    check_one_loader(data, "dataloaders")
     return chosen
