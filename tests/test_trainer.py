@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 import mixprec
 from mixprec import hardware
@@ -423,6 +424,116 @@ def test_monitoring_a_metric_that_was_not_logged_raises_listing_the_logged_ones(
     )
     with pytest.raises(KeyError, match="val_los.*val_acc, val_loss"):
         trainer.fit(Classifier(), DataLoader(class_data(), batch_size=32), DataLoader(class_data()))
+
+
+def test_a_monitor_not_logged_before_the_first_validation_warns_once_then_ranks(tmp_path):
+    # before: KeyError at step 2, before any validation (Lightning warns and skips ranking)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path, monitor="val_loss", every_n_train_steps=2, save_last=True
+    )
+    trainer = Trainer(max_epochs=1, callbacks=[ckpt], logger=False, enable_progress_bar=False)
+    train, val = DataLoader(class_data(), batch_size=16), DataLoader(class_data(32, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Classifier(), train, val)  # 6 steps; validation after the last batch
+    messages = [str(w.message) for w in caught if "ModelCheckpoint monitors" in str(w.message)]
+    assert len(messages) == 1 and "'val_loss', which was not logged yet" in messages[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=6.ckpt", "last.ckpt"]
+    assert ckpt.best_model_score == trainer.callback_metrics["val_loss"]
+
+    typo = ModelCheckpoint(dirpath=tmp_path / "typo", monitor="val_los", every_n_train_steps=2)
+    trainer = Trainer(max_epochs=1, callbacks=[typo], logger=False, enable_progress_bar=False)
+    with pytest.warns(UserWarning, match="val_los"), pytest.raises(KeyError, match="val_los"):
+        trainer.fit(Classifier(), train, val)  # raises once a validation ran without it
+    assert trainer.global_step == 6
+
+
+class Stream(IterableDataset):
+    """The samples of a TensorDataset, without len()."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __iter__(self):
+        return iter(zip(*self.data.tensors, strict=True))
+
+
+class ValidatedAt(Callback):
+    def __init__(self) -> None:
+        self.at: list[tuple[int, int, int]] = []  # epoch, batches done, step
+
+    def on_validation_end(self, trainer, model):
+        self.at.append((trainer.current_epoch, trainer.batches_done, trainer.global_step))
+
+
+@pytest.mark.parametrize(
+    ("interval", "expected"),
+    [
+        (1.0, [(0, 10, 3), (1, 10, 6)]),  # at the end only
+        (5, [(0, 5, 1), (0, 10, 2), (0, 10, 3), (1, 5, 4), (1, 10, 5), (1, 10, 6)]),
+    ],
+)
+def test_data_without_length_validates_when_it_runs_out(tmp_path, interval, expected):
+    """10 batches without len(), windows of 4, 4 and 2: the third step is taken when the data
+    runs out, then the epoch's validation (again if one ran before that step). Before: never
+    validated, and ModelCheckpoint(monitor="val_loss") raised KeyError."""
+    data = regression_data(80)
+    seen = ValidatedAt()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=-1)
+    trainer = Trainer(
+        max_epochs=2,
+        accumulate_grad_batches=4,
+        val_check_interval=interval,
+        callbacks=[seen, ckpt],
+        logger=False,
+        enable_progress_bar=False,
+    )
+    stream, val = DataLoader(Stream(data), batch_size=8), DataLoader(data, batch_size=40)
+    trainer.fit(mlp(), stream, val, loss_fn=F.mse_loss)
+    assert seen.at == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch=0-step=3.ckpt",
+        "epoch=1-step=6.ckpt",
+    ]
+
+
+def test_an_interval_ending_on_the_last_batch_of_data_without_length_validates_once():
+    data = regression_data(80)
+    seen = ValidatedAt()
+    trainer = Trainer(max_epochs=1, val_check_interval=5, callbacks=[seen], **QUIET)
+    trainer.fit(mlp(), DataLoader(Stream(data), batch_size=8), DataLoader(data), loss_fn=F.mse_loss)
+    assert seen.at == [(0, 5, 5), (0, 10, 10)]
+
+
+@pytest.mark.parametrize("spec", ["32-true", "16-mixed"])
+def test_a_short_last_window_of_data_without_length_is_scaled_as_with_a_length(tmp_path, spec):
+    """Windows of 4, 4 and 2 micro-batches: the last one's losses are divided by 2, also when
+    the data has no len() (they were divided by 4: half the gradient). Its step, taken after
+    the last batch, still gets its every_n_train_steps checkpoint."""
+    data = small_targets(80)
+    weights = {}
+    for kind, loader in [
+        ("sized", DataLoader(data, batch_size=8)),
+        ("stream", DataLoader(Stream(data), batch_size=8)),
+    ]:
+        ckpt = ModelCheckpoint(dirpath=tmp_path / kind, every_n_train_steps=3)
+        trainer = Trainer(
+            precision=spec,
+            max_epochs=1,
+            accumulate_grad_batches=4,
+            callbacks=[ckpt],
+            allow_slow_precision=True,
+            logger=False,
+            enable_progress_bar=False,
+        )
+        model = mlp()
+        sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+        trainer.fit(model, loader, loss_fn=F.mse_loss, optimizer=sgd)
+        assert trainer.global_step == 3
+        assert [p.name for p in (tmp_path / kind).iterdir()] == ["epoch=0-step=3.ckpt"]
+        weights[kind] = model.state_dict()
+    for name, w in weights["sized"].items():
+        assert torch.equal(w, weights["stream"][name]), name
 
 
 def test_plain_module_with_optimizer_instance_validate_test_predict():

@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec
-from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule
+from mixprec.trainer import Callback, EarlyStopping, ModelCheckpoint, Trainer, TrainingModule
 from mixprec.trainer import checkpoint as ckpt_io
 
 QUIET = dict(logger=False, enable_progress_bar=False)
@@ -286,3 +286,155 @@ def test_bfloat16_masters_are_used_when_resuming_in_another_precision(tmp_path):
     t32.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
     for name, p in resumed.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p, masters[name]), name
+
+
+class EpochScheduled(Net):
+    """An epoch-interval StepLR and a ReduceLROnPlateau on val_loss, a training epoch metric,
+    and optionally a float16 overflow (a skipped step) at one step."""
+
+    def __init__(self, seed: int, overflow_at: int | None = None) -> None:
+        super().__init__(seed)
+        self.overflow_at = overflow_at
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        if self.trainer.global_step == self.overflow_at:
+            loss = loss * float("inf")
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        step = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        return [opt], [step, {"scheduler": plateau, "monitor": "val_loss"}]
+
+
+class Seen(Callback):
+    """The epochs validated, and at each epoch end: epoch, training epoch loss, lr."""
+
+    def __init__(self) -> None:
+        self.validated: list[int] = []
+        self.epoch_ends: list[tuple[int, float, float]] = []
+
+    def on_validation_end(self, trainer, model):
+        self.validated.append(trainer.current_epoch)
+
+    def on_train_epoch_end(self, trainer, model):
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        self.epoch_ends.append((trainer.current_epoch, trainer.callback_metrics["train_loss"], lr))
+
+
+def assert_same_run(a: Trainer, b: Trainer) -> None:
+    """Weights, optimizer state, schedulers and loss scaler are bit for bit the same."""
+    for (name, x), y in zip(
+        a.model.state_dict().items(), b.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(x, y), name
+    for sa, sb in zip(a.optimizers[0].state.values(), b.optimizers[0].state.values(), strict=True):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert [s.state_dict() for s in a.lr_schedulers] == [s.state_dict() for s in b.lr_schedulers]
+    assert a.precision.scaler.state_dict() == b.precision.scaler.state_dict()
+    assert a.global_step == b.global_step
+
+
+@pytest.mark.parametrize(
+    ("spec", "overflow_at"), [("32-true", None), ("16-mixed", 5)], ids=["32-true", "16-skip"]
+)
+def test_a_checkpoint_saved_on_an_epochs_last_batch_resumes_bit_identically(
+    tmp_path, spec, overflow_at
+):
+    """every_n_train_steps=6 with 6 steps an epoch saves on each epoch's last batch, after
+    its validation and before its end. Before: CheckpointError (batch 12 of 12). Now the
+    resumed run only ends that epoch (schedulers, on_train_epoch_end), without validating
+    it again. With "16-skip" the epoch's last step overflows: no scheduler advances then."""
+    train, val = loaders()
+    seen_straight = Seen()
+    straight = trainer(tmp_path / "a", spec, max_epochs=3, callbacks=[seen_straight])
+    straight.fit(EpochScheduled(0, overflow_at), train, val)
+
+    cb = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6, save_top_k=-1)
+    trainer(tmp_path / "b", spec, max_epochs=1, callbacks=[cb]).fit(
+        EpochScheduled(0, overflow_at), train, val
+    )
+    path = tmp_path / "ck" / "epoch=0-step=6.ckpt"
+    loop = ckpt_io.load(path)["loop"]
+    assert (loop["epoch"], loop["batch"], loop["global_step"]) == (0, 12, 6)
+
+    seen = Seen()
+    resumed = trainer(tmp_path / "c", spec, max_epochs=3, callbacks=[seen])
+    resumed.fit(EpochScheduled(123, overflow_at), train, val, ckpt_path=path)
+    assert_same_run(straight, resumed)
+    assert seen_straight.validated == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # every 4 of 12 batches
+    assert seen.validated == [1, 1, 1, 2, 2, 2]
+    assert seen.epoch_ends == seen_straight.epoch_ends  # epoch 0's too, from its saved sums
+    if overflow_at is not None:
+        assert straight.precision.scaler.stats().skipped_steps == 1
+
+
+class StopInside(Callback):
+    """Asks to stop after batch ``at`` of epoch ``epoch``."""
+
+    def __init__(self, epoch: int, at: int) -> None:
+        self.epoch, self.at = epoch, at
+
+    def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+        if (trainer.current_epoch, batch_idx) == (self.epoch, self.at):
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("how", ["max_steps", "stop-in-window"])
+def test_a_fit_stopped_inside_an_epoch_saves_its_last_step_and_resumes_from_it(tmp_path, how):
+    """6 steps an epoch. max_steps=8 stops at batch 4 of epoch 1; a stop asked after batch 2
+    of epoch 1, inside a window, takes effect after batch 3 (step 8), once the window's step
+    is taken. Before: last.ckpt held step 6, so ckpt_path="last" went back two steps (and the
+    stop stepped half a window with its losses divided by 2)."""
+    train, val = loaders()
+    seen_straight = Seen()
+    straight = trainer(tmp_path / "a", "32-true", max_steps=14, callbacks=[seen_straight])
+    straight.fit(EpochScheduled(0), train, val)
+
+    cb = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)  # the latest epoch
+    stop = dict(max_steps=8) if how == "max_steps" else dict(callbacks=[cb, StopInside(1, 2)])
+    first = trainer(tmp_path / "b", "32-true", **{"callbacks": [cb], **stop})
+    first.fit(EpochScheduled(0), train, val)
+    assert (first.global_step, first.current_epoch, first.batches_done) == (8, 1, 4)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "epoch=1-step=8.ckpt",
+        "last.ckpt",
+    ]
+    assert cb.best_model_path == str(tmp_path / "ck" / "epoch=1-step=8.ckpt")
+    loop = ckpt_io.load(cb.last_model_path)["loop"]
+    assert (loop["epoch"], loop["batch"], loop["global_step"]) == (1, 4, 8)
+
+    seen = Seen()
+    resumed = trainer(tmp_path / "c", "32-true", max_steps=14, callbacks=[cb, seen])
+    resumed.fit(EpochScheduled(7), train, val, ckpt_path="last")
+    assert_same_run(straight, resumed)
+    assert seen.epoch_ends == seen_straight.epoch_ends[1:]  # epoch 1 from its saved sums
+
+
+def test_a_stop_on_a_step_already_saved_adds_no_checkpoint(tmp_path):
+    train, _ = loaders()
+    cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, save_last=True)
+    trainer(tmp_path, "32-true", max_steps=8, callbacks=[cb]).fit(Net(0), train)
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=1-step=8.ckpt",
+        "last.ckpt",
+    ]
+
+
+def test_early_stopping_inside_an_epoch_saves_the_step_it_stopped_at(tmp_path):
+    class Frozen(Net):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)  # val_loss never improves
+
+    train, val = loaders()
+    cb = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss")
+    stop = EarlyStopping("val_loss", patience=1)
+    t = trainer(tmp_path, "32-true", max_epochs=5, callbacks=[cb, stop])
+    t.fit(Frozen(0), train, val)  # validates every 4 batches: the second pass stops it
+    assert (t.current_epoch, t.batches_done, t.global_step) == (0, 8, 4)
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["epoch=0-step=4.ckpt"]
+    assert cb.best_model_score == t.callback_metrics["val_loss"]

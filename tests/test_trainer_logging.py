@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from mixprec.trainer import (
     Callback,
     CSVLogger,
+    ModelCheckpoint,
     RichProgressBar,
     TensorBoardLogger,
     Trainer,
@@ -123,7 +124,7 @@ def test_csv_and_tensorboard_hold_every_logged_value(tmp_path):
     assert [int(r["step"]) for r in rated] == [4, 8]
     assert all(float(r["samples_per_sec"]) > 0 and float(r["peak_memory_mib"]) > 1 for r in rated)
     assert all(float(r["seen_step"]) == 16.0 for r in step_rows)
-    val_rows = [r for r in rows if r["val_loss"]]
+    val_rows = [r for r in rows if r.get("val_loss")]
     assert [int(r["step"]) for r in val_rows] == [4, 8]
     assert float(val_rows[-1]["val_loss"]) == pytest.approx(trainer.callback_metrics["val_loss"])
 
@@ -187,3 +188,56 @@ def test_callbacks_log_through_the_trainer_in_step_order(tmp_path):
     counted = [(int(r["step"]), float(r["counted"])) for r in rows if r["counted"]]
     assert counted == [(s, float(s)) for s in range(1, 9)]
     assert trainer.callback_metrics["counted"] == 8.0
+
+
+class EpochLogged(Model):
+    """A training epoch metric (``on_epoch=True``), a value logged in ``on_train_epoch_end``
+    and a plateau scheduler watching the epoch metric."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.accuracies: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        accuracy = (out.argmax(1) == y).float().mean()
+        self.accuracies.append(accuracy.item())
+        self.log("train_acc", accuracy, on_step=False, on_epoch=True)
+        return F.cross_entropy(out, y)
+
+    def on_train_epoch_end(self):
+        self.log("epoch_seen", float(self.current_epoch))
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, mode="max", threshold=0.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "train_acc"}}
+
+
+@pytest.mark.parametrize("validate", [False, True], ids=["no-val", "val"])
+def test_training_epoch_metrics_are_logged_at_the_epoch_end_for_monitors(tmp_path, validate):
+    # before: never logged without validation data (the monitors raised KeyError), else
+    # taken by the next validation into its row; epoch_seen landed in the next step's row
+    ckpt = ModelCheckpoint(monitor="train_acc", mode="max")
+    trainer = Trainer(
+        max_epochs=2, default_root_dir=tmp_path, enable_progress_bar=False, callbacks=[ckpt]
+    )
+    model = EpochLogged()
+    val = DataLoader(data(32), batch_size=16) if validate else None
+    trainer.fit(model, DataLoader(data(), batch_size=16), val)  # 4 steps an epoch
+
+    means = [sum(model.accuracies[i : i + 4]) / 4 for i in (0, 4)]  # exact: sixteenths
+    rows = list(csv.DictReader(open(trainer.run_dir / "metrics.csv")))
+    epoch_rows = [r for r in rows if r["train_acc"]]
+    assert [
+        (int(r["step"]), float(r["train_acc"]), float(r["epoch_seen"])) for r in epoch_rows
+    ] == [
+        (4, means[0], 0.0),
+        (8, means[1], 1.0),
+    ]
+    assert not any(r["epoch_seen"] for r in rows if r not in epoch_rows)
+    assert [int(r["step"]) for r in rows if r.get("val_loss")] == ([4, 8] if validate else [])
+    assert ckpt.best_model_score == max(means)
+    assert ckpt.best_model_path.endswith(f"step={4 * (1 + means.index(max(means)))}.ckpt")
+    assert trainer.lr_schedulers[0].best == max(means)

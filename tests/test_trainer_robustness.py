@@ -302,6 +302,89 @@ def test_validation_data_without_validation_step_fails_before_training():
     assert model.steps == 0
 
 
+def test_a_list_of_dataloaders_is_refused_before_training():
+    # before: each DataLoader was taken for a batch, failing inside validation_step
+    model, loader = Counts(), DataLoader(data(), 4)
+    trainer = Trainer(max_epochs=1, **QUIET)
+    with pytest.raises(ValueError, match="val_dataloaders is a list holding DataLoaders.*one"):
+        trainer.fit(model, loader, [loader, loader])
+    with pytest.raises(ValueError, match="train_dataloaders is a tuple holding DataLoaders"):
+        trainer.fit(model, (loader, loader))
+    with pytest.raises(ValueError, match="dataloaders is a list holding DataLoaders"):
+        trainer.validate(model, [loader])
+    assert model.steps == 0
+    trainer.fit(model, [next(iter(loader))])  # a list of batches is fine
+    assert model.steps == 1
+
+
+def test_an_optimizer_of_another_models_parameters_is_warned_about():
+    # before: the fit ran and left the model unchanged, without a word
+    model, other = mlp(0), mlp(1)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(max_epochs=1, **QUIET)
+    with pytest.warns(UserWarning, match=r"optimizer 0 \(SGD\) holds none of the parameters"):
+        trainer.fit(
+            model,
+            DataLoader(data(), 4),
+            loss_fn=F.mse_loss,
+            optimizer=torch.optim.SGD(other.parameters(), lr=0.1),
+        )
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+class Hooked(Counts):
+    """Records the Lightning module hooks the Trainer calls, and defines two it does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+    test_step = validation_step
+
+    def on_after_backward(self):
+        raise AssertionError("never called")
+
+    def setup(self, stage):
+        raise AssertionError("never called")
+
+
+HOOKS = [
+    "on_fit_start",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_batch_start",
+    "on_validation_start",  # the epoch's validation, after its last (here: only) batch
+    "on_validation_epoch_start",
+    "on_validation_batch_end",
+    "on_validation_epoch_end",
+    "on_validation_end",
+    "on_train_batch_end",
+    "on_train_epoch_end",
+    "on_train_end",
+    "on_fit_end",
+    "on_test_start",
+    "on_test_epoch_start",
+    "on_test_batch_end",
+    "on_test_epoch_end",
+    "on_test_end",
+]
+for _name in HOOKS:
+    setattr(Hooked, _name, lambda self, *args, _name=_name: self.calls.append(_name))
+
+
+def test_module_hooks_run_and_the_lightning_ones_that_do_not_are_named():
+    model = Hooked()
+    trainer = Trainer(max_epochs=1, **QUIET)
+    one = DataLoader(data(4), 4)
+    with pytest.warns(UserWarning, match="never calls.*: on_after_backward, setup"):
+        trainer.fit(model, one, one)
+    trainer.test(model, one)
+    assert model.calls == HOOKS
+
+
 def test_two_identical_model_checkpoints_are_refused_when_built(tmp_path):
     with pytest.raises(ValueError, match="same state key 'ModelCheckpoint"):
         Trainer(callbacks=[ModelCheckpoint(monitor="x"), ModelCheckpoint(monitor="x")])

@@ -141,10 +141,21 @@ def test_metric_store_means_per_step_and_weighted_per_epoch():
     assert {k: float(v) for k, v in step.items()} == {"a": 2.0, "b_step": 2.0}
     assert store.take_step(identity) == {}
     assert store.prog_bar == {"b_step", "b_epoch"}
+    store.log("t", 1.0)  # a micro-batch of a window whose step is not taken yet
     store.training = False  # validation: epoch means by default
     store.log("v", 1.0, batch_size=3)
     store.log("v", 5.0, batch_size=1)
-    assert store.take_epoch(identity) == {"b_epoch": 2.0, "v": 2.0}
+    # evaluation takes its own values only (before: the training epoch's "b_epoch" too)
+    assert store.take_step(identity) == {}
+    assert store.take_epoch(identity) == {"v": 2.0}
+    store.training = True
+    assert {k: float(v) for k, v in store.take_step(identity).items()} == {"t": 1.0}
+    with store.epoch_hook("on_train_epoch_end"):  # epoch values there, as in Lightning
+        store.log("e", 4.0)
+        with pytest.raises(ValueError, match="in on_train_epoch_end logs a value for the epoch"):
+            store.log("e", 4.0, on_step=True)
+    assert store.take_step(identity) == {}
+    assert store.take_epoch(identity) == {"b_epoch": 2.0, "e": 4.0}
     with pytest.raises(ValueError, match=r"shape \(2,\).*\.mean\(\)"):
         store.log("x", torch.zeros(2))
     with pytest.raises(ValueError, match="both False"):

@@ -3,17 +3,30 @@
 The hooks, in the order one epoch calls them::
 
     on_fit_start
+    on_train_start
       on_train_epoch_start
         on_train_batch_start
           (forward, backward for each micro-batch; at the end of an accumulation window:)
           on_before_optimizer_step      gradients unscaled, not yet clipped
         [validation when due: on_validation_start, on_validation_batch_end..., on_validation_end]
         on_train_batch_end              after that batch's validation, if one was due
-      [validation at the end of the epoch]
-      on_train_epoch_end                after the epoch's scheduler step
+        [data of unknown length at its end: the step of a shorter last window, validation]
+      on_train_epoch_end                epoch schedulers without a monitor stepped, then
+                                        the module's hook, the training epoch's metrics
+                                        logged, schedulers with a monitor stepped, then the
+                                        callbacks' hook
+      on_train_end                      training stopped (at an epoch's end, or inside one)
     on_fit_end
 
-`ModelCheckpoint` and `EarlyStopping` are the two callbacks most runs want.
+The validation at the end of an epoch is the one after its last batch. A stop (early
+stopping, ``trainer.should_stop``) takes effect at the end of an accumulation window; a fit
+stopped inside an epoch (by it or ``max_steps``) leaves the epoch unfinished: no
+``on_train_epoch_end``, and its checkpoints resume inside the epoch.
+
+A `TrainingModule` may define these hooks too (all but ``on_exception``, without the trainer
+and model arguments, as in Lightning), and ``on_validation_epoch_start/_end``,
+``on_test_epoch_start/_end``; its own run before the callbacks'. `ModelCheckpoint` and
+`EarlyStopping` are the two callbacks most runs want.
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import logging
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,11 +61,19 @@ class Callback:
     def on_fit_end(self, trainer: Trainer, model: nn.Module) -> None:
         """Training finished (also after an early stop)."""
 
+    def on_train_start(self, trainer: Trainer, model: nn.Module) -> None:
+        """Training is about to start its first (or resumed) epoch."""
+
     def on_train_epoch_start(self, trainer: Trainer, model: nn.Module) -> None:
         """A training epoch starts."""
 
     def on_train_epoch_end(self, trainer: Trainer, model: nn.Module) -> None:
-        """A training epoch ended, its validation and epoch-interval schedulers done."""
+        """A training epoch ended, its validation and epoch-interval schedulers done and its
+        training metrics (``on_epoch=True``) in ``trainer.callback_metrics``."""
+
+    def on_train_end(self, trainer: Trainer, model: nn.Module) -> None:
+        """Training stopped, at an epoch's end or (``max_steps``, a stop request) inside one,
+        where ``trainer.batches_done`` is then the epoch's batches done."""
 
     def on_train_batch_start(
         self, trainer: Trainer, model: nn.Module, batch: Any, batch_idx: int
@@ -120,7 +142,12 @@ def _monitored(trainer: Trainer, monitor: str, who: str) -> float:
 
 class ModelCheckpoint(Callback):
     """Save checkpoints: every epoch (or every N optimizer steps), the best ``save_top_k`` by
-    a monitored metric, and optionally ``last.ckpt``.
+    a monitored metric, and optionally ``last.ckpt``; and once more when a fit stops inside
+    an epoch (``max_steps``, early stopping), unless it just saved that step.
+
+    A ``monitor`` not logged yet in this fit (``val_loss`` before the first validation) gets
+    one warning, and those saves rank nothing (only ``last.ckpt`` is written); once a
+    validation has run without it, a save raises ``KeyError``.
 
     Args:
         dirpath: directory for the files (default: ``<run dir>/checkpoints``).
@@ -167,6 +194,9 @@ class ModelCheckpoint(Callback):
         self.last_model_path = ""
         self._saved: list[str] = []
         self._restored_from: Path | None = None  # the directory a restored state describes
+        self._step_saved = -1  # the step last saved, or the one this fit started from
+        self._validated = False  # a validation ran in this fit
+        self._warned = False  # about a monitor not logged yet
 
     @property
     def state_key(self) -> str:
@@ -186,6 +216,12 @@ class ModelCheckpoint(Callback):
             )
             self.best_k_models, self._saved, self.last_model_path = {}, [], ""
         self._restored_from = None
+        self._step_saved = trainer.global_step  # a resumed state needs no new save
+        self._validated = self._warned = False
+
+    def on_validation_end(self, trainer: Trainer, model: nn.Module) -> None:
+        if trainer.stage == "fit":
+            self._validated = True
 
     def on_train_batch_end(
         self, trainer: Trainer, model: nn.Module, outputs: Any, batch: Any, batch_idx: int
@@ -195,10 +231,17 @@ class ModelCheckpoint(Callback):
             self._save(trainer)
 
     def on_train_epoch_end(self, trainer: Trainer, model: nn.Module) -> None:
-        if (
-            self.every_n_train_steps is None
-            and (trainer.current_epoch + 1) % self.every_n_epochs == 0
-        ):
+        n = self.every_n_train_steps
+        if n is None:
+            due = (trainer.current_epoch + 1) % self.every_n_epochs == 0
+        else:  # a due step taken after the last batch (data of unknown length)
+            due = trainer.global_step % n == 0 and trainer.global_step != self._step_saved
+        if due:
+            self._save(trainer)
+
+    def on_train_end(self, trainer: Trainer, model: nn.Module) -> None:
+        # stopped inside an epoch: its end, and the save there, never come
+        if trainer.batches_done and trainer.global_step != self._step_saved:
             self._save(trainer)
 
     def _directory(self) -> Path:
@@ -230,13 +273,29 @@ class ModelCheckpoint(Callback):
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.mode == "min" else a > b
 
+    def _score(self, trainer: Trainer, monitor: str) -> float | None:
+        """The value of ``monitor``; None (warned once) while it was never logged in this
+        fit and no validation ran."""
+        metrics = trainer.callback_metrics
+        if monitor not in metrics and not self._validated:
+            if not self._warned and trainer.is_global_zero:
+                warnings.warn(
+                    f"ModelCheckpoint monitors {monitor!r}, which was not logged yet in "
+                    f"this fit (logged: {', '.join(sorted(metrics)) or 'nothing'}); until it "
+                    "is, checkpoints are not ranked and only last.ckpt is written (with "
+                    "save_last=True). Once a validation has run without it, saving raises",
+                    stacklevel=2,
+                )
+            self._warned = True
+            return None
+        score = _monitored(trainer, monitor, "ModelCheckpoint")
+        if math.isnan(score):
+            score = math.inf if self.mode == "min" else -math.inf
+        return score
+
     def _save(self, trainer: Trainer) -> None:
-        score = None
-        if self.monitor is not None:
-            score = _monitored(trainer, self.monitor, "ModelCheckpoint")
-            if math.isnan(score):
-                score = math.inf if self.mode == "min" else -math.inf
-        keep = self.save_top_k
+        score = self._score(trainer, self.monitor) if self.monitor is not None else None
+        keep = 0 if self.monitor is not None and score is None else self.save_top_k
         worst = None
         if keep != 0 and score is not None and 0 < keep <= len(self.best_k_models):
             worst = max(
@@ -276,6 +335,8 @@ class ModelCheckpoint(Callback):
                 trainer.link_checkpoint(path, last)
         elif self.save_last:
             trainer.save_checkpoint(last)
+        if path is not None or self.save_last:
+            self._step_saved = trainer.global_step
         for old in stale:
             self._remove(trainer, old)
 

@@ -387,8 +387,12 @@ def checkpoint_state(trainer: Trainer, run: FitRun) -> dict[str, Any]:
 
 def run_state(trainer: Trainer, run: FitRun) -> dict[str, Any]:
     """What a checkpoint holds besides the weights and the optimizers' state: versions,
-    policy, loop position, schedulers, scaler, callbacks, this process's RNG states."""
+    policy, loop position, schedulers, scaler, callbacks, this process's RNG states, and
+    the metrics monitors read (the latest values, the training epoch's sums so far)."""
     at_epoch_end = run.epoch_finished
+    # a process's own epoch sums: one file written by rank 0 of several would give every
+    # rank rank 0's
+    own = trainer.world_size == 1 or trainer.strategy.sharded
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -404,11 +408,17 @@ def run_state(trainer: Trainer, run: FitRun) -> dict[str, Any]:
             "batch_size": loader_batch_size(run.train_loader),
         },
         "optimizer_types": [type(opt.optimizer).__name__ for opt in run.optimizers],
+        # an epoch-interval scheduler does not advance after a skipped last step
+        "last_step_skipped": [opt.step_was_skipped for opt in run.optimizers],
         "schedulers": [s.scheduler.state_dict() for s in run.schedulers],
         "precision": run.precision.state_dict(),
         "callbacks": callback_states(trainer.callbacks),
         "rng": rng_states(),
         "world_size": trainer.world_size,
+        "metrics": {
+            "callback": dict(trainer.callback_metrics),
+            "training_epoch": trainer._metrics.training_epoch_sums() if own else {},
+        },
     }
 
 
@@ -492,7 +502,8 @@ def check_resume_point(run: FitRun, loop: dict[str, Any], path: Path) -> None:
             f"{loop['epoch']}; this run's batches hold {bs}, so skipping {loop['batch']} "
             f"batches would repeat or skip samples: {fix}"
         )
-    if n is not None and (loop["batch"] >= n or (saved_n is not None and saved_n != n)):
+    # a save on the epoch's last batch (batch == n) resumes by ending the epoch
+    if n is not None and (loop["batch"] > n or (saved_n is not None and saved_n != n)):
         of = f" of {saved_n}" if saved_n is not None else ""
         raise CheckpointError(
             f"{path} was saved at batch {loop['batch']}{of} of epoch {loop['epoch']}, but "
@@ -574,11 +585,25 @@ def restore(trainer: Trainer, run: FitRun, state: dict[str, Any], path: Path) ->
             precision.scaler.kind,
         )
     trainer._load_callback_states(state["callbacks"])
+    restore_progress(trainer, run, state, path)
+
+
+def restore_progress(trainer: Trainer, run: FitRun, state: dict[str, Any], path: Path) -> None:
+    """The loop position, the RNG states to resume with and the metrics monitors read, from
+    a checkpoint's run state (a file's or a sharded one's)."""
+    loop = state["loop"]
     trainer.current_epoch, trainer.batches_done = loop["epoch"], loop["batch"]
     trainer.global_step = loop["global_step"]
     if loop["epoch_rng"] is not None:
         run.epoch_rng = loop["epoch_rng"]
     run.resume_rng = state["rng"]
+    for opt, skipped in zip(run.optimizers, state.get("last_step_skipped", []), strict=False):
+        opt.step_was_skipped = skipped
+    metrics = state.get("metrics", {})  # absent from checkpoints written before it was kept
+    trainer._log.callback_metrics.update(metrics.get("callback", {}))
+    trainer._metrics.load_training_epoch_sums(
+        metrics.get("training_epoch", {}), trainer.strategy.device
+    )
     log.info(
         "resumed from %s at epoch %d, batch %d, step %d",
         path,

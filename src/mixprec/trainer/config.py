@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from mixprec.hardware import DeviceInfo, Support, check, detect, resolve_policy
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.scaling import LossScaler
 from mixprec.trainer.callbacks import Callback, ModelCheckpoint
-from mixprec.trainer.module import TrainingModule
+from mixprec.trainer.module import TrainingModule, hooks_not_called
 from mixprec.trainer.progress import RichProgressBar
 
 if TYPE_CHECKING:
@@ -326,13 +328,36 @@ def _check_writable(directory: Path, what: str) -> None:
         raise PermissionError(f"{what} {directory} cannot be written: {existing} is read-only")
 
 
+def check_one_loader(data: Any, argument: str) -> None:
+    """Refuse several loaders given where the Trainer takes one (each would be taken for a
+    batch)."""
+    if isinstance(data, (list, tuple)) and any(isinstance(d, DataLoader) for d in data):
+        raise ValueError(
+            f"{argument} is a {type(data).__name__} holding DataLoaders; this Trainer takes one "
+            "DataLoader (or any iterable of batches) there: pass one, e.g. with the datasets "
+            "joined by torch.utils.data.ConcatDataset, or validate on each with "
+            "trainer.validate(model, loader)"
+        )
+
+
 def check_fit_inputs(trainer: Trainer, model: Any, train: Any, val: Any) -> None:
     """What would otherwise fail only after the first epoch, or never end: no training data,
-    validation data the model cannot validate, directories that cannot be written."""
+    several loaders for one, validation data the model cannot validate, directories that
+    cannot be written; and a warning for Lightning hooks the module defines that never run."""
     if train is None:
         raise ValueError(
             "fit needs training data: train_dataloaders is None (pass a DataLoader or any "
             "iterable of batches)"
+        )
+    check_one_loader(train, "train_dataloaders")
+    check_one_loader(val, "val_dataloaders")
+    names = hooks_not_called(model) if isinstance(model, TrainingModule) else []
+    if names:
+        warnings.warn(
+            f"{type(model).__name__} defines LightningModule hooks this Trainer never calls, so "
+            f"their code will not run: {', '.join(names)} (it calls those of "
+            "mixprec.trainer.Callback and TrainingModule)",
+            stacklevel=3,
         )
     if (
         val is not None

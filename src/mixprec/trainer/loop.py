@@ -10,6 +10,7 @@ optimizer. Counters callbacks read (epoch, step, batches done) stay on the Train
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -111,13 +112,19 @@ class FitRun(Run):
     # generator states when this epoch's order was drawn (set by the epoch or a checkpoint)
     epoch_rng: dict[str, Any] = field(default_factory=dict)
     resume_rng: dict[str, Any] | None = None  # states to restore once resumed batches are skipped
-    in_window: bool = False  # gradients accumulated and not yet stepped
+    window_batches: int = 0  # micro-batches whose gradients are accumulated, not yet stepped
+    window_size: int = 1  # what their losses were divided by (the window's planned length)
     skipped_steps: int = 0  # counted here: reading the scaler's stats is a host sync
     epoch_finished: bool = False
     window_losses: list[Tensor] = field(default_factory=list)
     trained_batches: int = 0  # batches of this epoch that returned a loss
     # delayed-scaling float8 layers whose amax histories the ranks share (several processes)
     amax_layers: list[Float8Linear] = field(default_factory=list)
+
+    @property
+    def in_window(self) -> bool:
+        """Whether gradients are accumulated and not yet stepped."""
+        return self.window_batches > 0
 
     def release_wrapper(self) -> None:
         """Drop the DDP wrapper (it holds the process group) once the run is over."""
@@ -128,13 +135,17 @@ class FitRun(Run):
 
 
 def fit_loop(trainer: Trainer, run: FitRun) -> None:
-    """Epochs until a stop condition; an epoch cut by ``max_steps`` is left unfinished."""
+    """Epochs until a stop condition; an epoch cut by ``max_steps`` or a stop request is left
+    unfinished (a checkpoint of it resumes mid-epoch). A run resumed from a save on an epoch's
+    last batch first ends that epoch, as the run that saved it did."""
+    trainer._hook("on_train_start")
     if trainer.batches_done == 0:  # resuming at an epoch boundary, or starting
         restore_resume_rng(run)
-    while not fit_done(trainer):
+    while trainer.batches_done == run.num_training_batches or not fit_done(trainer):
         train_epoch(trainer, run)
         if run.epoch_finished:
             end_epoch(trainer, run)
+    trainer._hook("on_train_end")
 
 
 def fit_done(trainer: Trainer) -> bool:
@@ -155,9 +166,16 @@ def restore_resume_rng(run: FitRun) -> None:
 
 
 def train_epoch(trainer: Trainer, run: FitRun) -> None:
-    """One epoch, or its rest when resumed mid-epoch, or until a stop condition."""
+    """One epoch, or its rest when resumed mid-epoch, or until a stop condition (taking effect
+    at the end of an accumulation window)."""
     run.wrapped.train()
-    trainer._hook("on_train_epoch_start")
+    with trainer._metrics.epoch_hook("on_train_epoch_start"):
+        trainer._hook("on_train_epoch_start")
+    n = run.num_training_batches
+    if trainer.batches_done == n:  # resumed from a save on the last batch: only its end is left
+        restore_resume_rng(run)
+        run.epoch_finished = True
+        return
     loader = run.train_loader
     set_epoch(loader, trainer.current_epoch)
     # The epoch's data order is drawn from the generators when iteration starts: their state
@@ -177,7 +195,6 @@ def train_epoch(trainer: Trainer, run: FitRun) -> None:
     exhausted = run.epoch_finished = False
     trainer._log.samples = 0
     trainer._log.start_timing()
-    n = run.num_training_batches
     first = batch_idx = trainer.batches_done
     run.trained_batches = 0
     while n is None or batch_idx < n:
@@ -189,7 +206,7 @@ def train_epoch(trainer: Trainer, run: FitRun) -> None:
         train_batch(trainer, run, batch, batch_idx)
         batch_idx += 1
         trainer.should_stop = trainer.strategy.any(trainer.should_stop)  # all ranks together
-        if fit_done(trainer):
+        if not run.in_window and fit_done(trainer):
             break
     if first == 0 and batch_idx == 0:  # an epoch without batches would repeat forever
         raise EmptyEpochError(
@@ -203,9 +220,23 @@ def train_epoch(trainer: Trainer, run: FitRun) -> None:
             f"{trainer.current_epoch}, so nothing was trained; return the loss for the batches "
             "to learn from"
         )
-    if run.in_window:  # an epoch of unknown length ended inside a window
-        optimizer_step(trainer, run)
+    if exhausted:
+        end_of_data(trainer, run, batch_idx)
     run.epoch_finished = finished
+
+
+def end_of_data(trainer: Trainer, run: FitRun, batches: int) -> None:
+    """The loader ran out after ``batches`` batches (its length was unknown, or shorter than
+    it said): step a window it cut short, then validate unless the last batch just did."""
+    stepped = run.in_window
+    if stepped:
+        optimizer_step(trainer, run)
+    if (
+        run.val_loader is not None
+        and trainer.config.limit_val_batches != 0
+        and (stepped or not val_due(trainer, run, batches - 1))
+    ):
+        validate_during_fit(trainer, run, run.val_loader)
 
 
 def train_batch(trainer: Trainer, run: FitRun, batch: Any, batch_idx: int) -> None:
@@ -221,7 +252,8 @@ def train_batch(trainer: Trainer, run: FitRun, batch: Any, batch_idx: int) -> No
     window_start = batch_idx - batch_idx % k
     window = k if n is None else min(k, n - window_start)
     last_in_window = batch_idx - window_start == window - 1
-    run.in_window = True
+    run.window_batches += 1
+    run.window_size = window
     with trainer.strategy.no_sync(run.wrapped, sync=last_in_window):
         with run.step_context():
             output = run.step("training", batch, batch_idx)
@@ -270,11 +302,13 @@ def loss_of(output: Any, who: str) -> Tensor | None:
 def optimizer_step(trainer: Trainer, run: FitRun) -> None:
     """Unscale, hooks, clip, step or skip (all optimizers together), schedulers, log."""
     precision, config = run.precision, trainer.config
+    batches, run.window_batches = run.window_batches, 0
     if not run.window_losses:  # every micro-batch of the window was skipped: nothing to step
         for opt in run.optimizers:
             opt.zero_grad(set_to_none=True)
-        run.in_window = False
         return
+    if batches != run.window_size:  # cut short: the data ended, or the run resumed inside it
+        rescale_grads(run.model, run.window_size / batches)
     if run.amax_layers:  # the next step scales from the largest amax any rank saw
         sync_amax_histories(run.amax_layers)
     precision.unscale_()
@@ -290,7 +324,6 @@ def optimizer_step(trainer: Trainer, run: FitRun) -> None:
         run.skipped_steps += 1
     for opt in run.optimizers:
         opt.zero_grad(set_to_none=True)
-    run.in_window = False
     trainer.global_step += 1
     trainer.stepped_this_batch = True
     for s in run.schedulers:
@@ -299,6 +332,16 @@ def optimizer_step(trainer: Trainer, run: FitRun) -> None:
     losses, run.window_losses = run.window_losses, []
     loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
     log_step(trainer, run, loss)
+
+
+def rescale_grads(model: nn.Module, factor: float) -> None:
+    """Multiply the accumulated gradients by ``factor``: the losses of a window with fewer
+    micro-batches than planned were divided by the planned count. Done to the still-scaled
+    gradients, so that the loss scaler's inf/NaN check sees what the optimizer will use."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
 
 
 def log_step(trainer: Trainer, run: FitRun, loss: Tensor) -> None:
@@ -338,20 +381,45 @@ def validate_during_fit(trainer: Trainer, run: FitRun, loader: Iterable[Any]) ->
 
 
 def end_epoch(trainer: Trainer, run: FitRun) -> None:
-    """Epoch-interval schedulers, the epoch-end hooks (checkpoints), the next epoch."""
+    """The end of a training epoch, then the next one. In order: epoch-interval schedulers
+    without a monitor; the module's ``on_train_epoch_end``; the training epoch's metrics
+    (``on_epoch=True``) reduced and logged; schedulers with a monitor, which may watch them;
+    the callbacks' ``on_train_epoch_end`` (checkpoints), which see them too."""
+    step_epoch_schedulers(trainer, run, monitored=False)
+    with trainer._metrics.epoch_hook("on_train_epoch_end"):
+        trainer._module_hook("on_train_epoch_end")
+        log_training_epoch(trainer)
+        step_epoch_schedulers(trainer, run, monitored=True)
+        trainer._callback_hook("on_train_epoch_end")
+        log_training_epoch(trainer)  # what callbacks logged through the module
     for lg in trainer.loggers:
         lg.flush()
-    for s in run.schedulers:
-        if s.interval == "epoch" and (trainer.current_epoch + 1) % s.frequency == 0:
-            args = [monitored(trainer, s)] if s.monitor else []
-            scheduler_step(s.scheduler, s.optimizer, *args)
-    trainer._hook("on_train_epoch_end")
     trainer.current_epoch += 1
     trainer.batches_done = 0
     run.epoch_finished = False
 
 
-def monitored(trainer: Trainer, s: Scheduler) -> float:
+def step_epoch_schedulers(trainer: Trainer, run: FitRun, monitored: bool) -> None:
+    """Step the epoch-interval schedulers due this epoch that have (or have no) monitor."""
+    with warnings.catch_warnings():
+        # the Trainer orders the steps itself: torch's warning that a scheduler stepped before
+        # its optimizer only means that no step ran in this process (resumed at an epoch's end)
+        warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
+        for s in run.schedulers:
+            due = s.interval == "epoch" and (trainer.current_epoch + 1) % s.frequency == 0
+            if due and bool(s.monitor) == monitored:
+                args = [monitored_value(trainer, s)] if s.monitor else []
+                scheduler_step(s.scheduler, s.optimizer, *args)
+
+
+def log_training_epoch(trainer: Trainer) -> None:
+    """Reduce the values logged for the training epoch and log them (callbacks see them)."""
+    metrics = trainer._metrics.take_epoch(trainer.strategy.mean)
+    if metrics:
+        trainer._log.add(trainer.global_step, dict(metrics), flush=True)
+
+
+def monitored_value(trainer: Trainer, s: Scheduler) -> float:
     """The value of the metric a plateau-type scheduler watches."""
     metrics = trainer.callback_metrics
     if s.monitor not in metrics:
@@ -388,6 +456,9 @@ def run_eval(
     metrics_store.training = False
     with rng_unchanged(), torch.no_grad():
         trainer._hook(f"on_{kind}_start")
+        if isinstance(model, TrainingModule):
+            with metrics_store.epoch_hook(f"on_{kind}_epoch_start"):
+                getattr(model, f"on_{kind}_epoch_start")()
         for batch_idx, batch in enumerate(loader):
             if trainer.num_eval_batches is not None and batch_idx >= trainer.num_eval_batches:
                 break
@@ -400,8 +471,9 @@ def run_eval(
             if step_metrics:
                 trainer._log.add(trainer.global_step, dict(step_metrics), flush=True)
             trainer._hook(f"on_{kind}_batch_end", output, batch, batch_idx)
-        if kind == "validation" and isinstance(model, TrainingModule):
-            model.on_validation_epoch_end()
+        if isinstance(model, TrainingModule):
+            with metrics_store.epoch_hook(f"on_{kind}_epoch_end"):
+                getattr(model, f"on_{kind}_epoch_end")()
         metrics = metrics_store.take_epoch(trainer.strategy.mean)
         trainer._log.add(trainer.global_step, dict(metrics), flush=True)
         trainer._hook(f"on_{kind}_end")

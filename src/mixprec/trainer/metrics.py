@@ -7,10 +7,11 @@ Values stay tensors until a logger or the progress bar needs numbers, so logging
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -44,14 +45,30 @@ def _scalar(name: str, value: Tensor | float) -> Tensor:
 
 
 class MetricStore:
-    """Accumulates logged values; `take_step` and `take_epoch` hand out their means."""
+    """Accumulates logged values; `take_step` and `take_epoch` hand out their means.
+
+    Training and evaluation keep separate sums (``training`` says which is running), so a
+    validation inside a training epoch never takes the training epoch's values, nor the
+    other way round. In an epoch-level hook (`epoch_hook`) every value is an epoch value.
+    """
 
     def __init__(self) -> None:
         self.training = True
         self.prog_bar: set[str] = set()
-        self._step: _Sums = {}
-        self._epoch: _Sums = {}
+        self._hook: str | None = None  # the epoch-level hook running now, if any
+        self._step: dict[bool, _Sums] = {True: {}, False: {}}
+        self._epoch: dict[bool, _Sums] = {True: {}, False: {}}
         self._synced: set[str] = set()
+
+    @contextlib.contextmanager
+    def epoch_hook(self, name: str) -> Iterator[None]:
+        """While hook ``name`` (``on_train_epoch_end``...) runs, values are logged for the
+        epoch (as in Lightning: ``on_step=True`` is refused there)."""
+        self._hook = name
+        try:
+            yield
+        finally:
+            self._hook = None
 
     def log(
         self,
@@ -65,6 +82,13 @@ class MetricStore:
         batch_size: int | None = None,
     ) -> None:
         """Record ``value``; see `TrainingModule.log` for the meaning of the options."""
+        if self._hook is not None:
+            if on_step or on_epoch is False:
+                raise ValueError(
+                    f"self.log({name!r}, ...) in {self._hook} logs a value for the epoch: "
+                    "on_step=True and on_epoch=False are not accepted there (leave them out)"
+                )
+            on_step, on_epoch = False, True
         on_step = self.training if on_step is None else on_step
         on_epoch = (not self.training) if on_epoch is None else on_epoch
         if not (on_step or on_epoch):
@@ -74,12 +98,12 @@ class MetricStore:
         step_name = f"{name}_step" if both else name
         epoch_name = f"{name}_epoch" if both else name
         if on_step:
-            self._add(self._step, step_name, v, 1)
+            self._add(self._step[self.training], step_name, v, 1)
             if sync_dist:
                 self._synced.add(step_name)
         if on_epoch:
             weight = batch_size or 1
-            self._add(self._epoch, epoch_name, v * weight, weight)
+            self._add(self._epoch[self.training], epoch_name, v * weight, weight)
         if prog_bar:
             self.prog_bar.update({step_name, epoch_name} if both else {name})
 
@@ -93,32 +117,48 @@ class MetricStore:
             slot[1] += weight
 
     def take_step(self, mean: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
-        """Means of the values logged since the last call (``sync_dist`` ones averaged over
-        processes by ``mean``), as tensors (reading them is left to whoever needs numbers),
-        then forget them."""
+        """Means of the values logged (in training, or in evaluation) since the last call
+        (``sync_dist`` ones averaged over processes by ``mean``), as tensors (reading them is
+        left to whoever needs numbers), then forget them."""
         out = {}
-        for name, (total, count) in self._step.items():
+        store = self._step[self.training]
+        for name, (total, count) in store.items():
             value = total / count  # type: ignore[operator]
             out[name] = mean(value) if name in self._synced else value
-        self._step.clear()
+        store.clear()
         return out
 
     def take_epoch(self, mean: Callable[[Tensor], Tensor]) -> dict[str, float]:
-        """Weighted means of the epoch values, averaged over processes, then forget them."""
-        if not self._epoch:
+        """Weighted means of the epoch values (of training, or of evaluation), averaged over
+        processes, then forget them."""
+        store = self._epoch[self.training]
+        if not store:
             return {}
-        names = sorted(self._epoch)
-        totals = torch.stack([torch.as_tensor(self._epoch[n][0]).double().cpu() for n in names])
-        weights = torch.tensor([float(self._epoch[n][1]) for n in names], dtype=torch.float64)
+        names = sorted(store)
+        totals = torch.stack([torch.as_tensor(store[n][0]).double().cpu() for n in names])
+        weights = torch.tensor([float(store[n][1]) for n in names], dtype=torch.float64)
         # a ratio of means over processes is the ratio of sums: the weighted mean of all
         reduced = mean(torch.stack([totals, weights]))
-        self._epoch.clear()
+        store.clear()
         return {n: float(t / w) for n, t, w in zip(names, reduced[0], reduced[1], strict=True)}
+
+    def training_epoch_sums(self) -> dict[str, list[Any]]:
+        """The training epoch's sums so far (name -> [weighted sum, weight]), for a checkpoint."""
+        return {
+            name: [total.detach().cpu(), weight]
+            for name, (total, weight) in self._epoch[True].items()
+        }
+
+    def load_training_epoch_sums(self, sums: dict[str, list[Any]], device: torch.device) -> None:
+        """Go on from the sums `training_epoch_sums` returned (a resumed epoch)."""
+        self._epoch[True] = {
+            name: [total.to(device), weight] for name, (total, weight) in sums.items()
+        }
 
     def clear(self) -> None:
         """Forget everything logged (between runs)."""
-        self._step.clear()
-        self._epoch.clear()
+        for store in (*self._step.values(), *self._epoch.values()):
+            store.clear()
         self._synced.clear()
         self.prog_bar.clear()
 

@@ -16,16 +16,75 @@ if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
 
-# the hooks a TrainingModule may define, called by the Trainer next to the callbacks' own
+# the hooks a TrainingModule may define, called by the Trainer before the callbacks' own
 MODULE_HOOKS = frozenset(
     {
         "on_fit_start",
         "on_fit_end",
+        "on_train_start",
+        "on_train_end",
         "on_train_epoch_start",
         "on_train_epoch_end",
+        "on_train_batch_start",
+        "on_train_batch_end",
         "on_before_optimizer_step",
+        "on_validation_start",
+        "on_validation_batch_end",
+        "on_validation_end",
+        "on_test_start",
+        "on_test_batch_end",
+        "on_test_end",
     }
 )
+
+# LightningModule hooks the Trainer never calls: a module defining one is warned at fit time
+NOT_CALLED = (
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_zero_grad",
+    "on_validation_batch_start",
+    "on_test_batch_start",
+    "on_validation_model_eval",
+    "on_validation_model_train",
+    "on_validation_model_zero_grad",
+    "on_test_model_eval",
+    "on_test_model_train",
+    "on_predict_start",
+    "on_predict_end",
+    "on_predict_epoch_start",
+    "on_predict_epoch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+    "on_predict_model_eval",
+    "on_before_batch_transfer",
+    "on_after_batch_transfer",
+    "transfer_batch_to_device",
+    "on_save_checkpoint",
+    "on_load_checkpoint",
+    "prepare_data",
+    "setup",
+    "teardown",
+    "configure_model",
+    "configure_sharded_model",
+    "configure_callbacks",
+    "configure_gradient_clipping",
+    "lr_scheduler_step",
+    "optimizer_step",
+    "optimizer_zero_grad",
+    "backward",
+    "train_dataloader",
+    "val_dataloader",
+    "test_dataloader",
+    "predict_dataloader",
+    "training_epoch_end",  # Lightning 1.x
+    "validation_epoch_end",
+    "test_epoch_end",
+)
+
+
+def hooks_not_called(model: nn.Module) -> list[str]:
+    """The LightningModule hooks ``model`` defines that the Trainer never calls."""
+    return [name for name in NOT_CALLED if callable(getattr(type(model), name, None))]
 
 
 class TrainingModule(nn.Module):
@@ -139,14 +198,56 @@ class TrainingModule(nn.Module):
     def on_fit_end(self) -> None:
         """Called after the last epoch or step."""
 
+    def on_train_start(self) -> None:
+        """Called before the first training epoch (after on_fit_start)."""
+
     def on_train_epoch_start(self) -> None:
-        """Called before the first batch of each training epoch."""
+        """Called before the first batch of each training epoch; what it logs is for the
+        epoch."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Called before a training batch goes through the model."""
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Called after a training batch (its step and validation, if due, done)."""
 
     def on_train_epoch_end(self) -> None:
-        """Called after each training epoch (after its validation, if any)."""
+        """Called after each training epoch (after its validation, if any); what it logs is
+        for the epoch, reduced with the epoch's other training metrics before the callbacks'
+        ``on_train_epoch_end`` (ModelCheckpoint and plateau schedulers can monitor it)."""
+
+    def on_train_end(self) -> None:
+        """Called when training stops, at an epoch's end or inside one, before on_fit_end."""
+
+    def on_validation_start(self) -> None:
+        """Called before each validation pass."""
+
+    def on_validation_epoch_start(self) -> None:
+        """Called before the first batch of each validation pass."""
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Called after each validation batch."""
 
     def on_validation_epoch_end(self) -> None:
         """Called after each validation pass, while its metrics can still be logged."""
+
+    def on_validation_end(self) -> None:
+        """Called after each validation pass, its metrics logged."""
+
+    def on_test_start(self) -> None:
+        """Called before the test pass."""
+
+    def on_test_epoch_start(self) -> None:
+        """Called before the first test batch."""
+
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Called after each test batch."""
+
+    def on_test_epoch_end(self) -> None:
+        """Called after the test batches, while test metrics can still be logged."""
+
+    def on_test_end(self) -> None:
+        """Called after the test pass, its metrics logged."""
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         """Called once per optimizer step with the accumulated gradients already unscaled

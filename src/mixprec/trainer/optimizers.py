@@ -4,6 +4,7 @@ optimizers, and schedulers with their interval, frequency and monitored metric."
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -111,3 +112,18 @@ def configured_optimizers(
         log.info("no optimizer given: using AdamW(lr=1e-3)")
         return [lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3)], []
     return parse_optimizers(model.configure_optimizers())
+
+
+def warn_if_foreign(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Warn about an optimizer holding none of ``model``'s parameters: its steps would never
+    change the model."""
+    mine = {id(p) for p in model.parameters()}
+    for i, opt in enumerate(optimizers):
+        if not any(id(p) in mine for group in opt.param_groups for p in group["params"]):
+            warnings.warn(
+                f"optimizer {i} ({type(opt).__name__}) holds none of the parameters of the "
+                f"{type(model).__name__} being fit, so training will not change it: build it "
+                "from this model's parameters, or pass a factory "
+                "(optimizer=lambda params: torch.optim.SGD(params, lr=0.1))",
+                stacklevel=2,
+            )

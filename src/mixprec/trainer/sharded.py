@@ -234,11 +234,6 @@ def restore(trainer: Trainer, run: FitRun, path: str | os.PathLike[str]) -> None
         s.scheduler.load_state_dict(saved)
     run.precision.load_state_dict(state["precision"])
     trainer._load_callback_states(state["callbacks"])
-    trainer.current_epoch, trainer.batches_done = loop["epoch"], loop["batch"]
-    trainer.global_step = loop["global_step"]
-    if loop["epoch_rng"] is not None:
-        run.epoch_rng = loop["epoch_rng"]
-    run.resume_rng = state["rng"]
     if saved_world != trainer.world_size:
         log.info(
             "resharded %s, saved by %d processes, onto %d: random generators resume from "
@@ -247,10 +242,4 @@ def restore(trainer: Trainer, run: FitRun, path: str | os.PathLike[str]) -> None
             saved_world,
             trainer.world_size,
         )
-    log.info(
-        "resumed from %s at epoch %d, batch %d, step %d",
-        path,
-        trainer.current_epoch,
-        trainer.batches_done,
-        trainer.global_step,
-    )
+    ckpt_io.restore_progress(trainer, run, state, path)

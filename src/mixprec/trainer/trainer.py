@@ -27,6 +27,7 @@ from mixprec.trainer.config import (
     TrainerConfig,
     check_fit_inputs,
     check_model,
+    check_one_loader,
     choose_precision,
     compile_model,
     determinism,
@@ -54,7 +55,7 @@ from mixprec.trainer.metrics import (
     summary_rows,
 )
 from mixprec.trainer.module import MODULE_HOOKS, TrainingModule
-from mixprec.trainer.optimizers import configured_optimizers, scheduler_entry
+from mixprec.trainer.optimizers import configured_optimizers, scheduler_entry, warn_if_foreign
 from mixprec.trainer.strategy import FSDP, DDPStrategy, launch_stage, make_strategy
 
 
@@ -82,7 +83,8 @@ class Trainer:
         gradient_clip_val, gradient_clip_algorithm: clip the unscaled gradients by total
             ``"norm"`` or by ``"value"`` before each step.
         val_check_interval: validate every this fraction of an epoch (float) or every this
-            many training batches (int), and always at the end of an epoch.
+            many training batches (int), and always at the end of an epoch (for data without
+            ``len()``: when it runs out).
         limit_train_batches, limit_val_batches: a fraction or a number of batches per epoch.
         callbacks: a Callback or a list of them.
         logger: True (CSV, and TensorBoard when installed), False, a Logger or a list.
@@ -495,6 +497,8 @@ class Trainer:
         optimizers, scheduler_configs = configured_optimizers(model, optimizer) if fit else ([], [])
         made = [opt(model) if callable(opt) else opt for opt in optimizers]
         self.strategy.check_optimizers(model, made)
+        if self.is_global_zero:
+            warn_if_foreign(model, made)
         wrapped = precision.setup(model, *made, convert=not is_sharded)
         if self.config.compile is not None and self._uncompile is None:
             self._uncompile = compile_model(model, self.config.compile)
@@ -572,9 +576,17 @@ class Trainer:
     # -- hooks ----------------------------------------------------------------------------------
 
     def _hook(self, name: str, *args: Any) -> None:
+        """Call hook ``name``: the module's, then the callbacks'."""
+        self._module_hook(name, *args)
+        self._callback_hook(name, *args)
+
+    def _module_hook(self, name: str, *args: Any) -> None:
         model = self.model
         if isinstance(model, TrainingModule) and name in MODULE_HOOKS:
             getattr(model, name)(*args)
+
+    def _callback_hook(self, name: str, *args: Any) -> None:
+        model = self.model
         listeners = self._listeners.get(name)
         if listeners is None:  # the callbacks that override this hook (it runs per batch)
             base = getattr(Callback, name)
@@ -595,4 +607,5 @@ def _model_for(model: nn.Module | None, last: nn.Module | None, data: Any, stage
         raise ValueError(f"{stage} needs a model (none was given and no fit ran before)")
     if data is None:
         raise ValueError(f"{stage} needs dataloaders")
+    check_one_loader(data, "dataloaders")
     return chosen
