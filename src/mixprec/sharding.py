@@ -168,8 +168,11 @@ def shard(
             for p in module.parameters(recurse=False):
                 if p.is_floating_point() and p.dtype != stored:
                     p.data = p.data.to(stored)
+            fixed = getattr(module, "fixed_dtype_buffers", ())  # float8 delayed scales
             for key, b in module._buffers.items():
-                if b is not None and b.is_floating_point() and b.dtype != stored:
+                if b is None or not b.is_floating_point() or key in fixed:
+                    continue
+                if b.dtype != stored:
                     module._buffers[key] = b.to(stored)
     modules = dict(model.named_modules())
     for name, unit_policy in plan.items():
