@@ -237,6 +237,19 @@ def test_int4_linear_is_the_float_matmul_of_its_dequantized_weight():
     torch.testing.assert_close(layer(x), lin(x), rtol=0.1, atol=0.1)
 
 
+def test_int4_linear_computes_in_a_16_bit_inputs_dtype_outside_autocast():
+    """FSDP2 casts inputs (not these buffers) to bfloat16: the float32 weight met a bfloat16
+    input and F.linear refused the mix."""
+    torch.manual_seed(0)
+    layer = Int4Linear.from_float(nn.Linear(64, 8), 32)
+    x = torch.randn(3, 64).bfloat16()
+    out = layer(x)
+    w, b = layer.dequantized_weight().bfloat16(), layer.bias.bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, F.linear(x, w, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as before: autocast's dtype
+        assert torch.equal(layer(x.float()), F.linear(x, w, b))
+
+
 def test_int4_embedding_dequantizes_only_the_rows_looked_up():
     torch.manual_seed(0)
     emb = nn.Embedding(30, 20)

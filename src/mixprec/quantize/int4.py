@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.quantize.int8 import check_finite
+from mixprec.quantize.int8 import check_finite, output_dtype
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
 QMAX = 15
@@ -126,7 +126,11 @@ class Int4Linear(LoraMixin, _Int4Weight):
         return layer.to(linear.weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.add_lora(x, F.linear(x, self.dequantized_weight(), self.bias))
+        # in the compute dtype (autocast's, else the input's): outside autocast a float32
+        # weight would meet a 16-bit input (FSDP2 casts inputs, not these buffers)
+        dtype = output_dtype(x)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return self.add_lora(x, F.linear(x, self.dequantized_weight().to(dtype), bias))
 
     def extra_repr(self) -> str:
         return (
