@@ -15,6 +15,7 @@ float8 step (~6%), orders of magnitude beyond it.
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 
@@ -150,6 +151,14 @@ def test_cast_saturates_instead_of_overflowing():
     ]
 
 
+def test_cast_makes_inf_and_nan_nan_whatever_the_scale():
+    x = torch.tensor([float("inf"), -float("inf"), float("nan"), 1e5, -2.0])
+    for dtype in (E4M3, E5M2):
+        out = to_float8(x, torch.tensor(1.0), dtype).float()
+        assert torch.isnan(out[:3]).all(), dtype  # e4m3's own cast makes an inf 448
+        assert out[3:].tolist() == [MAX[dtype], -2.0]  # finite values still saturate
+
+
 def test_non_finite_amax_gives_non_finite_scales():
     assert torch.isnan(amax_to_scale(torch.tensor(float("nan")), E4M3))
     assert amax_to_scale(torch.tensor(float("inf")), E4M3).item() == 0.0
@@ -247,7 +256,8 @@ def test_delayed_first_step_scales_dynamically_then_from_the_history_max():
         recent = amaxes[: step + 1][::-1][:3]
         history = module.input_amax_history.tolist()
         assert history == pytest.approx(recent + [0.0] * (3 - len(recent)))
-        expected = py_scale(max(recent), E4M3)
+        # the stored scale is the one this step used (0 before anything was recorded)
+        expected = py_scale(max(window), E4M3) if step else 0.0
         assert module.input_scale.item() == pytest.approx(expected, rel=1e-7)
         assert module.grad_output_amax_history[0].item() == pytest.approx(amax * 1e-3, rel=1e-6)
         assert module.weight_amax_history.tolist()[: step + 1] == pytest.approx(
@@ -260,26 +270,82 @@ def test_delayed_records_only_when_training_with_gradients():
     module = delayed_module()
     x = torch.randn(4, 16)
     module.eval()
-    module(x)
+    module(x).sum().backward()
     assert module.input_scale.item() == 0.0 and not module.input_amax_history.any()
     module.train()
     with torch.no_grad():
         module(x)
     assert not module.input_amax_history.any()
-    module(x)
+    y = module(x)
+    assert not module.input_amax_history.any()  # the backward pushes the amaxes
+    y.sum().backward()
     assert module.input_amax_history[0].item() == x.abs().max().item()
+    assert module.grad_output_amax_history[0].item() == 1.0
+    module.weight.requires_grad_(False)  # no backward can run: pushed at once
+    module(2 * x)
+    amax = x.abs().max().item()
+    assert module.input_amax_history[:2].tolist() == [2 * amax, amax]
+    assert module.grad_output_amax_history[:2].tolist() == [1.0, 0.0]
 
 
 def test_delayed_non_finite_amax_is_recorded_as_zero_and_the_output_stays_nan():
     module = delayed_module()
-    module(torch.ones(2, 16))
-    before = module.input_scale.clone()
+    run(module, torch.ones(2, 16), torch.ones(2, 16))
     x = torch.ones(2, 16)
     x[1, 3] = float("nan")
-    y = module(x)
-    assert torch.isnan(y).any()
+    y, _, _, _ = run(module, x, torch.ones(2, 16))
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all()
     assert module.input_amax_history.tolist() == [0.0, 1.0, 0.0]
-    assert torch.equal(module.input_scale, before)  # still from the history's max (1.0)
+    module(torch.ones(2, 16))
+    assert module.input_scale.item() == 448.0  # still from the history's max (1.0)
+
+
+def test_delayed_inf_stays_non_finite_under_a_stored_scale():
+    """With a finite scale from the history, an inf used to saturate to the format's max:
+    finite output and gradients, an overflow the loss scaler never saw."""
+    module = delayed_module()
+    for _ in range(2):
+        run(module, torch.randn(4, 16), torch.randn(4, 16))
+    assert module.input_scale.item() > 0 and module.grad_output_scale.item() > 0
+    x = torch.randn(4, 16)
+    x[1, 2] = float("inf")
+    y, _, _, _ = run(module, x, torch.randn(4, 16))
+    assert not torch.isfinite(y[1]).any() and torch.isfinite(y[[0, 2, 3]]).all()
+    g = torch.randn(4, 16)
+    g[0, 0] = float("inf")
+    _, gx, gw, _ = run(module, torch.randn(4, 16), g)
+    assert not torch.isfinite(gx[0]).any() and not torch.isfinite(gw).all()
+
+
+def test_delayed_buffers_stay_float32_through_module_casts():
+    """In float16 a scale 448 / amax overflows once amax < 0.0068: the scale became inf and
+    every output and gradient exactly 0."""
+    module = delayed_module()
+    with torch.no_grad():
+        module.input_amax_history.copy_(torch.tensor([1e-9, 7e4, 3.3e-3]))  # not float16's
+        module.input_scale.fill_(448 / 7e4)
+    before = {n: getattr(module, n).clone() for n in DELAYED_BUFFERS}
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        module.to(dtype)
+        assert module.weight.dtype == dtype
+        for name, value in before.items():
+            assert torch.equal(getattr(module, name), value), (dtype, name)  # bit for bit
+    torch.manual_seed(0)  # the repro: small float16 activations
+    module = Float8Linear.from_float(nn.Linear(16, 16, bias=False), "delayed", 3).half()
+    for step in range(3):
+        x = (torch.randn(8, 16) * 1e-3).half()
+        y, _, gw, _ = run(module, x, torch.ones(8, 16))
+        assert all(getattr(module, n).dtype == torch.float32 for n in DELAYED_BUFFERS)
+        if step:  # from the amax pushed a step before: more than float16 can hold
+            scale = amax_to_scale(module.input_amax_history[1], E4M3)
+            assert module.input_scale.item() == scale.item() > 65504
+        w = module.weight.detach().float()
+        sx = module.input_scale if step else scales(x.float(), E4M3, None)
+        ry, bound = mm(qdq(x.float(), sx, E4M3), qdq(w, scales(w, E4M3, None), E4M3).t())
+        assert_matches(y, ry.half(), bound)
+        assert y.abs().min() > 0 and gw.abs().min() > 0
+    assert module.fixed_dtype_buffers == DELAYED_BUFFERS  # what shard and apply leave alone
+    assert Float8Linear(16, 16).fixed_dtype_buffers == ()
 
 
 def test_delayed_all_zero_history_leaves_the_scale_unknown():
@@ -322,6 +388,28 @@ def test_zero_input_and_zero_gradient_stay_finite():
         y, gx, gw, _ = run(module, torch.zeros(3, 16), torch.zeros(3, 16))
         assert torch.equal(y, linear.bias.detach().expand(3, 16)), recipe
         assert torch.equal(gx, torch.zeros(3, 16)) and torch.equal(gw, torch.zeros(16, 16))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_backward_computes_only_the_gradients_autograd_needs(recipe):
+    """A frozen weight (or an input without grad) skips its float8 matmul in backward; the
+    gradient that is computed is the same as when both are."""
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 16)
+    x, g = torch.randn(4, 16), torch.randn(4, 16)
+    _, gx_both, gw_both, _ = run(Float8Linear.from_float(copy.deepcopy(linear), recipe), x, g)
+    for frozen in ("weight", "input"):
+        module = Float8Linear.from_float(copy.deepcopy(linear), recipe)
+        module.weight.requires_grad_(frozen != "weight")
+        xi = x.clone().requires_grad_(frozen != "input")
+        y = module(xi)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            y.backward(g)
+        assert [e.name for e in prof.events()].count("aten::mm") == 1, frozen
+        if frozen == "weight":
+            assert module.weight.grad is None and torch.equal(xi.grad, gx_both)
+        else:
+            assert xi.grad is None and torch.equal(module.weight.grad, gw_both)
 
 
 # --- modules and conversion ----------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from spawning import run_ranks
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from mixprec.precision import Precision
@@ -245,6 +246,62 @@ def test_the_trainer_syncs_amax_histories_across_ranks(tmp_path):
     for name in r0:
         assert torch.equal(r0[name], r1[name]), name
     assert (r0["2.grad_output_amax_history"][:3] > 0).all()  # three steps recorded
+
+
+class SharedTwice(nn.Module):
+    """A delayed float8 layer applied twice per step, each call its own checkpoint region
+    when `regions` is given (its backward for the second call runs before the first call's
+    recompute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.shared, self.out = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 16)
+        convert_to_float8(self, recipe="delayed", amax_history_length=4, skip_small=False)
+        self.regions: bool | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.inp(x))
+        for _ in range(2):
+            if self.regions is None:
+                h = F.gelu(self.shared(h))
+            else:
+                h = checkpoint(lambda t: F.gelu(self.shared(t)), h, use_reentrant=self.regions)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("shared", [False, True], ids=["whole-model", "shared-layer"])
+def test_activation_checkpointing_records_once_and_recomputes_the_same_values(reentrant, shared):
+    """A non-reentrant recompute pushed every input and weight amax a second time and
+    quantized with the scales the first forward had just updated; now histories, scales,
+    gradients and weights equal those of the run without checkpointing, bit for bit."""
+    plain = SharedTwice() if shared else mlp("delayed")
+    checkpointed = copy.deepcopy(plain)
+    if shared:
+        checkpointed.regions = reentrant
+        forward = checkpointed
+    else:
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(checkpointed, x, use_reentrant=reentrant)
+
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, checkpointed)]
+    for step, (x, y) in enumerate(batches(4)):
+        grads = []
+        for model, opt, run in zip((plain, checkpointed), opts, (plain, forward), strict=True):
+            opt.zero_grad()
+            xi = (x * (1 + step)).requires_grad_()  # growing amaxes: stale scales show
+            F.mse_loss(run(xi), y).backward()
+            opt.step()
+            grads.append([xi.grad, *(p.grad for p in model.parameters())])
+        for a, b in zip(*grads, strict=True):
+            assert torch.equal(a, b), step
+        for (name, a), b in zip(state(plain).items(), state(checkpointed).values(), strict=True):
+            assert torch.equal(a, b), (step, name)
+    first = plain.inp if shared else plain[0]
+    amaxes = [(x * (1 + step)).abs().max().item() for step, (x, _) in enumerate(batches(4))]
+    assert first.input_amax_history.tolist() == amaxes[::-1]  # each pushed once, in order
 
 
 def test_sync_is_a_no_op_in_one_process():

@@ -268,6 +268,66 @@ def test_mixprec_trainer_resumes_an_hf_checkpoint_bit_for_bit(tmp_path):
     assert resumed.precision.scaler.stats().steps == 2
 
 
+def tiny_llama(tied: bool = True) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("spec", ["int8_from_float32", "int4/16_from_float32"])
+def test_quantized_tied_embeddings_save_once_and_resume_bit_for_bit(tmp_path, spec, caplog):
+    """The embedding and output head share one quantized copy: saving a checkpoint failed
+    ("shared tensors ... not properly defined"), so no checkpoint and no resume."""
+    from safetensors.torch import load_file
+
+    def run(directory: str, resume: str | None = None) -> MixprecTrainer:
+        saving = dict(save_strategy="steps", save_steps=2) if resume is None else {}
+        trainer = MixprecTrainer(
+            model=tiny_llama(),
+            args=hf_args(tmp_path / directory, **saving),
+            train_dataset=token_rows(length=16),
+            precision=spec,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run("full")
+    head, embed = full.model.lm_head, full.model.model.embed_tokens
+    assert head.qweight is embed.qweight and head.quantization_mode == spec[:4]
+    saved = load_file(tmp_path / "full" / "checkpoint-2" / "model.safetensors")
+    buffers = [k for k, _ in embed.named_buffers()]
+    assert {k for k in saved if "embed_tokens" in k} == {f"model.embed_tokens.{k}" for k in buffers}
+    assert not any(k.startswith("lm_head") for k in saved)  # the shared copy is saved once
+    assert full.model._tied_weights_keys == {
+        f"lm_head.{k}": f"model.embed_tokens.{k}" for k in buffers
+    }
+    with caplog.at_level("WARNING"):
+        resumed = run("resumed", resume=str(tmp_path / "full" / "checkpoint-2"))
+    assert "missing keys" not in caplog.text
+    assert resumed.model.lm_head.qweight is resumed.model.model.embed_tokens.qweight
+    final, again = full.model.state_dict(), resumed.model.state_dict()
+    assert final.keys() == again.keys()
+    assert all(torch.equal(final[k], again[k]) for k in final)
+    resumed.model.tie_weights()  # ties the buffers, not the float weights quantization removed
+    assert resumed.model.lm_head.qweight is resumed.model.model.embed_tokens.qweight
+
+
+def test_untied_or_float_models_get_no_tie_entries(tmp_path):
+    from mixprec.integrations.huggingface import tie_quantized_weights
+
+    untied = MixprecTrainer(
+        model=tiny_llama(tied=False), args=hf_args(tmp_path), precision="int8_from_float32"
+    )
+    assert untied.model.lm_head.qweight is not untied.model.model.embed_tokens.qweight
+    assert tie_quantized_weights(untied.model) == {}
+    assert untied.model._tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert tie_quantized_weights(tiny_llama()) == {}  # float: its own mapping holds
+
+
 def test_mixprec_trainer_refuses_hf_mixed_precision(tmp_path):
     with pytest.raises(ValueError, match="fp16=False, bf16=False"):
         MixprecTrainer(

@@ -85,6 +85,57 @@ def test_int8_linear_equals_a_float_reference_of_the_same_integer_math():
     torch.testing.assert_close(layer(x), lin(x), rtol=0.05, atol=0.05 * lin(x).abs().max().item())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_int8_a_non_finite_token_gives_a_nan_output_row_the_others_unchanged(bad):
+    """A NaN token used to come out finite: its scale became 1 and its codes 0."""
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(nn.Linear(32, 16))
+    x = torch.randn(2, 3, 32)
+    clean = layer(x)
+    x[1, 0, 7] = bad
+    out = layer(x)
+    assert torch.isnan(out[1, 0]).all()
+    others = torch.ones(2, 3, dtype=torch.bool)
+    others[1, 0] = False
+    assert torch.equal(out[others], clean[others])
+    q, scale = quantize_tokens(x)
+    assert torch.isnan(scale[3]) and (q[3] == 0).all()  # codes 0, never a NaN cast to int
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_weight_is_refused_naming_the_layer_and_rows(mode, bad):
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    with torch.no_grad():
+        model[2].weight[5, 3] = bad
+        model[2].weight[30, 0] = bad
+    with pytest.raises(ValueError, match=r"cannot quantize 2\.weight: .* 2 inf/NaN .* rows 5, 30"):
+        quantize(model, mode, **({"group_size": 8} if mode == "int4" else {}))
+    with pytest.raises(ValueError, match="inf/NaN"):
+        (quantize_rows if mode == "int8" else lambda w: quantize_groups(w, 8))(model[2].weight)
+
+
+def test_merging_non_finite_adapters_is_refused_and_keeps_them():
+    layer = Int8Linear.from_float(nn.Linear(32, 8))
+    layer.enable_lora(2)
+    with torch.no_grad():
+        layer.lora_B.fill_(float("nan"))
+    with pytest.raises(ValueError, match="inf/NaN"):
+        layer.merge_lora()
+    assert layer.lora_rank == 2 and torch.isnan(layer.lora_B).all()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_merging_gives_the_bias_back_the_requires_grad_it_had(mode):
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    model[0].bias.requires_grad_(False)  # frozen by the user before the adapters
+    quantize(model, mode, **({"group_size": 8} if mode == "int4" else {}))
+    enable_lora(model, 2)
+    assert not model[0].bias.requires_grad and not model[1].bias.requires_grad
+    merge_lora(model)
+    assert not model[0].bias.requires_grad and model[1].bias.requires_grad
+
+
 def test_int8_weight_gets_no_gradient_bias_and_input_do():
     torch.manual_seed(0)
     layer = Int8Linear.from_float(nn.Linear(16, 4))
@@ -184,6 +235,19 @@ def test_int4_linear_is_the_float_matmul_of_its_dequantized_weight():
     x = torch.randn(4, 40)
     assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight(), lin.bias))
     torch.testing.assert_close(layer(x), lin(x), rtol=0.1, atol=0.1)
+
+
+def test_int4_linear_computes_in_a_16_bit_inputs_dtype_outside_autocast():
+    """FSDP2 casts inputs (not these buffers) to bfloat16: the float32 weight met a bfloat16
+    input and F.linear refused the mix."""
+    torch.manual_seed(0)
+    layer = Int4Linear.from_float(nn.Linear(64, 8), 32)
+    x = torch.randn(3, 64).bfloat16()
+    out = layer(x)
+    w, b = layer.dequantized_weight().bfloat16(), layer.bias.bfloat16()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, F.linear(x, w, b))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as before: autocast's dtype
+        assert torch.equal(layer(x.float()), F.linear(x, w, b))
 
 
 def test_int4_embedding_dequantizes_only_the_rows_looked_up():

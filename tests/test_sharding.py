@@ -77,7 +77,12 @@ def _reference(model: Net) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor().float() for k, v in model.state_dict().items()}
+    """The whole state: sharded parameters gathered, replicated buffers (int8 weights) as
+    they are."""
+    return {
+        k: v.full_tensor().float() if hasattr(v, "full_tensor") else v
+        for k, v in model.state_dict().items()
+    }
 
 
 def _bf16_mixed(rank: int) -> dict[str, Any]:
@@ -176,8 +181,38 @@ def _bf16_true(rank: int) -> dict[str, Any]:
     }
 
 
+def _int8(rank: int) -> dict[str, Any]:
+    """int8 layers under FSDP on two ranks against one process training the same int8 model
+    on the whole batch (Precision.setup, the apply path)."""
+    torch.manual_seed(0)
+    model = Net(width=16)  # blocks.*.fc and head have 16 inputs: quantized; inp (4) is not
+    start = model.head.bias.detach().clone()
+    reference = copy.deepcopy(model)
+    Precision("int8_from_float32").setup(reference)
+    _, ref_state = _reference(reference)
+    model, opt = shard(
+        model, "int8_from_float32", optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR)
+    )
+    x, y = _data()
+    mine = slice(rank * 8, rank * 8 + 8)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        F.mse_loss(model(x[mine]), y[mine]).backward()
+        opt.step()
+    params = dict(model.named_parameters())
+    return {
+        "types": {name: type(m).__name__ for name, m in model.named_modules()},
+        "sharded": {type(p).__name__ for p in params.values()},
+        "local_numel": sum(p.to_local().numel() for p in params.values()),
+        "numel": sum(p.numel() for p in params.values()),
+        "state": _full(model),
+        "ref_state": {k: v.float() for k, v in ref_state.items()},
+        "start_bias": start,
+    }
+
+
 def _worker(rank: int, out_dir: str) -> None:
-    results = {f.__name__: f(rank) for f in (_bf16_mixed, _fp16_inf, _bf16_true)}
+    results = {f.__name__: f(rank) for f in (_bf16_mixed, _fp16_inf, _bf16_true, _int8)}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
@@ -227,6 +262,23 @@ def test_bf16_true_casts_storage_before_sharding(ranks):
         assert got["out_dtype"] == torch.bfloat16
         assert all(math.isfinite(v) for v in got["losses"])
         assert got["losses"][-1] < got["losses"][0]
+
+
+@pytest.mark.slow
+def test_int8_layers_train_sharded_on_two_ranks_as_one_process_does(ranks):
+    for r in ranks:
+        got = r["_int8"]
+        assert got["types"]["blocks.0.fc"] == got["types"]["head"] == "Int8Linear"
+        assert got["types"]["inp"] == "Linear"  # 4 inputs: left float
+        assert got["sharded"] == {"DTensor"} and got["local_numel"] < got["numel"]
+        assert got["state"].keys() == got["ref_state"].keys()
+        for key, ref in got["ref_state"].items():
+            if key.endswith(("qweight", "weight_scale")):
+                assert torch.equal(got["state"][key], ref), key  # never trained
+            else:  # the two ranks' mean gradient is the full batch's, up to rounding
+                torch.testing.assert_close(got["state"][key], ref, atol=1e-6, rtol=1e-5)
+        assert (got["state"]["head.bias"] - got["start_bias"]).abs().max() > 1e-3
+    torch.testing.assert_close(ranks[0]["_int8"]["state"], ranks[1]["_int8"]["state"])
 
 
 def test_units_are_blocks_and_islands_innermost_first_root_last():
@@ -292,3 +344,107 @@ def test_the_uncompensated_warning_names_the_fsdp_fix_for_sharded_16_bit_weights
             precision.setup(model, optimizer, convert=False)
     finally:
         dist.destroy_process_group()
+
+
+class TokenNet(nn.Module):
+    """An embedding, two LayerNorm blocks and a head: every layer quantizable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(Block(32) for _ in range(2))
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-process gloo group: FSDP2 shards over a world of one."""
+    store = f"file://{tmp_path / 'store'}"
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("spec", "kinds"),
+    [
+        ("int8_from_float32", {"Int8Embedding", "Int8Linear"}),
+        ("int4/16_from_float32", {"Int4Embedding", "Int4Linear"}),
+        ("float8/rowwise_from_float32", {"Float8Linear"}),
+        ("int8_from_bf16-mixed", {"Int8Embedding", "Int8Linear"}),
+        ("int4/16_from_bf16-mixed", {"Int4Embedding", "Int4Linear"}),
+        ("float8/rowwise_from_bf16-mixed", {"Float8Linear"}),
+    ],
+)
+def test_quantized_policies_quantize_before_sharding_and_train(one_rank, spec, kinds):
+    """They were ignored: the model was sharded as plain float layers. Now it is quantized
+    as under apply, trains sharded, and computes what the apply path computes (the same
+    losses under a float32 source; within bfloat16 rounding under bf16-mixed, where FSDP2
+    casts parameters instead of autocast casting ops)."""
+    torch.manual_seed(0)
+    model = TokenNet()
+    reference = copy.deepcopy(model)
+    precision = Precision(spec, allow_slow=True)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    reference, ref_opt = precision.setup(reference, ref_opt)
+    model, opt = shard(
+        model, spec, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.5), allow_slow=True
+    )
+    found = {type(m).__name__.removeprefix("FSDP") for m in model.modules()}
+    assert kinds <= found and "Linear" not in found  # every Linear was swapped
+    assert {type(p).__name__ for p in model.parameters()} == {"DTensor"}
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    losses, ref_losses = [], []
+    for _ in range(3):
+        loss = F.cross_entropy(model(ids).float().flatten(0, 1), ids.flatten())
+        with precision.forward_context():
+            ref_out = reference(ids)
+        ref_loss = F.cross_entropy(ref_out.float().flatten(0, 1), ids.flatten())
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        precision.backward(ref_loss)
+        precision.step(ref_opt)
+        ref_opt.zero_grad()
+    assert losses[-1] < losses[0]
+    if spec.endswith("float32"):
+        assert losses == ref_losses
+    else:
+        assert losses == pytest.approx(ref_losses, rel=5e-3)
+
+
+def test_a_quantized_embedding_is_a_unit_that_hands_back_the_compute_dtype(one_rank):
+    """Its rows come out in its scales' dtype (float32 under bf16-mixed): without a unit of
+    its own a bfloat16 layer of the same unit would get them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 8))
+    policy = PolicyMap("int8_from_bf16-mixed", {"1": "bf16-mixed"})  # a float Linear
+    shard(model, policy, wrap=lambda name, m: False, allow_slow=True)
+    assert type(model[0]).__name__ == "FSDPInt8Embedding" and type(model[1]) is nn.Linear
+    plan = units(model, policy, wrap=lambda name, m: False)
+    assert list(plan) == ["0", ""] and plan["0"].compute_dtype == torch.float32
+    seen = {}
+    model[1].register_forward_pre_hook(lambda m, args: seen.update(x=args[0].dtype))
+    assert model(torch.tensor([[1, 2, 3]])).dtype == torch.float32  # the root's output dtype
+    assert seen["x"] == torch.bfloat16
+
+
+def test_float8_delayed_scales_stay_float32_when_a_true_policy_casts_the_storage(one_rank):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 1040, bias=False))  # 1040 > 1024 outputs: converted
+    shard(model, "float8/delayed:4_from_bf16-true", allow_slow=True)
+    layer = model[0]
+    assert type(layer).__name__ == "FSDPFloat8Linear" and layer.weight.dtype == torch.bfloat16
+    for _ in range(2):
+        out = model((torch.randn(8, 32) * 1e-3).bfloat16())
+        out.float().sum().backward()
+    assert {b.dtype for b in layer.buffers()} == {torch.float32}
+    assert layer.input_scale.item() > 0 and out.abs().max() > 0

@@ -157,6 +157,8 @@ def _worker(rank: int, out: str) -> None:
         "ddp": _fit("ddp", "bf16-mixed", directory / "ddp.pt", **step),
         "synced": _fit(synced, "bf16-mixed", directory / "synced.pt", **step),
         "overflow": _overflow(),
+        "int8": _fit("fsdp", "int8_from_bf16-mixed", directory / "int8.pt"),
+        "int8_ddp": _fit("ddp", "int8_from_bf16-mixed", directory / "int8_ddp.pt"),
     }
     torch.save(results, directory / f"rank{rank}.pt")
 
@@ -245,6 +247,42 @@ def test_spawned_fsdp_returns_the_weights_to_the_callers_model(runs, tmp_path):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in _weights(exported).items())
     [checkpoint] = (tmp_path / "logs" / "version_0" / "checkpoints").iterdir()
     assert checkpoint.is_dir() and (checkpoint / ".metadata").is_file()  # sharded
+
+
+@pytest.mark.slow
+def test_fsdp_quantizes_an_int8_policy_and_ends_near_ddp(runs):
+    """strategy="fsdp" used to shard an int8 run as plain float layers."""
+    out, ranks = runs
+    for r in ranks:
+        seen = r["int8"]
+        assert seen["param_types"] == {"DTensor"} and seen["param_dtypes"] == {torch.float32}
+        assert seen["global_step"] == 8  # 2 epochs x 4 batches per rank
+    fsdp, ddp = _weights(out / "int8.pt"), _weights(out / "int8_ddp.pt")
+    assert fsdp.keys() == ddp.keys()
+    assert {"blocks.0.fc.qweight", "head.qweight", "inp.weight"} <= fsdp.keys()
+    assert "head.weight" not in fsdp  # quantized: 16 inputs; inp (4 inputs) stays float
+    for k, v in fsdp.items():
+        if v.dtype == torch.int8:
+            assert torch.equal(v, ddp[k]), k  # the int8 weights never train
+        else:
+            torch.testing.assert_close(v, ddp[k], atol=5e-3, rtol=5e-3, msg=k)
+
+
+@pytest.mark.slow
+def test_spawned_fsdp_hands_an_int8_run_back_to_the_callers_model_quantized(runs):
+    out, _ = runs
+    model = Net()
+    trainer = Trainer(
+        precision="int8_from_bf16-mixed", strategy="fsdp", devices=WORLD, max_epochs=2,
+        allow_slow_precision=True, seed=0, **QUIET,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(data(), batch_size=8, shuffle=True), loss_fn=F.mse_loss,
+                optimizer=adamw)  # fmt: skip
+    assert type(model.head).__name__ == "Int8Linear" and type(model.inp) is nn.Linear
+    same_run = _weights(out / "int8.pt")  # the same fit, in a joined group
+    assert model.state_dict().keys() == same_run.keys()
+    for k, v in model.state_dict().items():
+        assert type(v) is torch.Tensor and torch.equal(v, same_run[k]), k
 
 
 # -- refusals (no processes needed) -----------------------------------------------------------

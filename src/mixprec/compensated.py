@@ -195,19 +195,28 @@ class Compensator:
         return state
 
     def _adam(self, optimizer: Any, group: dict, params: list[torch.Tensor]) -> None:
-        lr, (beta1, beta2) = float(group["lr"]), group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
         decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
             "decoupled_weight_decay", False
         )
-        states = [self._state(optimizer, p, "exp_avg", "exp_avg_sq") for p in params]
-        # one step count per group, as torch's Adam keeps them in lockstep
-        step = states[0]["step"].item()
+        # Bias correction is per parameter: torch's Adam counts each parameter's own steps,
+        # and one that had no gradient for some steps is behind the others. Parameters with
+        # equal counts (usually all of them) are batched together.
+        by_step: dict[float, list[list[torch.Tensor]]] = {}
+        for p in params:
+            s = self._state(optimizer, p, "exp_avg", "exp_avg_sq")
+            row = [p, p.grad, s["exp_avg"], s["exp_avg_sq"], *self._compensation(p, s)]
+            by_step.setdefault(s["step"].item(), []).append(row)
+        for step, rows in by_step.items():
+            self._adam_rows(group, rows, step, decoupled)
+
+    def _adam_rows(
+        self, group: dict, rows: list[list[torch.Tensor]], step: float, decoupled: bool
+    ) -> None:
+        """Adam on `rows` (parameter, gradient, moments[, Kahan buffer]) whose parameters
+        all took `step` steps, so they share one bias correction."""
+        lr, (beta1, beta2) = float(group["lr"]), group["betas"]
+        eps, wd = group["eps"], group["weight_decay"]
         bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
-        rows = [
-            [p, p.grad, s["exp_avg"], s["exp_avg_sq"], *self._compensation(p, s)]
-            for p, s in zip(params, states, strict=True)
-        ]
         for batch, (g, w, m, v, d) in self._batches(rows, 5):
             p16, grad, exp_avg, exp_avg_sq, *comp = batch  # comp: [Kahan buffers] or []
             self._load_grads(group, g, grad, w, p16)

@@ -4,7 +4,9 @@ FSDP2 does its own casting: each sharded unit all-gathers its parameters in `par
 casts its inputs to it and reduce-scatters gradients in `reduce_dtype`. `shard` derives those
 settings per unit from the policy `PolicyMap.resolve` gives the unit, so a mixed policy keeps
 float32 masters (the sharded parameters) and computes in 16 bit, and float32 islands stay in
-float32. It also refuses the set-ups that would fail late or silently (see `shard`).
+float32. Quantized rules swap their layers first, as `apply` does; FSDP2 then shards what
+stays float (biases, LoRA adapters, float8 weights) and replicates the quantized buffers.
+It also refuses the set-ups that would fail late or silently (see `shard`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from mixprec.errors import PrecisionError
 from mixprec.hardware import check, device_of
 from mixprec.policy import Policy
 from mixprec.policy_map import as_map
+from mixprec.quantize import QuantizeResult, quantize_modules
 from mixprec.scaling import LossScaler
 
-__all__ = ["mixed_precision_policy", "shard", "units"]
+__all__ = ["mixed_precision_policy", "quantize_for", "shard", "units"]
 
 WrapFn = Callable[[str, nn.Module], bool]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -51,26 +54,54 @@ def _default_units(model: nn.Module) -> list[str]:
     ]
 
 
+def quantize_for(model: nn.Module, policy: Any) -> QuantizeResult:
+    """Swap the modules whose rule under `policy` is quantized for quantized layers, in
+    place, as `apply` does (what a sharded run's model holds); a no-op without such rules."""
+    resolved = as_map(policy).resolve(model)
+    to_quantize = {name: r.policy for name, r in resolved.items() if r.quantized}
+    return quantize_modules(model, to_quantize)  # type: ignore[arg-type]
+
+
+def _dequantizes_in_its_storage(module: nn.Module) -> bool:
+    """A quantized embedding: its rows come out in its scales' dtype (the param dtype), as
+    nothing tells it the compute dtype when FSDP2 rather than autocast does the casting."""
+    return isinstance(getattr(module, "quantization_mode", None), str) and issubclass(
+        getattr(module, "float_type", type(None)), nn.Embedding
+    )
+
+
 def units(model: nn.Module, policy: Any, wrap: WrapFn | None = None) -> dict[str, Policy]:
     """The modules `shard` shards on their own, innermost first and the root ("") last, with
     the policy each is sharded under.
 
     Units are the `wrap(name, module)` hits (default: the blocks of top-level ModuleLists and
     Sequentials), plus every module whose policy computes in another dtype than its parent's
-    (float32 islands, rules): FSDP2 casts per unit, so a different compute dtype needs one."""
+    (float32 islands, rules): FSDP2 casts per unit, so a different compute dtype needs one.
+    A quantized embedding under a mixed policy computes in its param dtype (its scales'), so
+    it is such a unit too, and hands its rows back in its parent's compute dtype. Call it on
+    the model as `shard` sees it: quantized by `quantize_for`."""
     resolved = as_map(policy).resolve(model)
     chosen = (
         {name for name, m in model.named_modules() if name and wrap(name, m)}
         if wrap is not None
         else set(_default_units(model))
     )
+    policies = {name: r.policy for name, r in resolved.items()}
+    for name, module in model.named_modules():
+        here = policies[name]
+        if _dequantizes_in_its_storage(module) and here.compute_dtype != here.param_dtype:
+            policies[name] = Policy(
+                param_dtype=here.param_dtype,
+                compute_dtype=here.param_dtype,
+                output_dtype=here.output_dtype,
+            )
     for name, _ in model.named_modules():
         parent = name.rpartition(".")[0]
-        if name and resolved[name].policy.compute_dtype != resolved[parent].policy.compute_dtype:
+        if name and policies[name].compute_dtype != policies[parent].compute_dtype:
             chosen.add(name)
     in_model_order = [name for name in resolved if name in chosen]
     ordered = sorted(in_model_order, key=lambda n: -n.count("."))  # stable: deepest first
-    return {name: resolved[name].policy for name in [*ordered, ""]}
+    return {name: policies[name] for name in [*ordered, ""]}
 
 
 def mixed_precision_policy(
@@ -143,11 +174,12 @@ def shard(
     """Shard `model` in place with FSDP2 under `policy` (a spec, Policy or PolicyMap) and
     return it, or `(model, optimizer)` when `optimizer_factory` is given.
 
-    Each unit (see `units`) is sharded with `mixed_precision_policy`, then the root. A mixed
-    policy keeps the sharded parameters in their param dtype (float32 masters) and computes
-    in its compute dtype; a "true" policy's storage (parameters, floating buffers) is cast
-    before sharding, as FSDP2 keeps the dtype it finds. Gradients are reduced in
-    `reduce_dtype`.
+    Quantized rules (int8, int4, float8) first swap their layers (`quantize_for`, as
+    `apply` does); then each unit (see `units`) is sharded with `mixed_precision_policy`,
+    then the root. A mixed policy keeps the sharded parameters in their param dtype (float32
+    masters) and computes in its compute dtype; a "true" policy's storage (parameters,
+    floating buffers but float8's float32 delayed scales) is cast before sharding, as FSDP2
+    keeps the dtype it finds. Gradients are reduced in `reduce_dtype`.
 
     Raises `PrecisionError` before touching the model when torch.distributed is not
     initialised (and no `mesh` is given); when `optimizer` holds the model's unsharded
@@ -160,6 +192,7 @@ def shard(
     pmap = as_map(policy)
     _check_ready(model, pmap, optimizer, scaler, mesh)
     check(pmap, device_of(model), allow_slow=allow_slow)
+    quantize_for(model, pmap)
     plan = units(model, pmap, wrap)
     resolved = pmap.resolve(model)
     with torch.no_grad():  # FSDP2 keeps the storage dtype it finds: cast it first
@@ -168,8 +201,11 @@ def shard(
             for p in module.parameters(recurse=False):
                 if p.is_floating_point() and p.dtype != stored:
                     p.data = p.data.to(stored)
+            fixed = getattr(module, "fixed_dtype_buffers", ())  # float8 delayed scales
             for key, b in module._buffers.items():
-                if b is not None and b.is_floating_point() and b.dtype != stored:
+                if b is None or not b.is_floating_point() or key in fixed:
+                    continue
+                if b.dtype != stored:
                     module._buffers[key] = b.to(stored)
     modules = dict(model.named_modules())
     for name, unit_policy in plan.items():

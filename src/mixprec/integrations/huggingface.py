@@ -44,6 +44,7 @@ __all__ = [
     "SkipAwareScheduler",
     "prepare",
     "scaled_backward_loss",
+    "tie_quantized_weights",
 ]
 
 
@@ -171,6 +172,49 @@ def scaled_backward_loss(loss: torch.Tensor, scaler: LossScaler) -> torch.Tensor
     return _ScaleGradient.apply(loss, scaler)
 
 
+def tie_quantized_weights(model: nn.Module) -> dict[str, str]:
+    """Declare the buffers that quantized layers share as tied weights, the way transformers
+    declares them, and return the ``{target: source}`` pairs added.
+
+    A tied embedding and output head quantized together hold one int8/int4 copy (``qweight``
+    and its scales); their float ``weight`` entries in the model's tie mapping are gone.
+    Undeclared, the shared buffers make ``save_pretrained`` fail (safetensors refuses
+    aliased tensors). Declared, the copy under the first name (the embedding's) is saved,
+    the others are left out (``_keys_to_ignore_on_save``, so loading a checkpoint back
+    re-ties them, without a missing-keys warning), and ``tie_weights`` ties the buffers
+    instead of looking for the float weights. Models that are not a ``PreTrainedModel``, or
+    share nothing, are left as they are.
+    """
+    if not isinstance(model, transformers.PreTrainedModel):
+        return {}
+    names: dict[int, list[str]] = {}
+    quantized_paths = set()
+    for path, module in model.named_modules(remove_duplicate=False):
+        if isinstance(getattr(module, "quantization_mode", None), str):
+            quantized_paths.add(path)
+            for key, buf in module.named_buffers(recurse=False):
+                names.setdefault(id(buf), []).append(f"{path}.{key}" if path else key)
+    added = {t: ns[0] for ns in names.values() if len(set(ns)) > 1 for t in dict.fromkeys(ns[1:])}
+    if not added:
+        return {}
+
+    def gone(name: str) -> bool:  # a float weight that quantization replaced
+        path, _, key = name.rpartition(".")
+        return (
+            path in quantized_paths
+            and key == "weight"
+            and not hasattr(model.get_submodule(path), "weight")
+        )
+
+    def kept(mapping: dict[str, str] | None) -> dict[str, str]:
+        return {t: s for t, s in (mapping or {}).items() if not (gone(t) or gone(s))}
+
+    model._tied_weights_keys = {**kept(model._tied_weights_keys), **added}
+    model.all_tied_weights_keys = {**kept(model.all_tied_weights_keys), **added}
+    model._keys_to_ignore_on_save = set(model._keys_to_ignore_on_save or ()) | set(added)
+    return added
+
+
 class MixprecTrainer(transformers.Trainer):
     """``transformers.Trainer`` under a mixprec precision: the model converted by the policy
     (per-layer rules, float32 islands), the optimizer wrapped in a ``LossScaleOptimizer``,
@@ -203,6 +247,7 @@ class MixprecTrainer(transformers.Trainer):
             self.model, self.optimizer = self.precision.setup(self.model, self.optimizer)
         else:
             self.model = self.precision.setup(self.model)
+        tie_quantized_weights(self.model)
         self.model_wrapped = self.model
         self._unscaled = False
 

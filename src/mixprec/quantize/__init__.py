@@ -140,19 +140,23 @@ def _describe(policy: QuantizedPolicy) -> str:
 
 
 def _quantized_layer(
-    module: nn.Module, policy: QuantizedPolicy, memo: dict[tuple[Any, ...], tuple[Tensor, ...]]
+    path: str,
+    module: nn.Module,
+    policy: QuantizedPolicy,
+    memo: dict[tuple[Any, ...], tuple[Tensor, ...]],
 ) -> nn.Module:
-    """The int8/int4 layer for `module`; `memo` shares one quantized copy of a tied weight
-    quantized the same way."""
+    """The int8/int4 layer for the module at `path`; `memo` shares one quantized copy of a
+    tied weight quantized the same way."""
     weight = module.weight
     key = (id(weight), policy.mode, policy.group_size)
     linear = isinstance(module, nn.Linear)
+    name = f"{path}.weight"
     if policy.mode == "int8":
         if key not in memo:
-            memo[key] = quantize_rows(weight)
+            memo[key] = quantize_rows(weight, name)
         return (Int8Linear if linear else Int8Embedding).from_float(module, memo[key])
     if key not in memo:
-        memo[key] = quantize_groups(weight, policy.group_size)
+        memo[key] = quantize_groups(weight, policy.group_size, name)
     cls4 = Int4Linear if linear else Int4Embedding
     return cls4.from_float(module, policy.group_size, memo[key])
 
@@ -181,7 +185,7 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
                     f"{type(module).__name__}: wrap it, e.g. nn.Sequential(model)"
                 )
             if id(module) not in new:
-                new[id(module)] = _quantized_layer(module, policy, memo)
+                new[id(module)] = _quantized_layer(path, module, policy, memo)
             result.quantized[path] = _describe(policy)
     _swap(model, new)
     for policy, paths in float8.items():

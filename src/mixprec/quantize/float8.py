@@ -105,9 +105,15 @@ def axis_scale(x: Tensor, fp8_dtype: torch.dtype, dim: int) -> Tensor:
 
 
 def to_float8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
-    """``x * scale`` in float32, saturated to the format's range, cast to `fp8_dtype`."""
+    """``x * scale`` in float32, saturated to the format's range, cast to `fp8_dtype`.
+
+    Only finite values saturate: an inf or NaN of `x` becomes NaN (e4m3's cast would turn an
+    inf into 448), so a tensor that overflowed stays non-finite whatever the scale, as
+    `amax_to_scale` promises, and a loss scaler still sees it.
+    """
     limit = torch.finfo(fp8_dtype).max
-    return (x.float() * scale).clamp(-limit, limit).to(fp8_dtype)
+    scaled = (x.float() * scale).clamp(-limit, limit)
+    return torch.where(torch.isfinite(x), scaled, torch.nan).to(fp8_dtype)
 
 
 def real_scaled_mm_supported(a8: Tensor, b8: Tensor, out_dtype: torch.dtype, rowwise: bool) -> bool:
@@ -164,24 +170,18 @@ def high_precision_matmul(
     return (a.to(dtype).float() @ b.to(dtype).float()).to(dtype)
 
 
-def _delayed_scale(
-    x: Tensor, scale: Tensor, history: Tensor, fp8_dtype: torch.dtype, record: bool
-) -> Tensor:
-    """The scale to quantize `x` with under delayed scaling, updating its buffers if `record`.
+def _delayed_scale(amax: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
+    """The scale to quantize a tensor of this `amax` with under delayed scaling: the stored
+    one (from the history of earlier steps), or before anything was recorded (stored scale
+    0) the tensor's own."""
+    return torch.where(scale > 0, scale.float(), amax_to_scale(amax, fp8_dtype))
 
-    The stored scale (from the history of earlier steps) is used; before anything was
-    recorded (stored scale 0) the current tensor's own scale is. Recording rolls the history
-    (newest first), stores this amax (a non-finite amax is stored as 0, so one overflowing
-    step cannot freeze the scale for a whole history) and sets the stored scale from the
-    history's max (0, meaning "not known yet", while the history holds only zeros).
-    """
-    amax = x.detach().abs().amax().float()
-    used = torch.where(scale > 0, scale.float(), amax_to_scale(amax, fp8_dtype))
-    if record:
-        seen = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
-        history.copy_(torch.cat([seen.reshape(1), history[:-1].float()]))
-        scale.copy_(_history_scale(history, fp8_dtype))
-    return used
+
+def _push(amax: Tensor, history: Tensor) -> None:
+    """Roll the history (newest first) and store `amax` in front; a non-finite amax is
+    stored as 0, so one overflowing step cannot freeze the scale for a whole history."""
+    seen = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))
+    history.copy_(torch.cat([seen.reshape(1), history[:-1].float()]))
 
 
 def _history_scale(history: Tensor, fp8_dtype: torch.dtype) -> Tensor:
@@ -191,8 +191,28 @@ def _history_scale(history: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     return torch.where(top > 0, amax_to_scale(top, fp8_dtype), torch.zeros_like(top))
 
 
+def _backward_running() -> bool:
+    """Whether this thread is inside an autograd backward, where a module's forward runs only
+    when activation checkpointing recomputes it. torch's own checkpoint code reads the same
+    graph-task id; under torch.compile the traced forward is taken as a plain one."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
+def _amax(x: Tensor) -> Tensor:
+    """``max|x|`` as a 0-dim float32 tensor (NaN if x holds one, inf if an inf)."""
+    return x.detach().abs().amax().float()
+
+
 class _Float8Matmul(torch.autograd.Function):
-    """``x @ weight.T`` with float8 operands in both directions, per recipe (no bias)."""
+    """``x @ weight.T`` with float8 operands in both directions, per recipe (no bias).
+
+    `record` (delayed only): None records nothing; "backward" pushes the input's and the
+    weight's amaxes (taken in forward) and the output gradient's in backward; "forward"
+    pushes the input's and the weight's at once, for a forward without a backward (nothing
+    it reads requires grad). The stored scales are only read here.
+    """
 
     @staticmethod
     def forward(
@@ -202,7 +222,7 @@ class _Float8Matmul(torch.autograd.Function):
         recipe: str,
         out_dtype: torch.dtype,
         emulate: bool,
-        record: bool,
+        record: str | None,
         *delayed: Tensor,
     ) -> Tensor:
         ctx.recipe, ctx.out_dtype, ctx.emulate, ctx.record = recipe, out_dtype, emulate, record
@@ -218,8 +238,13 @@ class _Float8Matmul(torch.autograd.Function):
                 return out
             if recipe == "delayed":
                 in_scale, in_hist, w_scale, w_hist, ctx.g_scale, ctx.g_hist = delayed
-                sx = _delayed_scale(x, in_scale, in_hist, E4M3, record)
-                sw = _delayed_scale(weight, w_scale, w_hist, E4M3, record)
+                amax_x, amax_w = _amax(x), _amax(weight)
+                sx = _delayed_scale(amax_x, in_scale, E4M3)
+                sw = _delayed_scale(amax_w, w_scale, E4M3)
+                if record == "forward":
+                    _push(amax_x, in_hist)
+                    _push(amax_w, w_hist)
+                ctx.pushes = (amax_x, in_hist), (amax_w, w_hist)
             else:
                 sx, sw = tensor_scale(x, E4M3), tensor_scale(weight, E4M3)
             x8, w8 = to_float8(x, sx, E4M3), to_float8(weight, sw, E4M3)
@@ -231,21 +256,24 @@ class _Float8Matmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         out_dtype, emulate = ctx.out_dtype, ctx.emulate
+        need_x, need_w = ctx.needs_input_grad[:2]
+        grad_x = grad_w = None
         with torch.autocast(g.device.type, enabled=False):
             if ctx.recipe in _ROWWISE:
                 x, weight = ctx.saved_tensors
-                sg, swc = axis_scale(g, E4M3, -1), axis_scale(weight, E4M3, 0)
-                grad_x = scaled_matmul(
-                    to_float8(g, sg, E4M3),
-                    sg.reciprocal(),
-                    to_float8(weight, swc, E4M3),
-                    swc.reciprocal(),
-                    out_dtype,
-                    emulate=emulate,
-                )
-                if ctx.recipe == "rowwise_with_gw_hp":
+                if need_x:
+                    sg, swc = axis_scale(g, E4M3, -1), axis_scale(weight, E4M3, 0)
+                    grad_x = scaled_matmul(
+                        to_float8(g, sg, E4M3),
+                        sg.reciprocal(),
+                        to_float8(weight, swc, E4M3),
+                        swc.reciprocal(),
+                        out_dtype,
+                        emulate=emulate,
+                    )
+                if need_w and ctx.recipe == "rowwise_with_gw_hp":
                     grad_w = high_precision_matmul(g.t(), x, out_dtype, emulate=emulate)
-                else:
+                elif need_w:
                     sgc, sxc = axis_scale(g, E4M3, 0), axis_scale(x, E4M3, 0)
                     grad_w = scaled_matmul(
                         to_float8(g, sgc, E4M3).t(),
@@ -258,14 +286,24 @@ class _Float8Matmul(torch.autograd.Function):
             else:
                 x8, w8, x_inv, w_inv = ctx.saved_tensors
                 if ctx.recipe == "delayed":
-                    sg = _delayed_scale(g, ctx.g_scale, ctx.g_hist, E5M2, ctx.record)
+                    amax_g = _amax(g)
+                    sg = _delayed_scale(amax_g, ctx.g_scale, E5M2)
+                    if ctx.record == "backward":
+                        for amax, history in (*ctx.pushes, (amax_g, ctx.g_hist)):
+                            _push(amax, history)
                 else:
                     sg = tensor_scale(g, E5M2)
                 g8, g_inv = to_float8(g, sg, E5M2), sg.reciprocal()
-                grad_x = scaled_matmul(g8, g_inv, w8, w_inv, out_dtype, emulate=emulate)
-                grad_w = scaled_matmul(g8.t(), g_inv, x8, x_inv, out_dtype, emulate=emulate)
+                if need_x:
+                    grad_x = scaled_matmul(g8, g_inv, w8, w_inv, out_dtype, emulate=emulate)
+                if need_w:
+                    grad_w = scaled_matmul(g8.t(), g_inv, x8, x_inv, out_dtype, emulate=emulate)
         none = (None,) * (4 + (len(DELAYED_BUFFERS) if ctx.recipe == "delayed" else 0))
-        return (grad_x.to(ctx.x_dtype), grad_w.to(ctx.w_dtype), *none)
+        return (
+            None if grad_x is None else grad_x.to(ctx.x_dtype),
+            None if grad_w is None else grad_w.to(ctx.w_dtype),
+            *none,
+        )
 
 
 class Float8Linear(nn.Linear):
@@ -276,15 +314,22 @@ class Float8Linear(nn.Linear):
     never quantized. Gradients come out of the matmuls in the compute dtype and are cast to
     the input's and the weight's dtypes (float32 masters stay float32). The weight is the
     Linear's own parameter in its storage dtype, so state-dict keys are a Linear's; the
-    "delayed" recipe adds six float32 buffers (`DELAYED_BUFFERS`), which checkpoint.
+    "delayed" recipe adds six float32 buffers (`DELAYED_BUFFERS`), which checkpoint and stay
+    float32 through ``.half()`` / ``.to(dtype)`` (see `fixed_dtype_buffers`).
 
-    Delayed scaling records each tensor's amax once per forward (and backward) in training
-    mode with gradients enabled, newest first; the next step's scale comes from the
-    history's max. Unlike Keras (scales start at 1.0 and lag two steps), the first step
-    scales dynamically and later steps use every amax up to the previous step. Under
-    several processes `sync_amax_histories` (the Trainer calls it every optimizer step)
-    makes the histories the max over the ranks; without it DDP ranks quantize with rank 0's
-    (broadcast before each forward) and FSDP ranks with their own.
+    Delayed scaling: each forward sets the three stored scales from their amax histories'
+    max, and quantizes the input and weight (its backward the output gradient) with them;
+    that backward then pushes the three amaxes onto the histories, newest first. Unlike
+    Keras (scales start at 1.0 and lag two steps), the first step scales dynamically (a
+    stored scale of 0 means "none yet") and later steps use every amax up to the previous
+    step. A forward that activation checkpointing (`torch.utils.checkpoint`, reentrant or
+    not) recomputes inside a backward keeps the scales the original forward set, so it
+    recomputes the same values, and each amax is pushed once, by the one backward that
+    runs per step. A training forward with gradients enabled but nothing requiring grad
+    (so no backward) pushes the input and weight amaxes at once; eval and no-grad forwards
+    push nothing. Under several processes `sync_amax_histories` (the Trainer calls it every
+    optimizer step) makes the histories the max over the ranks; without it DDP ranks
+    quantize with rank 0's (broadcast before each forward) and FSDP ranks with their own.
 
     `emulate=True` forces the float32 emulation even where a real float8 matmul could run.
     """
@@ -349,6 +394,31 @@ class Float8Linear(nn.Linear):
         _carry_hooks(self, linear)
         return linear.train(self.training)
 
+    @property
+    def fixed_dtype_buffers(self) -> tuple[str, ...]:
+        """Floating buffers whose dtype no cast may change: the delayed scales and amax
+        histories are float32 (in float16 a scale ``448 / amax`` overflows to inf once
+        amax < 448 / 65504, quantizing everything to 0). `_apply` keeps them; code that
+        assigns buffers itself (`mixprec.sharding.shard`) leaves these alone."""
+        return DELAYED_BUFFERS if self.recipe == "delayed" else ()
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Float8Linear:
+        """nn.Module's, except that `fixed_dtype_buffers` only follow a change of device."""
+        before = {name: self._buffers[name] for name in self.fixed_dtype_buffers}
+        super()._apply(fn, recurse)
+        for name, kept in before.items():
+            after = self._buffers[name]
+            if after is not None and after.dtype != kept.dtype:
+                self._buffers[name] = kept.to(after.device)
+        return self
+
+    @torch.no_grad()
+    def _refresh_scales(self) -> None:
+        """Set each delayed scale from its amax history's max (0 while it is all zeros)."""
+        for name, fp8 in (("input", E4M3), ("weight", E4M3), ("grad_output", E5M2)):
+            history = getattr(self, f"{name}_amax_history")
+            getattr(self, f"{name}_scale").copy_(_history_scale(history, fp8))
+
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features or not x.is_floating_point():
             raise ValueError(
@@ -360,8 +430,17 @@ class Float8Linear(nn.Linear):
             out_dtype = torch.get_autocast_dtype(device)
         else:
             out_dtype = x.dtype
-        record = self.training and torch.is_grad_enabled()
-        delayed = [getattr(self, n) for n in DELAYED_BUFFERS] if self.recipe == "delayed" else []
+        record, delayed = None, []
+        if self.recipe == "delayed":
+            recomputed = _backward_running()
+            if not recomputed:
+                self._refresh_scales()
+            if self.training and torch.is_grad_enabled():
+                if x.requires_grad or self.weight.requires_grad:
+                    record = "backward"
+                elif not recomputed:
+                    record = "forward"
+            delayed = [getattr(self, n) for n in DELAYED_BUFFERS]
         out = _Float8Matmul.apply(
             x.reshape(-1, self.in_features),
             self.weight,
@@ -415,10 +494,8 @@ def sync_amax_histories(model: nn.Module | list[Float8Linear], group: Any = None
     with torch.no_grad():
         for h, new in zip(histories, flat.split([h.numel() for h in histories]), strict=True):
             h.copy_(new)
-        for m in layers:
-            for name, fp8 in (("input", E4M3), ("weight", E4M3), ("grad_output", E5M2)):
-                history = getattr(m, f"{name}_amax_history")
-                getattr(m, f"{name}_scale").copy_(_history_scale(history, fp8))
+    for m in layers:
+        m._refresh_scales()
     return len(layers)
 
 

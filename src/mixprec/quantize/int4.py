@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mixprec.quantize.int8 import check_finite, output_dtype
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
 QMAX = 15
@@ -41,9 +42,13 @@ def unpack(packed: Tensor, count: int) -> Tensor:
     return out.flatten(-2)[..., :count]
 
 
-def quantize_groups(w: Tensor, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
+def quantize_groups(
+    w: Tensor, group_size: int, name: str = "the weight"
+) -> tuple[Tensor, Tensor, Tensor]:
     """``(packed, scale, zero)`` of a 2-D weight: packed uint8 [rows, ceil(padded / 2)],
-    float32 scale and uint8 zero point per [rows, groups]."""
+    float32 scale and uint8 zero point per [rows, groups]. A weight holding inf or NaN is
+    refused (`check_finite`; `name` says which in the error)."""
+    check_finite(w, name)
     rows, features = w.shape
     n, size = groups_of(features, group_size)
     w32 = F.pad(w.detach().to(torch.float32), (0, n * size - features)).view(rows, n, size)
@@ -121,7 +126,11 @@ class Int4Linear(LoraMixin, _Int4Weight):
         return layer.to(linear.weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.add_lora(x, F.linear(x, self.dequantized_weight(), self.bias))
+        # in the compute dtype (autocast's, else the input's): outside autocast a float32
+        # weight would meet a 16-bit input (FSDP2 casts inputs, not these buffers)
+        dtype = output_dtype(x)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return self.add_lora(x, F.linear(x, self.dequantized_weight().to(dtype), bias))
 
     def extra_repr(self) -> str:
         return (

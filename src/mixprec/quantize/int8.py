@@ -20,14 +20,39 @@ from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 QMAX = 127
 
 
-def quantize_rows(w: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row int8: ``(q, scale)`` with ``w ~= q * scale[:, None]``, ``q`` in
-    [-127, 127] and ``|w - q * scale| <= scale / 2``; an all-zero row gets scale 1."""
-    w32 = w.detach().to(torch.float32)
-    amax = w32.abs().amax(dim=-1, keepdim=True)
+def check_finite(w: Tensor, name: str) -> None:
+    """Raise ValueError if the weight `w` holds an inf or NaN: quantizing would turn it into
+    finite codes (a NaN row's scale used to become 1 and its values 0), hiding it for good."""
+    bad = ~torch.isfinite(w.detach())
+    if bad.any():
+        rows = bad.reshape(bad.shape[0], -1).any(dim=-1).nonzero().flatten().tolist()
+        shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+        raise ValueError(
+            f"cannot quantize {name}: it holds {int(bad.sum())} inf/NaN value(s), in rows "
+            f"{shown}. Quantized codes are finite, so they would silently stand for a "
+            "broken weight; quantize finite weights (a diverged or corrupt checkpoint?)"
+        )
+
+
+def _quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8 of a 2-D tensor. A row holding an inf or NaN gets codes 0 and
+    scale NaN, so whatever is computed from it comes out NaN."""
+    x32 = x.detach().to(torch.float32)
+    amax = x32.abs().amax(dim=-1, keepdim=True)  # NaN or inf for a non-finite row
+    finite = torch.isfinite(amax)
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-    q = torch.round(w32 / scale).clamp_(-QMAX, QMAX).to(torch.int8)
+    scale = torch.where(finite, scale, torch.nan)
+    q = torch.round(x32 / scale).clamp_(-QMAX, QMAX)
+    q = torch.where(finite, q, torch.zeros_like(q)).to(torch.int8)
     return q, scale.squeeze(-1)
+
+
+def quantize_rows(w: Tensor, name: str = "the weight") -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8 of a weight: ``(q, scale)`` with ``w ~= q * scale[:, None]``,
+    ``q`` in [-127, 127] and ``|w - q * scale| <= scale / 2``; an all-zero row gets scale 1.
+    A weight holding inf or NaN is refused (`check_finite`; `name` says which in the error)."""
+    check_finite(w, name)
+    return _quantize_rows(w)
 
 
 def int_matmul(a: Tensor, b: Tensor) -> Tensor:
@@ -45,8 +70,10 @@ def int_matmul(a: Tensor, b: Tensor) -> Tensor:
 
 
 def quantize_tokens(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-token (per-row of ``x`` flattened to 2-D) int8 quantization of activations."""
-    return quantize_rows(x.reshape(-1, x.shape[-1]))
+    """Per-token (per-row of ``x`` flattened to 2-D) int8 quantization of activations; a token
+    holding an inf or NaN gets scale NaN, so its output row is NaN (as a float Linear's would
+    be non-finite), where loss scalers and NaN checks see it."""
+    return _quantize_rows(x.reshape(-1, x.shape[-1]))
 
 
 def int8_linear(x: Tensor, qweight: Tensor, weight_scale: Tensor) -> Tensor:

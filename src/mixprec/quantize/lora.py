@@ -56,6 +56,7 @@ class LoraMixin:
         self.lora_A, self.lora_B = nn.Parameter(a), nn.Parameter(b)
         self.lora_rank, self.lora_alpha = rank, float(rank if alpha is None else alpha)
         if getattr(self, "bias", None) is not None:
+            self._bias_requires_grad = self.bias.requires_grad  # type: ignore[attr-defined]
             self.bias.requires_grad_(False)  # type: ignore[attr-defined]
         return [self.lora_A, self.lora_B]
 
@@ -67,8 +68,8 @@ class LoraMixin:
         return out + (delta * (self.lora_alpha / self.lora_rank)).to(out.dtype)
 
     def merge_lora(self) -> None:
-        """Fold the adapters into the weight, quantize it again and drop them; the bias
-        trains again."""
+        """Fold the adapters into the weight, quantize it again and drop them; the bias gets
+        back the requires_grad it had before `enable_lora` (a frozen bias stays frozen)."""
         if not self.lora_rank:
             raise ValueError("LoRA is not enabled on this layer; nothing to merge")
         with torch.no_grad():
@@ -76,7 +77,7 @@ class LoraMixin:
         self.lora_A = self.lora_B = None
         self.lora_rank, self.lora_alpha = 0, 0.0
         if getattr(self, "bias", None) is not None:
-            self.bias.requires_grad_(True)  # type: ignore[attr-defined]
+            self.bias.requires_grad_(self._bias_requires_grad)  # type: ignore[attr-defined]
 
     def lora_repr(self) -> str:
         return f", lora_rank={self.lora_rank}" if self.lora_rank else ""

@@ -350,8 +350,9 @@ class DDPStrategy(SingleDeviceStrategy):
 class FSDPStrategy(DDPStrategy):
     """One process per device, launched as for DDP; parameters, gradients and optimizer
     state sharded by FSDP2 under the run's policy (`mixprec.sharding.shard`): float32 sharded
-    masters for ``*-mixed`` policies, float32 islands as float32 units. Optimizers are built
-    after sharding; checkpoints are sharded (`mixprec.trainer.sharded`)."""
+    masters for ``*-mixed`` policies, float32 islands as float32 units, quantized layers for
+    quantized rules. Optimizers are built after sharding; checkpoints are sharded
+    (`mixprec.trainer.sharded`)."""
 
     name = "fsdp"
     sharded = True
@@ -535,8 +536,13 @@ def launch_stage(
     for lg in trainer.loggers:
         lg.version  # noqa: B018 (fix the run directory before the children start)
     out = strategy.launch(run_in_child, trainer, stage, model, kwargs)
-    if not strategy.sharded:  # a sharded run's weights land in the model as it was given
-        Precision(trainer.policy, device="cpu", allow_slow=True).setup(model)
+    precision = Precision(trainer.policy, device="cpu", allow_slow=True)
+    if not strategy.sharded:
+        precision.setup(model)
+    else:  # the weights land in the model as it was given, but with its quantized layers
+        from mixprec.sharding import quantize_for
+
+        quantize_for(model, precision.policy)
     model.load_state_dict(out["model"])
     progress = out["trainer"]
     for key in TRAINER_PROGRESS:
