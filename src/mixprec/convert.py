@@ -211,9 +211,12 @@ def _dtype_plan(
     plan = []
     for name, module in model.named_modules():
         dtype = resolved[name].policy.param_dtype
+        fixed = getattr(module, "fixed_dtype_buffers", ())  # float8 delayed scales
         for kind, store in (("parameter", module._parameters), ("buffer", module._buffers)):
             for key, t in store.items():
                 if t is None or not t.is_floating_point():
+                    continue
+                if kind == "buffer" and key in fixed:
                     continue
                 path = f"{name}.{key}" if name else key
                 seen = owners.setdefault(id(t), (path, dtype))
