@@ -162,11 +162,12 @@ def check_model_name(name: str) -> None:
 
 
 def check_model(name: str) -> None:
-    """Raise ValueError unless `name` is a built-in model or an importable callable factory
-    (the factory is not called: that happens in the benchmark's own processes)."""
+    """Raise ValueError unless `name` is a built-in model or a factory that returns a
+    workload: a user's factory is called once here (its model built and dropped, no batch
+    made), so that a broken one stops the run before any process starts."""
     check_model_name(name)
     if name not in BUILTIN_MODELS:
-        load_factory(name)
+        _from_factory(name)
 
 
 def _from_factory(name: str) -> Workload:
