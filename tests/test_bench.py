@@ -405,14 +405,15 @@ def test_a_failing_max_batch_probe_is_recorded_and_every_result_is_written(
     assert (tmp_path / "out" / "bench.png").is_file()
 
 
-def test_repeated_batch_sizes_add_up_and_a_preset_is_reproduced():
+def test_repeated_batch_sizes_add_up_and_a_preset_and_timeout_are_reproduced():
     from mixprec.bench.command import _options
     from mixprec.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--batch-sizes", "2", "--batch-sizes", "8,4"])
     assert _options(args).batch_sizes == [2, 8, 4]
-    p = plan(BenchOptions(preset="blog", precisions=["32-true"], device="cpu"))
+    p = plan(BenchOptions(preset="blog", precisions=["32-true"], device="cpu", timeout=6.0))
     assert p.command.startswith("mixprec bench --model cnn --preset blog --image-size 256 ")
+    assert p.command.endswith(" --timeout 6")
 
 
 def test_a_float64_only_run_says_float64_was_timed():

@@ -265,6 +265,8 @@ def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
         parts += ["--float32-islands", opts.float32_islands]
     if opts.compile:
         parts.append("--compile")
+    if opts.timeout != BenchOptions.timeout:
+        parts += ["--timeout", f"{opts.timeout:g}"]
     return shlex.join(parts)
 
 
