@@ -24,6 +24,7 @@ from mixprec.bench.models import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_IMAGE_SIZE,
     check_model,
+    check_workload,
 )
 from mixprec.bench.runner import OK, OOM, RunResult, RunSpec, run_isolated
 from mixprec.dtypes import dtype_name
@@ -292,6 +293,7 @@ def plan(options: BenchOptions) -> Plan:
             "and swaps long before a batch 'does not fit'"
         )
     policies, support = _precisions(opts.precisions, device, opts.allow_slow)
+    check_workload(opts.model)  # last: it calls a user's factory
     info = detect(device)
     left_out = {
         name: policy_support(Policy(name), info)
