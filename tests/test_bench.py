@@ -64,6 +64,23 @@ FACTORY = textwrap.dedent(
 
     def broken():
         return nn.Linear(2, 2)
+
+
+    def raises():
+        raise RuntimeError("no weights")
+
+
+    def needs_arg(size):
+        return nn.Linear(size, 2)
+
+
+    def small_only():
+        def make_batch(n):
+            if n > 4:
+                raise ValueError(f"this data set has 4 samples, asked for {n}")
+            return torch.randn(n, 8), torch.randint(0, 2, (n,))
+
+        return nn.Linear(8, 2), make_batch, nn.functional.cross_entropy
     """
 )
 
@@ -247,18 +264,26 @@ def test_user_factory_by_module_name(tmp_path, factory_dir, monkeypatch):
     assert code == 0 and results["results"][0]["result"]["status"] == OK
 
 
-def test_a_factory_returning_the_wrong_thing_is_reported(tmp_path, factory_dir, capsys):
-    code, results, _, md = _bench(
-        tmp_path,
-        *("--model", f"{factory_dir / 'benchfactory.py'}:broken", "--batch-sizes", "2"),
-        *("--precision", "32-true", "--steps", "1"),
-        *TINY,
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        ("broken", "must return (model, make_batch, loss_fn), got Linear"),
+        ("raises", "raised RuntimeError: no weights ("),
+        ("needs_arg", "raised TypeError: needs_arg() missing 1 required positional argument"),
+    ],
+)
+def test_a_broken_factory_stops_the_run_before_anything_is_timed(
+    tmp_path, factory_dir, capsys, factory, message
+):
+    # before: every configuration ran, failed alike, and the run exited 1
+    out = tmp_path / "never"
+    code = main(
+        ["bench", "--model", f"{factory_dir / 'benchfactory.py'}:{factory}"]
+        + ["--batch-sizes", "2", "--precision", "32-true", "--out", str(out)]
     )
-    assert code == 1
-    error = results["results"][0]["result"]["error"]
-    assert "must return (model, make_batch, loss_fn)" in error
-    assert "must return (model, make_batch, loss_fn)" in capsys.readouterr().err
-    assert "did not run" in md
+    captured = capsys.readouterr()
+    assert code == 2 and message in " ".join(captured.err.split())
+    assert "reproduce:" not in captured.out and not out.exists()
 
 
 @pytest.mark.parametrize(
@@ -350,6 +375,58 @@ def test_max_batch_search_finds_the_boundary(tmp_path):
         f"32-true: {best} fits, {first_oom} runs out of memory"
         in (tmp_path / "report.md").read_text()
     )
+
+
+def test_a_failing_max_batch_probe_is_recorded_and_every_result_is_written(
+    tmp_path, factory_dir, capsys
+):
+    # before: the failed probe raised RuntimeError and no output was written
+    code, results, rows, md = _bench(
+        tmp_path,
+        *("--model", f"{factory_dir / 'benchfactory.py'}:small_only", "--batch-sizes", "2"),
+        *("--precision", "32-true", "--steps", "1", "--memory-limit", "1GiB", "--max-batch"),
+        *TINY,
+    )
+    assert code == 1  # the search could not finish
+    assert [r["status"] for r in rows] == [OK]  # the timed row is kept
+    found = results["max_batch"]["32-true"]
+    assert (found["max_batch"], found["first_oom"], found["capped"]) == (4, None, False)
+    assert [(p["batch_size"], p["status"]) for p in found["probes"]] == [
+        (2, OK),
+        (4, OK),
+        (8, "error"),
+    ]
+    assert found["error"].startswith("batch 8: error: ")
+    assert "ValueError: this data set has 4 samples, asked for 8" in found["error"]
+    line = "32-true: search stopped at batch 8: error: "
+    assert line in md and "(the largest that fitted before it: 4)" in md
+    printed = " ".join(capsys.readouterr().out.split())
+    assert line in printed and "the largest that fitted before it: 4" in printed
+    assert (tmp_path / "out" / "bench.png").is_file()
+
+
+def test_repeated_batch_sizes_add_up_and_a_preset_and_timeout_are_reproduced():
+    from mixprec.bench.command import _options
+    from mixprec.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--batch-sizes", "2", "--batch-sizes", "8,4"])
+    assert _options(args).batch_sizes == [2, 8, 4]
+    p = plan(BenchOptions(preset="blog", precisions=["32-true"], device="cpu", timeout=6.0))
+    assert p.command.startswith("mixprec bench --model cnn --preset blog --image-size 256 ")
+    assert p.command.endswith(" --timeout 6")
+
+
+def test_a_float64_only_run_says_float64_was_timed():
+    from mixprec.bench.report import comparison_gap_paragraph
+    from mixprec.bench.suite import comparison_gap, metadata
+
+    with hardware.assume(ZEN4):
+        p = plan(BenchOptions(precisions=["64-true"], batch_sizes=[2], device="cpu", threads=1))
+        meta = metadata(p)
+        meta["comparison_gap"] = comparison_gap(p)
+    assert meta["comparison_gap"]["timed"] == ["float64"]
+    gap = comparison_gap_paragraph(BenchReport(meta, []), [])
+    assert gap.startswith("Only 64-true was asked for (--precision), so only float64 was timed.")
 
 
 def test_cpu_peak_memory_is_the_peak_of_live_tensor_bytes():

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from mixprec.cli import main
 from mixprec.factory import FactoryError, call_factory, load_factory
@@ -145,3 +146,16 @@ def test_an_unknown_device_is_a_usage_error_everywhere(annotated, tmp_path, caps
     assert "unknown device 'tpu'" in capsys.readouterr().err
     assert main(["doctor", f"{annotated}:make_doctor", "--device", "tpu", "--no-report"]) == 2
     assert "unknown device 'tpu'" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
+def test_mps_without_mps_is_a_usage_error_everywhere(annotated, tmp_path, capsys):
+    # before: `info` printed a line and crashed in the support matrix, `doctor` in torch
+    assert main(["info", "--device", "mps"]) == 2
+    captured = capsys.readouterr()
+    assert "device 'mps'" in captured.err and "sees no Apple GPU" in captured.err
+    assert captured.out == ""
+    assert main(["doctor", f"{annotated}:make_doctor", "--device", "mps", "--no-report"]) == 2
+    assert "sees no Apple GPU" in " ".join(capsys.readouterr().err.split())
+    assert main(["bench", "--device", "mps", "--out", str(tmp_path / "o")]) == 2
+    assert "mixprec bench runs on cpu or cuda, not mps" in capsys.readouterr().err

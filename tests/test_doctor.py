@@ -193,23 +193,37 @@ def test_branch_gradients_underflow_without_loss_scaling():
 
 
 class Shift(nn.Module):
-    """(x + 2048) - 2048: float16 spacing at 2048 is 2, so unit-sized values are lost."""
+    """(x + offset) - offset: float16 spacing at 2048 is 2 (at 512, 0.5), so unit-sized
+    values lose most (some) of their precision."""
+
+    def __init__(self, offset: float = 2048.0) -> None:
+        super().__init__()
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x + 2048.0) - 2048.0
+        return (x + self.offset) - self.offset
 
 
-def test_precision_loss_is_at_risk_and_fixed_in_float32():
+@pytest.mark.parametrize(
+    ("offset", "verdict"),
+    [(512.0, AT_RISK), (2048.0, BROKEN)],
+    ids=["sqnr-14dB-at-risk", "sqnr-3dB-broken"],
+)
+def test_precision_loss_is_flagged_and_fixed_in_float32(offset, verdict):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), Shift(), nn.ReLU(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), Shift(offset), nn.ReLU(), nn.Linear(16, 4))
     batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
     d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
     assert names(d) == ["1"]
     shift = d.modules["1"]
-    assert shift.verdict == AT_RISK and shift.kind == "precision"
-    assert shift.rel_error > 0.1 and d.modules["0"].rel_error < 1e-2
+    assert shift.verdict == verdict and shift.kind == "precision"
+    # below 6 dB SQNR (relative error 0.5) a layer is broken, quantized or not
+    assert (shift.sqnr_db < 6) == (verdict == BROKEN) and shift.rel_error > 0.1
+    assert d.modules["0"].rel_error < 1e-2
     assert "its error against the reference grows to" in shift.reason
+    assert shift.reason.endswith("it carries little signal") == (verdict == BROKEN)
     assert d.modules["2"].verdict == OK  # the error it passes on is not ReLU's fault
+    assert not d.passes()  # either way the gradient is far off (0.44 and 1.0)
     assert d.recommend().policy == PolicyMap("16-mixed", {"1": "32-true"})
 
 
@@ -244,6 +258,113 @@ def test_backward_overflow_is_blamed_where_it_starts():
     assert d.modules["0"].verdict == OK and d.modules["0"].param_grad_nonfinite > 0
     # at the scale a dynamic scaler settles at, the backward is finite
     assert diagnose(model, batch, F.cross_entropy, precision="16-mixed").findings == []
+
+
+def _tanh_stack(loss_factor: float):
+    """Linear/Tanh layers whose loss is cross-entropy x `loss_factor`: its float32 gradient
+    of the logits reaches about 12.6 x the loss scale (1e3 / 64 x (1 - p))."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
+    )
+    batch = (torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    return model, batch, lambda out, y: F.cross_entropy(out, y) * loss_factor
+
+
+def test_gradient_overflowing_between_the_loss_and_the_last_layer_is_blamed_and_scaled_down():
+    model, batch, loss_fn = _tanh_stack(1e3)
+    logits = model(batch[0]).detach().requires_grad_()
+    loss_fn(logits, batch[1]).backward()
+    peak = logits.grad.abs().max().item()  # the gradient that arrives at the last Linear
+    assert f"{peak:.3g}" == "12.6" and f"{peak * 65536:.2g}" == "8.2e+05"
+    assert 2.0 ** math.floor(math.log2(65504 / peak)) == 4096  # the largest scale it fits
+    d = diagnose(model, batch, loss_fn, precision="16-mixed", loss_scale=65536)
+    assert all(m.nonfinite == 0 for m in d.modules.values())  # the forward is fine
+    assert not d.finite and d.grad_rel_error == math.inf
+    # inf first appears where the float32 loss gradient is cast to the float16 logits' one,
+    # outside any module's backward: the module that receives it is blamed
+    assert names(d) == ["4"]
+    last = d.modules["4"]
+    assert last.verdict == BROKEN and last.kind == "scale" and last.grad_nonfinite > 0
+    headroom = int(d.recommended_loss_scale)
+    assert headroom == 128
+    assert last.reason == (
+        "its output gradient is already inf/NaN as it arrives, at loss scale 65536: it "
+        "overflows float16 outside any module's backward, where a float32 gradient (e.g. the "
+        "loss's) is cast to float16 (largest in the reference 12.6, x 65536 = 8.2e5 > float16 "
+        "max 65504); loss scale 4096 is the largest that keeps it finite, 128 leaves every "
+        "gradient 8x headroom"
+    )
+    assert d.modules[""].verdict == OK and d.modules["3"].verdict == OK
+    assert not d.passes()
+    # the loss scale is the problem, not a layer's dtype: the fix keeps the policy
+    fix = d.recommend()
+    assert fix.policy == PolicyMap("16-mixed") and fix.loss_scale == headroom
+    assert fix.log == (f"loss scale 65536 -> {headroom}, for 4's gradients: the run passes",)
+    assert fix.verified.loss_scale == headroom and fix.verified.passes()
+    assert f"DynamicLossScaler(init_scale={headroom})" in fix.scaler_advice()
+    # at 4096 that gradient fits float16 (the weight gradient summed over the batch, made in
+    # the Linear's own backward, still does not); at 8192 it does not
+    at = {s: diagnose(model, batch, loss_fn, loss_scale=s).modules["4"] for s in (4096, 8192)}
+    assert at[4096].grad_nonfinite == 0 and at[8192].grad_nonfinite > 0
+    assert at[4096].reason.startswith("its backward produces inf/NaN gradients at loss scale")
+    assert at[8192].reason.startswith("its output gradient is already inf/NaN as it arrives")
+
+
+def test_a_float16_loss_holds_the_loss_scale_to_32768():
+    model, batch, loss_fn = _tanh_stack(1.0)
+    # under 16-true the loss itself is float16: its gradient, the scale, must fit float16
+    d = diagnose(model, batch, loss_fn, precision="16-true")
+    assert d.loss_scale == d.recommended_loss_scale == 32768 and d.passes()
+    over = diagnose(model, batch, loss_fn, precision="16-true", loss_scale=65536)
+    assert names(over) == ["4"] and over.modules["4"].kind == "scale"
+    assert over.modules["4"].reason.endswith(
+        "at loss scale 65536: the loss is float16, and its gradient, the loss scale itself, "
+        "is beyond float16 max 65504; loss scale 32768 fits, or compute the loss in float32"
+    )
+    fix = over.recommend()
+    assert fix.policy == PolicyMap("16-true") and fix.loss_scale == 32768
+    # a float32 loss (16-mixed casts the output to float32) has no such limit
+    mixed = diagnose(model, batch, loss_fn, precision="16-mixed")
+    assert mixed.loss_scale == 65536 and mixed.passes()
+
+
+class OverflowingLoss(TrainingModule):
+    """training_step computes its loss in the float16 outputs' dtype, where it overflows:
+    every module is fine, the loss is not (and the root is never called)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return (self.net(x) * 1e5).square().mean()
+
+
+def test_a_loss_overflowing_outside_every_module_is_the_models_finding():
+    batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    d = diagnose(OverflowingLoss(), batch, precision="16-true")
+    assert math.isinf(d.target_loss) and all(m.nonfinite == 0 for m in d.modules.values())
+    assert names(d) == [""]
+    root = d.modules[""]
+    assert root.type == "OverflowingLoss" and root.calls == 0 and root.verdict == BROKEN
+    assert root.reason.startswith(
+        "the loss is inf/NaN although every module's output is finite: it overflows float16 "
+        "outside the modules"
+    )
+    assert "1 broken" in d.summary() and not d.passes()
+    with pytest.raises(PrecisionError, match="no per-module policy changes a loss computed"):
+        d.recommend()
+
+
+def test_float64_target_and_reference():
+    model, batch, loss_fn = _tanh_stack(1.0)
+    for precision, reference in (("64-true", "32-true"), ("32-true", "64-true")):
+        d = diagnose(model, batch, loss_fn, precision=precision, reference=reference)
+        assert d.findings == [] and d.passes() and d.grad_rel_error < 1e-5
+    assert d.modules["4"].dtype == "float32" and d.loss_scale == 1.0
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
@@ -518,6 +639,94 @@ def test_cli_doctor_clean_model_and_bad_factory(tmp_path, capsys):
     assert "expected FILE.py:FACTORY" in capsys.readouterr().err
     assert main(["doctor", f"{factory}:nothing", "--no-report"]) == 2
     assert "has no callable 'nothing'" in capsys.readouterr().err
+
+
+CLI_FAULTS = """
+import torch, torch.nn.functional as F
+from torch import nn
+
+
+class HandLN(nn.Module):  # a hand-written LayerNorm: its variance squares values near 1e3
+    def forward(self, x):
+        mu = x.mean(-1, keepdim=True)
+        var = ((x - mu) ** 2).mean(-1, keepdim=True)
+        return (x - mu) / torch.sqrt(var + 1e-5)
+
+
+def handln():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), HandLN(), nn.Linear(32, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(100.0)
+    return model, (torch.randn(32, 16) * 3, torch.randint(0, 4, (32,))), F.cross_entropy
+
+
+def near_max():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    x = torch.randn(16, 8)
+    with torch.no_grad():
+        model[0].weight.mul_(3e4 / model[0](x).abs().max())
+        model[0].bias.zero_()
+    return model, (x, torch.randint(0, 4, (16,))), F.cross_entropy
+
+
+def grad_overflow():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    batch = (torch.randn(64, 16), torch.randint(0, 4, (64,)))
+    return model, batch, lambda out, y: F.cross_entropy(out, y) * 1e3
+
+
+class Fails(nn.Module):
+    def forward(self, x):
+        raise RuntimeError("the model's own bug")
+
+
+def fails():
+    return Fails(), (torch.randn(2, 2), torch.zeros(2)), F.mse_loss
+"""
+
+
+@pytest.fixture
+def cli_faults(tmp_path: Path) -> Path:
+    path = tmp_path / "cli_faults.py"
+    path.write_text(CLI_FAULTS)
+    return path
+
+
+def _doctor(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["doctor", *args, "--no-report"])
+    out, err = capsys.readouterr()
+    return code, " ".join(out.split()), " ".join(err.split())
+
+
+def test_cli_doctor_exit_status_is_whether_the_run_passes(cli_faults, capsys):
+    # a layer that loses its signal inside (SQNR 0.3 dB): broken, and the run fails (1)
+    code, out, _ = _doctor(capsys, f"{cli_faults}:handln")
+    assert code == 1 and "1 broken, 0 at risk" in out and "it carries little signal" in out
+    # at risk but within tolerance: exit 0, and no rule to recommend
+    code, out, _ = _doctor(capsys, f"{cli_faults}:near_max")
+    assert code == 0 and "0 broken, 1 at risk" in out
+    assert "no rule needed: the run is within tolerance 0.1 as it is" in out
+    assert "fixing" not in out and "mixprec.PolicyMap(" not in out
+    # a backward overflow at the loss scale asked for: exit 1, the fix is a smaller scale
+    code, out, _ = _doctor(capsys, f"{cli_faults}:grad_overflow", "--loss-scale", "65536")
+    assert code == 1 and "broken 2 (Linear): its output gradient is already inf/NaN" in out
+    assert "recommended policy: 16-mixed as it is (no rule needed)" in out
+    assert "train at loss scale 64: mixprec.Precision(policy, scaler=mixprec." in out
+    assert "DynamicLossScaler(init_scale=64))" in out
+    # the same run at the loss scale a dynamic scaler settles at passes
+    assert _doctor(capsys, f"{cli_faults}:grad_overflow")[0] == 0
+    # float64 targets run (their gradients were once measured with a float32 norm)
+    assert _doctor(capsys, f"{cli_faults}:near_max", "--precision", "64-true")[0] == 0
+
+
+def test_cli_an_error_inside_the_run_exits_3_with_its_traceback(cli_faults, capsys):
+    code, _, err = _doctor(capsys, f"{cli_faults}:fails")
+    assert code == 3
+    assert "Traceback (most recent call last)" in err
+    assert err.endswith("mixprec doctor: stopped by an error: RuntimeError: the model's own bug")
 
 
 @pytest.mark.cuda

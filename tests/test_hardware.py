@@ -176,6 +176,13 @@ def test_cuda_on_a_torch_without_cuda_is_a_clear_error():
         detect("cuda")
 
 
+def test_mps_where_there_is_none_is_a_clear_error():
+    if torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    with pytest.raises(PrecisionError, match="device 'mps': .* sees no Apple GPU.*device='cpu'"):
+        detect("mps")
+
+
 def test_info_under_an_isa_cap_rates_bf16_slow_and_says_where_it_is_fast():
     env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", COLUMNS="200")
     proc = subprocess.run(

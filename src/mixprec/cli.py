@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 import torch
 from rich.console import Console
@@ -89,7 +90,11 @@ def _relative(rate: float, base: float | None) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="mixprec", description="Mixed-precision training tools for PyTorch."
+        prog="mixprec",
+        description="Mixed-precision training tools for PyTorch. Exit status: 0 success; 1 the "
+        "run did not pass (doctor: the target precision fails its tolerance; bench: a "
+        "configuration or max-batch probe failed); 2 bad arguments; 3 an error stopped the "
+        "command (traceback on stderr).",
     )
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -103,10 +108,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+ERROR_EXIT = 3  # 1 is the commands' own "it did not pass", 2 bad arguments (argparse's too)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run `mixprec` with `argv`; returns the exit status. An exception that escapes a command
+    prints its traceback and one line naming it on stderr, and exits with 3."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except Exception as err:  # noqa: BLE001 - any failure gets its own exit status
+        traceback.print_exc()
+        message = f"mixprec {args.command}: stopped by an error: {type(err).__name__}: {err}"
+        Console(stderr=True, soft_wrap=True).print(message, markup=False, highlight=False)
+        return ERROR_EXIT
 
 
 if __name__ == "__main__":

@@ -252,6 +252,12 @@ def detect(device: torch.device | str | None = None) -> DeviceInfo:
             + ("" if torch.version.cuda else " (it is a CPU-only build)")
             + "; use device='cpu', or install a CUDA build of torch on a machine with a GPU"
         )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise PrecisionError(
+            f"device 'mps': this torch ({torch.__version__}) sees no Apple GPU"
+            + ("" if torch.backends.mps.is_built() else " (it is built without MPS)")
+            + "; MPS needs Apple silicon and macOS 12.3+; use device='cpu'"
+        )
     return _detect(device.type, device.index, tuple(os.environ.get(v) for v in _ISA_VARS))
 
 

@@ -66,7 +66,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=(
             "Time training steps of a model in float32 and in mixed precision on this machine, "
             "across batch sizes, each configuration in a fresh process; with no arguments: the "
-            "seed blog's CNN, float32 vs the precision `mixprec info` recommends here."
+            "seed blog's CNN, float32 vs the precision `mixprec info` recommends here. The "
+            "outputs are written whatever happens to a configuration. Exit status 0: every "
+            "configuration and max-batch probe ran (out of memory is a result); 1: one failed "
+            "(an error or --timeout); 2: bad arguments; 3: an error stopped the command."
         ),
     )
     p.add_argument(
@@ -86,9 +89,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--batch-sizes",
         nargs="+",
+        action="extend",
         type=_batch_sizes,
         metavar="N",
-        help="batch sizes (space- or comma-separated); default depends on the model",
+        help="batch sizes (space- or comma-separated; repeated flags add up); default depends "
+        "on the model",
     )
     p.add_argument("--image-size", type=int, help="image side for --model cnn (default 128)")
     p.add_argument("--steps", type=int, help="timed steps per configuration (default 10)")
@@ -270,10 +275,9 @@ def run_command(args: argparse.Namespace) -> int:
                 task, advance=1, description=f"{config.label} @ {config.batch_size}: {shown}"
             )
 
-        def on_probe(name: str, batch: int, fits: bool) -> None:
-            progress.update(
-                task, description=f"max batch {name}: {batch} {'fits' if fits else 'OOM'}"
-            )
+        def on_probe(name: str, batch: int, status: str) -> None:
+            shown = {OK: "fits", OOM: "OOM"}.get(status, status)
+            progress.update(task, description=f"max batch {name}: {batch} {shown}")
 
         report = run_bench(p, on_config, on_probe)
     summaries = summarize(report)
@@ -292,4 +296,7 @@ def run_command(args: argparse.Namespace) -> int:
             console.print(f"  {line}", highlight=False)
     paths = write_outputs(out, report, png=png)
     console.print(f"results: {', '.join(map(str, paths))}", highlight=False)
-    return 0 if all(s.status in (OK, OOM) for s in summaries) else 1
+    failed = any(s.status not in (OK, OOM) for s in summaries) or any(
+        found["error"] for found in report.max_batch.values()
+    )
+    return 1 if failed else 0

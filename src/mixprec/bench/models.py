@@ -163,10 +163,18 @@ def check_model_name(name: str) -> None:
 
 def check_model(name: str) -> None:
     """Raise ValueError unless `name` is a built-in model or an importable callable factory
-    (the factory is not called: that happens in the benchmark's own processes)."""
+    (not called: see `check_workload`)."""
     check_model_name(name)
     if name not in BUILTIN_MODELS:
         load_factory(name)
+
+
+def check_workload(name: str) -> None:
+    """Raise ValueError unless model `name` gives a workload: a user's factory is called once
+    (its model built and dropped, no batch made), so that a broken one stops a benchmark
+    before any of its processes starts."""
+    if name not in BUILTIN_MODELS:
+        _from_factory(name)
 
 
 def _from_factory(name: str) -> Workload:

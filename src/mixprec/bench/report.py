@@ -140,10 +140,19 @@ def rich_table(report: BenchReport, summaries: list[Summary]) -> Table:
 
 
 def max_batch_lines(report: BenchReport) -> list[str]:
-    """One line per precision: the largest batch that fit and the first that did not."""
+    """One line per precision: the largest batch that fit and the first that did not, or
+    where a failed probe stopped the search."""
     lines = []
     for name, found in report.max_batch.items():
-        if found["capped"]:
+        if found["error"]:
+            fitted = (
+                f"the largest that fitted before it: {found['max_batch']}"
+                if found["max_batch"]
+                else "no batch fitted before it"
+            )
+            oom = f", {found['first_oom']} ran out of memory" if found["first_oom"] else ""
+            lines.append(f"{name}: search stopped at {found['error']} ({fitted}{oom})")
+        elif found["capped"]:
             lines.append(f"{name}: >= {found['max_batch']} (search stopped at the cap)")
         elif found["max_batch"] == 0:
             lines.append(f"{name}: not even batch 1 fits (batch {found['first_oom']}: OOM)")
@@ -233,10 +242,12 @@ def comparison_gap_paragraph(report: BenchReport, summaries: list[Summary]) -> s
     rates = gap["matmul_gflops"]
     base = rates.get("float32")
     if gap["asked"]:
-        first = f"Only {', '.join(meta['precisions'])} was asked for (--precision), so "
+        asked = meta["precisions"]
+        were = "was" if len(asked) == 1 else "were"
+        first = f"Only {', '.join(asked)} {were} asked for (--precision), so "
     else:
         first = "No mixed precision is fast on this device, so "
-    parts = [first + "only float32 was timed."]
+    parts = [first + f"only {' and '.join(gap['timed'])} was timed."]
     for name, why in gap["left_out"].items():
         parts.append(f"{name} is {why['status']} here ({why['reason']}).")
     if base:

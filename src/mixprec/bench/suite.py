@@ -24,8 +24,10 @@ from mixprec.bench.models import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_IMAGE_SIZE,
     check_model,
+    check_workload,
 )
 from mixprec.bench.runner import OK, OOM, RunResult, RunSpec, run_isolated
+from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
 from mixprec.hardware import (
     FAST,
@@ -244,6 +246,8 @@ def _label(name: str, policy: Policy, tf32: bool | None, modes: list[bool | None
 def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
     """The explicit command that re-runs exactly these settings on this machine."""
     parts = ["mixprec", "bench", "--model", opts.model]
+    if opts.preset is not None:  # the report compares with the preset's published numbers
+        parts += ["--preset", opts.preset]
     if opts.model == "cnn":
         parts += ["--image-size", str(opts.image_size)]
     parts += ["--batch-sizes", *map(str, opts.batch_sizes or [])]
@@ -262,6 +266,8 @@ def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
         parts += ["--float32-islands", opts.float32_islands]
     if opts.compile:
         parts.append("--compile")
+    if opts.timeout != BenchOptions.timeout:
+        parts += ["--timeout", f"{opts.timeout:g}"]
     return shlex.join(parts)
 
 
@@ -287,6 +293,7 @@ def plan(options: BenchOptions) -> Plan:
             "and swaps long before a batch 'does not fit'"
         )
     policies, support = _precisions(opts.precisions, device, opts.allow_slow)
+    check_workload(opts.model)  # last: it calls a user's factory
     info = detect(device)
     left_out = {
         name: policy_support(Policy(name), info)
@@ -340,6 +347,7 @@ def comparison_gap(p: Plan) -> dict[str, Any] | None:
         command = reproduce_command(anyway, p.device)
     return {
         "asked": p.asked,
+        "timed": sorted({dtype_name(policy.compute_dtype) for policy in p.precisions.values()}),
         "left_out": {
             name: {
                 "status": s.status,
@@ -425,58 +433,84 @@ def metadata(p: Plan) -> dict[str, Any]:
     }
 
 
-def _fits(p: Plan, name: str, batch: int, workdir: Path) -> tuple[bool, RunResult]:
+def _probe(p: Plan, name: str, batch: int, workdir: Path) -> RunResult:
+    """One step of precision `name` at `batch` in a fresh process."""
     tf32 = _tf32_modes(p.options.tf32, p.device)[0]
     island = _island_modes(p.options.float32_islands)[0]
     config = Config(
         name, name, batch, tf32, raw=False, float32_islands=island, compiled=p.options.compile
     )
     spec = replace(_spec(p, config), steps=1, warmup=0)
-    result = run_isolated(spec, workdir, p.options.timeout)
-    if result.status not in (OK, OOM):
-        raise RuntimeError(f"max-batch probe {name} at batch {batch} failed: {result.error}")
-    return result.status == OK, result
+    return run_isolated(spec, workdir, p.options.timeout)
+
+
+class _ProbeFailed(Exception):
+    """A max-batch probe neither fitted nor ran out of memory (an error or a timeout)."""
 
 
 def search_max_batch(
-    p: Plan, name: str, workdir: Path, on_probe: Callable[[int, bool], None] | None = None
+    p: Plan, name: str, workdir: Path, on_probe: Callable[[int, str], None] | None = None
 ) -> dict[str, Any]:
     """Largest batch of precision `name` that fits: double from the smallest batch size
-    until one runs out of memory, then bisect between the last fit and the first OOM."""
+    until one runs out of memory, then bisect between the last fit and the first OOM.
+
+    A probe that errors or times out stops the search: `error` then says which batch and
+    why, `max_batch` is the largest batch that fitted before it (0: none) and `first_oom`
+    the smallest that ran out of memory (None: none). `on_probe(batch, status)` follows it.
+    """
     probes: list[dict[str, Any]] = []
 
     def probe(batch: int) -> bool:
-        ok, result = _fits(p, name, batch, workdir)
-        probes.append({"batch_size": batch, "fits": ok, "peak_memory": result.mixprec.peak_memory})
+        result = _probe(p, name, batch, workdir)
+        fits = result.status == OK
+        probes.append(
+            {
+                "batch_size": batch,
+                "fits": fits,
+                "status": result.status,
+                "peak_memory": result.mixprec.peak_memory,
+            }
+        )
         if on_probe is not None:
-            on_probe(batch, ok)
-        return ok
+            on_probe(batch, result.status)
+        if result.status not in (OK, OOM):
+            raise _ProbeFailed(f"batch {batch}: {result.status}: {result.error}")
+        return fits
 
-    lo, hi = 0, None
+    lo, hi, error = 0, None, None
     batch = min(p.options.batch_sizes or [1])
-    while batch <= MAX_BATCH_CAP:
-        if probe(batch):
-            lo, batch = batch, batch * 2
-        else:
-            hi = batch
-            break
-    if hi is not None:
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if probe(mid):
-                lo = mid
+    try:
+        while batch <= MAX_BATCH_CAP:
+            if probe(batch):
+                lo, batch = batch, batch * 2
             else:
-                hi = mid
-    return {"max_batch": lo, "first_oom": hi, "capped": hi is None, "probes": probes}
+                hi = batch
+                break
+        if hi is not None:
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if probe(mid):
+                    lo = mid
+                else:
+                    hi = mid
+    except _ProbeFailed as failed:
+        error = str(failed)
+    return {
+        "max_batch": lo,
+        "first_oom": hi,
+        "capped": hi is None and error is None,
+        "error": error,
+        "probes": probes,
+    }
 
 
 def run_bench(
     p: Plan,
     on_config: Callable[[Config, RunResult], None] | None = None,
-    on_probe: Callable[[str, int, bool], None] | None = None,
+    on_probe: Callable[[str, int, str], None] | None = None,
 ) -> BenchReport:
     """Run every configuration of plan `p` (each in a fresh process), then the max-batch
-    search if asked; callbacks report progress."""
+    search if asked; callbacks report progress (`on_probe(precision, batch, status)`)."""
     meta = metadata(p)
     meta["comparison_gap"] = comparison_gap(p)
     t0 = time.perf_counter()
@@ -490,7 +524,7 @@ def run_bench(
         max_batch = {}
         if p.options.max_batch:
             for name in p.precisions:
-                cb = (lambda b, ok, name=name: on_probe(name, b, ok)) if on_probe else None
+                cb = (lambda b, st, name=name: on_probe(name, b, st)) if on_probe else None
                 max_batch[name] = search_max_batch(p, name, Path(tmp), cb)
     meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
     meta["load_average_after"] = _load_average()

@@ -3,8 +3,9 @@
 The factory takes no arguments and returns `(model, batch, loss_fn)`, or `(model, batch)`
 for a model that gives its own loss: a TrainingModule or LightningModule (`training_step`),
 a Hugging Face model (a dict batch with labels), or a model whose forward returns the loss.
-Exit status: 0 when the target precision runs clean, 1 when a module is broken in it, 2 for
-bad arguments.
+Exit status: 0 when the target run passes (finite, no broken module, loss and gradient within
+--tolerance of the reference), 1 when it does not, 2 for bad arguments (3: an unexpected
+error, from `mixprec.cli`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import warnings
 from typing import Any
 
 from mixprec.doctor.diagnosis import Diagnosis, diagnose
-from mixprec.doctor.verdicts import BROKEN, DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE
+from mixprec.doctor.verdicts import DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.factory import FactoryError, call_factory, load_factory
 from mixprec.outputs import check_output_dir
@@ -71,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
         console.print(
             f"\nreport: {path} (plots: {path.parent / 'error.png'}, {path.parent / 'range.png'})"
         )
-    return 1 if any(m.verdict == BROKEN for m in diagnosis.modules.values()) else 0
+    return 0 if diagnosis.passes(args.tolerance) else 1
 
 
 def _recommend(diagnosis: Diagnosis, tolerance: float | None, console: Any, err: Any) -> Any:
@@ -80,11 +81,23 @@ def _recommend(diagnosis: Diagnosis, tolerance: float | None, console: Any, err:
     except PrecisionError as error:
         err.print(f"[red]no recommendation: {error}[/]")
         return None
-    console.print("\n[bold]fixing, one module at a time:[/]")
+    if not found.log:
+        console.print(
+            f"\nno rule needed: the run is within tolerance {found.tolerance:g} as it is "
+            "(the findings above are risks to watch, e.g. with PrecisionMonitor)"
+        )
+        return found
+    console.print("\n[bold]fixing, one step at a time:[/]")
     for line in found.log:
         console.print(f"  {line}")
     console.print("\n[bold]recommended policy:[/]")
-    console.print(found.to_code(), markup=False, highlight=False)
+    if found.policy == diagnosis.precision:
+        console.print(f"{found.policy.name} as it is (no rule needed)", highlight=False)
+    else:
+        console.print(found.to_code(), markup=False, highlight=False)
+    advice = found.scaler_advice()
+    if advice:
+        console.print(advice, markup=False, highlight=False)
     console.print("with it: " + found.verified.summary().splitlines()[0])
     return found
 
@@ -109,8 +122,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="find the layers that break in low precision and the policy that fixes them",
         description=(
             "Run a model forward and backward in a reference and a target precision, compare "
-            "every layer, and recommend a per-layer policy. Exit status 0: clean; 1: broken "
-            "layers found; 2: bad arguments."
+            "every layer, and recommend a per-layer policy (and a loss scale where the scale "
+            "is the problem). Exit status 0: the target run passes (finite, no broken layer, "
+            "loss and gradient within --tolerance of the reference); 1: it does not; 2: bad "
+            "arguments; 3: an unexpected error (traceback on stderr)."
         ),
     )
     p.add_argument(

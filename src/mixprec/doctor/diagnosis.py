@@ -32,10 +32,12 @@ from mixprec.doctor.verdicts import (
     ParamReport,
     UpdateModel,
     judge,
+    largest_loss_scale,
     loss_scale_for,
     module_reports,
     param_reports,
     range_dtype,
+    scale_text,
     vanishing_by_module,
 )
 from mixprec.dtypes import format_info
@@ -84,7 +86,7 @@ class Diagnosis:
         self.loss_scale = loss_scale
         self.recommended_loss_scale = recommended_loss_scale
         self.params: dict[str, ParamReport] = param_reports(target, params)
-        self.modules, fwd, bwd = module_reports(target, values, self.params)
+        self.modules, origins = module_reports(target, values, self.params)
         for name, res in precision.resolve(session.model).items():
             if res.quantized and name in self.modules:
                 self.modules[name].quantized = res.policy.name
@@ -95,7 +97,17 @@ class Diagnosis:
             for name, share in vanishing.items():
                 if name in self.modules:
                     self.modules[name].vanishing = share
-        judge(self.modules, fwd, bwd, loss_scale, recommended_loss_scale, self.dtype, self.update)
+        judge(
+            self.modules,
+            origins,
+            loss_scale,
+            recommended_loss_scale,
+            self.dtype,
+            self.update,
+            loss_finite=math.isfinite(self.target_loss),
+            grads_finite=self.finite,
+            loss_dtype=target.loss_dtype,
+        )
         ref_sq = sum(row.ref_sq for row in params.values())
         err_sq = sum(row.err_sq for row in params.values())
         nonfinite = sum(p.nonfinite for p in self.params.values())
@@ -216,16 +228,16 @@ class Diagnosis:
             self.precision.default, rules, float32_islands=self.precision.float32_islands
         )
 
-    def _trial(self, chosen: dict[str, Policy]) -> Diagnosis:
+    def _trial(self, chosen: dict[str, Policy], loss_scale: float) -> Diagnosis:
         policy = self._map(chosen)
-        target = self._session.run(policy, self._ref, self.loss_scale)
+        target = self._session.run(policy, self._ref, loss_scale)
         return Diagnosis(
             self._session,
             policy,
             self.reference,
             self._ref,
             target,
-            self.loss_scale,
+            loss_scale,
             self.recommended_loss_scale,
         )
 
@@ -235,9 +247,12 @@ class Diagnosis:
         `tolerance` (relative) of the reference.
 
         Greedy: fix the first remaining finding (broken before at risk, in execution order),
-        re-run, repeat; then drop every fix the run does not need. Each step is one run of
-        the model. Raises PrecisionError when no per-module map gets there. The diagnosis
-        itself is not changed: pass the result to `save` / `to_markdown` to report it.
+        re-run, repeat; then drop every fix the run does not need. A finding the loss scale
+        causes (kind "scale": a backward overflow above the recommended scale, gradients
+        flushed below it) is fixed by that scale, not by a layer's dtype: the result then
+        carries `loss_scale`. Each step is one run of the model. Raises PrecisionError when
+        no per-module map gets there. The diagnosis itself is not changed: pass the result
+        to `save` / `to_markdown` to report it.
         """
         if tolerance is None:
             tolerance = self.default_tolerance
@@ -247,10 +262,33 @@ class Diagnosis:
         exhausted: set[str] = set()
         log: list[str] = []
         trial: Diagnosis = self
-        for _ in range(2 * len(self.modules) + 1):
+        scale = self.loss_scale
+        for _ in range(2 * len(self.modules) + 2):
             if trial.passes(tolerance):
                 break
             pick = next((m for m in trial.findings if m.name not in exhausted), None)
+            if pick is not None and pick.kind == "loss":
+                raise PrecisionError(
+                    f"{pick.reason}: no per-module policy changes a loss computed outside the "
+                    "modules"
+                )
+            if pick is not None and pick.kind == "scale" and scale != self.recommended_loss_scale:
+                before, scale = scale, self.recommended_loss_scale
+                trial = self._trial(chosen, scale)
+                log.append(
+                    f"loss scale {scale_text(before)} -> {scale_text(scale)}, for "
+                    f"{pick.display_name}'s gradients: "
+                    + ("the run passes" if trial.passes(tolerance) else _why_not(trial, tolerance))
+                )
+                continue
+            if pick is None and not exhausted:
+                raise PrecisionError(
+                    f"{self.precision.default.name} is not within tolerance {tolerance:g} of "
+                    f"{self.reference.default.name} (loss error {trial.loss_rel_error:.3g}, "
+                    f"gradient error {trial.grad_rel_error:.3g}) although no module is at risk "
+                    "or broken, so there is no layer to move: the error builds up over many "
+                    "layers. Use a larger tolerance or train in the reference precision."
+                )
             if pick is None:
                 hint = (
                     " Under a 'true' policy a layer's output is cast back to the policy's "
@@ -267,12 +305,14 @@ class Diagnosis:
                     f"{trial.loss_rel_error:.3g}, gradient error {trial.grad_rel_error:.3g}).{hint}"
                     " Use a larger tolerance or train in the reference precision."
                 )
-            safer = self._safer(pick, chosen.get(pick.name))
+            # a module that never runs (a root whose training_step calls its children) has
+            # no region a rule could change
+            safer = self._safer(pick, chosen.get(pick.name)) if pick.calls else None
             if safer is None:
                 exhausted.add(pick.name)
                 continue
             chosen[pick.name] = safer
-            trial = self._trial(chosen)
+            trial = self._trial(chosen, scale)
             log.append(
                 f"{pick.display_name} -> {safer.name}: "
                 + ("the run passes" if trial.passes(tolerance) else _why_not(trial, tolerance))
@@ -281,11 +321,12 @@ class Diagnosis:
             raise PrecisionError(f"recommend did not converge after {len(chosen)} fixes")
         for name in reversed(list(chosen)):
             fewer = {k: v for k, v in chosen.items() if k != name}
-            without = self._trial(fewer)
+            without = self._trial(fewer, scale)
             if without.passes(tolerance):
                 chosen, trial = fewer, without
                 log.append(f"{name or '<root>'}: not needed after all, dropped")
-        return Recommendation(self._map(chosen), trial, tuple(log), tolerance)
+        changed = scale if scale != self.loss_scale else None
+        return Recommendation(self._map(chosen), trial, tuple(log), tolerance, changed)
 
     # -- printing ----------------------------------------------------------------------------
 
@@ -338,17 +379,32 @@ class Recommendation:
 
     `policy` is the target policy with the fewest modules moved to a safer precision;
     `verified` is the diagnosis of a run under it (it passes at `tolerance`); `log` says,
-    step by step, which module was moved and what the run then showed.
+    step by step, which module was moved and what the run then showed. `loss_scale` is the
+    loss scale the fix needs when the diagnosed one overflowed or underflowed (None: keep
+    it); `verified` ran at it.
     """
 
     policy: PolicyMap
     verified: Diagnosis
     log: tuple[str, ...]
     tolerance: float
+    loss_scale: float | None = None
 
     def to_code(self) -> str:
         """The policy as Python to paste into a training script."""
         return self.policy.to_code()
+
+    def scaler_advice(self) -> str | None:
+        """What to do about the loss scale, in a sentence; None when it is fine as it is."""
+        if self.loss_scale is None:
+            return None
+        scale = scale_text(self.loss_scale)
+        return (
+            f"train at loss scale {scale}: mixprec.Precision(policy, "
+            f"scaler=mixprec.DynamicLossScaler(init_scale={scale})) (a dynamic scaler halves "
+            "its scale on an overflow by itself, skipping that step, but doubles it only after "
+            "growth_interval clean steps)"
+        )
 
 
 def _why_not(d: Diagnosis, tolerance: float) -> str:
@@ -389,7 +445,8 @@ def diagnose(
 
     `loss_scale` is the scale the target's backward runs at: a number, a LossScaler (its
     current scale), or None for what a dynamic scaler starting at 2^16 settles at on this
-    batch (1 when the policy needs no scaling).
+    batch (1 when the policy needs no scaling; at most 32768 when the loss itself is
+    float16, whose gradient is the scale).
 
     With `lr`, weights stored in 16 bits (a "true" policy) are also checked for vanishing
     updates: the share of one optimizer step (`optimizer="adam"`: about `lr` per weight;
@@ -435,4 +492,10 @@ def diagnose(
         if not scale > 0 or not math.isfinite(scale):
             raise ValueError(f"loss_scale must be a positive finite number, got {loss_scale}")
     target = session.run(target_map, ref, scale)
+    # a 16-bit loss's own gradient is the loss scale, so the scale must fit the loss's dtype
+    held = largest_loss_scale(1.0, target.loss_dtype)
+    recommended = min(recommended, held)
+    if loss_scale is None and scale > held:
+        scale = held  # where a dynamic scaler backs off to after one overflow
+        target = session.run(target_map, ref, scale)
     return Diagnosis(session, target_map, ref_map, ref, target, scale, recommended)

@@ -328,6 +328,7 @@ class Slot:
     value: RefTensor | None = None  # reference runs: the tensor
     grad_amax: Tensor | None = None  # reference runs: largest magnitude of its gradient
     grad_nonfinite: int = 0  # target runs: inf/NaN in its gradient
+    grad_order: int = 0  # target runs: 1 for the first gradient the backward made, 2 ...
     twin: Slot | None = None  # target runs: the reference tensor at the same position
 
 
@@ -340,6 +341,7 @@ class Recording:
         self.slots: dict[Key, Slot] = {}
         self.call_at: dict[tuple[str, int], Call] = {}
         self.loss: float = math.nan
+        self.loss_dtype: torch.dtype = torch.float32
         self.param_grads: dict[str, RefTensor | None] = {}
         self.types: dict[str, str] = {}
         self.params_of: dict[str, list[str]] = {}
@@ -382,6 +384,7 @@ class Probe:
         self._seen: dict[int, tuple[Tensor, int, Key]] = {}
         self._counts: dict[str, int] = {}
         self._open: dict[str, list[Call]] = {}
+        self._grads_seen = 0
 
     # -- tensor bookkeeping ------------------------------------------------------------------
 
@@ -411,7 +414,12 @@ class Probe:
             if self.reference is None:
                 low, high = torch.aminmax(grad.detach())
                 slot.grad_amax = torch.maximum(low.abs(), high.abs())
-            elif not math.isfinite(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32)):
+                return
+            self._grads_seen += 1
+            slot.grad_order = self._grads_seen
+            # one reduction in at least float32 (a float16 norm overflows on finite values)
+            wide = torch.promote_types(grad.dtype, torch.float32)
+            if not math.isfinite(torch.linalg.vector_norm(grad.detach(), dtype=wide)):
                 slot.grad_nonfinite = count_nonfinite(grad.detach())
 
         return hook

@@ -139,10 +139,21 @@ def to_markdown(
         ]
     else:
         lines.append("No finding: every module is ok.")
-    if recommendation is not None:
-        code = recommendation.to_code()
-        lines += ["", "## Recommended policy", "", "```python", code, "```", ""]
-        lines += ["Found by fixing one module at a time and running again after each fix:", ""]
+    if recommendation is not None and not recommendation.log:
+        lines += ["", "## Recommended policy", ""]
+        lines.append(
+            f"No rule needed: the run is within tolerance {recommendation.tolerance:g} as it is."
+        )
+    elif recommendation is not None:
+        lines += ["", "## Recommended policy", ""]
+        if recommendation.policy == d.precision:
+            lines += [f"{d.precision.name} as it is (no rule needed).", ""]
+        else:
+            lines += ["```python", recommendation.to_code(), "```", ""]
+        advice = recommendation.scaler_advice()
+        if advice:
+            lines += [advice[0].upper() + advice[1:] + ".", ""]
+        lines += ["Found by fixing one thing at a time and running again after each fix:", ""]
         lines += [f"- {line}" for line in recommendation.log]
         lines += ["", "With the recommended policy:", ""]
         for line in summary(recommendation.verified).splitlines():

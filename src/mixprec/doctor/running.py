@@ -100,6 +100,7 @@ class Session:
                 )
             precision.backward(loss)
         rec.loss = float(loss.detach().float())
+        rec.loss_dtype = loss.dtype
         measure_param_grads(params, rec, reference, limits, scale)
         rec.param_limits = limits
         rec.types = {name: type(m).__name__ for name, m in model.named_modules()}

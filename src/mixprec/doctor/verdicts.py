@@ -8,7 +8,7 @@ where it starts (inputs fine, output not), never on the blocks that merely conta
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -47,7 +47,7 @@ GRAD_FLUSH_AT_RISK = 0.05  # ... that become exactly zero
 GRAD_FLUSH_BROKEN = 0.5  # ... beyond this, the layer effectively stops learning
 ERROR_AT_RISK = 0.1  # a layer's relative error above this (SQNR below 20 dB) ...
 ERROR_GROWTH = 10.0  # ... and this many times the error already in its inputs
-QUANT_BROKEN = 0.5  # a quantized layer this wrong (SQNR below 6 dB) carries little signal
+ERROR_BROKEN = 0.5  # a layer this wrong (SQNR 6 dB or less), quantized or not, has lost its signal
 LOSS_SCALE_MARGIN = 8.0  # recommended scale keeps scaled gradients this far below the max
 MAX_LOSS_SCALE = 2.0**24
 DEFAULT_LOSS_SCALE = 2.0**16  # where a DynamicLossScaler starts
@@ -109,7 +109,8 @@ def _fmt(x: float) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
-def _scale(x: float) -> str:
+def scale_text(x: float) -> str:
+    """A loss scale for a sentence: "65536", "0.5"."""
     return f"{int(x)}" if x >= 1 and x == int(x) else f"{x:g}"
 
 
@@ -155,8 +156,9 @@ class ModuleReport:
     vanishing: float = 0.0  # share of its parameter updates that round away (with an lr)
     verdict: Verdict = OK
     reason: str = ""
-    # "range" (fixable by a wider range), "precision" (needs float32) or "quantization" (a
-    # quantized layer: its source float policy fixes it)
+    # "range" (fixable by a wider range), "precision" (needs float32), "quantization" (a
+    # quantized layer: its source float policy fixes it), "scale" (the loss scale causes it)
+    # or "loss" (the root's: the loss overflows outside every module)
     kind: str = ""
     quantized: str = ""  # the quantized policy a quantized layer runs in
     origin: bool = False
@@ -208,6 +210,13 @@ def loss_scale_for(grad_amax: float, dtype: torch.dtype) -> float:
     return float(min(max(2.0**k, 1.0), MAX_LOSS_SCALE))
 
 
+def largest_loss_scale(amax: float, dtype: torch.dtype) -> float:
+    """Largest power of two keeping `amax` x scale within `dtype`'s max (no margin); below 1
+    when even `amax` itself does not fit."""
+    k = math.floor(math.log2(format_info(dtype).max / amax))
+    return 2.0 ** min(k, int(math.log2(MAX_LOSS_SCALE)))
+
+
 def range_dtype(policy: PolicyMap) -> torch.dtype:
     """The narrowest dtype any layer of `policy` computes or stores in."""
     return lowest_float([d for p in policy.policies() for d in (p.compute_dtype, p.param_dtype)])
@@ -234,20 +243,36 @@ def param_reports(target: Recording, params: dict[str, Stats]) -> dict[str, Para
     return reports
 
 
+@dataclass
+class Origins:
+    """Where inf/NaN first appear in a target run.
+
+    `forward`: modules with finite inputs and a non-finite output; `backward`: modules whose
+    own backward turns a finite output gradient into non-finite input or parameter
+    gradients; `arrival`: the module whose output gradient is the first non-finite gradient
+    of the backward although no module's backward made it (it overflowed outside them, e.g.
+    where the loss's float32 gradient is cast to a float16 output's), with the reference's
+    largest magnitude of that gradient.
+    """
+
+    forward: set[str] = field(default_factory=set)
+    backward: set[str] = field(default_factory=set)
+    arrival: dict[str, float] = field(default_factory=dict)
+
+
 def module_reports(
     target: Recording,
     values: dict[Key, Stats],
     params: dict[str, ParamReport],
-) -> tuple[dict[str, ModuleReport], set[str], set[str]]:
-    """Per-module statistics, plus the modules where inf/NaN first appear going forward
-    (finite inputs, non-finite output) and going backward (finite output gradient,
-    non-finite input gradient), judged call by call."""
+) -> tuple[dict[str, ModuleReport], Origins]:
+    """Per-module statistics and where inf/NaN first appear (judged call by call). A run
+    whose loss or gradients are not finite always has a report for the root (""), called or
+    not, where a problem no module explains is reported."""
     calls_of: dict[str, list[Any]] = {}
     for call in target.calls:
         calls_of.setdefault(call.name, []).append(call)
     reports: dict[str, ModuleReport] = {}
-    fwd_origins: set[str] = set()
-    bwd_origins: set[str] = set()
+    origins = Origins()
 
     def rows(keys: list[Key]) -> Stats | None:
         return combine([values[k] for k in dict.fromkeys(keys) if k in values])
@@ -266,9 +291,9 @@ def module_reports(
         for c in calls:
             c_out, c_in = rows(c.outputs), rows(c.inputs)
             if c_out and c_out.nonfinite > 0 and not (c_in and c_in.nonfinite):
-                fwd_origins.add(name)
+                origins.forward.add(name)
             if not bad_grads(c.outputs) and (bad_grads(c.inputs) or any(p.nonfinite for p in own)):
-                bwd_origins.add(name)
+                origins.backward.add(name)
         reports[name] = ModuleReport(
             name=name,
             type=target.types.get(name, ""),
@@ -300,27 +325,73 @@ def module_reports(
             else 0.0,
             param_grad_nonfinite=sum(p.nonfinite for p in own),
         )
-    return reports, fwd_origins, bwd_origins
+    # The backward's first non-finite gradient (hooks fire in dependency order), when it is
+    # no module's input gradient made from finite outputs: it arrived at a module's output.
+    bad = [slot for slot in target.slots.values() if slot.grad_nonfinite]
+    first = min(bad, key=lambda slot: slot.grad_order, default=None)
+    if first is not None and not any(
+        first.key in c.inputs and not bad_grads(c.outputs) for c in target.calls
+    ):
+        twin = first.twin.grad_amax if first.twin is not None else None
+        peak = float(twin) if twin is not None else math.nan
+        for c in target.calls:
+            if first.key in c.outputs and c.name in reports:
+                origins.arrival[c.name] = peak
+    finite = math.isfinite(target.loss) and not any(p.nonfinite for p in params.values())
+    if not finite and "" not in reports:
+        reports[""] = ModuleReport(
+            name="",
+            type=target.types.get("", ""),
+            order=len(reports),
+            dtype=dtype_name(lowest_float(list(target.param_limits.values()))),
+            calls=0,
+            numel=0,
+            amax=math.nan,
+            amin=math.nan,
+            overflow=0.0,
+            underflow=0.0,
+            flushed=0.0,
+            nonfinite=0,
+            rel_error=math.nan,
+            sqnr_db=math.nan,
+            input_amax=math.nan,
+            input_nonfinite=0,
+            input_rel_error=math.nan,
+        )
+    return reports, origins
 
 
 def judge(
     modules: dict[str, ModuleReport],
-    fwd_origins: set[str],
-    bwd_origins: set[str],
+    origins: Origins,
     loss_scale: float,
     recommended_scale: float,
     range_dtype: torch.dtype,
     update: UpdateModel | None = None,
+    *,
+    loss_finite: bool = True,
+    grads_finite: bool = True,
+    loss_dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Give every module a verdict and a reason, blaming only where a problem starts."""
-    scale_txt = f"loss scale {_scale(loss_scale)}"
-    forward_broken = any(m.nonfinite for m in modules.values())
+    """Give every module a verdict and a reason, blaming only where a problem starts; a run
+    whose loss or gradients are not finite with no module to blame is the root's finding.
+
+    A problem the loss scale causes (a backward overflow above `recommended_scale`, gradients
+    flushed to zero below it) has kind "scale": a loss scale fixes it, not a layer's dtype;
+    a loss that overflows outside every module has kind "loss": no layer's dtype fixes it.
+    """
+    scale_txt = f"loss scale {scale_text(loss_scale)}"
+    limit = format_info(range_dtype)
+    forward_broken = not loss_finite or any(m.nonfinite for m in modules.values())
+    too_high = "scale" if loss_scale > recommended_scale else "range"
+    scaled = range_dtype == torch.float16
+    too_low = "scale" if scaled and recommended_scale > loss_scale else "range"
     for m in modules.values():
-        info = format_info(m.dtype) if m.dtype in _LOW else format_info(range_dtype)
+        info = format_info(m.dtype) if m.dtype in _LOW else limit
         low = m.dtype in _LOW
         # a range problem already present in low-precision inputs belongs upstream
         inherited = m.input_dtype in _LOW
-        if m.name in fwd_origins:
+        if m.name in origins.forward:
             m.verdict, m.kind = BROKEN, "range"
             if m.amax > info.max:
                 m.reason = (
@@ -339,19 +410,22 @@ def judge(
                     f"finite: a value inside it overflows {format_info(range_dtype).name} "
                     f"(output is at most {_fmt(m.amax)} in the reference)"
                 )
-        elif not forward_broken and m.name in bwd_origins:
-            m.verdict, m.kind = BROKEN, "range"
-            hint = (
-                f"; a loss scale of at most {_scale(recommended_scale)} fits"
-                if loss_scale > recommended_scale
-                else ""
-            )
+        elif not forward_broken and m.name in origins.backward:
+            m.verdict, m.kind = BROKEN, too_high
             m.reason = (
                 f"its backward produces inf/NaN gradients at {scale_txt} "
-                f"({format_info(range_dtype).name} max {format_info(range_dtype).max:g}){hint}"
+                f"({limit.name} max {limit.max:g})" + _fits_hint(loss_scale, recommended_scale)
+            )
+        elif not forward_broken and m.name in origins.arrival:
+            m.verdict, m.kind = BROKEN, too_high
+            m.reason = (
+                f"its output gradient is already inf/NaN as it arrives, at {scale_txt}: "
+                + _overflow_outside(
+                    origins.arrival[m.name], info, loss_dtype, loss_scale, recommended_scale
+                )
             )
         elif m.param_grad_flushed >= GRAD_FLUSH_BROKEN:
-            m.verdict, m.kind = BROKEN, "range"
+            m.verdict, m.kind = BROKEN, too_low
             m.reason = (
                 f"{m.param_grad_flushed:.0%} of its parameter gradients flush to zero in "
                 f"{format_info(range_dtype).name} at {scale_txt} (largest "
@@ -382,7 +456,7 @@ def judge(
             m.param_grad_underflow >= GRAD_UNDERFLOW_AT_RISK
             or m.param_grad_flushed >= GRAD_FLUSH_AT_RISK
         ):
-            m.verdict, m.kind = AT_RISK, "range"
+            m.verdict, m.kind = AT_RISK, too_low
             m.reason = (
                 f"{max(m.param_grad_underflow, m.param_grad_flushed):.0%} of its parameter "
                 f"gradients underflow {format_info(range_dtype).name} at {scale_txt}"
@@ -397,16 +471,16 @@ def judge(
                 f"its error against the reference grows to {m.rel_error:.2g} here "
                 f"(inputs {m.input_rel_error:.2g}; SQNR {m.sqnr_db:.1f} dB)"
             )
+            m.verdict = BROKEN if m.rel_error >= ERROR_BROKEN else AT_RISK
             if m.quantized:
-                m.verdict = BROKEN if m.rel_error >= QUANT_BROKEN else AT_RISK
                 m.kind = "quantization"
                 m.reason = (
                     f"quantized ({m.quantized}): {growth}; a few large values set the "
                     "quantization scale, the rest lose their precision"
                 )
             else:
-                m.verdict, m.kind = AT_RISK, "precision"
-                m.reason = growth
+                m.kind = "precision"
+                m.reason = growth + (": it carries little signal" if m.verdict == BROKEN else "")
     if update is not None:
         _judge_vanishing(modules, update)
     # Blame the innermost module: a block whose child explains the problem is not flagged.
@@ -416,6 +490,19 @@ def judge(
         if inner:
             m.verdict, m.kind, m.reason = OK, "", ""
             m.note = f"contains {inner[0].display_name} ({inner[0].verdict})"
+    blamed = any(m.verdict == BROKEN for m in modules.values())
+    if not (loss_finite and grads_finite) and not blamed:
+        root = modules[""]
+        root.verdict, root.kind = BROKEN, "loss" if forward_broken else too_high
+        root.reason = (
+            f"the loss is inf/NaN although every module's output is finite: it overflows "
+            f"{limit.name} outside the modules (in the loss function, which runs in the "
+            "precision's autocast region too); compute the loss from float32 outputs"
+            if forward_broken
+            else f"gradients hold inf/NaN at {scale_txt} but no module's backward or output "
+            "gradient is where they start: "
+            + _overflow_outside(math.nan, limit, loss_dtype, loss_scale, recommended_scale)
+        )
     for m in modules.values():
         m.origin = m.verdict == BROKEN
         if m.verdict == OK and not m.note and (m.nonfinite or m.grad_nonfinite):
@@ -459,10 +546,54 @@ def _judge_vanishing(modules: dict[str, ModuleReport], update: UpdateModel) -> N
         )
 
 
+def _fits_hint(scale: float, recommended: float) -> str:
+    """Where a smaller loss scale fixes a backward overflow, which."""
+    if not scale > recommended:
+        return ""
+    return f"; a loss scale of at most {scale_text(recommended)} fits"
+
+
+def _overflow_outside(
+    peak: float, info: Any, loss_dtype: torch.dtype, scale: float, recommended: float
+) -> str:
+    """Why a gradient overflows outside any module's backward: a 16-bit loss, whose gradient
+    is the loss scale itself, or a float32 gradient cast to a 16-bit output (with `peak`, its
+    largest magnitude in the reference, when known); and the loss scales that fit."""
+    loss = format_info(loss_dtype)
+    if scale > loss.max:
+        fits = scale_text(largest_loss_scale(1.0, loss_dtype))
+        return (
+            f"the loss is {loss.name}, and its gradient, the loss scale itself, is beyond "
+            f"{loss.name} max {loss.max:g}; loss scale {fits} fits, or compute the loss in "
+            "float32"
+        )
+    reason = (
+        f"it overflows {info.name} outside any module's backward, where a float32 gradient "
+        f"(e.g. the loss's) is cast to {info.name}"
+    )
+    if math.isfinite(peak) and peak * scale > info.max:
+        largest = largest_loss_scale(peak, info.dtype)
+        reason += (
+            f" (largest in the reference {_fmt(peak)}, x {scale_text(scale)} = "
+            f"{_fmt(peak * scale)} > {info.name} max {info.max:g}); "
+            + (
+                f"loss scale {scale_text(largest)} is the largest that keeps it finite"
+                if largest >= 1
+                else "it overflows even unscaled"
+            )
+        )
+        if scale > recommended and largest >= 1:
+            reason += (
+                f", {scale_text(recommended)} leaves every gradient {LOSS_SCALE_MARGIN:g}x headroom"
+            )
+        return reason
+    return reason + _fits_hint(scale, recommended)
+
+
 def _scale_hint(grad_amax: float, scale: float, recommended: float, dtype: torch.dtype) -> str:
     if dtype != torch.float16 or not recommended > scale:
         return ""
-    return f"; loss scale {_scale(recommended)} keeps them"
+    return f"; loss scale {scale_text(recommended)} keeps them"
 
 
 _LOW = {dtype_name(d) for d in LOW_PRECISION_FLOATS}
