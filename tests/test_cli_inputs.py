@@ -3,6 +3,7 @@ work starts, with a usage exit code (2) distinct from the doctor's "broken layer
 
 from __future__ import annotations
 
+import os
 import textwrap
 from pathlib import Path
 
@@ -125,6 +126,14 @@ def test_bench_out_is_checked_before_anything_is_timed(tmp_path, capsys):
     assert main(["bench", "--out", str(earlier)]) == 2
     assert "already holds results.json" in " ".join(capsys.readouterr().err.split())
     assert (earlier / "results.json").read_text() == "{}" and a_file.read_text() == "keep me"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_an_out_where_no_file_can_be_written_is_refused_before_the_run(capsys):
+    # permission bits pass for root: only a real write tells
+    assert main(["bench", "--out", "/proc/mixprec-results"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "/proc is not writable" in err and "configurations" not in err
 
 
 def test_doctor_bad_tolerance_and_out_fail_before_the_diagnosis(annotated, tmp_path, capsys):

@@ -4,6 +4,7 @@ diagnosis that runs for minutes must not fail at the end because of where it wri
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -20,8 +21,14 @@ def check_output_dir(path: str | os.PathLike[str], flag: str, keep: Iterable[str
             where = "is a file" if part == out else f"is under the file {part}"
             raise ValueError(f"{flag} {out} {where}: give a directory path")
     existing = next(p for p in (out, *out.parents) if p.exists())
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {out}: {existing} is not writable")
+    try:  # a real write: permission bits say nothing to root or on a read-only mount
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise ValueError(
+            f"{flag} {out}: {existing} is not writable (a file could not be created there: "
+            f"{err.strerror})"
+        ) from None
     clashes = [name for name in keep if (out / name).exists()]
     if clashes:
         raise ValueError(
