@@ -2,6 +2,7 @@
 
 import copy
 import io
+import math
 import pickle
 import time
 from dataclasses import dataclass
@@ -306,6 +307,46 @@ def test_a_rule_on_multihead_attention_out_proj_is_refused(default):
     assert all(p.dtype == f32 for p in model.parameters())
     mixprec.apply(model, PolicyMap(default, {"0": "float32"}))  # the whole attention is fine
     assert model[0].out_proj.weight.dtype == f32
+
+
+def test_a_type_rule_on_every_linear_lets_out_proj_follow_its_attention():
+    model = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True))
+    pmap = PolicyMap("bf16-true", {nn.Linear: "32-true"})
+    explained = mixprec.explain(model, pmap)
+    assert explained["0.self_attn.out_proj"] == Policy("bf16-true")
+    assert explained.sources["0.self_attn.out_proj"] == "follows its attention 0.self_attn"
+    assert explained["0.linear1"] == Policy("32-true")
+    mixprec.apply(model, pmap)
+    assert model[0].self_attn.out_proj.weight.dtype == bf16
+    assert model(torch.randn(2, 3, 16)).dtype == bf16
+
+
+def test_a_head_quantized_apart_from_its_tied_embedding_is_applied():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(16, 16)
+            self.head = nn.Linear(16, 16, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, tokens):
+            return self.head(self.emb(tokens))
+
+    model = mixprec.apply(Tied(), PolicyMap("32-true", {"head": "int8_from_float32"}))
+    assert type(model.head).__name__ == "Int8Linear" and model.emb.weight.dtype == f32
+    assert model(torch.tensor([[1, 2]])).shape == (1, 2, 16)
+
+
+def test_a_reapply_quantization_refuses_keeps_the_previous_regions():
+    model = mixprec.apply(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), "bf16-mixed")
+    with torch.no_grad():
+        model[1].weight[0, 0] = math.nan
+    with pytest.raises(ValueError, match="inf/NaN"):
+        mixprec.apply(model, "int8_from_bfloat16", warn=False)
+    assert mixprec.convert.applied_policy(model) == PolicyMap("bf16-mixed")
+    seen, _ = record_outputs(model)
+    model(torch.randn(2, 64))
+    assert seen == {"0": bf16, "1": bf16}  # still under the mixed region's autocast
 
 
 def test_explain_defaults_to_the_policy_the_model_was_given():

@@ -328,6 +328,19 @@ def test_untied_or_float_models_get_no_tie_entries(tmp_path):
     assert tie_quantized_weights(tiny_llama()) == {}  # float: its own mapping holds
 
 
+def test_tie_entries_take_the_list_form_of_transformers_4():
+    """transformers 4 keeps the tied targets as a list and has no resolved mapping."""
+    from mixprec.integrations.huggingface import tie_quantized_weights
+
+    model = mixprec.apply(tiny_llama(), "int8_from_float32", warn=False)
+    model._tied_weights_keys = ["lm_head.weight"]
+    del model.all_tied_weights_keys
+    added = tie_quantized_weights(model)
+    assert added and all(k.startswith("lm_head.") for k in added)
+    assert model._tied_weights_keys == list(added)  # the removed float weight is dropped
+    assert "all_tied_weights_keys" not in model.__dict__
+
+
 def test_mixprec_trainer_refuses_hf_mixed_precision(tmp_path):
     with pytest.raises(ValueError, match="fp16=False, bf16=False"):
         MixprecTrainer(

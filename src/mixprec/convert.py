@@ -26,7 +26,7 @@ from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import device_of, warn_if_unsupported
 from mixprec.policy import Policy
-from mixprec.policy_map import APPLIED_STATE, PolicyMap, Resolution, as_map
+from mixprec.policy_map import APPLIED_STATE, PolicyMap, Resolution, as_map, float_dtypes
 from mixprec.quantize import quantize_modules
 from mixprec.tree import map_tensors
 
@@ -202,14 +202,18 @@ def _strip_regions(model: nn.Module) -> None:
 
 
 def _dtype_plan(
-    model: nn.Module, resolved: dict[str, Resolution]
+    model: nn.Module, resolved: dict[str, Resolution], *, replaced: bool = False
 ) -> list[tuple[nn.Module, str, str, torch.dtype]]:
     """(module, "parameter"/"buffer", key, dtype) for every floating tensor whose dtype the
     policy changes; a `PolicySpecError` for a tensor shared by modules that store it in
-    different dtypes. Changes nothing, so `apply` can check before it converts."""
+    different dtypes. Changes nothing, so `apply` can check before it converts.
+    `replaced`: leave out the layers quantization is about to replace (a head quantized
+    apart from the embedding it shares a weight with shares nothing afterwards)."""
     owners: dict[int, tuple[str, torch.dtype]] = {}
     plan = []
     for name, module in model.named_modules():
+        if replaced and resolved[name].quantized:
+            continue
         dtype = resolved[name].policy.param_dtype
         fixed = getattr(module, "fixed_dtype_buffers", ())  # float8 delayed scales
         for kind, store in (("parameter", module._parameters), ("buffer", module._buffers)):
@@ -325,7 +329,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     # everything that can refuse the policy runs before the model changes: a refused
     # re-apply leaves the previous policy in place, weights unrounded
     _check_bypassed(model, resolved)
-    _dtype_plan(model, resolved)
+    _dtype_plan(model, resolved, replaced=True)
     if state is None:
         original = _floating_dtypes(model)
     else:
@@ -333,15 +337,26 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
         _strip_regions(model)
     to_quantize = {name: r.policy for name, r in resolved.items() if r.quantized}
     if to_quantize:  # on plain forwards: layers with a region are not swapped
-        quantize_modules(model, to_quantize)  # type: ignore[arg-type]
+        try:
+            quantize_modules(model, to_quantize)  # type: ignore[arg-type]
+        except Exception:
+            # quantize checks every layer (finite weights...) before it swaps any: the
+            # model is as it was but for the regions, which go back
+            if state is not None:
+                _install_regions(model, state.policy.resolve(model))
+            raise
         resolved = _after_swap(model, resolved)
     _convert(_dtype_plan(model, resolved))
+    _install_regions(model, resolved)
+    model.__dict__[_STATE] = AppliedState(pmap, original)
+    return model
+
+
+def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
     for module, policy_here, parent in _regions(model, resolved):
         module.__dict__["forward"] = _Region(
             module, policy_here, parent=parent, original=module.__dict__.get("forward")
         )
-    model.__dict__[_STATE] = AppliedState(pmap, original)
-    return model
 
 
 def _regions(
@@ -368,7 +383,7 @@ def _check_bypassed(model: nn.Module, resolved: dict[str, Resolution]) -> None:
             continue
         inner = f"{name}.out_proj" if name else "out_proj"
         outer, proj = resolved[name], resolved[inner]
-        if proj.quantized or _dtypes(outer.policy) == _dtypes(proj.policy):
+        if proj.quantized or float_dtypes(outer.policy) == float_dtypes(proj.policy):
             continue
         raise PolicySpecError(
             f"{inner!r} resolves to {proj.policy.name} ({proj.source}) but its "
@@ -376,10 +391,6 @@ def _check_bypassed(model: nn.Module, resolved: dict[str, Resolution]) -> None:
             "uses out_proj's weight inside its own forward, so out_proj runs in the "
             f"attention's policy; give the rule to {name or '<root>'!r} itself"
         )
-
-
-def _dtypes(p: Policy) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-    return (p.param_dtype, p.compute_dtype, p.output_dtype)
 
 
 def remove(model: nn.Module) -> nn.Module:

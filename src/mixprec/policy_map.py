@@ -75,6 +75,11 @@ def _with_quantization(res: Resolution, module: nn.Module) -> Resolution:
     return Resolution(policy, res.source)
 
 
+def float_dtypes(policy: Policy) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """(param, compute, output): what a policy stores and computes in, quantization aside."""
+    return (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+
+
 def island_policy(inherited: Policy) -> Policy:
     """The float32 island a norm/softmax layer gets inside a mixed policy."""
     return Policy(
@@ -185,10 +190,12 @@ class PolicyMap:
         different policies are an error naming both."""
         out: dict[str, Resolution] = {}
         first_path: dict[int, str] = {}
-        for name, module in model.named_modules(remove_duplicate=False):
+        modules = dict(model.named_modules(remove_duplicate=False))
+        for name, module in modules.items():
             if name in out:
                 continue
             self._resolve_one(name, module, out)
+            self._follow_attention(name, module, modules, out)
             other = first_path.setdefault(id(module), name)
             if other != name and out[other].policy != out[name].policy:
                 a, b = out[other], out[name]
@@ -199,6 +206,31 @@ class PolicyMap:
                     "policy"
                 )
         return out
+
+    def _follow_attention(
+        self,
+        name: str,
+        module: nn.Module,
+        modules: dict[str, nn.Module],
+        out: dict[str, Resolution],
+    ) -> None:
+        """`MultiheadAttention` uses its `out_proj` weight inside its own forward, so the
+        projection runs in the attention's policy: a type or regex rule that reaches it
+        through the attention (a rule on every Linear) gives way. A path rule naming it
+        stays, and `apply` refuses it with the reason."""
+        parent, _, leaf = name.rpartition(".")
+        if leaf != "out_proj" or not isinstance(module, nn.Linear):
+            return
+        if not isinstance(modules.get(parent), nn.MultiheadAttention):
+            return
+        attention = out[parent]
+        if out[name].source.startswith("path"):
+            return
+        if float_dtypes(out[name].policy) != float_dtypes(attention.policy):
+            out[name] = _with_quantization(
+                Resolution(attention.policy, f"follows its attention {parent or '<root>'}"),
+                module,
+            )
 
     def _resolve_one(self, name: str, module: nn.Module, out: dict[str, Resolution]) -> None:
         ruled = self._ruled(name, module)

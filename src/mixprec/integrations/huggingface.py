@@ -209,8 +209,13 @@ def tie_quantized_weights(model: nn.Module) -> dict[str, str]:
     def kept(mapping: dict[str, str] | None) -> dict[str, str]:
         return {t: s for t, s in (mapping or {}).items() if not (gone(t) or gone(s))}
 
-    model._tied_weights_keys = {**kept(model._tied_weights_keys), **added}
-    model.all_tied_weights_keys = {**kept(model.all_tied_weights_keys), **added}
+    tied = getattr(model, "_tied_weights_keys", None)
+    if isinstance(tied, (list, tuple, set)):  # transformers 4: the tied targets' names
+        model._tied_weights_keys = [n for n in tied if not gone(n)] + list(added)
+    else:  # transformers 5: {target: source}, and the resolved mapping beside it
+        model._tied_weights_keys = {**kept(tied), **added}
+    if "all_tied_weights_keys" in model.__dict__:
+        model.all_tied_weights_keys = {**kept(model.all_tied_weights_keys), **added}
     model._keys_to_ignore_on_save = set(model._keys_to_ignore_on_save or ()) | set(added)
     return added
 

@@ -308,7 +308,7 @@ def optimizer_step(trainer: Trainer, run: FitRun) -> None:
             opt.zero_grad(set_to_none=True)
         return
     if batches != run.window_size:  # cut short: the data ended, or the run resumed inside it
-        rescale_grads(run.model, run.window_size / batches)
+        rescale_grads(run.optimizers, run.window_size / batches)
     if run.amax_layers:  # the next step scales from the largest amax any rank saw
         sync_amax_histories(run.amax_layers)
     precision.unscale_()
@@ -334,12 +334,20 @@ def optimizer_step(trainer: Trainer, run: FitRun) -> None:
     log_step(trainer, run, loss)
 
 
-def rescale_grads(model: nn.Module, factor: float) -> None:
-    """Multiply the accumulated gradients by ``factor``: the losses of a window with fewer
-    micro-batches than planned were divided by the planned count. Done to the still-scaled
-    gradients, so that the loss scaler's inf/NaN check sees what the optimizer will use."""
+def rescale_grads(optimizers: list[LossScaleOptimizer], factor: float) -> None:
+    """Multiply the accumulated gradients of what ``optimizers`` step by ``factor``: the
+    losses of a window with fewer micro-batches than planned were divided by the planned
+    count. Done to the still-scaled gradients (on the model's parameters, a loss module's
+    too, before they move to any masters), so that the loss scaler's inf/NaN check sees what
+    the optimizer will use."""
+    params = {
+        id(t): t
+        for opt in optimizers
+        for group in opt.param_groups
+        for t in map(opt.model_param, group["params"])
+    }
     with torch.no_grad():
-        for p in model.parameters():
+        for p in params.values():
             if p.grad is not None:
                 p.grad.mul_(factor)
 
