@@ -79,8 +79,30 @@ def test_slow_precisions_and_bad_counts_are_refused_before_any_process_starts(
 ):
     monkeypatch.delenv(ALLOW_SLOW_ENV, raising=False)
     with hardware.assume(AVX2_CPU):
-        code = main(["bench", "--strategy", "fsdp", "--out", str(tmp_path / "a")])
+        code = main(
+            [
+                "bench",
+                "--strategy",
+                "fsdp",
+                "--precision",
+                "bf16-mixed",
+                "--out",
+                str(tmp_path / "a"),
+            ]
+        )
     assert code == 2 and "--allow-slow" in capsys.readouterr().err
     assert main(["bench", "--strategy", "ddp", "--devices", "0", "--out", str(tmp_path)]) == 2
     assert "--devices" in capsys.readouterr().err
     assert not (tmp_path / "a").exists()
+
+
+def test_the_default_precisions_leave_out_what_is_slow_here_and_say_why(monkeypatch):
+    monkeypatch.delenv(ALLOW_SLOW_ENV, raising=False)
+    with hardware.assume(AVX2_CPU):
+        kept, left = distributed.default_precisions("cpu", allow_slow=False)
+        assert kept == ["32-true"] and list(left) == ["bf16-mixed", "bf16-true"]
+        assert all("bfloat16" in why for why in left.values())
+        assert distributed.default_precisions("cpu", allow_slow=True) == (
+            list(distributed.DEFAULT_PRECISIONS),
+            {},
+        )

@@ -172,9 +172,17 @@ def _options(args: argparse.Namespace) -> BenchOptions:
 def run_memory_command(args: argparse.Namespace, console: Console, err: Console, out: Path) -> int:
     """`--strategy`: memory per rank of DDP and FSDP training (`mixprec.bench.distributed`)."""
     strategies = ["ddp", "fsdp"] if args.strategy == "fsdp" else ["ddp"]
-    precisions = args.precision or list(distributed.DEFAULT_PRECISIONS)
     batch = [b for group in args.batch_sizes for b in group][0] if args.batch_sizes else 2
     device = "cuda" if (args.device or "").startswith("cuda") else "cpu"
+    precisions = args.precision
+    if not precisions:
+        precisions, left_out = distributed.default_precisions(device, args.allow_slow)
+        for spec, why in left_out.items():
+            console.print(
+                f"left out {spec}: slow or refused here ({why}); --allow-slow times it anyway",
+                highlight=False,
+                soft_wrap=True,
+            )
     try:
         if args.devices < 1 or (args.steps is not None and args.steps < 1):
             raise ValueError("--devices and --steps must be at least 1")

@@ -35,7 +35,8 @@ from torch import nn
 
 from mixprec.bench.models import load_workload
 from mixprec.bench.runner import _measured
-from mixprec.hardware import check
+from mixprec.errors import PrecisionError
+from mixprec.hardware import check, detect, policy_support
 from mixprec.policy_map import as_map
 from mixprec.precision import Precision
 from mixprec.trainer.strategy import free_port
@@ -186,6 +187,21 @@ def measure(spec: MemorySpec, workdir: Path) -> list[RankMemory]:
     return [
         RankMemory(**json.loads((out / f"rank{r}.json").read_text())) for r in range(spec.devices)
     ]
+
+
+def default_precisions(device: str, allow_slow: bool) -> tuple[list[str], dict[str, str]]:
+    """`DEFAULT_PRECISIONS` that run at speed on `device` (all of them with `allow_slow`),
+    and the ones left out with the reason: the default must not fail where bf16 is slow."""
+    kept, left = [], {}
+    for spec in DEFAULT_PRECISIONS:
+        try:
+            check(as_map(spec), torch.device(device), allow_slow=allow_slow)
+        except PrecisionError as err:
+            support = policy_support(spec, detect(device))
+            left[spec] = support.reason or str(err)
+        else:
+            kept.append(spec)
+    return kept, left
 
 
 def check_precisions(precisions: list[str], device: str, allow_slow: bool) -> None:
