@@ -1,6 +1,7 @@
 """The doctor on models with planted float16 faults: each found by name, nothing healthy
 flagged, and the recommended policy verified by training."""
 
+import json
 import math
 import warnings
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
-from mixprec import PolicyMap, PolicySpecError, PrecisionError, hardware
+from mixprec import Policy, PolicyMap, PolicySpecError, PrecisionError, hardware
 from mixprec.cli import main
 from mixprec.doctor import AT_RISK, BROKEN, OK, diagnose
 from mixprec.doctor.probe import Comparisons, RefTensor, Scratch
@@ -622,6 +623,15 @@ def test_cli_doctor_on_the_example(tmp_path, capsys):
     assert "inp" in text and "output reaches" in text and "mixprec.PolicyMap(" in text
     assert "'pool.softmax': '32-true'" in text
     assert (out / "report.md").is_file() and (out / "error.png").is_file()
+    # the recommended policy, written as policy.json, passes when checked again
+    policy = json.loads((out / "policy.json").read_text())
+    assert {"path": "pool.softmax", "policy": Policy("32-true").to_config()} in policy["rules"]
+    again = ["doctor", str(ROOT / "examples/doctor_demo.py:make"), "--no-report"]
+    assert main([*again, "--precision", str(out / "policy.json")]) == 0
+    assert "0 broken" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{not json")
+    assert main([*again, "--precision", str(tmp_path / "bad.json")]) == 2
+    assert "cannot read the policy file" in capsys.readouterr().err
 
 
 def test_cli_doctor_clean_model_and_bad_factory(tmp_path, capsys):

@@ -11,7 +11,9 @@ error, from `mixprec.cli`).
 from __future__ import annotations
 
 import argparse
+import json
 import warnings
+from pathlib import Path
 from typing import Any
 
 from mixprec.doctor.diagnosis import Diagnosis, diagnose
@@ -19,6 +21,8 @@ from mixprec.doctor.verdicts import DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.factory import FactoryError, call_factory, load_factory
 from mixprec.outputs import check_output_dir
+from mixprec.policy import Policy
+from mixprec.policy_map import PolicyMap
 
 
 def _unpack(made: Any) -> tuple[Any, Any, Any]:
@@ -50,7 +54,7 @@ def _run(args: argparse.Namespace) -> int:
                 model,
                 batch,
                 loss_fn,
-                precision=args.precision,
+                precision=_precision(args.precision),
                 reference=args.reference,
                 loss_scale=args.loss_scale,
                 device=args.device,
@@ -69,10 +73,25 @@ def _run(args: argparse.Namespace) -> int:
         err.print(f"[dim]note: {note}[/]")
     if not args.no_report:
         path = diagnosis.save(args.out, found)
+        policy_file = path.parent / "policy.json"
+        written = f"; policy: {policy_file}" if policy_file.exists() else ""
         console.print(
-            f"\nreport: {path} (plots: {path.parent / 'error.png'}, {path.parent / 'range.png'})"
+            f"\nreport: {path} (plots: {path.parent / 'error.png'}, {path.parent / 'range.png'}"
+            f"{written})"
         )
     return 0 if diagnosis.passes(args.tolerance) else 1
+
+
+def _precision(spec: str) -> Any:
+    """A precision name, or a policy file (`policy.json`, as the doctor writes it): the map
+    it holds, so a recommended policy can be checked again from the command line."""
+    if not spec.endswith(".json"):
+        return spec
+    try:
+        config = json.loads(Path(spec).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"--precision {spec}: cannot read the policy file ({error})") from None
+    return PolicyMap.from_config(config) if "default" in config else Policy.from_config(config)
 
 
 def _recommend(diagnosis: Diagnosis, tolerance: float | None, console: Any, err: Any) -> Any:
@@ -133,7 +152,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="FILE.py:FACTORY or MODULE:FACTORY; the factory returns (model, batch, loss_fn) "
         "or (model, batch) for a TrainingModule, LightningModule or Hugging Face model",
     )
-    p.add_argument("--precision", default="16-mixed", help="target precision (16-mixed)")
+    p.add_argument(
+        "--precision",
+        default="16-mixed",
+        help="target precision (16-mixed), or a policy file such as the policy.json the "
+        "doctor writes with its recommendation",
+    )
     p.add_argument("--reference", default="32-true", help="reference precision (32-true)")
     p.add_argument(
         "--loss-scale",
