@@ -42,8 +42,9 @@ def _quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     finite = torch.isfinite(amax)
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
     scale = torch.where(finite, scale, torch.nan)
-    q = torch.round(x32 / scale).clamp_(-QMAX, QMAX)
-    q = torch.where(finite, q, torch.zeros_like(q)).to(torch.int8)
+    # only a NaN scale's row divides to NaN: its codes become 0, in place (activations pass
+    # here on every forward)
+    q = torch.round(x32 / scale).clamp_(-QMAX, QMAX).nan_to_num_(0.0).to(torch.int8)
     return q, scale.squeeze(-1)
 
 
