@@ -24,6 +24,7 @@ from mixprec.bench.suite import BenchOptions, BenchReport, Config, Row, plan
 from mixprec.cli import main
 from mixprec.hardware import ALLOW_SLOW_ENV, DeviceInfo
 from mixprec.policy import Policy
+from mixprec.policy_map import PolicyMap
 
 ZEN4 = DeviceInfo("cpu", "AMD Zen 4", cpu_flags=frozenset({"avx512bw", "avx512_bf16"}))
 AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
@@ -251,6 +252,46 @@ def test_user_factory_model_runs_through_both_loops(tmp_path, factory_dir):
     assert by["bf16-mixed"]["raw"]["final_loss"] == pytest.approx(loss32, abs=0.05)
     assert len(by["bf16-mixed"]["raw"]["step_ms"]) == 3
     assert results["metadata"]["model"].endswith("benchfactory.py:make")
+
+
+def test_a_policy_file_is_timed_with_its_rules(tmp_path, factory_dir):
+    # the doctor's policy.json: a bf16 default whose rule puts every layer back in float32
+    # trains exactly as 32-true does, so its rules (not only its default) reached the run
+    policy = PolicyMap("bf16-mixed", {".*": "32-true"}).save(tmp_path / "policy.json")
+    code, results, _, md = _bench(
+        tmp_path,
+        *("--model", f"{factory_dir / 'benchfactory.py'}:make", "--batch-sizes", "8"),
+        *("--precision", "32-true", "bf16-mixed", str(policy), "--allow-slow", "--steps", "2"),
+        *TINY,
+    )
+    assert code == 0
+    by = {e["config"]["spec"]: e for e in results["results"]}
+    ours = by[str(policy)]
+    assert ours["config"]["label"] == str(policy) and ours["result"]["raw"] is None
+    loss32 = by["32-true"]["result"]["mixprec"]["final_loss"]
+    assert ours["result"]["mixprec"]["final_loss"] == loss32
+    assert by["bf16-mixed"]["result"]["mixprec"]["final_loss"] != loss32
+    assert f"| {policy} |" in md
+
+
+def test_plan_of_a_policy_file_keeps_its_islands_and_has_no_raw_twin(tmp_path):
+    path = PolicyMap("bf16-mixed", {"head": "32-true"}, float32_islands=False).save(
+        tmp_path / "p.json"
+    )
+    p = plan(
+        BenchOptions(
+            model="mlp", precisions=["32-true", str(path)], float32_islands="both", allow_slow=True
+        )
+    )
+    assert p.precisions[str(path)] == PolicyMap.load(path)
+    mine = [c for c in p.configs if c.spec == str(path)]
+    assert {(c.raw, c.float32_islands, c.label) for c in mine} == {
+        (False, False, f"{path} (no f32 islands)")
+    }
+    assert p.times_low_precision
+    assert f"--precision 32-true {path}" in p.command
+    with pytest.raises(ValueError, match="cannot read the policy file"):
+        plan(BenchOptions(model="mlp", precisions=[str(tmp_path / "missing.json")]))
 
 
 def test_user_factory_by_module_name(tmp_path, factory_dir, monkeypatch):

@@ -1,5 +1,7 @@
 """PolicyMap precedence, ambiguity, inheritance, islands, config and explain."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -91,6 +93,37 @@ def test_config_round_trip_and_code():
     assert pmap.needs_loss_scaling is False
     assert PolicyMap("bf16-mixed", {"head": "16-mixed"}).needs_loss_scaling is True
     assert pmap.compute_dtypes() == {torch.bfloat16, torch.float32}
+
+
+def test_a_policy_file_round_trips_and_every_precision_argument_reads_it(tmp_path):
+    pmap = PolicyMap("bf16-mixed", {"head": "32-true", nn.LayerNorm: "32-true"})
+    path = pmap.save(tmp_path / "policy.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["policy.json"]  # no temporary left
+    assert PolicyMap.load(path) == pmap
+    assert mixprec.policy_map.as_map(str(path)) == pmap  # a path string, as a flag gives it
+    assert mixprec.Precision(path, allow_slow=True).policy == pmap  # a PathLike
+    m = encoder()
+    assert mixprec.explain(m, str(path))["head"] == Policy("32-true")
+    # a single policy's config is a file too
+    (tmp_path / "one.json").write_text(json.dumps(Policy("bf16-true").to_config()))
+    assert PolicyMap.load(tmp_path / "one.json") == PolicyMap("bf16-true")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, "cannot read the policy file .*missing.json.*No such file"),
+        ("{not json", "cannot read the policy file .*bad.json.*Expecting property name"),
+        ('{"default": "bf17"}', "policy file .*bad.json.*unknown precision 'bf17'; accepted"),
+        ('{"default": "bf16-mixed", "rules": [{"path": "x"}]}', "bad.json.*rule 0"),
+    ],
+)
+def test_a_bad_policy_file_says_which_file_and_what_is_wrong(tmp_path, text, message):
+    path = tmp_path / ("missing.json" if text is None else "bad.json")
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(PolicySpecError, match=message):
+        mixprec.Precision(str(path))
 
 
 def test_default_is_the_global_policy_when_not_given():

@@ -188,6 +188,20 @@ def test_auto_picks_per_device_and_never_silently_falls_back():
         resolve_precision("bf16-mixed", OLD_CPU)
 
 
+def test_a_policy_file_is_a_precision_flag_checked_like_a_name(tmp_path):
+    # the doctor's policy.json: its rules reach the Trainer, and its 16-bit default is
+    # checked against the hardware as the name alone would be
+    path = mixprec.PolicyMap("bf16-mixed", {"head": "32-true"}).save(tmp_path / "policy.json")
+    policy, support = resolve_precision(str(path), ZEN4)
+    assert policy == mixprec.PolicyMap("bf16-mixed", {"head": "32-true"})
+    assert support.status == "fast"
+    with pytest.raises(mixprec.SlowPrecisionError):
+        resolve_precision(str(path), OLD_CPU)
+    with hardware.assume(ZEN4):
+        trainer = Trainer(precision=str(path), accelerator="cpu", **QUIET)
+    assert trainer.policy.rules == {"head": mixprec.Policy("32-true")}
+
+
 def test_float16_on_a_cpu_raises_exactly_when_it_is_slow_there():
     amx_fp16 = DeviceInfo("cpu", "Granite Rapids", cpu_flags=frozenset({"amx_bf16", "amx_fp16"}))
     with hardware.assume(OLD_CPU):

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import importlib
 import io
+import json
+import os
 import re
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -304,6 +308,35 @@ class PolicyMap:
             float32_islands=config.get("float32_islands", True),
         )
 
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write `to_config()` as a JSON policy file (atomically: a reader never sees half of
+        it); `PolicyMap.load`, `mixprec.Precision`, the Trainer's ``precision=`` and the
+        CLI's ``--precision`` read it back. Returns the path."""
+        path = Path(path)
+        text = json.dumps(self.to_config(), indent=2) + "\n"
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> PolicyMap:
+        """The policy a JSON file holds: a map as `save` writes it (the doctor's
+        ``policy.json``), or a single policy's `Policy.to_config()`."""
+        try:
+            config = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise PolicySpecError(f"cannot read the policy file {str(path)!r}: {error}") from None
+        try:
+            return as_map(config) if isinstance(config, Mapping) else cls(config)
+        except (PolicySpecError, TypeError, ValueError) as error:
+            raise PolicySpecError(f"policy file {str(path)!r}: {error}") from None
+
     def to_code(self) -> str:
         """Python source that rebuilds this map (what the doctor prints for users to paste).
 
@@ -341,12 +374,23 @@ class PolicyMap:
         return f"PolicyMap({self.default.name!r}, {{{rules}}})"
 
 
+def is_policy_file(spec: Any) -> bool:
+    """Whether a precision spec names a policy file (a path ending in ``.json``) rather than a
+    precision: no precision name ends that way."""
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    return isinstance(spec, str) and spec.lower().endswith(".json")
+
+
 def as_map(policy: Any = None) -> PolicyMap:
     """The one coercion to a policy type: a PolicyMap as it is, anything `as_policy` takes
-    (a spec, Policy, config dict; None: the global policy) as a map with no rules, and a
-    `PolicyMap.to_config()` dict as the map it describes."""
+    (a spec, Policy, config dict; None: the global policy) as a map with no rules, a
+    `PolicyMap.to_config()` dict as the map it describes, and a ``.json`` path as the policy
+    file it names (`PolicyMap.load`)."""
     if isinstance(policy, PolicyMap):
         return policy
+    if is_policy_file(policy):
+        return PolicyMap.load(policy)
     if isinstance(policy, Mapping) and "default" in policy:
         return PolicyMap.from_config(policy)
     return PolicyMap(as_policy(policy))

@@ -84,7 +84,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="extend",
         metavar="SPEC",
         help="precision specs, space-separated (32-true bf16-mixed 16-mixed "
-        "'p=f32,c=bf16,o=f32' ...); default: 32-true and the recommended mixed one",
+        "'p=f32,c=bf16,o=f32' ...), or policy files such as the policy.json `mixprec doctor` "
+        "writes (per-layer rules); default: 32-true and the recommended mixed one",
     )
     p.add_argument(
         "--batch-sizes",

@@ -21,6 +21,7 @@ import functools
 import gc
 import json
 import os
+import re
 import resource
 import sys
 from collections.abc import Callable
@@ -175,7 +176,8 @@ def _measure_rank(rank: int, spec: MemorySpec, device: torch.device, out: str) -
 
 def measure(spec: MemorySpec, workdir: Path) -> list[RankMemory]:
     """Run ``spec`` in ``spec.devices`` fresh processes; every rank's numbers."""
-    out = workdir / f"{spec.strategy}-{spec.precision}"
+    # a policy file's path names the precision: flattened to one directory name
+    out = workdir / re.sub(r"[^\w.,=-]", "_", f"{spec.strategy}-{spec.precision}")
     out.mkdir(parents=True, exist_ok=True)
     mp.start_processes(
         _rank,

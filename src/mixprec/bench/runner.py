@@ -232,13 +232,16 @@ class Loop:
 def _build_mixprec(spec: RunSpec, device: torch.device) -> Loop:
     """Our loop: the workload set up through `mixprec.Precision`."""
     from mixprec.bench.models import load_workload
-    from mixprec.policy_map import PolicyMap
+    from mixprec.policy_map import PolicyMap, is_policy_file
     from mixprec.precision import Precision
 
     work = load_workload(spec.model, spec.image_size, spec.seed)
     model = work.model.to(device)
     inputs, targets = map_tensors(lambda t: t.to(device), work.make_batch(spec.batch_size))
-    policy = PolicyMap(spec.precision, float32_islands=spec.float32_islands)
+    if is_policy_file(spec.precision):  # its rules and islands as the file has them
+        policy = PolicyMap.load(spec.precision)
+    else:
+        policy = PolicyMap(spec.precision, float32_islands=spec.float32_islands)
     precision = Precision(policy, device=device, allow_slow=spec.allow_slow)
     model, optimizer = precision.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     if spec.compile:  # after conversion: the graph traces mixprec's regions and casts

@@ -46,6 +46,7 @@ from mixprec.hardware import (
     resolve_policy,
 )
 from mixprec.policy import Policy, QuantizedPolicy
+from mixprec.policy_map import PolicyMap, is_policy_file
 from mixprec.version import __version__
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -109,7 +110,7 @@ class Plan:
 
     options: BenchOptions
     device: torch.device
-    precisions: dict[str, Policy]
+    precisions: dict[str, PolicyMap]
     support: dict[str, str]
     configs: list[Config]
     command: str
@@ -123,7 +124,8 @@ class Plan:
         low = (torch.float32, torch.float64)
         return any(
             p.compute_dtype not in low or isinstance(p, QuantizedPolicy)
-            for p in self.precisions.values()
+            for m in self.precisions.values()
+            for p in m.policies()
         )
 
 
@@ -194,25 +196,29 @@ def _device(name: str | None) -> torch.device:
 
 def _precisions(
     specs: list[str] | None, device: torch.device, allow_slow: bool
-) -> tuple[dict[str, Policy], dict[str, str]]:
-    """Parse and hardware-check every spec; label -> policy and label -> support note."""
+) -> tuple[dict[str, PolicyMap], dict[str, str]]:
+    """Parse and hardware-check every spec; label -> policy and label -> support note.
+
+    A precision is labelled by its name; a policy file (the doctor's ``policy.json``) by its
+    path, and keeps its per-layer rules and float32-island setting."""
     info = detect(device)
     if specs is None:
         auto = resolve_auto(info)
         specs = ["32-true"] if auto.name == "32-true" else ["32-true", auto.name]
-    policies: dict[str, Policy] = {}
+    policies: dict[str, PolicyMap] = {}
     support: dict[str, str] = {}
     for spec in specs:
         try:
             # "auto" means the fastest stable precision of the benchmarked device
-            policy = resolve_policy(spec, info).default
+            policy = resolve_policy(spec, info)
             s = check(policy, device, allow_slow=allow_slow, info=info)
         except SlowPrecisionError as err:
             raise ValueError(f"{err} (mixprec bench: pass --allow-slow)") from None
         except (PolicySpecError, PrecisionError) as err:
             raise ValueError(str(err)) from None
-        policies.setdefault(policy.name, policy)
-        support[policy.name] = f"{s.status}: {s.reason}" if s.status == SLOW else s.status
+        label = spec if is_policy_file(spec) else policy.default.name
+        policies.setdefault(label, policy)
+        support[label] = f"{s.status}: {s.reason}" if s.status == SLOW else s.status
     return policies, support
 
 
@@ -237,8 +243,8 @@ def _island_modes(islands: str) -> list[bool]:
     return modes[islands]
 
 
-def _label(name: str, policy: Policy, tf32: bool | None, modes: list[bool | None]) -> str:
-    if tf32 is None or policy.compute_dtype != torch.float32 or len(modes) == 1:
+def _label(name: str, fp32_compute: bool, tf32: bool | None, modes: list[bool | None]) -> str:
+    if tf32 is None or not fp32_compute or len(modes) == 1:
         return name
     return f"{name} (TF32 {'on' if tf32 else 'off'})"
 
@@ -307,17 +313,18 @@ def plan(options: BenchOptions) -> Plan:
     configs = []
     for batch in opts.batch_sizes or []:
         for name, policy in policies.items():
-            fp32_compute = policy.compute_dtype == torch.float32
+            fp32_compute = policy.compute_dtypes() == {torch.float32}
+            # a policy file runs as it is written: its own islands, no hand-written twin
+            from_file = is_policy_file(name)
+            mixed = policy.default.is_mixed and not from_file
             for tf32 in modes if fp32_compute else modes[:1]:
-                for island in islands if policy.is_mixed else [True]:
-                    label = _label(name, policy, tf32, modes)
-                    if not island:
+                for island in islands if mixed else [policy.float32_islands]:
+                    label = _label(name, fp32_compute, tf32, modes)
+                    if not island and policy.default.is_mixed:
                         label += " (no f32 islands)"
                     if opts.compile:
                         label += " (compiled)"
-                    configs.append(
-                        Config(label, name, batch, tf32, policy.is_mixed, island, opts.compile)
-                    )
+                    configs.append(Config(label, name, batch, tf32, mixed, island, opts.compile))
     command = reproduce_command(opts, device)
     return Plan(opts, device, policies, support, configs, command, asked, left_out)
 
@@ -347,7 +354,7 @@ def comparison_gap(p: Plan) -> dict[str, Any] | None:
         command = reproduce_command(anyway, p.device)
     return {
         "asked": p.asked,
-        "timed": sorted({dtype_name(policy.compute_dtype) for policy in p.precisions.values()}),
+        "timed": sorted({dtype_name(d) for m in p.precisions.values() for d in m.compute_dtypes()}),
         "left_out": {
             name: {
                 "status": s.status,

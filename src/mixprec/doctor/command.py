@@ -11,9 +11,7 @@ error, from `mixprec.cli`).
 from __future__ import annotations
 
 import argparse
-import json
 import warnings
-from pathlib import Path
 from typing import Any
 
 from mixprec.doctor.diagnosis import Diagnosis, diagnose
@@ -21,8 +19,6 @@ from mixprec.doctor.verdicts import DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.factory import FactoryError, call_factory, load_factory
 from mixprec.outputs import check_output_dir
-from mixprec.policy import Policy
-from mixprec.policy_map import PolicyMap
 
 
 def _unpack(made: Any) -> tuple[Any, Any, Any]:
@@ -54,7 +50,7 @@ def _run(args: argparse.Namespace) -> int:
                 model,
                 batch,
                 loss_fn,
-                precision=_precision(args.precision),
+                precision=args.precision,
                 reference=args.reference,
                 loss_scale=args.loss_scale,
                 device=args.device,
@@ -80,18 +76,6 @@ def _run(args: argparse.Namespace) -> int:
             f"{written})"
         )
     return 0 if diagnosis.passes(args.tolerance) else 1
-
-
-def _precision(spec: str) -> Any:
-    """A precision name, or a policy file (`policy.json`, as the doctor writes it): the map
-    it holds, so a recommended policy can be checked again from the command line."""
-    if not spec.endswith(".json"):
-        return spec
-    try:
-        config = json.loads(Path(spec).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"--precision {spec}: cannot read the policy file ({error})") from None
-    return PolicyMap.from_config(config) if "default" in config else Policy.from_config(config)
 
 
 def _recommend(diagnosis: Diagnosis, tolerance: float | None, console: Any, err: Any) -> Any:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -273,8 +272,8 @@ def save(
 ) -> Path:
     """Write report.md, error.png and range.png into `directory`; return report.md's path.
     With a recommendation, the report shows the policy and its verified run next to the
-    target, and policy.json holds the policy (`PolicyMap.to_config()`: `PolicyMap.from_config`
-    or `mixprec doctor --precision policy.json` reads it back)."""
+    target, and policy.json holds the policy (`PolicyMap.save`: `PolicyMap.load`, `Precision`,
+    the Trainer's ``precision=`` and ``--precision policy.json`` read it back)."""
     fixed = recommendation.verified if recommendation is not None else None
     try:
         import matplotlib
@@ -292,7 +291,7 @@ def save(
     report.write_text(to_markdown(d, plots, recommendation))
     policy = out / "policy.json"
     if recommendation is not None:
-        policy.write_text(json.dumps(recommendation.policy.to_config(), indent=2) + "\n")
+        recommendation.policy.save(policy)
     else:  # an earlier run's recommendation would read as this run's
         policy.unlink(missing_ok=True)
     return report
