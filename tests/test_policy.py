@@ -121,6 +121,8 @@ def test_immutable():
         ("complex64", "complex64 is not a floating dtype"),
         ("p=f32,c=float8_e4m3fn", "float8 tensors need per-tensor scales"),
         ("transformer-engine", "float8 recipe"),
+        ("transformer-engine-float16", "'float8_from_mixed_float16'"),
+        ("mixed", "did you mean 'bf16-mixed' or '16-mixed'"),
     ],
 )
 def test_bad_specs_say_what_is_wrong_and_what_is_accepted(spec, message):

@@ -71,6 +71,12 @@ _HINTS: dict[str, str] = {
     "mixed_fp16": "'16-mixed'",
     "fp8": "a float8 recipe: a quantized policy like 'float8_from_mixed_bfloat16'",
     "transformer-engine": "a float8 recipe: a quantized policy like 'float8_from_mixed_bfloat16'",
+    "transformer-engine-float16": (
+        "a float8 recipe with float16 around it: a quantized policy like "
+        "'float8_from_mixed_float16'"
+    ),
+    "mixed": "'bf16-mixed' or '16-mixed' (say which 16-bit dtype)",
+    "amp": "'bf16-mixed' or '16-mixed' (say which 16-bit dtype)",
 }
 
 _JMP_KEYS: dict[str, str] = {
