@@ -24,13 +24,13 @@ from mixprec.quantize.float8 import RECIPES, Float8Linear
 def one_step_ms(module: nn.Module, x: torch.Tensor, autocast: bool) -> float:
     """Milliseconds of one forward + backward."""
     if x.is_cuda:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(x.device)
     start = time.perf_counter()
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
         out = module(x)
     out.float().sum().backward()
     if x.is_cuda:
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(x.device)
     return 1000 * (time.perf_counter() - start)
 
 

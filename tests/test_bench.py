@@ -19,7 +19,7 @@ import torch
 from mixprec import hardware
 from mixprec.bench.command import parse_size
 from mixprec.bench.report import busy_machine_warning, markdown, summarize
-from mixprec.bench.runner import OK, OOM, LoopResult, RunResult, _measured
+from mixprec.bench.runner import OK, OOM, LoopResult, RunResult, _measured, set_tf32
 from mixprec.bench.suite import BenchOptions, BenchReport, Config, Row, plan
 from mixprec.cli import main
 from mixprec.hardware import ALLOW_SLOW_ENV, DeviceInfo
@@ -548,6 +548,22 @@ def test_busy_machine_warning():
         [cores + 1.0, 0.0, 0.0], 1, "cpu"
     )
     assert busy_machine_warning([cores + 1.0, 0.0, 0.0], 1, "cuda") is None
+
+
+def test_set_tf32_keeps_the_legacy_and_new_flags_in_agreement():
+    """torch 2.9+ raises on reading matmul precision or `allow_tf32` once the new per-op
+    flags were set alone ("mix of the legacy and new APIs"); torch.compile reads them."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for enabled in (True, False):
+            set_tf32(enabled)
+            assert torch.get_float32_matmul_precision() == ("high" if enabled else "highest")
+            assert torch.backends.cuda.matmul.allow_tf32 is enabled
+            assert torch.backends.cudnn.allow_tf32 is enabled
+            if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+                assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if enabled else "ieee")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def test_parse_size():

@@ -64,6 +64,25 @@ def test_transformer_script_refuses_cuda_without_a_gpu(tmp_path, capsys):
     assert "--device cpu --tiny" in capsys.readouterr().err
 
 
+def test_transformer_script_gives_its_children_an_indexed_cuda_device(tmp_path, monkeypatch):
+    """`--device cuda` (run_h100.sh's) reaches each child as cuda:N: the child calls
+    torch.cuda.set_device, which refuses a device without an index."""
+    transformer = _load("transformer")
+    jobs = []
+
+    def fake_run(job, out_dir, timeout):
+        jobs.append(job)
+        return {"status": "error", "error": "not run"}
+
+    monkeypatch.setattr(transformer, "run_isolated", fake_run)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "H100")
+    args = ["--device", "cuda", "--precision", "bf16-mixed", "--compile", "off"]
+    assert transformer.main([*args, "--out", str(tmp_path)]) == 1
+    assert [job.device for job in jobs] == ["cuda:0"]
+
+
 def test_trainer_overhead_script_tiny_on_cpu(tmp_path, monkeypatch, capsys):
     script = _load("trainer_overhead")
     out = tmp_path / "trainer.md"

@@ -438,3 +438,22 @@ def test_early_stopping_inside_an_epoch_saves_the_step_it_stopped_at(tmp_path):
     assert (t.current_epoch, t.batches_done, t.global_step) == (0, 8, 4)
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["epoch=0-step=4.ckpt"]
     assert cb.best_model_score == t.callback_metrics["val_loss"]
+
+
+def test_cuda_rng_states_of_more_gpus_than_here_restore_those_present(monkeypatch):
+    """A checkpoint from an 8-GPU machine resumes on a 1-GPU one: GPU 0's state is restored,
+    the others are left out rather than indexed past the generators there."""
+    restored = []
+
+    def set_state(state, device="cuda"):
+        if device >= 1:
+            raise IndexError("tuple index out of range")  # torch.cuda.default_generators[1]
+        restored.append((device, state))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(torch.cuda.random, "set_rng_state", set_state)
+    gpu_states = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    ckpt_io.set_rng_states({**ckpt_io.rng_states(), "cuda": gpu_states})
+    assert restored == [(0, gpu_states[0])]

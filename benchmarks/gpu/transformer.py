@@ -480,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA GPU here; use --device cpu --tiny for a smoke test", file=sys.stderr)
         return 2
+    if device.type == "cuda" and device.index is None:  # the child's torch.cuda.set_device
+        device = torch.device("cuda", torch.cuda.current_device())  # needs an index
     base = TINY if args.tiny else FULL
     dims = Dims(**{**asdict(base), "batch": args.batch_size or base.batch})
     steps = args.steps if args.steps is not None else (2 if args.tiny else 10)

@@ -508,7 +508,8 @@ def measure(
     that is 100x slower on this hardware still finishes in about `seconds`.
     """
     device = torch.device(device) if device is not None else default_device()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    # the device measured, not the current one (they differ for cuda:1)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     out: dict[str, float] = {}
     for dtype in dtypes:
         if dtype_support(dtype, detect(device)).status == REFUSED:

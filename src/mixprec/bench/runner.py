@@ -131,15 +131,15 @@ def is_oom(err: BaseException) -> bool:
 
 
 def set_tf32(enabled: bool) -> None:
-    """Allow (or forbid) TF32 tensor cores for float32 matmuls and convolutions on CUDA."""
-    mode = "tf32" if enabled else "ieee"
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):
-        matmul.fp32_precision = mode
-        torch.backends.cudnn.conv.fp32_precision = mode
-    else:
-        matmul.allow_tf32 = enabled
-        torch.backends.cudnn.allow_tf32 = enabled
+    """Allow (or forbid) TF32 tensor cores for float32 matmuls and cuDNN (conv and RNN) on CUDA.
+
+    Through the ``allow_tf32`` flags: since torch 2.9 each also sets the per-op
+    ``fp32_precision`` values, so both APIs agree. Setting only the new ones leaves torch in
+    the "mix of the legacy and new APIs" state, where ``torch.get_float32_matmul_precision()``
+    and the ``allow_tf32`` getters (read by torch.compile and other libraries) raise.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 # -- memory --------------------------------------------------------------------------------

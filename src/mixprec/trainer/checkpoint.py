@@ -339,7 +339,10 @@ def set_rng_states(states: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        # one state per GPU of the saving machine: a resume on fewer GPUs restores those it
+        # has (torch.cuda.set_rng_state_all would index past default_generators)
+        for index, state in enumerate(states["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, index)
     if "numpy" in states:
         import numpy as np
 
