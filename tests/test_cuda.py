@@ -404,3 +404,18 @@ def test_a_cpu_tensor_passed_first_does_not_turn_off_gpu_autocast():
     out = model(torch.tensor([3, 5]), torch.randn(4, 8, device="cuda"))
     assert seen["dtype"] == torch.bfloat16  # CUDA autocast ran, not CPU autocast
     assert out.dtype == torch.float32
+
+
+def test_a_resumed_process_draws_on_its_own_gpu_where_the_saving_rank_did():
+    # A DDP checkpoint comes from rank 0, whose list of per-GPU states holds the other ranks'
+    # GPUs untouched; each rank resumes its own (current) GPU from the saving rank's instead.
+    from mixprec.trainer.checkpoint import rng_states, set_rng_states
+
+    torch.cuda.manual_seed_all(0)
+    torch.rand(3, device=CUDA)
+    saved = rng_states()
+    expected = torch.rand(3, device=CUDA)
+    torch.rand(100, device=CUDA)
+    saved["cuda"] = [torch.cuda.get_rng_state(CUDA)]  # not the state this process drew from
+    set_rng_states(saved)
+    assert torch.equal(torch.rand(3, device=CUDA), expected)

@@ -318,6 +318,9 @@ def rng_states() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
+        # the GPU this process trains on (each DDP rank has set its own): rank 0's list holds
+        # the other ranks' GPUs as this process never moved them
+        states["cuda_current"] = torch.cuda.get_rng_state()
     try:
         import numpy as np
     except ImportError:
@@ -343,6 +346,10 @@ def set_rng_states(states: dict[str, Any]) -> None:
         # has (torch.cuda.set_rng_state_all would index past default_generators)
         for index, state in enumerate(states["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(state, index)
+        if "cuda_current" in states:
+            # every rank resumes its own GPU from the saving rank's, as every rank's CPU
+            # generator resumes from the saving rank's (ranks seeded alike draw alike)
+            torch.cuda.set_rng_state(states["cuda_current"])
     if "numpy" in states:
         import numpy as np
 
