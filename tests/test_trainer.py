@@ -519,6 +519,25 @@ def test_an_interval_ending_on_the_last_batch_of_data_without_length_validates_o
     assert seen.at == [(0, 5, 5), (0, 10, 10)]
 
 
+@pytest.mark.parametrize("max_steps", [10, 7])
+def test_max_steps_on_the_last_batch_of_data_without_length_ends_the_epoch(max_steps):
+    """Stopped by max_steps on the data's last batch, a stream ends its epoch (validation,
+    epoch count) as sized data does; stopped before it, neither does. The look for more data
+    moves no random generator."""
+    data = regression_data(80)
+    outcomes = []
+    for train in (DataLoader(data, batch_size=8), DataLoader(Stream(data), batch_size=8)):
+        seen = ValidatedAt()
+        trainer = Trainer(max_steps=max_steps, callbacks=[seen], **QUIET)
+        torch.manual_seed(0)
+        trainer.fit(mlp(), train, DataLoader(data, batch_size=40), loss_fn=F.mse_loss)
+        outcomes.append((seen.at, trainer.current_epoch, torch.get_rng_state()))
+    (sized_at, sized_epoch, sized_rng), (stream_at, stream_epoch, stream_rng) = outcomes
+    assert stream_at == sized_at == ([(0, 10, 10)] if max_steps == 10 else [])
+    assert stream_epoch == sized_epoch == (1 if max_steps == 10 else 0)
+    assert torch.equal(stream_rng, sized_rng)
+
+
 @pytest.mark.parametrize("spec", ["32-true", "16-mixed"])
 def test_a_short_last_window_of_data_without_length_is_scaled_as_with_a_length(tmp_path, spec):
     """Windows of 4, 4 and 2 micro-batches: the last one's losses are divided by 2, also when

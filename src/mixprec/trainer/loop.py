@@ -207,6 +207,9 @@ def train_epoch(trainer: Trainer, run: FitRun) -> None:
         batch_idx += 1
         trainer.should_stop = trainer.strategy.any(trainer.should_stop)  # all ranks together
         if not run.in_window and fit_done(trainer):
+            # data without len() may have ended with this batch: then the epoch is over, as
+            # it would be for sized data (its end validates and counts the epoch)
+            exhausted = n is None and not trainer.strategy.any(not ran_out(batches))
             break
     if first == 0 and batch_idx == 0:  # an epoch without batches would repeat forever
         raise EmptyEpochError(
@@ -223,6 +226,18 @@ def train_epoch(trainer: Trainer, run: FitRun) -> None:
     if exhausted:
         end_of_data(trainer, run, batch_idx)
     run.epoch_finished = finished
+
+
+def ran_out(batches: Iterator[Any]) -> bool:
+    """Whether the iterator is exhausted, looked up without moving the random generators (a
+    checkpoint saved after the look resumes as if it had not been made); a batch it yields
+    is dropped, so only call it when training stops."""
+    with rng_unchanged():
+        try:
+            next(batches)
+        except StopIteration:
+            return True
+    return False
 
 
 def end_of_data(trainer: Trainer, run: FitRun, batches: int) -> None:
