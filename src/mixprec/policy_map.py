@@ -21,7 +21,6 @@ import io
 import json
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,14 +312,12 @@ class PolicyMap:
         it); `PolicyMap.load`, `mixprec.Precision`, the Trainer's ``precision=`` and the
         CLI's ``--precision`` read it back. Returns the path."""
         path = Path(path)
-        text = json.dumps(self.to_config(), indent=2) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # created with the umask's mode
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
+            tmp.write_text(json.dumps(self.to_config(), indent=2) + "\n")
             os.replace(tmp, path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)
             raise
         return path
 
