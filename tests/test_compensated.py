@@ -200,7 +200,7 @@ def test_trainer_resume_with_compensation_is_bit_identical(tmp_path):
             default_root_dir=root,
             callbacks=[ModelCheckpoint(save_last=True)],
         )
-        loss = lambda out, y: nn.functional.mse_loss(out.float(), y)  # noqa: E731
+        loss = lambda out, y: nn.functional.mse_loss(out.float(), y.float())  # noqa: E731
         trainer.fit(model, data, loss_fn=loss, ckpt_path=ckpt_path)
         return model, trainer
 

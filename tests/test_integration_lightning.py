@@ -53,7 +53,7 @@ class Regressor(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int):
         x, y = batch
-        loss = nn.functional.mse_loss(self(x).float(), y)
+        loss = nn.functional.mse_loss(self(x).float(), y.float())
         self.losses.append(loss.item())
         if self.global_step == self.poison_step:
             loss = loss * math.inf

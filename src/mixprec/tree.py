@@ -100,6 +100,8 @@ class _Mapper:
             return self._fields(new, fresh=True)
         if isinstance(obj, Mapping):
             new = self._mapping(obj)
+            if not _is_dataclass_instance(new):
+                return new  # (dynamo before torch 2.12 cannot trace `dict is not dict`)
             return self._fields(new, fresh=new is not obj)
         return self._fields(obj, fresh=False)
 

@@ -153,7 +153,10 @@ def scaled_matmul(
             b_inv.float(),
             out_dtype=out_dtype,
         )
-    return ((a8.float() * a_inv) @ (b8.float() * b_inv)).to(out_dtype)
+    out = (a8.float() * a_inv) @ (b8.float() * b_inv)
+    # no `.to` that returns `out` itself: torch.compile of torch 2.11 gives an autograd.Function
+    # whose forward returns such a no-op cast a zero gradient (2.12 fixed it)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 def high_precision_matmul(
