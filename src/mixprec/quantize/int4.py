@@ -171,10 +171,12 @@ class Int4Embedding(LoraEmbeddingMixin, _Int4Weight):
         return layer.to(embedding.weight.device)
 
     def forward(self, idx: Tensor) -> Tensor:
+        # F.embedding, not indexing: an id outside [0, num_embeddings) raises IndexError as
+        # nn.Embedding's does (indexing took -1 as the last row), and only integer ids pass
         rows = dequantize_groups(
-            self.qweight[idx],
-            self.weight_scale[idx],
-            self.weight_zero[idx],
+            F.embedding(idx, self.qweight),
+            F.embedding(idx, self.weight_scale),
+            F.embedding(idx, self.weight_zero),
             self.embedding_dim,
             self.group_size,
         )
