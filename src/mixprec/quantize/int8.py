@@ -4,7 +4,9 @@ Weights: one scale per output channel (per row), abs-max, ``q = round(w / scale)
 [-127, 127] with ``scale = max|w_row| / 127``; Keras stores the reciprocal ``127 / max|w|``,
 the values are the same. Activations: one scale per token (row of the flattened input),
 computed from the tensor at run time. The matmul runs on int8 x int8 -> int32
-(`torch._int_mm`) and the int32 sums are dequantized with both scales.
+(`torch._int_mm`) and the int32 sums are dequantized with both scales; a reduction longer
+than `ACC_MAX_K` (133144 features), whose int32 sums could overflow, runs in chunks added in
+int64.
 """
 
 from __future__ import annotations
@@ -56,15 +58,28 @@ def quantize_rows(w: Tensor, name: str = "the weight") -> tuple[Tensor, Tensor]:
     return _quantize_rows(w)
 
 
-def int_matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b.T`` for int8 ``a`` [M, K] and ``b`` [N, K], exactly, as int32 [M, N].
+# The longest reduction whose int32 sums cannot overflow: each product of two codes is at
+# most 127 * 127 in magnitude, so 133144 of them stay within 2**31 - 1.
+ACC_MAX_K = (2**31 - 1) // (QMAX * QMAX)
+
+
+def int_matmul(a: Tensor, b: Tensor, *, max_k: int = ACC_MAX_K) -> Tensor:
+    """``a @ b.T`` for int8 ``a`` [M, K] and ``b`` [N, K] (codes in [-127, 127]), exactly.
 
     `torch._int_mm` on CPU (any shape) and on CUDA where it can run (M > 16, K and N
     multiples of 8); elsewhere the same sums in float64, which holds them exactly (each is at
-    most 127 * 127 * K, far below 2**53), cast back to int32.
+    most 127 * 127 * K, far below 2**53). The result is int32 [M, N] when ``K <= max_k``;
+    a longer reduction would overflow the int32 accumulator (Linear(140000, n) at full scale
+    summed to a negative number), so it is cut into chunks of at most `max_k` columns whose
+    int32 sums are added in int64, and the result is int64. `max_k` is for tests.
     """
     m, k = a.shape
     n = b.shape[0]
+    if k > max_k:
+        acc = torch.zeros(m, n, dtype=torch.int64, device=a.device)
+        for ac, bc in zip(a.split(max_k, dim=1), b.split(max_k, dim=1), strict=True):
+            acc += int_matmul(ac, bc, max_k=max_k)
+        return acc
     if a.device.type == "cpu" or (a.device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0):
         return torch._int_mm(a, b.t())
     return (a.double() @ b.double().t()).to(torch.int32)
