@@ -176,14 +176,14 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
             result.skipped[path] = reason
         elif isinstance(getattr(module, "quantization_mode", None), str):
             continue
+        elif not path:
+            raise ValueError(
+                f"quantize swaps submodules, and the model itself is a "
+                f"{type(module).__name__}: wrap it, e.g. nn.Sequential(model)"
+            )
         elif policy.mode == "float8":
             float8.setdefault(policy, []).append(path)
         else:
-            if not path:
-                raise ValueError(
-                    f"quantize swaps submodules, and the model itself is a "
-                    f"{type(module).__name__}: wrap it, e.g. nn.Sequential(model)"
-                )
             if id(module) not in new:
                 new[id(module)] = _quantized_layer(path, module, policy, memo)
             result.quantized[path] = _describe(policy)
@@ -199,11 +199,13 @@ def _to_float8(
     from mixprec.quantize.float8 import convert_to_float8
 
     before = dict(model.named_modules())
-    skipped = convert_to_float8(
+    skipped: dict[str, str] = {}
+    convert_to_float8(
         model,
         recipe=policy.recipe,
         amax_history_length=policy.amax_history_length or DEFAULT_AMAX_HISTORY_LENGTH,
         filter=lambda path, module: path in paths,
+        skipped=skipped,
     )
     after = dict(model.named_modules())
     for path in sorted(paths):
