@@ -29,7 +29,7 @@ from mixprec.quantize import (
     weight_bytes,
 )
 from mixprec.quantize.int4 import dequantize_groups, pack, quantize_groups, unpack
-from mixprec.quantize.int8 import int_matmul, quantize_rows, quantize_tokens
+from mixprec.quantize.int8 import ACC_MAX_K, int_matmul, quantize_rows, quantize_tokens
 
 FAST = settings(max_examples=15, deadline=None)
 
@@ -66,6 +66,44 @@ def test_int_matmul_is_the_exact_integer_product(m, k, n, seed):
     b = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     out = int_matmul(a, b)
     assert out.dtype == torch.int32 and torch.equal(out, (a.long() @ b.long().t()).int())
+
+
+def test_int8_a_reduction_longer_than_int32_holds_is_chunked_not_overflowed():
+    """Linear(140000, 16) at full scale summed 127 * 127 * 140000 > 2**31 - 1 in int32 and
+    returned -126288.5 for every output instead of 140000."""
+    assert ACC_MAX_K * 127 * 127 <= 2**31 - 1 < (ACC_MAX_K + 1) * 127 * 127
+    model = nn.Sequential(nn.Linear(140000, 16))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.zero_()
+    quantize(model, "int8")
+    x = torch.ones(2, 140000)
+    torch.testing.assert_close(model(x), torch.full((2, 16), 140000.0), rtol=1e-6, atol=0)
+    q = torch.full((1, 140000), 127, dtype=torch.int8)
+    assert int_matmul(q, q).item() == 127 * 127 * 140000
+
+
+@FAST
+@given(st.integers(1, 20), st.integers(2, 70), st.integers(1, 9), st.integers(1, 12))
+def test_int_matmul_in_chunks_equals_it_in_one(m, k, n, max_k):
+    g = torch.Generator().manual_seed(m * k + n)
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    whole = int_matmul(a, b)
+    chunked = int_matmul(a, b, max_k=max_k)
+    assert chunked.dtype == (torch.int64 if k > max_k else torch.int32)
+    assert torch.equal(chunked, whole.long())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m, k, n", [(32, 48, 16), (3, 20, 5)])  # torch._int_mm, float64
+def test_int_matmul_in_chunks_on_cuda_equals_the_cpu_product(m, k, n):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    out = int_matmul(a.cuda(), b.cuda(), max_k=16)  # chunks of 16 columns: strided views
+    assert out.dtype == torch.int64 and torch.equal(out.cpu(), a.long() @ b.long().t())
 
 
 def test_int8_linear_equals_a_float_reference_of_the_same_integer_math():
@@ -258,6 +296,27 @@ def test_int4_embedding_dequantizes_only_the_rows_looked_up():
     assert torch.equal(layer(idx), F.embedding(idx, layer.dequantized_weight()))
     layer8 = Int8Embedding.from_float(emb)
     assert torch.equal(layer8(idx), F.embedding(idx, layer8.dequantized_weight()))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "int8+lora", "int4+lora"])
+@pytest.mark.parametrize("bad", [-1, -30, 30, 31])
+def test_an_id_out_of_range_raises_index_error_as_nn_embedding_does(kind, bad):
+    """int4 indexed its buffers directly: -1 silently returned the last row."""
+    emb = nn.Embedding(30, 20)
+    layer = (
+        Int8Embedding.from_float(emb)
+        if kind.startswith("int8")
+        else Int4Embedding.from_float(emb, group_size=8)
+    )
+    if kind.endswith("lora"):
+        layer.enable_lora(2)
+    idx = torch.tensor([[3, bad]])
+    with pytest.raises(IndexError, match="index out of range"):
+        emb(idx)
+    with pytest.raises(IndexError, match="index out of range"):
+        layer(idx)
+    with pytest.raises(RuntimeError, match="indices.* Long, Int"):
+        layer(torch.tensor([True, False]))  # a mask is not a list of ids
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
