@@ -548,6 +548,8 @@ def test_errors_say_what_is_accepted():
         convert_to_float8(Net(), skipped=[])
     with pytest.raises(ValueError, match=re.escape("needs a floating input whose last dim is 16")):
         Float8Linear(16, 16)(torch.randn(4, 8))
+    with pytest.raises(ValueError, match=re.escape("16, got torch.float32 of shape ()")):
+        Float8Linear(16, 16)(torch.tensor(1.0))  # was IndexError: tuple index out of range
 
 
 def test_cpu_scaled_mm_gives_the_emulated_values():

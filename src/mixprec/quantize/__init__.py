@@ -134,9 +134,35 @@ def _describe(policy: QuantizedPolicy) -> str:
         return "int4 (per channel)"
     if policy.mode == "int4":
         return f"int4 (groups of {policy.group_size})"
+    if policy.mode == "float8" and policy.recipe == "delayed":
+        history = policy.amax_history_length or DEFAULT_AMAX_HISTORY_LENGTH
+        return f"float8 (delayed, amax history of {history})"
     if policy.mode == "float8":
         return f"float8 ({policy.recipe})"
     return "int8"
+
+
+def _check_same_options(path: str, layer: nn.Module, policy: QuantizedPolicy) -> None:
+    """Raise ValueError if the already quantized `layer` (in `policy`'s mode) was quantized
+    with other options than `policy` asks for: it used to stay as it was, silently."""
+    if policy.mode == "int4":
+        have = QuantizedPolicy("int4", "float32", group_size=layer.group_size)
+        undo = "mixprec.quantize.dequantize(model)"
+    elif policy.mode == "float8":
+        delayed = layer.recipe == "delayed"
+        history = layer.amax_history_length if delayed else None
+        have = QuantizedPolicy(
+            "float8", "float32", recipe=layer.recipe, amax_history_length=history
+        )
+        undo = "mixprec.quantize.float8.convert_from_float8(model)"
+    else:
+        return
+    if _describe(have) != _describe(policy):
+        raise ValueError(
+            f"{path or '<root>'} is already quantized to {_describe(have)}, not "
+            f"{_describe(policy)} as asked; to quantize it again with other options, make it "
+            f"float first: {undo}"
+        )
 
 
 def _quantized_layer(
@@ -175,6 +201,7 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
         if reason is not None:
             result.skipped[path] = reason
         elif isinstance(getattr(module, "quantization_mode", None), str):
+            _check_same_options(path, module, policy)
             continue
         elif not path:
             raise ValueError(
@@ -231,7 +258,9 @@ def quantize(
     quantized policy or its name ("int4/64_from_float32"). `filter`: a callable
     ``(path, module) -> bool`` or a regex ``re.fullmatch``'ed on module paths; layers it
     rejects stay float. Layers too small or of other types stay float too; the result says
-    which and why. Tied weights (an embedding and its output head) share one quantized copy.
+    which and why. A layer already quantized in this mode stays as it is; with other options
+    (int4 group size, float8 recipe) it is refused. Tied weights (an embedding and its
+    output head) share one quantized copy.
     Biases stay the same Parameter objects (an optimizer built before keeps training them);
     the float weights leave the model.
     """

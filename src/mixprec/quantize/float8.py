@@ -425,7 +425,7 @@ class Float8Linear(nn.Linear):
             getattr(self, f"{name}_scale").copy_(_history_scale(history, fp8))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.in_features or not x.is_floating_point():
+        if x.dim() == 0 or x.shape[-1] != self.in_features or not x.is_floating_point():
             raise ValueError(
                 f"Float8Linear({self.in_features}, {self.out_features}) needs a floating input "
                 f"whose last dim is {self.in_features}, got {x.dtype} of shape {tuple(x.shape)}"
