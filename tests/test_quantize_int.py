@@ -592,23 +592,19 @@ def test_merging_untied_layers_gives_no_warning():
 # --- what a new user tries (issue 22's adversarial sweep) ---------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_16_bit_weights_stay_within_half_a_stored_step(dtype, mode):
-    """Codes came from float32 scales, then the scales were rounded to the weight's dtype: a
-    float16 row of tiny weights got scale 0 (it came back all zeros), and bfloat16 rows
-    missed the half-step bound by up to 127 scale roundings."""
+def _tiny_rows(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """64 x 32 weights whose rows span 1e-7 to 1 (and one all-zero row)."""
     torch.manual_seed(0)
     w = (torch.randn(64, 32) * torch.logspace(-7, 0, 64)[:, None]).to(dtype)
     w[1] = 0.0
-    model = nn.Sequential(nn.Linear(32, 64).to(dtype))
-    with torch.no_grad():
-        model[0].weight.copy_(w)
-    quantize(model, mode, **({"group_size": 32} if mode == "int4" else {}))
-    layer = model[0]
-    assert layer.weight_scale.dtype == dtype
+    return w
+
+
+def _assert_within_half_a_stored_step(layer: nn.Module, w: torch.Tensor) -> None:
+    """Every weight within half a step of the scale the layer stores, codes times scales in
+    float32 (no row of real weights comes back zero)."""
     scale = layer.weight_scale.float()
-    if mode == "int8":
+    if layer.quantization_mode == "int8":
         deq, step = layer.qweight.float() * scale[:, None], scale[:, None]
     else:
         q = unpack(layer.qweight, 32).float() - layer.weight_zero.float()
@@ -616,7 +612,37 @@ def test_16_bit_weights_stay_within_half_a_stored_step(dtype, mode):
     assert (scale > 0).all()
     assert ((deq - w.float()).abs() <= step / 2 * (1 + 1e-5)).all()
     nonzero = w.float().abs().amax(1) > 0
-    assert (deq.abs().amax(1)[nonzero] > 0).all()  # no row of real weights comes back zero
+    assert (deq.abs().amax(1)[nonzero] > 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_16_bit_weights_stay_within_half_a_stored_step(dtype, mode):
+    """Codes came from float32 scales, then the scales were rounded to the weight's dtype: a
+    float16 row of tiny weights got scale 0 (it came back all zeros), and bfloat16 rows
+    missed the half-step bound by up to 127 scale roundings."""
+    w = _tiny_rows(dtype)
+    model = nn.Sequential(nn.Linear(32, 64).to(dtype))
+    with torch.no_grad():
+        model[0].weight.copy_(w)
+    quantize(model, mode, **({"group_size": 32} if mode == "int4" else {}))
+    assert model[0].weight_scale.dtype == dtype
+    _assert_within_half_a_stored_step(model[0], w)
+
+
+@pytest.mark.parametrize(
+    "spec", ["int8_from_bf16-true", "int4/32_from_16-true", "int4/32_from_bf16-true"]
+)
+def test_scales_a_policy_stores_in_16_bits_keep_weights_within_half_a_step(spec):
+    """apply quantizes the float32 weights, then casts the scales to the policy's 16-bit
+    param dtype: the same rounding, so the scales are rounded up to that dtype first."""
+    w = _tiny_rows()
+    model = nn.Sequential(nn.Linear(32, 64))
+    with torch.no_grad():
+        model[0].weight.copy_(w)
+    mixprec.apply(model, spec, warn=False)
+    assert model[0].weight_scale.dtype == mixprec.Policy(spec).param_dtype
+    _assert_within_half_a_stored_step(model[0], w)
 
 
 def test_a_scale_beyond_the_storage_dtype_is_refused():

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from mixprec.errors import PolicySpecError
@@ -172,17 +173,21 @@ def _quantized_layer(
     memo: dict[tuple[Any, ...], tuple[Tensor, ...]],
 ) -> nn.Module:
     """The int8/int4 layer for the module at `path`; `memo` shares one quantized copy of a
-    tied weight quantized the same way."""
+    tied weight quantized the same way. The scales hold values of the dtype they will be
+    stored in: a 16-bit param dtype of the policy (`apply` casts them to it), else the
+    weight's."""
     weight = module.weight
-    key = (id(weight), policy.mode, policy.group_size)
+    param = policy.param_dtype
+    storage = param if torch.finfo(param).bits < 32 else weight.dtype
+    key = (id(weight), policy.mode, policy.group_size, storage)
     linear = isinstance(module, nn.Linear)
     name = f"{path}.weight"
     if policy.mode == "int8":
         if key not in memo:
-            memo[key] = quantize_rows(weight, name)
+            memo[key] = quantize_rows(weight, name, storage)
         return (Int8Linear if linear else Int8Embedding).from_float(module, memo[key])
     if key not in memo:
-        memo[key] = quantize_groups(weight, policy.group_size, name)
+        memo[key] = quantize_groups(weight, policy.group_size, name, storage)
     cls4 = Int4Linear if linear else Int4Embedding
     return cls4.from_float(module, policy.group_size, memo[key])
 
