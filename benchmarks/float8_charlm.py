@@ -41,8 +41,12 @@ def run(precision: str, float8: str | None, args: argparse.Namespace) -> dict[st
     model = CharGPT(block=BLOCK, dim=args.width, steps=args.steps)
     skipped: dict[str, str] = {}
     if float8 is not None:
-        skipped = convert_to_float8(
-            model, recipe=float8, skip_small=False, filter=lambda path, m: path != "head"
+        model = convert_to_float8(
+            model,
+            recipe=float8,
+            skip_small=False,
+            filter=lambda path, m: path != "head",
+            skipped=skipped,
         )
     common = {"limit_val_batches": args.val_batches, "allow_slow_precision": True}
     trainer = Trainer(

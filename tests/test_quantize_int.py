@@ -29,7 +29,13 @@ from mixprec.quantize import (
     weight_bytes,
 )
 from mixprec.quantize.int4 import dequantize_groups, pack, quantize_groups, unpack
-from mixprec.quantize.int8 import int_matmul, quantize_rows, quantize_tokens
+from mixprec.quantize.int8 import (
+    ACC_MAX_K,
+    int_matmul,
+    quantize_rows,
+    quantize_tokens,
+    storable_scale,
+)
 
 FAST = settings(max_examples=15, deadline=None)
 
@@ -66,6 +72,44 @@ def test_int_matmul_is_the_exact_integer_product(m, k, n, seed):
     b = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     out = int_matmul(a, b)
     assert out.dtype == torch.int32 and torch.equal(out, (a.long() @ b.long().t()).int())
+
+
+def test_int8_a_reduction_longer_than_int32_holds_is_chunked_not_overflowed():
+    """Linear(140000, 16) at full scale summed 127 * 127 * 140000 > 2**31 - 1 in int32 and
+    returned -126288.5 for every output instead of 140000."""
+    assert ACC_MAX_K * 127 * 127 <= 2**31 - 1 < (ACC_MAX_K + 1) * 127 * 127
+    model = nn.Sequential(nn.Linear(140000, 16))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.zero_()
+    quantize(model, "int8")
+    x = torch.ones(2, 140000)
+    torch.testing.assert_close(model(x), torch.full((2, 16), 140000.0), rtol=1e-6, atol=0)
+    q = torch.full((1, 140000), 127, dtype=torch.int8)
+    assert int_matmul(q, q).item() == 127 * 127 * 140000
+
+
+@FAST
+@given(st.integers(1, 20), st.integers(2, 70), st.integers(1, 9), st.integers(1, 12))
+def test_int_matmul_in_chunks_equals_it_in_one(m, k, n, max_k):
+    g = torch.Generator().manual_seed(m * k + n)
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    whole = int_matmul(a, b)
+    chunked = int_matmul(a, b, max_k=max_k)
+    assert chunked.dtype == (torch.int64 if k > max_k else torch.int32)
+    assert torch.equal(chunked, whole.long())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m, k, n", [(32, 48, 16), (3, 20, 5)])  # torch._int_mm, float64
+def test_int_matmul_in_chunks_on_cuda_equals_the_cpu_product(m, k, n):
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    out = int_matmul(a.cuda(), b.cuda(), max_k=16)  # chunks of 16 columns: strided views
+    assert out.dtype == torch.int64 and torch.equal(out.cpu(), a.long() @ b.long().t())
 
 
 def test_int8_linear_equals_a_float_reference_of_the_same_integer_math():
@@ -260,6 +304,27 @@ def test_int4_embedding_dequantizes_only_the_rows_looked_up():
     assert torch.equal(layer8(idx), F.embedding(idx, layer8.dequantized_weight()))
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4", "int8+lora", "int4+lora"])
+@pytest.mark.parametrize("bad", [-1, -30, 30, 31])
+def test_an_id_out_of_range_raises_index_error_as_nn_embedding_does(kind, bad):
+    """int4 indexed its buffers directly: -1 silently returned the last row."""
+    emb = nn.Embedding(30, 20)
+    layer = (
+        Int8Embedding.from_float(emb)
+        if kind.startswith("int8")
+        else Int4Embedding.from_float(emb, group_size=8)
+    )
+    if kind.endswith("lora"):
+        layer.enable_lora(2)
+    idx = torch.tensor([[3, bad]])
+    with pytest.raises(IndexError, match="index out of range"):
+        emb(idx)
+    with pytest.raises(IndexError, match="index out of range"):
+        layer(idx)
+    with pytest.raises(RuntimeError, match="indices.* Long, Int"):
+        layer(torch.tensor([True, False]))  # a mask is not a list of ids
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_dequantize_gives_float_layers_back_tied_again(mode):
     model = _model()
@@ -430,6 +495,11 @@ def test_bfloat16_storage_keeps_int_weights_and_stores_scales_in_bfloat16():
             "not a valid regex",
         ),
         (lambda: quantize(nn.Linear(32, 32), "int8"), ValueError, r"nn.Sequential\(model\)"),
+        (
+            lambda: quantize(nn.Linear(4112, 16, device="meta"), "float8"),
+            ValueError,
+            r"the model itself is a Linear: wrap it, e.g. nn.Sequential\(model\)",
+        ),
         (lambda: quantize("model", "int8"), TypeError, "needs an nn.Module"),
         (lambda: enable_lora(nn.Linear(32, 4), 2), ValueError, "quantize first"),
         (
@@ -517,3 +587,172 @@ def test_merging_untied_layers_gives_no_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert merge_lora(model) == 2
+
+
+# --- what a new user tries (issue 22's adversarial sweep) ---------------------------------
+
+
+def _tiny_rows(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """64 x 32 weights whose rows span 1e-7 to 1 (and one all-zero row)."""
+    torch.manual_seed(0)
+    w = (torch.randn(64, 32) * torch.logspace(-7, 0, 64)[:, None]).to(dtype)
+    w[1] = 0.0
+    return w
+
+
+def _assert_within_half_a_stored_step(layer: nn.Module, w: torch.Tensor) -> None:
+    """Every weight within half a step of the scale the layer stores, codes times scales in
+    float32 (no row of real weights comes back zero)."""
+    scale = layer.weight_scale.float()
+    if layer.quantization_mode == "int8":
+        deq, step = layer.qweight.float() * scale[:, None], scale[:, None]
+    else:
+        q = unpack(layer.qweight, 32).float() - layer.weight_zero.float()
+        deq, step = q * scale, scale
+    assert (scale > 0).all()
+    assert ((deq - w.float()).abs() <= step / 2 * (1 + 1e-5)).all()
+    nonzero = w.float().abs().amax(1) > 0
+    assert (deq.abs().amax(1)[nonzero] > 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_16_bit_weights_stay_within_half_a_stored_step(dtype, mode):
+    """Codes came from float32 scales, then the scales were rounded to the weight's dtype: a
+    float16 row of tiny weights got scale 0 (it came back all zeros), and bfloat16 rows
+    missed the half-step bound by up to 127 scale roundings."""
+    w = _tiny_rows(dtype)
+    model = nn.Sequential(nn.Linear(32, 64).to(dtype))
+    with torch.no_grad():
+        model[0].weight.copy_(w)
+    quantize(model, mode, **({"group_size": 32} if mode == "int4" else {}))
+    assert model[0].weight_scale.dtype == dtype
+    _assert_within_half_a_stored_step(model[0], w)
+
+
+@pytest.mark.parametrize(
+    "spec", ["int8_from_bf16-true", "int4/32_from_16-true", "int4/32_from_bf16-true"]
+)
+def test_scales_a_policy_stores_in_16_bits_keep_weights_within_half_a_step(spec):
+    """apply quantizes the float32 weights, then casts the scales to the policy's 16-bit
+    param dtype: the same rounding, so the scales are rounded up to that dtype first."""
+    w = _tiny_rows()
+    model = nn.Sequential(nn.Linear(32, 64))
+    with torch.no_grad():
+        model[0].weight.copy_(w)
+    mixprec.apply(model, spec, warn=False)
+    assert model[0].weight_scale.dtype == mixprec.Policy(spec).param_dtype
+    _assert_within_half_a_stored_step(model[0], w)
+
+
+def test_a_scale_beyond_the_storage_dtype_is_refused():
+    """Rounded up past float16's max, a scale would be inf and its row's codes 0."""
+    layer = Int8Linear.from_float(nn.Linear(32, 4).half())
+    before = layer.qweight.clone()
+    with pytest.raises(ValueError, match="largest scale 7.87e\\+04 exceeds torch.float16's range"):
+        layer.requantize(torch.full((4, 32), 1e7))
+    assert torch.equal(layer.qweight, before)
+    assert storable_scale(torch.tensor([1e-9, 1.0004]), torch.float16, "w").tolist() == [
+        2**-24,  # float16's smallest subnormal, not 0
+        1.0009765625,  # rounded up, not down to 1.0
+    ]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_model_on_the_meta_device_quantizes_then_loads_a_quantized_checkpoint(mode):
+    """check_finite read the values of the meta weights (RuntimeError: Tensor.item() cannot
+    be called on meta tensors): the big-model pattern, layout first, weights loaded."""
+
+    def net(device=None):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(40, 32, device=device), nn.Linear(32, 16, device=device))
+
+    options = {"group_size": 16} if mode == "int4" else {}
+    real = net()
+    quantize(real, mode, **options)
+    meta = net("meta")
+    assert list(quantize(meta, mode, **options).quantized) == ["0", "1"]
+    assert meta[1].qweight.is_meta
+    meta.load_state_dict(real.state_dict(), assign=True)
+    x = torch.randint(0, 40, (2, 5))
+    assert torch.equal(meta(x), real(x))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "x",
+    [
+        torch.ones(2, 32, dtype=torch.long),  # came out as int64 outputs
+        torch.ones(2, 32, dtype=torch.bool),  # came out as bool (int8)
+        torch.ones(2, 32, dtype=torch.complex64),  # imaginary part dropped with a warning
+        torch.randn(2, 31),  # failed inside torch._int_mm / F.linear
+        torch.tensor(1.0),  # IndexError: tuple index out of range (int8)
+    ],
+)
+def test_a_quantized_linear_refuses_inputs_a_linear_cannot_take(mode, x):
+    layer = (
+        Int8Linear.from_float(nn.Linear(32, 8))
+        if mode == "int8"
+        else Int4Linear.from_float(nn.Linear(32, 8), 16)
+    )
+    name = "Int8Linear" if mode == "int8" else "Int4Linear"
+    expected = f"{name}(32, 8) needs a floating input whose last dim is 32, got {x.dtype} "
+    with pytest.raises(ValueError, match=re.escape(expected + f"of shape {tuple(x.shape)}")):
+        layer(x)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_empty_batches_1d_and_nd_inputs_work_as_in_a_linear(mode):
+    lin = nn.Linear(32, 8)
+    layer = Int8Linear.from_float(lin) if mode == "int8" else Int4Linear.from_float(lin, 16)
+    for shape in [(0, 32), (2, 0, 32), (32,), (2, 3, 4, 32)]:
+        x = torch.randn(shape)
+        assert layer(x).shape == lin(x).shape
+    x = torch.randn(32, 6).t()  # non-contiguous
+    torch.testing.assert_close(layer(x), layer(x.contiguous()), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_lora_adapters_take_an_input_of_another_dtype_outside_autocast(mode, dtype):
+    """The float32 adapters met a bfloat16 (FSDP2's cast) or float64 input and F.linear
+    refused the mix, though the quantized layer under them takes it."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 8)
+    layer = Int8Linear.from_float(lin) if mode == "int8" else Int4Linear.from_float(lin, 16)
+    x = torch.randn(3, 32, dtype=dtype)
+    plain = layer(x)
+    layer.enable_lora(2)
+    with torch.no_grad():
+        layer.lora_B.fill_(0.5)
+    out = layer(x)
+    delta = F.linear(F.linear(x.float(), layer.lora_A), layer.lora_B)
+    assert out.dtype == dtype
+    assert torch.equal(out, plain + delta.to(dtype))
+    out.float().sum().backward()
+    assert layer.lora_A.grad is not None and layer.lora_A.grad.dtype == torch.float32
+
+
+def test_quantizing_again_with_other_options_is_refused_not_ignored():
+    """A layer already quantized in the mode was kept as it was: int4 groups of 8 stayed
+    groups of 8 when groups of 16 were asked for, a rowwise float8 layer stayed rowwise."""
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 32))
+    quantize(model, "int4", group_size=8)
+    assert quantize(model, "int4", group_size=8).quantized == {}  # the same: nothing to do
+    again = r"0 is already quantized to int4 \(groups of 8\), not int4 \(groups of 16\)"
+    with pytest.raises(ValueError, match=again + r".*mixprec.quantize.dequantize\(model\)"):
+        quantize(model, "int4", group_size=16)
+    with pytest.raises(ValueError, match=again):
+        mixprec.apply(model, "int4/16_from_float32", warn=False)
+    assert model[1].group_size == 8
+    big = nn.Sequential(nn.Linear(4112, 16))
+    quantize(big, "float8", recipe="delayed", amax_history_length=16)
+    assert quantize(big, "float8/delayed:16_from_float32").quantized == {}
+    with pytest.raises(
+        ValueError,
+        match=r"already quantized to float8 \(delayed, amax history of 16\), not float8 "
+        r"\(tensorwise\) as asked.*convert_from_float8",
+    ):
+        quantize(big, "float8")
+    with pytest.raises(ValueError, match="amax history of 16.*amax history of 1024"):
+        quantize(big, "float8", recipe="delayed")

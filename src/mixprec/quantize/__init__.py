@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from mixprec.errors import PolicySpecError
@@ -134,9 +135,35 @@ def _describe(policy: QuantizedPolicy) -> str:
         return "int4 (per channel)"
     if policy.mode == "int4":
         return f"int4 (groups of {policy.group_size})"
+    if policy.mode == "float8" and policy.recipe == "delayed":
+        history = policy.amax_history_length or DEFAULT_AMAX_HISTORY_LENGTH
+        return f"float8 (delayed, amax history of {history})"
     if policy.mode == "float8":
         return f"float8 ({policy.recipe})"
     return "int8"
+
+
+def _check_same_options(path: str, layer: nn.Module, policy: QuantizedPolicy) -> None:
+    """Raise ValueError if the already quantized `layer` (in `policy`'s mode) was quantized
+    with other options than `policy` asks for: it used to stay as it was, silently."""
+    if policy.mode == "int4":
+        have = QuantizedPolicy("int4", "float32", group_size=layer.group_size)
+        undo = "mixprec.quantize.dequantize(model)"
+    elif policy.mode == "float8":
+        delayed = layer.recipe == "delayed"
+        history = layer.amax_history_length if delayed else None
+        have = QuantizedPolicy(
+            "float8", "float32", recipe=layer.recipe, amax_history_length=history
+        )
+        undo = "mixprec.quantize.float8.convert_from_float8(model)"
+    else:
+        return
+    if _describe(have) != _describe(policy):
+        raise ValueError(
+            f"{path or '<root>'} is already quantized to {_describe(have)}, not "
+            f"{_describe(policy)} as asked; to quantize it again with other options, make it "
+            f"float first: {undo}"
+        )
 
 
 def _quantized_layer(
@@ -146,17 +173,21 @@ def _quantized_layer(
     memo: dict[tuple[Any, ...], tuple[Tensor, ...]],
 ) -> nn.Module:
     """The int8/int4 layer for the module at `path`; `memo` shares one quantized copy of a
-    tied weight quantized the same way."""
+    tied weight quantized the same way. The scales hold values of the dtype they will be
+    stored in: a 16-bit param dtype of the policy (`apply` casts them to it), else the
+    weight's."""
     weight = module.weight
-    key = (id(weight), policy.mode, policy.group_size)
+    param = policy.param_dtype
+    storage = param if torch.finfo(param).bits < 32 else weight.dtype
+    key = (id(weight), policy.mode, policy.group_size, storage)
     linear = isinstance(module, nn.Linear)
     name = f"{path}.weight"
     if policy.mode == "int8":
         if key not in memo:
-            memo[key] = quantize_rows(weight, name)
+            memo[key] = quantize_rows(weight, name, storage)
         return (Int8Linear if linear else Int8Embedding).from_float(module, memo[key])
     if key not in memo:
-        memo[key] = quantize_groups(weight, policy.group_size, name)
+        memo[key] = quantize_groups(weight, policy.group_size, name, storage)
     cls4 = Int4Linear if linear else Int4Embedding
     return cls4.from_float(module, policy.group_size, memo[key])
 
@@ -175,15 +206,16 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
         if reason is not None:
             result.skipped[path] = reason
         elif isinstance(getattr(module, "quantization_mode", None), str):
+            _check_same_options(path, module, policy)
             continue
+        elif not path:
+            raise ValueError(
+                f"quantize swaps submodules, and the model itself is a "
+                f"{type(module).__name__}: wrap it, e.g. nn.Sequential(model)"
+            )
         elif policy.mode == "float8":
             float8.setdefault(policy, []).append(path)
         else:
-            if not path:
-                raise ValueError(
-                    f"quantize swaps submodules, and the model itself is a "
-                    f"{type(module).__name__}: wrap it, e.g. nn.Sequential(model)"
-                )
             if id(module) not in new:
                 new[id(module)] = _quantized_layer(path, module, policy, memo)
             result.quantized[path] = _describe(policy)
@@ -199,11 +231,13 @@ def _to_float8(
     from mixprec.quantize.float8 import convert_to_float8
 
     before = dict(model.named_modules())
-    skipped = convert_to_float8(
+    skipped: dict[str, str] = {}
+    convert_to_float8(
         model,
         recipe=policy.recipe,
         amax_history_length=policy.amax_history_length or DEFAULT_AMAX_HISTORY_LENGTH,
         filter=lambda path, module: path in paths,
+        skipped=skipped,
     )
     after = dict(model.named_modules())
     for path in sorted(paths):
@@ -229,7 +263,9 @@ def quantize(
     quantized policy or its name ("int4/64_from_float32"). `filter`: a callable
     ``(path, module) -> bool`` or a regex ``re.fullmatch``'ed on module paths; layers it
     rejects stay float. Layers too small or of other types stay float too; the result says
-    which and why. Tied weights (an embedding and its output head) share one quantized copy.
+    which and why. A layer already quantized in this mode stays as it is; with other options
+    (int4 group size, float8 recipe) it is refused. Tied weights (an embedding and its
+    output head) share one quantized copy.
     Biases stay the same Parameter objects (an optimizer built before keeps training them);
     the float weights leave the model.
     """

@@ -107,9 +107,11 @@ def axis_scale(x: Tensor, fp8_dtype: torch.dtype, dim: int) -> Tensor:
 def to_float8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     """``x * scale`` in float32, saturated to the format's range, cast to `fp8_dtype`.
 
-    Only finite values saturate: an inf or NaN of `x` becomes NaN (e4m3's cast would turn an
-    inf into 448), so a tensor that overflowed stays non-finite whatever the scale, as
-    `amax_to_scale` promises, and a loss scaler still sees it.
+    Only finite values saturate: an inf or NaN of `x` becomes NaN, so a tensor that
+    overflowed stays non-finite whatever the scale, as `amax_to_scale` promises, and a loss
+    scaler still sees it and skips the step. This differs from torchao on purpose: its
+    ``to_fp8_saturated`` clamps before casting, so an inf becomes +-448 (e4m3) or +-57344
+    (e5m2), a finite value a float16 loss scaler would never see overflow.
     """
     limit = torch.finfo(fp8_dtype).max
     scaled = (x.float() * scale).clamp(-limit, limit)
@@ -423,7 +425,7 @@ class Float8Linear(nn.Linear):
             getattr(self, f"{name}_scale").copy_(_history_scale(history, fp8))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.shape[-1] != self.in_features or not x.is_floating_point():
+        if x.dim() == 0 or x.shape[-1] != self.in_features or not x.is_floating_point():
             raise ValueError(
                 f"Float8Linear({self.in_features}, {self.out_features}) needs a floating input "
                 f"whose last dim is {self.in_features}, got {x.dtype} of shape {tuple(x.shape)}"
@@ -588,25 +590,31 @@ def convert_to_float8(
     filter: Filter = None,
     skip_small: bool = True,
     emulate: bool = False,
-) -> dict[str, str]:
-    """Swap the model's Linear layers for `Float8Linear` in place; return {path: reason} for
-    each Linear-like module left alone.
+    skipped: dict[str, str] | None = None,
+) -> nn.Module:
+    """Swap the model's Linear layers for `Float8Linear` in place and return the model, as
+    torchao's ``convert_to_float8_training``: ``model = convert_to_float8(model)``. A bare
+    `nn.Linear` cannot be swapped in place: its `Float8Linear` is returned (or the Linear
+    itself if it is skipped).
 
     `filter` picks layers: a callable(path, module) -> bool or a regex that must fullmatch
-    the path. `skip_small` applies torchao's size rule (see `skip_reason`); pass False for
-    small layers. Parameters are shared with the new modules, so an optimizer built before
-    keeps working. Convert before `mixprec.apply` (a Linear with a region is skipped).
-    `emulate=True` makes the new modules emulate float8 even where real kernels run.
+    the path (the model's own path is ""). `skip_small` applies torchao's size rule (see
+    `skip_reason`); pass False for small layers. `skipped`, a dict you pass, gets {path:
+    reason} for each Linear-like module left alone (`skip_reason` says it for one module).
+    Parameters are shared with the new modules, so an optimizer built before keeps working.
+    Convert before `mixprec.apply` (a Linear with a region is skipped). `emulate=True` makes
+    the new modules emulate float8 even where real kernels run.
     """
     check_recipe(recipe)
     check_history_length(amax_history_length)
     keep = _path_filter(filter)
-    if isinstance(model, nn.Linear):
+    if skipped is None:
+        skipped = {}
+    elif not isinstance(skipped, dict):
         raise TypeError(
-            "convert_to_float8 swaps the Linear layers inside a model, and this model is a "
-            "Linear itself: use Float8Linear.from_float(linear)"
+            f"skipped must be a dict for convert_to_float8 to fill with {{path: reason}}, "
+            f"got {type(skipped).__name__}"
         )
-    skipped: dict[str, str] = {}
 
     def make(path: str, child: nn.Module) -> nn.Module | None:
         if not isinstance(child, nn.Linear):
@@ -619,22 +627,22 @@ def convert_to_float8(
             return None
         return Float8Linear.from_float(child, recipe, amax_history_length, emulate=emulate)
 
+    if isinstance(model, nn.Linear):
+        converted = make("", model)
+        return model if converted is None else converted
     _swap(model, make)
-    return skipped
+    return model
 
 
-def convert_from_float8(model: nn.Module) -> list[str]:
-    """Swap every `Float8Linear` back to an `nn.Linear` holding the same parameters; return
-    the paths swapped (the delayed-scaling buffers are dropped)."""
+def convert_from_float8(model: nn.Module) -> nn.Module:
+    """Swap every `Float8Linear` back to an `nn.Linear` holding the same parameters, in
+    place, and return the model (the delayed-scaling buffers are dropped); a bare
+    `Float8Linear` gives its `to_float()`."""
     if isinstance(model, Float8Linear):
-        raise TypeError("the model is a Float8Linear itself: use its to_float()")
-    paths: list[str] = []
+        return model.to_float()
 
     def make(path: str, child: nn.Module) -> nn.Module | None:
-        if not isinstance(child, Float8Linear):
-            return None
-        paths.append(path)
-        return child.to_float()
+        return child.to_float() if isinstance(child, Float8Linear) else None
 
     _swap(model, make)
-    return paths
+    return model

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.quantize.int8 import check_finite, output_dtype
+from mixprec.quantize.int8 import check_finite, check_input, output_dtype, storable_scale
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
 QMAX = 15
@@ -43,11 +43,12 @@ def unpack(packed: Tensor, count: int) -> Tensor:
 
 
 def quantize_groups(
-    w: Tensor, group_size: int, name: str = "the weight"
+    w: Tensor, group_size: int, name: str = "the weight", dtype: torch.dtype | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(packed, scale, zero)`` of a 2-D weight: packed uint8 [rows, ceil(padded / 2)],
-    float32 scale and uint8 zero point per [rows, groups]. A weight holding inf or NaN is
-    refused (`check_finite`; `name` says which in the error)."""
+    float32 scale (holding values of `dtype`, the scales' storage dtype, by default `w`'s:
+    see `storable_scale`) and uint8 zero point per [rows, groups]. A weight holding inf or
+    NaN is refused (`check_finite`; `name` says which in the error)."""
     check_finite(w, name)
     rows, features = w.shape
     n, size = groups_of(features, group_size)
@@ -56,6 +57,7 @@ def quantize_groups(
     hi = w32.amax(dim=-1).clamp(min=0)
     scale = (hi - lo) / QMAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = storable_scale(scale, w.dtype if dtype is None else dtype, name)
     zero = torch.round(-lo / scale).clamp_(0, QMAX)
     q = (torch.round(w32 / scale[..., None]) + zero[..., None]).clamp_(0, QMAX)
     return pack(q.to(torch.uint8).view(rows, n * size)), scale, zero.to(torch.uint8)
@@ -91,7 +93,8 @@ class _Int4Weight(nn.Module):
 
     def requantize(self, weight: Tensor) -> None:
         """Replace the int4 weight by the quantization of the float `weight`."""
-        self._take(quantize_groups(weight, self.group_size), self.weight_scale.dtype)
+        dtype = self.weight_scale.dtype
+        self._take(quantize_groups(weight, self.group_size, dtype=dtype), dtype)
 
     def dequantized_weight(self) -> Tensor:
         """The float weight the int4 values stand for, in the scales' dtype."""
@@ -126,6 +129,7 @@ class Int4Linear(LoraMixin, _Int4Weight):
         return layer.to(linear.weight.device)
 
     def forward(self, x: Tensor) -> Tensor:
+        check_input(self, x)
         # in the compute dtype (autocast's, else the input's): outside autocast a float32
         # weight would meet a 16-bit input (FSDP2 casts inputs, not these buffers)
         dtype = output_dtype(x)
@@ -171,10 +175,12 @@ class Int4Embedding(LoraEmbeddingMixin, _Int4Weight):
         return layer.to(embedding.weight.device)
 
     def forward(self, idx: Tensor) -> Tensor:
+        # F.embedding, not indexing: an id outside [0, num_embeddings) raises IndexError as
+        # nn.Embedding's does (indexing took -1 as the last row), and only integer ids pass
         rows = dequantize_groups(
-            self.qweight[idx],
-            self.weight_scale[idx],
-            self.weight_zero[idx],
+            F.embedding(idx, self.qweight),
+            F.embedding(idx, self.weight_scale),
+            F.embedding(idx, self.weight_zero),
             self.embedding_dim,
             self.group_size,
         )

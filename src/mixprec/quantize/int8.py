@@ -4,7 +4,9 @@ Weights: one scale per output channel (per row), abs-max, ``q = round(w / scale)
 [-127, 127] with ``scale = max|w_row| / 127``; Keras stores the reciprocal ``127 / max|w|``,
 the values are the same. Activations: one scale per token (row of the flattened input),
 computed from the tensor at run time. The matmul runs on int8 x int8 -> int32
-(`torch._int_mm`) and the int32 sums are dequantized with both scales.
+(`torch._int_mm`) and the int32 sums are dequantized with both scales; a reduction longer
+than `ACC_MAX_K` (133144 features), whose int32 sums could overflow, runs in chunks added in
+int64.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ QMAX = 127
 
 def check_finite(w: Tensor, name: str) -> None:
     """Raise ValueError if the weight `w` holds an inf or NaN: quantizing would turn it into
-    finite codes (a NaN row's scale used to become 1 and its values 0), hiding it for good."""
+    finite codes (a NaN row's scale used to become 1 and its values 0), hiding it for good.
+    A meta tensor has no values to check (its layout can be quantized, then loaded)."""
+    if w.is_meta:
+        return
     bad = ~torch.isfinite(w.detach())
     if bad.any():
         rows = bad.reshape(bad.shape[0], -1).any(dim=-1).nonzero().flatten().tolist()
@@ -34,37 +39,78 @@ def check_finite(w: Tensor, name: str) -> None:
         )
 
 
-def _quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row int8 of a 2-D tensor. A row holding an inf or NaN gets codes 0 and
-    scale NaN, so whatever is computed from it comes out NaN."""
+def storable_scale(scale: Tensor, dtype: torch.dtype, name: str) -> Tensor:
+    """The float32 `scale` rounded up to a value `dtype` holds exactly (unchanged for float32
+    and float64), so codes computed with it are the codes of the scale the layer stores.
+
+    Scales are stored in the weight's dtype. Rounded to nearest, a float16 scale below 3e-8
+    became 0 (a row of tiny weights came back as zeros) and a bfloat16 one up to 0.2% off;
+    rounded up, codes stay in range and within half a stored step of the weight. A scale
+    beyond `dtype`'s range is refused, naming the weight `name`."""
+    if torch.finfo(dtype).bits >= 32:
+        return scale
+    stored = scale.to(dtype)
+    up = torch.nextafter(stored, torch.full_like(stored, torch.inf))
+    stored = torch.where(stored.float() < scale, up, stored)
+    if not scale.is_meta and torch.isinf(stored).any():
+        raise ValueError(
+            f"cannot quantize {name}: its largest scale {scale.max().item():.3g} exceeds "
+            f"{dtype}'s range; quantize it with scales in float32 or bfloat16"
+        )
+    return stored.float()
+
+
+def _quantize_rows(
+    x: Tensor, dtype: torch.dtype = torch.float32, name: str = "the tensor"
+) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8 of a 2-D tensor, with scales `dtype` holds exactly (as float32;
+    see `storable_scale`). A row holding an inf or NaN gets codes 0 and scale NaN, so
+    whatever is computed from it comes out NaN."""
     x32 = x.detach().to(torch.float32)
     amax = x32.abs().amax(dim=-1, keepdim=True)  # NaN or inf for a non-finite row
     finite = torch.isfinite(amax)
     scale = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
-    scale = torch.where(finite, scale, torch.nan)
+    scale = storable_scale(torch.where(finite, scale, torch.nan), dtype, name)
     # only a NaN scale's row divides to NaN: its codes become 0, in place (activations pass
     # here on every forward)
     q = torch.round(x32 / scale).clamp_(-QMAX, QMAX).nan_to_num_(0.0).to(torch.int8)
     return q, scale.squeeze(-1)
 
 
-def quantize_rows(w: Tensor, name: str = "the weight") -> tuple[Tensor, Tensor]:
+def quantize_rows(
+    w: Tensor, name: str = "the weight", dtype: torch.dtype | None = None
+) -> tuple[Tensor, Tensor]:
     """Symmetric per-row int8 of a weight: ``(q, scale)`` with ``w ~= q * scale[:, None]``,
     ``q`` in [-127, 127] and ``|w - q * scale| <= scale / 2``; an all-zero row gets scale 1.
-    A weight holding inf or NaN is refused (`check_finite`; `name` says which in the error)."""
+    `scale` is float32 holding values of `dtype` (the scales' storage dtype, by default
+    `w`'s). A weight holding inf or NaN is refused (`check_finite`; `name` says which in the
+    error)."""
     check_finite(w, name)
-    return _quantize_rows(w)
+    return _quantize_rows(w, w.dtype if dtype is None else dtype, name)
 
 
-def int_matmul(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b.T`` for int8 ``a`` [M, K] and ``b`` [N, K], exactly, as int32 [M, N].
+# The longest reduction whose int32 sums cannot overflow: each product of two codes is at
+# most 127 * 127 in magnitude, so 133144 of them stay within 2**31 - 1.
+ACC_MAX_K = (2**31 - 1) // (QMAX * QMAX)
+
+
+def int_matmul(a: Tensor, b: Tensor, *, max_k: int = ACC_MAX_K) -> Tensor:
+    """``a @ b.T`` for int8 ``a`` [M, K] and ``b`` [N, K] (codes in [-127, 127]), exactly.
 
     `torch._int_mm` on CPU (any shape) and on CUDA where it can run (M > 16, K and N
     multiples of 8); elsewhere the same sums in float64, which holds them exactly (each is at
-    most 127 * 127 * K, far below 2**53), cast back to int32.
+    most 127 * 127 * K, far below 2**53). The result is int32 [M, N] when ``K <= max_k``;
+    a longer reduction would overflow the int32 accumulator (Linear(140000, n) at full scale
+    summed to a negative number), so it is cut into chunks of at most `max_k` columns whose
+    int32 sums are added in int64, and the result is int64. `max_k` is for tests.
     """
     m, k = a.shape
     n = b.shape[0]
+    if k > max_k:
+        acc = torch.zeros(m, n, dtype=torch.int64, device=a.device)
+        for ac, bc in zip(a.split(max_k, dim=1), b.split(max_k, dim=1), strict=True):
+            acc += int_matmul(ac, bc, max_k=max_k)
+        return acc
     if a.device.type == "cpu" or (a.device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0):
         return torch._int_mm(a, b.t())
     return (a.double() @ b.double().t()).to(torch.int32)
@@ -103,6 +149,18 @@ class _Int8Matmul(torch.autograd.Function):
             return None, None, None
         w = qweight.to(torch.float32) * weight_scale.to(torch.float32)[:, None]
         return (grad.to(torch.float32) @ w).to(ctx.x_dtype), None, None
+
+
+def check_input(layer: nn.Module, x: Tensor) -> None:
+    """Raise ValueError unless `x` is a floating tensor whose last dim is the quantized
+    Linear `layer`'s in_features: an integer or bool input came out as integers, and a wrong
+    width or a 0-d input failed deep inside the matmul."""
+    if x.dim() == 0 or x.shape[-1] != layer.in_features or not x.is_floating_point():
+        raise ValueError(
+            f"{type(layer).__name__}({layer.in_features}, {layer.out_features}) needs a "
+            f"floating input whose last dim is {layer.in_features}, got {x.dtype} of shape "
+            f"{tuple(x.shape)}"
+        )
 
 
 def output_dtype(x: Tensor) -> torch.dtype:
@@ -150,10 +208,11 @@ class Int8Linear(LoraMixin, nn.Module):
 
     def requantize(self, weight: Tensor) -> None:
         """Replace the int8 weight by the quantization of the float `weight`."""
-        q, scale = quantize_rows(weight)
+        q, scale = quantize_rows(weight, dtype=self.weight_scale.dtype)
         self.qweight, self.weight_scale = q, scale.to(self.weight_scale.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        check_input(self, x)
         out = _Int8Matmul.apply(x, self.qweight, self.weight_scale)
         if self.bias is not None:
             out = out + self.bias.to(torch.float32)
@@ -201,7 +260,7 @@ class Int8Embedding(LoraEmbeddingMixin, nn.Module):
 
     def requantize(self, weight: Tensor) -> None:
         """Replace the int8 rows by the quantization of the float `weight`."""
-        q, scale = quantize_rows(weight)
+        q, scale = quantize_rows(weight, dtype=self.weight_scale.dtype)
         self.qweight, self.weight_scale = q, scale.to(self.weight_scale.dtype)
 
     def forward(self, idx: Tensor) -> Tensor:

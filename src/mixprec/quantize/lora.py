@@ -32,8 +32,9 @@ class LoraMixin:
         return a, b
 
     def _lora_down(self, x: Tensor) -> Tensor:
-        """A applied to the layer's input."""
-        return F.linear(x, self.lora_A)
+        """A applied to the layer's input, cast to A's dtype as peft does (outside autocast
+        a bfloat16 or float64 input met float32 adapters and F.linear refused the mix)."""
+        return F.linear(x.to(self.lora_A.dtype), self.lora_A)
 
     def lora_delta(self) -> Tensor:
         """The adapters as a float32 change of the weight (its shape)."""
