@@ -109,6 +109,9 @@ class LossScaleOptimizer:
             is. It excludes ``master_weights=True`` and needs 16-bit trainable parameters.
             Without it and without masters, 16-bit trainable parameters get one
             ``UserWarning``: their small updates round away.
+
+    Parameters sharded by FSDP2 (DTensors) take neither masters nor compensation: a wrapper
+    that would give them some is refused up front (`check_sharded_masters`).
     """
 
     def __init__(
@@ -229,11 +232,14 @@ class LossScaleOptimizer:
 
         A group added on the wrapped optimizer directly gets its masters at the next step.
         """
-        params = group.get("params", [])
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        trainable = [p for p in params if isinstance(p, torch.Tensor) and p.requires_grad]
+        params = group.get("params")
+        if params is not None and not isinstance(params, (torch.Tensor, list, tuple, set)):
+            group = {**group, "params": list(params)}  # a generator: read once, here
+            params = group["params"]
+        given = [params] if isinstance(params, torch.Tensor) else list(params or ())
+        trainable = [p for p in given if isinstance(p, torch.Tensor) and p.requires_grad]
         _check_sharded_params(self.optimizer, trainable, self._master_weights, self.compensation)
-        self.optimizer.add_param_group({**group, "params": params})
+        self.optimizer.add_param_group(group)
         self._add_masters()
 
     def params_with_grads(self) -> list[torch.Tensor]:
@@ -644,12 +650,12 @@ def check_sharded_masters(
 
     `LossScaleOptimizer` (on DTensor parameters), `mixprec.sharding.shard` and the Trainer's
     ``strategy="fsdp"`` all refuse through this one check, with one reason."""
-    stored = set(stored)
-    masters = stored & set(_MASTER_DTYPES[master_weights])
+    kinds = set(stored)
+    masters = kinds & set(_MASTER_DTYPES[master_weights])
     if not masters and compensation is None:
         return
     kept = "compensation buffers" if compensation is not None else "float32 master weights"
-    shown = masters or stored & set(COMPENSATED_DTYPES)
+    shown = masters or kinds & set(COMPENSATED_DTYPES)
     dtypes = "/".join(sorted(str(d).removeprefix("torch.") for d in shown)) or "16-bit"
     raise PrecisionError(
         f"{setup} with master_weights={master_weights}, compensation={compensation!r} would "

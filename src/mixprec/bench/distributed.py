@@ -97,6 +97,9 @@ class FailedRun:
     error: str
 
 
+Row = RankMemory | FailedRun  # what `run` gives for each spec: its ranks, or its failure
+
+
 class MeasurementFailed(RuntimeError):
     """`measure`'s ranks did not finish; `error` is the first rank's error."""
 
@@ -224,8 +227,8 @@ def measure(spec: MemorySpec, workdir: Path) -> list[RankMemory]:
     except ProcessException as err:
         said = [out / f"rank{r}.error" for r in range(spec.devices)]
         told = [p.read_text() for p in said if p.exists()]
-        lines = str(err).strip().splitlines()
-        raise MeasurementFailed(told[0] if told else lines[-1] if lines else repr(err)) from None
+        how = str(err).strip().splitlines()[-1]  # "process 1 terminated with signal ..."
+        raise MeasurementFailed(told[0] if told else how) from None
     return [
         RankMemory(**json.loads((out / f"rank{r}.json").read_text())) for r in range(spec.devices)
     ]
@@ -251,9 +254,6 @@ def check_precisions(precisions: list[str], device: str, allow_slow: bool) -> No
     process starts if a precision is refused or slow here."""
     for spec in precisions:
         check(as_map(spec), torch.device(device), allow_slow=allow_slow)
-
-
-Row = RankMemory | FailedRun
 
 
 def run(
