@@ -75,6 +75,19 @@ FACTORY = textwrap.dedent(
         return nn.Linear(size, 2)
 
 
+    class NoBfloat16(nn.Linear):
+        def forward(self, x):
+            out = super().forward(x)
+            if out.dtype == torch.bfloat16:
+                raise RuntimeError("this layer refuses bfloat16")
+            return out
+
+
+    def no_bf16():
+        batch = lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,)))
+        return NoBfloat16(8, 2), batch, nn.functional.cross_entropy
+
+
     def small_only():
         def make_batch(n):
             if n > 4:
@@ -443,6 +456,29 @@ def test_a_failing_max_batch_probe_is_recorded_and_every_result_is_written(
     assert line in md and "(the largest that fitted before it: 4)" in md
     printed = " ".join(capsys.readouterr().out.split())
     assert line in printed and "the largest that fitted before it: 4" in printed
+    assert (tmp_path / "out" / "bench.png").is_file()
+
+
+def test_a_failing_configuration_is_a_recorded_row_and_the_others_are_written(
+    tmp_path, factory_dir, capsys
+):
+    code, results, rows, md = _bench(
+        tmp_path,
+        *("--model", f"{factory_dir / 'benchfactory.py'}:no_bf16", "--batch-sizes", "2"),
+        *("--precision", "32-true", "bf16-mixed", "--allow-slow", "--steps", "1"),
+        *TINY,
+    )
+    assert code == 1
+    assert [(r["precision"], r["status"]) for r in rows] == [
+        ("32-true", OK),
+        ("bf16-mixed", "error"),
+    ]
+    failed = results["results"][1]["result"]
+    assert failed["error"] == "RuntimeError: this layer refuses bfloat16"
+    assert "this layer refuses bfloat16" in md
+    assert "bf16-mixed @ 2: error RuntimeError: this layer refuses bfloat16" in " ".join(
+        capsys.readouterr().err.split()
+    )
     assert (tmp_path / "out" / "bench.png").is_file()
 
 

@@ -106,3 +106,33 @@ def test_the_default_precisions_leave_out_what_is_slow_here_and_say_why(monkeypa
             list(distributed.DEFAULT_PRECISIONS),
             {},
         )
+
+
+@pytest.mark.slow
+def test_a_failing_configuration_is_a_recorded_row_and_the_others_are_written(tmp_path, capsys):
+    """fsdp under 16-true (float32 masters beside float16 shards) used to crash the command
+    after the ddp row, with nothing written; now it is a row with the refusal, exit 1."""
+    (tmp_path / "tiny.py").write_text(textwrap.dedent(TINY))
+    out = tmp_path / "out"
+    code = main(
+        [
+            "bench",
+            *("--strategy", "fsdp", "--precision", "16-true", "--allow-slow"),
+            *("--model", f"{tmp_path / 'tiny.py'}:factory", "--batch-sizes", "4"),
+            *("--steps", "2", "--threads", "1", "--out", str(out)),
+        ]
+    )
+    assert code == 1
+    refusal = "PrecisionError: shard(model, '16-true') with master_weights=None"
+    result = json.loads((out / "memory.json").read_text())
+    [failed] = result["failed"]
+    assert (failed["strategy"], failed["precision"]) == ("fsdp", "16-true")
+    assert refusal in failed["error"] and "'16-mixed' rather than '16-true'" in failed["error"]
+    assert [(r["strategy"], r["rank"]) for r in result["ranks"]] == [("ddp", 0), ("ddp", 1)]
+    ddp, fsdp = result["summary"]
+    assert ddp["error"] is None and ddp["params"] == 2 * N_PARAMS  # whole float16 weights
+    assert fsdp["error"] == failed["error"] and fsdp["held"] is None
+    md = (out / "memory.md").read_text()
+    assert "| ddp | 16-true | " in md and "| fsdp | 16-true |" + " failed |" * 7 in md
+    assert f"- fsdp 16-true: mixprec.errors.{refusal}" in md
+    assert refusal in " ".join(capsys.readouterr().err.split())

@@ -378,3 +378,43 @@ def test_zero_grad_clears_model_grads_and_add_param_group_makes_masters():
     with pytest.raises(TypeError, match="already wrapped"):
         LossScaleOptimizer(opt)
     assert "master_weights=5" in repr(opt)
+
+
+def test_complex_parameters_are_unscaled_and_checked_through_their_real_and_imaginary_parts():
+    """torch's fused unscale kernel (torch.amp.GradScaler's too) refuses complex dtypes: the
+    step raised NotImplementedError from deep inside. Scaled by a power of two, the steps
+    equal unscaled SGD's exactly, and an inf in an imaginary part skips the step."""
+
+    def setup() -> tuple[list[nn.Parameter], torch.Tensor]:
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(4, dtype=torch.complex64))
+        b = nn.Parameter(torch.randn(1))
+        return [w, b], torch.randn(8, 4, dtype=torch.complex64)
+
+    def loss_of(params: list[nn.Parameter], x: torch.Tensor) -> torch.Tensor:
+        w, b = params
+        return ((x @ w).abs() ** 2).mean() + (b * w.real.sum()).square().sum()
+
+    ref, x = setup()
+    sgd = torch.optim.SGD(ref, lr=0.01)
+    params, _ = setup()
+    opt = LossScaleOptimizer(torch.optim.SGD(params, lr=0.01), DynamicLossScaler(2.0**10))
+    for _ in range(2):
+        sgd.zero_grad()
+        loss_of(ref, x).backward()
+        sgd.step()
+        opt.zero_grad()
+        opt.backward(loss_of(params, x))
+        assert opt.step()
+        for p, r in zip(params, ref, strict=True):
+            assert torch.equal(p, r)
+    before = [p.detach().clone() for p in params]
+    opt.zero_grad()
+    opt.backward(loss_of(params, x))
+    params[0].grad.imag[1] = math.inf
+    assert not opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert opt.loss_scale == 2.0**9
+    grad = torch.tensor([4 + 8j, -2 + 0.5j])
+    assert DynamicLossScaler(4.0).unscale_([grad]).item() == 0
+    assert torch.equal(grad, torch.tensor([1 + 2j, -0.5 + 0.125j]))

@@ -211,8 +211,72 @@ def _int8(rank: int) -> dict[str, Any]:
     }
 
 
+def _outcome(attempt: Any) -> str:
+    """What `attempt()` did: "ok", or the exception it raised (kept, not raised: one rank's
+    failure here must not stop the other scenarios)."""
+    try:
+        attempt()
+    except Exception as err:  # noqa: BLE001 - the test reads which exception, and its words
+        return f"{type(err).__name__}: {err}"
+    return "ok"
+
+
+def _fp16_true(rank: int) -> dict[str, Any]:
+    """'16-true' sharded and stepped through the documented LossScaleOptimizer (float32
+    masters for float16 weights), then the offered way: no masters."""
+    x, y = _data()
+    mine = slice(rank * 8, rank * 8 + 8)
+
+    def documented() -> None:
+        scaler = DynamicLossScaler(init_scale=2.0**4)
+        model = shard(Net(), "16-true", scaler=scaler, allow_slow=True)
+        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=LR), scaler)
+        opt.backward(F.mse_loss(model(x[mine]).float(), y[mine]))
+        assert opt.step()  # a taken step: it copies the masters into the shards
+
+    def wrapped() -> None:  # sharded without the check, then wrapped with masters
+        scaler = DynamicLossScaler()
+        model = shard(Net(), "16-true", scaler=scaler, master_weights=False, allow_slow=True)
+        LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=LR), scaler)
+
+    trained: dict[str, Any] = {}
+
+    def offered() -> None:  # without masters: the 16-bit shards are stepped themselves
+        torch.manual_seed(0)
+        model = Net()
+        trained["ref_losses"], _ = _reference(copy.deepcopy(model))
+        scaler = DynamicLossScaler(init_scale=2.0**4)
+        model = shard(model, "16-true", scaler=scaler, master_weights=False, allow_slow=True)
+        opt = LossScaleOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR), scaler, master_weights=False
+        )
+        losses, taken = [], []
+        for _ in range(STEPS):
+            loss = F.mse_loss(model(x[mine]).float(), y[mine])
+            full = loss.detach().clone()
+            dist.all_reduce(full)
+            losses.append(full.item() / WORLD)
+            opt.backward(loss)
+            taken.append(opt.step())
+            opt.zero_grad()
+        trained.update(
+            losses=losses,
+            taken=taken,
+            param_dtypes={p.dtype for p in model.parameters()},
+            state=_full(model),
+        )
+
+    return {
+        "documented": _outcome(documented),
+        "wrapped": _outcome(wrapped),
+        "offered": _outcome(offered),
+        **trained,
+    }
+
+
 def _worker(rank: int, out_dir: str) -> None:
-    results = {f.__name__: f(rank) for f in (_bf16_mixed, _fp16_inf, _bf16_true, _int8)}
+    scenarios = (_bf16_mixed, _fp16_inf, _bf16_true, _int8, _fp16_true)
+    results = {f.__name__: f(rank) for f in scenarios}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
 
@@ -281,6 +345,36 @@ def test_int8_layers_train_sharded_on_two_ranks_as_one_process_does(ranks):
     torch.testing.assert_close(ranks[0]["_int8"]["state"], ranks[1]["_int8"]["state"])
 
 
+@pytest.mark.slow
+def test_16_true_with_float32_masters_is_refused_at_set_up_not_at_the_first_step(ranks):
+    """It was accepted, and the first taken step raised NotImplementedError from inside
+    torch (`_foreach_copy_` has no DTensor sharding strategy) while copying the masters."""
+    for r in ranks:
+        got = r["_fp16_true"]
+        assert got["documented"].startswith(
+            "PrecisionError: shard(model, '16-true') with master_weights=None, "
+            "compensation=None would keep float32 master weights beside float16 parameters "
+            "sharded by FSDP2"
+        ), got["documented"]
+        assert got["wrapped"].startswith(
+            "PrecisionError: LossScaleOptimizer(SGD) with master_weights=None, "
+            "compensation=None would keep float32 master weights beside float16"
+        ), got["wrapped"]
+        for said in (got["documented"], got["wrapped"]):
+            assert "'16-mixed' rather than '16-true'" in said and "master_weights=False" in said
+
+
+@pytest.mark.slow
+def test_16_true_without_masters_trains_sharded_as_offered(ranks):
+    for r in ranks:
+        got = r["_fp16_true"]
+        assert got["offered"] == "ok"
+        assert got["param_dtypes"] == {torch.float16} and got["taken"] == [True] * STEPS
+        assert got["losses"][-1] < got["losses"][0]
+        assert got["losses"] == pytest.approx(got["ref_losses"], rel=1e-2)
+    torch.testing.assert_close(ranks[0]["_fp16_true"]["state"], ranks[1]["_fp16_true"]["state"])
+
+
 def test_units_are_blocks_and_islands_innermost_first_root_last():
     plan = units(Net(), "bf16-mixed")
     assert list(plan) == ["blocks.0.norm", "blocks.1.norm", "blocks.0", "blocks.1", ""]
@@ -316,6 +410,19 @@ def test_refuses_float16_without_an_all_reducing_scaler():
         shard(Net(), "16-mixed", allow_slow=True)
 
 
+def test_refuses_16_true_whose_optimizer_would_keep_float32_masters():
+    """Checked before the process group: it was accepted, and failed at the first step."""
+    with pytest.raises(PrecisionError, match="'16-mixed' rather than '16-true'"):
+        shard(Net(), "16-true", scaler=DynamicLossScaler(), allow_slow=True)
+    bf16_masters = "master_weights=True, compensation=None would keep float32 master weights"
+    with pytest.raises(PrecisionError, match=f"'bf16-true'\\) with {bf16_masters}"):
+        shard(Net(), "bf16-true", master_weights=True, allow_slow=True)
+    with pytest.raises(PrecisionError, match="init_process_group"):  # what comes next
+        shard(Net(), "16-true", scaler=DynamicLossScaler(), master_weights=False)
+    with pytest.raises(TypeError, match="master_weights must be None, True or False"):
+        shard(Net(), "32-true", master_weights="yes")  # type: ignore[arg-type]
+
+
 def test_refuses_without_a_process_group():
     assert not dist.is_initialized()
     with pytest.raises(PrecisionError, match="init_process_group"):
@@ -344,6 +451,49 @@ def test_the_uncompensated_warning_names_the_fsdp_fix_for_sharded_16_bit_weights
             precision.setup(model, optimizer, convert=False)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "wrap", "refused"),
+    [
+        (torch.float16, {}, "master_weights=None, compensation=None would keep float32 "
+         "master weights beside float16"),
+        (torch.bfloat16, {"master_weights": True}, "master_weights=True, compensation=None "
+         "would keep float32 master weights beside bfloat16"),
+        (torch.bfloat16, {"compensation": "kahan"}, "master_weights=None, "
+         "compensation='kahan' would keep compensation buffers beside bfloat16"),
+    ],
+    ids=["float16-masters", "bfloat16-masters", "kahan"],
+)  # fmt: skip
+def test_loss_scale_optimizer_refuses_masters_beside_sharded_16_bit_weights(
+    one_rank, dtype, wrap, refused
+):
+    """It wrapped them, and the first taken step failed inside torch on the DTensors
+    (`_foreach_copy_` of the masters, a `view` in the compensated step)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(nn.Sequential(nn.Linear(4, 8)).to(dtype))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PrecisionError, match=f"^LossScaleOptimizer\\(SGD\\) with {refused}"):
+        LossScaleOptimizer(sgd, 4.0, **wrap)
+    assert all(p.dtype == dtype for g in sgd.param_groups for p in g["params"])  # untouched
+    # the offered way: no masters, no compensation (one warning: small updates round away)
+    with pytest.warns(UserWarning, match="Sharded with FSDP, train a \\*-mixed policy"):
+        opt = LossScaleOptimizer(sgd, 4.0, master_weights=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.backward(model(torch.ones(2, 4, dtype=dtype)).float().sum())
+    assert opt.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+def test_a_sharded_16_bit_group_added_to_a_wrapper_that_keeps_masters_is_refused(one_rank):
+    from torch.distributed.fsdp import fully_shard
+
+    opt = LossScaleOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), 4.0)
+    sharded = fully_shard(nn.Linear(4, 8).half())
+    with pytest.raises(PrecisionError, match="beside float16 parameters sharded by FSDP2"):
+        opt.add_param_group({"params": sharded.parameters()})
+    assert len(opt.param_groups) == 1 and not opt.master_params
 
 
 class TokenNet(nn.Module):

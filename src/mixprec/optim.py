@@ -35,20 +35,23 @@ front and ``master_weights_by_name`` can hand the masters to a run in another pr
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.compensated import COMPENSATED_DTYPES, Compensator, check_compensation
+from mixprec.errors import PrecisionError
 from mixprec.scaling import LossScaler, as_loss_scaler
 
 __all__ = [
     "LossScaleOptimizer",
     "SkipAwareScheduler",
+    "check_sharded_masters",
     "joint_step",
     "master_weights_by_name",
     "scheduler_step",
@@ -106,6 +109,9 @@ class LossScaleOptimizer:
             is. It excludes ``master_weights=True`` and needs 16-bit trainable parameters.
             Without it and without masters, 16-bit trainable parameters get one
             ``UserWarning``: their small updates round away.
+
+    Parameters sharded by FSDP2 (DTensors) take neither masters nor compensation: a wrapper
+    that would give them some is refused up front (`check_sharded_masters`).
     """
 
     def __init__(
@@ -145,11 +151,14 @@ class LossScaleOptimizer:
                     f"this optimizer's trainable parameters are {dtypes}: use a '*-true' "
                     f"16-bit policy ('bf16-true'), or drop compensation"
                 )
-            master_weights = False
             self._compensator = Compensator(compensation)
+        _check_sharded_params(optimizer, _trainable(optimizer), master_weights, compensation)
+        if compensation is not None:
+            master_weights = False
         self.optimizer = optimizer
         self.scaler = as_loss_scaler(scaler, needs_scaling=True)
         self.model = model
+        self._master_weights = master_weights
         self._master_dtypes = _MASTER_DTYPES[master_weights]
         self._model_params: list[torch.Tensor] = []
         self._masters: list[torch.Tensor] = []
@@ -223,6 +232,13 @@ class LossScaleOptimizer:
 
         A group added on the wrapped optimizer directly gets its masters at the next step.
         """
+        params = group.get("params")
+        if params is not None and not isinstance(params, (torch.Tensor, list, tuple, set)):
+            group = {**group, "params": list(params)}  # a generator: read once, here
+            params = group["params"]
+        given = [params] if isinstance(params, torch.Tensor) else list(params or ())
+        trainable = [p for p in given if isinstance(p, torch.Tensor) and p.requires_grad]
+        _check_sharded_params(self.optimizer, trainable, self._master_weights, self.compensation)
         self.optimizer.add_param_group(group)
         self._add_masters()
 
@@ -611,13 +627,63 @@ def _trainable(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
 
 
-def _is_sharded(params: list[torch.Tensor]) -> bool:
-    """Whether any parameter is a DTensor (sharded by FSDP2)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
+def _sharded(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters that are DTensors (sharded by FSDP2)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:  # never imported: no DTensor exists (and none is imported for this)
+        return []
+    return [p for p in params if isinstance(p, module.DTensor)]
 
-    return any(isinstance(p, DTensor) for p in params)
+
+def check_sharded_masters(
+    stored: Iterable[torch.dtype],
+    *,
+    master_weights: bool | None,
+    compensation: str | None,
+    setup: str,
+) -> None:
+    """Raise `PrecisionError` if parameters sharded by FSDP2 and stored in `stored` dtypes
+    would get float32 master weights (`master_weights` as `LossScaleOptimizer` takes it: by
+    default for float16) or compensation buffers: neither works on DTensors (the first taken
+    step fails deep inside torch), and a ``*-mixed`` policy gives the same training with
+    float32 shards as the masters. `setup` names the refused set-up in the message.
+
+    `LossScaleOptimizer` (on DTensor parameters), `mixprec.sharding.shard` and the Trainer's
+    ``strategy="fsdp"`` all refuse through this one check, with one reason."""
+    kinds = set(stored)
+    masters = kinds & set(_MASTER_DTYPES[master_weights])
+    if not masters and compensation is None:
+        return
+    kept = "compensation buffers" if compensation is not None else "float32 master weights"
+    shown = masters or kinds & set(COMPENSATED_DTYPES)
+    dtypes = "/".join(sorted(str(d).removeprefix("torch.") for d in shown)) or "16-bit"
+    raise PrecisionError(
+        f"{setup} with master_weights={master_weights}, compensation={compensation!r} would "
+        f"keep {kept} beside {dtypes} parameters sharded by FSDP2 (DTensors), which mixprec "
+        f"does not support: its masters and compensation do not work on DTensors (the first "
+        f"step would fail). Use a '*-mixed' policy ('16-mixed' rather than '16-true', "
+        f"'bf16-mixed' rather than 'bf16-true'): its sharded parameters are float32, they are "
+        f"the masters, and FSDP2 computes in 16 bits. To step the 16-bit weights themselves, "
+        f"pass master_weights=False and no compensation (Precision, LossScaleOptimizer and "
+        f"shard take master_weights)"
+    )
+
+
+def _check_sharded_params(
+    optimizer: torch.optim.Optimizer,
+    trainable: list[torch.Tensor],
+    master_weights: bool | None,
+    compensation: str | None,
+) -> None:
+    """`check_sharded_masters` for the DTensors among an optimizer's trainable parameters."""
+    sharded = _sharded(trainable)
+    if sharded:
+        check_sharded_masters(
+            {p.dtype for p in sharded},
+            master_weights=master_weights,
+            compensation=compensation,
+            setup=f"LossScaleOptimizer({type(optimizer).__name__})",
+        )
 
 
 def _warn_uncompensated(
@@ -631,7 +697,7 @@ def _warn_uncompensated(
         if p.dtype in COMPENSATED_DTYPES and p.dtype not in master_dtypes
     }
     if plain:
-        sharded = _is_sharded(_trainable(optimizer))
+        sharded = bool(_sharded(_trainable(optimizer)))
         fix = (
             "Sharded with FSDP, train a *-mixed policy instead: FSDP keeps float32 sharded "
             "masters and computes in 16 bits (compensation and master_weights are not offered "

@@ -193,7 +193,9 @@ class LossScaler:
 
         The flag is a float32 0-dim tensor on ``device``: 0.0 if every gradient is finite,
         positive otherwise. Gradients may live on several devices and dtypes; a sparse
-        gradient is unscaled through its values.
+        gradient is unscaled through its values, a complex one through its real and
+        imaginary parts (``torch.view_as_real``; torch's fused kernel, which
+        ``torch.amp.GradScaler`` calls too, refuses complex dtypes).
         """
         # Reciprocal in float64 then rounded, as torch.amp.GradScaler does, so that both
         # multiply the gradients by the very same float32 number (MPS has no float64).
@@ -341,6 +343,8 @@ class LossScaler:
         for grad in grads:
             if grad.is_sparse:
                 grad = grad._values()
+            if grad.is_complex():  # torch's kernel takes real dtypes: the same memory, as pairs
+                grad = torch.view_as_real(grad)
             groups.setdefault((grad.device, grad.dtype), []).append(grad)
         flags: dict[torch.device, torch.Tensor] = {found_inf.device: found_inf}
         scales: dict[torch.device, torch.Tensor] = {inv.device: inv}

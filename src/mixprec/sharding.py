@@ -22,6 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from mixprec.errors import PrecisionError
 from mixprec.hardware import check, device_of
+from mixprec.optim import check_sharded_masters
 from mixprec.policy import Policy
 from mixprec.policy_map import as_map
 from mixprec.quantize import QuantizeResult, quantize_modules
@@ -134,6 +135,7 @@ def _check_ready(
     optimizer: torch.optim.Optimizer | None,
     scaler: LossScaler | None,
     mesh: DeviceMesh | None,
+    master_weights: bool | None,
 ) -> None:
     if optimizer is not None:
         mine = {id(p) for p in model.parameters()}
@@ -144,6 +146,12 @@ def _check_ready(
                 "train the model. Build it after: model, optimizer = shard(model, policy, "
                 "optimizer_factory=lambda params: torch.optim.AdamW(params, lr=...))"
             )
+    check_sharded_masters(
+        {r.policy.param_dtype for r in pmap.resolve(model).values()},
+        master_weights=master_weights,
+        compensation=None,
+        setup=f"shard(model, {pmap.name!r})",
+    )
     if pmap.needs_loss_scaling and (not isinstance(scaler, LossScaler) or not scaler.enabled):
         raise PrecisionError(
             f"precision {pmap.name!r} computes in float16 and needs loss scaling whose "
@@ -169,6 +177,7 @@ def shard(
     optimizer_factory: OptimizerFactory | None = None,
     scaler: LossScaler | None = None,
     reduce_dtype: torch.dtype = torch.float32,
+    master_weights: bool | None = None,
     allow_slow: bool = False,
 ) -> nn.Module | tuple[nn.Module, torch.optim.Optimizer]:
     """Shard `model` in place with FSDP2 under `policy` (a spec, Policy or PolicyMap) and
@@ -185,12 +194,18 @@ def shard(
     initialised (and no `mesh` is given); when `optimizer` holds the model's unsharded
     parameters (build it after sharding: `optimizer_factory(params)` does); when the policy
     computes in float16 and `scaler` is not an enabled mixprec `LossScaler`, whose
-    `synchronize` all-reduces the overflow flag; and, as `Precision` does, when the policy is
-    slow on the model's device unless `allow_slow` (or ``MIXPREC_ALLOW_SLOW=1``)."""
+    `synchronize` all-reduces the overflow flag; when the policy stores parameters that the
+    `LossScaleOptimizer` to step them would give float32 masters (`master_weights` is its
+    setting: by default float16 ones, so "16-true" is refused unless
+    ``master_weights=False``; `optim.check_sharded_masters`); and, as `Precision` does, when
+    the policy is slow on the model's device unless `allow_slow` (or
+    ``MIXPREC_ALLOW_SLOW=1``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"shard needs an nn.Module first, got {type(model).__name__}")
+    if master_weights not in (None, True, False):
+        raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
     pmap = as_map(policy)
-    _check_ready(model, pmap, optimizer, scaler, mesh)
+    _check_ready(model, pmap, optimizer, scaler, mesh, master_weights)
     check(pmap, device_of(model), allow_slow=allow_slow)
     quantize_for(model, pmap)
     plan = units(model, pmap, wrap)

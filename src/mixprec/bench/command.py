@@ -215,7 +215,11 @@ def run_memory_command(args: argparse.Namespace, console: Console, err: Console,
     command = distributed.command_line()
     console.print(f"reproduce: {command}", highlight=False, soft_wrap=True)
 
-    def done(spec: distributed.MemorySpec, ranks: list[distributed.RankMemory]) -> None:
+    def done(spec: distributed.MemorySpec, rows: list[distributed.Row]) -> None:
+        ranks = [r for r in rows if isinstance(r, distributed.RankMemory)]
+        if len(ranks) != len(rows):
+            console.print(f"{spec.strategy} {spec.precision}: failed", highlight=False)
+            return
         held = ", ".join(f"rank {r.rank} {r.held / 2**20:.2f} MiB" for r in ranks)
         console.print(f"{spec.strategy} {spec.precision}: held {held}", highlight=False)
 
@@ -231,8 +235,11 @@ def run_memory_command(args: argparse.Namespace, console: Console, err: Console,
     }
     paths = distributed.write(out, rows, meta)
     console.print(Markdown(paths[1].read_text()))
+    failed = [r for r in rows if isinstance(r, distributed.FailedRun)]
+    for r in failed:
+        err.print(f"[red]{r.strategy} {r.precision}: failed[/] {r.error}", highlight=False)
     console.print(f"results: {', '.join(map(str, paths))}", highlight=False)
-    return 0
+    return 1 if failed else 0
 
 
 def run_command(args: argparse.Namespace) -> int:

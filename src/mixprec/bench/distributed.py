@@ -13,6 +13,9 @@ train a few AdamW steps of the workload and report, per rank:
   parameters and buckets included;
 - process peak RSS: the process's resident-set high-water mark (``ru_maxrss``), torch's own
   libraries included, so it differs between strategies by less than the tensors do.
+
+A (strategy, precision) whose ranks fail (a refused set-up, an error, a killed process) is a
+`FailedRun` carrying the first rank's error; the others are still measured and written.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import re
 import resource
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.multiprocessing.spawn import ProcessException
 
 from mixprec.bench.models import load_workload
 from mixprec.bench.runner import _measured
@@ -83,6 +88,26 @@ class RankMemory:
         return self.params + self.grads + self.optimizer
 
 
+@dataclass
+class FailedRun:
+    """A (strategy, precision) whose ranks did not finish, with the error a rank reported."""
+
+    strategy: str
+    precision: str
+    error: str
+
+
+Row = RankMemory | FailedRun  # what `run` gives for each spec: its ranks, or its failure
+
+
+class MeasurementFailed(RuntimeError):
+    """`measure`'s ranks did not finish; `error` is the first rank's error."""
+
+    def __init__(self, error: str) -> None:
+        super().__init__(error)
+        self.error = error
+
+
 def _local_bytes(t: torch.Tensor) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t
     return local.numel() * local.element_size()
@@ -110,11 +135,16 @@ def _rank(rank: int, spec: MemorySpec, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(spec.threads)
     device = torch.device(spec.device, rank) if spec.device == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=spec.devices)
-    _measure_rank(rank, spec, device, out)  # an exception ends the process, group and all
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=spec.devices)
+        _measure_rank(rank, spec, device, out)
+    except Exception as err:
+        detail = "".join(traceback.format_exception_only(type(err), err)).strip()
+        Path(out, f"rank{rank}.error").write_text(detail)
+        raise  # ends the process, group and all; the parent stops the other ranks
     # The group goes last: a DDP wrapper or FSDP mesh freed after it can hang at exit.
     gc.collect()
     dist.barrier()
@@ -137,6 +167,7 @@ def _measure_rank(rank: int, spec: MemorySpec, device: torch.device, out: str) -
             wrap=wrap,
             scaler=precision.scaler,
             optimizer_factory=adamw,
+            master_weights=precision.master_weights,
             allow_slow=spec.allow_slow,
         )
         model, lso = precision.setup(model, opt, convert=False)
@@ -175,17 +206,29 @@ def _measure_rank(rank: int, spec: MemorySpec, device: torch.device, out: str) -
 
 
 def measure(spec: MemorySpec, workdir: Path) -> list[RankMemory]:
-    """Run ``spec`` in ``spec.devices`` fresh processes; every rank's numbers."""
+    """Run ``spec`` in ``spec.devices`` fresh processes; every rank's numbers.
+
+    Raises `MeasurementFailed` with the lowest failing rank's error (or how a process
+    ended, when it could not say) when a rank fails; the others are stopped then."""
     # a policy file's path names the precision: flattened to one directory name
     out = workdir / re.sub(r"[^\w.,=-]", "_", f"{spec.strategy}-{spec.precision}")
     out.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(
-        _rank,
-        args=(spec, free_port(), str(out)),
-        nprocs=spec.devices,
-        start_method="spawn",
-        join=True,
-    )
+    for r in range(spec.devices):  # an earlier run's files in this --out say nothing now
+        for name in (f"rank{r}.json", f"rank{r}.error"):
+            (out / name).unlink(missing_ok=True)
+    try:
+        mp.start_processes(
+            _rank,
+            args=(spec, free_port(), str(out)),
+            nprocs=spec.devices,
+            start_method="spawn",
+            join=True,
+        )
+    except ProcessException as err:
+        said = [out / f"rank{r}.error" for r in range(spec.devices)]
+        told = [p.read_text() for p in said if p.exists()]
+        how = str(err).strip().splitlines()[-1]  # "process 1 terminated with signal ..."
+        raise MeasurementFailed(told[0] if told else how) from None
     return [
         RankMemory(**json.loads((out / f"rank{r}.json").read_text())) for r in range(spec.devices)
     ]
@@ -216,15 +259,19 @@ def check_precisions(precisions: list[str], device: str, allow_slow: bool) -> No
 def run(
     specs: list[MemorySpec],
     workdir: Path,
-    on_done: Callable[[MemorySpec, list[RankMemory]], None] | None = None,
-) -> list[RankMemory]:
-    """Measure every spec in turn."""
-    rows = []
+    on_done: Callable[[MemorySpec, list[Row]], None] | None = None,
+) -> list[Row]:
+    """Measure every spec in turn: its ranks' rows, or one `FailedRun` when they failed (the
+    next specs still run)."""
+    rows: list[Row] = []
     for spec in specs:
-        ranks = measure(spec, workdir)
-        rows += ranks
+        try:
+            done: list[Row] = list(measure(spec, workdir))
+        except MeasurementFailed as failed:
+            done = [FailedRun(spec.strategy, spec.precision, failed.error)]
+        rows += done
         if on_done is not None:
-            on_done(spec, ranks)
+            on_done(spec, done)
     return rows
 
 
@@ -232,17 +279,34 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def summary(rows: list[RankMemory]) -> list[dict[str, Any]]:
-    """One line per (strategy, precision): the largest rank's held bytes (and their parts),
-    as a fraction of DDP's in the same precision, and the largest peaks over the ranks."""
+# a summary line's numbers: None in the line of a failed run
+_NUMBERS = (
+    "params", "grads", "optimizer", "held", "held_vs_ddp", "step_peak", "rss_peak", "final_loss"
+)  # fmt: skip
+
+
+def summary(rows: list[Row]) -> list[dict[str, Any]]:
+    """One line per (strategy, precision), in the order measured: the largest rank's held
+    bytes (and their parts), as a fraction of DDP's in the same precision, and the largest
+    peaks over the ranks; or, for a `FailedRun`, its error and no numbers."""
     groups: dict[tuple[str, str], list[RankMemory]] = {}
+    errors: dict[tuple[str, str], str] = {}
     for r in rows:
-        groups.setdefault((r.strategy, r.precision), []).append(r)
-    worst = {k: max(ranks, key=lambda r: r.held) for k, ranks in groups.items()}
-    lines = []
-    for (strategy, precision), r in worst.items():
+        groups.setdefault((r.strategy, r.precision), [])
+        if isinstance(r, FailedRun):
+            errors[(r.strategy, r.precision)] = r.error
+        else:
+            groups[(r.strategy, r.precision)].append(r)
+    worst = {k: max(ranks, key=lambda r: r.held) for k, ranks in groups.items() if ranks}
+    lines: list[dict[str, Any]] = []
+    for (strategy, precision), ranks in groups.items():
+        if (strategy, precision) in errors:
+            error = errors[(strategy, precision)]
+            numbers = dict.fromkeys(_NUMBERS)
+            lines.append({"strategy": strategy, "precision": precision, **numbers, "error": error})
+            continue
+        r = worst[(strategy, precision)]
         ddp = worst.get(("ddp", precision))
-        ranks = groups[(strategy, precision)]
         lines.append(
             {
                 "strategy": strategy,
@@ -255,6 +319,7 @@ def summary(rows: list[RankMemory]) -> list[dict[str, Any]]:
                 "step_peak": max(x.step_peak for x in ranks),
                 "rss_peak": max(x.rss_peak for x in ranks),
                 "final_loss": r.final_loss,
+                "error": None,
             }
         )
     return lines
@@ -272,17 +337,26 @@ def markdown(lines: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     body = "".join(
-        f"| {x['strategy']} | {x['precision']} | {_mib(x['params'])} | {_mib(x['grads'])} | "
-        f"{_mib(x['optimizer'])} | {_mib(x['held'])} | {_ratio(x['held_vs_ddp'])} | "
-        f"{_mib(x['step_peak'])} | {_mib(x['rss_peak'])} |\n"
+        f"| {x['strategy']} | {x['precision']} |{' failed |' * 7}\n"
+        if x["error"] is not None
+        else f"| {x['strategy']} | {x['precision']} | {_mib(x['params'])} | "
+        f"{_mib(x['grads'])} | {_mib(x['optimizer'])} | {_mib(x['held'])} | "
+        f"{_ratio(x['held_vs_ddp'])} | {_mib(x['step_peak'])} | {_mib(x['rss_peak'])} |\n"
         for x in lines
     )
+    failed = "".join(
+        f"- {x['strategy']} {x['precision']}: {' '.join(x['error'].split())}\n"
+        for x in lines
+        if x["error"] is not None
+    )
+    if failed:
+        failed = f"Failed (no numbers):\n\n{failed}\n"
     return (
         f"# Memory per rank: DDP vs FSDP ({meta['devices']} ranks)\n\n"
         f"command: `{meta['command']}`\n\nhost: {meta['host']}\n\n"
         f"model: {meta['model']}, batch {meta['batch_size']} per rank, AdamW, "
         f"{meta['steps']} steps\n\n"
-        f"{head}{body}\n"
+        f"{head}{body}\n{failed}"
         "Per (strategy, precision), the rank holding the most. held = parameters + gradients "
         "+ optimizer state this rank holds after a step (local shards of DTensors; DDP's "
         "gradient buckets not counted); step peak = held before a step (parameters + "
@@ -293,11 +367,17 @@ def markdown(lines: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     )
 
 
-def write(out: Path, rows: list[RankMemory], meta: dict[str, Any]) -> list[Path]:
-    """memory.json (every rank, the summary, the command and host) and memory.md."""
+def write(out: Path, rows: list[Row], meta: dict[str, Any]) -> list[Path]:
+    """memory.json (every rank, the failed runs, the summary, the command and host) and
+    memory.md."""
     out.mkdir(parents=True, exist_ok=True)
     lines = summary(rows)
-    payload = {**meta, "summary": lines, "ranks": [asdict(r) for r in rows]}
+    payload = {
+        **meta,
+        "summary": lines,
+        "ranks": [asdict(r) for r in rows if isinstance(r, RankMemory)],
+        "failed": [asdict(r) for r in rows if isinstance(r, FailedRun)],
+    }
     paths = [out / OUTPUT_FILES[0], out / OUTPUT_FILES[1]]
     paths[0].write_text(json.dumps(payload, indent=2))
     paths[1].write_text(markdown(lines, meta))

@@ -33,6 +33,7 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
 from mixprec.errors import PrecisionError
+from mixprec.optim import check_sharded_masters
 from mixprec.precision import Precision
 from mixprec.trainer.callbacks import callback_states
 from mixprec.trainer.data import distributed
@@ -377,24 +378,19 @@ class FSDPStrategy(DDPStrategy):
                     "build a new model, or use the same Trainer settings"
                 )
             return True
-        stored = {r.policy.param_dtype for r in precision.policy.resolve(model).values()}
-        masters = {torch.float16} if precision.master_weights is None else set()
-        if precision.master_weights:
-            masters = {torch.float16, torch.bfloat16}
-        if stored & masters or precision.compensation is not None:
-            raise PrecisionError(
-                f"strategy='fsdp' keeps no float32 masters or compensation buffers beside 16-bit "
-                f"sharded parameters (precision {precision.policy.name!r}, master_weights="
-                f"{precision.master_weights}, compensation={precision.compensation!r}): use a "
-                "'*-mixed' policy, whose sharded parameters are the float32 masters, or "
-                "Precision(..., master_weights=False) for 16-bit weights without them"
-            )
+        check_sharded_masters(
+            {r.policy.param_dtype for r in precision.policy.resolve(model).values()},
+            master_weights=precision.master_weights,
+            compensation=precision.compensation,
+            setup=f"strategy='fsdp' with precision {precision.policy.name!r}",
+        )
         shard(
             model,
             precision.policy,
             wrap=self.settings.wrap,
             scaler=precision.scaler,
             reduce_dtype=self.settings.reduce_dtype,
+            master_weights=precision.master_weights,
             allow_slow=precision.allow_slow,
         )
         model.__dict__["_mixprec_sharded_as"] = sharded_as
