@@ -11,7 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.optim import LossScaleOptimizer, joint_step, scheduler_step
+from mixprec.optim import (
+    LossScaleOptimizer,
+    OptState,
+    joint_step,
+    master_weights_by_name,
+    scheduler_step,
+)
 from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
@@ -363,6 +369,95 @@ def test_state_dict_before_first_step_and_mismatched_masters():
     fp32_opt = LossScaleOptimizer(torch.optim.Adam(_mlp().parameters()))
     with pytest.raises(ValueError, match="master weights"):
         fp32_opt.load_state_dict(opt.state_dict())
+
+
+def test_a_step_goes_ready_unscaled_stepped_through_public_parts():
+    """The per-step state is an OptState, as torch.amp's; the parts joint_step drives are
+    public, and driving them by hand steps and skips exactly as step() does."""
+    batches = _batches(3)
+    ref_model, ref = _fp16_setup(seed=0)
+    model, opt = _fp16_setup(seed=0)
+    assert opt.stage is OptState.READY and opt.found_inf is None
+    for i, (x, y) in enumerate(batches):
+        ref.zero_grad()
+        opt.zero_grad()
+        assert opt.stage is OptState.READY
+        ref.backward(F.mse_loss(ref_model(x.half()).float(), y))
+        opt.backward(F.mse_loss(model(x.half()).float(), y))
+        if i == 1:
+            ref_model[0].bias.grad[0] = math.inf
+            model[0].bias.grad[0] = math.inf
+        assert ref.step() is (i != 1)
+        opt.check_can_step()
+        opt.unscale_()
+        found = opt.found_inf
+        assert opt.stage is OptState.UNSCALED and bool(found) is (i == 1)
+        with pytest.raises(RuntimeError, match=r"backward\(\) after unscale_"):
+            opt.backward(F.mse_loss(model(x.half()).float(), y))
+        if not found:
+            opt.take_step(found)
+        opt.end_step(not found)
+        opt.scaler.update(found)
+        assert opt.stage is OptState.STEPPED and opt.found_inf is None
+        assert opt.step_was_skipped is (i == 1)
+        for a, b in zip(ref_model.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a, b)
+        assert ref.scaler.state_dict() == opt.scaler.state_dict()
+    assert not opt.skips_in_kernel and not opt.needs_closure
+    fused = LossScaleOptimizer(torch.optim.AdamW(_mlp().parameters(), fused=True))
+    assert fused.skips_in_kernel
+    assert LossScaleOptimizer(torch.optim.LBFGS(_mlp().parameters()), "none").needs_closure
+
+
+def _two_groups(model: nn.Module) -> list[dict]:
+    # groups in another order than the model's: masters are matched by name, not position
+    return [{"params": list(model[2].parameters())}, {"params": list(model[0].parameters())}]
+
+
+@pytest.mark.parametrize("saved_dtype", [bf16, f32])
+def test_a_checkpoint_of_another_precision_restores_the_masters_by_name(saved_dtype):
+    """A float16 run with float32 masters restores from bfloat16 parameters with float32
+    masters (master_weights=True) or from float32 parameters: the optimizer's state, and as
+    masters the full-precision weights by name (the saved masters, not the bfloat16 weights
+    rounded back up); the model follows its masters and the scaler stays as it was."""
+    model = _mlp(dtype=saved_dtype)
+    opt = LossScaleOptimizer(
+        torch.optim.Adam(_two_groups(model), lr=1e-2), "none", master_weights=True, model=model
+    )
+    for x, y in _batches(3):
+        opt.zero_grad()
+        opt.backward(F.mse_loss(model(x.to(saved_dtype)).float(), y))
+        assert opt.step()
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    ckpt = torch.load(buffer, weights_only=True)
+    params = dict(model.named_parameters())
+    full = {n: opt.master_params.get(p, p).detach().clone() for n, p in params.items()}
+    exp_avg = {n: opt.state[opt.master_params.get(p, p)]["exp_avg"] for n, p in params.items()}
+
+    new_model = _mlp(seed=5, dtype=f16)
+    new = LossScaleOptimizer(
+        torch.optim.Adam(_two_groups(new_model), lr=1e-2),
+        DynamicLossScaler(2.0**8),
+        model=new_model,
+    )
+    if saved_dtype == f32:
+        with pytest.raises(ValueError, match="load_state_dict_across_precisions"):
+            new.load_state_dict(ckpt["opt"])
+    weights = {**ckpt["model"], **master_weights_by_name(ckpt["opt"], ckpt["model"])}
+    without = {k: v for k, v in weights.items() if k != "0.weight"}
+    with pytest.raises(ValueError, match=r"parameter 2 \(0\.weight\) .* no entry"):
+        new.load_state_dict_across_precisions(ckpt["opt"], without)
+    assert not new.state  # nothing was loaded
+    new.load_state_dict_across_precisions(ckpt["opt"], weights)
+    for n, p in new_model.named_parameters():
+        assert p.dtype == f16 and torch.equal(new.master_params[p], full[n])
+        assert torch.equal(p, full[n].to(f16))
+        assert torch.equal(new.state[new.master_params[p]]["exp_avg"], exp_avg[n])
+    assert new.loss_scale == 2.0**8
+    rounded = any(not torch.equal(m, ckpt["model"][n].float()) for n, m in full.items())
+    assert rounded is (saved_dtype == bf16)
 
 
 def test_zero_grad_clears_model_grads_and_add_param_group_makes_masters():

@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"hardware"},
     {"quantize"},
     {"convert", "scaling"},
-    {"optim"},
+    {"optim", "masters"},
     {"precision"},
     {"sharding"},
     {"trainer"},
@@ -124,6 +124,63 @@ def test_no_import_cycle_at_module_level():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+# classes whose private attributes (fields set on `self`, methods) only their own body touches
+PRIVATE_TO_CLASS = [("mixprec.optim", "LossScaleOptimizer"), ("mixprec.masters", "MasterWeights")]
+
+
+def _private_attributes(cls: ast.ClassDef) -> set[str]:
+    """The private methods of `cls` and the private fields its methods set or read on `self`."""
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    names = set()
+    for node in ast.walk(cls):
+        if isinstance(node, ast.FunctionDef) and private(node.name):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and private(node.attr):
+            if isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+    return names
+
+
+def _touched(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    """(line, name) where `names` are reached through anything but `self`: `x._name`,
+    `getattr(x, "_name")`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            if not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Call) and ast.unparse(node.func) in _REFLECTION:
+            arg = node.args[1] if len(node.args) > 1 else None
+            if isinstance(arg, ast.Constant) and arg.value in names:
+                found.append((node.lineno, arg.value))
+    return found
+
+
+_REFLECTION = {"getattr", "setattr", "hasattr", "delattr"}
+
+
+def test_only_a_loss_scale_optimizer_touches_its_private_attributes():
+    """`joint_step`, `Precision`, the Trainer and the integrations use the wrapper's public
+    methods: a private field or method of a LossScaleOptimizer (or of its MasterWeights)
+    reached from outside the class body is a coupling the class cannot change alone."""
+    wrong = []
+    for owner_module, owner in PRIVATE_TO_CLASS:
+        owner_tree = ast.parse(MODULES[owner_module].read_text())
+        cls = next(n for n in owner_tree.body if isinstance(n, ast.ClassDef) and n.name == owner)
+        names = _private_attributes(cls)
+        assert names, f"no private attribute found in {owner}"
+        for module, path in MODULES.items():
+            tree = owner_tree if module == owner_module else ast.parse(path.read_text())
+            for line, name in _touched(tree, names):
+                if module == owner_module and cls.lineno <= line <= (cls.end_lineno or 0):
+                    continue  # the class's own body (another instance: a retired wrapper)
+                wrong.append(f"{module}:{line} touches {owner}.{name}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_import_mixprec_is_light_and_the_trainer_loads_on_first_use():

@@ -20,20 +20,25 @@ updated once (backing off if any overflowed). Stepping them one by one instead r
 error rather than unscaling the second optimizer's gradients with a scale the first one
 already changed.
 
-Float16 trainable parameters get float32 master copies: the wrapped optimizer is re-pointed
-at the masters, gradients are moved into them (so ``zero_grad`` on the wrapped optimizer
-clears everything) and unscaled in float32 (where small values survive), the optimizer
-updates the masters, and the float16 parameters are refreshed from them after each taken
-step. This makes pure float16 training work where ``torch.amp.GradScaler`` refuses float16
-gradients.
+Float16 trainable parameters get float32 master copies (``mixprec.masters.MasterWeights``):
+the wrapped optimizer is re-pointed at the masters, gradients are moved into them (so
+``zero_grad`` on the wrapped optimizer clears everything) and unscaled in float32 (where
+small values survive), the optimizer updates the masters, and the float16 parameters are
+refreshed from them after each taken step. This makes pure float16 training work where
+``torch.amp.GradScaler`` refuses float16 gradients.
+
+Each step goes READY -> UNSCALED (``unscale_``) -> STEPPED (``OptState``); ``joint_step``
+drives it through public methods (``unscale_``, ``found_inf``, ``take_step``, ``end_step``).
 
 ``state_dict`` keys the masters by the optimizer's parameter index (torch's own key for
 optimizer state) and records the parameters' names and shapes, so a load is validated up
-front and ``master_weights_by_name`` can hand the masters to a run in another precision.
+front and ``master_weights_by_name`` can hand the masters to a run in another precision;
+``load_state_dict_across_precisions`` restores an optimizer from such a checkpoint.
 """
 
 from __future__ import annotations
 
+import enum
 import inspect
 import sys
 import warnings
@@ -46,23 +51,18 @@ from torch import nn
 
 from mixprec.compensated import COMPENSATED_DTYPES, Compensator, check_compensation
 from mixprec.errors import PrecisionError
+from mixprec.masters import MASTER_DTYPES, MasterWeights, master_weights_by_name
 from mixprec.scaling import LossScaler, as_loss_scaler
 
 __all__ = [
     "LossScaleOptimizer",
+    "OptState",
     "SkipAwareScheduler",
     "check_sharded_masters",
     "joint_step",
     "master_weights_by_name",
     "scheduler_step",
 ]
-
-# which parameter dtypes get float32 masters, per value of `master_weights`
-_MASTER_DTYPES: dict[bool | None, tuple[torch.dtype, ...]] = {
-    None: (torch.float16,),
-    True: (torch.float16, torch.bfloat16),
-    False: (),
-}
 
 # per-parameter state buffers of torch's optimizers that have the parameter's shape
 _PARAM_SHAPED_STATE = (
@@ -75,12 +75,22 @@ _PARAM_SHAPED_STATE = (
     "sum",
 )
 
-# optimizer -> (its latest wrapper, model parameter -> master): a new wrapper of the same
+# the keys of a LossScaleOptimizer.state_dict() that a load needs
+_STATE_KEYS = ("optimizer", "scaler", "master_weights", "param_shapes", "param_names")
+
+# optimizer -> (its latest wrapper, that wrapper's masters): a new wrapper of the same
 # optimizer takes the masters over and retires the old wrapper
 _WRAPPERS: weakref.WeakKeyDictionary[
-    torch.optim.Optimizer,
-    tuple[weakref.ref[LossScaleOptimizer], dict[torch.Tensor, torch.Tensor]],
+    torch.optim.Optimizer, tuple[weakref.ref[LossScaleOptimizer], MasterWeights]
 ] = weakref.WeakKeyDictionary()
+
+
+class OptState(enum.Enum):
+    """Where a ``LossScaleOptimizer`` is in its step, as ``torch.amp.grad_scaler.OptState``."""
+
+    READY = "ready"  # gradients as backward left them (scaled)
+    UNSCALED = "unscaled"  # unscale_ ran: gradients divided by the scale, found_inf set
+    STEPPED = "stepped"  # the step was taken or skipped; zero_grad or unscale_ starts anew
 
 
 class LossScaleOptimizer:
@@ -131,7 +141,7 @@ class LossScaleOptimizer:
                 f"{type(optimizer).__name__}; build one from the model's parameters first, "
                 f"e.g. torch.optim.AdamW(model.parameters())"
             )
-        if master_weights not in _MASTER_DTYPES:
+        if master_weights not in MASTER_DTYPES:
             raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -159,23 +169,18 @@ class LossScaleOptimizer:
         self.scaler = as_loss_scaler(scaler, needs_scaling=True)
         self.model = model
         self._master_weights = master_weights
-        self._master_dtypes = _MASTER_DTYPES[master_weights]
-        self._model_params: list[torch.Tensor] = []
-        self._masters: list[torch.Tensor] = []
-        self._master_of: dict[torch.Tensor, torch.Tensor] = {}
-        self._model_of: dict[torch.Tensor, torch.Tensor] = {}
+        self._masters = MasterWeights(MASTER_DTYPES[master_weights])
         self._retired = False
         previous = _WRAPPERS.get(optimizer)
         if previous is not None:
             old = previous[0]()
             if old is not None:
                 old._retired = True
-            for p, master in previous[1].items():
-                self._register_master(p, master)
-        _WRAPPERS[optimizer] = (weakref.ref(self), self._master_of)
-        self._add_masters()
+            self._masters.take_over(previous[1])
+        _WRAPPERS[optimizer] = (weakref.ref(self), self._masters)
+        self._masters.add(optimizer)
         if compensation is None:
-            _warn_uncompensated(optimizer, self._master_dtypes)
+            _warn_uncompensated(optimizer, self._masters.dtypes)
         # a compensated step runs our code, not a fused kernel that could skip by itself
         self._fused = self._compensator is None and bool(
             getattr(optimizer, "_step_supports_amp_scaling", False)
@@ -183,8 +188,8 @@ class LossScaleOptimizer:
         step_args = inspect.signature(optimizer.step).parameters
         closure = step_args.get("closure")
         self._needs_closure = closure is not None and closure.default is inspect.Parameter.empty
-        self._found_inf: torch.Tensor | None = None
-        self._master_grads_stale = False
+        self._stage = OptState.READY
+        self._found_inf: torch.Tensor | None = None  # set while UNSCALED
         self.step_was_skipped = False
         first = next(iter(self._all_params()), None)
         if first is not None and self.scaler.device != first.device:
@@ -220,12 +225,12 @@ class LossScaleOptimizer:
     @property
     def master_params(self) -> Mapping[torch.Tensor, torch.Tensor]:
         """Model parameter -> its float32 master, for parameters that have one."""
-        return self._master_of
+        return self._masters.master_of
 
     def model_param(self, tensor: torch.Tensor) -> torch.Tensor:
         """The model parameter a tensor of ``param_groups`` stands for (itself, unless it is
         a master)."""
-        return self._model_of.get(tensor, tensor)
+        return self._masters.param_of.get(tensor, tensor)
 
     def add_param_group(self, group: dict[str, Any]) -> None:
         """Add a parameter group to the wrapped optimizer, with masters where needed.
@@ -240,7 +245,7 @@ class LossScaleOptimizer:
         trainable = [p for p in given if isinstance(p, torch.Tensor) and p.requires_grad]
         _check_sharded_params(self.optimizer, trainable, self._master_weights, self.compensation)
         self.optimizer.add_param_group(group)
-        self._add_masters()
+        self._masters.add(self.optimizer)
 
     def params_with_grads(self) -> list[torch.Tensor]:
         """The tensors the optimizer updates that hold a gradient (masters in place of
@@ -257,7 +262,7 @@ class LossScaleOptimizer:
     def check_can_backward(self) -> None:
         """Raise if this step's gradients were already unscaled: new scaled gradients added
         to unscaled ones would be wrong (accumulate first, unscale once before the step)."""
-        if self._found_inf is not None:
+        if self._stage is OptState.UNSCALED:
             raise RuntimeError(
                 "backward() after unscale_() in the same step: gradients would mix scaled and "
                 "unscaled values. With gradient accumulation, unscale (or clip) only after "
@@ -269,9 +274,10 @@ class LossScaleOptimizer:
 
         Call it before clipping or inspecting gradients; ``step`` calls it when needed.
         """
-        self._check_live()
-        if self._found_inf is None:
+        self.check_can_step()
+        if self._stage is not OptState.UNSCALED:
             self._found_inf = self._unscale()
+            self._stage = OptState.UNSCALED
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
         """Unscale if needed, then take the step or skip it on inf/NaN, then update the scale.
@@ -281,7 +287,7 @@ class LossScaleOptimizer:
         ``closure`` (for LBFGS-style optimizers that re-evaluate the loss) is supported
         without loss scaling only: such a step cannot be skipped half-way.
         """
-        self._check_live()
+        self.check_can_step()
         if closure is not None:
             return self._closure_step(closure)
         if self._needs_closure:
@@ -295,15 +301,80 @@ class LossScaleOptimizer:
         """Clear the gradients of the wrapped optimizer's tensors and of the model's
         low-precision parameters; a step's ``unscale_`` is forgotten with them."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._stage = OptState.READY
         self._found_inf = None
-        self._master_grads_stale = False  # the masters' gradients are None or zeros now
-        if set_to_none:
-            for p in self._model_params:
-                p.grad = None
-        else:
-            grads = [p.grad for p in self._model_params if p.grad is not None]
-            if grads:
-                torch._foreach_zero_(grads)
+        self._masters.zero_model_grads(set_to_none)
+
+    # -- the step's parts, for joint_step and integrations (a loop calls step) ---------------
+
+    @property
+    def stage(self) -> OptState:
+        """Where this optimizer is in its step: ``READY`` (after ``zero_grad``),
+        ``UNSCALED`` (after ``unscale_``), ``STEPPED`` (after the step, taken or skipped)."""
+        return self._stage
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """This step's overflow flag (a 0-dim float32 tensor, positive if a gradient was
+        inf/NaN) once ``unscale_`` ran; None before."""
+        return self._found_inf
+
+    @property
+    def skips_in_kernel(self) -> bool:
+        """Whether the wrapped optimizer is fused and skips an overflowed step inside its
+        kernel (flagged ``_step_supports_amp_scaling``): its step may be queued before the
+        overflow flag is read."""
+        return self._fused
+
+    @property
+    def needs_closure(self) -> bool:
+        """Whether the wrapped optimizer's ``step`` requires a closure (LBFGS-style)."""
+        return self._needs_closure
+
+    def check_can_step(self) -> None:
+        """Raise if a newer wrapper of the same optimizer retired this one."""
+        if self._retired:
+            raise RuntimeError(
+                f"this LossScaleOptimizer was replaced by a newer wrapper of the same "
+                f"{type(self.optimizer).__name__} (setup() by another Precision, or a second "
+                f"LossScaleOptimizer): step the newer one, or the optimizer would be stepped "
+                f"twice per iteration"
+            )
+
+    def take_step(self, found_inf: torch.Tensor | None) -> None:
+        """Step the wrapped optimizer now, unchecked: the caller decided to. ``found_inf`` is
+        the step's overflow flag after ``unscale_`` (handed to a fused optimizer, which skips
+        by itself on it), or None for a step without loss scaling: the gradients are then
+        moved into the masters first. ``end_step`` follows."""
+        if found_inf is None:
+            self._masters.sync(self.optimizer)
+        if self._compensator is not None:
+            self._compensator.step(self.optimizer)
+            return
+        if not self._fused or found_inf is None:
+            self.optimizer.step()
+            return
+        # torch.amp's protocol for optimizers flagged _step_supports_amp_scaling, after a
+        # manual unscale: `found_inf` set, `grad_scale` kept if the user set one, else None
+        # (the gradients are already unscaled); both removed after the step. Unscaling in
+        # our pass rather than in their kernel is the cheaper split: a check-only pass plus
+        # an unscale inside the kernel costs more.
+        opt = self.optimizer
+        opt.grad_scale = getattr(opt, "grad_scale", None)  # type: ignore[attr-defined]
+        opt.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            opt.step()
+        finally:
+            del opt.grad_scale  # type: ignore[attr-defined]
+            del opt.found_inf  # type: ignore[attr-defined]
+
+    def end_step(self, stepped: bool) -> None:
+        """End this step, taken (``stepped``: the model's parameters follow their masters) or
+        skipped (``step_was_skipped``)."""
+        self._masters.end_step(stepped)
+        self.step_was_skipped = not stepped
+        self._stage = OptState.STEPPED
+        self._found_inf = None
 
     # -- state ------------------------------------------------------------------------------
 
@@ -312,13 +383,12 @@ class LossScaleOptimizer:
         weights by parameter index, each parameter's shape and names (by index, as in the
         optimizer's state), and the compensation's kind and random generator states."""
         params = list(self._all_params())
-        names = self._param_names()
         return {
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
-            "master_weights": {i: p.detach() for i, p in enumerate(params) if p in self._model_of},
+            "master_weights": self._masters.by_index(params),
             "param_shapes": [list(self.model_param(p).shape) for p in params],
-            "param_names": names,
+            "param_names": self._param_names(),
             "compensation": (
                 self._compensator.state_dict() if self._compensator is not None else None
             ),
@@ -330,30 +400,21 @@ class LossScaleOptimizer:
 
         A plain torch optimizer state (``optimizer.state_dict()``) is accepted too: it goes
         to the wrapped optimizer, the masters are refreshed from the model's parameters and
-        the scaler is left as it is. Everything is checked before anything is changed.
+        the scaler is left as it is. Everything is checked before anything is changed. A
+        state saved under another precision goes to ``load_state_dict_across_precisions``.
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
         if "optimizer" not in state and {"state", "param_groups"} <= state.keys():
             self._check_inner_state(state, None)
             self.optimizer.load_state_dict(dict(state))
-            with torch.no_grad():
-                for p, m in self._master_of.items():
-                    m.copy_(p)
+            self._masters.refresh_from_model()
             return
-        missing = [
-            k
-            for k in ("optimizer", "scaler", "master_weights", "param_shapes", "param_names")
-            if k not in state
-        ]
-        if missing:
-            raise ValueError(
-                f"not a LossScaleOptimizer state: missing {missing} (keys: {sorted(state)}). "
-                f"Pass the dict from LossScaleOptimizer.state_dict() or from a torch "
-                f"optimizer's state_dict()"
-            )
+        self._check_keys(state)
         self._check_inner_state(state["optimizer"], state["param_shapes"])
-        masters = self._check_saved_masters(state["master_weights"])
+        masters = self._masters.check_saved(
+            state["master_weights"], list(self._all_params()), self._describe
+        )
         compensation = state.get("compensation")
         if self._compensator is not None and compensation is not None:
             if compensation.get("kind") != self._compensator.kind:
@@ -365,10 +426,27 @@ class LossScaleOptimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self._compensator is not None and compensation is not None:
             self._compensator.load_state_dict(compensation)
-        if masters:
-            with torch.no_grad():
-                torch._foreach_copy_(list(masters), [s.to(m.device) for m, s in masters.items()])
-                torch._foreach_copy_([self._model_of[m] for m in masters], [m for m in masters])
+        self._masters.load(masters)
+
+    def load_state_dict_across_precisions(
+        self, state: Mapping[str, Any], weights: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Restore a ``state_dict`` saved under another precision policy (or master_weights
+        setting): the wrapped optimizer's state, which torch casts to this optimizer's
+        tensors, and the masters from ``weights`` (parameter name -> full-precision weight:
+        the model's state with ``master_weights_by_name(state, model_state)`` over it, so
+        that the checkpoint's float32 masters, not its 16-bit weights, are used); the model's
+        parameters follow their masters. The scaler and the compensation are left as they
+        are (their kinds may differ). Everything is checked before anything is changed.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
+        self._check_keys(state)
+        self._check_inner_state(state["optimizer"], state["param_shapes"])
+        params = list(self._all_params())
+        masters = self._masters.by_name(weights, params, self._param_names(), self._describe)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._masters.load(masters)
 
     def __repr__(self) -> str:
         return (
@@ -396,89 +474,15 @@ class LossScaleOptimizer:
             out.extend([[n] for n in given] if given else [[] for _ in group["params"]])
         return out
 
-    def _add_masters(self) -> None:
-        """Give every trainable parameter of a master dtype its float32 master; the ones
-        already mastered are float32 and skipped, so this also catches groups added on the
-        wrapped optimizer and parameters unfrozen after wrapping."""
-        for group in self.optimizer.param_groups:
-            params = group["params"]
-            for i, p in enumerate(params):
-                trainable = p.requires_grad or p.grad is not None
-                if not (trainable and p.dtype in self._master_dtypes):
-                    continue
-                master = nn.Parameter(p.detach().to(torch.float32))
-                params[i] = master
-                if p in self.optimizer.state:
-                    self.optimizer.state[master] = {
-                        k: v.to(torch.float32) if torch.is_tensor(v) and v.dtype == p.dtype else v
-                        for k, v in self.optimizer.state.pop(p).items()
-                    }
-                self._register_master(p, master)
-
-    def _register_master(self, p: torch.Tensor, master: torch.Tensor) -> None:
-        self._model_params.append(p)
-        self._masters.append(master)
-        self._master_of[p] = master
-        self._model_of[master] = p
-
-    def _check_live(self) -> None:
-        if self._retired:
-            raise RuntimeError(
-                f"this LossScaleOptimizer was replaced by a newer wrapper of the same "
-                f"{type(self.optimizer).__name__} (setup() by another Precision, or a second "
-                f"LossScaleOptimizer): step the newer one, or the optimizer would be stepped "
-                f"twice per iteration"
-            )
-
-    def _move_grads_to_masters(self) -> None:
-        """Move the model parameters' gradients into their masters (as float32). The first
-        move after a step drops a master's gradient whose parameter has none: it is the last
-        step's (the model's own ``zero_grad`` cannot reach the masters), and stepping it again
-        would update a parameter this step did not use."""
-        drop_stale = self._master_grads_stale
-        self._master_grads_stale = False
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        for p, m in zip(self._model_params, self._masters, strict=True):
-            g = p.grad
-            if g is None:
-                if drop_stale:
-                    m.grad = None
-                continue
-            if m.grad is None or g.is_sparse or m.grad.is_sparse:
-                m.grad = g.to(torch.float32)
-            else:
-                dst.append(m.grad)
-                src.append(g)
-            p.grad = None
-        if dst:
-            torch._foreach_copy_(dst, src)
-
-    def _sync_masters(self) -> None:
-        """Move gradients into the masters, first giving a master to any low-precision
-        parameter found with a gradient but none (a group added on the wrapped optimizer, a
-        parameter unfrozen after wrapping). For steps that do not unscale."""
-        if self._has_unmastered_grads():
-            self._add_masters()
-        if self._masters:
-            self._move_grads_to_masters()
-
-    def _has_unmastered_grads(self) -> bool:
-        master_dtypes = self._master_dtypes
-        if master_dtypes:
-            for p in self._all_params():
-                if p.dtype in master_dtypes and p.grad is not None:
-                    return True
-        return False
-
     def _gather_grads(self) -> list[torch.Tensor]:
-        """``_sync_masters``, then every gradient the optimizer will use, in one pass over
-        the parameters in the common case."""
-        if self._masters:
-            self._move_grads_to_masters()
+        """The masters' ``sync``, then every gradient the optimizer will use, in one pass
+        over the parameters in the common case."""
+        masters = self._masters
+        if masters:
+            masters.move_grads()
         grads = self._grads()
         if grads is None:
-            self._sync_masters()
+            masters.sync(self.optimizer)
             grads = self._grads()
             assert grads is not None
         return grads
@@ -486,7 +490,7 @@ class LossScaleOptimizer:
     def _grads(self) -> list[torch.Tensor] | None:
         """The gradients of the tensors in ``param_groups``; None if one of them is of a
         dtype that should have a master (one pass over the parameters either way)."""
-        master_dtypes = self._master_dtypes
+        master_dtypes = self._masters.dtypes
         grads = []
         for p in self._all_params():
             g = p.grad
@@ -512,27 +516,6 @@ class LossScaleOptimizer:
             )
         return self.scaler.unscale_(grads)
 
-    def _inner_step(self, found_inf: torch.Tensor | None) -> None:
-        if self._compensator is not None:
-            self._compensator.step(self.optimizer)
-            return
-        if not self._fused or found_inf is None:
-            self.optimizer.step()
-            return
-        # torch.amp's protocol for optimizers flagged _step_supports_amp_scaling, after a
-        # manual unscale: `found_inf` set, `grad_scale` kept if the user set one, else None
-        # (the gradients are already unscaled); both removed after the step. Unscaling in
-        # our pass rather than in their kernel is the cheaper split: a check-only pass plus
-        # an unscale inside the kernel costs more.
-        opt = self.optimizer
-        opt.grad_scale = getattr(opt, "grad_scale", None)  # type: ignore[attr-defined]
-        opt.found_inf = found_inf  # type: ignore[attr-defined]
-        try:
-            opt.step()
-        finally:
-            del opt.grad_scale  # type: ignore[attr-defined]
-            del opt.found_inf  # type: ignore[attr-defined]
-
     def _closure_step(self, closure: Callable[[], Any]) -> bool:
         if self.scaler.enabled:
             raise RuntimeError(
@@ -543,30 +526,29 @@ class LossScaleOptimizer:
             )
 
         def evaluate() -> Any:
-            if self._masters:  # the optimizer moved the masters: the model must follow
-                with torch.no_grad():
-                    torch._foreach_copy_(self._model_params, self._masters)
+            self._masters.copy_to_model()  # the optimizer moved the masters: the model follows
             with torch.enable_grad():
                 loss = closure()
-            self._sync_masters()
+            self._masters.sync(self.optimizer)
             return loss
 
         self.optimizer.step(evaluate)
-        self._finish_step(True)
+        self.end_step(True)
         self.scaler.update(self.scaler.unscale_([]), False)
         return True
-
-    def _finish_step(self, stepped: bool) -> None:
-        if stepped and self._masters:
-            with torch.no_grad():
-                torch._foreach_copy_(self._model_params, self._masters)
-        self._master_grads_stale = True
-        self.step_was_skipped = not stepped
-        self._found_inf = None
 
     def _describe(self, index: int) -> str:
         names = self._param_names()[index]
         return f"parameter {index}" + (f" ({names[0]})" if names else "")
+
+    def _check_keys(self, state: Mapping[str, Any]) -> None:
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(
+                f"not a LossScaleOptimizer state: missing {missing} (keys: {sorted(state)}). "
+                f"Pass the dict from LossScaleOptimizer.state_dict() or from a torch "
+                f"optimizer's state_dict()"
+            )
 
     def _check_inner_state(self, saved: Any, shapes: Any) -> None:
         """Refuse, before loading, an optimizer state saved for other parameters."""
@@ -599,29 +581,6 @@ class LossScaleOptimizer:
                             f"another model"
                         )
 
-    def _check_saved_masters(self, saved: Any) -> dict[torch.Tensor, torch.Tensor]:
-        """This optimizer's master -> the saved one, after checking they correspond."""
-        params = list(self._all_params())
-        here = {i for i, p in enumerate(params) if p in self._model_of}
-        if not isinstance(saved, Mapping) or set(saved) != here:
-            got = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
-            raise ValueError(
-                f"the checkpoint has float32 master weights for parameters {got}, this "
-                f"optimizer keeps them for {sorted(here)}: it was saved under another "
-                f"precision policy (or master_weights setting). To change precision, restore "
-                f"the weights with mixprec.optim.master_weights_by_name and load only the wrapped "
-                f"optimizer's state (optimizer.optimizer.load_state_dict)"
-            )
-        out = {}
-        for i in sorted(here):
-            if saved[i].shape != params[i].shape:
-                raise ValueError(
-                    f"{self._describe(i)}: saved master has shape {list(saved[i].shape)}, "
-                    f"this one {list(params[i].shape)}"
-                )
-            out[params[i]] = saved[i]
-        return out
-
 
 def _trainable(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -651,7 +610,7 @@ def check_sharded_masters(
     `LossScaleOptimizer` (on DTensor parameters), `mixprec.sharding.shard` and the Trainer's
     ``strategy="fsdp"`` all refuse through this one check, with one reason."""
     kinds = set(stored)
-    masters = kinds & set(_MASTER_DTYPES[master_weights])
+    masters = kinds & set(MASTER_DTYPES[master_weights])
     if not masters and compensation is None:
         return
     kept = "compensation buffers" if compensation is not None else "float32 master weights"
@@ -731,7 +690,7 @@ def joint_step(*optimizers: LossScaleOptimizer) -> bool:
                 f"joint_step() takes LossScaleOptimizers, got {type(opt).__name__}: step "
                 f"the optimizers returned by precision.setup() or wrap them first"
             )
-        opt._check_live()
+        opt.check_can_step()
     if len(set(map(id, optimizers))) != len(optimizers):
         raise ValueError("an optimizer was passed twice: it would be stepped twice")
     scaler = optimizers[0].scaler
@@ -739,70 +698,29 @@ def joint_step(*optimizers: LossScaleOptimizer) -> bool:
         raise ValueError("joint_step() needs optimizers that share one scaler")
     if not scaler.enabled:
         for opt in optimizers:
-            opt._sync_masters()
-            opt._inner_step(None)
-            opt._finish_step(True)
+            opt.take_step(None)
+            opt.end_step(True)
         scaler.update(scaler.unscale_([]), False)
         return True
     for opt in optimizers:
         opt.unscale_()
-    flags = [opt._found_inf for opt in optimizers]
+    flags = [opt.found_inf for opt in optimizers]
     found = flags[0].reshape(1) if len(flags) == 1 else torch.stack(flags)  # type: ignore[arg-type]
     found = scaler.synchronize(found)
     # Fused optimizers skip by themselves on device, so with only those the flags are read
     # after their step is queued; otherwise they are read first (the one host sync).
-    fused_only = all(opt._fused for opt in optimizers)
+    fused_only = all(opt.skips_in_kernel for opt in optimizers)
     overflow = None if fused_only else [bool(f) for f in found.tolist()]
     for i, opt in enumerate(optimizers):
         if overflow is None or not overflow[i]:
-            opt._inner_step(found[i])
+            opt.take_step(found[i])
     if overflow is None:
         overflow = [bool(f) for f in found.tolist()]
     for opt, bad in zip(optimizers, overflow, strict=True):
-        opt._finish_step(not bad)
+        opt.end_step(not bad)
     combined = found.amax() if len(flags) > 1 else flags[0]
     scaler.update(combined, any(overflow))  # type: ignore[arg-type]
     return not any(overflow)
-
-
-def master_weights_by_name(
-    optimizer_state: Mapping[str, Any], model_state: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Parameter name -> float32 master weight, from a checkpoint, for a restore in another
-    precision.
-
-    ``optimizer_state`` is a ``LossScaleOptimizer.state_dict()`` and ``model_state`` the
-    model's ``state_dict()`` saved with it. Put the result over the model state before
-    loading it into the new model (``{**model_state, **masters}``): the float32 masters,
-    not the 16-bit parameters they shadow, become the new weights. Shared parameters get
-    an entry under each of their names. Raises ``ValueError`` when a master has no name
-    (saved by a wrapper built without ``model=`` from an optimizer without parameter names)
-    or does not match the model state.
-    """
-    missing = [k for k in ("master_weights", "param_names") if k not in optimizer_state]
-    if missing:
-        raise ValueError(
-            f"not a LossScaleOptimizer state: missing {missing} (keys: {sorted(optimizer_state)})"
-        )
-    names = optimizer_state["param_names"]
-    out: dict[str, torch.Tensor] = {}
-    for index, master in optimizer_state["master_weights"].items():
-        if not names[index]:
-            raise ValueError(
-                f"the master weight of parameter {index} has no name in this checkpoint: wrap "
-                f"the optimizer with LossScaleOptimizer(..., model=model) (Precision.setup does) "
-                f"or build it from model.named_parameters()"
-            )
-        for name in names[index]:
-            if name not in model_state:
-                raise ValueError(f"master weight {name!r} is not in the model state")
-            if model_state[name].shape != master.shape:
-                raise ValueError(
-                    f"master weight {name!r} has shape {list(master.shape)}, the model state "
-                    f"{list(model_state[name].shape)}"
-                )
-            out[name] = master
-    return out
 
 
 def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> bool:

@@ -103,7 +103,6 @@ class Precision:
         self.compensation = compensation
         self.optimizers: list[LossScaleOptimizer] = []
         self._owner: dict[torch.Tensor, LossScaleOptimizer] = {}
-        self._master_of: dict[torch.Tensor, torch.Tensor] = {}
         self._spec = spec
         self._scaler_spec = scaler
         self._policy: PolicyMap | None = None

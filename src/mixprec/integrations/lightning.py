@@ -236,7 +236,7 @@ class MixprecPrecision(LightningPrecision):
                 f"MixprecPrecision steps optimizers without arguments, got {sorted(kwargs)}"
             )
         lso = self._wrapper(optimizer)
-        if lso._needs_closure:
+        if lso.needs_closure:
             raise TypeError(
                 f"{type(lso.optimizer).__name__} re-evaluates the loss inside step(), which a "
                 f"loss-scaled step cannot skip half-way; MixprecPrecision steps optimizers that "

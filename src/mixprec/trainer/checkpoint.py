@@ -569,18 +569,12 @@ def restore(trainer: Trainer, run: FitRun, state: dict[str, Any], path: Path) ->
     check_resume_point(run, loop, path)
     same = load_weights(run, state, path)
     if not same:
-        names = {p: n for n, p in run.model.named_parameters()}
         full = {**run.model.state_dict(), **saved_masters(state)}
     for opt, saved in zip(run.optimizers, state["optimizers"], strict=True):
         if same:
             opt.load_state_dict(saved)
-            continue
-        # across precisions: the inner optimizer's state (cast by torch to the new parameter
-        # dtypes) and this run's masters refreshed from full-precision weights
-        opt.optimizer.load_state_dict(saved["optimizer"])
-        with torch.no_grad():
-            for p, master in opt.master_params.items():
-                master.copy_(full[names[p]])
+        else:  # this run's masters from full-precision weights
+            opt.load_state_dict_across_precisions(saved, full)
     for s, saved in zip(run.schedulers, state["schedulers"], strict=True):
         s.scheduler.load_state_dict(saved)
     precision = run.precision

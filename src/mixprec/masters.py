@@ -1,0 +1,276 @@
+"""``MasterWeights``: the float32 master copies of an optimizer's low-precision parameters,
+and their restore by parameter name, across precisions.
+
+A ``LossScaleOptimizer`` keeps one ``MasterWeights``. It re-points the wrapped optimizer at
+float32 copies of the trainable parameters of its master dtypes (float16; bfloat16 too with
+``master_weights=True``), moves the model's gradients into them before a step, and copies
+the stepped masters back into the model. A saved state keys the masters by the optimizer's
+parameter index; `master_weights_by_name` turns that into parameter names for a model of
+another precision, and ``MasterWeights.by_name`` takes such weights back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MASTER_DTYPES", "MasterWeights", "master_weights_by_name"]
+
+# which parameter dtypes get float32 masters, per value of `master_weights`
+MASTER_DTYPES: dict[bool | None, tuple[torch.dtype, ...]] = {
+    None: (torch.float16,),
+    True: (torch.float16, torch.bfloat16),
+    False: (),
+}
+
+
+def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+class MasterWeights:
+    """The float32 masters of one optimizer's parameters of ``dtypes``, each linked to the
+    model parameter it stands for (``master_of``) and back (``param_of``).
+
+    ``params`` and ``masters`` list the pairs in the order they were made, for the one-call
+    (``torch._foreach_*``) copies between them."""
+
+    def __init__(self, dtypes: tuple[torch.dtype, ...]) -> None:
+        self.dtypes = dtypes
+        self.params: list[torch.Tensor] = []
+        self.masters: list[torch.Tensor] = []
+        self.master_of: dict[torch.Tensor, torch.Tensor] = {}
+        self.param_of: dict[torch.Tensor, torch.Tensor] = {}
+        # after a step, a master's gradient is that step's until moved over or zeroed
+        self._grads_stale = False
+
+    def __len__(self) -> int:
+        return len(self.masters)
+
+    # -- creation ---------------------------------------------------------------------------
+
+    def take_over(self, other: MasterWeights) -> None:
+        """Keep the masters of an earlier wrapper of the same optimizer (its groups already
+        hold them)."""
+        for p, master in other.master_of.items():
+            self._link(p, master)
+
+    def add(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give every trainable parameter of a master dtype in ``optimizer``'s groups its
+        float32 master, in its place there (with its state cast to float32). The ones already
+        mastered are float32 and skipped, so this also catches groups added on the optimizer
+        and parameters unfrozen after wrapping."""
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                trainable = p.requires_grad or p.grad is not None
+                if not (trainable and p.dtype in self.dtypes):
+                    continue
+                master = nn.Parameter(p.detach().to(torch.float32))
+                params[i] = master
+                if p in optimizer.state:
+                    optimizer.state[master] = {
+                        k: v.to(torch.float32) if torch.is_tensor(v) and v.dtype == p.dtype else v
+                        for k, v in optimizer.state.pop(p).items()
+                    }
+                self._link(p, master)
+
+    def _link(self, p: torch.Tensor, master: torch.Tensor) -> None:
+        self.params.append(p)
+        self.masters.append(master)
+        self.master_of[p] = master
+        self.param_of[master] = p
+
+    # -- gradients and the step -------------------------------------------------------------
+
+    def has_unmastered_grads(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether a parameter of a master dtype in ``optimizer``'s groups (so without a
+        master) holds a gradient."""
+        if self.dtypes:
+            for p in _params(optimizer):
+                if p.dtype in self.dtypes and p.grad is not None:
+                    return True
+        return False
+
+    def move_grads(self) -> None:
+        """Move the model parameters' gradients into their masters (as float32). The first
+        move after a step drops a master's gradient whose parameter has none: it is the last
+        step's (the model's own ``zero_grad`` cannot reach the masters), and stepping it again
+        would update a parameter this step did not use."""
+        drop_stale = self._grads_stale
+        self._grads_stale = False
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for p, m in zip(self.params, self.masters, strict=True):
+            g = p.grad
+            if g is None:
+                if drop_stale:
+                    m.grad = None
+                continue
+            if m.grad is None or g.is_sparse or m.grad.is_sparse:
+                m.grad = g.to(torch.float32)
+            else:
+                dst.append(m.grad)
+                src.append(g)
+            p.grad = None
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    def sync(self, optimizer: torch.optim.Optimizer) -> None:
+        """Move gradients into the masters, first giving a master to any parameter of a
+        master dtype found with a gradient but none. For steps that do not unscale."""
+        if self.has_unmastered_grads(optimizer):
+            self.add(optimizer)
+        if self.masters:
+            self.move_grads()
+
+    def copy_to_model(self) -> None:
+        """Copy the masters into their model parameters (rounding to the parameters' dtype)."""
+        if self.masters:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, self.masters)
+
+    def end_step(self, stepped: bool) -> None:
+        """After a step: the model follows its masters if they moved, and the masters'
+        gradients are now the last step's."""
+        if stepped:
+            self.copy_to_model()
+        self._grads_stale = True
+
+    def zero_model_grads(self, set_to_none: bool) -> None:
+        """Clear the model parameters' gradients (the optimizer clears the masters')."""
+        self._grads_stale = False  # the masters' gradients are None or zeros now
+        if set_to_none:
+            for p in self.params:
+                p.grad = None
+        else:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                torch._foreach_zero_(grads)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def by_index(self, params: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Index in ``params`` (an optimizer's tensors, in order) -> master, for a saved state."""
+        return {i: p.detach() for i, p in enumerate(params) if p in self.param_of}
+
+    def check_saved(
+        self, saved: Any, params: list[torch.Tensor], describe: Callable[[int], str]
+    ) -> dict[torch.Tensor, torch.Tensor]:
+        """Master -> its value in ``saved`` (``by_index`` of a same-precision state), after
+        checking that they correspond; ``describe(index)`` names a parameter in errors."""
+        here = {i for i, p in enumerate(params) if p in self.param_of}
+        if not isinstance(saved, Mapping) or set(saved) != here:
+            got = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
+            raise ValueError(
+                f"the checkpoint has float32 master weights for parameters {got}, this "
+                f"optimizer keeps them for {sorted(here)}: it was saved under another "
+                f"precision policy (or master_weights setting). To change precision, load "
+                f"the model's state with mixprec.optim.master_weights_by_name(state, "
+                f"model_state) over it, then this optimizer's with "
+                f"load_state_dict_across_precisions(state, weights)"
+            )
+        out = {}
+        for i in sorted(here):
+            if saved[i].shape != params[i].shape:
+                raise ValueError(
+                    f"{describe(i)}: saved master has shape {list(saved[i].shape)}, "
+                    f"this one {list(params[i].shape)}"
+                )
+            out[params[i]] = saved[i]
+        return out
+
+    def by_name(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        params: list[torch.Tensor],
+        names: list[list[str]],
+        describe: Callable[[int], str],
+    ) -> dict[torch.Tensor, torch.Tensor]:
+        """Master -> its weight in ``weights`` (parameter name -> tensor, as a model state),
+        for a restore from another precision. ``names`` holds each of ``params``'s names."""
+        if not isinstance(weights, Mapping):
+            raise TypeError(
+                f"weights are parameter name -> tensor (a model state), got "
+                f"{type(weights).__name__}"
+            )
+        out = {}
+        for i, p in enumerate(params):
+            if p not in self.param_of:
+                continue
+            found = [n for n in names[i] if n in weights]
+            if not found:
+                raise ValueError(
+                    f"{describe(i)} keeps a float32 master, but the weights have no entry "
+                    f"under its names {names[i]}: pass the model's state dict (with "
+                    f"master_weights_by_name over it); a wrapper needs model= (Precision.setup "
+                    f"passes it) or an optimizer built from model.named_parameters() to know "
+                    f"its parameters' names"
+                )
+            value = weights[found[0]]
+            if not torch.is_tensor(value) or value.shape != p.shape:
+                shape = list(value.shape) if torch.is_tensor(value) else type(value).__name__
+                raise ValueError(
+                    f"{describe(i)} has shape {list(p.shape)}, the weight {found[0]!r} "
+                    f"{shape}: these weights belong to another model"
+                )
+            out[p] = value
+        return out
+
+    def load(self, values: Mapping[torch.Tensor, torch.Tensor]) -> None:
+        """Set masters (``check_saved`` / ``by_name``'s keys) to their values, then their
+        model parameters from them."""
+        if values:
+            with torch.no_grad():
+                torch._foreach_copy_(list(values), [s.to(m.device) for m, s in values.items()])
+                torch._foreach_copy_([self.param_of[m] for m in values], list(values))
+
+    def refresh_from_model(self) -> None:
+        """Set every master to its model parameter (an optimizer state without masters)."""
+        with torch.no_grad():
+            for p, m in self.master_of.items():
+                m.copy_(p)
+
+
+def master_weights_by_name(
+    optimizer_state: Mapping[str, Any], model_state: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Parameter name -> float32 master weight, from a checkpoint, for a restore in another
+    precision.
+
+    ``optimizer_state`` is a ``LossScaleOptimizer.state_dict()`` and ``model_state`` the
+    model's ``state_dict()`` saved with it. Put the result over the model state before
+    loading it into the new model (``{**model_state, **masters}``): the float32 masters,
+    not the 16-bit parameters they shadow, become the new weights. Shared parameters get
+    an entry under each of their names. Raises ``ValueError`` when a master has no name
+    (saved by a wrapper built without ``model=`` from an optimizer without parameter names)
+    or does not match the model state.
+    """
+    missing = [k for k in ("master_weights", "param_names") if k not in optimizer_state]
+    if missing:
+        raise ValueError(
+            f"not a LossScaleOptimizer state: missing {missing} (keys: {sorted(optimizer_state)})"
+        )
+    names = optimizer_state["param_names"]
+    out: dict[str, torch.Tensor] = {}
+    for index, master in optimizer_state["master_weights"].items():
+        if not names[index]:
+            raise ValueError(
+                f"the master weight of parameter {index} has no name in this checkpoint: wrap "
+                f"the optimizer with LossScaleOptimizer(..., model=model) (Precision.setup does) "
+                f"or build it from model.named_parameters()"
+            )
+        for name in names[index]:
+            if name not in model_state:
+                raise ValueError(f"master weight {name!r} is not in the model state")
+            if model_state[name].shape != master.shape:
+                raise ValueError(
+                    f"master weight {name!r} has shape {list(master.shape)}, the model state "
+                    f"{list(model_state[name].shape)}"
+                )
+            out[name] = master
+    return out
