@@ -23,6 +23,7 @@ LAYERS: list[set[str]] = [
     {"convert", "scaling"},
     {"optim", "masters"},
     {"precision"},
+    {"step"},
     {"sharding"},
     {"trainer"},
     {"doctor"},

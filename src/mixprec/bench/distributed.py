@@ -45,6 +45,7 @@ from mixprec.errors import PrecisionError
 from mixprec.hardware import check, detect, policy_support
 from mixprec.policy_map import as_map
 from mixprec.precision import Precision
+from mixprec.step import backward, plain_loss
 from mixprec.trainer.strategy import free_port
 from mixprec.tree import map_tensors
 
@@ -181,9 +182,8 @@ def _measure_rank(rank: int, spec: MemorySpec, device: torch.device, out: str) -
     inputs, targets = (map_tensors(lambda t: t.to(device), x) for x in (inputs, targets))
 
     def step() -> tuple[torch.Tensor, tuple[int, int, int]]:
-        with precision.forward_context():
-            loss = work.loss_fn(step_model(inputs), targets)
-        precision.backward(loss)
+        loss = plain_loss(precision, step_model, (inputs, targets), work.loss_fn)
+        backward(precision, loss)
         precision.step()
         held = held_bytes(model, opt)
         lso.zero_grad(set_to_none=True)

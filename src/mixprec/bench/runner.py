@@ -234,6 +234,7 @@ def _build_mixprec(spec: RunSpec, device: torch.device) -> Loop:
     from mixprec.bench.models import load_workload
     from mixprec.policy_map import PolicyMap, is_policy_file
     from mixprec.precision import Precision
+    from mixprec.step import backward, plain_loss
 
     work = load_workload(spec.model, spec.image_size, spec.seed)
     model = work.model.to(device)
@@ -246,12 +247,12 @@ def _build_mixprec(spec: RunSpec, device: torch.device) -> Loop:
     model, optimizer = precision.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     if spec.compile:  # after conversion: the graph traces mixprec's regions and casts
         model = torch.compile(model)
-    loss_fn = work.loss_fn
+    batch = (inputs, targets)
 
     def step() -> Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(precision.convert_input(inputs)), targets)
-        precision.backward(loss)
+        loss = plain_loss(precision, model, batch, work.loss_fn)
+        backward(precision, loss)
         precision.step(optimizer)
         return loss.detach()
 

@@ -1,7 +1,6 @@
-"""The loss of one batch, for each kind of model the doctor takes.
+"""The loss of one batch, for each kind of model the doctor takes that computes its own loss
+(a plain module with a ``loss_fn`` goes through `mixprec.step.plain_loss`, as in the Trainer):
 
-- with a ``loss_fn``: a batch ``(inputs..., target)`` gives ``loss_fn(model(*inputs), target)``
-  (as in the Trainer);
 - a Hugging Face ``PreTrainedModel``: the batch is a dict of keyword arguments (with
   ``labels``) and the output's ``.loss`` is the loss;
 - a model with ``training_step(batch, batch_idx)`` (a mixprec ``TrainingModule``, a Lightning
@@ -16,34 +15,19 @@ exist once its package is loaded.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from torch import Tensor, nn
 
 from mixprec.doctor.probe import floating_tensors
 
-__all__ = ["batch_loss", "is_hugging_face_model"]
+__all__ = ["as_loss", "batch_loss", "check_outputs", "is_hugging_face_model"]
 
 
-def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable[..., Tensor] | None) -> Tensor:
-    """The scalar loss of `model` on `batch` (see the module's docstring for the kinds)."""
-    if loss_fn is not None:
-        if not isinstance(batch, (list, tuple)) or len(batch) < 2:
-            raise TypeError(
-                "with loss_fn the batch must be a tuple or list (inputs..., target), "
-                f"got {type(batch).__name__}"
-                + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else "")
-            )
-        *inputs, target = batch
-        outputs = model(*inputs)
-        if not floating_tensors(outputs):
-            raise TypeError(
-                f"the model's output holds no floating tensor ({_kinds(outputs)}): no "
-                "loss computed from it can reach the weights; return logits or "
-                "scores, not argmax/indices"
-            )
-        return as_loss(loss_fn(outputs, target), "loss_fn")
+def batch_loss(model: nn.Module, batch: Any) -> Tensor:
+    """The scalar loss of a model that computes its own (see the module's docstring; a plain
+    module with a ``loss_fn`` goes through `mixprec.step.plain_loss`)."""
     if is_hugging_face_model(model):
         return _hugging_face_loss(model, batch)
     step = getattr(model, "training_step", None)
@@ -60,6 +44,16 @@ def batch_loss(model: nn.Module, batch: Any, loss_fn: Callable[..., Tensor] | No
         if callable(getattr(model, name, None)):
             setattr(model, name, _ignore)
     return as_loss(step(batch, 0), "training_step")
+
+
+def check_outputs(outputs: Any) -> None:
+    """Refuse outputs no loss can reach the weights through (no floating tensor in them)."""
+    if not floating_tensors(outputs):
+        raise TypeError(
+            f"the model's output holds no floating tensor ({_kinds(outputs)}): no "
+            "loss computed from it can reach the weights; return logits or "
+            "scores, not argmax/indices"
+        )
 
 
 def is_hugging_face_model(model: nn.Module) -> bool:

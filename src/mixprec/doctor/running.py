@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.convert import apply
-from mixprec.doctor.loss import batch_loss
+from mixprec.doctor.loss import as_loss, batch_loss, check_outputs
 from mixprec.doctor.probe import (
     Probe,
     Recording,
@@ -23,6 +23,7 @@ from mixprec.doctor.verdicts import UpdateModel
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.scaling import StaticLossScaler
+from mixprec.step import backward, plain_loss, step_context
 
 
 def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
@@ -70,11 +71,17 @@ class Session:
         return copy.deepcopy(self.model)
 
     def _loss(self, model: nn.Module, precision: Precision) -> Tensor:
-        """The loss, computed as the Trainer does: inputs converted for a "true" policy,
-        the whole step in the policy's autocast region."""
+        """The loss, computed as the Trainer computes it (`mixprec.step`): a plain module's
+        forward in its region and ``loss_fn`` outside autocast; a model that computes its own
+        loss (a training step, a Hugging Face model) in the precision's forward context."""
+        if self.loss_fn is not None:
+            out = plain_loss(
+                precision, model, self.batch, self.loss_fn, check_outputs=check_outputs
+            )
+            return as_loss(out, "loss_fn")
         batch = precision.convert_input(self.batch)
-        with precision.autocast():
-            return batch_loss(model, batch, self.loss_fn)
+        with step_context(precision, model, user_code=True):
+            return batch_loss(model, batch)
 
     def run(self, policy: PolicyMap, reference: Recording | None, scale: float) -> Recording:
         """One forward and backward of a fresh copy under `policy`, probed."""
@@ -98,7 +105,7 @@ class Session:
                 raise ValueError(
                     "the loss does not require grad: is the model frozen or run under no_grad?"
                 )
-            precision.backward(loss)
+            backward(precision, loss)
         rec.loss = float(loss.detach().float())
         rec.loss_dtype = loss.dtype
         measure_param_grads(params, rec, reference, limits, scale)

@@ -1,0 +1,89 @@
+"""One training step of a model under a `Precision`: the context its forward runs in, where
+the loss is computed, and the scaled backward. The Trainer, the doctor and both bench runs
+compute their losses here, so a loss measured by one is the loss the others train on.
+
+A plain module with a ``loss_fn`` (the batch ``(inputs..., target)``):
+
+- the batch is converted as ``Precision.convert_input`` says (floating tensors, the target
+  included, to the compute dtype of a "true" policy; unchanged under a mixed policy);
+- the forward enters the region ``apply`` put on the model, which autocasts or casts and hands
+  its outputs back in the policy's output dtype (float32 under a mixed policy);
+- ``loss_fn`` runs **outside** autocast, on those outputs. Under a mixed policy the loss is
+  therefore a float32 reduction of float32 outputs, as Keras computes it (a mixed policy's
+  outputs are float32 so that losses and metrics are), instead of whatever autocast's op lists
+  pick for the loss's ops on this device (they differ between CPU and CUDA: CUDA runs
+  ``cross_entropy`` in float32, CPU in the compute dtype). It is also cheaper: the loss's
+  inputs are not cast back to 16 bits.
+
+Code that calls into the model from outside (a ``training_step``, a compiled module under a
+"true" policy, whose region's switch of torch's default dtype would be a graph boundary) runs
+in ``Precision.forward_context()`` instead, which is all a region would have done around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from torch import Tensor, nn
+
+from mixprec.precision import Precision
+
+__all__ = ["backward", "compiled_in_place", "plain_loss", "split_batch", "step_context"]
+
+
+def compiled_in_place(model: nn.Module) -> bool:
+    """Whether `model` was compiled with ``nn.Module.compile`` (``Trainer(compile=...)``)."""
+    return "_compiled_call_impl" in model.__dict__
+
+
+def step_context(
+    precision: Precision, model: nn.Module, *, user_code: bool = False
+) -> AbstractContextManager[Any]:
+    """The context a step of `model` runs in (see the module's docstring): the precision's
+    forward context when `user_code` calls into the model (a training step) or the model is
+    compiled in place under a "true" policy; else none, the model's region doing it all."""
+    compiled_true = compiled_in_place(model) and not precision.policy.default.is_mixed
+    if user_code or compiled_true:
+        return precision.forward_context()
+    return contextlib.nullcontext()
+
+
+def split_batch(batch: Any, who: str = "a plain module") -> tuple[list[Any], Any]:
+    """``(inputs, target)`` of a ``(inputs..., target)`` batch; a ``TypeError`` otherwise."""
+    if not isinstance(batch, (tuple, list)) or len(batch) < 2:
+        got = type(batch).__name__
+        if isinstance(batch, (tuple, list)):
+            got += f" of length {len(batch)}"
+        raise TypeError(f"{who}'s batches must be (inputs..., target) tuples or lists, got {got}")
+    *inputs, target = batch
+    return inputs, target
+
+
+def plain_loss(
+    precision: Precision,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[..., Any],
+    *,
+    check_outputs: Callable[[Any], None] | None = None,
+) -> Any:
+    """``loss_fn(model(*inputs), target)`` for a ``(inputs..., target)`` batch, computed as
+    every step in mixprec computes it: the batch converted for the policy, the forward in the
+    model's region, the loss outside autocast on the outputs in the output dtype.
+
+    Returns what `loss_fn` returned (callers check it is a loss); `check_outputs`, if given,
+    sees the model's outputs first (the doctor refuses outputs no loss can reach)."""
+    inputs, target = split_batch(precision.convert_input(batch))
+    with step_context(precision, model):
+        outputs = model(*inputs)
+    if check_outputs is not None:
+        check_outputs(outputs)
+    return loss_fn(outputs, target)
+
+
+def backward(precision: Precision, loss: Tensor, *, accumulate: int = 1) -> None:
+    """The scaled backward of `loss`, divided by `accumulate` micro-batches of a window."""
+    precision.backward(loss / accumulate if accumulate > 1 else loss)
