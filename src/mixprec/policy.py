@@ -340,7 +340,19 @@ class Policy:
             )
         if not config:
             raise PolicySpecError("an empty policy config; expected what to_config() returns")
-        return cls(**config)
+        dtypes = {}
+        for key, value in config.items():
+            if not isinstance(value, (str, torch.dtype)):
+                shown = "null" if value is None else f"{type(value).__name__} {value!r}"
+                raise PolicySpecError(
+                    f"policy config key {key!r} is {shown}; it takes a dtype name "
+                    "(float32, bfloat16, float16, float64, ...), or leave the key out"
+                )
+            try:
+                dtypes[key] = to_dtype(value)
+            except PolicySpecError as err:
+                raise PolicySpecError(f"policy config key {key!r}: {err}") from None
+        return cls(**dtypes)
 
     def _key(self) -> tuple[Any, ...]:
         return (self._param, self._compute, self._output)
@@ -608,11 +620,30 @@ class QuantizedPolicy(Policy):
                 f"unknown quantized policy config keys {sorted(unknown)}; expected "
                 f"{', '.join(sorted(keys))}"
             )
+        for key, value in config.items():
+            if value is None:
+                takes = {
+                    "quantization_mode": f"a mode ({', '.join(QUANTIZATION_MODES)})",
+                    "source": "a float policy: a name such as 'bf16-mixed' or a to_config() dict",
+                }.get(key, "a value, or leave the option out for its default")
+                raise PolicySpecError(
+                    f"quantized policy config key {key!r} is null; it takes {takes}"
+                )
+        recipe = config.get("recipe")
+        if recipe is not None and not isinstance(recipe, str):
+            raise PolicySpecError(
+                f"quantized policy config key 'recipe' is {type(recipe).__name__} {recipe!r}; "
+                f"it takes a recipe name ({', '.join(FLOAT8_RECIPES)})"
+            )
+        try:
+            source = as_policy(config["source"])
+        except PolicySpecError as err:
+            raise PolicySpecError(f"quantized policy config key 'source': {err}") from None
         return cls(
             config["quantization_mode"],
-            as_policy(config["source"]),
+            source,
             group_size=config.get("group_size"),
-            recipe=config.get("recipe"),
+            recipe=recipe,
             amax_history_length=config.get("amax_history_length"),
         )
 
