@@ -123,3 +123,59 @@ def test_a_true_16_bit_policy_keeps_the_delayed_buffers_float32():
         optimizer.zero_grad()
     assert {getattr(layer, n).dtype for n in DELAYED_BUFFERS} == {torch.float32}
     assert layer.input_scale.item() > 65504  # what float16 cannot hold
+
+
+def test_the_trainer_takes_lightnings_transformer_engine_flag(tmp_path):
+    """Trainer(precision="transformer-engine") was refused with a did-you-mean; it is
+    Lightning's float8 run: bfloat16 weights and compute, delayed float8 scales, float32
+    outputs. The hardware check applies as to any float8 policy."""
+    from mixprec import hardware
+    from mixprec.hardware import DeviceInfo
+    from mixprec.trainer.config import resolve_precision
+
+    policy, support = resolve_precision(
+        "transformer-engine", DeviceInfo("cuda", "H100", 0, capability=(9, 0))
+    )
+    assert policy == mixprec.PolicyMap(
+        "float8/delayed_from_params=bfloat16,compute=bfloat16,output=float32"
+    )
+    assert support.status == hardware.FAST
+    cpu = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
+    with pytest.raises(mixprec.SlowPrecisionError, match="float8"):
+        resolve_precision("transformer-engine-float16", cpu)
+
+    class Net(TrainingModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self(x)
+            assert out.dtype == torch.float32  # Lightning casts outputs back to float32
+            return nn.functional.mse_loss(out, y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    torch.manual_seed(1)
+    data = [(torch.randn(8, 32), torch.randn(8, 16)) for _ in range(2)]
+    model = Net()
+    trainer = Trainer(
+        precision="transformer-engine",
+        max_steps=2,
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        allow_slow_precision=True,  # float8 is emulated off an SM 8.9+ GPU
+    )
+    before = model.net[0].weight.detach().clone()
+    trainer.fit(model, data)  # bfloat16 weights without masters, as under Lightning
+    layer = model.net[0]
+    assert isinstance(layer, Float8Linear) and layer.recipe == "delayed"
+    assert layer.amax_history_length == 1024 and layer.weight.dtype == torch.bfloat16
+    assert not torch.equal(layer.weight.detach(), before.to(torch.bfloat16))

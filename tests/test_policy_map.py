@@ -126,6 +126,116 @@ def test_a_bad_policy_file_says_which_file_and_what_is_wrong(tmp_path, text, mes
         mixprec.Precision(str(path))
 
 
+# Policy files that loaded quietly as something else: each is an error naming the file, the
+# key and what it takes (PolicyMap.load, so every precision argument taking a path)
+MALFORMED_FILES = {
+    "null": ("null", "holds null; a policy file holds a JSON object"),
+    "a bare name": ('"bf16-mixed"', "holds the string 'bf16-mixed'.*JSON object"),
+    "a list": ("[]", "holds a list"),
+    "a misspelled key": (
+        '{"default": "bf16-mixed", "rule": [{"path": "head", "policy": "32-true"}]}',
+        "unknown policy map key.*'rule'.*the keys are 'default'.*'rules'",
+    ),
+    "islands as a string": (
+        '{"default": "bf16-mixed", "float32_islands": "false"}',
+        "'float32_islands' is the string 'false'; it is true or false",
+    ),
+    "islands null": (
+        '{"default": "bf16-mixed", "float32_islands": null}',
+        "'float32_islands' is null",
+    ),
+    "default null": ('{"default": null}', "'default' is null; give a policy"),
+    "rules null": ('{"default": "bf16-mixed", "rules": null}', "'rules' is null; it is a list"),
+    "rules as an object": (
+        '{"default": "bf16-mixed", "rules": {"head": "32-true"}}',
+        "'rules' is an object.*it is a list of rules",
+    ),
+    "a rule's path a number": (
+        '{"default": "bf16-mixed", "rules": [{"path": 3, "policy": "32-true"}]}',
+        "rule 0 'path' is the number 3; it takes a regex",
+    ),
+    "a rule's policy null": (
+        '{"default": "bf16-mixed", "rules": [{"path": "head", "policy": null}]}',
+        "rule 0 'policy' is null; give a policy",
+    ),
+    "a rule's policy a bool": (
+        '{"default": "bf16-mixed", "rules": [{"path": "head", "policy": true}]}',
+        "rule 0 'policy': a policy spec must be a string.*not bool",
+    ),
+    "an unknown key in a rule": (
+        '{"default": "bf16-mixed", "rules": [{"path": "head", "policy": "32-true", "x": 1}]}',
+        "rule 0 .*unknown key.*'x'.*each rule is",
+    ),
+    "a rule's type not a module": (
+        '{"default": "bf16-mixed", "rules": [{"type": "torch.nn.functional.relu", '
+        '"policy": "32-true"}]}',
+        "rule 0 'type' 'torch.nn.functional.relu' names function.*not an nn.Module subclass",
+    ),
+    "a rule given twice": (
+        '{"default": "bf16-mixed", "rules": [{"path": "head", "policy": "32-true"}, '
+        '{"path": "head", "policy": "bf16-true"}]}',
+        "rule 1 repeats the rule for 'head'",
+    ),
+    "a key given twice": (
+        '{"default": "32-true", "default": "bf16-mixed"}',
+        "key 'default' appears twice",
+    ),
+    "a dtype null": (
+        '{"default": {"param_dtype": "float32", "compute_dtype": null}}',
+        "'default': policy config key 'compute_dtype' is null; it takes a dtype name",
+    ),
+    "a dtype a number": (
+        '{"param_dtype": "float32", "compute_dtype": 16}',
+        "policy config key 'compute_dtype' is int 16; it takes a dtype name",
+    ),
+    "a quantized option null": (
+        '{"default": {"quantization_mode": "int4", "source": "float32", "group_size": null}}',
+        "quantized policy config key 'group_size' is null",
+    ),
+    "a quantized source null": (
+        '{"default": {"quantization_mode": "int8", "source": null}}',
+        "quantized policy config key 'source' is null; it takes a float policy",
+    ),
+    "a float8 recipe a bool": (
+        '{"default": {"quantization_mode": "float8", "source": "float32", "recipe": false}}',
+        "quantized policy config key 'recipe' is bool False; it takes a recipe name",
+    ),
+    "rules without a default": (
+        '{"rules": [{"path": "head", "policy": "32-true"}]}',
+        "'default', the policy of the modules no rule names, is required",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_FILES)
+def test_a_malformed_policy_file_is_an_error_naming_the_file_and_the_key(tmp_path, case):
+    text, message = MALFORMED_FILES[case]
+    path = tmp_path / "policy.json"
+    path.write_text(text)
+    with pytest.raises(PolicySpecError, match=f"policy file .*policy.json.*{message}"):
+        PolicyMap.load(path)
+    with pytest.raises(PolicySpecError, match=message):
+        mixprec.Precision(str(path))
+
+
+def test_a_hand_written_policy_file_with_names_and_configs_loads(tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_text(
+        '{"default": "bf16-mixed", "rules": [{"path": "head", "policy": "32-true"}, '
+        '{"type": "torch.nn.LayerNorm", "policy": {"param_dtype": "float32"}}], '
+        '"float32_islands": false}'
+    )
+    expected = PolicyMap(
+        "bf16-mixed", {"head": "32-true", nn.LayerNorm: "32-true"}, float32_islands=False
+    )
+    assert PolicyMap.load(path) == expected
+
+
+def test_float32_islands_must_be_a_bool_in_code_too():
+    with pytest.raises(TypeError, match="float32_islands must be True or False, not str 'false'"):
+        PolicyMap("bf16-mixed", float32_islands="false")  # type: ignore[arg-type]
+
+
 def test_default_is_the_global_policy_when_not_given():
     with mixprec.policy_scope("bf16-true"):
         assert PolicyMap().default == Policy("bf16-true")

@@ -63,6 +63,43 @@ ACCEPTED = {
         "bf16-mixed",
     ),
     "int4/-1_from_float32": ("int4/-1_from_float32", "int4", -1, None, None, "32-true"),
+    # Keras's older name of per-channel int4 (its block size None), as older checkpoints hold it
+    "int4/None_from_float32": ("int4/-1_from_float32", "int4", -1, None, None, "32-true"),
+    "int4/none_from_mixed_bfloat16": (
+        "int4/-1_from_mixed_bfloat16",
+        "int4",
+        -1,
+        None,
+        None,
+        "bf16-mixed",
+    ),
+    # a jmp source autocast cannot give: float16 params computing in bfloat16
+    "int8_from_p=f16,c=bf16": (
+        "int8_from_params=float16,compute=bfloat16,output=bfloat16",
+        "int8",
+        None,
+        None,
+        None,
+        "params=float16,compute=bfloat16,output=bfloat16",
+    ),
+    # Lightning's Transformer Engine flags: weights and compute in bfloat16 (float16), float8
+    # with delayed scales over 1024 steps, outputs in float32
+    "transformer-engine": (
+        "float8/delayed_from_params=bfloat16,compute=bfloat16,output=float32",
+        "float8",
+        None,
+        "delayed",
+        1024,
+        "params=bfloat16,compute=bfloat16,output=float32",
+    ),
+    "Transformer-Engine-Float16": (
+        "float8/delayed_from_params=float16,compute=float16,output=float32",
+        "float8",
+        None,
+        "delayed",
+        1024,
+        "params=float16,compute=float16,output=float32",
+    ),
     "int4_from_mixed_float16": ("int4_from_mixed_float16", "int4", 128, None, None, "16-mixed"),
     "float8_from_mixed_bfloat16": (
         "float8_from_mixed_bfloat16",
@@ -185,7 +222,7 @@ def test_a_quantized_policy_differs_from_its_source_and_from_other_options():
 
 @given(st.sampled_from(sorted(ACCEPTED)), st.sampled_from(["32-true", "bf16-mixed", "bf16-true"]))
 def test_any_accepted_mode_over_any_source_round_trips(spec, source):
-    mode = spec.lower().partition("_from_")[0]
+    mode = ACCEPTED[spec][0].partition("_from_")[0]  # of the canonical name: Lightning's flags
     p = Policy(f"{mode}_from_{source}")
     assert Policy(p.name) == p == Policy.from_config(p.to_config())
     assert p.source == Policy(source)
@@ -383,6 +420,10 @@ A100 = hardware.DeviceInfo("cuda", "A100", 0, capability=(8, 0))
         ("float8_from_mixed_bfloat16", H100, hardware.FAST),
         ("float8_from_mixed_bfloat16", A100, hardware.SLOW),
         ("float8_from_float32", AVX2, hardware.SLOW),
+        ("transformer-engine", H100, hardware.FAST),
+        ("transformer-engine-float16", H100, hardware.FAST),
+        ("transformer-engine", A100, hardware.SLOW),  # float8 needs compute capability 8.9+
+        ("transformer-engine", AVX2, hardware.SLOW),
     ],
 )
 def test_hardware_rates_quantized_policies_honestly(spec, info, status):
@@ -397,3 +438,15 @@ def test_float8_off_sm89_is_refused_as_slow_naming_where_it_is_fast():
             hardware.check(mixprec.PolicyMap("32-true", {"head": "float8_from_float32"}), "cpu")
         assert hardware.check("float8_from_float32", "cpu", allow_slow=True).status == hardware.SLOW
         assert hardware.check("int8_from_float32", "cpu").status == hardware.FAST
+
+
+def test_keras_older_int4_none_name_quantizes_per_channel():
+    """'int4/None_from_float32' (Keras's int4 without a block size) was refused; it is
+    per-channel int4, one group per output row, named 'int4/-1_...' from then on."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 8))
+    explained = mixprec.explain(model, "int4/None_from_float32")
+    assert explained.quantized == ["0"] and explained["0"].name == "int4/-1_from_float32"
+    mixprec.quantize(model, "int4/None_from_float32")
+    assert isinstance(model[0], Int4Linear) and model[0].group_size == -1
+    assert model[0].weight_scale.shape == (8, 1)  # one scale per output channel

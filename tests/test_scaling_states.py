@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
+from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler, as_loss_scaler
 
 
 def _mlp(seed: int = 0) -> nn.Sequential:
@@ -93,7 +93,7 @@ def test_states_from_a_disabled_or_foreign_scaler_are_refused_clearly():
         ({"growth_factor": math.nan}, ValueError, "finite number > 1"),
         ({"backoff_factor": 1.0}, ValueError, r"in \(0, 1\)"),
         ({"init_scale": math.nan}, ValueError, "positive finite"),
-        ({"init_scale": None}, TypeError, "loss scale must be a real number"),
+        ({"init_scale": None}, TypeError, "init_scale must be a real number"),
         ({"min_scale": -1.0}, ValueError, "0 <= min_scale"),
     ],
 )
@@ -107,3 +107,45 @@ def test_integral_arguments_of_other_int_types_are_accepted():
 
     scaler = DynamicLossScaler(growth_interval=np.int64(3), hysteresis=2)
     assert scaler.growth_interval == 3 and type(scaler.growth_interval) is int
+
+
+def test_a_tensor_initial_scale_is_taken_as_torch_grad_scaler_and_jmp_take_it():
+    """DynamicLossScaler(torch.tensor(2.0**15)) raised TypeError: torch.amp.GradScaler and jmp
+    take a tensor scale. The scale state stays a float32 0-d tensor on the tensor's device."""
+    reference = torch.amp.GradScaler("cpu", init_scale=torch.tensor(2.0**15), growth_interval=2)
+    scaler = DynamicLossScaler(torch.tensor(2.0**15), growth_interval=2, min_scale=0.0)
+    assert scaler.loss_scale == reference.get_scale() == 32768.0
+    assert scaler.scale_tensor.dtype == torch.float32 and scaler.scale_tensor.shape == ()
+    assert scaler.device == torch.device("cpu") and scaler.init_scale == 32768.0
+    assert type(scaler.state_dict()["init_scale"]) is float  # a checkpoint holds no tensor
+    for overflow in (True, False, False, True):
+        scaler.update(torch.tensor(float(overflow)), overflow)
+    assert scaler.loss_scale == 16384.0  # halved, grown after 2 clean steps, halved again
+    # one element of any floating dtype, with or without autograd history
+    wide = DynamicLossScaler(torch.tensor([1024.0], dtype=torch.float64, requires_grad=True))
+    assert wide.loss_scale == 1024.0 and wide.scale_tensor.dtype == torch.float32
+    static = StaticLossScaler(torch.tensor(8.0, dtype=torch.bfloat16))
+    assert static.loss_scale == 8.0 and static.scale_tensor.dtype == torch.float32
+    chosen = as_loss_scaler(torch.tensor(64.0), needs_scaling=True)
+    assert type(chosen) is StaticLossScaler and chosen.loss_scale == 64.0
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (torch.tensor([2.0, 4.0]), ValueError, r"one value: a 0-d or one-element tensor.*\(2,\)"),
+        (torch.tensor(1024), TypeError, "floating tensor of one element, got a torch.int64"),
+        (torch.tensor(math.inf), ValueError, "positive finite number.*got inf"),
+        (torch.tensor(math.nan), ValueError, "positive finite number.*got nan"),
+        (torch.tensor(0.0), ValueError, "positive finite number.*got 0.0"),
+        (torch.tensor(-8.0), ValueError, "positive finite number.*got -8.0"),
+        # finite in float64, inf in the float32 the scale is kept in
+        (torch.tensor(1e39, dtype=torch.float64), ValueError, "float32.*got 1e\\+39"),
+        (1e39, ValueError, "float32.*got 1e\\+39"),
+    ],
+)
+def test_a_bad_initial_scale_is_refused_by_every_scaler(value, error, match):
+    with pytest.raises(error, match=match):
+        DynamicLossScaler(value, min_scale=0.0, max_scale=math.inf)
+    with pytest.raises(error, match=match):
+        StaticLossScaler(value)

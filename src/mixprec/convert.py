@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError
@@ -102,10 +103,14 @@ class _Region:
         *,
         parent: Policy | None,
         original: Any,
+        cast: tuple[str, ...] = (),
     ) -> None:
         self.module = module
         self.autocast = policy.is_mixed
         self.compute_dtype = policy.compute_dtype
+        # parameters (paths below `module`) the region computes on as compute-dtype copies:
+        # those of a policy that `casts_params` (float16 params computing in bfloat16...)
+        self.cast = cast
         # Inside a "true" parent nothing casts between siblings, so a region hands its
         # result back in the parent's compute dtype; elsewhere in its own output dtype.
         if parent is not None and not parent.is_mixed:
@@ -151,13 +156,35 @@ class _Region:
                 if torch._C._is_any_autocast_enabled()
                 else contextlib.nullcontext()
             )
+            copies = _compute_copies(module, self.cast, self.compute_dtype) if self.cast else {}
+            swap = _reparametrize_module(module, copies) if copies else contextlib.nullcontext()
             if needs_default_dtype(self.compute_dtype):
-                with default_dtype(self.compute_dtype), off:
+                with default_dtype(self.compute_dtype), off, swap:
                     out = forward(*args, **kwargs)
             else:
-                with off:
+                with off, swap:
                     out = forward(*args, **kwargs)
         return cast_floating(out, self.output_dtype)
+
+
+def _compute_copies(
+    module: nn.Module, names: tuple[str, ...], dtype: torch.dtype
+) -> dict[str, Tensor]:
+    """The parameters `names` of `module` cast to `dtype` for one forward: differentiable
+    copies, so gradients flow back to the stored parameters in their own dtype. A parameter
+    tied under two names gets one copy; one an enclosing region swapped already is left."""
+    copies: dict[int, Tensor] = {}
+    out = {}
+    for name in names:
+        owner, _, key = name.rpartition(".")
+        param = (module.get_submodule(owner) if owner else module)._parameters[key]
+        if param.dtype == dtype:
+            continue
+        copy = copies.get(id(param))
+        if copy is None:
+            copy = copies[id(param)] = param.to(dtype)
+        out[name] = copy
+    return out
 
 
 def _explain_rnn_error(
@@ -214,9 +241,10 @@ def _dtype_plan(
     for name, module in model.named_modules():
         if replaced and resolved[name].quantized:
             continue
-        dtype = resolved[name].policy.param_dtype
+        policy = resolved[name].policy
         fixed = getattr(module, "fixed_dtype_buffers", ())  # float8 delayed scales
         for kind, store in (("parameter", module._parameters), ("buffer", module._buffers)):
+            dtype = policy.param_dtype if kind == "parameter" else policy.buffer_dtype
             for key, t in store.items():
                 if t is None or not t.is_floating_point():
                     continue
@@ -353,24 +381,67 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
 
 
 def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
-    for module, policy_here, parent in _regions(model, resolved):
+    regions = _regions(model, resolved)
+    policies = {id(module): policy for module, policy, _ in regions}
+    for module, policy_here, parent in regions:
+        cast = () if policy_here.is_mixed else _to_cast(module, policy_here, policies)
         module.__dict__["forward"] = _Region(
-            module, policy_here, parent=parent, original=module.__dict__.get("forward")
+            module,
+            policy_here,
+            parent=parent,
+            original=module.__dict__.get("forward"),
+            cast=cast,
         )
+
+
+def _to_cast(module: nn.Module, policy: Policy, regions: dict[int, Policy]) -> tuple[str, ...]:
+    """Paths (below `module`) of the floating parameters a region of `policy` (not autocast)
+    computes on as copies in its compute dtype: those stored in another dtype, in `module`
+    and below it, down to the regions that compute otherwise (`regions`: the policy of each
+    module with a region). A parent may read a child's weight itself (MultiheadAttention
+    reads its out_proj's); a region below computing alike, called through this one, finds
+    the copies already there."""
+    dtype = policy.compute_dtype
+    found: dict[tuple[int, str], str] = {}  # (owner, key) -> first path: swapped once
+
+    def walk(prefix: str, m: nn.Module) -> None:
+        for key, p in m._parameters.items():
+            if p is not None and p.is_floating_point() and p.dtype != dtype:
+                found.setdefault((id(m), key), prefix + key)
+        for child_name, child in m._modules.items():
+            if child is None:
+                continue
+            inner = regions.get(id(child))
+            if inner is not None and _region_key(inner) != _region_key(policy):
+                continue
+            walk(f"{prefix}{child_name}.", child)
+
+    walk("", module)
+    return tuple(found.values())
+
+
+def _casts_own(module: nn.Module, policy: Policy) -> bool:
+    """Whether `module` holds a parameter that `policy` (not autocast) computes on in
+    another dtype: it gets a region of its own, so calling it directly casts too."""
+    return not policy.is_mixed and any(
+        p is not None and p.is_floating_point() and p.dtype != policy.compute_dtype
+        for p in module._parameters.values()
+    )
 
 
 def _regions(
     model: nn.Module, resolved: dict[str, Resolution]
 ) -> list[tuple[nn.Module, Policy, Policy | None]]:
     """(module, policy, parent policy) for each module that needs a region of its own: the
-    root, and a module computing differently from its parent at any of its paths (a module
+    root, a module computing differently from its parent at any of its paths (a module
     shared by two parents gets one when either differs, so it computes as its policy says
-    whichever path calls it)."""
+    whichever path calls it), and a module whose parameters its policy casts for compute
+    (so a training step calling it directly, not through the root, casts them too)."""
     found: dict[int, tuple[nn.Module, Policy, Policy | None]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         here = resolved[name].policy
         parent = resolved[name.rpartition(".")[0]].policy if name else None
-        if parent is None or _region_key(parent) != _region_key(here):
+        if parent is None or _region_key(parent) != _region_key(here) or _casts_own(module, here):
             found.setdefault(id(module), (module, here, parent))
     return list(found.values())
 

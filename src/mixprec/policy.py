@@ -70,11 +70,6 @@ _HINTS: dict[str, str] = {
     "mixed_bf16": "'bf16-mixed'",
     "mixed_fp16": "'16-mixed'",
     "fp8": "a float8 recipe: a quantized policy like 'float8_from_mixed_bfloat16'",
-    "transformer-engine": "a float8 recipe: a quantized policy like 'float8_from_mixed_bfloat16'",
-    "transformer-engine-float16": (
-        "a float8 recipe with float16 around it: a quantized policy like "
-        "'float8_from_mixed_float16'"
-    ),
     "mixed": "'bf16-mixed' or '16-mixed' (say which 16-bit dtype)",
     "amp": "'bf16-mixed' or '16-mixed' (say which 16-bit dtype)",
 }
@@ -95,7 +90,8 @@ def _accepted() -> str:
         f"accepted: one of {', '.join(repr(n) for n in POLICY_NAMES)}; the ints 16, 32, 64; "
         "a torch.dtype; or a jmp spec like 'params=float32,compute=bfloat16,output=float32' "
         f"(keys p/c/o, dtypes {', '.join(DTYPE_NAMES)}); 'auto' where a device is known; "
-        "or a quantized policy '<mode>_from_<float policy>' (modes int8, int4, float8)"
+        "or a quantized policy '<mode>_from_<float policy>' (modes int8, int4, float8), "
+        "Lightning's 'transformer-engine' and 'transformer-engine-float16' among them"
     )
 
 
@@ -205,16 +201,6 @@ def _validate(param: torch.dtype, compute: torch.dtype, output: torch.dtype) -> 
                 "scales (a float8 recipe with scaled matmuls), which a plain cast policy "
                 "cannot give; use float16/bfloat16 here"
             )
-    if param != compute and (param != f32 or compute not in (f16, bf16)):
-        # autocast lowers float32 tensors to a 16-bit dtype; it never raises a dtype and
-        # leaves float64 alone, so any other pair would run in dtypes the policy does not name
-        raise PolicySpecError(
-            f"params in {dtype_name(param)} with compute in {dtype_name(compute)} cannot run: "
-            "a mixed policy keeps its params in float32 and computes in float16 or bfloat16 "
-            "(autocast lowers float32 weights; it never raises a dtype and leaves float64 "
-            f"alone). To compute in {dtype_name(compute)}, store the params in it too "
-            f"(params={dtype_name(compute)},compute={dtype_name(compute)})"
-        )
 
 
 class Policy:
@@ -289,8 +275,31 @@ class Policy:
 
     @property
     def is_mixed(self) -> bool:
-        """True when compute differs from storage: the layer runs under autocast."""
-        return self._param != self._compute
+        """True for float32 params computing in float16 or bfloat16 (Lightning's "*-mixed",
+        Keras's "mixed_*"): the layer runs under torch.autocast, whose op lists keep some ops
+        (losses, reductions) in float32."""
+        return self._param == f32 and self._compute in (f16, bf16)
+
+    @property
+    def casts_params(self) -> bool:
+        """True for params stored in one dtype and computed in another that autocast cannot
+        give (float16 params computing in bfloat16, bfloat16 in float32, float32 in
+        float64...): each forward computes on copies of the params cast to the compute dtype,
+        as jmp's `cast_to_compute` does, and gradients come back in the param dtype."""
+        return self._param != self._compute and not self.is_mixed
+
+    @property
+    def buffer_dtype(self) -> torch.dtype:
+        """Dtype floating buffers (running statistics) are stored in: the param dtype, but
+        the compute dtype for a policy that `casts_params`, whose forward reads and updates
+        them in place in the dtype it computes in."""
+        return self._compute if self.casts_params else self._param
+
+    @property
+    def quantization_mode(self) -> str | None:
+        """None: a float policy quantizes nothing (`QuantizedPolicy` names its mode), as
+        Keras's `DTypePolicy.quantization_mode` is None."""
+        return None
 
     @property
     def needs_loss_scaling(self) -> bool:
@@ -340,7 +349,19 @@ class Policy:
             )
         if not config:
             raise PolicySpecError("an empty policy config; expected what to_config() returns")
-        return cls(**config)
+        dtypes = {}
+        for key, value in config.items():
+            if not isinstance(value, (str, torch.dtype)):
+                shown = "null" if value is None else f"{type(value).__name__} {value!r}"
+                raise PolicySpecError(
+                    f"policy config key {key!r} is {shown}; it takes a dtype name "
+                    "(float32, bfloat16, float16, float64, ...), or leave the key out"
+                )
+            try:
+                dtypes[key] = to_dtype(value)
+            except PolicySpecError as err:
+                raise PolicySpecError(f"policy config key {key!r}: {err}") from None
+        return cls(**dtypes)
 
     def _key(self) -> tuple[Any, ...]:
         return (self._param, self._compute, self._output)
@@ -366,6 +387,7 @@ _QUANTIZED_SEP = "_from_"
 QUANTIZATION_MODES: tuple[str, ...] = ("int8", "int4", "float8")
 FLOAT8_RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
 DEFAULT_GROUP_SIZE = 128
+PER_CHANNEL = -1  # int4 group size: one group per output channel
 DEFAULT_AMAX_HISTORY_LENGTH = 1024
 # A Linear/Embedding with fewer input features than this stays float: its weight is too small
 # for the bytes saved to matter, and per-token int8 activations of so few features lose most.
@@ -379,6 +401,15 @@ _KERAS_NAMES: dict[str, str] = {
     "bf16-true": "bfloat16",
     "16-true": "float16",
 }
+# Lightning's Transformer Engine flags, as Lightning runs them: weights and compute in
+# bfloat16 (float16), float8 matmuls scaled from a 1024-step amax history (Transformer Engine's
+# DelayedScaling defaults: e4m3 forward, e5m2 gradients), outputs back in float32
+LIGHTNING_FLOAT8: dict[str, str] = {
+    "transformer-engine": "float8/delayed_from_params=bfloat16,compute=bfloat16,output=float32",
+    "transformer-engine-float16": (
+        "float8/delayed_from_params=float16,compute=float16,output=float32"
+    ),
+}
 # Bare mode or storage names people reach for, refused with the accepted quantized forms
 _BARE_QUANTIZED: dict[str, str] = {
     "int8": "int8",
@@ -391,19 +422,23 @@ _BARE_QUANTIZED: dict[str, str] = {
 def _accepted_quantized() -> str:
     return (
         "Quantized policies are '<mode>_from_<float policy>' with mode one of 'int8', "
-        f"'int4' (groups of {DEFAULT_GROUP_SIZE}), 'int4/<group size>' ('int4/-1': per "
-        "channel), 'float8' (tensorwise), 'float8/<recipe>' (recipes "
-        f"{', '.join(FLOAT8_RECIPES)}; 'float8/delayed:<amax history length>'), and any "
+        f"'int4' (groups of {DEFAULT_GROUP_SIZE}), 'int4/<group size>' ('int4/-1', or "
+        "Keras's older 'int4/None': per channel), 'float8' (tensorwise), 'float8/<recipe>' "
+        f"(recipes {', '.join(FLOAT8_RECIPES)}; 'float8/delayed:<amax history length>'), and any "
         "float policy name after '_from_' (e.g. 'int8_from_float32', "
         "'int4/64_from_mixed_bfloat16', 'float8/rowwise_from_bf16-mixed')"
     )
 
 
 def is_quantized(spec: Any) -> bool:
-    """True for a quantized policy or a spec spelled '<mode>_from_<float policy>'."""
+    """True for a quantized policy, a spec spelled '<mode>_from_<float policy>', or one of
+    Lightning's Transformer Engine flags ("transformer-engine", "transformer-engine-float16")."""
     if isinstance(spec, QuantizedPolicy):
         return True
-    return isinstance(spec, str) and _QUANTIZED_SEP in spec.strip().lower()
+    if not isinstance(spec, str):
+        return False
+    name = spec.strip().lower()
+    return _QUANTIZED_SEP in name or name in LIGHTNING_FLOAT8
 
 
 def _parse_mode(text: str, name: str) -> tuple[str, int | None, str | None, int | None]:
@@ -427,6 +462,8 @@ def _parse_mode(text: str, name: str) -> tuple[str, int | None, str | None, int 
     if mode == "int4":
         if not sep:
             return mode, None, None, None
+        if option == "none":  # Keras's older spelling of per-channel int4 ("int4/None_from_...")
+            return mode, PER_CHANNEL, None, None
         try:
             return mode, int(option), None, None
         except ValueError:
@@ -492,6 +529,7 @@ class QuantizedPolicy(Policy):
                 + _accepted_quantized()
             )
         name = mode.strip().lower()
+        name = LIGHTNING_FLOAT8.get(name, name)
         mode_text, sep, source_text = name.partition(_QUANTIZED_SEP)
         if sep:
             if source is not None:
@@ -608,11 +646,30 @@ class QuantizedPolicy(Policy):
                 f"unknown quantized policy config keys {sorted(unknown)}; expected "
                 f"{', '.join(sorted(keys))}"
             )
+        for key, value in config.items():
+            if value is None:
+                takes = {
+                    "quantization_mode": f"a mode ({', '.join(QUANTIZATION_MODES)})",
+                    "source": "a float policy: a name such as 'bf16-mixed' or a to_config() dict",
+                }.get(key, "a value, or leave the option out for its default")
+                raise PolicySpecError(
+                    f"quantized policy config key {key!r} is null; it takes {takes}"
+                )
+        recipe = config.get("recipe")
+        if recipe is not None and not isinstance(recipe, str):
+            raise PolicySpecError(
+                f"quantized policy config key 'recipe' is {type(recipe).__name__} {recipe!r}; "
+                f"it takes a recipe name ({', '.join(FLOAT8_RECIPES)})"
+            )
+        try:
+            source = as_policy(config["source"])
+        except PolicySpecError as err:
+            raise PolicySpecError(f"quantized policy config key 'source': {err}") from None
         return cls(
             config["quantization_mode"],
-            as_policy(config["source"]),
+            source,
             group_size=config.get("group_size"),
-            recipe=config.get("recipe"),
+            recipe=recipe,
             amax_history_length=config.get("amax_history_length"),
         )
 
@@ -706,7 +763,7 @@ def _check_options(
         group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
         if isinstance(group_size, bool) or not isinstance(group_size, int):
             raise PolicySpecError(f"int4 group size must be an int, not {group_size!r}")
-        if group_size != -1 and group_size < 2:
+        if group_size != PER_CHANNEL and group_size < 2:
             raise PolicySpecError(
                 f"int4 group size {group_size} in {name!r}: use a size >= 2 (128 is the "
                 "default) or -1 for one group per output channel"

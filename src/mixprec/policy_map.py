@@ -125,6 +125,11 @@ class PolicyMap:
         float32_islands: bool = True,
     ) -> None:
         self.default: Policy = as_policy(default)
+        if not isinstance(float32_islands, bool):
+            raise TypeError(
+                f"float32_islands must be True or False, not {type(float32_islands).__name__} "
+                f"{float32_islands!r}"
+            )
         self.float32_islands = float32_islands
         self._paths: dict[str, tuple[re.Pattern[str], Policy]] = {}
         self._types: dict[type, Policy] = {}
@@ -281,31 +286,41 @@ class PolicyMap:
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> PolicyMap:
-        """Inverse of `to_config`."""
+        """Inverse of `to_config`, as strict as the constructor: an unknown key, a null or a
+        value of the wrong type is an error naming the key and what it takes. A policy may
+        be given as a name (``"bf16-mixed"``) or as `Policy.to_config()` gives it."""
         if not isinstance(config, Mapping) or "default" not in config:
             raise PolicySpecError(
                 "PolicyMap.from_config takes the dict PolicyMap.to_config() returns (keys "
-                f"default, rules, float32_islands), got {config!r}"
+                "default, rules, float32_islands; 'default', the policy of the modules no rule "
+                f"names, is required), got {config!r}"
             )
+        unknown = [key for key in config if key not in _MAP_KEYS]
+        if unknown:
+            raise PolicySpecError(
+                f"unknown policy map key(s) {', '.join(map(repr, unknown))}; the keys are "
+                "'default' (a policy), 'rules' (a list of rules, " + _RULE_FORM + ") and "
+                "'float32_islands' (true or false)"
+            )
+        default = _config_policy("'default'", config["default"])
+        rule_list = config.get("rules", [])
+        if not isinstance(rule_list, (list, tuple)):
+            raise PolicySpecError(
+                f"'rules' is {_describe(rule_list)}; it is a list of rules, each " + _RULE_FORM
+            )
+        islands = config.get("float32_islands", True)
+        if not isinstance(islands, bool):
+            raise PolicySpecError(f"'float32_islands' is {_describe(islands)}; it is true or false")
         rules: dict[RuleKey, Policy] = {}
-        for i, rule in enumerate(config.get("rules", [])):
-            if (
-                not isinstance(rule, Mapping)
-                or "policy" not in rule
-                or ("path" in rule) == ("type" in rule)
-            ):
+        for i, rule in enumerate(rule_list):
+            key = _config_rule_key(i, rule)
+            if key in rules:
+                shown = key if isinstance(key, str) else _type_name(key)
                 raise PolicySpecError(
-                    f"rule {i} of the policy map config is {rule!r}; each rule is "
-                    "{'path': regex, 'policy': {...}} or {'type': 'package.module.Class', "
-                    "'policy': {...}}, with the policy as Policy.to_config() gives it"
+                    f"rule {i} repeats the rule for {shown!r}: one rule per path or type"
                 )
-            key = rule["path"] if "path" in rule else _import_type(rule["type"])
-            rules[key] = as_policy(rule["policy"])
-        return cls(
-            as_policy(config["default"]),
-            rules,
-            float32_islands=config.get("float32_islands", True),
-        )
+            rules[key] = _config_policy(f"rule {i} 'policy'", rule["policy"])
+        return cls(default, rules, float32_islands=islands)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write `to_config()` as a JSON policy file (atomically: a reader never sees half of
@@ -324,13 +339,29 @@ class PolicyMap:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> PolicyMap:
         """The policy a JSON file holds: a map as `save` writes it (the doctor's
-        ``policy.json``), or a single policy's `Policy.to_config()`."""
+        ``policy.json``), or a single policy's `Policy.to_config()`. Checked as strictly as
+        `from_config`: unknown or repeated keys, nulls and wrong types are errors naming the
+        file, the key and what it takes."""
         try:
-            config = json.loads(Path(path).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as error:
             raise PolicySpecError(f"cannot read the policy file {str(path)!r}: {error}") from None
         try:
-            return as_map(config) if isinstance(config, Mapping) else cls(config)
+            config = json.loads(text, object_pairs_hook=_unique_keys)
+        except json.JSONDecodeError as error:
+            raise PolicySpecError(f"cannot read the policy file {str(path)!r}: {error}") from None
+        except PolicySpecError as error:  # a repeated key
+            raise PolicySpecError(f"policy file {str(path)!r}: {error}") from None
+        if not isinstance(config, Mapping):
+            raise PolicySpecError(
+                f"policy file {str(path)!r} holds {_describe(config)}; a policy file holds a "
+                'JSON object: a policy map as PolicyMap.save writes it ({"default": policy, '
+                '"rules": [...], "float32_islands": true}) or one policy as '
+                'Policy.to_config() gives it ({"param_dtype": ..., "compute_dtype": ..., '
+                '"output_dtype": ...}); e.g. {"default": "bf16-mixed"}'
+            )
+        try:
+            return as_map(config)
         except (PolicySpecError, TypeError, ValueError) as error:
             raise PolicySpecError(f"policy file {str(path)!r}: {error}") from None
 
@@ -371,6 +402,82 @@ class PolicyMap:
         return f"PolicyMap({self.default.name!r}, {{{rules}}})"
 
 
+_MAP_KEYS = ("default", "rules", "float32_islands")
+_RULE_FORM = (
+    "{'path': regex, 'policy': policy} or {'type': 'package.module.Class', 'policy': policy}, "
+    "a policy being a name such as 'bf16-mixed' or what Policy.to_config() gives"
+)
+
+
+def _describe(value: Any) -> str:
+    """A config value as JSON would name it, for errors: null, the string 'false', ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, (int, float)):
+        return f"the number {value!r}"
+    if isinstance(value, (list, tuple)):
+        return f"a list ({value!r})"
+    if isinstance(value, Mapping):
+        return f"an object ({dict(value)!r})"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _config_policy(where: str, value: Any) -> Policy:
+    """The policy a config value names; `where` says which key, in errors."""
+    if value is None:
+        raise PolicySpecError(
+            f"{where} is null; give a policy: a name such as 'bf16-mixed' or what "
+            "Policy.to_config() gives"
+        )
+    try:
+        return as_policy(value)
+    except PolicySpecError as error:
+        raise PolicySpecError(f"{where}: {error}") from None
+
+
+def _config_rule_key(i: int, rule: Any) -> RuleKey:
+    """The path or module type of rule `i` of a config, checked for form and types."""
+    if not isinstance(rule, Mapping):
+        raise PolicySpecError(
+            f"rule {i} of the policy map config is {_describe(rule)}; each rule is " + _RULE_FORM
+        )
+    unknown = [key for key in rule if key not in ("path", "type", "policy")]
+    if unknown or "policy" not in rule or ("path" in rule) == ("type" in rule):
+        wrong = f" (unknown key(s) {', '.join(map(repr, unknown))})" if unknown else ""
+        raise PolicySpecError(
+            f"rule {i} of the policy map config is {dict(rule)!r}{wrong}; each rule is "
+            + _RULE_FORM
+        )
+    kind = "path" if "path" in rule else "type"
+    key = rule[kind]
+    if not isinstance(key, str):
+        takes = "a regex" if kind == "path" else "a class name 'package.module.Class'"
+        raise PolicySpecError(f"rule {i} '{kind}' is {_describe(key)}; it takes {takes}")
+    if kind == "path":
+        return key
+    found = _import_type(key)
+    if not (isinstance(found, type) and issubclass(found, nn.Module)):
+        raise PolicySpecError(
+            f"rule {i} 'type' {key!r} names {type(found).__name__} {found!r}, not an nn.Module "
+            "subclass"
+        )
+    return found
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict; a key given twice is an error (json keeps the last)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise PolicySpecError(f"key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
 def is_policy_file(spec: Any) -> bool:
     """Whether a precision spec names a policy file (a path ending in ``.json``) rather than a
     precision: no precision name ends that way."""
@@ -382,13 +489,13 @@ def is_policy_file(spec: Any) -> bool:
 def as_map(policy: Any = None) -> PolicyMap:
     """The one coercion to a policy type: a PolicyMap as it is, anything `as_policy` takes
     (a spec, Policy, config dict; None: the global policy) as a map with no rules, a
-    `PolicyMap.to_config()` dict as the map it describes, and a ``.json`` path as the policy
-    file it names (`PolicyMap.load`)."""
+    `PolicyMap.to_config()` dict (any dict with a map's key) as the map it describes, and a
+    ``.json`` path as the policy file it names (`PolicyMap.load`)."""
     if isinstance(policy, PolicyMap):
         return policy
     if is_policy_file(policy):
         return PolicyMap.load(policy)
-    if isinstance(policy, Mapping) and "default" in policy:
+    if isinstance(policy, Mapping) and any(key in policy for key in _MAP_KEYS):
         return PolicyMap.from_config(policy)
     return PolicyMap(as_policy(policy))
 

@@ -52,6 +52,34 @@ def _real(name: str, value: Any) -> float:
     return float(value)
 
 
+def _initial_scale(name: str, value: Any) -> tuple[float, torch.device]:
+    """A loss scale given as a real number or, as torch.amp.GradScaler and jmp take it, a
+    floating tensor of one element: its value (read once, here) and the device the scale state
+    then lives on (the tensor's; the CPU for a number). The state is float32, so the value
+    must be positive and finite in float32."""
+    if isinstance(value, torch.Tensor):
+        if not value.is_floating_point():
+            raise TypeError(
+                f"{name} must be a real number or a floating tensor of one element, got a "
+                f"{value.dtype} tensor {value!r}"
+            )
+        if value.numel() != 1:
+            raise ValueError(
+                f"{name} must be one value: a 0-d or one-element tensor, got shape "
+                f"{tuple(value.shape)}"
+            )
+        scale, device = float(value.detach().reshape(())), value.device
+    else:
+        scale, device = _real(name, value), torch.device("cpu")
+    as_float32 = float(torch.tensor(scale, dtype=torch.float32))
+    if not 0.0 < as_float32 < math.inf:
+        raise ValueError(
+            f"{name} must be a positive finite number, also as the float32 the scale is kept "
+            f"in (at most {torch.finfo(torch.float32).max:g}), got {scale}"
+        )
+    return scale, device
+
+
 def _positive_int(name: str, value: Any) -> int:
     """``value`` as an int >= 1; a float such as 1.5 is refused rather than truncated."""
     if isinstance(value, bool) or not isinstance(value, Integral):
@@ -123,19 +151,17 @@ class LossScaler:
 
     def __init__(
         self,
-        scale: float,
+        scale: float | torch.Tensor,
         *,
         max_skips_at_min_scale: int = 10,
         process_group: Any = None,
     ) -> None:
-        scale = _real("loss scale", scale)
-        if not scale > 0 or not math.isfinite(scale):
-            raise ValueError(f"loss scale must be a positive finite number, got {scale}")
+        value, device = _initial_scale("loss scale", scale)
         self.max_skips_at_min_scale = _positive_int(
             "max_skips_at_min_scale", max_skips_at_min_scale
         )
         self.process_group = process_group
-        self._scale = torch.full((), float(scale), dtype=torch.float32)
+        self._scale = torch.full((), value, dtype=torch.float32, device=device)
         self._steps = 0
         self._skipped = 0
         self._consecutive = 0
@@ -417,7 +443,8 @@ class DynamicLossScaler(LossScaler):
     """A scale that backs off on overflow and grows after ``growth_interval`` clean steps.
 
     Args:
-        init_scale: starting scale (torch and DeepSpeed use 2**16, Keras 2**15).
+        init_scale: starting scale (torch and DeepSpeed use 2**16, Keras 2**15): a number,
+            or a floating tensor of one element (the scale state then lives on its device).
         growth_factor: multiplier after ``growth_interval`` consecutive clean steps (> 1).
         backoff_factor: multiplier when the scale backs off (in (0, 1)).
         growth_interval: clean steps in a row needed to grow.
@@ -436,7 +463,7 @@ class DynamicLossScaler(LossScaler):
 
     def __init__(
         self,
-        init_scale: float = 2.0**16,
+        init_scale: float | torch.Tensor = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
@@ -447,6 +474,7 @@ class DynamicLossScaler(LossScaler):
         max_skips_at_min_scale: int = 10,
         process_group: Any = None,
     ) -> None:
+        init, _ = _initial_scale("init_scale", init_scale)
         super().__init__(
             init_scale, max_skips_at_min_scale=max_skips_at_min_scale, process_group=process_group
         )
@@ -458,20 +486,21 @@ class DynamicLossScaler(LossScaler):
             raise ValueError(f"growth_factor must be a finite number > 1, got {growth_factor}")
         if not 0.0 < backoff_factor < 1.0:
             raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor}")
-        if not 0.0 <= min_scale <= init_scale <= max_scale:
+        if not 0.0 <= min_scale <= init <= max_scale:
             raise ValueError(
                 f"need 0 <= min_scale <= init_scale <= max_scale, "
-                f"got {min_scale}, {init_scale}, {max_scale}"
+                f"got {min_scale}, {init}, {max_scale}"
             )
-        self.init_scale = float(init_scale)
+        self.init_scale = init
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = _positive_int("growth_interval", growth_interval)
         self.hysteresis = _positive_int("hysteresis", hysteresis)
         self.min_scale = min_scale
         self.max_scale = max_scale
-        self._growth_tracker = torch.zeros((), dtype=torch.int32)
-        self._credits = torch.full((), self.hysteresis, dtype=torch.int32)
+        device = self._scale.device
+        self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self._credits = torch.full((), self.hysteresis, dtype=torch.int32, device=device)
 
     def _update_scale(self, found_inf: torch.Tensor) -> None:
         if self.hysteresis == 1:
@@ -579,12 +608,15 @@ class DynamicLossScaler(LossScaler):
         self.max_scale = state["max_scale"]
 
 
-def as_loss_scaler(spec: LossScaler | str | float | None, *, needs_scaling: bool) -> LossScaler:
+def as_loss_scaler(
+    spec: LossScaler | str | float | torch.Tensor | None, *, needs_scaling: bool
+) -> LossScaler:
     """Build a scaler from a user's choice.
 
     ``None`` picks a ``DynamicLossScaler`` when ``needs_scaling`` (float16 in the policy) and a
-    ``NoLossScaler`` otherwise. ``"dynamic"`` and ``"none"`` name those two, a number is a
-    fixed scale (``StaticLossScaler``), and a scaler instance is used as given.
+    ``NoLossScaler`` otherwise. ``"dynamic"`` and ``"none"`` name those two, a number (or a
+    one-element floating tensor) is a fixed scale (``StaticLossScaler``), and a scaler
+    instance is used as given.
     """
     if isinstance(spec, LossScaler):
         return spec
@@ -599,6 +631,6 @@ def as_loss_scaler(spec: LossScaler | str | float | None, *, needs_scaling: bool
             f"unknown loss scaler {spec!r}: use 'dynamic', 'none', a number (static scale) "
             f"or a LossScaler instance"
         )
-    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
-        return StaticLossScaler(float(spec))
+    if isinstance(spec, torch.Tensor) or (isinstance(spec, Real) and not isinstance(spec, bool)):
+        return StaticLossScaler(spec)
     raise TypeError(f"cannot make a loss scaler from {type(spec).__name__}: {spec!r}")

@@ -216,6 +216,7 @@ def shard(
             for p in module.parameters(recurse=False):
                 if p.is_floating_point() and p.dtype != stored:
                     p.data = p.data.to(stored)
+            stored = resolved[name].policy.buffer_dtype
             fixed = getattr(module, "fixed_dtype_buffers", ())  # float8 delayed scales
             for key, b in module._buffers.items():
                 if b is None or not b.is_floating_point() or key in fixed:
