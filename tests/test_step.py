@@ -12,7 +12,7 @@ from mixprec.bench.models import load_workload
 from mixprec.bench.runner import RunSpec, _build_mixprec
 from mixprec.trainer import Callback
 
-FACTORY = '''
+FACTORY = """
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ def make():
         return F.cross_entropy(out @ out.T, target)
 
     return model, make_batch, contrastive
-'''
+"""
 
 
 class FirstLoss(Callback):
