@@ -12,7 +12,6 @@ Python values only, so loading one never runs code from the file.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import glob
 import logging
@@ -22,10 +21,7 @@ import random
 import re
 import secrets
 import shutil
-import signal
 import socket
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +31,7 @@ from torch import Tensor, nn
 from mixprec.optim import master_weights_by_name
 from mixprec.trainer.callbacks import ModelCheckpoint, callback_states
 from mixprec.trainer.data import loader_batch_size
+from mixprec.trainer.interrupt import ctrl_c_deferred
 from mixprec.version import __version__
 
 if TYPE_CHECKING:
@@ -168,33 +165,6 @@ def recover_aside(path: Path) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _ctrl_c_after_save() -> Iterator[list[bool]]:
-    """Hold a Ctrl-C back until the block ends (a save then completes and the interrupt comes
-    right after it); a second Ctrl-C interrupts at once. Only where Python's default handler
-    is installed, in the main thread."""
-    pressed: list[bool] = []
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield pressed
-        return
-
-    def hold(signum: int, frame: Any) -> None:
-        if pressed:
-            raise KeyboardInterrupt
-        pressed.append(True)
-
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield pressed
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if pressed:
-        raise KeyboardInterrupt
-
-
 def _cause(exc: BaseException) -> BaseException:
     """The first exception of the chain torch builds when a write fails half-way (it then
     fails again finishing the archive, with an opaque 'inline_container' message)."""
@@ -215,7 +185,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     recover_aside(path)
     clean_stale_tmp(path.parent)
-    with _ctrl_c_after_save():
+    with ctrl_c_deferred():
         fd, tmp = _new_tmp(path)
         try:
             with os.fdopen(fd, "wb") as f:
