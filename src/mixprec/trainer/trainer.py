@@ -55,7 +55,12 @@ from mixprec.trainer.metrics import (
     summary_rows,
 )
 from mixprec.trainer.module import MODULE_HOOKS, TrainingModule
-from mixprec.trainer.optimizers import configured_optimizers, scheduler_entry, warn_if_foreign
+from mixprec.trainer.optimizers import (
+    check_closure_fit,
+    configured_optimizers,
+    scheduler_entry,
+    warn_if_foreign,
+)
 from mixprec.trainer.strategy import FSDP, DDPStrategy, launch_stage, make_strategy
 
 
@@ -534,6 +539,9 @@ class Trainer:
                 train_loader, self.config.limit_train_batches, "train"
             ),
             amax_layers=delayed_layers(model) if self.world_size > 1 else [],
+        )
+        run.closure = check_closure_fit(
+            opts, precision.scaler.enabled, self.config.accumulate_grad_batches, self.strategy.name
         )
         self._current = run
         if run.num_training_batches == 0:
