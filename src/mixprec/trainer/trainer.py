@@ -309,7 +309,8 @@ class Trainer:
         For a plain ``nn.Module`` give ``loss_fn(output, target)``; batches are then
         ``(inputs..., target)``. ``optimizer`` is an optimizer, a factory
         ``params -> optimizer``, or None (the module's ``configure_optimizers``, else AdamW
-        with lr 1e-3).
+        with lr 1e-3). An optimizer whose step needs a closure (LBFGS) gets one running the
+        batch's training step and backward, as in Lightning.
         """
         check_model(model, loss_fn)
         check_fit_inputs(self, model, train_dataloaders, val_dataloaders)
