@@ -139,6 +139,7 @@ def test_checkpoint_contents(tmp_path):
         "epoch_rng": state["loop"]["epoch_rng"],
         "epoch_batches": 12,
         "batch_size": 8,
+        "order": {"sampler": "RandomSampler", "batch_sampler": "BatchSampler", "generators": []},
     }
     assert state["optimizer_types"] == ["AdamW"]
     assert set(state["rng"]) >= {"python", "torch", "numpy"}
