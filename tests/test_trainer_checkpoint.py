@@ -543,3 +543,29 @@ def test_ctrl_c_inside_a_model_checkpoint_save_leaves_it_complete_and_recorded(t
     if monitor is None:  # the latest two
         assert rounds[0]["files"] == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"]
         assert rounds[2]["files"] == ["epoch=0-step=6.ckpt", "epoch=0-step=7.ckpt", "last.ckpt"]
+
+
+def test_a_generator_in_a_batch_samplers_sampler_is_replayed_on_a_mid_epoch_resume(tmp_path):
+    """A DataLoader built with batch_sampler= keeps an unused SequentialSampler as .sampler;
+    the generator of the sampler really used was neither saved nor restored before, so a
+    resume in epoch 1 replayed epoch 0's order."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    data = loaders()[0].dataset
+
+    def loader() -> DataLoader:
+        sampler = RandomSampler(data, generator=torch.Generator().manual_seed(3))
+        return DataLoader(data, batch_sampler=BatchSampler(sampler, 16, drop_last=False))
+
+    def fit(steps: int, ckpt_path: Path | None = None) -> Trainer:
+        t = Trainer(max_steps=steps, seed=0, enable_checkpointing=False, **QUIET)
+        t.fit(Net(0), loader(), ckpt_path=ckpt_path)  # 6 batches an epoch
+        return t
+
+    straight = fit(10)
+    path = fit(8).save_checkpoint(tmp_path / "mid.ckpt")  # epoch 1, batch 2
+    resumed = fit(10, path)
+    for (name, a), b in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name

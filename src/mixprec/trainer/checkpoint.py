@@ -515,8 +515,8 @@ def _check_order(run: FitRun, loop: dict[str, Any], path: Path) -> None:
             f"DataLoader ordered by {was}; this run's DataLoader is ordered by {now}. The "
             "epoch's order cannot be replayed, so skipping the batches done would repeat or "
             "skip samples: resume with the DataLoader built as at the save (same sampler and "
-            "shuffle, generator= given or not as then), or from a checkpoint saved at the end "
-            "of an epoch"
+            "shuffle, generator= given or not as then; the same strategy where the Trainer put "
+            "in a DistributedSampler), or from a checkpoint saved at the end of an epoch"
         )
 
 

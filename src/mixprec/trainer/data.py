@@ -182,7 +182,11 @@ def _generators_by_owner(loader: Any) -> dict[str, torch.Generator]:
 
 
 def _sampler_of(loader: Any) -> Any:
-    return getattr(loader, "sampler", None)
+    """The sampler ordering ``loader``'s samples: its batch sampler's (a DataLoader built with
+    ``batch_sampler=``, as `distributed` builds one, keeps an unused SequentialSampler as its
+    ``sampler``), else its own."""
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    return inner if inner is not None else getattr(loader, "sampler", None)
 
 
 def generators(loader: Any) -> list[torch.Generator]:
