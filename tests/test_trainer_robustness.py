@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
 
 from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule
 from mixprec.trainer import checkpoint as ckpt_io
@@ -123,6 +123,93 @@ def test_resuming_mid_epoch_with_another_batch_size_is_refused(tmp_path):
     loader = DataLoader(data(32), batch_size=8)  # 4 batches again, but of 8 samples
     with pytest.raises(CheckpointError, match="3 batches of 4 samples.*hold 8.*repeat or skip"):
         trainer.fit(mlp(1), loader, loss_fn=F.mse_loss, ckpt_path=path)
+
+
+def seeded(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(
+    "saved, resumed, was, now",
+    [
+        (  # gained generator=
+            dict(shuffle=True),
+            dict(shuffle=True, generator=seeded()),
+            "RandomSampler (in a BatchSampler) without a generator of its own",
+            "RandomSampler (in a BatchSampler) with generator= on the DataLoader",
+        ),
+        (  # lost it
+            dict(shuffle=True, generator=seeded()),
+            dict(shuffle=True),
+            "RandomSampler (in a BatchSampler) with generator= on the DataLoader",
+            "RandomSampler (in a BatchSampler) without a generator of its own",
+        ),
+        (  # a sampler with a generator of its own beside the loader's
+            dict(shuffle=True, generator=seeded()),
+            dict(sampler=RandomSampler(data(16), generator=seeded(1)), generator=seeded()),
+            "RandomSampler (in a BatchSampler) with generator= on the DataLoader",
+            "RandomSampler (in a BatchSampler) with generator= on the DataLoader and a generator "
+            "on its sampler",
+        ),
+        (  # shuffled at the save, not now
+            dict(shuffle=True),
+            dict(shuffle=False),
+            "RandomSampler (in a BatchSampler)",
+            "SequentialSampler (in a BatchSampler)",
+        ),
+    ],
+    ids=["gained-generator", "lost-generator", "sampler-generator", "unshuffled"],
+)
+def test_resuming_mid_epoch_with_a_loader_ordered_otherwise_names_the_difference(
+    tmp_path, saved, resumed, was, now
+):
+    """Before: a raw ``zip() argument 2 is shorter than argument 1`` from the loop, or (the
+    shuffling gone) a resume that silently trained on other samples than the skipped ones."""
+    trainer = Trainer(max_steps=3, seed=0, **QUIET)
+    trainer.fit(mlp(), DataLoader(data(16), batch_size=4, **saved), loss_fn=F.mse_loss)
+    path = trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    model = mlp(1)
+    before = [p.detach().clone() for p in model.parameters()]
+    loader = DataLoader(data(16), batch_size=4, **resumed)
+    again = Trainer(max_steps=6, seed=0, **QUIET)
+    with pytest.raises(CheckpointError) as caught:
+        again.fit(model, loader, loss_fn=F.mse_loss, ckpt_path=path)
+    message = str(caught.value)
+    assert f"{path} was saved after 3 batches of epoch 0, with a DataLoader ordered by " in message
+    assert (
+        f"ordered by {was}" in message and f"this run's DataLoader is ordered by {now}" in message
+    )
+    assert "resume with the DataLoader built as at the save" in message
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    # the loader built as at the save resumes, its epoch replayed from the saved states
+    again.fit(
+        model, DataLoader(data(16), batch_size=4, **saved), loss_fn=F.mse_loss, ckpt_path=path
+    )
+    assert again.global_step == 6
+
+
+def test_a_checkpoint_written_before_the_order_was_kept_compares_generator_counts(tmp_path):
+    trainer = Trainer(max_steps=3, seed=0, **QUIET)
+    trainer.fit(mlp(), DataLoader(data(16), batch_size=4, shuffle=True), loss_fn=F.mse_loss)
+    state = ckpt_io.checkpoint_state(trainer, trainer._current)
+    del state["loop"]["order"]
+    path = ckpt_io.atomic_save(state, tmp_path / "older.ckpt")
+    loader = DataLoader(data(16), batch_size=4, shuffle=True, generator=seeded())
+    with pytest.raises(CheckpointError, match="ordered by 0 torch generator.*ordered by 1 torch"):
+        Trainer(max_steps=6, **QUIET).fit(mlp(1), loader, loss_fn=F.mse_loss, ckpt_path=path)
+
+
+def test_a_loader_ordered_otherwise_resumes_from_a_save_on_the_epochs_last_batch(tmp_path):
+    """Nothing of that epoch is replayed: the next one is drawn from the new loader."""
+    trainer = Trainer(max_steps=4, seed=0, **QUIET)
+    trainer.fit(mlp(), DataLoader(data(16), batch_size=4, shuffle=True), loss_fn=F.mse_loss)
+    path = trainer.save_checkpoint(tmp_path / "end.ckpt")
+    loader = DataLoader(data(16), batch_size=4, shuffle=True, generator=seeded())
+    again = Trainer(max_steps=6, seed=0, **QUIET)
+    again.fit(mlp(1), loader, loss_fn=F.mse_loss, ckpt_path=path)
+    assert (again.current_epoch, again.global_step) == (1, 6)
 
 
 class SkipsSome(TrainingModule):

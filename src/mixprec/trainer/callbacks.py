@@ -41,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from mixprec.trainer.interrupt import ctrl_c_deferred
+
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
@@ -148,6 +150,10 @@ class ModelCheckpoint(Callback):
     A ``monitor`` not logged yet in this fit (``val_loss`` before the first validation) gets
     one warning, and those saves rank nothing (only ``last.ckpt`` is written); once a
     validation has run without it, a save raises ``KeyError``.
+
+    A Ctrl-C during a save is held back until the save is complete: the new file written,
+    ``last.ckpt`` pointing at it, the checkpoints beyond ``save_top_k`` removed; then the
+    ``KeyboardInterrupt`` comes (a second Ctrl-C interrupts at once).
 
     Args:
         dirpath: directory for the files (default: ``<run dir>/checkpoints``).
@@ -294,6 +300,13 @@ class ModelCheckpoint(Callback):
         return score
 
     def _save(self, trainer: Trainer) -> None:
+        # A Ctrl-C waits until the new file is written, last.ckpt points at it and the
+        # checkpoints it displaced are gone: interrupted after the write alone, the directory
+        # would keep a file no record names (beyond save_top_k) and a last.ckpt a step behind
+        with ctrl_c_deferred():
+            self._write(trainer)
+
+    def _write(self, trainer: Trainer) -> None:
         score = self._score(trainer, self.monitor) if self.monitor is not None else None
         keep = 0 if self.monitor is not None and score is None else self.save_top_k
         worst = None

@@ -12,7 +12,6 @@ Python values only, so loading one never runs code from the file.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import glob
 import logging
@@ -22,10 +21,7 @@ import random
 import re
 import secrets
 import shutil
-import signal
 import socket
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +30,8 @@ from torch import Tensor, nn
 
 from mixprec.optim import master_weights_by_name
 from mixprec.trainer.callbacks import ModelCheckpoint, callback_states
-from mixprec.trainer.data import loader_batch_size
+from mixprec.trainer.data import describe_order, generators, loader_batch_size, order_of
+from mixprec.trainer.interrupt import ctrl_c_deferred
 from mixprec.version import __version__
 
 if TYPE_CHECKING:
@@ -168,33 +165,6 @@ def recover_aside(path: Path) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _ctrl_c_after_save() -> Iterator[list[bool]]:
-    """Hold a Ctrl-C back until the block ends (a save then completes and the interrupt comes
-    right after it); a second Ctrl-C interrupts at once. Only where Python's default handler
-    is installed, in the main thread."""
-    pressed: list[bool] = []
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield pressed
-        return
-
-    def hold(signum: int, frame: Any) -> None:
-        if pressed:
-            raise KeyboardInterrupt
-        pressed.append(True)
-
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield pressed
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if pressed:
-        raise KeyboardInterrupt
-
-
 def _cause(exc: BaseException) -> BaseException:
     """The first exception of the chain torch builds when a write fails half-way (it then
     fails again finishing the archive, with an opaque 'inline_container' message)."""
@@ -215,7 +185,7 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     recover_aside(path)
     clean_stale_tmp(path.parent)
-    with _ctrl_c_after_save():
+    with ctrl_c_deferred():
         fd, tmp = _new_tmp(path)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -416,6 +386,7 @@ def run_state(trainer: Trainer, run: FitRun) -> dict[str, Any]:
             "epoch_rng": None if at_epoch_end else run.epoch_rng,
             "epoch_batches": run.num_training_batches,
             "batch_size": loader_batch_size(run.train_loader),
+            "order": order_of(run.train_loader),
         },
         "optimizer_types": [type(opt.optimizer).__name__ for opt in run.optimizers],
         # an epoch-interval scheduler does not advance after a skipped last step
@@ -518,6 +489,34 @@ def check_resume_point(run: FitRun, loop: dict[str, Any], path: Path) -> None:
         raise CheckpointError(
             f"{path} was saved at batch {loop['batch']}{of} of epoch {loop['epoch']}, but "
             f"this run's epoch has {n} batches: {fix}"
+        )
+    if loop["batch"] != n:  # else nothing of the epoch is left to replay
+        _check_order(run, loop, path)
+
+
+def _check_order(run: FitRun, loop: dict[str, Any], path: Path) -> None:
+    """The epoch's order replays from the generator states saved with it: the loader must
+    draw it the same way (same samplers, a generator where there was one, none where there
+    was none)."""
+    here = order_of(run.train_loader)
+    saved = loop.get("order")  # absent from checkpoints written before it was kept
+    if saved is not None:
+        kinds = ("sampler", "batch_sampler")
+        same = [saved.get(k) for k in kinds] == [here[k] for k in kinds]
+        same = same and len(saved["generators"]) == len(here["generators"])
+        was, now = describe_order(saved), describe_order(here)
+    else:
+        count = len(loop["epoch_rng"]["loader"])
+        same = count == len(generators(run.train_loader))
+        was, now = (f"{k} torch generator(s)" for k in (count, len(here["generators"])))
+    if not same:
+        raise CheckpointError(
+            f"{path} was saved after {loop['batch']} batches of epoch {loop['epoch']}, with a "
+            f"DataLoader ordered by {was}; this run's DataLoader is ordered by {now}. The "
+            "epoch's order cannot be replayed, so skipping the batches done would repeat or "
+            "skip samples: resume with the DataLoader built as at the save (same sampler and "
+            "shuffle, generator= given or not as then; the same strategy where the Trainer put "
+            "in a DistributedSampler), or from a checkpoint saved at the end of an epoch"
         )
 
 

@@ -120,6 +120,7 @@ class FitRun(Run):
     trained_batches: int = 0  # batches of this epoch that returned a loss
     # delayed-scaling float8 layers whose amax histories the ranks share (several processes)
     amax_layers: list[Float8Linear] = field(default_factory=list)
+    closure: bool = False  # its one optimizer evaluates the loss inside step (LBFGS)
 
     @property
     def in_window(self) -> bool:
@@ -255,13 +256,25 @@ def end_of_data(trainer: Trainer, run: FitRun, batches: int) -> None:
 
 
 def train_batch(trainer: Trainer, run: FitRun, batch: Any, batch_idx: int) -> None:
-    """Forward and scaled backward of one micro-batch; the optimizer step at the end of its
-    accumulation window; validation when due."""
-    precision = run.precision
-    batch = precision.convert_input(to_device(batch, trainer.strategy.device))
+    """One batch: forward, scaled backward and, at the end of its accumulation window, the
+    optimizer step (or the whole step of a closure optimizer); validation when due."""
+    batch = run.precision.convert_input(to_device(batch, trainer.strategy.device))
     trainer._hook("on_train_batch_start", batch, batch_idx)
     trainer.stepped_this_batch = False
+    if run.closure:
+        output = closure_step(trainer, run, batch, batch_idx)
+    else:
+        output = micro_batch(trainer, run, batch, batch_idx)
+    trainer.batches_done = batch_idx + 1
+    if run.val_loader is not None and val_due(trainer, run, batch_idx):
+        validate_during_fit(trainer, run, run.val_loader)
+    trainer._hook("on_train_batch_end", output, batch, batch_idx)
 
+
+def micro_batch(trainer: Trainer, run: FitRun, batch: Any, batch_idx: int) -> Any:
+    """Forward and scaled backward of one micro-batch, and the optimizer step at the end of
+    its accumulation window; returns what the training step returned."""
+    precision = run.precision
     # forward and scaled backward; DDP all-reduces only on the window's last micro-batch
     k, n = trainer.config.accumulate_grad_batches, run.num_training_batches
     window_start = batch_idx - batch_idx % k
@@ -289,10 +302,42 @@ def train_batch(trainer: Trainer, run: FitRun, batch: Any, batch_idx: int) -> No
 
     if last_in_window:
         optimizer_step(trainer, run)
-    trainer.batches_done = batch_idx + 1
-    if run.val_loader is not None and val_due(trainer, run, batch_idx):
-        validate_during_fit(trainer, run, run.val_loader)
-    trainer._hook("on_train_batch_end", output, batch, batch_idx)
+    return output
+
+
+def closure_step(trainer: Trainer, run: FitRun, batch: Any, batch_idx: int) -> Any:
+    """The step of an optimizer that evaluates the loss inside ``step`` (LBFGS), as in
+    Lightning: its closure runs the training step, the backward, then `before_step` (hooks,
+    clipping), as often as the optimizer asks. The first evaluation's output and loss are
+    the batch's. Under several processes the closure returns the loss averaged over them, so
+    that every rank takes the same decisions and as many evaluations (each one all-reduces
+    the gradients). `optimizers.check_closure_fit` refused what this cannot run."""
+    opt = run.optimizers[0]
+    first: list[Any] = []
+
+    def closure() -> Tensor:
+        opt.zero_grad(set_to_none=True)
+        with run.step_context():
+            output = run.step("training", batch, batch_idx)
+            loss = loss_of(output, "training_step" if run.is_module else "loss_fn")
+        if loss is None:
+            raise RuntimeError(
+                f"training_step returned None for batch {batch_idx}, but "
+                f"{type(opt.optimizer).__name__} evaluates the loss inside its step and "
+                "needs one: return the loss for every batch"
+            )
+        run.precision.backward(loss)
+        if not first:
+            first.append(output)
+            run.window_losses.append(loss.detach())
+            run.trained_batches += 1
+            trainer._log.samples += batch_size_of(batch)
+        before_step(trainer, run)
+        return trainer.strategy.mean(loss) if trainer.world_size > 1 else loss.detach()
+
+    run.precision.step(opt, closure=closure)
+    after_step(trainer, run)
+    return first[0]
 
 
 def loss_of(output: Any, who: str) -> Tensor | None:
@@ -316,7 +361,7 @@ def loss_of(output: Any, who: str) -> Tensor | None:
 
 def optimizer_step(trainer: Trainer, run: FitRun) -> None:
     """Unscale, hooks, clip, step or skip (all optimizers together), schedulers, log."""
-    precision, config = run.precision, trainer.config
+    precision = run.precision
     batches, run.window_batches = run.window_batches, 0
     if not run.window_losses:  # every micro-batch of the window was skipped: nothing to step
         for opt in run.optimizers:
@@ -324,6 +369,16 @@ def optimizer_step(trainer: Trainer, run: FitRun) -> None:
         return
     if batches != run.window_size:  # cut short: the data ended, or the run resumed inside it
         rescale_grads(run.optimizers, run.window_size / batches)
+    before_step(trainer, run)
+    if not precision.step():
+        run.skipped_steps += 1
+    after_step(trainer, run)
+
+
+def before_step(trainer: Trainer, run: FitRun) -> None:
+    """What comes between the backward and the step: the float8 amax histories shared, the
+    gradients unscaled, ``on_before_optimizer_step``, clipping."""
+    precision, config = run.precision, trainer.config
     if run.amax_layers:  # the next step scales from the largest amax any rank saw
         sync_amax_histories(run.amax_layers)
     precision.unscale_()
@@ -335,8 +390,10 @@ def optimizer_step(trainer: Trainer, run: FitRun) -> None:
                 precision.clip_grad_norm_(opt, config.gradient_clip_val)
             else:
                 precision.clip_grad_value_(opt, config.gradient_clip_val)
-    if not precision.step():
-        run.skipped_steps += 1
+
+
+def after_step(trainer: Trainer, run: FitRun) -> None:
+    """Gradients cleared, the step counted, step-interval schedulers, the step's log row."""
     for opt in run.optimizers:
         opt.zero_grad(set_to_none=True)
     trainer.global_step += 1

@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from mixprec.trainer import checkpoint as ckpt_io
+from mixprec.trainer.interrupt import ctrl_c_deferred
 
 if TYPE_CHECKING:
     from mixprec.trainer.loop import FitRun, Run
@@ -118,7 +119,7 @@ def save(trainer: Trainer, run: FitRun, path: str | os.PathLike[str]) -> Path:
     rank = trainer.strategy.global_rank
     tmp = _agreed_tmp(path, rank)
     model_state, optim_state = get_state_dict(run.model, _inner(run))
-    with ckpt_io._ctrl_c_after_save():
+    with ctrl_c_deferred():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
         ckpt_io.atomic_save(ckpt_io.run_state(trainer, run), tmp / _RUN_STATE.format(rank))
         if _distributed():

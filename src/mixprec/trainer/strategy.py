@@ -14,10 +14,13 @@ path. The backend is gloo on CPU and nccl on CUDA. ``FSDPStrategy`` launches the
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import pickle
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -439,7 +442,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# seconds a launched process has, once its launcher is gone, to end by itself before it is ended
+LAUNCHER_GONE_GRACE_S = 3.0
+
+
+def _end_with_launcher(rank: int) -> None:
+    """End this launched process when the process that launched it dies (killed, out of
+    memory): it would otherwise train on, with no one to report to, holding its memory and
+    GPU. torch has Linux send it SIGINT then (a KeyboardInterrupt: logs flushed, the process
+    group left); where that never comes (the launcher ran in the background of a shell
+    script, which ignores SIGINT, or this is not Linux) or does not end it, a watcher thread
+    on the launcher's sentinel (a pipe on POSIX, a process handle on Windows) ends it
+    `LAUNCHER_GONE_GRACE_S` seconds later."""
+    launcher = multiprocessing.parent_process()
+    if launcher is None:  # not started by multiprocessing
+        return
+
+    def watch() -> None:
+        launcher.join()  # returns once the launcher has exited
+        print(
+            f"mixprec: the process that launched DDP rank {rank} (pid {launcher.pid}) is gone; "
+            "this rank ends",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(LAUNCHER_GONE_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mixprec-launcher-watch", daemon=True).start()
+
+
 def _child(rank: int, payload: Any, nprocs: int, port: int, tmp: str, threads: int) -> None:
+    _end_with_launcher(rank)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),

@@ -55,7 +55,12 @@ from mixprec.trainer.metrics import (
     summary_rows,
 )
 from mixprec.trainer.module import MODULE_HOOKS, TrainingModule
-from mixprec.trainer.optimizers import configured_optimizers, scheduler_entry, warn_if_foreign
+from mixprec.trainer.optimizers import (
+    check_closure_fit,
+    configured_optimizers,
+    scheduler_entry,
+    warn_if_foreign,
+)
 from mixprec.trainer.strategy import FSDP, DDPStrategy, launch_stage, make_strategy
 
 
@@ -304,7 +309,8 @@ class Trainer:
         For a plain ``nn.Module`` give ``loss_fn(output, target)``; batches are then
         ``(inputs..., target)``. ``optimizer`` is an optimizer, a factory
         ``params -> optimizer``, or None (the module's ``configure_optimizers``, else AdamW
-        with lr 1e-3).
+        with lr 1e-3). An optimizer whose step needs a closure (LBFGS) gets one running the
+        batch's training step and backward, as in Lightning.
         """
         check_model(model, loss_fn)
         check_fit_inputs(self, model, train_dataloaders, val_dataloaders)
@@ -534,6 +540,9 @@ class Trainer:
                 train_loader, self.config.limit_train_batches, "train"
             ),
             amax_layers=delayed_layers(model) if self.world_size > 1 else [],
+        )
+        run.closure = check_closure_fit(
+            opts, precision.scaler.enabled, self.config.accumulate_grad_batches, self.strategy.name
         )
         self._current = run
         if run.num_training_batches == 0:
