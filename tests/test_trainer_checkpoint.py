@@ -289,6 +289,26 @@ def test_bfloat16_masters_are_used_when_resuming_in_another_precision(tmp_path):
         assert p.dtype == torch.float32 and torch.equal(p, masters[name]), name
 
 
+def test_a_float32_checkpoint_resumed_in_16_true_gives_masters_its_exact_weights(tmp_path):
+    # before: the masters were built from the float16 model, i.e. the float32 weights
+    # rounded to float16 and back, so the resumed run had silently lost their low bits
+    train, _ = loaders()
+    model = Net(0)
+    t32 = trainer(tmp_path / "a", "32-true", max_steps=3)
+    t32.fit(model, train)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    path = t32.save_checkpoint(tmp_path / "fp32.ckpt")
+
+    resumed = Net(seed=9)
+    t16 = trainer(tmp_path / "b", "16-true", max_steps=3)
+    t16.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
+    masters = t16.optimizers[0].master_params
+    for name, p in resumed.named_parameters():
+        assert p.dtype == torch.float16 and torch.equal(p, weights[name].half()), name
+        assert masters[p].dtype == torch.float32 and torch.equal(masters[p], weights[name]), name
+    assert any(not torch.equal(w.half().float(), w) for w in weights.values())
+
+
 class EpochScheduled(Net):
     """An epoch-interval StepLR and a ReduceLROnPlateau on val_loss, a training epoch metric,
     and optionally a float16 overflow (a skipped step) at one step."""

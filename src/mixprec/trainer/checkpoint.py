@@ -568,7 +568,9 @@ def restore(trainer: Trainer, run: FitRun, state: dict[str, Any], path: Path) ->
     check_resume_point(run, loop, path)
     same = load_weights(run, state, path)
     if not same:
-        full = {**run.model.state_dict(), **saved_masters(state)}
+        # this run's masters come from the checkpoint's own weights (a float32 checkpoint's
+        # exactly, not as this run's 16-bit model holds them) or its masters
+        full = {**run.model.state_dict(), **state["model"], **saved_masters(state)}
     for opt, saved in zip(run.optimizers, state["optimizers"], strict=True):
         if same:
             opt.load_state_dict(saved)
