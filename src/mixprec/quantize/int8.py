@@ -97,12 +97,13 @@ ACC_MAX_K = (2**31 - 1) // (QMAX * QMAX)
 def int_matmul(a: Tensor, b: Tensor, *, max_k: int = ACC_MAX_K) -> Tensor:
     """``a @ b.T`` for int8 ``a`` [M, K] and ``b`` [N, K] (codes in [-127, 127]), exactly.
 
-    `torch._int_mm` on CPU (K > 1: with K == 1 it returns garbage) and on CUDA where it can run (M > 16, K and N
-    multiples of 8); elsewhere the same sums in float64, which holds them exactly (each is at
-    most 127 * 127 * K, far below 2**53). The result is int32 [M, N] when ``K <= max_k``;
-    a longer reduction would overflow the int32 accumulator (Linear(140000, n) at full scale
-    summed to a negative number), so it is cut into chunks of at most `max_k` columns whose
-    int32 sums are added in int64, and the result is int64. `max_k` is for tests.
+    `torch._int_mm` on CPU (K > 1: with K == 1 it returns garbage) and on CUDA where it can
+    run (M > 16, K and N multiples of 8); elsewhere the same sums in float64, which holds
+    them exactly (each is at most 127 * 127 * K, far below 2**53). The result is int32
+    [M, N] when ``K <= max_k``; a longer reduction would overflow the int32 accumulator
+    (Linear(140000, n) at full scale summed to a negative number), so it is cut into chunks
+    of at most `max_k` columns whose int32 sums are added in int64, and the result is
+    int64. `max_k` is for tests.
     """
     m, k = a.shape
     n = b.shape[0]
