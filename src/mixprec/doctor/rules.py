@@ -6,8 +6,8 @@ rule in `MODULE_RULES` that has one, so it is judged by the problem closest to i
 
 1. inf/NaN made here: in the forward (`forward_overflow`); in the backward
    (`backward_overflow`) or as it arrives at the output gradient (`gradient_arrives_nonfinite`),
-   these two only when every forward value is finite (a forward inf/NaN makes every gradient
-   inf/NaN, and the forward's origin is the one to fix);
+   these two only when every forward value is finite (after a forward inf/NaN the gradients'
+   follow from it, and the forward's origin is the one to fix);
 2. gradients lost: most parameter gradients flush to zero (`gradients_flush`);
 3. range at risk: outputs near the max (`output_near_max`) or below the smallest normal
    (`outputs_underflow`), parameter gradients underflowing (`gradients_underflow`);
