@@ -199,6 +199,21 @@ def test_import_mixprec_is_light_and_the_trainer_loads_on_first_use():
     assert out == ["[]", "True True"]
 
 
+def test_the_doctor_loads_neither_the_trainer_nor_rich():
+    """The doctor (layer 11) sits above the Trainer but needs none of it: the monitor defines
+    the Trainer's hooks without importing it, and tables import rich only to print."""
+    code = (
+        "import sys, mixprec\n"
+        "mixprec.diagnose, mixprec.PrecisionMonitor\n"
+        "from mixprec.doctor import diagnose\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('mixprec.trainer', 'rich'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert out == ["[]"]
+
+
 def test_the_top_level_holds_the_daily_names_only():
     assert sorted(mixprec.__all__) == sorted(
         [

@@ -22,7 +22,7 @@ from mixprec.precision import Precision
 from mixprec.quantize.float8 import delayed_layers
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer import sharded
-from mixprec.trainer.callbacks import Callback, ModelCheckpoint
+from mixprec.trainer.callbacks import Callback, ModelCheckpoint, keeps_state, listens
 from mixprec.trainer.config import (
     TrainerConfig,
     check_fit_inputs,
@@ -91,7 +91,8 @@ class Trainer:
             many training batches (int), and always at the end of an epoch (for data without
             ``len()``: when it runs out).
         limit_train_batches, limit_val_batches: a fraction or a number of batches per epoch.
-        callbacks: a Callback or a list of them.
+        callbacks: a Callback (or an object with Callback hooks: a PrecisionMonitor) or a
+            list of them.
         logger: True (CSV, and TensorBoard when installed), False, a Logger or a list.
         enable_progress_bar: draw a rich progress bar when stdout is a terminal.
         enable_checkpointing: add a ``ModelCheckpoint`` (latest epoch) unless one is given.
@@ -472,7 +473,8 @@ class Trainer:
                 return result
             except BaseException as exc:
                 for cb in self.callbacks:
-                    cb.on_exception(self, model, exc)
+                    if listens(cb, "on_exception"):
+                        cb.on_exception(self, model, exc)
                 raise
             finally:
                 self._log.flush()
@@ -598,15 +600,14 @@ class Trainer:
         model = self.model
         listeners = self._listeners.get(name)
         if listeners is None:  # the callbacks that override this hook (it runs per batch)
-            base = getattr(Callback, name)
-            listeners = [cb for cb in self.callbacks if getattr(type(cb), name) is not base]
+            listeners = [cb for cb in self.callbacks if listens(cb, name)]
             self._listeners[name] = listeners
         for cb in listeners:
             getattr(cb, name)(self, model, *args)
 
     def _load_callback_states(self, states: dict[str, Any]) -> None:
         for cb in self.callbacks:
-            if cb.state_key in states:
+            if keeps_state(cb) and cb.state_key in states:
                 cb.load_state_dict(states[cb.state_key])
 
 
