@@ -326,8 +326,9 @@ def loss_outside_modules(modules: dict[str, ModuleReport], run: RunFacts) -> Fin
     if run.forward_broken:
         reason = (
             f"the loss is inf/NaN although every module's output is finite: it overflows "
-            f"{limit.name} outside the modules (in the loss function, which runs in the "
-            "precision's autocast region too); compute the loss from float32 outputs"
+            f"{limit.name} outside the modules (in the loss: a loss_fn takes the outputs in "
+            "the policy's output dtype, a training step's own code runs in the precision's "
+            "autocast region); compute the loss from float32 outputs"
         )
         return Finding(BROKEN, FindingKind.LOSS, reason)
     reason = (
