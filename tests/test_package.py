@@ -251,3 +251,14 @@ def test_the_top_level_holds_the_daily_names_only():
         assert "no attribute 'joint_step'" in str(err)
     else:
         raise AssertionError("helpers live in their modules, not at the top level")
+
+
+def test_dir_of_the_top_level_shows_its_public_names_only():
+    """`dir(mixprec)` (what tab completion offers) lists the public names, the submodules
+    loaded so far and the module's dunders, not the helpers its file imports for itself."""
+    shown = set(dir(mixprec))
+    assert set(mixprec.__all__) <= shown
+    others = {n for n in shown - set(mixprec.__all__) if not (n[:2] == n[-2:] == "__")}
+    submodules = {n for n in others if sys.modules.get(f"mixprec.{n}") is getattr(mixprec, n)}
+    assert others == submodules, f"not public: {sorted(others - submodules)}"
+    assert {"hardware", "policy", "optim"} <= submodules
