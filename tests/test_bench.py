@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from mixprec import hardware
-from mixprec.bench.command import parse_size
 from mixprec.bench.report import busy_machine_warning, markdown, summarize
 from mixprec.bench.runner import OK, OOM, LoopResult, RunResult, _measured, set_tf32
 from mixprec.bench.suite import BenchOptions, BenchReport, Config, Row, plan
 from mixprec.cli import main
+from mixprec.cli.bench import parse_size
 from mixprec.hardware import ALLOW_SLOW_ENV, DeviceInfo
 from mixprec.policy import Policy
 from mixprec.policy_map import PolicyMap
@@ -483,8 +483,8 @@ def test_a_failing_configuration_is_a_recorded_row_and_the_others_are_written(
 
 
 def test_repeated_batch_sizes_add_up_and_a_preset_and_timeout_are_reproduced():
-    from mixprec.bench.command import _options
     from mixprec.cli import build_parser
+    from mixprec.cli.bench import _options
 
     args = build_parser().parse_args(["bench", "--batch-sizes", "2", "--batch-sizes", "8,4"])
     assert _options(args).batch_sizes == [2, 8, 4]

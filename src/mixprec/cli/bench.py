@@ -1,4 +1,5 @@
-"""`mixprec bench`: argument parsing, progress and printing; the work is in `suite`."""
+"""`mixprec bench`: argument parsing, progress and printing; the work is in `mixprec.bench`
+(`suite`, `distributed`)."""
 
 from __future__ import annotations
 
