@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mixprec.cli.bench import add_parser as add_bench_parser
-from mixprec.doctor.command import add_parser as add_doctor_parser
+from mixprec.cli.doctor import add_parser as add_doctor_parser
 from mixprec.errors import PrecisionError
 from mixprec.hardware import (
     FAST,
