@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.factory import FactoryError, call_factory, load_factory, parse_reference
+from mixprec.bench.factory import FactoryError, call_factory, load_factory, parse_reference
 
 BUILTIN_MODELS: tuple[str, ...] = ("cnn", "mlp", "transformer")
 DEFAULT_BATCH_SIZES: dict[str, tuple[int, ...]] = {
