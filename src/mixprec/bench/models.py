@@ -17,6 +17,22 @@ from torch import Tensor, nn
 
 from mixprec.bench.factory import FactoryError, call_factory, load_factory, parse_reference
 
+__all__ = [
+    "BUILTIN_MODELS",
+    "BlogCNN",
+    "DEFAULT_BATCH_SIZES",
+    "DEFAULT_IMAGE_SIZE",
+    "MLP",
+    "NUM_CLASSES",
+    "TinyTransformer",
+    "Workload",
+    "check_model",
+    "check_model_name",
+    "check_workload",
+    "load_workload",
+    "probabilities_nll",
+]
+
 BUILTIN_MODELS: tuple[str, ...] = ("cnn", "mlp", "transformer")
 DEFAULT_BATCH_SIZES: dict[str, tuple[int, ...]] = {
     "cnn": (8, 16, 32),

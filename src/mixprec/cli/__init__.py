@@ -29,6 +29,8 @@ from mixprec.hardware import (
 from mixprec.policy import Policy
 from mixprec.version import __version__
 
+__all__ = ["ERROR_EXIT", "build_parser", "main"]
+
 _STYLE = {FAST: "green", "supported": "yellow", SLOW: "red", REFUSED: "red bold"}
 
 

@@ -34,6 +34,8 @@ from mixprec.cli.outputs import check_output_dir
 from mixprec.hardware import detect
 from mixprec.version import __version__
 
+__all__ = ["add_parser", "parse_size", "run_command", "run_memory_command"]
+
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 

@@ -20,6 +20,8 @@ from mixprec.doctor.diagnosis import Diagnosis, diagnose
 from mixprec.doctor.verdicts import DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE
 from mixprec.errors import PolicySpecError, PrecisionError
 
+__all__ = ["add_parser"]
+
 
 def _unpack(made: Any) -> tuple[Any, Any, Any]:
     if isinstance(made, dict):
