@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from devices import AVX2_CPU, ZEN4
 
 from mixprec import hardware
 from mixprec.bench.report import busy_machine_warning, markdown, summarize
@@ -22,12 +23,9 @@ from mixprec.bench.runner import OK, OOM, LoopResult, RunResult, _measured, set_
 from mixprec.bench.suite import BenchOptions, BenchReport, Config, Row, plan
 from mixprec.cli import main
 from mixprec.cli.bench import parse_size
-from mixprec.hardware import ALLOW_SLOW_ENV, DeviceInfo
+from mixprec.hardware import ALLOW_SLOW_ENV
 from mixprec.policy import Policy
 from mixprec.policy_map import PolicyMap
-
-ZEN4 = DeviceInfo("cpu", "AMD Zen 4", cpu_flags=frozenset({"avx512bw", "avx512_bf16"}))
-AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
 
 TINY = ["--threads", "1", "--warmup", "0"]
 
