@@ -57,6 +57,8 @@ from mixprec.policy_map import PolicyMap
 from mixprec.scaling import LossScaler
 from mixprec.tree import map_tensors
 
+__all__ = ["Diagnosis", "Recommendation", "diagnose"]
+
 
 class Diagnosis:
     """What changed between the reference run and the target run, module by module.

@@ -43,6 +43,8 @@ from mixprec.scaling import LossScaler
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
+__all__ = ["LayerSample", "PrecisionMonitor", "PrecisionWarning"]
+
 log = logging.getLogger("mixprec")
 
 

@@ -20,6 +20,42 @@ from mixprec.doctor.probe import Key, Recording, Stats, combine, lowest_float
 from mixprec.dtypes import dtype_name, format_info
 from mixprec.policy_map import PolicyMap
 
+__all__ = [
+    "AT_RISK",
+    "BROKEN",
+    "DEFAULT_LOSS_SCALE",
+    "DEFAULT_TOLERANCE",
+    "ERROR_AT_RISK",
+    "ERROR_BROKEN",
+    "ERROR_GROWTH",
+    "FindingKind",
+    "GRAD_FLUSH_AT_RISK",
+    "GRAD_FLUSH_BROKEN",
+    "GRAD_UNDERFLOW_AT_RISK",
+    "HEADROOM",
+    "LOSS_SCALE_MARGIN",
+    "MAX_LOSS_SCALE",
+    "ModuleReport",
+    "OK",
+    "Origins",
+    "ParamReport",
+    "QUANTIZED_TOLERANCE",
+    "UNDERFLOW_AT_RISK",
+    "UPDATE_RULES",
+    "UpdateModel",
+    "VANISH_AT_RISK",
+    "VANISH_BROKEN",
+    "Verdict",
+    "largest_loss_scale",
+    "loss_scale_for",
+    "module_reports",
+    "param_reports",
+    "range_dtype",
+    "scale_text",
+    "vanishing_by_module",
+    "vanishing_fraction",
+]
+
 
 class Verdict(str, Enum):
     """How a module fares in the target precision, in order of severity."""

@@ -19,6 +19,21 @@ from torch import Tensor, nn
 
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
+__all__ = [
+    "ACC_MAX_K",
+    "Int8Embedding",
+    "Int8Linear",
+    "QMAX",
+    "check_finite",
+    "check_input",
+    "int8_linear",
+    "int_matmul",
+    "output_dtype",
+    "quantize_rows",
+    "quantize_tokens",
+    "storable_scale",
+]
+
 QMAX = 127
 
 

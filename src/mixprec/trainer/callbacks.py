@@ -46,6 +46,17 @@ from mixprec.trainer.interrupt import ctrl_c_deferred
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
+__all__ = [
+    "Callback",
+    "EarlyStopping",
+    "HOOKS",
+    "ModelCheckpoint",
+    "callback_states",
+    "check_callback",
+    "keeps_state",
+    "listens",
+]
+
 log = logging.getLogger("mixprec")
 
 

@@ -38,6 +38,30 @@ if TYPE_CHECKING:
     from mixprec.trainer.loop import FitRun, Run
     from mixprec.trainer.trainer import Trainer
 
+__all__ = [
+    "CheckpointError",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "RUN_KEYS",
+    "atomic_link",
+    "atomic_save",
+    "check_resume_point",
+    "check_weights",
+    "checkpoint_state",
+    "clean_stale_tmp",
+    "install",
+    "load",
+    "load_weights",
+    "recover_aside",
+    "resolve_path",
+    "restore",
+    "restore_progress",
+    "rng_states",
+    "run_state",
+    "saved_masters",
+    "set_rng_states",
+]
+
 log = logging.getLogger("mixprec")
 
 FORMAT = "mixprec.checkpoint"

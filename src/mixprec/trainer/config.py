@@ -36,6 +36,21 @@ from mixprec.trainer.progress import RichProgressBar
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
+__all__ = [
+    "TrainerConfig",
+    "check_fit_inputs",
+    "check_model",
+    "check_one_loader",
+    "choose_precision",
+    "compile_model",
+    "compile_options",
+    "determinism",
+    "make_callbacks",
+    "new_precision",
+    "resolve_precision",
+    "seed_everything",
+]
+
 log = logging.getLogger("mixprec")
 
 

@@ -38,6 +38,37 @@ from mixprec.trainer.optimizers import Scheduler
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
+__all__ = [
+    "EmptyEpochError",
+    "FitRun",
+    "Run",
+    "StepRunner",
+    "after_step",
+    "before_step",
+    "closure_step",
+    "end_epoch",
+    "end_of_data",
+    "fit_done",
+    "fit_loop",
+    "log_step",
+    "log_training_epoch",
+    "loss_of",
+    "micro_batch",
+    "monitored_value",
+    "optimizer_step",
+    "predict_loop",
+    "ran_out",
+    "rescale_grads",
+    "restore_resume_rng",
+    "rng_unchanged",
+    "run_eval",
+    "step_epoch_schedulers",
+    "train_batch",
+    "train_epoch",
+    "val_due",
+    "validate_during_fit",
+]
+
 
 class StepRunner(nn.Module):
     """Runs one step of a kind ("training", "validation", ...) as a module's forward, so that

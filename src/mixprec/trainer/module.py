@@ -15,6 +15,8 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
+__all__ = ["MODULE_HOOKS", "NOT_CALLED", "TrainingModule", "hooks_not_called"]
+
 
 # the hooks a TrainingModule may define, called by the Trainer before the callbacks' own
 MODULE_HOOKS = frozenset(

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from mixprec.trainer.strategy import SingleDeviceStrategy
     from mixprec.trainer.trainer import Trainer
 
+__all__ = ["copy", "load_weights", "restore", "save"]
+
 log = logging.getLogger("mixprec")
 
 _RUN_STATE = "trainer-rank{}.pt"

@@ -45,6 +45,24 @@ from mixprec.trainer.loggers import Logger
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
+__all__ = [
+    "ACCELERATORS",
+    "DDPStrategy",
+    "FSDP",
+    "FSDPStrategy",
+    "LAUNCHER_GONE_GRACE_S",
+    "STRATEGIES",
+    "SingleDeviceStrategy",
+    "TRAINER_PROGRESS",
+    "free_port",
+    "launch_stage",
+    "launched_by_torchrun",
+    "make_strategy",
+    "resolve_accelerator",
+    "resolve_devices",
+    "run_in_child",
+]
+
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 STRATEGIES = ("auto", "single_device", "ddp", "ddp_fork", "fsdp")
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -63,6 +63,8 @@ from mixprec.trainer.optimizers import (
 )
 from mixprec.trainer.strategy import FSDP, DDPStrategy, launch_stage, make_strategy
 
+__all__ = ["Trainer"]
+
 
 class Trainer:
     """Trains, validates, tests and predicts with one precision flag.
