@@ -406,6 +406,11 @@ def check_model(model: Any, loss_fn: Any) -> None:
             "Trainer(compile=True) (or a dict of torch.compile arguments): it compiles after "
             "conversion"
         )
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise TypeError(
+            f"model is wrapped in {type(model).__name__}: pass the plain model (model.module); "
+            "the Trainer wraps it itself for the strategy it runs (strategy='ddp' or 'fsdp')"
+        )
     if not isinstance(model, TrainingModule) and loss_fn is None:
         raise ValueError(
             f"{type(model).__name__} is a plain nn.Module: pass loss_fn=(output, target) -> "
