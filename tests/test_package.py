@@ -16,11 +16,12 @@ SRC = Path(mixprec.__file__).parent
 # below it. Utilities with no knowledge of precision sit at the bottom.
 LAYERS: list[set[str]] = [
     {"errors", "version"},
-    {"dtypes", "compensated"},
+    {"dtypes", "compensated", "float8_config"},
+    {"policy_names"},
     {"policy"},
+    {"quantize"},
     {"policy_map", "tree"},
     {"hardware"},
-    {"quantize"},
     {"convert", "scaling"},
     {"optim", "masters"},
     {"precision"},
