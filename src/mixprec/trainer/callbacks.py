@@ -487,3 +487,10 @@ def callback_states(callbacks: list[Callback]) -> dict[str, Any]:
             )
         out[key] = state
     return out
+
+
+def load_callback_states(callbacks: list[Callback], states: dict[str, Any]) -> None:
+    """Give each of ``callbacks`` its state from what `callback_states` returned."""
+    for cb in callbacks:
+        if cb.state_key in states:
+            cb.load_state_dict(states[cb.state_key])
