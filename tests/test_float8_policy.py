@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from devices import AVX2_CPU, H100
 from torch import nn
 
 import mixprec
@@ -96,10 +97,8 @@ def test_the_trainer_trains_under_a_float8_precision_string(tmp_path):
 
 def test_without_the_allow_flag_a_cpu_refuses_float8_as_emulated():
     from mixprec import hardware
-    from mixprec.hardware import DeviceInfo
 
-    cpu = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
-    with hardware.assume(cpu), pytest.raises(mixprec.SlowPrecisionError):
+    with hardware.assume(AVX2_CPU), pytest.raises(mixprec.SlowPrecisionError):
         mixprec.Precision("float8_from_float32").setup(_model())
 
 
@@ -130,19 +129,15 @@ def test_the_trainer_takes_lightnings_transformer_engine_flag(tmp_path):
     Lightning's float8 run: bfloat16 weights and compute, delayed float8 scales, float32
     outputs. The hardware check applies as to any float8 policy."""
     from mixprec import hardware
-    from mixprec.hardware import DeviceInfo
     from mixprec.trainer.config import resolve_precision
 
-    policy, support = resolve_precision(
-        "transformer-engine", DeviceInfo("cuda", "H100", 0, capability=(9, 0))
-    )
+    policy, support = resolve_precision("transformer-engine", H100)
     assert policy == mixprec.PolicyMap(
         "float8/delayed_from_params=bfloat16,compute=bfloat16,output=float32"
     )
     assert support.status == hardware.FAST
-    cpu = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
     with pytest.raises(mixprec.SlowPrecisionError, match="float8"):
-        resolve_precision("transformer-engine-float16", cpu)
+        resolve_precision("transformer-engine-float16", AVX2_CPU)
 
     class Net(TrainingModule):
         def __init__(self) -> None:

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from devices import AVX2_CPU
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -29,7 +30,6 @@ from mixprec.integrations.lightning import (  # noqa: E402
     SkipAwareScheduler,
 )
 
-AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
 AMX_CPU = DeviceInfo("cpu", "Xeon with AMX", cpu_flags=frozenset({"avx512bw", "amx_bf16"}))
 BATCHES = 4  # batches per epoch
 LR, GAMMA = 0.05, 0.5

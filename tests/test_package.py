@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ SRC = Path(mixprec.__file__).parent
 # Lower layers first; a module may import only from its own layer's package or from layers
 # below it. Utilities with no knowledge of precision sit at the bottom.
 LAYERS: list[set[str]] = [
-    {"errors", "version", "factory", "outputs"},
+    {"errors", "version"},
     {"dtypes", "compensated"},
     {"policy"},
     {"policy_map", "tree"},
@@ -260,6 +261,21 @@ def test_import_mixprec_is_light_and_the_trainer_loads_on_first_use():
     assert out == ["[]", "True True"]
 
 
+def test_the_doctor_loads_neither_the_trainer_nor_rich():
+    """The doctor (layer 11) sits above the Trainer but needs none of it: the monitor defines
+    the Trainer's hooks without importing it, and tables import rich only to print."""
+    code = (
+        "import sys, mixprec\n"
+        "mixprec.diagnose, mixprec.PrecisionMonitor\n"
+        "from mixprec.doctor import diagnose\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('mixprec.trainer', 'rich'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert out == ["[]"]
+
+
 def test_the_top_level_holds_the_daily_names_only():
     assert sorted(mixprec.__all__) == sorted(
         [
@@ -297,6 +313,72 @@ def test_the_top_level_holds_the_daily_names_only():
         assert "no attribute 'joint_step'" in str(err)
     else:
         raise AssertionError("helpers live in their modules, not at the top level")
+
+
+def test_dir_of_the_top_level_shows_its_public_names_only():
+    """`dir(mixprec)` (what tab completion offers) lists the public names, the submodules
+    loaded so far and the module's dunders, not the helpers its file imports for itself."""
+    shown = set(dir(mixprec))
+    assert set(mixprec.__all__) <= shown
+    others = {n for n in shown - set(mixprec.__all__) if not (n[:2] == n[-2:] == "__")}
+    submodules = {n for n in others if sys.modules.get(f"mixprec.{n}") is getattr(mixprec, n)}
+    assert others == submodules, f"not public: {sorted(others - submodules)}"
+    assert {"hardware", "policy", "optim"} <= submodules
+
+
+def _public_modules() -> list[str]:
+    """The package's public modules: no part of the dotted name starts with an underscore."""
+    return [m for m in MODULES if not any(part.startswith("_") for part in m.split("."))]
+
+
+def _listed(path: Path) -> list[str] | None:
+    """The names in the module-level `__all__` of the file at `path` (None without one)."""
+    for node in ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return list(ast.literal_eval(node.value))
+    return None
+
+
+def test_every_public_module_declares_its_public_names():
+    """Each public module says in `__all__` which of its names are its interface, and each
+    name there exists (the lazy ones of the top level too)."""
+    wrong = []
+    for name in _public_modules():
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:  # an integration whose extra is not installed
+            if (err.name or "").startswith("mixprec"):
+                raise
+            continue
+        listed = vars(module).get("__all__")
+        if listed is None:
+            wrong.append(f"{name} has no __all__")
+            continue
+        absent = [n for n in listed if not hasattr(module, n)]
+        private = [n for n in listed if n.startswith("_") and not n.endswith("__")]
+        wrong += [f"{name}.__all__ lists {n!r}, which it lacks" for n in absent]
+        wrong += [f"{name}.__all__ lists the private {n!r}" for n in private]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_name_imported_from_another_module_is_in_its_all():
+    """What one module imports from another (not a private `_name`) is part of that module's
+    interface, so its `__all__` lists it."""
+    listed = {m: _listed(MODULES[m]) for m in _public_modules()}
+    wrong = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0):
+                continue
+            names = listed.get(node.module or "")
+            if names is None or node.module == module:
+                continue
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}" in MODULES
+                if not (alias.name.startswith("_") or submodule or alias.name in names):
+                    wrong.append(f"{module}:{node.lineno} imports {node.module}.{alias.name}")
+    assert not wrong, "not in the __all__ of the module they come from:\n" + "\n".join(wrong)
 
 
 def test_checkpoints_are_written_atomically_in_one_place():

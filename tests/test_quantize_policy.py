@@ -10,6 +10,7 @@ import pickle
 
 import pytest
 import torch
+from devices import AVX2_CPU, H100
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -405,25 +406,23 @@ def test_policy_maps_with_quantized_rules_round_trip():
     assert pmap.name == "int8_from_mixed_bfloat16 + 2 rule(s)"
 
 
-AVX2 = hardware.DeviceInfo("cpu", "an AVX2-only CPU", cpu_flags=frozenset({"avx2"}))
-H100 = hardware.DeviceInfo("cuda", "H100", 0, capability=(9, 0))
 A100 = hardware.DeviceInfo("cuda", "A100", 0, capability=(8, 0))
 
 
 @pytest.mark.parametrize(
     "spec, info, status",
     [
-        ("int8_from_float32", AVX2, hardware.FAST),
-        ("int4_from_float32", AVX2, hardware.FAST),
-        ("int8_from_mixed_bfloat16", AVX2, hardware.SLOW),  # the bf16 source is slow there
+        ("int8_from_float32", AVX2_CPU, hardware.FAST),
+        ("int4_from_float32", AVX2_CPU, hardware.FAST),
+        ("int8_from_mixed_bfloat16", AVX2_CPU, hardware.SLOW),  # the bf16 source is slow there
         ("int8_from_mixed_bfloat16", H100, hardware.FAST),
         ("float8_from_mixed_bfloat16", H100, hardware.FAST),
         ("float8_from_mixed_bfloat16", A100, hardware.SLOW),
-        ("float8_from_float32", AVX2, hardware.SLOW),
+        ("float8_from_float32", AVX2_CPU, hardware.SLOW),
         ("transformer-engine", H100, hardware.FAST),
         ("transformer-engine-float16", H100, hardware.FAST),
         ("transformer-engine", A100, hardware.SLOW),  # float8 needs compute capability 8.9+
-        ("transformer-engine", AVX2, hardware.SLOW),
+        ("transformer-engine", AVX2_CPU, hardware.SLOW),
     ],
 )
 def test_hardware_rates_quantized_policies_honestly(spec, info, status):
@@ -433,7 +432,7 @@ def test_hardware_rates_quantized_policies_honestly(spec, info, status):
 def test_float8_off_sm89_is_refused_as_slow_naming_where_it_is_fast():
     with pytest.raises(SlowPrecisionError, match=r"float8 tensor cores.*compute capability 8.9\+"):
         hardware.check("float8_from_mixed_bfloat16", info=A100)
-    with hardware.assume(AVX2):
+    with hardware.assume(AVX2_CPU):
         with pytest.raises(SlowPrecisionError, match="emulated"):
             hardware.check(mixprec.PolicyMap("32-true", {"head": "float8_from_float32"}), "cpu")
         assert hardware.check("float8_from_float32", "cpu", allow_slow=True).status == hardware.SLOW

@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from devices import AVX2_CPU
 from spawning import run_ranks
 from torch import nn
 
 from mixprec import hardware
 from mixprec.errors import PrecisionError, SlowPrecisionError
-from mixprec.hardware import DeviceInfo
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy
 from mixprec.policy_map import PolicyMap, island_policy
@@ -30,7 +30,6 @@ from mixprec.sharding import mixed_precision_policy, shard, units
 WORLD = 2
 STEPS = 4
 LR = 0.05
-AVX2_CPU = DeviceInfo("cpu", "an AVX2-only CPU", cpu_flags=frozenset({"avx2", "fma"}))
 
 
 class Block(nn.Module):

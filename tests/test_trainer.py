@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from devices import AVX2_CPU, ZEN4
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -158,8 +159,6 @@ def test_cuda_accelerator_without_cuda_raises():
 
 
 V100 = DeviceInfo("cuda", "Tesla V100", 0, capability=(7, 0), total_memory=16 * 2**30)
-ZEN4 = DeviceInfo("cpu", "AMD EPYC (Zen 4)", cpu_flags=frozenset({"avx512bw", "avx512_bf16"}))
-OLD_CPU = DeviceInfo("cpu", "an old x86", cpu_flags=frozenset({"sse4_2", "avx2"}))
 
 
 def test_accelerator_precision_pairs_that_are_refused_raise_precision_error():
@@ -182,10 +181,10 @@ def test_far_slower_than_float32_raises_unless_allowed():
 def test_auto_picks_per_device_and_never_silently_falls_back():
     assert resolve_precision("auto", ZEN4)[0] == mixprec.PolicyMap("bf16-mixed")
     assert resolve_precision("auto", V100)[0] == mixprec.PolicyMap("16-mixed")
-    assert resolve_precision("auto", OLD_CPU)[0] == mixprec.PolicyMap("32-true")
+    assert resolve_precision("auto", AVX2_CPU)[0] == mixprec.PolicyMap("32-true")
     # an explicit choice stays what it is, or raises
     with pytest.raises(mixprec.SlowPrecisionError):
-        resolve_precision("bf16-mixed", OLD_CPU)
+        resolve_precision("bf16-mixed", AVX2_CPU)
 
 
 def test_a_policy_file_is_a_precision_flag_checked_like_a_name(tmp_path):
@@ -196,7 +195,7 @@ def test_a_policy_file_is_a_precision_flag_checked_like_a_name(tmp_path):
     assert policy == mixprec.PolicyMap("bf16-mixed", {"head": "32-true"})
     assert support.status == "fast"
     with pytest.raises(mixprec.SlowPrecisionError):
-        resolve_precision(str(path), OLD_CPU)
+        resolve_precision(str(path), AVX2_CPU)
     with hardware.assume(ZEN4):
         trainer = Trainer(precision=str(path), accelerator="cpu", **QUIET)
     assert trainer.policy.rules == {"head": mixprec.Policy("32-true")}
@@ -204,7 +203,7 @@ def test_a_policy_file_is_a_precision_flag_checked_like_a_name(tmp_path):
 
 def test_float16_on_a_cpu_raises_exactly_when_it_is_slow_there():
     amx_fp16 = DeviceInfo("cpu", "Granite Rapids", cpu_flags=frozenset({"amx_bf16", "amx_fp16"}))
-    with hardware.assume(OLD_CPU):
+    with hardware.assume(AVX2_CPU):
         with pytest.raises(mixprec.SlowPrecisionError, match="allow_slow_precision=True"):
             Trainer(precision="16-mixed", accelerator="cpu", **QUIET)
         allowed = Trainer(

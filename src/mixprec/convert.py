@@ -31,6 +31,16 @@ from mixprec.policy_map import APPLIED_STATE, PolicyMap, Resolution, as_map, flo
 from mixprec.quantize import quantize_modules
 from mixprec.tree import map_tensors
 
+__all__ = [
+    "AppliedState",
+    "applied_policy",
+    "apply",
+    "cast_floating",
+    "default_dtype",
+    "needs_default_dtype",
+    "remove",
+]
+
 _STATE = APPLIED_STATE
 
 

@@ -18,6 +18,28 @@ from torch import nn
 from mixprec.dtypes import DTYPE_NAMES, FLOAT8_DTYPES, dtype_name, is_float8, to_dtype
 from mixprec.errors import PolicySpecError
 
+__all__ = [
+    "AUTO",
+    "DEFAULT_AMAX_HISTORY_LENGTH",
+    "DEFAULT_GROUP_SIZE",
+    "FLOAT8_RECIPES",
+    "FLOAT8_SMALL_IN_FEATURES",
+    "FLOAT8_SMALL_OUT_FEATURES",
+    "LIGHTNING_FLOAT8",
+    "MIN_QUANTIZED_FEATURES",
+    "PER_CHANNEL",
+    "POLICY_NAMES",
+    "Policy",
+    "QUANTIZATION_MODES",
+    "QuantizedPolicy",
+    "as_policy",
+    "global_policy",
+    "is_auto",
+    "is_quantized",
+    "policy_scope",
+    "set_global_policy",
+]
+
 f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 
 # Canonical names (Lightning's spelling) of the common policies: (param, compute, output).

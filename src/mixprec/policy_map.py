@@ -32,6 +32,20 @@ from torch import nn
 from mixprec.errors import PolicySpecError
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 
+__all__ = [
+    "APPLIED_STATE",
+    "Explanation",
+    "ISLAND_TYPES",
+    "PolicyMap",
+    "Resolution",
+    "RuleKey",
+    "as_map",
+    "explain",
+    "float_dtypes",
+    "is_policy_file",
+    "island_policy",
+]
+
 # What torch's CUDA autocast runs in float32 (layer_norm, group_norm, softmax, ...), made
 # true on every device. BatchNorm is not an island: its kernels take 16-bit inputs with
 # float32 statistics and accumulate in float32 on CPU and CUDA alike, and a float32 island

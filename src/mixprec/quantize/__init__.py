@@ -59,6 +59,7 @@ __all__ = [
     "enable_lora",
     "merge_lora",
     "quantize",
+    "quantize_modules",
     "weight_bytes",
 ]
 

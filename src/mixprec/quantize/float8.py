@@ -36,6 +36,33 @@ from torch import Tensor, nn
 
 from mixprec.errors import PolicySpecError
 
+__all__ = [
+    "AMAX_FLOOR",
+    "DEFAULT_AMAX_HISTORY",
+    "DELAYED_BUFFERS",
+    "E4M3",
+    "E5M2",
+    "Filter",
+    "Float8Linear",
+    "RECIPES",
+    "SMALL_IN_FEATURES",
+    "SMALL_OUT_FEATURES",
+    "amax_to_scale",
+    "axis_scale",
+    "check_history_length",
+    "check_recipe",
+    "convert_from_float8",
+    "convert_to_float8",
+    "delayed_layers",
+    "high_precision_matmul",
+    "real_scaled_mm_supported",
+    "scaled_matmul",
+    "skip_reason",
+    "sync_amax_histories",
+    "tensor_scale",
+    "to_float8",
+]
+
 E4M3: torch.dtype = torch.float8_e4m3fn
 E5M2: torch.dtype = torch.float8_e5m2
 AMAX_FLOOR = 1e-12

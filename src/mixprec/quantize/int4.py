@@ -19,6 +19,17 @@ from torch import Tensor, nn
 from mixprec.quantize.int8 import check_finite, check_input, output_dtype, storable_scale
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
+__all__ = [
+    "Int4Embedding",
+    "Int4Linear",
+    "QMAX",
+    "dequantize_groups",
+    "groups_of",
+    "pack",
+    "quantize_groups",
+    "unpack",
+]
+
 QMAX = 15
 
 

@@ -19,6 +19,21 @@ from torch import Tensor, nn
 
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
+__all__ = [
+    "ACC_MAX_K",
+    "Int8Embedding",
+    "Int8Linear",
+    "QMAX",
+    "check_finite",
+    "check_input",
+    "int8_linear",
+    "int_matmul",
+    "output_dtype",
+    "quantize_rows",
+    "quantize_tokens",
+    "storable_scale",
+]
+
 QMAX = 127
 
 
@@ -97,12 +112,13 @@ ACC_MAX_K = (2**31 - 1) // (QMAX * QMAX)
 def int_matmul(a: Tensor, b: Tensor, *, max_k: int = ACC_MAX_K) -> Tensor:
     """``a @ b.T`` for int8 ``a`` [M, K] and ``b`` [N, K] (codes in [-127, 127]), exactly.
 
-    `torch._int_mm` on CPU (any shape) and on CUDA where it can run (M > 16, K and N
-    multiples of 8); elsewhere the same sums in float64, which holds them exactly (each is at
-    most 127 * 127 * K, far below 2**53). The result is int32 [M, N] when ``K <= max_k``;
-    a longer reduction would overflow the int32 accumulator (Linear(140000, n) at full scale
-    summed to a negative number), so it is cut into chunks of at most `max_k` columns whose
-    int32 sums are added in int64, and the result is int64. `max_k` is for tests.
+    `torch._int_mm` on CPU (K > 1: with K == 1 it returns garbage) and on CUDA where it can
+    run (M > 16, K and N multiples of 8); elsewhere the same sums in float64, which holds
+    them exactly (each is at most 127 * 127 * K, far below 2**53). The result is int32
+    [M, N] when ``K <= max_k``; a longer reduction would overflow the int32 accumulator
+    (Linear(140000, n) at full scale summed to a negative number), so it is cut into chunks
+    of at most `max_k` columns whose int32 sums are added in int64, and the result is
+    int64. `max_k` is for tests.
     """
     m, k = a.shape
     n = b.shape[0]
@@ -111,7 +127,9 @@ def int_matmul(a: Tensor, b: Tensor, *, max_k: int = ACC_MAX_K) -> Tensor:
         for ac, bc in zip(a.split(max_k, dim=1), b.split(max_k, dim=1), strict=True):
             acc += int_matmul(ac, bc, max_k=max_k)
         return acc
-    if a.device.type == "cpu" or (a.device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0):
+    # torch 2.13's CPU _int_mm returns uninitialised memory for K == 1
+    cpu = a.device.type == "cpu" and k > 1
+    if cpu or (a.device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0):
         return torch._int_mm(a, b.t())
     return (a.double() @ b.double().t()).to(torch.int32)
 

@@ -46,6 +46,18 @@ from mixprec.trainer.interrupt import ctrl_c_deferred
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
+__all__ = [
+    "Callback",
+    "EarlyStopping",
+    "HOOKS",
+    "ModelCheckpoint",
+    "callback_states",
+    "check_callback",
+    "keeps_state",
+    "listens",
+    "load_callback_states",
+]
+
 log = logging.getLogger("mixprec")
 
 
@@ -121,6 +133,39 @@ class Callback:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
+
+
+HOOKS = frozenset(name for name in vars(Callback) if name.startswith("on_"))
+
+
+def check_callback(obj: Any) -> None:
+    """Refuse what the Trainer cannot call back. It takes a `Callback`, or any object whose
+    ``on_*`` methods are all Callback hooks (at least one), such as the doctor's
+    `PrecisionMonitor`, which does not import the Trainer; it calls the hooks an object has
+    and keeps the state of `Callback` instances only."""
+    if isinstance(obj, Callback):
+        return
+    kind = type(obj)
+    hooks = {n for n in dir(kind) if n.startswith("on_") and callable(getattr(kind, n))}
+    if not hooks or hooks - HOOKS:
+        name = kind.__qualname__
+        name = name if kind.__module__ == "builtins" else f"{kind.__module__}.{name}"
+        wrong = f"whose {', '.join(sorted(hooks - HOOKS))} are not" if hooks else "which has none"
+        raise ValueError(
+            "callbacks must be Callback instances or objects whose on_* methods are all "
+            f"Callback hooks, got {name}, {wrong} (the hooks: {', '.join(sorted(HOOKS))})"
+        )
+
+
+def listens(cb: Any, name: str) -> bool:
+    """Whether `cb` has hook `name` of its own (the Trainer calls only those)."""
+    base = getattr(Callback, name)
+    return getattr(type(cb), name, base) is not base
+
+
+def keeps_state(cb: Any) -> bool:
+    """Whether a checkpoint keeps `cb`'s state: a Callback with its own `state_dict`."""
+    return isinstance(cb, Callback) and type(cb).state_dict is not Callback.state_dict
 
 
 _MODES = ("min", "max")
@@ -476,7 +521,7 @@ def callback_states(callbacks: list[Callback]) -> dict[str, Any]:
     """The non-empty states of ``callbacks`` keyed by `Callback.state_key` (unique)."""
     out: dict[str, Any] = {}
     for cb in callbacks:
-        state = cb.state_dict()
+        state = cb.state_dict() if keeps_state(cb) else {}
         if not state:
             continue
         key = cb.state_key
@@ -492,5 +537,5 @@ def callback_states(callbacks: list[Callback]) -> dict[str, Any]:
 def load_callback_states(callbacks: list[Callback], states: dict[str, Any]) -> None:
     """Give each of ``callbacks`` its state from what `callback_states` returned."""
     for cb in callbacks:
-        if cb.state_key in states:
+        if keeps_state(cb) and cb.state_key in states:
             cb.load_state_dict(states[cb.state_key])

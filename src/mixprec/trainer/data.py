@@ -24,6 +24,21 @@ from torch.utils.data import (
 
 from mixprec.tree import iter_tensors, map_tensors
 
+__all__ = [
+    "SkipBatches",
+    "batch_size_of",
+    "describe_order",
+    "distributed",
+    "generators",
+    "iterate_from",
+    "loader_batch_size",
+    "num_batches",
+    "order_of",
+    "set_epoch",
+    "to_device",
+    "why_empty",
+]
+
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a nested batch (any structure `mixprec.tree` walks: tuples,

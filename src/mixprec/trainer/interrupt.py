@@ -11,6 +11,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+__all__ = ["ctrl_c_deferred"]
+
 
 @contextlib.contextmanager
 def ctrl_c_deferred() -> Iterator[None]:

@@ -24,7 +24,7 @@ from mixprec.optim import LossScaleOptimizer, scheduler_step
 from mixprec.precision import Precision
 from mixprec.quantize.float8 import Float8Linear, sync_amax_histories
 from mixprec.step import backward, plain_loss, split_batch, step_context
-from mixprec.trainer.callbacks import Callback
+from mixprec.trainer.callbacks import Callback, listens
 from mixprec.trainer.checkpoint import rng_states, set_rng_states
 from mixprec.trainer.data import (
     batch_size_of,
@@ -43,6 +43,38 @@ if TYPE_CHECKING:
     from mixprec.trainer.config import TrainerConfig
     from mixprec.trainer.strategy import Strategy
     from mixprec.trainer.trainer import Trainer
+
+__all__ = [
+    "EmptyEpochError",
+    "FitRun",
+    "Progress",
+    "Run",
+    "StepRunner",
+    "after_step",
+    "before_step",
+    "closure_step",
+    "end_epoch",
+    "end_of_data",
+    "fit_done",
+    "fit_loop",
+    "log_step",
+    "log_training_epoch",
+    "loss_of",
+    "micro_batch",
+    "monitored_value",
+    "optimizer_step",
+    "predict_loop",
+    "ran_out",
+    "rescale_grads",
+    "restore_resume_rng",
+    "rng_unchanged",
+    "run_eval",
+    "step_epoch_schedulers",
+    "train_batch",
+    "train_epoch",
+    "val_due",
+    "validate_during_fit",
+]
 
 
 class StepRunner(nn.Module):
@@ -141,8 +173,7 @@ class Run:
         """Call hook ``name`` of the callbacks that override it, with the trainer and model."""
         listeners = self.listeners.get(name)
         if listeners is None:
-            base = getattr(Callback, name)
-            listeners = [c for c in self.callbacks if getattr(type(c), name) is not base]
+            listeners = [c for c in self.callbacks if listens(c, name)]
             self.listeners[name] = listeners
         for cb in listeners:
             getattr(cb, name)(self.trainer, self.model, *args)

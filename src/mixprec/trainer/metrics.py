@@ -17,6 +17,16 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+__all__ = [
+    "FLUSH_EVERY_N_STEPS",
+    "MetricStore",
+    "StepLog",
+    "peak_memory_mib",
+    "reset_peak_memory",
+    "shown_in_progress",
+    "summary_rows",
+]
+
 # Logged values are kept as tensors and turned into numbers (a host sync on GPUs) and
 # written out in batches of this many steps, or sooner when a callback or the bar reads them.
 FLUSH_EVERY_N_STEPS = 25

@@ -16,6 +16,15 @@ if TYPE_CHECKING:
     from mixprec.trainer.metrics import MetricStore
     from mixprec.trainer.trainer import Trainer
 
+__all__ = [
+    "MODULE_HOOKS",
+    "NOT_CALLED",
+    "TrainingModule",
+    "attach",
+    "detach",
+    "hooks_not_called",
+]
+
 
 # the hooks a TrainingModule may define, called by the Trainer before the callbacks' own
 MODULE_HOOKS = frozenset(

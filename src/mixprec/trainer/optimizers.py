@@ -16,6 +16,17 @@ from torch import nn
 from mixprec.optim import LossScaleOptimizer
 from mixprec.trainer.module import TrainingModule
 
+__all__ = [
+    "OptimizerFactory",
+    "Scheduler",
+    "check_closure_fit",
+    "configured_optimizers",
+    "needs_closure",
+    "parse_optimizers",
+    "scheduler_entry",
+    "warn_if_foreign",
+]
+
 log = logging.getLogger("mixprec")
 
 

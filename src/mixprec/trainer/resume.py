@@ -23,6 +23,17 @@ from mixprec.trainer.data import describe_order, generators, loader_batch_size, 
 from mixprec.trainer.loop import FitRun, Run
 from mixprec.version import __version__
 
+__all__ = [
+    "check_resume_point",
+    "check_weights",
+    "checkpoint_state",
+    "load_weights",
+    "restore",
+    "restore_progress",
+    "run_state",
+    "saved_masters",
+]
+
 log = logging.getLogger("mixprec")
 
 

@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from mixprec.trainer.loop import FitRun, Run
     from mixprec.trainer.strategy import Strategy
 
+__all__ = ["copy", "load_weights", "restore", "save"]
+
 log = logging.getLogger("mixprec")
 
 _RUN_STATE = "trainer-rank{}.pt"

@@ -43,6 +43,22 @@ from mixprec.precision import Precision
 from mixprec.trainer.data import distributed
 from mixprec.trainer.loggers import Logger
 
+__all__ = [
+    "ACCELERATORS",
+    "DDPStrategy",
+    "FSDP",
+    "FSDPStrategy",
+    "LAUNCHER_GONE_GRACE_S",
+    "STRATEGIES",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "free_port",
+    "launched_by_torchrun",
+    "make_strategy",
+    "resolve_accelerator",
+    "resolve_devices",
+]
+
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 STRATEGIES = ("auto", "single_device", "ddp", "ddp_fork", "fsdp")
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

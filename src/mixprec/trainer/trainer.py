@@ -27,6 +27,7 @@ from mixprec.trainer.callbacks import (
     Callback,
     ModelCheckpoint,
     callback_states,
+    listens,
     load_callback_states,
 )
 from mixprec.trainer.config import (
@@ -70,6 +71,8 @@ from mixprec.trainer.optimizers import (
 )
 from mixprec.trainer.strategy import FSDP, DDPStrategy, make_strategy
 
+__all__ = ["Trainer"]
+
 
 class Trainer:
     """Trains, validates, tests and predicts with one precision flag.
@@ -98,7 +101,8 @@ class Trainer:
             many training batches (int), and always at the end of an epoch (for data without
             ``len()``: when it runs out).
         limit_train_batches, limit_val_batches: a fraction or a number of batches per epoch.
-        callbacks: a Callback or a list of them.
+        callbacks: a Callback (or an object with Callback hooks: a PrecisionMonitor) or a
+            list of them.
         logger: True (CSV, and TensorBoard when installed), False, a Logger or a list.
         enable_progress_bar: draw a rich progress bar when stdout is a terminal.
         enable_checkpointing: add a ``ModelCheckpoint`` (latest epoch) unless one is given.
@@ -530,7 +534,8 @@ class Trainer:
                 return result
             except BaseException as exc:
                 for cb in self.callbacks:
-                    cb.on_exception(self, model, exc)
+                    if listens(cb, "on_exception"):
+                        cb.on_exception(self, model, exc)
                 raise
             finally:
                 self._log.flush()
