@@ -356,6 +356,34 @@ def test_the_precision_flag_and_the_plugin_cannot_be_combined():
         pl.Trainer(precision="bf16-mixed", plugins=[MixprecPrecision("bf16-mixed")])
 
 
+@pytest.mark.parametrize("flag", ["bf16-mixed", "16-true", 64])
+def test_a_precision_flag_beside_a_plugin_inside_the_strategy_is_refused(flag):
+    # Lightning refuses precision= with plugins=[...], but a precision plugin inside a
+    # strategy instance won silently over the flag
+    from pytorch_lightning.strategies import SingleDeviceStrategy
+
+    plugin = MixprecPrecision("bf16-mixed", allow_slow=True)
+    trainer = _trainer(
+        strategy=SingleDeviceStrategy("cpu", precision_plugin=plugin), precision=flag, max_steps=1
+    )
+    model = _model()
+    with pytest.raises(ValueError, match=r"precision='(bf16-mixed|16-true|64-true)'\) would be"):
+        trainer.fit(model, _loader())
+    assert not model.losses
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_a_plugin_inside_the_strategy_trains_without_a_precision_flag():
+    from pytorch_lightning.strategies import SingleDeviceStrategy
+
+    plugin = MixprecPrecision("bf16-mixed", allow_slow=True)
+    trainer = _trainer(strategy=SingleDeviceStrategy("cpu", precision_plugin=plugin), max_steps=1)
+    model = _model()
+    trainer.fit(model, _loader())
+    assert trainer.precision_plugin is plugin and trainer.precision == "bf16-mixed"
+    assert model.losses
+
+
 def test_a_precision_object_carries_its_own_settings():
     precision = Precision("16-mixed", allow_slow=True)
     assert MixprecPrecision(precision).mixprec is precision

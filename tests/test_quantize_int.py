@@ -488,7 +488,7 @@ def test_bfloat16_storage_keeps_int_weights_and_stores_scales_in_bfloat16():
         (
             lambda: quantize(nn.Sequential(), "int8", filter=3),
             TypeError,
-            "filter must be a callable",
+            "filter must be None, a callable",
         ),
         (
             lambda: quantize(nn.Sequential(), "int8", filter="("),

@@ -19,7 +19,9 @@ import mixprec
 from mixprec import hardware
 from mixprec.errors import PolicySpecError, SlowPrecisionError
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
+from mixprec.policy_names import POLICY_NAMES
 from mixprec.quantize import Int4Embedding, Int4Linear, Int8Linear
+from mixprec.quantize.rules import skip_reason
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -449,3 +451,32 @@ def test_keras_older_int4_none_name_quantizes_per_channel():
     mixprec.quantize(model, "int4/None_from_float32")
     assert isinstance(model[0], Int4Linear) and model[0].group_size == -1
     assert model[0].weight_scale.shape == (8, 1)  # one scale per output channel
+
+
+def test_policy_of_a_spec_builds_what_as_policy_builds():
+    """`as_policy` is the one factory; `Policy(spec)` follows the same rule: a quantized spec
+    gives a QuantizedPolicy, any other spec a float Policy."""
+    specs = [*POLICY_NAMES, 16, torch.bfloat16, "p=f16,c=bf16", "transformer-engine"]
+    for spec in [*specs, *ACCEPTED]:
+        made = as_policy(spec)
+        assert type(Policy(spec)) is type(made) and Policy(spec) == made
+        assert isinstance(made, QuantizedPolicy) == mixprec.policy.is_quantized(spec)
+    assert type(as_policy(Policy("int8_from_float32").to_config())) is QuantizedPolicy
+
+
+def test_the_layer_rules_are_the_quantize_packages_and_the_policy_a_plain_value():
+    """Which layers a quantized policy quantizes was a method of the policy; the rules live
+    in `mixprec.quantize.rules`, which `explain`, `apply` and `quantize` all read."""
+    policy = Policy("int8_from_float32")
+    assert not hasattr(policy, "skip_reason")
+    assert skip_reason(policy, nn.Linear(32, 32)) is None
+    assert skip_reason(policy, nn.LayerNorm(32)) == (
+        "unsupported type LayerNorm: int8 quantizes Linear and Embedding"
+    )
+    model = _model()
+    explained = mixprec.explain(model, policy).skipped
+    assert explained == {
+        path: skip_reason(policy, module)
+        for path, module in model.named_modules()
+        if skip_reason(policy, module) is not None and list(module.parameters(recurse=False))
+    }

@@ -428,10 +428,16 @@ def test_refuses_without_a_process_group():
         shard(Net(), "32-true")
 
 
-def test_refuses_a_slow_policy_unless_allowed(monkeypatch):
+def test_refuses_a_slow_policy_unless_allowed(monkeypatch, tmp_path):
     monkeypatch.delenv("MIXPREC_ALLOW_SLOW", raising=False)
-    with hardware.assume(AVX2_CPU), pytest.raises(SlowPrecisionError, match="allow_slow"):
-        shard(Net(), "bf16-mixed", mesh=object())  # type: ignore[arg-type]  # checked first
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        with hardware.assume(AVX2_CPU), pytest.raises(SlowPrecisionError, match="allow_slow"):
+            shard(Net(), "bf16-mixed")
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_uncompensated_warning_names_the_fsdp_fix_for_sharded_16_bit_weights(tmp_path):

@@ -19,7 +19,7 @@ from nets import mlp
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
 
-from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule
+from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule, resume
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.checkpoint import CheckpointError
 from mixprec.trainer.loop import EmptyEpochError
@@ -189,7 +189,7 @@ def test_resuming_mid_epoch_with_a_loader_ordered_otherwise_names_the_difference
 def test_a_checkpoint_written_before_the_order_was_kept_compares_generator_counts(tmp_path):
     trainer = Trainer(max_steps=3, seed=0, **QUIET)
     trainer.fit(mlp(4, 8, 1), DataLoader(data(16), batch_size=4, shuffle=True), loss_fn=F.mse_loss)
-    state = ckpt_io.checkpoint_state(trainer, trainer._current)
+    state = resume.checkpoint_state(trainer._current)
     del state["loop"]["order"]
     path = ckpt_io.atomic_save(state, tmp_path / "older.ckpt")
     loader = DataLoader(data(16), batch_size=4, shuffle=True, generator=seeded())

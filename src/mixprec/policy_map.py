@@ -31,6 +31,7 @@ from torch import nn
 
 from mixprec.errors import PolicySpecError
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
+from mixprec.quantize.rules import skip_reason
 
 __all__ = [
     "APPLIED_STATE",
@@ -84,7 +85,7 @@ def _with_quantization(res: Resolution, module: nn.Module) -> Resolution:
     policy = res.policy
     if not isinstance(policy, QuantizedPolicy):
         return res
-    reason = policy.skip_reason(module)
+    reason = skip_reason(policy, module)
     if reason is None:
         return Resolution(policy, res.source, quantized=True)
     if any(True for _ in module.parameters(recurse=False)):

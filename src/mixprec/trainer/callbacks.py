@@ -55,6 +55,7 @@ __all__ = [
     "check_callback",
     "keeps_state",
     "listens",
+    "load_callback_states",
 ]
 
 log = logging.getLogger("mixprec")
@@ -531,3 +532,10 @@ def callback_states(callbacks: list[Callback]) -> dict[str, Any]:
             )
         out[key] = state
     return out
+
+
+def load_callback_states(callbacks: list[Callback], states: dict[str, Any]) -> None:
+    """Give each of ``callbacks`` its state from what `callback_states` returned."""
+    for cb in callbacks:
+        if keeps_state(cb) and cb.state_key in states:
+            cb.load_state_dict(states[cb.state_key])

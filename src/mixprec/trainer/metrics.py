@@ -259,6 +259,12 @@ class StepLog:
                 for lg in self.loggers:
                     lg.log_metrics(numbers, step)
 
+    def read(self) -> dict[str, float]:
+        """``callback_metrics``, the queued rows turned into numbers first (what callbacks
+        and plateau schedulers monitor)."""
+        self.flush()
+        return self.callback_metrics
+
     def throughput(self) -> float | None:
         """Samples per second over all processes during the last fit (None before any)."""
         if self.fit_seconds <= 0:
