@@ -309,10 +309,10 @@ STEPPERS = {
 
 
 def _odd_params(dtype: torch.dtype) -> list[nn.Parameter]:
-    """One parameter stepped in place (``SMALL`` elements) and three packed together, one
+    """One parameter stepped in place (over two rows of noise) and three packed together, one
     of them transposed, with zeros, subnormals and the largest finite values among them."""
     gen = torch.Generator().manual_seed(0)
-    big = torch.randn(SMALL, generator=gen)
+    big = torch.randn(2 * compensated.BLOCK + 3, generator=gen)  # three rows of noise
     big[:4] = torch.tensor([0.0, -0.0, 1e-39, -3e-41])
     big[4:6] = torch.finfo(dtype).max
     small = [torch.randn(5, 7, generator=gen).t(), torch.randn(33, generator=gen), torch.zeros(3)]
@@ -401,21 +401,51 @@ def test_rounding_is_a_function_of_seed_and_step_counts():
     assert 0.2 < (p < 1).float().mean() < 0.8  # the rounding is random across elements
 
 
-def test_the_random_words_are_a_bijection_of_index_and_key():
-    """The Feistel network maps 2^16 consecutive indices to 2^16 distinct 32-bit words
-    (so, with a uniform key, each element's two 16-bit values are uniform and independent),
-    and different keys give different words."""
-    key = torch.tensor([123456789], dtype=torch.int32)
-    high, low = compensated._noise(1 << 16, 1 << 20, key)
-    assert high.dtype == low.dtype == torch.int32
-    assert 0 <= min(high.min(), low.min()) and max(high.max(), low.max()) < 1 << 16
-    words = high.long() * 65536 + low.long()
-    assert words.unique().numel() == 1 << 16
-    other_high, other_low = compensated._noise(1 << 16, 1 << 20, key + 1)
-    assert (other_high != high).float().mean() > 0.99
-    # each 16-bit value's top bits are spread evenly over the 16 buckets
-    counts = torch.bincount((high >> 12).long(), minlength=16).float()
-    assert ((counts - 4096).abs() < 4 * 64).all()
+def test_the_noise_is_uniform_per_element_and_a_window_of_the_table_eagerly():
+    """Element (r, c) of a call takes ``_permute((c + k0) % 2^16) ^ row mask``: over the
+    offsets k0 each element sees every 16-bit value once (so with a uniform key it is
+    uniform), a row's values are distinct, and the eager step reads them as a window of the
+    table (a permutation written twice) XOR one row mask: the same values."""
+    table = compensated._table(torch.device("cpu"))
+    assert torch.equal(table[: 1 << 16].sort().values, torch.arange(1 << 16, dtype=torch.int32))
+    assert torch.equal(table[1 << 16 :], table[: 1 << 16])
+    offsets = torch.arange(1 << 16, dtype=torch.int32)
+    assert compensated._permute((100 + offsets) & 0xFFFF).unique().numel() == 1 << 16
+    key = (40000, 123, 65535, 7)
+    row, column, n = 2, 65000, 500  # a slice at the end of the third row
+    first, second = compensated._noise(n, row * (1 << 16) + column, key, table)
+    columns = torch.arange(column, column + n, dtype=torch.int32)
+    for got, k, k_row in ((first, key[0], key[2]), (second, key[1], key[3])):
+        mask = (((row + k_row) & 0xFFFF) * compensated._ROW) & 0xFFFF
+        assert torch.equal(got, compensated._permute((columns + k) & 0xFFFF) ^ mask)
+        assert got.unique().numel() == n and 0 <= got.min() and got.max() < 1 << 16
+    assert (first != second).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounding_keeps_signed_zeros_infinities_and_nans_of_any_payload(dtype):
+    """The eager bfloat16 rounding adds noise to the bits a bfloat16 drops: a NaN whose
+    payload would carry into the sign stays a NaN, and -0.0 stays -0.0."""
+    bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F800000, -0x800000, -(1 << 31), 0])
+    x = bits.to(torch.int32).view(torch.float32)
+    for noise in (0, 0xFFFF):
+        out = compensated._round_stochastic(
+            x, torch.full_like(bits, noise, dtype=torch.int32), dtype
+        )
+        assert out[:3].isnan().all()
+        assert out[3] == float("inf") and out[4] == float("-inf")
+        assert torch.equal(out[5:].signbit(), torch.tensor([True, False]))
+        assert (out[5:] == 0).all()
+
+
+def test_a_weight_without_decay_steps_as_torch_steps_an_infinite_one():
+    """Without weight decay the step has no decay term (not a term times zero): an
+    infinite weight stays infinite, as in torch's AdamW, instead of becoming inf * 0 = NaN."""
+    p = nn.Parameter(torch.tensor([float("inf"), 1.0], dtype=torch.bfloat16))
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.0)
+    p.grad = torch.ones_like(p)
+    Compensator("stochastic", seed=0).step(opt)
+    assert p[0] == float("inf") and p[1] < 1.0
 
 
 def test_eager_slices_do_not_change_the_step(monkeypatch):

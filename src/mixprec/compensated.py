@@ -112,15 +112,21 @@ COMPILE_MIN_ELEMENTS = 1 << 18
 # parameters with fewer elements (or not contiguous) are stepped together from one packed
 # copy: one kernel call for all of them instead of one each
 SMALL = 1 << 16
-# elements per kernel call: indices stay int32; a larger tensor takes several calls, each
-# with its own key
+# elements per kernel call: indices stay int32 and a call has at most 2^16 rows of BLOCK
+# (distinct row masks); a larger tensor takes several calls, each with its own key
 CALL_MAX = 1 << 30
-# elements per slice on the eager path: on a CPU its float32 temporaries stay cache-sized;
-# on an accelerator slices are large, so that the ~100 kernel launches per slice are few
-EAGER_CHUNK = 1 << 16
+# the noise's blocks: elements of a block take distinct values from one window of the table
+BLOCK_BITS = 16
+BLOCK = 1 << BLOCK_BITS
+# elements per slice on the eager path: on a CPU its float32 temporaries stay cache-sized
+# (and a slice stays inside one row of BLOCK elements); on an accelerator slices are large,
+# so that the ~40 kernel launches per slice are few
+EAGER_CHUNK = BLOCK
 EAGER_CHUNK_ACCELERATOR = 1 << 22
-# multipliers of the Feistel rounds (16-bit halves times a 15-bit constant stay below 2^31)
-_ROUNDS = (0x5BD1, 0x6A09, 0x3C6F, 0x2F4B, 0x7A1D)
+# odd multipliers of the noise's 16-bit permutation and of its row masks (16-bit values
+# times a 15-bit constant stay below 2^31)
+_MIX = (0x5BD1, 0x6A09)
+_ROW = 0x3C6F
 _MASK64 = (1 << 64) - 1
 
 
@@ -150,36 +156,86 @@ def stochastic_round_(
 # -- the elementwise step (one function for the compiled and the eager path) -----------------
 
 
-def _noise(n: int, start: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _permute(x: torch.Tensor) -> torch.Tensor:
+    """A fixed permutation of the 16-bit values (int32 in [0, 65536)): two rounds of a
+    multiplication by an odd constant modulo 2^16 (below 2^15: no int32 overflow) and an
+    xorshift, each a bijection."""
+    for c in _MIX:
+        x = (x * c) & 0xFFFF
+        x = x ^ (x >> 7)
+    return x
+
+
+@functools.cache
+def _table(device: torch.device) -> torch.Tensor:
+    """``_permute`` of 0..65535 written twice, as int32 on ``device``: the eager step reads
+    a row's noise as a window of it."""
+    permutation = _permute(torch.arange(BLOCK, dtype=torch.int32))
+    return torch.cat([permutation, permutation]).to(device)
+
+
+def _noise(
+    n: int, start: int, key: torch.Tensor | tuple[int, ...], table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two int32 tensors of ``n`` values in [0, 65536) for elements ``start..start+n`` of a
-    call with ``key`` (an int32 tensor of one element): the halves of a Feistel network
-    over ``index ^ key``. A bijection of 32-bit words: with a uniform key, each element's
-    two values are uniform and independent."""
-    x = torch.arange(start, start + n, dtype=torch.int32, device=key.device) ^ key
-    high, low = (x >> 16) & 0xFFFF, x & 0xFFFF
-    for c in _ROUNDS:
-        t = low * c
-        high, low = low, high ^ ((t ^ (t >> 15)) & 0xFFFF)
-    return high, low
+    call with ``key`` (four 16-bit offsets: an int32 tensor compiled, ints eagerly).
+
+    The call is seen as rows of ``BLOCK`` elements; element (r, c) takes
+    ``_permute((c + key[0]) % 2^16) ^ ((r + key[2]) % 2^16 * _ROW % 2^16)`` (the other
+    value with ``key[1]``, ``key[3]``). With uniform offsets each value is uniform (the
+    permutation of a uniform value is uniform, and an XOR with an independent value keeps
+    it so), the two are independent of each other and of other steps' values (independent
+    offsets); a row's values are distinct, and rows differ by an XOR that changes every
+    step. Compiled, this is arithmetic on the element's index, fused into the step; eagerly
+    (on a CPU, a slice inside one row) a window of ``table`` and one XOR."""
+    if torch.compiler.is_compiling() or table.device.type != "cpu":
+        i = torch.arange(start, start + n, dtype=torch.int32, device=table.device)
+        column, row = i & (BLOCK - 1), i >> BLOCK_BITS
+        first, second = (
+            _permute((column + key[j]) & 0xFFFF) ^ ((((row + key[j + 2]) & 0xFFFF) * _ROW) & 0xFFFF)
+            for j in (0, 1)
+        )
+        return first, second
+    row, column = divmod(start, BLOCK)
+    assert column + n <= BLOCK, "an eager slice stays inside one row"
+    first, second = (
+        table[key[j] + column : key[j] + column + n]
+        ^ ((((row + key[j + 2]) & 0xFFFF) * _ROW) & 0xFFFF)  # type: ignore[operator]
+        for j in (0, 1)
+    )
+    return first, second
 
 
 def _round_stochastic(x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` (float32) rounded to a neighbouring ``dtype`` (bfloat16/float16) value, the upper
-    one when ``noise`` (int32 in [0, 65536)) is below 65536 times the fraction of the way
-    there; in float32, exactly representable in ``dtype``.
+    """``x`` (float32) rounded to a neighbouring ``dtype`` (bfloat16/float16) value: away
+    from zero when ``65535 - noise`` (``noise`` int32 in [0, 65536)) is below 65536 times
+    the fraction of the way there, else toward zero; in float32, exactly representable in ``dtype``. Unbiased
+    to 2^-16 of a spacing (exactly for bfloat16); signed zeros and infinities pass
+    unchanged, a NaN becomes a NaN (bfloat16: the quiet NaN).
 
     The spacing of ``dtype`` numbers at ``x`` is ``ufp(x) * 2^(1 - p)``, ``ufp(x)`` the power
-    of two at or below ``|x|``: Rump's ``|q - (1 - 2^-24) q|`` with ``q = (2^23 + 1) x``, taken
-    of ``x * 2^-24`` so that no finite ``x`` overflows, and at least the spacing of
-    ``dtype``'s subnormals (also for infinities, whose ``q - q`` is NaN). Unbiased to 2^-16
-    of a spacing (exactly for bfloat16); infinities and NaN pass unchanged."""
+    of two at or below ``|x|``: Rump's ``q - (1 - 2^-24) q`` with ``q = (2^23 + 1) |x|``,
+    taken of ``|x| * 2^-24`` so that no finite ``x`` overflows, and at least the spacing of
+    ``dtype``'s subnormals (also for infinities, whose ``q - q`` is NaN); then ``floor`` of
+    ``|x|`` in spacings and a comparison, and the sign put back. Inductor vectorizes this
+    float arithmetic. Eagerly, bfloat16 takes a shorter road to the same bits: bfloat16 is
+    the upper half of float32, so ``noise`` is added to the 16 bits it drops and the sum
+    truncated (a carry means those bits exceed ``65535 - noise``); a NaN is first made the
+    quiet NaN, whose payload cannot carry into the sign."""
+    if dtype == torch.bfloat16 and not torch.compiler.is_compiling():
+        bits = x.nan_to_num(nan=math.nan, posinf=math.inf, neginf=-math.inf).view(torch.int32)
+        return ((bits + noise) & -(1 << 16)).view(torch.float32)
     p, subnormal = (8, 2.0**-133) if dtype == torch.bfloat16 else (11, 2.0**-24)
-    q = x * (2.0**-24 * (2.0**23 + 1))
-    spacing = _at_least((q - q * (1 - 2.0**-24)).abs() * 2.0 ** (25 - p), subnormal)
-    t = x / spacing
+    magnitude = x.abs()
+    q = magnitude * (2.0**-24 * (2.0**23 + 1))
+    spacing = _at_least((q - q * (1 - 2.0**-24)) * 2.0 ** (25 - p), subnormal)
+    t = magnitude / spacing
     low = t.floor()
-    up = (noise.float() < (t - low) * 65536).to(x.dtype)
-    return (low + up) * spacing
+    up = ((noise ^ 0xFFFF).float() < (t - low) * 65536).to(x.dtype)
+    rounded = ((low + up) * spacing).copysign(x)
+    if dtype == torch.bfloat16:  # (compiled) the quiet NaN, as eagerly
+        return torch.where(x != x, math.nan, rounded)
+    return rounded
 
 
 def _at_least(x: torch.Tensor, bound: float) -> torch.Tensor:
@@ -195,7 +251,7 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
     """Correctly rounded square root: eager float32 ``sqrt`` on a CPU is not (inductor's is,
     and the float64 root rounded to float32 is)."""
     if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling():
-        return x.double().sqrt().float()
+        return x.double().sqrt_().float()
     return x.sqrt()
 
 
@@ -229,30 +285,36 @@ def _adam(
     m: torch.Tensor,
     v: torch.Tensor,
     c: torch.Tensor | None,
-    s: torch.Tensor,
-    key: torch.Tensor,
+    s: torch.Tensor | list[float],
+    key: torch.Tensor | tuple[int, ...],
+    table: torch.Tensor,
     kind: str | None,
-    l2: bool,
+    decay: str | None,
     start: int,
 ) -> None:
-    """One Adam/AdamW step of the flat tensors (weight, gradient, moments, Kahan buffer or
-    None), in place. ``s``: beta1, (1 - beta1) times the sign of the gradient (-1 to
-    maximize), beta2, 1 - beta2, 1 / sqrt(1 - beta2^step), eps, -lr / (1 - beta1^step),
-    -lr * decoupled weight decay, and (with ``l2``) the L2 weight decay times the sign, in the
-    math dtype. ``start``: the first element's index in the call (eager slices)."""
-    w = p.to(s.dtype)
-    grad = g.to(s.dtype)
-    if l2:  # the sign applies to the gradient before the decay: sign * (g + w * wd * sign)
-        grad = grad + w * s[8]
-    m_new = m.to(s.dtype) * s[0] + grad * s[1]
-    v_new = v.to(s.dtype) * s[2] + grad * grad * s[3]
-    u = m_new / (_sqrt(v_new) * s[4] + s[5]) * s[6] + w * s[7]
+    """One Adam/AdamW step of the tensors (weight, gradient, moments, Kahan buffer or None;
+    all of one shape), in place. ``s``: beta1, (1 - beta1) times the sign of the gradient
+    (-1 to maximize), beta2, 1 - beta2, 1 / sqrt(1 - beta2^step), eps, -lr / (1 -
+    beta1^step), then (``decay`` "decoupled") -lr times the weight decay or (``decay``
+    "l2") the weight decay times the sign; a tensor of the math dtype compiled, floats
+    eagerly. ``key``, ``table``, ``start``: the random bits (``_noise``). Out of place only: an
+    in-place operation on a temporary splits the compiled kernel in two."""
+    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+    w = p.to(dtype)
+    grad = g.to(dtype)
+    if decay == "l2":  # the sign applies to the gradient before the decay
+        grad = grad + w * s[7]
+    m_new = m.to(dtype) * s[0] + grad * s[1]
+    v_new = v.to(dtype) * s[2] + grad * grad * s[3]
+    u = m_new / (_sqrt(v_new) * s[4] + s[5]) * s[6]
+    if decay == "decoupled":
+        u = u + w * s[7]
     m.copy_(m_new)
     if kind is None:
         v.copy_(v_new)
         _apply(p, w, u, c, None, kind)
         return
-    first, second = _noise(p.numel(), start, key)
+    first, second = _noise(p.numel(), start, key, table)
     v.copy_(_round_stochastic(v_new, first, v.dtype))
     _apply(p, w, u, c, second, kind)
 
@@ -262,57 +324,73 @@ def _sgd(
     g: torch.Tensor,
     b: torch.Tensor | None,
     c: torch.Tensor | None,
-    s: torch.Tensor,
-    key: torch.Tensor,
+    s: torch.Tensor | list[float],
+    key: torch.Tensor | tuple[int, ...],
+    table: torch.Tensor,
     kind: str | None,
+    decay: str | None,
     start: int,
 ) -> None:
-    """One SGD step of the flat tensors (weight, gradient, momentum buffer or None, Kahan
-    buffer or None), in place. ``s``: the sign of the gradient, weight decay, momentum
-    (0 on the buffer's first step), 1 - dampening (1 on the first step), the coefficients
-    of the gradient and of the buffer in the update (nesterov: 1 and momentum, else 0 and
-    1), -lr, in the math dtype."""
-    w = p.to(s.dtype)
-    grad = g.to(s.dtype) * s[0] + w * s[1]
+    """One SGD step of the tensors (weight, gradient, momentum buffer or None, Kahan buffer
+    or None), in place. ``s``: the sign of the gradient, momentum (0 on the buffer's first
+    step), 1 - dampening (1 on the first step), the coefficients of the gradient and of the
+    buffer in the update (nesterov: 1 and momentum, else 0 and 1), -lr, and (``decay``
+    "l2") the weight decay; as for ``_adam``."""
+    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+    w = p.to(dtype)
+    grad = g.to(dtype) * s[0]
+    if decay == "l2":
+        grad = grad + w * s[6]
     if b is not None:
-        b_new = b.to(s.dtype) * s[2] + grad * s[3]
+        b_new = b.to(dtype) * s[1] + grad * s[2]
         b.copy_(b_new)
-        grad = grad * s[4] + b_new * s[5]
-    u = grad * s[6]
-    noise = None if kind is None else _noise(p.numel(), start, key)[0]
-    _apply(p, w, u, c, noise, kind)
+        grad = grad * s[3] + b_new * s[4]
+    noise = None if kind is None else _noise(p.numel(), start, key, table)[0]
+    _apply(p, w, grad * s[5], c, noise, kind)
 
 
-# one function (one code object, so one torch.compile cache) per algorithm and kind; the
-# tensors are flat, ``s`` holds the scalars, ``key`` the call's random key (int32) and ``l2``
-# says whether Adam adds L2 weight decay to the gradient (SGD's is a scalar: ignored)
+# one function (one code object, so one torch.compile cache) per algorithm and kind: the
+# flat tensors, the scalars ``s``, the call's random ``key``, the noise ``table``, the
+# weight decay's form (None, "decoupled" or "l2") and the first element's index in the call
 _T = torch.Tensor
+_S = torch.Tensor | list[float]
+_K = torch.Tensor | tuple[int, ...]
 
 
 def _adam_kahan(
-    p: _T, g: _T, m: _T, v: _T, c: _T, s: _T, key: _T, l2: bool, start: int = 0
+    p: _T, g: _T, m: _T, v: _T, c: _T, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
 ) -> None:
-    _adam(p, g, m, v, c, s, key, "kahan", l2, start)
+    _adam(p, g, m, v, c, s, key, table, "kahan", decay, start)
 
 
-def _adam_stochastic(p: _T, g: _T, m: _T, v: _T, s: _T, key: _T, l2: bool, start: int = 0) -> None:
-    _adam(p, g, m, v, None, s, key, "stochastic", l2, start)
+def _adam_stochastic(
+    p: _T, g: _T, m: _T, v: _T, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+) -> None:
+    _adam(p, g, m, v, None, s, key, table, "stochastic", decay, start)
 
 
-def _adam_plain(p: _T, g: _T, m: _T, v: _T, s: _T, key: _T, l2: bool, start: int = 0) -> None:
-    _adam(p, g, m, v, None, s, key, None, l2, start)
+def _adam_plain(
+    p: _T, g: _T, m: _T, v: _T, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+) -> None:
+    _adam(p, g, m, v, None, s, key, table, None, decay, start)
 
 
-def _sgd_kahan(p: _T, g: _T, b: _T | None, c: _T, s: _T, key: _T, l2: bool, start: int = 0) -> None:
-    _sgd(p, g, b, c, s, key, "kahan", start)
+def _sgd_kahan(
+    p: _T, g: _T, b: _T | None, c: _T, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+) -> None:
+    _sgd(p, g, b, c, s, key, table, "kahan", decay, start)
 
 
-def _sgd_stochastic(p: _T, g: _T, b: _T | None, s: _T, key: _T, l2: bool, start: int = 0) -> None:
-    _sgd(p, g, b, None, s, key, "stochastic", start)
+def _sgd_stochastic(
+    p: _T, g: _T, b: _T | None, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+) -> None:
+    _sgd(p, g, b, None, s, key, table, "stochastic", decay, start)
 
 
-def _sgd_plain(p: _T, g: _T, b: _T | None, s: _T, key: _T, l2: bool, start: int = 0) -> None:
-    _sgd(p, g, b, None, s, key, None, start)
+def _sgd_plain(
+    p: _T, g: _T, b: _T | None, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+) -> None:
+    _sgd(p, g, b, None, s, key, table, None, decay, start)
 
 
 _KERNELS: dict[tuple[str, str | None], Callable[..., None]] = {
@@ -365,19 +443,21 @@ def _splitmix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _key(seed: int, *words: int) -> int:
-    """A 32-bit key (as a signed int32) hashed from ``seed`` and ``words``."""
+def _key(seed: int, *words: int) -> tuple[int, ...]:
+    """Four 16-bit values hashed from ``seed`` and ``words`` (a call's noise offsets)."""
     h = _splitmix(seed & _MASK64)
     for word in words:
         h = _splitmix(h ^ (word & _MASK64))
-    return (h >> 32) - (1 << 31)
+    return tuple((h >> shift) & 0xFFFF for shift in (0, 16, 32, 48))
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """The contiguous ``t`` as a 1-D tensor on its memory, not a view of it: views and
-    fresh tensors take separate torch.compile builds."""
-    flat = torch.empty(0, dtype=t.dtype, device=t.device)
-    return flat.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
+def _on_memory(t: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` on the memory of the contiguous ``t`` from element
+    ``offset``, not a view of it: views and fresh tensors take separate torch.compile
+    builds, and this keeps every compiled call's inputs fresh."""
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return out.set_(t.untyped_storage(), t.storage_offset() + offset, shape, strides)
 
 
 class _Call:
@@ -390,11 +470,13 @@ class _Call:
         kind: str | None,
         scalars: list[float],
         step: int,
-        l2: bool,
+        decay: str | None,
         packed: bool,
     ):
         self.algorithm = algorithm
-        self.l2 = l2  # Adam's L2 weight decay (a separate build: AdamW skips its term)
+        # the weight decay's form: None, "decoupled" or "l2" (separate builds: each skips
+        # the terms of the others, so a weight without decay steps as torch steps it)
+        self.decay = decay
         self.packed = packed  # stepped from one packed copy (else one large tensor in place)
         self.kind = kind
         self.scalars = scalars
@@ -502,13 +584,13 @@ class Compensator:
             1 / math.sqrt(1 - beta2**step),
             group["eps"],
             -lr / (1 - beta1**step),
-            -lr * wd if decoupled else 0.0,
         ]
-        l2 = bool(wd) and not decoupled
-        if l2:
-            scalars.append(wd * sign)
+        decay = None
+        if wd:
+            decay = "decoupled" if decoupled else "l2"
+            scalars.append(-lr * wd if decoupled else wd * sign)
         row = [p, p.grad, state["exp_avg"], state["exp_avg_sq"], buffer]
-        self._add(calls, "adam", kind, scalars, step, index, row, l2)
+        self._add(calls, "adam", kind, scalars, step, index, row, decay)
 
     def _add_sgd(
         self, calls: dict, optimizer: Any, group: dict, index: int, p: torch.Tensor
@@ -525,15 +607,18 @@ class Compensator:
         nesterov = group["nesterov"]
         scalars = [
             -1.0 if group.get("maximize") else 1.0,
-            group["weight_decay"],
             0.0 if first else momentum,
             1.0 if first else 1 - dampening,
             1.0 if nesterov else 0.0,
             momentum if nesterov else 1.0,
             -float(group["lr"]),
         ]
+        decay = None
+        if group["weight_decay"]:
+            decay = "l2"
+            scalars.append(group["weight_decay"])
         row = [p, p.grad, state["momentum_buffer"] if momentum else None, buffer]
-        self._add(calls, "sgd", kind, scalars, int(state["step"].item()), index, row, False)
+        self._add(calls, "sgd", kind, scalars, int(state["step"].item()), index, row, decay)
 
     @staticmethod
     def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
@@ -550,7 +635,7 @@ class Compensator:
         step: int,
         index: int,
         row: list[torch.Tensor | None],
-        l2: bool,
+        decay: str | None,
     ) -> None:
         """File the parameter's ``row`` under a call: alone if large and contiguous, else
         with the small ones of the same group, step, device and dtypes."""
@@ -561,7 +646,7 @@ class Compensator:
         key = (index if alone else None, algorithm, kind, step, tuple(scalars), layout)
         key += (str(row[0].device),)
         if key not in calls:
-            calls[key] = _Call(algorithm, kind, scalars, step, l2, packed=not alone)
+            calls[key] = _Call(algorithm, kind, scalars, step, decay, packed=not alone)
         calls[key].rows.append((index, row))
         calls[key].numel += row[0].numel()  # type: ignore[union-attr]
 
@@ -577,7 +662,7 @@ class Compensator:
             scalars[known] = torch.tensor(call.scalars, dtype=dtype, device=p.device)
         s = scalars[known]
         if not call.packed:
-            flat = [None if t is None else _flat(t) for t in rows[0]]
+            flat = [None if t is None else _on_memory(t, 0, (t.numel(),)) for t in rows[0]]
             self._kernel(call, flat, s, call.rows[0][0], compensated)
             return
         columns = list(zip(*rows, strict=True))
@@ -610,26 +695,39 @@ class Compensator:
         index: int,
         compensated: int,
     ) -> None:
-        """Run the step of ``call`` on its flat tensors, in calls of at most ``CALL_MAX``
-        elements, each keyed by (seed, step, parameter index, part)."""
+        """Run the step of ``call`` on its flat tensors, in parts of at most ``CALL_MAX``
+        elements, each keyed by (seed, step, parameter index, part): compiled, one call per
+        part; eagerly, in slices of at most ``EAGER_CHUNK`` elements inside one row of
+        ``BLOCK`` on a CPU (a slice's noise is then a window of the table), of
+        ``EAGER_CHUNK_ACCELERATOR`` elements elsewhere."""
         p = flat[0]
         assert p is not None
         compiled = call.kind is not None and self._compiles(p.device, compensated)
+        table = _table(p.device)
+        kernel = _KERNELS[call.algorithm, call.kind]
+        eager_scalars: list[float] | None = None  # the same values as Python floats
         for part, begin in enumerate(range(0, p.numel(), CALL_MAX)):
+            n = min(CALL_MAX, p.numel() - begin)
             piece = flat
             if p.numel() > CALL_MAX:
-                piece = [None if t is None else t[begin : begin + CALL_MAX] for t in flat]
-            key = torch.tensor(
-                [_key(self.seed, call.step, index, part)], dtype=torch.int32, device=p.device
-            )
-            n = piece[0].numel()  # type: ignore[union-attr]
-            if compiled and n >= 2 and self._compiled_call(call, piece, scalars, key):
-                continue
-            kernel = _KERNELS[call.algorithm, call.kind]
-            size = EAGER_CHUNK if p.device.type == "cpu" else EAGER_CHUNK_ACCELERATOR
-            for start in range(0, n, size):
-                chunk = [t if t is None else t[start : start + size] for t in piece]
-                kernel(*chunk, scalars, key, call.l2, start)
+                piece = [None if t is None else _on_memory(t, begin, (n,)) for t in flat]
+            key = _key(self.seed, call.step, index, part)
+            if compiled and n >= 2:
+                key_tensor = torch.tensor(key, dtype=torch.int32, device=p.device)
+                if self._compiled_call(call, piece, scalars, key_tensor, table):
+                    continue
+            if eager_scalars is None:
+                eager_scalars = scalars.tolist()
+            cpu = p.device.type == "cpu"
+            size = EAGER_CHUNK if cpu else EAGER_CHUNK_ACCELERATOR
+            start = 0
+            while start < n:
+                end = min(start + size, n)
+                if cpu:
+                    end = min(end, (start // BLOCK + 1) * BLOCK)
+                chunk = [None if t is None else t[start:end] for t in piece]
+                kernel(*chunk, eager_scalars, key, table, call.decay, start)
+                start = end
 
     def _compiles(self, device: torch.device, compensated: int) -> bool:
         if self._compile_failed is not None:
@@ -641,16 +739,17 @@ class Compensator:
     def _compiled_call(
         self,
         call: _Call,
-        piece: list[torch.Tensor | None],
+        tensors: list[torch.Tensor | None],
         scalars: torch.Tensor,
         key: torch.Tensor,
+        table: torch.Tensor,
     ) -> bool:
         """Run the compiled step; False (with one warning, and eager steps from then on) if
         ``compile=None`` chose to compile and the build failed before anything ran."""
         from torch._dynamo.exc import BackendCompilerFailed
 
         try:
-            _compiled(call.algorithm, call.kind)(*piece, scalars, key, call.l2)
+            _compiled(call.algorithm, call.kind)(*tensors, scalars, key, table, call.decay)
         except BackendCompilerFailed as error:
             if self.compile is not None:
                 raise
