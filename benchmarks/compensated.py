@@ -11,7 +11,10 @@ its eager fallback) runs next to torch's plain bfloat16 AdamW and torch-optimi's
 torch-optimi==0.3.3``; the report says when it is missing), and they are compared for
 accuracy: 1,000 AdamW updates of ~1e-4 of each weight against float64.
 
-    python benchmarks/compensated.py [--steps 30] [--out benchmarks/results/compensated.md]
+With ``--profile`` the report ends with torch.profiler's table of where mixprec's compiled
+and eager Kahan steps spend their time (10 steps each).
+
+    python benchmarks/compensated.py [--steps 30] [--profile] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from mixprec.optim import LossScaleOptimizer
 
 OPTIMI = "bf16-true + Kahan (torch-optimi 0.3.3)"
 KAHAN = "bf16-true + Kahan (mixprec, compiled)"
+EAGER = "bf16-true + Kahan (mixprec, eager: compile=False)"
 PLAIN = "bf16-true plain (torch AdamW)"
 
 
@@ -116,11 +120,7 @@ def configs() -> list[Config]:
             bf16,
             lambda m: LossScaleOptimizer(adamw(m), "none", compensation="stochastic"),
         ),
-        Config(
-            "bf16-true + Kahan (mixprec, eager: compile=False)",
-            bf16,
-            lambda m: Eager(adamw(m), "kahan"),
-        ),
+        Config(EAGER, bf16, lambda m: Eager(adamw(m), "kahan")),
     ]
     try:
         import optimi
@@ -190,10 +190,28 @@ def accuracy_lines() -> list[str]:
     return lines
 
 
+def profile_lines(runs: list[Config]) -> list[str]:
+    """torch.profiler's table (the ten largest rows by own time) for 10 steps of each of
+    mixprec's compiled and eager Kahan steps."""
+    from torch.profiler import profile
+
+    lines = []
+    for c in runs:
+        if c.name not in (KAHAN, EAGER):
+            continue
+        with profile() as prof:
+            for _ in range(10):
+                c.step()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10)
+        lines += ["", f"Profile of 10 steps: {c.name}", "", "```", table.strip(), "```"]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     load_before = os.getloadavg()
     runs = configs()
@@ -210,7 +228,7 @@ def main() -> None:
     lines = [
         "# Pure bfloat16 training: bytes per parameter and AdamW step time",
         "",
-        f"Command: `python benchmarks/compensated.py --steps {args.steps}`",
+        f"Command: `{' '.join(['python', *sys.argv])}` (threads: {torch.get_num_threads()})",
         f"Device: {detect(torch.device('cpu')).describe()}; torch {torch.__version__}",
         f"Model: MLP 512-1024-1024-512 ({n / 1e6:.2f}M parameters), AdamW.",
         f"Load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after.",
@@ -249,6 +267,8 @@ def main() -> None:
         "emulated, so absolute times say little about a GPU, the side-by-side ratio more.",
     ]
     lines += accuracy_lines()
+    if args.profile:
+        lines += profile_lines(runs)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

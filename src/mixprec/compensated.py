@@ -31,44 +31,55 @@ stochastic roundings) is one elementwise function of its 16-bit tensors (``_adam
 ``_sgd``), run by ``torch.compile`` as one fused kernel that reads and writes the 16-bit
 tensors once (18 bytes per parameter for AdamW with Kahan), with no float32 copy of them.
 Parameters below ``SMALL`` elements (biases, norms) are stepped together from one packed
-copy, so a step makes a few kernel calls, not one per tensor. The random bits come from the
-element's index inside the kernel: a five-round Feistel network of 16-bit halves (integer
-multiplies that cannot overflow int32) of ``index XOR key``, with a 32-bit key hashed from
-(seed, step count, parameter index). The network is a bijection of 32-bit words, so with a
-random key each element gets two exactly uniform, independent 16-bit values per step (one
-rounds the second moment, one the buffer or the weight), fresh every step; the state is the
-seed and the optimizer's step counts, so a resumed run is bit-identical. Stochastic
-rounding is float32 arithmetic (the spacing of 16-bit numbers at ``x`` from Rump's
-unit-in-the-first-place trick, then ``floor`` and a comparison), which inductor vectorizes
-on a CPU where it would not vectorize bit casts.
+copy, so a step makes a few kernel calls, not one per tensor.
+
+The random bits: a call is seen as rows of ``BLOCK`` (65536) elements, and element (r, c)
+takes ``_permute((c + k0) mod 2^16) XOR mask(r + k2)``, a fixed permutation of 16-bit
+values (two odd multiplications and xorshifts) and a row mask, with offsets k0, k2 (and
+k1, k3 for the second value) hashed from (seed, step count, parameter index, part). With
+uniform offsets each element's two values are exactly uniform and independent of each
+other and of other steps' (one rounds the second moment, one the buffer or the weight);
+the state is the seed and the optimizer's step counts, so a resumed run is bit-identical.
+Compiled, the bits are integer arithmetic on the element's index inside the kernel (no
+gathers: inductor does not vectorize them on a CPU); eagerly, a slice inside one row reads
+them as a window of a table of the permutation and one XOR. Stochastic rounding, compiled,
+is float32 arithmetic that inductor vectorizes (the spacing of 16-bit numbers at ``|x|``
+from Rump's unit-in-the-first-place trick, ``floor``, a comparison, the sign put back);
+eagerly, bfloat16 takes a shorter road to the same bits (the noise added to the 16 bits a
+bfloat16 drops, then truncated).
 
 The same functions run eagerly (on slices of ``EAGER_CHUNK`` elements on a CPU) where
 nothing is compiled, and give bit-identical results on a CPU (tests/test_compensated.py
 compares the two): every operation is correctly rounded in both (inductor compiles without
 floating-point contraction, and keeps the 16-bit round trips with
-``emulate_precision_casts``); eager float32 ``sqrt`` on a CPU is not correctly rounded, so
-the eager path takes it in float64. On CUDA, Triton may fuse a multiply and an add, so the
-compiled and the eager step can differ in the last bit there (each is right; not measured
-here). ``Compensator(compile=None)`` compiles when a step covers ``COMPILE_MIN_ELEMENTS``
-or more 16-bit elements on a Linux CPU with a C++ compiler on the PATH or on a CUDA device
-with Triton; ``True`` always, ``False`` never. A build that fails under ``None`` warns once
-and the steps run eagerly.
+``emulate_precision_casts``); eager float32 ``sqrt`` on a CPU is not correctly rounded
+(about one result in six is one unit off), so the eager path takes it in float64. On CUDA,
+Triton may fuse a multiply and an add, so the compiled and the eager step can differ in the
+last bit there (each is right; not measured here). ``Compensator(compile=None)`` compiles
+when a step covers ``COMPILE_MIN_ELEMENTS`` or more 16-bit elements on a Linux CPU with a
+C++ compiler on the PATH or on a CUDA device with Triton; ``True`` always, ``False`` never.
+A build that fails under ``None`` warns once and the steps run eagerly.
+
+Which roundings are stochastic, measured (1,000 AdamW updates of 1e-4, 256 weights, seeds
+0-5, largest distance from float64 in bfloat16 steps): both (as here) 0.62-0.73; the buffer
+to nearest 0.71-0.91; the second moment to nearest 2.40 (it freezes: optimi's 2.25).
 
 Cost, measured side by side (``python benchmarks/compensated.py``,
 benchmarks/results/compensated.md; 2.1M bfloat16 parameters, AdamW, AMD Zen 4 with
-avx512_bf16, two threads, quiet host, medians of three runs): the compiled Kahan step takes
-3.9-4.2 ms, 1.12-1.25x torch's plain bfloat16 ``AdamW(foreach=True)`` (3.3-3.5 ms) and
-1.24-1.37x torch-optimi's Kahan AdamW (3.0-3.4 ms); stochastic rounding 3.1-3.3 ms, about
-torch's time. With one thread: 6.6 ms against 4.8 (torch) and 5.4 (optimi). The first step
-builds the kernel: 12 s with an empty inductor cache, 3 s from its cache. Of the compiled
-step, the kernels take 3.0 ms: 1.2 ms is the pass over memory, 1.0 ms the two stochastic
-roundings' arithmetic and 0.85 ms the random bits (the Feistel rounds, and two
-int32-to-float conversions that ATen's vectorized code leaves scalar for 32 lanes); the
-rest is per-call overhead (Python, torch.compile's guards, packing the small parameters).
-The eager fallback takes 31-43 ms: about 100 tensor operations per slice, where the batched
-float32 step it replaces made 25 passes and took 12 ms on this host (a host that cannot
-compile steps about three times slower than before; the compiled step is three times
-faster than that one).
+avx512_bf16, on a host shared with other jobs, load average about 10 on 2 cores, medians):
+the target of torch-optimi's speed is not met. With one thread the compiled Kahan step
+takes 16.2 ms against 9.5 ms for optimi's Kahan AdamW and 9.2 ms for torch's plain
+bfloat16 ``AdamW(foreach=True)`` (1.70x and 1.77x); with two threads, where the medians
+mostly measure waiting for the busy second core, 41.6 against 38.2 and 29.4 ms. An earlier
+run of the previous kernel on a quiet host measured 1.24-1.37x optimi. 96% of the compiled
+step is the fused kernel (the rest: torch.compile's guards, about 75 us a call, and
+packing the small parameters); inside it, the two stochastic roundings' arithmetic takes
+more than half (the kernel without them: 6.2 ms median against 14.6, the random bits 1.6
+ms), so the kernel is bound by arithmetic, not by its 18 bytes per parameter. The eager
+fallback takes 48.6 ms with one thread (5.1x optimi): ~45 tensor operations per 64K slice,
+a float64 square root among them; 2.3x faster than the previous eager step in the same
+run. The first step builds the kernel: 22 s with an empty inductor cache on this loaded
+host (12 s quiet), 4 s from the cache.
 
 Why our own kernel rather than a dependency on torch-optimi: the bytes are the same (10 per
 parameter with AdamW and Kahan). optimi rounds its bfloat16 second moment to nearest, and
@@ -209,9 +220,9 @@ def _noise(
 def _round_stochastic(x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` (float32) rounded to a neighbouring ``dtype`` (bfloat16/float16) value: away
     from zero when ``65535 - noise`` (``noise`` int32 in [0, 65536)) is below 65536 times
-    the fraction of the way there, else toward zero; in float32, exactly representable in ``dtype``. Unbiased
-    to 2^-16 of a spacing (exactly for bfloat16); signed zeros and infinities pass
-    unchanged, a NaN becomes a NaN (bfloat16: the quiet NaN).
+    the fraction of the way there, else toward zero; in float32, exactly representable in
+    ``dtype``. Unbiased to 2^-16 of a spacing (exactly for bfloat16); signed zeros and
+    infinities pass unchanged, a NaN becomes a NaN (bfloat16: the quiet NaN).
 
     The spacing of ``dtype`` numbers at ``x`` is ``ufp(x) * 2^(1 - p)``, ``ufp(x)`` the power
     of two at or below ``|x|``: Rump's ``q - (1 - 2^-24) q`` with ``q = (2^23 + 1) |x|``,
