@@ -42,11 +42,10 @@ other and of other steps' (one rounds the second moment, one the buffer or the w
 the state is the seed and the optimizer's step counts, so a resumed run is bit-identical.
 Compiled, the bits are integer arithmetic on the element's index inside the kernel (no
 gathers: inductor does not vectorize them on a CPU); eagerly, a slice inside one row reads
-them as a window of a table of the permutation and one XOR. Stochastic rounding, compiled,
-is float32 arithmetic that inductor vectorizes (the spacing of 16-bit numbers at ``|x|``
-from Rump's unit-in-the-first-place trick, ``floor``, a comparison, the sign put back);
-eagerly, bfloat16 takes a shorter road to the same bits (the noise added to the 16 bits a
-bfloat16 drops, then truncated).
+them as a window of a table of the permutation and one XOR. Stochastic rounding to
+bfloat16 adds the noise to the 16 bits a bfloat16 drops and truncates; to float16 it is
+float32 arithmetic (the spacing of float16 numbers at ``|x|`` from Rump's
+unit-in-the-first-place trick, ``floor``, a comparison, the sign put back).
 
 The same functions run eagerly (on slices of ``EAGER_CHUNK`` elements on a CPU) where
 nothing is compiled, and give bit-identical results on a CPU (tests/test_compensated.py
@@ -224,29 +223,27 @@ def _round_stochastic(x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) 
     ``dtype``. Unbiased to 2^-16 of a spacing (exactly for bfloat16); signed zeros and
     infinities pass unchanged, a NaN becomes a NaN (bfloat16: the quiet NaN).
 
-    The spacing of ``dtype`` numbers at ``x`` is ``ufp(x) * 2^(1 - p)``, ``ufp(x)`` the power
-    of two at or below ``|x|``: Rump's ``q - (1 - 2^-24) q`` with ``q = (2^23 + 1) |x|``,
-    taken of ``|x| * 2^-24`` so that no finite ``x`` overflows, and at least the spacing of
-    ``dtype``'s subnormals (also for infinities, whose ``q - q`` is NaN); then ``floor`` of
-    ``|x|`` in spacings and a comparison, and the sign put back. Inductor vectorizes this
-    float arithmetic. Eagerly, bfloat16 takes a shorter road to the same bits: bfloat16 is
-    the upper half of float32, so ``noise`` is added to the 16 bits it drops and the sum
-    truncated (a carry means those bits exceed ``65535 - noise``); a NaN is first made the
-    quiet NaN, whose payload cannot carry into the sign."""
-    if dtype == torch.bfloat16 and not torch.compiler.is_compiling():
-        bits = x.nan_to_num(nan=math.nan, posinf=math.inf, neginf=-math.inf).view(torch.int32)
-        return ((bits + noise) & -(1 << 16)).view(torch.float32)
-    p, subnormal = (8, 2.0**-133) if dtype == torch.bfloat16 else (11, 2.0**-24)
+    bfloat16 is the upper half of float32: ``noise`` is added to the 16 bits a bfloat16
+    drops and the sum truncated (a carry means those bits exceed ``65535 - noise``); a NaN
+    is first made the quiet NaN, whose payload cannot carry into the sign. float16 takes the
+    spacing of its numbers at ``x``, ``ufp(x) * 2^-10`` with ``ufp(x)`` the power of two at
+    or below ``|x|``: Rump's ``q - (1 - 2^-24) q`` with ``q = (2^23 + 1) |x|``, taken of
+    ``|x| * 2^-24`` so that no finite ``x`` overflows, and at least the spacing of float16's
+    subnormals (also for infinities, whose ``q - q`` is NaN); then ``floor`` of ``|x|`` in
+    spacings, a comparison, and the sign put back: the same rule in float arithmetic."""
+    if dtype == torch.bfloat16:
+        if torch.compiler.is_compiling():  # (inductor vectorizes this, not nan_to_num)
+            quiet = torch.where(x != x, math.nan, x)
+        else:
+            quiet = x.nan_to_num(nan=math.nan, posinf=math.inf, neginf=-math.inf)
+        return ((quiet.view(torch.int32) + noise) & -(1 << 16)).view(torch.float32)
     magnitude = x.abs()
     q = magnitude * (2.0**-24 * (2.0**23 + 1))
-    spacing = _at_least((q - q * (1 - 2.0**-24)) * 2.0 ** (25 - p), subnormal)
+    spacing = _at_least((q - q * (1 - 2.0**-24)) * 2.0**14, 2.0**-24)
     t = magnitude / spacing
     low = t.floor()
     up = ((noise ^ 0xFFFF).float() < (t - low) * 65536).to(x.dtype)
-    rounded = ((low + up) * spacing).copysign(x)
-    if dtype == torch.bfloat16:  # (compiled) the quiet NaN, as eagerly
-        return torch.where(x != x, math.nan, rounded)
-    return rounded
+    return ((low + up) * spacing).copysign(x)
 
 
 def _at_least(x: torch.Tensor, bound: float) -> torch.Tensor:
