@@ -65,20 +65,19 @@ to nearest 0.71-0.91; the second moment to nearest 2.40 (it freezes: optimi's 2.
 
 Cost, measured side by side (``python benchmarks/compensated.py``,
 benchmarks/results/compensated.md; 2.1M bfloat16 parameters, AdamW, AMD Zen 4 with
-avx512_bf16, on a host shared with other jobs, load average about 10 on 2 cores, medians):
+avx512_bf16, on a host shared with other jobs, load average about 7 on 2 cores, medians):
 the target of torch-optimi's speed is not met. With one thread the compiled Kahan step
-takes 16.2 ms against 9.5 ms for optimi's Kahan AdamW and 9.2 ms for torch's plain
-bfloat16 ``AdamW(foreach=True)`` (1.70x and 1.77x); with two threads, where the medians
-mostly measure waiting for the busy second core, 41.6 against 38.2 and 29.4 ms. An earlier
-run of the previous kernel on a quiet host measured 1.24-1.37x optimi. 96% of the compiled
-step is the fused kernel (the rest: torch.compile's guards, about 75 us a call, and
-packing the small parameters); inside it, the two stochastic roundings' arithmetic takes
-more than half (the kernel without them: 6.2 ms median against 14.6, the random bits 1.6
-ms), so the kernel is bound by arithmetic, not by its 18 bytes per parameter. The eager
-fallback takes 48.6 ms with one thread (5.1x optimi): ~45 tensor operations per 64K slice,
-a float64 square root among them; 2.3x faster than the previous eager step in the same
-run. The first step builds the kernel: 22 s with an empty inductor cache on this loaded
-host (12 s quiet), 4 s from the cache.
+takes 11.5 ms against 8.8 ms for optimi's Kahan AdamW and 7.2 ms for torch's plain
+bfloat16 ``AdamW(foreach=True)`` (1.31x and 1.60x); two-thread medians on that host mostly
+measure waiting for the busy second core. 98% of the compiled step is the fused kernel
+(torch.compile's guards take about 90 us a call); two thirds of the kernel are the random
+bits and the two stochastic roundings (without them it takes 2.4 ms of 6.5 for 2M
+elements, about the pass over memory), so it is bound by arithmetic, not by its 18 bytes
+per parameter. The eager fallback takes 33.2 ms with one thread (3.8x optimi): ~45 tensor
+operations per 64K slice, a float64 square root among them; 2.3x faster than the previous
+eager step in the same run (whose compiled step was ~10% faster than this one). The first
+step builds the kernel: 22 s with an empty inductor cache on the loaded host (12 s quiet),
+4-6 s from the cache.
 
 Why our own kernel rather than a dependency on torch-optimi: the bytes are the same (10 per
 parameter with AdamW and Kahan). optimi rounds its bfloat16 second moment to nearest, and
