@@ -17,8 +17,9 @@ import time
 import torch
 from torch import nn
 
+from mixprec.float8_config import Float8Config
 from mixprec.hardware import detect
-from mixprec.quantize.float8 import RECIPES, Float8Linear
+from mixprec.quantize.float8 import Float8Linear
 
 
 def one_step_ms(module: nn.Module, x: torch.Tensor, autocast: bool) -> float:
@@ -68,7 +69,9 @@ def main() -> None:
     )
     print("| layer | ms/step | vs float32 Linear |\n|---|---|---|")
     modules = {"nn.Linear": linear}
-    modules.update({f"Float8Linear {r}": Float8Linear.from_float(linear, r) for r in RECIPES})
+    modules.update(
+        {f"Float8Linear {r}": Float8Linear.from_float(linear, r) for r in Float8Config.RECIPES}
+    )
     times = interleaved_ms(modules, x, args.reps, args.bf16_autocast)
     for name, ms in times.items():
         print(f"| {name} | {ms:.1f} | {ms / times['nn.Linear']:.2f}x |")

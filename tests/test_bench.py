@@ -15,19 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from devices import AVX2_CPU, ZEN4
 
 from mixprec import hardware
-from mixprec.bench.command import parse_size
 from mixprec.bench.report import busy_machine_warning, markdown, summarize
 from mixprec.bench.runner import OK, OOM, LoopResult, RunResult, _measured, set_tf32
 from mixprec.bench.suite import BenchOptions, BenchReport, Config, Row, plan
 from mixprec.cli import main
-from mixprec.hardware import ALLOW_SLOW_ENV, DeviceInfo
+from mixprec.cli.bench import parse_size
+from mixprec.hardware import ALLOW_SLOW_ENV
 from mixprec.policy import Policy
 from mixprec.policy_map import PolicyMap
-
-ZEN4 = DeviceInfo("cpu", "AMD Zen 4", cpu_flags=frozenset({"avx512bw", "avx512_bf16"}))
-AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
 
 TINY = ["--threads", "1", "--warmup", "0"]
 
@@ -483,8 +481,8 @@ def test_a_failing_configuration_is_a_recorded_row_and_the_others_are_written(
 
 
 def test_repeated_batch_sizes_add_up_and_a_preset_and_timeout_are_reproduced():
-    from mixprec.bench.command import _options
     from mixprec.cli import build_parser
+    from mixprec.cli.bench import _options
 
     args = build_parser().parse_args(["bench", "--batch-sizes", "2", "--batch-sizes", "8,4"])
     assert _options(args).batch_sizes == [2, 8, 4]

@@ -8,15 +8,15 @@ import textwrap
 
 import pytest
 import torch
+from devices import AVX2_CPU
 from torch import nn
 
 from mixprec import hardware
 from mixprec.bench import distributed
 from mixprec.bench.distributed import MemorySpec, RankMemory, held_bytes
 from mixprec.cli import main
-from mixprec.hardware import ALLOW_SLOW_ENV, DeviceInfo
+from mixprec.hardware import ALLOW_SLOW_ENV
 
-AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
 TINY = """
 import torch
 from torch import nn

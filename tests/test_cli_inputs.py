@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mixprec.bench.factory import FactoryError, call_factory, load_factory
 from mixprec.cli import main
-from mixprec.factory import FactoryError, call_factory, load_factory
 
 ANNOTATED = textwrap.dedent(
     """

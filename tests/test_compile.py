@@ -22,11 +22,11 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec
-from mixprec.bench.command import _options
 from mixprec.bench.report import notes, summarize
 from mixprec.bench.runner import run_config
 from mixprec.bench.suite import BenchOptions, BenchReport, Row, _spec, metadata, plan
 from mixprec.cli import build_parser
+from mixprec.cli.bench import _options
 from mixprec.policy_map import PolicyMap
 from mixprec.trainer import Callback, Trainer, TrainingModule
 from mixprec.trainer.checkpoint import load

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from devices import AVX2_CPU, ZEN4
 from torch import nn
 
 import mixprec
@@ -16,7 +17,6 @@ from mixprec import Policy, PolicyMap, PolicySpecError, PrecisionError, hardware
 from mixprec.cli import main
 from mixprec.doctor import AT_RISK, BROKEN, OK, diagnose
 from mixprec.doctor.probe import Comparisons, RefTensor, Scratch
-from mixprec.hardware import DeviceInfo
 from mixprec.precision import Precision
 from mixprec.scaling import LossScaleDivergedError
 from mixprec.trainer import TrainingModule
@@ -383,11 +383,8 @@ def test_healthy_model_has_no_finding(precision):
 @pytest.mark.parametrize(
     ("cpu", "expected"),
     [
-        (
-            DeviceInfo("cpu", "Zen 4", cpu_flags=frozenset({"avx512bw", "avx512_bf16"})),
-            "bf16-mixed",
-        ),
-        (DeviceInfo("cpu", "AVX2 only", cpu_flags=frozenset({"avx2"})), "32-true"),
+        (ZEN4, "bf16-mixed"),
+        (AVX2_CPU, "32-true"),
     ],
     ids=["bf16-fast", "avx2-only"],
 )

@@ -163,3 +163,49 @@ def test_as_a_trainer_callback(tmp_path):
     assert finite == sorted(finite) and finite[-1] > 8 * finite[0]
     assert all("precision/loss_scale" in m for _, m in logger.records if "precision/2/amax" in m)
     assert hooks(model) == 0  # detached at the end of fit
+
+
+def test_the_trainer_calls_the_hooks_an_object_has_and_refuses_others(tmp_path):
+    """The monitor is no Callback subclass (the doctor does not import the Trainer); the
+    Trainer takes it for the hooks it defines, through a checkpointed run, its resume and a
+    failing run, and refuses an object with a hook it does not have, by name."""
+    assert not issubclass(PrecisionMonitor, Callback)
+
+    class Foreign:  # a Lightning callback's shape
+        def on_fit_start(self, trainer, model):
+            pass
+
+        def on_sanity_check_start(self, trainer, model):
+            pass
+
+    with pytest.raises(ValueError, match="Foreign, whose on_sanity_check_start are not"):
+        Trainer(callbacks=[Foreign()])
+
+    def fit(epochs, ckpt_path=None, model=None):
+        monitor = PrecisionMonitor(every_n_steps=1)
+        trainer = Trainer(
+            precision="bf16-mixed",
+            allow_slow_precision=True,
+            max_epochs=epochs,
+            callbacks=[monitor],
+            logger=False,
+            enable_progress_bar=False,
+            default_root_dir=tmp_path,
+        )
+        torch.manual_seed(0)
+        model = model or nn.Sequential(nn.Linear(4, 2))
+        data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), 4)
+        trainer.fit(model, data, loss_fn=F.cross_entropy, ckpt_path=ckpt_path)
+        return monitor, trainer.checkpoint_callback.best_model_path
+
+    monitor, saved = fit(1)  # two steps, checkpointed
+    assert [s.step for s in monitor.history["0"]] == [0, 1] and saved
+    monitor, _ = fit(2, ckpt_path=saved)
+    assert [s.step for s in monitor.history["0"]] == [2, 3]
+
+    class Fails(nn.Sequential):
+        def forward(self, x):
+            raise RuntimeError("planted")
+
+    with pytest.raises(RuntimeError, match="planted"):
+        fit(1, model=Fails(nn.Linear(4, 2)))

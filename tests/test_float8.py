@@ -23,12 +23,13 @@ import pytest
 import torch
 from torch import nn
 
+import mixprec
 from mixprec.errors import PolicySpecError
+from mixprec.float8_config import Float8Config
 from mixprec.quantize.float8 import (
     DELAYED_BUFFERS,
     E4M3,
     E5M2,
-    RECIPES,
     Float8Linear,
     amax_to_scale,
     axis_scale,
@@ -195,7 +196,7 @@ def test_float8_error_is_small_but_real():
     linear = nn.Linear(64, 32)
     x = torch.randn(16, 64)
     exact = linear(x)
-    for recipe in RECIPES:
+    for recipe in Float8Config.RECIPES:
         y = Float8Linear.from_float(linear, recipe)(x)
         rel = ((y - exact).norm() / exact.norm()).item()
         assert 1e-4 < rel < 0.06, (recipe, rel)
@@ -378,12 +379,12 @@ def test_inf_input_makes_the_output_non_finite():
     linear = nn.Linear(16, 16)
     x = torch.randn(4, 16)
     x[0, 0] = float("inf")
-    for recipe in RECIPES:
+    for recipe in Float8Config.RECIPES:
         assert not torch.isfinite(Float8Linear.from_float(linear, recipe)(x)).all(), recipe
 
 
 def test_zero_input_and_zero_gradient_stay_finite():
-    for recipe in RECIPES:
+    for recipe in Float8Config.RECIPES:
         linear = nn.Linear(16, 16)
         module = Float8Linear.from_float(linear, recipe)
         y, gx, gw, _ = run(module, torch.zeros(3, 16), torch.zeros(3, 16))
@@ -391,7 +392,7 @@ def test_zero_input_and_zero_gradient_stay_finite():
         assert torch.equal(gx, torch.zeros(3, 16)) and torch.equal(gw, torch.zeros(16, 16))
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", Float8Config.RECIPES)
 def test_backward_computes_only_the_gradients_autograd_needs(recipe):
     """A frozen weight (or an input without grad) skips its float8 matmul in backward; the
     gradient that is computed is the same as when both are."""
@@ -550,6 +551,20 @@ def test_errors_say_what_is_accepted():
         Float8Linear(16, 16)(torch.randn(4, 8))
     with pytest.raises(ValueError, match=re.escape("16, got torch.float32 of shape ()")):
         Float8Linear(16, 16)(torch.tensor(1.0))  # was IndexError: tuple index out of range
+
+
+def test_convert_to_float8_and_quantize_take_and_refuse_filters_alike():
+    """One filter function for every quantization: convert_to_float8 let a bad regex's
+    re.error through where quantize named the filter."""
+    calls = (
+        lambda f: convert_to_float8(Net(), filter=f),
+        lambda f: mixprec.quantize(Net(), "int8", filter=f),
+    )
+    for call in calls:
+        with pytest.raises(PolicySpecError, match=r"filter '\(' is not a valid regex"):
+            call("(")
+        with pytest.raises(TypeError, match="filter must be None, a callable"):
+            call(3)
 
 
 def test_cpu_scaled_mm_gives_the_emulated_values():

@@ -3,10 +3,14 @@
 
 import pytest
 import torch
+from devices import AVX2_CPU, H100
 from torch import nn
 
 import mixprec
-from mixprec.quantize.float8 import Float8Linear
+from mixprec.errors import PolicySpecError
+from mixprec.float8_config import Float8Config
+from mixprec.policy import Policy, QuantizedPolicy
+from mixprec.quantize.float8 import Float8Linear, convert_to_float8
 from mixprec.trainer import Trainer, TrainingModule
 
 
@@ -96,10 +100,8 @@ def test_the_trainer_trains_under_a_float8_precision_string(tmp_path):
 
 def test_without_the_allow_flag_a_cpu_refuses_float8_as_emulated():
     from mixprec import hardware
-    from mixprec.hardware import DeviceInfo
 
-    cpu = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
-    with hardware.assume(cpu), pytest.raises(mixprec.SlowPrecisionError):
+    with hardware.assume(AVX2_CPU), pytest.raises(mixprec.SlowPrecisionError):
         mixprec.Precision("float8_from_float32").setup(_model())
 
 
@@ -130,19 +132,15 @@ def test_the_trainer_takes_lightnings_transformer_engine_flag(tmp_path):
     Lightning's float8 run: bfloat16 weights and compute, delayed float8 scales, float32
     outputs. The hardware check applies as to any float8 policy."""
     from mixprec import hardware
-    from mixprec.hardware import DeviceInfo
     from mixprec.trainer.config import resolve_precision
 
-    policy, support = resolve_precision(
-        "transformer-engine", DeviceInfo("cuda", "H100", 0, capability=(9, 0))
-    )
+    policy, support = resolve_precision("transformer-engine", H100)
     assert policy == mixprec.PolicyMap(
         "float8/delayed_from_params=bfloat16,compute=bfloat16,output=float32"
     )
     assert support.status == hardware.FAST
-    cpu = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
     with pytest.raises(mixprec.SlowPrecisionError, match="float8"):
-        resolve_precision("transformer-engine-float16", cpu)
+        resolve_precision("transformer-engine-float16", AVX2_CPU)
 
     class Net(TrainingModule):
         def __init__(self) -> None:
@@ -179,3 +177,47 @@ def test_the_trainer_takes_lightnings_transformer_engine_flag(tmp_path):
     assert isinstance(layer, Float8Linear) and layer.recipe == "delayed"
     assert layer.amax_history_length == 1024 and layer.weight.dtype == torch.bfloat16
     assert not torch.equal(layer.weight.detach(), before.to(torch.bfloat16))
+
+
+def test_one_float8_config_serves_the_policy_grammar_and_the_layers():
+    """The recipe facts were written twice (policy.py and quantize/float8.py); now a float8
+    policy carries the `Float8Config` its layers are built with, and both refuse alike."""
+    policy = QuantizedPolicy("float8", "bf16-mixed", recipe="delayed", amax_history_length=16)
+    assert policy.float8_config == Float8Config("delayed", 16)
+    assert Policy("float8_from_float32").float8_config == Float8Config()
+    assert Policy("transformer-engine").float8_config == Float8Config("delayed", 1024)
+    assert Policy("int4_from_float32").float8_config is None
+    model = nn.Sequential(nn.Linear(16, 2048))
+    mixprec.quantize(model, policy)
+    layer = model[0]
+    assert Float8Config(layer.recipe, layer.amax_history_length) == policy.float8_config
+    for recipe in Float8Config.RECIPES:
+        assert Policy(f"float8/{recipe}_from_float32").recipe == recipe
+        assert Float8Linear(16, 16, recipe=recipe).recipe == recipe
+    refusals = (
+        lambda: Float8Config("axiswise"),
+        lambda: Policy("float8/axiswise_from_float32"),
+        lambda: Float8Linear(16, 16, recipe="axiswise"),
+        lambda: convert_to_float8(nn.Sequential(nn.Linear(16, 16)), recipe="axiswise"),
+    )
+    for refuse in refusals:
+        with pytest.raises(PolicySpecError, match="unknown float8 recipe 'axiswise'; accepted: "):
+            refuse()
+    with pytest.raises(PolicySpecError, match="amax_history_length must be a positive int"):
+        Policy("float8/delayed:0_from_float32")
+    with pytest.raises(PolicySpecError, match="amax_history_length must be a positive int"):
+        Float8Linear(16, 16, recipe="delayed", amax_history_length=0)
+
+
+@pytest.mark.parametrize("recipe", Float8Config.RECIPES)
+def test_a_float8_policy_and_convert_to_float8_skip_the_same_layers_for_size(recipe):
+    """One size rule: the layers a float8 policy leaves float for their size are the ones
+    `convert_to_float8` leaves (odd dims for every recipe; small ones for tensorwise and
+    delayed)."""
+    shapes = [(32, 48), (48, 40), (16, 2048), (4096, 1024), (4096, 1040), (4112, 16)]
+    model = nn.Sequential(*(nn.Linear(i, o, device="meta") for i, o in shapes))
+    by_policy = mixprec.explain(model, f"float8/{recipe}_from_float32").skipped
+    skipped: dict[str, str] = {}
+    convert_to_float8(model, recipe=recipe, skipped=skipped)
+    assert set(skipped) == set(by_policy)
+    assert "1" in skipped and ("0" in skipped) == (recipe in ("tensorwise", "delayed"))

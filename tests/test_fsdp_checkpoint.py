@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from spawning import run_ranks
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from mixprec.trainer import Callback, CheckpointError, ModelCheckpoint, Trainer, TrainingModule
 from mixprec.trainer import checkpoint as ckpt_io
@@ -40,6 +40,14 @@ def data() -> TensorDataset:
 
 def loader() -> DataLoader:
     return DataLoader(data(), batch_size=8, shuffle=True)  # 4 batches per rank and epoch
+
+
+def one_rank_loader() -> DataLoader:
+    """Ordered as one FSDP process orders `loader` (with the DistributedSampler the Trainer
+    puts in), also in a single-device run: a mid-epoch checkpoint of the one resumes in the
+    other."""
+    sampler = DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=0)
+    return DataLoader(data(), batch_size=8, sampler=sampler)
 
 
 class Net(TrainingModule):
@@ -222,7 +230,7 @@ KILLED_SAVE_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
-from test_fsdp_checkpoint import QUIET, Net, loader
+from test_fsdp_checkpoint import QUIET, Net, one_rank_loader
 from mixprec.trainer import ModelCheckpoint, Trainer
 
 replace = os.replace
@@ -237,7 +245,7 @@ def replace_then_die(src, dst):
 os.replace = replace_then_die
 every_2 = ModelCheckpoint(dirpath={out!r}, every_n_train_steps=2, save_top_k=-1, save_last=True)
 Trainer(precision="bf16-mixed", strategy="fsdp", devices=1, max_steps=4, callbacks=[every_2],
-        **QUIET).fit(Net(), loader())
+        **QUIET).fit(Net(), one_rank_loader())
 """
 
 
@@ -262,7 +270,7 @@ def test_a_save_killed_between_its_renames_loses_nothing(tmp_path, caplog):
     start = StartStep()
     trainer = Trainer(precision="bf16-mixed", max_steps=6, callbacks=[every_2, start], **QUIET)
     with caplog.at_level(logging.WARNING, logger="mixprec"):
-        trainer.fit(Net(), loader(), ckpt_path=out / "last.ckpt")
+        trainer.fit(Net(), one_rank_loader(), ckpt_path=out / "last.ckpt")
     assert "restored the checkpoint" in caplog.text
     assert start.step == 2  # resumed from the checkpoint put back, not from scratch
     assert trainer.global_step == 6

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from devices import AVX2_CPU, H100, V100, ZEN4
 from torch import nn
 
 import mixprec
@@ -15,11 +16,7 @@ from mixprec import Policy, PolicyMap, PrecisionError, SlowPrecisionError, hardw
 from mixprec.cli import main
 from mixprec.hardware import DeviceInfo, check, detect, policy_support, resolve_auto, support_matrix
 
-ZEN4 = DeviceInfo("cpu", "AMD Zen 4", cpu_flags=frozenset({"avx512bw", "avx512_bf16"}))
 SPR = DeviceInfo("cpu", "Xeon", cpu_flags=frozenset({"avx512bw", "amx_bf16", "avx512_fp16"}))
-OLD_CPU = DeviceInfo("cpu", "old", cpu_flags=frozenset({"avx2"}))
-V100 = DeviceInfo("cuda", "Tesla V100", 0, capability=(7, 0))
-H100 = DeviceInfo("cuda", "H100", 0, capability=(9, 0))
 P100 = DeviceInfo("cuda", "Tesla P100", 0, capability=(6, 0))
 
 
@@ -31,7 +28,7 @@ P100 = DeviceInfo("cuda", "Tesla P100", 0, capability=(6, 0))
             {"bf16-mixed": "fast", "16-mixed": "slow", "16-true": "slow", "64-true": "supported"},
         ),
         (SPR, {"bf16-mixed": "fast", "16-mixed": "slow"}),
-        (OLD_CPU, {"bf16-mixed": "slow", "16-mixed": "slow", "32-true": "fast"}),
+        (AVX2_CPU, {"bf16-mixed": "slow", "16-mixed": "slow", "32-true": "fast"}),
         (V100, {"bf16-mixed": "refused", "16-mixed": "fast", "32-true": "fast"}),
         (H100, {"bf16-mixed": "fast", "16-mixed": "fast", "bf16-true": "fast"}),
         (P100, {"16-mixed": "supported", "bf16-true": "refused"}),
@@ -52,7 +49,7 @@ def test_support_matrix_by_device(info, expected):
         (ZEN4, "bf16-mixed"),
         (V100, "16-mixed"),
         (H100, "bf16-mixed"),
-        (OLD_CPU, "32-true"),
+        (AVX2_CPU, "32-true"),
         (P100, "32-true"),
     ],
 )
@@ -160,8 +157,8 @@ def test_assume_stands_in_for_the_host_and_restores_it():
     host = detect("cpu")
     with hardware.assume(ZEN4):
         assert detect("cpu") is ZEN4 and detect() is not H100
-        with hardware.assume(OLD_CPU):
-            assert detect("cpu") is OLD_CPU
+        with hardware.assume(AVX2_CPU):
+            assert detect("cpu") is AVX2_CPU
             with pytest.raises(SlowPrecisionError, match="It is fast on NVIDIA GPUs"):
                 mixprec.Precision("bf16-mixed").setup(nn.Linear(2, 2))
         assert detect("cpu") is ZEN4
@@ -200,7 +197,7 @@ def test_info_under_an_isa_cap_rates_bf16_slow_and_says_where_it_is_fast():
 
 
 @pytest.mark.parametrize(
-    "info, expected", [(H100, "bf16-mixed"), (V100, "16-mixed"), (OLD_CPU, "32-true")]
+    "info, expected", [(H100, "bf16-mixed"), (V100, "16-mixed"), (AVX2_CPU, "32-true")]
 )
 def test_resolve_policy_resolves_auto_against_the_described_device(info, expected):
     from mixprec.hardware import resolve_policy
@@ -224,12 +221,12 @@ def _gpu_machine(cpu, gpu):
 def test_bench_auto_on_the_cpu_of_a_gpu_machine_is_the_cpus_choice():
     from mixprec.bench import suite
 
-    with _gpu_machine(OLD_CPU, H100):
+    with _gpu_machine(AVX2_CPU, H100):
         policies, _ = suite._precisions(["auto"], torch.device("cpu"), allow_slow=False)
     assert list(policies) == ["32-true"]
 
 
-@_gpu_machine(OLD_CPU, V100)
+@_gpu_machine(AVX2_CPU, V100)
 def test_precision_auto_resolves_at_setup_on_the_models_device():
     precision = mixprec.Precision("auto")
     with pytest.raises(RuntimeError, match=r"picks its policy and scaler at setup\(\)"):
@@ -240,7 +237,7 @@ def test_precision_auto_resolves_at_setup_on_the_models_device():
     assert mixprec.Precision("auto", device="cuda").policy == PolicyMap("16-mixed")
 
 
-@_gpu_machine(OLD_CPU, V100)
+@_gpu_machine(AVX2_CPU, V100)
 def test_diagnose_resolves_auto_on_its_device():
     model = nn.Sequential(nn.Linear(2, 2))
     batch = (torch.ones(3, 2), torch.zeros(3, dtype=torch.int64))

@@ -341,14 +341,60 @@ def test_tie_entries_take_the_list_form_of_transformers_4():
     assert "all_tied_weights_keys" not in model.__dict__
 
 
-def test_mixprec_trainer_refuses_hf_mixed_precision(tmp_path):
-    with pytest.raises(ValueError, match="fp16=False, bf16=False"):
+@pytest.mark.parametrize(
+    ("flag", "spec"),
+    [("bf16", "32-true"), ("bf16", "bf16-mixed"), ("fp16", "16-mixed")],
+)
+def test_mixprec_trainer_refuses_hf_mixed_precision_even_when_it_agrees(tmp_path, flag, spec):
+    # HF's flag turns on its own autocast (and GradScaler for fp16): one place owns the
+    # precision, so a flag that agrees with the policy is refused as well
+    with pytest.raises(ValueError, match=rf"{flag}=True\).*even one that agrees.*fp16=False"):
         MixprecTrainer(
             model=tiny_gpt2(),
-            args=hf_args(tmp_path, bf16=True),
+            args=hf_args(tmp_path, **{flag: True}),
+            train_dataset=token_rows(),
+            precision=Precision(spec, allow_slow=True),
+        )
+
+
+@pytest.mark.parametrize("value", ["bf16", "fp16"])
+def test_mixprec_trainer_refuses_accelerates_precision_from_the_environment(
+    tmp_path, monkeypatch, value
+):
+    # `accelerate launch --mixed_precision bf16` sets this; HF's Accelerator then autocast
+    # the "32-true" run in bfloat16 with fp16=False, bf16=False in the arguments
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", value)
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match=rf"mixed_precision='{value}'.*ACCELERATE_MIXED_PREC"):
+        MixprecTrainer(
+            model=model,
+            args=hf_args(tmp_path),
             train_dataset=token_rows(),
             precision="32-true",
         )
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    trainer = MixprecTrainer(
+        model=model, args=hf_args(tmp_path), train_dataset=token_rows(), precision="32-true"
+    )
+    assert trainer.accelerator.mixed_precision == "no"
+
+
+@pytest.mark.parametrize(
+    ("flag", "dtype"), [("bf16_full_eval", "bfloat16"), ("fp16_full_eval", "float16")]
+)
+def test_mixprec_trainer_refuses_hf_full_half_precision_evaluation(tmp_path, flag, dtype):
+    # HF's evaluate() outside train() would cast the whole converted model (float32 islands
+    # included) to 16 bits and leave it so; it crashed inside a float32 layer norm
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match=rf"{flag}=True\) casts the whole model to {dtype}"):
+        MixprecTrainer(
+            model=model,
+            args=hf_args(tmp_path, **{flag: True}),
+            train_dataset=token_rows(),
+            eval_dataset=token_rows(n=4),
+            precision=Precision("bf16-mixed", allow_slow=True),
+        )
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
 
 
 # -- Accelerate --------------------------------------------------------------------------------
@@ -451,3 +497,12 @@ def test_prepare_refuses_accelerates_own_mixed_precision():
     with pytest.raises(ValueError, match="mixed_precision='bf16'.*mixed_precision='no'"):
         prepare(accelerator, Precision("bf16-mixed", allow_slow=True), model, optimizer)
     assert model.transformer.h[0].mlp.c_fc.weight.dtype == torch.float32  # untouched
+
+
+def test_prepare_names_the_environment_when_accelerate_took_its_precision_from_it(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    accelerator = accelerate.Accelerator(cpu=True)  # no mixed_precision=: the environment's
+    model = tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="mixed_precision='bf16'.*ACCELERATE_MIXED_PRECISION"):
+        prepare(accelerator, Precision("32-true"), model, optimizer)

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from devices import AVX2_CPU
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -29,7 +30,6 @@ from mixprec.integrations.lightning import (  # noqa: E402
     SkipAwareScheduler,
 )
 
-AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
 AMX_CPU = DeviceInfo("cpu", "Xeon with AMX", cpu_flags=frozenset({"avx512bw", "amx_bf16"}))
 BATCHES = 4  # batches per epoch
 LR, GAMMA = 0.05, 0.5
@@ -354,6 +354,34 @@ def test_auto_is_resolved_on_the_strategys_device(info, picked):
 def test_the_precision_flag_and_the_plugin_cannot_be_combined():
     with pytest.raises(ValueError, match="Choose one"):
         pl.Trainer(precision="bf16-mixed", plugins=[MixprecPrecision("bf16-mixed")])
+
+
+@pytest.mark.parametrize("flag", ["bf16-mixed", "16-true", 64])
+def test_a_precision_flag_beside_a_plugin_inside_the_strategy_is_refused(flag):
+    # Lightning refuses precision= with plugins=[...], but a precision plugin inside a
+    # strategy instance won silently over the flag
+    from pytorch_lightning.strategies import SingleDeviceStrategy
+
+    plugin = MixprecPrecision("bf16-mixed", allow_slow=True)
+    trainer = _trainer(
+        strategy=SingleDeviceStrategy("cpu", precision_plugin=plugin), precision=flag, max_steps=1
+    )
+    model = _model()
+    with pytest.raises(ValueError, match=r"precision='(bf16-mixed|16-true|64-true)'\) would be"):
+        trainer.fit(model, _loader())
+    assert not model.losses
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_a_plugin_inside_the_strategy_trains_without_a_precision_flag():
+    from pytorch_lightning.strategies import SingleDeviceStrategy
+
+    plugin = MixprecPrecision("bf16-mixed", allow_slow=True)
+    trainer = _trainer(strategy=SingleDeviceStrategy("cpu", precision_plugin=plugin), max_steps=1)
+    model = _model()
+    trainer.fit(model, _loader())
+    assert trainer.precision_plugin is plugin and trainer.precision == "bf16-mixed"
+    assert model.losses
 
 
 def test_a_precision_object_carries_its_own_settings():

@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from nets import mlp
 from torch import nn
 
 from mixprec.optim import (
@@ -21,11 +22,6 @@ from mixprec.optim import (
 from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
-
-
-def _mlp(seed: int = 0, dtype: torch.dtype = f32) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)).to(dtype)
 
 
 def _batches(n: int, seed: int = 0, size: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -49,7 +45,7 @@ def _adam_state_tensors(opt: LossScaleOptimizer) -> list[torch.Tensor]:
 def test_overflowing_scale_skips_backs_off_and_never_corrupts():
     """A scale too large for float16 makes the fp16 backward overflow: steps are skipped,
     the scale halves each time, and no inf/NaN reaches a parameter or Adam's state."""
-    model = _mlp()
+    model = mlp(8, 16, 1)
     opt = LossScaleOptimizer(
         torch.optim.Adam(model.parameters(), lr=1e-2),
         DynamicLossScaler(init_scale=2.0**24, max_scale=2.0**24, growth_interval=1000),
@@ -71,7 +67,7 @@ def test_overflowing_scale_skips_backs_off_and_never_corrupts():
 
 
 def test_recovers_and_grows_after_growth_interval_clean_steps():
-    model = _mlp()
+    model = mlp(8, 16, 1)
     opt = LossScaleOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01), DynamicLossScaler(2.0**8, growth_interval=4)
     )
@@ -87,7 +83,7 @@ def test_recovers_and_grows_after_growth_interval_clean_steps():
 
 
 def test_clipping_after_unscale_equals_clipping_fp32_gradients():
-    ref, ours = _mlp(), _mlp()
+    ref, ours = mlp(8, 16, 1), mlp(8, 16, 1)
     opt = LossScaleOptimizer(torch.optim.SGD(ours.parameters(), lr=0.1), StaticLossScaler(2.0**12))
     x, y = _batches(1)[0]
     F.mse_loss(ref(x), y).backward()
@@ -107,7 +103,7 @@ def test_clipping_after_unscale_equals_clipping_fp32_gradients():
 
 
 def test_gradient_accumulation_unscales_once_per_step():
-    full, micro = _mlp(), _mlp()
+    full, micro = mlp(8, 16, 1), mlp(8, 16, 1)
     ref_opt = torch.optim.SGD(full.parameters(), lr=0.1)
     opt = LossScaleOptimizer(torch.optim.SGD(micro.parameters(), lr=0.1))
     calls = []
@@ -127,7 +123,7 @@ def test_gradient_accumulation_unscales_once_per_step():
 
 
 def test_two_optimizers_share_one_scaler_and_skip_only_the_overflowing_one():
-    model = _mlp()
+    model = mlp(8, 16, 1)
     scaler = DynamicLossScaler(init_scale=2.0**10)
     opt_a = LossScaleOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), scaler)
     opt_b = LossScaleOptimizer(torch.optim.Adam(model[2].parameters(), lr=0.1), scaler)
@@ -159,7 +155,7 @@ def test_two_optimizers_share_one_scaler_and_skip_only_the_overflowing_one():
 
 def test_two_optimizers_with_their_own_backward_step_one_by_one():
     """GAN-style: each optimizer has its own backward; each step is one scaler iteration."""
-    model = _mlp()
+    model = mlp(8, 16, 1)
     scaler = DynamicLossScaler(init_scale=2.0**10)
     opt_a = LossScaleOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), scaler)
     opt_b = LossScaleOptimizer(torch.optim.SGD(model[2].parameters(), lr=0.1), scaler)
@@ -173,7 +169,7 @@ def test_two_optimizers_with_their_own_backward_step_one_by_one():
 
 @pytest.mark.parametrize("explicit_unscale", [False, True])
 def test_fused_adamw_matches_grad_scaler_exactly(explicit_unscale):
-    ref_model, our_model = _mlp(), _mlp()
+    ref_model, our_model = mlp(8, 16, 1), mlp(8, 16, 1)
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
     our_opt = torch.optim.AdamW(our_model.parameters(), lr=1e-2, fused=True)
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
@@ -203,7 +199,7 @@ def test_fused_adamw_matches_grad_scaler_exactly(explicit_unscale):
 
 
 def test_scheduler_does_not_advance_on_skipped_steps():
-    model = _mlp()
+    model = mlp(8, 16, 1)
     opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), StaticLossScaler(8.0))
     sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
     advanced = []
@@ -221,7 +217,7 @@ def test_scheduler_does_not_advance_on_skipped_steps():
 
 
 def test_scheduler_gate_also_takes_the_plain_optimizer_a_wrapper_steps():
-    model = _mlp()
+    model = mlp(8, 16, 1)
     inner = torch.optim.SGD(model.parameters(), lr=1.0)
     opt = LossScaleOptimizer(inner, StaticLossScaler(8.0))
     sched = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
@@ -261,9 +257,9 @@ def test_a_parameter_unused_this_step_is_not_updated_by_last_steps_master_gradie
 
 def test_pure_float16_with_master_weights_trains_like_float32():
     *data, (x_eval, y_eval) = _batches(151, seed=3)
-    ref = _mlp(seed=1)
+    ref = mlp(8, 16, 1, seed=1)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
-    half = _mlp(seed=1, dtype=f16)
+    half = mlp(8, 16, 1, seed=1, dtype=f16)
     opt = LossScaleOptimizer(torch.optim.Adam(half.parameters(), lr=1e-2))
     assert all(p.dtype == f32 for p in opt.param_groups[0]["params"])  # masters
     assert all(p.dtype == f16 for p in half.parameters())
@@ -278,12 +274,12 @@ def test_pure_float16_with_master_weights_trains_like_float32():
     with torch.no_grad():
         ref_loss = F.mse_loss(ref(x), y).item()
         half_loss = F.mse_loss(half(x.half()).float(), y).item()
-        start = F.mse_loss(_mlp(seed=1)(x), y).item()
+        start = F.mse_loss(mlp(8, 16, 1, seed=1)(x), y).item()
     assert half_loss < start / 20
     assert half_loss == pytest.approx(ref_loss, rel=0.02)
     assert all(p.dtype == f16 for p in half.parameters())
     # torch's own scaler refuses this model
-    plain = _mlp(dtype=f16)
+    plain = mlp(8, 16, 1, dtype=f16)
     torch_opt = torch.optim.Adam(plain.parameters())
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(F.mse_loss(plain(x.half()).float(), y)).backward()
@@ -330,7 +326,7 @@ def _fp16_run(model, opt, batches, inject_at=()):
 
 
 def _fp16_setup(seed):
-    model = _mlp(seed=seed, dtype=f16)
+    model = mlp(8, 16, 1, seed=seed, dtype=f16)
     scaler = DynamicLossScaler(2.0**12, growth_interval=3)
     return model, LossScaleOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), scaler)
 
@@ -366,7 +362,7 @@ def test_state_dict_before_first_step_and_mismatched_masters():
     assert all(
         torch.equal(a, b) for a, b in zip(model.parameters(), other_model.parameters(), strict=True)
     )
-    fp32_opt = LossScaleOptimizer(torch.optim.Adam(_mlp().parameters()))
+    fp32_opt = LossScaleOptimizer(torch.optim.Adam(mlp(8, 16, 1).parameters()))
     with pytest.raises(ValueError, match="master weights"):
         fp32_opt.load_state_dict(opt.state_dict())
 
@@ -404,9 +400,9 @@ def test_a_step_goes_ready_unscaled_stepped_through_public_parts():
             assert torch.equal(a, b)
         assert ref.scaler.state_dict() == opt.scaler.state_dict()
     assert not opt.skips_in_kernel and not opt.needs_closure
-    fused = LossScaleOptimizer(torch.optim.AdamW(_mlp().parameters(), fused=True))
+    fused = LossScaleOptimizer(torch.optim.AdamW(mlp(8, 16, 1).parameters(), fused=True))
     assert fused.skips_in_kernel
-    assert LossScaleOptimizer(torch.optim.LBFGS(_mlp().parameters()), "none").needs_closure
+    assert LossScaleOptimizer(torch.optim.LBFGS(mlp(8, 16, 1).parameters()), "none").needs_closure
 
 
 def _two_groups(model: nn.Module) -> list[dict]:
@@ -420,7 +416,7 @@ def test_a_checkpoint_of_another_precision_restores_the_masters_by_name(saved_dt
     masters (master_weights=True) or from float32 parameters: the optimizer's state, and as
     masters the full-precision weights by name (the saved masters, not the bfloat16 weights
     rounded back up); the model follows its masters and the scaler stays as it was."""
-    model = _mlp(dtype=saved_dtype)
+    model = mlp(8, 16, 1, dtype=saved_dtype)
     opt = LossScaleOptimizer(
         torch.optim.Adam(_two_groups(model), lr=1e-2), "none", master_weights=True, model=model
     )
@@ -436,7 +432,7 @@ def test_a_checkpoint_of_another_precision_restores_the_masters_by_name(saved_dt
     full = {n: opt.master_params.get(p, p).detach().clone() for n, p in params.items()}
     exp_avg = {n: opt.state[opt.master_params.get(p, p)]["exp_avg"] for n, p in params.items()}
 
-    new_model = _mlp(seed=5, dtype=f16)
+    new_model = mlp(8, 16, 1, seed=5, dtype=f16)
     new = LossScaleOptimizer(
         torch.optim.Adam(_two_groups(new_model), lr=1e-2),
         DynamicLossScaler(2.0**8),

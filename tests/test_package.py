@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -14,12 +15,13 @@ SRC = Path(mixprec.__file__).parent
 # Lower layers first; a module may import only from its own layer's package or from layers
 # below it. Utilities with no knowledge of precision sit at the bottom.
 LAYERS: list[set[str]] = [
-    {"errors", "version", "factory", "outputs"},
-    {"dtypes", "compensated"},
+    {"errors", "version"},
+    {"dtypes", "compensated", "float8_config"},
+    {"policy_names"},
     {"policy"},
+    {"quantize"},
     {"policy_map", "tree"},
     {"hardware"},
-    {"quantize"},
     {"convert", "scaling"},
     {"optim", "masters"},
     {"precision"},
@@ -40,15 +42,16 @@ def _component(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _imports(path: Path) -> list[tuple[str, bool]]:
+def _imports(path: Path, *, annotations: bool = False) -> list[tuple[str, bool]]:
     """(imported mixprec module, at module level?) for every import in `path`, skipping
-    those under `if TYPE_CHECKING:` (never run)."""
+    those under `if TYPE_CHECKING:` (never run) unless `annotations` is set."""
     tree = ast.parse(path.read_text())
     found: list[tuple[str, bool]] = []
 
     def visit(node: ast.AST, top: bool) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            checking = isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test)
+            if checking and not annotations:
                 continue
             if isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
                 if child.module.startswith("mixprec"):
@@ -101,12 +104,8 @@ def test_imports_point_down_the_layers():
     assert not wrong, "\n".join(wrong)
 
 
-def test_no_import_cycle_at_module_level():
-    modules = MODULES
-    graph = {
-        m: {i for i, top in _imports(p) if top and i in modules and i != m}
-        for m, p in modules.items()
-    }
+def _check_no_cycle(graph: dict[str, set[str]]) -> None:
+    """Raise naming the first cycle found in `graph` (module -> the modules it imports)."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -125,6 +124,34 @@ def test_no_import_cycle_at_module_level():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+def test_no_import_cycle_at_module_level():
+    modules = MODULES
+    graph = {
+        m: {i for i, top in _imports(p) if top and i in modules and i != m}
+        for m, p in modules.items()
+    }
+    _check_no_cycle(graph)
+
+
+TRAINER_CLASS_MODULE = "mixprec.trainer.trainer"
+
+
+def test_the_trainer_package_imports_in_one_direction():
+    """No two modules of `mixprec.trainer` know each other, counting every import: at module
+    level, inside functions, and under ``if TYPE_CHECKING:`` (for annotations). The one
+    exception: annotation-only imports of the `Trainer` class, which sits atop the package
+    (it imports the rest) and is what callbacks, modules and the run object hand around."""
+    trainer_modules = {m: p for m, p in MODULES.items() if m.startswith("mixprec.trainer")}
+    graph = {}
+    for m, p in trainer_modules.items():
+        run = {i for i, _ in _imports(p)}
+        annotated = {i for i, _ in _imports(p, annotations=True)} - run
+        graph[m] = {
+            i for i in run | (annotated - {TRAINER_CLASS_MODULE}) if i in trainer_modules and i != m
+        }
+    _check_no_cycle(graph)
 
 
 # classes whose private attributes (fields set on `self`, methods) only their own body touches
@@ -184,6 +211,42 @@ def test_only_a_loss_scale_optimizer_touches_its_private_attributes():
     assert not wrong, "\n".join(wrong)
 
 
+def _reaches_into_a_trainer(node: ast.AST) -> str | None:
+    """The private name `node` reaches on something called ``trainer`` (``trainer._log``,
+    ``self.trainer._metrics``, ``getattr(trainer, "_x")``), else None."""
+
+    def is_trainer(value: ast.AST) -> bool:
+        return (isinstance(value, ast.Name) and value.id == "trainer") or (
+            isinstance(value, ast.Attribute) and value.attr == "trainer"
+        )
+
+    def private(name: object) -> bool:
+        return isinstance(name, str) and name.startswith("_") and not name.startswith("__")
+
+    if isinstance(node, ast.Attribute) and private(node.attr) and is_trainer(node.value):
+        return node.attr
+    if isinstance(node, ast.Call) and ast.unparse(node.func) in _REFLECTION and node.args:
+        arg = node.args[1] if len(node.args) > 1 else None
+        if is_trainer(node.args[0]) and isinstance(arg, ast.Constant) and private(arg.value):
+            return arg.value
+    return None
+
+
+def test_only_the_trainer_module_touches_the_trainers_private_state():
+    """The run object (`trainer.loop.Run`) holds what the loops, checkpoints and callbacks
+    move on (progress, metric stores, hooks): no module but `trainer/trainer.py` reaches a
+    private attribute of a Trainer."""
+    wrong = []
+    for module, path in MODULES.items():
+        if module == TRAINER_CLASS_MODULE:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            name = _reaches_into_a_trainer(node)
+            if name is not None:
+                wrong.append(f"{module}:{node.lineno} touches Trainer.{name}")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_import_mixprec_is_light_and_the_trainer_loads_on_first_use():
     code = (
         "import sys, mixprec\n"
@@ -197,6 +260,21 @@ def test_import_mixprec_is_light_and_the_trainer_loads_on_first_use():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     ).stdout.splitlines()
     assert out == ["[]", "True True"]
+
+
+def test_the_doctor_loads_neither_the_trainer_nor_rich():
+    """The doctor (layer 11) sits above the Trainer but needs none of it: the monitor defines
+    the Trainer's hooks without importing it, and tables import rich only to print."""
+    code = (
+        "import sys, mixprec\n"
+        "mixprec.diagnose, mixprec.PrecisionMonitor\n"
+        "from mixprec.doctor import diagnose\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('mixprec.trainer', 'rich'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.splitlines()
+    assert out == ["[]"]
 
 
 def test_the_top_level_holds_the_daily_names_only():
@@ -236,3 +314,92 @@ def test_the_top_level_holds_the_daily_names_only():
         assert "no attribute 'joint_step'" in str(err)
     else:
         raise AssertionError("helpers live in their modules, not at the top level")
+
+
+def test_dir_of_the_top_level_shows_its_public_names_only():
+    """`dir(mixprec)` (what tab completion offers) lists the public names, the submodules
+    loaded so far and the module's dunders, not the helpers its file imports for itself."""
+    shown = set(dir(mixprec))
+    assert set(mixprec.__all__) <= shown
+    others = {n for n in shown - set(mixprec.__all__) if not (n[:2] == n[-2:] == "__")}
+    submodules = {n for n in others if sys.modules.get(f"mixprec.{n}") is getattr(mixprec, n)}
+    assert others == submodules, f"not public: {sorted(others - submodules)}"
+    assert {"hardware", "policy", "optim"} <= submodules
+
+
+def _public_modules() -> list[str]:
+    """The package's public modules: no part of the dotted name starts with an underscore."""
+    return [m for m in MODULES if not any(part.startswith("_") for part in m.split("."))]
+
+
+def _listed(path: Path) -> list[str] | None:
+    """The names in the module-level `__all__` of the file at `path` (None without one)."""
+    for node in ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return list(ast.literal_eval(node.value))
+    return None
+
+
+def test_every_public_module_declares_its_public_names():
+    """Each public module says in `__all__` which of its names are its interface, and each
+    name there exists (the lazy ones of the top level too)."""
+    wrong = []
+    for name in _public_modules():
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:  # an integration whose extra is not installed
+            if (err.name or "").startswith("mixprec"):
+                raise
+            continue
+        listed = vars(module).get("__all__")
+        if listed is None:
+            wrong.append(f"{name} has no __all__")
+            continue
+        absent = [n for n in listed if not hasattr(module, n)]
+        private = [n for n in listed if n.startswith("_") and not n.endswith("__")]
+        wrong += [f"{name}.__all__ lists {n!r}, which it lacks" for n in absent]
+        wrong += [f"{name}.__all__ lists the private {n!r}" for n in private]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_a_name_imported_from_another_module_is_in_its_all():
+    """What one module imports from another (not a private `_name`) is part of that module's
+    interface, so its `__all__` lists it."""
+    listed = {m: _listed(MODULES[m]) for m in _public_modules()}
+    wrong = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0):
+                continue
+            names = listed.get(node.module or "")
+            if names is None or node.module == module:
+                continue
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}" in MODULES
+                if not (alias.name.startswith("_") or submodule or alias.name in names):
+                    wrong.append(f"{module}:{node.lineno} imports {node.module}.{alias.name}")
+    assert not wrong, "not in the __all__ of the module they come from:\n" + "\n".join(wrong)
+
+
+def test_checkpoints_are_written_atomically_in_one_place():
+    """`trainer.checkpoint.atomic_write` and its steps (which a sharded save takes across
+    ranks) are the one code that names, links and syncs a checkpoint's temporary file or
+    directory: no other trainer module does any of that itself, or reaches into the
+    checkpoint module's private helpers."""
+    owner = "mixprec.trainer.checkpoint"
+    done_by_owner = {"os.fsync", "os.link", "secrets.token_hex"}
+    wrong = []
+    for module, path in MODULES.items():
+        if not module.startswith("mixprec.trainer") or module == owner:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in done_by_owner:
+                wrong.append(f"{module}:{node.lineno} calls {ast.unparse(node.func)}")
+            elif (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and ast.unparse(node.value) in ("ckpt_io", "checkpoint")
+            ):
+                wrong.append(f"{module}:{node.lineno} touches {owner}.{node.attr}")
+    assert not wrong, "\n".join(wrong)

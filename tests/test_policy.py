@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 import mixprec
 from mixprec import Policy, PolicySpecError
+from mixprec.policy_names import POLICY_NAMES
 
 f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 
@@ -103,12 +104,12 @@ def test_flags():
     assert not Policy("32-true").needs_loss_scaling
     assert Policy("bf16-mixed").is_mixed and not Policy("bf16-true").is_mixed
     assert Policy("p=f16,c=bf16").needs_loss_scaling and Policy("p=bf16,c=f16").needs_loss_scaling
-    for name in mixprec.policy.POLICY_NAMES:  # autocast or one dtype: nothing to cast
+    for name in POLICY_NAMES:  # autocast or one dtype: nothing to cast
         assert not Policy(name).casts_params
         assert Policy(name).buffer_dtype == Policy(name).param_dtype
 
 
-@pytest.mark.parametrize("spec", [*mixprec.policy.POLICY_NAMES, "p=f16,c=bf16", torch.float64])
+@pytest.mark.parametrize("spec", [*POLICY_NAMES, "p=f16,c=bf16", torch.float64])
 def test_a_float_policy_quantizes_nothing_as_keras_says_with_none(spec):
     """Policy("mixed_float16").quantization_mode raised AttributeError; Keras's float policies
     answer None, and code tells quantized layers apart that way."""
@@ -154,7 +155,7 @@ def test_bad_specs_say_what_is_wrong_and_what_is_accepted(spec, message):
 def test_unknown_name_lists_every_accepted_name():
     with pytest.raises(ValueError) as err:
         Policy("turbo")
-    for name in mixprec.policy.POLICY_NAMES:
+    for name in POLICY_NAMES:
         assert repr(name) in str(err.value)
 
 
@@ -297,3 +298,13 @@ def test_policies_pickle():
 
     p = Policy("p=f32,c=bf16,o=bf16")
     assert pickle.loads(pickle.dumps(p)) == p
+
+
+def test_setting_the_global_policy_to_none_is_refused_by_name():
+    before = mixprec.global_policy()
+    with pytest.raises(PolicySpecError, match=r"set_global_policy needs a policy, not None"):
+        mixprec.set_global_policy(None)
+    with pytest.raises(PolicySpecError, match=r"policy_scope needs a policy, not None"):
+        with mixprec.policy_scope(None):
+            pass
+    assert mixprec.global_policy() is before

@@ -256,7 +256,13 @@ def test_sharding_keeps_the_buffers_where_the_layer_computes(one_rank):
     statistics stored in float16 failed ("expected scalar type BFloat16 but found Half")."""
     model = _mlp()
     reference = copy.deepcopy(model)
-    shard(model, "p=f16,c=bf16", scaler=mixprec.DynamicLossScaler(), allow_slow=True)
+    shard(
+        model,
+        "p=f16,c=bf16",
+        scaler=mixprec.DynamicLossScaler(),
+        allow_slow=True,
+        master_weights=False,
+    )
     mixprec.apply(reference, "p=f16,c=bf16", warn=False)
     x = torch.randn(6, 8)
     out = model(x)

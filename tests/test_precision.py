@@ -6,20 +6,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
+from devices import AVX2_CPU
+from nets import mlp
 from torch import nn
 
 from mixprec import Policy, PolicyMap, PrecisionError, SlowPrecisionError, hardware
-from mixprec.hardware import DeviceInfo
 from mixprec.optim import LossScaleOptimizer
 from mixprec.precision import Precision
 from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
-
-
-def _mlp(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
 
 
 def _data(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -54,19 +50,19 @@ def _train(precision, model, opt, data) -> list[float]:
 )
 def test_scaler_suits_the_policy_and_is_shared(spec, kwargs, expected):
     precision = Precision(spec, **kwargs)
-    model = _mlp()
+    model = mlp(8, 16, 1)
     a, b = torch.optim.SGD(model[0].parameters()), torch.optim.SGD(model[2].parameters())
     out = precision.setup(model, a, b)
     assert out[0] is model and len(out) == 3
     assert type(precision.scaler) is expected
     assert all(isinstance(o, LossScaleOptimizer) and o.scaler is precision.scaler for o in out[1:])
-    alone = _mlp()
+    alone = mlp(8, 16, 1)
     assert precision.setup(alone) is alone  # no optimizers: the model alone
 
 
 def test_bf16_mixed_two_line_loop_trains():
     precision = Precision("bf16-mixed", allow_slow=True)
-    model = _mlp()
+    model = mlp(8, 16, 1)
     model, opt = precision.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
     assert all(p.dtype == f32 for p in model.parameters())
     x, _ = _data(1)[0]
@@ -77,22 +73,21 @@ def test_bf16_mixed_two_line_loop_trains():
 
 @pytest.mark.parametrize("spec", ["16-mixed", "bf16-mixed", "bf16-true"])
 def test_low_precision_refused_on_an_avx2_cpu_unless_allowed(spec, monkeypatch):
-    bare = DeviceInfo("cpu", "old cpu", cpu_flags=frozenset({"avx2"}))
-    with hardware.assume(bare):
+    with hardware.assume(AVX2_CPU):
         with pytest.raises(SlowPrecisionError, match="allow_slow=True.*MIXPREC_ALLOW_SLOW=1"):
-            Precision(spec).setup(_mlp())
-        model = Precision(spec, allow_slow=True).setup(_mlp())
+            Precision(spec).setup(mlp(8, 16, 1))
+        model = Precision(spec, allow_slow=True).setup(mlp(8, 16, 1))
         assert {p.dtype for p in model.parameters()} == {Policy(spec).param_dtype}
         monkeypatch.setenv("MIXPREC_ALLOW_SLOW", "1")
-        assert isinstance(Precision(spec).setup(_mlp()), nn.Module)
+        assert isinstance(Precision(spec).setup(mlp(8, 16, 1)), nn.Module)
         monkeypatch.setenv("MIXPREC_ALLOW_SLOW", "maybe")
         with pytest.raises(PrecisionError, match="MIXPREC_ALLOW_SLOW='maybe' is not understood"):
-            Precision(spec).setup(_mlp())
+            Precision(spec).setup(mlp(8, 16, 1))
 
 
 def test_16_true_keeps_float32_masters_and_trains():
     precision = Precision("16-true", allow_slow=True, scaler=DynamicLossScaler(2.0**12))
-    model = _mlp()
+    model = mlp(8, 16, 1)
     model, opt = precision.setup(model, torch.optim.Adam(model.parameters(), lr=1e-2))
     assert all(p.dtype == f16 for p in model.parameters())
     assert all(p.dtype == f32 for g in opt.param_groups for p in g["params"])
@@ -103,7 +98,7 @@ def test_16_true_keeps_float32_masters_and_trains():
 
 def test_clip_grad_norm_unscales_and_clips_the_master_gradients():
     precision = Precision("16-true", allow_slow=True, scaler=StaticLossScaler(2.0**10))
-    model = _mlp()
+    model = mlp(8, 16, 1)
     model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = _data(1)[0]
     precision.backward(F.mse_loss(model(x).float(), y))
@@ -125,7 +120,7 @@ def test_clip_grad_norm_unscales_and_clips_the_master_gradients():
 
 def test_step_skips_only_the_overflowing_optimizer_and_updates_once():
     precision = Precision("bf16-mixed", allow_slow=True, scaler=DynamicLossScaler(2.0**8))
-    model = _mlp()
+    model = mlp(8, 16, 1)
     model, a, b = precision.setup(
         model,
         torch.optim.SGD(model[0].parameters(), lr=0.1),
@@ -147,7 +142,7 @@ def test_step_skips_only_the_overflowing_optimizer_and_updates_once():
 def test_clipping_one_optimizer_leaves_the_other_scaled_for_its_own_backward():
     """GAN-style loop: clip and step the first optimizer, then backward for the second."""
     precision = Precision("bf16-mixed", allow_slow=True, scaler=StaticLossScaler(64.0))
-    model = _mlp()
+    model = mlp(8, 16, 1)
     model, a, b = precision.setup(
         model,
         torch.optim.SGD(model[0].parameters(), lr=0.1),
@@ -185,7 +180,7 @@ def test_convert_input_casts_floats_for_true_policies_only():
 
 def test_state_dict_round_trip_and_kind_mismatch():
     precision = Precision("16-true", allow_slow=True, scaler=DynamicLossScaler(2.0**9))
-    model = _mlp()
+    model = mlp(8, 16, 1)
     model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     _train(precision, model, opt, _data(3))
     state = precision.state_dict()
@@ -198,7 +193,7 @@ def test_state_dict_round_trip_and_kind_mismatch():
 
 
 def test_setup_refuses_an_optimizer_wrapped_with_another_scaler():
-    model = _mlp()
+    model = mlp(8, 16, 1)
     foreign = LossScaleOptimizer(torch.optim.SGD(model.parameters()), DynamicLossScaler())
     with pytest.raises(ValueError, match="own scaler"):
         Precision("bf16-mixed", allow_slow=True).setup(model, foreign)
@@ -211,7 +206,7 @@ def test_a_float16_loss_cannot_carry_the_default_scale():
     """The seed gradient of backward is the scale; 2**16 is inf in float16, so a float16
     loss overflows once and the scale backs off to 2**15 (README tip)."""
     precision = Precision("16-true", allow_slow=True)
-    model = _mlp()
+    model = mlp(8, 16, 1)
     model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
     x, y = _data(1)[0]
     taken = []

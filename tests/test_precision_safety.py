@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from nets import mlp
 from torch import nn
 
 from mixprec import Precision
@@ -16,11 +17,6 @@ from mixprec.optim import LossScaleOptimizer, master_weights_by_name
 from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
-
-
-def _mlp(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
 def _batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +38,7 @@ def _fp16_precision(scale: float = 1024.0) -> Precision:
 
 def test_clip_after_add_param_group_measures_unscaled_gradients():
     precision = _fp16_precision()
-    model = _mlp()
+    model = mlp()
     model, opt = precision.setup(model, torch.optim.SGD(model[0].parameters(), lr=0.1))
     opt.add_param_group({"params": list(model[2].parameters())})
     precision.backward(_loss(model))
@@ -56,7 +52,7 @@ def test_clip_after_add_param_group_measures_unscaled_gradients():
 
 def test_zero_grad_on_a_kept_inner_optimizer_clears_the_float16_gradients():
     precision = _fp16_precision()
-    model = _mlp()
+    model = mlp()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = precision.setup(model, inner)
     for _ in range(2):
@@ -75,7 +71,7 @@ def test_zero_grad_on_a_kept_inner_optimizer_clears_the_float16_gradients():
 
 def test_group_added_on_the_inner_optimizer_gets_float32_masters():
     precision = _fp16_precision()
-    model = _mlp()
+    model = mlp()
     inner = torch.optim.SGD(model[0].parameters(), lr=1e-6)
     model, opt = precision.setup(model, inner)
     inner.add_param_group({"params": list(model[2].parameters())})
@@ -90,7 +86,7 @@ def test_group_added_on_the_inner_optimizer_gets_float32_masters():
 
 def test_parameter_unfrozen_after_setup_is_stepped_through_a_master():
     precision = _fp16_precision()
-    model = _mlp()
+    model = mlp()
     model[2].requires_grad_(False)
     model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=1e-6))
     assert model[2].weight not in opt.master_params
@@ -106,7 +102,7 @@ def test_parameter_unfrozen_after_setup_is_stepped_through_a_master():
 
 
 def _one_sgd_update(seed: int = 0) -> list[torch.Tensor]:
-    model = _mlp(seed)
+    model = mlp(seed=seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _loss(model).backward()
     opt.step()
@@ -115,7 +111,7 @@ def _one_sgd_update(seed: int = 0) -> list[torch.Tensor]:
 
 def test_setup_twice_with_the_same_optimizer_steps_it_once():
     precision = Precision("32-true")
-    model = _mlp()
+    model = mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     model, first = precision.setup(model, sgd)
     model, again, same = precision.setup(model, sgd, sgd)  # a re-run cell, a repeated arg
@@ -127,7 +123,7 @@ def test_setup_twice_with_the_same_optimizer_steps_it_once():
 
 
 def test_a_second_wrapper_takes_over_and_the_first_refuses_to_step():
-    model = _mlp()
+    model = mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     first = Precision("32-true")
     model, old = first.setup(model, sgd)
@@ -145,7 +141,7 @@ def test_a_second_wrapper_takes_over_and_the_first_refuses_to_step():
 
 
 def test_rewrapping_a_16_true_optimizer_keeps_its_masters_linked_to_the_model():
-    model = _mlp().to(f16)
+    model = mlp().to(f16)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     LossScaleOptimizer(sgd)  # dropped at once: the optimizer now holds float32 masters
     opt = LossScaleOptimizer(sgd, StaticLossScaler(64.0))
@@ -161,7 +157,7 @@ def test_rewrapping_a_16_true_optimizer_keeps_its_masters_linked_to_the_model():
 
 
 def test_lbfgs_closure_steps_like_plain_torch_without_loss_scaling():
-    ref_model, model = _mlp(), _mlp()
+    ref_model, model = mlp(), mlp()
     ref = torch.optim.LBFGS(ref_model.parameters(), lr=0.5, max_iter=4)
     precision = Precision("32-true")
     model, opt = precision.setup(model, torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4))
@@ -189,7 +185,7 @@ def test_lbfgs_closure_steps_like_plain_torch_without_loss_scaling():
 
 def test_lbfgs_closure_with_bf16_masters_re_evaluates_the_moved_masters():
     precision = Precision("bf16-true", allow_slow=True, master_weights=True)
-    model = _mlp()
+    model = mlp()
     lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5)
     model, opt = precision.setup(model, lbfgs)
     losses = []
@@ -208,7 +204,7 @@ def test_lbfgs_closure_with_bf16_masters_re_evaluates_the_moved_masters():
 
 
 def test_closure_with_loss_scaling_is_a_clear_error():
-    model = _mlp()
+    model = mlp()
     precision = Precision("32-true", scaler="dynamic")
     model, opt = precision.setup(model, torch.optim.LBFGS(model.parameters()))
     with pytest.raises(RuntimeError, match="bf16-mixed"):
@@ -220,7 +216,7 @@ def test_closure_with_loss_scaling_is_a_clear_error():
 
 def test_step_takes_the_inner_optimizer_and_names_foreign_ones():
     precision = Precision("32-true")
-    model = _mlp()
+    model = mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     precision.setup(model, sgd)
     precision.backward(_loss(model))
@@ -228,7 +224,7 @@ def test_step_takes_the_inner_optimizer_and_names_foreign_ones():
     for p, q in zip(model.parameters(), _one_sgd_update(), strict=True):
         assert torch.equal(p, q)
     with pytest.raises(ValueError, match="was not set up by this Precision"):
-        precision.step(torch.optim.SGD(_mlp().parameters(), lr=0.1))
+        precision.step(torch.optim.SGD(mlp().parameters(), lr=0.1))
     with pytest.raises(TypeError, match="takes the optimizers returned by setup"):
         precision.step("sgd")
     with pytest.raises(ValueError, match="no optimizer to step"):
@@ -236,7 +232,7 @@ def test_step_takes_the_inner_optimizer_and_names_foreign_ones():
 
 
 def test_setup_and_constructor_arguments_are_checked():
-    model = _mlp()
+    model = mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="model .an nn.Module. first"):
         Precision("32-true").setup(sgd, model)
@@ -251,7 +247,7 @@ def test_setup_and_constructor_arguments_are_checked():
 
 
 def test_plain_torch_optimizer_state_loads_and_continues_exactly():
-    ref_model, model = _mlp(), _mlp()
+    ref_model, model = mlp(), mlp()
     ref = torch.optim.Adam(ref_model.parameters(), lr=0.01)
     for seed in (1, 2):
         ref.zero_grad()
@@ -272,7 +268,7 @@ def test_plain_torch_optimizer_state_loads_and_continues_exactly():
 
 
 def test_unknown_and_mismatched_states_are_refused_before_anything_changes():
-    model = _mlp()
+    model = mlp()
     opt = LossScaleOptimizer(torch.optim.Adam(model.parameters()), DynamicLossScaler(2.0**8))
     with pytest.raises(ValueError, match="not a LossScaleOptimizer state"):
         opt.load_state_dict({"lr": 0.1})
@@ -304,7 +300,7 @@ def _saved(obj: object) -> object:
 
 def test_bf16_true_masters_restore_into_32_true_bit_exactly():
     precision = Precision("bf16-true", allow_slow=True, master_weights=True)
-    model = _mlp()
+    model = mlp()
     # groups in another order than the model's: masters are matched by name, not position
     groups = [{"params": list(model[2].parameters())}, {"params": list(model[0].parameters())}]
     model, opt = precision.setup(model, torch.optim.AdamW(groups, lr=1e-3))
@@ -316,7 +312,7 @@ def test_bf16_true_masters_restore_into_32_true_bit_exactly():
     ckpt = _saved({"model": model.state_dict(), "optimizer": opt.state_dict()})
     assert all(v.dtype == bf16 for v in ckpt["model"].values())
 
-    restored = _mlp(seed=7)
+    restored = mlp(seed=7)
     by_name = master_weights_by_name(ckpt["optimizer"], ckpt["model"])
     assert sorted(by_name) == sorted(masters)
     restored.load_state_dict({**ckpt["model"], **by_name})
@@ -327,7 +323,7 @@ def test_bf16_true_masters_restore_into_32_true_bit_exactly():
 
 
 def test_tied_parameters_get_their_master_under_every_name():
-    model = _mlp()
+    model = mlp()
     model[2] = nn.Linear(8, 8)
     model.append(nn.Tanh())
     model.append(nn.Linear(8, 8))
@@ -340,21 +336,21 @@ def test_tied_parameters_get_their_master_under_every_name():
 
 
 def test_masters_without_names_are_a_clear_error_unless_the_optimizer_has_them():
-    model = _mlp().to(f16)
+    model = mlp().to(f16)
     plain = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="has no name"):
         master_weights_by_name(plain.state_dict(), model.state_dict())
-    named = LossScaleOptimizer(torch.optim.SGD(_mlp().to(f16).named_parameters(), lr=0.1))
+    named = LossScaleOptimizer(torch.optim.SGD(mlp().to(f16).named_parameters(), lr=0.1))
     assert sorted(master_weights_by_name(named.state_dict(), model.state_dict())) == sorted(
         model.state_dict()
     )
 
 
 def test_same_precision_resume_checks_masters_and_points_across_precisions():
-    model16 = _mlp()
+    model16 = mlp()
     p16 = _fp16_precision()
     model16, opt16 = p16.setup(model16, torch.optim.SGD(model16.parameters(), lr=0.1))
-    model32 = _mlp()
+    model32 = mlp()
     model32, opt32 = Precision("32-true").setup(
         model32, torch.optim.SGD(model32.parameters(), lr=0.1)
     )
@@ -362,7 +358,7 @@ def test_same_precision_resume_checks_masters_and_points_across_precisions():
         opt32.load_state_dict(opt16.state_dict())
     # same precision: masters and parameters come back exactly
     precision = _fp16_precision()
-    twin = _mlp(seed=3)
+    twin = mlp(seed=3)
     twin, twin_opt = precision.setup(twin, torch.optim.SGD(twin.parameters(), lr=0.1))
     twin_opt.load_state_dict(_saved(opt16.state_dict()))
     for p, q in zip(model16.parameters(), twin.parameters(), strict=True):
@@ -372,7 +368,7 @@ def test_same_precision_resume_checks_masters_and_points_across_precisions():
 def test_joint_step_with_a_nan_in_one_of_two_16_true_optimizers_keeps_the_other_exact():
     """The clean optimizer's float16 parameters follow their masters; the other's stay."""
     precision = _fp16_precision()
-    model = _mlp()
+    model = mlp()
     model, a, b = precision.setup(
         model,
         torch.optim.SGD(model[0].parameters(), lr=0.1),
@@ -389,13 +385,13 @@ def test_joint_step_with_a_nan_in_one_of_two_16_true_optimizers_keeps_the_other_
 
 
 def test_a_bad_scaler_state_leaves_the_optimizer_untouched():
-    model = _mlp()
+    model = mlp()
     opt = LossScaleOptimizer(torch.optim.Adam(model.parameters()), DynamicLossScaler(2.0**8))
     opt.backward(_loss(model))
     opt.step()
     state = opt.state_dict()
     state["scaler"] = {"kind": "static", "scale": 4.0}
-    fresh = LossScaleOptimizer(torch.optim.Adam(_mlp().parameters()), DynamicLossScaler(2.0**8))
+    fresh = LossScaleOptimizer(torch.optim.Adam(mlp().parameters()), DynamicLossScaler(2.0**8))
     with pytest.raises(ValueError, match="cannot load a 'static' loss scaler state"):
         fresh.load_state_dict(state)
     assert not fresh.state and fresh.loss_scale == 2.0**8

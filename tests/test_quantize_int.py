@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -84,6 +84,7 @@ def test_int8_rows_are_within_half_a_step_of_the_weight(rows, cols, seed, spread
 
 @FAST
 @given(st.integers(1, 20), st.integers(1, 70), st.integers(1, 20), st.integers(0, 99))
+@example(m=1, k=1, n=2, seed=0)  # torch's CPU _int_mm gives garbage for K == 1
 def test_int_matmul_is_the_exact_integer_product(m, k, n, seed):
     g = torch.Generator().manual_seed(seed)
     a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
@@ -512,7 +513,7 @@ def test_bfloat16_storage_keeps_int_weights_and_stores_scales_in_bfloat16():
         (
             lambda: quantize(nn.Sequential(), "int8", filter=3),
             TypeError,
-            "filter must be a callable",
+            "filter must be None, a callable",
         ),
         (
             lambda: quantize(nn.Sequential(), "int8", filter="("),
@@ -951,17 +952,6 @@ def test_int4_kernel_runs_per_channel_groups_only_of_a_kernel_size():
     )
     x = torch.randn(2, 300)
     assert torch.equal(wide(x), F.linear(x, wide.dequantized_weight(), wide.bias))
-
-
-@FAST
-@given(st.integers(1, 9), st.integers(1, 9), st.integers(0, 99))
-def test_int_matmul_is_exact_for_a_single_input_feature(m, n, seed):
-    """torch._int_mm on CPU returned garbage for K = 1 (torch 2.13, oneDNN 3.12): 67 x -73
-    came out as 899386192."""
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randint(-127, 128, (m, 1), generator=g, dtype=torch.int8)
-    b = torch.randint(-127, 128, (n, 1), generator=g, dtype=torch.int8)
-    assert torch.equal(int_matmul(a, b), (a.long() @ b.long().t()).int())
 
 
 @pytest.mark.parametrize("m, k, n", [(1, 16, 8), (7, 24, 10), (33, 300, 40), (130, 1024, 48)])

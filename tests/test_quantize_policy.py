@@ -10,6 +10,7 @@ import pickle
 
 import pytest
 import torch
+from devices import AVX2_CPU, H100
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -18,7 +19,9 @@ import mixprec
 from mixprec import hardware
 from mixprec.errors import PolicySpecError, SlowPrecisionError
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
+from mixprec.policy_names import POLICY_NAMES
 from mixprec.quantize import Int4Embedding, Int4Linear, Int8Linear
+from mixprec.quantize.rules import skip_reason
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
 
@@ -405,25 +408,23 @@ def test_policy_maps_with_quantized_rules_round_trip():
     assert pmap.name == "int8_from_mixed_bfloat16 + 2 rule(s)"
 
 
-AVX2 = hardware.DeviceInfo("cpu", "an AVX2-only CPU", cpu_flags=frozenset({"avx2"}))
-H100 = hardware.DeviceInfo("cuda", "H100", 0, capability=(9, 0))
 A100 = hardware.DeviceInfo("cuda", "A100", 0, capability=(8, 0))
 
 
 @pytest.mark.parametrize(
     "spec, info, status",
     [
-        ("int8_from_float32", AVX2, hardware.FAST),
-        ("int4_from_float32", AVX2, hardware.FAST),
-        ("int8_from_mixed_bfloat16", AVX2, hardware.SLOW),  # the bf16 source is slow there
+        ("int8_from_float32", AVX2_CPU, hardware.FAST),
+        ("int4_from_float32", AVX2_CPU, hardware.FAST),
+        ("int8_from_mixed_bfloat16", AVX2_CPU, hardware.SLOW),  # the bf16 source is slow there
         ("int8_from_mixed_bfloat16", H100, hardware.FAST),
         ("float8_from_mixed_bfloat16", H100, hardware.FAST),
         ("float8_from_mixed_bfloat16", A100, hardware.SLOW),
-        ("float8_from_float32", AVX2, hardware.SLOW),
+        ("float8_from_float32", AVX2_CPU, hardware.SLOW),
         ("transformer-engine", H100, hardware.FAST),
         ("transformer-engine-float16", H100, hardware.FAST),
         ("transformer-engine", A100, hardware.SLOW),  # float8 needs compute capability 8.9+
-        ("transformer-engine", AVX2, hardware.SLOW),
+        ("transformer-engine", AVX2_CPU, hardware.SLOW),
     ],
 )
 def test_hardware_rates_quantized_policies_honestly(spec, info, status):
@@ -433,7 +434,7 @@ def test_hardware_rates_quantized_policies_honestly(spec, info, status):
 def test_float8_off_sm89_is_refused_as_slow_naming_where_it_is_fast():
     with pytest.raises(SlowPrecisionError, match=r"float8 tensor cores.*compute capability 8.9\+"):
         hardware.check("float8_from_mixed_bfloat16", info=A100)
-    with hardware.assume(AVX2):
+    with hardware.assume(AVX2_CPU):
         with pytest.raises(SlowPrecisionError, match="emulated"):
             hardware.check(mixprec.PolicyMap("32-true", {"head": "float8_from_float32"}), "cpu")
         assert hardware.check("float8_from_float32", "cpu", allow_slow=True).status == hardware.SLOW
@@ -450,3 +451,32 @@ def test_keras_older_int4_none_name_quantizes_per_channel():
     mixprec.quantize(model, "int4/None_from_float32")
     assert isinstance(model[0], Int4Linear) and model[0].group_size == -1
     assert model[0].weight_scale.shape == (8, 1)  # one scale per output channel
+
+
+def test_policy_of_a_spec_builds_what_as_policy_builds():
+    """`as_policy` is the one factory; `Policy(spec)` follows the same rule: a quantized spec
+    gives a QuantizedPolicy, any other spec a float Policy."""
+    specs = [*POLICY_NAMES, 16, torch.bfloat16, "p=f16,c=bf16", "transformer-engine"]
+    for spec in [*specs, *ACCEPTED]:
+        made = as_policy(spec)
+        assert type(Policy(spec)) is type(made) and Policy(spec) == made
+        assert isinstance(made, QuantizedPolicy) == mixprec.policy.is_quantized(spec)
+    assert type(as_policy(Policy("int8_from_float32").to_config())) is QuantizedPolicy
+
+
+def test_the_layer_rules_are_the_quantize_packages_and_the_policy_a_plain_value():
+    """Which layers a quantized policy quantizes was a method of the policy; the rules live
+    in `mixprec.quantize.rules`, which `explain`, `apply` and `quantize` all read."""
+    policy = Policy("int8_from_float32")
+    assert not hasattr(policy, "skip_reason")
+    assert skip_reason(policy, nn.Linear(32, 32)) is None
+    assert skip_reason(policy, nn.LayerNorm(32)) == (
+        "unsupported type LayerNorm: int8 quantizes Linear and Embedding"
+    )
+    model = _model()
+    explained = mixprec.explain(model, policy).skipped
+    assert explained == {
+        path: skip_reason(policy, module)
+        for path, module in model.named_modules()
+        if skip_reason(policy, module) is not None and list(module.parameters(recurse=False))
+    }

@@ -4,15 +4,15 @@ import re
 from pathlib import Path
 
 import pytest
+from devices import AVX2_CPU
 
 from mixprec import SlowPrecisionError, hardware
-from mixprec.hardware import ALLOW_SLOW_ENV, DeviceInfo
+from mixprec.hardware import ALLOW_SLOW_ENV
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 # The README's promise is about a CPU without fast bf16: every host runs the examples as if it
 # were one, with the switch the README names, so the outcome never depends on the host.
-AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
 
 
 def _run(index: int) -> None:

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from nets import mlp
 
 from mixprec.optim import LossScaleOptimizer
 from mixprec.scaling import (
@@ -30,11 +31,6 @@ def _trajectory(scaler: DynamicLossScaler, overflows: list[bool]) -> list[float]
     return out
 
 
-def _tiny_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
-
-
 @pytest.mark.parametrize(
     ("growth_interval", "steps", "make_opt"),
     [
@@ -44,7 +40,7 @@ def _tiny_model(seed: int = 0) -> torch.nn.Module:
 )
 def test_matches_torch_grad_scaler_exactly(growth_interval, steps, make_opt):
     """Same gradients, injected inf/NaN: identical scale and parameters after every step."""
-    ref_model, our_model = _tiny_model(), _tiny_model()
+    ref_model, our_model = mlp(4, 8, 1), mlp(4, 8, 1)
     ref_opt, our_opt = make_opt(ref_model.parameters()), make_opt(our_model.parameters())
     ref = torch.amp.GradScaler("cpu", growth_interval=growth_interval)
     ours = LossScaleOptimizer(

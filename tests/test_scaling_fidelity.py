@@ -6,16 +6,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from nets import mlp
 from torch import nn
 
 from mixprec import Precision
 from mixprec.optim import LossScaleOptimizer, joint_step
 from mixprec.scaling import DynamicLossScaler
-
-
-def _mlp(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -43,7 +39,7 @@ _POISON = {2: 2, 5: 0, 6: 2, 9: 0, 10: 2}
 
 @pytest.mark.parametrize("via", ["precision", "joint_step"])
 def test_shared_backward_skips_only_the_overflowing_optimizer_like_grad_scaler(via):
-    ref_model, our_model = _mlp(), _mlp()
+    ref_model, our_model = mlp(), mlp()
     ref_a, ref_b = _two_optimizers(ref_model)
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     precision = Precision("32-true", scaler=_torch_like())
@@ -71,7 +67,7 @@ def test_shared_backward_skips_only_the_overflowing_optimizer_like_grad_scaler(v
 
 
 def test_several_losses_scaled_together_backpropagate_like_grad_scaler():
-    ref_model, our_model = _mlp(), _mlp()
+    ref_model, our_model = mlp(), mlp()
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     opt = LossScaleOptimizer(torch.optim.SGD(our_model.parameters(), lr=0.1), _torch_like(2.0**8))
     ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
@@ -108,7 +104,7 @@ class _AmpAwareSGD(torch.optim.Optimizer):
 
 
 def test_amp_aware_optimizer_sees_grad_scale_and_found_inf_like_torch():
-    ref_model, our_model = _mlp(), _mlp()
+    ref_model, our_model = mlp(), mlp()
     ref_opt = _AmpAwareSGD(ref_model.parameters(), lr=0.1)
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**6)
     ours = LossScaleOptimizer(_AmpAwareSGD(our_model.parameters(), lr=0.1), _torch_like(2.0**6))
@@ -137,7 +133,7 @@ def test_fused_optimizers_skip_one_by_one_on_device_like_grad_scaler():
     def adams(model: nn.Sequential) -> list[torch.optim.Optimizer]:
         return [torch.optim.AdamW(model[i].parameters(), lr=1e-2, fused=True) for i in (0, 2)]
 
-    ref_model, our_model = _mlp(), _mlp()
+    ref_model, our_model = mlp(), mlp()
     ref_opts = adams(ref_model)
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
     scaler = _torch_like()

@@ -6,14 +6,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from nets import mlp
 
 from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler, as_loss_scaler
-
-
-def _mlp(seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -38,7 +33,7 @@ def test_scale_accepts_nested_outputs_like_grad_scaler():
 
 def test_resume_from_a_torch_grad_scaler_checkpoint():
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
-    model = _mlp()
+    model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step, (x, y) in enumerate(_batches(7)):
         ref.scale(F.mse_loss(model(x), y)).backward()

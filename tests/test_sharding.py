@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from devices import AVX2_CPU
 from spawning import run_ranks
 from torch import nn
 
 from mixprec import hardware
 from mixprec.errors import PrecisionError, SlowPrecisionError
-from mixprec.hardware import DeviceInfo
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy
 from mixprec.policy_map import PolicyMap, island_policy
@@ -30,7 +30,6 @@ from mixprec.sharding import mixed_precision_policy, shard, units
 WORLD = 2
 STEPS = 4
 LR = 0.05
-AVX2_CPU = DeviceInfo("cpu", "an AVX2-only CPU", cpu_flags=frozenset({"avx2", "fma"}))
 
 
 class Block(nn.Module):
@@ -429,10 +428,16 @@ def test_refuses_without_a_process_group():
         shard(Net(), "32-true")
 
 
-def test_refuses_a_slow_policy_unless_allowed(monkeypatch):
+def test_refuses_a_slow_policy_unless_allowed(monkeypatch, tmp_path):
     monkeypatch.delenv("MIXPREC_ALLOW_SLOW", raising=False)
-    with hardware.assume(AVX2_CPU), pytest.raises(SlowPrecisionError, match="allow_slow"):
-        shard(Net(), "bf16-mixed", mesh=object())  # type: ignore[arg-type]  # checked first
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        with hardware.assume(AVX2_CPU), pytest.raises(SlowPrecisionError, match="allow_slow"):
+            shard(Net(), "bf16-mixed")
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_uncompensated_warning_names_the_fsdp_fix_for_sharded_16_bit_weights(tmp_path):

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from devices import AVX2_CPU, ZEN4
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -158,8 +159,6 @@ def test_cuda_accelerator_without_cuda_raises():
 
 
 V100 = DeviceInfo("cuda", "Tesla V100", 0, capability=(7, 0), total_memory=16 * 2**30)
-ZEN4 = DeviceInfo("cpu", "AMD EPYC (Zen 4)", cpu_flags=frozenset({"avx512bw", "avx512_bf16"}))
-OLD_CPU = DeviceInfo("cpu", "an old x86", cpu_flags=frozenset({"sse4_2", "avx2"}))
 
 
 def test_accelerator_precision_pairs_that_are_refused_raise_precision_error():
@@ -182,10 +181,10 @@ def test_far_slower_than_float32_raises_unless_allowed():
 def test_auto_picks_per_device_and_never_silently_falls_back():
     assert resolve_precision("auto", ZEN4)[0] == mixprec.PolicyMap("bf16-mixed")
     assert resolve_precision("auto", V100)[0] == mixprec.PolicyMap("16-mixed")
-    assert resolve_precision("auto", OLD_CPU)[0] == mixprec.PolicyMap("32-true")
+    assert resolve_precision("auto", AVX2_CPU)[0] == mixprec.PolicyMap("32-true")
     # an explicit choice stays what it is, or raises
     with pytest.raises(mixprec.SlowPrecisionError):
-        resolve_precision("bf16-mixed", OLD_CPU)
+        resolve_precision("bf16-mixed", AVX2_CPU)
 
 
 def test_a_policy_file_is_a_precision_flag_checked_like_a_name(tmp_path):
@@ -196,7 +195,7 @@ def test_a_policy_file_is_a_precision_flag_checked_like_a_name(tmp_path):
     assert policy == mixprec.PolicyMap("bf16-mixed", {"head": "32-true"})
     assert support.status == "fast"
     with pytest.raises(mixprec.SlowPrecisionError):
-        resolve_precision(str(path), OLD_CPU)
+        resolve_precision(str(path), AVX2_CPU)
     with hardware.assume(ZEN4):
         trainer = Trainer(precision=str(path), accelerator="cpu", **QUIET)
     assert trainer.policy.rules == {"head": mixprec.Policy("32-true")}
@@ -204,7 +203,7 @@ def test_a_policy_file_is_a_precision_flag_checked_like_a_name(tmp_path):
 
 def test_float16_on_a_cpu_raises_exactly_when_it_is_slow_there():
     amx_fp16 = DeviceInfo("cpu", "Granite Rapids", cpu_flags=frozenset({"amx_bf16", "amx_fp16"}))
-    with hardware.assume(OLD_CPU):
+    with hardware.assume(AVX2_CPU):
         with pytest.raises(mixprec.SlowPrecisionError, match="allow_slow_precision=True"):
             Trainer(precision="16-mixed", accelerator="cpu", **QUIET)
         allowed = Trainer(
@@ -636,3 +635,101 @@ def test_val_check_interval_runs_validation_within_the_epoch():
         mlp(), DataLoader(data, batch_size=16), DataLoader(data, batch_size=64), loss_fn=F.mse_loss
     )
     assert count.at == [2, 4, 6, 8]
+
+
+def lbfgs(params):
+    return torch.optim.LBFGS(params, lr=0.5, max_iter=5, history_size=4)
+
+
+class LBFGSModule(TrainingModule):
+    """Lightning's way to train with LBFGS: return it from configure_optimizers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.evaluations = 0  # calls of the hook before each step: one per loss evaluation
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.evaluations += 1
+
+    def configure_optimizers(self):
+        return lbfgs(self.parameters())
+
+
+@pytest.mark.parametrize("kind", ["plain", "module"])
+def test_lbfgs_trains_as_a_hand_written_closure_loop_bit_for_bit(kind):
+    """Before: ``LBFGS.step() needs a closure ... call step(closure)``, which a Trainer user
+    cannot do. Now each batch's training step runs in LBFGS's closure, as in Lightning."""
+    loader = DataLoader(regression_data(64), batch_size=16)  # 4 batches, in order
+    if kind == "plain":
+        model = mlp()
+        trainer = Trainer(max_epochs=2, **QUIET)
+        trainer.fit(model, loader, loss_fn=F.mse_loss, optimizer=lbfgs)
+    else:
+        model = LBFGSModule()
+        trainer = Trainer(max_epochs=2, **QUIET)
+        trainer.fit(model, loader)
+
+    by_hand = mlp()
+    opt = lbfgs(by_hand.parameters())
+    first_losses, evaluations = [], 0
+    for _ in range(2):
+        for x, y in loader:
+
+            def closure(x=x, y=y):
+                nonlocal evaluations
+                evaluations += 1
+                opt.zero_grad()
+                loss = F.mse_loss(by_hand(x), y)
+                loss.backward()
+                return loss
+
+            first_losses.append(opt.step(closure).item())
+    assert trainer.global_step == 8
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), by_hand.parameters(), strict=True)
+    )
+    assert trainer.callback_metrics["loss"] == first_losses[-1]  # the step's first evaluation
+    assert first_losses[-1] < first_losses[0] / 20
+    if kind == "module":
+        assert model.evaluations == evaluations > 8  # several evaluations a step
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(precision="16-mixed", allow_slow_precision=True),
+            "loss-scaled step cannot be skipped half-way.*'32-true', 'bf16-mixed'",
+        ),
+        (dict(accumulate_grad_batches=2), "cannot be accumulated over 2: use accumulate_grad"),
+    ],
+    ids=["loss-scaling", "accumulation"],
+)
+def test_lbfgs_where_the_trainer_cannot_run_its_closure_is_refused_before_training(kwargs, message):
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(max_epochs=1, **QUIET, **kwargs)
+    loader = DataLoader(small_targets(32), batch_size=8)
+    with pytest.raises(ValueError, match="LBFGS evaluates the loss inside its step.*" + message):
+        trainer.fit(model, loader, loss_fn=F.mse_loss, optimizer=lbfgs)
+    assert trainer.global_step == 0
+    assert all(torch.equal(a, b.float()) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_lbfgs_beside_another_optimizer_is_refused_naming_both():
+    class Two(LBFGSModule):
+        def configure_optimizers(self):
+            head, body = self.net[2].parameters(), self.net[0].parameters()
+            return [lbfgs(head), torch.optim.SGD(body, lr=0.1)]
+
+    trainer = Trainer(max_epochs=1, **QUIET)
+    with pytest.raises(ValueError, match="steps one optimizer alone; this fit has 2 .LBFGS, SGD"):
+        trainer.fit(Two(), DataLoader(regression_data(32), batch_size=8))

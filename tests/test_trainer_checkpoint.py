@@ -139,6 +139,7 @@ def test_checkpoint_contents(tmp_path):
         "epoch_rng": state["loop"]["epoch_rng"],
         "epoch_batches": 12,
         "batch_size": 8,
+        "order": {"sampler": "RandomSampler", "batch_sampler": "BatchSampler", "generators": []},
     }
     assert state["optimizer_types"] == ["AdamW"]
     assert set(state["rng"]) >= {"python", "torch", "numpy"}
@@ -286,6 +287,26 @@ def test_bfloat16_masters_are_used_when_resuming_in_another_precision(tmp_path):
     t32.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
     for name, p in resumed.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p, masters[name]), name
+
+
+def test_a_float32_checkpoint_resumed_in_16_true_gives_masters_its_exact_weights(tmp_path):
+    # before: the masters were built from the float16 model, i.e. the float32 weights
+    # rounded to float16 and back, so the resumed run had silently lost their low bits
+    train, _ = loaders()
+    model = Net(0)
+    t32 = trainer(tmp_path / "a", "32-true", max_steps=3)
+    t32.fit(model, train)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    path = t32.save_checkpoint(tmp_path / "fp32.ckpt")
+
+    resumed = Net(seed=9)
+    t16 = trainer(tmp_path / "b", "16-true", max_steps=3)
+    t16.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
+    masters = t16.optimizers[0].master_params
+    for name, p in resumed.named_parameters():
+        assert p.dtype == torch.float16 and torch.equal(p, weights[name].half()), name
+        assert masters[p].dtype == torch.float32 and torch.equal(masters[p], weights[name]), name
+    assert any(not torch.equal(w.half().float(), w) for w in weights.values())
 
 
 class EpochScheduled(Net):
@@ -457,3 +478,114 @@ def test_cuda_rng_states_of_more_gpus_than_here_restore_those_present(monkeypatc
     gpu_states = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
     ckpt_io.set_rng_states({**ckpt_io.rng_states(), "cuda": gpu_states})
     assert restored == [(0, gpu_states[0])]
+
+
+CTRL_C_IN_SAVES = """
+import collections, json, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a program run from a shell
+import torch.nn.functional as F
+from mixprec.trainer import Callback, ModelCheckpoint, Trainer
+from mixprec.trainer import checkpoint as ckpt_io
+sys.path.insert(0, {tests!r})
+from test_trainer_checkpoint import Net, loaders
+
+class CtrlC:
+    # pickled by torch.save while it writes the checkpoint: Ctrl-C lands in the write
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        return (collections.OrderedDict, ())
+
+class PressCtrlC(Callback):
+    # its state, saved in every checkpoint, presses Ctrl-C while the one of step `at` is written
+    def __init__(self, at):
+        self.at, self.trainer = at, None
+    def on_fit_start(self, trainer, model):
+        self.trainer = trainer
+    def state_dict(self):
+        return {{"ctrl_c": CtrlC()}} if self.trainer.global_step == self.at else {{"at": self.at}}
+
+class Logged(Net):
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+directory = {directory!r}
+last = os.path.join(directory, "last.ckpt")
+# a sweep: interrupted in the save of step 3, resumed from last.ckpt, interrupted in the save
+# of step 5, resumed and run to its end
+for at, resume in ((3, None), (5, last), (None, last)):
+    ckpt = ModelCheckpoint(dirpath=directory, monitor={monitor!r}, save_top_k=2, save_last=True,
+                           every_n_train_steps=1)
+    t = Trainer(max_steps=7, seed=7, logger=False, enable_progress_bar=False,
+                callbacks=[ckpt, PressCtrlC(at)])
+    try:
+        t.fit(Logged(0), loaders()[0], ckpt_path=resume)
+        how = "finished"
+    except KeyboardInterrupt:
+        how = "interrupted"
+    state = ckpt_io.load(last)
+    print(json.dumps(dict(how=how, step=t.global_step, files=sorted(os.listdir(directory)),
+                          last_step=state["loop"]["global_step"],
+                          recorded=state["callbacks"][ckpt.state_key])), flush=True)
+"""
+
+
+@pytest.mark.parametrize("monitor", [None, "train_loss"])
+def test_ctrl_c_inside_a_model_checkpoint_save_leaves_it_complete_and_recorded(tmp_path, monitor):
+    """Before: the interrupt came right after the file was written, so last.ckpt stayed a
+    step behind and the checkpoint the new one displaced stayed on disk, recorded nowhere;
+    each interrupted save left one file beyond save_top_k (and a resume wrote its step again
+    as ``-v1``)."""
+    import json
+
+    directory = tmp_path / "ck"
+    script = CTRL_C_IN_SAVES.format(
+        tests=str(Path(__file__).parent), directory=str(directory), monitor=monitor
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rounds = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["how"], r["step"]) for r in rounds] == [
+        ("interrupted", 3),
+        ("interrupted", 5),
+        ("finished", 7),
+    ]
+    for r in rounds:
+        assert r["last_step"] == r["step"]  # last.ckpt is the newest complete checkpoint
+        kept = [f for f in r["files"] if f != "last.ckpt"]
+        assert len(kept) <= 2 and not [f for f in kept if f.startswith(".")], r
+        named = r["recorded"]["best_k_models"] if monitor else r["recorded"]["saved"]
+        assert sorted(kept) == sorted(Path(p).name for p in named), r  # no file unrecorded
+        assert Path(r["recorded"]["last_model_path"]).name == "last.ckpt"
+    if monitor is None:  # the latest two
+        assert rounds[0]["files"] == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"]
+        assert rounds[2]["files"] == ["epoch=0-step=6.ckpt", "epoch=0-step=7.ckpt", "last.ckpt"]
+
+
+def test_a_generator_in_a_batch_samplers_sampler_is_replayed_on_a_mid_epoch_resume(tmp_path):
+    """A DataLoader built with batch_sampler= keeps an unused SequentialSampler as .sampler;
+    the generator of the sampler really used was neither saved nor restored before, so a
+    resume in epoch 1 replayed epoch 0's order."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    data = loaders()[0].dataset
+
+    def loader() -> DataLoader:
+        sampler = RandomSampler(data, generator=torch.Generator().manual_seed(3))
+        return DataLoader(data, batch_sampler=BatchSampler(sampler, 16, drop_last=False))
+
+    def fit(steps: int, ckpt_path: Path | None = None) -> Trainer:
+        t = Trainer(max_steps=steps, seed=0, enable_checkpointing=False, **QUIET)
+        t.fit(Net(0), loader(), ckpt_path=ckpt_path)  # 6 batches an epoch
+        return t
+
+    straight = fit(10)
+    path = fit(8).save_checkpoint(tmp_path / "mid.ckpt")  # epoch 1, batch 2
+    resumed = fit(10, path)
+    for (name, a), b in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name

@@ -136,6 +136,25 @@ def test_forked_ddp_skips_the_same_steps_on_every_rank_under_float16(tmp_path):
         assert torch.isfinite(p).all()
 
 
+def test_lbfgs_under_ddp_keeps_the_ranks_together_and_matches_one_process(tmp_path):
+    """Each loss evaluation in LBFGS's closure all-reduces the gradients, and the closure
+    returns the loss averaged over the ranks: every rank takes the same decisions and steps
+    as one process on the global batch."""
+    lbfgs = functools.partial(torch.optim.LBFGS, lr=0.5, max_iter=5, history_size=4)
+    common = dict(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = Trainer(devices=2, strategy="ddp_fork", callbacks=[DumpParams(tmp_path)], **common)
+    trainer.fit(model(), DataLoader(data(), batch_size=8), loss_fn=F.mse_loss, optimizer=lbfgs)
+    r0, r1 = ranks(tmp_path)
+    assert all(torch.equal(p, r1["params"][n]) for n, p in r0["params"].items())
+    assert trainer.global_step == 8
+
+    single = model()
+    one = Trainer(**common)
+    one.fit(single, DataLoader(data(), batch_size=16), loss_fn=F.mse_loss, optimizer=lbfgs)
+    for name, p in single.state_dict().items():
+        assert torch.allclose(p, r0["params"][name], atol=1e-5), name
+
+
 TORCHRUN_SCRIPT = """
 import sys
 import torch.nn.functional as F

@@ -9,9 +9,11 @@ exception and leave no process behind.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from mixprec.trainer import TrainingModule
+from mixprec.trainer import Callback, TrainingModule
 
 pytestmark = [
     pytest.mark.slow,
@@ -169,3 +171,85 @@ def test_a_batch_skipped_on_one_rank_is_a_clear_error_under_ddp(tmp_path):
     assert "CAUGHT training_step returned None for batch 1 on rank 1: under DDP" in proc.stdout, (
         proc.stdout + proc.stderr[-3000:]
     )
+
+
+class WritesPid(Callback):
+    """Each rank writes its process id to ``rank<r>.pid`` in ``directory`` as training starts."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+
+    def on_train_start(self, trainer, model):
+        rank = trainer.strategy.global_rank
+        tmp = self.directory / f".rank{rank}.pid"
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, self.directory / f"rank{rank}.pid")
+
+
+LONG_FIT_SCRIPT = """
+import signal, sys
+sys.path.insert(0, {tests!r})
+# started in the background by a shell script (`python train.py &`): SIGINT is ignored, in
+# the processes it launches too
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+from torch.utils.data import DataLoader
+from test_trainer_ddp_failures import FailsOnOneRank, WritesPid, data
+from mixprec.trainer import Trainer
+
+if __name__ == "__main__":
+    trainer = Trainer(devices=2, strategy={strategy!r}, max_epochs=1_000_000, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      callbacks=[WritesPid({directory!r})])
+    trainer.fit(FailsOnOneRank("nowhere", 0), DataLoader(data(), batch_size=4))
+"""
+
+
+def state_of(pid: int) -> str:
+    """The process's state letter from /proc ("Z" for a zombie), or "gone"."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_fork"])
+def test_ranks_end_when_the_process_that_launched_them_is_killed(tmp_path, strategy):
+    """Before: SIGKILL the launcher of a 2-process fit and its ranks trained on for ever
+    (torch's parent-death signal is SIGINT, which a launcher started in the background
+    ignores, and its ranks with it)."""
+    script = tmp_path / "long_fit.py"
+    tests = str(Path(__file__).parent)
+    script.write_text(
+        textwrap.dedent(
+            LONG_FIT_SCRIPT.format(tests=tests, directory=str(tmp_path), strategy=strategy)
+        )
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "stderr.txt", "w") as err:  # not a pipe: orphaned ranks would hold it
+        launcher = subprocess.Popen([sys.executable, str(script)], stderr=err, env=env)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        pid_files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+        while not all(f.exists() for f in pid_files):
+            assert launcher.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the ranks did not start training"
+            time.sleep(0.2)
+        ranks = [int(f.read_text()) for f in pid_files]
+        assert all(state_of(pid) not in ("gone", "Z") for pid in ranks)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        killed = time.monotonic()
+        while any(state_of(pid) not in ("gone", "Z") for pid in ranks):
+            running = {pid: state_of(pid) for pid in ranks}
+            assert time.monotonic() - killed < 15, f"ranks still running: {running}"
+            time.sleep(0.2)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in ranks:
+            if state_of(pid) not in ("gone", "Z"):
+                os.kill(pid, signal.SIGKILL)
+    said = (tmp_path / "stderr.txt").read_text()
+    for rank in range(2):
+        assert f"the process that launched DDP rank {rank} (pid {launcher.pid}) is gone" in said

@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from nets import mlp
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
 
-from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule
+from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule, resume
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.checkpoint import CheckpointError
 from mixprec.trainer.loop import EmptyEpochError
@@ -52,11 +53,6 @@ def data(n: int = 16, seed: int = 0) -> TensorDataset:
     return TensorDataset(x, x.sum(1, keepdim=True))
 
 
-def mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
-
-
 class NoSamples(IterableDataset):
     def __iter__(self):
         return iter(())
@@ -78,7 +74,7 @@ def test_an_epoch_without_batches_is_an_error_not_a_hang(tmp_path, case, stop):
     make_loader, why = EMPTY[case]
     trainer = Trainer(default_root_dir=tmp_path, enable_progress_bar=False, logger=False, **stop)
     with pytest.raises(EmptyEpochError, match=f"no batch.*{why}"):
-        within(30, lambda: trainer.fit(mlp(), make_loader(), loss_fn=F.mse_loss))
+        within(30, lambda: trainer.fit(mlp(4, 8, 1), make_loader(), loss_fn=F.mse_loss))
     assert not (tmp_path / "checkpoints").exists()  # no empty-epoch checkpoints either
 
 
@@ -91,21 +87,21 @@ def test_a_one_shot_generator_says_it_was_used_up():
     batches = ((x, y) for x, y in DataLoader(data(8), batch_size=4))
     trainer = Trainer(max_epochs=2, **QUIET)
     with pytest.raises(EmptyEpochError, match="epoch 1: it is a one-shot iterator.*epoch 0"):
-        within(30, lambda: trainer.fit(mlp(), batches, loss_fn=F.mse_loss))
+        within(30, lambda: trainer.fit(mlp(4, 8, 1), batches, loss_fn=F.mse_loss))
     assert trainer.global_step == 2  # the first epoch trained
 
 
 def checkpoint_at_step_3(tmp_path: Path, batch_size: int = 4) -> Path:
     """A mid-epoch checkpoint after 3 of 4 batches."""
     trainer = Trainer(max_steps=3, seed=0, **QUIET)
-    trainer.fit(mlp(), DataLoader(data(16), batch_size=batch_size), loss_fn=F.mse_loss)
+    trainer.fit(mlp(4, 8, 1), DataLoader(data(16), batch_size=batch_size), loss_fn=F.mse_loss)
     return trainer.save_checkpoint(tmp_path / "mid.ckpt")
 
 
 def test_resuming_mid_epoch_with_fewer_batches_is_an_error_not_a_hang(tmp_path):
     path = checkpoint_at_step_3(tmp_path)
     trainer = Trainer(max_steps=6, seed=0, **QUIET)
-    model = mlp(1)
+    model = mlp(4, 8, 1, seed=1)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(CheckpointError, match="at batch 3 of 4 of epoch 0.*has 2 batches"):
         within(
@@ -122,7 +118,96 @@ def test_resuming_mid_epoch_with_another_batch_size_is_refused(tmp_path):
     trainer = Trainer(max_steps=6, seed=0, **QUIET)
     loader = DataLoader(data(32), batch_size=8)  # 4 batches again, but of 8 samples
     with pytest.raises(CheckpointError, match="3 batches of 4 samples.*hold 8.*repeat or skip"):
-        trainer.fit(mlp(1), loader, loss_fn=F.mse_loss, ckpt_path=path)
+        trainer.fit(mlp(4, 8, 1, seed=1), loader, loss_fn=F.mse_loss, ckpt_path=path)
+
+
+def seeded(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize(
+    "saved, resumed, was, now",
+    [
+        (  # gained generator=
+            dict(shuffle=True),
+            dict(shuffle=True, generator=seeded()),
+            "RandomSampler (in a BatchSampler) without a generator of its own",
+            "RandomSampler (in a BatchSampler) with generator= on the DataLoader",
+        ),
+        (  # lost it
+            dict(shuffle=True, generator=seeded()),
+            dict(shuffle=True),
+            "RandomSampler (in a BatchSampler) with generator= on the DataLoader",
+            "RandomSampler (in a BatchSampler) without a generator of its own",
+        ),
+        (  # a sampler with a generator of its own beside the loader's
+            dict(shuffle=True, generator=seeded()),
+            dict(sampler=RandomSampler(data(16), generator=seeded(1)), generator=seeded()),
+            "RandomSampler (in a BatchSampler) with generator= on the DataLoader",
+            "RandomSampler (in a BatchSampler) with generator= on the DataLoader and a generator "
+            "on its sampler",
+        ),
+        (  # shuffled at the save, not now
+            dict(shuffle=True),
+            dict(shuffle=False),
+            "RandomSampler (in a BatchSampler)",
+            "SequentialSampler (in a BatchSampler)",
+        ),
+    ],
+    ids=["gained-generator", "lost-generator", "sampler-generator", "unshuffled"],
+)
+def test_resuming_mid_epoch_with_a_loader_ordered_otherwise_names_the_difference(
+    tmp_path, saved, resumed, was, now
+):
+    """Before: a raw ``zip() argument 2 is shorter than argument 1`` from the loop, or (the
+    shuffling gone) a resume that silently trained on other samples than the skipped ones."""
+    trainer = Trainer(max_steps=3, seed=0, **QUIET)
+    trainer.fit(mlp(4, 8, 1), DataLoader(data(16), batch_size=4, **saved), loss_fn=F.mse_loss)
+    path = trainer.save_checkpoint(tmp_path / "mid.ckpt")
+
+    model = mlp(4, 8, 1, seed=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    loader = DataLoader(data(16), batch_size=4, **resumed)
+    again = Trainer(max_steps=6, seed=0, **QUIET)
+    with pytest.raises(CheckpointError) as caught:
+        again.fit(model, loader, loss_fn=F.mse_loss, ckpt_path=path)
+    message = str(caught.value)
+    assert f"{path} was saved after 3 batches of epoch 0, with a DataLoader ordered by " in message
+    assert (
+        f"ordered by {was}" in message and f"this run's DataLoader is ordered by {now}" in message
+    )
+    assert "resume with the DataLoader built as at the save" in message
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    # the loader built as at the save resumes, its epoch replayed from the saved states
+    again.fit(
+        model, DataLoader(data(16), batch_size=4, **saved), loss_fn=F.mse_loss, ckpt_path=path
+    )
+    assert again.global_step == 6
+
+
+def test_a_checkpoint_written_before_the_order_was_kept_compares_generator_counts(tmp_path):
+    trainer = Trainer(max_steps=3, seed=0, **QUIET)
+    trainer.fit(mlp(4, 8, 1), DataLoader(data(16), batch_size=4, shuffle=True), loss_fn=F.mse_loss)
+    state = resume.checkpoint_state(trainer._current)
+    del state["loop"]["order"]
+    path = ckpt_io.atomic_save(state, tmp_path / "older.ckpt")
+    loader = DataLoader(data(16), batch_size=4, shuffle=True, generator=seeded())
+    with pytest.raises(CheckpointError, match="ordered by 0 torch generator.*ordered by 1 torch"):
+        Trainer(max_steps=6, **QUIET).fit(
+            mlp(4, 8, 1, seed=1), loader, loss_fn=F.mse_loss, ckpt_path=path
+        )
+
+
+def test_a_loader_ordered_otherwise_resumes_from_a_save_on_the_epochs_last_batch(tmp_path):
+    """Nothing of that epoch is replayed: the next one is drawn from the new loader."""
+    trainer = Trainer(max_steps=4, seed=0, **QUIET)
+    trainer.fit(mlp(4, 8, 1), DataLoader(data(16), batch_size=4, shuffle=True), loss_fn=F.mse_loss)
+    path = trainer.save_checkpoint(tmp_path / "end.ckpt")
+    loader = DataLoader(data(16), batch_size=4, shuffle=True, generator=seeded())
+    again = Trainer(max_steps=6, seed=0, **QUIET)
+    again.fit(mlp(4, 8, 1, seed=1), loader, loss_fn=F.mse_loss, ckpt_path=path)
+    assert (again.current_epoch, again.global_step) == (1, 6)
 
 
 class SkipsSome(TrainingModule):
@@ -130,7 +215,7 @@ class SkipsSome(TrainingModule):
 
     def __init__(self, skip: set[int]) -> None:
         super().__init__()
-        self.net = mlp()
+        self.net = mlp(4, 8, 1)
         self.skip = skip
 
     def forward(self, x):
@@ -170,12 +255,14 @@ def test_a_non_scalar_loss_names_its_shape_and_the_fix():
         match=r"loss_fn must return the loss as a single number.*"
         r"shape \(4, 1\).*\.mean\(\)",
     ):
-        trainer.fit(mlp(), DataLoader(data(), batch_size=4), loss_fn=lambda o, t: (o - t) ** 2)
+        trainer.fit(
+            mlp(4, 8, 1), DataLoader(data(), batch_size=4), loss_fn=lambda o, t: (o - t) ** 2
+        )
 
 
 def test_fit_without_training_data_says_so():
     with pytest.raises(ValueError, match="fit needs training data: train_dataloaders is None"):
-        Trainer(max_steps=1, **QUIET).fit(mlp(), None, loss_fn=F.mse_loss)
+        Trainer(max_steps=1, **QUIET).fit(mlp(4, 8, 1), None, loss_fn=F.mse_loss)
 
 
 # -- checkpoints that are not what they seem ----------------------------------------------------
@@ -199,7 +286,7 @@ def damaged(tmp_path: Path, good: Path) -> dict[str, Path]:
         out[name] = tmp_path / f"{name}.ckpt"
         out[name].write_bytes(content)
     out["whole model"] = tmp_path / "model.ckpt"
-    torch.save(mlp(), out["whole model"])
+    torch.save(mlp(4, 8, 1), out["whole model"])
     return out
 
 
@@ -214,7 +301,7 @@ def test_damaged_or_foreign_files_give_one_clear_error(tmp_path, good_checkpoint
     trainer = Trainer(max_steps=4, **QUIET)
     with pytest.raises(CheckpointError, match="not a readable mixprec checkpoint"):
         trainer.fit(
-            mlp(),
+            mlp(4, 8, 1),
             DataLoader(data(), batch_size=4),
             loss_fn=F.mse_loss,
             ckpt_path=tmp_path / "truncated.ckpt",
@@ -240,7 +327,7 @@ def test_a_checkpoint_of_another_architecture_leaves_the_model_untouched(good_ch
 
 
 def test_an_adamw_checkpoint_into_sgd_names_both(good_checkpoint):
-    model = mlp(1)
+    model = mlp(4, 8, 1, seed=1)
     before = [p.detach().clone() for p in model.parameters()]
     trainer = Trainer(max_steps=5, **QUIET)
     with pytest.raises(CheckpointError, match="optimizer 0 as AdamW; this run's is SGD"):
@@ -260,7 +347,7 @@ def test_an_adamw_checkpoint_into_sgd_names_both(good_checkpoint):
 class Counts(TrainingModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = mlp()
+        self.net = mlp(4, 8, 1)
         self.steps = 0
 
     def forward(self, x):
@@ -319,7 +406,7 @@ def test_a_list_of_dataloaders_is_refused_before_training():
 
 def test_an_optimizer_of_another_models_parameters_is_warned_about():
     # before: the fit ran and left the model unchanged, without a word
-    model, other = mlp(0), mlp(1)
+    model, other = mlp(4, 8, 1, seed=0), mlp(4, 8, 1, seed=1)
     before = [p.detach().clone() for p in model.parameters()]
     trainer = Trainer(max_epochs=1, **QUIET)
     with pytest.warns(UserWarning, match=r"optimizer 0 \(SGD\) holds none of the parameters"):

@@ -311,3 +311,18 @@ def test_logged_bfloat16_values_are_averaged_in_float64():
     for v in values[1:]:
         naive = naive + v * 32
     assert abs(naive.item() / (32 * 40) - exact) > 1e-3  # what bf16 sums would have given
+
+
+# -- optimizers -------------------------------------------------------------------------------
+
+
+def test_closure_optimizers_are_found_and_fsdp_is_refused_for_them():
+    from mixprec.trainer.optimizers import check_closure_fit, needs_closure
+
+    model = nn.Linear(2, 1)
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    assert needs_closure(lbfgs) and not needs_closure(torch.optim.SGD(model.parameters(), lr=1))
+    _, wrapped = mixprec.Precision("32-true").setup(model, lbfgs)
+    assert check_closure_fit([wrapped], False, 1, "ddp")
+    with pytest.raises(ValueError, match="LBFGS works on whole gradients.*strategy='ddp'"):
+        check_closure_fit([wrapped], False, 1, "fsdp")

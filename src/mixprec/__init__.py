@@ -11,6 +11,7 @@ Trainer).
 
 from __future__ import annotations
 
+import sys
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -81,4 +82,9 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names, the submodules loaded so far and the module's dunders: not the
+    helpers this file imports for itself (what `dir` and tab completion offer)."""
+    here = globals()
+    loaded = {n for n, v in here.items() if sys.modules.get(f"{__name__}.{n}") is v}
+    dunders = {n for n in here if n.startswith("__") and n.endswith("__")}
+    return sorted({*__all__, *loaded, *dunders})

@@ -54,7 +54,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["COMPENSATIONS", "Compensator", "check_compensation", "stochastic_round_"]
+__all__ = [
+    "COMPENSATED_DTYPES",
+    "COMPENSATIONS",
+    "Compensator",
+    "check_compensation",
+    "stochastic_round_",
+]
 
 COMPENSATIONS: tuple[str, ...] = ("kahan", "stochastic")
 # parameter dtypes whose updates are compensated (others step plainly in their own dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import inspect
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -30,6 +31,18 @@ from mixprec.policy import Policy
 from mixprec.policy_map import APPLIED_STATE, PolicyMap, Resolution, as_map, float_dtypes
 from mixprec.quantize import quantize_modules
 from mixprec.tree import map_tensors
+
+__all__ = [
+    "AppliedState",
+    "sharded_units",
+    "warn_unmatched",
+    "applied_policy",
+    "apply",
+    "cast_floating",
+    "default_dtype",
+    "needs_default_dtype",
+    "remove",
+]
 
 _STATE = APPLIED_STATE
 
@@ -287,6 +300,13 @@ def _check_model(model: Any) -> None:
             f"apply needs an nn.Module, got {type(model).__name__}; pass the model, then the "
             "policy: mixprec.apply(model, 'bf16-mixed')"
         )
+    sharded = sharded_units(model)
+    if sharded:
+        raise TypeError(
+            f"cannot apply a policy to a model sharded by FSDP2 ({', '.join(sharded)}): FSDP2 "
+            "casts per unit from the policy it was sharded with; give the policy to "
+            "mixprec.shard(model, policy) on the unsharded model instead"
+        )
     scripted = [
         name or "<root>"
         for name, m in model.named_modules()
@@ -300,7 +320,16 @@ def _check_model(model: Any) -> None:
         )
 
 
-def _warn_unmatched(pmap: PolicyMap, model: nn.Module) -> None:
+def sharded_units(model: nn.Module) -> list[str]:
+    """The paths of `model`'s modules that FSDP2's ``fully_shard`` has sharded ("<root>" for
+    the model itself); none without torch.distributed.fsdp loaded (nothing can be sharded)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return []
+    return [name or "<root>" for name, m in model.named_modules() if isinstance(m, fsdp.FSDPModule)]
+
+
+def warn_unmatched(pmap: PolicyMap, model: nn.Module) -> None:
     """A path rule that matches no module is a typo far more often than intent: say so."""
     names = [name for name, _ in model.named_modules(remove_duplicate=False)]
     for key in pmap.unmatched_paths(names):
@@ -353,7 +382,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
         warn_if_unsupported(pmap, device_of(model))
     state: AppliedState | None = model.__dict__.get(_STATE)
     resolved = pmap.resolve(model)
-    _warn_unmatched(pmap, model)
+    warn_unmatched(pmap, model)
     # everything that can refuse the policy runs before the model changes: a refused
     # re-apply leaves the previous policy in place, weights unrounded
     _check_bypassed(model, resolved)

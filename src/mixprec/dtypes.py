@@ -12,6 +12,17 @@ import torch
 
 from mixprec.errors import PolicySpecError
 
+__all__ = [
+    "DTYPE_NAMES",
+    "FLOAT8_DTYPES",
+    "FormatInfo",
+    "LOW_PRECISION_FLOATS",
+    "dtype_name",
+    "format_info",
+    "is_float8",
+    "to_dtype",
+]
+
 FLOAT8_DTYPES: tuple[torch.dtype, ...] = tuple(
     d
     for d in (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["FactoryError", "PolicySpecError", "PrecisionError", "SlowPrecisionError"]
+
 
 class PolicySpecError(ValueError):
     """A precision spec (name, jmp string, dtype, map rule) could not be understood."""

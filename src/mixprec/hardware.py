@@ -27,6 +27,36 @@ from mixprec.errors import PrecisionError, SlowPrecisionError
 from mixprec.policy import Policy, QuantizedPolicy, is_auto
 from mixprec.policy_map import PolicyMap, as_map
 
+__all__ = [
+    "ALLOW_SLOW_ENV",
+    "DeviceInfo",
+    "FAST",
+    "FLOAT8_FAST_ON",
+    "MATRIX_PRECISIONS",
+    "REFUSED",
+    "SLOW",
+    "SUPPORTED",
+    "Status",
+    "Support",
+    "allow_slow_from_env",
+    "assume",
+    "cap_cpu_flags",
+    "check",
+    "default_device",
+    "detect",
+    "device_of",
+    "dtype_support",
+    "fast_on",
+    "float8_support",
+    "measure",
+    "parse_device",
+    "policy_support",
+    "resolve_auto",
+    "resolve_policy",
+    "support_matrix",
+    "warn_if_unsupported",
+]
+
 
 class Status(str, Enum):
     """How well a device runs a precision, best first."""

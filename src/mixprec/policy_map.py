@@ -31,6 +31,21 @@ from torch import nn
 
 from mixprec.errors import PolicySpecError
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
+from mixprec.quantize.rules import skip_reason
+
+__all__ = [
+    "APPLIED_STATE",
+    "Explanation",
+    "ISLAND_TYPES",
+    "PolicyMap",
+    "Resolution",
+    "RuleKey",
+    "as_map",
+    "explain",
+    "float_dtypes",
+    "is_policy_file",
+    "island_policy",
+]
 
 # What torch's CUDA autocast runs in float32 (layer_norm, group_norm, softmax, ...), made
 # true on every device. BatchNorm is not an island: its kernels take 16-bit inputs with
@@ -70,7 +85,7 @@ def _with_quantization(res: Resolution, module: nn.Module) -> Resolution:
     policy = res.policy
     if not isinstance(policy, QuantizedPolicy):
         return res
-    reason = policy.skip_reason(module)
+    reason = skip_reason(policy, module)
     if reason is None:
         return Resolution(policy, res.source, quantized=True)
     if any(True for _ in module.parameters(recurse=False)):

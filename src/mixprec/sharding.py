@@ -11,6 +11,7 @@ It also refuses the set-ups that would fail late or silently (see `shard`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from mixprec.convert import applied_policy, sharded_units, warn_unmatched
 from mixprec.errors import PrecisionError
 from mixprec.hardware import check, device_of
 from mixprec.optim import check_sharded_masters
@@ -136,7 +138,43 @@ def _check_ready(
     scaler: LossScaler | None,
     mesh: DeviceMesh | None,
     master_weights: bool | None,
+    reduce_dtype: Any,
 ) -> None:
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(
+            f"mesh must be None (the default process group) or a torch DeviceMesh, got "
+            f"{type(mesh).__name__}"
+        )
+    if not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point:
+        raise TypeError(
+            f"reduce_dtype must be a floating torch.dtype (torch.float32, torch.bfloat16), "
+            f"got {reduce_dtype!r}"
+        )
+    wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded by any torch.compile
+    if isinstance(model, wrappers) or (
+        eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
+    ):
+        raise PrecisionError(
+            f"shard got a {type(model).__name__} wrapper: its rules would see paths under "
+            "'module.'/'_orig_mod.' and its blocks would not be units. Pass the plain model "
+            "(model.module): FSDP2 replaces DDP, and torch.compile goes after sharding"
+        )
+    sharded = sharded_units(model)
+    if sharded:
+        raise PrecisionError(
+            f"the model is already sharded by FSDP2 ({', '.join(sharded)}): FSDP2 shards a "
+            "module once; build a fresh model and shard it once, under the policy you want"
+        )
+    converted = [
+        name or "<root>" for name, m in model.named_modules() if applied_policy(m) is not None
+    ]
+    if converted:
+        raise PrecisionError(
+            f"the model was converted by mixprec.apply ({', '.join(converted)}): FSDP2 casts "
+            "per unit from the policy shard gives it; pass the unconverted model, or call "
+            "mixprec.remove(model) first"
+        )
     if optimizer is not None:
         mine = {id(p) for p in model.parameters()}
         if any(id(p) in mine for g in optimizer.param_groups for p in g["params"]):
@@ -164,6 +202,26 @@ def _check_ready(
         raise PrecisionError(
             "shard needs torch.distributed: call dist.init_process_group(...) first (gloo on "
             "CPU, nccl on GPUs; torchrun sets the rank and world size), or pass mesh=..."
+        )
+
+
+def _check_ranks_agree(
+    pmap: Any, plan: dict[str, Policy], reduce_dtype: torch.dtype, mesh: DeviceMesh | None
+) -> None:
+    """Refuse a run whose ranks shard under different policies: their collectives would
+    exchange tensors of different dtypes and sizes (gloo aborts the process, NCCL may hang or
+    mix bytes). One all-gather of a small description per rank, at set-up only."""
+    group = mesh.get_group() if mesh is not None and mesh.ndim == 1 else None
+    mine = (pmap.name, {unit: policy.name for unit, policy in plan.items()}, str(reduce_dtype))
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    differ = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        raise PrecisionError(
+            f"the ranks shard under different policies: rank 0 has {everyone[0][0]!r} "
+            f"(units {everyone[0][1]}), rank {differ[0]} has {everyone[differ[0]][0]!r} "
+            f"(units {everyone[differ[0]][1]}); every rank must shard the same model under "
+            "the same policy"
         )
 
 
@@ -205,10 +263,12 @@ def shard(
     if master_weights not in (None, True, False):
         raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
     pmap = as_map(policy)
-    _check_ready(model, pmap, optimizer, scaler, mesh, master_weights)
+    _check_ready(model, pmap, optimizer, scaler, mesh, master_weights, reduce_dtype)
     check(pmap, device_of(model), allow_slow=allow_slow)
+    warn_unmatched(pmap, model)
     quantize_for(model, pmap)
     plan = units(model, pmap, wrap)
+    _check_ranks_agree(pmap, plan, reduce_dtype, mesh)
     resolved = pmap.resolve(model)
     with torch.no_grad():  # FSDP2 keeps the storage dtype it finds: cast it first
         for name, module in model.named_modules():

@@ -49,6 +49,26 @@ from mixprec.step import backward, plain_loss
 from mixprec.trainer.strategy import free_port
 from mixprec.tree import map_tensors
 
+__all__ = [
+    "DEFAULT_PRECISIONS",
+    "FailedRun",
+    "MeasurementFailed",
+    "MemorySpec",
+    "OUTPUT_FILES",
+    "RankMemory",
+    "Row",
+    "STRATEGIES",
+    "check_precisions",
+    "command_line",
+    "default_precisions",
+    "held_bytes",
+    "markdown",
+    "measure",
+    "run",
+    "summary",
+    "write",
+]
+
 STRATEGIES = ("ddp", "fsdp")
 DEFAULT_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 OUTPUT_FILES = ("memory.json", "memory.md")

@@ -15,7 +15,23 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.factory import FactoryError, call_factory, load_factory, parse_reference
+from mixprec.bench.factory import FactoryError, call_factory, load_factory, parse_reference
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "BlogCNN",
+    "DEFAULT_BATCH_SIZES",
+    "DEFAULT_IMAGE_SIZE",
+    "MLP",
+    "NUM_CLASSES",
+    "TinyTransformer",
+    "Workload",
+    "check_model",
+    "check_model_name",
+    "check_workload",
+    "load_workload",
+    "probabilities_nll",
+]
 
 BUILTIN_MODELS: tuple[str, ...] = ("cnn", "mlp", "transformer")
 DEFAULT_BATCH_SIZES: dict[str, tuple[int, ...]] = {

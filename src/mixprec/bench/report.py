@@ -17,6 +17,24 @@ from rich.table import Table
 from mixprec.bench.runner import OK, OOM
 from mixprec.bench.suite import BLOG_V100_MS, BenchReport, Row
 
+__all__ = [
+    "BASELINE",
+    "COLUMNS",
+    "OUTPUT_FILES",
+    "Summary",
+    "busy_machine_warning",
+    "comparison_gap_paragraph",
+    "markdown",
+    "max_batch_lines",
+    "notes",
+    "plot",
+    "rich_table",
+    "summarize",
+    "to_json",
+    "write_csv",
+    "write_outputs",
+]
+
 BASELINE = "32-true"
 OUTPUT_FILES = ("results.json", "results.csv", "report.md", "bench.png")
 COLUMNS = (

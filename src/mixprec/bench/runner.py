@@ -43,6 +43,25 @@ from torch import Tensor
 
 from mixprec.tree import map_tensors
 
+__all__ = [
+    "CPU_MEMORY_METHOD",
+    "CUDA_MEMORY_METHOD",
+    "ERROR",
+    "Loop",
+    "LoopResult",
+    "MAX_STEPS_TO_FIRST_UPDATE",
+    "OK",
+    "OOM",
+    "RunResult",
+    "RunSpec",
+    "TIMEOUT",
+    "is_oom",
+    "main",
+    "run_config",
+    "run_isolated",
+    "set_tf32",
+]
+
 OK, OOM, ERROR, TIMEOUT = "ok", "oom", "error", "timeout"
 CPU_MEMORY_METHOD = (
     "peak live tensor bytes from the CPU allocator's events (torch.profiler, "

@@ -49,6 +49,24 @@ from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy_map import PolicyMap, is_policy_file
 from mixprec.version import __version__
 
+__all__ = [
+    "BLOG_V100_MS",
+    "BenchOptions",
+    "BenchReport",
+    "Config",
+    "MAX_BATCH_CAP",
+    "MIXED_CANDIDATES",
+    "PRESETS",
+    "Plan",
+    "Row",
+    "comparison_gap",
+    "metadata",
+    "plan",
+    "reproduce_command",
+    "run_bench",
+    "search_max_batch",
+]
+
 PRESETS: dict[str, dict[str, Any]] = {
     # The seed blog's experiment: its CNN on 256x256 images, batch 32 to 512, on a GPU;
     # float32 vs float16 mixed (the blog's) and the precision recommended for this GPU.

@@ -4,13 +4,22 @@ them (`diagnose`, `Diagnosis.recommend`), and watch them during training
 
 from mixprec.doctor.diagnosis import Diagnosis, Recommendation, diagnose
 from mixprec.doctor.monitor import LayerSample, PrecisionMonitor, PrecisionWarning
-from mixprec.doctor.verdicts import AT_RISK, BROKEN, OK, ModuleReport, ParamReport, Verdict
+from mixprec.doctor.verdicts import (
+    AT_RISK,
+    BROKEN,
+    OK,
+    FindingKind,
+    ModuleReport,
+    ParamReport,
+    Verdict,
+)
 
 __all__ = [
     "AT_RISK",
     "BROKEN",
     "OK",
     "Diagnosis",
+    "FindingKind",
     "LayerSample",
     "ModuleReport",
     "ParamReport",

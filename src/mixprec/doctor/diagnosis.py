@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.doctor.probe import Recording
+from mixprec.doctor.rules import judge
 from mixprec.doctor.running import Session, grad_amax
 from mixprec.doctor.verdicts import (
     AT_RISK,
@@ -28,10 +29,10 @@ from mixprec.doctor.verdicts import (
     DEFAULT_TOLERANCE,
     OK,
     QUANTIZED_TOLERANCE,
+    FindingKind,
     ModuleReport,
     ParamReport,
     UpdateModel,
-    judge,
     largest_loss_scale,
     loss_scale_for,
     module_reports,
@@ -55,6 +56,8 @@ from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy_map import PolicyMap
 from mixprec.scaling import LossScaler
 from mixprec.tree import map_tensors
+
+__all__ = ["Diagnosis", "Recommendation", "diagnose"]
 
 
 class Diagnosis:
@@ -192,7 +195,7 @@ class Diagnosis:
             steps.append(source)
             inherited = source
         if (
-            module.kind == "range"
+            module.kind == FindingKind.RANGE
             and self.dtype == torch.float16
             and dtype_support(torch.bfloat16, detect(self.device)).status in (FAST, SUPPORTED)
         ):
@@ -267,12 +270,16 @@ class Diagnosis:
             if trial.passes(tolerance):
                 break
             pick = next((m for m in trial.findings if m.name not in exhausted), None)
-            if pick is not None and pick.kind == "loss":
+            if pick is not None and pick.kind == FindingKind.LOSS:
                 raise PrecisionError(
                     f"{pick.reason}: no per-module policy changes a loss computed outside the "
                     "modules"
                 )
-            if pick is not None and pick.kind == "scale" and scale != self.recommended_loss_scale:
+            if (
+                pick is not None
+                and pick.kind == FindingKind.SCALE
+                and scale != self.recommended_loss_scale
+            ):
                 before, scale = scale, self.recommended_loss_scale
                 trial = self._trial(chosen, scale)
                 log.append(

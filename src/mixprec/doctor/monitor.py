@@ -11,7 +11,8 @@ layer and kind when a layer's amax comes within `headroom` of its dtype's max, w
 growth over recent samples projects it past the max within `horizon_steps`, when it is
 already inf/NaN, and when the loss scaler keeps skipping steps.
 
-Use it as a Trainer callback, or in any loop::
+Pass it to the Trainer's ``callbacks=`` (it defines the Trainer hooks it needs and does not
+import the Trainer: the Trainer calls the hooks an object has), or use it in any loop::
 
     monitor = PrecisionMonitor(every_n_steps=50).attach(model)
     for step, (x, y) in enumerate(data):
@@ -38,10 +39,11 @@ from mixprec.doctor.probe import floating_tensors
 from mixprec.doctor.verdicts import HEADROOM, UNDERFLOW_AT_RISK
 from mixprec.dtypes import LOW_PRECISION_FLOATS, format_info
 from mixprec.scaling import LossScaler
-from mixprec.trainer.callbacks import Callback
 
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
+
+__all__ = ["LayerSample", "PrecisionMonitor", "PrecisionWarning"]
 
 log = logging.getLogger("mixprec")
 
@@ -64,7 +66,7 @@ class LayerSample:
     grad_underflow: float
 
 
-class PrecisionMonitor(Callback):
+class PrecisionMonitor:
     """Track per-layer amax and underflow every `every_n_steps` steps and warn early.
 
     Args:
@@ -366,7 +368,7 @@ class PrecisionMonitor(Callback):
             "precision/skipped_steps": float(stats.skipped_steps),
         }
 
-    # -- Trainer callback --------------------------------------------------------------------
+    # -- Trainer hooks (as mixprec.trainer.Callback names them) ------------------------------
 
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
         self.attach(model)

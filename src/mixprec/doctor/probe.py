@@ -28,6 +28,26 @@ from torch import Tensor, nn
 from mixprec.dtypes import format_info
 from mixprec.tree import iter_tensors
 
+__all__ = [
+    "Call",
+    "Comparisons",
+    "Key",
+    "Probe",
+    "Recording",
+    "RefStats",
+    "RefTensor",
+    "Scratch",
+    "Slot",
+    "Stats",
+    "combine",
+    "count_nonfinite",
+    "floating_tensors",
+    "lowest_float",
+    "measure_param_grads",
+    "seeded",
+    "snapshot",
+]
+
 
 class RefStats(NamedTuple):
     """A reference tensor's statistics against one target dtype (and loss scale)."""

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from mixprec.doctor.diagnosis import Diagnosis, Recommendation
     from mixprec.doctor.verdicts import ModuleReport
 
+__all__ = ["as_text", "rich_view", "save", "summary", "to_markdown"]
+
 _STYLE = {OK: "green", AT_RISK: "yellow", BROKEN: "red bold"}
 _COLUMNS = (
     "module",

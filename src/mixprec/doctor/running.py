@@ -25,6 +25,8 @@ from mixprec.precision import Precision
 from mixprec.scaling import StaticLossScaler
 from mixprec.step import backward, plain_loss, step_context
 
+__all__ = ["Session", "grad_amax"]
+
 
 def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
     """Identity, storage, dtype and in-place version of every parameter and buffer: any

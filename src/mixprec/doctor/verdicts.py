@@ -1,8 +1,9 @@
-"""Turning a target run's statistics into verdicts: one source for the verdicts, the
-thresholds that raise them (shared with the live `PrecisionMonitor`), and the reasons.
+"""What the doctor says about a target run, and the numbers it says it from: the `Verdict`
+and `FindingKind` vocabularies, the thresholds (shared with the live `PrecisionMonitor`), the
+per-module and per-parameter reports of a run, where inf/NaN first appear, and loss-scale
+arithmetic.
 
-Every module gets `OK`, `AT_RISK` or `BROKEN` and a sentence saying why; a problem is blamed
-where it starts (inputs fine, output not), never on the blocks that merely contain it.
+The rules that turn these reports into verdicts live in `mixprec.doctor.rules`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,44 @@ import torch
 from torch import nn
 
 from mixprec.doctor.probe import Key, Recording, Stats, combine, lowest_float
-from mixprec.dtypes import LOW_PRECISION_FLOATS, dtype_name, format_info
+from mixprec.dtypes import dtype_name, format_info
 from mixprec.policy_map import PolicyMap
+
+__all__ = [
+    "AT_RISK",
+    "BROKEN",
+    "DEFAULT_LOSS_SCALE",
+    "DEFAULT_TOLERANCE",
+    "ERROR_AT_RISK",
+    "ERROR_BROKEN",
+    "ERROR_GROWTH",
+    "FindingKind",
+    "GRAD_FLUSH_AT_RISK",
+    "GRAD_FLUSH_BROKEN",
+    "GRAD_UNDERFLOW_AT_RISK",
+    "HEADROOM",
+    "LOSS_SCALE_MARGIN",
+    "MAX_LOSS_SCALE",
+    "ModuleReport",
+    "OK",
+    "Origins",
+    "ParamReport",
+    "QUANTIZED_TOLERANCE",
+    "UNDERFLOW_AT_RISK",
+    "UPDATE_RULES",
+    "UpdateModel",
+    "VANISH_AT_RISK",
+    "VANISH_BROKEN",
+    "Verdict",
+    "largest_loss_scale",
+    "loss_scale_for",
+    "module_reports",
+    "param_reports",
+    "range_dtype",
+    "scale_text",
+    "vanishing_by_module",
+    "vanishing_fraction",
+]
 
 
 class Verdict(str, Enum):
@@ -37,6 +74,22 @@ class Verdict(str, Enum):
 
 
 OK, AT_RISK, BROKEN = Verdict.OK, Verdict.AT_RISK, Verdict.BROKEN
+
+
+class FindingKind(str, Enum):
+    """What fixes a finding, which is what `Diagnosis.recommend` acts on (the values are the
+    strings reports always carried)."""
+
+    NONE = ""  # no finding: an OK module, or a block whose child is blamed
+    RANGE = "range"  # a wider range fixes it (bfloat16 for float16, else float32)
+    PRECISION = "precision"  # more mantissa bits fix it: float32
+    QUANTIZATION = "quantization"  # a quantized layer: its source float policy fixes it
+    SCALE = "scale"  # the loss scale causes it: the recommended loss scale fixes it
+    LOSS = "loss"  # the root's: the loss overflows outside every module; no layer's dtype fixes it
+
+    def __str__(self) -> str:
+        return self.value
+
 
 # When a finding is raised. Chosen so that healthy float16/bfloat16 runs of common layers
 # (linear, conv, norms, attention, activations) raise none; see tests/test_doctor*.py.
@@ -97,18 +150,6 @@ def vanishing_fraction(weight: torch.Tensor, delta: torch.Tensor, dtype: torch.d
     return int(lost.sum()) / total
 
 
-def _fmt(x: float) -> str:
-    """A magnitude for a sentence: 3 significant digits, or "7.1e4" style when large/small."""
-    if math.isnan(x):
-        return "nan"
-    if math.isinf(x):
-        return "inf" if x > 0 else "-inf"
-    if x == 0 or 1e-3 <= abs(x) < 1e4:
-        return f"{x:.3g}"
-    mantissa, exponent = f"{x:.1e}".split("e")
-    return f"{mantissa}e{int(exponent)}"
-
-
 def scale_text(x: float) -> str:
     """A loss scale for a sentence: "65536", "0.5"."""
     return f"{int(x)}" if x >= 1 and x == int(x) else f"{x:g}"
@@ -156,10 +197,7 @@ class ModuleReport:
     vanishing: float = 0.0  # share of its parameter updates that round away (with an lr)
     verdict: Verdict = OK
     reason: str = ""
-    # "range" (fixable by a wider range), "precision" (needs float32), "quantization" (a
-    # quantized layer: its source float policy fixes it), "scale" (the loss scale causes it)
-    # or "loss" (the root's: the loss overflows outside every module)
-    kind: str = ""
+    kind: FindingKind = FindingKind.NONE  # what fixes the finding
     quantized: str = ""  # the quantized policy a quantized layer runs in
     origin: bool = False
     note: str = ""
@@ -194,10 +232,6 @@ class ParamReport:
 
 def _frac(count: float, total: float) -> float:
     return count / total if total else 0.0
-
-
-def _is_inside(child: str, parent: str) -> bool:
-    return (parent == "" and child != "") or child.startswith(parent + ".")
 
 
 def loss_scale_for(grad_amax: float, dtype: torch.dtype) -> float:
@@ -361,154 +395,6 @@ def module_reports(
     return reports, origins
 
 
-def judge(
-    modules: dict[str, ModuleReport],
-    origins: Origins,
-    loss_scale: float,
-    recommended_scale: float,
-    range_dtype: torch.dtype,
-    update: UpdateModel | None = None,
-    *,
-    loss_finite: bool = True,
-    grads_finite: bool = True,
-    loss_dtype: torch.dtype = torch.float32,
-) -> None:
-    """Give every module a verdict and a reason, blaming only where a problem starts; a run
-    whose loss or gradients are not finite with no module to blame is the root's finding.
-
-    A problem the loss scale causes (a backward overflow above `recommended_scale`, gradients
-    flushed to zero below it) has kind "scale": a loss scale fixes it, not a layer's dtype;
-    a loss that overflows outside every module has kind "loss": no layer's dtype fixes it.
-    """
-    scale_txt = f"loss scale {scale_text(loss_scale)}"
-    limit = format_info(range_dtype)
-    forward_broken = not loss_finite or any(m.nonfinite for m in modules.values())
-    too_high = "scale" if loss_scale > recommended_scale else "range"
-    scaled = range_dtype == torch.float16
-    too_low = "scale" if scaled and recommended_scale > loss_scale else "range"
-    for m in modules.values():
-        info = format_info(m.dtype) if m.dtype in _LOW else limit
-        low = m.dtype in _LOW
-        # a range problem already present in low-precision inputs belongs upstream
-        inherited = m.input_dtype in _LOW
-        if m.name in origins.forward:
-            m.verdict, m.kind = BROKEN, "range"
-            if m.amax > info.max:
-                m.reason = (
-                    f"output reaches {_fmt(m.amax)} > {info.name} max {info.max:g} "
-                    f"({m.nonfinite} values become inf/NaN)"
-                )
-            elif m.input_amax > format_info(range_dtype).max:
-                limit = format_info(range_dtype)
-                m.reason = (
-                    f"its input reaches {_fmt(m.input_amax)} > {limit.name} max {limit.max:g} "
-                    f"and overflows when cast to {limit.name} here"
-                )
-            else:
-                m.reason = (
-                    f"{m.nonfinite} of {m.numel} outputs are inf/NaN although its inputs are "
-                    f"finite: a value inside it overflows {format_info(range_dtype).name} "
-                    f"(output is at most {_fmt(m.amax)} in the reference)"
-                )
-        elif not forward_broken and m.name in origins.backward:
-            m.verdict, m.kind = BROKEN, too_high
-            m.reason = (
-                f"its backward produces inf/NaN gradients at {scale_txt} "
-                f"({limit.name} max {limit.max:g})" + _fits_hint(loss_scale, recommended_scale)
-            )
-        elif not forward_broken and m.name in origins.arrival:
-            m.verdict, m.kind = BROKEN, too_high
-            m.reason = (
-                f"its output gradient is already inf/NaN as it arrives, at {scale_txt}: "
-                + _overflow_outside(
-                    origins.arrival[m.name], info, loss_dtype, loss_scale, recommended_scale
-                )
-            )
-        elif m.param_grad_flushed >= GRAD_FLUSH_BROKEN:
-            m.verdict, m.kind = BROKEN, too_low
-            m.reason = (
-                f"{m.param_grad_flushed:.0%} of its parameter gradients flush to zero in "
-                f"{format_info(range_dtype).name} at {scale_txt} (largest "
-                f"{_fmt(m.param_grad_amax)}); it stops learning"
-                + _scale_hint(m.param_grad_amax, loss_scale, recommended_scale, range_dtype)
-            )
-        elif (
-            low
-            and m.amax > info.max / HEADROOM
-            and not (inherited and m.input_amax > info.max / HEADROOM)
-        ):
-            m.verdict, m.kind = AT_RISK, "range"
-            m.reason = (
-                f"output reaches {_fmt(m.amax)}, within {HEADROOM:g}x of {info.name} max "
-                f"{info.max:g}"
-            )
-        elif (
-            low
-            and m.underflow >= UNDERFLOW_AT_RISK
-            and not (inherited and m.input_underflow >= UNDERFLOW_AT_RISK)
-        ):
-            m.verdict, m.kind = AT_RISK, "range"
-            m.reason = (
-                f"{m.underflow:.0%} of its nonzero outputs fall below {info.name}'s smallest "
-                f"normal {info.smallest_normal:.2g} (smallest {_fmt(m.amin)})"
-            )
-        elif (
-            m.param_grad_underflow >= GRAD_UNDERFLOW_AT_RISK
-            or m.param_grad_flushed >= GRAD_FLUSH_AT_RISK
-        ):
-            m.verdict, m.kind = AT_RISK, too_low
-            m.reason = (
-                f"{max(m.param_grad_underflow, m.param_grad_flushed):.0%} of its parameter "
-                f"gradients underflow {format_info(range_dtype).name} at {scale_txt}"
-                + _scale_hint(m.param_grad_amax, loss_scale, recommended_scale, range_dtype)
-            )
-        elif (
-            math.isfinite(m.rel_error)
-            and m.rel_error > ERROR_AT_RISK
-            and m.rel_error > ERROR_GROWTH * m.input_rel_error
-        ):
-            growth = (
-                f"its error against the reference grows to {m.rel_error:.2g} here "
-                f"(inputs {m.input_rel_error:.2g}; SQNR {m.sqnr_db:.1f} dB)"
-            )
-            m.verdict = BROKEN if m.rel_error >= ERROR_BROKEN else AT_RISK
-            if m.quantized:
-                m.kind = "quantization"
-                m.reason = (
-                    f"quantized ({m.quantized}): {growth}; a few large values set the "
-                    "quantization scale, the rest lose their precision"
-                )
-            else:
-                m.kind = "precision"
-                m.reason = growth + (": it carries little signal" if m.verdict == BROKEN else "")
-    if update is not None:
-        _judge_vanishing(modules, update)
-    # Blame the innermost module: a block whose child explains the problem is not flagged.
-    flagged = [m for m in modules.values() if m.verdict != OK]
-    for m in flagged:
-        inner = [c for c in flagged if c is not m and _is_inside(c.name, m.name)]
-        if inner:
-            m.verdict, m.kind, m.reason = OK, "", ""
-            m.note = f"contains {inner[0].display_name} ({inner[0].verdict})"
-    blamed = any(m.verdict == BROKEN for m in modules.values())
-    if not (loss_finite and grads_finite) and not blamed:
-        root = modules[""]
-        root.verdict, root.kind = BROKEN, "loss" if forward_broken else too_high
-        root.reason = (
-            f"the loss is inf/NaN although every module's output is finite: it overflows "
-            f"{limit.name} outside the modules (in the loss function, which runs in the "
-            "precision's autocast region too); compute the loss from float32 outputs"
-            if forward_broken
-            else f"gradients hold inf/NaN at {scale_txt} but no module's backward or output "
-            "gradient is where they start: "
-            + _overflow_outside(math.nan, limit, loss_dtype, loss_scale, recommended_scale)
-        )
-    for m in modules.values():
-        m.origin = m.verdict == BROKEN
-        if m.verdict == OK and not m.note and (m.nonfinite or m.grad_nonfinite):
-            m.note = "inf/NaN arrive from elsewhere"
-
-
 def vanishing_by_module(
     model: nn.Module, policy: PolicyMap, grads: dict[str, torch.Tensor], update: UpdateModel
 ) -> dict[str, float]:
@@ -529,71 +415,3 @@ def vanishing_by_module(
         lost[module] = lost.get(module, 0.0) + vanishing_fraction(param, delta, dtype) * n
         sizes[module] = sizes.get(module, 0) + n
     return {m: lost[m] / sizes[m] for m in lost if sizes[m]}
-
-
-def _judge_vanishing(modules: dict[str, ModuleReport], update: UpdateModel) -> None:
-    """Flag the modules, otherwise fine, whose 16-bit weights lose most of their updates."""
-    for m in modules.values():
-        if m.verdict != OK or m.vanishing < VANISH_AT_RISK:
-            continue
-        broken = m.vanishing >= VANISH_BROKEN
-        m.verdict, m.kind = (BROKEN if broken else AT_RISK), "precision"
-        m.reason = (
-            f"{m.vanishing:.0%} of its parameter updates round away in its 16-bit weights at "
-            f"{update.describe()}{': it stops learning' if broken else ''}; keep them with "
-            "Precision(..., compensation='kahan') or master_weights=True, or give it a "
-            "float32 rule"
-        )
-
-
-def _fits_hint(scale: float, recommended: float) -> str:
-    """Where a smaller loss scale fixes a backward overflow, which."""
-    if not scale > recommended:
-        return ""
-    return f"; a loss scale of at most {scale_text(recommended)} fits"
-
-
-def _overflow_outside(
-    peak: float, info: Any, loss_dtype: torch.dtype, scale: float, recommended: float
-) -> str:
-    """Why a gradient overflows outside any module's backward: a 16-bit loss, whose gradient
-    is the loss scale itself, or a float32 gradient cast to a 16-bit output (with `peak`, its
-    largest magnitude in the reference, when known); and the loss scales that fit."""
-    loss = format_info(loss_dtype)
-    if scale > loss.max:
-        fits = scale_text(largest_loss_scale(1.0, loss_dtype))
-        return (
-            f"the loss is {loss.name}, and its gradient, the loss scale itself, is beyond "
-            f"{loss.name} max {loss.max:g}; loss scale {fits} fits, or compute the loss in "
-            "float32"
-        )
-    reason = (
-        f"it overflows {info.name} outside any module's backward, where a float32 gradient "
-        f"(e.g. the loss's) is cast to {info.name}"
-    )
-    if math.isfinite(peak) and peak * scale > info.max:
-        largest = largest_loss_scale(peak, info.dtype)
-        reason += (
-            f" (largest in the reference {_fmt(peak)}, x {scale_text(scale)} = "
-            f"{_fmt(peak * scale)} > {info.name} max {info.max:g}); "
-            + (
-                f"loss scale {scale_text(largest)} is the largest that keeps it finite"
-                if largest >= 1
-                else "it overflows even unscaled"
-            )
-        )
-        if scale > recommended and largest >= 1:
-            reason += (
-                f", {scale_text(recommended)} leaves every gradient {LOSS_SCALE_MARGIN:g}x headroom"
-            )
-        return reason
-    return reason + _fits_hint(scale, recommended)
-
-
-def _scale_hint(grad_amax: float, scale: float, recommended: float, dtype: torch.dtype) -> str:
-    if dtype != torch.float16 or not recommended > scale:
-        return ""
-    return f"; loss scale {scale_text(recommended)} keeps them"
-
-
-_LOW = {dtype_name(d) for d in LOW_PRECISION_FLOATS}

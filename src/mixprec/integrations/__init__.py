@@ -4,3 +4,5 @@ and Hugging Face hooks (`mixprec.integrations.huggingface`).
 Each integration is imported by name and needs its extra (`mixprec[lightning]`, `mixprec[hf]`);
 importing this package imports none of those libraries.
 """
+
+__all__: list[str] = []  # each integration is imported by name, with its extra

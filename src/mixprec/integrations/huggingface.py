@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -220,14 +221,58 @@ def tie_quantized_weights(model: nn.Module) -> dict[str, str]:
     return added
 
 
+_ACCELERATE_ENV = "ACCELERATE_MIXED_PRECISION"
+
+
+def _refuse_hf_precision(training_args: transformers.TrainingArguments | None) -> None:
+    """Refuse every HF setting that casts on its own, on top of or instead of the mixprec
+    precision: one place owns the precision, so even a setting that agrees with the policy
+    (``bf16=True`` with ``"bf16-mixed"``) is refused rather than silently stacked."""
+    if training_args is not None:
+        for flag in ("fp16", "bf16"):
+            if getattr(training_args, flag):
+                extra = (
+                    " and its GradScaler (scaling on top of mixprec's)" if flag == "fp16" else ""
+                )
+                raise ValueError(
+                    f"TrainingArguments({flag}=True) turns on HF's own autocast{extra}, which "
+                    "would run on top of the mixprec policy, even one that agrees with it: "
+                    "MixprecTrainer owns the precision. Set TrainingArguments(fp16=False, "
+                    "bf16=False) and choose the precision with MixprecTrainer(precision=...)"
+                )
+        for flag, dtype in (("fp16_full_eval", "float16"), ("bf16_full_eval", "bfloat16")):
+            if getattr(training_args, flag):
+                raise ValueError(
+                    f"TrainingArguments({flag}=True) casts the whole model to {dtype} when "
+                    "evaluate() or predict() runs outside train(), and leaves it so: the "
+                    "policy's float32 layers and float32 weights would be lost. Drop it: "
+                    "evaluation runs under the MixprecTrainer's precision"
+                )
+    env = os.environ.get(_ACCELERATE_ENV, "no")
+    # transformers 5 records the Accelerator's precision in the arguments (taken from the
+    # environment); transformers 4 builds its Accelerator from the environment
+    chosen = getattr(training_args, "mixed_precision", env)
+    if chosen != "no":
+        raise ValueError(
+            f"HF's Trainer would build its Accelerator with mixed_precision={chosen!r}, taken "
+            f"from {_ACCELERATE_ENV}={env!r} in the environment (which `accelerate launch "
+            "--mixed_precision` and `accelerate config` set), and autocast on top of the "
+            f"mixprec policy: launch with --mixed_precision no or unset {_ACCELERATE_ENV}; "
+            "MixprecTrainer(precision=...) chooses the precision"
+        )
+
+
 class MixprecTrainer(transformers.Trainer):
     """``transformers.Trainer`` under a mixprec precision: the model converted by the policy
     (per-layer rules, float32 islands), the optimizer wrapped in a ``LossScaleOptimizer``,
     mixprec's loss scaling (float16), and a scheduler that does not advance on skipped steps.
 
     ``precision`` is a ``mixprec.Precision`` or any spec it takes (``"bf16-mixed"``, a
-    ``PolicyMap``). Everything else is ``transformers.Trainer``'s, with ``fp16=False`` and
-    ``bf16=False`` (HF's own autocast would run on top of the policy). An optimizer passed in
+    ``PolicyMap``). Everything else is ``transformers.Trainer``'s, without HF's own precision
+    settings (HF's autocast would run on top of the policy): ``fp16``, ``bf16``,
+    ``fp16_full_eval``, ``bf16_full_eval`` and an ``ACCELERATE_MIXED_PRECISION`` other than
+    ``"no"`` in the environment are refused, even where they agree with the policy. An
+    optimizer passed in
     ``optimizers=(optimizer, scheduler)`` is wrapped too; build its scheduler on the plain
     optimizer. To combine with another Trainer subclass: ``class T(MixprecTrainer, SFTTrainer)``.
 
@@ -237,13 +282,9 @@ class MixprecTrainer(transformers.Trainer):
     """
 
     def __init__(self, *args: Any, precision: Precision | Any, **kwargs: Any) -> None:
-        # checked before HF builds its Accelerator, whose precision is fixed per process
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if training_args is not None and (training_args.fp16 or training_args.bf16):
-            raise ValueError(
-                "MixprecTrainer owns the precision: set TrainingArguments(fp16=False, "
-                "bf16=False), or HF's autocast would run on top of mixprec's policy"
-            )
+        # checked before HF builds its Accelerator (Accelerate refuses to change the
+        # precision of the process's AcceleratorState once set)
+        _refuse_hf_precision(kwargs.get("args", args[1] if len(args) > 1 else None))
         super().__init__(*args, **kwargs)
         if self.model is None:
             raise ValueError("MixprecTrainer needs model=... (model_init is not supported)")
@@ -339,7 +380,9 @@ def prepare(
         raise ValueError(
             f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) casts on its own "
             "(and on CPU 'fp16' silently trains in float32): build it with "
-            "mixed_precision='no' and let the mixprec precision choose"
+            "mixed_precision='no' and let the mixprec precision choose (an Accelerator built "
+            f"without mixed_precision= takes {_ACCELERATE_ENV} from the environment, which "
+            "`accelerate launch --mixed_precision` and `accelerate config` set)"
         )
     if not isinstance(precision, Precision):
         raise TypeError(

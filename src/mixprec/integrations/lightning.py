@@ -67,7 +67,8 @@ class MixprecPrecision(LightningPrecision):
     """A Lightning precision plugin running mixprec's policies and loss scaling.
 
     ``pl.Trainer(plugins=[MixprecPrecision("bf16-mixed")])``, without ``precision=``
-    (Lightning refuses both).
+    (Lightning refuses both; given inside a strategy instance, the plugin refuses a flag
+    Lightning would ignore).
 
     Args:
         spec: any mixprec spec (``"bf16-mixed"``, ``"16-mixed"``, ``"16-true"``,
@@ -145,6 +146,7 @@ class MixprecPrecision(LightningPrecision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Check the policy on the strategy's device (raising mixprec's ``PrecisionError``
         or ``SlowPrecisionError``), then convert ``module`` in place with ``mixprec.apply``."""
+        _refuse_precision_flag(module, self)
         device = _strategy_device(module)
         if self.mixprec.device is None:
             self.mixprec.device = device
@@ -304,6 +306,26 @@ def _strategy_device(module: nn.Module) -> torch.device:
         except RuntimeError:  # not attached to a Trainer
             pass
     return device_of(module)
+
+
+def _refuse_precision_flag(module: nn.Module, plugin: MixprecPrecision) -> None:
+    """Refuse a ``precision=`` flag given beside a plugin that came in ``strategy=``.
+
+    Lightning refuses ``precision=`` with ``plugins=[MixprecPrecision(...)]`` ("Choose
+    one"), but a precision plugin inside a strategy instance
+    (``DDPStrategy(precision_plugin=...)``) silently wins over the flag. Lightning records
+    the flag as "32-true" when none is given, so only that value passes (it is also what an
+    explicit ``precision="32-true"`` records, and cannot be told apart)."""
+    trainer = getattr(module, "_trainer", None)  # a LightningModule's, None outside a Trainer
+    if not isinstance(trainer, pl.Trainer):
+        return
+    flag = trainer._accelerator_connector._precision_flag
+    if flag != "32-true":
+        raise ValueError(
+            f"Trainer(precision={flag!r}) would be ignored: the strategy's precision plugin "
+            f"{plugin!r} sets the precision. Choose one: leave precision= out, or give the "
+            "strategy no precision_plugin"
+        )
 
 
 class PrecisionMonitorCallback(pl.Callback):

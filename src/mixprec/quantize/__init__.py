@@ -23,11 +23,10 @@ adapters on the int8/int4 Linear and Embedding layers).
 
 from __future__ import annotations
 
-import re
 import sys
 import types
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,18 +34,20 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.errors import PolicySpecError
-from mixprec.policy import (
-    DEFAULT_AMAX_HISTORY_LENGTH,
-    QUANTIZATION_MODES,
-    Policy,
-    QuantizedPolicy,
-    is_quantized,
-)
+from mixprec.policy import QuantizedPolicy, as_policy, is_quantized
+from mixprec.policy_names import QUANTIZATION_MODES
 from mixprec.quantize.int4 import Int4Embedding, Int4Linear, quantize_groups
 from mixprec.quantize.int8 import Int8Embedding, Int8Linear, quantize_rows
 from mixprec.quantize.lora import LoraMixin
+from mixprec.quantize.rules import (
+    Filter,
+    check_same_options,
+    describe,
+    path_filter,
+    skip_reason,
+    swap_modules,
+)
 
-Filter = Callable[[str, nn.Module], bool] | str | re.Pattern[str] | None
 QUANTIZED_TYPES: tuple[type[nn.Module], ...] = (
     Int8Linear,
     Int8Embedding,
@@ -64,6 +65,7 @@ __all__ = [
     "enable_lora",
     "merge_lora",
     "quantize",
+    "quantize_modules",
     "weight_bytes",
 ]
 
@@ -101,7 +103,7 @@ def _as_policy(
                 f"{mode!r} names its options already; pass group_size/recipe/"
                 "amax_history_length only with a bare mode ('int8', 'int4', 'float8')"
             )
-        return mode if isinstance(mode, QuantizedPolicy) else Policy(mode)  # type: ignore[return-value]
+        return as_policy(mode)  # type: ignore[return-value]
     if not isinstance(mode, str) or mode.strip().lower() not in QUANTIZATION_MODES:
         raise PolicySpecError(
             f"unknown quantization mode {mode!r}; modes are {', '.join(QUANTIZATION_MODES)} "
@@ -114,67 +116,6 @@ def _as_policy(
         recipe=recipe,
         amax_history_length=history,
     )
-
-
-def _filter_fn(filter: Filter) -> Callable[[str, nn.Module], bool]:
-    if filter is None:
-        return lambda path, module: True
-    if isinstance(filter, (str, re.Pattern)):
-        try:
-            rx = re.compile(filter)
-        except re.error as err:
-            raise PolicySpecError(f"filter {filter!r} is not a valid regex: {err}") from None
-        return lambda path, module: rx.fullmatch(path) is not None
-    if callable(filter):
-        return filter
-    raise TypeError(
-        f"filter must be a callable (path, module) -> bool or a regex on module paths, "
-        f"not {type(filter).__name__}"
-    )
-
-
-def _swap(model: nn.Module, new: Mapping[int, nn.Module]) -> None:
-    """Replace every reference to a module whose id is in `new` (at any path)."""
-    for module in list(model.modules()):
-        for name, child in module._modules.items():
-            if child is not None and id(child) in new:
-                module._modules[name] = new[id(child)]
-
-
-def _describe(policy: QuantizedPolicy) -> str:
-    if policy.mode == "int4" and policy.group_size == -1:
-        return "int4 (per channel)"
-    if policy.mode == "int4":
-        return f"int4 (groups of {policy.group_size})"
-    if policy.mode == "float8" and policy.recipe == "delayed":
-        history = policy.amax_history_length or DEFAULT_AMAX_HISTORY_LENGTH
-        return f"float8 (delayed, amax history of {history})"
-    if policy.mode == "float8":
-        return f"float8 ({policy.recipe})"
-    return "int8"
-
-
-def _check_same_options(path: str, layer: nn.Module, policy: QuantizedPolicy) -> None:
-    """Raise ValueError if the already quantized `layer` (in `policy`'s mode) was quantized
-    with other options than `policy` asks for: it used to stay as it was, silently."""
-    if policy.mode == "int4":
-        have = QuantizedPolicy("int4", "float32", group_size=layer.group_size)
-        undo = "mixprec.quantize.dequantize(model)"
-    elif policy.mode == "float8":
-        delayed = layer.recipe == "delayed"
-        history = layer.amax_history_length if delayed else None
-        have = QuantizedPolicy(
-            "float8", "float32", recipe=layer.recipe, amax_history_length=history
-        )
-        undo = "mixprec.quantize.float8.convert_from_float8(model)"
-    else:
-        return
-    if _describe(have) != _describe(policy):
-        raise ValueError(
-            f"{path or '<root>'} is already quantized to {_describe(have)}, not "
-            f"{_describe(policy)} as asked; to quantize it again with other options, make it "
-            f"float first: {undo}"
-        )
 
 
 def _quantized_layer(
@@ -213,11 +154,11 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
     float8: dict[QuantizedPolicy, list[str]] = {}
     for path, policy in policies.items():
         module = modules[path]
-        reason = policy.skip_reason(module)
+        reason = skip_reason(policy, module)
         if reason is not None:
             result.skipped[path] = reason
         elif isinstance(getattr(module, "quantization_mode", None), str):
-            _check_same_options(path, module, policy)
+            check_same_options(path, module, policy)
             continue
         elif not path:
             raise ValueError(
@@ -229,10 +170,10 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
         else:
             if id(module) not in new:
                 new[id(module)] = _quantized_layer(path, module, policy, memo)
-            result.quantized[path] = _describe(policy)
+            result.quantized[path] = describe(policy)
             if isinstance(new[id(module)], (Int8Linear, Int4Linear)):
                 result.kernels[path] = new[id(module)].kernel
-    _swap(model, new)
+    swap_modules(model, lambda path, child: new.get(id(child)))
     for policy, paths in float8.items():
         _to_float8(model, policy, set(paths), result)
     return result
@@ -245,10 +186,11 @@ def _to_float8(
 
     before = dict(model.named_modules())
     skipped: dict[str, str] = {}
+    config = policy.float8_config
     convert_to_float8(
         model,
-        recipe=policy.recipe,
-        amax_history_length=policy.amax_history_length or DEFAULT_AMAX_HISTORY_LENGTH,
+        recipe=config.recipe,
+        amax_history_length=config.amax_history_length,
         filter=lambda path, module: path in paths,
         skipped=skipped,
     )
@@ -257,7 +199,7 @@ def _to_float8(
         if path in skipped:
             result.skipped[path] = skipped[path]
         elif after.get(path) is not before[path]:
-            result.quantized[path] = _describe(policy)
+            result.quantized[path] = describe(policy)
 
 
 def quantize(
@@ -285,7 +227,7 @@ def quantize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize needs an nn.Module, got {type(model).__name__}")
     policy = _as_policy(mode, group_size, recipe, amax_history_length)
-    keep = _filter_fn(filter)
+    keep = path_filter(filter)
     chosen: dict[str, QuantizedPolicy] = {}
     excluded: dict[str, str] = {}
     for path, module in model.named_modules():
@@ -294,7 +236,7 @@ def quantize(
         )
         if not own:
             continue
-        if policy.skip_reason(module) is None and not keep(path, module):
+        if skip_reason(policy, module) is None and not keep(path, module):
             excluded[path] = "excluded by filter"
         else:
             chosen[path] = policy
@@ -325,7 +267,7 @@ def dequantize(model: nn.Module) -> nn.Module:
     dequantized weight (LoRA adapters folded in; tied weights tied again); returns `model`."""
     memo: dict[int, nn.Parameter] = {}
     new = {id(m): _float_layer(m, memo) for m in model.modules() if isinstance(m, QUANTIZED_TYPES)}
-    _swap(model, new)
+    swap_modules(model, lambda path, child: new.get(id(child)))
     return model
 
 

@@ -27,23 +27,38 @@ speed, so the explicit form is used: plain torch ops that compile and run on any
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from mixprec.errors import PolicySpecError
+from mixprec.float8_config import Float8Config
+from mixprec.quantize.rules import Filter, path_filter, swap_modules
+
+__all__ = [
+    "AMAX_FLOOR",
+    "DELAYED_BUFFERS",
+    "E4M3",
+    "E5M2",
+    "Float8Linear",
+    "amax_to_scale",
+    "axis_scale",
+    "convert_from_float8",
+    "convert_to_float8",
+    "delayed_layers",
+    "high_precision_matmul",
+    "real_scaled_mm_supported",
+    "scaled_matmul",
+    "skip_reason",
+    "sync_amax_histories",
+    "tensor_scale",
+    "to_float8",
+]
 
 E4M3: torch.dtype = torch.float8_e4m3fn
 E5M2: torch.dtype = torch.float8_e5m2
 AMAX_FLOOR = 1e-12
-RECIPES: tuple[str, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed")
-DEFAULT_AMAX_HISTORY = 1024
-# torchao's rule: below this size a tensorwise float8 matmul does not win back its casts.
-SMALL_IN_FEATURES, SMALL_OUT_FEATURES = 4096, 1024
-_ROWWISE = ("rowwise", "rowwise_with_gw_hp")
 # Delayed-scaling buffers, Keras's six variables per Dense: a scale and an amax history for
 # the input, the weight and the output gradient.
 DELAYED_BUFFERS: tuple[str, ...] = (
@@ -54,28 +69,6 @@ DELAYED_BUFFERS: tuple[str, ...] = (
     "grad_output_scale",
     "grad_output_amax_history",
 )
-
-Filter = Callable[[str, nn.Module], bool] | str | re.Pattern[str] | None
-
-
-def check_recipe(recipe: str) -> str:
-    """The recipe name, or PolicySpecError listing the accepted ones."""
-    if recipe not in RECIPES:
-        raise PolicySpecError(
-            f"unknown float8 recipe {recipe!r}; accepted: {', '.join(repr(r) for r in RECIPES)}"
-        )
-    return recipe
-
-
-def check_history_length(length: int) -> int:
-    """A positive int amax history length, or PolicySpecError."""
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-        raise PolicySpecError(
-            f"amax_history_length must be a positive int (Keras's default is "
-            f"{DEFAULT_AMAX_HISTORY}), got {length!r}"
-        )
-    return length
-
 
 # --- scales, casts and matmuls ------------------------------------------------------------
 
@@ -233,7 +226,7 @@ class _Float8Matmul(torch.autograd.Function):
         ctx.recipe, ctx.out_dtype, ctx.emulate, ctx.record = recipe, out_dtype, emulate, record
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
         with torch.autocast(x.device.type, enabled=False):
-            if recipe in _ROWWISE:
+            if recipe in Float8Config.ROWWISE_RECIPES:
                 sx, sw = axis_scale(x, E4M3, -1), axis_scale(weight, E4M3, -1)
                 x8, w8 = to_float8(x, sx, E4M3), to_float8(weight, sw, E4M3)
                 out = scaled_matmul(
@@ -264,7 +257,7 @@ class _Float8Matmul(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = grad_w = None
         with torch.autocast(g.device.type, enabled=False):
-            if ctx.recipe in _ROWWISE:
+            if ctx.recipe in Float8Config.ROWWISE_RECIPES:
                 x, weight = ctx.saved_tensors
                 if need_x:
                     sg, swc = axis_scale(g, E4M3, -1), axis_scale(weight, E4M3, 0)
@@ -352,18 +345,18 @@ class Float8Linear(nn.Linear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         *,
-        recipe: str = "tensorwise",
-        amax_history_length: int = DEFAULT_AMAX_HISTORY,
+        recipe: str = Float8Config.DEFAULT_RECIPE,
+        amax_history_length: int = Float8Config.DEFAULT_AMAX_HISTORY_LENGTH,
         emulate: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._setup(recipe, amax_history_length, emulate)
 
     def _setup(self, recipe: str, amax_history_length: int, emulate: bool) -> None:
-        self.recipe = check_recipe(recipe)
-        self.amax_history_length = check_history_length(amax_history_length)
+        config = Float8Config(recipe, amax_history_length)
+        self.recipe, self.amax_history_length = config.recipe, config.amax_history_length
         self.emulate = bool(emulate)
-        if recipe == "delayed":
+        if config.delayed:
             device = self.weight.device
             for name in DELAYED_BUFFERS:
                 shape = (amax_history_length,) if name.endswith("history") else ()
@@ -373,8 +366,8 @@ class Float8Linear(nn.Linear):
     def from_float(
         cls,
         linear: nn.Linear,
-        recipe: str = "tensorwise",
-        amax_history_length: int = DEFAULT_AMAX_HISTORY,
+        recipe: str = Float8Config.DEFAULT_RECIPE,
+        amax_history_length: int = Float8Config.DEFAULT_AMAX_HISTORY_LENGTH,
         *,
         emulate: bool = False,
     ) -> Float8Linear:
@@ -514,7 +507,7 @@ def _carry_hooks(source: nn.Module, target: nn.Module) -> None:
 
 
 def skip_reason(
-    linear: nn.Module, recipe: str = "tensorwise", *, skip_small: bool = True
+    linear: nn.Module, recipe: str = Float8Config.DEFAULT_RECIPE, *, skip_small: bool = True
 ) -> str | None:
     """Why `convert_to_float8` leaves this module alone, or None if it converts it.
 
@@ -522,10 +515,11 @@ def skip_reason(
     MultiheadAttention's out_proj, which never calls it). With `skip_small` (the default)
     torchao's rule also applies: dims that are not multiples of 16 cannot run a real float8
     matmul, and a tensorwise/delayed layer with in_features <= 4096 and out_features <= 1024
-    is too small to win back its casts. ``skip_small=False`` converts those too (they run
-    emulated where `_scaled_mm` cannot): for tests, CPU studies and numerics checks.
+    is too small to win back its casts (`Float8Config`'s rule, which quantized policies
+    apply too). ``skip_small=False`` converts those too (they run emulated where
+    `_scaled_mm` cannot): for tests, CPU studies and numerics checks.
     """
-    check_recipe(recipe)
+    config = Float8Config(recipe)
     if isinstance(linear, Float8Linear):
         return "already a Float8Linear"
     if type(linear) is not nn.Linear:
@@ -538,55 +532,18 @@ def skip_reason(
     if not skip_small:
         return None
     k, n = linear.in_features, linear.out_features
-    if k % 16 or n % 16:
-        return (
-            f"in_features={k}, out_features={n}: float8 matmuls need multiples of 16 "
-            "(skip_small=False converts it, emulated)"
-        )
-    if recipe not in _ROWWISE and k <= SMALL_IN_FEATURES and n <= SMALL_OUT_FEATURES:
-        return (
-            f"too small to gain: in_features={k} <= {SMALL_IN_FEATURES} and "
-            f"out_features={n} <= {SMALL_OUT_FEATURES} (torchao's rule for {recipe}; "
-            "skip_small=False converts it)"
-        )
-    return None
-
-
-def _path_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
-    """A filter as a callable(path, module) -> bool; a string or pattern must fullmatch."""
-    if filter is None:
-        return lambda path, module: True
-    if isinstance(filter, (str, re.Pattern)):
-        pattern = re.compile(filter)
-        return lambda path, module: pattern.fullmatch(path) is not None
-    if callable(filter):
-        return filter
-    raise TypeError(
-        f"filter must be None, a callable(path, module) -> bool or a regex on module paths "
-        f"(str or re.Pattern, matched with fullmatch), got {type(filter).__name__}"
-    )
-
-
-def _swap(model: nn.Module, make: Callable[[str, nn.Module], nn.Module | None]) -> None:
-    """Replace children in place where `make(path, child)` returns a module. A module reachable
-    at several paths is replaced by one new module everywhere (decided at its first path)."""
-    done: dict[int, nn.Module | None] = {}
-    for parent_path, parent in model.named_modules():
-        for name, child in list(parent._modules.items()):
-            if child is None:
-                continue
-            path = f"{parent_path}.{name}" if parent_path else name
-            if id(child) not in done:
-                done[id(child)] = make(path, child)
-            if done[id(child)] is not None:
-                parent._modules[name] = done[id(child)]
+    shape = config.shape_reason(k, n)
+    if shape is not None:
+        return f"{shape}; skip_small=False converts it, emulated"
+    gain = config.gain_reason(k, n)
+    return None if gain is None else f"{gain}; skip_small=False converts it"
 
 
 def convert_to_float8(
     model: nn.Module,
     *,
-    recipe: str = "tensorwise",
-    amax_history_length: int = DEFAULT_AMAX_HISTORY,
+    recipe: str = Float8Config.DEFAULT_RECIPE,
+    amax_history_length: int = Float8Config.DEFAULT_AMAX_HISTORY_LENGTH,
     filter: Filter = None,
     skip_small: bool = True,
     emulate: bool = False,
@@ -605,9 +562,8 @@ def convert_to_float8(
     Convert before `mixprec.apply` (a Linear with a region is skipped). `emulate=True` makes
     the new modules emulate float8 even where real kernels run.
     """
-    check_recipe(recipe)
-    check_history_length(amax_history_length)
-    keep = _path_filter(filter)
+    Float8Config(recipe, amax_history_length)  # refuses unknown recipes and bad lengths
+    keep = path_filter(filter)
     if skipped is None:
         skipped = {}
     elif not isinstance(skipped, dict):
@@ -630,7 +586,7 @@ def convert_to_float8(
     if isinstance(model, nn.Linear):
         converted = make("", model)
         return model if converted is None else converted
-    _swap(model, make)
+    swap_modules(model, make)
     return model
 
 
@@ -644,5 +600,5 @@ def convert_from_float8(model: nn.Module) -> nn.Module:
     def make(path: str, child: nn.Module) -> nn.Module | None:
         return child.to_float() if isinstance(child, Float8Linear) else None
 
-    _swap(model, make)
+    swap_modules(model, make)
     return model

@@ -40,6 +40,24 @@ from mixprec.quantize.int8 import (
 )
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
+__all__ = [
+    "KERNEL_GROUP_SIZES",
+    "KERNEL_INPUT_DTYPES",
+    "Int4Embedding",
+    "Int4Linear",
+    "PackedInt4",
+    "QMAX",
+    "dequantize_groups",
+    "groups_of",
+    "kernel_for",
+    "kernel_linear",
+    "kernel_matmul",
+    "pack",
+    "pack_for_kernel",
+    "quantize_groups",
+    "unpack",
+]
+
 QMAX = 15
 # The group sizes torch's packed int4 kernels take (CPU and CUDA alike).
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)

@@ -33,6 +33,29 @@ from torch import Tensor, nn
 
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
+__all__ = [
+    "ACC_MAX_K",
+    "INT_MM_MIN_K",
+    "ONEDNN_MAX_K",
+    "Int8Embedding",
+    "Int8Linear",
+    "OnednnWeight",
+    "Prepacked",
+    "QMAX",
+    "check_finite",
+    "check_input",
+    "cpu_int8_kernels",
+    "int8_linear",
+    "int_matmul",
+    "onednn_prepack",
+    "onednn_product",
+    "output_dtype",
+    "quantize_rows",
+    "quantize_tokens",
+    "storable_scale",
+    "wrong_sums",
+]
+
 QMAX = 127
 T = TypeVar("T")
 

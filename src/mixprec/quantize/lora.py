@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+__all__ = ["LoraEmbeddingMixin", "LoraMixin"]
+
 
 class LoraMixin:
     """Adapters for a quantized Linear that has ``dequantized_weight()``, ``requantize(w)``,

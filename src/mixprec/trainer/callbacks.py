@@ -41,8 +41,22 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from mixprec.trainer.interrupt import ctrl_c_deferred
+
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
+
+__all__ = [
+    "Callback",
+    "EarlyStopping",
+    "HOOKS",
+    "ModelCheckpoint",
+    "callback_states",
+    "check_callback",
+    "keeps_state",
+    "listens",
+    "load_callback_states",
+]
 
 log = logging.getLogger("mixprec")
 
@@ -121,6 +135,39 @@ class Callback:
         """Restore what `state_dict` returned."""
 
 
+HOOKS = frozenset(name for name in vars(Callback) if name.startswith("on_"))
+
+
+def check_callback(obj: Any) -> None:
+    """Refuse what the Trainer cannot call back. It takes a `Callback`, or any object whose
+    ``on_*`` methods are all Callback hooks (at least one), such as the doctor's
+    `PrecisionMonitor`, which does not import the Trainer; it calls the hooks an object has
+    and keeps the state of `Callback` instances only."""
+    if isinstance(obj, Callback):
+        return
+    kind = type(obj)
+    hooks = {n for n in dir(kind) if n.startswith("on_") and callable(getattr(kind, n))}
+    if not hooks or hooks - HOOKS:
+        name = kind.__qualname__
+        name = name if kind.__module__ == "builtins" else f"{kind.__module__}.{name}"
+        wrong = f"whose {', '.join(sorted(hooks - HOOKS))} are not" if hooks else "which has none"
+        raise ValueError(
+            "callbacks must be Callback instances or objects whose on_* methods are all "
+            f"Callback hooks, got {name}, {wrong} (the hooks: {', '.join(sorted(HOOKS))})"
+        )
+
+
+def listens(cb: Any, name: str) -> bool:
+    """Whether `cb` has hook `name` of its own (the Trainer calls only those)."""
+    base = getattr(Callback, name)
+    return getattr(type(cb), name, base) is not base
+
+
+def keeps_state(cb: Any) -> bool:
+    """Whether a checkpoint keeps `cb`'s state: a Callback with its own `state_dict`."""
+    return isinstance(cb, Callback) and type(cb).state_dict is not Callback.state_dict
+
+
 _MODES = ("min", "max")
 
 
@@ -148,6 +195,10 @@ class ModelCheckpoint(Callback):
     A ``monitor`` not logged yet in this fit (``val_loss`` before the first validation) gets
     one warning, and those saves rank nothing (only ``last.ckpt`` is written); once a
     validation has run without it, a save raises ``KeyError``.
+
+    A Ctrl-C during a save is held back until the save is complete: the new file written,
+    ``last.ckpt`` pointing at it, the checkpoints beyond ``save_top_k`` removed; then the
+    ``KeyboardInterrupt`` comes (a second Ctrl-C interrupts at once).
 
     Args:
         dirpath: directory for the files (default: ``<run dir>/checkpoints``).
@@ -294,6 +345,13 @@ class ModelCheckpoint(Callback):
         return score
 
     def _save(self, trainer: Trainer) -> None:
+        # A Ctrl-C waits until the new file is written, last.ckpt points at it and the
+        # checkpoints it displaced are gone: interrupted after the write alone, the directory
+        # would keep a file no record names (beyond save_top_k) and a last.ckpt a step behind
+        with ctrl_c_deferred():
+            self._write(trainer)
+
+    def _write(self, trainer: Trainer) -> None:
         score = self._score(trainer, self.monitor) if self.monitor is not None else None
         keep = 0 if self.monitor is not None and score is None else self.save_top_k
         worst = None
@@ -463,7 +521,7 @@ def callback_states(callbacks: list[Callback]) -> dict[str, Any]:
     """The non-empty states of ``callbacks`` keyed by `Callback.state_key` (unique)."""
     out: dict[str, Any] = {}
     for cb in callbacks:
-        state = cb.state_dict()
+        state = cb.state_dict() if keeps_state(cb) else {}
         if not state:
             continue
         key = cb.state_key
@@ -474,3 +532,10 @@ def callback_states(callbacks: list[Callback]) -> dict[str, Any]:
             )
         out[key] = state
     return out
+
+
+def load_callback_states(callbacks: list[Callback], states: dict[str, Any]) -> None:
+    """Give each of ``callbacks`` its state from what `callback_states` returned."""
+    for cb in callbacks:
+        if keeps_state(cb) and cb.state_key in states:
+            cb.load_state_dict(states[cb.state_key])

@@ -1,13 +1,13 @@
-"""Checkpoint files: written atomically, read back safely, with the RNG states of a run; what
-a Trainer checkpoint holds (`checkpoint_state`) and how a run is restored from one
-(`restore`, also across precisions).
+"""Checkpoint files: written atomically, read back safely, with the RNG states of a run. What
+a Trainer checkpoint holds, and how a run resumes from one, is `resume`'s.
 
-A save goes to a temporary file in the target's own directory, is flushed and fsync'ed, and
-only then renamed over the target (``os.replace``, atomic on POSIX and Windows). A process
-killed mid-save leaves the previous checkpoint intact and, at worst, a stray ``.tmp`` file,
-which the next save into that directory removes.
-Files are loaded with ``torch.load(weights_only=True)``: a checkpoint holds tensors and plain
-Python values only, so loading one never runs code from the file.
+Every checkpoint, a file or a sharded one's directory (`sharded`), is written the one way
+`atomic_write` says: into a temporary file or directory in the target's own directory,
+flushed and fsync'ed, and only then moved over the target (`install`: ``os.replace``,
+atomic on POSIX and Windows). A process killed mid-save leaves the previous checkpoint
+intact and, at worst, a stray ``.tmp`` entry, which the next save into that directory
+removes. Files are loaded with ``torch.load(weights_only=True)``: a checkpoint holds tensors
+and plain Python values only, so loading one never runs code from the file.
 """
 
 from __future__ import annotations
@@ -22,41 +22,40 @@ import random
 import re
 import secrets
 import shutil
-import signal
 import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import Tensor, nn
 
-from mixprec.optim import master_weights_by_name
-from mixprec.trainer.callbacks import ModelCheckpoint, callback_states
-from mixprec.trainer.data import loader_batch_size
-from mixprec.version import __version__
+from mixprec.trainer.callbacks import ModelCheckpoint
+from mixprec.trainer.interrupt import ctrl_c_deferred
 
-if TYPE_CHECKING:
-    from mixprec.trainer.loop import FitRun, Run
-    from mixprec.trainer.trainer import Trainer
+__all__ = [
+    "CheckpointError",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "RUN_KEYS",
+    "atomic_link",
+    "atomic_save",
+    "atomic_write",
+    "clean_stale_tmp",
+    "commit",
+    "install",
+    "load",
+    "new_tmp",
+    "prepare",
+    "recover_aside",
+    "resolve_path",
+    "rng_states",
+    "set_rng_states",
+]
 
 log = logging.getLogger("mixprec")
 
 FORMAT = "mixprec.checkpoint"
 FORMAT_VERSION = 1
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not possible (nor needed) on Windows.
-    if os.name == "nt":
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 _HOST = socket.gethostname().replace(".", "_") or "host"
 # .<target name>.<host>.<pid>.<token>.tmp: who wrote it, so that stale ones can be told apart
@@ -66,14 +65,83 @@ _ASIDE = re.compile(r"\.(?P<name>.+)\.(?P<host>[^.]+)\.(?P<pid>\d+)\.[0-9a-f]+\.
 _FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
 
 
-def _new_tmp(target: Path) -> tuple[int, Path]:
-    """Create a temporary file next to ``target``; mode 0666 less the umask, like any file."""
+# -- written atomically -------------------------------------------------------------------------
+
+
+def new_tmp(target: Path, *, directory: bool = False) -> Path:
+    """Create an empty temporary file (or ``directory``) next to ``target``, named
+    ``.<name>.<host>.<pid>.<token>.tmp`` (`clean_stale_tmp` tells a killed save's by it);
+    mode 0666 (0777) less the umask, like any file (directory)."""
     while True:
         tmp = target.parent / f".{target.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+            if directory:
+                tmp.mkdir()
+            else:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return tmp
         except FileExistsError:
             continue
+
+
+def prepare(path: Path) -> None:
+    """Before a save to ``path``: its directory made, a checkpoint a killed save left aside
+    put back (`recover_aside`), the leftovers of killed saves there removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recover_aside(path)
+    clean_stale_tmp(path.parent)
+
+
+def commit(tmp: Path, path: Path) -> None:
+    """Flush the complete file or directory ``tmp`` to disk (a directory's files and the
+    directory itself), then `install` it at ``path``."""
+    if tmp.is_dir():
+        for entry in tmp.iterdir():
+            if entry.is_file():
+                _fsync_file(entry)
+        _fsync_dir(tmp)
+    else:
+        _fsync_file(tmp)
+    install(tmp, path)
+
+
+@contextlib.contextmanager
+def atomic_write(path: Path, *, directory: bool = False) -> Iterator[Path]:
+    """Write the file (or ``directory``) ``path`` so that readers see the old one or the new
+    one, never half: the block writes into the temporary path it is given (`new_tmp`, made
+    after `prepare`); when it ends, that is `commit`-ed to ``path``; when it raises, that is
+    removed and ``path`` is left as it was. A Ctrl-C is held until the write is complete (a
+    second one abandons it). A save spread over processes (`sharded.save`) takes the same
+    steps itself."""
+    prepare(path)
+    with ctrl_c_deferred():
+        tmp = new_tmp(path, directory=directory)
+        try:
+            yield tmp
+            commit(tmp, path)
+        except BaseException:
+            _remove(tmp)
+            raise
+
+
+def _fsync_file(path: Path) -> None:
+    # Windows flushes only a file opened for writing; POSIX any
+    fd = os.open(path, os.O_RDWR if os.name == "nt" else os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes a rename in it durable; not possible (nor needed) on Windows.
+    if os.name == "nt":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:
@@ -122,7 +190,7 @@ def clean_stale_tmp(directory: Path) -> list[Path]:
 
 
 def install(tmp: Path, path: Path) -> None:
-    """Move the complete file or directory ``tmp`` (named by `_new_tmp` or like it) to
+    """Move the complete file or directory ``tmp`` (named by `new_tmp` or like it) to
     ``path``. A file onto a file, or onto nothing, is one atomic rename. Otherwise (a
     sharded checkpoint's directory, or a file where one is, or the other way round) ``path``
     is first renamed aside to ``.<name>.<host>.<pid>.<token>.old``, then removed: a crash
@@ -168,33 +236,6 @@ def recover_aside(path: Path) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def _ctrl_c_after_save() -> Iterator[list[bool]]:
-    """Hold a Ctrl-C back until the block ends (a save then completes and the interrupt comes
-    right after it); a second Ctrl-C interrupts at once. Only where Python's default handler
-    is installed, in the main thread."""
-    pressed: list[bool] = []
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
-    ):
-        yield pressed
-        return
-
-    def hold(signum: int, frame: Any) -> None:
-        if pressed:
-            raise KeyboardInterrupt
-        pressed.append(True)
-
-    signal.signal(signal.SIGINT, hold)
-    try:
-        yield pressed
-    finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-    if pressed:
-        raise KeyboardInterrupt
-
-
 def _cause(exc: BaseException) -> BaseException:
     """The first exception of the chain torch builds when a write fails half-way (it then
     fails again finishing the archive, with an opaque 'inline_container' message)."""
@@ -205,60 +246,61 @@ def _cause(exc: BaseException) -> BaseException:
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` to ``path`` so that readers see the old file or the new one, never half.
+    """``torch.save`` to ``path`` with `atomic_write`: readers see the old file or the new
+    one, never half.
 
     Stale temporary files of killed saves in that directory are removed first. A full disk
     raises ``OSError`` naming the path; Ctrl-C during the save lets it finish, then raises
     ``KeyboardInterrupt`` (a second Ctrl-C abandons the save, leaving the old file).
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    recover_aside(path)
-    clean_stale_tmp(path.parent)
-    with _ctrl_c_after_save():
-        fd, tmp = _new_tmp(path)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
-            install(tmp, path)
-        except BaseException as exc:
-            tmp.unlink(missing_ok=True)
-            cause = _cause(exc)
-            if isinstance(cause, KeyboardInterrupt):
-                raise KeyboardInterrupt from None
-            if isinstance(cause, OSError) and cause.errno in _FULL:
-                raise OSError(
-                    cause.errno,
-                    f"cannot write the checkpoint {path}: disk full or file too large "
-                    f"({os.strerror(cause.errno)}); the previous file, if any, is intact. "
-                    "Free space or save elsewhere",
-                ) from None
-            raise
+    try:
+        with atomic_write(path) as tmp, open(tmp, "wb") as f:
+            torch.save(obj, f)
+    except BaseException as exc:
+        cause = _cause(exc)
+        if isinstance(cause, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        if isinstance(cause, OSError) and cause.errno in _FULL:
+            raise OSError(
+                cause.errno,
+                f"cannot write the checkpoint {path}: disk full or file too large "
+                f"({os.strerror(cause.errno)}); the previous file, if any, is intact. "
+                "Free space or save elsewhere",
+            ) from None
+        raise
     return path
 
 
 def atomic_link(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
-    """Make ``dst`` an atomic copy of ``src`` (a hard link where the filesystem allows)."""
+    """Make ``dst`` an atomic copy of the checkpoint ``src``, a file or a sharded one's
+    directory, with `atomic_write`: hard links where the filesystem allows, else copies."""
     src, dst = Path(src), Path(dst)
-    fd, tmp = _new_tmp(dst)
-    os.close(fd)
-    tmp.unlink()
-    try:
-        os.link(src, tmp)
-    except OSError:
-        atomic_save(load(src), dst)
-        return dst
-    install(tmp, dst)
+    with atomic_write(dst, directory=src.is_dir()) as tmp:
+        if src.is_dir():
+            for entry in src.iterdir():
+                _link_or_copy(entry, tmp / entry.name)
+        else:
+            tmp.unlink()  # the link takes its name
+            _link_or_copy(src, tmp)
     return dst
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # no hard links on this filesystem (or across these two)
+        shutil.copy2(src, dst)
+
+
+# -- read back safely ----------------------------------------------------------------------------
 
 
 class CheckpointError(ValueError):
     """A file is not a readable mixprec checkpoint, or does not fit the run loading it."""
 
 
-# what every checkpoint the Trainer writes holds; a sharded one's run state (`run_state`)
+# what every checkpoint the Trainer writes holds; a sharded one's run state (`resume.run_state`)
 # holds RUN_KEYS, its weights and optimizer state are in DCP shards (`sharded`)
 RUN_KEYS = ("loop", "schedulers", "precision", "callbacks", "rng")
 _KEYS = ("loop", "model", "optimizers", "schedulers", "precision", "callbacks", "rng")
@@ -381,237 +423,3 @@ def resolve_path(
             )
         return Path(found)
     return Path(ckpt_path) if ckpt_path is not None else None
-
-
-# -- what a Trainer checkpoint holds ------------------------------------------------------------
-
-
-def checkpoint_state(trainer: Trainer, run: FitRun) -> dict[str, Any]:
-    """Everything needed to resume ``run`` exactly where it is now."""
-    return {
-        **run_state(trainer, run),
-        "model": run.model.state_dict(),
-        "optimizers": [opt.state_dict() for opt in run.optimizers],
-    }
-
-
-def run_state(trainer: Trainer, run: FitRun) -> dict[str, Any]:
-    """What a checkpoint holds besides the weights and the optimizers' state: versions,
-    policy, loop position, schedulers, scaler, callbacks, this process's RNG states, and
-    the metrics monitors read (the latest values, the training epoch's sums so far)."""
-    at_epoch_end = run.epoch_finished
-    # a process's own epoch sums: one file written by rank 0 of several would give every
-    # rank rank 0's
-    own = trainer.world_size == 1 or trainer.strategy.sharded
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "mixprec_version": __version__,
-        "torch_version": str(torch.__version__),
-        "policy_name": run.precision.policy.name,
-        "loop": {
-            "epoch": trainer.current_epoch + 1 if at_epoch_end else trainer.current_epoch,
-            "batch": 0 if at_epoch_end else trainer.batches_done,
-            "global_step": trainer.global_step,
-            "epoch_rng": None if at_epoch_end else run.epoch_rng,
-            "epoch_batches": run.num_training_batches,
-            "batch_size": loader_batch_size(run.train_loader),
-        },
-        "optimizer_types": [type(opt.optimizer).__name__ for opt in run.optimizers],
-        # an epoch-interval scheduler does not advance after a skipped last step
-        "last_step_skipped": [opt.step_was_skipped for opt in run.optimizers],
-        "schedulers": [s.scheduler.state_dict() for s in run.schedulers],
-        "precision": run.precision.state_dict(),
-        "callbacks": callback_states(trainer.callbacks),
-        "rng": rng_states(),
-        "world_size": trainer.world_size,
-        "metrics": {
-            "callback": dict(trainer.callback_metrics),
-            "training_epoch": trainer._metrics.training_epoch_sums() if own else {},
-        },
-    }
-
-
-def _shown(names: list[str]) -> str:
-    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-
-
-def check_weights(model: nn.Module, state: dict[str, Any], path: Path) -> None:
-    """Raise before anything is loaded if the checkpoint's weights are another model's."""
-    saved, own = state["model"], model.state_dict()
-    missing = [k for k in own if k not in saved]
-    unexpected = [k for k in saved if k not in own]
-    shapes = [
-        f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}"
-        for k, v in own.items()
-        if k in saved and tuple(saved[k].shape) != tuple(v.shape)
-    ]
-    if missing or unexpected or shapes:
-        parts = [
-            f"{label}: {_shown(items)}"
-            for label, items in (
-                ("missing in the checkpoint", missing),
-                ("not in this model", unexpected),
-                ("shapes differ (checkpoint vs model)", shapes),
-            )
-            if items
-        ]
-        raise CheckpointError(
-            f"{path} holds the weights of another model ({type(model).__name__} here); "
-            f"{'; '.join(parts)}. Nothing was loaded"
-        )
-
-
-def _check_optimizers(run: FitRun, state: dict[str, Any], path: Path) -> None:
-    if len(state["optimizers"]) != len(run.optimizers) or len(state["schedulers"]) != len(
-        run.schedulers
-    ):
-        raise CheckpointError(
-            f"{path} has {len(state['optimizers'])} optimizers and {len(state['schedulers'])} "
-            f"schedulers; this run configured {len(run.optimizers)} and "
-            f"{len(run.schedulers)}: resume with the same configure_optimizers"
-        )
-    saved_types = state.get("optimizer_types", [None] * len(run.optimizers))
-    for i, (opt, saved, saved_type) in enumerate(
-        zip(run.optimizers, state["optimizers"], saved_types, strict=True)
-    ):
-        groups = saved["optimizer"]["param_groups"]
-        mine = opt.optimizer.param_groups
-        same_settings = all(
-            set(g) - {"params"} == set(m) - {"params"} for g, m in zip(groups, mine, strict=False)
-        )
-        if saved_type not in (None, type(opt.optimizer).__name__) or not same_settings:
-            was = saved_type or f"one with settings {sorted(set(groups[0]) - {'params'})}"
-            raise CheckpointError(
-                f"{path} holds the state of optimizer {i} as {was}; this run's is "
-                f"{type(opt.optimizer).__name__}. Resume with the same optimizer, or start a "
-                f"new fit from the weights alone: model.load_state_dict(load(path)['model'])"
-            )
-        if [len(g["params"]) for g in groups] != [len(m["params"]) for m in mine]:
-            raise CheckpointError(
-                f"{path}: optimizer {i} has parameter groups of sizes "
-                f"{[len(g['params']) for g in groups]}, this run's "
-                f"{[len(m['params']) for m in mine]}: resume with the same configure_optimizers"
-            )
-
-
-def check_resume_point(run: FitRun, loop: dict[str, Any], path: Path) -> None:
-    """A mid-epoch checkpoint replays its epoch's order and skips the batches done: that
-    needs the same batches as at the save."""
-    if not loop["batch"]:
-        return
-    saved_n, saved_bs = loop.get("epoch_batches"), loop.get("batch_size")
-    n, bs = run.num_training_batches, loader_batch_size(run.train_loader)
-    fix = (
-        "resume with the same data, batch size and limit_train_batches, or from a checkpoint "
-        "saved at the end of an epoch"
-    )
-    if saved_bs is not None and bs is not None and saved_bs != bs:
-        raise CheckpointError(
-            f"{path} was saved after {loop['batch']} batches of {saved_bs} samples in epoch "
-            f"{loop['epoch']}; this run's batches hold {bs}, so skipping {loop['batch']} "
-            f"batches would repeat or skip samples: {fix}"
-        )
-    # a save on the epoch's last batch (batch == n) resumes by ending the epoch
-    if n is not None and (loop["batch"] > n or (saved_n is not None and saved_n != n)):
-        of = f" of {saved_n}" if saved_n is not None else ""
-        raise CheckpointError(
-            f"{path} was saved at batch {loop['batch']}{of} of epoch {loop['epoch']}, but "
-            f"this run's epoch has {n} batches: {fix}"
-        )
-
-
-def load_weights(run: Run, state: dict[str, Any], path: Path) -> bool:
-    """Load the model weights; return whether the checkpoint's precision is this run's.
-
-    Across precisions the float32 master weights (if the checkpoint has them) are used in
-    place of the 16-bit parameters they shadow, and everything is cast to this run's dtypes.
-    """
-    check_weights(run.model, state, path)
-    saved_policy = state["precision"]["policy"]
-    same = saved_policy == run.precision.policy.to_config()
-    weights = dict(state["model"])
-    if not same:
-        log.info(
-            "resuming %s, trained in precision %s, in %s: weights are cast to this run's dtypes%s",
-            path,
-            state.get("policy_name", "?"),
-            run.precision.policy.name,
-            " (from the float32 master weights)"
-            if any(o["master_weights"] for o in state["optimizers"])
-            else "",
-        )
-        weights.update(saved_masters(state))
-    run.model.load_state_dict(weights)
-    return same
-
-
-def saved_masters(state: dict[str, Any]) -> dict[str, Tensor]:
-    """Parameter name -> the checkpoint's float32 master of it, for a restore in another
-    precision (the masters are saved under their parameters' names)."""
-    out: dict[str, Tensor] = {}
-    for saved in state["optimizers"]:
-        out.update(master_weights_by_name(saved, state["model"]))
-    return out
-
-
-def restore(trainer: Trainer, run: FitRun, state: dict[str, Any], path: Path) -> None:
-    """Put ``run`` and ``trainer``'s progress back where the checkpoint ``state`` left them."""
-    # everything is checked before anything is loaded: a failed resume leaves the model as it was
-    check_weights(run.model, state, path)
-    _check_optimizers(run, state, path)
-    loop = state["loop"]
-    if state.get("world_size", 1) != trainer.world_size and loop["batch"]:
-        raise CheckpointError(
-            f"{path} was saved mid-epoch with {state['world_size']} processes; resuming "
-            f"mid-epoch needs the same number (this run has {trainer.world_size})"
-        )
-    check_resume_point(run, loop, path)
-    same = load_weights(run, state, path)
-    if not same:
-        full = {**run.model.state_dict(), **saved_masters(state)}
-    for opt, saved in zip(run.optimizers, state["optimizers"], strict=True):
-        if same:
-            opt.load_state_dict(saved)
-        else:  # this run's masters from full-precision weights
-            opt.load_state_dict_across_precisions(saved, full)
-    for s, saved in zip(run.schedulers, state["schedulers"], strict=True):
-        s.scheduler.load_state_dict(saved)
-    precision = run.precision
-    scaler_state = state["precision"]["scaler"]
-    if scaler_state.get("kind") == precision.scaler.kind:
-        precision.load_state_dict(state["precision"])
-    else:
-        log.info(
-            "%s had a %r loss scaler, this run uses %r: starting it fresh",
-            path,
-            scaler_state.get("kind"),
-            precision.scaler.kind,
-        )
-    trainer._load_callback_states(state["callbacks"])
-    restore_progress(trainer, run, state, path)
-
-
-def restore_progress(trainer: Trainer, run: FitRun, state: dict[str, Any], path: Path) -> None:
-    """The loop position, the RNG states to resume with and the metrics monitors read, from
-    a checkpoint's run state (a file's or a sharded one's)."""
-    loop = state["loop"]
-    trainer.current_epoch, trainer.batches_done = loop["epoch"], loop["batch"]
-    trainer.global_step = loop["global_step"]
-    if loop["epoch_rng"] is not None:
-        run.epoch_rng = loop["epoch_rng"]
-    run.resume_rng = state["rng"]
-    for opt, skipped in zip(run.optimizers, state.get("last_step_skipped", []), strict=False):
-        opt.step_was_skipped = skipped
-    metrics = state.get("metrics", {})  # absent from checkpoints written before it was kept
-    trainer._log.callback_metrics.update(metrics.get("callback", {}))
-    trainer._metrics.load_training_epoch_sums(
-        metrics.get("training_epoch", {}), trainer.strategy.device
-    )
-    log.info(
-        "resumed from %s at epoch %d, batch %d, step %d",
-        path,
-        trainer.current_epoch,
-        trainer.batches_done,
-        trainer.global_step,
-    )

@@ -29,12 +29,27 @@ from mixprec.hardware import DeviceInfo, Support, check, detect, resolve_policy
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.scaling import LossScaler
-from mixprec.trainer.callbacks import Callback, ModelCheckpoint
+from mixprec.trainer.callbacks import Callback, ModelCheckpoint, check_callback, keeps_state
 from mixprec.trainer.module import TrainingModule, hooks_not_called
 from mixprec.trainer.progress import RichProgressBar
 
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
+
+__all__ = [
+    "TrainerConfig",
+    "check_fit_inputs",
+    "check_model",
+    "check_one_loader",
+    "choose_precision",
+    "compile_model",
+    "compile_options",
+    "determinism",
+    "make_callbacks",
+    "new_precision",
+    "resolve_precision",
+    "seed_everything",
+]
 
 log = logging.getLogger("mixprec")
 
@@ -292,8 +307,7 @@ def make_callbacks(callbacks: Any, progress: bool, checkpointing: bool) -> list[
         else [callbacks]
     )
     for item in items:
-        if not isinstance(item, Callback):
-            raise ValueError(f"callbacks must be Callback instances, got {type(item).__name__}")
+        check_callback(item)
     if progress and not any(isinstance(c, RichProgressBar) for c in items):
         items.append(RichProgressBar())
     if checkpointing and not any(isinstance(c, ModelCheckpoint) for c in items):
@@ -303,8 +317,8 @@ def make_callbacks(callbacks: Any, progress: bool, checkpointing: bool) -> list[
     # a checkpoint keeps each callback's state under its key: two with one key would mix up
     keys: dict[str, Callback] = {}
     for cb in items:
-        if type(cb).state_dict is Callback.state_dict:
-            continue  # keeps no state
+        if not keeps_state(cb):
+            continue
         if cb.state_key in keys:
             raise ValueError(
                 f"two callbacks have the same state key {cb.state_key!r} (a checkpoint could "
@@ -391,6 +405,11 @@ def check_model(model: Any, loss_fn: Any) -> None:
             "also prefixes its checkpoint keys with '_orig_mod.'; pass the plain model and "
             "Trainer(compile=True) (or a dict of torch.compile arguments): it compiles after "
             "conversion"
+        )
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        raise TypeError(
+            f"model is wrapped in {type(model).__name__}: pass the plain model (model.module); "
+            "the Trainer wraps it itself for the strategy it runs (strategy='ddp' or 'fsdp')"
         )
     if not isinstance(model, TrainingModule) and loss_fn is None:
         raise ValueError(

@@ -24,6 +24,21 @@ from torch.utils.data import (
 
 from mixprec.tree import iter_tensors, map_tensors
 
+__all__ = [
+    "SkipBatches",
+    "batch_size_of",
+    "describe_order",
+    "distributed",
+    "generators",
+    "iterate_from",
+    "loader_batch_size",
+    "num_batches",
+    "order_of",
+    "set_epoch",
+    "to_device",
+    "why_empty",
+]
+
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a nested batch (any structure `mixprec.tree` walks: tuples,
@@ -168,14 +183,52 @@ def set_epoch(loader: Any, epoch: int) -> None:
             sampler.set_epoch(epoch)
 
 
+def _generators_by_owner(loader: Any) -> dict[str, torch.Generator]:
+    found: dict[str, torch.Generator] = {}
+    owners = (
+        ("generator= on the DataLoader", loader),
+        ("a generator on its sampler", _sampler_of(loader)),
+    )
+    for name, owner in owners:
+        gen = getattr(owner, "generator", None)
+        if isinstance(gen, torch.Generator) and all(g is not gen for g in found.values()):
+            found[name] = gen
+    return found
+
+
+def _sampler_of(loader: Any) -> Any:
+    """The sampler ordering ``loader``'s samples: its batch sampler's (a DataLoader built with
+    ``batch_sampler=``, as `distributed` builds one, keeps an unused SequentialSampler as its
+    ``sampler``), else its own."""
+    inner = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    return inner if inner is not None else getattr(loader, "sampler", None)
+
+
 def generators(loader: Any) -> list[torch.Generator]:
     """The torch generators deciding ``loader``'s order (its own and its sampler's)."""
-    found: dict[int, torch.Generator] = {}
-    for owner in (loader, getattr(loader, "sampler", None)):
-        gen = getattr(owner, "generator", None)
-        if isinstance(gen, torch.Generator):
-            found[id(gen)] = gen
-    return list(found.values())
+    return list(_generators_by_owner(loader).values())
+
+
+def order_of(loader: Any) -> dict[str, Any]:
+    """What decides ``loader``'s batch order: the types of its sampler and batch sampler and
+    the torch generators they draw from, by owner. A mid-epoch checkpoint keeps it: its
+    epoch's order replays only through a loader that orders batches the same way."""
+    sampler, batch_sampler = _sampler_of(loader), getattr(loader, "batch_sampler", None)
+    return {
+        "sampler": type(sampler).__name__ if sampler is not None else None,
+        "batch_sampler": type(batch_sampler).__name__ if batch_sampler is not None else None,
+        "generators": list(_generators_by_owner(loader)),
+    }
+
+
+def describe_order(order: dict[str, Any]) -> str:
+    """`order_of`'s result in words, for an error message."""
+    sampler, batch_sampler = order.get("sampler"), order.get("batch_sampler")
+    how = sampler or "no sampler"
+    if batch_sampler is not None:
+        how += f" (in a {batch_sampler})"
+    gens = order["generators"]
+    return how + (f" with {' and '.join(gens)}" if gens else " without a generator of its own")
 
 
 def iterate_from(

@@ -21,6 +21,15 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import IO, Any
 
+__all__ = [
+    "CSVLogger",
+    "Logger",
+    "TensorBoardLogger",
+    "make_loggers",
+    "next_version",
+    "tensorboard_available",
+]
+
 log = logging.getLogger("mixprec")
 
 

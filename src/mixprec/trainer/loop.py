@@ -4,7 +4,9 @@ training algorithm.
 
 Every loop works on a run object (`Run`, `FitRun`) that `Trainer._run` builds once the model
 is on its device: its fields are set, so nothing here checks for a missing model or
-optimizer. Counters callbacks read (epoch, step, batches done) stay on the Trainer.
+optimizer. The run holds all the loops move on: the Trainer's progress counters (`Progress`,
+which callbacks read as ``trainer.global_step``...), the stores ``self.log`` and the loggers'
+rows go to, and the dispatch of hooks to the module and the callbacks.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,9 @@ from torch import Tensor, nn
 from mixprec.optim import LossScaleOptimizer, scheduler_step
 from mixprec.precision import Precision
 from mixprec.quantize.float8 import Float8Linear, sync_amax_histories
-from mixprec.trainer import checkpoint as ckpt_io
+from mixprec.step import backward, plain_loss, split_batch, step_context
+from mixprec.trainer.callbacks import Callback, listens
+from mixprec.trainer.checkpoint import rng_states, set_rng_states
 from mixprec.trainer.data import (
     batch_size_of,
     generators,
@@ -32,39 +35,76 @@ from mixprec.trainer.data import (
     to_device,
     why_empty,
 )
-from mixprec.trainer.module import TrainingModule
+from mixprec.trainer.metrics import MetricStore, StepLog
+from mixprec.trainer.module import MODULE_HOOKS, TrainingModule
 from mixprec.trainer.optimizers import Scheduler
 
 if TYPE_CHECKING:
+    from mixprec.trainer.config import TrainerConfig
+    from mixprec.trainer.strategy import Strategy
     from mixprec.trainer.trainer import Trainer
+
+__all__ = [
+    "EmptyEpochError",
+    "FitRun",
+    "Progress",
+    "Run",
+    "StepRunner",
+    "after_step",
+    "before_step",
+    "closure_step",
+    "end_epoch",
+    "end_of_data",
+    "fit_done",
+    "fit_loop",
+    "log_step",
+    "log_training_epoch",
+    "loss_of",
+    "micro_batch",
+    "monitored_value",
+    "optimizer_step",
+    "predict_loop",
+    "ran_out",
+    "rescale_grads",
+    "restore_resume_rng",
+    "rng_unchanged",
+    "run_eval",
+    "step_epoch_schedulers",
+    "train_batch",
+    "train_epoch",
+    "val_due",
+    "validate_during_fit",
+]
 
 
 class StepRunner(nn.Module):
     """Runs one step of a kind ("training", "validation", ...) as a module's forward, so that
-    DistributedDataParallel sees the training step as its forward (as Lightning does)."""
+    DistributedDataParallel sees the training step as its forward (as Lightning does).
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[..., Tensor] | None) -> None:
+    A plain module's step is `mixprec.step`'s, as in the doctor and the bench: the forward
+    in the model's region, ``loss_fn`` outside it on the outputs. A TrainingModule's step
+    runs in the precision's forward context (it may call submodules directly)."""
+
+    def __init__(
+        self, model: nn.Module, precision: Precision, loss_fn: Callable[..., Tensor] | None
+    ) -> None:
         super().__init__()
         self.module = model
-        self.__dict__["loss_fn"] = loss_fn  # never a submodule: not converted, not synced
+        # never submodules: not converted, not synced
+        self.__dict__["precision"] = precision
+        self.__dict__["loss_fn"] = loss_fn
 
     def forward(self, kind: str, batch: Any, batch_idx: int) -> Any:
-        model = self.module
+        model, precision = self.module, self.precision
         if isinstance(model, TrainingModule):
-            return getattr(model, f"{kind}_step")(batch, batch_idx)
-        if kind == "predict" and isinstance(batch, Tensor):
-            return model(batch)
-        if not isinstance(batch, (tuple, list)) or len(batch) < 2:
-            raise TypeError(
-                "a plain module's batches must be (inputs..., target) tuples or lists (for "
-                f"predict also a bare input tensor), got {type(batch).__name__}; for other "
-                "batches write a TrainingModule"
-            )
-        *inputs, target = batch
-        out = model(*inputs)
-        if kind == "predict":
-            return out  # the target, if the batch has one, is not needed
-        return self.loss_fn(out, target)
+            with step_context(precision, model, user_code=True):
+                return getattr(model, f"{kind}_step")(batch, batch_idx)
+        if kind != "predict":
+            return plain_loss(precision, model, batch, self.loss_fn)
+        # the target, if the batch has one, is not needed
+        inputs = [batch] if isinstance(batch, Tensor) else split_batch(batch)[0]
+        with step_context(precision, model):
+            return model(*inputs)
 
 
 class EmptyEpochError(ValueError):
@@ -72,32 +112,74 @@ class EmptyEpochError(ValueError):
 
 
 @dataclass
-class Run:
-    """What one validate/test/predict call works with, set up on the device."""
+class Progress:
+    """Where the Trainer is (read as ``trainer.global_step``...): kept across its runs,
+    restored from checkpoints, moved on by the loops."""
 
+    current_epoch: int = 0
+    global_step: int = 0  # optimizer steps, taken or skipped for overflow
+    batches_done: int = 0  # batches of the current epoch done
+    should_stop: bool = False  # a stop request (early stopping), taking effect at a window's end
+    stepped_this_batch: bool = False  # whether the current training batch ended a step
+    num_eval_batches: int | None = None  # batches of the current evaluation pass
+
+
+@dataclass(eq=False)
+class Run:
+    """What one validate/test/predict call works with, set up on the device, and what it
+    moves on: the progress counters, the metric stores, the hooks."""
+
+    trainer: Trainer  # its settings; handed to the callbacks' hooks
     model: nn.Module
     precision: Precision
     runner: StepRunner
+    progress: Progress  # the Trainer's own
+    metrics: MetricStore  # what ``self.log`` records in this run
+    log: StepLog  # the rows for the loggers, and the latest value of every metric
+    # the callbacks that override each hook, found once per run (hooks run per batch)
+    listeners: dict[str, list[Callback]] = field(default_factory=dict, init=False)
+
+    @property
+    def config(self) -> TrainerConfig:
+        """The Trainer's checked settings."""
+        return self.trainer.config
+
+    @property
+    def strategy(self) -> Strategy:
+        """Where the run trains: the device, the processes."""
+        return self.trainer.strategy
+
+    @property
+    def callbacks(self) -> list[Callback]:
+        """The Trainer's callbacks (their states go into checkpoints)."""
+        return self.trainer.callbacks
 
     @property
     def is_module(self) -> bool:
         """Whether the model is a TrainingModule (else a plain module with a loss_fn)."""
         return isinstance(self.model, TrainingModule)
 
-    def step_context(self) -> AbstractContextManager[Any]:
-        """The compute region for a step: a TrainingModule's step may call submodules
-        directly, so it runs in the precision's forward context; a plain module's forward
-        enters its region by itself. A compiled plain module under a "true" policy also runs
-        in the forward context, which sets torch's default dtype outside the compiled graph
-        (torch's AOT tracing drops a switch traced inside one, so the region's own switch is
-        a graph boundary)."""
-        compiled = "_compiled_call_impl" in self.model.__dict__  # Trainer(compile=...)
-        if self.is_module or (compiled and not self.precision.policy.default.is_mixed):
-            return self.precision.forward_context()
-        return contextlib.nullcontext()
+    def hook(self, name: str, *args: Any) -> None:
+        """Call hook ``name``: the module's, then the callbacks'."""
+        self.module_hook(name, *args)
+        self.callback_hook(name, *args)
+
+    def module_hook(self, name: str, *args: Any) -> None:
+        """Call a TrainingModule's hook ``name``."""
+        if isinstance(self.model, TrainingModule) and name in MODULE_HOOKS:
+            getattr(self.model, name)(*args)
+
+    def callback_hook(self, name: str, *args: Any) -> None:
+        """Call hook ``name`` of the callbacks that override it, with the trainer and model."""
+        listeners = self.listeners.get(name)
+        if listeners is None:
+            listeners = [c for c in self.callbacks if listens(c, name)]
+            self.listeners[name] = listeners
+        for cb in listeners:
+            getattr(cb, name)(self.trainer, self.model, *args)
 
 
-@dataclass
+@dataclass(eq=False, kw_only=True)
 class FitRun(Run):
     """A fit: the run, its optimizers, schedulers and loaders, and the loop's own state."""
 
@@ -120,6 +202,7 @@ class FitRun(Run):
     trained_batches: int = 0  # batches of this epoch that returned a loss
     # delayed-scaling float8 layers whose amax histories the ranks share (several processes)
     amax_layers: list[Float8Linear] = field(default_factory=list)
+    closure: bool = False  # its one optimizer evaluates the loss inside step (LBFGS)
 
     @property
     def in_window(self) -> bool:
@@ -134,54 +217,55 @@ class FitRun(Run):
 # -- fit ------------------------------------------------------------------------------------
 
 
-def fit_loop(trainer: Trainer, run: FitRun) -> None:
+def fit_loop(run: FitRun) -> None:
     """Epochs until a stop condition; an epoch cut by ``max_steps`` or a stop request is left
     unfinished (a checkpoint of it resumes mid-epoch). A run resumed from a save on an epoch's
     last batch first ends that epoch, as the run that saved it did."""
-    trainer._hook("on_train_start")
-    if trainer.batches_done == 0:  # resuming at an epoch boundary, or starting
+    run.hook("on_train_start")
+    if run.progress.batches_done == 0:  # resuming at an epoch boundary, or starting
         restore_resume_rng(run)
-    while trainer.batches_done == run.num_training_batches or not fit_done(trainer):
-        train_epoch(trainer, run)
+    while run.progress.batches_done == run.num_training_batches or not fit_done(run):
+        train_epoch(run)
         if run.epoch_finished:
-            end_epoch(trainer, run)
-    trainer._hook("on_train_end")
+            end_epoch(run)
+    run.hook("on_train_end")
 
 
-def fit_done(trainer: Trainer) -> bool:
+def fit_done(run: FitRun) -> bool:
     """Whether training should stop now (early stop, ``max_steps`` or ``max_epochs``)."""
-    config = trainer.config
-    if trainer.should_stop:
+    config = run.config
+    if run.progress.should_stop:
         return True
-    if config.max_steps is not None and trainer.global_step >= config.max_steps:
+    if config.max_steps is not None and run.progress.global_step >= config.max_steps:
         return True
-    return config.max_epochs is not None and trainer.current_epoch >= config.max_epochs
+    return config.max_epochs is not None and run.progress.current_epoch >= config.max_epochs
 
 
 def restore_resume_rng(run: FitRun) -> None:
     """Put back the generator states saved with a checkpoint (once)."""
     if run.resume_rng is not None:
-        ckpt_io.set_rng_states(run.resume_rng)
+        set_rng_states(run.resume_rng)
         run.resume_rng = None
 
 
-def train_epoch(trainer: Trainer, run: FitRun) -> None:
+def train_epoch(run: FitRun) -> None:
     """One epoch, or its rest when resumed mid-epoch, or until a stop condition (taking effect
     at the end of an accumulation window)."""
+    progress = run.progress
     run.wrapped.train()
-    with trainer._metrics.epoch_hook("on_train_epoch_start"):
-        trainer._hook("on_train_epoch_start")
+    with run.metrics.epoch_hook("on_train_epoch_start"):
+        run.hook("on_train_epoch_start")
     n = run.num_training_batches
-    if trainer.batches_done == n:  # resumed from a save on the last batch: only its end is left
+    if progress.batches_done == n:  # resumed from a save on the last batch: only its end is left
         restore_resume_rng(run)
         run.epoch_finished = True
         return
     loader = run.train_loader
-    set_epoch(loader, trainer.current_epoch)
+    set_epoch(loader, progress.current_epoch)
     # The epoch's data order is drawn from the generators when iteration starts: their state
     # then is kept (and checkpointed) so that a run resumed mid-epoch replays the same order,
     # skips the batches already done, and goes on with the generators as they were at the save.
-    if trainer.batches_done == 0:
+    if progress.batches_done == 0:
         run.epoch_rng = {
             "torch": torch.get_rng_state(),
             "loader": [g.get_state() for g in generators(loader)],
@@ -191,11 +275,11 @@ def train_epoch(trainer: Trainer, run: FitRun) -> None:
         torch.set_rng_state(run.epoch_rng["torch"])
         for g, s in zip(generators(loader), run.epoch_rng["loader"], strict=True):
             g.set_state(s)
-        batches = iterate_from(loader, trainer.batches_done, lambda: restore_resume_rng(run))
+        batches = iterate_from(loader, progress.batches_done, lambda: restore_resume_rng(run))
     exhausted = run.epoch_finished = False
-    trainer._log.samples = 0
-    trainer._log.start_timing()
-    first = batch_idx = trainer.batches_done
+    run.log.samples = 0
+    run.log.start_timing()
+    first = batch_idx = progress.batches_done
     run.trained_batches = 0
     while n is None or batch_idx < n:
         try:
@@ -203,28 +287,28 @@ def train_epoch(trainer: Trainer, run: FitRun) -> None:
         except StopIteration:
             exhausted = True
             break
-        train_batch(trainer, run, batch, batch_idx)
+        train_batch(run, batch, batch_idx)
         batch_idx += 1
-        trainer.should_stop = trainer.strategy.any(trainer.should_stop)  # all ranks together
-        if not run.in_window and fit_done(trainer):
+        progress.should_stop = run.strategy.any(progress.should_stop)  # all ranks together
+        if not run.in_window and fit_done(run):
             # data without len() may have ended with this batch: then the epoch is over, as
             # it would be for sized data (its end validates and counts the epoch)
-            exhausted = n is None and not trainer.strategy.any(not ran_out(batches))
+            exhausted = n is None and not run.strategy.any(not ran_out(batches))
             break
     if first == 0 and batch_idx == 0:  # an epoch without batches would repeat forever
         raise EmptyEpochError(
-            f"the training data gave no batch in epoch {trainer.current_epoch}: "
-            f"{why_empty(run.train_data, trainer.current_epoch)}"
+            f"the training data gave no batch in epoch {progress.current_epoch}: "
+            f"{why_empty(run.train_data, progress.current_epoch)}"
         )
     finished = exhausted or batch_idx == n
     if first == 0 and finished and run.trained_batches == 0:
         raise EmptyEpochError(
             f"training_step returned None for all {batch_idx} batches of epoch "
-            f"{trainer.current_epoch}, so nothing was trained; return the loss for the batches "
+            f"{progress.current_epoch}, so nothing was trained; return the loss for the batches "
             "to learn from"
         )
     if exhausted:
-        end_of_data(trainer, run, batch_idx)
+        end_of_data(run, batch_idx)
     run.epoch_finished = finished
 
 
@@ -240,59 +324,100 @@ def ran_out(batches: Iterator[Any]) -> bool:
     return False
 
 
-def end_of_data(trainer: Trainer, run: FitRun, batches: int) -> None:
+def end_of_data(run: FitRun, batches: int) -> None:
     """The loader ran out after ``batches`` batches (its length was unknown, or shorter than
     it said): step a window it cut short, then validate unless the last batch just did."""
     stepped = run.in_window
     if stepped:
-        optimizer_step(trainer, run)
+        optimizer_step(run)
     if (
         run.val_loader is not None
-        and trainer.config.limit_val_batches != 0
-        and (stepped or not val_due(trainer, run, batches - 1))
+        and run.config.limit_val_batches != 0
+        and (stepped or not val_due(run, batches - 1))
     ):
-        validate_during_fit(trainer, run, run.val_loader)
+        validate_during_fit(run, run.val_loader)
 
 
-def train_batch(trainer: Trainer, run: FitRun, batch: Any, batch_idx: int) -> None:
-    """Forward and scaled backward of one micro-batch; the optimizer step at the end of its
-    accumulation window; validation when due."""
-    precision = run.precision
-    batch = precision.convert_input(to_device(batch, trainer.strategy.device))
-    trainer._hook("on_train_batch_start", batch, batch_idx)
-    trainer.stepped_this_batch = False
+def train_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
+    """One batch: forward, scaled backward and, at the end of its accumulation window, the
+    optimizer step (or the whole step of a closure optimizer); validation when due."""
+    batch = run.precision.convert_input(to_device(batch, run.strategy.device))
+    run.hook("on_train_batch_start", batch, batch_idx)
+    run.progress.stepped_this_batch = False
+    if run.closure:
+        output = closure_step(run, batch, batch_idx)
+    else:
+        output = micro_batch(run, batch, batch_idx)
+    run.progress.batches_done = batch_idx + 1
+    if run.val_loader is not None and val_due(run, batch_idx):
+        validate_during_fit(run, run.val_loader)
+    run.hook("on_train_batch_end", output, batch, batch_idx)
 
+
+def micro_batch(run: FitRun, batch: Any, batch_idx: int) -> Any:
+    """Forward and scaled backward of one micro-batch, and the optimizer step at the end of
+    its accumulation window; returns what the training step returned."""
     # forward and scaled backward; DDP all-reduces only on the window's last micro-batch
-    k, n = trainer.config.accumulate_grad_batches, run.num_training_batches
+    k, n = run.config.accumulate_grad_batches, run.num_training_batches
     window_start = batch_idx - batch_idx % k
     window = k if n is None else min(k, n - window_start)
     last_in_window = batch_idx - window_start == window - 1
     run.window_batches += 1
     run.window_size = window
-    with trainer.strategy.no_sync(run.wrapped, sync=last_in_window):
-        with run.step_context():
-            output = run.step("training", batch, batch_idx)
-            loss = loss_of(output, "training_step" if run.is_module else "loss_fn")
+    with run.strategy.no_sync(run.wrapped, sync=last_in_window):
+        output = run.step("training", batch, batch_idx)
+        loss = loss_of(output, "training_step" if run.is_module else "loss_fn")
         if loss is not None:
-            precision.backward(loss / window if window > 1 else loss)
-        elif trainer.world_size > 1:
+            backward(run.precision, loss, accumulate=window)
+        elif run.strategy.world_size > 1:
             raise RuntimeError(
                 f"training_step returned None for batch {batch_idx} on rank "
-                f"{trainer.strategy.global_rank}: under DDP a skipped batch would leave the "
+                f"{run.strategy.global_rank}: under DDP a skipped batch would leave the "
                 "other processes waiting for its gradients; return a loss that contributes "
                 "nothing instead (e.g. loss * 0.0)"
             )
     if loss is not None:  # None: the batch is skipped, as in Lightning
         run.window_losses.append(loss.detach())
         run.trained_batches += 1
-    trainer._log.samples += batch_size_of(batch)
+    run.log.samples += batch_size_of(batch)
 
     if last_in_window:
-        optimizer_step(trainer, run)
-    trainer.batches_done = batch_idx + 1
-    if run.val_loader is not None and val_due(trainer, run, batch_idx):
-        validate_during_fit(trainer, run, run.val_loader)
-    trainer._hook("on_train_batch_end", output, batch, batch_idx)
+        optimizer_step(run)
+    return output
+
+
+def closure_step(run: FitRun, batch: Any, batch_idx: int) -> Any:
+    """The step of an optimizer that evaluates the loss inside ``step`` (LBFGS), as in
+    Lightning: its closure runs the training step, the backward, then `before_step` (hooks,
+    clipping), as often as the optimizer asks. The first evaluation's output and loss are
+    the batch's. Under several processes the closure returns the loss averaged over them, so
+    that every rank takes the same decisions and as many evaluations (each one all-reduces
+    the gradients). `optimizers.check_closure_fit` refused what this cannot run."""
+    opt = run.optimizers[0]
+    first: list[Any] = []
+
+    def closure() -> Tensor:
+        opt.zero_grad(set_to_none=True)
+        output = run.step("training", batch, batch_idx)
+        loss = loss_of(output, "training_step" if run.is_module else "loss_fn")
+        if loss is None:
+            raise RuntimeError(
+                f"training_step returned None for batch {batch_idx}, but "
+                f"{type(opt.optimizer).__name__} evaluates the loss inside its step and "
+                "needs one: return the loss for every batch"
+            )
+        backward(run.precision, loss)
+        if not first:
+            first.append(output)
+            run.window_losses.append(loss.detach())
+            run.trained_batches += 1
+            run.log.samples += batch_size_of(batch)
+        before_step(run)
+        return run.strategy.mean(loss) if run.strategy.world_size > 1 else loss.detach()
+
+    run.precision.step(opt, closure=closure)
+    after_step(run)
+    return first[0]
 
 
 def loss_of(output: Any, who: str) -> Tensor | None:
@@ -314,9 +439,9 @@ def loss_of(output: Any, who: str) -> Tensor | None:
     return loss if loss.dim() == 0 else loss.reshape(())
 
 
-def optimizer_step(trainer: Trainer, run: FitRun) -> None:
+def optimizer_step(run: FitRun) -> None:
     """Unscale, hooks, clip, step or skip (all optimizers together), schedulers, log."""
-    precision, config = run.precision, trainer.config
+    precision = run.precision
     batches, run.window_batches = run.window_batches, 0
     if not run.window_losses:  # every micro-batch of the window was skipped: nothing to step
         for opt in run.optimizers:
@@ -324,29 +449,41 @@ def optimizer_step(trainer: Trainer, run: FitRun) -> None:
         return
     if batches != run.window_size:  # cut short: the data ended, or the run resumed inside it
         rescale_grads(run.optimizers, run.window_size / batches)
+    before_step(run)
+    if not precision.step():
+        run.skipped_steps += 1
+    after_step(run)
+
+
+def before_step(run: FitRun) -> None:
+    """What comes between the backward and the step: the float8 amax histories shared, the
+    gradients unscaled, ``on_before_optimizer_step``, clipping."""
+    precision, config = run.precision, run.config
     if run.amax_layers:  # the next step scales from the largest amax any rank saw
         sync_amax_histories(run.amax_layers)
     precision.unscale_()
     for opt in run.optimizers:
-        trainer._hook("on_before_optimizer_step", opt)
+        run.hook("on_before_optimizer_step", opt)
     if config.gradient_clip_val is not None:
         for opt in run.optimizers:
             if config.gradient_clip_algorithm == "norm":
                 precision.clip_grad_norm_(opt, config.gradient_clip_val)
             else:
                 precision.clip_grad_value_(opt, config.gradient_clip_val)
-    if not precision.step():
-        run.skipped_steps += 1
+
+
+def after_step(run: FitRun) -> None:
+    """Gradients cleared, the step counted, step-interval schedulers, the step's log row."""
     for opt in run.optimizers:
         opt.zero_grad(set_to_none=True)
-    trainer.global_step += 1
-    trainer.stepped_this_batch = True
+    run.progress.global_step += 1
+    run.progress.stepped_this_batch = True
     for s in run.schedulers:
-        if s.interval == "step" and trainer.global_step % s.frequency == 0:
+        if s.interval == "step" and run.progress.global_step % s.frequency == 0:
             scheduler_step(s.scheduler, s.optimizer)  # does not advance on a skipped step
     losses, run.window_losses = run.window_losses, []
     loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-    log_step(trainer, run, loss)
+    log_step(run, loss)
 
 
 def rescale_grads(optimizers: list[LossScaleOptimizer], factor: float) -> None:
@@ -367,27 +504,27 @@ def rescale_grads(optimizers: list[LossScaleOptimizer], factor: float) -> None:
                 p.grad.mul_(factor)
 
 
-def log_step(trainer: Trainer, run: FitRun, loss: Tensor) -> None:
+def log_step(run: FitRun, loss: Tensor) -> None:
     """Queue this step's values: what self.log recorded, the loss, lr, loss scale and
     skipped steps. They stay tensors (no host sync) until the log is flushed."""
-    row: dict[str, Tensor | float] = dict(trainer._metrics.take_step(trainer.strategy.mean))
+    row: dict[str, Tensor | float] = dict(run.metrics.take_step(run.strategy.mean))
     row["loss"] = loss
     row["lr"] = run.optimizers[0].param_groups[0]["lr"] if run.optimizers else 0.0
     scaler = run.precision.scaler
     if scaler.enabled:
         row["loss_scale"] = scaler.scale_tensor.clone()
         row["skipped_steps"] = float(run.skipped_steps)
-    trainer._log.add(trainer.global_step, row)
+    run.log.add(run.progress.global_step, row)
 
 
-def val_due(trainer: Trainer, run: FitRun, batch_idx: int) -> bool:
+def val_due(run: FitRun, batch_idx: int) -> bool:
     """Whether a validation pass runs after training batch ``batch_idx``."""
-    if trainer.config.limit_val_batches == 0:
+    if run.config.limit_val_batches == 0:
         return False
     n = run.num_training_batches
     if n is not None and batch_idx + 1 == n:
         return True  # every epoch ends with a validation
-    interval = trainer.config.val_check_interval
+    interval = run.config.val_check_interval
     if isinstance(interval, float):
         if interval == 1.0 or n is None:
             return False
@@ -395,56 +532,56 @@ def val_due(trainer: Trainer, run: FitRun, batch_idx: int) -> bool:
     return (batch_idx + 1) % interval == 0
 
 
-def validate_during_fit(trainer: Trainer, run: FitRun, loader: Iterable[Any]) -> None:
+def validate_during_fit(run: FitRun, loader: Iterable[Any]) -> None:
     """A validation pass inside fit; its time does not count as training time."""
-    trainer._log.flush()  # the throughput so far, before validation time starts counting
-    run_eval(trainer, run, "validation", loader, trainer.config.limit_val_batches)
+    run.log.flush()  # the throughput so far, before validation time starts counting
+    run_eval(run, "validation", loader, run.config.limit_val_batches)
     run.wrapped.train()
-    trainer._log.start_timing()
+    run.log.start_timing()
 
 
-def end_epoch(trainer: Trainer, run: FitRun) -> None:
+def end_epoch(run: FitRun) -> None:
     """The end of a training epoch, then the next one. In order: epoch-interval schedulers
     without a monitor; the module's ``on_train_epoch_end``; the training epoch's metrics
     (``on_epoch=True``) reduced and logged; schedulers with a monitor, which may watch them;
     the callbacks' ``on_train_epoch_end`` (checkpoints), which see them too."""
-    step_epoch_schedulers(trainer, run, monitored=False)
-    with trainer._metrics.epoch_hook("on_train_epoch_end"):
-        trainer._module_hook("on_train_epoch_end")
-        log_training_epoch(trainer)
-        step_epoch_schedulers(trainer, run, monitored=True)
-        trainer._callback_hook("on_train_epoch_end")
-        log_training_epoch(trainer)  # what callbacks logged through the module
-    for lg in trainer.loggers:
+    step_epoch_schedulers(run, monitored=False)
+    with run.metrics.epoch_hook("on_train_epoch_end"):
+        run.module_hook("on_train_epoch_end")
+        log_training_epoch(run)
+        step_epoch_schedulers(run, monitored=True)
+        run.callback_hook("on_train_epoch_end")
+        log_training_epoch(run)  # what callbacks logged through the module
+    for lg in run.trainer.loggers:
         lg.flush()
-    trainer.current_epoch += 1
-    trainer.batches_done = 0
+    run.progress.current_epoch += 1
+    run.progress.batches_done = 0
     run.epoch_finished = False
 
 
-def step_epoch_schedulers(trainer: Trainer, run: FitRun, monitored: bool) -> None:
+def step_epoch_schedulers(run: FitRun, monitored: bool) -> None:
     """Step the epoch-interval schedulers due this epoch that have (or have no) monitor."""
     with warnings.catch_warnings():
         # the Trainer orders the steps itself: torch's warning that a scheduler stepped before
         # its optimizer only means that no step ran in this process (resumed at an epoch's end)
         warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler.step\(\)` before")
         for s in run.schedulers:
-            due = s.interval == "epoch" and (trainer.current_epoch + 1) % s.frequency == 0
+            due = s.interval == "epoch" and (run.progress.current_epoch + 1) % s.frequency == 0
             if due and bool(s.monitor) == monitored:
-                args = [monitored_value(trainer, s)] if s.monitor else []
+                args = [monitored_value(run, s)] if s.monitor else []
                 scheduler_step(s.scheduler, s.optimizer, *args)
 
 
-def log_training_epoch(trainer: Trainer) -> None:
+def log_training_epoch(run: Run) -> None:
     """Reduce the values logged for the training epoch and log them (callbacks see them)."""
-    metrics = trainer._metrics.take_epoch(trainer.strategy.mean)
+    metrics = run.metrics.take_epoch(run.strategy.mean)
     if metrics:
-        trainer._log.add(trainer.global_step, dict(metrics), flush=True)
+        run.log.add(run.progress.global_step, dict(metrics), flush=True)
 
 
-def monitored_value(trainer: Trainer, s: Scheduler) -> float:
+def monitored_value(run: Run, s: Scheduler) -> float:
     """The value of the metric a plateau-type scheduler watches."""
-    metrics = trainer.callback_metrics
+    metrics = run.log.read()
     if s.monitor not in metrics:
         raise KeyError(
             f"the scheduler monitors {s.monitor!r}, which was not logged; logged: "
@@ -460,57 +597,55 @@ def monitored_value(trainer: Trainer, s: Scheduler) -> float:
 def rng_unchanged() -> Iterator[None]:
     """Run a block (validation) without moving the random generators training draws from,
     so that how often one validates never changes the training run."""
-    states = ckpt_io.rng_states()
+    states = rng_states()
     try:
         yield
     finally:
-        ckpt_io.set_rng_states(states)
+        set_rng_states(states)
 
 
 def run_eval(
-    trainer: Trainer, run: Run, kind: str, loader: Iterable[Any], limit: int | float | None
+    run: Run, kind: str, loader: Iterable[Any], limit: int | float | None
 ) -> dict[str, float]:
     """One validation or test pass; returns its epoch metrics (also logged)."""
     what = "val" if kind == "validation" else "test"
-    trainer.num_eval_batches = num_batches(loader, limit, what)
-    model, metrics_store = run.model, trainer._metrics
+    n = run.progress.num_eval_batches = num_batches(loader, limit, what)
+    model, metrics_store = run.model, run.metrics
     plain = not isinstance(model, TrainingModule)
     run.runner.eval()
     metrics_store.training = False
     with rng_unchanged(), torch.no_grad():
-        trainer._hook(f"on_{kind}_start")
+        run.hook(f"on_{kind}_start")
         if isinstance(model, TrainingModule):
             with metrics_store.epoch_hook(f"on_{kind}_epoch_start"):
                 getattr(model, f"on_{kind}_epoch_start")()
         for batch_idx, batch in enumerate(loader):
-            if trainer.num_eval_batches is not None and batch_idx >= trainer.num_eval_batches:
+            if n is not None and batch_idx >= n:
                 break
-            batch = run.precision.convert_input(to_device(batch, trainer.strategy.device))
-            with run.step_context():
-                output = run.runner(kind, batch, batch_idx)
+            batch = run.precision.convert_input(to_device(batch, run.strategy.device))
+            output = run.runner(kind, batch, batch_idx)
             if plain:
                 metrics_store.log(f"{what}_loss", output, batch_size=batch_size_of(batch))
-            step_metrics = metrics_store.take_step(trainer.strategy.mean)
+            step_metrics = metrics_store.take_step(run.strategy.mean)
             if step_metrics:
-                trainer._log.add(trainer.global_step, dict(step_metrics), flush=True)
-            trainer._hook(f"on_{kind}_batch_end", output, batch, batch_idx)
+                run.log.add(run.progress.global_step, dict(step_metrics), flush=True)
+            run.hook(f"on_{kind}_batch_end", output, batch, batch_idx)
         if isinstance(model, TrainingModule):
             with metrics_store.epoch_hook(f"on_{kind}_epoch_end"):
                 getattr(model, f"on_{kind}_epoch_end")()
-        metrics = metrics_store.take_epoch(trainer.strategy.mean)
-        trainer._log.add(trainer.global_step, dict(metrics), flush=True)
-        trainer._hook(f"on_{kind}_end")
+        metrics = metrics_store.take_epoch(run.strategy.mean)
+        run.log.add(run.progress.global_step, dict(metrics), flush=True)
+        run.hook(f"on_{kind}_end")
     metrics_store.training = True
     return metrics
 
 
-def predict_loop(trainer: Trainer, run: Run, loader: Iterable[Any]) -> list[Any]:
+def predict_loop(run: Run, loader: Iterable[Any]) -> list[Any]:
     """The outputs of ``predict_step`` (or of the module) for each batch, in order."""
     run.runner.eval()
     out = []
     with torch.no_grad():
         for batch_idx, batch in enumerate(loader):
-            batch = run.precision.convert_input(to_device(batch, trainer.strategy.device))
-            with run.step_context():
-                out.append(run.runner("predict", batch, batch_idx))
+            batch = run.precision.convert_input(to_device(batch, run.strategy.device))
+            out.append(run.runner("predict", batch, batch_idx))
     return out

@@ -17,6 +17,16 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+__all__ = [
+    "FLUSH_EVERY_N_STEPS",
+    "MetricStore",
+    "StepLog",
+    "peak_memory_mib",
+    "reset_peak_memory",
+    "shown_in_progress",
+    "summary_rows",
+]
+
 # Logged values are kept as tensors and turned into numbers (a host sync on GPUs) and
 # written out in batches of this many steps, or sooner when a callback or the bar reads them.
 FLUSH_EVERY_N_STEPS = 25
@@ -248,6 +258,12 @@ class StepLog:
             if self.where.is_global_zero:
                 for lg in self.loggers:
                     lg.log_metrics(numbers, step)
+
+    def read(self) -> dict[str, float]:
+        """``callback_metrics``, the queued rows turned into numbers first (what callbacks
+        and plateau schedulers monitor)."""
+        self.flush()
+        return self.callback_metrics
 
     def throughput(self) -> float | None:
         """Samples per second over all processes during the last fit (None before any)."""

@@ -13,7 +13,17 @@ import torch
 from torch import Tensor, nn
 
 if TYPE_CHECKING:
+    from mixprec.trainer.metrics import MetricStore
     from mixprec.trainer.trainer import Trainer
+
+__all__ = [
+    "MODULE_HOOKS",
+    "NOT_CALLED",
+    "TrainingModule",
+    "attach",
+    "detach",
+    "hooks_not_called",
+]
 
 
 # the hooks a TrainingModule may define, called by the Trainer before the callbacks' own
@@ -87,24 +97,46 @@ def hooks_not_called(model: nn.Module) -> list[str]:
     return [name for name in NOT_CALLED if callable(getattr(type(model), name, None))]
 
 
+# what a run attaches to a TrainingModule, in its __dict__ (never a submodule or a parameter)
+_TRAINER, _METRICS = "_trainer", "_mixprec_metrics"
+
+
+def attach(model: nn.Module, trainer: Trainer, metrics: MetricStore) -> None:
+    """Give a TrainingModule the Trainer running it (``self.trainer``) and the store its
+    `TrainingModule.log` records into, until `detach`; a plain module is left as it is."""
+    if isinstance(model, TrainingModule):
+        model.__dict__.update({_TRAINER: trainer, _METRICS: metrics})
+
+
+def detach(model: nn.Module) -> None:
+    """Undo `attach` (the run is over)."""
+    for key in (_TRAINER, _METRICS):
+        model.__dict__.pop(key, None)
+
+
+def _attached(module: TrainingModule, key: str) -> Any:
+    found = module.__dict__.get(key)
+    if found is None:
+        raise RuntimeError(
+            f"{type(module).__name__} is not attached to a Trainer: trainer-dependent calls "
+            "(self.log, self.trainer, self.global_step) work inside Trainer.fit/validate/test"
+        )
+    return found
+
+
 class TrainingModule(nn.Module):
     """Subclass it, write ``forward`` and ``training_step``; the rest has defaults."""
 
     @property
     def trainer(self) -> Trainer:
         """The Trainer running this module (only while it runs)."""
-        trainer = self.__dict__.get("_trainer")
-        if trainer is None:
-            raise RuntimeError(
-                f"{type(self).__name__} is not attached to a Trainer: trainer-dependent calls "
-                "(self.log, self.trainer, self.global_step) work inside Trainer.fit/validate/test"
-            )
-        return trainer
+        return _attached(self, _TRAINER)
 
     def __getstate__(self) -> dict[str, Any]:
         # the Trainer is not part of the model: pickling (spawned ddp) leaves it behind
         state = dict(self.__dict__)
-        state.pop("_trainer", None)
+        for key in (_TRAINER, _METRICS):
+            state.pop(key, None)
         return state
 
     @property
@@ -136,7 +168,7 @@ class TrainingModule(nn.Module):
         ``_step`` and ``_epoch`` suffixes. Epoch means are averaged over processes under
         ddp; ``sync_dist`` also averages per-step values (a collective on every step).
         """
-        self.trainer._metrics.log(
+        _attached(self, _METRICS).log(
             name,
             value,
             prog_bar=prog_bar,

@@ -3,6 +3,7 @@ optimizers, and schedulers with their interval, frequency and monitored metric."
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from collections.abc import Callable
@@ -14,6 +15,17 @@ from torch import nn
 
 from mixprec.optim import LossScaleOptimizer
 from mixprec.trainer.module import TrainingModule
+
+__all__ = [
+    "OptimizerFactory",
+    "Scheduler",
+    "check_closure_fit",
+    "configured_optimizers",
+    "needs_closure",
+    "parse_optimizers",
+    "scheduler_entry",
+    "warn_if_foreign",
+]
 
 log = logging.getLogger("mixprec")
 
@@ -127,3 +139,52 @@ def warn_if_foreign(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -
                 "(optimizer=lambda params: torch.optim.SGD(params, lr=0.1))",
                 stacklevel=2,
             )
+
+
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure that re-evaluates the loss (LBFGS)."""
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def check_closure_fit(
+    optimizers: list[LossScaleOptimizer],
+    loss_scaling: bool,
+    accumulate_grad_batches: int,
+    strategy: str,
+) -> bool:
+    """Whether the fit steps an optimizer that evaluates the loss inside its step (LBFGS);
+    the Trainer then runs each batch's training step in its closure (`loop.closure_step`).
+    Raises where that cannot work, before training."""
+    closures = [o for o in optimizers if needs_closure(o.optimizer)]
+    if not closures:
+        return False
+    name = type(closures[0].optimizer).__name__
+    why = (
+        f"{name} evaluates the loss inside its step, so the Trainer runs the training step "
+        "in its closure"
+    )
+    if len(optimizers) > 1:
+        names = ", ".join(type(o.optimizer).__name__ for o in optimizers)
+        raise ValueError(
+            f"{why}, which steps one optimizer alone; this fit has {len(optimizers)} ({names}). "
+            f"Train with {name} alone, or step several optimizers in a loop of your own "
+            "(precision.step(opt, closure=...))"
+        )
+    if loss_scaling:
+        raise ValueError(
+            f"{why}, several times per step, and a loss-scaled step cannot be skipped half-way "
+            f"for an overflow: train {name} without loss scaling, with precision '32-true', "
+            "'bf16-mixed' or 'bf16-true' (or a mixprec.Precision with scaler='none')"
+        )
+    if accumulate_grad_batches > 1:
+        raise ValueError(
+            f"{why}, which evaluates one batch, so gradients cannot be accumulated over "
+            f"{accumulate_grad_batches}: use accumulate_grad_batches=1 (and larger batches)"
+        )
+    if strategy == "fsdp":
+        raise ValueError(
+            f"{why}; {name} works on whole gradients, which strategy='fsdp' shards: use "
+            "strategy='ddp'"
+        )
+    return True

@@ -29,6 +29,8 @@ from mixprec.trainer.callbacks import Callback
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
+__all__ = ["RichProgressBar", "format_metrics"]
+
 
 def format_metrics(metrics: dict[str, float]) -> str:
     """``name value`` pairs, compact: 4 significant digits, scales and rates as integers."""

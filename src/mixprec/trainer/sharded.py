@@ -5,15 +5,16 @@ Layout of a checkpoint ``path/``::
 
     .metadata, __<rank>_0.distcp   DCP: the model's and the optimizers' shards, each rank its
                                    own (``get_state_dict``: keys are parameter names)
-    trainer-rank<r>.pt             rank r's run state (`checkpoint.run_state`): loop position,
+    trainer-rank<r>.pt             rank r's run state (`resume.run_state`): loop position,
                                    scaler, schedulers, callbacks, its own RNG states
 
-Every rank writes into one temporary directory next to ``path`` (named by rank 0, like the
-temporary files of `checkpoint.atomic_save`); after a barrier rank 0 renames it to ``path``.
-A save killed before that leaves ``path`` as it was (the last complete checkpoint) and a
-temporary directory that the next save into that directory removes. When ``path`` already
-exists (``last.ckpt``) the old directory is first renamed aside, then removed; a crash
-between those two renames leaves it complete under ``.<name>.<host>.<pid>.<token>.old``, and
+A save takes the steps of `checkpoint.atomic_write` across the processes: rank 0 prepares
+``path``'s directory and makes one temporary directory next to it (`checkpoint.new_tmp`),
+every rank writes into it, and after a barrier rank 0 commits it to ``path``. A save killed
+before that leaves ``path`` as it was (the last complete checkpoint) and a temporary
+directory that the next save into that directory removes. When ``path`` already exists
+(``last.ckpt``) the old directory is first renamed aside, then removed; a crash between
+those two renames leaves it complete under ``.<name>.<host>.<pid>.<token>.old``, and
 `checkpoint.recover_aside` puts it back (the Trainer calls it before it resumes from a path,
 and before a save to that path).
 
@@ -26,8 +27,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
-import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,11 +37,15 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from mixprec.trainer import checkpoint as ckpt_io
+from mixprec.trainer.callbacks import load_callback_states
+from mixprec.trainer.interrupt import ctrl_c_deferred
+from mixprec.trainer.resume import check_resume_point, restore_progress, run_state
 
 if TYPE_CHECKING:
     from mixprec.trainer.loop import FitRun, Run
-    from mixprec.trainer.strategy import SingleDeviceStrategy
-    from mixprec.trainer.trainer import Trainer
+    from mixprec.trainer.strategy import Strategy
+
+__all__ = ["copy", "load_weights", "restore", "save"]
 
 log = logging.getLogger("mixprec")
 
@@ -53,45 +56,13 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _tmp_dir(target: Path) -> Path:
-    """A new temporary directory next to ``target``, named as `checkpoint.clean_stale_tmp`
-    recognises (host and pid of its writer)."""
-    host, pid = ckpt_io._HOST, os.getpid()
-    while True:
-        tmp = target.parent / f".{target.name}.{host}.{pid}.{secrets.token_hex(4)}.tmp"
-        try:
-            tmp.mkdir()
-            return tmp
-        except FileExistsError:
-            continue
-
-
-def _fsync_tree(directory: Path) -> None:
-    for entry in directory.iterdir():
-        if entry.is_file():
-            fd = os.open(entry, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    ckpt_io._fsync_dir(directory)
-
-
-def _install(tmp: Path, path: Path) -> None:
-    """Rename the complete directory ``tmp`` to ``path`` (rank 0, after every rank wrote)."""
-    _fsync_tree(tmp)
-    ckpt_io.install(tmp, path)
-
-
 def _agreed_tmp(path: Path, rank: int) -> Path:
-    """Rank 0 puts back a checkpoint an interrupted install left aside, clears stale
-    temporary directories and makes a new one; all ranks get it."""
+    """Rank 0 prepares ``path``'s directory and makes a temporary directory next to it; all
+    ranks get it."""
     name = [None]
     if rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        ckpt_io.recover_aside(path)
-        ckpt_io.clean_stale_tmp(path.parent)
-        name = [str(_tmp_dir(path))]
+        ckpt_io.prepare(path)
+        name = [str(ckpt_io.new_tmp(path, directory=True))]
     if _distributed():
         dist.broadcast_object_list(name, src=0)
     return Path(name[0])  # type: ignore[arg-type]
@@ -112,38 +83,30 @@ def _inner(run: FitRun | Run) -> list[torch.optim.Optimizer]:
     return [opt.optimizer for opt in getattr(run, "optimizers", [])]
 
 
-def save(trainer: Trainer, run: FitRun, path: str | os.PathLike[str]) -> Path:
+def save(run: FitRun, path: str | os.PathLike[str]) -> Path:
     """Write a sharded checkpoint of ``run`` at ``path`` (every rank calls it)."""
     path = Path(path)
-    rank = trainer.strategy.global_rank
+    rank = run.strategy.global_rank
     tmp = _agreed_tmp(path, rank)
     model_state, optim_state = get_state_dict(run.model, _inner(run))
-    with ckpt_io._ctrl_c_after_save():
+    with ctrl_c_deferred():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-        ckpt_io.atomic_save(ckpt_io.run_state(trainer, run), tmp / _RUN_STATE.format(rank))
+        ckpt_io.atomic_save(run_state(run), tmp / _RUN_STATE.format(rank))
         if _distributed():
             dist.barrier()  # every rank's files are in
         if rank == 0:
-            _install(tmp, path)
+            ckpt_io.commit(tmp, path)
         if _distributed():
             dist.barrier()  # nobody reads or replaces it before it is there
     return path
 
 
-def copy(
-    strategy: SingleDeviceStrategy, src: str | os.PathLike[str], dst: str | os.PathLike[str]
-) -> Path:
-    """Make ``dst`` an atomic copy of the sharded checkpoint ``src`` (hard links where the
-    filesystem allows); every rank calls it, rank 0 copies."""
+def copy(strategy: Strategy, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Path:
+    """Make ``dst`` an atomic copy of the sharded checkpoint ``src`` (`checkpoint.atomic_link`:
+    hard links where the filesystem allows); every rank calls it, rank 0 copies."""
     src, dst = Path(src), Path(dst)
     if strategy.global_rank == 0:
-        tmp = _tmp_dir(dst)
-        for entry in src.iterdir():
-            try:
-                os.link(entry, tmp / entry.name)
-            except OSError:
-                shutil.copy2(entry, tmp / entry.name)
-        _install(tmp, dst)
+        ckpt_io.atomic_link(src, dst)
     if _distributed():
         dist.barrier()
     return dst
@@ -204,11 +167,12 @@ def load_weights(run: Run, path: str | os.PathLike[str]) -> None:
     set_state_dict(run.model, [], model_state_dict=model_state, optim_state_dict={})
 
 
-def restore(trainer: Trainer, run: FitRun, path: str | os.PathLike[str]) -> None:
-    """Put ``run`` and ``trainer``'s progress back where the sharded checkpoint at ``path``
-    left them; another world size than at the save reshards (logged)."""
+def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
+    """Put ``run`` and its progress back where the sharded checkpoint at ``path`` left them;
+    another world size than at the save reshards (logged)."""
     path = Path(path)
-    state, saved_world = _read_run_state(path, trainer.strategy.global_rank, trainer.world_size)
+    world = run.strategy.world_size
+    state, saved_world = _read_run_state(path, run.strategy.global_rank, world)
     _check_policy(run, state, path)
     _check_keys(run, path, optimizers=True)
     types = [type(opt.optimizer).__name__ for opt in run.optimizers]
@@ -219,12 +183,12 @@ def restore(trainer: Trainer, run: FitRun, path: str | os.PathLike[str]) -> None
             f"{len(run.schedulers)}: resume with the same configure_optimizers"
         )
     loop = state["loop"]
-    if saved_world != trainer.world_size and loop["batch"]:
+    if saved_world != world and loop["batch"]:
         raise ckpt_io.CheckpointError(
             f"{path} was saved mid-epoch with {saved_world} processes; resuming mid-epoch "
-            f"needs the same number (this run has {trainer.world_size})"
+            f"needs the same number (this run has {world})"
         )
-    ckpt_io.check_resume_point(run, loop, path)
+    check_resume_point(run, loop, path)
     model_state, optim_state = get_state_dict(run.model, _inner(run))
     _dcp_load({"model": model_state, "optim": optim_state}, path)
     set_state_dict(
@@ -233,13 +197,13 @@ def restore(trainer: Trainer, run: FitRun, path: str | os.PathLike[str]) -> None
     for s, saved in zip(run.schedulers, state["schedulers"], strict=True):
         s.scheduler.load_state_dict(saved)
     run.precision.load_state_dict(state["precision"])
-    trainer._load_callback_states(state["callbacks"])
-    if saved_world != trainer.world_size:
+    load_callback_states(run.callbacks, state["callbacks"])
+    if saved_world != world:
         log.info(
             "resharded %s, saved by %d processes, onto %d: random generators resume from "
             "rank 0's states",
             path,
             saved_world,
-            trainer.world_size,
+            world,
         )
-    ckpt_io.restore_progress(trainer, run, state, path)
+    restore_progress(run, state, path)

@@ -1,6 +1,7 @@
 """Where training runs: one device, or one process per device with DistributedDataParallel
 (every process holds the whole model) or FSDP2 (parameters, gradients and optimizer state
-sharded across the processes: ``FSDPStrategy``, `mixprec.sharding.shard`).
+sharded across the processes: ``FSDPStrategy``, `mixprec.sharding.shard`). `Strategy` is
+what the Trainer and its loops ask of each; none of them knows the Trainer.
 
 ``DDPStrategy`` works in two ways. Launched by ``torchrun`` (the environment holds ``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), each process joins the
@@ -13,18 +14,22 @@ path. The backend is gloo on CPU and nccl on CUDA. ``FSDPStrategy`` launches the
 
 from __future__ import annotations
 
+import abc
 import contextlib
+import multiprocessing
 import os
 import pickle
 import socket
+import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,12 +40,24 @@ from torch.multiprocessing.spawn import ProcessException
 from mixprec.errors import PrecisionError
 from mixprec.optim import check_sharded_masters
 from mixprec.precision import Precision
-from mixprec.trainer.callbacks import callback_states
 from mixprec.trainer.data import distributed
 from mixprec.trainer.loggers import Logger
 
-if TYPE_CHECKING:
-    from mixprec.trainer.trainer import Trainer
+__all__ = [
+    "ACCELERATORS",
+    "DDPStrategy",
+    "FSDP",
+    "FSDPStrategy",
+    "LAUNCHER_GONE_GRACE_S",
+    "STRATEGIES",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "free_port",
+    "launched_by_torchrun",
+    "make_strategy",
+    "resolve_accelerator",
+    "resolve_devices",
+]
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 STRATEGIES = ("auto", "single_device", "ddp", "ddp_fork", "fsdp")
@@ -142,7 +159,7 @@ class FSDP:
 
 def make_strategy(
     accelerator: str, devices: int | str | list[int], strategy: str | FSDP
-) -> SingleDeviceStrategy:
+) -> Strategy:
     """The strategy object for the Trainer's ``accelerator``, ``devices`` and ``strategy``."""
     settings = strategy if isinstance(strategy, FSDP) else FSDP()
     if isinstance(strategy, FSDP):
@@ -166,15 +183,17 @@ def make_strategy(
     return DDPStrategy(accel, ids, start_method="fork" if strategy == "ddp_fork" else "spawn")
 
 
-class SingleDeviceStrategy:
-    """Everything in this process on one device."""
+class Strategy(abc.ABC):
+    """Where a run trains and how its processes work together: what the Trainer and its
+    loops ask of `SingleDeviceStrategy`, `DDPStrategy` and `FSDPStrategy`. The methods
+    with a body here are what a strategy keeping whole models in every process does."""
 
-    name = "single_device"
-    launches_processes = False
+    name: str
+    launches_processes = False  # whether this process must start the others
     sharded = False  # whether each process holds only a shard of the model
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        self.device = device  # this process's
         self.world_size = 1
         self.global_rank = 0
         self.local_rank = 0
@@ -184,15 +203,47 @@ class SingleDeviceStrategy:
         """Whether this process logs, shows progress and writes checkpoints."""
         return self.global_rank == 0
 
+    @abc.abstractmethod
     def setup(self) -> None:
         """Join the process group, if any, and pin this process's device."""
+
+    @abc.abstractmethod
+    def teardown(self, failed: bool = False) -> None:
+        """Leave the process group if this strategy created it; after a failure
+        (``failed``) without waiting for the other processes."""
+
+    @abc.abstractmethod
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module that training steps run through."""
+
+    @abc.abstractmethod
+    def no_sync(self, wrapped: nn.Module, sync: bool) -> AbstractContextManager[Any]:
+        """A context for one micro-batch; gradients are all-reduced only when ``sync``."""
+
+    @abc.abstractmethod
+    def prepare_loader(self, loader: Iterable[Any], seed: int) -> Iterable[Any]:
+        """``loader`` as this process should iterate it."""
+
+    @abc.abstractmethod
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Average ``values`` over processes."""
+
+    @abc.abstractmethod
+    def any(self, flag: bool) -> bool:
+        """True if ``flag`` is true in any process."""
+
+    @abc.abstractmethod
+    def agree_on_version(self, loggers: list[Logger]) -> None:
+        """Make every process's loggers write to rank 0's run directory."""
 
     def shard(self, model: nn.Module, precision: Precision) -> bool:
         """Shard ``model`` in place under ``precision``'s policy; False when this strategy
         keeps whole models (the precision then converts the model itself)."""
         return False
 
-    def check_optimizers(self, model: nn.Module, optimizers: list[Any]) -> None:
+    def check_optimizers(  # noqa: B027 (whole models: any optimizer of theirs trains them)
+        self, model: nn.Module, optimizers: list[Any]
+    ) -> None:
         """Raise if the optimizers cannot train ``model`` as this strategy set it up."""
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -200,35 +251,38 @@ class SingleDeviceStrategy:
         every process calls it, rank 0 gets the tensors)."""
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
+
+class SingleDeviceStrategy(Strategy):
+    """Everything in this process on one device."""
+
+    name = "single_device"
+
+    def setup(self) -> None:
+        pass  # no group to join; the device is the one given
+
+    def teardown(self, failed: bool = False) -> None:
+        pass
+
     def wrap(self, model: nn.Module) -> nn.Module:
-        """The module that training steps run through."""
         return model
 
     def no_sync(self, wrapped: nn.Module, sync: bool) -> AbstractContextManager[Any]:
-        """A context for one micro-batch; gradients are all-reduced only when ``sync``."""
         return contextlib.nullcontext()
 
     def prepare_loader(self, loader: Iterable[Any], seed: int) -> Iterable[Any]:
-        """``loader`` as this process should iterate it."""
         return loader
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
-        """Average ``values`` over processes."""
         return values
 
     def any(self, flag: bool) -> bool:
-        """True if ``flag`` is true in any process."""
         return flag
 
-    def teardown(self, failed: bool = False) -> None:
-        """Leave the process group if this strategy created it; after a failure
-        (``failed``) without waiting for the other processes."""
-
     def agree_on_version(self, loggers: list[Logger]) -> None:
-        """Make every process's loggers write to rank 0's run directory."""
+        pass  # one process, one directory
 
 
-class DDPStrategy(SingleDeviceStrategy):
+class DDPStrategy(Strategy):
     """One process per device; gradients all-reduced by DistributedDataParallel."""
 
     name = "ddp"
@@ -439,7 +493,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# seconds a launched process has, once its launcher is gone, to end by itself before it is ended
+LAUNCHER_GONE_GRACE_S = 3.0
+
+
+def _end_with_launcher(rank: int) -> None:
+    """End this launched process when the process that launched it dies (killed, out of
+    memory): it would otherwise train on, with no one to report to, holding its memory and
+    GPU. torch has Linux send it SIGINT then (a KeyboardInterrupt: logs flushed, the process
+    group left); where that never comes (the launcher ran in the background of a shell
+    script, which ignores SIGINT, or this is not Linux) or does not end it, a watcher thread
+    on the launcher's sentinel (a pipe on POSIX, a process handle on Windows) ends it
+    `LAUNCHER_GONE_GRACE_S` seconds later."""
+    launcher = multiprocessing.parent_process()
+    if launcher is None:  # not started by multiprocessing
+        return
+
+    def watch() -> None:
+        launcher.join()  # returns once the launcher has exited
+        print(
+            f"mixprec: the process that launched DDP rank {rank} (pid {launcher.pid}) is gone; "
+            "this rank ends",
+            file=sys.stderr,
+            flush=True,
+        )
+        time.sleep(LAUNCHER_GONE_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mixprec-launcher-watch", daemon=True).start()
+
+
 def _child(rank: int, payload: Any, nprocs: int, port: int, tmp: str, threads: int) -> None:
+    _end_with_launcher(rank)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -492,60 +577,3 @@ def _first_failure(directory: Path, nprocs: int, err: Exception) -> BaseExceptio
         exc = RuntimeError(record["text"].strip().splitlines()[-1])
     exc.add_note(f"raised in DDP process rank {rank} of {nprocs}; its traceback:\n{record['text']}")
     return exc
-
-
-# what a spawned rank 0 sends back to the Trainer in the parent process
-TRAINER_PROGRESS = ("current_epoch", "global_step", "batches_done", "should_stop")
-
-
-def run_in_child(
-    trainer: Trainer, stage: str, model: nn.Module, kwargs: dict[str, Any]
-) -> dict[str, Any]:
-    """A launched process's whole job: run, and report what the parent needs (rank 0's is
-    kept): the result, the summary, the model's weights, progress and callback states."""
-    result = trainer._run(stage, model, kwargs)
-    weights = trainer._gathered  # a sharded model's whole state, gathered before teardown
-    if weights is None:
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    if stage == "fit":
-        result, summary = None, result["summary"]
-    else:
-        summary = trainer.summary()
-    return {
-        "result": result,
-        "summary": summary,
-        "model": weights,
-        "trainer": {
-            **{key: getattr(trainer, key) for key in TRAINER_PROGRESS},
-            "callback_metrics": trainer.callback_metrics,
-            "logged_metrics": trainer.logged_metrics,
-        },
-        "callbacks": callback_states(trainer.callbacks),
-    }
-
-
-def launch_stage(
-    trainer: Trainer, strategy: DDPStrategy, stage: str, model: nn.Module, kwargs: dict[str, Any]
-) -> Any:
-    """Run ``stage`` in the processes ``trainer.strategy`` launches; rank 0 sends back the
-    model's weights and the trainer's progress, which land on the objects the caller holds."""
-    for lg in trainer.loggers:
-        lg.version  # noqa: B018 (fix the run directory before the children start)
-    out = strategy.launch(run_in_child, trainer, stage, model, kwargs)
-    precision = Precision(trainer.policy, device="cpu", allow_slow=True)
-    if not strategy.sharded:
-        precision.setup(model)
-    else:  # the weights land in the model as it was given, but with its quantized layers
-        from mixprec.sharding import quantize_for
-
-        quantize_for(model, precision.policy)
-    model.load_state_dict(out["model"])
-    progress = out["trainer"]
-    for key in TRAINER_PROGRESS:
-        setattr(trainer, key, progress[key])
-    trainer._log.callback_metrics = progress["callback_metrics"]
-    trainer._log.logged_metrics = progress["logged_metrics"]
-    trainer._load_callback_states(out["callbacks"])
-    trainer.model, trainer._current = model, None
-    trainer._summary = out["summary"]
-    return out["result"]

@@ -1,9 +1,10 @@
 """`Trainer`: the fit loop with a precision flag, for a `TrainingModule` or a plain module.
 
 Everything about precision goes through one `mixprec.Precision`; the Trainer decides when each
-piece runs. Here: the flags, the entry points, and `_run`, which sets a model up on its device
-into the run object the loops use. Elsewhere: the loops (`loop`, read `fit_loop`), checkpoint
-contents and restore (`checkpoint`), logged values and the summary (`metrics`), devices and
+piece runs. Here: the flags, the entry points, launching processes, and `_run`, which sets a
+model up on its device into the run object the loops use and move on. Elsewhere: the loops
+and the run object (`loop`, read `fit_loop`), checkpoint contents and restore (`resume`),
+checkpoint files (`checkpoint`), logged values and the summary (`metrics`), devices and
 DDP (`strategy`), the checked settings (`config`).
 """
 
@@ -21,8 +22,14 @@ from mixprec.optim import LossScaleOptimizer
 from mixprec.precision import Precision
 from mixprec.quantize.float8 import delayed_layers
 from mixprec.trainer import checkpoint as ckpt_io
-from mixprec.trainer import sharded
-from mixprec.trainer.callbacks import Callback, ModelCheckpoint
+from mixprec.trainer import resume, sharded
+from mixprec.trainer.callbacks import (
+    Callback,
+    ModelCheckpoint,
+    callback_states,
+    listens,
+    load_callback_states,
+)
 from mixprec.trainer.config import (
     TrainerConfig,
     check_fit_inputs,
@@ -40,6 +47,7 @@ from mixprec.trainer.loggers import Logger, make_loggers
 from mixprec.trainer.loop import (
     EmptyEpochError,
     FitRun,
+    Progress,
     Run,
     StepRunner,
     fit_loop,
@@ -54,9 +62,16 @@ from mixprec.trainer.metrics import (
     shown_in_progress,
     summary_rows,
 )
-from mixprec.trainer.module import MODULE_HOOKS, TrainingModule
-from mixprec.trainer.optimizers import configured_optimizers, scheduler_entry, warn_if_foreign
-from mixprec.trainer.strategy import FSDP, DDPStrategy, launch_stage, make_strategy
+from mixprec.trainer.module import attach, detach
+from mixprec.trainer.optimizers import (
+    check_closure_fit,
+    configured_optimizers,
+    scheduler_entry,
+    warn_if_foreign,
+)
+from mixprec.trainer.strategy import FSDP, DDPStrategy, make_strategy
+
+__all__ = ["Trainer"]
 
 
 class Trainer:
@@ -86,7 +101,8 @@ class Trainer:
             many training batches (int), and always at the end of an epoch (for data without
             ``len()``: when it runs out).
         limit_train_batches, limit_val_batches: a fraction or a number of batches per epoch.
-        callbacks: a Callback or a list of them.
+        callbacks: a Callback (or an object with Callback hooks: a PrecisionMonitor) or a
+            list of them.
         logger: True (CSV, and TensorBoard when installed), False, a Logger or a list.
         enable_progress_bar: draw a rich progress bar when stdout is a terminal.
         enable_checkpointing: add a ``ModelCheckpoint`` (latest epoch) unless one is given.
@@ -159,23 +175,18 @@ class Trainer:
         self.loggers = make_loggers(logger, self.config.default_root_dir)
         self.callbacks = make_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
 
-        # progress of the run (kept across fit calls, restored from checkpoints)
-        self.current_epoch = 0
-        self.global_step = 0
-        self.batches_done = 0
-        self.should_stop = False
-        self.stepped_this_batch = False
-        self.stage: str | None = None
-        self.num_eval_batches: int | None = None
+        self.stage: str | None = None  # "fit", "validate", "test" or "predict" while one runs
         self.model: nn.Module | None = None  # the model of the current or last run
         self.ckpt_path: Path | None = None  # the checkpoint the current or last fit resumed
-        self._current: Run | None = None  # the current or last run in this process
+        # what each run moves on: progress (kept across fit calls, restored from
+        # checkpoints), the values self.log records, the rows for the loggers
+        self._progress = Progress()
         self._metrics = MetricStore()
         self._log = StepLog(self.loggers, self.strategy)
+        self._current: Run | None = None  # the current or last run in this process
         self._summary: dict[str, str] = {}  # from the processes a DDP launch started
         self._gathered: dict[str, Tensor] | None = None  # a sharded run's weights, on rank 0
         self._fit_loss_fn: Any = None
-        self._listeners: dict[str, list[Callback]] = {}
         self._uncompile: Callable[[], None] | None = None  # hands the run's model back eager
 
     def __getattr__(self, name: str) -> Any:
@@ -191,13 +202,48 @@ class Trainer:
             model=None,
             _current=None,
             _fit_loss_fn=None,
-            _listeners={},
             _gathered=None,
             _uncompile=None,
         )
         return state
 
     # -- what callbacks and users read --------------------------------------------------------
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch being run (0-based); after a fit, the epochs it finished."""
+        return self._progress.current_epoch
+
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps so far, taken or skipped for overflow."""
+        return self._progress.global_step
+
+    @property
+    def batches_done(self) -> int:
+        """Training batches of the current epoch done."""
+        return self._progress.batches_done
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether training stops, at the end of the current accumulation window; set it to
+        ask for that (EarlyStopping does)."""
+        return self._progress.should_stop
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:
+        self._progress.should_stop = value
+
+    @property
+    def stepped_this_batch(self) -> bool:
+        """Whether the current training batch ended with an optimizer step."""
+        return self._progress.stepped_this_batch
+
+    @property
+    def num_eval_batches(self) -> int | None:
+        """Batches of the current (or last) validation or test pass; None when the data has
+        no length."""
+        return self._progress.num_eval_batches
 
     @property
     def is_global_zero(self) -> bool:
@@ -244,8 +290,7 @@ class Trainer:
     @property
     def callback_metrics(self) -> dict[str, float]:
         """The latest value of every logged metric (what callbacks monitor)."""
-        self._log.flush()
-        return self._log.callback_metrics
+        return self._log.read()
 
     @property
     def logged_metrics(self) -> dict[str, float]:
@@ -304,7 +349,8 @@ class Trainer:
         For a plain ``nn.Module`` give ``loss_fn(output, target)``; batches are then
         ``(inputs..., target)``. ``optimizer`` is an optimizer, a factory
         ``params -> optimizer``, or None (the module's ``configure_optimizers``, else AdamW
-        with lr 1e-3).
+        with lr 1e-3). An optimizer whose step needs a closure (LBFGS) gets one running the
+        batch's training step and backward, as in Lightning.
         """
         check_model(model, loss_fn)
         check_fit_inputs(self, model, train_dataloaders, val_dataloaders)
@@ -375,9 +421,9 @@ class Trainer:
             )
         path = Path(path)
         if self.strategy.sharded:
-            sharded.save(self, run, path)
+            sharded.save(run, path)
         elif self.is_global_zero:
-            ckpt_io.atomic_save(ckpt_io.checkpoint_state(self, run), path)
+            ckpt_io.atomic_save(resume.checkpoint_state(run), path)
         return path
 
     def link_checkpoint(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
@@ -436,8 +482,32 @@ class Trainer:
         if kwargs["ckpt_path"] is not None:  # one a killed save left aside
             ckpt_io.recover_aside(kwargs["ckpt_path"])
         if isinstance(self.strategy, DDPStrategy) and self.strategy.launches_processes:
-            return launch_stage(self, self.strategy, stage, model, kwargs)
+            return self._launch_processes(self.strategy, stage, model, kwargs)
         return self._run(stage, model, kwargs)
+
+    def _launch_processes(
+        self, strategy: DDPStrategy, stage: str, model: nn.Module, kwargs: dict[str, Any]
+    ) -> Any:
+        """Run ``stage`` in the processes ``strategy`` launches; rank 0 sends back the model's
+        weights and the trainer's progress, which land on the objects the caller holds."""
+        for lg in self.loggers:
+            lg.version  # noqa: B018 (fix the run directory before the children start)
+        out = strategy.launch(_run_launched, self, stage, model, kwargs)
+        precision = Precision(self.policy, device="cpu", allow_slow=True)
+        if not strategy.sharded:
+            precision.setup(model)
+        else:  # the weights land in the model as it was given, but with its quantized layers
+            from mixprec.sharding import quantize_for
+
+            quantize_for(model, precision.policy)
+        model.load_state_dict(out["model"])
+        self._progress = out["progress"]
+        self._log.callback_metrics = out["callback_metrics"]
+        self._log.logged_metrics = out["logged_metrics"]
+        load_callback_states(self.callbacks, out["callbacks"])
+        self.model, self._current = model, None
+        self._summary = out["summary"]
+        return out["result"]
 
     def _run(self, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
         """Run one stage in this process: seed, join the process group, set up, loop."""
@@ -445,7 +515,6 @@ class Trainer:
         self._gathered = None
         self._metrics.clear()
         self._log.reset_run()
-        self._listeners = {}
         if self.config.seed is not None:
             seed_everything(self.config.seed)
         with determinism(self.config.deterministic):
@@ -454,8 +523,7 @@ class Trainer:
             failed = True
             try:
                 self.strategy.agree_on_version(self.loggers)
-                if isinstance(model, TrainingModule):
-                    model.__dict__["_trainer"] = self
+                attach(model, self, self._metrics)
                 if stage == "fit":
                     result = self._fit(model, **kwargs)
                 else:
@@ -466,11 +534,12 @@ class Trainer:
                 return result
             except BaseException as exc:
                 for cb in self.callbacks:
-                    cb.on_exception(self, model, exc)
+                    if listens(cb, "on_exception"):
+                        cb.on_exception(self, model, exc)
                 raise
             finally:
                 self._log.flush()
-                model.__dict__.pop("_trainer", None)
+                detach(model)
                 if self._uncompile is not None:
                     self._uncompile()
                     self._uncompile = None
@@ -503,7 +572,7 @@ class Trainer:
         if self.config.compile is not None and self._uncompile is None:
             self._uncompile = compile_model(model, self.config.compile)
         opts = list(wrapped[1:]) if made else []
-        return precision, StepRunner(model, loss_fn), opts, scheduler_configs
+        return precision, StepRunner(model, precision, loss_fn), opts, scheduler_configs
 
     def _fit(
         self,
@@ -519,9 +588,7 @@ class Trainer:
         seed = self.config.seed if self.config.seed is not None else 0
         train_loader = self.strategy.prepare_loader(train, seed)
         run = FitRun(
-            model=model,
-            precision=precision,
-            runner=runner,
+            **self._run_parts(model, precision, runner),
             # without a DDP wrapper, skip nn.Module's call machinery on every step
             wrapped=wrapped,
             step=runner.forward if wrapped is runner else wrapped,
@@ -535,20 +602,24 @@ class Trainer:
             ),
             amax_layers=delayed_layers(model) if self.world_size > 1 else [],
         )
+        run.closure = check_closure_fit(
+            opts, precision.scaler.enabled, self.config.accumulate_grad_batches, self.strategy.name
+        )
         self._current = run
         if run.num_training_batches == 0:
             raise EmptyEpochError(f"the training data has no batch: {why_empty(train)}")
-        self.current_epoch = self.global_step = self.batches_done = 0
-        self.should_stop = False
+        progress = self._progress
+        progress.current_epoch = progress.global_step = progress.batches_done = 0
+        progress.should_stop = False
         self.ckpt_path = ckpt_path
         if ckpt_path is not None and ckpt_path.is_dir():
-            sharded.restore(self, run, ckpt_path)
+            sharded.restore(run, ckpt_path)
         elif ckpt_path is not None:
-            ckpt_io.restore(self, run, ckpt_io.load(ckpt_path), ckpt_path)
+            resume.restore(run, ckpt_io.load(ckpt_path), ckpt_path)
         run.skipped_steps = precision.scaler.stats().skipped_steps
-        self._hook("on_fit_start")
-        fit_loop(self, run)
-        self._hook("on_fit_end")
+        run.hook("on_fit_start")
+        fit_loop(run)
+        run.hook("on_fit_end")
         return {"summary": self.summary()}
 
     def _run_eval_stage(
@@ -560,45 +631,57 @@ class Trainer:
         loss_fn: Any = None,
     ) -> Any:
         precision, runner, _, _ = self._setup(model, loss_fn)
-        run = Run(model=model, precision=precision, runner=runner)
+        run = Run(**self._run_parts(model, precision, runner))
         self._current = run
         if ckpt_path is not None and ckpt_path.is_dir():
             sharded.load_weights(run, ckpt_path)
         elif ckpt_path is not None:
-            ckpt_io.load_weights(run, ckpt_io.load(ckpt_path), ckpt_path)
+            resume.load_weights(run, ckpt_io.load(ckpt_path), ckpt_path)
         if stage == "predict":
-            return predict_loop(self, run, loader)
+            return predict_loop(run, loader)
         loader = self.strategy.prepare_loader(loader, self.config.seed or 0)
         if stage == "validate":
-            return [run_eval(self, run, "validation", loader, self.config.limit_val_batches)]
-        return [run_eval(self, run, "test", loader, None)]
+            return [run_eval(run, "validation", loader, self.config.limit_val_batches)]
+        return [run_eval(run, "test", loader, None)]
 
-    # -- hooks ----------------------------------------------------------------------------------
+    def _run_parts(
+        self, model: nn.Module, precision: Precision, runner: StepRunner
+    ) -> dict[str, Any]:
+        """What every run object holds: the model set up, and this Trainer's progress and
+        stores, which the run moves on."""
+        return dict(
+            trainer=self,
+            model=model,
+            precision=precision,
+            runner=runner,
+            progress=self._progress,
+            metrics=self._metrics,
+            log=self._log,
+        )
 
-    def _hook(self, name: str, *args: Any) -> None:
-        """Call hook ``name``: the module's, then the callbacks'."""
-        self._module_hook(name, *args)
-        self._callback_hook(name, *args)
 
-    def _module_hook(self, name: str, *args: Any) -> None:
-        model = self.model
-        if isinstance(model, TrainingModule) and name in MODULE_HOOKS:
-            getattr(model, name)(*args)
-
-    def _callback_hook(self, name: str, *args: Any) -> None:
-        model = self.model
-        listeners = self._listeners.get(name)
-        if listeners is None:  # the callbacks that override this hook (it runs per batch)
-            base = getattr(Callback, name)
-            listeners = [cb for cb in self.callbacks if getattr(type(cb), name) is not base]
-            self._listeners[name] = listeners
-        for cb in listeners:
-            getattr(cb, name)(self, model, *args)
-
-    def _load_callback_states(self, states: dict[str, Any]) -> None:
-        for cb in self.callbacks:
-            if cb.state_key in states:
-                cb.load_state_dict(states[cb.state_key])
+def _run_launched(
+    trainer: Trainer, stage: str, model: nn.Module, kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """A launched process's whole job: run, and report what the parent needs (rank 0's is
+    kept): the result, the summary, the model's weights, progress and callback states."""
+    result = trainer._run(stage, model, kwargs)
+    weights = trainer._gathered  # a sharded model's whole state, gathered before teardown
+    if weights is None:
+        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if stage == "fit":
+        result, summary = None, result["summary"]
+    else:
+        summary = trainer.summary()
+    return {
+        "result": result,
+        "summary": summary,
+        "model": weights,
+        "progress": trainer._progress,
+        "callback_metrics": trainer.callback_metrics,
+        "logged_metrics": trainer.logged_metrics,
+        "callbacks": callback_states(trainer.callbacks),
+    }
 
 
 def _model_for(model: nn.Module | None, last: nn.Module | None, data: Any, stage: str) -> nn.Module:

@@ -14,11 +14,13 @@ import argparse
 import warnings
 from typing import Any
 
+from mixprec.bench.factory import FactoryError, call_factory, load_factory
+from mixprec.cli.outputs import check_output_dir
 from mixprec.doctor.diagnosis import Diagnosis, diagnose
 from mixprec.doctor.verdicts import DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE
 from mixprec.errors import PolicySpecError, PrecisionError
-from mixprec.factory import FactoryError, call_factory, load_factory
-from mixprec.outputs import check_output_dir
+
+__all__ = ["add_parser"]
 
 
 def _unpack(made: Any) -> tuple[Any, Any, Any]:

@@ -1,4 +1,5 @@
-"""`mixprec bench`: argument parsing, progress and printing; the work is in `suite`."""
+"""`mixprec bench`: argument parsing, progress and printing; the work is in `mixprec.bench`
+(`suite`, `distributed`)."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ from mixprec.bench.report import (
 )
 from mixprec.bench.runner import OK, OOM, RunResult
 from mixprec.bench.suite import PRESETS, BenchOptions, Config, plan, run_bench
+from mixprec.cli.outputs import check_output_dir
 from mixprec.hardware import detect
-from mixprec.outputs import check_output_dir
 from mixprec.version import __version__
+
+__all__ = ["add_parser", "parse_size", "run_command", "run_memory_command"]
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 

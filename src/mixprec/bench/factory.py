@@ -1,10 +1,11 @@
 """Load a user's factory named ``path/to/file.py:name`` or ``package.module:name``.
 
 `mixprec bench --model` and `mixprec doctor` both take such a reference; one loader means one
-set of rules and one set of errors. A file is imported as a module registered in
-``sys.modules`` (dataclasses, ``from __future__ import annotations`` and pickling look their
-module up there); a module name is imported from the working directory first, as
-``python -m`` would.
+set of rules and one set of errors. The bench owns it because each of a benchmark's processes
+builds its workload from the reference (`models.load_workload`); the doctor's command, a layer
+above, borrows it. A file is imported as a module registered in ``sys.modules``
+(dataclasses, ``from __future__ import annotations`` and pickling look their module up
+there); a module name is imported from the working directory first, as ``python -m`` would.
 """
 
 from __future__ import annotations

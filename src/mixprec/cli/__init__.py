@@ -1,17 +1,20 @@
-"""The `mixprec` command: argument parsing and printing only; the work lives in the library."""
+"""The `mixprec` command: argument parsing and printing only; the work lives in the library.
+
+`main` parses and dispatches and `info` is here; each other subcommand has its module
+(`mixprec.cli.bench`, `mixprec.cli.doctor`). `python -m mixprec.cli` runs `main`.
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
 import traceback
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from mixprec.bench.command import add_parser as add_bench_parser
-from mixprec.doctor.command import add_parser as add_doctor_parser
+from mixprec.cli.bench import add_parser as add_bench_parser
+from mixprec.cli.doctor import add_parser as add_doctor_parser
 from mixprec.errors import PrecisionError
 from mixprec.hardware import (
     FAST,
@@ -25,6 +28,8 @@ from mixprec.hardware import (
 )
 from mixprec.policy import Policy
 from mixprec.version import __version__
+
+__all__ = ["ERROR_EXIT", "build_parser", "main"]
 
 _STYLE = {FAST: "green", "supported": "yellow", SLOW: "red", REFUSED: "red bold"}
 
@@ -123,7 +128,3 @@ def main(argv: list[str] | None = None) -> int:
         message = f"mixprec {args.command}: stopped by an error: {type(err).__name__}: {err}"
         Console(stderr=True, soft_wrap=True).print(message, markup=False, highlight=False)
         return ERROR_EXIT
-
-
-if __name__ == "__main__":
-    sys.exit(main())

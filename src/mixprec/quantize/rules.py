@@ -1,0 +1,141 @@
+"""Which layers a quantized policy quantizes, written once: the skip rules and their reasons,
+how a quantized layer is described, and the one module filter and the one module swap that
+every quantization goes through (int8/int4 layers, float8 layers, and undoing either).
+
+`mixprec.policy_map` reads `skip_reason` to resolve and explain quantized rules;
+`quantize`, `apply` and `convert_to_float8` swap what it leaves.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from torch import nn
+
+from mixprec.errors import PolicySpecError
+from mixprec.policy import QuantizedPolicy
+
+__all__ = [
+    "Filter",
+    "MIN_QUANTIZED_FEATURES",
+    "check_same_options",
+    "describe",
+    "path_filter",
+    "skip_reason",
+    "swap_modules",
+]
+
+# A Linear/Embedding with fewer input features than this stays float: its weight is too small
+# for the bytes saved to matter, and per-token int8 activations of so few features lose most.
+MIN_QUANTIZED_FEATURES = 16
+
+Filter = Callable[[str, nn.Module], bool] | str | re.Pattern[str] | None
+
+
+def skip_reason(policy: QuantizedPolicy, module: nn.Module) -> str | None:
+    """Why `policy` leaves `module` in its source float policy (None: it quantizes it, or
+    it is already quantized in this mode)."""
+    mode = policy.mode
+    done = getattr(module, "quantization_mode", None)
+    if isinstance(done, str):
+        return None if done == mode else f"already quantized to {done}"
+    kinds = "Linear" if mode == "float8" else "Linear and Embedding"
+    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return (
+            "unsupported type: the output projection of nn.MultiheadAttention, whose "
+            "forward reads its weight directly"
+        )
+    embedding = mode != "float8" and type(module) is nn.Embedding
+    if embedding and (module.max_norm is not None or module.sparse):
+        return (
+            "unsupported option: an Embedding with max_norm or sparse=True changes its "
+            "weight or gradient in ways a quantized table cannot"
+        )
+    if type(module) is not nn.Linear and not embedding:
+        return f"unsupported type {type(module).__name__}: {mode} quantizes {kinds}"
+    features = module.in_features if type(module) is nn.Linear else module.embedding_dim
+    if features < MIN_QUANTIZED_FEATURES:
+        return (
+            f"too small: {features} input features (fewer than "
+            f"{MIN_QUANTIZED_FEATURES} save little and lose the most accuracy)"
+        )
+    config = policy.float8_config
+    if config is None:
+        return None
+    shape = config.shape_reason(module.in_features, module.out_features)
+    if shape is not None:
+        return f"too small for float8 matmuls: {shape}"
+    return config.gain_reason(module.in_features, module.out_features)
+
+
+def describe(policy: QuantizedPolicy) -> str:
+    """What a layer quantized by `policy` becomes, in words ("int4 (groups of 64)")."""
+    if policy.mode == "int4" and policy.group_size == -1:
+        return "int4 (per channel)"
+    if policy.mode == "int4":
+        return f"int4 (groups of {policy.group_size})"
+    if policy.mode == "float8" and policy.recipe == "delayed":
+        return f"float8 (delayed, amax history of {policy.amax_history_length})"
+    if policy.mode == "float8":
+        return f"float8 ({policy.recipe})"
+    return "int8"
+
+
+def check_same_options(path: str, layer: nn.Module, policy: QuantizedPolicy) -> None:
+    """Raise ValueError if the already quantized `layer` (in `policy`'s mode) was quantized
+    with other options than `policy` asks for: it used to stay as it was, silently."""
+    if policy.mode == "int4":
+        have = QuantizedPolicy("int4", "float32", group_size=layer.group_size)
+        undo = "mixprec.quantize.dequantize(model)"
+    elif policy.mode == "float8":
+        delayed = layer.recipe == "delayed"
+        history = layer.amax_history_length if delayed else None
+        have = QuantizedPolicy(
+            "float8", "float32", recipe=layer.recipe, amax_history_length=history
+        )
+        undo = "mixprec.quantize.float8.convert_from_float8(model)"
+    else:
+        return
+    if describe(have) != describe(policy):
+        raise ValueError(
+            f"{path or '<root>'} is already quantized to {describe(have)}, not "
+            f"{describe(policy)} as asked; to quantize it again with other options, make it "
+            f"float first: {undo}"
+        )
+
+
+def path_filter(filter: Filter) -> Callable[[str, nn.Module], bool]:
+    """A layer filter as a callable ``(path, module) -> bool``: None keeps every layer, a
+    regex (str or re.Pattern) the paths it fullmatches (the model's own path is "")."""
+    if filter is None:
+        return lambda path, module: True
+    if isinstance(filter, (str, re.Pattern)):
+        try:
+            rx = re.compile(filter)
+        except re.error as err:
+            raise PolicySpecError(f"filter {filter!r} is not a valid regex: {err}") from None
+        return lambda path, module: rx.fullmatch(path) is not None
+    if callable(filter):
+        return filter
+    raise TypeError(
+        f"filter must be None, a callable (path, module) -> bool or a regex on module paths "
+        f"(str or re.Pattern, matched with fullmatch), got {type(filter).__name__}"
+    )
+
+
+def swap_modules(model: nn.Module, make: Callable[[str, nn.Module], nn.Module | None]) -> None:
+    """Replace, in place, each submodule for which ``make(path, module)`` returns a module.
+    A module reachable at several paths is decided once, at its first path, and replaced at
+    every one (a layer tied at two paths stays one layer). `model` itself is never replaced;
+    the walk is over the modules as they were before any swap."""
+    done: dict[int, nn.Module | None] = {}
+    for parent_path, parent in list(model.named_modules()):
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            path = f"{parent_path}.{name}" if parent_path else name
+            if id(child) not in done:
+                done[id(child)] = make(path, child)
+            if done[id(child)] is not None:
+                parent._modules[name] = done[id(child)]

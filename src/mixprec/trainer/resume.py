@@ -1,0 +1,298 @@
+"""What a Trainer checkpoint holds (`checkpoint_state`, `run_state`) and how a fit resumes
+from one (`restore`, also across precisions: the float32 masters are restored by name), or
+an evaluation loads its weights (`load_weights`). Everything is checked before anything is
+loaded: a failed resume leaves the model as it was.
+
+Reading and writing the files is `checkpoint`'s; a sharded checkpoint's shards are
+`sharded`'s, which keeps its run state here too.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.optim import master_weights_by_name
+from mixprec.trainer.callbacks import callback_states, load_callback_states
+from mixprec.trainer.checkpoint import FORMAT, FORMAT_VERSION, CheckpointError, rng_states
+from mixprec.trainer.data import describe_order, generators, loader_batch_size, order_of
+from mixprec.trainer.loop import FitRun, Run
+from mixprec.version import __version__
+
+__all__ = [
+    "check_resume_point",
+    "check_weights",
+    "checkpoint_state",
+    "load_weights",
+    "restore",
+    "restore_progress",
+    "run_state",
+    "saved_masters",
+]
+
+log = logging.getLogger("mixprec")
+
+
+def checkpoint_state(run: FitRun) -> dict[str, Any]:
+    """Everything needed to resume ``run`` exactly where it is now."""
+    return {
+        **run_state(run),
+        "model": run.model.state_dict(),
+        "optimizers": [opt.state_dict() for opt in run.optimizers],
+    }
+
+
+def run_state(run: FitRun) -> dict[str, Any]:
+    """What a checkpoint holds besides the weights and the optimizers' state: versions,
+    policy, loop position, schedulers, scaler, callbacks, this process's RNG states, and
+    the metrics monitors read (the latest values, the training epoch's sums so far)."""
+    at_epoch_end, progress, strategy = run.epoch_finished, run.progress, run.strategy
+    # a process's own epoch sums: one file written by rank 0 of several would give every
+    # rank rank 0's
+    own = strategy.world_size == 1 or strategy.sharded
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "mixprec_version": __version__,
+        "torch_version": str(torch.__version__),
+        "policy_name": run.precision.policy.name,
+        "loop": {
+            "epoch": progress.current_epoch + 1 if at_epoch_end else progress.current_epoch,
+            "batch": 0 if at_epoch_end else progress.batches_done,
+            "global_step": progress.global_step,
+            "epoch_rng": None if at_epoch_end else run.epoch_rng,
+            "epoch_batches": run.num_training_batches,
+            "batch_size": loader_batch_size(run.train_loader),
+            "order": order_of(run.train_loader),
+        },
+        "optimizer_types": [type(opt.optimizer).__name__ for opt in run.optimizers],
+        # an epoch-interval scheduler does not advance after a skipped last step
+        "last_step_skipped": [opt.step_was_skipped for opt in run.optimizers],
+        "schedulers": [s.scheduler.state_dict() for s in run.schedulers],
+        "precision": run.precision.state_dict(),
+        "callbacks": callback_states(run.callbacks),
+        "rng": rng_states(),
+        "world_size": strategy.world_size,
+        "metrics": {
+            "callback": dict(run.log.read()),
+            "training_epoch": run.metrics.training_epoch_sums() if own else {},
+        },
+    }
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def check_weights(model: nn.Module, state: dict[str, Any], path: Path) -> None:
+    """Raise before anything is loaded if the checkpoint's weights are another model's."""
+    saved, own = state["model"], model.state_dict()
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    shapes = [
+        f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}"
+        for k, v in own.items()
+        if k in saved and tuple(saved[k].shape) != tuple(v.shape)
+    ]
+    if missing or unexpected or shapes:
+        parts = [
+            f"{label}: {_shown(items)}"
+            for label, items in (
+                ("missing in the checkpoint", missing),
+                ("not in this model", unexpected),
+                ("shapes differ (checkpoint vs model)", shapes),
+            )
+            if items
+        ]
+        raise CheckpointError(
+            f"{path} holds the weights of another model ({type(model).__name__} here); "
+            f"{'; '.join(parts)}. Nothing was loaded"
+        )
+
+
+def _check_optimizers(run: FitRun, state: dict[str, Any], path: Path) -> None:
+    if len(state["optimizers"]) != len(run.optimizers) or len(state["schedulers"]) != len(
+        run.schedulers
+    ):
+        raise CheckpointError(
+            f"{path} has {len(state['optimizers'])} optimizers and {len(state['schedulers'])} "
+            f"schedulers; this run configured {len(run.optimizers)} and "
+            f"{len(run.schedulers)}: resume with the same configure_optimizers"
+        )
+    saved_types = state.get("optimizer_types", [None] * len(run.optimizers))
+    for i, (opt, saved, saved_type) in enumerate(
+        zip(run.optimizers, state["optimizers"], saved_types, strict=True)
+    ):
+        groups = saved["optimizer"]["param_groups"]
+        mine = opt.optimizer.param_groups
+        same_settings = all(
+            set(g) - {"params"} == set(m) - {"params"} for g, m in zip(groups, mine, strict=False)
+        )
+        if saved_type not in (None, type(opt.optimizer).__name__) or not same_settings:
+            was = saved_type or f"one with settings {sorted(set(groups[0]) - {'params'})}"
+            raise CheckpointError(
+                f"{path} holds the state of optimizer {i} as {was}; this run's is "
+                f"{type(opt.optimizer).__name__}. Resume with the same optimizer, or start a "
+                f"new fit from the weights alone: model.load_state_dict(load(path)['model'])"
+            )
+        if [len(g["params"]) for g in groups] != [len(m["params"]) for m in mine]:
+            raise CheckpointError(
+                f"{path}: optimizer {i} has parameter groups of sizes "
+                f"{[len(g['params']) for g in groups]}, this run's "
+                f"{[len(m['params']) for m in mine]}: resume with the same configure_optimizers"
+            )
+
+
+def check_resume_point(run: FitRun, loop: dict[str, Any], path: Path) -> None:
+    """A mid-epoch checkpoint replays its epoch's order and skips the batches done: that
+    needs the same batches as at the save."""
+    if not loop["batch"]:
+        return
+    saved_n, saved_bs = loop.get("epoch_batches"), loop.get("batch_size")
+    n, bs = run.num_training_batches, loader_batch_size(run.train_loader)
+    fix = (
+        "resume with the same data, batch size and limit_train_batches, or from a checkpoint "
+        "saved at the end of an epoch"
+    )
+    if saved_bs is not None and bs is not None and saved_bs != bs:
+        raise CheckpointError(
+            f"{path} was saved after {loop['batch']} batches of {saved_bs} samples in epoch "
+            f"{loop['epoch']}; this run's batches hold {bs}, so skipping {loop['batch']} "
+            f"batches would repeat or skip samples: {fix}"
+        )
+    # a save on the epoch's last batch (batch == n) resumes by ending the epoch
+    if n is not None and (loop["batch"] > n or (saved_n is not None and saved_n != n)):
+        of = f" of {saved_n}" if saved_n is not None else ""
+        raise CheckpointError(
+            f"{path} was saved at batch {loop['batch']}{of} of epoch {loop['epoch']}, but "
+            f"this run's epoch has {n} batches: {fix}"
+        )
+    if loop["batch"] != n:  # else nothing of the epoch is left to replay
+        _check_order(run, loop, path)
+
+
+def _check_order(run: FitRun, loop: dict[str, Any], path: Path) -> None:
+    """The epoch's order replays from the generator states saved with it: the loader must
+    draw it the same way (same samplers, a generator where there was one, none where there
+    was none)."""
+    here = order_of(run.train_loader)
+    saved = loop.get("order")  # absent from checkpoints written before it was kept
+    if saved is not None:
+        kinds = ("sampler", "batch_sampler")
+        same = [saved.get(k) for k in kinds] == [here[k] for k in kinds]
+        same = same and len(saved["generators"]) == len(here["generators"])
+        was, now = describe_order(saved), describe_order(here)
+    else:
+        count = len(loop["epoch_rng"]["loader"])
+        same = count == len(generators(run.train_loader))
+        was, now = (f"{k} torch generator(s)" for k in (count, len(here["generators"])))
+    if not same:
+        raise CheckpointError(
+            f"{path} was saved after {loop['batch']} batches of epoch {loop['epoch']}, with a "
+            f"DataLoader ordered by {was}; this run's DataLoader is ordered by {now}. The "
+            "epoch's order cannot be replayed, so skipping the batches done would repeat or "
+            "skip samples: resume with the DataLoader built as at the save (same sampler and "
+            "shuffle, generator= given or not as then; the same strategy where the Trainer put "
+            "in a DistributedSampler), or from a checkpoint saved at the end of an epoch"
+        )
+
+
+def load_weights(run: Run, state: dict[str, Any], path: Path) -> bool:
+    """Load the model weights; return whether the checkpoint's precision is this run's.
+
+    Across precisions the float32 master weights (if the checkpoint has them) are used in
+    place of the 16-bit parameters they shadow, and everything is cast to this run's dtypes.
+    """
+    check_weights(run.model, state, path)
+    saved_policy = state["precision"]["policy"]
+    same = saved_policy == run.precision.policy.to_config()
+    weights = dict(state["model"])
+    if not same:
+        log.info(
+            "resuming %s, trained in precision %s, in %s: weights are cast to this run's dtypes%s",
+            path,
+            state.get("policy_name", "?"),
+            run.precision.policy.name,
+            " (from the float32 master weights)"
+            if any(o["master_weights"] for o in state["optimizers"])
+            else "",
+        )
+        weights.update(saved_masters(state))
+    run.model.load_state_dict(weights)
+    return same
+
+
+def saved_masters(state: dict[str, Any]) -> dict[str, Tensor]:
+    """Parameter name -> the checkpoint's float32 master of it, for a restore in another
+    precision (the masters are saved under their parameters' names)."""
+    out: dict[str, Tensor] = {}
+    for saved in state["optimizers"]:
+        out.update(master_weights_by_name(saved, state["model"]))
+    return out
+
+
+def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
+    """Put ``run`` and its progress back where the checkpoint ``state`` left them."""
+    # everything is checked before anything is loaded: a failed resume leaves the model as it was
+    check_weights(run.model, state, path)
+    _check_optimizers(run, state, path)
+    loop = state["loop"]
+    world = run.strategy.world_size
+    if state.get("world_size", 1) != world and loop["batch"]:
+        raise CheckpointError(
+            f"{path} was saved mid-epoch with {state['world_size']} processes; resuming "
+            f"mid-epoch needs the same number (this run has {world})"
+        )
+    check_resume_point(run, loop, path)
+    same = load_weights(run, state, path)
+    if not same:
+        # this run's masters come from the checkpoint's own weights (a float32 checkpoint's
+        # exactly, not as this run's 16-bit model holds them) or its masters
+        full = {**run.model.state_dict(), **state["model"], **saved_masters(state)}
+    for opt, saved in zip(run.optimizers, state["optimizers"], strict=True):
+        if same:
+            opt.load_state_dict(saved)
+        else:  # this run's masters from full-precision weights
+            opt.load_state_dict_across_precisions(saved, full)
+    for s, saved in zip(run.schedulers, state["schedulers"], strict=True):
+        s.scheduler.load_state_dict(saved)
+    precision = run.precision
+    scaler_state = state["precision"]["scaler"]
+    if scaler_state.get("kind") == precision.scaler.kind:
+        precision.load_state_dict(state["precision"])
+    else:
+        log.info(
+            "%s had a %r loss scaler, this run uses %r: starting it fresh",
+            path,
+            scaler_state.get("kind"),
+            precision.scaler.kind,
+        )
+    load_callback_states(run.callbacks, state["callbacks"])
+    restore_progress(run, state, path)
+
+
+def restore_progress(run: FitRun, state: dict[str, Any], path: Path) -> None:
+    """The loop position, the RNG states to resume with and the metrics monitors read, from
+    a checkpoint's run state (a file's or a sharded one's)."""
+    loop, progress = state["loop"], run.progress
+    progress.current_epoch, progress.batches_done = loop["epoch"], loop["batch"]
+    progress.global_step = loop["global_step"]
+    if loop["epoch_rng"] is not None:
+        run.epoch_rng = loop["epoch_rng"]
+    run.resume_rng = state["rng"]
+    for opt, skipped in zip(run.optimizers, state.get("last_step_skipped", []), strict=False):
+        opt.step_was_skipped = skipped
+    metrics = state.get("metrics", {})  # absent from checkpoints written before it was kept
+    run.log.callback_metrics.update(metrics.get("callback", {}))
+    run.metrics.load_training_epoch_sums(metrics.get("training_epoch", {}), run.strategy.device)
+    log.info(
+        "resumed from %s at epoch %d, batch %d, step %d",
+        path,
+        progress.current_epoch,
+        progress.batches_done,
+        progress.global_step,
+    )

@@ -1,0 +1,102 @@
+"""The doctor's verdict rules one by one, on reports built by hand: each named and documented,
+tried in the documented order (the first finding wins), the blame on the innermost module,
+and finding kinds whose values are the strings reports carry."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import torch
+
+from mixprec.doctor import rules
+from mixprec.doctor.rules import MODULE_RULES, judge
+from mixprec.doctor.verdicts import AT_RISK, BROKEN, OK, FindingKind, ModuleReport, Origins
+
+
+def report(name: str, **fields: Any) -> ModuleReport:
+    """A healthy float16 module's report, with `fields` changed."""
+    base: dict[str, Any] = dict(
+        name=name,
+        type="Linear",
+        order=0,
+        dtype="float16",
+        calls=1,
+        numel=64,
+        amax=1.0,
+        amin=0.01,
+        overflow=0.0,
+        underflow=0.0,
+        flushed=0.0,
+        nonfinite=0,
+        rel_error=0.001,
+        sqnr_db=60.0,
+        input_amax=1.0,
+        input_nonfinite=0,
+        input_rel_error=0.001,
+    )
+    return ModuleReport(**{**base, **fields})
+
+
+def judged(*reports: ModuleReport, origins: Origins | None = None, **kwargs: Any) -> dict:
+    modules = {m.name: m for m in reports}
+    judge(modules, origins or Origins(), 2.0**16, 2.0**16, torch.float16, **kwargs)
+    return modules
+
+
+def test_every_rule_is_named_documented_and_listed_in_the_order_it_runs():
+    names = [rule.__name__ for rule in MODULE_RULES]
+    assert len(set(names)) == len(names)
+    assert all(rule.__doc__ and len(rule.__doc__.split()) > 10 for rule in MODULE_RULES)
+    documented = re.findall(r"`(\w+)`", rules.__doc__ or "")
+    assert [n for n in documented if n in names] == names
+
+
+def test_the_first_rule_that_finds_something_decides():
+    # an output beyond float16's max that also grows the error: the overflow is the finding
+    both = report("0", amax=1e5, nonfinite=3, rel_error=0.6)
+    m = judged(both, report(""), origins=Origins(forward={"0"}), loss_finite=False)["0"]
+    assert (m.verdict, m.kind) == (BROKEN, FindingKind.RANGE)
+    assert m.reason == "output reaches 1.0e5 > float16 max 65504 (3 values become inf/NaN)"
+    near = judged(report("0", amax=20000.0, rel_error=0.3))["0"]
+    assert (near.verdict, near.kind) == (AT_RISK, FindingKind.RANGE)
+    assert near.reason == "output reaches 2.0e4, within 4x of float16 max 65504"
+
+
+def test_a_block_containing_a_flagged_module_is_not_blamed():
+    modules = judged(report(""), report("0", amax=20000.0), report("0.a", amax=20000.0))
+    inner, block, root = modules["0.a"], modules["0"], modules[""]
+    assert (inner.verdict, inner.origin) == (AT_RISK, False)
+    assert (block.verdict, block.kind, block.reason) == (OK, FindingKind.NONE, "")
+    assert block.note == "contains 0.a (at risk)"
+    assert (root.verdict, root.note) == (OK, "")
+
+
+def test_quantized_layers_losing_precision_are_the_quantizations_finding():
+    m = judged(report("0", rel_error=0.6, quantized="int8_from_mixed_bfloat16"))["0"]
+    assert (m.verdict, m.kind) == (BROKEN, FindingKind.QUANTIZATION)
+    plain = judged(report("0", rel_error=0.6))["0"]
+    assert (plain.verdict, plain.kind) == (BROKEN, FindingKind.PRECISION)
+    assert plain.reason.endswith(": it carries little signal")
+
+
+def test_a_loss_overflowing_outside_the_modules_is_the_roots_finding():
+    modules = judged(report(""), report("0"), loss_finite=False)
+    root = modules[""]
+    assert (root.verdict, root.kind, root.origin) == (BROKEN, FindingKind.LOSS, True)
+    assert root.reason.startswith("the loss is inf/NaN although every module's output is finite")
+
+
+def test_finding_kinds_are_the_strings_reports_carry():
+    assert [k.value for k in FindingKind] == [
+        "",
+        "range",
+        "precision",
+        "quantization",
+        "scale",
+        "loss",
+    ]
+    assert FindingKind.SCALE == "scale" and str(FindingKind.SCALE) == "scale"
+    assert f"{FindingKind.RANGE}" == "range" and json.dumps(FindingKind.LOSS) == '"loss"'
+    assert report("0").kind is FindingKind.NONE and not FindingKind.NONE

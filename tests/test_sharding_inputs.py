@@ -1,0 +1,128 @@
+"""`shard` refuses, before touching the model, what FSDP2 would shard wrongly or crash on
+deep inside: a second sharding, a wrapped or converted model, bad arguments, ranks that
+disagree on the policy; and says when a rule names no module, as `apply` does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from spawning import run_ranks
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import mixprec
+from mixprec import PolicyMap, PrecisionError
+from mixprec.sharding import shard
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 16)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-process gloo group: FSDP2 shards over a world of one."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+def _unchanged(model: nn.Module) -> bool:
+    return all(p.dtype == torch.float32 and type(p) is nn.Parameter for p in model.parameters())
+
+
+def test_a_model_sharded_once_is_not_sharded_again(one_rank):
+    model = Net()
+    shard(model, "32-true")
+    with pytest.raises(PrecisionError, match=r"already sharded by FSDP2 \(<root>, blocks.0"):
+        shard(model, "bf16-mixed")
+    partly = Net()
+    torch.distributed.fsdp.fully_shard(partly.blocks[0])
+    with pytest.raises(PrecisionError, match=r"already sharded by FSDP2 \(blocks.0\)"):
+        shard(partly, "bf16-mixed")
+
+
+def test_apply_refuses_a_sharded_model(one_rank):
+    model = Net()
+    shard(model, "bf16-mixed")
+    with pytest.raises(TypeError, match="sharded by FSDP2 .*give the policy to"):
+        mixprec.apply(model, "32-true")
+
+
+def test_a_wrapped_model_is_refused_naming_the_plain_one(one_rank):
+    model = Net()
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    with pytest.raises(PrecisionError, match=r"DistributedDataParallel wrapper.*model.module"):
+        shard(wrapped, PolicyMap("bf16-mixed", {"head": "32-true"}))
+    with pytest.raises(PrecisionError, match="OptimizedModule wrapper"):
+        shard(torch.compile(Net()), "bf16-mixed")
+    assert _unchanged(model)
+
+
+def test_the_trainer_refuses_a_ddp_wrapped_model(one_rank):
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_size=4)
+    trainer = mixprec.Trainer(
+        max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False
+    )
+    with pytest.raises(TypeError, match=r"wrapped in DistributedDataParallel.*model.module"):
+        trainer.fit(
+            nn.parallel.DistributedDataParallel(Net()), data, loss_fn=nn.functional.mse_loss
+        )
+
+
+def test_a_model_converted_by_apply_is_refused(one_rank):
+    model = Net()
+    mixprec.apply(model, "32-true")
+    with pytest.raises(PrecisionError, match=r"converted by mixprec.apply \(<root>\)"):
+        shard(model, "bf16-mixed")
+    mixprec.remove(model)
+    shard(model, "bf16-mixed")  # the plain model shards
+
+
+def test_bad_mesh_and_reduce_dtype_are_refused_before_sharding(one_rank):
+    model = Net()
+    with pytest.raises(TypeError, match="mesh must be None .* or a torch DeviceMesh, got str"):
+        shard(model, "bf16-mixed", mesh="cpu")
+    with pytest.raises(TypeError, match=r"reduce_dtype must be a floating torch.dtype"):
+        shard(model, "bf16-mixed", reduce_dtype=torch.int8)
+    assert _unchanged(model)
+
+
+def test_a_rule_naming_no_module_warns_as_apply_does(one_rank):
+    with pytest.warns(UserWarning, match=r"'blocks.9.fc' matches no module .*closest paths"):
+        shard(Net(), PolicyMap("bf16-mixed", {"blocks.9.fc": "32-true"}), allow_slow=True)
+
+
+def _disagreeing(rank: int) -> None:
+    with pytest.raises(PrecisionError, match="the ranks shard under different policies"):
+        shard(Net(), "bf16-mixed" if rank == 0 else "32-true", allow_slow=True)
+
+
+@pytest.mark.slow
+def test_ranks_sharding_under_different_policies_are_refused_on_every_rank():
+    # before: gloo aborted the processes ("Received data size doesn't match expected size")
+    run_ranks(_disagreeing)
