@@ -314,8 +314,14 @@ class Int4Linear(LoraMixin, _Int4Weight):
         # weight would meet a 16-bit input (FSDP2 casts inputs, not these buffers)
         dtype = output_dtype(x)
         bias = None if self.bias is None else self.bias.to(dtype)
-        kernel, why_not = kernel_for(x.device, self.kernel_group)
-        if why_not is None and dtype in KERNEL_INPUT_DTYPES and x.numel():
+        # torch.compile traces the dequantized matmul: the packed copy lives outside the
+        # module's buffers
+        if (
+            dtype in KERNEL_INPUT_DTYPES
+            and x.numel()
+            and not torch.compiler.is_compiling()
+            and kernel_for(x.device, self.kernel_group)[1] is None
+        ):
             weight = self.prepacked(
                 (self.qweight, self.weight_scale, self.weight_zero),
                 lambda: pack_for_kernel(

@@ -11,8 +11,8 @@ The integer sums are exact on every path, so every path gives the same outputs b
 `Int8Linear.kernel` names the one a layer takes. On a CPU whose oneDNN int8 kernel gives
 exact sums (with VNNI; asked of the kernel once per process, `cpu_int8_kernels`), a Linear
 multiplies by its weight prepacked once for oneDNN (``torch.ops.onednn.qlinear_pointwise``,
-the kernel ``torch.ao``'s dynamic quantization runs on here; activation codes shifted to
-unsigned with zero point 128). Elsewhere `torch._int_mm` where its sums are exact, else a
+the int8 linear of torch's x86 Inductor quantization; activation codes shifted to unsigned
+with zero point 128). Elsewhere `torch._int_mm` where its sums are exact, else a
 float64 matmul, which holds them exactly. Without VNNI oneDNN's int8 kernels saturate
 16-bit partial sums (a row of 127s times 127s summed to 8160 instead of 1032256 under
 ``ONEDNN_MAX_CPU_ISA=AVX2``), and `torch._int_mm` on CPU returned garbage for a reduction
@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from functools import cache
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -117,8 +116,12 @@ def _quantize_rows(
     amax = amax.to(torch.float32)
     scale = torch.where(amax > 0, amax / QMAX, 1.0)
     # on a CPU, one look at the largest row maximum spares two passes when all are finite
-    # (on a GPU that look would wait for the device)
-    finite = x.device.type == "cpu" and (amax.numel() == 0 or math.isfinite(amax.max().item()))
+    # (on a GPU that look would wait for the device; torch.compile would break its graph)
+    finite = (
+        x.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and (amax.numel() == 0 or math.isfinite(amax.max().item()))
+    )
     if not finite:
         scale = torch.where(torch.isfinite(amax), scale, torch.nan)
     scale = storable_scale(scale, dtype, name)
@@ -217,26 +220,32 @@ def onednn_product(qx: Tensor, weight: OnednnWeight) -> Tensor:
     )  # fmt: skip
 
 
-@cache
+_cpu_int8_kernels: dict[str, str | None] = {}
+
+
 def cpu_int8_kernels() -> dict[str, str | None]:
     """Which CPU int8 kernels give exact sums in this process: ``{"onednn": why not or None,
     "int_mm": why not or None}``, found once by running each on `_probe_operands`.
 
     Asked of the kernels, not of CPU flags: oneDNN picks its code from the ISA it sees
     (capped by ``ONEDNN_MAX_CPU_ISA``), and without VNNI its int8 sums saturate."""
-    found: dict[str, str | None] = {}
-    with torch.device("cpu"), torch.inference_mode():  # whatever default device is set
-        if not torch.backends.mkldnn.is_available():
-            found["onednn"] = "this torch is built without oneDNN"
-        else:
-            found["onednn"] = wrong_sums(lambda a, b: onednn_product(a, onednn_prepack(b)))
-        found["int_mm"] = wrong_sums(lambda a, b: torch._int_mm(a, b.t()))
-    return found
+    if not _cpu_int8_kernels:
+        found: dict[str, str | None] = {}
+        with torch.device("cpu"), torch.inference_mode():  # whatever default device is set
+            if not torch.backends.mkldnn.is_available():
+                found["onednn"] = "this torch is built without oneDNN"
+            else:
+                found["onednn"] = wrong_sums(lambda a, b: onednn_product(a, onednn_prepack(b)))
+            found["int_mm"] = wrong_sums(lambda a, b: torch._int_mm(a, b.t()))
+        _cpu_int8_kernels.update(found)
+    return _cpu_int8_kernels
 
 
 def _int_mm_exact(device: torch.device, m: int, k: int, n: int) -> bool:
     """Whether `torch._int_mm` gives exact sums for an [m, k] x [k, n] product here."""
     if device.type == "cpu":
+        if torch.compiler.is_compiling() and not _cpu_int8_kernels:
+            return False  # not probed yet, and a traced graph cannot run the probes
         return k >= INT_MM_MIN_K and cpu_int8_kernels()["int_mm"] is None
     return device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0
 
@@ -435,9 +444,12 @@ class Int8Linear(Prepacked, LoraMixin, nn.Module):
         return f"float64 matmul of the int8 codes ({why}; torch._int_mm: {found['int_mm']})"
 
     def _onednn(self, device: torch.device) -> bool:
-        """Whether this layer multiplies with oneDNN's prepacked weight on `device`."""
+        """Whether this layer multiplies with oneDNN's prepacked weight on `device` (not
+        under torch.compile, which traces `int_matmul`: the prepacked weight is an opaque
+        oneDNN tensor kept outside the module)."""
         return (
             device.type == "cpu"
+            and not torch.compiler.is_compiling()
             and INT_MM_MIN_K <= self.in_features <= ONEDNN_MAX_K
             and cpu_int8_kernels()["onednn"] is None
         )
