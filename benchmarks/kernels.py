@@ -30,6 +30,15 @@ from torch import nn
 
 import mixprec
 from mixprec.hardware import detect
+from mixprec.quantize import Int4Linear, Int8Linear
+from mixprec.quantize.int4 import kernel_matmul, pack_for_kernel
+from mixprec.quantize.int8 import (
+    int8_linear,
+    int_matmul,
+    onednn_prepack,
+    onednn_product,
+    quantize_tokens,
+)
 
 Call = Callable[[], object]
 
@@ -133,12 +142,53 @@ class Row:
     case: Case
     kernel: str
     medians: dict[str, float]  # "mixprec" and each anchor that ran, in ms
+    fastest: dict[str, float]  # their fastest call, in ms
     missing: dict[str, str]  # anchor -> why it did not run
+    parts: dict[str, float]  # the steps of mixprec's forward, each timed alone, in ms
 
 
-def take_turns(calls: dict[str, Call], repeats: int) -> dict[str, float]:
-    """Median ms per call of each callable, the callables called in turn `repeats` times
-    after two warm-up calls each."""
+def int8_parts(layer: Int8Linear, x: torch.Tensor) -> dict[str, Call]:
+    """The steps of an int8 Linear's forward, each callable alone on the same data."""
+    qx, x_scale = quantize_tokens(x)
+    packed = layer.prepacked((layer.qweight,), lambda: onednn_prepack(layer.qweight))
+    uses_onednn = layer.kernel.startswith("oneDNN")
+    acc = int8_linear(x, layer.qweight, layer.weight_scale, packed if uses_onednn else None)
+    scale = layer.weight_scale[None, :]
+
+    def product() -> object:
+        if uses_onednn:
+            return onednn_product(qx.clone(), packed)  # it shifts its codes in place
+        return int_matmul(qx, layer.qweight)
+
+    return {
+        "quantize activations (per token)": lambda: quantize_tokens(x),
+        "int8 product": product,
+        "scales and bias (in place)": lambda: (
+            acc.mul_(x_scale[:, None]).mul_(scale).add_(layer.bias)
+        ),
+    }
+
+
+def int4_parts(layer: Int4Linear, x: torch.Tensor) -> dict[str, Call]:
+    """The steps of an int4 Linear's kernel forward, each callable alone."""
+    packed = layer.prepacked(
+        (layer.qweight, layer.weight_scale, layer.weight_zero),
+        lambda: pack_for_kernel(
+            layer.qweight, layer.weight_scale, layer.weight_zero, layer.features, layer.group_size
+        ),
+    )
+    xb = x.to(torch.bfloat16)
+    out = kernel_matmul(x, packed, layer.out_features, layer.kernel_group)
+    return {
+        "input to bfloat16": lambda: x.to(torch.bfloat16),
+        "int4 kernel": lambda: kernel_matmul(xb, packed, layer.out_features, layer.kernel_group),
+        "output to float32 and bias": lambda: out.to(torch.float32) + layer.bias,
+    }
+
+
+def take_turns(calls: dict[str, Call], repeats: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median and fastest ms per call of each callable, the callables called in turn
+    `repeats` times after two warm-up calls each."""
     times: dict[str, list[float]] = {name: [] for name in calls}
     for call in calls.values():
         call()
@@ -148,7 +198,10 @@ def take_turns(calls: dict[str, Call], repeats: int) -> dict[str, float]:
             start = time.perf_counter()
             call()
             times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return (
+        {name: statistics.median(ts) for name, ts in times.items()},
+        {name: min(ts) for name, ts in times.items()},
+    )
 
 
 def run(case: Case, repeats: int) -> Row:
@@ -166,9 +219,18 @@ def run(case: Case, repeats: int) -> Row:
         except (AttributeError, RuntimeError) as err:
             calls.pop(anchor, None)
             missing[anchor] = f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    layer = model[0]
     with torch.inference_mode():
-        medians = take_turns(calls, repeats)
-    return Row(case, result.kernels["0"], medians, missing)
+        medians, fastest = take_turns(calls, repeats)
+        steps = {}
+        if isinstance(layer, Int8Linear):
+            steps = int8_parts(layer, x)
+        elif layer.kernel.startswith("aten."):
+            steps = int4_parts(layer, x)
+        # the steps take turns with the whole forward, whose median the rest is taken from
+        whole = {"whole forward": calls["mixprec"]}
+        parts = take_turns({**whole, **steps}, repeats)[0] if steps else {}
+    return Row(case, result.kernels["0"], medians, fastest, missing, parts)
 
 
 def verdicts(row: Row) -> list[str]:
@@ -207,24 +269,43 @@ def main() -> None:
         f"before, {', '.join(f'{v:.2f}' for v in load_after)} after ({seconds:.0f} s).",
         "",
         f"Median ms of {args.repeats} calls per callable, the callables of a row taking "
-        "turns call by call, under torch.inference_mode; float32 inputs.",
+        "turns call by call, under torch.inference_mode; float32 inputs. Targets compare "
+        "medians; the fastest call of each (in brackets) shows what a quiet host gives, as "
+        "other processes' bursts stall the 2-thread OpenMP regions of every op.",
         "",
         "| case | mixprec ms | anchors: ms (mixprec / anchor) | targets |",
         "|---|---:|---|---|",
     ]
     for row in rows:
-        mine = row.medians["mixprec"]
+        mine, best = row.medians["mixprec"], row.fastest["mixprec"]
         anchors = [
-            f"{name}: {row.medians[name]:.3f} ({mine / row.medians[name]:.2f}x)"
+            f"{name}: {row.medians[name]:.3f} ({mine / row.medians[name]:.2f}x) "
+            f"[{row.fastest[name]:.3f}: {best / row.fastest[name]:.2f}x]"
             for name in row.case.anchors
             if name in row.medians
         ] + [f"{name}: missing ({why})" for name, why in row.missing.items()]
         lines.append(
-            f"| {row.case.name} | {mine:.3f} | {'; '.join(anchors)} | "
+            f"| {row.case.name} | {mine:.3f} [{best:.3f}] | {'; '.join(anchors)} | "
             f"{'; '.join(verdicts(row)) or '-'} |"
         )
     lines += ["", "Kernels mixprec ran (`layer.kernel`):", ""]
     lines += [f"- {row.case.name}: {row.kernel}" for row in rows]
+    lines += [
+        "",
+        "Where mixprec's time goes: the steps of its forward, each called alone on the same "
+        "data, taking turns with the whole forward (a second measurement of it); the rest is "
+        "the layer's Python and dispatch (checks, the prepacked-copy lookup, reshapes) and "
+        "what the steps cost more back to back. Median ms.",
+        "",
+        "| case | whole forward | steps | rest |",
+        "|---|---:|---|---:|",
+    ]
+    for row in rows:
+        if row.parts:
+            whole = row.parts.pop("whole forward")
+            steps = "; ".join(f"{name} {ms:.3f}" for name, ms in row.parts.items())
+            rest = whole - sum(row.parts.values())
+            lines.append(f"| {row.case.name} | {whole:.3f} | {steps} | {rest:.3f} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
