@@ -190,8 +190,7 @@ def test_trainer_resume_with_compensation_is_bit_identical(tmp_path):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         trainer = Trainer(
-            precision=mixprec.Precision("bf16-true", compensation="stochastic"),
-            allow_slow_precision=True,
+            precision=mixprec.Precision("bf16-true", compensation="stochastic", allow_slow=True),
             max_epochs=epochs,
             seed=0,
             deterministic=True,

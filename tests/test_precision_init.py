@@ -1,13 +1,16 @@
-"""`Precision.init_module` (build a model in its storage dtype) and `device_info` (check
-against a described device instead of the host): the same outcome on every host."""
+"""`Precision.init_module` (build a model in its storage dtype), `device_info` (check
+against a described device instead of the host) and the life cycle (`resolve` once, `setup`,
+`reset` for another run): the same outcome on every host."""
 
 import pytest
 import torch
-from devices import AVX2_CPU, H100
+from devices import AVX2_CPU, H100, ZEN4
 from nets import mlp
 from torch import nn
 
 from mixprec import Precision, SlowPrecisionError
+from mixprec.hardware import assume
+from mixprec.scaling import DynamicLossScaler
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -39,3 +42,40 @@ def test_precision_checks_against_a_described_device():
     assert isinstance(model, nn.Module)
     with pytest.raises(TypeError, match="DeviceInfo"):
         Precision("32-true", device_info="h100")
+
+
+def test_resolve_checks_the_device_once_and_setup_does_not_check_again():
+    # before: there was no resolve, and each setup checked the device again (the Lightning
+    # plugin sets up twice: the module, then the optimizers)
+    precision = Precision("auto")
+    assert precision.resolved_for is None
+    assert "_owner" not in vars(precision)  # a field nothing read
+    with assume(ZEN4):
+        support = precision.resolve("cpu")
+        assert precision.resolve("cpu") is support  # asked again: the same answer
+    assert support.status == "fast" and precision.resolved_for == ZEN4
+    assert precision.policy.name == "bf16-mixed"  # "auto" picked for the device judged
+    model = mlp()
+    with assume(AVX2_CPU):  # bfloat16 far slower here: setup does not judge again
+        precision.setup(model)
+        model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(ValueError, match=r"resolved for cpu \(AMD Zen 4.*cpu \(AVX2-only"):
+            precision.resolve("cpu")
+    assert precision.resolved_for == ZEN4
+
+
+def test_reset_begins_another_run_from_the_configured_scaler():
+    precision = Precision("16-mixed", scaler=DynamicLossScaler(init_scale=2.0**10), allow_slow=True)
+    scaler, configured = precision.scaler, precision.scaler.state_dict()
+    model = mlp()
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with precision.forward_context():
+        loss = model(torch.ones(3, 4)).float().square().mean()
+    precision.backward(loss)
+    assert precision.step(opt) and scaler.stats().steps == 1
+    judged = precision.resolved_for
+    precision.reset()
+    assert precision.scaler is scaler and scaler.state_dict() == configured
+    assert precision.resolved_for is judged  # the device is not judged again
+    with pytest.raises(ValueError, match="no optimizer to step"):
+        precision.step()  # the last run's optimizers are forgotten

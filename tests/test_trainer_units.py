@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from devices import AVX2_CPU, H100, ZEN4
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
@@ -262,31 +263,63 @@ def test_accumulate_grad_batches_has_one_rule_and_one_message(value):
         Trainer(accumulate_grad_batches=value, **QUIET)
 
 
-def test_a_configured_precision_brings_its_scaler_settings_to_every_run():
-    template = mixprec.Precision(
+def test_a_configured_precision_is_the_one_the_runs_use_each_from_its_configured_scaler():
+    # before: the Trainer rebuilt the Precision for each run from what it could read of it,
+    # so trainer.precision was a copy and the given object never saw a step
+    given = mixprec.Precision(
         "16-mixed", scaler=DynamicLossScaler(init_scale=2**12), allow_slow=True
     )
-    trainer = Trainer(precision=template, max_steps=2, **QUIET)  # allow_slow comes along
+    trainer = Trainer(precision=given, max_steps=2, **QUIET)  # allow_slow comes along
     assert trainer.policy == mixprec.PolicyMap("16-mixed")
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(8, 4), 0.01 * torch.randn(8, 1))
     for _ in range(2):  # each fit starts from the configured scale, not the last run's state
         trainer.fit(nn.Linear(4, 1), DataLoader(data, batch_size=4), loss_fn=F.mse_loss)
-        stats = trainer.precision.scaler.stats()
+        assert trainer.precision is given
+        stats = given.scaler.stats()
         assert stats.scale == 2**12 and stats.steps == 2 and stats.skipped_steps == 0
-        assert trainer.precision.scaler is not template.scaler
-    assert template.scaler.stats().steps == 0  # the given object is left as it was
+        assert len(given.optimizers) == 1  # this fit's optimizer only
     with pytest.raises(ValueError, match="built for device meta"):
         Trainer(precision=mixprec.Precision("32-true", device="meta"), **QUIET)
 
 
+def test_a_configured_precision_that_contradicts_the_trainer_is_refused():
+    # before: allow_slow_precision=True silently rebuilt the Precision with allow_slow=True,
+    # and a described device (device_info=) was dropped for the Trainer's own
+    with pytest.raises(ValueError, match=r"built with allow_slow=False.*allow_slow=True"):
+        Trainer(precision=mixprec.Precision("16-mixed"), allow_slow_precision=True, **QUIET)
+    with pytest.raises(ValueError, match=r"describes its device as cuda:0 \(H100.*runs on cpu"):
+        Trainer(precision=mixprec.Precision("32-true", device_info=H100), **QUIET)
+
+
+def test_a_configured_precision_is_judged_on_its_described_device():
+    with mixprec.hardware.assume(AVX2_CPU):  # the host, as the Trainer would detect it
+        trainer = Trainer(precision=mixprec.Precision("auto", device_info=ZEN4), **QUIET)
+    assert trainer.policy == mixprec.PolicyMap("bf16-mixed")
+    assert trainer.device_description.startswith("cpu (AMD Zen 4;")
+
+
+def test_the_trainer_checks_the_device_once_when_built_not_again_in_each_run():
+    # before: each run's Precision.setup checked the device again, so a run judged under
+    # another described CPU than the Trainer's refused what the Trainer had accepted
+    data = DataLoader(TensorDataset(torch.randn(4, 4), torch.randn(4, 1)), batch_size=4)
+    with mixprec.hardware.assume(ZEN4):  # bfloat16 fast
+        trainer = Trainer(precision="bf16-mixed", max_steps=1, **QUIET)
+    assert trainer.support.status == "fast"
+    with mixprec.hardware.assume(AVX2_CPU):  # bfloat16 far slower than float32
+        trainer.fit(nn.Linear(4, 1), data, loss_fn=F.mse_loss)
+        trainer.validate(dataloaders=data)
+    assert trainer.precision.resolved_for == ZEN4
+
+
 def test_an_inf_free_run_at_a_low_init_scale_logs_that_scale(tmp_path):
-    template = mixprec.Precision("16-mixed", scaler=DynamicLossScaler(init_scale=256.0))
+    given = mixprec.Precision(
+        "16-mixed", scaler=DynamicLossScaler(init_scale=256.0), allow_slow=True
+    )
     trainer = Trainer(
-        precision=template,
+        precision=given,
         max_steps=1,
         default_root_dir=tmp_path,
-        allow_slow_precision=True,
         enable_progress_bar=False,
         enable_checkpointing=False,
     )

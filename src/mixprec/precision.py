@@ -28,8 +28,10 @@ from mixprec.compensated import check_compensation
 from mixprec.convert import apply, cast_floating, default_dtype, needs_default_dtype
 from mixprec.hardware import (
     DeviceInfo,
+    Support,
     check,
     default_device,
+    detect,
     device_of,
     parse_device,
     resolve_policy,
@@ -52,8 +54,8 @@ class Precision:
             Keras and jmp names, a dtype, ``"auto"``), a ``Policy`` or a ``PolicyMap``.
         device: where training runs, for the hardware check, ``"auto"`` and ``autocast``
             (default: the model's device at ``setup``). The model is not moved. ``"auto"``
-            without a device is resolved at ``setup``, and ``policy`` and ``scaler`` exist
-            from then on.
+            without a device is resolved by `resolve` (``setup`` calls it), and ``policy``
+            and ``scaler`` exist from then on.
         allow_slow: accept a precision that works here but is far slower than float32
             (float16 on most CPUs), e.g. to study its numerics.
         scaler: ``None`` picks dynamic loss scaling when the policy uses float16 and none
@@ -68,6 +70,11 @@ class Precision:
         device_info: a described device (``mixprec.hardware.DeviceInfo``) to check the policy
             against and resolve ``"auto"`` for, instead of detecting the device at ``setup``:
             "on an H100", "on an AVX2-only CPU".
+
+    Life cycle: built (a policy other than ``"auto"`` and the scaler are known at once), then
+    `resolve` once for the device it runs on (``"auto"`` picked, the hardware checked; ``setup``
+    does it when nothing did), then ``setup`` and the steps. `reset` begins another run with
+    the same object (the Trainer's runs), without checking the hardware again.
     """
 
     def __init__(
@@ -102,32 +109,77 @@ class Precision:
         self.master_weights = master_weights
         self.compensation = compensation
         self.optimizers: list[LossScaleOptimizer] = []
-        self._owner: dict[torch.Tensor, LossScaleOptimizer] = {}
         self._spec = spec
         self._scaler_spec = scaler
         self._policy: PolicyMap | None = None
         self._scaler: LossScaler | None = None
-        if not is_auto(spec) or self.device is not None or device_info is not None:
-            self._resolve(self.device)
+        self._configured_scaler: dict[str, Any] = {}  # the scaler's state as built
+        self._resolved: tuple[DeviceInfo, Support] | None = None  # the device checked
+        if not is_auto(spec):
+            self._choose(None)
+        elif device_info is not None or self.device is not None:
+            self._choose(device_info or self.device)
 
-    def _resolve(self, device: torch.device | None) -> None:
-        # "auto" means the fastest stable precision on *this* device: known from the
-        # constructor's device or, at setup, the model's
+    def _choose(self, device: DeviceInfo | torch.device | None) -> None:
+        """The policy and the scaler; "auto" means the fastest stable precision on
+        ``device``, known from the constructor or at `resolve`."""
         if is_auto(self._spec):
-            described = self.device_info or device
-            assert described is not None
-            self._policy = resolve_policy(self._spec, described)
+            assert device is not None
+            self._policy = resolve_policy(self._spec, device)
         else:
             self._policy = as_map(self._spec)
         self._scaler = as_loss_scaler(
             self._scaler_spec, needs_scaling=self._policy.needs_loss_scaling
         )
+        self._configured_scaler = self._scaler.state_dict()
+
+    def resolve(self, device: torch.device | str | None = None) -> Support:
+        """Settle this precision for the device it runs on, once: ``"auto"`` becomes the
+        fastest stable policy there (and the scaler follows), and the device is checked:
+        ``mixprec.PrecisionError`` when it refuses the policy, ``mixprec.SlowPrecisionError``
+        when it runs it far slower than float32 and ``allow_slow`` is off. Returns how the
+        device supports the policy (status and reason).
+
+        The device judged is ``device_info`` when one was given, else ``device`` (default:
+        the constructor's, else the best available one) as `mixprec.hardware.detect` sees
+        it. ``setup`` calls this when nothing did; later calls for the same device return
+        the same answer without checking again, and one for another device raises
+        ``ValueError``: one Precision runs on one kind of device.
+        """
+        info = self.device_info or detect(device if device is not None else self.device)
+        if self._resolved is not None:
+            judged, support = self._resolved
+            if info != judged:
+                raise ValueError(
+                    f"this Precision was resolved for {judged.describe()}; it cannot be "
+                    f"resolved again for {info.describe()}: build one Precision per device"
+                )
+            return support
+        if self._policy is None:
+            self._choose(info)
+        support = check(self.policy, allow_slow=self.allow_slow, info=info)
+        self._resolved = (info, support)
+        return support
+
+    @property
+    def resolved_for(self) -> DeviceInfo | None:
+        """The device `resolve` checked the policy against; None until it ran."""
+        return self._resolved[0] if self._resolved is not None else None
+
+    def reset(self) -> None:
+        """Begin another run with this precision: forget the optimizers set up so far and
+        return the scaler to its state as built (its initial scale, no steps), so every run
+        starts alike. The policy and the hardware check stay as `resolve` left them. The
+        Trainer calls this before each fit, validate, test and predict."""
+        self.optimizers = []
+        if self._scaler is not None:
+            self._scaler.load_state_dict(self._configured_scaler)
 
     @staticmethod
     def _unresolved() -> RuntimeError:
         return RuntimeError(
             "Precision('auto') picks its policy and scaler at setup(), from the model's "
-            "device; call setup() first, or pass device=..."
+            "device; call setup() or resolve(device) first, or pass device=..."
         )
 
     @property
@@ -165,7 +217,8 @@ class Precision:
         *optimizers: torch.optim.Optimizer | LossScaleOptimizer,
         convert: bool = True,
     ) -> Any:
-        """Check the policy on the device, convert ``model`` in place and wrap ``optimizers``.
+        """Resolve and check the policy for the device (`resolve`, unless it ran), convert
+        ``model`` in place and wrap ``optimizers``.
 
         ``convert=False`` leaves the model's dtypes and forward alone, for a model sharded by
         `mixprec.sharding.shard` (FSDP2 casts per unit, and the policy was checked there).
@@ -188,10 +241,8 @@ class Precision:
                 )
         if self.device is None:
             self.device = device_of(model)
-        if self._policy is None:
-            self._resolve(self.device)
-        described = {"info": self.device_info} if self.device_info is not None else {}
-        check(self.policy, self.device, allow_slow=self.allow_slow, **described)
+        if self._resolved is None:
+            self.resolve()
         if convert:
             apply(model, self.policy, warn=False)
         self.scaler.to(self.device)

@@ -46,7 +46,7 @@ from mixprec.hardware import check, detect, policy_support
 from mixprec.policy_map import as_map
 from mixprec.precision import Precision
 from mixprec.step import backward, plain_loss
-from mixprec.trainer.strategy import free_port
+from mixprec.trainer.strategy import end_finished_process, free_port
 from mixprec.tree import map_tensors
 
 __all__ = [
@@ -170,6 +170,7 @@ def _rank(rank: int, spec: MemorySpec, port: int, out: str) -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    end_finished_process()
 
 
 def _measure_rank(rank: int, spec: MemorySpec, device: torch.device, out: str) -> None:

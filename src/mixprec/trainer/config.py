@@ -9,7 +9,6 @@ and the message says what is accepted.
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import logging
 import os
@@ -25,10 +24,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from mixprec.hardware import DeviceInfo, Support, check, detect, resolve_policy
+from mixprec.hardware import DeviceInfo, Support
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
-from mixprec.scaling import LossScaler
 from mixprec.trainer.callbacks import Callback, ModelCheckpoint, check_callback, keeps_state
 from mixprec.trainer.module import TrainingModule, hooks_not_called
 from mixprec.trainer.progress import RichProgressBar
@@ -46,7 +44,6 @@ __all__ = [
     "compile_options",
     "determinism",
     "make_callbacks",
-    "new_precision",
     "resolve_precision",
     "seed_everything",
 ]
@@ -205,8 +202,9 @@ def resolve_precision(
     device refuses the policy, ``mixprec.SlowPrecisionError`` when it runs far slower than
     float32 there and ``allow_slow`` is false. Never substitutes another precision.
     """
-    policy = resolve_policy(precision, info)
-    return policy, check(policy, allow_slow=allow_slow, info=info)
+    chosen = Precision(precision, allow_slow=allow_slow, device_info=info)
+    support = chosen.resolve()
+    return chosen.policy, support
 
 
 def seed_everything(seed: int) -> None:
@@ -238,34 +236,51 @@ def determinism(enabled: bool) -> Iterator[None]:
         torch.backends.cudnn.benchmark = before[1]
 
 
-def _template(precision: Precision) -> tuple[Any, LossScaler | None]:
-    """A configured Precision's policy and scaler; ("auto", None) while it still waits for a
-    device to resolve "auto" (the run's device decides, and the default scaler with it)."""
-    try:
-        return precision.policy, precision.scaler
-    except RuntimeError:
-        return "auto", None
+def _check_given(precision: Precision, device: torch.device, allow_slow: bool) -> None:
+    """Refuse a configured Precision whose settings contradict the Trainer's: the Trainer
+    uses that object as it is and changes none of them."""
+    if precision.device not in (None, device):
+        raise ValueError(
+            f"the Precision given was built for device {precision.device}, but this Trainer "
+            f"runs on {device}; build it without device= (the Trainer sets it)"
+        )
+    described = precision.device_info
+    if described is not None and described.type != device.type:
+        raise ValueError(
+            f"the Precision given describes its device as {described.describe()} "
+            f"(device_info=), but this Trainer runs on {device}; describe a {device.type} "
+            "device, or leave device_info out"
+        )
+    if allow_slow and not precision.allow_slow:
+        raise ValueError(
+            "allow_slow_precision=True, but the Precision given was built with "
+            "allow_slow=False; the Trainer runs a configured Precision as it is: build it "
+            "with allow_slow=True (the Trainer then allows slow precision too)"
+        )
 
 
 def choose_precision(
     precision: Any, device: torch.device, allow_slow: bool
-) -> tuple[PolicyMap, Support, str]:
-    """The policy a Trainer's ``precision`` flag (a spec, or a configured `Precision`) means on
-    ``device``, its support there and the device's description; logged once (logger
-    ``"mixprec"``). Raises as `resolve_precision` does."""
-    template = precision if isinstance(precision, Precision) else None
-    if template is not None and template.device not in (None, device):
-        raise ValueError(
-            f"the Precision given was built for device {template.device}, but this Trainer "
-            f"runs on {device}; build it without device= (the Trainer sets it)"
-        )
-    info = detect(device)
-    spec, scaler = _template(template) if template is not None else (precision, None)
-    policy, support = resolve_precision(spec, info, allow_slow)
-    if scaler is not None:
-        scaling = f"loss scaler {scaler!r}"
+) -> tuple[Precision, Support, str]:
+    """The `Precision` a Trainer's ``precision`` flag means on ``device``, resolved there once
+    (`Precision.resolve`: ``"auto"`` picked, the hardware checked), with its support and the
+    description of the device judged; logged once (logger ``"mixprec"``).
+
+    A configured `Precision` is used as it is, not copied: the runs go through that object
+    (each begins with `Precision.reset`). A spec, Policy or PolicyMap becomes
+    ``Precision(spec, allow_slow=allow_slow)``. Raises as `resolve_precision` does, and
+    ``ValueError`` when a configured Precision contradicts the Trainer's device or
+    ``allow_slow_precision``.
+    """
+    if isinstance(precision, Precision):
+        _check_given(precision, device, allow_slow)
     else:
-        scaling = "dynamic loss scaling" if policy.needs_loss_scaling else "no loss scaling"
+        precision = Precision(precision, allow_slow=allow_slow)
+    support = precision.resolve(device)
+    info = precision.resolved_for
+    assert info is not None
+    policy, scaler = precision.policy, precision.scaler
+    scaling = f"loss scaler {scaler!r}" if scaler.enabled else "no loss scaling"
     description = info.describe()
     log.info(
         "precision %s on %s: %s (%s); %s",
@@ -275,25 +290,7 @@ def choose_precision(
         support.reason,
         scaling,
     )
-    return policy, support, description
-
-
-def new_precision(
-    policy: PolicyMap, device: torch.device, allow_slow: bool, template: Precision | None
-) -> Precision:
-    """A fresh `Precision` for one run; a configured ``template`` gives its scaler settings
-    (copied as given, so every run starts from the same scale), master-weight and
-    compensation choices."""
-    if template is None:
-        return Precision(policy, device=device, allow_slow=allow_slow)
-    return Precision(
-        policy,
-        device=device,
-        allow_slow=allow_slow,
-        scaler=copy.deepcopy(_template(template)[1]),
-        master_weights=template.master_weights,
-        compensation=template.compensation,
-    )
+    return precision, support, description
 
 
 def make_callbacks(callbacks: Any, progress: bool, checkpointing: bool) -> list[Callback]:

@@ -39,7 +39,6 @@ from mixprec.trainer.config import (
     compile_model,
     determinism,
     make_callbacks,
-    new_precision,
     seed_everything,
 )
 from mixprec.trainer.data import num_batches, why_empty
@@ -81,8 +80,9 @@ class Trainer:
         precision: any spec ``mixprec.Policy`` takes (``"32-true"``, ``"bf16-mixed"``,
             ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``, ``"64-true"``, Lightning aliases,
             Keras names, jmp specs, ``"auto"``), a Policy, a PolicyMap, or a configured
-            ``mixprec.Precision`` (its policy, scaler settings and master-weight choice are
-            used; each run starts from a copy of its scaler).
+            ``mixprec.Precision``, which the runs use as it is (``trainer.precision`` is
+            that object; each run starts from its scaler as configured; its ``device``,
+            ``device_info`` and ``allow_slow`` must agree with this Trainer's).
         accelerator: ``"auto"``, ``"cpu"``, ``"cuda"`` (or ``"gpu"``), ``"mps"``.
         devices: processes/GPUs to use (an int, a list of GPU indices, or ``"auto"``).
         strategy: ``"auto"`` (one device, or ``"ddp"`` when ``devices > 1``),
@@ -168,10 +168,10 @@ class Trainer:
             compile=compile,
         )
         self.strategy = make_strategy(accelerator, devices, strategy)
-        self.policy, self.support, self.device_description = choose_precision(
-            template or precision, self.strategy.device, self.config.allow_slow_precision
+        self._precision, self.support, self.device_description = choose_precision(
+            precision, self.strategy.device, allow_slow_precision
         )
-        self._precision_template = template
+        self.policy = self._precision.policy
         self.loggers = make_loggers(logger, self.config.default_root_dir)
         self.callbacks = make_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
 
@@ -559,9 +559,8 @@ class Trainer:
         Returns the scheduler configs too."""
         device = self.strategy.device
         model.to(device)
-        precision = new_precision(
-            self.policy, device, self.config.allow_slow_precision, self._precision_template
-        )
+        precision = self._precision
+        precision.reset()  # each run starts from the scaler as configured, no optimizers
         is_sharded = self.strategy.shard(model, precision)
         optimizers, scheduler_configs = configured_optimizers(model, optimizer) if fit else ([], [])
         made = [opt(model) if callable(opt) else opt for opt in optimizers]
