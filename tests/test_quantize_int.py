@@ -44,6 +44,8 @@ from mixprec.quantize.int4 import (
 )
 from mixprec.quantize.int8 import (
     ACC_MAX_K,
+    INT_MM_MIN_K,
+    ONEDNN_MAX_K,
     cpu_int8_kernels,
     int8_linear,
     int_matmul,
@@ -727,10 +729,13 @@ def test_a_quantized_linear_refuses_inputs_a_linear_cannot_take(mode, x):
         layer(x)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4-kernel"])
 def test_empty_batches_1d_and_nd_inputs_work_as_in_a_linear(mode):
     lin = nn.Linear(32, 8)
-    layer = Int8Linear.from_float(lin) if mode == "int8" else Int4Linear.from_float(lin, 16)
+    if mode == "int8":
+        layer = Int8Linear.from_float(lin)
+    else:  # groups of 16 dequantize; groups of 32 go through the int4 kernel where it exists
+        layer = Int4Linear.from_float(lin, 32 if mode == "int4-kernel" else 16)
     for shape in [(0, 32), (2, 0, 32), (32,), (2, 3, 4, 32)]:
         x = torch.randn(shape)
         assert layer(x).shape == lin(x).shape
@@ -955,7 +960,7 @@ def test_int4_kernel_runs_per_channel_groups_only_of_a_kernel_size():
 
 
 @pytest.mark.parametrize("m, k, n", [(1, 16, 8), (7, 24, 10), (33, 300, 40), (130, 1024, 48)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_int8_linear_is_the_same_integer_math_whichever_kernel_runs(m, k, n, dtype):
     """oneDNN's prepacked int8 linear, torch._int_mm and the float64 fallback give the same
     sums, so a layer's output is the float reference of its integer math bit for bit."""
@@ -971,6 +976,48 @@ def test_int8_linear_is_the_same_integer_math_whichever_kernel_runs(m, k, n, dty
     if cpu_int8_kernels()["onednn"] is None:  # the prepacked kernel, called directly
         packed = onednn_prepack(qw)
         assert torch.equal(int8_linear(x, qw, ws, packed), int8_linear(x, qw, ws))
+
+
+@pytest.mark.parametrize("k", [1, INT_MM_MIN_K, ONEDNN_MAX_K, ONEDNN_MAX_K + 1])
+def test_int8_linear_sums_full_scale_codes_exactly_at_each_kernels_bounds(k):
+    """At full scale (codes 127 x 127) every product is largest: below `INT_MM_MIN_K` the
+    float64 path (torch._int_mm gave garbage for K == 1), up to `ONEDNN_MAX_K` oneDNN's
+    unsigned codes (255 x 127 per product) fit its int32 sums, past it torch._int_mm. Each
+    layer's output is exactly K, for one token and for several."""
+    lin = nn.Linear(k, 3)  # quantize skips a layer this small; the layer itself takes it
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+        lin.bias.zero_()
+    layer = Int8Linear.from_float(lin)
+    if cpu_int8_kernels()["onednn"] is None:
+        assert layer.kernel.startswith("oneDNN") == (INT_MM_MIN_K <= k <= ONEDNN_MAX_K)
+    for tokens in (1, 4):
+        for sign in (1.0, -1.0):
+            out = layer(torch.full((tokens, k), sign))
+            assert torch.equal(out, torch.full((tokens, 3), sign * k))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_model_moved_to_another_dtype_after_a_forward_computes_as_a_fresh_one(mode):
+    """The prepacked copy made by a forward must not outlive ``.to(dtype)`` / ``.to(device)``:
+    the moved layer computes as one quantized and moved without ever running."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32))
+        quantize(model, mode)
+        return model
+
+    x = torch.randn(5, 128)
+    used, fresh = net(), net()
+    used(x)
+    used.to("cpu").to(torch.bfloat16)
+    fresh.to(torch.bfloat16)
+    assert torch.equal(used(x.bfloat16()), fresh(x.bfloat16()))
+    assert torch.equal(used(x[:1].bfloat16()), fresh(x[:1].bfloat16()))
+    used.float()
+    fresh.float()
+    assert torch.equal(used(x), fresh(x))
 
 
 def test_a_kernel_whose_int8_sums_saturate_is_found_out():

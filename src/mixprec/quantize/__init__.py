@@ -11,9 +11,9 @@ ones (or Linear for float8 training), in place, as Keras's ``model.quantize`` do
 - int4 (`Int4Linear`, `Int4Embedding`): grouped weights with a zero point, packed two per
   byte; Linear layers multiply through torch's packed int4 kernel with bfloat16 activations
   where it exists (groups of 32-256, float32/bfloat16 inputs), else dequantize first.
-
-`QuantizeResult.kernels` says which matmul each quantized Linear runs, and why.
 - float8: `mixprec.quantize.float8.convert_to_float8` (training numerics).
+
+`QuantizeResult.kernels` says which matmul each quantized int8/int4 Linear runs, and why.
 
 Quantized layers keep their int tensors and scales as buffers, so ``state_dict`` holds them
 and a checkpoint loads into a model quantized the same way without quantizing again.
