@@ -85,7 +85,9 @@ class Group:
     fastest: dict[str, float] = field(default_factory=dict)  # ms
 
 
-def anchor(calls: dict[str, Call], missing: dict[str, str], name: str, make: Callable[[], Call]):
+def anchor(
+    calls: dict[str, Call], missing: dict[str, str], name: str, make: Callable[[], Call]
+) -> None:
     """Add the anchor `name` built by `make` to `calls`, or say in `missing` why it cannot
     run here (not installed, or an engine this build lacks: it raises on its first call)."""
     try:
@@ -135,7 +137,11 @@ LINEARS = [  # (name, mode, features, outputs, tokens, targets)
 ]  # fmt: skip
 
 
-def linear_group(name: str, mode: str, features: int, outputs: int, tokens: int, targets):
+def linear_group(
+    name: str, mode: str, features: int, outputs: int, tokens: int, targets: tuple[Target, ...]
+) -> Group:
+    """A Linear(features -> outputs) quantized by `mode` on `tokens` float32 tokens, beside
+    the float32 Linear (and for int8 torch.ao's dynamic int8 Linear)."""
     torch.manual_seed(0)
     linear = nn.Linear(features, outputs)
     x = torch.randn(tokens, features)
@@ -217,6 +223,7 @@ STEP_TARGETS = (
 
 
 def step_group() -> Group:
+    """mixprec's compensated AdamW steps beside optimi's Kahan AdamW and plain AdamW."""
     calls: dict[str, Call] = {
         "Kahan": compensated("kahan"),
         "stochastic": compensated("stochastic"),
@@ -276,6 +283,7 @@ def lm_step(precision: Precision | None, autocast: bool = False, batch: int = 32
 
 
 def lm_group() -> Group:
+    """A char LM training step in float32, bf16-mixed, raw autocast and bf16-true + Kahan."""
     calls = {
         "float32": lm_step(None),
         "bf16-mixed": lm_step(Precision("bf16-mixed", allow_slow=True)),
