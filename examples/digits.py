@@ -21,11 +21,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mixprec.trainer import Trainer, TrainingModule
+
+try:
+    from sklearn.datasets import load_digits
+except ImportError:
+    raise SystemExit(
+        "examples/digits.py reads scikit-learn's bundled digits: "
+        'pip install "torch==2.13.0" -e ".[examples]"'
+    ) from None
 
 
 class DigitsCNN(TrainingModule):

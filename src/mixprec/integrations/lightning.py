@@ -338,7 +338,8 @@ class PrecisionMonitorCallback(pl.Callback):
             arguments (``every_n_steps``, ``headroom``, ``skip_patience``, ...) here.
 
     The loss scaler's numbers (scale, skipped steps) come along when the trainer runs a
-    ``MixprecPrecision``. ``.monitor`` holds the history and the warnings raised.
+    ``MixprecPrecision``. ``.warnings`` are the warnings raised (as on the Hugging Face
+    callback); ``.monitor`` holds the history too.
     """
 
     def __init__(self, monitor: PrecisionMonitor | None = None, **kwargs: Any) -> None:
@@ -349,6 +350,11 @@ class PrecisionMonitorCallback(pl.Callback):
         if monitor is not None and not isinstance(monitor, PrecisionMonitor):
             raise TypeError(f"monitor must be a PrecisionMonitor, got {type(monitor).__name__}")
         self.monitor = monitor if monitor is not None else PrecisionMonitor(**kwargs)
+
+    @property
+    def warnings(self) -> list[str]:
+        """The warnings raised so far, each naming its layer."""
+        return self.monitor.warnings
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.monitor.attach(pl_module)
