@@ -397,10 +397,14 @@ def float8_support(info: DeviceInfo) -> Support:
 
 def policy_support(policy: Any, info: DeviceInfo) -> Support:
     """The worst support over every dtype a policy (or each policy of a map) uses; float8
-    quantized policies also need float8 matmul hardware (int8 and int4 run anywhere)."""
-    policies = as_map(policy).policies()
+    quantized policies also need float8 matmul hardware (int8 and int4 run anywhere).
+
+    The reason is the map's default policy's unless another policy of the map is worse: a
+    bf16-mixed map is fast because of bfloat16, not because of its float32 islands."""
+    pmap = as_map(policy)
+    others = sorted(pmap.policies() - {pmap.default}, key=lambda p: p.name)
     worst = Support(FAST, "")
-    for p in sorted(policies, key=lambda p: p.name):
+    for p in [pmap.default, *others]:
         if isinstance(p, QuantizedPolicy) and p.mode == "float8":
             s = float8_support(info)
             if s.status.rank > worst.status.rank or not worst.reason:

@@ -13,6 +13,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from mixprec import textout
 from mixprec.cli.bench import add_parser as add_bench_parser
 from mixprec.cli.doctor import add_parser as add_doctor_parser
 from mixprec.errors import PrecisionError
@@ -27,6 +28,7 @@ from mixprec.hardware import (
     support_matrix,
 )
 from mixprec.policy import Policy
+from mixprec.textout import Column, FittedTable
 from mixprec.version import __version__
 
 __all__ = ["ERROR_EXIT", "build_parser", "main"]
@@ -35,7 +37,7 @@ _STYLE = {FAST: "green", "supported": "yellow", SLOW: "red", REFUSED: "red bold"
 
 
 def _info(args: argparse.Namespace) -> int:
-    console = Console()
+    console = textout.console()
     try:
         info = detect(args.device)
     except (PrecisionError, RuntimeError) as err:
@@ -43,12 +45,12 @@ def _info(args: argparse.Namespace) -> int:
         return 2
     console.print(f"[bold]mixprec {__version__}[/] · torch {torch.__version__}")
     console.print(f"device: {info.describe()}")
-    table = Table(title="precision support on this device")
-    table.add_column("precision")
-    table.add_column("status")
-    table.add_column("why")
+    table = FittedTable(
+        "precision support on this device",
+        [Column("precision", "left"), Column("status", "left"), Column("why", "left")],
+    )
     for name, s in support_matrix(info).items():
-        table.add_row(name, f"[{_STYLE[s.status]}]{s.status}[/]", s.reason)
+        table.add_row([name, f"[{_STYLE[s.status]}]{s.status}[/]", s.reason])
     console.print(table)
     console.print(f'"auto" resolves to: [bold]{resolve_auto(info).name}[/]')
     slow = {
