@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from contextlib import contextmanager
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 import mixprec
 from mixprec import Policy, PolicyMap, PrecisionError, SlowPrecisionError, hardware
 from mixprec.cli import main
+from mixprec.errors import SlowPrecisionWarning
 from mixprec.hardware import DeviceInfo, check, detect, policy_support, resolve_auto, support_matrix
 
 SPR = DeviceInfo("cpu", "Xeon", cpu_flags=frozenset({"avx512bw", "amx_bf16", "avx512_fp16"}))
@@ -94,6 +96,25 @@ def test_apply_only_warns_about_a_slow_precision(monkeypatch):
     monkeypatch.setattr(mixprec.hardware, "detect", lambda device=None: ZEN4)
     with pytest.warns(UserWarning, match="'16-mixed' is slow on cpu"):
         mixprec.apply(nn.Linear(2, 2), "16-mixed")
+
+
+def test_the_slow_precision_note_names_the_slow_policy_so_it_is_said_once():
+    """A map with rules warns as its slow policy does: one message, which Python's default
+    filter shows once per place, and a class of its own to filter by."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with hardware.assume(ZEN4), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mixprec.apply(model, "16-mixed")
+        mixprec.apply(model, PolicyMap("16-mixed", {"1": "bf16-mixed"}))
+        mixprec.apply(model, PolicyMap("bf16-mixed", {"1": "16-true"}))
+    messages = [str(w.message) for w in caught]
+    assert all(w.category is SlowPrecisionWarning for w in caught)
+    assert [m.split(" is slow")[0] for m in messages] == [
+        "precision '16-mixed'",
+        "precision '16-mixed'",
+        "precision '16-true'",
+    ]
+    assert messages[0] == messages[1]
 
 
 def test_measure_reports_a_rate_per_dtype():

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from mixprec.dtypes import dtype_name
-from mixprec.errors import PrecisionError, SlowPrecisionError
+from mixprec.errors import PrecisionError, SlowPrecisionError, SlowPrecisionWarning
 from mixprec.policy import Policy, QuantizedPolicy, is_auto
 from mixprec.policy_map import PolicyMap, as_map
 
@@ -524,13 +524,21 @@ def _slowest_dtype(policy: Any, info: DeviceInfo) -> torch.dtype:
 
 def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -> None:
     """Warn (never raise) when a policy is slow or refused here: for tools that convert or
-    diagnose numerics in any precision, which can be studied anywhere."""
+    diagnose numerics in any precision, which can be studied anywhere.
+
+    The warning names the policy of the map that is slow (the default one first), not the
+    map: '16-mixed' with or without rules is one message, which Python's warning filters
+    then show once per place."""
     info = detect(device)
     s = policy_support(policy, info)
     if s.status in (SLOW, REFUSED):
-        name = as_map(policy).name
+        pmap = as_map(policy)
+        others = sorted(pmap.policies() - {pmap.default}, key=lambda p: p.name)
+        # max keeps the first of equals: the default policy when it is as bad as any rule
+        worst = max([pmap.default, *others], key=lambda p: policy_support(p, info).status.rank)
         warnings.warn(
-            f"precision {name!r} is {s.status} on {info.describe()}: {s.reason}",
+            f"precision {worst.name!r} is {s.status} on {info.describe()}: {s.reason}",
+            SlowPrecisionWarning,
             stacklevel=3,
         )
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import re
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -101,15 +100,8 @@ def _numbered(parent: Path) -> Path:
 
 def _once(messages: Iterable[str]) -> list[str]:
     """Each note once, in the order it came: the target run, the search for a fix and the
-    check of that fix each convert the model, and each warns that the precision is slow
-    here, naming the policy tried (`'16-mixed'`, `'16-mixed + 1 rule(s)'`): one says it."""
-    seen: dict[str, str] = {}
-    for message in messages:
-        seen.setdefault(_SLOW_NAME.sub("precision is", message), message)
-    return list(seen.values())
-
-
-_SLOW_NAME = re.compile(r"^precision '[^']*' is(?= (?:slow|refused) on )")
+    check of that fix each convert the model, and each warns that the precision is slow."""
+    return list(dict.fromkeys(messages))
 
 
 def _recommend(diagnosis: Diagnosis, tolerance: float | None, console: Any, err: Any) -> Any:
