@@ -292,7 +292,8 @@ def save(
         import matplotlib
     except ImportError:
         raise ImportError(
-            "writing the doctor's plots needs matplotlib: pip install 'mixprec[plot]'"
+            "writing the doctor's plots needs matplotlib: "
+            "pip install 'mixprec[plot]' 'torch==2.13.0'"
         ) from None
     matplotlib.use("Agg")
     out = Path(directory)
