@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from mixprec import Precision
-from mixprec.trainer import Callback, Trainer, TrainingModule
+from mixprec.trainer import Callback, RunEstimate, Trainer, TrainingModule
 
 # Modules present, under these names, in every CPython from 3.8 on.
 STDLIB_FILES = (
@@ -209,7 +209,8 @@ def run(
         default_root_dir=root,
         seed=seed,
         allow_slow_precision=allow_slow,
-        callbacks=callbacks,
+        # how long it will take, on stderr, after 3 batches (fp16 on a CPU: hours)
+        callbacks=[RunEstimate(), *(callbacks or [])],
     )
     start = time.perf_counter()
     trainer.fit(model, train, val)

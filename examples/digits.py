@@ -21,11 +21,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from mixprec.trainer import Trainer, TrainingModule
+from mixprec.trainer import RunEstimate, Trainer, TrainingModule
+
+try:
+    from sklearn.datasets import load_digits
+except ImportError:
+    raise SystemExit(
+        "examples/digits.py reads scikit-learn's bundled digits: "
+        'pip install "torch==2.13.0" -e ".[examples]"'
+    ) from None
 
 
 class DigitsCNN(TrainingModule):
@@ -122,6 +129,7 @@ def run(
         default_root_dir=root,
         seed=seed,
         allow_slow_precision=allow_slow,
+        callbacks=[RunEstimate()],  # how long it will take, on stderr, after 3 batches
     )
     start = time.perf_counter()
     trainer.fit(model, train, val)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mixprec.trainer.strategy import free_port
+from mixprec.trainer.strategy import end_finished_process, free_port
 
 LIMIT_S = 300.0
 
@@ -44,6 +44,7 @@ def _rank(
     dist.barrier()  # no rank leaves while another still talks to it
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
+    end_finished_process()  # C++ destructors at exit can still abort a finished rank
 
 
 def run_ranks(

@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from contextlib import contextmanager
 
 import pytest
@@ -14,6 +15,7 @@ from torch import nn
 import mixprec
 from mixprec import Policy, PolicyMap, PrecisionError, SlowPrecisionError, hardware
 from mixprec.cli import main
+from mixprec.errors import SlowPrecisionWarning
 from mixprec.hardware import DeviceInfo, check, detect, policy_support, resolve_auto, support_matrix
 
 SPR = DeviceInfo("cpu", "Xeon", cpu_flags=frozenset({"avx512bw", "amx_bf16", "avx512_fp16"}))
@@ -96,9 +98,70 @@ def test_apply_only_warns_about_a_slow_precision(monkeypatch):
         mixprec.apply(nn.Linear(2, 2), "16-mixed")
 
 
+def test_the_slow_precision_note_names_the_slow_policy_so_it_is_said_once():
+    """A map with rules warns as its slow policy does: one message, which Python's default
+    filter shows once per place, and a class of its own to filter by."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with hardware.assume(ZEN4), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mixprec.apply(model, "16-mixed")
+        mixprec.apply(model, PolicyMap("16-mixed", {"1": "bf16-mixed"}))
+        mixprec.apply(model, PolicyMap("bf16-mixed", {"1": "16-true"}))
+    messages = [str(w.message) for w in caught]
+    assert all(w.category is SlowPrecisionWarning for w in caught)
+    assert [m.split(" is slow")[0] for m in messages] == [
+        "precision '16-mixed'",
+        "precision '16-mixed'",
+        "precision '16-true'",
+    ]
+    assert messages[0] == messages[1]
+
+
 def test_measure_reports_a_rate_per_dtype():
     rates = mixprec.hardware.measure((torch.float32, torch.bfloat16), "cpu", seconds=0.02)
     assert set(rates) == {"float32", "bfloat16"} and all(r > 0 for r in rates.values())
+
+
+def test_measure_rates_takes_the_median_of_rounds_and_keeps_their_range():
+    rates = hardware.measure_rates((torch.float32,), "cpu", seconds=0.02, repeats=3)
+    r = rates["float32"]
+    assert 0 < r.low <= r.median <= r.high and r.spread >= 1.0
+    assert r.size >= 128 and r.size & (r.size - 1) == 0
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        hardware.measure_rates((torch.float32,), "cpu", repeats=0)
+
+
+def test_measured_rates_are_flagged_when_rounds_disagree_or_contradict_the_hardware():
+    rate = hardware.Rate
+    calm = {"float32": rate(100.0, 95.0, 105.0, 1024), "bfloat16": rate(300.0, 290.0, 310.0, 1024)}
+    assert hardware.measure_notice(calm, ZEN4, load=0.5) is None
+    # bf16 is fast on a Zen 4: measured 10x slower than float32 means the cores were taken
+    slow = {"float32": rate(100.0, 95.0, 105.0, 1024), "bfloat16": rate(10.0, 9.0, 11.0, 1024)}
+    notice = hardware.measure_notice(slow, ZEN4, load=0.5)
+    assert "bfloat16, fast on this hardware, measured 10.0x slower than float32" in notice
+    assert notice.startswith("these rates are not to be trusted")
+    # on an AVX2-only CPU bf16 is slow: the same numbers are what the hardware does
+    assert hardware.measure_notice(slow, AVX2_CPU, load=0.5) is None
+    wide = {"float32": rate(100.0, 20.0, 140.0, 1024)}
+    assert "disagreed by more than 1.5x (float32 20.0-140.0 GFLOP/s)" in (
+        hardware.measure_notice(wide, ZEN4, load=0.5)
+    )
+    cores = os.cpu_count() or 1
+    busy = hardware.measure_notice(calm, ZEN4, load=cores + 1.0)
+    assert f"the 1-minute load average is {cores + 1.0:.2f} on {cores} cores" in busy
+
+
+def test_info_measure_prints_medians_and_ranges_at_80_columns(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    args = ["info", "--device", "cpu", "--measure", "--seconds", "0.02", "--repeats", "2"]
+    with hardware.assume(ZEN4):
+        assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "median of 2 rounds" in out and "…" not in out
+    assert max(len(line.rstrip()) for line in out.splitlines()) <= 80
+    with pytest.raises(SystemExit):
+        main(["info", "--measure", "--repeats", "0"])
+    assert "expected a whole number >= 1" in capsys.readouterr().err
 
 
 def test_info_command_prints_the_matrix(capsys):

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import copy
 import io
+import json
+import os
+import platform
 import re
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,16 +34,30 @@ from mixprec.quantize import (
     quantize,
     weight_bytes,
 )
-from mixprec.quantize.int4 import dequantize_groups, pack, quantize_groups, unpack
+from mixprec.quantize.int4 import (
+    dequantize_groups,
+    groups_of,
+    kernel_for,
+    pack,
+    quantize_groups,
+    unpack,
+)
 from mixprec.quantize.int8 import (
     ACC_MAX_K,
+    INT_MM_MIN_K,
+    ONEDNN_MAX_K,
+    cpu_int8_kernels,
+    int8_linear,
     int_matmul,
+    onednn_prepack,
     quantize_rows,
     quantize_tokens,
     storable_scale,
+    wrong_sums,
 )
 
 FAST = settings(max_examples=15, deadline=None)
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def _weights(rows: int, cols: int, seed: int, spread: float) -> torch.Tensor:
@@ -282,17 +302,22 @@ def test_int4_linear_is_the_float_matmul_of_its_dequantized_weight():
     torch.testing.assert_close(layer(x), lin(x), rtol=0.1, atol=0.1)
 
 
-def test_int4_linear_computes_in_a_16_bit_inputs_dtype_outside_autocast():
+@pytest.mark.parametrize("group", [16, 32])  # dequantized matmul; the int4 kernel
+def test_int4_linear_computes_in_a_16_bit_inputs_dtype_outside_autocast(group):
     """FSDP2 casts inputs (not these buffers) to bfloat16: the float32 weight met a bfloat16
     input and F.linear refused the mix."""
     torch.manual_seed(0)
-    layer = Int4Linear.from_float(nn.Linear(64, 8), 32)
+    layer = Int4Linear.from_float(nn.Linear(64, 8), group)
     x = torch.randn(3, 64).bfloat16()
     out = layer(x)
     w, b = layer.dequantized_weight().bfloat16(), layer.bias.bfloat16()
-    assert out.dtype == torch.bfloat16 and torch.equal(out, F.linear(x, w, b))
+    assert out.dtype == torch.bfloat16
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as before: autocast's dtype
-        assert torch.equal(layer(x.float()), F.linear(x, w, b))
+        assert torch.equal(layer(x.float()), out)
+    if group == 16:  # no kernel for groups of 16: the weight dequantized, then F.linear
+        assert torch.equal(out, F.linear(x, w, b))
+    else:  # the kernel: the same product within its bfloat16 rounding
+        _assert_within_int4_kernel_rounding(layer, x, out)
 
 
 def test_int4_embedding_dequantizes_only_the_rows_looked_up():
@@ -343,8 +368,10 @@ def test_dequantize_gives_float_layers_back_tied_again(mode):
         nn.Linear,
     ]
     assert torch.equal(model[1].weight, weight) and model[5].weight is model[0].weight
-    if mode == "int4":  # weight-only: the float layers compute exactly the same
-        assert torch.equal(model(x), y)
+    if mode == "int4":  # weight-only: the float layers compute the same, up to the int4
+        # kernel's bfloat16 activations (exactly the same where layers dequantize): under
+        # 1% of the output range through three Linear layers
+        torch.testing.assert_close(model(x), y, rtol=0, atol=0.01 * y.abs().max().item())
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
@@ -702,10 +729,13 @@ def test_a_quantized_linear_refuses_inputs_a_linear_cannot_take(mode, x):
         layer(x)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "int4-kernel"])
 def test_empty_batches_1d_and_nd_inputs_work_as_in_a_linear(mode):
     lin = nn.Linear(32, 8)
-    layer = Int8Linear.from_float(lin) if mode == "int8" else Int4Linear.from_float(lin, 16)
+    if mode == "int8":
+        layer = Int8Linear.from_float(lin)
+    else:  # groups of 16 dequantize; groups of 32 go through the int4 kernel where it exists
+        layer = Int4Linear.from_float(lin, 32 if mode == "int4-kernel" else 16)
     for shape in [(0, 32), (2, 0, 32), (32,), (2, 3, 4, 32)]:
         x = torch.randn(shape)
         assert layer(x).shape == lin(x).shape
@@ -757,3 +787,301 @@ def test_quantizing_again_with_other_options_is_refused_not_ignored():
         quantize(big, "float8")
     with pytest.raises(ValueError, match="amax history of 16.*amax history of 1024"):
         quantize(big, "float8", recipe="delayed")
+
+
+# --- the int4 and int8 kernels (issue 24) ---------------------------------------------------
+
+
+def _int4_kernel_here(layer: Int4Linear) -> None:
+    """Skip unless torch's packed int4 kernel runs on this host (a plain-capability build)."""
+    name, why_not = kernel_for(layer.qweight.device, layer.kernel_group)
+    if why_not is not None:
+        pytest.skip(f"no packed int4 kernel here: {why_not}")
+
+
+def _assert_within_int4_kernel_rounding(
+    layer: Int4Linear, x: torch.Tensor, out: torch.Tensor
+) -> None:
+    """`out` is the layer's float64 product with its stored (dequantized) weight within what
+    the kernel's bfloat16 rounding can move it: activations to bfloat16 (2**-9 of |x|), the
+    kernel's weight ``(q - 8) * scale + (8 - zero) * scale`` with both in bfloat16 (within
+    1/32 of a step: half a bfloat16 unit of 8 steps, twice), the output to bfloat16."""
+    n, size = groups_of(layer.in_features, layer.group_size)
+    step = layer.weight_scale.double().repeat_interleave(size, dim=1)[:, : layer.in_features]
+    w = layer.dequantized_weight().double()
+    xd = x.reshape(-1, layer.in_features).double()
+    bias = torch.zeros(layer.out_features, dtype=torch.float64)
+    if layer.bias is not None:
+        bias = layer.bias.detach().double()
+    ref = xd @ w.t() + bias
+    bound = xd.abs() @ (step / 32 + w.abs() * 2**-8).t() + 2**-7 * (ref.abs() + bias.abs())
+    err = (out.reshape(ref.shape).double() - ref).abs()
+    assert (err <= bound + 1e-6).all(), (err - bound).max()
+
+
+@pytest.mark.parametrize(
+    "rows, features, group",
+    [
+        (200, 512, 64),  # rows padded to the kernel's 16
+        (48, 100, 32),  # a short last group: input padded with zeros to 128
+        (32, 64, -1),  # one group per row, of 64
+        (16, 256, 256),
+    ],
+)
+def test_int4_kernel_multiplies_the_stored_weight_by_torchs_zero_point_convention(
+    rows, features, group
+):
+    """The kernel's weight is ``(q - 8) * s + o`` per group; o = (8 - zero) * scale gives
+    mixprec's ``(q - zero) * scale``. Weights of one sign put zero at 0 and 15."""
+    torch.manual_seed(0)
+    lin = nn.Linear(features, rows)
+    with torch.no_grad():
+        lin.weight[: rows // 4].abs_()  # zero point 0
+        lin.weight[rows // 4 : rows // 2].abs_().neg_()  # zero point 15
+    layer = Int4Linear.from_float(lin, group)
+    _int4_kernel_here(layer)
+    assert layer.kernel.startswith("aten._weight_int4pack_mm_for_cpu for float32/bfloat16")
+    zeros = layer.weight_zero[: rows // 2]
+    assert {0, 15} <= set(zeros.flatten().tolist())
+    x = torch.randn(7, 3, features)
+    out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (7, 3, rows)
+    _assert_within_int4_kernel_rounding(layer, x, out)
+    # exactly the kernel's formula, up to its float32 sums and bfloat16 output
+    size = groups_of(features, group)[1]
+    s32 = layer.weight_scale.float()
+    offsets = ((8 - layer.weight_zero.float()) * s32).bfloat16().double()
+    q = unpack(layer.qweight, layer.qweight.shape[1] * 2).double().view(rows, -1, size)
+    wk = ((q - 8) * s32.bfloat16().double()[..., None] + offsets[..., None]).flatten(1)
+    xb = F.pad(x.reshape(-1, features).bfloat16().double(), (0, wk.shape[1] - features))
+    ref = xb @ wk.t() + lin.bias.double()
+    no_bias = out.reshape(-1, rows).double() - lin.bias.double() - (ref - lin.bias.double())
+    mags = xb.abs() @ wk.abs().t()
+    assert (no_bias.abs() <= 2**-8 * (ref - lin.bias.double()).abs() + 2e-5 * mags).all()
+
+
+def test_int4_kernel_takes_bfloat16_autocast_and_one_token_inputs():
+    torch.manual_seed(0)
+    layer = Int4Linear.from_float(nn.Linear(256, 64), 128)
+    _int4_kernel_here(layer)
+    for x in (torch.randn(1, 256), torch.randn(256), torch.randn(2, 5, 256).bfloat16()):
+        out = layer(x)
+        assert out.dtype == x.dtype and out.shape == (*x.shape[:-1], 64)
+        _assert_within_int4_kernel_rounding(layer, x, out)
+    x = torch.randn(4, 256)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, layer(x.bfloat16()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_int4_inputs_the_kernel_does_not_take_dequantize_exactly_as_before(dtype):
+    torch.manual_seed(0)
+    layer = Int4Linear.from_float(nn.Linear(64, 32), 32)
+    x = torch.randn(3, 64, dtype=dtype)
+    w, b = layer.dequantized_weight().to(dtype), layer.bias.to(dtype)
+    assert torch.equal(layer(x), F.linear(x, w, b))
+
+
+def test_int4_kernel_backward_gives_the_input_the_stored_weights_gradient():
+    """The kernel op has no derivative: the layer's gradient is F.linear's with the stored
+    (dequantized) weight, as before; the bias and LoRA adapters train."""
+    torch.manual_seed(0)
+    layer = Int4Linear.from_float(nn.Linear(64, 32), 32)
+    _int4_kernel_here(layer)
+    x = torch.randn(5, 64, requires_grad=True)
+    grad = torch.randn(5, 32)
+    layer(x).backward(grad)
+    assert torch.equal(x.grad, grad @ layer.dequantized_weight())
+    assert torch.equal(layer.bias.grad, grad.sum(0))
+    layer.enable_lora(2)
+    with torch.no_grad():
+        layer.lora_B.fill_(0.1)
+    layer(torch.randn(5, 64)).sum().backward()
+    assert layer.lora_A.grad is not None and layer.lora_A.grad.abs().sum() > 0
+
+
+def test_quantize_says_which_matmul_each_linear_runs_and_why():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32), nn.Embedding(10, 64))
+    result = quantize(model, "int4", group_size=16)
+    assert set(result.kernels) == {"0", "1"}  # embeddings look rows up: no matmul
+    why = "groups of 16: the packed int4 kernels take groups of 32, 64, 128, 256"
+    assert result.kernels["0"] == f"dequantize the weight, then F.linear ({why})"
+    assert "0: int4 (groups of 16); matmul: dequantize the weight" in str(result)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(8, 32))
+    result = quantize(model, "int8", filter=lambda path, m: True)
+    assert result.kernels["0"] == model[0].kernel
+    assert any(name in model[0].kernel for name in ("oneDNN", "torch._int_mm", "float64"))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("inference", [False, True])
+def test_the_prepacked_weight_follows_loaded_and_requantized_buffers(mode, inference):
+    """The kernels multiply by a copy of the weight packed on first use: a checkpoint loaded
+    into the buffers in place (inference tensors count no versions), a requantized weight
+    and a move must not leave it stale; state_dict, deepcopy and pickling see only the
+    canonical buffers."""
+
+    def net(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(128, 64))
+        quantize(model, mode)
+        return model
+
+    x = torch.randn(3, 128)
+    with torch.inference_mode(inference):
+        model, other = net(0), net(1)
+        before, wanted = model(x), other(x)
+        assert not torch.equal(before, wanted)
+        model.load_state_dict(other.state_dict())
+        assert torch.equal(model(x), wanted)
+        keys = set(model.state_dict())
+        assert keys == {"0.qweight", "0.weight_scale", "0.bias"} | (
+            {"0.weight_zero"} if mode == "int4" else set()
+        )
+        copied = copy.deepcopy(model)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        assert torch.equal(copied(x), wanted)
+        assert torch.equal(torch.load(io.BytesIO(buf.getvalue()), weights_only=False)(x), wanted)
+        with torch.no_grad():
+            model[0].requantize(torch.zeros(64, 128))
+        assert torch.equal(model(x), model[0].bias.expand(3, 64))
+
+
+def test_int4_kernel_runs_per_channel_groups_only_of_a_kernel_size():
+    torch.manual_seed(0)
+    wide = Int4Linear.from_float(nn.Linear(300, 16), -1)
+    assert wide.kernel.endswith(
+        "(groups of 300: the packed int4 kernels take groups of 32, 64, 128, 256)"
+    )
+    x = torch.randn(2, 300)
+    assert torch.equal(wide(x), F.linear(x, wide.dequantized_weight(), wide.bias))
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 16, 8), (7, 24, 10), (33, 300, 40), (130, 1024, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_int8_linear_is_the_same_integer_math_whichever_kernel_runs(m, k, n, dtype):
+    """oneDNN's prepacked int8 linear, torch._int_mm and the float64 fallback give the same
+    sums, so a layer's output is the float reference of its integer math bit for bit."""
+    torch.manual_seed(k)
+    lin = nn.Linear(k, n)
+    layer = Int8Linear.from_float(lin)
+    x = (torch.randn(m, k) * torch.logspace(-3, 2, m)[:, None]).to(dtype)
+    qx, xs = quantize_tokens(x)
+    qw, ws = layer.qweight, layer.weight_scale
+    acc = (qx.double() @ qw.double().t()).float()  # exact in float64, then as int32 -> float32
+    want = (acc * xs[:, None] * ws[None, :] + lin.bias.float()).to(dtype)
+    assert torch.equal(layer(x), want)
+    if cpu_int8_kernels()["onednn"] is None:  # the prepacked kernel, called directly
+        packed = onednn_prepack(qw)
+        assert torch.equal(int8_linear(x, qw, ws, packed), int8_linear(x, qw, ws))
+
+
+@pytest.mark.parametrize("k", [1, INT_MM_MIN_K, ONEDNN_MAX_K, ONEDNN_MAX_K + 1])
+def test_int8_linear_sums_full_scale_codes_exactly_at_each_kernels_bounds(k):
+    """At full scale (codes 127 x 127) every product is largest: below `INT_MM_MIN_K` the
+    float64 path (torch._int_mm gave garbage for K == 1), up to `ONEDNN_MAX_K` oneDNN's
+    unsigned codes (255 x 127 per product) fit its int32 sums, past it torch._int_mm. Each
+    layer's output is exactly K, for one token and for several."""
+    lin = nn.Linear(k, 3)  # quantize skips a layer this small; the layer itself takes it
+    with torch.no_grad():
+        lin.weight.fill_(1.0)
+        lin.bias.zero_()
+    layer = Int8Linear.from_float(lin)
+    if cpu_int8_kernels()["onednn"] is None:
+        assert layer.kernel.startswith("oneDNN") == (INT_MM_MIN_K <= k <= ONEDNN_MAX_K)
+    for tokens in (1, 4):
+        for sign in (1.0, -1.0):
+            out = layer(torch.full((tokens, k), sign))
+            assert torch.equal(out, torch.full((tokens, 3), sign * k))
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_quantized_model_moved_to_another_dtype_after_a_forward_computes_as_a_fresh_one(mode):
+    """The prepacked copy made by a forward must not outlive ``.to(dtype)`` / ``.to(device)``:
+    the moved layer computes as one quantized and moved without ever running."""
+
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(128, 64), nn.ReLU(), nn.Linear(64, 32))
+        quantize(model, mode)
+        return model
+
+    x = torch.randn(5, 128)
+    used, fresh = net(), net()
+    used(x)
+    used.to("cpu").to(torch.bfloat16)
+    fresh.to(torch.bfloat16)
+    assert torch.equal(used(x.bfloat16()), fresh(x.bfloat16()))
+    assert torch.equal(used(x[:1].bfloat16()), fresh(x[:1].bfloat16()))
+    used.float()
+    fresh.float()
+    assert torch.equal(used(x), fresh(x))
+
+
+def test_a_kernel_whose_int8_sums_saturate_is_found_out():
+    """Without VNNI oneDNN sums pairs of u8 x s8 products in 16 bits: a row of 127s summed
+    to 8160 instead of 1032256. The check runs each kernel on operands that expose it."""
+
+    def saturating(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        products = (a.long() + 128)[:, None, :] * b.long()[None, :, :]  # as u8 x s8
+        pairs = F.pad(products, (0, products.shape[-1] % 2)).unflatten(-1, (-1, 2)).sum(-1)
+        sums = pairs.clamp(-(2**15), 2**15 - 1).sum(-1)
+        return sums - 128 * b.long().sum(-1)[None, :]
+
+    assert wrong_sums(lambda a, b: a.long() @ b.long().t()) is None
+    assert wrong_sums(saturating).startswith("wrong sums for (3, 64) x (16, 64) int8 codes")
+
+    def broken(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no kernel for this CPU\nmore")
+
+    assert wrong_sums(broken) == "it raised RuntimeError: no kernel for this CPU"
+
+
+CAPPED = """
+import json, torch, torch.nn.functional as F
+from torch import nn
+from mixprec.quantize import Int4Linear, Int8Linear
+from mixprec.quantize.int8 import int_matmul, quantize_tokens
+torch.manual_seed(0)
+g = torch.Generator().manual_seed(0)
+a = torch.randint(-127, 128, (33, 64), generator=g, dtype=torch.int8)
+b = torch.randint(-127, 128, (16, 64), generator=g, dtype=torch.int8)
+a[0] = 127
+b[:8] = 127
+exact = torch.equal(int_matmul(a, b).long(), a.long() @ b.long().t())
+lin = nn.Linear(64, 16)
+int8 = Int8Linear.from_float(lin)
+x = torch.randn(33, 64)
+qx, xs = quantize_tokens(x)
+acc = (qx.double() @ int8.qweight.double().t()).float()
+want = acc * xs[:, None] * int8.weight_scale[None, :] + lin.bias
+int4 = Int4Linear.from_float(lin, 32)
+dequantized = F.linear(x, int4.dequantized_weight(), lin.bias)
+print(json.dumps({
+    "int_matmul": exact, "int8": torch.equal(int8(x), want), "int8_kernel": int8.kernel,
+    "int4": torch.equal(int4(x), dequantized), "int4_kernel": int4.kernel,
+}))
+"""
+
+
+@pytest.mark.slow
+def test_with_the_isa_capped_the_kernels_that_go_wrong_are_not_used():
+    """CI runs the suite with ONEDNN_MAX_CPU_ISA=AVX2 / ATEN_CPU_CAPABILITY capped: on a VNNI
+    host so capped, oneDNN's int8 sums (and torch._int_mm's) saturated, and a plain ATen build
+    has only a scalar int4 loop. The layers fall back, say so, and stay exact."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "default"}
+    env["PYTHONPATH"] = os.pathsep.join([str(SRC), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", CAPPED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["int_matmul"] and got["int8"] and got["int4"]
+    assert got["int4_kernel"] == (
+        "dequantize the weight, then F.linear (ATen CPU capability DEFAULT: no vectorised int4 "
+        "kernel)"
+    ) or platform.machine().lower() in ("aarch64", "arm64")
+    if "float64" in got["int8_kernel"]:  # the saturating kernels were found and named
+        assert "wrong sums" in got["int8_kernel"] or "raised" in got["int8_kernel"]

@@ -19,6 +19,7 @@ from mixprec.trainer import (
     CSVLogger,
     ModelCheckpoint,
     RichProgressBar,
+    RunEstimate,
     TensorBoardLogger,
     Trainer,
     TrainingModule,
@@ -241,3 +242,28 @@ def test_training_epoch_metrics_are_logged_at_the_epoch_end_for_monitors(tmp_pat
     assert ckpt.best_model_score == max(means)
     assert ckpt.best_model_path.endswith(f"step={4 * (1 + means.index(max(means)))}.ckpt")
     assert trainer.lr_schedulers[0].best == max(means)
+
+
+@pytest.mark.parametrize(
+    ("limits", "left"),
+    [({"max_epochs": 3}, 21), ({"max_steps": 6, "accumulate_grad_batches": 2}, 9)],
+)
+def test_run_estimate_says_early_how_long_the_training_will_take(limits, left, capsys):
+    """8 batches an epoch; the estimate comes after 1 + 2 batches, once."""
+    data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), batch_size=8)
+    said: list[str] = []
+    estimate = RunEstimate(log=said.append)
+    trainer = Trainer(callbacks=[estimate], logger=False, enable_checkpointing=False, **limits)
+    trainer.fit(nn.Linear(4, 2), data, loss_fn=F.cross_entropy)
+    assert said == [estimate.message]
+    assert "s a training batch here (median of 2 after the first)" in said[0]
+    assert f"; {left} batches to go: about " in said[0]
+    assert said[0].endswith("validation not included")
+    # without `log`, rank 0 says it on stderr
+    trainer = Trainer(
+        callbacks=[RunEstimate()], logger=False, enable_checkpointing=False, max_steps=4
+    )
+    trainer.fit(nn.Linear(4, 2), data, loss_fn=F.cross_entropy)
+    assert "estimate: " in capsys.readouterr().err
+    with pytest.raises(ValueError, match="batches must be an int >= 1"):
+        RunEstimate(batches=0)

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["FactoryError", "PolicySpecError", "PrecisionError", "SlowPrecisionError"]
+__all__ = [
+    "FactoryError",
+    "PolicySpecError",
+    "PrecisionError",
+    "SlowPrecisionError",
+    "SlowPrecisionWarning",
+]
 
 
 class PolicySpecError(ValueError):
@@ -15,6 +21,12 @@ class PrecisionError(ValueError):
 
 class SlowPrecisionError(PrecisionError):
     """The precision runs on this device but much slower than float32; pass allow_slow=True."""
+
+
+class SlowPrecisionWarning(UserWarning):
+    """A tool that works in any precision (`apply`, the doctor) was given one that is slow or
+    refused on this device: numerics can be studied anywhere, so it is a note, not an error.
+    Filter it by this class (``warnings.filterwarnings("ignore", category=...)``)."""
 
 
 class FactoryError(ValueError):

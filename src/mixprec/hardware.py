@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import time
 import warnings
 from collections.abc import Iterator, Mapping
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from mixprec.dtypes import dtype_name
-from mixprec.errors import PrecisionError, SlowPrecisionError
+from mixprec.errors import PrecisionError, SlowPrecisionError, SlowPrecisionWarning
 from mixprec.policy import Policy, QuantizedPolicy, is_auto
 from mixprec.policy_map import PolicyMap, as_map
 
@@ -34,6 +35,7 @@ __all__ = [
     "FLOAT8_FAST_ON",
     "MATRIX_PRECISIONS",
     "REFUSED",
+    "Rate",
     "SLOW",
     "SUPPORTED",
     "Status",
@@ -49,6 +51,8 @@ __all__ = [
     "fast_on",
     "float8_support",
     "measure",
+    "measure_notice",
+    "measure_rates",
     "parse_device",
     "policy_support",
     "resolve_auto",
@@ -397,10 +401,14 @@ def float8_support(info: DeviceInfo) -> Support:
 
 def policy_support(policy: Any, info: DeviceInfo) -> Support:
     """The worst support over every dtype a policy (or each policy of a map) uses; float8
-    quantized policies also need float8 matmul hardware (int8 and int4 run anywhere)."""
-    policies = as_map(policy).policies()
+    quantized policies also need float8 matmul hardware (int8 and int4 run anywhere).
+
+    The reason is the map's default policy's unless another policy of the map is worse: a
+    bf16-mixed map is fast because of bfloat16, not because of its float32 islands."""
+    pmap = as_map(policy)
+    others = sorted(pmap.policies() - {pmap.default}, key=lambda p: p.name)
     worst = Support(FAST, "")
-    for p in sorted(policies, key=lambda p: p.name):
+    for p in [pmap.default, *others]:
         if isinstance(p, QuantizedPolicy) and p.mode == "float8":
             s = float8_support(info)
             if s.status.rank > worst.status.rank or not worst.reason:
@@ -516,31 +524,79 @@ def _slowest_dtype(policy: Any, info: DeviceInfo) -> torch.dtype:
 
 def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -> None:
     """Warn (never raise) when a policy is slow or refused here: for tools that convert or
-    diagnose numerics in any precision, which can be studied anywhere."""
+    diagnose numerics in any precision, which can be studied anywhere.
+
+    The warning names the policy of the map that is slow (the default one first), not the
+    map: '16-mixed' with or without rules is one message, which Python's warning filters
+    then show once per place."""
     info = detect(device)
     s = policy_support(policy, info)
     if s.status in (SLOW, REFUSED):
-        name = as_map(policy).name
+        pmap = as_map(policy)
+        others = sorted(pmap.policies() - {pmap.default}, key=lambda p: p.name)
+        # max keeps the first of equals: the default policy when it is as bad as any rule
+        worst = max([pmap.default, *others], key=lambda p: policy_support(p, info).status.rank)
         warnings.warn(
-            f"precision {name!r} is {s.status} on {info.describe()}: {s.reason}",
+            f"precision {worst.name!r} is {s.status} on {info.describe()}: {s.reason}",
+            SlowPrecisionWarning,
             stacklevel=3,
         )
 
 
-def measure(
+@dataclass(frozen=True)
+class Rate:
+    """A measured matmul rate in GFLOP/s: the median of the rounds and their range. A wide
+    range means other work shared the device while it was timed."""
+
+    median: float
+    low: float
+    high: float
+    size: int
+
+    @property
+    def spread(self) -> float:
+        """high / low: 1.0 when every round agreed."""
+        return self.high / self.low if self.low > 0 else float("inf")
+
+
+# a round's timed work is at least this long, so timer resolution and one scheduler hiccup
+# are small against it; a matrix is grown until one multiply takes MIN_MULTIPLY_S
+MIN_ROUND_S = 0.02
+MIN_MULTIPLY_S = 0.005
+# rounds whose rates differ by more than this factor were disturbed by other work
+BUSY_SPREAD = 1.5
+
+
+def measure_rates(
     dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16),
     device: torch.device | str | None = None,
     seconds: float = 0.3,
-) -> dict[str, float]:
-    """Matmul GFLOP/s per dtype on the device, about `seconds` each.
+    repeats: int = 5,
+) -> dict[str, Rate]:
+    """Matmul GFLOP/s per dtype on the device: `repeats` rounds of about `seconds / repeats`
+    each (at least `MIN_ROUND_S`), the dtypes taking turns within each round so that a burst
+    of other work hits them alike; the median round and the range.
 
-    The matrix size grows from 128 until one multiply takes a few milliseconds, so a dtype
-    that is 100x slower on this hardware still finishes in about `seconds`.
+    The matrix size is settled first, per dtype, from the median of three timings: it grows
+    from 128 until one multiply takes `MIN_MULTIPLY_S`, so a dtype 100x slower on this
+    hardware still finishes in about `seconds`.
     """
+    if repeats < 1 or not seconds > 0:
+        raise ValueError(f"measure needs repeats >= 1 and seconds > 0, got {repeats}, {seconds}")
     device = torch.device(device) if device is not None else default_device()
     # the device measured, not the current one (they differ for cuda:1)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    out: dict[str, float] = {}
+
+    def timed(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        sync()
+        return time.perf_counter() - t0
+
+    operands: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
+    per_round = max(seconds / repeats, MIN_ROUND_S)
     for dtype in dtypes:
         if dtype_support(dtype, detect(device)).status == REFUSED:
             continue
@@ -548,20 +604,64 @@ def measure(
         while True:
             a = torch.randn(n, n, device=device).to(dtype)
             b = torch.randn(n, n, device=device).to(dtype)
-            a @ b
-            sync()
-            t0 = time.perf_counter()
-            a @ b
-            sync()
-            one = time.perf_counter() - t0
-            if one > 0.005 or n >= 4096:
+            timed(a, b, 1)  # warm-up: kernel selection, first-touch allocation
+            one = sorted(timed(a, b, 1) for _ in range(3))[1]
+            if one > MIN_MULTIPLY_S or n >= 4096:
                 break
             n *= 2
-        reps = max(1, int(seconds / max(one, 1e-6)))
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        sync()
-        elapsed = time.perf_counter() - t0
-        out[dtype_name(dtype)] = 2 * n**3 * reps / elapsed / 1e9
-    return out
+        operands[dtype_name(dtype)] = (a, b, n, max(1, round(per_round / max(one, 1e-6))))
+    rounds: dict[str, list[float]] = {name: [] for name in operands}
+    for _ in range(repeats):
+        for name, (a, b, n, reps) in operands.items():
+            rounds[name].append(2 * n**3 * reps / timed(a, b, reps) / 1e9)
+    return {
+        name: Rate(statistics.median(rates), min(rates), max(rates), operands[name][2])
+        for name, rates in rounds.items()
+    }
+
+
+def measure(
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16),
+    device: torch.device | str | None = None,
+    seconds: float = 0.3,
+) -> dict[str, float]:
+    """Matmul GFLOP/s per dtype on the device, in about `seconds` each: the median rate of
+    `measure_rates`."""
+    return {name: r.median for name, r in measure_rates(dtypes, device, seconds).items()}
+
+
+def measure_notice(
+    rates: Mapping[str, Rate], info: DeviceInfo, load: float | None = None
+) -> str | None:
+    """Why the rates just measured may not be trusted, or None: rounds that disagree by
+    more than `BUSY_SPREAD`, a load average above the cores, or a dtype the hardware makes
+    fast measuring slower than float32 (other work took the cores while it ran)."""
+    reasons = []
+    wide = [
+        f"{name} {r.low:,.1f}-{r.high:,.1f}" for name, r in rates.items() if r.spread > BUSY_SPREAD
+    ]
+    if wide:
+        reasons.append(
+            f"the rounds disagreed by more than {BUSY_SPREAD}x ({', '.join(wide)} GFLOP/s)"
+        )
+    cores = os.cpu_count() or 1
+    if info.type == "cpu" and load is not None and load > cores:
+        reasons.append(f"the 1-minute load average is {load:.2f} on {cores} cores")
+    base = rates.get("float32")
+    for name, r in rates.items():
+        dtype = getattr(torch, name, None)
+        if base is None or name == "float32" or not isinstance(dtype, torch.dtype):
+            continue
+        if dtype_support(dtype, info).status == FAST and r.median < base.median / BUSY_SPREAD:
+            reasons.append(
+                f"{name}, fast on this hardware, measured {base.median / r.median:.1f}x slower "
+                "than float32"
+            )
+    if not reasons:
+        return None
+    return (
+        "these rates are not to be trusted: "
+        + "; ".join(reasons)
+        + ". Other work is probably using the device; rerun when it is idle, or longer "
+        "(--seconds 2). The support table above does not depend on them."
+    )

@@ -12,10 +12,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
-
 from mixprec.bench.runner import OK, OOM
-from mixprec.bench.suite import BLOG_V100_MS, BenchReport, Row
+from mixprec.bench.suite import BLOG_V100_MS, MIXED_CANDIDATES, BenchReport, Row
+from mixprec.textout import Column, FittedTable
 
 __all__ = [
     "BASELINE",
@@ -24,6 +23,7 @@ __all__ = [
     "Summary",
     "busy_machine_warning",
     "comparison_gap_paragraph",
+    "conclusion",
     "markdown",
     "max_batch_lines",
     "notes",
@@ -48,6 +48,14 @@ COLUMNS = (
     "raw torch ms/step",
     "mixprec overhead",
 )
+# which columns a narrow terminal keeps longest (absent: always shown)
+_KEEP = {
+    "peak memory": 5,
+    "mixprec overhead": 4,
+    "min-max": 3,
+    "raw torch ms/step": 2,
+    "samples/s": 1,
+}
 
 
 @dataclass
@@ -145,15 +153,17 @@ def _cells(s: Summary) -> list[str]:
     ]
 
 
-def rich_table(report: BenchReport, summaries: list[Summary]) -> Table:
-    """The blog-style table for the terminal."""
+def rich_table(report: BenchReport, summaries: list[Summary]) -> FittedTable:
+    """The blog-style table for the terminal: in a narrow one the least useful columns are
+    left out (and named under it), never cut; report.md has them all."""
     meta = report.metadata
-    table = Table(title=f"mixprec bench: {meta['model']} on {meta['device']}")
-    for i, col in enumerate(COLUMNS):
-        table.add_column(col, justify="left" if i == 1 else "right")
+    table = FittedTable(
+        f"mixprec bench: {meta['model']} on {meta['device']}",
+        [Column(c, "left" if i == 1 else "right", _KEEP.get(c)) for i, c in enumerate(COLUMNS)],
+        full="every column is in report.md",
+    )
     for s in summaries:
-        style = "red" if s.status != OK else None
-        table.add_row(*_cells(s), style=style)
+        table.add_row(_cells(s), style="red" if s.status != OK else None)
     return table
 
 
@@ -196,8 +206,9 @@ def busy_machine_warning(load: list[float] | None, threads: int, device_type: st
     )
 
 
-def notes(report: BenchReport, summaries: list[Summary]) -> list[str]:
-    """How the numbers were taken, shown under the table and in report.md."""
+def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> list[str]:
+    """How the numbers were taken, shown under the table and in report.md (`busy=False`
+    leaves out the busy-machine warning, for a terminal that was already warned)."""
     meta = report.metadata
     out = [
         f"timing: {meta['timing']}; {meta['steps']} timed steps after the memory step and "
@@ -208,11 +219,11 @@ def notes(report: BenchReport, summaries: list[Summary]) -> list[str]:
         "precisions only); mixprec computes layer-norm-type and softmax layers in float32 islands "
         "(rows marked 'no f32 islands' leave them to autocast, as the raw loop does)",
     ]
-    busy = busy_machine_warning(
+    warning = busy_machine_warning(
         meta.get("load_average_before"), meta["threads"], meta.get("device_type", "")
     )
-    if busy:
-        out.append(busy)
+    if busy and warning:
+        out.append(warning)
     for name, status in meta["support"].items():
         if status.startswith("slow"):
             out.append(f"{name} is {status} (run because of --allow-slow)")
@@ -307,6 +318,60 @@ def comparison_gap_paragraph(report: BenchReport, summaries: list[Summary]) -> s
     return " ".join(parts)
 
 
+def _span(values: list[float], fmt: str) -> str:
+    lo, hi = min(values), max(values)
+    return (
+        fmt.format(lo) if fmt.format(lo) == fmt.format(hi) else f"{fmt.format(lo)}-{fmt.format(hi)}"
+    )
+
+
+def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
+    """One plain sentence closing the run: what the recommended mixed precision buys on this
+    machine against float32 (speed and peak memory, over the batch sizes both ran at), and
+    how that compares with the seed experiment's V100, where mixed precision gave ~1.1x."""
+    meta = report.metadata
+    blog = [fp32 / mixed for mixed, fp32 in BLOG_V100_MS.values()]
+    seed = f"the seed experiment got {_span(blog, '{:.1f}')}x from mixed precision on its V100 GPU"
+    fp32 = {s.batch_size: s for s in summaries if s.precision == BASELINE and s.median_ms}
+    ok = [s for s in summaries if s.precision != BASELINE and s.speedup and s.batch_size in fp32]
+    if not fp32 or not ok:
+        if meta.get("comparison_gap"):
+            return (
+                "No mixed precision is fast on this machine, so float32 is the one to train "
+                f"in here (as said above); {seed}."
+            )
+        return f"No mixed precision and float32 ran side by side here to compare; {seed}."
+    fast = [n for n in MIXED_CANDIDATES if meta["support"].get(n) == "fast"]
+    labels = list(dict.fromkeys(s.label for s in ok))
+    label = next((n for n in fast if n in labels), labels[0])
+    rows = [s for s in ok if s.label == label]
+    speed = [s.speedup for s in rows]
+    memory = [
+        1 - s.peak_memory / fp32[s.batch_size].peak_memory
+        for s in rows
+        if s.peak_memory and fp32[s.batch_size].peak_memory
+    ]
+    batches = _span([float(s.batch_size) for s in rows], "{:.0f}")
+    if min(speed) >= 1:
+        buys = f"trains the {meta['model']} model {_span(speed, '{:.1f}')}x as fast as float32"
+    else:
+        buys = f"runs the {meta['model']} model at {_span(speed, '{:.2f}')}x the speed of float32"
+    if memory:
+        saved = _span([abs(m) * 100 for m in memory], "{:.0f}")
+        more_or_less = (
+            "less" if min(memory) >= 0 else "more" if max(memory) <= 0 else "less or more"
+        )
+        buys += f" with {saved}% {more_or_less} peak memory"
+    median = statistics.median(speed)
+    if median > 1.2 * max(blog):
+        than = "so mixed precision pays more here than it did there"
+    elif median >= 0.9 * min(blog):
+        than = "about what it pays here"
+    else:
+        than = "so here it pays less than there: train in float32 unless memory is what you need"
+    return f"On this machine {label} {buys} (batch {batches}); {seed}, {than}."
+
+
 def to_json(report: BenchReport, summaries: list[Summary]) -> dict[str, Any]:
     """results.json: metadata, every raw step time, and the summaries."""
     return {
@@ -351,6 +416,7 @@ def markdown(report: BenchReport, summaries: list[Summary]) -> str:
     gap = comparison_gap_paragraph(report, summaries)
     if gap:
         lines += ["", "## Why no mixed precision was timed", "", gap]
+    lines += ["", "## In one sentence", "", conclusion(report, summaries)]
     failed = [s for s in summaries if s.status != OK and s.error]
     if failed:
         lines += ["", "## Configurations that did not run", ""]

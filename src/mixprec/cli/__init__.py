@@ -7,12 +7,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import traceback
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
+from mixprec import textout
 from mixprec.cli.bench import add_parser as add_bench_parser
 from mixprec.cli.doctor import add_parser as add_doctor_parser
 from mixprec.errors import PrecisionError
@@ -22,11 +23,13 @@ from mixprec.hardware import (
     SLOW,
     detect,
     fast_on,
-    measure,
+    measure_notice,
+    measure_rates,
     resolve_auto,
     support_matrix,
 )
 from mixprec.policy import Policy
+from mixprec.textout import Column, FittedTable
 from mixprec.version import __version__
 
 __all__ = ["ERROR_EXIT", "build_parser", "main"]
@@ -35,7 +38,7 @@ _STYLE = {FAST: "green", "supported": "yellow", SLOW: "red", REFUSED: "red bold"
 
 
 def _info(args: argparse.Namespace) -> int:
-    console = Console()
+    console = textout.console()
     try:
         info = detect(args.device)
     except (PrecisionError, RuntimeError) as err:
@@ -43,12 +46,12 @@ def _info(args: argparse.Namespace) -> int:
         return 2
     console.print(f"[bold]mixprec {__version__}[/] · torch {torch.__version__}")
     console.print(f"device: {info.describe()}")
-    table = Table(title="precision support on this device")
-    table.add_column("precision")
-    table.add_column("status")
-    table.add_column("why")
+    table = FittedTable(
+        "precision support on this device",
+        [Column("precision", "left"), Column("status", "left"), Column("why", "left")],
+    )
     for name, s in support_matrix(info).items():
-        table.add_row(name, f"[{_STYLE[s.status]}]{s.status}[/]", s.reason)
+        table.add_row([name, f"[{_STYLE[s.status]}]{s.status}[/]", s.reason])
     console.print(table)
     console.print(f'"auto" resolves to: [bold]{resolve_auto(info).name}[/]')
     slow = {
@@ -63,15 +66,33 @@ def _info(args: argparse.Namespace) -> int:
             console.print(f"{name} would be fast on: {where}", highlight=False)
     console.print(_STRATEGIES, highlight=False)
     if args.measure:
-        rates = measure(device=info.device, seconds=args.seconds)
-        t = Table(title="matmul throughput (measured now)")
-        t.add_column("dtype")
-        t.add_column("GFLOP/s", justify="right")
-        t.add_column("vs float32", justify="right")
+        rates = measure_rates(device=info.device, seconds=args.seconds, repeats=args.repeats)
+        t = FittedTable(
+            f"matmul throughput, measured now (median of {args.repeats} rounds)",
+            [
+                Column("dtype", "left"),
+                Column("GFLOP/s", "right"),
+                Column("rounds: min-max", "right", keep=1),
+                Column("matrix", "right", keep=0),
+                Column("vs float32", "right"),
+            ],
+        )
         base = rates.get("float32")
-        for dtype, rate in rates.items():
-            t.add_row(dtype, f"{rate:,.1f}", _relative(rate, base))
+        for dtype, r in rates.items():
+            t.add_row(
+                [
+                    dtype,
+                    f"{r.median:,.1f}",
+                    f"{r.low:,.1f}-{r.high:,.1f}",
+                    f"{r.size}^2",
+                    _relative(r.median, base.median if base else None),
+                ]
+            )
         console.print(t)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        notice = measure_notice(rates, info, load)
+        if notice:
+            console.print(f"[yellow]{notice}[/]", highlight=False)
     return 0
 
 
@@ -93,6 +114,22 @@ def _relative(rate: float, base: float | None) -> str:
     return f"{rate / base:.2g}x ({base / rate:,.0f}x slower)"
 
 
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mixprec",
@@ -106,7 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="this device and which precisions are fast on it")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: best)")
     p.add_argument("--measure", action="store_true", help="also measure matmul GFLOP/s")
-    p.add_argument("--seconds", type=float, default=0.3, help="measuring time per dtype")
+    p.add_argument("--seconds", type=_positive, default=0.5, help="measuring time per dtype (0.5)")
+    p.add_argument(
+        "--repeats",
+        type=_at_least_one,
+        default=5,
+        help="rounds per dtype; the median is shown, with their range (5)",
+    )
     p.set_defaults(func=_info)
     add_bench_parser(sub)
     add_doctor_parser(sub)

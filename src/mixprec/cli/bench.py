@@ -16,12 +16,14 @@ from rich.console import Console
 from rich.markdown import Markdown
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from mixprec import textout
 from mixprec.bench import distributed
 from mixprec.bench.models import BUILTIN_MODELS
 from mixprec.bench.report import (
     OUTPUT_FILES,
     busy_machine_warning,
     comparison_gap_paragraph,
+    conclusion,
     max_batch_lines,
     notes,
     rich_table,
@@ -247,10 +249,8 @@ def run_memory_command(args: argparse.Namespace, console: Console, err: Console,
 
 def run_command(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed `args`; returns the exit code."""
-    console = Console()
-    if not console.is_terminal:  # a log file or a pipe: do not squeeze the table into 80
-        console = Console(width=150)
-    err = Console(stderr=True)
+    console = textout.console()
+    err = textout.console(stderr=True)
     out = args.out or Path("mixprec-bench") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     if args.strategy is not None:
         return run_memory_command(args, console, err, out)
@@ -264,7 +264,7 @@ def run_command(args: argparse.Namespace) -> int:
     if not png:
         err.print(
             "matplotlib is not installed: bench.png will not be written "
-            "(pip install 'mixprec[plot]')"
+            "(pip install 'mixprec[plot]' 'torch==2.13.0')"
         )
     o = p.options
     console.print(
@@ -301,7 +301,7 @@ def run_command(args: argparse.Namespace) -> int:
         report = run_bench(p, on_config, on_probe)
     summaries = summarize(report)
     console.print(rich_table(report, summaries))
-    for line in notes(report, summaries):
+    for line in notes(report, summaries, busy=busy is None):  # warned once, at the start
         console.print(f"  {line}", highlight=False)
     for s in summaries:
         if s.status not in (OK, OOM):
@@ -315,6 +315,7 @@ def run_command(args: argparse.Namespace) -> int:
             console.print(f"  {line}", highlight=False)
     paths = write_outputs(out, report, png=png)
     console.print(f"results: {', '.join(map(str, paths))}", highlight=False)
+    console.print(f"\n[bold]{conclusion(report, summaries)}[/]", highlight=False)
     failed = any(s.status not in (OK, OOM) for s in summaries) or any(
         found["error"] for found in report.max_batch.values()
     )

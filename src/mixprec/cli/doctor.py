@@ -11,12 +11,16 @@ error, from `mixprec.cli`).
 from __future__ import annotations
 
 import argparse
+import datetime
 import warnings
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from mixprec.bench.factory import FactoryError, call_factory, load_factory
 from mixprec.cli.outputs import check_output_dir
 from mixprec.doctor.diagnosis import Diagnosis, diagnose
+from mixprec.doctor.report import REPORT_FILES
 from mixprec.doctor.verdicts import DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE
 from mixprec.errors import PolicySpecError, PrecisionError
 
@@ -40,13 +44,16 @@ def _unpack(made: Any) -> tuple[Any, Any, Any]:
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    console = Console()
+    from mixprec import textout
+
+    console = textout.console()
     err = Console(stderr=True, soft_wrap=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             if not args.no_report:
-                check_output_dir(args.out, "--out")
+                out = args.out or _numbered(Path("doctor-report"))
+                check_output_dir(out, "--out", keep=REPORT_FILES)
             model, batch, loss_fn = _unpack(call_factory(load_factory(args.factory), args.factory))
             diagnosis = diagnose(
                 model,
@@ -67,10 +74,10 @@ def _run(args: argparse.Namespace) -> int:
         found = None
         if not args.no_recommend and diagnosis.findings:
             found = _recommend(diagnosis, args.tolerance, console, err)
-    for note in sorted({str(w.message) for w in caught}):
+    for note in _once(str(w.message) for w in caught):
         err.print(f"[dim]note: {note}[/]")
     if not args.no_report:
-        path = diagnosis.save(args.out, found)
+        path = diagnosis.save(out, found)
         policy_file = path.parent / "policy.json"
         written = f"; policy: {policy_file}" if policy_file.exists() else ""
         console.print(
@@ -78,6 +85,23 @@ def _run(args: argparse.Namespace) -> int:
             f"{written})"
         )
     return 0 if diagnosis.passes(args.tolerance) else 1
+
+
+def _numbered(parent: Path) -> Path:
+    """A new directory under `parent` named after the time, as the bench names its runs
+    (``-2``, ``-3``, ... after it when a run in the same second took the name)."""
+    name = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out, n = parent / name, 1
+    while out.exists():
+        n += 1
+        out = parent / f"{name}-{n}"
+    return out
+
+
+def _once(messages: Iterable[str]) -> list[str]:
+    """Each note once, in the order it came: the target run, the search for a fix and the
+    check of that fix each convert the model, and each warns that the precision is slow."""
+    return list(dict.fromkeys(messages))
 
 
 def _recommend(diagnosis: Diagnosis, tolerance: float | None, console: Any, err: Any) -> Any:
@@ -173,7 +197,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default="adam",
         help="how --lr sizes a step: adam (about lr per weight) or sgd (lr x gradient)",
     )
-    p.add_argument("--out", default="doctor-report", help="report directory (doctor-report)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="report directory, which must not hold an earlier report (default: "
+        "doctor-report/<date-time>/, a new one each run)",
+    )
     p.add_argument("--no-recommend", action="store_true", help="only diagnose")
     p.add_argument("--no-report", action="store_true", help="write no report files")
     p.set_defaults(func=_run)

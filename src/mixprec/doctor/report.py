@@ -14,7 +14,10 @@ if TYPE_CHECKING:
     from mixprec.doctor.diagnosis import Diagnosis, Recommendation
     from mixprec.doctor.verdicts import ModuleReport
 
-__all__ = ["as_text", "rich_view", "save", "summary", "to_markdown"]
+__all__ = ["REPORT_FILES", "as_text", "rich_view", "save", "summary", "to_markdown"]
+
+# what `save` writes (policy.json only with a recommendation); a run never overwrites them
+REPORT_FILES = ("report.md", "error.png", "range.png", "policy.json")
 
 _STYLE = {OK: "green", AT_RISK: "yellow", BROKEN: "red bold"}
 _COLUMNS = (
@@ -51,6 +54,8 @@ def _pct(x: float) -> str:
 
 # the terminal shows fewer columns than the markdown report
 _TERMINAL = ("module", "type", "dtype", "amax", "inf/nan", "rel err", "SQNR dB", "verdict")
+# which of them a narrow terminal keeps longest (absent: always shown)
+_KEEP = {"SQNR dB": 5, "type": 4, "rel err": 3, "inf/nan": 2, "dtype": 1}
 
 
 def _cells(m: ModuleReport, columns: tuple[str, ...] = _COLUMNS) -> list[str]:
@@ -92,16 +97,22 @@ def summary(d: Diagnosis) -> str:
 def rich_view(d: Diagnosis, rows: int = 15) -> Any:
     """A rich renderable: summary, the worst modules as a table, and the findings."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=f"worst modules ({min(rows, len(d.modules))} of {len(d.modules)})")
-    for col in _TERMINAL:
-        table.add_column(col, justify="left" if col in ("module", "type", "verdict") else "right")
+    from mixprec.textout import Column, FittedTable
+
+    table = FittedTable(
+        f"worst modules ({min(rows, len(d.modules))} of {len(d.modules)})",
+        [
+            Column(c, "left" if c in ("module", "type", "verdict") else "right", _KEEP.get(c))
+            for c in _TERMINAL
+        ],
+        full="every column is in the report",
+    )
     for m in d.worst(rows):
         cells = _cells(m, _TERMINAL)
         cells[-1] = f"[{_STYLE[m.verdict]}]{m.verdict}[/]"
-        table.add_row(*cells)
+        table.add_row(cells)
     parts: list[Any] = [Text(summary(d)), table]
     for m in d.findings:
         parts.append(
@@ -281,7 +292,8 @@ def save(
         import matplotlib
     except ImportError:
         raise ImportError(
-            "writing the doctor's plots needs matplotlib: pip install 'mixprec[plot]'"
+            "writing the doctor's plots needs matplotlib: "
+            "pip install 'mixprec[plot]' 'torch==2.13.0'"
         ) from None
     matplotlib.use("Agg")
     out = Path(directory)

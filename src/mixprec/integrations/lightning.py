@@ -28,8 +28,9 @@ What the plugin does at each point Lightning hands it:
   optimizer (Lightning saves the wrapped optimizer's own state), so a resumed run continues
   bit for bit.
 
-Lightning is an optional dependency (``pip install 'mixprec[lightning]'``): this module
-imports ``pytorch_lightning``; ``import mixprec`` and ``import mixprec.integrations`` do not.
+Lightning is an optional dependency (``pip install 'mixprec[lightning]' 'torch==2.13.0'``):
+this module imports ``pytorch_lightning``; ``import mixprec`` and
+``import mixprec.integrations`` do not.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ try:
 except ImportError as err:  # pragma: no cover - the extra is installed wherever tests run
     raise ImportError(
         "mixprec.integrations.lightning needs pytorch-lightning 2.6: "
-        "pip install 'mixprec[lightning]'"
+        "pip install 'mixprec[lightning]' 'torch==2.13.0'"
     ) from err
 
 from mixprec.doctor.monitor import PrecisionMonitor
@@ -338,7 +339,8 @@ class PrecisionMonitorCallback(pl.Callback):
             arguments (``every_n_steps``, ``headroom``, ``skip_patience``, ...) here.
 
     The loss scaler's numbers (scale, skipped steps) come along when the trainer runs a
-    ``MixprecPrecision``. ``.monitor`` holds the history and the warnings raised.
+    ``MixprecPrecision``. ``.warnings`` are the warnings raised (as on the Hugging Face
+    callback); ``.monitor`` holds the history too.
     """
 
     def __init__(self, monitor: PrecisionMonitor | None = None, **kwargs: Any) -> None:
@@ -349,6 +351,11 @@ class PrecisionMonitorCallback(pl.Callback):
         if monitor is not None and not isinstance(monitor, PrecisionMonitor):
             raise TypeError(f"monitor must be a PrecisionMonitor, got {type(monitor).__name__}")
         self.monitor = monitor if monitor is not None else PrecisionMonitor(**kwargs)
+
+    @property
+    def warnings(self) -> list[str]:
+        """The warnings raised so far, each naming its layer."""
+        return self.monitor.warnings
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.monitor.attach(pl_module)

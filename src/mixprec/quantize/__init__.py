@@ -5,10 +5,15 @@ ones (or Linear for float8 training), in place, as Keras's ``model.quantize`` do
 "int8")`` calls `quantize`, and ``mixprec.quantize.dequantize(model)`` reaches the rest.
 
 - int8 (`Int8Linear`, `Int8Embedding`): weights per output channel, activations per token at
-  run time, int8 x int8 -> int32 matmuls; the bias trains, the weight does not.
+  run time, exact int8 x int8 -> int32 matmuls (oneDNN's int8 linear with a prepacked weight
+  where its sums are exact, else `torch._int_mm` or float64); the bias trains, the weight
+  does not.
 - int4 (`Int4Linear`, `Int4Embedding`): grouped weights with a zero point, packed two per
-  byte, dequantized before each matmul.
+  byte; Linear layers multiply through torch's packed int4 kernel with bfloat16 activations
+  where it exists (groups of 32-256, float32/bfloat16 inputs), else dequantize first.
 - float8: `mixprec.quantize.float8.convert_to_float8` (training numerics).
+
+`QuantizeResult.kernels` says which matmul each quantized int8/int4 Linear runs, and why.
 
 Quantized layers keep their int tensors and scales as buffers, so ``state_dict`` holds them
 and a checkpoint loads into a model quantized the same way without quantizing again.
@@ -67,15 +72,21 @@ __all__ = [
 
 @dataclass
 class QuantizeResult:
-    """What `quantize` did: quantized layers (path -> what they became) and the layers with
-    parameters it left in float (path -> why)."""
+    """What `quantize` did: quantized layers (path -> what they became), the matmul each
+    quantized int8/int4 Linear runs on the device it is on (path -> kernel, and why that
+    one; ``layer.kernel`` answers again after a move) and the layers with parameters it
+    left in float (path -> why)."""
 
     quantized: dict[str, str] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    kernels: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         lines = [f"quantized {len(self.quantized)} layer(s)"]
-        lines += [f"  {p}: {what}" for p, what in self.quantized.items()]
+        lines += [
+            f"  {p}: {what}" + (f"; matmul: {self.kernels[p]}" if p in self.kernels else "")
+            for p, what in self.quantized.items()
+        ]
         if self.skipped:
             lines.append(f"skipped {len(self.skipped)}")
             lines += [f"  {p or '<root>'}: {why}" for p, why in self.skipped.items()]
@@ -160,6 +171,8 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
             if id(module) not in new:
                 new[id(module)] = _quantized_layer(path, module, policy, memo)
             result.quantized[path] = describe(policy)
+            if isinstance(new[id(module)], (Int8Linear, Int4Linear)):
+                result.kernels[path] = new[id(module)].kernel
     swap_modules(model, lambda path, child: new.get(id(child)))
     for policy, paths in float8.items():
         _to_float8(model, policy, set(paths), result)

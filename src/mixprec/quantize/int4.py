@@ -4,33 +4,65 @@ Each output channel's input features are cut into groups (default 128; -1: one g
 channel; a short last group is padded with zeros). A group gets an asymmetric 4-bit grid
 spanning ``[min(w, 0), max(w, 0)]``: ``scale = (hi - lo) / 15``, ``zero = round(-lo / scale)``,
 ``q = clamp(round(w / scale) + zero, 0, 15)``, ``w ~= (q - zero) * scale``, so zero is exact
-and ``|w - dequantized| <= scale / 2``. Values are packed two per byte (low nibble first).
-The weight is dequantized to the compute dtype before each matmul.
+and ``|w - dequantized| <= scale / 2``. Values are packed two per byte (low nibble first);
+these codes, scales and zero points are the layer's state (``state_dict``, checkpoints).
+
+The matmul: float32 and bfloat16 inputs go through torch's packed int4 kernel (W4A16, as
+torchao's int4 weight-only layouts: ``aten._weight_int4pack_mm_for_cpu`` on CPUs with AVX2 or
+AVX-512 and on Arm, the tinygemm ``aten._weight_int4pack_mm`` on CUDA GPUs of compute
+capability 8.0+), for groups of 32, 64, 128 or 256. The kernel reads the weight 4 bits at a
+time from a copy packed for it on first use (as many bytes again as the codes; made again
+when the buffers change) and computes with bfloat16 activations: a float32 input is rounded
+to bfloat16, products accumulate in float32 and the output is rounded to bfloat16 (then
+returned in the input's dtype, the bias added there). Its weight is ``(q - 8) * scale +
+offset`` with scale and ``offset = (8 - zero) * scale`` in bfloat16, within 1/32 of a step of
+the stored one. Other group sizes, float16/float64 inputs and devices without the kernel
+dequantize the weight to the compute dtype before each matmul, as before; `Int4Linear.kernel`
+says which a layer takes and why.
 """
 
 from __future__ import annotations
 
 import math
+import platform
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mixprec.quantize.int8 import check_finite, check_input, output_dtype, storable_scale
+from mixprec.quantize.int8 import (
+    Prepacked,
+    check_finite,
+    check_input,
+    output_dtype,
+    storable_scale,
+)
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
 __all__ = [
+    "KERNEL_GROUP_SIZES",
+    "KERNEL_INPUT_DTYPES",
     "Int4Embedding",
     "Int4Linear",
+    "PackedInt4",
     "QMAX",
     "dequantize_groups",
     "groups_of",
+    "kernel_for",
+    "kernel_linear",
+    "kernel_matmul",
     "pack",
+    "pack_for_kernel",
     "quantize_groups",
     "unpack",
 ]
 
 QMAX = 15
+# The group sizes torch's packed int4 kernels take (CPU and CUDA alike).
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+# The input dtypes that go through the kernel (computed with bfloat16 activations).
+KERNEL_INPUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def groups_of(features: int, group_size: int) -> tuple[int, int]:
@@ -85,7 +117,127 @@ def dequantize_groups(
     return w.flatten(-2)[..., :features]
 
 
-class _Int4Weight(nn.Module):
+def kernel_for(device: torch.device, size: int) -> tuple[str, str | None]:
+    """(torch's packed int4 kernel for `device`, None) when it can multiply groups of `size`
+    input features there, else (what the layer does instead, why)."""
+    dequant = "dequantize the weight, then F.linear"
+    if size not in KERNEL_GROUP_SIZES:
+        sizes = ", ".join(map(str, KERNEL_GROUP_SIZES))
+        return dequant, f"groups of {size}: the packed int4 kernels take groups of {sizes}"
+    if device.type == "cpu":
+        capability = torch.backends.cpu.get_cpu_capability()
+        # ATen's int4 kernel is vectorised for AVX2/AVX-512 and Arm NEON; a plain build's
+        # scalar loop is ~100x slower than a float32 matmul
+        if capability in ("AVX2", "AVX512") or platform.machine().lower() in ("aarch64", "arm64"):
+            return "aten._weight_int4pack_mm_for_cpu", None
+        return dequant, f"ATen CPU capability {capability}: no vectorised int4 kernel"
+    if device.type == "cuda":
+        if torch.version.hip is not None:
+            return dequant, "ROCm: the tinygemm int4 kernel is built for NVIDIA GPUs"
+        major, minor = torch.cuda.get_device_capability(device)
+        if major >= 8:
+            return "aten._weight_int4pack_mm", None
+        return dequant, f"compute capability {major}.{minor}: tinygemm needs 8.0+"
+    return dequant, f"no packed int4 kernel on {device.type}"
+
+
+class PackedInt4(NamedTuple):
+    """A weight prepacked for torch's int4 kernel: the packed codes, the kernel's
+    ``[groups, rows, 2]`` bfloat16 scales and offsets, and the padded input width the kernel
+    multiplies (rows and input features padded as the kernel needs)."""
+
+    codes: Tensor
+    scales_and_zeros: Tensor
+    features: int
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pack_for_kernel(
+    packed: Tensor, scale: Tensor, zero: Tensor, features: int, group_size: int
+) -> PackedInt4:
+    """`quantize_groups`' output repacked for torch's int4 kernel on `packed`'s device.
+
+    The kernel dequantizes ``(q - 8) * s + o`` per group: with ``s = scale`` and
+    ``o = (8 - zero) * scale`` (computed in float32, then both rounded to bfloat16) that is
+    ``(q - zero) * scale`` up to that rounding. Padded rows and groups get scale and offset
+    0 (their products vanish; the input is padded with zeros too)."""
+    rows = packed.shape[0]
+    n, size = groups_of(features, group_size)
+    cuda = packed.device.type == "cuda"
+    # CPU: rows in blocks of 16; CUDA tinygemm: rows in blocks of 8, input features in
+    # blocks of 1024 (torchao pads the same way for inner_k_tiles 8)
+    rows_to = _round_up(rows, 8 if cuda else 16)
+    width = _round_up(n * size, 1024) if cuda else n * size
+    codes = unpack(packed, n * size).to(torch.int32)
+    codes = F.pad(codes, (0, width - n * size, 0, rows_to - rows))
+    s32, z32 = scale.to(torch.float32), zero.to(torch.float32)
+    offsets = (8 - z32) * s32
+    pairs = torch.stack((s32, offsets), dim=-1).to(torch.bfloat16)  # [rows, n, 2]
+    pairs = F.pad(pairs, (0, 0, 0, width // size - n, 0, rows_to - rows))
+    scales_and_zeros = pairs.transpose(0, 1).contiguous()  # [groups, rows, 2]
+    if cuda:  # tinygemm reads two codes per byte, the even column in the high nibble
+        pairs_u8 = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8)
+        kernel_codes = torch.ops.aten._convert_weight_to_int4pack(pairs_u8, 8)
+    else:
+        kernel_codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    return PackedInt4(kernel_codes, scales_and_zeros, width)
+
+
+def kernel_matmul(x: Tensor, weight: PackedInt4, rows: int, size: int) -> Tensor:
+    """``x @ W.T`` for a 2-D `x` by torch's int4 kernel on `weight` (`pack_for_kernel`), in
+    bfloat16 [M, rows]: `x` rounded to bfloat16 and zero-padded to the packed width."""
+    xb = x.to(torch.bfloat16)
+    if weight.features > x.shape[-1]:
+        xb = F.pad(xb, (0, weight.features - x.shape[-1]))
+    xb = xb.contiguous()
+    if x.device.type == "cuda":
+        out = torch.ops.aten._weight_int4pack_mm(xb, weight.codes, size, weight.scales_and_zeros)
+    else:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            xb, weight.codes, size, weight.scales_and_zeros
+        )
+    return out[:, :rows]
+
+
+def kernel_linear(
+    x: Tensor, weight: PackedInt4, rows: int, size: int, dtype: torch.dtype
+) -> Tensor:
+    """`kernel_matmul` for `x` of any leading dims, returned in `dtype`."""
+    out = kernel_matmul(x.reshape(-1, x.shape[-1]), weight, rows, size).to(dtype)
+    return out.reshape(*x.shape[:-1], rows)
+
+
+class _Int4Matmul(torch.autograd.Function):
+    """Forward: `kernel_linear`. Backward: the input gets ``grad @ W`` with the stored
+    (dequantized) weight in the gradient's dtype, as F.linear with that weight gives it; the
+    int4 buffers get none."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        buffers: tuple[Tensor, Tensor, Tensor],
+        weight: PackedInt4,
+        group_size: int,
+        dtype: torch.dtype,
+    ) -> Tensor:
+        ctx.save_for_backward(*buffers)
+        ctx.features, ctx.group_size = x.shape[-1], group_size
+        size = groups_of(x.shape[-1], group_size)[1]
+        return kernel_linear(x, weight, buffers[0].shape[0], size, dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None, None]:
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        w = dequantize_groups(*ctx.saved_tensors, ctx.features, ctx.group_size)
+        return grad @ w.to(grad.dtype), None, None, None, None
+
+
+class _Int4Weight(Prepacked, nn.Module):
     """Buffers and (de)quantization shared by the int4 Linear and Embedding."""
 
     quantization_mode = "int4"
@@ -101,6 +253,7 @@ class _Int4Weight(nn.Module):
     def _take(self, quantized: tuple[Tensor, ...], dtype: torch.dtype) -> None:
         packed, scale, zero = quantized
         self.qweight, self.weight_scale, self.weight_zero = packed, scale.to(dtype), zero
+        self.drop_prepacked()
 
     def requantize(self, weight: Tensor) -> None:
         """Replace the int4 weight by the quantization of the float `weight`."""
@@ -139,13 +292,52 @@ class Int4Linear(LoraMixin, _Int4Weight):
         layer.bias = linear.bias  # the same Parameter: an optimizer holding it keeps working
         return layer.to(linear.weight.device)
 
+    @property
+    def kernel_group(self) -> int:
+        """The features per group the kernel multiplies (the group size, or the row)."""
+        return groups_of(self.in_features, self.group_size)[1]
+
+    @property
+    def kernel(self) -> str:
+        """The matmul this layer runs on its device, and why that one."""
+        name, why_not = kernel_for(self.qweight.device, self.kernel_group)
+        if why_not is not None:
+            return f"{name} ({why_not})"
+        return (
+            f"{name} for float32/bfloat16 inputs, computed with bfloat16 activations (float16 "
+            "and float64 inputs: dequantize the weight, then F.linear)"
+        )
+
     def forward(self, x: Tensor) -> Tensor:
         check_input(self, x)
         # in the compute dtype (autocast's, else the input's): outside autocast a float32
         # weight would meet a 16-bit input (FSDP2 casts inputs, not these buffers)
         dtype = output_dtype(x)
         bias = None if self.bias is None else self.bias.to(dtype)
-        return self.add_lora(x, F.linear(x, self.dequantized_weight().to(dtype), bias))
+        # torch.compile traces the dequantized matmul: the packed copy lives outside the
+        # module's buffers
+        if (
+            dtype in KERNEL_INPUT_DTYPES
+            and x.numel()
+            and not torch.compiler.is_compiling()
+            and kernel_for(x.device, self.kernel_group)[1] is None
+        ):
+            weight = self.prepacked(
+                (self.qweight, self.weight_scale, self.weight_zero),
+                lambda: pack_for_kernel(
+                    self.qweight, self.weight_scale, self.weight_zero, self.features,
+                    self.group_size,
+                ),
+            )  # fmt: skip
+            if torch.is_grad_enabled() and x.requires_grad:
+                buffers = (self.qweight, self.weight_scale, self.weight_zero)
+                out = _Int4Matmul.apply(x, buffers, weight, self.group_size, dtype)
+            else:  # no graph to record: skip the autograd.Function's cost
+                out = kernel_linear(x, weight, self.out_features, self.kernel_group, dtype)
+            out = out if bias is None else out + bias
+        else:
+            out = F.linear(x.to(dtype), self.dequantized_weight().to(dtype), bias)
+        return self.add_lora(x, out)
 
     def extra_repr(self) -> str:
         return (

@@ -1,7 +1,7 @@
 """The Trainer: a fit loop with a precision flag, callbacks, loggers, checkpoints, DDP and
 FSDP."""
 
-from mixprec.trainer.callbacks import Callback, EarlyStopping, ModelCheckpoint
+from mixprec.trainer.callbacks import Callback, EarlyStopping, ModelCheckpoint, RunEstimate
 from mixprec.trainer.checkpoint import CheckpointError
 from mixprec.trainer.config import TrainerConfig, resolve_precision, seed_everything
 from mixprec.trainer.loggers import CSVLogger, Logger, TensorBoardLogger
@@ -21,6 +21,7 @@ __all__ = [
     "Logger",
     "ModelCheckpoint",
     "RichProgressBar",
+    "RunEstimate",
     "TensorBoardLogger",
     "Trainer",
     "TrainerConfig",

@@ -26,16 +26,22 @@ stopped inside an epoch (by it or ``max_steps``) leaves the epoch unfinished: no
 A `TrainingModule` may define these hooks too (all but ``on_exception``, without the trainer
 and model arguments, as in Lightning), and ``on_validation_epoch_start/_end``,
 ``on_test_epoch_start/_end``; its own run before the callbacks'. `ModelCheckpoint` and
-`EarlyStopping` are the two callbacks most runs want.
+`EarlyStopping` are the two callbacks most runs want; `RunEstimate` says early how long a
+long run will take.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
 import shutil
+import statistics
+import sys
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +57,7 @@ __all__ = [
     "EarlyStopping",
     "HOOKS",
     "ModelCheckpoint",
+    "RunEstimate",
     "callback_states",
     "check_callback",
     "keeps_state",
@@ -435,6 +442,75 @@ class ModelCheckpoint(Callback):
         recorded = [*self._saved, *self.best_k_models, self.best_model_path]
         known = state.get("dirpath") or next((str(Path(p).parent) for p in recorded if p), None)
         self._restored_from = Path(known) if known else None
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60)} min"
+
+
+class RunEstimate(Callback):
+    """Says once, a few batches into a fit, how long its training will take: the median time
+    of `batches` training batches after the first (which pays for warm-up and compilation),
+    times the batches left to ``max_steps`` / ``max_epochs``. Validation and checkpoints are
+    not counted. Rank 0 writes the line to stderr, or hands it to `log`.
+
+    A run in a precision slow on the machine (``--allow-slow``) or simply bigger than it
+    looked announces its hours at the start, not after them.
+    """
+
+    def __init__(self, batches: int = 2, log: Callable[[str], None] | None = None) -> None:
+        if not (isinstance(batches, int) and batches >= 1):
+            raise ValueError(f"batches must be an int >= 1, got {batches!r}")
+        self.batches = batches
+        self.log = log
+        self.message: str | None = None
+        self._times: list[float] = []
+        self._start = 0
+
+    def on_train_start(self, trainer: Trainer, model: nn.Module) -> None:
+        self._times = []
+        self._start = trainer.global_step * trainer.accumulate_grad_batches  # a resumed fit
+
+    def on_train_batch_end(
+        self, trainer: Trainer, model: nn.Module, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.message is not None or len(self._times) > self.batches:
+            return
+        self._times.append(time.perf_counter())
+        if len(self._times) <= self.batches:
+            return
+        per_batch = statistics.median(b - a for a, b in itertools.pairwise(self._times))
+        left = self._batches_left(trainer, self._start + len(self._times))
+        if left is None:
+            total = "the data has no length: the total is unknown"
+        else:
+            total = f"{left:,} batches to go: about {_duration(per_batch * left)}"
+        self.message = (
+            f"estimate: {per_batch:.3g} s a training batch here (median of {self.batches} "
+            f"after the first); {total}, validation not included"
+        )
+        if trainer.is_global_zero:
+            if self.log is not None:
+                self.log(self.message)
+            else:
+                print(self.message, file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _batches_left(trainer: Trainer, done: int) -> int | None:
+        acc = trainer.accumulate_grad_batches
+        per_epoch = trainer.num_training_batches
+        limits = []
+        if trainer.max_steps is not None:
+            limits.append(trainer.max_steps * acc)
+        if trainer.max_epochs is not None and per_epoch is not None:
+            limits.append(trainer.max_epochs * per_epoch)
+        if not limits:
+            return None
+        return max(0, min(limits) - done)
 
 
 class EarlyStopping(Callback):

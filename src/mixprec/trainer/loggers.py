@@ -191,7 +191,7 @@ class TensorBoardLogger(Logger):
         if not tensorboard_available():
             raise ImportError(
                 "TensorBoardLogger needs the tensorboard package: pip install tensorboard "
-                "(or mixprec[tensorboard]); CSVLogger needs nothing extra"
+                "(or 'mixprec[tensorboard]' 'torch==2.13.0'); CSVLogger needs nothing extra"
             )
         super().__init__(save_dir, name, version)
         self._writer: Any = None

@@ -504,14 +504,21 @@ def _end_with_launcher(rank: int) -> None:
     GPU. torch has Linux send it SIGINT then (a KeyboardInterrupt: logs flushed, the process
     group left); where that never comes (the launcher ran in the background of a shell
     script, which ignores SIGINT, or this is not Linux) or does not end it, a watcher thread
-    on the launcher's sentinel (a pipe on POSIX, a process handle on Windows) ends it
-    `LAUNCHER_GONE_GRACE_S` seconds later."""
+    ends it `LAUNCHER_GONE_GRACE_S` seconds later. On POSIX the thread watches this process's
+    parent id, which changes when the launcher dies: the launcher's sentinel pipe stays open
+    while a sibling forked after this rank (``ddp_fork``) holds a copy of its write end, so
+    that rank 0 learnt of the death only after rank 1 had ended. Elsewhere it waits on the
+    sentinel (a process handle on Windows)."""
     launcher = multiprocessing.parent_process()
     if launcher is None:  # not started by multiprocessing
         return
 
     def watch() -> None:
-        launcher.join()  # returns once the launcher has exited
+        if os.name == "posix":
+            while os.getppid() == launcher.pid:
+                time.sleep(0.25)
+        else:
+            launcher.join()  # returns once the launcher has exited
         print(
             f"mixprec: the process that launched DDP rank {rank} (pid {launcher.pid}) is gone; "
             "this rank ends",

@@ -1,0 +1,58 @@
+"""MkDocs hook: the README and the committed benchmark results become pages of the site.
+
+The README is the home page (its links into docs/ and benchmarks/results/ rewritten to the
+site's). Every Markdown file and plot under benchmarks/results/ (and the GPU experiment's
+README) is added as a generated file under results/, read from where it is committed, so the
+site always shows what the repository holds and nothing is copied by hand. A results index
+lists them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+GPU_README = ROOT / "benchmarks" / "gpu" / "README.md"
+README = ROOT / "README.md"
+
+
+def home_page() -> str:
+    """The README with its repository links turned into links between the site's pages."""
+    text = README.read_text()
+    text = text.replace("](benchmarks/results/)", "](results/index.md)")
+    text = text.replace("](benchmarks/results/", "](results/")
+    return re.sub(r"\]\(docs/", "](", text)
+
+
+def _title(path: Path) -> str:
+    for line in path.read_text().splitlines():
+        if line.startswith("# "):
+            return line[2:].strip()
+    return path.stem
+
+
+def on_files(files: Files, config) -> Files:
+    files.append(File.generated(config, "index.md", content=home_page()))
+    entries = []
+    for path in sorted(RESULTS.rglob("*")):
+        if path.suffix not in {".md", ".png"}:
+            continue
+        uri = "results/" + path.relative_to(RESULTS).as_posix()
+        files.append(File.generated(config, uri, abs_src_path=str(path)))
+        if path.suffix == ".md":
+            entries.append((path.relative_to(RESULTS).as_posix(), _title(path)))
+    files.append(File.generated(config, "results/gpu.md", abs_src_path=str(GPU_README)))
+    entries.append(("gpu.md", "The GPU experiment (benchmarks/gpu)"))
+    lines = [
+        "# Results",
+        "",
+        "Every measurement quoted in these pages, as committed under `benchmarks/results/`",
+        "(each file says how it was measured and the command that reproduces it):",
+        "",
+    ]
+    lines += [f"- [{title}]({uri}) (`{uri}`)" for uri, title in entries]
+    files.append(File.generated(config, "results/index.md", content="\n".join(lines) + "\n"))
+    return files

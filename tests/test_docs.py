@@ -1,0 +1,69 @@
+"""Every Python example in the documentation (docs/*.md) runs as written: on this host, and on
+a described CPU without fast bfloat16 or float16 (AVX2 only), where a precision that is slow
+must either be allowed in the example itself or be marked, with the page saying what to set.
+Neither run sets the allow switch unless the block is marked.
+
+A block is marked by an HTML comment on the line before its fence (invisible on the site):
+
+- ``<!-- test: allow-slow -->``: the example uses a precision slow on some CPUs and the page
+  names the switch (``MIXPREC_ALLOW_SLOW=1`` / ``allow_slow``): it runs with the switch set.
+- ``<!-- test: skip, needs a CUDA GPU -->`` or ``<!-- test: skip, several processes -->``:
+  the example cannot run in one CPU process; the CUDA and multi-process test files cover it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from devices import AVX2_CPU
+
+from mixprec import hardware
+from mixprec.hardware import ALLOW_SLOW_ENV
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+BLOCK = re.compile(r"(?:<!-- test: (?P<mark>[^>]*?) -->\n)?```python\n(?P<code>.*?)```", re.S)
+MARKS = {"allow-slow", "skip, needs a CUDA GPU", "skip, several processes"}
+BLOCKS = [
+    (page.name, i, m["mark"], m["code"])
+    for page in sorted(DOCS.glob("*.md"))
+    for i, m in enumerate(BLOCK.finditer(page.read_text()))
+]
+IDS = [f"{page}[{i}]" for page, i, _, _ in BLOCKS]
+
+
+def test_the_docs_have_examples_and_only_known_marks():
+    assert len(BLOCKS) >= 15
+    assert {mark for _, _, mark, _ in BLOCKS} <= MARKS | {None}
+    for page, i, mark, _ in BLOCKS:
+        if mark == "allow-slow":
+            text = (DOCS / page).read_text()
+            assert ALLOW_SLOW_ENV in text or "allow_slow" in text, f"{page}[{i}]"
+
+
+def _run(page: str, index: int, code: str) -> None:
+    exec(compile(code, f"docs/{page}[python block {index}]", "exec"), {})
+
+
+# on a host that already is AVX2-only (or capped to it, as CI's second run is) the host run
+# is the AVX2 run: it runs once
+FAST_FLAGS = {"avx512bw", "avx512_bf16", "amx_bf16", "avx512_fp16"}
+CPUS = ["host", "avx2"] if hardware.detect("cpu").cpu_flags & FAST_FLAGS else ["host"]
+
+
+@pytest.mark.parametrize("cpu", CPUS)
+@pytest.mark.parametrize(("page", "index", "mark", "code"), BLOCKS, ids=IDS)
+def test_docs_example_runs(page, index, mark, code, cpu, tmp_path, monkeypatch):
+    if mark is not None and mark.startswith("skip"):
+        pytest.skip(mark.removeprefix("skip, "))
+    monkeypatch.chdir(tmp_path)
+    if mark == "allow-slow":
+        monkeypatch.setenv(ALLOW_SLOW_ENV, "1")
+    else:
+        monkeypatch.delenv(ALLOW_SLOW_ENV, raising=False)
+    if cpu == "host":
+        _run(page, index, code)
+    else:
+        with hardware.assume(AVX2_CPU):
+            _run(page, index, code)
