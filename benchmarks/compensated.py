@@ -1,19 +1,26 @@
 """Pure 16-bit training: bytes per parameter and optimizer-step time, measured from tensors.
 
-For an MLP (about 1.6M parameters) with AdamW, each configuration counts the bytes of the
-tensors a step keeps alive (parameters, gradients, optimizer state incl. Kahan buffers,
-float32 masters and their gradients) and times the optimizer step alone (gradients set
-once, median of ``--steps`` steps, the configurations taking turns step by step). The Kahan
-step of mixprec (`mixprec.compensated`) runs next to torch-optimi's ``AdamW(kahan_sum=True)``
-when ``optimi`` is installed (``pip install --no-deps torch-optimi==0.3.3``), and both are
-compared for accuracy: 1,000 AdamW updates of ~1e-4 of each weight against float64.
+For an MLP (2.1M parameters) with AdamW, each configuration counts the bytes of the tensors a
+step keeps alive (parameters, gradients, optimizer state incl. Kahan buffers, float32 masters
+and their gradients) and times the optimizer step alone (gradients set once, median of
+``--steps`` steps, the configurations taking turns step by step, after warm-up steps that
+include the compiled steps' first-call build). The Kahan step of mixprec
+(`mixprec.compensated`, compiled as ``LossScaleOptimizer(compensation=...)`` builds it, and
+its eager fallback) runs next to torch's plain bfloat16 AdamW and torch-optimi's
+``AdamW(kahan_sum=True)`` when ``optimi`` is installed (``pip install --no-deps
+torch-optimi==0.3.3``; the report says when it is missing), and they are compared for
+accuracy: 1,000 AdamW updates of ~1e-4 of each weight against float64.
 
-    python benchmarks/compensated.py [--steps 30] [--out benchmarks/results/compensated.md]
+With ``--profile`` the report ends with torch.profiler's table of where mixprec's compiled
+and eager Kahan steps spend their time (10 steps each).
+
+    python benchmarks/compensated.py [--steps 30] [--profile] [--out FILE.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -22,8 +29,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mixprec.compensated import Compensator
 from mixprec.hardware import detect
 from mixprec.optim import LossScaleOptimizer
+
+OPTIMI = "bf16-true + Kahan (torch-optimi 0.3.3)"
+KAHAN = "bf16-true + Kahan (mixprec, compiled)"
+EAGER = "bf16-true + Kahan (mixprec, eager: compile=False)"
+PLAIN = "bf16-true plain (torch AdamW)"
 
 
 def mlp(dtype: torch.dtype) -> nn.Module:
@@ -31,6 +44,17 @@ def mlp(dtype: torch.dtype) -> nn.Module:
     return nn.Sequential(
         nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 512)
     ).to(dtype)
+
+
+class Eager:
+    """A torch optimizer stepped by ``Compensator(kind, compile=False)``: the eager path."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, kind: str) -> None:
+        self.optimizer = optimizer
+        self.compensator = Compensator(kind, seed=0, compile=False)
+
+    def step(self) -> None:
+        self.compensator.step(self.optimizer)
 
 
 class Config:
@@ -43,6 +67,7 @@ class Config:
             p.grad = torch.randn_like(p) * 1e-3
         self.opt = make(self.model)
         self.times: list[float] = []
+        self.first: float | None = None  # the first step (a compiled step's build)
 
     def step(self) -> None:
         if isinstance(self.opt, LossScaleOptimizer):
@@ -52,6 +77,8 @@ class Config:
         start = time.perf_counter()
         self.opt.step()
         self.times.append(time.perf_counter() - start)
+        if self.first is None:
+            self.first = self.times[-1]
 
     def bytes_per_param(self) -> float:
         inner = getattr(self.opt, "optimizer", self.opt)
@@ -82,17 +109,18 @@ def configs() -> list[Config]:
             bf16,
             lambda m: LossScaleOptimizer(adamw(m), "none", master_weights=True),
         ),
-        Config("bf16-true plain (torch AdamW)", bf16, adamw),
+        Config(PLAIN, bf16, adamw),
         Config(
-            "bf16-true + Kahan (mixprec)",
+            KAHAN,
             bf16,
             lambda m: LossScaleOptimizer(adamw(m), "none", compensation="kahan"),
         ),
         Config(
-            "bf16-true + stochastic rounding (mixprec)",
+            "bf16-true + stochastic rounding (mixprec, compiled)",
             bf16,
             lambda m: LossScaleOptimizer(adamw(m), "none", compensation="stochastic"),
         ),
+        Config(EAGER, bf16, lambda m: Eager(adamw(m), "kahan")),
     ]
     try:
         import optimi
@@ -100,7 +128,7 @@ def configs() -> list[Config]:
         return out
     out.append(
         Config(
-            "bf16-true + Kahan (torch-optimi 0.3.3)",
+            OPTIMI,
             bf16,
             lambda m: optimi.AdamW(
                 m.parameters(), lr=1e-3, betas=(0.9, 0.999), eps=1e-8, kahan_sum=True, foreach=True
@@ -139,12 +167,12 @@ def accuracy_lines() -> list[str]:
     }
     try:
         import optimi
-
+    except ImportError:
+        optimi = None
+    if optimi is not None:
         runs["bf16 + Kahan (torch-optimi 0.3.3)"] = lambda ps: optimi.AdamW(
             ps, lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, kahan_sum=True
         )
-    except ImportError:
-        pass
     step = 2.0**-7
     lines = [
         "",
@@ -162,13 +190,32 @@ def accuracy_lines() -> list[str]:
     return lines
 
 
+def profile_lines(runs: list[Config]) -> list[str]:
+    """torch.profiler's table (the ten largest rows by own time) for 10 steps of each of
+    mixprec's compiled and eager Kahan steps."""
+    from torch.profiler import profile
+
+    lines = []
+    for c in runs:
+        if c.name not in (KAHAN, EAGER):
+            continue
+        with profile() as prof:
+            for _ in range(10):
+                c.step()
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10)
+        lines += ["", f"Profile of 10 steps: {c.name}", "", "```", table.strip(), "```"]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
+    load_before = os.getloadavg()
     runs = configs()
-    for _ in range(3):  # warm-up: state allocation
+    for _ in range(3):  # warm-up: state allocation, the compiled steps' build
         for c in runs:
             c.step()
     for c in runs:
@@ -176,20 +223,40 @@ def main() -> None:
     for _ in range(args.steps):
         for c in runs:
             c.step()
+    load_after = os.getloadavg()
     n = sum(p.numel() for p in runs[0].model.parameters())
     lines = [
         "# Pure bfloat16 training: bytes per parameter and AdamW step time",
         "",
-        f"Command: `python benchmarks/compensated.py --steps {args.steps}`",
+        f"Command: `{' '.join(['python', *sys.argv])}` (threads: {torch.get_num_threads()})",
         f"Device: {detect(torch.device('cpu')).describe()}; torch {torch.__version__}",
         f"Model: MLP 512-1024-1024-512 ({n / 1e6:.2f}M parameters), AdamW.",
+        f"Load average (1 min) {load_before[0]:.2f} before, {load_after[0]:.2f} after.",
         "",
-        "| configuration | bytes/param (params+grads+state+masters) | optimizer step (ms) |",
-        "|---|---:|---:|",
+        "| configuration | bytes/param (params+grads+state+masters) | optimizer step (ms), "
+        "median | min | first step (ms) |",
+        "|---|---:|---:|---:|---:|",
     ]
+    medians = {}
     for c in runs:
-        ms = statistics.median(c.times) * 1e3
-        lines.append(f"| {c.name} | {c.bytes_per_param():.2f} | {ms:.2f} |")
+        medians[c.name] = statistics.median(c.times) * 1e3
+        lines.append(
+            f"| {c.name} | {c.bytes_per_param():.2f} | {medians[c.name]:.2f} | "
+            f"{min(c.times) * 1e3:.2f} | {(c.first or 0.0) * 1e3:.0f} |"
+        )
+    lines.append("")
+    ratios = (
+        f"mixprec's compiled Kahan step is {medians[KAHAN] / medians[PLAIN]:.2f}x plain bf16 "
+        f"torch AdamW"
+    )
+    if OPTIMI in medians:
+        ratios += f" and {medians[KAHAN] / medians[OPTIMI]:.2f}x torch-optimi's Kahan AdamW"
+    else:
+        ratios += (
+            " (torch-optimi is not installed: `pip install --no-deps torch-optimi==0.3.3` "
+            "adds its row)"
+        )
+    lines.append(ratios + " (medians).")
     lines += [
         "",
         "Bytes are counted from the tensors after warm-up: each parameter and its gradient, "
@@ -200,6 +267,8 @@ def main() -> None:
         "emulated, so absolute times say little about a GPU, the side-by-side ratio more.",
     ]
     lines += accuracy_lines()
+    if args.profile:
+        lines += profile_lines(runs)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

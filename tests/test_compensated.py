@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 
 import pytest
 import torch
+import torch._dynamo
+import torch._inductor.config
 from torch import nn
+from torch._dynamo.utils import counters
 
 import mixprec
-from mixprec.compensated import Compensator, stochastic_round_
+from mixprec import compensated
+from mixprec.compensated import COMPILE_MIN_ELEMENTS, SMALL, Compensator, stochastic_round_
 from mixprec.optim import LossScaleOptimizer
 
 OPTIMIZERS = {
@@ -285,3 +290,221 @@ def test_a_checkpoint_of_another_compensation_is_refused():
 
     with pytest.raises(ValueError, match="trained with compensation 'kahan'"):
         opt("stochastic").load_state_dict(opt("kahan").state_dict())
+
+
+# -- the compiled step ----------------------------------------------------------------------
+
+STEPPERS = {
+    "adamw-kahan-bf16": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1), "kahan"),
+    "adam-l2-maximize-stochastic-fp16": (
+        lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.01, maximize=True),
+        "stochastic",
+    ),
+    "sgd-nesterov-kahan-bf16": (
+        lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01),
+        "kahan",
+    ),
+    "sgd-stochastic-bf16": (lambda ps: torch.optim.SGD(ps, lr=1e-2), "stochastic"),
+}
+
+
+def _odd_params(dtype: torch.dtype) -> list[nn.Parameter]:
+    """One parameter stepped in place (over two rows of noise) and three packed together, one
+    of them transposed, with zeros, subnormals and the largest finite values among them."""
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(2 * compensated.BLOCK + 3, generator=gen)  # three rows of noise
+    big[:4] = torch.tensor([0.0, -0.0, 1e-39, -3e-41])
+    big[4:6] = torch.finfo(dtype).max
+    small = [torch.randn(5, 7, generator=gen).t(), torch.randn(33, generator=gen), torch.zeros(3)]
+    return [nn.Parameter(t.to(dtype)) for t in [big, *small]]
+
+
+def _steps(name: str, compile: bool, steps: int = 3) -> list[torch.Tensor]:
+    make, kind = STEPPERS[name]
+    dtype = torch.float16 if name.endswith("fp16") else torch.bfloat16
+    params = _odd_params(dtype)
+    opt = make(params)
+    comp = Compensator(kind, seed=5, compile=compile)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for i, p in enumerate(params):
+            if i == 2 and step == 1:
+                p.grad = None  # a step without it: its own step count and key
+                continue
+            scale = 10.0 ** torch.randint(-9, 1, p.shape, generator=gen)
+            g = torch.randn(p.shape, generator=gen) * scale
+            p.grad = g.to(dtype)
+        comp.step(opt)
+    return [p.detach() for p in params] + [
+        t for p in params for t in opt.state[p].values() if t.dim() > 0
+    ]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns (NaNs and signed zeros compared exactly)."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(STEPPERS))
+def test_the_compiled_step_is_the_eager_step_bit_for_bit(name):
+    """torch.compile's fused step and the eager fallback are one function: the same bits for
+    AdamW/Adam/SGD, Kahan and stochastic rounding, bfloat16 and float16, a parameter stepped
+    in place and packed ones, and zeros, subnormals and the largest finite values."""
+    compiled, eager = _steps(name, compile=True), _steps(name, compile=False)
+    assert len(compiled) == len(eager) >= 4
+    for a, b in zip(compiled, eager, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+@pytest.mark.slow
+def test_one_build_serves_every_size():
+    """Shapes are dynamic: after the first call, other sizes (and the packed small
+    parameters) run the same build, with no recompile."""
+    comp = Compensator("kahan", seed=0, compile=True)
+
+    def step(sizes):
+        params = [nn.Parameter(torch.ones(n, dtype=torch.bfloat16)) for n in sizes]
+        opt = torch.optim.AdamW(params)
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        comp.step(opt)
+
+    step([SMALL])  # builds (or finds) the AdamW Kahan kernel
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        step([SMALL + 3, 2 * SMALL, 7, 100])
+
+
+def test_rounding_is_a_function_of_seed_and_step_counts():
+    """No generator state: the state is the seed (and the optimizer's step counts), so a
+    Compensator rebuilt from ``state_dict`` rounds as the original; a checkpoint of the
+    earlier format (with generator states) still loads."""
+
+    def run(comp, opt, p, steps):
+        for _ in range(steps):
+            p.grad = torch.full_like(p, 1e-3)
+            comp.step(opt)
+
+    p = nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))
+    opt = torch.optim.SGD([p], lr=1.0)  # updates of 1/8 of a bfloat16 step
+    comp = Compensator("stochastic", seed=3)
+    assert comp.state_dict() == {"kind": "stochastic", "seed": 3}
+    run(comp, opt, p, 2)
+    q = nn.Parameter(p.detach().clone())
+    opt_q = torch.optim.SGD([q], lr=1.0)
+    opt_q.load_state_dict(copy.deepcopy(opt.state_dict()))  # torch shares "step" tensors
+    again = Compensator("stochastic")
+    again.load_state_dict({"kind": "stochastic", "seed": 3, "generators": {"cpu": "old"}})
+    run(comp, opt, p, 3)
+    run(again, opt_q, q, 3)
+    assert torch.equal(p, q)
+    assert 0.2 < (p < 1).float().mean() < 0.8  # the rounding is random across elements
+
+
+def test_the_noise_is_uniform_per_element_and_a_window_of_the_table_eagerly():
+    """Element (r, c) of a call takes ``_permute((c + k0) % 2^16) ^ row mask``: over the
+    offsets k0 each element sees every 16-bit value once (so with a uniform key it is
+    uniform), a row's values are distinct, and the eager step reads them as a window of the
+    table (a permutation written twice) XOR one row mask: the same values."""
+    table = compensated._table(torch.device("cpu"))
+    assert torch.equal(table[: 1 << 16].sort().values, torch.arange(1 << 16, dtype=torch.int32))
+    assert torch.equal(table[1 << 16 :], table[: 1 << 16])
+    offsets = torch.arange(1 << 16, dtype=torch.int32)
+    assert compensated._permute((100 + offsets) & 0xFFFF).unique().numel() == 1 << 16
+    key = (40000, 123, 65535, 7)
+    row, column, n = 2, 65000, 500  # a slice at the end of the third row
+    first, second = compensated._noise(n, row * (1 << 16) + column, key, table)
+    columns = torch.arange(column, column + n, dtype=torch.int32)
+    for got, k, k_row in ((first, key[0], key[2]), (second, key[1], key[3])):
+        mask = (((row + k_row) & 0xFFFF) * compensated._ROW) & 0xFFFF
+        assert torch.equal(got, compensated._permute((columns + k) & 0xFFFF) ^ mask)
+        assert got.unique().numel() == n and 0 <= got.min() and got.max() < 1 << 16
+    assert (first != second).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounding_keeps_signed_zeros_infinities_and_nans_of_any_payload(dtype):
+    """The eager bfloat16 rounding adds noise to the bits a bfloat16 drops: a NaN whose
+    payload would carry into the sign stays a NaN, and -0.0 stays -0.0."""
+    bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F800000, -0x800000, -(1 << 31), 0])
+    x = bits.to(torch.int32).view(torch.float32)
+    for noise in (0, 0xFFFF):
+        out = compensated._round_stochastic(
+            x, torch.full_like(bits, noise, dtype=torch.int32), dtype
+        )
+        assert out[:3].isnan().all()
+        assert out[3] == float("inf") and out[4] == float("-inf")
+        assert torch.equal(out[5:].signbit(), torch.tensor([True, False]))
+        assert (out[5:] == 0).all()
+
+
+def test_a_weight_without_decay_steps_as_torch_steps_an_infinite_one():
+    """Without weight decay the step has no decay term (not a term times zero): an
+    infinite weight stays infinite, as in torch's AdamW, instead of becoming inf * 0 = NaN."""
+    p = nn.Parameter(torch.tensor([float("inf"), 1.0], dtype=torch.bfloat16))
+    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.0)
+    p.grad = torch.ones_like(p)
+    Compensator("stochastic", seed=0).step(opt)
+    assert p[0] == float("inf") and p[1] < 1.0
+
+
+def test_eager_slices_do_not_change_the_step(monkeypatch):
+    """The eager path steps cache-sized slices with their offsets: slicing changes nothing."""
+    whole = _steps("adamw-kahan-bf16", compile=False, steps=2)
+    monkeypatch.setattr(compensated, "EAGER_CHUNK", 7)
+    sliced = _steps("adamw-kahan-bf16", compile=False, steps=2)
+    for a, b in zip(whole, sliced, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+def test_automatic_compile_leaves_small_steps_eager():
+    """compile=None builds nothing for a step below COMPILE_MIN_ELEMENTS elements."""
+    frames = counters["frames"]["total"]
+    model = nn.Linear(16, 16).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    Compensator("kahan", seed=0).step(opt)
+    assert counters["frames"]["total"] == frames
+
+
+@pytest.fixture
+def _fresh_builds():
+    """Builds of this test only: the compiled steps are rebuilt before and after it."""
+    compensated._COMPILED.clear()
+    torch._dynamo.reset()
+    yield
+    compensated._COMPILED.clear()
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_fresh_builds")
+def test_a_failed_automatic_build_warns_once_and_steps_eagerly():
+    """compile=None on a host whose C++ compiler does not work: one warning naming the
+    error, then the eager step (the same results); compile=True raises instead."""
+
+    def run(compile):
+        p = nn.Parameter(torch.ones(COMPILE_MIN_ELEMENTS, dtype=torch.bfloat16))
+        opt = torch.optim.AdamW([p], lr=1e-2)
+        comp = Compensator("kahan", seed=0, compile=compile)
+        for _ in range(2):
+            p.grad = torch.full_like(p, 1e-3)
+            comp.step(opt)
+        return p
+
+    with torch._inductor.config.patch({"cpp.cxx": ("no-such-c++-compiler",)}):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            automatic = run(None)
+        (warning,) = [w for w in caught if "could not be compiled" in str(w.message)]
+        assert "no-such-c++-compiler" in str(warning.message)
+        assert "compile=False" in str(warning.message)
+        assert torch.equal(automatic, run(False))
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="C\\+\\+ compiler"):
+            run(True)
+
+
+def test_compile_must_be_a_bool_or_none():
+    with pytest.raises(TypeError, match="compile must be None, True or False"):
+        Compensator("kahan", compile="yes")  # type: ignore[arg-type]

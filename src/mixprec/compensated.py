@@ -23,24 +23,66 @@ modes: with beta2 = 0.999 each increment of the second moment is below half a bf
 and rounding it to nearest freezes it; the buffer's own rounding errors, always rounded to
 nearest, add up the same way. Measured over 1,000 AdamW updates of 1e-4 of each weight
 (tests/test_compensated.py): all state rounded to nearest, Kahan ends up to 2.3 bfloat16 steps
-from float64; with these two stochastic, within 0.64. The first moment and SGD's momentum
+from float64; with these two stochastic, within 0.8. The first moment and SGD's momentum
 (increments of 10% and more) round to nearest.
 
-The step runs in batches (2^18 elements per thread on a CPU): weights, gradients and
-moments are copied into float32 scratch buffers kept from step to step (about 5.5 MiB per
-CPU thread, never more than the group needs), computed on in place, and written back; the
-random bits of a batch come from one generator call. Fresh full-size float32 copies cost more
-in page faults than the arithmetic on a CPU, and a batch that fits the cache makes its ~25
-passes there.
+One step is one pass: each parameter's whole update (moments, step, Kahan buffer, both
+stochastic roundings) is one elementwise function of its 16-bit tensors (``_adam``,
+``_sgd``), run by ``torch.compile`` as one fused kernel that reads and writes the 16-bit
+tensors once (18 bytes per parameter for AdamW with Kahan), with no float32 copy of them.
+Parameters below ``SMALL`` elements (biases, norms) are stepped together from one packed
+copy, so a step makes a few kernel calls, not one per tensor.
 
-Why our own ``torch._foreach_*`` code rather than a dependency on torch-optimi (measured
-side by side, ``python benchmarks/compensated.py``, benchmarks/results/compensated.md): the
-bytes are the same (10 per parameter with AdamW and Kahan). optimi's step is faster here
-(7.9 ms against 21.8 ms for 2.1M parameters on one thread of a quiet AVX2 CPU, 5.3 against
-30.9 on two: it steps in bfloat16 in place, we copy to float32 and round the second moment
-and the buffer stochastically), but it rounds its bfloat16 second moment to nearest, and
+The random bits: a call is seen as rows of ``BLOCK`` (65536) elements, and element (r, c)
+takes ``_permute((c + k0) mod 2^16) XOR mask(r + k2)``, a fixed permutation of 16-bit
+values (two odd multiplications and xorshifts) and a row mask, with offsets k0, k2 (and
+k1, k3 for the second value) hashed from (seed, step count, parameter index, part). With
+uniform offsets each element's two values are exactly uniform and independent of each
+other and of other steps' (one rounds the second moment, one the buffer or the weight);
+the state is the seed and the optimizer's step counts, so a resumed run is bit-identical.
+Compiled, the bits are integer arithmetic on the element's index inside the kernel (no
+gathers: inductor does not vectorize them on a CPU); eagerly, a slice inside one row reads
+them as a window of a table of the permutation and one XOR. Stochastic rounding to
+bfloat16 adds the noise to the 16 bits a bfloat16 drops and truncates; to float16 it is
+float32 arithmetic (the spacing of float16 numbers at ``|x|`` from Rump's
+unit-in-the-first-place trick, ``floor``, a comparison, the sign put back).
+
+The same functions run eagerly (on slices of ``EAGER_CHUNK`` elements on a CPU) where
+nothing is compiled, and give bit-identical results on a CPU (tests/test_compensated.py
+compares the two): every operation is correctly rounded in both (inductor compiles without
+floating-point contraction, and keeps the 16-bit round trips with
+``emulate_precision_casts``); eager float32 ``sqrt`` on a CPU is not correctly rounded
+(about one result in six is one unit off), so the eager path takes it in float64. On CUDA,
+Triton may fuse a multiply and an add, so the compiled and the eager step can differ in the
+last bit there (each is right; not measured here). ``Compensator(compile=None)`` compiles
+when a step covers ``COMPILE_MIN_ELEMENTS`` or more 16-bit elements on a Linux CPU with a
+C++ compiler on the PATH or on a CUDA device with Triton; ``True`` always, ``False`` never.
+A build that fails under ``None`` warns once and the steps run eagerly.
+
+Which roundings are stochastic, measured (1,000 AdamW updates of 1e-4, 256 weights, seeds
+0-5, largest distance from float64 in bfloat16 steps): both (as here) 0.62-0.73; the buffer
+to nearest 0.71-0.91; the second moment to nearest 2.40 (it freezes: optimi's 2.25).
+
+Cost, measured side by side (``python benchmarks/compensated.py``,
+benchmarks/results/compensated.md; 2.1M bfloat16 parameters, AdamW, AMD Zen 4 with
+avx512_bf16, on a host shared with other jobs, load average about 7 on 2 cores, medians):
+the target of torch-optimi's speed is not met. With one thread the compiled Kahan step
+takes 11.5 ms against 8.8 ms for optimi's Kahan AdamW and 7.2 ms for torch's plain
+bfloat16 ``AdamW(foreach=True)`` (1.31x and 1.60x); two-thread medians on that host mostly
+measure waiting for the busy second core. 98% of the compiled step is the fused kernel
+(torch.compile's guards take about 90 us a call); two thirds of the kernel are the random
+bits and the two stochastic roundings (without them it takes 2.4 ms of 6.5 for 2M
+elements, about the pass over memory), so it is bound by arithmetic, not by its 18 bytes
+per parameter. The eager fallback takes 33.2 ms with one thread (3.8x optimi): ~45 tensor
+operations per 64K slice, a float64 square root among them; 2.3x faster than the previous
+eager step in the same run (whose compiled step was ~10% faster than this one). The first
+step builds the kernel: 22 s with an empty inductor cache on the loaded host (12 s quiet),
+4-6 s from the cache.
+
+Why our own kernel rather than a dependency on torch-optimi: the bytes are the same (10 per
+parameter with AdamW and Kahan). optimi rounds its bfloat16 second moment to nearest, and
 over 1,000 AdamW updates of 1e-4 its Kahan weights end 2.25 bfloat16 steps from float64
-(they move 13.0 steps where float64 moves 14.6), ours 0.64-0.82 (seeds 0-5). And optimi
+(they move 13.0 steps where float64 moves 14.6), ours 0.7-0.8 (seeds 0-5). And optimi
 replaces the optimizer class, while a user's scheduler, ``Precision.setup`` and checkpoints
 hold the torch optimizer: stepping the torch optimizer's own groups and state keeps them
 working, lets a checkpoint resume with or without compensation, and adds no dependency.
@@ -48,8 +90,13 @@ working, lets a checkpoint resume with or without compensation, and adds no depe
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
-from collections.abc import Iterator, Mapping
+import shutil
+import sys
+import warnings
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -62,15 +109,34 @@ __all__ = [
     "stochastic_round_",
 ]
 
+log = logging.getLogger(__name__)
+
 COMPENSATIONS: tuple[str, ...] = ("kahan", "stochastic")
 # parameter dtypes whose updates are compensated (others step plainly in their own dtype)
 COMPENSATED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 SUPPORTED = (torch.optim.Adam, torch.optim.SGD)  # AdamW is an Adam subclass
-# elements per batch of a step (see ``Compensator._batches``): on the CPU 2^18 per thread (each
-# thread's share of a float32 buffer stays cache-sized, and more threads launch no more
-# kernels); on an accelerator large enough that the number of kernel launches stays small
-CPU_BATCH_PER_THREAD = 1 << 18
-BATCH_ELEMENTS = 1 << 22  # float32 scratch of about 80 MiB on the device
+# compile=None compiles a step covering at least this many 16-bit elements (the first
+# step's compile, seconds, then pays back within a few hundred steps)
+COMPILE_MIN_ELEMENTS = 1 << 18
+# parameters with fewer elements (or not contiguous) are stepped together from one packed
+# copy: one kernel call for all of them instead of one each
+SMALL = 1 << 16
+# elements per kernel call: indices stay int32 and a call has at most 2^16 rows of BLOCK
+# (distinct row masks); a larger tensor takes several calls, each with its own key
+CALL_MAX = 1 << 30
+# the noise's blocks: elements of a block take distinct values from one window of the table
+BLOCK_BITS = 16
+BLOCK = 1 << BLOCK_BITS
+# elements per slice on the eager path: on a CPU its float32 temporaries stay cache-sized
+# (and a slice stays inside one row of BLOCK elements); on an accelerator slices are large,
+# so that the ~40 kernel launches per slice are few
+EAGER_CHUNK = BLOCK
+EAGER_CHUNK_ACCELERATOR = 1 << 22
+# odd multipliers of the noise's 16-bit permutation and of its row masks (16-bit values
+# times a 15-bit constant stay below 2^31)
+_MIX = (0x5BD1, 0x6A09)
+_ROW = 0x3C6F
+_MASK64 = (1 << 64) - 1
 
 
 def check_compensation(value: Any) -> str | None:
@@ -87,50 +153,343 @@ def check_compensation(value: Any) -> str | None:
 def stochastic_round_(
     dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None
 ) -> None:
-    """Write ``src`` (float32) into the 16-bit ``dst``, rounding up or down at random with
-    probability proportional to the distance, so the result equals ``src`` on average.
-
-    bfloat16 is the top half of float32: uniform random low 16 bits are added to the bit
-    pattern and then cut off. float16 goes through its two neighbours (``nextafter``).
-    """
-    words = torch.empty((src.numel() + 3) // 4, dtype=torch.int64, device=src.device)
-    (noise,) = _random_halves([src.numel()], words, generator)
-    _round_(dst, src.to(torch.float32, copy=True), noise)
+    """Write ``src`` into the 16-bit ``dst``, rounding up or down at random with probability
+    proportional to the distance, so the result equals ``src`` on average (the rounding of
+    the compensated steps, with 16 random bits per element drawn from ``generator``)."""
+    noise = torch.randint(
+        0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=generator
+    )
+    dst.copy_(_round_stochastic(src.to(torch.float32), noise, dst.dtype))
 
 
-def _random_halves(
-    sizes: list[int], words: torch.Tensor, generator: torch.Generator | None
-) -> list[torch.Tensor]:
-    """One tensor of ``n`` uniform int16 values per size, all cut from a single draw of 64-bit
-    ``words`` (four values a word, ``sum((n + 3) // 4)`` of them): the CPU generator's cost is
-    per draw and per call, and the full 64-bit range takes no modulo."""
-    counts = [(n + 3) // 4 for n in sizes]
-    words.random_(-(2**63), None, generator=generator)
-    return [w.view(torch.int16)[:n] for w, n in zip(words.split(counts), sizes, strict=True)]
+# -- the elementwise step (one function for the compiled and the eager path) -----------------
 
 
-def _round_(dst: torch.Tensor, src: torch.Tensor, noise: torch.Tensor) -> None:
-    """Stochastic rounding of the float32 ``src`` into ``dst`` with the int16 ``noise``
-    (one per element); ``src`` is overwritten.
+def _permute(x: torch.Tensor) -> torch.Tensor:
+    """A fixed permutation of the 16-bit values (int32 in [0, 65536)): two rounds of a
+    multiplication by an odd constant modulo 2^16 (below 2^15: no int32 overflow) and an
+    xorshift, each a bijection."""
+    for c in _MIX:
+        x = (x * c) & 0xFFFF
+        x = x ^ (x >> 7)
+    return x
 
-    bfloat16: ``src``'s bits plus a uniform value in [0, 65536) (the signed noise plus
-    32768), in place on its int32 view, then its low 16 bits are cut off.
-    """
-    noise = noise.view(src.shape)
-    if dst.dtype == torch.bfloat16:
-        bits = src.view(torch.int32).add_(noise).add_(32768)
-        dst.copy_(bits.bitwise_and_(-65536).view(torch.float32))
+
+@functools.cache
+def _table(device: torch.device) -> torch.Tensor:
+    """``_permute`` of 0..65535 written twice, as int32 on ``device``: the eager step reads
+    a row's noise as a window of it."""
+    permutation = _permute(torch.arange(BLOCK, dtype=torch.int32))
+    return torch.cat([permutation, permutation]).to(device)
+
+
+def _noise(
+    n: int, start: int, key: torch.Tensor | tuple[int, ...], table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two int32 tensors of ``n`` values in [0, 65536) for elements ``start..start+n`` of a
+    call with ``key`` (four 16-bit offsets: an int32 tensor compiled, ints eagerly).
+
+    The call is seen as rows of ``BLOCK`` elements; element (r, c) takes
+    ``_permute((c + key[0]) % 2^16) ^ ((r + key[2]) % 2^16 * _ROW % 2^16)`` (the other
+    value with ``key[1]``, ``key[3]``). With uniform offsets each value is uniform (the
+    permutation of a uniform value is uniform, and an XOR with an independent value keeps
+    it so), the two are independent of each other and of other steps' values (independent
+    offsets); a row's values are distinct, and rows differ by an XOR that changes every
+    step. Compiled, this is arithmetic on the element's index, fused into the step; eagerly
+    (on a CPU, a slice inside one row) a window of ``table`` and one XOR."""
+    if torch.compiler.is_compiling() or table.device.type != "cpu":
+        i = torch.arange(start, start + n, dtype=torch.int32, device=table.device)
+        column, row = i & (BLOCK - 1), i >> BLOCK_BITS
+        first, second = (
+            _permute((column + key[j]) & 0xFFFF) ^ ((((row + key[j + 2]) & 0xFFFF) * _ROW) & 0xFFFF)
+            for j in (0, 1)
+        )
+        return first, second
+    row, column = divmod(start, BLOCK)
+    assert column + n <= BLOCK, "an eager slice stays inside one row"
+    first, second = (
+        table[key[j] + column : key[j] + column + n]
+        ^ ((((row + key[j + 2]) & 0xFFFF) * _ROW) & 0xFFFF)  # type: ignore[operator]
+        for j in (0, 1)
+    )
+    return first, second
+
+
+def _round_stochastic(x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float32) rounded to a neighbouring ``dtype`` (bfloat16/float16) value: away
+    from zero when ``65535 - noise`` (``noise`` int32 in [0, 65536)) is below 65536 times
+    the fraction of the way there, else toward zero; in float32, exactly representable in
+    ``dtype``. Unbiased to 2^-16 of a spacing (exactly for bfloat16); signed zeros and
+    infinities pass unchanged, a NaN becomes a NaN (bfloat16: the quiet NaN).
+
+    bfloat16 is the upper half of float32: ``noise`` is added to the 16 bits a bfloat16
+    drops and the sum truncated (a carry means those bits exceed ``65535 - noise``); a NaN
+    is first made the quiet NaN, whose payload cannot carry into the sign. float16 takes the
+    spacing of its numbers at ``x``, ``ufp(x) * 2^-10`` with ``ufp(x)`` the power of two at
+    or below ``|x|``: Rump's ``q - (1 - 2^-24) q`` with ``q = (2^23 + 1) |x|``, taken of
+    ``|x| * 2^-24`` so that no finite ``x`` overflows, and at least the spacing of float16's
+    subnormals (also for infinities, whose ``q - q`` is NaN); then ``floor`` of ``|x|`` in
+    spacings, a comparison, and the sign put back: the same rule in float arithmetic."""
+    if dtype == torch.bfloat16:
+        if torch.compiler.is_compiling():  # (inductor vectorizes this, not nan_to_num)
+            quiet = torch.where(x != x, math.nan, x)
+        else:
+            quiet = x.nan_to_num(nan=math.nan, posinf=math.inf, neginf=-math.inf)
+        return ((quiet.view(torch.int32) + noise) & -(1 << 16)).view(torch.float32)
+    magnitude = x.abs()
+    q = magnitude * (2.0**-24 * (2.0**23 + 1))
+    spacing = _at_least((q - q * (1 - 2.0**-24)) * 2.0**14, 2.0**-24)
+    t = magnitude / spacing
+    low = t.floor()
+    up = ((noise ^ 0xFFFF).float() < (t - low) * 65536).to(x.dtype)
+    return ((low + up) * spacing).copysign(x)
+
+
+def _at_least(x: torch.Tensor, bound: float) -> torch.Tensor:
+    """``x`` where above ``bound``, else (NaN included) ``bound``: one ``where`` compiled;
+    eagerly two cheaper operations with the same result (``torch.where`` is ten times
+    slower than arithmetic on the eager CPU path)."""
+    if torch.compiler.is_compiling():
+        return torch.where(x > bound, x, bound)
+    return x.nan_to_num(nan=bound).clamp_(min=bound)
+
+
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded square root: eager float32 ``sqrt`` on a CPU is not (inductor's is,
+    and the float64 root rounded to float32 is)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling():
+        return x.double().sqrt_().float()
+    return x.sqrt()
+
+
+def _apply(
+    p: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    c: torch.Tensor | None,
+    noise: torch.Tensor | None,
+    kind: str | None,
+) -> None:
+    """``p = w + u``: Kahan-compensated with the buffer ``c``, stochastically rounded, or
+    (``kind`` None, a parameter stepped plainly) rounded to nearest."""
+    if kind == "kahan":
+        assert c is not None and noise is not None
+        u = u + c.to(u.dtype)  # what earlier roundings lost
+        new = (w + u).to(p.dtype)
+        # the part of the update that made it into the parameter is exact in float32
+        c.copy_(_round_stochastic(u - (new.to(u.dtype) - w), noise, c.dtype))
+        p.copy_(new)
+    elif kind == "stochastic":
+        assert noise is not None
+        p.copy_(_round_stochastic(w + u, noise, p.dtype))
+    else:
+        p.copy_(w + u)
+
+
+def _adam(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    c: torch.Tensor | None,
+    s: torch.Tensor | list[float],
+    key: torch.Tensor | tuple[int, ...],
+    table: torch.Tensor,
+    kind: str | None,
+    decay: str | None,
+    start: int,
+) -> None:
+    """One Adam/AdamW step of the tensors (weight, gradient, moments, Kahan buffer or None;
+    all of one shape), in place. ``s``: beta1, (1 - beta1) times the sign of the gradient
+    (-1 to maximize), beta2, 1 - beta2, 1 / sqrt(1 - beta2^step), eps, -lr / (1 -
+    beta1^step), then (``decay`` "decoupled") -lr times the weight decay or (``decay``
+    "l2") the weight decay times the sign; a tensor of the math dtype compiled, floats
+    eagerly. ``key``, ``table``, ``start``: the random bits (``_noise``). Out of place only: an
+    in-place operation on a temporary splits the compiled kernel in two."""
+    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+    w = p.to(dtype)
+    grad = g.to(dtype)
+    if decay == "l2":  # the sign applies to the gradient before the decay
+        grad = grad + w * s[7]
+    m_new = m.to(dtype) * s[0] + grad * s[1]
+    v_new = v.to(dtype) * s[2] + grad * grad * s[3]
+    u = m_new / (_sqrt(v_new) * s[4] + s[5]) * s[6]
+    if decay == "decoupled":
+        u = u + w * s[7]
+    m.copy_(m_new)
+    if kind is None:
+        v.copy_(v_new)
+        _apply(p, w, u, c, None, kind)
         return
-    near = src.to(dst.dtype)
-    toward = torch.where(src > near.float(), math.inf, -math.inf).to(dst.dtype)
-    other = torch.nextafter(near, toward)
-    gap = other.float() - near.float()
-    p = torch.where(gap != 0, (src - near.float()) / gap, 0.0)
-    dst.copy_(torch.where(noise.float() + 32768 < p * 65536, other, near))
+    first, second = _noise(p.numel(), start, key, table)
+    v.copy_(_round_stochastic(v_new, first, v.dtype))
+    _apply(p, w, u, c, second, kind)
 
 
-def _math_dtype(p: torch.Tensor) -> torch.dtype:
-    return torch.float64 if p.dtype == torch.float64 else torch.float32
+def _sgd(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor | None,
+    c: torch.Tensor | None,
+    s: torch.Tensor | list[float],
+    key: torch.Tensor | tuple[int, ...],
+    table: torch.Tensor,
+    kind: str | None,
+    decay: str | None,
+    start: int,
+) -> None:
+    """One SGD step of the tensors (weight, gradient, momentum buffer or None, Kahan buffer
+    or None), in place. ``s``: the sign of the gradient, momentum (0 on the buffer's first
+    step), 1 - dampening (1 on the first step), the coefficients of the gradient and of the
+    buffer in the update (nesterov: 1 and momentum, else 0 and 1), -lr, and (``decay``
+    "l2") the weight decay; as for ``_adam``."""
+    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+    w = p.to(dtype)
+    grad = g.to(dtype) * s[0]
+    if decay == "l2":
+        grad = grad + w * s[6]
+    if b is not None:
+        b_new = b.to(dtype) * s[1] + grad * s[2]
+        b.copy_(b_new)
+        grad = grad * s[3] + b_new * s[4]
+    noise = None if kind is None else _noise(p.numel(), start, key, table)[0]
+    _apply(p, w, grad * s[5], c, noise, kind)
+
+
+# one function (one code object, so one torch.compile cache) per algorithm and kind: the
+# flat tensors, the scalars ``s``, the call's random ``key``, the noise ``table``, the
+# weight decay's form (None, "decoupled" or "l2") and the first element's index in the call
+_T = torch.Tensor
+_S = torch.Tensor | list[float]
+_K = torch.Tensor | tuple[int, ...]
+
+
+def _adam_kahan(
+    p: _T, g: _T, m: _T, v: _T, c: _T, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+) -> None:
+    _adam(p, g, m, v, c, s, key, table, "kahan", decay, start)
+
+
+def _adam_stochastic(
+    p: _T, g: _T, m: _T, v: _T, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+) -> None:
+    _adam(p, g, m, v, None, s, key, table, "stochastic", decay, start)
+
+
+def _adam_plain(
+    p: _T, g: _T, m: _T, v: _T, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+) -> None:
+    _adam(p, g, m, v, None, s, key, table, None, decay, start)
+
+
+def _sgd_kahan(
+    p: _T, g: _T, b: _T | None, c: _T, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+) -> None:
+    _sgd(p, g, b, c, s, key, table, "kahan", decay, start)
+
+
+def _sgd_stochastic(
+    p: _T, g: _T, b: _T | None, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+) -> None:
+    _sgd(p, g, b, None, s, key, table, "stochastic", decay, start)
+
+
+def _sgd_plain(
+    p: _T, g: _T, b: _T | None, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+) -> None:
+    _sgd(p, g, b, None, s, key, table, None, decay, start)
+
+
+_KERNELS: dict[tuple[str, str | None], Callable[..., None]] = {
+    ("adam", "kahan"): _adam_kahan,
+    ("adam", "stochastic"): _adam_stochastic,
+    ("adam", None): _adam_plain,
+    ("sgd", "kahan"): _sgd_kahan,
+    ("sgd", "stochastic"): _sgd_stochastic,
+    ("sgd", None): _sgd_plain,
+}
+_COMPILED: dict[tuple[str, str | None], Callable[..., None]] = {}
+
+
+def _compiled(algorithm: str, kind: str | None) -> Callable[..., None]:
+    """The torch.compile'd step of ``algorithm`` and ``kind`` (built on first use; shapes
+    dynamic, so one build per dtype serves every size from 2 elements)."""
+    if (algorithm, kind) not in _COMPILED:
+        log.info(
+            "compiling the compensated %s step (%s): the first call builds it", algorithm, kind
+        )
+        _COMPILED[algorithm, kind] = torch.compile(
+            _KERNELS[algorithm, kind],
+            dynamic=True,
+            fullgraph=True,
+            # keep the 16-bit round trips (Kahan's rounded weight) and eager's division
+            options={"emulate_precision_casts": True, "eager_numerics.division_rounding": True},
+        )
+    return _COMPILED[algorithm, kind]
+
+
+@functools.cache
+def _can_compile(device: str) -> bool:
+    """Whether ``compile=None`` compiles on ``device``: a Linux CPU with a C++ compiler on
+    the PATH, or CUDA with Triton."""
+    if device == "cpu":
+        return sys.platform.startswith("linux") and any(
+            shutil.which(cxx) for cxx in ("c++", "g++", "clang++")
+        )
+    if device == "cuda":
+        from torch.utils._triton import has_triton
+
+        return has_triton()
+    return False
+
+
+def _splitmix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _key(seed: int, *words: int) -> tuple[int, ...]:
+    """Four 16-bit values hashed from ``seed`` and ``words`` (a call's noise offsets)."""
+    h = _splitmix(seed & _MASK64)
+    for word in words:
+        h = _splitmix(h ^ (word & _MASK64))
+    return tuple((h >> shift) & 0xFFFF for shift in (0, 16, 32, 48))
+
+
+def _on_memory(t: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous tensor of ``shape`` on the memory of the contiguous ``t`` from element
+    ``offset``, not a view of it: views and fresh tensors take separate torch.compile
+    builds, and this keeps every compiled call's inputs fresh."""
+    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return out.set_(t.untyped_storage(), t.storage_offset() + offset, shape, strides)
+
+
+class _Call:
+    """One kernel call's worth of parameters: their tensors (one list per parameter, the
+    same structure for all), the scalars and where the random key comes from."""
+
+    def __init__(
+        self,
+        algorithm: str,
+        kind: str | None,
+        scalars: list[float],
+        step: int,
+        decay: str | None,
+        packed: bool,
+    ):
+        self.algorithm = algorithm
+        # the weight decay's form: None, "decoupled" or "l2" (separate builds: each skips
+        # the terms of the others, so a weight without decay steps as torch steps it)
+        self.decay = decay
+        self.packed = packed  # stepped from one packed copy (else one large tensor in place)
+        self.kind = kind
+        self.scalars = scalars
+        self.step = step
+        self.rows: list[tuple[int, list[torch.Tensor | None]]] = []  # (parameter index, tensors)
+        self.numel = 0
 
 
 class Compensator:
@@ -138,20 +497,28 @@ class Compensator:
 
     Args:
         kind: ``"kahan"`` or ``"stochastic"``.
-        seed: seeds the generator of the stochastic rounding; None draws one from torch's
-            global generator (so ``torch.manual_seed`` makes a run reproducible). The
-            generator's state is in ``state_dict``: a resumed run is bit-identical.
+        seed: seeds the stochastic rounding; None draws one from torch's global generator
+            (so ``torch.manual_seed`` makes a run reproducible). The rounding of a step
+            depends on the seed and the optimizer's step counts only, and the seed is in
+            ``state_dict``: a resumed run is bit-identical.
+        compile: ``None`` compiles the step with torch.compile when it covers
+            ``COMPILE_MIN_ELEMENTS`` or more 16-bit elements on a device that can build
+            (a Linux CPU with a C++ compiler, CUDA with Triton); ``True`` compiles every
+            call of two or more elements; ``False`` runs the same math eagerly. The results
+            are the same on a CPU (see the module docstring).
     """
 
-    def __init__(self, kind: str, seed: int | None = None) -> None:
+    def __init__(self, kind: str, seed: int | None = None, compile: bool | None = None) -> None:
         if check_compensation(kind) is None:
             raise ValueError("a Compensator needs compensation='kahan' or 'stochastic'")
+        if compile is not None and not isinstance(compile, bool):
+            raise TypeError(f"compile must be None, True or False, got {compile!r}")
         self.kind = kind
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.seed = seed
-        self._generators: dict[str, torch.Generator] = {}
-        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self.compile = compile
+        self._compile_failed: str | None = None
 
     @staticmethod
     def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -165,268 +532,256 @@ class Compensator:
             if group.get("amsgrad"):
                 raise ValueError("compensated updates do not support Adam(amsgrad=True)")
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        """The stochastic-rounding generator for ``device`` (created on first use)."""
-        key = str(device)
-        if key not in self._generators:
-            self._generators[key] = torch.Generator(device).manual_seed(self.seed)
-        return self._generators[key]
-
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """One step of ``optimizer``'s algorithm on every parameter with a gradient."""
+        """One step of ``optimizer``'s algorithm on every parameter with a gradient (outside
+        any enclosing torch.compile: it compiles its own kernels)."""
         self.check_optimizer(optimizer)
+        calls: dict[tuple, _Call] = {}
+        index = 0  # each parameter's position in the optimizer: part of its random key
         for group in optimizer.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            if any(p.grad.is_sparse for p in params):
-                raise ValueError("compensated updates do not support sparse gradients")
-            if isinstance(optimizer, torch.optim.Adam):
-                self._adam(optimizer, group, params)
-            else:
-                self._sgd(optimizer, group, params)
+            params = group["params"]
+            for i, p in enumerate(params, start=index):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("compensated updates do not support sparse gradients")
+                if isinstance(optimizer, torch.optim.Adam):
+                    self._add_adam(calls, optimizer, group, i, p)
+                else:
+                    self._add_sgd(calls, optimizer, group, i, p)
+            index += len(params)
+        compensated = sum(call.numel for call in calls.values() if call.kind)
+        scalars: dict[tuple, torch.Tensor] = {}
+        # the largest first: a compiled step's first call sets its threading by its size
+        for call in sorted(calls.values(), key=lambda call: -call.numel):
+            self._run(call, compensated, scalars)
         # lr schedulers check that the optimizer stepped before them
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
-    def _state(self, optimizer: torch.optim.Optimizer, p: torch.Tensor, *keys: str) -> dict:
+    def _kind(self, p: torch.Tensor) -> str | None:
+        return self.kind if p.dtype in COMPENSATED_DTYPES else None
+
+    def _add_adam(
+        self, calls: dict, optimizer: Any, group: dict, index: int, p: torch.Tensor
+    ) -> None:
         state = optimizer.state[p]
         if "step" not in state:
             state["step"] = torch.tensor(0.0)
-            for key in keys:
-                state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if self.kind == "kahan" and p.dtype in COMPENSATED_DTYPES and "compensation" not in state:
-            state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        kind = self._kind(p)
+        buffer = self._buffer(state, p) if kind == "kahan" else None
         state["step"] += 1
-        return state
-
-    def _adam(self, optimizer: Any, group: dict, params: list[torch.Tensor]) -> None:
+        # torch's Adam counts each parameter's own steps: one that had no gradient for a
+        # while is behind the others and has its own bias correction
+        step = int(state["step"].item())
+        lr, (beta1, beta2) = float(group["lr"]), group["betas"]
+        wd = group["weight_decay"]
         decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
             "decoupled_weight_decay", False
         )
-        # Bias correction is per parameter: torch's Adam counts each parameter's own steps,
-        # and one that had no gradient for some steps is behind the others. Parameters with
-        # equal counts (usually all of them) are batched together.
-        by_step: dict[float, list[list[torch.Tensor]]] = {}
-        for p in params:
-            s = self._state(optimizer, p, "exp_avg", "exp_avg_sq")
-            row = [p, p.grad, s["exp_avg"], s["exp_avg_sq"], *self._compensation(p, s)]
-            by_step.setdefault(s["step"].item(), []).append(row)
-        for step, rows in by_step.items():
-            self._adam_rows(group, rows, step, decoupled)
+        sign = -1.0 if group.get("maximize") else 1.0
+        scalars = [
+            beta1,
+            (1 - beta1) * sign,
+            beta2,
+            1 - beta2,
+            1 / math.sqrt(1 - beta2**step),
+            group["eps"],
+            -lr / (1 - beta1**step),
+        ]
+        decay = None
+        if wd:
+            decay = "decoupled" if decoupled else "l2"
+            scalars.append(-lr * wd if decoupled else wd * sign)
+        row = [p, p.grad, state["exp_avg"], state["exp_avg_sq"], buffer]
+        self._add(calls, "adam", kind, scalars, step, index, row, decay)
 
-    def _adam_rows(
-        self, group: dict, rows: list[list[torch.Tensor]], step: float, decoupled: bool
+    def _add_sgd(
+        self, calls: dict, optimizer: Any, group: dict, index: int, p: torch.Tensor
     ) -> None:
-        """Adam on `rows` (parameter, gradient, moments[, Kahan buffer]) whose parameters
-        all took `step` steps, so they share one bias correction."""
-        lr, (beta1, beta2) = float(group["lr"]), group["betas"]
-        eps, wd = group["eps"], group["weight_decay"]
-        bias1, bias2_sqrt = 1 - beta1**step, math.sqrt(1 - beta2**step)
-        for batch, (g, w, m, v, d) in self._batches(rows, 5):
-            p16, grad, exp_avg, exp_avg_sq, *comp = batch  # comp: [Kahan buffers] or []
-            self._load_grads(group, g, grad, w, p16)
-            if wd and not decoupled:
-                torch._foreach_add_(g, w, alpha=wd)
-            torch._foreach_copy_(m, exp_avg)
-            torch._foreach_lerp_(m, g, 1 - beta1)
-            torch._foreach_copy_(exp_avg, m)
-            torch._foreach_copy_(v, exp_avg_sq)
-            torch._foreach_mul_(v, beta2)
-            torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-            for x, y in zip(v, d, strict=True):
-                torch.sqrt(x, out=y)
-            self._store(exp_avg_sq, v)
-            torch._foreach_div_(d, bias2_sqrt)
-            torch._foreach_add_(d, eps)
-            torch._foreach_div_(m, d)  # m is now the update
-            torch._foreach_mul_(m, -lr / bias1)
-            if wd and decoupled:
-                torch._foreach_add_(m, w, alpha=-lr * wd)
-            self._apply(p16, w, m, comp[0] if comp else [], spare=d)
-
-    def _sgd(self, optimizer: Any, group: dict, params: list[torch.Tensor]) -> None:
-        lr, momentum, dampening = float(group["lr"]), group["momentum"], group["dampening"]
-        wd, nesterov = group["weight_decay"], group["nesterov"]
-        states = [self._state(optimizer, p) for p in params]
-        first = [bool(momentum) and s.get("momentum_buffer") is None for s in states]
-        for p, s, new in zip(params, states, first, strict=True):
-            if new:  # torch starts the buffer at the gradient
-                s["momentum_buffer"] = torch.empty_like(p)
-        for start in (True, False):
-            rows = [
-                [p, p.grad, *self._compensation(p, s)]
-                + ([s["momentum_buffer"]] if momentum else [])
-                for p, s, new in zip(params, states, first, strict=True)
-                if new == start
-            ]
-            for batch, (g, w, b, d) in self._batches(rows, 4):
-                p16, grad, *rest = batch  # rest: [Kahan buffers] and [momentum buffers]
-                comp = rest[0] if len(rest) > int(bool(momentum)) else []
-                self._load_grads(group, g, grad, w, p16)
-                if wd:
-                    torch._foreach_add_(g, w, alpha=wd)
-                if momentum:
-                    if start:
-                        torch._foreach_copy_(b, g)
-                    else:
-                        torch._foreach_copy_(b, rest[-1])
-                        torch._foreach_mul_(b, momentum)
-                        torch._foreach_add_(b, g, alpha=1 - dampening)
-                    torch._foreach_copy_(rest[-1], b)
-                    if nesterov:
-                        torch._foreach_add_(g, b, alpha=momentum)
-                    else:
-                        g = b
-                torch._foreach_mul_(g, -lr)  # g is now the update
-                self._apply(p16, w, g, comp, spare=d)
-
-    def _compensation(self, p: torch.Tensor, state: dict) -> list[torch.Tensor]:
-        """``[state["compensation"]]`` for a Kahan-compensated 16-bit ``p``, else ``[]``."""
-        kahan = self.kind == "kahan" and p.dtype in COMPENSATED_DTYPES
-        return [state["compensation"]] if kahan else []
+        state = optimizer.state[p]
+        state.setdefault("step", torch.tensor(0.0))
+        state["step"] += 1
+        kind = self._kind(p)
+        buffer = self._buffer(state, p) if kind == "kahan" else None
+        momentum, dampening = group["momentum"], group["dampening"]
+        first = bool(momentum) and state.get("momentum_buffer") is None
+        if first:  # torch starts the buffer at the gradient: 0 * 0 + 1 * gradient
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        nesterov = group["nesterov"]
+        scalars = [
+            -1.0 if group.get("maximize") else 1.0,
+            0.0 if first else momentum,
+            1.0 if first else 1 - dampening,
+            1.0 if nesterov else 0.0,
+            momentum if nesterov else 1.0,
+            -float(group["lr"]),
+        ]
+        decay = None
+        if group["weight_decay"]:
+            decay = "l2"
+            scalars.append(group["weight_decay"])
+        row = [p, p.grad, state["momentum_buffer"] if momentum else None, buffer]
+        self._add(calls, "sgd", kind, scalars, int(state["step"].item()), index, row, decay)
 
     @staticmethod
-    def _load_grads(
-        group: dict,
-        g: list[torch.Tensor],
-        grad: list[torch.Tensor],
-        w: list[torch.Tensor],
-        p: list[torch.Tensor],
+    def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
+        if "compensation" not in state:
+            state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["compensation"]
+
+    @staticmethod
+    def _add(
+        calls: dict,
+        algorithm: str,
+        kind: str | None,
+        scalars: list[float],
+        step: int,
+        index: int,
+        row: list[torch.Tensor | None],
+        decay: str | None,
     ) -> None:
-        """Gradients (negated for ``maximize``) and weights into the math-dtype buffers."""
-        torch._foreach_copy_(g, grad)
-        if group.get("maximize"):
-            torch._foreach_neg_(g)
-        torch._foreach_copy_(w, p)
+        """File the parameter's ``row`` under a call: alone if large and contiguous, else
+        with the small ones of the same group, step, device and dtypes."""
+        if kind != "kahan":
+            row = row[:-1]  # no Kahan buffer
+        alone = row[0].numel() >= SMALL and all(t is None or t.is_contiguous() for t in row)
+        layout = tuple(None if t is None else t.dtype for t in row)
+        key = (index if alone else None, algorithm, kind, step, tuple(scalars), layout)
+        key += (str(row[0].device),)
+        if key not in calls:
+            calls[key] = _Call(algorithm, kind, scalars, step, decay, packed=not alone)
+        calls[key].rows.append((index, row))
+        calls[key].numel += row[0].numel()  # type: ignore[union-attr]
 
-    def _batches(
-        self, rows: list[list[torch.Tensor]], buffers: int
-    ) -> Iterator[tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]]:
-        """``rows`` (each the parameter and its same-shaped tensors) in batches of at most
-        ``BATCH_ELEMENTS`` elements (``CPU_BATCH_PER_THREAD`` per thread on the CPU), by
-        device, math dtype and 16-bit or not: each batch as its columns and ``buffers`` lists
-        of scratch tensors shaped like its pieces.
-
-        The scratch is kept from step to step: float32 copies of whole tensors cost more in
-        page faults on a CPU than the arithmetic, and a batch that fits the cache makes its
-        passes there. Contiguous tensors are cut into flat pieces; others go whole.
-        """
-        kinds: dict[tuple[str, torch.dtype, bool], list[list[torch.Tensor]]] = {}
-        for row in rows:
-            p = row[0]
-            key = (str(p.device), _math_dtype(p), p.dtype in COMPENSATED_DTYPES)
-            kinds.setdefault(key, []).append(row)
-        for (device, dtype, _), same in kinds.items():
-            size = BATCH_ELEMENTS
-            if torch.device(device).type == "cpu":
-                size = CPU_BATCH_PER_THREAD * torch.get_num_threads()
-            pieces: list[list[torch.Tensor]] = []
-            for row in same:
-                if all(t.is_contiguous() for t in row):
-                    flat = [t.view(-1) for t in row]
-                    n = flat[0].numel()
-                    pieces += [[f[i : i + size] for f in flat] for i in range(0, n, size)]
-                else:
-                    pieces.append(row)
-            batch: list[list[torch.Tensor]] = []
-            total = 0
-            for piece in [*pieces, None]:
-                n = 0 if piece is None else piece[0].numel()
-                if batch and (piece is None or total + n > size):
-                    yield self._columns(batch, total, buffers, device, dtype)
-                    batch, total = [], 0
-                if piece is not None:
-                    batch.append(piece)
-                    total += n
-
-    def _columns(
-        self,
-        batch: list[list[torch.Tensor]],
-        total: int,
-        buffers: int,
-        device: str,
-        dtype: torch.dtype,
-    ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
-        """The batch's columns and ``buffers`` scratch lists shaped like its pieces."""
-        flat = self._scratch(device, dtype, buffers * total).view(buffers, total)
-        sizes = [piece[0].numel() for piece in batch]
-        scratch = [
-            [s.view(piece[0].shape) for s, piece in zip(buf.split(sizes), batch, strict=True)]
-            for buf in flat
-        ]
-        return [list(col) for col in zip(*batch, strict=True)], scratch
-
-    def _scratch(self, device: str, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """A reused 1-D buffer of ``numel`` elements (grown when a step needs more)."""
-        buf = self._buffers.get((device, dtype))
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=device)
-            self._buffers[(device, dtype)] = buf
-        return buf[:numel]
-
-    def _store(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-        """Write slowly changing state back: 16-bit tensors are rounded stochastically, so
-        increments below half a 16-bit step still count (see the module docstring). ``src``
-        may be overwritten."""
-        if dst and dst[0].dtype in COMPENSATED_DTYPES:  # a batch is all 16-bit or none
-            self._round_all(dst, src)
-        else:
-            torch._foreach_copy_(dst, src)
-
-    def _round_all(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-        """Stochastic rounding of each float32 ``src`` (overwritten) into its 16-bit ``dst``
-        (one device), with one draw of random bits for them all."""
-        if not dst:
+    def _run(self, call: _Call, compensated: int, scalars: dict[tuple, torch.Tensor]) -> None:
+        """Step ``call``'s parameters: one packed copy for several, in place for one large.
+        ``scalars``: the scalar tensors made so far this step, shared by equal calls."""
+        rows = [tensors for _, tensors in call.rows]
+        p = rows[0][0]
+        assert p is not None
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        known = (tuple(call.scalars), dtype, p.device)
+        if known not in scalars:
+            scalars[known] = torch.tensor(call.scalars, dtype=dtype, device=p.device)
+        s = scalars[known]
+        if not call.packed:
+            flat = [None if t is None else _on_memory(t, 0, (t.numel(),)) for t in rows[0]]
+            self._kernel(call, flat, s, call.rows[0][0], compensated)
             return
-        device = dst[0].device
-        sizes = [d.numel() for d in dst]
-        words = self._scratch(str(device), torch.int64, sum((n + 3) // 4 for n in sizes))
-        noise = _random_halves(sizes, words, self.generator(device))
-        for d, s, r in zip(dst, src, noise, strict=True):
-            _round_(d, s, r)
+        columns = list(zip(*rows, strict=True))
+        # (under no_grad: the parameters' copies track nothing; 1-D tensors need no view)
+        packed = [
+            None
+            if col[0] is None
+            else torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in col])
+            for col in columns
+        ]
+        self._kernel(call, packed, s, call.rows[0][0], compensated)
+        sizes = [t.numel() for t in columns[0]]
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for j, (col, flat) in enumerate(zip(columns, packed, strict=True)):
+            if j == 1 or flat is None:  # the gradient is only read
+                continue
+            dst += col
+            src += [
+                piece if t.dim() == 1 else piece.view(t.shape)
+                for piece, t in zip(flat.split(sizes), col, strict=True)
+            ]
+        torch._foreach_copy_(dst, src)
 
-    def _apply(
+    def _kernel(
         self,
-        params: list[torch.Tensor],
-        weights: list[torch.Tensor],
-        update: list[torch.Tensor],
-        comp: list[torch.Tensor],
-        spare: list[torch.Tensor],
+        call: _Call,
+        flat: list[torch.Tensor | None],
+        scalars: torch.Tensor,
+        index: int,
+        compensated: int,
     ) -> None:
-        """``params = weights + update``, compensated for the 16-bit ones (``comp`` holds
-        their Kahan buffers); overwrites ``weights``, ``update`` and ``spare``."""
-        if params[0].dtype not in COMPENSATED_DTYPES:  # a batch is all 16-bit or none
-            torch._foreach_add_(weights, update)
-            torch._foreach_copy_(params, weights)
-        elif self.kind == "stochastic":
-            torch._foreach_add_(weights, update)
-            self._round_all(params, weights)
-        else:
-            torch._foreach_add_(update, comp)  # what earlier roundings lost
-            for p, w, u, moved in zip(params, weights, update, spare, strict=True):
-                torch.add(w, u, out=p)  # the float32 sum, rounded to nearest
-                # the part of the update that made it into the parameter (exact)
-                torch.sub(p, w, out=moved)
-            torch._foreach_sub_(update, spare)
-            self._round_all(comp, update)
+        """Run the step of ``call`` on its flat tensors, in parts of at most ``CALL_MAX``
+        elements, each keyed by (seed, step, parameter index, part): compiled, one call per
+        part; eagerly, in slices of at most ``EAGER_CHUNK`` elements inside one row of
+        ``BLOCK`` on a CPU (a slice's noise is then a window of the table), of
+        ``EAGER_CHUNK_ACCELERATOR`` elements elsewhere."""
+        p = flat[0]
+        assert p is not None
+        compiled = call.kind is not None and self._compiles(p.device, compensated)
+        table = _table(p.device)
+        kernel = _KERNELS[call.algorithm, call.kind]
+        eager_scalars: list[float] | None = None  # the same values as Python floats
+        for part, begin in enumerate(range(0, p.numel(), CALL_MAX)):
+            n = min(CALL_MAX, p.numel() - begin)
+            piece = flat
+            if p.numel() > CALL_MAX:
+                piece = [None if t is None else _on_memory(t, begin, (n,)) for t in flat]
+            key = _key(self.seed, call.step, index, part)
+            if compiled and n >= 2:
+                key_tensor = torch.tensor(key, dtype=torch.int32, device=p.device)
+                if self._compiled_call(call, piece, scalars, key_tensor, table):
+                    continue
+            if eager_scalars is None:
+                eager_scalars = scalars.tolist()
+            cpu = p.device.type == "cpu"
+            size = EAGER_CHUNK if cpu else EAGER_CHUNK_ACCELERATOR
+            start = 0
+            while start < n:
+                end = min(start + size, n)
+                if cpu:
+                    end = min(end, (start // BLOCK + 1) * BLOCK)
+                chunk = [None if t is None else t[start:end] for t in piece]
+                kernel(*chunk, eager_scalars, key, table, call.decay, start)
+                start = end
+
+    def _compiles(self, device: torch.device, compensated: int) -> bool:
+        if self._compile_failed is not None:
+            return False
+        if self.compile is None:
+            return compensated >= COMPILE_MIN_ELEMENTS and _can_compile(device.type)
+        return self.compile
+
+    def _compiled_call(
+        self,
+        call: _Call,
+        tensors: list[torch.Tensor | None],
+        scalars: torch.Tensor,
+        key: torch.Tensor,
+        table: torch.Tensor,
+    ) -> bool:
+        """Run the compiled step; False (with one warning, and eager steps from then on) if
+        ``compile=None`` chose to compile and the build failed before anything ran."""
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        try:
+            _compiled(call.algorithm, call.kind)(*tensors, scalars, key, table, call.decay)
+        except BackendCompilerFailed as error:
+            if self.compile is not None:
+                raise
+            self._compile_failed = str(error).splitlines()[0]
+            warnings.warn(
+                f"the compensated step could not be compiled ({self._compile_failed}); it "
+                f"runs eagerly from now on: the same results, slower. Compensator(..., "
+                f"compile=False) skips the attempt",
+                stacklevel=4,
+            )
+            return False
+        return True
 
     def state_dict(self) -> dict[str, Any]:
-        """The kind, the seed and each device's stochastic-rounding generator state."""
-        return {
-            "kind": self.kind,
-            "seed": self.seed,
-            "generators": {k: g.get_state() for k, g in self._generators.items()},
-        }
+        """The kind and the seed (the rounding's only state besides the step counts, which
+        the optimizer's state holds)."""
+        return {"kind": self.kind, "seed": self.seed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore ``state_dict``; the kind must match (a run changes it by starting anew)."""
+        """Restore ``state_dict``; the kind must match (a run changes it by starting anew).
+        Checkpoints of earlier versions also hold random-generator states, which this
+        version's rounding does not use."""
         if state.get("kind") != self.kind:
             raise ValueError(
                 f"the checkpoint was trained with compensation {state.get('kind')!r}, this "
                 f"optimizer uses {self.kind!r}"
             )
         self.seed = int(state["seed"])
-        self._generators = {}
-        for key, saved in state["generators"].items():
-            self.generator(torch.device(key)).set_state(saved)
