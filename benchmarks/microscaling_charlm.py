@@ -124,8 +124,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--root", default="runs/microscaling_charlm")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument(
+        "--no-float",
+        action="store_true",
+        help="only the --train runs (another process runs the float one, and --infer)",
+    )
     args = parser.parse_args()
     rows = []
+    for fmt in filter(None, args.train.split(",")) if args.no_float else ():
+        rows.append(train(fmt, args)[0])
+        print(json.dumps(rows[-1]), flush=True)
+    if args.no_float:
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        return
     base, model = train(None, args)
     rows.append(base)
     print(json.dumps(base), flush=True)
