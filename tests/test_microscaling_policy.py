@@ -184,3 +184,27 @@ def test_the_trainer_trains_under_a_block_scaled_precision_string(tmp_path):
     assert isinstance(model.net[0], MicroscalingLinear)
     assert model.net[0].config.spelled() == "nvfp4/2d:rht:sr"
     assert not torch.equal(model.net[0].weight.detach(), before)
+
+
+def test_the_bench_plan_says_block_scaled_precisions_are_emulated():
+    from mixprec.bench.suite import BenchOptions, plan
+
+    opts = BenchOptions(model="mlp", precisions=["32-true", "mxfp8_from_bf16-mixed"], device="cpu")
+    with hardware.assume(AVX2_CPU):
+        with pytest.raises(ValueError, match="--allow-slow"):
+            plan(opts)
+        opts.allow_slow = True
+        support = plan(opts).support["mxfp8_from_mixed_bfloat16"]
+    assert support.startswith("slow") and "emulated in float32" in support
+
+
+def test_the_doctor_names_the_format_of_a_quantized_layer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    batch = (torch.randn(32, 64), torch.randn(32, 32))
+    with hardware.assume(AVX2_CPU), pytest.warns(UserWarning, match="emulated in float32"):
+        diagnosis = mixprec.diagnose(
+            model, batch, nn.functional.mse_loss, precision="nvfp4/2d_from_float32"
+        )
+    assert diagnosis.modules["0"].quantized == "nvfp4/2d_from_float32"
+    assert diagnosis.modules["0"].type == "MicroscalingLinear"

@@ -418,7 +418,7 @@ def microscaling_support(info: DeviceInfo) -> Support:
     return Support(
         SLOW,
         f"no block-scaled matmul hardware on {info.type}: emulated in float32 (quantize, "
-        "dequantize, float32 matmul; about 3x a bf16-mixed step of the char LM on a CPU)",
+        "dequantize, float32 matmul), slower than float32",
     )
 
 
