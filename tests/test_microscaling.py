@@ -29,6 +29,7 @@ from mixprec.quantize.microscaling import (
     pack_fp4,
     quantize_mx,
     quantize_nvfp4,
+    round_by_definition,
     round_to_element,
     unpack_fp4,
 )
@@ -74,6 +75,7 @@ def test_rounding_to_fp8_matches_torchs_saturated_casts_over_all_binades(element
     reference = x.clamp(-top, top).to(dtype)
     rounded = round_to_element(x, element)
     assert torch.equal(rounded, reference.float())
+    assert torch.equal(round_by_definition(x, element), reference.float())
     assert torch.equal(encode_elements(rounded, element), reference.view(torch.uint8))
 
 
@@ -87,10 +89,13 @@ def test_rounding_ties_to_even_saturates_and_keeps_negative_zero():
     # e4m3 subnormals (ulp 2**-9): 2**-10 ties to 0, 3 * 2**-10 to 2**-8 (mantissa 2, even)
     sub = torch.tensor([2.0**-9, 2.0**-10, 3 * 2.0**-10, 2.0**-7 * 1.5])
     assert round_to_element(sub, "e4m3").tolist() == [2.0**-9, 0.0, 2.0**-8, 2.0**-7 * 1.5]
+    assert round_by_definition(sub, "e4m3").tolist() == [2.0**-9, 0.0, 2.0**-8, 2.0**-7 * 1.5]
     assert encode_elements(round_to_element(sub, "e4m3"), "e4m3").tolist() == [1, 0, 2, 6]
     # e4m3: 464 ties between 448 and the NaN code's 480 and saturates; inf and NaN become NaN
-    out = round_to_element(torch.tensor([464.0, -1e6, inf, nan]), "e4m3")
-    assert out[:2].tolist() == [448.0, -448.0] and out[2:].isnan().all()
+    for rounder in (round_to_element, round_by_definition):
+        out = rounder(torch.tensor([464.0, -1e6, inf, nan, -0.0]), "e4m3")
+        assert out[:2].tolist() == [448.0, -448.0] and out[2:4].isnan().all()
+        assert torch.signbit(out[4])
 
 
 def test_stochastic_rounding_floors_value_plus_noise():
