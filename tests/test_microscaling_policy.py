@@ -208,3 +208,15 @@ def test_the_doctor_names_the_format_of_a_quantized_layer():
         )
     assert diagnosis.modules["0"].quantized == "nvfp4/2d_from_float32"
     assert diagnosis.modules["0"].type == "MicroscalingLinear"
+
+
+def test_a_policy_file_keeps_the_block_options(tmp_path):
+    pmap = mixprec.PolicyMap(
+        "bf16-mixed", {"0": "nvfp4/2d:sr_from_bf16-mixed", "2": "mxfp8/floor_from_float32"}
+    )
+    path = tmp_path / "policy.json"
+    pmap.save(path)
+    assert '"options": "2d:sr"' in path.read_text()
+    loaded = mixprec.PolicyMap.load(path)
+    assert loaded == pmap
+    assert loaded.to_code() == pmap.to_code()
