@@ -12,6 +12,10 @@ the formats' numerics, not their speed.
     PYTHONPATH=src python benchmarks/microscaling_charlm.py --width 64 --steps 300 \\
         --batch-size 16 --val-batches 10 --precision bf16-mixed \\
         --train mxfp8,mxfp8/floor --infer nvfp4,nvfp4/fwd-rht,mxfp8
+
+On a shared CPU set OMP_NUM_THREADS=1 (and run formats side by side with --no-float): two
+threads per process under load made these runs 5-10x slower. Results:
+benchmarks/results/microscaling.md.
 """
 
 from __future__ import annotations
