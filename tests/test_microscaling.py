@@ -280,3 +280,5 @@ def test_encoding_refuses_nan_where_the_format_has_no_nan_and_odd_shapes():
     with pytest.raises(ValueError, match="unknown scale rounding 'ceil'"):
         quantize_mx(torch.zeros(32), rounding="ceil")
     assert decode_elements(torch.tensor([0x7F], dtype=torch.uint8), "e4m3").isnan().all()
+    with pytest.raises(ValueError, match="not mxfp8's"):
+        fake_quantize(torch.zeros(32), MicroscalingConfig("mxfp8"), stochastic=True)

@@ -415,6 +415,11 @@ def fake_quantize(
     (NVFP4 `two_d`: 16x16 tiles of a matrix); `stochastic` rounds NVFP4 elements with
     noise from torch's default generator of x's device."""
     if config.mode != "nvfp4":
+        if two_d or stochastic:
+            raise ValueError(
+                f"two_d and stochastic are NVFP4's (its recipe's 16x16 weight tiles and "
+                f"stochastic rounding of gradients), not {config.mode}'s"
+            )
         return _mx_fake(x, _format(config.element), config.block_size, config.rounding)
     noise = torch.rand(x.shape, device=x.device) if stochastic else None
     return _nvfp4_fake(x, two_d, noise)
