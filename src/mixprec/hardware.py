@@ -25,6 +25,7 @@ from torch import nn
 
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PrecisionError, SlowPrecisionError, SlowPrecisionWarning
+from mixprec.microscaling_config import MicroscalingConfig
 from mixprec.policy import Policy, QuantizedPolicy, is_auto
 from mixprec.policy_map import PolicyMap, as_map
 
@@ -50,6 +51,7 @@ __all__ = [
     "dtype_support",
     "fast_on",
     "float8_support",
+    "microscaling_support",
     "measure",
     "measure_notice",
     "measure_rates",
@@ -399,9 +401,35 @@ def float8_support(info: DeviceInfo) -> Support:
     )
 
 
+MICROSCALING_FAST_ON = (
+    "no device through mixprec yet: its block-scaled (MX, NVFP4) matmuls are emulated "
+    "everywhere; the hardware that runs them is NVIDIA Blackwell (compute capability 10.0+)"
+)
+
+
+def microscaling_support(info: DeviceInfo) -> Support:
+    """How `info`'s device runs block-scaled (mxfp8/mxfp6/mxfp4/nvfp4) matmuls: emulated
+    (quantize, dequantize, float32 matmul) on every device, since mixprec has no kernel path
+    for them (they need NVIDIA Blackwell's block-scaled tensor cores)."""
+    if info.type == "cuda":
+        major, minor = info.capability or (0, 0)
+        where = (
+            "this GPU has block-scaled tensor cores, but mixprec has no kernel path for them"
+            if major >= 10
+            else f"compute capability {major}.{minor} has no block-scaled tensor cores"
+        )
+        return Support(SLOW, f"block-scaled matmuls are emulated in float32 ({where})")
+    return Support(
+        SLOW,
+        f"no block-scaled matmul hardware on {info.type}: emulated in float32 (quantize, "
+        "dequantize, float32 matmul), slower than float32",
+    )
+
+
 def policy_support(policy: Any, info: DeviceInfo) -> Support:
     """The worst support over every dtype a policy (or each policy of a map) uses; float8
-    quantized policies also need float8 matmul hardware (int8 and int4 run anywhere).
+    quantized policies also need float8 matmul hardware, and block-scaled ones (mxfp8,
+    mxfp6, mxfp4, nvfp4) are emulated everywhere (int8 and int4 run anywhere).
 
     The reason is the map's default policy's unless another policy of the map is worse: a
     bf16-mixed map is fast because of bfloat16, not because of its float32 islands."""
@@ -413,6 +441,10 @@ def policy_support(policy: Any, info: DeviceInfo) -> Support:
             s = float8_support(info)
             if s.status.rank > worst.status.rank or not worst.reason:
                 worst = Support(s.status, f"float8: {s.reason}")
+        if isinstance(p, QuantizedPolicy) and p.microscaling_config is not None:
+            s = microscaling_support(info)
+            if s.status.rank > worst.status.rank or not worst.reason:
+                worst = Support(s.status, f"{p.mode}: {s.reason}")
         # storage matters only if refused; speed is decided by the compute dtype
         for dtype in dict.fromkeys((p.compute_dtype, p.param_dtype, p.output_dtype)):
             s = dtype_support(dtype, info)
@@ -502,11 +534,12 @@ def check(
         )
     if s.status == SLOW and not (allow_slow or allow_slow_from_env()):
         fast = [n for n, c in support_matrix(info).items() if c.status == FAST]
-        where = (
-            FLOAT8_FAST_ON
-            if s.reason.startswith("float8:")
-            else fast_on(_slowest_dtype(policy, info))
-        )
+        if s.reason.startswith("float8:"):
+            where = FLOAT8_FAST_ON
+        elif s.reason.partition(":")[0] in MicroscalingConfig.MODES:
+            where = MICROSCALING_FAST_ON
+        else:
+            where = fast_on(_slowest_dtype(policy, info))
         raise SlowPrecisionError(
             f"precision {name!r} runs on {info.describe()} but far slower than float32 "
             f"({s.reason}). It is fast on {where}. To run it here anyway (e.g. to study its "

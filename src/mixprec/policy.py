@@ -21,6 +21,7 @@ import torch
 from mixprec.dtypes import dtype_name, is_float8, to_dtype
 from mixprec.errors import PolicySpecError
 from mixprec.float8_config import Float8Config
+from mixprec.microscaling_config import MicroscalingConfig
 from mixprec.policy_names import (
     QUANTIZATION_MODES,
     accepted,
@@ -252,7 +253,8 @@ def is_quantized(spec: Any) -> bool:
 class QuantizedPolicy(Policy):
     """A float policy whose Linear (and, for int8/int4, Embedding) layers hold quantized
     weights: Keras's `QuantizedDTypePolicy` / `QuantizedFloat8DTypePolicy`. A plain value:
-    the mode, its options (int4 group size, float8 recipe) and the source float policy;
+    the mode, its options (int4 group size, float8 recipe, block format) and the source float
+    policy;
     `mixprec.quantize.rules` says which layers it quantizes and why it skips the others.
 
     The param, compute and output dtypes are those of the source float policy: layers the
@@ -265,7 +267,7 @@ class QuantizedPolicy(Policy):
     True
     """
 
-    __slots__ = ("_mode", "_source", "_group_size", "_float8")
+    __slots__ = ("_mode", "_source", "_group_size", "_float8", "_microscaling")
 
     def __init__(
         self,
@@ -288,7 +290,8 @@ class QuantizedPolicy(Policy):
                 raise PolicySpecError("QuantizedPolicy(policy) copies it; give nothing else")
             source, group_size, recipe = mode.source, mode.group_size, mode.recipe
             amax_history_length = mode.amax_history_length
-            mode = mode.mode
+            micro = mode.microscaling_config
+            mode = mode.mode if micro is None else micro.spelled()
         if not isinstance(mode, str):
             raise PolicySpecError(
                 f"quantization mode must be a string, not {type(mode).__name__}. "
@@ -316,7 +319,7 @@ class QuantizedPolicy(Policy):
             float_policy = source if type(source) is Policy else Policy(source)
         except PolicySpecError as err:
             raise PolicySpecError(f"in quantized policy {mode!r}: {err}") from None
-        group_size, float8 = quantized_options(
+        group_size, float8, micro = quantized_options(
             parsed, float_policy.compute_dtype, group_size, recipe, amax_history_length, mode
         )
         Policy.__init__(
@@ -329,10 +332,11 @@ class QuantizedPolicy(Policy):
         object.__setattr__(self, "_source", float_policy)
         object.__setattr__(self, "_group_size", group_size)
         object.__setattr__(self, "_float8", float8)
+        object.__setattr__(self, "_microscaling", micro)
 
     @property
     def mode(self) -> str:
-        """ "int8", "int4" or "float8"."""
+        """ "int8", "int4", "float8", or a block-scaled "mxfp8", "mxfp6", "mxfp4", "nvfp4"."""
         return self._mode
 
     quantization_mode = mode
@@ -364,9 +368,16 @@ class QuantizedPolicy(Policy):
         return self._float8
 
     @property
+    def microscaling_config(self) -> MicroscalingConfig | None:
+        """mxfp8/mxfp6/mxfp4/nvfp4: the block format and its recipe options."""
+        return self._microscaling
+
+    @property
     def name(self) -> str:
         """Keras's spelling; options only where they differ from the defaults."""
-        return quantized_name(self._mode, self._group_size, self._float8, self._source.name)
+        return quantized_name(
+            self._mode, self._group_size, self._float8, self._source.name, self._microscaling
+        )
 
     def to_config(self) -> dict[str, Any]:  # type: ignore[override]
         """A JSON-friendly dict that `from_config` (of this class or `Policy`) turns back."""
@@ -380,12 +391,21 @@ class QuantizedPolicy(Policy):
             config["recipe"] = self.recipe
         if self.amax_history_length is not None:
             config["amax_history_length"] = self.amax_history_length
+        if self._microscaling is not None and "/" in self._microscaling.spelled():
+            config["options"] = self._microscaling.spelled().partition("/")[2]
         return config
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> QuantizedPolicy:  # type: ignore[override]
         """Inverse of `to_config`."""
-        keys = {"quantization_mode", "source", "group_size", "recipe", "amax_history_length"}
+        keys = {
+            "quantization_mode",
+            "source",
+            "group_size",
+            "recipe",
+            "amax_history_length",
+            "options",
+        }
         if not isinstance(config, Mapping) or not {"quantization_mode", "source"} <= set(config):
             raise PolicySpecError(
                 "QuantizedPolicy.from_config takes the dict to_config() returns (keys "
@@ -412,12 +432,21 @@ class QuantizedPolicy(Policy):
                 f"quantized policy config key 'recipe' is {type(recipe).__name__} {recipe!r}; "
                 f"it takes a recipe name ({', '.join(Float8Config.RECIPES)})"
             )
+        options, mode = config.get("options"), config["quantization_mode"]
+        if options is not None:
+            if not isinstance(options, str) or mode not in MicroscalingConfig.MODES:
+                raise PolicySpecError(
+                    f"quantized policy config key 'options' is {options!r}: it holds the "
+                    f"':'-separated options of a microscaling mode "
+                    f"({', '.join(MicroscalingConfig.MODES)}), as to_config() writes them"
+                )
+            mode = f"{mode}/{options}"
         try:
             source = as_policy(config["source"])
         except PolicySpecError as err:
             raise PolicySpecError(f"quantized policy config key 'source': {err}") from None
         return cls(
-            config["quantization_mode"],
+            mode,
             source,
             group_size=config.get("group_size"),
             recipe=recipe,
@@ -428,7 +457,13 @@ class QuantizedPolicy(Policy):
         return (QuantizedPolicy.from_config, (self.to_config(),))
 
     def _key(self) -> tuple[Any, ...]:
-        return (self._mode, self._group_size, self._float8, self._source._key())
+        return (
+            self._mode,
+            self._group_size,
+            self._float8,
+            self._microscaling,
+            self._source._key(),
+        )
 
     def __repr__(self) -> str:
         return f"QuantizedPolicy({self.name!r})"

@@ -4,7 +4,8 @@ Float policies: Lightning's names ("bf16-mixed", "16-true", 16, ...), Keras's
 ("mixed_bfloat16", "float32", ...), torch dtypes, and jmp specs
 ("params=float32,compute=bfloat16,output=float32", keys p/c/o). Quantized policies: Keras's
 "<mode>_from_<float policy>" with mixprec's options ("int4/64_from_float32",
-"float8/delayed:16_from_bf16-mixed") and Lightning's "transformer-engine" flags.
+"float8/delayed:16_from_bf16-mixed"), the block-scaled formats ("mxfp8/floor_from_bf16-mixed",
+"nvfp4/2d:rht:sr_from_bf16-mixed") and Lightning's "transformer-engine" flags.
 
 No policy objects here: this module turns specs into dtypes and options (or a clear error
 saying what is accepted), and `mixprec.policy` builds the values from them.
@@ -20,6 +21,7 @@ import torch
 from mixprec.dtypes import DTYPE_NAMES, FLOAT8_DTYPES, dtype_name, to_dtype
 from mixprec.errors import PolicySpecError
 from mixprec.float8_config import Float8Config
+from mixprec.microscaling_config import MicroscalingConfig
 
 __all__ = [
     "AUTO",
@@ -113,7 +115,8 @@ def accepted() -> str:
         f"accepted: one of {', '.join(repr(n) for n in POLICY_NAMES)}; the ints 16, 32, 64; "
         "a torch.dtype; or a jmp spec like 'params=float32,compute=bfloat16,output=float32' "
         f"(keys p/c/o, dtypes {', '.join(DTYPE_NAMES)}); 'auto' where a device is known; "
-        "or a quantized policy '<mode>_from_<float policy>' (modes int8, int4, float8), "
+        "or a quantized policy '<mode>_from_<float policy>' (modes int8, int4, float8, "
+        "mxfp8, mxfp6, mxfp4, nvfp4), "
         "Lightning's 'transformer-engine' and 'transformer-engine-float16' among them"
     )
 
@@ -223,7 +226,7 @@ def float_name(param: torch.dtype, compute: torch.dtype, output: torch.dtype) ->
 # ---- quantized policies: "<mode>_from_<float policy>", as Keras spells them ----
 
 _QUANTIZED_SEP = "_from_"
-QUANTIZATION_MODES: tuple[str, ...] = ("int8", "int4", "float8")
+QUANTIZATION_MODES: tuple[str, ...] = ("int8", "int4", "float8", *MicroscalingConfig.MODES)
 DEFAULT_GROUP_SIZE = 128
 PER_CHANNEL = -1  # int4 group size: one group per output channel
 # Keras's name of each canonical float policy: the source part of a canonical quantized name
@@ -249,6 +252,7 @@ _BARE_QUANTIZED: dict[str, str] = {
     "int8": "int8",
     "int4": "int4",
     "float8": "float8",
+    **{m: m for m in MicroscalingConfig.MODES},
     **{dtype_name(d): dtype_name(d) for d in FLOAT8_DTYPES},
 }
 
@@ -260,7 +264,9 @@ def accepted_quantized() -> str:
         f"'int4' (groups of {DEFAULT_GROUP_SIZE}), 'int4/<group size>' ('int4/-1', or "
         "Keras's older 'int4/None': per channel), 'float8' (tensorwise), 'float8/<recipe>' "
         f"(recipes {', '.join(Float8Config.RECIPES)}; 'float8/delayed:<amax history length>'), "
-        "and any float policy name after '_from_' (e.g. 'int8_from_float32', "
+        "the block-scaled "
+        + MicroscalingConfig.accepted()
+        + "; and any float policy name after '_from_' (e.g. 'int8_from_float32', "
         "'int4/64_from_mixed_bfloat16', 'float8/rowwise_from_bf16-mixed')"
     )
 
@@ -277,14 +283,16 @@ def names_quantized(spec: Any) -> bool:
 @dataclass(frozen=True)
 class QuantizedName:
     """What a quantized spelling says: the mode, the options it spells (None where it
-    spells none) and the float policy after '_from_' (None for a bare mode such as
-    "int4/64", whose source is given apart)."""
+    spells none; a microscaling mode's option text as written, parsed by
+    `MicroscalingConfig.parse`) and the float policy after '_from_' (None for a bare mode
+    such as "int4/64", whose source is given apart)."""
 
     mode: str
     group_size: int | None = None
     recipe: str | None = None
     amax_history_length: int | None = None
     source: str | None = None
+    options: str | None = None
 
 
 def parse_quantized(spec: str) -> QuantizedName:
@@ -309,6 +317,8 @@ def parse_quantized(spec: str) -> QuantizedName:
         raise PolicySpecError(f"nothing after '/' in {spec!r}. " + accepted_quantized())
     if not slash:
         return found
+    if mode in MicroscalingConfig.MODES:
+        return QuantizedName(mode, source=found.source, options=option)
     if mode == "int8":
         raise PolicySpecError(
             f"int8 takes no option ({spec!r}): its scales are per output channel. "
@@ -349,11 +359,11 @@ def quantized_options(
     recipe: str | None,
     amax_history_length: int | None,
     name: str,
-) -> tuple[int | None, Float8Config | None]:
+) -> tuple[int | None, Float8Config | None, MicroscalingConfig | None]:
     """The options of `parsed`'s mode over a source computing in `compute_dtype`: what the
     name spells merged with the keywords given (which must agree), defaults filled in;
-    (int4 group size, float8 config), None for what the mode does not take. Errors for
-    options the mode does not take and for values out of range."""
+    (int4 group size, float8 config, microscaling config), None for what the mode does not
+    take. Errors for options the mode does not take and for values out of range."""
     mode = parsed.mode
     group_size = _merge("group size", parsed.group_size, group_size, name)
     recipe = _merge("recipe", parsed.recipe, recipe, name)
@@ -378,32 +388,38 @@ def quantized_options(
                 f"int4 group size {group_size} in {name!r}: use a size >= 2 (128 is the "
                 "default) or -1 for one group per output channel"
             )
-        return group_size, None
+        return group_size, None, None
+    if mode in MicroscalingConfig.MODES:
+        return None, None, MicroscalingConfig.parse(mode, parsed.options, name)
     if mode != "float8":
-        return None, None
+        return None, None, None
     recipe = recipe or Float8Config.DEFAULT_RECIPE
     try:
         Float8Config.check_recipe(recipe)
     except PolicySpecError as err:
         raise PolicySpecError(f"in {name!r}: {err}. " + accepted_quantized()) from None
     if history is None:
-        return None, Float8Config(recipe)
+        return None, Float8Config(recipe), None
     if recipe != "delayed":
         raise PolicySpecError(
             f"amax_history_length belongs to the 'delayed' float8 recipe, not {recipe!r} ({name!r})"
         )
     try:
-        return None, Float8Config(recipe, history)
+        return None, Float8Config(recipe, history), None
     except PolicySpecError as err:
         raise PolicySpecError(f"in {name!r}: {err}") from None
 
 
 def quantized_name(
-    mode: str, group_size: int | None, float8: Float8Config | None, source_name: str
+    mode: str,
+    group_size: int | None,
+    float8: Float8Config | None,
+    source_name: str,
+    microscaling: MicroscalingConfig | None = None,
 ) -> str:
     """Keras's spelling of a quantized policy over the float policy `source_name`; options
     only where they differ from the defaults."""
-    spelled = mode
+    spelled = mode if microscaling is None else microscaling.spelled()
     if mode == "int4" and group_size != DEFAULT_GROUP_SIZE:
         spelled = f"int4/{group_size}"
     if float8 is not None and float8.recipe != Float8Config.DEFAULT_RECIPE:

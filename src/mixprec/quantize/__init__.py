@@ -12,6 +12,8 @@ ones (or Linear for float8 training), in place, as Keras's ``model.quantize`` do
   byte; Linear layers multiply through torch's packed int4 kernel with bfloat16 activations
   where it exists (groups of 32-256, float32/bfloat16 inputs), else dequantize first.
 - float8: `mixprec.quantize.float8.convert_to_float8` (training numerics).
+- mxfp8, mxfp6, mxfp4, nvfp4 (`MicroscalingLinear`): block-scaled formats, emulated
+  (`mixprec.quantize.microscaling`); the weight stays a float parameter and trains.
 
 `QuantizeResult.kernels` says which matmul each quantized int8/int4 Linear runs, and why.
 
@@ -34,11 +36,13 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.errors import PolicySpecError
+from mixprec.microscaling_config import MicroscalingConfig
 from mixprec.policy import QuantizedPolicy, as_policy, is_quantized
 from mixprec.policy_names import QUANTIZATION_MODES
 from mixprec.quantize.int4 import Int4Embedding, Int4Linear, quantize_groups
 from mixprec.quantize.int8 import Int8Embedding, Int8Linear, quantize_rows
 from mixprec.quantize.lora import LoraMixin
+from mixprec.quantize.microscaling import MicroscalingLinear
 from mixprec.quantize.rules import (
     Filter,
     check_same_options,
@@ -48,6 +52,7 @@ from mixprec.quantize.rules import (
     swap_modules,
 )
 
+MX_MODES = MicroscalingConfig.MODES
 QUANTIZED_TYPES: tuple[type[nn.Module], ...] = (
     Int8Linear,
     Int8Embedding,
@@ -60,6 +65,7 @@ __all__ = [
     "Int4Linear",
     "Int8Embedding",
     "Int8Linear",
+    "MicroscalingLinear",
     "QuantizeResult",
     "dequantize",
     "enable_lora",
@@ -101,9 +107,17 @@ def _as_policy(
         if group_size is not None or recipe is not None or history is not None:
             raise PolicySpecError(
                 f"{mode!r} names its options already; pass group_size/recipe/"
-                "amax_history_length only with a bare mode ('int8', 'int4', 'float8')"
+                "amax_history_length only with a bare mode ('int8', 'int4', 'float8'; the "
+                "block-scaled modes take their options in the name, e.g. 'mxfp8/floor')"
             )
         return as_policy(mode)  # type: ignore[return-value]
+    if isinstance(mode, str) and mode.strip().lower().partition("/")[0] in MX_MODES:
+        if group_size is not None or recipe is not None or history is not None:
+            raise PolicySpecError(
+                f"{mode!r} takes no group_size/recipe/amax_history_length; its options go "
+                "in the name. " + MicroscalingConfig.accepted()
+            )
+        return QuantizedPolicy(mode.strip().lower(), "float32")
     if not isinstance(mode, str) or mode.strip().lower() not in QUANTIZATION_MODES:
         raise PolicySpecError(
             f"unknown quantization mode {mode!r}; modes are {', '.join(QUANTIZATION_MODES)} "
@@ -167,6 +181,10 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
             )
         elif policy.mode == "float8":
             float8.setdefault(policy, []).append(path)
+        elif policy.microscaling_config is not None:
+            if id(module) not in new:
+                new[id(module)] = MicroscalingLinear.from_float(module, policy.microscaling_config)
+            result.quantized[path] = describe(policy)
         else:
             if id(module) not in new:
                 new[id(module)] = _quantized_layer(path, module, policy, memo)
@@ -213,9 +231,11 @@ def quantize(
 ) -> QuantizeResult:
     """Quantize `model`'s Linear (and, for int8/int4, Embedding) layers in place.
 
-    `mode`: "int8", "int4" (`group_size`, default 128; -1 per channel) or "float8" (`recipe`
-    tensorwise/rowwise/rowwise_with_gw_hp/delayed, `amax_history_length` for delayed), or a
-    quantized policy or its name ("int4/64_from_float32"). `filter`: a callable
+    `mode`: "int8", "int4" (`group_size`, default 128; -1 per channel), "float8" (`recipe`
+    tensorwise/rowwise/rowwise_with_gw_hp/delayed, `amax_history_length` for delayed), a
+    block-scaled mode with its options in the name ("mxfp8", "mxfp8/floor", "mxfp4",
+    "nvfp4/2d:rht:sr", ...: Linear layers only, emulated), or a quantized policy or its
+    name ("int4/64_from_float32"). `filter`: a callable
     ``(path, module) -> bool`` or a regex ``re.fullmatch``'ed on module paths; layers it
     rejects stay float. Layers too small or of other types stay float too; the result says
     which and why. A layer already quantized in this mode stays as it is; with other options
@@ -264,9 +284,12 @@ def _float_layer(layer: nn.Module, memo: dict[int, nn.Parameter]) -> nn.Module:
 
 def dequantize(model: nn.Module) -> nn.Module:
     """Swap every int8/int4 layer of `model` back to a float Linear/Embedding holding its
-    dequantized weight (LoRA adapters folded in; tied weights tied again); returns `model`."""
+    dequantized weight (LoRA adapters folded in; tied weights tied again), and every
+    block-scaled layer back to the Linear holding its own (float) parameters; returns
+    `model`."""
     memo: dict[int, nn.Parameter] = {}
     new = {id(m): _float_layer(m, memo) for m in model.modules() if isinstance(m, QUANTIZED_TYPES)}
+    new.update({id(m): m.to_float() for m in model.modules() if isinstance(m, MicroscalingLinear)})
     swap_modules(model, lambda path, child: new.get(id(child)))
     return model
 

@@ -1,6 +1,7 @@
 """Which layers a quantized policy quantizes, written once: the skip rules and their reasons,
 how a quantized layer is described, and the one module filter and the one module swap that
-every quantization goes through (int8/int4 layers, float8 layers, and undoing either).
+every quantization goes through (int8/int4 layers, float8 and block-scaled layers, and undoing
+them).
 
 `mixprec.policy_map` reads `skip_reason` to resolve and explain quantized rules;
 `quantize`, `apply` and `convert_to_float8` swap what it leaves.
@@ -40,13 +41,14 @@ def skip_reason(policy: QuantizedPolicy, module: nn.Module) -> str | None:
     done = getattr(module, "quantization_mode", None)
     if isinstance(done, str):
         return None if done == mode else f"already quantized to {done}"
-    kinds = "Linear" if mode == "float8" else "Linear and Embedding"
+    linear_only = mode == "float8" or policy.microscaling_config is not None
+    kinds = "Linear" if linear_only else "Linear and Embedding"
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return (
             "unsupported type: the output projection of nn.MultiheadAttention, whose "
             "forward reads its weight directly"
         )
-    embedding = mode != "float8" and type(module) is nn.Embedding
+    embedding = not linear_only and type(module) is nn.Embedding
     if embedding and (module.max_norm is not None or module.sparse):
         return (
             "unsupported option: an Embedding with max_norm or sparse=True changes its "
@@ -60,6 +62,10 @@ def skip_reason(policy: QuantizedPolicy, module: nn.Module) -> str | None:
             f"too small: {features} input features (fewer than "
             f"{MIN_QUANTIZED_FEATURES} save little and lose the most accuracy)"
         )
+    micro = policy.microscaling_config
+    if micro is not None:
+        shape = micro.shape_reason(module.in_features, module.out_features)
+        return None if shape is None else f"does not fill whole blocks: {shape}"
     config = policy.float8_config
     if config is None:
         return None
@@ -71,6 +77,8 @@ def skip_reason(policy: QuantizedPolicy, module: nn.Module) -> str | None:
 
 def describe(policy: QuantizedPolicy) -> str:
     """What a layer quantized by `policy` becomes, in words ("int4 (groups of 64)")."""
+    if policy.microscaling_config is not None:
+        return policy.microscaling_config.describe()
     if policy.mode == "int4" and policy.group_size == -1:
         return "int4 (per channel)"
     if policy.mode == "int4":
@@ -95,6 +103,9 @@ def check_same_options(path: str, layer: nn.Module, policy: QuantizedPolicy) -> 
             "float8", "float32", recipe=layer.recipe, amax_history_length=history
         )
         undo = "mixprec.quantize.float8.convert_from_float8(model)"
+    elif policy.microscaling_config is not None:
+        have = QuantizedPolicy(layer.config.spelled(), "float32")
+        undo = "mixprec.quantize.dequantize(model)"
     else:
         return
     if describe(have) != describe(policy):
