@@ -68,7 +68,7 @@ def test_a_model_sharded_once_is_not_sharded_again(one_rank):
 
 def test_apply_refuses_a_sharded_model(one_rank):
     model = Net()
-    shard(model, "bf16-mixed")
+    shard(model, "bf16-mixed", allow_slow=True)
     with pytest.raises(TypeError, match="sharded by FSDP2 .*give the policy to"):
         mixprec.apply(model, "32-true")
 
@@ -100,7 +100,7 @@ def test_a_model_converted_by_apply_is_refused(one_rank):
     with pytest.raises(PrecisionError, match=r"converted by mixprec.apply \(<root>\)"):
         shard(model, "bf16-mixed")
     mixprec.remove(model)
-    shard(model, "bf16-mixed")  # the plain model shards
+    shard(model, "bf16-mixed", allow_slow=True)  # the plain model shards
 
 
 def test_bad_mesh_and_reduce_dtype_are_refused_before_sharding(one_rank):
