@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from mixprec.hardware import detect
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import charlm  # noqa: E402
+from kernels import take_turns  # noqa: E402  (the same turn-taking as the kernels table)
 
 SDPA = F.scaled_dot_product_attention
 
@@ -95,20 +94,6 @@ def lm_step(autocast: bool, float32_attention: bool = False) -> Callable[[], Non
     return call
 
 
-def medians(calls: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
-    """Median ms of each call, the calls taking turns after two warm-up calls each."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for call in calls.values():
-        call()
-        call()
-    for _ in range(repeats):
-        for name, call in calls.items():
-            start = time.perf_counter()
-            call()
-            times[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -124,7 +109,7 @@ def main() -> None:
         "matmul bfloat16": matmul(torch.bfloat16),
     }
     load = os.getloadavg()
-    ms = medians(calls, args.repeats)
+    ms, _ = take_turns(calls, args.repeats)
     rows = [
         "| op | float32 ms | bfloat16 ms | bfloat16 speed-up |",
         "|---|---:|---:|---:|",
@@ -132,7 +117,7 @@ def main() -> None:
     for op in ("attention", "matmul"):
         f32, bf16 = ms[f"{op} float32"], ms[f"{op} bfloat16"]
         rows.append(f"| {op} | {f32:.2f} | {bf16:.2f} | {f32 / bf16:.2f}x |")
-    steps = medians(
+    steps, _ = take_turns(
         {
             "float32": lm_step(False),
             "bf16 autocast": lm_step(True),
