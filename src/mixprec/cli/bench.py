@@ -264,7 +264,7 @@ def run_command(args: argparse.Namespace) -> int:
     if not png:
         err.print(
             "matplotlib is not installed: bench.png will not be written "
-            "(pip install 'mixprec[plot]' 'torch==2.13.0')"
+            "(pip install 'matplotlib>=3.7' 'torch==2.13.0', the plot extra)"
         )
     o = p.options
     console.print(

@@ -293,7 +293,8 @@ def save(
     except ImportError:
         raise ImportError(
             "writing the doctor's plots needs matplotlib: "
-            "pip install 'mixprec[plot]' 'torch==2.13.0'"
+            "pip install 'matplotlib>=3.7' 'torch==2.13.0' (the plot extra: -e '.[plot]' in a "
+            "clone)"
         ) from None
     matplotlib.use("Agg")
     out = Path(directory)

@@ -28,9 +28,9 @@ What the plugin does at each point Lightning hands it:
   optimizer (Lightning saves the wrapped optimizer's own state), so a resumed run continues
   bit for bit.
 
-Lightning is an optional dependency (``pip install 'mixprec[lightning]' 'torch==2.13.0'``):
-this module imports ``pytorch_lightning``; ``import mixprec`` and
-``import mixprec.integrations`` do not.
+Lightning is an optional dependency (the ``lightning`` extra: ``pip install
+'pytorch-lightning>=2.6,<2.7' 'torch==2.13.0'``): this module imports ``pytorch_lightning``;
+``import mixprec`` and ``import mixprec.integrations`` do not.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ try:
 except ImportError as err:  # pragma: no cover - the extra is installed wherever tests run
     raise ImportError(
         "mixprec.integrations.lightning needs pytorch-lightning 2.6: "
-        "pip install 'mixprec[lightning]' 'torch==2.13.0'"
+        "pip install 'pytorch-lightning>=2.6,<2.7' 'torch==2.13.0' (the lightning extra: -e "
+        "'.[lightning]' in a clone)"
     ) from err
 
 from mixprec.doctor.monitor import PrecisionMonitor

@@ -190,8 +190,8 @@ class TensorBoardLogger(Logger):
     ) -> None:
         if not tensorboard_available():
             raise ImportError(
-                "TensorBoardLogger needs the tensorboard package: pip install tensorboard "
-                "(or 'mixprec[tensorboard]' 'torch==2.13.0'); CSVLogger needs nothing extra"
+                "TensorBoardLogger needs the tensorboard package: pip install 'tensorboard>=2.14' "
+                "'torch==2.13.0' (the tensorboard extra); CSVLogger needs nothing extra"
             )
         super().__init__(save_dir, name, version)
         self._writer: Any = None
