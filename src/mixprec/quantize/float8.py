@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.float8_config import Float8Config
-from mixprec.quantize.rules import Filter, path_filter, swap_modules
+from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules
 
 __all__ = [
     "AMAX_FLOOR",
@@ -380,17 +380,12 @@ class Float8Linear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
         new._setup(recipe, amax_history_length, emulate)
-        _carry_hooks(linear, new)
+        carry_hooks(linear, new)
         return new.train(linear.training)
 
     def to_float(self) -> nn.Linear:
         """A plain nn.Linear holding this module's parameters (the delayed buffers dropped)."""
-        linear = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(linear)
-        linear.in_features, linear.out_features = self.in_features, self.out_features
-        linear.weight, linear.bias = self.weight, self.bias
-        _carry_hooks(self, linear)
-        return linear.train(self.training)
+        return plain_linear(self)
 
     @property
     def fixed_dtype_buffers(self) -> tuple[str, ...]:
@@ -495,12 +490,6 @@ def sync_amax_histories(model: nn.Module | list[Float8Linear], group: Any = None
     for m in layers:
         m._refresh_scales()
     return len(layers)
-
-
-def _carry_hooks(source: nn.Module, target: nn.Module) -> None:
-    """Copy the forward pre/post hooks a module swap must not lose."""
-    target._forward_pre_hooks.update(source._forward_pre_hooks)
-    target._forward_hooks.update(source._forward_hooks)
 
 
 # --- whole models ----------------------------------------------------------------------------

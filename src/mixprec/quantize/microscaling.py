@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.microscaling_config import MicroscalingConfig
+from mixprec.quantize.rules import carry_hooks, plain_linear
 
 __all__ = [
     "E8M0_NAN",
@@ -561,17 +562,12 @@ class MicroscalingLinear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
         new._setup(config)
-        _carry_hooks(linear, new)
+        carry_hooks(linear, new)
         return new.train(linear.training)
 
     def to_float(self) -> nn.Linear:
         """A plain nn.Linear holding this module's parameters."""
-        linear = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(linear)
-        linear.in_features, linear.out_features = self.in_features, self.out_features
-        linear.weight, linear.bias = self.weight, self.bias
-        _carry_hooks(self, linear)
-        return linear.train(self.training)
+        return plain_linear(self)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features or not x.is_floating_point():
@@ -593,9 +589,3 @@ class MicroscalingLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self.config.spelled()!r}"
-
-
-def _carry_hooks(source: nn.Module, target: nn.Module) -> None:
-    """Copy the forward pre/post hooks a module swap must not lose."""
-    target._forward_pre_hooks.update(source._forward_pre_hooks)
-    target._forward_hooks.update(source._forward_hooks)

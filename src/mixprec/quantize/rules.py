@@ -20,9 +20,11 @@ from mixprec.policy import QuantizedPolicy
 __all__ = [
     "Filter",
     "MIN_QUANTIZED_FEATURES",
+    "carry_hooks",
     "check_same_options",
     "describe",
     "path_filter",
+    "plain_linear",
     "skip_reason",
     "swap_modules",
 ]
@@ -150,3 +152,20 @@ def swap_modules(model: nn.Module, make: Callable[[str, nn.Module], nn.Module | 
                 done[id(child)] = make(path, child)
             if done[id(child)] is not None:
                 parent._modules[name] = done[id(child)]
+
+
+def carry_hooks(source: nn.Module, target: nn.Module) -> None:
+    """Copy the forward pre/post hooks a module swap must not lose."""
+    target._forward_pre_hooks.update(source._forward_pre_hooks)
+    target._forward_hooks.update(source._forward_hooks)
+
+
+def plain_linear(layer: nn.Module) -> nn.Linear:
+    """A plain nn.Linear holding a swapped Linear's parameters (shared, not copied), its
+    hooks and its training mode: how a float8 or block-scaled layer turns back into float."""
+    linear = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(linear)
+    linear.in_features, linear.out_features = layer.in_features, layer.out_features
+    linear.weight, linear.bias = layer.weight, layer.bias
+    carry_hooks(layer, linear)
+    return linear.train(layer.training)
