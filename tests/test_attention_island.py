@@ -1,6 +1,7 @@
-"""The attention island: under a 16-bit mixed policy, a module whose forward calls
-`F.scaled_dot_product_attention` runs that call in float32 where the device's 16-bit attention
-is slower than float32 (CPUs without AMX), or where the user asks; nowhere else.
+"""The attention island: under a policy computing in 16 bits (mixed or "true"), a module whose
+forward calls `F.scaled_dot_product_attention` runs that call in float32 where the device's
+16-bit attention is slower than float32 (CPUs without AMX), or where the user asks; nowhere
+else.
 
 Hardware is described (`hardware.assume`), never probed: the island's numerics are the same on
 every CPU, and which modules get one depends on the `DeviceInfo` alone.
@@ -161,12 +162,28 @@ def test_only_modules_whose_forward_calls_attention_get_an_island():
     assert out.dtype == F32 and out.shape == (2, 5, 3)
 
 
+def test_under_bf16_true_the_island_is_float32_attention_of_the_bfloat16_inputs():
+    """A "true" policy casts the inputs to bfloat16 and switches autocast off: the island
+    runs the attention in float32 on those inputs and hands bfloat16 back."""
+    with assume(ZEN4):
+        model = mixprec.apply(Attention(), "bf16-true")
+        assert islands(model) == [""]
+    q, k, v = qkv(F32)
+    want = F.scaled_dot_product_attention(
+        *(t.to(BF16).float() for t in (q, k, v)), is_causal=True
+    ).to(BF16)
+    out = model(q, k, v)
+    assert out.dtype == BF16 and torch.equal(out, want)
+    bf16 = F.scaled_dot_product_attention(*(t.to(BF16) for t in (q, k, v)), is_causal=True)
+    assert not torch.equal(out, bf16)  # not the bfloat16 kernel's result
+
+
 @pytest.mark.parametrize(
     "policy",
-    ["32-true", "bf16-true", PolicyMap("bf16-mixed", {"blocks": "32-true"})],
-    ids=["float32", "bf16-true", "float32 rule"],
+    ["32-true", PolicyMap("bf16-mixed", {"blocks": "32-true"})],
+    ids=["float32", "float32 rule"],
 )
-def test_no_island_where_attention_is_not_under_16bit_autocast(policy):
+def test_no_island_where_attention_computes_in_float32(policy):
     with assume(ZEN4):
         model = mixprec.apply(Net(), policy)
         assert islands(model) == []

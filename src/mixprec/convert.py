@@ -4,8 +4,8 @@ Parameters and floating buffers go to each module's param dtype. The root module
 runs in the policy's compute region (autocast for mixed policies, a cast of floating inputs
 for "true" ones) and casts floating outputs to the output dtype. Below the root, a module
 gets a region of its own only where its policy computes differently from its parent's, so a
-uniform policy costs one region. A module whose forward calls attention under a 16-bit mixed
-policy may also get an attention island (`Resolution.float32_attention`): its
+uniform policy costs one region. A module whose forward calls attention under a policy
+computing in 16 bits may also get an attention island (`Resolution.float32_attention`): its
 `scaled_dot_product_attention` calls run in float32. State-dict keys and shapes never change.
 """
 
@@ -129,15 +129,17 @@ _SDPA = F.scaled_dot_product_attention
 
 
 class _Float32Attention(TorchFunctionMode):
-    """While on, `scaled_dot_product_attention` called under autocast computing in `dtype`
-    (on its query's device) runs in float32: autocast off, every floating argument (query,
-    key, value, a float mask) cast to float32, the result cast back to `dtype`, the dtype
-    autocast would have given. Float32 inputs are used as they are, not rounded to `dtype`
-    first. Every other call runs as it is."""
+    """While on, `scaled_dot_product_attention` computing in `dtype` runs in float32: under
+    a mixed policy (`mixed`) where autocast computes in `dtype` on the query's device, under
+    a "true" one where autocast is off and the query is in `dtype`. Autocast off, every
+    floating argument (query, key, value, a float mask) cast to float32, the result cast
+    back to `dtype`, the dtype the call would have given. Float32 inputs are used as they
+    are, not rounded to `dtype` first. Every other call runs as it is."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, mixed: bool) -> None:
         super().__init__()
         self.dtype = dtype
+        self.mixed = mixed
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -145,10 +147,14 @@ class _Float32Attention(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is not _SDPA:
             return func(*args, **kwargs)
-        device = (args[0] if args else kwargs["query"]).device.type
-        if not (
-            torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == self.dtype
-        ):
+        query = args[0] if args else kwargs["query"]
+        device = query.device.type
+        autocast = torch.is_autocast_enabled(device)
+        if self.mixed:
+            here = autocast and torch.get_autocast_dtype(device) == self.dtype
+        else:
+            here = not autocast and query.dtype == self.dtype
+        if not here:
             return func(*args, **kwargs)
         with torch.autocast(device, enabled=False):
             out = func(*cast_floating(args, torch.float32), **cast_floating(kwargs, torch.float32))
@@ -156,16 +162,17 @@ class _Float32Attention(TorchFunctionMode):
 
 
 class _AttentionIsland:
-    """Stands in for the `forward` of a module that calls attention under a mixed policy
-    computing in `dtype` (`Resolution.float32_attention`): runs it with `_Float32Attention`
-    on. Outside the region it may wrap, so the region's autocast is what the mode reads.
+    """Stands in for the `forward` of a module that calls attention under a policy computing
+    in `dtype` (`Resolution.float32_attention`): runs it with `_Float32Attention` on. Outside
+    the region it may wrap, so the mode sees what the region set up (autocast, the casts).
 
     Confined to that module's forward because a torch function mode costs a few
     microseconds on every torch call it sees."""
 
-    def __init__(self, module: nn.Module, dtype: torch.dtype, original: Any) -> None:
+    def __init__(self, module: nn.Module, policy: Policy, original: Any) -> None:
         self.module = module
-        self.dtype = dtype
+        self.dtype = policy.compute_dtype
+        self.mixed = policy.is_mixed
         self.original = original
 
     @property
@@ -173,7 +180,7 @@ class _AttentionIsland:
         return _signature(self.module, self.original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _Float32Attention(self.dtype):
+        with _Float32Attention(self.dtype, self.mixed):
             if self.original is None:  # the class's function, as `_Region` calls it
                 return type(self.module).forward(self.module, *args, **kwargs)
             return self.original(*args, **kwargs)
@@ -502,13 +509,13 @@ def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
             continue
         islands.add(id(module))
         module.__dict__["forward"] = _AttentionIsland(
-            module, res.policy.compute_dtype, module.__dict__.get("forward")
+            module, res.policy, module.__dict__.get("forward")
         )
 
 
 def device_slow_attention(device: torch.device) -> frozenset[torch.dtype]:
     """`hardware.slow_attention` of `device` (as `assume` may describe it): the 16-bit
-    dtypes whose attention a mixed policy runs in float32 there. Only CPUs have any, so
+    dtypes whose attention a policy computing in them runs in float32 there. Only CPUs have any, so
     nothing is detected elsewhere (a model on the meta device)."""
     return slow_attention(detect(device)) if device.type == "cpu" else frozenset()
 

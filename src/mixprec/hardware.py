@@ -383,7 +383,7 @@ def dtype_support(dtype: torch.dtype, info: DeviceInfo) -> Support:
 
 def slow_attention(info: DeviceInfo) -> frozenset[torch.dtype]:
     """The 16-bit dtypes in which `info`'s device runs attention (torch's
-    `scaled_dot_product_attention`, forward and backward) slower than in float32, so a mixed
+    `scaled_dot_product_attention`, forward and backward) slower than in float32, so a
     policy computing in them runs its attention in float32 (`PolicyMap.float32_attention`).
 
     CPUs without AMX: torch's CPU flash attention measured 0.58x float32's speed in bfloat16

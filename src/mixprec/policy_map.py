@@ -13,10 +13,10 @@ Precedence, highest first, for each module (qualified name from `named_modules()
 
 Two rules of the same rank matching one module is an error naming both.
 
-Beside its policy, a module whose forward calls attention (`calls_attention`) may run that
-attention in float32 inside its 16-bit autocast (`Resolution.float32_attention`): where the
-device's 16-bit attention is slower than float32 (`mixprec.hardware.slow_attention`), or as
-the map's ``float32_attention`` says.
+Beside its policy, a module whose forward calls attention (`calls_attention`) under a policy
+computing in 16 bits may run that attention in float32 (`Resolution.float32_attention`): where
+the device's 16-bit attention is slower than float32 (`mixprec.hardware.slow_attention`), or
+as the map's ``float32_attention`` says.
 """
 
 from __future__ import annotations
@@ -114,8 +114,8 @@ class Resolution:
     """The effective policy of one module and why it applies; under a quantized policy,
     whether the module is quantized or, for a layer with parameters, why it is skipped
     (it then runs in the policy's source float policy). `float32_attention`: why the
-    attention its forward calls runs in float32 inside its 16-bit autocast (None: it
-    does not)."""
+    attention its forward calls runs in float32 though its policy computes in 16 bits (None:
+    it does not)."""
 
     policy: Policy
     source: str
@@ -196,7 +196,7 @@ class PolicyMap:
                 f"{float32_attention!r}"
             )
         self.float32_islands = float32_islands
-        # attention (scaled_dot_product_attention) in float32 inside 16-bit autocast: True
+        # attention (scaled_dot_product_attention) in float32 under 16-bit policies: True
         # everywhere, False nowhere, None where `hardware.slow_attention` says it is faster
         self.float32_attention = float32_attention
         self._paths: dict[str, tuple[re.Pattern[str], Policy]] = {}
@@ -267,8 +267,8 @@ class PolicyMap:
         A module reachable at two paths (shared) runs in one policy: paths resolving it to
         different policies are an error naming both. `slow_attention`: the 16-bit dtypes in
         which the device's attention is slower than float32 (`hardware.slow_attention`),
-        where a mixed policy runs its attention in float32 unless `float32_attention` says
-        otherwise."""
+        where a policy computing in them runs its attention in float32 unless
+        `float32_attention` says otherwise."""
         out: dict[str, Resolution] = {}
         first_path: dict[int, str] = {}
         modules = dict(model.named_modules(remove_duplicate=False))
@@ -317,11 +317,12 @@ class PolicyMap:
     def _attention_island(
         self, module: nn.Module, res: Resolution, slow: frozenset[torch.dtype]
     ) -> Resolution:
-        """`res` with `float32_attention` set where `module` calls attention under a mixed
-        16-bit policy and the map (or, left to the device, `slow`) wants it in float32."""
+        """`res` with `float32_attention` set where `module` calls attention under a policy
+        computing in 16 bits and the map (or, left to the device, `slow`) wants it in
+        float32."""
         policy = res.policy
         dtype = policy.compute_dtype
-        if not (policy.is_mixed and dtype in (torch.bfloat16, torch.float16)):
+        if dtype not in (torch.bfloat16, torch.float16):
             return res
         if self.float32_attention is False or not calls_attention(module):
             return res
