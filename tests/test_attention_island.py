@@ -254,6 +254,29 @@ def test_the_setting_travels_with_the_map(tmp_path):
     assert pmap != PolicyMap("bf16-mixed", {"head": "32-true"})
 
 
+class Overflow(nn.Module):
+    """A projection whose outputs overflow float16: the doctor recommends a rule for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.proj = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.proj(torch.relu(self.inp(x)))
+
+
+def test_the_doctors_recommendation_keeps_the_setting():
+    torch.manual_seed(0)
+    model, x, y = Overflow(), torch.randn(16, 8), torch.randint(0, 4, (16,))
+    with torch.no_grad():  # outputs up to 1e5, past float16's 65504
+        scale = 1e5 / model(x).abs().max()
+        model.proj.weight.mul_(scale), model.proj.bias.mul_(scale)
+    policy = PolicyMap("16-mixed", float32_attention=False)
+    with assume(ZEN4):
+        fix = mixprec.diagnose(model, (x, y), F.cross_entropy, precision=policy).recommend()
+    assert set(fix.policy.rules) == {"proj"} and fix.policy.float32_attention is False
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(TypeError, match="float32_attention must be True, False or None .*'no'"):
         PolicyMap("bf16-mixed", float32_attention="no")  # type: ignore[arg-type]
