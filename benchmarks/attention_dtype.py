@@ -9,11 +9,11 @@ matmul in both, the variants taking turns, medians. Then the char LM's whole tra
 (examples/charlm.py, AdamW): float32, raw bf16 autocast, and mixprec's bf16-mixed with its
 attention island as the device decides (`PolicyMap.float32_attention` left to
 `hardware.slow_attention`: attention in float32 inside autocast on CPUs without AMX) and
-with it off (``float32_attention=False``), the four taking turns. Last, torch.profiler's
-self CPU time of the bf16-mixed step, grouped: GEMMs, attention, the casts autocast and the
-islands insert, LayerNorm/softmax/loss, GELU, the optimizer, the rest. And the seed blog's
-CNN (`mixprec bench`'s default model) in float32 and bf16-mixed, each in the default and in
-channels_last memory format::
+with it off (``float32_attention=False``), the four taking turns. Then torch.profiler's
+self CPU time of the float32 and the bf16-mixed step, grouped: GEMMs, attention, the casts
+autocast and the islands insert, LayerNorm/softmax/loss, GELU, the optimizer, the rest. And
+the seed blog's CNN (`mixprec bench`'s default model) in float32 and bf16-mixed, each in the
+default and in channels_last memory format::
 
     python benchmarks/attention_dtype.py [--repeats 20] [--lm-repeats 8] [--cnn-repeats 10]
         [--threads 1] [--out PATH.md]
@@ -129,14 +129,14 @@ GROUPS = (
 
 
 def _group(op: str, chain: list[str]) -> str:
-    """The group of one profiled op, from its name and its ancestors' (outermost last)."""
+    """The group of one profiled op, from its name and its ancestors' (innermost first)."""
     top = chain[-1] if chain else op
     if any(name.startswith("Optimizer.") for name in (op, *chain)):
         return GROUPS[5]
     if "scaled_dot_product" in top or "ScaledDotProduct" in top:
         return GROUPS[1]
-    if op in ("aten::mm", "aten::addmm", "aten::bmm"):
-        return GROUPS[0]
+    if op in ("aten::mm", "aten::addmm", "aten::bmm") or (chain and chain[0] == "aten::addmm"):
+        return GROUPS[0]  # addmm's copy of the bias into its output is the GEMM's too
     if top in ("aten::to", "autograd::engine::evaluate_function: ToCopyBackward0") or op in (
         "aten::copy_",
         "aten::_to_copy",
@@ -149,8 +149,8 @@ def _group(op: str, chain: list[str]) -> str:
     return GROUPS[6]
 
 
-def grouped_profile(call: Callable[[], None], calls: int = 3) -> list[str]:
-    """Self CPU time per call of `call`, grouped as `GROUPS` says, as markdown rows."""
+def grouped_profile(call: Callable[[], None], calls: int = 3) -> dict[str, float]:
+    """Self CPU ms per call of `call`, grouped as `GROUPS` says."""
     call()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(calls):
@@ -162,9 +162,18 @@ def grouped_profile(call: Callable[[], None], calls: int = 3) -> list[str]:
             chain.append(up.name)
             up = up.cpu_parent
         ms[_group(event.name, chain)] += event.self_cpu_time_total / 1e3 / calls
-    total = sum(ms.values())
-    rows = [f"| {g} | {ms[g]:.1f} | {100 * ms[g] / total:.0f}% |" for g in GROUPS]
-    return [*rows, f"| total | {total:.1f} | 100% |"]
+    return {group: ms[group] for group in GROUPS}
+
+
+def profile_rows(f32: dict[str, float], mixed: dict[str, float]) -> list[str]:
+    """Markdown rows: each group's ms per step in float32 and bf16-mixed, and the speed-up."""
+    rows = [
+        f"| {g} | {f32[g]:.1f} | {mixed[g]:.1f} | {100 * mixed[g] / sum(mixed.values()):.0f}% | "
+        + (f"{f32[g] / mixed[g]:.2f}x |" if min(f32[g], mixed[g]) >= 0.05 else "- |")
+        for g in GROUPS
+    ]
+    total32, total = sum(f32.values()), sum(mixed.values())
+    return [*rows, f"| total | {total32:.1f} | {total:.1f} | 100% | {total32 / total:.2f}x |"]
 
 
 def main() -> None:
@@ -191,7 +200,7 @@ def main() -> None:
     for op in ("attention", "matmul"):
         f32, bf16 = ms[f"{op} float32"], ms[f"{op} bfloat16"]
         rows.append(f"| {op} | {f32:.2f} | {bf16:.2f} | {f32 / bf16:.2f}x |")
-    steps, _ = take_turns(
+    steps, fastest = take_turns(
         {
             "float32": lm_step(None),
             "bf16 autocast (torch, no mixprec)": lm_step(None, autocast=True),
@@ -204,12 +213,21 @@ def main() -> None:
         },
         args.lm_repeats,
     )
-    lm_rows = ["| char LM step | ms | speed-up vs float32 |", "|---|---:|---:|"]
-    lm_rows += [f"| {k} | {v:.0f} | {steps['float32'] / v:.2f}x |" for k, v in steps.items()]
+    lm_rows = [
+        "| char LM step | ms | speed-up vs float32 | fastest ms | speed-up, fastest |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    lm_rows += [
+        f"| {k} | {v:.0f} | {steps['float32'] / v:.2f}x | {fastest[k]:.0f} | "
+        f"{fastest['float32'] / fastest[k]:.2f}x |"
+        for k, v in steps.items()
+    ]
     islands = explain(charlm.CharGPT(block=128, dim=256, layers=4), "bf16-mixed")
     where = ", ".join(islands.float32_attention) or "no module (bf16 attention is fast here)"
-    profile_rows = grouped_profile(lm_step(PolicyMap("bf16-mixed")))
-    cnn, _ = take_turns(
+    profiled = profile_rows(
+        grouped_profile(lm_step(None)), grouped_profile(lm_step(PolicyMap("bf16-mixed")))
+    )
+    cnn, cnn_fastest = take_turns(
         {
             f"{policy}{', channels_last' if last else ''}": cnn_step(policy, last)
             for policy in ("32-true", "bf16-mixed")
@@ -217,8 +235,15 @@ def main() -> None:
         },
         args.cnn_repeats,
     )
-    cnn_rows = ["| blog CNN step | ms | speed-up vs float32 |", "|---|---:|---:|"]
-    cnn_rows += [f"| {k} | {v:.0f} | {cnn['32-true'] / v:.2f}x |" for k, v in cnn.items()]
+    cnn_rows = [
+        "| blog CNN step | ms | speed-up vs float32 | fastest ms | speed-up, fastest |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    cnn_rows += [
+        f"| {k} | {v:.0f} | {cnn['32-true'] / v:.2f}x | {cnn_fastest[k]:.0f} | "
+        f"{cnn_fastest['32-true'] / cnn_fastest[k]:.2f}x |"
+        for k, v in cnn.items()
+    ]
     text = "\n".join(
         [
             "# CPU attention in bfloat16 against float32",
@@ -227,7 +252,7 @@ def main() -> None:
             f"--lm-repeats {args.lm_repeats} --cnn-repeats {args.cnn_repeats} --threads "
             f"{args.threads}`",
             f"Device: {detect('cpu').describe()}; torch {torch.__version__}; "
-            f"load average before {load[0]:.2f}",
+            f"load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}",
             "",
             "Median ms of forward + backward (attention: batch 32, 4 heads, 128 tokens, head "
             "size 64, causal) and of one 4096x256x1024 matmul, the four taking turns.",
@@ -240,12 +265,13 @@ def main() -> None:
             "",
             *lm_rows,
             "",
-            "Where the bf16-mixed step's time goes (torch.profiler, self CPU time per step, "
-            "mean of 3 steps, grouped by op and by the op or optimizer step it runs under):",
+            "Where the step's time goes, float32 beside mixprec's bf16-mixed (torch.profiler, "
+            "self CPU time per step, mean of 3 steps, grouped by op and by the op or optimizer "
+            "step it runs under; the profiler's own cost included):",
             "",
-            "| group | ms per step | share |",
-            "|---|---:|---:|",
-            *profile_rows,
+            "| group | float32 ms | bf16-mixed ms | bf16-mixed share | speed-up |",
+            "|---|---:|---:|---:|---:|",
+            *profiled,
             "",
             "The seed blog's CNN (`mixprec bench`'s default model: conv 7x7/2, conv 11x11/2, "
             "BatchNorm, pooling, dense, softmax; batch 16 of 3x128x128, Adam) through mixprec's "
