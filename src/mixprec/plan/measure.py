@@ -30,7 +30,7 @@ class Measured:
     loss: float
     unit_bytes: int
     model_bytes: int
-    seconds: float
+    seconds: float | None  # None: not timed
 
 
 @dataclass
@@ -87,10 +87,11 @@ def measure_plans(
     training: bool,
     reps: int,
     device: torch.device,
+    timed: set[str],
 ) -> dict[str, Measured]:
     """Each plan converted and run: its loss on `batches`, its bytes (as `count` counts them)
-    and the median time of one step on the first batch (forward, and backward when
-    `training`), the plans taking turns step by step after an untimed step each."""
+    and, for the plans in `timed`, the median time of one step on the first batch (forward,
+    and backward when `training`), taking turns step by step after an untimed step each."""
     converted = {name: convert(model, plan) for name, plan in plans.items()}
     precisions = {name: Precision(plan, device=device) for name, plan in plans.items()}
     losses = {
@@ -99,8 +100,9 @@ def measure_plans(
     steps = {
         name: _step(m, precisions[name], batches[0], loss_fn, training)
         for name, m in converted.items()
+        if name in timed
     }
-    times: dict[str, list[float]] = {name: [] for name in plans}
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for rep in range(reps + 1):
         for name, run in steps.items():
             start = time.perf_counter()
@@ -112,7 +114,7 @@ def measure_plans(
             loss=losses[name],
             unit_bytes=state_bytes(_unit_modules(m, units), count),
             model_bytes=state_bytes(m, count),
-            seconds=statistics.median(times[name]),
+            seconds=statistics.median(times[name]) if name in times else None,
         )
         for name, m in converted.items()
     }

@@ -204,8 +204,8 @@ class SearchReport:
                     describe_bytes(m.unit_bytes),
                     f"{m.unit_bytes / b.unit_bytes:.3f}",
                     describe_bytes(m.model_bytes),
-                    f"{m.seconds * 1e3:.3g}",
-                    f"{m.seconds / b.seconds:.2f}",
+                    "-" if m.seconds is None else f"{m.seconds * 1e3:.3g}",
+                    "-" if m.seconds is None else f"{m.seconds / b.seconds:.2f}",
                     "?" if fits is None else ("yes" if fits else "no"),
                 ]
             )
@@ -261,7 +261,8 @@ class SearchReport:
         w("bytes of the searched layers and of the whole model, counted as ")
         step = "training step" if self.count == "training" else "forward"
         w(f"`{self.count}`; step: median ms of one {step} ")
-        w("(plans taking turns). A uniform plan puts every layer the format can take in it.\n\n")
+        w("(plans taking turns; uniform plans are timed under a speed budget only). A uniform ")
+        w("plan puts every layer the format can take in it.\n\n")
         w(_md_table(self._PLAN_HEADERS, self._plan_rows()))
         w("\n## Attempts\n\n")
         for i, a in enumerate(self.attempts, 1):

@@ -360,6 +360,8 @@ def search(
             training=training,
             reps=reps,
             device=dev,
+            # uniform plans are timed only when time is budgeted (each is a whole model)
+            timed=set(plans) if budget.speed is not None else {"plan", "baseline", "float32"},
         )
         plan_loss, base_loss = verified["plan"].loss, verified["baseline"].loss
         gap = (plan_loss - base_loss) / max(abs(base_loss), 1e-12)

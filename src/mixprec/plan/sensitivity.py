@@ -136,8 +136,10 @@ def score(holder: nn.ModuleList, unit: Unit, calls: dict[str, Calls], scores: Sc
             for args, kwargs, y, g in zip(c.args, c.kwargs, c.outputs, c.grads, strict=True):
                 if g is None:  # the output did not reach the loss
                     continue
-                d = layer(*args, **kwargs).to(torch.float64) - y.to(torch.float64)
-                gd = (g.to(torch.float64) * d).reshape(d.shape[0], -1).sum(dim=1)
+                # float32 elementwise (an output's float32 difference is exact to its last
+                # bit), sums per sample in float64
+                d = layer(*args, **kwargs).float() - y.float()
+                gd = (g.float() * d).reshape(d.shape[0], -1).sum(dim=1, dtype=torch.float64)
                 n = d.shape[0]
                 scores.add(float(n / 2 * (gd**2).sum()), float(gd.sum()))
     scores.end_batch()
