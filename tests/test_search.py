@@ -174,6 +174,10 @@ def test_default_formats_are_those_the_device_runs_fast() -> None:
     fast, left_out = default_formats(as_policy("32-true"), AVX2_CPU)
     assert fast == ["32-true", "int8_from_float32", "int4/32_from_float32", "int4_from_float32"]
     assert "bfloat16" in left_out["bf16-true"]
+    # a baseline slow here (allowed by the caller) admits the formats no slower than it
+    slow, left_out = default_formats(as_policy("bf16-mixed"), AVX2_CPU)
+    assert slow[:4] == ["32-true", "bf16-mixed", "bf16-true", "16-true"]
+    assert "int8_from_mixed_bfloat16" in slow and not left_out
 
 
 # --- a planted sensitive layer -------------------------------------------------------------

@@ -113,7 +113,9 @@ def unit_applies(policy: Policy, modules: list[nn.Module]) -> str | None:
 def default_formats(baseline: Policy, info: DeviceInfo) -> tuple[list[str], dict[str, str]]:
     """The formats a search tries by default on `info`'s device, and those it leaves out with
     why: float32, the baseline and the 16-bit "true" policies, int8, int4 (groups of 32 and
-    128) and float8 built on the baseline, each only where the device runs it fast."""
+    128) and float8 built on the baseline, each only where the device runs it fast, or no
+    slower than the baseline itself (a baseline slow here, allowed by the caller, admits
+    formats as slow as it)."""
     source = baseline.name
     specs = [
         "32-true",
@@ -127,12 +129,13 @@ def default_formats(baseline: Policy, info: DeviceInfo) -> tuple[list[str], dict
     ]
     chosen: list[str] = []
     left_out: dict[str, str] = {}
+    slowest = max(FAST.rank, policy_support(PolicyMap(baseline), info).status.rank)
     for spec in specs:
         name = format_name(spec)
         if name in chosen or name in left_out:
             continue
         support = policy_support(PolicyMap(spec), info)
-        if support.status == FAST:
+        if support.status.rank <= slowest:
             chosen.append(name)
         else:
             left_out[name] = f"{support.status}: {support.reason}"
