@@ -310,7 +310,7 @@ def test_scores_of_the_last_layer_are_the_exact_loss_change_for_a_linear_loss() 
     with torch.no_grad():
         change = float((alone(x) @ c).mean() - (model(x) @ c).mean())
     assert option.taylor == pytest.approx(change, rel=1e-4, abs=1e-7)
-    # the Fisher term: N/2 sum_n (g_n . d_n)^2 with g_n = c/N
+    # the Fisher term: M/2 sum_t (g_t . d_t)^2 over the M = 8 rows, with g_t = c/M
     d = alone(x).detach().double() - model(x).detach().double()
     g_dot_d = d @ c.double() / 8
     assert option.damage == pytest.approx(float(8 / 2 * (g_dot_d**2).sum()), rel=1e-6)

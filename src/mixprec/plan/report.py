@@ -182,10 +182,16 @@ class SearchReport:
             f"{b.seconds * 1e3:.3g} ms ({p.seconds / b.seconds:.2f}x)",
         ]
         fitting = [n for n in self.uniform if self.fits(n)]
-        if fitting:
-            better = "better than" if self.beats_uniform else "NOT better than every one of"
-            lines.append(f"{better} the uniform plans that fit: {', '.join(fitting)}")
-        else:
+        beaten = [n for n in fitting if p.loss < self.measured[n].loss]
+        if beaten:
+            lines.append(f"better than the uniform plans that fit: {', '.join(beaten)}")
+        for n in fitting:
+            if n not in beaten:
+                lines.append(
+                    f"NOT better than {n}, which fits: loss {self.measured[n].loss:.6g} "
+                    f"({self.measured[n].unit_bytes / b.unit_bytes:.3f}x the bytes)"
+                )
+        if not fitting:
             lines.append("no uniform plan fits the budget")
         if len(self.attempts) > 1:
             lines.append(f"{len(self.attempts)} attempts (the first missed the tolerance)")
@@ -265,10 +271,14 @@ class SearchReport:
         w("plan puts every layer the format can take in it.\n\n")
         w(_md_table(self._PLAN_HEADERS, self._plan_rows()))
         w("\n## Attempts\n\n")
+        w("Predicted: the layers' first- and second-order terms summed, on the search batches ")
+        w(f"(float32 loss there {self.reference_loss:.6g}); measured: against float32 on the ")
+        w(f"{'held-out' if self.held_out else 'search'} batches.\n\n")
+        f32 = self.measured["float32"].loss
         for i, a in enumerate(self.attempts, 1):
             w(
-                f"{i}. measured loss {a.loss:.6g} ({a.gap:+.3%} vs baseline), predicted change "
-                f"from float32 {_num(a.predicted)} (reference loss {self.reference_loss:.6g})\n"
+                f"{i}. loss {a.loss:.6g} ({a.gap:+.3%} vs baseline); change from float32: "
+                f"predicted {_num(a.predicted)}, measured {_num(a.loss - f32)}\n"
             )
         w("\n## Per layer\n\n")
         w("damage: the Fisher-weighted output error of the chosen format (predicted loss ")
