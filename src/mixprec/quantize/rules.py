@@ -86,8 +86,6 @@ def skip_reason(policy: QuantizedPolicy, module: nn.Module) -> str | None:
         )
     conv1d = not linear_only and hugging_face_conv1d(module)
     if type(module) is not nn.Linear and not embedding and not conv1d:
-        if not linear_only:
-            kinds += " (and Hugging Face Conv1D)"
         return f"unsupported type {type(module).__name__}: {mode} quantizes {kinds}"
     if conv1d:
         features = module.weight.shape[0]
