@@ -37,9 +37,9 @@ from mixprec.trainer import Trainer  # noqa: E402
 BLOCK = 128
 
 
-def charlm(args: argparse.Namespace) -> tuple[torch.nn.Module, list, list]:
+def charlm(args: argparse.Namespace) -> tuple[torch.nn.Module, list, list, object]:
     """The char LM trained `--train-steps` steps (cached in `--cache`), with search and
-    held-out batches."""
+    held-out batches and the training loader."""
     torch.manual_seed(0)
     train, val = charlm_loaders(BLOCK, args.batch_size)
     model = CharGPT(block=BLOCK, dim=256, steps=args.train_steps)
@@ -59,11 +59,12 @@ def charlm(args: argparse.Namespace) -> tuple[torch.nn.Module, list, list]:
         torch.save(model.state_dict(), cache)
     batches = [b for _, b in zip(range(args.batches), train, strict=False)]
     held_out = [b for _, b in zip(range(args.eval_batches), val, strict=False)]
-    return model.eval(), batches, held_out
+    return model.eval(), batches, held_out, train
 
 
-def gpt2(args: argparse.Namespace) -> tuple[torch.nn.Module, list, list]:
-    """GPT-2 small with random weights; batches of text bytes as token ids."""
+def gpt2(args: argparse.Namespace) -> tuple[torch.nn.Module, list, list, object]:
+    """GPT-2 small with random weights; batches of text bytes as token ids, and the
+    training batches."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
 
@@ -78,7 +79,7 @@ def gpt2(args: argparse.Namespace) -> tuple[torch.nn.Module, list, list]:
 
     batches = [as_ids(b) for _, b in zip(range(args.batches), train, strict=False)]
     held_out = [as_ids(b) for _, b in zip(range(args.eval_batches), val, strict=False)]
-    return model, batches, held_out
+    return model, batches, held_out, map(as_ids, train)
 
 
 def main() -> None:
@@ -90,12 +91,15 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=2, help="search batches")
     p.add_argument("--eval-batches", type=int, default=8, help="held-out batches")
     p.add_argument("--plan-steps", type=int, default=0, help="train the plan this many steps")
+    p.add_argument("--lr", type=float, default=3e-4, help="the training run's learning rate")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--cache", default="runs/search-cache", help="trained char LM weights")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
     warnings.filterwarnings("ignore", message=".*bf16.*")
-    model, batches, held_out = (charlm if args.model == "charlm" else gpt2)(args)
+    model, batches, held_out, loader = (charlm if args.model == "charlm" else gpt2)(args)
+    # the training run's batches: fresh ones, one per step
+    fresh = [b for _, b in zip(range(args.plan_steps), loader, strict=False)]
     command = "PYTHONPATH=src python benchmarks/search.py " + shlex.join(sys.argv[1:])
     for budget in (float(b) for b in args.memory.split(",")):
         start = time.perf_counter()
@@ -105,6 +109,8 @@ def main() -> None:
             budget={"memory": budget},
             eval_batches=held_out,
             train_steps=args.plan_steps,
+            train_batches=fresh or None,
+            lr=args.lr,
             reps=args.reps,
         )
         print(f"\n{args.model}, memory {budget:g}: {time.perf_counter() - start:.1f} s")

@@ -49,20 +49,27 @@ def _unpack(made: Any) -> tuple[Any, Any, Any]:
     )
 
 
-def _search_inputs(made: Any) -> tuple[Any, list[Any], Any, list[Any] | None]:
-    """(model, batches, loss_fn, eval_batches) of a factory's result for --search."""
+def _search_inputs(made: Any) -> tuple[Any, list[Any], Any, list[Any] | None, Any]:
+    """(model, batches, loss_fn, eval_batches, train_batches) of a factory's result for
+    --search."""
     if isinstance(made, dict) and "batches" in made:
         if "batch" in made:
             raise FactoryError("the factory's dict has both 'batch' and 'batches': give one")
-        unknown = sorted(set(made) - {"model", "batches", "eval_batches", "loss_fn"})
+        keys = {"model", "batches", "eval_batches", "train_batches", "loss_fn"}
+        unknown = sorted(set(made) - keys)
         if unknown:
             raise FactoryError(
-                f"unknown keys {unknown} in the factory's dict; it takes 'model', 'batches', "
-                "'eval_batches' and 'loss_fn'"
+                f"unknown keys {unknown} in the factory's dict; it takes {sorted(keys)}"
             )
-        return made.get("model"), made["batches"], made.get("loss_fn"), made.get("eval_batches")
+        return (
+            made.get("model"),
+            made["batches"],
+            made.get("loss_fn"),
+            made.get("eval_batches"),
+            made.get("train_batches"),
+        )
     model, batch, loss_fn = _unpack(made)
-    return model, [batch], loss_fn, None
+    return model, [batch], loss_fn, None, None
 
 
 def _search(args: argparse.Namespace) -> int:
@@ -85,7 +92,7 @@ def _search(args: argparse.Namespace) -> int:
             if not args.no_report:
                 out = args.out or _numbered(Path("doctor-report"))
                 check_output_dir(out, "--out", keep=SEARCH_FILES)
-            model, batches, loss_fn, eval_batches = _search_inputs(
+            model, batches, loss_fn, eval_batches, train_batches = _search_inputs(
                 call_factory(load_factory(args.factory), args.factory)
             )
             formats = [f.strip() for f in args.formats.split(",")] if args.formats else None
@@ -100,6 +107,7 @@ def _search(args: argparse.Namespace) -> int:
                 eval_batches=eval_batches,
                 tolerance=args.tolerance if args.tolerance is not None else 0.01,
                 train_steps=args.train_steps,
+                train_batches=train_batches,
                 lr=args.lr or 1e-3,
                 device=args.device,
                 allow_slow=args.allow_slow,

@@ -187,6 +187,7 @@ def search(
     tolerance: float = 0.01,
     retries: int = 2,
     train_steps: int = 0,
+    train_batches: Iterable[Any] | None = None,
     lr: float = 1e-3,
     reps: int = 5,
     device: torch.device | str | None = None,
@@ -212,7 +213,8 @@ def search(
         eval_batches: held-out batches the plans are verified on (default: `batches`).
         tolerance: the plan's loss may exceed the baseline's by this fraction.
         retries: solves again this many times with measured damages if the plan misses.
-        train_steps: also train the plan and the baseline this many AdamW steps (`lr`).
+        train_steps: also train the plan and the baseline this many AdamW steps (`lr`), on
+            `train_batches` in turn (default: `batches`), and compare their held-out losses.
         reps: timed repetitions per layer and per plan (medians).
         device_info: judge formats for a described device (`mixprec.hardware.DeviceInfo`).
         allow_slow: accept given formats the device runs far slower than float32.
@@ -235,6 +237,9 @@ def search(
     if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < math.inf):
         raise ValueError(f"tolerance must be a non-negative number, got {tolerance!r}")
     batches = _check_batches(batches, "batches")
+    train_list = (
+        batches if train_batches is None else _check_batches(train_batches, "train_batches")
+    )
     held_out = eval_batches is not None
     eval_list = _check_batches(eval_batches, "eval_batches") if held_out else batches
     dev = parse_device(device) if device is not None else device_of(model)
@@ -395,7 +400,7 @@ def search(
             trained[name] = train(
                 model,
                 plans[name],
-                batches,
+                train_list,
                 eval_list,
                 loss_fn,
                 steps=train_steps,
