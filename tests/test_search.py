@@ -359,6 +359,27 @@ def test_a_training_run_trains_the_plan_and_the_baseline() -> None:
     assert "## Training run" in report.to_markdown()
 
 
+def test_the_training_run_steps_through_its_own_batches() -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    batches = [(torch.randn(8, 64), torch.randn(8, 64))]
+    fresh = [(torch.randn(8, 64), torch.randn(8, 64)) for _ in range(3)]
+    report = search(
+        model,
+        batches,
+        F.mse_loss,
+        budget={"memory": 0.5},
+        formats=[INT8],
+        baseline="32-true",
+        train_steps=3,
+        train_batches=fresh,
+        reps=1,
+    )
+    with torch.no_grad():
+        first = float(F.mse_loss(model(fresh[0][0]), fresh[0][1]))
+    assert report.trained["baseline"].losses[0] == pytest.approx(first, rel=1e-6)
+
+
 def test_the_baseline_is_checked_against_the_device() -> None:
     model, batches, _ = planted()
     with pytest.raises(SlowPrecisionError, match="bf16-mixed"):
