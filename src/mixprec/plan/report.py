@@ -93,6 +93,7 @@ class SearchReport:
     reference_loss: float
     device: str
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step of the search
 
     # --- verdicts -------------------------------------------------------------------
     @property
@@ -256,7 +257,10 @@ class SearchReport:
         if command:
             w(f"Command: `{command}`\n\n")
         w(f"Device: {self.device}. Baseline: {self.baseline}. Budget: {self._budget_line()}. ")
-        w(f"Search took {self.seconds:.1f} s.\n\n")
+        w(f"Search took {self.seconds:.1f} s")
+        if self.phases:
+            w(" (" + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items()) + ")")
+        w(".\n\n")
         w(f"Formats tried: {', '.join(self.formats)}.")
         if self.left_out:
             w(" Left out: " + "; ".join(f"{k} ({v})" for k, v in self.left_out.items()) + ".")
@@ -318,6 +322,7 @@ class SearchReport:
             "held_out": self.held_out,
             "reference_loss": self.reference_loss,
             "seconds": self.seconds,
+            "phases": self.phases,
             "plan": self.plan,
             "measured": {
                 name: {**vars(m), "fits": self.fits(name)} for name, m in self.measured.items()
