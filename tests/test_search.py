@@ -496,6 +496,22 @@ def test_doctor_search_refuses_bad_flags(tmp_path, capsys) -> None:
                 f"{factory}:make",
                 "--search",
                 "--memory",
+                "0.5",
+                "--precision",
+                "bf16-true",
+                "--no-report",
+            ]
+        )
+        == 2
+    )
+    assert "--precision is not an option of --search" in capsys.readouterr().err
+    assert (
+        main(
+            [
+                "doctor",
+                f"{factory}:make",
+                "--search",
+                "--memory",
                 "0.01",
                 "--baseline",
                 "32-true",
@@ -507,3 +523,86 @@ def test_doctor_search_refuses_bad_flags(tmp_path, capsys) -> None:
         == 2
     )
     assert "smallest reachable" in capsys.readouterr().err
+
+
+# --- layers the model treats unusually ------------------------------------------------------
+
+
+class Unusual(nn.Module):
+    """An in-place residual on a layer's output, a frozen first layer, and a head that reads
+    the embedding's weight itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 32)
+        self.frozen = nn.Linear(32, 32)
+        self.fc = nn.Linear(32, 32)
+        self.frozen.requires_grad_(False)
+        self.emb.weight.requires_grad_(False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.frozen(self.emb(idx))
+        y = self.fc(h)
+        y += h  # in place, on the recorded output
+        return F.linear(torch.tanh(y), self.emb.weight)
+
+
+def test_layers_changed_in_place_frozen_or_read_outside_are_scored_right() -> None:
+    torch.manual_seed(0)
+    model = Unusual()
+    idx = torch.randint(0, 40, (4, 8))
+    report = search(
+        model,
+        [(idx, idx)],
+        lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()),
+        budget={"memory": 0.9},
+        formats=[INT8],
+        baseline="32-true",
+        reps=1,
+    )
+    rows = {r.unit.paths: r for r in report.rows}
+    # float32 is the reference: no damage, whatever the model does to the output after
+    assert rows[("fc",)].options["32-true"].damage == 0
+    # a frozen layer still gets the loss's gradient at its output, so a damage
+    assert rows[("frozen",)].options[INT8.replace("32-true", "float32")].damage > 0
+    # the embedding's weight is read by the head: no quantized format for it
+    (reason,) = rows[("emb",)].not_applicable.values()
+    assert "emb's weight is read by linear outside any layer" in reason
+    assert report.plan["emb"] == "32-true"
+
+
+def test_training_bytes_of_a_plan_that_freezes_every_layer_are_measured() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32, bias=False), nn.Tanh(), nn.Linear(32, 8, bias=False))
+    batch = (torch.randn(8, 32), torch.randn(8, 8))
+    report = search(
+        model,
+        [batch],
+        F.mse_loss,
+        budget={"memory": 0.1},
+        formats=[INT8],
+        baseline="32-true",
+        count="training",
+        reps=1,
+    )
+    assert set(report.plan.values()) == {"int8_from_float32"}
+    assert report.measured["plan"].unit_bytes == 32 * 32 + 32 * 4 + 8 * 32 + 8 * 4
+    with pytest.raises(ValueError, match="leaves nothing to train"):
+        search(
+            model,
+            [batch],
+            F.mse_loss,
+            budget={"memory": 0.1},
+            formats=[INT8],
+            baseline="32-true",
+            count="training",
+            reps=1,
+            train_steps=2,
+        )
+
+
+def test_a_budget_at_the_cheapest_plan_is_met_when_rounding_leaves_no_room() -> None:
+    # costs with no common divisor under a coarse grid: rounding up overshoots the budget,
+    # yet the cheapest plan fits it exactly
+    costs = [[[3.3, 1.1], [3.3, 1.2]]]
+    assert solve([[0.0, 1.0], [0.0, 1.0]], costs, [2.3], resolution=10) == [1, 1]

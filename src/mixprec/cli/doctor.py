@@ -154,8 +154,23 @@ def _search_command(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(w) for w in words)
 
 
+# the diagnosis's options, which a search does not take (flag, the value it defaults to)
+_DIAGNOSIS_ONLY = (
+    ("--precision", "precision", "16-mixed"),
+    ("--reference", "reference", "32-true"),
+    ("--loss-scale", "loss_scale", None),
+    ("--optimizer", "optimizer", "adam"),
+    ("--no-recommend", "no_recommend", False),
+)
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.search:
+        for flag, name, default in _DIAGNOSIS_ONLY:
+            if getattr(args, name) != default:
+                hint = " (the search's precision is --baseline)" if flag == "--precision" else ""
+                print(f"mixprec doctor: {flag} is not an option of --search{hint}", file=sys.stderr)
+                return 2
         return _search(args)
     for flag, given in (
         ("--memory", args.memory),
@@ -278,7 +293,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "every layer, and recommend a per-layer policy (and a loss scale where the scale "
             "is the problem). Exit status 0: the target run passes (finite, no broken layer, "
             "loss and gradient within --tolerance of the reference); 1: it does not; 2: bad "
-            "arguments; 3: an unexpected error (traceback on stderr)."
+            "arguments; 3: an unexpected error (traceback on stderr). With --search: 0 when the "
+            "verified plan's loss is within --tolerance of the baseline's, 1 when not, 2 for "
+            "bad arguments or a budget nothing fits."
         ),
     )
     p.add_argument(
@@ -304,7 +321,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=_positive_float("tolerance"),
         default=None,
         help=f"relative loss/gradient error the fix must reach ({DEFAULT_TOLERANCE}; "
-        f"{QUANTIZED_TOLERANCE} under a quantized policy)",
+        f"{QUANTIZED_TOLERANCE} under a quantized policy); with --search, how far the plan's "
+        "loss may exceed the baseline's (0.01)",
     )
     p.add_argument("--device", default=None, help="run on this device (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed of both runs")

@@ -62,7 +62,9 @@ def _step(
 ) -> Callable[[], None]:
     def run() -> None:
         if training:
-            loss_of(model, precision, batch, loss_fn).backward()
+            loss = loss_of(model, precision, batch, loss_fn)
+            if loss.requires_grad:  # a plan may freeze every layer (all quantized)
+                loss.backward()
             model.zero_grad(set_to_none=True)
         else:
             with torch.no_grad():
@@ -146,6 +148,11 @@ def train(
     precision = Precision(
         policy, device=device, allow_slow=True, compensation="kahan" if sixteen else None
     )
+    if not _trainable(trained):
+        raise ValueError(
+            "the plan leaves nothing to train (every trainable layer quantized, int8/int4 "
+            "weights are frozen): train_steps needs a plan with trainable parameters"
+        )
     optimizer = torch.optim.AdamW(_trainable(trained), lr=lr)
     trained, optimizer = precision.setup(trained, optimizer, convert=False)
     losses = []

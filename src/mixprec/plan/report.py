@@ -47,7 +47,8 @@ class UnitRow:
     why: list[tuple[str, float]] = field(default_factory=list)
 
     def reason(self) -> str:
-        """Why this layer is not in a cheaper format (empty when it is in the cheapest)."""
+        """Why this layer is not in a cheaper format (empty when it is in the cheapest, or
+        the budget had room for it)."""
         if not self.why:
             return ""
         fmt, ratio = max(self.why, key=lambda w: w[1])
@@ -64,6 +65,8 @@ class Attempt:
     loss: float
     gap: float
     predicted: float
+    note: str = ""
+    kept: bool = False  # the attempt the report's plan is (the lowest measured loss)
 
 
 def _num(x: float) -> str:
@@ -104,7 +107,11 @@ class SearchReport:
     @property
     def met(self) -> bool:
         """Whether the verified plan's loss is within `tolerance` of the baseline's."""
-        return self.attempts[-1].gap <= self.tolerance
+        return self._kept.gap <= self.tolerance
+
+    @property
+    def _kept(self) -> Attempt:
+        return next(a for a in self.attempts if a.kept)
 
     def _costs(self, name: str) -> dict[str, float]:
         """A measured plan's cost per budget kind, as the budget counts it: bytes of the
@@ -172,7 +179,7 @@ class SearchReport:
     def summary(self) -> str:
         """A few lines: the verdict, the plan's loss, bytes and time against the baseline."""
         p, b = self.measured["plan"], self.measured["baseline"]
-        gap = self.attempts[-1].gap
+        gap = self._kept.gap
         verdict = "within" if self.met else "MISSES"
         where = "held-out batches" if self.held_out else "the search batches (no held-out ones)"
         lines = [
@@ -182,7 +189,10 @@ class SearchReport:
             f"({p.unit_bytes / b.unit_bytes:.3f}x); step {p.seconds * 1e3:.3g} ms vs "
             f"{b.seconds * 1e3:.3g} ms ({p.seconds / b.seconds:.2f}x)",
         ]
-        fitting = [n for n in self.uniform if self.fits(n)]
+        same = [n for n in self.uniform if self._formats_of(n) == self._formats_of("plan")]
+        if same:
+            lines.append(f"the plan is {same[0]}: every layer the format takes is in it")
+        fitting = [n for n in self.uniform if self.fits(n) and n not in same]
         beaten = [n for n in fitting if p.loss < self.measured[n].loss]
         if beaten:
             lines.append(f"better than the uniform plans that fit: {', '.join(beaten)}")
@@ -192,10 +202,24 @@ class SearchReport:
                     f"NOT better than {n}, which fits: loss {self.measured[n].loss:.6g} "
                     f"({self.measured[n].unit_bytes / b.unit_bytes:.3f}x the bytes)"
                 )
-        if not fitting:
+        if not fitting and not same:
             lines.append("no uniform plan fits the budget")
+        speed = getattr(self.budget, "speed", None)
+        if speed is not None and p.seconds is not None and b.seconds:
+            ratio = p.seconds / b.seconds
+            if ratio > speed:
+                lines.append(
+                    f"the speed budget holds for the layers' times measured alone "
+                    f"({self._costs('plan')['speed'] / self.base_costs['speed']:.2f}x), but "
+                    f"the whole step measures {ratio:.2f}x the baseline's: regions, casts and "
+                    "the unsearched ops do not shrink with the layers"
+                )
         if len(self.attempts) > 1:
-            lines.append(f"{len(self.attempts)} attempts (the first missed the tolerance)")
+            k = next(i for i, a in enumerate(self.attempts, 1) if a.kept)
+            how = "met the tolerance" if self.met else "missed too, the lowest loss"
+            lines.append(f"{len(self.attempts)} attempts; the plan is attempt {k} ({how})")
+        elif self.attempts[0].note:
+            lines.append(self.attempts[0].note)
         return "\n".join(lines)
 
     def _plan_rows(self) -> list[list[str]]:
@@ -229,6 +253,8 @@ class SearchReport:
         "x baseline",
         "fits budget",
     )
+    # "fits budget": bytes as measured; time as the budget counts it, the layers' times
+    # measured alone (the step column is the whole step)
     _LAYER_HEADERS = ("layer", "type", "params", "format", "bytes", "ms", "damage", "why")
 
     def _layer_rows(self) -> list[list[str]]:
@@ -270,9 +296,10 @@ class SearchReport:
         w(f"Loss: mean over the {'held-out' if self.held_out else 'search'} batches; ")
         w("bytes of the searched layers and of the whole model, counted as ")
         step = "training step" if self.count == "training" else "forward"
-        w(f"`{self.count}`; step: median ms of one {step} ")
+        w(f"`{self.count}`; step: median ms of one whole {step} ")
         w("(plans taking turns; uniform plans are timed under a speed budget only). A uniform ")
-        w("plan puts every layer the format can take in it.\n\n")
+        w("plan puts every layer the format can take in it. Fits budget: bytes as measured; ")
+        w("time as the budget counts it, the searched layers' times measured alone.\n\n")
         w(_md_table(self._PLAN_HEADERS, self._plan_rows()))
         w("\n## Attempts\n\n")
         w("Predicted: the layers' first- and second-order terms summed, on the search batches ")
@@ -282,7 +309,8 @@ class SearchReport:
         for i, a in enumerate(self.attempts, 1):
             w(
                 f"{i}. loss {a.loss:.6g} ({a.gap:+.3%} vs baseline); change from float32: "
-                f"predicted {_num(a.predicted)}, measured {_num(a.loss - f32)}\n"
+                f"predicted {_num(a.predicted)}, measured {_num(a.loss - f32)}"
+                f"{'; ' + a.note if a.note else ''}{' (the plan)' if a.kept else ''}\n"
             )
         w("\n## Per layer\n\n")
         w("damage: the Fisher-weighted output error of the chosen format (predicted loss ")
@@ -307,41 +335,43 @@ class SearchReport:
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready values (what `save` writes to search.json)."""
-        return {
-            "device": self.device,
-            "baseline": self.baseline,
-            "budget": {k: getattr(self.budget, k) for k in self.budget.kinds},
-            "count": self.count,
-            "limits": self.limits,
-            "baseline_costs": self.base_costs,
-            "formats": self.formats,
-            "left_out": self.left_out,
-            "tolerance": self.tolerance,
-            "met": self.met,
-            "beats_uniform": self.beats_uniform,
-            "held_out": self.held_out,
-            "reference_loss": self.reference_loss,
-            "seconds": self.seconds,
-            "phases": self.phases,
-            "plan": self.plan,
-            "measured": {
-                name: {**vars(m), "fits": self.fits(name)} for name, m in self.measured.items()
-            },
-            "attempts": [vars(a) for a in self.attempts],
-            "layers": [
-                {
-                    "paths": list(r.unit.paths),
-                    "kinds": list(r.unit.kinds),
-                    "params": r.unit.params,
-                    "chosen": r.chosen,
-                    "why": r.reason(),
-                    "options": {k: vars(o) for k, o in r.options.items()},
-                    "not_applicable": r.not_applicable,
-                }
-                for r in self.rows
-            ],
-            "trained": {k: vars(t) for k, t in self.trained.items()},
-        }
+        return _strict_json(
+            {
+                "device": self.device,
+                "baseline": self.baseline,
+                "budget": {k: getattr(self.budget, k) for k in self.budget.kinds},
+                "count": self.count,
+                "limits": self.limits,
+                "baseline_costs": self.base_costs,
+                "formats": self.formats,
+                "left_out": self.left_out,
+                "tolerance": self.tolerance,
+                "met": self.met,
+                "beats_uniform": self.beats_uniform,
+                "held_out": self.held_out,
+                "reference_loss": self.reference_loss,
+                "seconds": self.seconds,
+                "phases": self.phases,
+                "plan": self.plan,
+                "measured": {
+                    name: {**vars(m), "fits": self.fits(name)} for name, m in self.measured.items()
+                },
+                "attempts": [vars(a) for a in self.attempts],
+                "layers": [
+                    {
+                        "paths": list(r.unit.paths),
+                        "kinds": list(r.unit.kinds),
+                        "params": r.unit.params,
+                        "chosen": r.chosen,
+                        "why": r.reason(),
+                        "options": {k: vars(o) for k, o in r.options.items()},
+                        "not_applicable": r.not_applicable,
+                    }
+                    for r in self.rows
+                ],
+                "trained": {k: vars(t) for k, t in self.trained.items()},
+            }
+        )
 
     def save(self, directory: str | Path, command: str | None = None) -> Path:
         """Write policy.json (the plan, for `Precision`, the Trainer, the CLI), search.md
@@ -350,7 +380,7 @@ class SearchReport:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "search.md").write_text(self.to_markdown(command))
         (directory / "search.json").write_text(
-            json.dumps(self.to_dict(), indent=2, allow_nan=True) + "\n"
+            json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
         )
         return self.policy.save(directory / "policy.json")
 
@@ -392,6 +422,17 @@ class SearchReport:
         console = Console(width=160, record=True, file=io.StringIO(), color_system=None)
         console.print(self.__rich__())
         return console.export_text()
+
+
+def _strict_json(value: Any) -> Any:
+    """`value` with non-finite floats as strings ("inf", "nan"): strict JSON has none."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
 
 
 def _md_table(headers: tuple[str, ...] | list[str], rows: list[list[str]]) -> str:

@@ -49,6 +49,9 @@ from mixprec.precision import Precision
 __all__ = ["Budget", "BudgetError", "search"]
 
 BUDGET_KINDS = ("memory", "speed")
+# a layer is said to be kept for its sensitivity when a cheaper format would hurt it at least
+# this many times the median layer's damage in that format
+WHY_RATIO = 1.5
 
 
 class BudgetError(ValueError):
@@ -148,20 +151,24 @@ def _formats(
     return [as_policy(n) for n in names], left_out
 
 
-def _why_kept(rows: list[UnitRow], formats: list[str]) -> None:
-    """Say, for each layer left above the cheapest format, how much more that format
-    would hurt it than the median layer (the reason the search paid for it)."""
+def _why_kept(rows: list[UnitRow], formats: list[str], kind: str) -> None:
+    """For each layer left above a format cheaper by the budgeted cost (`kind`: bytes or
+    seconds), note how much more that format would hurt it than the median layer, when
+    clearly more (1.5x): the reason the search paid for it. A layer without such a note was
+    kept because the budget had room, not because it is sensitive."""
+    cost = "bytes" if kind == "memory" else "seconds"
     for fmt in formats:
-        damages = [r.options[fmt].damage for r in rows if fmt in r.options]
+        damages = sorted(r.options[fmt].damage for r in rows if fmt in r.options)
         if not damages:
             continue
-        median = sorted(damages)[len(damages) // 2]
+        median = damages[len(damages) // 2]
         for r in rows:
             if fmt not in r.options or r.chosen == fmt:
                 continue
-            cheaper = r.options[fmt].bytes < r.options[r.chosen].bytes
-            if cheaper and r.options[fmt].damage > 0:
-                ratio = r.options[fmt].damage / median if median > 0 else math.inf
+            cheaper = getattr(r.options[fmt], cost) < getattr(r.options[r.chosen], cost)
+            damage = r.options[fmt].damage
+            ratio = damage / median if median > 0 else math.inf
+            if cheaper and damage > 0 and ratio >= WHY_RATIO:
                 r.why.append((fmt, ratio))
 
 
@@ -299,11 +306,23 @@ def search(
     for b, batch in enumerate(batches):
         clock = time.perf_counter()
         torch.manual_seed(seed)
-        loss, calls = sensitivity.record(
+        loss, calls, read_outside = sensitivity.record(
             reference, paths, lambda batch=batch: loss_of(reference, precision, batch, loss_fn)
         )
         reference.zero_grad(set_to_none=True)
         ref_losses.append(loss)
+        for u, unit in enumerate(units):
+            readers = [
+                f"{p}'s weight is read by {read_outside[p]}"
+                for p in unit.paths
+                if p in read_outside
+            ]
+            for f, p in enumerate(policies):
+                # a quantized layer has no float weight left for that reader
+                if readers and isinstance(p, QuantizedPolicy) and holders[u][f] is not None:
+                    holders[u][f] = None
+                    rows[u].options.pop(p.name)
+                    rows[u].not_applicable[p.name] = "; ".join(readers)
         for u, unit in enumerate(units):
             for f, holder in enumerate(holders[u]):
                 if holder is not None:
@@ -339,13 +358,15 @@ def search(
     attempts: list[Attempt] = []
     plans: dict[str, PolicyMap] = {"float32": PolicyMap("32-true"), "baseline": PolicyMap(base)}
     for name in names:
-        # the baseline is measured; float32 everywhere is the float32 row, norms aside
-        if name not in (base.name, "32-true"):
+        # the baseline is measured; float32 everywhere is the float32 row, norms aside; a
+        # format no layer can take would only repeat the baseline
+        if name not in (base.name, "32-true") and any(name in r.options for r in rows):
             plans[f"all {name}"] = _plan_map(
                 base, units, [name if name in r.options else base.name for r in rows]
             )
-    chosen: list[str] = []
     verified: dict[str, Measured] = {}
+    tried: dict[tuple[str, ...], int] = {}  # plan -> its attempt
+    best: tuple[Attempt, Measured, PolicyMap] | None = None
     clock = time.perf_counter()
     for attempt in range(retries + 1):
         damages = [
@@ -367,14 +388,20 @@ def search(
             ]
             for k in budget.kinds
         ]
-        clock = time.perf_counter()
+        solving = time.perf_counter()
         picked = solver.solve(damages, costs, limits)
-        phases["solve"] += time.perf_counter() - clock
+        phases["solve"] += time.perf_counter() - solving
         if picked is None:
             raise BudgetError(_too_small(budget, rows, names, base_costs))
-        chosen = [names[f] for f in picked]
-        plans["plan"] = _plan_map(base, units, chosen)
-        clock = time.perf_counter()
+        chosen = tuple(names[f] for f in picked)
+        if chosen in tried:
+            attempts[-1].note = (
+                f"solved again with the measured damages: the same plan as attempt "
+                f"{tried[chosen] + 1}; stopped"
+            )
+            break
+        tried[chosen] = attempt
+        plans["plan"] = _plan_map(base, units, list(chosen))
         # the first attempt measures every plan, a retry the new plan beside the baseline
         todo = plans if not verified else {k: plans[k] for k in ("plan", "baseline")}
         # uniform plans are timed only when time is budgeted (each is a whole model)
@@ -399,27 +426,37 @@ def search(
             r.options[c].damage + r.options[c].taylor for r, c in zip(rows, chosen, strict=True)
         )
         attempts.append(Attempt(chosen=list(chosen), loss=plan_loss, gap=gap, predicted=predicted))
+        if best is None or plan_loss < best[0].loss:
+            best = (attempts[-1], verified["plan"], plans["plan"])
         if gap <= tolerance or attempt == retries:
             break
-        # the plan missed: what does each departed layer alone cost the loss?
-        changed = False
+        # the plan missed: what does each layer it moved cost the loss alone (measured on
+        # the batches the miss was measured on)? Larger than predicted: the damage it takes
+        found = 0
         for u, (unit, fmt) in enumerate(zip(units, chosen, strict=True)):
             if fmt in ("32-true", base.name) or (u, fmt) in measured_damage:
                 continue
-            alone = _alone_damage(model, unit, fmt, batches, loss_fn, dev, ref_losses)
+            alone = _alone_damage(
+                model, unit, fmt, eval_list, loss_fn, dev, verified["float32"].loss
+            )
             if alone > rows[u].options[fmt].damage:
                 measured_damage[(u, fmt)] = alone
-                changed = True
-        if not changed:
+                found += 1
+        attempts[-1].note = f"missed; {found} layer(s) measured alone hurt more than predicted"
+        if not found:
+            attempts[-1].note += ": nothing to re-solve with; stopped"
             break
-        phases["verify"] += time.perf_counter() - clock
-    phases["verify"] += time.perf_counter() - clock
+    phases["verify"] += time.perf_counter() - clock - phases["solve"]
+    assert best is not None
+    kept, verified["plan"], plans["plan"] = best
+    kept.kept = True
+    chosen = tuple(kept.chosen)
     for u, r in enumerate(rows):
         r.chosen = chosen[u]
         for (v, fmt), value in measured_damage.items():
             if v == u:
                 r.options[fmt].measured_damage = value
-    _why_kept(rows, names)
+    _why_kept(rows, names, budget.kinds[0])
 
     trained = {}
     clock = time.perf_counter()
@@ -465,16 +502,17 @@ def _alone_damage(
     batches: list[Any],
     loss_fn: Any,
     device: torch.device,
-    ref_losses: list[float],
+    float32_loss: float,
 ) -> float:
-    """The loss change of float32 `model` with only `unit` in `fmt`, on the search batches."""
+    """The loss change of float32 `model` with only `unit` in `fmt`, on `batches` (whose
+    float32 loss is `float32_loss`)."""
     rules = {re.escape(p): fmt for p in unit.paths}
     policy = PolicyMap("32-true", rules)
     m = convert(model, policy)
     precision = Precision(policy, device=device)
     with torch.no_grad():
         losses = [float(loss_of(m, precision, b, loss_fn)) for b in batches]
-    return sum(losses) / len(losses) - sum(ref_losses) / len(ref_losses)
+    return sum(losses) / len(losses) - float32_loss
 
 
 def _too_small(

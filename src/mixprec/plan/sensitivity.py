@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from mixprec.plan.units import Unit
 
@@ -75,45 +76,82 @@ class Scores:
         return self.taylor / max(self.batches, 1)
 
 
-def _detached(value: Any) -> Any:
-    return value.detach() if isinstance(value, Tensor) else value
+def _kept(value: Any) -> Any:
+    """A copy the model cannot change later (an in-place residual add, ``ReLU(inplace=True)``
+    on a layer's output would otherwise change what was recorded)."""
+    return value.detach().clone() if isinstance(value, Tensor) else value
+
+
+class _Readers(TorchFunctionMode):
+    """Notes the searched layers whose parameters an operation outside the layer reads (a
+    head computed as ``F.linear(h, embedding.weight)``): swapping such a layer for a
+    quantized one would leave that reader without its weight."""
+
+    def __init__(self, owners: dict[int, str]) -> None:
+        super().__init__()
+        self.owners = owners
+        self.inside: list[str] = []
+        self.outside: dict[str, str] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        for a in (*args, *(kwargs or {}).values()):
+            path = self.owners.get(id(a)) if isinstance(a, nn.Parameter) else None
+            if path is not None and path not in self.inside[-1:]:
+                where = f"inside {self.inside[-1]}" if self.inside else "outside any layer"
+                self.outside.setdefault(path, f"{getattr(func, '__name__', func)} {where}")
+        return func(*args, **(kwargs or {}))
 
 
 def record(
     model: nn.Module, paths: Iterable[str], step: Callable[[], Tensor]
-) -> tuple[float, dict[str, Calls]]:
+) -> tuple[float, dict[str, Calls], dict[str, str]]:
     """Run ``step()`` (a forward returning the loss) and its backward on `model`, recording
-    what the layers at `paths` saw; returns the loss and the calls per path."""
+    what the layers at `paths` saw; returns the loss, the calls per path, and the layers
+    whose parameters something outside them reads (path -> the operation that does).
+
+    A layer whose output needs no gradient (frozen, on inputs that need none) has its output
+    made a leaf that does, so the loss's gradient reaches it and its damage is scored."""
     modules = dict(model.named_modules())
     calls = {path: Calls() for path in paths}
+    owners = {id(p): path for path in calls for p in modules[path].parameters(recurse=False)}
+    readers = _Readers(owners)
     handles = []
 
-    def hook_for(path: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    def hook_for(path: str) -> Callable[..., Any]:
+        def enter(module: nn.Module, args: tuple) -> None:
+            readers.inside.append(path)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            readers.inside.pop()
             if not isinstance(output, Tensor) or not output.is_floating_point():
                 raise TypeError(
                     f"{path} returned {type(output).__name__}: the search scores layers "
                     "that return one floating tensor"
                 )
+            if not output.requires_grad:
+                output = output.detach().requires_grad_()
             c = calls[path]
             i = len(c.outputs)
-            c.args.append(tuple(_detached(a) for a in args))
-            c.kwargs.append({k: _detached(v) for k, v in kwargs.items()})
-            c.outputs.append(output.detach())
+            c.args.append(tuple(_kept(a) for a in args))
+            c.kwargs.append({k: _kept(v) for k, v in kwargs.items()})
+            c.outputs.append(_kept(output))
             c.grads.append(None)
-            if output.requires_grad:
 
-                def keep(grad: Tensor) -> None:
-                    c.grads[i] = grad.detach()
+            def keep(grad: Tensor) -> None:
+                c.grads[i] = grad.detach()
 
-                output.register_hook(keep)
+            output.register_hook(keep)
+            return output
 
-        return hook
+        return enter, hook
 
     try:
         for path in calls:
-            handles.append(modules[path].register_forward_hook(hook_for(path), with_kwargs=True))
-        loss = step()
+            enter, hook = hook_for(path)
+            handles.append(modules[path].register_forward_pre_hook(enter))
+            handles.append(modules[path].register_forward_hook(hook, with_kwargs=True))
+        with readers:
+            loss = step()
         if not loss.requires_grad:
             raise ValueError(
                 "the loss does not require grad: is the model frozen or run under no_grad?"
@@ -128,7 +166,7 @@ def record(
                 f"{path} was not called in the model's forward: a search scores the layers a "
                 "step runs"
             )
-    return float(loss.detach()), calls
+    return float(loss.detach()), calls, readers.outside
 
 
 def score(holder: nn.ModuleList, unit: Unit, calls: dict[str, Calls], scores: Scores) -> None:
