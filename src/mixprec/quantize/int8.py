@@ -21,7 +21,6 @@ of one feature: neither is used where it is wrong.
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
@@ -97,38 +96,59 @@ def storable_scale(scale: Tensor, dtype: torch.dtype, name: str) -> Tensor:
     return stored.float()
 
 
+# 1.5 * 2**23. Added to a float32 below 2**22 in magnitude, the sum, between 2**23 and 2**24
+# where float32 steps by 1, is rounded to an integer as torch.round does (to nearest, ties to
+# even: the constant is even), and that integer's low byte is the low byte of the sum's bits.
+_ROUNDER = 12582912.0
+
+
+def _codes(x: Tensor, scale: Tensor, zero_point: int = 0, out: Tensor | None = None) -> Tensor:
+    """``round(x / scale)`` clamped to [-127, 127], as int8, or plus `zero_point` (128) as
+    uint8; 0 where ``x / scale`` is NaN. `out` (float32, x's shape) may take the quotient.
+
+    No float-to-int conversion and no rounding pass: ``x / scale + _ROUNDER + zero_point`` is
+    rounded to an integer by the addition (as ``torch.round`` rounds), clamped, and its low
+    byte, read off its int32 bits, is the code plus `zero_point` (two's complement for int8):
+    the codes of rounding, clamping and converting, in fewer passes over the activations."""
+    offset = _ROUNDER + zero_point
+    q = torch.div(x, scale, out=out).add_(offset).clamp_(offset - QMAX, offset + QMAX)
+    q = q.nan_to_num_(offset)
+    return q.view(torch.int32).to(torch.uint8 if zero_point else torch.int8)
+
+
 def _quantize_rows(
     x: Tensor, dtype: torch.dtype = torch.float32, name: str = "the tensor"
 ) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row int8 of a 2-D tensor, with scales `dtype` holds exactly (as float32;
-    see `storable_scale`). A row holding an inf or NaN gets codes 0 and scale NaN, so
-    whatever is computed from it comes out NaN.
-
-    Activations pass here on every forward, so it reads `x` few times and allocates little:
-    the row maxima in `x`'s own dtype (exact, no ``abs`` copy), then the codes in one
-    float32 buffer worked in place (a 16-bit `x` divides as float32 by type promotion, the
-    same values as converting it first)."""
-    x = x.detach()
+    """Symmetric per-row int8 of a 2-D tensor: int8 codes and scales [rows] as float32
+    holding values `dtype` holds exactly (see `storable_scale`); an all-zero row gets scale 1.
+    A row holding an inf or NaN gets codes 0 and scale NaN, so whatever is computed from it
+    comes out NaN. (A forward takes `_quantize_tokens`: fewer tensor calls, the same codes.)"""
+    if x.requires_grad:
+        x = x.detach()
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.to(torch.float32)  # float64: codes of its float32 values, as before
-    # max |x| per row; NaN or inf for a non-finite row (maximum propagates NaN)
-    amax = torch.maximum(x.amax(dim=-1, keepdim=True), x.amin(dim=-1, keepdim=True).neg_())
-    amax = amax.to(torch.float32)
+    # max |x| per row, in x's own dtype (exact); NaN or inf for a non-finite row
+    amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
     scale = torch.where(amax > 0, amax / QMAX, 1.0)
-    # on a CPU, one look at the largest row maximum spares two passes when all are finite
-    # (on a GPU that look would wait for the device; torch.compile would break its graph)
-    finite = (
-        x.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and (amax.numel() == 0 or math.isfinite(amax.max().item()))
-    )
-    if not finite:
-        scale = torch.where(torch.isfinite(amax), scale, torch.nan)
+    scale = torch.where(torch.isfinite(amax), scale, torch.nan)
     scale = storable_scale(scale, dtype, name)
-    q = torch.div(x, scale).round_().clamp_(-QMAX, QMAX)
-    if not finite:
-        q.nan_to_num_(0.0)  # only a NaN scale's row divides to NaN: its codes become 0
-    return q.to(torch.int8), scale.squeeze(-1)
+    return _codes(x, scale), scale.squeeze(-1)
+
+
+def _quantize_tokens(x: Tensor, zero_point: int = 0) -> tuple[Tensor, Tensor]:
+    """The codes of `quantize_tokens` for a 2-D `x` (plus `zero_point`, see `_codes`) and the
+    scales [rows, 1] to multiply the sums by, in the fewest tensor calls (a forward pays each
+    call's cost): ``max|x| / 127`` as is, so 0 for an all-zero row (its codes are 0 and so its
+    sums: the product is 0 as with scale 1) and inf for a row holding an inf (its codes are 0:
+    the product 0 * inf is NaN, as with scale NaN). Every row holding a NaN divides to NaN and
+    gets codes 0. For a float32 `x` the quotient reuses the buffer of ``|x|``."""
+    if x.requires_grad:
+        x = x.detach()
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x = x.to(torch.float32)  # float64: codes of its float32 values, as before
+    absx = x.abs()
+    scale = absx.amax(dim=-1, keepdim=True).to(torch.float32).div_(QMAX)
+    return _codes(x, scale, zero_point, out=absx if x.dtype == torch.float32 else None), scale
 
 
 def quantize_rows(
@@ -208,14 +228,15 @@ def onednn_prepack(qweight: Tensor) -> OnednnWeight:
     )
 
 
-def onednn_product(qx: Tensor, weight: OnednnWeight) -> Tensor:
+def onednn_product(ux: Tensor, weight: OnednnWeight) -> Tensor:
     """``qx @ qweight.T`` as float32 (the exact int32 sums, converted as ``.to(float32)``
-    does) for int8 codes `qx` [M, K] and `onednn_prepack(qweight)`. The codes are shifted in
-    place to unsigned with zero point 128 (oneDNN's fast int8 kernels take u8 activations;
-    s8 ones ran a reference loop ~3000x slower), so `qx` is used up."""
-    shifted = qx.view(torch.uint8).bitwise_xor_(0x80)  # two's complement code + 128
+    does) for the unsigned codes ``ux = qx + 128`` [M, K] (uint8) of int8 codes `qx` and
+    `onednn_prepack(qweight)`: oneDNN's fast int8 kernels take u8 activations (s8 ones ran a
+    reference loop ~3000x slower), so the call takes them with zero point 128."""
+    if ux.dtype != torch.uint8:
+        raise ValueError(f"onednn_product takes the codes plus 128 as uint8, got {ux.dtype}")
     return torch.ops.onednn.qlinear_pointwise(
-        shifted, 1.0, 128, weight.packed, weight.ones, weight.zeros, None, 1.0, 0,
+        ux, 1.0, 128, weight.packed, weight.ones, weight.zeros, None, 1.0, 0,
         torch.float32, "none", [], "",
     )  # fmt: skip
 
@@ -235,7 +256,9 @@ def cpu_int8_kernels() -> dict[str, str | None]:
             if not torch.backends.mkldnn.is_available():
                 found["onednn"] = "this torch is built without oneDNN"
             else:
-                found["onednn"] = wrong_sums(lambda a, b: onednn_product(a, onednn_prepack(b)))
+                found["onednn"] = wrong_sums(
+                    lambda a, b: onednn_product(a.view(torch.uint8) ^ 0x80, onednn_prepack(b))
+                )
             found["int_mm"] = wrong_sums(lambda a, b: torch._int_mm(a, b.t()))
         _cpu_int8_kernels.update(found)
     return _cpu_int8_kernels
@@ -329,14 +352,19 @@ def int8_linear(
 ) -> Tensor:
     """The int8 matmul of `Int8Linear` without bias, as float32 of shape (*x.shape[:-1], N):
     ``int_matmul(qx, qweight) * x_scale[:, None] * weight_scale[None, :]``; the sums come
-    from oneDNN's prepacked copy of `qweight` when `packed` is given (the same integers)."""
-    qx, x_scale = quantize_tokens(x)
+    from oneDNN's prepacked copy of `qweight` when `packed` is given (the same integers, of
+    the same codes plus 128)."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if packed is None:  # int sums times float32 scales: converted as .to(float32) does
-        out = torch.mul(int_matmul(qx, qweight), x_scale[:, None])
+        qx, x_scale = _quantize_tokens(x2)
+        out = torch.mul(int_matmul(qx, qweight), x_scale)
     else:  # the float32 sums are a fresh tensor: scaled in place
-        out = onednn_product(qx, packed).mul_(x_scale[:, None])
-    out.mul_(weight_scale.to(torch.float32)[None, :])
-    return out.reshape(*x.shape[:-1], qweight.shape[0])
+        ux, x_scale = _quantize_tokens(x2, zero_point=128)
+        out = onednn_product(ux, packed).mul_(x_scale)
+    if weight_scale.dtype != torch.float32:
+        weight_scale = weight_scale.to(torch.float32)
+    out.mul_(weight_scale)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
 
 
 class _Int8Matmul(torch.autograd.Function):
@@ -468,10 +496,14 @@ class Int8Linear(Prepacked, LoraMixin, nn.Module):
             out = _Int8Matmul.apply(x, self.qweight, self.weight_scale, packed)
         else:  # no graph to record: skip the autograd.Function's cost
             out = int8_linear(x, self.qweight, self.weight_scale, packed)
-        if self.bias is not None:
-            bias = self.bias.to(torch.float32)
+        bias = self.bias
+        if bias is not None:
+            if bias.dtype != torch.float32:
+                bias = bias.to(torch.float32)
             out = out + bias if torch.is_grad_enabled() else out.add_(bias)
-        out = out.to(output_dtype(x))
+        dtype = output_dtype(x)
+        if out.dtype != dtype:
+            out = out.to(dtype)
         return self.add_lora(x, out)
 
     def extra_repr(self) -> str:
