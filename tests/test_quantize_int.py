@@ -143,7 +143,7 @@ def test_int8_linear_equals_a_float_reference_of_the_same_integer_math():
     assert torch.equal(layer.qweight, qw) and torch.equal(layer.weight_scale, ws)
     acc = qx.double() @ qw.double().t()  # exact in float64
     xs = x.reshape(6, 24).abs().amax(1) / 127
-    ref = (acc.float() * xs[:, None] * ws[None, :] + lin.bias.float()).reshape(2, 3, 10)
+    ref = (acc.float() * ws[None, :] * xs[:, None] + lin.bias.float()).reshape(2, 3, 10)
     assert torch.equal(quantize_tokens(x)[0].float(), qx)
     assert torch.equal(layer(x), ref)
     # and it stays close to the float layer it came from
@@ -971,10 +971,10 @@ def test_int8_linear_is_the_same_integer_math_whichever_kernel_runs(m, k, n, dty
     qx, xs = quantize_tokens(x)
     qw, ws = layer.qweight, layer.weight_scale
     acc = (qx.double() @ qw.double().t()).float()  # exact in float64, then as int32 -> float32
-    want = (acc * xs[:, None] * ws[None, :] + lin.bias.float()).to(dtype)
+    want = (acc * ws[None, :] * xs[:, None] + lin.bias.float()).to(dtype)
     assert torch.equal(layer(x), want)
     if cpu_int8_kernels()["onednn"] is None:  # the prepacked kernel, called directly
-        packed = onednn_prepack(qw)
+        packed = onednn_prepack(qw, ws)
         assert torch.equal(int8_linear(x, qw, ws, packed), int8_linear(x, qw, ws))
 
 
@@ -1056,7 +1056,7 @@ int8 = Int8Linear.from_float(lin)
 x = torch.randn(33, 64)
 qx, xs = quantize_tokens(x)
 acc = (qx.double() @ int8.qweight.double().t()).float()
-want = acc * xs[:, None] * int8.weight_scale[None, :] + lin.bias
+want = acc * int8.weight_scale[None, :] * xs[:, None] + lin.bias
 int4 = Int4Linear.from_float(lin, 32)
 dequantized = F.linear(x, int4.dequantized_weight(), lin.bias)
 print(json.dumps({

@@ -210,33 +210,40 @@ def wrong_sums(product: Callable[[Tensor, Tensor], Tensor]) -> str | None:
 
 
 class OnednnWeight(NamedTuple):
-    """An int8 weight prepacked for oneDNN's int8 linear, with the unit scales and zero
-    points the call takes (the layer applies its own scales afterwards, in its own order)."""
+    """An int8 weight prepacked for oneDNN's int8 linear, with the float32 scales its sums
+    are multiplied by inside the call (its epilogue) and the zero points the call takes."""
 
     packed: Tensor
-    ones: Tensor
+    scales: Tensor
     zeros: Tensor
 
 
-def onednn_prepack(qweight: Tensor) -> OnednnWeight:
-    """`qweight` [N, K] (int8) prepacked for `onednn_product`."""
+def onednn_prepack(qweight: Tensor, weight_scale: Tensor | None = None) -> OnednnWeight:
+    """`qweight` [N, K] (int8) prepacked for `onednn_product`, with its scales [N] (ones when
+    None: the plain sums)."""
     n = qweight.shape[0]
+    if weight_scale is None:
+        scales = torch.ones(n, dtype=torch.float32, device=qweight.device)  # not the default
+    else:
+        scales = weight_scale.to(torch.float32).contiguous()
     return OnednnWeight(
         torch.ops.onednn.qlinear_prepack(qweight, None),
-        torch.ones(n, dtype=torch.float32, device=qweight.device),  # not the default dtype
+        scales,
         torch.zeros(n, dtype=torch.int32, device=qweight.device),
     )
 
 
 def onednn_product(ux: Tensor, weight: OnednnWeight) -> Tensor:
-    """``qx @ qweight.T`` as float32 (the exact int32 sums, converted as ``.to(float32)``
-    does) for the unsigned codes ``ux = qx + 128`` [M, K] (uint8) of int8 codes `qx` and
-    `onednn_prepack(qweight)`: oneDNN's fast int8 kernels take u8 activations (s8 ones ran a
-    reference loop ~3000x slower), so the call takes them with zero point 128."""
+    """``(qx @ qweight.T) * scales`` as float32 (the exact int32 sums converted as
+    ``.to(float32)`` does, times each output channel's scale, rounded once, as
+    ``torch.mul(sums, scales)``) for the unsigned codes ``ux = qx + 128`` [M, K] (uint8) of
+    int8 codes `qx` and ``weight = onednn_prepack(qweight, scales)``: oneDNN's fast int8
+    kernels take u8 activations (s8 ones ran a reference loop ~3000x slower), so the call
+    takes them with zero point 128."""
     if ux.dtype != torch.uint8:
         raise ValueError(f"onednn_product takes the codes plus 128 as uint8, got {ux.dtype}")
     return torch.ops.onednn.qlinear_pointwise(
-        ux, 1.0, 128, weight.packed, weight.ones, weight.zeros, None, 1.0, 0,
+        ux, 1.0, 128, weight.packed, weight.scales, weight.zeros, None, 1.0, 0,
         torch.float32, "none", [], "",
     )  # fmt: skip
 
@@ -356,23 +363,24 @@ def int8_linear(
     x: Tensor, qweight: Tensor, weight_scale: Tensor, packed: OnednnWeight | None = None
 ) -> Tensor:
     """The int8 matmul of `Int8Linear` without bias, as float32 of shape (*x.shape[:-1], N):
-    ``int_matmul(qx, qweight) * x_scale[:, None] * weight_scale[None, :]``; the sums come
-    from oneDNN's prepacked copy of `qweight` when `packed` is given (the same integers, of
-    the same codes plus 128)."""
+    ``int_matmul(qx, qweight) * weight_scale[None, :] * x_scale[:, None]``, each product
+    rounded to float32 in that order; the first product comes out of oneDNN's call on the
+    prepacked `qweight` and scales when `packed` (``onednn_prepack(qweight, weight_scale)``)
+    is given: the same integers (of the codes plus 128) times the same scales."""
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if packed is None:  # int sums times float32 scales: converted as .to(float32) does
         qx, x_scale = _quantize_tokens(x2)
         acc = int_matmul(qx, qweight)
+        if weight_scale.dtype != torch.float32:
+            weight_scale = weight_scale.to(torch.float32)
         if acc.dtype == torch.int32:  # into the sums' own memory, each read then written
-            out = torch.mul(acc, x_scale, out=acc.view(torch.float32))
+            out = torch.mul(acc, weight_scale, out=acc.view(torch.float32))
         else:
-            out = torch.mul(acc, x_scale)
-    else:  # the float32 sums are a fresh tensor: scaled in place
+            out = torch.mul(acc, weight_scale)
+    else:
         ux, x_scale = _quantize_tokens(x2, zero_point=128)
-        out = onednn_product(ux, packed).mul_(x_scale)
-    if weight_scale.dtype != torch.float32:
-        weight_scale = weight_scale.to(torch.float32)
-    out.mul_(weight_scale)
+        out = onednn_product(ux, packed)
+    out.mul_(x_scale)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
 
 
@@ -504,7 +512,9 @@ class Int8Linear(Prepacked, LoraMixin, nn.Module):
         # one token (decode): torch._int_mm's matrix-vector path was faster than oneDNN's
         # linear (0.7 vs 1.1 ms for 4096 x 4096 with cold caches on a Zen 4)
         if x.numel() > x.shape[-1] and self._onednn(x.device):
-            packed = self.prepacked((qweight,), lambda: onednn_prepack(qweight))
+            packed = self.prepacked(
+                (qweight, weight_scale), lambda: onednn_prepack(qweight, weight_scale)
+            )
         grad = torch.is_grad_enabled()
         if grad and x.requires_grad:
             out = _Int8Matmul.apply(x, qweight, weight_scale, packed)
