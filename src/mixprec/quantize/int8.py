@@ -147,8 +147,11 @@ def _quantize_tokens(x: Tensor, zero_point: int = 0) -> tuple[Tensor, Tensor]:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.to(torch.float32)  # float64: codes of its float32 values, as before
     absx = x.abs()
-    scale = absx.amax(dim=-1, keepdim=True).to(torch.float32).div_(QMAX)
-    return _codes(x, scale, zero_point, out=absx if x.dtype == torch.float32 else None), scale
+    amax = absx.amax(dim=-1, keepdim=True)
+    if x.dtype == torch.float32:
+        return _codes(x, amax.div_(QMAX), zero_point, out=absx), amax
+    scale = amax.to(torch.float32).div_(QMAX)
+    return _codes(x, scale, zero_point), scale
 
 
 def quantize_rows(
