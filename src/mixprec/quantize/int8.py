@@ -4,19 +4,36 @@ Weights: one scale per output channel (per row), abs-max, ``q = round(w / scale)
 [-127, 127] with ``scale = max|w_row| / 127``; Keras stores the reciprocal ``127 / max|w|``,
 the values are the same. Activations: one scale per token (row of the flattened input),
 computed from the tensor at run time. The matmul runs on int8 x int8 -> int32 and the int32
-sums are dequantized with both scales; a reduction longer than `ACC_MAX_K` (133144
-features), whose int32 sums could overflow, runs in chunks added in int64.
+sums are dequantized as ``float32(sums) * weight_scale * token_scale``, each product rounded
+to float32 in that order (so oneDNN applies the weight scales inside its call; until issue
+24 the token scale came first: as accurate, 0.34 units in the last place on average either
+way, and about a third of the outputs moved by one unit); a reduction longer than `ACC_MAX_K`
+(133144 features), whose int32 sums could overflow, runs in chunks added in int64.
 
 The integer sums are exact on every path, so every path gives the same outputs bit for bit;
 `Int8Linear.kernel` names the one a layer takes. On a CPU whose oneDNN int8 kernel gives
 exact sums (with VNNI; asked of the kernel once per process, `cpu_int8_kernels`), a Linear
-multiplies by its weight prepacked once for oneDNN (``torch.ops.onednn.qlinear_pointwise``,
-the int8 linear of torch's x86 Inductor quantization; activation codes shifted to unsigned
-with zero point 128). Elsewhere `torch._int_mm` where its sums are exact, else a
-float64 matmul, which holds them exactly. Without VNNI oneDNN's int8 kernels saturate
-16-bit partial sums (a row of 127s times 127s summed to 8160 instead of 1032256 under
-``ONEDNN_MAX_CPU_ISA=AVX2``), and `torch._int_mm` on CPU returned garbage for a reduction
-of one feature: neither is used where it is wrong.
+multiplies by its weight prepacked once for oneDNN with its scales
+(``torch.ops.onednn.qlinear_pointwise``, the int8 linear of torch's x86 Inductor
+quantization: brgemm with VNNI, the weight reordered once, no reorder per call, float32 out,
+the weight scales applied in its epilogue; activation codes shifted to unsigned with zero
+point 128). Elsewhere `torch._int_mm` where its sums are exact, else a float64 matmul, which
+holds them exactly. Without VNNI oneDNN's int8 kernels saturate 16-bit partial sums (a row
+of 127s times 127s summed to 8160 instead of 1032256 under ``ONEDNN_MAX_CPU_ISA=AVX2``), and
+`torch._int_mm` on CPU returned garbage for a reduction of one feature: neither is used
+where it is wrong.
+
+A forward is a dozen tensor calls: ``|x|`` and its row maxima, the quotient written into the
+buffer of ``|x|``, codes by a rounding addition (`_codes`: no round and no float-to-int
+conversion pass), the product, the token scales, the bias. Against torch.ao's dynamic int8
+Linear (fbgemm: one call that quantizes the activations per tensor, asymmetric, while it
+packs them for its GEMM), measured by ``benchmarks/kernels.py --threads 1`` on a shared AMD
+Zen 4 with VNNI (benchmarks/results/quantize_int.md): at 4096 x 4096 and 256 tokens 0.86-0.89x
+its time; at 1024 x 1024 and 128 tokens 1.37-1.50x (was 1.53-1.66x), where oneDNN's product
+alone takes 0.89 ms against torch.ao's whole call's 0.95 ms, and the other calls, each paying
+for cold caches after the float32 Linear the benchmark runs before it, take the rest; decode
+(1 token, 4096 x 4096, `torch._int_mm`) 1.05-1.41x (was 1.49-1.61x). 2.5x faster than float32
+at 128 tokens.
 """
 
 from __future__ import annotations
@@ -483,8 +500,8 @@ class Int8Linear(Prepacked, LoraMixin, nn.Module):
         found = cpu_int8_kernels()
         if self._onednn(device):
             return (
-                "oneDNN int8 linear (torch.ops.onednn.qlinear_pointwise, weight prepacked "
-                "once); torch._int_mm for a single token"
+                "oneDNN int8 linear (torch.ops.onednn.qlinear_pointwise, weight and scales "
+                "prepacked once); torch._int_mm for a single token"
             )
         if found["onednn"] is None:
             why = f"{k} input features: oneDNN's unsigned int32 sums hold {ONEDNN_MAX_K}"
