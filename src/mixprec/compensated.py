@@ -33,19 +33,30 @@ tensors once (18 bytes per parameter for AdamW with Kahan), with no float32 copy
 Parameters below ``SMALL`` elements (biases, norms) are stepped together from one packed
 copy, so a step makes a few kernel calls, not one per tensor.
 
-The random bits: a call is seen as rows of ``BLOCK`` (65536) elements, and element (r, c)
-takes ``_permute((c + k0) mod 2^16) XOR mask(r + k2)``, a fixed permutation of 16-bit
-values (two odd multiplications and xorshifts) and a row mask, with offsets k0, k2 (and
-k1, k3 for the second value) hashed from (seed, step count, parameter index, part). With
-uniform offsets each element's two values are exactly uniform and independent of each
-other and of other steps' (one rounds the second moment, one the buffer or the weight);
-the state is the seed and the optimizer's step counts, so a resumed run is bit-identical.
-Compiled, the bits are integer arithmetic on the element's index inside the kernel (no
-gathers: inductor does not vectorize them on a CPU); eagerly, a slice inside one row reads
-them as a window of a table of the permutation and one XOR. Stochastic rounding to
-bfloat16 adds the noise to the 16 bits a bfloat16 drops and truncates; to float16 it is
-float32 arithmetic (the spacing of float16 numbers at ``|x|`` from Rump's
-unit-in-the-first-place trick, ``floor``, a comparison, the sign put back).
+bfloat16 tensors are stepped as int32 pairs (``_Lanes``): each int32 holds two bfloat16
+values, each read as a float32 by moving it into the high half (a bfloat16 is the upper
+half of a float32) and written back from the high half of its result's float32 bits
+(rounded to nearest or stochastically by integer arithmetic on those bits). The kernel
+then sees 32-bit types only: inductor's C++ kernels work 16 of them at a time, with
+native vector conversions. A 16-bit tensor makes them work 32 at a time, as two vectors,
+for which ATen has no int/float conversion and inductor no bit view: each became a scalar
+loop, and the kernel took 2.6 times as long (6.2 ms against 2.4 for 2M elements, one
+thread, Zen 4). A parameter of an odd size or at an odd offset (no int32 view) is stepped
+from the packed copy, padded to an even size.
+
+The random bits: element i of a call takes the two 16-bit halves of ``_hash(i + key)``,
+a bijection of the 32-bit values (Wellons' lowbias32: xorshifts and two multiplications
+by odd constants), with a 32-bit ``key`` hashed from (seed, step count, parameter index,
+part). With a uniform key each element's 32-bit value is uniform, so its two halves are
+exactly uniform and independent of each other and (independent keys) of other steps' (one
+rounds the second moment, one the buffer or the weight); the state is the seed and the
+optimizer's step counts, so a resumed run is bit-identical. Compiled, the bits are integer
+arithmetic on the element's index inside the kernel (two vector multiplications per
+element). Stochastic rounding to bfloat16 adds the noise to the 16 bits a bfloat16 drops
+and truncates (a NaN's low bits are zero in the step: made from bfloat16 values and
+float32 scalars, it cannot carry into the sign); to float16 it is float32 arithmetic (the
+spacing of float16 numbers at ``|x|`` from Rump's unit-in-the-first-place trick,
+``floor``, a comparison, the sign put back).
 
 The same functions run eagerly (on slices of ``EAGER_CHUNK`` elements on a CPU) where
 nothing is compiled, and give bit-identical results on a CPU (tests/test_compensated.py
@@ -257,29 +268,37 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Lanes:
-    """How the step reads and writes its 16-bit tensors. Pairs (``p`` int32): each int32
-    holds two bfloat16 values (the even element in its low half), read as two float32
-    tensors by moving each half into the high half, and written back from the float32 bits
-    of the results: the step sees 32-bit types only, which inductor's C++ kernels vectorize
-    16 at a time with native conversions (a 16-bit tensor makes them work 32 elements at a
-    time, where int/float conversions and bit views fall back to scalar loops: 2.6 times
-    slower). Else each tensor is read in the math dtype and results are converted on copy."""
+    """How the step reads and writes its tensors. bfloat16 ones come as int32 pairs (each
+    int32 holds two bfloat16 values, the even element in its low half) and are rounded by
+    integer arithmetic on the float32 bits of the results (``_nearest_bits``,
+    ``_stochastic_bits``). Compiled, each pair is read as two float32 tensors by moving
+    each half into the high half, and written back from the high halves of the results:
+    the step sees 32-bit types only, which inductor's C++ kernels vectorize 16 at a time
+    with native conversions (a 16-bit tensor makes them work 32 elements at a time, where
+    int/float conversions and bit views fall back to scalar loops: 2.6 times slower).
+    Eagerly the same values are read and written through a bfloat16 view of the whole slice
+    (half the operations of two halves). Other tensors are read in the math dtype and
+    their results converted on copy."""
 
     def __init__(self, p: torch.Tensor, start: int, key: torch.Tensor | int) -> None:
-        self.pairs = p.dtype == torch.int32
+        self.bits = p.dtype == torch.int32  # bfloat16 pairs, rounded through their bits
+        self.pairs = self.bits and torch.compiler.is_compiling()  # read as two halves
         self.dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-        self.n, self.start, self.key, self.device = p.numel(), start, key, p.device
+        self.start, self.key, self.device = start, key, p.device
+        self.n = 2 * p.numel() if self.bits and not self.pairs else p.numel()
 
     def halves(self, *tensors: torch.Tensor | None) -> list[list[torch.Tensor | None]]:
-        """The tensors' values in the math dtype: one list, or for pairs the even and the
-        odd elements."""
-        if not self.pairs:
-            return [[None if t is None else t.to(self.dtype) for t in tensors]]
-        return [
-            [None if t is None else (t << 16 if half == 0 else t & _HIGH).view(torch.float32)
-             for t in tensors]
-            for half in (0, 1)
-        ]  # fmt: skip
+        """The tensors' values in the math dtype: one list, or for pairs compiled the even
+        and the odd elements."""
+        if self.pairs:
+            return [
+                [None if t is None else (t << 16 if half == 0 else t & _HIGH).view(torch.float32)
+                 for t in tensors]
+                for half in (0, 1)
+            ]  # fmt: skip
+        if self.bits:
+            return [[None if t is None else t.view(torch.bfloat16).float() for t in tensors]]
+        return [[None if t is None else t.to(self.dtype) for t in tensors]]
 
     def noise(self, half: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pairs:
@@ -287,17 +306,18 @@ class _Lanes:
         return _noise(self.n, self.start, self.key, self.device)
 
     def nearest(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` rounded to nearest: bits for pairs, else as is (the copy converts)."""
-        return _nearest_bits(x) if self.pairs else x
+        """``x`` rounded to nearest: bits for bfloat16 pairs, else as is (the copy
+        converts)."""
+        return _nearest_bits(x) if self.bits else x
 
     def value(self, rounded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The math-dtype value of ``nearest(x)`` once stored in ``dtype``."""
-        if self.pairs:
+        if self.bits:
             return rounded.view(torch.float32)
         return rounded.to(dtype).to(self.dtype)
 
     def stochastic(self, x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.pairs:
+        if self.bits:
             return _stochastic_bits(x, noise)
         return _round_stochastic(x, noise, dtype)
 
@@ -308,6 +328,8 @@ class _Lanes:
                 continue
             if self.pairs:
                 t.copy_(_lsr(halves[0][j], 16) | halves[1][j])
+            elif self.bits:
+                t.view(torch.int16).copy_(halves[0][j] >> 16)
             else:
                 t.copy_(halves[0][j])
 
