@@ -23,7 +23,7 @@ modes: with beta2 = 0.999 each increment of the second moment is below half a bf
 and rounding it to nearest freezes it; the buffer's own rounding errors, always rounded to
 nearest, add up the same way. Measured over 1,000 AdamW updates of 1e-4 of each weight
 (tests/test_compensated.py): all state rounded to nearest, Kahan ends up to 2.3 bfloat16 steps
-from float64; with these two stochastic, within 0.8. The first moment and SGD's momentum
+from float64; with these two stochastic, within 0.8 (seeds 0-5; 0.9 at most over 150). The first moment and SGD's momentum
 (increments of 10% and more) round to nearest.
 
 One step is one pass: each parameter's whole update (moments, step, Kahan buffer, both
@@ -71,24 +71,27 @@ C++ compiler on the PATH or on a CUDA device with Triton; ``True`` always, ``Fal
 A build that fails under ``None`` warns once and the steps run eagerly.
 
 Which roundings are stochastic, measured (1,000 AdamW updates of 1e-4, 256 weights, seeds
-0-5, largest distance from float64 in bfloat16 steps): both (as here) 0.62-0.73; the buffer
-to nearest 0.71-0.91; the second moment to nearest 2.40 (it freezes: optimi's 2.25).
+0-5, largest distance from float64 in bfloat16 steps): both (as here) 0.68-0.75; the buffer
+to nearest 0.71-0.91; the second moment to nearest 2.40 (it freezes: optimi's 2.25). (The
+last two with the earlier random bits, 16-bit permutations, whose "both" gave 0.62-0.73:
+over 150 seeds the two kinds of bits give the same distances, mean 0.73 and at most 0.90.)
 
-Cost, measured side by side (``python benchmarks/compensated.py``,
-benchmarks/results/compensated.md; 2.1M bfloat16 parameters, AdamW, AMD Zen 4 with
-avx512_bf16, on a host shared with other jobs, load average about 7 on 2 cores, medians):
-the target of torch-optimi's speed is not met. With one thread the compiled Kahan step
-takes 11.5 ms against 8.8 ms for optimi's Kahan AdamW and 7.2 ms for torch's plain
-bfloat16 ``AdamW(foreach=True)`` (1.31x and 1.60x); two-thread medians on that host mostly
-measure waiting for the busy second core. 98% of the compiled step is the fused kernel
-(torch.compile's guards take about 90 us a call); two thirds of the kernel are the random
-bits and the two stochastic roundings (without them it takes 2.4 ms of 6.5 for 2M
-elements, about the pass over memory), so it is bound by arithmetic, not by its 18 bytes
-per parameter. The eager fallback takes 33.2 ms with one thread (3.8x optimi): ~45 tensor
-operations per 64K slice, a float64 square root among them; 2.3x faster than the previous
-eager step in the same run (whose compiled step was ~10% faster than this one). The first
-step builds the kernel: 22 s with an empty inductor cache on the loaded host (12 s quiet),
-4-6 s from the cache.
+Cost, measured side by side (``python benchmarks/kernels.py --only AdamW --threads 1``
+and ``benchmarks/compensated.py``, benchmarks/results/compensated.md; 2.1M bfloat16
+parameters, AdamW, one thread, AMD Zen 4 with avx512_bf16, on a host shared with other
+jobs, load average 4-5 on 2 cores, medians): the compiled Kahan step takes 3.5 ms against
+5.4 ms for torch-optimi's ``AdamW(kahan_sum=True)`` and 5.9 ms for torch's plain bfloat16
+``AdamW(foreach=True)`` (0.65x and 0.60x; fastest calls 3.3, 5.2 and 4.1 ms); the step of
+16-bit tensors before the pairs took 11.6 ms in the run just before (1.26x and 1.18x).
+Measured in CPU time of the stepping thread (which waiting for the busy cores does not
+inflate) the step takes 2.8 ms, 85% of it the fused kernel: 2.0 ms for 2.1M elements,
+about the pass over memory (the same kernel with all roundings to nearest and no random
+bits took 2.1 ms in the 16-bit layout); torch.compile's guards take about 16 us a call, 4
+calls a step. The eager fallback takes 31 ms of thread time (23.7 before: the random bits
+are ~15 integer operations per 64K slice where a window of a table was read), a float64
+square root among ~60 tensor operations per slice. The first step builds the kernel: 23 s
+with an empty inductor cache on the loaded host, 7 s from the cache (the 16-bit layout's:
+22 s and 4-6 s; the pairs trace the arithmetic twice, once per half).
 
 Why our own kernel rather than a dependency on torch-optimi: the bytes are the same (10 per
 parameter with AdamW and Kahan). optimi rounds its bfloat16 second moment to nearest, and
@@ -772,7 +775,7 @@ class Compensator:
             None
             if col[0] is None
             else torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in col] +
-                           [col[0].new_zeros(1)] * odd)
+                           ([col[0].new_zeros(1)] if odd else []))
             for col in columns
         ]  # fmt: skip
         self._kernel(
