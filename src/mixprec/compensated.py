@@ -23,8 +23,8 @@ modes: with beta2 = 0.999 each increment of the second moment is below half a bf
 and rounding it to nearest freezes it; the buffer's own rounding errors, always rounded to
 nearest, add up the same way. Measured over 1,000 AdamW updates of 1e-4 of each weight
 (tests/test_compensated.py): all state rounded to nearest, Kahan ends up to 2.3 bfloat16 steps
-from float64; with these two stochastic, within 0.8 (seeds 0-5; 0.9 at most over 150). The first moment and SGD's momentum
-(increments of 10% and more) round to nearest.
+from float64; with these two stochastic, within 0.8 (seeds 0-5; 0.9 at most over 150). The
+first moment and SGD's momentum (increments of 10% and more) round to nearest.
 
 One step is one pass: each parameter's whole update (moments, step, Kahan buffer, both
 stochastic roundings) is one elementwise function of its 16-bit tensors (``_adam``,
@@ -87,11 +87,12 @@ Measured in CPU time of the stepping thread (which waiting for the busy cores do
 inflate) the step takes 2.8 ms, 85% of it the fused kernel: 2.0 ms for 2.1M elements,
 about the pass over memory (the same kernel with all roundings to nearest and no random
 bits took 2.1 ms in the 16-bit layout); torch.compile's guards take about 16 us a call, 4
-calls a step. The eager fallback takes 31 ms of thread time (23.7 before: the random bits
-are ~15 integer operations per 64K slice where a window of a table was read), a float64
-square root among ~60 tensor operations per slice. The first step builds the kernel: 23 s
-with an empty inductor cache on the loaded host, 7 s from the cache (the 16-bit layout's:
-22 s and 4-6 s; the pairs trace the arithmetic twice, once per half).
+calls a step. The eager fallback takes 28 ms of thread time (21-22 before, alternating
+runs: the random bits are ~14 integer operations per 64K slice where a window of a table
+was read), a float64 square root among ~55 tensor operations per slice. The first step
+builds the kernel: 23 s with an empty inductor cache on the loaded host, 7 s from the
+cache (the 16-bit layout's: 22 s and 4-6 s; the pairs trace the arithmetic twice, once per
+half).
 
 Why our own kernel rather than a dependency on torch-optimi: the bytes are the same (10 per
 parameter with AdamW and Kahan). optimi rounds its bfloat16 second moment to nearest, and
@@ -183,11 +184,17 @@ def _lsr(x: torch.Tensor, shift: int) -> torch.Tensor:
 def _hash(x: torch.Tensor) -> torch.Tensor:
     """A bijection of the 32-bit values (int32, arithmetic modulo 2^32): xorshifts and two
     multiplications by odd constants (Wellons' "lowbias32", a well-mixing 32-bit hash)."""
+    x = _mix(x)
+    return x ^ _lsr(x, 16)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """``_hash`` but its last xorshift, which changes the low half only (``_noise`` takes
+    that half as ``x ^ (x >> 16)``, one operation fewer)."""
     x = x ^ _lsr(x, 16)
     x = x * _MIX[0]
     x = x ^ _lsr(x, 15)
-    x = x * _MIX[1]
-    return x ^ _lsr(x, 16)
+    return x * _MIX[1]
 
 
 def _noise(
@@ -204,8 +211,8 @@ def _noise(
     a 32-bit value. Compiled, this is integer arithmetic on the element's index, fused into
     the step."""
     i = torch.arange(start, start + n * step, step, dtype=torch.int32, device=device)
-    h = _hash(i + key)
-    return h & 0xFFFF, _lsr(h, 16)
+    x = _mix(i + key)
+    return (x ^ (x >> 16)) & 0xFFFF, _lsr(x, 16)
 
 
 def _round_stochastic(x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -250,7 +257,7 @@ def _nearest_bits(x: torch.Tensor) -> torch.Tensor:
     """The float32 bits of ``x`` rounded to the nearest bfloat16, ties to even (int32, low
     half zero): torch's conversion for every number; NaNs as ``_stochastic_bits``."""
     bits = x.view(torch.int32)
-    return (bits + 0x7FFF + (_lsr(bits, 16) & 1)) & _HIGH
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) & _HIGH
 
 
 def _at_least(x: torch.Tensor, bound: float) -> torch.Tensor:
