@@ -40,8 +40,8 @@ half of a float32) and written back from the high half of its result's float32 b
 then sees 32-bit types only: inductor's C++ kernels work 16 of them at a time, with
 native vector conversions. A 16-bit tensor makes them work 32 at a time, as two vectors,
 for which ATen has no int/float conversion and inductor no bit view: each became a scalar
-loop, and the kernel took 2.6 times as long (6.2 ms against 2.4 for 2M elements, one
-thread, Zen 4). A parameter of an odd size or at an odd offset (no int32 view) is stepped
+loop, and the kernel took 2.9 times as long (5.9 ms against 2.1 for 2M elements, one
+thread, Zen 4, CPU time). A parameter of an odd size or at an odd offset (no int32 view) is stepped
 from the packed copy, padded to an even size.
 
 The random bits: element i of a call takes the two 16-bit halves of ``_hash(i + key)``,
@@ -285,7 +285,7 @@ class _Lanes:
     each half into the high half, and written back from the high halves of the results:
     the step sees 32-bit types only, which inductor's C++ kernels vectorize 16 at a time
     with native conversions (a 16-bit tensor makes them work 32 elements at a time, where
-    int/float conversions and bit views fall back to scalar loops: 2.6 times slower).
+    int/float conversions and bit views fall back to scalar loops: 2.9 times slower).
     Eagerly the same values are read and written through a bfloat16 view of the whole slice
     (half the operations of two halves). Other tensors are read in the math dtype and
     their results converted on copy."""
