@@ -180,7 +180,9 @@ def quantize_rows(
     `w`'s). A weight holding inf or NaN is refused (`check_finite`; `name` says which in the
     error)."""
     check_finite(w, name)
-    return _quantize_rows(w, w.dtype if dtype is None else dtype, name)
+    # contiguous codes: the kernels prepack them from memory (a transposed weight's codes
+    # read as rows gave other sums)
+    return _quantize_rows(w.contiguous(), w.dtype if dtype is None else dtype, name)
 
 
 # The longest reduction whose int32 sums cannot overflow: each product of two codes is at
@@ -247,7 +249,7 @@ def onednn_prepack(qweight: Tensor, weight_scale: Tensor | None = None) -> Onedn
     else:
         scales = weight_scale.to(torch.float32).contiguous()
     return OnednnWeight(
-        torch.ops.onednn.qlinear_prepack(qweight, None),
+        torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None),
         scales,
         torch.zeros(n, dtype=torch.int32, device=qweight.device),
     )
