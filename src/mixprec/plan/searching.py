@@ -5,13 +5,14 @@ budget, verified by running the plan.
    (`units.default_formats`, or the caller's list, checked against the hardware).
 2. Each (layer, format) built once by `apply`, its bytes weighed, its step timed, its
    damage scored against float32 on the search batches (`sensitivity`).
-3. The assignment of least damage within the budget (`solver.solve`, exact), written as a
+3. The assignment of least damage within the budget (`solver.solve`), written as a
    PolicyMap over the baseline policy.
 4. Verification: the plan, the baseline, float32 and every uniform plan (one format
    everywhere it applies) converted and run on the evaluation batches; their losses, bytes
    and step times are what the report states. A plan whose loss misses the tolerance against
-   the baseline has its layers' damages replaced by what each one alone measures, when
-   larger, and is solved again (`retries` times), each attempt reported.
+   the baseline has its layers' damages replaced by what each one alone measures on the
+   same batches, when larger, and is solved again (`retries` times; a plan found before
+   ends it), each attempt reported, the lowest measured loss kept.
 5. Optionally a short training run of the plan beside the baseline (`train_steps`).
 """
 
