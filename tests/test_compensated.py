@@ -309,14 +309,21 @@ STEPPERS = {
 
 
 def _odd_params(dtype: torch.dtype) -> list[nn.Parameter]:
-    """One parameter stepped in place (over two rows of noise) and three packed together, one
-    of them transposed, with zeros, subnormals and the largest finite values among them."""
+    """One parameter stepped in place, two large ones packed (bfloat16 pairs need an even
+    size from an even offset: an odd size, an odd offset) and three small ones packed
+    together, one of them transposed, with zeros, subnormals and the largest finite values
+    among them."""
     gen = torch.Generator().manual_seed(0)
-    big = torch.randn(2 * compensated.BLOCK + 3, generator=gen)  # three rows of noise
+    big = torch.randn(2 * SMALL + 2, generator=gen)
     big[:4] = torch.tensor([0.0, -0.0, 1e-39, -3e-41])
     big[4:6] = torch.finfo(dtype).max
+    odd = torch.randn(SMALL + 3, generator=gen)
+    shifted = torch.randn(SMALL + 3, generator=gen).to(dtype)[1:]  # from an odd offset
     small = [torch.randn(5, 7, generator=gen).t(), torch.randn(33, generator=gen), torch.zeros(3)]
-    return [nn.Parameter(t.to(dtype)) for t in [big, *small]]
+    params = [nn.Parameter(t.to(dtype)) for t in [big, odd, *small]]
+    params.insert(2, nn.Parameter(shifted))
+    assert params[2].storage_offset() == 1
+    return params
 
 
 def _steps(name: str, compile: bool, steps: int = 3) -> list[torch.Tensor]:
@@ -401,25 +408,42 @@ def test_rounding_is_a_function_of_seed_and_step_counts():
     assert 0.2 < (p < 1).float().mean() < 0.8  # the rounding is random across elements
 
 
-def test_the_noise_is_uniform_per_element_and_a_window_of_the_table_eagerly():
-    """Element (r, c) of a call takes ``_permute((c + k0) % 2^16) ^ row mask``: over the
-    offsets k0 each element sees every 16-bit value once (so with a uniform key it is
-    uniform), a row's values are distinct, and the eager step reads them as a window of the
-    table (a permutation written twice) XOR one row mask: the same values."""
-    table = compensated._table(torch.device("cpu"))
-    assert torch.equal(table[: 1 << 16].sort().values, torch.arange(1 << 16, dtype=torch.int32))
-    assert torch.equal(table[1 << 16 :], table[: 1 << 16])
-    offsets = torch.arange(1 << 16, dtype=torch.int32)
-    assert compensated._permute((100 + offsets) & 0xFFFF).unique().numel() == 1 << 16
-    key = (40000, 123, 65535, 7)
-    row, column, n = 2, 65000, 500  # a slice at the end of the third row
-    first, second = compensated._noise(n, row * (1 << 16) + column, key, table)
-    columns = torch.arange(column, column + n, dtype=torch.int32)
-    for got, k, k_row in ((first, key[0], key[2]), (second, key[1], key[3])):
-        mask = (((row + k_row) & 0xFFFF) * compensated._ROW) & 0xFFFF
-        assert torch.equal(got, compensated._permute((columns + k) & 0xFFFF) ^ mask)
-        assert got.unique().numel() == n and 0 <= got.min() and got.max() < 1 << 16
-    assert (first != second).float().mean() > 0.99
+def _unhash(x: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``compensated._hash`` (int64 arithmetic modulo 2^32)."""
+    x = x.long() & 0xFFFFFFFF
+
+    def unxorshift(x, shift):
+        y = x
+        for _ in range(32 // shift + 1):
+            y = x ^ (y >> shift)
+        return y
+
+    for c, shift in ((0x846CA68B, 16), (0x7FEB352D, 15)):
+        x = unxorshift(x, shift)
+        x = (x * pow(c, -1, 1 << 32)) & 0xFFFFFFFF
+    return unxorshift(x, 16)
+
+
+def test_the_noise_is_two_halves_of_a_bijection_of_index_plus_key():
+    """Element i of a call with key k takes the two 16-bit halves of ``_hash(i + k)``: the
+    hash is a bijection of the 32-bit values (its inverse undoes it), so with a uniform key
+    each element's 32-bit value is uniform and its halves uniform and independent; a
+    call's elements take distinct values; bfloat16 pairs read the same values."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(-(1 << 31), 1 << 31, (100_000,), generator=gen, dtype=torch.int64)
+    x = torch.cat([x, torch.tensor([0, 1, -1, (1 << 31) - 1, -(1 << 31)])]).int()
+    h = compensated._hash(x)
+    assert torch.equal(_unhash(h), x.long() & 0xFFFFFFFF)
+    key, start, n = -123456789, 1 << 20, 5000
+    low, high = compensated._noise(n, start, key, torch.device("cpu"))
+    i = torch.arange(start, start + n, dtype=torch.int64)
+    expect = compensated._hash((i + key).int())
+    assert torch.equal(low, expect & 0xFFFF)
+    assert torch.equal(high, (expect.long() >> 16) & 0xFFFF)
+    assert (low | (high << 16)).unique().numel() == n  # distinct 32-bit values
+    for half in (0, 1):  # pairs: the even and the odd elements
+        got = compensated._noise(n // 2, start + half, key, torch.device("cpu"), step=2)
+        assert torch.equal(got[0], low[half::2]) and torch.equal(got[1], high[half::2])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -442,7 +466,7 @@ def test_a_weight_without_decay_steps_as_torch_steps_an_infinite_one():
     """Without weight decay the step has no decay term (not a term times zero): an
     infinite weight stays infinite, as in torch's AdamW, instead of becoming inf * 0 = NaN."""
     p = nn.Parameter(torch.tensor([float("inf"), 1.0], dtype=torch.bfloat16))
-    opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.0)  # a step of 0.01: below 1 surely
     p.grad = torch.ones_like(p)
     Compensator("stochastic", seed=0).step(opt)
     assert p[0] == float("inf") and p[1] < 1.0

@@ -29,6 +29,7 @@ LAYERS: list[set[str]] = [
     {"sharding"},
     {"trainer"},
     {"doctor"},
+    {"plan"},
     {"bench"},
     {"integrations"},
     {"cli", "__init__"},
@@ -304,6 +305,7 @@ def test_the_top_level_holds_the_daily_names_only():
             "policy_scope",
             "quantize",
             "remove",
+            "search",
             "set_global_policy",
         ]
     )

@@ -50,6 +50,7 @@ from mixprec.quantize.int8 import (
     int8_linear,
     int_matmul,
     onednn_prepack,
+    onednn_product,
     quantize_rows,
     quantize_tokens,
     storable_scale,
@@ -143,7 +144,7 @@ def test_int8_linear_equals_a_float_reference_of_the_same_integer_math():
     assert torch.equal(layer.qweight, qw) and torch.equal(layer.weight_scale, ws)
     acc = qx.double() @ qw.double().t()  # exact in float64
     xs = x.reshape(6, 24).abs().amax(1) / 127
-    ref = (acc.float() * xs[:, None] * ws[None, :] + lin.bias.float()).reshape(2, 3, 10)
+    ref = (acc.float() * ws[None, :] * xs[:, None] + lin.bias.float()).reshape(2, 3, 10)
     assert torch.equal(quantize_tokens(x)[0].float(), qx)
     assert torch.equal(layer(x), ref)
     # and it stays close to the float layer it came from
@@ -971,11 +972,90 @@ def test_int8_linear_is_the_same_integer_math_whichever_kernel_runs(m, k, n, dty
     qx, xs = quantize_tokens(x)
     qw, ws = layer.qweight, layer.weight_scale
     acc = (qx.double() @ qw.double().t()).float()  # exact in float64, then as int32 -> float32
-    want = (acc * xs[:, None] * ws[None, :] + lin.bias.float()).to(dtype)
+    want = (acc * ws[None, :] * xs[:, None] + lin.bias.float()).to(dtype)
     assert torch.equal(layer(x), want)
     if cpu_int8_kernels()["onednn"] is None:  # the prepacked kernel, called directly
-        packed = onednn_prepack(qw)
+        packed = onednn_prepack(qw, ws)
         assert torch.equal(int8_linear(x, qw, ws, packed), int8_linear(x, qw, ws))
+
+
+def _edge_tokens(k: int) -> torch.Tensor:
+    """Tokens whose codes sit on rounding ties (scale 1: the row's largest value is 127),
+    an all-zero token, tokens below float32's normal range (their scales are subnormal or
+    0), a huge one, and tokens holding a NaN or an inf."""
+    g = torch.Generator().manual_seed(k)
+    ties = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, -127.0])
+    rows = [ties.repeat(k // 10 + 1)[:k], torch.zeros(k)]
+    for magnitude in (1e-39, 1e-44, 1e38):
+        rows.append(torch.randn(k, generator=g).clamp(-3, 3) * magnitude)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        row = torch.randn(k, generator=g)
+        row[k // 2] = bad
+        rows.append(row)
+    rows.append(torch.randn(k, generator=g))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("k", [16, 40])
+def test_int8_codes_round_ties_to_even_and_every_kernel_gives_the_same_edge_rows(k):
+    """Codes come from a rounding addition and the bits of the sum, not from round and a
+    float-to-int conversion: ties go to even and clamp at 127 as ``torch.round`` and clamp
+    give them; zero, subnormal, huge and non-finite tokens come out of each kernel alike
+    (non-finite ones NaN, the zero one the bias)."""
+    x = _edge_tokens(k)
+    q, scale = quantize_tokens(x)
+    assert q[0, :10].tolist() == [127, 0, 2, 2, 0, -2, -2, 126, -126, -127]
+    finite = torch.isfinite(x).all(1)
+    # a scale that underflowed to 0 (the 1e-44 token) divides 0 by 0: code 0
+    want = torch.round(x[finite] / scale[finite, None]).clamp(-127, 127).nan_to_num(0.0)
+    assert torch.equal(q[finite].float(), want)
+    assert (q[~finite] == 0).all() and torch.isnan(scale[~finite]).all()
+    torch.manual_seed(0)
+    lin = nn.Linear(k, 24)
+    layer = Int8Linear.from_float(lin)
+    qw, ws = layer.qweight, layer.weight_scale
+    acc = (q.double() @ qw.double().t()).float()
+    ref = acc * ws[None, :] * scale[:, None]
+    ref[1] = 0.0  # the zero token: its scale (1 here) meets sums of 0 on every path
+    out = int8_linear(x, qw, ws)
+    assert torch.equal(out[finite], ref[finite]) and torch.isnan(out[~finite]).all()
+    assert torch.equal(layer(x)[1], lin.bias.detach())
+    if cpu_int8_kernels()["onednn"] is None:
+        fast = int8_linear(x, qw, ws, onednn_prepack(qw, ws))
+        assert torch.equal(fast[finite], out[finite]) and torch.isnan(fast[~finite]).all()
+
+
+def test_onednn_product_takes_the_unsigned_codes_and_refuses_signed_ones():
+    """oneDNN's int8 linear takes the codes plus 128 as uint8 (zero point 128); given int8
+    codes it used to flip them in place, and an int8 input reached a reference loop ~3000x
+    slower: now it is refused, saying what it takes."""
+    a = torch.randint(-127, 128, (4, 32), dtype=torch.int8)
+    b = torch.randint(-127, 128, (8, 32), dtype=torch.int8)
+    with pytest.raises(ValueError, match="codes plus 128 as uint8, got torch.int8"):
+        onednn_product(a, onednn_prepack(b))
+    if cpu_int8_kernels()["onednn"] is None:
+        scales = torch.rand(8) + 0.5
+        got = onednn_product(a.view(torch.uint8) ^ 0x80, onednn_prepack(b, scales))
+        assert torch.equal(got, torch.mul((a.long() @ b.long().t()).float(), scales))
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_int8_prepacked_scales_follow_the_weight_scale_buffer(inference):
+    """oneDNN's call multiplies by the weight scales packed beside the weight: scales
+    changed in place or replaced must not leave the packed copy stale."""
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(nn.Linear(64, 32))
+    x = torch.randn(5, 64)
+    with torch.inference_mode(inference):
+        before = layer(x)
+        with torch.no_grad():
+            layer.weight_scale.mul_(2.0)
+        doubled = Int8Linear.from_float(nn.Linear(64, 32))
+        doubled.load_state_dict(layer.state_dict())
+        assert torch.equal(layer(x), doubled(x)) and not torch.equal(layer(x), before)
+        layer.weight_scale = layer.weight_scale / 4.0
+        doubled.weight_scale = doubled.weight_scale / 4.0
+        assert torch.equal(layer(x), doubled(x))
 
 
 @pytest.mark.parametrize("k", [1, INT_MM_MIN_K, ONEDNN_MAX_K, ONEDNN_MAX_K + 1])
@@ -1056,7 +1136,7 @@ int8 = Int8Linear.from_float(lin)
 x = torch.randn(33, 64)
 qx, xs = quantize_tokens(x)
 acc = (qx.double() @ int8.qweight.double().t()).float()
-want = acc * xs[:, None] * int8.weight_scale[None, :] + lin.bias
+want = acc * int8.weight_scale[None, :] * xs[:, None] + lin.bias
 int4 = Int4Linear.from_float(lin, 32)
 dequantized = F.linear(x, int4.dequantized_weight(), lin.bias)
 print(json.dumps({
@@ -1085,3 +1165,23 @@ def test_with_the_isa_capped_the_kernels_that_go_wrong_are_not_used():
     ) or platform.machine().lower() in ("aarch64", "arm64")
     if "float64" in got["int8_kernel"]:  # the saturating kernels were found and named
         assert "wrong sums" in got["int8_kernel"] or "raised" in got["int8_kernel"]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_weight_that_is_not_contiguous_quantizes_to_the_same_layer(mode: str) -> None:
+    # a transposed view as the weight: int8's prepacked codes were read in the wrong order
+    # (outputs off by ~29 where int8 rounding allows ~0.2)
+    torch.manual_seed(0)
+    weight = torch.randn(48, 24).t()
+    x = torch.randn(5, 48)
+    layers = []
+    for w in (weight, weight.contiguous()):
+        model = nn.Sequential(nn.Linear(48, 24))
+        model[0].weight = nn.Parameter(w)
+        model[0].bias = nn.Parameter(torch.zeros(24))
+        mixprec.quantize(model, mode, **({"group_size": 32} if mode == "int4" else {}))
+        layers.append(model)
+    with torch.no_grad():
+        assert torch.equal(layers[0](x), layers[1](x))
+        error = (layers[0](x) - F.linear(x, weight)).abs().max()
+    assert error < (0.5 if mode == "int8" else 3.0)

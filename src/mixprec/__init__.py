@@ -35,6 +35,7 @@ from mixprec.version import __version__
 
 if TYPE_CHECKING:
     from mixprec.doctor import PrecisionMonitor, diagnose
+    from mixprec.plan import search
     from mixprec.trainer import Trainer, TrainingModule
 
 _LAZY = {
@@ -42,6 +43,7 @@ _LAZY = {
     "TrainingModule": "mixprec.trainer",
     "diagnose": "mixprec.doctor",
     "PrecisionMonitor": "mixprec.doctor",
+    "search": "mixprec.plan",
 }
 
 __all__ = [
@@ -68,12 +70,13 @@ __all__ = [
     "policy_scope",
     "quantize",
     "remove",
+    "search",
     "set_global_policy",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    """Load the Trainer and the doctor on first use."""
+    """Load the Trainer, the doctor and the format search on first use."""
     if name in _LAZY:
         value = getattr(import_module(_LAZY[name]), name)
         globals()[name] = value

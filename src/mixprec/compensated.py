@@ -23,8 +23,8 @@ modes: with beta2 = 0.999 each increment of the second moment is below half a bf
 and rounding it to nearest freezes it; the buffer's own rounding errors, always rounded to
 nearest, add up the same way. Measured over 1,000 AdamW updates of 1e-4 of each weight
 (tests/test_compensated.py): all state rounded to nearest, Kahan ends up to 2.3 bfloat16 steps
-from float64; with these two stochastic, within 0.8. The first moment and SGD's momentum
-(increments of 10% and more) round to nearest.
+from float64; with these two stochastic, within 0.8 (seeds 0-5; 0.9 at most over 150). The
+first moment and SGD's momentum (increments of 10% and more) round to nearest.
 
 One step is one pass: each parameter's whole update (moments, step, Kahan buffer, both
 stochastic roundings) is one elementwise function of its 16-bit tensors (``_adam``,
@@ -33,19 +33,30 @@ tensors once (18 bytes per parameter for AdamW with Kahan), with no float32 copy
 Parameters below ``SMALL`` elements (biases, norms) are stepped together from one packed
 copy, so a step makes a few kernel calls, not one per tensor.
 
-The random bits: a call is seen as rows of ``BLOCK`` (65536) elements, and element (r, c)
-takes ``_permute((c + k0) mod 2^16) XOR mask(r + k2)``, a fixed permutation of 16-bit
-values (two odd multiplications and xorshifts) and a row mask, with offsets k0, k2 (and
-k1, k3 for the second value) hashed from (seed, step count, parameter index, part). With
-uniform offsets each element's two values are exactly uniform and independent of each
-other and of other steps' (one rounds the second moment, one the buffer or the weight);
-the state is the seed and the optimizer's step counts, so a resumed run is bit-identical.
-Compiled, the bits are integer arithmetic on the element's index inside the kernel (no
-gathers: inductor does not vectorize them on a CPU); eagerly, a slice inside one row reads
-them as a window of a table of the permutation and one XOR. Stochastic rounding to
-bfloat16 adds the noise to the 16 bits a bfloat16 drops and truncates; to float16 it is
-float32 arithmetic (the spacing of float16 numbers at ``|x|`` from Rump's
-unit-in-the-first-place trick, ``floor``, a comparison, the sign put back).
+bfloat16 tensors are stepped as int32 pairs (``_Lanes``): each int32 holds two bfloat16
+values, each read as a float32 by moving it into the high half (a bfloat16 is the upper
+half of a float32) and written back from the high half of its result's float32 bits
+(rounded to nearest or stochastically by integer arithmetic on those bits). The kernel
+then sees 32-bit types only: inductor's C++ kernels work 16 of them at a time, with
+native vector conversions. A 16-bit tensor makes them work 32 at a time, as two vectors,
+for which ATen has no int/float conversion and inductor no bit view: each became a scalar
+loop, and the kernel took 2.9 times as long (5.9 ms against 2.1 for 2M elements, one
+thread, Zen 4, CPU time). A parameter of an odd size or at an odd offset (no int32 view) is stepped
+from the packed copy, padded to an even size.
+
+The random bits: element i of a call takes the two 16-bit halves of ``_hash(i + key)``,
+a bijection of the 32-bit values (Wellons' lowbias32: xorshifts and two multiplications
+by odd constants), with a 32-bit ``key`` hashed from (seed, step count, parameter index,
+part). With a uniform key each element's 32-bit value is uniform, so its two halves are
+exactly uniform and independent of each other and (independent keys) of other steps' (one
+rounds the second moment, one the buffer or the weight); the state is the seed and the
+optimizer's step counts, so a resumed run is bit-identical. Compiled, the bits are integer
+arithmetic on the element's index inside the kernel (two vector multiplications per
+element). Stochastic rounding to bfloat16 adds the noise to the 16 bits a bfloat16 drops
+and truncates (a NaN's low bits are zero in the step: made from bfloat16 values and
+float32 scalars, it cannot carry into the sign); to float16 it is float32 arithmetic (the
+spacing of float16 numbers at ``|x|`` from Rump's unit-in-the-first-place trick,
+``floor``, a comparison, the sign put back).
 
 The same functions run eagerly (on slices of ``EAGER_CHUNK`` elements on a CPU) where
 nothing is compiled, and give bit-identical results on a CPU (tests/test_compensated.py
@@ -60,24 +71,28 @@ C++ compiler on the PATH or on a CUDA device with Triton; ``True`` always, ``Fal
 A build that fails under ``None`` warns once and the steps run eagerly.
 
 Which roundings are stochastic, measured (1,000 AdamW updates of 1e-4, 256 weights, seeds
-0-5, largest distance from float64 in bfloat16 steps): both (as here) 0.62-0.73; the buffer
-to nearest 0.71-0.91; the second moment to nearest 2.40 (it freezes: optimi's 2.25).
+0-5, largest distance from float64 in bfloat16 steps): both (as here) 0.68-0.75; the buffer
+to nearest 0.71-0.91; the second moment to nearest 2.40 (it freezes: optimi's 2.25). (The
+last two with the earlier random bits, 16-bit permutations, whose "both" gave 0.62-0.73:
+over 150 seeds the two kinds of bits give the same distances, mean 0.73 and at most 0.90.)
 
-Cost, measured side by side (``python benchmarks/compensated.py``,
-benchmarks/results/compensated.md; 2.1M bfloat16 parameters, AdamW, AMD Zen 4 with
-avx512_bf16, on a host shared with other jobs, load average about 7 on 2 cores, medians):
-the target of torch-optimi's speed is not met. With one thread the compiled Kahan step
-takes 11.5 ms against 8.8 ms for optimi's Kahan AdamW and 7.2 ms for torch's plain
-bfloat16 ``AdamW(foreach=True)`` (1.31x and 1.60x); two-thread medians on that host mostly
-measure waiting for the busy second core. 98% of the compiled step is the fused kernel
-(torch.compile's guards take about 90 us a call); two thirds of the kernel are the random
-bits and the two stochastic roundings (without them it takes 2.4 ms of 6.5 for 2M
-elements, about the pass over memory), so it is bound by arithmetic, not by its 18 bytes
-per parameter. The eager fallback takes 33.2 ms with one thread (3.8x optimi): ~45 tensor
-operations per 64K slice, a float64 square root among them; 2.3x faster than the previous
-eager step in the same run (whose compiled step was ~10% faster than this one). The first
-step builds the kernel: 22 s with an empty inductor cache on the loaded host (12 s quiet),
-4-6 s from the cache.
+Cost, measured side by side (``python benchmarks/kernels.py --only AdamW --threads 1``
+and ``benchmarks/compensated.py``, benchmarks/results/compensated.md; 2.1M bfloat16
+parameters, AdamW, one thread, AMD Zen 4 with avx512_bf16, on a host shared with other
+jobs, load average 4-5 on 2 cores, medians): the compiled Kahan step takes 3.5 ms against
+5.4 ms for torch-optimi's ``AdamW(kahan_sum=True)`` and 5.9 ms for torch's plain bfloat16
+``AdamW(foreach=True)`` (0.65x and 0.60x; fastest calls 3.3, 5.2 and 4.1 ms); the step of
+16-bit tensors before the pairs took 11.6 ms in the run just before (1.26x and 1.18x).
+Measured in CPU time of the stepping thread (which waiting for the busy cores does not
+inflate) the step takes 2.8 ms, 85% of it the fused kernel: 2.0 ms for 2.1M elements,
+about the pass over memory (the same kernel with all roundings to nearest and no random
+bits took 2.1 ms in the 16-bit layout); torch.compile's guards take about 16 us a call, 4
+calls a step. The eager fallback takes 28 ms of thread time (21-22 before, alternating
+runs: the random bits are ~14 integer operations per 64K slice where a window of a table
+was read), a float64 square root among ~55 tensor operations per slice. The first step
+builds the kernel: 23 s with an empty inductor cache on the loaded host, 7 s from the
+cache (the 16-bit layout's: 22 s and 4-6 s; the pairs trace the arithmetic twice, once per
+half).
 
 Why our own kernel rather than a dependency on torch-optimi: the bytes are the same (10 per
 parameter with AdamW and Kahan). optimi rounds its bfloat16 second moment to nearest, and
@@ -121,21 +136,17 @@ COMPILE_MIN_ELEMENTS = 1 << 18
 # parameters with fewer elements (or not contiguous) are stepped together from one packed
 # copy: one kernel call for all of them instead of one each
 SMALL = 1 << 16
-# elements per kernel call: indices stay int32 and a call has at most 2^16 rows of BLOCK
-# (distinct row masks); a larger tensor takes several calls, each with its own key
+# elements per kernel call (element indices stay int32); a larger tensor takes several
+# calls, each with its own key
 CALL_MAX = 1 << 30
-# the noise's blocks: elements of a block take distinct values from one window of the table
-BLOCK_BITS = 16
-BLOCK = 1 << BLOCK_BITS
-# elements per slice on the eager path: on a CPU its float32 temporaries stay cache-sized
-# (and a slice stays inside one row of BLOCK elements); on an accelerator slices are large,
-# so that the ~40 kernel launches per slice are few
-EAGER_CHUNK = BLOCK
+# elements per slice on the eager path: on a CPU its float32 temporaries stay cache-sized; on
+# an accelerator slices are large, so that the ~40 kernel launches per slice are few
+EAGER_CHUNK = 1 << 16
 EAGER_CHUNK_ACCELERATOR = 1 << 22
-# odd multipliers of the noise's 16-bit permutation and of its row masks (16-bit values
-# times a 15-bit constant stay below 2^31)
-_MIX = (0x5BD1, 0x6A09)
-_ROW = 0x3C6F
+# the odd multipliers of ``_hash`` (0x7FEB352D and 0x846CA68B as int32)
+_MIX = (0x7FEB352D, 0x846CA68B - (1 << 32))
+# the float32 bits of a bfloat16: the high half
+_HIGH = -(1 << 16)
 _MASK64 = (1 << 64) - 1
 
 
@@ -165,54 +176,43 @@ def stochastic_round_(
 # -- the elementwise step (one function for the compiled and the eager path) -----------------
 
 
-def _permute(x: torch.Tensor) -> torch.Tensor:
-    """A fixed permutation of the 16-bit values (int32 in [0, 65536)): two rounds of a
-    multiplication by an odd constant modulo 2^16 (below 2^15: no int32 overflow) and an
-    xorshift, each a bijection."""
-    for c in _MIX:
-        x = (x * c) & 0xFFFF
-        x = x ^ (x >> 7)
-    return x
+def _lsr(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int32 ``x`` (torch's ``>>`` on int32 copies the sign bit)."""
+    return (x >> shift) & ((1 << (32 - shift)) - 1)
 
 
-@functools.cache
-def _table(device: torch.device) -> torch.Tensor:
-    """``_permute`` of 0..65535 written twice, as int32 on ``device``: the eager step reads
-    a row's noise as a window of it."""
-    permutation = _permute(torch.arange(BLOCK, dtype=torch.int32))
-    return torch.cat([permutation, permutation]).to(device)
+def _hash(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of the 32-bit values (int32, arithmetic modulo 2^32): xorshifts and two
+    multiplications by odd constants (Wellons' "lowbias32", a well-mixing 32-bit hash)."""
+    x = _mix(x)
+    return x ^ _lsr(x, 16)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """``_hash`` but its last xorshift, which changes the low half only (``_noise`` takes
+    that half as ``x ^ (x >> 16)``, one operation fewer)."""
+    x = x ^ _lsr(x, 16)
+    x = x * _MIX[0]
+    x = x ^ _lsr(x, 15)
+    return x * _MIX[1]
 
 
 def _noise(
-    n: int, start: int, key: torch.Tensor | tuple[int, ...], table: torch.Tensor
+    n: int, start: int, key: torch.Tensor | int, device: torch.device, step: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two int32 tensors of ``n`` values in [0, 65536) for elements ``start..start+n`` of a
-    call with ``key`` (four 16-bit offsets: an int32 tensor compiled, ints eagerly).
+    """Two int32 tensors of ``n`` values in [0, 65536), for the elements ``start``,
+    ``start + step``, ... of a call with ``key`` (a signed 32-bit offset: a one-element int32
+    tensor compiled, an int eagerly): the low and the high half of ``_hash(i + key)``.
 
-    The call is seen as rows of ``BLOCK`` elements; element (r, c) takes
-    ``_permute((c + key[0]) % 2^16) ^ ((r + key[2]) % 2^16 * _ROW % 2^16)`` (the other
-    value with ``key[1]``, ``key[3]``). With uniform offsets each value is uniform (the
-    permutation of a uniform value is uniform, and an XOR with an independent value keeps
-    it so), the two are independent of each other and of other steps' values (independent
-    offsets); a row's values are distinct, and rows differ by an XOR that changes every
-    step. Compiled, this is arithmetic on the element's index, fused into the step; eagerly
-    (on a CPU, a slice inside one row) a window of ``table`` and one XOR."""
-    if torch.compiler.is_compiling() or table.device.type != "cpu":
-        i = torch.arange(start, start + n, dtype=torch.int32, device=table.device)
-        column, row = i & (BLOCK - 1), i >> BLOCK_BITS
-        first, second = (
-            _permute((column + key[j]) & 0xFFFF) ^ ((((row + key[j + 2]) & 0xFFFF) * _ROW) & 0xFFFF)
-            for j in (0, 1)
-        )
-        return first, second
-    row, column = divmod(start, BLOCK)
-    assert column + n <= BLOCK, "an eager slice stays inside one row"
-    first, second = (
-        table[key[j] + column : key[j] + column + n]
-        ^ ((((row + key[j + 2]) & 0xFFFF) * _ROW) & 0xFFFF)  # type: ignore[operator]
-        for j in (0, 1)
-    )
-    return first, second
+    With a uniform key, ``i + key`` is uniform over the 2^32 values for each element ``i``,
+    so is its image under the bijection, and the two halves of a uniform 32-bit value are
+    uniform and independent: each element's two values are exactly uniform, independent of
+    each other and (independent keys) of other steps'; within a call no two elements share
+    a 32-bit value. Compiled, this is integer arithmetic on the element's index, fused into
+    the step."""
+    i = torch.arange(start, start + n * step, step, dtype=torch.int32, device=device)
+    x = _mix(i + key)
+    return (x ^ (x >> 16)) & 0xFFFF, _lsr(x, 16)
 
 
 def _round_stochastic(x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -222,11 +222,10 @@ def _round_stochastic(x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) 
     ``dtype``. Unbiased to 2^-16 of a spacing (exactly for bfloat16); signed zeros and
     infinities pass unchanged, a NaN becomes a NaN (bfloat16: the quiet NaN).
 
-    bfloat16 is the upper half of float32: ``noise`` is added to the 16 bits a bfloat16
-    drops and the sum truncated (a carry means those bits exceed ``65535 - noise``); a NaN
-    is first made the quiet NaN, whose payload cannot carry into the sign. float16 takes the
-    spacing of its numbers at ``x``, ``ufp(x) * 2^-10`` with ``ufp(x)`` the power of two at
-    or below ``|x|``: Rump's ``q - (1 - 2^-24) q`` with ``q = (2^23 + 1) |x|``, taken of
+    bfloat16 is the upper half of float32: ``_stochastic_bits`` of the NaN-quieted ``x``
+    (a quiet NaN's payload cannot carry into the sign). float16 takes the spacing of its
+    numbers at ``x``, ``ufp(x) * 2^-10`` with ``ufp(x)`` the power of two at or below
+    ``|x|``: Rump's ``q - (1 - 2^-24) q`` with ``q = (2^23 + 1) |x|``, taken of
     ``|x| * 2^-24`` so that no finite ``x`` overflows, and at least the spacing of float16's
     subnormals (also for infinities, whose ``q - q`` is NaN); then ``floor`` of ``|x|`` in
     spacings, a comparison, and the sign put back: the same rule in float arithmetic."""
@@ -235,7 +234,7 @@ def _round_stochastic(x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) 
             quiet = torch.where(x != x, math.nan, x)
         else:
             quiet = x.nan_to_num(nan=math.nan, posinf=math.inf, neginf=-math.inf)
-        return ((quiet.view(torch.int32) + noise) & -(1 << 16)).view(torch.float32)
+        return _stochastic_bits(quiet, noise).view(torch.float32)
     magnitude = x.abs()
     q = magnitude * (2.0**-24 * (2.0**23 + 1))
     spacing = _at_least((q - q * (1 - 2.0**-24)) * 2.0**14, 2.0**-24)
@@ -243,6 +242,22 @@ def _round_stochastic(x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) 
     low = t.floor()
     up = ((noise ^ 0xFFFF).float() < (t - low) * 65536).to(x.dtype)
     return ((low + up) * spacing).copysign(x)
+
+
+def _stochastic_bits(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The float32 bits of ``x`` rounded stochastically to bfloat16 (int32, low half zero):
+    ``noise`` added to the 16 bits a bfloat16 drops, and the sum truncated (a carry means
+    those bits exceed ``65535 - noise``). A NaN whose low 16 bits are not zero may carry
+    into the sign: ``_round_stochastic`` quiets NaNs first; in the step every NaN is made by
+    arithmetic on bfloat16 values and float32 scalars, whose low halves are zero."""
+    return (x.view(torch.int32) + noise) & _HIGH
+
+
+def _nearest_bits(x: torch.Tensor) -> torch.Tensor:
+    """The float32 bits of ``x`` rounded to the nearest bfloat16, ties to even (int32, low
+    half zero): torch's conversion for every number; NaNs as ``_stochastic_bits``."""
+    bits = x.view(torch.int32)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) & _HIGH
 
 
 def _at_least(x: torch.Tensor, bound: float) -> torch.Tensor:
@@ -262,28 +277,96 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
     return x.sqrt()
 
 
+class _Lanes:
+    """How the step reads and writes its tensors. bfloat16 ones come as int32 pairs (each
+    int32 holds two bfloat16 values, the even element in its low half) and are rounded by
+    integer arithmetic on the float32 bits of the results (``_nearest_bits``,
+    ``_stochastic_bits``). Compiled, each pair is read as two float32 tensors by moving
+    each half into the high half, and written back from the high halves of the results:
+    the step sees 32-bit types only, which inductor's C++ kernels vectorize 16 at a time
+    with native conversions (a 16-bit tensor makes them work 32 elements at a time, where
+    int/float conversions and bit views fall back to scalar loops: 2.9 times slower).
+    Eagerly the same values are read and written through a bfloat16 view of the whole slice
+    (half the operations of two halves). Other tensors are read in the math dtype and
+    their results converted on copy."""
+
+    def __init__(self, p: torch.Tensor, start: int, key: torch.Tensor | int) -> None:
+        self.bits = p.dtype == torch.int32  # bfloat16 pairs, rounded through their bits
+        self.pairs = self.bits and torch.compiler.is_compiling()  # read as two halves
+        self.dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        self.start, self.key, self.device = start, key, p.device
+        self.n = 2 * p.numel() if self.bits and not self.pairs else p.numel()
+
+    def halves(self, *tensors: torch.Tensor | None) -> list[list[torch.Tensor | None]]:
+        """The tensors' values in the math dtype: one list, or for pairs compiled the even
+        and the odd elements."""
+        if self.pairs:
+            return [
+                [None if t is None else (t << 16 if half == 0 else t & _HIGH).view(torch.float32)
+                 for t in tensors]
+                for half in (0, 1)
+            ]  # fmt: skip
+        if self.bits:
+            return [[None if t is None else t.view(torch.bfloat16).float() for t in tensors]]
+        return [[None if t is None else t.to(self.dtype) for t in tensors]]
+
+    def noise(self, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pairs:
+            return _noise(self.n, self.start + half, self.key, self.device, step=2)
+        return _noise(self.n, self.start, self.key, self.device)
+
+    def nearest(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` rounded to nearest: bits for bfloat16 pairs, else as is (the copy
+        converts)."""
+        return _nearest_bits(x) if self.bits else x
+
+    def value(self, rounded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The math-dtype value of ``nearest(x)`` once stored in ``dtype``."""
+        if self.bits:
+            return rounded.view(torch.float32)
+        return rounded.to(dtype).to(self.dtype)
+
+    def stochastic(self, x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.bits:
+            return _stochastic_bits(x, noise)
+        return _round_stochastic(x, noise, dtype)
+
+    def store(self, targets: list[torch.Tensor | None], halves: list[list]) -> None:
+        """Write each half's results (per target) into ``targets`` (None: nothing)."""
+        for j, t in enumerate(targets):
+            if t is None:
+                continue
+            if self.pairs:
+                t.copy_(_lsr(halves[0][j], 16) | halves[1][j])
+            elif self.bits:
+                t.view(torch.int16).copy_(halves[0][j] >> 16)
+            else:
+                t.copy_(halves[0][j])
+
+
 def _apply(
+    lanes: _Lanes,
     p: torch.Tensor,
     w: torch.Tensor,
     u: torch.Tensor,
     c: torch.Tensor | None,
     noise: torch.Tensor | None,
     kind: str | None,
-) -> None:
-    """``p = w + u``: Kahan-compensated with the buffer ``c``, stochastically rounded, or
-    (``kind`` None, a parameter stepped plainly) rounded to nearest."""
+) -> list[torch.Tensor | None]:
+    """The new weight ``w + u`` (and Kahan buffer): Kahan-compensated with the buffer
+    ``c``, stochastically rounded, or (``kind`` None, a parameter stepped plainly) rounded
+    to nearest; results for ``lanes.store``."""
     if kind == "kahan":
         assert c is not None and noise is not None
-        u = u + c.to(u.dtype)  # what earlier roundings lost
-        new = (w + u).to(p.dtype)
+        u = u + c  # what earlier roundings lost
+        new = lanes.nearest(w + u)
         # the part of the update that made it into the parameter is exact in float32
-        c.copy_(_round_stochastic(u - (new.to(u.dtype) - w), noise, c.dtype))
-        p.copy_(new)
-    elif kind == "stochastic":
+        buffer = u - (lanes.value(new, p.dtype) - w)
+        return [new, lanes.stochastic(buffer, noise, p.dtype)]
+    if kind == "stochastic":
         assert noise is not None
-        p.copy_(_round_stochastic(w + u, noise, p.dtype))
-    else:
-        p.copy_(w + u)
+        return [lanes.stochastic(w + u, noise, p.dtype), None]
+    return [w + u, None]
 
 
 def _adam(
@@ -293,37 +376,33 @@ def _adam(
     v: torch.Tensor,
     c: torch.Tensor | None,
     s: torch.Tensor | list[float],
-    key: torch.Tensor | tuple[int, ...],
-    table: torch.Tensor,
+    key: torch.Tensor | int,
     kind: str | None,
     decay: str | None,
     start: int,
 ) -> None:
     """One Adam/AdamW step of the tensors (weight, gradient, moments, Kahan buffer or None;
-    all of one shape), in place. ``s``: beta1, (1 - beta1) times the sign of the gradient
-    (-1 to maximize), beta2, 1 - beta2, 1 / sqrt(1 - beta2^step), eps, -lr / (1 -
-    beta1^step), then (``decay`` "decoupled") -lr times the weight decay or (``decay``
-    "l2") the weight decay times the sign; a tensor of the math dtype compiled, floats
-    eagerly. ``key``, ``table``, ``start``: the random bits (``_noise``). Out of place only: an
-    in-place operation on a temporary splits the compiled kernel in two."""
-    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-    w = p.to(dtype)
-    grad = g.to(dtype)
-    if decay == "l2":  # the sign applies to the gradient before the decay
-        grad = grad + w * s[7]
-    m_new = m.to(dtype) * s[0] + grad * s[1]
-    v_new = v.to(dtype) * s[2] + grad * grad * s[3]
-    u = m_new / (_sqrt(v_new) * s[4] + s[5]) * s[6]
-    if decay == "decoupled":
-        u = u + w * s[7]
-    m.copy_(m_new)
-    if kind is None:
-        v.copy_(v_new)
-        _apply(p, w, u, c, None, kind)
-        return
-    first, second = _noise(p.numel(), start, key, table)
-    v.copy_(_round_stochastic(v_new, first, v.dtype))
-    _apply(p, w, u, c, second, kind)
+    all of one shape, or bfloat16 pairs: ``_Lanes``), in place. ``s``: beta1, (1 - beta1)
+    times the sign of the gradient (-1 to maximize), beta2, 1 - beta2, 1 / sqrt(1 -
+    beta2^step), eps, -lr / (1 - beta1^step), then (``decay`` "decoupled") -lr times the
+    weight decay or (``decay`` "l2") the weight decay times the sign; a tensor of the math
+    dtype compiled, floats eagerly. ``key``, ``start``: the random bits (``_noise``) of
+    the first element. Out of place only: an in-place operation on a temporary splits the
+    compiled kernel in two."""
+    lanes = _Lanes(p, start, key)
+    results = []
+    for half, (w, grad, m0, v0, c0) in enumerate(lanes.halves(p, g, m, v, c)):
+        if decay == "l2":  # the sign applies to the gradient before the decay
+            grad = grad + w * s[7]
+        m_new = m0 * s[0] + grad * s[1]
+        v_new = v0 * s[2] + grad * grad * s[3]
+        u = m_new / (_sqrt(v_new) * s[4] + s[5]) * s[6]
+        if decay == "decoupled":
+            u = u + w * s[7]
+        first, second = (None, None) if kind is None else lanes.noise(half)
+        v_out = v_new if first is None else lanes.stochastic(v_new, first, v.dtype)
+        results.append([lanes.nearest(m_new), v_out, *_apply(lanes, p, w, u, c0, second, kind)])
+    lanes.store([m, v, p, c], results)
 
 
 def _sgd(
@@ -332,8 +411,7 @@ def _sgd(
     b: torch.Tensor | None,
     c: torch.Tensor | None,
     s: torch.Tensor | list[float],
-    key: torch.Tensor | tuple[int, ...],
-    table: torch.Tensor,
+    key: torch.Tensor | int,
     kind: str | None,
     decay: str | None,
     start: int,
@@ -343,61 +421,64 @@ def _sgd(
     step), 1 - dampening (1 on the first step), the coefficients of the gradient and of the
     buffer in the update (nesterov: 1 and momentum, else 0 and 1), -lr, and (``decay``
     "l2") the weight decay; as for ``_adam``."""
-    dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
-    w = p.to(dtype)
-    grad = g.to(dtype) * s[0]
-    if decay == "l2":
-        grad = grad + w * s[6]
-    if b is not None:
-        b_new = b.to(dtype) * s[1] + grad * s[2]
-        b.copy_(b_new)
-        grad = grad * s[3] + b_new * s[4]
-    noise = None if kind is None else _noise(p.numel(), start, key, table)[0]
-    _apply(p, w, grad * s[5], c, noise, kind)
+    lanes = _Lanes(p, start, key)
+    results = []
+    for half, (w, grad, b0, c0) in enumerate(lanes.halves(p, g, b, c)):
+        grad = grad * s[0]
+        if decay == "l2":
+            grad = grad + w * s[6]
+        b_out = None
+        if b0 is not None:
+            b_new = b0 * s[1] + grad * s[2]
+            b_out = lanes.nearest(b_new)
+            grad = grad * s[3] + b_new * s[4]
+        noise = None if kind is None else lanes.noise(half)[0]
+        results.append([b_out, *_apply(lanes, p, w, grad * s[5], c0, noise, kind)])
+    lanes.store([b, p, c], results)
 
 
 # one function (one code object, so one torch.compile cache) per algorithm and kind: the
-# flat tensors, the scalars ``s``, the call's random ``key``, the noise ``table``, the
-# weight decay's form (None, "decoupled" or "l2") and the first element's index in the call
+# flat tensors, the scalars ``s``, the call's random ``key``, the weight decay's form (None,
+# "decoupled" or "l2") and the first element's index in the call
 _T = torch.Tensor
 _S = torch.Tensor | list[float]
-_K = torch.Tensor | tuple[int, ...]
+_K = torch.Tensor | int
 
 
 def _adam_kahan(
-    p: _T, g: _T, m: _T, v: _T, c: _T, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+    p: _T, g: _T, m: _T, v: _T, c: _T, s: _S, key: _K, decay: str | None, start: int = 0
 ) -> None:
-    _adam(p, g, m, v, c, s, key, table, "kahan", decay, start)
+    _adam(p, g, m, v, c, s, key, "kahan", decay, start)
 
 
 def _adam_stochastic(
-    p: _T, g: _T, m: _T, v: _T, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+    p: _T, g: _T, m: _T, v: _T, s: _S, key: _K, decay: str | None, start: int = 0
 ) -> None:
-    _adam(p, g, m, v, None, s, key, table, "stochastic", decay, start)
+    _adam(p, g, m, v, None, s, key, "stochastic", decay, start)
 
 
 def _adam_plain(
-    p: _T, g: _T, m: _T, v: _T, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+    p: _T, g: _T, m: _T, v: _T, s: _S, key: _K, decay: str | None, start: int = 0
 ) -> None:
-    _adam(p, g, m, v, None, s, key, table, None, decay, start)
+    _adam(p, g, m, v, None, s, key, None, decay, start)
 
 
 def _sgd_kahan(
-    p: _T, g: _T, b: _T | None, c: _T, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+    p: _T, g: _T, b: _T | None, c: _T, s: _S, key: _K, decay: str | None, start: int = 0
 ) -> None:
-    _sgd(p, g, b, c, s, key, table, "kahan", decay, start)
+    _sgd(p, g, b, c, s, key, "kahan", decay, start)
 
 
 def _sgd_stochastic(
-    p: _T, g: _T, b: _T | None, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+    p: _T, g: _T, b: _T | None, s: _S, key: _K, decay: str | None, start: int = 0
 ) -> None:
-    _sgd(p, g, b, None, s, key, table, "stochastic", decay, start)
+    _sgd(p, g, b, None, s, key, "stochastic", decay, start)
 
 
 def _sgd_plain(
-    p: _T, g: _T, b: _T | None, s: _S, key: _K, table: _T, decay: str | None, start: int = 0
+    p: _T, g: _T, b: _T | None, s: _S, key: _K, decay: str | None, start: int = 0
 ) -> None:
-    _sgd(p, g, b, None, s, key, table, None, decay, start)
+    _sgd(p, g, b, None, s, key, None, decay, start)
 
 
 _KERNELS: dict[tuple[str, str | None], Callable[..., None]] = {
@@ -450,21 +531,29 @@ def _splitmix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _key(seed: int, *words: int) -> tuple[int, ...]:
-    """Four 16-bit values hashed from ``seed`` and ``words`` (a call's noise offsets)."""
+def _key(seed: int, *words: int) -> int:
+    """A signed 32-bit value hashed from ``seed`` and ``words`` (a call's noise offset)."""
     h = _splitmix(seed & _MASK64)
     for word in words:
         h = _splitmix(h ^ (word & _MASK64))
-    return tuple((h >> shift) & 0xFFFF for shift in (0, 16, 32, 48))
+    h &= 0xFFFFFFFF
+    return h - (1 << 32) if h >= 1 << 31 else h
 
 
-def _on_memory(t: torch.Tensor, offset: int, shape: tuple[int, ...]) -> torch.Tensor:
+def _on_memory(
+    t: torch.Tensor, offset: int, shape: tuple[int, ...], pairs: bool = False
+) -> torch.Tensor:
     """A contiguous tensor of ``shape`` on the memory of the contiguous ``t`` from element
     ``offset``, not a view of it: views and fresh tensors take separate torch.compile
-    builds, and this keeps every compiled call's inputs fresh."""
-    out = torch.empty(0, dtype=t.dtype, device=t.device)
+    builds, and this keeps every compiled call's inputs fresh. ``pairs``: int32, each
+    element two of ``t``'s bfloat16 ones (``offset`` counts pairs; the first is at an even
+    element of the storage)."""
+    dtype, start = t.dtype, t.storage_offset() + offset
+    if pairs:
+        dtype, start = torch.int32, t.storage_offset() // 2 + offset
+    out = torch.empty(0, dtype=dtype, device=t.device)
     strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-    return out.set_(t.untyped_storage(), t.storage_offset() + offset, shape, strides)
+    return out.set_(t.untyped_storage(), start, shape, strides)
 
 
 class _Call:
@@ -479,8 +568,12 @@ class _Call:
         step: int,
         decay: str | None,
         packed: bool,
+        pairs: bool,
     ):
         self.algorithm = algorithm
+        # bfloat16 tensors stepped as int32 pairs (``_Lanes``): a compensated step whose
+        # tensors are all bfloat16
+        self.pairs = pairs
         # the weight decay's form: None, "decoupled" or "l2" (separate builds: each skips
         # the terms of the others, so a weight without decay steps as torch steps it)
         self.decay = decay
@@ -644,16 +737,21 @@ class Compensator:
         row: list[torch.Tensor | None],
         decay: str | None,
     ) -> None:
-        """File the parameter's ``row`` under a call: alone if large and contiguous, else
-        with the small ones of the same group, step, device and dtypes."""
+        """File the parameter's ``row`` under a call: alone if large and contiguous (and,
+        stepped as bfloat16 pairs, of an even size from an even offset), else with the
+        small ones of the same group, step, device and dtypes."""
         if kind != "kahan":
             row = row[:-1]  # no Kahan buffer
-        alone = row[0].numel() >= SMALL and all(t is None or t.is_contiguous() for t in row)
+        pairs = kind is not None and all(t is None or t.dtype == torch.bfloat16 for t in row)
+        alone = row[0].numel() >= SMALL and all(
+            t is None or (t.is_contiguous() and not (pairs and t.storage_offset() % 2)) for t in row
+        )
+        alone = alone and not (pairs and row[0].numel() % 2)
         layout = tuple(None if t is None else t.dtype for t in row)
         key = (index if alone else None, algorithm, kind, step, tuple(scalars), layout)
         key += (str(row[0].device),)
         if key not in calls:
-            calls[key] = _Call(algorithm, kind, scalars, step, decay, packed=not alone)
+            calls[key] = _Call(algorithm, kind, scalars, step, decay, not alone, pairs)
         calls[key].rows.append((index, row))
         calls[key].numel += row[0].numel()  # type: ignore[union-attr]
 
@@ -668,19 +766,33 @@ class Compensator:
         if known not in scalars:
             scalars[known] = torch.tensor(call.scalars, dtype=dtype, device=p.device)
         s = scalars[known]
+        width = 2 if call.pairs else 1  # elements per kernel element
         if not call.packed:
-            flat = [None if t is None else _on_memory(t, 0, (t.numel(),)) for t in rows[0]]
+            flat = [
+                None if t is None else _on_memory(t, 0, (t.numel() // width,), call.pairs)
+                for t in rows[0]
+            ]
             self._kernel(call, flat, s, call.rows[0][0], compensated)
             return
         columns = list(zip(*rows, strict=True))
-        # (under no_grad: the parameters' copies track nothing; 1-D tensors need no view)
+        # (under no_grad: the parameters' copies track nothing; 1-D tensors need no view;
+        # pairs of an odd number of elements take one more, a zero, stepped and dropped)
+        odd = call.pairs and sum(t.numel() for t in columns[0]) % 2
         packed = [
             None
             if col[0] is None
-            else torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in col])
+            else torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in col] +
+                           ([col[0].new_zeros(1)] if odd else []))
             for col in columns
-        ]
-        self._kernel(call, packed, s, call.rows[0][0], compensated)
+        ]  # fmt: skip
+        self._kernel(
+            call,
+            [None if t is None else _on_memory(t, 0, (t.numel() // width,), call.pairs)
+             for t in packed],
+            s,
+            call.rows[0][0],
+            compensated,
+        )  # fmt: skip
         sizes = [t.numel() for t in columns[0]]
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
@@ -690,7 +802,7 @@ class Compensator:
             dst += col
             src += [
                 piece if t.dim() == 1 else piece.view(t.shape)
-                for piece, t in zip(flat.split(sizes), col, strict=True)
+                for piece, t in zip(flat[: sum(sizes)].split(sizes), col, strict=True)
             ]
         torch._foreach_copy_(dst, src)
 
@@ -702,39 +814,33 @@ class Compensator:
         index: int,
         compensated: int,
     ) -> None:
-        """Run the step of ``call`` on its flat tensors, in parts of at most ``CALL_MAX``
-        elements, each keyed by (seed, step, parameter index, part): compiled, one call per
-        part; eagerly, in slices of at most ``EAGER_CHUNK`` elements inside one row of
-        ``BLOCK`` on a CPU (a slice's noise is then a window of the table), of
-        ``EAGER_CHUNK_ACCELERATOR`` elements elsewhere."""
+        """Run the step of ``call`` on its flat tensors (int32 for bfloat16 pairs), in
+        parts of at most ``CALL_MAX`` elements, each keyed by (seed, step, parameter index,
+        part): compiled, one call per part; eagerly, in slices of at most ``EAGER_CHUNK``
+        elements on a CPU, of ``EAGER_CHUNK_ACCELERATOR`` elsewhere."""
         p = flat[0]
         assert p is not None
         compiled = call.kind is not None and self._compiles(p.device, compensated)
-        table = _table(p.device)
         kernel = _KERNELS[call.algorithm, call.kind]
+        width = 2 if call.pairs else 1  # elements per kernel element
+        most = CALL_MAX // width
         eager_scalars: list[float] | None = None  # the same values as Python floats
-        for part, begin in enumerate(range(0, p.numel(), CALL_MAX)):
-            n = min(CALL_MAX, p.numel() - begin)
+        for part, begin in enumerate(range(0, p.numel(), most)):
+            n = min(most, p.numel() - begin)
             piece = flat
-            if p.numel() > CALL_MAX:
+            if p.numel() > most:
                 piece = [None if t is None else _on_memory(t, begin, (n,)) for t in flat]
             key = _key(self.seed, call.step, index, part)
             if compiled and n >= 2:
                 key_tensor = torch.tensor(key, dtype=torch.int32, device=p.device)
-                if self._compiled_call(call, piece, scalars, key_tensor, table):
+                if self._compiled_call(call, piece, scalars, key_tensor):
                     continue
             if eager_scalars is None:
                 eager_scalars = scalars.tolist()
-            cpu = p.device.type == "cpu"
-            size = EAGER_CHUNK if cpu else EAGER_CHUNK_ACCELERATOR
-            start = 0
-            while start < n:
-                end = min(start + size, n)
-                if cpu:
-                    end = min(end, (start // BLOCK + 1) * BLOCK)
-                chunk = [None if t is None else t[start:end] for t in piece]
-                kernel(*chunk, eager_scalars, key, table, call.decay, start)
-                start = end
+            size = (EAGER_CHUNK if p.device.type == "cpu" else EAGER_CHUNK_ACCELERATOR) // width
+            for start in range(0, n, size):
+                chunk = [None if t is None else t[start : start + size] for t in piece]
+                kernel(*chunk, eager_scalars, key, call.decay, start * width)
 
     def _compiles(self, device: torch.device, compensated: int) -> bool:
         if self._compile_failed is not None:
@@ -749,14 +855,13 @@ class Compensator:
         tensors: list[torch.Tensor | None],
         scalars: torch.Tensor,
         key: torch.Tensor,
-        table: torch.Tensor,
     ) -> bool:
         """Run the compiled step; False (with one warning, and eager steps from then on) if
         ``compile=None`` chose to compile and the build failed before anything ran."""
         from torch._dynamo.exc import BackendCompilerFailed
 
         try:
-            _compiled(call.algorithm, call.kind)(*tensors, scalars, key, table, call.decay)
+            _compiled(call.algorithm, call.kind)(*tensors, scalars, key, call.decay)
         except BackendCompilerFailed as error:
             if self.compile is not None:
                 raise

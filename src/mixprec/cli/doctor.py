@@ -6,12 +6,20 @@ a Hugging Face model (a dict batch with labels), or a model whose forward return
 Exit status: 0 when the target run passes (finite, no broken module, loss and gradient within
 --tolerance of the reference), 1 when it does not, 2 for bad arguments (3: an unexpected
 error, from `mixprec.cli`).
+
+``--search --memory 0.5`` (or ``--speed``) chooses a format per layer instead
+(`mixprec.plan.search`): the factory may then return a dict with ``batches`` (a list) and
+``eval_batches`` (held-out) instead of one ``batch``. Exit status 0 when the verified plan's
+loss is within --tolerance of the baseline's, 1 when not, 2 for bad arguments or a budget
+nothing fits (the message names the smallest reachable).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import shlex
+import sys
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,7 +49,138 @@ def _unpack(made: Any) -> tuple[Any, Any, Any]:
     )
 
 
+def _search_inputs(made: Any) -> tuple[Any, list[Any], Any, list[Any] | None, Any]:
+    """(model, batches, loss_fn, eval_batches, train_batches) of a factory's result for
+    --search."""
+    if isinstance(made, dict) and "batches" in made:
+        if "batch" in made:
+            raise FactoryError("the factory's dict has both 'batch' and 'batches': give one")
+        keys = {"model", "batches", "eval_batches", "train_batches", "loss_fn"}
+        unknown = sorted(set(made) - keys)
+        if unknown:
+            raise FactoryError(
+                f"unknown keys {unknown} in the factory's dict; it takes {sorted(keys)}"
+            )
+        return (
+            made.get("model"),
+            made["batches"],
+            made.get("loss_fn"),
+            made.get("eval_batches"),
+            made.get("train_batches"),
+        )
+    model, batch, loss_fn = _unpack(made)
+    return model, [batch], loss_fn, None, None
+
+
+def _search(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from mixprec import textout
+    from mixprec.plan import BudgetError, search
+    from mixprec.plan.report import REPORT_FILES as SEARCH_FILES
+
+    console = textout.console()
+    err = Console(stderr=True, soft_wrap=True)
+    budget = {k: v for k, v in (("memory", args.memory), ("speed", args.speed)) if v}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if not budget:
+                raise ValueError(
+                    "--search needs a budget: --memory FRACTION and/or --speed FRACTION"
+                )
+            if not args.no_report:
+                out = args.out or _numbered(Path("doctor-report"))
+                check_output_dir(out, "--out", keep=SEARCH_FILES)
+            model, batches, loss_fn, eval_batches, train_batches = _search_inputs(
+                call_factory(load_factory(args.factory), args.factory)
+            )
+            formats = [f.strip() for f in args.formats.split(",")] if args.formats else None
+            report = search(
+                model,
+                batches,
+                loss_fn,
+                budget=budget,
+                formats=formats,
+                baseline=args.baseline,
+                count=args.count,
+                eval_batches=eval_batches,
+                tolerance=args.tolerance if args.tolerance is not None else 0.01,
+                train_steps=args.train_steps,
+                train_batches=train_batches,
+                lr=args.lr or 1e-3,
+                device=args.device,
+                allow_slow=args.allow_slow,
+                seed=args.seed,
+            )
+        except (
+            BudgetError,
+            FactoryError,
+            PolicySpecError,
+            PrecisionError,
+            TypeError,
+            ValueError,
+        ) as error:
+            err.print(f"[red]mixprec doctor --search: {error}[/]")
+            return 2
+        console.print(report.__rich__())
+    for note in _once(str(w.message) for w in caught):
+        err.print(f"[dim]note: {note}[/]")
+    if not args.no_report:
+        policy = report.save(out, _search_command(args))
+        console.print(f"\nplan: {policy} (report: {policy.parent / 'search.md'})")
+    return 0 if report.met else 1
+
+
+def _search_command(args: argparse.Namespace) -> str:
+    """The command line that repeats this search (into another --out)."""
+    words = ["mixprec", "doctor", args.factory, "--search"]
+    for flag, value in (
+        ("--memory", args.memory),
+        ("--speed", args.speed),
+        ("--formats", args.formats),
+        ("--baseline", args.baseline),
+        ("--count", args.count),
+        ("--tolerance", args.tolerance),
+        ("--train-steps", args.train_steps or None),
+        ("--lr", args.lr),
+        ("--device", args.device),
+        ("--seed", args.seed),
+    ):
+        if value is not None:
+            words += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    if args.allow_slow:
+        words.append("--allow-slow")
+    return " ".join(shlex.quote(w) for w in words)
+
+
+# the diagnosis's options, which a search does not take (flag, the value it defaults to)
+_DIAGNOSIS_ONLY = (
+    ("--precision", "precision", "16-mixed"),
+    ("--reference", "reference", "32-true"),
+    ("--loss-scale", "loss_scale", None),
+    ("--optimizer", "optimizer", "adam"),
+    ("--no-recommend", "no_recommend", False),
+)
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.search:
+        for flag, name, default in _DIAGNOSIS_ONLY:
+            if getattr(args, name) != default:
+                hint = " (the search's precision is --baseline)" if flag == "--precision" else ""
+                print(f"mixprec doctor: {flag} is not an option of --search{hint}", file=sys.stderr)
+                return 2
+        return _search(args)
+    for flag, given in (
+        ("--memory", args.memory),
+        ("--speed", args.speed),
+        ("--formats", args.formats),
+        ("--train-steps", args.train_steps),
+    ):
+        if given:
+            print(f"mixprec doctor: {flag} is an option of --search", file=sys.stderr)
+            return 2
     from rich.console import Console
 
     from mixprec import textout
@@ -154,7 +293,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "every layer, and recommend a per-layer policy (and a loss scale where the scale "
             "is the problem). Exit status 0: the target run passes (finite, no broken layer, "
             "loss and gradient within --tolerance of the reference); 1: it does not; 2: bad "
-            "arguments; 3: an unexpected error (traceback on stderr)."
+            "arguments; 3: an unexpected error (traceback on stderr). With --search: 0 when the "
+            "verified plan's loss is within --tolerance of the baseline's, 1 when not, 2 for "
+            "bad arguments or a budget nothing fits."
         ),
     )
     p.add_argument(
@@ -180,7 +321,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         type=_positive_float("tolerance"),
         default=None,
         help=f"relative loss/gradient error the fix must reach ({DEFAULT_TOLERANCE}; "
-        f"{QUANTIZED_TOLERANCE} under a quantized policy)",
+        f"{QUANTIZED_TOLERANCE} under a quantized policy); with --search, how far the plan's "
+        "loss may exceed the baseline's (0.01)",
     )
     p.add_argument("--device", default=None, help="run on this device (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed of both runs")
@@ -205,6 +347,50 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "doctor-report/<date-time>/, a new one each run)",
     )
     p.add_argument("--no-recommend", action="store_true", help="only diagnose")
+    search = p.add_argument_group(
+        "format search",
+        "choose a format per layer within a budget (mixprec.plan.search), verified by "
+        "running the plan; writes policy.json, search.md and search.json",
+    )
+    search.add_argument("--search", action="store_true", help="search formats per layer")
+    search.add_argument(
+        "--memory",
+        type=_positive_float("--memory"),
+        default=None,
+        help="bytes budget: a fraction of the baseline's bytes of the searched layers (0.5)",
+    )
+    search.add_argument(
+        "--speed",
+        type=_positive_float("--speed"),
+        default=None,
+        help="time budget: a fraction of the baseline's summed step time of those layers",
+    )
+    search.add_argument(
+        "--formats",
+        default=None,
+        help="comma-separated formats to try (default: those fast on the device: 32-true, "
+        "the baseline, bf16-true, int8 and int4 on the baseline...)",
+    )
+    search.add_argument(
+        "--baseline", default="bf16-mixed", help="the precision plans depart from (bf16-mixed)"
+    )
+    search.add_argument(
+        "--count",
+        choices=("weights", "training"),
+        default="weights",
+        help="bytes of weights, or also gradients and optimizer state (training)",
+    )
+    search.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="also train the plan and the baseline this many AdamW steps (--lr, default 1e-3)",
+    )
+    search.add_argument(
+        "--allow-slow",
+        action="store_true",
+        help="accept --formats the device runs far slower than float32",
+    )
     p.add_argument("--no-report", action="store_true", help="write no report files")
     p.set_defaults(func=_run)
     return p

@@ -25,7 +25,21 @@ from mixprec.precision import Precision
 from mixprec.scaling import StaticLossScaler
 from mixprec.step import backward, plain_loss, step_context
 
-__all__ = ["Session", "grad_amax"]
+__all__ = ["Session", "grad_amax", "loss_of"]
+
+
+def loss_of(
+    model: nn.Module, precision: Precision, batch: Any, loss_fn: Callable[..., Tensor] | None
+) -> Tensor:
+    """The loss of one batch, computed as the Trainer computes it (`mixprec.step`): a plain
+    module's forward in its region and ``loss_fn`` outside autocast; a model that computes
+    its own loss (a training step, a Hugging Face model) in the precision's forward context."""
+    if loss_fn is not None:
+        out = plain_loss(precision, model, batch, loss_fn, check_outputs=check_outputs)
+        return as_loss(out, "loss_fn")
+    batch = precision.convert_input(batch)
+    with step_context(precision, model, user_code=True):
+        return batch_loss(model, batch)
 
 
 def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
@@ -72,19 +86,6 @@ class Session:
             )
         return copy.deepcopy(self.model)
 
-    def _loss(self, model: nn.Module, precision: Precision) -> Tensor:
-        """The loss, computed as the Trainer computes it (`mixprec.step`): a plain module's
-        forward in its region and ``loss_fn`` outside autocast; a model that computes its own
-        loss (a training step, a Hugging Face model) in the precision's forward context."""
-        if self.loss_fn is not None:
-            out = plain_loss(
-                precision, model, self.batch, self.loss_fn, check_outputs=check_outputs
-            )
-            return as_loss(out, "loss_fn")
-        batch = precision.convert_input(self.batch)
-        with step_context(precision, model, user_code=True):
-            return batch_loss(model, batch)
-
     def run(self, policy: PolicyMap, reference: Recording | None, scale: float) -> Recording:
         """One forward and backward of a fresh copy under `policy`, probed."""
         model = self.copy()
@@ -102,7 +103,7 @@ class Session:
         }
         probe = Probe(model, reference, grad_scale=scale)
         with seeded(self.seed, self.device), probe as rec:
-            loss = self._loss(model, precision)
+            loss = loss_of(model, precision, self.batch, self.loss_fn)
             if not loss.requires_grad:
                 raise ValueError(
                     "the loss does not require grad: is the model frozen or run under no_grad?"

@@ -1,5 +1,7 @@
 """Quantized layers: `quantize(model, mode)` swaps Linear/Embedding layers for int8 or int4
 ones (or Linear for float8 training), in place, as Keras's ``model.quantize`` does.
+int8/int4 also take Hugging Face's ``Conv1D`` (GPT-2's Linear with a transposed weight) as
+the Linear it computes; `dequantize` gives such a layer back as an ``nn.Linear``.
 
 ``mixprec.quantize`` is both this package and the function: ``mixprec.quantize(model,
 "int8")`` calls `quantize`, and ``mixprec.quantize.dequantize(model)`` reaches the rest.
@@ -47,6 +49,8 @@ from mixprec.quantize.rules import (
     Filter,
     check_same_options,
     describe,
+    hugging_face_conv1d,
+    linear_view,
     path_filter,
     skip_reason,
     swap_modules,
@@ -142,10 +146,12 @@ def _quantized_layer(
     tied weight quantized the same way. The scales hold values of the dtype they will be
     stored in: a 16-bit param dtype of the policy (`apply` casts them to it), else the
     weight's."""
+    key_weight, transposed = module.weight, hugging_face_conv1d(module)
+    module = linear_view(module)
     weight = module.weight
     param = policy.param_dtype
     storage = param if torch.finfo(param).bits < 32 else weight.dtype
-    key = (id(weight), policy.mode, policy.group_size, storage)
+    key = (id(key_weight), transposed, policy.mode, policy.group_size, storage)
     linear = isinstance(module, nn.Linear)
     name = f"{path}.weight"
     if policy.mode == "int8":

@@ -4,24 +4,40 @@ Weights: one scale per output channel (per row), abs-max, ``q = round(w / scale)
 [-127, 127] with ``scale = max|w_row| / 127``; Keras stores the reciprocal ``127 / max|w|``,
 the values are the same. Activations: one scale per token (row of the flattened input),
 computed from the tensor at run time. The matmul runs on int8 x int8 -> int32 and the int32
-sums are dequantized with both scales; a reduction longer than `ACC_MAX_K` (133144
-features), whose int32 sums could overflow, runs in chunks added in int64.
+sums are dequantized as ``float32(sums) * weight_scale * token_scale``, each product rounded
+to float32 in that order (so oneDNN applies the weight scales inside its call; until issue
+24 the token scale came first: as accurate, 0.34 units in the last place on average either
+way, and about a third of the outputs moved by one unit); a reduction longer than `ACC_MAX_K`
+(133144 features), whose int32 sums could overflow, runs in chunks added in int64.
 
 The integer sums are exact on every path, so every path gives the same outputs bit for bit;
 `Int8Linear.kernel` names the one a layer takes. On a CPU whose oneDNN int8 kernel gives
 exact sums (with VNNI; asked of the kernel once per process, `cpu_int8_kernels`), a Linear
-multiplies by its weight prepacked once for oneDNN (``torch.ops.onednn.qlinear_pointwise``,
-the int8 linear of torch's x86 Inductor quantization; activation codes shifted to unsigned
-with zero point 128). Elsewhere `torch._int_mm` where its sums are exact, else a
-float64 matmul, which holds them exactly. Without VNNI oneDNN's int8 kernels saturate
-16-bit partial sums (a row of 127s times 127s summed to 8160 instead of 1032256 under
-``ONEDNN_MAX_CPU_ISA=AVX2``), and `torch._int_mm` on CPU returned garbage for a reduction
-of one feature: neither is used where it is wrong.
+multiplies by its weight prepacked once for oneDNN with its scales
+(``torch.ops.onednn.qlinear_pointwise``, the int8 linear of torch's x86 Inductor
+quantization: brgemm with VNNI, the weight reordered once, no reorder per call, float32 out,
+the weight scales applied in its epilogue; activation codes shifted to unsigned with zero
+point 128). Elsewhere `torch._int_mm` where its sums are exact, else a float64 matmul, which
+holds them exactly. Without VNNI oneDNN's int8 kernels saturate 16-bit partial sums (a row
+of 127s times 127s summed to 8160 instead of 1032256 under ``ONEDNN_MAX_CPU_ISA=AVX2``), and
+`torch._int_mm` on CPU returned garbage for a reduction of one feature: neither is used
+where it is wrong.
+
+A forward is a dozen tensor calls: ``|x|`` and its row maxima, the quotient written into the
+buffer of ``|x|``, codes by a rounding addition (`_codes`: no round and no float-to-int
+conversion pass), the product, the token scales, the bias. Against torch.ao's dynamic int8
+Linear (fbgemm: one call that quantizes the activations per tensor, asymmetric, while it
+packs them for its GEMM), measured by ``benchmarks/kernels.py --threads 1`` on a shared AMD
+Zen 4 with VNNI (benchmarks/results/quantize_int.md): at 4096 x 4096 and 256 tokens 0.86-0.89x
+its time; at 1024 x 1024 and 128 tokens 1.37-1.50x (was 1.53-1.66x), where oneDNN's product
+alone takes 0.89 ms against torch.ao's whole call's 0.95 ms, and the other calls, each paying
+for cold caches after the float32 Linear the benchmark runs before it, take the rest; decode
+(1 token, 4096 x 4096, `torch._int_mm`) 1.05-1.41x (was 1.49-1.61x). 2.5x faster than float32
+at 128 tokens.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
@@ -97,38 +113,62 @@ def storable_scale(scale: Tensor, dtype: torch.dtype, name: str) -> Tensor:
     return stored.float()
 
 
+# 1.5 * 2**23. Added to a float32 below 2**22 in magnitude, the sum, between 2**23 and 2**24
+# where float32 steps by 1, is rounded to an integer as torch.round does (to nearest, ties to
+# even: the constant is even), and that integer's low byte is the low byte of the sum's bits.
+_ROUNDER = 12582912.0
+
+
+def _codes(x: Tensor, scale: Tensor, zero_point: int = 0, out: Tensor | None = None) -> Tensor:
+    """``round(x / scale)`` clamped to [-127, 127], as int8, or plus `zero_point` (128) as
+    uint8; 0 where ``x / scale`` is NaN. `out` (float32, x's shape) may take the quotient.
+
+    No float-to-int conversion and no rounding pass: ``x / scale + _ROUNDER + zero_point`` is
+    rounded to an integer by the addition (as ``torch.round`` rounds), clamped, and its low
+    byte, read off its int32 bits, is the code plus `zero_point` (two's complement for int8):
+    the codes of rounding, clamping and converting, in fewer passes over the activations."""
+    offset = _ROUNDER + zero_point
+    q = torch.div(x, scale, out=out).add_(offset).clamp_(offset - QMAX, offset + QMAX)
+    q = q.nan_to_num_(offset)
+    return q.view(torch.int32).to(torch.uint8 if zero_point else torch.int8)
+
+
 def _quantize_rows(
     x: Tensor, dtype: torch.dtype = torch.float32, name: str = "the tensor"
 ) -> tuple[Tensor, Tensor]:
-    """Symmetric per-row int8 of a 2-D tensor, with scales `dtype` holds exactly (as float32;
-    see `storable_scale`). A row holding an inf or NaN gets codes 0 and scale NaN, so
-    whatever is computed from it comes out NaN.
-
-    Activations pass here on every forward, so it reads `x` few times and allocates little:
-    the row maxima in `x`'s own dtype (exact, no ``abs`` copy), then the codes in one
-    float32 buffer worked in place (a 16-bit `x` divides as float32 by type promotion, the
-    same values as converting it first)."""
-    x = x.detach()
+    """Symmetric per-row int8 of a 2-D tensor: int8 codes and scales [rows] as float32
+    holding values `dtype` holds exactly (see `storable_scale`); an all-zero row gets scale 1.
+    A row holding an inf or NaN gets codes 0 and scale NaN, so whatever is computed from it
+    comes out NaN. (A forward takes `_quantize_tokens`: fewer tensor calls, the same codes.)"""
+    if x.requires_grad:
+        x = x.detach()
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         x = x.to(torch.float32)  # float64: codes of its float32 values, as before
-    # max |x| per row; NaN or inf for a non-finite row (maximum propagates NaN)
-    amax = torch.maximum(x.amax(dim=-1, keepdim=True), x.amin(dim=-1, keepdim=True).neg_())
-    amax = amax.to(torch.float32)
+    # max |x| per row, in x's own dtype (exact); NaN or inf for a non-finite row
+    amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
     scale = torch.where(amax > 0, amax / QMAX, 1.0)
-    # on a CPU, one look at the largest row maximum spares two passes when all are finite
-    # (on a GPU that look would wait for the device; torch.compile would break its graph)
-    finite = (
-        x.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and (amax.numel() == 0 or math.isfinite(amax.max().item()))
-    )
-    if not finite:
-        scale = torch.where(torch.isfinite(amax), scale, torch.nan)
+    scale = torch.where(torch.isfinite(amax), scale, torch.nan)
     scale = storable_scale(scale, dtype, name)
-    q = torch.div(x, scale).round_().clamp_(-QMAX, QMAX)
-    if not finite:
-        q.nan_to_num_(0.0)  # only a NaN scale's row divides to NaN: its codes become 0
-    return q.to(torch.int8), scale.squeeze(-1)
+    return _codes(x, scale), scale.squeeze(-1)
+
+
+def _quantize_tokens(x: Tensor, zero_point: int = 0) -> tuple[Tensor, Tensor]:
+    """The codes of `quantize_tokens` for a 2-D `x` (plus `zero_point`, see `_codes`) and the
+    scales [rows, 1] to multiply the sums by, in the fewest tensor calls (a forward pays each
+    call's cost): ``max|x| / 127`` as is, so 0 for an all-zero row (its codes are 0 and so its
+    sums: the product is 0 as with scale 1) and inf for a row holding an inf (its codes are 0:
+    the product 0 * inf is NaN, as with scale NaN). Every row holding a NaN divides to NaN and
+    gets codes 0. For a float32 `x` the quotient reuses the buffer of ``|x|``."""
+    if x.requires_grad:
+        x = x.detach()
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        x = x.to(torch.float32)  # float64: codes of its float32 values, as before
+    absx = x.abs()
+    amax = absx.amax(dim=-1, keepdim=True)
+    if x.dtype == torch.float32:
+        return _codes(x, amax.div_(QMAX), zero_point, out=absx), amax
+    scale = amax.to(torch.float32).div_(QMAX)
+    return _codes(x, scale, zero_point), scale
 
 
 def quantize_rows(
@@ -140,7 +180,9 @@ def quantize_rows(
     `w`'s). A weight holding inf or NaN is refused (`check_finite`; `name` says which in the
     error)."""
     check_finite(w, name)
-    return _quantize_rows(w, w.dtype if dtype is None else dtype, name)
+    # contiguous codes: the kernels prepack them from memory (a transposed weight's codes
+    # read as rows gave other sums)
+    return _quantize_rows(w.contiguous(), w.dtype if dtype is None else dtype, name)
 
 
 # The longest reduction whose int32 sums cannot overflow: each product of two codes is at
@@ -190,32 +232,40 @@ def wrong_sums(product: Callable[[Tensor, Tensor], Tensor]) -> str | None:
 
 
 class OnednnWeight(NamedTuple):
-    """An int8 weight prepacked for oneDNN's int8 linear, with the unit scales and zero
-    points the call takes (the layer applies its own scales afterwards, in its own order)."""
+    """An int8 weight prepacked for oneDNN's int8 linear, with the float32 scales its sums
+    are multiplied by inside the call (its epilogue) and the zero points the call takes."""
 
     packed: Tensor
-    ones: Tensor
+    scales: Tensor
     zeros: Tensor
 
 
-def onednn_prepack(qweight: Tensor) -> OnednnWeight:
-    """`qweight` [N, K] (int8) prepacked for `onednn_product`."""
+def onednn_prepack(qweight: Tensor, weight_scale: Tensor | None = None) -> OnednnWeight:
+    """`qweight` [N, K] (int8) prepacked for `onednn_product`, with its scales [N] (ones when
+    None: the plain sums)."""
     n = qweight.shape[0]
+    if weight_scale is None:
+        scales = torch.ones(n, dtype=torch.float32, device=qweight.device)  # not the default
+    else:
+        scales = weight_scale.to(torch.float32).contiguous()
     return OnednnWeight(
-        torch.ops.onednn.qlinear_prepack(qweight, None),
-        torch.ones(n, dtype=torch.float32, device=qweight.device),  # not the default dtype
+        torch.ops.onednn.qlinear_prepack(qweight.contiguous(), None),
+        scales,
         torch.zeros(n, dtype=torch.int32, device=qweight.device),
     )
 
 
-def onednn_product(qx: Tensor, weight: OnednnWeight) -> Tensor:
-    """``qx @ qweight.T`` as float32 (the exact int32 sums, converted as ``.to(float32)``
-    does) for int8 codes `qx` [M, K] and `onednn_prepack(qweight)`. The codes are shifted in
-    place to unsigned with zero point 128 (oneDNN's fast int8 kernels take u8 activations;
-    s8 ones ran a reference loop ~3000x slower), so `qx` is used up."""
-    shifted = qx.view(torch.uint8).bitwise_xor_(0x80)  # two's complement code + 128
+def onednn_product(ux: Tensor, weight: OnednnWeight) -> Tensor:
+    """``(qx @ qweight.T) * scales`` as float32 (the exact int32 sums converted as
+    ``.to(float32)`` does, times each output channel's scale, rounded once, as
+    ``torch.mul(sums, scales)``) for the unsigned codes ``ux = qx + 128`` [M, K] (uint8) of
+    int8 codes `qx` and ``weight = onednn_prepack(qweight, scales)``: oneDNN's fast int8
+    kernels take u8 activations (s8 ones ran a reference loop ~3000x slower), so the call
+    takes them with zero point 128."""
+    if ux.dtype != torch.uint8:
+        raise ValueError(f"onednn_product takes the codes plus 128 as uint8, got {ux.dtype}")
     return torch.ops.onednn.qlinear_pointwise(
-        shifted, 1.0, 128, weight.packed, weight.ones, weight.zeros, None, 1.0, 0,
+        ux, 1.0, 128, weight.packed, weight.scales, weight.zeros, None, 1.0, 0,
         torch.float32, "none", [], "",
     )  # fmt: skip
 
@@ -235,7 +285,9 @@ def cpu_int8_kernels() -> dict[str, str | None]:
             if not torch.backends.mkldnn.is_available():
                 found["onednn"] = "this torch is built without oneDNN"
             else:
-                found["onednn"] = wrong_sums(lambda a, b: onednn_product(a, onednn_prepack(b)))
+                found["onednn"] = wrong_sums(
+                    lambda a, b: onednn_product(a.view(torch.uint8) ^ 0x80, onednn_prepack(b))
+                )
             found["int_mm"] = wrong_sums(lambda a, b: torch._int_mm(a, b.t()))
         _cpu_int8_kernels.update(found)
     return _cpu_int8_kernels
@@ -296,14 +348,19 @@ class Prepacked:
     def prepacked(self, sources: tuple[Tensor, ...], build: Callable[[], T]) -> T:
         """``build()``, made once per state of the `sources` buffers."""
         entry = self.__dict__.get("_prepacked_entry")
-        versions = tuple(_version(t) for t in sources)
-        if (
-            entry is None
-            or entry[1] != versions
-            or any(ref() is not t for ref, t in zip(entry[0], sources, strict=True))
-        ):
-            entry = (tuple(weakref.ref(t) for t in sources), versions, build())
-            self.__dict__["_prepacked_entry"] = entry
+        if entry is not None:
+            refs, versions, built = entry
+            for ref, version, t in zip(refs, versions, sources, strict=True):
+                if ref() is not t or version != _version(t):
+                    break
+            else:  # a forward's fixed cost: a plain loop, no generators
+                return built
+        entry = (
+            tuple(weakref.ref(t) for t in sources),
+            tuple(_version(t) for t in sources),
+            build(),
+        )
+        self.__dict__["_prepacked_entry"] = entry
         return entry[2]
 
     def drop_prepacked(self) -> None:
@@ -328,15 +385,25 @@ def int8_linear(
     x: Tensor, qweight: Tensor, weight_scale: Tensor, packed: OnednnWeight | None = None
 ) -> Tensor:
     """The int8 matmul of `Int8Linear` without bias, as float32 of shape (*x.shape[:-1], N):
-    ``int_matmul(qx, qweight) * x_scale[:, None] * weight_scale[None, :]``; the sums come
-    from oneDNN's prepacked copy of `qweight` when `packed` is given (the same integers)."""
-    qx, x_scale = quantize_tokens(x)
+    ``int_matmul(qx, qweight) * weight_scale[None, :] * x_scale[:, None]``, each product
+    rounded to float32 in that order; the first product comes out of oneDNN's call on the
+    prepacked `qweight` and scales when `packed` (``onednn_prepack(qweight, weight_scale)``)
+    is given: the same integers (of the codes plus 128) times the same scales."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if packed is None:  # int sums times float32 scales: converted as .to(float32) does
-        out = torch.mul(int_matmul(qx, qweight), x_scale[:, None])
-    else:  # the float32 sums are a fresh tensor: scaled in place
-        out = onednn_product(qx, packed).mul_(x_scale[:, None])
-    out.mul_(weight_scale.to(torch.float32)[None, :])
-    return out.reshape(*x.shape[:-1], qweight.shape[0])
+        qx, x_scale = _quantize_tokens(x2)
+        acc = int_matmul(qx, qweight)
+        if weight_scale.dtype != torch.float32:
+            weight_scale = weight_scale.to(torch.float32)
+        if acc.dtype == torch.int32:  # into the sums' own memory, each read then written
+            out = torch.mul(acc, weight_scale, out=acc.view(torch.float32))
+        else:
+            out = torch.mul(acc, weight_scale)
+    else:
+        ux, x_scale = _quantize_tokens(x2, zero_point=128)
+        out = onednn_product(ux, packed)
+    out.mul_(x_scale)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], qweight.shape[0])
 
 
 class _Int8Matmul(torch.autograd.Function):
@@ -435,8 +502,8 @@ class Int8Linear(Prepacked, LoraMixin, nn.Module):
         found = cpu_int8_kernels()
         if self._onednn(device):
             return (
-                "oneDNN int8 linear (torch.ops.onednn.qlinear_pointwise, weight prepacked "
-                "once); torch._int_mm for a single token"
+                "oneDNN int8 linear (torch.ops.onednn.qlinear_pointwise, weight and scales "
+                "prepacked once); torch._int_mm for a single token"
             )
         if found["onednn"] is None:
             why = f"{k} input features: oneDNN's unsigned int32 sums hold {ONEDNN_MAX_K}"
@@ -459,20 +526,30 @@ class Int8Linear(Prepacked, LoraMixin, nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         check_input(self, x)
+        # buffers and bias read from their dicts: nn.Module.__getattr__ is Python code, and
+        # fixed costs count here (with caches cold, a tenth of a 1024 x 1024 layer's time)
+        qweight, weight_scale = self._buffers["qweight"], self._buffers["weight_scale"]
+        bias = self._parameters.get("bias")  # None: built without one (a plain attribute)
         packed = None
         # one token (decode): torch._int_mm's matrix-vector path was faster than oneDNN's
         # linear (0.7 vs 1.1 ms for 4096 x 4096 with cold caches on a Zen 4)
         if x.numel() > x.shape[-1] and self._onednn(x.device):
-            packed = self.prepacked((self.qweight,), lambda: onednn_prepack(self.qweight))
-        if torch.is_grad_enabled() and x.requires_grad:
-            out = _Int8Matmul.apply(x, self.qweight, self.weight_scale, packed)
+            packed = self.prepacked(
+                (qweight, weight_scale), lambda: onednn_prepack(qweight, weight_scale)
+            )
+        grad = torch.is_grad_enabled()
+        if grad and x.requires_grad:
+            out = _Int8Matmul.apply(x, qweight, weight_scale, packed)
         else:  # no graph to record: skip the autograd.Function's cost
-            out = int8_linear(x, self.qweight, self.weight_scale, packed)
-        if self.bias is not None:
-            bias = self.bias.to(torch.float32)
-            out = out + bias if torch.is_grad_enabled() else out.add_(bias)
-        out = out.to(output_dtype(x))
-        return self.add_lora(x, out)
+            out = int8_linear(x, qweight, weight_scale, packed)
+        if bias is not None:
+            if bias.dtype != torch.float32:
+                bias = bias.to(torch.float32)
+            out = out + bias if grad else out.add_(bias)
+        dtype = output_dtype(x)
+        if out.dtype != dtype:
+            out = out.to(dtype)
+        return self.add_lora(x, out) if self.lora_rank else out
 
     def extra_repr(self) -> str:
         return (

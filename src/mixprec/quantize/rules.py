@@ -10,6 +10,7 @@ them).
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 
 from torch import nn
@@ -23,6 +24,8 @@ __all__ = [
     "carry_hooks",
     "check_same_options",
     "describe",
+    "hugging_face_conv1d",
+    "linear_view",
     "path_filter",
     "plain_linear",
     "skip_reason",
@@ -34,6 +37,31 @@ __all__ = [
 MIN_QUANTIZED_FEATURES = 16
 
 Filter = Callable[[str, nn.Module], bool] | str | re.Pattern[str] | None
+
+
+def hugging_face_conv1d(module: nn.Module) -> bool:
+    """Whether `module` is a ``transformers`` ``Conv1D`` (GPT-2's Linear with a transposed
+    weight), recognised without importing transformers."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(utils, "Conv1D", None)
+    return conv1d is not None and type(module) is conv1d
+
+
+def linear_view(module: nn.Module) -> nn.Module:
+    """`module` itself, or for a Hugging Face ``Conv1D`` an ``nn.Linear`` computing the same
+    function: its weight the Conv1D's transposed (``[in, out]`` -> ``[out, in]``, copied
+    contiguous: kernels prepack the codes from memory), its bias the same Parameter. What
+    int8/int4 quantize a Conv1D from."""
+    if not hugging_face_conv1d(module):
+        return module
+    linear = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(linear)
+    linear.in_features, linear.out_features = module.weight.shape
+    weight = module.weight.detach().t().contiguous()
+    linear.weight = nn.Parameter(weight, module.weight.requires_grad)
+    linear.bias = module.bias
+    carry_hooks(module, linear)
+    return linear.train(module.training)
 
 
 def skip_reason(policy: QuantizedPolicy, module: nn.Module) -> str | None:
@@ -56,9 +84,13 @@ def skip_reason(policy: QuantizedPolicy, module: nn.Module) -> str | None:
             "unsupported option: an Embedding with max_norm or sparse=True changes its "
             "weight or gradient in ways a quantized table cannot"
         )
-    if type(module) is not nn.Linear and not embedding:
+    conv1d = not linear_only and hugging_face_conv1d(module)
+    if type(module) is not nn.Linear and not embedding and not conv1d:
         return f"unsupported type {type(module).__name__}: {mode} quantizes {kinds}"
-    features = module.in_features if type(module) is nn.Linear else module.embedding_dim
+    if conv1d:
+        features = module.weight.shape[0]
+    else:
+        features = module.in_features if type(module) is nn.Linear else module.embedding_dim
     if features < MIN_QUANTIZED_FEATURES:
         return (
             f"too small: {features} input features (fewer than "

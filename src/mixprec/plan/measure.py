@@ -1,0 +1,166 @@
+"""Measuring plans by running them: loss, bytes and step time of a model converted to a
+policy, and a short training run; what the search's report states instead of predictions."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.convert import apply
+from mixprec.doctor.running import loss_of
+from mixprec.plan.units import Unit, state_bytes
+from mixprec.policy_map import PolicyMap
+from mixprec.precision import Precision
+
+__all__ = ["Measured", "Trained", "convert", "measure_plans", "train"]
+
+
+@dataclass
+class Measured:
+    """A plan as it ran: mean loss over the evaluation batches, bytes of the searched layers
+    and of the whole model, median seconds of one step."""
+
+    loss: float
+    unit_bytes: int
+    model_bytes: int
+    seconds: float | None  # None: not timed
+
+
+@dataclass
+class Trained:
+    """A short training run: the loss of each step and the evaluation loss after it."""
+
+    losses: list[float]
+    eval_loss: float
+
+
+def convert(model: nn.Module, policy: PolicyMap) -> nn.Module:
+    """A fresh deep copy of `model` converted to `policy`, dropout off (every plan must see
+    the same network)."""
+    converted = copy.deepcopy(model)
+    apply(converted, policy, warn=False)
+    return converted.eval()
+
+
+def _eval_loss(
+    model: nn.Module, precision: Precision, batches: Sequence[Any], loss_fn: Any
+) -> float:
+    with torch.no_grad():
+        losses = [float(loss_of(model, precision, b, loss_fn).detach()) for b in batches]
+    return sum(losses) / len(losses)
+
+
+def _step(
+    model: nn.Module, precision: Precision, batch: Any, loss_fn: Any, training: bool
+) -> Callable[[], None]:
+    def run() -> None:
+        if training:
+            loss = loss_of(model, precision, batch, loss_fn)
+            if loss.requires_grad:  # a plan may freeze every layer (all quantized)
+                loss.backward()
+            model.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad():
+                loss_of(model, precision, batch, loss_fn)
+
+    return run
+
+
+def _unit_modules(model: nn.Module, units: Sequence[Unit]) -> nn.ModuleList:
+    modules = dict(model.named_modules())
+    return nn.ModuleList(modules[p] for u in units for p in u.paths)
+
+
+def measure_plans(
+    model: nn.Module,
+    plans: dict[str, PolicyMap],
+    units: Sequence[Unit],
+    batches: Sequence[Any],
+    loss_fn: Any,
+    *,
+    count: str,
+    training: bool,
+    reps: int,
+    device: torch.device,
+    timed: set[str],
+) -> dict[str, Measured]:
+    """Each plan converted and run: its loss on `batches`, its bytes (as `count` counts them)
+    and, for the plans in `timed`, the median time of one step on the first batch (forward,
+    and backward when `training`), taking turns step by step after an untimed step each."""
+    converted = {name: convert(model, plan) for name, plan in plans.items()}
+    precisions = {name: Precision(plan, device=device) for name, plan in plans.items()}
+    losses = {
+        name: _eval_loss(m, precisions[name], batches, loss_fn) for name, m in converted.items()
+    }
+    steps = {
+        name: _step(m, precisions[name], batches[0], loss_fn, training)
+        for name, m in converted.items()
+        if name in timed
+    }
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for rep in range(reps + 1):
+        for name, run in steps.items():
+            start = time.perf_counter()
+            run()
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    return {
+        name: Measured(
+            loss=losses[name],
+            unit_bytes=state_bytes(_unit_modules(m, units), count),
+            model_bytes=state_bytes(m, count),
+            seconds=statistics.median(times[name]) if name in times else None,
+        )
+        for name, m in converted.items()
+    }
+
+
+def _trainable(model: nn.Module) -> list[Tensor]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def train(
+    model: nn.Module,
+    policy: PolicyMap,
+    batches: Sequence[Any],
+    eval_batches: Sequence[Any],
+    loss_fn: Any,
+    *,
+    steps: int,
+    lr: float,
+    device: torch.device,
+    seed: int,
+) -> Trained:
+    """`steps` AdamW steps of a copy of `model` under `policy` (16-bit weights with Kahan
+    compensation, float32 ones plainly; int8/int4 weights frozen), cycling over `batches`
+    with a fixed seed; the loss of each step and the evaluation loss after."""
+    torch.manual_seed(seed)
+    trained = copy.deepcopy(model).train()
+    apply(trained, policy, warn=False)
+    sixteen = any(p.dtype in (torch.bfloat16, torch.float16) for p in _trainable(trained))
+    precision = Precision(
+        policy, device=device, allow_slow=True, compensation="kahan" if sixteen else None
+    )
+    if not _trainable(trained):
+        raise ValueError(
+            "the plan leaves nothing to train (every trainable layer quantized, int8/int4 "
+            "weights are frozen): train_steps needs a plan with trainable parameters"
+        )
+    optimizer = torch.optim.AdamW(_trainable(trained), lr=lr)
+    trained, optimizer = precision.setup(trained, optimizer, convert=False)
+    losses = []
+    for i in range(steps):
+        loss = loss_of(trained, precision, batches[i % len(batches)], loss_fn)
+        precision.backward(loss)
+        precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    trained.eval()
+    return Trained(losses=losses, eval_loss=_eval_loss(trained, precision, eval_batches, loss_fn))

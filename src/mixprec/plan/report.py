@@ -1,0 +1,441 @@
+"""What a format search found, as a value: per layer the chosen format, its cost and score;
+the plan measured beside the baseline, float32 and every uniform plan; the attempts; the
+training run. Markdown, JSON, a terminal table, and the policy file the plan is."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mixprec.plan.units import Unit, describe_bytes
+
+if TYPE_CHECKING:
+    from mixprec.plan.measure import Measured, Trained
+    from mixprec.plan.searching import Budget
+    from mixprec.policy_map import PolicyMap
+
+__all__ = ["REPORT_FILES", "Attempt", "Option", "SearchReport", "UnitRow"]
+
+REPORT_FILES = ("policy.json", "search.md", "search.json")
+
+
+@dataclass
+class Option:
+    """One format for one layer: bytes, median seconds of its step, damage (the Fisher
+    term), first-order term, and the damage measured alone when a retry needed it."""
+
+    bytes: int
+    seconds: float = 0.0
+    damage: float = 0.0
+    taylor: float = 0.0
+    measured_damage: float | None = None
+
+
+@dataclass
+class UnitRow:
+    """A searched layer (or tied group): its options, the chosen one, and why it was kept
+    above cheaper formats: (format, its damage over the median layer's in that format)."""
+
+    unit: Unit
+    options: dict[str, Option] = field(default_factory=dict)
+    not_applicable: dict[str, str] = field(default_factory=dict)
+    chosen: str = ""
+    why: list[tuple[str, float]] = field(default_factory=list)
+
+    def reason(self) -> str:
+        """Why this layer is not in a cheaper format (empty when it is in the cheapest, or
+        the budget had room for it)."""
+        if not self.why:
+            return ""
+        fmt, ratio = max(self.why, key=lambda w: w[1])
+        times = "inf" if ratio == math.inf else f"{ratio:.3g}"
+        return f"{fmt} would hurt it {times}x the median layer's damage in {fmt}"
+
+
+@dataclass
+class Attempt:
+    """One solve and its verification: the formats chosen, the measured loss and its gap
+    to the baseline's (a fraction), and the predicted loss change (both terms summed)."""
+
+    chosen: list[str]
+    loss: float
+    gap: float
+    predicted: float
+    note: str = ""
+    kept: bool = False  # the attempt the report's plan is (the lowest measured loss)
+
+
+def _num(x: float) -> str:
+    if x == 0 or not math.isfinite(x):
+        return str(x) if not math.isfinite(x) else "0"
+    return f"{x:.3g}" if 1e-3 <= abs(x) < 1e4 else f"{x:.2e}"
+
+
+@dataclass
+class SearchReport:
+    """The result of `mixprec.search` (see its docstring); `policy` is the plan."""
+
+    rows: list[UnitRow]
+    formats: list[str]
+    left_out: dict[str, str]
+    baseline: str
+    budget: Budget
+    count: str
+    base_costs: dict[str, float]
+    limits: dict[str, float]
+    policy: PolicyMap
+    measured: dict[str, Measured]
+    attempts: list[Attempt]
+    tolerance: float
+    held_out: bool
+    trained: dict[str, Trained]
+    reference_loss: float
+    device: str
+    seconds: float
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step of the search
+
+    # --- verdicts -------------------------------------------------------------------
+    @property
+    def plan(self) -> dict[str, str]:
+        """The chosen format of each searched layer, by path."""
+        return {p: r.chosen for r in self.rows for p in r.unit.paths}
+
+    @property
+    def met(self) -> bool:
+        """Whether the verified plan's loss is within `tolerance` of the baseline's."""
+        return self._kept.gap <= self.tolerance
+
+    @property
+    def _kept(self) -> Attempt:
+        return next(a for a in self.attempts if a.kept)
+
+    def _costs(self, name: str) -> dict[str, float]:
+        """A measured plan's cost per budget kind, as the budget counts it: bytes of the
+        searched layers; the summed step time of its layers' formats."""
+        m = self.measured[name]
+        out: dict[str, float] = {"memory": m.unit_bytes}
+        formats = self._formats_of(name)
+        if formats is not None:
+            out["speed"] = sum(
+                r.options[f].seconds for r, f in zip(self.rows, formats, strict=True)
+            )
+        return out
+
+    def _formats_of(self, name: str) -> list[str] | None:
+        if name == "plan":
+            return [r.chosen for r in self.rows]
+        if name == "baseline":
+            return [self.baseline for _ in self.rows]
+        if name.startswith("all "):
+            fmt = name[4:]
+            return [fmt if fmt in r.options else self.baseline for r in self.rows]
+        if "32-true" in self.formats:
+            return ["32-true" for _ in self.rows]
+        return None
+
+    def fits(self, name: str) -> bool | None:
+        """Whether measured plan `name` fits the budget (None: not known for a kind)."""
+        costs = self._costs(name)
+        verdicts = []
+        for kind, limit in self.limits.items():
+            if kind not in costs:
+                return None
+            verdicts.append(costs[kind] <= limit * (1 + 1e-9))
+        return all(verdicts)
+
+    @property
+    def uniform(self) -> list[str]:
+        """The uniform plans measured ("all <format>")."""
+        return [n for n in self.measured if n.startswith("all ")]
+
+    @property
+    def beats_uniform(self) -> bool:
+        """Whether the plan's loss is strictly below every uniform plan that fits."""
+        plan = self.measured["plan"].loss
+        return all(plan < self.measured[n].loss for n in self.uniform if self.fits(n))
+
+    # --- views ----------------------------------------------------------------------
+    def _budget_line(self) -> str:
+        parts = []
+        for kind, limit in self.limits.items():
+            frac = getattr(self.budget, kind)
+            if kind == "memory":
+                whole = describe_bytes(self.base_costs["memory"])
+                parts.append(
+                    f"memory <= {frac:g}x the baseline's {self.count} bytes of the searched "
+                    f"layers ({describe_bytes(limit)} of {whole})"
+                )
+            else:
+                parts.append(
+                    f"speed: the searched layers' summed step time <= {frac:g}x the "
+                    f"baseline's ({limit * 1e3:.3g} of {self.base_costs['speed'] * 1e3:.3g} ms)"
+                )
+        return "; ".join(parts)
+
+    def summary(self) -> str:
+        """A few lines: the verdict, the plan's loss, bytes and time against the baseline."""
+        p, b = self.measured["plan"], self.measured["baseline"]
+        gap = self._kept.gap
+        verdict = "within" if self.met else "MISSES"
+        where = "held-out batches" if self.held_out else "the search batches (no held-out ones)"
+        lines = [
+            f"plan {verdict} tolerance: loss {p.loss:.6g} vs baseline {self.baseline} "
+            f"{b.loss:.6g} ({gap:+.2%}, tolerance {self.tolerance:.2%}) on {where}",
+            f"searched layers: {describe_bytes(p.unit_bytes)} vs {describe_bytes(b.unit_bytes)} "
+            f"({p.unit_bytes / b.unit_bytes:.3f}x); step {p.seconds * 1e3:.3g} ms vs "
+            f"{b.seconds * 1e3:.3g} ms ({p.seconds / b.seconds:.2f}x)",
+        ]
+        same = [n for n in self.uniform if self._formats_of(n) == self._formats_of("plan")]
+        if same:
+            lines.append(f"the plan is {same[0]}: every layer the format takes is in it")
+        fitting = [n for n in self.uniform if self.fits(n) and n not in same]
+        beaten = [n for n in fitting if p.loss < self.measured[n].loss]
+        if beaten:
+            lines.append(f"better than the uniform plans that fit: {', '.join(beaten)}")
+        for n in fitting:
+            if n not in beaten:
+                lines.append(
+                    f"NOT better than {n}, which fits: loss {self.measured[n].loss:.6g} "
+                    f"({self.measured[n].unit_bytes / b.unit_bytes:.3f}x the bytes)"
+                )
+        if not fitting and not same:
+            lines.append("no uniform plan fits the budget")
+        speed = getattr(self.budget, "speed", None)
+        if speed is not None and p.seconds is not None and b.seconds:
+            ratio = p.seconds / b.seconds
+            if ratio > speed:
+                lines.append(
+                    f"the speed budget holds for the layers' times measured alone "
+                    f"({self._costs('plan')['speed'] / self.base_costs['speed']:.2f}x), but "
+                    f"the whole step measures {ratio:.2f}x the baseline's: regions, casts and "
+                    "the unsearched ops do not shrink with the layers"
+                )
+        if len(self.attempts) > 1:
+            k = next(i for i, a in enumerate(self.attempts, 1) if a.kept)
+            how = "met the tolerance" if self.met else "missed too, the lowest loss"
+            lines.append(f"{len(self.attempts)} attempts; the plan is attempt {k} ({how})")
+        elif self.attempts[0].note:
+            lines.append(self.attempts[0].note)
+        return "\n".join(lines)
+
+    def _plan_rows(self) -> list[list[str]]:
+        b = self.measured["baseline"]
+        rows = []
+        for name, m in self.measured.items():
+            fits = self.fits(name)
+            rows.append(
+                [
+                    name,
+                    f"{m.loss:.6g}",
+                    f"{(m.loss - b.loss) / max(abs(b.loss), 1e-12):+.3%}",
+                    describe_bytes(m.unit_bytes),
+                    f"{m.unit_bytes / b.unit_bytes:.3f}",
+                    describe_bytes(m.model_bytes),
+                    "-" if m.seconds is None else f"{m.seconds * 1e3:.3g}",
+                    "-" if m.seconds is None else f"{m.seconds / b.seconds:.2f}",
+                    "?" if fits is None else ("yes" if fits else "no"),
+                ]
+            )
+        return rows
+
+    _PLAN_HEADERS = (
+        "plan",
+        "loss",
+        "vs baseline",
+        "layers' bytes",
+        "x baseline",
+        "model bytes",
+        "step ms",
+        "x baseline",
+        "fits budget",
+    )
+    # "fits budget": bytes as measured; time as the budget counts it, the layers' times
+    # measured alone (the step column is the whole step)
+    _LAYER_HEADERS = ("layer", "type", "params", "format", "bytes", "ms", "damage", "why")
+
+    def _layer_rows(self) -> list[list[str]]:
+        rows = []
+        for r in self.rows:
+            o = r.options[r.chosen]
+            rows.append(
+                [
+                    r.unit.name,
+                    "+".join(dict.fromkeys(r.unit.kinds)),
+                    str(r.unit.params),
+                    r.chosen,
+                    describe_bytes(o.bytes),
+                    f"{o.seconds * 1e3:.3g}",
+                    _num(o.damage),
+                    r.reason(),
+                ]
+            )
+        return rows
+
+    def to_markdown(self, command: str | None = None) -> str:
+        """The whole report as markdown (what `save` writes to search.md)."""
+        out = io.StringIO()
+        w = out.write
+        w("# Format search\n\n")
+        if command:
+            w(f"Command: `{command}`\n\n")
+        w(f"Device: {self.device}. Baseline: {self.baseline}. Budget: {self._budget_line()}. ")
+        w(f"Search took {self.seconds:.1f} s")
+        if self.phases:
+            w(" (" + ", ".join(f"{k} {v:.1f} s" for k, v in self.phases.items()) + ")")
+        w(".\n\n")
+        w(f"Formats tried: {', '.join(self.formats)}.")
+        if self.left_out:
+            w(" Left out: " + "; ".join(f"{k} ({v})" for k, v in self.left_out.items()) + ".")
+        w("\n\n")
+        w(self.summary().replace("\n", "  \n") + "\n\n")
+        w("## Plans, measured\n\n")
+        w(f"Loss: mean over the {'held-out' if self.held_out else 'search'} batches; ")
+        w("bytes of the searched layers and of the whole model, counted as ")
+        step = "training step" if self.count == "training" else "forward"
+        w(f"`{self.count}`; step: median ms of one whole {step} ")
+        w("(plans taking turns; uniform plans are timed under a speed budget only). A uniform ")
+        w("plan puts every layer the format can take in it. Fits budget: bytes as measured; ")
+        w("time as the budget counts it, the searched layers' times measured alone.\n\n")
+        w(_md_table(self._PLAN_HEADERS, self._plan_rows()))
+        w("\n## Attempts\n\n")
+        w("Predicted: the layers' first- and second-order terms summed, on the search batches ")
+        w(f"(float32 loss there {self.reference_loss:.6g}); measured: against float32 on the ")
+        w(f"{'held-out' if self.held_out else 'search'} batches.\n\n")
+        f32 = self.measured["float32"].loss
+        for i, a in enumerate(self.attempts, 1):
+            w(
+                f"{i}. loss {a.loss:.6g} ({a.gap:+.3%} vs baseline); change from float32: "
+                f"predicted {_num(a.predicted)}, measured {_num(a.loss - f32)}"
+                f"{'; ' + a.note if a.note else ''}{' (the plan)' if a.kept else ''}\n"
+            )
+        w("\n## Per layer\n\n")
+        w("damage: the Fisher-weighted output error of the chosen format (predicted loss ")
+        w("increase over float32); why: the cheaper format that would have hurt it most, ")
+        w("against the median layer.\n\n")
+        w(_md_table(self._LAYER_HEADERS, self._layer_rows()))
+        w("\n## Damage per format\n\n")
+        headers = ("layer", *self.formats)
+        rows = [
+            [r.unit.name]
+            + [_num(r.options[f].damage) if f in r.options else "n/a" for f in self.formats]
+            for r in self.rows
+        ]
+        w(_md_table(headers, rows))
+        if self.trained:
+            w("\n## Training run\n\n")
+            w("| plan | first loss | last loss | eval loss after |\n|---|---:|---:|---:|\n")
+            for name, t in self.trained.items():
+                w(f"| {name} | {t.losses[0]:.6g} | {t.losses[-1]:.6g} | {t.eval_loss:.6g} |\n")
+            w(f"\n{len(next(iter(self.trained.values())).losses)} AdamW steps each.\n")
+        return out.getvalue()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything as JSON-ready values (what `save` writes to search.json)."""
+        return _strict_json(
+            {
+                "device": self.device,
+                "baseline": self.baseline,
+                "budget": {k: getattr(self.budget, k) for k in self.budget.kinds},
+                "count": self.count,
+                "limits": self.limits,
+                "baseline_costs": self.base_costs,
+                "formats": self.formats,
+                "left_out": self.left_out,
+                "tolerance": self.tolerance,
+                "met": self.met,
+                "beats_uniform": self.beats_uniform,
+                "held_out": self.held_out,
+                "reference_loss": self.reference_loss,
+                "seconds": self.seconds,
+                "phases": self.phases,
+                "plan": self.plan,
+                "measured": {
+                    name: {**vars(m), "fits": self.fits(name)} for name, m in self.measured.items()
+                },
+                "attempts": [vars(a) for a in self.attempts],
+                "layers": [
+                    {
+                        "paths": list(r.unit.paths),
+                        "kinds": list(r.unit.kinds),
+                        "params": r.unit.params,
+                        "chosen": r.chosen,
+                        "why": r.reason(),
+                        "options": {k: vars(o) for k, o in r.options.items()},
+                        "not_applicable": r.not_applicable,
+                    }
+                    for r in self.rows
+                ],
+                "trained": {k: vars(t) for k, t in self.trained.items()},
+            }
+        )
+
+    def save(self, directory: str | Path, command: str | None = None) -> Path:
+        """Write policy.json (the plan, for `Precision`, the Trainer, the CLI), search.md
+        and search.json into `directory` (made if missing); returns the policy file."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "search.md").write_text(self.to_markdown(command))
+        (directory / "search.json").write_text(
+            json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+        )
+        return self.policy.save(directory / "policy.json")
+
+    def __rich__(self) -> Any:
+        from rich.console import Group
+        from rich.text import Text
+
+        from mixprec.textout import Column, FittedTable
+
+        plans = FittedTable(
+            "plans, measured",
+            [
+                Column(h, "left" if i == 0 else "right", None if i < 3 else 9 - i)
+                for i, h in enumerate(self._PLAN_HEADERS)
+            ],
+            full="search.md has every column",
+        )
+        for cells in self._plan_rows():
+            plans.add_row(cells)
+        layers = FittedTable(
+            "per layer",
+            [
+                Column(
+                    h,
+                    "left" if h in ("layer", "type", "format", "why") else "right",
+                    None if h in ("layer", "format") else 8 - i,
+                )
+                for i, h in enumerate(self._LAYER_HEADERS)
+            ],
+            full="search.md has every column",
+        )
+        for cells in self._layer_rows():
+            layers.add_row(cells)
+        return Group(Text(self.summary()), plans, layers)
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        console = Console(width=160, record=True, file=io.StringIO(), color_system=None)
+        console.print(self.__rich__())
+        return console.export_text()
+
+
+def _strict_json(value: Any) -> Any:
+    """`value` with non-finite floats as strings ("inf", "nan"): strict JSON has none."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value
+
+
+def _md_table(headers: tuple[str, ...] | list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

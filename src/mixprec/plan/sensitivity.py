@@ -1,0 +1,229 @@
+"""How much each (layer, format) hurts the loss, and what it costs in time.
+
+One float32 forward and backward per batch records, for every searched layer, its inputs,
+its output ``y`` and the loss's gradient ``g`` at that output. A candidate (the layer
+converted to a format) is then run on the same inputs alone, and its output error
+``d = y_f - y`` scored two ways:
+
+- ``taylor = sum(g * d)``: the first-order change of the loss;
+- ``fisher = M/2 * sum_t (g_t . d_t)^2`` over the M rows of the output (its last dimension
+  the features: the tokens of a sequence model, the samples of an MLP): the second-order
+  change with the Hessian replaced by the empirical Fisher of a loss that averages over
+  rows (a row's own gradient is ``M g_t``), non-negative, as the Fisher-weighted error of
+  HAWQ-style and auto-quantize methods. Rows, not sequences: a batch of 16 sequences gives
+  an empirical Fisher of rank 16, blind to almost every direction a quantization error
+  takes (measured on the char LM: 25x below the loss change; per token, within a few x).
+
+The damage the solver minimises is the Fisher term (averaged over batches): the
+first-order term of a trained model is noise whose sign the next batch does not keep. The
+report predicts a plan's loss change as the sum of both over its layers, and checks it
+against the loss the plan measures: layers interact, so the sum is a guide the verification
+corrects.
+
+Time: each candidate's forward (and backward under training costs) on the first batch's
+inputs, ``reps`` times, candidates of a layer taking turns, the median kept.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from mixprec.plan.units import Unit
+
+__all__ = ["Calls", "Scores", "record", "score", "time_candidates"]
+
+
+@dataclass
+class Calls:
+    """What one searched layer saw in one reference step: per call, its inputs, its output
+    and the gradient of the loss at the output."""
+
+    args: list[tuple[Any, ...]] = field(default_factory=list)
+    kwargs: list[dict[str, Any]] = field(default_factory=list)
+    outputs: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor | None] = field(default_factory=list)
+
+
+@dataclass
+class Scores:
+    """A (unit, format)'s damage summed over the unit's layers, averaged over batches."""
+
+    fisher: float = 0.0
+    taylor: float = 0.0
+    batches: int = 0
+
+    def add(self, fisher: float, taylor: float) -> None:
+        self.fisher += fisher
+        self.taylor += taylor
+
+    def end_batch(self) -> None:
+        self.batches += 1
+
+    @property
+    def damage(self) -> float:
+        return self.fisher / max(self.batches, 1)
+
+    @property
+    def first_order(self) -> float:
+        return self.taylor / max(self.batches, 1)
+
+
+def _kept(value: Any) -> Any:
+    """A copy the model cannot change later (an in-place residual add, ``ReLU(inplace=True)``
+    on a layer's output would otherwise change what was recorded)."""
+    return value.detach().clone() if isinstance(value, Tensor) else value
+
+
+class _Readers(TorchFunctionMode):
+    """Notes the searched layers whose parameters an operation outside the layer reads (a
+    head computed as ``F.linear(h, embedding.weight)``): swapping such a layer for a
+    quantized one would leave that reader without its weight."""
+
+    def __init__(self, owners: dict[int, str]) -> None:
+        super().__init__()
+        self.owners = owners
+        self.inside: list[str] = []
+        self.outside: dict[str, str] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        for a in (*args, *(kwargs or {}).values()):
+            path = self.owners.get(id(a)) if isinstance(a, nn.Parameter) else None
+            if path is not None and path not in self.inside[-1:]:
+                where = f"inside {self.inside[-1]}" if self.inside else "outside any layer"
+                self.outside.setdefault(path, f"{getattr(func, '__name__', func)} {where}")
+        return func(*args, **(kwargs or {}))
+
+
+def record(
+    model: nn.Module, paths: Iterable[str], step: Callable[[], Tensor]
+) -> tuple[float, dict[str, Calls], dict[str, str]]:
+    """Run ``step()`` (a forward returning the loss) and its backward on `model`, recording
+    what the layers at `paths` saw; returns the loss, the calls per path, and the layers
+    whose parameters something outside them reads (path -> the operation that does).
+
+    A layer whose output needs no gradient (frozen, on inputs that need none) has its output
+    made a leaf that does, so the loss's gradient reaches it and its damage is scored."""
+    modules = dict(model.named_modules())
+    calls = {path: Calls() for path in paths}
+    owners = {id(p): path for path in calls for p in modules[path].parameters(recurse=False)}
+    readers = _Readers(owners)
+    handles = []
+
+    def hook_for(path: str) -> Callable[..., Any]:
+        def enter(module: nn.Module, args: tuple) -> None:
+            readers.inside.append(path)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+            readers.inside.pop()
+            if not isinstance(output, Tensor) or not output.is_floating_point():
+                raise TypeError(
+                    f"{path} returned {type(output).__name__}: the search scores layers "
+                    "that return one floating tensor"
+                )
+            if not output.requires_grad:
+                output = output.detach().requires_grad_()
+            c = calls[path]
+            i = len(c.outputs)
+            c.args.append(tuple(_kept(a) for a in args))
+            c.kwargs.append({k: _kept(v) for k, v in kwargs.items()})
+            c.outputs.append(_kept(output))
+            c.grads.append(None)
+
+            def keep(grad: Tensor) -> None:
+                c.grads[i] = grad.detach()
+
+            output.register_hook(keep)
+            return output
+
+        return enter, hook
+
+    try:
+        for path in calls:
+            enter, hook = hook_for(path)
+            handles.append(modules[path].register_forward_pre_hook(enter))
+            handles.append(modules[path].register_forward_hook(hook, with_kwargs=True))
+        with readers:
+            loss = step()
+        if not loss.requires_grad:
+            raise ValueError(
+                "the loss does not require grad: is the model frozen or run under no_grad?"
+            )
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    for path, c in calls.items():
+        if not c.outputs:
+            raise ValueError(
+                f"{path} was not called in the model's forward: a search scores the layers a "
+                "step runs"
+            )
+    return float(loss.detach()), calls, readers.outside
+
+
+def score(holder: nn.ModuleList, unit: Unit, calls: dict[str, Calls], scores: Scores) -> None:
+    """Add one batch's damage of a candidate (`holder`, from `units.candidate`) to `scores`."""
+    with torch.no_grad():
+        for layer, path in zip(holder, unit.paths, strict=True):
+            c = calls[path]
+            for args, kwargs, y, g in zip(c.args, c.kwargs, c.outputs, c.grads, strict=True):
+                if g is None:  # the output did not reach the loss
+                    continue
+                # float32 elementwise (an output's float32 difference is exact to its last
+                # bit), sums per sample in float64
+                d = layer(*args, **kwargs).float() - y.float()
+                rows = (g.float() * d).reshape(-1, d.shape[-1] if d.dim() else 1)
+                gd = rows.sum(dim=1, dtype=torch.float64)
+                m = gd.numel()
+                scores.add(float(m / 2 * (gd**2).sum()), float(gd.sum()))
+    scores.end_batch()
+
+
+def _timed(holder: nn.ModuleList, unit: Unit, calls: dict[str, Calls], training: bool) -> float:
+    start = time.perf_counter()
+    for layer, path in zip(holder, unit.paths, strict=True):
+        c = calls[path]
+        for args, kwargs, g in zip(c.args, c.kwargs, c.grads, strict=True):
+            if training:
+                args = tuple(
+                    a.detach().requires_grad_()
+                    if isinstance(a, Tensor) and a.is_floating_point()
+                    else a
+                    for a in args
+                )
+                out = layer(*args, **kwargs)
+                if out.requires_grad:
+                    out.backward(torch.ones_like(out) if g is None else g.to(out.dtype))
+            else:
+                with torch.no_grad():
+                    layer(*args, **kwargs)
+    return time.perf_counter() - start
+
+
+def time_candidates(
+    holders: list[nn.ModuleList],
+    unit: Unit,
+    calls: dict[str, Calls],
+    training: bool,
+    reps: int,
+) -> list[float]:
+    """Median seconds of each candidate's step of this unit's layers on `calls`' inputs
+    (forward; and backward under `training`), the candidates taking turns, one untimed
+    round first (caches, packed weights)."""
+    times: list[list[float]] = [[] for _ in holders]
+    for rep in range(reps + 1):
+        for i, holder in enumerate(holders):
+            t = _timed(holder, unit, calls, training)
+            if rep:
+                times[i].append(t)
+    for holder in holders:
+        holder.zero_grad(set_to_none=True)
+    return [statistics.median(t) for t in times]

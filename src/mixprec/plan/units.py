@@ -1,0 +1,181 @@
+"""The layers a format search chooses for, the formats it tries, and what a layer costs.
+
+A *unit* is one choice of the search: a Linear, an Embedding or a Hugging Face ``Conv1D``,
+or several of them that share one weight (a tied embedding and output head), which must
+take one format so that the weight stays one tensor. Everything else in the model (norms,
+convolutions, attention's own parameters) stays in the baseline policy.
+
+A *format* is any mixprec policy a layer can take: a float policy (``"32-true"``,
+``"bf16-mixed"``, ``"bf16-true"``...) or a quantized one (``"int8_from_bf16-mixed"``,
+``"int4/32_from_bf16-mixed"``, float8 recipes, block-scaled formats). A candidate is a deep
+copy of a unit's layers converted to a format by `mixprec.apply`, the same conversion the
+plan gets, so what is scored, timed and weighed is what will run.
+
+Bytes are measured on the converted copies, each storage once (a tied weight counts once):
+``"weights"`` counts parameters and buffers; ``"training"`` adds, per trainable parameter,
+its gradient and AdamW's two moments in the parameter's dtype, and for a 16-bit parameter
+the Kahan buffer that ``Precision(compensation="kahan")`` keeps (the way a search's training
+run trains): 16 bytes per float32 weight, 10 per bfloat16 one, int8/int4 weights frozen.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mixprec.convert import apply
+from mixprec.hardware import FAST, DeviceInfo, policy_support
+from mixprec.policy import Policy, QuantizedPolicy, as_policy
+from mixprec.policy_map import PolicyMap
+from mixprec.quantize.rules import hugging_face_conv1d, skip_reason
+
+__all__ = [
+    "COUNTS",
+    "Unit",
+    "candidate",
+    "default_formats",
+    "describe_bytes",
+    "find_units",
+    "format_name",
+    "state_bytes",
+    "unit_applies",
+]
+
+COUNTS = ("weights", "training")
+# int4 group sizes a default search tries: the finest the packed kernel takes and a coarse one
+DEFAULT_INT4_GROUPS = (32, 128)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One choice of the search: the paths of the layers sharing one weight (usually one)."""
+
+    paths: tuple[str, ...]
+    kinds: tuple[str, ...]
+    params: int  # elements of the unit's parameters, each storage once
+
+    @property
+    def name(self) -> str:
+        return " + ".join(self.paths)
+
+
+def _searchable(module: nn.Module) -> bool:
+    if type(module) not in (nn.Linear, nn.Embedding) and not hugging_face_conv1d(module):
+        return False
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, nn.Parameter) and weight.is_floating_point()
+
+
+def find_units(model: nn.Module) -> list[Unit]:
+    """The model's Linear, Embedding and Hugging Face Conv1D layers, grouped by shared weight,
+    in the order the model lists them."""
+    groups: dict[int, list[tuple[str, nn.Module]]] = {}
+    for path, module in model.named_modules():
+        if path and _searchable(module):
+            groups.setdefault(id(module.weight), []).append((path, module))
+    units = []
+    for members in groups.values():
+        seen: dict[int, int] = {}
+        for _, m in members:
+            for p in m.parameters(recurse=False):
+                seen[id(p)] = p.numel()
+        units.append(
+            Unit(
+                paths=tuple(path for path, _ in members),
+                kinds=tuple(type(m).__name__ for _, m in members),
+                params=sum(seen.values()),
+            )
+        )
+    return units
+
+
+def format_name(spec: object) -> str:
+    """The canonical name of a format (`PolicySpecError` naming what is accepted if `spec`
+    is none)."""
+    return as_policy(spec).name
+
+
+def unit_applies(policy: Policy, modules: list[nn.Module]) -> str | None:
+    """Why `policy` cannot take this unit (None: it can): a quantized policy must quantize
+    every layer of the unit, or the shared weight would split."""
+    if not isinstance(policy, QuantizedPolicy):
+        return None
+    for m in modules:
+        reason = skip_reason(policy, m)
+        if reason is not None:
+            return reason
+    return None
+
+
+def default_formats(baseline: Policy, info: DeviceInfo) -> tuple[list[str], dict[str, str]]:
+    """The formats a search tries by default on `info`'s device, and those it leaves out with
+    why: float32, the baseline and the 16-bit "true" policies, int8, int4 (groups of 32 and
+    128) and float8 built on the baseline, each only where the device runs it fast, or no
+    slower than the baseline itself (a baseline slow here, allowed by the caller, admits
+    formats as slow as it)."""
+    source = baseline.name
+    specs = [
+        "32-true",
+        source,
+        "bf16-true",
+        "16-true",
+        f"int8_from_{source}",
+        *(f"int4/{g}_from_{source}" for g in DEFAULT_INT4_GROUPS),
+        f"float8/tensorwise_from_{source}",
+        f"float8/rowwise_from_{source}",
+    ]
+    chosen: list[str] = []
+    left_out: dict[str, str] = {}
+    slowest = max(FAST.rank, policy_support(PolicyMap(baseline), info).status.rank)
+    for spec in specs:
+        name = format_name(spec)
+        if name in chosen or name in left_out:
+            continue
+        support = policy_support(PolicyMap(spec), info)
+        if support.status.rank <= slowest:
+            chosen.append(name)
+        else:
+            left_out[name] = f"{support.status}: {support.reason}"
+    return chosen, left_out
+
+
+def candidate(model: nn.Module, unit: Unit, policy: Policy) -> nn.ModuleList:
+    """Deep copies of the unit's layers (sharing their weight as the originals do), converted
+    to `policy` by `apply`, each with its own region: call ``holder[i](*args)``."""
+    modules = dict(model.named_modules())
+    copies = copy.deepcopy([modules[p] for p in unit.paths])
+    holder = nn.ModuleList(copies)
+    rules = {str(i): policy for i in range(len(copies))}
+    apply(holder, PolicyMap("32-true", rules), warn=False)
+    return holder
+
+
+def state_bytes(modules: nn.Module, count: str) -> int:
+    """Bytes of `modules`' parameters and buffers, each storage once; under
+    ``count="training"`` also the gradient, AdamW's moments and (16-bit) Kahan buffer of
+    each trainable parameter (see the module's docstring)."""
+    seen: dict[int, tuple[int, bool, torch.dtype]] = {}
+    for t in modules.parameters():
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = (storage.nbytes(), t.requires_grad, t.dtype)
+    for t in modules.buffers():
+        storage = t.untyped_storage()
+        seen.setdefault(storage.data_ptr(), (storage.nbytes(), False, t.dtype))
+    total = 0
+    for nbytes, trains, dtype in seen.values():
+        total += nbytes
+        if count == "training" and trains:
+            sixteen = dtype.is_floating_point and torch.finfo(dtype).bits == 16
+            total += nbytes * (3 + (1 if sixteen else 0))
+    return total
+
+
+def describe_bytes(n: float) -> str:
+    """Bytes in the unit that reads best (B, KB, MB, GB; powers of 1000)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"

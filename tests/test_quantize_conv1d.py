@@ -1,0 +1,84 @@
+"""int8/int4 quantize Hugging Face's Conv1D (GPT-2's Linear with a transposed weight) as the
+Linear it computes: the same outputs as quantizing that Linear, one copy of a tied weight."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.quantize import Int4Linear, Int8Linear
+
+transformers = pytest.importorskip("transformers")
+Conv1D = transformers.pytorch_utils.Conv1D
+
+
+def pair() -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    conv = Conv1D(24, 48)  # nf=24 outputs, nx=48 inputs: weight [48, 24]
+    nn.init.normal_(conv.bias)
+    linear = nn.Linear(48, 24)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t())
+        linear.bias.copy_(conv.bias)
+    return nn.Sequential(conv), nn.Sequential(linear)
+
+
+@pytest.mark.parametrize(("mode", "kind"), [("int8", Int8Linear), ("int4", Int4Linear)])
+def test_a_conv1d_quantizes_to_what_its_linear_quantizes_to(mode: str, kind: type) -> None:
+    conv, linear = pair()
+    x = torch.randn(5, 48)
+    with torch.no_grad():
+        assert torch.equal(conv(x), conv(x))
+    options = {"group_size": 32} if mode == "int4" else {}
+    result = mixprec.quantize(conv, mode, **options)
+    mixprec.quantize(linear, mode, **options)
+    assert type(conv[0]) is kind and list(result.quantized) == ["0"]
+    assert (conv[0].in_features, conv[0].out_features) == (48, 24)
+    assert conv[0].bias is not None
+    for name, buffer in linear[0].named_buffers():
+        assert torch.equal(buffer, dict(conv[0].named_buffers())[name]), name
+    with torch.no_grad():
+        assert torch.equal(conv(x), linear(x))
+
+
+def test_a_dequantized_conv1d_is_the_linear_it_computes() -> None:
+    conv, _ = pair()
+    original = copy.deepcopy(conv)
+    mixprec.quantize(conv, "int8")
+    mixprec.quantize.dequantize(conv)
+    assert type(conv[0]) is nn.Linear and conv[0].weight.shape == (24, 48)
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        torch.testing.assert_close(conv(x), original(x), atol=0.05, rtol=0.05)
+
+
+def test_float8_and_block_scaled_formats_leave_a_conv1d_float() -> None:
+    conv, _ = pair()
+    result = mixprec.quantize(conv, "mxfp8")
+    assert type(conv[0]) is Conv1D
+    assert "unsupported type Conv1D: mxfp8 quantizes Linear" in result.skipped["0"]
+
+
+def test_gpt2_conv1d_layers_quantize_and_the_tied_head_shares_one_copy() -> None:
+    config = transformers.GPT2Config(
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        vocab_size=64,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    before = float(model(input_ids=ids, labels=ids).loss)
+    result = mixprec.quantize(model, "int8")
+    assert "transformer.h.0.mlp.c_fc" in result.quantized
+    assert model.lm_head.qweight is model.transformer.wte.qweight
+    after = float(model(input_ids=ids, labels=ids).loss)
+    assert after == pytest.approx(before, rel=0.02)
