@@ -249,10 +249,13 @@ def step_group() -> Group:
 # --- a char LM training step -----------------------------------------------------------------
 
 
-def lm_step(precision: Precision | None, autocast: bool = False, batch: int = 32) -> Call:
+def lm_step(
+    precision: Precision | None, autocast: bool = False, batch: int = 32, compile: bool = False
+) -> Call:
     """One training step (forward, loss, backward, AdamW step) of examples/charlm.py's model
     on a fixed batch: through `precision` when given, else a plain torch loop (in
-    ``torch.autocast`` bfloat16 when `autocast`)."""
+    ``torch.autocast`` bfloat16 when `autocast`). `compile`: the converted model compiled in
+    place (inductor), as ``Trainer(compile=True)`` does."""
     torch.manual_seed(0)
     model = charlm.CharGPT(block=128, dim=256, layers=4)
     data = torch.randint(0, 256, (batch, 129))
@@ -270,6 +273,8 @@ def lm_step(precision: Precision | None, autocast: bool = False, batch: int = 32
 
         return call
     model, wrapped = precision.setup(model, opt)
+    if compile:
+        model.compile()
 
     def step() -> None:
         with precision.forward_context():
@@ -287,22 +292,36 @@ LM_TARGET = Target("float32", 0.5, ">= 2.0x faster than float32")
 
 
 def lm_group() -> Group:
-    """A char LM training step in float32, bf16-mixed, raw autocast and bf16-true + Kahan."""
+    """A char LM training step in float32, bf16-mixed (as the device decides its attention's
+    dtype, with attention in bfloat16, and compiled), raw autocast and bf16-true + Kahan."""
+    bf16_attention = mixprec.PolicyMap("bf16-mixed", float32_attention=False)
     calls = {
         "float32": lm_step(None),
         "bf16-mixed": lm_step(Precision("bf16-mixed", allow_slow=True)),
+        "bf16-mixed, bf16 attention": lm_step(Precision(bf16_attention, allow_slow=True)),
+        "bf16-mixed compiled": lm_step(Precision("bf16-mixed", allow_slow=True), compile=True),
         "torch.autocast bf16": lm_step(None, autocast=True),
         "bf16-true + Kahan": lm_step(Precision("bf16-true", compensation="kahan", allow_slow=True)),
     }
+    attention = mixprec.explain(charlm.CharGPT(block=128, dim=256, layers=4), "bf16-mixed")
     return Group(
         "char LM training step (examples/charlm.py model: d 256, 4 layers, 32 x 128 tokens)",
         calls,
         [
             Line("bf16-mixed (mixprec Precision)", "bf16-mixed", ("torch.autocast bf16",
-                 "float32"), (LM_TARGET,)),
+                 "bf16-mixed, bf16 attention", "float32"), (LM_TARGET,)),
+            Line("bf16-mixed, float32_attention=False", "bf16-mixed, bf16 attention",
+                 ("float32",)),
+            Line("bf16-mixed + torch.compile (Trainer(compile=True))", "bf16-mixed compiled",
+                 ("bf16-mixed", "float32"), (LM_TARGET,)),
             Line("bf16-true + Kahan (mixprec Precision)", "bf16-true + Kahan", ("float32",),
                  (LM_TARGET,)),
             Line("raw torch.autocast bf16 (no mixprec)", "torch.autocast bf16", ("float32",)),
+        ],
+        notes=[
+            "char LM bf16-mixed: attention in float32 inside autocast in "
+            + (", ".join(attention.float32_attention) or "no module")
+            + f" ({next(iter(attention.float32_attention.values()), 'not on this device')})"
         ],
     )  # fmt: skip
 
@@ -445,7 +464,8 @@ def main() -> None:
             )
     notes = [note for group in groups for note in group.notes]
     if notes:
-        lines += ["", "Kernels (`QuantizeResult.kernels`):", ""] + [f"- {n}" for n in notes]
+        lines += ["", "Kernels (`QuantizeResult.kernels`) and islands (`mixprec.explain`):", ""]
+        lines += [f"- {n}" for n in notes]
     if missed:
         lines += ["", "## Where mixprec's time goes (torch.profiler, self CPU time)"]
     for group, line in missed:

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 # the package, which is callable: mixprec.quantize(model, "int8") quantizes in place and
 # mixprec.quantize.dequantize / enable_lora / merge_lora are its other functions
 import mixprec.quantize as quantize
-from mixprec.convert import apply, remove
+from mixprec.convert import apply, explain, remove
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
-from mixprec.policy_map import PolicyMap, explain
+from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.scaling import (
     DynamicLossScaler,

@@ -4,7 +4,9 @@ Parameters and floating buffers go to each module's param dtype. The root module
 runs in the policy's compute region (autocast for mixed policies, a cast of floating inputs
 for "true" ones) and casts floating outputs to the output dtype. Below the root, a module
 gets a region of its own only where its policy computes differently from its parent's, so a
-uniform policy costs one region. State-dict keys and shapes never change.
+uniform policy costs one region. A module whose forward calls attention under a policy
+computing in 16 bits may also get an attention island (`Resolution.float32_attention`): its
+`scaled_dot_product_attention` calls run in float32. State-dict keys and shapes never change.
 """
 
 from __future__ import annotations
@@ -21,14 +23,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import TorchFunctionMode
 
+from mixprec import policy_map
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError
-from mixprec.hardware import device_of, warn_if_unsupported
+from mixprec.hardware import detect, device_of, slow_attention, warn_if_unsupported
 from mixprec.policy import Policy
-from mixprec.policy_map import APPLIED_STATE, PolicyMap, Resolution, as_map, float_dtypes
+from mixprec.policy_map import (
+    APPLIED_STATE,
+    Explanation,
+    PolicyMap,
+    Resolution,
+    as_map,
+    float_dtypes,
+)
 from mixprec.quantize import quantize_modules
 from mixprec.tree import map_tensors
 
@@ -40,6 +52,8 @@ __all__ = [
     "apply",
     "cast_floating",
     "default_dtype",
+    "device_slow_attention",
+    "explain",
     "needs_default_dtype",
     "remove",
 ]
@@ -102,6 +116,76 @@ def _device_type(args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Modul
     return next((t for t in found if t not in ("cpu", "meta")), found[0])
 
 
+def _signature(module: nn.Module, original: Any) -> inspect.Signature:
+    """The signature of the forward a region or island stands for: code that reads
+    `inspect.signature(model.forward)` (Hugging Face's Trainer picks the batch keys to keep
+    by it) sees the real arguments, not `(*args, **kwargs)`."""
+    if original is not None:
+        return inspect.signature(original)
+    return inspect.signature(type(module).forward.__get__(module))
+
+
+_SDPA = F.scaled_dot_product_attention
+
+
+class _Float32Attention(TorchFunctionMode):
+    """While on, `scaled_dot_product_attention` computing in `dtype` runs in float32: under
+    a mixed policy (`mixed`) where autocast computes in `dtype` on the query's device, under
+    a "true" one where autocast is off and the query is in `dtype`. Autocast off, every
+    floating argument (query, key, value, a float mask) cast to float32, the result cast
+    back to `dtype`, the dtype the call would have given. Float32 inputs are used as they
+    are, not rounded to `dtype` first. Every other call runs as it is."""
+
+    def __init__(self, dtype: torch.dtype, mixed: bool) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.mixed = mixed
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not _SDPA:
+            return func(*args, **kwargs)
+        query = args[0] if args else kwargs["query"]
+        device = query.device.type
+        autocast = torch.is_autocast_enabled(device)
+        if self.mixed:
+            here = autocast and torch.get_autocast_dtype(device) == self.dtype
+        else:
+            here = not autocast and query.dtype == self.dtype
+        if not here:
+            return func(*args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            out = func(*cast_floating(args, torch.float32), **cast_floating(kwargs, torch.float32))
+        return out.to(self.dtype)
+
+
+class _AttentionIsland:
+    """Stands in for the `forward` of a module that calls attention under a policy computing
+    in `dtype` (`Resolution.float32_attention`): runs it with `_Float32Attention` on. Outside
+    the region it may wrap, so the mode sees what the region set up (autocast, the casts).
+
+    Confined to that module's forward because a torch function mode costs a few
+    microseconds on every torch call it sees."""
+
+    def __init__(self, module: nn.Module, policy: Policy, original: Any) -> None:
+        self.module = module
+        self.dtype = policy.compute_dtype
+        self.mixed = policy.is_mixed
+        self.original = original
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return _signature(self.module, self.original)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with _Float32Attention(self.dtype, self.mixed):
+            if self.original is None:  # the class's function, as `_Region` calls it
+                return type(self.module).forward(self.module, *args, **kwargs)
+            return self.original(*args, **kwargs)
+
+
 class _Region:
     """Stands in for one module's `forward`: enters its compute region, casts outputs.
 
@@ -134,12 +218,7 @@ class _Region:
 
     @property
     def __signature__(self) -> inspect.Signature:
-        """The signature of the forward this region stands for: code that reads
-        `inspect.signature(model.forward)` (Hugging Face's Trainer picks the batch keys to
-        keep by it) sees the real arguments, not `(*args, **kwargs)`."""
-        if self.original is not None:
-            return inspect.signature(self.original)
-        return inspect.signature(type(self.module).forward.__get__(self.module))
+        return _signature(self.module, self.original)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
@@ -234,11 +313,12 @@ def _region_key(p: Policy) -> tuple[bool, torch.dtype, torch.dtype]:
 def _strip_regions(model: nn.Module) -> None:
     for module in model.modules():
         region = module.__dict__.get("forward")
-        if isinstance(region, _Region):
+        while isinstance(region, (_Region, _AttentionIsland)):
             if region.original is None:
                 del module.__dict__["forward"]
             else:
                 module.__dict__["forward"] = region.original
+            region = region.original
 
 
 def _dtype_plan(
@@ -381,7 +461,8 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     if warn:
         warn_if_unsupported(pmap, device_of(model))
     state: AppliedState | None = model.__dict__.get(_STATE)
-    resolved = pmap.resolve(model)
+    slow = device_slow_attention(device_of(model))
+    resolved = pmap.resolve(model, slow_attention=slow)
     warn_unmatched(pmap, model)
     # everything that can refuse the policy runs before the model changes: a refused
     # re-apply leaves the previous policy in place, weights unrounded
@@ -400,7 +481,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
             # quantize checks every layer (finite weights...) before it swaps any: the
             # model is as it was but for the regions, which go back
             if state is not None:
-                _install_regions(model, state.policy.resolve(model))
+                _install_regions(model, state.policy.resolve(model, slow_attention=slow))
             raise
         resolved = _after_swap(model, resolved)
     _convert(_dtype_plan(model, resolved))
@@ -421,6 +502,30 @@ def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
             original=module.__dict__.get("forward"),
             cast=cast,
         )
+    islands: set[int] = set()  # a module at two paths resolves alike at both: one island
+    for name, module in model.named_modules(remove_duplicate=False):
+        res = resolved[name]
+        if res.float32_attention is None or id(module) in islands:
+            continue
+        islands.add(id(module))
+        module.__dict__["forward"] = _AttentionIsland(
+            module, res.policy, module.__dict__.get("forward")
+        )
+
+
+def device_slow_attention(device: torch.device) -> frozenset[torch.dtype]:
+    """`hardware.slow_attention` of `device` (as `assume` may describe it): the 16-bit
+    dtypes whose attention a policy computing in them runs in float32 there. Only CPUs have any, so
+    nothing is detected elsewhere (a model on the meta device)."""
+    return slow_attention(detect(device)) if device.type == "cpu" else frozenset()
+
+
+def explain(model: nn.Module, policy: Any = None) -> Explanation:
+    """What each layer of `model` runs in under `policy` (default: the policy `apply` gave
+    the model, else the global one), and under quantized policies which layers are
+    quantized and which skipped, and why; which modules run their attention in float32, as
+    `apply` decides it on the model's device."""
+    return policy_map.explain(model, policy, slow_attention=device_slow_attention(device_of(model)))
 
 
 def _to_cast(module: nn.Module, policy: Policy, regions: dict[int, Policy]) -> tuple[str, ...]:

@@ -59,6 +59,7 @@ __all__ = [
     "policy_support",
     "resolve_auto",
     "resolve_policy",
+    "slow_attention",
     "support_matrix",
     "warn_if_unsupported",
 ]
@@ -378,6 +379,21 @@ def dtype_support(dtype: torch.dtype, info: DeviceInfo) -> Support:
         if dtype in (torch.float32, torch.float16):
             return Support(FAST, "native")
     return Support(REFUSED, f"{dtype_name(dtype)} training is not supported on {info.type}")
+
+
+def slow_attention(info: DeviceInfo) -> frozenset[torch.dtype]:
+    """The 16-bit dtypes in which `info`'s device runs attention (torch's
+    `scaled_dot_product_attention`, forward and backward) slower than in float32, so a
+    policy computing in them runs its attention in float32 (`PolicyMap.float32_attention`).
+
+    CPUs without AMX: torch's CPU flash attention measured 0.58x float32's speed in bfloat16
+    on an AMD Zen 4 with avx512_bf16 (benchmarks/attention_dtype.py), and 0.2x in float16.
+    CPUs with AMX tiles for the dtype (amx_bf16, amx_fp16) are left to the 16-bit kernel
+    (not measured), as are GPUs, whose fused attention kernels are made for 16 bits."""
+    if info.type != "cpu":
+        return frozenset()
+    tiles = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}
+    return frozenset(dtype for dtype, flag in tiles.items() if flag not in info.cpu_flags)
 
 
 FLOAT8_FAST_ON = "NVIDIA GPUs of compute capability 8.9+ (L4, L40, H100 and newer)"

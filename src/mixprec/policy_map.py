@@ -12,21 +12,30 @@ Precedence, highest first, for each module (qualified name from `named_modules()
 6. the map's default.
 
 Two rules of the same rank matching one module is an error naming both.
+
+Beside its policy, a module whose forward calls attention (`calls_attention`) under a policy
+computing in 16 bits may run that attention in float32 (`Resolution.float32_attention`): where
+the device's 16-bit attention is slower than float32 (`mixprec.hardware.slow_attention`), or
+as the map's ``float32_attention`` says.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import io
 import json
 import os
 import re
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mixprec.errors import PolicySpecError
@@ -41,6 +50,7 @@ __all__ = [
     "Resolution",
     "RuleKey",
     "as_map",
+    "calls_attention",
     "explain",
     "float_dtypes",
     "is_policy_file",
@@ -68,17 +78,50 @@ ISLAND_TYPES: tuple[type[nn.Module], ...] = tuple(
 
 RuleKey = str | type
 
+_SDPA = F.scaled_dot_product_attention
+
+
+def _code_calls_attention(code: types.CodeType, names: Mapping[str, Any]) -> bool:
+    """Whether `code` (or a function or comprehension nested in it) names torch's attention:
+    an attribute ``scaled_dot_product_attention`` (``F.``, ``torch.nn.functional.``) or a
+    global bound to that function under any name."""
+    for name in code.co_names:
+        if name == "scaled_dot_product_attention" or names.get(name) is _SDPA:
+            return True
+    return any(
+        _code_calls_attention(c, names) for c in code.co_consts if isinstance(c, types.CodeType)
+    )
+
+
+@cache
+def _class_calls_attention(cls: type[nn.Module]) -> bool:
+    forward = inspect.unwrap(cls.forward)
+    code = getattr(forward, "__code__", None)
+    return code is not None and _code_calls_attention(code, getattr(forward, "__globals__", {}))
+
+
+def calls_attention(module: nn.Module) -> bool:
+    """Whether `module`'s own forward calls torch's `scaled_dot_product_attention`: its
+    class's forward names that function. Read from the code, not run: attention reached
+    through a helper defined elsewhere (a table of attention functions, as Hugging Face
+    models use) is not seen, nor `nn.MultiheadAttention`'s, which runs inside
+    `F.multi_head_attention_forward` where no torch function mode can reach it."""
+    return _class_calls_attention(type(module))
+
 
 @dataclass(frozen=True)
 class Resolution:
     """The effective policy of one module and why it applies; under a quantized policy,
     whether the module is quantized or, for a layer with parameters, why it is skipped
-    (it then runs in the policy's source float policy)."""
+    (it then runs in the policy's source float policy). `float32_attention`: why the
+    attention its forward calls runs in float32 though its policy computes in 16 bits (None:
+    it does not)."""
 
     policy: Policy
     source: str
     quantized: bool = False
     skipped: str | None = None
+    float32_attention: str | None = None
 
 
 def _with_quantization(res: Resolution, module: nn.Module) -> Resolution:
@@ -138,6 +181,7 @@ class PolicyMap:
         rules: Mapping[RuleKey, Any] | None = None,
         *,
         float32_islands: bool = True,
+        float32_attention: bool | None = None,
     ) -> None:
         self.default: Policy = as_policy(default)
         if not isinstance(float32_islands, bool):
@@ -145,7 +189,16 @@ class PolicyMap:
                 f"float32_islands must be True or False, not {type(float32_islands).__name__} "
                 f"{float32_islands!r}"
             )
+        if float32_attention is not None and not isinstance(float32_attention, bool):
+            raise TypeError(
+                "float32_attention must be True, False or None (where the device's 16-bit "
+                f"attention is slower than float32), not {type(float32_attention).__name__} "
+                f"{float32_attention!r}"
+            )
         self.float32_islands = float32_islands
+        # attention (scaled_dot_product_attention) in float32 under 16-bit policies: True
+        # everywhere, False nowhere, None where `hardware.slow_attention` says it is faster
+        self.float32_attention = float32_attention
         self._paths: dict[str, tuple[re.Pattern[str], Policy]] = {}
         self._types: dict[type, Policy] = {}
         if rules is not None and not isinstance(rules, Mapping):
@@ -206,11 +259,16 @@ class PolicyMap:
             if key not in names and not any(rx.fullmatch(n) for n in names)
         ]
 
-    def resolve(self, model: nn.Module) -> dict[str, Resolution]:
+    def resolve(
+        self, model: nn.Module, *, slow_attention: frozenset[torch.dtype] = frozenset()
+    ) -> dict[str, Resolution]:
         """Effective policy of every module of `model`, keyed by qualified name.
 
         A module reachable at two paths (shared) runs in one policy: paths resolving it to
-        different policies are an error naming both."""
+        different policies are an error naming both. `slow_attention`: the 16-bit dtypes in
+        which the device's attention is slower than float32 (`hardware.slow_attention`),
+        where a policy computing in them runs its attention in float32 unless
+        `float32_attention` says otherwise."""
         out: dict[str, Resolution] = {}
         first_path: dict[int, str] = {}
         modules = dict(model.named_modules(remove_duplicate=False))
@@ -219,6 +277,7 @@ class PolicyMap:
                 continue
             self._resolve_one(name, module, out)
             self._follow_attention(name, module, modules, out)
+            out[name] = self._attention_island(module, out[name], slow_attention)
             other = first_path.setdefault(id(module), name)
             if other != name and out[other].policy != out[name].policy:
                 a, b = out[other], out[name]
@@ -254,6 +313,26 @@ class PolicyMap:
                 Resolution(attention.policy, f"follows its attention {parent or '<root>'}"),
                 module,
             )
+
+    def _attention_island(
+        self, module: nn.Module, res: Resolution, slow: frozenset[torch.dtype]
+    ) -> Resolution:
+        """`res` with `float32_attention` set where `module` calls attention under a policy
+        computing in 16 bits and the map (or, left to the device, `slow`) wants it in
+        float32."""
+        policy = res.policy
+        dtype = policy.compute_dtype
+        if dtype not in (torch.bfloat16, torch.float16):
+            return res
+        if self.float32_attention is False or not calls_attention(module):
+            return res
+        if self.float32_attention:
+            why = "float32_attention=True"
+        elif dtype in slow:
+            why = f"{str(dtype).removeprefix('torch.')} attention is slower than float32 here"
+        else:
+            return res
+        return Resolution(policy, res.source, res.quantized, res.skipped, why)
 
     def _resolve_one(self, name: str, module: nn.Module, out: dict[str, Resolution]) -> None:
         ruled = self._ruled(name, module)
@@ -297,6 +376,12 @@ class PolicyMap:
             "rules": [{"path": k, "policy": p.to_config()} for k, (_, p) in self._paths.items()]
             + [{"type": _type_name(t), "policy": p.to_config()} for t, p in self._types.items()],
             "float32_islands": self.float32_islands,
+            # left out when None (the device decides), so maps without it keep their files
+            **(
+                {"float32_attention": self.float32_attention}
+                if self.float32_attention is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -307,15 +392,16 @@ class PolicyMap:
         if not isinstance(config, Mapping) or "default" not in config:
             raise PolicySpecError(
                 "PolicyMap.from_config takes the dict PolicyMap.to_config() returns (keys "
-                "default, rules, float32_islands; 'default', the policy of the modules no rule "
-                f"names, is required), got {config!r}"
+                "default, rules, float32_islands, float32_attention; 'default', the policy of "
+                f"the modules no rule names, is required), got {config!r}"
             )
         unknown = [key for key in config if key not in _MAP_KEYS]
         if unknown:
             raise PolicySpecError(
                 f"unknown policy map key(s) {', '.join(map(repr, unknown))}; the keys are "
-                "'default' (a policy), 'rules' (a list of rules, " + _RULE_FORM + ") and "
-                "'float32_islands' (true or false)"
+                "'default' (a policy), 'rules' (a list of rules, " + _RULE_FORM + "), "
+                "'float32_islands' (true or false) and 'float32_attention' (true or false; "
+                "left out: where the device's 16-bit attention is slower than float32)"
             )
         default = _config_policy("'default'", config["default"])
         rule_list = config.get("rules", [])
@@ -326,6 +412,12 @@ class PolicyMap:
         islands = config.get("float32_islands", True)
         if not isinstance(islands, bool):
             raise PolicySpecError(f"'float32_islands' is {_describe(islands)}; it is true or false")
+        attention = config.get("float32_attention")
+        if "float32_attention" in config and not isinstance(attention, bool):
+            raise PolicySpecError(
+                f"'float32_attention' is {_describe(attention)}; it is true or false (left "
+                "out: where the device's 16-bit attention is slower than float32)"
+            )
         rules: dict[RuleKey, Policy] = {}
         for i, rule in enumerate(rule_list):
             key = _config_rule_key(i, rule)
@@ -335,7 +427,7 @@ class PolicyMap:
                     f"rule {i} repeats the rule for {shown!r}: one rule per path or type"
                 )
             rules[key] = _config_policy(f"rule {i} 'policy'", rule["policy"])
-        return cls(default, rules, float32_islands=islands)
+        return cls(default, rules, float32_islands=islands, float32_attention=attention)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write `to_config()` as a JSON policy file (atomically: a reader never sees half of
@@ -399,6 +491,8 @@ class PolicyMap:
         lines.append("    },")
         if not self.float32_islands:
             lines.append("    float32_islands=False,")
+        if self.float32_attention is not None:
+            lines.append(f"    float32_attention={self.float32_attention},")
         lines.append(")")
         return "\n".join(lines)
 
@@ -417,7 +511,7 @@ class PolicyMap:
         return f"PolicyMap({self.default.name!r}, {{{rules}}})"
 
 
-_MAP_KEYS = ("default", "rules", "float32_islands")
+_MAP_KEYS = ("default", "rules", "float32_islands", "float32_attention")
 _RULE_FORM = (
     "{'path': regex, 'policy': policy} or {'type': 'package.module.Class', 'policy': policy}, "
     "a policy being a name such as 'bf16-mixed' or what Policy.to_config() gives"
@@ -521,6 +615,10 @@ class Explanation(dict):
     def __init__(self, model: nn.Module, resolved: dict[str, Resolution]) -> None:
         super().__init__({name: r.policy for name, r in resolved.items()})
         self.sources = {name: r.source for name, r in resolved.items()}
+        # modules whose attention runs in float32 inside their 16-bit autocast, and why
+        self.float32_attention = {
+            name: r.float32_attention for name, r in resolved.items() if r.float32_attention
+        }
         self.types = {name: type(m).__name__ for name, m in model.named_modules()}
         # under a quantized policy: "int8" etc. for a quantized layer, "skipped: why" for a
         # layer it leaves in its source float policy; layers quantized before, their mode
@@ -567,7 +665,12 @@ class Explanation(dict):
                 str(p.compute_dtype).removeprefix("torch."),
                 str(p.output_dtype).removeprefix("torch."),
                 *quantized,
-                self.sources[name],
+                self.sources[name]
+                + (
+                    f"; attention in float32 ({self.float32_attention[name]})"
+                    if name in self.float32_attention
+                    else ""
+                ),
             )
         return table
 
@@ -583,11 +686,14 @@ class Explanation(dict):
 APPLIED_STATE = "_mixprec_state"
 
 
-def explain(model: nn.Module, policy: Any = None) -> Explanation:
+def explain(
+    model: nn.Module, policy: Any = None, *, slow_attention: frozenset[torch.dtype] = frozenset()
+) -> Explanation:
     """What each layer of `model` runs in under `policy` (default: the policy `apply` gave
     the model, else the global one), and under quantized policies which layers are
-    quantized and which skipped, and why."""
+    quantized and which skipped, and why. `slow_attention` as `PolicyMap.resolve` takes it
+    (`mixprec.explain` passes the model's device's)."""
     if policy is None:
         applied = model.__dict__.get(APPLIED_STATE)
         policy = applied.policy if applied is not None else None
-    return Explanation(model, as_map(policy).resolve(model))
+    return Explanation(model, as_map(policy).resolve(model, slow_attention=slow_attention))

@@ -228,7 +228,10 @@ class Diagnosis:
         rules: dict[Any, Any] = dict(self.precision.rules)
         rules.update({self._rule_key(name): p for name, p in chosen.items()})
         return PolicyMap(
-            self.precision.default, rules, float32_islands=self.precision.float32_islands
+            self.precision.default,
+            rules,
+            float32_islands=self.precision.float32_islands,
+            float32_attention=self.precision.float32_attention,
         )
 
     def _trial(self, chosen: dict[str, Policy], loss_scale: float) -> Diagnosis:
