@@ -136,6 +136,19 @@ def test_layers_sharing_a_weight_are_one_unit_and_their_bytes_count_once() -> No
     assert holder[0].qweight is holder[1].qweight  # one int8 copy
     # int8 codes, one float32 scale per row: once, not twice
     assert state_bytes(holder, "weights") == 50 * 32 + 50 * 4
+    # each of the two reads the shared weight inside itself: quantized formats apply
+    idx = torch.randint(0, 50, (4, 6))
+    report = search(
+        model,
+        [(idx, idx)],
+        lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()),
+        budget={"memory": 0.5},
+        formats=[INT8],
+        baseline="32-true",
+        reps=1,
+    )
+    assert not report.rows[0].not_applicable
+    assert report.plan["emb"] == report.plan["head"] == "int8_from_float32"
 
 
 def test_bytes_of_each_format_are_counted_exactly() -> None:

@@ -1,7 +1,8 @@
 """Per-layer format search: `search` chooses a format for each layer within a memory or speed
 budget, scored by each format's damage to the loss, solved by dynamic programming (exact for
-bytes with a common divisor, `solver`), verified by running the plan; the `SearchReport` holds the plan as a policy (``report.policy``, ``save`` writes it as
-the doctor's ``policy.json``).
+bytes with a common divisor, `solver`), verified by running the plan; the `SearchReport`
+holds the plan as a policy (``report.policy``; ``save`` writes it as the doctor's
+``policy.json``).
 
 Modules: `units` (the layers searched, the formats, bytes), `sensitivity` (damage and time
 of each layer in each format), `solver` (the budgeted assignment), `measure` (plans run:

@@ -87,7 +87,7 @@ class _Readers(TorchFunctionMode):
     head computed as ``F.linear(h, embedding.weight)``): swapping such a layer for a
     quantized one would leave that reader without its weight."""
 
-    def __init__(self, owners: dict[int, str]) -> None:
+    def __init__(self, owners: dict[int, set[str]]) -> None:
         super().__init__()
         self.owners = owners
         self.inside: list[str] = []
@@ -95,10 +95,12 @@ class _Readers(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         for a in (*args, *(kwargs or {}).values()):
-            path = self.owners.get(id(a)) if isinstance(a, nn.Parameter) else None
-            if path is not None and path not in self.inside[-1:]:
+            paths = self.owners.get(id(a)) if isinstance(a, nn.Parameter) else None
+            # read by one of its layers (tied layers share it): fine
+            if paths and not paths.intersection(self.inside[-1:]):
                 where = f"inside {self.inside[-1]}" if self.inside else "outside any layer"
-                self.outside.setdefault(path, f"{getattr(func, '__name__', func)} {where}")
+                for path in sorted(paths):
+                    self.outside.setdefault(path, f"{getattr(func, '__name__', func)} {where}")
         return func(*args, **(kwargs or {}))
 
 
@@ -113,7 +115,10 @@ def record(
     made a leaf that does, so the loss's gradient reaches it and its damage is scored."""
     modules = dict(model.named_modules())
     calls = {path: Calls() for path in paths}
-    owners = {id(p): path for path in calls for p in modules[path].parameters(recurse=False)}
+    owners: dict[int, set[str]] = {}
+    for path in calls:
+        for p in modules[path].parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(path)
     readers = _Readers(owners)
     handles = []
 
