@@ -117,7 +117,8 @@ def main() -> None:
         print(report)
         out = Path(args.out)
         stem = f"search_{args.model}_{budget:g}"
-        (out / f"{stem}.md").write_text(report.to_markdown(command))
+        title = f"Format search: {args.model}, memory {budget:g}x bf16-mixed's bytes"
+        (out / f"{stem}.md").write_text(report.to_markdown(command, title))
         (out / f"{stem}.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         report.policy.save(out / f"{stem}.policy.json")
 

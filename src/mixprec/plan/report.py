@@ -275,11 +275,11 @@ class SearchReport:
             )
         return rows
 
-    def to_markdown(self, command: str | None = None) -> str:
+    def to_markdown(self, command: str | None = None, title: str = "Format search") -> str:
         """The whole report as markdown (what `save` writes to search.md)."""
         out = io.StringIO()
         w = out.write
-        w("# Format search\n\n")
+        w(f"# {title}\n\n")
         if command:
             w(f"Command: `{command}`\n\n")
         w(f"Device: {self.device}. Baseline: {self.baseline}. Budget: {self._budget_line()}. ")
