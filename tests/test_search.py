@@ -34,6 +34,11 @@ INT8 = "int8_from_32-true"
 INT4 = "int4/32_from_32-true"
 
 
+def token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a model that predicts its input tokens."""
+    return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
 # --- the solver ---------------------------------------------------------------------------
 
 
@@ -141,7 +146,7 @@ def test_layers_sharing_a_weight_are_one_unit_and_their_bytes_count_once() -> No
     report = search(
         model,
         [(idx, idx)],
-        lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()),
+        token_loss,
         budget={"memory": 0.5},
         formats=[INT8],
         baseline="32-true",
@@ -567,7 +572,7 @@ def test_layers_changed_in_place_frozen_or_read_outside_are_scored_right() -> No
     report = search(
         model,
         [(idx, idx)],
-        lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()),
+        token_loss,
         budget={"memory": 0.9},
         formats=[INT8],
         baseline="32-true",
