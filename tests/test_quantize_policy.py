@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 import torch
-from devices import AVX2_CPU, H100
+from devices import AVX2_CPU, H100, ZEN4
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -414,7 +414,9 @@ A100 = hardware.DeviceInfo("cuda", "A100", 0, capability=(8, 0))
 @pytest.mark.parametrize(
     "spec, info, status",
     [
-        ("int8_from_float32", AVX2_CPU, hardware.FAST),
+        # without VNNI int8 sums run in float64: memory saved, not time (no error)
+        ("int8_from_float32", AVX2_CPU, hardware.SUPPORTED),
+        ("int8_from_float32", ZEN4, hardware.FAST),
         ("int4_from_float32", AVX2_CPU, hardware.FAST),
         ("int8_from_mixed_bfloat16", AVX2_CPU, hardware.SLOW),  # the bf16 source is slow there
         ("int8_from_mixed_bfloat16", H100, hardware.FAST),
@@ -438,7 +440,8 @@ def test_float8_off_sm89_is_refused_as_slow_naming_where_it_is_fast():
         with pytest.raises(SlowPrecisionError, match="emulated"):
             hardware.check(mixprec.PolicyMap("32-true", {"head": "float8_from_float32"}), "cpu")
         assert hardware.check("float8_from_float32", "cpu", allow_slow=True).status == hardware.SLOW
-        assert hardware.check("int8_from_float32", "cpu").status == hardware.FAST
+        support = hardware.check("int8_from_float32", "cpu")  # no error, said plainly
+        assert support.status == hardware.SUPPORTED and "no VNNI" in support.reason
 
 
 def test_keras_older_int4_none_name_quantizes_per_channel():
@@ -480,3 +483,16 @@ def test_the_layer_rules_are_the_quantize_packages_and_the_policy_a_plain_value(
         for path, module in model.named_modules()
         if skip_reason(policy, module) is not None and list(module.parameters(recurse=False))
     }
+
+
+def test_capping_onednn_below_vnni_rates_int8_as_saving_memory_only():
+    flags = frozenset({"avx2", "avx512bw", "avx512_vnni", "avx512_bf16"})
+    kept, note = hardware.cap_cpu_flags(flags, {"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert "avx512_vnni" not in kept and note
+    kept, _ = hardware.cap_cpu_flags(flags, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"})
+    assert "avx512_vnni" in kept and "avx512_bf16" not in kept
+    capped = hardware.DeviceInfo("cpu", "capped", cpu_flags=kept - {"avx512_vnni"})
+    assert hardware.int8_support(capped).status == hardware.SUPPORTED
+    # an Arm CPU reports none of the x86 flags: not judged by them
+    arm = hardware.DeviceInfo("cpu", "Arm", cpu_flags=frozenset({"asimd"}))
+    assert hardware.int8_support(arm).status == hardware.FAST

@@ -50,6 +50,7 @@ __all__ = [
     "device_of",
     "dtype_support",
     "fast_on",
+    "int8_support",
     "float8_support",
     "microscaling_support",
     "measure",
@@ -140,7 +141,21 @@ class Support:
     reason: str
 
 
-_CPU_FLAGS_OF_INTEREST = ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "avx512bw")
+_CPU_FLAGS_OF_INTEREST = (
+    "avx512_bf16",
+    "amx_bf16",
+    "avx512_fp16",
+    "amx_fp16",
+    "avx512bw",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_int8",
+)
+# int8 dot products with 32-bit sums (without them oneDNN's int8 kernels saturate 16-bit
+# partial sums, and mixprec's int8 layers sum their codes in float64)
+_VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+# flags only an x86 CPU reports (an Arm CPU has none of them)
+_X86_FLAGS = frozenset({"sse2", "avx", "avx2", "avx512f", "avx512bw"})
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -170,11 +185,13 @@ def _cpu_name() -> str:
 # oneDNN's ISA levels, lowest first, and the CPU flags each level lets its kernels use
 # (of those that decide bf16/fp16 speed); a level allows the flags of every level below it.
 _ONEDNN_LEVELS: tuple[tuple[tuple[str, ...], frozenset[str]], ...] = (
-    (("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"), frozenset()),
-    (("AVX512_CORE", "AVX512_CORE_VNNI"), frozenset({"avx512bw"})),
+    (("SSE41", "AVX", "AVX2"), frozenset()),
+    (("AVX2_VNNI", "AVX2_VNNI_2"), frozenset({"avx_vnni"})),
+    (("AVX512_CORE",), frozenset({"avx512bw"})),
+    (("AVX512_CORE_VNNI",), frozenset({"avx512_vnni"})),
     (("AVX512_CORE_BF16",), frozenset({"avx512_bf16"})),
     (("AVX512_CORE_FP16", "AVX10_1_512"), frozenset({"avx512_fp16"})),
-    (("AVX512_CORE_AMX", "AVX10_1_512_AMX"), frozenset({"amx_bf16"})),
+    (("AVX512_CORE_AMX", "AVX10_1_512_AMX"), frozenset({"amx_bf16", "amx_int8"})),
     (("AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "ALL", "DEFAULT"), frozenset({"amx_fp16"})),
 )
 # ATen's CPU capability levels and the flags its vectorised kernels may use at each
@@ -442,10 +459,26 @@ def microscaling_support(info: DeviceInfo) -> Support:
     )
 
 
+def int8_support(info: DeviceInfo) -> Support:
+    """How `info`'s device runs int8 x int8 matmuls with exact sums: an x86 CPU without VNNI
+    has no kernel whose sums are exact (16-bit partial sums saturate), so mixprec's int8
+    layers sum their codes in float64 there, slower than float32 (2.3x at 128 tokens,
+    measured with oneDNN capped to AVX2): memory saved, not time."""
+    x86 = info.type == "cpu" and bool(info.cpu_flags & _X86_FLAGS)
+    if x86 and not info.cpu_flags & _VNNI_FLAGS:
+        return Support(
+            SUPPORTED,
+            "no VNNI (avx512_vnni/avx_vnni/amx_int8): int8 sums run as a float64 matmul, "
+            "slower than float32; saves memory, not time",
+        )
+    return Support(FAST, "")
+
+
 def policy_support(policy: Any, info: DeviceInfo) -> Support:
     """The worst support over every dtype a policy (or each policy of a map) uses; float8
-    quantized policies also need float8 matmul hardware, and block-scaled ones (mxfp8,
-    mxfp6, mxfp4, nvfp4) are emulated everywhere (int8 and int4 run anywhere).
+    quantized policies also need float8 matmul hardware, block-scaled ones (mxfp8, mxfp6,
+    mxfp4, nvfp4) are emulated everywhere, int8 saves memory but not time on x86 CPUs
+    without VNNI (`int8_support`), and int4 runs anywhere.
 
     The reason is the map's default policy's unless another policy of the map is worse: a
     bf16-mixed map is fast because of bfloat16, not because of its float32 islands."""
@@ -457,6 +490,10 @@ def policy_support(policy: Any, info: DeviceInfo) -> Support:
             s = float8_support(info)
             if s.status.rank > worst.status.rank or not worst.reason:
                 worst = Support(s.status, f"float8: {s.reason}")
+        if isinstance(p, QuantizedPolicy) and p.mode == "int8":
+            s = int8_support(info)
+            if s.status.rank > worst.status.rank or not worst.reason:
+                worst = Support(s.status, f"int8: {s.reason}")
         if isinstance(p, QuantizedPolicy) and p.microscaling_config is not None:
             s = microscaling_support(info)
             if s.status.rank > worst.status.rank or not worst.reason:

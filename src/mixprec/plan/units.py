@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from mixprec.convert import apply
-from mixprec.hardware import FAST, DeviceInfo, policy_support
+from mixprec.hardware import SUPPORTED, DeviceInfo, policy_support
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.policy_map import PolicyMap
 from mixprec.quantize.rules import hugging_face_conv1d, skip_reason
@@ -113,9 +113,9 @@ def unit_applies(policy: Policy, modules: list[nn.Module]) -> str | None:
 def default_formats(baseline: Policy, info: DeviceInfo) -> tuple[list[str], dict[str, str]]:
     """The formats a search tries by default on `info`'s device, and those it leaves out with
     why: float32, the baseline and the 16-bit "true" policies, int8, int4 (groups of 32 and
-    128) and float8 built on the baseline, each only where the device runs it fast, or no
-    slower than the baseline itself (a baseline slow here, allowed by the caller, admits
-    formats as slow as it)."""
+    128) and float8 built on the baseline, each only where the device runs it fast or at
+    least saves memory there (int8 without VNNI), or no slower than the baseline itself (a
+    baseline slow here, allowed by the caller, admits formats as slow as it)."""
     source = baseline.name
     specs = [
         "32-true",
@@ -129,7 +129,9 @@ def default_formats(baseline: Policy, info: DeviceInfo) -> tuple[list[str], dict
     ]
     chosen: list[str] = []
     left_out: dict[str, str] = {}
-    slowest = max(FAST.rank, policy_support(PolicyMap(baseline), info).status.rank)
+    # "supported": runs at float32's speed or saves memory only (int8 without VNNI) - a
+    # search under a memory budget wants those; "slow" ones only beside a slow baseline
+    slowest = max(SUPPORTED.rank, policy_support(PolicyMap(baseline), info).status.rank)
     for spec in specs:
         name = format_name(spec)
         if name in chosen or name in left_out:
