@@ -167,8 +167,20 @@ def test_info_measure_prints_medians_and_ranges_at_80_columns(capsys, monkeypatc
 def test_info_command_prints_the_matrix(capsys):
     assert main(["info", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    for name in ("32-true", "bf16-mixed", "16-mixed", '"auto" resolves to'):
+    for name in ("32-true", "bf16-mixed", "16-mixed", '"auto" resolves to', "int8_from_float32"):
         assert name in out
+
+
+def test_info_says_int8_saves_memory_not_time_without_vnni(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with hardware.assume(AVX2_CPU):
+        assert main(["info"]) == 0
+    flat = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "int8_from_float32 supported int8: no VNNI" in flat
+    with hardware.assume(ZEN4):
+        assert main(["info"]) == 0
+    flat = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "int8_from_float32 fast int8: VNNI dot products (avx512_vnni)" in flat
 
 
 def test_unknown_device_type_is_refused():

@@ -465,13 +465,16 @@ def int8_support(info: DeviceInfo) -> Support:
     layers sum their codes in float64 there, slower than float32 (2.3x at 128 tokens,
     measured with oneDNN capped to AVX2): memory saved, not time."""
     x86 = info.type == "cpu" and bool(info.cpu_flags & _X86_FLAGS)
-    if x86 and not info.cpu_flags & _VNNI_FLAGS:
+    vnni = sorted(info.cpu_flags & _VNNI_FLAGS)
+    if x86 and not vnni:
         return Support(
             SUPPORTED,
             "no VNNI (avx512_vnni/avx_vnni/amx_int8): int8 sums run as a float64 matmul, "
             "slower than float32; saves memory, not time",
         )
-    return Support(FAST, "")
+    if vnni:
+        return Support(FAST, f"VNNI dot products ({', '.join(vnni)})")
+    return Support(FAST, f"integer matmuls on {info.type}")
 
 
 def policy_support(policy: Any, info: DeviceInfo) -> Support:

@@ -25,6 +25,7 @@ from mixprec.hardware import (
     fast_on,
     measure_notice,
     measure_rates,
+    policy_support,
     resolve_auto,
     support_matrix,
 )
@@ -35,6 +36,9 @@ from mixprec.version import __version__
 __all__ = ["ERROR_EXIT", "build_parser", "main"]
 
 _STYLE = {FAST: "green", "supported": "yellow", SLOW: "red", REFUSED: "red bold"}
+
+
+QUANTIZED_ROWS = ("int8_from_float32", "float8_from_float32")
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -51,6 +55,10 @@ def _info(args: argparse.Namespace) -> int:
         [Column("precision", "left"), Column("status", "left"), Column("why", "left")],
     )
     for name, s in support_matrix(info).items():
+        table.add_row([name, f"[{_STYLE[s.status]}]{s.status}[/]", s.reason])
+    # the quantized matmuls whose speed depends on the device (int4 runs anywhere)
+    for name in QUANTIZED_ROWS:
+        s = policy_support(name, info)
         table.add_row([name, f"[{_STYLE[s.status]}]{s.status}[/]", s.reason])
     console.print(table)
     console.print(f'"auto" resolves to: [bold]{resolve_auto(info).name}[/]')
