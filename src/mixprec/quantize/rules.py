@@ -49,16 +49,15 @@ def hugging_face_conv1d(module: nn.Module) -> bool:
 
 def linear_view(module: nn.Module) -> nn.Module:
     """`module` itself, or for a Hugging Face ``Conv1D`` an ``nn.Linear`` computing the same
-    function: its weight the Conv1D's transposed (``[in, out]`` -> ``[out, in]``, copied
-    contiguous: kernels prepack the codes from memory), its bias the same Parameter. What
-    int8/int4 quantize a Conv1D from."""
+    function: its weight a transposed view of the Conv1D's (``[in, out]`` -> ``[out, in]``;
+    quantizing makes the codes contiguous), its bias the same Parameter. What int8/int4
+    quantize a Conv1D from."""
     if not hugging_face_conv1d(module):
         return module
     linear = nn.Linear.__new__(nn.Linear)
     nn.Module.__init__(linear)
     linear.in_features, linear.out_features = module.weight.shape
-    weight = module.weight.detach().t().contiguous()
-    linear.weight = nn.Parameter(weight, module.weight.requires_grad)
+    linear.weight = nn.Parameter(module.weight.detach().t(), module.weight.requires_grad)
     linear.bias = module.bias
     carry_hooks(module, linear)
     return linear.train(module.training)
