@@ -44,9 +44,11 @@ from mixprec.quantize.int4 import (
 )
 from mixprec.quantize.int8 import (
     ACC_MAX_K,
+    F32_EXACT_K,
     INT_MM_MIN_K,
     ONEDNN_MAX_K,
     cpu_int8_kernels,
+    float_sums,
     int8_linear,
     int_matmul,
     onednn_prepack,
@@ -1185,3 +1187,49 @@ def test_a_weight_that_is_not_contiguous_quantizes_to_the_same_layer(mode: str) 
         assert torch.equal(layers[0](x), layers[1](x))
         error = (layers[0](x) - F.linear(x, weight)).abs().max()
     assert error < (0.5 if mode == "int8" else 3.0)
+
+
+@FAST
+@given(
+    st.integers(1, 9), st.integers(1, 2 * F32_EXACT_K + 5), st.integers(1, 9), st.integers(0, 99)
+)
+def test_float_sums_are_the_exact_integer_sums(m, k, n, seed):
+    """The CPU path without an exact int8 kernel multiplies the codes in float32: exact while
+    every partial sum is an integer below 2**24, so in chunks of `F32_EXACT_K` features,
+    added in float64 past one chunk."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    sums = float_sums(a, b)
+    assert sums.dtype == (torch.float32 if k <= F32_EXACT_K else torch.float64)
+    assert torch.equal(sums.long(), a.long() @ b.long().t())
+
+
+@pytest.mark.parametrize("k", [F32_EXACT_K, F32_EXACT_K + 1, 3 * F32_EXACT_K])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_float_sums_of_full_scale_codes_are_exact_at_the_chunk_bound(k, sign):
+    """127 x 127 over 1040 features is 16774160, the largest sum float32 holds exactly (each
+    added product moves it by 16129 < its float32 step past 2**24: one feature more in one
+    chunk would round). Past the bound the chunks keep every sum exact."""
+    assert F32_EXACT_K * 127 * 127 <= 2**24 < (F32_EXACT_K + 1) * 127 * 127
+    a = torch.full((2, k), 127 * sign, dtype=torch.int8)
+    b = torch.full((3, k), 127, dtype=torch.int8)
+    b[1] = -127
+    want = torch.tensor([127 * 127 * k, -127 * 127 * k, 127 * 127 * k]) * sign
+    assert torch.equal(float_sums(a, b).long(), want.expand(2, 3))
+    assert torch.equal(int_matmul(a, b).long(), want.expand(2, 3))
+
+
+def test_the_float_path_of_an_int8_linear_equals_the_integer_reference():
+    """Below `INT_MM_MIN_K` features (and on CPUs without VNNI) a layer sums in float32; its
+    outputs are the int32 sums' float32 values times the weight, then the token scales."""
+    torch.manual_seed(0)
+    lin = nn.Linear(INT_MM_MIN_K - 1, 7)
+    layer = Int8Linear.from_float(lin)
+    assert layer.kernel.startswith("float32 matmul of the int8 codes")
+    x = torch.randn(5, INT_MM_MIN_K - 1)
+    qx, xs = quantize_tokens(x)
+    acc = (qx.long() @ layer.qweight.long().t()).int().float()
+    want = acc * layer.weight_scale[None, :] * xs[:, None] + lin.bias
+    with torch.no_grad():
+        assert torch.equal(layer(x), want)

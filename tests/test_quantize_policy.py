@@ -414,7 +414,7 @@ A100 = hardware.DeviceInfo("cuda", "A100", 0, capability=(8, 0))
 @pytest.mark.parametrize(
     "spec, info, status",
     [
-        # without VNNI int8 sums run in float64: memory saved, not time (no error)
+        # without VNNI int8 sums run in float32 matmuls: memory saved, not time (no error)
         ("int8_from_float32", AVX2_CPU, hardware.SUPPORTED),
         ("int8_from_float32", ZEN4, hardware.FAST),
         ("int4_from_float32", AVX2_CPU, hardware.FAST),

@@ -152,7 +152,7 @@ _CPU_FLAGS_OF_INTEREST = (
     "amx_int8",
 )
 # int8 dot products with 32-bit sums (without them oneDNN's int8 kernels saturate 16-bit
-# partial sums, and mixprec's int8 layers sum their codes in float64)
+# partial sums, and mixprec's int8 layers sum their codes in float32 matmuls)
 _VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 # flags only an x86 CPU reports (an Arm CPU has none of them)
 _X86_FLAGS = frozenset({"sse2", "avx", "avx2", "avx512f", "avx512bw"})
@@ -461,16 +461,17 @@ def microscaling_support(info: DeviceInfo) -> Support:
 
 def int8_support(info: DeviceInfo) -> Support:
     """How `info`'s device runs int8 x int8 matmuls with exact sums: an x86 CPU without VNNI
-    has no kernel whose sums are exact (16-bit partial sums saturate), so mixprec's int8
-    layers sum their codes in float64 there, slower than float32 (2.3x at 128 tokens,
-    measured with oneDNN capped to AVX2): memory saved, not time."""
+    has no integer kernel whose sums are exact (16-bit partial sums saturate), so mixprec's
+    int8 layers sum their codes in exact float32 matmuls there (`quantize.int8.float_sums`),
+    converting the weight's codes per call: 1.2x float32's time at 128 tokens, 2.9x at one
+    (measured with oneDNN and ATen capped to AVX2): memory saved, not time."""
     x86 = info.type == "cpu" and bool(info.cpu_flags & _X86_FLAGS)
     vnni = sorted(info.cpu_flags & _VNNI_FLAGS)
     if x86 and not vnni:
         return Support(
             SUPPORTED,
-            "no VNNI (avx512_vnni/avx_vnni/amx_int8): int8 sums run as a float64 matmul, "
-            "slower than float32; saves memory, not time",
+            "no VNNI (avx512_vnni/avx_vnni/amx_int8): int8 sums run as float32 matmuls of the "
+            "codes, slower than float32; saves memory, not time",
         )
     if vnni:
         return Support(FAST, f"VNNI dot products ({', '.join(vnni)})")

@@ -8,7 +8,7 @@ the Linear it computes; `dequantize` gives such a layer back as an ``nn.Linear``
 
 - int8 (`Int8Linear`, `Int8Embedding`): weights per output channel, activations per token at
   run time, exact int8 x int8 -> int32 matmuls (oneDNN's int8 linear with a prepacked weight
-  where its sums are exact, else `torch._int_mm` or float64); the bias trains, the weight
+  where its sums are exact, else `torch._int_mm` or float32 matmuls); the bias trains, the weight
   does not.
 - int4 (`Int4Linear`, `Int4Embedding`): grouped weights with a zero point, packed two per
   byte; Linear layers multiply through torch's packed int4 kernel with bfloat16 activations

@@ -17,11 +17,12 @@ multiplies by its weight prepacked once for oneDNN with its scales
 (``torch.ops.onednn.qlinear_pointwise``, the int8 linear of torch's x86 Inductor
 quantization: brgemm with VNNI, the weight reordered once, no reorder per call, float32 out,
 the weight scales applied in its epilogue; activation codes shifted to unsigned with zero
-point 128). Elsewhere `torch._int_mm` where its sums are exact, else a float64 matmul, which
-holds them exactly. Without VNNI oneDNN's int8 kernels saturate 16-bit partial sums (a row
-of 127s times 127s summed to 8160 instead of 1032256 under ``ONEDNN_MAX_CPU_ISA=AVX2``), and
-`torch._int_mm` on CPU returned garbage for a reduction of one feature: neither is used
-where it is wrong.
+point 128). Elsewhere `torch._int_mm` where its sums are exact, else (`float_sums`) a
+float32 matmul of the codes in chunks short enough for every partial sum to be an exact
+float32 integer (float64 off the CPU). Without VNNI oneDNN's int8 kernels saturate 16-bit
+partial sums (a row of 127s times 127s summed to 8160 instead of 1032256 under
+``ONEDNN_MAX_CPU_ISA=AVX2``), and `torch._int_mm` on CPU returned garbage for a reduction
+of one feature: neither is used where it is wrong.
 
 A forward is a dozen tensor calls: ``|x|`` and its row maxima, the quotient written into the
 buffer of ``|x|``, codes by a rounding addition (`_codes`: no round and no float-to-int
@@ -55,11 +56,13 @@ __all__ = [
     "Int8Embedding",
     "Int8Linear",
     "OnednnWeight",
+    "F32_EXACT_K",
     "Prepacked",
     "QMAX",
     "check_finite",
     "check_input",
     "cpu_int8_kernels",
+    "float_sums",
     "int8_linear",
     "int_matmul",
     "onednn_prepack",
@@ -190,8 +193,8 @@ def quantize_rows(
 ACC_MAX_K = (2**31 - 1) // (QMAX * QMAX)
 
 
-# Below this many features a float64 matmul costs nothing, and `torch._int_mm` on CPU (torch
-# 2.13, oneDNN 3.12) returned wrong sums for a reduction of one feature.
+# Below this many features a float matmul of the codes costs nothing, and `torch._int_mm` on
+# CPU (torch 2.13, oneDNN 3.12) returned wrong sums for a reduction of one feature.
 INT_MM_MIN_K = 16
 # The longest reduction the oneDNN path takes: its unsigned activation codes (up to 255) times
 # the int8 weights are summed in int32 before the zero point's share comes off.
@@ -302,12 +305,42 @@ def _int_mm_exact(device: torch.device, m: int, k: int, n: int) -> bool:
     return device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0
 
 
+# The longest reduction a float32 matmul of int8 codes sums exactly: every partial sum is an
+# integer of magnitude at most 127 * 127 * K, exact in float32 while at most 2**24, whatever the
+# order and blocking of the sums (1040 features).
+F32_EXACT_K = 2**24 // (QMAX * QMAX)
+
+
+def float_sums(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b.T`` for int8 codes ``a`` [M, K] and ``b`` [N, K], exactly, as floats: on a
+    CPU a float32 matmul of the codes (about float32's speed; integer kernels without VNNI
+    saturate), in chunks of at most `F32_EXACT_K` features, so every partial sum is exact;
+    one chunk gives float32, several float64 (their sum, exact). Other devices: a float64
+    matmul. Converted to float32, a sum rounds as the int32 sum's ``.to(float32)`` does."""
+    if a.device.type != "cpu":
+        return a.double() @ b.double().t()
+    k = a.shape[1]
+    if k <= F32_EXACT_K:
+        return a.float() @ b.float().t()
+    acc = None
+    for start in range(0, k, F32_EXACT_K):
+        part = (
+            a[:, start : start + F32_EXACT_K].float()
+            @ b[:, start : start + F32_EXACT_K].float().t()
+        )
+        acc = part.double() if acc is None else acc.add_(part)
+    return acc
+
+
+_FLOAT_PATH = f"float32 matmul of the int8 codes (exact: chunks of {F32_EXACT_K} features)"
+
+
 def int_matmul(a: Tensor, b: Tensor, *, max_k: int = ACC_MAX_K) -> Tensor:
     """``a @ b.T`` for int8 ``a`` [M, K] and ``b`` [N, K] (codes in [-127, 127]), exactly.
 
     `torch._int_mm` where its sums are exact (CPU: per `cpu_int8_kernels`, from
     `INT_MM_MIN_K` features; CUDA: M > 16, K and N multiples of 8); elsewhere the same sums
-    in float64, which holds them exactly (each is at most 127 * 127 * K, far below 2**53).
+    from `float_sums`.
     The result is int32 [M, N] when ``K <= max_k``; a longer reduction would overflow the
     int32 accumulator (Linear(140000, n) at full scale summed to a negative number), so it is
     cut into chunks of at most `max_k` columns whose int32 sums are added in int64, and the
@@ -322,7 +355,7 @@ def int_matmul(a: Tensor, b: Tensor, *, max_k: int = ACC_MAX_K) -> Tensor:
         return acc
     if _int_mm_exact(a.device, m, k, n):
         return torch._int_mm(a, b.t())
-    return (a.double() @ b.double().t()).to(torch.int32)
+    return float_sums(a, b).to(torch.int32)
 
 
 def quantize_tokens(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -392,13 +425,17 @@ def int8_linear(
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if packed is None:  # int sums times float32 scales: converted as .to(float32) does
         qx, x_scale = _quantize_tokens(x2)
-        acc = int_matmul(qx, qweight)
         if weight_scale.dtype != torch.float32:
             weight_scale = weight_scale.to(torch.float32)
-        if acc.dtype == torch.int32:  # into the sums' own memory, each read then written
-            out = torch.mul(acc, weight_scale, out=acc.view(torch.float32))
+        if not _int_mm_exact(qx.device, qx.shape[0], qx.shape[1], qweight.shape[0]):
+            sums = float_sums(qx, qweight)  # the int32 sums' float32 values, rounded alike
+            out = (sums if sums.dtype == torch.float32 else sums.float()).mul_(weight_scale)
         else:
-            out = torch.mul(acc, weight_scale)
+            acc = int_matmul(qx, qweight)
+            if acc.dtype == torch.int32:  # into the sums' own memory, each read then written
+                out = torch.mul(acc, weight_scale, out=acc.view(torch.float32))
+            else:
+                out = torch.mul(acc, weight_scale)
     else:
         ux, x_scale = _quantize_tokens(x2, zero_point=128)
         out = onednn_product(ux, packed)
@@ -498,7 +535,7 @@ class Int8Linear(Prepacked, LoraMixin, nn.Module):
         if device.type != "cpu":
             return f"float64 matmul of the int8 codes (no int8 kernel on {device.type})"
         if k < INT_MM_MIN_K:
-            return f"float64 matmul of the int8 codes ({k} < {INT_MM_MIN_K} input features)"
+            return f"{_FLOAT_PATH} ({k} < {INT_MM_MIN_K} input features)"
         found = cpu_int8_kernels()
         if self._onednn(device):
             return (
@@ -511,7 +548,7 @@ class Int8Linear(Prepacked, LoraMixin, nn.Module):
             why = f"oneDNN int8 linear: {found['onednn']}"
         if found["int_mm"] is None:
             return f"torch._int_mm ({why})"
-        return f"float64 matmul of the int8 codes ({why}; torch._int_mm: {found['int_mm']})"
+        return f"{_FLOAT_PATH} ({why}; torch._int_mm: {found['int_mm']})"
 
     def _onednn(self, device: torch.device) -> bool:
         """Whether this layer multiplies with oneDNN's prepacked weight on `device` (not
