@@ -4,8 +4,10 @@ goes; the blog CNN's step in both memory formats.
 
 Issue 24 item 4 asks where a bf16-mixed training step spends the time a bf16 GEMM does not
 explain. This script times attention (forward and backward, the char LM's shape: batch 32,
-4 heads, 128 tokens, head size 64, causal) in float32 and in bfloat16, and a 4096x256x1024
-matmul in both, the variants taking turns, medians. Then the char LM's whole training step
+4 heads, 128 tokens, head size 64, causal) in float32 and in bfloat16, fused (torch's
+`scaled_dot_product_attention`) and unfused in bfloat16 (bf16 matmuls, float32 softmax: the
+other way a bf16 step could run it), and a 4096x256x1024 matmul in both, the variants
+taking turns, medians. Then the char LM's whole training step
 (examples/charlm.py, AdamW): float32, raw bf16 autocast, and mixprec's bf16-mixed with its
 attention island as the device decides (`PolicyMap.float32_attention` left to
 `hardware.slow_attention`: attention in float32 inside autocast on CPUs without AMX) and
@@ -49,6 +51,24 @@ def attention(dtype: torch.dtype) -> Callable[[], None]:
 
     def call() -> None:
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    return call
+
+
+def attention_unfused() -> Callable[[], None]:
+    """The same attention unfused, as eager attention code under bf16 autocast runs it:
+    bfloat16 matmuls (scores rounded to bfloat16), the causal softmax in float32, its
+    probabilities rounded to bfloat16 for the product with the values."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(32, 4, 128, 64, generator=g).bfloat16().requires_grad_() for _ in range(3)
+    )
+    future = torch.ones(128, 128, dtype=torch.bool).triu(1)
+
+    def call() -> None:
+        scores = (q * 64**-0.5) @ k.transpose(-1, -2)
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1, dtype=torch.float32)
+        (probs.bfloat16() @ v).sum().backward()
 
     return call
 
@@ -188,6 +208,7 @@ def main() -> None:
     calls = {
         "attention float32": attention(torch.float32),
         "attention bfloat16": attention(torch.bfloat16),
+        "attention unfused": attention_unfused(),
         "matmul float32": matmul(torch.float32),
         "matmul bfloat16": matmul(torch.bfloat16),
     }
@@ -200,6 +221,13 @@ def main() -> None:
     for op in ("attention", "matmul"):
         f32, bf16 = ms[f"{op} float32"], ms[f"{op} bfloat16"]
         rows.append(f"| {op} | {f32:.2f} | {bf16:.2f} | {f32 / bf16:.2f}x |")
+        if op == "attention":
+            unfused = ms["attention unfused"]
+            rows.append(
+                "| attention, unfused in bfloat16 (bf16 matmuls, float32 softmax; "
+                f"against the fused float32 kernel) | {f32:.2f} | {unfused:.2f} | "
+                f"{f32 / unfused:.2f}x |"
+            )
     steps, fastest = take_turns(
         {
             "float32": lm_step(None),
@@ -255,7 +283,8 @@ def main() -> None:
             f"load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f}",
             "",
             "Median ms of forward + backward (attention: batch 32, 4 heads, 128 tokens, head "
-            "size 64, causal) and of one 4096x256x1024 matmul, the four taking turns.",
+            "size 64, causal: torch's fused kernel, and unfused in bfloat16) and of one "
+            "4096x256x1024 matmul, the five taking turns.",
             "",
             *rows,
             "",
