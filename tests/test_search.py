@@ -624,3 +624,35 @@ def test_a_budget_at_the_cheapest_plan_is_met_when_rounding_leaves_no_room() -> 
     # yet the cheapest plan fits it exactly
     costs = [[[3.3, 1.1], [3.3, 1.2]]]
     assert solve([[0.0, 1.0], [0.0, 1.0]], costs, [2.3], resolution=10) == [1, 1]
+
+
+# --- what the caller keeps -----------------------------------------------------------------
+
+
+def test_the_callers_model_and_rng_state_are_left_as_they_were() -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Dropout(0.3), nn.Tanh(), nn.Linear(32, 8)
+    )
+    model[0].requires_grad_(False)
+    model[4].eval()  # a mix of modes, as the caller set them
+    batch = (torch.randn(16, 16), torch.randn(16, 8))
+    state = copy.deepcopy(model.state_dict())
+    modes = [m.training for m in model.modules()]
+    rng = torch.get_rng_state()
+    search(
+        model,
+        [batch],
+        F.mse_loss,
+        budget={"memory": 0.5},
+        formats=[INT8],
+        baseline="32-true",
+        train_steps=2,
+        reps=1,
+        seed=123,
+    )
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert [m.training for m in model.modules()] == modes
+    assert [p.requires_grad for p in model.parameters()] == [False, False, True, True, True, True]
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.convert import apply
+from mixprec.doctor.probe import seeded
 from mixprec.doctor.running import loss_of
 from mixprec.plan.units import Unit, state_bytes
 from mixprec.policy_map import PolicyMap
@@ -141,26 +142,29 @@ def train(
     """`steps` AdamW steps of a copy of `model` under `policy` (16-bit weights with Kahan
     compensation, float32 ones plainly; int8/int4 weights frozen), cycling over `batches`
     with a fixed seed; the loss of each step and the evaluation loss after."""
-    torch.manual_seed(seed)
-    trained = copy.deepcopy(model).train()
-    apply(trained, policy, warn=False)
-    sixteen = any(p.dtype in (torch.bfloat16, torch.float16) for p in _trainable(trained))
-    precision = Precision(
-        policy, device=device, allow_slow=True, compensation="kahan" if sixteen else None
-    )
-    if not _trainable(trained):
-        raise ValueError(
-            "the plan leaves nothing to train (every trainable layer quantized, int8/int4 "
-            "weights are frozen): train_steps needs a plan with trainable parameters"
+    # the same dropout masks in every plan's run; the caller's RNG state left as it was
+    with seeded(seed, device):
+        trained = copy.deepcopy(model).train()
+        apply(trained, policy, warn=False)
+        sixteen = any(p.dtype in (torch.bfloat16, torch.float16) for p in _trainable(trained))
+        precision = Precision(
+            policy, device=device, allow_slow=True, compensation="kahan" if sixteen else None
         )
-    optimizer = torch.optim.AdamW(_trainable(trained), lr=lr)
-    trained, optimizer = precision.setup(trained, optimizer, convert=False)
-    losses = []
-    for i in range(steps):
-        loss = loss_of(trained, precision, batches[i % len(batches)], loss_fn)
-        precision.backward(loss)
-        precision.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    trained.eval()
-    return Trained(losses=losses, eval_loss=_eval_loss(trained, precision, eval_batches, loss_fn))
+        if not _trainable(trained):
+            raise ValueError(
+                "the plan leaves nothing to train (every trainable layer quantized, int8/int4 "
+                "weights are frozen): train_steps needs a plan with trainable parameters"
+            )
+        optimizer = torch.optim.AdamW(_trainable(trained), lr=lr)
+        trained, optimizer = precision.setup(trained, optimizer, convert=False)
+        losses = []
+        for i in range(steps):
+            loss = loss_of(trained, precision, batches[i % len(batches)], loss_fn)
+            precision.backward(loss)
+            precision.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+        trained.eval()
+        return Trained(
+            losses=losses, eval_loss=_eval_loss(trained, precision, eval_batches, loss_fn)
+        )

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mixprec.doctor.probe import seeded
 from mixprec.doctor.running import loss_of
 from mixprec.hardware import DeviceInfo, check, detect, device_of, parse_device
 from mixprec.plan import sensitivity, solver
@@ -306,10 +307,10 @@ def search(
     ref_losses = []
     for b, batch in enumerate(batches):
         clock = time.perf_counter()
-        torch.manual_seed(seed)
-        loss, calls, read_outside = sensitivity.record(
-            reference, paths, lambda batch=batch: loss_of(reference, precision, batch, loss_fn)
-        )
+        with seeded(seed, dev):  # the caller's RNG state is theirs
+            loss, calls, read_outside = sensitivity.record(
+                reference, paths, lambda batch=batch: loss_of(reference, precision, batch, loss_fn)
+            )
         reference.zero_grad(set_to_none=True)
         ref_losses.append(loss)
         for u, unit in enumerate(units):
