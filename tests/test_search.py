@@ -656,3 +656,44 @@ def test_the_callers_model_and_rng_state_are_left_as_they_were() -> None:
     assert [p.requires_grad for p in model.parameters()] == [False, False, True, True, True, True]
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+class Aliased(nn.Module):
+    """One Linear registered at two paths (``first`` and ``blocks.0``) and called once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList([self.first, nn.Linear(16, 16)])
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def test_a_layer_registered_at_two_paths_takes_one_format_at_both() -> None:
+    torch.manual_seed(6)
+    model = Aliased()
+    batch = (torch.randn(16, 16), torch.randn(16, 8))
+    assert [(u.paths, u.aliases) for u in find_units(model)] == [
+        (("first",), ("blocks.0",)),
+        (("blocks.1",), ()),
+        (("head",), ()),
+    ]
+    report = search(
+        model,
+        [batch],
+        F.mse_loss,
+        budget={"memory": 0.4},
+        formats=[INT8],
+        baseline="32-true",
+        reps=1,
+    )
+    int8 = "int8_from_float32"
+    assert report.plan == {"first": int8, "blocks.0": int8, "blocks.1": int8, "head": int8}
+    again = mixprec.apply(copy.deepcopy(model), report.policy).eval()
+    assert type(again.blocks[0]).__name__ == "Int8Linear" and again.blocks[0] is again.first
+    with torch.no_grad():
+        assert float(F.mse_loss(again(batch[0]), batch[1])) == report.measured["plan"].loss

@@ -178,7 +178,7 @@ def _plan_map(baseline: Policy, units: list[Unit], chosen: list[str]) -> PolicyM
     rules = {}
     for unit, fmt in zip(units, chosen, strict=True):
         if fmt != baseline.name:
-            for path in unit.paths:
+            for path in unit.paths + unit.aliases:
                 rules[re.escape(path)] = fmt
     return PolicyMap(baseline, rules)
 
@@ -508,7 +508,7 @@ def _alone_damage(
 ) -> float:
     """The loss change of float32 `model` with only `unit` in `fmt`, on `batches` (whose
     float32 loss is `float32_loss`)."""
-    rules = {re.escape(p): fmt for p in unit.paths}
+    rules = {re.escape(p): fmt for p in unit.paths + unit.aliases}
     policy = PolicyMap("32-true", rules)
     m = convert(model, policy)
     precision = Precision(policy, device=device)
