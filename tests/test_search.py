@@ -697,3 +697,22 @@ def test_a_layer_registered_at_two_paths_takes_one_format_at_both() -> None:
     assert type(again.blocks[0]).__name__ == "Int8Linear" and again.blocks[0] is again.first
     with torch.no_grad():
         assert float(F.mse_loss(again(batch[0]), batch[1])) == report.measured["plan"].loss
+
+
+def test_a_budget_given_as_a_plans_fraction_of_the_baseline_holds_that_plan() -> None:
+    # int8 Linear(40, 5): 240 bytes of float32's 820; 240 / 820 * 820 is an ulp below 240
+    assert 240 / 820 * 820 < 240
+    assert solve([[0.0, 1.0]], [[[820, 240]]], [240 / 820 * 820]) == [1]
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(40, 5))
+    report = search(
+        model,
+        [(torch.randn(8, 40), torch.randn(8, 5))],
+        F.mse_loss,
+        budget={"memory": 240 / 820},
+        formats=[INT8],
+        baseline="32-true",
+        reps=1,
+    )
+    assert report.plan == {"0": "int8_from_float32"}
+    assert report.measured["plan"].unit_bytes == 240 and report.fits("plan")
