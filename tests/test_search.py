@@ -716,3 +716,37 @@ def test_a_budget_given_as_a_plans_fraction_of_the_baseline_holds_that_plan() ->
     )
     assert report.plan == {"0": "int8_from_float32"}
     assert report.measured["plan"].unit_bytes == 240 and report.fits("plan")
+
+
+class ReadOutside(nn.Module):
+    """A head computed as ``F.linear(h, emb.weight)``: it reads the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 32)
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.fc(self.emb(idx))), self.emb.weight)
+
+
+def test_a_weight_read_outside_its_layer_keeps_the_baselines_dtype() -> None:
+    torch.manual_seed(0)
+    model = ReadOutside()
+    idx = torch.randint(0, 40, (4, 8))
+    # float32 code reading a bfloat16 weight would fail: bf16-true is not for emb
+    report = search(
+        model,
+        [(idx, idx)],
+        token_loss,
+        budget={"memory": 0.8},
+        formats=["bf16-true"],
+        baseline="32-true",
+        device_info=ZEN4,
+        reps=1,
+    )
+    rows = {r.unit.paths: r for r in report.rows}
+    assert rows[("emb",)].not_applicable == {
+        "bf16-true": "emb's weight is read by linear outside any layer"
+    }
+    assert report.plan == {"emb": "32-true", "fc": "bf16-true"}

@@ -174,6 +174,12 @@ def _why_kept(rows: list[UnitRow], formats: list[str], kind: str) -> None:
                 r.why.append((fmt, ratio))
 
 
+def _weight_dtype(holder: nn.ModuleList) -> torch.dtype | None:
+    """The dtype a candidate stores its (first layer's) float weight in; None: it has none."""
+    weight = getattr(holder[0], "weight", None)
+    return weight.dtype if isinstance(weight, Tensor) else None
+
+
 def _plan_map(baseline: Policy, units: list[Unit], chosen: list[str]) -> PolicyMap:
     rules = {}
     for unit, fmt in zip(units, chosen, strict=True):
@@ -319,9 +325,17 @@ def search(
                 for p in unit.paths
                 if p in read_outside
             ]
+            base_dtype = _weight_dtype(holders[u][names.index(base.name)])
             for f, p in enumerate(policies):
-                # a quantized layer has no float weight left for that reader
-                if readers and isinstance(p, QuantizedPolicy) and holders[u][f] is not None:
+                # a quantized layer has no float weight left for that reader, and the reader,
+                # run as the baseline runs, needs the weight in the baseline's dtype
+                if (
+                    readers
+                    and holders[u][f] is not None
+                    and (
+                        isinstance(p, QuantizedPolicy) or _weight_dtype(holders[u][f]) != base_dtype
+                    )
+                ):
                     holders[u][f] = None
                     rows[u].options.pop(p.name)
                     rows[u].not_applicable[p.name] = "; ".join(readers)
