@@ -85,7 +85,8 @@ def _kept(value: Any) -> Any:
 class _Readers(TorchFunctionMode):
     """Notes the searched layers whose parameters an operation outside the layer reads (a
     head computed as ``F.linear(h, embedding.weight)``): swapping such a layer for a
-    quantized one would leave that reader without its weight."""
+    quantized one would leave that reader without its weight, and one stored in another dtype
+    than the baseline's would hand it a weight its code does not take."""
 
     def __init__(self, owners: dict[int, set[str]]) -> None:
         super().__init__()
