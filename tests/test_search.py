@@ -429,6 +429,10 @@ def test_the_baseline_is_checked_against_the_device() -> None:
         ({"batches": torch.zeros(3)}, TypeError, "a list of batches"),
         ({"reps": 0}, ValueError, "reps must be an integer >= 1"),
         ({"tolerance": -1}, ValueError, "tolerance"),
+        ({"tolerance": True}, ValueError, "tolerance must be a non-negative number"),
+        ({"lr": "1e-3"}, ValueError, "lr must be a positive number"),
+        ({"lr": math.nan}, ValueError, "lr must be a positive number"),
+        ({"seed": 1.5}, ValueError, "seed must be an integer"),
     ],
 )
 def test_bad_input_is_refused_saying_what_is_accepted(kwargs, error, message) -> None:

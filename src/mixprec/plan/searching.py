@@ -249,8 +249,14 @@ def search(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-    if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < math.inf):
+    if isinstance(tolerance, bool) or not (
+        isinstance(tolerance, (int, float)) and 0 <= tolerance < math.inf
+    ):
         raise ValueError(f"tolerance must be a non-negative number, got {tolerance!r}")
+    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and 0 < lr < math.inf):
+        raise ValueError(f"lr must be a positive number (the training run's), got {lr!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
     batches = _check_batches(batches, "batches")
     train_list = (
         batches if train_batches is None else _check_batches(train_batches, "train_batches")
