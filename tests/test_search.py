@@ -754,3 +754,37 @@ def test_a_weight_read_outside_its_layer_keeps_the_baselines_dtype() -> None:
         "bf16-true": "emb's weight is read by linear outside any layer"
     }
     assert report.plan == {"emb": "32-true", "fc": "bf16-true"}
+
+
+class TwoTables(nn.Module):
+    """Two embeddings whose bytes share only the divisor 4: under two budgets their costs are
+    rounded up to 1/1000 of each budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Embedding(97, 40)
+        self.b = nn.Embedding(89, 40)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return (self.a(idx % 97) * self.b(idx % 89)).sum(-1)
+
+
+def test_a_budget_at_the_cheapest_plan_is_met_under_two_budgets() -> None:
+    # rounded up, the two cheapest options take 1001 of the memory budget's 1000 steps
+    costs = [[[3.3, 1.1], [3.3, 1.2]], [[1.0, 1.0], [1.0, 1.0]]]
+    assert solve([[0.0, 1.0], [0.0, 1.0]], costs, [2.3, 10.0], resolution=10) == [1, 1]
+    torch.manual_seed(8)
+    model = TwoTables()
+    int8 = 97 * 40 + 97 * 4 + 89 * 40 + 89 * 4  # codes and a float32 scale per row
+    report = search(
+        model,
+        [(torch.randint(0, 200, (4, 8)), torch.randn(4, 8))],
+        F.mse_loss,
+        # a speed budget no plan approaches, beside memory at the cheapest plan exactly
+        budget={"memory": int8 / ((97 + 89) * 40 * 4), "speed": 1e6},
+        formats=[INT8],
+        baseline="32-true",
+        reps=1,
+    )
+    assert report.plan == {"a": "int8_from_float32", "b": "int8_from_float32"}
+    assert report.measured["plan"].unit_bytes == int8

@@ -121,13 +121,21 @@ def solve(
 def _cheapest_if_fits(
     costs: Sequence[Sequence[Sequence[float]]], budgets: Sequence[float]
 ) -> list[int] | None:
-    """With one budget, each unit's cheapest option when together they fit the true budget:
-    the one plan rounding up can lose at the budget's very edge (None otherwise)."""
-    if len(budgets) != 1:
-        return None
-    plan = [min(range(len(row)), key=row.__getitem__) for row in costs[0]]
-    fits = sum(costs[0][u][f] for u, f in enumerate(plan)) <= budgets[0] * (1 + 1e-9)
-    return plan if fits else None
+    """Each unit's cheapest option under one budget (ties: the cheaper under the others),
+    the first such plan (by budget) that fits every true budget: the plan rounding up can
+    lose at a budget's very edge (None if none fits)."""
+    kinds = range(len(budgets))
+    for k in kinds:
+        plan = [
+            min(range(len(costs[k][u])), key=lambda f, u=u: [costs[j][u][f] for j in (k, *kinds)])
+            for u in range(len(costs[k]))
+        ]
+        if all(
+            sum(costs[j][u][f] for u, f in enumerate(plan)) <= budgets[j] * (1 + 1e-9)
+            for j in kinds
+        ):
+            return plan
+    return None
 
 
 def brute_force(
