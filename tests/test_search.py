@@ -421,6 +421,7 @@ def test_the_baseline_is_checked_against_the_device() -> None:
         ({"budget": {"memory": 0}}, ValueError, "positive fraction"),
         ({"budget": {"memry": 0.5}}, ValueError, "unknown budget 'memry'"),
         ({"budget": "memory=lots"}, TypeError, "must be a number"),
+        ({"budget": "memory=0.5,memory=0.3"}, ValueError, "budget 'memory' given twice"),
         ({"budget": 0.5}, TypeError, "budget must be a Budget"),
         ({"formats": ["int9"]}, PolicySpecError, "int9"),
         ({"baseline": INT8}, ValueError, "the baseline is the float precision"),

@@ -100,6 +100,8 @@ class Budget:
             items: dict[str, Any] = {}
             for part in filter(None, (p.strip() for p in value.split(","))):
                 key, sep, number = part.partition("=")
+                if key.strip() in items:
+                    raise ValueError(f"budget {key.strip()!r} given twice in {value!r}")
                 try:
                     items[key.strip()] = float(number) if sep else None
                 except ValueError:
