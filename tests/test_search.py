@@ -789,3 +789,39 @@ def test_a_budget_at_the_cheapest_plan_is_met_under_two_budgets() -> None:
     )
     assert report.plan == {"a": "int8_from_float32", "b": "int8_from_float32"}
     assert report.measured["plan"].unit_bytes == int8
+
+
+class Encoder(nn.Module):
+    """An embedding, a torch TransformerEncoder (whose layers' inference fast path reads
+    their feed-forward weights itself) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(idx)))
+
+
+def test_the_feed_forward_of_a_torch_transformer_layer_stays_in_the_baseline() -> None:
+    torch.manual_seed(9)
+    model = Encoder()
+    assert [u.paths for u in find_units(model)] == [("emb",), ("head",)]
+    idx = torch.randint(0, 50, (4, 8))
+    report = search(
+        model,
+        [(idx, idx)],
+        token_loss,
+        budget={"memory": 0.5},
+        formats=[INT8],
+        baseline="32-true",
+        reps=1,
+    )
+    assert report.plan == {"emb": "int8_from_float32", "head": "int8_from_float32"}
+    # the plan runs as verified where the layers take their fast path (eval, no grad)
+    again = mixprec.apply(copy.deepcopy(model), report.policy).eval()
+    with torch.no_grad():
+        assert float(token_loss(again(idx), idx)) == report.measured["plan"].loss
