@@ -449,6 +449,20 @@ def test_bad_input_is_refused_saying_what_is_accepted(kwargs, error, message) ->
         search(model, args.pop("batches"), F.mse_loss, **args)
 
 
+def test_a_model_on_the_meta_device_is_refused() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match=r"0\.weight \(and 3 more\) is on the meta device"):
+        search(
+            model,
+            [(torch.zeros(2, 16), torch.zeros(2, 4))],
+            F.mse_loss,
+            budget={"memory": 0.5},
+            baseline="32-true",
+            device_info=ZEN4,
+        )
+
+
 def test_a_model_without_searchable_layers_is_refused() -> None:
     with pytest.raises(ValueError, match="no layer a search can choose for"):
         search(

@@ -241,6 +241,12 @@ def search(
     started = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise TypeError(f"search() takes an nn.Module, got {type(model).__name__}")
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise ValueError(
+            f"{meta[0]} (and {len(meta) - 1} more) is on the meta device, without values: a "
+            "search runs the model, so give it one whose weights are loaded"
+        )
     budget = Budget.of(budget)
     if count not in COUNTS:
         raise ValueError(f"count must be one of {', '.join(COUNTS)}, got {count!r}")
