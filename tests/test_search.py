@@ -839,3 +839,39 @@ def test_the_feed_forward_of_a_torch_transformer_layer_stays_in_the_baseline() -
     again = mixprec.apply(copy.deepcopy(model), report.policy).eval()
     with torch.no_grad():
         assert float(token_loss(again(idx), idx)) == report.measured["plan"].loss
+
+
+class Sampling(nn.Module):
+    """A VAE's reparameterised sample: random numbers drawn in every forward, eval or not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(32, 16)
+        self.dec = nn.Linear(8, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu, log_var = self.enc(x).chunk(2, -1)
+        return self.dec(mu + torch.randn_like(mu) * (0.5 * log_var).exp())
+
+
+def test_a_model_drawing_random_numbers_draws_the_same_ones_in_every_plan() -> None:
+    torch.manual_seed(10)
+    model = Sampling()
+    x = torch.randn(16, 32)
+    rng = torch.get_rng_state()
+    report = search(
+        model,
+        [(x[:8], x[:8]), (x[8:], x[8:])],
+        F.mse_loss,
+        budget={"memory": 1.0},
+        formats=[INT8],
+        baseline="32-true",
+        reps=1,
+    )
+    assert report.plan == {"enc": "32-true", "dec": "32-true"}
+    measured = report.measured
+    # one network, one loss: as the reference run measured it
+    assert measured["plan"].loss == measured["baseline"].loss == measured["float32"].loss
+    assert measured["float32"].loss == report.reference_loss
+    assert report.attempts[0].gap == 0
+    assert torch.equal(torch.get_rng_state(), rng)

@@ -32,7 +32,7 @@ from mixprec.doctor.probe import seeded
 from mixprec.doctor.running import loss_of
 from mixprec.hardware import DeviceInfo, check, detect, device_of, parse_device
 from mixprec.plan import sensitivity, solver
-from mixprec.plan.measure import Measured, convert, measure_plans, train
+from mixprec.plan.measure import Measured, convert, eval_loss, measure_plans, train
 from mixprec.plan.report import Attempt, Option, SearchReport, UnitRow
 from mixprec.plan.units import (
     COUNTS,
@@ -448,6 +448,7 @@ def search(
                 reps=reps,
                 device=dev,
                 timed=timed & set(todo),
+                seed=seed,
             )
         )
         plan_loss, base_loss = verified["plan"].loss, verified["baseline"].loss
@@ -467,7 +468,7 @@ def search(
             if fmt in ("32-true", base.name) or (u, fmt) in measured_damage:
                 continue
             alone = _alone_damage(
-                model, unit, fmt, eval_list, loss_fn, dev, verified["float32"].loss
+                model, unit, fmt, eval_list, loss_fn, dev, seed, verified["float32"].loss
             )
             if alone > rows[u].options[fmt].damage:
                 measured_damage[(u, fmt)] = alone
@@ -532,6 +533,7 @@ def _alone_damage(
     batches: list[Any],
     loss_fn: Any,
     device: torch.device,
+    seed: int,
     float32_loss: float,
 ) -> float:
     """The loss change of float32 `model` with only `unit` in `fmt`, on `batches` (whose
@@ -540,9 +542,7 @@ def _alone_damage(
     policy = PolicyMap("32-true", rules)
     m = convert(model, policy)
     precision = Precision(policy, device=device)
-    with torch.no_grad():
-        losses = [float(loss_of(m, precision, b, loss_fn)) for b in batches]
-    return sum(losses) / len(losses) - float32_loss
+    return eval_loss(m, precision, batches, loss_fn, seed=seed, device=device) - float32_loss
 
 
 def _too_small(
