@@ -875,3 +875,25 @@ def test_a_model_drawing_random_numbers_draws_the_same_ones_in_every_plan() -> N
     assert measured["float32"].loss == report.reference_loss
     assert report.attempts[0].gap == 0
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_frozen_layer_whose_output_is_changed_in_place_is_scored_as_if_it_were_not() -> None:
+    torch.manual_seed(11)
+    plain = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    frozen = copy.deepcopy(plain)
+    frozen[0].requires_grad_(False)
+    frozen[1] = nn.ReLU(inplace=True)  # in place on the frozen layer's output
+    batch = (torch.randn(16, 64), torch.randn(16, 8))
+    damages = []
+    for model in (plain, frozen):
+        report = search(
+            model,
+            [batch],
+            F.mse_loss,
+            budget={"memory": 0.5},
+            formats=[INT8],
+            baseline="32-true",
+            reps=1,
+        )
+        damages.append([r.options["int8_from_float32"].damage for r in report.rows])
+    assert damages[1] == damages[0] and all(d > 0 for d in damages[0])
