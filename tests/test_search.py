@@ -449,6 +449,17 @@ def test_bad_input_is_refused_saying_what_is_accepted(kwargs, error, message) ->
         search(model, args.pop("batches"), F.mse_loss, **args)
 
 
+def test_a_float32_loss_that_is_not_finite_is_refused() -> None:
+    model, batches, _ = planted()
+    bad = (batches[1][0].clone(), batches[1][1])
+    bad[0][0, 0] = math.nan
+    args = {"budget": {"memory": 0.5}, "formats": [INT8], "baseline": "32-true", "reps": 1}
+    with pytest.raises(ValueError, match=r"float32 loss on batches\[1\] is nan"):
+        search(model, [batches[0], bad], F.mse_loss, **args)
+    with pytest.raises(ValueError, match="float32 loss on eval_batches is nan"):
+        search(model, batches, F.mse_loss, eval_batches=[bad], **args)
+
+
 def test_a_model_on_the_meta_device_is_refused() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))

@@ -132,6 +132,16 @@ def _check_batches(batches: Any, what: str) -> list[Any]:
     return out
 
 
+def _check_finite(float32_loss: float, where: str) -> None:
+    """A float32 loss that is not finite leaves nothing to score or compare plans against."""
+    if not math.isfinite(float32_loss):
+        raise ValueError(
+            f"the model's float32 loss on {where} is {float32_loss}: a search scores and "
+            "verifies plans against float32, which needs a finite loss (check the batches "
+            "and the model)"
+        )
+
+
 def _formats(
     formats: Sequence[Any] | None,
     baseline: Policy,
@@ -332,6 +342,7 @@ def search(
                 reference, paths, lambda batch=batch: loss_of(reference, precision, batch, loss_fn)
             )
         reference.zero_grad(set_to_none=True)
+        _check_finite(loss, f"batches[{b}]")
         ref_losses.append(loss)
         for u, unit in enumerate(units):
             readers = [
@@ -451,6 +462,7 @@ def search(
                 seed=seed,
             )
         )
+        _check_finite(verified["float32"].loss, "eval_batches" if held_out else "batches")
         plan_loss, base_loss = verified["plan"].loss, verified["baseline"].loss
         gap = (plan_loss - base_loss) / max(abs(base_loss), 1e-12)
         predicted = sum(
