@@ -571,6 +571,9 @@ def test_doctor_search_refuses_bad_flags(tmp_path, capsys) -> None:
         == 2
     )
     assert "smallest reachable" in capsys.readouterr().err
+    factory.write_text(FACTORY.replace('"model": model, ', ""))
+    assert main(["doctor", f"{factory}:make", "--search", "--memory", "0.5", "--no-report"]) == 2
+    assert "the factory's dict has 'batches' but no 'model'" in capsys.readouterr().err
 
 
 # --- layers the model treats unusually ------------------------------------------------------
