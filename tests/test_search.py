@@ -427,6 +427,7 @@ def test_the_baseline_is_checked_against_the_device() -> None:
         ({"baseline": INT8}, ValueError, "the baseline is the float precision"),
         ({"count": "bytes"}, ValueError, "count must be one of weights, training"),
         ({"batches": []}, ValueError, "batches is empty"),
+        ({"eval_batches": iter([])}, ValueError, "eval_batches is empty (an iterator, used up"),
         ({"batches": torch.zeros(3)}, TypeError, "a list of batches"),
         ({"reps": 0}, ValueError, "reps must be an integer >= 1"),
         ({"tolerance": -1}, ValueError, "tolerance"),

@@ -128,7 +128,8 @@ def _check_batches(batches: Any, what: str) -> list[Any]:
         )
     out = list(batches)
     if not out:
-        raise ValueError(f"{what} is empty: the search needs at least one batch")
+        spent = " (an iterator, used up already?)" if iter(batches) is batches else ""
+        raise ValueError(f"{what} is empty{spent}: the search needs at least one batch")
     return out
 
 
