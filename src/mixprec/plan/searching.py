@@ -254,9 +254,10 @@ def search(
         raise TypeError(f"search() takes an nn.Module, got {type(model).__name__}")
     meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:
+        more = f" (and {len(meta) - 1} more)" if len(meta) > 1 else ""
         raise ValueError(
-            f"{meta[0]} (and {len(meta) - 1} more) is on the meta device, without values: a "
-            "search runs the model, so give it one whose weights are loaded"
+            f"{meta[0]}{more} is on the meta device, without values: a search runs the "
+            "model, so give it one whose weights are loaded"
         )
     budget = Budget.of(budget)
     if count not in COUNTS:
