@@ -421,14 +421,20 @@ def test_the_baseline_is_checked_against_the_device() -> None:
         ({"budget": {"memory": 0}}, ValueError, "positive fraction"),
         ({"budget": {"memry": 0.5}}, ValueError, "unknown budget 'memry'"),
         ({"budget": "memory=lots"}, TypeError, "must be a number"),
+        ({"budget": "memory=0.5,memory=0.3"}, ValueError, "budget 'memory' given twice"),
         ({"budget": 0.5}, TypeError, "budget must be a Budget"),
         ({"formats": ["int9"]}, PolicySpecError, "int9"),
         ({"baseline": INT8}, ValueError, "the baseline is the float precision"),
         ({"count": "bytes"}, ValueError, "count must be one of weights, training"),
         ({"batches": []}, ValueError, "batches is empty"),
+        ({"eval_batches": iter([])}, ValueError, "eval_batches is empty (an iterator, used up"),
         ({"batches": torch.zeros(3)}, TypeError, "a list of batches"),
         ({"reps": 0}, ValueError, "reps must be an integer >= 1"),
         ({"tolerance": -1}, ValueError, "tolerance"),
+        ({"tolerance": True}, ValueError, "tolerance must be a non-negative number"),
+        ({"lr": "1e-3"}, ValueError, "lr must be a positive number"),
+        ({"lr": math.nan}, ValueError, "lr must be a positive number"),
+        ({"seed": 1.5}, ValueError, "seed must be an integer"),
     ],
 )
 def test_bad_input_is_refused_saying_what_is_accepted(kwargs, error, message) -> None:
@@ -442,6 +448,31 @@ def test_bad_input_is_refused_saying_what_is_accepted(kwargs, error, message) ->
     }
     with pytest.raises(error, match=re.escape(message)):
         search(model, args.pop("batches"), F.mse_loss, **args)
+
+
+def test_a_float32_loss_that_is_not_finite_is_refused() -> None:
+    model, batches, _ = planted()
+    bad = (batches[1][0].clone(), batches[1][1])
+    bad[0][0, 0] = math.nan
+    args = {"budget": {"memory": 0.5}, "formats": [INT8], "baseline": "32-true", "reps": 1}
+    with pytest.raises(ValueError, match=r"float32 loss on batches\[1\] is nan"):
+        search(model, [batches[0], bad], F.mse_loss, **args)
+    with pytest.raises(ValueError, match="float32 loss on eval_batches is nan"):
+        search(model, batches, F.mse_loss, eval_batches=[bad], **args)
+
+
+def test_a_model_on_the_meta_device_is_refused() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
+    with pytest.raises(ValueError, match=r"0\.weight \(and 3 more\) is on the meta device"):
+        search(
+            model,
+            [(torch.zeros(2, 16), torch.zeros(2, 4))],
+            F.mse_loss,
+            budget={"memory": 0.5},
+            baseline="32-true",
+            device_info=ZEN4,
+        )
 
 
 def test_a_model_without_searchable_layers_is_refused() -> None:
@@ -541,6 +572,9 @@ def test_doctor_search_refuses_bad_flags(tmp_path, capsys) -> None:
         == 2
     )
     assert "smallest reachable" in capsys.readouterr().err
+    factory.write_text(FACTORY.replace('"model": model, ', ""))
+    assert main(["doctor", f"{factory}:make", "--search", "--memory", "0.5", "--no-report"]) == 2
+    assert "the factory's dict has 'batches' but no 'model'" in capsys.readouterr().err
 
 
 # --- layers the model treats unusually ------------------------------------------------------
@@ -624,3 +658,257 @@ def test_a_budget_at_the_cheapest_plan_is_met_when_rounding_leaves_no_room() -> 
     # yet the cheapest plan fits it exactly
     costs = [[[3.3, 1.1], [3.3, 1.2]]]
     assert solve([[0.0, 1.0], [0.0, 1.0]], costs, [2.3], resolution=10) == [1, 1]
+
+
+# --- what the caller keeps -----------------------------------------------------------------
+
+
+def test_the_callers_model_and_rng_state_are_left_as_they_were() -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Dropout(0.3), nn.Tanh(), nn.Linear(32, 8)
+    )
+    model[0].requires_grad_(False)
+    model[4].eval()  # a mix of modes, as the caller set them
+    batch = (torch.randn(16, 16), torch.randn(16, 8))
+    state = copy.deepcopy(model.state_dict())
+    modes = [m.training for m in model.modules()]
+    rng = torch.get_rng_state()
+    search(
+        model,
+        [batch],
+        F.mse_loss,
+        budget={"memory": 0.5},
+        formats=[INT8],
+        baseline="32-true",
+        train_steps=2,
+        reps=1,
+        seed=123,
+    )
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert [m.training for m in model.modules()] == modes
+    assert [p.requires_grad for p in model.parameters()] == [False, False, True, True, True, True]
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+class Aliased(nn.Module):
+    """One Linear registered at two paths (``first`` and ``blocks.0``) and called once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList([self.first, nn.Linear(16, 16)])
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def test_a_layer_registered_at_two_paths_takes_one_format_at_both() -> None:
+    torch.manual_seed(6)
+    model = Aliased()
+    batch = (torch.randn(16, 16), torch.randn(16, 8))
+    assert [(u.paths, u.aliases) for u in find_units(model)] == [
+        (("first",), ("blocks.0",)),
+        (("blocks.1",), ()),
+        (("head",), ()),
+    ]
+    report = search(
+        model,
+        [batch],
+        F.mse_loss,
+        budget={"memory": 0.4},
+        formats=[INT8],
+        baseline="32-true",
+        reps=1,
+    )
+    int8 = "int8_from_float32"
+    assert report.plan == {"first": int8, "blocks.0": int8, "blocks.1": int8, "head": int8}
+    again = mixprec.apply(copy.deepcopy(model), report.policy).eval()
+    assert type(again.blocks[0]).__name__ == "Int8Linear" and again.blocks[0] is again.first
+    with torch.no_grad():
+        assert float(F.mse_loss(again(batch[0]), batch[1])) == report.measured["plan"].loss
+
+
+def test_a_budget_given_as_a_plans_fraction_of_the_baseline_holds_that_plan() -> None:
+    # int8 Linear(40, 5): 240 bytes of float32's 820; 240 / 820 * 820 is an ulp below 240
+    assert 240 / 820 * 820 < 240
+    assert solve([[0.0, 1.0]], [[[820, 240]]], [240 / 820 * 820]) == [1]
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(40, 5))
+    report = search(
+        model,
+        [(torch.randn(8, 40), torch.randn(8, 5))],
+        F.mse_loss,
+        budget={"memory": 240 / 820},
+        formats=[INT8],
+        baseline="32-true",
+        reps=1,
+    )
+    assert report.plan == {"0": "int8_from_float32"}
+    assert report.measured["plan"].unit_bytes == 240 and report.fits("plan")
+
+
+class ReadOutside(nn.Module):
+    """A head computed as ``F.linear(h, emb.weight)``: it reads the embedding's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(40, 32)
+        self.fc = nn.Linear(32, 32)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.fc(self.emb(idx))), self.emb.weight)
+
+
+def test_a_weight_read_outside_its_layer_keeps_the_baselines_dtype() -> None:
+    torch.manual_seed(0)
+    model = ReadOutside()
+    idx = torch.randint(0, 40, (4, 8))
+    # float32 code reading a bfloat16 weight would fail: bf16-true is not for emb
+    report = search(
+        model,
+        [(idx, idx)],
+        token_loss,
+        budget={"memory": 0.8},
+        formats=["bf16-true"],
+        baseline="32-true",
+        device_info=ZEN4,
+        reps=1,
+    )
+    rows = {r.unit.paths: r for r in report.rows}
+    assert rows[("emb",)].not_applicable == {
+        "bf16-true": "emb's weight is read by linear outside any layer"
+    }
+    assert report.plan == {"emb": "32-true", "fc": "bf16-true"}
+
+
+class TwoTables(nn.Module):
+    """Two embeddings whose bytes share only the divisor 4: under two budgets their costs are
+    rounded up to 1/1000 of each budget."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Embedding(97, 40)
+        self.b = nn.Embedding(89, 40)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return (self.a(idx % 97) * self.b(idx % 89)).sum(-1)
+
+
+def test_a_budget_at_the_cheapest_plan_is_met_under_two_budgets() -> None:
+    # rounded up, the two cheapest options take 1001 of the memory budget's 1000 steps
+    costs = [[[3.3, 1.1], [3.3, 1.2]], [[1.0, 1.0], [1.0, 1.0]]]
+    assert solve([[0.0, 1.0], [0.0, 1.0]], costs, [2.3, 10.0], resolution=10) == [1, 1]
+    torch.manual_seed(8)
+    model = TwoTables()
+    int8 = 97 * 40 + 97 * 4 + 89 * 40 + 89 * 4  # codes and a float32 scale per row
+    report = search(
+        model,
+        [(torch.randint(0, 200, (4, 8)), torch.randn(4, 8))],
+        F.mse_loss,
+        # a speed budget no plan approaches, beside memory at the cheapest plan exactly
+        budget={"memory": int8 / ((97 + 89) * 40 * 4), "speed": 1e6},
+        formats=[INT8],
+        baseline="32-true",
+        reps=1,
+    )
+    assert report.plan == {"a": "int8_from_float32", "b": "int8_from_float32"}
+    assert report.measured["plan"].unit_bytes == int8
+
+
+class Encoder(nn.Module):
+    """An embedding, a torch TransformerEncoder (whose layers' inference fast path reads
+    their feed-forward weights itself) and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(idx)))
+
+
+def test_the_feed_forward_of_a_torch_transformer_layer_stays_in_the_baseline() -> None:
+    torch.manual_seed(9)
+    model = Encoder()
+    assert [u.paths for u in find_units(model)] == [("emb",), ("head",)]
+    idx = torch.randint(0, 50, (4, 8))
+    report = search(
+        model,
+        [(idx, idx)],
+        token_loss,
+        budget={"memory": 0.5},
+        formats=[INT8],
+        baseline="32-true",
+        reps=1,
+    )
+    assert report.plan == {"emb": "int8_from_float32", "head": "int8_from_float32"}
+    # the plan runs as verified where the layers take their fast path (eval, no grad)
+    again = mixprec.apply(copy.deepcopy(model), report.policy).eval()
+    with torch.no_grad():
+        assert float(token_loss(again(idx), idx)) == report.measured["plan"].loss
+
+
+class Sampling(nn.Module):
+    """A VAE's reparameterised sample: random numbers drawn in every forward, eval or not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Linear(32, 16)
+        self.dec = nn.Linear(8, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mu, log_var = self.enc(x).chunk(2, -1)
+        return self.dec(mu + torch.randn_like(mu) * (0.5 * log_var).exp())
+
+
+def test_a_model_drawing_random_numbers_draws_the_same_ones_in_every_plan() -> None:
+    torch.manual_seed(10)
+    model = Sampling()
+    x = torch.randn(16, 32)
+    rng = torch.get_rng_state()
+    report = search(
+        model,
+        [(x[:8], x[:8]), (x[8:], x[8:])],
+        F.mse_loss,
+        budget={"memory": 1.0},
+        formats=[INT8],
+        baseline="32-true",
+        reps=1,
+    )
+    assert report.plan == {"enc": "32-true", "dec": "32-true"}
+    measured = report.measured
+    # one network, one loss: as the reference run measured it
+    assert measured["plan"].loss == measured["baseline"].loss == measured["float32"].loss
+    assert measured["float32"].loss == report.reference_loss
+    assert report.attempts[0].gap == 0
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_frozen_layer_whose_output_is_changed_in_place_is_scored_as_if_it_were_not() -> None:
+    torch.manual_seed(11)
+    plain = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    frozen = copy.deepcopy(plain)
+    frozen[0].requires_grad_(False)
+    frozen[1] = nn.ReLU(inplace=True)  # in place on the frozen layer's output
+    batch = (torch.randn(16, 64), torch.randn(16, 8))
+    damages = []
+    for model in (plain, frozen):
+        report = search(
+            model,
+            [batch],
+            F.mse_loss,
+            budget={"memory": 0.5},
+            formats=[INT8],
+            baseline="32-true",
+            reps=1,
+        )
+        damages.append([r.options["int8_from_float32"].damage for r in report.rows])
+    assert damages[1] == damages[0] and all(d > 0 for d in damages[0])

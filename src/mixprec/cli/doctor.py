@@ -61,6 +61,8 @@ def _search_inputs(made: Any) -> tuple[Any, list[Any], Any, list[Any] | None, An
             raise FactoryError(
                 f"unknown keys {unknown} in the factory's dict; it takes {sorted(keys)}"
             )
+        if "model" not in made:
+            raise FactoryError("the factory's dict has 'batches' but no 'model': give both")
         return (
             made.get("model"),
             made["batches"],

@@ -14,12 +14,13 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.convert import apply
+from mixprec.doctor.probe import seeded
 from mixprec.doctor.running import loss_of
 from mixprec.plan.units import Unit, state_bytes
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
 
-__all__ = ["Measured", "Trained", "convert", "measure_plans", "train"]
+__all__ = ["Measured", "Trained", "convert", "eval_loss", "measure_plans", "train"]
 
 
 @dataclass
@@ -49,11 +50,23 @@ def convert(model: nn.Module, policy: PolicyMap) -> nn.Module:
     return converted.eval()
 
 
-def _eval_loss(
-    model: nn.Module, precision: Precision, batches: Sequence[Any], loss_fn: Any
+def eval_loss(
+    model: nn.Module,
+    precision: Precision,
+    batches: Sequence[Any],
+    loss_fn: Any,
+    *,
+    seed: int,
+    device: torch.device,
 ) -> float:
+    """The mean loss over `batches`, each run with the RNG seeded to `seed` as the search's
+    reference run is: a model that draws random numbers in its forward (a VAE's sample)
+    draws the same ones in every plan, and the caller's RNG state is left as it was."""
+    losses = []
     with torch.no_grad():
-        losses = [float(loss_of(model, precision, b, loss_fn).detach()) for b in batches]
+        for b in batches:
+            with seeded(seed, device):
+                losses.append(float(loss_of(model, precision, b, loss_fn).detach()))
     return sum(losses) / len(losses)
 
 
@@ -90,14 +103,17 @@ def measure_plans(
     reps: int,
     device: torch.device,
     timed: set[str],
+    seed: int,
 ) -> dict[str, Measured]:
-    """Each plan converted and run: its loss on `batches`, its bytes (as `count` counts them)
-    and, for the plans in `timed`, the median time of one step on the first batch (forward,
-    and backward when `training`), taking turns step by step after an untimed step each."""
+    """Each plan converted and run: its loss on `batches` (`eval_loss`, seeded), its bytes
+    (as `count` counts them) and, for the plans in `timed`, the median time of one step on
+    the first batch (forward, and backward when `training`), taking turns step by step after
+    an untimed step each."""
     converted = {name: convert(model, plan) for name, plan in plans.items()}
     precisions = {name: Precision(plan, device=device) for name, plan in plans.items()}
     losses = {
-        name: _eval_loss(m, precisions[name], batches, loss_fn) for name, m in converted.items()
+        name: eval_loss(m, precisions[name], batches, loss_fn, seed=seed, device=device)
+        for name, m in converted.items()
     }
     steps = {
         name: _step(m, precisions[name], batches[0], loss_fn, training)
@@ -105,12 +121,13 @@ def measure_plans(
         if name in timed
     }
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for rep in range(reps + 1):
-        for name, run in steps.items():
-            start = time.perf_counter()
-            run()
-            if rep:
-                times[name].append(time.perf_counter() - start)
+    with seeded(seed, device):  # the caller's RNG state kept
+        for rep in range(reps + 1):
+            for name, run in steps.items():
+                start = time.perf_counter()
+                run()
+                if rep:
+                    times[name].append(time.perf_counter() - start)
     return {
         name: Measured(
             loss=losses[name],
@@ -141,26 +158,32 @@ def train(
     """`steps` AdamW steps of a copy of `model` under `policy` (16-bit weights with Kahan
     compensation, float32 ones plainly; int8/int4 weights frozen), cycling over `batches`
     with a fixed seed; the loss of each step and the evaluation loss after."""
-    torch.manual_seed(seed)
-    trained = copy.deepcopy(model).train()
-    apply(trained, policy, warn=False)
-    sixteen = any(p.dtype in (torch.bfloat16, torch.float16) for p in _trainable(trained))
-    precision = Precision(
-        policy, device=device, allow_slow=True, compensation="kahan" if sixteen else None
-    )
-    if not _trainable(trained):
-        raise ValueError(
-            "the plan leaves nothing to train (every trainable layer quantized, int8/int4 "
-            "weights are frozen): train_steps needs a plan with trainable parameters"
+    # the same dropout masks in every plan's run; the caller's RNG state left as it was
+    with seeded(seed, device):
+        trained = copy.deepcopy(model).train()
+        apply(trained, policy, warn=False)
+        sixteen = any(p.dtype in (torch.bfloat16, torch.float16) for p in _trainable(trained))
+        precision = Precision(
+            policy, device=device, allow_slow=True, compensation="kahan" if sixteen else None
         )
-    optimizer = torch.optim.AdamW(_trainable(trained), lr=lr)
-    trained, optimizer = precision.setup(trained, optimizer, convert=False)
-    losses = []
-    for i in range(steps):
-        loss = loss_of(trained, precision, batches[i % len(batches)], loss_fn)
-        precision.backward(loss)
-        precision.step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-    trained.eval()
-    return Trained(losses=losses, eval_loss=_eval_loss(trained, precision, eval_batches, loss_fn))
+        if not _trainable(trained):
+            raise ValueError(
+                "the plan leaves nothing to train (every trainable layer quantized, int8/int4 "
+                "weights are frozen): train_steps needs a plan with trainable parameters"
+            )
+        optimizer = torch.optim.AdamW(_trainable(trained), lr=lr)
+        trained, optimizer = precision.setup(trained, optimizer, convert=False)
+        losses = []
+        for i in range(steps):
+            loss = loss_of(trained, precision, batches[i % len(batches)], loss_fn)
+            precision.backward(loss)
+            precision.step(optimizer)
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+        trained.eval()
+        return Trained(
+            losses=losses,
+            eval_loss=eval_loss(
+                trained, precision, eval_batches, loss_fn, seed=seed, device=device
+            ),
+        )

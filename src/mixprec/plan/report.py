@@ -101,8 +101,8 @@ class SearchReport:
     # --- verdicts -------------------------------------------------------------------
     @property
     def plan(self) -> dict[str, str]:
-        """The chosen format of each searched layer, by path."""
-        return {p: r.chosen for r in self.rows for p in r.unit.paths}
+        """The chosen format of each searched layer, by path (each path a layer is at)."""
+        return {p: r.chosen for r in self.rows for p in r.unit.paths + r.unit.aliases}
 
     @property
     def met(self) -> bool:

@@ -28,10 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mixprec.doctor.probe import seeded
 from mixprec.doctor.running import loss_of
 from mixprec.hardware import DeviceInfo, check, detect, device_of, parse_device
 from mixprec.plan import sensitivity, solver
-from mixprec.plan.measure import Measured, convert, measure_plans, train
+from mixprec.plan.measure import Measured, convert, eval_loss, measure_plans, train
 from mixprec.plan.report import Attempt, Option, SearchReport, UnitRow
 from mixprec.plan.units import (
     COUNTS,
@@ -99,6 +100,8 @@ class Budget:
             items: dict[str, Any] = {}
             for part in filter(None, (p.strip() for p in value.split(","))):
                 key, sep, number = part.partition("=")
+                if key.strip() in items:
+                    raise ValueError(f"budget {key.strip()!r} given twice in {value!r}")
                 try:
                     items[key.strip()] = float(number) if sep else None
                 except ValueError:
@@ -125,8 +128,19 @@ def _check_batches(batches: Any, what: str) -> list[Any]:
         )
     out = list(batches)
     if not out:
-        raise ValueError(f"{what} is empty: the search needs at least one batch")
+        spent = " (an iterator, used up already?)" if iter(batches) is batches else ""
+        raise ValueError(f"{what} is empty{spent}: the search needs at least one batch")
     return out
+
+
+def _check_finite(float32_loss: float, where: str) -> None:
+    """A float32 loss that is not finite leaves nothing to score or compare plans against."""
+    if not math.isfinite(float32_loss):
+        raise ValueError(
+            f"the model's float32 loss on {where} is {float32_loss}: a search scores and "
+            "verifies plans against float32, which needs a finite loss (check the batches "
+            "and the model)"
+        )
 
 
 def _formats(
@@ -173,11 +187,17 @@ def _why_kept(rows: list[UnitRow], formats: list[str], kind: str) -> None:
                 r.why.append((fmt, ratio))
 
 
+def _weight_dtype(holder: nn.ModuleList) -> torch.dtype | None:
+    """The dtype a candidate stores its (first layer's) float weight in; None: it has none."""
+    weight = getattr(holder[0], "weight", None)
+    return weight.dtype if isinstance(weight, Tensor) else None
+
+
 def _plan_map(baseline: Policy, units: list[Unit], chosen: list[str]) -> PolicyMap:
     rules = {}
     for unit, fmt in zip(units, chosen, strict=True):
         if fmt != baseline.name:
-            for path in unit.paths:
+            for path in unit.paths + unit.aliases:
                 rules[re.escape(path)] = fmt
     return PolicyMap(baseline, rules)
 
@@ -232,6 +252,13 @@ def search(
     started = time.perf_counter()
     if not isinstance(model, nn.Module):
         raise TypeError(f"search() takes an nn.Module, got {type(model).__name__}")
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        more = f" (and {len(meta) - 1} more)" if len(meta) > 1 else ""
+        raise ValueError(
+            f"{meta[0]}{more} is on the meta device, without values: a search runs the "
+            "model, so give it one whose weights are loaded"
+        )
     budget = Budget.of(budget)
     if count not in COUNTS:
         raise ValueError(f"count must be one of {', '.join(COUNTS)}, got {count!r}")
@@ -242,8 +269,14 @@ def search(
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-    if not (isinstance(tolerance, (int, float)) and 0 <= tolerance < math.inf):
+    if isinstance(tolerance, bool) or not (
+        isinstance(tolerance, (int, float)) and 0 <= tolerance < math.inf
+    ):
         raise ValueError(f"tolerance must be a non-negative number, got {tolerance!r}")
+    if isinstance(lr, bool) or not (isinstance(lr, (int, float)) and 0 < lr < math.inf):
+        raise ValueError(f"lr must be a positive number (the training run's), got {lr!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
     batches = _check_batches(batches, "batches")
     train_list = (
         batches if train_batches is None else _check_batches(train_batches, "train_batches")
@@ -306,11 +339,12 @@ def search(
     ref_losses = []
     for b, batch in enumerate(batches):
         clock = time.perf_counter()
-        torch.manual_seed(seed)
-        loss, calls, read_outside = sensitivity.record(
-            reference, paths, lambda batch=batch: loss_of(reference, precision, batch, loss_fn)
-        )
+        with seeded(seed, dev):  # the caller's RNG state is theirs
+            loss, calls, read_outside = sensitivity.record(
+                reference, paths, lambda batch=batch: loss_of(reference, precision, batch, loss_fn)
+            )
         reference.zero_grad(set_to_none=True)
+        _check_finite(loss, f"batches[{b}]")
         ref_losses.append(loss)
         for u, unit in enumerate(units):
             readers = [
@@ -318,9 +352,17 @@ def search(
                 for p in unit.paths
                 if p in read_outside
             ]
+            base_dtype = _weight_dtype(holders[u][names.index(base.name)])
             for f, p in enumerate(policies):
-                # a quantized layer has no float weight left for that reader
-                if readers and isinstance(p, QuantizedPolicy) and holders[u][f] is not None:
+                # a quantized layer has no float weight left for that reader, and the reader,
+                # run as the baseline runs, needs the weight in the baseline's dtype
+                if (
+                    readers
+                    and holders[u][f] is not None
+                    and (
+                        isinstance(p, QuantizedPolicy) or _weight_dtype(holders[u][f]) != base_dtype
+                    )
+                ):
                     holders[u][f] = None
                     rows[u].options.pop(p.name)
                     rows[u].not_applicable[p.name] = "; ".join(readers)
@@ -419,8 +461,10 @@ def search(
                 reps=reps,
                 device=dev,
                 timed=timed & set(todo),
+                seed=seed,
             )
         )
+        _check_finite(verified["float32"].loss, "eval_batches" if held_out else "batches")
         plan_loss, base_loss = verified["plan"].loss, verified["baseline"].loss
         gap = (plan_loss - base_loss) / max(abs(base_loss), 1e-12)
         predicted = sum(
@@ -438,7 +482,7 @@ def search(
             if fmt in ("32-true", base.name) or (u, fmt) in measured_damage:
                 continue
             alone = _alone_damage(
-                model, unit, fmt, eval_list, loss_fn, dev, verified["float32"].loss
+                model, unit, fmt, eval_list, loss_fn, dev, seed, verified["float32"].loss
             )
             if alone > rows[u].options[fmt].damage:
                 measured_damage[(u, fmt)] = alone
@@ -503,17 +547,16 @@ def _alone_damage(
     batches: list[Any],
     loss_fn: Any,
     device: torch.device,
+    seed: int,
     float32_loss: float,
 ) -> float:
     """The loss change of float32 `model` with only `unit` in `fmt`, on `batches` (whose
     float32 loss is `float32_loss`)."""
-    rules = {re.escape(p): fmt for p in unit.paths}
+    rules = {re.escape(p): fmt for p in unit.paths + unit.aliases}
     policy = PolicyMap("32-true", rules)
     m = convert(model, policy)
     precision = Precision(policy, device=device)
-    with torch.no_grad():
-        losses = [float(loss_of(m, precision, b, loss_fn)) for b in batches]
-    return sum(losses) / len(losses) - float32_loss
+    return eval_loss(m, precision, batches, loss_fn, seed=seed, device=device) - float32_loss
 
 
 def _too_small(

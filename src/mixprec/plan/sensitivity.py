@@ -85,7 +85,8 @@ def _kept(value: Any) -> Any:
 class _Readers(TorchFunctionMode):
     """Notes the searched layers whose parameters an operation outside the layer reads (a
     head computed as ``F.linear(h, embedding.weight)``): swapping such a layer for a
-    quantized one would leave that reader without its weight."""
+    quantized one would leave that reader without its weight, and one stored in another dtype
+    than the baseline's would hand it a weight its code does not take."""
 
     def __init__(self, owners: dict[int, set[str]]) -> None:
         super().__init__()
@@ -112,7 +113,8 @@ def record(
     whose parameters something outside them reads (path -> the operation that does).
 
     A layer whose output needs no gradient (frozen, on inputs that need none) has its output
-    made a leaf that does, so the loss's gradient reaches it and its damage is scored."""
+    replaced by a copy of a leaf that does, so the loss's gradient reaches it and its damage
+    is scored (a copy, not the leaf: the model may change it in place, ``ReLU(inplace=True)``)."""
     modules = dict(model.named_modules())
     calls = {path: Calls() for path in paths}
     owners: dict[int, set[str]] = {}
@@ -134,7 +136,7 @@ def record(
                     "that return one floating tensor"
                 )
             if not output.requires_grad:
-                output = output.detach().requires_grad_()
+                output = output.detach().requires_grad_().clone()
             c = calls[path]
             i = len(c.outputs)
             c.args.append(tuple(_kept(a) for a in args))

@@ -7,7 +7,8 @@ steps of each budget. Integer costs (bytes) are counted in steps of their greate
 divisor when the budget holds at most ``resolution`` (2^20 under one budget) of those: then
 the program is exact. Otherwise (seconds; bytes of too fine a divisor, as a large model's
 often are) the step is ``1/resolution`` of the budget and every cost is rounded **up** to
-whole steps: a plan it returns still always fits the true budget, and it is the least
+whole steps: a plan it returns still always fits the true budget (to a hair of float
+noise, 1e-9 of a step, forgiven in costs and budgets alike), and it is the least
 damaging of the plans whose rounded costs fit, so at most ``units/resolution`` of the budget
 is given away at its edge (under 0.01% for 50 layers under one budget; with two budgets the
 resolution is 1000 per budget, so up to 5% of each for 50 layers). Among plans of equal
@@ -40,8 +41,15 @@ def _grid(costs: Sequence[Sequence[float]], budget: float, resolution: int) -> t
         for c in finite:
             step = math.gcd(step, int(c))
         if step and budget // step <= resolution:
-            return float(step), int(budget // step)
+            return float(step), _whole(budget / step)
     return budget / resolution, resolution
+
+
+def _whole(steps: float) -> int:
+    """The whole steps a budget holds, a hair of float noise forgiven: a budget given as the
+    fraction a plan's bytes are of the baseline's holds that plan, though the fraction times
+    the baseline's bytes may fall an ulp short of them."""
+    return math.floor(steps + 1e-9)
 
 
 def _steps(cost: float, step: float) -> int:
@@ -113,12 +121,21 @@ def solve(
 def _cheapest_if_fits(
     costs: Sequence[Sequence[Sequence[float]]], budgets: Sequence[float]
 ) -> list[int] | None:
-    """With one budget, each unit's cheapest option when together they fit the true budget:
-    the one plan rounding up can lose at the budget's very edge (None otherwise)."""
-    if len(budgets) != 1:
-        return None
-    plan = [min(range(len(row)), key=row.__getitem__) for row in costs[0]]
-    return plan if sum(costs[0][u][f] for u, f in enumerate(plan)) <= budgets[0] else None
+    """Each unit's cheapest option under one budget (ties: the cheaper under the others),
+    the first such plan (by budget) that fits every true budget: the plan rounding up can
+    lose at a budget's very edge (None if none fits)."""
+    kinds = range(len(budgets))
+    for k in kinds:
+        plan = [
+            min(range(len(costs[k][u])), key=lambda f, u=u: [costs[j][u][f] for j in (k, *kinds)])
+            for u in range(len(costs[k]))
+        ]
+        if all(
+            sum(costs[j][u][f] for u, f in enumerate(plan)) <= budgets[j] * (1 + 1e-9)
+            for j in kinds
+        ):
+            return plan
+    return None
 
 
 def brute_force(

@@ -51,11 +51,14 @@ DEFAULT_INT4_GROUPS = (32, 128)
 
 @dataclass(frozen=True)
 class Unit:
-    """One choice of the search: the paths of the layers sharing one weight (usually one)."""
+    """One choice of the search: the paths of the layers sharing one weight (usually one),
+    and the further paths those same modules are registered at (a layer listed twice), which
+    the plan's rules name too: one module runs in one policy."""
 
     paths: tuple[str, ...]
     kinds: tuple[str, ...]
     params: int  # elements of the unit's parameters, each storage once
+    aliases: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -71,11 +74,25 @@ def _searchable(module: nn.Module) -> bool:
 
 def find_units(model: nn.Module) -> list[Unit]:
     """The model's Linear, Embedding and Hugging Face Conv1D layers, grouped by shared weight,
-    in the order the model lists them."""
+    in the order the model lists them; not the feed-forward Linears of an
+    ``nn.TransformerEncoderLayer``, whose inference fast path reads their weights itself
+    (a quantized layer has none; a 16-bit one or a region would be passed over there)."""
+    read_by_parent = {
+        id(child)
+        for m in model.modules()
+        if isinstance(m, nn.TransformerEncoderLayer)
+        for child in (m.linear1, m.linear2)
+    }
     groups: dict[int, list[tuple[str, nn.Module]]] = {}
-    for path, module in model.named_modules():
-        if path and _searchable(module):
-            groups.setdefault(id(module.weight), []).append((path, module))
+    aliases: dict[int, list[str]] = {}  # id of a layer -> the paths after its first
+    for path, module in model.named_modules(remove_duplicate=False):
+        if not path or not _searchable(module) or id(module) in read_by_parent:
+            continue
+        if id(module) in aliases:
+            aliases[id(module)].append(path)
+            continue
+        aliases[id(module)] = []
+        groups.setdefault(id(module.weight), []).append((path, module))
     units = []
     for members in groups.values():
         seen: dict[int, int] = {}
@@ -87,6 +104,7 @@ def find_units(model: nn.Module) -> list[Unit]:
                 paths=tuple(path for path, _ in members),
                 kinds=tuple(type(m).__name__ for _, m in members),
                 params=sum(seen.values()),
+                aliases=tuple(p for _, m in members for p in aliases[id(m)]),
             )
         )
     return units
