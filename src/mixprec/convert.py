@@ -42,6 +42,7 @@ from mixprec.policy_map import (
     float_dtypes,
 )
 from mixprec.quantize import quantize_modules
+from mixprec.quantize.rules import set_fast_paths
 from mixprec.tree import map_tensors
 
 __all__ = [
@@ -486,6 +487,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
         resolved = _after_swap(model, resolved)
     _convert(_dtype_plan(model, resolved))
     _install_regions(model, resolved)
+    set_fast_paths(model)  # torch's fused transformer layers would pass regions over
     model.__dict__[_STATE] = AppliedState(pmap, original)
     return model
 
@@ -606,6 +608,7 @@ def remove(model: nn.Module) -> nn.Module:
     if state is None:
         return model
     _strip_regions(model)
+    set_fast_paths(model)
     modules = dict(model.named_modules())
     with torch.inference_mode(False):
         for (owner_name, key), dtype in state.original_dtypes.items():

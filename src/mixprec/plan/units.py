@@ -74,19 +74,13 @@ def _searchable(module: nn.Module) -> bool:
 
 def find_units(model: nn.Module) -> list[Unit]:
     """The model's Linear, Embedding and Hugging Face Conv1D layers, grouped by shared weight,
-    in the order the model lists them; not the feed-forward Linears of an
-    ``nn.TransformerEncoderLayer``, whose inference fast path reads their weights itself
-    (a quantized layer has none; a 16-bit one or a region would be passed over there)."""
-    read_by_parent = {
-        id(child)
-        for m in model.modules()
-        if isinstance(m, nn.TransformerEncoderLayer)
-        for child in (m.linear1, m.linear2)
-    }
+    in the order the model lists them (the feed-forward Linears of an
+    ``nn.TransformerEncoderLayer`` too: a swap or a region turns its fused inference path
+    off, `mixprec.quantize.rules.set_fast_paths`)."""
     groups: dict[int, list[tuple[str, nn.Module]]] = {}
     aliases: dict[int, list[str]] = {}  # id of a layer -> the paths after its first
     for path, module in model.named_modules(remove_duplicate=False):
-        if not path or not _searchable(module) or id(module) in read_by_parent:
+        if not path or not _searchable(module):
             continue
         if id(module) in aliases:
             aliases[id(module)].append(path)

@@ -28,6 +28,7 @@ __all__ = [
     "linear_view",
     "path_filter",
     "plain_linear",
+    "set_fast_paths",
     "skip_reason",
     "swap_modules",
 ]
@@ -172,7 +173,8 @@ def swap_modules(model: nn.Module, make: Callable[[str, nn.Module], nn.Module | 
     """Replace, in place, each submodule for which ``make(path, module)`` returns a module.
     A module reachable at several paths is decided once, at its first path, and replaced at
     every one (a layer tied at two paths stays one layer). `model` itself is never replaced;
-    the walk is over the modules as they were before any swap."""
+    the walk is over the modules as they were before any swap. Transformer layers whose
+    feed-forward Linears changed get their fused inference path set (`set_fast_paths`)."""
     done: dict[int, nn.Module | None] = {}
     for parent_path, parent in list(model.named_modules()):
         for name, child in list(parent._modules.items()):
@@ -183,6 +185,52 @@ def swap_modules(model: nn.Module, make: Callable[[str, nn.Module], nn.Module | 
                 done[id(child)] = make(path, child)
             if done[id(child)] is not None:
                 parent._modules[name] = done[id(child)]
+    set_fast_paths(model)
+
+
+# the attribute that keeps what a transformer layer's fast-path switch was before a swap
+_FAST_PATH_KEPT = "_mixprec_fast_path"
+
+
+def set_fast_paths(model: nn.Module) -> None:
+    """Turn off torch's inference fast path in each ``nn.TransformerEncoderLayer`` one of
+    whose submodules a swap replaced or a mixprec region wraps, and the nested-tensor path
+    of an ``nn.TransformerEncoder`` whose first layer is one; turn them back on once the
+    layer is plain torch again.
+
+    In eval mode without gradients those paths compute the layer in one fused call that
+    reads the attention's, the norms' and the feed-forward's weights itself: a quantized
+    layer has no float weight (AttributeError), a float8 or block-scaled layer's forward
+    would be passed over (its float weight used as it is), and a region's casts or autocast
+    too (a bf16 attention or norm beside float32 ones failed on mixed dtypes). The switches
+    are the layer's ``activation_relu_or_gelu`` (0: not fused) and the encoder's
+    ``use_nested_tensor``; the values they had are kept on the module and put back."""
+    modules = list(model.modules())
+    for module in modules:  # the layers first: an encoder asks its first layer
+        if isinstance(module, nn.TransformerEncoderLayer):
+            changed = any(_changed(m) for m in module.modules() if m is not module)
+            _switch(module, "activation_relu_or_gelu", 0, off=changed)
+    for module in modules:
+        if isinstance(module, nn.TransformerEncoder) and len(module.layers):
+            first = module.layers[0]
+            _switch(module, "use_nested_tensor", False, off=hasattr(first, _FAST_PATH_KEPT))
+
+
+def _changed(module: nn.Module) -> bool:
+    """Whether `module` computes other than torch's own forward for it: swapped for a
+    mixprec layer, or its forward replaced on the instance (a mixprec region or island)."""
+    return type(module).__module__.startswith("mixprec.") or "forward" in module.__dict__
+
+
+def _switch(module: nn.Module, name: str, value: object, *, off: bool) -> None:
+    """Set `module`'s attribute `name` to `value` keeping its value (`off`), or put the
+    kept value back (not `off`)."""
+    if off and not hasattr(module, _FAST_PATH_KEPT):
+        setattr(module, _FAST_PATH_KEPT, getattr(module, name))
+        setattr(module, name, value)
+    elif not off and hasattr(module, _FAST_PATH_KEPT):
+        setattr(module, name, getattr(module, _FAST_PATH_KEPT))
+        delattr(module, _FAST_PATH_KEPT)
 
 
 def carry_hooks(source: nn.Module, target: nn.Module) -> None:
