@@ -1233,3 +1233,31 @@ def test_the_float_path_of_an_int8_linear_equals_the_integer_reference():
     want = acc * layer.weight_scale[None, :] * xs[:, None] + lin.bias
     with torch.no_grad():
         assert torch.equal(layer(x), want)
+
+
+def test_without_exact_onednn_sums_torch_int_mm_is_not_used_even_where_exact(monkeypatch):
+    """Without VNNI torch._int_mm's sums can be exact yet run a reference loop (22-25x float32's
+    time on an AVX2-only EPYC, where the layer took it): a CPU whose oneDNN int8 sums are
+    wrong takes the float32 path, says why, and gives the same outputs."""
+    from mixprec.quantize import int8 as int8_module
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 24)
+    x = torch.randn(5, 64)
+    qx, xs = quantize_tokens(x)
+    layer = Int8Linear.from_float(lin)
+    want = (qx.long() @ layer.qweight.long().t()).float() * layer.weight_scale * xs[:, None]
+    want = want + lin.bias
+    monkeypatch.setattr(
+        int8_module, "_cpu_int8_kernels", {"onednn": "wrong sums for (as probed)", "int_mm": None}
+    )
+    assert layer.kernel.startswith("float32 matmul of the int8 codes")
+    assert "torch._int_mm: exact, but a reference loop without VNNI" in layer.kernel
+    with torch.profiler.profile() as prof, torch.no_grad():
+        for tokens in (x, x[:1]):
+            got = layer(tokens)
+            torch.testing.assert_close(got, want[: len(tokens)], rtol=0, atol=0)
+        assert torch.equal(
+            int_matmul(qx, layer.qweight), (qx.long() @ layer.qweight.long().t()).int()
+        )
+    assert "aten::_int_mm" not in {event.key for event in prof.key_averages()}

@@ -17,12 +17,13 @@ multiplies by its weight prepacked once for oneDNN with its scales
 (``torch.ops.onednn.qlinear_pointwise``, the int8 linear of torch's x86 Inductor
 quantization: brgemm with VNNI, the weight reordered once, no reorder per call, float32 out,
 the weight scales applied in its epilogue; activation codes shifted to unsigned with zero
-point 128). Elsewhere `torch._int_mm` where its sums are exact, else (`float_sums`) a
-float32 matmul of the codes in chunks short enough for every partial sum to be an exact
-float32 integer (float64 off the CPU). Without VNNI oneDNN's int8 kernels saturate 16-bit
-partial sums (a row of 127s times 127s summed to 8160 instead of 1032256 under
-``ONEDNN_MAX_CPU_ISA=AVX2``), and `torch._int_mm` on CPU returned garbage for a reduction
-of one feature: neither is used where it is wrong.
+point 128). Elsewhere `torch._int_mm` where its sums are exact and it is fast (CUDA; CPUs
+with VNNI), else (`float_sums`) a float32 matmul of the codes in chunks short enough for
+every partial sum to be an exact float32 integer (float64 off the CPU): on an AVX2-only
+AMD EPYC torch._int_mm's exact sums ran a reference loop 22-25x slower than float32.
+Without VNNI oneDNN's int8 kernels saturate 16-bit partial sums (a row of 127s times 127s
+summed to 8160 instead of 1032256 under ``ONEDNN_MAX_CPU_ISA=AVX2``), and `torch._int_mm` on
+CPU returned garbage for a reduction of one feature: neither is used where it is wrong.
 
 A forward is a dozen tensor calls: ``|x|`` and its row maxima, the quotient written into the
 buffer of ``|x|``, codes by a rounding addition (`_codes`: no round and no float-to-int
@@ -296,12 +297,17 @@ def cpu_int8_kernels() -> dict[str, str | None]:
     return _cpu_int8_kernels
 
 
-def _int_mm_exact(device: torch.device, m: int, k: int, n: int) -> bool:
-    """Whether `torch._int_mm` gives exact sums for an [m, k] x [k, n] product here."""
+def _takes_int_mm(device: torch.device, m: int, k: int, n: int) -> bool:
+    """Whether an [m, k] x [k, n] product of int8 codes runs through `torch._int_mm` here.
+
+    On a CPU only where its sums are exact and oneDNN's int8 sums are too (VNNI): without
+    VNNI, exact or not, it ran a reference loop, 22-25x float32's time for a 1024 x 1024
+    layer at 128 tokens on an AVX2-only AMD EPYC, where `float_sums` takes about float32's."""
     if device.type == "cpu":
         if torch.compiler.is_compiling() and not _cpu_int8_kernels:
             return False  # not probed yet, and a traced graph cannot run the probes
-        return k >= INT_MM_MIN_K and cpu_int8_kernels()["int_mm"] is None
+        found = cpu_int8_kernels()
+        return k >= INT_MM_MIN_K and found["int_mm"] is None and found["onednn"] is None
     return device.type == "cuda" and m > 16 and k % 8 == 0 and n % 8 == 0
 
 
@@ -338,9 +344,9 @@ _FLOAT_PATH = f"float32 matmul of the int8 codes (exact: chunks of {F32_EXACT_K}
 def int_matmul(a: Tensor, b: Tensor, *, max_k: int = ACC_MAX_K) -> Tensor:
     """``a @ b.T`` for int8 ``a`` [M, K] and ``b`` [N, K] (codes in [-127, 127]), exactly.
 
-    `torch._int_mm` where its sums are exact (CPU: per `cpu_int8_kernels`, from
-    `INT_MM_MIN_K` features; CUDA: M > 16, K and N multiples of 8); elsewhere the same sums
-    from `float_sums`.
+    `torch._int_mm` where it is exact and fast (CPU: where `cpu_int8_kernels` finds its and
+    oneDNN's sums exact, from `INT_MM_MIN_K` features; CUDA: M > 16, K and N multiples of 8);
+    elsewhere the same sums from `float_sums`.
     The result is int32 [M, N] when ``K <= max_k``; a longer reduction would overflow the
     int32 accumulator (Linear(140000, n) at full scale summed to a negative number), so it is
     cut into chunks of at most `max_k` columns whose int32 sums are added in int64, and the
@@ -353,7 +359,7 @@ def int_matmul(a: Tensor, b: Tensor, *, max_k: int = ACC_MAX_K) -> Tensor:
         for ac, bc in zip(a.split(max_k, dim=1), b.split(max_k, dim=1), strict=True):
             acc += int_matmul(ac, bc, max_k=max_k)
         return acc
-    if _int_mm_exact(a.device, m, k, n):
+    if _takes_int_mm(a.device, m, k, n):
         return torch._int_mm(a, b.t())
     return float_sums(a, b).to(torch.int32)
 
@@ -427,7 +433,7 @@ def int8_linear(
         qx, x_scale = _quantize_tokens(x2)
         if weight_scale.dtype != torch.float32:
             weight_scale = weight_scale.to(torch.float32)
-        if not _int_mm_exact(qx.device, qx.shape[0], qx.shape[1], qweight.shape[0]):
+        if not _takes_int_mm(qx.device, qx.shape[0], qx.shape[1], qweight.shape[0]):
             sums = float_sums(qx, qweight)  # the int32 sums' float32 values, rounded alike
             out = (sums if sums.dtype == torch.float32 else sums.float()).mul_(weight_scale)
         else:
@@ -546,9 +552,10 @@ class Int8Linear(Prepacked, LoraMixin, nn.Module):
             why = f"{k} input features: oneDNN's unsigned int32 sums hold {ONEDNN_MAX_K}"
         else:
             why = f"oneDNN int8 linear: {found['onednn']}"
-        if found["int_mm"] is None:
+        if found["onednn"] is None:  # past ONEDNN_MAX_K features, with VNNI
             return f"torch._int_mm ({why})"
-        return f"{_FLOAT_PATH} ({why}; torch._int_mm: {found['int_mm']})"
+        slow = found["int_mm"] or "exact, but a reference loop without VNNI"
+        return f"{_FLOAT_PATH} ({why}; torch._int_mm: {slow})"
 
     def _onednn(self, device: torch.device) -> bool:
         """Whether this layer multiplies with oneDNN's prepacked weight on `device` (not
