@@ -7,8 +7,8 @@ and their gradients) and times the optimizer step alone (gradients set once, med
 include the compiled steps' first-call build). The Kahan step of mixprec
 (`mixprec.compensated`, compiled as ``LossScaleOptimizer(compensation=...)`` builds it, and
 its eager fallback) runs next to torch's plain bfloat16 AdamW and torch-optimi's
-``AdamW(kahan_sum=True)`` when ``optimi`` is installed (``pip install --no-deps
-torch-optimi==0.3.3``; the report says when it is missing), and they are compared for
+``AdamW(kahan_sum=True)`` when ``optimi`` is installed (the ``bench`` extra; the report
+says when it is missing), and they are compared for
 accuracy: 1,000 AdamW updates of ~1e-4 of each weight against float64.
 
 With ``--profile`` the report ends with torch.profiler's table of where mixprec's compiled
@@ -253,7 +253,7 @@ def main() -> None:
         ratios += f" and {medians[KAHAN] / medians[OPTIMI]:.2f}x torch-optimi's Kahan AdamW"
     else:
         ratios += (
-            " (torch-optimi is not installed: `pip install --no-deps torch-optimi==0.3.3` "
+            " (torch-optimi is not installed: `pip install \"torch==2.13.0\" -e \".[bench]\"` "
             "adds its row)"
         )
     lines.append(ratios + " (medians).")
