@@ -532,3 +532,32 @@ def test_a_failed_automatic_build_warns_once_and_steps_eagerly():
 def test_compile_must_be_a_bool_or_none():
     with pytest.raises(TypeError, match="compile must be None, True or False"):
         Compensator("kahan", compile="yes")  # type: ignore[arg-type]
+
+
+# -- state kept in float32, closures, hooks, and what is refused ------------------------------
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["kahan", "stochastic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_moments_of_16_bit_weights_stay_float32_math(dtype, kind, compile):
+    """Moments a user keeps in float32 beside 16-bit weights are float32 arithmetic, bit for
+    bit: only the weight's update is compensated. The second moment was stochastically
+    rounded to the float16 grid (up to 1e-3 of it off)."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(300).to(dtype))
+    opt = torch.optim.AdamW([w], lr=1e-3, betas=(0.9, 0.999))
+    state = opt.state[w]
+    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros(300), exp_avg_sq=torch.zeros(300))
+    m, v = torch.zeros(300), torch.zeros(300)
+    comp = Compensator(kind, seed=0, compile=compile)
+    for _ in range(20):
+        g = (torch.randn(300) * 1e-3).to(dtype)
+        w.grad = g
+        comp.step(opt)
+        m = m * 0.9 + g.float() * (1 - 0.9)
+        v = v * 0.999 + g.float() * g.float() * (1 - 0.999)
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    assert torch.equal(state["exp_avg"], m)
+    assert torch.equal(state["exp_avg_sq"], v)
+    assert w.dtype == dtype

@@ -24,7 +24,9 @@ and rounding it to nearest freezes it; the buffer's own rounding errors, always 
 nearest, add up the same way. Measured over 1,000 AdamW updates of 1e-4 of each weight
 (tests/test_compensated.py): all state rounded to nearest, Kahan ends up to 2.3 bfloat16 steps
 from float64; with these two stochastic, within 0.8 (seeds 0-5; 0.9 at most over 150). The
-first moment and SGD's momentum (increments of 10% and more) round to nearest.
+first moment and SGD's momentum (increments of 10% and more) round to nearest. State a user
+keeps in float32 beside 16-bit weights (moments, the buffer) is stored as computed, in full
+float32: only 16-bit tensors are rounded.
 
 One step is one pass: each parameter's whole update (moments, step, Kahan buffer, both
 stochastic roundings) is one elementwise function of its 16-bit tensors (``_adam``,
@@ -327,8 +329,13 @@ class _Lanes:
         return rounded.to(dtype).to(self.dtype)
 
     def stochastic(self, x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x`` stochastically rounded for a tensor of ``dtype``: to its 16-bit grid, or
+        as is for a float32/float64 one (state kept in float32 beside 16-bit weights stays
+        float32 math; only 16-bit tensors are rounded)."""
         if self.bits:
             return _stochastic_bits(x, noise)
+        if dtype not in COMPENSATED_DTYPES:
+            return x
         return _round_stochastic(x, noise, dtype)
 
     def store(self, targets: list[torch.Tensor | None], halves: list[list]) -> None:
@@ -362,7 +369,7 @@ def _apply(
         new = lanes.nearest(w + u)
         # the part of the update that made it into the parameter is exact in float32
         buffer = u - (lanes.value(new, p.dtype) - w)
-        return [new, lanes.stochastic(buffer, noise, p.dtype)]
+        return [new, lanes.stochastic(buffer, noise, c.dtype)]
     if kind == "stochastic":
         assert noise is not None
         return [lanes.stochastic(w + u, noise, p.dtype), None]
