@@ -285,7 +285,8 @@ class LossScaleOptimizer:
         Returns True when the parameters were updated. Ends the scaler's iteration: when one
         backward feeds several optimizers sharing this scaler, use ``joint_step`` instead.
         ``closure`` (for LBFGS-style optimizers that re-evaluate the loss) is supported
-        without loss scaling only: such a step cannot be skipped half-way.
+        without loss scaling only: such a step cannot be skipped half-way. With
+        ``compensation`` it is the compensated step, as without a closure.
         """
         self.check_can_step()
         if closure is not None:
@@ -532,7 +533,10 @@ class LossScaleOptimizer:
             self._masters.sync(self.optimizer)
             return loss
 
-        self.optimizer.step(evaluate)
+        if self._compensator is not None:
+            self._compensator.step(self.optimizer, evaluate)
+        else:
+            self.optimizer.step(evaluate)
         self.end_step(True)
         self.scaler.update(self.scaler.unscale_([]), False)
         return True
