@@ -702,3 +702,23 @@ def test_a_subclass_that_overrides_step_is_refused():
     ps[0].grad = torch.ones_like(ps[0])
     opt.step()
     assert (ps[0] < 1).all()
+
+
+@pytest.mark.parametrize("size", [5, SMALL + 3])  # packed with others, and stepped alone
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_complex_parameter_steps_as_torch_steps_it(name, size):
+    """A complex parameter beside the 16-bit ones steps as its real and imaginary parts, as
+    in torch: read as a real tensor, its imaginary part was dropped (a torch warning, and
+    the wrong result)."""
+    torch.manual_seed(0)
+    z0 = torch.randn(size, dtype=torch.complex128)
+    ours, theirs = nn.Parameter(z0.clone()), nn.Parameter(z0.clone())
+    bf16 = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt_ours, opt_theirs = OPTIMIZERS[name]([ours, bf16], 1e-2), OPTIMIZERS[name]([theirs], 1e-2)
+    comp = Compensator("kahan", seed=0, compile=False)
+    for _ in range(5):
+        g = torch.randn(size, dtype=torch.complex128)
+        ours.grad, theirs.grad, bf16.grad = g.clone(), g.clone(), torch.ones_like(bf16)
+        comp.step(opt_ours)
+        opt_theirs.step()
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)

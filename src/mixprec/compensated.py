@@ -814,6 +814,9 @@ class Compensator:
         small ones of the same group, step, device and dtypes."""
         if kind != "kahan":
             row = row[:-1]  # no Kahan buffer
+        # a complex tensor steps as its real and imaginary parts, as torch's Adam and SGD
+        # step it (read as real, its imaginary part was dropped)
+        row = [t if t is None or not t.is_complex() else torch.view_as_real(t) for t in row]
         pairs = kind is not None and all(t is None or t.dtype == torch.bfloat16 for t in row)
         alone = row[0].numel() >= SMALL and all(
             t is None or (t.is_contiguous() and not (pairs and t.storage_offset() % 2)) for t in row
