@@ -722,3 +722,43 @@ def test_a_complex_parameter_steps_as_torch_steps_it(name, size):
         comp.step(opt_ours)
         opt_theirs.step()
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["kahan", "stochastic"])
+def test_resume_keeps_float32_moments_bit_identical(kind):
+    """torch's load_state_dict casts a state tensor to its parameter's dtype: float32
+    moments beside bfloat16 weights came back rounded to bfloat16, and the resumed run
+    differed from one that never stopped."""
+    gen = torch.Generator().manual_seed(1)
+    grads = [(torch.randn(300, generator=gen) * 1e-3).bfloat16() for _ in range(6)]
+
+    def make(seed: int) -> tuple[nn.Parameter, LossScaleOptimizer]:
+        torch.manual_seed(seed)
+        w = nn.Parameter(torch.randn(300).bfloat16())
+        opt = torch.optim.AdamW([w], lr=1e-3)
+        opt.state[w].update(
+            step=torch.tensor(0.0), exp_avg=torch.zeros(300), exp_avg_sq=torch.zeros(300)
+        )
+        return w, LossScaleOptimizer(opt, "none", compensation=kind)
+
+    def steps(w: nn.Parameter, opt: LossScaleOptimizer, grads: list[torch.Tensor]) -> None:
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+
+    w, opt = make(0)
+    steps(w, opt, grads)
+    half_w, half = make(0)
+    steps(half_w, half, grads[:3])
+    buffer = io.BytesIO()
+    torch.save(half.state_dict(), buffer)
+    buffer.seek(0)
+    resumed_w, resumed = make(5)  # another seed: the checkpoint's must win
+    with torch.no_grad():
+        resumed_w.copy_(half_w)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert resumed.state[resumed_w]["exp_avg_sq"].dtype == torch.float32
+    steps(resumed_w, resumed, grads[3:])
+    assert torch.equal(w, resumed_w)
+    for key, value in opt.state[w].items():
+        assert torch.equal(value, resumed.state[resumed_w][key]), key
