@@ -532,3 +532,233 @@ def test_a_failed_automatic_build_warns_once_and_steps_eagerly():
 def test_compile_must_be_a_bool_or_none():
     with pytest.raises(TypeError, match="compile must be None, True or False"):
         Compensator("kahan", compile="yes")  # type: ignore[arg-type]
+
+
+# -- state kept in float32, closures, hooks, and what is refused ------------------------------
+
+
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["kahan", "stochastic"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float32_moments_of_16_bit_weights_stay_float32_math(dtype, kind, compile):
+    """Moments a user keeps in float32 beside 16-bit weights are float32 arithmetic, bit for
+    bit: only the weight's update is compensated. The second moment was stochastically
+    rounded to the float16 grid (up to 1e-3 of it off)."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(300).to(dtype))
+    opt = torch.optim.AdamW([w], lr=1e-3, betas=(0.9, 0.999))
+    state = opt.state[w]
+    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros(300), exp_avg_sq=torch.zeros(300))
+    m, v = torch.zeros(300), torch.zeros(300)
+    comp = Compensator(kind, seed=0, compile=compile)
+    for _ in range(20):
+        g = (torch.randn(300) * 1e-3).to(dtype)
+        w.grad = g
+        comp.step(opt)
+        m = m * 0.9 + g.float() * (1 - 0.9)
+        v = v * 0.999 + g.float() * g.float() * (1 - 0.999)
+    assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+    assert torch.equal(state["exp_avg"], m)
+    assert torch.equal(state["exp_avg_sq"], v)
+    assert w.dtype == dtype
+
+
+@pytest.mark.parametrize("kind", ["kahan", "stochastic"])
+def test_a_step_with_a_closure_is_the_compensated_step(kind):
+    """LossScaleOptimizer.step(closure) took torch's plain 16-bit step: the same gradients
+    and seed must give the compensated step's weights and state, bit for bit."""
+    data = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 4, generator=data), torch.randn(8, 2, generator=data))] * 4
+
+    def run(with_closure: bool) -> tuple[nn.Module, dict]:
+        torch.manual_seed(0)  # the model and the Compensator's seed
+        model = nn.Linear(4, 2).to(torch.bfloat16)
+        opt = LossScaleOptimizer(
+            torch.optim.AdamW(model.parameters(), lr=1e-3), "none", compensation=kind
+        )
+        for x, y in batches:
+
+            def closure(x=x, y=y) -> torch.Tensor:
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+                opt.backward(loss)
+                return loss
+
+            if with_closure:
+                opt.step(closure)
+            else:
+                closure()
+                opt.step()
+        return model, opt.state
+
+    plain, plain_state = run(False)
+    closed, closed_state = run(True)
+    for a, b in zip(plain.parameters(), closed.parameters(), strict=True):
+        assert torch.equal(a, b)
+        for key, value in plain_state[a].items():
+            assert torch.equal(value, closed_state[b][key]), key
+    if kind == "kahan":
+        assert "compensation" in closed_state[closed.weight]
+
+
+def test_step_hooks_run_around_the_compensated_step_as_around_torchs():
+    """The optimizer's step pre/post hooks and torch's global ones: the compensated step
+    bypassed them. They run in torch's order with torch's arguments, the post-hooks after
+    the update; a pre-hook's new arguments are used (here: a closure)."""
+    import torch.optim.optimizer as torch_optimizer
+
+    def run(compensated: bool) -> tuple[list, torch.Tensor]:
+        seen: list = []
+        w = nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        opt = torch.optim.AdamW([w], lr=1e-2)
+
+        def record(name):
+            return lambda o, args, kwargs: seen.append(
+                (name, o is opt, len(args), args[0] is opt, kwargs, w.detach().clone())
+            )
+
+        handles = [
+            torch_optimizer.register_optimizer_step_pre_hook(record("global pre")),
+            opt.register_step_pre_hook(record("pre")),
+            opt.register_step_post_hook(record("post")),
+            torch_optimizer.register_optimizer_step_post_hook(record("global post")),
+        ]
+        try:
+            w.grad = torch.full_like(w, 0.5)
+            if compensated:
+                LossScaleOptimizer(opt, "none", compensation="kahan").step()
+            else:
+                opt.step()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return seen, w.detach().clone()
+
+    ours, w_ours = run(True)
+    theirs, w_theirs = run(False)
+    assert [s[0] for s in ours] == ["global pre", "pre", "post", "global post"]
+    assert [s[:5] for s in ours] == [s[:5] for s in theirs]
+    for name, *_, seen_w in ours:
+        assert torch.equal(seen_w, w_ours if "post" in name else torch.ones(4).bfloat16())
+    assert not torch.equal(w_ours, torch.ones(4).bfloat16())
+
+    # a pre-hook that hands the step a closure: the closure runs, its loss comes back
+    w = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    opt = torch.optim.SGD([w], lr=0.5)
+
+    def closure() -> torch.Tensor:
+        loss = (w.float() ** 2).sum()
+        loss.backward()
+        return loss
+
+    opt.register_step_pre_hook(lambda o, args, kwargs: ((o, closure), kwargs))
+    loss = Compensator("kahan", seed=0).step(opt)
+    assert loss == 2.0
+    assert torch.equal(w, torch.zeros(2, dtype=torch.bfloat16))  # 1 - 0.5 * 2
+
+
+@pytest.mark.parametrize("flag", ["capturable", "differentiable"])
+def test_flags_the_step_cannot_honour_are_refused(flag):
+    w = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = torch.optim.AdamW([w], **{flag: True})
+    message = rf"do not support AdamW\({flag}=True\).*{flag}=False.*master_weights=True"
+    with pytest.raises(ValueError, match=message):
+        LossScaleOptimizer(opt, "none", compensation="kahan")
+    w.grad = torch.ones_like(w)
+    with pytest.raises(ValueError, match=message):
+        Compensator("stochastic", seed=0).step(opt)
+    assert torch.equal(w, torch.ones(3, dtype=torch.bfloat16))  # nothing stepped
+    # a group added later with the flag is refused at the next step
+    sgd = torch.optim.SGD([nn.Parameter(torch.ones(3, dtype=torch.bfloat16))], lr=0.1)
+    wrapped = LossScaleOptimizer(sgd, "none", compensation="kahan")
+    late = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    late.grad = torch.ones_like(late)
+    wrapped.add_param_group({"params": [late], "differentiable": True})
+    with pytest.raises(ValueError, match=r"SGD\(differentiable=True\)"):
+        wrapped.step()
+
+
+def test_a_subclass_that_overrides_step_is_refused():
+    """The compensated step would silently stand in for the subclass's own step."""
+
+    class ClippedAdamW(torch.optim.AdamW):
+        def step(self, closure=None):
+            torch.nn.utils.clip_grad_norm_(self.param_groups[0]["params"], 1.0)
+            return super().step(closure)
+
+    class WarmAdamW(torch.optim.AdamW):  # only new defaults: torch's step, accepted
+        def __init__(self, params):
+            super().__init__(params, lr=1e-2, weight_decay=0.0)
+
+    def bf16() -> list[nn.Parameter]:
+        return [nn.Parameter(torch.ones(3, dtype=torch.bfloat16))]
+
+    with pytest.raises(TypeError, match=r"ClippedAdamW overrides step\(\).*master_weights=True"):
+        LossScaleOptimizer(ClippedAdamW(bf16()), "none", compensation="kahan")
+    with pytest.raises(TypeError, match="ClippedAdamW overrides step"):
+        Compensator("kahan", seed=0).step(ClippedAdamW(bf16()))
+    ps = bf16()
+    opt = LossScaleOptimizer(WarmAdamW(ps), "none", compensation="kahan")
+    ps[0].grad = torch.ones_like(ps[0])
+    opt.step()
+    assert (ps[0] < 1).all()
+
+
+@pytest.mark.parametrize("size", [5, SMALL + 3])  # packed with others, and stepped alone
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_complex_parameter_steps_as_torch_steps_it(name, size):
+    """A complex parameter beside the 16-bit ones steps as its real and imaginary parts, as
+    in torch: read as a real tensor, its imaginary part was dropped (a torch warning, and
+    the wrong result)."""
+    torch.manual_seed(0)
+    z0 = torch.randn(size, dtype=torch.complex128)
+    ours, theirs = nn.Parameter(z0.clone()), nn.Parameter(z0.clone())
+    bf16 = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt_ours, opt_theirs = OPTIMIZERS[name]([ours, bf16], 1e-2), OPTIMIZERS[name]([theirs], 1e-2)
+    comp = Compensator("kahan", seed=0, compile=False)
+    for _ in range(5):
+        g = torch.randn(size, dtype=torch.complex128)
+        ours.grad, theirs.grad, bf16.grad = g.clone(), g.clone(), torch.ones_like(bf16)
+        comp.step(opt_ours)
+        opt_theirs.step()
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["kahan", "stochastic"])
+def test_resume_keeps_float32_moments_bit_identical(kind):
+    """torch's load_state_dict casts a state tensor to its parameter's dtype: float32
+    moments beside bfloat16 weights came back rounded to bfloat16, and the resumed run
+    differed from one that never stopped."""
+    gen = torch.Generator().manual_seed(1)
+    grads = [(torch.randn(300, generator=gen) * 1e-3).bfloat16() for _ in range(6)]
+
+    def make(seed: int) -> tuple[nn.Parameter, LossScaleOptimizer]:
+        torch.manual_seed(seed)
+        w = nn.Parameter(torch.randn(300).bfloat16())
+        opt = torch.optim.AdamW([w], lr=1e-3)
+        opt.state[w].update(
+            step=torch.tensor(0.0), exp_avg=torch.zeros(300), exp_avg_sq=torch.zeros(300)
+        )
+        return w, LossScaleOptimizer(opt, "none", compensation=kind)
+
+    def steps(w: nn.Parameter, opt: LossScaleOptimizer, grads: list[torch.Tensor]) -> None:
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+
+    w, opt = make(0)
+    steps(w, opt, grads)
+    half_w, half = make(0)
+    steps(half_w, half, grads[:3])
+    buffer = io.BytesIO()
+    torch.save(half.state_dict(), buffer)
+    buffer.seek(0)
+    resumed_w, resumed = make(5)  # another seed: the checkpoint's must win
+    with torch.no_grad():
+        resumed_w.copy_(half_w)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert resumed.state[resumed_w]["exp_avg_sq"].dtype == torch.float32
+    steps(resumed_w, resumed, grads[3:])
+    assert torch.equal(w, resumed_w)
+    for key, value in opt.state[w].items():
+        assert torch.equal(value, resumed.state[resumed_w][key]), key

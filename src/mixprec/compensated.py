@@ -12,19 +12,23 @@ float32 copy of the weights):
 - ``"stochastic"``: the float32 result is rounded up or down at random, with probability
   proportional to the distance, so updates survive on average; no buffer (8 bytes/param).
 
-``Compensator.step(optimizer)`` replaces ``optimizer.step()`` for ``torch.optim.AdamW``,
-``Adam`` and ``SGD`` (momentum, dampening, nesterov, weight decay, maximize): it reads the
-optimizer's own parameter groups (so learning-rate schedulers keep working) and keeps its
-state in the optimizer's ``state`` under torch's keys (``exp_avg``, ``exp_avg_sq``,
-``momentum_buffer``, ``step``) plus ``"compensation"`` for the Kahan buffer, all in the
-parameter's 16-bit dtype. The math runs in float32 (float64 for float64 parameters).
-Adam's second moment and the Kahan buffer are written back with stochastic rounding in both
-modes: with beta2 = 0.999 each increment of the second moment is below half a bfloat16 step,
-and rounding it to nearest freezes it; the buffer's own rounding errors, always rounded to
-nearest, add up the same way. Measured over 1,000 AdamW updates of 1e-4 of each weight
-(tests/test_compensated.py): all state rounded to nearest, Kahan ends up to 2.3 bfloat16 steps
-from float64; with these two stochastic, within 0.8 (seeds 0-5; 0.9 at most over 150). The
-first moment and SGD's momentum (increments of 10% and more) round to nearest.
+``Compensator.step(optimizer, closure=None)`` replaces ``optimizer.step(closure)`` for
+``torch.optim.AdamW``, ``Adam`` and ``SGD`` (momentum, dampening, nesterov, weight decay,
+maximize; ``amsgrad``, ``capturable``, ``differentiable`` and subclasses overriding ``step``
+are refused), inside the optimizer's step hooks and torch's global ones as torch's step
+runs: it reads the optimizer's own parameter groups (so learning-rate schedulers keep
+working) and keeps its state in the optimizer's ``state`` under torch's keys (``exp_avg``,
+``exp_avg_sq``, ``momentum_buffer``, ``step``) plus ``"compensation"`` for the Kahan buffer,
+all in the parameter's 16-bit dtype. The math runs in float32 (float64 for float64
+parameters). Adam's second moment and the Kahan buffer are written back with stochastic
+rounding in both modes: with beta2 = 0.999 each increment of the second moment is below half
+a bfloat16 step, and rounding it to nearest freezes it; the buffer's own rounding errors,
+always rounded to nearest, add up the same way. Measured over 1,000 AdamW updates of 1e-4 of
+each weight (tests/test_compensated.py): all state rounded to nearest, Kahan ends up to 2.3
+bfloat16 steps from float64; with these two stochastic, within 0.8 (seeds 0-5; 0.9 at most
+over 150). The first moment and SGD's momentum (increments of 10% and more) round to
+nearest. State a user keeps in float32 beside 16-bit weights (moments, the buffer) is stored
+as computed, in full float32: only 16-bit tensors are rounded.
 
 One step is one pass: each parameter's whole update (moments, step, Kahan buffer, both
 stochastic roundings) is one elementwise function of its 16-bit tensors (``_adam``,
@@ -106,6 +110,7 @@ working, lets a checkpoint resume with or without compensation, and adds no depe
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 import shutil
@@ -130,6 +135,29 @@ COMPENSATIONS: tuple[str, ...] = ("kahan", "stochastic")
 # parameter dtypes whose updates are compensated (others step plainly in their own dtype)
 COMPENSATED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 SUPPORTED = (torch.optim.Adam, torch.optim.SGD)  # AdamW is an Adam subclass
+# the steps the compensated step stands in for (unwrapped from torch's hook wrapper): a
+# subclass that overrides ``step`` is refused
+_TORCH_STEPS = (inspect.unwrap(torch.optim.Adam.step), inspect.unwrap(torch.optim.SGD.step))
+# optimizer flags the compensated step cannot honour: (flag, why, what to do instead)
+_REFUSED_FLAGS = (
+    (
+        "amsgrad",
+        "the step keeps no maximum of the second moment",
+        "use master_weights=True: torch's own AMSGrad step on float32 masters",
+    ),
+    (
+        "capturable",
+        "the step reads each parameter's step count on the host, which a CUDA graph "
+        "cannot capture",
+        "use master_weights=True: torch's own step on float32 masters",
+    ),
+    (
+        "differentiable",
+        "the step runs under no_grad and writes its 16-bit results in place, so no "
+        "gradient flows through it",
+        "use master_weights=True: torch's own step on float32 masters",
+    ),
+)
 # compile=None compiles a step covering at least this many 16-bit elements (the first
 # step's compile, seconds, then pays back within a few hundred steps)
 COMPILE_MIN_ELEMENTS = 1 << 18
@@ -327,8 +355,13 @@ class _Lanes:
         return rounded.to(dtype).to(self.dtype)
 
     def stochastic(self, x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x`` stochastically rounded for a tensor of ``dtype``: to its 16-bit grid, or
+        as is for a float32/float64 one (state kept in float32 beside 16-bit weights stays
+        float32 math; only 16-bit tensors are rounded)."""
         if self.bits:
             return _stochastic_bits(x, noise)
+        if dtype not in COMPENSATED_DTYPES:
+            return x
         return _round_stochastic(x, noise, dtype)
 
     def store(self, targets: list[torch.Tensor | None], halves: list[list]) -> None:
@@ -362,7 +395,7 @@ def _apply(
         new = lanes.nearest(w + u)
         # the part of the update that made it into the parameter is exact in float32
         buffer = u - (lanes.value(new, p.dtype) - w)
-        return [new, lanes.stochastic(buffer, noise, p.dtype)]
+        return [new, lanes.stochastic(buffer, noise, c.dtype)]
     if kind == "stochastic":
         assert noise is not None
         return [lanes.stochastic(w + u, noise, p.dtype), None]
@@ -615,22 +648,61 @@ class Compensator:
 
     @staticmethod
     def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
-        """Raise ``TypeError``/``ValueError`` unless ``optimizer`` can be compensated."""
+        """Raise ``TypeError``/``ValueError`` unless ``optimizer`` can be compensated: a torch
+        AdamW, Adam or SGD (or a subclass keeping torch's ``step``) without ``amsgrad``,
+        ``capturable`` or ``differentiable`` in any group. ``foreach`` and ``fused`` pick
+        torch's implementation of the same math, which the compensated kernel replaces."""
+        name = type(optimizer).__name__
         if not isinstance(optimizer, SUPPORTED):
             raise TypeError(
                 f"compensated updates support torch.optim.AdamW, Adam and SGD, got "
-                f"{type(optimizer).__name__}; use master_weights=True for other optimizers"
+                f"{name}; use master_weights=True for other optimizers"
+            )
+        if inspect.unwrap(type(optimizer).step) not in _TORCH_STEPS:
+            raise TypeError(
+                f"{type(optimizer).__qualname__} overrides step(): a compensated step runs "
+                f"torch's {'SGD' if isinstance(optimizer, torch.optim.SGD) else 'Adam'} "
+                f"algorithm in its place, so the override would never run. Use "
+                f"master_weights=True (the optimizer's own step on float32 masters), or "
+                f"compensate torch.optim.AdamW, Adam or SGD itself"
             )
         for group in optimizer.param_groups:
-            if group.get("amsgrad"):
-                raise ValueError("compensated updates do not support Adam(amsgrad=True)")
+            for flag, why, instead in _REFUSED_FLAGS:
+                if group.get(flag):
+                    raise ValueError(
+                        f"compensated updates do not support {name}({flag}=True): {why}. "
+                        f"Build the optimizer with {flag}=False, or {instead}"
+                    )
 
     @torch.compiler.disable
-    @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None
+    ) -> Any:
         """One step of ``optimizer``'s algorithm on every parameter with a gradient (outside
-        any enclosing torch.compile: it compiles its own kernels)."""
+        any enclosing torch.compile: it compiles its own kernels), in place of
+        ``optimizer.step(closure)``: the optimizer's step pre- and post-hooks and torch's
+        global ones run around it as around torch's step (pre-hooks may replace the
+        arguments), and ``closure``, if given, is called once with gradients enabled before
+        the update; its loss is returned (None without one)."""
         self.check_optimizer(optimizer)
+        hooked = torch.optim.Optimizer.profile_hook_step(self._step)
+        return hooked(optimizer) if closure is None else hooked(optimizer, closure)
+
+    def _step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None
+    ) -> Any:
+        """The step inside torch's hooks (arguments as torch's ``step`` takes them)."""
+        self.check_optimizer(optimizer)  # a pre-hook may have changed the groups
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._update(optimizer)
+        return loss
+
+    def _update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Update every parameter with a gradient (under no_grad)."""
         calls: dict[tuple, _Call] = {}
         index = 0  # each parameter's position in the optimizer: part of its random key
         for group in optimizer.param_groups:
@@ -742,6 +814,9 @@ class Compensator:
         small ones of the same group, step, device and dtypes."""
         if kind != "kahan":
             row = row[:-1]  # no Kahan buffer
+        # a complex tensor steps as its real and imaginary parts, as torch's Adam and SGD
+        # step it (read as real, its imaginary part was dropped)
+        row = [t if t is None or not t.is_complex() else torch.view_as_real(t) for t in row]
         pairs = kind is not None and all(t is None or t.dtype == torch.bfloat16 for t in row)
         alone = row[0].numel() >= SMALL and all(
             t is None or (t.is_contiguous() and not (pairs and t.storage_offset() % 2)) for t in row

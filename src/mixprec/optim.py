@@ -285,7 +285,8 @@ class LossScaleOptimizer:
         Returns True when the parameters were updated. Ends the scaler's iteration: when one
         backward feeds several optimizers sharing this scaler, use ``joint_step`` instead.
         ``closure`` (for LBFGS-style optimizers that re-evaluate the loss) is supported
-        without loss scaling only: such a step cannot be skipped half-way.
+        without loss scaling only: such a step cannot be skipped half-way. With
+        ``compensation`` it is the compensated step, as without a closure.
         """
         self.check_can_step()
         if closure is not None:
@@ -408,6 +409,7 @@ class LossScaleOptimizer:
         if "optimizer" not in state and {"state", "param_groups"} <= state.keys():
             self._check_inner_state(state, None)
             self.optimizer.load_state_dict(dict(state))
+            self._keep_saved_dtypes(state)
             self._masters.refresh_from_model()
             return
         self._check_keys(state)
@@ -424,9 +426,30 @@ class LossScaleOptimizer:
                 )
         self.scaler.load_state_dict(state["scaler"])  # checks its state before changing it
         self.optimizer.load_state_dict(state["optimizer"])
+        self._keep_saved_dtypes(state["optimizer"])
         if self._compensator is not None and compensation is not None:
             self._compensator.load_state_dict(compensation)
         self._masters.load(masters)
+
+    def _keep_saved_dtypes(self, saved: Mapping[str, Any]) -> None:
+        """With compensation, put back the state tensors saved in another floating dtype
+        than their parameter's (float32 moments beside 16-bit weights), which torch's load
+        cast to the parameter's dtype: the compensated step keeps them in float32, so the
+        resumed run is the one that never stopped."""
+        if self._compensator is None:
+            return
+        index = [i for g in saved["param_groups"] for i in g["params"]]
+        for p, key in zip(self._all_params(), index, strict=True):
+            loaded = self.optimizer.state.get(p, {})
+            for name, value in saved["state"].get(key, {}).items():
+                if (
+                    name in _PARAM_SHAPED_STATE
+                    and torch.is_tensor(value)
+                    and value.is_floating_point()
+                    and torch.is_tensor(loaded.get(name))
+                    and loaded[name].dtype != value.dtype
+                ):
+                    loaded[name] = value.to(loaded[name].device, copy=True)
 
     def load_state_dict_across_precisions(
         self, state: Mapping[str, Any], weights: Mapping[str, torch.Tensor]
@@ -532,7 +555,10 @@ class LossScaleOptimizer:
             self._masters.sync(self.optimizer)
             return loss
 
-        self.optimizer.step(evaluate)
+        if self._compensator is not None:
+            self._compensator.step(self.optimizer, evaluate)
+        else:
+            self.optimizer.step(evaluate)
         self.end_step(True)
         self.scaler.update(self.scaler.unscale_([]), False)
         return True
