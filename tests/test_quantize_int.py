@@ -1261,3 +1261,22 @@ def test_without_exact_onednn_sums_torch_int_mm_is_not_used_even_where_exact(mon
             int_matmul(qx, layer.qweight), (qx.long() @ layer.qweight.long().t()).int()
         )
     assert "aten::_int_mm" not in {event.key for event in prof.key_averages()}
+
+
+@pytest.mark.parametrize("k", [30, F32_EXACT_K, 2 * F32_EXACT_K + 21])
+@pytest.mark.parametrize("m", [1, 7])
+def test_float_sums_in_tiles_of_weight_rows_are_the_exact_sums(monkeypatch, m, k):
+    """`float_sums` converts the weight codes a tile of rows at a time (cache-sized: converting
+    a whole 4096 x 4096 weight per call took 2-3x float32's time); with tiny tiles (64 rows) a
+    150-row weight is three tiles, the last one short, and every sum is still exact."""
+    from mixprec.quantize import int8 as int8_module
+
+    monkeypatch.setattr(int8_module, "FLOAT_TILE_BYTES", 1)
+    g = torch.Generator().manual_seed(k + m)
+    a = torch.randint(-127, 128, (m, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (150, k), generator=g, dtype=torch.int8)
+    a[0], b[:, :] = 127, b.sign().to(torch.int8) * 127  # full scale: the largest sums
+    got = float_sums(a, b)
+    assert got.dtype == (torch.float32 if k <= F32_EXACT_K else torch.float64)
+    assert torch.equal(got.long(), a.long() @ b.long().t())
+    assert torch.equal(int_matmul(a, b).long(), a.long() @ b.long().t())

@@ -147,8 +147,7 @@ _REFUSED_FLAGS = (
     ),
     (
         "capturable",
-        "the step reads each parameter's step count on the host, which a CUDA graph "
-        "cannot capture",
+        "the step reads each parameter's step count on the host, which a CUDA graph cannot capture",
         "use master_weights=True: torch's own step on float32 masters",
     ),
     (
