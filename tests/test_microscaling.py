@@ -16,6 +16,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from mixprec.microscaling_config import MicroscalingConfig
 from mixprec.quantize.microscaling import (
@@ -107,6 +109,56 @@ def test_stochastic_rounding_floors_value_plus_noise():
     assert round_to_element(-x, "e2m1", noise=noise).tolist() == [-0.5, -0.5, -0.5, 0.0]
     mean = round_to_element(torch.full((20000,), 0.3), "e2m1", noise=torch.rand(20000)).mean()
     assert abs(mean.item() - 0.3) < 0.02  # unbiased (std of the mean ~0.0035)
+
+
+def neighbours(v: float, element: str) -> tuple[float, float]:
+    """The format's values just below and just above `v` (saturated to +-max), from the
+    enumerated codes."""
+    values = sorted({x for x in code_values(element).tolist() if math.isfinite(x)})
+    v = min(max(v, values[0]), values[-1])
+    return max(x for x in values if x <= v), min(x for x in values if x >= v)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    element=st.sampled_from(["e2m1", "e2m3", "e3m2", "e4m3", "e5m2"]),
+    v=st.floats(-600.0, 600.0, width=32),
+    noise=st.floats(0.0, 1.0, exclude_max=True, width=32),
+)
+@example(element="e2m1", v=2.0, noise=1 - 2**-24)  # torch.rand's largest value
+@example(element="e4m3", v=-3.0, noise=1 - 2**-24)
+@example(element="e2m1", v=1.25, noise=0.5)
+def test_stochastic_rounding_gives_one_of_the_two_neighbours(element, v, noise):
+    # floor(v / ulp + noise) in float32 rounded up to the next step for noise just under 1,
+    # moving values the format holds (2.0 to 3.0 in e2m1)
+    got = round_to_element(torch.tensor([v]), element, noise=torch.tensor([noise])).item()
+    below, above = neighbours(v, element)
+    assert got in (below, above)
+    if below == above:
+        assert got == v or abs(v) > FORMATS[element].max
+
+
+@settings(max_examples=25, deadline=None)
+@given(element=st.sampled_from(["e2m1", "e2m3", "e4m3"]), v=st.floats(-6.0, 6.0, width=32))
+def test_stochastic_rounding_is_unbiased(element, v):
+    n = 20000
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.rand(n, generator=gen)
+    got = round_to_element(torch.full((n,), v), element, noise=noise)
+    below, above = neighbours(v, element)
+    assert set(got.unique().tolist()) <= {below, above}
+    # std of the mean <= (above - below) / 2 / sqrt(n); allow 5 of them
+    assert abs(got.double().mean().item() - v) <= 5 * (above - below) / 2 / n**0.5 + 1e-9
+
+
+def test_stochastic_rounding_refuses_noise_it_cannot_use():
+    x = torch.full((2,), 0.3)
+    with pytest.raises(ValueError, match=r"noise values must lie in \[0, 1\)"):
+        round_to_element(x, "e2m1", noise=torch.tensor([0.5, 1.0]))
+    with pytest.raises(ValueError, match=r"noise must have the values' shape \(2,\)"):
+        round_to_element(x, "e2m1", noise=torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="noise must be a floating tensor"):
+        round_by_definition(x, "e4m3", noise=torch.tensor([0, 0]))
 
 
 def test_exp2_int_is_exact_over_the_float32_range():

@@ -140,8 +140,10 @@ def round_to_element(
     v: Tensor, element: str | ElementFormat, *, noise: Tensor | None = None
 ) -> Tensor:
     """`v` (as float32) rounded to the element format's values: to nearest with ties to even,
-    or stochastically with `noise` (uniform in [0, 1), v's shape: ``floor(v / ulp + noise)``);
-    finite values saturate to +-max, inf and NaN become NaN. Returns float32 values.
+    or stochastically with `noise` (uniform in [0, 1), v's shape): ``floor(v / ulp + noise)``
+    in exact arithmetic, so only the two neighbours of `v` come out, a value the format holds
+    stays put, and the mean is `v`; finite values saturate to +-max, inf and NaN become NaN.
+    Returns float32 values.
 
     E4M3 and E5M2 to nearest go through torch's float8 casts of the clamped values (the
     same rounding, a few passes over the tensor instead of a dozen; the tests hold both
@@ -151,6 +153,21 @@ def round_to_element(
     if noise is None and fmt.name in _TORCH_FLOAT8:
         return torch.where(torch.isfinite(v), _saturating_cast(v, fmt), torch.nan)
     return round_by_definition(v, fmt, noise=noise)
+
+
+def _check_noise(noise: Tensor, v: Tensor) -> None:
+    """ValueError unless `noise` is a real floating tensor of v's shape with values in [0, 1)."""
+    if not isinstance(noise, Tensor) or not noise.is_floating_point():
+        raise ValueError(
+            f"noise must be a floating tensor of uniform values in [0, 1) shaped like the "
+            f"values, got {type(noise).__name__ if not isinstance(noise, Tensor) else noise.dtype}"
+        )
+    if noise.shape != v.shape:
+        raise ValueError(
+            f"noise must have the values' shape {tuple(v.shape)}, got {tuple(noise.shape)}"
+        )
+    if noise.numel() and not bool(((noise >= 0) & (noise < 1)).all()):
+        raise ValueError("noise values must lie in [0, 1) (e.g. torch.rand), got some outside")
 
 
 _TORCH_FLOAT8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -167,14 +184,24 @@ def round_by_definition(
 ) -> Tensor:
     """`round_to_element` from the format's definition for any element format: the value's
     binade (its exponent, at least the smallest normal one) sets the step
-    ``2**(e - mantissa bits)``; v / step is rounded (exact: steps are powers of two)."""
+    ``2**(e - mantissa bits)``; v / step is rounded (exact: steps are powers of two).
+    Stochastic rounding goes up when ``noise >= 1 - frac``, frac being the (exact) part of a
+    step that v lies above its floor, not by flooring the float32 sum ``v / step + noise``,
+    which rounds up to the next integer for noise just under 1 and moved values the format
+    holds."""
     fmt = _format(element)
     v = v.float()
+    if noise is not None:
+        _check_noise(noise, v)
     _, exponent = torch.frexp(v)  # v = m * 2**exponent, 0.5 <= |m| < 1
     e = (exponent.to(torch.int32) - 1).clamp(min=fmt.emin, max=127)
     ulp = exp2_int(e - fmt.mantissa_bits)
     scaled = v / ulp
-    rounded = torch.round(scaled) if noise is None else torch.floor(scaled + noise)
+    if noise is None:
+        rounded = torch.round(scaled)
+    else:
+        below = torch.floor(scaled)
+        rounded = below + (noise >= 1 - (scaled - below)).to(torch.float32)
     out = (rounded * ulp).clamp(-fmt.max, fmt.max)
     return torch.where(torch.isfinite(v), out, torch.nan)
 
