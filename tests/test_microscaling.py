@@ -322,6 +322,31 @@ def test_nvfp4_zero_tensor_and_non_finite_blocks():
     assert out[:16].isnan().all() and out[16].item() == 10.5
 
 
+@pytest.mark.parametrize(
+    "value", [1e-40, 2.0**-149, -3e-39, 1e-38, 1e-37, 0.0, -0.0], ids=lambda v: f"{v:g}"
+)
+def test_nvfp4_of_a_tiny_tensor_is_finite(value):
+    # amax 1e-40: s_enc clamps to float32's max, s_dec = 2.9e-39 and the encode factor
+    # 1 / (scale_b * s_dec) overflowed to inf: elements inf, then NaN (quantize_nvfp4
+    # refused to encode the NaN in e2m1)
+    x = torch.full((16, 32), value)
+    x[1::2] = 0.0
+    config = MicroscalingConfig("nvfp4")
+    outs = [
+        fake_quantize(x, config),
+        fake_quantize(x, config, two_d=True),
+        fake_quantize(x, config, stochastic=True),
+        quantize_nvfp4(x).dequantize(),
+        quantize_nvfp4(x, two_d=True).dequantize(),
+    ]
+    for out in outs:
+        assert torch.isfinite(out).all()
+        assert (out[1::2] == 0).all()  # zeros stay zeros
+        # each value comes back as one of the same sign, at most its own size in error
+        assert ((out - x).abs() <= x.abs()).all()
+        assert not (torch.sign(out) * torch.sign(x) < 0).any()
+
+
 def test_encoding_refuses_nan_where_the_format_has_no_nan_and_odd_shapes():
     with pytest.raises(ValueError, match="e2m1 has no NaN code"):
         encode_elements(torch.tensor([nan]), "e2m1")

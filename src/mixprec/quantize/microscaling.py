@@ -21,8 +21,10 @@ the tensor's amax over its finite values gives ``s_enc = 6 * 448 / amax`` (1 for
 all-zero tensor) and ``s_dec = 1 / s_enc``, the per-tensor float32 scale; each block of 16
 (1x16 along the last dim, or 16x16 tiles of a matrix) stores ``e4m3(amax_b / 6 * s_enc)``
 and its elements ``e2m1(x * (1 / (scale_b * s_dec)))``; decoding is
-``(element * scale_b) * s_dec``. A block whose scale rounds to 0 holds zeros; one holding an
-inf or NaN gets the E4M3 NaN scale (0x7F) and decodes to NaN.
+``(element * scale_b) * s_dec``, the encode factor ``1 / (scale_b * s_dec)`` clamped to
+float32's max. A block whose scale rounds to 0 holds zeros, and so do the smallest float32
+subnormals of a tensor whose amax is tiny too (the clamped factor cannot lift them to an
+element); one holding an inf or NaN gets the E4M3 NaN scale (0x7F) and decodes to NaN.
 
 All scaling is by exact powers of two (built from bits, never ``exp2``) or by single IEEE
 float32 operations, so results do not depend on the CPU's instruction set.
@@ -79,6 +81,7 @@ E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 E4M3_NAN = 0x7F
 NVFP4_TENSOR_MAX = 6.0 * 448.0  # E2M1 max times E4M3 max
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -407,13 +410,15 @@ def _nvfp4(x: Tensor, two_d: bool, noise: Tensor | None) -> tuple[Tensor, Tensor
     x32 = x.float()
     amax = torch.where(torch.isfinite(x32), x32.abs(), 0.0).amax()
     s_enc = torch.where(amax > 0, NVFP4_TENSOR_MAX / amax, 1.0)
-    s_enc = s_enc.clamp(max=torch.finfo(torch.float32).max)  # a subnormal amax
+    s_enc = s_enc.clamp(max=_FLOAT32_MAX)  # a subnormal amax
     s_dec = 1.0 / s_enc
     blocks = _nv_blocks(x32, two_d)
     amax_b = blocks.abs().amax(dim=-1, keepdim=True)
     bad = ~torch.isfinite(amax_b)
     scale_b = round_to_element((amax_b / 6.0) * s_enc, E4M3)
-    encode = 1.0 / (scale_b * s_dec)
+    # 1 / (scale_b * s_dec) overflows for a block scale of 0 and for blocks of float32
+    # subnormals in a tiny tensor (s_dec itself subnormal): inf * 0 was NaN
+    encode = (1.0 / (scale_b * s_dec)).clamp(max=_FLOAT32_MAX)
     if noise is not None:
         noise = _nv_blocks(noise, two_d)
     elements = round_to_element(blocks * encode, E2M1, noise=noise)
