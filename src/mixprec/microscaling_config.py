@@ -20,7 +20,8 @@ same options and skip the same layers.
   the backward see one quantized weight), ``rht`` (a random 16x16 Hadamard transform of the
   weight-gradient GEMM's inputs along the tokens), ``sr`` (stochastic rounding of the output
   gradient); and ``fwd-rht`` (the transform of the forward GEMM's inputs along the features,
-  exact in real arithmetic since the transform is orthogonal, for inference studies).
+  exact in real arithmetic since the transform is orthogonal, for inference studies;
+  refused with ``2d``, whose one quantized weight the forward would not use).
   The paper's training recipe is ``"nvfp4/2d:rht:sr"``.
 
 Options follow the mode after a ``/``, separated by ``:``, in any order: an element name, a
@@ -109,6 +110,13 @@ class MicroscalingConfig:
         if not nvfp4 and any(flags):
             raise PolicySpecError(
                 f"the options {', '.join(self.FLAGS)} are nvfp4's recipe options, not {mode}'s"
+            )
+        if self.two_d and self.forward_rht:
+            raise PolicySpecError(
+                "nvfp4 options '2d' and 'fwd-rht' do not combine: '2d' quantizes the weight "
+                "once, in 16x16 tiles, for the forward and the backward to share, while "
+                "'fwd-rht' quantizes a Hadamard-transformed weight for the forward alone (the "
+                "forward ignored '2d'); use 'nvfp4/2d' or 'nvfp4/fwd-rht'"
             )
         object.__setattr__(self, "element", element)
         object.__setattr__(self, "rounding", rounding)
