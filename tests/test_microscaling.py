@@ -347,6 +347,33 @@ def test_nvfp4_of_a_tiny_tensor_is_finite(value):
         assert not (torch.sign(out) * torch.sign(x) < 0).any()
 
 
+@pytest.mark.parametrize("element", sorted(FORMATS))
+def test_every_code_encodes_back_to_itself(element):
+    # each code's value (e5m2's +-inf included) encodes to that code; NaNs to the NaN code
+    codes = torch.arange(2 ** FORMATS[element].bits)
+    values = code_values(element)
+    held = ~values.isnan()
+    assert torch.equal(encode_elements(values[held], element), codes[held].to(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("element", "value", "message"),
+    [
+        ("e4m3", inf, "e4m3 has no inf code"),
+        ("e2m1", -inf, "e2m1 has no inf code"),
+        # these were encoded as codes of other values: 6, 0, 448, -2**-12 and 0
+        ("e2m1", 7.0, "not e2m1 values \\(first 7.0; e2m1 holds values on its grid up to \\+-6\\)"),
+        ("e2m1", 0.3, "not e2m1 values"),
+        ("e4m3", 464.0, "not e4m3 values"),
+        ("e5m2", 1e6, "not e5m2 values"),
+        ("e3m2", 2.0**-5, "not e3m2 values"),  # under the smallest subnormal, 2**-4
+    ],
+)
+def test_encoding_refuses_values_the_format_does_not_hold(element, value, message):
+    with pytest.raises(ValueError, match=message):
+        encode_elements(torch.tensor([1.0, value]), element)
+
+
 def test_encoding_refuses_nan_where_the_format_has_no_nan_and_odd_shapes():
     with pytest.raises(ValueError, match="e2m1 has no NaN code"):
         encode_elements(torch.tensor([nan]), "e2m1")

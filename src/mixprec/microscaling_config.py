@@ -115,8 +115,8 @@ class MicroscalingConfig:
             raise PolicySpecError(
                 "nvfp4 options '2d' and 'fwd-rht' do not combine: '2d' quantizes the weight "
                 "once, in 16x16 tiles, for the forward and the backward to share, while "
-                "'fwd-rht' quantizes a Hadamard-transformed weight for the forward alone (the "
-                "forward ignored '2d'); use 'nvfp4/2d' or 'nvfp4/fwd-rht'"
+                "'fwd-rht' quantizes a Hadamard-transformed weight for the forward alone; use "
+                "'nvfp4/2d' or 'nvfp4/fwd-rht'"
             )
         object.__setattr__(self, "element", element)
         object.__setattr__(self, "rounding", rounding)

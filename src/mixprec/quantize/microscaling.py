@@ -232,27 +232,44 @@ def code_values(element: str | ElementFormat) -> Tensor:
 
 def encode_elements(values: Tensor, element: str | ElementFormat) -> Tensor:
     """uint8 codes of values the format holds exactly (what `round_to_element` returns);
-    NaN gets the format's NaN code (ValueError for formats without one)."""
+    NaN gets the format's NaN code and +-inf E5M2's inf codes. ValueError for a value the
+    format does not hold (NaN or inf where it has none, a value off its grid or past its
+    max) rather than a code of some other value."""
     fmt = _format(element)
     v = values.float()
-    nan = torch.isnan(v)
+    nan, inf = torch.isnan(v), torch.isinf(v)
     if fmt.specials == "none" and bool(nan.any()):
         raise ValueError(f"{fmt.name} has no NaN code; NaN values cannot be encoded")
-    a = v.abs().nan_to_num(0.0)
+    if fmt.specials != "ieee" and bool(inf.any()):
+        raise ValueError(
+            f"{fmt.name} has no inf code; inf values cannot be encoded (round_to_element "
+            "turns them into NaN, and e5m2 is the element format that holds inf)"
+        )
+    a = torch.where(nan | inf, 0.0, v.abs())
     _, exponent = torch.frexp(a)
     e = exponent.to(torch.int32) - 1
     normal = a >= 2.0**fmt.emin
     m_scale = float(2**fmt.mantissa_bits)
     mantissa = torch.where(
         normal,
-        (a / exp2_int(e.clamp(min=fmt.emin)) - 1) * m_scale,
+        (a / exp2_int(e.clamp(min=fmt.emin, max=127)) - 1) * m_scale,
         a / exp2_int(torch.full_like(e, fmt.emin - fmt.mantissa_bits)),
     ).to(torch.int32)
     field = torch.where(normal, e + fmt.bias, 0)
-    code = (field << fmt.mantissa_bits) | mantissa
-    nan_code = (1 << (fmt.bits - 1)) - 1  # all ones below the sign: NaN in fn and ieee
-    code = torch.where(nan, nan_code, code)
-    code = code | (torch.signbit(v).to(torch.int32) << (fmt.bits - 1))
+    magnitude_bits = fmt.bits - 1
+    code = ((field << fmt.mantissa_bits) | mantissa) & ((1 << magnitude_bits) - 1)
+    nan_code = (1 << magnitude_bits) - 1  # all ones below the sign: NaN in fn and ieee
+    inf_code = ((1 << fmt.exponent_bits) - 1) << fmt.mantissa_bits  # ieee only
+    code = torch.where(nan, nan_code, torch.where(inf, inf_code, code))
+    code = code | (torch.signbit(v).to(torch.int32) << magnitude_bits)
+    held = (decode_elements(code, fmt) == v) | nan
+    if not bool(held.all()):
+        bad = v[~held]
+        raise ValueError(
+            f"{bad.numel()} value(s) are not {fmt.name} values (first {bad[0].item()!r}; "
+            f"{fmt.name} holds values on its grid up to +-{fmt.max:g}): round them with "
+            "round_to_element before encoding"
+        )
     return code.to(torch.uint8)
 
 
