@@ -119,6 +119,16 @@ def test_nvfp4_forward_rht_rotates_both_forward_operands():
     assert torch.equal(out.detach(), nv(rot(x.detach())) @ nv(rot(w)).t() + b)
 
 
+def test_changing_the_hadamard_matrix_handed_out_changes_no_transform():
+    _, _, before, _ = layer_and_grads("nvfp4/fwd-rht", tokens=16)
+    q = hadamard_16()
+    expected = q.clone()
+    q.zero_()  # was the cached matrix itself: every later transform became 0
+    assert torch.equal(hadamard_16(), expected)
+    _, _, after, _ = layer_and_grads("nvfp4/fwd-rht", tokens=16)
+    assert torch.equal(after, before)
+
+
 def test_stochastic_rounding_of_gradients_follows_the_seed():
     torch.manual_seed(0)
     linear = nn.Linear(64, 32)

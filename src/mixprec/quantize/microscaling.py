@@ -483,8 +483,13 @@ _hadamard: dict[torch.device, Tensor] = {}
 
 def hadamard_16(device: torch.device | str = "cpu") -> Tensor:
     """The 16x16 random Hadamard matrix ``diag(s) @ H16 / 4`` (Sylvester's H16, signs `s`
-    drawn once from a fixed seed): orthogonal, so ``(a @ Q) @ (b @ Q)^T == a @ b^T``."""
-    device = torch.device(device)
+    drawn once from a fixed seed): orthogonal, so ``(a @ Q) @ (b @ Q)^T == a @ b^T``. A new
+    copy each call: changing it changes no later transform."""
+    return _hadamard_16(torch.device(device)).clone()
+
+
+def _hadamard_16(device: torch.device) -> Tensor:
+    """`hadamard_16`'s matrix, cached per device and shared: never handed out."""
     if device not in _hadamard:
         h = torch.ones(1, 1)
         while h.shape[0] < 16:
@@ -499,7 +504,7 @@ def _rht(x: Tensor) -> Tensor:
     """x (float32, last dim a multiple of 16) with each 16 consecutive values of its last dim
     multiplied by `hadamard_16`."""
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 16, 16)
-    return (blocks @ hadamard_16(x.device)).reshape(x.shape)
+    return (blocks @ _hadamard_16(x.device)).reshape(x.shape)
 
 
 def _pad_last(x: Tensor, multiple: int) -> Tensor:
