@@ -23,6 +23,7 @@ from mixprec.microscaling_config import MicroscalingConfig
 from mixprec.quantize.microscaling import (
     E8M0_NAN,
     FORMATS,
+    MXTensor,
     code_values,
     decode_elements,
     encode_elements,
@@ -372,6 +373,22 @@ def test_every_code_encodes_back_to_itself(element):
 def test_encoding_refuses_values_the_format_does_not_hold(element, value, message):
     with pytest.raises(ValueError, match=message):
         encode_elements(torch.tensor([1.0, value]), element)
+
+
+@pytest.mark.parametrize("size", [0, -32, 1, 32.0, True, "32"], ids=repr)
+def test_block_sizes_that_are_not_ints_of_at_least_2_are_refused(size):
+    # quantize_mx raised ZeroDivisionError (0), a reshape error (-32), TypeError (32.0,
+    # '32'), and took True and 1 as blocks of one element
+    message = r"block size must be an int >= 2 \(32 by the spec; the last dim must be a multiple"
+    with pytest.raises(ValueError, match=message):
+        quantize_mx(torch.ones(4, 64), "e4m3", size)
+    with pytest.raises(ValueError, match=message):
+        MicroscalingConfig("mxfp8", block_size=size)
+    q = quantize_mx(torch.ones(4, 64))
+    with pytest.raises(ValueError, match=message):
+        MXTensor(q.codes, q.scales, "e4m3", size)
+    with pytest.raises(ValueError, match="last dim that is a multiple of the block size 3"):
+        quantize_mx(torch.ones(4, 64), "e4m3", 3)
 
 
 def test_encoding_refuses_nan_where_the_format_has_no_nan_and_odd_shapes():

@@ -104,8 +104,7 @@ class MicroscalingConfig:
         size = self.block_size
         if size is None:
             size = self.NVFP4_BLOCK_SIZE if nvfp4 else self.MX_BLOCK_SIZE
-        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
-            raise PolicySpecError(f"block size must be an int >= 2 (32 by the spec), got {size!r}")
+        self.check_block_size(size)
         flags = (self.two_d, self.rht, self.forward_rht, self.stochastic_gradients)
         if not nvfp4 and any(flags):
             raise PolicySpecError(
@@ -121,6 +120,17 @@ class MicroscalingConfig:
         object.__setattr__(self, "element", element)
         object.__setattr__(self, "rounding", rounding)
         object.__setattr__(self, "block_size", size)
+
+    @staticmethod
+    def check_block_size(size: object) -> int:
+        """`size` if it is an MX block size (an int >= 2; bools are not sizes), else
+        PolicySpecError saying so."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+            raise PolicySpecError(
+                f"block size must be an int >= 2 (32 by the spec; the last dim must be a "
+                f"multiple of it), got {size!r} ({type(size).__name__})"
+            )
+        return size
 
     @classmethod
     def accepted(cls) -> str:

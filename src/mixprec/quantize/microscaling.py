@@ -329,6 +329,9 @@ class MXTensor:
     element: str
     block_size: int
 
+    def __post_init__(self) -> None:
+        MicroscalingConfig.check_block_size(self.block_size)
+
     def dequantize(self) -> Tensor:
         """The float32 values: element * 2**(scale - 127); NaN for blocks of scale 0xFF."""
         values = _blocks(decode_elements(self.codes, self.element), self.block_size)
@@ -362,8 +365,10 @@ def _mx_fake_fp8(x: Tensor, fmt: ElementFormat, block_size: int, rounding: str) 
 def quantize_mx(
     x: Tensor, element: str = "e4m3", block_size: int = 32, rounding: str = "rceil"
 ) -> MXTensor:
-    """`x` in an MX format along its last dim (see the module docstring)."""
+    """`x` in an MX format along its last dim (see the module docstring); `block_size` is
+    an int >= 2 dividing the last dim."""
     fmt = _format(element)
+    MicroscalingConfig.check_block_size(block_size)
     elements, e, bad = _mx(x, fmt, block_size, rounding)
     scales = torch.where(bad, E8M0_NAN, e + E8M0_BIAS).squeeze(-1).to(torch.uint8)
     codes = encode_elements(elements, fmt).reshape(x.shape)
