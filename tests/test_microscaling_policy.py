@@ -101,6 +101,32 @@ def test_bad_configs_are_refused():
         mixprec.quantize(_model(), "nvfp4/fwd-rht:2d")
 
 
+@pytest.mark.parametrize("size", ["３２", "٣٢", "²"])
+def test_block_sizes_are_ascii_digits(size):
+    # '３２' and '٣٢' were read as 32 by int(); '²' escaped as int()'s bare ValueError
+    message = "is not written in ASCII digits 0-9"
+    with pytest.raises(PolicySpecError, match=message):
+        MicroscalingConfig.parse("mxfp8", size)
+    with pytest.raises(PolicySpecError, match=message):
+        Policy(f"mxfp8/floor:{size}_from_float32")
+    with pytest.raises(PolicySpecError, match=message):
+        MicroscalingLinear(64, 64, config=f"mxfp8/{size}")
+    assert MicroscalingConfig.parse("mxfp8", "64").block_size == 64
+
+
+def test_a_slash_or_colon_with_no_option_is_refused():
+    # MicroscalingLinear took 'mxfp8/' for plain mxfp8; parse said "unknown option ''"
+    with pytest.raises(PolicySpecError, match="nothing after '/'"):
+        MicroscalingLinear(32, 32, config="mxfp8/")
+    with pytest.raises(PolicySpecError, match="nothing after '/'"):
+        MicroscalingConfig.parse("nvfp4", "")
+    for options in ("floor:", ":floor", "2d::rht"):
+        mode = "nvfp4" if "2d" in options else "mxfp8"
+        with pytest.raises(PolicySpecError, match=f"empty {mode} option in '{options}'"):
+            MicroscalingConfig.parse(mode, options)
+    assert MicroscalingLinear(32, 32, config="mxfp8").config == MicroscalingConfig("mxfp8")
+
+
 def test_quantize_swaps_the_layers_that_fill_blocks_and_says_why_not_for_the_rest():
     model = _model()
     weight = model[0].weight

@@ -25,7 +25,7 @@ same options and skip the same layers.
   The paper's training recipe is ``"nvfp4/2d:rht:sr"``.
 
 Options follow the mode after a ``/``, separated by ``:``, in any order: an element name, a
-scale rounding, a block size (an integer, MX modes only) and the NVFP4 flags.
+scale rounding, a block size (ASCII digits, MX modes only) and the NVFP4 flags.
 """
 
 from __future__ import annotations
@@ -145,8 +145,9 @@ class MicroscalingConfig:
 
     @classmethod
     def parse(cls, mode: str, options: str | None, name: str = "") -> MicroscalingConfig:
-        """The config a mode and its ``:``-separated option text spell; PolicySpecError
-        naming the option and what is accepted otherwise."""
+        """The config a mode and its ``:``-separated option text spell (None: no options; ""
+        is refused as a '/' with nothing after it); PolicySpecError naming the option and
+        what is accepted otherwise. Block sizes are written in ASCII digits."""
         where = f" in {name!r}" if name else ""
         found: dict[str, Any] = {}
 
@@ -160,15 +161,30 @@ class MicroscalingConfig:
         flag_fields = dict(
             zip(cls.FLAGS, ("two_d", "rht", "forward_rht", "stochastic_gradients"), strict=True)
         )
+        if options == "":
+            raise PolicySpecError(
+                f"nothing after '/'{where}: leave out the '/' for the defaults ({mode!r}) or "
+                "name options after it. " + cls.accepted()
+            )
         for token in options.split(":") if options is not None else ():
+            if not token:
+                raise PolicySpecError(
+                    f"empty {mode} option in {options!r}{where}: options are separated by "
+                    "single ':'s, none before the first or after the last. " + cls.accepted()
+                )
             if token in cls.ROUNDINGS:
                 put("rounding", token, token)
             elif token in flag_fields:
                 put(flag_fields[token], True, token)
             elif any(token in e for e in cls.ELEMENTS.values()):
                 put("element", token, token)
-            elif token.isdigit():
+            elif token.isascii() and token.isdigit():
                 put("block_size", int(token), token)
+            elif token.isdigit():  # '３２' or '²': int() reads some of them
+                raise PolicySpecError(
+                    f"block size {token!r}{where} is not written in ASCII digits 0-9. "
+                    + cls.accepted()
+                )
             else:
                 raise PolicySpecError(f"unknown {mode} option {token!r}{where}. " + cls.accepted())
         try:

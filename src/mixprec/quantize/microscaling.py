@@ -595,8 +595,8 @@ class MicroscalingLinear(nn.Linear):
 
     def _setup(self, config: MicroscalingConfig | str) -> None:
         if isinstance(config, str):
-            mode, _, options = config.partition("/")
-            config = MicroscalingConfig.parse(mode, options or None)
+            mode, slash, options = config.partition("/")
+            config = MicroscalingConfig.parse(mode, options if slash else None)
         if not isinstance(config, MicroscalingConfig):
             raise TypeError(
                 f"config must be a MicroscalingConfig or a mode name such as 'mxfp8/floor', "
