@@ -18,9 +18,9 @@ saturate. "rceil": the smallest e with ``amax <= max * 2**e``. An all-zero block
 
 NVFP4 (`quantize_nvfp4`, the equations of NVIDIA's NVFP4 pretraining paper, in float32):
 the tensor's amax over its finite values gives ``s_enc = 6 * 448 / amax`` (1 for an
-all-zero tensor) and ``s_dec = 1 / s_enc``, the per-tensor float32 scale; each block of 16
-(1x16 along the last dim, or 16x16 tiles of a matrix) stores ``e4m3(amax_b / 6 * s_enc)``
-and its elements ``e2m1(x * (1 / (scale_b * s_dec)))``; decoding is
+all-zero or empty tensor) and ``s_dec = 1 / s_enc``, the per-tensor float32 scale; each
+block of 16 (1x16 along the last dim, or 16x16 tiles of a matrix) stores
+``e4m3(amax_b / 6 * s_enc)`` and its elements ``e2m1(x * (1 / (scale_b * s_dec)))``; decoding is
 ``(element * scale_b) * s_dec``, the encode factor ``1 / (scale_b * s_dec)`` clamped to
 float32's max. A block whose scale rounds to 0 holds zeros, and so do the smallest float32
 subnormals of a tensor whose amax is tiny too (the clamped factor cannot lift them to an
@@ -430,7 +430,8 @@ def _nv_unblock(blocks: Tensor, shape: torch.Size, two_d: bool) -> Tensor:
 def _nvfp4(x: Tensor, two_d: bool, noise: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(element values, block scale values, s_dec, non-finite-block mask), blocked."""
     x32 = x.float()
-    amax = torch.where(torch.isfinite(x32), x32.abs(), 0.0).amax()
+    finite = torch.where(torch.isfinite(x32), x32.abs(), 0.0)
+    amax = finite.amax() if finite.numel() else finite.new_zeros(())  # amax() refuses empty
     s_enc = torch.where(amax > 0, NVFP4_TENSOR_MAX / amax, 1.0)
     s_enc = s_enc.clamp(max=_FLOAT32_MAX)  # a subnormal amax
     s_dec = 1.0 / s_enc
