@@ -391,6 +391,28 @@ def test_block_sizes_that_are_not_ints_of_at_least_2_are_refused(size):
         quantize_mx(torch.ones(4, 64), "e4m3", 3)
 
 
+def test_zeros_keep_their_sign_in_every_format():
+    # NVFP4 gave +0.0 for the -0.0s of a block whose scale is 0 (an all-zero block, or one
+    # far below the tensor's amax); the MX formats kept them
+    x = torch.zeros(2, 32)
+    x[0, ::2] = -0.0
+    x[1, :16] = torch.tensor([1e-30, -1e-30] * 8)  # scale 0 beside the amax 1e10
+    x[1, 16], x[1, 17] = 1e10, -0.0
+    signs = torch.signbit(x)
+    nvfp4 = MicroscalingConfig("nvfp4")
+    outs = {
+        "nvfp4": fake_quantize(x, nvfp4),
+        "nvfp4 codes": quantize_nvfp4(x).dequantize(),
+        "nvfp4 2d": fake_quantize(x.repeat(8, 1), nvfp4, two_d=True)[:2],
+        "nvfp4 2d codes": quantize_nvfp4(x.repeat(8, 1), two_d=True).dequantize()[:2],
+        "mxfp8": quantize_mx(x).dequantize(),
+        "mxfp4": fake_quantize(x, MicroscalingConfig("mxfp4")),
+    }
+    for name, out in outs.items():
+        assert torch.equal(torch.signbit(out), signs), name
+        assert (out[0] == 0).all() and (out[1, :16] == 0).all(), name
+
+
 def test_encoding_refuses_nan_where_the_format_has_no_nan_and_odd_shapes():
     with pytest.raises(ValueError, match="e2m1 has no NaN code"):
         encode_elements(torch.tensor([nan]), "e2m1")

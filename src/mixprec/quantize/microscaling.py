@@ -22,9 +22,10 @@ all-zero or empty tensor) and ``s_dec = 1 / s_enc``, the per-tensor float32 scal
 block of 16 (1x16 along the last dim, or 16x16 tiles of a matrix) stores
 ``e4m3(amax_b / 6 * s_enc)`` and its elements ``e2m1(x * (1 / (scale_b * s_dec)))``; decoding is
 ``(element * scale_b) * s_dec``, the encode factor ``1 / (scale_b * s_dec)`` clamped to
-float32's max. A block whose scale rounds to 0 holds zeros, and so do the smallest float32
-subnormals of a tensor whose amax is tiny too (the clamped factor cannot lift them to an
-element); one holding an inf or NaN gets the E4M3 NaN scale (0x7F) and decodes to NaN.
+float32's max. A block whose scale rounds to 0 holds zeros (of its values' signs), and
+so do the smallest float32 subnormals of a tensor whose amax is tiny too (the clamped
+factor cannot lift them to an element); one holding an inf or NaN gets the E4M3 NaN scale
+(0x7F) and decodes to NaN.
 
 All scaling is by exact powers of two (built from bits, never ``exp2``) or by single IEEE
 float32 operations, so results do not depend on the CPU's instruction set.
@@ -445,7 +446,8 @@ def _nvfp4(x: Tensor, two_d: bool, noise: Tensor | None) -> tuple[Tensor, Tensor
     if noise is not None:
         noise = _nv_blocks(noise, two_d)
     elements = round_to_element(blocks * encode, E2M1, noise=noise)
-    elements = torch.where(bad | (scale_b == 0), 0.0, elements)
+    # zero-scale blocks hold zeros of x's signs (+0 lost a -0.0 the format holds)
+    elements = torch.where(bad, 0.0, torch.where(scale_b == 0, blocks * 0.0, elements))
     return elements, torch.where(bad, torch.nan, scale_b), s_dec, bad
 
 
