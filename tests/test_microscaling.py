@@ -413,6 +413,23 @@ def test_zeros_keep_their_sign_in_every_format():
         assert (out[0] == 0).all() and (out[1, :16] == 0).all(), name
 
 
+def test_quantizers_refuse_complex_tensors_and_configs_that_are_not_configs():
+    # x.float() kept the real part of a complex tensor, warning only; a str config
+    # failed with AttributeError
+    z = torch.ones(32, dtype=torch.complex64)
+    with pytest.raises(TypeError, match="quantize_mx takes a real tensor"):
+        quantize_mx(z)
+    with pytest.raises(TypeError, match="quantize_nvfp4 takes a real tensor"):
+        quantize_nvfp4(z)
+    with pytest.raises(TypeError, match="got a torch.complex64 tensor"):
+        fake_quantize(z, MicroscalingConfig("mxfp8"))
+    with pytest.raises(TypeError, match="fake_quantize takes a MicroscalingConfig"):
+        fake_quantize(torch.ones(32), "mxfp8")
+    # integers are real: 0..16 are e4m3 values under the block's scale of 1 (amax 31)
+    out = fake_quantize(torch.arange(32), MicroscalingConfig("mxfp8"))
+    assert torch.equal(out[:17], torch.arange(17.0))
+
+
 def test_encoding_refuses_nan_where_the_format_has_no_nan_and_odd_shapes():
     with pytest.raises(ValueError, match="e2m1 has no NaN code"):
         encode_elements(torch.tensor([nan]), "e2m1")

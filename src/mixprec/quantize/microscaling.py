@@ -302,6 +302,14 @@ def _blocks(x: Tensor, block_size: int) -> Tensor:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
 
 
+def _check_real(x: object, what: str) -> None:
+    """TypeError unless `x` is a tensor of real numbers (x.float() drops a complex tensor's
+    imaginary part with only a warning)."""
+    if not isinstance(x, Tensor) or x.is_complex():
+        got = f"a {x.dtype} tensor" if isinstance(x, Tensor) else type(x).__name__
+        raise TypeError(f"{what} takes a real tensor (floating, integer or bool), got {got}")
+
+
 def mx_scale_exponents(amax: Tensor, element: str | ElementFormat, rounding: str) -> Tensor:
     """The shared exponent (int32, in [-127, 127]) of blocks whose abs-max is `amax`
     ("floor" per OCP MX v1.0, or "rceil"); non-finite amaxes give meaningless values (their
@@ -368,6 +376,7 @@ def quantize_mx(
 ) -> MXTensor:
     """`x` in an MX format along its last dim (see the module docstring); `block_size` is
     an int >= 2 dividing the last dim."""
+    _check_real(x, "quantize_mx")
     fmt = _format(element)
     MicroscalingConfig.check_block_size(block_size)
     elements, e, bad = _mx(x, fmt, block_size, rounding)
@@ -454,6 +463,7 @@ def _nvfp4(x: Tensor, two_d: bool, noise: Tensor | None) -> tuple[Tensor, Tensor
 def quantize_nvfp4(x: Tensor, *, two_d: bool = False) -> NVFP4Tensor:
     """`x` in NVFP4: 1x16 blocks along the last dim, or 16x16 tiles of a matrix with
     `two_d` (see the module docstring)."""
+    _check_real(x, "quantize_nvfp4")
     elements, scales, s_dec, _ = _nvfp4(x, two_d, None)
     block_scales = encode_elements(scales, E4M3).squeeze(-1)
     codes = encode_elements(_nv_unblock(elements, x.shape, two_d), E2M1)
@@ -472,6 +482,12 @@ def fake_quantize(
     """`x` quantized to `config`'s format and back (float32), in blocks along its last dim
     (NVFP4 `two_d`: 16x16 tiles of a matrix); `stochastic` rounds NVFP4 elements with
     noise from torch's default generator of x's device."""
+    _check_real(x, "fake_quantize")
+    if not isinstance(config, MicroscalingConfig):
+        raise TypeError(
+            f"fake_quantize takes a MicroscalingConfig (e.g. MicroscalingConfig('mxfp8') or "
+            f"MicroscalingConfig.parse('mxfp8', 'floor')), got {type(config).__name__}"
+        )
     if config.mode != "nvfp4":
         if two_d or stochastic:
             raise ValueError(
