@@ -430,6 +430,25 @@ def test_quantizers_refuse_complex_tensors_and_configs_that_are_not_configs():
     assert torch.equal(out[:17], torch.arange(17.0))
 
 
+def test_codes_outside_the_format_are_refused_not_looked_up_or_masked():
+    # a negative code indexed from the end (-1 as e2m1's code 15, -6.0), a float code was
+    # truncated, pack_fp4 kept the low nibble of 8-bit codes, unpack_fp4 shifted int8 bytes
+    # arithmetically
+    with pytest.raises(ValueError, match=r"decode_elements \(e2m1\): codes must lie in \[0, 16\)"):
+        decode_elements(torch.tensor([-1], dtype=torch.int8), "e2m1")
+    with pytest.raises(ValueError, match="codes must lie in \\[0, 16\\).*got 3..200"):
+        decode_elements(torch.tensor([3, 200], dtype=torch.uint8), "e2m1")
+    with pytest.raises(ValueError, match="takes an integer tensor of codes"):
+        decode_elements(torch.tensor([1.7]), "e4m3")
+    with pytest.raises(ValueError, match="pack_fp4: codes must lie in \\[0, 16\\)"):
+        pack_fp4(torch.tensor([0x7E, 1], dtype=torch.uint8))
+    with pytest.raises(ValueError, match="unpack_fp4 takes the uint8 bytes"):
+        unpack_fp4(torch.tensor([-1], dtype=torch.int8))
+    codes = torch.arange(16, dtype=torch.uint8)
+    assert torch.equal(unpack_fp4(pack_fp4(codes)), codes)
+    assert decode_elements(torch.tensor([255], dtype=torch.uint8), "e4m3").isnan().all()
+
+
 def test_encoding_refuses_nan_where_the_format_has_no_nan_and_odd_shapes():
     with pytest.raises(ValueError, match="e2m1 has no NaN code"):
         encode_elements(torch.tensor([nan]), "e2m1")

@@ -274,21 +274,44 @@ def encode_elements(values: Tensor, element: str | ElementFormat) -> Tensor:
     return code.to(torch.uint8)
 
 
+def _check_codes(codes: Tensor, bits: int, what: str) -> None:
+    """ValueError unless `codes` is an integer tensor of values in [0, 2**bits)."""
+    if not isinstance(codes, Tensor) or codes.is_floating_point() or codes.is_complex():
+        got = codes.dtype if isinstance(codes, Tensor) else type(codes).__name__
+        raise ValueError(f"{what} takes an integer tensor of codes (uint8), got {got}")
+    if codes.dtype == torch.bool:
+        raise ValueError(f"{what} takes an integer tensor of codes (uint8), got torch.bool")
+    if not codes.numel():
+        return
+    low, high = (int(v) for v in torch.aminmax(codes))
+    if low < 0 or high >= 2**bits:
+        raise ValueError(
+            f"{what}: codes must lie in [0, {2**bits}) ({bits}-bit codes), got {low}..{high}"
+        )
+
+
 def decode_elements(codes: Tensor, element: str | ElementFormat) -> Tensor:
-    """float32 values of uint8 `codes` (`code_values` looked up)."""
-    return code_values(element).to(codes.device)[codes.long()]
+    """float32 values of uint8 `codes` (`code_values` looked up); ValueError for codes the
+    format does not have (a negative code took the value of a code from the end)."""
+    fmt = _format(element)
+    _check_codes(codes, fmt.bits, f"decode_elements ({fmt.name})")
+    return code_values(fmt).to(codes.device)[codes.long()]
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
     """Two 4-bit codes per byte along the last dim (even length): element 2i in the low
-    nibble, 2i+1 in the high one."""
+    nibble, 2i+1 in the high one. ValueError for codes outside [0, 16)."""
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_fp4 needs an even last dim, got shape {tuple(codes.shape)}")
-    return (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
+    _check_codes(codes, 4, "pack_fp4")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def unpack_fp4(packed: Tensor) -> Tensor:
-    """Inverse of `pack_fp4`."""
+    """Inverse of `pack_fp4` (uint8 bytes)."""
+    if not isinstance(packed, Tensor) or packed.dtype != torch.uint8:
+        got = packed.dtype if isinstance(packed, Tensor) else type(packed).__name__
+        raise ValueError(f"unpack_fp4 takes the uint8 bytes pack_fp4 returns, got {got}")
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
 
 
