@@ -16,11 +16,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from mixprec.microscaling_config import MicroscalingConfig
 from mixprec.quantize.microscaling import (
     E8M0_NAN,
     FORMATS,
+    MXTensor,
     code_values,
     decode_elements,
     encode_elements,
@@ -107,6 +110,56 @@ def test_stochastic_rounding_floors_value_plus_noise():
     assert round_to_element(-x, "e2m1", noise=noise).tolist() == [-0.5, -0.5, -0.5, 0.0]
     mean = round_to_element(torch.full((20000,), 0.3), "e2m1", noise=torch.rand(20000)).mean()
     assert abs(mean.item() - 0.3) < 0.02  # unbiased (std of the mean ~0.0035)
+
+
+def neighbours(v: float, element: str) -> tuple[float, float]:
+    """The format's values just below and just above `v` (saturated to +-max), from the
+    enumerated codes."""
+    values = sorted({x for x in code_values(element).tolist() if math.isfinite(x)})
+    v = min(max(v, values[0]), values[-1])
+    return max(x for x in values if x <= v), min(x for x in values if x >= v)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    element=st.sampled_from(["e2m1", "e2m3", "e3m2", "e4m3", "e5m2"]),
+    v=st.floats(-600.0, 600.0, width=32),
+    noise=st.floats(0.0, 1.0, exclude_max=True, width=32),
+)
+@example(element="e2m1", v=2.0, noise=1 - 2**-24)  # torch.rand's largest value
+@example(element="e4m3", v=-3.0, noise=1 - 2**-24)
+@example(element="e2m1", v=1.25, noise=0.5)
+def test_stochastic_rounding_gives_one_of_the_two_neighbours(element, v, noise):
+    # floor(v / ulp + noise) in float32 rounded up to the next step for noise just under 1,
+    # moving values the format holds (2.0 to 3.0 in e2m1)
+    got = round_to_element(torch.tensor([v]), element, noise=torch.tensor([noise])).item()
+    below, above = neighbours(v, element)
+    assert got in (below, above)
+    if below == above:
+        assert got == v or abs(v) > FORMATS[element].max
+
+
+@settings(max_examples=25, deadline=None)
+@given(element=st.sampled_from(["e2m1", "e2m3", "e4m3"]), v=st.floats(-6.0, 6.0, width=32))
+def test_stochastic_rounding_is_unbiased(element, v):
+    n = 20000
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.rand(n, generator=gen)
+    got = round_to_element(torch.full((n,), v), element, noise=noise)
+    below, above = neighbours(v, element)
+    assert set(got.unique().tolist()) <= {below, above}
+    # std of the mean <= (above - below) / 2 / sqrt(n); allow 5 of them
+    assert abs(got.double().mean().item() - v) <= 5 * (above - below) / 2 / n**0.5 + 1e-9
+
+
+def test_stochastic_rounding_refuses_noise_it_cannot_use():
+    x = torch.full((2,), 0.3)
+    with pytest.raises(ValueError, match=r"noise values must lie in \[0, 1\)"):
+        round_to_element(x, "e2m1", noise=torch.tensor([0.5, 1.0]))
+    with pytest.raises(ValueError, match=r"noise must have the values' shape \(2,\)"):
+        round_to_element(x, "e2m1", noise=torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="noise must be a floating tensor"):
+        round_by_definition(x, "e4m3", noise=torch.tensor([0, 0]))
 
 
 def test_exp2_int_is_exact_over_the_float32_range():
@@ -268,6 +321,132 @@ def test_nvfp4_zero_tensor_and_non_finite_blocks():
     assert q.block_scales.tolist() == [0x7F, 0x7E]
     out = q.dequantize()
     assert out[:16].isnan().all() and out[16].item() == 10.5
+
+
+@pytest.mark.parametrize(
+    "value", [1e-40, 2.0**-149, -3e-39, 1e-38, 1e-37, 0.0, -0.0], ids=lambda v: f"{v:g}"
+)
+def test_nvfp4_of_a_tiny_tensor_is_finite(value):
+    # amax 1e-40: s_enc clamps to float32's max, s_dec = 2.9e-39 and the encode factor
+    # 1 / (scale_b * s_dec) overflowed to inf: elements inf, then NaN (quantize_nvfp4
+    # refused to encode the NaN in e2m1)
+    x = torch.full((16, 32), value)
+    x[1::2] = 0.0
+    config = MicroscalingConfig("nvfp4")
+    outs = [
+        fake_quantize(x, config),
+        fake_quantize(x, config, two_d=True),
+        fake_quantize(x, config, stochastic=True),
+        quantize_nvfp4(x).dequantize(),
+        quantize_nvfp4(x, two_d=True).dequantize(),
+    ]
+    for out in outs:
+        assert torch.isfinite(out).all()
+        assert (out[1::2] == 0).all()  # zeros stay zeros
+        # each value comes back as one of the same sign, at most its own size in error
+        assert ((out - x).abs() <= x.abs()).all()
+        assert not (torch.sign(out) * torch.sign(x) < 0).any()
+
+
+@pytest.mark.parametrize("element", sorted(FORMATS))
+def test_every_code_encodes_back_to_itself(element):
+    # each code's value (e5m2's +-inf included) encodes to that code; NaNs to the NaN code
+    codes = torch.arange(2 ** FORMATS[element].bits)
+    values = code_values(element)
+    held = ~values.isnan()
+    assert torch.equal(encode_elements(values[held], element), codes[held].to(torch.uint8))
+
+
+@pytest.mark.parametrize(
+    ("element", "value", "message"),
+    [
+        ("e4m3", inf, "e4m3 has no inf code"),
+        ("e2m1", -inf, "e2m1 has no inf code"),
+        # these were encoded as codes of other values: 6, 0, 448, -2**-12 and 0
+        ("e2m1", 7.0, "not e2m1 values \\(first 7.0; e2m1 holds values on its grid up to \\+-6\\)"),
+        ("e2m1", 0.3, "not e2m1 values"),
+        ("e4m3", 464.0, "not e4m3 values"),
+        ("e5m2", 1e6, "not e5m2 values"),
+        ("e3m2", 2.0**-5, "not e3m2 values"),  # under the smallest subnormal, 2**-4
+    ],
+)
+def test_encoding_refuses_values_the_format_does_not_hold(element, value, message):
+    with pytest.raises(ValueError, match=message):
+        encode_elements(torch.tensor([1.0, value]), element)
+
+
+@pytest.mark.parametrize("size", [0, -32, 1, 32.0, True, "32"], ids=repr)
+def test_block_sizes_that_are_not_ints_of_at_least_2_are_refused(size):
+    # quantize_mx raised ZeroDivisionError (0), a reshape error (-32), TypeError (32.0,
+    # '32'), and took True and 1 as blocks of one element
+    message = r"block size must be an int >= 2 \(32 by the spec; the last dim must be a multiple"
+    with pytest.raises(ValueError, match=message):
+        quantize_mx(torch.ones(4, 64), "e4m3", size)
+    with pytest.raises(ValueError, match=message):
+        MicroscalingConfig("mxfp8", block_size=size)
+    q = quantize_mx(torch.ones(4, 64))
+    with pytest.raises(ValueError, match=message):
+        MXTensor(q.codes, q.scales, "e4m3", size)
+    with pytest.raises(ValueError, match="last dim that is a multiple of the block size 3"):
+        quantize_mx(torch.ones(4, 64), "e4m3", 3)
+
+
+def test_zeros_keep_their_sign_in_every_format():
+    # NVFP4 gave +0.0 for the -0.0s of a block whose scale is 0 (an all-zero block, or one
+    # far below the tensor's amax); the MX formats kept them
+    x = torch.zeros(2, 32)
+    x[0, ::2] = -0.0
+    x[1, :16] = torch.tensor([1e-30, -1e-30] * 8)  # scale 0 beside the amax 1e10
+    x[1, 16], x[1, 17] = 1e10, -0.0
+    signs = torch.signbit(x)
+    nvfp4 = MicroscalingConfig("nvfp4")
+    outs = {
+        "nvfp4": fake_quantize(x, nvfp4),
+        "nvfp4 codes": quantize_nvfp4(x).dequantize(),
+        "nvfp4 2d": fake_quantize(x.repeat(8, 1), nvfp4, two_d=True)[:2],
+        "nvfp4 2d codes": quantize_nvfp4(x.repeat(8, 1), two_d=True).dequantize()[:2],
+        "mxfp8": quantize_mx(x).dequantize(),
+        "mxfp4": fake_quantize(x, MicroscalingConfig("mxfp4")),
+    }
+    for name, out in outs.items():
+        assert torch.equal(torch.signbit(out), signs), name
+        assert (out[0] == 0).all() and (out[1, :16] == 0).all(), name
+
+
+def test_quantizers_refuse_complex_tensors_and_configs_that_are_not_configs():
+    # x.float() kept the real part of a complex tensor, warning only; a str config
+    # failed with AttributeError
+    z = torch.ones(32, dtype=torch.complex64)
+    with pytest.raises(TypeError, match="quantize_mx takes a real tensor"):
+        quantize_mx(z)
+    with pytest.raises(TypeError, match="quantize_nvfp4 takes a real tensor"):
+        quantize_nvfp4(z)
+    with pytest.raises(TypeError, match="got a torch.complex64 tensor"):
+        fake_quantize(z, MicroscalingConfig("mxfp8"))
+    with pytest.raises(TypeError, match="fake_quantize takes a MicroscalingConfig"):
+        fake_quantize(torch.ones(32), "mxfp8")
+    # integers are real: 0..16 are e4m3 values under the block's scale of 1 (amax 31)
+    out = fake_quantize(torch.arange(32), MicroscalingConfig("mxfp8"))
+    assert torch.equal(out[:17], torch.arange(17.0))
+
+
+def test_codes_outside_the_format_are_refused_not_looked_up_or_masked():
+    # a negative code indexed from the end (-1 as e2m1's code 15, -6.0), a float code was
+    # truncated, pack_fp4 kept the low nibble of 8-bit codes, unpack_fp4 shifted int8 bytes
+    # arithmetically
+    with pytest.raises(ValueError, match=r"decode_elements \(e2m1\): codes must lie in \[0, 16\)"):
+        decode_elements(torch.tensor([-1], dtype=torch.int8), "e2m1")
+    with pytest.raises(ValueError, match="codes must lie in \\[0, 16\\).*got 3..200"):
+        decode_elements(torch.tensor([3, 200], dtype=torch.uint8), "e2m1")
+    with pytest.raises(ValueError, match="takes an integer tensor of codes"):
+        decode_elements(torch.tensor([1.7]), "e4m3")
+    with pytest.raises(ValueError, match="pack_fp4: codes must lie in \\[0, 16\\)"):
+        pack_fp4(torch.tensor([0x7E, 1], dtype=torch.uint8))
+    with pytest.raises(ValueError, match="unpack_fp4 takes the uint8 bytes"):
+        unpack_fp4(torch.tensor([-1], dtype=torch.int8))
+    codes = torch.arange(16, dtype=torch.uint8)
+    assert torch.equal(unpack_fp4(pack_fp4(codes)), codes)
+    assert decode_elements(torch.tensor([255], dtype=torch.uint8), "e4m3").isnan().all()
 
 
 def test_encoding_refuses_nan_where_the_format_has_no_nan_and_odd_shapes():

@@ -75,6 +75,8 @@ def test_the_options_reach_the_config():
         ("mxfp8/fast_from_float32", "unknown mxfp8 option 'fast'"),
         ("nvfp4/32_from_float32", "nvfp4 blocks are 16 elements by definition"),
         ("mxfp8/1_from_float32", "block size must be an int >= 2"),
+        ("nvfp4/2d:fwd-rht_from_float32", "'2d' and 'fwd-rht' do not combine"),
+        ("nvfp4/fwd-rht:rht:2d_from_float32", "'2d' and 'fwd-rht' do not combine"),
         ("mxfp8/_from_float32", "nothing after '/'"),
         ("mxfp8", "names a quantization mode, not a policy"),
         ("nvfp4_from_mxfp8_from_float32", "the source of a quantized policy is a float policy"),
@@ -90,6 +92,39 @@ def test_bad_configs_are_refused():
         Policy.from_config({"quantization_mode": "int8", "source": "float32", "options": "x"})
     with pytest.raises(PolicySpecError, match="takes no group_size"):
         mixprec.quantize(_model(), "mxfp8", group_size=32)
+    # every option is honoured or the combination refused: the forward ignored '2d' here
+    with pytest.raises(PolicySpecError, match="'2d' and 'fwd-rht' do not combine"):
+        MicroscalingConfig("nvfp4", two_d=True, forward_rht=True)
+    with pytest.raises(PolicySpecError, match="use 'nvfp4/2d' or 'nvfp4/fwd-rht'"):
+        MicroscalingLinear(32, 32, config="nvfp4/2d:fwd-rht")
+    with pytest.raises(PolicySpecError, match="'2d' and 'fwd-rht' do not combine"):
+        mixprec.quantize(_model(), "nvfp4/fwd-rht:2d")
+
+
+@pytest.mark.parametrize("size", ["３２", "٣٢", "²"])
+def test_block_sizes_are_ascii_digits(size):
+    # '３２' and '٣٢' were read as 32 by int(); '²' escaped as int()'s bare ValueError
+    message = "is not written in ASCII digits 0-9"
+    with pytest.raises(PolicySpecError, match=message):
+        MicroscalingConfig.parse("mxfp8", size)
+    with pytest.raises(PolicySpecError, match=message):
+        Policy(f"mxfp8/floor:{size}_from_float32")
+    with pytest.raises(PolicySpecError, match=message):
+        MicroscalingLinear(64, 64, config=f"mxfp8/{size}")
+    assert MicroscalingConfig.parse("mxfp8", "64").block_size == 64
+
+
+def test_a_slash_or_colon_with_no_option_is_refused():
+    # MicroscalingLinear took 'mxfp8/' for plain mxfp8; parse said "unknown option ''"
+    with pytest.raises(PolicySpecError, match="nothing after '/'"):
+        MicroscalingLinear(32, 32, config="mxfp8/")
+    with pytest.raises(PolicySpecError, match="nothing after '/'"):
+        MicroscalingConfig.parse("nvfp4", "")
+    for options in ("floor:", ":floor", "2d::rht"):
+        mode = "nvfp4" if "2d" in options else "mxfp8"
+        with pytest.raises(PolicySpecError, match=f"empty {mode} option in '{options}'"):
+            MicroscalingConfig.parse(mode, options)
+    assert MicroscalingLinear(32, 32, config="mxfp8").config == MicroscalingConfig("mxfp8")
 
 
 def test_quantize_swaps_the_layers_that_fill_blocks_and_says_why_not_for_the_rest():

@@ -20,6 +20,7 @@ import mixprec
 from mixprec.microscaling_config import MicroscalingConfig
 from mixprec.quantize.microscaling import (
     MicroscalingLinear,
+    fake_quantize,
     hadamard_16,
     quantize_mx,
     quantize_nvfp4,
@@ -117,6 +118,34 @@ def test_nvfp4_forward_rht_rotates_both_forward_operands():
         return (t.reshape(t.shape[0], -1, 16) @ hadamard_16()).reshape(t.shape)
 
     assert torch.equal(out.detach(), nv(rot(x.detach())) @ nv(rot(w)).t() + b)
+
+
+@pytest.mark.parametrize("spec", ["nvfp4", "nvfp4/2d:rht:sr", "mxfp8"])
+def test_a_batch_of_no_tokens_runs_forward_and_backward(spec):
+    # NVFP4's tensor amax was torch's amax() of an empty tensor: a RuntimeError
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32)
+    layer = MicroscalingLinear.from_float(linear, spec)
+    x = torch.zeros(0, 64, requires_grad=True)
+    out = layer(x)
+    assert out.shape == (0, 32)
+    out.sum().backward()
+    assert x.grad.shape == (0, 64)
+    assert torch.equal(linear.weight.grad, torch.zeros(32, 64))
+    mode, _, options = spec.partition("/")
+    config = MicroscalingConfig.parse(mode, options or None)
+    assert fake_quantize(torch.zeros(3, 0), config).shape == (3, 0)
+    assert nv(torch.zeros(0, 16)).shape == (0, 16)
+
+
+def test_changing_the_hadamard_matrix_handed_out_changes_no_transform():
+    _, _, before, _ = layer_and_grads("nvfp4/fwd-rht", tokens=16)
+    q = hadamard_16()
+    expected = q.clone()
+    q.zero_()  # was the cached matrix itself: every later transform became 0
+    assert torch.equal(hadamard_16(), expected)
+    _, _, after, _ = layer_and_grads("nvfp4/fwd-rht", tokens=16)
+    assert torch.equal(after, before)
 
 
 def test_stochastic_rounding_of_gradients_follows_the_seed():

@@ -20,11 +20,12 @@ same options and skip the same layers.
   the backward see one quantized weight), ``rht`` (a random 16x16 Hadamard transform of the
   weight-gradient GEMM's inputs along the tokens), ``sr`` (stochastic rounding of the output
   gradient); and ``fwd-rht`` (the transform of the forward GEMM's inputs along the features,
-  exact in real arithmetic since the transform is orthogonal, for inference studies).
+  exact in real arithmetic since the transform is orthogonal, for inference studies;
+  refused with ``2d``, whose one quantized weight the forward would not use).
   The paper's training recipe is ``"nvfp4/2d:rht:sr"``.
 
 Options follow the mode after a ``/``, separated by ``:``, in any order: an element name, a
-scale rounding, a block size (an integer, MX modes only) and the NVFP4 flags.
+scale rounding, a block size (ASCII digits, MX modes only) and the NVFP4 flags.
 """
 
 from __future__ import annotations
@@ -103,16 +104,33 @@ class MicroscalingConfig:
         size = self.block_size
         if size is None:
             size = self.NVFP4_BLOCK_SIZE if nvfp4 else self.MX_BLOCK_SIZE
-        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
-            raise PolicySpecError(f"block size must be an int >= 2 (32 by the spec), got {size!r}")
+        self.check_block_size(size)
         flags = (self.two_d, self.rht, self.forward_rht, self.stochastic_gradients)
         if not nvfp4 and any(flags):
             raise PolicySpecError(
                 f"the options {', '.join(self.FLAGS)} are nvfp4's recipe options, not {mode}'s"
             )
+        if self.two_d and self.forward_rht:
+            raise PolicySpecError(
+                "nvfp4 options '2d' and 'fwd-rht' do not combine: '2d' quantizes the weight "
+                "once, in 16x16 tiles, for the forward and the backward to share, while "
+                "'fwd-rht' quantizes a Hadamard-transformed weight for the forward alone; use "
+                "'nvfp4/2d' or 'nvfp4/fwd-rht'"
+            )
         object.__setattr__(self, "element", element)
         object.__setattr__(self, "rounding", rounding)
         object.__setattr__(self, "block_size", size)
+
+    @staticmethod
+    def check_block_size(size: object) -> int:
+        """`size` if it is an MX block size (an int >= 2; bools are not sizes), else
+        PolicySpecError saying so."""
+        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+            raise PolicySpecError(
+                f"block size must be an int >= 2 (32 by the spec; the last dim must be a "
+                f"multiple of it), got {size!r} ({type(size).__name__})"
+            )
+        return size
 
     @classmethod
     def accepted(cls) -> str:
@@ -127,8 +145,9 @@ class MicroscalingConfig:
 
     @classmethod
     def parse(cls, mode: str, options: str | None, name: str = "") -> MicroscalingConfig:
-        """The config a mode and its ``:``-separated option text spell; PolicySpecError
-        naming the option and what is accepted otherwise."""
+        """The config a mode and its ``:``-separated option text spell (None: no options; ""
+        is refused as a '/' with nothing after it); PolicySpecError naming the option and
+        what is accepted otherwise. Block sizes are written in ASCII digits."""
         where = f" in {name!r}" if name else ""
         found: dict[str, Any] = {}
 
@@ -142,15 +161,30 @@ class MicroscalingConfig:
         flag_fields = dict(
             zip(cls.FLAGS, ("two_d", "rht", "forward_rht", "stochastic_gradients"), strict=True)
         )
+        if options == "":
+            raise PolicySpecError(
+                f"nothing after '/'{where}: leave out the '/' for the defaults ({mode!r}) or "
+                "name options after it. " + cls.accepted()
+            )
         for token in options.split(":") if options is not None else ():
+            if not token:
+                raise PolicySpecError(
+                    f"empty {mode} option in {options!r}{where}: options are separated by "
+                    "single ':'s, none before the first or after the last. " + cls.accepted()
+                )
             if token in cls.ROUNDINGS:
                 put("rounding", token, token)
             elif token in flag_fields:
                 put(flag_fields[token], True, token)
             elif any(token in e for e in cls.ELEMENTS.values()):
                 put("element", token, token)
-            elif token.isdigit():
+            elif token.isascii() and token.isdigit():
                 put("block_size", int(token), token)
+            elif token.isdigit():  # '３２' or '²': int() reads some of them
+                raise PolicySpecError(
+                    f"block size {token!r}{where} is not written in ASCII digits 0-9. "
+                    + cls.accepted()
+                )
             else:
                 raise PolicySpecError(f"unknown {mode} option {token!r}{where}. " + cls.accepted())
         try:

@@ -18,11 +18,14 @@ saturate. "rceil": the smallest e with ``amax <= max * 2**e``. An all-zero block
 
 NVFP4 (`quantize_nvfp4`, the equations of NVIDIA's NVFP4 pretraining paper, in float32):
 the tensor's amax over its finite values gives ``s_enc = 6 * 448 / amax`` (1 for an
-all-zero tensor) and ``s_dec = 1 / s_enc``, the per-tensor float32 scale; each block of 16
-(1x16 along the last dim, or 16x16 tiles of a matrix) stores ``e4m3(amax_b / 6 * s_enc)``
-and its elements ``e2m1(x * (1 / (scale_b * s_dec)))``; decoding is
-``(element * scale_b) * s_dec``. A block whose scale rounds to 0 holds zeros; one holding an
-inf or NaN gets the E4M3 NaN scale (0x7F) and decodes to NaN.
+all-zero or empty tensor) and ``s_dec = 1 / s_enc``, the per-tensor float32 scale; each
+block of 16 (1x16 along the last dim, or 16x16 tiles of a matrix) stores
+``e4m3(amax_b / 6 * s_enc)`` and its elements ``e2m1(x * (1 / (scale_b * s_dec)))``; decoding is
+``(element * scale_b) * s_dec``, the encode factor ``1 / (scale_b * s_dec)`` clamped to
+float32's max. A block whose scale rounds to 0 holds zeros (of its values' signs), and
+so do the smallest float32 subnormals of a tensor whose amax is tiny too (the clamped
+factor cannot lift them to an element); one holding an inf or NaN gets the E4M3 NaN scale
+(0x7F) and decodes to NaN.
 
 All scaling is by exact powers of two (built from bits, never ``exp2``) or by single IEEE
 float32 operations, so results do not depend on the CPU's instruction set.
@@ -79,6 +82,7 @@ E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 E4M3_NAN = 0x7F
 NVFP4_TENSOR_MAX = 6.0 * 448.0  # E2M1 max times E4M3 max
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass(frozen=True)
@@ -140,8 +144,10 @@ def round_to_element(
     v: Tensor, element: str | ElementFormat, *, noise: Tensor | None = None
 ) -> Tensor:
     """`v` (as float32) rounded to the element format's values: to nearest with ties to even,
-    or stochastically with `noise` (uniform in [0, 1), v's shape: ``floor(v / ulp + noise)``);
-    finite values saturate to +-max, inf and NaN become NaN. Returns float32 values.
+    or stochastically with `noise` (uniform in [0, 1), v's shape): ``floor(v / ulp + noise)``
+    in exact arithmetic, so only the two neighbours of `v` come out, a value the format holds
+    stays put, and the mean is `v`; finite values saturate to +-max, inf and NaN become NaN.
+    Returns float32 values.
 
     E4M3 and E5M2 to nearest go through torch's float8 casts of the clamped values (the
     same rounding, a few passes over the tensor instead of a dozen; the tests hold both
@@ -151,6 +157,21 @@ def round_to_element(
     if noise is None and fmt.name in _TORCH_FLOAT8:
         return torch.where(torch.isfinite(v), _saturating_cast(v, fmt), torch.nan)
     return round_by_definition(v, fmt, noise=noise)
+
+
+def _check_noise(noise: Tensor, v: Tensor) -> None:
+    """ValueError unless `noise` is a real floating tensor of v's shape with values in [0, 1)."""
+    if not isinstance(noise, Tensor) or not noise.is_floating_point():
+        raise ValueError(
+            f"noise must be a floating tensor of uniform values in [0, 1) shaped like the "
+            f"values, got {type(noise).__name__ if not isinstance(noise, Tensor) else noise.dtype}"
+        )
+    if noise.shape != v.shape:
+        raise ValueError(
+            f"noise must have the values' shape {tuple(v.shape)}, got {tuple(noise.shape)}"
+        )
+    if noise.numel() and not bool(((noise >= 0) & (noise < 1)).all()):
+        raise ValueError("noise values must lie in [0, 1) (e.g. torch.rand), got some outside")
 
 
 _TORCH_FLOAT8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -167,14 +188,24 @@ def round_by_definition(
 ) -> Tensor:
     """`round_to_element` from the format's definition for any element format: the value's
     binade (its exponent, at least the smallest normal one) sets the step
-    ``2**(e - mantissa bits)``; v / step is rounded (exact: steps are powers of two)."""
+    ``2**(e - mantissa bits)``; v / step is rounded (exact: steps are powers of two).
+    Stochastic rounding goes up when ``noise >= 1 - frac``, frac being the (exact) part of a
+    step that v lies above its floor, not by flooring the float32 sum ``v / step + noise``,
+    which rounds up to the next integer for noise just under 1 and moved values the format
+    holds."""
     fmt = _format(element)
     v = v.float()
+    if noise is not None:
+        _check_noise(noise, v)
     _, exponent = torch.frexp(v)  # v = m * 2**exponent, 0.5 <= |m| < 1
     e = (exponent.to(torch.int32) - 1).clamp(min=fmt.emin, max=127)
     ulp = exp2_int(e - fmt.mantissa_bits)
     scaled = v / ulp
-    rounded = torch.round(scaled) if noise is None else torch.floor(scaled + noise)
+    if noise is None:
+        rounded = torch.round(scaled)
+    else:
+        below = torch.floor(scaled)
+        rounded = below + (noise >= 1 - (scaled - below)).to(torch.float32)
     out = (rounded * ulp).clamp(-fmt.max, fmt.max)
     return torch.where(torch.isfinite(v), out, torch.nan)
 
@@ -202,45 +233,85 @@ def code_values(element: str | ElementFormat) -> Tensor:
 
 def encode_elements(values: Tensor, element: str | ElementFormat) -> Tensor:
     """uint8 codes of values the format holds exactly (what `round_to_element` returns);
-    NaN gets the format's NaN code (ValueError for formats without one)."""
+    NaN gets the format's NaN code and +-inf E5M2's inf codes. ValueError for a value the
+    format does not hold (NaN or inf where it has none, a value off its grid or past its
+    max) rather than a code of some other value."""
     fmt = _format(element)
     v = values.float()
-    nan = torch.isnan(v)
+    nan, inf = torch.isnan(v), torch.isinf(v)
     if fmt.specials == "none" and bool(nan.any()):
         raise ValueError(f"{fmt.name} has no NaN code; NaN values cannot be encoded")
-    a = v.abs().nan_to_num(0.0)
+    if fmt.specials != "ieee" and bool(inf.any()):
+        raise ValueError(
+            f"{fmt.name} has no inf code; inf values cannot be encoded (round_to_element "
+            "turns them into NaN, and e5m2 is the element format that holds inf)"
+        )
+    a = torch.where(nan | inf, 0.0, v.abs())
     _, exponent = torch.frexp(a)
     e = exponent.to(torch.int32) - 1
     normal = a >= 2.0**fmt.emin
     m_scale = float(2**fmt.mantissa_bits)
     mantissa = torch.where(
         normal,
-        (a / exp2_int(e.clamp(min=fmt.emin)) - 1) * m_scale,
+        (a / exp2_int(e.clamp(min=fmt.emin, max=127)) - 1) * m_scale,
         a / exp2_int(torch.full_like(e, fmt.emin - fmt.mantissa_bits)),
     ).to(torch.int32)
     field = torch.where(normal, e + fmt.bias, 0)
-    code = (field << fmt.mantissa_bits) | mantissa
-    nan_code = (1 << (fmt.bits - 1)) - 1  # all ones below the sign: NaN in fn and ieee
-    code = torch.where(nan, nan_code, code)
-    code = code | (torch.signbit(v).to(torch.int32) << (fmt.bits - 1))
+    magnitude_bits = fmt.bits - 1
+    code = ((field << fmt.mantissa_bits) | mantissa) & ((1 << magnitude_bits) - 1)
+    nan_code = (1 << magnitude_bits) - 1  # all ones below the sign: NaN in fn and ieee
+    inf_code = ((1 << fmt.exponent_bits) - 1) << fmt.mantissa_bits  # ieee only
+    code = torch.where(nan, nan_code, torch.where(inf, inf_code, code))
+    code = code | (torch.signbit(v).to(torch.int32) << magnitude_bits)
+    held = (decode_elements(code, fmt) == v) | nan
+    if not bool(held.all()):
+        bad = v[~held]
+        raise ValueError(
+            f"{bad.numel()} value(s) are not {fmt.name} values (first {bad[0].item()!r}; "
+            f"{fmt.name} holds values on its grid up to +-{fmt.max:g}): round them with "
+            "round_to_element before encoding"
+        )
     return code.to(torch.uint8)
 
 
+def _check_codes(codes: Tensor, bits: int, what: str) -> None:
+    """ValueError unless `codes` is an integer tensor of values in [0, 2**bits)."""
+    if not isinstance(codes, Tensor) or codes.is_floating_point() or codes.is_complex():
+        got = codes.dtype if isinstance(codes, Tensor) else type(codes).__name__
+        raise ValueError(f"{what} takes an integer tensor of codes (uint8), got {got}")
+    if codes.dtype == torch.bool:
+        raise ValueError(f"{what} takes an integer tensor of codes (uint8), got torch.bool")
+    if not codes.numel():
+        return
+    low, high = (int(v) for v in torch.aminmax(codes))
+    if low < 0 or high >= 2**bits:
+        raise ValueError(
+            f"{what}: codes must lie in [0, {2**bits}) ({bits}-bit codes), got {low}..{high}"
+        )
+
+
 def decode_elements(codes: Tensor, element: str | ElementFormat) -> Tensor:
-    """float32 values of uint8 `codes` (`code_values` looked up)."""
-    return code_values(element).to(codes.device)[codes.long()]
+    """float32 values of uint8 `codes` (`code_values` looked up); ValueError for codes the
+    format does not have (a negative code took the value of a code from the end)."""
+    fmt = _format(element)
+    _check_codes(codes, fmt.bits, f"decode_elements ({fmt.name})")
+    return code_values(fmt).to(codes.device)[codes.long()]
 
 
 def pack_fp4(codes: Tensor) -> Tensor:
     """Two 4-bit codes per byte along the last dim (even length): element 2i in the low
-    nibble, 2i+1 in the high one."""
+    nibble, 2i+1 in the high one. ValueError for codes outside [0, 16)."""
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_fp4 needs an even last dim, got shape {tuple(codes.shape)}")
-    return (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
+    _check_codes(codes, 4, "pack_fp4")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def unpack_fp4(packed: Tensor) -> Tensor:
-    """Inverse of `pack_fp4`."""
+    """Inverse of `pack_fp4` (uint8 bytes)."""
+    if not isinstance(packed, Tensor) or packed.dtype != torch.uint8:
+        got = packed.dtype if isinstance(packed, Tensor) else type(packed).__name__
+        raise ValueError(f"unpack_fp4 takes the uint8 bytes pack_fp4 returns, got {got}")
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
 
 
@@ -252,6 +323,14 @@ def _blocks(x: Tensor, block_size: int) -> Tensor:
             f"{block_size}, got shape {tuple(x.shape)}"
         )
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+
+
+def _check_real(x: object, what: str) -> None:
+    """TypeError unless `x` is a tensor of real numbers (x.float() drops a complex tensor's
+    imaginary part with only a warning)."""
+    if not isinstance(x, Tensor) or x.is_complex():
+        got = f"a {x.dtype} tensor" if isinstance(x, Tensor) else type(x).__name__
+        raise TypeError(f"{what} takes a real tensor (floating, integer or bool), got {got}")
 
 
 def mx_scale_exponents(amax: Tensor, element: str | ElementFormat, rounding: str) -> Tensor:
@@ -281,6 +360,9 @@ class MXTensor:
     scales: Tensor
     element: str
     block_size: int
+
+    def __post_init__(self) -> None:
+        MicroscalingConfig.check_block_size(self.block_size)
 
     def dequantize(self) -> Tensor:
         """The float32 values: element * 2**(scale - 127); NaN for blocks of scale 0xFF."""
@@ -315,8 +397,11 @@ def _mx_fake_fp8(x: Tensor, fmt: ElementFormat, block_size: int, rounding: str) 
 def quantize_mx(
     x: Tensor, element: str = "e4m3", block_size: int = 32, rounding: str = "rceil"
 ) -> MXTensor:
-    """`x` in an MX format along its last dim (see the module docstring)."""
+    """`x` in an MX format along its last dim (see the module docstring); `block_size` is
+    an int >= 2 dividing the last dim."""
+    _check_real(x, "quantize_mx")
     fmt = _format(element)
+    MicroscalingConfig.check_block_size(block_size)
     elements, e, bad = _mx(x, fmt, block_size, rounding)
     scales = torch.where(bad, E8M0_NAN, e + E8M0_BIAS).squeeze(-1).to(torch.uint8)
     codes = encode_elements(elements, fmt).reshape(x.shape)
@@ -378,25 +463,30 @@ def _nv_unblock(blocks: Tensor, shape: torch.Size, two_d: bool) -> Tensor:
 def _nvfp4(x: Tensor, two_d: bool, noise: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(element values, block scale values, s_dec, non-finite-block mask), blocked."""
     x32 = x.float()
-    amax = torch.where(torch.isfinite(x32), x32.abs(), 0.0).amax()
+    finite = torch.where(torch.isfinite(x32), x32.abs(), 0.0)
+    amax = finite.amax() if finite.numel() else finite.new_zeros(())  # amax() refuses empty
     s_enc = torch.where(amax > 0, NVFP4_TENSOR_MAX / amax, 1.0)
-    s_enc = s_enc.clamp(max=torch.finfo(torch.float32).max)  # a subnormal amax
+    s_enc = s_enc.clamp(max=_FLOAT32_MAX)  # a subnormal amax
     s_dec = 1.0 / s_enc
     blocks = _nv_blocks(x32, two_d)
     amax_b = blocks.abs().amax(dim=-1, keepdim=True)
     bad = ~torch.isfinite(amax_b)
     scale_b = round_to_element((amax_b / 6.0) * s_enc, E4M3)
-    encode = 1.0 / (scale_b * s_dec)
+    # 1 / (scale_b * s_dec) overflows for a block scale of 0 and for blocks of float32
+    # subnormals in a tiny tensor (s_dec itself subnormal): inf * 0 was NaN
+    encode = (1.0 / (scale_b * s_dec)).clamp(max=_FLOAT32_MAX)
     if noise is not None:
         noise = _nv_blocks(noise, two_d)
     elements = round_to_element(blocks * encode, E2M1, noise=noise)
-    elements = torch.where(bad | (scale_b == 0), 0.0, elements)
+    # zero-scale blocks hold zeros of x's signs (+0 lost a -0.0 the format holds)
+    elements = torch.where(bad, 0.0, torch.where(scale_b == 0, blocks * 0.0, elements))
     return elements, torch.where(bad, torch.nan, scale_b), s_dec, bad
 
 
 def quantize_nvfp4(x: Tensor, *, two_d: bool = False) -> NVFP4Tensor:
     """`x` in NVFP4: 1x16 blocks along the last dim, or 16x16 tiles of a matrix with
     `two_d` (see the module docstring)."""
+    _check_real(x, "quantize_nvfp4")
     elements, scales, s_dec, _ = _nvfp4(x, two_d, None)
     block_scales = encode_elements(scales, E4M3).squeeze(-1)
     codes = encode_elements(_nv_unblock(elements, x.shape, two_d), E2M1)
@@ -415,6 +505,12 @@ def fake_quantize(
     """`x` quantized to `config`'s format and back (float32), in blocks along its last dim
     (NVFP4 `two_d`: 16x16 tiles of a matrix); `stochastic` rounds NVFP4 elements with
     noise from torch's default generator of x's device."""
+    _check_real(x, "fake_quantize")
+    if not isinstance(config, MicroscalingConfig):
+        raise TypeError(
+            f"fake_quantize takes a MicroscalingConfig (e.g. MicroscalingConfig('mxfp8') or "
+            f"MicroscalingConfig.parse('mxfp8', 'floor')), got {type(config).__name__}"
+        )
     if config.mode != "nvfp4":
         if two_d or stochastic:
             raise ValueError(
@@ -434,8 +530,13 @@ _hadamard: dict[torch.device, Tensor] = {}
 
 def hadamard_16(device: torch.device | str = "cpu") -> Tensor:
     """The 16x16 random Hadamard matrix ``diag(s) @ H16 / 4`` (Sylvester's H16, signs `s`
-    drawn once from a fixed seed): orthogonal, so ``(a @ Q) @ (b @ Q)^T == a @ b^T``."""
-    device = torch.device(device)
+    drawn once from a fixed seed): orthogonal, so ``(a @ Q) @ (b @ Q)^T == a @ b^T``. A new
+    copy each call: changing it changes no later transform."""
+    return _hadamard_16(torch.device(device)).clone()
+
+
+def _hadamard_16(device: torch.device) -> Tensor:
+    """`hadamard_16`'s matrix, cached per device and shared: never handed out."""
     if device not in _hadamard:
         h = torch.ones(1, 1)
         while h.shape[0] < 16:
@@ -450,7 +551,7 @@ def _rht(x: Tensor) -> Tensor:
     """x (float32, last dim a multiple of 16) with each 16 consecutive values of its last dim
     multiplied by `hadamard_16`."""
     blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 16, 16)
-    return (blocks @ hadamard_16(x.device)).reshape(x.shape)
+    return (blocks @ _hadamard_16(x.device)).reshape(x.shape)
 
 
 def _pad_last(x: Tensor, multiple: int) -> Tensor:
@@ -536,8 +637,8 @@ class MicroscalingLinear(nn.Linear):
 
     def _setup(self, config: MicroscalingConfig | str) -> None:
         if isinstance(config, str):
-            mode, _, options = config.partition("/")
-            config = MicroscalingConfig.parse(mode, options or None)
+            mode, slash, options = config.partition("/")
+            config = MicroscalingConfig.parse(mode, options if slash else None)
         if not isinstance(config, MicroscalingConfig):
             raise TypeError(
                 f"config must be a MicroscalingConfig or a mode name such as 'mxfp8/floor', "
