@@ -253,7 +253,7 @@ def main() -> None:
         ratios += f" and {medians[KAHAN] / medians[OPTIMI]:.2f}x torch-optimi's Kahan AdamW"
     else:
         ratios += (
-            " (torch-optimi is not installed: `pip install \"torch==2.13.0\" -e \".[bench]\"` "
+            ' (torch-optimi is not installed: `pip install "torch==2.13.0" -e ".[bench]"` '
             "adds its row)"
         )
     lines.append(ratios + " (medians).")
