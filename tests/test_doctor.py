@@ -841,3 +841,13 @@ def test_cli_doctor_reports_vanishing_updates(tmp_path, capsys):
     assert main([*args, "--no-report"]) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "round away" in out and "'0': " in out
+
+
+def test_a_batch_of_inputs_and_target_without_loss_fn_says_loss_fn_is_missing():
+    """Without loss_fn the model is called on the whole batch to return its own loss; a plain
+    Sequential given (inputs, target) failed inside F.linear ('must be Tensor, not tuple')."""
+    model = nn.Sequential(nn.Linear(8, 4))
+    batch = (torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    with pytest.raises(TypeError, match=r"no loss_fn was given.*tuple of 2.*pass loss_fn=") as err:
+        mixprec.diagnose(model, batch)
+    assert "must be Tensor, not tuple" in str(err.value)

@@ -32,7 +32,18 @@ def batch_loss(model: nn.Module, batch: Any) -> Tensor:
         return _hugging_face_loss(model, batch)
     step = getattr(model, "training_step", None)
     if step is None:
-        return as_loss(model(batch), "the model (no loss_fn given)")
+        try:
+            out = model(batch)
+        except TypeError as err:  # (inputs, target) given to a model that takes inputs
+            if not isinstance(batch, tuple | list):
+                raise
+            raise TypeError(
+                f"no loss_fn was given, so {type(model).__name__} was called on the whole "
+                f"batch (a {type(batch).__name__} of {len(batch)}) to return its own loss, "
+                f"and failed: {err}. For a model that returns outputs, pass loss_fn=... "
+                "(e.g. torch.nn.functional.cross_entropy) with batches of (inputs, target)"
+            ) from err
+        return as_loss(out, "the model (no loss_fn given)")
     if getattr(model, "automatic_optimization", True) is False:
         raise TypeError(
             f"{type(model).__name__} uses Lightning's manual optimization: its training_step "
