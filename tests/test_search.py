@@ -915,3 +915,18 @@ def test_a_frozen_layer_whose_output_is_changed_in_place_is_scored_as_if_it_were
         )
         damages.append([r.options["int8_from_float32"].damage for r in report.rows])
     assert damages[1] == damages[0] and all(d > 0 for d in damages[0])
+
+
+def test_a_budget_takes_any_real_number_as_a_float() -> None:
+    """numpy's float32 (a budget read from an array or a config) was refused as 'must be a
+    number'; every real number is taken, as a float."""
+    np = pytest.importorskip("numpy")
+    from fractions import Fraction
+
+    for value in (np.float32(0.5), np.float64(0.5), np.int64(1), Fraction(1, 2), 1):
+        budget = Budget.of({"memory": value})
+        assert type(budget.memory) is float and budget.memory == float(value)
+    with pytest.raises(TypeError, match="must be a number"):
+        Budget(memory=np.bool_(True))
+    with pytest.raises(ValueError, match="positive fraction"):
+        Budget(speed=np.float32("nan"))

@@ -19,6 +19,7 @@ budget, verified by running the plan.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -73,8 +74,10 @@ class Budget:
             value = getattr(self, kind)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"budget {kind} must be a number, got {value!r}")
+            value = float(value)  # numpy's and other real numbers too, as one type
+            object.__setattr__(self, kind, value)
             if not 0 < value < math.inf:
                 raise ValueError(
                     f"budget {kind} must be a positive fraction of the baseline's "
