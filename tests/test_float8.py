@@ -393,6 +393,26 @@ def test_zero_input_and_zero_gradient_stay_finite():
 
 
 @pytest.mark.parametrize("recipe", Float8Config.RECIPES)
+@pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16)], ids=["no-rows", "no-tokens"])
+def test_an_empty_batch_runs_as_in_nn_linear(recipe, shape):
+    """amax of an empty tensor raised (tensorwise, delayed, rowwise's weight gradient); an
+    empty batch now gives an empty output and zero weight gradients, as nn.Linear does, and
+    records amax 0 (nothing seen) for the delayed input and output gradient."""
+    linear = nn.Linear(16, 8)
+    module = Float8Linear.from_float(copy.deepcopy(linear), recipe, 3)
+    x = torch.randn(shape, requires_grad=True)
+    y = module(x)
+    y.sum().backward()
+    assert y.shape == (*shape[:-1], 8) and x.grad.shape == shape
+    assert torch.equal(module.weight.grad, torch.zeros(8, 16))
+    assert torch.equal(module.bias.grad, torch.zeros(8))
+    if recipe == "delayed":
+        assert module.input_amax_history.tolist() == [0.0, 0.0, 0.0]
+        assert module.grad_output_amax_history.tolist() == [0.0, 0.0, 0.0]
+        assert module.weight_amax_history[0] == linear.weight.abs().max()
+
+
+@pytest.mark.parametrize("recipe", Float8Config.RECIPES)
 def test_backward_computes_only_the_gradients_autograd_needs(recipe):
     """A frozen weight (or an input without grad) skips its float8 matmul in backward; the
     gradient that is computed is the same as when both are."""

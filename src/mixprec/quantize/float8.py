@@ -86,15 +86,27 @@ def amax_to_scale(amax: Tensor, fp8_dtype: torch.dtype, *, power_of_2: bool = Fa
     return scale
 
 
+def _abs_max(x: Tensor, dim: int | None = None) -> Tensor:
+    """``max|x|`` over the whole tensor (0-dim) or along `dim` (kept as a size-1 dim), in x's
+    dtype; 0 where there is nothing to reduce (an empty batch), as for an all-zero tensor."""
+    x = x.detach().abs()
+    if x.numel() == 0:  # amax refuses to reduce an empty tensor
+        shape = list(x.shape)
+        if dim is not None:
+            shape[dim] = 1
+        return x.new_zeros(() if dim is None else shape)
+    return x.amax() if dim is None else x.amax(dim=dim, keepdim=True)
+
+
 def tensor_scale(x: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     """One scale (a 0-dim float32 tensor) for the whole tensor, from its current amax."""
-    return amax_to_scale(x.detach().abs().amax(), fp8_dtype)
+    return amax_to_scale(_abs_max(x), fp8_dtype)
 
 
 def axis_scale(x: Tensor, fp8_dtype: torch.dtype, dim: int) -> Tensor:
     """Power-of-2 scales along `dim` of a 2-D tensor (kept as a size-1 dim): ``dim=-1`` gives
     one per row, ``dim=0`` one per column."""
-    return amax_to_scale(x.detach().abs().amax(dim=dim, keepdim=True), fp8_dtype, power_of_2=True)
+    return amax_to_scale(_abs_max(x, dim), fp8_dtype, power_of_2=True)
 
 
 def to_float8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
@@ -199,8 +211,8 @@ def _backward_running() -> bool:
 
 
 def _amax(x: Tensor) -> Tensor:
-    """``max|x|`` as a 0-dim float32 tensor (NaN if x holds one, inf if an inf)."""
-    return x.detach().abs().amax().float()
+    """``max|x|`` as a 0-dim float32 tensor (NaN if x holds one, inf if an inf; 0 if empty)."""
+    return _abs_max(x).float()
 
 
 class _Float8Matmul(torch.autograd.Function):
