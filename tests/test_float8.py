@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -456,6 +457,22 @@ def test_from_float_keeps_the_storage_dtype():
     y.sum().backward()
     assert module.weight.dtype == torch.bfloat16 and y.dtype == torch.bfloat16
     assert linear.weight.grad.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+
+
+def test_conversion_both_ways_keeps_kwargs_forward_hooks_and_backward_hooks():
+    """The swap copied the forward hooks but not the flags saying which take kwargs (their
+    call then raised TypeError), and dropped backward hooks silently."""
+    model = nn.Sequential(nn.Linear(16, 16))
+    seen: list[str] = []
+    model[0].register_forward_pre_hook(lambda m, a, kw: seen.append("pre"), with_kwargs=True)
+    model[0].register_forward_hook(lambda m, a, kw, o: seen.append("post"), with_kwargs=True)
+    model[0].register_full_backward_pre_hook(lambda m, go: seen.append("backward pre"))
+    model[0].register_full_backward_hook(lambda m, gi, go: seen.append("backward"))
+    for convert in (partial(convert_to_float8, skip_small=False), convert_from_float8):
+        convert(model)
+        seen.clear()
+        model(torch.randn(2, 16, requires_grad=True)).sum().backward()
+        assert seen == ["pre", "post", "backward pre", "backward"], type(model[0])
 
 
 class Net(nn.Module):

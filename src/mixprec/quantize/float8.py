@@ -384,7 +384,7 @@ class Float8Linear(nn.Linear):
         emulate: bool = False,
     ) -> Float8Linear:
         """A Float8Linear holding `linear`'s own weight and bias parameters (no copy), with
-        its training mode and forward hooks."""
+        its training mode and hooks."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_float needs an nn.Linear, got {type(linear).__name__}")
         new = cls.__new__(cls)
