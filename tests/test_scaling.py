@@ -131,6 +131,17 @@ def test_divergence_error_at_min_scale():
     _trajectory(s2, [True, False, True, False, True])
 
 
+@pytest.mark.parametrize("hysteresis", [1, 2])
+@pytest.mark.parametrize("min_scale", [0.1, 1 / 3, 1e-3])
+def test_divergence_is_detected_at_a_min_scale_float32_cannot_hold(min_scale, hysteresis):
+    """The scale rests on min_scale rounded to float32 (0.1 -> 0.10000000149), which the
+    float64 comparison never took for the floor: it skipped forever instead of raising."""
+    s = DynamicLossScaler(1.0, hysteresis=hysteresis, min_scale=min_scale)
+    with pytest.raises(LossScaleDivergedError):
+        _trajectory(s, [True] * 100)
+    assert s.loss_scale == float(torch.tensor(min_scale, dtype=torch.float32))
+
+
 def test_static_scaler_never_moves_and_diverges_after_n_skips():
     s = StaticLossScaler(128.0, max_skips_at_min_scale=4)
     assert _trajectory(s, [False] * 5 + [True] * 3) == [128.0] * 8

@@ -536,7 +536,9 @@ class DynamicLossScaler(LossScaler):
         self._credits.copy_(torch.where(grow, self.hysteresis, credits.clamp(min=0)))
 
     def _at_floor(self) -> bool:
-        return self.loss_scale <= self.min_scale
+        # the clamp holds the scale at min_scale rounded to float32 (0.1 -> 0.10000000149):
+        # compare with that, or a scale resting on such a floor never counts as there
+        return bool(self._scale <= self._scale.new_tensor(self.min_scale))
 
     def state_dict(self) -> dict[str, Any]:
         """Scale, growth tracker, hysteresis credits, counters and settings."""
