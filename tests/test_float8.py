@@ -590,6 +590,21 @@ def test_errors_say_what_is_accepted():
         Float8Linear(16, 16)(torch.tensor(1.0))  # was IndexError: tuple index out of range
 
 
+def test_flags_take_only_true_or_false():
+    """emulate and skip_small took any value by its truth: skip_small="False" skipped the
+    small layers it was meant to convert, and emulate="no" emulated."""
+    with pytest.raises(TypeError, match="emulate must be True or False, got 'no'"):
+        Float8Linear(16, 16, emulate="no")
+    with pytest.raises(TypeError, match="emulate must be True or False, got 1"):
+        Float8Linear.from_float(nn.Linear(16, 16), emulate=1)
+    with pytest.raises(TypeError, match="skip_small must be True or False, got 'False'"):
+        convert_to_float8(Net(), skip_small="False")
+    with pytest.raises(TypeError, match="emulate must be True or False, got None"):
+        convert_to_float8(Net(), emulate=None)
+    with pytest.raises(TypeError, match="skip_small must be True or False, got 0"):
+        skip_reason(nn.Linear(16, 16), skip_small=0)
+
+
 def test_convert_to_float8_and_quantize_take_and_refuse_filters_alike():
     """One filter function for every quantization: convert_to_float8 let a bad regex's
     re.error through where quantize named the filter."""

@@ -201,6 +201,14 @@ def _history_scale(history: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     return torch.where(top > 0, amax_to_scale(top, fp8_dtype), torch.zeros_like(top))
 
 
+def _check_flag(name: str, value: Any) -> bool:
+    """`value` if it is True or False; TypeError otherwise (a string such as "False" is
+    truthy, and would silently mean the opposite)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def _backward_running() -> bool:
     """Whether this thread is inside an autograd backward, where a module's forward runs only
     when activation checkpointing recomputes it. torch's own checkpoint code reads the same
@@ -367,7 +375,7 @@ class Float8Linear(nn.Linear):
     def _setup(self, recipe: str, amax_history_length: int, emulate: bool) -> None:
         config = Float8Config(recipe, amax_history_length)
         self.recipe, self.amax_history_length = config.recipe, config.amax_history_length
-        self.emulate = bool(emulate)
+        self.emulate = _check_flag("emulate", emulate)
         if config.delayed:
             device = self.weight.device
             for name in DELAYED_BUFFERS:
@@ -521,6 +529,7 @@ def skip_reason(
     `_scaled_mm` cannot): for tests, CPU studies and numerics checks.
     """
     config = Float8Config(recipe)
+    _check_flag("skip_small", skip_small)
     if isinstance(linear, Float8Linear):
         return "already a Float8Linear"
     if type(linear) is not nn.Linear:
@@ -564,6 +573,8 @@ def convert_to_float8(
     the new modules emulate float8 even where real kernels run.
     """
     Float8Config(recipe, amax_history_length)  # refuses unknown recipes and bad lengths
+    _check_flag("skip_small", skip_small)
+    _check_flag("emulate", emulate)
     keep = path_filter(filter)
     if skipped is None:
         skipped = {}
