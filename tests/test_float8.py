@@ -414,6 +414,22 @@ def test_an_empty_batch_runs_as_in_nn_linear(recipe, shape):
 
 
 @pytest.mark.parametrize("recipe", Float8Config.RECIPES)
+def test_a_second_derivative_raises_instead_of_missing_terms(recipe):
+    """A gradient penalty through a Float8Linear backpropagated through its backward's
+    float8 copies, detached from the weight: the weight's gradient lacked the term through
+    them (140 where nn.Linear gives 237) without a word. First-order gradients taken with
+    create_graph=True are unchanged."""
+    torch.manual_seed(0)
+    module = Float8Linear.from_float(nn.Linear(16, 16), recipe)
+    x = torch.randn(3, 16, requires_grad=True)
+    (plain,) = torch.autograd.grad(module(x).pow(2).sum(), x)
+    (penalty,) = torch.autograd.grad(module(x).pow(2).sum(), x, create_graph=True)
+    assert torch.equal(penalty, plain)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        penalty.pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("recipe", Float8Config.RECIPES)
 def test_backward_computes_only_the_gradients_autograd_needs(recipe):
     """A frozen weight (or an input without grad) skips its float8 matmul in backward; the
     gradient that is computed is the same as when both are."""

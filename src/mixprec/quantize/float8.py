@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from mixprec.float8_config import Float8Config
 from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules
@@ -271,7 +272,10 @@ class _Float8Matmul(torch.autograd.Function):
             ctx.save_for_backward(x8, w8, x_inv, w_inv)
             return out
 
+    # once_differentiable: the saved float8 operands are detached from x and the weight, so a
+    # double backward (create_graph=True) would silently miss the terms through them; it raises
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         out_dtype, emulate = ctx.out_dtype, ctx.emulate
         need_x, need_w = ctx.needs_input_grad[:2]
