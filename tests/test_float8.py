@@ -351,6 +351,26 @@ def test_delayed_buffers_stay_float32_through_module_casts():
     assert Float8Linear(16, 16).fixed_dtype_buffers == ()
 
 
+def test_reset_parameters_after_to_empty_clears_the_delayed_buffers():
+    """A model built on the meta device, then `to_empty` and `reset_parameters` (FSDP's
+    recipe), kept whatever memory the buffers landed on: a stale amax of 1e30 in a history
+    scaled the gradients to zero for a whole history. Now they are reset as when built."""
+    module = Float8Linear(16, 16, device="meta", recipe="delayed", amax_history_length=4)
+    module.to_empty(device="cpu")
+    for name in DELAYED_BUFFERS:
+        getattr(module, name).fill_(1e30)  # what stale memory may hold
+    torch.manual_seed(0)
+    module.reset_parameters()
+    torch.manual_seed(0)
+    fresh = Float8Linear(16, 16, recipe="delayed", amax_history_length=4)
+    assert torch.equal(module.weight, fresh.weight)
+    for name in DELAYED_BUFFERS:
+        assert torch.equal(getattr(module, name), getattr(fresh, name)), name
+    x, g = torch.randn(4, 16), torch.randn(4, 16)
+    for a, b in zip(run(module, x, g), run(fresh, x, g), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_delayed_all_zero_history_leaves_the_scale_unknown():
     module = delayed_module()
     module(torch.zeros(2, 16))

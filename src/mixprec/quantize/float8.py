@@ -411,6 +411,17 @@ class Float8Linear(nn.Linear):
         """A plain nn.Linear holding this module's parameters (the delayed buffers dropped)."""
         return plain_linear(self)
 
+    def reset_parameters(self) -> None:
+        """nn.Linear's, and for the delayed recipe empty amax histories and unknown scales
+        (zeros, as built), as BatchNorm resets its running statistics: a model built on the
+        meta device gets them after ``to_empty`` (whose buffers hold stale memory)."""
+        super().reset_parameters()
+        with torch.no_grad():
+            for name in DELAYED_BUFFERS:
+                buffer = self._buffers.get(name)  # none yet while nn.Linear.__init__ runs
+                if buffer is not None:
+                    buffer.zero_()
+
     @property
     def fixed_dtype_buffers(self) -> tuple[str, ...]:
         """Floating buffers whose dtype no cast may change: the delayed scales and amax
