@@ -149,6 +149,17 @@ def test_static_scaler_never_moves_and_diverges_after_n_skips():
         s.update(_flag(1.0), True)
 
 
+def test_static_divergence_says_to_lower_the_scale_not_that_lowering_cannot_help():
+    """A static scale too large overflows every step, and a smaller one fixes it; the error
+    said "A smaller scale cannot help", the dynamic scaler's reason at its floor."""
+    s = StaticLossScaler(2.0**20, max_skips_at_min_scale=2)
+    with pytest.raises(LossScaleDivergedError) as err:
+        _trajectory(s, [True, True])
+    message = str(err.value)
+    assert "static loss scale 1.04858e+06" in message and "scaler='dynamic'" in message
+    assert "cannot help" not in message and "mixprec doctor" in message
+
+
 def test_no_loss_scaler_is_identity():
     s = NoLossScaler()
     loss = torch.tensor(3.0)

@@ -438,6 +438,17 @@ class StaticLossScaler(LossScaler):
 
     kind = "static"
 
+    def _divergence_message(self) -> str:
+        # a fixed scale chosen too large overflows every step: lowering it may well help
+        return (
+            f"training diverged: gradients were inf/NaN on {self._skips_at_floor} consecutive "
+            f"steps under the static loss scale {self.loss_scale:g}, which never moves; "
+            f"{self._skipped} of {self._steps} steps were skipped. Lower the scale, or let it "
+            f"adapt: scaler='dynamic'. If they overflow at a small scale too, the forward or "
+            f"backward pass itself produces inf/NaN: run `mixprec doctor` to find the layer, "
+            f"or train with bfloat16 ('bf16-mixed'), which needs no loss scaling."
+        )
+
 
 class DynamicLossScaler(LossScaler):
     """A scale that backs off on overflow and grows after ``growth_interval`` clean steps.
