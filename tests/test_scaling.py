@@ -142,6 +142,24 @@ def test_divergence_is_detected_at_a_min_scale_float32_cannot_hold(min_scale, hy
     assert s.loss_scale == float(torch.tensor(min_scale, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_update_takes_a_flag_of_any_dtype_and_refuses_others_before_counting(hysteresis):
+    """A bool/float64/int flag raised inside torch's update kernel (hysteresis=1) after the
+    step had been counted; a flag of shape (1,) broke the hysteresis update the same way."""
+    for flag in (torch.tensor(True), torch.tensor(1.0, dtype=torch.float64), torch.tensor(3)):
+        s = DynamicLossScaler(8.0, hysteresis=hysteresis)
+        s.update(flag)
+        assert s.stats().skipped_steps == 1
+        assert s.loss_scale == (4.0 if hysteresis == 1 else 8.0)  # hysteresis 2: a credit spent
+    s = DynamicLossScaler(8.0, hysteresis=hysteresis)
+    s.update(torch.tensor([0.0]))
+    assert s.stats().steps == 1 and s._growth_tracker.item() == 1
+    for bad, error in ((torch.tensor([1.0, 0.0]), ValueError), (1.0, TypeError)):
+        with pytest.raises(error, match="found_inf must be a one-element tensor"):
+            s.update(bad)
+        assert s.stats().steps == 1  # nothing counted
+
+
 def test_static_scaler_never_moves_and_diverges_after_n_skips():
     s = StaticLossScaler(128.0, max_skips_at_min_scale=4)
     assert _trajectory(s, [False] * 5 + [True] * 3) == [128.0] * 8

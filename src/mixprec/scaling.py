@@ -244,9 +244,18 @@ class LossScaler:
         ``overflow`` is ``bool(found_inf)`` when the caller already read it (pass it: reading
         it here would be a second host sync). Raises ``LossScaleDivergedError`` when the step
         overflowed ``max_skips_at_min_scale`` times in a row with the scale at its floor.
+        A flag of another dtype (bool, float64, int) counts as the float32 one.
         """
+        if not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1:
+            error = ValueError if isinstance(found_inf, torch.Tensor) else TypeError
+            raise error(
+                f"found_inf must be a one-element tensor, the overflow flag unscale_ returns "
+                f"(positive: a gradient was inf/NaN), got {found_inf!r}"
+            )
+        # checked and converted before anything is counted: the update kernels take float32
+        flag = found_inf.to(self._scale.device, torch.float32).reshape(())
         if overflow is None:
-            overflow = bool(found_inf.item())
+            overflow = bool(flag.item())
         if overflow:
             self._skips_at_floor = self._skips_at_floor + 1 if self._at_floor() else 0
             self._skipped += 1
@@ -257,7 +266,7 @@ class LossScaler:
             self._skips_at_floor = 0
         self._steps += 1
         self._scaled_since_update = False
-        self._update_scale(found_inf.to(self._scale.device))
+        self._update_scale(flag)
         if self._skips_at_floor >= self.max_skips_at_min_scale:
             raise LossScaleDivergedError(self._divergence_message())
 
