@@ -257,3 +257,12 @@ def test_as_loss_scaler_choices():
         as_loss_scaler("fast", needs_scaling=True)
     with pytest.raises(ValueError):
         DynamicLossScaler(init_scale=0.5, min_scale=1.0)
+
+
+def test_a_scaler_of_another_type_is_refused_with_what_is_accepted():
+    """The refusal named only the type; it now lists the accepted values and says how a
+    torch.amp.GradScaler's state carries over."""
+    with pytest.raises(TypeError, match="'dynamic', 'none', a number .* a LossScaler instance"):
+        as_loss_scaler([1.0], needs_scaling=True)
+    with pytest.raises(TypeError, match="load its state_dict"):
+        as_loss_scaler(torch.amp.GradScaler("cpu"), needs_scaling=True)

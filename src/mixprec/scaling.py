@@ -655,4 +655,14 @@ def as_loss_scaler(
         )
     if isinstance(spec, torch.Tensor) or (isinstance(spec, Real) and not isinstance(spec, bool)):
         return StaticLossScaler(spec)
-    raise TypeError(f"cannot make a loss scaler from {type(spec).__name__}: {spec!r}")
+    hint = ""
+    if isinstance(spec, torch.amp.GradScaler):
+        hint = (
+            "; for a torch.amp.GradScaler use scaler='dynamic' and load its state_dict() "
+            "into the DynamicLossScaler"
+        )
+    raise TypeError(
+        f"cannot make a loss scaler from {type(spec).__name__}: {spec!r}; use None, "
+        f"'dynamic', 'none', a number or one-element floating tensor (a static scale), or "
+        f"a LossScaler instance{hint}"
+    )
