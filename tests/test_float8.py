@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -350,6 +351,26 @@ def test_delayed_buffers_stay_float32_through_module_casts():
     assert Float8Linear(16, 16).fixed_dtype_buffers == ()
 
 
+def test_reset_parameters_after_to_empty_clears_the_delayed_buffers():
+    """A model built on the meta device, then `to_empty` and `reset_parameters` (FSDP's
+    recipe), kept whatever memory the buffers landed on: a stale amax of 1e30 in a history
+    scaled the gradients to zero for a whole history. Now they are reset as when built."""
+    module = Float8Linear(16, 16, device="meta", recipe="delayed", amax_history_length=4)
+    module.to_empty(device="cpu")
+    for name in DELAYED_BUFFERS:
+        getattr(module, name).fill_(1e30)  # what stale memory may hold
+    torch.manual_seed(0)
+    module.reset_parameters()
+    torch.manual_seed(0)
+    fresh = Float8Linear(16, 16, recipe="delayed", amax_history_length=4)
+    assert torch.equal(module.weight, fresh.weight)
+    for name in DELAYED_BUFFERS:
+        assert torch.equal(getattr(module, name), getattr(fresh, name)), name
+    x, g = torch.randn(4, 16), torch.randn(4, 16)
+    for a, b in zip(run(module, x, g), run(fresh, x, g), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_delayed_all_zero_history_leaves_the_scale_unknown():
     module = delayed_module()
     module(torch.zeros(2, 16))
@@ -390,6 +411,42 @@ def test_zero_input_and_zero_gradient_stay_finite():
         y, gx, gw, _ = run(module, torch.zeros(3, 16), torch.zeros(3, 16))
         assert torch.equal(y, linear.bias.detach().expand(3, 16)), recipe
         assert torch.equal(gx, torch.zeros(3, 16)) and torch.equal(gw, torch.zeros(16, 16))
+
+
+@pytest.mark.parametrize("recipe", Float8Config.RECIPES)
+@pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16)], ids=["no-rows", "no-tokens"])
+def test_an_empty_batch_runs_as_in_nn_linear(recipe, shape):
+    """amax of an empty tensor raised (tensorwise, delayed, rowwise's weight gradient); an
+    empty batch now gives an empty output and zero weight gradients, as nn.Linear does, and
+    records amax 0 (nothing seen) for the delayed input and output gradient."""
+    linear = nn.Linear(16, 8)
+    module = Float8Linear.from_float(copy.deepcopy(linear), recipe, 3)
+    x = torch.randn(shape, requires_grad=True)
+    y = module(x)
+    y.sum().backward()
+    assert y.shape == (*shape[:-1], 8) and x.grad.shape == shape
+    assert torch.equal(module.weight.grad, torch.zeros(8, 16))
+    assert torch.equal(module.bias.grad, torch.zeros(8))
+    if recipe == "delayed":
+        assert module.input_amax_history.tolist() == [0.0, 0.0, 0.0]
+        assert module.grad_output_amax_history.tolist() == [0.0, 0.0, 0.0]
+        assert module.weight_amax_history[0] == linear.weight.abs().max()
+
+
+@pytest.mark.parametrize("recipe", Float8Config.RECIPES)
+def test_a_second_derivative_raises_instead_of_missing_terms(recipe):
+    """A gradient penalty through a Float8Linear backpropagated through its backward's
+    float8 copies, detached from the weight: the weight's gradient lacked the term through
+    them (140 where nn.Linear gives 237) without a word. First-order gradients taken with
+    create_graph=True are unchanged."""
+    torch.manual_seed(0)
+    module = Float8Linear.from_float(nn.Linear(16, 16), recipe)
+    x = torch.randn(3, 16, requires_grad=True)
+    (plain,) = torch.autograd.grad(module(x).pow(2).sum(), x)
+    (penalty,) = torch.autograd.grad(module(x).pow(2).sum(), x, create_graph=True)
+    assert torch.equal(penalty, plain)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        penalty.pow(2).sum().backward()
 
 
 @pytest.mark.parametrize("recipe", Float8Config.RECIPES)
@@ -436,6 +493,22 @@ def test_from_float_keeps_the_storage_dtype():
     y.sum().backward()
     assert module.weight.dtype == torch.bfloat16 and y.dtype == torch.bfloat16
     assert linear.weight.grad.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+
+
+def test_conversion_both_ways_keeps_kwargs_forward_hooks_and_backward_hooks():
+    """The swap copied the forward hooks but not the flags saying which take kwargs (their
+    call then raised TypeError), and dropped backward hooks silently."""
+    model = nn.Sequential(nn.Linear(16, 16))
+    seen: list[str] = []
+    model[0].register_forward_pre_hook(lambda m, a, kw: seen.append("pre"), with_kwargs=True)
+    model[0].register_forward_hook(lambda m, a, kw, o: seen.append("post"), with_kwargs=True)
+    model[0].register_full_backward_pre_hook(lambda m, go: seen.append("backward pre"))
+    model[0].register_full_backward_hook(lambda m, gi, go: seen.append("backward"))
+    for convert in (partial(convert_to_float8, skip_small=False), convert_from_float8):
+        convert(model)
+        seen.clear()
+        model(torch.randn(2, 16, requires_grad=True)).sum().backward()
+        assert seen == ["pre", "post", "backward pre", "backward"], type(model[0])
 
 
 class Net(nn.Module):
@@ -551,6 +624,21 @@ def test_errors_say_what_is_accepted():
         Float8Linear(16, 16)(torch.randn(4, 8))
     with pytest.raises(ValueError, match=re.escape("16, got torch.float32 of shape ()")):
         Float8Linear(16, 16)(torch.tensor(1.0))  # was IndexError: tuple index out of range
+
+
+def test_flags_take_only_true_or_false():
+    """emulate and skip_small took any value by its truth: skip_small="False" skipped the
+    small layers it was meant to convert, and emulate="no" emulated."""
+    with pytest.raises(TypeError, match="emulate must be True or False, got 'no'"):
+        Float8Linear(16, 16, emulate="no")
+    with pytest.raises(TypeError, match="emulate must be True or False, got 1"):
+        Float8Linear.from_float(nn.Linear(16, 16), emulate=1)
+    with pytest.raises(TypeError, match="skip_small must be True or False, got 'False'"):
+        convert_to_float8(Net(), skip_small="False")
+    with pytest.raises(TypeError, match="emulate must be True or False, got None"):
+        convert_to_float8(Net(), emulate=None)
+    with pytest.raises(TypeError, match="skip_small must be True or False, got 0"):
+        skip_reason(nn.Linear(16, 16), skip_small=0)
 
 
 def test_convert_to_float8_and_quantize_take_and_refuse_filters_alike():

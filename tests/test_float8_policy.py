@@ -221,3 +221,15 @@ def test_a_float8_policy_and_convert_to_float8_skip_the_same_layers_for_size(rec
     convert_to_float8(model, recipe=recipe, skipped=skipped)
     assert set(skipped) == set(by_policy)
     assert "1" in skipped and ("0" in skipped) == (recipe in ("tensorwise", "delayed"))
+
+
+def test_an_empty_float8_recipe_is_refused_not_taken_for_tensorwise():
+    """An empty recipe ('float8/:16', recipe='') fell back to tensorwise: silently for the
+    keyword, and for the name with an error blaming a history length on 'tensorwise'."""
+    for refuse in (
+        lambda: Policy("float8/:16_from_float32"),
+        lambda: QuantizedPolicy("float8", "float32", recipe=""),
+        lambda: mixprec.quantize(nn.Sequential(nn.Linear(4096, 2048)), "float8", recipe=""),
+    ):
+        with pytest.raises(PolicySpecError, match="unknown float8 recipe ''; accepted: "):
+            refuse()

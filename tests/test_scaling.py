@@ -131,11 +131,51 @@ def test_divergence_error_at_min_scale():
     _trajectory(s2, [True, False, True, False, True])
 
 
+@pytest.mark.parametrize("hysteresis", [1, 2])
+@pytest.mark.parametrize("min_scale", [0.1, 1 / 3, 1e-3])
+def test_divergence_is_detected_at_a_min_scale_float32_cannot_hold(min_scale, hysteresis):
+    """The scale rests on min_scale rounded to float32 (0.1 -> 0.10000000149), which the
+    float64 comparison never took for the floor: it skipped forever instead of raising."""
+    s = DynamicLossScaler(1.0, hysteresis=hysteresis, min_scale=min_scale)
+    with pytest.raises(LossScaleDivergedError):
+        _trajectory(s, [True] * 100)
+    assert s.loss_scale == float(torch.tensor(min_scale, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_update_takes_a_flag_of_any_dtype_and_refuses_others_before_counting(hysteresis):
+    """A bool/float64/int flag raised inside torch's update kernel (hysteresis=1) after the
+    step had been counted; a flag of shape (1,) broke the hysteresis update the same way."""
+    for flag in (torch.tensor(True), torch.tensor(1.0, dtype=torch.float64), torch.tensor(3)):
+        s = DynamicLossScaler(8.0, hysteresis=hysteresis)
+        s.update(flag)
+        assert s.stats().skipped_steps == 1
+        assert s.loss_scale == (4.0 if hysteresis == 1 else 8.0)  # hysteresis 2: a credit spent
+    s = DynamicLossScaler(8.0, hysteresis=hysteresis)
+    s.update(torch.tensor([0.0]))
+    assert s.stats().steps == 1 and s._growth_tracker.item() == 1
+    for bad, error in ((torch.tensor([1.0, 0.0]), ValueError), (1.0, TypeError)):
+        with pytest.raises(error, match="found_inf must be a one-element tensor"):
+            s.update(bad)
+        assert s.stats().steps == 1  # nothing counted
+
+
 def test_static_scaler_never_moves_and_diverges_after_n_skips():
     s = StaticLossScaler(128.0, max_skips_at_min_scale=4)
     assert _trajectory(s, [False] * 5 + [True] * 3) == [128.0] * 8
     with pytest.raises(LossScaleDivergedError):
         s.update(_flag(1.0), True)
+
+
+def test_static_divergence_says_to_lower_the_scale_not_that_lowering_cannot_help():
+    """A static scale too large overflows every step, and a smaller one fixes it; the error
+    said "A smaller scale cannot help", the dynamic scaler's reason at its floor."""
+    s = StaticLossScaler(2.0**20, max_skips_at_min_scale=2)
+    with pytest.raises(LossScaleDivergedError) as err:
+        _trajectory(s, [True, True])
+    message = str(err.value)
+    assert "static loss scale 1.04858e+06" in message and "scaler='dynamic'" in message
+    assert "cannot help" not in message and "mixprec doctor" in message
 
 
 def test_no_loss_scaler_is_identity():
@@ -217,3 +257,12 @@ def test_as_loss_scaler_choices():
         as_loss_scaler("fast", needs_scaling=True)
     with pytest.raises(ValueError):
         DynamicLossScaler(init_scale=0.5, min_scale=1.0)
+
+
+def test_a_scaler_of_another_type_is_refused_with_what_is_accepted():
+    """The refusal named only the type; it now lists the accepted values and says how a
+    torch.amp.GradScaler's state carries over."""
+    with pytest.raises(TypeError, match="'dynamic', 'none', a number .* a LossScaler instance"):
+        as_loss_scaler([1.0], needs_scaling=True)
+    with pytest.raises(TypeError, match="load its state_dict"):
+        as_loss_scaler(torch.amp.GradScaler("cpu"), needs_scaling=True)

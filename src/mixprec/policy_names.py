@@ -393,7 +393,7 @@ def quantized_options(
         return None, None, MicroscalingConfig.parse(mode, parsed.options, name)
     if mode != "float8":
         return None, None, None
-    recipe = recipe or Float8Config.DEFAULT_RECIPE
+    recipe = Float8Config.DEFAULT_RECIPE if recipe is None else recipe
     try:
         Float8Config.check_recipe(recipe)
     except PolicySpecError as err:

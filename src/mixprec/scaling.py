@@ -244,9 +244,18 @@ class LossScaler:
         ``overflow`` is ``bool(found_inf)`` when the caller already read it (pass it: reading
         it here would be a second host sync). Raises ``LossScaleDivergedError`` when the step
         overflowed ``max_skips_at_min_scale`` times in a row with the scale at its floor.
+        A flag of another dtype (bool, float64, int) counts as the float32 one.
         """
+        if not isinstance(found_inf, torch.Tensor) or found_inf.numel() != 1:
+            error = ValueError if isinstance(found_inf, torch.Tensor) else TypeError
+            raise error(
+                f"found_inf must be a one-element tensor, the overflow flag unscale_ returns "
+                f"(positive: a gradient was inf/NaN), got {found_inf!r}"
+            )
+        # checked and converted before anything is counted: the update kernels take float32
+        flag = found_inf.to(self._scale.device, torch.float32).reshape(())
         if overflow is None:
-            overflow = bool(found_inf.item())
+            overflow = bool(flag.item())
         if overflow:
             self._skips_at_floor = self._skips_at_floor + 1 if self._at_floor() else 0
             self._skipped += 1
@@ -257,7 +266,7 @@ class LossScaler:
             self._skips_at_floor = 0
         self._steps += 1
         self._scaled_since_update = False
-        self._update_scale(found_inf.to(self._scale.device))
+        self._update_scale(flag)
         if self._skips_at_floor >= self.max_skips_at_min_scale:
             raise LossScaleDivergedError(self._divergence_message())
 
@@ -438,6 +447,17 @@ class StaticLossScaler(LossScaler):
 
     kind = "static"
 
+    def _divergence_message(self) -> str:
+        # a fixed scale chosen too large overflows every step: lowering it may well help
+        return (
+            f"training diverged: gradients were inf/NaN on {self._skips_at_floor} consecutive "
+            f"steps under the static loss scale {self.loss_scale:g}, which never moves; "
+            f"{self._skipped} of {self._steps} steps were skipped. Lower the scale, or let it "
+            f"adapt: scaler='dynamic'. If they overflow at a small scale too, the forward or "
+            f"backward pass itself produces inf/NaN: run `mixprec doctor` to find the layer, "
+            f"or train with bfloat16 ('bf16-mixed'), which needs no loss scaling."
+        )
+
 
 class DynamicLossScaler(LossScaler):
     """A scale that backs off on overflow and grows after ``growth_interval`` clean steps.
@@ -536,7 +556,9 @@ class DynamicLossScaler(LossScaler):
         self._credits.copy_(torch.where(grow, self.hysteresis, credits.clamp(min=0)))
 
     def _at_floor(self) -> bool:
-        return self.loss_scale <= self.min_scale
+        # the clamp holds the scale at min_scale rounded to float32 (0.1 -> 0.10000000149):
+        # compare with that, or a scale resting on such a floor never counts as there
+        return bool(self._scale <= self._scale.new_tensor(self.min_scale))
 
     def state_dict(self) -> dict[str, Any]:
         """Scale, growth tracker, hysteresis credits, counters and settings."""
@@ -633,4 +655,14 @@ def as_loss_scaler(
         )
     if isinstance(spec, torch.Tensor) or (isinstance(spec, Real) and not isinstance(spec, bool)):
         return StaticLossScaler(spec)
-    raise TypeError(f"cannot make a loss scaler from {type(spec).__name__}: {spec!r}")
+    hint = ""
+    if isinstance(spec, torch.amp.GradScaler):
+        hint = (
+            "; for a torch.amp.GradScaler use scaler='dynamic' and load its state_dict() "
+            "into the DynamicLossScaler"
+        )
+    raise TypeError(
+        f"cannot make a loss scaler from {type(spec).__name__}: {spec!r}; use None, "
+        f"'dynamic', 'none', a number or one-element floating tensor (a static scale), or "
+        f"a LossScaler instance{hint}"
+    )

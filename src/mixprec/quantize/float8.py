@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from mixprec.float8_config import Float8Config
 from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules
@@ -86,15 +87,27 @@ def amax_to_scale(amax: Tensor, fp8_dtype: torch.dtype, *, power_of_2: bool = Fa
     return scale
 
 
+def _abs_max(x: Tensor, dim: int | None = None) -> Tensor:
+    """``max|x|`` over the whole tensor (0-dim) or along `dim` (kept as a size-1 dim), in x's
+    dtype; 0 where there is nothing to reduce (an empty batch), as for an all-zero tensor."""
+    x = x.detach().abs()
+    if x.numel() == 0:  # amax refuses to reduce an empty tensor
+        shape = list(x.shape)
+        if dim is not None:
+            shape[dim] = 1
+        return x.new_zeros(() if dim is None else shape)
+    return x.amax() if dim is None else x.amax(dim=dim, keepdim=True)
+
+
 def tensor_scale(x: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     """One scale (a 0-dim float32 tensor) for the whole tensor, from its current amax."""
-    return amax_to_scale(x.detach().abs().amax(), fp8_dtype)
+    return amax_to_scale(_abs_max(x), fp8_dtype)
 
 
 def axis_scale(x: Tensor, fp8_dtype: torch.dtype, dim: int) -> Tensor:
     """Power-of-2 scales along `dim` of a 2-D tensor (kept as a size-1 dim): ``dim=-1`` gives
     one per row, ``dim=0`` one per column."""
-    return amax_to_scale(x.detach().abs().amax(dim=dim, keepdim=True), fp8_dtype, power_of_2=True)
+    return amax_to_scale(_abs_max(x, dim), fp8_dtype, power_of_2=True)
 
 
 def to_float8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
@@ -189,6 +202,14 @@ def _history_scale(history: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     return torch.where(top > 0, amax_to_scale(top, fp8_dtype), torch.zeros_like(top))
 
 
+def _check_flag(name: str, value: Any) -> bool:
+    """`value` if it is True or False; TypeError otherwise (a string such as "False" is
+    truthy, and would silently mean the opposite)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 def _backward_running() -> bool:
     """Whether this thread is inside an autograd backward, where a module's forward runs only
     when activation checkpointing recomputes it. torch's own checkpoint code reads the same
@@ -199,8 +220,8 @@ def _backward_running() -> bool:
 
 
 def _amax(x: Tensor) -> Tensor:
-    """``max|x|`` as a 0-dim float32 tensor (NaN if x holds one, inf if an inf)."""
-    return x.detach().abs().amax().float()
+    """``max|x|`` as a 0-dim float32 tensor (NaN if x holds one, inf if an inf; 0 if empty)."""
+    return _abs_max(x).float()
 
 
 class _Float8Matmul(torch.autograd.Function):
@@ -251,7 +272,10 @@ class _Float8Matmul(torch.autograd.Function):
             ctx.save_for_backward(x8, w8, x_inv, w_inv)
             return out
 
+    # once_differentiable: the saved float8 operands are detached from x and the weight, so a
+    # double backward (create_graph=True) would silently miss the terms through them; it raises
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         out_dtype, emulate = ctx.out_dtype, ctx.emulate
         need_x, need_w = ctx.needs_input_grad[:2]
@@ -355,7 +379,7 @@ class Float8Linear(nn.Linear):
     def _setup(self, recipe: str, amax_history_length: int, emulate: bool) -> None:
         config = Float8Config(recipe, amax_history_length)
         self.recipe, self.amax_history_length = config.recipe, config.amax_history_length
-        self.emulate = bool(emulate)
+        self.emulate = _check_flag("emulate", emulate)
         if config.delayed:
             device = self.weight.device
             for name in DELAYED_BUFFERS:
@@ -372,7 +396,7 @@ class Float8Linear(nn.Linear):
         emulate: bool = False,
     ) -> Float8Linear:
         """A Float8Linear holding `linear`'s own weight and bias parameters (no copy), with
-        its training mode and forward hooks."""
+        its training mode and hooks."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_float needs an nn.Linear, got {type(linear).__name__}")
         new = cls.__new__(cls)
@@ -386,6 +410,17 @@ class Float8Linear(nn.Linear):
     def to_float(self) -> nn.Linear:
         """A plain nn.Linear holding this module's parameters (the delayed buffers dropped)."""
         return plain_linear(self)
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's, and for the delayed recipe empty amax histories and unknown scales
+        (zeros, as built), as BatchNorm resets its running statistics: a model built on the
+        meta device gets them after ``to_empty`` (whose buffers hold stale memory)."""
+        super().reset_parameters()
+        with torch.no_grad():
+            for name in DELAYED_BUFFERS:
+                buffer = self._buffers.get(name)  # none yet while nn.Linear.__init__ runs
+                if buffer is not None:
+                    buffer.zero_()
 
     @property
     def fixed_dtype_buffers(self) -> tuple[str, ...]:
@@ -509,6 +544,7 @@ def skip_reason(
     `_scaled_mm` cannot): for tests, CPU studies and numerics checks.
     """
     config = Float8Config(recipe)
+    _check_flag("skip_small", skip_small)
     if isinstance(linear, Float8Linear):
         return "already a Float8Linear"
     if type(linear) is not nn.Linear:
@@ -552,6 +588,8 @@ def convert_to_float8(
     the new modules emulate float8 even where real kernels run.
     """
     Float8Config(recipe, amax_history_length)  # refuses unknown recipes and bad lengths
+    _check_flag("skip_small", skip_small)
+    _check_flag("emulate", emulate)
     keep = path_filter(filter)
     if skipped is None:
         skipped = {}

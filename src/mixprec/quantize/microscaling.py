@@ -655,7 +655,7 @@ class MicroscalingLinear(nn.Linear):
         cls, linear: nn.Linear, config: MicroscalingConfig | str = "mxfp8"
     ) -> MicroscalingLinear:
         """A MicroscalingLinear holding `linear`'s own weight and bias parameters (no copy),
-        with its training mode and forward hooks."""
+        with its training mode and hooks."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_float needs an nn.Linear, got {type(linear).__name__}")
         new = cls.__new__(cls)

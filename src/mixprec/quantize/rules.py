@@ -233,10 +233,26 @@ def _switch(module: nn.Module, name: str, value: object, *, off: bool) -> None:
         delattr(module, _FAST_PATH_KEPT)
 
 
+# a module's hook dicts a swap must not lose: the forward pre/post hooks with the flags saying
+# which take kwargs or always run, and the backward hooks (all keyed by hook id)
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+
+
 def carry_hooks(source: nn.Module, target: nn.Module) -> None:
-    """Copy the forward pre/post hooks a module swap must not lose."""
-    target._forward_pre_hooks.update(source._forward_pre_hooks)
-    target._forward_hooks.update(source._forward_hooks)
+    """Copy the forward and backward hooks a module swap must not lose, with how each was
+    registered (``with_kwargs``, ``always_call``, full backward hooks)."""
+    for name in _HOOK_DICTS:
+        getattr(target, name).update(getattr(source, name))
+    if source._is_full_backward_hook is not None:
+        target._is_full_backward_hook = source._is_full_backward_hook
 
 
 def plain_linear(layer: nn.Module) -> nn.Linear:
