@@ -216,3 +216,18 @@ def test_layers_that_do_not_fill_blocks_and_bad_inputs_are_refused():
     with pytest.raises(ValueError, match="last dim is 64"):
         layer(torch.randn(4, 32))
     assert "format='nvfp4/2d'" in repr(layer)
+
+
+@pytest.mark.parametrize("config", ["mxfp8", "nvfp4"])
+def test_a_second_derivative_raises_instead_of_missing_terms(config):
+    """A gradient penalty through a MicroscalingLinear went through its backward's block
+    rounding, which passes no gradient: the weight's gradient lacked those terms without a
+    word. First-order gradients taken with create_graph=True are unchanged."""
+    torch.manual_seed(0)
+    layer = MicroscalingLinear.from_float(nn.Linear(32, 32), config=config)
+    x = torch.randn(4, 32, requires_grad=True)
+    (plain,) = torch.autograd.grad(layer(x).pow(2).sum(), x)
+    (penalty,) = torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
+    assert torch.equal(penalty, plain)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        penalty.pow(2).sum().backward()

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from mixprec.microscaling_config import MicroscalingConfig
 from mixprec.quantize.rules import carry_hooks, plain_linear
@@ -583,7 +584,10 @@ class _BlockScaledMatmul(torch.autograd.Function):
             ctx.save_for_backward(x, weight, qw if two_d else None)
             return out if out_dtype == torch.float32 else out.to(out_dtype)
 
+    # once_differentiable: the block rounding of the gradient and the operands passes no
+    # gradient, so a double backward (create_graph=True) would silently miss its terms
     @staticmethod
+    @once_differentiable
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         config, out_dtype = ctx.config, ctx.out_dtype
         x, weight, qw_2d = ctx.saved_tensors
