@@ -496,3 +496,20 @@ def test_capping_onednn_below_vnni_rates_int8_as_saving_memory_only():
     # an Arm CPU reports none of the x86 flags: not judged by them
     arm = hardware.DeviceInfo("cpu", "Arm", cpu_flags=frozenset({"asimd"}))
     assert hardware.int8_support(arm).status == hardware.FAST
+
+
+def test_quantize_takes_a_modes_options_in_its_name_as_a_policy_does():
+    """'mxfp8/floor' was taken but 'int4/64' and 'float8/delayed:16' were 'unknown modes':
+    every mode takes its options after '/' as in a policy name, keywords beside them refused."""
+    from mixprec.quantize.float8 import Float8Linear
+
+    model = nn.Sequential(nn.Linear(256, 256))
+    mixprec.quantize(model, "int4/64")
+    assert isinstance(model[0], Int4Linear) and model[0].group_size == 64
+    model = nn.Sequential(nn.Linear(256, 256))
+    result = mixprec.quantize(model, "float8/rowwise")
+    assert isinstance(model[0], Float8Linear) and result.quantized == {"0": "float8 (rowwise)"}
+    with pytest.raises(PolicySpecError, match="names its options already"):
+        mixprec.quantize(nn.Sequential(nn.Linear(256, 256)), "int4/64", group_size=32)
+    with pytest.raises(PolicySpecError, match="unknown float8 recipe 'bogus'"):
+        mixprec.quantize(nn.Sequential(nn.Linear(256, 256)), "float8/bogus")

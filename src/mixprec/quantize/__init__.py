@@ -122,6 +122,14 @@ def _as_policy(
                 "in the name. " + MicroscalingConfig.accepted()
             )
         return QuantizedPolicy(mode.strip().lower(), "float32")
+    head, slash, _ = mode.strip().lower().partition("/") if isinstance(mode, str) else ("", "", "")
+    if slash and head in QUANTIZATION_MODES:  # 'int4/64', 'float8/delayed:16': as in a policy
+        if group_size is not None or recipe is not None or history is not None:
+            raise PolicySpecError(
+                f"{mode!r} names its options already; pass group_size/recipe/"
+                "amax_history_length only with a bare mode ('int8', 'int4', 'float8')"
+            )
+        return as_policy(f"{mode.strip()}_from_float32")  # type: ignore[return-value]
     if not isinstance(mode, str) or mode.strip().lower() not in QUANTIZATION_MODES:
         raise PolicySpecError(
             f"unknown quantization mode {mode!r}; modes are {', '.join(QUANTIZATION_MODES)} "
