@@ -142,14 +142,14 @@ class PrecisionMonitor:
 
     def start_step(self, step: int) -> bool:
         """Install the hooks if `step` is monitored (call before the forward); returns
-        whether it is."""
+        whether it is. An earlier step whose `end_step` never came (it raised) is dropped."""
         if self._model is None:
             raise RuntimeError("PrecisionMonitor.start_step before attach(model)")
         if self._armed_step == step:
             return True
+        self._disarm()  # a monitored step that never reached end_step stops here
         if not self.should_monitor(step) or self._done_step == step:
             return False
-        self._disarm()
         self._armed_step = step
         for module in self._model.modules():
             self._handles.append(module.register_forward_hook(self._forward_hook))
@@ -391,6 +391,10 @@ class PrecisionMonitor:
                 logger.log_metrics(metrics, step + 1)  # the trainer logs step s as s + 1
 
     def on_fit_end(self, trainer: Trainer, model: nn.Module) -> None:
+        self.detach()
+
+    def on_exception(self, trainer: Trainer, model: nn.Module, exception: BaseException) -> None:
+        # a failed fit never reaches on_fit_end: the hooks must not stay on the user's model
         self.detach()
 
 
