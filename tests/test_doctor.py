@@ -591,6 +591,13 @@ def test_bad_inputs_say_what_is_accepted():
         diagnose(model, (x, y), F.cross_entropy, loss_scale=0)
     with pytest.raises(PolicySpecError, match="unknown precision"):
         diagnose(model, (x, y), F.cross_entropy, precision="fp17")
+    # each refused before any run, saying what is accepted
+    with pytest.raises(TypeError, match="loss_fn must be callable as loss_fn.*got str"):
+        diagnose(model, (x, y), "cross_entropy")
+    with pytest.raises(TypeError, match="seed must be an int, got float"):
+        diagnose(model, (x, y), F.cross_entropy, seed=1.5)
+    with pytest.raises(TypeError, match="loss_scale must be a positive number, a LossScaler"):
+        diagnose(model, (x, y), F.cross_entropy, loss_scale="big")
 
 
 # -- report and command line ------------------------------------------------------------------
@@ -646,6 +653,19 @@ def test_cli_doctor_clean_model_and_bad_factory(tmp_path, capsys):
     assert "expected FILE.py:FACTORY" in capsys.readouterr().err
     assert main(["doctor", f"{factory}:nothing", "--no-report"]) == 2
     assert "has no callable 'nothing'" in capsys.readouterr().err
+    # a dict with a misspelt key is refused by name, not run without it
+    factory.write_text(
+        factory.read_text()
+        + "def misspelt():\n"
+        + "    model, batch, loss_fn = make()\n"
+        + "    return {'model': model, 'batch': batch, 'loss': loss_fn}\n"
+        + "def no_model():\n"
+        + "    return {'batch': make()[1]}\n"
+    )
+    assert main(["doctor", f"{factory}:misspelt", "--no-report"]) == 2
+    assert "the factory's dict has unknown keys ['loss']" in capsys.readouterr().err
+    assert main(["doctor", f"{factory}:no_model", "--no-report"]) == 2
+    assert "the factory's dict has no 'model'" in capsys.readouterr().err
 
 
 CLI_FAULTS = """

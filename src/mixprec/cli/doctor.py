@@ -37,7 +37,18 @@ __all__ = ["add_parser"]
 
 def _unpack(made: Any) -> tuple[Any, Any, Any]:
     if isinstance(made, dict):
-        made = (made.get("model"), made.get("batch"), made.get("loss_fn"))
+        keys = {"model", "batch", "loss_fn"}
+        unknown = sorted(set(made) - keys)
+        missing = [k for k in ("model", "batch") if k not in made]
+        if unknown or missing:
+            wrong = (
+                f"unknown keys {unknown}" if unknown else "no " + " or ".join(map(repr, missing))
+            )
+            raise FactoryError(
+                f"the factory's dict has {wrong}; it takes 'model', 'batch' and optionally "
+                "'loss_fn' (or 'batches' with --search)"
+            )
+        made = (made["model"], made["batch"], made.get("loss_fn"))
     if isinstance(made, (tuple, list)) and len(made) in (2, 3):
         model, batch, *rest = made
         return model, batch, rest[0] if rest else None
