@@ -598,6 +598,11 @@ def test_bad_inputs_say_what_is_accepted():
         diagnose(model, (x, y), F.cross_entropy, seed=1.5)
     with pytest.raises(TypeError, match="loss_scale must be a positive number, a LossScaler"):
         diagnose(model, (x, y), F.cross_entropy, loss_scale="big")
+    lazy = nn.Sequential(nn.Flatten(), nn.LazyLinear(4))
+    with pytest.raises(ValueError, match=r"uninitialized \(lazy\).*1.weight, 1.bias.*run it once"):
+        diagnose(lazy, (x, y), F.cross_entropy)
+    lazy(x)  # now it has its shapes
+    assert diagnose(lazy, (x, y), F.cross_entropy, precision="bf16-mixed").passes()
 
 
 # -- report and command line ------------------------------------------------------------------

@@ -489,6 +489,16 @@ def diagnose(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"diagnose needs an nn.Module, got {type(model).__name__}")
+    lazy = [
+        name
+        for name, t in (*model.named_parameters(), *model.named_buffers())
+        if isinstance(t, nn.parameter.UninitializedTensorMixin)
+    ]
+    if lazy:
+        raise ValueError(
+            f"the model has uninitialized (lazy) parameters or buffers ({', '.join(lazy)}): run "
+            "it once on a batch (model(inputs)) to give them their shapes, then diagnose it"
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(
             "loss_fn must be callable as loss_fn(outputs, target) (e.g. "
