@@ -6,6 +6,7 @@ import math
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -841,12 +842,21 @@ def test_vanishing_fraction_is_exact_rounding():
     [
         ({"lr": -1.0}, "lr must be a positive finite number"),
         ({"lr": 1.0, "optimizer": "lion"}, "one of adam, sgd"),
+        ({"lr": True}, "lr must be a positive finite number"),
     ],
 )
 def test_vanishing_check_bad_input(kwargs, message):
     model, batch = _big_first_layer()
     with pytest.raises(ValueError, match=message):
         diagnose(model, batch, F.cross_entropy, precision="bf16-true", **kwargs)
+
+
+def test_vanishing_check_takes_any_real_lr():
+    """numpy's float32 (a learning rate read from a config array) was refused as 'must be a
+    positive finite number'."""
+    model, batch = _big_first_layer()
+    d = diagnose(model, batch, F.cross_entropy, precision="bf16-true", lr=np.float32(1e-2))
+    assert type(d.update.lr) is float and d.modules["0"].vanishing > 0.95
 
 
 def test_cli_doctor_reports_vanishing_updates(tmp_path, capsys):
