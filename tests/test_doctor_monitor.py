@@ -119,6 +119,13 @@ def test_argument_checks():
         ({"headroom": 0.5}, "headroom"),
         ({"skip_patience": 0}, "skip_patience"),
         ({"underflow_warn": 0}, "underflow_warn"),
+        # these were taken: 2.5 monitored steps 0, 5, 10; True every step; history failed
+        # at the first monitored step's end
+        ({"every_n_steps": 2.5}, "every_n_steps must be a whole number >= 1, got 2.5"),
+        ({"every_n_steps": True}, "every_n_steps must be a whole number >= 1, got True"),
+        ({"every_n_steps": "5"}, "every_n_steps must be a whole number >= 1, got '5'"),
+        ({"history": -1}, "history must be a whole number >= 1, got -1"),
+        ({"horizon_steps": -3}, "horizon_steps must be a whole number >= 0, got -3"),
     ):
         with pytest.raises(ValueError, match=match):
             PrecisionMonitor(**kwargs)
