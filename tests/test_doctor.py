@@ -3,6 +3,7 @@ flagged, and the recommended policy verified by training."""
 
 import json
 import math
+import sys
 import warnings
 from pathlib import Path
 
@@ -753,6 +754,16 @@ def test_cli_doctor_exit_status_is_whether_the_run_passes(cli_faults, capsys):
     assert _doctor(capsys, f"{cli_faults}:grad_overflow")[0] == 0
     # float64 targets run (their gradients were once measured with a float32 norm)
     assert _doctor(capsys, f"{cli_faults}:near_max", "--precision", "64-true")[0] == 0
+
+
+def test_cli_without_matplotlib_stops_before_the_runs(cli_faults, tmp_path, capsys, monkeypatch):
+    """The report's plots need matplotlib: without it the doctor ran the diagnosis and the
+    search for a fix, then stopped with an ImportError (exit 3) and wrote no policy.json."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    code = main(["doctor", f"{cli_faults}:fails", "--out", str(tmp_path / "rep")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "need matplotlib, which is not installed" in err and "--no-report" in err
+    assert "the model's own bug" not in err  # the model never ran
 
 
 def test_cli_an_error_inside_the_run_exits_3_with_its_traceback(cli_faults, capsys):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import shlex
 import sys
 import warnings
@@ -206,6 +207,12 @@ def _run(args: argparse.Namespace) -> int:
             if not args.no_report:
                 out = args.out or _numbered(Path("doctor-report"))
                 check_output_dir(out, "--out", keep=REPORT_FILES)
+                if importlib.util.find_spec("matplotlib") is None:  # not after the runs
+                    raise ValueError(
+                        "the report's plots need matplotlib, which is not installed: pip "
+                        "install 'matplotlib>=3.7' 'torch==2.13.0' (the plot extra), or pass "
+                        "--no-report"
+                    )
             model, batch, loss_fn = _unpack(call_factory(load_factory(args.factory), args.factory))
             diagnosis = diagnose(
                 model,
