@@ -491,6 +491,52 @@ def test_large_and_small_tensors_are_measured_alike(monkeypatch, scale):
     assert math.isinf(batched["err_sq"]) or math.isnan(batched["err_sq"])
 
 
+class CausalMask(nn.Module):
+    """Scores with the future masked to -inf, as attention code writes them before softmax."""
+
+    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+        n = scores.shape[-1]
+        return scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(16, 32)
+        self.mask = CausalMask()
+        self.soft = nn.Softmax(-1)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, -1)
+        p = self.soft(self.mask(q @ k.transpose(-1, -2) / 4))
+        return self.out((p @ x).mean(1))
+
+
+@pytest.mark.parametrize("small", [1 << 20, 0])
+def test_inf_the_reference_holds_too_is_no_finding(monkeypatch, small):
+    """A mask's -inf is in the float32 run as well: the module writing it was called broken
+    ('output reaches inf > float16 max') and the run failed, whatever the precision."""
+    monkeypatch.setattr(Comparisons, "SMALL", small)  # batched, then one by one
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 6, 16), torch.randint(0, 4, (8,)))
+    d = diagnose(MaskedAttention(), batch, F.cross_entropy, precision="16-mixed")
+    assert d.modules["mask"].nonfinite == 0 and d.modules["mask"].rel_error < 1e-2
+    assert d.modules["mask"].amax < 100  # the finite scores', not inf
+    assert not d.findings and d.passes()
+    # where the target holds something else than the reference's -inf, it still counts
+    r = torch.tensor([1.0, -math.inf, -math.inf, 2.0] * 1024)
+    nan, finite = r.clone(), r.clone()
+    nan[1], finite[6] = math.nan, 5.0
+    c = Comparisons()
+    for tag, target in (("same", r), ("nan", nan), ("finite", finite)):
+        c.add(tag, target, RefTensor(r, Scratch()), torch.float16)
+    rows = c.compute()
+    assert rows["same"].nonfinite == 0 and rows["same"].err_sq == 0 and rows["same"].amax == 2
+    assert rows["nan"].nonfinite == 1 and rows["nan"].rel_error == math.inf
+    assert rows["finite"].nonfinite == 0 and rows["finite"].err_sq == 25.0
+
+
 # -- the user's model and inputs -------------------------------------------------------------
 
 
