@@ -403,6 +403,9 @@ def test_recommended_policy_verifies_and_prints_as_code(cpu, expected):
     assert again.passes() and again.loss_rel_error < 1e-2
     with pytest.raises(ValueError, match="tolerance"):
         d.recommend(tolerance=0)
+    for bad in (math.nan, -1.0):  # passes said False, as if the run had failed
+        with pytest.raises(ValueError, match="tolerance must be a positive relative error"):
+            again.passes(bad)
 
 
 def test_true_float16_overflow_cannot_be_fixed_per_layer_and_says_why():

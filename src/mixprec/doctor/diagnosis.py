@@ -171,6 +171,8 @@ class Diagnosis:
         of the reference's."""
         if tolerance is None:
             tolerance = self.default_tolerance
+        if not tolerance > 0:  # nan and negative ones failed every run without a word
+            raise ValueError(f"tolerance must be a positive relative error, got {tolerance}")
         return (
             self.finite
             and not any(m.verdict == BROKEN for m in self.modules.values())
