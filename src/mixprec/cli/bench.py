@@ -53,7 +53,7 @@ def parse_size(text: str) -> int:
 
 def _batch_sizes(text: str) -> list[int]:
     try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
+        sizes = [int(x) for x in re.split(r"[,\s]+", text) if x]  # "8 16" quoted as one too
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"batch sizes must be positive integers (space- or comma-separated), got {text!r}"
