@@ -709,6 +709,9 @@ def test_cli_doctor_clean_model_and_bad_factory(tmp_path, capsys):
     assert "expected FILE.py:FACTORY" in capsys.readouterr().err
     assert main(["doctor", f"{factory}:nothing", "--no-report"]) == 2
     assert "has no callable 'nothing'" in capsys.readouterr().err
+    # --out with --no-report wrote nothing where it was told to write
+    assert main(["doctor", f"{factory}:make", "--no-report", "--out", str(tmp_path / "r")]) == 2
+    assert "give one of them" in capsys.readouterr().err
     # a dict with a misspelt key is refused by name, not run without it
     factory.write_text(
         factory.read_text()

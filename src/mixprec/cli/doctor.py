@@ -179,6 +179,13 @@ _DIAGNOSIS_ONLY = (
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.no_report and args.out is not None:
+        print(
+            "mixprec doctor: --out names the report's directory; --no-report writes none: "
+            "give one of them",
+            file=sys.stderr,
+        )
+        return 2
     if args.search:
         for flag, name, default in _DIAGNOSIS_ONLY:
             if getattr(args, name) != default:
