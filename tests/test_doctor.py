@@ -358,8 +358,31 @@ def test_a_loss_overflowing_outside_every_module_is_the_models_finding():
         "outside the modules"
     )
     assert "1 broken" in d.summary() and not d.passes()
-    with pytest.raises(PrecisionError, match="no per-module policy changes a loss computed"):
+    with pytest.raises(PrecisionError, match="no per-module policy changes what happens outside"):
         d.recommend()
+
+
+def test_a_batch_beyond_float16_under_a_true_policy_is_named_as_the_inputs():
+    """16-true converts the batch to float16 before the model: a 1e5 input is inf before any
+    module runs. It was reported as 'the loss is inf/NaN although every module's output is
+    finite', while every module's output was inf/NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-3)  # finite in float16 once the input is
+    x = torch.randn(16, 8)
+    x[0, 0] = 1e5
+    d = diagnose(model, (x, torch.randint(0, 4, (16,))), F.cross_entropy, precision="16-true")
+    assert names(d) == [""] and d.modules["0"].nonfinite > 0
+    assert d.modules[""].reason.startswith(
+        "the model's inputs already hold 1 inf/NaN values, finite in the reference, where they "
+        "reach 1.0e5 > float16 max 65504: the policy converts the batch to float16"
+    )
+    with pytest.raises(PrecisionError, match="or use a mixed policy.*outside the modules"):
+        d.recommend()
+    # under a mixed policy the first layer casts it, and is blamed (its fix: float32)
+    mixed = diagnose(model, (x, torch.randint(0, 4, (16,))), F.cross_entropy)
+    assert names(mixed) == ["0"] and "its input reaches 1.0e5" in mixed.modules["0"].reason
 
 
 def test_float64_target_and_reference():

@@ -278,8 +278,7 @@ class Diagnosis:
             pick = next((m for m in trial.findings if m.name not in exhausted), None)
             if pick is not None and pick.kind == FindingKind.LOSS:
                 raise PrecisionError(
-                    f"{pick.reason}: no per-module policy changes a loss computed outside the "
-                    "modules"
+                    f"{pick.reason}: no per-module policy changes what happens outside the modules"
                 )
             if (
                 pick is not None
