@@ -362,6 +362,28 @@ def test_a_loss_overflowing_outside_every_module_is_the_models_finding():
         d.recommend()
 
 
+def test_a_sparse_embedding_gradient_is_compared_like_a_dense_one():
+    """Embedding(sparse=True) gives a sparse gradient: diagnose stopped with 'reshape is not
+    implemented for sparse tensors'."""
+
+    class Bag(nn.Module):
+        def __init__(self, sparse: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(50, 8, sparse=sparse)
+            self.out = nn.Linear(8, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.out(self.emb(ids).mean(1))
+
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 50, (16, 5), generator=g), torch.randint(0, 4, (16,), generator=g))
+    sparse = diagnose(Bag(True), batch, F.cross_entropy, precision="16-mixed")
+    dense = diagnose(Bag(False), batch, F.cross_entropy, precision="16-mixed")
+    assert sparse.params["emb.weight"].rel_error == dense.params["emb.weight"].rel_error < 1e-2
+    assert sparse.grad_rel_error == dense.grad_rel_error and sparse.passes()
+
+
 def test_a_batch_beyond_float16_under_a_true_policy_is_named_as_the_inputs():
     """16-true converts the batch to float16 before the model: a 1e5 input is inf before any
     module runs. It was reported as 'the loss is inf/NaN although every module's output is

@@ -530,6 +530,8 @@ def measure_param_grads(
     each named parameter; `limits` gives the dtype whose range counts for each one."""
     for name, p in params:
         grad = p.grad
+        if grad is not None and grad.layout != torch.strided:  # Embedding(sparse=True)
+            grad = grad.to_dense()
         if reference is None:
             recording.param_grads[name] = (
                 RefTensor(grad, recording.scratch) if grad is not None else None
