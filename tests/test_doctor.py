@@ -692,6 +692,8 @@ def test_bad_inputs_say_what_is_accepted():
         diagnose(model, (x, y), "cross_entropy")
     with pytest.raises(TypeError, match="seed must be an int, got float"):
         diagnose(model, (x, y), F.cross_entropy, seed=1.5)
+    seeded = diagnose(model, (x, y), F.cross_entropy, precision="bf16-mixed", seed=np.int64(3))
+    assert seeded.loss == diagnose(model, (x, y), F.cross_entropy, seed=3).loss  # was TypeError
     with pytest.raises(TypeError, match="loss_scale must be a positive number, a LossScaler"):
         diagnose(model, (x, y), F.cross_entropy, loss_scale="big")
     lazy = nn.Sequential(nn.Flatten(), nn.LazyLinear(4))

@@ -507,6 +507,7 @@ def diagnose(
         )
     if not isinstance(seed, Integral) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    seed = int(seed)  # torch's generators take no numpy integer
     # a bad loss scale is refused before any run
     given = loss_scale.loss_scale if isinstance(loss_scale, LossScaler) else loss_scale
     given = _given_scale(given) if given is not None else None
