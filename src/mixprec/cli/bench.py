@@ -192,7 +192,7 @@ _TIMING_ONLY = (
 
 
 def _memory_device(name: str | None) -> str:
-    """ "cpu" or "cuda" for --strategy's --device (default cpu); ValueError for others."""
+    """The device kind --strategy runs on: cpu (the default) or cuda; ValueError for others."""
     if name is None:
         return "cpu"
     kind = parse_device(name).type
