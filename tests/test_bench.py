@@ -21,7 +21,7 @@ from mixprec import hardware
 from mixprec.bench.report import busy_machine_warning, markdown, summarize
 from mixprec.bench.runner import OK, OOM, LoopResult, RunResult, _measured, set_tf32
 from mixprec.bench.suite import BenchOptions, BenchReport, Config, Row, plan
-from mixprec.cli import main
+from mixprec.cli import build_parser, main
 from mixprec.cli.bench import parse_size
 from mixprec.hardware import ALLOW_SLOW_ENV
 from mixprec.policy import Policy
@@ -376,6 +376,13 @@ def test_malformed_options_are_argparse_errors(args, message, capsys):
         main(["bench", *args])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_batch_sizes_are_split_at_commas_and_spaces_as_the_error_says():
+    """'8 16' quoted as one argument was refused although the message asks for 'space- or
+    comma-separated' sizes."""
+    args = build_parser().parse_args(["bench", "--batch-sizes", "8 16", "32,64", " 4 "])
+    assert args.batch_sizes == [[8, 16], [32, 64], [4]]
 
 
 def test_far_slower_precisions_need_allow_slow():

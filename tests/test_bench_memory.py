@@ -96,6 +96,38 @@ def test_slow_precisions_and_bad_counts_are_refused_before_any_process_starts(
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch-sizes", "2", "4"], "--strategy measures one batch size, got 2 4"),
+        (["--max-batch"], "--max-batch is an option of the timing run, not of --strategy"),
+        (["--timeout", "5"], "--timeout is an option of the timing run"),
+        (["--float32-islands", "off"], "--float32-islands is an option of the timing run"),
+        (["--threads", "0"], "--threads must be at least 1, got 0"),
+        (["--device", "tpu"], "unknown device 'tpu'"),
+        (["--device", "mps"], "--strategy runs on cpu or cuda, not mps"),
+        (["--model", "nope"], "unknown model 'nope': use one of cnn, mlp, transformer"),
+    ],
+)
+def test_what_the_memory_run_cannot_do_is_refused_before_any_process_starts(
+    tmp_path, capsys, args, message
+):
+    """Each of these was dropped (all but the first batch size, the timing options, a
+    device other than cuda ran on the CPU) or failed inside the ranks (exit 1)."""
+    out = tmp_path / "out"
+    code = main(["bench", "--strategy", "ddp", "--precision", "32-true", *args, "--out", str(out)])
+    assert code == 2 and message in " ".join(capsys.readouterr().err.split())
+    assert not out.exists()
+    assert main(["bench", "--devices", "3", "--out", str(out)]) == 2
+    assert "--devices is an option of --strategy" in capsys.readouterr().err
+
+
+def test_auto_is_the_fastest_stable_precision_of_the_measured_device(tmp_path, capsys):
+    (tmp_path / "file").write_text("")  # an --out that is a file: checked after the precisions
+    code = main(["bench", "--strategy", "ddp", "--precision", "auto", "--out", f"{tmp_path}/file"])
+    assert code == 2 and "is a file: give a directory path" in capsys.readouterr().err
+
+
 def test_the_default_precisions_leave_out_what_is_slow_here_and_say_why(monkeypatch):
     monkeypatch.delenv(ALLOW_SLOW_ENV, raising=False)
     with hardware.assume(AVX2_CPU):

@@ -3,9 +3,11 @@ flagged, and the recommended policy verified by training."""
 
 import json
 import math
+import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -356,8 +358,53 @@ def test_a_loss_overflowing_outside_every_module_is_the_models_finding():
         "outside the modules"
     )
     assert "1 broken" in d.summary() and not d.passes()
-    with pytest.raises(PrecisionError, match="no per-module policy changes a loss computed"):
+    with pytest.raises(PrecisionError, match="no per-module policy changes what happens outside"):
         d.recommend()
+
+
+def test_a_sparse_embedding_gradient_is_compared_like_a_dense_one():
+    """Embedding(sparse=True) gives a sparse gradient: diagnose stopped with 'reshape is not
+    implemented for sparse tensors'."""
+
+    class Bag(nn.Module):
+        def __init__(self, sparse: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(50, 8, sparse=sparse)
+            self.out = nn.Linear(8, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.out(self.emb(ids).mean(1))
+
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 50, (16, 5), generator=g), torch.randint(0, 4, (16,), generator=g))
+    sparse = diagnose(Bag(True), batch, F.cross_entropy, precision="16-mixed")
+    dense = diagnose(Bag(False), batch, F.cross_entropy, precision="16-mixed")
+    assert sparse.params["emb.weight"].rel_error == dense.params["emb.weight"].rel_error < 1e-2
+    assert sparse.grad_rel_error == dense.grad_rel_error and sparse.passes()
+
+
+def test_a_batch_beyond_float16_under_a_true_policy_is_named_as_the_inputs():
+    """16-true converts the batch to float16 before the model: a 1e5 input is inf before any
+    module runs. It was reported as 'the loss is inf/NaN although every module's output is
+    finite', while every module's output was inf/NaN."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0].weight.mul_(1e-3)  # finite in float16 once the input is
+    x = torch.randn(16, 8)
+    x[0, 0] = 1e5
+    d = diagnose(model, (x, torch.randint(0, 4, (16,))), F.cross_entropy, precision="16-true")
+    assert names(d) == [""] and d.modules["0"].nonfinite > 0
+    assert d.modules[""].reason.startswith(
+        "the model's inputs already hold 1 inf/NaN values, finite in the reference, where they "
+        "reach 1.0e5 > float16 max 65504: the policy converts the batch to float16"
+    )
+    with pytest.raises(PrecisionError, match="or use a mixed policy.*outside the modules"):
+        d.recommend()
+    # under a mixed policy the first layer casts it, and is blamed (its fix: float32)
+    mixed = diagnose(model, (x, torch.randint(0, 4, (16,))), F.cross_entropy)
+    assert names(mixed) == ["0"] and "its input reaches 1.0e5" in mixed.modules["0"].reason
 
 
 def test_float64_target_and_reference():
@@ -401,6 +448,9 @@ def test_recommended_policy_verifies_and_prints_as_code(cpu, expected):
     assert again.passes() and again.loss_rel_error < 1e-2
     with pytest.raises(ValueError, match="tolerance"):
         d.recommend(tolerance=0)
+    for bad in (math.nan, -1.0):  # passes said False, as if the run had failed
+        with pytest.raises(ValueError, match="tolerance must be a positive relative error"):
+            again.passes(bad)
 
 
 def test_true_float16_overflow_cannot_be_fixed_per_layer_and_says_why():
@@ -487,6 +537,52 @@ def test_large_and_small_tensors_are_measured_alike(monkeypatch, scale):
     assert batched["amin"] == single["amin"]
     assert batched["ref_sq"] == pytest.approx(single["ref_sq"], rel=1e-5)
     assert math.isinf(batched["err_sq"]) or math.isnan(batched["err_sq"])
+
+
+class CausalMask(nn.Module):
+    """Scores with the future masked to -inf, as attention code writes them before softmax."""
+
+    def forward(self, scores: torch.Tensor) -> torch.Tensor:
+        n = scores.shape[-1]
+        return scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(16, 32)
+        self.mask = CausalMask()
+        self.soft = nn.Softmax(-1)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).chunk(2, -1)
+        p = self.soft(self.mask(q @ k.transpose(-1, -2) / 4))
+        return self.out((p @ x).mean(1))
+
+
+@pytest.mark.parametrize("small", [1 << 20, 0])
+def test_inf_the_reference_holds_too_is_no_finding(monkeypatch, small):
+    """A mask's -inf is in the float32 run as well: the module writing it was called broken
+    ('output reaches inf > float16 max') and the run failed, whatever the precision."""
+    monkeypatch.setattr(Comparisons, "SMALL", small)  # batched, then one by one
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 6, 16), torch.randint(0, 4, (8,)))
+    d = diagnose(MaskedAttention(), batch, F.cross_entropy, precision="16-mixed")
+    assert d.modules["mask"].nonfinite == 0 and d.modules["mask"].rel_error < 1e-2
+    assert d.modules["mask"].amax < 100  # the finite scores', not inf
+    assert not d.findings and d.passes()
+    # where the target holds something else than the reference's -inf, it still counts
+    r = torch.tensor([1.0, -math.inf, -math.inf, 2.0] * 1024)
+    nan, finite = r.clone(), r.clone()
+    nan[1], finite[6] = math.nan, 5.0
+    c = Comparisons()
+    for tag, target in (("same", r), ("nan", nan), ("finite", finite)):
+        c.add(tag, target, RefTensor(r, Scratch()), torch.float16)
+    rows = c.compute()
+    assert rows["same"].nonfinite == 0 and rows["same"].err_sq == 0 and rows["same"].amax == 2
+    assert rows["nan"].nonfinite == 1 and rows["nan"].rel_error == math.inf
+    assert rows["finite"].nonfinite == 0 and rows["finite"].err_sq == 25.0
 
 
 # -- the user's model and inputs -------------------------------------------------------------
@@ -591,6 +687,20 @@ def test_bad_inputs_say_what_is_accepted():
         diagnose(model, (x, y), F.cross_entropy, loss_scale=0)
     with pytest.raises(PolicySpecError, match="unknown precision"):
         diagnose(model, (x, y), F.cross_entropy, precision="fp17")
+    # each refused before any run, saying what is accepted
+    with pytest.raises(TypeError, match="loss_fn must be callable as loss_fn.*got str"):
+        diagnose(model, (x, y), "cross_entropy")
+    with pytest.raises(TypeError, match="seed must be an int, got float"):
+        diagnose(model, (x, y), F.cross_entropy, seed=1.5)
+    seeded = diagnose(model, (x, y), F.cross_entropy, precision="bf16-mixed", seed=np.int64(3))
+    assert seeded.loss == diagnose(model, (x, y), F.cross_entropy, seed=3).loss  # was TypeError
+    with pytest.raises(TypeError, match="loss_scale must be a positive number, a LossScaler"):
+        diagnose(model, (x, y), F.cross_entropy, loss_scale="big")
+    lazy = nn.Sequential(nn.Flatten(), nn.LazyLinear(4))
+    with pytest.raises(ValueError, match=r"uninitialized \(lazy\).*1.weight, 1.bias.*run it once"):
+        diagnose(lazy, (x, y), F.cross_entropy)
+    lazy(x)  # now it has its shapes
+    assert diagnose(lazy, (x, y), F.cross_entropy, precision="bf16-mixed").passes()
 
 
 # -- report and command line ------------------------------------------------------------------
@@ -646,6 +756,22 @@ def test_cli_doctor_clean_model_and_bad_factory(tmp_path, capsys):
     assert "expected FILE.py:FACTORY" in capsys.readouterr().err
     assert main(["doctor", f"{factory}:nothing", "--no-report"]) == 2
     assert "has no callable 'nothing'" in capsys.readouterr().err
+    # --out with --no-report wrote nothing where it was told to write
+    assert main(["doctor", f"{factory}:make", "--no-report", "--out", str(tmp_path / "r")]) == 2
+    assert "give one of them" in capsys.readouterr().err
+    # a dict with a misspelt key is refused by name, not run without it
+    factory.write_text(
+        factory.read_text()
+        + "def misspelt():\n"
+        + "    model, batch, loss_fn = make()\n"
+        + "    return {'model': model, 'batch': batch, 'loss': loss_fn}\n"
+        + "def no_model():\n"
+        + "    return {'batch': make()[1]}\n"
+    )
+    assert main(["doctor", f"{factory}:misspelt", "--no-report"]) == 2
+    assert "the factory's dict has unknown keys ['loss']" in capsys.readouterr().err
+    assert main(["doctor", f"{factory}:no_model", "--no-report"]) == 2
+    assert "the factory's dict has no 'model'" in capsys.readouterr().err
 
 
 CLI_FAULTS = """
@@ -727,6 +853,16 @@ def test_cli_doctor_exit_status_is_whether_the_run_passes(cli_faults, capsys):
     assert _doctor(capsys, f"{cli_faults}:grad_overflow")[0] == 0
     # float64 targets run (their gradients were once measured with a float32 norm)
     assert _doctor(capsys, f"{cli_faults}:near_max", "--precision", "64-true")[0] == 0
+
+
+def test_cli_without_matplotlib_stops_before_the_runs(cli_faults, tmp_path, capsys, monkeypatch):
+    """The report's plots need matplotlib: without it the doctor ran the diagnosis and the
+    search for a fix, then stopped with an ImportError (exit 3) and wrote no policy.json."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    code = main(["doctor", f"{cli_faults}:fails", "--out", str(tmp_path / "rep")])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 2 and "need matplotlib, which is not installed" in err and "--no-report" in err
+    assert "the model's own bug" not in err  # the model never ran
 
 
 def test_cli_an_error_inside_the_run_exits_3_with_its_traceback(cli_faults, capsys):
@@ -816,12 +952,21 @@ def test_vanishing_fraction_is_exact_rounding():
     [
         ({"lr": -1.0}, "lr must be a positive finite number"),
         ({"lr": 1.0, "optimizer": "lion"}, "one of adam, sgd"),
+        ({"lr": True}, "lr must be a positive finite number"),
     ],
 )
 def test_vanishing_check_bad_input(kwargs, message):
     model, batch = _big_first_layer()
     with pytest.raises(ValueError, match=message):
         diagnose(model, batch, F.cross_entropy, precision="bf16-true", **kwargs)
+
+
+def test_vanishing_check_takes_any_real_lr():
+    """numpy's float32 (a learning rate read from a config array) was refused as 'must be a
+    positive finite number'."""
+    model, batch = _big_first_layer()
+    d = diagnose(model, batch, F.cross_entropy, precision="bf16-true", lr=np.float32(1e-2))
+    assert type(d.update.lr) is float and d.modules["0"].vanishing > 0.95
 
 
 def test_cli_doctor_reports_vanishing_updates(tmp_path, capsys):

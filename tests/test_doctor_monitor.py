@@ -91,6 +91,11 @@ def test_hooks_exist_only_on_monitored_steps():
     metrics = monitor.end_step(3)
     assert hooks(model) == 0 and metrics["precision/2/amax"] > 0
     assert monitor.start_step(3) is False  # a step is measured once
+    # a monitored step that never reached end_step (its forward raised) ends at the next
+    assert monitor.start_step(6) is True and hooks(model) > 0
+    assert monitor.start_step(7) is False and hooks(model) == 0
+    model(torch.randn(2, 8))
+    assert monitor.end_step(7) == {} and monitor.end_step(6) == {}
     monitor.detach()
     with pytest.raises(RuntimeError, match="before attach"):
         monitor.start_step(0)
@@ -114,6 +119,13 @@ def test_argument_checks():
         ({"headroom": 0.5}, "headroom"),
         ({"skip_patience": 0}, "skip_patience"),
         ({"underflow_warn": 0}, "underflow_warn"),
+        # these were taken: 2.5 monitored steps 0, 5, 10; True every step; history failed
+        # at the first monitored step's end
+        ({"every_n_steps": 2.5}, "every_n_steps must be a whole number >= 1, got 2.5"),
+        ({"every_n_steps": True}, "every_n_steps must be a whole number >= 1, got True"),
+        ({"every_n_steps": "5"}, "every_n_steps must be a whole number >= 1, got '5'"),
+        ({"history": -1}, "history must be a whole number >= 1, got -1"),
+        ({"horizon_steps": -3}, "horizon_steps must be a whole number >= 0, got -3"),
     ):
         with pytest.raises(ValueError, match=match):
             PrecisionMonitor(**kwargs)
@@ -209,3 +221,29 @@ def test_the_trainer_calls_the_hooks_an_object_has_and_refuses_others(tmp_path):
 
     with pytest.raises(RuntimeError, match="planted"):
         fit(1, model=Fails(nn.Linear(4, 2)))
+
+
+def test_a_failing_fit_leaves_no_hook_on_the_model(tmp_path):
+    """The forward ran (hooks armed), then the loss raised: on_fit_end never comes, and the
+    hooks must not stay on the model, keeping statistics of each later forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), 4)
+    monitor = PrecisionMonitor(every_n_steps=1)
+    trainer = Trainer(
+        precision="bf16-mixed",
+        allow_slow_precision=True,
+        max_steps=2,
+        callbacks=[monitor],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )
+
+    def failing_loss(outputs, target):
+        raise RuntimeError("planted in the loss")
+
+    with pytest.raises(RuntimeError, match="planted in the loss"):
+        trainer.fit(model, data, loss_fn=failing_loss)
+    assert hooks(model) == 0

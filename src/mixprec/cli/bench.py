@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mixprec import textout
 from mixprec.bench import distributed
-from mixprec.bench.models import BUILTIN_MODELS
+from mixprec.bench.models import BUILTIN_MODELS, check_model, check_workload
 from mixprec.bench.report import (
     OUTPUT_FILES,
     busy_machine_warning,
@@ -33,7 +33,7 @@ from mixprec.bench.report import (
 from mixprec.bench.runner import OK, OOM, RunResult
 from mixprec.bench.suite import PRESETS, BenchOptions, Config, plan, run_bench
 from mixprec.cli.outputs import check_output_dir
-from mixprec.hardware import detect
+from mixprec.hardware import detect, parse_device, resolve_auto
 from mixprec.version import __version__
 
 __all__ = ["add_parser", "parse_size", "run_command", "run_memory_command"]
@@ -53,7 +53,7 @@ def parse_size(text: str) -> int:
 
 def _batch_sizes(text: str) -> list[int]:
     try:
-        sizes = [int(x) for x in text.split(",") if x.strip()]
+        sizes = [int(x) for x in re.split(r"[,\s]+", text) if x]  # "8 16" quoted as one too
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"batch sizes must be positive integers (space- or comma-separated), got {text!r}"
@@ -145,9 +145,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=distributed.STRATEGIES,
         help="instead of timing: memory per rank of data-parallel training over --devices "
         "processes, sharded (fsdp, compared with ddp) or whole (ddp); default precisions "
-        f"{' '.join(distributed.DEFAULT_PRECISIONS)}, model transformer, batch 2, 2 steps",
+        f"{' '.join(distributed.DEFAULT_PRECISIONS)}, model transformer, batch 2, 2 steps, "
+        "on the CPU unless --device cuda; it takes one batch size and none of the timing "
+        "options (--max-batch, --timeout, ...)",
     )
-    p.add_argument("--devices", type=int, default=2, help="processes for --strategy (default 2)")
+    p.add_argument("--devices", type=int, help="processes for --strategy (default 2)")
     p.add_argument("--out", type=Path, help="output folder (default ./mixprec-bench/<timestamp>)")
     p.set_defaults(func=run_command)
     return p
@@ -175,41 +177,84 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     )
 
 
+# the timing run's options, which --strategy does not take (flag, attribute, default)
+_TIMING_ONLY = (
+    ("--image-size", "image_size", None),
+    ("--warmup", "warmup", None),
+    ("--preset", "preset", None),
+    ("--tf32", "tf32", None),
+    ("--memory-limit", "memory_limit", None),
+    ("--max-batch", "max_batch", False),
+    ("--float32-islands", "float32_islands", "on"),
+    ("--compile", "compile", False),
+    ("--timeout", "timeout", 900.0),
+)
+
+
+def _memory_device(name: str | None) -> str:
+    """The device kind --strategy runs on: cpu (the default) or cuda; ValueError for others."""
+    if name is None:
+        return "cpu"
+    kind = parse_device(name).type
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(f"--strategy runs on cpu or cuda, not {kind}")
+    return kind
+
+
 def run_memory_command(args: argparse.Namespace, console: Console, err: Console, out: Path) -> int:
     """`--strategy`: memory per rank of DDP and FSDP training (`mixprec.bench.distributed`)."""
     strategies = ["ddp", "fsdp"] if args.strategy == "fsdp" else ["ddp"]
-    batch = [b for group in args.batch_sizes for b in group][0] if args.batch_sizes else 2
-    device = "cuda" if (args.device or "").startswith("cuda") else "cpu"
-    precisions = args.precision
-    if not precisions:
-        precisions, left_out = distributed.default_precisions(device, args.allow_slow)
-        for spec, why in left_out.items():
-            console.print(
-                f"left out {spec}: slow or refused here ({why}); --allow-slow times it anyway",
-                highlight=False,
-                soft_wrap=True,
-            )
+    sizes = [b for group in args.batch_sizes for b in group] if args.batch_sizes else [2]
+    devices = args.devices if args.devices is not None else 2
+    model = args.model or "transformer"
     try:
-        if args.devices < 1 or (args.steps is not None and args.steps < 1):
+        for flag, name, default in _TIMING_ONLY:
+            if getattr(args, name) != default:
+                raise ValueError(
+                    f"{flag} is an option of the timing run, not of --strategy (memory per rank: "
+                    "--model, --precision, --batch-sizes, --steps, --devices, --device, "
+                    "--threads, --allow-slow, --out)"
+                )
+        if len(sizes) > 1:
+            raise ValueError(f"--strategy measures one batch size, got {' '.join(map(str, sizes))}")
+        if devices < 1 or (args.steps is not None and args.steps < 1):
             raise ValueError("--devices and --steps must be at least 1")
-        if device == "cuda" and args.devices > torch.cuda.device_count():
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        device = _memory_device(args.device)
+        if device == "cuda" and devices > torch.cuda.device_count():
             raise ValueError(
-                f"--devices {args.devices} but {torch.cuda.device_count()} GPUs are visible"
+                f"--devices {devices} but {torch.cuda.device_count()} GPUs are visible"
             )
+        check_model(model)
+        precisions = args.precision
+        if not precisions:
+            precisions, left_out = distributed.default_precisions(device, args.allow_slow)
+            for spec, why in left_out.items():
+                console.print(
+                    f"left out {spec}: slow or refused here ({why}); --allow-slow times it anyway",
+                    highlight=False,
+                    soft_wrap=True,
+                )
+        # "auto" means the fastest stable precision of the measured device
+        auto = resolve_auto(detect(torch.device(device))).name
+        precisions = list(dict.fromkeys(auto if p == "auto" else p for p in precisions))
         distributed.check_precisions(precisions, device, args.allow_slow)
         check_output_dir(out, "--out", keep=distributed.OUTPUT_FILES)
+        check_workload(model)  # last: it calls a user's factory
     except ValueError as e:
         err.print(f"[red]mixprec bench: error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
-    threads = args.threads or max(1, (os.cpu_count() or 1) // args.devices)
+    batch = sizes[0]
+    threads = args.threads or max(1, (os.cpu_count() or 1) // devices)
     specs = [
         distributed.MemorySpec(
             strategy,
             precision,
-            args.model or "transformer",
+            model,
             batch,
             args.steps or 2,
-            args.devices,
+            devices,
             device,
             threads,
             args.allow_slow,
@@ -233,7 +278,7 @@ def run_memory_command(args: argparse.Namespace, console: Console, err: Console,
         "command": command,
         "host": f"{detect(torch.device(device)).describe()}; {threads} threads per rank; "
         f"torch {torch.__version__}; mixprec {__version__}",
-        "devices": args.devices,
+        "devices": devices,
         "model": specs[0].model,
         "batch_size": batch,
         "steps": specs[0].steps,
@@ -254,6 +299,9 @@ def run_command(args: argparse.Namespace) -> int:
     out = args.out or Path("mixprec-bench") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     if args.strategy is not None:
         return run_memory_command(args, console, err, out)
+    if args.devices is not None:
+        err.print("[red]mixprec bench: error:[/] --devices is an option of --strategy")
+        return 2
     try:
         p = plan(_options(args))
         check_output_dir(out, "--out", keep=OUTPUT_FILES)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import shlex
 import sys
 import warnings
@@ -37,7 +38,18 @@ __all__ = ["add_parser"]
 
 def _unpack(made: Any) -> tuple[Any, Any, Any]:
     if isinstance(made, dict):
-        made = (made.get("model"), made.get("batch"), made.get("loss_fn"))
+        keys = {"model", "batch", "loss_fn"}
+        unknown = sorted(set(made) - keys)
+        missing = [k for k in ("model", "batch") if k not in made]
+        if unknown or missing:
+            wrong = (
+                f"unknown keys {unknown}" if unknown else "no " + " or ".join(map(repr, missing))
+            )
+            raise FactoryError(
+                f"the factory's dict has {wrong}; it takes 'model', 'batch' and optionally "
+                "'loss_fn' (or 'batches' with --search)"
+            )
+        made = (made["model"], made["batch"], made.get("loss_fn"))
     if isinstance(made, (tuple, list)) and len(made) in (2, 3):
         model, batch, *rest = made
         return model, batch, rest[0] if rest else None
@@ -167,6 +179,13 @@ _DIAGNOSIS_ONLY = (
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.no_report and args.out is not None:
+        print(
+            "mixprec doctor: --out names the report's directory; --no-report writes none: "
+            "give one of them",
+            file=sys.stderr,
+        )
+        return 2
     if args.search:
         for flag, name, default in _DIAGNOSIS_ONLY:
             if getattr(args, name) != default:
@@ -195,6 +214,12 @@ def _run(args: argparse.Namespace) -> int:
             if not args.no_report:
                 out = args.out or _numbered(Path("doctor-report"))
                 check_output_dir(out, "--out", keep=REPORT_FILES)
+                if importlib.util.find_spec("matplotlib") is None:  # not after the runs
+                    raise ValueError(
+                        "the report's plots need matplotlib, which is not installed: pip "
+                        "install 'matplotlib>=3.7' 'torch==2.13.0' (the plot extra), or pass "
+                        "--no-report"
+                    )
             model, batch, loss_fn = _unpack(call_factory(load_factory(args.factory), args.factory))
             diagnosis = diagnose(
                 model,

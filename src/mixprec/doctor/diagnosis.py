@@ -13,6 +13,7 @@ import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,8 @@ class Diagnosis:
         of the reference's."""
         if tolerance is None:
             tolerance = self.default_tolerance
+        if not tolerance > 0:  # nan and negative ones failed every run without a word
+            raise ValueError(f"tolerance must be a positive relative error, got {tolerance}")
         return (
             self.finite
             and not any(m.verdict == BROKEN for m in self.modules.values())
@@ -275,8 +278,7 @@ class Diagnosis:
             pick = next((m for m in trial.findings if m.name not in exhausted), None)
             if pick is not None and pick.kind == FindingKind.LOSS:
                 raise PrecisionError(
-                    f"{pick.reason}: no per-module policy changes a loss computed outside the "
-                    "modules"
+                    f"{pick.reason}: no per-module policy changes what happens outside the modules"
                 )
             if (
                 pick is not None
@@ -430,6 +432,21 @@ def _why_not(d: Diagnosis, tolerance: float) -> str:
     )
 
 
+def _given_scale(loss_scale: Any) -> float:
+    """A loss scale given as a number, as a float; TypeError / ValueError saying what is
+    accepted otherwise."""
+    try:
+        scale = float(loss_scale)
+    except (TypeError, ValueError):
+        raise TypeError(
+            "loss_scale must be a positive number, a LossScaler or None (where a dynamic "
+            f"scaler settles), got {loss_scale!r}"
+        ) from None
+    if not scale > 0 or not math.isfinite(scale):
+        raise ValueError(f"loss_scale must be a positive finite number, got {loss_scale}")
+    return scale
+
+
 def diagnose(
     model: nn.Module,
     batch: Any,
@@ -473,6 +490,27 @@ def diagnose(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"diagnose needs an nn.Module, got {type(model).__name__}")
+    lazy = [
+        name
+        for name, t in (*model.named_parameters(), *model.named_buffers())
+        if isinstance(t, nn.parameter.UninitializedTensorMixin)
+    ]
+    if lazy:
+        raise ValueError(
+            f"the model has uninitialized (lazy) parameters or buffers ({', '.join(lazy)}): run "
+            "it once on a batch (model(inputs)) to give them their shapes, then diagnose it"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            "loss_fn must be callable as loss_fn(outputs, target) (e.g. "
+            f"torch.nn.functional.cross_entropy), or None; got {type(loss_fn).__name__}"
+        )
+    if not isinstance(seed, Integral) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    seed = int(seed)  # torch's generators take no numpy integer
+    # a bad loss scale is refused before any run
+    given = loss_scale.loss_scale if isinstance(loss_scale, LossScaler) else loss_scale
+    given = _given_scale(given) if given is not None else None
     where = parse_device(device) if device is not None else device_of(model)
     detect(where)  # a device this torch cannot use is a clear error before any copy
     # "auto" means the fastest stable precision of the device the runs happen on
@@ -493,14 +531,10 @@ def diagnose(
         )
     narrow = range_dtype(target_map)
     recommended = loss_scale_for(grad_amax(ref), narrow) if target_map.needs_loss_scaling else 1.0
-    if loss_scale is None:
-        scale = min(DEFAULT_LOSS_SCALE, recommended) if target_map.needs_loss_scaling else 1.0
-    elif isinstance(loss_scale, LossScaler):
-        scale = loss_scale.loss_scale
+    if given is not None:
+        scale = given
     else:
-        scale = float(loss_scale)
-        if not scale > 0 or not math.isfinite(scale):
-            raise ValueError(f"loss_scale must be a positive finite number, got {loss_scale}")
+        scale = min(DEFAULT_LOSS_SCALE, recommended) if target_map.needs_loss_scaling else 1.0
     target = session.run(target_map, ref, scale)
     # a 16-bit loss's own gradient is the loss scale, so the scale must fit the loss's dtype
     held = largest_loss_scale(1.0, target.loss_dtype)

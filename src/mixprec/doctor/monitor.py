@@ -30,6 +30,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,12 +95,16 @@ class PrecisionMonitor:
         history: int = 32,
         log_fn: Callable[[dict[str, float], int], None] | None = None,
     ) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be at least 1, got {every_n_steps}")
+        for name, value, least in (
+            ("every_n_steps", every_n_steps, 1),
+            ("skip_patience", skip_patience, 1),
+            ("history", history, 1),
+            ("horizon_steps", 0 if horizon_steps is None else horizon_steps, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, Integral) or value < least:
+                raise ValueError(f"{name} must be a whole number >= {least}, got {value!r}")
         if not headroom >= 1:
             raise ValueError(f"headroom must be >= 1 (a factor below the max), got {headroom}")
-        if skip_patience < 1:
-            raise ValueError(f"skip_patience must be at least 1, got {skip_patience}")
         if not 0 < underflow_warn <= 1:
             raise ValueError(f"underflow_warn must be a fraction in (0, 1], got {underflow_warn}")
         self.every_n_steps = every_n_steps
@@ -142,14 +147,14 @@ class PrecisionMonitor:
 
     def start_step(self, step: int) -> bool:
         """Install the hooks if `step` is monitored (call before the forward); returns
-        whether it is."""
+        whether it is. An earlier step whose `end_step` never came (it raised) is dropped."""
         if self._model is None:
             raise RuntimeError("PrecisionMonitor.start_step before attach(model)")
         if self._armed_step == step:
             return True
+        self._disarm()  # a monitored step that never reached end_step stops here
         if not self.should_monitor(step) or self._done_step == step:
             return False
-        self._disarm()
         self._armed_step = step
         for module in self._model.modules():
             self._handles.append(module.register_forward_hook(self._forward_hook))
@@ -391,6 +396,10 @@ class PrecisionMonitor:
                 logger.log_metrics(metrics, step + 1)  # the trainer logs step s as s + 1
 
     def on_fit_end(self, trainer: Trainer, model: nn.Module) -> None:
+        self.detach()
+
+    def on_exception(self, trainer: Trainer, model: nn.Module, exception: BaseException) -> None:
+        # a failed fit never reaches on_fit_end: the hooks must not stay on the user's model
         self.detach()
 
 

@@ -134,16 +134,23 @@ class Scratch:
 class RefTensor:
     """A reference run's tensor (a float32 snapshot) and, computed on first use and shared by
     every run compared with it, its statistics: magnitudes and norm, and the counts against
-    each target dtype's limits."""
+    each target dtype's limits.
+
+    inf/NaN the reference holds itself (a mask's -inf before a softmax) are no error of the
+    target: `base` moves them out of `value` (set to 0, kept in `bad` / `bad_values`), and a
+    target holding the same value there is compared as 0 too (`agreeing_zeroed`)."""
 
     def __init__(self, t: Tensor, scratch: Scratch) -> None:
         self.value = snapshot(t)
+        self.bad: Tensor | None = None
+        self.bad_values: Tensor | None = None
         self._scratch = scratch
         self._base: tuple[float, float, float, float] | None = None
         self._counts: dict[tuple[torch.dtype, float], tuple[float, float]] = {}
 
     def base(self) -> tuple[float, float, float, float]:
-        """(nonzero count, amax, smallest nonzero magnitude, sum of squares)."""
+        """(nonzero count, amax, smallest nonzero magnitude, sum of squares) of the finite
+        values."""
         if self._base is None:
             r = self.value
             if not r.numel():
@@ -154,6 +161,11 @@ class RefTensor:
             amax, amin, norm = torch.stack(
                 [torch.maximum(lo.abs(), hi.abs()), a.amin(), torch.linalg.vector_norm(r)]
             ).tolist()
+            if not math.isfinite(amax):  # the reference's own inf/NaN: measure the rest
+                self.bad = ~torch.isfinite(r)
+                self.bad_values = r[self.bad]
+                self.value = torch.where(self.bad, 0.0, r)
+                return self.base()
             nonzero = float(r.numel())
             if amin == 0:  # zeros: count them, and find the smallest nonzero magnitude
                 # in float passes (boolean ones are several times slower on CPUs): with
@@ -187,6 +199,17 @@ class RefTensor:
         over, under = self._counts[key]
         return RefStats(float(self.value.numel()), nonzero, amax, amin, over, under, sq)
 
+    def agreeing_zeroed(self, t: Tensor) -> Tensor:
+        """`t` (after `base`), as a float32 copy with 0 where it holds the same inf/NaN as the
+        reference; `t` itself when the reference is finite."""
+        if self.bad is None or self.bad_values is None:
+            return t
+        t = t.to(torch.float32, copy=True)
+        got = t[self.bad]
+        same = (got == self.bad_values) | (got.isnan() & self.bad_values.isnan())
+        t[self.bad] = torch.where(same, 0.0, got)
+        return t
+
 
 def count_nonfinite(t: Tensor) -> int:
     """inf/NaN values in `t`: x - x is NaN exactly there (float passes, no bool tensor)."""
@@ -198,8 +221,8 @@ def _target_stats(
 ) -> Stats:
     """One target tensor against its reference, with no large temporaries; `flushed` counts
     the underflowing reference values that are zero in the target."""
-    r = ref.value
-    head = ref.stats(limit, scale)
+    head = ref.stats(limit, scale)  # first: it moves the reference's own inf/NaN out
+    r, t = ref.value, ref.agreeing_zeroed(t)
     lost = 0
     if flushed and head.underflow > 0:
         low = _info(limit).smallest_normal / scale
@@ -280,7 +303,11 @@ class Comparisons:
 def _segment_stats(t: Tensor, r: Tensor, lengths: Tensor, high: Tensor, low: Tensor) -> list[Stats]:
     """Statistics of each segment (consecutive `lengths` elements) of the unscaled target `t`
     against `r`, where segment i's reference is checked against `high[i]` and `low[i]`
-    (the dtype's max and smallest normal divided by the scale); three segment reductions."""
+    (the dtype's max and smallest normal divided by the scale); three segment reductions.
+    Where `r` holds inf/NaN itself, both count as 0 if `t` holds the same (see RefTensor)."""
+    bad = ~torch.isfinite(r)
+    t = torch.where(bad & ((t == r) | (t.isnan() & r.isnan())), 0.0, t)
+    r = torch.where(bad, 0.0, r)
     ra = r.abs()
     nonzero = r != 0
     tiny = nonzero & (ra < torch.repeat_interleave(low, lengths))
@@ -503,6 +530,8 @@ def measure_param_grads(
     each named parameter; `limits` gives the dtype whose range counts for each one."""
     for name, p in params:
         grad = p.grad
+        if grad is not None and grad.layout != torch.strided:  # Embedding(sparse=True)
+            grad = grad.to_dense()
         if reference is None:
             recording.param_grads[name] = (
                 RefTensor(grad, recording.scratch) if grad is not None else None

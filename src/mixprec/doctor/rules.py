@@ -344,6 +344,24 @@ def loss_outside_modules(modules: dict[str, ModuleReport], run: RunFacts) -> Fin
     if run.finite or any(m.verdict == BROKEN for m in modules.values()):
         return None
     limit = run.limit
+    entry = _entry_of_nonfinite(modules)
+    if entry is not None:
+        where = "the model's inputs" if entry.name == "" else f"{entry.display_name}'s inputs"
+        held = (
+            f"{where} already hold {entry.input_nonfinite} inf/NaN values, finite in the reference"
+        )
+        reason = (
+            f"{held}, where they reach {_fmt(entry.input_amax)} > {limit.name} max "
+            f"{limit.max:g}: the policy converts the batch to {limit.name} before the model "
+            "runs. Scale the inputs down, or use a mixed policy, which keeps them float32 and "
+            "casts inside each layer"
+        )
+        if entry.input_amax <= limit.max:  # not the batch's range: code outside the modules
+            reason = (
+                f"{held}: they overflow {limit.name} outside the modules (in the batch's "
+                "conversion or in code between the modules)"
+            )
+        return Finding(BROKEN, FindingKind.LOSS, reason)
     if run.forward_broken:
         reason = (
             f"the loss is inf/NaN although every module's output is finite: it overflows "
@@ -358,6 +376,15 @@ def loss_outside_modules(modules: dict[str, ModuleReport], run: RunFacts) -> Fin
         + _overflow_outside(math.nan, limit, run.loss_dtype, run.loss_scale, run.recommended_scale)
     )
     return Finding(BROKEN, run.too_high, reason)
+
+
+def _entry_of_nonfinite(modules: dict[str, ModuleReport]) -> ModuleReport | None:
+    """Where inf/NaN that no module made enter the modules: the root when the model's own
+    inputs hold them, else the first module (in execution order) whose inputs do; None when
+    no module's inputs hold inf/NaN."""
+    called = [m for m in modules.values() if m.calls and m.input_nonfinite]
+    root = next((m for m in called if m.name == ""), None)
+    return root or min(called, key=lambda m: m.order, default=None)
 
 
 def mark_origins(modules: dict[str, ModuleReport]) -> None:

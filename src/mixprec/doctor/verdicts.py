@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from numbers import Real
 from typing import Any
 
 import torch
@@ -122,8 +123,10 @@ class UpdateModel:
     rule: str = "adam"
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a positive finite number, got {self.lr!r}")
+        lr = self.lr
+        if isinstance(lr, bool) or not (isinstance(lr, Real) and math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be a positive finite number, got {lr!r}")
+        object.__setattr__(self, "lr", float(lr))  # numpy's numbers are held as a float
         if self.rule not in UPDATE_RULES:
             raise ValueError(
                 f"optimizer must be one of {', '.join(UPDATE_RULES)} (how the update is "
