@@ -185,3 +185,20 @@ def test_a_terminal_warned_of_a_busy_machine_is_not_warned_again_under_the_table
     report.metadata["load_average_before"] = [cores + 2.0, 0.0, 0.0]
     assert any("other work was using the CPUs" in n for n in notes(report, summaries))
     assert not any("other work" in n for n in notes(report, summaries, busy=False))
+
+
+def test_runs_started_in_the_same_second_get_their_own_default_folders(tmp_path):
+    """`mixprec bench` without --out wrote to ./mixprec-bench/<timestamp>: a second run
+    started in the same second shared it and overwrote the first one's results. The default
+    folder is made when a run starts, with -2, -3, ... when the stamp is taken; a thread race
+    for the same stamp still gives each its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mixprec.cli.outputs import new_output_dir
+
+    first = new_output_dir(tmp_path / "mixprec-bench", "20261128-030000")
+    second = new_output_dir(tmp_path / "mixprec-bench", "20261128-030000")
+    assert (first.name, second.name) == ("20261128-030000", "20261128-030000-2")
+    with ThreadPoolExecutor(8) as pool:
+        made = list(pool.map(lambda _: new_output_dir(tmp_path / "race", "stamp"), range(8)))
+    assert len(set(made)) == 8 and all(path.is_dir() for path in made)

@@ -8,6 +8,7 @@ import datetime
 import importlib.util
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from mixprec.bench.report import (
 )
 from mixprec.bench.runner import OK, OOM, RunResult
 from mixprec.bench.suite import PRESETS, BenchOptions, Config, plan, run_bench
-from mixprec.cli.outputs import check_output_dir
+from mixprec.cli.outputs import check_output_dir, new_output_dir
 from mixprec.hardware import detect, parse_device, resolve_auto
 from mixprec.version import __version__
 
@@ -201,7 +202,17 @@ def _memory_device(name: str | None) -> str:
     return kind
 
 
-def run_memory_command(args: argparse.Namespace, console: Console, err: Console, out: Path) -> int:
+def _output_dir(given: Path | None, keep: Iterable[str]) -> Path:
+    """``--out`` checked, or without it a new ``./mixprec-bench/<timestamp>`` made now."""
+    if given is not None:
+        return check_output_dir(given, "--out", keep=keep)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return check_output_dir(new_output_dir("mixprec-bench", stamp), "--out", keep=keep)
+
+
+def run_memory_command(
+    args: argparse.Namespace, console: Console, err: Console, out: Path | None
+) -> int:
     """`--strategy`: memory per rank of DDP and FSDP training (`mixprec.bench.distributed`)."""
     strategies = ["ddp", "fsdp"] if args.strategy == "fsdp" else ["ddp"]
     sizes = [b for group in args.batch_sizes for b in group] if args.batch_sizes else [2]
@@ -240,7 +251,7 @@ def run_memory_command(args: argparse.Namespace, console: Console, err: Console,
         auto = resolve_auto(detect(torch.device(device))).name
         precisions = list(dict.fromkeys(auto if p == "auto" else p for p in precisions))
         distributed.check_precisions(precisions, device, args.allow_slow)
-        check_output_dir(out, "--out", keep=distributed.OUTPUT_FILES)
+        out = _output_dir(out, distributed.OUTPUT_FILES)
         check_workload(model)  # last: it calls a user's factory
     except ValueError as e:
         err.print(f"[red]mixprec bench: error:[/] {e}", highlight=False, soft_wrap=True)
@@ -296,7 +307,7 @@ def run_command(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed `args`; returns the exit code."""
     console = textout.console()
     err = textout.console(stderr=True)
-    out = args.out or Path("mixprec-bench") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out
     if args.strategy is not None:
         return run_memory_command(args, console, err, out)
     if args.devices is not None:
@@ -304,7 +315,7 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     try:
         p = plan(_options(args))
-        check_output_dir(out, "--out", keep=OUTPUT_FILES)
+        out = _output_dir(out, OUTPUT_FILES)
     except ValueError as e:
         err.print(f"[red]mixprec bench: error:[/] {e}", highlight=False, soft_wrap=True)
         return 2

@@ -3,12 +3,13 @@ diagnosis that runs for minutes must not fail at the end because of where it wri
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["check_output_dir"]
+__all__ = ["check_output_dir", "new_output_dir"]
 
 
 def check_output_dir(path: str | os.PathLike[str], flag: str, keep: Iterable[str] = ()) -> Path:
@@ -36,3 +37,19 @@ def check_output_dir(path: str | os.PathLike[str], flag: str, keep: Iterable[str
             "choose another directory (or move those files) so they are not overwritten"
         )
     return out
+
+
+def new_output_dir(parent: str | os.PathLike[str], stem: str) -> Path:
+    """Make and return a directory ``parent/stem`` that did not exist (``stem-2``, ``stem-3``,
+    ... when it did): two runs started in the same second each get their own, where a shared
+    timestamped default let the later one overwrite the earlier one's results."""
+    base = Path(parent)
+    base.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        path = base / (stem if n == 1 else f"{stem}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
