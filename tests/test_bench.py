@@ -6,6 +6,7 @@ a shared 2-core machine; the numbers are checked for sanity, never for speed.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import math
@@ -612,6 +613,10 @@ def test_parse_size():
     assert parse_size("2GiB") == 2 * 2**30
     assert parse_size("512M") == 512 * 2**20
     assert parse_size("1.5k") == 1536
+    assert parse_size("0.5G") == 2**29
+    for tiny in ("0.5", "0", "0k"):  # '0.5' was read as 0 bytes, then refused as 'got 0'
+        with pytest.raises(argparse.ArgumentTypeError, match="less than one byte"):
+            parse_size(tiny)
 
 
 @pytest.mark.cuda

@@ -49,7 +49,13 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a size; use bytes or a number with K, M, G or T (e.g. 2GiB, 512M)"
         )
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
+    size = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if size < 1:  # '0.5' read as bytes rounded to 0, refused as 'got 0'
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is less than one byte (a bare number counts bytes); use a number with "
+            "K, M, G or T (e.g. 0.5G, 512M)"
+        )
+    return size
 
 
 def _batch_sizes(text: str) -> list[int]:
