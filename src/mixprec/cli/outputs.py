@@ -3,7 +3,6 @@ diagnosis that runs for minutes must not fail at the end because of where it wri
 
 from __future__ import annotations
 
-import itertools
 import os
 import tempfile
 from collections.abc import Iterable
@@ -45,11 +44,11 @@ def new_output_dir(parent: str | os.PathLike[str], stem: str) -> Path:
     timestamped default let the later one overwrite the earlier one's results."""
     base = Path(parent)
     base.mkdir(parents=True, exist_ok=True)
-    for n in itertools.count(1):
+    n = 1
+    while True:
         path = base / (stem if n == 1 else f"{stem}-{n}")
         try:
             path.mkdir()
+            return path
         except FileExistsError:
-            continue
-        return path
-    raise AssertionError("unreachable")
+            n += 1
