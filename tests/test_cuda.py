@@ -79,7 +79,11 @@ def test_16_mixed_matches_autocast_and_grad_scaler_bit_for_bit():
         planted = {5: math.inf, 6: math.nan, 9: -math.inf}.get(step % 20)
         if step % 20 == 13:
             x = x * 1e6  # the first Linear's outputs pass 65504: inf in the float16 forward
-        loss = F.cross_entropy(model(x), y)
+        # the two lines of torch.amp: the loss inside the autocast the forward ran in (outside
+        # it, CUDA's float32 log_softmax of float32 logits and autocast's of float16 ones
+        # are two kernels that round differently)
+        with precision.forward_context():
+            loss = F.cross_entropy(model(x), y)
         precision.backward(loss)
         with torch.autocast(CUDA.type, dtype=F16):
             ref_loss = F.cross_entropy(ref_model(x), y)
@@ -119,7 +123,8 @@ def test_fused_adamw_skips_in_its_kernel_like_grad_scaler(explicit_unscale):
     ref = torch.amp.GradScaler(CUDA.type, init_scale=2.0**16, growth_interval=3)
     planted_steps = set()
     for step, (x, y) in enumerate(_batches(60)):
-        precision.backward(F.cross_entropy(model(x), y))
+        with precision.forward_context():
+            precision.backward(F.cross_entropy(model(x), y))
         with torch.autocast(CUDA.type, dtype=F16):
             ref_loss = F.cross_entropy(ref_model(x), y)
         ref.scale(ref_loss).backward()

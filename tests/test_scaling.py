@@ -96,7 +96,7 @@ def test_hysteresis_spends_credits_then_backs_off_and_refills_on_growth():
 class _BranchFree(DynamicLossScaler):
     """Always takes the on-device path that serves hysteresis > 1."""
 
-    def _update_scale(self, found_inf):
+    def _update_scale(self, found_inf, overflow):
         self._update_with_hysteresis(found_inf)
         self._scale.clamp_(self.min_scale, self.max_scale)
 

@@ -103,7 +103,10 @@ class _AmpAwareSGD(torch.optim.Optimizer):
                 p.add_(grad, alpha=-group["lr"])
 
 
-def test_amp_aware_optimizer_sees_grad_scale_and_found_inf_like_torch():
+@pytest.mark.parametrize("manual_unscale", [True, False])
+def test_amp_aware_optimizer_sees_grad_scale_and_found_inf_like_torch(manual_unscale):
+    """torch.amp's protocol both ways: after a manual unscale `grad_scale` is None; without
+    one the gradients stay scaled and the optimizer gets the scale to divide by itself."""
     ref_model, our_model = mlp(), mlp()
     ref_opt = _AmpAwareSGD(ref_model.parameters(), lr=0.1)
     ref = torch.amp.GradScaler("cpu", init_scale=2.0**6)
@@ -114,7 +117,9 @@ def test_amp_aware_optimizer_sees_grad_scale_and_found_inf_like_torch():
         if step == 1:
             ref_model[2].bias.grad[1] = math.inf
             our_model[2].bias.grad[1] = math.inf
-        ref.unscale_(ref_opt)  # the manual-unscale path: grad_scale None, found_inf set
+        if manual_unscale:
+            ref.unscale_(ref_opt)
+            ours.unscale_()
         ref.step(ref_opt)
         ref.update()
         assert ours.step() is (step != 1)
@@ -123,8 +128,13 @@ def test_amp_aware_optimizer_sees_grad_scale_and_found_inf_like_torch():
             opt.zero_grad()
         for p, q in zip(ref_model.parameters(), our_model.parameters(), strict=True):
             assert torch.equal(p, q)
-    expected = [(None, 0.0), (None, 1.0), (None, 0.0), (None, 0.0)]
-    assert ours.optimizer.seen == ref_opt.seen == expected
+
+    def seen(opt: _AmpAwareSGD) -> list[tuple[float | None, float]]:
+        return [(None if g is None else float(g), f) for g, f in opt.seen]
+
+    scales = [None] * 4 if manual_unscale else [64.0, 64.0, 32.0, 32.0]
+    expected = list(zip(scales, [0.0, 1.0, 0.0, 0.0], strict=True))
+    assert seen(ours.optimizer) == seen(ref_opt) == expected
 
 
 def test_fused_optimizers_skip_one_by_one_on_device_like_grad_scaler():

@@ -31,7 +31,13 @@ from torch.overrides import TorchFunctionMode
 from mixprec import policy_map
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError
-from mixprec.hardware import detect, device_of, slow_attention, warn_if_unsupported
+from mixprec.hardware import (
+    detect,
+    device_of,
+    parse_device,
+    slow_attention,
+    warn_if_unsupported,
+)
 from mixprec.policy import Policy
 from mixprec.policy_map import (
     APPLIED_STATE,
@@ -232,6 +238,14 @@ class _Region:
             forward = self.original
         if self.autocast:
             device_type = _device_type(args, kwargs, module)
+            if (
+                torch.is_autocast_enabled(device_type)
+                and torch.get_autocast_dtype(device_type) == self.compute_dtype
+            ):
+                # The caller runs this very autocast (a training step, the precision's
+                # forward context): the region adds nothing, and its outputs stay as autocast
+                # made them for the loss computed inside it, as in a torch.autocast loop.
+                return forward(*args, **kwargs)
             try:
                 with torch.autocast(device_type, dtype=self.compute_dtype):
                     out = forward(*args, **kwargs)
@@ -462,8 +476,9 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     if warn:
         warn_if_unsupported(pmap, device_of(model))
     state: AppliedState | None = model.__dict__.get(_STATE)
-    slow = device_slow_attention(device_of(model))
-    resolved = pmap.resolve(model, slow_attention=slow)
+    device = device_of(model)
+    slow = device_slow_attention(device)
+    resolved = pmap.resolve(model, slow_attention=slow, device_type=device.type)
     warn_unmatched(pmap, model)
     # everything that can refuse the policy runs before the model changes: a refused
     # re-apply leaves the previous policy in place, weights unrounded
@@ -482,7 +497,10 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
             # quantize checks every layer (finite weights...) before it swaps any: the
             # model is as it was but for the regions, which go back
             if state is not None:
-                _install_regions(model, state.policy.resolve(model, slow_attention=slow))
+                _install_regions(
+                    model,
+                    state.policy.resolve(model, slow_attention=slow, device_type=device.type),
+                )
             raise
         resolved = _after_swap(model, resolved)
     _convert(_dtype_plan(model, resolved))
@@ -522,12 +540,19 @@ def device_slow_attention(device: torch.device) -> frozenset[torch.dtype]:
     return slow_attention(detect(device)) if device.type == "cpu" else frozenset()
 
 
-def explain(model: nn.Module, policy: Any = None) -> Explanation:
+def explain(
+    model: nn.Module, policy: Any = None, *, device: torch.device | str | None = None
+) -> Explanation:
     """What each layer of `model` runs in under `policy` (default: the policy `apply` gave
     the model, else the global one), and under quantized policies which layers are
-    quantized and which skipped, and why; which modules run their attention in float32, as
-    `apply` decides it on the model's device."""
-    return policy_map.explain(model, policy, slow_attention=device_slow_attention(device_of(model)))
+    quantized and which skipped, and why; which modules run their attention in float32 and
+    which layers are float32 islands beyond what the device's own autocast does, as `apply`
+    decides it on `device` (default: the model's; "cuda" on a CPU-only machine shows what a
+    GPU run would do)."""
+    where = parse_device(device) if device is not None else device_of(model)
+    return policy_map.explain(
+        model, policy, slow_attention=device_slow_attention(where), device_type=where.type
+    )
 
 
 def _to_cast(module: nn.Module, policy: Policy, regions: dict[int, Policy]) -> tuple[str, ...]:

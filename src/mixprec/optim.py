@@ -189,7 +189,9 @@ class LossScaleOptimizer:
         closure = step_args.get("closure")
         self._needs_closure = closure is not None and closure.default is inspect.Parameter.empty
         self._stage = OptState.READY
-        self._found_inf: torch.Tensor | None = None  # set while UNSCALED
+        self._found_inf: torch.Tensor | None = None  # set while UNSCALED or CHECKED
+        # the scale a fused optimizer divides by in its kernel, while CHECKED
+        self._grad_scale: torch.Tensor | None = None
         self.step_was_skipped = False
         first = next(iter(self._all_params()), None)
         if first is not None and self.scaler.device != first.device:
@@ -277,7 +279,20 @@ class LossScaleOptimizer:
         self.check_can_step()
         if self._stage is not OptState.UNSCALED:
             self._found_inf = self._unscale()
+            self._grad_scale = None
             self._stage = OptState.UNSCALED
+
+    def check_(self) -> None:
+        """Find this step's overflow flag without unscaling: for a fused optimizer, which
+        divides by the scale inside its kernel (torch.amp's ``grad_scale`` protocol, as
+        ``GradScaler`` drives one when nothing unscaled first). ``unscale_`` after it still
+        unscales. ``joint_step`` calls it."""
+        self.check_can_step()
+        if self._stage is not OptState.UNSCALED and self._found_inf is None:
+            grads = self._gather_grads()
+            self._check_scaled_since_update(grads)
+            self._found_inf = self.scaler.check_(grads)
+            self._grad_scale = self.scaler.scale_tensor if self.scaler.enabled else None
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
         """Unscale if needed, then take the step or skip it on inf/NaN, then update the scale.
@@ -304,6 +319,7 @@ class LossScaleOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._stage = OptState.READY
         self._found_inf = None
+        self._grad_scale = None
         self._masters.zero_model_grads(set_to_none)
 
     # -- the step's parts, for joint_step and integrations (a loop calls step) ---------------
@@ -355,13 +371,16 @@ class LossScaleOptimizer:
         if not self._fused or found_inf is None:
             self.optimizer.step()
             return
-        # torch.amp's protocol for optimizers flagged _step_supports_amp_scaling, after a
-        # manual unscale: `found_inf` set, `grad_scale` kept if the user set one, else None
-        # (the gradients are already unscaled); both removed after the step. Unscaling in
-        # our pass rather than in their kernel is the cheaper split: a check-only pass plus
-        # an unscale inside the kernel costs more.
+        # torch.amp's protocol for optimizers flagged _step_supports_amp_scaling, as
+        # GradScaler follows it: `found_inf` set, and `grad_scale` a fresh tensor of the
+        # scale (times one the user set) when the gradients are still scaled (`check_`: the
+        # kernel divides them), else the user's or None (after `unscale_`); both removed
+        # after the step.
         opt = self.optimizer
-        opt.grad_scale = getattr(opt, "grad_scale", None)  # type: ignore[attr-defined]
+        own = getattr(opt, "grad_scale", None)
+        if self._grad_scale is not None:
+            own = self._grad_scale * (1 if own is None else own)
+        opt.grad_scale = own  # type: ignore[attr-defined]
         opt.found_inf = found_inf  # type: ignore[attr-defined]
         try:
             opt.step()
@@ -376,6 +395,7 @@ class LossScaleOptimizer:
         self.step_was_skipped = not stepped
         self._stage = OptState.STEPPED
         self._found_inf = None
+        self._grad_scale = None
 
     # -- state ------------------------------------------------------------------------------
 
@@ -529,6 +549,10 @@ class LossScaleOptimizer:
 
     def _unscale(self) -> torch.Tensor:
         grads = self._gather_grads()
+        self._check_scaled_since_update(grads)
+        return self.scaler.unscale_(grads)
+
+    def _check_scaled_since_update(self, grads: list[torch.Tensor]) -> None:
         if grads and self.scaler.enabled and not self.scaler.scaled_since_update:
             raise RuntimeError(
                 "these gradients were not produced through this scaler since its last update "
@@ -537,7 +561,6 @@ class LossScaleOptimizer:
                 "backward feeds several optimizers, step them together: "
                 "mixprec.optim.joint_step(opt_a, opt_b) or precision.step(opt_a, opt_b)."
             )
-        return self.scaler.unscale_(grads)
 
     def _closure_step(self, closure: Callable[[], Any]) -> bool:
         if self.scaler.enabled:
@@ -729,24 +752,36 @@ def joint_step(*optimizers: LossScaleOptimizer) -> bool:
         scaler.update(scaler.unscale_([]), False)
         return True
     for opt in optimizers:
-        opt.unscale_()
-    flags = [opt.found_inf for opt in optimizers]
-    found = flags[0].reshape(1) if len(flags) == 1 else torch.stack(flags)  # type: ignore[arg-type]
-    found = scaler.synchronize(found)
+        # a fused optimizer divides by the scale in its kernel unless unscale_ came first
+        if opt.skips_in_kernel and opt.stage is not OptState.UNSCALED:
+            opt.check_()
+        else:
+            opt.unscale_()
+    flags: list[torch.Tensor] = [opt.found_inf for opt in optimizers]  # type: ignore[misc]
+    # one optimizer: its 0-dim flag as it is, so a step dispatches what GradScaler's does
+    found = scaler.synchronize(flags[0] if len(flags) == 1 else torch.stack(flags))
+    per_opt = [found] if len(flags) == 1 else list(found.unbind())
     # Fused optimizers skip by themselves on device, so with only those the flags are read
     # after their step is queued; otherwise they are read first (the one host sync).
     fused_only = all(opt.skips_in_kernel for opt in optimizers)
-    overflow = None if fused_only else [bool(f) for f in found.tolist()]
+    overflow = None if fused_only else _read_flags(found)
     for i, opt in enumerate(optimizers):
         if overflow is None or not overflow[i]:
-            opt.take_step(found[i])
+            opt.take_step(per_opt[i])
     if overflow is None:
-        overflow = [bool(f) for f in found.tolist()]
+        overflow = _read_flags(found)
     for opt, bad in zip(optimizers, overflow, strict=True):
         opt.end_step(not bad)
     combined = found.amax() if len(flags) > 1 else flags[0]
     scaler.update(combined, any(overflow))  # type: ignore[arg-type]
     return not any(overflow)
+
+
+def _read_flags(found: torch.Tensor) -> list[bool]:
+    """The overflow flags on the host: one read (``.item()`` of a single flag, as GradScaler)."""
+    if found.dim() == 0:
+        return [found.item() > 0]
+    return [f > 0 for f in found.tolist()]
 
 
 def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> bool:

@@ -6,8 +6,12 @@ Precedence, highest first, for each module (qualified name from `named_modules()
 2. a regex path rule (`re.fullmatch(key, name)`; no implicit prefix match);
 3. a type rule (`isinstance(module, key)`);
 4. a float32 island: layer/group/instance/RMS norms and softmax-type layers compute in
-   float32 when the policy they would inherit is mixed, as torch's CUDA autocast does
-   (its CPU autocast keeps them in 16 bit);
+   float32 when the policy they would inherit is mixed, as torch's CUDA autocast computes
+   norms and softmaxes. Where the device's own autocast already runs a layer's op in float32
+   (`AUTOCAST_FLOAT32`: CUDA's layer_norm, group_norm and softmaxes) the layer is no island
+   and gets no region: autocast does the very same casts, and a step dispatches exactly what
+   a `torch.autocast` loop does. CPU autocast runs none of them in float32, so there each is
+   an island, a difference from CPU autocast that `explain` states with its reason;
 5. the parent's effective policy (children inherit);
 6. the map's default.
 
@@ -75,6 +79,13 @@ ISLAND_TYPES: tuple[type[nn.Module], ...] = tuple(
     )
     if t is not None
 )
+
+# The island types whose op torch's autocast for that device type already runs in float32
+# (CUDA's lists: layer_norm and group_norm cast to float32; softmax, log_softmax and softmin's
+# softmax get a float32 result dtype). CPU autocast lists none of them.
+AUTOCAST_FLOAT32: dict[str, tuple[type[nn.Module], ...]] = {
+    "cuda": (nn.LayerNorm, nn.GroupNorm, nn.Softmax, nn.LogSoftmax, nn.Softmin),
+}
 
 RuleKey = str | type
 
@@ -260,7 +271,11 @@ class PolicyMap:
         ]
 
     def resolve(
-        self, model: nn.Module, *, slow_attention: frozenset[torch.dtype] = frozenset()
+        self,
+        model: nn.Module,
+        *,
+        slow_attention: frozenset[torch.dtype] = frozenset(),
+        device_type: str = "cpu",
     ) -> dict[str, Resolution]:
         """Effective policy of every module of `model`, keyed by qualified name.
 
@@ -268,14 +283,16 @@ class PolicyMap:
         different policies are an error naming both. `slow_attention`: the 16-bit dtypes in
         which the device's attention is slower than float32 (`hardware.slow_attention`),
         where a policy computing in them runs its attention in float32 unless
-        `float32_attention` says otherwise."""
+        `float32_attention` says otherwise. `device_type`: where the model runs, whose
+        autocast may already compute an island type in float32 (`AUTOCAST_FLOAT32`)."""
+        covered = AUTOCAST_FLOAT32.get(device_type, ())
         out: dict[str, Resolution] = {}
         first_path: dict[int, str] = {}
         modules = dict(model.named_modules(remove_duplicate=False))
         for name, module in modules.items():
             if name in out:
                 continue
-            self._resolve_one(name, module, out)
+            self._resolve_one(name, module, out, covered, device_type)
             self._follow_attention(name, module, modules, out)
             out[name] = self._attention_island(module, out[name], slow_attention)
             other = first_path.setdefault(id(module), name)
@@ -334,7 +351,14 @@ class PolicyMap:
             return res
         return Resolution(policy, res.source, res.quantized, res.skipped, why)
 
-    def _resolve_one(self, name: str, module: nn.Module, out: dict[str, Resolution]) -> None:
+    def _resolve_one(
+        self,
+        name: str,
+        module: nn.Module,
+        out: dict[str, Resolution],
+        covered: tuple[type[nn.Module], ...] = (),
+        device_type: str = "cpu",
+    ) -> None:
         ruled = self._ruled(name, module)
         if ruled is not None:
             out[name] = _with_quantization(ruled, module)
@@ -346,7 +370,11 @@ class PolicyMap:
             up = out[parent].policy
             inherited = Resolution(up, f"inherited from {parent or '<root>'}")
         if self.float32_islands and isinstance(module, ISLAND_TYPES) and inherited.policy.is_mixed:
-            out[name] = Resolution(island_policy(inherited.policy), "float32 island")
+            if isinstance(module, covered):
+                why = f"{inherited.source}; {device_type} autocast computes it in float32 itself"
+                out[name] = _with_quantization(Resolution(inherited.policy, why), module)
+            else:
+                out[name] = Resolution(island_policy(inherited.policy), "float32 island")
         else:
             out[name] = _with_quantization(inherited, module)
 
@@ -609,10 +637,32 @@ def as_map(policy: Any = None) -> PolicyMap:
     return PolicyMap(as_policy(policy))
 
 
+def _autocast_differences(
+    resolved: dict[str, Resolution], types: dict[str, str], device_type: str
+) -> dict[str, str]:
+    """Where a step computes otherwise than `torch.autocast` alone would on `device_type`
+    (each float32 island and float32 attention inside a mixed policy), with the reason."""
+    out = {}
+    for name, r in resolved.items():
+        if r.source == "float32 island":
+            parent = resolved[name.rpartition(".")[0]].policy if name else r.policy
+            low = str(parent.compute_dtype).removeprefix("torch.")
+            out[name] = (
+                f"{types.get(name, 'this layer')} computes in float32 whatever its input: "
+                f"{device_type} autocast would run it in its input's dtype ({low} after a "
+                f"{low} layer); a float32 island, float32_islands=False drops it"
+            )
+        elif r.float32_attention:
+            out[name] = f"attention in float32: {r.float32_attention}"
+    return out
+
+
 class Explanation(dict):
     """Effective policy per module path, with the reason; prints as a rich table."""
 
-    def __init__(self, model: nn.Module, resolved: dict[str, Resolution]) -> None:
+    def __init__(
+        self, model: nn.Module, resolved: dict[str, Resolution], device_type: str = "cpu"
+    ) -> None:
         super().__init__({name: r.policy for name, r in resolved.items()})
         self.sources = {name: r.source for name, r in resolved.items()}
         # modules whose attention runs in float32 inside their 16-bit autocast, and why
@@ -620,6 +670,8 @@ class Explanation(dict):
             name: r.float32_attention for name, r in resolved.items() if r.float32_attention
         }
         self.types = {name: type(m).__name__ for name, m in model.named_modules()}
+        self.device_type = device_type
+        self.autocast_differences = _autocast_differences(resolved, self.types, device_type)
         # under a quantized policy: "int8" etc. for a quantized layer, "skipped: why" for a
         # layer it leaves in its source float policy; layers quantized before, their mode
         self.quantization: dict[str, str] = {}
@@ -649,7 +701,12 @@ class Explanation(dict):
     def __rich__(self) -> Any:
         from rich.table import Table
 
-        table = Table(title="effective precision per module")
+        caption = None
+        if self.autocast_differences:
+            caption = f"beyond {self.device_type} torch.autocast: " + "; ".join(
+                f"{name or '<root>'}: {why}" for name, why in self.autocast_differences.items()
+            )
+        table = Table(title="effective precision per module", caption=caption)
         columns = ["module", "type", "policy", "param", "compute", "output", "why"]
         if self.quantization:
             columns.insert(6, "quantized")
@@ -687,13 +744,20 @@ APPLIED_STATE = "_mixprec_state"
 
 
 def explain(
-    model: nn.Module, policy: Any = None, *, slow_attention: frozenset[torch.dtype] = frozenset()
+    model: nn.Module,
+    policy: Any = None,
+    *,
+    slow_attention: frozenset[torch.dtype] = frozenset(),
+    device_type: str = "cpu",
 ) -> Explanation:
     """What each layer of `model` runs in under `policy` (default: the policy `apply` gave
     the model, else the global one), and under quantized policies which layers are
-    quantized and which skipped, and why. `slow_attention` as `PolicyMap.resolve` takes it
-    (`mixprec.explain` passes the model's device's)."""
+    quantized and which skipped, and why. `slow_attention` and `device_type` as
+    `PolicyMap.resolve` takes them (`mixprec.explain` passes the model's device's)."""
     if policy is None:
         applied = model.__dict__.get(APPLIED_STATE)
         policy = applied.policy if applied is not None else None
-    return Explanation(model, as_map(policy).resolve(model, slow_attention=slow_attention))
+    resolved = as_map(policy).resolve(
+        model, slow_attention=slow_attention, device_type=device_type
+    )
+    return Explanation(model, resolved, device_type)

@@ -14,6 +14,7 @@ flag to decide whether to skip.
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -78,6 +79,14 @@ def _initial_scale(name: str, value: Any) -> tuple[float, torch.device]:
             f"in (at most {torch.finfo(torch.float32).max:g}), got {scale}"
         )
     return scale, device
+
+
+def _float32(value: float) -> float:
+    """`value` rounded to the nearest float32 (infinite past its range), as a Python float."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.copysign(math.inf, value)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -231,6 +240,13 @@ class LossScaler:
             inv = self._scale.double().reciprocal().float()
         return self._check_and_scale(grads, inv)
 
+    def check_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The overflow flag of ``grads`` without unscaling them: for a fused optimizer that
+        divides by the scale inside its own kernel (``grad_scale``), as
+        ``torch.amp.GradScaler`` drives one."""
+        one = torch.full((), 1.0, dtype=torch.float32, device=self._scale.device)
+        return self._check_and_scale(grads, one)
+
     def synchronize(self, found_inf: torch.Tensor) -> torch.Tensor:
         """All-reduce ``found_inf`` (max) across ranks when running distributed; in place."""
         if dist.is_available() and dist.is_initialized():
@@ -253,7 +269,9 @@ class LossScaler:
                 f"(positive: a gradient was inf/NaN), got {found_inf!r}"
             )
         # checked and converted before anything is counted: the update kernels take float32
-        flag = found_inf.to(self._scale.device, torch.float32).reshape(())
+        flag = found_inf.to(self._scale.device, torch.float32)
+        if flag.dim():
+            flag = flag.reshape(())
         if overflow is None:
             overflow = bool(flag.item())
         if overflow:
@@ -266,7 +284,7 @@ class LossScaler:
             self._skips_at_floor = 0
         self._steps += 1
         self._scaled_since_update = False
-        self._update_scale(flag)
+        self._update_scale(flag, overflow)
         if self._skips_at_floor >= self.max_skips_at_min_scale:
             raise LossScaleDivergedError(self._divergence_message())
 
@@ -354,8 +372,9 @@ class LossScaler:
 
     # -- subclass hooks ---------------------------------------------------------------------
 
-    def _update_scale(self, found_inf: torch.Tensor) -> None:
-        """Move the scale on device given this step's flag (a static scale does not move)."""
+    def _update_scale(self, found_inf: torch.Tensor, overflow: bool) -> None:
+        """Move the scale on device given this step's flag and its value on the host (a
+        static scale does not move)."""
 
     def _at_floor(self) -> bool:
         """Whether the scale cannot be lowered any further (always, for a static scale)."""
@@ -373,7 +392,7 @@ class LossScaler:
     # -- internals --------------------------------------------------------------------------
 
     def _check_and_scale(self, grads: Sequence[torch.Tensor], inv: torch.Tensor) -> torch.Tensor:
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for grad in grads:
             if grad.is_sparse:
@@ -417,6 +436,10 @@ class NoLossScaler(LossScaler):
 
     def unscale_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Leave ``grads`` alone; report no overflow (nothing is checked)."""
+        return self._no_overflow
+
+    def check_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Report no overflow (nothing is checked)."""
         return self._no_overflow
 
     def synchronize(self, found_inf: torch.Tensor) -> torch.Tensor:
@@ -521,20 +544,45 @@ class DynamicLossScaler(LossScaler):
         device = self._scale.device
         self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
         self._credits = torch.full((), self.hysteresis, dtype=torch.int32, device=device)
+        # (scale, growth tracker) as the host knows them; None: to be read from the device
+        self._host: tuple[float, int] | None = (_float32(init), 0)
 
-    def _update_scale(self, found_inf: torch.Tensor) -> None:
-        if self.hysteresis == 1:
-            torch._amp_update_scale_(
-                self._scale,
-                self._growth_tracker,
-                found_inf,
-                self.growth_factor,
-                self.backoff_factor,
-                self.growth_interval,
-            )
-        else:
+    def _update_scale(self, found_inf: torch.Tensor, overflow: bool) -> None:
+        if self.hysteresis > 1:
             self._update_with_hysteresis(found_inf)
-        self._scale.clamp_(self.min_scale, self.max_scale)
+            self._scale.clamp_(self.min_scale, self.max_scale)
+            return
+        scale, clean_run = self._mirror()
+        torch._amp_update_scale_(
+            self._scale,
+            self._growth_tracker,
+            found_inf,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+        )
+        # The kernel's step mirrored on the host, in its arithmetic (a float32 scale times
+        # a float64 factor, rounded to float32), so that neither the bounds nor the floor
+        # need a read of the device: a step dispatches exactly what GradScaler.update does,
+        # plus a clamp on the rare step that crosses a bound.
+        if overflow:
+            scale, clean_run = _float32(scale * self.backoff_factor), 0
+        elif clean_run + 1 >= self.growth_interval:
+            grown = _float32(scale * self.growth_factor)
+            scale, clean_run = (grown if math.isfinite(grown) else scale), 0
+        else:
+            clean_run += 1
+        low, high = _float32(self.min_scale), _float32(self.max_scale)
+        if not low <= scale <= high:
+            self._scale.clamp_(self.min_scale, self.max_scale)
+            scale = min(max(scale, low), high)
+        self._host = (scale, clean_run)
+
+    def _mirror(self) -> tuple[float, int]:
+        """The scale and growth tracker as the host knows them; read once after a load."""
+        if self._host is None:
+            self._host = (float(self._scale.item()), int(self._growth_tracker.item()))
+        return self._host
 
     def _update_with_hysteresis(self, found_inf: torch.Tensor) -> None:
         # The same transition as _amp_update_scale_ plus a credit counter, written as
@@ -558,7 +606,9 @@ class DynamicLossScaler(LossScaler):
     def _at_floor(self) -> bool:
         # the clamp holds the scale at min_scale rounded to float32 (0.1 -> 0.10000000149):
         # compare with that, or a scale resting on such a floor never counts as there
-        return bool(self._scale <= self._scale.new_tensor(self.min_scale))
+        if self.hysteresis > 1:
+            return bool(self._scale <= self._scale.new_tensor(self.min_scale))
+        return self._mirror()[0] <= _float32(self.min_scale)
 
     def state_dict(self) -> dict[str, Any]:
         """Scale, growth tracker, hysteresis credits, counters and settings."""
@@ -606,6 +656,7 @@ class DynamicLossScaler(LossScaler):
             raise ValueError(f"invalid torch.amp.GradScaler state: {dict(state)}")
         self._scale.fill_(scale)
         self._growth_tracker.fill_(int(tracker))
+        self._host = None
         self._credits.fill_(self.hysteresis)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -617,6 +668,7 @@ class DynamicLossScaler(LossScaler):
         """Restore the scale, counters and settings saved by ``state_dict``, or the state of
         a ``torch.amp.GradScaler`` (see ``_load_foreign_state``)."""
         super().load_state_dict(state)
+        self._host = None
         if "kind" not in state:
             return
         self._growth_tracker.fill_(state["growth_tracker"])

@@ -6,18 +6,19 @@ A plain module with a ``loss_fn`` (the batch ``(inputs..., target)``):
 
 - the batch is converted as ``Precision.convert_input`` says (floating tensors, the target
   included, to the compute dtype of a "true" policy; unchanged under a mixed policy);
-- the forward enters the region ``apply`` put on the model, which autocasts or casts and hands
-  its outputs back in the policy's output dtype (float32 under a mixed policy);
-- ``loss_fn`` runs **outside** autocast, on those outputs. Under a mixed policy the loss is
-  therefore a float32 reduction of float32 outputs, as Keras computes it (a mixed policy's
-  outputs are float32 so that losses and metrics are), instead of whatever autocast's op lists
-  pick for the loss's ops on this device (they differ between CPU and CUDA: CUDA runs
-  ``cross_entropy`` in float32, CPU in the compute dtype). It is also cheaper: the loss's
-  inputs are not cast back to 16 bits.
+- under a mixed policy the forward **and** ``loss_fn`` run inside the precision's autocast,
+  as in a hand-written ``torch.autocast`` loop: the model's region sees its own autocast
+  already on and adds nothing, so the outputs reach the loss as autocast made them and a
+  step dispatches the same ops in the same dtypes as that loop. torch's loss functions run
+  in float32 there on CPU and CUDA alike (autocast's float32 lists name ``cross_entropy``,
+  ``nll_loss``, ``mse_loss``... on CPU, and ``log_softmax``, ``nll_loss``, ``mse_loss``... on
+  CUDA, which reads 16-bit logits in its float32 softmax kernel);
+- under a "true" policy the forward enters the model's region, which casts and hands the
+  outputs back in the output dtype, and ``loss_fn`` runs on them.
 
 Code that calls into the model from outside (a ``training_step``, a compiled module under a
 "true" policy, whose region's switch of torch's default dtype would be a graph boundary) runs
-in ``Precision.forward_context()`` instead, which is all a region would have done around it.
+in ``Precision.forward_context()`` too, which is all a region would have done around it.
 """
 
 from __future__ import annotations
@@ -42,11 +43,11 @@ def compiled_in_place(model: nn.Module) -> bool:
 def step_context(
     precision: Precision, model: nn.Module, *, user_code: bool = False
 ) -> AbstractContextManager[Any]:
-    """The context a step of `model` runs in (see the module's docstring): the precision's
-    forward context when `user_code` calls into the model (a training step) or the model is
-    compiled in place under a "true" policy; else none, the model's region doing it all."""
-    compiled_true = compiled_in_place(model) and not precision.policy.default.is_mixed
-    if user_code or compiled_true:
+    """The context a step of `model` and its loss run in (see the module's docstring): the
+    precision's forward context under a mixed policy, when `user_code` calls into the model
+    (a training step) or when the model is compiled in place under a "true" policy; else
+    none, the model's region doing it all."""
+    if user_code or precision.policy.default.is_mixed or compiled_in_place(model):
         return precision.forward_context()
     return contextlib.nullcontext()
 
@@ -71,17 +72,17 @@ def plain_loss(
     check_outputs: Callable[[Any], None] | None = None,
 ) -> Any:
     """``loss_fn(model(*inputs), target)`` for a ``(inputs..., target)`` batch, computed as
-    every step in mixprec computes it: the batch converted for the policy, the forward in the
-    model's region, the loss outside autocast on the outputs in the output dtype.
+    every step in mixprec computes it (see the module's docstring): the batch converted for
+    the policy, the forward and the loss in the step's context.
 
     Returns what `loss_fn` returned (callers check it is a loss); `check_outputs`, if given,
     sees the model's outputs first (the doctor refuses outputs no loss can reach)."""
     inputs, target = split_batch(precision.convert_input(batch))
     with step_context(precision, model):
         outputs = model(*inputs)
-    if check_outputs is not None:
-        check_outputs(outputs)
-    return loss_fn(outputs, target)
+        if check_outputs is not None:
+            check_outputs(outputs)
+        return loss_fn(outputs, target)
 
 
 def backward(precision: Precision, loss: Tensor, *, accumulate: int = 1) -> None:
