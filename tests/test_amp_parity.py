@@ -136,10 +136,14 @@ def _char_lm() -> tuple[Callable[[], nn.Module], Any, Callable]:
     def loss(logits, targets):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
-    return lambda: charlm.CharGPT(block=8, dim=32, layers=1, heads=2), (
-        tokens[:, :-1],
-        tokens[:, 1:],
-    ), loss
+    return (
+        lambda: charlm.CharGPT(block=8, dim=32, layers=1, heads=2),
+        (
+            tokens[:, :-1],
+            tokens[:, 1:],
+        ),
+        loss,
+    )
 
 
 def _gen() -> torch.Generator:
@@ -151,8 +155,8 @@ def _workload(name: str) -> tuple[Callable[[], nn.Module], Any, Callable]:
         x = torch.rand(2, 3, 32, 32, generator=_gen())
         return BlogCNN, (x, torch.randint(0, 10, (2,), generator=_gen())), probabilities_nll
     if name == "mlp":  # the bench's MLP, narrower
-        x = torch.randn(2, 1024, generator=_gen())
-        return lambda: MLP(width=32), (x, torch.randint(0, 10, (2,), generator=_gen())), F.cross_entropy
+        x, y = torch.randn(2, 1024, generator=_gen()), torch.randint(0, 10, (2,), generator=_gen())
+        return lambda: MLP(width=32), (x, y), F.cross_entropy
     if name == "transformer":
         tokens = torch.randint(0, 50, (2, 9), generator=_gen())
 
@@ -194,7 +198,8 @@ def test_what_a_step_does_beyond_cpu_autocast_is_what_explain_lists(name):
         model = make()
         explanation = mixprec.explain(model, "bf16-mixed")
     differences = explanation.autocast_differences
-    islands = {n for n, m in model.named_modules() if isinstance(m, mixprec.policy_map.ISLAND_TYPES)}
+    island_types = mixprec.policy_map.ISLAND_TYPES
+    islands = {n for n, m in model.named_modules() if isinstance(m, island_types)}
     assert set(differences) == islands | set(explanation.float32_attention)
     for path in islands:
         assert "cpu autocast would run it in its input's dtype" in differences[path], path
@@ -295,7 +300,12 @@ def count_tolist(monkeypatch):
 
 @pytest.mark.parametrize(
     ("spec", "fused", "extra"),
-    [("bf16-mixed", False, 0), ("bf16-mixed", True, 0), ("16-mixed", False, 0), ("16-mixed", True, 1)],
+    [
+        ("bf16-mixed", False, 0),
+        ("bf16-mixed", True, 0),
+        ("16-mixed", False, 0),
+        ("16-mixed", True, 1),
+    ],
 )
 def test_precision_step_reads_the_device_no_more_than_grad_scaler(spec, fused, extra, count_tolist):
     """Reads of the device per step, against the torch.amp loop on the same model (torch's

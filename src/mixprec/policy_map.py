@@ -757,7 +757,5 @@ def explain(
     if policy is None:
         applied = model.__dict__.get(APPLIED_STATE)
         policy = applied.policy if applied is not None else None
-    resolved = as_map(policy).resolve(
-        model, slow_attention=slow_attention, device_type=device_type
-    )
+    resolved = as_map(policy).resolve(model, slow_attention=slow_attention, device_type=device_type)
     return Explanation(model, resolved, device_type)
