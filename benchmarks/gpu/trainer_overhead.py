@@ -56,7 +56,9 @@ def hand(model: nn.Module, data: DataLoader, spec: str, device: torch.device) ->
     t0 = time.perf_counter()
     for x, y in data:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        precision.backward(probabilities_nll(model(x), y))
+        with precision.forward_context():  # the loss inside autocast, as the Trainer's step
+            loss = probabilities_nll(model(x), y)
+        precision.backward(loss)
         precision.step(opt)
         opt.zero_grad(set_to_none=True)
     _sync(device)

@@ -197,7 +197,8 @@ def _build_mixprec(job: Job, variant: Variant, dims: Dims, batch: tuple[Tensor, 
 
     def step() -> Tensor:
         opt.zero_grad(set_to_none=True)
-        loss = lm_loss(model(tokens), targets)
+        with precision.forward_context():  # the loss where the raw loop computes it
+            loss = lm_loss(model(tokens), targets)
         precision.backward(loss)
         precision.step(opt)
         return loss.detach()
