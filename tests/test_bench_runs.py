@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -207,13 +208,15 @@ def test_sigterm_after_the_first_configuration_leaves_its_row_and_a_report(facto
         text=True,
         env=dict(os.environ, COLUMNS="200"),
     )
+    watchdog = threading.Timer(300, proc.kill)  # a run that never prints ends the test
+    watchdog.start()
     try:
         printed = []
         for line in proc.stdout:  # the progress line arrives while the second one runs
             printed.append(line)
             if line.startswith("[1/2]"):
                 break
-        assert printed[-1].startswith("[1/2] 32-true @ 2: ok, "), printed
+        assert printed and printed[-1].startswith("[1/2] 32-true @ 2: ok, "), printed
         assert "ms/step, peak " in printed[-1]
         # on disk before the run goes on
         assert [json.loads(x)["kind"] for x in (out / JOURNAL).read_text().splitlines()] == [
@@ -224,6 +227,7 @@ def test_sigterm_after_the_first_configuration_leaves_its_row_and_a_report(facto
         proc.send_signal(signal.SIGTERM)
         rest, err = proc.communicate(timeout=120)
     finally:
+        watchdog.cancel()
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "[2/2]" not in rest and "stopped by SIGTERM after 1 of 2" in " ".join(err.split())
