@@ -402,7 +402,7 @@ def test_plan_of_the_blog_preset_and_islands_both():
         )
     )
     o = p.options
-    assert (o.image_size, o.batch_sizes, o.steps, o.warmup) == (256, [32, 64, 128, 256, 512], 20, 5)
+    assert (o.image_size, o.batch_sizes, o.steps, o.warmup) == (256, [32, 64, 128, 256, 512], 10, 3)
     labels = [c.label for c in p.configs if c.batch_size == 32]
     assert labels == ["32-true", "bf16-mixed", "bf16-mixed (no f32 islands)"]
     assert [c.raw for c in p.configs[:3]] == [False, True, True]

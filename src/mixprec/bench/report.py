@@ -28,7 +28,9 @@ __all__ = [
     "max_batch_lines",
     "notes",
     "plot",
+    "progress_line",
     "rich_table",
+    "stopped_line",
     "summarize",
     "to_json",
     "write_csv",
@@ -151,6 +153,37 @@ def _cells(s: Summary) -> list[str]:
         f"{s.raw_median_ms:,.1f}" if s.raw_median_ms is not None else "-",
         f"{s.overhead * 100:+.1f}%" if s.overhead is not None else "-",
     ]
+
+
+def progress_line(row: Row, index: int, total: int, seconds: float) -> str:
+    """The line printed as configuration `index` of `total` finishes: its median ms/step,
+    peak memory and the raw torch loop's median, or how it ended."""
+    c, r = row.config, row.result
+    head = f"[{index}/{total}] {c.label} @ {c.batch_size}:"
+    where = f"{seconds:.1f} s" + (", fresh process" if r.fresh_process else "")
+    ours = r.mixprec
+    if r.status != OK or not ours.step_ms:
+        return f"{head} {'OOM' if r.status == OOM else r.status} ({where})"
+    med = statistics.median(ours.step_ms)
+    parts = [f"{med:,.1f} ms/step", f"peak {_mib(ours.peak_memory)}"]
+    raw = r.raw
+    if raw is not None and raw.status == OK and raw.step_ms:
+        raw_med = statistics.median(raw.step_ms)
+        parts.append(f"raw torch {raw_med:,.1f} ms/step ({med / raw_med - 1:+.1%})")
+    return f"{head} ok, {', '.join(parts)} ({where})"
+
+
+def stopped_line(report: BenchReport) -> str | None:
+    """How a stopped run ended (what stopped it, how many configurations finished, which
+    did not run); None for a run that finished."""
+    stopped = report.metadata.get("stopped")
+    if not stopped:
+        return None
+    by = f" by {stopped['by']}" if stopped.get("by") else ""
+    line = f"stopped{by} after {stopped['finished']} of {stopped['planned']} configurations"
+    if stopped["not_run"]:
+        line += f"; not run: {', '.join(stopped['not_run'])}"
+    return line
 
 
 def rich_table(report: BenchReport, summaries: list[Summary]) -> FittedTable:
@@ -407,6 +440,7 @@ def markdown(report: BenchReport, summaries: list[Summary]) -> str:
         f"(1/5/15 min) {meta.get('load_average_before')} before, "
         f"{meta.get('load_average_after')} after",
         f"- reproduce: `{meta['command']}`",
+        *([f"- **{stopped_line(report)}**"] if stopped_line(report) else []),
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "---|" * len(COLUMNS),

@@ -1,10 +1,18 @@
-"""One benchmark configuration (model, precision, batch size), run in a fresh process.
+"""One benchmark configuration (model, precision, batch size), run in this process or in a
+fresh one.
 
-`run_isolated` starts `python -m mixprec.bench.runner SPEC RESULT` so that every
-configuration begins with clean memory, threads and caches; the child writes a JSON result.
+`run_in_process` runs it here (threads and TF32 flags restored afterwards); `run_isolated`
+starts `python -m mixprec.bench.runner SPEC RESULT`, whose child writes a JSON result. A fresh
+process is needed only where the process itself shapes a figure (`fresh_process_reason`): a
+memory limit caps a whole process, and torch.compile's caches carry over between models.
 
-In the child, each loop is built and run up to its first optimizer update (one step,
-unless float16 overflow skips some) while its peak memory is measured:
+Each loop is first run once, eagerly, up to its first optimizer update and dropped: what
+libraries set up on first use and keep for the life of the process (cuBLAS keeps a workspace
+per handle and stream, and autograd's backward runs on a thread with a handle of its own)
+then exists before any measurement, so neither the loop measured first nor the first
+configuration of a process is charged for it. Then the loop is built again and run up to its
+first optimizer update (one step, unless float16 overflow skips some) while its peak memory
+is measured:
 
 - CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, minus what was
   allocated before the loop was built (so a second loop in the process is not counted);
@@ -34,7 +42,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,21 +63,25 @@ __all__ = [
     "RunResult",
     "RunSpec",
     "TIMEOUT",
+    "fresh_process_reason",
     "is_oom",
     "main",
     "run_config",
+    "run_in_process",
     "run_isolated",
     "set_tf32",
 ]
 
 OK, OOM, ERROR, TIMEOUT = "ok", "oom", "error", "timeout"
+_AFTER_WARM_UP = (
+    "from model build to the first optimizer update, after one untimed run of the same loop "
+    "(what libraries allocate once per process, such as cuBLAS workspaces, is not counted)"
+)
 CPU_MEMORY_METHOD = (
     "peak live tensor bytes from the CPU allocator's events (torch.profiler, "
-    "profile_memory=True), from model build to the first optimizer update"
+    f"profile_memory=True), {_AFTER_WARM_UP}"
 )
-CUDA_MEMORY_METHOD = (
-    "torch.cuda.max_memory_allocated from model build to the first optimizer update"
-)
+CUDA_MEMORY_METHOD = f"torch.cuda.max_memory_allocated, {_AFTER_WARM_UP}"
 _ADDRESS_SPACE_SLACK = 512 * 2**20
 MAX_STEPS_TO_FIRST_UPDATE = 32
 
@@ -122,6 +134,7 @@ class RunResult:
     raw: LoopResult | None = None
     memory_method: str = ""
     error: str | None = None
+    fresh_process: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunResult:
@@ -132,6 +145,7 @@ class RunResult:
             raw=LoopResult(**raw) if raw is not None else None,
             memory_method=d.get("memory_method", ""),
             error=d.get("error"),
+            fresh_process=d.get("fresh_process", False),
         )
 
 
@@ -310,8 +324,17 @@ def _build_raw(spec: RunSpec, device: torch.device) -> Loop:
     return Loop(step, optimizer)
 
 
+class _TimedOut(Exception):
+    """An in-process configuration ran past its deadline (checked between steps)."""
+
+
+def _check(deadline: float | None) -> None:
+    if deadline is not None and time.monotonic() > deadline:
+        raise _TimedOut
+
+
 def _first_update(
-    build: Callable[[RunSpec, torch.device], Loop], spec: RunSpec
+    build: Callable[[RunSpec, torch.device], Loop], spec: RunSpec, deadline: float | None = None
 ) -> tuple[Loop, float]:
     """Build a loop and run it up to its first taken optimizer step, which creates the
     optimizer's state (float16 runs skip their first steps while the loss scale settles);
@@ -324,16 +347,29 @@ def _first_update(
         torch.cuda.synchronize(device)
     first = time.perf_counter() - t0
     while loop.steps_taken == 0 and loop.steps_run < MAX_STEPS_TO_FIRST_UPDATE:
+        _check(deadline)
         loop.step()
     return loop, first
+
+
+def _warm_up(
+    build: Callable[[RunSpec, torch.device], Loop], spec: RunSpec, deadline: float | None
+) -> None:
+    """Run the loop once up to its first update and drop it (see the module doc). Eagerly:
+    compiling here would warm torch.compile's caches and shorten the measured compilation."""
+    device = torch.device(spec.device)
+    _first_update(build, replace(spec, compile=False), deadline)
+    _release(device)
 
 
 def _oom_message(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip()[:300]}"
 
 
-def run_config(spec: RunSpec) -> RunResult:
-    """Run one configuration in this process (the child side of `run_isolated`)."""
+def run_config(spec: RunSpec, deadline: float | None = None) -> RunResult:
+    """Run one configuration in this process (`run_in_process` restores the settings it
+    changes). `deadline` (a `time.monotonic()` value) is checked between steps: past it,
+    `_TimedOut` is raised."""
     device = torch.device(spec.device)
     torch.set_num_threads(spec.threads)
     if device.type == "cuda":
@@ -350,8 +386,9 @@ def run_config(spec: RunSpec) -> RunResult:
     for name, build in builders.items():
         res = results[name]
         try:
+            _warm_up(build, spec, deadline)
             (loop, res.first_step_s), res.peak_memory = _measured(
-                device, lambda b=build: _first_update(b, spec)
+                device, lambda b=build: _first_update(b, spec, deadline)
             )
         except Exception as err:  # noqa: BLE001 - OOM is a result; anything else propagates
             if not is_oom(err):
@@ -374,10 +411,11 @@ def run_config(spec: RunSpec) -> RunResult:
     if ours.status == OK:
         try:
             for _ in range(spec.warmup):
+                _check(deadline)
                 for loop in loops.values():
                     loop.step()
                     sync()
-            _time_interleaved(loops, results, spec.steps, sync)
+            _time_interleaved(loops, results, spec.steps, sync, deadline)
         except Exception as err:  # noqa: BLE001
             if not is_oom(err):
                 raise
@@ -395,7 +433,11 @@ def _release(device: torch.device) -> None:
 
 
 def _time_interleaved(
-    loops: dict[str, Loop], results: dict[str, LoopResult], steps: int, sync: Callable[[], None]
+    loops: dict[str, Loop],
+    results: dict[str, LoopResult],
+    steps: int,
+    sync: Callable[[], None],
+    deadline: float | None = None,
 ) -> None:
     """Time `steps` steps of each loop, alternating which goes first, with GC disabled."""
     names = list(loops)
@@ -404,6 +446,7 @@ def _time_interleaved(
     gc.disable()
     try:
         for i in range(steps):
+            _check(deadline)
             for name in names if i % 2 == 0 else names[::-1]:
                 sync()
                 t0 = time.perf_counter()
@@ -416,7 +459,54 @@ def _time_interleaved(
         results[name].final_loss = float(loss)
 
 
-# -- process boundary ----------------------------------------------------------------------
+# -- in this process or a fresh one --------------------------------------------------------
+
+
+def fresh_process_reason(spec: RunSpec) -> str | None:
+    """Why `spec` must run in a fresh process, or None when this one gives the same figures.
+
+    A memory limit caps a whole process (an address-space limit measured from the process's
+    size on a CPU, the caching allocator's per-process fraction on CUDA), and torch.compile
+    keeps caches, and a limit on recompilations, across models in one process, so a later
+    compiled configuration would compile less (or fall back to eager) and time its first step
+    differently. Everything else is measured from a clean start in any process.
+    """
+    if spec.memory_limit is not None:
+        return "a memory limit caps a whole process"
+    if spec.compile:
+        return "torch.compile's caches carry over between models in one process"
+    return None
+
+
+def _timeout_result(timeout: float | None) -> RunResult:
+    return RunResult(TIMEOUT, LoopResult(TIMEOUT), error=f"no result after {timeout:.0f} s")
+
+
+def run_in_process(spec: RunSpec, timeout: float | None = None) -> RunResult:
+    """Run `spec` in this process, as a fresh process would: the thread count and TF32 flags
+    it sets are restored afterwards and its memory released. An exception becomes an error
+    result carrying its message (as in a child process); `timeout` is checked between steps.
+    KeyboardInterrupt and other BaseExceptions propagate."""
+    device = torch.device(spec.device)
+    threads = torch.get_num_threads()
+    tf32 = (
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        if device.type == "cuda"
+        else None
+    )
+    deadline = time.monotonic() + timeout if timeout is not None else None
+    try:
+        return run_config(spec, deadline)
+    except _TimedOut:
+        return _timeout_result(timeout)
+    except Exception as err:  # noqa: BLE001 - reported as the configuration's result
+        detail = "".join(traceback.format_exception_only(type(err), err)).strip()
+        return RunResult(ERROR, LoopResult(ERROR, detail), error=detail)
+    finally:
+        torch.set_num_threads(threads)
+        if tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        _release(device)
 
 
 def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> RunResult:
@@ -433,18 +523,19 @@ def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> 
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
-        return RunResult(TIMEOUT, LoopResult(TIMEOUT), error=f"no result after {timeout:.0f} s")
+        return replace(_timeout_result(timeout), fresh_process=True)
     try:
         if out_path.exists():
-            return RunResult.from_dict(json.loads(out_path.read_text()))
+            result = RunResult.from_dict(json.loads(out_path.read_text()))
+            return replace(result, fresh_process=True)
     finally:
         out_path.unlink(missing_ok=True)
     if proc.returncode == -9:
         msg = "killed by SIGKILL, the usual sign of running out of host memory"
-        return RunResult(OOM, LoopResult(OOM, msg), error=msg)
+        return RunResult(OOM, LoopResult(OOM, msg), error=msg, fresh_process=True)
     tail = (proc.stderr or proc.stdout or "").strip()[-1500:]
     msg = f"benchmark process exited with code {proc.returncode}: {tail}"
-    return RunResult(ERROR, LoopResult(ERROR, msg), error=msg)
+    return RunResult(ERROR, LoopResult(ERROR, msg), error=msg, fresh_process=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,6 @@
-"""The float32-vs-mixed experiment: plan the configurations, run each in a fresh process,
-and (optionally) search the largest batch that fits per precision.
+"""The float32-vs-mixed experiment: plan the configurations, run each (in this process
+unless a fresh one changes its figures: `runner.fresh_process_reason`), telling listeners
+as it goes, and (optionally) search the largest batch that fits per precision.
 
 `plan` validates everything before any process starts (unknown specs, precisions the
 hardware refuses, far-slower-than-float32 ones without `allow_slow`), so a bad option fails
@@ -13,7 +14,7 @@ import os
 import shlex
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,15 @@ from mixprec.bench.models import (
     check_model,
     check_workload,
 )
-from mixprec.bench.runner import OK, OOM, RunResult, RunSpec, run_isolated
+from mixprec.bench.runner import (
+    OK,
+    OOM,
+    RunResult,
+    RunSpec,
+    fresh_process_reason,
+    run_in_process,
+    run_isolated,
+)
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
 from mixprec.hardware import (
@@ -54,16 +63,19 @@ __all__ = [
     "BenchOptions",
     "BenchReport",
     "Config",
+    "Listener",
     "MAX_BATCH_CAP",
     "MIXED_CANDIDATES",
     "PRESETS",
     "Plan",
     "Row",
     "comparison_gap",
+    "memory_method",
     "metadata",
     "plan",
     "reproduce_command",
     "run_bench",
+    "run_spec",
     "search_max_batch",
 ]
 
@@ -75,8 +87,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "precisions": ["32-true", "16-mixed", "auto"],
         "image_size": 256,
         "batch_sizes": [32, 64, 128, 256, 512],
-        "steps": 20,
-        "warmup": 5,
+        "steps": 10,
+        "warmup": 3,
     },
 }
 # The seed blog's Tesla V100 results, ms/step of its CNN on 256x256 images (Keras fit,
@@ -458,15 +470,22 @@ def metadata(p: Plan) -> dict[str, Any]:
     }
 
 
+def run_spec(spec: RunSpec, workdir: Path, timeout: float | None) -> RunResult:
+    """Run one configuration here, or in a fresh process where that changes its figures."""
+    if fresh_process_reason(spec) is None:
+        return run_in_process(spec, timeout)
+    return run_isolated(spec, workdir, timeout)
+
+
 def _probe(p: Plan, name: str, batch: int, workdir: Path) -> RunResult:
-    """One step of precision `name` at `batch` in a fresh process."""
+    """One step of precision `name` at `batch`."""
     tf32 = _tf32_modes(p.options.tf32, p.device)[0]
     island = _island_modes(p.options.float32_islands)[0]
     config = Config(
         name, name, batch, tf32, raw=False, float32_islands=island, compiled=p.options.compile
     )
     spec = replace(_spec(p, config), steps=1, warmup=0)
-    return run_isolated(spec, workdir, p.options.timeout)
+    return run_spec(spec, workdir, p.options.timeout)
 
 
 class _ProbeFailed(Exception):
@@ -529,31 +548,66 @@ def search_max_batch(
     }
 
 
-def run_bench(
-    p: Plan,
-    on_config: Callable[[Config, RunResult], None] | None = None,
-    on_probe: Callable[[str, int, str], None] | None = None,
-) -> BenchReport:
-    """Run every configuration of plan `p` (each in a fresh process), then the max-batch
-    search if asked; callbacks report progress (`on_probe(precision, batch, status)`)."""
+class Listener:
+    """What a run tells as it goes, in order: `started` once, `measured` after each
+    configuration, `probed` after each max-batch probe, `searched` after each precision's
+    search, `finished` at the end (not called when the run is stopped). Each does nothing
+    here; a listener overrides those it needs."""
+
+    def started(self, meta: dict[str, Any], configs: Sequence[Config]) -> None:
+        """The run's metadata, and the configurations it will run, before the first one."""
+
+    def measured(self, row: Row, index: int, seconds: float) -> None:
+        """Configuration number `index` (from 1) took `seconds` and gave `row`."""
+
+    def probed(self, name: str, batch: int, status: str) -> None:
+        """A max-batch probe of precision `name` at `batch` ended with `status`."""
+
+    def searched(self, name: str, found: dict[str, Any]) -> None:
+        """The max-batch search of precision `name` found `found`."""
+
+    def finished(self, meta: dict[str, Any]) -> None:
+        """What the metadata gained at the end: elapsed time, load average, memory method."""
+
+
+def run_bench(p: Plan, listeners: Sequence[Listener] = ()) -> BenchReport:
+    """Run every configuration of plan `p` (in this process unless a fresh one changes its
+    figures), then the max-batch search if asked, telling `listeners` as it goes."""
     meta = metadata(p)
     meta["comparison_gap"] = comparison_gap(p)
+    for listener in listeners:
+        listener.started(meta, p.configs)
     t0 = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="mixprec-bench-") as tmp:
-        for config in p.configs:
-            result = run_isolated(_spec(p, config), Path(tmp), p.options.timeout)
-            rows.append(Row(config, result))
-            if on_config is not None:
-                on_config(config, result)
+        for index, config in enumerate(p.configs, 1):
+            start = time.perf_counter()
+            row = Row(config, run_spec(_spec(p, config), Path(tmp), p.options.timeout))
+            rows.append(row)
+            for listener in listeners:
+                listener.measured(row, index, time.perf_counter() - start)
         max_batch = {}
         if p.options.max_batch:
             for name in p.precisions:
-                cb = (lambda b, st, name=name: on_probe(name, b, st)) if on_probe else None
-                max_batch[name] = search_max_batch(p, name, Path(tmp), cb)
-    meta["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    meta["load_average_after"] = _load_average()
-    meta["memory_method"] = next(
-        (r.result.memory_method for r in rows if r.result.memory_method), ""
-    )
+
+                def on_probe(batch: int, status: str, name: str = name) -> None:
+                    for listener in listeners:
+                        listener.probed(name, batch, status)
+
+                max_batch[name] = search_max_batch(p, name, Path(tmp), on_probe)
+                for listener in listeners:
+                    listener.searched(name, max_batch[name])
+    end = {
+        "elapsed_s": round(time.perf_counter() - t0, 1),
+        "load_average_after": _load_average(),
+        "memory_method": memory_method(rows),
+    }
+    meta.update(end)
+    for listener in listeners:
+        listener.finished(end)
     return BenchReport(meta, rows, max_batch)
+
+
+def memory_method(rows: Sequence[Row]) -> str:
+    """How the rows' peak memory was measured (the first row that says)."""
+    return next((r.result.memory_method for r in rows if r.result.memory_method), "")

@@ -4,21 +4,33 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import os
 import re
-from collections.abc import Iterable
+import signal
+import threading
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.markdown import Markdown
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from mixprec import textout
 from mixprec.bench import distributed
+from mixprec.bench.journal import JOURNAL, Journal
+from mixprec.bench.journal import load as load_journal
 from mixprec.bench.models import BUILTIN_MODELS, check_model, check_workload
 from mixprec.bench.report import (
     OUTPUT_FILES,
@@ -27,17 +39,19 @@ from mixprec.bench.report import (
     conclusion,
     max_batch_lines,
     notes,
+    progress_line,
     rich_table,
+    stopped_line,
     summarize,
     write_outputs,
 )
-from mixprec.bench.runner import OK, OOM, RunResult
-from mixprec.bench.suite import PRESETS, BenchOptions, Config, plan, run_bench
+from mixprec.bench.runner import OK, OOM
+from mixprec.bench.suite import PRESETS, BenchOptions, Listener, Row, plan, run_bench
 from mixprec.cli.outputs import check_output_dir, new_output_dir
 from mixprec.hardware import detect, parse_device, resolve_auto
 from mixprec.version import __version__
 
-__all__ = ["add_parser", "parse_size", "run_command", "run_memory_command"]
+__all__ = ["Terminated", "add_parser", "parse_size", "run_command", "run_memory_command"]
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
@@ -74,14 +88,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `mixprec bench` on the CLI's subparsers."""
     p = subparsers.add_parser(
         "bench",
-        help="float32 vs mixed precision: ms/step, speedup, memory (each run in a fresh process)",
+        help="float32 vs mixed precision: ms/step, speedup, memory",
         description=(
             "Time training steps of a model in float32 and in mixed precision on this machine, "
-            "across batch sizes, each configuration in a fresh process; with no arguments: the "
-            "seed blog's CNN, float32 vs the precision `mixprec info` recommends here. The "
-            "outputs are written whatever happens to a configuration. Exit status 0: every "
-            "configuration and max-batch probe ran (out of memory is a result); 1: one failed "
-            "(an error or --timeout); 2: bad arguments; 3: an error stopped the command."
+            "across batch sizes; with no arguments: the seed blog's CNN, float32 vs the "
+            "precision `mixprec info` recommends here. Each configuration's row is written to "
+            "rows.jsonl in --out as soon as it is measured, and the outputs are written from it "
+            "whatever happens to a configuration, also when Ctrl-C or SIGTERM stops the run. "
+            "Exit status 0: every configuration and max-batch probe ran (out of memory is a "
+            "result); 1: one failed (an error or --timeout); 2: bad arguments; 3: an error "
+            "stopped the command; 130 / 143: Ctrl-C / SIGTERM stopped it (what finished is "
+            "written)."
         ),
     )
     p.add_argument(
@@ -309,6 +326,54 @@ def run_memory_command(
     return 1 if failed else 0
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived: raised where the run is, so that it stops as on Ctrl-C."""
+
+
+# the shell's convention: 128 + the signal's number
+_STOPPED_EXIT = {"Ctrl-C": 128 + signal.SIGINT, "SIGTERM": 128 + signal.SIGTERM}
+
+
+@contextlib.contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """While the configurations run, SIGTERM raises `Terminated` (the run then writes what
+    it finished, as on Ctrl-C); the previous handler afterwards. Signals reach the main
+    thread only, so elsewhere nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise Terminated
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+class _Printer(Listener):
+    """One line per configuration and per max-batch probe as it finishes (in a log as on a
+    terminal, where the progress bar follows them)."""
+
+    def __init__(self, console: Console, progress: Progress, task: TaskID, total: int) -> None:
+        self.console, self.progress, self.task, self.total = console, progress, task, total
+
+    def measured(self, row: Row, index: int, seconds: float) -> None:
+        self.console.print(progress_line(row, index, self.total, seconds), highlight=False)
+        shown = "OOM" if row.result.status == OOM else row.result.status
+        c = row.config
+        self.progress.update(
+            self.task, advance=1, description=f"{c.label} @ {c.batch_size}: {shown}"
+        )
+
+    def probed(self, name: str, batch: int, status: str) -> None:
+        shown = {OK: "fits", OOM: "OOM"}.get(status, status)
+        self.console.print(f"max batch {name}: {batch} {shown}", highlight=False)
+        self.progress.update(self.task, description=f"max batch {name}: {batch} {shown}")
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed `args`; returns the exit code."""
     console = textout.console()
@@ -321,7 +386,7 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     try:
         p = plan(_options(args))
-        out = _output_dir(out, OUTPUT_FILES)
+        out = _output_dir(out, (*OUTPUT_FILES, JOURNAL))
     except ValueError as e:
         err.print(f"[red]mixprec bench: error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
@@ -350,20 +415,22 @@ def run_command(args: argparse.Namespace) -> int:
         console=console,
         disable=not console.is_terminal,
     )
-    with progress:
+    journal = Journal(out / JOURNAL)
+    stopped_by = None
+    with progress, _sigterm_stops():
         task = progress.add_task("configurations", total=len(p.configs))
-
-        def on_config(config: Config, result: RunResult) -> None:
-            shown = "OOM" if result.status == OOM else result.status
-            progress.update(
-                task, advance=1, description=f"{config.label} @ {config.batch_size}: {shown}"
-            )
-
-        def on_probe(name: str, batch: int, status: str) -> None:
-            shown = {OK: "fits", OOM: "OOM"}.get(status, status)
-            progress.update(task, description=f"max batch {name}: {batch} {shown}")
-
-        report = run_bench(p, on_config, on_probe)
+        try:
+            run_bench(p, [journal, _Printer(console, progress, task, len(p.configs))])
+        except KeyboardInterrupt:
+            stopped_by = "Ctrl-C"
+        except Terminated:
+            stopped_by = "SIGTERM"
+    report = load_journal(journal.path)  # what is on disk, however the run ended
+    if report is None:
+        err.print(f"[red]mixprec bench: stopped by {stopped_by}[/] before the first configuration")
+        return _STOPPED_EXIT[stopped_by or "Ctrl-C"]
+    if stopped_by is not None:
+        report.metadata["stopped"]["by"] = stopped_by
     summaries = summarize(report)
     console.print(rich_table(report, summaries))
     for line in notes(report, summaries, busy=busy is None):  # warned once, at the start
@@ -378,9 +445,13 @@ def run_command(args: argparse.Namespace) -> int:
         console.print("[bold]largest batch that fits[/]")
         for line in max_batch_lines(report):
             console.print(f"  {line}", highlight=False)
-    paths = write_outputs(out, report, png=png)
+    paths = [*write_outputs(out, report, png=png), journal.path]
     console.print(f"results: {', '.join(map(str, paths))}", highlight=False)
     console.print(f"\n[bold]{conclusion(report, summaries)}[/]", highlight=False)
+    stopped = stopped_line(report)
+    if stopped_by is not None and stopped is not None:
+        err.print(f"[yellow bold]{stopped}[/]", highlight=False, soft_wrap=True)
+        return _STOPPED_EXIT[stopped_by]
     failed = any(s.status not in (OK, OOM) for s in summaries) or any(
         found["error"] for found in report.max_batch.values()
     )
