@@ -1,5 +1,6 @@
 """The float8 casts compiled (as they run on CUDA by default) equal the eager ones bit for bit,
-checked here by compiling them for the CPU; and what an eager float8 step dispatches."""
+checked by compiling them for the CPU (and on a GPU, for CUDA); and what a float8 step
+dispatches, compiled and op by op."""
 
 from __future__ import annotations
 
@@ -16,6 +17,15 @@ from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
+CUDA = pytest.param(
+    "cuda",
+    marks=[
+        pytest.mark.cuda,
+        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ],
+)
+
+
 @pytest.fixture
 def compiled_on_cpu():
     previous = set_compiled_casts(("cpu",))
@@ -25,12 +35,22 @@ def compiled_on_cpu():
         set_compiled_casts(previous)
 
 
+@pytest.fixture(params=["cpu", CUDA])
+def device(request):
+    """The device whose casts are compiled during the test (CUDA's by Triton)."""
+    previous = set_compiled_casts((request.param,))
+    try:
+        yield request.param
+    finally:
+        set_compiled_casts(previous)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes, so NaN payloads, signs of zero and the fp8 codes all compare."""
     return t.reshape(-1).contiguous().view(torch.uint8)
 
 
-def _hard_values(dtype: torch.dtype) -> torch.Tensor:
+def _hard_values(dtype: torch.dtype, device: str) -> torch.Tensor:
     """A 2-D tensor with NaN, +-inf, signed zeros, float32 subnormals, values that saturate
     and ordinary ones, rows and columns of each."""
     torch.manual_seed(0)
@@ -40,12 +60,12 @@ def _hard_values(dtype: torch.dtype) -> torch.Tensor:
     x[2, :4] = torch.tensor([1e-40, -3e-42, 2.5e-39, 1e-45])
     x[3, 7] = 3.0e38
     x[:, 9] = -0.0
-    return x.to(dtype)
+    return x.to(device, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_casts_equal_eager_bit_for_bit(compiled_on_cpu, dtype):
-    x = _hard_values(dtype)
+def test_compiled_casts_equal_eager_bit_for_bit(device, dtype):
+    x = _hard_values(dtype, device)
     finite = x.clone()
     finite[0, :3] = 1.0
     calls = []
@@ -54,7 +74,7 @@ def test_compiled_casts_equal_eager_bit_for_bit(compiled_on_cpu, dtype):
             compiled = abs_max(t, dim)
             set_compiled_casts(())
             eager = abs_max(t, dim)
-            set_compiled_casts(("cpu",))
+            set_compiled_casts((device,))
             assert torch.equal(_bits(compiled), _bits(eager)), (dtype, dim)
             calls.append(compiled)
             power_of_2 = dim is not None
@@ -63,7 +83,7 @@ def test_compiled_casts_equal_eager_bit_for_bit(compiled_on_cpu, dtype):
                 compiled8 = saturated_cast(t, scale, fp8)
                 set_compiled_casts(())
                 eager8 = saturated_cast(t, scale, fp8)
-                set_compiled_casts(("cpu",))
+                set_compiled_casts((device,))
                 assert compiled8.dtype == eager8.dtype == fp8
                 assert torch.equal(_bits(compiled8), _bits(eager8)), (dtype, dim, fp8)
     # the compiled path did run: each function was compiled
@@ -79,18 +99,19 @@ def test_compiled_casts_equal_eager_bit_for_bit(compiled_on_cpu, dtype):
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
-def test_float8_linear_step_with_compiled_casts_equals_eager(compiled_on_cpu, recipe):
+def test_float8_linear_step_with_compiled_casts_equals_eager(device, recipe):
     """A training step of a Float8Linear under bf16 autocast: output, input and weight
-    gradients and the delayed buffers equal bit for bit with the casts compiled or not."""
+    gradients and the delayed buffers equal bit for bit with the casts compiled or not (on
+    an SM 8.9+ GPU through the real float8 matmul)."""
 
     def step(compiled: bool) -> list[torch.Tensor]:
-        set_compiled_casts(("cpu",) if compiled else ())
+        set_compiled_casts((device,) if compiled else ())
         torch.manual_seed(1)
-        layer = Float8Linear(32, 48, recipe=recipe, amax_history_length=4)
-        x = (torch.randn(16, 32) * 3).requires_grad_()
+        layer = Float8Linear(32, 48, recipe=recipe, amax_history_length=4, device=device)
+        x = (torch.randn(16, 32, device=device) * 3).requires_grad_()
         outs = []
         for _ in range(2):  # delayed: the second step scales from the recorded history
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast(device, dtype=torch.bfloat16):
                 out = layer(x)
             out.float().square().sum().backward()
             outs += [out, x.grad.clone(), layer.weight.grad.clone()]
