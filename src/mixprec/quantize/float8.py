@@ -23,6 +23,10 @@ output and an SM 8.9/9.0 GPU). Everywhere else they are emulated: dequantize to 
 float32 matmul, round to the output dtype. torch's CPU `_scaled_mm` computes the same thing
 (bit-identical at tile-friendly shapes, within one float32 ulp at odd ones) at the same
 speed, so the explicit form is used: plain torch ops that compile and run on any device.
+
+The casts' abs-max and saturating cast run as compiled kernels on CUDA, in eager models too
+(`mixprec.quantize.float8_casts`; `set_compiled_casts` chooses the devices), bit-identical
+to the op-by-op form.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from mixprec.float8_config import Float8Config
-from mixprec.quantize.float8_casts import abs_max, saturated_cast
+from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_casts
 from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules
 
 __all__ = [
@@ -52,6 +56,7 @@ __all__ = [
     "high_precision_matmul",
     "real_scaled_mm_supported",
     "scaled_matmul",
+    "set_compiled_casts",
     "skip_reason",
     "sync_amax_histories",
     "tensor_scale",
