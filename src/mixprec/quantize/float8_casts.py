@@ -1,26 +1,28 @@
 """The memory-bound half of a float8 cast, fused: ``max|x|`` and the saturating scaled cast.
 
-Run op by op in eager mode, a float8 cast is about a dozen kernels, most of them reading or
-writing the whole tensor (abs, amax, the multiply, clamp, the finiteness test, where, the
-cast). Under ``torch.compile`` the same math is two passes: one reduction for the abs-max
-and one kernel that reads the tensor and writes one byte per element. torchao's float8
-training gets its speed from that compile (its eager casts are op by op); here the two
-functions are compiled on their own, so an eager model gets the fused kernels too:
+Run op by op in eager mode, a float8 cast is several kernels that each read or write the
+whole tensor (the abs-max, the upcast, the multiply, the clamp, the NaN handling, the cast).
+Under ``torch.compile`` the same math is two passes: one reduction for the abs-max and one
+kernel that reads the tensor and writes one byte per element. torchao's float8 training
+gets its speed from that compile (its eager casts are op by op; a prototype of it writes
+the casts as hand-made Triton kernels instead); here the two functions are compiled on
+their own, so an eager model gets the fused kernels too:
 
 - `abs_max` and `saturated_cast` are torch.compile'd on first use on a device named by
   `set_compiled_casts` (CUDA by default), with symbolic shapes, so a model's many layer
-  shapes share one compiled graph per dtype instead of recompiling per shape;
+  shapes share one compiled graph per input dtype instead of recompiling per shape;
 - they run as plain torch ops elsewhere, and also inside a ``torch.compile`` trace (which
   fuses them with their neighbours itself), on tensor subclasses, under a dispatch mode,
   while a CUDA graph is being captured, when the input wants a gradient, and where this
   torch cannot compile (a one-time warning says so).
 
 Both forms are the same Python function and use only ops whose result does not depend on
-how a kernel computes them: abs, max in any order, a float32 multiply, clamp, where and
-dtype casts. The scales (a division, a log2 for power-of-2 scales) are computed by the
-caller on the tiny amax tensors, in eager torch: Triton's float32 division and log2 are
-approximations unless asked otherwise, which would change scales by an ulp. So a compiled
-cast equals the eager one bit for bit (tests compare both on a CPU).
+how a kernel computes them: a max in any order, a float32 multiply, clamp, adding a zero,
+replacing NaNs, dtype casts. The scales (a division, a log2 for power-of-2 scales) are
+computed by the caller on the tiny amax tensors, in eager torch: Triton's float32 division
+and log2 are approximations unless asked otherwise, which would move a scale by an ulp. So
+a compiled cast equals the eager one bit for bit (tests compare both on a CPU, and on a GPU
+when there is one).
 """
 
 from __future__ import annotations
