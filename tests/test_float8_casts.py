@@ -5,6 +5,7 @@ dispatches, compiled and op by op."""
 from __future__ import annotations
 
 import collections
+import warnings
 
 import pytest
 import torch
@@ -216,3 +217,18 @@ def test_eager_step_dispatches_fewer_ops_and_no_host_sync(recipe, ops_now, ops_b
     # the delayed recipe's only abs is its history's finiteness test, on 0-dim amaxes
     assert ops["abs"] == (3 if recipe == "delayed" else 0)
     assert sum(ops.values()) == ops_now < ops_before, dict(ops)
+
+
+def test_without_triton_cuda_casts_run_op_by_op_and_say_so_once(monkeypatch):
+    import torch.utils._triton
+
+    if torch.utils._triton.has_triton():
+        pytest.skip("Triton is installed here")
+    monkeypatch.setattr(float8_casts, "_unavailable", {})
+    with pytest.warns(RuntimeWarning, match="float8 casts on cuda run op by op .*Triton"):
+        assert float8_casts._why_not_compiled("cuda") == (
+            "torch.compile needs Triton for cuda and it is not installed"
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert float8_casts._why_not_compiled("cuda") is not None

@@ -75,6 +75,9 @@ def set_compiled_casts(devices: Iterable[str]) -> tuple[str, ...]:
 def _why_not_compiled(device: str) -> str | None:
     """Why this torch cannot compile for `device` (None: it can), found once per type."""
     if device not in _unavailable:
+        import torch._dynamo  # what torch.compile loads anyway
+        import torch.utils._triton
+
         reason = ""
         if not torch._dynamo.is_dynamo_supported():
             reason = "torch.compile is not supported by this Python or platform"
