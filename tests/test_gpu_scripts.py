@@ -147,7 +147,7 @@ def test_run_h100_script_is_valid_bash_and_lists_its_parts():
     for part in ("-m cuda", "--preset blog", "--max-batch", "transformer.py", "trainer_overhead"):
         assert part in text
     assert "float8_mlp.py" in text and "results.tar.gz" in text
-    assert 'run cuda "${CUDA_TIMEOUT:-130}" INT -- python -m pytest -v -m cuda' in text
+    assert 'run cuda "${CUDA_TIMEOUT:-150}" INT -- python -m pytest -v -m cuda' in text
 
 
 def test_run_h100_budgets_fit_one_nine_minute_command():
@@ -183,5 +183,5 @@ def test_run_h100_script_writes_as_it_goes_and_skips_what_the_total_cannot_fit(t
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=200)
     summary = (out / "again" / "summary.md").read_text()
     assert "| trainer | skipped: 0s of TOTAL_BUDGET left | - | 50 |" in summary
-    assert "| cuda | skipped: 0s of TOTAL_BUDGET left | - | 130 |" in summary
+    assert "| cuda | skipped: 0s of TOTAL_BUDGET left | - | 150 |" in summary
     assert not (out / "again" / "cuda.log").exists()
