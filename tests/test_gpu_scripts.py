@@ -3,8 +3,11 @@ numbers here mean nothing), so the H100 session only has to run them."""
 
 import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -101,10 +104,84 @@ def test_trainer_overhead_script_tiny_on_cpu(tmp_path, monkeypatch, capsys):
     assert text in capsys.readouterr().out
 
 
+def test_float8_mlp_script_tiny_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    script = _load("float8_mlp")
+    out = tmp_path / "out"
+    variants = ["bf16-mixed", "float8", "float8 op-by-op casts"]
+    args = ["--device", "cpu", "--tiny", "--out", str(out), "--variants", *variants]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert script.main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = [json.loads(line) for line in (out / "float8_mlp.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in rows] == variants
+    for r in rows:
+        assert len(r["step_ms"]) == 2 and r["ms"] > 0 and r["peak_mib"] is None
+    md = (out / "float8_mlp.md").read_text()
+    assert "d=64, hidden 128, 32 tokens" in md
+    assert "| bf16-mixed |" in md and "| 1.00x |" in md and "| float8 op-by-op casts |" in md
+    assert "--variants bf16-mixed float8 'float8 op-by-op casts'" in md  # the command, quoted
+
+
+def test_float8_mlp_script_builds_float8_models_with_the_casts_asked_for():
+    script = _load("float8_mlp")
+    base = script.make_mlp(64, 128, torch.device("cpu"))
+    model, casts = script.build("float8", base, skip_small=False)
+    kinds = [type(m).__name__ for m in model if not isinstance(m, torch.nn.GELU)]
+    assert kinds == ["Float8Linear"] * 4 and casts == ("cuda",)
+    assert script.build("float8 op-by-op casts", base, skip_small=False)[1] == ()
+    plain, _ = script.build("bf16-mixed", base, skip_small=False)
+    assert [type(m).__name__ for m in plain][:1] == ["Linear"]
+
+
+RUN_H100 = GPU / "run_h100.sh"
+DEFAULT_PARTS = ["cuda", "blog256", "blog32", "transformer", "trainer", "float8"]
+
+
 def test_run_h100_script_is_valid_bash_and_lists_its_parts():
-    script = GPU / "run_h100.sh"
-    subprocess.run(["bash", "-n", str(script)], check=True)
-    text = script.read_text()
+    subprocess.run(["bash", "-n", str(RUN_H100)], check=True)
+    text = RUN_H100.read_text()
     for part in ("-m cuda", "--preset blog", "--max-batch", "transformer.py", "trainer_overhead"):
         assert part in text
-    assert "results.tar.gz" in text
+    assert "float8_mlp.py" in text and "results.tar.gz" in text
+    assert 'run cuda "${CUDA_TIMEOUT:-150}" INT -- python -m pytest -v -m cuda' in text
+
+
+def test_run_h100_budgets_fit_one_nine_minute_command():
+    """The six default parts, each at its whole budget, plus the machine header fit the
+    total, and the total fits 9 minutes."""
+    text = RUN_H100.read_text()
+    assert f"ALL=({' '.join(DEFAULT_PARTS)})" in text
+    budgets = {
+        name.lower(): int(seconds)
+        for name, seconds in re.findall(r"\$\{(\w+)_TIMEOUT:-(\d+)\}", text)
+    }
+    total = int(re.search(r"TOTAL_BUDGET=\"\$\{TOTAL_BUDGET:-(\d+)\}\"", text).group(1))
+    assert total <= 9 * 60
+    assert sum(budgets[p] for p in DEFAULT_PARTS) + 15 <= total
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the parts would really run")
+def test_run_h100_script_writes_as_it_goes_and_skips_what_the_total_cannot_fit(tmp_path):
+    """On a CPU the float8 part runs and exits 2 (no GPU), its row, log and the packed copies
+    written; with the total spent, parts are skipped and said so."""
+    out, pack = tmp_path / "res", tmp_path / "pack"
+    env = {**os.environ, "TOTAL_BUDGET": "200"}
+    cmd = ["bash", str(RUN_H100), "--out", str(out), "--pack", str(pack), "float8"]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=200)
+    summary = (out / "summary.md").read_text()
+    assert "| float8 | 2 |" in summary
+    assert "no CUDA GPU here" in (out / "float8.log").read_text()
+    assert (pack / "summary.md").read_text() == summary
+    with tarfile.open(pack / "results.tar.gz") as tar:
+        assert "./float8.log" in tar.getnames()
+    env["TOTAL_BUDGET"] = "10"
+    cmd = ["bash", str(RUN_H100), "--out", str(out / "again"), "trainer", "cuda"]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=200)
+    summary = (out / "again" / "summary.md").read_text()
+    assert "| trainer | skipped: 0s of TOTAL_BUDGET left | - | 50 |" in summary
+    assert "| cuda | skipped: 0s of TOTAL_BUDGET left | - | 150 |" in summary
+    assert not (out / "again" / "cuda.log").exists()

@@ -165,11 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             f"| {ms['defaults']:.2f} ({ms['defaults'] / ms['hand'] - 1:+.1%}) |"
         )
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+        if args.out is not None:  # after each row, so a run stopped by its budget keeps it
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines) + "\n")
     return 0
 
 

@@ -23,6 +23,10 @@ output and an SM 8.9/9.0 GPU). Everywhere else they are emulated: dequantize to 
 float32 matmul, round to the output dtype. torch's CPU `_scaled_mm` computes the same thing
 (bit-identical at tile-friendly shapes, within one float32 ulp at odd ones) at the same
 speed, so the explicit form is used: plain torch ops that compile and run on any device.
+
+The casts' abs-max and saturating cast run as compiled kernels on CUDA, in eager models too
+(`mixprec.quantize.float8_casts`; `set_compiled_casts` chooses the devices), bit-identical
+to the op-by-op form.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from mixprec.float8_config import Float8Config
+from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_casts
 from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules
 
 __all__ = [
@@ -51,6 +56,7 @@ __all__ = [
     "high_precision_matmul",
     "real_scaled_mm_supported",
     "scaled_matmul",
+    "set_compiled_casts",
     "skip_reason",
     "sync_amax_histories",
     "tensor_scale",
@@ -87,27 +93,15 @@ def amax_to_scale(amax: Tensor, fp8_dtype: torch.dtype, *, power_of_2: bool = Fa
     return scale
 
 
-def _abs_max(x: Tensor, dim: int | None = None) -> Tensor:
-    """``max|x|`` over the whole tensor (0-dim) or along `dim` (kept as a size-1 dim), in x's
-    dtype; 0 where there is nothing to reduce (an empty batch), as for an all-zero tensor."""
-    x = x.detach().abs()
-    if x.numel() == 0:  # amax refuses to reduce an empty tensor
-        shape = list(x.shape)
-        if dim is not None:
-            shape[dim] = 1
-        return x.new_zeros(() if dim is None else shape)
-    return x.amax() if dim is None else x.amax(dim=dim, keepdim=True)
-
-
 def tensor_scale(x: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     """One scale (a 0-dim float32 tensor) for the whole tensor, from its current amax."""
-    return amax_to_scale(_abs_max(x), fp8_dtype)
+    return amax_to_scale(abs_max(x), fp8_dtype)
 
 
 def axis_scale(x: Tensor, fp8_dtype: torch.dtype, dim: int) -> Tensor:
     """Power-of-2 scales along `dim` of a 2-D tensor (kept as a size-1 dim): ``dim=-1`` gives
     one per row, ``dim=0`` one per column."""
-    return amax_to_scale(_abs_max(x, dim), fp8_dtype, power_of_2=True)
+    return amax_to_scale(abs_max(x, dim), fp8_dtype, power_of_2=True)
 
 
 def to_float8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
@@ -119,9 +113,7 @@ def to_float8(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     ``to_fp8_saturated`` clamps before casting, so an inf becomes +-448 (e4m3) or +-57344
     (e5m2), a finite value a float16 loss scaler would never see overflow.
     """
-    limit = torch.finfo(fp8_dtype).max
-    scaled = (x.float() * scale).clamp(-limit, limit)
-    return torch.where(torch.isfinite(x), scaled, torch.nan).to(fp8_dtype)
+    return saturated_cast(x, scale, fp8_dtype)
 
 
 def real_scaled_mm_supported(a8: Tensor, b8: Tensor, out_dtype: torch.dtype, rowwise: bool) -> bool:
@@ -219,11 +211,6 @@ def _backward_running() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _amax(x: Tensor) -> Tensor:
-    """``max|x|`` as a 0-dim float32 tensor (NaN if x holds one, inf if an inf; 0 if empty)."""
-    return _abs_max(x).float()
-
-
 class _Float8Matmul(torch.autograd.Function):
     """``x @ weight.T`` with float8 operands in both directions, per recipe (no bias).
 
@@ -257,7 +244,7 @@ class _Float8Matmul(torch.autograd.Function):
                 return out
             if recipe == "delayed":
                 in_scale, in_hist, w_scale, w_hist, ctx.g_scale, ctx.g_hist = delayed
-                amax_x, amax_w = _amax(x), _amax(weight)
+                amax_x, amax_w = abs_max(x), abs_max(weight)
                 sx = _delayed_scale(amax_x, in_scale, E4M3)
                 sw = _delayed_scale(amax_w, w_scale, E4M3)
                 if record == "forward":
@@ -308,7 +295,7 @@ class _Float8Matmul(torch.autograd.Function):
             else:
                 x8, w8, x_inv, w_inv = ctx.saved_tensors
                 if ctx.recipe == "delayed":
-                    amax_g = _amax(g)
+                    amax_g = abs_max(g)
                     sg = _delayed_scale(amax_g, ctx.g_scale, E5M2)
                     if ctx.record == "backward":
                         for amax, history in (*ctx.pushes, (amax_g, ctx.g_hist)):
