@@ -138,36 +138,35 @@ def _fresh(monkeypatch, folder):
 @pytest.fixture
 def _clean_detect():
     hardware._detect.cache_clear()
-    threads = torch.get_num_threads()
     yield
-    torch.set_num_threads(threads)
     hardware._detect.cache_clear()
 
 
 @pytest.mark.usefixtures("_clean_detect")
-def test_the_host_is_measured_once_per_machine_torch_and_thread_count(tmp_path, monkeypatch):
+def test_the_host_is_measured_once_per_machine_and_torch(tmp_path, monkeypatch):
     _fresh(monkeypatch, tmp_path)
     first = hardware.detect("cpu")
     path = tmp_path / gemm_ratio.CACHE_FILE
     data = json.loads(path.read_text())
     (entry,) = data["entries"]
     assert entry["key"]["cpu"] == first.name and entry["key"]["torch"] == torch.__version__
-    assert entry["key"]["threads"] == torch.get_num_threads()
+    assert entry["key"]["flags"] == sorted(first.cpu_flags)
     assert set(first.gemm_ratios) == {"bfloat16", "float16"}
-    assert str(path) in first.gemm_note
+    assert str(path) in first.gemm_note and "on one thread" in first.gemm_note
     # a later process reads the cache: what it says is what rates the host
     entry["measured"]["ratios"] = {"bfloat16": 0.5, "float16": 0.6}
     path.write_text(json.dumps(data))
     hardware._detect.cache_clear()
     assert hardware.detect("cpu").gemm_ratios == {"bfloat16": 0.5, "float16": 0.6}
     assert support_matrix(hardware.detect("cpu"))["bf16-mixed"].status == "slow"
-    # another thread count is another measurement, kept beside the first
-    before = torch.get_num_threads()
-    torch.set_num_threads(1 if before != 1 else 2)
-    other = hardware.detect("cpu")
-    assert other.gemm_ratios != {"bfloat16": 0.5, "float16": 0.6}
-    threads = [e["key"]["threads"] for e in json.loads(path.read_text())["entries"]]
-    assert threads == [before, torch.get_num_threads()]
+    # measured under another torch: measured again, and kept beside it
+    entry["key"]["torch"] = "2.0.0"
+    path.write_text(json.dumps(data))
+    hardware._detect.cache_clear()
+    again = hardware.detect("cpu")
+    assert again.gemm_ratios != {"bfloat16": 0.5, "float16": 0.6}
+    versions = [e["key"]["torch"] for e in json.loads(path.read_text())["entries"]]
+    assert versions == ["2.0.0", torch.__version__]
     assert not list(tmp_path.glob(".*"))  # written by replacing, no temporary left
 
 
@@ -219,12 +218,13 @@ def test_the_cache_lives_where_the_user_cache_is(tmp_path):
     assert gemm_ratio.cache_path({}).parts[-3:] == (".cache", "mixprec", "gemm-ratios.json")
 
 
-def test_measuring_leaves_the_rng_and_autocast_alone_and_uses_one_size():
+def test_measuring_leaves_the_rng_autocast_and_threads_alone_and_uses_one_size():
     torch.manual_seed(3)
     before = torch.get_rng_state()
+    threads = torch.get_num_threads()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         m = gemm_ratio.measure()
-    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.equal(torch.get_rng_state(), before) and torch.get_num_threads() == threads
     assert set(m.ratios) == {"bfloat16", "float16"} and set(m.spread) == {
         "float32",
         "bfloat16",

@@ -2,11 +2,17 @@
 per machine.
 
 Instruction flags say what a CPU should do with bfloat16 and float16; a GEMM says what it does
-with this torch, at this thread count. The fast/supported/slow rating of those dtypes on a CPU
+with this torch. The fast/supported/slow rating of those dtypes on a CPU
 (`hardware.dtype_support`) reads the ratio measured here. One measurement takes well under a
 second (small square GEMMs, the same size for every dtype, the dtypes taking turns within each
-round, the best round of each kept) and is kept in a small JSON file, one entry per CPU model
-and flags, torch version and thread count, so a machine pays for it once per configuration.
+round, the fastest multiply of each kept) and is kept in a small JSON file, one entry per CPU
+model and flags, ISA cap and torch version, so a machine pays for it once per configuration.
+
+The GEMMs run on one thread. A multi-threaded multiply waits for its slowest thread, and on a
+host where other processes hold the cores every float32 multiply can wait a scheduler slice
+while a 16-bit one that torch runs on one thread does not: the ratio then says bfloat16 is
+many times faster than float32 on a CPU that emulates it. One thread measures what the cores'
+instructions do, which is what the rating is about.
 """
 
 from __future__ import annotations
@@ -76,17 +82,28 @@ class GemmRatios:
         """How it was measured, for `mixprec info`."""
         spread = max(self.spread.values(), default=1.0)
         return (
-            f"{self.size}x{self.size} GEMMs, best of {self.rounds} interleaved rounds in "
+            f"{self.size}x{self.size} GEMMs on one thread, best of {self.rounds} interleaved "
+            "rounds in "
             f"{self.seconds:.2f} s (rounds within {spread:.2f}x), measured {self.measured_at}"
         )
 
 
 def measure(dtypes: tuple[torch.dtype, ...] = DTYPES) -> GemmRatios:
-    """Time `SIZE`-square GEMMs in float32 and each of `dtypes` on the CPU at the current
-    thread count and return each dtype's speed against float32.
+    """Time `SIZE`-square GEMMs in float32 and each of `dtypes` on one CPU thread and return
+    each dtype's speed against float32.
 
-    The global RNG, autocast and autograd are left as they were: the operands come from a
-    generator of their own, and the multiplies run with autocast off and without gradients."""
+    The global RNG, autocast, autograd and torch's thread count are left as they were: the
+    operands come from a generator of their own, and the multiplies run with autocast off and
+    without gradients."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _measure(dtypes)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(dtypes: tuple[torch.dtype, ...]) -> GemmRatios:
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
     a32 = torch.randn(SIZE, SIZE, generator=generator)
@@ -177,8 +194,8 @@ def _write(path: Path, entries: list[dict[str, Any]]) -> None:
 
 
 def cached(key: Mapping[str, Any], refresh: bool = False) -> GemmRatios:
-    """The ratios measured for `key` (what decides them: CPU model and flags, torch version,
-    thread count), from the cache file, or measured now and stored there when the file has
+    """The ratios measured for `key` (what decides them: CPU model and flags, ISA cap, torch
+    version), from the cache file, or measured now and stored there when the file has
     none for `key` or `refresh` asks. A cache that cannot be written is warned about, and the
     measurement is then only the caller's."""
     key = dict(key)

@@ -113,8 +113,9 @@ class DeviceInfo:
         torch_version: the torch the facts were gathered with.
         isa_cap: which ISA cap (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``) applied.
         gemm_ratios: on a CPU, the measured GEMM speed of "bfloat16" and "float16" against
-            float32 (0.4: 0.4x float32's speed); `detect` measures the host's (cached per
-            machine), a described CPU states them or, left None, is rated by its flags alone.
+            float32 (0.4: 0.4x float32's speed); `detect` measures the host's (on one thread,
+            cached per machine), a described CPU states them or, left None, is rated by its
+            flags alone.
         gemm_note: how and when `gemm_ratios` were measured, shown by `mixprec info`.
     """
 
@@ -303,9 +304,7 @@ _assumed: dict[str, DeviceInfo] = {}
 
 
 @cache
-def _detect(
-    type_: str, index: int | None, caps: tuple[str | None, ...], threads: int
-) -> DeviceInfo:
+def _detect(type_: str, index: int | None, caps: tuple[str | None, ...]) -> DeviceInfo:
     if type_ == "cuda":
         idx = index if index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(idx)
@@ -319,13 +318,13 @@ def _detect(
     if type_ == "mps":
         return DeviceInfo("mps", f"Apple GPU (macOS {platform.mac_ver()[0]})")
     if type_ == "cpu":
-        return _host_cpu(caps, threads, refresh=False)
+        return _host_cpu(caps, refresh=False)
     raise PrecisionError(f"unknown device type {type_!r}; mixprec knows cpu, cuda and mps")
 
 
-def _host_cpu(caps: tuple[str | None, ...], threads: int, refresh: bool) -> DeviceInfo:
-    """The host CPU under the ISA caps `caps`, rated by GEMM ratios measured at `threads`
-    threads: cached per CPU model and flags, cap, torch version and thread count."""
+def _host_cpu(caps: tuple[str | None, ...], refresh: bool) -> DeviceInfo:
+    """The host CPU under the ISA caps `caps`, rated by its measured GEMM ratios: cached per
+    CPU model and flags, cap and torch version."""
     env = {var: value for var, value in zip(_ISA_VARS, caps, strict=True) if value}
     flags, cap = cap_cpu_flags(_cpu_flags(), env)
     name = _cpu_name()
@@ -334,7 +333,6 @@ def _host_cpu(caps: tuple[str | None, ...], threads: int, refresh: bool) -> Devi
         "flags": sorted(flags),
         "isa_cap": cap,
         "torch": torch.__version__,
-        "threads": threads,
     }
     measured = gemm_ratio.cached(key, refresh=refresh)
     return DeviceInfo(
@@ -353,7 +351,7 @@ def remeasure() -> DeviceInfo:
     `detect` answers it from then on."""
     _detect.cache_clear()
     caps = tuple(os.environ.get(v) for v in _ISA_VARS)
-    _host_cpu(caps, torch.get_num_threads(), refresh=True)
+    _host_cpu(caps, refresh=True)
     return detect("cpu")
 
 
@@ -385,8 +383,7 @@ def detect(device: torch.device | str | None = None) -> DeviceInfo:
             + ("" if torch.backends.mps.is_built() else " (it is built without MPS)")
             + "; MPS needs Apple silicon and macOS 12.3+; use device='cpu'"
         )
-    caps = tuple(os.environ.get(v) for v in _ISA_VARS)
-    return _detect(device.type, device.index, caps, torch.get_num_threads())
+    return _detect(device.type, device.index, tuple(os.environ.get(v) for v in _ISA_VARS))
 
 
 @contextmanager
