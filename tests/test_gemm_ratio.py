@@ -254,3 +254,13 @@ def test_the_measure_notice_never_advises_the_option_already_given():
 def test_an_avx2_cpu_is_judged_as_before():
     assert support_matrix(AVX2_CPU)["bf16-mixed"].status == "slow"
     assert resolve_auto(AVX2_CPU).name == "32-true"
+
+
+def test_the_allow_slow_switch_silences_the_slow_precision_warning(monkeypatch):
+    with hardware.assume(AVX512_CPU), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mixprec.apply(nn.Linear(2, 2), "bf16-mixed")
+        monkeypatch.setenv(hardware.ALLOW_SLOW_ENV, "1")
+        mixprec.apply(nn.Linear(2, 2), "bf16-mixed")
+    assert [w.category for w in caught] == [mixprec.SlowPrecisionWarning]
+    assert "measured 0.42x" in str(caught[0].message)

@@ -294,6 +294,7 @@ def test_the_top_level_holds_the_daily_names_only():
             "PrecisionError",
             "PrecisionMonitor",
             "SlowPrecisionError",
+            "SlowPrecisionWarning",
             "StaticLossScaler",
             "Trainer",
             "TrainingModule",

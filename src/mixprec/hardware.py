@@ -729,9 +729,12 @@ def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -
 
     The warning names the policy of the map that is slow (the default one first), not the
     map: '16-mixed' with or without rules is one message, which Python's warning filters
-    then show once per place."""
+    then show once per place. ``MIXPREC_ALLOW_SLOW=1`` silences it for a slow policy, as it
+    lifts `check`'s error: whoever set it knows; a refused one is still said."""
     info = detect(device)
     s = policy_support(policy, info)
+    if s.status == SLOW and allow_slow_from_env():
+        return
     if s.status in (SLOW, REFUSED):
         pmap = as_map(policy)
         others = sorted(pmap.policies() - {pmap.default}, key=lambda p: p.name)
