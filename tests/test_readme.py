@@ -51,3 +51,13 @@ def test_on_an_avx512_cpu_without_bf16_the_bf16_examples_raise_naming_the_measur
     example = next(i for i, b in enumerate(BLOCKS) if call in b)
     with hardware.assume(AVX512_CPU), pytest.raises(SlowPrecisionError, match=r"measured 0\.42x"):
         _run(example)
+
+
+def test_the_doctor_demo_is_said_to_exit_1_by_design():
+    """`mixprec doctor` exits 1 when the target precision fails (tests/test_doctor.py runs the
+    demo and checks it): a newcomer reading the README must not take that for a crash."""
+    text = " ".join(README.read_text().split())
+    command = "mixprec doctor examples/doctor_demo.py:make --precision 16-mixed"
+    after = text[text.index(command) :]
+    assert after.index("exits with status 1 by design") < 200
+    assert "`pool.softmax`" in after[:600]

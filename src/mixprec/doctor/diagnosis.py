@@ -423,7 +423,8 @@ def _why_not(d: Diagnosis, tolerance: float) -> str:
     """Why a trial run does not pass yet, in a few words."""
     broken = [m for m in d.findings if m.verdict == BROKEN]
     if broken:
-        return f"{broken[0].display_name} is broken"
+        b = broken[0]
+        return f"run again, {b.display_name} ({b.type}) is broken: {b.reason}"
     if not d.finite:
         return "the loss or a gradient is still not finite"
     return (
