@@ -67,3 +67,25 @@ def test_docs_example_runs(page, index, mark, code, cpu, tmp_path, monkeypatch):
     else:
         with hardware.assume(AVX2_CPU):
             _run(page, index, code)
+
+
+SEED_TITLE = "First experiments with TensorFlow mixed-precision training"
+
+
+def test_every_page_quoting_the_seed_blog_names_it():
+    """ "The seed blog" means nothing to a newcomer: each page that quotes it gives its title
+    (and says what it measured there)."""
+    pages = [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+    quoting = [p for p in pages if re.search(r"seed (blog|experiment)", p.read_text())]
+    assert quoting
+    for page in quoting:
+        text = " ".join(page.read_text().split())
+        assert SEED_TITLE in text, page.name
+        assert "Tesla V100" in text and "1.1x" in text, page.name
+
+
+def test_no_page_points_at_a_table_above_that_is_not_there():
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text()
+        for m in re.finditer(r"table above", text):
+            assert "|---" in text[: m.start()], f"{page.name}: 'table above' with no table above"

@@ -61,3 +61,20 @@ def test_the_doctor_demo_is_said_to_exit_1_by_design():
     after = text[text.index(command) :]
     assert after.index("exits with status 1 by design") < 200
     assert "`pool.softmax`" in after[:600]
+
+
+def test_the_trainer_and_loop_examples_print_what_they_did(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(ALLOW_SLOW_ENV, "1")
+    trainer = next(i for i, b in enumerate(BLOCKS) if 'Trainer(precision="bf16-mixed"' in b)
+    loop = next(i for i, b in enumerate(BLOCKS) if 'Precision("bf16-mixed")' in b)
+    with hardware.assume(AVX2_CPU):
+        _run(trainer)
+        out = capsys.readouterr().out
+        assert re.search(r"^epoch 0: loss \d\.\d{3}\nepoch 1: loss \d\.\d{3}$", out, re.M)
+        assert "precision: bf16-mixed (slow: bfloat16: no bf16 or avx512 instructions" in out
+        assert "epochs / steps: 2 / 16" in out and "peak memory:" in out
+        _run(loop)
+        out = capsys.readouterr().out
+        assert re.search(r"^step 2: loss \d\.\d{3}, parameters torch\.float32$", out, re.M)
+        assert out.rstrip().endswith("bf16-mixed none")
