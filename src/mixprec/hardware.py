@@ -426,12 +426,12 @@ def _rated(prior: Support, ratio: float | None, dtype: torch.dtype) -> Support:
         return prior
     measured = f"its GEMMs measured {_times(ratio)} float32's speed here"
     if ratio < SLOW_BELOW:
-        return Support(SLOW, f"{measured} ({prior.reason})")
+        return Support(SLOW, f"{measured}; {prior.reason}")
     if prior.status == FAST or dtype != torch.bfloat16:
         return Support(prior.status, f"{prior.reason}; {measured}")
     if ratio >= FAST_FROM:
-        return Support(FAST, f"{measured} ({prior.reason})")
-    return Support(SUPPORTED, f"{measured}, about float32's ({prior.reason})")
+        return Support(FAST, f"{measured}; {prior.reason}")
+    return Support(SUPPORTED, f"{measured}, about float32's; {prior.reason}")
 
 
 def _cpu_prior(dtype: torch.dtype, flags: frozenset[str]) -> Support:
@@ -463,7 +463,9 @@ def _cpu_prior(dtype: torch.dtype, flags: frozenset[str]) -> Support:
             "kernels (a CNN step measured ~100x slower than float32)",
         )
     return Support(
-        SLOW, "no float16 hardware (no avx512_fp16/amx_fp16): about 100x slower than float32"
+        SLOW,
+        "no float16 hardware (no avx512_fp16/amx_fp16): converted in software, and float16 "
+        "convolutions fall back to slow kernels",
     )
 
 
@@ -539,8 +541,8 @@ def float8_support(info: DeviceInfo) -> Support:
         )
     return Support(
         SLOW,
-        f"no float8 matmul hardware on {info.type}: emulated (on an AVX2 CPU a float8 matmul "
-        "took ~3.4x a float32 one)",
+        f"no float8 matmul hardware on {info.type}: emulated (quantized, dequantized, then "
+        "multiplied in float32), slower than float32",
     )
 
 
