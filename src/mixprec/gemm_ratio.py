@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -61,6 +62,9 @@ MAX_CALLS = 64
 TURN_S = 0.002
 # entries kept in the cache file, newest last
 KEEP = 16
+# one measurement at a time in a process: two at once would compete for the cores they time,
+# and each sets torch's thread count and restores it
+_MEASURING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -95,12 +99,13 @@ def measure(dtypes: tuple[torch.dtype, ...] = DTYPES) -> GemmRatios:
     The global RNG, autocast, autograd and torch's thread count are left as they were: the
     operands come from a generator of their own, and the multiplies run with autocast off and
     without gradients."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _measure(dtypes)
-    finally:
-        torch.set_num_threads(threads)
+    with _MEASURING:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _measure(dtypes)
+        finally:
+            torch.set_num_threads(threads)
 
 
 def _measure(dtypes: tuple[torch.dtype, ...]) -> GemmRatios:
