@@ -1,11 +1,27 @@
 """Fixtures every test gets: no state leaks in from the environment or between tests."""
 
+import os
 import signal
+import tempfile
 
 import pytest
 
 import mixprec
+from mixprec.gemm_ratio import CACHE_ENV
 from mixprec.hardware import ALLOW_SLOW_ENV
+
+_GEMM_CACHE = tempfile.TemporaryDirectory(prefix="mixprec-cache-")
+
+
+def pytest_configure(config):
+    """The host's GEMM ratios are measured once per run into a cache of its own (child
+    processes inherit it), never read from or written to the user's; set before collection,
+    since a test module may detect the host when it is imported."""
+    os.environ[CACHE_ENV] = _GEMM_CACHE.name
+
+
+def pytest_unconfigure(config):
+    _GEMM_CACHE.cleanup()
 
 
 @pytest.fixture(autouse=True)

@@ -6,11 +6,31 @@ from __future__ import annotations
 
 from mixprec.hardware import DeviceInfo
 
+# Described CPUs state the GEMM ratios their class measures (`DeviceInfo.gemm_ratios`) or,
+# without them, are rated by their flags alone: nothing is measured on the host.
+
 # no bf16/fp16 matrix instructions: bfloat16 and float16 are far slower than float32 there
 AVX2_CPU = DeviceInfo("cpu", "AVX2-only x86", cpu_flags=frozenset({"avx2", "fma"}))
+# AVX-512 and VNNI but no avx512_bf16 or AMX (Skylake-SP to Ice Lake Xeons): bfloat16 is
+# converted in software, its GEMMs measured at 0.42x float32's speed
+AVX512_CPU = DeviceInfo(
+    "cpu",
+    "Intel Xeon (AVX-512, no bf16)",
+    cpu_flags=frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni"}),
+    gemm_ratios={"bfloat16": 0.42, "float16": 0.05},
+)
 # avx512_bf16 without fp16 hardware: bfloat16 fast, float16 slow
 ZEN4 = DeviceInfo(
     "cpu", "AMD Zen 4", cpu_flags=frozenset({"avx512bw", "avx512_bf16", "avx512_vnni"})
+)
+# AMX tiles for bfloat16 and int8 (Sapphire Rapids): bfloat16 GEMMs several times float32's
+AMX_CPU = DeviceInfo(
+    "cpu",
+    "Intel Xeon (Sapphire Rapids)",
+    cpu_flags=frozenset(
+        {"avx2", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8"}
+    ),
+    gemm_ratios={"bfloat16": 4.2, "float16": 0.9},
 )
 # compute capability 9.0: bfloat16, float16 and float8 fast
 H100 = DeviceInfo("cuda", "H100", 0, capability=(9, 0))

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from devices import AVX2_CPU
 
+import mixprec
 from mixprec import hardware
 from mixprec.hardware import ALLOW_SLOW_ENV
 
@@ -67,3 +68,62 @@ def test_docs_example_runs(page, index, mark, code, cpu, tmp_path, monkeypatch):
     else:
         with hardware.assume(AVX2_CPU):
             _run(page, index, code)
+
+
+SEED_TITLE = "First experiments with TensorFlow mixed-precision training"
+
+
+def test_every_page_quoting_the_seed_blog_names_it():
+    """ "The seed blog" means nothing to a newcomer: each page that quotes it gives its title
+    (and says what it measured there)."""
+    pages = [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]
+    quoting = [p for p in pages if re.search(r"seed (blog|experiment)", p.read_text())]
+    assert quoting
+    for page in quoting:
+        text = " ".join(page.read_text().split())
+        assert SEED_TITLE in text, page.name
+        assert "Tesla V100" in text and "1.1x" in text, page.name
+
+
+def test_no_page_points_at_a_table_above_that_is_not_there():
+    for page in sorted(DOCS.glob("*.md")):
+        text = page.read_text()
+        for m in re.finditer(r"table above", text):
+            assert "|---" in text[: m.start()], f"{page.name}: 'table above' with no table above"
+
+
+def test_getting_started_shows_what_mixprec_prints_on_that_cpu(capsys, monkeypatch):
+    """The page's `mixprec info` table and SlowPrecisionError are what mixprec prints for the
+    CPU it names, an AVX2-only EPYC whose GEMMs measured 0.033x (bf16) and 0.037x (fp16)."""
+    import torch
+
+    from mixprec.cli import main
+    from mixprec.hardware import DeviceInfo
+
+    page = (DOCS / "getting-started.md").read_text()
+    epyc = DeviceInfo(
+        "cpu",
+        "AMD EPYC",
+        cpu_flags=frozenset({"avx2", "fma"}),
+        gemm_ratios={"bfloat16": 0.033, "float16": 0.037},
+    )
+    monkeypatch.setenv("COLUMNS", "100")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with hardware.assume(epyc):
+            assert main(["info", "--device", "cpu"]) == 0
+            out = capsys.readouterr().out
+            with pytest.raises(mixprec.SlowPrecisionError) as err:
+                mixprec.Precision("bf16-mixed").setup(torch.nn.Linear(2, 2))
+    finally:
+        torch.set_num_threads(threads)
+    rows = [line.rstrip() for line in out.splitlines() if line.startswith("│")]
+    assert len(rows) >= 8
+    for row in rows:
+        assert row in page, row
+    assert '"auto" resolves to: 32-true' in page and '"auto" resolves to: 32-true' in out
+    shown = page.split("mixprec.errors.SlowPrecisionError: ", 1)[1].split("```", 1)[0]
+    assert " ".join(shown.split()) == " ".join(str(err.value).split())
+    order = ["## 1. `mixprec info`", "## 2. Your model in bf16-mixed", "## 3. When a precision"]
+    assert [page.index(h) for h in order] == sorted(page.index(h) for h in order)

@@ -141,7 +141,7 @@ def test_linear_overflowing_float16_is_blamed_and_nothing_downstream():
     # inf/NaN flow on through norm and head, which are not blamed
     for name in ("norm", "head"):
         assert d.modules[name].verdict == OK and d.modules[name].nonfinite > 0
-        assert d.modules[name].note == "inf/NaN arrive from elsewhere"
+        assert d.modules[name].note == "inf/NaN from upstream"
     assert d.modules[""].verdict == OK and d.modules[""].note == "contains proj (broken)"
     for name in ("inp", "act"):
         assert d.modules[name].nonfinite == 0 and d.modules[name].rel_error < 1e-2
@@ -479,6 +479,34 @@ def test_two_faults_are_fixed_one_after_the_other():
     assert rules["pool.softmax"] == mixprec.Policy("32-true")
     assert fix.verified.passes()
     assert any("pool.softmax" in line for line in fix.log)
+
+
+def test_the_terminal_never_calls_a_layer_with_inf_nan_ok_and_says_a_rerun_may_find_more(
+    tmp_path, capsys, monkeypatch
+):
+    """The demo's table: every module after `inp` holds inf/NaN; none is shown as plain "ok",
+    and the run says why `pool.softmax` shows up only in the run with `inp` fixed, which the
+    recommendation makes and names it in."""
+    monkeypatch.setenv("COLUMNS", "200")
+    out = tmp_path / "rep"
+    assert main(["doctor", str(ROOT / "examples/doctor_demo.py:make"), "--out", str(out)]) == 1
+    text = capsys.readouterr().out
+    rows = [line for line in text.splitlines() if line.startswith("│")]
+    softmax = next(r for r in rows if r.startswith("│ pool.softmax "))
+    assert softmax.rstrip().endswith("inf/NaN from upstream │")
+    for row in rows:
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        if cells[4] != "0":  # the inf/nan column
+            assert cells[-1] != "ok", row
+    assert "8 module(s) after inp hold the inf/NaN it made" in " ".join(text.split())
+    assert "run again, pool.softmax (NaiveSoftmax) is broken: 121 of 2048 outputs" in " ".join(
+        text.split()
+    )
+    report = (out / "report.md").read_text()
+    assert "| norm | LayerNorm | float32 |" in report
+    norm = next(line for line in report.splitlines() if line.startswith("| norm |"))
+    assert norm.count("inf/NaN from upstream") == 1 and "| ok |" not in norm
+    assert "8 module(s) after inp hold the inf/NaN it made" in report
 
 
 def test_float16_training_nan_fixed_by_recommended_policy():

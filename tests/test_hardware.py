@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from devices import AVX2_CPU, H100, V100, ZEN4
+from devices import AMX_CPU, AVX2_CPU, AVX512_CPU, H100, V100, ZEN4
 from torch import nn
 
 import mixprec
@@ -30,12 +30,14 @@ P100 = DeviceInfo("cuda", "Tesla P100", 0, capability=(6, 0))
             {"bf16-mixed": "fast", "16-mixed": "slow", "16-true": "slow", "64-true": "supported"},
         ),
         (SPR, {"bf16-mixed": "fast", "16-mixed": "slow"}),
+        (AMX_CPU, {"bf16-mixed": "fast", "bf16-true": "fast", "16-mixed": "slow"}),
         (AVX2_CPU, {"bf16-mixed": "slow", "16-mixed": "slow", "32-true": "fast"}),
+        (AVX512_CPU, {"bf16-mixed": "slow", "bf16-true": "slow", "16-mixed": "slow"}),
         (V100, {"bf16-mixed": "refused", "16-mixed": "fast", "32-true": "fast"}),
         (H100, {"bf16-mixed": "fast", "16-mixed": "fast", "bf16-true": "fast"}),
         (P100, {"16-mixed": "supported", "bf16-true": "refused"}),
     ],
-    ids=["zen4", "sapphire-rapids", "old-cpu", "v100", "h100", "p100"],
+    ids=["zen4", "sapphire-rapids", "amx", "old-cpu", "avx512-no-bf16", "v100", "h100", "p100"],
 )
 def test_support_matrix_by_device(info, expected):
     matrix = support_matrix(info)
@@ -49,6 +51,8 @@ def test_support_matrix_by_device(info, expected):
     "info, expected",
     [
         (ZEN4, "bf16-mixed"),
+        (AMX_CPU, "bf16-mixed"),
+        (AVX512_CPU, "32-true"),
         (V100, "16-mixed"),
         (H100, "bf16-mixed"),
         (AVX2_CPU, "32-true"),
@@ -70,7 +74,7 @@ def test_refused_precision_raises_and_names_what_works():
 
 def test_slow_precision_raises_unless_allowed():
     with pytest.raises(
-        SlowPrecisionError, match="far slower than float32.*allow_slow=True.*bf16-mixed"
+        SlowPrecisionError, match="slower than float32.*allow_slow=True.*bf16-mixed"
     ):
         check(Policy("16-mixed"), info=ZEN4)
     assert check(Policy("16-mixed"), info=ZEN4, allow_slow=True).status == "slow"

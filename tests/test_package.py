@@ -16,7 +16,7 @@ SRC = Path(mixprec.__file__).parent
 # below it. Utilities with no knowledge of precision sit at the bottom.
 LAYERS: list[set[str]] = [
     {"errors", "version", "textout"},
-    {"dtypes", "compensated", "float8_config", "microscaling_config"},
+    {"dtypes", "compensated", "float8_config", "microscaling_config", "gemm_ratio"},
     {"policy_names"},
     {"policy"},
     {"quantize"},
@@ -294,6 +294,7 @@ def test_the_top_level_holds_the_daily_names_only():
             "PrecisionError",
             "PrecisionMonitor",
             "SlowPrecisionError",
+            "SlowPrecisionWarning",
             "StaticLossScaler",
             "Trainer",
             "TrainingModule",

@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING, Any
 # mixprec.quantize.dequantize / enable_lora / merge_lora are its other functions
 import mixprec.quantize as quantize
 from mixprec.convert import apply, explain, remove
-from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
+from mixprec.errors import (
+    PolicySpecError,
+    PrecisionError,
+    SlowPrecisionError,
+    SlowPrecisionWarning,
+)
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
 from mixprec.policy_map import PolicyMap
@@ -59,6 +64,7 @@ __all__ = [
     "PrecisionError",
     "PrecisionMonitor",
     "SlowPrecisionError",
+    "SlowPrecisionWarning",
     "StaticLossScaler",
     "Trainer",
     "TrainingModule",

@@ -16,17 +16,18 @@ class PolicySpecError(ValueError):
 
 
 class PrecisionError(ValueError):
-    """A precision is refused on the device in hand, or far slower there than float32."""
+    """A precision is refused on the device in hand, or slower there than float32."""
 
 
 class SlowPrecisionError(PrecisionError):
-    """The precision runs on this device but much slower than float32; pass allow_slow=True."""
+    """The precision runs on this device but slower than float32; pass allow_slow=True."""
 
 
 class SlowPrecisionWarning(UserWarning):
     """A tool that works in any precision (`apply`, the doctor) was given one that is slow or
     refused on this device: numerics can be studied anywhere, so it is a note, not an error.
-    Filter it by this class (``warnings.filterwarnings("ignore", category=...)``)."""
+    ``MIXPREC_ALLOW_SLOW=1`` silences it for a slow precision; or filter it by this class
+    (``warnings.filterwarnings("ignore", category=...)``)."""
 
 
 class FactoryError(ValueError):

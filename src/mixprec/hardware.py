@@ -1,9 +1,10 @@
 """What the device in hand supports, what is fast on it, and what "auto" means there.
 
-The support matrix is predicted from hardware facts (CPU flags, CUDA compute capability,
-MPS) and can be confirmed by `measure` (matmul GFLOP/s per dtype). A refused precision
-raises; one far slower than float32 raises unless the caller allows it. Nothing here ever
-switches a user to another precision silently.
+The support matrix comes from hardware facts (CPU flags, CUDA compute capability, MPS) and,
+on a CPU, from a short measured GEMM speed of bfloat16 and float16 against float32
+(`gemm_ratio`): the flags are the prior and the explanation, the measurement the verdict. A
+refused precision raises; one slower than float32 raises unless the caller allows it. Nothing
+here ever switches a user to another precision silently.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec import gemm_ratio
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PrecisionError, SlowPrecisionError, SlowPrecisionWarning
 from mixprec.microscaling_config import MicroscalingConfig
@@ -38,6 +40,7 @@ __all__ = [
     "REFUSED",
     "Rate",
     "SLOW",
+    "SLOW_BELOW",
     "SUPPORTED",
     "Status",
     "Support",
@@ -58,6 +61,7 @@ __all__ = [
     "measure_rates",
     "parse_device",
     "policy_support",
+    "remeasure",
     "resolve_auto",
     "resolve_policy",
     "slow_attention",
@@ -97,7 +101,23 @@ MATRIX_PRECISIONS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class DeviceInfo:
-    """Facts about one device that decide which precisions are fast on it."""
+    """Facts about one device that decide which precisions are fast on it.
+
+    Attributes:
+        type: "cpu", "cuda" or "mps".
+        name: the CPU model or GPU name.
+        index: the CUDA device index (None elsewhere).
+        cpu_flags: the CPU's instruction flags that matter here, after any ISA cap.
+        capability: a CUDA GPU's compute capability, (major, minor).
+        total_memory: a GPU's memory in bytes.
+        torch_version: the torch the facts were gathered with.
+        isa_cap: which ISA cap (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``) applied.
+        gemm_ratios: on a CPU, the measured GEMM speed of "bfloat16" and "float16" against
+            float32 (0.4: 0.4x float32's speed); `detect` measures the host's (on one thread,
+            cached per machine), a described CPU states them or, left None, is rated by its
+            flags alone.
+        gemm_note: how and when `gemm_ratios` were measured, shown by `mixprec info`.
+    """
 
     type: str
     name: str
@@ -107,6 +127,26 @@ class DeviceInfo:
     total_memory: int | None = None
     torch_version: str = torch.__version__
     isa_cap: str | None = None
+    gemm_ratios: Mapping[str, float] | None = field(default=None, hash=False)
+    gemm_note: str | None = field(default=None, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.gemm_ratios is None:
+            return
+        names = {dtype_name(d) for d in gemm_ratio.DTYPES}
+        ratios = dict(self.gemm_ratios)
+        bad = {
+            k: v
+            for k, v in ratios.items()
+            if k not in names or not isinstance(v, float | int) or not 0 < v < float("inf")
+        }
+        if bad:
+            raise ValueError(
+                f"DeviceInfo.gemm_ratios: {bad} is not understood; it maps "
+                f"{' and '.join(sorted(names))} to a positive speed against float32 "
+                "(e.g. {'bfloat16': 0.42})"
+            )
+        object.__setattr__(self, "gemm_ratios", ratios)
 
     @property
     def device(self) -> torch.device:
@@ -278,10 +318,41 @@ def _detect(type_: str, index: int | None, caps: tuple[str | None, ...]) -> Devi
     if type_ == "mps":
         return DeviceInfo("mps", f"Apple GPU (macOS {platform.mac_ver()[0]})")
     if type_ == "cpu":
-        env = {var: value for var, value in zip(_ISA_VARS, caps, strict=True) if value}
-        flags, cap = cap_cpu_flags(_cpu_flags(), env)
-        return DeviceInfo("cpu", _cpu_name(), cpu_flags=flags, isa_cap=cap)
+        return _host_cpu(caps, refresh=False)
     raise PrecisionError(f"unknown device type {type_!r}; mixprec knows cpu, cuda and mps")
+
+
+def _host_cpu(caps: tuple[str | None, ...], refresh: bool) -> DeviceInfo:
+    """The host CPU under the ISA caps `caps`, rated by its measured GEMM ratios: cached per
+    CPU model and flags, cap and torch version."""
+    env = {var: value for var, value in zip(_ISA_VARS, caps, strict=True) if value}
+    flags, cap = cap_cpu_flags(_cpu_flags(), env)
+    name = _cpu_name()
+    key = {
+        "cpu": name,
+        "flags": sorted(flags),
+        "isa_cap": cap,
+        "torch": torch.__version__,
+    }
+    measured = gemm_ratio.cached(key, refresh=refresh)
+    return DeviceInfo(
+        "cpu",
+        name,
+        cpu_flags=flags,
+        isa_cap=cap,
+        gemm_ratios=measured.ratios,
+        gemm_note=f"{measured.note()}; cached in {gemm_ratio.cache_path()}",
+    )
+
+
+def remeasure() -> DeviceInfo:
+    """Measure the host CPU's GEMM ratios again, replacing the cached ones (say, a measurement
+    taken while other work held the cores), and return the CPU's `DeviceInfo` rated by them;
+    `detect` answers it from then on."""
+    _detect.cache_clear()
+    caps = tuple(os.environ.get(v) for v in _ISA_VARS)
+    _host_cpu(caps, refresh=True)
+    return detect("cpu")
 
 
 def parse_device(device: torch.device | str) -> torch.device:
@@ -321,7 +392,9 @@ def assume(info: DeviceInfo) -> Iterator[DeviceInfo]:
     check (Precision, Trainer, bench, doctor, "auto") then judges that device, not the host.
 
     For tests and for asking "what would happen on an H100 / an AVX2 CPU"; the code still
-    runs on the real device. Process-wide, so not for use from several threads at once.
+    runs on the real device, and nothing is measured: a described CPU is rated by the
+    `gemm_ratios` it states, or by its flags alone. Process-wide, so not for use from several
+    threads at once.
     """
     before = _assumed.get(info.type)
     _assumed[info.type] = info
@@ -334,41 +407,80 @@ def assume(info: DeviceInfo) -> Iterator[DeviceInfo]:
             _assumed[info.type] = before
 
 
+# a 16-bit GEMM measured below this fraction of float32's speed rates its dtype slow; one
+# measured at FAST_FROM or more rates bfloat16 fast whatever the flags say
+SLOW_BELOW = 0.8
+FAST_FROM = 1.25
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:.2g}x"
+
+
+def _rated(prior: Support, ratio: float | None, dtype: torch.dtype) -> Support:
+    """A CPU dtype's support from its flags (`prior`) and its measured GEMM ratio: below
+    `SLOW_BELOW` slow, whatever the flags; else the flags' rating, which for bfloat16 a ratio
+    of `FAST_FROM` raises to fast and one of `SLOW_BELOW` raises to supported. float16 is never
+    raised: its convolutions are slow on CPUs without amx_fp16 however fast its GEMM is."""
+    if ratio is None:
+        return prior
+    measured = f"its GEMMs measured {_times(ratio)} float32's speed here"
+    if ratio < SLOW_BELOW:
+        return Support(SLOW, f"{measured}; {prior.reason}")
+    if prior.status == FAST or dtype != torch.bfloat16:
+        return Support(prior.status, f"{prior.reason}; {measured}")
+    if ratio >= FAST_FROM:
+        return Support(FAST, f"{measured}; {prior.reason}")
+    return Support(SUPPORTED, f"{measured}, about float32's; {prior.reason}")
+
+
+def _cpu_prior(dtype: torch.dtype, flags: frozenset[str]) -> Support:
+    """What a CPU's flags predict for bfloat16 or float16, before any measurement."""
+    if dtype == torch.bfloat16:
+        if flags & {"amx_bf16", "avx512_bf16"}:
+            have = "/".join(sorted(flags & {"amx_bf16", "avx512_bf16"}))
+            return Support(FAST, f"bfloat16 matrix instructions ({have})")
+        if "apple_silicon" in flags:
+            return Support(SUPPORTED, "Apple silicon: bfloat16 at about float32 speed")
+        if "avx512bw" in flags:
+            return Support(
+                SLOW,
+                "no avx512_bf16/amx_bf16: converted to float32 in software with AVX-512, "
+                "slower than float32",
+            )
+        return Support(SLOW, "no bf16 or avx512 instructions: emulated, slower than float32")
+    if "amx_fp16" in flags:
+        return Support(
+            SUPPORTED,
+            "float16 matrix instructions (amx_fp16); "
+            "convolutions may still use slow float16 kernels",
+        )
+    if "avx512_fp16" in flags or "apple_silicon" in flags:
+        return Support(
+            SLOW,
+            "float16 matmuls near float32 speed (avx512_fp16), but "
+            "convolutions and most other float16 ops fall back to slow "
+            "kernels (a CNN step measured ~100x slower than float32)",
+        )
+    return Support(
+        SLOW,
+        "no float16 hardware (no avx512_fp16/amx_fp16): converted in software, and float16 "
+        "convolutions fall back to slow kernels",
+    )
+
+
 def dtype_support(dtype: torch.dtype, info: DeviceInfo) -> Support:
-    """How well `info`'s device runs matmuls and convolutions in `dtype`."""
-    flags = info.cpu_flags
+    """How well `info`'s device runs matmuls and convolutions in `dtype`: on a CPU, bfloat16
+    and float16 as its flags predict and its measured GEMM ratio (`DeviceInfo.gemm_ratios`)
+    confirms or overrules (below `SLOW_BELOW` x float32's speed: slow)."""
     if info.type == "cpu":
         if dtype == torch.float32:
             return Support(FAST, "baseline")
         if dtype == torch.float64:
             return Support(SUPPORTED, "runs at about half the float32 rate")
-        if dtype == torch.bfloat16:
-            if flags & {"amx_bf16", "avx512_bf16"}:
-                have = "/".join(sorted(flags & {"amx_bf16", "avx512_bf16"}))
-                return Support(FAST, f"bfloat16 matrix instructions ({have})")
-            if "avx512bw" in flags or "apple_silicon" in flags:
-                return Support(
-                    SUPPORTED, "no bf16 instructions: converted in software, about float32 speed"
-                )
-            return Support(SLOW, "no bf16 or avx512 instructions: emulated, slower than float32")
-        if dtype == torch.float16:
-            if "amx_fp16" in flags:
-                return Support(
-                    SUPPORTED,
-                    "float16 matrix instructions (amx_fp16); "
-                    "convolutions may still use slow float16 kernels",
-                )
-            if "avx512_fp16" in flags or "apple_silicon" in flags:
-                return Support(
-                    SLOW,
-                    "float16 matmuls near float32 speed (avx512_fp16), but "
-                    "convolutions and most other float16 ops fall back to slow "
-                    "kernels (a CNN step measured ~100x slower than float32)",
-                )
-            return Support(
-                SLOW,
-                "no float16 hardware (no avx512_fp16/amx_fp16): about 100x slower than float32",
-            )
+        if dtype in (torch.bfloat16, torch.float16):
+            ratios = info.gemm_ratios or {}
+            return _rated(_cpu_prior(dtype, info.cpu_flags), ratios.get(dtype_name(dtype)), dtype)
     if info.type == "cuda":
         major, minor = info.capability or (0, 0)
         cc = f"compute capability {major}.{minor}"
@@ -429,8 +541,8 @@ def float8_support(info: DeviceInfo) -> Support:
         )
     return Support(
         SLOW,
-        f"no float8 matmul hardware on {info.type}: emulated (on an AVX2 CPU a float8 matmul "
-        "took ~3.4x a float32 one)",
+        f"no float8 matmul hardware on {info.type}: emulated (quantized, dequantized, then "
+        "multiplied in float32), slower than float32",
     )
 
 
@@ -577,8 +689,9 @@ def check(
     allow_slow: bool = False,
     info: DeviceInfo | None = None,
 ) -> Support:
-    """Raise if `policy` is refused on the device, or far slower than float32 there unless
-    `allow_slow` (or ``MIXPREC_ALLOW_SLOW=1``); return the support (status and reason)."""
+    """Raise if `policy` is refused on the device, or rated slow there (on a CPU: its GEMMs
+    measured below `SLOW_BELOW` x float32's speed) unless `allow_slow` (or
+    ``MIXPREC_ALLOW_SLOW=1``); return the support (status and reason)."""
     info = info or detect(device)
     policy = as_map(policy)
     s = policy_support(policy, info)
@@ -598,7 +711,7 @@ def check(
         else:
             where = fast_on(_slowest_dtype(policy, info))
         raise SlowPrecisionError(
-            f"precision {name!r} runs on {info.describe()} but far slower than float32 "
+            f"precision {name!r} runs on {info.describe()} but slower than float32 "
             f"({s.reason}). It is fast on {where}. To run it here anyway (e.g. to study its "
             "numerics on small tensors) pass allow_slow=True (Precision), "
             "allow_slow_precision=True (Trainer), --allow-slow (mixprec bench), or set "
@@ -618,9 +731,12 @@ def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -
 
     The warning names the policy of the map that is slow (the default one first), not the
     map: '16-mixed' with or without rules is one message, which Python's warning filters
-    then show once per place."""
+    then show once per place. ``MIXPREC_ALLOW_SLOW=1`` silences it for a slow policy, as it
+    lifts `check`'s error: whoever set it knows; a refused one is still said."""
     info = detect(device)
     s = policy_support(policy, info)
+    if s.status == SLOW and allow_slow_from_env():
+        return
     if s.status in (SLOW, REFUSED):
         pmap = as_map(policy)
         others = sorted(pmap.policies() - {pmap.default}, key=lambda p: p.name)
@@ -665,11 +781,14 @@ def measure_rates(
 ) -> dict[str, Rate]:
     """Matmul GFLOP/s per dtype on the device: `repeats` rounds of about `seconds / repeats`
     each (at least `MIN_ROUND_S`), the dtypes taking turns within each round so that a burst
-    of other work hits them alike; the median round and the range.
+    of other work hits them alike; a round's rate is that of its fastest single multiply (a
+    multiply whose threads waited for cores other work held is not what the hardware does);
+    the median round and the range.
 
-    The matrix size is settled first, per dtype, from the median of three timings: it grows
-    from 128 until one multiply takes `MIN_MULTIPLY_S`, so a dtype 100x slower on this
-    hardware still finishes in about `seconds`.
+    Every dtype multiplies matrices of one size, settled first from the median of three
+    timings: it grows from 128 until the slowest dtype's multiply takes `MIN_MULTIPLY_S`, so
+    a dtype 100x slower on this hardware still finishes in about `seconds` while the faster
+    ones repeat their multiply more often.
     """
     if repeats < 1 or not seconds > 0:
         raise ValueError(f"measure needs repeats >= 1 and seconds > 0, got {repeats}, {seconds}")
@@ -685,27 +804,31 @@ def measure_rates(
         sync()
         return time.perf_counter() - t0
 
-    operands: dict[str, tuple[torch.Tensor, torch.Tensor, int, int]] = {}
     per_round = max(seconds / repeats, MIN_ROUND_S)
-    for dtype in dtypes:
-        if dtype_support(dtype, detect(device)).status == REFUSED:
-            continue
-        n = 128
-        while True:
-            a = torch.randn(n, n, device=device).to(dtype)
-            b = torch.randn(n, n, device=device).to(dtype)
+    info = detect(device)
+    kept = [d for d in dtypes if dtype_support(d, info).status != REFUSED]
+    generator = torch.Generator().manual_seed(0)
+    n = 128
+    while True:
+        a32 = torch.randn(n, n, generator=generator).to(device)
+        b32 = torch.randn(n, n, generator=generator).to(device)
+        operands = {dtype_name(d): (a32.to(d), b32.to(d)) for d in kept}
+        one = {}
+        for name, (a, b) in operands.items():
             timed(a, b, 1)  # warm-up: kernel selection, first-touch allocation
-            one = sorted(timed(a, b, 1) for _ in range(3))[1]
-            if one > MIN_MULTIPLY_S or n >= 4096:
-                break
-            n *= 2
-        operands[dtype_name(dtype)] = (a, b, n, max(1, round(per_round / max(one, 1e-6))))
+            one[name] = sorted(timed(a, b, 1) for _ in range(3))[1]
+        if not one or max(one.values()) > MIN_MULTIPLY_S or n >= 4096:
+            break
+        n *= 2
+    reps = {name: max(3, round(per_round / max(t, 1e-6))) for name, t in one.items()}
     rounds: dict[str, list[float]] = {name: [] for name in operands}
-    for _ in range(repeats):
-        for name, (a, b, n, reps) in operands.items():
-            rounds[name].append(2 * n**3 * reps / timed(a, b, reps) / 1e9)
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        for _ in range(repeats):
+            for name, (a, b) in operands.items():
+                fastest = min(timed(a, b, 1) for _ in range(reps[name]))
+                rounds[name].append(2 * n**3 / fastest / 1e9)
     return {
-        name: Rate(statistics.median(rates), min(rates), max(rates), operands[name][2])
+        name: Rate(statistics.median(rates), min(rates), max(rates), n)
         for name, rates in rounds.items()
     }
 
@@ -721,11 +844,15 @@ def measure(
 
 
 def measure_notice(
-    rates: Mapping[str, Rate], info: DeviceInfo, load: float | None = None
+    rates: Mapping[str, Rate],
+    info: DeviceInfo,
+    load: float | None = None,
+    seconds: float | None = None,
 ) -> str | None:
     """Why the rates just measured may not be trusted, or None: rounds that disagree by
-    more than `BUSY_SPREAD`, a load average above the cores, or a dtype the hardware makes
-    fast measuring slower than float32 (other work took the cores while it ran)."""
+    more than `BUSY_SPREAD`, a load average above the cores, or a dtype the hardware's flags
+    make fast measuring slower than float32 (other work took the cores while it ran). The
+    advice to measure longer names more than the `seconds` the rates were measured in."""
     reasons = []
     wide = [
         f"{name} {r.low:,.1f}-{r.high:,.1f}" for name, r in rates.items() if r.spread > BUSY_SPREAD
@@ -742,16 +869,23 @@ def measure_notice(
         dtype = getattr(torch, name, None)
         if base is None or name == "float32" or not isinstance(dtype, torch.dtype):
             continue
-        if dtype_support(dtype, info).status == FAST and r.median < base.median / BUSY_SPREAD:
+        predicted = (
+            _cpu_prior(dtype, info.cpu_flags)
+            if info.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+            else dtype_support(dtype, info)
+        )
+        if predicted.status == FAST and r.median < base.median / BUSY_SPREAD:
             reasons.append(
                 f"{name}, fast on this hardware, measured {base.median / r.median:.1f}x slower "
                 "than float32"
             )
     if not reasons:
         return None
+    longer = max(2.0, 4 * seconds) if seconds is not None else 2.0
     return (
         "these rates are not to be trusted: "
         + "; ".join(reasons)
         + ". Other work is probably using the device; rerun when it is idle, or longer "
-        "(--seconds 2). The support table above does not depend on them."
+        f"(--seconds {longer:g}). The ratings above read their own measurement, the fastest "
+        "of many single multiplies, which a busy core disturbs less."
     )

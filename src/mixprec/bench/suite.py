@@ -101,7 +101,29 @@ MIXED_CANDIDATES = ("bf16-mixed", "16-mixed")
 
 @dataclass
 class BenchOptions:
-    """What to run. `None` fields take defaults from the model, the preset or the device."""
+    """What to run. `None` fields take defaults from the model, the preset or the device.
+
+    Attributes:
+        model: "cnn" (the seed blog post's), "mlp", "transformer", or a user's factory as
+            ``file.py:make`` / ``module:make``.
+        precisions: the precisions (or policy files) to time; None: float32 and the one
+            `mixprec info` recommends here.
+        batch_sizes: the batch sizes; None: the model's (or the preset's) defaults.
+        image_size: the CNN's square input size in pixels; None: the model's default.
+        steps: timed steps per configuration.
+        warmup: untimed steps before them.
+        device: "cpu", "cuda", "cuda:N"; None: the best one available.
+        threads: CPU threads each configuration's process uses.
+        tf32: on CUDA, float32 rows with TF32 "on", "off" or "both".
+        allow_slow: also time precisions rated slow on this device.
+        memory_limit: bytes a configuration may use; past it, it is reported out of memory.
+        max_batch: search the largest batch that fits, per precision.
+        preset: "blog": the seed blog post's image size and batch sizes (for a GPU).
+        float32_islands: mixed precisions with mixprec's float32 norms and softmax "on",
+            without them "off", or "both".
+        timeout: seconds a configuration may run before it is stopped.
+        compile: every configuration under ``torch.compile``.
+    """
 
     model: str = "cnn"
     precisions: list[str] | None = None

@@ -21,11 +21,14 @@ from mixprec.hardware import (
     FAST,
     REFUSED,
     SLOW,
+    SLOW_BELOW,
+    DeviceInfo,
     detect,
     fast_on,
     measure_notice,
     measure_rates,
     policy_support,
+    remeasure,
     resolve_auto,
     support_matrix,
 )
@@ -48,6 +51,8 @@ def _info(args: argparse.Namespace) -> int:
     except (PrecisionError, RuntimeError) as err:
         Console(stderr=True).print(f"[red]mixprec info: error:[/] {err}", highlight=False)
         return 2
+    if args.measure and info.type == "cpu":
+        info = remeasure()  # the ratings' own GEMMs too, replacing the cached ones
     console.print(f"[bold]mixprec {__version__}[/] · torch {torch.__version__}")
     console.print(f"device: {info.describe()}")
     table = FittedTable(
@@ -61,6 +66,8 @@ def _info(args: argparse.Namespace) -> int:
         s = policy_support(name, info)
         table.add_row([name, f"[{_STYLE[s.status]}]{s.status}[/]", s.reason])
     console.print(table)
+    if info.type == "cpu":
+        console.print(_ratings_source(info), highlight=False)
     console.print(f'"auto" resolves to: [bold]{resolve_auto(info).name}[/]')
     slow = {
         Policy(name).compute_dtype
@@ -98,10 +105,21 @@ def _info(args: argparse.Namespace) -> int:
             )
         console.print(t)
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-        notice = measure_notice(rates, info, load)
+        notice = measure_notice(rates, info, load, seconds=args.seconds)
         if notice:
             console.print(f"[yellow]{notice}[/]", highlight=False)
     return 0
+
+
+def _ratings_source(info: DeviceInfo) -> str:
+    """Where a CPU's bfloat16 and float16 ratings come from: measured GEMMs or flags alone."""
+    if not info.gemm_ratios:
+        return "bfloat16 and float16 rated by this CPU's flags alone (no GEMM speed measured)"
+    ratios = ", ".join(f"{name} {r:.2g}x" for name, r in sorted(info.gemm_ratios.items()))
+    return (
+        f"bfloat16 and float16 rated by their GEMM speed against float32 ({ratios}; below "
+        f"{SLOW_BELOW}x is slow): {info.gemm_note or 'as described'}"
+    )
 
 
 _STRATEGIES = (

@@ -389,11 +389,13 @@ class Diagnosis:
 class Recommendation:
     """What `Diagnosis.recommend` found: the policy, its verified run, and how it got there.
 
-    `policy` is the target policy with the fewest modules moved to a safer precision;
-    `verified` is the diagnosis of a run under it (it passes at `tolerance`); `log` says,
-    step by step, which module was moved and what the run then showed. `loss_scale` is the
-    loss scale the fix needs when the diagnosed one overflowed or underflowed (None: keep
-    it); `verified` ran at it.
+    Attributes:
+        policy: the target policy with the fewest modules moved to a safer precision.
+        verified: the diagnosis of a run under `policy` (it passes at `tolerance`).
+        log: step by step, which module was moved and what the run then showed.
+        tolerance: the relative loss and gradient error the fix had to reach.
+        loss_scale: the loss scale the fix needs when the diagnosed one overflowed or
+            underflowed (None: keep it); `verified` ran at it.
     """
 
     policy: PolicyMap
@@ -423,7 +425,8 @@ def _why_not(d: Diagnosis, tolerance: float) -> str:
     """Why a trial run does not pass yet, in a few words."""
     broken = [m for m in d.findings if m.verdict == BROKEN]
     if broken:
-        return f"{broken[0].display_name} is broken"
+        b = broken[0]
+        return f"run again, {b.display_name} ({b.type}) is broken: {b.reason}"
     if not d.finite:
         return "the loss or a gradient is still not finite"
     return (

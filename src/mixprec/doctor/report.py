@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixprec.doctor.verdicts import AT_RISK, BROKEN, OK
+from mixprec.doctor.verdicts import AT_RISK, BROKEN, OK, UPSTREAM
 from mixprec.dtypes import format_info
 
 if TYPE_CHECKING:
@@ -71,9 +71,34 @@ def _cells(m: ModuleReport, columns: tuple[str, ...] = _COLUMNS) -> list[str]:
         "rel err": _num(m.rel_error),
         "SQNR dB": _num(m.sqnr_db),
         "param grad underflow": _pct(max(m.param_grad_underflow, m.param_grad_flushed)),
-        "verdict": m.verdict,
+        "verdict": verdict_text(m),
     }
     return [cells[c] for c in columns]
+
+
+def verdict_text(m: ModuleReport) -> str:
+    """A module's verdict as the tables show it: an ok module holding inf/NaN is never just
+    "ok", since it only passes on what a broken module made (or holds one that is)."""
+    if m.verdict != OK or not (m.nonfinite or m.grad_nonfinite):
+        return m.verdict
+    return "inf/NaN from inside" if m.note.startswith("contains") else UPSTREAM
+
+
+def hidden_downstream(d: Diagnosis) -> str | None:
+    """Why a run with a broken module cannot rule out another downstream, or None: the
+    modules after it hold its inf/NaN, so whether one of them breaks on its own shows only in
+    a run with it fixed."""
+    carrying = [m for m in d.modules.values() if verdict_text(m) == UPSTREAM]
+    origins = [m.display_name for m in d.findings if m.verdict == BROKEN]
+    if not carrying or not origins:
+        return None
+    return (
+        f"{len(carrying)} module(s) after {', '.join(origins)} hold the inf/NaN "
+        f"{'it' if len(origins) == 1 else 'they'} made, so whether one of them breaks on its "
+        "own shows only in a run with it fixed: the recommendation fixes one module at a time "
+        "and runs again after each fix, naming any it finds (mixprec doctor without "
+        "--no-recommend, or run again with its policy.json)"
+    )
 
 
 def summary(d: Diagnosis) -> str:
@@ -111,7 +136,8 @@ def rich_view(d: Diagnosis, rows: int = 15) -> Any:
     )
     for m in d.worst(rows):
         cells = _cells(m, _TERMINAL)
-        cells[-1] = f"[{_STYLE[m.verdict]}]{m.verdict}[/]"
+        style = _STYLE[m.verdict] if cells[-1] == m.verdict else _STYLE[AT_RISK]
+        cells[-1] = f"[{style}]{cells[-1]}[/]"
         table.add_row(cells)
     parts: list[Any] = [Text(summary(d)), table]
     for m in d.findings:
@@ -123,6 +149,9 @@ def rich_view(d: Diagnosis, rows: int = 15) -> Any:
         )
     if not d.findings:
         parts.append(Text.from_markup("[green]no finding: every module is ok[/]"))
+    hidden = hidden_downstream(d)
+    if hidden:
+        parts.append(Text(hidden))
     return Group(*parts)
 
 
@@ -152,6 +181,9 @@ def to_markdown(
         ]
     else:
         lines.append("No finding: every module is ok.")
+    hidden = hidden_downstream(d)
+    if hidden:
+        lines += ["", hidden[0].upper() + hidden[1:] + "."]
     if recommendation is not None and not recommendation.log:
         lines += ["", "## Recommended policy", ""]
         lines.append(
@@ -178,6 +210,7 @@ def to_markdown(
     lines.append("|" + "---|" * (len(_COLUMNS) + 1))
     for m in d.modules.values():
         note = m.reason or m.note
+        note = "" if note == verdict_text(m) else note
         lines.append("| " + " | ".join([*_cells(m), note]).replace("<root>", "(root)") + " |")
     lines += ["", "## Parameter gradients", ""]
     lines.append("| parameter | dtype | grad amax | underflow | flushed | overflow | inf/nan |")

@@ -47,6 +47,7 @@ from mixprec.doctor.verdicts import (
     LOSS_SCALE_MARGIN,
     OK,
     UNDERFLOW_AT_RISK,
+    UPSTREAM,
     VANISH_AT_RISK,
     VANISH_BROKEN,
     FindingKind,
@@ -393,7 +394,7 @@ def mark_origins(modules: dict[str, ModuleReport]) -> None:
     for m in modules.values():
         m.origin = m.verdict == BROKEN
         if m.verdict == OK and not m.note and (m.nonfinite or m.grad_nonfinite):
-            m.note = "inf/NaN arrive from elsewhere"
+            m.note = UPSTREAM
 
 
 def judge(

@@ -38,6 +38,7 @@ __all__ = [
     "MAX_LOSS_SCALE",
     "ModuleReport",
     "OK",
+    "UPSTREAM",
     "Origins",
     "ParamReport",
     "QUANTIZED_TOLERANCE",
@@ -75,6 +76,8 @@ class Verdict(str, Enum):
 
 
 OK, AT_RISK, BROKEN = Verdict.OK, Verdict.AT_RISK, Verdict.BROKEN
+# what an ok module holding inf/NaN that it did not make is shown as: never just "ok"
+UPSTREAM = "inf/NaN from upstream"
 
 
 class FindingKind(str, Enum):

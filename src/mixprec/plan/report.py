@@ -77,7 +77,32 @@ def _num(x: float) -> str:
 
 @dataclass
 class SearchReport:
-    """The result of `mixprec.search` (see its docstring); `policy` is the plan."""
+    """The result of `mixprec.search` (see its docstring); `policy` is the plan.
+
+    Attributes:
+        rows: each searched layer (or tied group) with its formats' costs and scores and
+            the format chosen for it.
+        formats: the formats the search tried.
+        left_out: formats not tried, each with why (slow or refused on the device, ...).
+        baseline: the baseline policy's name, which the plan's loss is held to.
+        budget: the budget the plan had to fit (fractions of the baseline's costs).
+        count: what the bytes count: "weights", or "training" (with gradients and
+            optimizer state).
+        base_costs: the baseline's cost per budget kind: bytes of the searched layers
+            ("memory"), the summed step seconds of those layers ("speed").
+        limits: each budget kind's limit in those units.
+        policy: the plan, as a `PolicyMap`.
+        measured: each verified plan ("plan", "baseline", "float32", "all <format>") as it
+            ran: loss, bytes, step time.
+        attempts: every solve and its verification; the kept one is the plan.
+        tolerance: how far (a fraction) the plan's loss may exceed the baseline's.
+        held_out: whether the losses were measured on held-out evaluation batches.
+        trained: the short training runs of the plan and the baseline, if asked for.
+        reference_loss: the float32 model's mean loss on the evaluation batches.
+        device: the device searched on, as `mixprec info` describes it.
+        seconds: how long the search took.
+        phases: seconds per step of the search.
+    """
 
     rows: list[UnitRow]
     formats: list[str]
