@@ -248,7 +248,7 @@ def test_bench_on_cuda_reports_max_memory_allocated(tmp_path):
             raw = r["raw"]
             assert raw["status"] == OK and len(raw["step_ms"]) == 3
             # the same model, batch and optimizer under autocast: about the same memory
-            assert 0.9 < ours["peak_memory"] / raw["peak_memory"] < 1.1
+            assert 0.95 < ours["peak_memory"] / raw["peak_memory"] <= 1.05
     fp32 = rows["32-true (TF32 off)"]["mixprec"]["peak_memory"]
     assert rows["bf16-mixed"]["mixprec"]["peak_memory"] < fp32
     assert (out / "report.md").is_file() and (out / "results.csv").is_file()
