@@ -277,7 +277,6 @@ def train_epoch(run: FitRun) -> None:
             g.set_state(s)
         batches = iterate_from(loader, progress.batches_done, lambda: restore_resume_rng(run))
     exhausted = run.epoch_finished = False
-    run.log.samples = 0
     run.log.start_timing()
     first = batch_idx = progress.batches_done
     run.trained_batches = 0
@@ -309,6 +308,7 @@ def train_epoch(run: FitRun) -> None:
         )
     if exhausted:
         end_of_data(run, batch_idx)
+    run.log.stop_timing()
     run.epoch_finished = finished
 
 
@@ -505,16 +505,19 @@ def rescale_grads(optimizers: list[LossScaleOptimizer], factor: float) -> None:
 
 
 def log_step(run: FitRun, loss: Tensor) -> None:
-    """Queue this step's values: what self.log recorded, the loss, lr, loss scale and
-    skipped steps. They stay tensors (no host sync) until the log is flushed."""
-    row: dict[str, Tensor | float] = dict(run.metrics.take_step(run.strategy.mean))
+    """This step's values: what self.log recorded, the loss, lr, loss scale and skipped
+    steps. They stay tensors; every ``log_every_n_steps``-th step (and a step a stop request
+    ends) reads them back and logs them, the others only keep them as the latest values."""
+    row: dict[str, Tensor | float] = run.metrics.take_step(run.strategy.mean)
     row["loss"] = loss
     row["lr"] = run.optimizers[0].param_groups[0]["lr"] if run.optimizers else 0.0
     scaler = run.precision.scaler
     if scaler.enabled:
-        row["loss_scale"] = scaler.scale_tensor.clone()
+        # read before the next step updates it: the row is logged now or replaced by then
+        row["loss_scale"] = scaler.scale_tensor
         row["skipped_steps"] = float(run.skipped_steps)
-    run.log.add(run.progress.global_step, row)
+    step = run.progress.global_step
+    run.log.step_row(step, row, run.log.due(step) or run.progress.should_stop)
 
 
 def val_due(run: FitRun, batch_idx: int) -> bool:
@@ -534,7 +537,7 @@ def val_due(run: FitRun, batch_idx: int) -> bool:
 
 def validate_during_fit(run: FitRun, loader: Iterable[Any]) -> None:
     """A validation pass inside fit; its time does not count as training time."""
-    run.log.flush()  # the throughput so far, before validation time starts counting
+    run.log.stop_timing()
     run_eval(run, "validation", loader, run.config.limit_val_batches)
     run.wrapped.train()
     run.log.start_timing()

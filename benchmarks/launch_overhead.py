@@ -1,0 +1,254 @@
+"""What mixprec adds per step where a step is all Python and dispatch (launch-bound).
+
+A 2-layer MLP (32 -> 32 -> 10, ReLU) on batches of 8, one CPU thread: its matmuls take
+microseconds, so a step's time is the Python and the dispatcher calls around them, which is
+what `Precision` and the Trainer add to. Four ways train the same steps from the same
+weights on the same batches (a list of tensors, no DataLoader), interleaved round by round
+in a rotating order (the machine is shared and noisy: only side-by-side numbers mean much):
+
+- raw: the lines of torch.amp a user writes: ``torch.autocast`` around the forward and the
+  loss, ``GradScaler`` for float16 (scale, backward, step, update), ``zero_grad``;
+- precision: ``Precision.setup``, the forward, ``precision.backward``, ``precision.step``,
+  ``zero_grad``;
+- trainer bare: ``Trainer(logger=False, enable_checkpointing=False,
+  enable_progress_bar=False)``;
+- trainer defaults: ``Trainer()`` as it comes: CSV and TensorBoard loggers, a
+  ModelCheckpoint, the progress bar (off here: stdout is not a terminal, as in a job log).
+
+The Trainer's time is the training loop's, from its first batch's start to the last batch's
+end (setup, the epoch's end and the checkpoint it writes are not per-step costs). ms/step
+per way is the median (and best) over rounds; ratios are to raw's.
+
+    python benchmarks/launch_overhead.py [--rounds 15] [--steps 300] [--out FILE]
+    python benchmarks/launch_overhead.py --profile bf16-mixed  # cProfile of the defaults
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import io
+import platform
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import mixprec
+from mixprec.precision import Precision
+from mixprec.trainer import Callback, Trainer
+
+Batches = list[tuple[Tensor, Tensor]]
+WAYS = ("raw", "precision", "trainer bare", "trainer defaults")
+SPECS = ("32-true", "bf16-mixed", "16-mixed")
+COMPUTE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def batches(steps: int) -> Batches:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(8, 32, generator=g), torch.randint(0, 10, (8,), generator=g))
+        for _ in range(steps)
+    ]
+
+
+def optimizer(kind: str) -> Callable[..., torch.optim.Optimizer]:
+    if kind == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=1e-3)
+    return lambda params: torch.optim.SGD(params, lr=0.01)
+
+
+def raw(model: nn.Module, data: Batches, spec: str, opt_kind: str) -> float:
+    """torch.amp as written by hand; returns the loop's seconds."""
+    opt = optimizer(opt_kind)(model.parameters())
+    dtype = COMPUTE.get(spec)
+    scaler = torch.amp.GradScaler("cpu") if spec == "16-mixed" else None
+    t0 = time.perf_counter()
+    for x, y in data:
+        with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            loss = F.cross_entropy(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def with_precision(model: nn.Module, data: Batches, spec: str, opt_kind: str) -> float:
+    """A hand-written loop through `mixprec.Precision`; returns the loop's seconds."""
+    precision = Precision(spec, allow_slow=True)
+    model, opt = precision.setup(model, optimizer(opt_kind)(model.parameters()))
+    t0 = time.perf_counter()
+    for x, y in data:
+        precision.backward(F.cross_entropy(model(x), y))
+        precision.step(opt)
+        opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+class LoopTimer(Callback):
+    """Seconds from the first training batch's start to the last one's end."""
+
+    def on_train_epoch_start(self, trainer, model):
+        self.start = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer, model):
+        # the first hook of the epoch's end: the checkpoint is written after it
+        self.seconds = time.perf_counter() - self.start
+
+
+def with_trainer(
+    model: nn.Module, data: Batches, spec: str, opt_kind: str, defaults: bool
+) -> float:
+    """One epoch with the Trainer; returns the loop's seconds."""
+    timer = LoopTimer()
+    off = {} if defaults else dict(logger=False, enable_checkpointing=False)
+    with tempfile.TemporaryDirectory() as root:
+        trainer = Trainer(
+            precision=spec,
+            max_epochs=1,
+            callbacks=[timer],
+            enable_progress_bar=defaults,
+            default_root_dir=root,
+            allow_slow_precision=True,
+            **off,
+        )
+        trainer.fit(model, data, loss_fn=F.cross_entropy, optimizer=optimizer(opt_kind))
+    return timer.seconds
+
+
+def run_way(way: str, model: nn.Module, data: Batches, spec: str, opt_kind: str) -> float:
+    if way == "raw":
+        return raw(model, data, spec, opt_kind)
+    if way == "precision":
+        return with_precision(model, data, spec, opt_kind)
+    return with_trainer(model, data, spec, opt_kind, defaults=way == "trainer defaults")
+
+
+def measure(spec: str, opt_kind: str, steps: int, rounds: int) -> dict[str, list[float]]:
+    """ms/step of each way per round (after a warm-up round), rounds interleaved."""
+    base, data = mlp(), batches(steps)
+    times: dict[str, list[float]] = {w: [] for w in WAYS}
+    for r in range(rounds + 1):
+        order = WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]
+        for way in order:
+            seconds = run_way(way, copy.deepcopy(base), data, spec, opt_kind)
+            if r:
+                times[way].append(seconds / steps * 1e3)
+    return times
+
+
+def matmul_ratio() -> float:
+    """The time of the model's largest matmul (8x32 by 32x32) in bfloat16 over float32: near
+    1 where dispatch, not arithmetic, sets a step's time."""
+    a, b = torch.randn(8, 32), torch.randn(32, 32)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w = a.to(dtype), b.to(dtype)
+        for _ in range(200):
+            x @ w
+        t0 = time.perf_counter()
+        for _ in range(5000):
+            x @ w
+        out[dtype] = time.perf_counter() - t0
+    return out[torch.bfloat16] / out[torch.float32]
+
+
+def profile(spec: str, opt_kind: str, steps: int, top: int) -> str:
+    """cProfile of the Trainer with its defaults and of the `Precision` loop, the entries in
+    mixprec's files, by own time per step."""
+    data = batches(steps)
+    out = []
+    for way in ("trainer defaults", "precision"):
+        run_way(way, mlp(), data, spec, opt_kind)  # warm
+        prof = cProfile.Profile()
+        model = mlp()
+        prof.enable()
+        run_way(way, model, data, spec, opt_kind)
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(r"mixprec", top)
+        out.append(f"## {way}, {spec}, {opt_kind}, {steps} steps\n\n{text.getvalue()}")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--specs", nargs="+", default=list(SPECS), choices=SPECS)
+    parser.add_argument("--optimizers", nargs="+", default=["sgd", "adamw"])
+    parser.add_argument("--out", default=None, help="write a markdown result file here")
+    parser.add_argument("--profile", default=None, choices=SPECS, help="cProfile instead")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    if args.profile:
+        for opt_kind in args.optimizers:
+            print(profile(args.profile, opt_kind, args.steps, args.top))
+        return 0
+    rows = []
+    for opt_kind in args.optimizers:
+        for spec in args.specs:
+            times = measure(spec, opt_kind, args.steps, args.rounds)
+            med = {w: statistics.median(v) for w, v in times.items()}
+            best = {w: min(v) for w, v in times.items()}
+            cells = [f"{med['raw'] * 1e3:.0f} / {best['raw'] * 1e3:.0f}"]
+            for way in WAYS[1:]:
+                cells.append(
+                    f"{med[way] * 1e3:.0f} / {best[way] * 1e3:.0f} "
+                    f"({med[way] / med['raw']:.3f}x / {best[way] / best['raw']:.3f}x)"
+                )
+            rows.append(f"| {spec} | {opt_kind} | " + " | ".join(cells) + " |")
+            print(rows[-1], flush=True)
+    command = "python benchmarks/launch_overhead.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    lines = [
+        "# Launch-bound step: mixprec against the raw torch.amp loop",
+        "",
+        f"Command: `{command.strip()}`",
+        f"CPU: {platform.processor() or platform.machine()}; "
+        f"{mixprec.hardware.detect('cpu').describe()}; torch {torch.__version__}, "
+        "torch.set_num_threads(1)",
+        f"bfloat16 / float32 time of the model's largest matmul (8x32 @ 32x32): "
+        f"{matmul_ratio():.2f}",
+        "",
+        "µs per step, median / best of the rounds (ratio to raw's median / best):",
+        "",
+        "| precision | optimizer | raw | precision | trainer bare | trainer defaults |",
+        "|---|---|---:|---:|---:|---:|",
+        *rows,
+        "",
+        f"Model: Linear(32, 32) -> ReLU -> Linear(32, 10), batch 8, cross-entropy; "
+        f"{args.steps} steps a round, {args.rounds} rounds after a warm-up round, the ways "
+        "interleaved in a rotating order. Targets: precision <= 1.03x raw, trainer defaults "
+        "<= 1.10x raw.",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
