@@ -15,9 +15,13 @@ in a rotating order (the machine is shared and noisy: only side-by-side numbers 
 - trainer defaults: ``Trainer()`` as it comes: CSV and TensorBoard loggers, a
   ModelCheckpoint, the progress bar (off here: stdout is not a terminal, as in a job log).
 
-The Trainer's time is the training loop's, from its first batch's start to the last batch's
-end (setup, the epoch's end and the checkpoint it writes are not per-step costs). ms/step
-per way is the median (and best) over rounds; ratios are to raw's.
+Each way's steps are timed one by one (from one batch being taken to the next: for the
+Trainer, everything its loop does per batch; setup, the epoch's end and the checkpoint it
+writes are not per-step costs). A round's figure is the mean of its steps, leaving out those
+over 4x the round's median (another process ran: on a shared machine a time slice is
+milliseconds, several steps), so that what happens every 50 steps (a logged row) still
+counts. The table gives the median of the rounds and the best round per way; ratios are
+to raw's.
 
     python benchmarks/launch_overhead.py [--rounds 15] [--steps 300] [--out FILE]
     python benchmarks/launch_overhead.py --profile bf16-mixed  # cProfile of the defaults
@@ -35,7 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +47,7 @@ from torch import Tensor, nn
 
 import mixprec
 from mixprec.precision import Precision
-from mixprec.trainer import Callback, Trainer
+from mixprec.trainer import Trainer
 
 Batches = list[tuple[Tensor, Tensor]]
 WAYS = ("raw", "precision", "trainer bare", "trainer defaults")
@@ -70,12 +74,31 @@ def optimizer(kind: str) -> Callable[..., torch.optim.Optimizer]:
     return lambda params: torch.optim.SGD(params, lr=0.01)
 
 
-def raw(model: nn.Module, data: Batches, spec: str, opt_kind: str) -> float:
-    """torch.amp as written by hand; returns the loop's seconds."""
+class Timed:
+    """The batches, with the time each one was taken (the Trainer iterates it as its data)."""
+
+    def __init__(self, data: Batches) -> None:
+        self.data = data
+        self.stamps: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        for batch in self.data:
+            self.stamps.append(time.perf_counter())
+            yield batch
+
+    def step_seconds(self) -> list[float]:
+        """The time of each step but the last (from its batch to the next one)."""
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:], strict=False)]
+
+
+def raw(model: nn.Module, data: Timed, spec: str, opt_kind: str) -> None:
+    """torch.amp as written by hand."""
     opt = optimizer(opt_kind)(model.parameters())
     dtype = COMPUTE.get(spec)
     scaler = torch.amp.GradScaler("cpu") if spec == "16-mixed" else None
-    t0 = time.perf_counter()
     for x, y in data:
         with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = F.cross_entropy(model(x), y)
@@ -87,70 +110,61 @@ def raw(model: nn.Module, data: Batches, spec: str, opt_kind: str) -> float:
             loss.backward()
             opt.step()
         opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
 
 
-def with_precision(model: nn.Module, data: Batches, spec: str, opt_kind: str) -> float:
-    """A hand-written loop through `mixprec.Precision`; returns the loop's seconds."""
+def with_precision(model: nn.Module, data: Timed, spec: str, opt_kind: str) -> None:
+    """A hand-written loop through `mixprec.Precision`."""
     precision = Precision(spec, allow_slow=True)
     model, opt = precision.setup(model, optimizer(opt_kind)(model.parameters()))
-    t0 = time.perf_counter()
     for x, y in data:
         precision.backward(F.cross_entropy(model(x), y))
         precision.step(opt)
         opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - t0
 
 
-class LoopTimer(Callback):
-    """Seconds from the first training batch's start to the last one's end."""
-
-    def on_train_epoch_start(self, trainer, model):
-        self.start = time.perf_counter()
-
-    def on_train_epoch_end(self, trainer, model):
-        # the first hook of the epoch's end: the checkpoint is written after it
-        self.seconds = time.perf_counter() - self.start
-
-
-def with_trainer(
-    model: nn.Module, data: Batches, spec: str, opt_kind: str, defaults: bool
-) -> float:
-    """One epoch with the Trainer; returns the loop's seconds."""
-    timer = LoopTimer()
+def with_trainer(model: nn.Module, data: Timed, spec: str, opt_kind: str, defaults: bool) -> None:
+    """One epoch with the Trainer."""
     off = {} if defaults else dict(logger=False, enable_checkpointing=False)
     with tempfile.TemporaryDirectory() as root:
         trainer = Trainer(
             precision=spec,
             max_epochs=1,
-            callbacks=[timer],
             enable_progress_bar=defaults,
             default_root_dir=root,
             allow_slow_precision=True,
             **off,
         )
         trainer.fit(model, data, loss_fn=F.cross_entropy, optimizer=optimizer(opt_kind))
-    return timer.seconds
 
 
-def run_way(way: str, model: nn.Module, data: Batches, spec: str, opt_kind: str) -> float:
+def run_way(way: str, model: nn.Module, data: Batches, spec: str, opt_kind: str) -> list[float]:
+    """The seconds of each step of ``way``."""
+    timed = Timed(data)
     if way == "raw":
-        return raw(model, data, spec, opt_kind)
-    if way == "precision":
-        return with_precision(model, data, spec, opt_kind)
-    return with_trainer(model, data, spec, opt_kind, defaults=way == "trainer defaults")
+        raw(model, timed, spec, opt_kind)
+    elif way == "precision":
+        with_precision(model, timed, spec, opt_kind)
+    else:
+        with_trainer(model, timed, spec, opt_kind, defaults=way == "trainer defaults")
+    return timed.step_seconds()
+
+
+def robust_mean(seconds: list[float]) -> float:
+    """The mean of the steps no longer than 4x the median."""
+    limit = 4 * statistics.median(seconds)
+    return statistics.fmean(t for t in seconds if t <= limit)
 
 
 def measure(spec: str, opt_kind: str, steps: int, rounds: int) -> dict[str, list[float]]:
-    """ms/step of each way per round (after a warm-up round), rounds interleaved."""
+    """µs/step of each way per round (after a warm-up round), rounds interleaved."""
     base, data = mlp(), batches(steps)
     times: dict[str, list[float]] = {w: [] for w in WAYS}
     for r in range(rounds + 1):
         order = WAYS[r % len(WAYS) :] + WAYS[: r % len(WAYS)]
         for way in order:
-            seconds = run_way(way, copy.deepcopy(base), data, spec, opt_kind)
+            mean = robust_mean(run_way(way, copy.deepcopy(base), data, spec, opt_kind))
             if r:
-                times[way].append(seconds / steps * 1e3)
+                times[way].append(mean * 1e6)
     return times
 
 
@@ -210,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
             times = measure(spec, opt_kind, args.steps, args.rounds)
             med = {w: statistics.median(v) for w, v in times.items()}
             best = {w: min(v) for w, v in times.items()}
-            cells = [f"{med['raw'] * 1e3:.0f} / {best['raw'] * 1e3:.0f}"]
+            cells = [f"{med['raw']:.0f} / {best['raw']:.0f}"]
             for way in WAYS[1:]:
                 cells.append(
-                    f"{med[way] * 1e3:.0f} / {best[way] * 1e3:.0f} "
+                    f"{med[way]:.0f} / {best[way]:.0f} "
                     f"({med[way] / med['raw']:.3f}x / {best[way] / best['raw']:.3f}x)"
                 )
             rows.append(f"| {spec} | {opt_kind} | " + " | ".join(cells) + " |")
@@ -231,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         f"bfloat16 / float32 time of the model's largest matmul (8x32 @ 32x32): "
         f"{matmul_ratio():.2f}",
         "",
-        "µs per step, median / best of the rounds (ratio to raw's median / best):",
+        "µs per step, median of the rounds / best round (ratio to raw's median / best):",
         "",
         "| precision | optimizer | raw | precision | trainer bare | trainer defaults |",
         "|---|---|---:|---:|---:|---:|",

@@ -126,8 +126,10 @@ class MetricStore:
         """Means of the values logged (in training, or in evaluation) since the last call
         (``sync_dist`` ones averaged over processes by ``mean``), as tensors (reading them is
         left to whoever needs numbers), then forget them."""
-        out = {}
+        out: dict[str, Tensor] = {}
         store = self._step[self.training]
+        if not store:
+            return out
         for name, (total, count) in store.items():
             value = total / count  # type: ignore[operator]
             out[name] = mean(value) if name in self._synced else value
@@ -245,14 +247,11 @@ class StepLog:
         self.samples, self.fit_samples, self.fit_seconds, self._seconds = 0, 0, 0.0, 0.0
         self._since = None
 
-    def due(self, step: int) -> bool:
-        """Whether the row of optimizer step ``step`` is logged (read back and written)."""
-        return step % self.every_n_steps == 0
-
-    def step_row(self, step: int, row: dict[str, Tensor | float], log: bool) -> None:
-        """The row of training step ``step``: logged now with the throughput since the last
-        logged row if ``log``, else kept unread as the latest values."""
-        if not log:
+    def step_row(self, step: int, row: dict[str, Tensor | float], force: bool = False) -> None:
+        """The row of training step ``step``: logged now, with the throughput since the last
+        logged row, if ``step`` is a multiple of ``every_n_steps`` or ``force``; else kept
+        unread as the latest values."""
+        if step % self.every_n_steps and not force:
             self.latest = row
             return
         self.latest = None

@@ -656,12 +656,16 @@ class Trainer:
         stores, which the run moves on."""
         return dict(
             trainer=self,
+            config=self.config,
+            strategy=self.strategy,
             model=model,
             precision=precision,
             runner=runner,
             progress=self._progress,
             metrics=self._metrics,
             log=self._log,
+            device=self.strategy.device,
+            cast_batches=not precision.policy.default.is_mixed,
         )
 
 
