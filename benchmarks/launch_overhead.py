@@ -15,13 +15,15 @@ in a rotating order (the machine is shared and noisy: only side-by-side numbers 
 - trainer defaults: ``Trainer()`` as it comes: CSV and TensorBoard loggers, a
   ModelCheckpoint, the progress bar (off here: stdout is not a terminal, as in a job log).
 
-Each way's steps are timed one by one (from one batch being taken to the next: for the
+Each way's steps are timed one by one in CPU time of the training thread
+(``time.thread_time``: torch runs on that one thread here, and time other processes take
+on a shared machine does not count), from one batch being taken to the next: for the
 Trainer, everything its loop does per batch; setup, the epoch's end and the checkpoint it
-writes are not per-step costs). A round's figure is the mean of its steps, leaving out those
-over 4x the round's median (another process ran: on a shared machine a time slice is
-milliseconds, several steps), so that what happens every 50 steps (a logged row) still
-counts. The table gives the median of the rounds and the best round per way; ratios are
-to raw's.
+writes are not per-step costs. A round's figure is the mean of its steps, leaving out those
+over 4x the round's median, so that what happens every 50 steps (a logged row) still
+counts. The TensorBoard writer's own thread is not counted. The table gives the median of
+the rounds and the best round per way; ratios are to raw's. Function calls and aten ops per
+step are counted too: unlike times, they do not depend on the machine's load.
 
     python benchmarks/launch_overhead.py [--rounds 15] [--steps 300] [--out FILE]
     python benchmarks/launch_overhead.py --profile bf16-mixed  # cProfile of the defaults
@@ -44,6 +46,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
 from mixprec.precision import Precision
@@ -86,7 +89,7 @@ class Timed:
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         for batch in self.data:
-            self.stamps.append(time.perf_counter())
+            self.stamps.append(time.thread_time())
             yield batch
 
     def step_seconds(self) -> list[float]:
@@ -168,6 +171,46 @@ def measure(spec: str, opt_kind: str, steps: int, rounds: int) -> dict[str, list
     return times
 
 
+class _Ops(TorchDispatchMode):
+    """Counts the aten ops dispatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _calls(way: str, data: Batches, spec: str, opt_kind: str) -> int:
+    prof = cProfile.Profile()
+    prof.enable()
+    run_way(way, mlp(), data, spec, opt_kind)
+    prof.disable()
+    return sum(entry[1] for entry in pstats.Stats(prof).stats.values())  # type: ignore[attr-defined]
+
+
+def _ops(way: str, data: Batches, spec: str, opt_kind: str) -> int:
+    with _Ops() as ops:
+        run_way(way, mlp(), data, spec, opt_kind)
+    return ops.count
+
+
+def per_step_counts(spec: str, opt_kind: str) -> dict[str, tuple[float, float]]:
+    """Python function calls and aten ops per step of each way: the difference between
+    runs of 150 and 50 steps over 100, so that setup and the epoch's end cancel. Counts do
+    not depend on the machine's load, unlike times."""
+    short, long = batches(50), batches(150)
+    run_way("trainer defaults", mlp(), short, spec, opt_kind)  # imports done before counting
+    out = {}
+    for way in WAYS:
+        calls = (_calls(way, long, spec, opt_kind) - _calls(way, short, spec, opt_kind)) / 100
+        ops = (_ops(way, long, spec, opt_kind) - _ops(way, short, spec, opt_kind)) / 100
+        out[way] = (calls, ops)
+    return out
+
+
 def matmul_ratio() -> float:
     """The time of the model's largest matmul (8x32 by 32x32) in bfloat16 over float32: near
     1 where dispatch, not arithmetic, sets a step's time."""
@@ -218,9 +261,16 @@ def main(argv: list[str] | None = None) -> int:
         for opt_kind in args.optimizers:
             print(profile(args.profile, opt_kind, args.steps, args.top))
         return 0
-    rows = []
+    rows, count_rows = [], []
     for opt_kind in args.optimizers:
         for spec in args.specs:
+            counts = per_step_counts(spec, opt_kind)
+            count_rows.append(
+                f"| {spec} | {opt_kind} | "
+                + " | ".join(f"{counts[w][0]:.0f} / {counts[w][1]:.0f}" for w in WAYS)
+                + " |"
+            )
+            print(count_rows[-1], flush=True)
             times = measure(spec, opt_kind, args.steps, args.rounds)
             med = {w: statistics.median(v) for w, v in times.items()}
             best = {w: min(v) for w, v in times.items()}
@@ -230,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{med[way]:.0f} / {best[way]:.0f} "
                     f"({med[way] / med['raw']:.3f}x / {best[way] / best['raw']:.3f}x)"
                 )
+            cells.append(f"{med['trainer defaults'] / med['precision']:.3f}x")
             rows.append(f"| {spec} | {opt_kind} | " + " | ".join(cells) + " |")
             print(rows[-1], flush=True)
     command = "python benchmarks/launch_overhead.py " + " ".join(
@@ -247,9 +298,17 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "µs per step, median of the rounds / best round (ratio to raw's median / best):",
         "",
-        "| precision | optimizer | raw | precision | trainer bare | trainer defaults |",
-        "|---|---|---:|---:|---:|---:|",
+        "| policy | optimizer | raw | precision | trainer bare | trainer defaults "
+        "| defaults / precision |",
+        "|---|---|---:|---:|---:|---:|---:|",
         *rows,
+        "",
+        "Python function calls / aten ops per step (cProfile and a TorchDispatchMode "
+        "counter; machine-independent):",
+        "",
+        "| policy | optimizer | raw | precision | trainer bare | trainer defaults |",
+        "|---|---|---:|---:|---:|---:|",
+        *count_rows,
         "",
         f"Model: Linear(32, 32) -> ReLU -> Linear(32, 10), batch 8, cross-entropy; "
         f"{args.steps} steps a round, {args.rounds} rounds after a warm-up round, the ways "
