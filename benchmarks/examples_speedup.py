@@ -4,8 +4,8 @@ accuracy / held-out loss each reaches; the other precisions once each, to show t
 Every run is a fresh process (`python examples/<name>.py --precision P --json FILE`), so no
 run inherits another's allocator or thread state. The float32 and bf16-mixed runs alternate
 (``--repeats`` times each, order flipped every round: the machine is shared and noisy);
-speed is the median of the throughput the Trainer logs every 25 steps, and speed-ups are
-ratios of those medians.
+speed is the median of the throughput the Trainer logs every 10 (digits) or 25 (charlm)
+steps, and speed-ups are ratios of those medians.
 
     python benchmarks/examples_speedup.py [--repeats 2] [--others] [--out-dir DIR]
 """
@@ -106,14 +106,14 @@ def main(argv: list[str] | None = None) -> int:
         "charlm: `examples/charlm.py` (GPT, 4 layers, width 256, 4 heads, 128-byte context, "
         "300 steps of batch 32; the last 10% of the text held out); quality is the held-out "
         "cross-entropy in nats per byte (lower is better). Training samples/s is the median "
-        "of the throughput the Trainer logs every 25 steps (training time only; images or "
-        "128-byte sequences), the median over runs; speed-up is its ratio to 32-true. Fit "
-        "time is the whole `Trainer.fit` (validation included): on this shared machine it "
-        "swings with other load, the per-window median much less. Each run is a fresh "
-        "process; float32 and bf16-mixed alternate. Quality is the mean over the runs. "
-        "digits in 16-mixed and 16-true run 1 epoch (20 steps) instead of 20: float16 "
-        "convolutions are about 110x slower than float32 on this CPU (1.5 s vs 13 ms a "
-        "step), so their quality is not comparable with the 20-epoch rows.",
+        "of the throughput the Trainer logs every 10 (digits) or 25 (charlm) steps (training "
+        "time only; images or 128-byte sequences), the median over runs; speed-up is its "
+        "ratio to 32-true. Fit time is the whole `Trainer.fit` (validation included): on "
+        "this shared machine it swings with other load, the per-window median much less. "
+        "Each run is a fresh process; float32 and bf16-mixed alternate. Quality is the mean "
+        "over the runs. digits in 16-mixed and 16-true run 1 epoch (20 steps) instead of 20: "
+        "float16 convolutions are about 110x slower than float32 on this CPU (1.5 s vs 13 ms "
+        "a step), so their quality is not comparable with the 20-epoch rows.",
     ]
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "examples_speedup.md").write_text("\n".join(lines) + "\n")

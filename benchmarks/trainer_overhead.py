@@ -6,7 +6,7 @@ numbers mean much):
 
 - hand: a minimal loop (`Precision.setup`, `backward`, `step`, `zero_grad`);
 - Trainer, bare: ``logger=False``, no checkpoint, no progress bar;
-- Trainer, defaults: CSV and TensorBoard logging of every step and a checkpoint at the end.
+- Trainer, defaults: CSV and TensorBoard logging every 50 steps and a checkpoint at the end.
 
 Two figures per way: the training loop's time per step (from the first batch to the end of
 the last step: what grows with the run) and the one-off cost around it (setup, logger
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Medians of {args.rounds} rounds; in each round the three ways run back to back in "
         "a rotating order. 'Bare' is `Trainer(logger=False, enable_checkpointing=False, "
         "enable_progress_bar=False)`; 'defaults' has the CSV and TensorBoard loggers (loss, "
-        "lr, every step; samples/s and peak memory every 25 steps) and the ModelCheckpoint.",
+        "lr, samples/s and peak memory every 50 steps) and the ModelCheckpoint.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)

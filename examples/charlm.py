@@ -204,6 +204,7 @@ def run(
         precision=spec,
         devices=devices,
         max_steps=steps,
+        log_every_n_steps=min(25, steps),  # throughput samples for median_rate
         val_check_interval=min(len(train), steps),
         limit_val_batches=40,
         default_root_dir=root,

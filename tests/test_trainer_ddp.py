@@ -67,6 +67,7 @@ def test_spawned_ddp_ranks_agree_and_match_one_process_on_the_global_batch(tmp_p
         accumulate_grad_batches=2,
         gradient_clip_val=0.5,
         callbacks=[DumpParams(tmp_path)],
+        log_every_n_steps=1,
         default_root_dir=tmp_path,
         enable_progress_bar=False,
     )

@@ -531,6 +531,7 @@ def test_a_csv_logger_given_an_existing_version_appends_instead_of_overwriting(t
     first = Trainer(
         max_epochs=1,
         logger=CSVLogger(tmp_path, version=0),
+        log_every_n_steps=1,
         default_root_dir=tmp_path,
         enable_progress_bar=False,
         enable_checkpointing=False,
@@ -542,6 +543,7 @@ def test_a_csv_logger_given_an_existing_version_appends_instead_of_overwriting(t
     again = Trainer(
         max_epochs=1,
         logger=CSVLogger(tmp_path, version=0),
+        log_every_n_steps=1,
         default_root_dir=tmp_path,
         enable_progress_bar=False,
         enable_checkpointing=False,
@@ -552,8 +554,9 @@ def test_a_csv_logger_given_an_existing_version_appends_instead_of_overwriting(t
 
 
 def test_two_default_trainers_built_together_get_separate_versions(tmp_path):
-    a = Trainer(max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False)
-    b = Trainer(max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False)
+    kwargs = dict(max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False)
+    a = Trainer(log_every_n_steps=1, **kwargs)
+    b = Trainer(log_every_n_steps=1, **kwargs)
     a.fit(Counts(), DataLoader(data(16), batch_size=4))
     b.fit(Counts(), DataLoader(data(8), batch_size=4))
     assert (a.run_dir.name, b.run_dir.name) == ("version_0", "version_1")

@@ -180,20 +180,38 @@ class Where:
         self.is_global_zero = zero
 
 
-def test_step_log_writes_in_batches_on_rank_zero_with_the_throughput():
+def test_step_log_logs_every_nth_step_row_on_rank_zero_with_the_throughput():
     sink = Sink()
-    steplog = StepLog([sink], Where(zero=True))
+    steplog = StepLog([sink], Where(zero=True), every_n_steps=5)
     steplog.start_timing()
-    for step in range(1, 25):
-        steplog.add(step, {"loss": torch.tensor(float(step))})
-    assert sink.rows == []  # kept as tensors until 25 rows or a reader
-    steplog.samples = 40
-    steplog.add(25, {"loss": torch.tensor(25.0)})
-    assert [s for s, _ in sink.rows] == list(range(1, 26))
-    last = sink.rows[-1][1]
-    assert last["loss"] == 25.0 and last["samples_per_sec"] > 0 and last["peak_memory_mib"] > 0
-    assert "samples_per_sec" not in sink.rows[0][1]
-    assert steplog.callback_metrics["loss"] == 25.0 and steplog.throughput() > 0
+    for step in range(1, 5):
+        steplog.samples += 10
+        steplog.step_row(step, {"loss": torch.tensor(float(step))})
+    assert sink.rows == [] and steplog.callback_metrics == {}  # nothing read yet
+    steplog.samples += 10
+    steplog.step_row(5, {"loss": torch.tensor(5.0)})
+    assert [s for s, _ in sink.rows] == [5]  # rows 1-4 were only the latest values
+    row = sink.rows[0][1]
+    assert row["loss"] == 5.0 and row["samples_per_sec"] > 0 and row["peak_memory_mib"] > 0
+    assert steplog.fit_samples == 50  # the throughput covers the 5 steps
+    steplog.step_row(6, {"loss": torch.tensor(6.0)})
+    assert steplog.callback_metrics["loss"] == 5.0  # as last read back
+    assert steplog.read()["loss"] == 6.0 and len(sink.rows) == 1  # read, not logged
+    steplog.step_row(7, {"loss": torch.tensor(7.0)}, force=True)  # a stop request's step
+    assert [s for s, _ in sink.rows] == [5, 7]
+    # rows given with add reach the loggers, every n-th or with the next flush
+    for step in range(7, 11):
+        steplog.add(step, {"counted": torch.tensor(float(step))})
+    assert len(sink.rows) == 2
+    steplog.add(11, {"counted": 11.0})
+    assert [s for s, _ in sink.rows] == [5, 7, 7, 8, 9, 10, 11]
+    assert steplog.logged_metrics == {
+        "loss": 7.0,
+        "counted": 11.0,
+        "samples_per_sec": row["samples_per_sec"],
+        "peak_memory_mib": row["peak_memory_mib"],
+    }
+    assert steplog.throughput() > 0
 
     other = Sink()
     not_zero = StepLog([other], Where(zero=False))

@@ -86,6 +86,7 @@ class TrainerConfig:
     val_check_interval: float | int = 1.0
     limit_train_batches: float | int | None = None
     limit_val_batches: float | int | None = None
+    log_every_n_steps: int = 50
     seed: int | None = None
     deterministic: bool = False
     allow_slow_precision: bool = False
@@ -126,6 +127,11 @@ class TrainerConfig:
                 "Trainer.validate"
             )
         _fraction_or_count("limit_val_batches", self.limit_val_batches)
+        if not (_is_int(self.log_every_n_steps) and self.log_every_n_steps >= 1):
+            raise ValueError(
+                "log_every_n_steps must be an int >= 1 (every how many optimizer steps the "
+                f"training values are read back and logged), got {self.log_every_n_steps!r}"
+            )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
         if self.max_epochs is None and self.max_steps is None:

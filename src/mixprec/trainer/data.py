@@ -43,6 +43,12 @@ __all__ = [
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a nested batch (any structure `mixprec.tree` walks: tuples,
     lists, dicts, namedtuples, dataclasses, mappings) to ``device``."""
+    if type(batch) in (tuple, list):  # the common batch: checked without walking it
+        for t in batch:
+            if type(t) is not torch.Tensor or t.device != device:
+                break
+        else:
+            return batch
     return map_tensors(
         lambda t: t if t.device == device else t.to(device, non_blocking=t.is_pinned()), batch
     )
@@ -50,9 +56,13 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 def batch_size_of(batch: Any) -> int:
     """The leading dimension of the first tensor found in ``batch`` (1 if there is none)."""
-    for t in iter_tensors(batch):
-        return t.shape[0] if t.dim() else 1
-    return 1
+    if type(batch) in (tuple, list) and batch and type(batch[0]) is torch.Tensor:
+        first: torch.Tensor | None = batch[0]
+    else:
+        first = next(iter_tensors(batch), None)
+    if first is None:
+        return 1
+    return first.shape[0] if first.dim() else 1
 
 
 def num_batches(loader: Iterable[Any], limit: int | float | None, what: str) -> int | None:

@@ -12,6 +12,7 @@ rows go to, and the dispatch of hooks to the module and the callbacks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ __all__ = [
     "end_of_data",
     "fit_done",
     "fit_loop",
+    "forward_backward",
     "log_step",
     "log_training_epoch",
     "loss_of",
@@ -95,7 +97,7 @@ class StepRunner(nn.Module):
         self.__dict__["loss_fn"] = loss_fn
 
     def forward(self, kind: str, batch: Any, batch_idx: int) -> Any:
-        model, precision = self.module, self.precision
+        model, precision = self._modules["module"], self.precision
         if isinstance(model, TrainingModule):
             with step_context(precision, model, user_code=True):
                 return getattr(model, f"{kind}_step")(batch, batch_idx)
@@ -129,25 +131,21 @@ class Run:
     """What one validate/test/predict call works with, set up on the device, and what it
     moves on: the progress counters, the metric stores, the hooks."""
 
-    trainer: Trainer  # its settings; handed to the callbacks' hooks
+    trainer: Trainer  # handed to the callbacks' hooks
+    config: TrainerConfig  # the Trainer's checked settings
+    strategy: Strategy  # where the run trains: the device, the processes
     model: nn.Module
     precision: Precision
     runner: StepRunner
     progress: Progress  # the Trainer's own
     metrics: MetricStore  # what ``self.log`` records in this run
     log: StepLog  # the rows for the loggers, and the latest value of every metric
-    # the callbacks that override each hook, found once per run (hooks run per batch)
-    listeners: dict[str, list[Callback]] = field(default_factory=dict, init=False)
-
-    @property
-    def config(self) -> TrainerConfig:
-        """The Trainer's checked settings."""
-        return self.trainer.config
-
-    @property
-    def strategy(self) -> Strategy:
-        """Where the run trains: the device, the processes."""
-        return self.trainer.strategy
+    device: torch.device  # the strategy's, where batches go
+    cast_batches: bool  # whether the precision converts batches (a "true" policy)
+    # what each hook calls, found once per run (hooks run per batch)
+    calls: dict[tuple[str, bool, bool], list[Callable[..., None]]] = field(
+        default_factory=dict, init=False
+    )
 
     @property
     def callbacks(self) -> list[Callback]:
@@ -161,22 +159,43 @@ class Run:
 
     def hook(self, name: str, *args: Any) -> None:
         """Call hook ``name``: the module's, then the callbacks'."""
-        self.module_hook(name, *args)
-        self.callback_hook(name, *args)
+        calls = self.calls.get((name, True, True))
+        for call in self.listening(name) if calls is None else calls:
+            call(*args)
 
     def module_hook(self, name: str, *args: Any) -> None:
         """Call a TrainingModule's hook ``name``."""
-        if isinstance(self.model, TrainingModule) and name in MODULE_HOOKS:
-            getattr(self.model, name)(*args)
+        for call in self.listening(name, callbacks=False):
+            call(*args)
 
     def callback_hook(self, name: str, *args: Any) -> None:
         """Call hook ``name`` of the callbacks that override it, with the trainer and model."""
-        listeners = self.listeners.get(name)
-        if listeners is None:
-            listeners = [c for c in self.callbacks if listens(c, name)]
-            self.listeners[name] = listeners
-        for cb in listeners:
-            getattr(cb, name)(self.trainer, self.model, *args)
+        for call in self.listening(name, module=False):
+            call(*args)
+
+    def listening(
+        self, name: str, module: bool = True, callbacks: bool = True
+    ) -> list[Callable[..., None]]:
+        """What hook ``name`` calls: a TrainingModule's own hook (not the no-op it
+        inherits), then those of the callbacks that override it, bound to the trainer and
+        model; found once per run, so that an absent hook costs a lookup."""
+        key = (name, module, callbacks)
+        calls = self.calls.get(key)
+        if calls is None:
+            calls = []
+            model = self.model
+            if module and isinstance(model, TrainingModule) and name in MODULE_HOOKS:
+                own = getattr(model, name)
+                if getattr(own, "__func__", None) is not getattr(TrainingModule, name):
+                    calls.append(own)
+            if callbacks:
+                calls += [
+                    functools.partial(getattr(cb, name), self.trainer, model)
+                    for cb in self.callbacks
+                    if listens(cb, name)
+                ]
+            self.calls[key] = calls
+        return calls
 
 
 @dataclass(eq=False, kw_only=True)
@@ -277,10 +296,10 @@ def train_epoch(run: FitRun) -> None:
             g.set_state(s)
         batches = iterate_from(loader, progress.batches_done, lambda: restore_resume_rng(run))
     exhausted = run.epoch_finished = False
-    run.log.samples = 0
     run.log.start_timing()
     first = batch_idx = progress.batches_done
     run.trained_batches = 0
+    strategy = run.strategy
     while n is None or batch_idx < n:
         try:
             batch = next(batches)
@@ -289,8 +308,8 @@ def train_epoch(run: FitRun) -> None:
             break
         train_batch(run, batch, batch_idx)
         batch_idx += 1
-        progress.should_stop = run.strategy.any(progress.should_stop)  # all ranks together
-        if not run.in_window and fit_done(run):
+        progress.should_stop = strategy.any(progress.should_stop)  # all ranks together
+        if not run.window_batches and fit_done(run):
             # data without len() may have ended with this batch: then the epoch is over, as
             # it would be for sized data (its end validates and counts the epoch)
             exhausted = n is None and not run.strategy.any(not ran_out(batches))
@@ -309,6 +328,7 @@ def train_epoch(run: FitRun) -> None:
         )
     if exhausted:
         end_of_data(run, batch_idx)
+    run.log.stop_timing()
     run.epoch_finished = finished
 
 
@@ -341,7 +361,9 @@ def end_of_data(run: FitRun, batches: int) -> None:
 def train_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
     """One batch: forward, scaled backward and, at the end of its accumulation window, the
     optimizer step (or the whole step of a closure optimizer); validation when due."""
-    batch = run.precision.convert_input(to_device(batch, run.strategy.device))
+    batch = to_device(batch, run.device)
+    if run.cast_batches:
+        batch = run.precision.convert_input(batch)
     run.hook("on_train_batch_start", batch, batch_idx)
     run.progress.stepped_this_batch = False
     if run.closure:
@@ -364,20 +386,13 @@ def micro_batch(run: FitRun, batch: Any, batch_idx: int) -> Any:
     last_in_window = batch_idx - window_start == window - 1
     run.window_batches += 1
     run.window_size = window
-    with run.strategy.no_sync(run.wrapped, sync=last_in_window):
-        output = run.step("training", batch, batch_idx)
-        loss = loss_of(output, "training_step" if run.is_module else "loss_fn")
-        if loss is not None:
-            backward(run.precision, loss, accumulate=window)
-        elif run.strategy.world_size > 1:
-            raise RuntimeError(
-                f"training_step returned None for batch {batch_idx} on rank "
-                f"{run.strategy.global_rank}: under DDP a skipped batch would leave the "
-                "other processes waiting for its gradients; return a loss that contributes "
-                "nothing instead (e.g. loss * 0.0)"
-            )
+    if k > 1:
+        with run.strategy.no_sync(run.wrapped, sync=last_in_window):
+            output, loss = forward_backward(run, batch, batch_idx, window)
+    else:  # a window of one always synchronizes
+        output, loss = forward_backward(run, batch, batch_idx, window)
     if loss is not None:  # None: the batch is skipped, as in Lightning
-        run.window_losses.append(loss.detach())
+        run.window_losses.append(loss)  # detached when read: no op per step
         run.trained_batches += 1
     run.log.samples += batch_size_of(batch)
 
@@ -418,6 +433,26 @@ def closure_step(run: FitRun, batch: Any, batch_idx: int) -> Any:
     run.precision.step(opt, closure=closure)
     after_step(run)
     return first[0]
+
+
+def forward_backward(
+    run: FitRun, batch: Any, batch_idx: int, window: int
+) -> tuple[Any, Tensor | None]:
+    """The training step and the scaled backward of its loss (divided by the ``window``'s
+    micro-batches); returns what the step returned and the loss (None: skip the batch)."""
+    output = run.step("training", batch, batch_idx)
+    is_module = isinstance(run.model, TrainingModule)
+    loss = loss_of(output, "training_step" if is_module else "loss_fn")
+    if loss is not None:
+        backward(run.precision, loss, accumulate=window)
+    elif run.strategy.world_size > 1:
+        raise RuntimeError(
+            f"training_step returned None for batch {batch_idx} on rank "
+            f"{run.strategy.global_rank}: under DDP a skipped batch would leave the "
+            "other processes waiting for its gradients; return a loss that contributes "
+            "nothing instead (e.g. loss * 0.0)"
+        )
+    return output, loss
 
 
 def loss_of(output: Any, who: str) -> Tensor | None:
@@ -461,9 +496,13 @@ def before_step(run: FitRun) -> None:
     precision, config = run.precision, run.config
     if run.amax_layers:  # the next step scales from the largest amax any rank saw
         sync_amax_histories(run.amax_layers)
+    hooks = run.listening("on_before_optimizer_step")
+    if not hooks and config.gradient_clip_val is None:
+        return  # nothing reads the gradients before the step, which unscales them itself
     precision.unscale_()
     for opt in run.optimizers:
-        run.hook("on_before_optimizer_step", opt)
+        for call in hooks:
+            call(opt)
     if config.gradient_clip_val is not None:
         for opt in run.optimizers:
             if config.gradient_clip_algorithm == "norm":
@@ -482,7 +521,11 @@ def after_step(run: FitRun) -> None:
         if s.interval == "step" and run.progress.global_step % s.frequency == 0:
             scheduler_step(s.scheduler, s.optimizer)  # does not advance on a skipped step
     losses, run.window_losses = run.window_losses, []
-    loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+    if len(losses) == 1:
+        loss = losses[0]
+    else:
+        with torch.no_grad():
+            loss = torch.stack(losses).mean()
     log_step(run, loss)
 
 
@@ -505,16 +548,18 @@ def rescale_grads(optimizers: list[LossScaleOptimizer], factor: float) -> None:
 
 
 def log_step(run: FitRun, loss: Tensor) -> None:
-    """Queue this step's values: what self.log recorded, the loss, lr, loss scale and
-    skipped steps. They stay tensors (no host sync) until the log is flushed."""
-    row: dict[str, Tensor | float] = dict(run.metrics.take_step(run.strategy.mean))
+    """This step's values: what self.log recorded, the loss, lr, loss scale and skipped
+    steps. They stay tensors; every ``log_every_n_steps``-th step (and a step a stop request
+    ends) reads them back and logs them, the others only keep them as the latest values."""
+    row: dict[str, Tensor | float] = run.metrics.take_step(run.strategy.mean)
     row["loss"] = loss
     row["lr"] = run.optimizers[0].param_groups[0]["lr"] if run.optimizers else 0.0
     scaler = run.precision.scaler
     if scaler.enabled:
-        row["loss_scale"] = scaler.scale_tensor.clone()
+        # read before the next step updates it: the row is logged now or replaced by then
+        row["loss_scale"] = scaler.scale_tensor
         row["skipped_steps"] = float(run.skipped_steps)
-    run.log.add(run.progress.global_step, row)
+    run.log.step_row(run.progress.global_step, row, force=run.progress.should_stop)
 
 
 def val_due(run: FitRun, batch_idx: int) -> bool:
@@ -534,7 +579,7 @@ def val_due(run: FitRun, batch_idx: int) -> bool:
 
 def validate_during_fit(run: FitRun, loader: Iterable[Any]) -> None:
     """A validation pass inside fit; its time does not count as training time."""
-    run.log.flush()  # the throughput so far, before validation time starts counting
+    run.log.stop_timing()
     run_eval(run, "validation", loader, run.config.limit_val_batches)
     run.wrapped.train()
     run.log.start_timing()

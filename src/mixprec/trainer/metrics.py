@@ -1,8 +1,9 @@
 """Metrics of a run: what ``self.log`` records (`MetricStore`), the rows handed to the loggers
 with the throughput (`StepLog`), and the end-of-run summary (`summary_rows`).
 
-Values stay tensors until a logger or the progress bar needs numbers, so logging a metric in
-``training_step`` adds no host synchronization of its own.
+Values stay tensors until they are logged (every ``log_every_n_steps`` steps, at evaluation
+and epoch ends) or a callback reads them, so logging a metric in ``training_step`` adds no
+host synchronization per step; the progress bar shows what was read last.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "FLUSH_EVERY_N_STEPS",
     "MetricStore",
     "StepLog",
     "peak_memory_mib",
@@ -26,10 +26,6 @@ __all__ = [
     "shown_in_progress",
     "summary_rows",
 ]
-
-# Logged values are kept as tensors and turned into numbers (a host sync on GPUs) and
-# written out in batches of this many steps, or sooner when a callback or the bar reads them.
-FLUSH_EVERY_N_STEPS = 25
 
 _Sums = dict[str, list[Any]]  # name -> [sum tensor, weight]
 
@@ -130,8 +126,10 @@ class MetricStore:
         """Means of the values logged (in training, or in evaluation) since the last call
         (``sync_dist`` ones averaged over processes by ``mean``), as tensors (reading them is
         left to whoever needs numbers), then forget them."""
-        out = {}
+        out: dict[str, Tensor] = {}
         store = self._step[self.training]
+        if not store:
+            return out
         for name, (total, count) in store.items():
             value = total / count  # type: ignore[operator]
             out[name] = mean(value) if name in self._synced else value
@@ -203,73 +201,132 @@ class _Where(Protocol):
 
 
 class StepLog:
-    """Rows of values per optimizer step, turned into numbers and sent to the loggers in
-    batches; measures the training throughput between flushes.
+    """Rows of values sent to the loggers, and the latest number of every metric.
 
-    ``callback_metrics`` holds the latest number of every name, ``logged_metrics`` the same
-    for what reached the loggers (rank 0 writes; every rank keeps the numbers).
+    A training step's row (`step_row`) stays a set of device tensors: every
+    ``every_n_steps``-th is read back (one host copy for the whole row) and logged, as
+    Lightning's ``log_every_n_steps``; the others only replace the latest row, which is read
+    when someone asks for ``callback_metrics`` (`read`: a callback, a monitor, a checkpoint's
+    file name, the epoch's end). Rows given with `add` (evaluation, epoch values, rows a
+    callback logs) all reach the loggers, read back with the next flush. The throughput of
+    training between two logged step rows (validation time left out) goes into the later.
+
+    ``callback_metrics`` holds the latest number of every name read so far, without
+    reading anything (what the progress bar shows); ``logged_metrics`` the same for what
+    reached the loggers (rank 0 writes; every rank keeps the numbers).
     """
 
-    def __init__(self, loggers: Sequence[_Sink], where: _Where) -> None:
+    def __init__(self, loggers: Sequence[_Sink], where: _Where, every_n_steps: int = 50) -> None:
         self.loggers = loggers
         self.where = where
+        self.every_n_steps = every_n_steps
         self.callback_metrics: dict[str, float] = {}
         self.logged_metrics: dict[str, float] = {}
         self.pending: list[tuple[int, dict[str, Tensor | float]]] = []
-        self.samples = 0  # training samples since the last flush
+        self.latest: dict[str, Tensor | float] | None = None  # the last step's row, unread
+        self.samples = 0  # training samples since the last logged step row
         self.fit_samples = 0
         self.fit_seconds = 0.0
-        self._since = 0.0
+        self._seconds = 0.0  # training time since the last logged step row, spans closed
+        self._since: float | None = None  # when the open span of training time began
 
     def start_timing(self) -> None:
-        """Training time counts from now (after validation, at an epoch's start)."""
+        """Training time counts from now (an epoch's start, after a validation)."""
         self._since = time.perf_counter()
 
+    def stop_timing(self) -> None:
+        """Training time stops counting (before a validation, at an epoch's end)."""
+        if self._since is not None:
+            self._seconds += time.perf_counter() - self._since
+            self._since = None
+
     def reset_run(self) -> None:
-        """Forget the throughput of the previous run."""
+        """Forget the rows and the throughput of the previous run."""
         self.pending.clear()
-        self.samples, self.fit_samples, self.fit_seconds = 0, 0, 0.0
+        self.latest = None
+        self.samples, self.fit_samples, self.fit_seconds, self._seconds = 0, 0, 0.0, 0.0
+        self._since = None
+
+    def step_row(self, step: int, row: dict[str, Tensor | float], force: bool = False) -> None:
+        """The row of training step ``step``: logged now, with the throughput since the last
+        logged row, if ``step`` is a multiple of ``every_n_steps`` or ``force``; else kept
+        unread as the latest values."""
+        if step % self.every_n_steps and not force:
+            self.latest = row
+            return
+        self.latest = None
+        if self.samples:
+            now = time.perf_counter()
+            seconds = self._seconds + (now - self._since if self._since is not None else 0.0)
+            seconds = max(seconds, 1e-9)
+            row["samples_per_sec"] = self.samples * self.where.world_size / seconds
+            row["peak_memory_mib"] = peak_memory_mib(self.where.device)
+            self.fit_samples += self.samples
+            self.fit_seconds += seconds
+            self.samples, self._seconds = 0, 0.0
+            if self._since is not None:
+                self._since = now
+        self.pending.append((step, row))
+        self.flush()
 
     def add(self, step: int, row: dict[str, Tensor | float], flush: bool = False) -> None:
-        """Queue ``row`` for ``step``; flush now if asked or when enough rows are waiting."""
+        """Queue ``row`` for ``step`` for the loggers; read back now if asked, else with the
+        next flush (at the latest ``every_n_steps`` rows later)."""
         self.pending.append((step, row))
-        if flush or len(self.pending) >= FLUSH_EVERY_N_STEPS:
+        if flush or len(self.pending) >= self.every_n_steps:
             self.flush()
 
     def flush(self) -> None:
-        """Turn the queued values into numbers and hand them to the loggers, adding the
-        throughput (training time since the last flush) and peak memory to the last row."""
-        if not self.pending:
+        """Read back the queued rows and the latest step row, all values on a device in one
+        copy, and hand the queued rows to the loggers."""
+        rows = [row for _, row in self.pending]
+        if self.latest is not None:
+            rows.append(self.latest)
+        if not rows:
             return
-        if self.samples:
-            now = time.perf_counter()
-            seconds = max(now - self._since, 1e-9)
-            last = self.pending[-1][1]
-            last["samples_per_sec"] = self.samples * self.where.world_size / seconds
-            last["peak_memory_mib"] = peak_memory_mib(self.where.device)
-            self.fit_samples += self.samples
-            self.fit_seconds += seconds
-            self.samples, self._since = 0, now
-        pending, self.pending = self.pending, []
-        for step, row in pending:
-            numbers = {k: float(v) for k, v in row.items()}
-            self.callback_metrics.update(numbers)
-            self.logged_metrics.update(numbers)
+        numbers = _read_back(rows)
+        latest = numbers.pop() if self.latest is not None else None
+        pending, self.pending, self.latest = self.pending, [], None
+        for (step, _), values in zip(pending, numbers, strict=True):
+            self.callback_metrics.update(values)
+            self.logged_metrics.update(values)
             if self.where.is_global_zero:
                 for lg in self.loggers:
-                    lg.log_metrics(numbers, step)
+                    lg.log_metrics(values, step)
+        if latest is not None:
+            self.callback_metrics.update(latest)
 
     def read(self) -> dict[str, float]:
-        """``callback_metrics``, the queued rows turned into numbers first (what callbacks
-        and plateau schedulers monitor)."""
+        """``callback_metrics``, the queued rows and the latest step row read back first
+        (what callbacks and plateau schedulers monitor)."""
         self.flush()
         return self.callback_metrics
 
     def throughput(self) -> float | None:
         """Samples per second over all processes during the last fit (None before any)."""
-        if self.fit_seconds <= 0:
+        samples, seconds = self.fit_samples + self.samples, self.fit_seconds + self._seconds
+        if seconds <= 0:
             return None
-        return self.fit_samples * self.where.world_size / self.fit_seconds
+        return samples * self.where.world_size / seconds
+
+
+def _read_back(rows: list[dict[str, Tensor | float]]) -> list[dict[str, float]]:
+    """``rows`` as numbers: the tensors of each device stacked and copied to the host at
+    once (one synchronization per device, not one per value)."""
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for row in rows:
+        for value in row.values():
+            if isinstance(value, Tensor):
+                by_device.setdefault(value.device, []).append(value)
+    read: dict[int, float] = {}
+    for device, tensors in by_device.items():
+        wide = torch.float32 if device.type == "mps" else torch.float64
+        values = torch.stack([t.detach().reshape(()).to(wide) for t in tensors]).tolist()
+        read.update(zip(map(id, tensors), values, strict=True))
+    return [
+        {k: read[id(v)] if isinstance(v, Tensor) else float(v) for k, v in row.items()}
+        for row in rows
+    ]
 
 
 _PROGRESS_LABELS = {

@@ -56,8 +56,9 @@ class RichProgressBar(Callback):
     Args:
         console: where to draw (default: a new ``rich.console.Console`` on stdout); the bar
             is off when ``console.is_terminal`` is false.
-        refresh_seconds: how often the metrics text is recomputed (reading them is a host
-            sync on GPUs, so not on every step).
+        refresh_seconds: how often the metrics text is redrawn. It shows the values last
+            read back (every ``log_every_n_steps`` steps, at validation), never reading any
+            itself but at an epoch's end.
     """
 
     def __init__(self, console: Console | None = None, refresh_seconds: float = 0.25) -> None:
@@ -139,6 +140,7 @@ class RichProgressBar(Callback):
 
     def on_train_epoch_end(self, trainer: Trainer, model: nn.Module) -> None:
         if self._progress is not None and self._train is not None:
+            trainer.callback_metrics  # noqa: B018 (the epoch's last values, read back)
             metrics = self._metrics_text(trainer)
             self._progress.update(self._train, metrics=metrics, refresh=True)
 

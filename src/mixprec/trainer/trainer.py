@@ -101,6 +101,10 @@ class Trainer:
             many training batches (int), and always at the end of an epoch (for data without
             ``len()``: when it runs out).
         limit_train_batches, limit_val_batches: a fraction or a number of batches per epoch.
+        log_every_n_steps: log the training values (loss, lr, loss scale, skipped steps,
+            ``self.log`` values, throughput) of every N-th optimizer step, as Lightning does.
+            Until then they stay on the device: the loop reads nothing back in between
+            (``trainer.callback_metrics`` reads the latest values when a callback asks).
         callbacks: a Callback (or an object with Callback hooks: a PrecisionMonitor) or a
             list of them.
         logger: True (CSV, and TensorBoard when installed), False, a Logger or a list.
@@ -141,6 +145,7 @@ class Trainer:
         val_check_interval: float | int = 1.0,
         limit_train_batches: float | int | None = None,
         limit_val_batches: float | int | None = None,
+        log_every_n_steps: int = 50,
         callbacks: Callback | list[Callback] | None = None,
         logger: bool | Logger | list[Logger] = True,
         enable_progress_bar: bool = True,
@@ -161,6 +166,7 @@ class Trainer:
             val_check_interval=val_check_interval,
             limit_train_batches=limit_train_batches,
             limit_val_batches=limit_val_batches,
+            log_every_n_steps=log_every_n_steps,
             seed=seed,
             deterministic=deterministic,
             allow_slow_precision=allow_slow_precision or bool(template and template.allow_slow),
@@ -182,7 +188,7 @@ class Trainer:
         # checkpoints), the values self.log records, the rows for the loggers
         self._progress = Progress()
         self._metrics = MetricStore()
-        self._log = StepLog(self.loggers, self.strategy)
+        self._log = StepLog(self.loggers, self.strategy, self.config.log_every_n_steps)
         self._current: Run | None = None  # the current or last run in this process
         self._summary: dict[str, str] = {}  # from the processes a DDP launch started
         self._gathered: dict[str, Tensor] | None = None  # a sharded run's weights, on rank 0
@@ -305,8 +311,8 @@ class Trainer:
 
     def progress_metrics(self) -> dict[str, float]:
         """What the progress bar shows now: loss, loss scale, skipped steps, lr, samples/s,
-        and the values logged with ``prog_bar=True``."""
-        return shown_in_progress(self.callback_metrics, self._metrics.prog_bar)
+        and the values logged with ``prog_bar=True``, as last read back (reading nothing)."""
+        return shown_in_progress(self._log.callback_metrics, self._metrics.prog_bar)
 
     def summary(self) -> dict[str, str]:
         """A one-screen account of the last fit: precision, progress, scaler, speed, memory."""
@@ -650,12 +656,16 @@ class Trainer:
         stores, which the run moves on."""
         return dict(
             trainer=self,
+            config=self.config,
+            strategy=self.strategy,
             model=model,
             precision=precision,
             runner=runner,
             progress=self._progress,
             metrics=self._metrics,
             log=self._log,
+            device=self.strategy.device,
+            cast_batches=not precision.policy.default.is_mixed,
         )
 
 
