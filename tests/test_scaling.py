@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from nets import mlp
 
 from mixprec.optim import LossScaleOptimizer
@@ -266,3 +268,61 @@ def test_a_scaler_of_another_type_is_refused_with_what_is_accepted():
         as_loss_scaler([1.0], needs_scaling=True)
     with pytest.raises(TypeError, match="load its state_dict"):
         as_loss_scaler(torch.amp.GradScaler("cpu"), needs_scaling=True)
+
+
+class _AlwaysClamped(DynamicLossScaler):
+    """The update as it was before the host mirror: the kernel, then a clamp every step."""
+
+    def _update_scale(self, found_inf, overflow):
+        torch._amp_update_scale_(
+            self._scale,
+            self._growth_tracker,
+            found_inf,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+        )
+        self._scale.clamp_(self.min_scale, self.max_scale)
+
+    def _at_floor(self):
+        return bool(self._scale <= self._scale.new_tensor(self.min_scale))
+
+
+@given(
+    overflows=st.lists(st.booleans(), min_size=1, max_size=60),
+    init=st.sampled_from([1.0, 3.0, 1000.0, 2.0**16, 1e30]),
+    growth=st.sampled_from([2.0, 1.5, 1.1, 3.0]),
+    backoff=st.sampled_from([0.5, 0.25, 0.9, 0.3]),
+    interval=st.integers(1, 4),
+    bounds=st.sampled_from([(0.0, math.inf), (1.0, 2.0**24), (0.1, 7.0e3), (3.0, 1e30)]),
+    reload_at=st.integers(0, 60),
+)
+@settings(max_examples=60, deadline=None)
+def test_the_host_mirror_follows_the_device_scale_exactly(
+    overflows, init, growth, backoff, interval, bounds, reload_at
+):
+    """The scale the host mirrors (for the floor and the bounds, so that a clean step reads
+    nothing) is the device's, bit for bit, through odd factors, bounds and a reload of the
+    state half-way; the clamp runs only where a bound binds yet the scales never differ."""
+    low, high = bounds
+    init = min(max(init, low), high)
+    kwargs = dict(
+        init_scale=init,
+        growth_factor=growth,
+        backoff_factor=backoff,
+        growth_interval=interval,
+        min_scale=low,
+        max_scale=high,
+        max_skips_at_min_scale=10**6,
+    )
+    ours, ref = DynamicLossScaler(**kwargs), _AlwaysClamped(**kwargs)
+    for i, o in enumerate(overflows):
+        if i == reload_at:
+            state = ours.state_dict()
+            ours = DynamicLossScaler(**kwargs)
+            ours.load_state_dict(state)
+        ours.update(_flag(float(o)), o)
+        ref.update(_flag(float(o)), o)
+        assert ours._mirror() == (ref.loss_scale, int(ref._growth_tracker))
+        assert ours.loss_scale == ref.loss_scale
+        assert ours._at_floor() == ref._at_floor()

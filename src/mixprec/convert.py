@@ -114,13 +114,49 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
             torch.set_default_dtype(before)
 
 
-def _device_type(args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module) -> str:
+def _device_type(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    module: nn.Module,
+    probe: tuple[nn.Module, str] | None = None,
+) -> str:
     """The device type the region's autocast must name: an accelerator as soon as an input
     or the module's weights are on one (a CPU tensor passed first, such as sequence lengths,
     must not turn on CPU autocast for a GPU model), else the first tensor's."""
-    found = [x.device.type for x in (*args, *kwargs.values()) if isinstance(x, Tensor)]
-    found.append(device_of(module).type)
-    return next((t for t in found if t not in ("cpu", "meta")), found[0])
+    first = None
+    for x in args:
+        if isinstance(x, Tensor):
+            kind = x.device.type
+            if kind not in ("cpu", "meta"):
+                return kind
+            first = first or kind
+    for x in kwargs.values():
+        if isinstance(x, Tensor):
+            kind = x.device.type
+            if kind not in ("cpu", "meta"):
+                return kind
+            first = first or kind
+    own = _module_device_type(module, probe)
+    return own if own not in ("cpu", "meta") else (first or own)
+
+
+def _module_device_type(module: nn.Module, probe: tuple[nn.Module, str] | None = None) -> str:
+    """The device type of `module`'s weights: of the parameter `probe` names (its owner and
+    key, read in one lookup every call, so that a model moved after `apply` is seen), else of
+    its first parameter or buffer."""
+    if probe is not None:
+        param = probe[0]._parameters.get(probe[1])
+        if param is not None:
+            return param.device.type
+    return device_of(module).type
+
+
+def _weight_probe(module: nn.Module) -> tuple[nn.Module, str] | None:
+    """Where `module`'s first parameter lives (owner module, key), for `_module_device_type`."""
+    for name, _ in module.named_parameters():
+        owner, _, key = name.rpartition(".")
+        return (module.get_submodule(owner) if owner else module), key
+    return None
 
 
 def _signature(module: nn.Module, original: Any) -> inspect.Signature:
@@ -222,6 +258,7 @@ class _Region:
         else:
             self.output_dtype = policy.output_dtype
         self.original = original
+        self.probe = _weight_probe(module)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -237,7 +274,7 @@ class _Region:
         else:
             forward = self.original
         if self.autocast:
-            device_type = _device_type(args, kwargs, module)
+            device_type = _device_type(args, kwargs, module, self.probe)
             if (
                 torch.is_autocast_enabled(device_type)
                 and torch.get_autocast_dtype(device_type) == self.compute_dtype
@@ -259,7 +296,7 @@ class _Region:
             # parent's mixed region, or the caller's): autocast is switched off for it.
             # Plain `with` blocks, not an ExitStack: torch.compile traces them without a break.
             off = (
-                torch.autocast(_device_type(args, kwargs, module), enabled=False)
+                torch.autocast(_device_type(args, kwargs, module, self.probe), enabled=False)
                 if torch._C._is_any_autocast_enabled()
                 else contextlib.nullcontext()
             )

@@ -11,7 +11,7 @@ another precision, and ``MasterWeights.by_name`` takes such weights back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -25,11 +25,6 @@ MASTER_DTYPES: dict[bool | None, tuple[torch.dtype, ...]] = {
     True: (torch.float16, torch.bfloat16),
     False: (),
 }
-
-
-def _params(optimizer: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
-    for group in optimizer.param_groups:
-        yield from group["params"]
 
 
 class MasterWeights:
@@ -90,10 +85,12 @@ class MasterWeights:
     def has_unmastered_grads(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether a parameter of a master dtype in ``optimizer``'s groups (so without a
         master) holds a gradient."""
-        if self.dtypes:
-            for p in _params(optimizer):
-                if p.dtype in self.dtypes and p.grad is not None:
-                    return True
+        dtypes = self.dtypes
+        if dtypes:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.dtype in dtypes and p.grad is not None:
+                        return True
         return False
 
     def move_grads(self) -> None:

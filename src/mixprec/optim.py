@@ -311,7 +311,7 @@ class LossScaleOptimizer:
                 f"{type(self.optimizer).__name__}.step() needs a closure that re-evaluates the "
                 f"loss: call step(closure) (precision.step(optimizer, closure=closure))"
             )
-        return joint_step(self)
+        return _step_together((self,))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the wrapped optimizer's tensors and of the model's
@@ -745,6 +745,13 @@ def joint_step(*optimizers: LossScaleOptimizer) -> bool:
     scaler = optimizers[0].scaler
     if any(opt.scaler is not scaler for opt in optimizers):
         raise ValueError("joint_step() needs optimizers that share one scaler")
+    return _step_together(optimizers)
+
+
+def _step_together(optimizers: tuple[LossScaleOptimizer, ...]) -> bool:
+    """`joint_step` once its arguments are checked (a single optimizer's `step` checks its
+    own)."""
+    scaler = optimizers[0].scaler
     if not scaler.enabled:
         for opt in optimizers:
             opt.take_step(None)
@@ -763,7 +770,7 @@ def joint_step(*optimizers: LossScaleOptimizer) -> bool:
     per_opt = [found] if len(flags) == 1 else list(found.unbind())
     # Fused optimizers skip by themselves on device, so with only those the flags are read
     # after their step is queued; otherwise they are read first (the one host sync).
-    fused_only = all(opt.skips_in_kernel for opt in optimizers)
+    fused_only = all([opt.skips_in_kernel for opt in optimizers])
     overflow = None if fused_only else _read_flags(found)
     for i, opt in enumerate(optimizers):
         if overflow is None or not overflow[i]:

@@ -17,6 +17,7 @@ the overflow flag, and the step.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -370,20 +371,17 @@ class Precision:
         device = self.device or default_device()
         return torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed)
 
-    @contextmanager
-    def forward_context(self) -> Iterator[None]:
-        """The context a forward and its loss run in: ``autocast`` for a mixed policy; for a
-        "true" policy torch's default dtype set to the compute dtype (restored on exit), so
-        tensors created without a dtype (``torch.ones(n, 3)``) match the weights."""
+    def forward_context(self) -> AbstractContextManager[Any]:
+        """The context a forward and its loss run in: ``autocast`` for a mixed policy (the
+        very ``torch.autocast`` object, nothing around it); for a "true" policy torch's
+        default dtype set to the compute dtype (restored on exit), so tensors created without
+        a dtype (``torch.ones(n, 3)``) match the weights."""
         policy = self.policy.default
         if policy.is_mixed:
-            with self.autocast():
-                yield
-        elif needs_default_dtype(policy.compute_dtype):
-            with default_dtype(policy.compute_dtype):
-                yield
-        else:
-            yield
+            return self.autocast()
+        if needs_default_dtype(policy.compute_dtype):
+            return default_dtype(policy.compute_dtype)
+        return contextlib.nullcontext()
 
     def convert_input(self, batch: Any) -> Any:
         """Cast the floating tensors of ``batch`` (any nesting `mixprec.tree` walks) to the

@@ -656,7 +656,7 @@ class DynamicLossScaler(LossScaler):
             raise ValueError(f"invalid torch.amp.GradScaler state: {dict(state)}")
         self._scale.fill_(scale)
         self._growth_tracker.fill_(int(tracker))
-        self._host = None
+        self._host = (_float32(scale), int(tracker))
         self._credits.fill_(self.hysteresis)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
@@ -667,11 +667,12 @@ class DynamicLossScaler(LossScaler):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the scale, counters and settings saved by ``state_dict``, or the state of
         a ``torch.amp.GradScaler`` (see ``_load_foreign_state``)."""
+        self._host = None  # read from the device at the next update, unless known below
         super().load_state_dict(state)
-        self._host = None
         if "kind" not in state:
             return
         self._growth_tracker.fill_(state["growth_tracker"])
+        self._host = (_float32(float(state["scale"])), int(state["growth_tracker"]))
         self._credits.fill_(state["credits"])
         self.init_scale = state["init_scale"]
         self.growth_factor = state["growth_factor"]
