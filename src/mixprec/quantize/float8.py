@@ -28,13 +28,14 @@ speed, so the explicit form is used: plain torch ops that compile and run on any
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from mixprec.float8_config import Float8Config
+from mixprec.quantize.first_order import first_order
 from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules
 
 __all__ = [
@@ -269,14 +270,19 @@ class _Float8Matmul(torch.autograd.Function):
             x8, w8 = to_float8(x, sx, E4M3), to_float8(weight, sw, E4M3)
             x_inv, w_inv = sx.reciprocal(), sw.reciprocal()
             out = scaled_matmul(x8, x_inv, w8.t(), w_inv, out_dtype, emulate=emulate)
-            ctx.save_for_backward(x8, w8, x_inv, w_inv)
+            ctx.save_for_backward(x8, w8, x_inv, w_inv, weight)
             return out
 
-    # once_differentiable: the saved float8 operands are detached from x and the weight, so a
-    # double backward (create_graph=True) would silently miss the terms through them; it raises
+    # the float8 operands are detached from x and the weight, so a second backward would miss
+    # the terms through them: `first_order` makes it raise
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        weight = ctx.saved_tensors[1 if ctx.recipe in Float8Config.ROWWISE_RECIPES else 4]
+        return first_order("Float8Linear", partial(_Float8Matmul.gradients, ctx, g), weight, g)
+
+    @staticmethod
+    def gradients(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        """The backward's math, without a graph."""
         out_dtype, emulate = ctx.out_dtype, ctx.emulate
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = grad_w = None
@@ -306,7 +312,7 @@ class _Float8Matmul(torch.autograd.Function):
                         emulate=emulate,
                     )
             else:
-                x8, w8, x_inv, w_inv = ctx.saved_tensors
+                x8, w8, x_inv, w_inv, _ = ctx.saved_tensors
                 if ctx.recipe == "delayed":
                     amax_g = _amax(g)
                     sg = _delayed_scale(amax_g, ctx.g_scale, E5M2)

@@ -48,13 +48,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from mixprec.microscaling_config import MicroscalingConfig
+from mixprec.quantize.first_order import first_order
 from mixprec.quantize.rules import carry_hooks, plain_linear
 
 __all__ = [
@@ -584,11 +585,17 @@ class _BlockScaledMatmul(torch.autograd.Function):
             ctx.save_for_backward(x, weight, qw if two_d else None)
             return out if out_dtype == torch.float32 else out.to(out_dtype)
 
-    # once_differentiable: the block rounding of the gradient and the operands passes no
-    # gradient, so a double backward (create_graph=True) would silently miss its terms
+    # the block rounding of the gradient and the operands passes no gradient, so a second
+    # backward would miss its terms: `first_order` makes it raise
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        weight = ctx.saved_tensors[1]
+        compute = partial(_BlockScaledMatmul.gradients, ctx, g)
+        return first_order("MicroscalingLinear", compute, weight, g)
+
+    @staticmethod
+    def gradients(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        """The backward's math, without a graph."""
         config, out_dtype = ctx.config, ctx.out_dtype
         x, weight, qw_2d = ctx.saved_tensors
         grad_x = grad_w = None
