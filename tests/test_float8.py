@@ -594,6 +594,22 @@ def test_convert_returns_the_model_and_converts_a_bare_linear_as_torchao_does():
     assert type(back) is nn.Linear and back.weight is linear.weight
 
 
+def test_a_root_linear_with_submodules_is_refused_not_stripped():
+    """A root Linear holding submodules came back as a Float8Linear holding only weight and
+    bias: its submodules were gone without a word. torchao refuses it; so does this. Left
+    alone by the filter, the root keeps its submodules and they convert."""
+    model = nn.Linear(32, 32)
+    model.child = nn.Sequential(nn.Linear(32, 32))
+    with pytest.raises(ValueError, match=r"root Linear that has submodules \(child\)"):
+        convert_to_float8(model, skip_small=False)
+    assert type(model.child[0]) is nn.Linear
+    skipped = {}
+    out = convert_to_float8(model, skip_small=False, filter=r"child\..*", skipped=skipped)
+    assert out is model and type(model) is nn.Linear and skipped == {"": "excluded by filter"}
+    assert isinstance(model.child[0], Float8Linear)
+    assert set(model.state_dict()) == {"weight", "bias", "child.0.weight", "child.0.bias"}
+
+
 def test_skip_small_follows_torchaos_rule():
     net, skipped = Net(), {}
     convert_to_float8(net, skipped=skipped)

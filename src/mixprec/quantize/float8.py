@@ -583,7 +583,9 @@ def convert_to_float8(
     """Swap the model's Linear layers for `Float8Linear` in place and return the model, as
     torchao's ``convert_to_float8_training``: ``model = convert_to_float8(model)``. A bare
     `nn.Linear` cannot be swapped in place: its `Float8Linear` is returned (or the Linear
-    itself if it is skipped).
+    itself if it is skipped, its submodules converted); a root Linear with submodules that
+    would be converted is refused, as torchao refuses it, since its `Float8Linear` would drop
+    them.
 
     `filter` picks layers: a callable(path, module) -> bool or a regex that must fullmatch
     the path (the model's own path is ""). `skip_small` applies torchao's size rule (see
@@ -618,8 +620,15 @@ def convert_to_float8(
 
     if isinstance(model, nn.Linear):
         converted = make("", model)
-        return model if converted is None else converted
-    swap_modules(model, make)
+        if converted is not None and model._modules:
+            raise ValueError(
+                f"convert_to_float8 cannot convert a root Linear that has submodules "
+                f"({', '.join(model._modules)}): its Float8Linear would drop them. Convert "
+                f"the model holding it, or exclude the root with filter (its path is '')"
+            )
+        if converted is not None:
+            return converted
+    swap_modules(model, make)  # a skipped root Linear's submodules still convert, as torchao's
     return model
 
 
