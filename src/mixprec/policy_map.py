@@ -21,6 +21,7 @@ as the map's ``float32_attention`` says.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import inspect
 import io
@@ -434,10 +435,24 @@ class PolicyMap:
         it); `PolicyMap.load`, `mixprec.Precision`, the Trainer's ``precision=`` and the
         CLI's ``--precision`` read it back. Returns the path."""
         path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(
+                errno.EISDIR,
+                f"cannot save a policy file at {str(path)!r}: it is a directory; give a file "
+                f"path, e.g. {str(path / 'policy.json')!r}",
+            )
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # created with the umask's mode
         try:
             tmp.write_text(json.dumps(self.to_config(), indent=2) + "\n")
             os.replace(tmp, path)
+        except OSError as error:  # said of the file asked for, not of the temporary one
+            tmp.unlink(missing_ok=True)
+            missing = (
+                "" if path.parent.is_dir() else f" (its folder {str(path.parent)!r} does not exist)"
+            )
+            raise type(error)(
+                error.errno, f"cannot save the policy file {str(path)!r}: {error.strerror}{missing}"
+            ) from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
