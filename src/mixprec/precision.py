@@ -25,7 +25,13 @@ import torch
 from torch import nn
 
 from mixprec.compensated import check_compensation
-from mixprec.convert import apply, cast_floating, default_dtype, needs_default_dtype
+from mixprec.convert import (
+    apply,
+    cast_floating,
+    default_dtype,
+    needs_default_dtype,
+    warn_unmatched,
+)
 from mixprec.hardware import (
     DeviceInfo,
     Support,
@@ -244,7 +250,8 @@ class Precision:
         if self._resolved is None:
             self.resolve()
         if convert:
-            apply(model, self.policy, warn=False)
+            apply(model, self.policy, warn=False)  # the device was checked by `resolve`
+            warn_unmatched(self.policy, model)
         self.scaler.to(self.device)
         wrapped = [self._wrap(opt, model) for opt in optimizers]
         return (model, *wrapped) if wrapped else model
