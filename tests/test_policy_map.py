@@ -124,6 +124,20 @@ def test_saving_a_policy_file_where_it_cannot_go_names_the_file_asked_for(tmp_pa
     assert ".tmp" not in str(e.value) and list(tmp_path.iterdir()) == []
 
 
+def test_a_type_rule_of_a_local_class_is_refused_at_save_not_at_load(tmp_path):
+    """save() wrote a type rule for a class defined in a function, which only load() then
+    refused; now save refuses it and writes nothing."""
+
+    class Local(nn.Linear):
+        pass
+
+    pmap = PolicyMap("bf16-mixed", {Local: "32-true"})
+    with pytest.raises(PolicySpecError, match="type rule Local is a class defined inside a f.*"
+                       "PolicyMap.load could not import it back"):  # fmt: skip
+        pmap.save(tmp_path / "policy.json")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_policy_file_where_one_policy_is_taken_or_without_json_says_so(tmp_path, monkeypatch):
     """'unknown precision' said nothing of files: for a .json path where one policy is taken
     (Policy, policy_scope), or for an existing policy file whose name lacks '.json'."""

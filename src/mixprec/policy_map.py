@@ -159,6 +159,15 @@ def _type_name(t: type) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
+def _check_nameable(t: type, why: str) -> None:
+    """Refuse a type rule's class defined inside a function: no import can reach it."""
+    if "<locals>" in t.__qualname__:
+        raise PolicySpecError(
+            f"type rule {t.__name__} is a class defined inside a function ({_type_name(t)}): "
+            f"{why}. Define the class at module level, or use a path rule for those modules"
+        )
+
+
 def _import_type(path: str) -> type:
     module, _, name = path.rpartition(".")
     try:
@@ -434,6 +443,8 @@ class PolicyMap:
         """Write `to_config()` as a JSON policy file (atomically: a reader never sees half of
         it); `PolicyMap.load`, `mixprec.Precision`, the Trainer's ``precision=`` and the
         CLI's ``--precision`` read it back. Returns the path."""
+        for t in self._types:
+            _check_nameable(t, "PolicyMap.load could not import it back")
         path = Path(path)
         if path.is_dir():
             raise IsADirectoryError(
@@ -496,12 +507,7 @@ class PolicyMap:
         for key, (_, p) in self._paths.items():
             lines.append(f"        {key!r}: {p.name!r},")
         for t, p in self._types.items():
-            if "<locals>" in t.__qualname__:
-                raise PolicySpecError(
-                    f"type rule {t.__name__} is a class defined inside a function "
-                    f"({_type_name(t)}): source code cannot name it. Define the class at "
-                    "module level, or use a path rule for those modules"
-                )
+            _check_nameable(t, "source code cannot name it")
             lines.append(f"        {_type_name(t)}: {p.name!r},")
         lines.append("    },")
         if not self.float32_islands:
