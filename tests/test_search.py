@@ -500,6 +500,22 @@ def test_a_float32_loss_that_is_not_finite_is_refused() -> None:
         search(model, batches, F.mse_loss, eval_batches=[bad], **args)
 
 
+def test_a_weight_holding_nan_is_refused_naming_its_path_in_the_model() -> None:
+    """A NaN in layer 4's weight was reported as "cannot quantize 0.weight", the path inside
+    the one-layer copy the search quantizes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8)
+    )
+    with torch.no_grad():
+        model[4].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"the model's 4.weight holds 1 inf/NaN value\(s\): a se"):
+        search(
+            model, [(torch.randn(8, 32), torch.randn(8, 8))], F.mse_loss,
+            budget={"memory": 0.5}, formats=[INT8], baseline="32-true", reps=1,
+        )  # fmt: skip
+
+
 def test_a_model_on_the_meta_device_is_refused() -> None:
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))

@@ -272,6 +272,18 @@ def search(
             f"{meta[0]}{more} is on the meta device, without values: a search runs the "
             "model, so give it one whose weights are loaded"
         )
+    broken = [
+        (n, int((~torch.isfinite(t)).sum()))
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+    if broken:
+        more = f" (and {len(broken) - 1} more tensors)" if len(broken) > 1 else ""
+        raise ValueError(
+            f"the model's {broken[0][0]} holds {broken[0][1]} inf/NaN value(s){more}: a search "
+            "runs the model against float32 and quantizes its weights, which needs them finite "
+            "(a diverged or corrupt checkpoint?)"
+        )
     budget = Budget.of(budget)
     if count not in COUNTS:
         raise ValueError(f"count must be one of {', '.join(COUNTS)}, got {count!r}")
