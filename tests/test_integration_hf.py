@@ -135,6 +135,37 @@ def test_callback_watches_hf_own_bf16_autocast(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:layer .* gradients reaching it")  # no loss scaling here
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"path": 5}, "path is a file path .* got 5"),
+        ({"path": True}, "path is a file path .* got True"),
+        ({"monitor": "x"}, "monitor is a mixprec.PrecisionMonitor .* got str"),
+        ({"trainer": object()}, "trainer is the transformers.Trainer .* got object"),
+    ],
+)
+def test_callback_refuses_bad_arguments_when_built(kwargs, message):
+    """path=5 and monitor="x" were accepted and failed inside train() with raw errors."""
+    with pytest.raises(TypeError, match=message):
+        PrecisionMonitorCallback(**kwargs)
+
+
+def test_callback_says_when_hf_fp16_on_a_cpu_leaves_nothing_to_monitor(tmp_path):
+    """Hugging Face's own fp16=True on a CPU trains in float32: the callback logged nothing
+    and said nothing. It warns once, saying why."""
+    callback = PrecisionMonitorCallback(every_n_steps=1, path=False)
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(),
+        args=hf_args(tmp_path, max_steps=2, fp16=True),
+        train_dataset=token_rows(n=8),
+        callbacks=[callback],
+    )
+    with pytest.warns(UserWarning, match="step 0 ran no layer output in a 16- or 8-bit dtype.*"
+                      "fp16=True does not lower a CPU run to float16") as caught:  # fmt: skip
+        trainer.train()
+    assert len([w for w in caught if "PrecisionMonitorCallback" in str(w.message)]) == 1
+
+
 def test_callback_logs_through_trainer_log_and_warns_with_the_layer(tmp_path):
     model = tiny_gpt2()
     with torch.no_grad():
