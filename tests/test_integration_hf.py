@@ -445,7 +445,10 @@ def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.Lambd
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
 
 
-def test_accelerate_recipe_matches_a_hand_written_loop_bit_for_bit():
+@pytest.mark.parametrize("clip", ["precision", "accelerator"])
+def test_accelerate_recipe_matches_a_hand_written_loop_bit_for_bit(clip):
+    """Either clipping call: ``accelerator.clip_grad_norm_`` clipped the scaled gradients
+    (documented, not detected); for an accelerator given to `prepare` it unscales first."""
     # hand-written mixprec loop
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -475,7 +478,11 @@ def test_accelerate_recipe_matches_a_hand_written_loop_bit_for_bit():
         acc_optimizer.zero_grad()
         loss = acc_model(**batch).loss
         accelerator.backward(acc_precision.scaler.scale(loss))
-        acc_precision.clip_grad_norm_(acc_model, 1.0)
+        if clip == "precision":
+            acc_precision.clip_grad_norm_(acc_model, 1.0)
+        else:
+            norm = accelerator.clip_grad_norm_(acc_model.parameters(), 1.0)
+            assert i == 1 or norm < 100  # the unscaled norm, not 65536 times it
         acc_optimizer.step()
         acc_scheduler.step()
         if handle is not None:

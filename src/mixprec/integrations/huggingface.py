@@ -399,8 +399,9 @@ def prepare(
     optimizer (its state, scaler and master weights) is registered for
     ``accelerator.save_state``. The loop then scales its backward,
     ``accelerator.backward(precision.scaler.scale(loss))``, clips with
-    ``precision.clip_grad_norm_`` (Accelerate's ``clip_grad_norm_`` does not unscale
-    mixprec's gradients), and with gradient accumulation steps the optimizer only when
+    ``precision.clip_grad_norm_`` or the accelerator's ``clip_grad_norm_`` /
+    ``clip_grad_value_`` (which, for this accelerator, are the precision's: they unscale
+    first), and with gradient accumulation steps the optimizer only when
     ``accelerator.sync_gradients``.
     """
     from accelerate.scheduler import AcceleratedScheduler
@@ -430,4 +431,9 @@ def prepare(
                 )
             scheduler.optimizers = [wrapped]  # its skip check reads step_was_skipped
     accelerator.register_for_checkpointing(wrapped)
+    # Accelerate's own clipping unscales only its GradScaler's gradients: on mixprec's it
+    # clipped the scaled ones. This accelerator's clipping goes through the precision,
+    # which unscales first (and clips float32 masters where they hold the gradients).
+    accelerator.clip_grad_norm_ = precision.clip_grad_norm_
+    accelerator.clip_grad_value_ = precision.clip_grad_value_
     return tuple(prepared)
