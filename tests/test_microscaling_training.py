@@ -248,3 +248,29 @@ def test_a_second_derivative_raises_instead_of_missing_terms(config):
     assert torch.equal(penalty, plain)
     with pytest.raises(RuntimeError, match="has no second derivative"):
         penalty.pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("config", ["nvfp4/sr", "nvfp4/2d:rht:sr"])
+def test_stochastic_rounding_and_the_hadamard_transform_compile_to_one_graph(config):
+    """``torch.compile(fullgraph=True)`` failed inside dynamo: for stochastic rounding on the
+    check of the noise's values (data-dependent), for the Hadamard transform on the random
+    generator its first call created and the cache it filled. Compiled whole, forward and
+    backward equal eager's bit for bit from the same seed."""
+    torch.manual_seed(0)
+    layer = MicroscalingLinear.from_float(nn.Linear(32, 32), config=config)
+    x = torch.randn(16, 32)
+
+    def run(module):
+        torch.manual_seed(1)
+        xx = x.clone().requires_grad_(True)
+        out = module(xx)
+        out.pow(2).sum().backward()
+        grads = (xx.grad, layer.weight.grad.clone(), layer.bias.grad.clone())
+        layer.zero_grad(set_to_none=True)
+        return out.detach(), grads
+
+    eager = run(layer)
+    compiled = run(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(eager[0], compiled[0])
+    for a, b in zip(eager[1], compiled[1], strict=True):
+        assert torch.equal(a, b)

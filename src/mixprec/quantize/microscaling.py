@@ -156,9 +156,17 @@ def round_to_element(
     ways to torch's casts and to hand-computed values); the rest by `round_by_definition`."""
     fmt = _format(element)
     v = v.float()
+    if noise is not None:
+        _check_noise(noise, v)
+    return _round_to_element(v, fmt, noise)
+
+
+def _round_to_element(v: Tensor, fmt: ElementFormat, noise: Tensor | None) -> Tensor:
+    """`round_to_element` of float32 `v` with `noise` unchecked: the layers' own noise comes
+    from ``torch.rand``, and checking its values would make ``torch.compile`` read them."""
     if noise is None and fmt.name in _TORCH_FLOAT8:
         return torch.where(torch.isfinite(v), _saturating_cast(v, fmt), torch.nan)
-    return round_by_definition(v, fmt, noise=noise)
+    return _round_by_definition(v, fmt, noise)
 
 
 def _check_noise(noise: Tensor, v: Tensor) -> None:
@@ -199,6 +207,11 @@ def round_by_definition(
     v = v.float()
     if noise is not None:
         _check_noise(noise, v)
+    return _round_by_definition(v, fmt, noise)
+
+
+def _round_by_definition(v: Tensor, fmt: ElementFormat, noise: Tensor | None) -> Tensor:
+    """`round_by_definition` of float32 `v`, `noise` unchecked."""
     _, exponent = torch.frexp(v)  # v = m * 2**exponent, 0.5 <= |m| < 1
     e = (exponent.to(torch.int32) - 1).clamp(min=fmt.emin, max=127)
     ulp = exp2_int(e - fmt.mantissa_bits)
@@ -479,7 +492,7 @@ def _nvfp4(x: Tensor, two_d: bool, noise: Tensor | None) -> tuple[Tensor, Tensor
     encode = (1.0 / (scale_b * s_dec)).clamp(max=_FLOAT32_MAX)
     if noise is not None:
         noise = _nv_blocks(noise, two_d)
-    elements = round_to_element(blocks * encode, E2M1, noise=noise)
+    elements = _round_to_element(blocks * encode, E2M1, noise)
     # zero-scale blocks hold zeros of x's signs (+0 lost a -0.0 the format holds)
     elements = torch.where(bad, 0.0, torch.where(scale_b == 0, blocks * 0.0, elements))
     return elements, torch.where(bad, torch.nan, scale_b), s_dec, bad
@@ -527,7 +540,18 @@ def fake_quantize(
 # --- the random Hadamard transform ----------------------------------------------------------
 
 _RHT_SEED = 0x5EED
-_hadamard: dict[torch.device, Tensor] = {}
+
+
+def _build_hadamard() -> Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < 16:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    gen = torch.Generator().manual_seed(_RHT_SEED)
+    signs = torch.randint(0, 2, (16,), generator=gen).float() * 2 - 1
+    return signs[:, None] * h / 4
+
+
+_HADAMARD_CPU = _build_hadamard()
 
 
 def hadamard_16(device: torch.device | str = "cpu") -> Tensor:
@@ -538,15 +562,10 @@ def hadamard_16(device: torch.device | str = "cpu") -> Tensor:
 
 
 def _hadamard_16(device: torch.device) -> Tensor:
-    """`hadamard_16`'s matrix, cached per device and shared: never handed out."""
-    if device not in _hadamard:
-        h = torch.ones(1, 1)
-        while h.shape[0] < 16:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        gen = torch.Generator().manual_seed(_RHT_SEED)
-        signs = torch.randint(0, 2, (16,), generator=gen).float() * 2 - 1
-        _hadamard[device] = (signs[:, None] * h / 4).to(device)
-    return _hadamard[device]
+    """`hadamard_16`'s matrix on `device`, never handed out: `_HADAMARD_CPU`, made at import
+    (a compiled graph then creates no random generator and mutates no cache), moved (16x16
+    values) where the transform runs."""
+    return _HADAMARD_CPU.to(device)
 
 
 def _rht(x: Tensor) -> Tensor:
