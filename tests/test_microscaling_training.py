@@ -274,3 +274,17 @@ def test_stochastic_rounding_and_the_hadamard_transform_compile_to_one_graph(con
     assert torch.equal(eager[0], compiled[0])
     for a, b in zip(eager[1], compiled[1], strict=True):
         assert torch.equal(a, b)
+
+
+def test_activation_checkpointing_gives_the_plain_gradients():
+    """The backward reads its saved tensors once: non-reentrant checkpointing refuses a
+    second unpack."""
+    torch.manual_seed(0)
+    layer = MicroscalingLinear.from_float(nn.Linear(32, 32), config="mxfp8")
+    x = torch.randn(8, 32, requires_grad=True)
+    layer(x).pow(2).sum().backward()
+    plain = (x.grad.clone(), layer.weight.grad.clone())
+    x.grad, layer.weight.grad = None, None
+    out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    out.pow(2).sum().backward()
+    assert torch.equal(x.grad, plain[0]) and torch.equal(layer.weight.grad, plain[1])

@@ -277,18 +277,20 @@ class _Float8Matmul(torch.autograd.Function):
     # the terms through them: `first_order` makes it raise
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        weight = ctx.saved_tensors[1 if ctx.recipe in Float8Config.ROWWISE_RECIPES else 4]
-        return first_order("Float8Linear", partial(_Float8Matmul.gradients, ctx, g), weight, g)
+        saved = ctx.saved_tensors  # read once: activation checkpointing unpacks them once
+        weight = saved[1 if ctx.recipe in Float8Config.ROWWISE_RECIPES else 4]
+        compute = partial(_Float8Matmul.gradients, ctx, g, saved)
+        return first_order("Float8Linear", compute, weight, g)
 
     @staticmethod
-    def gradients(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        """The backward's math, without a graph."""
+    def gradients(ctx: Any, g: Tensor, saved: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+        """The backward's math on the `saved` tensors, without a graph."""
         out_dtype, emulate = ctx.out_dtype, ctx.emulate
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = grad_w = None
         with torch.autocast(g.device.type, enabled=False):
             if ctx.recipe in Float8Config.ROWWISE_RECIPES:
-                x, weight = ctx.saved_tensors
+                x, weight = saved
                 if need_x:
                     sg, swc = axis_scale(g, E4M3, -1), axis_scale(weight, E4M3, 0)
                     grad_x = scaled_matmul(
@@ -312,7 +314,7 @@ class _Float8Matmul(torch.autograd.Function):
                         emulate=emulate,
                     )
             else:
-                x8, w8, x_inv, w_inv, _ = ctx.saved_tensors
+                x8, w8, x_inv, w_inv, _ = saved
                 if ctx.recipe == "delayed":
                     amax_g = _amax(g)
                     sg = _delayed_scale(amax_g, ctx.g_scale, E5M2)

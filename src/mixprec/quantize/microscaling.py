@@ -608,15 +608,15 @@ class _BlockScaledMatmul(torch.autograd.Function):
     # backward would miss its terms: `first_order` makes it raise
     @staticmethod
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        weight = ctx.saved_tensors[1]
-        compute = partial(_BlockScaledMatmul.gradients, ctx, g)
-        return first_order("MicroscalingLinear", compute, weight, g)
+        saved = ctx.saved_tensors  # read once: activation checkpointing unpacks them once
+        compute = partial(_BlockScaledMatmul.gradients, ctx, g, saved)
+        return first_order("MicroscalingLinear", compute, saved[1], g)
 
     @staticmethod
-    def gradients(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
-        """The backward's math, without a graph."""
+    def gradients(ctx: Any, g: Tensor, saved: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+        """The backward's math on the `saved` tensors, without a graph."""
         config, out_dtype = ctx.config, ctx.out_dtype
-        x, weight, qw_2d = ctx.saved_tensors
+        x, weight, qw_2d = saved
         grad_x = grad_w = None
         sr = config.mode == "nvfp4" and config.stochastic_gradients
         with torch.autocast(g.device.type, enabled=False):
