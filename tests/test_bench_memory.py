@@ -4,7 +4,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +174,89 @@ def test_a_failing_configuration_is_a_recorded_row_and_the_others_are_written(tm
     assert "| ddp | 16-true | " in md and "| fsdp | 16-true |" + " failed |" * 7 in md
     assert f"- fsdp 16-true: mixprec.errors.{refusal}" in md
     assert refusal in " ".join(capsys.readouterr().err.split())
+
+
+# The second spec's ranks stop in the factory: rank 1 ignoring SIGINT stands for a rank blocked
+# where Python's handler never runs (torch retries a store connect through EINTR)
+STUCK = """
+import os, signal, time
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MARKS = Path({marks!r})
+
+def factory():
+    rank = dist.get_rank() if dist.is_initialized() else "parent"  # the parent checks it
+    calls = MARKS / f"rank{{rank}}.calls"
+    calls.write_text(str(int(calls.read_text()) + 1 if calls.exists() else 1))
+    if rank != "parent" and calls.read_text() == "2":
+        if rank == 1:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        (MARKS / f"rank{{rank}}.pid").write_text(str(os.getpid()))
+        while True:
+            time.sleep(0.1)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    batch = lambda n: (torch.randn(n, 8), torch.randint(0, 4, (n,)))
+    return model, batch, nn.functional.cross_entropy
+"""
+
+CLI = (
+    "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "from mixprec.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        stat = (Path("/proc") / str(pid) / "stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_fsdp_ranks_run_ends_every_rank_and_keeps_the_measured_rows(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) while the fsdp ranks
+    ran, one of them not answering it: the command waited at exit for that rank (torch's store
+    timeout, 30 minutes) and wrote nothing. Now every rank ends within seconds, the ddp rows
+    measured before are written, and the exit status is 130."""
+    (tmp_path / "stuck.py").write_text(textwrap.dedent(STUCK.format(marks=str(tmp_path))))
+    out = tmp_path / "out"
+    args = [
+        *("bench", "--strategy", "fsdp", "--precision", "32-true"),
+        *("--model", f"{tmp_path / 'stuck.py'}:factory", "--batch-sizes", "4"),
+        *("--steps", "2", "--threads", "1", "--out", str(out)),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "log.txt", "w") as log:  # not a pipe: a rank left behind would hold it
+        cli = subprocess.Popen(
+            [sys.executable, "-c", CLI, *args], stdout=log, stderr=log, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+    pid_files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+    try:
+        deadline = time.monotonic() + 180
+        while not all(f.exists() and f.read_text() for f in pid_files):
+            assert cli.poll() is None, (tmp_path / "log.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the fsdp ranks did not start"
+            time.sleep(0.2)
+        ranks = [int(f.read_text()) for f in pid_files]
+        os.killpg(cli.pid, signal.SIGINT)
+        code = cli.wait(timeout=30)
+        assert code == 130, (tmp_path / "log.txt").read_text()[-3000:]
+        assert all(_gone(pid) for pid in ranks)
+    finally:
+        if cli.poll() is None:
+            os.killpg(cli.pid, signal.SIGKILL)
+            cli.wait()
+    result = json.loads((out / "memory.json").read_text())
+    assert [(r["strategy"], r["rank"]) for r in result["ranks"]] == [("ddp", 0), ("ddp", 1)]
+    [stopped] = result["failed"]
+    assert (stopped["strategy"], stopped["error"]) == (
+        "fsdp",
+        "interrupted (Ctrl-C) before its ranks finished",
+    )
+    assert "interrupted (Ctrl-C)" in (tmp_path / "log.txt").read_text()

@@ -762,3 +762,33 @@ def test_resume_keeps_float32_moments_bit_identical(kind):
     assert torch.equal(w, resumed_w)
     for key, value in opt.state[w].items():
         assert torch.equal(value, resumed.state[resumed_w][key]), key
+
+
+def test_another_optimizer_classs_state_is_refused_at_load_and_torchs_part_moves_to_torch():
+    """An SGD state loaded into a compensated AdamW was accepted and the next step died with
+    KeyError: 'step'; it is refused at load, naming the settings that differ. The export
+    path: ``lso.optimizer.state_dict()`` is torch's dict, which a plain AdamW loads and steps
+    (``lso.state_dict()`` holds it under "optimizer", beside the scaler and masters)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4).to(torch.bfloat16)
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(x).sum().backward()
+    sgd.step()
+    lso = LossScaleOptimizer(torch.optim.AdamW(model.parameters()), compensation="kahan")
+    with pytest.raises(ValueError, match=r"hold \['dampening', 'momentum', 'nesterov'\], which "
+                       r"this AdamW's lack, .* saved from another optimizer class"):  # fmt: skip
+        lso.load_state_dict(sgd.state_dict())
+    sgd_lso = LossScaleOptimizer(sgd, compensation="kahan")
+    with pytest.raises(ValueError, match="saved from another optimizer class"):
+        lso.load_state_dict(sgd_lso.state_dict())
+    assert lso.optimizer.state == {}  # nothing was loaded
+    lso.backward(model(x).sum())
+    lso.step()
+    assert lso.state_dict()["optimizer"] == lso.optimizer.state_dict()
+    plain = torch.optim.AdamW(model.parameters())
+    plain.load_state_dict(lso.optimizer.state_dict())
+    model.zero_grad()
+    model(x).sum().backward()
+    plain.step()
+    assert plain.state[model.weight]["step"] == 2

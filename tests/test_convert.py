@@ -5,6 +5,7 @@ import io
 import math
 import pickle
 import time
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -505,6 +506,26 @@ def test_a_path_rule_matching_no_module_warns_with_the_closest_paths():
     model.add_module("encoder", nn.Linear(2, 2))
     with pytest.warns(UserWarning, match=r"'encodr' matches no module.*closest paths: 'encoder'"):
         mixprec.apply(model, PolicyMap("32-true", {"encodr": "64-true"}))
+
+
+def test_many_unmatched_path_rules_are_one_warning_and_warn_false_silences_it():
+    """20,000 unmatched rules gave 20,000 warnings, with ``warn=False`` too. Now one names the
+    first five and counts the rest; ``warn=False`` gives none; `Precision.setup` (which
+    applies with ``warn=False`` after its own device check) still says it."""
+    model = nn.Sequential()
+    model.add_module("encoder", nn.Linear(2, 2))
+    rules = {f"layer{i}": "64-true" for i in range(2000)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mixprec.apply(model, PolicyMap("32-true", rules))
+    [one] = caught
+    assert str(one.message).startswith("2000 policy rules match no module of Sequential")
+    assert "'layer0', 'layer1', 'layer2', 'layer3', 'layer4' and 1995 more" in str(one.message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixprec.apply(model, PolicyMap("32-true", rules), warn=False)
+    with pytest.warns(UserWarning, match="2000 policy rules match no module"):
+        mixprec.Precision(PolicyMap("32-true", rules)).setup(model)
 
 
 # -- what apply refuses, and says why -------------------------------------------------------

@@ -434,6 +434,37 @@ def test_an_empty_batch_runs_as_in_nn_linear(recipe, shape):
 
 
 @pytest.mark.parametrize("recipe", Float8Config.RECIPES)
+def test_a_gradient_penalty_on_the_input_gradient_raises(recipe):
+    """A WGAN-GP critic with only its head in float8: the penalty's gradient starts from
+    ``out.sum()``, so the head's backward received a gradient needing no graph, and the
+    penalty added exactly nothing to the head's weight gradient without a word.
+    Differentiating through the head's backward now raises, naming the layer."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(64, 64), nn.LeakyReLU(0.2), nn.Linear(64, 32))
+    convert_to_float8(critic, recipe=recipe, filter="2", skip_small=False)
+    assert isinstance(critic[2], Float8Linear)
+    x = torch.randn(8, 64, requires_grad=True)
+    (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+    penalty = 10 * (g.norm(dim=1) - 1).pow(2).mean()
+    with pytest.raises(RuntimeError, match="Float8Linear has no second derivative"):
+        penalty.backward()
+
+
+@pytest.mark.parametrize("recipe", Float8Config.RECIPES)
+def test_a_frozen_layer_in_a_gradient_penalty_is_exact(recipe):
+    """A frozen Float8Linear fed a gradient needing no graph: its input gradient is constant
+    in everything that trains, so there is no term to miss and the penalty runs."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(32, 32), nn.LeakyReLU(0.2), nn.Linear(32, 16))
+    convert_to_float8(critic, recipe=recipe, filter="2", skip_small=False)
+    critic[2].requires_grad_(False)
+    x = torch.randn(4, 32, requires_grad=True)
+    (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+    g.pow(2).sum().backward()
+    assert critic[0].weight.grad is not None and critic[2].weight.grad is None
+
+
+@pytest.mark.parametrize("recipe", Float8Config.RECIPES)
 def test_a_second_derivative_raises_instead_of_missing_terms(recipe):
     """A gradient penalty through a Float8Linear backpropagated through its backward's
     float8 copies, detached from the weight: the weight's gradient lacked the term through
@@ -445,7 +476,7 @@ def test_a_second_derivative_raises_instead_of_missing_terms(recipe):
     (plain,) = torch.autograd.grad(module(x).pow(2).sum(), x)
     (penalty,) = torch.autograd.grad(module(x).pow(2).sum(), x, create_graph=True)
     assert torch.equal(penalty, plain)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
+    with pytest.raises(RuntimeError, match="has no second derivative"):
         penalty.pow(2).sum().backward()
 
 
@@ -561,6 +592,22 @@ def test_convert_returns_the_model_and_converts_a_bare_linear_as_torchao_does():
     assert skipped == {"": "excluded by filter"}
     back = convert_from_float8(f8)
     assert type(back) is nn.Linear and back.weight is linear.weight
+
+
+def test_a_root_linear_with_submodules_is_refused_not_stripped():
+    """A root Linear holding submodules came back as a Float8Linear holding only weight and
+    bias: its submodules were gone without a word. torchao refuses it; so does this. Left
+    alone by the filter, the root keeps its submodules and they convert."""
+    model = nn.Linear(32, 32)
+    model.child = nn.Sequential(nn.Linear(32, 32))
+    with pytest.raises(ValueError, match=r"root Linear that has submodules \(child\)"):
+        convert_to_float8(model, skip_small=False)
+    assert type(model.child[0]) is nn.Linear
+    skipped = {}
+    out = convert_to_float8(model, skip_small=False, filter=r"child\..*", skipped=skipped)
+    assert out is model and type(model) is nn.Linear and skipped == {"": "excluded by filter"}
+    assert isinstance(model.child[0], Float8Linear)
+    assert set(model.state_dict()) == {"weight", "bias", "child.0.weight", "child.0.bias"}
 
 
 def test_skip_small_follows_torchaos_rule():

@@ -135,6 +135,37 @@ def test_callback_watches_hf_own_bf16_autocast(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:layer .* gradients reaching it")  # no loss scaling here
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"path": 5}, "path is a file path .* got 5"),
+        ({"path": True}, "path is a file path .* got True"),
+        ({"monitor": "x"}, "monitor is a mixprec.PrecisionMonitor .* got str"),
+        ({"trainer": object()}, "trainer is the transformers.Trainer .* got object"),
+    ],
+)
+def test_callback_refuses_bad_arguments_when_built(kwargs, message):
+    """path=5 and monitor="x" were accepted and failed inside train() with raw errors."""
+    with pytest.raises(TypeError, match=message):
+        PrecisionMonitorCallback(**kwargs)
+
+
+def test_callback_says_when_hf_fp16_on_a_cpu_leaves_nothing_to_monitor(tmp_path):
+    """Hugging Face's own fp16=True on a CPU trains in float32: the callback logged nothing
+    and said nothing. It warns once, saying why."""
+    callback = PrecisionMonitorCallback(every_n_steps=1, path=False)
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(),
+        args=hf_args(tmp_path, max_steps=2, fp16=True),
+        train_dataset=token_rows(n=8),
+        callbacks=[callback],
+    )
+    with pytest.warns(UserWarning, match="step 0 ran no layer output in a 16- or 8-bit dtype.*"
+                      "fp16=True does not lower a CPU run to float16") as caught:  # fmt: skip
+        trainer.train()
+    assert len([w for w in caught if "PrecisionMonitorCallback" in str(w.message)]) == 1
+
+
 def test_callback_logs_through_trainer_log_and_warns_with_the_layer(tmp_path):
     model = tiny_gpt2()
     with torch.no_grad():
@@ -414,7 +445,10 @@ def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.Lambd
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
 
 
-def test_accelerate_recipe_matches_a_hand_written_loop_bit_for_bit():
+@pytest.mark.parametrize("clip", ["precision", "accelerator"])
+def test_accelerate_recipe_matches_a_hand_written_loop_bit_for_bit(clip):
+    """Either clipping call: ``accelerator.clip_grad_norm_`` clipped the scaled gradients
+    (documented, not detected); for an accelerator given to `prepare` it unscales first."""
     # hand-written mixprec loop
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -444,7 +478,11 @@ def test_accelerate_recipe_matches_a_hand_written_loop_bit_for_bit():
         acc_optimizer.zero_grad()
         loss = acc_model(**batch).loss
         accelerator.backward(acc_precision.scaler.scale(loss))
-        acc_precision.clip_grad_norm_(acc_model, 1.0)
+        if clip == "precision":
+            acc_precision.clip_grad_norm_(acc_model, 1.0)
+        else:
+            norm = accelerator.clip_grad_norm_(acc_model.parameters(), 1.0)
+            assert i == 1 or norm < 100  # the unscaled norm, not 65536 times it
         acc_optimizer.step()
         acc_scheduler.step()
         if handle is not None:

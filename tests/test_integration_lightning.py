@@ -313,6 +313,20 @@ def test_a_lightning_checkpoint_resumes_bit_identically(spec, options, tmp_path)
     assert resumed_plugin.scaler.stats().skipped_steps == 1
 
 
+def test_a_checkpoint_of_another_precision_is_refused_naming_both():
+    """A 16-true checkpoint resumed under bf16-mixed failed with an error about the loss
+    scaler ("cannot load a 'dynamic' loss scaler state into a 'none' scaler"), not about the
+    precision change; a rule differing is a change too."""
+    saved = MixprecPrecision("16-true", allow_slow=True).state_dict()
+    with pytest.raises(ValueError, match=r"saved under PolicyMap\('16-true', \{\}\), this "
+                       r"run's precision is PolicyMap\('bf16-mixed', \{\}\)"):  # fmt: skip
+        MixprecPrecision("bf16-mixed", allow_slow=True).load_state_dict(saved)
+    ruled = PolicyMap("16-true", {"head": "32-true"})
+    with pytest.raises(ValueError, match="resumes a run in the precision that saved it"):
+        MixprecPrecision(ruled, allow_slow=True).load_state_dict(saved)
+    MixprecPrecision("16-true", allow_slow=True).load_state_dict(saved)  # the same: loads
+
+
 def test_loading_another_plugins_state_is_refused():
     with pytest.raises(ValueError, match="not a MixprecPrecision state"):
         MixprecPrecision("bf16-mixed").load_state_dict({"scale": 65536.0})

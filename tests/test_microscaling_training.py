@@ -218,6 +218,23 @@ def test_layers_that_do_not_fill_blocks_and_bad_inputs_are_refused():
     assert "format='nvfp4/2d'" in repr(layer)
 
 
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_a_gradient_penalty_on_the_input_gradient_raises(mode):
+    """A WGAN-GP critic with only its head block-scaled: the penalty's gradient starts from
+    ``out.sum()``, so the head's backward received a gradient needing no graph, and the
+    penalty added exactly nothing to the head's weight gradient (1.23 in float32) without a
+    word. Differentiating through the head's backward now raises, naming the layer."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(64, 64), nn.LeakyReLU(0.2), nn.Linear(64, 32))
+    mixprec.quantize(critic, mode, filter="2")
+    assert isinstance(critic[2], MicroscalingLinear)
+    x = torch.randn(8, 64, requires_grad=True)
+    (g,) = torch.autograd.grad(critic(x).sum(), x, create_graph=True)
+    penalty = 10 * (g.norm(dim=1) - 1).pow(2).mean()
+    with pytest.raises(RuntimeError, match="MicroscalingLinear has no second derivative"):
+        penalty.backward()
+
+
 @pytest.mark.parametrize("config", ["mxfp8", "nvfp4"])
 def test_a_second_derivative_raises_instead_of_missing_terms(config):
     """A gradient penalty through a MicroscalingLinear went through its backward's block
@@ -229,5 +246,45 @@ def test_a_second_derivative_raises_instead_of_missing_terms(config):
     (plain,) = torch.autograd.grad(layer(x).pow(2).sum(), x)
     (penalty,) = torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
     assert torch.equal(penalty, plain)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
+    with pytest.raises(RuntimeError, match="has no second derivative"):
         penalty.pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("config", ["nvfp4/sr", "nvfp4/2d:rht:sr"])
+def test_stochastic_rounding_and_the_hadamard_transform_compile_to_one_graph(config):
+    """``torch.compile(fullgraph=True)`` failed inside dynamo: for stochastic rounding on the
+    check of the noise's values (data-dependent), for the Hadamard transform on the random
+    generator its first call created and the cache it filled. Compiled whole, forward and
+    backward equal eager's bit for bit from the same seed."""
+    torch.manual_seed(0)
+    layer = MicroscalingLinear.from_float(nn.Linear(32, 32), config=config)
+    x = torch.randn(16, 32)
+
+    def run(module):
+        torch.manual_seed(1)
+        xx = x.clone().requires_grad_(True)
+        out = module(xx)
+        out.pow(2).sum().backward()
+        grads = (xx.grad, layer.weight.grad.clone(), layer.bias.grad.clone())
+        layer.zero_grad(set_to_none=True)
+        return out.detach(), grads
+
+    eager = run(layer)
+    compiled = run(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    assert torch.equal(eager[0], compiled[0])
+    for a, b in zip(eager[1], compiled[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_activation_checkpointing_gives_the_plain_gradients():
+    """The backward reads its saved tensors once: non-reentrant checkpointing refuses a
+    second unpack."""
+    torch.manual_seed(0)
+    layer = MicroscalingLinear.from_float(nn.Linear(32, 32), config="mxfp8")
+    x = torch.randn(8, 32, requires_grad=True)
+    layer(x).pow(2).sum().backward()
+    plain = (x.grad.clone(), layer.weight.grad.clone())
+    x.grad, layer.weight.grad = None, None
+    out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+    out.pow(2).sum().backward()
+    assert torch.equal(x.grad, plain[0]) and torch.equal(layer.weight.grad, plain[1])

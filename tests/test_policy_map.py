@@ -109,6 +109,49 @@ def test_a_policy_file_round_trips_and_every_precision_argument_reads_it(tmp_pat
     assert PolicyMap.load(tmp_path / "one.json") == PolicyMap("bf16-true")
 
 
+def test_saving_a_policy_file_where_it_cannot_go_names_the_file_asked_for(tmp_path):
+    """Saving into a directory, or under a missing folder, raised raw OSErrors
+    naming the hidden temporary file (".x.json.1234.tmp"), not the path given."""
+    pmap = PolicyMap("bf16-mixed", {"head": "32-true"})
+    with pytest.raises(IsADirectoryError, match="it is a directory; give a file path, e.g.") as e:
+        pmap.save(tmp_path)
+    assert ".tmp" not in str(e.value)
+    target = tmp_path / "missing" / "policy.json"
+    with pytest.raises(FileNotFoundError) as e:
+        pmap.save(target)
+    assert f"cannot save the policy file {str(target)!r}" in str(e.value)
+    assert f"its folder {str(target.parent)!r} does not exist" in str(e.value)
+    assert ".tmp" not in str(e.value) and list(tmp_path.iterdir()) == []
+
+
+def test_a_type_rule_of_a_local_class_is_refused_at_save_not_at_load(tmp_path):
+    """save() wrote a type rule for a class defined in a function, which only load() then
+    refused; now save refuses it and writes nothing."""
+
+    class Local(nn.Linear):
+        pass
+
+    pmap = PolicyMap("bf16-mixed", {Local: "32-true"})
+    with pytest.raises(PolicySpecError, match="type rule Local is a class defined inside a f.*"
+                       "PolicyMap.load could not import it back"):  # fmt: skip
+        pmap.save(tmp_path / "policy.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_policy_file_where_one_policy_is_taken_or_without_json_says_so(tmp_path, monkeypatch):
+    """'unknown precision' said nothing of files: for a .json path where one policy is taken
+    (Policy, policy_scope), or for an existing policy file whose name lacks '.json'."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PolicySpecError, match="'p.json' names a policy file .*PolicyMap.load"):
+        Policy("p.json")
+    with pytest.raises(PolicySpecError, match="names a policy file"):
+        mixprec.set_global_policy("p.json")
+    PolicyMap("bf16-mixed").save(tmp_path / "mine.json")
+    (tmp_path / "mine.json").rename(tmp_path / "mine")
+    with pytest.raises(PolicySpecError, match=r"'mine', which is a file: .* ends in '.json'"):
+        mixprec.Precision("mine")
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

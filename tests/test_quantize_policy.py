@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -513,3 +514,19 @@ def test_quantize_takes_a_modes_options_in_its_name_as_a_policy_does():
         mixprec.quantize(nn.Sequential(nn.Linear(256, 256)), "int4/64", group_size=32)
     with pytest.raises(PolicySpecError, match="unknown float8 recipe 'bogus'"):
         mixprec.quantize(nn.Sequential(nn.Linear(256, 256)), "float8/bogus")
+
+
+def test_setup_with_an_optimizer_built_first_warns_of_the_replaced_weights():
+    """Precision("int8_from_float32").setup(model, optimizer) with the optimizer built on the
+    float model kept the two replaced float weights in it (stepped, held in memory, reaching
+    nothing) without a word. It warns naming them; an optimizer built after does not."""
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.warns(UserWarning, match=r"holds 2 parameter\(s\) that the conversion replaced "
+                      r"\(0.weight, 2.weight\)") as caught:  # fmt: skip
+        mixprec.Precision("int8_from_float32").setup(model, opt)
+    assert caught[0].filename == __file__
+    again = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixprec.Precision("int8_from_float32").setup(again)

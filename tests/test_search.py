@@ -262,8 +262,47 @@ def test_a_planted_sensitive_layer_stays_in_float32_and_the_report_says_why() ->
     assert report.fits("plan") and report.fits("all int8_from_float32")
     assert not report.fits("baseline")
     assert measured["plan"].loss < measured["all int8_from_float32"].loss
-    assert report.beats_uniform
+    assert report.beats_uniform and report.uniform_won is None
     assert "kept" not in report.summary() and "better than" in report.summary()
+
+
+def test_a_uniform_plan_measured_lower_than_the_solved_plan_is_returned(tmp_path) -> None:
+    """The solver keeps the last layer in float32 (its predicted damage is the largest), but
+    under a loss linear in the outputs int4 there lowers the loss: int4 everywhere fits and
+    measures lower. The search returned the worse solved plan, saying only
+    ``beats_uniform=False``; it returns the uniform plan and says it won."""
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 32)
+    )
+    c, x = torch.randn(32), torch.randn(96, 64)
+    report = search(
+        model,
+        [(x[:48], c)],
+        lambda y, c: (y @ c).mean(),
+        budget={"memory": 0.45},
+        formats=[INT4],
+        baseline="32-true",
+        eval_batches=[(x[48:], c)],
+        reps=1,
+    )
+    uniform = "all int4/32_from_float32"
+    (solved,) = report.attempts
+    assert solved.chosen == ["int4/32_from_float32", "int4/32_from_float32", "32-true"]
+    assert not solved.kept and report.uniform_won == uniform
+    assert report.plan == {p: "int4/32_from_float32" for p in ("0", "2", "4")}
+    assert [r.chosen for r in report.rows] == ["int4/32_from_float32"] * 3
+    assert report.measured["plan"].loss == report.measured[uniform].loss
+    assert report.measured["plan"].seconds > 0  # timed beside the baseline
+    assert report.measured[uniform].loss < solved.loss - 0.02  # 0.152 against 0.180
+    assert report.fits("plan") and not report.beats_uniform
+    assert f"a uniform plan won: the plan is {uniform}" in report.summary()
+    policy = report.save(tmp_path)
+    assert json.loads((tmp_path / "search.json").read_text())["uniform_won"] == uniform
+    again = mixprec.apply(copy.deepcopy(model), str(policy))
+    with torch.no_grad():
+        loss = float((again(x[48:]) @ c).mean())
+    assert loss == report.measured["plan"].loss
 
 
 def test_a_budget_nothing_fits_names_the_smallest_reachable() -> None:
@@ -459,6 +498,22 @@ def test_a_float32_loss_that_is_not_finite_is_refused() -> None:
         search(model, [batches[0], bad], F.mse_loss, **args)
     with pytest.raises(ValueError, match="float32 loss on eval_batches is nan"):
         search(model, batches, F.mse_loss, eval_batches=[bad], **args)
+
+
+def test_a_weight_holding_nan_is_refused_naming_its_path_in_the_model() -> None:
+    """A NaN in layer 4's weight was reported as "cannot quantize 0.weight", the path inside
+    the one-layer copy the search quantizes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8)
+    )
+    with torch.no_grad():
+        model[4].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"the model's 4.weight holds 1 inf/NaN value\(s\): a se"):
+        search(
+            model, [(torch.randn(8, 32), torch.randn(8, 8))], F.mse_loss,
+            budget={"memory": 0.5}, formats=[INT8], baseline="32-true", reps=1,
+        )  # fmt: skip
 
 
 def test_a_model_on_the_meta_device_is_refused() -> None:

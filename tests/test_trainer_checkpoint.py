@@ -122,6 +122,33 @@ def test_resume_from_the_last_epoch_checkpoint_written_by_model_checkpoint(tmp_p
     )
 
 
+def test_a_checkpoint_its_resumed_record_does_not_name_is_removed_not_kept_for_ever(tmp_path):
+    """A SIGKILL between a save's file and its record (last.ckpt still at the save before)
+    left a complete epoch=... file that the resumed run's save_top_k never removed, and whose
+    name pushed the run's own save of that epoch to -v1. The resumed run removes what it
+    does not know, written after the checkpoint it resumes from, and says so."""
+    train, val = loaders()
+    ck = tmp_path / "ck"
+    cb = ModelCheckpoint(dirpath=ck, save_last=True, save_top_k=1)
+    trainer(tmp_path / "a", "32-true", max_epochs=1, callbacks=[cb]).fit(Net(0), train, val)
+    (first,) = [p for p in ck.iterdir() if p.name != "last.ckpt"]
+    # the next epoch's save, killed before last.ckpt and the record moved on to it
+    orphan = ck / "epoch=1-step=12.ckpt"
+    orphan.write_bytes(first.read_bytes())
+    os.utime(orphan, (first.stat().st_mtime + 5, first.stat().st_mtime + 5))
+    mine = ck / "notes.txt"  # not a checkpoint: never touched
+    mine.write_text("kept")
+    cb = ModelCheckpoint(dirpath=ck, save_last=True, save_top_k=1)
+    t = trainer(tmp_path / "b", "32-true", max_epochs=3, callbacks=[cb])
+    with pytest.warns(UserWarning, match=r"removing epoch=1-step=12.ckpt from .*: written after"):
+        t.fit(Net(0), train, val, ckpt_path=ck / "last.ckpt")
+    assert sorted(p.name for p in ck.iterdir()) == [
+        "epoch=2-step=18.ckpt",
+        "last.ckpt",
+        "notes.txt",
+    ]
+
+
 def test_checkpoint_contents(tmp_path):
     train, _ = loaders()
     t = trainer(tmp_path, "16-mixed", max_steps=3)

@@ -461,17 +461,39 @@ def sharded_units(model: nn.Module) -> list[str]:
     return [name or "<root>" for name, m in model.named_modules() if isinstance(m, fsdp.FSDPModule)]
 
 
+# unmatched path rules named (with the closest paths) in the one warning; the rest counted
+_UNMATCHED_NAMED = 5
+
+
 def warn_unmatched(pmap: PolicyMap, model: nn.Module) -> None:
-    """A path rule that matches no module is a typo far more often than intent: say so."""
+    """A path rule that matches no module is a typo far more often than intent: say so, in
+    one warning for all of them (a generated map may hold thousands)."""
     names = [name for name, _ in model.named_modules(remove_duplicate=False)]
-    for key in pmap.unmatched_paths(names):
+    unmatched = pmap.unmatched_paths(names)
+    if not unmatched:
+        return
+
+    def closest(key: str) -> str:
         close = difflib.get_close_matches(key, [n for n in names if n], n=3, cutoff=0.5)
-        hint = f"; closest paths: {', '.join(map(repr, close))}" if close else ""
-        warnings.warn(
-            f"policy rule {key!r} matches no module of {type(model).__name__} (rules are "
-            f"re.fullmatch'ed against named_modules() paths){hint}",
-            stacklevel=3,
+        return ", ".join(map(repr, close))
+
+    how = "rules are re.fullmatch'ed against named_modules() paths"
+    if len(unmatched) == 1:
+        (key,) = unmatched
+        hint = f"; closest paths: {closest(key)}" if closest(key) else ""
+        message = f"policy rule {key!r} matches no module of {type(model).__name__} ({how}){hint}"
+    else:
+        said = [
+            f"{key!r}" + (f" (closest paths: {closest(key)})" if closest(key) else "")
+            for key in unmatched[:_UNMATCHED_NAMED]
+        ]
+        more = len(unmatched) - len(said)
+        message = (
+            f"{len(unmatched)} policy rules match no module of {type(model).__name__} ({how}): "
+            + ", ".join(said)
+            + (f" and {more} more" if more else "")
         )
+    warnings.warn(message, stacklevel=3)
 
 
 def _floating_dtypes(model: nn.Module) -> dict[tuple[str, str], torch.dtype]:
@@ -505,9 +527,8 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     ones (see `mixprec.quantize`; a one-way change that `remove` keeps) and everything else
     follows its source float policy.
 
-    Warns when the policy is slow or refused on the model's device (`warn=False` for
-    callers that already checked it, such as `Precision.setup`), and when a path rule
-    matches no module."""
+    Warns when the policy is slow or refused on the model's device, and when path rules
+    match no module (one warning naming them); `warn=False` warns of neither."""
     _check_model(model)
     pmap = as_map(policy)
     if warn:
@@ -516,7 +537,8 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     device = device_of(model)
     slow = device_slow_attention(device)
     resolved = pmap.resolve(model, slow_attention=slow, device_type=device.type)
-    warn_unmatched(pmap, model)
+    if warn:
+        warn_unmatched(pmap, model)
     # everything that can refuse the policy runs before the model changes: a refused
     # re-apply leaves the previous policy in place, weights unrounded
     _check_bypassed(model, resolved)

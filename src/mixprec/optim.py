@@ -604,6 +604,17 @@ class LossScaleOptimizer:
         if not isinstance(saved, Mapping) or not {"state", "param_groups"} <= saved.keys():
             raise ValueError("the saved optimizer state lacks 'state' and 'param_groups'")
         groups = self.optimizer.param_groups
+        # another optimizer class's groups hold settings this one lacks and lack some of its
+        # own (SGD's momentum beside AdamW's betas); another torch version only adds or drops
+        ours = set().union(*(g.keys() for g in groups))
+        theirs = set().union(*(g.keys() for g in saved["param_groups"]))
+        if theirs - ours and ours - theirs:
+            name = type(self.optimizer).__name__
+            raise ValueError(
+                f"the saved optimizer state's parameter groups hold {sorted(theirs - ours)}, "
+                f"which this {name}'s lack, and lack its {sorted(ours - theirs)}: it was saved "
+                f"from another optimizer class; load it into the class that saved it"
+            )
         sizes = [len(g["params"]) for g in groups]
         saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
         if sizes != saved_sizes:

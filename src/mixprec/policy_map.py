@@ -25,6 +25,7 @@ as the map's ``float32_attention`` says.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import inspect
 import io
@@ -167,6 +168,15 @@ def _is_a(module: nn.Module, t: type) -> bool:
 
 def _type_name(t: type) -> str:
     return f"{t.__module__}.{t.__qualname__}"
+
+
+def _check_nameable(t: type, why: str) -> None:
+    """Refuse a type rule's class defined inside a function: no import can reach it."""
+    if "<locals>" in t.__qualname__:
+        raise PolicySpecError(
+            f"type rule {t.__name__} is a class defined inside a function ({_type_name(t)}): "
+            f"{why}. Define the class at module level, or use a path rule for those modules"
+        )
 
 
 def _import_type(path: str) -> type:
@@ -461,11 +471,27 @@ class PolicyMap:
         """Write `to_config()` as a JSON policy file (atomically: a reader never sees half of
         it); `PolicyMap.load`, `mixprec.Precision`, the Trainer's ``precision=`` and the
         CLI's ``--precision`` read it back. Returns the path."""
+        for t in self._types:
+            _check_nameable(t, "PolicyMap.load could not import it back")
         path = Path(path)
+        if path.is_dir():
+            raise IsADirectoryError(
+                errno.EISDIR,
+                f"cannot save a policy file at {str(path)!r}: it is a directory; give a file "
+                f"path, e.g. {str(path / 'policy.json')!r}",
+            )
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # created with the umask's mode
         try:
             tmp.write_text(json.dumps(self.to_config(), indent=2) + "\n")
             os.replace(tmp, path)
+        except OSError as error:  # said of the file asked for, not of the temporary one
+            tmp.unlink(missing_ok=True)
+            missing = (
+                "" if path.parent.is_dir() else f" (its folder {str(path.parent)!r} does not exist)"
+            )
+            raise type(error)(
+                error.errno, f"cannot save the policy file {str(path)!r}: {error.strerror}{missing}"
+            ) from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -509,12 +535,7 @@ class PolicyMap:
         for key, (_, p) in self._paths.items():
             lines.append(f"        {key!r}: {p.name!r},")
         for t, p in self._types.items():
-            if "<locals>" in t.__qualname__:
-                raise PolicySpecError(
-                    f"type rule {t.__name__} is a class defined inside a function "
-                    f"({_type_name(t)}): source code cannot name it. Define the class at "
-                    "module level, or use a path rule for those modules"
-                )
+            _check_nameable(t, "source code cannot name it")
             lines.append(f"        {_type_name(t)}: {p.name!r},")
         lines.append("    },")
         if not self.float32_islands:

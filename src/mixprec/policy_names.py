@@ -13,6 +13,7 @@ saying what is accepted), and `mixprec.policy` builds the values from them.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,6 +211,17 @@ def parse_float(spec: Any) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
             + accepted()
             + ". "
             + accepted_quantized()
+        )
+    if key.endswith(".json"):
+        raise PolicySpecError(
+            f"precision {spec!r} names a policy file (a PolicyMap): this takes one policy. "
+            "Read it with PolicyMap.load, or pass the path where maps are accepted (apply, "
+            "explain, Precision, the Trainer, the CLI's --precision)"
+        )
+    if os.path.isfile(spec):
+        raise PolicySpecError(
+            f"unknown precision {spec!r}, which is a file: a path is read as a policy file "
+            f"only when its name ends in '.json' (e.g. {spec + '.json'!r}); " + accepted()
         )
     raise PolicySpecError(f"unknown precision {spec!r}; " + accepted())
 

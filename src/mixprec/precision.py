@@ -18,6 +18,7 @@ the overflow flag, and the step.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -26,7 +27,13 @@ import torch
 from torch import nn
 
 from mixprec.compensated import check_compensation
-from mixprec.convert import apply, cast_floating, default_dtype, needs_default_dtype
+from mixprec.convert import (
+    apply,
+    cast_floating,
+    default_dtype,
+    needs_default_dtype,
+    warn_unmatched,
+)
 from mixprec.hardware import (
     DeviceInfo,
     Support,
@@ -245,7 +252,10 @@ class Precision:
         if self._resolved is None:
             self.resolve()
         if convert:
-            apply(model, self.policy, warn=False)
+            before = dict(model.named_parameters())
+            apply(model, self.policy, warn=False)  # the device was checked by `resolve`
+            warn_unmatched(self.policy, model)
+            _warn_replaced(before, model, optimizers)
         self.scaler.to(self.device)
         wrapped = [self._wrap(opt, model) for opt in optimizers]
         return (model, *wrapped) if wrapped else model
@@ -438,3 +448,29 @@ class Precision:
             opt.unscale_()
         master_of = {p: m for opt in self.optimizers for p, m in opt.master_params.items()}
         return [master_of.get(t, t) for t in tensors]
+
+
+def _warn_replaced(
+    before: dict[str, nn.Parameter], model: nn.Module, optimizers: Iterable[Any]
+) -> None:
+    """Warn when an optimizer built before `setup` holds parameters its conversion replaced
+    (float weights of layers a quantized policy swapped): the optimizer keeps them alive and
+    steps them, and they no longer reach the model."""
+    kept = {id(p) for p in model.parameters()}
+    gone = {id(p): name for name, p in before.items() if id(p) not in kept}
+    held = [
+        gone[id(p)]
+        for opt in optimizers
+        for group in opt.param_groups
+        for p in group["params"]
+        if id(p) in gone
+    ]
+    if held:
+        warnings.warn(
+            f"the optimizer holds {len(held)} parameter(s) that the conversion replaced "
+            f"({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}): the quantized layers "
+            "keep codes, not these weights, so the optimizer steps tensors the model no "
+            "longer uses and keeps them in memory. Build the optimizer after setup, from "
+            "model.parameters()",
+            stacklevel=3,
+        )

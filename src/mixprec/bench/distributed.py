@@ -35,7 +35,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
@@ -46,12 +45,14 @@ from mixprec.hardware import check, detect, policy_support
 from mixprec.policy_map import as_map
 from mixprec.precision import Precision
 from mixprec.step import backward, plain_loss
-from mixprec.trainer.strategy import end_finished_process, free_port
+from mixprec.trainer.strategy import end_finished_process, free_port, run_processes
 from mixprec.tree import map_tensors
 
 __all__ = [
     "DEFAULT_PRECISIONS",
+    "CTRL_C_GRACE_S",
     "FailedRun",
+    "Interrupted",
     "MeasurementFailed",
     "MemorySpec",
     "OUTPUT_FILES",
@@ -70,6 +71,9 @@ __all__ = [
 ]
 
 STRATEGIES = ("ddp", "fsdp")
+# seconds a measurement's ranks have, after a Ctrl-C, to end by themselves before they are
+# terminated: they write nothing that a kill could leave half-done
+CTRL_C_GRACE_S = 1.0
 DEFAULT_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 OUTPUT_FILES = ("memory.json", "memory.md")
 
@@ -119,6 +123,15 @@ class FailedRun:
 
 
 Row = RankMemory | FailedRun  # what `run` gives for each spec: its ranks, or its failure
+
+
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C stopped `run`: `rows` are the specs measured before it, and the interrupted
+    one as a `FailedRun`; every rank has ended."""
+
+    def __init__(self, rows: list[Row]) -> None:
+        super().__init__()
+        self.rows = rows
 
 
 class MeasurementFailed(RuntimeError):
@@ -238,12 +251,8 @@ def measure(spec: MemorySpec, workdir: Path) -> list[RankMemory]:
         for name in (f"rank{r}.json", f"rank{r}.error"):
             (out / name).unlink(missing_ok=True)
     try:
-        mp.start_processes(
-            _rank,
-            args=(spec, free_port(), str(out)),
-            nprocs=spec.devices,
-            start_method="spawn",
-            join=True,
+        run_processes(
+            _rank, (spec, free_port(), str(out)), spec.devices, "spawn", grace=CTRL_C_GRACE_S
         )
     except ProcessException as err:
         said = [out / f"rank{r}.error" for r in range(spec.devices)]
@@ -283,13 +292,16 @@ def run(
     on_done: Callable[[MemorySpec, list[Row]], None] | None = None,
 ) -> list[Row]:
     """Measure every spec in turn: its ranks' rows, or one `FailedRun` when they failed (the
-    next specs still run)."""
+    next specs still run). A Ctrl-C raises `Interrupted` with the rows measured so far."""
     rows: list[Row] = []
     for spec in specs:
         try:
             done: list[Row] = list(measure(spec, workdir))
         except MeasurementFailed as failed:
             done = [FailedRun(spec.strategy, spec.precision, failed.error)]
+        except KeyboardInterrupt:
+            stopped = "interrupted (Ctrl-C) before its ranks finished"
+            raise Interrupted([*rows, FailedRun(spec.strategy, spec.precision, stopped)]) from None
         rows += done
         if on_done is not None:
             on_done(spec, done)

@@ -307,7 +307,11 @@ def run_memory_command(
         held = ", ".join(f"rank {r.rank} {r.held / 2**20:.2f} MiB" for r in ranks)
         console.print(f"{spec.strategy} {spec.precision}: held {held}", highlight=False)
 
-    rows = distributed.run(specs, out / "ranks", done)
+    try:
+        rows = distributed.run(specs, out / "ranks", done)
+        interrupted = False
+    except distributed.Interrupted as stop:  # every rank has ended; what was measured is kept
+        rows, interrupted = stop.rows, True
     meta = {
         "command": command,
         "host": f"{detect(torch.device(device)).describe()}; {threads} threads per rank; "
@@ -323,6 +327,9 @@ def run_memory_command(
     for r in failed:
         err.print(f"[red]{r.strategy} {r.precision}: failed[/] {r.error}", highlight=False)
     console.print(f"results: {', '.join(map(str, paths))}", highlight=False)
+    if interrupted:
+        err.print("[red]interrupted (Ctrl-C):[/] the rows measured before it are written")
+        return 130
     return 1 if failed else 0
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +89,27 @@ class PrecisionMonitorCallback(transformers.TrainerCallback):
                 "pass either a PrecisionMonitor or its options, not both: "
                 f"{sorted(monitor_options)}"
             )
-        if path is True:
-            raise TypeError("path is a file path, None (in output_dir) or False (no file)")
+        if not (path is None or path is False or isinstance(path, (str, os.PathLike))):
+            raise TypeError(
+                "path is a file path (str or os.PathLike), None (precision_monitor.jsonl in "
+                f"the Trainer's output_dir) or False (no file), got {path!r}"
+            )
+        if monitor is not None and not isinstance(monitor, PrecisionMonitor):
+            raise TypeError(
+                f"monitor is a mixprec.PrecisionMonitor (or None: one built from "
+                f"every_n_steps), got {type(monitor).__name__}"
+            )
+        if trainer is not None and not isinstance(trainer, transformers.Trainer):
+            raise TypeError(
+                f"trainer is the transformers.Trainer to log through (or None), got "
+                f"{type(trainer).__name__}"
+            )
         self.monitor = monitor or PrecisionMonitor(every_n_steps, **monitor_options)
         self.trainer = trainer
         self._path = path
         self.path: Path | None = None
         self._rows: dict[str, float] = {}
+        self._said_nothing_low = False
 
     @property
     def warnings(self) -> list[str]:
@@ -121,6 +136,20 @@ class PrecisionMonitorCallback(transformers.TrainerCallback):
         if not self.monitor.should_monitor(step):
             return
         self._rows = self.monitor.end_step(step, scaler=_scaler_of(kwargs.get("optimizer")))
+        if not self._said_nothing_low and not any(k.endswith("/amax") for k in self._rows):
+            self._said_nothing_low = True
+            why = (
+                ": Hugging Face's fp16=True does not lower a CPU run to float16, it trains "
+                "in float32"
+                if args.fp16 and torch.device(args.device).type == "cpu"
+                else ""
+            )
+            warnings.warn(
+                f"PrecisionMonitorCallback: step {step} ran no layer output in a 16- or 8-bit "
+                f"dtype, so there is nothing to monitor{why}. Train in a low precision (e.g. "
+                "MixprecTrainer with precision='bf16-mixed', or bf16=True) to watch it",
+                stacklevel=2,
+            )
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         rows, self._rows = self._rows, {}
@@ -370,8 +399,9 @@ def prepare(
     optimizer (its state, scaler and master weights) is registered for
     ``accelerator.save_state``. The loop then scales its backward,
     ``accelerator.backward(precision.scaler.scale(loss))``, clips with
-    ``precision.clip_grad_norm_`` (Accelerate's ``clip_grad_norm_`` does not unscale
-    mixprec's gradients), and with gradient accumulation steps the optimizer only when
+    ``precision.clip_grad_norm_`` or the accelerator's ``clip_grad_norm_`` /
+    ``clip_grad_value_`` (which, for this accelerator, are the precision's: they unscale
+    first), and with gradient accumulation steps the optimizer only when
     ``accelerator.sync_gradients``.
     """
     from accelerate.scheduler import AcceleratedScheduler
@@ -401,4 +431,9 @@ def prepare(
                 )
             scheduler.optimizers = [wrapped]  # its skip check reads step_was_skipped
     accelerator.register_for_checkpointing(wrapped)
+    # Accelerate's own clipping unscales only its GradScaler's gradients: on mixprec's it
+    # clipped the scaled ones. This accelerator's clipping goes through the precision,
+    # which unscales first (and clips float32 masters where they hold the gradients).
+    accelerator.clip_grad_norm_ = precision.clip_grad_norm_
+    accelerator.clip_grad_value_ = precision.clip_grad_value_
     return tuple(prepared)

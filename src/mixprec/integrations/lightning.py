@@ -285,6 +285,18 @@ class MixprecPrecision(LightningPrecision):
                 f"not a MixprecPrecision state (got {keys}): the checkpoint was saved by "
                 f"another precision plugin"
             )
+        saved_policy = state_dict["precision"].get("policy")
+        if saved_policy is not None:
+            before, now = PolicyMap.from_config(saved_policy), self.mixprec.policy
+            if before != now:
+                raise ValueError(
+                    f"the checkpoint was saved under {before!r}, this run's precision is "
+                    f"{now!r}: MixprecPrecision resumes a run in the precision that saved it "
+                    f"(its loss scaler, masters and optimizer state are that precision's). To "
+                    f"go on in another precision, load the checkpoint's weights into the "
+                    f"model (model.load_state_dict(torch.load(path)['state_dict'])) and fit "
+                    f"without ckpt_path"
+                )
         saved = state_dict["optimizers"]
         if saved and len(saved) != len(self._wrappers):
             raise ValueError(

@@ -18,7 +18,16 @@ if TYPE_CHECKING:
     from mixprec.plan.searching import Budget
     from mixprec.policy_map import PolicyMap
 
-__all__ = ["REPORT_FILES", "Attempt", "Option", "SearchReport", "UnitRow"]
+__all__ = [
+    "REPORT_FILES",
+    "Attempt",
+    "Option",
+    "SearchReport",
+    "UnitRow",
+    "costs_of",
+    "formats_of",
+    "within",
+]
 
 REPORT_FILES = ("policy.json", "search.md", "search.json")
 
@@ -66,7 +75,42 @@ class Attempt:
     gap: float
     predicted: float
     note: str = ""
-    kept: bool = False  # the attempt the report's plan is (the lowest measured loss)
+    kept: bool = False  # the attempt the report's plan is (the lowest measured loss), if one
+
+
+def formats_of(
+    name: str, rows: list[UnitRow], baseline: str, formats: list[str]
+) -> list[str] | None:
+    """The format of each searched layer in measured plan `name` ("plan", "baseline",
+    "float32", "all <format>"); None for float32 when it is not one of the `formats`."""
+    if name == "plan":
+        return [r.chosen for r in rows]
+    if name == "baseline":
+        return [baseline for _ in rows]
+    if name.startswith("all "):
+        fmt = name[4:]
+        return [fmt if fmt in r.options else baseline for r in rows]
+    if "32-true" in formats:
+        return ["32-true" for _ in rows]
+    return None
+
+
+def costs_of(
+    measured: Measured, rows: list[UnitRow], formats: list[str] | None
+) -> dict[str, float]:
+    """A measured plan's cost per budget kind, as the budget counts it: bytes of the
+    searched layers; the summed step time of its layers' `formats` (when known)."""
+    out: dict[str, float] = {"memory": measured.unit_bytes}
+    if formats is not None:
+        out["speed"] = sum(r.options[f].seconds for r, f in zip(rows, formats, strict=True))
+    return out
+
+
+def within(costs: dict[str, float], limits: dict[str, float]) -> bool | None:
+    """Whether `costs` fit every budgeted limit (None: a budgeted kind is not known)."""
+    if any(kind not in costs for kind in limits):
+        return None
+    return all(costs[kind] <= limit * (1 + 1e-9) for kind, limit in limits.items())
 
 
 def _num(x: float) -> str:
@@ -122,6 +166,9 @@ class SearchReport:
     device: str
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step of the search
+    # the measured plan returned instead of every solved one: a uniform plan, the baseline or
+    # float32 that fits the budget and measured a lower loss than each of them
+    uniform_won: str | None = None
 
     # --- verdicts -------------------------------------------------------------------
     @property
@@ -130,47 +177,25 @@ class SearchReport:
         return {p: r.chosen for r in self.rows for p in r.unit.paths + r.unit.aliases}
 
     @property
-    def met(self) -> bool:
-        """Whether the verified plan's loss is within `tolerance` of the baseline's."""
-        return self._kept.gap <= self.tolerance
+    def gap(self) -> float:
+        """The plan's measured loss above the baseline's, as a fraction of it."""
+        plan, base = self.measured["plan"].loss, self.measured["baseline"].loss
+        return (plan - base) / max(abs(base), 1e-12)
 
     @property
-    def _kept(self) -> Attempt:
-        return next(a for a in self.attempts if a.kept)
+    def met(self) -> bool:
+        """Whether the verified plan's loss is within `tolerance` of the baseline's."""
+        return self.gap <= self.tolerance
 
     def _costs(self, name: str) -> dict[str, float]:
-        """A measured plan's cost per budget kind, as the budget counts it: bytes of the
-        searched layers; the summed step time of its layers' formats."""
-        m = self.measured[name]
-        out: dict[str, float] = {"memory": m.unit_bytes}
-        formats = self._formats_of(name)
-        if formats is not None:
-            out["speed"] = sum(
-                r.options[f].seconds for r, f in zip(self.rows, formats, strict=True)
-            )
-        return out
+        return costs_of(self.measured[name], self.rows, self._formats_of(name))
 
     def _formats_of(self, name: str) -> list[str] | None:
-        if name == "plan":
-            return [r.chosen for r in self.rows]
-        if name == "baseline":
-            return [self.baseline for _ in self.rows]
-        if name.startswith("all "):
-            fmt = name[4:]
-            return [fmt if fmt in r.options else self.baseline for r in self.rows]
-        if "32-true" in self.formats:
-            return ["32-true" for _ in self.rows]
-        return None
+        return formats_of(name, self.rows, self.baseline, self.formats)
 
     def fits(self, name: str) -> bool | None:
         """Whether measured plan `name` fits the budget (None: not known for a kind)."""
-        costs = self._costs(name)
-        verdicts = []
-        for kind, limit in self.limits.items():
-            if kind not in costs:
-                return None
-            verdicts.append(costs[kind] <= limit * (1 + 1e-9))
-        return all(verdicts)
+        return within(self._costs(name), self.limits)
 
     @property
     def uniform(self) -> list[str]:
@@ -204,7 +229,7 @@ class SearchReport:
     def summary(self) -> str:
         """A few lines: the verdict, the plan's loss, bytes and time against the baseline."""
         p, b = self.measured["plan"], self.measured["baseline"]
-        gap = self._kept.gap
+        gap = self.gap
         verdict = "within" if self.met else "MISSES"
         where = "held-out batches" if self.held_out else "the search batches (no held-out ones)"
         lines = [
@@ -215,7 +240,13 @@ class SearchReport:
             f"{b.seconds * 1e3:.3g} ms ({p.seconds / b.seconds:.2f}x)",
         ]
         same = [n for n in self.uniform if self._formats_of(n) == self._formats_of("plan")]
-        if same:
+        if self.uniform_won is not None:
+            solved = min(self.attempts, key=lambda a: a.loss)
+            lines.append(
+                f"a uniform plan won: the plan is {self.uniform_won}, which fits and measured "
+                f"a lower loss than every plan the solver chose (the lowest {solved.loss:.6g})"
+            )
+        elif same:
             lines.append(f"the plan is {same[0]}: every layer the format takes is in it")
         fitting = [n for n in self.uniform if self.fits(n) and n not in same]
         beaten = [n for n in fitting if p.loss < self.measured[n].loss]
@@ -239,7 +270,9 @@ class SearchReport:
                     f"the whole step measures {ratio:.2f}x the baseline's: regions, casts and "
                     "the unsearched ops do not shrink with the layers"
                 )
-        if len(self.attempts) > 1:
+        if self.uniform_won is not None:
+            lines.append(f"{len(self.attempts)} solved plan(s) measured, none as low")
+        elif len(self.attempts) > 1:
             k = next(i for i, a in enumerate(self.attempts, 1) if a.kept)
             how = "met the tolerance" if self.met else "missed too, the lowest loss"
             lines.append(f"{len(self.attempts)} attempts; the plan is attempt {k} ({how})")
@@ -373,6 +406,7 @@ class SearchReport:
                 "tolerance": self.tolerance,
                 "met": self.met,
                 "beats_uniform": self.beats_uniform,
+                "uniform_won": self.uniform_won,
                 "held_out": self.held_out,
                 "reference_loss": self.reference_loss,
                 "seconds": self.seconds,

@@ -12,7 +12,9 @@ budget, verified by running the plan.
    and step times are what the report states. A plan whose loss misses the tolerance against
    the baseline has its layers' damages replaced by what each one alone measures on the
    same batches, when larger, and is solved again (`retries` times; a plan found before
-   ends it), each attempt reported, the lowest measured loss kept.
+   ends it), each attempt reported, the lowest measured loss kept; a uniform plan (the
+   baseline and float32 among them) that fits and measured lower still is returned instead,
+   the report saying so (`uniform_won`).
 5. Optionally a short training run of the plan beside the baseline (`train_steps`).
 """
 
@@ -34,7 +36,15 @@ from mixprec.doctor.running import loss_of
 from mixprec.hardware import DeviceInfo, check, detect, device_of, parse_device
 from mixprec.plan import sensitivity, solver
 from mixprec.plan.measure import Measured, convert, eval_loss, measure_plans, train
-from mixprec.plan.report import Attempt, Option, SearchReport, UnitRow
+from mixprec.plan.report import (
+    Attempt,
+    Option,
+    SearchReport,
+    UnitRow,
+    costs_of,
+    formats_of,
+    within,
+)
 from mixprec.plan.units import (
     COUNTS,
     Unit,
@@ -262,6 +272,18 @@ def search(
             f"{meta[0]}{more} is on the meta device, without values: a search runs the "
             "model, so give it one whose weights are loaded"
         )
+    broken = [
+        (n, int((~torch.isfinite(t)).sum()))
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
+    if broken:
+        more = f" (and {len(broken) - 1} more tensors)" if len(broken) > 1 else ""
+        raise ValueError(
+            f"the model's {broken[0][0]} holds {broken[0][1]} inf/NaN value(s){more}: a search "
+            "runs the model against float32 and quantizes its weights, which needs them finite "
+            "(a diverged or corrupt checkpoint?)"
+        )
     budget = Budget.of(budget)
     if count not in COUNTS:
         raise ValueError(f"count must be one of {', '.join(COUNTS)}, got {count!r}")
@@ -411,6 +433,22 @@ def search(
                 base, units, [name if name in r.options else base.name for r in rows]
             )
     verified: dict[str, Measured] = {}
+
+    def measure(todo: dict[str, PolicyMap], timed: set[str]) -> dict[str, Measured]:
+        return measure_plans(
+            model,
+            todo,
+            units,
+            eval_list,
+            loss_fn,
+            count=count,
+            training=training,
+            reps=reps,
+            device=dev,
+            timed=timed,
+            seed=seed,
+        )
+
     tried: dict[tuple[str, ...], int] = {}  # plan -> its attempt
     best: tuple[Attempt, Measured, PolicyMap] | None = None
     clock = time.perf_counter()
@@ -452,21 +490,7 @@ def search(
         todo = plans if not verified else {k: plans[k] for k in ("plan", "baseline")}
         # uniform plans are timed only when time is budgeted (each is a whole model)
         timed = set(todo) if budget.speed is not None else {"plan", "baseline", "float32"}
-        verified.update(
-            measure_plans(
-                model,
-                todo,
-                units,
-                eval_list,
-                loss_fn,
-                count=count,
-                training=training,
-                reps=reps,
-                device=dev,
-                timed=timed & set(todo),
-                seed=seed,
-            )
-        )
+        verified.update(measure(todo, timed & set(todo)))
         _check_finite(verified["float32"].loss, "eval_batches" if held_out else "batches")
         plan_loss, base_loss = verified["plan"].loss, verified["baseline"].loss
         gap = (plan_loss - base_loss) / max(abs(base_loss), 1e-12)
@@ -497,8 +521,23 @@ def search(
     phases["verify"] += time.perf_counter() - clock - phases["solve"]
     assert best is not None
     kept, verified["plan"], plans["plan"] = best
-    kept.kept = True
     chosen = tuple(kept.chosen)
+    limit_of = dict(zip(budget.kinds, limits, strict=True))
+    won = _uniform_winner(verified, rows, base.name, names, limit_of)
+    winner: str | None = None
+    if won is None:
+        kept.kept = True
+    else:
+        winner, formats_won = won
+        plans["plan"], chosen = plans[winner], tuple(formats_won)
+        if verified[winner].seconds is None:  # uniform plans are timed under speed budgets only
+            clock = time.perf_counter()
+            verified.update(
+                measure({k: plans[k] for k in ("plan", "baseline")}, {"plan", "baseline"})
+            )
+            phases["verify"] += time.perf_counter() - clock
+        else:
+            verified["plan"] = verified[winner]
     for u, r in enumerate(rows):
         r.chosen = chosen[u]
         for (v, fmt), value in measured_damage.items():
@@ -529,7 +568,7 @@ def search(
         budget=budget,
         count=count,
         base_costs=base_costs,
-        limits=dict(zip(budget.kinds, limits, strict=True)),
+        limits=limit_of,
         policy=plans["plan"],
         measured=verified,
         attempts=attempts,
@@ -540,7 +579,29 @@ def search(
         device=info.describe(),
         seconds=time.perf_counter() - started,
         phases={**phases, "train": time.perf_counter() - clock},
+        uniform_won=winner,
     )
+
+
+def _uniform_winner(
+    verified: dict[str, Measured],
+    rows: list[UnitRow],
+    baseline: str,
+    names: list[str],
+    limits: dict[str, float],
+) -> tuple[str, list[str]] | None:
+    """The measured plan other than the solved one (a uniform plan, the baseline, float32
+    when it is one of the formats) that fits the budget with the lowest loss, if that loss
+    is below the solved plan's: the damages the solver adds up are predictions, the losses
+    measured. Returned with the format of each layer in it."""
+    winner, lowest = None, verified["plan"].loss
+    for name, measured in verified.items():
+        formats = formats_of(name, rows, baseline, names) if name != "plan" else None
+        if formats is None or within(costs_of(measured, rows, formats), limits) is not True:
+            continue
+        if measured.loss < lowest:
+            winner, lowest = (name, formats), measured.loss
+    return winner
 
 
 def _alone_damage(

@@ -32,6 +32,7 @@ import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -205,10 +206,51 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
             result.quantized[path] = describe(policy)
             if isinstance(new[id(module)], (Int8Linear, Int4Linear)):
                 result.kernels[path] = new[id(module)].kernel
+    _warn_untied(modules, new)
     swap_modules(model, lambda path, child: new.get(id(child)))
     for policy, paths in float8.items():
         _to_float8(model, policy, set(paths), result)
     return result
+
+
+def _warn_untied(modules: dict[str, nn.Module], new: dict[int, nn.Module]) -> None:
+    """Warn when an int8/int4 layer's weight is tied to a module left float (an embedding
+    and its head): the layer holds codes of the weight as it is now, so the tie ends and
+    the float side trains away from them. Float8 and block-scaled layers keep the weight
+    itself, and the tie."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = {}
+    for path, module in modules.items():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((f"{path}.{name}", module))
+    for path, module in modules.items():
+        swapped = new.get(id(module))
+        if not isinstance(swapped, (Int8Linear, Int8Embedding, Int4Linear, Int4Embedding)):
+            continue
+        weight = module._parameters.get("weight")
+        float_side = [p for p, m in owners.get(id(weight), []) if id(m) not in new]
+        if float_side:
+            warnings.warn(
+                f"{path}.weight is tied to {', '.join(float_side)}, which stays float: "
+                f"quantizing {path} alone unties them (its codes keep today's weight while "
+                f"the float side trains on). Quantize both (a filter naming both paths) or "
+                f"neither",
+                stacklevel=_caller_level(),
+            )
+            break
+
+
+# the mixprec package's folder: frames in it are not the caller a warning points at
+_PACKAGE = str(Path(__file__).resolve().parents[1])
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` that makes a warning raised in the calling function point at the
+    first frame outside mixprec (``quantize``, ``apply`` and ``Precision`` all get here)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _to_float8(

@@ -32,14 +32,15 @@ to the op-by-op form.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from mixprec.float8_config import Float8Config
 from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_casts
+from mixprec.quantize.first_order import first_order
 from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules
 
 __all__ = [
@@ -256,20 +257,27 @@ class _Float8Matmul(torch.autograd.Function):
             x8, w8 = to_float8(x, sx, E4M3), to_float8(weight, sw, E4M3)
             x_inv, w_inv = sx.reciprocal(), sw.reciprocal()
             out = scaled_matmul(x8, x_inv, w8.t(), w_inv, out_dtype, emulate=emulate)
-            ctx.save_for_backward(x8, w8, x_inv, w_inv)
+            ctx.save_for_backward(x8, w8, x_inv, w_inv, weight)
             return out
 
-    # once_differentiable: the saved float8 operands are detached from x and the weight, so a
-    # double backward (create_graph=True) would silently miss the terms through them; it raises
+    # the float8 operands are detached from x and the weight, so a second backward would miss
+    # the terms through them: `first_order` makes it raise
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        saved = ctx.saved_tensors  # read once: activation checkpointing unpacks them once
+        weight = saved[1 if ctx.recipe in Float8Config.ROWWISE_RECIPES else 4]
+        compute = partial(_Float8Matmul.gradients, ctx, g, saved)
+        return first_order("Float8Linear", compute, weight, g)
+
+    @staticmethod
+    def gradients(ctx: Any, g: Tensor, saved: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+        """The backward's math on the `saved` tensors, without a graph."""
         out_dtype, emulate = ctx.out_dtype, ctx.emulate
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = grad_w = None
         with torch.autocast(g.device.type, enabled=False):
             if ctx.recipe in Float8Config.ROWWISE_RECIPES:
-                x, weight = ctx.saved_tensors
+                x, weight = saved
                 if need_x:
                     sg, swc = axis_scale(g, E4M3, -1), axis_scale(weight, E4M3, 0)
                     grad_x = scaled_matmul(
@@ -293,7 +301,7 @@ class _Float8Matmul(torch.autograd.Function):
                         emulate=emulate,
                     )
             else:
-                x8, w8, x_inv, w_inv = ctx.saved_tensors
+                x8, w8, x_inv, w_inv, _ = saved
                 if ctx.recipe == "delayed":
                     amax_g = abs_max(g)
                     sg = _delayed_scale(amax_g, ctx.g_scale, E5M2)
@@ -564,7 +572,9 @@ def convert_to_float8(
     """Swap the model's Linear layers for `Float8Linear` in place and return the model, as
     torchao's ``convert_to_float8_training``: ``model = convert_to_float8(model)``. A bare
     `nn.Linear` cannot be swapped in place: its `Float8Linear` is returned (or the Linear
-    itself if it is skipped).
+    itself if it is skipped, its submodules converted); a root Linear with submodules that
+    would be converted is refused, as torchao refuses it, since its `Float8Linear` would drop
+    them.
 
     `filter` picks layers: a callable(path, module) -> bool or a regex that must fullmatch
     the path (the model's own path is ""). `skip_small` applies torchao's size rule (see
@@ -599,8 +609,15 @@ def convert_to_float8(
 
     if isinstance(model, nn.Linear):
         converted = make("", model)
-        return model if converted is None else converted
-    swap_modules(model, make)
+        if converted is not None and model._modules:
+            raise ValueError(
+                f"convert_to_float8 cannot convert a root Linear that has submodules "
+                f"({', '.join(model._modules)}): its Float8Linear would drop them. Convert "
+                f"the model holding it, or exclude the root with filter (its path is '')"
+            )
+        if converted is not None:
+            return converted
+    swap_modules(model, make)  # a skipped root Linear's submodules still convert, as torchao's
     return model
 
 

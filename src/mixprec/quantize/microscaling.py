@@ -48,13 +48,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from mixprec.microscaling_config import MicroscalingConfig
+from mixprec.quantize.first_order import first_order
 from mixprec.quantize.rules import carry_hooks, plain_linear
 
 __all__ = [
@@ -155,9 +156,17 @@ def round_to_element(
     ways to torch's casts and to hand-computed values); the rest by `round_by_definition`."""
     fmt = _format(element)
     v = v.float()
+    if noise is not None:
+        _check_noise(noise, v)
+    return _round_to_element(v, fmt, noise)
+
+
+def _round_to_element(v: Tensor, fmt: ElementFormat, noise: Tensor | None) -> Tensor:
+    """`round_to_element` of float32 `v` with `noise` unchecked: the layers' own noise comes
+    from ``torch.rand``, and checking its values would make ``torch.compile`` read them."""
     if noise is None and fmt.name in _TORCH_FLOAT8:
         return torch.where(torch.isfinite(v), _saturating_cast(v, fmt), torch.nan)
-    return round_by_definition(v, fmt, noise=noise)
+    return _round_by_definition(v, fmt, noise)
 
 
 def _check_noise(noise: Tensor, v: Tensor) -> None:
@@ -198,6 +207,11 @@ def round_by_definition(
     v = v.float()
     if noise is not None:
         _check_noise(noise, v)
+    return _round_by_definition(v, fmt, noise)
+
+
+def _round_by_definition(v: Tensor, fmt: ElementFormat, noise: Tensor | None) -> Tensor:
+    """`round_by_definition` of float32 `v`, `noise` unchecked."""
     _, exponent = torch.frexp(v)  # v = m * 2**exponent, 0.5 <= |m| < 1
     e = (exponent.to(torch.int32) - 1).clamp(min=fmt.emin, max=127)
     ulp = exp2_int(e - fmt.mantissa_bits)
@@ -478,7 +492,7 @@ def _nvfp4(x: Tensor, two_d: bool, noise: Tensor | None) -> tuple[Tensor, Tensor
     encode = (1.0 / (scale_b * s_dec)).clamp(max=_FLOAT32_MAX)
     if noise is not None:
         noise = _nv_blocks(noise, two_d)
-    elements = round_to_element(blocks * encode, E2M1, noise=noise)
+    elements = _round_to_element(blocks * encode, E2M1, noise)
     # zero-scale blocks hold zeros of x's signs (+0 lost a -0.0 the format holds)
     elements = torch.where(bad, 0.0, torch.where(scale_b == 0, blocks * 0.0, elements))
     return elements, torch.where(bad, torch.nan, scale_b), s_dec, bad
@@ -526,7 +540,18 @@ def fake_quantize(
 # --- the random Hadamard transform ----------------------------------------------------------
 
 _RHT_SEED = 0x5EED
-_hadamard: dict[torch.device, Tensor] = {}
+
+
+def _build_hadamard() -> Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < 16:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    gen = torch.Generator().manual_seed(_RHT_SEED)
+    signs = torch.randint(0, 2, (16,), generator=gen).float() * 2 - 1
+    return signs[:, None] * h / 4
+
+
+_HADAMARD_CPU = _build_hadamard()
 
 
 def hadamard_16(device: torch.device | str = "cpu") -> Tensor:
@@ -537,15 +562,10 @@ def hadamard_16(device: torch.device | str = "cpu") -> Tensor:
 
 
 def _hadamard_16(device: torch.device) -> Tensor:
-    """`hadamard_16`'s matrix, cached per device and shared: never handed out."""
-    if device not in _hadamard:
-        h = torch.ones(1, 1)
-        while h.shape[0] < 16:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        gen = torch.Generator().manual_seed(_RHT_SEED)
-        signs = torch.randint(0, 2, (16,), generator=gen).float() * 2 - 1
-        _hadamard[device] = (signs[:, None] * h / 4).to(device)
-    return _hadamard[device]
+    """`hadamard_16`'s matrix on `device`, never handed out: `_HADAMARD_CPU`, made at import
+    (a compiled graph then creates no random generator and mutates no cache), moved (16x16
+    values) where the transform runs."""
+    return _HADAMARD_CPU.to(device)
 
 
 def _rht(x: Tensor) -> Tensor:
@@ -584,13 +604,19 @@ class _BlockScaledMatmul(torch.autograd.Function):
             ctx.save_for_backward(x, weight, qw if two_d else None)
             return out if out_dtype == torch.float32 else out.to(out_dtype)
 
-    # once_differentiable: the block rounding of the gradient and the operands passes no
-    # gradient, so a double backward (create_graph=True) would silently miss its terms
+    # the block rounding of the gradient and the operands passes no gradient, so a second
+    # backward would miss its terms: `first_order` makes it raise
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
+        saved = ctx.saved_tensors  # read once: activation checkpointing unpacks them once
+        compute = partial(_BlockScaledMatmul.gradients, ctx, g, saved)
+        return first_order("MicroscalingLinear", compute, saved[1], g)
+
+    @staticmethod
+    def gradients(ctx: Any, g: Tensor, saved: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
+        """The backward's math on the `saved` tensors, without a graph."""
         config, out_dtype = ctx.config, ctx.out_dtype
-        x, weight, qw_2d = ctx.saved_tensors
+        x, weight, qw_2d = saved
         grad_x = grad_w = None
         sr = config.mode == "nvfp4" and config.stochastic_gradients
         with torch.autocast(g.device.type, enabled=False):

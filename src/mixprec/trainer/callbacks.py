@@ -273,6 +273,8 @@ class ModelCheckpoint(Callback):
                 self.best_model_path or "none",
             )
             self.best_k_models, self._saved, self.last_model_path = {}, [], ""
+        elif self._restored_from is not None:
+            self._remove_unrecorded(trainer)
         self._restored_from = None
         self._step_saved = trainer.global_step  # a resumed state needs no new save
         self._validated = self._warned = False
@@ -404,6 +406,36 @@ class ModelCheckpoint(Callback):
             self._step_saved = trainer.global_step
         for old in stale:
             self._remove(trainer, old)
+
+    def _remove_unrecorded(self, trainer: Trainer) -> None:
+        """Remove the checkpoints of this directory written after the one this fit resumes
+        from that its record does not name: a process killed between a save's file and the
+        save after it (``last.ckpt``'s link, the record in the next checkpoint) left them.
+        They hold steps this fit takes again; kept, ``save_top_k`` would never remove them
+        and their names would push new saves to ``-v1``."""
+        resumed = trainer.ckpt_path
+        if resumed is None or not Path(resumed).exists() or self.dirpath is None:
+            return
+        since = Path(resumed).stat().st_mtime
+        recorded = {str(Path(p).resolve()) for p in [*self._saved, *self.best_k_models] if p}
+        unknown = [
+            entry
+            for entry in sorted(self.dirpath.glob("*.ckpt"))
+            if entry.name != "last.ckpt"
+            and str(entry.resolve()) not in recorded
+            and not _same_file(entry, Path(resumed))
+            and entry.stat().st_mtime > since
+        ]
+        if unknown and trainer.is_global_zero:
+            warnings.warn(
+                f"ModelCheckpoint: removing {', '.join(e.name for e in unknown)} from "
+                f"{self.dirpath}: written after the checkpoint this fit resumes from, which "
+                "does not record them (a run killed mid-save); this fit takes those steps "
+                "again",
+                stacklevel=2,
+            )
+        for entry in unknown:
+            self._remove(trainer, str(entry))
 
     def _remove(self, trainer: Trainer, path: str) -> None:
         if path in self._saved:

@@ -41,6 +41,7 @@ from mixprec.errors import PrecisionError
 from mixprec.optim import check_sharded_masters
 from mixprec.precision import Precision
 from mixprec.trainer.data import distributed
+from mixprec.trainer.interrupt import ctrl_c_deferred
 from mixprec.trainer.loggers import Logger
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "DDPStrategy",
     "FSDP",
     "FSDPStrategy",
+    "CTRL_C_GRACE_S",
     "LAUNCHER_GONE_GRACE_S",
     "STRATEGIES",
     "SingleDeviceStrategy",
@@ -58,6 +60,7 @@ __all__ = [
     "make_strategy",
     "resolve_accelerator",
     "resolve_devices",
+    "run_processes",
 ]
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
@@ -390,12 +393,12 @@ class DDPStrategy(Strategy):
         with tempfile.TemporaryDirectory(prefix="mixprec-ddp-") as tmp:
             try:
                 # when one process fails, torch stops the others (SIGTERM, then SIGKILL)
-                mp.start_processes(
+                run_processes(
                     _child,
-                    args=(payload, nprocs, free_port(), tmp, threads),
-                    nprocs=nprocs,
-                    start_method=self.start_method,
-                    join=True,
+                    (payload, nprocs, free_port(), tmp, threads),
+                    nprocs,
+                    self.start_method,
+                    grace=CTRL_C_GRACE_S,
                 )
             except ProcessException as err:
                 raise _first_failure(Path(tmp), nprocs, err) from None
@@ -496,6 +499,62 @@ def free_port() -> int:
 
 # seconds a launched process has, once its launcher is gone, to end by itself before it is ended
 LAUNCHER_GONE_GRACE_S = 3.0
+# seconds the Trainer's launched processes have, after a Ctrl-C reached their launcher, to end
+# by themselves (a rank finishes the checkpoint it was writing) before they are terminated
+CTRL_C_GRACE_S = 30.0
+# seconds a terminated (SIGTERM) process has to end before it is killed (SIGKILL)
+_TERMINATE_GRACE_S = 3.0
+
+
+def run_processes(
+    function: Callable[..., Any],
+    args: tuple[Any, ...],
+    nprocs: int,
+    start_method: str,
+    grace: float,
+) -> None:
+    """Run ``function(rank, *args)`` in `nprocs` new processes and wait for them, as torch's
+    ``start_processes`` does (a failing process stops the others; `ProcessException`).
+
+    A Ctrl-C in this process ends every launched one before its ``KeyboardInterrupt`` goes
+    on: they have `grace` seconds to end by themselves (a terminal's Ctrl-C reached them
+    too), then SIGTERM, then SIGKILL. Without it this process, leaving the join, waited at
+    exit for any rank that did not end: one blocked where Python's signal handler never runs
+    (connecting to the store of a rank the Ctrl-C ended: torch retries through the signal)
+    held it for torch's 30-minute store timeout. A Ctrl-C while the processes start is held
+    until they are all started, so none is left behind."""
+    context = None
+    try:
+        with ctrl_c_deferred():
+            context = mp.start_processes(
+                function, args=args, nprocs=nprocs, start_method=start_method, join=False
+            )
+        while not context.join():
+            pass
+    except KeyboardInterrupt:
+        if context is not None:
+            _stop(context.processes, grace)
+        raise
+
+
+def _stop(processes: list[Any], grace: float) -> None:
+    """End `processes`: up to `grace` seconds to end by themselves (a second Ctrl-C cuts it
+    short), then SIGTERM, then SIGKILL for any still alive after `_TERMINATE_GRACE_S`."""
+    deadline = time.monotonic() + grace
+    try:
+        for p in processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        pass
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + _TERMINATE_GRACE_S
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 def _end_with_launcher(rank: int) -> None:
