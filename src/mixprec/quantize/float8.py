@@ -39,8 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.float8_config import Float8Config
-from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_casts
 from mixprec.quantize.first_order import first_order
+from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_casts
 from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules
 
 __all__ = [
