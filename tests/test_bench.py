@@ -192,12 +192,22 @@ def test_on_a_cpu_without_fast_bf16_the_default_run_says_why_it_timed_float32_on
     printed = " ".join(capsys.readouterr().out.split())
     for text in (md, printed):
         flat = " ".join(text.split())
-        assert "No mixed precision is fast on this device, so only float32 was timed." in flat
-        assert "bf16-mixed is slow here (bfloat16: no bf16 or avx512 instructions" in flat
+        assert "timed: no mixed precision is fast on this device, so only float32 was timed" in flat
+        assert "left out: bf16-mixed, slow here (bfloat16: no bf16 or avx512 instructions" in flat
         assert f"float32 {rates['float32']:,.1f} GFLOP/s" in flat
         assert "bfloat16 is fast on NVIDIA GPUs of compute capability 8.0+" in flat
-        assert f"To time them here anyway: {anyway}" in flat
-    assert "## Why no mixed precision was timed" in md
+        assert f"to time them anyway: {anyway}" in flat
+    # a few short labelled lines, not one paragraph
+    section = md.split("## Why no mixed precision was timed")[1].split("##")[0].strip()
+    labels = ("timed", "left out", "matmul rates", "estimate", "where it pays", "to time them")
+    for line in section.splitlines():
+        assert line.startswith("- ") and line[2:].startswith(labels), line
+    assert len(section.splitlines()) >= 5
+    # a CPU run says nothing of CUDA, and leaves out the columns no row fills
+    assert "CUDA" not in meta["timing"]
+    header = next(line for line in md.splitlines() if line.startswith("| batch"))
+    assert "raw torch ms/step" not in header and "mixprec overhead" not in header
+    assert "peak memory" in header and "ms/step median" in header
 
 
 def test_asking_for_float32_only_says_what_was_left_out(tmp_path, capsys):
@@ -215,8 +225,8 @@ def test_asking_for_float32_only_says_what_was_left_out(tmp_path, capsys):
     assert "--precision 32-true bf16-mixed --steps" in gap["command"]
     assert "--allow-slow" not in gap["command"]
     flat = " ".join(md.split())
-    assert "Only 32-true was asked for (--precision), so only float32 was timed." in flat
-    assert "bf16-mixed is fast here" in flat
+    assert "timed: only 32-true was asked for (--precision), so only float32 was timed" in flat
+    assert "left out: bf16-mixed, fast here" in flat
 
 
 def test_memory_limit_reports_oom_and_the_run_continues(tmp_path, capsys):
@@ -500,7 +510,7 @@ def test_repeated_batch_sizes_add_up_and_a_preset_and_timeout_are_reproduced():
 
 
 def test_a_float64_only_run_says_float64_was_timed():
-    from mixprec.bench.report import comparison_gap_paragraph
+    from mixprec.bench.report import comparison_gap_lines
     from mixprec.bench.suite import comparison_gap, metadata
 
     with hardware.assume(ZEN4):
@@ -508,8 +518,8 @@ def test_a_float64_only_run_says_float64_was_timed():
         meta = metadata(p)
         meta["comparison_gap"] = comparison_gap(p)
     assert meta["comparison_gap"]["timed"] == ["float64"]
-    gap = comparison_gap_paragraph(BenchReport(meta, []), [])
-    assert gap.startswith("Only 64-true was asked for (--precision), so only float64 was timed.")
+    gap = comparison_gap_lines(BenchReport(meta, []), [])
+    assert gap[0] == "timed: only 64-true was asked for (--precision), so only float64 was timed"
 
 
 def test_cpu_peak_memory_is_the_peak_of_live_tensor_bytes():

@@ -22,7 +22,8 @@ __all__ = [
     "OUTPUT_FILES",
     "Summary",
     "busy_machine_warning",
-    "comparison_gap_paragraph",
+    "comparison_gap_lines",
+    "shown_columns",
     "conclusion",
     "markdown",
     "max_batch_lines",
@@ -186,17 +187,27 @@ def stopped_line(report: BenchReport) -> str | None:
     return line
 
 
+def shown_columns(summaries: list[Summary]) -> list[int]:
+    """The indices of the columns with something to say: one that is "-" in every row (the
+    raw loop's columns in a float32-only run, the speedup without a float32 row) is left
+    out. Batch and precision always stay."""
+    rows = [_cells(s) for s in summaries]
+    return [i for i in range(len(COLUMNS)) if i < 2 or any(row[i] != "-" for row in rows)]
+
+
 def rich_table(report: BenchReport, summaries: list[Summary]) -> FittedTable:
-    """The blog-style table for the terminal: in a narrow one the least useful columns are
-    left out (and named under it), never cut; report.md has them all."""
+    """The blog-style table for the terminal: columns all "-" left out, and in a narrow
+    terminal the least useful ones too (named under it), never cut; report.md has the rest."""
     meta = report.metadata
+    keep = shown_columns(summaries)
     table = FittedTable(
         f"mixprec bench: {meta['model']} on {meta['device']}",
-        [Column(c, "left" if i == 1 else "right", _KEEP.get(c)) for i, c in enumerate(COLUMNS)],
+        [Column(COLUMNS[i], "left" if i == 1 else "right", _KEEP.get(COLUMNS[i])) for i in keep],
         full="every column is in report.md",
     )
     for s in summaries:
-        table.add_row(_cells(s), style="red" if s.status != OK else None)
+        cells = _cells(s)
+        table.add_row([cells[i] for i in keep], style="red" if s.status != OK else None)
     return table
 
 
@@ -294,37 +305,34 @@ def _duration(ms: float) -> str:
     return f"{seconds / 3600:,.1f} h"
 
 
-def comparison_gap_paragraph(report: BenchReport, summaries: list[Summary]) -> str | None:
-    """One paragraph saying why no mixed precision was timed: what was left out and why,
-    the dtype rates measured here, what timing them would cost, and the command to do it."""
+def comparison_gap_lines(report: BenchReport, summaries: list[Summary]) -> list[str]:
+    """Why no mixed precision was timed, as short labelled lines: what was timed, each
+    precision left out and why, the dtype rates measured here, what timing them would cost,
+    where they pay, and the command to time them anyway. Empty when nothing was left out."""
     gap = report.metadata.get("comparison_gap")
     if not gap:
-        return None
+        return []
     meta = report.metadata
     rates = gap["matmul_gflops"]
     base = rates.get("float32")
     if gap["asked"]:
         asked = meta["precisions"]
         were = "was" if len(asked) == 1 else "were"
-        first = f"Only {', '.join(asked)} {were} asked for (--precision), so "
+        first = f"only {', '.join(asked)} {were} asked for (--precision), so "
     else:
-        first = "No mixed precision is fast on this device, so "
-    parts = [first + f"only {' and '.join(gap['timed'])} was timed."]
+        first = "no mixed precision is fast on this device, so "
+    lines = ["timed: " + first + f"only {' and '.join(gap['timed'])} was timed"]
     for name, why in gap["left_out"].items():
-        parts.append(f"{name} is {why['status']} here ({why['reason']}).")
+        lines.append(f"left out: {name}, {why['status']} here ({why['reason']})")
     if base:
-        shown = []
+        shown = [f"float32 {base:,.1f} GFLOP/s"]
         for dtype, rate in rates.items():
             if dtype == "float32" or not rate:
                 continue
             factor = base / rate
             rel = f"{factor:,.0f}x slower" if factor >= 1.5 else f"{1 / factor:.1f}x float32"
             shown.append(f"{dtype} {rate:,.1f} ({rel})")
-        parts.append(
-            f"Matmul rates measured here now: float32 {base:,.1f} GFLOP/s"
-            + (", " + ", ".join(shown) if shown else "")
-            + "."
-        )
+        lines.append("matmul rates measured now: " + ", ".join(shown))
     fp32 = [s for s in summaries if s.precision == BASELINE and s.median_ms is not None]
     steps = meta["steps"] + meta["warmup"] + 1
     per_step, timing = [], []
@@ -337,18 +345,17 @@ def comparison_gap_paragraph(report: BenchReport, summaries: list[Summary]) -> s
         # ours and the raw torch loop alternate, so a mixed configuration runs its steps twice
         timing.append(f"{_duration(sum(s.median_ms for s in fp32) * base / rate * steps * 2)}")
     if per_step:
-        parts.append(
-            f"Estimated from those rates, a step at batch {largest.batch_size} (float32: "
-            f"{largest.median_ms:,.1f} ms) would take about {' and '.join(per_step)}, and "
-            f"timing {'it' if len(per_step) == 1 else 'them'} at these settings about "
-            f"{' and '.join(timing)}."
+        lines.append(
+            f"estimate: a step at batch {largest.batch_size} (float32 "
+            f"{largest.median_ms:,.1f} ms) about {' and '.join(per_step)}; timing "
+            f"{'it' if len(per_step) == 1 else 'them'} about {' and '.join(timing)}"
         )
     fast = [f"{w['dtype']} is fast on {w['fast_on']}" for w in gap["left_out"].values()]
     if fast:
-        parts.append("Where mixed precision pays: " + "; ".join(fast) + ".")
+        lines.append("where it pays: " + "; ".join(fast))
     if gap["command"]:
-        parts.append(f"To time them here anyway: {gap['command']}")
-    return " ".join(parts)
+        lines.append(f"to time them anyway: {gap['command']}")
+    return lines
 
 
 def _span(values: list[float], fmt: str) -> str:
@@ -428,8 +435,10 @@ def write_csv(path: Path, summaries: list[Summary]) -> None:
 
 
 def markdown(report: BenchReport, summaries: list[Summary]) -> str:
-    """report.md: environment, command, the table, notes and the max-batch search."""
+    """report.md: environment, command, the table (columns all "-" left out), notes and
+    the max-batch search."""
     meta = report.metadata
+    keep = shown_columns(summaries)
     lines = [
         f"# mixprec bench: {meta['model']}",
         "",
@@ -442,14 +451,14 @@ def markdown(report: BenchReport, summaries: list[Summary]) -> str:
         f"- reproduce: `{meta['command']}`",
         *([f"- **{stopped_line(report)}**"] if stopped_line(report) else []),
         "",
-        "| " + " | ".join(COLUMNS) + " |",
-        "|" + "---|" * len(COLUMNS),
+        "| " + " | ".join(COLUMNS[i] for i in keep) + " |",
+        "|" + "---|" * len(keep),
     ]
-    lines += ["| " + " | ".join(_cells(s)) + " |" for s in summaries]
+    lines += ["| " + " | ".join(_cells(s)[i] for i in keep) + " |" for s in summaries]
     lines += ["", *[f"- {n}" for n in notes(report, summaries)]]
-    gap = comparison_gap_paragraph(report, summaries)
+    gap = comparison_gap_lines(report, summaries)
     if gap:
-        lines += ["", "## Why no mixed precision was timed", "", gap]
+        lines += ["", "## Why no mixed precision was timed", "", *[f"- {line}" for line in gap]]
     lines += ["", "## In one sentence", "", conclusion(report, summaries)]
     failed = [s for s in summaries if s.status != OK and s.error]
     if failed:

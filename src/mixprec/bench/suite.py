@@ -485,8 +485,9 @@ def metadata(p: Plan) -> dict[str, Any]:
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "load_average_before": _load_average(),
         "timing": (
-            "per step: zero_grad, forward, loss, backward, optimizer step (CUDA synchronised); "
-            "warm-up excluded, GC disabled, median of the timed steps; a mixed precision's "
+            "per step: zero_grad, forward, loss, backward, optimizer step"
+            + (" (CUDA synchronised)" if p.device.type == "cuda" else "")
+            + "; warm-up excluded, GC disabled, median of the timed steps; a mixed precision's "
             "raw torch.autocast loop alternates steps with ours in the same process"
         ),
     }

@@ -35,7 +35,7 @@ from mixprec.bench.models import BUILTIN_MODELS, check_model, check_workload
 from mixprec.bench.report import (
     OUTPUT_FILES,
     busy_machine_warning,
-    comparison_gap_paragraph,
+    comparison_gap_lines,
     conclusion,
     max_batch_lines,
     notes,
@@ -445,9 +445,11 @@ def run_command(args: argparse.Namespace) -> int:
     for s in summaries:
         if s.status not in (OK, OOM):
             err.print(f"[red]{s.label} @ {s.batch_size}: {s.status}[/] {s.error}", highlight=False)
-    gap = comparison_gap_paragraph(report, summaries)
+    gap = comparison_gap_lines(report, summaries)
     if gap:
-        console.print(f"[yellow bold]why no mixed precision was timed:[/] {gap}", highlight=False)
+        console.print("[yellow bold]why no mixed precision was timed[/]")
+        for line in gap:
+            console.print(f"  {line}", highlight=False)
     if report.max_batch:
         console.print("[bold]largest batch that fits[/]")
         for line in max_batch_lines(report):
