@@ -146,6 +146,9 @@ class SearchReport:
         device: the device searched on, as `mixprec info` describes it.
         seconds: how long the search took.
         phases: seconds per step of the search.
+        uniform_won: the measured plan returned instead of every solved one (a uniform
+            plan, the baseline or float32 that fits the budget and measured a lower loss),
+            or None when a solved plan is returned.
     """
 
     rows: list[UnitRow]
@@ -165,9 +168,7 @@ class SearchReport:
     reference_loss: float
     device: str
     seconds: float
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per step of the search
-    # the measured plan returned instead of every solved one: a uniform plan, the baseline or
-    # float32 that fits the budget and measured a lower loss than each of them
+    phases: dict[str, float] = field(default_factory=dict)
     uniform_won: str | None = None
 
     # --- verdicts -------------------------------------------------------------------
