@@ -259,10 +259,14 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
         f"{meta['warmup']} warm-up step(s), {meta['threads']} thread(s)",
         f"peak memory: {meta['memory_method']}",
         "speedup: float32 (32-true) median / this median at the same batch size",
-        "mixprec overhead: our median / the raw torch.autocast loop's median - 1 (mixed "
-        "precisions only); mixprec computes layer-norm-type and softmax layers in float32 islands "
-        "(rows marked 'no f32 islands' leave them to autocast, as the raw loop does)",
     ]
+    if any(s.overhead is not None for s in summaries):  # else its column is left out
+        out.append(
+            "mixprec overhead: our median / the raw torch.autocast loop's median - 1 (mixed "
+            "precisions only); mixprec computes layer-norm-type and softmax layers in float32 "
+            "islands where the device's autocast does not (rows marked 'no f32 islands' leave "
+            "them to autocast, as the raw loop does)"
+        )
     warning = busy_machine_warning(
         meta.get("load_average_before"), meta["threads"], meta.get("device_type", "")
     )
