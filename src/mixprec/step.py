@@ -70,14 +70,17 @@ def plain_loss(
     loss_fn: Callable[..., Any],
     *,
     check_outputs: Callable[[Any], None] | None = None,
+    converted: bool = False,
 ) -> Any:
     """``loss_fn(model(*inputs), target)`` for a ``(inputs..., target)`` batch, computed as
     every step in mixprec computes it (see the module's docstring): the batch converted for
     the policy, the forward and the loss in the step's context.
 
     Returns what `loss_fn` returned (callers check it is a loss); `check_outputs`, if given,
-    sees the model's outputs first (the doctor refuses outputs no loss can reach)."""
-    inputs, target = split_batch(precision.convert_input(batch))
+    sees the model's outputs first (the doctor refuses outputs no loss can reach);
+    `converted`: the caller already converted the batch (the Trainer does, before its hooks
+    see it), so it is not walked again."""
+    inputs, target = split_batch(batch if converted else precision.convert_input(batch))
     with step_context(precision, model):
         outputs = model(*inputs)
         if check_outputs is not None:

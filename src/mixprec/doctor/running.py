@@ -32,8 +32,9 @@ def loss_of(
     model: nn.Module, precision: Precision, batch: Any, loss_fn: Callable[..., Tensor] | None
 ) -> Tensor:
     """The loss of one batch, computed as the Trainer computes it (`mixprec.step`): a plain
-    module's forward in its region and ``loss_fn`` outside autocast; a model that computes
-    its own loss (a training step, a Hugging Face model) in the precision's forward context."""
+    module's forward and ``loss_fn`` as a step runs them (inside autocast under a mixed
+    policy); a model that computes its own loss (a training step, a Hugging Face model) in
+    the precision's forward context."""
     if loss_fn is not None:
         out = plain_loss(precision, model, batch, loss_fn, check_outputs=check_outputs)
         return as_loss(out, "loss_fn")

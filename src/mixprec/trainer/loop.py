@@ -102,7 +102,8 @@ class StepRunner(nn.Module):
             with step_context(precision, model, user_code=True):
                 return getattr(model, f"{kind}_step")(batch, batch_idx)
         if kind != "predict":
-            return plain_loss(precision, model, batch, self.loss_fn)
+            # the loops converted the batch before their hooks saw it
+            return plain_loss(precision, model, batch, self.loss_fn, converted=True)
         # the target, if the batch has one, is not needed
         inputs = [batch] if isinstance(batch, Tensor) else split_batch(batch)[0]
         with step_context(precision, model):
