@@ -27,6 +27,8 @@ import torch.multiprocessing as mp
 from mixprec.trainer.strategy import end_finished_process, free_port
 
 LIMIT_S = 300.0
+# the ranks of a multi-process test: two, one per core of the machines CI runs on
+WORLD = 2
 
 
 def _rank(

@@ -67,7 +67,7 @@ class AliasedBlock(Block):
         return x + attend(heads(q), heads(k), heads(v)).transpose(1, 2).flatten(2)
 
 
-class Net(nn.Module):
+class AttentionNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Linear(4, 8)
@@ -147,7 +147,7 @@ def test_attention_called_with_autocast_off_runs_as_called():
 
 
 def test_only_modules_whose_forward_calls_attention_get_an_island():
-    model = Net()
+    model = AttentionNet()
     assert [n for n, m in model.named_modules() if calls_attention(m)] == ["blocks.0", "blocks.1"]
     with assume(ZEN4):
         mixprec.apply(model, "bf16-mixed")
@@ -185,7 +185,7 @@ def test_under_bf16_true_the_island_is_float32_attention_of_the_bfloat16_inputs(
 )
 def test_no_island_where_attention_computes_in_float32(policy):
     with assume(ZEN4):
-        model = mixprec.apply(Net(), policy)
+        model = mixprec.apply(AttentionNet(), policy)
         assert islands(model) == []
     assert not any("forward" in m.__dict__ for m in model.blocks.children())
 
@@ -290,7 +290,7 @@ def test_bad_settings_are_refused():
 
 def test_copies_and_pickles_keep_the_island():
     with assume(ZEN4):
-        model = mixprec.apply(Net(), "bf16-mixed")
+        model = mixprec.apply(AttentionNet(), "bf16-mixed")
     x = torch.randn(2, 5, 4)
     for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert torch.equal(other(x), model(x))
@@ -299,7 +299,7 @@ def test_copies_and_pickles_keep_the_island():
 
 def test_compiles_to_one_graph_with_the_same_result():
     with assume(ZEN4):
-        model = mixprec.apply(Net(), "bf16-mixed")
+        model = mixprec.apply(AttentionNet(), "bf16-mixed")
     x = torch.randn(2, 5, 4)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(x)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
+from trainers import QUIET
 
 import mixprec
 from mixprec.bench.report import notes, summarize
@@ -32,7 +33,6 @@ from mixprec.trainer import Callback, Trainer, TrainingModule
 from mixprec.trainer.checkpoint import load
 
 BACKEND = "aot_eager"
-QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False)
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +44,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-class Net(nn.Module):
+class IslandNet(nn.Module):
     """A LayerNorm (a float32 island under a mixed policy) between two linear layers."""
 
     def __init__(self, output: str = "tensor") -> None:
@@ -65,7 +65,7 @@ class Net(nn.Module):
 
 def net(spec=None, output: str = "tensor") -> nn.Module:
     torch.manual_seed(0)
-    model = Net(output)
+    model = IslandNet(output)
     if spec is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # bfloat16 is slow on CPUs without bf16 hardware

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from spawning import run_ranks
-from test_doctor import overflow_model
+from nets import overflow_model
+from spawning import WORLD, run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -315,8 +315,6 @@ def test_trainer_ddp_on_cuda_uses_nccl_one_process_per_gpu(tmp_path):
 
 
 # -- two processes sharing one GPU over gloo --------------------------------------------------
-
-WORLD = 2
 
 
 def _ddp_worker(rank: int, out_dir: str) -> None:

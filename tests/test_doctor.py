@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from devices import AVX2_CPU, ZEN4
+from nets import overflow_model
 from torch import nn
 
 import mixprec
@@ -26,33 +27,6 @@ from mixprec.trainer import TrainingModule
 ROOT = Path(__file__).resolve().parent.parent
 
 pytestmark = pytest.mark.filterwarnings("ignore:precision .* is slow")
-
-
-class Overflow(nn.Module):
-    """`proj` outputs up to 1e5 (> float16 max 65504); the LayerNorm after it makes that
-    harmless in float32."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(8, 16)
-        self.act = nn.ReLU()
-        self.proj = nn.Linear(16, 16)
-        self.norm = nn.LayerNorm(16)
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(self.proj(self.act(self.inp(x)))))
-
-
-def overflow_model(peak: float = 1e5) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    torch.manual_seed(0)
-    model = Overflow()
-    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
-    with torch.no_grad():
-        amax = model.proj(model.act(model.inp(x))).abs().max()
-        model.proj.weight.mul_(peak / amax)
-        model.proj.bias.mul_(peak / amax)
-    return model, (x, y)
 
 
 class NaiveSoftmax(nn.Module):

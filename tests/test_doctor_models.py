@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from nets import Overflow, overflow_model
 
 from mixprec.cli import main
 from mixprec.doctor import BROKEN, diagnose
@@ -16,7 +17,7 @@ from mixprec.doctor.loss import is_hugging_face_model
 transformers = pytest.importorskip("transformers")
 pl = pytest.importorskip("pytorch_lightning")
 
-from test_doctor import Overflow, names, overflow_model  # noqa: E402
+from test_doctor import names  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))

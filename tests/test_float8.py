@@ -542,7 +542,7 @@ def test_conversion_both_ways_keeps_kwargs_forward_hooks_and_backward_hooks():
         assert seen == ["pre", "post", "backward pre", "backward"], type(model[0])
 
 
-class Net(nn.Module):
+class TiedNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.emb = nn.Embedding(10, 32)
@@ -554,7 +554,7 @@ class Net(nn.Module):
 
 
 def test_convert_swaps_linears_and_reports_every_skip():
-    net = Net()
+    net = TiedNet()
     params = {n: p for n, p in net.named_parameters()}
     skipped = {}
     assert convert_to_float8(net, skip_small=False, skipped=skipped) is net
@@ -575,9 +575,9 @@ def test_convert_swaps_linears_and_reports_every_skip():
 def test_convert_returns_the_model_and_converts_a_bare_linear_as_torchao_does():
     """It returned the dict of skipped layers, so torchao's ``model = convert_to_float8(model)``
     replaced the model by a dict, and a bare Linear raised TypeError."""
-    net = Net()
+    net = TiedNet()
     net = convert_to_float8(net, skip_small=False)
-    assert isinstance(net, Net) and isinstance(net.body[0], Float8Linear)
+    assert isinstance(net, TiedNet) and isinstance(net.body[0], Float8Linear)
     torch.manual_seed(0)
     linear, x = nn.Linear(32, 32), torch.randn(4, 32)
     f8 = convert_to_float8(linear, skip_small=False, recipe="rowwise")
@@ -611,7 +611,7 @@ def test_a_root_linear_with_submodules_is_refused_not_stripped():
 
 
 def test_skip_small_follows_torchaos_rule():
-    net, skipped = Net(), {}
+    net, skipped = TiedNet(), {}
     convert_to_float8(net, skipped=skipped)
     assert "multiples of 16" in skipped["odd"]
     assert skipped["body.0"].startswith("too small to gain: in_features=32 <= 4096")
@@ -626,11 +626,11 @@ def test_skip_small_follows_torchaos_rule():
 
 
 def test_filter_by_regex_or_callable():
-    net, skipped = Net(), {}
+    net, skipped = TiedNet(), {}
     convert_to_float8(net, filter=r"body\.\d", skip_small=False, skipped=skipped)
     assert isinstance(net.body[2], Float8Linear) and type(net.head) is nn.Linear
     assert skipped["head"] == skipped["odd"] == "excluded by filter"
-    net = Net()
+    net = TiedNet()
     convert_to_float8(net, filter=lambda path, m: m.out_features == 64, skip_small=False)
     assert [p for p, m in net.named_modules() if isinstance(m, Float8Linear)] == ["body.0"]
     skipped = {}
@@ -660,13 +660,13 @@ def test_a_linear_with_a_region_of_its_own_is_skipped():
 
 def test_errors_say_what_is_accepted():
     with pytest.raises(PolicySpecError, match="accepted: 'tensorwise', 'rowwise'"):
-        convert_to_float8(Net(), recipe="axiswise")
+        convert_to_float8(TiedNet(), recipe="axiswise")
     with pytest.raises(PolicySpecError, match="amax_history_length must be a positive int"):
         Float8Linear(16, 16, recipe="delayed", amax_history_length=0)
     with pytest.raises(TypeError, match="filter must be None, a callable"):
-        convert_to_float8(Net(), filter=3)
+        convert_to_float8(TiedNet(), filter=3)
     with pytest.raises(TypeError, match="skipped must be a dict .* got list"):
-        convert_to_float8(Net(), skipped=[])
+        convert_to_float8(TiedNet(), skipped=[])
     with pytest.raises(ValueError, match=re.escape("needs a floating input whose last dim is 16")):
         Float8Linear(16, 16)(torch.randn(4, 8))
     with pytest.raises(ValueError, match=re.escape("16, got torch.float32 of shape ()")):
@@ -681,9 +681,9 @@ def test_flags_take_only_true_or_false():
     with pytest.raises(TypeError, match="emulate must be True or False, got 1"):
         Float8Linear.from_float(nn.Linear(16, 16), emulate=1)
     with pytest.raises(TypeError, match="skip_small must be True or False, got 'False'"):
-        convert_to_float8(Net(), skip_small="False")
+        convert_to_float8(TiedNet(), skip_small="False")
     with pytest.raises(TypeError, match="emulate must be True or False, got None"):
-        convert_to_float8(Net(), emulate=None)
+        convert_to_float8(TiedNet(), emulate=None)
     with pytest.raises(TypeError, match="skip_small must be True or False, got 0"):
         skip_reason(nn.Linear(16, 16), skip_small=0)
 
@@ -692,8 +692,8 @@ def test_convert_to_float8_and_quantize_take_and_refuse_filters_alike():
     """One filter function for every quantization: convert_to_float8 let a bad regex's
     re.error through where quantize named the filter."""
     calls = (
-        lambda f: convert_to_float8(Net(), filter=f),
-        lambda f: mixprec.quantize(Net(), "int8", filter=f),
+        lambda f: convert_to_float8(TiedNet(), filter=f),
+        lambda f: mixprec.quantize(TiedNet(), "int8", filter=f),
     )
     for call in calls:
         with pytest.raises(PolicySpecError, match=r"filter '\(' is not a valid regex"):

@@ -10,7 +10,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
-from spawning import run_ranks
+from spawning import WORLD, run_ranks
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils.checkpoint import checkpoint
@@ -129,9 +129,6 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(tmp_path):
     for (name, a), b in zip(state(straight).items(), state(resumed).values(), strict=True):
         assert torch.equal(a, b), name
     assert resumed[0].input_amax_history[:4].min() > 0  # four steps recorded, in order
-
-
-WORLD = 2
 
 
 def _ddp_worker(rank: int, out_dir: str) -> None:

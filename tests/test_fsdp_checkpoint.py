@@ -20,16 +20,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from spawning import run_ranks
+from spawning import WORLD, run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from trainers import SILENT
 
 from mixprec.trainer import Callback, CheckpointError, ModelCheckpoint, Trainer, TrainingModule
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.strategy import free_port
 
-WORLD = 2
-QUIET = dict(logger=False, enable_progress_bar=False, allow_slow_precision=True, seed=0)
+# the runs here save checkpoints: no logger and no bar, but checkpointing left on
+RUN = dict(SILENT, allow_slow_precision=True, seed=0)
 
 
 def data() -> TensorDataset:
@@ -50,7 +51,7 @@ def one_rank_loader() -> DataLoader:
     return DataLoader(data(), batch_size=8, sampler=sampler)
 
 
-class Net(TrainingModule):
+class ShardedDropoutNet(TrainingModule):
     """Dropout (draws random numbers every step), a LayerNorm island, a step schedule."""
 
     def __init__(self, width: int = 32) -> None:
@@ -89,9 +90,9 @@ class ExportAtEpochEnd(Callback):
 def _fit(max_steps: int, callbacks: list[Callback], out: Path, **fit: Any) -> Trainer:
     trainer = Trainer(
         precision="bf16-mixed", strategy="fsdp", devices=WORLD, max_steps=max_steps,
-        callbacks=callbacks, **QUIET,
+        callbacks=callbacks, **RUN,
     )  # fmt: skip
-    trainer.fit(Net(), loader(), **fit)
+    trainer.fit(ShardedDropoutNet(), loader(), **fit)
     trainer.save_full_state_dict(out)
     return trainer
 
@@ -142,7 +143,7 @@ def _run_state(checkpoint: Path, rank: int = 0) -> dict[str, Any]:
 @pytest.mark.slow
 def test_resume_on_two_ranks_is_bit_identical_to_not_stopping(saved):
     straight, resumed = _weights(saved / "straight.pt"), _weights(saved / "resumed.pt")
-    start = Net().state_dict()
+    start = ShardedDropoutNet().state_dict()
     assert straight.keys() == resumed.keys() == start.keys()
     assert any(not torch.equal(straight[k], start[k]) for k in start)  # it trained
     for k, v in straight.items():
@@ -190,8 +191,8 @@ def test_an_interrupted_save_leaves_the_last_checkpoint_and_is_cleaned_up(saved)
 @pytest.mark.slow
 def test_a_two_rank_checkpoint_resumes_in_one_process_resharded(saved, caplog):
     checkpoint = saved / "straight" / "epoch=0-step=4.ckpt"  # at an epoch's end
-    model = Net()
-    trainer = Trainer(precision="bf16-mixed", max_steps=4, enable_checkpointing=False, **QUIET)
+    model = ShardedDropoutNet()
+    trainer = Trainer(precision="bf16-mixed", max_steps=4, enable_checkpointing=False, **RUN)
     with caplog.at_level(logging.INFO, logger="mixprec"):
         trainer.fit(model, loader(), ckpt_path=checkpoint)
     assert "resharded" in caplog.text and "saved by 2 processes, onto 1" in caplog.text
@@ -203,8 +204,8 @@ def test_a_two_rank_checkpoint_resumes_in_one_process_resharded(saved, caplog):
     assert len(opt.optimizer.state) == len(list(model.parameters()))
     assert trainer.lr_schedulers[0].last_epoch == 4
 
-    model = Net()
-    Trainer(precision="bf16-mixed", **QUIET).validate(model, loader(), ckpt_path=checkpoint)
+    model = ShardedDropoutNet()
+    Trainer(precision="bf16-mixed", **RUN).validate(model, loader(), ckpt_path=checkpoint)
     step4 = _weights(saved / "step4.pt")
     assert all(torch.equal(model.state_dict()[k], v) for k, v in step4.items())
 
@@ -213,13 +214,13 @@ def test_a_two_rank_checkpoint_resumes_in_one_process_resharded(saved, caplog):
 def test_sharded_checkpoints_that_do_not_fit_are_refused(saved):
     mid_epoch = saved / "half" / "epoch=0-step=3.ckpt"
     end = saved / "straight" / "epoch=0-step=4.ckpt"
-    one = Trainer(precision="bf16-mixed", max_steps=8, enable_checkpointing=False, **QUIET)
+    one = Trainer(precision="bf16-mixed", max_steps=8, enable_checkpointing=False, **RUN)
     with pytest.raises(CheckpointError, match="mid-epoch with 2 processes"):
-        one.fit(Net(), loader(), ckpt_path=mid_epoch)
-    other = Trainer(precision="32-true", max_steps=8, enable_checkpointing=False, **QUIET)
+        one.fit(ShardedDropoutNet(), loader(), ckpt_path=mid_epoch)
+    other = Trainer(precision="32-true", max_steps=8, enable_checkpointing=False, **RUN)
     with pytest.raises(CheckpointError, match="bf16-mixed.*save_full_state_dict"):
-        other.fit(Net(), loader(), ckpt_path=end)
-    model = Net(width=16)
+        other.fit(ShardedDropoutNet(), loader(), ckpt_path=end)
+    model = ShardedDropoutNet(width=16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError, match="shapes differ.*Nothing was loaded"):
         one.fit(model, loader(), ckpt_path=end)
@@ -230,7 +231,7 @@ KILLED_SAVE_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
-from test_fsdp_checkpoint import QUIET, Net, one_rank_loader
+from test_fsdp_checkpoint import RUN, ShardedDropoutNet, one_rank_loader
 from mixprec.trainer import ModelCheckpoint, Trainer
 
 replace = os.replace
@@ -245,7 +246,7 @@ def replace_then_die(src, dst):
 os.replace = replace_then_die
 every_2 = ModelCheckpoint(dirpath={out!r}, every_n_train_steps=2, save_top_k=-1, save_last=True)
 Trainer(precision="bf16-mixed", strategy="fsdp", devices=1, max_steps=4, callbacks=[every_2],
-        **QUIET).fit(Net(), one_rank_loader())
+        **RUN).fit(ShardedDropoutNet(), one_rank_loader())
 """
 
 
@@ -268,9 +269,9 @@ def test_a_save_killed_between_its_renames_loses_nothing(tmp_path, caplog):
 
     every_2 = ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1, save_last=True)
     start = StartStep()
-    trainer = Trainer(precision="bf16-mixed", max_steps=6, callbacks=[every_2, start], **QUIET)
+    trainer = Trainer(precision="bf16-mixed", max_steps=6, callbacks=[every_2, start], **RUN)
     with caplog.at_level(logging.WARNING, logger="mixprec"):
-        trainer.fit(Net(), one_rank_loader(), ckpt_path=out / "last.ckpt")
+        trainer.fit(ShardedDropoutNet(), one_rank_loader(), ckpt_path=out / "last.ckpt")
     assert "restored the checkpoint" in caplog.text
     assert start.step == 2  # resumed from the checkpoint put back, not from scratch
     assert trainer.global_step == 6

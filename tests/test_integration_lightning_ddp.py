@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from spawning import run_ranks
+from spawning import WORLD, run_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 pl = pytest.importorskip("pytorch_lightning")
@@ -16,7 +16,6 @@ from test_integration_lightning import Regressor, StepRecorder  # noqa: E402
 from mixprec import DynamicLossScaler  # noqa: E402
 from mixprec.integrations.lightning import MixprecPrecision  # noqa: E402
 
-WORLD = 2
 STEPS = 5
 pytestmark = [
     pytest.mark.slow,

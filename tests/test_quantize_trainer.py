@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from trainers import QUIET
 
 import mixprec
 from mixprec.quantize import Int8Linear, enable_lora, merge_lora
 from mixprec.quantize.float8 import DELAYED_BUFFERS, Float8Linear, convert_to_float8
 from mixprec.trainer import Callback, Trainer
 
-QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False)
 ADAMW = functools.partial(torch.optim.AdamW, lr=1e-2)
 
 

@@ -6,12 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from spawning import run_ranks
+from spawning import WORLD, run_ranks
 
 from mixprec.optim import LossScaleOptimizer
 from mixprec.scaling import DynamicLossScaler
-
-WORLD = 2
 
 
 def _worker(rank: int, out_dir: str) -> None:

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from devices import AVX2_CPU
-from spawning import run_ranks
+from nets import BlockNet, Residual
+from spawning import WORLD, run_ranks
 from torch import nn
 
 from mixprec import hardware
@@ -27,33 +28,8 @@ from mixprec.precision import Precision
 from mixprec.scaling import DynamicLossScaler
 from mixprec.sharding import mixed_precision_policy, shard, units
 
-WORLD = 2
 STEPS = 4
 LR = 0.05
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc(self.norm(x))
-
-
-class Net(nn.Module):
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.inp = nn.Linear(4, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(2))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +37,7 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
 
 
-def _reference(model: Net) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(model: BlockNet) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Full-batch float32 SGD in one process: what data-parallel training must match."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     x, y = _data()
@@ -86,7 +62,7 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _bf16_mixed(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = Net()
+    model = BlockNet(8)
     ref_losses, ref_state = _reference(copy.deepcopy(model))
     seen: dict[str, torch.dtype] = {}
 
@@ -135,7 +111,7 @@ def _fp16_inf(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     scaler = DynamicLossScaler(init_scale=2.0**10)
     model, opt = shard(
-        Net(),
+        BlockNet(8),
         "16-mixed",
         scaler=scaler,
         optimizer_factory=lambda params: torch.optim.SGD(params, lr=LR),
@@ -159,7 +135,7 @@ def _fp16_inf(rank: int) -> dict[str, Any]:
 def _bf16_true(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model, opt = shard(
-        Net(),
+        BlockNet(8),
         "bf16-true",
         optimizer_factory=lambda params: torch.optim.SGD(params, lr=LR),
         allow_slow=True,
@@ -184,7 +160,7 @@ def _int8(rank: int) -> dict[str, Any]:
     """int8 layers under FSDP on two ranks against one process training the same int8 model
     on the whole batch (Precision.setup, the apply path)."""
     torch.manual_seed(0)
-    model = Net(width=16)  # blocks.*.fc and head have 16 inputs: quantized; inp (4) is not
+    model = BlockNet(16)  # blocks.*.fc and head have 16 inputs: quantized; inp (4) is not
     start = model.head.bias.detach().clone()
     reference = copy.deepcopy(model)
     Precision("int8_from_float32").setup(reference)
@@ -228,21 +204,21 @@ def _fp16_true(rank: int) -> dict[str, Any]:
 
     def documented() -> None:
         scaler = DynamicLossScaler(init_scale=2.0**4)
-        model = shard(Net(), "16-true", scaler=scaler, allow_slow=True)
+        model = shard(BlockNet(8), "16-true", scaler=scaler, allow_slow=True)
         opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=LR), scaler)
         opt.backward(F.mse_loss(model(x[mine]).float(), y[mine]))
         assert opt.step()  # a taken step: it copies the masters into the shards
 
     def wrapped() -> None:  # sharded without the check, then wrapped with masters
         scaler = DynamicLossScaler()
-        model = shard(Net(), "16-true", scaler=scaler, master_weights=False, allow_slow=True)
+        model = shard(BlockNet(8), "16-true", scaler=scaler, master_weights=False, allow_slow=True)
         LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=LR), scaler)
 
     trained: dict[str, Any] = {}
 
     def offered() -> None:  # without masters: the 16-bit shards are stepped themselves
         torch.manual_seed(0)
-        model = Net()
+        model = BlockNet(8)
         trained["ref_losses"], _ = _reference(copy.deepcopy(model))
         scaler = DynamicLossScaler(init_scale=2.0**4)
         model = shard(model, "16-true", scaler=scaler, master_weights=False, allow_slow=True)
@@ -375,11 +351,13 @@ def test_16_true_without_masters_trains_sharded_as_offered(ranks):
 
 
 def test_units_are_blocks_and_islands_innermost_first_root_last():
-    plan = units(Net(), "bf16-mixed")
+    plan = units(BlockNet(8), "bf16-mixed")
     assert list(plan) == ["blocks.0.norm", "blocks.1.norm", "blocks.0", "blocks.1", ""]
     assert plan["blocks.0.norm"].compute_dtype == torch.float32
     assert plan["blocks.0"].compute_dtype == torch.bfloat16
-    custom = units(Net(), PolicyMap("bf16-mixed", float32_islands=False), wrap=lambda n, m: False)
+    custom = units(
+        BlockNet(8), PolicyMap("bf16-mixed", float32_islands=False), wrap=lambda n, m: False
+    )
     assert list(custom) == [""]
 
 
@@ -397,7 +375,7 @@ def test_only_the_root_and_islands_cast_outputs():
 
 
 def test_refuses_an_optimizer_built_before_sharding():
-    model = Net()
+    model = BlockNet(8)
     before = torch.optim.SGD(model.parameters(), lr=LR)
     with pytest.raises(PrecisionError, match="optimizer_factory"):
         shard(model, "32-true", optimizer=before)
@@ -406,26 +384,26 @@ def test_refuses_an_optimizer_built_before_sharding():
 
 def test_refuses_float16_without_an_all_reducing_scaler():
     with pytest.raises(PrecisionError, match="DynamicLossScaler"):
-        shard(Net(), "16-mixed", allow_slow=True)
+        shard(BlockNet(8), "16-mixed", allow_slow=True)
 
 
 def test_refuses_16_true_whose_optimizer_would_keep_float32_masters():
     """Checked before the process group: it was accepted, and failed at the first step."""
     with pytest.raises(PrecisionError, match="'16-mixed' rather than '16-true'"):
-        shard(Net(), "16-true", scaler=DynamicLossScaler(), allow_slow=True)
+        shard(BlockNet(8), "16-true", scaler=DynamicLossScaler(), allow_slow=True)
     bf16_masters = "master_weights=True, compensation=None would keep float32 master weights"
     with pytest.raises(PrecisionError, match=f"'bf16-true'\\) with {bf16_masters}"):
-        shard(Net(), "bf16-true", master_weights=True, allow_slow=True)
+        shard(BlockNet(8), "bf16-true", master_weights=True, allow_slow=True)
     with pytest.raises(PrecisionError, match="init_process_group"):  # what comes next
-        shard(Net(), "16-true", scaler=DynamicLossScaler(), master_weights=False)
+        shard(BlockNet(8), "16-true", scaler=DynamicLossScaler(), master_weights=False)
     with pytest.raises(TypeError, match="master_weights must be None, True or False"):
-        shard(Net(), "32-true", master_weights="yes")  # type: ignore[arg-type]
+        shard(BlockNet(8), "32-true", master_weights="yes")  # type: ignore[arg-type]
 
 
 def test_refuses_without_a_process_group():
     assert not dist.is_initialized()
     with pytest.raises(PrecisionError, match="init_process_group"):
-        shard(Net(), "32-true")
+        shard(BlockNet(8), "32-true")
 
 
 def test_refuses_a_slow_policy_unless_allowed(monkeypatch, tmp_path):
@@ -435,7 +413,7 @@ def test_refuses_a_slow_policy_unless_allowed(monkeypatch, tmp_path):
     )
     try:
         with hardware.assume(AVX2_CPU), pytest.raises(SlowPrecisionError, match="allow_slow"):
-            shard(Net(), "bf16-mixed")
+            shard(BlockNet(8), "bf16-mixed")
     finally:
         dist.destroy_process_group()
 
@@ -507,7 +485,7 @@ class TokenNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(64, 32)
-        self.blocks = nn.ModuleList(Block(32) for _ in range(2))
+        self.blocks = nn.ModuleList(Residual(32) for _ in range(2))
         self.head = nn.Linear(32, 64)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from nets import BlockNet
 from spawning import run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -14,31 +15,6 @@ from torch.utils.data import DataLoader, TensorDataset
 import mixprec
 from mixprec import PolicyMap, PrecisionError
 from mixprec.sharding import shard
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(16)
-        self.fc = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return x + self.fc(self.norm(x))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(4, 16)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.head = nn.Linear(16, 1)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 @pytest.fixture
@@ -56,30 +32,30 @@ def _unchanged(model: nn.Module) -> bool:
 
 
 def test_a_model_sharded_once_is_not_sharded_again(one_rank):
-    model = Net()
+    model = BlockNet()
     shard(model, "32-true")
     with pytest.raises(PrecisionError, match=r"already sharded by FSDP2 \(<root>, blocks.0"):
         shard(model, "bf16-mixed")
-    partly = Net()
+    partly = BlockNet()
     torch.distributed.fsdp.fully_shard(partly.blocks[0])
     with pytest.raises(PrecisionError, match=r"already sharded by FSDP2 \(blocks.0\)"):
         shard(partly, "bf16-mixed")
 
 
 def test_apply_refuses_a_sharded_model(one_rank):
-    model = Net()
+    model = BlockNet()
     shard(model, "bf16-mixed", allow_slow=True)
     with pytest.raises(TypeError, match="sharded by FSDP2 .*give the policy to"):
         mixprec.apply(model, "32-true")
 
 
 def test_a_wrapped_model_is_refused_naming_the_plain_one(one_rank):
-    model = Net()
+    model = BlockNet()
     wrapped = nn.parallel.DistributedDataParallel(model)
     with pytest.raises(PrecisionError, match=r"DistributedDataParallel wrapper.*model.module"):
         shard(wrapped, PolicyMap("bf16-mixed", {"head": "32-true"}))
     with pytest.raises(PrecisionError, match="OptimizedModule wrapper"):
-        shard(torch.compile(Net()), "bf16-mixed")
+        shard(torch.compile(BlockNet()), "bf16-mixed")
     assert _unchanged(model)
 
 
@@ -90,12 +66,12 @@ def test_the_trainer_refuses_a_ddp_wrapped_model(one_rank):
     )
     with pytest.raises(TypeError, match=r"wrapped in DistributedDataParallel.*model.module"):
         trainer.fit(
-            nn.parallel.DistributedDataParallel(Net()), data, loss_fn=nn.functional.mse_loss
+            nn.parallel.DistributedDataParallel(BlockNet()), data, loss_fn=nn.functional.mse_loss
         )
 
 
 def test_a_model_converted_by_apply_is_refused(one_rank):
-    model = Net()
+    model = BlockNet()
     mixprec.apply(model, "32-true")
     with pytest.raises(PrecisionError, match=r"converted by mixprec.apply \(<root>\)"):
         shard(model, "bf16-mixed")
@@ -104,7 +80,7 @@ def test_a_model_converted_by_apply_is_refused(one_rank):
 
 
 def test_bad_mesh_and_reduce_dtype_are_refused_before_sharding(one_rank):
-    model = Net()
+    model = BlockNet()
     with pytest.raises(TypeError, match="mesh must be None .* or a torch DeviceMesh, got str"):
         shard(model, "bf16-mixed", mesh="cpu")
     with pytest.raises(TypeError, match=r"reduce_dtype must be a floating torch.dtype"):
@@ -114,12 +90,12 @@ def test_bad_mesh_and_reduce_dtype_are_refused_before_sharding(one_rank):
 
 def test_a_rule_naming_no_module_warns_as_apply_does(one_rank):
     with pytest.warns(UserWarning, match=r"'blocks.9.fc' matches no module .*closest paths"):
-        shard(Net(), PolicyMap("bf16-mixed", {"blocks.9.fc": "32-true"}), allow_slow=True)
+        shard(BlockNet(), PolicyMap("bf16-mixed", {"blocks.9.fc": "32-true"}), allow_slow=True)
 
 
 def _disagreeing(rank: int) -> None:
     with pytest.raises(PrecisionError, match="the ranks shard under different policies"):
-        shard(Net(), "bf16-mixed" if rank == 0 else "32-true", allow_slow=True)
+        shard(BlockNet(), "bf16-mixed" if rank == 0 else "32-true", allow_slow=True)
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from devices import AVX2_CPU, ZEN4
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from trainers import QUIET
 
 import mixprec
 from mixprec import hardware
@@ -27,8 +28,6 @@ from mixprec.trainer import (
     resolve_precision,
 )
 from mixprec.trainer.optimizers import parse_optimizers
-
-QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False)
 
 
 def regression_data(n: int = 128, seed: int = 0) -> TensorDataset:

@@ -16,15 +16,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from trainers import SILENT
 
 import mixprec
 from mixprec.trainer import Callback, EarlyStopping, ModelCheckpoint, Trainer, TrainingModule
 from mixprec.trainer import checkpoint as ckpt_io
 
-QUIET = dict(logger=False, enable_progress_bar=False)
 
-
-class Net(TrainingModule):
+class DropoutNet(TrainingModule):
     """Dropout (draws random numbers every step), a step-interval schedule, AdamW."""
 
     def __init__(self, seed: int) -> None:
@@ -68,7 +67,7 @@ def trainer(tmp: Path, spec: str, **kwargs) -> Trainer:
         val_check_interval=4,
         default_root_dir=tmp,
         allow_slow_precision=True,
-        **QUIET,
+        **SILENT,
         **kwargs,
     )
 
@@ -79,17 +78,17 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, spec, stop_at
     """6 steps per epoch; 16 steps straight vs stop_at steps, save, resume with a model
     initialised differently: every parameter, the lr and the loss scale match exactly."""
     train, val = loaders()
-    straight = Net(seed=0)
+    straight = DropoutNet(seed=0)
     t_straight = trainer(tmp_path / "a", spec, max_steps=16)
     t_straight.fit(straight, train, val)
 
-    first = Net(seed=0)
+    first = DropoutNet(seed=0)
     t_first = trainer(tmp_path / "b", spec, max_steps=stop_at)
     t_first.fit(first, train, val)
     path = t_first.save_checkpoint(tmp_path / "half.ckpt")
     assert t_first.batches_done == (stop_at * 2) % 12 or stop_at == 12
 
-    resumed = Net(seed=123)
+    resumed = DropoutNet(seed=123)
     t_resumed = trainer(tmp_path / "c", spec, max_steps=16)
     t_resumed.fit(resumed, train, val, ckpt_path=path)
 
@@ -107,13 +106,14 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, spec, stop_at
 
 def test_resume_from_the_last_epoch_checkpoint_written_by_model_checkpoint(tmp_path):
     train, val = loaders()
-    straight = Net(seed=0)
+    straight = DropoutNet(seed=0)
     trainer(tmp_path / "a", "bf16-mixed", max_epochs=3).fit(straight, train, val)
     cb = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True, save_top_k=0)
-    trainer(tmp_path / "b", "bf16-mixed", max_epochs=2, callbacks=[cb]).fit(Net(0), train, val)
+    resumed = trainer(tmp_path / "b", "bf16-mixed", max_epochs=2, callbacks=[cb])
+    resumed.fit(DropoutNet(0), train, val)
     assert cb.last_model_path == str(tmp_path / "ck" / "last.ckpt")
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["last.ckpt"]
-    resumed = Net(seed=5)
+    resumed = DropoutNet(seed=5)
     t = trainer(tmp_path / "c", "bf16-mixed", max_epochs=3)
     t.fit(resumed, train, val, ckpt_path=cb.last_model_path)
     assert (t.current_epoch, t.global_step) == (3, 18)
@@ -130,7 +130,7 @@ def test_a_checkpoint_its_resumed_record_does_not_name_is_removed_not_kept_for_e
     train, val = loaders()
     ck = tmp_path / "ck"
     cb = ModelCheckpoint(dirpath=ck, save_last=True, save_top_k=1)
-    trainer(tmp_path / "a", "32-true", max_epochs=1, callbacks=[cb]).fit(Net(0), train, val)
+    trainer(tmp_path / "a", "32-true", max_epochs=1, callbacks=[cb]).fit(DropoutNet(0), train, val)
     (first,) = [p for p in ck.iterdir() if p.name != "last.ckpt"]
     # the next epoch's save, killed before last.ckpt and the record moved on to it
     orphan = ck / "epoch=1-step=12.ckpt"
@@ -141,7 +141,7 @@ def test_a_checkpoint_its_resumed_record_does_not_name_is_removed_not_kept_for_e
     cb = ModelCheckpoint(dirpath=ck, save_last=True, save_top_k=1)
     t = trainer(tmp_path / "b", "32-true", max_epochs=3, callbacks=[cb])
     with pytest.warns(UserWarning, match=r"removing epoch=1-step=12.ckpt from .*: written after"):
-        t.fit(Net(0), train, val, ckpt_path=ck / "last.ckpt")
+        t.fit(DropoutNet(0), train, val, ckpt_path=ck / "last.ckpt")
     assert sorted(p.name for p in ck.iterdir()) == [
         "epoch=2-step=18.ckpt",
         "last.ckpt",
@@ -152,7 +152,7 @@ def test_a_checkpoint_its_resumed_record_does_not_name_is_removed_not_kept_for_e
 def test_checkpoint_contents(tmp_path):
     train, _ = loaders()
     t = trainer(tmp_path, "16-mixed", max_steps=3)
-    t.fit(Net(0), train)
+    t.fit(DropoutNet(0), train)
     state = ckpt_io.load(t.save_checkpoint(tmp_path / "x.ckpt"))
     assert state["mixprec_version"] == mixprec.__version__
     assert state["torch_version"] == str(torch.__version__)
@@ -190,14 +190,14 @@ def test_saving_inside_an_accumulation_window_is_refused(tmp_path):
     train, _ = loaders()
     t = trainer(tmp_path, "32-true", max_steps=2, callbacks=[SaveEarly()])
     with pytest.raises(RuntimeError, match="middle of a gradient accumulation window"):
-        t.fit(Net(0), train)
+        t.fit(DropoutNet(0), train)
 
 
 KILLED_SAVE = """
 import sys, time, torch
 from mixprec.trainer import Callback, Trainer
 sys.path.insert(0, {tests!r})
-from test_trainer_checkpoint import Net, loaders
+from test_trainer_checkpoint import DropoutNet, loaders
 
 class SlowToPickle:
     def __reduce__(self):
@@ -213,7 +213,7 @@ class Payload(Callback):
 payload = Payload()
 t = Trainer(max_steps=2, logger=False, enable_progress_bar=False, callbacks=[payload],
             enable_checkpointing=False)
-t.fit(Net(0), loaders()[0])
+t.fit(DropoutNet(0), loaders()[0])
 t.save_checkpoint({path!r})
 print("saved", flush=True)
 payload.saves = 1
@@ -241,8 +241,8 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path)
     state = ckpt_io.load(path)
     assert state["loop"]["global_step"] == 2 and state["callbacks"] == {"Payload": {"plain": 1}}
     assert len(list(tmp_path.glob(".run.ckpt.*.tmp"))) == 1  # the abandoned temp file
-    resumed = Net(seed=3)
-    t = Trainer(max_steps=3, **QUIET, enable_checkpointing=False)
+    resumed = DropoutNet(seed=3)
+    t = Trainer(max_steps=3, **SILENT, enable_checkpointing=False)
     t.fit(resumed, loaders()[0], ckpt_path=path)
     assert t.global_step == 3
     t.save_checkpoint(path)  # the next save into that directory removes the stray file
@@ -251,14 +251,14 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path)
 
 def test_resume_in_another_precision_uses_master_weights_and_says_so(tmp_path, caplog):
     train, _ = loaders()
-    model = Net(0)
+    model = DropoutNet(0)
     t16 = trainer(tmp_path / "a", "16-true", max_steps=3)
     t16.fit(model, train)
     masters = [m.detach().clone() for m in t16.optimizers[0].master_params.values()]
     assert all(m.dtype == torch.float32 for m in masters)
     path = t16.save_checkpoint(tmp_path / "fp16.ckpt")
 
-    resumed = Net(seed=9)
+    resumed = DropoutNet(seed=9)
     with caplog.at_level(logging.INFO, logger="mixprec"):
         t32 = trainer(tmp_path / "b", "32-true", max_steps=3)
         t32.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
@@ -279,14 +279,14 @@ def test_resume_in_another_precision_uses_master_weights_and_says_so(tmp_path, c
 def test_model_checkpoint_state_is_in_its_own_checkpoint_and_comes_back(tmp_path):
     train, val = loaders()
     cb = ModelCheckpoint(monitor="val_loss", save_last=True)  # default dirpath: the run's
-    trainer(tmp_path / "a", "32-true", max_epochs=2, callbacks=[cb]).fit(Net(0), train, val)
+    trainer(tmp_path / "a", "32-true", max_epochs=2, callbacks=[cb]).fit(DropoutNet(0), train, val)
     saved = ckpt_io.load(cb.last_model_path)["callbacks"][cb.state_key]
     assert saved["best_model_path"] == cb.best_model_path  # the file knows what it is
     assert saved["last_model_path"] == cb.last_model_path
 
     again = ModelCheckpoint(monitor="val_loss", save_last=True)
     t = trainer(tmp_path / "b", "32-true", max_epochs=2, callbacks=[again])
-    t.fit(Net(1), train, val, ckpt_path=cb.last_model_path)  # nothing left: only restores
+    t.fit(DropoutNet(1), train, val, ckpt_path=cb.last_model_path)  # nothing left: only restores
     assert t.current_epoch == 2
     assert (again.best_model_path, again.best_model_score) == (
         cb.best_model_path,
@@ -299,7 +299,7 @@ def test_bfloat16_masters_are_used_when_resuming_in_another_precision(tmp_path):
     # bfloat16 masters (master_weights=True) were dropped and the bf16 copies used instead
     train, _ = loaders()
     bf16 = mixprec.Precision("bf16-true", master_weights=True, allow_slow=True)
-    model = Net(0)
+    model = DropoutNet(0)
     t = trainer(tmp_path / "a", bf16, max_steps=3)
     t.fit(model, train)
     masters = {
@@ -309,7 +309,7 @@ def test_bfloat16_masters_are_used_when_resuming_in_another_precision(tmp_path):
     assert any(not torch.equal(m, params[n].float()) for n, m in masters.items())
     path = t.save_checkpoint(tmp_path / "bf16.ckpt")
 
-    resumed = Net(seed=9)
+    resumed = DropoutNet(seed=9)
     t32 = trainer(tmp_path / "b", "32-true", max_steps=3)
     t32.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
     for name, p in resumed.named_parameters():
@@ -320,13 +320,13 @@ def test_a_float32_checkpoint_resumed_in_16_true_gives_masters_its_exact_weights
     # before: the masters were built from the float16 model, i.e. the float32 weights
     # rounded to float16 and back, so the resumed run had silently lost their low bits
     train, _ = loaders()
-    model = Net(0)
+    model = DropoutNet(0)
     t32 = trainer(tmp_path / "a", "32-true", max_steps=3)
     t32.fit(model, train)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     path = t32.save_checkpoint(tmp_path / "fp32.ckpt")
 
-    resumed = Net(seed=9)
+    resumed = DropoutNet(seed=9)
     t16 = trainer(tmp_path / "b", "16-true", max_steps=3)
     t16.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
     masters = t16.optimizers[0].master_params
@@ -336,7 +336,7 @@ def test_a_float32_checkpoint_resumed_in_16_true_gives_masters_its_exact_weights
     assert any(not torch.equal(w.half().float(), w) for w in weights.values())
 
 
-class EpochScheduled(Net):
+class EpochScheduled(DropoutNet):
     """An epoch-interval StepLR and a ReduceLROnPlateau on val_loss, a training epoch metric,
     and optionally a float16 overflow (a skipped step) at one step."""
 
@@ -465,7 +465,7 @@ def test_a_fit_stopped_inside_an_epoch_saves_its_last_step_and_resumes_from_it(t
 def test_a_stop_on_a_step_already_saved_adds_no_checkpoint(tmp_path):
     train, _ = loaders()
     cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, save_last=True)
-    trainer(tmp_path, "32-true", max_steps=8, callbacks=[cb]).fit(Net(0), train)
+    trainer(tmp_path, "32-true", max_steps=8, callbacks=[cb]).fit(DropoutNet(0), train)
     assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [
         "epoch=0-step=4.ckpt",
         "epoch=1-step=8.ckpt",
@@ -474,7 +474,7 @@ def test_a_stop_on_a_step_already_saved_adds_no_checkpoint(tmp_path):
 
 
 def test_early_stopping_inside_an_epoch_saves_the_step_it_stopped_at(tmp_path):
-    class Frozen(Net):
+    class Frozen(DropoutNet):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.0)  # val_loss never improves
 
@@ -514,7 +514,7 @@ import torch.nn.functional as F
 from mixprec.trainer import Callback, ModelCheckpoint, Trainer
 from mixprec.trainer import checkpoint as ckpt_io
 sys.path.insert(0, {tests!r})
-from test_trainer_checkpoint import Net, loaders
+from test_trainer_checkpoint import DropoutNet, loaders
 
 class CtrlC:
     # pickled by torch.save while it writes the checkpoint: Ctrl-C lands in the write
@@ -531,7 +531,7 @@ class PressCtrlC(Callback):
     def state_dict(self):
         return {{"ctrl_c": CtrlC()}} if self.trainer.global_step == self.at else {{"at": self.at}}
 
-class Logged(Net):
+class Logged(DropoutNet):
     def training_step(self, batch, batch_idx):
         loss = F.cross_entropy(self(batch[0]), batch[1])
         self.log("train_loss", loss)
@@ -605,8 +605,8 @@ def test_a_generator_in_a_batch_samplers_sampler_is_replayed_on_a_mid_epoch_resu
         return DataLoader(data, batch_sampler=BatchSampler(sampler, 16, drop_last=False))
 
     def fit(steps: int, ckpt_path: Path | None = None) -> Trainer:
-        t = Trainer(max_steps=steps, seed=0, enable_checkpointing=False, **QUIET)
-        t.fit(Net(0), loader(), ckpt_path=ckpt_path)  # 6 batches an epoch
+        t = Trainer(max_steps=steps, seed=0, enable_checkpointing=False, **SILENT)
+        t.fit(DropoutNet(0), loader(), ckpt_path=ckpt_path)  # 6 batches an epoch
         return t
 
     straight = fit(10)

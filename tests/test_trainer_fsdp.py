@@ -16,18 +16,17 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from spawning import run_ranks
+from nets import BlockNet
+from spawning import WORLD, run_ranks
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from trainers import QUIET
 
 from mixprec import Precision
 from mixprec.errors import PrecisionError
 from mixprec.scaling import DynamicLossScaler
 from mixprec.trainer import Callback, Trainer, TrainingModule
 from mixprec.trainer.strategy import FSDP, FSDPStrategy
-
-WORLD = 2
-QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False)
 
 
 def data() -> TensorDataset:
@@ -36,39 +35,12 @@ def data() -> TensorDataset:
     return TensorDataset(x, 0.1 * (x @ torch.tensor([[1.0], [-1.0], [0.5], [2.0]])))
 
 
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.fc = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.fc(self.norm(x)))
-
-
-class Net(nn.Module):
-    """Blocks in a ModuleList (FSDP units) holding LayerNorms (float32 islands)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(4, 16)
-        self.blocks = nn.ModuleList(Block(16) for _ in range(2))
-        self.head = nn.Linear(16, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
 class Overflowing(TrainingModule):
     """Rank 1 alone puts inf into its gradients on the second batch."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.net = Net()
+        self.net = BlockNet(tanh=True)
 
     def forward(self, x):
         return self.net(x)
@@ -121,7 +93,7 @@ def _fit(strategy: Any, precision: str, path: Path, **flags: Any) -> dict[str, A
         **flags,
     )
     loader = DataLoader(data(), batch_size=8, shuffle=True)
-    trainer.fit(Net(), loader, loss_fn=F.mse_loss, optimizer=adamw)
+    trainer.fit(BlockNet(tanh=True), loader, loss_fn=F.mse_loss, optimizer=adamw)
     trainer.save_full_state_dict(path)  # after the fit
     return {**seen.seen, "summary": trainer.summary()}
 
@@ -182,11 +154,11 @@ def test_fsdp_bf16_mixed_shards_float32_masters_and_ends_near_ddp(runs):
         assert seen["param_types"] == {"DTensor"} and seen["param_dtypes"] == {torch.float32}
         assert seen["global_step"] == 4  # 2 epochs x 4 batches / 2 micro-batches per step
         assert "x 2 (fsdp)" in r["fsdp"]["summary"]["device"]
-    n = sum(p.numel() for p in Net().parameters())
+    n = sum(p.numel() for p in BlockNet(tanh=True).parameters())
     assert ranks[0]["fsdp"]["local_numel"] + ranks[1]["fsdp"]["local_numel"] == n
     assert ranks[0]["fsdp"]["local_numel"] < n  # each rank holds a shard only
     fsdp, ddp = _weights(out / "fsdp.pt"), _weights(out / "ddp.pt")
-    start = Net().state_dict()
+    start = BlockNet(tanh=True).state_dict()
     assert fsdp.keys() == ddp.keys() == start.keys()
     moved = max((fsdp[k] - start[k]).abs().max().item() for k in start)
     assert moved > 0.02  # it trained
@@ -222,7 +194,7 @@ def test_a_sharded_model_is_reused_by_the_same_settings_and_refused_by_others(ru
 @pytest.mark.slow
 def test_spawned_fsdp_returns_the_weights_to_the_callers_model(runs, tmp_path):
     out, _ = runs
-    model = Net()
+    model = BlockNet(tanh=True)
     trainer = Trainer(
         precision="bf16-mixed",
         strategy="fsdp",
@@ -271,7 +243,7 @@ def test_fsdp_quantizes_an_int8_policy_and_ends_near_ddp(runs):
 @pytest.mark.slow
 def test_spawned_fsdp_hands_an_int8_run_back_to_the_callers_model_quantized(runs):
     out, _ = runs
-    model = Net()
+    model = BlockNet(tanh=True)
     trainer = Trainer(
         precision="int8_from_bf16-mixed", strategy="fsdp", devices=WORLD, max_epochs=2,
         allow_slow_precision=True, seed=0, **QUIET,
@@ -289,7 +261,7 @@ def test_spawned_fsdp_hands_an_int8_run_back_to_the_callers_model_quantized(runs
 
 
 def test_an_optimizer_built_before_sharding_is_refused_before_launching():
-    model = Net()
+    model = BlockNet(tanh=True)
     trainer = Trainer(strategy="fsdp", devices=2, **QUIET)
     with pytest.raises(ValueError, match="after sharding.*functools.partial"):
         trainer.fit(model, DataLoader(data(), batch_size=8), loss_fn=F.mse_loss,
@@ -298,9 +270,9 @@ def test_an_optimizer_built_before_sharding_is_refused_before_launching():
 
 def test_an_optimizer_of_other_parameters_is_refused():
     strategy = FSDPStrategy("cpu", [0, 1])
-    stale = torch.optim.SGD(Net().parameters(), lr=0.1)
+    stale = torch.optim.SGD(BlockNet(tanh=True).parameters(), lr=0.1)
     with pytest.raises(PrecisionError, match="built before sharding.*configure_optimizers"):
-        strategy.check_optimizers(Net(), [stale])
+        strategy.check_optimizers(BlockNet(tanh=True), [stale])
 
 
 @pytest.mark.parametrize(
@@ -314,7 +286,7 @@ def test_an_optimizer_of_other_parameters_is_refused():
 )
 def test_masters_beside_16_bit_shards_are_refused(precision):
     with pytest.raises(PrecisionError, match="'\\*-mixed' policy"):
-        FSDPStrategy("cpu", [0, 1]).shard(Net(), precision)
+        FSDPStrategy("cpu", [0, 1]).shard(BlockNet(tanh=True), precision)
 
 
 def test_bad_fsdp_settings_and_predict_are_refused():
@@ -327,11 +299,11 @@ def test_bad_fsdp_settings_and_predict_are_refused():
     trainer = Trainer(strategy=FSDP(), devices=2, **QUIET)
     assert trainer.strategy.name == "fsdp"
     with pytest.raises(ValueError, match="predict runs on one device"):
-        trainer.predict(Net(), [torch.zeros(2, 4)])
+        trainer.predict(BlockNet(tanh=True), [torch.zeros(2, 4)])
 
 
 def test_export_after_a_single_device_fit_takes_the_float32_masters(tmp_path):
-    model = Net()
+    model = BlockNet(tanh=True)
     trainer = Trainer(precision="16-true", max_steps=2, allow_slow_precision=True, **QUIET)
     trainer.fit(model, DataLoader(data(), batch_size=8), loss_fn=F.mse_loss, optimizer=adamw)
     [opt] = trainer.optimizers

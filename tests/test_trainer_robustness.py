@@ -18,13 +18,12 @@ import torch.nn.functional as F
 from nets import mlp
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
+from trainers import QUIET
 
 from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule, resume
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.checkpoint import CheckpointError
 from mixprec.trainer.loop import EmptyEpochError
-
-QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False)
 
 
 def within(seconds: float, fn: Callable[[], Any]) -> Any:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from devices import AVX2_CPU, H100, ZEN4
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from trainers import QUIET
 
 import mixprec
 from mixprec.scaling import DynamicLossScaler
@@ -28,9 +29,6 @@ from mixprec.trainer.data import (
 )
 from mixprec.trainer.metrics import MetricStore, StepLog, summary_rows
 from mixprec.trainer.strategy import resolve_devices
-
-QUIET = dict(logger=False, enable_progress_bar=False, enable_checkpointing=False)
-
 
 # -- data -------------------------------------------------------------------------------------
 
