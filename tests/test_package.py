@@ -22,6 +22,7 @@ LAYERS: list[set[str]] = [
     {"quantize"},
     {"policy_map", "tree"},
     {"hardware"},
+    {"hardware_measure"},
     {"convert", "scaling"},
     {"optim", "masters"},
     {"precision"},

@@ -113,6 +113,12 @@ def search(
         allow_slow=allow_slow,
         seed=seed,
     )
+    return _run(s, started)
+
+
+def _run(s: SearchInputs, started: float) -> SearchReport:
+    """The phases in order, each one's seconds kept for the report: measure (candidates
+    built and weighed), score, solve and verify (with retries), keep, train, report."""
     phases = dict.fromkeys(("candidates", "scores", "layer times", "solve", "verify", "train"), 0.0)
     # measure: every candidate built and weighed
     clock = time.perf_counter()
