@@ -107,7 +107,7 @@ class DeviceInfo:
         torch_version: the torch the facts were gathered with.
         isa_cap: which ISA cap (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``) applied.
         gemm_ratios: on a CPU, the measured GEMM speed of "bfloat16" and "float16" against
-            float32 (0.4: 0.4x float32's speed); `detect` measures the host's (on one thread,
+            float32 (below 1: slower than float32); `detect` measures the host's (on one thread,
             cached per machine), a described CPU states them or, left None, is rated by its
             flags alone.
         gemm_note: how and when `gemm_ratios` were measured, shown by `mixprec info`.
@@ -509,9 +509,9 @@ def slow_attention(info: DeviceInfo) -> frozenset[torch.dtype]:
     `scaled_dot_product_attention`, forward and backward) slower than in float32, so a
     policy computing in them runs its attention in float32 (`PolicyMap.float32_attention`).
 
-    CPUs without AMX: torch's CPU flash attention measured 0.58x float32's speed in bfloat16
-    on an AMD Zen 4 with avx512_bf16 (benchmarks/attention_dtype.py), and 0.2x in float16.
-    CPUs with AMX tiles for the dtype (amx_bf16, amx_fp16) are left to the 16-bit kernel
+    CPUs without AMX: torch's CPU flash attention ran slower in bfloat16 and float16 than in
+    float32 on an AMD Zen 4 with avx512_bf16 (benchmarks/attention_dtype.py; docs/policies.md
+    gives the figures). CPUs with AMX tiles for the dtype (amx_bf16, amx_fp16) are left to the 16-bit kernel
     (not measured), as are GPUs, whose fused attention kernels are made for 16 bits."""
     if info.type != "cpu":
         return frozenset()

@@ -64,7 +64,7 @@ def measure_rates(
 
     Every dtype multiplies matrices of one size, settled first from the median of three
     timings: it grows from 128 until the slowest dtype's multiply takes `MIN_MULTIPLY_S`, so
-    a dtype 100x slower on this hardware still finishes in about `seconds` while the faster
+    a dtype far slower on this hardware still finishes in about `seconds` while the faster
     ones repeat their multiply more often.
     """
     if repeats < 1 or not seconds > 0:

@@ -381,8 +381,8 @@ class Compensator:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore ``state_dict``; the kind must match (a run changes it by starting anew).
-        Checkpoints of earlier versions also hold random-generator states, which this
-        version's rounding does not use."""
+        Other keys (random-generator states, which some saved states hold) are ignored: the
+        rounding draws from no generator."""
         if state.get("kind") != self.kind:
             raise ValueError(
                 f"the checkpoint was trained with compensation {state.get('kind')!r}, this "

@@ -185,7 +185,7 @@ class _Lanes:
     each half into the high half, and written back from the high halves of the results:
     the step sees 32-bit types only, which inductor's C++ kernels vectorize 16 at a time
     with native conversions (a 16-bit tensor makes them work 32 elements at a time, where
-    int/float conversions and bit views fall back to scalar loops: 2.9 times slower).
+    int/float conversions and bit views fall back to scalar loops, much slower).
     Eagerly the same values are read and written through a bfloat16 view of the whole slice
     (half the operations of two halves). Other tensors are read in the math dtype and
     their results converted on copy."""

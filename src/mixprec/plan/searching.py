@@ -199,7 +199,7 @@ def _report(
 def _why_kept(rows: list[UnitRow], formats: list[str], kind: str) -> None:
     """For each layer left above a format cheaper by the budgeted cost (`kind`: bytes or
     seconds), note how much more that format would hurt it than the median layer, when
-    clearly more (1.5x): the reason the search paid for it. A layer without such a note was
+    clearly more (`WHY_RATIO`): the reason the search paid for it. A layer without such a note was
     kept because the budget had room, not because it is sensitive."""
     cost = "bytes" if kind == "memory" else "seconds"
     for fmt in formats:
