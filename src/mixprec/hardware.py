@@ -511,8 +511,9 @@ def slow_attention(info: DeviceInfo) -> frozenset[torch.dtype]:
 
     CPUs without AMX: torch's CPU flash attention ran slower in bfloat16 and float16 than in
     float32 on an AMD Zen 4 with avx512_bf16 (benchmarks/attention_dtype.py; docs/policies.md
-    gives the figures). CPUs with AMX tiles for the dtype (amx_bf16, amx_fp16) are left to the 16-bit kernel
-    (not measured), as are GPUs, whose fused attention kernels are made for 16 bits."""
+    gives the figures). CPUs with AMX tiles for the dtype (amx_bf16, amx_fp16) are left to
+    the 16-bit kernel (not measured), as are GPUs, whose fused attention kernels are made for
+    16 bits."""
     if info.type != "cpu":
         return frozenset()
     tiles = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}
