@@ -12,7 +12,7 @@ from devices import AMX_CPU, AVX2_CPU, AVX512_CPU, H100, ZEN4
 from torch import nn
 
 import mixprec
-from mixprec import SlowPrecisionError, gemm_ratio, hardware
+from mixprec import SlowPrecisionError, gemm_ratio, hardware, hardware_measure
 from mixprec.cli import main
 from mixprec.hardware import DeviceInfo, check, resolve_auto, support_matrix
 from mixprec.policy import as_policy
@@ -236,19 +236,19 @@ def test_measuring_leaves_the_rng_autocast_and_threads_alone_and_uses_one_size()
 
 
 def test_info_measure_times_every_dtype_at_one_size():
-    rates = hardware.measure_rates(
+    rates = hardware_measure.measure_rates(
         (torch.float32, torch.bfloat16, torch.float16), "cpu", seconds=0.02, repeats=2
     )
     assert len({r.size for r in rates.values()}) == 1
 
 
 def test_the_measure_notice_never_advises_the_option_already_given():
-    rate = hardware.Rate
+    rate = hardware_measure.Rate
     wide = {"float32": rate(100.0, 20.0, 140.0, 1024)}
-    assert "(--seconds 2)" in hardware.measure_notice(wide, ZEN4, load=0.5)
-    notice = hardware.measure_notice(wide, ZEN4, load=0.5, seconds=2.0)
+    assert "(--seconds 2)" in hardware_measure.measure_notice(wide, ZEN4, load=0.5)
+    notice = hardware_measure.measure_notice(wide, ZEN4, load=0.5, seconds=2.0)
     assert "(--seconds 8)" in notice and "--seconds 2)" not in notice
-    assert "(--seconds 2)" in hardware.measure_notice(wide, ZEN4, seconds=0.1)
+    assert "(--seconds 2)" in hardware_measure.measure_notice(wide, ZEN4, seconds=0.1)
 
 
 def test_an_avx2_cpu_is_judged_as_before():

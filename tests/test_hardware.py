@@ -13,7 +13,14 @@ from devices import AMX_CPU, AVX2_CPU, AVX512_CPU, H100, V100, ZEN4
 from torch import nn
 
 import mixprec
-from mixprec import Policy, PolicyMap, PrecisionError, SlowPrecisionError, hardware
+from mixprec import (
+    Policy,
+    PolicyMap,
+    PrecisionError,
+    SlowPrecisionError,
+    hardware,
+    hardware_measure,
+)
 from mixprec.cli import main
 from mixprec.errors import SlowPrecisionWarning
 from mixprec.hardware import DeviceInfo, check, detect, policy_support, resolve_auto, support_matrix
@@ -122,36 +129,36 @@ def test_the_slow_precision_note_names_the_slow_policy_so_it_is_said_once():
 
 
 def test_measure_reports_a_rate_per_dtype():
-    rates = mixprec.hardware.measure((torch.float32, torch.bfloat16), "cpu", seconds=0.02)
+    rates = hardware_measure.measure((torch.float32, torch.bfloat16), "cpu", seconds=0.02)
     assert set(rates) == {"float32", "bfloat16"} and all(r > 0 for r in rates.values())
 
 
 def test_measure_rates_takes_the_median_of_rounds_and_keeps_their_range():
-    rates = hardware.measure_rates((torch.float32,), "cpu", seconds=0.02, repeats=3)
+    rates = hardware_measure.measure_rates((torch.float32,), "cpu", seconds=0.02, repeats=3)
     r = rates["float32"]
     assert 0 < r.low <= r.median <= r.high and r.spread >= 1.0
     assert r.size >= 128 and r.size & (r.size - 1) == 0
     with pytest.raises(ValueError, match="repeats >= 1"):
-        hardware.measure_rates((torch.float32,), "cpu", repeats=0)
+        hardware_measure.measure_rates((torch.float32,), "cpu", repeats=0)
 
 
 def test_measured_rates_are_flagged_when_rounds_disagree_or_contradict_the_hardware():
-    rate = hardware.Rate
+    rate = hardware_measure.Rate
     calm = {"float32": rate(100.0, 95.0, 105.0, 1024), "bfloat16": rate(300.0, 290.0, 310.0, 1024)}
-    assert hardware.measure_notice(calm, ZEN4, load=0.5) is None
+    assert hardware_measure.measure_notice(calm, ZEN4, load=0.5) is None
     # bf16 is fast on a Zen 4: measured 10x slower than float32 means the cores were taken
     slow = {"float32": rate(100.0, 95.0, 105.0, 1024), "bfloat16": rate(10.0, 9.0, 11.0, 1024)}
-    notice = hardware.measure_notice(slow, ZEN4, load=0.5)
+    notice = hardware_measure.measure_notice(slow, ZEN4, load=0.5)
     assert "bfloat16, fast on this hardware, measured 10.0x slower than float32" in notice
     assert notice.startswith("these rates are not to be trusted")
     # on an AVX2-only CPU bf16 is slow: the same numbers are what the hardware does
-    assert hardware.measure_notice(slow, AVX2_CPU, load=0.5) is None
+    assert hardware_measure.measure_notice(slow, AVX2_CPU, load=0.5) is None
     wide = {"float32": rate(100.0, 20.0, 140.0, 1024)}
     assert "disagreed by more than 1.5x (float32 20.0-140.0 GFLOP/s)" in (
-        hardware.measure_notice(wide, ZEN4, load=0.5)
+        hardware_measure.measure_notice(wide, ZEN4, load=0.5)
     )
     cores = os.cpu_count() or 1
-    busy = hardware.measure_notice(calm, ZEN4, load=cores + 1.0)
+    busy = hardware_measure.measure_notice(calm, ZEN4, load=cores + 1.0)
     assert f"the 1-minute load average is {cores + 1.0:.2f} on {cores} cores" in busy
 
 

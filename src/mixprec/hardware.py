@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
-import time
 import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -38,7 +36,6 @@ __all__ = [
     "FLOAT8_FAST_ON",
     "MATRIX_PRECISIONS",
     "REFUSED",
-    "Rate",
     "SLOW",
     "SLOW_BELOW",
     "SUPPORTED",
@@ -56,9 +53,6 @@ __all__ = [
     "int8_support",
     "float8_support",
     "microscaling_support",
-    "measure",
-    "measure_notice",
-    "measure_rates",
     "parse_device",
     "policy_support",
     "remeasure",
@@ -113,7 +107,7 @@ class DeviceInfo:
         torch_version: the torch the facts were gathered with.
         isa_cap: which ISA cap (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``) applied.
         gemm_ratios: on a CPU, the measured GEMM speed of "bfloat16" and "float16" against
-            float32 (0.4: 0.4x float32's speed); `detect` measures the host's (on one thread,
+            float32 (below 1: slower than float32); `detect` measures the host's (on one thread,
             cached per machine), a described CPU states them or, left None, is rated by its
             flags alone.
         gemm_note: how and when `gemm_ratios` were measured, shown by `mixprec info`.
@@ -515,10 +509,11 @@ def slow_attention(info: DeviceInfo) -> frozenset[torch.dtype]:
     `scaled_dot_product_attention`, forward and backward) slower than in float32, so a
     policy computing in them runs its attention in float32 (`PolicyMap.float32_attention`).
 
-    CPUs without AMX: torch's CPU flash attention measured 0.58x float32's speed in bfloat16
-    on an AMD Zen 4 with avx512_bf16 (benchmarks/attention_dtype.py), and 0.2x in float16.
-    CPUs with AMX tiles for the dtype (amx_bf16, amx_fp16) are left to the 16-bit kernel
-    (not measured), as are GPUs, whose fused attention kernels are made for 16 bits."""
+    CPUs without AMX: torch's CPU flash attention ran slower in bfloat16 and float16 than in
+    float32 on an AMD Zen 4 with avx512_bf16 (benchmarks/attention_dtype.py; docs/policies.md
+    gives the figures). CPUs with AMX tiles for the dtype (amx_bf16, amx_fp16) are left to
+    the 16-bit kernel (not measured), as are GPUs, whose fused attention kernels are made for
+    16 bits."""
     if info.type != "cpu":
         return frozenset()
     tiles = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}
@@ -747,145 +742,3 @@ def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -
             SlowPrecisionWarning,
             stacklevel=3,
         )
-
-
-@dataclass(frozen=True)
-class Rate:
-    """A measured matmul rate in GFLOP/s: the median of the rounds and their range. A wide
-    range means other work shared the device while it was timed."""
-
-    median: float
-    low: float
-    high: float
-    size: int
-
-    @property
-    def spread(self) -> float:
-        """high / low: 1.0 when every round agreed."""
-        return self.high / self.low if self.low > 0 else float("inf")
-
-
-# a round's timed work is at least this long, so timer resolution and one scheduler hiccup
-# are small against it; a matrix is grown until one multiply takes MIN_MULTIPLY_S
-MIN_ROUND_S = 0.02
-MIN_MULTIPLY_S = 0.005
-# rounds whose rates differ by more than this factor were disturbed by other work
-BUSY_SPREAD = 1.5
-
-
-def measure_rates(
-    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16),
-    device: torch.device | str | None = None,
-    seconds: float = 0.3,
-    repeats: int = 5,
-) -> dict[str, Rate]:
-    """Matmul GFLOP/s per dtype on the device: `repeats` rounds of about `seconds / repeats`
-    each (at least `MIN_ROUND_S`), the dtypes taking turns within each round so that a burst
-    of other work hits them alike; a round's rate is that of its fastest single multiply (a
-    multiply whose threads waited for cores other work held is not what the hardware does);
-    the median round and the range.
-
-    Every dtype multiplies matrices of one size, settled first from the median of three
-    timings: it grows from 128 until the slowest dtype's multiply takes `MIN_MULTIPLY_S`, so
-    a dtype 100x slower on this hardware still finishes in about `seconds` while the faster
-    ones repeat their multiply more often.
-    """
-    if repeats < 1 or not seconds > 0:
-        raise ValueError(f"measure needs repeats >= 1 and seconds > 0, got {repeats}, {seconds}")
-    device = torch.device(device) if device is not None else default_device()
-    # the device measured, not the current one (they differ for cuda:1)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-
-    def timed(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        sync()
-        return time.perf_counter() - t0
-
-    per_round = max(seconds / repeats, MIN_ROUND_S)
-    info = detect(device)
-    kept = [d for d in dtypes if dtype_support(d, info).status != REFUSED]
-    generator = torch.Generator().manual_seed(0)
-    n = 128
-    while True:
-        a32 = torch.randn(n, n, generator=generator).to(device)
-        b32 = torch.randn(n, n, generator=generator).to(device)
-        operands = {dtype_name(d): (a32.to(d), b32.to(d)) for d in kept}
-        one = {}
-        for name, (a, b) in operands.items():
-            timed(a, b, 1)  # warm-up: kernel selection, first-touch allocation
-            one[name] = sorted(timed(a, b, 1) for _ in range(3))[1]
-        if not one or max(one.values()) > MIN_MULTIPLY_S or n >= 4096:
-            break
-        n *= 2
-    reps = {name: max(3, round(per_round / max(t, 1e-6))) for name, t in one.items()}
-    rounds: dict[str, list[float]] = {name: [] for name in operands}
-    with torch.no_grad(), torch.autocast(device.type, enabled=False):
-        for _ in range(repeats):
-            for name, (a, b) in operands.items():
-                fastest = min(timed(a, b, 1) for _ in range(reps[name]))
-                rounds[name].append(2 * n**3 / fastest / 1e9)
-    return {
-        name: Rate(statistics.median(rates), min(rates), max(rates), n)
-        for name, rates in rounds.items()
-    }
-
-
-def measure(
-    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16),
-    device: torch.device | str | None = None,
-    seconds: float = 0.3,
-) -> dict[str, float]:
-    """Matmul GFLOP/s per dtype on the device, in about `seconds` each: the median rate of
-    `measure_rates`."""
-    return {name: r.median for name, r in measure_rates(dtypes, device, seconds).items()}
-
-
-def measure_notice(
-    rates: Mapping[str, Rate],
-    info: DeviceInfo,
-    load: float | None = None,
-    seconds: float | None = None,
-) -> str | None:
-    """Why the rates just measured may not be trusted, or None: rounds that disagree by
-    more than `BUSY_SPREAD`, a load average above the cores, or a dtype the hardware's flags
-    make fast measuring slower than float32 (other work took the cores while it ran). The
-    advice to measure longer names more than the `seconds` the rates were measured in."""
-    reasons = []
-    wide = [
-        f"{name} {r.low:,.1f}-{r.high:,.1f}" for name, r in rates.items() if r.spread > BUSY_SPREAD
-    ]
-    if wide:
-        reasons.append(
-            f"the rounds disagreed by more than {BUSY_SPREAD}x ({', '.join(wide)} GFLOP/s)"
-        )
-    cores = os.cpu_count() or 1
-    if info.type == "cpu" and load is not None and load > cores:
-        reasons.append(f"the 1-minute load average is {load:.2f} on {cores} cores")
-    base = rates.get("float32")
-    for name, r in rates.items():
-        dtype = getattr(torch, name, None)
-        if base is None or name == "float32" or not isinstance(dtype, torch.dtype):
-            continue
-        predicted = (
-            _cpu_prior(dtype, info.cpu_flags)
-            if info.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-            else dtype_support(dtype, info)
-        )
-        if predicted.status == FAST and r.median < base.median / BUSY_SPREAD:
-            reasons.append(
-                f"{name}, fast on this hardware, measured {base.median / r.median:.1f}x slower "
-                "than float32"
-            )
-    if not reasons:
-        return None
-    longer = max(2.0, 4 * seconds) if seconds is not None else 2.0
-    return (
-        "these rates are not to be trusted: "
-        + "; ".join(reasons)
-        + ". Other work is probably using the device; rerun when it is idle, or longer "
-        f"(--seconds {longer:g}). The ratings above read their own measurement, the fastest "
-        "of many single multiplies, which a busy core disturbs less."
-    )

@@ -65,7 +65,7 @@ __all__ = [
 # What torch's CUDA autocast runs in float32 (layer_norm, group_norm, softmax, ...), made
 # true on every device. BatchNorm is not an island: its kernels take 16-bit inputs with
 # float32 statistics and accumulate in float32 on CPU and CUDA alike, and a float32 island
-# there cost ~28% of a CNN step and ~60% more activation memory on a CPU (mixprec bench).
+# there costs step time and activation memory (docs/policies.md gives the figures).
 ISLAND_TYPES: tuple[type[nn.Module], ...] = tuple(
     t
     for t in (

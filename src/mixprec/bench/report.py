@@ -372,7 +372,7 @@ def _span(values: list[float], fmt: str) -> str:
 def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     """One plain sentence closing the run: what the recommended mixed precision buys on this
     machine against float32 (speed and peak memory, over the batch sizes both ran at), and
-    how that compares with the seed experiment's V100, where mixed precision gave ~1.1x."""
+    how that compares with the seed experiment's V100 (`BLOG_V100_MS`)."""
     meta = report.metadata
     blog = [fp32 / mixed for mixed, fp32 in BLOG_V100_MS.values()]
     seed = f"the seed experiment got {_span(blog, '{:.1f}')}x from mixed precision on its V100 GPU"

@@ -48,12 +48,12 @@ from mixprec.hardware import (
     default_device,
     detect,
     fast_on,
-    measure,
     parse_device,
     policy_support,
     resolve_auto,
     resolve_policy,
 )
+from mixprec.hardware_measure import measure
 from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy_map import PolicyMap, is_policy_file
 from mixprec.version import __version__

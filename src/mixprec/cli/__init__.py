@@ -25,13 +25,12 @@ from mixprec.hardware import (
     DeviceInfo,
     detect,
     fast_on,
-    measure_notice,
-    measure_rates,
     policy_support,
     remeasure,
     resolve_auto,
     support_matrix,
 )
+from mixprec.hardware_measure import measure_notice, measure_rates
 from mixprec.policy import Policy
 from mixprec.textout import Column, FittedTable
 from mixprec.version import __version__

@@ -34,6 +34,7 @@ from mixprec.bench.journal import load as load_journal
 from mixprec.bench.models import BUILTIN_MODELS, check_model, check_workload
 from mixprec.bench.report import (
     OUTPUT_FILES,
+    Summary,
     busy_machine_warning,
     comparison_gap_lines,
     conclusion,
@@ -46,7 +47,16 @@ from mixprec.bench.report import (
     write_outputs,
 )
 from mixprec.bench.runner import OK, OOM
-from mixprec.bench.suite import PRESETS, BenchOptions, Listener, Row, plan, run_bench
+from mixprec.bench.suite import (
+    PRESETS,
+    BenchOptions,
+    BenchReport,
+    Listener,
+    Plan,
+    Row,
+    plan,
+    run_bench,
+)
 from mixprec.cli.outputs import check_output_dir, new_output_dir
 from mixprec.hardware import detect, parse_device, resolve_auto
 from mixprec.version import __version__
@@ -84,7 +94,7 @@ def _batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # a flat list of options, kept whole
     """Register `mixprec bench` on the CLI's subparsers."""
     p = subparsers.add_parser(
         "bench",
@@ -233,6 +243,56 @@ def _output_dir(given: Path | None, keep: Iterable[str]) -> Path:
     return check_output_dir(new_output_dir("mixprec-bench", stamp), "--out", keep=keep)
 
 
+def _run_configs(p: Plan, console: Console, out: Path) -> tuple[Journal, str | None]:
+    """Run the plan's configurations with a progress bar, each row journaled in `out` as
+    it ends; the journal and what stopped the run early (Ctrl-C, SIGTERM or None)."""
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not console.is_terminal,
+    )
+    journal = Journal(out / JOURNAL)
+    stopped_by = None
+    with progress, _sigterm_stops():
+        task = progress.add_task("configurations", total=len(p.configs))
+        try:
+            run_bench(p, [journal, _Printer(console, progress, task, len(p.configs))])
+        except KeyboardInterrupt:
+            stopped_by = "Ctrl-C"
+        except Terminated:
+            stopped_by = "SIGTERM"
+    return journal, stopped_by
+
+
+def _print_results(
+    report: BenchReport,
+    summaries: list[Summary],
+    console: Console,
+    err: Console,
+    busy: bool,
+) -> None:
+    """The table, its notes (`busy`: whether to warn of a busy machine), the failed rows,
+    why no mixed precision was timed, the largest batches."""
+    console.print(rich_table(report, summaries))
+    for line in notes(report, summaries, busy=busy):
+        console.print(f"  {line}", highlight=False)
+    for s in summaries:
+        if s.status not in (OK, OOM):
+            err.print(f"[red]{s.label} @ {s.batch_size}: {s.status}[/] {s.error}", highlight=False)
+    gap = comparison_gap_lines(report, summaries)
+    if gap:
+        console.print("[yellow bold]why no mixed precision was timed[/]")
+        for line in gap:
+            console.print(f"  {line}", highlight=False)
+    if report.max_batch:
+        console.print("[bold]largest batch that fits[/]")
+        for line in max_batch_lines(report):
+            console.print(f"  {line}", highlight=False)
+
+
 def run_memory_command(
     args: argparse.Namespace, console: Console, err: Console, out: Path | None
 ) -> int:
@@ -242,40 +302,7 @@ def run_memory_command(
     devices = args.devices if args.devices is not None else 2
     model = args.model or "transformer"
     try:
-        for flag, name, default in _TIMING_ONLY:
-            if getattr(args, name) != default:
-                raise ValueError(
-                    f"{flag} is an option of the timing run, not of --strategy (memory per rank: "
-                    "--model, --precision, --batch-sizes, --steps, --devices, --device, "
-                    "--threads, --allow-slow, --out)"
-                )
-        if len(sizes) > 1:
-            raise ValueError(f"--strategy measures one batch size, got {' '.join(map(str, sizes))}")
-        if devices < 1 or (args.steps is not None and args.steps < 1):
-            raise ValueError("--devices and --steps must be at least 1")
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}")
-        device = _memory_device(args.device)
-        if device == "cuda" and devices > torch.cuda.device_count():
-            raise ValueError(
-                f"--devices {devices} but {torch.cuda.device_count()} GPUs are visible"
-            )
-        check_model(model)
-        precisions = args.precision
-        if not precisions:
-            precisions, left_out = distributed.default_precisions(device, args.allow_slow)
-            for spec, why in left_out.items():
-                console.print(
-                    f"left out {spec}: slow or refused here ({why}); --allow-slow times it anyway",
-                    highlight=False,
-                    soft_wrap=True,
-                )
-        # "auto" means the fastest stable precision of the measured device
-        auto = resolve_auto(detect(torch.device(device))).name
-        precisions = list(dict.fromkeys(auto if p == "auto" else p for p in precisions))
-        distributed.check_precisions(precisions, device, args.allow_slow)
-        out = _output_dir(out, distributed.OUTPUT_FILES)
-        check_workload(model)  # last: it calls a user's factory
+        device, precisions, out = _checked_memory_args(args, console, model, sizes, devices, out)
     except ValueError as e:
         err.print(f"[red]mixprec bench: error:[/] {e}", highlight=False, soft_wrap=True)
         return 2
@@ -298,20 +325,7 @@ def run_memory_command(
     ]
     command = distributed.command_line()
     console.print(f"reproduce: {command}", highlight=False, soft_wrap=True)
-
-    def done(spec: distributed.MemorySpec, rows: list[distributed.Row]) -> None:
-        ranks = [r for r in rows if isinstance(r, distributed.RankMemory)]
-        if len(ranks) != len(rows):
-            console.print(f"{spec.strategy} {spec.precision}: failed", highlight=False)
-            return
-        held = ", ".join(f"rank {r.rank} {r.held / 2**20:.2f} MiB" for r in ranks)
-        console.print(f"{spec.strategy} {spec.precision}: held {held}", highlight=False)
-
-    try:
-        rows = distributed.run(specs, out / "ranks", done)
-        interrupted = False
-    except distributed.Interrupted as stop:  # every rank has ended; what was measured is kept
-        rows, interrupted = stop.rows, True
+    rows, interrupted = _run_memory_specs(specs, out, console)
     meta = {
         "command": command,
         "host": f"{detect(torch.device(device)).describe()}; {threads} threads per rank; "
@@ -331,6 +345,71 @@ def run_memory_command(
         err.print("[red]interrupted (Ctrl-C):[/] the rows measured before it are written")
         return 130
     return 1 if failed else 0
+
+
+def _checked_memory_args(
+    args: argparse.Namespace,
+    console: Console,
+    model: str,
+    sizes: list[int],
+    devices: int,
+    out: Path | None,
+) -> tuple[str, list[str], Path]:
+    """The device, the precisions and the output directory of a `--strategy` run, each
+    argument checked (`ValueError` naming the bad one); precisions left out are printed."""
+    for flag, name, default in _TIMING_ONLY:
+        if getattr(args, name) != default:
+            raise ValueError(
+                f"{flag} is an option of the timing run, not of --strategy (memory per rank: "
+                "--model, --precision, --batch-sizes, --steps, --devices, --device, "
+                "--threads, --allow-slow, --out)"
+            )
+    if len(sizes) > 1:
+        raise ValueError(f"--strategy measures one batch size, got {' '.join(map(str, sizes))}")
+    if devices < 1 or (args.steps is not None and args.steps < 1):
+        raise ValueError("--devices and --steps must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    device = _memory_device(args.device)
+    if device == "cuda" and devices > torch.cuda.device_count():
+        raise ValueError(f"--devices {devices} but {torch.cuda.device_count()} GPUs are visible")
+    check_model(model)
+    precisions = args.precision
+    if not precisions:
+        precisions, left_out = distributed.default_precisions(device, args.allow_slow)
+        for spec, why in left_out.items():
+            console.print(
+                f"left out {spec}: slow or refused here ({why}); --allow-slow times it anyway",
+                highlight=False,
+                soft_wrap=True,
+            )
+    # "auto" means the fastest stable precision of the measured device
+    auto = resolve_auto(detect(torch.device(device))).name
+    precisions = list(dict.fromkeys(auto if p == "auto" else p for p in precisions))
+    distributed.check_precisions(precisions, device, args.allow_slow)
+    out = _output_dir(out, distributed.OUTPUT_FILES)
+    check_workload(model)  # last: it calls a user's factory
+    return device, precisions, out
+
+
+def _run_memory_specs(
+    specs: list[distributed.MemorySpec], out: Path, console: Console
+) -> tuple[list[distributed.Row], bool]:
+    """Run each spec's ranks, printing each spec's memory as it ends; the rows and whether
+    Ctrl-C stopped the run (every rank has ended then; what was measured is kept)."""
+
+    def done(spec: distributed.MemorySpec, rows: list[distributed.Row]) -> None:
+        ranks = [r for r in rows if isinstance(r, distributed.RankMemory)]
+        if len(ranks) != len(rows):
+            console.print(f"{spec.strategy} {spec.precision}: failed", highlight=False)
+            return
+        held = ", ".join(f"rank {r.rank} {r.held / 2**20:.2f} MiB" for r in ranks)
+        console.print(f"{spec.strategy} {spec.precision}: held {held}", highlight=False)
+
+    try:
+        return distributed.run(specs, out / "ranks", done), False
+    except distributed.Interrupted as stop:
+        return stop.rows, True
 
 
 class Terminated(BaseException):
@@ -414,24 +493,7 @@ def run_command(args: argparse.Namespace) -> int:
     if busy:
         err.print(f"[yellow]{busy}[/]", highlight=False, soft_wrap=True)
 
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not console.is_terminal,
-    )
-    journal = Journal(out / JOURNAL)
-    stopped_by = None
-    with progress, _sigterm_stops():
-        task = progress.add_task("configurations", total=len(p.configs))
-        try:
-            run_bench(p, [journal, _Printer(console, progress, task, len(p.configs))])
-        except KeyboardInterrupt:
-            stopped_by = "Ctrl-C"
-        except Terminated:
-            stopped_by = "SIGTERM"
+    journal, stopped_by = _run_configs(p, console, out)
     report = load_journal(journal.path)  # what is on disk, however the run ended
     if report is None:
         err.print(f"[red]mixprec bench: stopped by {stopped_by}[/] before the first configuration")
@@ -439,21 +501,8 @@ def run_command(args: argparse.Namespace) -> int:
     if stopped_by is not None:
         report.metadata["stopped"]["by"] = stopped_by
     summaries = summarize(report)
-    console.print(rich_table(report, summaries))
-    for line in notes(report, summaries, busy=busy is None):  # warned once, at the start
-        console.print(f"  {line}", highlight=False)
-    for s in summaries:
-        if s.status not in (OK, OOM):
-            err.print(f"[red]{s.label} @ {s.batch_size}: {s.status}[/] {s.error}", highlight=False)
-    gap = comparison_gap_lines(report, summaries)
-    if gap:
-        console.print("[yellow bold]why no mixed precision was timed[/]")
-        for line in gap:
-            console.print(f"  {line}", highlight=False)
-    if report.max_batch:
-        console.print("[bold]largest batch that fits[/]")
-        for line in max_batch_lines(report):
-            console.print(f"  {line}", highlight=False)
+    # the busy-machine warning was given once, at the start
+    _print_results(report, summaries, console, err, busy=busy is None)
     paths = [*write_outputs(out, report, png=png), journal.path]
     console.print(f"results: {', '.join(map(str, paths))}", highlight=False)
     console.print(f"\n[bold]{conclusion(report, summaries)}[/]", highlight=False)

@@ -374,6 +374,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "doctor-report/<date-time>/, a new one each run)",
     )
     p.add_argument("--no-recommend", action="store_true", help="only diagnose")
+    _add_search_arguments(p)
+    p.add_argument("--no-report", action="store_true", help="write no report files")
+    p.set_defaults(func=_run)
+    return p
+
+
+def _add_search_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``mixprec doctor --search``, in their own help group."""
     search = p.add_argument_group(
         "format search",
         "choose a format per layer within a budget (mixprec.plan.search), verified by "
@@ -418,6 +426,3 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         action="store_true",
         help="accept --formats the device runs far slower than float32",
     )
-    p.add_argument("--no-report", action="store_true", help="write no report files")
-    p.set_defaults(func=_run)
-    return p

@@ -293,30 +293,8 @@ class Diagnosis:
                     + ("the run passes" if trial.passes(tolerance) else _why_not(trial, tolerance))
                 )
                 continue
-            if pick is None and not exhausted:
-                raise PrecisionError(
-                    f"{self.precision.default.name} is not within tolerance {tolerance:g} of "
-                    f"{self.reference.default.name} (loss error {trial.loss_rel_error:.3g}, "
-                    f"gradient error {trial.grad_rel_error:.3g}) although no module is at risk "
-                    "or broken, so there is no layer to move: the error builds up over many "
-                    "layers. Use a larger tolerance or train in the reference precision."
-                )
             if pick is None:
-                hint = (
-                    " Under a 'true' policy a layer's output is cast back to the policy's "
-                    "output dtype, so an activation beyond its range cannot be kept per layer: "
-                    "try a mixed policy."
-                    if not self.precision.default.is_mixed
-                    else ""
-                )
-                raise PrecisionError(
-                    f"no per-module policy brings {self.precision.default.name} within "
-                    f"tolerance {tolerance:g} of {self.reference.default.name}: after trying "
-                    f"{', '.join(sorted(n or '<root>' for n in exhausted))} in every safer "
-                    f"precision, {_why_not(trial, tolerance)} (loss error "
-                    f"{trial.loss_rel_error:.3g}, gradient error {trial.grad_rel_error:.3g}).{hint}"
-                    " Use a larger tolerance or train in the reference precision."
-                )
+                raise self._stuck(trial, tolerance, exhausted)
             # a module that never runs (a root whose training_step calls its children) has
             # no region a rule could change
             safer = self._safer(pick, chosen.get(pick.name)) if pick.calls else None
@@ -331,14 +309,54 @@ class Diagnosis:
             )
         else:
             raise PrecisionError(f"recommend did not converge after {len(chosen)} fixes")
+        chosen, trial = self._drop_unneeded(chosen, trial, scale, tolerance, log)
+        changed = scale if scale != self.loss_scale else None
+        return Recommendation(self._map(chosen), trial, tuple(log), tolerance, changed)
+
+    def _stuck(self, trial: Diagnosis, tolerance: float, exhausted: set[str]) -> PrecisionError:
+        """Why `recommend` found no module left to move while `trial` still fails: no module
+        was at risk (the error builds up over many layers), or every one was tried."""
+        if not exhausted:
+            return PrecisionError(
+                f"{self.precision.default.name} is not within tolerance {tolerance:g} of "
+                f"{self.reference.default.name} (loss error {trial.loss_rel_error:.3g}, "
+                f"gradient error {trial.grad_rel_error:.3g}) although no module is at risk "
+                "or broken, so there is no layer to move: the error builds up over many "
+                "layers. Use a larger tolerance or train in the reference precision."
+            )
+        hint = (
+            " Under a 'true' policy a layer's output is cast back to the policy's "
+            "output dtype, so an activation beyond its range cannot be kept per layer: "
+            "try a mixed policy."
+            if not self.precision.default.is_mixed
+            else ""
+        )
+        return PrecisionError(
+            f"no per-module policy brings {self.precision.default.name} within "
+            f"tolerance {tolerance:g} of {self.reference.default.name}: after trying "
+            f"{', '.join(sorted(n or '<root>' for n in exhausted))} in every safer "
+            f"precision, {_why_not(trial, tolerance)} (loss error "
+            f"{trial.loss_rel_error:.3g}, gradient error {trial.grad_rel_error:.3g}).{hint}"
+            " Use a larger tolerance or train in the reference precision."
+        )
+
+    def _drop_unneeded(
+        self,
+        chosen: dict[str, Policy],
+        trial: Diagnosis,
+        scale: float,
+        tolerance: float,
+        log: list[str],
+    ) -> tuple[dict[str, Policy], Diagnosis]:
+        """`chosen` without each fix (latest first) the run passes without; the last
+        passing trial. Each drop is logged."""
         for name in reversed(list(chosen)):
             fewer = {k: v for k, v in chosen.items() if k != name}
             without = self._trial(fewer, scale)
             if without.passes(tolerance):
                 chosen, trial = fewer, without
                 log.append(f"{name or '<root>'}: not needed after all, dropped")
-        changed = scale if scale != self.loss_scale else None
-        return Recommendation(self._map(chosen), trial, tuple(log), tolerance, changed)
+        return chosen, trial
 
     # -- printing ----------------------------------------------------------------------------
 
@@ -491,26 +509,7 @@ def diagnose(
     A slow or unsupported precision only warns: numerics can be studied anywhere, so keep
     the batch small.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"diagnose needs an nn.Module, got {type(model).__name__}")
-    lazy = [
-        name
-        for name, t in (*model.named_parameters(), *model.named_buffers())
-        if isinstance(t, nn.parameter.UninitializedTensorMixin)
-    ]
-    if lazy:
-        raise ValueError(
-            f"the model has uninitialized (lazy) parameters or buffers ({', '.join(lazy)}): run "
-            "it once on a batch (model(inputs)) to give them their shapes, then diagnose it"
-        )
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(
-            "loss_fn must be callable as loss_fn(outputs, target) (e.g. "
-            f"torch.nn.functional.cross_entropy), or None; got {type(loss_fn).__name__}"
-        )
-    if not isinstance(seed, Integral) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    seed = int(seed)  # torch's generators take no numpy integer
+    seed = _checked_arguments(model, loss_fn, seed)
     # a bad loss scale is refused before any run
     given = loss_scale.loss_scale if isinstance(loss_scale, LossScaler) else loss_scale
     given = _given_scale(given) if given is not None else None
@@ -532,6 +531,40 @@ def diagnose(
             f"the reference run ({ref_map.name}) already gives a non-finite loss "
             f"({ref.loss}): the problem is not the precision; check the data and the model"
         )
+    target, scale, recommended = _target_run(session, target_map, ref, given, loss_scale is None)
+    return Diagnosis(session, target_map, ref_map, ref, target, scale, recommended)
+
+
+def _checked_arguments(model: Any, loss_fn: Any, seed: Any) -> int:
+    """Refuse what `diagnose` cannot run (naming what it takes); the seed as an int."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"diagnose needs an nn.Module, got {type(model).__name__}")
+    lazy = [
+        name
+        for name, t in (*model.named_parameters(), *model.named_buffers())
+        if isinstance(t, nn.parameter.UninitializedTensorMixin)
+    ]
+    if lazy:
+        raise ValueError(
+            f"the model has uninitialized (lazy) parameters or buffers ({', '.join(lazy)}): run "
+            "it once on a batch (model(inputs)) to give them their shapes, then diagnose it"
+        )
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(
+            "loss_fn must be callable as loss_fn(outputs, target) (e.g. "
+            f"torch.nn.functional.cross_entropy), or None; got {type(loss_fn).__name__}"
+        )
+    if not isinstance(seed, Integral) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    return int(seed)  # torch's generators take no numpy integer
+
+
+def _target_run(
+    session: Session, target_map: PolicyMap, ref: Recording, given: float | None, dynamic: bool
+) -> tuple[Recording, float, float]:
+    """The target run at the `given` loss scale, or (None) where a dynamic scaler would
+    settle, run again lower when the loss's own dtype cannot hold that scale (`dynamic`: no
+    scale was given); the recording, its scale and the recommended scale."""
     narrow = range_dtype(target_map)
     recommended = loss_scale_for(grad_amax(ref), narrow) if target_map.needs_loss_scaling else 1.0
     if given is not None:
@@ -542,7 +575,7 @@ def diagnose(
     # a 16-bit loss's own gradient is the loss scale, so the scale must fit the loss's dtype
     held = largest_loss_scale(1.0, target.loss_dtype)
     recommended = min(recommended, held)
-    if loss_scale is None and scale > held:
+    if dynamic and scale > held:
         scale = held  # where a dynamic scaler backs off to after one overflow
         target = session.run(target_map, ref, scale)
-    return Diagnosis(session, target_map, ref_map, ref, target, scale, recommended)
+    return target, scale, recommended

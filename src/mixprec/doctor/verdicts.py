@@ -313,92 +313,123 @@ def module_reports(
         calls_of.setdefault(call.name, []).append(call)
     reports: dict[str, ModuleReport] = {}
     origins = Origins()
-
-    def rows(keys: list[Key]) -> Stats | None:
-        return combine([values[k] for k in dict.fromkeys(keys) if k in values])
-
-    def bad_grads(keys: list[Key]) -> int:
-        return sum(target.slots[k].grad_nonfinite for k in dict.fromkeys(keys))
-
     for order, (name, calls) in enumerate(calls_of.items()):
-        out_keys = [k for c in calls for k in c.outputs]
-        in_keys = [k for c in calls for k in c.inputs]
-        out, inp = rows(out_keys), rows(in_keys)
-        if not out:
-            continue
         own = [params[p] for p in target.params_of.get(name, []) if p in params]
-        nonzero = sum(p.nonzero for p in own)
+        report = _module_report(target, values, name, order, calls, own)
+        if report is None:
+            continue
         for c in calls:
-            c_out, c_in = rows(c.outputs), rows(c.inputs)
+            c_out, c_in = _rows(values, c.outputs), _rows(values, c.inputs)
             if c_out and c_out.nonfinite > 0 and not (c_in and c_in.nonfinite):
                 origins.forward.add(name)
-            if not bad_grads(c.outputs) and (bad_grads(c.inputs) or any(p.nonfinite for p in own)):
+            if not _bad_grads(target, c.outputs) and (
+                _bad_grads(target, c.inputs) or any(p.nonfinite for p in own)
+            ):
                 origins.backward.add(name)
-        reports[name] = ModuleReport(
-            name=name,
-            type=target.types.get(name, ""),
-            order=order,
-            dtype=dtype_name(lowest_float([target.slots[k].dtype for k in out_keys])),
-            calls=len(calls),
-            numel=int(out.numel),
-            amax=out.amax,
-            amin=out.amin,
-            overflow=_frac(out.overflow, out.numel),
-            underflow=_frac(out.underflow, out.nonzero),
-            flushed=_frac(out.flushed, out.nonzero),
-            nonfinite=int(out.nonfinite),
-            rel_error=out.rel_error,
-            sqnr_db=out.sqnr_db,
-            input_amax=inp.amax if inp else 0.0,
-            input_nonfinite=int(inp.nonfinite) if inp else 0,
-            input_rel_error=inp.rel_error if inp else 0.0,
-            input_underflow=_frac(inp.underflow, inp.nonzero) if inp else 0.0,
-            input_dtype=dtype_name(lowest_float([target.slots[k].dtype for k in in_keys])),
-            grad_nonfinite=bad_grads(out_keys),
-            input_grad_nonfinite=bad_grads(in_keys),
-            param_grad_amax=max((p.grad_amax for p in own), default=math.nan),
-            param_grad_underflow=sum(p.underflow * p.nonzero for p in own) / nonzero
-            if nonzero
-            else 0.0,
-            param_grad_flushed=sum(p.flushed * p.nonzero for p in own) / nonzero
-            if nonzero
-            else 0.0,
-            param_grad_nonfinite=sum(p.nonfinite for p in own),
-        )
-    # The backward's first non-finite gradient (hooks fire in dependency order), when it is
-    # no module's input gradient made from finite outputs: it arrived at a module's output.
-    bad = [slot for slot in target.slots.values() if slot.grad_nonfinite]
-    first = min(bad, key=lambda slot: slot.grad_order, default=None)
-    if first is not None and not any(
-        first.key in c.inputs and not bad_grads(c.outputs) for c in target.calls
-    ):
-        twin = first.twin.grad_amax if first.twin is not None else None
-        peak = float(twin) if twin is not None else math.nan
-        for c in target.calls:
-            if first.key in c.outputs and c.name in reports:
-                origins.arrival[c.name] = peak
+        reports[name] = report
+    _note_arrival(target, reports, origins)
     finite = math.isfinite(target.loss) and not any(p.nonfinite for p in params.values())
     if not finite and "" not in reports:
-        reports[""] = ModuleReport(
-            name="",
-            type=target.types.get("", ""),
-            order=len(reports),
-            dtype=dtype_name(lowest_float(list(target.param_limits.values()))),
-            calls=0,
-            numel=0,
-            amax=math.nan,
-            amin=math.nan,
-            overflow=0.0,
-            underflow=0.0,
-            flushed=0.0,
-            nonfinite=0,
-            rel_error=math.nan,
-            sqnr_db=math.nan,
-            input_amax=math.nan,
-            input_nonfinite=0,
-            input_rel_error=math.nan,
-        )
+        reports[""] = _root_report(target, order=len(reports))
     return reports, origins
+
+
+def _rows(values: dict[Key, Stats], keys: list[Key]) -> Stats | None:
+    """The statistics of `keys` (each once) combined; None: none was recorded."""
+    return combine([values[k] for k in dict.fromkeys(keys) if k in values])
+
+
+def _bad_grads(target: Recording, keys: list[Key]) -> int:
+    """Non-finite gradient elements of the tensors `keys` (each once)."""
+    return sum(target.slots[k].grad_nonfinite for k in dict.fromkeys(keys))
+
+
+def _module_report(
+    target: Recording,
+    values: dict[Key, Stats],
+    name: str,
+    order: int,
+    calls: list[Any],
+    own: list[ParamReport],
+) -> ModuleReport | None:
+    """The report of module `name` over its `calls` (`own`: its parameters' reports);
+    None when none of its outputs was recorded."""
+    out_keys = [k for c in calls for k in c.outputs]
+    in_keys = [k for c in calls for k in c.inputs]
+    out, inp = _rows(values, out_keys), _rows(values, in_keys)
+    if not out:
+        return None
+    nonzero = sum(p.nonzero for p in own)
+    return ModuleReport(
+        name=name,
+        type=target.types.get(name, ""),
+        order=order,
+        dtype=dtype_name(lowest_float([target.slots[k].dtype for k in out_keys])),
+        calls=len(calls),
+        numel=int(out.numel),
+        amax=out.amax,
+        amin=out.amin,
+        overflow=_frac(out.overflow, out.numel),
+        underflow=_frac(out.underflow, out.nonzero),
+        flushed=_frac(out.flushed, out.nonzero),
+        nonfinite=int(out.nonfinite),
+        rel_error=out.rel_error,
+        sqnr_db=out.sqnr_db,
+        input_amax=inp.amax if inp else 0.0,
+        input_nonfinite=int(inp.nonfinite) if inp else 0,
+        input_rel_error=inp.rel_error if inp else 0.0,
+        input_underflow=_frac(inp.underflow, inp.nonzero) if inp else 0.0,
+        input_dtype=dtype_name(lowest_float([target.slots[k].dtype for k in in_keys])),
+        grad_nonfinite=_bad_grads(target, out_keys),
+        input_grad_nonfinite=_bad_grads(target, in_keys),
+        param_grad_amax=max((p.grad_amax for p in own), default=math.nan),
+        param_grad_underflow=sum(p.underflow * p.nonzero for p in own) / nonzero
+        if nonzero
+        else 0.0,
+        param_grad_flushed=sum(p.flushed * p.nonzero for p in own) / nonzero if nonzero else 0.0,
+        param_grad_nonfinite=sum(p.nonfinite for p in own),
+    )
+
+
+def _note_arrival(target: Recording, reports: dict[str, ModuleReport], origins: Origins) -> None:
+    """The backward's first non-finite gradient (hooks fire in dependency order), when it is
+    no module's input gradient made from finite outputs: it arrived at a module's output,
+    noted in ``origins.arrival`` with the reference's gradient peak there."""
+    bad = [slot for slot in target.slots.values() if slot.grad_nonfinite]
+    first = min(bad, key=lambda slot: slot.grad_order, default=None)
+    if first is None or any(
+        first.key in c.inputs and not _bad_grads(target, c.outputs) for c in target.calls
+    ):
+        return
+    twin = first.twin.grad_amax if first.twin is not None else None
+    peak = float(twin) if twin is not None else math.nan
+    for c in target.calls:
+        if first.key in c.outputs and c.name in reports:
+            origins.arrival[c.name] = peak
+
+
+def _root_report(target: Recording, order: int) -> ModuleReport:
+    """The root's report (""), where a non-finite loss or gradient no module explains is
+    reported."""
+    return ModuleReport(
+        name="",
+        type=target.types.get("", ""),
+        order=order,
+        dtype=dtype_name(lowest_float(list(target.param_limits.values()))),
+        calls=0,
+        numel=0,
+        amax=math.nan,
+        amin=math.nan,
+        overflow=0.0,
+        underflow=0.0,
+        flushed=0.0,
+        nonfinite=0,
+        rel_error=math.nan,
+        sqnr_db=math.nan,
+        input_amax=math.nan,
+        input_nonfinite=0,
+        input_rel_error=math.nan,
+    )
 
 
 def vanishing_by_module(

@@ -4,14 +4,17 @@ bytes with a common divisor, `solver`), verified by running the plan; the `Searc
 holds the plan as a policy (``report.policy``; ``save`` writes it as the doctor's
 ``policy.json``).
 
-Modules: `units` (the layers searched, the formats, bytes), `sensitivity` (damage and time
-of each layer in each format), `solver` (the budgeted assignment), `measure` (plans run:
-loss, bytes, time, a training run), `report`, `searching` (`search` itself).
+Modules: `budget` (`Budget`), `units` (the layers searched, the formats, bytes),
+`sensitivity` (damage and time of each layer in each format), `solver` (the budgeted
+assignment), `measure` (plans run: loss, bytes, time, a training run), `report`, `inputs`
+(the arguments checked), `scoring` (candidates built, scored, timed), `verify` (solve, verify,
+retry, keep), `searching` (`search` itself, the phases in order).
 """
 
 from __future__ import annotations
 
+from mixprec.plan.budget import Budget, BudgetError
 from mixprec.plan.report import SearchReport
-from mixprec.plan.searching import Budget, BudgetError, search
+from mixprec.plan.searching import search
 
 __all__ = ["Budget", "BudgetError", "SearchReport", "search"]

@@ -9,14 +9,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from mixprec.plan.budget import Budget
+from mixprec.plan.measure import Measured, Trained
 from mixprec.plan.units import Unit, describe_bytes
-
-if TYPE_CHECKING:
-    from mixprec.plan.measure import Measured, Trained
-    from mixprec.plan.searching import Budget
-    from mixprec.policy_map import PolicyMap
+from mixprec.policy_map import PolicyMap
 
 __all__ = [
     "REPORT_FILES",

@@ -12,7 +12,7 @@ converted to a format) is then run on the same inputs alone, and its output erro
   rows (a row's own gradient is ``M g_t``), non-negative, as the Fisher-weighted error of
   HAWQ-style and auto-quantize methods. Rows, not sequences: a batch of 16 sequences gives
   an empirical Fisher of rank 16, blind to almost every direction a quantization error
-  takes (measured on the char LM: 25x below the loss change; per token, within a few x).
+  takes, and far below the loss change it predicts (docs/doctor.md gives the figures).
 
 The damage the solver minimises is the Fisher term (averaged over batches): the
 first-order term of a trained model is noise whose sign the next batch does not keep. The

@@ -10,8 +10,8 @@ often are) the step is ``1/resolution`` of the budget and every cost is rounded 
 whole steps: a plan it returns still always fits the true budget (to a hair of float
 noise, 1e-9 of a step, forgiven in costs and budgets alike), and it is the least
 damaging of the plans whose rounded costs fit, so at most ``units/resolution`` of the budget
-is given away at its edge (under 0.01% for 50 layers under one budget; with two budgets the
-resolution is 1000 per budget, so up to 5% of each for 50 layers). Among plans of equal
+is given away at its edge (`RESOLUTION_ONE` under one budget; `RESOLUTION_TWO` per budget
+under two, a coarser grid, so more is given away). Among plans of equal
 damage it returns the cheapest (first budget, then second). `brute_force` is the check on
 small cases (tests compare the two).
 """

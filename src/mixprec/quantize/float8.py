@@ -1,4 +1,4 @@
-"""Float8 training for Linear layers: e4m3 forward tensors, e5m2 output gradients (issue 12).
+"""Float8 training for Linear layers: e4m3 forward tensors, e5m2 output gradients.
 
 `Float8Linear` quantizes a Linear's input and weight to float8 before its matmul, and the
 output gradient before the two backward matmuls, each with a scale that puts the tensor's

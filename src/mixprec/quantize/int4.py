@@ -127,7 +127,7 @@ def kernel_for(device: torch.device, size: int) -> tuple[str, str | None]:
     if device.type == "cpu":
         capability = torch.backends.cpu.get_cpu_capability()
         # ATen's int4 kernel is vectorised for AVX2/AVX-512 and Arm NEON; a plain build's
-        # scalar loop is ~100x slower than a float32 matmul
+        # scalar loop is far slower than a float32 matmul
         if capability in ("AVX2", "AVX512") or platform.machine().lower() in ("aarch64", "arm64"):
             return "aten._weight_int4pack_mm_for_cpu", None
         return dequant, f"ATen CPU capability {capability}: no vectorised int4 kernel"

@@ -126,7 +126,7 @@ def describe(policy: QuantizedPolicy) -> str:
 
 def check_same_options(path: str, layer: nn.Module, policy: QuantizedPolicy) -> None:
     """Raise ValueError if the already quantized `layer` (in `policy`'s mode) was quantized
-    with other options than `policy` asks for: it used to stay as it was, silently."""
+    with other options than `policy` asks for, rather than leave it as it is, silently."""
     if policy.mode == "int4":
         have = QuantizedPolicy("int4", "float32", group_size=layer.group_size)
         undo = "mixprec.quantize.dequantize(model)"

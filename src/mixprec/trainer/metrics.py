@@ -38,8 +38,8 @@ def _scalar(name: str, value: Tensor | float) -> Tensor:
                 f"{tuple(value.shape)}; reduce it first (e.g. .mean())"
             )
         # sums are kept in float64 (float32 on MPS, which has no float64): a bfloat16 loss
-        # summed in its own dtype over 40 batches is off by up to 1% (a sum of 100 has
-        # bfloat16 steps of 0.5)
+        # summed in its own dtype drifts, each batch's loss rounded to the ever wider
+        # bfloat16 steps of the growing sum
         wide = torch.float32 if value.device.type == "mps" else torch.float64
         return value.detach().reshape(()).to(wide)
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -1,0 +1,391 @@
+"""`Compensator`: steps a torch AdamW, Adam or SGD with compensated updates of its 16-bit
+parameters, from the optimizer's own groups and state, inside its step hooks. Parameters are
+gathered into kernel calls (large ones alone and in place, small ones from one packed copy),
+each call run compiled or eagerly (`mixprec.compensated.kernels`)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from mixprec.compensated.kernels import KERNELS, call_key, can_compile, compiled_step, on_memory
+from mixprec.compensated.rules import COMPENSATED_DTYPES, check_compensation, check_optimizer
+
+__all__ = [
+    "CALL_MAX",
+    "COMPILE_MIN_ELEMENTS",
+    "EAGER_CHUNK",
+    "EAGER_CHUNK_ACCELERATOR",
+    "SMALL",
+    "Compensator",
+]
+
+# compile=None compiles a step covering at least this many 16-bit elements (the first
+# step's compile, seconds, then pays back within a few hundred steps)
+COMPILE_MIN_ELEMENTS = 1 << 18
+# parameters with fewer elements (or not contiguous) are stepped together from one packed
+# copy: one kernel call for all of them instead of one each
+SMALL = 1 << 16
+# elements per kernel call (element indices stay int32); a larger tensor takes several
+# calls, each with its own key
+CALL_MAX = 1 << 30
+# elements per slice on the eager path: on a CPU its float32 temporaries stay cache-sized; on
+# an accelerator slices are large, so that the ~40 kernel launches per slice are few
+EAGER_CHUNK = 1 << 16
+EAGER_CHUNK_ACCELERATOR = 1 << 22
+
+
+class _Call:
+    """One kernel call's worth of parameters: their tensors (one list per parameter, the
+    same structure for all), the scalars and where the random key comes from."""
+
+    def __init__(
+        self,
+        algorithm: str,
+        kind: str | None,
+        scalars: list[float],
+        step: int,
+        decay: str | None,
+        packed: bool,
+        pairs: bool,
+    ):
+        self.algorithm = algorithm
+        # bfloat16 tensors stepped as int32 pairs (``_Lanes``): a compensated step whose
+        # tensors are all bfloat16
+        self.pairs = pairs
+        # the weight decay's form: None, "decoupled" or "l2" (separate builds: each skips
+        # the terms of the others, so a weight without decay steps as torch steps it)
+        self.decay = decay
+        self.packed = packed  # stepped from one packed copy (else one large tensor in place)
+        self.kind = kind
+        self.scalars = scalars
+        self.step = step
+        self.rows: list[tuple[int, list[torch.Tensor | None]]] = []  # (parameter index, tensors)
+        self.numel = 0
+
+
+class Compensator:
+    """Steps a torch AdamW/Adam/SGD with compensated updates of its 16-bit parameters.
+
+    Args:
+        kind: ``"kahan"`` or ``"stochastic"``.
+        seed: seeds the stochastic rounding; None draws one from torch's global generator
+            (so ``torch.manual_seed`` makes a run reproducible). The rounding of a step
+            depends on the seed and the optimizer's step counts only, and the seed is in
+            ``state_dict``: a resumed run is bit-identical.
+        compile: ``None`` compiles the step with torch.compile when it covers
+            ``COMPILE_MIN_ELEMENTS`` or more 16-bit elements on a device that can build
+            (a Linux CPU with a C++ compiler, CUDA with Triton); ``True`` compiles every
+            call of two or more elements; ``False`` runs the same math eagerly. The results
+            are the same on a CPU (`mixprec.compensated.kernels`).
+    """
+
+    def __init__(self, kind: str, seed: int | None = None, compile: bool | None = None) -> None:
+        if check_compensation(kind) is None:
+            raise ValueError("a Compensator needs compensation='kahan' or 'stochastic'")
+        if compile is not None and not isinstance(compile, bool):
+            raise TypeError(f"compile must be None, True or False, got {compile!r}")
+        self.kind = kind
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        self.seed = seed
+        self.compile = compile
+        self._compile_failed: str | None = None
+
+    check_optimizer = staticmethod(check_optimizer)
+
+    @torch.compiler.disable
+    def step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None
+    ) -> Any:
+        """One step of ``optimizer``'s algorithm on every parameter with a gradient (outside
+        any enclosing torch.compile: it compiles its own kernels), in place of
+        ``optimizer.step(closure)``: the optimizer's step pre- and post-hooks and torch's
+        global ones run around it as around torch's step (pre-hooks may replace the
+        arguments), and ``closure``, if given, is called once with gradients enabled before
+        the update; its loss is returned (None without one)."""
+        self.check_optimizer(optimizer)
+        hooked = torch.optim.Optimizer.profile_hook_step(self._step)
+        return hooked(optimizer) if closure is None else hooked(optimizer, closure)
+
+    def _step(
+        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None
+    ) -> Any:
+        """The step inside torch's hooks (arguments as torch's ``step`` takes them)."""
+        self.check_optimizer(optimizer)  # a pre-hook may have changed the groups
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._update(optimizer)
+        return loss
+
+    def _update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Update every parameter with a gradient (under no_grad)."""
+        calls: dict[tuple, _Call] = {}
+        index = 0  # each parameter's position in the optimizer: part of its random key
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params, start=index):
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise ValueError("compensated updates do not support sparse gradients")
+                if isinstance(optimizer, torch.optim.Adam):
+                    self._add_adam(calls, optimizer, group, i, p)
+                else:
+                    self._add_sgd(calls, optimizer, group, i, p)
+            index += len(params)
+        compensated = sum(call.numel for call in calls.values() if call.kind)
+        scalars: dict[tuple, torch.Tensor] = {}
+        # the largest first: a compiled step's first call sets its threading by its size
+        for call in sorted(calls.values(), key=lambda call: -call.numel):
+            self._run(call, compensated, scalars)
+        # lr schedulers check that the optimizer stepped before them
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+
+    def _kind(self, p: torch.Tensor) -> str | None:
+        return self.kind if p.dtype in COMPENSATED_DTYPES else None
+
+    def _add_adam(
+        self, calls: dict, optimizer: Any, group: dict, index: int, p: torch.Tensor
+    ) -> None:
+        state = optimizer.state[p]
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        kind = self._kind(p)
+        buffer = self._buffer(state, p) if kind == "kahan" else None
+        state["step"] += 1
+        # torch's Adam counts each parameter's own steps: one that had no gradient for a
+        # while is behind the others and has its own bias correction
+        step = int(state["step"].item())
+        lr, (beta1, beta2) = float(group["lr"]), group["betas"]
+        wd = group["weight_decay"]
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
+            "decoupled_weight_decay", False
+        )
+        sign = -1.0 if group.get("maximize") else 1.0
+        scalars = [
+            beta1,
+            (1 - beta1) * sign,
+            beta2,
+            1 - beta2,
+            1 / math.sqrt(1 - beta2**step),
+            group["eps"],
+            -lr / (1 - beta1**step),
+        ]
+        decay = None
+        if wd:
+            decay = "decoupled" if decoupled else "l2"
+            scalars.append(-lr * wd if decoupled else wd * sign)
+        row = [p, p.grad, state["exp_avg"], state["exp_avg_sq"], buffer]
+        self._add(calls, "adam", kind, scalars, step, index, row, decay)
+
+    def _add_sgd(
+        self, calls: dict, optimizer: Any, group: dict, index: int, p: torch.Tensor
+    ) -> None:
+        state = optimizer.state[p]
+        state.setdefault("step", torch.tensor(0.0))
+        state["step"] += 1
+        kind = self._kind(p)
+        buffer = self._buffer(state, p) if kind == "kahan" else None
+        momentum, dampening = group["momentum"], group["dampening"]
+        first = bool(momentum) and state.get("momentum_buffer") is None
+        if first:  # torch starts the buffer at the gradient: 0 * 0 + 1 * gradient
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        nesterov = group["nesterov"]
+        scalars = [
+            -1.0 if group.get("maximize") else 1.0,
+            0.0 if first else momentum,
+            1.0 if first else 1 - dampening,
+            1.0 if nesterov else 0.0,
+            momentum if nesterov else 1.0,
+            -float(group["lr"]),
+        ]
+        decay = None
+        if group["weight_decay"]:
+            decay = "l2"
+            scalars.append(group["weight_decay"])
+        row = [p, p.grad, state["momentum_buffer"] if momentum else None, buffer]
+        self._add(calls, "sgd", kind, scalars, int(state["step"].item()), index, row, decay)
+
+    @staticmethod
+    def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
+        if "compensation" not in state:
+            state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["compensation"]
+
+    @staticmethod
+    def _add(
+        calls: dict,
+        algorithm: str,
+        kind: str | None,
+        scalars: list[float],
+        step: int,
+        index: int,
+        row: list[torch.Tensor | None],
+        decay: str | None,
+    ) -> None:
+        """File the parameter's ``row`` under a call: alone if large and contiguous (and,
+        stepped as bfloat16 pairs, of an even size from an even offset), else with the
+        small ones of the same group, step, device and dtypes."""
+        if kind != "kahan":
+            row = row[:-1]  # no Kahan buffer
+        # a complex tensor steps as its real and imaginary parts, as torch's Adam and SGD
+        # step it (read as real, its imaginary part was dropped)
+        row = [t if t is None or not t.is_complex() else torch.view_as_real(t) for t in row]
+        pairs = kind is not None and all(t is None or t.dtype == torch.bfloat16 for t in row)
+        alone = row[0].numel() >= SMALL and all(
+            t is None or (t.is_contiguous() and not (pairs and t.storage_offset() % 2)) for t in row
+        )
+        alone = alone and not (pairs and row[0].numel() % 2)
+        layout = tuple(None if t is None else t.dtype for t in row)
+        key = (index if alone else None, algorithm, kind, step, tuple(scalars), layout)
+        key += (str(row[0].device),)
+        if key not in calls:
+            calls[key] = _Call(algorithm, kind, scalars, step, decay, not alone, pairs)
+        calls[key].rows.append((index, row))
+        calls[key].numel += row[0].numel()  # type: ignore[union-attr]
+
+    def _run(self, call: _Call, compensated: int, scalars: dict[tuple, torch.Tensor]) -> None:
+        """Step ``call``'s parameters: one packed copy for several, in place for one large.
+        ``scalars``: the scalar tensors made so far this step, shared by equal calls."""
+        rows = [tensors for _, tensors in call.rows]
+        p = rows[0][0]
+        assert p is not None
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        known = (tuple(call.scalars), dtype, p.device)
+        if known not in scalars:
+            scalars[known] = torch.tensor(call.scalars, dtype=dtype, device=p.device)
+        s = scalars[known]
+        width = 2 if call.pairs else 1  # elements per kernel element
+        if not call.packed:
+            flat = [
+                None if t is None else on_memory(t, 0, (t.numel() // width,), call.pairs)
+                for t in rows[0]
+            ]
+            self._kernel(call, flat, s, call.rows[0][0], compensated)
+            return
+        columns = list(zip(*rows, strict=True))
+        # (under no_grad: the parameters' copies track nothing; 1-D tensors need no view;
+        # pairs of an odd number of elements take one more, a zero, stepped and dropped)
+        odd = call.pairs and sum(t.numel() for t in columns[0]) % 2
+        packed = [
+            None
+            if col[0] is None
+            else torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in col] +
+                           ([col[0].new_zeros(1)] if odd else []))
+            for col in columns
+        ]  # fmt: skip
+        self._kernel(
+            call,
+            [None if t is None else on_memory(t, 0, (t.numel() // width,), call.pairs)
+             for t in packed],
+            s,
+            call.rows[0][0],
+            compensated,
+        )  # fmt: skip
+        sizes = [t.numel() for t in columns[0]]
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for j, (col, flat) in enumerate(zip(columns, packed, strict=True)):
+            if j == 1 or flat is None:  # the gradient is only read
+                continue
+            dst += col
+            src += [
+                piece if t.dim() == 1 else piece.view(t.shape)
+                for piece, t in zip(flat[: sum(sizes)].split(sizes), col, strict=True)
+            ]
+        torch._foreach_copy_(dst, src)
+
+    def _kernel(
+        self,
+        call: _Call,
+        flat: list[torch.Tensor | None],
+        scalars: torch.Tensor,
+        index: int,
+        compensated: int,
+    ) -> None:
+        """Run the step of ``call`` on its flat tensors (int32 for bfloat16 pairs), in
+        parts of at most ``CALL_MAX`` elements, each keyed by (seed, step, parameter index,
+        part): compiled, one call per part; eagerly, in slices of at most ``EAGER_CHUNK``
+        elements on a CPU, of ``EAGER_CHUNK_ACCELERATOR`` elsewhere."""
+        p = flat[0]
+        assert p is not None
+        compiled = call.kind is not None and self._compiles(p.device, compensated)
+        kernel = KERNELS[call.algorithm, call.kind]
+        width = 2 if call.pairs else 1  # elements per kernel element
+        most = CALL_MAX // width
+        eager_scalars: list[float] | None = None  # the same values as Python floats
+        for part, begin in enumerate(range(0, p.numel(), most)):
+            n = min(most, p.numel() - begin)
+            piece = flat
+            if p.numel() > most:
+                piece = [None if t is None else on_memory(t, begin, (n,)) for t in flat]
+            key = call_key(self.seed, call.step, index, part)
+            if compiled and n >= 2:
+                key_tensor = torch.tensor(key, dtype=torch.int32, device=p.device)
+                if self._compiled_call(call, piece, scalars, key_tensor):
+                    continue
+            if eager_scalars is None:
+                eager_scalars = scalars.tolist()
+            size = (EAGER_CHUNK if p.device.type == "cpu" else EAGER_CHUNK_ACCELERATOR) // width
+            for start in range(0, n, size):
+                chunk = [None if t is None else t[start : start + size] for t in piece]
+                kernel(*chunk, eager_scalars, key, call.decay, start * width)
+
+    def _compiles(self, device: torch.device, compensated: int) -> bool:
+        if self._compile_failed is not None:
+            return False
+        if self.compile is None:
+            return compensated >= COMPILE_MIN_ELEMENTS and can_compile(device.type)
+        return self.compile
+
+    def _compiled_call(
+        self,
+        call: _Call,
+        tensors: list[torch.Tensor | None],
+        scalars: torch.Tensor,
+        key: torch.Tensor,
+    ) -> bool:
+        """Run the compiled step; False (with one warning, and eager steps from then on) if
+        ``compile=None`` chose to compile and the build failed before anything ran."""
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        try:
+            compiled_step(call.algorithm, call.kind)(*tensors, scalars, key, call.decay)
+        except BackendCompilerFailed as error:
+            if self.compile is not None:
+                raise
+            self._compile_failed = str(error).splitlines()[0]
+            warnings.warn(
+                f"the compensated step could not be compiled ({self._compile_failed}); it "
+                f"runs eagerly from now on: the same results, slower. Compensator(..., "
+                f"compile=False) skips the attempt",
+                stacklevel=4,
+            )
+            return False
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The kind and the seed (the rounding's only state besides the step counts, which
+        the optimizer's state holds)."""
+        return {"kind": self.kind, "seed": self.seed}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict``; the kind must match (a run changes it by starting anew).
+        Other keys (random-generator states, which some saved states hold) are ignored: the
+        rounding draws from no generator."""
+        if state.get("kind") != self.kind:
+            raise ValueError(
+                f"the checkpoint was trained with compensation {state.get('kind')!r}, this "
+                f"optimizer uses {self.kind!r}"
+            )
+        self.seed = int(state["seed"])

@@ -1,0 +1,287 @@
+"""A search's later phases: the assignment of least damage within the budget solved
+(`solve`), written as a plan and run beside the baseline, float32 and every uniform plan
+(`verify`); a plan that misses the tolerance has its layers' damages replaced by what each
+one alone measures, when larger, and is solved again. The lowest measured loss that fits is
+kept (`keep`), a uniform plan's included."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+
+from mixprec.plan import solver
+from mixprec.plan.budget import Budget, BudgetError
+from mixprec.plan.inputs import SearchInputs, check_finite
+from mixprec.plan.measure import Measured, convert, eval_loss, measure_plans
+from mixprec.plan.report import Attempt, UnitRow, costs_of, formats_of, within
+from mixprec.plan.units import Unit
+from mixprec.policy import Policy
+from mixprec.policy_map import PolicyMap
+from mixprec.precision import Precision
+
+__all__ = ["Verified", "keep", "limits_of", "verify"]
+
+
+@dataclass
+class Verified:
+    """Every attempt and measured plan of a search; ``plans["plan"]`` and
+    ``measured["plan"]`` are the kept plan once `keep` has run."""
+
+    plans: dict[str, PolicyMap]
+    measured: dict[str, Measured] = field(default_factory=dict)
+    attempts: list[Attempt] = field(default_factory=list)
+    # (layer, format) -> its damage measured alone, where larger than predicted
+    measured_damage: dict[tuple[int, str], float] = field(default_factory=dict)
+    best: Attempt | None = None  # the solved plan of lowest measured loss
+    winner: str | None = None  # the uniform plan returned instead of it, if one
+
+
+def limits_of(budget: Budget, base_costs: dict[str, float]) -> dict[str, float]:
+    """Each budgeted kind's limit in bytes or seconds."""
+    return {k: getattr(budget, k) * base_costs[k] for k in budget.kinds}
+
+
+def verify(
+    s: SearchInputs, rows: list[UnitRow], base_costs: dict[str, float], phases: dict[str, float]
+) -> Verified:
+    """Solve, run the plan (and, the first time, every other plan), and retry with measured
+    damages while the plan misses the tolerance; the lowest measured solved plan is left as
+    ``plans["plan"]``. Adds seconds to ``phases["solve"]`` and ``phases["verify"]``."""
+    limits = list(limits_of(s.budget, base_costs).values())
+    v = Verified(plans=_uniform_plans(s, rows))
+    tried: dict[tuple[str, ...], int] = {}  # plan -> its attempt
+    best: tuple[Attempt, Measured, PolicyMap] | None = None
+    clock = time.perf_counter()
+    for attempt in range(s.retries + 1):
+        chosen = _solve(s, rows, v.measured_damage, limits, base_costs, phases)
+        if chosen in tried:
+            v.attempts[-1].note = (
+                f"solved again with the measured damages: the same plan as attempt "
+                f"{tried[chosen] + 1}; stopped"
+            )
+            break
+        tried[chosen] = attempt
+        v.plans["plan"] = _plan_map(s.base, s.units, list(chosen))
+        # the first attempt measures every plan, a retry the new plan beside the baseline
+        todo = v.plans if not v.measured else {k: v.plans[k] for k in ("plan", "baseline")}
+        # uniform plans are timed only when time is budgeted (each is a whole model)
+        timed = set(todo) if s.budget.speed is not None else {"plan", "baseline", "float32"}
+        v.measured.update(_measure(s, todo, timed & set(todo)))
+        check_finite(v.measured["float32"].loss, "eval_batches" if s.held_out else "batches")
+        plan_loss, base_loss = v.measured["plan"].loss, v.measured["baseline"].loss
+        gap = (plan_loss - base_loss) / max(abs(base_loss), 1e-12)
+        predicted = sum(
+            r.options[c].damage + r.options[c].taylor for r, c in zip(rows, chosen, strict=True)
+        )
+        v.attempts.append(
+            Attempt(chosen=list(chosen), loss=plan_loss, gap=gap, predicted=predicted)
+        )
+        if best is None or plan_loss < best[0].loss:
+            best = (v.attempts[-1], v.measured["plan"], v.plans["plan"])
+        if gap <= s.tolerance or attempt == s.retries:
+            break
+        found = _measure_alone(s, rows, chosen, v)
+        v.attempts[-1].note = f"missed; {found} layer(s) measured alone hurt more than predicted"
+        if not found:
+            v.attempts[-1].note += ": nothing to re-solve with; stopped"
+            break
+    phases["verify"] += time.perf_counter() - clock - phases["solve"]
+    assert best is not None
+    v.best, v.measured["plan"], v.plans["plan"] = best
+    return v
+
+
+def keep(
+    s: SearchInputs,
+    rows: list[UnitRow],
+    v: Verified,
+    limits: dict[str, float],
+    phases: dict[str, float],
+) -> None:
+    """The plan returned: the kept solved one, or a measured uniform plan that fits with a
+    lower loss (`v.winner`, measured again beside the baseline when it was not timed); each
+    row's chosen format and measured damages written in."""
+    assert v.best is not None
+    chosen = tuple(v.best.chosen)
+    won = _uniform_winner(v.measured, rows, s.base.name, s.names, limits)
+    if won is None:
+        v.best.kept = True
+    else:
+        v.winner, formats_won = won
+        v.plans["plan"], chosen = v.plans[v.winner], tuple(formats_won)
+        if v.measured[v.winner].seconds is None:  # uniform plans are timed under speed only
+            clock = time.perf_counter()
+            v.measured.update(
+                _measure(s, {k: v.plans[k] for k in ("plan", "baseline")}, {"plan", "baseline"})
+            )
+            phases["verify"] += time.perf_counter() - clock
+        else:
+            v.measured["plan"] = v.measured[v.winner]
+    for u, r in enumerate(rows):
+        r.chosen = chosen[u]
+        for (w, fmt), value in v.measured_damage.items():
+            if w == u:
+                r.options[fmt].measured_damage = value
+
+
+def _uniform_plans(s: SearchInputs, rows: list[UnitRow]) -> dict[str, PolicyMap]:
+    """float32, the baseline, and each format everywhere it applies (the baseline
+    elsewhere): the plans a solved one is measured beside."""
+    plans: dict[str, PolicyMap] = {
+        "float32": PolicyMap("32-true"),
+        "baseline": PolicyMap(s.base),
+    }
+    for name in s.names:
+        # the baseline is measured; float32 everywhere is the float32 row, norms aside; a
+        # format no layer can take would only repeat the baseline
+        if name not in (s.base.name, "32-true") and any(name in r.options for r in rows):
+            plans[f"all {name}"] = _plan_map(
+                s.base, s.units, [name if name in r.options else s.base.name for r in rows]
+            )
+    return plans
+
+
+def _solve(
+    s: SearchInputs,
+    rows: list[UnitRow],
+    measured_damage: dict[tuple[int, str], float],
+    limits: list[float],
+    base_costs: dict[str, float],
+    phases: dict[str, float],
+) -> tuple[str, ...]:
+    """The format of each layer of least total damage within `limits` (measured damages
+    where there are, predicted ones elsewhere); `BudgetError` when none fits."""
+    names = s.names
+    damages = [
+        [
+            measured_damage.get((u, n), r.options[n].damage) if n in r.options else math.inf
+            for n in names
+        ]
+        for u, r in enumerate(rows)
+    ]
+    costs = [
+        [
+            [
+                (r.options[n].bytes if k == "memory" else r.options[n].seconds)
+                if n in r.options
+                else math.inf
+                for n in names
+            ]
+            for r in rows
+        ]
+        for k in s.budget.kinds
+    ]
+    solving = time.perf_counter()
+    picked = solver.solve(damages, costs, limits)
+    phases["solve"] += time.perf_counter() - solving
+    if picked is None:
+        raise BudgetError(_too_small(s.budget, rows, names, base_costs))
+    return tuple(names[f] for f in picked)
+
+
+def _measure(s: SearchInputs, todo: dict[str, PolicyMap], timed: set[str]) -> dict[str, Measured]:
+    return measure_plans(
+        s.model,
+        todo,
+        s.units,
+        s.eval_batches,
+        s.loss_fn,
+        count=s.count,
+        training=s.training,
+        reps=s.reps,
+        device=s.device,
+        timed=timed,
+        seed=s.seed,
+    )
+
+
+def _measure_alone(
+    s: SearchInputs, rows: list[UnitRow], chosen: tuple[str, ...], v: Verified
+) -> int:
+    """The plan missed: what does each layer it moved cost the loss alone (measured on the
+    batches the miss was measured on)? Larger than predicted: the damage it takes, recorded
+    in ``v.measured_damage``. Returns how many were."""
+    found = 0
+    for u, (unit, fmt) in enumerate(zip(s.units, chosen, strict=True)):
+        if fmt in ("32-true", s.base.name) or (u, fmt) in v.measured_damage:
+            continue
+        alone = _alone_damage(s, unit, fmt, v.measured["float32"].loss)
+        if alone > rows[u].options[fmt].damage:
+            v.measured_damage[(u, fmt)] = alone
+            found += 1
+    return found
+
+
+def _alone_damage(s: SearchInputs, unit: Unit, fmt: str, float32_loss: float) -> float:
+    """The loss change of the float32 model with only `unit` in `fmt`, on the evaluation
+    batches (whose float32 loss is `float32_loss`)."""
+    rules = {re.escape(p): fmt for p in unit.paths + unit.aliases}
+    policy = PolicyMap("32-true", rules)
+    m = convert(s.model, policy)
+    precision = Precision(policy, device=s.device)
+    return (
+        eval_loss(m, precision, s.eval_batches, s.loss_fn, seed=s.seed, device=s.device)
+        - float32_loss
+    )
+
+
+def _plan_map(baseline: Policy, units: list[Unit], chosen: list[str]) -> PolicyMap:
+    rules = {}
+    for unit, fmt in zip(units, chosen, strict=True):
+        if fmt != baseline.name:
+            for path in unit.paths + unit.aliases:
+                rules[re.escape(path)] = fmt
+    return PolicyMap(baseline, rules)
+
+
+def _uniform_winner(
+    verified: dict[str, Measured],
+    rows: list[UnitRow],
+    baseline: str,
+    names: list[str],
+    limits: dict[str, float],
+) -> tuple[str, list[str]] | None:
+    """The measured plan other than the solved one (a uniform plan, the baseline, float32
+    when it is one of the formats) that fits the budget with the lowest loss, if that loss
+    is below the solved plan's: the damages the solver adds up are predictions, the losses
+    measured. Returned with the format of each layer in it."""
+    winner, lowest = None, verified["plan"].loss
+    for name, measured in verified.items():
+        formats = formats_of(name, rows, baseline, names) if name != "plan" else None
+        if formats is None or within(costs_of(measured, rows, formats), limits) is not True:
+            continue
+        if measured.loss < lowest:
+            winner, lowest = (name, formats), measured.loss
+    return winner
+
+
+def _too_small(
+    budget: Budget, rows: list[UnitRow], names: list[str], base_costs: dict[str, float]
+) -> str:
+    """Why no plan fits: the smallest fraction reachable for each budget on its own, and the
+    formats that reach it."""
+    parts, reachable = [], []
+    for k in budget.kinds:
+        key = "bytes" if k == "memory" else "seconds"
+        least, fmts = 0.0, set()
+        for r in rows:
+            lowest = min(getattr(o, key) for o in r.options.values())
+            least += lowest
+            fmts |= {n for n, o in r.options.items() if getattr(o, key) == lowest}
+        frac = least / base_costs[k]
+        reachable.append(frac <= getattr(budget, k))
+        parts.append(
+            f"{k} <= {getattr(budget, k):g}x the baseline: the smallest reachable is "
+            f"{math.ceil(frac * 1000) / 1000:g}x (each layer in its cheapest format: "
+            f"{', '.join(sorted(fmts))})"
+        )
+    both = " (each is reachable alone, not both together)" if all(reachable) else ""
+    return (
+        "no plan fits the budget "
+        + "; ".join(parts)
+        + both
+        + f". Formats tried: {', '.join(names)}; add cheaper ones with formats=[...] or "
+        "raise the budget"
+    )
