@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from mixprec.cli import main
 from mixprec.doctor import BROKEN, diagnose
-from mixprec.doctor.loss import is_hugging_face_model
+from mixprec.step import is_hugging_face_model
 
 transformers = pytest.importorskip("transformers")
 pl = pytest.importorskip("pytorch_lightning")

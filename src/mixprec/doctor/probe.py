@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -26,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.dtypes import format_info
+from mixprec.step import seeded  # step's; named here too for the search, which imports it here
 from mixprec.tree import iter_tensors
 
 __all__ = [
@@ -541,24 +541,3 @@ def measure_param_grads(
         if grad is None or twin is None:
             continue
         recording.comparisons.add(("param", name), grad, twin, limits[name], scale, flushed=True)
-
-
-@contextmanager
-def seeded(seed: int, device: torch.device) -> Iterator[None]:
-    """Run a block with the RNG of the CPU (and of `device` if it is a GPU) seeded to
-    `seed`, restoring their states afterwards."""
-    cpu_state = torch.get_rng_state()
-    gpu = None
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        gpu = torch.cuda.default_generators[index]
-    gpu_state = gpu.get_state() if gpu is not None else None
-    torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds every GPU
-    if gpu is not None:
-        gpu.manual_seed(seed)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu_state)
-        if gpu is not None:
-            gpu.set_state(gpu_state)
