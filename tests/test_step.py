@@ -455,3 +455,37 @@ def test_the_accelerate_door(workload, reference):
         accelerator.backward(loss)
         optimizer.step()
     assert_same(Door(loss.detach(), grads, weights(model)), reference)
+
+
+@pytest.mark.parametrize(
+    ("spec", "inside"), [("bf16-true", torch.bfloat16), ("bf16-mixed", torch.float32)]
+)
+def test_the_backward_context_sets_a_true_policys_compute_dtype_and_scales(spec, inside):
+    precision = mixprec.Precision(spec, scaler=8.0, allow_slow=True)
+    model = torch.nn.Linear(2, 1)
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters()))
+    loss = model(torch.ones(1, 2)).sum()
+    with precision.backward_context(loss) as scaled:
+        assert torch.get_default_dtype() == inside
+        assert torch.equal(scaled, loss * 8)
+    assert torch.get_default_dtype() == torch.float32
+    # a bare wrapper knows the policy from the model `apply` converted, and only from it
+    net = mixprec.apply(torch.nn.Linear(2, 1), spec, warn=False)
+    for given, expected in ((net, inside), (None, torch.float32)):
+        lso = LossScaleOptimizer(torch.optim.SGD(net.parameters()), scaler=4.0, model=given)
+        with lso.backward_context(loss) as scaled:
+            assert torch.get_default_dtype() == expected
+            assert torch.equal(scaled, loss * 4)
+
+
+def test_a_backward_after_the_unscale_is_refused_at_every_door():
+    precision = mixprec.Precision("16-mixed", allow_slow=True)
+    model = torch.nn.Linear(2, 1)
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters()))
+    precision.backward(model(torch.ones(1, 2)).sum())
+    precision.unscale_()
+    loss = model(torch.ones(1, 2)).sum()
+    for door in (precision, opt):
+        with pytest.raises(RuntimeError, match="backward\\(\\) after unscale_\\(\\)"):
+            with door.backward_context(loss):
+                pass
