@@ -234,7 +234,9 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         with self.backward_context(loss) as scaled:
             scaled.backward(**kwargs)
 
-    def backward_context(self, loss: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    def backward_context(
+        self, loss: torch.Tensor
+    ) -> contextlib.AbstractContextManager[torch.Tensor]:
         """`backward_context` for this optimizer alone, under the policy ``mixprec.apply``
         gave ``model`` (none without a model, or for a model it did not convert); yields
         the scaled loss, for a loop that calls the backward itself."""
@@ -523,12 +525,11 @@ def backward_context(
     """
     for opt in optimizers:
         opt.check_can_backward()
-    scaled = scaler.scale(loss)
     if policy is not None and not policy.is_mixed and needs_default_dtype(policy.compute_dtype):
         with default_dtype(policy.compute_dtype):
-            yield scaled
+            yield scaler.scale(loss)
     else:
-        yield scaled
+        yield scaler.scale(loss)
 
 
 def _sharded(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
