@@ -12,7 +12,7 @@ from nets import Overflow, overflow_model
 
 from mixprec.cli import main
 from mixprec.doctor import BROKEN, diagnose
-from mixprec.doctor.loss import is_hugging_face_model
+from mixprec.step import is_hugging_face_model
 
 transformers = pytest.importorskip("transformers")
 pl = pytest.importorskip("pytorch_lightning")

@@ -477,7 +477,7 @@ def test_accelerate_recipe_matches_a_hand_written_loop_bit_for_bit(clip):
         handle = inject(acc_model) if i == 1 else None
         acc_optimizer.zero_grad()
         loss = acc_model(**batch).loss
-        accelerator.backward(acc_precision.scaler.scale(loss))
+        accelerator.backward(loss)
         if clip == "precision":
             acc_precision.clip_grad_norm_(acc_model, 1.0)
         else:
@@ -513,7 +513,7 @@ def test_accelerate_recipe_in_bf16_mixed_trains_like_the_hand_written_loop():
             optimizer.zero_grad()
             loss = model(**batch).loss
             if use_accelerate:
-                accelerator.backward(precision.scaler.scale(loss))
+                accelerator.backward(loss)
             else:
                 precision.backward(loss)
             optimizer.step()

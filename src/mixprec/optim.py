@@ -2,7 +2,7 @@
 
 Wrap your optimizer (as in Keras)::
 
-    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters()))
+    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters()), model=model)
     for x, y in data:
         opt.zero_grad()
         opt.backward(loss_fn(model(x), y))   # scaled backward
@@ -30,53 +30,49 @@ refreshed from them after each taken step. This makes pure float16 training work
 Each step goes READY -> UNSCALED (``unscale_``) -> STEPPED (``OptState``); ``joint_step``
 drives it through public methods (``unscale_``, ``found_inf``, ``take_step``, ``end_step``).
 
-``state_dict`` keys the masters by the optimizer's parameter index (torch's own key for
-optimizer state) and records the parameters' names and shapes, so a load is validated up
-front and ``master_weights_by_name`` can hand the masters to a run in another precision;
-``load_state_dict_across_precisions`` restores an optimizer from such a checkpoint.
+The backward runs in `backward_context`, the one context every scaled backward in mixprec
+enters (``Precision.backward``, the Trainer, the integrations, ``opt.backward`` here): the
+loss scaled, and under a "true" policy the compute dtype as torch's default, as in the
+forward, so that an activation-checkpointed block recomputes what it computed there. Give
+the wrapper the converted model (``model=``) and ``opt.backward`` knows the policy.
+
+Saving and loading (``state_dict``, ``load_state_dict``,
+``load_state_dict_across_precisions``) live in `mixprec.optim_checkpoint`, the class's base.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import inspect
 import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
 from mixprec.compensated import COMPENSATED_DTYPES, Compensator, check_compensation
+from mixprec.convert import applied_policy, default_dtype, needs_default_dtype
 from mixprec.errors import PrecisionError
 from mixprec.masters import MASTER_DTYPES, MasterWeights, master_weights_by_name
+from mixprec.optim_checkpoint import OptimizerCheckpoint
+from mixprec.policy import Policy
 from mixprec.scaling import LossScaler, as_loss_scaler
 
 __all__ = [
     "LossScaleOptimizer",
     "OptState",
     "SkipAwareScheduler",
+    "backward_context",
     "check_sharded_masters",
     "joint_step",
     "master_weights_by_name",
     "scheduler_step",
 ]
-
-# per-parameter state buffers of torch's optimizers that have the parameter's shape
-_PARAM_SHAPED_STATE = (
-    "exp_avg",
-    "exp_avg_sq",
-    "max_exp_avg_sq",
-    "momentum_buffer",
-    "compensation",
-    "square_avg",
-    "sum",
-)
-
-# the keys of a LossScaleOptimizer.state_dict() that a load needs
-_STATE_KEYS = ("optimizer", "scaler", "master_weights", "param_shapes", "param_names")
 
 # optimizer -> (its latest wrapper, that wrapper's masters): a new wrapper of the same
 # optimizer takes the masters over and retires the old wrapper
@@ -93,7 +89,7 @@ class OptState(enum.Enum):
     STEPPED = "stepped"  # the step was taken or skipped; zero_grad or unscale_ starts anew
 
 
-class LossScaleOptimizer:
+class LossScaleOptimizer(OptimizerCheckpoint):
     """Wrap ``optimizer`` so that its step is loss-scaled and, if needed, uses master weights.
 
     Args:
@@ -111,8 +107,10 @@ class LossScaleOptimizer:
             unscaled in float16, where small values can flush to zero).
         model: the module the parameters belong to; its parameter names are saved in
             ``state_dict`` (``Precision.setup`` passes it), so that ``master_weights_by_name``
-            can restore the masters by name. Without it, the names an optimizer built from
-            ``model.named_parameters()`` keeps are used.
+            can restore the masters by name, and ``backward`` runs in the compute dtype of
+            the policy ``mixprec.apply`` converted it to (`backward_context`). Without it,
+            the names an optimizer built from ``model.named_parameters()`` keeps are used,
+            and the backward runs in torch's default dtype as it is.
         compensation: ``"kahan"`` or ``"stochastic"`` steps a torch AdamW, Adam or SGD with
             compensated updates of its bfloat16/float16 parameters instead of float32
             masters (``mixprec.compensated``); ``None`` (default) steps the optimizer as it
@@ -133,35 +131,8 @@ class LossScaleOptimizer:
         model: nn.Module | None = None,
         compensation: str | None = None,
     ) -> None:
-        if isinstance(optimizer, LossScaleOptimizer):
-            raise TypeError("this optimizer is already wrapped in a LossScaleOptimizer")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"LossScaleOptimizer wraps a torch.optim.Optimizer, got "
-                f"{type(optimizer).__name__}; build one from the model's parameters first, "
-                f"e.g. torch.optim.AdamW(model.parameters())"
-            )
-        if master_weights not in MASTER_DTYPES:
-            raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
-        if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        check_compensation(compensation)
-        self._compensator: Compensator | None = None
-        if compensation is not None:
-            if master_weights:
-                raise ValueError(
-                    "compensation and master_weights=True are two answers to one problem: "
-                    "float32 masters already keep small updates; choose one"
-                )
-            Compensator.check_optimizer(optimizer)
-            if not any(p.dtype in COMPENSATED_DTYPES for p in _trainable(optimizer)):
-                dtypes = sorted({str(p.dtype) for p in _trainable(optimizer)})
-                raise ValueError(
-                    f"compensation={compensation!r} is for bfloat16/float16 parameters, but "
-                    f"this optimizer's trainable parameters are {dtypes}: use a '*-true' "
-                    f"16-bit policy ('bf16-true'), or drop compensation"
-                )
-            self._compensator = Compensator(compensation)
+        _check_wrappable(optimizer, master_weights, model)
+        self._compensator = _compensator_for(optimizer, compensation, master_weights)
         _check_sharded_params(optimizer, _trainable(optimizer), master_weights, compensation)
         if compensation is not None:
             master_weights = False
@@ -171,13 +142,7 @@ class LossScaleOptimizer:
         self._master_weights = master_weights
         self._masters = MasterWeights(MASTER_DTYPES[master_weights])
         self._retired = False
-        previous = _WRAPPERS.get(optimizer)
-        if previous is not None:
-            old = previous[0]()
-            if old is not None:
-                old._retired = True
-            self._masters.take_over(previous[1])
-        _WRAPPERS[optimizer] = (weakref.ref(self), self._masters)
+        self._take_over_from_previous_wrapper()
         self._masters.add(optimizer)
         if compensation is None:
             _warn_uncompensated(optimizer, self._masters.dtypes)
@@ -196,6 +161,17 @@ class LossScaleOptimizer:
         first = next(iter(self._all_params()), None)
         if first is not None and self.scaler.device != first.device:
             self.scaler.to(first.device)
+
+    def _take_over_from_previous_wrapper(self) -> None:
+        """Become the optimizer's one live wrapper: an earlier wrapper of it is retired and
+        its masters are taken over."""
+        previous = _WRAPPERS.get(self.optimizer)
+        if previous is not None:
+            old = previous[0]()
+            if old is not None:
+                old._retired = True
+            self._masters.take_over(previous[1])
+        _WRAPPERS[self.optimizer] = (weakref.ref(self), self._masters)
 
     # -- passthrough ------------------------------------------------------------------------
 
@@ -229,11 +205,6 @@ class LossScaleOptimizer:
         """Model parameter -> its float32 master, for parameters that have one."""
         return self._masters.master_of
 
-    def model_param(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The model parameter a tensor of ``param_groups`` stands for (itself, unless it is
-        a master)."""
-        return self._masters.param_of.get(tensor, tensor)
-
     def add_param_group(self, group: dict[str, Any]) -> None:
         """Add a parameter group to the wrapped optimizer, with masters where needed.
 
@@ -257,9 +228,22 @@ class LossScaleOptimizer:
     # -- the step ---------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Backpropagate the scaled loss; ``kwargs`` go to ``Tensor.backward``."""
-        self.check_can_backward()
-        self.scaler.scale(loss).backward(**kwargs)
+        """Backpropagate the scaled loss in `backward_context` (the compute dtype of the
+        converted ``model``'s policy, when one was given); ``kwargs`` go to
+        ``Tensor.backward``."""
+        with self.backward_context(loss) as scaled:
+            scaled.backward(**kwargs)
+
+    def backward_context(
+        self, loss: torch.Tensor
+    ) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """`backward_context` for this optimizer alone, under the policy ``mixprec.apply``
+        gave ``model`` (none without a model, or for a model it did not convert); yields
+        the scaled loss, for a loop that calls the backward itself."""
+        policy = applied_policy(self.model) if self.model is not None else None
+        return backward_context(
+            loss, self.scaler, (self,), policy.default if policy is not None else None
+        )
 
     def check_can_backward(self) -> None:
         """Raise if this step's gradients were already unscaled: new scaled gradients added
@@ -397,100 +381,6 @@ class LossScaleOptimizer:
         self._found_inf = None
         self._grad_scale = None
 
-    # -- state ------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state (with Kahan buffers), the scaler's state, the float32 master
-        weights by parameter index, each parameter's shape and names (by index, as in the
-        optimizer's state), and the compensation's kind and random generator states."""
-        params = list(self._all_params())
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "master_weights": self._masters.by_index(params),
-            "param_shapes": [list(self.model_param(p).shape) for p in params],
-            "param_names": self._param_names(),
-            "compensation": (
-                self._compensator.state_dict() if self._compensator is not None else None
-            ),
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a ``state_dict``; the model's low-precision parameters are refreshed from
-        the restored masters, so the run continues exactly where it was saved.
-
-        A plain torch optimizer state (``optimizer.state_dict()``) is accepted too: it goes
-        to the wrapped optimizer, the masters are refreshed from the model's parameters and
-        the scaler is left as it is. Everything is checked before anything is changed. A
-        state saved under another precision goes to ``load_state_dict_across_precisions``.
-        """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
-        if "optimizer" not in state and {"state", "param_groups"} <= state.keys():
-            self._check_inner_state(state, None)
-            self.optimizer.load_state_dict(dict(state))
-            self._keep_saved_dtypes(state)
-            self._masters.refresh_from_model()
-            return
-        self._check_keys(state)
-        self._check_inner_state(state["optimizer"], state["param_shapes"])
-        masters = self._masters.check_saved(
-            state["master_weights"], list(self._all_params()), self._describe
-        )
-        compensation = state.get("compensation")
-        if self._compensator is not None and compensation is not None:
-            if compensation.get("kind") != self._compensator.kind:
-                raise ValueError(
-                    f"the checkpoint was trained with compensation {compensation.get('kind')!r}"
-                    f", this optimizer uses {self._compensator.kind!r}"
-                )
-        self.scaler.load_state_dict(state["scaler"])  # checks its state before changing it
-        self.optimizer.load_state_dict(state["optimizer"])
-        self._keep_saved_dtypes(state["optimizer"])
-        if self._compensator is not None and compensation is not None:
-            self._compensator.load_state_dict(compensation)
-        self._masters.load(masters)
-
-    def _keep_saved_dtypes(self, saved: Mapping[str, Any]) -> None:
-        """With compensation, put back the state tensors saved in another floating dtype
-        than their parameter's (float32 moments beside 16-bit weights), which torch's load
-        cast to the parameter's dtype: the compensated step keeps them in float32, so the
-        resumed run is the one that never stopped."""
-        if self._compensator is None:
-            return
-        index = [i for g in saved["param_groups"] for i in g["params"]]
-        for p, key in zip(self._all_params(), index, strict=True):
-            loaded = self.optimizer.state.get(p, {})
-            for name, value in saved["state"].get(key, {}).items():
-                if (
-                    name in _PARAM_SHAPED_STATE
-                    and torch.is_tensor(value)
-                    and value.is_floating_point()
-                    and torch.is_tensor(loaded.get(name))
-                    and loaded[name].dtype != value.dtype
-                ):
-                    loaded[name] = value.to(loaded[name].device, copy=True)
-
-    def load_state_dict_across_precisions(
-        self, state: Mapping[str, Any], weights: Mapping[str, torch.Tensor]
-    ) -> None:
-        """Restore a ``state_dict`` saved under another precision policy (or master_weights
-        setting): the wrapped optimizer's state, which torch casts to this optimizer's
-        tensors, and the masters from ``weights`` (parameter name -> full-precision weight:
-        the model's state with ``master_weights_by_name(state, model_state)`` over it, so
-        that the checkpoint's float32 masters, not its 16-bit weights, are used); the model's
-        parameters follow their masters. The scaler and the compensation are left as they
-        are (their kinds may differ). Everything is checked before anything is changed.
-        """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
-        self._check_keys(state)
-        self._check_inner_state(state["optimizer"], state["param_shapes"])
-        params = list(self._all_params())
-        masters = self._masters.by_name(weights, params, self._param_names(), self._describe)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self._masters.load(masters)
-
     def __repr__(self) -> str:
         return (
             f"LossScaleOptimizer({type(self.optimizer).__name__}, scaler={self.scaler!r}, "
@@ -498,24 +388,6 @@ class LossScaleOptimizer:
         )
 
     # -- internals --------------------------------------------------------------------------
-
-    def _all_params(self) -> Iterator[torch.Tensor]:
-        for group in self.optimizer.param_groups:
-            yield from group["params"]
-
-    def _param_names(self) -> list[list[str]]:
-        """Names of each parameter (by index; shared parameters have several), from the
-        model when known, else from the groups' ``param_names`` (torch >= 2.6)."""
-        if self.model is not None:
-            names: dict[torch.Tensor, list[str]] = {}
-            for name, p in self.model.named_parameters(remove_duplicate=False):
-                names.setdefault(p, []).append(name)
-            return [names.get(self.model_param(p), []) for p in self._all_params()]
-        out: list[list[str]] = []
-        for group in self.optimizer.param_groups:
-            given = group.get("param_names")
-            out.extend([[n] for n in given] if given else [[] for _ in group["params"]])
-        return out
 
     def _gather_grads(self) -> list[torch.Tensor]:
         """The masters' ``sync``, then every gradient the optimizer will use, in one pass
@@ -586,64 +458,78 @@ class LossScaleOptimizer:
         self.scaler.update(self.scaler.unscale_([]), False)
         return True
 
-    def _describe(self, index: int) -> str:
-        names = self._param_names()[index]
-        return f"parameter {index}" + (f" ({names[0]})" if names else "")
-
-    def _check_keys(self, state: Mapping[str, Any]) -> None:
-        missing = [k for k in _STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(
-                f"not a LossScaleOptimizer state: missing {missing} (keys: {sorted(state)}). "
-                f"Pass the dict from LossScaleOptimizer.state_dict() or from a torch "
-                f"optimizer's state_dict()"
-            )
-
-    def _check_inner_state(self, saved: Any, shapes: Any) -> None:
-        """Refuse, before loading, an optimizer state saved for other parameters."""
-        if not isinstance(saved, Mapping) or not {"state", "param_groups"} <= saved.keys():
-            raise ValueError("the saved optimizer state lacks 'state' and 'param_groups'")
-        groups = self.optimizer.param_groups
-        # another optimizer class's groups hold settings this one lacks and lack some of its
-        # own (SGD's momentum beside AdamW's betas); another torch version only adds or drops
-        ours = set().union(*(g.keys() for g in groups))
-        theirs = set().union(*(g.keys() for g in saved["param_groups"]))
-        if theirs - ours and ours - theirs:
-            name = type(self.optimizer).__name__
-            raise ValueError(
-                f"the saved optimizer state's parameter groups hold {sorted(theirs - ours)}, "
-                f"which this {name}'s lack, and lack its {sorted(ours - theirs)}: it was saved "
-                f"from another optimizer class; load it into the class that saved it"
-            )
-        sizes = [len(g["params"]) for g in groups]
-        saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
-        if sizes != saved_sizes:
-            raise ValueError(
-                f"the saved optimizer has parameter groups of sizes {saved_sizes}, this one "
-                f"{sizes}: it was saved for another model or another set of parameter groups"
-            )
-        params = [self.model_param(p) for p in self._all_params()]
-        if shapes is not None:
-            for i, (p, shape) in enumerate(zip(params, shapes, strict=True)):
-                if list(p.shape) != list(shape):
-                    raise ValueError(
-                        f"{self._describe(i)} has shape {list(p.shape)}, the checkpoint's "
-                        f"{list(shape)}: this optimizer state belongs to another model"
-                    )
-        index = [i for g in saved["param_groups"] for i in g["params"]]
-        for i, key in enumerate(index):
-            for name, value in saved["state"].get(key, {}).items():
-                if name in _PARAM_SHAPED_STATE and torch.is_tensor(value):
-                    if value.shape != params[i].shape:
-                        raise ValueError(
-                            f"{self._describe(i)} has shape {list(params[i].shape)}, its saved "
-                            f"{name!r} {list(value.shape)}: this optimizer state belongs to "
-                            f"another model"
-                        )
-
 
 def _trainable(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+
+def _check_wrappable(optimizer: Any, master_weights: bool | None, model: nn.Module | None) -> None:
+    """Refuse what `LossScaleOptimizer` cannot wrap or be told, naming what it takes."""
+    if isinstance(optimizer, LossScaleOptimizer):
+        raise TypeError("this optimizer is already wrapped in a LossScaleOptimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"LossScaleOptimizer wraps a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}; build one from the model's parameters first, "
+            f"e.g. torch.optim.AdamW(model.parameters())"
+        )
+    if master_weights not in MASTER_DTYPES:
+        raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+
+
+def _compensator_for(
+    optimizer: torch.optim.Optimizer, compensation: str | None, master_weights: bool | None
+) -> Compensator | None:
+    """The `Compensator` stepping `optimizer` under `compensation` (None without), after
+    checking that the optimizer and its parameters take it."""
+    check_compensation(compensation)
+    if compensation is None:
+        return None
+    if master_weights:
+        raise ValueError(
+            "compensation and master_weights=True are two answers to one problem: "
+            "float32 masters already keep small updates; choose one"
+        )
+    Compensator.check_optimizer(optimizer)
+    if not any(p.dtype in COMPENSATED_DTYPES for p in _trainable(optimizer)):
+        dtypes = sorted({str(p.dtype) for p in _trainable(optimizer)})
+        raise ValueError(
+            f"compensation={compensation!r} is for bfloat16/float16 parameters, but "
+            f"this optimizer's trainable parameters are {dtypes}: use a '*-true' "
+            f"16-bit policy ('bf16-true'), or drop compensation"
+        )
+    return Compensator(compensation)
+
+
+@contextmanager
+def backward_context(
+    loss: torch.Tensor,
+    scaler: LossScaler,
+    optimizers: Iterable[LossScaleOptimizer],
+    policy: Policy | None,
+) -> Iterator[torch.Tensor]:
+    """The one context a scaled backward runs in; yields ``loss`` times the scale, to
+    backpropagate inside it. ``Precision.backward_context`` (the Trainer, the doctor, the
+    bench, the search and the Lightning, Hugging Face and Accelerate integrations go
+    through it) and ``LossScaleOptimizer.backward_context`` enter it.
+
+    - `optimizers` refuse a backward once this step's gradients were unscaled (scaled and
+      unscaled gradients would add up; float32 masters receive theirs at the unscale);
+    - under a "true" `policy` torch's default dtype is its compute dtype, as it was in the
+      forward: an activation-checkpointed block recomputes its forward inside the backward,
+      and a tensor it creates without a dtype must come out as it did the first time (float32
+      and attention islands re-enter their own regions when recomputed). A mixed policy
+      needs nothing: checkpointing restores the forward's autocast itself.
+    """
+    for opt in optimizers:
+        opt.check_can_backward()
+    if policy is not None and not policy.is_mixed and needs_default_dtype(policy.compute_dtype):
+        with default_dtype(policy.compute_dtype):
+            yield scaler.scale(loss)
+    else:
+        yield scaler.scale(loss)
 
 
 def _sharded(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

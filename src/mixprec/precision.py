@@ -44,7 +44,7 @@ from mixprec.hardware import (
     parse_device,
     resolve_policy,
 )
-from mixprec.optim import LossScaleOptimizer, joint_step
+from mixprec.optim import LossScaleOptimizer, backward_context, joint_step
 from mixprec.policy import is_auto
 from mixprec.policy_map import PolicyMap, as_map
 from mixprec.scaling import LossScaler, as_loss_scaler
@@ -290,18 +290,21 @@ class Precision:
     # -- the step ---------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """Backpropagate ``loss`` scaled by the current loss scale. Under a "true" policy the
-        backward runs with the compute dtype as torch's default too, as the forward did: an
-        activation-checkpointed block recomputes its forward here, and a tensor it creates
-        without a dtype must come out as it did the first time."""
-        for opt in self.optimizers:
-            opt.check_can_backward()
-        policy = self.policy.default
-        if not policy.is_mixed and needs_default_dtype(policy.compute_dtype):
-            with default_dtype(policy.compute_dtype):
-                self.scaler.scale(loss).backward(**kwargs)
-        else:
-            self.scaler.scale(loss).backward(**kwargs)
+        """Backpropagate ``loss`` scaled by the current loss scale, in `backward_context`;
+        ``kwargs`` go to ``Tensor.backward``."""
+        with self.backward_context(loss) as scaled:
+            scaled.backward(**kwargs)
+
+    def backward_context(self, loss: torch.Tensor) -> AbstractContextManager[torch.Tensor]:
+        """The one context every backward under this precision runs in, yielding ``loss``
+        times the current scale to backpropagate inside it (``mixprec.optim.backward_context``):
+        the optimizers set up here refuse a backward after their unscale, and under a "true"
+        policy the compute dtype is torch's default, as in the forward, so that an
+        activation-checkpointed block recomputes what it computed there. `backward`, the
+        Trainer, the doctor, the bench, the search and the Lightning, Hugging Face and
+        Accelerate integrations all enter it, the last three around their host's backward
+        call (``with precision.backward_context(loss) as scaled: host_backward(scaled)``)."""
+        return backward_context(loss, self.scaler, self.optimizers, self.policy.default)
 
     def unscale_(self, *optimizers: LossScaleOptimizer | torch.optim.Optimizer) -> None:
         """Unscale the gradients of ``optimizers`` (default: all set up); idempotent per step."""

@@ -1,6 +1,7 @@
 """One training step of a model under a `Precision`: the context its forward runs in, where
-the loss is computed, and the scaled backward. The Trainer, the doctor and both bench runs
-compute their losses here, so a loss measured by one is the loss the others train on.
+the loss is computed, the scaled backward (``Precision.backward_context``), and the seeding
+that makes two runs of a step draw alike. The Trainer, the doctor, both bench runs and the
+search compute their losses here, so a loss measured by one is the loss the others train on.
 
 A plain module with a ``loss_fn`` (the batch ``(inputs..., target)``):
 
@@ -19,20 +20,44 @@ A plain module with a ``loss_fn`` (the batch ``(inputs..., target)``):
 Code that calls into the model from outside (a ``training_step``, a compiled module under a
 "true" policy, whose region's switch of torch's default dtype would be a graph boundary) runs
 in ``Precision.forward_context()`` too, which is all a region would have done around it.
+
+A model that computes its own loss (`batch_loss`):
+
+- a Hugging Face ``PreTrainedModel``: the batch is a dict of keyword arguments (with
+  ``labels``) and the output's ``.loss`` is the loss;
+- a model with ``training_step(batch, batch_idx)`` (a mixprec ``TrainingModule``, a Lightning
+  ``LightningModule``): its result, a loss or a dict with ``"loss"``; ``self.log`` calls are
+  dropped (no trainer to take them);
+- any other model returns the loss (or a dict with ``"loss"``) from ``model(batch)``.
+
+Hugging Face and Lightning are recognised without importing them: a model of theirs can only
+exist once its package is loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from mixprec.precision import Precision
 
-__all__ = ["backward", "compiled_in_place", "plain_loss", "split_batch", "step_context"]
+__all__ = [
+    "as_loss",
+    "backward",
+    "batch_loss",
+    "compiled_in_place",
+    "is_hugging_face_model",
+    "plain_loss",
+    "seeded",
+    "split_batch",
+    "step_context",
+]
 
 
 def compiled_in_place(model: nn.Module) -> bool:
@@ -88,6 +113,104 @@ def plain_loss(
         return loss_fn(outputs, target)
 
 
+def batch_loss(model: nn.Module, batch: Any) -> Tensor:
+    """The scalar loss of a model that computes its own (see the module's docstring; a plain
+    module with a ``loss_fn`` goes through `plain_loss`)."""
+    if is_hugging_face_model(model):
+        return _hugging_face_loss(model, batch)
+    step = getattr(model, "training_step", None)
+    if step is None:
+        try:
+            out = model(batch)
+        except TypeError as err:  # (inputs, target) given to a model that takes inputs
+            if not isinstance(batch, tuple | list):
+                raise
+            raise TypeError(
+                f"no loss_fn was given, so {type(model).__name__} was called on the whole "
+                f"batch (a {type(batch).__name__} of {len(batch)}) to return its own loss, "
+                f"and failed: {err}. For a model that returns outputs, pass loss_fn=... "
+                "(e.g. torch.nn.functional.cross_entropy) with batches of (inputs, target)"
+            ) from err
+        return as_loss(out, "the model (no loss_fn given)")
+    if getattr(model, "automatic_optimization", True) is False:
+        raise TypeError(
+            f"{type(model).__name__} uses Lightning's manual optimization: its training_step "
+            "steps its own optimizers instead of returning a loss. Diagnose the network "
+            "inside it with loss_fn=... and a batch of (inputs, target)"
+        )
+    # self.log has no trainer to go to here: drop its calls (the doctor runs on a copy)
+    for name in ("log", "log_dict"):
+        if callable(getattr(model, name, None)):
+            setattr(model, name, _ignore)
+    return as_loss(step(batch, 0), "training_step")
+
+
+def is_hugging_face_model(model: nn.Module) -> bool:
+    """Whether `model` is a ``transformers.PreTrainedModel`` (without importing transformers)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
+
+
+def _hugging_face_loss(model: nn.Module, batch: Any) -> Tensor:
+    name = type(model).__name__
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"{name} is a Hugging Face model: its batch is a dict of keyword arguments with "
+            f"labels (input_ids=..., labels=...), got {type(batch).__name__}"
+        )
+    outputs = model(**batch)
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+    if loss is None:
+        raise TypeError(
+            f"{name} returned no loss for a batch with keys {sorted(batch)}: put the targets "
+            "in the batch under 'labels' (for a causal LM, labels=input_ids)"
+        )
+    return as_loss(loss, f"{name}'s output")
+
+
+def as_loss(result: Any, where: str) -> Tensor:
+    """`result` (a tensor, or a dict with "loss") as a 0-dim loss; TypeError naming `where`
+    otherwise."""
+    if isinstance(result, dict):
+        if "loss" not in result:
+            raise TypeError(f"{where} returned a dict without a 'loss' key: {sorted(result)}")
+        result = result["loss"]
+    if not isinstance(result, Tensor) or result.numel() != 1 or not result.is_floating_point():
+        got = tuple(result.shape) if isinstance(result, Tensor) else type(result).__name__
+        raise TypeError(
+            f"{where} must give a scalar floating loss tensor (or a dict with 'loss'), got {got};"
+            " pass loss_fn=... with a batch of (inputs, targets)"
+        )
+    return result.reshape(())
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """Stands in for `self.log` where no trainer takes its values."""
+
+
 def backward(precision: Precision, loss: Tensor, *, accumulate: int = 1) -> None:
-    """The scaled backward of `loss`, divided by `accumulate` micro-batches of a window."""
+    """The scaled backward of `loss` (``Precision.backward``, inside its one backward
+    context), divided by `accumulate` micro-batches of a window."""
     precision.backward(loss / accumulate if accumulate > 1 else loss)
+
+
+@contextmanager
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
+    """Run a block with the RNG of the CPU (and of `device` if it is a GPU) seeded to
+    `seed`, restoring their states afterwards: the doctor's runs and the search's plans
+    draw the same dropout masks and samples on the same batch."""
+    cpu_state = torch.get_rng_state()
+    gpu = None
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        gpu = torch.cuda.default_generators[index]
+    gpu_state = gpu.get_state() if gpu is not None else None
+    torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds every GPU
+    if gpu is not None:
+        gpu.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if gpu is not None:
+            gpu.set_state(gpu_state)

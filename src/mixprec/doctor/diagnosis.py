@@ -489,7 +489,7 @@ def diagnose(
     keyword arguments and its output's `.loss` taken; a TrainingModule or Lightning
     LightningModule (any model with `training_step(batch, batch_idx)`) is asked for its
     loss; and any other model must return the loss (or a dict with "loss") from
-    `model(batch)` (`mixprec.doctor.loss`).
+    `model(batch)` (`mixprec.step.batch_loss`).
 
     `loss_scale` is the scale the target's backward runs at: a number, a LossScaler (its
     current scale), or None for what a dynamic scaler starting at 2^16 settles at on this

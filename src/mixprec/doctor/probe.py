@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -44,7 +43,6 @@ __all__ = [
     "floating_tensors",
     "lowest_float",
     "measure_param_grads",
-    "seeded",
     "snapshot",
 ]
 
@@ -541,24 +539,3 @@ def measure_param_grads(
         if grad is None or twin is None:
             continue
         recording.comparisons.add(("param", name), grad, twin, limits[name], scale, flushed=True)
-
-
-@contextmanager
-def seeded(seed: int, device: torch.device) -> Iterator[None]:
-    """Run a block with the RNG of the CPU (and of `device` if it is a GPU) seeded to
-    `seed`, restoring their states afterwards."""
-    cpu_state = torch.get_rng_state()
-    gpu = None
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        gpu = torch.cuda.default_generators[index]
-    gpu_state = gpu.get_state() if gpu is not None else None
-    torch.default_generator.manual_seed(seed)  # torch.manual_seed also seeds every GPU
-    if gpu is not None:
-        gpu.manual_seed(seed)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu_state)
-        if gpu is not None:
-            gpu.set_state(gpu_state)

@@ -11,21 +11,20 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.convert import apply
-from mixprec.doctor.loss import as_loss, batch_loss, check_outputs
 from mixprec.doctor.probe import (
     Probe,
     Recording,
+    floating_tensors,
     lowest_float,
     measure_param_grads,
-    seeded,
 )
 from mixprec.doctor.verdicts import UpdateModel
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.scaling import StaticLossScaler
-from mixprec.step import backward, plain_loss, step_context
+from mixprec.step import as_loss, backward, batch_loss, plain_loss, seeded, step_context
 
-__all__ = ["Session", "grad_amax", "loss_of"]
+__all__ = ["Session", "check_outputs", "grad_amax", "loss_of"]
 
 
 def loss_of(
@@ -33,14 +32,31 @@ def loss_of(
 ) -> Tensor:
     """The loss of one batch, computed as the Trainer computes it (`mixprec.step`): a plain
     module's forward and ``loss_fn`` as a step runs them (inside autocast under a mixed
-    policy); a model that computes its own loss (a training step, a Hugging Face model) in
-    the precision's forward context."""
+    policy); a model that computes its own loss (`mixprec.step.batch_loss`: a training step,
+    a Hugging Face model) in the precision's forward context."""
     if loss_fn is not None:
         out = plain_loss(precision, model, batch, loss_fn, check_outputs=check_outputs)
         return as_loss(out, "loss_fn")
     batch = precision.convert_input(batch)
     with step_context(precision, model, user_code=True):
         return batch_loss(model, batch)
+
+
+def check_outputs(outputs: Any) -> None:
+    """Refuse outputs no loss can reach the weights through (no floating tensor in them)."""
+    if not floating_tensors(outputs):
+        raise TypeError(
+            f"the model's output holds no floating tensor ({_kinds(outputs)}): no "
+            "loss computed from it can reach the weights; return logits or "
+            "scores, not argmax/indices"
+        )
+
+
+def _kinds(outputs: Any) -> str:
+    """What a model returned, for an error: the dtype of a tensor, else the type's name."""
+    if isinstance(outputs, Tensor):
+        return f"a {str(outputs.dtype).removeprefix('torch.')} tensor"
+    return type(outputs).__name__
 
 
 def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:

@@ -6,17 +6,20 @@
 - ``MixprecTrainer``: ``transformers.Trainer`` training under a mixprec policy or
   ``PolicyMap`` with mixprec's loss scaling. The HF loop stays as it is; four methods adapt it.
 - ``prepare``: set a model and optimizer up once for a hand-written Accelerate loop, which
-  then changes by its backward line: ``accelerator.backward(precision.scaler.scale(loss))``.
+  then stays as it is: its ``accelerator.backward(loss)`` is the precision's backward.
 
-Why a subclass and not just ``optimizers=(wrapped, scheduler)``: in ``Trainer.training_step``
-the backward is ``accelerator.backward(loss)``, which scales only with Accelerate's own
-``GradScaler``; gradient clipping (``max_grad_norm``, 1.0 by default) runs right after the
-last backward, on whatever the gradients hold; and the scheduler is gated on
+Both doors run the backward as every mixprec loop does: the accelerator's ``backward`` is
+routed through ``Precision.backward_context`` (the loss scaled; under a "true" policy the
+compute dtype as torch's default, as in the forward, so activation-checkpointed blocks
+recompute what they computed there), around Accelerate's own (its division by the
+accumulation steps, DDP). Why a subclass and not just ``optimizers=(wrapped, scheduler)``:
+in ``Trainer.training_step`` gradient clipping (``max_grad_norm``, 1.0 by default) runs right
+after the last backward, on whatever the gradients hold; and the scheduler is gated on
 ``accelerator.optimizer_step_was_skipped``, which knows only optimizers Accelerate wrapped
 (a ``LossScaleOptimizer`` is not a ``torch.optim.Optimizer``, so ``prepare`` passes it
-through unwrapped). ``MixprecTrainer`` scales the gradient of the loss (its logged value is
-unchanged), unscales after the last micro-batch so that HF clips true gradients, and steps
-the scheduler only when the optimizer stepped.
+through unwrapped). ``MixprecTrainer`` unscales after the last micro-batch so that HF clips
+true gradients, and steps the scheduler only when the optimizer stepped; the loss it logs
+is the unscaled one.
 
 Importing this module imports ``transformers`` (and ``accelerate`` on first use of
 ``prepare``); ``import mixprec`` imports neither.
@@ -28,6 +31,7 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +49,6 @@ __all__ = [
     "PrecisionMonitorCallback",
     "SkipAwareScheduler",
     "prepare",
-    "scaled_backward_loss",
     "tie_quantized_weights",
 ]
 
@@ -179,27 +182,18 @@ def _json_safe(row: dict[str, float]) -> dict[str, float | str]:
 # -- transformers.Trainer ---------------------------------------------------------------------
 
 
-class _ScaleGradient(torch.autograd.Function):
-    """Identity forward; backward multiplies the incoming gradient by the loss scale through
-    ``LossScaler.scale``, the very product ``scaler.scale(loss).backward()`` computes."""
+def _route_backward(accelerator: Any, precision: Callable[[], Precision]) -> None:
+    """Make ``accelerator.backward(loss)`` enter the precision's backward context
+    (``Precision.backward_context``) around Accelerate's own backward, which receives the
+    scaled loss. `precision` is read at each call (the Trainer sets its own up after HF
+    built the accelerator)."""
+    plain = accelerator.backward
 
-    @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, scaler: LossScaler) -> torch.Tensor:
-        ctx.scaler = scaler
-        return loss.clone()
+    def backward(loss: torch.Tensor, **kwargs: Any) -> Any:
+        with precision().backward_context(loss) as scaled:
+            return plain(scaled, **kwargs)
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.scaler.scale(grad), None
-
-
-def scaled_backward_loss(loss: torch.Tensor, scaler: LossScaler) -> torch.Tensor:
-    """``loss`` with the same value, whose backward produces gradients scaled by ``scaler``:
-    for loops that call ``loss.backward()`` themselves and log the loss they backpropagate
-    (``transformers.Trainer``). The gradients equal those of ``scaler.scale(loss)``."""
-    if not scaler.enabled:
-        return loss
-    return _ScaleGradient.apply(loss, scaler)
+    accelerator.backward = backward
 
 
 def tie_quantized_weights(model: nn.Module) -> dict[str, str]:
@@ -352,17 +346,12 @@ class MixprecTrainer(transformers.Trainer):
             self.lr_scheduler = SkipAwareScheduler(scheduler, self.optimizer)
         return self.lr_scheduler
 
-    def compute_loss(
-        self, model: nn.Module, inputs: Any, return_outputs: bool = False, **kwargs: Any
-    ) -> Any:
-        """HF's loss, whose backward is scaled by the precision's loss scaler."""
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
-        if not torch.is_grad_enabled():  # evaluation
-            return result
-        if return_outputs:
-            loss, outputs = result
-            return scaled_backward_loss(loss, self.precision.scaler), outputs
-        return scaled_backward_loss(result, self.precision.scaler)
+    def create_accelerator_and_postprocess(self) -> None:
+        """HF's accelerator, whose ``backward`` (the one in ``training_step``) runs in the
+        precision's backward context: the loss scaled, the compute dtype of a "true" policy
+        as torch's default."""
+        super().create_accelerator_and_postprocess()
+        _route_backward(self.accelerator, lambda: self.precision)
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
         """HF's step; after the last micro-batch of an optimizer step, the gradients are
@@ -397,8 +386,10 @@ def prepare(
     ``accelerator.prepare``. Schedulers built on the plain optimizer come back as
     Accelerate's schedulers that do not advance on a skipped step, and the wrapped
     optimizer (its state, scaler and master weights) is registered for
-    ``accelerator.save_state``. The loop then scales its backward,
-    ``accelerator.backward(precision.scaler.scale(loss))``, clips with
+    ``accelerator.save_state``. The accelerator's ``backward`` becomes the precision's
+    (``Precision.backward_context`` around Accelerate's own: the loss scaled, the compute
+    dtype of a "true" policy as torch's default), so the loop keeps its
+    ``accelerator.backward(loss)``; it clips with
     ``precision.clip_grad_norm_`` or the accelerator's ``clip_grad_norm_`` /
     ``clip_grad_value_`` (which, for this accelerator, are the precision's: they unscale
     first), and with gradient accumulation steps the optimizer only when
@@ -431,6 +422,7 @@ def prepare(
                 )
             scheduler.optimizers = [wrapped]  # its skip check reads step_was_skipped
     accelerator.register_for_checkpointing(wrapped)
+    _route_backward(accelerator, lambda: precision)
     # Accelerate's own clipping unscales only its GradScaler's gradients: on mixprec's it
     # clipped the scaled ones. This accelerator's clipping goes through the precision,
     # which unscales first (and clips float32 masters where they hold the gradients).

@@ -20,7 +20,10 @@ What the plugin does at each point Lightning hands it:
   Lightning's loop steps its schedulers whether or not the optimizer stepped.
 - ``forward_context`` (every step's context), ``convert_input``, ``module_init_context``:
   ``mixprec.Precision``'s own.
-- ``pre_backward``: scales the loss.
+- ``backward``: ``LightningModule.backward`` of the scaled loss inside
+  ``Precision.backward_context``, the backward every mixprec loop runs (the compute dtype of a
+  "true" policy as torch's default, as in the forward, for activation-checkpointed blocks);
+  Lightning's ``on_before_backward`` hooks see the loss unscaled.
 - ``optimizer_step``: runs the closure (forward and backward), unscales, runs Lightning's
   ``on_before_optimizer_step`` hooks and gradient clipping on the unscaled gradients, then
   steps, or skips on inf/NaN, and updates the scale.
@@ -220,11 +223,19 @@ class MixprecPrecision(LightningPrecision):
 
     # -- the step ---------------------------------------------------------------------------
 
-    def pre_backward(self, tensor: torch.Tensor, module: Any) -> Any:
-        """Scale the loss before Lightning's backward hooks and ``LightningModule.backward``."""
-        for lso in self._wrappers.values():
-            lso.check_can_backward()
-        return super().pre_backward(self.mixprec.scaler.scale(tensor), module)
+    def backward(  # type: ignore[override]
+        self,
+        tensor: torch.Tensor,
+        model: Any,
+        optimizer: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        """``LightningModule.backward`` of the scaled loss inside the precision's one backward
+        context (``Precision.backward_context``: under a "true" policy the compute dtype as
+        torch's default, as in the forward, for activation-checkpointed blocks)."""
+        with self.mixprec.backward_context(tensor) as scaled:
+            super().backward(scaled, model, optimizer, *args, **kwargs)
 
     def optimizer_step(  # type: ignore[override]
         self,

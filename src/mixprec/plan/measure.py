@@ -14,11 +14,11 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.convert import apply
-from mixprec.doctor.probe import seeded
 from mixprec.doctor.running import loss_of
 from mixprec.plan.units import Unit, state_bytes
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
+from mixprec.step import backward, seeded
 
 __all__ = ["Measured", "Trained", "convert", "eval_loss", "measure_plans", "train"]
 
@@ -77,7 +77,7 @@ def _step(
         if training:
             loss = loss_of(model, precision, batch, loss_fn)
             if loss.requires_grad:  # a plan may freeze every layer (all quantized)
-                loss.backward()
+                backward(precision, loss)
             model.zero_grad(set_to_none=True)
         else:
             with torch.no_grad():
@@ -176,7 +176,7 @@ def train(
         losses = []
         for i in range(steps):
             loss = loss_of(trained, precision, batches[i % len(batches)], loss_fn)
-            precision.backward(loss)
+            backward(precision, loss)
             precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))

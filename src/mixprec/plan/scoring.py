@@ -8,7 +8,7 @@ import time
 import torch
 from torch import Tensor, nn
 
-from mixprec.doctor.probe import seeded
+from mixprec.step import seeded
 from mixprec.doctor.running import loss_of
 from mixprec.plan import sensitivity
 from mixprec.plan.inputs import SearchInputs, check_finite
