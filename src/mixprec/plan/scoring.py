@@ -8,7 +8,6 @@ import time
 import torch
 from torch import Tensor, nn
 
-from mixprec.step import seeded
 from mixprec.doctor.running import loss_of
 from mixprec.plan import sensitivity
 from mixprec.plan.inputs import SearchInputs, check_finite
@@ -18,6 +17,7 @@ from mixprec.plan.units import candidate, state_bytes, unit_applies
 from mixprec.policy import QuantizedPolicy
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
+from mixprec.step import seeded
 
 __all__ = ["Holders", "candidates", "score"]
 
