@@ -489,3 +489,21 @@ def test_a_backward_after_the_unscale_is_refused_at_every_door():
         with pytest.raises(RuntimeError, match="backward\\(\\) after unscale_\\(\\)"):
             with door.backward_context(loss):
                 pass
+
+
+def test_a_loss_scaled_twice_is_refused_at_every_door():
+    """A loop written for a backward that did not scale (``accelerator.backward(
+    precision.scaler.scale(loss))``) would scale twice: gradients the scale times too large
+    after the one unscale, which an Adam step hides. Every backward refuses a scaled loss."""
+    precision = mixprec.Precision("16-mixed", allow_slow=True)
+    model = torch.nn.Linear(2, 1)
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters()))
+    scaled = precision.scaler.scale(model(torch.ones(1, 2)).sum())
+    for door in (precision, opt):
+        with pytest.raises(ValueError, match="already multiplied by the loss scale"):
+            with door.backward_context(scaled):
+                pass
+    with pytest.raises(ValueError, match="pass the loss itself"):
+        precision.backward(scaled)
+    precision.backward(model(torch.ones(1, 2)).sum())  # the plain loss is taken
+    assert model.weight.grad is not None

@@ -61,7 +61,7 @@ from mixprec.errors import PrecisionError
 from mixprec.masters import MASTER_DTYPES, MasterWeights, master_weights_by_name
 from mixprec.optim_checkpoint import OptimizerCheckpoint
 from mixprec.policy import Policy
-from mixprec.scaling import LossScaler, as_loss_scaler
+from mixprec.scaling import LossScaler, as_loss_scaler, is_scaled
 
 __all__ = [
     "LossScaleOptimizer",
@@ -523,6 +523,11 @@ def backward_context(
       and attention islands re-enter their own regions when recomputed). A mixed policy
       needs nothing: checkpointing restores the forward's autocast itself.
     """
+    if is_scaled(loss):
+        raise ValueError(
+            "the loss given to the backward is already multiplied by the loss scale "
+            "(scaler.scale(loss)): pass the loss itself, the backward scales it once"
+        )
     for opt in optimizers:
         opt.check_can_backward()
     if policy is not None and not policy.is_mixed and needs_default_dtype(policy.compute_dtype):

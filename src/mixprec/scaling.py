@@ -31,6 +31,7 @@ __all__ = [
     "NoLossScaler",
     "StaticLossScaler",
     "as_loss_scaler",
+    "is_scaled",
 ]
 
 
@@ -102,7 +103,9 @@ def _scale_outputs(outputs: Any, scale: torch.Tensor) -> Any:
     """Multiply every tensor in ``outputs`` (a tensor, or lists/tuples/dicts of them) by
     ``scale``, keeping the container types, as torch.amp.GradScaler.scale does."""
     if isinstance(outputs, torch.Tensor):
-        return outputs * scale.to(outputs.device, non_blocking=True)
+        scaled = outputs * scale.to(outputs.device, non_blocking=True)
+        scaled._mixprec_scaled = True  # type: ignore[attr-defined]
+        return scaled
     if isinstance(outputs, Mapping):
         return type(outputs)({k: _scale_outputs(v, scale) for k, v in outputs.items()})
     if isinstance(outputs, tuple) and hasattr(outputs, "_fields"):  # a namedtuple
@@ -112,6 +115,13 @@ def _scale_outputs(outputs: Any, scale: torch.Tensor) -> Any:
     raise TypeError(
         f"scale() takes a tensor or lists, tuples or dicts of tensors, got {type(outputs).__name__}"
     )
+
+
+def is_scaled(loss: torch.Tensor) -> bool:
+    """Whether `loss` came out of a scaler's ``scale``: a backward that scales its loss
+    refuses one, since scaling twice leaves gradients the scale times too large after the
+    one unscale (an Adam step hides most of that, so it would pass unnoticed)."""
+    return getattr(loss, "_mixprec_scaled", False)
 
 
 def _check_keys(state: Mapping[str, Any], keys: Sequence[str], what: str) -> None:
