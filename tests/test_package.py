@@ -17,6 +17,7 @@ SRC = Path(mixprec.__file__).parent
 LAYERS: list[set[str]] = [
     {"errors", "version", "textout"},
     {"dtypes", "compensated", "float8_config", "microscaling_config", "gemm_ratio"},
+    {"formats"},
     {"policy_names"},
     {"policy"},
     {"quantize"},

@@ -131,7 +131,7 @@ def _as_policy(mode: str | QuantizedPolicy, options: dict[str, Any]) -> Quantize
             f"{', '.join(f.name for f in formats())} "
             "(or a quantized policy such as 'int4/64_from_float32')"
         )
-    if given and not fmt.keywords:
+    if given and fmt.config_keys and not fmt.keywords:  # options it spells in the name only
         raise PolicySpecError(
             f"{mode!r} takes no {'/'.join(options)}; its options go in the name. "
             + fmt.accepted
