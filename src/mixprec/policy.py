@@ -2,13 +2,13 @@
 
 A `Policy` is an immutable, hashable value and compares equal whatever spelling made it:
 "bf16-mixed", "mixed_bfloat16" and "params=float32,compute=bfloat16,output=float32" are one
-policy. A `QuantizedPolicy` is a plain value too: a mode, its options and the float policy
-the rest follows; which layers it quantizes is `mixprec.quantize`'s business. The spellings
-are parsed and named in `mixprec.policy_names`; `as_policy` is the one factory that turns a
-spec, config or policy into either kind; calling `Policy(spec)` is that factory too. A spec
-is parsed once, into a frozen `FloatSpec` or `QuantizedSpec`, and the policy holds it. The
-formats a quantized policy may name are those registered in `mixprec.formats`. The global policy is process-wide; `policy_scope`
-overrides it for the current thread only.
+policy. A `QuantizedPolicy` is a plain value too: a registered format (`mixprec.formats`),
+its config and the float policy the rest follows; which layers it quantizes is
+`mixprec.quantize`'s business. The spellings are parsed and named in `mixprec.policy_names`,
+once per spec, into a frozen `FloatSpec` or `QuantizedSpec` that the policy holds.
+`as_policy` is the one factory that turns a spec, config or policy into either kind, and
+calling `Policy(spec)` is that factory too (see `Policy`). The global policy is
+process-wide; `policy_scope` overrides it for the current thread only.
 """
 
 from __future__ import annotations
@@ -389,7 +389,10 @@ class QuantizedPolicy(Policy):
                 "QuantizedPolicy.from_config takes the dict to_config() returns (keys "
                 f"quantization_mode, source, and the mode's options), got {config!r}"
             )
-        holds = {k: v for f in formats() for k, v in f.config_keys.items()}
+        holds: dict[str, str] = {}
+        for f in formats():
+            for key, what in f.config_keys.items():
+                holds.setdefault(key, what)
         keys = {"quantization_mode", "source", *holds}
         unknown = set(config) - keys
         if unknown:
@@ -423,9 +426,7 @@ class QuantizedPolicy(Policy):
         return cls._from_stored(mode, source, stored)
 
     @classmethod
-    def _from_stored(
-        cls, mode: Any, source: Policy, stored: Mapping[str, Any]
-    ) -> QuantizedPolicy:
+    def _from_stored(cls, mode: Any, source: Policy, stored: Mapping[str, Any]) -> QuantizedPolicy:
         if not isinstance(mode, str):
             return cls(mode, source)  # refused: a mode is a string
         if isinstance(source, QuantizedPolicy):

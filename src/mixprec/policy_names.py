@@ -299,7 +299,8 @@ class FloatSpec:
     output: torch.dtype
 
     def __post_init__(self) -> None:
-        for role, dtype in (("param", self.param), ("compute", self.compute), ("output", self.output)):
+        roles = (("param", self.param), ("compute", self.compute), ("output", self.output))
+        for role, dtype in roles:
             if not dtype.is_floating_point:
                 raise PolicySpecError(
                     f"{role} dtype {dtype_name(dtype)} is not a floating dtype; a policy's "
@@ -417,7 +418,8 @@ def parse_quantized(
     if stored is not None:
         config = fmt.from_dict(stored, spec)
     else:
-        config = fmt.parse(option if slash else None, {k: options.get(k) for k in fmt.keywords}, spec)
+        keywords = {k: options.get(k) for k in fmt.keywords}
+        config = fmt.parse(option if slash else None, keywords, spec)
     return QuantizedSpec(fmt, config, float_spec)
 
 

@@ -115,12 +115,22 @@ class Format:
         return self.spell(config)
 
     def to_dict(self, config: Any) -> dict[str, Any]:
-        """The option keys of a policy config (`QuantizedPolicy.to_config`) for `config`."""
-        return {}
+        """The option keys of a policy config (`QuantizedPolicy.to_config`) for `config`.
+        The default: for a format whose `config_keys` has "options", the options its
+        canonical name spells after '/' under that key (none for the defaults)."""
+        _, slash, options = self.spell(config).partition("/")
+        return {"options": options} if slash and "options" in self.config_keys else {}
 
     def from_dict(self, values: Mapping[str, Any], name: str) -> Any:
-        """The config that `to_dict`'s keys spell (`QuantizedPolicy.from_config`)."""
-        return self.parse(None, {k: values.get(k) for k in self.keywords}, name)
+        """The config that `to_dict`'s keys spell (`QuantizedPolicy.from_config`): the
+        default parses "options" as the text after '/' and the rest as `keywords`."""
+        options = values.get("options")
+        if options is not None and not isinstance(options, str):
+            raise PolicySpecError(
+                f"quantized policy config key 'options' is {options!r}: it holds "
+                f"{self.config_keys['options']}, as to_config() writes them"
+            )
+        return self.parse(options, {k: values.get(k) for k in self.keywords}, name)
 
     def source_reason(self, compute_dtype: torch.dtype) -> str | None:
         """Why this format refuses a source float policy computing in `compute_dtype`

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from mixprec.errors import PolicySpecError
 from mixprec.formats.registry import format_named, formats, register
@@ -133,8 +133,7 @@ def _as_policy(mode: str | QuantizedPolicy, options: dict[str, Any]) -> Quantize
         )
     if given and fmt.config_keys and not fmt.keywords:  # options it spells in the name only
         raise PolicySpecError(
-            f"{mode!r} takes no {'/'.join(options)}; its options go in the name. "
-            + fmt.accepted
+            f"{mode!r} takes no {'/'.join(options)}; its options go in the name. " + fmt.accepted
         )
     if given and "/" in name:  # type: ignore[operator]
         raise PolicySpecError(
@@ -158,9 +157,7 @@ def _quantized_layer(
     module = linear_view(module)
     param = policy.param_dtype
     storage = param if torch.finfo(param).bits < 32 else module.weight.dtype
-    return policy.format.swap(
-        module, policy.config, path=path, storage=storage, tie=tie, memo=memo
-    )
+    return policy.format.swap(module, policy.config, path=path, storage=storage, tie=tie, memo=memo)
 
 
 def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) -> QuantizeResult:
@@ -198,9 +195,7 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
     return result
 
 
-def _warn_untied(
-    modules: dict[str, nn.Module], new: dict[int, nn.Module], codes: set[int]
-) -> None:
+def _warn_untied(modules: dict[str, nn.Module], new: dict[int, nn.Module], codes: set[int]) -> None:
     """Warn when a layer holding codes (int8/int4: the ids in `codes`) has its weight tied
     to a module left float (an embedding and its head): it holds codes of the weight as it
     is now, so the tie ends and the float side trains away from them. Formats that keep the

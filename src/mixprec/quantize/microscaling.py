@@ -55,7 +55,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.errors import PolicySpecError
 from mixprec.formats.registry import Format, Status, Support
 from mixprec.microscaling_config import MicroscalingConfig
 from mixprec.quantize.first_order import first_order
@@ -781,20 +780,6 @@ class MicroscalingFormat(Format):
 
     def describe(self, config: MicroscalingConfig) -> str:
         return config.describe()
-
-    def to_dict(self, config: MicroscalingConfig) -> dict[str, Any]:
-        _, slash, options = config.spelled().partition("/")
-        return {"options": options} if slash else {}
-
-    def from_dict(self, values: Mapping[str, Any], name: str) -> MicroscalingConfig:
-        options = values.get("options")
-        if options is not None and not isinstance(options, str):
-            raise PolicySpecError(
-                f"quantized policy config key 'options' is {options!r}: it holds the "
-                f"':'-separated options of a microscaling mode "
-                f"({', '.join(MicroscalingConfig.MODES)}), as to_config() writes them"
-            )
-        return self.parse(options, {}, name)
 
     def skip(self, config: MicroscalingConfig, module: nn.Module) -> str | None:
         shape = config.shape_reason(module.in_features, module.out_features)
