@@ -16,8 +16,7 @@ SRC = Path(mixprec.__file__).parent
 # below it. Utilities with no knowledge of precision sit at the bottom.
 LAYERS: list[set[str]] = [
     {"errors", "version", "textout"},
-    {"dtypes", "compensated", "float8_config", "microscaling_config", "gemm_ratio"},
-    {"formats"},
+    {"dtypes", "compensated", "float8_config", "microscaling_config", "gemm_ratio", "formats"},
     {"policy_names"},
     {"policy"},
     {"quantize"},

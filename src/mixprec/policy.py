@@ -13,6 +13,7 @@ process-wide; `policy_scope` overrides it for the current thread only.
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -61,6 +62,12 @@ class _PolicyFactory(type):
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         spec = cls._parse(*args, **kwargs)
         return _built(cls, spec)
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """What `inspect.signature` and help() show for a policy class: its `_parse`'s
+        arguments, not this method's."""
+        return inspect.signature(cls._parse).replace(return_annotation=cls.__name__)
 
 
 def _built(cls: type, spec: FloatSpec | QuantizedSpec) -> Policy:
@@ -423,14 +430,8 @@ class QuantizedPolicy(Policy):
             source = as_policy(config["source"])
         except PolicySpecError as err:
             raise PolicySpecError(f"quantized policy config key 'source': {err}") from None
-        return cls._from_stored(mode, source, stored)
-
-    @classmethod
-    def _from_stored(cls, mode: Any, source: Policy, stored: Mapping[str, Any]) -> QuantizedPolicy:
-        if not isinstance(mode, str):
-            return cls(mode, source)  # refused: a mode is a string
-        if isinstance(source, QuantizedPolicy):
-            return cls(mode, source)  # refused: a quantized source
+        if not isinstance(mode, str) or isinstance(source, QuantizedPolicy):
+            return cls(mode, source)  # refused, saying why
         return _built(cls, parse_quantized(mode, source._spec, stored=stored))  # type: ignore[return-value]
 
     def __reduce__(self) -> tuple[Any, ...]:
