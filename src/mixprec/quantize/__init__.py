@@ -17,6 +17,11 @@ the Linear it computes; `dequantize` gives such a layer back as an ``nn.Linear``
 - mxfp8, mxfp6, mxfp4, nvfp4 (`MicroscalingLinear`): block-scaled formats, emulated
   (`mixprec.quantize.microscaling`); the weight stays a float parameter and trains.
 
+Each format is a `mixprec.formats.Format` declared in its layer's module (`Int8Format`,
+`Int4Format`, `Float8Format`, `MicroscalingFormat`) and registered here, in the order
+`BUILTIN_FORMATS` lists them; `quantize` and `apply` swap a layer through its policy's format
+(`Format.swap`), and a format registered later is quantized the same way.
+
 `QuantizeResult.kernels` says which matmul each quantized int8/int4 Linear runs, and why.
 
 Quantized layers keep their int tensors and scales as buffers, so ``state_dict`` holds them
