@@ -88,6 +88,14 @@ class Policy(metaclass=_PolicyFactory):
     other spec a float Policy. `Policy(param_dtype=..., compute_dtype=...)` builds one from
     dtypes (compute and output follow params where not given).
 
+    Args:
+        spec: a name ("bf16-mixed", "mixed_bfloat16", "int8_from_bf16-mixed"), an int (16,
+            32, 64), a torch.dtype, a jmp spec ("p=f32,c=bf16,o=f32") or a Policy.
+        param_dtype: the dtype parameters are stored in, in place of the spec's
+            (`variable_dtype` is Keras's name for it).
+        compute_dtype: the dtype matmuls and convolutions run in.
+        output_dtype: the dtype floating outputs are cast to.
+
     >>> Policy("bf16-mixed") == Policy("mixed_bfloat16") == Policy("p=f32,c=bf16,o=f32")
     True
     >>> type(Policy("int8_from_mixed_bfloat16")).__name__
@@ -277,9 +285,13 @@ class QuantizedPolicy(Policy):
     (int4 group size, float8 recipe, block format) and the source float policy;
     `mixprec.quantize.rules` says which layers it quantizes and why it skips the others.
 
-    `QuantizedPolicy(mode, source, **options)`: the mode as names spell it, options after
-    a '/' ("int4/64", "float8/delayed:16", "mxfp8/floor") or as the format's keywords
-    (int4's ``group_size``, float8's ``recipe`` and ``amax_history_length``).
+    Args:
+        mode: a registered format's name with its options after a '/' ("int4/64",
+            "float8/delayed:16", "mxfp8/floor"), a whole quantized name
+            ("int8_from_bf16-mixed"), or a QuantizedPolicy to copy.
+        source: the float policy everything else follows (unless `mode` names it).
+        options: the format's keyword options: int4's ``group_size``, float8's ``recipe``
+            and ``amax_history_length``.
 
     The param, compute and output dtypes are those of the source float policy: layers the
     mode cannot quantize (norms, small layers) run in it, and quantized layers compute

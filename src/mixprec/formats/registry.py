@@ -70,7 +70,7 @@ class Format:
     """One quantized format. Subclass it, set the class attributes, override the methods
     the format needs, and `register` an instance in the format's own module.
 
-    Class attributes:
+    Attributes:
         name: the mode as policy names spell it ("int8"); lower case, no '/' or '_from_'.
         accepted: how names may spell it and its options, for error messages.
         embeddings: whether it also quantizes Embedding layers and Hugging Face ``Conv1D``
@@ -168,7 +168,7 @@ class Format:
         """Bytes the quantized layer holds for `module`'s weight (codes, scales, zero
         points; the float weight itself for a format that `keeps_weight`), its bias left
         out, with scales in `storage`."""
-        return module.weight.numel() * module.weight.element_size()
+        return module.weight.numel() * storage.itemsize
 
     def rate(self, info: DeviceInfo) -> Support | None:
         """How well `info`'s device runs the format's matmuls (None: as well as its

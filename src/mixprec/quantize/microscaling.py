@@ -800,11 +800,6 @@ class MicroscalingFormat(Format):
     def layer_config(self, layer: nn.Module) -> MicroscalingConfig:
         return layer.config
 
-    def weight_bytes(
-        self, config: MicroscalingConfig, module: nn.Module, storage: torch.dtype
-    ) -> int:
-        return module.weight.numel() * storage.itemsize
-
     def rate(self, info: DeviceInfo) -> Support:
         return microscaling_support(info)
 
