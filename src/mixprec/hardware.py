@@ -29,6 +29,9 @@ from mixprec.errors import PrecisionError, SlowPrecisionError, SlowPrecisionWarn
 from mixprec.formats.registry import Status, Support, format_named
 from mixprec.policy import Policy, QuantizedPolicy, is_auto
 from mixprec.policy_map import PolicyMap, as_map
+
+# each format's rating lives with the format (`Format.rate`); the builtin ones are this
+# module's names too, beside the dtypes' ratings
 from mixprec.quantize.float8 import FLOAT8_FAST_ON, float8_support
 from mixprec.quantize.int8 import int8_support
 from mixprec.quantize.microscaling import microscaling_support

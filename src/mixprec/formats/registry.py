@@ -83,6 +83,8 @@ class Format:
             what it holds (for messages).
         search: the spellings a default format search tries ("int4/32", "int4/128").
         fast_on: the hardware on which it is fast, for the message of a slow precision.
+        info_row: whether ``mixprec info`` rates it in a row of its own (a format whose
+            speed depends on the device), over a float32 source.
         undo: the call that makes its layers float again, for messages.
     """
 
@@ -94,6 +96,7 @@ class Format:
     config_keys: ClassVar[Mapping[str, str]] = {}
     search: ClassVar[tuple[str, ...]] = ()
     fast_on: ClassVar[str | None] = None
+    info_row: ClassVar[bool] = False
     undo: ClassVar[str] = "mixprec.quantize.dequantize(model)"
 
     def parse(self, options: str | None, keywords: Mapping[str, Any], name: str) -> Any:

@@ -683,6 +683,7 @@ class Float8Format(Format):
         "amax_history_length": "the amax history length of the delayed float8 recipe",
     }
     search = ("float8/tensorwise", "float8/rowwise")
+    info_row = True
     fast_on = FLOAT8_FAST_ON
     undo = "mixprec.quantize.float8.convert_from_float8(model)"
 

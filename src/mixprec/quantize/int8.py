@@ -705,6 +705,7 @@ class Int8Format(Format):
     embeddings = True
     keeps_weight = False
     search = ("int8",)
+    info_row = True
 
     def parse(self, options: str | None, keywords: Mapping[str, Any], name: str) -> None:
         if options is not None:
