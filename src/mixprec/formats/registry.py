@@ -7,8 +7,9 @@ back canonically; its config (a frozen value); which layers it leaves float and 
 layer it swaps in for a float one; the bytes its weights take; and how well a device runs
 it. The policy grammar (`mixprec.policy_names`), `QuantizedPolicy`, `mixprec.quantize`,
 `mixprec.hardware` and the format search (`mixprec.plan`) ask the registry, never a mode by
-name, so adding a format is one subclass of `Format` and one `register` call in the
-format's own module (the builtin ones register in `mixprec.quantize`'s modules).
+name, so adding a format is one subclass of `Format` in the format's own module and one
+`register` call (the builtin ones are declared beside their layers in `mixprec.quantize`'s
+modules and registered, in order, by `mixprec.quantize.BUILTIN_FORMATS`).
 
 The format's rating is a `Support`: a `Status` and the reason for it, as the hardware
 support matrix rates dtypes.
@@ -68,7 +69,7 @@ class Support:
 
 class Format:
     """One quantized format. Subclass it, set the class attributes, override the methods
-    the format needs, and `register` an instance in the format's own module.
+    the format needs, and `register` an instance.
 
     Attributes:
         name: the mode as policy names spell it ("int8"); lower case, no '/' or '_from_'.
