@@ -308,3 +308,43 @@ def test_setting_the_global_policy_to_none_is_refused_by_name():
         with mixprec.policy_scope(None):
             pass
     assert mixprec.global_policy() is before
+
+
+# --- a spec is parsed once, into a frozen value; Policy(...) is a factory ---------------------
+
+
+def test_a_spec_is_parsed_once_into_a_frozen_value_the_policy_holds():
+    import dataclasses
+
+    from mixprec.float8_config import Float8Config
+    from mixprec.policy import QuantizedPolicy
+    from mixprec.policy_names import FloatSpec, QuantizedSpec, parse_spec
+    from mixprec.quantize.float8 import FLOAT8
+    from mixprec.quantize.int4 import INT4, Int4Config
+
+    assert parse_spec("mixed_bfloat16") == FloatSpec(f32, bf16, f32)
+    spec = parse_spec("int4/64_from_bf16-mixed")
+    assert spec == QuantizedSpec(INT4, Int4Config(64), FloatSpec(f32, bf16, f32))
+    assert spec.name == "int4/64_from_mixed_bfloat16"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.config = Int4Config(32)
+    delayed = parse_spec("transformer-engine")
+    assert delayed.format is FLOAT8 and delayed.config == Float8Config("delayed")
+    p = Policy("int4/64_from_bf16-mixed")
+    assert type(p) is QuantizedPolicy and p.format is INT4 and p.config == Int4Config(64)
+    with pytest.raises(PolicySpecError, match="param dtype int8 is not a floating dtype"):
+        FloatSpec(torch.int8, f32, f32)
+
+
+def test_calling_policy_is_a_factory_and_its_signature_says_what_it_takes():
+    import inspect
+
+    from mixprec.policy import QuantizedPolicy, as_policy
+
+    assert "__new__" not in vars(Policy) and "__init__" not in vars(Policy)
+    q = Policy("int8_from_bf16-mixed")
+    assert type(q) is QuantizedPolicy and q == as_policy("int8_from_bf16-mixed")
+    assert Policy(q) == q and type(Policy("bf16-mixed")) is Policy
+    params = list(inspect.signature(Policy).parameters)
+    assert params == ["spec", "param_dtype", "compute_dtype", "output_dtype", "variable_dtype"]
+    assert list(inspect.signature(QuantizedPolicy).parameters) == ["mode", "source", "options"]

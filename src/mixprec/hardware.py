@@ -15,7 +15,6 @@ import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from enum import Enum
 from functools import cache
 from typing import Any
 
@@ -25,9 +24,15 @@ from torch import nn
 from mixprec import gemm_ratio
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PrecisionError, SlowPrecisionError, SlowPrecisionWarning
-from mixprec.microscaling_config import MicroscalingConfig
+from mixprec.formats.registry import Status, Support, format_named
 from mixprec.policy import Policy, QuantizedPolicy, is_auto
 from mixprec.policy_map import PolicyMap, as_map
+
+# each format's rating lives with the format (`Format.rate`); the builtin ones are this
+# module's names too, beside the dtypes' ratings
+from mixprec.quantize.float8 import FLOAT8_FAST_ON, float8_support
+from mixprec.quantize.int8 import int8_support
+from mixprec.quantize.microscaling import microscaling_support
 
 __all__ = [
     "ALLOW_SLOW_ENV",
@@ -62,23 +67,6 @@ __all__ = [
     "support_matrix",
     "warn_if_unsupported",
 ]
-
-
-class Status(str, Enum):
-    """How well a device runs a precision, best first."""
-
-    FAST = "fast"
-    SUPPORTED = "supported"
-    SLOW = "slow"
-    REFUSED = "refused"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def rank(self) -> int:
-        """0 for the best status: the worst dtype of a policy decides its support."""
-        return list(Status).index(self)
 
 
 FAST, SUPPORTED, SLOW, REFUSED = Status.FAST, Status.SUPPORTED, Status.SLOW, Status.REFUSED
@@ -167,14 +155,6 @@ def _threads(n: int) -> str:
     return "1 thread" if n == 1 else f"{n} threads"
 
 
-@dataclass(frozen=True)
-class Support:
-    """One cell of the support matrix: a status and the reason for it."""
-
-    status: Status
-    reason: str
-
-
 _CPU_FLAGS_OF_INTEREST = (
     "avx512_bf16",
     "amx_bf16",
@@ -185,11 +165,6 @@ _CPU_FLAGS_OF_INTEREST = (
     "avx_vnni",
     "amx_int8",
 )
-# int8 dot products with 32-bit sums (without them oneDNN's int8 kernels saturate 16-bit
-# partial sums, and mixprec's int8 layers sum their codes in float32 matmuls)
-_VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
-# flags only an x86 CPU reports (an Arm CPU has none of them)
-_X86_FLAGS = frozenset({"sse2", "avx", "avx2", "avx512f", "avx512bw"})
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -520,76 +495,12 @@ def slow_attention(info: DeviceInfo) -> frozenset[torch.dtype]:
     return frozenset(dtype for dtype, flag in tiles.items() if flag not in info.cpu_flags)
 
 
-FLOAT8_FAST_ON = "NVIDIA GPUs of compute capability 8.9+ (L4, L40, H100 and newer)"
-
-
-def float8_support(info: DeviceInfo) -> Support:
-    """How well `info`'s device runs float8 matmuls (`torch._scaled_mm`)."""
-    if info.type == "cuda":
-        major, minor = info.capability or (0, 0)
-        if (major, minor) >= (8, 9):
-            return Support(FAST, f"float8 tensor cores (compute capability {major}.{minor})")
-        return Support(
-            SLOW,
-            f"no float8 tensor cores (compute capability {major}.{minor} < 8.9): float8 "
-            "matmuls are emulated, slower than bfloat16",
-        )
-    return Support(
-        SLOW,
-        f"no float8 matmul hardware on {info.type}: emulated (quantized, dequantized, then "
-        "multiplied in float32), slower than float32",
-    )
-
-
-MICROSCALING_FAST_ON = (
-    "no device through mixprec yet: its block-scaled (MX, NVFP4) matmuls are emulated "
-    "everywhere; the hardware that runs them is NVIDIA Blackwell (compute capability 10.0+)"
-)
-
-
-def microscaling_support(info: DeviceInfo) -> Support:
-    """How `info`'s device runs block-scaled (mxfp8/mxfp6/mxfp4/nvfp4) matmuls: emulated
-    (quantize, dequantize, float32 matmul) on every device, since mixprec has no kernel path
-    for them (they need NVIDIA Blackwell's block-scaled tensor cores)."""
-    if info.type == "cuda":
-        major, minor = info.capability or (0, 0)
-        where = (
-            "this GPU has block-scaled tensor cores, but mixprec has no kernel path for them"
-            if major >= 10
-            else f"compute capability {major}.{minor} has no block-scaled tensor cores"
-        )
-        return Support(SLOW, f"block-scaled matmuls are emulated in float32 ({where})")
-    return Support(
-        SLOW,
-        f"no block-scaled matmul hardware on {info.type}: emulated in float32 (quantize, "
-        "dequantize, float32 matmul), slower than float32",
-    )
-
-
-def int8_support(info: DeviceInfo) -> Support:
-    """How `info`'s device runs int8 x int8 matmuls with exact sums: an x86 CPU without VNNI
-    has no integer kernel whose sums are exact (16-bit partial sums saturate), so mixprec's
-    int8 layers sum their codes in exact float32 matmuls there (`quantize.int8.float_sums`),
-    converting the weight's codes per call: 1.2x float32's time at 128 tokens, 2.9x at one
-    (measured with oneDNN and ATen capped to AVX2): memory saved, not time."""
-    x86 = info.type == "cpu" and bool(info.cpu_flags & _X86_FLAGS)
-    vnni = sorted(info.cpu_flags & _VNNI_FLAGS)
-    if x86 and not vnni:
-        return Support(
-            SUPPORTED,
-            "no VNNI (avx512_vnni/avx_vnni/amx_int8): int8 sums run as float32 matmuls of the "
-            "codes, slower than float32; saves memory, not time",
-        )
-    if vnni:
-        return Support(FAST, f"VNNI dot products ({', '.join(vnni)})")
-    return Support(FAST, f"integer matmuls on {info.type}")
-
-
 def policy_support(policy: Any, info: DeviceInfo) -> Support:
-    """The worst support over every dtype a policy (or each policy of a map) uses; float8
-    quantized policies also need float8 matmul hardware, block-scaled ones (mxfp8, mxfp6,
-    mxfp4, nvfp4) are emulated everywhere, int8 saves memory but not time on x86 CPUs
-    without VNNI (`int8_support`), and int4 runs anywhere.
+    """The worst support over every dtype a policy (or each policy of a map) uses, and for
+    a quantized policy its format's own rating (`Format.rate`): float8 needs float8 matmul
+    hardware (`float8_support`), block-scaled formats (mxfp8, mxfp6, mxfp4, nvfp4) are
+    emulated everywhere (`microscaling_support`), int8 saves memory but not time on x86
+    CPUs without VNNI (`int8_support`), and int4 runs anywhere.
 
     The reason is the map's default policy's unless another policy of the map is worse: a
     bf16-mixed map is fast because of bfloat16, not because of its float32 islands."""
@@ -597,18 +508,9 @@ def policy_support(policy: Any, info: DeviceInfo) -> Support:
     others = sorted(pmap.policies() - {pmap.default}, key=lambda p: p.name)
     worst = Support(FAST, "")
     for p in [pmap.default, *others]:
-        if isinstance(p, QuantizedPolicy) and p.mode == "float8":
-            s = float8_support(info)
-            if s.status.rank > worst.status.rank or not worst.reason:
-                worst = Support(s.status, f"float8: {s.reason}")
-        if isinstance(p, QuantizedPolicy) and p.mode == "int8":
-            s = int8_support(info)
-            if s.status.rank > worst.status.rank or not worst.reason:
-                worst = Support(s.status, f"int8: {s.reason}")
-        if isinstance(p, QuantizedPolicy) and p.microscaling_config is not None:
-            s = microscaling_support(info)
-            if s.status.rank > worst.status.rank or not worst.reason:
-                worst = Support(s.status, f"{p.mode}: {s.reason}")
+        rated = p.format.rate(info) if isinstance(p, QuantizedPolicy) else None
+        if rated is not None and (rated.status.rank > worst.status.rank or not worst.reason):
+            worst = Support(rated.status, f"{p.mode}: {rated.reason}")
         # storage matters only if refused; speed is decided by the compute dtype
         for dtype in dict.fromkeys((p.compute_dtype, p.param_dtype, p.output_dtype)):
             s = dtype_support(dtype, info)
@@ -699,12 +601,10 @@ def check(
         )
     if s.status == SLOW and not (allow_slow or allow_slow_from_env()):
         fast = [n for n, c in support_matrix(info).items() if c.status == FAST]
-        if s.reason.startswith("float8:"):
-            where = FLOAT8_FAST_ON
-        elif s.reason.partition(":")[0] in MicroscalingConfig.MODES:
-            where = MICROSCALING_FAST_ON
-        else:
-            where = fast_on(_slowest_dtype(policy, info))
+        # a reason names what is slow first: a format (its hardware) or a dtype
+        fmt = format_named(s.reason.partition(":")[0])
+        where = fmt.fast_on if fmt is not None and fmt.fast_on else None
+        where = where or fast_on(_slowest_dtype(policy, info))
         raise SlowPrecisionError(
             f"precision {name!r} runs on {info.describe()} but slower than float32 "
             f"({s.reason}). It is fast on {where}. To run it here anyway (e.g. to study its "

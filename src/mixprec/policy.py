@@ -2,15 +2,18 @@
 
 A `Policy` is an immutable, hashable value and compares equal whatever spelling made it:
 "bf16-mixed", "mixed_bfloat16" and "params=float32,compute=bfloat16,output=float32" are one
-policy. A `QuantizedPolicy` is a plain value too: a mode, its options and the float policy
-the rest follows; which layers it quantizes is `mixprec.quantize`'s business. The spellings
-are parsed and named in `mixprec.policy_names`; `as_policy` is the one factory that turns a
-spec, config or policy into either kind. The global policy is process-wide; `policy_scope`
-overrides it for the current thread only.
+policy. A `QuantizedPolicy` is a plain value too: a registered format (`mixprec.formats`),
+its config and the float policy the rest follows; which layers it quantizes is
+`mixprec.quantize`'s business. The spellings are parsed and named in `mixprec.policy_names`,
+once per spec, into a frozen `FloatSpec` or `QuantizedSpec` that the policy holds.
+`as_policy` is the one factory that turns a spec, config or policy into either kind, and
+calling `Policy(spec)` is that factory too (see `Policy`). The global policy is
+process-wide; `policy_scope` overrides it for the current thread only.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -18,21 +21,20 @@ from typing import Any
 
 import torch
 
-from mixprec.dtypes import dtype_name, is_float8, to_dtype
+from mixprec.dtypes import dtype_name, to_dtype
 from mixprec.errors import PolicySpecError
 from mixprec.float8_config import Float8Config
+from mixprec.formats.registry import Format, format_named, formats
 from mixprec.microscaling_config import MicroscalingConfig
 from mixprec.policy_names import (
-    QUANTIZATION_MODES,
+    FloatSpec,
+    QuantizedSpec,
     accepted,
     accepted_quantized,
-    float_name,
     is_auto,
     names_quantized,
     parse_float,
     parse_quantized,
-    quantized_name,
-    quantized_options,
 )
 
 # is_auto is the grammar's (policy_names); it is listed here too for the code that takes specs
@@ -51,27 +53,48 @@ __all__ = [
 f32 = torch.float32
 
 
-def _validate(param: torch.dtype, compute: torch.dtype, output: torch.dtype) -> None:
-    for role, dtype in (("param", param), ("compute", compute), ("output", output)):
-        if not dtype.is_floating_point:
-            raise PolicySpecError(
-                f"{role} dtype {dtype_name(dtype)} is not a floating dtype; a policy's dtypes are "
-                "float64, float32, float16 or bfloat16"
-            )
-        if is_float8(dtype):
-            raise PolicySpecError(
-                f"{role} dtype {dtype_name(dtype)} refused: float8 tensors need per-tensor "
-                "scales (a float8 recipe with scaled matmuls), which a plain cast policy "
-                "cannot give; use float16/bfloat16 here"
-            )
+class _PolicyFactory(type):
+    """The metaclass of policies: calling a policy class is its factory. The arguments are
+    parsed once, by the class called (`Policy._parse`, `QuantizedPolicy._parse`), into a
+    frozen spec, and the policy that spec names is built from it: `Policy(spec)` gives a
+    `QuantizedPolicy` for a quantized spec, as `as_policy(spec)` does."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        spec = cls._parse(*args, **kwargs)
+        return _built(cls, spec)
+
+    @property
+    def __signature__(cls) -> inspect.Signature:
+        """What `inspect.signature` and help() show for a policy class: its `_parse`'s
+        arguments, not this method's."""
+        return inspect.signature(cls._parse).replace(return_annotation=cls.__name__)
 
 
-class Policy:
+def _built(cls: type, spec: FloatSpec | QuantizedSpec) -> Policy:
+    """The policy `spec` names: of class `cls` where it is of the spec's kind (a subclass
+    called by its own name), else `QuantizedPolicy` or `Policy`."""
+    kind = QuantizedPolicy if isinstance(spec, QuantizedSpec) else Policy
+    policy = object.__new__(cls if issubclass(cls, kind) else kind)
+    policy._set(spec)
+    return policy
+
+
+class Policy(metaclass=_PolicyFactory):
     """An immutable precision policy: param (variable) dtype, compute dtype, output dtype.
 
-    `Policy(spec)` builds what the spec names, as `as_policy(spec)` does: a quantized spec
-    ("int8_from_mixed_bfloat16", "transformer-engine") or policy gives a `QuantizedPolicy`,
-    which is a Policy; every other spec a float Policy.
+    `Policy(spec)` is a factory: it parses the spec once and builds what it names, as
+    `as_policy(spec)` does. A quantized spec ("int8_from_mixed_bfloat16",
+    "transformer-engine") or policy gives a `QuantizedPolicy`, which is a Policy; every
+    other spec a float Policy. `Policy(param_dtype=..., compute_dtype=...)` builds one from
+    dtypes (compute and output follow params where not given).
+
+    Args:
+        spec: a name ("bf16-mixed", "mixed_bfloat16", "int8_from_bf16-mixed"), an int (16,
+            32, 64), a torch.dtype, a jmp spec ("p=f32,c=bf16,o=f32") or a Policy.
+        param_dtype: the dtype parameters are stored in, in place of the spec's
+            (`variable_dtype` is Keras's name for it).
+        compute_dtype: the dtype matmuls and convolutions run in.
+        output_dtype: the dtype floating outputs are cast to.
 
     >>> Policy("bf16-mixed") == Policy("mixed_bfloat16") == Policy("p=f32,c=bf16,o=f32")
     True
@@ -79,27 +102,31 @@ class Policy:
     'QuantizedPolicy'
     """
 
-    __slots__ = ("_param", "_compute", "_output")
+    __slots__ = ("_param", "_compute", "_output", "_spec")
 
-    def __new__(cls, spec: Any = None, *args: Any, **kwargs: Any) -> Policy:
-        # The rule above, and all this does: a quantized spec names a QuantizedPolicy, whose
-        # __init__ then parses it. (Without a metaclass only __new__ can make `Policy(...)`
-        # return the subclass; README and callers build quantized policies this way.)
-        return object.__new__(QuantizedPolicy if cls is Policy and is_quantized(spec) else cls)
-
-    def __init__(
-        self,
+    @classmethod
+    def _parse(
+        cls,
         spec: str | int | torch.dtype | Policy | None = None,
         *,
         param_dtype: str | torch.dtype | None = None,
         compute_dtype: str | torch.dtype | None = None,
         output_dtype: str | torch.dtype | None = None,
         variable_dtype: str | torch.dtype | None = None,
-    ) -> None:
+    ) -> FloatSpec | QuantizedSpec:
+        """The spec `Policy(...)` builds from: a quantized spec as it names one, else the
+        float dtypes of `spec` with those given as keywords in their place."""
         if variable_dtype is not None:
             if param_dtype is not None:
                 raise PolicySpecError("give param_dtype or its alias variable_dtype, not both")
             param_dtype = variable_dtype
+        dtypes = {"param_dtype": param_dtype, "compute_dtype": compute_dtype}
+        dtypes["output_dtype"] = output_dtype
+        if isinstance(spec, QuantizedPolicy) and all(v is None for v in dtypes.values()):
+            return spec._spec
+        if isinstance(spec, QuantizedPolicy) or names_quantized(spec):
+            name = spec.name if isinstance(spec, QuantizedPolicy) else spec
+            return parse_quantized(name, options=dtypes)  # type: ignore[arg-type]
         if spec is not None:
             if isinstance(spec, Policy):
                 param, compute, output = spec.param_dtype, spec.compute_dtype, spec.output_dtype
@@ -114,10 +141,14 @@ class Policy:
             param = to_dtype(param_dtype)
         compute = to_dtype(compute_dtype) if compute_dtype is not None else compute or param
         output = to_dtype(output_dtype) if output_dtype is not None else output or param
-        _validate(param, compute, output)
-        object.__setattr__(self, "_param", param)
-        object.__setattr__(self, "_compute", compute)
-        object.__setattr__(self, "_output", output)
+        return FloatSpec(param, compute, output)
+
+    def _set(self, spec: FloatSpec | QuantizedSpec) -> None:
+        float_spec = spec.source if isinstance(spec, QuantizedSpec) else spec
+        object.__setattr__(self, "_param", float_spec.param)
+        object.__setattr__(self, "_compute", float_spec.compute)
+        object.__setattr__(self, "_output", float_spec.output)
+        object.__setattr__(self, "_spec", spec)
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("Policy is immutable; build a new one")
@@ -178,7 +209,7 @@ class Policy:
     @property
     def name(self) -> str:
         """Canonical name: Lightning's spelling where one exists, else a jmp-style spec."""
-        return float_name(self._param, self._compute, self._output)
+        return self._spec.name
 
     def to_config(self) -> dict[str, str]:
         """A JSON-friendly dict that `from_config` turns back into an equal policy."""
@@ -226,16 +257,13 @@ class Policy:
                 raise PolicySpecError(f"policy config key {key!r}: {err}") from None
         return cls(**dtypes)
 
-    def _key(self) -> tuple[Any, ...]:
-        return (self._param, self._compute, self._output)
-
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Policy):
             return NotImplemented
-        return type(self) is type(other) and self._key() == other._key()
+        return type(self) is type(other) and self._spec == other._spec
 
     def __hash__(self) -> int:
-        return hash(self._key())
+        return hash(self._spec)
 
     def __str__(self) -> str:
         return self.name
@@ -253,9 +281,17 @@ def is_quantized(spec: Any) -> bool:
 class QuantizedPolicy(Policy):
     """A float policy whose Linear (and, for int8/int4, Embedding) layers hold quantized
     weights: Keras's `QuantizedDTypePolicy` / `QuantizedFloat8DTypePolicy`. A plain value:
-    the mode, its options (int4 group size, float8 recipe, block format) and the source float
-    policy;
+    a registered format (`mixprec.formats`: int8, int4, float8, mxfp8, ...), its config
+    (int4 group size, float8 recipe, block format) and the source float policy;
     `mixprec.quantize.rules` says which layers it quantizes and why it skips the others.
+
+    Args:
+        mode: a registered format's name with its options after a '/' ("int4/64",
+            "float8/delayed:16", "mxfp8/floor"), a whole quantized name
+            ("int8_from_bf16-mixed"), or a QuantizedPolicy to copy.
+        source: the float policy everything else follows (unless `mode` names it).
+        options: the format's keyword options: int4's ``group_size``, float8's ``recipe``
+            and ``amax_history_length``.
 
     The param, compute and output dtypes are those of the source float policy: layers the
     mode cannot quantize (norms, small layers) run in it, and quantized layers compute
@@ -267,79 +303,54 @@ class QuantizedPolicy(Policy):
     True
     """
 
-    __slots__ = ("_mode", "_source", "_group_size", "_float8", "_microscaling")
+    __slots__ = ("_source",)
 
-    def __init__(
-        self,
+    @classmethod
+    def _parse(  # type: ignore[override]
+        cls,
         mode: str | QuantizedPolicy,
         source: str | int | torch.dtype | Policy | None = None,
-        *,
-        group_size: int | None = None,
-        recipe: str | None = None,
-        amax_history_length: int | None = None,
-        **float_dtypes: Any,
-    ) -> None:
-        if float_dtypes:
-            raise PolicySpecError(
-                f"a quantized policy takes its dtypes from its source float policy, not "
-                f"{', '.join(sorted(float_dtypes))}; give the source instead, e.g. "
-                "QuantizedPolicy('int8', 'p=f32,c=bf16,o=f32')"
-            )
+        **options: Any,
+    ) -> QuantizedSpec:
+        """The spec `QuantizedPolicy(...)` builds from."""
         if isinstance(mode, QuantizedPolicy):
-            if source is not None or group_size or recipe or amax_history_length:
+            if source is not None or any(v is not None for v in options.values()):
                 raise PolicySpecError("QuantizedPolicy(policy) copies it; give nothing else")
-            source, group_size, recipe = mode.source, mode.group_size, mode.recipe
-            amax_history_length = mode.amax_history_length
-            micro = mode.microscaling_config
-            mode = mode.mode if micro is None else micro.spelled()
+            return mode._spec
         if not isinstance(mode, str):
             raise PolicySpecError(
                 f"quantization mode must be a string, not {type(mode).__name__}. "
                 + accepted_quantized()
             )
-        parsed = parse_quantized(mode)
-        if parsed.source is not None:
-            if source is not None:
-                raise PolicySpecError(
-                    f"{mode!r} names its source already; do not also pass source={source!r}"
-                )
-            source = parsed.source
-        if source is None:
-            bare = mode.strip().lower()
-            raise PolicySpecError(
-                f"QuantizedPolicy({mode!r}) needs its source float policy, e.g. "
-                f"QuantizedPolicy({bare!r}, 'mixed_bfloat16') or '{bare}_from_mixed_bfloat16'"
-            )
-        if is_quantized(source):
+        if isinstance(source, QuantizedPolicy):
             raise PolicySpecError(
                 f"the source of a quantized policy is a float policy, not the quantized "
-                f"{source if isinstance(source, str) else source.name!r}"
+                f"{source.name!r}"
             )
-        try:
-            float_policy = source if type(source) is Policy else Policy(source)
-        except PolicySpecError as err:
-            raise PolicySpecError(f"in quantized policy {mode!r}: {err}") from None
-        group_size, float8, micro = quantized_options(
-            parsed, float_policy.compute_dtype, group_size, recipe, amax_history_length, mode
-        )
-        Policy.__init__(
-            self,
-            param_dtype=float_policy.param_dtype,
-            compute_dtype=float_policy.compute_dtype,
-            output_dtype=float_policy.output_dtype,
-        )
-        object.__setattr__(self, "_mode", parsed.mode)
-        object.__setattr__(self, "_source", float_policy)
-        object.__setattr__(self, "_group_size", group_size)
-        object.__setattr__(self, "_float8", float8)
-        object.__setattr__(self, "_microscaling", micro)
+        if isinstance(source, Policy):
+            source = source._spec
+        return parse_quantized(mode, source, options)
+
+    def _set(self, spec: FloatSpec | QuantizedSpec) -> None:
+        super()._set(spec)
+        object.__setattr__(self, "_source", _built(Policy, spec.source))  # type: ignore[union-attr]
 
     @property
     def mode(self) -> str:
-        """ "int8", "int4", "float8", or a block-scaled "mxfp8", "mxfp6", "mxfp4", "nvfp4"."""
-        return self._mode
+        """The name of its format: "int8", "int4", "float8", "mxfp8", ..."""
+        return self._spec.format.name
 
     quantization_mode = mode
+
+    @property
+    def format(self) -> Format:
+        """The registered format (`mixprec.formats`) its layers are quantized in."""
+        return self._spec.format
+
+    @property
+    def config(self) -> Any:
+        """The format's options: `Int4Config`, `Float8Config`, `MicroscalingConfig`, ..."""
+        return self._spec.config
 
     @property
     def source(self) -> Policy:
@@ -349,68 +360,59 @@ class QuantizedPolicy(Policy):
     @property
     def group_size(self) -> int | None:
         """int4: input features per scale/zero point (-1: one group per output channel)."""
-        return self._group_size
+        return getattr(self._spec.config, "group_size", None)
 
     @property
     def recipe(self) -> str | None:
         """float8: how scales are chosen (tensorwise, rowwise, rowwise_with_gw_hp, delayed)."""
-        return None if self._float8 is None else self._float8.recipe
+        float8 = self.float8_config
+        return None if float8 is None else float8.recipe
 
     @property
     def amax_history_length(self) -> int | None:
         """float8 `delayed` recipe: how many steps of abs-max the scale looks back over."""
-        float8 = self._float8
+        float8 = self.float8_config
         return float8.amax_history_length if float8 is not None and float8.delayed else None
 
     @property
     def float8_config(self) -> Float8Config | None:
         """float8: the recipe and amax history length as the float8 layers take them."""
-        return self._float8
+        config = self._spec.config
+        return config if isinstance(config, Float8Config) else None
 
     @property
     def microscaling_config(self) -> MicroscalingConfig | None:
         """mxfp8/mxfp6/mxfp4/nvfp4: the block format and its recipe options."""
-        return self._microscaling
+        config = self._spec.config
+        return config if isinstance(config, MicroscalingConfig) else None
 
     @property
     def name(self) -> str:
         """Keras's spelling; options only where they differ from the defaults."""
-        return quantized_name(
-            self._mode, self._group_size, self._float8, self._source.name, self._microscaling
-        )
+        return self._spec.name
 
     def to_config(self) -> dict[str, Any]:  # type: ignore[override]
         """A JSON-friendly dict that `from_config` (of this class or `Policy`) turns back."""
-        config: dict[str, Any] = {
-            "quantization_mode": self._mode,
+        spec = self._spec
+        return {
+            "quantization_mode": spec.format.name,
             "source": self._source.to_config(),
+            **spec.format.to_dict(spec.config),
         }
-        if self._group_size is not None:
-            config["group_size"] = self._group_size
-        if self.recipe is not None:
-            config["recipe"] = self.recipe
-        if self.amax_history_length is not None:
-            config["amax_history_length"] = self.amax_history_length
-        if self._microscaling is not None and "/" in self._microscaling.spelled():
-            config["options"] = self._microscaling.spelled().partition("/")[2]
-        return config
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any]) -> QuantizedPolicy:  # type: ignore[override]
         """Inverse of `to_config`."""
-        keys = {
-            "quantization_mode",
-            "source",
-            "group_size",
-            "recipe",
-            "amax_history_length",
-            "options",
-        }
         if not isinstance(config, Mapping) or not {"quantization_mode", "source"} <= set(config):
             raise PolicySpecError(
                 "QuantizedPolicy.from_config takes the dict to_config() returns (keys "
                 f"quantization_mode, source, and the mode's options), got {config!r}"
             )
+        holds: dict[str, str] = {}
+        for f in formats():
+            for key, what in f.config_keys.items():
+                holds.setdefault(key, what)
+        keys = {"quantization_mode", "source", *holds}
         unknown = set(config) - keys
         if unknown:
             raise PolicySpecError(
@@ -420,50 +422,32 @@ class QuantizedPolicy(Policy):
         for key, value in config.items():
             if value is None:
                 takes = {
-                    "quantization_mode": f"a mode ({', '.join(QUANTIZATION_MODES)})",
+                    "quantization_mode": f"a mode ({', '.join(f.name for f in formats())})",
                     "source": "a float policy: a name such as 'bf16-mixed' or a to_config() dict",
                 }.get(key, "a value, or leave the option out for its default")
                 raise PolicySpecError(
                     f"quantized policy config key {key!r} is null; it takes {takes}"
                 )
-        recipe = config.get("recipe")
-        if recipe is not None and not isinstance(recipe, str):
-            raise PolicySpecError(
-                f"quantized policy config key 'recipe' is {type(recipe).__name__} {recipe!r}; "
-                f"it takes a recipe name ({', '.join(Float8Config.RECIPES)})"
-            )
-        options, mode = config.get("options"), config["quantization_mode"]
-        if options is not None:
-            if not isinstance(options, str) or mode not in MicroscalingConfig.MODES:
+        mode = config["quantization_mode"]
+        fmt = format_named(mode) if isinstance(mode, str) else None
+        stored = {k: v for k, v in config.items() if k in holds}
+        for key, value in stored.items():
+            if fmt is not None and key not in fmt.config_keys:
+                owners = ", ".join(f.name for f in formats() if key in f.config_keys)
                 raise PolicySpecError(
-                    f"quantized policy config key 'options' is {options!r}: it holds the "
-                    f"':'-separated options of a microscaling mode "
-                    f"({', '.join(MicroscalingConfig.MODES)}), as to_config() writes them"
+                    f"quantized policy config key {key!r} is {value!r}: it holds "
+                    f"{holds[key]} ({owners}), as to_config() writes them"
                 )
-            mode = f"{mode}/{options}"
         try:
             source = as_policy(config["source"])
         except PolicySpecError as err:
             raise PolicySpecError(f"quantized policy config key 'source': {err}") from None
-        return cls(
-            mode,
-            source,
-            group_size=config.get("group_size"),
-            recipe=recipe,
-            amax_history_length=config.get("amax_history_length"),
-        )
+        if not isinstance(mode, str) or isinstance(source, QuantizedPolicy):
+            return cls(mode, source)  # refused, saying why
+        return _built(cls, parse_quantized(mode, source._spec, stored=stored))  # type: ignore[return-value]
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (QuantizedPolicy.from_config, (self.to_config(),))
-
-    def _key(self) -> tuple[Any, ...]:
-        return (
-            self._mode,
-            self._group_size,
-            self._float8,
-            self._microscaling,
-            self._source._key(),
-        )
 
     def __repr__(self) -> str:
         return f"QuantizedPolicy({self.name!r})"
@@ -480,8 +464,6 @@ def as_policy(spec: Any = None) -> Policy:
         return spec
     if isinstance(spec, Mapping):
         return Policy.from_config(spec)
-    if is_quantized(spec):
-        return QuantizedPolicy(spec)
     return Policy(spec)
 
 

@@ -3,44 +3,43 @@
 Float policies: Lightning's names ("bf16-mixed", "16-true", 16, ...), Keras's
 ("mixed_bfloat16", "float32", ...), torch dtypes, and jmp specs
 ("params=float32,compute=bfloat16,output=float32", keys p/c/o). Quantized policies: Keras's
-"<mode>_from_<float policy>" with mixprec's options ("int4/64_from_float32",
-"float8/delayed:16_from_bf16-mixed"), the block-scaled formats ("mxfp8/floor_from_bf16-mixed",
-"nvfp4/2d:rht:sr_from_bf16-mixed") and Lightning's "transformer-engine" flags.
+"<mode>_from_<float policy>", the mode any registered format (`mixprec.formats`) with the
+options it spells after a '/' ("int4/64_from_float32", "float8/delayed:16_from_bf16-mixed",
+"mxfp8/floor_from_bf16-mixed"), and Lightning's "transformer-engine" flags.
 
-No policy objects here: this module turns specs into dtypes and options (or a clear error
-saying what is accepted), and `mixprec.policy` builds the values from them.
+No policy objects here: a spec is parsed once (`parse_spec`) into a frozen `FloatSpec` or
+`QuantizedSpec` (or a clear error saying what is accepted), and `mixprec.policy` builds the
+values from them.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mixprec.dtypes import DTYPE_NAMES, FLOAT8_DTYPES, dtype_name, to_dtype
+from mixprec.dtypes import DTYPE_NAMES, FLOAT8_DTYPES, dtype_name, is_float8, to_dtype
 from mixprec.errors import PolicySpecError
-from mixprec.float8_config import Float8Config
-from mixprec.microscaling_config import MicroscalingConfig
+from mixprec.formats.registry import Format, format_named, formats
 
 __all__ = [
     "AUTO",
-    "DEFAULT_GROUP_SIZE",
     "LIGHTNING_FLOAT8",
-    "PER_CHANNEL",
     "POLICY_NAMES",
-    "QUANTIZATION_MODES",
-    "QuantizedName",
+    "FloatSpec",
+    "QuantizedSpec",
     "accepted",
     "accepted_quantized",
     "float_name",
     "is_auto",
     "names_quantized",
     "parse_float",
+    "parse_float_spec",
     "parse_quantized",
-    "quantized_name",
-    "quantized_options",
+    "parse_spec",
 ]
 
 f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
@@ -116,8 +115,7 @@ def accepted() -> str:
         f"accepted: one of {', '.join(repr(n) for n in POLICY_NAMES)}; the ints 16, 32, 64; "
         "a torch.dtype; or a jmp spec like 'params=float32,compute=bfloat16,output=float32' "
         f"(keys p/c/o, dtypes {', '.join(DTYPE_NAMES)}); 'auto' where a device is known; "
-        "or a quantized policy '<mode>_from_<float policy>' (modes int8, int4, float8, "
-        "mxfp8, mxfp6, mxfp4, nvfp4), "
+        f"or a quantized policy '<mode>_from_<float policy>' (modes {_modes()}), "
         "Lightning's 'transformer-engine' and 'transformer-engine-float16' among them"
     )
 
@@ -194,9 +192,9 @@ def parse_float(spec: Any) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         raise PolicySpecError(
             f"unknown precision {spec!r} (did you mean {_HINTS[bare]}?); " + accepted()
         )
-    if bare in _BARE_QUANTIZED:
+    if _bare_quantized(bare):
         raise PolicySpecError(
-            f"precision {spec!r} refused: {_BARE_QUANTIZED[bare]} names a quantization mode, "
+            f"precision {spec!r} refused: {bare} names a quantization mode, "
             "not a policy; say which float policy the rest of the layer follows. "
             + accepted_quantized()
         )
@@ -238,9 +236,6 @@ def float_name(param: torch.dtype, compute: torch.dtype, output: torch.dtype) ->
 # ---- quantized policies: "<mode>_from_<float policy>", as Keras spells them ----
 
 _QUANTIZED_SEP = "_from_"
-QUANTIZATION_MODES: tuple[str, ...] = ("int8", "int4", "float8", *MicroscalingConfig.MODES)
-DEFAULT_GROUP_SIZE = 128
-PER_CHANNEL = -1  # int4 group size: one group per output channel
 # Keras's name of each canonical float policy: the source part of a canonical quantized name
 _KERAS_NAMES: dict[str, str] = {
     "32-true": "float32",
@@ -259,26 +254,27 @@ LIGHTNING_FLOAT8: dict[str, str] = {
         "float8/delayed_from_params=float16,compute=float16,output=float32"
     ),
 }
-# Bare mode or storage names people reach for, refused with the accepted quantized forms
-_BARE_QUANTIZED: dict[str, str] = {
-    "int8": "int8",
-    "int4": "int4",
-    "float8": "float8",
-    **{m: m for m in MicroscalingConfig.MODES},
-    **{dtype_name(d): dtype_name(d) for d in FLOAT8_DTYPES},
-}
+# the keywords a policy constructor takes for the float dtypes, which a quantized policy
+# takes from its source instead
+_DTYPE_KEYWORDS = ("param_dtype", "compute_dtype", "output_dtype", "variable_dtype")
+
+
+def _modes() -> str:
+    return ", ".join(f.name for f in formats())
+
+
+def _bare_quantized(name: str) -> bool:
+    """A bare mode or float8 storage name ("int8", "mxfp8", "float8_e4m3fn"), which names a
+    quantization, not a policy."""
+    return format_named(name) is not None or name in {dtype_name(d) for d in FLOAT8_DTYPES}
 
 
 def accepted_quantized() -> str:
     """What a quantized policy spec may be, for error messages."""
+    spelled = ", ".join(dict.fromkeys(f.accepted for f in formats()))
     return (
-        "Quantized policies are '<mode>_from_<float policy>' with mode one of 'int8', "
-        f"'int4' (groups of {DEFAULT_GROUP_SIZE}), 'int4/<group size>' ('int4/-1', or "
-        "Keras's older 'int4/None': per channel), 'float8' (tensorwise), 'float8/<recipe>' "
-        f"(recipes {', '.join(Float8Config.RECIPES)}; 'float8/delayed:<amax history length>'), "
-        "the block-scaled "
-        + MicroscalingConfig.accepted()
-        + "; and any float policy name after '_from_' (e.g. 'int8_from_float32', "
+        f"Quantized policies are '<mode>_from_<float policy>' with mode one of {spelled}; and "
+        "any float policy name after '_from_' (e.g. 'int8_from_float32', "
         "'int4/64_from_mixed_bfloat16', 'float8/rowwise_from_bf16-mixed')"
     )
 
@@ -293,150 +289,143 @@ def names_quantized(spec: Any) -> bool:
 
 
 @dataclass(frozen=True)
-class QuantizedName:
-    """What a quantized spelling says: the mode, the options it spells (None where it
-    spells none; a microscaling mode's option text as written, parsed by
-    `MicroscalingConfig.parse`) and the float policy after '_from_' (None for a bare mode
-    such as "int4/64", whose source is given apart)."""
+class FloatSpec:
+    """A float policy as parsed: the dtypes parameters are stored in, computed in and
+    output in, checked once (floating, and no float8, which needs scales a cast cannot
+    give)."""
 
-    mode: str
-    group_size: int | None = None
-    recipe: str | None = None
-    amax_history_length: int | None = None
-    source: str | None = None
-    options: str | None = None
+    param: torch.dtype
+    compute: torch.dtype
+    output: torch.dtype
+
+    def __post_init__(self) -> None:
+        roles = (("param", self.param), ("compute", self.compute), ("output", self.output))
+        for role, dtype in roles:
+            if not dtype.is_floating_point:
+                raise PolicySpecError(
+                    f"{role} dtype {dtype_name(dtype)} is not a floating dtype; a policy's "
+                    "dtypes are float64, float32, float16 or bfloat16"
+                )
+            if is_float8(dtype):
+                raise PolicySpecError(
+                    f"{role} dtype {dtype_name(dtype)} refused: float8 tensors need per-tensor "
+                    "scales (a float8 recipe with scaled matmuls), which a plain cast policy "
+                    "cannot give; use float16/bfloat16 here"
+                )
+
+    @property
+    def name(self) -> str:
+        """Canonical name: Lightning's spelling where one exists, else a jmp-style spec."""
+        return float_name(self.param, self.compute, self.output)
 
 
-def parse_quantized(spec: str) -> QuantizedName:
-    """'int4/64_from_float32' -> QuantizedName("int4", 64, source="float32");
-    'float8/delayed:16' -> QuantizedName("float8", recipe="delayed", amax_history_length=16);
-    Lightning's flags as the names they stand for."""
+@dataclass(frozen=True)
+class QuantizedSpec:
+    """A quantized policy as parsed: its registered format, the format's config (options
+    checked, defaults filled in) and the float policy everything else follows."""
+
+    format: Format
+    config: Any
+    source: FloatSpec
+
+    @property
+    def name(self) -> str:
+        """Keras's spelling: the format with the options that differ from its defaults,
+        '_from_', and the source's Keras name where it has one."""
+        source = self.source.name
+        spelled = self.format.spell(self.config)
+        return f"{spelled}{_QUANTIZED_SEP}{_KERAS_NAMES.get(source, source)}"
+
+
+def parse_float_spec(spec: Any) -> FloatSpec:
+    """The float policy a spec names (`parse_float`), as a checked `FloatSpec`."""
+    return FloatSpec(*parse_float(spec))
+
+
+def parse_quantized(
+    spec: str,
+    source: Any = None,
+    options: Mapping[str, Any] | None = None,
+    *,
+    stored: Mapping[str, Any] | None = None,
+) -> QuantizedSpec:
+    """Parse a quantized spelling once: 'int4/64_from_float32', 'float8/delayed:16' with
+    its `source` given apart, or Lightning's flags as the names they stand for. `options`
+    are keyword options (``group_size=64``), which must belong to the format and agree with
+    what the name spells; `source` is a float spec or `FloatSpec`. `stored` holds the
+    option keys of a policy config instead (`Format.from_dict`)."""
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    dtypes = sorted(k for k in options if k in _DTYPE_KEYWORDS)
+    if dtypes:
+        raise PolicySpecError(
+            f"a quantized policy takes its dtypes from its source float policy, not "
+            f"{', '.join(dtypes)}; give the source instead, e.g. "
+            "QuantizedPolicy('int8', 'p=f32,c=bf16,o=f32')"
+        )
     name = spec.strip().lower()
     name = LIGHTNING_FLOAT8.get(name, name)
-    mode_text, sep, source = name.partition(_QUANTIZED_SEP)
-    if sep and not source:
+    mode_text, sep, source_text = name.partition(_QUANTIZED_SEP)
+    if sep and not source_text:
         raise PolicySpecError(
             f"no float policy after '_from_' in {spec!r}. " + accepted_quantized()
         )
     mode, slash, option = mode_text.partition("/")
-    found = QuantizedName(mode, source=source if sep else None)
-    if mode not in QUANTIZATION_MODES:
+    fmt = format_named(mode)
+    if fmt is None:
         raise PolicySpecError(
-            f"unknown quantization mode {mode!r} in {spec!r}; modes are "
-            f"{', '.join(QUANTIZATION_MODES)}. " + accepted_quantized()
+            f"unknown quantization mode {mode!r} in {spec!r}; modes are {_modes()}. "
+            + accepted_quantized()
         )
     if slash and not option:
         raise PolicySpecError(f"nothing after '/' in {spec!r}. " + accepted_quantized())
-    if not slash:
-        return found
-    if mode in MicroscalingConfig.MODES:
-        return QuantizedName(mode, source=found.source, options=option)
-    if mode == "int8":
-        raise PolicySpecError(
-            f"int8 takes no option ({spec!r}): its scales are per output channel. "
-            + accepted_quantized()
-        )
-    if mode == "int4":
-        if option == "none":  # Keras's older spelling of per-channel int4 ("int4/None_from_...")
-            return QuantizedName(mode, PER_CHANNEL, source=found.source)
-        try:
-            return QuantizedName(mode, int(option), source=found.source)
-        except ValueError:
+    if sep:
+        if source is not None:
             raise PolicySpecError(
-                f"int4 group size {option!r} in {spec!r} is not an integer. " + accepted_quantized()
-            ) from None
-    recipe, colon, history = option.partition(":")
-    if not colon:
-        return QuantizedName(mode, recipe=recipe, source=found.source)
-    try:
-        length = int(history)
-    except ValueError:
-        raise PolicySpecError(
-            f"amax history length {history!r} in {spec!r} is not an integer. "
-            + accepted_quantized()
-        ) from None
-    return QuantizedName(mode, recipe=recipe, amax_history_length=length, source=found.source)
-
-
-def _merge(what: str, parsed: Any, given: Any, name: str) -> Any:
-    if parsed is not None and given is not None and parsed != given:
-        raise PolicySpecError(f"{name!r} says {what} {parsed!r} but {given!r} was passed")
-    return given if given is not None else parsed
-
-
-def quantized_options(
-    parsed: QuantizedName,
-    compute_dtype: torch.dtype,
-    group_size: int | None,
-    recipe: str | None,
-    amax_history_length: int | None,
-    name: str,
-) -> tuple[int | None, Float8Config | None, MicroscalingConfig | None]:
-    """The options of `parsed`'s mode over a source computing in `compute_dtype`: what the
-    name spells merged with the keywords given (which must agree), defaults filled in;
-    (int4 group size, float8 config, microscaling config), None for what the mode does not
-    take. Errors for options the mode does not take and for values out of range."""
-    mode = parsed.mode
-    group_size = _merge("group size", parsed.group_size, group_size, name)
-    recipe = _merge("recipe", parsed.recipe, recipe, name)
-    history = _merge("amax_history_length", parsed.amax_history_length, amax_history_length, name)
-    if mode == "int8" and compute_dtype == torch.float16:
-        raise PolicySpecError(
-            f"{name!r} refused: int8 with a float16 compute dtype loses too much (as in Keras); "
-            "use a bfloat16 or float32 source, e.g. 'int8_from_mixed_bfloat16'"
-        )
-    if mode != "int4" and group_size is not None:
-        raise PolicySpecError(f"group_size is an int4 option, not {mode}'s ({name!r})")
-    if mode != "float8" and (recipe is not None or history is not None):
-        raise PolicySpecError(
-            f"recipe and amax_history_length are float8 options, not {mode}'s ({name!r})"
-        )
-    if mode == "int4":
-        group_size = DEFAULT_GROUP_SIZE if group_size is None else group_size
-        if isinstance(group_size, bool) or not isinstance(group_size, int):
-            raise PolicySpecError(f"int4 group size must be an int, not {group_size!r}")
-        if group_size != PER_CHANNEL and group_size < 2:
-            raise PolicySpecError(
-                f"int4 group size {group_size} in {name!r}: use a size >= 2 (128 is the "
-                "default) or -1 for one group per output channel"
+                f"{spec!r} names its source already; do not also pass source={source!r}"
             )
-        return group_size, None, None
-    if mode in MicroscalingConfig.MODES:
-        return None, None, MicroscalingConfig.parse(mode, parsed.options, name)
-    if mode != "float8":
-        return None, None, None
-    recipe = Float8Config.DEFAULT_RECIPE if recipe is None else recipe
-    try:
-        Float8Config.check_recipe(recipe)
-    except PolicySpecError as err:
-        raise PolicySpecError(f"in {name!r}: {err}. " + accepted_quantized()) from None
-    if history is None:
-        return None, Float8Config(recipe), None
-    if recipe != "delayed":
+        source = source_text
+    if source is None:
+        bare = spec.strip().lower()
         raise PolicySpecError(
-            f"amax_history_length belongs to the 'delayed' float8 recipe, not {recipe!r} ({name!r})"
+            f"QuantizedPolicy({spec!r}) needs its source float policy, e.g. "
+            f"QuantizedPolicy({bare!r}, 'mixed_bfloat16') or '{bare}_from_mixed_bfloat16'"
+        )
+    if names_quantized(source):
+        raise PolicySpecError(
+            f"the source of a quantized policy is a float policy, not the quantized {source!r}"
         )
     try:
-        return None, Float8Config(recipe, history), None
+        float_spec = source if isinstance(source, FloatSpec) else parse_float_spec(source)
     except PolicySpecError as err:
-        raise PolicySpecError(f"in {name!r}: {err}") from None
+        raise PolicySpecError(f"in quantized policy {spec!r}: {err}") from None
+    refused = fmt.source_reason(float_spec.compute)
+    if refused is not None:
+        raise PolicySpecError(f"{spec!r} refused: {refused}")
+    for key in sorted(options):
+        if key in fmt.keywords:
+            continue
+        owner = next((f for f in formats() if key in f.keywords), None)
+        if owner is None:
+            raise PolicySpecError(
+                f"unknown option {key}={options[key]!r} for {fmt.name} ({spec!r}); "
+                + accepted_quantized()
+            )
+        many = len(owner.keywords) > 1
+        raise PolicySpecError(
+            f"{' and '.join(owner.keywords)} {'are' if many else 'is an'} {owner.name} "
+            f"option{'s' if many else ''}, not {fmt.name}'s ({spec!r})"
+        )
+    if stored is not None:
+        config = fmt.from_dict(stored, spec)
+    else:
+        keywords = {k: options.get(k) for k in fmt.keywords}
+        config = fmt.parse(option if slash else None, keywords, spec)
+    return QuantizedSpec(fmt, config, float_spec)
 
 
-def quantized_name(
-    mode: str,
-    group_size: int | None,
-    float8: Float8Config | None,
-    source_name: str,
-    microscaling: MicroscalingConfig | None = None,
-) -> str:
-    """Keras's spelling of a quantized policy over the float policy `source_name`; options
-    only where they differ from the defaults."""
-    spelled = mode if microscaling is None else microscaling.spelled()
-    if mode == "int4" and group_size != DEFAULT_GROUP_SIZE:
-        spelled = f"int4/{group_size}"
-    if float8 is not None and float8.recipe != Float8Config.DEFAULT_RECIPE:
-        spelled = f"float8/{float8.recipe}"
-        history = float8.amax_history_length
-        if float8.delayed and history != Float8Config.DEFAULT_AMAX_HISTORY_LENGTH:
-            spelled += f":{history}"
-    return f"{spelled}{_QUANTIZED_SEP}{_KERAS_NAMES.get(source_name, source_name)}"
+def parse_spec(spec: Any) -> FloatSpec | QuantizedSpec:
+    """What a policy spec names, parsed once: a `QuantizedSpec` for a quantized spelling
+    (`names_quantized`), else a `FloatSpec`."""
+    if names_quantized(spec):
+        return parse_quantized(spec)
+    return parse_float_spec(spec)

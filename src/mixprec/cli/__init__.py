@@ -17,6 +17,7 @@ from mixprec import textout
 from mixprec.cli.bench import add_parser as add_bench_parser
 from mixprec.cli.doctor import add_parser as add_doctor_parser
 from mixprec.errors import PrecisionError
+from mixprec.formats.registry import formats
 from mixprec.hardware import (
     FAST,
     REFUSED,
@@ -40,9 +41,6 @@ __all__ = ["ERROR_EXIT", "build_parser", "main"]
 _STYLE = {FAST: "green", "supported": "yellow", SLOW: "red", REFUSED: "red bold"}
 
 
-QUANTIZED_ROWS = ("int8_from_float32", "float8_from_float32")
-
-
 def _info(args: argparse.Namespace) -> int:
     console = textout.console()
     try:
@@ -60,8 +58,11 @@ def _info(args: argparse.Namespace) -> int:
     )
     for name, s in support_matrix(info).items():
         table.add_row([name, f"[{_STYLE[s.status]}]{s.status}[/]", s.reason])
-    # the quantized matmuls whose speed depends on the device (int4 runs anywhere)
-    for name in QUANTIZED_ROWS:
+    # the quantized formats whose speed depends on the device (int4 runs anywhere)
+    for fmt in formats():
+        if not fmt.info_row:
+            continue
+        name = f"{fmt.name}_from_float32"
         s = policy_support(name, info)
         table.add_row([name, f"[{_STYLE[s.status]}]{s.status}[/]", s.reason])
     console.print(table)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from mixprec.convert import apply
+from mixprec.formats.registry import formats
 from mixprec.hardware import SUPPORTED, DeviceInfo, policy_support
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.policy_map import PolicyMap
@@ -45,8 +46,6 @@ __all__ = [
 ]
 
 COUNTS = ("weights", "training")
-# int4 group sizes a default search tries: the finest the packed kernel takes and a coarse one
-DEFAULT_INT4_GROUPS = (32, 128)
 
 
 @dataclass(frozen=True)
@@ -124,21 +123,15 @@ def unit_applies(policy: Policy, modules: list[nn.Module]) -> str | None:
 
 def default_formats(baseline: Policy, info: DeviceInfo) -> tuple[list[str], dict[str, str]]:
     """The formats a search tries by default on `info`'s device, and those it leaves out with
-    why: float32, the baseline and the 16-bit "true" policies, int8, int4 (groups of 32 and
-    128) and float8 built on the baseline, each only where the device runs it fast or at
-    least saves memory there (int8 without VNNI), or no slower than the baseline itself (a
-    baseline slow here, allowed by the caller, admits formats as slow as it)."""
+    why: float32, the baseline and the 16-bit "true" policies, and each registered format's
+    `Format.search` spellings built on the baseline (int8; int4 in groups of 32, the finest
+    the packed kernel takes, and 128; float8 tensorwise and rowwise), each only where the
+    device runs it fast or at least saves memory there (int8 without VNNI), or no slower
+    than the baseline itself (a baseline slow here, allowed by the caller, admits formats as
+    slow as it)."""
     source = baseline.name
-    specs = [
-        "32-true",
-        source,
-        "bf16-true",
-        "16-true",
-        f"int8_from_{source}",
-        *(f"int4/{g}_from_{source}" for g in DEFAULT_INT4_GROUPS),
-        f"float8/tensorwise_from_{source}",
-        f"float8/rowwise_from_{source}",
-    ]
+    quantized = [f"{spelled}_from_{source}" for fmt in formats() for spelled in fmt.search]
+    specs = ["32-true", source, "bf16-true", "16-true", *quantized]
     chosen: list[str] = []
     left_out: dict[str, str] = {}
     # "supported": runs at float32's speed or saves memory only (int8 without VNNI) - a

@@ -17,6 +17,11 @@ the Linear it computes; `dequantize` gives such a layer back as an ``nn.Linear``
 - mxfp8, mxfp6, mxfp4, nvfp4 (`MicroscalingLinear`): block-scaled formats, emulated
   (`mixprec.quantize.microscaling`); the weight stays a float parameter and trains.
 
+Each format is a `mixprec.formats.Format` declared in its layer's module (`Int8Format`,
+`Int4Format`, `Float8Format`, `MicroscalingFormat`) and registered here, in the order
+`BUILTIN_FORMATS` lists them; `quantize` and `apply` swap a layer through its policy's format
+(`Format.swap`), and a format registered later is quantized the same way.
+
 `QuantizeResult.kernels` says which matmul each quantized int8/int4 Linear runs, and why.
 
 Quantized layers keep their int tensors and scales as buffers, so ``state_dict`` holds them
@@ -36,16 +41,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from mixprec.errors import PolicySpecError
-from mixprec.microscaling_config import MicroscalingConfig
+from mixprec.formats.registry import format_named, formats, register
 from mixprec.policy import QuantizedPolicy, as_policy, is_quantized
-from mixprec.policy_names import QUANTIZATION_MODES
-from mixprec.quantize.int4 import Int4Embedding, Int4Linear, quantize_groups
-from mixprec.quantize.int8 import Int8Embedding, Int8Linear, quantize_rows
+from mixprec.quantize.float8 import FLOAT8
+from mixprec.quantize.int4 import INT4, Int4Embedding, Int4Linear
+from mixprec.quantize.int8 import INT8, Int8Embedding, Int8Linear
 from mixprec.quantize.lora import LoraMixin
-from mixprec.quantize.microscaling import MicroscalingLinear
+from mixprec.quantize.microscaling import MICROSCALING_FORMATS, MicroscalingLinear
 from mixprec.quantize.rules import (
     Filter,
     check_same_options,
@@ -57,7 +62,12 @@ from mixprec.quantize.rules import (
     swap_modules,
 )
 
-MX_MODES = MicroscalingConfig.MODES
+# the builtin formats, registered here in the order names, messages and searches list them;
+# a new format's module declares its Format and it is added to this line
+BUILTIN_FORMATS = (INT8, INT4, FLOAT8, *MICROSCALING_FORMATS)
+for _format in BUILTIN_FORMATS:
+    register(_format)
+
 QUANTIZED_TYPES: tuple[type[nn.Module], ...] = (
     Int8Linear,
     Int8Embedding,
@@ -66,6 +76,7 @@ QUANTIZED_TYPES: tuple[type[nn.Module], ...] = (
 )
 
 __all__ = [
+    "BUILTIN_FORMATS",
     "Int4Embedding",
     "Int4Linear",
     "Int8Embedding",
@@ -104,73 +115,54 @@ class QuantizeResult:
         return "\n".join(lines)
 
 
-def _as_policy(
-    mode: str | QuantizedPolicy, group_size: int | None, recipe: str | None, history: int | None
-) -> QuantizedPolicy:
-    """The quantized policy a `quantize` call means (its source is irrelevant here)."""
+def _as_policy(mode: str | QuantizedPolicy, options: dict[str, Any]) -> QuantizedPolicy:
+    """The quantized policy a `quantize` call means (its source is irrelevant here): a
+    quantized policy or its name, or a mode with its options after a '/' or as keywords."""
+    given = {k: v for k, v in options.items() if v is not None}
+    keyworded = [f.name for f in formats() if f.keywords]
     if is_quantized(mode):
-        if group_size is not None or recipe is not None or history is not None:
+        if given:
             raise PolicySpecError(
-                f"{mode!r} names its options already; pass group_size/recipe/"
-                "amax_history_length only with a bare mode ('int8', 'int4', 'float8'; the "
-                "block-scaled modes take their options in the name, e.g. 'mxfp8/floor')"
+                f"{mode!r} names its options already; pass {'/'.join(options)} only with a "
+                f"bare mode ({', '.join(repr(n) for n in keyworded)}; the other modes take "
+                "their options in the name, e.g. 'mxfp8/floor')"
             )
         return as_policy(mode)  # type: ignore[return-value]
-    if isinstance(mode, str) and mode.strip().lower().partition("/")[0] in MX_MODES:
-        if group_size is not None or recipe is not None or history is not None:
-            raise PolicySpecError(
-                f"{mode!r} takes no group_size/recipe/amax_history_length; its options go "
-                "in the name. " + MicroscalingConfig.accepted()
-            )
-        return QuantizedPolicy(mode.strip().lower(), "float32")
-    head, slash, _ = mode.strip().lower().partition("/") if isinstance(mode, str) else ("", "", "")
-    if slash and head in QUANTIZATION_MODES:  # 'int4/64', 'float8/delayed:16': as in a policy
-        if group_size is not None or recipe is not None or history is not None:
-            raise PolicySpecError(
-                f"{mode!r} names its options already; pass group_size/recipe/"
-                "amax_history_length only with a bare mode ('int8', 'int4', 'float8')"
-            )
-        return as_policy(f"{mode.strip()}_from_float32")  # type: ignore[return-value]
-    if not isinstance(mode, str) or mode.strip().lower() not in QUANTIZATION_MODES:
+    name = mode.strip().lower() if isinstance(mode, str) else None
+    fmt = None if name is None else format_named(name.partition("/")[0])
+    if fmt is None:
         raise PolicySpecError(
-            f"unknown quantization mode {mode!r}; modes are {', '.join(QUANTIZATION_MODES)} "
+            f"unknown quantization mode {mode!r}; modes are "
+            f"{', '.join(f.name for f in formats())} "
             "(or a quantized policy such as 'int4/64_from_float32')"
         )
-    return QuantizedPolicy(
-        mode.strip().lower(),
-        "float32",
-        group_size=group_size,
-        recipe=recipe,
-        amax_history_length=history,
-    )
+    if given and fmt.config_keys and not fmt.keywords:  # options it spells in the name only
+        raise PolicySpecError(
+            f"{mode!r} takes no {'/'.join(options)}; its options go in the name. " + fmt.accepted
+        )
+    if given and "/" in name:  # type: ignore[operator]
+        raise PolicySpecError(
+            f"{mode!r} names its options already; pass {'/'.join(options)} only with a "
+            f"bare mode ({', '.join(repr(n) for n in keyworded)})"
+        )
+    return QuantizedPolicy(name, "float32", **given)
 
 
 def _quantized_layer(
     path: str,
     module: nn.Module,
     policy: QuantizedPolicy,
-    memo: dict[tuple[Any, ...], tuple[Tensor, ...]],
+    memo: dict[Any, Any],
 ) -> nn.Module:
-    """The int8/int4 layer for the module at `path`; `memo` shares one quantized copy of a
-    tied weight quantized the same way. The scales hold values of the dtype they will be
-    stored in: a 16-bit param dtype of the policy (`apply` casts them to it), else the
-    weight's."""
-    key_weight, transposed = module.weight, hugging_face_conv1d(module)
+    """The quantized layer `policy`'s format swaps in for the module at `path`; `memo`
+    lets a tied weight quantized the same way share one quantized copy. The scales hold
+    values of the dtype they will be stored in: a 16-bit param dtype of the policy
+    (`apply` casts them to it), else the weight's."""
+    tie = (id(module.weight), hugging_face_conv1d(module))
     module = linear_view(module)
-    weight = module.weight
     param = policy.param_dtype
-    storage = param if torch.finfo(param).bits < 32 else weight.dtype
-    key = (id(key_weight), transposed, policy.mode, policy.group_size, storage)
-    linear = isinstance(module, nn.Linear)
-    name = f"{path}.weight"
-    if policy.mode == "int8":
-        if key not in memo:
-            memo[key] = quantize_rows(weight, name, storage)
-        return (Int8Linear if linear else Int8Embedding).from_float(module, memo[key])
-    if key not in memo:
-        memo[key] = quantize_groups(weight, policy.group_size, name, storage)
-    cls4 = Int4Linear if linear else Int4Embedding
-    return cls4.from_float(module, policy.group_size, memo[key])
+    storage = param if torch.finfo(param).bits < 32 else module.weight.dtype
+    return policy.format.swap(module, policy.config, path=path, storage=storage, tie=tie, memo=memo)
 
 
 def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) -> QuantizeResult:
@@ -179,8 +171,8 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
     modules = dict(model.named_modules(remove_duplicate=False))
     result = QuantizeResult()
     new: dict[int, nn.Module] = {}
-    memo: dict[tuple[Any, ...], tuple[Tensor, ...]] = {}
-    float8: dict[QuantizedPolicy, list[str]] = {}
+    codes: set[int] = set()  # the modules swapped for layers holding codes, not the weight
+    memo: dict[Any, Any] = {}
     for path, policy in policies.items():
         module = modules[path]
         reason = skip_reason(policy, module)
@@ -194,38 +186,32 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
                 f"quantize swaps submodules, and the model itself is a "
                 f"{type(module).__name__}: wrap it, e.g. nn.Sequential(model)"
             )
-        elif policy.mode == "float8":
-            float8.setdefault(policy, []).append(path)
-        elif policy.microscaling_config is not None:
-            if id(module) not in new:
-                new[id(module)] = MicroscalingLinear.from_float(module, policy.microscaling_config)
-            result.quantized[path] = describe(policy)
         else:
             if id(module) not in new:
                 new[id(module)] = _quantized_layer(path, module, policy, memo)
+                if not policy.format.keeps_weight:
+                    codes.add(id(module))
             result.quantized[path] = describe(policy)
-            if isinstance(new[id(module)], (Int8Linear, Int4Linear)):
-                result.kernels[path] = new[id(module)].kernel
-    _warn_untied(modules, new)
+            kernel = getattr(new[id(module)], "kernel", None)
+            if isinstance(kernel, str):
+                result.kernels[path] = kernel
+    _warn_untied(modules, new, codes)
     swap_modules(model, lambda path, child: new.get(id(child)))
-    for policy, paths in float8.items():
-        _to_float8(model, policy, set(paths), result)
     return result
 
 
-def _warn_untied(modules: dict[str, nn.Module], new: dict[int, nn.Module]) -> None:
-    """Warn when an int8/int4 layer's weight is tied to a module left float (an embedding
-    and its head): the layer holds codes of the weight as it is now, so the tie ends and
-    the float side trains away from them. Float8 and block-scaled layers keep the weight
-    itself, and the tie."""
+def _warn_untied(modules: dict[str, nn.Module], new: dict[int, nn.Module], codes: set[int]) -> None:
+    """Warn when a layer holding codes (int8/int4: the ids in `codes`) has its weight tied
+    to a module left float (an embedding and its head): it holds codes of the weight as it
+    is now, so the tie ends and the float side trains away from them. Formats that keep the
+    weight itself (float8, block-scaled) keep the tie."""
     owners: dict[int, list[tuple[str, nn.Module]]] = {}
     for path, module in modules.items():
         for name, param in module._parameters.items():
             if param is not None:
                 owners.setdefault(id(param), []).append((f"{path}.{name}", module))
     for path, module in modules.items():
-        swapped = new.get(id(module))
-        if not isinstance(swapped, (Int8Linear, Int8Embedding, Int4Linear, Int4Embedding)):
+        if id(module) not in codes:
             continue
         weight = module._parameters.get("weight")
         float_side = [p for p, m in owners.get(id(weight), []) if id(m) not in new]
@@ -251,29 +237,6 @@ def _caller_level() -> int:
     while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level
-
-
-def _to_float8(
-    model: nn.Module, policy: QuantizedPolicy, paths: set[str], result: QuantizeResult
-) -> None:
-    from mixprec.quantize.float8 import convert_to_float8
-
-    before = dict(model.named_modules())
-    skipped: dict[str, str] = {}
-    config = policy.float8_config
-    convert_to_float8(
-        model,
-        recipe=config.recipe,
-        amax_history_length=config.amax_history_length,
-        filter=lambda path, module: path in paths,
-        skipped=skipped,
-    )
-    after = dict(model.named_modules())
-    for path in sorted(paths):
-        if path in skipped:
-            result.skipped[path] = skipped[path]
-        elif after.get(path) is not before[path]:
-            result.quantized[path] = describe(policy)
 
 
 def quantize(
@@ -302,13 +265,18 @@ def quantize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize needs an nn.Module, got {type(model).__name__}")
-    policy = _as_policy(mode, group_size, recipe, amax_history_length)
+    options = {
+        "group_size": group_size,
+        "recipe": recipe,
+        "amax_history_length": amax_history_length,
+    }
+    policy = _as_policy(mode, options)
     keep = path_filter(filter)
     chosen: dict[str, QuantizedPolicy] = {}
     excluded: dict[str, str] = {}
     for path, module in model.named_modules():
         own = any(True for _ in module.parameters(recurse=False)) or isinstance(
-            module, QUANTIZED_TYPES
+            getattr(module, "quantization_mode", None), str
         )
         if not own:
             continue

@@ -31,29 +31,39 @@ to the op-by-op form.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from mixprec.errors import PolicySpecError
 from mixprec.float8_config import Float8Config
+from mixprec.formats.registry import Format, Status, Support, agree
+from mixprec.policy_names import accepted_quantized
 from mixprec.quantize.first_order import first_order
 from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_casts
 from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules
+
+if TYPE_CHECKING:
+    from mixprec.hardware import DeviceInfo
 
 __all__ = [
     "AMAX_FLOOR",
     "DELAYED_BUFFERS",
     "E4M3",
     "E5M2",
+    "FLOAT8",
+    "FLOAT8_FAST_ON",
+    "Float8Format",
     "Float8Linear",
     "amax_to_scale",
     "axis_scale",
     "convert_from_float8",
     "convert_to_float8",
     "delayed_layers",
+    "float8_support",
     "high_precision_matmul",
     "real_scaled_mm_supported",
     "scaled_matmul",
@@ -633,3 +643,139 @@ def convert_from_float8(model: nn.Module) -> nn.Module:
 
     swap_modules(model, make)
     return model
+
+
+# --- the float8 format -------------------------------------------------------------------
+
+FLOAT8_FAST_ON = "NVIDIA GPUs of compute capability 8.9+ (L4, L40, H100 and newer)"
+
+
+def float8_support(info: DeviceInfo) -> Support:
+    """How well `info`'s device runs float8 matmuls (`torch._scaled_mm`)."""
+    if info.type == "cuda":
+        major, minor = info.capability or (0, 0)
+        if (major, minor) >= (8, 9):
+            return Support(Status.FAST, f"float8 tensor cores (compute capability {major}.{minor})")
+        return Support(
+            Status.SLOW,
+            f"no float8 tensor cores (compute capability {major}.{minor} < 8.9): float8 "
+            "matmuls are emulated, slower than bfloat16",
+        )
+    return Support(
+        Status.SLOW,
+        f"no float8 matmul hardware on {info.type}: emulated (quantized, dequantized, then "
+        "multiplied in float32), slower than float32",
+    )
+
+
+class Float8Format(Format):
+    """float8 training numerics on Linear layers (`Float8Linear`); the option is the recipe
+    ("float8/rowwise") and, for "delayed", the amax history length ("float8/delayed:16")."""
+
+    name = "float8"
+    accepted = (
+        f"'float8' (tensorwise), 'float8/<recipe>' (recipes {', '.join(Float8Config.RECIPES)}; "
+        "'float8/delayed:<amax history length>')"
+    )
+    keywords = ("recipe", "amax_history_length")
+    config_keys = {
+        "recipe": "a float8 recipe",
+        "amax_history_length": "the amax history length of the delayed float8 recipe",
+    }
+    search = ("float8/tensorwise", "float8/rowwise")
+    info_row = True
+    fast_on = FLOAT8_FAST_ON
+    undo = "mixprec.quantize.float8.convert_from_float8(model)"
+
+    def parse(self, options: str | None, keywords: Mapping[str, Any], name: str) -> Float8Config:
+        spelled_recipe = spelled_history = None
+        if options is not None:
+            spelled_recipe, colon, history = options.partition(":")
+            if colon:
+                try:
+                    spelled_history = int(history)
+                except ValueError:
+                    raise PolicySpecError(
+                        f"amax history length {history!r} in {name!r} is not an integer. "
+                        + accepted_quantized()
+                    ) from None
+        recipe = agree("recipe", spelled_recipe, keywords.get("recipe"), name)
+        given = keywords.get("amax_history_length")
+        history = agree("amax_history_length", spelled_history, given, name)
+        recipe = Float8Config.DEFAULT_RECIPE if recipe is None else recipe
+        try:
+            Float8Config.check_recipe(recipe)
+        except PolicySpecError as err:
+            raise PolicySpecError(f"in {name!r}: {err}. " + accepted_quantized()) from None
+        if history is None:
+            return Float8Config(recipe)
+        if recipe != "delayed":
+            raise PolicySpecError(
+                f"amax_history_length belongs to the 'delayed' float8 recipe, not {recipe!r} "
+                f"({name!r})"
+            )
+        try:
+            return Float8Config(recipe, history)
+        except PolicySpecError as err:
+            raise PolicySpecError(f"in {name!r}: {err}") from None
+
+    def spell(self, config: Float8Config) -> str:
+        if config.recipe == Float8Config.DEFAULT_RECIPE:
+            return "float8"
+        history = config.amax_history_length
+        if config.delayed and history != Float8Config.DEFAULT_AMAX_HISTORY_LENGTH:
+            return f"float8/{config.recipe}:{history}"
+        return f"float8/{config.recipe}"
+
+    def describe(self, config: Float8Config) -> str:
+        if config.delayed:
+            return f"float8 (delayed, amax history of {config.amax_history_length})"
+        return f"float8 ({config.recipe})"
+
+    def to_dict(self, config: Float8Config) -> dict[str, Any]:
+        if config.delayed:
+            return {"recipe": config.recipe, "amax_history_length": config.amax_history_length}
+        return {"recipe": config.recipe}
+
+    def from_dict(self, values: Mapping[str, Any], name: str) -> Float8Config:
+        recipe = values.get("recipe")
+        if recipe is not None and not isinstance(recipe, str):
+            raise PolicySpecError(
+                f"quantized policy config key 'recipe' is {type(recipe).__name__} {recipe!r}; "
+                f"it takes a recipe name ({', '.join(Float8Config.RECIPES)})"
+            )
+        return super().from_dict(values, name)
+
+    def skip(self, config: Float8Config, module: nn.Module) -> str | None:
+        shape = config.shape_reason(module.in_features, module.out_features)
+        if shape is not None:
+            return f"too small for float8 matmuls: {shape}"
+        return config.gain_reason(module.in_features, module.out_features)
+
+    def swap(
+        self,
+        module: nn.Module,
+        config: Float8Config,
+        *,
+        path: str,
+        storage: torch.dtype,
+        tie: tuple[Any, ...],
+        memo: dict[Any, Any],
+    ) -> nn.Module:
+        return Float8Linear.from_float(module, config.recipe, config.amax_history_length)
+
+    def layer_config(self, layer: nn.Module) -> Float8Config:
+        return Float8Config(layer.recipe, layer.amax_history_length)
+
+    def weight_bytes(self, config: Float8Config, module: nn.Module, storage: torch.dtype) -> int:
+        weight = module.weight.numel() * storage.itemsize
+        if not config.delayed:
+            return weight
+        # three float32 amax histories and their three scales
+        return weight + 3 * 4 * (config.amax_history_length + 1)
+
+    def rate(self, info: DeviceInfo) -> Support:
+        return float8_support(info)
+
+
+FLOAT8 = Float8Format()

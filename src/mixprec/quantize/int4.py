@@ -25,12 +25,17 @@ from __future__ import annotations
 
 import math
 import platform
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mixprec.errors import PolicySpecError
+from mixprec.formats.registry import Format, agree
+from mixprec.policy_names import accepted_quantized
 from mixprec.quantize.int8 import (
     Prepacked,
     check_finite,
@@ -41,10 +46,15 @@ from mixprec.quantize.int8 import (
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
 __all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "INT4",
+    "Int4Config",
+    "Int4Format",
     "KERNEL_GROUP_SIZES",
     "KERNEL_INPUT_DTYPES",
     "Int4Embedding",
     "Int4Linear",
+    "PER_CHANNEL",
     "PackedInt4",
     "QMAX",
     "dequantize_groups",
@@ -394,3 +404,101 @@ class Int4Embedding(LoraEmbeddingMixin, _Int4Weight):
             f"{self.num_embeddings}, {self.embedding_dim}, "
             f"group_size={self.group_size}{self.lora_repr()}"
         )
+
+
+# --- the int4 format ---------------------------------------------------------------------
+
+DEFAULT_GROUP_SIZE = 128
+PER_CHANNEL = -1  # the group size of one group per output channel
+
+
+@dataclass(frozen=True)
+class Int4Config:
+    """int4's option: the input features that share one scale and zero point
+    (`PER_CHANNEL`: a whole row)."""
+
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        size = self.group_size
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise PolicySpecError(f"int4 group size must be an int, not {size!r}")
+        if size != PER_CHANNEL and size < 2:
+            raise PolicySpecError(
+                f"int4 group size {size}: use a size >= 2 ({DEFAULT_GROUP_SIZE} is the "
+                "default) or -1 for one group per output channel"
+            )
+
+
+class Int4Format(Format):
+    """int4: grouped weights with a zero point, packed two per byte (Linear, Embedding and
+    Hugging Face Conv1D layers); the option is the group size ("int4/64", "int4/-1")."""
+
+    name = "int4"
+    accepted = (
+        f"'int4' (groups of {DEFAULT_GROUP_SIZE}), 'int4/<group size>' ('int4/-1', or "
+        "Keras's older 'int4/None': per channel)"
+    )
+    embeddings = True
+    keeps_weight = False
+    keywords = ("group_size",)
+    config_keys = {"group_size": "the int4 group size"}
+    search = ("int4/32", "int4/128")
+
+    def parse(self, options: str | None, keywords: Mapping[str, Any], name: str) -> Int4Config:
+        spelled = None
+        if options == "none":  # Keras's older spelling of per-channel int4 ("int4/None_from_...")
+            spelled = PER_CHANNEL
+        elif options is not None:
+            try:
+                spelled = int(options)
+            except ValueError:
+                raise PolicySpecError(
+                    f"int4 group size {options!r} in {name!r} is not an integer. "
+                    + accepted_quantized()
+                ) from None
+        size = agree("group size", spelled, keywords.get("group_size"), name)
+        try:
+            return Int4Config(DEFAULT_GROUP_SIZE if size is None else size)
+        except PolicySpecError as err:
+            raise PolicySpecError(f"in {name!r}: {err}") from None
+
+    def spell(self, config: Int4Config) -> str:
+        size = config.group_size
+        return "int4" if size == DEFAULT_GROUP_SIZE else f"int4/{size}"
+
+    def describe(self, config: Int4Config) -> str:
+        if config.group_size == PER_CHANNEL:
+            return "int4 (per channel)"
+        return f"int4 (groups of {config.group_size})"
+
+    def to_dict(self, config: Int4Config) -> dict[str, Any]:
+        return {"group_size": config.group_size}
+
+    def swap(
+        self,
+        module: nn.Module,
+        config: Int4Config,
+        *,
+        path: str,
+        storage: torch.dtype,
+        tie: tuple[Any, ...],
+        memo: dict[Any, Any],
+    ) -> nn.Module:
+        size = config.group_size
+        key = (tie, self.name, size, storage)
+        if key not in memo:
+            memo[key] = quantize_groups(module.weight, size, f"{path}.weight", storage)
+        layer = Int4Linear if isinstance(module, nn.Linear) else Int4Embedding
+        return layer.from_float(module, size, memo[key])
+
+    def layer_config(self, layer: nn.Module) -> Int4Config:
+        return Int4Config(layer.group_size)
+
+    def weight_bytes(self, config: Int4Config, module: nn.Module, storage: torch.dtype) -> int:
+        rows, features = module.weight.shape
+        n, size = groups_of(features, config.group_size)
+        return rows * math.ceil(n * size / 2) + rows * n * (storage.itemsize + 1)
+
+
+INT4 = Int4Format()

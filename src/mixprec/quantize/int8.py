@@ -41,18 +41,26 @@ at 128 tokens.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mixprec.errors import PolicySpecError
+from mixprec.formats.registry import Format, Status, Support
+from mixprec.policy_names import accepted_quantized
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
+
+if TYPE_CHECKING:
+    from mixprec.hardware import DeviceInfo
 
 __all__ = [
     "ACC_MAX_K",
+    "INT8",
     "INT_MM_MIN_K",
+    "Int8Format",
     "ONEDNN_MAX_K",
     "Int8Embedding",
     "Int8Linear",
@@ -65,6 +73,7 @@ __all__ = [
     "cpu_int8_kernels",
     "float_sums",
     "int8_linear",
+    "int8_support",
     "int_matmul",
     "onednn_prepack",
     "onednn_product",
@@ -657,3 +666,85 @@ class Int8Embedding(LoraEmbeddingMixin, nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}{self.lora_repr()}"
+
+
+# --- the int8 format ---------------------------------------------------------------------
+
+# int8 dot products with 32-bit sums (without them oneDNN's int8 kernels saturate 16-bit
+# partial sums, and mixprec's int8 layers sum their codes in float32 matmuls); and flags only
+# an x86 CPU reports (an Arm CPU has none of them)
+_VNNI_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+_X86_FLAGS = frozenset({"sse2", "avx", "avx2", "avx512f", "avx512bw"})
+
+
+def int8_support(info: DeviceInfo) -> Support:
+    """How `info`'s device runs int8 x int8 matmuls with exact sums: an x86 CPU without VNNI
+    has no integer kernel whose sums are exact (16-bit partial sums saturate), so mixprec's
+    int8 layers sum their codes in exact float32 matmuls there (`float_sums`), converting
+    the weight's codes per call, slower than float32 (docs/quantized.md has the
+    measurements): memory saved, not time."""
+    x86 = info.type == "cpu" and bool(info.cpu_flags & _X86_FLAGS)
+    vnni = sorted(info.cpu_flags & _VNNI_FLAGS)
+    if x86 and not vnni:
+        return Support(
+            Status.SUPPORTED,
+            "no VNNI (avx512_vnni/avx_vnni/amx_int8): int8 sums run as float32 matmuls of the "
+            "codes, slower than float32; saves memory, not time",
+        )
+    if vnni:
+        return Support(Status.FAST, f"VNNI dot products ({', '.join(vnni)})")
+    return Support(Status.FAST, f"integer matmuls on {info.type}")
+
+
+class Int8Format(Format):
+    """int8: weights per output channel, activations per token at run time (Linear,
+    Embedding and Hugging Face Conv1D layers). It takes no option."""
+
+    name = "int8"
+    accepted = "'int8'"
+    embeddings = True
+    keeps_weight = False
+    search = ("int8",)
+    info_row = True
+
+    def parse(self, options: str | None, keywords: Mapping[str, Any], name: str) -> None:
+        if options is not None:
+            raise PolicySpecError(
+                f"int8 takes no option ({name!r}): its scales are per output channel. "
+                + accepted_quantized()
+            )
+        return None
+
+    def source_reason(self, compute_dtype: torch.dtype) -> str | None:
+        if compute_dtype != torch.float16:
+            return None
+        return (
+            "int8 with a float16 compute dtype loses too much (as in Keras); use a bfloat16 "
+            "or float32 source, e.g. 'int8_from_mixed_bfloat16'"
+        )
+
+    def swap(
+        self,
+        module: nn.Module,
+        config: None,
+        *,
+        path: str,
+        storage: torch.dtype,
+        tie: tuple[Any, ...],
+        memo: dict[Any, Any],
+    ) -> nn.Module:
+        key = (tie, self.name, storage)
+        if key not in memo:
+            memo[key] = quantize_rows(module.weight, f"{path}.weight", storage)
+        layer = Int8Linear if isinstance(module, nn.Linear) else Int8Embedding
+        return layer.from_float(module, memo[key])
+
+    def weight_bytes(self, config: None, module: nn.Module, storage: torch.dtype) -> int:
+        rows, features = module.weight.shape
+        return rows * features + rows * storage.itemsize
+
+    def rate(self, info: DeviceInfo) -> Support:
+        return int8_support(info)
+
+
+INT8 = Int8Format()

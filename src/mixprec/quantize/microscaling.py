@@ -47,22 +47,30 @@ dropped it). There is no real block-scaled GEMM path: these matmuls need NVIDIA 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from mixprec.formats.registry import Format, Status, Support
 from mixprec.microscaling_config import MicroscalingConfig
 from mixprec.quantize.first_order import first_order
 from mixprec.quantize.rules import carry_hooks, plain_linear
+
+if TYPE_CHECKING:
+    from mixprec.hardware import DeviceInfo
 
 __all__ = [
     "E8M0_NAN",
     "FORMATS",
     "ElementFormat",
+    "MICROSCALING_FAST_ON",
+    "MICROSCALING_FORMATS",
     "MXTensor",
+    "MicroscalingFormat",
     "MicroscalingLinear",
     "NVFP4Tensor",
     "code_values",
@@ -71,6 +79,7 @@ __all__ = [
     "exp2_int",
     "fake_quantize",
     "hadamard_16",
+    "microscaling_support",
     "mx_scale_exponents",
     "pack_fp4",
     "quantize_mx",
@@ -720,3 +729,79 @@ class MicroscalingLinear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, format={self.config.spelled()!r}"
+
+
+# --- the block-scaled formats ------------------------------------------------------------
+
+MICROSCALING_FAST_ON = (
+    "no device through mixprec yet: its block-scaled (MX, NVFP4) matmuls are emulated "
+    "everywhere; the hardware that runs them is NVIDIA Blackwell (compute capability 10.0+)"
+)
+
+
+def microscaling_support(info: DeviceInfo) -> Support:
+    """How `info`'s device runs block-scaled (mxfp8/mxfp6/mxfp4/nvfp4) matmuls: emulated
+    (quantize, dequantize, float32 matmul) on every device, since mixprec has no kernel path
+    for them (they need NVIDIA Blackwell's block-scaled tensor cores)."""
+    if info.type == "cuda":
+        major, minor = info.capability or (0, 0)
+        where = (
+            "this GPU has block-scaled tensor cores, but mixprec has no kernel path for them"
+            if major >= 10
+            else f"compute capability {major}.{minor} has no block-scaled tensor cores"
+        )
+        return Support(Status.SLOW, f"block-scaled matmuls are emulated in float32 ({where})")
+    return Support(
+        Status.SLOW,
+        f"no block-scaled matmul hardware on {info.type}: emulated in float32 (quantize, "
+        "dequantize, float32 matmul), slower than float32",
+    )
+
+
+class MicroscalingFormat(Format):
+    """One block-scaled format (mxfp8, mxfp6, mxfp4, nvfp4) on Linear layers
+    (`MicroscalingLinear`, emulated); its options are `MicroscalingConfig`'s, after a '/'
+    ("mxfp8/floor", "nvfp4/2d:rht:sr")."""
+
+    accepted = "the block-scaled " + MicroscalingConfig.accepted()
+    config_keys = {"options": "the ':'-separated options of a microscaling mode"}
+    fast_on = MICROSCALING_FAST_ON
+
+    def __init__(self, mode: str) -> None:
+        self.name = MicroscalingConfig(mode).mode
+
+    def parse(
+        self, options: str | None, keywords: Mapping[str, Any], name: str
+    ) -> MicroscalingConfig:
+        return MicroscalingConfig.parse(self.name, options, name)
+
+    def spell(self, config: MicroscalingConfig) -> str:
+        return config.spelled()
+
+    def describe(self, config: MicroscalingConfig) -> str:
+        return config.describe()
+
+    def skip(self, config: MicroscalingConfig, module: nn.Module) -> str | None:
+        shape = config.shape_reason(module.in_features, module.out_features)
+        return None if shape is None else f"does not fill whole blocks: {shape}"
+
+    def swap(
+        self,
+        module: nn.Module,
+        config: MicroscalingConfig,
+        *,
+        path: str,
+        storage: torch.dtype,
+        tie: tuple[Any, ...],
+        memo: dict[Any, Any],
+    ) -> nn.Module:
+        return MicroscalingLinear.from_float(module, config)
+
+    def layer_config(self, layer: nn.Module) -> MicroscalingConfig:
+        return layer.config
+
+    def rate(self, info: DeviceInfo) -> Support:
+        return microscaling_support(info)
+
+
+MICROSCALING_FORMATS = tuple(MicroscalingFormat(mode) for mode in MicroscalingConfig.MODES)

@@ -1,5 +1,6 @@
-"""Which layers a quantized policy quantizes, written once: the skip rules and their reasons,
-how a quantized layer is described, and the one module filter and the one module swap that
+"""Which layers a quantized policy quantizes, written once: the skip rules every format
+shares (then each format's own, `mixprec.formats.Format.skip`) and their reasons, how a
+quantized layer is described, and the one module filter and the one module swap that
 every quantization goes through (int8/int4 layers, float8 and block-scaled layers, and undoing
 them).
 
@@ -66,12 +67,13 @@ def linear_view(module: nn.Module) -> nn.Module:
 
 def skip_reason(policy: QuantizedPolicy, module: nn.Module) -> str | None:
     """Why `policy` leaves `module` in its source float policy (None: it quantizes it, or
-    it is already quantized in this mode)."""
-    mode = policy.mode
+    it is already quantized in this mode). The rules every format shares (the layer types
+    it takes, enough input features) come first, then the format's own (`Format.skip`)."""
+    fmt = policy.format
     done = getattr(module, "quantization_mode", None)
     if isinstance(done, str):
-        return None if done == mode else f"already quantized to {done}"
-    linear_only = mode == "float8" or policy.microscaling_config is not None
+        return None if done == fmt.name else f"already quantized to {done}"
+    linear_only = not fmt.embeddings
     kinds = "Linear" if linear_only else "Linear and Embedding"
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return (
@@ -86,7 +88,7 @@ def skip_reason(policy: QuantizedPolicy, module: nn.Module) -> str | None:
         )
     conv1d = not linear_only and hugging_face_conv1d(module)
     if type(module) is not nn.Linear and not embedding and not conv1d:
-        return f"unsupported type {type(module).__name__}: {mode} quantizes {kinds}"
+        return f"unsupported type {type(module).__name__}: {fmt.name} quantizes {kinds}"
     if conv1d:
         features = module.weight.shape[0]
     else:
@@ -96,57 +98,26 @@ def skip_reason(policy: QuantizedPolicy, module: nn.Module) -> str | None:
             f"too small: {features} input features (fewer than "
             f"{MIN_QUANTIZED_FEATURES} save little and lose the most accuracy)"
         )
-    micro = policy.microscaling_config
-    if micro is not None:
-        shape = micro.shape_reason(module.in_features, module.out_features)
-        return None if shape is None else f"does not fill whole blocks: {shape}"
-    config = policy.float8_config
-    if config is None:
-        return None
-    shape = config.shape_reason(module.in_features, module.out_features)
-    if shape is not None:
-        return f"too small for float8 matmuls: {shape}"
-    return config.gain_reason(module.in_features, module.out_features)
+    return fmt.skip(policy.config, module)
 
 
 def describe(policy: QuantizedPolicy) -> str:
     """What a layer quantized by `policy` becomes, in words ("int4 (groups of 64)")."""
-    if policy.microscaling_config is not None:
-        return policy.microscaling_config.describe()
-    if policy.mode == "int4" and policy.group_size == -1:
-        return "int4 (per channel)"
-    if policy.mode == "int4":
-        return f"int4 (groups of {policy.group_size})"
-    if policy.mode == "float8" and policy.recipe == "delayed":
-        return f"float8 (delayed, amax history of {policy.amax_history_length})"
-    if policy.mode == "float8":
-        return f"float8 ({policy.recipe})"
-    return "int8"
+    return policy.format.describe(policy.config)
 
 
 def check_same_options(path: str, layer: nn.Module, policy: QuantizedPolicy) -> None:
     """Raise ValueError if the already quantized `layer` (in `policy`'s mode) was quantized
     with other options than `policy` asks for, rather than leave it as it is, silently."""
-    if policy.mode == "int4":
-        have = QuantizedPolicy("int4", "float32", group_size=layer.group_size)
-        undo = "mixprec.quantize.dequantize(model)"
-    elif policy.mode == "float8":
-        delayed = layer.recipe == "delayed"
-        history = layer.amax_history_length if delayed else None
-        have = QuantizedPolicy(
-            "float8", "float32", recipe=layer.recipe, amax_history_length=history
-        )
-        undo = "mixprec.quantize.float8.convert_from_float8(model)"
-    elif policy.microscaling_config is not None:
-        have = QuantizedPolicy(layer.config.spelled(), "float32")
-        undo = "mixprec.quantize.dequantize(model)"
-    else:
+    fmt = policy.format
+    have = fmt.layer_config(layer)
+    if have is None:
         return
-    if describe(have) != describe(policy):
+    if fmt.describe(have) != describe(policy):
         raise ValueError(
-            f"{path or '<root>'} is already quantized to {describe(have)}, not "
+            f"{path or '<root>'} is already quantized to {fmt.describe(have)}, not "
             f"{describe(policy)} as asked; to quantize it again with other options, make it "
-            f"float first: {undo}"
+            f"float first: {fmt.undo}"
         )
 
 
