@@ -434,31 +434,6 @@ FIGURES = {
 # writes, e.g. "2GiB" as a size argument, "0.0081x" as a printed rate), and a constant's
 # value quoted beside its name (`HEADROOM` (4x)): the behaviour, stated where it is used.
 NOT_FIGURES = re.compile(r'"[^"\n]*"|`[A-Z][A-Z0-9_]*` \([^)\n]*\)')
-# Figures left where other work was changing the same lines (the int8 kernels and the
-# ratings), to be moved to docs/ with that work: (file under src/, the figure as matched).
-# An entry that no longer matches fails the test, so this list only shrinks.
-FIGURES_LEFT = {
-    ("mixprec/quantize/int8.py", "until issue"),
-    ("mixprec/quantize/int8.py", "25x"),
-    ("mixprec/quantize/int8.py", "0.89x"),
-    ("mixprec/quantize/int8.py", "1.50x"),
-    ("mixprec/quantize/int8.py", "1.66x"),
-    ("mixprec/quantize/int8.py", "was 1"),
-    ("mixprec/quantize/int8.py", "0.89 ms"),
-    ("mixprec/quantize/int8.py", "0.95 ms"),
-    ("mixprec/quantize/int8.py", "1.41x"),
-    ("mixprec/quantize/int8.py", "1.61x"),
-    ("mixprec/quantize/int8.py", "2.5x"),
-    ("mixprec/quantize/int8.py", "0.2%"),
-    ("mixprec/quantize/int8.py", "3000x"),
-    ("mixprec/quantize/int8.py", "2 MiB"),
-    ("mixprec/quantize/int8.py", "13 ms"),
-    ("mixprec/quantize/int8.py", "4 MiB"),
-    ("mixprec/quantize/int8.py", "17 ms"),
-    ("mixprec/quantize/int8.py", "64 MiB"),
-    ("mixprec/quantize/int8.py", "5.8 ms"),
-    ("mixprec/quantize/int8.py", "1.1 ms"),
-}
 
 
 def _prose(path: Path) -> list[tuple[int, str]]:
@@ -492,13 +467,5 @@ def measured_figures(src: Path) -> list[tuple[str, str, str]]:
 def test_the_source_states_no_measured_figures_or_history():
     """Docstrings and comments explain; the numbers a run measured and the project's history
     live in docs/ and benchmarks/results/ (see FIGURES and NOT_FIGURES for what counts)."""
-    found = measured_figures(SRC.parent)
-    wrong = [
-        f"{where}: {what} {figure!r}"
-        for where, what, figure in found
-        if (where.rsplit(":", 1)[0], figure) not in FIGURES_LEFT
-    ]
-    seen = {(where.rsplit(":", 1)[0], figure) for where, _, figure in found}
-    stale = [f"{path}: {figure!r}" for path, figure in sorted(FIGURES_LEFT - seen)]
+    wrong = [f"{where}: {what} {figure!r}" for where, what, figure in measured_figures(SRC.parent)]
     assert not wrong, "move these to docs/ or benchmarks/results/:\n" + "\n".join(wrong)
-    assert not stale, "no longer in the source, drop from FIGURES_LEFT:\n" + "\n".join(stale)

@@ -5,10 +5,9 @@ Weights: one scale per output channel (per row), abs-max, ``q = round(w / scale)
 the values are the same. Activations: one scale per token (row of the flattened input),
 computed from the tensor at run time. The matmul runs on int8 x int8 -> int32 and the int32
 sums are dequantized as ``float32(sums) * weight_scale * token_scale``, each product rounded
-to float32 in that order (so oneDNN applies the weight scales inside its call; until issue
-24 the token scale came first: as accurate, 0.34 units in the last place on average either
-way, and about a third of the outputs moved by one unit); a reduction longer than `ACC_MAX_K`
-(133144 features), whose int32 sums could overflow, runs in chunks added in int64.
+to float32 in that order (so oneDNN applies the weight scales inside its call, and every
+path rounds alike); a reduction longer than `ACC_MAX_K` (133144 features), whose int32 sums
+could overflow, runs in chunks added in int64.
 
 The integer sums are exact on every path, so every path gives the same outputs bit for bit;
 `Int8Linear.kernel` names the one a layer takes. On a CPU whose oneDNN int8 kernel gives
@@ -19,23 +18,19 @@ quantization: brgemm with VNNI, the weight reordered once, no reorder per call, 
 the weight scales applied in its epilogue; activation codes shifted to unsigned with zero
 point 128). Elsewhere `torch._int_mm` where its sums are exact and it is fast (CUDA; CPUs
 with VNNI), else (`float_sums`) a float32 matmul of the codes in chunks short enough for
-every partial sum to be an exact float32 integer (float64 off the CPU): on an AVX2-only
-AMD EPYC torch._int_mm's exact sums ran a reference loop 22-25x slower than float32.
+every partial sum to be an exact float32 integer (float64 off the CPU): without VNNI
+torch._int_mm's exact sums run a reference loop, many times slower than float32.
 Without VNNI oneDNN's int8 kernels saturate 16-bit partial sums (a row of 127s times 127s
 summed to 8160 instead of 1032256 under ``ONEDNN_MAX_CPU_ISA=AVX2``), and `torch._int_mm` on
 CPU returned garbage for a reduction of one feature: neither is used where it is wrong.
 
 A forward is a dozen tensor calls: ``|x|`` and its row maxima, the quotient written into the
 buffer of ``|x|``, codes by a rounding addition (`_codes`: no round and no float-to-int
-conversion pass), the product, the token scales, the bias. Against torch.ao's dynamic int8
-Linear (fbgemm: one call that quantizes the activations per tensor, asymmetric, while it
-packs them for its GEMM), measured by ``benchmarks/kernels.py --threads 1`` on a shared AMD
-Zen 4 with VNNI (benchmarks/results/quantize_int.md): at 4096 x 4096 and 256 tokens 0.86-0.89x
-its time; at 1024 x 1024 and 128 tokens 1.37-1.50x (was 1.53-1.66x), where oneDNN's product
-alone takes 0.89 ms against torch.ao's whole call's 0.95 ms, and the other calls, each paying
-for cold caches after the float32 Linear the benchmark runs before it, take the rest; decode
-(1 token, 4096 x 4096, `torch._int_mm`) 1.05-1.41x (was 1.49-1.61x). 2.5x faster than float32
-at 128 tokens.
+conversion pass), the product, the token scales, the bias. torch.ao's dynamic int8 Linear
+(fbgemm) is one call that quantizes the activations per tensor, asymmetric, while it packs
+them for its GEMM: the products run at the same speed, and the per-token calls around
+mixprec's, each paying for cold caches, are what it costs more on small layers
+(docs/quantized.md and benchmarks/results/quantize_int.md have the measurements).
 """
 
 from __future__ import annotations
@@ -90,7 +85,7 @@ T = TypeVar("T")
 
 def check_finite(w: Tensor, name: str) -> None:
     """Raise ValueError if the weight `w` holds an inf or NaN: quantizing would turn it into
-    finite codes (a NaN row's scale used to become 1 and its values 0), hiding it for good.
+    finite codes, hiding it for good.
     A meta tensor has no values to check (its layout can be quantized, then loaded)."""
     if w.is_meta:
         return
@@ -110,8 +105,9 @@ def storable_scale(scale: Tensor, dtype: torch.dtype, name: str) -> Tensor:
     and float64), so codes computed with it are the codes of the scale the layer stores.
 
     Scales are stored in the weight's dtype. Rounded to nearest, a float16 scale below 3e-8
-    became 0 (a row of tiny weights came back as zeros) and a bfloat16 one up to 0.2% off;
-    rounded up, codes stay in range and within half a stored step of the weight. A scale
+    would become 0 (a row of tiny weights would come back as zeros) and a bfloat16 one could
+    land below the row's ``max|w| / 127``, pushing its largest codes past 127; rounded up,
+    codes stay in range and within half a stored step of the weight. A scale
     beyond `dtype`'s range is refused, naming the weight `name`."""
     if torch.finfo(dtype).bits >= 32:
         return scale
@@ -273,8 +269,8 @@ def onednn_product(ux: Tensor, weight: OnednnWeight) -> Tensor:
     ``.to(float32)`` does, times each output channel's scale, rounded once, as
     ``torch.mul(sums, scales)``) for the unsigned codes ``ux = qx + 128`` [M, K] (uint8) of
     int8 codes `qx` and ``weight = onednn_prepack(qweight, scales)``: oneDNN's fast int8
-    kernels take u8 activations (s8 ones ran a reference loop ~3000x slower), so the call
-    takes them with zero point 128."""
+    kernels take u8 activations (s8 ones run a reference loop, orders of magnitude slower),
+    so the call takes them with zero point 128."""
     if ux.dtype != torch.uint8:
         raise ValueError(f"onednn_product takes the codes plus 128 as uint8, got {ux.dtype}")
     return torch.ops.onednn.qlinear_pointwise(
@@ -310,8 +306,8 @@ def _takes_int_mm(device: torch.device, m: int, k: int, n: int) -> bool:
     """Whether an [m, k] x [k, n] product of int8 codes runs through `torch._int_mm` here.
 
     On a CPU only where its sums are exact and oneDNN's int8 sums are too (VNNI): without
-    VNNI, exact or not, it ran a reference loop, 22-25x float32's time for a 1024 x 1024
-    layer at 128 tokens on an AVX2-only AMD EPYC, where `float_sums` takes about float32's."""
+    VNNI, exact or not, it runs a reference loop many times float32's time, where
+    `float_sums` takes about float32's."""
     if device.type == "cpu":
         if torch.compiler.is_compiling() and not _cpu_int8_kernels:
             return False  # not probed yet, and a traced graph cannot run the probes
@@ -326,10 +322,10 @@ def _takes_int_mm(device: torch.device, m: int, k: int, n: int) -> bool:
 F32_EXACT_K = 2**24 // (QMAX * QMAX)
 
 
-# The float32 copy of a tile of weight codes `float_sums` makes at a time: tiles that stay in
-# cache, measured on an AVX2-only AMD EPYC (1 thread): one token through 4096 x 4096 took 7.4
-# ms in 2 MiB tiles, 13 ms in 4 MiB ones and 17 ms converting the whole weight at once (a
-# fresh 64 MiB allocation, its pages faulted in on every call); float32's Linear took 5.8 ms.
+# The float32 copy of a tile of weight codes `float_sums` makes at a time: small enough to stay
+# in cache, unlike larger tiles, and unlike converting the whole weight at once, which
+# allocates a fresh float32 copy of it on every call, its pages faulted in each time
+# (docs/quantized.md has the measurements).
 FLOAT_TILE_BYTES = 2 << 20
 
 
@@ -592,12 +588,12 @@ class Int8Linear(Prepacked, LoraMixin, nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         check_input(self, x)
         # buffers and bias read from their dicts: nn.Module.__getattr__ is Python code, and
-        # fixed costs count here (with caches cold, a tenth of a 1024 x 1024 layer's time)
+        # fixed costs count here (with caches cold, a visible share of a small layer's time)
         qweight, weight_scale = self._buffers["qweight"], self._buffers["weight_scale"]
         bias = self._parameters.get("bias")  # None: built without one (a plain attribute)
         packed = None
-        # one token (decode): torch._int_mm's matrix-vector path was faster than oneDNN's
-        # linear (0.7 vs 1.1 ms for 4096 x 4096 with cold caches on a Zen 4)
+        # one token (decode): torch._int_mm's matrix-vector path is faster than oneDNN's
+        # linear there
         if x.numel() > x.shape[-1] and self._onednn(x.device):
             packed = self.prepacked(
                 (qweight, weight_scale), lambda: onednn_prepack(qweight, weight_scale)
