@@ -17,7 +17,7 @@ import time
 import torch
 from torch import nn
 
-from mixprec.float8_config import Float8Config
+from mixprec.formats.float8 import Float8Config
 from mixprec.hardware import detect
 from mixprec.quantize.float8 import Float8Linear
 

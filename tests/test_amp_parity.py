@@ -198,7 +198,7 @@ def test_what_a_step_does_beyond_cpu_autocast_is_what_explain_lists(name):
         model = make()
         explanation = mixprec.explain(model, "bf16-mixed")
     differences = explanation.autocast_differences
-    island_types = mixprec.policy_map.ISLAND_TYPES
+    island_types = mixprec.policy.map.ISLAND_TYPES
     islands = {n for n, m in model.named_modules() if isinstance(m, island_types)}
     assert set(differences) == islands | set(explanation.float32_attention)
     for path in islands:

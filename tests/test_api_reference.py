@@ -18,7 +18,7 @@ BLOCK = re.compile(r"```python\n(.*?)```", re.S)
 
 def _dotted_uses(code: str) -> set[str]:
     """Every dotted name the code reaches from a mixprec import: `mixprec.bench.plan`,
-    `PolicyMap.load` (imported from mixprec.policy_map) as `mixprec.policy_map.PolicyMap.load`."""
+    `PolicyMap.load` (imported from mixprec.policy.map) as `mixprec.policy.map.PolicyMap.load`."""
     tree = ast.parse(code)
     alias: dict[str, str] = {}
     for node in ast.walk(tree):

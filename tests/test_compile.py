@@ -28,7 +28,7 @@ from mixprec.bench.runner import run_config
 from mixprec.bench.suite import BenchOptions, BenchReport, Row, _spec, metadata, plan
 from mixprec.cli import build_parser
 from mixprec.cli.bench import _options
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 from mixprec.trainer import Callback, Trainer, TrainingModule
 from mixprec.trainer.checkpoint import load
 

@@ -54,7 +54,8 @@ def test_on_an_avx512_cpu_without_bf16_the_bf16_examples_raise_naming_the_measur
 
 
 def test_the_doctor_demo_is_said_to_exit_1_by_design():
-    """`mixprec doctor` exits 1 when the target precision fails (tests/test_doctor.py runs the
+    """`mixprec doctor` exits 1 when the target precision fails (tests/doctor/test_doctor.py runs
+    the
     demo and checks it): a newcomer reading the README must not take that for a crash."""
     text = " ".join(README.read_text().split())
     command = "mixprec doctor examples/doctor_demo.py:make --precision 16-mixed"

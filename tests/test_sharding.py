@@ -23,7 +23,7 @@ from mixprec import hardware
 from mixprec.errors import PrecisionError, SlowPrecisionError
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy
-from mixprec.policy_map import PolicyMap, island_policy
+from mixprec.policy.map import PolicyMap, island_policy
 from mixprec.precision import Precision
 from mixprec.scaling import DynamicLossScaler
 from mixprec.sharding import mixed_precision_policy, shard, units

@@ -27,7 +27,7 @@ from mixprec.errors import (
 )
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.scaling import (
     DynamicLossScaler,

@@ -28,7 +28,6 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
-from mixprec import policy_map
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import (
@@ -39,7 +38,8 @@ from mixprec.hardware import (
     warn_if_unsupported,
 )
 from mixprec.policy import Policy
-from mixprec.policy_map import (
+from mixprec.policy import map as policy_map
+from mixprec.policy.map import (
     APPLIED_STATE,
     Explanation,
     PolicyMap,

@@ -46,7 +46,7 @@ from mixprec.hardware import (
 )
 from mixprec.optim import LossScaleOptimizer, backward_context, joint_step
 from mixprec.policy import is_auto
-from mixprec.policy_map import PolicyMap, as_map
+from mixprec.policy.map import PolicyMap, as_map
 from mixprec.scaling import LossScaler, as_loss_scaler
 
 __all__ = ["Precision"]

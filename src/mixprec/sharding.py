@@ -26,7 +26,7 @@ from mixprec.errors import PrecisionError
 from mixprec.hardware import check, device_of
 from mixprec.optim import check_sharded_masters
 from mixprec.policy import Policy
-from mixprec.policy_map import as_map
+from mixprec.policy.map import as_map
 from mixprec.quantize import QuantizeResult, quantize_modules
 from mixprec.scaling import LossScaler
 

@@ -42,7 +42,7 @@ from mixprec.bench.models import load_workload
 from mixprec.bench.runner import _measured
 from mixprec.errors import PrecisionError
 from mixprec.hardware import check, detect, policy_support
-from mixprec.policy_map import as_map
+from mixprec.policy.map import as_map
 from mixprec.precision import Precision
 from mixprec.step import backward, plain_loss
 from mixprec.trainer.strategy import end_finished_process, free_port, run_processes

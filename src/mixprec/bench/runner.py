@@ -265,7 +265,7 @@ class Loop:
 def _build_mixprec(spec: RunSpec, device: torch.device) -> Loop:
     """Our loop: the workload set up through `mixprec.Precision`."""
     from mixprec.bench.models import load_workload
-    from mixprec.policy_map import PolicyMap, is_policy_file
+    from mixprec.policy.map import PolicyMap, is_policy_file
     from mixprec.precision import Precision
     from mixprec.step import backward, plain_loss
 

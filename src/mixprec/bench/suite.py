@@ -53,9 +53,9 @@ from mixprec.hardware import (
     resolve_auto,
     resolve_policy,
 )
-from mixprec.hardware_measure import measure
+from mixprec.hardware.measuring import measure
 from mixprec.policy import Policy, QuantizedPolicy
-from mixprec.policy_map import PolicyMap, is_policy_file
+from mixprec.policy.map import PolicyMap, is_policy_file
 from mixprec.version import __version__
 
 __all__ = [

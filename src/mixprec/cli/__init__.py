@@ -31,7 +31,7 @@ from mixprec.hardware import (
     resolve_auto,
     support_matrix,
 )
-from mixprec.hardware_measure import measure_notice, measure_rates
+from mixprec.hardware.measuring import measure_notice, measure_rates
 from mixprec.policy import Policy
 from mixprec.textout import Column, FittedTable
 from mixprec.version import __version__

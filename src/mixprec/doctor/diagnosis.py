@@ -54,7 +54,7 @@ from mixprec.hardware import (
     resolve_policy,
 )
 from mixprec.policy import Policy, QuantizedPolicy
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 from mixprec.scaling import LossScaler
 from mixprec.tree import map_tensors
 

@@ -19,7 +19,7 @@ from mixprec.doctor.probe import (
     measure_param_grads,
 )
 from mixprec.doctor.verdicts import UpdateModel
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.scaling import StaticLossScaler
 from mixprec.step import as_loss, backward, batch_loss, plain_loss, seeded, step_context

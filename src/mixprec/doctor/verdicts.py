@@ -19,7 +19,7 @@ from torch import nn
 
 from mixprec.doctor.probe import Key, Recording, Stats, combine, lowest_float
 from mixprec.dtypes import dtype_name, format_info
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 
 __all__ = [
     "AT_RISK",

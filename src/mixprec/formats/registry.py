@@ -5,7 +5,7 @@ A format says, in one place: how its policy names spell it and its options
 ("int4/64_from_bf16-mixed", "float8/delayed:16", "mxfp8/floor") and how its config prints
 back canonically; its config (a frozen value); which layers it leaves float and why; the
 layer it swaps in for a float one; the bytes its weights take; and how well a device runs
-it. The policy grammar (`mixprec.policy_names`), `QuantizedPolicy`, `mixprec.quantize`,
+it. The policy grammar (`mixprec.policy.names`), `QuantizedPolicy`, `mixprec.quantize`,
 `mixprec.hardware` and the format search (`mixprec.plan`) ask the registry, never a mode by
 name, so adding a format is one subclass of `Format` in the format's own module and one
 `register` call (the builtin ones are declared beside their layers in `mixprec.quantize`'s

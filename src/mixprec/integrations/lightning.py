@@ -61,7 +61,7 @@ except ImportError as err:  # pragma: no cover - the extra is installed wherever
 from mixprec.doctor.monitor import PrecisionMonitor
 from mixprec.hardware import DeviceInfo, device_of
 from mixprec.optim import LossScaleOptimizer, SkipAwareScheduler
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.scaling import LossScaler
 

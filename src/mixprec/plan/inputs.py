@@ -16,7 +16,7 @@ from mixprec.hardware import DeviceInfo, check, detect, device_of, parse_device
 from mixprec.plan.budget import Budget
 from mixprec.plan.units import COUNTS, Unit, default_formats, find_units, format_name
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 
 __all__ = ["SearchInputs", "check_finite", "search_inputs"]
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from mixprec.convert import apply
 from mixprec.doctor.running import loss_of
 from mixprec.plan.units import Unit, state_bytes
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.step import backward, seeded
 

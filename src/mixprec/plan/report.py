@@ -14,7 +14,7 @@ from typing import Any
 from mixprec.plan.budget import Budget
 from mixprec.plan.measure import Measured, Trained
 from mixprec.plan.units import Unit, describe_bytes
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 
 __all__ = [
     "REPORT_FILES",

@@ -15,7 +15,7 @@ from mixprec.plan.measure import convert
 from mixprec.plan.report import Option, UnitRow
 from mixprec.plan.units import candidate, state_bytes, unit_applies
 from mixprec.policy import QuantizedPolicy
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.step import seeded
 

@@ -30,7 +30,7 @@ from mixprec.convert import apply
 from mixprec.formats.registry import formats
 from mixprec.hardware import SUPPORTED, DeviceInfo, policy_support
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 from mixprec.quantize.rules import hugging_face_conv1d, skip_reason
 
 __all__ = [

@@ -18,7 +18,7 @@ from mixprec.plan.measure import Measured, convert, eval_loss, measure_plans
 from mixprec.plan.report import Attempt, UnitRow, costs_of, formats_of, within
 from mixprec.plan.units import Unit
 from mixprec.policy import Policy
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 
 __all__ = ["Verified", "keep", "limits_of", "verify"]

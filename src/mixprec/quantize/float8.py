@@ -39,9 +39,9 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.errors import PolicySpecError
-from mixprec.float8_config import Float8Config
+from mixprec.formats.float8 import Float8Config
 from mixprec.formats.registry import Format, Status, Support, agree
-from mixprec.policy_names import accepted_quantized
+from mixprec.policy.names import accepted_quantized
 from mixprec.quantize.first_order import first_order
 from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_casts
 from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from mixprec.errors import PolicySpecError
 from mixprec.formats.registry import Format, agree
-from mixprec.policy_names import accepted_quantized
+from mixprec.policy.names import accepted_quantized
 from mixprec.quantize.int8 import (
     Prepacked,
     check_finite,

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from mixprec.errors import PolicySpecError
 from mixprec.formats.registry import Format, Status, Support
-from mixprec.policy_names import accepted_quantized
+from mixprec.policy.names import accepted_quantized
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
 if TYPE_CHECKING:

@@ -55,8 +55,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from mixprec.formats.microscaling import MicroscalingConfig
 from mixprec.formats.registry import Format, Status, Support
-from mixprec.microscaling_config import MicroscalingConfig
 from mixprec.quantize.first_order import first_order
 from mixprec.quantize.rules import carry_hooks, plain_linear
 

@@ -4,7 +4,7 @@ quantized layer is described, and the one module filter and the one module swap 
 every quantization goes through (int8/int4 layers, float8 and block-scaled layers, and undoing
 them).
 
-`mixprec.policy_map` reads `skip_reason` to resolve and explain quantized rules;
+`mixprec.policy.map` reads `skip_reason` to resolve and explain quantized rules;
 `quantize`, `apply` and `convert_to_float8` swap what it leaves.
 """
 

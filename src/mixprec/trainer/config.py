@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from mixprec.hardware import DeviceInfo, Support
-from mixprec.policy_map import PolicyMap
+from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.trainer.callbacks import Callback, ModelCheckpoint, check_callback, keeps_state
 from mixprec.trainer.module import TrainingModule, hooks_not_called

@@ -1,0 +1,218 @@
+"""The checkpoint half of `mixprec.optim.LossScaleOptimizer`: its ``state_dict``, the loads
+that check everything before changing anything, and ``load_state_dict_across_precisions``.
+
+``state_dict`` keys the masters by the optimizer's parameter index (torch's own key for
+optimizer state) and records the parameters' names and shapes, so a load is validated up
+front and ``master_weights_by_name`` can hand the masters to a run in another precision;
+``load_state_dict_across_precisions`` restores an optimizer from such a checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.compensated import Compensator
+from mixprec.optim.masters import MasterWeights
+from mixprec.scaling import LossScaler
+
+__all__ = ["OptimizerCheckpoint"]
+
+# per-parameter state buffers of torch's optimizers that have the parameter's shape
+_PARAM_SHAPED_STATE = (
+    "exp_avg",
+    "exp_avg_sq",
+    "max_exp_avg_sq",
+    "momentum_buffer",
+    "compensation",
+    "square_avg",
+    "sum",
+)
+
+# the keys of a LossScaleOptimizer.state_dict() that a load needs
+_STATE_KEYS = ("optimizer", "scaler", "master_weights", "param_shapes", "param_names")
+
+
+class OptimizerCheckpoint:
+    """What a `LossScaleOptimizer` saves and restores (its base class): the wrapped
+    optimizer's state, the scaler's, the float32 masters by parameter index, each
+    parameter's shape and names, and the compensation's state."""
+
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler
+    model: nn.Module | None
+    _masters: MasterWeights
+    _compensator: Compensator | None
+
+    def _all_params(self) -> Iterator[torch.Tensor]:
+        for group in self.optimizer.param_groups:
+            yield from group["params"]
+
+    def model_param(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The model parameter a tensor of ``param_groups`` stands for (itself, unless it is
+        a master)."""
+        return self._masters.param_of.get(tensor, tensor)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state (with Kahan buffers), the scaler's state, the float32 master
+        weights by parameter index, each parameter's shape and names (by index, as in the
+        optimizer's state), and the compensation's kind and random generator states."""
+        params = list(self._all_params())
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "master_weights": self._masters.by_index(params),
+            "param_shapes": [list(self.model_param(p).shape) for p in params],
+            "param_names": self._param_names(),
+            "compensation": (
+                self._compensator.state_dict() if self._compensator is not None else None
+            ),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a ``state_dict``; the model's low-precision parameters are refreshed from
+        the restored masters, so the run continues exactly where it was saved.
+
+        A plain torch optimizer state (``optimizer.state_dict()``) is accepted too: it goes
+        to the wrapped optimizer, the masters are refreshed from the model's parameters and
+        the scaler is left as it is. Everything is checked before anything is changed. A
+        state saved under another precision goes to ``load_state_dict_across_precisions``.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
+        if "optimizer" not in state and {"state", "param_groups"} <= state.keys():
+            self._check_inner_state(state, None)
+            self.optimizer.load_state_dict(dict(state))
+            self._keep_saved_dtypes(state)
+            self._masters.refresh_from_model()
+            return
+        self._check_keys(state)
+        self._check_inner_state(state["optimizer"], state["param_shapes"])
+        masters = self._masters.check_saved(
+            state["master_weights"], list(self._all_params()), self._describe
+        )
+        compensation = state.get("compensation")
+        if self._compensator is not None and compensation is not None:
+            if compensation.get("kind") != self._compensator.kind:
+                raise ValueError(
+                    f"the checkpoint was trained with compensation {compensation.get('kind')!r}"
+                    f", this optimizer uses {self._compensator.kind!r}"
+                )
+        self.scaler.load_state_dict(state["scaler"])  # checks its state before changing it
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._keep_saved_dtypes(state["optimizer"])
+        if self._compensator is not None and compensation is not None:
+            self._compensator.load_state_dict(compensation)
+        self._masters.load(masters)
+
+    def _keep_saved_dtypes(self, saved: Mapping[str, Any]) -> None:
+        """With compensation, put back the state tensors saved in another floating dtype
+        than their parameter's (float32 moments beside 16-bit weights), which torch's load
+        cast to the parameter's dtype: the compensated step keeps them in float32, so the
+        resumed run is the one that never stopped."""
+        if self._compensator is None:
+            return
+        index = [i for g in saved["param_groups"] for i in g["params"]]
+        for p, key in zip(self._all_params(), index, strict=True):
+            loaded = self.optimizer.state.get(p, {})
+            for name, value in saved["state"].get(key, {}).items():
+                if (
+                    name in _PARAM_SHAPED_STATE
+                    and torch.is_tensor(value)
+                    and value.is_floating_point()
+                    and torch.is_tensor(loaded.get(name))
+                    and loaded[name].dtype != value.dtype
+                ):
+                    loaded[name] = value.to(loaded[name].device, copy=True)
+
+    def load_state_dict_across_precisions(
+        self, state: Mapping[str, Any], weights: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Restore a ``state_dict`` saved under another precision policy (or master_weights
+        setting): the wrapped optimizer's state, which torch casts to this optimizer's
+        tensors, and the masters from ``weights`` (parameter name -> full-precision weight:
+        the model's state with ``master_weights_by_name(state, model_state)`` over it, so
+        that the checkpoint's float32 masters, not its 16-bit weights, are used); the model's
+        parameters follow their masters. The scaler and the compensation are left as they
+        are (their kinds may differ). Everything is checked before anything is changed.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
+        self._check_keys(state)
+        self._check_inner_state(state["optimizer"], state["param_shapes"])
+        params = list(self._all_params())
+        masters = self._masters.by_name(weights, params, self._param_names(), self._describe)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self._masters.load(masters)
+
+    def _param_names(self) -> list[list[str]]:
+        """Names of each parameter (by index; shared parameters have several), from the
+        model when known, else from the groups' ``param_names`` (torch >= 2.6)."""
+        if self.model is not None:
+            names: dict[torch.Tensor, list[str]] = {}
+            for name, p in self.model.named_parameters(remove_duplicate=False):
+                names.setdefault(p, []).append(name)
+            return [names.get(self.model_param(p), []) for p in self._all_params()]
+        out: list[list[str]] = []
+        for group in self.optimizer.param_groups:
+            given = group.get("param_names")
+            out.extend([[n] for n in given] if given else [[] for _ in group["params"]])
+        return out
+
+    def _describe(self, index: int) -> str:
+        names = self._param_names()[index]
+        return f"parameter {index}" + (f" ({names[0]})" if names else "")
+
+    def _check_keys(self, state: Mapping[str, Any]) -> None:
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(
+                f"not a LossScaleOptimizer state: missing {missing} (keys: {sorted(state)}). "
+                f"Pass the dict from LossScaleOptimizer.state_dict() or from a torch "
+                f"optimizer's state_dict()"
+            )
+
+    def _check_inner_state(self, saved: Any, shapes: Any) -> None:
+        """Refuse, before loading, an optimizer state saved for other parameters."""
+        if not isinstance(saved, Mapping) or not {"state", "param_groups"} <= saved.keys():
+            raise ValueError("the saved optimizer state lacks 'state' and 'param_groups'")
+        groups = self.optimizer.param_groups
+        # another optimizer class's groups hold settings this one lacks and lack some of its
+        # own (SGD's momentum beside AdamW's betas); another torch version only adds or drops
+        ours = set().union(*(g.keys() for g in groups))
+        theirs = set().union(*(g.keys() for g in saved["param_groups"]))
+        if theirs - ours and ours - theirs:
+            name = type(self.optimizer).__name__
+            raise ValueError(
+                f"the saved optimizer state's parameter groups hold {sorted(theirs - ours)}, "
+                f"which this {name}'s lack, and lack its {sorted(ours - theirs)}: it was saved "
+                f"from another optimizer class; load it into the class that saved it"
+            )
+        sizes = [len(g["params"]) for g in groups]
+        saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
+        if sizes != saved_sizes:
+            raise ValueError(
+                f"the saved optimizer has parameter groups of sizes {saved_sizes}, this one "
+                f"{sizes}: it was saved for another model or another set of parameter groups"
+            )
+        params = [self.model_param(p) for p in self._all_params()]
+        if shapes is not None:
+            for i, (p, shape) in enumerate(zip(params, shapes, strict=True)):
+                if list(p.shape) != list(shape):
+                    raise ValueError(
+                        f"{self._describe(i)} has shape {list(p.shape)}, the checkpoint's "
+                        f"{list(shape)}: this optimizer state belongs to another model"
+                    )
+        index = [i for g in saved["param_groups"] for i in g["params"]]
+        for i, key in enumerate(index):
+            for name, value in saved["state"].get(key, {}).items():
+                if name in _PARAM_SHAPED_STATE and torch.is_tensor(value):
+                    if value.shape != params[i].shape:
+                        raise ValueError(
+                            f"{self._describe(i)} has shape {list(params[i].shape)}, its saved "
+                            f"{name!r} {list(value.shape)}: this optimizer state belongs to "
+                            f"another model"
+                        )

@@ -1,0 +1,663 @@
+"""`mixprec bench` end to end on tiny settings: real subprocesses, real torch, real files.
+
+Every run uses one thread and tiny images so that the whole file stays well under 90 s on
+a shared 2-core machine; the numbers are checked for sanity, never for speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from devices import AVX2_CPU, ZEN4
+
+from mixprec import hardware
+from mixprec.bench.report import busy_machine_warning, markdown, summarize
+from mixprec.bench.runner import OK, OOM, LoopResult, RunResult, _measured, set_tf32
+from mixprec.bench.suite import BenchOptions, BenchReport, Config, Row, plan
+from mixprec.cli import build_parser, main
+from mixprec.cli.bench import parse_size
+from mixprec.hardware import ALLOW_SLOW_ENV
+from mixprec.policy import Policy
+from mixprec.policy.map import PolicyMap
+
+TINY = ["--threads", "1", "--warmup", "0"]
+
+FACTORY = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.LayerNorm(64), nn.Linear(64, 4))
+
+        def make_batch(n):
+            g = torch.Generator().manual_seed(0)
+            return torch.randn(n, 32, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+        return model, make_batch, nn.functional.cross_entropy
+
+
+    class Hog(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 2)
+
+        def forward(self, x):
+            x.new_empty(2**29)  # 2 GiB, never touched: fine without a memory limit
+            return self.lin(x)
+
+
+    def hog():
+        batch = lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,)))
+        return Hog(), batch, nn.functional.cross_entropy
+
+
+    def broken():
+        return nn.Linear(2, 2)
+
+
+    def raises():
+        raise RuntimeError("no weights")
+
+
+    def needs_arg(size):
+        return nn.Linear(size, 2)
+
+
+    class NoBfloat16(nn.Linear):
+        def forward(self, x):
+            out = super().forward(x)
+            if out.dtype == torch.bfloat16:
+                raise RuntimeError("this layer refuses bfloat16")
+            return out
+
+
+    def no_bf16():
+        batch = lambda n: (torch.randn(n, 8), torch.randint(0, 2, (n,)))
+        return NoBfloat16(8, 2), batch, nn.functional.cross_entropy
+
+
+    def small_only():
+        def make_batch(n):
+            if n > 4:
+                raise ValueError(f"this data set has 4 samples, asked for {n}")
+            return torch.randn(n, 8), torch.randint(0, 2, (n,))
+
+        return nn.Linear(8, 2), make_batch, nn.functional.cross_entropy
+    """
+)
+
+
+@pytest.fixture
+def factory_dir(tmp_path: Path) -> Path:
+    (tmp_path / "benchfactory.py").write_text(FACTORY)
+    return tmp_path
+
+
+def _bench(tmp_path: Path, *args: str) -> tuple[int, dict, list[dict], str]:
+    out = tmp_path / "out"
+    code = main(["bench", *args, "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    with (out / "results.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    return code, results, rows, (out / "report.md").read_text()
+
+
+def test_default_experiment_end_to_end_writes_all_four_outputs(tmp_path, capsys, monkeypatch):
+    # planned as on a CPU with fast bf16; the child processes run bf16 on whatever this host
+    # is, allowed by the environment switch they inherit
+    monkeypatch.setenv(ALLOW_SLOW_ENV, "1")
+    with hardware.assume(ZEN4):
+        code, results, rows, md = _bench(
+            tmp_path, "--image-size", "16", "--batch-sizes", "2", "4", "--steps", "2", *TINY
+        )
+    assert code == 0
+    expected = ["32-true", "bf16-mixed"]
+    meta = results["metadata"]
+    assert meta["comparison_gap"] is None and "Why no mixed precision" not in md
+    assert meta["precisions"] == expected
+    assert meta["model"] == "cnn" and meta["image_size"] == 16
+    assert meta["torch_version"] == torch.__version__
+    assert meta["command"].startswith("mixprec bench --model cnn --image-size 16")
+    assert "profiler" in meta["memory_method"]
+
+    entries = results["results"]
+    assert [(e["config"]["spec"], e["config"]["batch_size"]) for e in entries] == [
+        (p, b) for b in (2, 4) for p in expected
+    ]
+    for e in entries:
+        ours = e["result"]["mixprec"]
+        assert e["result"]["status"] == OK
+        assert len(ours["step_ms"]) == 2 and all(t > 0 for t in ours["step_ms"])
+        assert math.isfinite(ours["final_loss"])
+        # the model's weights alone (Adam: weights, grads, two moments) are ~16 MiB
+        assert 16 * 2**20 < ours["peak_memory"] < 64 * 2**20
+        raw = e["result"]["raw"]
+        if Policy(e["config"]["spec"]).is_mixed:
+            assert len(raw["step_ms"]) == 2 and raw["peak_memory"] > 0
+            # same weights, same batch, same number of steps: nearly the same loss
+            assert ours["final_loss"] == pytest.approx(raw["final_loss"], abs=0.05)
+            assert e["summary"]["overhead"] is not None
+        else:
+            assert raw is None and e["summary"]["overhead"] is None
+    # the batch dimension shows in the measured memory
+    by = {(e["config"]["spec"], e["config"]["batch_size"]): e for e in entries}
+    peak = {k: v["result"]["mixprec"]["peak_memory"] for k, v in by.items()}
+    assert peak[("32-true", 4)] > peak[("32-true", 2)]
+    assert by[("32-true", 2)]["summary"]["speedup"] == 1.0
+
+    assert len(rows) == len(entries)
+    for row, e in zip(rows, entries, strict=True):
+        assert float(row["median_ms"]) == pytest.approx(e["summary"]["median_ms"])
+        assert row["status"] == OK
+    assert "| batch | precision | ms/step median |" in md
+    assert f"reproduce: `{meta['command']}`" in md
+    png = (tmp_path / "out" / "bench.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+    printed = capsys.readouterr().out
+    assert "ms/step median" in printed and meta["command"] in printed
+
+
+def test_on_a_cpu_without_fast_bf16_the_default_run_says_why_it_timed_float32_only(
+    tmp_path, capsys
+):
+    with hardware.assume(AVX2_CPU):
+        code, results, _, md = _bench(
+            tmp_path, "--image-size", "16", "--batch-sizes", "2", "--steps", "1", *TINY
+        )
+    assert code == 0
+    meta = results["metadata"]
+    assert meta["precisions"] == ["32-true"]
+    gap = meta["comparison_gap"]
+    assert gap["asked"] is False
+    assert {n: w["status"] for n, w in gap["left_out"].items()} == {
+        "bf16-mixed": "slow",
+        "16-mixed": "slow",
+    }
+    rates = gap["matmul_gflops"]
+    assert set(rates) == {"float32", "bfloat16", "float16"} and all(r > 0 for r in rates.values())
+    anyway = gap["command"]
+    assert "--precision 32-true bf16-mixed 16-mixed" in anyway and anyway.endswith("--allow-slow")
+    printed = " ".join(capsys.readouterr().out.split())
+    for text in (md, printed):
+        flat = " ".join(text.split())
+        assert "timed: no mixed precision is fast on this device, so only float32 was timed" in flat
+        assert "left out: bf16-mixed, slow here (bfloat16: no bf16 or avx512 instructions" in flat
+        assert f"float32 {rates['float32']:,.1f} GFLOP/s" in flat
+        assert "bfloat16 is fast on NVIDIA GPUs of compute capability 8.0+" in flat
+        assert f"to time them anyway: {anyway}" in flat
+    # a few short labelled lines, not one paragraph
+    section = md.split("## Why no mixed precision was timed")[1].split("##")[0].strip()
+    labels = ("timed", "left out", "matmul rates", "estimate", "where it pays", "to time them")
+    for line in section.splitlines():
+        assert line.startswith("- ") and line[2:].startswith(labels), line
+    assert len(section.splitlines()) >= 5
+    # a CPU run says nothing of CUDA, and leaves out the columns no row fills
+    assert "CUDA" not in meta["timing"]
+    header = next(line for line in md.splitlines() if line.startswith("| batch"))
+    assert "raw torch ms/step" not in header and "mixprec overhead" not in md
+    assert "peak memory" in header and "ms/step median" in header
+
+
+def test_asking_for_float32_only_says_what_was_left_out(tmp_path, capsys):
+    with hardware.assume(ZEN4):
+        code, results, _, md = _bench(
+            tmp_path,
+            *("--image-size", "16", "--batch-sizes", "2", "--steps", "1"),
+            *("--precision", "32-true"),
+            *TINY,
+        )
+    assert code == 0
+    gap = results["metadata"]["comparison_gap"]
+    assert gap["asked"] is True and gap["left_out"]["bf16-mixed"]["status"] == "fast"
+    # only the fast one is suggested, so no --allow-slow
+    assert "--precision 32-true bf16-mixed --steps" in gap["command"]
+    assert "--allow-slow" not in gap["command"]
+    flat = " ".join(md.split())
+    assert "timed: only 32-true was asked for (--precision), so only float32 was timed" in flat
+    assert "left out: bf16-mixed, fast here" in flat
+
+
+def test_memory_limit_reports_oom_and_the_run_continues(tmp_path, capsys):
+    # blog CNN on 64x64 images: ~24 MB at batch 1 (weights + Adam), ~100 MB at batch 64
+    code, results, rows, md = _bench(
+        tmp_path,
+        *("--image-size", "64", "--batch-sizes", "64", "1", "--precision", "32-true"),
+        *("--memory-limit", "50MB", "--steps", "1"),
+        *TINY,
+    )
+    assert code == 0
+    status = {e["config"]["batch_size"]: e["result"] for e in results["results"]}
+    assert status[1]["status"] == OK and status[1]["mixprec"]["peak_memory"] < 50 * 2**20
+    assert status[64]["status"] == OOM and "over the memory limit" in status[64]["mixprec"]["error"]
+    assert [r["status"] for r in rows] == [OK, OOM]
+    assert "| 64 | 32-true | OOM | - |" in md
+    assert "OOM" in capsys.readouterr().out
+
+
+def test_allocation_beyond_the_memory_limit_fails_like_an_oom(tmp_path, factory_dir, capsys):
+    code, results, _, _ = _bench(
+        tmp_path,
+        *("--model", f"{factory_dir / 'benchfactory.py'}:hog", "--batch-sizes", "2"),
+        *("--precision", "32-true", "--memory-limit", "100M", "--steps", "1"),
+        *TINY,
+    )
+    assert code == 0
+    (entry,) = results["results"]
+    assert entry["result"]["status"] == OOM
+    assert "can't allocate memory" in entry["result"]["mixprec"]["error"]
+
+
+def test_user_factory_model_runs_through_both_loops(tmp_path, factory_dir):
+    code, results, _, _ = _bench(
+        tmp_path,
+        *("--model", f"{factory_dir / 'benchfactory.py'}:make", "--batch-sizes", "8"),
+        *("--precision", "32-true", "bf16-mixed", "--allow-slow", "--steps", "3"),
+        *TINY,
+    )
+    assert code == 0
+    by = {e["config"]["spec"]: e["result"] for e in results["results"]}
+    assert by["32-true"]["status"] == by["bf16-mixed"]["status"] == OK
+    loss32 = by["32-true"]["mixprec"]["final_loss"]
+    assert by["bf16-mixed"]["mixprec"]["final_loss"] == pytest.approx(loss32, abs=0.05)
+    assert by["bf16-mixed"]["raw"]["final_loss"] == pytest.approx(loss32, abs=0.05)
+    assert len(by["bf16-mixed"]["raw"]["step_ms"]) == 3
+    assert results["metadata"]["model"].endswith("benchfactory.py:make")
+
+
+def test_a_policy_file_is_timed_with_its_rules(tmp_path, factory_dir):
+    # the doctor's policy.json: a bf16 default whose rule puts every layer back in float32
+    # trains exactly as 32-true does, so its rules (not only its default) reached the run
+    policy = PolicyMap("bf16-mixed", {".*": "32-true"}).save(tmp_path / "policy.json")
+    code, results, _, md = _bench(
+        tmp_path,
+        *("--model", f"{factory_dir / 'benchfactory.py'}:make", "--batch-sizes", "8"),
+        *("--precision", "32-true", "bf16-mixed", str(policy), "--allow-slow", "--steps", "2"),
+        *TINY,
+    )
+    assert code == 0
+    by = {e["config"]["spec"]: e for e in results["results"]}
+    ours = by[str(policy)]
+    assert ours["config"]["label"] == str(policy) and ours["result"]["raw"] is None
+    loss32 = by["32-true"]["result"]["mixprec"]["final_loss"]
+    assert ours["result"]["mixprec"]["final_loss"] == loss32
+    assert by["bf16-mixed"]["result"]["mixprec"]["final_loss"] != loss32
+    assert f"| {policy} |" in md
+
+
+def test_plan_of_a_policy_file_keeps_its_islands_and_has_no_raw_twin(tmp_path):
+    path = PolicyMap("bf16-mixed", {"head": "32-true"}, float32_islands=False).save(
+        tmp_path / "p.json"
+    )
+    p = plan(
+        BenchOptions(
+            model="mlp", precisions=["32-true", str(path)], float32_islands="both", allow_slow=True
+        )
+    )
+    assert p.precisions[str(path)] == PolicyMap.load(path)
+    mine = [c for c in p.configs if c.spec == str(path)]
+    assert {(c.raw, c.float32_islands, c.label) for c in mine} == {
+        (False, False, f"{path} (no f32 islands)")
+    }
+    assert p.times_low_precision
+    assert f"--precision 32-true {path}" in p.command
+    with pytest.raises(ValueError, match="cannot read the policy file"):
+        plan(BenchOptions(model="mlp", precisions=[str(tmp_path / "missing.json")]))
+
+
+def test_user_factory_by_module_name(tmp_path, factory_dir, monkeypatch):
+    monkeypatch.chdir(factory_dir)
+    code, results, _, _ = _bench(
+        tmp_path,
+        *("--model", "benchfactory:make", "--batch-sizes", "2", "--precision", "32-true"),
+        *("--steps", "1"),
+        *TINY,
+    )
+    assert code == 0 and results["results"][0]["result"]["status"] == OK
+
+
+@pytest.mark.parametrize(
+    ("factory", "message"),
+    [
+        ("broken", "must return (model, make_batch, loss_fn), got Linear"),
+        ("raises", "raised RuntimeError: no weights ("),
+        ("needs_arg", "raised TypeError: needs_arg() missing 1 required positional argument"),
+    ],
+)
+def test_a_broken_factory_stops_the_run_before_anything_is_timed(
+    tmp_path, factory_dir, capsys, factory, message
+):
+    # before: every configuration ran, failed alike, and the run exited 1
+    out = tmp_path / "never"
+    code = main(
+        ["bench", "--model", f"{factory_dir / 'benchfactory.py'}:{factory}"]
+        + ["--batch-sizes", "2", "--precision", "32-true", "--out", str(out)]
+    )
+    captured = capsys.readouterr()
+    assert code == 2 and message in " ".join(captured.err.split())
+    assert "reproduce:" not in captured.out and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "resnet"], "unknown model 'resnet'"),
+        (["--model", "nope.py:make"], "no such file: nope.py"),
+        (["--precision", "fp16"], "unknown precision 'fp16'"),
+        (["--precision", "p=f32,c=float8_e4m3fn,o=f32"], "float8"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--image-size", "4"], "--image-size must be >= 8"),
+        (["--model", "mlp", "--image-size", "64"], "--image-size applies to --model cnn"),
+        (["--model", "mixprec.bench.models:BlogCNN"], "needs --batch-sizes"),
+        (["--tf32", "on", "--device", "cpu"], "--tf32 applies to CUDA"),
+        (["--max-batch", "--device", "cpu"], "needs --memory-limit"),
+        (["--device", "mps"], "runs on cpu or cuda"),
+    ],
+)
+def test_bad_options_give_clear_errors(args, message, capsys, tmp_path):
+    assert main(["bench", *args, "--out", str(tmp_path / "never")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--batch-sizes", "0"], "batch sizes must be positive integers"),
+        (["--batch-sizes", "8,x"], "batch sizes must be positive integers"),
+        (["--memory-limit", "lots"], "is not a size"),
+        (["--tf32", "maybe"], "choose from 'on', 'off', 'both'"),
+        (["--preset", "imagenet"], "choose from 'blog'"),
+    ],
+)
+def test_malformed_options_are_argparse_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *args])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_batch_sizes_are_split_at_commas_and_spaces_as_the_error_says():
+    """'8 16' quoted as one argument was refused although the message asks for 'space- or
+    comma-separated' sizes."""
+    args = build_parser().parse_args(["bench", "--batch-sizes", "8 16", "32,64", " 4 "])
+    assert args.batch_sizes == [[8, 16], [32, 64], [4]]
+
+
+def test_far_slower_precisions_need_allow_slow():
+    opts = BenchOptions(precisions=["32-true", "16-mixed"], device="cpu")
+    with hardware.assume(ZEN4):  # bf16 hardware, no float16 hardware
+        with pytest.raises(ValueError, match="--allow-slow"):
+            plan(opts)
+        opts.allow_slow = True
+        assert plan(opts).support["16-mixed"].startswith("slow")
+
+
+def test_plan_of_the_blog_preset_and_islands_both():
+    p = plan(
+        BenchOptions(
+            preset="blog", precisions=["32-true", "bf16"], float32_islands="both", allow_slow=True
+        )
+    )
+    o = p.options
+    assert (o.image_size, o.batch_sizes, o.steps, o.warmup) == (256, [32, 64, 128, 256, 512], 10, 3)
+    labels = [c.label for c in p.configs if c.batch_size == 32]
+    assert labels == ["32-true", "bf16-mixed", "bf16-mixed (no f32 islands)"]
+    assert [c.raw for c in p.configs[:3]] == [False, True, True]
+    assert "--precision 32-true bf16-mixed" in p.command
+    assert "--float32-islands both" in p.command
+
+
+def test_max_batch_search_finds_the_boundary(tmp_path):
+    # 64x64 blog CNN: ~24 MB of weights and Adam state at batch 8, ~30 MB at batch 16
+    code = main(
+        [
+            "bench",
+            *("--image-size", "64", "--batch-sizes", "8", "--precision", "32-true"),
+            *("--steps", "1", "--memory-limit", "27M", "--max-batch"),
+            *TINY,
+            *("--out", str(tmp_path)),
+        ]
+    )
+    assert code == 0
+    found = json.loads((tmp_path / "results.json").read_text())["max_batch"]["32-true"]
+    probes = {p["batch_size"]: p for p in found["probes"]}
+    best, first_oom = found["max_batch"], found["first_oom"]
+    assert 1 <= best and first_oom == best + 1
+    assert probes[best]["fits"] and probes[best]["peak_memory"] <= 27 * 2**20
+    assert not probes[first_oom]["fits"] and probes[first_oom]["peak_memory"] > 27 * 2**20
+    # doubling from the smallest batch size until the first OOM, then bisection
+    sizes = [p["batch_size"] for p in found["probes"]]
+    assert sizes[:3] == [8, 16, 12] and 8 < best < 16
+    assert (
+        f"32-true: {best} fits, {first_oom} runs out of memory"
+        in (tmp_path / "report.md").read_text()
+    )
+
+
+def test_a_failing_max_batch_probe_is_recorded_and_every_result_is_written(
+    tmp_path, factory_dir, capsys
+):
+    # before: the failed probe raised RuntimeError and no output was written
+    code, results, rows, md = _bench(
+        tmp_path,
+        *("--model", f"{factory_dir / 'benchfactory.py'}:small_only", "--batch-sizes", "2"),
+        *("--precision", "32-true", "--steps", "1", "--memory-limit", "1GiB", "--max-batch"),
+        *TINY,
+    )
+    assert code == 1  # the search could not finish
+    assert [r["status"] for r in rows] == [OK]  # the timed row is kept
+    found = results["max_batch"]["32-true"]
+    assert (found["max_batch"], found["first_oom"], found["capped"]) == (4, None, False)
+    assert [(p["batch_size"], p["status"]) for p in found["probes"]] == [
+        (2, OK),
+        (4, OK),
+        (8, "error"),
+    ]
+    assert found["error"].startswith("batch 8: error: ")
+    assert "ValueError: this data set has 4 samples, asked for 8" in found["error"]
+    line = "32-true: search stopped at batch 8: error: "
+    assert line in md and "(the largest that fitted before it: 4)" in md
+    printed = " ".join(capsys.readouterr().out.split())
+    assert line in printed and "the largest that fitted before it: 4" in printed
+    assert (tmp_path / "out" / "bench.png").is_file()
+
+
+def test_a_failing_configuration_is_a_recorded_row_and_the_others_are_written(
+    tmp_path, factory_dir, capsys
+):
+    code, results, rows, md = _bench(
+        tmp_path,
+        *("--model", f"{factory_dir / 'benchfactory.py'}:no_bf16", "--batch-sizes", "2"),
+        *("--precision", "32-true", "bf16-mixed", "--allow-slow", "--steps", "1"),
+        *TINY,
+    )
+    assert code == 1
+    assert [(r["precision"], r["status"]) for r in rows] == [
+        ("32-true", OK),
+        ("bf16-mixed", "error"),
+    ]
+    failed = results["results"][1]["result"]
+    assert failed["error"] == "RuntimeError: this layer refuses bfloat16"
+    assert "this layer refuses bfloat16" in md
+    assert "bf16-mixed @ 2: error RuntimeError: this layer refuses bfloat16" in " ".join(
+        capsys.readouterr().err.split()
+    )
+    assert (tmp_path / "out" / "bench.png").is_file()
+
+
+def test_repeated_batch_sizes_add_up_and_a_preset_and_timeout_are_reproduced():
+    from mixprec.cli import build_parser
+    from mixprec.cli.bench import _options
+
+    args = build_parser().parse_args(["bench", "--batch-sizes", "2", "--batch-sizes", "8,4"])
+    assert _options(args).batch_sizes == [2, 8, 4]
+    p = plan(BenchOptions(preset="blog", precisions=["32-true"], device="cpu", timeout=6.0))
+    assert p.command.startswith("mixprec bench --model cnn --preset blog --image-size 256 ")
+    assert p.command.endswith(" --timeout 6")
+
+
+def test_a_float64_only_run_says_float64_was_timed():
+    from mixprec.bench.report import comparison_gap_lines
+    from mixprec.bench.suite import comparison_gap, metadata
+
+    with hardware.assume(ZEN4):
+        p = plan(BenchOptions(precisions=["64-true"], batch_sizes=[2], device="cpu", threads=1))
+        meta = metadata(p)
+        meta["comparison_gap"] = comparison_gap(p)
+    assert meta["comparison_gap"]["timed"] == ["float64"]
+    gap = comparison_gap_lines(BenchReport(meta, []), [])
+    assert gap[0] == "timed: only 64-true was asked for (--precision), so only float64 was timed"
+
+
+def test_cpu_peak_memory_is_the_peak_of_live_tensor_bytes():
+    def work():
+        a = torch.empty(3_000_000, dtype=torch.uint8)
+        b = torch.empty(1_000_000, dtype=torch.uint8)
+        del a
+        c = torch.empty(2_500_000, dtype=torch.uint8)
+        return b, c
+
+    (b, c), peak = _measured(torch.device("cpu"), work)
+    assert peak == 4_000_000  # a + b; after a is freed, b + c is only 3.5 MB
+
+
+def _report(rows: list[Row]) -> BenchReport:
+    meta = {
+        "model": "cnn",
+        "device": "cpu (test)",
+        "torch_version": torch.__version__,
+        "mixprec_version": "0",
+        "started": "now",
+        "command": "mixprec bench",
+        "timing": "t",
+        "steps": 3,
+        "warmup": 1,
+        "threads": 1,
+        "memory_method": "m",
+        "support": {"32-true": "fast", "bf16-mixed": "fast"},
+    }
+    return BenchReport(meta, rows)
+
+
+def test_summaries_speedup_overhead_and_oom_rows():
+    def ok(ms, raw_ms=None, peak=100):
+        raw = LoopResult(step_ms=raw_ms, peak_memory=peak) if raw_ms else None
+        return RunResult(OK, LoopResult(step_ms=ms, peak_memory=peak), raw)
+
+    rows = [
+        Row(Config("32-true", "32-true", 8, None, False), ok([40.0, 10.0, 30.0])),
+        Row(
+            Config("bf16-mixed", "bf16-mixed", 8, None, True),
+            ok([12.0, 15.0, 99.0], [12.0, 50.0, 10.0]),
+        ),
+        Row(Config("32-true", "32-true", 16, None, False), RunResult(OOM, LoopResult(OOM, "x"))),
+        Row(Config("bf16-mixed", "bf16-mixed", 16, None, True), ok([20.0], [16.0])),
+    ]
+    s = summarize(_report(rows))
+    assert (s[0].median_ms, s[0].min_ms, s[0].max_ms, s[0].speedup) == (30.0, 10.0, 40.0, 1.0)
+    assert s[0].samples_per_s == pytest.approx(8 / 0.030)
+    assert s[1].speedup == pytest.approx(30.0 / 15.0)
+    assert s[1].overhead == pytest.approx(15.0 / 12.0 - 1)
+    assert s[2].status == OOM and s[2].median_ms is None
+    assert s[3].speedup is None  # no float32 result at batch 16 to compare with
+    assert s[3].overhead == pytest.approx(0.25)
+    md = markdown(_report(rows), s)
+    assert "| 8 | bf16-mixed | 15.0 | 12.0-99.0 | 533.3 | 2.00x | 0.0 MiB | 12.0 | +25.0% |" in md
+    assert "| 16 | 32-true | OOM | - | - | - | - | - | - |" in md
+
+
+def test_blog_preset_report_shows_the_blogs_v100_numbers():
+    report = _report(
+        [
+            Row(
+                Config("32-true", "32-true", 128, False, False),
+                RunResult(OK, LoopResult(step_ms=[50.0])),
+            )
+        ]
+    )
+    report.metadata["preset"] = "blog"
+    md = markdown(report, summarize(report))
+    assert "| 128 | 97 | 106 | 1.09x |" in md and "| 512 | 377 | 415 | 1.10x |" in md
+
+
+def test_busy_machine_warning():
+    cores = os.cpu_count() or 1
+    assert busy_machine_warning([0.0, 0.0, 0.0], cores, "cpu") is None
+    assert "other work was using the CPUs" in busy_machine_warning(
+        [cores + 1.0, 0.0, 0.0], 1, "cpu"
+    )
+    assert busy_machine_warning([cores + 1.0, 0.0, 0.0], 1, "cuda") is None
+
+
+def test_set_tf32_keeps_the_legacy_and_new_flags_in_agreement():
+    """torch 2.9+ raises on reading matmul precision or `allow_tf32` once the new per-op
+    flags were set alone ("mix of the legacy and new APIs"); torch.compile reads them."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for enabled in (True, False):
+            set_tf32(enabled)
+            assert torch.get_float32_matmul_precision() == ("high" if enabled else "highest")
+            assert torch.backends.cuda.matmul.allow_tf32 is enabled
+            assert torch.backends.cudnn.allow_tf32 is enabled
+            if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+                assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if enabled else "ieee")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_parse_size():
+    assert parse_size("1000") == 1000
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("512M") == 512 * 2**20
+    assert parse_size("1.5k") == 1536
+    assert parse_size("0.5G") == 2**29
+    for tiny in ("0.5", "0", "0k"):  # '0.5' was read as 0 bytes, then refused as 'got 0'
+        with pytest.raises(argparse.ArgumentTypeError, match="less than one byte"):
+            parse_size(tiny)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_rows_say_tf32_and_measure_device_memory(tmp_path):
+    code, results, _, md = _bench(
+        tmp_path,
+        *("--device", "cuda", "--image-size", "32", "--batch-sizes", "4"),
+        *("--precision", "32-true", "16-mixed", "--tf32", "both", "--steps", "2"),
+        *TINY,
+    )
+    assert code == 0
+    labels = [e["config"]["label"] for e in results["results"]]
+    assert labels == ["32-true (TF32 off)", "32-true (TF32 on)", "16-mixed"]
+    for e in results["results"]:
+        assert e["result"]["status"] == OK and e["result"]["mixprec"]["peak_memory"] > 0
+    assert "max_memory_allocated" in results["metadata"]["memory_method"]
+    assert "32-true (TF32 on)" in md
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        "CUDA out of memory. Tried to allocate 2.00 GiB",
+        "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes",
+        "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+        "cuDNN error: CUDNN_STATUS_NOT_ENOUGH_WORKSPACE",
+    ],
+)
+def test_out_of_memory_in_any_library_words_counts_as_oom(message):
+    from mixprec.bench.runner import is_oom
+
+    assert is_oom(RuntimeError(message))
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))

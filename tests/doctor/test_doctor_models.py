@@ -1,0 +1,130 @@
+"""The doctor on other libraries' models: a Hugging Face GPT-2 (a dict batch, the output's
+`.loss`) and a Lightning LightningModule (`training_step`), each with a planted float16
+fault that must be named; `mixprec doctor` on a factory returning a Hugging Face model."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from nets import Overflow, overflow_model
+
+from mixprec.cli import main
+from mixprec.doctor import BROKEN, diagnose
+from mixprec.step import is_hugging_face_model
+
+transformers = pytest.importorskip("transformers")
+pl = pytest.importorskip("pytorch_lightning")
+
+from test_doctor import names  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from doctor_gpt2 import make as make_gpt2  # noqa: E402
+from doctor_gpt2 import tiny_gpt2  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:precision .* is slow")
+
+
+# -- Hugging Face -----------------------------------------------------------------------------
+
+
+def test_gpt2_outlier_layer_is_named_through_the_models_own_loss():
+    model, batch = make_gpt2()
+    d = diagnose(model, batch, precision="16-mixed")
+    assert names(d) == ["transformer.h.1.mlp.c_fc"]
+    assert d.modules["transformer.h.1.mlp.c_fc"].verdict == BROKEN
+    assert d.modules["transformer.h.1.mlp.c_fc"].reason.startswith("output reaches 1.0e5")
+    # the reference loss is the model's own: cross-entropy of the shifted labels
+    with torch.no_grad():
+        assert d.loss == pytest.approx(float(model(**batch).loss), rel=1e-6)
+
+
+def test_healthy_gpt2_has_no_finding_in_bfloat16():
+    model = tiny_gpt2()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
+    d = diagnose(model, {"input_ids": ids, "labels": ids}, precision="bf16-mixed")
+    assert d.findings == [] and d.passes()
+
+
+def test_hugging_face_model_errors_say_what_is_accepted():
+    model = tiny_gpt2()
+    ids = torch.randint(0, 64, (2, 8))
+    assert is_hugging_face_model(model) and not is_hugging_face_model(Overflow())
+    with pytest.raises(TypeError, match=r"returned no loss .*\['input_ids'\].*labels=input_ids"):
+        diagnose(model, {"input_ids": ids})
+    with pytest.raises(TypeError, match="Hugging Face model: its batch is a dict"):
+        diagnose(model, ids)
+
+
+def test_cli_doctor_on_a_hugging_face_factory(tmp_path, capsys):
+    factory = tmp_path / "hf_factory.py"
+    factory.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "from doctor_gpt2 import make\n"
+    )
+    code = main(["doctor", f"{factory}:make", "--no-report", "--no-recommend"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "broken transformer.h.1.mlp.c_fc (Conv1D): output reaches 1.0e5" in out
+
+
+# -- Lightning ---------------------------------------------------------------------------------
+
+
+class OverflowModule(pl.LightningModule):
+    """The doctor tests' planted overflow (`proj` reaches 1e5) inside a LightningModule whose
+    training_step logs and returns a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, _ = overflow_model(1e5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return {"loss": loss}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_lightning_module_overflow_is_named_through_training_step():
+    module = OverflowModule()
+    _, batch = overflow_model(1e5)
+    d = diagnose(module, batch, precision="16-mixed")
+    assert names(d) == ["net.proj"]
+    with torch.no_grad():
+        reference = float(F.cross_entropy(module(batch[0]), batch[1]))
+    assert d.loss == pytest.approx(reference, rel=1e-6)
+    fix = d.recommend()
+    assert set(fix.policy.rules) == {"net.proj"} and fix.verified.passes()
+
+
+def test_lightning_example_factory_from_the_cli(capsys):
+    code = main(
+        ["doctor", str(ROOT / "examples/doctor_lightning.py:make"), "--no-report", "--no-recommend"]
+    )
+    assert code == 1
+    assert "broken proj (Linear): output reaches 1.0e5" in capsys.readouterr().out
+
+
+def test_lightning_manual_optimization_is_refused_with_the_way_out():
+    class Manual(OverflowModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+    _, batch = overflow_model(1e5)
+    with pytest.raises(TypeError, match="manual optimization.*loss_fn=..."):
+        diagnose(Manual(), batch)
+    # the network inside it can still be diagnosed
+    d = diagnose(Manual().net, batch, F.cross_entropy, precision="16-mixed")
+    assert names(d) == ["proj"]

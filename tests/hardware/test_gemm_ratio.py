@@ -1,0 +1,266 @@
+"""A CPU's bfloat16/float16 ratings from a measured GEMM speed against float32: the flags are
+the prior and the explanation, the measurement the verdict, cached per machine. Described
+CPUs state their ratios, so every outcome here is the same on any host."""
+
+import json
+import re
+import warnings
+
+import pytest
+import torch
+from devices import AMX_CPU, AVX2_CPU, AVX512_CPU, H100, ZEN4
+from torch import nn
+
+import mixprec
+from mixprec import SlowPrecisionError, hardware
+from mixprec.cli import main
+from mixprec.hardware import DeviceInfo, check, gemm_ratio, measuring, resolve_auto, support_matrix
+from mixprec.policy import as_policy
+
+
+def _cpu(flags, **ratios):
+    return DeviceInfo("cpu", "described", cpu_flags=frozenset(flags), gemm_ratios=ratios or None)
+
+
+def test_on_an_avx512_cpu_without_bf16_bf16_is_slow_naming_its_measured_ratio():
+    matrix = support_matrix(AVX512_CPU)
+    assert matrix["bf16-mixed"].status == "slow"
+    assert "measured 0.42x float32's speed" in matrix["bf16-mixed"].reason
+    assert "no avx512_bf16/amx_bf16" in matrix["bf16-mixed"].reason
+    assert resolve_auto(AVX512_CPU) == mixprec.Policy("32-true")
+    with pytest.raises(SlowPrecisionError, match=r"'bf16-mixed'.*measured 0\.42x.*allow_slow"):
+        check("bf16-mixed", info=AVX512_CPU)
+    with hardware.assume(AVX512_CPU), pytest.raises(SlowPrecisionError, match=r"0\.42x"):
+        mixprec.Precision("bf16-mixed").setup(nn.Linear(2, 2))
+    assert check("bf16-mixed", info=AVX512_CPU, allow_slow=True).status == "slow"
+
+
+@pytest.mark.parametrize(
+    "info, ratings, auto",
+    [
+        (ZEN4, {"bf16-mixed": "fast", "16-mixed": "slow"}, "bf16-mixed"),
+        (AMX_CPU, {"bf16-mixed": "fast", "16-mixed": "slow"}, "bf16-mixed"),
+        (H100, {"bf16-mixed": "fast", "16-mixed": "fast"}, "bf16-mixed"),
+    ],
+    ids=["zen4", "amx", "h100"],
+)
+def test_where_16_bits_are_fast_the_measurement_changes_nothing(info, ratings, auto):
+    matrix = support_matrix(info)
+    assert {name: matrix[name].status for name in ratings} == ratings
+    assert resolve_auto(info).name == auto
+
+
+@pytest.mark.parametrize(
+    "info, expected",
+    [
+        # flags predict fast, the GEMM measured half float32's speed: slow
+        (_cpu({"avx512bw", "avx512_bf16"}, bfloat16=0.5), "slow"),
+        (_cpu({"avx512bw", "avx512_bf16"}, bfloat16=1.0), "fast"),
+        # no bf16 instructions known (an Arm CPU's flags are not read), yet measured fast
+        (_cpu(set(), bfloat16=1.6), "fast"),
+        (_cpu(set(), bfloat16=0.9), "supported"),
+        (_cpu({"avx2"}, bfloat16=0.02), "slow"),
+        # stated without a measurement: the flags alone
+        (_cpu({"avx512bw", "avx512_bf16"}), "fast"),
+        (_cpu({"avx512bw"}), "slow"),
+    ],
+)
+def test_the_measured_ratio_overrules_the_flags_for_bfloat16(info, expected):
+    assert hardware.dtype_support(torch.bfloat16, info).status == expected
+
+
+def test_a_fast_float16_gemm_does_not_make_float16_fast_where_its_convolutions_are_slow():
+    s = hardware.dtype_support(torch.float16, _cpu({"avx512_fp16"}, float16=1.5))
+    assert s.status == "slow" and "convolutions" in s.reason and "1.5x" in s.reason
+    amx = _cpu({"amx_fp16"}, float16=0.3)
+    assert hardware.dtype_support(torch.float16, amx).status == "slow"
+
+
+def test_described_ratios_are_checked():
+    with pytest.raises(ValueError, match="'float8'.*bfloat16 and float16.*positive"):
+        _cpu({"avx2"}, float8=0.5)
+    with pytest.raises(ValueError, match="bfloat16"):
+        _cpu({"avx2"}, bfloat16=0.0)
+    info = _cpu({"avx2"}, bfloat16=0.5)
+    assert hash(info) == hash(_cpu({"avx2"}, bfloat16=0.7)) and info != _cpu({"avx2"})
+
+
+def test_info_rates_bf16_slow_on_an_avx512_cpu_without_bf16(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with hardware.assume(AVX512_CPU):
+        assert main(["info", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"bf16-mixed\s*│\s*slow\s*│ bfloat16: its GEMMs measured 0\.42x", out)
+    assert '"auto" resolves to: 32-true' in out
+    assert "rated by their GEMM speed against float32 (bfloat16 0.42x, float16 0.05x" in out
+    with hardware.assume(ZEN4):
+        assert main(["info", "--device", "cpu"]) == 0
+    assert "rated by this CPU's flags alone" in capsys.readouterr().out
+
+
+def test_the_search_and_the_bench_plan_read_the_same_rating():
+    from mixprec.bench import suite
+    from mixprec.plan.units import default_formats
+
+    chosen, left_out = default_formats(as_policy("32-true"), AVX512_CPU)
+    assert "bf16-true" not in chosen and "measured 0.42x" in left_out["bf16-true"]
+    with hardware.assume(AVX512_CPU):
+        policies, _ = suite._precisions(None, torch.device("cpu"), allow_slow=False)
+        with pytest.raises(ValueError, match=r"0\.42x.*--allow-slow"):
+            suite._precisions(["bf16-mixed"], torch.device("cpu"), allow_slow=False)
+    assert list(policies) == ["32-true"]
+
+
+def test_the_doctor_does_not_offer_bf16_where_it_is_rated_slow():
+    """A float16 range problem goes to float32, not bfloat16, on a CPU whose bf16 GEMMs are
+    slow; on a Zen 4 bfloat16 is offered first."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[0].weight.fill_(3e4)
+    batch = (torch.full((2, 4), 10.0), torch.zeros(2, dtype=torch.int64))
+    offered = {}
+    for info in (AVX512_CPU, ZEN4):
+        with hardware.assume(info):
+            report = mixprec.diagnose(
+                model, batch, nn.functional.cross_entropy, precision="16-mixed", device="cpu"
+            )
+            rec = report.recommend()
+        offered[info.name] = {str(p) for p in rec.policy.policies()}
+    assert not any("bf16" in name for name in offered[AVX512_CPU.name])
+    assert any("bf16" in name for name in offered[ZEN4.name])
+
+
+def _fresh(monkeypatch, folder):
+    monkeypatch.setenv(gemm_ratio.CACHE_ENV, str(folder))
+    hardware._detect.cache_clear()
+
+
+@pytest.fixture
+def _clean_detect():
+    hardware._detect.cache_clear()
+    yield
+    hardware._detect.cache_clear()
+
+
+@pytest.mark.usefixtures("_clean_detect")
+def test_the_host_is_measured_once_per_machine_and_torch(tmp_path, monkeypatch):
+    _fresh(monkeypatch, tmp_path)
+    first = hardware.detect("cpu")
+    path = tmp_path / gemm_ratio.CACHE_FILE
+    data = json.loads(path.read_text())
+    (entry,) = data["entries"]
+    assert entry["key"]["cpu"] == first.name and entry["key"]["torch"] == torch.__version__
+    assert entry["key"]["flags"] == sorted(first.cpu_flags)
+    assert set(first.gemm_ratios) == {"bfloat16", "float16"}
+    assert str(path) in first.gemm_note and "on one thread" in first.gemm_note
+    # a later process reads the cache: what it says is what rates the host
+    entry["measured"]["ratios"] = {"bfloat16": 0.5, "float16": 0.6}
+    path.write_text(json.dumps(data))
+    hardware._detect.cache_clear()
+    assert hardware.detect("cpu").gemm_ratios == {"bfloat16": 0.5, "float16": 0.6}
+    assert support_matrix(hardware.detect("cpu"))["bf16-mixed"].status == "slow"
+    # measured under another torch: measured again, and kept beside it
+    entry["key"]["torch"] = "2.0.0"
+    path.write_text(json.dumps(data))
+    hardware._detect.cache_clear()
+    again = hardware.detect("cpu")
+    assert again.gemm_ratios != {"bfloat16": 0.5, "float16": 0.6}
+    versions = [e["key"]["torch"] for e in json.loads(path.read_text())["entries"]]
+    assert versions == ["2.0.0", torch.__version__]
+    assert not list(tmp_path.glob(".*"))  # written by replacing, no temporary left
+
+
+@pytest.mark.usefixtures("_clean_detect")
+def test_remeasure_replaces_the_cached_ratios(tmp_path, monkeypatch):
+    _fresh(monkeypatch, tmp_path)
+    hardware.detect("cpu")
+    path = tmp_path / gemm_ratio.CACHE_FILE
+    data = json.loads(path.read_text())
+    data["entries"][0]["measured"]["ratios"] = {"bfloat16": 0.5, "float16": 0.6}
+    path.write_text(json.dumps(data))
+    hardware._detect.cache_clear()
+    assert hardware.detect("cpu").gemm_ratios == {"bfloat16": 0.5, "float16": 0.6}
+    again = hardware.remeasure()
+    assert again.gemm_ratios != {"bfloat16": 0.5, "float16": 0.6}
+    assert hardware.detect("cpu") is again
+    assert len(json.loads(path.read_text())["entries"]) == 1
+
+
+@pytest.mark.usefixtures("_clean_detect")
+def test_a_cache_that_is_not_ours_is_measured_again(tmp_path, monkeypatch):
+    _fresh(monkeypatch, tmp_path)
+    (tmp_path / gemm_ratio.CACHE_FILE).write_text("not json")
+    info = hardware.detect("cpu")
+    assert set(info.gemm_ratios) == {"bfloat16", "float16"}
+    assert json.loads((tmp_path / gemm_ratio.CACHE_FILE).read_text())["entries"]
+
+
+@pytest.mark.usefixtures("_clean_detect")
+def test_a_cache_that_cannot_be_written_is_said_and_the_host_still_rated(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _fresh(monkeypatch, blocker / "cache")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = hardware.detect("cpu")
+    assert set(info.gemm_ratios) == {"bfloat16", "float16"}
+    (w,) = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert "could not cache" in str(w.message) and gemm_ratio.CACHE_ENV in str(w.message)
+
+
+def test_the_cache_lives_where_the_user_cache_is(tmp_path):
+    assert gemm_ratio.cache_path({gemm_ratio.CACHE_ENV: "/a", "XDG_CACHE_HOME": "/b"}) == (
+        gemm_ratio.Path("/a/gemm-ratios.json")
+    )
+    assert gemm_ratio.cache_path({"XDG_CACHE_HOME": "/b"}) == gemm_ratio.Path(
+        "/b/mixprec/gemm-ratios.json"
+    )
+    assert gemm_ratio.cache_path({}).parts[-3:] == (".cache", "mixprec", "gemm-ratios.json")
+
+
+def test_measuring_leaves_the_rng_autocast_and_threads_alone_and_uses_one_size():
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    threads = torch.get_num_threads()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        m = gemm_ratio.measure()
+    assert torch.equal(torch.get_rng_state(), before) and torch.get_num_threads() == threads
+    assert set(m.ratios) == {"bfloat16", "float16"} and set(m.spread) == {
+        "float32",
+        "bfloat16",
+        "float16",
+    }
+    assert m.size == gemm_ratio.SIZE
+    assert gemm_ratio.MIN_ROUNDS <= m.rounds <= gemm_ratio.MAX_ROUNDS
+    assert all(v > 0 for v in m.ratios.values()) and all(v >= 1 for v in m.spread.values())
+
+
+def test_info_measure_times_every_dtype_at_one_size():
+    rates = measuring.measure_rates(
+        (torch.float32, torch.bfloat16, torch.float16), "cpu", seconds=0.02, repeats=2
+    )
+    assert len({r.size for r in rates.values()}) == 1
+
+
+def test_the_measure_notice_never_advises_the_option_already_given():
+    rate = measuring.Rate
+    wide = {"float32": rate(100.0, 20.0, 140.0, 1024)}
+    assert "(--seconds 2)" in measuring.measure_notice(wide, ZEN4, load=0.5)
+    notice = measuring.measure_notice(wide, ZEN4, load=0.5, seconds=2.0)
+    assert "(--seconds 8)" in notice and "--seconds 2)" not in notice
+    assert "(--seconds 2)" in measuring.measure_notice(wide, ZEN4, seconds=0.1)
+
+
+def test_an_avx2_cpu_is_judged_as_before():
+    assert support_matrix(AVX2_CPU)["bf16-mixed"].status == "slow"
+    assert resolve_auto(AVX2_CPU).name == "32-true"
+
+
+def test_the_allow_slow_switch_silences_the_slow_precision_warning(monkeypatch):
+    with hardware.assume(AVX512_CPU), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mixprec.apply(nn.Linear(2, 2), "bf16-mixed")
+        monkeypatch.setenv(hardware.ALLOW_SLOW_ENV, "1")
+        mixprec.apply(nn.Linear(2, 2), "bf16-mixed")
+    assert [w.category for w in caught] == [mixprec.SlowPrecisionWarning]
+    assert "measured 0.42x" in str(caught[0].message)

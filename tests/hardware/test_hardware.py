@@ -1,0 +1,340 @@
+"""Support matrix, "auto", and the refuse/slow checks, on the real device and on described ones."""
+
+import os
+import re
+import subprocess
+import sys
+import warnings
+from contextlib import contextmanager
+
+import pytest
+import torch
+from devices import AMX_CPU, AVX2_CPU, AVX512_CPU, H100, V100, ZEN4
+from torch import nn
+
+import mixprec
+from mixprec import (
+    Policy,
+    PolicyMap,
+    PrecisionError,
+    SlowPrecisionError,
+    hardware,
+)
+from mixprec.cli import main
+from mixprec.errors import SlowPrecisionWarning
+from mixprec.hardware import (
+    DeviceInfo,
+    check,
+    detect,
+    measuring,
+    policy_support,
+    resolve_auto,
+    support_matrix,
+)
+
+SPR = DeviceInfo("cpu", "Xeon", cpu_flags=frozenset({"avx512bw", "amx_bf16", "avx512_fp16"}))
+P100 = DeviceInfo("cuda", "Tesla P100", 0, capability=(6, 0))
+
+
+@pytest.mark.parametrize(
+    "info, expected",
+    [
+        (
+            ZEN4,
+            {"bf16-mixed": "fast", "16-mixed": "slow", "16-true": "slow", "64-true": "supported"},
+        ),
+        (SPR, {"bf16-mixed": "fast", "16-mixed": "slow"}),
+        (AMX_CPU, {"bf16-mixed": "fast", "bf16-true": "fast", "16-mixed": "slow"}),
+        (AVX2_CPU, {"bf16-mixed": "slow", "16-mixed": "slow", "32-true": "fast"}),
+        (AVX512_CPU, {"bf16-mixed": "slow", "bf16-true": "slow", "16-mixed": "slow"}),
+        (V100, {"bf16-mixed": "refused", "16-mixed": "fast", "32-true": "fast"}),
+        (H100, {"bf16-mixed": "fast", "16-mixed": "fast", "bf16-true": "fast"}),
+        (P100, {"16-mixed": "supported", "bf16-true": "refused"}),
+    ],
+    ids=["zen4", "sapphire-rapids", "amx", "old-cpu", "avx512-no-bf16", "v100", "h100", "p100"],
+)
+def test_support_matrix_by_device(info, expected):
+    matrix = support_matrix(info)
+    assert set(matrix) == {"32-true", "64-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"}
+    for name, status in expected.items():
+        assert matrix[name].status == status, (name, matrix[name])
+        assert matrix[name].reason
+
+
+@pytest.mark.parametrize(
+    "info, expected",
+    [
+        (ZEN4, "bf16-mixed"),
+        (AMX_CPU, "bf16-mixed"),
+        (AVX512_CPU, "32-true"),
+        (V100, "16-mixed"),
+        (H100, "bf16-mixed"),
+        (AVX2_CPU, "32-true"),
+        (P100, "32-true"),
+    ],
+)
+def test_auto_picks_the_fastest_stable_precision(info, expected):
+    assert resolve_auto(info) == Policy(expected)
+
+
+def test_refused_precision_raises_and_names_what_works():
+    with pytest.raises(
+        PrecisionError,
+        match=r"'bf16-mixed' is refused on cuda:0 .*8\.0.*"
+        r"Supported here: 32-true, 64-true, 16-mixed",
+    ):
+        check(Policy("bf16-mixed"), info=V100)
+
+
+def test_slow_precision_raises_unless_allowed():
+    with pytest.raises(
+        SlowPrecisionError, match="slower than float32.*allow_slow=True.*bf16-mixed"
+    ):
+        check(Policy("16-mixed"), info=ZEN4)
+    assert check(Policy("16-mixed"), info=ZEN4, allow_slow=True).status == "slow"
+    assert check(Policy("bf16-mixed"), info=ZEN4).status == "fast"
+
+
+def test_a_map_is_as_supported_as_its_worst_policy():
+    pmap = PolicyMap("bf16-mixed", {"head": "16-mixed"})
+    assert policy_support(pmap, ZEN4).status == "slow"
+    assert policy_support(pmap, V100).status == "refused"
+    assert policy_support(PolicyMap("bf16-mixed"), ZEN4).status == "fast"
+
+
+def test_this_machine_is_described_and_consistent():
+    info = detect("cpu")
+    assert info.type == "cpu" and info.name
+    assert check("32-true", "cpu").status == "fast"
+    assert resolve_auto(info).name in support_matrix(info)
+    assert support_matrix(info)[resolve_auto(info).name].status in ("fast", "supported")
+
+
+def test_apply_only_warns_about_a_slow_precision(monkeypatch):
+    monkeypatch.setattr(mixprec.hardware, "detect", lambda device=None: ZEN4)
+    with pytest.warns(UserWarning, match="'16-mixed' is slow on cpu"):
+        mixprec.apply(nn.Linear(2, 2), "16-mixed")
+
+
+def test_the_slow_precision_note_names_the_slow_policy_so_it_is_said_once():
+    """A map with rules warns as its slow policy does: one message, which Python's default
+    filter shows once per place, and a class of its own to filter by."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with hardware.assume(ZEN4), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mixprec.apply(model, "16-mixed")
+        mixprec.apply(model, PolicyMap("16-mixed", {"1": "bf16-mixed"}))
+        mixprec.apply(model, PolicyMap("bf16-mixed", {"1": "16-true"}))
+    messages = [str(w.message) for w in caught]
+    assert all(w.category is SlowPrecisionWarning for w in caught)
+    assert [m.split(" is slow")[0] for m in messages] == [
+        "precision '16-mixed'",
+        "precision '16-mixed'",
+        "precision '16-true'",
+    ]
+    assert messages[0] == messages[1]
+
+
+def test_measure_reports_a_rate_per_dtype():
+    rates = measuring.measure((torch.float32, torch.bfloat16), "cpu", seconds=0.02)
+    assert set(rates) == {"float32", "bfloat16"} and all(r > 0 for r in rates.values())
+
+
+def test_measure_rates_takes_the_median_of_rounds_and_keeps_their_range():
+    rates = measuring.measure_rates((torch.float32,), "cpu", seconds=0.02, repeats=3)
+    r = rates["float32"]
+    assert 0 < r.low <= r.median <= r.high and r.spread >= 1.0
+    assert r.size >= 128 and r.size & (r.size - 1) == 0
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        measuring.measure_rates((torch.float32,), "cpu", repeats=0)
+
+
+def test_measured_rates_are_flagged_when_rounds_disagree_or_contradict_the_hardware():
+    rate = measuring.Rate
+    calm = {"float32": rate(100.0, 95.0, 105.0, 1024), "bfloat16": rate(300.0, 290.0, 310.0, 1024)}
+    assert measuring.measure_notice(calm, ZEN4, load=0.5) is None
+    # bf16 is fast on a Zen 4: measured 10x slower than float32 means the cores were taken
+    slow = {"float32": rate(100.0, 95.0, 105.0, 1024), "bfloat16": rate(10.0, 9.0, 11.0, 1024)}
+    notice = measuring.measure_notice(slow, ZEN4, load=0.5)
+    assert "bfloat16, fast on this hardware, measured 10.0x slower than float32" in notice
+    assert notice.startswith("these rates are not to be trusted")
+    # on an AVX2-only CPU bf16 is slow: the same numbers are what the hardware does
+    assert measuring.measure_notice(slow, AVX2_CPU, load=0.5) is None
+    wide = {"float32": rate(100.0, 20.0, 140.0, 1024)}
+    assert "disagreed by more than 1.5x (float32 20.0-140.0 GFLOP/s)" in (
+        measuring.measure_notice(wide, ZEN4, load=0.5)
+    )
+    cores = os.cpu_count() or 1
+    busy = measuring.measure_notice(calm, ZEN4, load=cores + 1.0)
+    assert f"the 1-minute load average is {cores + 1.0:.2f} on {cores} cores" in busy
+
+
+def test_info_measure_prints_medians_and_ranges_at_80_columns(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    args = ["info", "--device", "cpu", "--measure", "--seconds", "0.02", "--repeats", "2"]
+    with hardware.assume(ZEN4):
+        assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "median of 2 rounds" in out and "…" not in out
+    assert max(len(line.rstrip()) for line in out.splitlines()) <= 80
+    with pytest.raises(SystemExit):
+        main(["info", "--measure", "--repeats", "0"])
+    assert "expected a whole number >= 1" in capsys.readouterr().err
+
+
+def test_info_command_prints_the_matrix(capsys):
+    assert main(["info", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    for name in ("32-true", "bf16-mixed", "16-mixed", '"auto" resolves to', "int8_from_float32"):
+        assert name in out
+
+
+def test_info_says_int8_saves_memory_not_time_without_vnni(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    with hardware.assume(AVX2_CPU):
+        assert main(["info"]) == 0
+    flat = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "int8_from_float32 supported int8: no VNNI" in flat
+    with hardware.assume(ZEN4):
+        assert main(["info"]) == 0
+    flat = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "int8_from_float32 fast int8: VNNI dot products (avx512_vnni)" in flat
+
+
+def test_unknown_device_type_is_refused():
+    with pytest.raises(PrecisionError, match="unknown device type 'meta'"):
+        detect("meta")
+
+
+AMX_FLAGS = frozenset({"avx2", "avx512bw", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"})
+
+
+@pytest.mark.parametrize(
+    "env, kept, note",
+    [
+        ({}, AMX_FLAGS, None),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"avx2"}, "capped by ONEDNN_MAX_CPU_ISA=AVX2"),
+        ({"ONEDNN_MAX_CPU_ISA": "avx512_core"}, {"avx2", "avx512bw"}, "ONEDNN_MAX_CPU_ISA"),
+        (
+            {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
+            {"avx2", "avx512bw", "avx512_bf16"},
+            "ONEDNN_MAX_CPU_ISA",
+        ),
+        ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, AMX_FLAGS - {"amx_fp16"}, "AMX"),
+        ({"ONEDNN_MAX_CPU_ISA": "ALL"}, AMX_FLAGS, None),
+        ({"DNNL_MAX_CPU_ISA": "AVX2"}, {"avx2"}, "DNNL_MAX_CPU_ISA=AVX2"),
+        ({"ATEN_CPU_CAPABILITY": "avx2"}, {"avx2"}, "capped by ATEN_CPU_CAPABILITY=avx2"),
+        ({"ATEN_CPU_CAPABILITY": "avx512"}, AMX_FLAGS, None),
+        ({"ONEDNN_MAX_CPU_ISA": "pentium"}, AMX_FLAGS, "ONEDNN_MAX_CPU_ISA=pentium not understood"),
+    ],
+)
+def test_isa_caps_users_set_for_torch_cap_the_flags(env, kept, note):
+    from mixprec.hardware import cap_cpu_flags
+
+    flags, why = cap_cpu_flags(AMX_FLAGS, env)
+    assert flags == kept
+    assert (why is None) if note is None else (note in why)
+
+
+def test_detection_honours_an_isa_cap_so_any_host_can_play_an_avx2_cpu(monkeypatch):
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    info = detect("cpu")
+    assert not info.cpu_flags & {"avx512bw", "avx512_bf16", "amx_bf16", "avx512_fp16"}
+    assert support_matrix(info)["bf16-mixed"].status == "slow"
+    assert resolve_auto(info) == Policy("32-true")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    assert detect("cpu").isa_cap is None or "ONEDNN" not in detect("cpu").isa_cap
+
+
+def test_assume_stands_in_for_the_host_and_restores_it():
+    host = detect("cpu")
+    with hardware.assume(ZEN4):
+        assert detect("cpu") is ZEN4 and detect() is not H100
+        with hardware.assume(AVX2_CPU):
+            assert detect("cpu") is AVX2_CPU
+            with pytest.raises(SlowPrecisionError, match="It is fast on NVIDIA GPUs"):
+                mixprec.Precision("bf16-mixed").setup(nn.Linear(2, 2))
+        assert detect("cpu") is ZEN4
+        assert mixprec.Precision("bf16-mixed").setup(nn.Linear(2, 2)).weight.dtype == torch.float32
+    assert detect("cpu") == host
+
+
+def test_cuda_on_a_torch_without_cuda_is_a_clear_error():
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a GPU")
+    with pytest.raises(PrecisionError, match="sees no CUDA GPU.*device='cpu'"):
+        detect("cuda")
+
+
+def test_mps_where_there_is_none_is_a_clear_error():
+    if torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    with pytest.raises(PrecisionError, match="device 'mps': .* sees no Apple GPU.*device='cpu'"):
+        detect("mps")
+
+
+def test_info_under_an_isa_cap_rates_bf16_slow_and_says_where_it_is_fast():
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2", COLUMNS="200")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec.cli", "info", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert re.search(r"bf16-mixed\s*│\s*slow", out)
+    assert '"auto" resolves to: 32-true' in out
+    assert "bfloat16 would be fast on: NVIDIA GPUs of compute capability 8.0+" in out
+
+
+@pytest.mark.parametrize(
+    "info, expected", [(H100, "bf16-mixed"), (V100, "16-mixed"), (AVX2_CPU, "32-true")]
+)
+def test_resolve_policy_resolves_auto_against_the_described_device(info, expected):
+    from mixprec.hardware import resolve_policy
+
+    assert resolve_policy("auto", info) == PolicyMap(expected)
+    assert resolve_policy(" AUTO ", info) == PolicyMap(expected)
+    # anything else means the same on every device
+    assert resolve_policy("16-true", info) == PolicyMap("16-true")
+    pmap = PolicyMap("bf16-mixed", {"head": "32-true"})
+    assert resolve_policy(pmap, info) is pmap
+
+
+@contextmanager
+def _gpu_machine(cpu, gpu):
+    """A described machine with a CPU and a GPU: every check answers from the descriptions,
+    never from the host."""
+    with hardware.assume(cpu), hardware.assume(gpu):
+        yield
+
+
+def test_bench_auto_on_the_cpu_of_a_gpu_machine_is_the_cpus_choice():
+    from mixprec.bench import suite
+
+    with _gpu_machine(AVX2_CPU, H100):
+        policies, _ = suite._precisions(["auto"], torch.device("cpu"), allow_slow=False)
+    assert list(policies) == ["32-true"]
+
+
+@_gpu_machine(AVX2_CPU, V100)
+def test_precision_auto_resolves_at_setup_on_the_models_device():
+    precision = mixprec.Precision("auto")
+    with pytest.raises(RuntimeError, match=r"picks its policy and scaler at setup\(\)"):
+        precision.policy  # noqa: B018
+    precision.setup(nn.Linear(2, 2))  # a CPU model
+    assert precision.policy == PolicyMap("32-true")
+    assert precision.scaler.kind == "none"
+    assert mixprec.Precision("auto", device="cuda").policy == PolicyMap("16-mixed")
+
+
+@_gpu_machine(AVX2_CPU, V100)
+def test_diagnose_resolves_auto_on_its_device():
+    model = nn.Sequential(nn.Linear(2, 2))
+    batch = (torch.ones(3, 2), torch.zeros(3, dtype=torch.int64))
+    report = mixprec.diagnose(
+        model, batch, nn.functional.cross_entropy, precision="auto", device="cpu"
+    )
+    assert report.precision == PolicyMap("32-true")

@@ -1,0 +1,546 @@
+"""mixprec inside Hugging Face: the PrecisionMonitor as a `transformers.TrainerCallback`,
+`MixprecTrainer` (loss scaling, skipped steps, clipping of true gradients), and the
+Accelerate recipe, which must match a hand-written mixprec loop bit for bit."""
+
+import inspect
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import mixprec
+from mixprec import Precision
+from mixprec.optim import scheduler_step
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+from mixprec.integrations.huggingface import (  # noqa: E402
+    MixprecTrainer,
+    PrecisionMonitorCallback,
+    SkipAwareScheduler,
+    prepare,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from doctor_gpt2 import tiny_gpt2  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:precision .* is slow")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    """Accelerate keeps one precision per process (HF's Trainer builds an Accelerator too):
+    reset it around each test, as Accelerate's own test case does."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+LAYERS = [f"transformer.h.{i}.{m}" for i in (0, 1) for m in ("attn.c_attn", "mlp.c_fc")]
+
+
+def token_rows(n: int = 16, length: int = 12, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    ids = torch.randint(0, 64, (n, length), generator=torch.Generator().manual_seed(seed))
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def hf_args(tmp_path: Path, **kwargs) -> transformers.TrainingArguments:
+    options = dict(
+        output_dir=str(tmp_path),
+        report_to=[],
+        use_cpu=True,
+        max_steps=4,
+        per_device_train_batch_size=4,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    return transformers.TrainingArguments(**{**options, **kwargs})
+
+
+class Overflow(transformers.TrainerCallback):
+    """Makes one parameter's gradient inf at HF optimizer step `step`, and records the
+    weights around that step."""
+
+    def __init__(self, model: torch.nn.Module, step: int) -> None:
+        self.param = model.transformer.h[0].mlp.c_fc.weight
+        self.step = step
+        self.handle = None
+        self.before: list[torch.Tensor] = []
+        self.after: list[torch.Tensor] = []
+        self.model = model
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            self.before = [p.detach().clone() for p in self.model.parameters()]
+            self.handle = self.param.register_hook(lambda g: torch.full_like(g, math.inf))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+            self.after = [p.detach().clone() for p in self.model.parameters()]
+
+
+# -- the monitor callback ----------------------------------------------------------------------
+
+
+def test_callback_in_a_plain_hf_trainer_writes_per_layer_amax(tmp_path):
+    model = mixprec.apply(tiny_gpt2(), "bf16-mixed", warn=False)
+    # HF keeps the batch keys the forward's signature names: the converted one shows them
+    assert {"input_ids", "labels"} <= set(inspect.signature(model.forward).parameters)
+    callback = PrecisionMonitorCallback(every_n_steps=2)
+    trainer = transformers.Trainer(
+        model=model,
+        args=hf_args(tmp_path, max_steps=3),
+        train_dataset=token_rows(),
+        callbacks=[callback],
+    )
+    trainer.train()
+    rows = [r for r in trainer.state.log_history if any(k.startswith("precision/") for k in r)]
+    assert [r["step"] for r in rows] == [1, 3]  # HF steps 0 and 2, logged as HF numbers them
+    for row in rows:
+        for layer in LAYERS:
+            assert 0 < row[f"precision/{layer}/amax"] < 100
+            assert 0 < row[f"precision/{layer}/grad_amax"] < 100
+        assert "precision/loss_scale" not in row  # HF's own optimizer: no mixprec scaler
+    lines = (tmp_path / "precision_monitor.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == rows
+    assert callback.warnings == []
+    # no hook left behind: the converted model runs as before
+    assert not any(m._forward_hooks for m in model.modules())
+
+
+def test_callback_watches_hf_own_bf16_autocast(tmp_path):
+    callback = PrecisionMonitorCallback(every_n_steps=1, path=False)
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(),
+        args=hf_args(tmp_path, max_steps=1, bf16=True),
+        train_dataset=token_rows(n=4),
+        callbacks=[callback],
+    )
+    trainer.train()
+    row = trainer.state.log_history[0]
+    assert all(0 < row[f"precision/{layer}/amax"] < 100 for layer in LAYERS)
+
+
+@pytest.mark.filterwarnings("ignore:layer .* gradients reaching it")  # no loss scaling here
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"path": 5}, "path is a file path .* got 5"),
+        ({"path": True}, "path is a file path .* got True"),
+        ({"monitor": "x"}, "monitor is a mixprec.PrecisionMonitor .* got str"),
+        ({"trainer": object()}, "trainer is the transformers.Trainer .* got object"),
+    ],
+)
+def test_callback_refuses_bad_arguments_when_built(kwargs, message):
+    """path=5 and monitor="x" were accepted and failed inside train() with raw errors."""
+    with pytest.raises(TypeError, match=message):
+        PrecisionMonitorCallback(**kwargs)
+
+
+def test_callback_says_when_hf_fp16_on_a_cpu_leaves_nothing_to_monitor(tmp_path):
+    """Hugging Face's own fp16=True on a CPU trains in float32: the callback logged nothing
+    and said nothing. It warns once, saying why."""
+    callback = PrecisionMonitorCallback(every_n_steps=1, path=False)
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(),
+        args=hf_args(tmp_path, max_steps=2, fp16=True),
+        train_dataset=token_rows(n=8),
+        callbacks=[callback],
+    )
+    with pytest.warns(UserWarning, match="step 0 ran no layer output in a 16- or 8-bit dtype.*"
+                      "fp16=True does not lower a CPU run to float16") as caught:  # fmt: skip
+        trainer.train()
+    assert len([w for w in caught if "PrecisionMonitorCallback" in str(w.message)]) == 1
+
+
+def test_callback_logs_through_trainer_log_and_warns_with_the_layer(tmp_path):
+    model = tiny_gpt2()
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight.mul_(6e4)  # outputs near float16's max: 3e4
+    model = mixprec.apply(model, "16-mixed", warn=False)
+    logged: list[dict] = []
+
+    class Seen(transformers.TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            logged.append(dict(logs))
+
+    trainer = transformers.Trainer(
+        model=model,
+        args=hf_args(tmp_path, max_steps=1, max_grad_norm=0.0),
+        train_dataset=token_rows(),
+        callbacks=[Seen()],
+    )
+    callback = PrecisionMonitorCallback(every_n_steps=1, trainer=trainer, path=False)
+    trainer.add_callback(callback)
+    with pytest.warns(mixprec.doctor.PrecisionWarning) as caught:
+        trainer.train()
+    near_max = [str(w.message) for w in caught if "within 4x of float16 max" in str(w.message)]
+    assert near_max and near_max[0].startswith("layer transformer.h.1.mlp.c_fc reaches")
+    monitored = [r for r in logged if "precision/transformer.h.1.mlp.c_fc/amax" in r]
+    assert len(monitored) == 1 and "epoch" in monitored[0]  # a row of trainer.log
+    history = [r for r in trainer.state.log_history if any(k.startswith("precision/") for k in r)]
+    assert len(history) == 1  # logged once, not also appended by the callback
+    assert not (tmp_path / "precision_monitor.jsonl").exists()
+
+
+# -- MixprecTrainer ----------------------------------------------------------------------------
+
+
+def test_mixprec_trainer_skips_an_overflow_and_holds_the_schedule(tmp_path):
+    model = tiny_gpt2()
+    overflow = Overflow(model, step=1)
+    monitor = PrecisionMonitorCallback(every_n_steps=1, path=False)
+    trainer = MixprecTrainer(
+        model=model,
+        args=hf_args(tmp_path, max_steps=4),
+        train_dataset=token_rows(),
+        precision=Precision("16-mixed", allow_slow=True),
+        callbacks=[overflow, monitor],
+    )
+    trainer.train()
+    optimizer = trainer.optimizer
+    assert isinstance(optimizer, mixprec.LossScaleOptimizer)
+    assert isinstance(trainer.lr_scheduler, SkipAwareScheduler)
+    stats = optimizer.scaler.stats()
+    assert stats.steps == 4 and stats.skipped_steps == 1 and stats.scale == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(overflow.before, overflow.after, strict=True))
+    assert trainer.lr_scheduler.scheduler.last_epoch == 3  # 4 steps, one skipped
+    lrs = [r["learning_rate"] for r in trainer.state.log_history if "learning_rate" in r]
+    assert lrs[1] == lrs[2] and lrs[0] > lrs[1] > lrs[3]
+    assert model.transformer.h[0].mlp.c_fc.weight.dtype == torch.float32  # mixed: fp32 weights
+    # the monitor read the mixprec scaler through the optimizer
+    scales = [
+        r["precision/loss_scale"] for r in trainer.state.log_history if "precision/loss_scale" in r
+    ]
+    assert scales == [2.0**16, 2.0**16, 2.0**15, 2.0**15]
+
+
+def test_mixprec_trainer_clips_and_logs_unscaled_gradients(tmp_path):
+    def grad_norms(precision: str) -> list[float]:
+        args = hf_args(
+            tmp_path / precision,
+            max_steps=1,
+            max_grad_norm=0.5,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,  # unscaled once, after the second micro-batch
+        )
+        trainer = MixprecTrainer(
+            model=tiny_gpt2(),
+            args=args,
+            train_dataset=token_rows(),
+            precision=Precision(precision, allow_slow=True),
+        )
+        trainer.train()
+        assert trainer.precision.scaler.stats().steps == 1
+        return [float(r["grad_norm"]) for r in trainer.state.log_history if "grad_norm" in r]
+
+    reference, scaled = grad_norms("32-true"), grad_norms("16-mixed")
+    # scaled by 65536 before unscaling: the logged norms would be 4.8 orders of magnitude off
+    assert len(scaled) == 1 and scaled == pytest.approx(reference, rel=2e-2)
+    assert reference[0] > 0.5  # the clip was active
+
+
+def test_mixprec_trainer_with_a_given_optimizer_and_16_bit_weights(tmp_path):
+    model = tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    def trainer(max_grad_norm: float) -> MixprecTrainer:
+        return MixprecTrainer(
+            model=model,
+            args=hf_args(tmp_path, max_steps=2, max_grad_norm=max_grad_norm),
+            train_dataset=token_rows(),
+            optimizers=(optimizer, scheduler),
+            precision=Precision("16-true", allow_slow=True, scaler=1024.0),
+        )
+
+    with pytest.raises(ValueError, match="float32 master weights.*max_grad_norm=0"):
+        trainer(1.0).train()
+    before = model.transformer.h[0].mlp.c_fc.weight.detach().clone()
+    run = trainer(0.0)
+    run.train()
+    assert run.optimizer.optimizer is optimizer and len(run.optimizer.master_params) > 0
+    weight = model.transformer.h[0].mlp.c_fc.weight
+    assert weight.dtype == torch.float16 and not torch.equal(weight, before)
+    assert scheduler.last_epoch == 2
+
+
+def test_mixprec_trainer_resumes_an_hf_checkpoint_bit_for_bit(tmp_path):
+    def run(directory: str, resume: str | None = None) -> MixprecTrainer:
+        saving = dict(save_strategy="steps", save_steps=1) if resume is None else {}
+        trainer = MixprecTrainer(
+            model=tiny_gpt2(),
+            args=hf_args(tmp_path / directory, max_steps=2, **saving),
+            train_dataset=token_rows(n=12),
+            precision=Precision("16-mixed", allow_slow=True),
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run("full")
+    resumed = run("resumed", resume=str(tmp_path / "full" / "checkpoint-1"))
+    pairs = zip(full.model.parameters(), resumed.model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    # the scaler (scale, counters) came back with the optimizer's state
+    assert resumed.precision.scaler.state_dict() == full.precision.scaler.state_dict()
+    assert resumed.precision.scaler.stats().steps == 2
+
+
+def tiny_llama(tied: bool = True) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=64, max_position_embeddings=32,
+        tie_word_embeddings=tied,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("spec", ["int8_from_float32", "int4/16_from_float32"])
+def test_quantized_tied_embeddings_save_once_and_resume_bit_for_bit(tmp_path, spec, caplog):
+    """The embedding and output head share one quantized copy: saving a checkpoint failed
+    ("shared tensors ... not properly defined"), so no checkpoint and no resume."""
+    from safetensors.torch import load_file
+
+    def run(directory: str, resume: str | None = None) -> MixprecTrainer:
+        saving = dict(save_strategy="steps", save_steps=2) if resume is None else {}
+        trainer = MixprecTrainer(
+            model=tiny_llama(),
+            args=hf_args(tmp_path / directory, **saving),
+            train_dataset=token_rows(length=16),
+            precision=spec,
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    full = run("full")
+    head, embed = full.model.lm_head, full.model.model.embed_tokens
+    assert head.qweight is embed.qweight and head.quantization_mode == spec[:4]
+    saved = load_file(tmp_path / "full" / "checkpoint-2" / "model.safetensors")
+    buffers = [k for k, _ in embed.named_buffers()]
+    assert {k for k in saved if "embed_tokens" in k} == {f"model.embed_tokens.{k}" for k in buffers}
+    assert not any(k.startswith("lm_head") for k in saved)  # the shared copy is saved once
+    assert full.model._tied_weights_keys == {
+        f"lm_head.{k}": f"model.embed_tokens.{k}" for k in buffers
+    }
+    with caplog.at_level("WARNING"):
+        resumed = run("resumed", resume=str(tmp_path / "full" / "checkpoint-2"))
+    assert "missing keys" not in caplog.text
+    assert resumed.model.lm_head.qweight is resumed.model.model.embed_tokens.qweight
+    final, again = full.model.state_dict(), resumed.model.state_dict()
+    assert final.keys() == again.keys()
+    assert all(torch.equal(final[k], again[k]) for k in final)
+    resumed.model.tie_weights()  # ties the buffers, not the float weights quantization removed
+    assert resumed.model.lm_head.qweight is resumed.model.model.embed_tokens.qweight
+
+
+def test_untied_or_float_models_get_no_tie_entries(tmp_path):
+    from mixprec.integrations.huggingface import tie_quantized_weights
+
+    untied = MixprecTrainer(
+        model=tiny_llama(tied=False), args=hf_args(tmp_path), precision="int8_from_float32"
+    )
+    assert untied.model.lm_head.qweight is not untied.model.model.embed_tokens.qweight
+    assert tie_quantized_weights(untied.model) == {}
+    assert untied.model._tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert tie_quantized_weights(tiny_llama()) == {}  # float: its own mapping holds
+
+
+def test_tie_entries_take_the_list_form_of_transformers_4():
+    """transformers 4 keeps the tied targets as a list and has no resolved mapping."""
+    from mixprec.integrations.huggingface import tie_quantized_weights
+
+    model = mixprec.apply(tiny_llama(), "int8_from_float32", warn=False)
+    model._tied_weights_keys = ["lm_head.weight"]
+    del model.all_tied_weights_keys
+    added = tie_quantized_weights(model)
+    assert added and all(k.startswith("lm_head.") for k in added)
+    assert model._tied_weights_keys == list(added)  # the removed float weight is dropped
+    assert "all_tied_weights_keys" not in model.__dict__
+
+
+@pytest.mark.parametrize(
+    ("flag", "spec"),
+    [("bf16", "32-true"), ("bf16", "bf16-mixed"), ("fp16", "16-mixed")],
+)
+def test_mixprec_trainer_refuses_hf_mixed_precision_even_when_it_agrees(tmp_path, flag, spec):
+    # HF's flag turns on its own autocast (and GradScaler for fp16): one place owns the
+    # precision, so a flag that agrees with the policy is refused as well
+    with pytest.raises(ValueError, match=rf"{flag}=True\).*even one that agrees.*fp16=False"):
+        MixprecTrainer(
+            model=tiny_gpt2(),
+            args=hf_args(tmp_path, **{flag: True}),
+            train_dataset=token_rows(),
+            precision=Precision(spec, allow_slow=True),
+        )
+
+
+@pytest.mark.parametrize("value", ["bf16", "fp16"])
+def test_mixprec_trainer_refuses_accelerates_precision_from_the_environment(
+    tmp_path, monkeypatch, value
+):
+    # `accelerate launch --mixed_precision bf16` sets this; HF's Accelerator then autocast
+    # the "32-true" run in bfloat16 with fp16=False, bf16=False in the arguments
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", value)
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match=rf"mixed_precision='{value}'.*ACCELERATE_MIXED_PREC"):
+        MixprecTrainer(
+            model=model,
+            args=hf_args(tmp_path),
+            train_dataset=token_rows(),
+            precision="32-true",
+        )
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    trainer = MixprecTrainer(
+        model=model, args=hf_args(tmp_path), train_dataset=token_rows(), precision="32-true"
+    )
+    assert trainer.accelerator.mixed_precision == "no"
+
+
+@pytest.mark.parametrize(
+    ("flag", "dtype"), [("bf16_full_eval", "bfloat16"), ("fp16_full_eval", "float16")]
+)
+def test_mixprec_trainer_refuses_hf_full_half_precision_evaluation(tmp_path, flag, dtype):
+    # HF's evaluate() outside train() would cast the whole converted model (float32 islands
+    # included) to 16 bits and leave it so; it crashed inside a float32 layer norm
+    model = tiny_gpt2()
+    with pytest.raises(ValueError, match=rf"{flag}=True\) casts the whole model to {dtype}"):
+        MixprecTrainer(
+            model=model,
+            args=hf_args(tmp_path, **{flag: True}),
+            train_dataset=token_rows(),
+            eval_dataset=token_rows(n=4),
+            precision=Precision("bf16-mixed", allow_slow=True),
+        )
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+# -- Accelerate --------------------------------------------------------------------------------
+
+
+def loader() -> DataLoader:
+    return DataLoader(token_rows(n=12), batch_size=4, shuffle=False)
+
+
+def inject(model: torch.nn.Module) -> torch.utils.hooks.RemovableHandle:
+    return model.transformer.h[0].mlp.c_fc.weight.register_hook(
+        lambda g: torch.full_like(g, math.inf)
+    )
+
+
+def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+
+
+@pytest.mark.parametrize("clip", ["precision", "accelerator"])
+def test_accelerate_recipe_matches_a_hand_written_loop_bit_for_bit(clip):
+    """Either clipping call: ``accelerator.clip_grad_norm_`` clipped the scaled gradients
+    (documented, not detected); for an accelerator given to `prepare` it unscales first."""
+    # hand-written mixprec loop
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = schedule(optimizer)
+    precision = Precision("16-mixed", allow_slow=True)
+    model, optimizer = precision.setup(model, optimizer)
+    for i, batch in enumerate(loader()):
+        handle = inject(model) if i == 1 else None
+        optimizer.zero_grad()
+        precision.backward(model(**batch).loss)
+        precision.clip_grad_norm_(model, 1.0)
+        precision.step(optimizer)
+        scheduler_step(scheduler, optimizer)
+        if handle is not None:
+            handle.remove()
+
+    # the Accelerate recipe: set up once, the loop as Accelerate users write it
+    accelerator = accelerate.Accelerator(mixed_precision="no", cpu=True)
+    acc_model = tiny_gpt2()
+    acc_optimizer = torch.optim.AdamW(acc_model.parameters(), lr=1e-3)
+    acc_precision = Precision("16-mixed", allow_slow=True)
+    acc_model, acc_optimizer, data, acc_scheduler = prepare(
+        accelerator, acc_precision, acc_model, acc_optimizer, loader(), schedule(acc_optimizer)
+    )
+    for i, batch in enumerate(data):
+        handle = inject(acc_model) if i == 1 else None
+        acc_optimizer.zero_grad()
+        loss = acc_model(**batch).loss
+        accelerator.backward(loss)
+        if clip == "precision":
+            acc_precision.clip_grad_norm_(acc_model, 1.0)
+        else:
+            norm = accelerator.clip_grad_norm_(acc_model.parameters(), 1.0)
+            assert i == 1 or norm < 100  # the unscaled norm, not 65536 times it
+        acc_optimizer.step()
+        acc_scheduler.step()
+        if handle is not None:
+            handle.remove()
+
+    stats = acc_precision.scaler.stats()
+    assert stats.steps == 3 and stats.skipped_steps == 1
+    assert acc_scheduler.scheduler.last_epoch == scheduler.last_epoch == 2  # one step skipped
+    assert acc_precision.scaler.state_dict() == precision.scaler.state_dict()
+    for (name, a), b in zip(model.named_parameters(), acc_model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_accelerate_recipe_in_bf16_mixed_trains_like_the_hand_written_loop():
+    def run(use_accelerate: bool) -> dict[str, torch.Tensor]:
+        model = tiny_gpt2()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        precision = Precision(
+            mixprec.PolicyMap("bf16-mixed", {"lm_head": "32-true"}), allow_slow=True
+        )
+        if use_accelerate:
+            accelerator = accelerate.Accelerator(mixed_precision="no", cpu=True)
+            model, optimizer, data = prepare(accelerator, precision, model, optimizer, loader())
+        else:
+            model, optimizer = precision.setup(model, optimizer)
+            data = loader()
+        for batch in data:
+            optimizer.zero_grad()
+            loss = model(**batch).loss
+            if use_accelerate:
+                accelerator.backward(loss)
+            else:
+                precision.backward(loss)
+            optimizer.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    first = tiny_gpt2().state_dict()
+    hand, recipe = run(False), run(True)
+    assert hand.keys() == recipe.keys()
+    assert all(torch.equal(hand[n], recipe[n]) for n in hand)
+    assert not torch.equal(
+        first["transformer.h.0.mlp.c_fc.weight"], recipe["transformer.h.0.mlp.c_fc.weight"]
+    )
+
+
+def test_prepare_refuses_accelerates_own_mixed_precision():
+    accelerator = accelerate.Accelerator(mixed_precision="bf16", cpu=True)
+    model = tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="mixed_precision='bf16'.*mixed_precision='no'"):
+        prepare(accelerator, Precision("bf16-mixed", allow_slow=True), model, optimizer)
+    assert model.transformer.h[0].mlp.c_fc.weight.dtype == torch.float32  # untouched
+
+
+def test_prepare_names_the_environment_when_accelerate_took_its_precision_from_it(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    accelerator = accelerate.Accelerator(cpu=True)  # no mixed_precision=: the environment's
+    model = tiny_gpt2()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="mixed_precision='bf16'.*ACCELERATE_MIXED_PRECISION"):
+        prepare(accelerator, Precision("32-true"), model, optimizer)

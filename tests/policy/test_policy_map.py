@@ -1,0 +1,330 @@
+"""PolicyMap precedence, ambiguity, inheritance, islands, config and explain."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import Policy, PolicyMap, PolicySpecError
+
+
+def encoder() -> nn.Module:
+    layer = lambda: nn.ModuleDict(  # noqa: E731
+        {"attn": nn.Linear(4, 4), "attn_norm": nn.LayerNorm(4), "mlp": nn.Linear(4, 4)}
+    )
+    return nn.ModuleDict({"layers": nn.ModuleList([layer(), layer()]), "head": nn.Linear(4, 2)})
+
+
+def resolved(model, pmap):
+    return {name: r.policy.name for name, r in pmap.resolve(model).items()}
+
+
+def test_precedence_exact_then_regex_then_type_then_default():
+    m = encoder()
+    pmap = PolicyMap(
+        "bf16-mixed",
+        {
+            "layers.0.attn": "64-true",  # exact beats the regex below
+            r"layers\.\d+\.attn": "32-true",
+            nn.Linear: "16-mixed",  # type rule for every other Linear
+        },
+    )
+    got = resolved(m, pmap)
+    assert got["layers.0.attn"] == "64-true"
+    assert got["layers.1.attn"] == "32-true"
+    assert got["layers.0.mlp"] == got["head"] == "16-mixed"
+    assert got[""] == got["layers"] == "bf16-mixed"
+
+
+def test_no_implicit_prefix_match():
+    m = encoder()
+    got = resolved(m, PolicyMap("bf16-mixed", {r"layers\.0\.attn": "32-true"}))
+    assert got["layers.0.attn"] == "32-true"
+    assert got["layers.0.attn_norm"] == "32-true"  # island, not the attn rule
+    sources = PolicyMap("bf16-mixed", {r"layers\.0\.attn": "32-true"}).resolve(m)
+    assert sources["layers.0.attn_norm"].source == "float32 island"
+
+
+def test_children_inherit_their_parents_policy_unless_ruled():
+    m = encoder()
+    pmap = PolicyMap("32-true", {r"layers\.1": "bf16-true", r"layers\.1\.mlp": "32-true"})
+    got = resolved(m, pmap)
+    assert got["layers.1.attn"] == got["layers.1.attn_norm"] == "bf16-true"
+    assert got["layers.1.mlp"] == "32-true"
+    assert got["layers.0.attn"] == "32-true"
+
+
+def test_two_rules_of_one_rank_are_an_error_naming_both():
+    m = encoder()
+    pmap = PolicyMap("bf16-mixed", {r"layers\.0\..*": "32-true", r".*\.attn": "16-mixed"})
+    with pytest.raises(PolicySpecError, match=r"layers.0.attn.*2 regex rules.*'layers\\\\.0"):
+        pmap.resolve(m)
+    both_types = PolicyMap("bf16-mixed", {nn.Linear: "32-true", nn.Module: "16-mixed"})
+    with pytest.raises(PolicySpecError, match="type rules of the same rank: Linear, Module"):
+        both_types.resolve(m)
+
+
+def test_islands_only_under_mixed_policies_and_overridable():
+    m = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Softmax(-1))
+    assert resolved(m, PolicyMap("bf16-mixed"))["1"] == "32-true"
+    assert resolved(m, PolicyMap("bf16-mixed"))["2"] == "32-true"
+    assert resolved(m, PolicyMap("bf16-true"))["1"] == "bf16-true"
+    assert resolved(m, PolicyMap("bf16-mixed", {nn.LayerNorm: "bf16-mixed"}))["1"] == "bf16-mixed"
+    assert resolved(m, PolicyMap("bf16-mixed", float32_islands=False))["1"] == "bf16-mixed"
+
+
+def test_bad_rules():
+    with pytest.raises(PolicySpecError, match="not a valid regex"):
+        PolicyMap("32-true", {"layers.(": "16-mixed"})
+    with pytest.raises(PolicySpecError, match="must be a module path regex"):
+        PolicyMap("32-true", {3: "16-mixed"})
+    with pytest.raises(PolicySpecError, match="unknown precision 'fp17'"):
+        PolicyMap("32-true", {"head": "fp17"})
+
+
+def test_config_round_trip_and_code():
+    pmap = PolicyMap("bf16-mixed", {r"layers\.\d+\.attn": "32-true", nn.LayerNorm: "bf16-mixed"})
+    again = PolicyMap.from_config(pmap.to_config())
+    assert again == pmap
+    rebuilt = eval(pmap.to_code(), {"mixprec": mixprec, "torch": torch})
+    assert rebuilt == pmap
+    assert pmap.needs_loss_scaling is False
+    assert PolicyMap("bf16-mixed", {"head": "16-mixed"}).needs_loss_scaling is True
+    assert pmap.compute_dtypes() == {torch.bfloat16, torch.float32}
+
+
+def test_a_policy_file_round_trips_and_every_precision_argument_reads_it(tmp_path):
+    pmap = PolicyMap("bf16-mixed", {"head": "32-true", nn.LayerNorm: "32-true"})
+    path = pmap.save(tmp_path / "policy.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["policy.json"]  # no temporary left
+    assert PolicyMap.load(path) == pmap
+    assert mixprec.policy.map.as_map(str(path)) == pmap  # a path string, as a flag gives it
+    assert mixprec.Precision(path, allow_slow=True).policy == pmap  # a PathLike
+    m = encoder()
+    assert mixprec.explain(m, str(path))["head"] == Policy("32-true")
+    # a single policy's config is a file too
+    (tmp_path / "one.json").write_text(json.dumps(Policy("bf16-true").to_config()))
+    assert PolicyMap.load(tmp_path / "one.json") == PolicyMap("bf16-true")
+
+
+def test_saving_a_policy_file_where_it_cannot_go_names_the_file_asked_for(tmp_path):
+    """Saving into a directory, or under a missing folder, raised raw OSErrors
+    naming the hidden temporary file (".x.json.1234.tmp"), not the path given."""
+    pmap = PolicyMap("bf16-mixed", {"head": "32-true"})
+    with pytest.raises(IsADirectoryError, match="it is a directory; give a file path, e.g.") as e:
+        pmap.save(tmp_path)
+    assert ".tmp" not in str(e.value)
+    target = tmp_path / "missing" / "policy.json"
+    with pytest.raises(FileNotFoundError) as e:
+        pmap.save(target)
+    assert f"cannot save the policy file {str(target)!r}" in str(e.value)
+    assert f"its folder {str(target.parent)!r} does not exist" in str(e.value)
+    assert ".tmp" not in str(e.value) and list(tmp_path.iterdir()) == []
+
+
+def test_a_type_rule_of_a_local_class_is_refused_at_save_not_at_load(tmp_path):
+    """save() wrote a type rule for a class defined in a function, which only load() then
+    refused; now save refuses it and writes nothing."""
+
+    class Local(nn.Linear):
+        pass
+
+    pmap = PolicyMap("bf16-mixed", {Local: "32-true"})
+    with pytest.raises(PolicySpecError, match="type rule Local is a class defined inside a f.*"
+                       "PolicyMap.load could not import it back"):  # fmt: skip
+        pmap.save(tmp_path / "policy.json")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_policy_file_where_one_policy_is_taken_or_without_json_says_so(tmp_path, monkeypatch):
+    """'unknown precision' said nothing of files: for a .json path where one policy is taken
+    (Policy, policy_scope), or for an existing policy file whose name lacks '.json'."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PolicySpecError, match="'p.json' names a policy file .*PolicyMap.load"):
+        Policy("p.json")
+    with pytest.raises(PolicySpecError, match="names a policy file"):
+        mixprec.set_global_policy("p.json")
+    PolicyMap("bf16-mixed").save(tmp_path / "mine.json")
+    (tmp_path / "mine.json").rename(tmp_path / "mine")
+    with pytest.raises(PolicySpecError, match=r"'mine', which is a file: .* ends in '.json'"):
+        mixprec.Precision("mine")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (None, "cannot read the policy file .*missing.json.*No such file"),
+        ("{not json", "cannot read the policy file .*bad.json.*Expecting property name"),
+        ('{"default": "bf17"}', "policy file .*bad.json.*unknown precision 'bf17'; accepted"),
+        ('{"default": "bf16-mixed", "rules": [{"path": "x"}]}', "bad.json.*rule 0"),
+    ],
+)
+def test_a_bad_policy_file_says_which_file_and_what_is_wrong(tmp_path, text, message):
+    path = tmp_path / ("missing.json" if text is None else "bad.json")
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(PolicySpecError, match=message):
+        mixprec.Precision(str(path))
+
+
+# Policy files that loaded quietly as something else: each is an error naming the file, the
+# key and what it takes (PolicyMap.load, so every precision argument taking a path)
+MALFORMED_FILES = {
+    "null": ("null", "holds null; a policy file holds a JSON object"),
+    "a bare name": ('"bf16-mixed"', "holds the string 'bf16-mixed'.*JSON object"),
+    "a list": ("[]", "holds a list"),
+    "a misspelled key": (
+        '{"default": "bf16-mixed", "rule": [{"path": "head", "policy": "32-true"}]}',
+        "unknown policy map key.*'rule'.*the keys are 'default'.*'rules'",
+    ),
+    "islands as a string": (
+        '{"default": "bf16-mixed", "float32_islands": "false"}',
+        "'float32_islands' is the string 'false'; it is true or false",
+    ),
+    "islands null": (
+        '{"default": "bf16-mixed", "float32_islands": null}',
+        "'float32_islands' is null",
+    ),
+    "default null": ('{"default": null}', "'default' is null; give a policy"),
+    "rules null": ('{"default": "bf16-mixed", "rules": null}', "'rules' is null; it is a list"),
+    "rules as an object": (
+        '{"default": "bf16-mixed", "rules": {"head": "32-true"}}',
+        "'rules' is an object.*it is a list of rules",
+    ),
+    "a rule's path a number": (
+        '{"default": "bf16-mixed", "rules": [{"path": 3, "policy": "32-true"}]}',
+        "rule 0 'path' is the number 3; it takes a regex",
+    ),
+    "a rule's policy null": (
+        '{"default": "bf16-mixed", "rules": [{"path": "head", "policy": null}]}',
+        "rule 0 'policy' is null; give a policy",
+    ),
+    "a rule's policy a bool": (
+        '{"default": "bf16-mixed", "rules": [{"path": "head", "policy": true}]}',
+        "rule 0 'policy': a policy spec must be a string.*not bool",
+    ),
+    "an unknown key in a rule": (
+        '{"default": "bf16-mixed", "rules": [{"path": "head", "policy": "32-true", "x": 1}]}',
+        "rule 0 .*unknown key.*'x'.*each rule is",
+    ),
+    "a rule's type not a module": (
+        '{"default": "bf16-mixed", "rules": [{"type": "torch.nn.functional.relu", '
+        '"policy": "32-true"}]}',
+        "rule 0 'type' 'torch.nn.functional.relu' names function.*not an nn.Module subclass",
+    ),
+    "a rule given twice": (
+        '{"default": "bf16-mixed", "rules": [{"path": "head", "policy": "32-true"}, '
+        '{"path": "head", "policy": "bf16-true"}]}',
+        "rule 1 repeats the rule for 'head'",
+    ),
+    "a key given twice": (
+        '{"default": "32-true", "default": "bf16-mixed"}',
+        "key 'default' appears twice",
+    ),
+    "a dtype null": (
+        '{"default": {"param_dtype": "float32", "compute_dtype": null}}',
+        "'default': policy config key 'compute_dtype' is null; it takes a dtype name",
+    ),
+    "a dtype a number": (
+        '{"param_dtype": "float32", "compute_dtype": 16}',
+        "policy config key 'compute_dtype' is int 16; it takes a dtype name",
+    ),
+    "a quantized option null": (
+        '{"default": {"quantization_mode": "int4", "source": "float32", "group_size": null}}',
+        "quantized policy config key 'group_size' is null",
+    ),
+    "a quantized source null": (
+        '{"default": {"quantization_mode": "int8", "source": null}}',
+        "quantized policy config key 'source' is null; it takes a float policy",
+    ),
+    "a float8 recipe a bool": (
+        '{"default": {"quantization_mode": "float8", "source": "float32", "recipe": false}}',
+        "quantized policy config key 'recipe' is bool False; it takes a recipe name",
+    ),
+    "rules without a default": (
+        '{"rules": [{"path": "head", "policy": "32-true"}]}',
+        "'default', the policy of the modules no rule names, is required",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED_FILES)
+def test_a_malformed_policy_file_is_an_error_naming_the_file_and_the_key(tmp_path, case):
+    text, message = MALFORMED_FILES[case]
+    path = tmp_path / "policy.json"
+    path.write_text(text)
+    with pytest.raises(PolicySpecError, match=f"policy file .*policy.json.*{message}"):
+        PolicyMap.load(path)
+    with pytest.raises(PolicySpecError, match=message):
+        mixprec.Precision(str(path))
+
+
+def test_a_hand_written_policy_file_with_names_and_configs_loads(tmp_path):
+    path = tmp_path / "policy.json"
+    path.write_text(
+        '{"default": "bf16-mixed", "rules": [{"path": "head", "policy": "32-true"}, '
+        '{"type": "torch.nn.LayerNorm", "policy": {"param_dtype": "float32"}}], '
+        '"float32_islands": false}'
+    )
+    expected = PolicyMap(
+        "bf16-mixed", {"head": "32-true", nn.LayerNorm: "32-true"}, float32_islands=False
+    )
+    assert PolicyMap.load(path) == expected
+
+
+def test_float32_islands_must_be_a_bool_in_code_too():
+    with pytest.raises(TypeError, match="float32_islands must be True or False, not str 'false'"):
+        PolicyMap("bf16-mixed", float32_islands="false")  # type: ignore[arg-type]
+
+
+def test_default_is_the_global_policy_when_not_given():
+    with mixprec.policy_scope("bf16-true"):
+        assert PolicyMap().default == Policy("bf16-true")
+
+
+def test_explain_returns_every_module_and_prints_a_table():
+    m = encoder()
+    e = mixprec.explain(m, PolicyMap("bf16-mixed", {"head": "32-true"}))
+    assert set(e) == {name for name, _ in m.named_modules()}
+    assert e["head"] == Policy("32-true")
+    assert e.sources["head"] == "path rule 'head'"
+    assert e.sources["layers.0.mlp"] == "inherited from layers.0"
+    text = str(e)
+    assert "effective precision per module" in text and "float32 island" in text
+
+
+def test_rules_must_be_a_mapping():
+    with pytest.raises(TypeError, match="rules must be a mapping.*got str 'bf16-mixed'"):
+        PolicyMap("32-true", "bf16-mixed")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got list .*dict\(\.\.\.\)"):
+        PolicyMap("32-true", [("head", "bf16-mixed")])  # type: ignore[arg-type]
+
+
+def test_from_config_rule_without_a_policy_says_what_a_rule_is():
+    config = PolicyMap("bf16-mixed", {"head": "32-true"}).to_config()
+    del config["rules"][0]["policy"]
+    with pytest.raises(PolicySpecError, match=r"rule 0 of the policy map config.*'policy'"):
+        PolicyMap.from_config(config)
+    with pytest.raises(PolicySpecError, match="PolicyMap.from_config takes the dict"):
+        PolicyMap.from_config(Policy("bf16-mixed").to_config())
+
+
+def test_to_code_refuses_a_class_defined_in_a_function():
+    class Local(nn.Linear):
+        pass
+
+    with pytest.raises(PolicySpecError, match=r"Local is a class defined inside a function"):
+        PolicyMap("bf16-mixed", {Local: "32-true"}).to_code()
+
+
+def test_as_map_is_the_one_coercion():
+    from mixprec.policy.map import as_map
+
+    pmap = PolicyMap("bf16-mixed", {"head": "32-true"})
+    assert as_map(pmap) is pmap
+    assert as_map(pmap.to_config()) == pmap
+    assert as_map("bf16-mixed") == as_map(Policy("bf16-mixed")) == PolicyMap("bf16-mixed")
+    assert as_map(Policy("16-true").to_config()) == PolicyMap("16-true")
+    assert as_map("bf16-mixed").rules == {}

@@ -1,0 +1,317 @@
+"""Sharded checkpoints of Trainer(strategy="fsdp"): resuming on 2 ranks is bit-identical to
+not stopping (mid-epoch, dropout, a step schedule), an interrupted save leaves the last
+complete checkpoint loadable, and a 2-rank checkpoint resumes in one process (resharded).
+
+One group of two processes runs the distributed part (joined by the Trainer as a
+torchrun-launched one would be); the one-process resumes run here."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from spawning import WORLD, run_ranks
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from trainers import SILENT
+
+from mixprec.trainer import Callback, CheckpointError, ModelCheckpoint, Trainer, TrainingModule
+from mixprec.trainer import checkpoint as ckpt_io
+from mixprec.trainer.strategy import free_port
+
+# what a script run in a subprocess imports from: this folder (the test module) and the
+# tests folder (the shared helpers)
+SCRIPT_PATH = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+
+# the runs here save checkpoints: no logger and no bar, but checkpointing left on
+RUN = dict(SILENT, allow_slow_precision=True, seed=0)
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=g)
+    return TensorDataset(x, torch.randint(0, 3, (64,), generator=g))
+
+
+def loader() -> DataLoader:
+    return DataLoader(data(), batch_size=8, shuffle=True)  # 4 batches per rank and epoch
+
+
+def one_rank_loader() -> DataLoader:
+    """Ordered as one FSDP process orders `loader` (with the DistributedSampler the Trainer
+    puts in), also in a single-device run: a mid-epoch checkpoint of the one resumes in the
+    other."""
+    sampler = DistributedSampler(data(), num_replicas=1, rank=0, shuffle=True, seed=0)
+    return DataLoader(data(), batch_size=8, sampler=sampler)
+
+
+class ShardedDropoutNet(TrainingModule):
+    """Dropout (draws random numbers every step), a LayerNorm island, a step schedule."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(
+            nn.Sequential(nn.Linear(6, width), nn.LayerNorm(width), nn.GELU(), nn.Dropout(0.2)),
+            nn.Linear(width, 3),
+        )
+
+    def forward(self, x):
+        return self.blocks(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class ExportAtEpochEnd(Callback):
+    """Every rank calls the export (a collective under FSDP); rank 0 writes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer, model):
+        trainer.save_full_state_dict(self.path)
+
+
+def _fit(max_steps: int, callbacks: list[Callback], out: Path, **fit: Any) -> Trainer:
+    trainer = Trainer(
+        precision="bf16-mixed", strategy="fsdp", devices=WORLD, max_steps=max_steps,
+        callbacks=callbacks, **RUN,
+    )  # fmt: skip
+    trainer.fit(ShardedDropoutNet(), loader(), **fit)
+    trainer.save_full_state_dict(out)
+    return trainer
+
+
+def _interrupted_save(directory: Path, like: Path) -> Path:
+    """What a save killed before its rename leaves: a temporary directory (of a process that
+    no longer runs) with some shards and no metadata."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tmp = directory / f".last.ckpt.{ckpt_io._HOST}.{gone.pid}.0badc0de.tmp"
+    tmp.mkdir()
+    shutil.copy2(like / "__0_0.distcp", tmp / "__0_0.distcp")
+    return tmp
+
+
+def _worker(rank: int, out: str) -> None:
+    d = Path(out)
+    straight = ModelCheckpoint(dirpath=d / "straight", save_top_k=-1, save_last=True)
+    _fit(6, [straight, ExportAtEpochEnd(d / "step4.pt")], d / "straight.pt")
+
+    def every_3() -> ModelCheckpoint:
+        return ModelCheckpoint(
+            dirpath=d / "half", every_n_train_steps=3, save_top_k=-1, save_last=True
+        )
+
+    _fit(3, [every_3()], d / "half.pt")  # saved mid-epoch 0, after batch 3 of 4
+    if rank == 0:
+        _interrupted_save(d / "half", d / "half" / "last.ckpt")
+    dist.barrier()
+    _fit(6, [every_3()], d / "resumed.pt", ckpt_path=d / "half" / "epoch=0-step=3.ckpt")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out: Path = tmp_path_factory.mktemp("fsdp_ckpt")
+    run_ranks(_worker, str(out), nprocs=WORLD)
+    return out
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def _run_state(checkpoint: Path, rank: int = 0) -> dict[str, Any]:
+    return torch.load(checkpoint / f"trainer-rank{rank}.pt", weights_only=True)
+
+
+@pytest.mark.slow
+def test_resume_on_two_ranks_is_bit_identical_to_not_stopping(saved):
+    straight, resumed = _weights(saved / "straight.pt"), _weights(saved / "resumed.pt")
+    start = ShardedDropoutNet().state_dict()
+    assert straight.keys() == resumed.keys() == start.keys()
+    assert any(not torch.equal(straight[k], start[k]) for k in start)  # it trained
+    for k, v in straight.items():
+        assert v.dtype == torch.float32
+        assert torch.equal(v, resumed[k]), k
+
+
+@pytest.mark.slow
+def test_every_rank_writes_its_shards_and_its_own_run_state(saved):
+    checkpoint = saved / "half" / "epoch=0-step=3.ckpt"
+    names = sorted(p.name for p in checkpoint.iterdir())
+    assert names == [".metadata", "__0_0.distcp", "__1_0.distcp"] + [
+        f"trainer-rank{r}.pt" for r in range(WORLD)
+    ]
+    r0, r1 = _run_state(checkpoint, 0), _run_state(checkpoint, 1)
+    assert r0["loop"]["global_step"] == r1["loop"]["global_step"] == 3
+    assert r0["loop"]["batch"] == 3  # the data position, mid-epoch
+    assert r0["world_size"] == WORLD
+    # the generators are each rank's own (the loaders' shuffles are drawn per rank)
+    assert "torch" in r0["rng"] and "torch" in r1["rng"]
+
+
+@pytest.mark.slow
+def test_an_interrupted_save_leaves_the_last_checkpoint_and_is_cleaned_up(saved):
+    half = saved / "half"
+    # the resume above loaded epoch=0-step=3 with the interrupted temporary directory beside
+    # it; the next save (step 6) removed that directory and replaced last.ckpt atomically
+    assert not list(half.glob(".*"))
+    assert sorted(p.name for p in half.iterdir()) == [
+        "epoch=0-step=3.ckpt",
+        "epoch=1-step=6.ckpt",
+        "last.ckpt",
+    ]
+    assert _run_state(half / "last.ckpt")["loop"]["global_step"] == 6
+    # the straight fit stopped at step 6 inside epoch 1: it saved that step too (every rank)
+    straight = saved / "straight"
+    assert sorted(p.name for p in straight.iterdir()) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=1-step=6.ckpt",
+        "last.ckpt",
+    ]
+    assert _run_state(straight / "last.ckpt", rank=1)["loop"]["global_step"] == 6
+
+
+@pytest.mark.slow
+def test_a_two_rank_checkpoint_resumes_in_one_process_resharded(saved, caplog):
+    checkpoint = saved / "straight" / "epoch=0-step=4.ckpt"  # at an epoch's end
+    model = ShardedDropoutNet()
+    trainer = Trainer(precision="bf16-mixed", max_steps=4, enable_checkpointing=False, **RUN)
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        trainer.fit(model, loader(), ckpt_path=checkpoint)
+    assert "resharded" in caplog.text and "saved by 2 processes, onto 1" in caplog.text
+    assert trainer.global_step == 4 and trainer.current_epoch == 1
+    for k, v in _weights(saved / "step4.pt").items():  # gathered by the 2-rank run at step 4
+        assert torch.equal(model.state_dict()[k], v), k
+    [opt] = trainer.optimizers
+    assert all(s["step"].item() == 4 for s in opt.optimizer.state.values())
+    assert len(opt.optimizer.state) == len(list(model.parameters()))
+    assert trainer.lr_schedulers[0].last_epoch == 4
+
+    model = ShardedDropoutNet()
+    Trainer(precision="bf16-mixed", **RUN).validate(model, loader(), ckpt_path=checkpoint)
+    step4 = _weights(saved / "step4.pt")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in step4.items())
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_that_do_not_fit_are_refused(saved):
+    mid_epoch = saved / "half" / "epoch=0-step=3.ckpt"
+    end = saved / "straight" / "epoch=0-step=4.ckpt"
+    one = Trainer(precision="bf16-mixed", max_steps=8, enable_checkpointing=False, **RUN)
+    with pytest.raises(CheckpointError, match="mid-epoch with 2 processes"):
+        one.fit(ShardedDropoutNet(), loader(), ckpt_path=mid_epoch)
+    other = Trainer(precision="32-true", max_steps=8, enable_checkpointing=False, **RUN)
+    with pytest.raises(CheckpointError, match="bf16-mixed.*save_full_state_dict"):
+        other.fit(ShardedDropoutNet(), loader(), ckpt_path=end)
+    model = ShardedDropoutNet(width=16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="shapes differ.*Nothing was loaded"):
+        one.fit(model, loader(), ckpt_path=end)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+KILLED_SAVE_SCRIPT = """
+import os, signal, sys
+sys.path[:0] = {tests!r}
+from pathlib import Path
+from test_fsdp_checkpoint import RUN, ShardedDropoutNet, one_rank_loader
+from mixprec.trainer import ModelCheckpoint, Trainer
+
+replace = os.replace
+
+
+def replace_then_die(src, dst):
+    replace(src, dst)
+    if str(dst).endswith(".old"):  # the old last.ckpt is aside, the new one not yet in
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+os.replace = replace_then_die
+every_2 = ModelCheckpoint(dirpath={out!r}, every_n_train_steps=2, save_top_k=-1, save_last=True)
+Trainer(precision="bf16-mixed", strategy="fsdp", devices=1, max_steps=4, callbacks=[every_2],
+        **RUN).fit(ShardedDropoutNet(), one_rank_loader())
+"""
+
+
+def test_a_save_killed_between_its_renames_loses_nothing(tmp_path, caplog):
+    """A real SIGKILL at the worst moment of a sharded save: the old last.ckpt renamed aside,
+    the new one still under its temporary name. The next resume puts the old one back (and
+    says so), and the next save clears what the killed one left."""
+    out = tmp_path / "ckpts"
+    script = tmp_path / "train.py"
+    script.write_text(KILLED_SAVE_SCRIPT.format(tests=SCRIPT_PATH, out=str(out)))
+    one_rank = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    port = str(free_port())
+    env = dict(os.environ, **one_rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    left = sorted(p.name for p in out.iterdir())
+    assert "last.ckpt" not in left and "epoch=0-step=4.ckpt" in left
+    assert [n for n in left if n.endswith(".old")] and [n for n in left if n.endswith(".tmp")]
+
+    every_2 = ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=-1, save_last=True)
+    start = StartStep()
+    trainer = Trainer(precision="bf16-mixed", max_steps=6, callbacks=[every_2, start], **RUN)
+    with caplog.at_level(logging.WARNING, logger="mixprec"):
+        trainer.fit(ShardedDropoutNet(), one_rank_loader(), ckpt_path=out / "last.ckpt")
+    assert "restored the checkpoint" in caplog.text
+    assert start.step == 2  # resumed from the checkpoint put back, not from scratch
+    assert trainer.global_step == 6
+    assert not list(out.glob(".*"))  # the killed save's leftovers are gone
+    # one process writes file checkpoints: last.ckpt went from a directory to a file
+    assert (out / "last.ckpt").is_file()
+    assert ckpt_io.load(out / "last.ckpt")["loop"]["global_step"] == 6
+
+
+class StartStep(Callback):
+    def on_fit_start(self, trainer, model):
+        self.step = trainer.global_step
+
+
+def test_install_replaces_across_kinds_and_an_aside_is_put_back_only_where_missing(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    name = f"{ckpt_io._HOST}.{gone.pid}"
+    last = tmp_path / "last.ckpt"
+    last.write_bytes(b"a file")
+    sharded_tmp = tmp_path / f".last.ckpt.{name}.0a.tmp"
+    sharded_tmp.mkdir()
+    (sharded_tmp / ".metadata").write_bytes(b"dcp")
+    ckpt_io.install(sharded_tmp, last)  # a directory where a file was
+    assert (last / ".metadata").read_bytes() == b"dcp" and not list(tmp_path.glob(".*"))
+    file_tmp = tmp_path / f".last.ckpt.{name}.0b.tmp"
+    file_tmp.write_bytes(b"a file again")
+    ckpt_io.install(file_tmp, last)  # and a file where a directory was
+    assert last.read_bytes() == b"a file again" and not list(tmp_path.glob(".*"))
+
+    aside = tmp_path / f".last.ckpt.{name}.0c.old"  # what a kill between the renames leaves
+    aside.write_bytes(b"the old one")
+    assert not ckpt_io.recover_aside(last)  # last.ckpt is there: the aside is outdated ...
+    assert ckpt_io.clean_stale_tmp(tmp_path) == [aside]  # ... and goes with the leftovers
+    last.rename(aside)  # now last.ckpt is missing: it comes back
+    assert ckpt_io.recover_aside(last) and last.read_bytes() == b"a file again"
+    live = tmp_path / f".other.ckpt.{ckpt_io._HOST}.{os.getppid()}.0d.old"  # a running save's
+    live.write_bytes(b"in use")
+    assert not ckpt_io.recover_aside(tmp_path / "other.ckpt") and live.exists()

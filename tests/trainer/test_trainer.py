@@ -1,0 +1,737 @@
+"""Trainer: every precision flag trains, bad flags raise, accumulation, clipping, the scheduler
+gate under real float16 overflow, callbacks, and the plain-module path."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from devices import AVX2_CPU, ZEN4
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from trainers import QUIET
+
+import mixprec
+from mixprec import hardware
+from mixprec.hardware import SLOW, DeviceInfo
+from mixprec.precision import Precision
+from mixprec.trainer import (
+    Callback,
+    EarlyStopping,
+    ModelCheckpoint,
+    Trainer,
+    TrainingModule,
+    resolve_precision,
+)
+from mixprec.trainer.optimizers import parse_optimizers
+
+
+def regression_data(n: int = 128, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    w = torch.tensor([[1.5], [-2.0], [0.5], [1.0]])
+    return TensorDataset(x, x @ w + 0.05 * torch.randn(n, 1, generator=g))
+
+
+def small_targets(n: int = 64) -> TensorDataset:
+    """Regression data whose float16 gradients do not overflow at the initial loss scale."""
+    x, y = regression_data(n).tensors
+    return TensorDataset(x, 0.01 * y)
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+class Recorder(Callback):
+    """Keeps the loss (and lr) the Trainer reports after each optimizer step."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.lrs: list[float] = []
+
+    def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+        if trainer.stepped_this_batch:
+            self.losses.append(trainer.callback_metrics["loss"])
+            self.lrs.append(trainer.callback_metrics["lr"])
+
+
+ALL_SPECS = [
+    "32-true",
+    "64-true",
+    "bf16-mixed",
+    "bf16-true",
+    "16-mixed",
+    "16-true",
+    16,
+    32,
+    64,
+    "16",
+    "bf16",
+    "mixed_float16",
+    "mixed_bfloat16",
+    "float32",
+    "float64",
+    "float16",
+    "bfloat16",
+    "p=f32,c=bf16,o=f32",
+    "params=float32,compute=float16,output=float32",
+    "auto",
+    mixprec.Policy("bf16-mixed"),
+    mixprec.PolicyMap("bf16-mixed", {r"2": "float32"}),
+]
+
+
+# bf16-true without compensation warns that small updates round away: that is the advice
+# the spec gets (tests/optim/test_compensated.py asserts it); this test is about the loss going down
+@pytest.mark.filterwarnings("ignore:Adam updates bfloat16 parameters in place")
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=str)
+def test_every_precision_spec_fits_and_the_loss_goes_down(spec):
+    rec = Recorder()
+    loader = DataLoader(regression_data(), batch_size=16, shuffle=True)
+    model = mlp()
+    trainer = Trainer(
+        precision=spec, max_epochs=4, seed=0, callbacks=[rec], allow_slow_precision=True, **QUIET
+    )
+    trainer.fit(model, loader, loss_fn=F.mse_loss, optimizer=lambda p: torch.optim.Adam(p, 2e-2))
+    assert trainer.global_step == 32
+    assert all(math.isfinite(v) for v in rec.losses)
+    first, last = sum(rec.losses[:4]) / 4, sum(rec.losses[-4:]) / 4
+    assert last < 0.5 * first, (first, last)
+    # the model really is in the policy's storage dtype
+    assert model[0].weight.dtype == trainer.policy.default.param_dtype
+    assert mixprec.convert.applied_policy(model) is not None
+
+
+def test_the_chosen_precision_and_its_reason_are_logged_once(caplog):
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        trainer = Trainer(precision="bf16", allow_slow_precision=True, **QUIET)
+        trainer.fit(mlp(), DataLoader(regression_data(32), batch_size=16), loss_fn=F.mse_loss)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("precision ")]
+    assert len(lines) == 1
+    assert "bf16-mixed on cpu" in lines[0]
+    assert trainer.support.reason in lines[0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(accelerator="tpu"), "accepted: 'auto', 'cpu', 'cuda', 'gpu', 'mps'"),
+        (dict(strategy="deepspeed"), "accepted: 'auto', 'single_device', 'ddp', 'ddp_fork'"),
+        (dict(devices=0), "devices must be at least 1"),
+        (dict(devices=[0]), "needs accelerator='cuda'"),
+        (dict(max_epochs=0), "max_epochs must be None or an int >= 1"),
+        (dict(max_steps=-1), "max_steps must be None or an int >= 1"),
+        (dict(accumulate_grad_batches=0), "accumulate_grad_batches"),
+        (dict(gradient_clip_val=-1.0), "gradient_clip_val must be None or > 0"),
+        (dict(gradient_clip_algorithm="l1"), "'norm' or 'value'"),
+        (dict(val_check_interval=1.5), "val_check_interval"),
+        (dict(val_check_interval=0), "val_check_interval"),
+        (dict(limit_train_batches=-2), "limit_train_batches"),
+        (dict(limit_val_batches=1.5), "limit_val_batches"),
+        (dict(seed="0"), "seed must be None or an int"),
+        (dict(logger="csv"), "logger must be True, False"),
+        (dict(callbacks=[object()]), "callbacks must be Callback instances"),
+        (dict(strategy="single_device", devices=2), "needs devices=1"),
+        (dict(enable_checkpointing=False, callbacks=[ModelCheckpoint()]), "enable_checkpointing"),
+    ],
+)
+def test_invalid_flags_raise_saying_what_is_accepted(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Trainer(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "spec, hint", [("fp16", "16-mixed"), ("int8", "int8_from_float32"), (8, "accepted")]
+)
+def test_unknown_precision_raises_a_policy_spec_error(spec, hint):
+    with pytest.raises(mixprec.PolicySpecError, match=hint):
+        Trainer(precision=spec)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_accelerator_without_cuda_raises():
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        Trainer(accelerator="gpu")
+
+
+V100 = DeviceInfo("cuda", "Tesla V100", 0, capability=(7, 0), total_memory=16 * 2**30)
+
+
+def test_accelerator_precision_pairs_that_are_refused_raise_precision_error():
+    with pytest.raises(mixprec.PrecisionError, match="bfloat16 needs compute capability 8.0"):
+        resolve_precision("bf16-mixed", V100)
+    with pytest.raises(mixprec.PrecisionError, match="Supported here: 32-true"):
+        resolve_precision("bf16-true", V100)
+    policy, support = resolve_precision("16-mixed", V100)
+    assert policy == mixprec.PolicyMap("16-mixed") and support.status == "fast"
+
+
+def test_far_slower_than_float32_raises_unless_allowed():
+    with pytest.raises(mixprec.SlowPrecisionError, match="allow_slow=True"):
+        resolve_precision("16-mixed", ZEN4)
+    assert not issubclass(mixprec.PrecisionError, mixprec.SlowPrecisionError)
+    policy, support = resolve_precision("16-true", ZEN4, allow_slow=True)
+    assert policy == mixprec.PolicyMap("16-true") and support.status == SLOW
+
+
+def test_auto_picks_per_device_and_never_silently_falls_back():
+    assert resolve_precision("auto", ZEN4)[0] == mixprec.PolicyMap("bf16-mixed")
+    assert resolve_precision("auto", V100)[0] == mixprec.PolicyMap("16-mixed")
+    assert resolve_precision("auto", AVX2_CPU)[0] == mixprec.PolicyMap("32-true")
+    # an explicit choice stays what it is, or raises
+    with pytest.raises(mixprec.SlowPrecisionError):
+        resolve_precision("bf16-mixed", AVX2_CPU)
+
+
+def test_a_policy_file_is_a_precision_flag_checked_like_a_name(tmp_path):
+    # the doctor's policy.json: its rules reach the Trainer, and its 16-bit default is
+    # checked against the hardware as the name alone would be
+    path = mixprec.PolicyMap("bf16-mixed", {"head": "32-true"}).save(tmp_path / "policy.json")
+    policy, support = resolve_precision(str(path), ZEN4)
+    assert policy == mixprec.PolicyMap("bf16-mixed", {"head": "32-true"})
+    assert support.status == "fast"
+    with pytest.raises(mixprec.SlowPrecisionError):
+        resolve_precision(str(path), AVX2_CPU)
+    with hardware.assume(ZEN4):
+        trainer = Trainer(precision=str(path), accelerator="cpu", **QUIET)
+    assert trainer.policy.rules == {"head": mixprec.Policy("32-true")}
+
+
+def test_float16_on_a_cpu_raises_exactly_when_it_is_slow_there():
+    amx_fp16 = DeviceInfo("cpu", "Granite Rapids", cpu_flags=frozenset({"amx_bf16", "amx_fp16"}))
+    with hardware.assume(AVX2_CPU):
+        with pytest.raises(mixprec.SlowPrecisionError, match="allow_slow_precision=True"):
+            Trainer(precision="16-mixed", accelerator="cpu", **QUIET)
+        allowed = Trainer(
+            precision="16-mixed", accelerator="cpu", allow_slow_precision=True, **QUIET
+        )
+        assert allowed.support.status == SLOW and allowed.policy == mixprec.PolicyMap("16-mixed")
+    with hardware.assume(amx_fp16):
+        assert Trainer(precision="16-mixed", accelerator="cpu", **QUIET).support.status != SLOW
+
+
+def test_accumulation_and_clipping_match_a_hand_written_precision_loop():
+    """10 batches, 4 per step: windows of 4, 4 and 2 micro-batches, each loss divided by its
+    window, one unscale and one clip per step: bit-identical to the same loop by hand."""
+    data = regression_data(80)
+    loader = DataLoader(data, batch_size=8)
+    model = mlp()
+    trainer = Trainer(max_epochs=2, accumulate_grad_batches=4, gradient_clip_val=0.05, **QUIET)
+    trainer.fit(model, loader, loss_fn=F.mse_loss, optimizer=lambda p: torch.optim.SGD(p, 0.1))
+    assert trainer.global_step == 6
+
+    ref = mlp()
+    precision = Precision("32-true")
+    ref, opt = precision.setup(ref, torch.optim.SGD(ref.parameters(), 0.1))
+    batches = list(loader)
+    for _ in range(2):
+        for start in (0, 4, 8):
+            window = batches[start : start + 4]
+            for x, y in window:
+                precision.backward(F.mse_loss(ref(x), y) / len(window))
+            precision.clip_grad_norm_(opt, 0.05)
+            precision.step(opt)
+            opt.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class GradNorms(Callback):
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, model, optimizer):
+        grads = [p.grad for p in optimizer.params_with_grads()]
+        self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+
+def test_callbacks_see_unscaled_gradients_and_clipping_uses_them():
+    """Under 16-mixed the backward runs on loss * 65536; the callback and the clip must see
+    gradients of the true size (as under float32), accumulated over the window."""
+    small = small_targets()
+    norms = {}
+    for spec in ("32-true", "16-mixed"):
+        cb = GradNorms()
+        trainer = Trainer(
+            precision=spec,
+            max_epochs=1,
+            accumulate_grad_batches=2,
+            gradient_clip_val=1e-3,
+            callbacks=[cb],
+            allow_slow_precision=True,
+            **QUIET,
+        )
+        trainer.fit(mlp(), DataLoader(small, batch_size=16), loss_fn=F.mse_loss)
+        assert trainer.precision.scaler.loss_scale == (65536.0 if spec == "16-mixed" else 1.0)
+        norms[spec] = cb.norms
+    assert len(norms["16-mixed"]) == 2
+    first_fp32, first_fp16 = norms["32-true"][0], norms["16-mixed"][0]
+    assert first_fp16 == pytest.approx(first_fp32, rel=2e-2)  # not 65536x larger
+
+
+class InfAt(TrainingModule):
+    """A tiny regressor whose backward puts inf into a gradient on chosen batches."""
+
+    def __init__(self, bad_batches: set[int]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.bad = bad_batches
+        self.snapshots: list[list[torch.Tensor]] = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        self.snapshots.append([p.detach().clone() for p in self.parameters()])
+        x, y = batch
+        out = self(x)
+        if batch_idx in self.bad:
+            out.register_hook(lambda g: g * float("inf"))
+        return F.mse_loss(out, y)
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_scheduler_does_not_advance_on_a_step_skipped_for_overflow():
+    rec = Recorder()
+    model = InfAt(bad_batches={2})
+    trainer = Trainer(
+        precision="16-mixed", max_steps=6, callbacks=[rec], allow_slow_precision=True, **QUIET
+    )
+    trainer.fit(model, DataLoader(small_targets(96), batch_size=16))
+    stats = trainer.precision.scaler.stats()
+    assert stats.skipped_steps == 1 and stats.scale == 32768.0
+    # lr after each step: halves per taken step, stays put on the skipped third step
+    assert rec.lrs == [0.05, 0.025, 0.025, 0.0125, 0.00625, 0.003125]
+    # the skipped step left every parameter exactly as it was
+    before, after = model.snapshots[2], model.snapshots[3]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert not all(
+        torch.equal(a, b) for a, b in zip(model.snapshots[3], model.snapshots[4], strict=True)
+    )
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class Classifier(TrainingModule):
+    def __init__(self, config=None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 3)
+        self.config = config
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_ce", loss, prog_bar=True)
+        return {"loss": loss}
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits, y), batch_size=len(y))
+        self.log("val_acc", (logits.argmax(1) == y).float().mean(), batch_size=len(y))
+
+    test_step = validation_step
+
+    def configure_optimizers(self):
+        return self.config(self) if self.config else super().configure_optimizers()
+
+
+def class_data(n: int = 96, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 1).long())
+
+
+def test_validation_metrics_are_epoch_means_weighted_by_batch_size():
+    model = Classifier()
+    val = DataLoader(class_data(50, seed=1), batch_size=16)  # batches of 16, 16, 16, 2
+    trainer = Trainer(max_epochs=1, **QUIET)
+    trainer.fit(model, DataLoader(class_data(), batch_size=32), val)
+    x, y = val.dataset.tensors
+    with torch.no_grad():
+        expected = F.cross_entropy(model(x), y).item()
+    assert trainer.callback_metrics["val_loss"] == pytest.approx(expected, rel=1e-6)
+    [tested] = trainer.test(model, val)
+    assert tested["val_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "config, n_scheds",
+    [
+        (lambda m: torch.optim.SGD(m.parameters(), 0.1), 0),
+        (lambda m: [torch.optim.SGD(m.parameters(), 0.1)], 0),
+        (
+            lambda m: (
+                [o := torch.optim.SGD(m.parameters(), 0.1)],
+                [torch.optim.lr_scheduler.StepLR(o, 1)],
+            ),
+            1,
+        ),
+        (
+            lambda m: {
+                "optimizer": (o := torch.optim.SGD(m.parameters(), 0.1)),
+                "lr_scheduler": {
+                    "scheduler": torch.optim.lr_scheduler.StepLR(o, 1),
+                    "interval": "step",
+                },
+            },
+            1,
+        ),
+    ],
+)
+def test_configure_optimizers_accepts_lightnings_forms(config, n_scheds):
+    model = Classifier(config)
+    trainer = Trainer(max_epochs=2, **QUIET)
+    trainer.fit(model, DataLoader(class_data(), batch_size=32))
+    assert len(trainer.optimizers) == 1 and len(trainer.lr_schedulers) == n_scheds
+    if n_scheds:
+        assert trainer.optimizers[0].param_groups[0]["lr"] < 0.1
+
+
+@pytest.mark.parametrize("bad", [None, "adam", [1, 2], {"lr_scheduler": 1}])
+def test_configure_optimizers_rejects_other_forms(bad):
+    with pytest.raises(ValueError, match="configure_optimizers must return"):
+        parse_optimizers(bad)
+
+
+def test_early_stopping_and_best_checkpoints(tmp_path):
+    model = Classifier(lambda m: torch.optim.SGD(m.parameters(), 0.0))  # loss never improves
+    ckpt = ModelCheckpoint(monitor="val_loss", save_top_k=2, save_last=True)
+    stop = EarlyStopping("val_loss", patience=2)
+    trainer = Trainer(
+        max_epochs=10,
+        callbacks=[ckpt, stop],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(model, DataLoader(class_data(), batch_size=32), DataLoader(class_data(32, 1)))
+    assert trainer.current_epoch == 3 and trainer.should_stop  # first pass sets best, 2 fail
+    assert "did not improve" in stop.reason
+    files = sorted(p.name for p in (tmp_path / "checkpoints").glob("*.ckpt"))
+    assert files == ["epoch=0-step=3.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]
+    assert ckpt.best_model_path.endswith("epoch=0-step=3.ckpt")
+    [metrics] = trainer.validate(model, DataLoader(class_data(32, 1)), ckpt_path="best")
+    assert metrics["val_loss"] == pytest.approx(ckpt.best_model_score)
+
+
+def test_monitoring_a_metric_that_was_not_logged_raises_listing_the_logged_ones(tmp_path):
+    trainer = Trainer(
+        max_epochs=1,
+        callbacks=[ModelCheckpoint(monitor="val_los")],
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(KeyError, match="val_los.*val_acc, val_loss"):
+        trainer.fit(Classifier(), DataLoader(class_data(), batch_size=32), DataLoader(class_data()))
+
+
+def test_a_monitor_not_logged_before_the_first_validation_warns_once_then_ranks(tmp_path):
+    # before: KeyError at step 2, before any validation (Lightning warns and skips ranking)
+    ckpt = ModelCheckpoint(
+        dirpath=tmp_path, monitor="val_loss", every_n_train_steps=2, save_last=True
+    )
+    trainer = Trainer(max_epochs=1, callbacks=[ckpt], logger=False, enable_progress_bar=False)
+    train, val = DataLoader(class_data(), batch_size=16), DataLoader(class_data(32, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Classifier(), train, val)  # 6 steps; validation after the last batch
+    messages = [str(w.message) for w in caught if "ModelCheckpoint monitors" in str(w.message)]
+    assert len(messages) == 1 and "'val_loss', which was not logged yet" in messages[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=6.ckpt", "last.ckpt"]
+    assert ckpt.best_model_score == trainer.callback_metrics["val_loss"]
+
+    typo = ModelCheckpoint(dirpath=tmp_path / "typo", monitor="val_los", every_n_train_steps=2)
+    trainer = Trainer(max_epochs=1, callbacks=[typo], logger=False, enable_progress_bar=False)
+    with pytest.warns(UserWarning, match="val_los"), pytest.raises(KeyError, match="val_los"):
+        trainer.fit(Classifier(), train, val)  # raises once a validation ran without it
+    assert trainer.global_step == 6
+
+
+class Stream(IterableDataset):
+    """The samples of a TensorDataset, without len()."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __iter__(self):
+        return iter(zip(*self.data.tensors, strict=True))
+
+
+class ValidatedAt(Callback):
+    def __init__(self) -> None:
+        self.at: list[tuple[int, int, int]] = []  # epoch, batches done, step
+
+    def on_validation_end(self, trainer, model):
+        self.at.append((trainer.current_epoch, trainer.batches_done, trainer.global_step))
+
+
+@pytest.mark.parametrize(
+    ("interval", "expected"),
+    [
+        (1.0, [(0, 10, 3), (1, 10, 6)]),  # at the end only
+        (5, [(0, 5, 1), (0, 10, 2), (0, 10, 3), (1, 5, 4), (1, 10, 5), (1, 10, 6)]),
+    ],
+)
+def test_data_without_length_validates_when_it_runs_out(tmp_path, interval, expected):
+    """10 batches without len(), windows of 4, 4 and 2: the third step is taken when the data
+    runs out, then the epoch's validation (again if one ran before that step). Before: never
+    validated, and ModelCheckpoint(monitor="val_loss") raised KeyError."""
+    data = regression_data(80)
+    seen = ValidatedAt()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=-1)
+    trainer = Trainer(
+        max_epochs=2,
+        accumulate_grad_batches=4,
+        val_check_interval=interval,
+        callbacks=[seen, ckpt],
+        logger=False,
+        enable_progress_bar=False,
+    )
+    stream, val = DataLoader(Stream(data), batch_size=8), DataLoader(data, batch_size=40)
+    trainer.fit(mlp(), stream, val, loss_fn=F.mse_loss)
+    assert seen.at == expected
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch=0-step=3.ckpt",
+        "epoch=1-step=6.ckpt",
+    ]
+
+
+def test_an_interval_ending_on_the_last_batch_of_data_without_length_validates_once():
+    data = regression_data(80)
+    seen = ValidatedAt()
+    trainer = Trainer(max_epochs=1, val_check_interval=5, callbacks=[seen], **QUIET)
+    trainer.fit(mlp(), DataLoader(Stream(data), batch_size=8), DataLoader(data), loss_fn=F.mse_loss)
+    assert seen.at == [(0, 5, 5), (0, 10, 10)]
+
+
+@pytest.mark.parametrize("max_steps", [10, 7])
+def test_max_steps_on_the_last_batch_of_data_without_length_ends_the_epoch(max_steps):
+    """Stopped by max_steps on the data's last batch, a stream ends its epoch (validation,
+    epoch count) as sized data does; stopped before it, neither does. The look for more data
+    moves no random generator."""
+    data = regression_data(80)
+    outcomes = []
+    for train in (DataLoader(data, batch_size=8), DataLoader(Stream(data), batch_size=8)):
+        seen = ValidatedAt()
+        trainer = Trainer(max_steps=max_steps, callbacks=[seen], **QUIET)
+        torch.manual_seed(0)
+        trainer.fit(mlp(), train, DataLoader(data, batch_size=40), loss_fn=F.mse_loss)
+        outcomes.append((seen.at, trainer.current_epoch, torch.get_rng_state()))
+    (sized_at, sized_epoch, sized_rng), (stream_at, stream_epoch, stream_rng) = outcomes
+    assert stream_at == sized_at == ([(0, 10, 10)] if max_steps == 10 else [])
+    assert stream_epoch == sized_epoch == (1 if max_steps == 10 else 0)
+    assert torch.equal(stream_rng, sized_rng)
+
+
+@pytest.mark.parametrize("spec", ["32-true", "16-mixed"])
+def test_a_short_last_window_of_data_without_length_is_scaled_as_with_a_length(tmp_path, spec):
+    """Windows of 4, 4 and 2 micro-batches: the last one's losses are divided by 2, also when
+    the data has no len() (they were divided by 4: half the gradient). Its step, taken after
+    the last batch, still gets its every_n_train_steps checkpoint."""
+    data = small_targets(80)
+    weights = {}
+    for kind, loader in [
+        ("sized", DataLoader(data, batch_size=8)),
+        ("stream", DataLoader(Stream(data), batch_size=8)),
+    ]:
+        ckpt = ModelCheckpoint(dirpath=tmp_path / kind, every_n_train_steps=3)
+        trainer = Trainer(
+            precision=spec,
+            max_epochs=1,
+            accumulate_grad_batches=4,
+            callbacks=[ckpt],
+            allow_slow_precision=True,
+            logger=False,
+            enable_progress_bar=False,
+        )
+        model = mlp()
+        sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
+        trainer.fit(model, loader, loss_fn=F.mse_loss, optimizer=sgd)
+        assert trainer.global_step == 3
+        assert [p.name for p in (tmp_path / kind).iterdir()] == ["epoch=0-step=3.ckpt"]
+        weights[kind] = model.state_dict()
+    for name, w in weights["sized"].items():
+        assert torch.equal(w, weights["stream"][name]), name
+
+
+def test_plain_module_with_optimizer_instance_validate_test_predict():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = regression_data(64)
+    trainer = Trainer(max_epochs=3, **QUIET)
+    trainer.fit(
+        model,
+        DataLoader(data, batch_size=16),
+        DataLoader(data, batch_size=64),
+        optimizer=opt,
+        loss_fn=F.mse_loss,
+    )
+    assert trainer.optimizers[0].optimizer is opt
+    x, y = data.tensors
+    with torch.no_grad():
+        expected = F.mse_loss(model(x), y).item()
+    [val] = trainer.validate(dataloaders=DataLoader(data, batch_size=20))  # the last model and loss
+    assert val["val_loss"] == pytest.approx(expected, rel=1e-6)
+    [test] = trainer.test(model, DataLoader(data, batch_size=64), loss_fn=F.l1_loss)
+    assert test["test_loss"] == pytest.approx(F.l1_loss(model(x), y).item(), rel=1e-6)
+    preds = trainer.predict(model, DataLoader(data, batch_size=32))
+    assert torch.allclose(torch.cat(preds), model(x).detach())
+    assert torch.allclose(trainer.predict(model, [x])[0], model(x).detach())
+
+
+def test_plain_module_misuse_raises_clear_errors():
+    trainer = Trainer(max_epochs=1, **QUIET)
+    with pytest.raises(ValueError, match="pass loss_fn="):
+        trainer.fit(mlp(), DataLoader(regression_data(), batch_size=16))
+    with pytest.raises(TypeError, match=r"\(inputs..., target\)"):
+        trainer.fit(mlp(), [torch.randn(8, 4)], loss_fn=F.mse_loss)
+    with pytest.raises(ValueError, match="optimizer must be"):
+        trainer.fit(
+            mlp(), DataLoader(regression_data(), batch_size=16), loss_fn=F.mse_loss, optimizer="sgd"
+        )
+    with pytest.raises(TypeError, match="must return the loss"):
+        trainer.fit(
+            mlp(), DataLoader(regression_data(), batch_size=16), loss_fn=lambda o, t: (o - t).abs()
+        )
+    with pytest.raises(RuntimeError, match="not attached to a Trainer"):
+        Classifier().log("x", 1.0)
+
+
+def test_max_steps_stops_mid_epoch_and_limit_train_batches_shortens_epochs():
+    loader = DataLoader(regression_data(160), batch_size=16)  # 10 batches
+    trainer = Trainer(max_steps=7, **QUIET)
+    trainer.fit(mlp(), loader, loss_fn=F.mse_loss)
+    assert (trainer.global_step, trainer.current_epoch, trainer.batches_done) == (7, 0, 7)
+    trainer = Trainer(max_epochs=3, limit_train_batches=0.5, **QUIET)
+    trainer.fit(mlp(), loader, loss_fn=F.mse_loss)
+    assert (trainer.global_step, trainer.current_epoch) == (15, 3)
+
+
+def test_val_check_interval_runs_validation_within_the_epoch():
+    class Count(Callback):
+        at: list[int] = []
+
+        def on_validation_end(self, trainer, model):
+            self.at.append(trainer.batches_done)
+
+    count = Count()
+    trainer = Trainer(max_epochs=1, val_check_interval=0.25, callbacks=[count], **QUIET)
+    data = regression_data(128)
+    trainer.fit(
+        mlp(), DataLoader(data, batch_size=16), DataLoader(data, batch_size=64), loss_fn=F.mse_loss
+    )
+    assert count.at == [2, 4, 6, 8]
+
+
+def lbfgs(params):
+    return torch.optim.LBFGS(params, lr=0.5, max_iter=5, history_size=4)
+
+
+class LBFGSModule(TrainingModule):
+    """Lightning's way to train with LBFGS: return it from configure_optimizers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.evaluations = 0  # calls of the hook before each step: one per loss evaluation
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self(x), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.evaluations += 1
+
+    def configure_optimizers(self):
+        return lbfgs(self.parameters())
+
+
+@pytest.mark.parametrize("kind", ["plain", "module"])
+def test_lbfgs_trains_as_a_hand_written_closure_loop_bit_for_bit(kind):
+    """Before: ``LBFGS.step() needs a closure ... call step(closure)``, which a Trainer user
+    cannot do. Now each batch's training step runs in LBFGS's closure, as in Lightning."""
+    loader = DataLoader(regression_data(64), batch_size=16)  # 4 batches, in order
+    if kind == "plain":
+        model = mlp()
+        trainer = Trainer(max_epochs=2, **QUIET)
+        trainer.fit(model, loader, loss_fn=F.mse_loss, optimizer=lbfgs)
+    else:
+        model = LBFGSModule()
+        trainer = Trainer(max_epochs=2, **QUIET)
+        trainer.fit(model, loader)
+
+    by_hand = mlp()
+    opt = lbfgs(by_hand.parameters())
+    first_losses, evaluations = [], 0
+    for _ in range(2):
+        for x, y in loader:
+
+            def closure(x=x, y=y):
+                nonlocal evaluations
+                evaluations += 1
+                opt.zero_grad()
+                loss = F.mse_loss(by_hand(x), y)
+                loss.backward()
+                return loss
+
+            first_losses.append(opt.step(closure).item())
+    assert trainer.global_step == 8
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), by_hand.parameters(), strict=True)
+    )
+    assert trainer.callback_metrics["loss"] == first_losses[-1]  # the step's first evaluation
+    assert first_losses[-1] < first_losses[0] / 20
+    if kind == "module":
+        assert model.evaluations == evaluations > 8  # several evaluations a step
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            dict(precision="16-mixed", allow_slow_precision=True),
+            "loss-scaled step cannot be skipped half-way.*'32-true', 'bf16-mixed'",
+        ),
+        (dict(accumulate_grad_batches=2), "cannot be accumulated over 2: use accumulate_grad"),
+    ],
+    ids=["loss-scaling", "accumulation"],
+)
+def test_lbfgs_where_the_trainer_cannot_run_its_closure_is_refused_before_training(kwargs, message):
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(max_epochs=1, **QUIET, **kwargs)
+    loader = DataLoader(small_targets(32), batch_size=8)
+    with pytest.raises(ValueError, match="LBFGS evaluates the loss inside its step.*" + message):
+        trainer.fit(model, loader, loss_fn=F.mse_loss, optimizer=lbfgs)
+    assert trainer.global_step == 0
+    assert all(torch.equal(a, b.float()) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_lbfgs_beside_another_optimizer_is_refused_naming_both():
+    class Two(LBFGSModule):
+        def configure_optimizers(self):
+            head, body = self.net[2].parameters(), self.net[0].parameters()
+            return [lbfgs(head), torch.optim.SGD(body, lr=0.1)]
+
+    trainer = Trainer(max_epochs=1, **QUIET)
+    with pytest.raises(ValueError, match="steps one optimizer alone; this fit has 2 .LBFGS, SGD"):
+        trainer.fit(Two(), DataLoader(regression_data(32), batch_size=8))

@@ -1,0 +1,624 @@
+"""Checkpoints: resuming is bit-identical to not stopping (mid-epoch too), a save killed
+half-way leaves the previous checkpoint loadable, and resuming in another precision works."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from trainers import SILENT
+
+import mixprec
+from mixprec.trainer import Callback, EarlyStopping, ModelCheckpoint, Trainer, TrainingModule
+from mixprec.trainer import checkpoint as ckpt_io
+
+# what a script run in a subprocess imports from: this folder (the test module) and the
+# tests folder (the shared helpers)
+SCRIPT_PATH = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+
+
+class DropoutNet(TrainingModule):
+    """Dropout (draws random numbers every step), a step-interval schedule, AdamW."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(6, 32), nn.GELU(), nn.Dropout(0.2), nn.Linear(32, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def loaders() -> tuple[DataLoader, DataLoader]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 6, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    data = TensorDataset(x * 0.1, y)
+    # 12 batches an epoch, shuffled from torch's global generator
+    return DataLoader(data, batch_size=8, shuffle=True), DataLoader(data, batch_size=48)
+
+
+def trainer(tmp: Path, spec: str, **kwargs) -> Trainer:
+    return Trainer(
+        precision=spec,
+        seed=7,
+        deterministic=True,
+        accumulate_grad_batches=2,
+        gradient_clip_val=1.0,
+        val_check_interval=4,
+        default_root_dir=tmp,
+        allow_slow_precision=True,
+        **SILENT,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("spec", ["32-true", "bf16-mixed", "16-mixed", "16-true"])
+@pytest.mark.parametrize("stop_at", [5, 12], ids=["mid-epoch", "epoch-end"])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, spec, stop_at):
+    """6 steps per epoch; 16 steps straight vs stop_at steps, save, resume with a model
+    initialised differently: every parameter, the lr and the loss scale match exactly."""
+    train, val = loaders()
+    straight = DropoutNet(seed=0)
+    t_straight = trainer(tmp_path / "a", spec, max_steps=16)
+    t_straight.fit(straight, train, val)
+
+    first = DropoutNet(seed=0)
+    t_first = trainer(tmp_path / "b", spec, max_steps=stop_at)
+    t_first.fit(first, train, val)
+    path = t_first.save_checkpoint(tmp_path / "half.ckpt")
+    assert t_first.batches_done == (stop_at * 2) % 12 or stop_at == 12
+
+    resumed = DropoutNet(seed=123)
+    t_resumed = trainer(tmp_path / "c", spec, max_steps=16)
+    t_resumed.fit(resumed, train, val, ckpt_path=path)
+
+    assert t_resumed.global_step == t_straight.global_step == 16
+    for (name, a), b in zip(
+        straight.state_dict().items(), resumed.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    opt_a, opt_b = t_straight.optimizers[0], t_resumed.optimizers[0]
+    assert opt_a.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"]
+    assert t_straight.precision.scaler.state_dict() == t_resumed.precision.scaler.state_dict()
+    for sa, sb in zip(opt_a.state.values(), opt_b.state.values(), strict=True):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_resume_from_the_last_epoch_checkpoint_written_by_model_checkpoint(tmp_path):
+    train, val = loaders()
+    straight = DropoutNet(seed=0)
+    trainer(tmp_path / "a", "bf16-mixed", max_epochs=3).fit(straight, train, val)
+    cb = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True, save_top_k=0)
+    resumed = trainer(tmp_path / "b", "bf16-mixed", max_epochs=2, callbacks=[cb])
+    resumed.fit(DropoutNet(0), train, val)
+    assert cb.last_model_path == str(tmp_path / "ck" / "last.ckpt")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["last.ckpt"]
+    resumed = DropoutNet(seed=5)
+    t = trainer(tmp_path / "c", "bf16-mixed", max_epochs=3)
+    t.fit(resumed, train, val, ckpt_path=cb.last_model_path)
+    assert (t.current_epoch, t.global_step) == (3, 18)
+    assert all(
+        torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True)
+    )
+
+
+def test_a_checkpoint_its_resumed_record_does_not_name_is_removed_not_kept_for_ever(tmp_path):
+    """A SIGKILL between a save's file and its record (last.ckpt still at the save before)
+    left a complete epoch=... file that the resumed run's save_top_k never removed, and whose
+    name pushed the run's own save of that epoch to -v1. The resumed run removes what it
+    does not know, written after the checkpoint it resumes from, and says so."""
+    train, val = loaders()
+    ck = tmp_path / "ck"
+    cb = ModelCheckpoint(dirpath=ck, save_last=True, save_top_k=1)
+    trainer(tmp_path / "a", "32-true", max_epochs=1, callbacks=[cb]).fit(DropoutNet(0), train, val)
+    (first,) = [p for p in ck.iterdir() if p.name != "last.ckpt"]
+    # the next epoch's save, killed before last.ckpt and the record moved on to it
+    orphan = ck / "epoch=1-step=12.ckpt"
+    orphan.write_bytes(first.read_bytes())
+    os.utime(orphan, (first.stat().st_mtime + 5, first.stat().st_mtime + 5))
+    mine = ck / "notes.txt"  # not a checkpoint: never touched
+    mine.write_text("kept")
+    cb = ModelCheckpoint(dirpath=ck, save_last=True, save_top_k=1)
+    t = trainer(tmp_path / "b", "32-true", max_epochs=3, callbacks=[cb])
+    with pytest.warns(UserWarning, match=r"removing epoch=1-step=12.ckpt from .*: written after"):
+        t.fit(DropoutNet(0), train, val, ckpt_path=ck / "last.ckpt")
+    assert sorted(p.name for p in ck.iterdir()) == [
+        "epoch=2-step=18.ckpt",
+        "last.ckpt",
+        "notes.txt",
+    ]
+
+
+def test_checkpoint_contents(tmp_path):
+    train, _ = loaders()
+    t = trainer(tmp_path, "16-mixed", max_steps=3)
+    t.fit(DropoutNet(0), train)
+    state = ckpt_io.load(t.save_checkpoint(tmp_path / "x.ckpt"))
+    assert state["mixprec_version"] == mixprec.__version__
+    assert state["torch_version"] == str(torch.__version__)
+    assert state["policy_name"] == "16-mixed"
+    assert state["precision"]["policy"] == mixprec.PolicyMap("16-mixed").to_config()
+    assert state["precision"]["scaler"]["kind"] == "dynamic"
+    assert state["loop"] == {
+        "epoch": 0,
+        "batch": 6,
+        "global_step": 3,
+        "epoch_rng": state["loop"]["epoch_rng"],
+        "epoch_batches": 12,
+        "batch_size": 8,
+        "order": {"sampler": "RandomSampler", "batch_sampler": "BatchSampler", "generators": []},
+    }
+    assert state["optimizer_types"] == ["AdamW"]
+    assert set(state["rng"]) >= {"python", "torch", "numpy"}
+    assert len(state["optimizers"]) == 1 and len(state["schedulers"]) == 1
+    assert not list(tmp_path.glob(".*.tmp"))  # no temp file left behind
+
+
+def test_loading_something_else_raises_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        ckpt_io.load(tmp_path / "missing.ckpt")
+    torch.save({"state_dict": {}}, tmp_path / "other.ckpt")
+    with pytest.raises(ValueError, match="not a readable mixprec checkpoint"):
+        ckpt_io.load(tmp_path / "other.ckpt")
+
+
+def test_saving_inside_an_accumulation_window_is_refused(tmp_path):
+    class SaveEarly(ModelCheckpoint):
+        def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+            trainer.save_checkpoint(tmp_path / "early.ckpt")
+
+    train, _ = loaders()
+    t = trainer(tmp_path, "32-true", max_steps=2, callbacks=[SaveEarly()])
+    with pytest.raises(RuntimeError, match="middle of a gradient accumulation window"):
+        t.fit(DropoutNet(0), train)
+
+
+KILLED_SAVE = """
+import sys, time, torch
+from mixprec.trainer import Callback, Trainer
+sys.path[:0] = {tests!r}
+from test_trainer_checkpoint import DropoutNet, loaders
+
+class SlowToPickle:
+    def __reduce__(self):
+        print("writing", flush=True)
+        time.sleep(60)
+        return (int, (0,))
+
+class Payload(Callback):
+    saves = 0
+    def state_dict(self):
+        return {{"slow": SlowToPickle()}} if self.saves else {{"plain": 1}}
+
+payload = Payload()
+t = Trainer(max_steps=2, logger=False, enable_progress_bar=False, callbacks=[payload],
+            enable_checkpointing=False)
+t.fit(DropoutNet(0), loaders()[0])
+t.save_checkpoint({path!r})
+print("saved", flush=True)
+payload.saves = 1
+t.save_checkpoint({path!r})
+"""
+
+
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint_loadable(tmp_path):
+    path = tmp_path / "run.ckpt"
+    script = KILLED_SAVE.format(tests=SCRIPT_PATH, path=str(path))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "saved"
+        good = path.read_bytes()
+        assert proc.stdout.readline().strip() == "writing"  # now inside the second save
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    assert path.read_bytes() == good
+    state = ckpt_io.load(path)
+    assert state["loop"]["global_step"] == 2 and state["callbacks"] == {"Payload": {"plain": 1}}
+    assert len(list(tmp_path.glob(".run.ckpt.*.tmp"))) == 1  # the abandoned temp file
+    resumed = DropoutNet(seed=3)
+    t = Trainer(max_steps=3, **SILENT, enable_checkpointing=False)
+    t.fit(resumed, loaders()[0], ckpt_path=path)
+    assert t.global_step == 3
+    t.save_checkpoint(path)  # the next save into that directory removes the stray file
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_resume_in_another_precision_uses_master_weights_and_says_so(tmp_path, caplog):
+    train, _ = loaders()
+    model = DropoutNet(0)
+    t16 = trainer(tmp_path / "a", "16-true", max_steps=3)
+    t16.fit(model, train)
+    masters = [m.detach().clone() for m in t16.optimizers[0].master_params.values()]
+    assert all(m.dtype == torch.float32 for m in masters)
+    path = t16.save_checkpoint(tmp_path / "fp16.ckpt")
+
+    resumed = DropoutNet(seed=9)
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        t32 = trainer(tmp_path / "b", "32-true", max_steps=3)
+        t32.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
+    text = caplog.text
+    assert "trained in precision 16-true, in 32-true" in text
+    assert "float32 master weights" in text
+    assert "'dynamic' loss scaler, this run uses 'none'" in text
+    assert t32.global_step == 3
+    # the float32 weights are the masters, not the float16 copies rounded back up
+    for p, m in zip(resumed.parameters(), masters, strict=True):
+        assert p.dtype == torch.float32 and torch.equal(p, m)
+    # and training goes on from there in the new precision
+    t32b = trainer(tmp_path / "c", "bf16-mixed", max_steps=5)
+    t32b.fit(resumed, train, ckpt_path=path)
+    assert t32b.global_step == 5 and all(torch.isfinite(p).all() for p in resumed.parameters())
+
+
+def test_model_checkpoint_state_is_in_its_own_checkpoint_and_comes_back(tmp_path):
+    train, val = loaders()
+    cb = ModelCheckpoint(monitor="val_loss", save_last=True)  # default dirpath: the run's
+    trainer(tmp_path / "a", "32-true", max_epochs=2, callbacks=[cb]).fit(DropoutNet(0), train, val)
+    saved = ckpt_io.load(cb.last_model_path)["callbacks"][cb.state_key]
+    assert saved["best_model_path"] == cb.best_model_path  # the file knows what it is
+    assert saved["last_model_path"] == cb.last_model_path
+
+    again = ModelCheckpoint(monitor="val_loss", save_last=True)
+    t = trainer(tmp_path / "b", "32-true", max_epochs=2, callbacks=[again])
+    t.fit(DropoutNet(1), train, val, ckpt_path=cb.last_model_path)  # nothing left: only restores
+    assert t.current_epoch == 2
+    assert (again.best_model_path, again.best_model_score) == (
+        cb.best_model_path,
+        cb.best_model_score,
+    )
+
+
+def test_bfloat16_masters_are_used_when_resuming_in_another_precision(tmp_path):
+    # before: masters were saved as a list and matched to parameters by float16 dtype, so
+    # bfloat16 masters (master_weights=True) were dropped and the bf16 copies used instead
+    train, _ = loaders()
+    bf16 = mixprec.Precision("bf16-true", master_weights=True, allow_slow=True)
+    model = DropoutNet(0)
+    t = trainer(tmp_path / "a", bf16, max_steps=3)
+    t.fit(model, train)
+    masters = {
+        n: t.optimizers[0].master_params[p].detach().clone() for n, p in model.named_parameters()
+    }
+    params = dict(model.named_parameters())
+    assert any(not torch.equal(m, params[n].float()) for n, m in masters.items())
+    path = t.save_checkpoint(tmp_path / "bf16.ckpt")
+
+    resumed = DropoutNet(seed=9)
+    t32 = trainer(tmp_path / "b", "32-true", max_steps=3)
+    t32.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
+    for name, p in resumed.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, masters[name]), name
+
+
+def test_a_float32_checkpoint_resumed_in_16_true_gives_masters_its_exact_weights(tmp_path):
+    # before: the masters were built from the float16 model, i.e. the float32 weights
+    # rounded to float16 and back, so the resumed run had silently lost their low bits
+    train, _ = loaders()
+    model = DropoutNet(0)
+    t32 = trainer(tmp_path / "a", "32-true", max_steps=3)
+    t32.fit(model, train)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    path = t32.save_checkpoint(tmp_path / "fp32.ckpt")
+
+    resumed = DropoutNet(seed=9)
+    t16 = trainer(tmp_path / "b", "16-true", max_steps=3)
+    t16.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
+    masters = t16.optimizers[0].master_params
+    for name, p in resumed.named_parameters():
+        assert p.dtype == torch.float16 and torch.equal(p, weights[name].half()), name
+        assert masters[p].dtype == torch.float32 and torch.equal(masters[p], weights[name]), name
+    assert any(not torch.equal(w.half().float(), w) for w in weights.values())
+
+
+class EpochScheduled(DropoutNet):
+    """An epoch-interval StepLR and a ReduceLROnPlateau on val_loss, a training epoch metric,
+    and optionally a float16 overflow (a skipped step) at one step."""
+
+    def __init__(self, seed: int, overflow_at: int | None = None) -> None:
+        super().__init__(seed)
+        self.overflow_at = overflow_at
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        if self.trainer.global_step == self.overflow_at:
+            loss = loss * float("inf")
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        step = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        return [opt], [step, {"scheduler": plateau, "monitor": "val_loss"}]
+
+
+class Seen(Callback):
+    """The epochs validated, and at each epoch end: epoch, training epoch loss, lr."""
+
+    def __init__(self) -> None:
+        self.validated: list[int] = []
+        self.epoch_ends: list[tuple[int, float, float]] = []
+
+    def on_validation_end(self, trainer, model):
+        self.validated.append(trainer.current_epoch)
+
+    def on_train_epoch_end(self, trainer, model):
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        self.epoch_ends.append((trainer.current_epoch, trainer.callback_metrics["train_loss"], lr))
+
+
+def assert_same_run(a: Trainer, b: Trainer) -> None:
+    """Weights, optimizer state, schedulers and loss scaler are bit for bit the same."""
+    for (name, x), y in zip(
+        a.model.state_dict().items(), b.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(x, y), name
+    for sa, sb in zip(a.optimizers[0].state.values(), b.optimizers[0].state.values(), strict=True):
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert [s.state_dict() for s in a.lr_schedulers] == [s.state_dict() for s in b.lr_schedulers]
+    assert a.precision.scaler.state_dict() == b.precision.scaler.state_dict()
+    assert a.global_step == b.global_step
+
+
+@pytest.mark.parametrize(
+    ("spec", "overflow_at"), [("32-true", None), ("16-mixed", 5)], ids=["32-true", "16-skip"]
+)
+def test_a_checkpoint_saved_on_an_epochs_last_batch_resumes_bit_identically(
+    tmp_path, spec, overflow_at
+):
+    """every_n_train_steps=6 with 6 steps an epoch saves on each epoch's last batch, after
+    its validation and before its end. Before: CheckpointError (batch 12 of 12). Now the
+    resumed run only ends that epoch (schedulers, on_train_epoch_end), without validating
+    it again. With "16-skip" the epoch's last step overflows: no scheduler advances then."""
+    train, val = loaders()
+    seen_straight = Seen()
+    straight = trainer(tmp_path / "a", spec, max_epochs=3, callbacks=[seen_straight])
+    straight.fit(EpochScheduled(0, overflow_at), train, val)
+
+    cb = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6, save_top_k=-1)
+    trainer(tmp_path / "b", spec, max_epochs=1, callbacks=[cb]).fit(
+        EpochScheduled(0, overflow_at), train, val
+    )
+    path = tmp_path / "ck" / "epoch=0-step=6.ckpt"
+    loop = ckpt_io.load(path)["loop"]
+    assert (loop["epoch"], loop["batch"], loop["global_step"]) == (0, 12, 6)
+
+    seen = Seen()
+    resumed = trainer(tmp_path / "c", spec, max_epochs=3, callbacks=[seen])
+    resumed.fit(EpochScheduled(123, overflow_at), train, val, ckpt_path=path)
+    assert_same_run(straight, resumed)
+    assert seen_straight.validated == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # every 4 of 12 batches
+    assert seen.validated == [1, 1, 1, 2, 2, 2]
+    assert seen.epoch_ends == seen_straight.epoch_ends  # epoch 0's too, from its saved sums
+    if overflow_at is not None:
+        assert straight.precision.scaler.stats().skipped_steps == 1
+
+
+class StopInside(Callback):
+    """Asks to stop after batch ``at`` of epoch ``epoch``."""
+
+    def __init__(self, epoch: int, at: int) -> None:
+        self.epoch, self.at = epoch, at
+
+    def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+        if (trainer.current_epoch, batch_idx) == (self.epoch, self.at):
+            trainer.should_stop = True
+
+
+@pytest.mark.parametrize("how", ["max_steps", "stop-in-window"])
+def test_a_fit_stopped_inside_an_epoch_saves_its_last_step_and_resumes_from_it(tmp_path, how):
+    """6 steps an epoch. max_steps=8 stops at batch 4 of epoch 1; a stop asked after batch 2
+    of epoch 1, inside a window, takes effect after batch 3 (step 8), once the window's step
+    is taken. Before: last.ckpt held step 6, so ckpt_path="last" went back two steps (and the
+    stop stepped half a window with its losses divided by 2)."""
+    train, val = loaders()
+    seen_straight = Seen()
+    straight = trainer(tmp_path / "a", "32-true", max_steps=14, callbacks=[seen_straight])
+    straight.fit(EpochScheduled(0), train, val)
+
+    cb = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)  # the latest epoch
+    stop = dict(max_steps=8) if how == "max_steps" else dict(callbacks=[cb, StopInside(1, 2)])
+    first = trainer(tmp_path / "b", "32-true", **{"callbacks": [cb], **stop})
+    first.fit(EpochScheduled(0), train, val)
+    assert (first.global_step, first.current_epoch, first.batches_done) == (8, 1, 4)
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [
+        "epoch=1-step=8.ckpt",
+        "last.ckpt",
+    ]
+    assert cb.best_model_path == str(tmp_path / "ck" / "epoch=1-step=8.ckpt")
+    loop = ckpt_io.load(cb.last_model_path)["loop"]
+    assert (loop["epoch"], loop["batch"], loop["global_step"]) == (1, 4, 8)
+
+    seen = Seen()
+    resumed = trainer(tmp_path / "c", "32-true", max_steps=14, callbacks=[cb, seen])
+    resumed.fit(EpochScheduled(7), train, val, ckpt_path="last")
+    assert_same_run(straight, resumed)
+    assert seen.epoch_ends == seen_straight.epoch_ends[1:]  # epoch 1 from its saved sums
+
+
+def test_a_stop_on_a_step_already_saved_adds_no_checkpoint(tmp_path):
+    train, _ = loaders()
+    cb = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=4, save_top_k=-1, save_last=True)
+    trainer(tmp_path, "32-true", max_steps=8, callbacks=[cb]).fit(DropoutNet(0), train)
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=1-step=8.ckpt",
+        "last.ckpt",
+    ]
+
+
+def test_early_stopping_inside_an_epoch_saves_the_step_it_stopped_at(tmp_path):
+    class Frozen(DropoutNet):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)  # val_loss never improves
+
+    train, val = loaders()
+    cb = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss")
+    stop = EarlyStopping("val_loss", patience=1)
+    t = trainer(tmp_path, "32-true", max_epochs=5, callbacks=[cb, stop])
+    t.fit(Frozen(0), train, val)  # validates every 4 batches: the second pass stops it
+    assert (t.current_epoch, t.batches_done, t.global_step) == (0, 8, 4)
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["epoch=0-step=4.ckpt"]
+    assert cb.best_model_score == t.callback_metrics["val_loss"]
+
+
+def test_cuda_rng_states_of_more_gpus_than_here_restore_those_present(monkeypatch):
+    """A checkpoint from an 8-GPU machine resumes on a 1-GPU one: GPU 0's state is restored,
+    the others are left out rather than indexed past the generators there."""
+    restored = []
+
+    def set_state(state, device="cuda"):
+        if device >= 1:
+            raise IndexError("tuple index out of range")  # torch.cuda.default_generators[1]
+        restored.append((device, state))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(torch.cuda.random, "set_rng_state", set_state)
+    gpu_states = [torch.full((16,), i, dtype=torch.uint8) for i in range(8)]
+    ckpt_io.set_rng_states({**ckpt_io.rng_states(), "cuda": gpu_states})
+    assert restored == [(0, gpu_states[0])]
+
+
+CTRL_C_IN_SAVES = """
+import collections, json, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a program run from a shell
+import torch.nn.functional as F
+from mixprec.trainer import Callback, ModelCheckpoint, Trainer
+from mixprec.trainer import checkpoint as ckpt_io
+sys.path[:0] = {tests!r}
+from test_trainer_checkpoint import DropoutNet, loaders
+
+class CtrlC:
+    # pickled by torch.save while it writes the checkpoint: Ctrl-C lands in the write
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        return (collections.OrderedDict, ())
+
+class PressCtrlC(Callback):
+    # its state, saved in every checkpoint, presses Ctrl-C while the one of step `at` is written
+    def __init__(self, at):
+        self.at, self.trainer = at, None
+    def on_fit_start(self, trainer, model):
+        self.trainer = trainer
+    def state_dict(self):
+        return {{"ctrl_c": CtrlC()}} if self.trainer.global_step == self.at else {{"at": self.at}}
+
+class Logged(DropoutNet):
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+directory = {directory!r}
+last = os.path.join(directory, "last.ckpt")
+# a sweep: interrupted in the save of step 3, resumed from last.ckpt, interrupted in the save
+# of step 5, resumed and run to its end
+for at, resume in ((3, None), (5, last), (None, last)):
+    ckpt = ModelCheckpoint(dirpath=directory, monitor={monitor!r}, save_top_k=2, save_last=True,
+                           every_n_train_steps=1)
+    t = Trainer(max_steps=7, seed=7, logger=False, enable_progress_bar=False,
+                callbacks=[ckpt, PressCtrlC(at)])
+    try:
+        t.fit(Logged(0), loaders()[0], ckpt_path=resume)
+        how = "finished"
+    except KeyboardInterrupt:
+        how = "interrupted"
+    state = ckpt_io.load(last)
+    print(json.dumps(dict(how=how, step=t.global_step, files=sorted(os.listdir(directory)),
+                          last_step=state["loop"]["global_step"],
+                          recorded=state["callbacks"][ckpt.state_key])), flush=True)
+"""
+
+
+@pytest.mark.parametrize("monitor", [None, "train_loss"])
+def test_ctrl_c_inside_a_model_checkpoint_save_leaves_it_complete_and_recorded(tmp_path, monitor):
+    """Before: the interrupt came right after the file was written, so last.ckpt stayed a
+    step behind and the checkpoint the new one displaced stayed on disk, recorded nowhere;
+    each interrupted save left one file beyond save_top_k (and a resume wrote its step again
+    as ``-v1``)."""
+    import json
+
+    directory = tmp_path / "ck"
+    script = CTRL_C_IN_SAVES.format(
+        tests=SCRIPT_PATH,
+        directory=str(directory),
+        monitor=monitor,
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rounds = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["how"], r["step"]) for r in rounds] == [
+        ("interrupted", 3),
+        ("interrupted", 5),
+        ("finished", 7),
+    ]
+    for r in rounds:
+        assert r["last_step"] == r["step"]  # last.ckpt is the newest complete checkpoint
+        kept = [f for f in r["files"] if f != "last.ckpt"]
+        assert len(kept) <= 2 and not [f for f in kept if f.startswith(".")], r
+        named = r["recorded"]["best_k_models"] if monitor else r["recorded"]["saved"]
+        assert sorted(kept) == sorted(Path(p).name for p in named), r  # no file unrecorded
+        assert Path(r["recorded"]["last_model_path"]).name == "last.ckpt"
+    if monitor is None:  # the latest two
+        assert rounds[0]["files"] == ["epoch=0-step=2.ckpt", "epoch=0-step=3.ckpt", "last.ckpt"]
+        assert rounds[2]["files"] == ["epoch=0-step=6.ckpt", "epoch=0-step=7.ckpt", "last.ckpt"]
+
+
+def test_a_generator_in_a_batch_samplers_sampler_is_replayed_on_a_mid_epoch_resume(tmp_path):
+    """A DataLoader built with batch_sampler= keeps an unused SequentialSampler as .sampler;
+    the generator of the sampler really used was neither saved nor restored before, so a
+    resume in epoch 1 replayed epoch 0's order."""
+    from torch.utils.data import BatchSampler, RandomSampler
+
+    data = loaders()[0].dataset
+
+    def loader() -> DataLoader:
+        sampler = RandomSampler(data, generator=torch.Generator().manual_seed(3))
+        return DataLoader(data, batch_sampler=BatchSampler(sampler, 16, drop_last=False))
+
+    def fit(steps: int, ckpt_path: Path | None = None) -> Trainer:
+        t = Trainer(max_steps=steps, seed=0, enable_checkpointing=False, **SILENT)
+        t.fit(DropoutNet(0), loader(), ckpt_path=ckpt_path)  # 6 batches an epoch
+        return t
+
+    straight = fit(10)
+    path = fit(8).save_checkpoint(tmp_path / "mid.ckpt")  # epoch 1, batch 2
+    resumed = fit(10, path)
+    for (name, a), b in zip(
+        straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name

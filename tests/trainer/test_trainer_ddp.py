@@ -1,0 +1,212 @@
+"""DDP on gloo with two real processes: spawned by the Trainer, forked, and under torchrun.
+Every rank ends with the same parameters, equal to one process training on the global batch."""
+
+from __future__ import annotations
+
+import csv
+import functools
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from mixprec.trainer import Callback, Trainer, TrainingModule
+
+# what a script run in a subprocess imports from: this folder (the test module) and the
+# tests folder (the shared helpers)
+SCRIPT_PATH = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+
+pytestmark = pytest.mark.slow
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    return TensorDataset(x, 0.1 * (x @ torch.tensor([[1.0], [-1.0], [0.5], [2.0]])))
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+class DumpParams(Callback):
+    """Each rank saves its final parameters (and loss-scaler stats) to ``directory``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_fit_end(self, trainer, model):
+        stats = trainer.precision.scaler.stats()
+        torch.save(
+            {
+                "params": model.state_dict(),
+                "skipped": stats.skipped_steps,
+                "world": trainer.world_size,
+            },
+            self.directory / f"rank{trainer.strategy.global_rank}.pt",
+        )
+
+
+def ranks(directory: Path) -> list[dict]:
+    return [torch.load(directory / f"rank{r}.pt") for r in range(2)]
+
+
+def test_spawned_ddp_ranks_agree_and_match_one_process_on_the_global_batch(tmp_path):
+    """2 ranks x batch 8, 2 micro-batches per step, clipped: the same updates as one process
+    with batch 16 (DistributedSampler without shuffling gives rank r the samples r, r+2, ...)."""
+    sgd = functools.partial(torch.optim.SGD, lr=0.2)
+    ddp_model = model()
+    trainer = Trainer(
+        devices=2,
+        strategy="ddp",
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        callbacks=[DumpParams(tmp_path)],
+        log_every_n_steps=1,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+    )
+    trainer.fit(ddp_model, DataLoader(data(), batch_size=8), loss_fn=F.mse_loss, optimizer=sgd)
+    r0, r1 = ranks(tmp_path)
+    assert r0["world"] == r1["world"] == 2
+    for name, p in r0["params"].items():
+        assert torch.equal(p, r1["params"][name]), name
+        assert torch.equal(p, ddp_model.state_dict()[name])  # landed in the caller's model
+    assert trainer.global_step == 4 and trainer.current_epoch == 2
+
+    single = model()
+    one = Trainer(
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    one.fit(single, DataLoader(data(), batch_size=16), loss_fn=F.mse_loss, optimizer=sgd)
+    for name, p in single.state_dict().items():
+        assert torch.allclose(p, r0["params"][name], atol=1e-6), name
+
+    # only rank 0 wrote logs and checkpoints
+    runs = list((tmp_path / "logs").iterdir())
+    assert [r.name for r in runs] == ["version_0"]
+    rows = list(csv.DictReader(open(runs[0] / "metrics.csv")))
+    assert [int(r["step"]) for r in rows if r["loss"]] == [1, 2, 3, 4]
+    assert [p.name for p in (runs[0] / "checkpoints").iterdir()] == ["epoch=1-step=4.ckpt"]
+
+
+class Overflowing(TrainingModule):
+    """Rank 1 alone puts inf into its gradients on the second batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = model()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        out = self(batch[0])
+        if batch_idx == 1 and self.trainer.strategy.global_rank == 1:
+            out.register_hook(lambda g: g * float("inf"))
+        return F.mse_loss(out, batch[1])
+
+
+def test_forked_ddp_skips_the_same_steps_on_every_rank_under_float16(tmp_path):
+    trainer = Trainer(
+        precision="16-mixed",
+        devices=2,
+        strategy="ddp_fork",
+        max_steps=4,
+        callbacks=[DumpParams(tmp_path)],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        allow_slow_precision=True,
+    )
+    trainer.fit(Overflowing(), DataLoader(data(), batch_size=8, shuffle=True))
+    r0, r1 = ranks(tmp_path)
+    assert r0["skipped"] == r1["skipped"] == 1
+    for name, p in r0["params"].items():
+        assert torch.equal(p, r1["params"][name]), name
+        assert torch.isfinite(p).all()
+
+
+def test_lbfgs_under_ddp_keeps_the_ranks_together_and_matches_one_process(tmp_path):
+    """Each loss evaluation in LBFGS's closure all-reduces the gradients, and the closure
+    returns the loss averaged over the ranks: every rank takes the same decisions and steps
+    as one process on the global batch."""
+    lbfgs = functools.partial(torch.optim.LBFGS, lr=0.5, max_iter=5, history_size=4)
+    common = dict(max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    trainer = Trainer(devices=2, strategy="ddp_fork", callbacks=[DumpParams(tmp_path)], **common)
+    trainer.fit(model(), DataLoader(data(), batch_size=8), loss_fn=F.mse_loss, optimizer=lbfgs)
+    r0, r1 = ranks(tmp_path)
+    assert all(torch.equal(p, r1["params"][n]) for n, p in r0["params"].items())
+    assert trainer.global_step == 8
+
+    single = model()
+    one = Trainer(**common)
+    one.fit(single, DataLoader(data(), batch_size=16), loss_fn=F.mse_loss, optimizer=lbfgs)
+    for name, p in single.state_dict().items():
+        assert torch.allclose(p, r0["params"][name], atol=1e-5), name
+
+
+TORCHRUN_SCRIPT = """
+import sys
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+sys.path[:0] = {tests!r}
+from test_trainer_ddp import DumpParams, data, model
+from mixprec.trainer import Trainer
+from pathlib import Path
+
+if __name__ == "__main__":
+    out = Path({out!r})
+    trainer = Trainer(precision="bf16-mixed", strategy="ddp", devices=2, max_epochs=2,
+                      allow_slow_precision=True, callbacks=[DumpParams(out)],
+                      default_root_dir=out, enable_progress_bar=False)
+    trainer.fit(model(), DataLoader(data(), batch_size=8, shuffle=True), loss_fn=F.mse_loss)
+"""
+
+
+def test_torchrun_launched_ddp(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            TORCHRUN_SCRIPT.format(
+                tests=SCRIPT_PATH,
+                out=str(tmp_path),
+            )
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = ranks(tmp_path)
+    assert r0["world"] == r1["world"] == 2
+    assert all(torch.equal(p, r1["params"][n]) for n, p in r0["params"].items())
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["version_0"]

@@ -1,0 +1,259 @@
+"""A DDP rank that raises ends the whole run quickly: real gloo, two real processes.
+
+Before, the failing rank waited in a teardown barrier while the other waited in the gradient
+all-reduce, for gloo's 30-minute timeout, and the error was never shown. Each case runs in a
+subprocess with a deadline far below that; the parent must re-raise the first rank's own
+exception and leave no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from mixprec.trainer import Callback, TrainingModule
+
+# what a script run in a subprocess imports from: this folder (the test module) and the
+# tests folder (the shared helpers)
+SCRIPT_PATH = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc"),
+]
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True))
+
+
+class Boom(ValueError):
+    """The user's own error, raised on one rank only."""
+
+
+class FailsOnOneRank(TrainingModule):
+    def __init__(self, where: str, rank: int) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+        self.where, self.rank = where, rank
+
+    def forward(self, x):
+        return self.net(x)
+
+    def _maybe_fail(self, where: str, batch_idx: int = 1) -> None:
+        if where == self.where and batch_idx == 1:
+            if self.trainer.strategy.global_rank == self.rank:
+                raise Boom(f"user error in {where} on rank {self.rank}")
+
+    def on_fit_start(self):
+        self._maybe_fail("on_fit_start")
+
+    def training_step(self, batch, batch_idx):
+        self._maybe_fail("training_step", batch_idx)
+        return F.mse_loss(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self._maybe_fail("validation_step", batch_idx)
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+
+SCRIPT = """
+import sys, time
+sys.path[:0] = {tests!r}
+from torch.utils.data import DataLoader
+from test_trainer_ddp_failures import Boom, FailsOnOneRank, data
+from mixprec.trainer import Trainer
+
+if __name__ == "__main__":
+    trainer = Trainer(devices=2, strategy={strategy!r}, max_epochs=3, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False)
+    start = time.monotonic()
+    try:
+        trainer.fit(FailsOnOneRank({where!r}, {rank}), DataLoader(data(), batch_size=4),
+                    DataLoader(data(), batch_size=8))
+    except Boom as err:
+        print("CAUGHT", err, "|", " ".join(getattr(err, "__notes__", [])).replace("\\n", " "))
+        print("SECONDS", time.monotonic() - start)
+"""
+
+
+def leftover_processes(tag: str) -> list[int]:
+    """Processes still running with ``tag`` in their environment."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if tag.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_fork"])
+@pytest.mark.parametrize(
+    "where, rank",
+    [("training_step", 1), ("validation_step", 0), ("on_fit_start", 1)],
+)
+def test_one_failing_rank_ends_the_run_with_its_own_error(tmp_path, strategy, where, rank):
+    script = tmp_path / "run.py"
+    tests = SCRIPT_PATH
+    script.write_text(
+        textwrap.dedent(SCRIPT.format(tests=tests, strategy=strategy, where=where, rank=rank))
+    )
+    tag = f"MIXPREC_TEST_{uuid.uuid4().hex}"
+    env = {**os.environ, tag: "1", "OMP_NUM_THREADS": "1"}
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+        )
+    finally:
+        left = leftover_processes(tag)
+        for pid in left:
+            os.kill(pid, 9)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    caught = [line for line in proc.stdout.splitlines() if line.startswith("CAUGHT")]
+    assert caught, proc.stdout + proc.stderr[-3000:]
+    assert f"user error in {where} on rank {rank}" in caught[0]
+    assert f"rank {rank} of 2" in caught[0]  # the note says where it was raised
+    assert left == []
+
+
+class SkipsOnRankOne(TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 1 and self.trainer.strategy.global_rank == 1:
+            return None
+        return F.mse_loss(self(batch[0]), batch[1])
+
+
+SKIP_SCRIPT = """
+import sys
+sys.path[:0] = {tests!r}
+from torch.utils.data import DataLoader
+from test_trainer_ddp_failures import SkipsOnRankOne, data
+from mixprec.trainer import Trainer
+
+if __name__ == "__main__":
+    trainer = Trainer(devices=2, strategy="ddp_fork", max_epochs=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False)
+    try:
+        trainer.fit(SkipsOnRankOne(), DataLoader(data(), batch_size=4))
+    except RuntimeError as err:
+        print("CAUGHT", str(err).splitlines()[0])
+"""
+
+
+def test_a_batch_skipped_on_one_rank_is_a_clear_error_under_ddp(tmp_path):
+    script = tmp_path / "skip.py"
+    script.write_text(textwrap.dedent(SKIP_SCRIPT.format(tests=SCRIPT_PATH)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert "CAUGHT training_step returned None for batch 1 on rank 1: under DDP" in proc.stdout, (
+        proc.stdout + proc.stderr[-3000:]
+    )
+
+
+class WritesPid(Callback):
+    """Each rank writes its process id to ``rank<r>.pid`` in ``directory`` as training starts."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+
+    def on_train_start(self, trainer, model):
+        rank = trainer.strategy.global_rank
+        tmp = self.directory / f".rank{rank}.pid"
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, self.directory / f"rank{rank}.pid")
+
+
+LONG_FIT_SCRIPT = """
+import signal, sys
+sys.path[:0] = {tests!r}
+# started in the background by a shell script (`python train.py &`): SIGINT is ignored, in
+# the processes it launches too
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+from torch.utils.data import DataLoader
+from test_trainer_ddp_failures import FailsOnOneRank, WritesPid, data
+from mixprec.trainer import Trainer
+
+if __name__ == "__main__":
+    trainer = Trainer(devices=2, strategy={strategy!r}, max_epochs=1_000_000, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False,
+                      callbacks=[WritesPid({directory!r})])
+    trainer.fit(FailsOnOneRank("nowhere", 0), DataLoader(data(), batch_size=4))
+"""
+
+
+def state_of(pid: int) -> str:
+    """The process's state letter from /proc ("Z" for a zombie), or "gone"."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_fork"])
+def test_ranks_end_when_the_process_that_launched_them_is_killed(tmp_path, strategy):
+    """Before: SIGKILL the launcher of a 2-process fit and its ranks trained on for ever
+    (torch's parent-death signal is SIGINT, which a launcher started in the background
+    ignores, and its ranks with it)."""
+    script = tmp_path / "long_fit.py"
+    tests = SCRIPT_PATH
+    script.write_text(
+        textwrap.dedent(
+            LONG_FIT_SCRIPT.format(tests=tests, directory=str(tmp_path), strategy=strategy)
+        )
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(tmp_path / "stderr.txt", "w") as err:  # not a pipe: orphaned ranks would hold it
+        launcher = subprocess.Popen([sys.executable, str(script)], stderr=err, env=env)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        pid_files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+        while not all(f.exists() for f in pid_files):
+            assert launcher.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the ranks did not start training"
+            time.sleep(0.2)
+        ranks = [int(f.read_text()) for f in pid_files]
+        assert all(state_of(pid) not in ("gone", "Z") for pid in ranks)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        killed = time.monotonic()
+        while any(state_of(pid) not in ("gone", "Z") for pid in ranks):
+            running = {pid: state_of(pid) for pid in ranks}
+            assert time.monotonic() - killed < 15, f"ranks still running: {running}"
+            time.sleep(0.2)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for pid in ranks:
+            if state_of(pid) not in ("gone", "Z"):
+                os.kill(pid, signal.SIGKILL)
+    said = (tmp_path / "stderr.txt").read_text()
+    for rank in range(2):
+        assert f"the process that launched DDP rank {rank} (pid {launcher.pid}) is gone" in said

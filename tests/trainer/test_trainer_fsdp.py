@@ -1,0 +1,355 @@
+"""Trainer(strategy="fsdp") on gloo with two real processes, and the combinations it refuses.
+
+One group of two processes (started here, joined by the Trainer as a torchrun-launched one
+would be) runs every distributed scenario, since processes are costly on a shared 2-core host;
+one more test lets the Trainer spawn the processes itself."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from nets import BlockNet
+from spawning import WORLD, run_ranks
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from trainers import QUIET
+
+from mixprec import Precision
+from mixprec.errors import PrecisionError
+from mixprec.scaling import DynamicLossScaler
+from mixprec.trainer import Callback, Trainer, TrainingModule
+from mixprec.trainer.strategy import FSDP, FSDPStrategy
+
+# what a script run in a subprocess imports from: this folder (the test module) and the
+# tests folder (the shared helpers)
+SCRIPT_PATH = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+
+
+def data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    return TensorDataset(x, 0.1 * (x @ torch.tensor([[1.0], [-1.0], [0.5], [2.0]])))
+
+
+class Overflowing(TrainingModule):
+    """Rank 1 alone puts inf into its gradients on the second batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = BlockNet(tanh=True)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+    def training_step(self, batch, batch_idx):
+        out = self(batch[0])
+        if batch_idx == 1 and self.trainer.strategy.global_rank == 1:
+            out.register_hook(lambda g: g * float("inf"))
+        return F.mse_loss(out, batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Seen(Callback):
+    """What each rank's run looked like: parameter types and dtypes, skipped steps."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def on_fit_end(self, trainer, model):
+        params = list(model.parameters())
+        self.seen = {
+            "param_types": {type(p).__name__ for p in params},
+            "param_dtypes": {p.dtype for p in params},
+            "local_numel": sum(getattr(p, "_local_tensor", p).numel() for p in params),
+            "skipped": trainer.precision.scaler.stats().skipped_steps,
+            "global_step": trainer.global_step,
+        }
+
+
+adamw = functools.partial(torch.optim.AdamW, lr=0.02)
+
+
+def _fit(strategy: Any, precision: str, path: Path, **flags: Any) -> dict[str, Any]:
+    """A 2-epoch fit; its weights exported to ``path``."""
+    seen = Seen()
+    trainer = Trainer(
+        precision=precision,
+        strategy=strategy,
+        devices=WORLD,
+        max_epochs=2,
+        allow_slow_precision=True,
+        callbacks=[seen],
+        seed=0,
+        **QUIET,
+        **flags,
+    )
+    loader = DataLoader(data(), batch_size=8, shuffle=True)
+    trainer.fit(BlockNet(tanh=True), loader, loss_fn=F.mse_loss, optimizer=adamw)
+    trainer.save_full_state_dict(path)  # after the fit
+    return {**seen.seen, "summary": trainer.summary()}
+
+
+def _overflow() -> dict[str, Any]:
+    seen = Seen()
+    # a scale that overflows only where the inf is put (65536 overflows float16 here)
+    precision = Precision("16-mixed", scaler=DynamicLossScaler(init_scale=256.0), allow_slow=True)
+    trainer = Trainer(
+        precision=precision, strategy="fsdp", devices=WORLD, max_steps=4, seed=0,
+        allow_slow_precision=True, callbacks=[seen], **QUIET,
+    )  # fmt: skip
+    model = Overflowing()
+    trainer.fit(model, DataLoader(data(), batch_size=8))
+    # the model stays sharded in this process: validating reuses its units ...
+    [metrics] = trainer.validate(model, DataLoader(data(), batch_size=8))
+    # ... which another precision cannot
+    other = Trainer(precision="32-true", strategy="fsdp", devices=WORLD, max_steps=1, **QUIET)
+    try:
+        other.fit(model, DataLoader(data(), batch_size=8))
+        refusal = ""
+    except PrecisionError as err:
+        refusal = str(err)
+    return {**seen.seen, "val_loss": metrics["val_loss"], "refusal": refusal}
+
+
+def _worker(rank: int, out: str) -> None:
+    directory = Path(out)
+    step = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
+    synced = FSDP(sync_micro_batches=True)
+    results = {
+        "fsdp": _fit("fsdp", "bf16-mixed", directory / "fsdp.pt", **step),
+        "ddp": _fit("ddp", "bf16-mixed", directory / "ddp.pt", **step),
+        "synced": _fit(synced, "bf16-mixed", directory / "synced.pt", **step),
+        "overflow": _overflow(),
+        "int8": _fit("fsdp", "int8_from_bf16-mixed", directory / "int8.pt"),
+        "int8_ddp": _fit("ddp", "int8_from_bf16-mixed", directory / "int8_ddp.pt"),
+    }
+    torch.save(results, directory / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out: Path = tmp_path_factory.mktemp("fsdp")
+    run_ranks(_worker, str(out), nprocs=WORLD)
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_mixed_shards_float32_masters_and_ends_near_ddp(runs):
+    out, ranks = runs
+    for r in ranks:
+        seen = r["fsdp"]
+        assert seen["param_types"] == {"DTensor"} and seen["param_dtypes"] == {torch.float32}
+        assert seen["global_step"] == 4  # 2 epochs x 4 batches / 2 micro-batches per step
+        assert "x 2 (fsdp)" in r["fsdp"]["summary"]["device"]
+    n = sum(p.numel() for p in BlockNet(tanh=True).parameters())
+    assert ranks[0]["fsdp"]["local_numel"] + ranks[1]["fsdp"]["local_numel"] == n
+    assert ranks[0]["fsdp"]["local_numel"] < n  # each rank holds a shard only
+    fsdp, ddp = _weights(out / "fsdp.pt"), _weights(out / "ddp.pt")
+    start = BlockNet(tanh=True).state_dict()
+    assert fsdp.keys() == ddp.keys() == start.keys()
+    moved = max((fsdp[k] - start[k]).abs().max().item() for k in start)
+    assert moved > 0.02  # it trained
+    for k in start:
+        assert fsdp[k].dtype == torch.float32
+        torch.testing.assert_close(fsdp[k], ddp[k], atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_with_and_without_resharding_agree(runs):
+    out, _ = runs
+    unsharded, synced = _weights(out / "fsdp.pt"), _weights(out / "synced.pt")
+    for k, v in unsharded.items():
+        torch.testing.assert_close(v, synced[k], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_inf_on_one_rank_makes_both_skip_through_the_trainer(runs):
+    _, ranks = runs
+    for r in ranks:
+        assert r["overflow"]["skipped"] == 1
+        assert r["overflow"]["global_step"] == 4
+
+
+@pytest.mark.slow
+def test_a_sharded_model_is_reused_by_the_same_settings_and_refused_by_others(runs):
+    _, ranks = runs
+    for r in ranks:
+        assert 0 < r["overflow"]["val_loss"] < 10
+        assert "already sharded" in r["overflow"]["refusal"]
+
+
+@pytest.mark.slow
+def test_spawned_fsdp_returns_the_weights_to_the_callers_model(runs, tmp_path):
+    out, _ = runs
+    model = BlockNet(tanh=True)
+    trainer = Trainer(
+        precision="bf16-mixed",
+        strategy="fsdp",
+        devices=WORLD,
+        max_epochs=2,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        allow_slow_precision=True,
+        seed=0,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+    )
+    trainer.fit(model, DataLoader(data(), batch_size=8, shuffle=True), loss_fn=F.mse_loss,
+                optimizer=adamw)  # fmt: skip
+    assert trainer.global_step == 4 and trainer.current_epoch == 2
+    assert "fsdp" in trainer.summary()["device"]
+    same_run = _weights(out / "fsdp.pt")  # the same fit, in a joined group
+    for k, v in model.state_dict().items():  # the caller's model: plain float32, trained
+        assert type(v) is torch.Tensor and v.dtype == torch.float32
+        assert torch.equal(v, same_run[k]), k
+    exported = trainer.save_full_state_dict(tmp_path / "full.pt")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in _weights(exported).items())
+    [checkpoint] = (tmp_path / "logs" / "version_0" / "checkpoints").iterdir()
+    assert checkpoint.is_dir() and (checkpoint / ".metadata").is_file()  # sharded
+
+
+@pytest.mark.slow
+def test_fsdp_quantizes_an_int8_policy_and_ends_near_ddp(runs):
+    """strategy="fsdp" used to shard an int8 run as plain float layers."""
+    out, ranks = runs
+    for r in ranks:
+        seen = r["int8"]
+        assert seen["param_types"] == {"DTensor"} and seen["param_dtypes"] == {torch.float32}
+        assert seen["global_step"] == 8  # 2 epochs x 4 batches per rank
+    fsdp, ddp = _weights(out / "int8.pt"), _weights(out / "int8_ddp.pt")
+    assert fsdp.keys() == ddp.keys()
+    assert {"blocks.0.fc.qweight", "head.qweight", "inp.weight"} <= fsdp.keys()
+    assert "head.weight" not in fsdp  # quantized: 16 inputs; inp (4 inputs) stays float
+    for k, v in fsdp.items():
+        if v.dtype == torch.int8:
+            assert torch.equal(v, ddp[k]), k  # the int8 weights never train
+        else:
+            torch.testing.assert_close(v, ddp[k], atol=5e-3, rtol=5e-3, msg=k)
+
+
+@pytest.mark.slow
+def test_spawned_fsdp_hands_an_int8_run_back_to_the_callers_model_quantized(runs):
+    out, _ = runs
+    model = BlockNet(tanh=True)
+    trainer = Trainer(
+        precision="int8_from_bf16-mixed", strategy="fsdp", devices=WORLD, max_epochs=2,
+        allow_slow_precision=True, seed=0, **QUIET,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(data(), batch_size=8, shuffle=True), loss_fn=F.mse_loss,
+                optimizer=adamw)  # fmt: skip
+    assert type(model.head).__name__ == "Int8Linear" and type(model.inp) is nn.Linear
+    same_run = _weights(out / "int8.pt")  # the same fit, in a joined group
+    assert model.state_dict().keys() == same_run.keys()
+    for k, v in model.state_dict().items():
+        assert type(v) is torch.Tensor and torch.equal(v, same_run[k]), k
+
+
+# -- refusals (no processes needed) -----------------------------------------------------------
+
+
+def test_an_optimizer_built_before_sharding_is_refused_before_launching():
+    model = BlockNet(tanh=True)
+    trainer = Trainer(strategy="fsdp", devices=2, **QUIET)
+    with pytest.raises(ValueError, match="after sharding.*functools.partial"):
+        trainer.fit(model, DataLoader(data(), batch_size=8), loss_fn=F.mse_loss,
+                    optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # fmt: skip
+
+
+def test_an_optimizer_of_other_parameters_is_refused():
+    strategy = FSDPStrategy("cpu", [0, 1])
+    stale = torch.optim.SGD(BlockNet(tanh=True).parameters(), lr=0.1)
+    with pytest.raises(PrecisionError, match="built before sharding.*configure_optimizers"):
+        strategy.check_optimizers(BlockNet(tanh=True), [stale])
+
+
+@pytest.mark.parametrize(
+    "precision",
+    [
+        Precision("16-true", allow_slow=True),
+        Precision("bf16-true", allow_slow=True, master_weights=True),
+        Precision("bf16-true", allow_slow=True, compensation="kahan"),
+    ],
+    ids=["16-true", "bf16-true-masters", "bf16-true-kahan"],
+)
+def test_masters_beside_16_bit_shards_are_refused(precision):
+    with pytest.raises(PrecisionError, match="'\\*-mixed' policy"):
+        FSDPStrategy("cpu", [0, 1]).shard(BlockNet(tanh=True), precision)
+
+
+def test_bad_fsdp_settings_and_predict_are_refused():
+    with pytest.raises(ValueError, match="sync_micro_batches"):
+        FSDP(sync_micro_batches="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduce_dtype"):
+        FSDP(reduce_dtype=torch.int8)
+    with pytest.raises(ValueError, match="FSDP\\(\\.\\.\\.\\)"):
+        Trainer(strategy="fsdp2")
+    trainer = Trainer(strategy=FSDP(), devices=2, **QUIET)
+    assert trainer.strategy.name == "fsdp"
+    with pytest.raises(ValueError, match="predict runs on one device"):
+        trainer.predict(BlockNet(tanh=True), [torch.zeros(2, 4)])
+
+
+def test_export_after_a_single_device_fit_takes_the_float32_masters(tmp_path):
+    model = BlockNet(tanh=True)
+    trainer = Trainer(precision="16-true", max_steps=2, allow_slow_precision=True, **QUIET)
+    trainer.fit(model, DataLoader(data(), batch_size=8), loss_fn=F.mse_loss, optimizer=adamw)
+    [opt] = trainer.optimizers
+    masters = {n: opt.master_params[p] for n, p in model.named_parameters()}
+    exported = _weights(trainer.save_full_state_dict(tmp_path / "full.pt"))
+    assert all(v.dtype == torch.float32 for v in exported.values())
+    for name, master in masters.items():
+        assert torch.equal(exported[name], master), name
+    # the float16 weights are the masters rounded: the export keeps what they lose
+    assert any(not torch.equal(m, m.half().float()) for m in masters.values())
+
+
+TORCHRUN_SCRIPT = """
+import sys
+from pathlib import Path
+sys.path[:0] = {tests!r}
+from test_trainer_fsdp import _fit
+
+if __name__ == "__main__":
+    seen = _fit("fsdp", "bf16-mixed", Path({out!r}) / "torchrun.pt",
+                accumulate_grad_batches=2, gradient_clip_val=0.5)
+    assert seen["param_types"] == {{"DTensor"}} and seen["global_step"] == 4, seen
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_launched_fsdp_trains_as_the_joined_group_does(runs, tmp_path):
+    """`torchrun --standalone --nproc-per-node 2 train.py` with strategy="fsdp": the Trainer
+    joins torchrun's processes, and the fit equals the same fit in `runs`' group bit for
+    bit."""
+    out, _ = runs
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT.format(tests=SCRIPT_PATH, out=str(tmp_path)))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"  # as run_ranks' processes
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    proc = subprocess.run(
+        [*command, "--nproc-per-node", str(WORLD), str(script)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun, joined = _weights(tmp_path / "torchrun.pt"), _weights(out / "fsdp.pt")
+    assert torchrun.keys() == joined.keys()
+    for k, v in torchrun.items():
+        assert torch.equal(v, joined[k]), k
