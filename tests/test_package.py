@@ -100,6 +100,22 @@ def test_every_package_module_has_a_layer():
     assert not unknown, f"add {sorted(unknown)} to LAYERS (and to docs/architecture.md)"
 
 
+def test_the_tests_mirror_the_package():
+    """A folder of tests/ is named after a package of src/mixprec, and a test named after a
+    package lives in its folder: a module's tests are where the module is."""
+    tests = Path(__file__).parent
+    packages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith("__")}
+    assert folders <= packages, f"not a package of src/mixprec: {sorted(folders - packages)}"
+    misplaced = [
+        f"{p.relative_to(tests)} (belongs in tests/{package}/)"
+        for p in tests.rglob("test_*.py")
+        for package in [p.stem.removeprefix("test_").split("_")[0]]
+        if package in packages and p.parent.name != package
+    ]
+    assert not misplaced, "\n".join(misplaced)
+
+
 def test_imports_point_down_the_layers():
     wrong = []
     for module, path in _modules().items():
