@@ -77,7 +77,7 @@ def _write(
     """Write the float32 ``new`` into the flat parameter ``p`` as ``compensation`` says;
     the float32 result for ``"stochastic"`` (rounded by the caller), else None."""
     if compensation == "stochastic":
-        return new
+        return new.reshape(-1)
     if compensation == "kahan":
         assert buf is not None
         old = p.to(torch.float32)
@@ -88,6 +88,15 @@ def _write(
         return None
     p.copy_(new)
     return None
+
+
+def _blocks(x: torch.Tensor | None, fmt: StateFormat) -> torch.Tensor | None:
+    """A flat tensor as (blocks, block) for a low-bit format, so that the moments' blocks,
+    the parameter and its gradient share one iteration space (one fused loop); as it is
+    for float32."""
+    if x is None or not fmt.quantized:
+        return x
+    return x.view(-1, fmt.block)  # type: ignore[arg-type]
 
 
 def adam_update(
@@ -111,19 +120,15 @@ def adam_update(
     `ADAM_SCALARS`. Decoupled weight decay (AdamW) or L2 added to the gradient (Adam)."""
     fmt = StateFormat(kind, block)
     lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp.unbind()
+    p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
     p32 = p.to(torch.float32)
     g32 = g.to(torch.float32)
     if not decoupled:
         g32 = g32 + wd * p32
-    if fmt.quantized:
-        g32 = g32.view(-1, block)
     m1 = torch.lerp(_load(m, m_scales, tables[:3], fmt), g32, 1 - beta1)
     m2 = _load(v, v_scales, tables[3:], fmt) * beta2 + (1 - beta2) * g32 * g32
     _store(m1, m, m_scales, fmt, True, tables[:3])
     _store(m2, v, v_scales, fmt, False, tables[3:])
-    if fmt.quantized:
-        m1 = m1.reshape(-1)
-        m2 = m2.reshape(-1)
     update = step_size * m1 / (m2.sqrt() * inv_sqrt_bc2 + eps)
     new = p32 * (1 - lr * wd) - update if decoupled else p32 - update
     return _write(p, new, buf, compensation)
@@ -147,14 +152,12 @@ def sgd_update(
     first step, so that the buffer starts as the gradient, as torch's does)."""
     fmt = StateFormat(kind, block)
     lr, keep, gain, wd, momentum = hp.unbind()
+    p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
     p32 = p.to(torch.float32)
     d = g.to(torch.float32) + wd * p32
     if b is not None:
-        dp = d.view(-1, block) if fmt.quantized else d
-        mom = _load(b, b_scales, tables, fmt) * keep + gain * dp
+        mom = _load(b, b_scales, tables, fmt) * keep + gain * d
         _store(mom, b, b_scales, fmt, True, tables)
-        if fmt.quantized:
-            mom = mom.reshape(-1)
         d = d + momentum * mom if nesterov else mom
     return _write(p, p32 - lr * d, buf, compensation)
 
