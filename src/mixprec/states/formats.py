@@ -63,11 +63,13 @@ _ACCEPTED = (
 
 @dataclasses.dataclass(frozen=True)
 class StateFormat:
-    """One moment's storage: ``kind`` (one of `KINDS`) and, for the low-bit kinds, the
-    number of elements sharing a float32 scale (``block``; None for float32).
+    """One moment's storage. ``StateFormat("int8")`` takes the kind's default block;
+    ``str()`` gives the spec back (``"int8/block=128"`` where the block is not the default).
 
-    ``StateFormat("int8")`` takes the kind's default block; ``str()`` gives the spec back
-    (``"int8/block=128"`` where the block is not the default)."""
+    Attributes:
+        kind: ``"float32"``, ``"int8"``, ``"int4"`` or ``"fp8"``.
+        block: elements sharing one float32 scale (an even number; None for float32).
+    """
 
     kind: str
     block: int | None = None
