@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import torch
 
@@ -37,7 +36,6 @@ __all__ = [
     "DEFAULT_BLOCKS",
     "FP8_MAX",
     "KINDS",
-    "QUANTIZED_KINDS",
     "StateFormat",
     "code_map",
     "code_tables",
@@ -51,7 +49,6 @@ __all__ = [
 ]
 
 KINDS: tuple[str, ...] = ("float32", "int8", "int4", "fp8")
-QUANTIZED_KINDS: tuple[str, ...] = ("int8", "int4", "fp8")
 DEFAULT_BLOCKS: dict[str, int] = {"int8": 256, "int4": 128, "fp8": 256}
 # e4m3's largest finite value: a block's largest magnitude maps onto it
 FP8_MAX = 448.0
@@ -327,8 +324,3 @@ def moment_error(x: torch.Tensor, fmt: StateFormat | str, *, signed: bool | None
     if norm == 0:
         return 0.0
     return float(torch.linalg.vector_norm(back - x32) / norm)
-
-
-def describe(value: Any) -> str:
-    """A state format spec as a user wrote it, for messages."""
-    return repr(value) if isinstance(value, str) else str(value)

@@ -26,9 +26,7 @@ import torch
 from mixprec.states.formats import StateFormat, decode, encode
 
 __all__ = [
-    "ADAM_SCALARS",
     "run_compiled",
-    "SGD_SCALARS",
     "adam_update",
     "can_compile",
     "compiled",
@@ -37,10 +35,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# the layout of the hyperparameter tensor each kernel reads
-ADAM_SCALARS = ("lr", "beta1", "beta2", "eps", "weight_decay", "step_size", "inv_sqrt_bc2")
-SGD_SCALARS = ("lr", "keep", "gain", "weight_decay", "momentum")
 
 
 def _load(
@@ -114,10 +108,13 @@ def adam_update(
     decoupled: bool,
     compensation: str | None,
 ) -> torch.Tensor | None:
-    """One Adam/AdamW update of the flat parameter ``p`` with the flat gradient ``g``;
-    the moments as ``fmt`` keeps them (codes and scales, or float32 with no scales);
-    ``tables``: the first moment's `code_tables`, then the second's; ``hp``:
-    `ADAM_SCALARS`. Decoupled weight decay (AdamW) or L2 added to the gradient (Adam)."""
+    """One Adam/AdamW update of the flat parameter ``p`` (a whole number of blocks for a
+    low-bit format) with the flat gradient ``g``; the moments in the format ``kind`` and
+    ``block`` name (codes and scales, or float32 with no scales); ``tables``: the first
+    moment's `code_tables`, then the second's; ``hp``: float32 (lr, beta1, beta2, eps,
+    weight_decay, lr / (1 - beta1^step), (1 - beta2^step)^-1/2). Decoupled weight decay
+    (AdamW) or L2 added to the gradient (Adam). Returns the float32 result for stochastic
+    rounding, else None (``p`` written in place)."""
     fmt = StateFormat(kind, block)
     lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp.unbind()
     p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
@@ -148,8 +145,9 @@ def sgd_update(
     compensation: str | None,
 ) -> torch.Tensor | None:
     """One SGD update of the flat ``p``, with momentum buffer ``b`` (None without momentum)
-    kept as ``fmt`` says; ``hp``: `SGD_SCALARS` (``keep`` and ``gain`` are 0 and 1 on the
-    first step, so that the buffer starts as the gradient, as torch's does)."""
+    in the format ``kind`` and ``block`` name; ``hp``: float32 (lr, keep, gain,
+    weight_decay, momentum), ``keep`` and ``gain`` 0 and 1 on the first step, so that the
+    buffer starts as the gradient, as torch's does."""
     fmt = StateFormat(kind, block)
     lr, keep, gain, wd, momentum = hp.unbind()
     p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
