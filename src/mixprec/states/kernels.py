@@ -26,6 +26,7 @@ import torch
 from mixprec.states.formats import StateFormat, decode, encode
 
 __all__ = [
+    "RECOMPILE_LIMIT",
     "run_compiled",
     "adam_update",
     "can_compile",
@@ -35,6 +36,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+# the builds one update function may hold (formats x dtypes x compensations x size classes)
+RECOMPILE_LIMIT = 64
 
 
 def _load(
@@ -188,7 +192,11 @@ def run_compiled(algorithm: str, args: tuple) -> torch.Tensor | None:
     for t in args[:-5]:  # not hp and the constants after it
         if torch.is_tensor(t):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-    return compiled(algorithm)(*args)
+    # each format, dtype, compensation and size class (one block, several) is a build of
+    # the one function: more than torch's default of 8 builds per function in a model that
+    # mixes formats, past which the update would silently run uncompiled
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        return compiled(algorithm)(*args)
 
 
 def eager(algorithm: str) -> Callable[..., torch.Tensor | None]:
