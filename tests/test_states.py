@@ -491,11 +491,16 @@ def test_from_optimizer_keeps_groups_and_settings_and_quantizes_the_state():
     sgd = from_optimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9), compile=False)
     assert isinstance(sgd, LowBitSGD) and sgd.param_groups[0]["momentum"] == 0.9
     assert isinstance(from_optimizer(torch.optim.Adam(params)), LowBitAdam)
-    split = from_optimizer(torch.optim.AdamW(params), "int8", formats={params[3]: "int4"})
-    assert [(len(g["params"]), g["states"]) for g in split.param_groups] == [
-        (3, "int8"),
-        (1, "int4"),
-    ]
+    # one parameter's own format keeps the groups one to one (a scheduler can follow them)
+    torch_opt = torch.optim.AdamW(params, lr=1e-2)
+    schedule = torch.optim.lr_scheduler.StepLR(torch_opt, step_size=1, gamma=0.5)
+    own = from_optimizer(torch_opt, "int8", formats={params[3]: "int4"}, min_size=0)
+    assert [(len(g["params"]), g["states"]) for g in own.param_groups] == [(4, "int8")]
+    schedule.optimizer = own
+    _run(own, params, range(1))
+    schedule.step()
+    assert own.param_groups[0]["lr"] == 5e-3
+    assert [own.state[p]["format"] for p in params] == ["int8", "int8", "int8", "int4"]
 
 
 # -- which format, and why ------------------------------------------------------------------------

@@ -179,34 +179,18 @@ def from_optimizer(
     """The low-bit optimizer standing for the torch ``optimizer`` (AdamW, Adam or SGD):
     the same parameter groups and settings, its state moved over with every float32 moment
     stored in its parameter's format (quantized). ``formats`` gives some parameters their
-    own format (each group is split by format; the groups' other settings are kept);
-    ``kwargs`` go to the new optimizer (``min_size``, ``compensation``, ``compile``...).
-
-    Build learning-rate schedulers on the returned optimizer: one built on the old one
-    keeps stepping the old one's groups."""
+    own format (the optimizer's ``formats``: the groups stay one to one with the torch
+    optimizer's); ``kwargs`` go to the new optimizer (``min_size``, ``compensation``,
+    ``compile``...). A learning-rate scheduler built on the torch optimizer follows the new
+    one once re-pointed (``scheduler.optimizer = converted``)."""
     cls = _low_bit_class(optimizer)
     for flag, why in _REFUSED.items():
         if any(g.get(flag) for g in optimizer.param_groups):
             raise ValueError(f"{type(optimizer).__name__}({flag}=True) cannot be converted: {why}")
-    chosen = {id(p): parse_state_format(f) for p, f in (formats or {}).items()}
-    default = str(parse_state_format(states))
-    groups: list[dict[str, Any]] = []
-    for group in optimizer.param_groups:
-        settings = {
-            k: v for k, v in group.items() if k != "params" and k not in _REFUSED
-            and k not in _IMPLEMENTATION
-        }  # fmt: skip
-        split: dict[str, list[torch.Tensor]] = {}
-        for p in group["params"]:
-            spec = str(chosen[id(p)]) if id(p) in chosen else settings.get("states", default)
-            split.setdefault(spec, []).append(p)
-        groups += [{**settings, "params": ps, "states": s} for s, ps in split.items()]
-    defaults = {
-        k: v
-        for k, v in optimizer.defaults.items()
-        if k not in _REFUSED and k not in _IMPLEMENTATION
-    }
-    converted = cls(groups, **{**defaults, "states": states, **kwargs})
+    dropped = {*_REFUSED, *_IMPLEMENTATION}
+    groups = [{k: v for k, v in g.items() if k not in dropped} for g in optimizer.param_groups]
+    defaults = {k: v for k, v in optimizer.defaults.items() if k not in dropped}
+    converted = cls(groups, **{**defaults, "states": states, "formats": formats, **kwargs})
     for group in converted.param_groups:
         for p in group["params"]:
             old = optimizer.state.get(p)

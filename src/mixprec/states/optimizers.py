@@ -91,6 +91,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         compensation: str | None,
         compile: bool | None,
         seed: int,
+        formats: Mapping[torch.Tensor, str | StateFormat] | None = None,
     ) -> None:
         fmt = parse_state_format(states)
         if block_size is not None:
@@ -108,6 +109,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             raise TypeError(f"compile must be None, True or False, got {compile!r}")
         self.min_size = min_size
         self.keep_float32 = keep_float32
+        # formats of single parameters, consulted before their group's
+        self.formats = {p: parse_state_format(f) for p, f in (formats or {}).items()}
         self.compensation = check_compensation(compensation)
         self.compile = compile
         self._compile_failed: str | None = None
@@ -126,11 +129,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def format_of(self, p: torch.Tensor, group: Mapping[str, Any]) -> StateFormat:
         """The format ``p``'s moments take: its recorded one once stepped, else float32 when
-        small or picked by ``keep_float32``, else its group's ``"states"``."""
+        small or picked by ``keep_float32``, else its own in ``formats``, else its group's
+        ``"states"``."""
         state = self.state.get(p)
         if state and "format" in state:
             return parse_state_format(state["format"])
-        fmt = parse_state_format(group["states"])
+        fmt = self.formats.get(p) or parse_state_format(group["states"])
         # (a DTensor's whole size: every rank of a sharded parameter takes the same format)
         if p.numel() < self.min_size or (self.keep_float32 and self.keep_float32(p)):
             return StateFormat("float32")
@@ -472,6 +476,8 @@ class LowBitAdamW(LowBitOptimizer):
             Triton), and falls back to eager, warning once, if the build fails.
         seed: seeds the stochastic rounding's random generator (saved in `state_dict`).
         amsgrad: not supported (refused).
+        formats: single parameters' formats (parameter -> spec), before their group's;
+            ``min_size`` and ``keep_float32`` still keep theirs float32.
     """
 
     decoupled = True
@@ -492,6 +498,7 @@ class LowBitAdamW(LowBitOptimizer):
         compile: bool | None = None,
         seed: int = 0,
         amsgrad: bool = False,
+        formats: Mapping[torch.Tensor, str | StateFormat] | None = None,
     ) -> None:
         if amsgrad:
             raise ValueError(
@@ -517,6 +524,7 @@ class LowBitAdamW(LowBitOptimizer):
             compensation=compensation,
             compile=compile,
             seed=seed,
+            formats=formats,
         )
 
     def _step_param(
@@ -562,7 +570,8 @@ class LowBitAdam(LowBitAdamW):
 class LowBitSGD(LowBitOptimizer):
     """SGD with momentum (dampening, nesterov, L2 weight decay as torch's SGD) with its
     momentum buffer in a low-bit format; ``states``, ``block_size``, ``min_size``,
-    ``keep_float32``, ``compensation``, ``compile`` and ``seed`` as `LowBitAdamW`'s."""
+    ``keep_float32``, ``compensation``, ``compile``, ``seed`` and ``formats`` as
+    `LowBitAdamW`'s."""
 
     algorithm = "sgd"
 
@@ -582,6 +591,7 @@ class LowBitSGD(LowBitOptimizer):
         compensation: str | None = None,
         compile: bool | None = None,
         seed: int = 0,
+        formats: Mapping[torch.Tensor, str | StateFormat] | None = None,
     ) -> None:
         if not 0.0 <= float(lr):
             raise ValueError(f"invalid learning rate: {lr}")
@@ -605,6 +615,7 @@ class LowBitSGD(LowBitOptimizer):
             compensation=compensation,
             compile=compile,
             seed=seed,
+            formats=formats,
         )
 
     def _step_param(
