@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"dtypes", "compensated", "formats", "hardware.gemm_ratio"},
     {"policy.names"},
     {"policy"},
-    {"quantize"},
+    {"quantize", "states"},
     {"policy.map", "tree"},
     {"hardware"},
     {"convert", "scaling", "hardware.measuring"},
@@ -310,10 +310,15 @@ def test_the_doctor_loads_neither_the_trainer_nor_rich():
 def test_the_top_level_holds_the_daily_names_only():
     assert sorted(mixprec.__all__) == sorted(
         [
+            "AdamW4bit",
+            "AdamW8bit",
+            "AdamWFp8",
             "DynamicLossScaler",
             "LossScaleDivergedError",
             "LossScaleOptimizer",
             "LossScaler",
+            "LowBitAdamW",
+            "LowBitSGD",
             "NoLossScaler",
             "Policy",
             "PolicyMap",

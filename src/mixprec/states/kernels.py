@@ -1,0 +1,236 @@
+"""The per-tensor updates of the low-bit optimizers: one elementwise function per algorithm
+that decodes a parameter's moments, updates them and the parameter in float32, and encodes
+them again, all on the flattened tensor cut into blocks (no Python loop over blocks).
+
+The same function runs eagerly or compiled by ``torch.compile`` (shapes dynamic, so one
+build serves every parameter size; the hyperparameters arrive in one float32 tensor, so a
+learning-rate schedule changes values, not the compiled code). The format, the decay and
+the compensation are Python constants the build specializes on.
+
+16-bit parameters are updated in float32 and written back rounded to nearest, with a Kahan
+buffer (``"kahan"``: the buffer, in the parameter's dtype, holds what the last rounding
+lost and is added to the next update), or returned in float32 for stochastic rounding
+(``"stochastic"``, done by `mixprec.compensated.stochastic_round_` after the call).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import sys
+from collections.abc import Callable
+
+import torch
+
+from mixprec.states.formats import StateFormat, decode, encode
+
+__all__ = [
+    "RECOMPILE_LIMIT",
+    "run_compiled",
+    "adam_update",
+    "can_compile",
+    "compiled",
+    "eager",
+    "sgd_update",
+]
+
+log = logging.getLogger(__name__)
+
+# what an update returns: the float32 result for stochastic rounding (or None), and the
+# updated low-bit moments in float32
+Update = tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]
+# the builds one update function may hold (formats x dtypes x compensations x size classes)
+RECOMPILE_LIMIT = 64
+
+
+def _load(
+    state: torch.Tensor,
+    scales: torch.Tensor | None,
+    tables: tuple[torch.Tensor, ...],
+    fmt: StateFormat,
+) -> torch.Tensor:
+    """A moment in float32: (blocks, block) for a low-bit format, flat for float32."""
+    if scales is None:
+        return state
+    return decode(state, scales, fmt, tables)
+
+
+def _store(
+    value: torch.Tensor,
+    state: torch.Tensor,
+    scales: torch.Tensor | None,
+    fmt: StateFormat,
+    signed: bool,
+    tables: tuple[torch.Tensor, ...],
+) -> None:
+    if scales is None:
+        state.copy_(value)
+        return
+    codes, new_scales = encode(value, fmt, signed, tables)
+    state.copy_(codes)
+    scales.copy_(new_scales)
+
+
+def _write(
+    p: torch.Tensor, new: torch.Tensor, buf: torch.Tensor | None, compensation: str | None
+) -> torch.Tensor | None:
+    """Write the float32 ``new`` into the flat parameter ``p`` as ``compensation`` says;
+    the float32 result for ``"stochastic"`` (rounded by the caller), else None."""
+    if compensation == "stochastic":
+        return new.reshape(-1)
+    if compensation == "kahan":
+        assert buf is not None
+        old = p.to(torch.float32)
+        wanted = new - old + buf.to(torch.float32)
+        rounded = (old + wanted).to(p.dtype)
+        buf.copy_(wanted - (rounded.to(torch.float32) - old))
+        p.copy_(rounded)
+        return None
+    p.copy_(new)
+    return None
+
+
+def _kept(fmt: StateFormat, *moments: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The updated float32 moments of a low-bit format, returned by the update so that the
+    compiled code computes them once, kept in memory for the update of the parameter, rather
+    than decoding the old codes again in each loop that reads them (the requantization's
+    and the parameter's); nothing for float32 moments, which the state holds."""
+    return moments if fmt.quantized else ()
+
+
+def _blocks(x: torch.Tensor | None, fmt: StateFormat) -> torch.Tensor | None:
+    """A flat tensor as (blocks, block) for a low-bit format, so that the moments' blocks,
+    the parameter and its gradient share one iteration space (one fused loop); as it is
+    for float32."""
+    if x is None or not fmt.quantized:
+        return x
+    return x.view(-1, fmt.block)  # type: ignore[arg-type]
+
+
+def adam_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    m_scales: torch.Tensor | None,
+    v: torch.Tensor,
+    v_scales: torch.Tensor | None,
+    tables: tuple[torch.Tensor, ...],
+    buf: torch.Tensor | None,
+    hp: torch.Tensor,
+    kind: str,
+    block: int | None,
+    decoupled: bool,
+    compensation: str | None,
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+    """One Adam/AdamW update of the flat parameter ``p`` (a whole number of blocks for a
+    low-bit format) with the flat gradient ``g``; the moments in the format ``kind`` and
+    ``block`` name (codes and scales, or float32 with no scales); ``tables``: the first
+    moment's `code_tables`, then the second's; ``hp``: float32 (lr, beta1, beta2, eps,
+    weight_decay, lr / (1 - beta1^step), (1 - beta2^step)^-1/2). Decoupled weight decay
+    (AdamW) or L2 added to the gradient (Adam). Returns the float32 result for stochastic
+    rounding, else None (``p`` written in place), and the updated moments (`_kept`)."""
+    fmt = StateFormat(kind, block)
+    lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp.unbind()
+    p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
+    p32 = p.to(torch.float32)
+    g32 = g.to(torch.float32)
+    if not decoupled:
+        g32 = g32 + wd * p32
+    m1 = torch.lerp(_load(m, m_scales, tables[:3], fmt), g32, 1 - beta1)
+    m2 = _load(v, v_scales, tables[3:], fmt) * beta2 + (1 - beta2) * g32 * g32
+    _store(m1, m, m_scales, fmt, True, tables[:3])
+    _store(m2, v, v_scales, fmt, False, tables[3:])
+    update = step_size * m1 / (m2.sqrt() * inv_sqrt_bc2 + eps)
+    new = p32 * (1 - lr * wd) - update if decoupled else p32 - update
+    return _write(p, new, buf, compensation), _kept(fmt, m1, m2)
+
+
+def sgd_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor | None,
+    b_scales: torch.Tensor | None,
+    tables: tuple[torch.Tensor, ...],
+    buf: torch.Tensor | None,
+    hp: torch.Tensor,
+    kind: str,
+    block: int | None,
+    nesterov: bool,
+    compensation: str | None,
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+    """One SGD update of the flat ``p``, with momentum buffer ``b`` (None without momentum)
+    in the format ``kind`` and ``block`` name; ``hp``: float32 (lr, keep, gain,
+    weight_decay, momentum), ``keep`` and ``gain`` 0 and 1 on the first step, so that the
+    buffer starts as the gradient, as torch's does. Returns what `adam_update` returns."""
+    fmt = StateFormat(kind, block)
+    lr, keep, gain, wd, momentum = hp.unbind()
+    p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
+    p32 = p.to(torch.float32)
+    d = g.to(torch.float32) + wd * p32
+    kept: tuple[torch.Tensor, ...] = ()
+    if b is not None:
+        mom = _load(b, b_scales, tables, fmt) * keep + gain * d
+        _store(mom, b, b_scales, fmt, True, tables)
+        d = d + momentum * mom if nesterov else mom
+        kept = _kept(fmt, mom)
+    return _write(p, p32 - lr * d, buf, compensation), kept
+
+
+_KERNELS: dict[str, Callable[..., Update]] = {
+    "adam": adam_update,
+    "sgd": sgd_update,
+}
+_COMPILED: dict[str, Callable[..., Update]] = {}
+
+
+def compiled(algorithm: str) -> Callable[..., Update]:
+    """The torch.compile'd update of ``algorithm`` (``"adam"`` or ``"sgd"``), built on
+    first use; `run_compiled` calls it with dynamic sizes (one build per format, dtype and
+    compensation)."""
+    if algorithm not in _COMPILED:
+        log.info("compiling the low-bit %s update: the first call builds it", algorithm)
+        _COMPILED[algorithm] = torch.compile(
+            _KERNELS[algorithm],
+            fullgraph=True,
+            options={"emulate_precision_casts": True},
+        )
+    return _COMPILED[algorithm]
+
+
+def run_compiled(algorithm: str, args: tuple) -> Update:
+    """Call the compiled update of ``algorithm`` on ``args`` (those of `adam_update` or
+    `sgd_update`), the first dimension of every tensor but the tables and ``hp`` marked
+    dynamic: one build serves every size, while the block stays a constant of the code."""
+    for t in args[:-5]:  # not hp and the constants after it
+        if torch.is_tensor(t):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    # each format, dtype, compensation and size class (one block, several) is a build of
+    # the one function: more than torch's default of 8 builds per function in a model that
+    # mixes formats, past which the update would silently run uncompiled. And no automatic
+    # dynamic shapes: a second block size would make the block a symbol in every later build
+    # (vector loops of unknown length, several times slower), where each is a constant
+    with torch._dynamo.config.patch(
+        recompile_limit=RECOMPILE_LIMIT, automatic_dynamic_shapes=False
+    ):
+        return compiled(algorithm)(*args)
+
+
+def eager(algorithm: str) -> Callable[..., Update]:
+    """The update of ``algorithm`` run op by op (the compiled one's math)."""
+    return _KERNELS[algorithm]
+
+
+@functools.cache
+def can_compile(device: str) -> bool:
+    """Whether ``compile=None`` compiles on ``device``: a Linux CPU with a C++ compiler on
+    the PATH, or CUDA with Triton."""
+    if device == "cpu":
+        return sys.platform.startswith("linux") and any(
+            shutil.which(cxx) for cxx in ("c++", "g++", "clang++")
+        )
+    if device == "cuda":
+        from torch.utils._triton import has_triton
+
+        return has_triton()
+    return False
