@@ -88,7 +88,8 @@ ALL_SPECS = [
 
 
 # bf16-true without compensation warns that small updates round away: that is the advice
-# the spec gets (tests/compensated/test_compensated.py asserts it); this test is about the loss going down
+# the spec gets (tests/compensated/test_compensated.py asserts it); this test is about the
+# loss going down
 @pytest.mark.filterwarnings("ignore:Adam updates bfloat16 parameters in place")
 @pytest.mark.parametrize("spec", ALL_SPECS, ids=str)
 def test_every_precision_spec_fits_and_the_loss_goes_down(spec):
