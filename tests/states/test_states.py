@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -654,3 +655,14 @@ def test_float16_weights_under_a_loss_scale_optimizer_step_float32_masters():
     assert master.dtype == torch.float32 and inner.state[master]["format"] == "int8"
     assert not torch.equal(before, model.weight)
     assert torch.equal(model.weight, master.detach().half())
+
+
+def test_a_self_compensating_low_bit_optimizer_is_not_warned_about_under_the_wrapper():
+    """`LossScaleOptimizer` warns about 16-bit weights stepped without compensation; a
+    `LowBitAdamW(compensation="kahan")` compensates them itself, so only the plain one warns."""
+    model = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LossScaleOptimizer(LowBitAdamW(model.parameters(), compensation="kahan"))
+    with pytest.warns(UserWarning, match="without float32 master weights"):
+        LossScaleOptimizer(LowBitAdamW(model.parameters()))

@@ -62,6 +62,7 @@ from mixprec.optim.checkpoint import OptimizerCheckpoint
 from mixprec.optim.masters import MASTER_DTYPES, MasterWeights, master_weights_by_name
 from mixprec.policy import Policy
 from mixprec.scaling import LossScaler, as_loss_scaler, is_scaled
+from mixprec.states import LowBitOptimizer
 
 __all__ = [
     "LossScaleOptimizer",
@@ -600,7 +601,10 @@ def _warn_uncompensated(
     optimizer: torch.optim.Optimizer, master_dtypes: tuple[torch.dtype, ...]
 ) -> None:
     """One ``UserWarning`` when 16-bit trainable parameters are stepped in place, uncompensated:
-    an update below 2^-9 (bfloat16) or 2^-12 (float16) of a weight rounds away."""
+    an update below 2^-9 (bfloat16) or 2^-12 (float16) of a weight rounds away. A low-bit
+    states optimizer built with its own ``compensation=`` compensates them itself."""
+    if isinstance(optimizer, LowBitOptimizer) and optimizer.compensation is not None:
+        return
     plain = {
         str(p.dtype).removeprefix("torch.")
         for p in _trainable(optimizer)
