@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"policy_map", "tree"},
     {"hardware"},
     {"convert", "scaling"},
-    {"optim", "masters"},
+    {"optim", "masters", "states"},
     {"precision"},
     {"step"},
     {"sharding"},
@@ -282,10 +282,15 @@ def test_the_doctor_loads_neither_the_trainer_nor_rich():
 def test_the_top_level_holds_the_daily_names_only():
     assert sorted(mixprec.__all__) == sorted(
         [
+            "AdamW4bit",
+            "AdamW8bit",
+            "AdamWFp8",
             "DynamicLossScaler",
             "LossScaleDivergedError",
             "LossScaleOptimizer",
             "LossScaler",
+            "LowBitAdamW",
+            "LowBitSGD",
             "NoLossScaler",
             "Policy",
             "PolicyMap",

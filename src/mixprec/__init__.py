@@ -4,7 +4,8 @@ Precision policies per layer, loss scaling, a Trainer with a precision flag, the
 float32-vs-mixed benchmark, and a numerics doctor: one path for data, many front doors.
 
 The names a user types daily live here; helpers stay in their modules (`mixprec.hardware`,
-`mixprec.optim`, `mixprec.dtypes`, `mixprec.trainer`, `mixprec.doctor`, `mixprec.bench`).
+`mixprec.optim`, `mixprec.states`, `mixprec.dtypes`, `mixprec.trainer`, `mixprec.doctor`,
+`mixprec.bench`).
 The Trainer and the doctor load on first use, so `import mixprec` stays light (no rich, no
 Trainer).
 """
@@ -36,6 +37,7 @@ from mixprec.scaling import (
     NoLossScaler,
     StaticLossScaler,
 )
+from mixprec.states import AdamW4bit, AdamW8bit, AdamWFp8, LowBitAdamW, LowBitSGD
 from mixprec.version import __version__
 
 if TYPE_CHECKING:
@@ -52,10 +54,15 @@ _LAZY = {
 }
 
 __all__ = [
+    "AdamW4bit",
+    "AdamW8bit",
+    "AdamWFp8",
     "DynamicLossScaler",
     "LossScaleDivergedError",
     "LossScaleOptimizer",
     "LossScaler",
+    "LowBitAdamW",
+    "LowBitSGD",
     "NoLossScaler",
     "Policy",
     "PolicyMap",

@@ -1,0 +1,217 @@
+"""Which state format each parameter of a model gets, and why; optimizers built from a
+model or converted from a torch optimizer with those formats.
+
+An optimizer sees tensors, not modules: the choices that need the model (an embedding's
+table keeps float32 moments, as bitsandbytes advises for its ``StableEmbedding``; a rule
+naming parameters by path) are made here and handed to the optimizer as parameter groups,
+one per format (the group key ``"states"``).
+
+Precedence, first match wins: a parameter below ``min_size`` elements keeps float32 (the
+optimizer enforces it too); a rule (``re.fullmatch`` of a regex on the parameter's name,
+in the rules' order); an embedding's weight (float32); the default ``states``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.states.formats import StateFormat, parse_state_format
+from mixprec.states.optimizers import (
+    MIN_SIZE,
+    LowBitAdam,
+    LowBitAdamW,
+    LowBitOptimizer,
+    LowBitSGD,
+)
+
+__all__ = [
+    "Assignment",
+    "assign_formats",
+    "explain_formats",
+    "format_groups",
+    "from_model",
+    "from_optimizer",
+]
+
+Assignment = tuple[StateFormat, str]
+_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+# torch optimizer flags the low-bit step does not honour: (flag, what to do instead)
+_REFUSED = {
+    "amsgrad": "the low-bit step keeps no maximum of the second moment",
+    "maximize": "the low-bit step minimizes",
+    "capturable": "the low-bit step is not CUDA-graph capturable",
+    "differentiable": "the low-bit step is not differentiable",
+}
+# torch's implementation flags, dropped on conversion (they choose torch's kernels)
+_IMPLEMENTATION = ("foreach", "fused", "decoupled_weight_decay")
+
+
+def _named(
+    model_or_named: nn.Module | Iterable[tuple[str, torch.Tensor]],
+) -> tuple[list[tuple[str, torch.Tensor]], set[int]]:
+    """(name, parameter) pairs (trainable ones of a model) and the ids of embedding tables."""
+    if isinstance(model_or_named, nn.Module):
+        named = [(n, p) for n, p in model_or_named.named_parameters() if p.requires_grad]
+        tables = {id(m.weight) for m in model_or_named.modules() if isinstance(m, _EMBEDDINGS)}
+        return named, tables
+    named = list(model_or_named)
+    for item in named:
+        if not (isinstance(item, tuple) and len(item) == 2 and torch.is_tensor(item[1])):
+            raise TypeError(
+                "assign_formats takes a model or (name, parameter) pairs such as "
+                "model.named_parameters()"
+            )
+    return named, set()
+
+
+def assign_formats(
+    model_or_named: nn.Module | Iterable[tuple[str, torch.Tensor]],
+    states: str | StateFormat = "int8",
+    *,
+    rules: Mapping[str, str | StateFormat] | None = None,
+    min_size: int = MIN_SIZE,
+    embeddings_float32: bool = True,
+) -> dict[str, Assignment]:
+    """Each trainable parameter's name -> (its moments' `StateFormat`, why): ``"small:
+    1024 < 4096 elements"``, ``"rule 'head\\..*'"``, ``"embedding"`` or ``"default"``.
+
+    ``rules`` maps a regex on parameter names (``re.fullmatch``) to a format spec;
+    embedding tables (of ``nn.Embedding``/``nn.EmbeddingBag``, known only when a model is
+    given) keep float32 unless ``embeddings_float32=False``."""
+    default = parse_state_format(states)
+    compiled = [(re.compile(k), k, parse_state_format(v)) for k, v in (rules or {}).items()]
+    named, tables = _named(model_or_named)
+    out: dict[str, Assignment] = {}
+    for name, p in named:
+        n = p.numel()
+        rule = next(((key, fmt) for rx, key, fmt in compiled if rx.fullmatch(name)), None)
+        if n < min_size:
+            out[name] = (StateFormat("float32"), f"small: {n} < {min_size} elements")
+        elif rule is not None:
+            out[name] = (rule[1], f"rule {rule[0]!r}")
+        elif embeddings_float32 and id(p) in tables:
+            out[name] = (StateFormat("float32"), "embedding")
+        else:
+            out[name] = (default, "default")
+    return out
+
+
+def explain_formats(assignments: Mapping[str, Assignment]) -> str:
+    """A table, one line per parameter, of `assign_formats`' answer: name, format, why."""
+    if not assignments:
+        return "(no trainable parameters)"
+    width = max(len(n) for n in assignments)
+    kinds = max(len(str(f)) for f, _ in assignments.values())
+    return "\n".join(
+        f"{name:<{width}}  {str(fmt):<{kinds}}  {why}" for name, (fmt, why) in assignments.items()
+    )
+
+
+def format_groups(
+    model_or_named: nn.Module | Iterable[tuple[str, torch.Tensor]],
+    assignments: Mapping[str, Assignment],
+    **group: Any,
+) -> list[dict[str, Any]]:
+    """Parameter groups, one per format in ``assignments`` (in order of first use), each
+    with ``"states"`` set and the extra ``group`` settings (``lr=...``)."""
+    named, _ = _named(model_or_named)
+    groups: dict[str, dict[str, Any]] = {}
+    for name, p in named:
+        if name not in assignments:
+            continue
+        spec = str(assignments[name][0])
+        if spec not in groups:
+            groups[spec] = {"params": [], "states": spec, **group}
+        groups[spec]["params"].append(p)
+    return list(groups.values())
+
+
+def from_model(
+    model: nn.Module,
+    optimizer: type[LowBitOptimizer] = LowBitAdamW,
+    states: str | StateFormat = "int8",
+    *,
+    rules: Mapping[str, str | StateFormat] | None = None,
+    min_size: int = MIN_SIZE,
+    embeddings_float32: bool = True,
+    **kwargs: Any,
+) -> LowBitOptimizer:
+    """An ``optimizer`` (a low-bit class) of ``model``'s trainable parameters, grouped by
+    the formats `assign_formats` gives them; ``kwargs`` go to the optimizer (``lr=...``)."""
+    if not (isinstance(optimizer, type) and issubclass(optimizer, LowBitOptimizer)):
+        raise TypeError(
+            f"optimizer must be a low-bit optimizer class (LowBitAdamW, LowBitAdam, "
+            f"LowBitSGD), got {optimizer!r}"
+        )
+    assignments = assign_formats(
+        model, states, rules=rules, min_size=min_size, embeddings_float32=embeddings_float32
+    )
+    groups = format_groups(model, assignments)
+    return optimizer(groups, states=states, min_size=min_size, **kwargs)
+
+
+def _low_bit_class(optimizer: torch.optim.Optimizer) -> type[LowBitOptimizer]:
+    if isinstance(optimizer, LowBitOptimizer):
+        raise TypeError(f"{type(optimizer).__name__} is already a low-bit optimizer")
+    kind = type(optimizer)
+    if kind is torch.optim.AdamW:
+        return LowBitAdamW
+    if kind is torch.optim.Adam:
+        if optimizer.defaults.get("decoupled_weight_decay"):
+            return LowBitAdamW
+        return LowBitAdam
+    if kind is torch.optim.SGD:
+        return LowBitSGD
+    raise TypeError(f"from_optimizer converts torch.optim.AdamW, Adam and SGD, got {kind.__name__}")
+
+
+def from_optimizer(
+    optimizer: torch.optim.Optimizer,
+    states: str | StateFormat = "int8",
+    formats: Mapping[torch.Tensor, str | StateFormat] | None = None,
+    **kwargs: Any,
+) -> LowBitOptimizer:
+    """The low-bit optimizer standing for the torch ``optimizer`` (AdamW, Adam or SGD):
+    the same parameter groups and settings, its state moved over with every float32 moment
+    stored in its parameter's format (quantized). ``formats`` gives some parameters their
+    own format (each group is split by format; the groups' other settings are kept);
+    ``kwargs`` go to the new optimizer (``min_size``, ``compensation``, ``compile``...).
+
+    Build learning-rate schedulers on the returned optimizer: one built on the old one
+    keeps stepping the old one's groups."""
+    cls = _low_bit_class(optimizer)
+    for flag, why in _REFUSED.items():
+        if any(g.get(flag) for g in optimizer.param_groups):
+            raise ValueError(f"{type(optimizer).__name__}({flag}=True) cannot be converted: {why}")
+    chosen = {id(p): parse_state_format(f) for p, f in (formats or {}).items()}
+    default = str(parse_state_format(states))
+    groups: list[dict[str, Any]] = []
+    for group in optimizer.param_groups:
+        settings = {
+            k: v for k, v in group.items() if k != "params" and k not in _REFUSED
+            and k not in _IMPLEMENTATION
+        }  # fmt: skip
+        split: dict[str, list[torch.Tensor]] = {}
+        for p in group["params"]:
+            spec = str(chosen[id(p)]) if id(p) in chosen else settings.get("states", default)
+            split.setdefault(spec, []).append(p)
+        groups += [{**settings, "params": ps, "states": s} for s, ps in split.items()]
+    defaults = {
+        k: v
+        for k, v in optimizer.defaults.items()
+        if k not in _REFUSED and k not in _IMPLEMENTATION
+    }
+    converted = cls(groups, **{**defaults, "states": states, **kwargs})
+    for group in converted.param_groups:
+        for p in group["params"]:
+            old = optimizer.state.get(p)
+            if old:
+                state = {k: v for k, v in old.items()}
+                converted.state[p] = state
+                converted.adopt(p, state, group)
+    return converted

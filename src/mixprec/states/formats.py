@@ -1,0 +1,275 @@
+"""State formats: how an optimizer keeps one moment of one parameter.
+
+``float32`` keeps it as torch does. The low-bit formats split the flattened moment into
+blocks of ``block`` elements, keep one float32 scale per block (its largest magnitude) and
+one code per element:
+
+- ``int8`` (block 256): an 8-bit index into a dynamic code map, the nearest of its 256
+  values to the element divided by its block's scale. The maps are the dynamic tree maps of
+  block-wise 8-bit optimizers (Dettmers et al., arXiv 2110.02861): a sign (signed map, for
+  the first moment), a run of zero bits giving the decade, an indicator bit, the remaining
+  bits a linear fraction of the decade; the unsigned map (second moment) spends the sign
+  bit on one more fraction bit.
+- ``int4`` (block 128): a 4-bit index, two packed per byte. The first moment takes the
+  signed dynamic map with 3 exponent bits; the second moment a linear map with no zero,
+  1/16 .. 16/16, as the 4-bit optimizer study (Li et al., arXiv 2309.01507) advises: a
+  second moment rounded to zero turns its update ``m / sqrt(v)`` into a huge step.
+- ``fp8`` (block 256): float8 e4m3 codes of the element divided by its block's scale (the
+  block's largest magnitude over 448, e4m3's largest finite value).
+
+The padded tail of the last block is stored, so a moment of ``n`` elements takes
+``ceil(n / block)`` scales and ``ceil(n / block) * block`` codes (half as many bytes for
+``int4``): `StateFormat.bytes` counts them exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DEFAULT_BLOCKS",
+    "FP8_MAX",
+    "Codec",
+    "KINDS",
+    "QUANTIZED_KINDS",
+    "StateFormat",
+    "code_map",
+    "decode",
+    "dequantize",
+    "encode",
+    "moment_error",
+    "parse_state_format",
+    "quantize",
+]
+
+KINDS: tuple[str, ...] = ("float32", "int8", "int4", "fp8")
+QUANTIZED_KINDS: tuple[str, ...] = ("int8", "int4", "fp8")
+DEFAULT_BLOCKS: dict[str, int] = {"int8": 256, "int4": 128, "fp8": 256}
+# e4m3's largest finite value: a block's largest magnitude maps onto it
+FP8_MAX = 448.0
+_ACCEPTED = (
+    "'float32', 'int8', 'int4' or 'fp8', optionally with a block size "
+    "('int8/block=128'; defaults: int8 256, int4 128, fp8 256)"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateFormat:
+    """One moment's storage: ``kind`` (one of `KINDS`) and, for the low-bit kinds, the
+    number of elements sharing a float32 scale (``block``; None for float32).
+
+    ``StateFormat("int8")`` takes the kind's default block; ``str()`` gives the spec back
+    (``"int8/block=128"`` where the block is not the default)."""
+
+    kind: str
+    block: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown state format {self.kind!r}: expected {_ACCEPTED}")
+        if self.kind == "float32":
+            if self.block is not None:
+                raise ValueError("a float32 state has no blocks: drop the block size")
+            return
+        if self.block is None:
+            object.__setattr__(self, "block", DEFAULT_BLOCKS[self.kind])
+        block = self.block
+        if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block % 2:
+            raise ValueError(
+                f"the block size of a {self.kind} state must be an even integer >= 2, got {block!r}"
+            )
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the moment is stored in blocks of low-bit codes."""
+        return self.kind != "float32"
+
+    def blocks(self, numel: int) -> int:
+        """The number of blocks (and float32 scales) of a moment of ``numel`` elements."""
+        return -(-numel // self.block) if self.block else 0
+
+    def code_bytes(self, numel: int) -> int:
+        """Bytes of the codes of a moment of ``numel`` elements (padded to whole blocks)."""
+        if not self.quantized:
+            return 4 * numel
+        padded = self.blocks(numel) * self.block
+        return padded // 2 if self.kind == "int4" else padded
+
+    def bytes(self, numel: int) -> int:
+        """Exact bytes one moment of ``numel`` elements takes: codes and float32 scales."""
+        return self.code_bytes(numel) + 4 * self.blocks(numel)
+
+    def __str__(self) -> str:
+        if self.quantized and self.block != DEFAULT_BLOCKS[self.kind]:
+            return f"{self.kind}/block={self.block}"
+        return self.kind
+
+
+def parse_state_format(spec: str | StateFormat) -> StateFormat:
+    """The `StateFormat` a spec names: ``"float32"``, ``"int8"``, ``"int4"``, ``"fp8"``,
+    each low-bit kind optionally with ``/block=N``; a `StateFormat` is returned as is."""
+    if isinstance(spec, StateFormat):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(
+            f"a state format is a string or a StateFormat, got {type(spec).__name__}: "
+            f"expected {_ACCEPTED}"
+        )
+    kind, _, options = spec.strip().lower().partition("/")
+    if kind not in KINDS:
+        raise ValueError(f"unknown state format {spec!r}: expected {_ACCEPTED}")
+    if not options:
+        return StateFormat(kind)
+    name, eq, value = options.partition("=")
+    if name.strip() != "block" or not eq or not value.strip().isdigit():
+        raise ValueError(
+            f"state format {spec!r}: the only option is 'block=N' (an even number of "
+            f"elements per scale), as in 'int8/block=128'"
+        )
+    return StateFormat(kind, int(value))
+
+
+def _dynamic_map(bits: int, signed: bool, exponent_bits: int) -> list[float]:
+    """The dynamic tree code map: for each decade ``10^-e`` (``e`` from ``exponent_bits - 1``
+    down to 0) the midpoints of an even split of [0.1, 1] times the decade, into as many
+    parts as the fraction bits left after the decade's marker give; then 0 and 1 (and the
+    negatives of the decades' values when ``signed``). ``2^bits`` values."""
+    free = bits - 1  # the bits after the sign (an unsigned map uses it as a fraction bit)
+    values = [0.0, 1.0]
+    for i in range(exponent_bits):
+        parts = 2 ** (i + free - exponent_bits + (0 if signed else 1))
+        decade = 10.0 ** (i - exponent_bits + 1)
+        for j in range(parts):
+            low = 0.1 + 0.9 * j / parts
+            high = 0.1 + 0.9 * (j + 1) / parts
+            mid = decade * (low + high) / 2
+            values += [mid, -mid] if signed else [mid]
+    assert len(values) == 2**bits, (bits, signed, len(values))
+    return sorted(values)
+
+
+def code_map(kind: str, signed: bool) -> torch.Tensor:
+    """The sorted float32 values the codes of ``kind`` (``"int8"``/``"int4"``) index: a
+    code is its value's position. ``signed`` for the first moment (and SGD's momentum),
+    unsigned for the second moment."""
+    if kind == "int8":
+        values = _dynamic_map(8, signed, 7)
+    elif kind == "int4":
+        values = _dynamic_map(4, True, 3) if signed else [k / 16 for k in range(1, 17)]
+    else:
+        raise ValueError(f"{kind!r} has no code map: only 'int8' and 'int4' states do")
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def _midpoints(table: torch.Tensor) -> torch.Tensor:
+    """The boundaries between neighbouring values of a sorted code map: ``bucketize``
+    against them gives each input its nearest value's code."""
+    return (table[1:] + table[:-1]) / 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """How one moment's blocks turn into codes and back: the format and the map's sign."""
+
+    fmt: StateFormat
+    signed: bool
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(code values, boundaries between them) on ``device``; two empty tensors for fp8."""
+        if self.fmt.kind == "fp8":
+            empty = torch.empty(0, device=device)
+            return empty, empty
+        table = code_map(self.fmt.kind, self.signed).to(device)
+        return table, _midpoints(table)
+
+
+def encode(
+    x: torch.Tensor, fmt: StateFormat, boundaries: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of ``x``, float32 of shape (blocks, block): one float32 scale per
+    block, uint8 codes (int4: two per byte, the first in the low half) or float8 e4m3."""
+    absmax = x.abs().amax(dim=1)
+    if fmt.kind == "fp8":
+        scales = absmax / FP8_MAX
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        return (x / safe[:, None]).to(torch.float8_e4m3fn).reshape(-1), scales
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    codes = torch.bucketize(x / safe[:, None], boundaries, out_int32=True).reshape(-1)
+    if fmt.kind == "int4":
+        pairs = codes.view(-1, 2)
+        codes = pairs[:, 0] | (pairs[:, 1] << 4)
+    return codes.to(torch.uint8), absmax
+
+
+def decode(
+    codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat, table: torch.Tensor
+) -> torch.Tensor:
+    """The float32 blocks, shape (blocks, block), that ``codes`` and ``scales`` stand for."""
+    if fmt.kind == "fp8":
+        values = codes.to(torch.float32).view(-1, fmt.block)
+    else:
+        index = codes.to(torch.int32)
+        if fmt.kind == "int4":
+            index = torch.stack([index & 15, index >> 4], dim=-1)
+        values = table[index.reshape(-1, fmt.block)]
+    return values * scales[:, None]
+
+
+def _blocked(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """``x`` flattened in float32, zero-padded to whole blocks, shape (blocks, block)."""
+    flat = x.reshape(-1).to(torch.float32)
+    pad = fmt.blocks(flat.numel()) * fmt.block - flat.numel()
+    return torch.nn.functional.pad(flat, (0, pad)).view(-1, fmt.block)
+
+
+def quantize(
+    x: torch.Tensor, fmt: StateFormat | str, *, signed: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, float32 scales) of the tensor ``x`` in the low-bit format ``fmt``; ``signed``
+    picks the first moment's map (False: the second moment's, for values >= 0)."""
+    fmt = parse_state_format(fmt)
+    if not fmt.quantized:
+        raise ValueError("quantize takes a low-bit format ('int8', 'int4' or 'fp8')")
+    _, boundaries = Codec(fmt, signed).tables(x.device)
+    return encode(_blocked(x, fmt), fmt, boundaries)
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: StateFormat | str,
+    shape: torch.Size | tuple[int, ...],
+    *,
+    signed: bool = True,
+) -> torch.Tensor:
+    """The float32 tensor of ``shape`` that `quantize` turned into ``codes`` and ``scales``."""
+    fmt = parse_state_format(fmt)
+    table, _ = Codec(fmt, signed).tables(codes.device)
+    numel = math.prod(shape)
+    return decode(codes, scales, fmt, table).reshape(-1)[:numel].view(shape)
+
+
+def moment_error(x: torch.Tensor, fmt: StateFormat | str, *, signed: bool | None = None) -> float:
+    """Relative error of ``x`` stored in ``fmt``: ``||dequantize(quantize(x)) - x|| /
+    ||x||`` (0 for float32 and for a zero tensor). ``signed`` defaults to whether ``x`` has a
+    negative element (a first moment) or not (a second moment)."""
+    fmt = parse_state_format(fmt)
+    if not fmt.quantized:
+        return 0.0
+    if signed is None:
+        signed = bool((x < 0).any())
+    x32 = x.detach().to(torch.float32)
+    back = dequantize(*quantize(x32, fmt, signed=signed), fmt, x32.shape, signed=signed)
+    norm = torch.linalg.vector_norm(x32)
+    if norm == 0:
+        return 0.0
+    return float(torch.linalg.vector_norm(back - x32) / norm)
+
+
+def describe(value: Any) -> str:
+    """A state format spec as a user wrote it, for messages."""
+    return repr(value) if isinstance(value, str) else str(value)

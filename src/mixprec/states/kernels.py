@@ -1,0 +1,209 @@
+"""The per-tensor updates of the low-bit optimizers: one elementwise function per algorithm
+that decodes a parameter's moments, updates them and the parameter in float32, and encodes
+them again, all on the flattened tensor cut into blocks (no Python loop over blocks).
+
+The same function runs eagerly or compiled by ``torch.compile`` (shapes dynamic, so one
+build serves every parameter size; the hyperparameters arrive in one float32 tensor, so a
+learning-rate schedule changes values, not the compiled code). The format, the decay and
+the compensation are Python constants the build specializes on.
+
+16-bit parameters are updated in float32 and written back rounded to nearest, with a Kahan
+buffer (``"kahan"``: the buffer, in the parameter's dtype, holds what the last rounding
+lost and is added to the next update), or returned in float32 for stochastic rounding
+(``"stochastic"``, done by `mixprec.compensated.stochastic_round_` after the call).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mixprec.states.formats import StateFormat, decode, encode
+
+__all__ = [
+    "ADAM_SCALARS",
+    "SGD_SCALARS",
+    "adam_update",
+    "can_compile",
+    "compiled",
+    "eager",
+    "sgd_update",
+]
+
+log = logging.getLogger(__name__)
+
+# the layout of the hyperparameter tensor each kernel reads
+ADAM_SCALARS = ("lr", "beta1", "beta2", "eps", "weight_decay", "step_size", "inv_sqrt_bc2")
+SGD_SCALARS = ("lr", "keep", "gain", "weight_decay", "momentum")
+
+
+def _load(
+    state: torch.Tensor,
+    scales: torch.Tensor | None,
+    table: torch.Tensor | None,
+    fmt: StateFormat,
+) -> torch.Tensor:
+    """A moment in float32: (blocks, block) for a low-bit format, flat for float32."""
+    if scales is None:
+        return state
+    return decode(state, scales, fmt, table)  # type: ignore[arg-type]
+
+
+def _store(
+    value: torch.Tensor,
+    state: torch.Tensor,
+    scales: torch.Tensor | None,
+    boundaries: torch.Tensor | None,
+    fmt: StateFormat,
+) -> None:
+    if scales is None:
+        state.copy_(value)
+        return
+    codes, new_scales = encode(value, fmt, boundaries)  # type: ignore[arg-type]
+    state.copy_(codes)
+    scales.copy_(new_scales)
+
+
+def _write(
+    p: torch.Tensor, new: torch.Tensor, buf: torch.Tensor | None, compensation: str | None
+) -> torch.Tensor | None:
+    """Write the float32 ``new`` into the flat parameter ``p`` as ``compensation`` says;
+    the float32 result for ``"stochastic"`` (rounded by the caller), else None."""
+    if compensation == "stochastic":
+        return new
+    if compensation == "kahan":
+        assert buf is not None
+        old = p.to(torch.float32)
+        wanted = new - old + buf.to(torch.float32)
+        rounded = (old + wanted).to(p.dtype)
+        buf.copy_(wanted - (rounded.to(torch.float32) - old))
+        p.copy_(rounded)
+        return None
+    p.copy_(new)
+    return None
+
+
+def _padded(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
+    """Flat float32 ``x`` zero-padded to whole blocks, shape (blocks, block)."""
+    pad = fmt.blocks(x.numel()) * fmt.block - x.numel()  # type: ignore[operator]
+    return F.pad(x, (0, pad)).view(-1, fmt.block)  # type: ignore[arg-type]
+
+
+def adam_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    m_scales: torch.Tensor | None,
+    v: torch.Tensor,
+    v_scales: torch.Tensor | None,
+    tables: tuple[torch.Tensor, ...],
+    buf: torch.Tensor | None,
+    hp: torch.Tensor,
+    kind: str,
+    block: int | None,
+    decoupled: bool,
+    compensation: str | None,
+) -> torch.Tensor | None:
+    """One Adam/AdamW update of the flat parameter ``p`` with the flat gradient ``g``;
+    the moments as ``fmt`` keeps them (codes and scales, or float32 with no scales);
+    ``tables``: the first moment's code values and boundaries, then the second's; ``hp``:
+    `ADAM_SCALARS`. Decoupled weight decay (AdamW) or L2 added to the gradient (Adam)."""
+    fmt = StateFormat(kind, block)
+    lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp.unbind()
+    n = p.numel()
+    p32 = p.to(torch.float32)
+    g32 = g.to(torch.float32)
+    if not decoupled:
+        g32 = g32 + wd * p32
+    t = tables if fmt.quantized else (None, None, None, None)
+    if fmt.quantized:
+        g32 = _padded(g32, fmt)
+    m1 = torch.lerp(_load(m, m_scales, t[0], fmt), g32, 1 - beta1)
+    m2 = _load(v, v_scales, t[2], fmt) * beta2 + (1 - beta2) * g32 * g32
+    _store(m1, m, m_scales, t[1], fmt)
+    _store(m2, v, v_scales, t[3], fmt)
+    if fmt.quantized:
+        m1 = m1.reshape(-1)[:n]
+        m2 = m2.reshape(-1)[:n]
+    update = step_size * m1 / (m2.sqrt() * inv_sqrt_bc2 + eps)
+    new = p32 * (1 - lr * wd) - update if decoupled else p32 - update
+    return _write(p, new, buf, compensation)
+
+
+def sgd_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    b: torch.Tensor | None,
+    b_scales: torch.Tensor | None,
+    tables: tuple[torch.Tensor, ...],
+    buf: torch.Tensor | None,
+    hp: torch.Tensor,
+    kind: str,
+    block: int | None,
+    nesterov: bool,
+    compensation: str | None,
+) -> torch.Tensor | None:
+    """One SGD update of the flat ``p``, with momentum buffer ``b`` (None without momentum)
+    kept as ``fmt`` says; ``hp``: `SGD_SCALARS` (``keep`` and ``gain`` are 0 and 1 on the
+    first step, so that the buffer starts as the gradient, as torch's does)."""
+    fmt = StateFormat(kind, block)
+    lr, keep, gain, wd, momentum = hp.unbind()
+    n = p.numel()
+    p32 = p.to(torch.float32)
+    d = g.to(torch.float32) + wd * p32
+    if b is not None:
+        dp = _padded(d, fmt) if fmt.quantized else d
+        t = tables if fmt.quantized else (None, None)
+        mom = _load(b, b_scales, t[0], fmt) * keep + gain * dp
+        _store(mom, b, b_scales, t[1], fmt)
+        if fmt.quantized:
+            mom = mom.reshape(-1)[:n]
+        d = d + momentum * mom if nesterov else mom
+    return _write(p, p32 - lr * d, buf, compensation)
+
+
+_KERNELS: dict[str, Callable[..., torch.Tensor | None]] = {
+    "adam": adam_update,
+    "sgd": sgd_update,
+}
+_COMPILED: dict[str, Callable[..., torch.Tensor | None]] = {}
+
+
+def compiled(algorithm: str) -> Callable[..., torch.Tensor | None]:
+    """The torch.compile'd update of ``algorithm`` (``"adam"`` or ``"sgd"``), built on
+    first use: shapes dynamic, one build per format, dtype and compensation."""
+    if algorithm not in _COMPILED:
+        log.info("compiling the low-bit %s update: the first call builds it", algorithm)
+        _COMPILED[algorithm] = torch.compile(
+            _KERNELS[algorithm],
+            dynamic=True,
+            fullgraph=True,
+            options={"emulate_precision_casts": True},
+        )
+    return _COMPILED[algorithm]
+
+
+def eager(algorithm: str) -> Callable[..., torch.Tensor | None]:
+    """The update of ``algorithm`` run op by op (the compiled one's math)."""
+    return _KERNELS[algorithm]
+
+
+@functools.cache
+def can_compile(device: str) -> bool:
+    """Whether ``compile=None`` compiles on ``device``: a Linux CPU with a C++ compiler on
+    the PATH, or CUDA with Triton."""
+    if device == "cpu":
+        return sys.platform.startswith("linux") and any(
+            shutil.which(cxx) for cxx in ("c++", "g++", "clang++")
+        )
+    if device == "cuda":
+        from torch.utils._triton import has_triton
+
+        return has_triton()
+    return False

@@ -1,0 +1,624 @@
+"""Adam, AdamW and SGD keeping their moments in low-bit state formats.
+
+Each parameter's moments are kept in the format its group's ``"states"`` key names (the
+optimizer's ``states=`` by default): ``"float32"``, ``"int8"``, ``"int4"`` or ``"fp8"``
+(`mixprec.states.formats`). Parameters with fewer than ``min_size`` elements, and those
+``keep_float32`` picks, keep float32 moments. The format a parameter got is recorded in
+its state (``"format"``), so a checkpoint restores the same layout.
+
+State keys: torch's (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, float32, the
+parameter's shape) for float32 moments, so that such a state loads into torch's optimizers
+and back; ``<moment>_codes`` and ``<moment>_scales`` for low-bit ones; ``step`` as torch
+keeps it; ``compensation`` for the Kahan buffer of a 16-bit parameter.
+
+A parameter sharded by FSDP2 (a DTensor) is stepped on its local shard: the blocks are cut
+within the shard. Its states are DTensors sharded along their only dimension over the
+parameter's mesh, every rank's codes padded to the same number of blocks (the largest
+shard's), so that `torch.distributed.checkpoint` saves and loads each rank's part.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from mixprec.compensated import COMPENSATED_DTYPES, check_compensation, stochastic_round_
+from mixprec.states import kernels
+from mixprec.states.formats import Codec, StateFormat, decode, encode, parse_state_format
+
+__all__ = [
+    "COMPILE_MIN_ELEMENTS",
+    "MIN_SIZE",
+    "AdamW4bit",
+    "AdamW8bit",
+    "AdamWFp8",
+    "LowBitAdam",
+    "LowBitAdamW",
+    "LowBitOptimizer",
+    "LowBitSGD",
+    "state_bytes",
+]
+
+# parameters with fewer elements keep float32 moments (their bytes are few, their scales
+# would be many)
+MIN_SIZE = 4096
+# compile=None compiles a step covering at least this many elements (the first step's
+# build, seconds, then pays back)
+COMPILE_MIN_ELEMENTS = 1 << 18
+# the per-parameter moments of each algorithm and whether each is signed
+_MOMENTS = {"adam": (("exp_avg", True), ("exp_avg_sq", False)), "sgd": (("momentum_buffer", True),)}
+
+
+def _dtensor_type() -> type | None:
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local part of a DTensor (the tensor itself otherwise)."""
+    dtensor = _dtensor_type()
+    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+
+
+class LowBitOptimizer(torch.optim.Optimizer):
+    """What the low-bit optimizers share: formats per parameter, the states' layout, the
+    compiled or eager step, compensation of 16-bit parameters, checkpoints."""
+
+    algorithm = "adam"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        *,
+        states: str | StateFormat,
+        block_size: int | None,
+        min_size: int,
+        keep_float32: Callable[[torch.Tensor], bool] | None,
+        compensation: str | None,
+        compile: bool | None,
+        seed: int,
+    ) -> None:
+        fmt = parse_state_format(states)
+        if block_size is not None:
+            if not fmt.quantized:
+                raise ValueError("block_size is for low-bit states; float32 states have none")
+            fmt = StateFormat(fmt.kind, block_size)
+        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+            raise ValueError(f"min_size must be an integer >= 0, got {min_size!r}")
+        if keep_float32 is not None and not callable(keep_float32):
+            raise TypeError(
+                f"keep_float32 must be a function of a parameter returning a bool, got "
+                f"{type(keep_float32).__name__}"
+            )
+        if compile not in (None, True, False):
+            raise TypeError(f"compile must be None, True or False, got {compile!r}")
+        self.min_size = min_size
+        self.keep_float32 = keep_float32
+        self.compensation = check_compensation(compensation)
+        self.compile = compile
+        self._compile_failed: str | None = None
+        self._generator: torch.Generator | None = None
+        self.seed = seed
+        defaults["states"] = str(fmt)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, with the group's ``"states"`` (if any) checked and written canonically."""
+        if "states" in param_group:
+            param_group["states"] = str(parse_state_format(param_group["states"]))
+        super().add_param_group(param_group)
+
+    # -- formats -----------------------------------------------------------------------------
+
+    def format_of(self, p: torch.Tensor, group: Mapping[str, Any]) -> StateFormat:
+        """The format ``p``'s moments take: its recorded one once stepped, else float32 when
+        small or picked by ``keep_float32``, else its group's ``"states"``."""
+        state = self.state.get(p)
+        if state and "format" in state:
+            return parse_state_format(state["format"])
+        fmt = parse_state_format(group["states"])
+        if _local(p).numel() < self.min_size or (self.keep_float32 and self.keep_float32(p)):
+            return StateFormat("float32")
+        return fmt
+
+    def _init_state(self, p: torch.Tensor, group: Mapping[str, Any], momentum: bool) -> dict:
+        fmt = self.format_of(p, group)
+        state = self.state[p]
+        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["format"] = str(fmt)
+        if momentum:
+            for name, _ in _MOMENTS[self.algorithm]:
+                state.update(_zero_moment(name, p, fmt))
+        if self.compensation == "kahan" and p.dtype in COMPENSATED_DTYPES:
+            state["compensation"] = torch.zeros_like(p)
+        return state
+
+    # -- the step ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every parameter with a gradient; ``closure`` re-evaluates the loss
+        first (its value is returned)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = [
+            (group, p) for group in self.param_groups for p in group["params"] if p.grad is not None
+        ]
+        if not work:
+            return loss
+        total = sum(_local(p).numel() for _, p in work)
+        scalars: dict[tuple, torch.Tensor] = {}
+        for group, p in work:
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            self._step_param(p, group, total, scalars)
+        return loss
+
+    def _step_param(
+        self, p: torch.Tensor, group: dict[str, Any], total: int, scalars: dict
+    ) -> None:
+        raise NotImplementedError
+
+    def _run(
+        self,
+        p: torch.Tensor,
+        state: dict[str, Any],
+        tensors: list[torch.Tensor | None],
+        hp: torch.Tensor,
+        statics: tuple,
+        total: int,
+    ) -> None:
+        """Run the update of ``p`` (compiled or eager) and the stochastic rounding."""
+        local = _local(p)
+        compensation = self.compensation if local.dtype in COMPENSATED_DTYPES else None
+        flat = local.view(-1)
+        buf = state.get("compensation")
+        args = (flat, _local(p.grad).reshape(-1), *tensors)
+        fmt = parse_state_format(state["format"])
+        tail = (buf if compensation == "kahan" else None, hp, fmt.kind, fmt.block, *statics)
+        result = None
+        if self._compiles(local.device, total):
+            result, ran = self._compiled(args, tail, compensation)
+        else:
+            ran = False
+        if not ran:
+            result = kernels.eager(self.algorithm)(*args, *tail, compensation)
+        if result is not None:
+            if self._generator is None or self._generator.device != local.device:
+                self._generator = torch.Generator(local.device).manual_seed(self.seed)
+            stochastic_round_(flat, result, self._generator)
+
+    def _compiles(self, device: torch.device, total: int) -> bool:
+        if self._compile_failed is not None:
+            return False
+        if self.compile is None:
+            return total >= COMPILE_MIN_ELEMENTS and kernels.can_compile(device.type)
+        return self.compile
+
+    def _compiled(
+        self, args: tuple, tail: tuple, compensation: str | None
+    ) -> tuple[torch.Tensor | None, bool]:
+        """(result, True) from the compiled update; (None, False), with one warning and
+        eager steps from then on, if ``compile=None`` chose to compile and the build failed."""
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        try:
+            return kernels.compiled(self.algorithm)(*args, *tail, compensation), True
+        except BackendCompilerFailed as error:
+            if self.compile is not None:
+                raise
+            self._compile_failed = str(error).splitlines()[0]
+            warnings.warn(
+                f"the low-bit optimizer step could not be compiled ({self._compile_failed}); "
+                f"it runs eagerly from now on: the same math, slower. Pass compile=False to "
+                f"skip the attempt",
+                stacklevel=5,
+            )
+            return None, False
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, plus ``"generator"``: the stochastic rounding's random state
+        (None before the first stochastic rounding)."""
+        out = super().state_dict()
+        out["generator"] = None if self._generator is None else self._generator.get_state()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a `state_dict` bit for bit, or load a torch Adam/AdamW/SGD state dict:
+        its float32 moments are stored in each parameter's format (quantized on load).
+
+        torch's loader casts floating state to the parameter's dtype; the saved dtypes are
+        put back (float32 moments and scales beside 16-bit parameters)."""
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError(
+                "an optimizer state dict holds 'state' and 'param_groups' (from "
+                "optimizer.state_dict())"
+            )
+        saved = dict(state_dict)
+        generator = saved.pop("generator", None)
+        groups = [dict(g) for g in saved["param_groups"]]
+        for g in groups:
+            g.setdefault("states", self.defaults["states"])
+        saved["param_groups"] = groups
+        super().load_state_dict(saved)
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = [i for g in groups for i in g["params"]]
+        for p, key in zip(params, index, strict=True):
+            entry = saved["state"].get(key)
+            if entry is None:
+                continue
+            state = self.state[p]
+            for name, value in entry.items():
+                if torch.is_tensor(value) and name != "step":
+                    state[name] = _like_saved(value, p)
+            if "format" not in state:
+                self.adopt(p, state, self._group_of(p))
+        if generator is not None:
+            device = _local(params[0]).device if params else torch.device("cpu")
+            self._generator = torch.Generator(device)
+            self._generator.set_state(generator)
+
+    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
+        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
+
+    def adopt(self, p: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any]) -> None:
+        """Give a state loaded from a torch optimizer (float32 moments, no format) this
+        optimizer's layout: its moments stored in ``p``'s format."""
+        fmt = self.format_of(p, group)
+        state["format"] = str(fmt)
+        if "step" in state and not torch.is_tensor(state["step"]):
+            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+        for name, signed in _MOMENTS[self.algorithm]:
+            if name in state:
+                state.update(_stored_moment(name, state.pop(name), p, fmt, signed))
+        if self.compensation == "kahan" and p.dtype in COMPENSATED_DTYPES:
+            state.setdefault("compensation", torch.zeros_like(p))
+
+    def to_float32_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state as torch's optimizer of the same algorithm saves it
+        (float32 ``exp_avg``/``exp_avg_sq`` or ``momentum_buffer`` of each parameter's shape,
+        ``step``; no formats, codes or Kahan buffers): loadable into ``torch.optim.AdamW``
+        (``Adam``, ``SGD``) of the same parameters."""
+        out = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for key, p in enumerate(params):
+            state = self.state.get(p)
+            if not state:
+                continue
+            fmt = parse_state_format(state["format"])
+            plain: dict[str, Any] = {"step": state["step"].clone()}
+            for name, signed in _MOMENTS[self.algorithm]:
+                if name in state or f"{name}_codes" in state:
+                    plain[name] = _float32_moment(state, name, p, fmt, signed)
+            out["state"][key] = plain
+        for group in out["param_groups"]:
+            group.pop("states", None)
+        return out
+
+
+def _zero_moment(name: str, p: torch.Tensor, fmt: StateFormat) -> dict[str, torch.Tensor]:
+    """A zero moment of ``p`` in ``fmt``."""
+    local = _local(p)
+    if not fmt.quantized:
+        return {name: _shard_like(torch.zeros(local.shape, device=local.device), p)}
+    dtype = torch.float8_e4m3fn if fmt.kind == "fp8" else torch.uint8
+    blocks = fmt.blocks(_largest_shard(p))
+    codes = torch.zeros(fmt.code_bytes(blocks * fmt.block), dtype=dtype, device=local.device)
+    scales = torch.zeros(blocks, dtype=torch.float32, device=local.device)
+    return {f"{name}_codes": _flat_shard(codes, p), f"{name}_scales": _flat_shard(scales, p)}
+
+
+def _stored_moment(
+    name: str, value: torch.Tensor, p: torch.Tensor, fmt: StateFormat, signed: bool
+) -> dict[str, torch.Tensor]:
+    """A float32 moment ``value`` of ``p`` stored in ``fmt``."""
+    local = _local(p)
+    value = _local(value).to(device=local.device, dtype=torch.float32)
+    if not fmt.quantized:
+        return {name: _shard_like(value.reshape(local.shape).clone(), p)}
+    zero = _zero_moment(name, p, fmt)
+    codes, scales = _local(zero[f"{name}_codes"]), _local(zero[f"{name}_scales"])
+    _, boundaries = Codec(fmt, signed).tables(local.device)
+    flat = torch.zeros(scales.numel() * fmt.block, device=local.device)  # type: ignore[operator]
+    flat[: value.numel()] = value.reshape(-1)
+    new_codes, new_scales = encode(flat.view(-1, fmt.block), fmt, boundaries)
+    codes.copy_(new_codes)
+    scales.copy_(new_scales)
+    return zero
+
+
+def _float32_moment(
+    state: Mapping[str, Any], name: str, p: torch.Tensor, fmt: StateFormat, signed: bool
+) -> torch.Tensor:
+    """The moment ``name`` of ``p`` in float32, of ``p``'s shape (a DTensor for one)."""
+    local = _local(p)
+    if not fmt.quantized:
+        return state[name].clone()
+    table, _ = Codec(fmt, signed).tables(local.device)
+    codes, scales = _local(state[f"{name}_codes"]), _local(state[f"{name}_scales"])
+    values = decode(codes, scales, fmt, table).reshape(-1)[: local.numel()]
+    return _shard_like(values.reshape(local.shape).clone(), p)
+
+
+def _like_saved(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A saved state tensor as it was saved: its dtype, on ``p``'s device (a copy)."""
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(value, dtensor):
+        return value.to(device=_local(p).device).clone()
+    return value.to(device=_local(p).device, copy=True)
+
+
+def _largest_shard(p: torch.Tensor) -> int:
+    """Elements of the largest local shard of ``p`` (its own size if not a DTensor)."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(p, dtensor):
+        return p.numel()
+    ranks = p.device_mesh.size()
+    rows = -(-p.shape[0] // ranks) if p.dim() else 1
+    return rows * (p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1)
+
+
+def _flat_shard(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``local`` (one rank's flat state) as a DTensor sharded on dim 0 over ``p``'s mesh
+    when ``p`` is a DTensor (every rank's part the same size), else ``local``."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(p, dtensor):
+        return local
+    from torch.distributed.tensor import Shard
+
+    mesh = p.device_mesh
+    return dtensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False)
+
+
+def _shard_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``local`` (of ``p``'s local shape) as a DTensor laid out as ``p`` when it is one."""
+    dtensor = _dtensor_type()
+    if dtensor is None or not isinstance(p, dtensor):
+        return local
+    return dtensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
+
+
+class LowBitAdamW(LowBitOptimizer):
+    """AdamW (decoupled weight decay) with its two moments in a low-bit format.
+
+    Args:
+        params: parameters or parameter groups; a group's ``"states"`` key overrides the
+            format for its parameters (``{"params": ..., "states": "float32"}``).
+        lr, betas, eps, weight_decay: as torch's AdamW.
+        states: the moments' format: ``"int8"`` (default), ``"int4"``, ``"fp8"``,
+            ``"float32"``, optionally with ``/block=N``; or a `StateFormat`.
+        block_size: the block size of ``states`` (the kind's default when None).
+        min_size: parameters with fewer elements keep float32 moments.
+        keep_float32: a function of a parameter; True keeps its moments in float32.
+        compensation: for bfloat16/float16 parameters updated in place: ``"kahan"`` (a
+            16-bit buffer per parameter of what rounding lost) or ``"stochastic"``
+            (stochastic rounding); None rounds to nearest.
+        compile: ``True`` runs each update through ``torch.compile``; ``False`` eagerly
+            (the same math); ``None`` compiles when a step covers ``COMPILE_MIN_ELEMENTS``
+            elements on a device that can build (a Linux CPU with a C++ compiler, CUDA with
+            Triton), and falls back to eager, warning once, if the build fails.
+        seed: seeds the stochastic rounding's random generator (saved in `state_dict`).
+        amsgrad: not supported (refused).
+    """
+
+    decoupled = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        states: str | StateFormat = "int8",
+        block_size: int | None = None,
+        min_size: int = MIN_SIZE,
+        keep_float32: Callable[[torch.Tensor], bool] | None = None,
+        compensation: str | None = None,
+        compile: bool | None = None,
+        seed: int = 0,
+        amsgrad: bool = False,
+    ) -> None:
+        if amsgrad:
+            raise ValueError(
+                f"{type(self).__name__} does not support amsgrad (it keeps no maximum of the "
+                f"second moment): use torch.optim.AdamW(amsgrad=True)"
+            )
+        if not 0.0 <= float(lr):
+            raise ValueError(f"invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"invalid eps: {eps}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"invalid betas {betas}: each in [0, 1)")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"invalid weight_decay: {weight_decay}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(
+            params,
+            defaults,
+            states=states,
+            block_size=block_size,
+            min_size=min_size,
+            keep_float32=keep_float32,
+            compensation=compensation,
+            compile=compile,
+            seed=seed,
+        )
+
+    def _step_param(
+        self, p: torch.Tensor, group: dict[str, Any], total: int, scalars: dict
+    ) -> None:
+        state = self.state[p]
+        if "format" not in state:
+            state = self._init_state(p, group, momentum=True)
+        state["step"] += 1
+        step = int(state["step"].item())
+        fmt = parse_state_format(state["format"])
+        local = _local(p)
+        lr = float(group["lr"])
+        beta1, beta2 = group["betas"]
+        key = (id(group), step, lr, local.device)
+        if key not in scalars:
+            bc1 = 1 - beta1**step
+            bc2 = 1 - beta2**step
+            values = [lr, beta1, beta2, group["eps"], group["weight_decay"], lr / bc1, bc2**-0.5]
+            scalars[key] = torch.tensor(values, dtype=torch.float32, device=local.device)
+        tensors: list[torch.Tensor | None] = []
+        tables: list[torch.Tensor] = []
+        for name, signed in _MOMENTS["adam"]:
+            if fmt.quantized:
+                tensors += [_local(state[f"{name}_codes"]), _local(state[f"{name}_scales"])]
+                tables += _tables(fmt, signed, local.device)
+            else:
+                tensors += [_local(state[name]).view(-1), None]
+        tensors.insert(4, tuple(tables))  # type: ignore[arg-type]
+        self._run(p, state, tensors, scalars[key], (self.decoupled,), total)
+
+
+class LowBitAdam(LowBitAdamW):
+    """Adam (weight decay as L2: added to the gradient) with low-bit moments; the arguments
+    of `LowBitAdamW`, ``weight_decay`` defaulting to 0."""
+
+    decoupled = False
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, *args: Any, **kwargs: Any):
+        kwargs.setdefault("weight_decay", 0.0)
+        super().__init__(params, lr, *args, **kwargs)
+
+
+class LowBitSGD(LowBitOptimizer):
+    """SGD with momentum (dampening, nesterov, L2 weight decay as torch's SGD) with its
+    momentum buffer in a low-bit format; ``states``, ``block_size``, ``min_size``,
+    ``keep_float32``, ``compensation``, ``compile`` and ``seed`` as `LowBitAdamW`'s."""
+
+    algorithm = "sgd"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        *,
+        states: str | StateFormat = "int8",
+        block_size: int | None = None,
+        min_size: int = MIN_SIZE,
+        keep_float32: Callable[[torch.Tensor], bool] | None = None,
+        compensation: str | None = None,
+        compile: bool | None = None,
+        seed: int = 0,
+    ) -> None:
+        if not 0.0 <= float(lr):
+            raise ValueError(f"invalid learning rate: {lr}")
+        if not 0.0 <= momentum:
+            raise ValueError(f"invalid momentum: {momentum}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"invalid weight_decay: {weight_decay}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov momentum requires a momentum and zero dampening")
+        defaults = dict(
+            lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+            nesterov=nesterov,
+        )  # fmt: skip
+        super().__init__(
+            params,
+            defaults,
+            states=states,
+            block_size=block_size,
+            min_size=min_size,
+            keep_float32=keep_float32,
+            compensation=compensation,
+            compile=compile,
+            seed=seed,
+        )
+
+    def _step_param(
+        self, p: torch.Tensor, group: dict[str, Any], total: int, scalars: dict
+    ) -> None:
+        momentum = group["momentum"]
+        state = self.state[p]
+        if "format" not in state:
+            state = self._init_state(p, group, momentum=bool(momentum))
+        state["step"] += 1
+        first = int(state["step"].item()) == 1
+        fmt = parse_state_format(state["format"])
+        local = _local(p)
+        lr = float(group["lr"])
+        key = (id(group), first, lr, local.device)
+        if key not in scalars:
+            keep, gain = (0.0, 1.0) if first else (momentum, 1 - group["dampening"])
+            values = [lr, keep, gain, group["weight_decay"], momentum]
+            scalars[key] = torch.tensor(values, dtype=torch.float32, device=local.device)
+        if not momentum:
+            tensors: list[Any] = [None, None, ()]
+        elif fmt.quantized:
+            tensors = [
+                _local(state["momentum_buffer_codes"]),
+                _local(state["momentum_buffer_scales"]),
+                tuple(_tables(fmt, True, local.device)),
+            ]
+        else:
+            tensors = [_local(state["momentum_buffer"]).view(-1), None, ()]
+        self._run(p, state, tensors, scalars[key], (bool(group["nesterov"]),), total)
+
+
+_TABLES: dict[tuple[StateFormat, bool, torch.device], list[torch.Tensor]] = {}
+
+
+def _tables(fmt: StateFormat, signed: bool, device: torch.device) -> list[torch.Tensor]:
+    """The code values and boundaries of ``fmt`` on ``device`` (made once)."""
+    key = (StateFormat(fmt.kind), signed, device)
+    if key not in _TABLES:
+        _TABLES[key] = list(Codec(fmt, signed).tables(device))
+    return _TABLES[key]
+
+
+class AdamW8bit(LowBitAdamW):
+    """`LowBitAdamW` with int8 moments (block 256)."""
+
+    def __init__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("states", "int8")
+        super().__init__(params, *args, **kwargs)
+
+
+class AdamW4bit(LowBitAdamW):
+    """`LowBitAdamW` with int4 moments (block 128)."""
+
+    def __init__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("states", "int4")
+        super().__init__(params, *args, **kwargs)
+
+
+class AdamWFp8(LowBitAdamW):
+    """`LowBitAdamW` with float8 e4m3 moments (block 256)."""
+
+    def __init__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("states", "fp8")
+        super().__init__(params, *args, **kwargs)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the per-parameter state ``optimizer`` holds: every tensor in its ``state``
+    but the step counts (moments, codes, scales, Kahan buffers); a DTensor counts its local
+    part. Works for torch's optimizers too."""
+    total = 0
+    for state in optimizer.state.values():
+        for name, value in state.items():
+            if name != "step" and torch.is_tensor(value):
+                local = _local(value)
+                total += local.numel() * local.element_size()
+    return total
