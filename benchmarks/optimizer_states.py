@@ -61,7 +61,7 @@ from mixprec.bench.runner import _measured  # noqa: E402
 from mixprec.hardware import detect  # noqa: E402
 
 LR, WEIGHT_DECAY = 2e-3, 0.01
-BASELINE = "float32 (torch AdamW, foreach)"
+BASELINE = "torch AdamW (float32, foreach)"
 TORCHAO_8BIT = "torchao AdamW8bit"
 # what the targets ask of each mixprec row: (loss within, state bytes at most) of the baseline
 TARGETS = {
@@ -298,6 +298,8 @@ def train(
             first = i % len(live) if live else 0
             for r in live[first:] + live[:first]:
                 r.step(batch, timed=i > args.warmup, measure_memory=i == args.warmup)
+            if (i + 1) % 25 == 0:
+                print(f"{model_name}: step {i + 1}/{steps}", file=sys.stderr, flush=True)
     finally:
         gc.enable()
     held = [b for _, b in zip(range(args.val_batches), val_loader, strict=False)]
@@ -454,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300, help="char LM training steps")
     p.add_argument("--width", type=int, default=128, help="char LM width")
     p.add_argument("--block", type=int, default=64, help="sequence length (bytes)")
-    p.add_argument("--batch-size", type=int, default=16, help="char LM batch")
-    p.add_argument("--wide-steps", type=int, default=60, help="GPT-2 training steps")
+    p.add_argument("--batch-size", type=int, default=8, help="char LM batch")
+    p.add_argument("--wide-steps", type=int, default=40, help="GPT-2 training steps")
     p.add_argument("--wide-width", type=int, default=512, help="GPT-2 width (8 heads)")
     p.add_argument("--wide-layers", type=int, default=2, help="GPT-2 blocks")
     p.add_argument("--wide-batch-size", type=int, default=4, help="GPT-2 batch")
@@ -463,9 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=10, help="untimed first steps")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--only", help="comma-separated optimizer names to run (default: every one available)"
-    )
+    p.add_argument("--only", help="optimizer names to run, separated by ';' (default: all)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/optimizer_states.md")
     p.add_argument("--json", type=Path, help="also write the figures here")
     args = p.parse_args(argv)
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     available, notes = candidates()
     chosen = available
     if args.only:
-        wanted = [n.strip() for n in args.only.split(",")]
+        wanted = [n.strip() for n in args.only.split(";")]
         names = [c.name for c in available]
         unknown = [n for n in wanted if n not in names]
         if unknown:
