@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mixprec import PolicyMap, Precision
+from mixprec.doctor import state_errors
 from mixprec.errors import PolicySpecError
 from mixprec.policy_map import explain
 from mixprec.states import LowBitAdamW, LowBitSGD, StateFormat, state_bytes
@@ -290,3 +291,39 @@ def test_fsdp_shards_int8_states_and_resumes_its_dcp_checkpoint_bit_identically(
     ddp = torch.load(out / "ddp.pt", weights_only=True)
     for k, v in ddp.items():
         torch.testing.assert_close(v, straight[k], rtol=0, atol=2e-2)
+
+
+# -- the doctor -----------------------------------------------------------------------------
+
+
+class TwoBranches(nn.Module):
+    """``flat``'s gradient is the same number everywhere (its moments store exactly in any
+    format); ``rough``'s varies as random inputs do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.flat = nn.Linear(64, 64, bias=False)
+        self.rough = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.flat(torch.ones_like(x)).sum() + self.rough(x).square().sum()
+
+
+def test_the_doctor_names_the_layer_whose_states_int4_hurts() -> None:
+    batches = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    model = TwoBranches()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = state_errors(model, batches, states="int4", steps=3)
+    assert [r.param for r in report.hurting] == ["rough.weight"]
+    flat = next(r for r in report.rows if r.param == "flat.weight")
+    assert flat.first == flat.second == 0.0  # equal values are a block's exact maximum
+    assert report.states_rules() == {"rough": "float32"}
+    assert "rough.weight  int4" in str(report) and "HURT" in str(report)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+    # int8 keeps both within the threshold; the rule, applied, keeps rough's moments float32
+    assert state_errors(model, batches, states="int8").hurting == []
+    fixed = PolicyMap("32-true", states=report.states_rules())
+    assert fixed.state_formats(model, "int4")["rough.weight"][0] == StateFormat("float32")
+    with pytest.raises(ValueError, match="at least one batch"):
+        state_errors(model, [], states="int8")
