@@ -25,6 +25,7 @@ The padded tail of the last block is stored, so a moment of ``n`` elements takes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -33,14 +34,15 @@ import torch
 __all__ = [
     "DEFAULT_BLOCKS",
     "FP8_MAX",
-    "Codec",
     "KINDS",
     "QUANTIZED_KINDS",
     "StateFormat",
     "code_map",
+    "code_tables",
     "decode",
     "dequantize",
     "encode",
+    "nearest_code",
     "moment_error",
     "parse_state_format",
     "quantize",
@@ -152,6 +154,54 @@ def _dynamic_map(bits: int, signed: bool, exponent_bits: int) -> list[float]:
     return sorted(values)
 
 
+# the top 16 bits of a float32 >= 0 (exponent and 7 mantissa bits) index the lookup table
+# that gives the nearest code of the cell's smallest value
+_CELL_SHIFT = 16
+_CELL_OF_ONE = 0x3F80  # 1.0's cell
+
+
+# the negative values of the signed maps (no -1: as many as the positive values below 1)
+_NEGATIVES = {"int8": 127, "int4": 7}
+
+
+def _lookup(kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cell table, boundaries) of the magnitudes of ``kind``'s map (for a signed map: 0,
+    its positive values, 1): the int32 code of the nearest magnitude to each cell's
+    smallest value, and the midpoints between neighbouring magnitudes (the last one
+    infinite). Each cell holds at most one boundary (checked here), so one comparison
+    finishes the search."""
+    table = code_map(kind, signed)
+    magnitudes = table[table >= 0] if signed else table
+    bounds = (magnitudes[1:] + magnitudes[:-1]) / 2
+    cells = torch.arange(_CELL_OF_ONE + 1, dtype=torch.int32) << _CELL_SHIFT
+    low = cells.view(torch.float32)
+    high = (cells | ((1 << _CELL_SHIFT) - 1)).view(torch.float32)
+    first = torch.bucketize(low, bounds, out_int32=True)
+    last = torch.bucketize(high, bounds, out_int32=True)
+    assert int((last - first).max()) <= 1, f"two code boundaries in a cell of the {kind} map"
+    return first, torch.cat([bounds, torch.tensor([float("inf")])])
+
+
+def nearest_code(
+    y: torch.Tensor, kind: str, signed: bool, tables: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """The int32 code of the map value nearest to each element of ``y`` (float32, in
+    [-1, 1]; >= 0 for an unsigned map) without a search: the top bits of ``|y|`` index a
+    table of the nearest magnitude of each cell, and one comparison with the next
+    boundary finishes. Sorted codes: an unsigned map is its values in order; a signed
+    one the negatives, 0, the positives, 1 (no -1: a negative near -1 takes the most
+    negative value). ``tables``: `code_tables`."""
+    _, cell_code, bounds = tables
+    a = y.abs()
+    cell = (a.view(torch.int32) >> _CELL_SHIFT).clamp(0, _CELL_OF_ONE)
+    code = cell_code[cell]
+    code = code + (a > bounds[code]).to(torch.int32)
+    if not signed:
+        return code
+    zero = _NEGATIVES[kind]
+    return torch.where(y < 0, zero - code.clamp(max=zero), zero + code)
+
+
 def code_map(kind: str, signed: bool) -> torch.Tensor:
     """The sorted float32 values the codes of ``kind`` (``"int8"``/``"int4"``) index: a
     code is its value's position. ``signed`` for the first moment (and SGD's momentum),
@@ -165,40 +215,35 @@ def code_map(kind: str, signed: bool) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
-def _midpoints(table: torch.Tensor) -> torch.Tensor:
-    """The boundaries between neighbouring values of a sorted code map: ``bucketize``
-    against them gives each input its nearest value's code."""
-    return (table[1:] + table[:-1]) / 2
+@functools.cache
+def _tables(kind: str, signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
+    values = code_map(kind, signed)
+    return tuple(t.to(device) for t in (values, *_lookup(kind, signed)))
 
 
-@dataclasses.dataclass(frozen=True)
-class Codec:
-    """How one moment's blocks turn into codes and back: the format and the map's sign."""
-
-    fmt: StateFormat
-    signed: bool
-
-    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(code values, boundaries between them) on ``device``; two empty tensors for fp8."""
-        if self.fmt.kind == "fp8":
-            empty = torch.empty(0, device=device)
-            return empty, empty
-        table = code_map(self.fmt.kind, self.signed).to(device)
-        return table, _midpoints(table)
+def code_tables(fmt: StateFormat, signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """What `encode` and `decode` read for ``fmt`` on ``device`` (made once): the code
+    values, the nearest code of each cell of magnitudes, the boundaries between
+    magnitudes. Empty for fp8, whose codes are their values."""
+    if fmt.kind == "fp8":
+        empty = torch.empty(0, device=device)
+        return empty, empty, empty
+    return _tables(fmt.kind, signed, torch.device(device))
 
 
 def encode(
-    x: torch.Tensor, fmt: StateFormat, boundaries: torch.Tensor
+    x: torch.Tensor, fmt: StateFormat, signed: bool, tables: tuple[torch.Tensor, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of ``x``, float32 of shape (blocks, block): one float32 scale per
-    block, uint8 codes (int4: two per byte, the first in the low half) or float8 e4m3."""
+    block, uint8 codes (int4: two per byte, the first in the low half) or float8 e4m3;
+    ``signed`` and ``tables`` (`code_tables`) give the code map."""
     absmax = x.abs().amax(dim=1)
     if fmt.kind == "fp8":
         scales = absmax / FP8_MAX
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         return (x / safe[:, None]).to(torch.float8_e4m3fn).reshape(-1), scales
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    codes = torch.bucketize(x / safe[:, None], boundaries, out_int32=True).reshape(-1)
+    codes = nearest_code(x / safe[:, None], fmt.kind, signed, tables).reshape(-1)
     if fmt.kind == "int4":
         pairs = codes.view(-1, 2)
         codes = pairs[:, 0] | (pairs[:, 1] << 4)
@@ -206,7 +251,10 @@ def encode(
 
 
 def decode(
-    codes: torch.Tensor, scales: torch.Tensor, fmt: StateFormat, table: torch.Tensor
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: StateFormat,
+    tables: tuple[torch.Tensor, ...],
 ) -> torch.Tensor:
     """The float32 blocks, shape (blocks, block), that ``codes`` and ``scales`` stand for."""
     if fmt.kind == "fp8":
@@ -215,7 +263,7 @@ def decode(
         index = codes.to(torch.int32)
         if fmt.kind == "int4":
             index = torch.stack([index & 15, index >> 4], dim=-1)
-        values = table[index.reshape(-1, fmt.block)]
+        values = tables[0][index.reshape(-1, fmt.block)]
     return values * scales[:, None]
 
 
@@ -234,8 +282,7 @@ def quantize(
     fmt = parse_state_format(fmt)
     if not fmt.quantized:
         raise ValueError("quantize takes a low-bit format ('int8', 'int4' or 'fp8')")
-    _, boundaries = Codec(fmt, signed).tables(x.device)
-    return encode(_blocked(x, fmt), fmt, boundaries)
+    return encode(_blocked(x, fmt), fmt, signed, code_tables(fmt, signed, x.device))
 
 
 def dequantize(
@@ -248,9 +295,9 @@ def dequantize(
 ) -> torch.Tensor:
     """The float32 tensor of ``shape`` that `quantize` turned into ``codes`` and ``scales``."""
     fmt = parse_state_format(fmt)
-    table, _ = Codec(fmt, signed).tables(codes.device)
+    tables = code_tables(fmt, signed, codes.device)
     numel = math.prod(shape)
-    return decode(codes, scales, fmt, table).reshape(-1)[:numel].view(shape)
+    return decode(codes, scales, fmt, tables).reshape(-1)[:numel].view(shape)
 
 
 def moment_error(x: torch.Tensor, fmt: StateFormat | str, *, signed: bool | None = None) -> float:

@@ -22,12 +22,12 @@ import sys
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from mixprec.states.formats import StateFormat, decode, encode
 
 __all__ = [
     "ADAM_SCALARS",
+    "run_compiled",
     "SGD_SCALARS",
     "adam_update",
     "can_compile",
@@ -46,26 +46,27 @@ SGD_SCALARS = ("lr", "keep", "gain", "weight_decay", "momentum")
 def _load(
     state: torch.Tensor,
     scales: torch.Tensor | None,
-    table: torch.Tensor | None,
+    tables: tuple[torch.Tensor, ...],
     fmt: StateFormat,
 ) -> torch.Tensor:
     """A moment in float32: (blocks, block) for a low-bit format, flat for float32."""
     if scales is None:
         return state
-    return decode(state, scales, fmt, table)  # type: ignore[arg-type]
+    return decode(state, scales, fmt, tables)
 
 
 def _store(
     value: torch.Tensor,
     state: torch.Tensor,
     scales: torch.Tensor | None,
-    boundaries: torch.Tensor | None,
     fmt: StateFormat,
+    signed: bool,
+    tables: tuple[torch.Tensor, ...],
 ) -> None:
     if scales is None:
         state.copy_(value)
         return
-    codes, new_scales = encode(value, fmt, boundaries)  # type: ignore[arg-type]
+    codes, new_scales = encode(value, fmt, signed, tables)
     state.copy_(codes)
     scales.copy_(new_scales)
 
@@ -89,12 +90,6 @@ def _write(
     return None
 
 
-def _padded(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
-    """Flat float32 ``x`` zero-padded to whole blocks, shape (blocks, block)."""
-    pad = fmt.blocks(x.numel()) * fmt.block - x.numel()  # type: ignore[operator]
-    return F.pad(x, (0, pad)).view(-1, fmt.block)  # type: ignore[arg-type]
-
-
 def adam_update(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -112,25 +107,23 @@ def adam_update(
 ) -> torch.Tensor | None:
     """One Adam/AdamW update of the flat parameter ``p`` with the flat gradient ``g``;
     the moments as ``fmt`` keeps them (codes and scales, or float32 with no scales);
-    ``tables``: the first moment's code values and boundaries, then the second's; ``hp``:
+    ``tables``: the first moment's `code_tables`, then the second's; ``hp``:
     `ADAM_SCALARS`. Decoupled weight decay (AdamW) or L2 added to the gradient (Adam)."""
     fmt = StateFormat(kind, block)
     lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp.unbind()
-    n = p.numel()
     p32 = p.to(torch.float32)
     g32 = g.to(torch.float32)
     if not decoupled:
         g32 = g32 + wd * p32
-    t = tables if fmt.quantized else (None, None, None, None)
     if fmt.quantized:
-        g32 = _padded(g32, fmt)
-    m1 = torch.lerp(_load(m, m_scales, t[0], fmt), g32, 1 - beta1)
-    m2 = _load(v, v_scales, t[2], fmt) * beta2 + (1 - beta2) * g32 * g32
-    _store(m1, m, m_scales, t[1], fmt)
-    _store(m2, v, v_scales, t[3], fmt)
+        g32 = g32.view(-1, block)
+    m1 = torch.lerp(_load(m, m_scales, tables[:3], fmt), g32, 1 - beta1)
+    m2 = _load(v, v_scales, tables[3:], fmt) * beta2 + (1 - beta2) * g32 * g32
+    _store(m1, m, m_scales, fmt, True, tables[:3])
+    _store(m2, v, v_scales, fmt, False, tables[3:])
     if fmt.quantized:
-        m1 = m1.reshape(-1)[:n]
-        m2 = m2.reshape(-1)[:n]
+        m1 = m1.reshape(-1)
+        m2 = m2.reshape(-1)
     update = step_size * m1 / (m2.sqrt() * inv_sqrt_bc2 + eps)
     new = p32 * (1 - lr * wd) - update if decoupled else p32 - update
     return _write(p, new, buf, compensation)
@@ -154,16 +147,14 @@ def sgd_update(
     first step, so that the buffer starts as the gradient, as torch's does)."""
     fmt = StateFormat(kind, block)
     lr, keep, gain, wd, momentum = hp.unbind()
-    n = p.numel()
     p32 = p.to(torch.float32)
     d = g.to(torch.float32) + wd * p32
     if b is not None:
-        dp = _padded(d, fmt) if fmt.quantized else d
-        t = tables if fmt.quantized else (None, None)
-        mom = _load(b, b_scales, t[0], fmt) * keep + gain * dp
-        _store(mom, b, b_scales, t[1], fmt)
+        dp = d.view(-1, block) if fmt.quantized else d
+        mom = _load(b, b_scales, tables, fmt) * keep + gain * dp
+        _store(mom, b, b_scales, fmt, True, tables)
         if fmt.quantized:
-            mom = mom.reshape(-1)[:n]
+            mom = mom.reshape(-1)
         d = d + momentum * mom if nesterov else mom
     return _write(p, p32 - lr * d, buf, compensation)
 
@@ -177,16 +168,26 @@ _COMPILED: dict[str, Callable[..., torch.Tensor | None]] = {}
 
 def compiled(algorithm: str) -> Callable[..., torch.Tensor | None]:
     """The torch.compile'd update of ``algorithm`` (``"adam"`` or ``"sgd"``), built on
-    first use: shapes dynamic, one build per format, dtype and compensation."""
+    first use; `run_compiled` calls it with dynamic sizes (one build per format, dtype and
+    compensation)."""
     if algorithm not in _COMPILED:
         log.info("compiling the low-bit %s update: the first call builds it", algorithm)
         _COMPILED[algorithm] = torch.compile(
             _KERNELS[algorithm],
-            dynamic=True,
             fullgraph=True,
             options={"emulate_precision_casts": True},
         )
     return _COMPILED[algorithm]
+
+
+def run_compiled(algorithm: str, args: tuple) -> torch.Tensor | None:
+    """Call the compiled update of ``algorithm`` on ``args`` (those of `adam_update` or
+    `sgd_update`), the first dimension of every tensor but the tables and ``hp`` marked
+    dynamic: one build serves every size, while the block stays a constant of the code."""
+    for t in args[:-5]:  # not hp and the constants after it
+        if torch.is_tensor(t):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+    return compiled(algorithm)(*args)
 
 
 def eager(algorithm: str) -> Callable[..., torch.Tensor | None]:

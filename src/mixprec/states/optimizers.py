@@ -28,7 +28,13 @@ import torch
 
 from mixprec.compensated import COMPENSATED_DTYPES, check_compensation, stochastic_round_
 from mixprec.states import kernels
-from mixprec.states.formats import Codec, StateFormat, decode, encode, parse_state_format
+from mixprec.states.formats import (
+    StateFormat,
+    code_tables,
+    decode,
+    encode,
+    parse_state_format,
+)
 
 __all__ = [
     "COMPILE_MIN_ELEMENTS",
@@ -170,30 +176,72 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self,
         p: torch.Tensor,
         state: dict[str, Any],
-        tensors: list[torch.Tensor | None],
+        moments: list[tuple[torch.Tensor | None, torch.Tensor | None]],
+        tables: tuple[torch.Tensor, ...],
         hp: torch.Tensor,
         statics: tuple,
         total: int,
     ) -> None:
-        """Run the update of ``p`` (compiled or eager) and the stochastic rounding."""
+        """Update ``p`` from its flat views: the whole blocks in one call, the last partial
+        block (if any) from zero-padded copies in a second; then the stochastic rounding."""
         local = _local(p)
-        compensation = self.compensation if local.dtype in COMPENSATED_DTYPES else None
-        flat = local.view(-1)
-        buf = state.get("compensation")
-        args = (flat, _local(p.grad).reshape(-1), *tensors)
         fmt = parse_state_format(state["format"])
-        tail = (buf if compensation == "kahan" else None, hp, fmt.kind, fmt.block, *statics)
-        result = None
-        if self._compiles(local.device, total):
-            result, ran = self._compiled(args, tail, compensation)
-        else:
-            ran = False
-        if not ran:
-            result = kernels.eager(self.algorithm)(*args, *tail, compensation)
-        if result is not None:
+        compensation = self.compensation if local.dtype in COMPENSATED_DTYPES else None
+        flat = local.view(-1) if local.is_contiguous() else local.contiguous().view(-1)
+        grad = _local(p.grad).reshape(-1)
+        buf = state.get("compensation") if compensation == "kahan" else None
+        buf = None if buf is None else _local(buf).view(-1)
+        n = flat.numel()
+        cut = n - n % fmt.block if fmt.quantized else n  # type: ignore[operator]
+        codes = fmt.code_bytes(cut)
+        pieces = []
+        if cut:
+            states = [
+                (
+                    None if t is None else t[:codes] if fmt.quantized else t,
+                    None if s is None else s[: cut // fmt.block],
+                )  # type: ignore[operator]
+                for t, s in moments
+            ]
+            pieces.append((flat[:cut], grad[:cut], states, None if buf is None else buf[:cut]))
+        if cut < n:  # the last block, padded
+            size = fmt.block
+            blocks = cut // size  # type: ignore[operator]
+            states = [
+                (
+                    None if t is None else t[codes : codes + fmt.code_bytes(size)],
+                    None if s is None else s[blocks : blocks + 1],
+                )  # type: ignore[operator]
+                for t, s in moments
+            ]
+            pad = [flat.new_zeros(size), grad.new_zeros(size)]
+            pad[0][: n - cut] = flat[cut:]
+            pad[1][: n - cut] = grad[cut:]
+            tail_buf = None
+            if buf is not None:
+                tail_buf = buf.new_zeros(size)
+                tail_buf[: n - cut] = buf[cut:]
+            pieces.append((pad[0], pad[1], states, tail_buf))
+        compiled = self._compiles(local.device, total)
+        results = []
+        for piece_p, piece_g, states, piece_buf in pieces:
+            args = (piece_p, piece_g, *(t for pair in states for t in pair), tables, piece_buf)
+            args += (hp, fmt.kind, fmt.block, *statics, compensation)
+            result, ran = self._compiled(args) if compiled else (None, False)
+            if not ran:
+                result = kernels.eager(self.algorithm)(*args)
+            results.append(result)
+        if cut < n:
+            flat[cut:] = pieces[-1][0][: n - cut]
+            if buf is not None:
+                buf[cut:] = pieces[-1][3][: n - cut]  # type: ignore[index]
+        if compensation == "stochastic":
+            value = torch.cat(results)[:n] if len(results) > 1 else results[0]
             if self._generator is None or self._generator.device != local.device:
                 self._generator = torch.Generator(local.device).manual_seed(self.seed)
-            stochastic_round_(flat, result, self._generator)
+            stochastic_round_(flat, value, self._generator)
+        if flat.data_ptr() != local.data_ptr():
+            local.copy_(flat.view(local.shape))
 
     def _compiles(self, device: torch.device, total: int) -> bool:
         if self._compile_failed is not None:
@@ -202,15 +250,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
             return total >= COMPILE_MIN_ELEMENTS and kernels.can_compile(device.type)
         return self.compile
 
-    def _compiled(
-        self, args: tuple, tail: tuple, compensation: str | None
-    ) -> tuple[torch.Tensor | None, bool]:
+    def _compiled(self, args: tuple) -> tuple[torch.Tensor | None, bool]:
         """(result, True) from the compiled update; (None, False), with one warning and
         eager steps from then on, if ``compile=None`` chose to compile and the build failed."""
         from torch._dynamo.exc import BackendCompilerFailed
 
         try:
-            return kernels.compiled(self.algorithm)(*args, *tail, compensation), True
+            return kernels.run_compiled(self.algorithm, args), True
         except BackendCompilerFailed as error:
             if self.compile is not None:
                 raise
@@ -327,10 +373,10 @@ def _stored_moment(
         return {name: _shard_like(value.reshape(local.shape).clone(), p)}
     zero = _zero_moment(name, p, fmt)
     codes, scales = _local(zero[f"{name}_codes"]), _local(zero[f"{name}_scales"])
-    _, boundaries = Codec(fmt, signed).tables(local.device)
     flat = torch.zeros(scales.numel() * fmt.block, device=local.device)  # type: ignore[operator]
     flat[: value.numel()] = value.reshape(-1)
-    new_codes, new_scales = encode(flat.view(-1, fmt.block), fmt, boundaries)
+    tables = code_tables(fmt, signed, local.device)
+    new_codes, new_scales = encode(flat.view(-1, fmt.block), fmt, signed, tables)
     codes.copy_(new_codes)
     scales.copy_(new_scales)
     return zero
@@ -343,9 +389,9 @@ def _float32_moment(
     local = _local(p)
     if not fmt.quantized:
         return state[name].clone()
-    table, _ = Codec(fmt, signed).tables(local.device)
+    tables = code_tables(fmt, signed, local.device)
     codes, scales = _local(state[f"{name}_codes"]), _local(state[f"{name}_scales"])
-    values = decode(codes, scales, fmt, table).reshape(-1)[: local.numel()]
+    values = decode(codes, scales, fmt, tables).reshape(-1)[: local.numel()]
     return _shard_like(values.reshape(local.shape).clone(), p)
 
 
@@ -475,16 +521,15 @@ class LowBitAdamW(LowBitOptimizer):
             bc2 = 1 - beta2**step
             values = [lr, beta1, beta2, group["eps"], group["weight_decay"], lr / bc1, bc2**-0.5]
             scalars[key] = torch.tensor(values, dtype=torch.float32, device=local.device)
-        tensors: list[torch.Tensor | None] = []
-        tables: list[torch.Tensor] = []
+        moments: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+        tables: tuple[torch.Tensor, ...] = ()
         for name, signed in _MOMENTS["adam"]:
             if fmt.quantized:
-                tensors += [_local(state[f"{name}_codes"]), _local(state[f"{name}_scales"])]
-                tables += _tables(fmt, signed, local.device)
+                moments.append((_local(state[f"{name}_codes"]), _local(state[f"{name}_scales"])))
+                tables += code_tables(fmt, signed, local.device)
             else:
-                tensors += [_local(state[name]).view(-1), None]
-        tensors.insert(4, tuple(tables))  # type: ignore[arg-type]
-        self._run(p, state, tensors, scalars[key], (self.decoupled,), total)
+                moments.append((_local(state[name]).view(-1), None))
+        self._run(p, state, moments, tables, scalars[key], (self.decoupled,), total)
 
 
 class LowBitAdam(LowBitAdamW):
@@ -563,28 +608,17 @@ class LowBitSGD(LowBitOptimizer):
             keep, gain = (0.0, 1.0) if first else (momentum, 1 - group["dampening"])
             values = [lr, keep, gain, group["weight_decay"], momentum]
             scalars[key] = torch.tensor(values, dtype=torch.float32, device=local.device)
+        tables: tuple[torch.Tensor, ...] = ()
         if not momentum:
-            tensors: list[Any] = [None, None, ()]
+            moment: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         elif fmt.quantized:
-            tensors = [
-                _local(state["momentum_buffer_codes"]),
-                _local(state["momentum_buffer_scales"]),
-                tuple(_tables(fmt, True, local.device)),
-            ]
+            codes, scales = state["momentum_buffer_codes"], state["momentum_buffer_scales"]
+            moment = (_local(codes), _local(scales))
+            tables = code_tables(fmt, True, local.device)
         else:
-            tensors = [_local(state["momentum_buffer"]).view(-1), None, ()]
-        self._run(p, state, tensors, scalars[key], (bool(group["nesterov"]),), total)
-
-
-_TABLES: dict[tuple[StateFormat, bool, torch.device], list[torch.Tensor]] = {}
-
-
-def _tables(fmt: StateFormat, signed: bool, device: torch.device) -> list[torch.Tensor]:
-    """The code values and boundaries of ``fmt`` on ``device`` (made once)."""
-    key = (StateFormat(fmt.kind), signed, device)
-    if key not in _TABLES:
-        _TABLES[key] = list(Codec(fmt, signed).tables(device))
-    return _TABLES[key]
+            moment = (_local(state["momentum_buffer"]).view(-1), None)
+        nesterov = (bool(group["nesterov"]),)
+        self._run(p, state, [moment], tables, scalars[key], nesterov, total)
 
 
 class AdamW8bit(LowBitAdamW):
