@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from mixprec import PolicyMap, Precision
 from mixprec.doctor import state_errors
 from mixprec.errors import PolicySpecError
+from mixprec.plan import BudgetError, search
 from mixprec.policy_map import explain
 from mixprec.states import LowBitAdamW, LowBitSGD, StateFormat, state_bytes
 from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule
@@ -327,3 +328,27 @@ def test_the_doctor_names_the_layer_whose_states_int4_hurts() -> None:
     assert fixed.state_formats(model, "int4")["rough.weight"][0] == StateFormat("float32")
     with pytest.raises(ValueError, match="at least one batch"):
         state_errors(model, [], states="int8")
+
+
+# -- the search -----------------------------------------------------------------------------
+
+
+def test_a_training_search_chooses_state_formats_and_its_policy_file_carries_them(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64))
+    batches = [(torch.randn(16, 64), torch.randn(16, 64)) for _ in range(2)]
+    common = dict(formats=["32-true"], baseline="32-true", count="training", reps=1)
+    # float32 weights with float32 AdamW states: 16 bytes a weight, over a 0.7 budget
+    with pytest.raises(BudgetError):
+        search(model, batches, F.mse_loss, budget={"memory": 0.7}, **common)
+    report = search(model, batches, F.mse_loss, budget={"memory": 0.7}, states=["int8"], **common)
+    assert report.policy.states == {"0": "int8", "2": "int8"}
+    int8 = StateFormat("int8")
+    # weights, gradients and int8 moments of the two big weights; float32 ones of the biases
+    expected = sum(8 * 8192 + 2 * int8.bytes(8192) + 16 * b for b in (128, 64))
+    assert report.measured["plan"].unit_bytes == expected
+    assert report.measured["baseline"].unit_bytes == 16 * sum(p.numel() for p in model.parameters())
+    loaded = PolicyMap.load(report.policy.save(tmp_path / "plan.json"))
+    assert loaded.states == {"0": "int8", "2": "int8"}
+    with pytest.raises(ValueError, match="count='training'"):
+        search(model, batches, F.mse_loss, budget={"memory": 0.7}, states=["int8"])

@@ -24,7 +24,7 @@ from mixprec.policy_map import PolicyMap, as_map
 from mixprec.precision import Precision
 from mixprec.states import moment_error, parse_state_format
 
-__all__ = ["StateError", "StateErrors", "state_errors"]
+__all__ = ["StateError", "StateErrors", "moment_errors", "state_errors"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,45 @@ class StateErrors:
         return "\n".join(lines)
 
 
+def moment_errors(
+    model: nn.Module,
+    batches: Sequence[Any],
+    loss_fn: Callable[..., Tensor] | None,
+    formats: Sequence[str],
+    *,
+    steps: int = 3,
+    lr: float = 1e-3,
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """Each trainable parameter's name -> format -> the relative errors of its (first,
+    second) moment stored in that format, after ``steps`` float32 AdamW steps of a copy of
+    ``model`` on ``batches`` in turn. The model is not touched."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    if not batches:
+        raise ValueError("measuring moment errors needs at least one batch to take steps on")
+    parsed = [parse_state_format(f) for f in formats]
+    copied = copy.deepcopy(model).float()
+    copied.train()
+    precision = Precision("32-true")
+    optimizer = torch.optim.AdamW(copied.parameters(), lr=lr)
+    for i in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss_of(copied, precision, batches[i % len(batches)], loss_fn).backward()
+        optimizer.step()
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for name, p in copied.named_parameters():
+        state = optimizer.state.get(p)
+        if state:
+            out[name] = {
+                str(f): (
+                    moment_error(state["exp_avg"], f, signed=True),
+                    moment_error(state["exp_avg_sq"], f, signed=False),
+                )
+                for f in parsed
+            }
+    return out
+
+
 def state_errors(
     model: nn.Module,
     batches: Iterable[Any],
@@ -94,38 +133,23 @@ def state_errors(
     moments in its state format changes them (see the module's docstring). ``states``: a
     format for every parameter (``"int8"``, ``"int4"``, ``"fp8"``) or a PolicyMap with
     ``states`` rules. The model is not touched."""
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
         raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
-    listed: Sequence[Any] = list(batches)
-    if not listed:
-        raise ValueError("state_errors needs at least one batch to take its steps on")
     if isinstance(states, PolicyMap):
         pmap, default = states, None
     else:
         pmap, default = as_map("32-true"), str(parse_state_format(states))
-    copied = copy.deepcopy(model).float()
-    copied.train()
-    precision = Precision("32-true")
-    optimizer = torch.optim.AdamW(copied.parameters(), lr=lr)
-    for i in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss_of(copied, precision, listed[i % len(listed)], loss_fn).backward()
-        optimizer.step()
-    named = dict(copied.named_parameters())
-    rows = []
-    for name, (fmt, _) in pmap.state_formats(copied, default).items():
-        state = optimizer.state.get(named[name])
-        if not fmt.quantized or not state:
-            continue
-        rows.append(
-            StateError(
-                name,
-                str(fmt),
-                moment_error(state["exp_avg"], fmt, signed=True),
-                moment_error(state["exp_avg_sq"], fmt, signed=False),
-            )
-        )
+    assigned = {
+        name: fmt for name, (fmt, _) in pmap.state_formats(model, default).items() if fmt.quantized
+    }
+    errors = moment_errors(
+        model, list(batches), loss_fn, sorted({str(f) for f in assigned.values()}),
+        steps=steps, lr=lr,
+    )  # fmt: skip
+    rows = [
+        StateError(name, str(fmt), *errors[name][str(fmt)])
+        for name, fmt in assigned.items()
+        if name in errors
+    ]
     rows.sort(key=lambda r: -r.worst)
     return StateErrors(rows, float(threshold), steps)

@@ -45,6 +45,7 @@ from mixprec.plan.report import (
     formats_of,
     within,
 )
+from mixprec.plan.state_choice import choose_states, holder_formats, with_states
 from mixprec.plan.units import (
     COUNTS,
     Unit,
@@ -206,13 +207,16 @@ def _weight_dtype(holder: nn.ModuleList) -> torch.dtype | None:
     return weight.dtype if isinstance(weight, Tensor) else None
 
 
-def _plan_map(baseline: Policy, units: list[Unit], chosen: list[str]) -> PolicyMap:
+def _plan_map(
+    baseline: Policy, units: list[Unit], chosen: list[str], states: list[Any] | None = None
+) -> PolicyMap:
     rules = {}
     for unit, fmt in zip(units, chosen, strict=True):
         if fmt != baseline.name:
             for path in unit.paths + unit.aliases:
                 rules[re.escape(path)] = fmt
-    return PolicyMap(baseline, rules)
+    plan = PolicyMap(baseline, rules)
+    return with_states(plan, units, states) if states is not None else plan
 
 
 def search(
@@ -224,6 +228,7 @@ def search(
     formats: Sequence[Any] | None = None,
     baseline: Any = "bf16-mixed",
     count: str = "weights",
+    states: Sequence[str] | None = None,
     eval_batches: Iterable[Any] | None = None,
     tolerance: float = 0.01,
     retries: int = 2,
@@ -251,6 +256,11 @@ def search(
             the one to keep within `tolerance`); other layers stay in it.
         count: ``"weights"`` (parameters and buffers) or ``"training"`` (also gradients,
             AdamW moments and Kahan buffers: `mixprec.plan.units`).
+        states: with ``count="training"``, optimizer-state formats the searched layers'
+            AdamW moments may take (``("int8", "int4")``): each layer keeps the cheapest
+            whose moment error after a few AdamW steps stays small
+            (`mixprec.plan.state_choice`), its bytes counted so; the plan (and the uniform
+            plans beside it) carry them as ``states`` rules.
         eval_batches: held-out batches the plans are verified on (default: `batches`).
         tolerance: the plan's loss may exceed the baseline's by this fraction.
         retries: solves again this many times with measured damages if the plan misses.
@@ -287,6 +297,11 @@ def search(
     budget = Budget.of(budget)
     if count not in COUNTS:
         raise ValueError(f"count must be one of {', '.join(COUNTS)}, got {count!r}")
+    if states is not None and count != "training":
+        raise ValueError(
+            f"states are optimizer-state formats, counted only under count='training' (got "
+            f"count={count!r}); pass count='training' or leave states out"
+        )
     for name, value, least in (
         ("retries", retries, 0),
         ("train_steps", train_steps, 0),
@@ -336,9 +351,15 @@ def search(
     }
     clock = time.perf_counter()
     reference = convert(model, PolicyMap("32-true"))
+    unit_states = (
+        choose_states(reference, units, batches, loss_fn, list(states), lr=lr)
+        if states is not None
+        else None
+    )
     names = [p.name for p in policies]
     holders: list[list[nn.ModuleList | None]] = []
     rows: list[UnitRow] = []
+    base_bytes = 0
     modules = dict(reference.named_modules())
     for unit in units:
         row = UnitRow(unit=unit)
@@ -351,7 +372,10 @@ def search(
                 continue
             holder = candidate(reference, unit, p)
             built.append(holder)
-            row.options[p.name] = Option(bytes=state_bytes(holder, count))
+            formats = holder_formats(holder, unit_states[len(rows)]) if unit_states else None
+            row.options[p.name] = Option(bytes=state_bytes(holder, count, formats))
+            if p.name == base.name:  # the budget's reference keeps float32 states
+                base_bytes += state_bytes(holder, count)
         holders.append(built)
         rows.append(row)
 
@@ -418,7 +442,7 @@ def search(
 
     # 4. solve, verify, retry
     base_costs = {
-        "memory": sum(r.options[base.name].bytes for r in rows),
+        "memory": base_bytes,
         "speed": sum(r.options[base.name].seconds for r in rows),
     }
     limits = [getattr(budget, k) * base_costs[k] for k in budget.kinds]
@@ -430,7 +454,7 @@ def search(
         # format no layer can take would only repeat the baseline
         if name not in (base.name, "32-true") and any(name in r.options for r in rows):
             plans[f"all {name}"] = _plan_map(
-                base, units, [name if name in r.options else base.name for r in rows]
+                base, units, [name if name in r.options else base.name for r in rows], unit_states
             )
     verified: dict[str, Measured] = {}
 
@@ -485,7 +509,7 @@ def search(
             )
             break
         tried[chosen] = attempt
-        plans["plan"] = _plan_map(base, units, list(chosen))
+        plans["plan"] = _plan_map(base, units, list(chosen), unit_states)
         # the first attempt measures every plan, a retry the new plan beside the baseline
         todo = plans if not verified else {k: plans[k] for k in ("plan", "baseline")}
         # uniform plans are timed only when time is budgeted (each is a whole model)
