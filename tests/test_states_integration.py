@@ -4,6 +4,7 @@ FSDP2 too), a PolicyMap's ``states`` rules (policy files, `explain`)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,22 @@ def test_the_optimizer_given_to_setup_still_names_its_wrapper() -> None:
     assert precision.step(sgd)  # the optimizer as given steps through its conversion
     assert opt.optimizer.state[model.body[1].weight]["format"] == "int4"
     assert precision.setup(model, sgd)[1] is opt  # setting up twice changes nothing
+
+
+def test_compensation_goes_to_the_converted_optimizer_of_16_bit_weights() -> None:
+    model = nn.Sequential(nn.Linear(128, 64))
+    precision = Precision(
+        "bf16-true", optimizer_states="int8", compensation="kahan", allow_slow=True
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*round away")  # it compensates itself
+        model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert opt.compensation is None and opt.optimizer.compensation == "kahan"
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    precision.backward(model(x).float().square().mean())
+    precision.step()
+    state = opt.optimizer.state[model[0].weight]
+    assert state["format"] == "int8" and state["compensation"].dtype == torch.bfloat16
 
 
 def test_unsupported_optimizers_and_formats_are_refused() -> None:

@@ -53,6 +53,7 @@ from mixprec.compensated import COMPENSATED_DTYPES, Compensator, check_compensat
 from mixprec.errors import PrecisionError
 from mixprec.masters import MASTER_DTYPES, MasterWeights, master_weights_by_name
 from mixprec.scaling import LossScaler, as_loss_scaler
+from mixprec.states import LowBitOptimizer
 
 __all__ = [
     "LossScaleOptimizer",
@@ -709,7 +710,10 @@ def _warn_uncompensated(
     optimizer: torch.optim.Optimizer, master_dtypes: tuple[torch.dtype, ...]
 ) -> None:
     """One ``UserWarning`` when 16-bit trainable parameters are stepped in place, uncompensated:
-    an update below 2^-9 (bfloat16) or 2^-12 (float16) of a weight rounds away."""
+    an update below 2^-9 (bfloat16) or 2^-12 (float16) of a weight rounds away. A low-bit
+    optimizer built with ``compensation=`` compensates its own updates."""
+    if isinstance(optimizer, LowBitOptimizer) and optimizer.compensation is not None:
+        return
     plain = {
         str(p.dtype).removeprefix("torch.")
         for p in _trainable(optimizer)
