@@ -9,11 +9,13 @@ one code per element:
   block-wise 8-bit optimizers (Dettmers et al., arXiv 2110.02861): a sign (signed map, for
   the first moment), a run of zero bits giving the decade, an indicator bit, the remaining
   bits a linear fraction of the decade; the unsigned map (second moment) spends the sign
-  bit on one more fraction bit.
+  bit on one more fraction bit. Our signed map holds -1 in place of its smallest positive
+  value, so that a block's largest magnitude is kept exactly whatever its sign.
 - ``int4`` (block 128): a 4-bit index, two packed per byte. The first moment takes the
-  signed dynamic map with 3 exponent bits; the second moment a linear map with no zero,
-  1/16 .. 16/16, as the 4-bit optimizer study (Li et al., arXiv 2309.01507) advises: a
-  second moment rounded to zero turns its update ``m / sqrt(v)`` into a huge step.
+  signed dynamic map with 3 exponent bits (-1 in place of its smallest positive value);
+  the second moment a linear map with no zero, 1/16 .. 16/16, as the 4-bit optimizer
+  study (Li et al., arXiv 2309.01507) advises: a second moment rounded to zero turns its
+  update ``m / sqrt(v)`` into a huge step.
 - ``fp8`` (block 256): float8 e4m3 codes of the element divided by its block's scale (the
   block's largest magnitude over 448, e4m3's largest finite value).
 
@@ -136,70 +138,78 @@ def parse_state_format(spec: str | StateFormat) -> StateFormat:
 
 
 def _dynamic_map(bits: int, signed: bool, exponent_bits: int) -> list[float]:
-    """The dynamic tree code map: for each decade ``10^-e`` (``e`` from ``exponent_bits - 1``
-    down to 0) the midpoints of an even split of [0.1, 1] times the decade, into as many
-    parts as the fraction bits left after the decade's marker give; then 0 and 1 (and the
-    negatives of the decades' values when ``signed``). ``2^bits`` values."""
+    """The dynamic tree code map, sorted: for each decade ``10^-e`` (``e`` from
+    ``exponent_bits - 1`` down to 0) the midpoints of an even split of [0.1, 1] times the
+    decade, into as many parts as the fraction bits left after the decade's marker give;
+    then 0 and 1. A signed map also holds the negatives of these values and -1, and drops
+    its smallest positive value to make room: a block whose largest magnitude is negative
+    keeps it exactly, as one whose largest is positive does (the paper's map has no -1, so
+    the former would shrink by half its top step every time). ``2^bits`` values."""
     free = bits - 1  # the bits after the sign (an unsigned map uses it as a fraction bit)
-    values = [0.0, 1.0]
+    magnitudes = []
     for i in range(exponent_bits):
         parts = 2 ** (i + free - exponent_bits + (0 if signed else 1))
         decade = 10.0 ** (i - exponent_bits + 1)
         for j in range(parts):
             low = 0.1 + 0.9 * j / parts
             high = 0.1 + 0.9 * (j + 1) / parts
-            mid = decade * (low + high) / 2
-            values += [mid, -mid] if signed else [mid]
+            magnitudes.append(decade * (low + high) / 2)
+    values = [0.0, *magnitudes, 1.0]
+    if signed:
+        values = [-1.0, *(-m for m in magnitudes), 0.0, *magnitudes[1:], 1.0]
     assert len(values) == 2**bits, (bits, signed, len(values))
     return sorted(values)
 
 
-# the top 16 bits of a float32 >= 0 (exponent and 7 mantissa bits) index the lookup table
-# that gives the nearest code of the cell's smallest value
+# the top 16 bits of a float32 (sign, exponent and 7 mantissa bits) index the table of the
+# nearest code of each cell's value nearest zero
 _CELL_SHIFT = 16
-_CELL_OF_ONE = 0x3F80  # 1.0's cell
-
-
-# the negative values of the signed maps (no -1: as many as the positive values below 1)
-_NEGATIVES = {"int8": 127, "int4": 7}
+_CELLS = 1 << 16
+_FIRST_NEGATIVE = 0x8000  # the cell of -0.0
 
 
 def _lookup(kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cell table, boundaries) of the magnitudes of ``kind``'s map (for a signed map: 0,
-    its positive values, 1): the int32 code of the nearest magnitude to each cell's
-    smallest value, and the midpoints between neighbouring magnitudes (the last one
-    infinite). Each cell holds at most one boundary (checked here), so one comparison
-    finishes the search."""
-    table = code_map(kind, signed)
-    magnitudes = table[table >= 0] if signed else table
-    bounds = (magnitudes[1:] + magnitudes[:-1]) / 2
-    cells = torch.arange(_CELL_OF_ONE + 1, dtype=torch.int32) << _CELL_SHIFT
-    low = cells.view(torch.float32)
-    high = (cells | ((1 << _CELL_SHIFT) - 1)).view(torch.float32)
-    first = torch.bucketize(low, bounds, out_int32=True)
-    last = torch.bucketize(high, bounds, out_int32=True)
-    assert int((last - first).max()) <= 1, f"two code boundaries in a cell of the {kind} map"
-    return first, torch.cat([bounds, torch.tensor([float("inf")])])
+    """(cell table, farther boundaries) of ``kind``'s map: the uint8 code of the value
+    nearest each cell's value nearest zero (cells past 1 in magnitude: that of +-1, or of
+    the end of the map), and for each code, on each side of zero (the negative side at
+    ``256 + code``), the magnitude past which the next code away from zero is nearer
+    (infinite at the ends). Each cell holds at most one boundary (checked here), so one
+    comparison finishes the search."""
+    table = code_map(kind, signed).double()
+    bounds = (table[1:] + table[:-1]) / 2
+    cells = torch.arange(_CELLS, dtype=torch.int32) << _CELL_SHIFT
+    near = cells.view(torch.float32).double().clamp(-1, 1)
+    far = (cells | ((1 << _CELL_SHIFT) - 1)).view(torch.float32).double().clamp(-1, 1)
+    end = torch.where(cells < 0, -1.0, 1.0).double()  # a NaN's cell: that of +-1
+    near = torch.where(near.isnan(), end, near)
+    far = torch.where(far.isnan(), end, far)
+    first = torch.bucketize(near, bounds)
+    last = torch.bucketize(far, bounds)
+    assert int((last - first).abs().max()) <= 1, f"two boundaries in a cell of the {kind} map"
+    inf = torch.tensor([float("inf")], dtype=torch.float64)
+    outward = torch.cat([bounds, inf])  # code k -> k + 1, for values >= 0
+    inward = torch.cat([inf, -bounds])  # code k -> k - 1, for values < 0
+    padded = [
+        torch.nn.functional.pad(t, (0, 256 - t.numel()), value=float("inf"))
+        for t in (outward, inward)
+    ]
+    return first.to(torch.uint8), torch.cat(padded).float()
 
 
 def nearest_code(
     y: torch.Tensor, kind: str, signed: bool, tables: tuple[torch.Tensor, ...]
 ) -> torch.Tensor:
     """The int32 code of the map value nearest to each element of ``y`` (float32, in
-    [-1, 1]; >= 0 for an unsigned map) without a search: the top bits of ``|y|`` index a
-    table of the nearest magnitude of each cell, and one comparison with the next
-    boundary finishes. Sorted codes: an unsigned map is its values in order; a signed
-    one the negatives, 0, the positives, 1 (no -1: a negative near -1 takes the most
-    negative value). ``tables``: `code_tables`."""
+    [-1, 1]; >= 0 for an unsigned map) without a search: the top bits of ``y`` index a
+    table of each cell's nearest code, and one comparison with the boundary to the next
+    code away from zero finishes. ``tables``: `code_tables`."""
     _, cell_code, bounds = tables
-    a = y.abs()
-    cell = (a.view(torch.int32) >> _CELL_SHIFT).clamp(0, _CELL_OF_ONE)
-    code = cell_code[cell]
-    code = code + (a > bounds[code]).to(torch.int32)
-    if not signed:
-        return code
-    zero = _NEGATIVES[kind]
-    return torch.where(y < 0, zero - code.clamp(max=zero), zero + code)
+    bits = y.view(torch.int32)
+    cell = (bits >> _CELL_SHIFT) & (_CELLS - 1)
+    code = cell_code[cell].to(torch.int32)
+    negative = bits < 0
+    past = y.abs() > bounds[code + negative.to(torch.int32) * 256]
+    return code + torch.where(negative, -past.to(torch.int32), past.to(torch.int32))
 
 
 def code_map(kind: str, signed: bool) -> torch.Tensor:

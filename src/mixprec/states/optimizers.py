@@ -306,6 +306,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             for name, value in entry.items():
                 if torch.is_tensor(value) and name != "step":
                     state[name] = _like_saved(value, p)
+                elif not torch.is_tensor(value):  # torch's loader rebuilds a string
+                    state[name] = value
             if "format" not in state:
                 self.adopt(p, state, self._group_of(p))
         if generator is not None:
