@@ -269,7 +269,7 @@ def test_low_bit_adamw_tracks_float32_adamw(fmt, most):
     moved = _max_diff(ref, _params())
     assert moved > 0.2
     assert _max_diff(ours, ref) < most * 10
-    mean = sum(float((a - b).abs().mean()) for a, b in zip(ours, ref, strict=True)) / len(ours)
+    mean = sum(float((a - b).detach().abs().mean()) for a, b in zip(ours, ref, strict=True)) / 4
     assert mean < most
 
 

@@ -128,7 +128,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if state and "format" in state:
             return parse_state_format(state["format"])
         fmt = parse_state_format(group["states"])
-        if _local(p).numel() < self.min_size or (self.keep_float32 and self.keep_float32(p)):
+        # (a DTensor's whole size: every rank of a sharded parameter takes the same format)
+        if p.numel() < self.min_size or (self.keep_float32 and self.keep_float32(p)):
             return StateFormat("float32")
         return fmt
 

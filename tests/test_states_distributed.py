@@ -1,0 +1,113 @@
+"""Low-bit optimizer states across processes, on 2 gloo ranks: under DDP every rank holds
+the same states; under FSDP2 each rank quantizes its own shard, its states are DTensors
+sharded like the parameters, and a `torch.distributed.checkpoint` save and load resumes
+the run bit for bit."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from spawning import run_ranks
+from torch import nn
+
+from mixprec.states import LowBitAdamW
+
+WORLD = 2
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 300), nn.ReLU(), nn.Linear(300, 33))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int) -> None:
+    for i in steps:
+        g = torch.Generator().manual_seed(100 * i + rank)
+        x, y = torch.randn(8, 32, generator=g), torch.randn(8, 33, generator=g)
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _same_on_every_rank(t: torch.Tensor) -> bool:
+    t = t.detach().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.detach()
+    t = t.float()
+    gathered = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(gathered, t)
+    return all(torch.equal(gathered[0], g) for g in gathered[1:])
+
+
+def _ddp_worker(rank: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(_model())
+    opt = LowBitAdamW(model.parameters(), lr=1e-2, states="int4", min_size=1000, compile=False)
+    _train(model, opt, range(4), rank)
+    tensors = [p for p in model.parameters()]
+    tensors += [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert {s["format"] for s in opt.state.values()} == {"int4", "float32"}
+    assert all(_same_on_every_rank(t) for t in tensors)
+
+
+def test_ddp_ranks_hold_identical_low_bit_states():
+    run_ranks(_ddp_worker, nprocs=WORLD)
+
+
+def _fsdp(states: str) -> tuple[nn.Module, LowBitAdamW]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, LowBitAdamW(model.parameters(), lr=1e-2, states=states, min_size=0, compile=False)
+
+
+def _local_bits(t: torch.Tensor) -> torch.Tensor:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.detach().view(torch.uint8) if local.dtype == torch.float8_e4m3fn else local
+
+
+def _fsdp_worker(rank: int, path: str, states: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.tensor import DTensor
+
+    straight, opt = _fsdp(states)
+    _train(straight, opt, range(6), rank)
+    weight = straight[0].weight
+    codes = opt.state[weight]["exp_avg_codes"]
+    assert isinstance(weight, DTensor) and isinstance(codes, DTensor)
+    # the local shard (150 rows of 32) quantized in its own blocks, every rank's codes padded
+    # to the same number of blocks
+    fmt_block = {"int8": 256, "fp8": 256, "int4": 128}[states]
+    local_blocks = -(-150 * 32 // fmt_block)
+    assert opt.state[weight]["exp_avg_scales"].to_local().shape == (local_blocks,)
+    assert codes.shape[0] == WORLD * codes.to_local().shape[0]
+
+    first, opt_a = _fsdp(states)
+    _train(first, opt_a, range(3), rank)
+    model_state, optim_state = get_state_dict(first, opt_a)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+    resumed, opt_b = _fsdp(states)
+    model_state, optim_state = get_state_dict(resumed, opt_b)
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=path)
+    set_state_dict(
+        resumed, opt_b, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"]
+    )
+    _train(resumed, opt_b, range(3, 6), rank)
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(_local_bits(a), _local_bits(b))
+    for p, q in zip(straight.parameters(), resumed.parameters(), strict=True):
+        for name, value in opt.state[p].items():
+            if torch.is_tensor(value):
+                assert torch.equal(_local_bits(value), _local_bits(opt_b.state[q][name])), name
+
+
+def test_fsdp2_states_are_sharded_and_resume_bit_identically_through_dcp(tmp_path):
+    for states in ("int8", "int4"):
+        run_ranks(_fsdp_worker, str(tmp_path / states), states, nprocs=WORLD)
