@@ -364,7 +364,9 @@ def target_lines(model: str, table: list[dict[str, Any]]) -> list[str]:
             (
                 f"held-out loss within {loss_tol:.1%} of float32 states'",
                 abs(row["loss_vs_baseline"]) <= loss_tol,
-                f"{row['loss_vs_baseline']:+.2%}",
+                f"{row['loss_vs_baseline']:+.2%}"
+                if math.isfinite(row["loss_vs_baseline"])
+                else "the run diverged: held-out loss nan",
             )
         ]
         if state_max is not None:
@@ -372,7 +374,7 @@ def target_lines(model: str, table: list[dict[str, Any]]) -> list[str]:
                 (
                     f"state bytes <= {state_max}x float32 states'",
                     row["state_vs_baseline"] <= state_max,
-                    f"{row['state_vs_baseline']:.3f}x",
+                    f"{row['state_vs_baseline']:.4f}x",
                 )
             )
         if row.get("optimizer_step_vs_baseline") is not None:
