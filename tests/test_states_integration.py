@@ -156,6 +156,16 @@ def test_a_policy_map_state_rule_gives_a_layer_its_own_format(tmp_path: Path) ->
     assert "states={'body\\\\.1': 'int4', 'embed': 'int8'}" in pmap.to_code()
 
 
+def test_a_policy_maps_single_format_converts_without_splitting_groups() -> None:
+    model = Net()
+    precision = Precision(PolicyMap("32-true", states="int4"))
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["states"] == "int4"
+    _step(precision, model, opt, next(iter(loader())))
+    assert opt.optimizer.state[model.body[1].weight]["format"] == "int4"
+    assert opt.optimizer.state[model.embed.weight]["format"] == "float32"
+
+
 def test_bad_state_rules_are_refused_naming_the_rule() -> None:
     with pytest.raises(PolicySpecError, match=r"state rule 'head'.*unknown state format"):
         PolicyMap("32-true", states={"head": "int3"})

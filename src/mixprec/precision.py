@@ -298,7 +298,8 @@ class Precision:
                 f"mixprec.states optimizer as it is), got {type(optimizer).__name__}: build one "
                 "of those, or leave optimizer_states out"
             )
-        default = self.optimizer_states or "float32"
+        states = self.policy.states
+        default = self.optimizer_states or (states if isinstance(states, str) else "float32")
         assigned = self.policy.state_formats(model, self.optimizer_states)
         named = dict(model.named_parameters())
         # float32 ones are picked per parameter (a master stands for its parameter), which
