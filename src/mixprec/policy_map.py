@@ -605,7 +605,8 @@ class PolicyMap:
             f"{k!r}: {p.name!r}" if isinstance(k, str) else f"{k.__name__}: {p.name!r}"
             for k, p in self.rules.items()
         )
-        return f"PolicyMap({self.default.name!r}, {{{rules}}})"
+        states = f", states={self.states!r}" if self.states is not None else ""
+        return f"PolicyMap({self.default.name!r}, {{{rules}}}{states})"
 
 
 _MAP_KEYS = ("default", "rules", "float32_islands", "float32_attention", "states")
