@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import torch
 
@@ -37,7 +36,6 @@ __all__ = [
     "DEFAULT_BLOCKS",
     "FP8_MAX",
     "KINDS",
-    "QUANTIZED_KINDS",
     "StateFormat",
     "code_map",
     "code_tables",
@@ -51,7 +49,6 @@ __all__ = [
 ]
 
 KINDS: tuple[str, ...] = ("float32", "int8", "int4", "fp8")
-QUANTIZED_KINDS: tuple[str, ...] = ("int8", "int4", "fp8")
 DEFAULT_BLOCKS: dict[str, int] = {"int8": 256, "int4": 128, "fp8": 256}
 # e4m3's largest finite value: a block's largest magnitude maps onto it
 FP8_MAX = 448.0
@@ -63,11 +60,13 @@ _ACCEPTED = (
 
 @dataclasses.dataclass(frozen=True)
 class StateFormat:
-    """One moment's storage: ``kind`` (one of `KINDS`) and, for the low-bit kinds, the
-    number of elements sharing a float32 scale (``block``; None for float32).
+    """One moment's storage. ``StateFormat("int8")`` takes the kind's default block;
+    ``str()`` gives the spec back (``"int8/block=128"`` where the block is not the default).
 
-    ``StateFormat("int8")`` takes the kind's default block; ``str()`` gives the spec back
-    (``"int8/block=128"`` where the block is not the default)."""
+    Attributes:
+        kind: ``"float32"``, ``"int8"``, ``"int4"`` or ``"fp8"``.
+        block: elements sharing one float32 scale (an even number; None for float32).
+    """
 
     kind: str
     block: int | None = None
@@ -325,8 +324,3 @@ def moment_error(x: torch.Tensor, fmt: StateFormat | str, *, signed: bool | None
     if norm == 0:
         return 0.0
     return float(torch.linalg.vector_norm(back - x32) / norm)
-
-
-def describe(value: Any) -> str:
-    """A state format spec as a user wrote it, for messages."""
-    return repr(value) if isinstance(value, str) else str(value)

@@ -26,9 +26,8 @@ import torch
 from mixprec.states.formats import StateFormat, decode, encode
 
 __all__ = [
-    "ADAM_SCALARS",
+    "RECOMPILE_LIMIT",
     "run_compiled",
-    "SGD_SCALARS",
     "adam_update",
     "can_compile",
     "compiled",
@@ -38,9 +37,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# the layout of the hyperparameter tensor each kernel reads
-ADAM_SCALARS = ("lr", "beta1", "beta2", "eps", "weight_decay", "step_size", "inv_sqrt_bc2")
-SGD_SCALARS = ("lr", "keep", "gain", "weight_decay", "momentum")
+# the builds one update function may hold (formats x dtypes x compensations x size classes)
+RECOMPILE_LIMIT = 64
 
 
 def _load(
@@ -77,7 +75,7 @@ def _write(
     """Write the float32 ``new`` into the flat parameter ``p`` as ``compensation`` says;
     the float32 result for ``"stochastic"`` (rounded by the caller), else None."""
     if compensation == "stochastic":
-        return new
+        return new.reshape(-1)
     if compensation == "kahan":
         assert buf is not None
         old = p.to(torch.float32)
@@ -88,6 +86,15 @@ def _write(
         return None
     p.copy_(new)
     return None
+
+
+def _blocks(x: torch.Tensor | None, fmt: StateFormat) -> torch.Tensor | None:
+    """A flat tensor as (blocks, block) for a low-bit format, so that the moments' blocks,
+    the parameter and its gradient share one iteration space (one fused loop); as it is
+    for float32."""
+    if x is None or not fmt.quantized:
+        return x
+    return x.view(-1, fmt.block)  # type: ignore[arg-type]
 
 
 def adam_update(
@@ -105,25 +112,24 @@ def adam_update(
     decoupled: bool,
     compensation: str | None,
 ) -> torch.Tensor | None:
-    """One Adam/AdamW update of the flat parameter ``p`` with the flat gradient ``g``;
-    the moments as ``fmt`` keeps them (codes and scales, or float32 with no scales);
-    ``tables``: the first moment's `code_tables`, then the second's; ``hp``:
-    `ADAM_SCALARS`. Decoupled weight decay (AdamW) or L2 added to the gradient (Adam)."""
+    """One Adam/AdamW update of the flat parameter ``p`` (a whole number of blocks for a
+    low-bit format) with the flat gradient ``g``; the moments in the format ``kind`` and
+    ``block`` name (codes and scales, or float32 with no scales); ``tables``: the first
+    moment's `code_tables`, then the second's; ``hp``: float32 (lr, beta1, beta2, eps,
+    weight_decay, lr / (1 - beta1^step), (1 - beta2^step)^-1/2). Decoupled weight decay
+    (AdamW) or L2 added to the gradient (Adam). Returns the float32 result for stochastic
+    rounding, else None (``p`` written in place)."""
     fmt = StateFormat(kind, block)
     lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp.unbind()
+    p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
     p32 = p.to(torch.float32)
     g32 = g.to(torch.float32)
     if not decoupled:
         g32 = g32 + wd * p32
-    if fmt.quantized:
-        g32 = g32.view(-1, block)
     m1 = torch.lerp(_load(m, m_scales, tables[:3], fmt), g32, 1 - beta1)
     m2 = _load(v, v_scales, tables[3:], fmt) * beta2 + (1 - beta2) * g32 * g32
     _store(m1, m, m_scales, fmt, True, tables[:3])
     _store(m2, v, v_scales, fmt, False, tables[3:])
-    if fmt.quantized:
-        m1 = m1.reshape(-1)
-        m2 = m2.reshape(-1)
     update = step_size * m1 / (m2.sqrt() * inv_sqrt_bc2 + eps)
     new = p32 * (1 - lr * wd) - update if decoupled else p32 - update
     return _write(p, new, buf, compensation)
@@ -143,18 +149,17 @@ def sgd_update(
     compensation: str | None,
 ) -> torch.Tensor | None:
     """One SGD update of the flat ``p``, with momentum buffer ``b`` (None without momentum)
-    kept as ``fmt`` says; ``hp``: `SGD_SCALARS` (``keep`` and ``gain`` are 0 and 1 on the
-    first step, so that the buffer starts as the gradient, as torch's does)."""
+    in the format ``kind`` and ``block`` name; ``hp``: float32 (lr, keep, gain,
+    weight_decay, momentum), ``keep`` and ``gain`` 0 and 1 on the first step, so that the
+    buffer starts as the gradient, as torch's does."""
     fmt = StateFormat(kind, block)
     lr, keep, gain, wd, momentum = hp.unbind()
+    p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
     p32 = p.to(torch.float32)
     d = g.to(torch.float32) + wd * p32
     if b is not None:
-        dp = d.view(-1, block) if fmt.quantized else d
-        mom = _load(b, b_scales, tables, fmt) * keep + gain * dp
+        mom = _load(b, b_scales, tables, fmt) * keep + gain * d
         _store(mom, b, b_scales, fmt, True, tables)
-        if fmt.quantized:
-            mom = mom.reshape(-1)
         d = d + momentum * mom if nesterov else mom
     return _write(p, p32 - lr * d, buf, compensation)
 
@@ -187,7 +192,11 @@ def run_compiled(algorithm: str, args: tuple) -> torch.Tensor | None:
     for t in args[:-5]:  # not hp and the constants after it
         if torch.is_tensor(t):
             torch._dynamo.maybe_mark_dynamic(t, 0)
-    return compiled(algorithm)(*args)
+    # each format, dtype, compensation and size class (one block, several) is a build of
+    # the one function: more than torch's default of 8 builds per function in a model that
+    # mixes formats, past which the update would silently run uncompiled
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        return compiled(algorithm)(*args)
 
 
 def eager(algorithm: str) -> Callable[..., torch.Tensor | None]:

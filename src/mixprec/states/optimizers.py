@@ -171,7 +171,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _step_param(
         self, p: torch.Tensor, group: dict[str, Any], total: int, scalars: dict
     ) -> None:
-        raise NotImplementedError
+        """Update ``p`` (each algorithm's own); ``total``: the elements this step updates,
+        ``scalars``: the hyperparameter tensors made so far this step, shared by equal
+        groups and steps."""
+        raise NotImplementedError(f"{type(self).__name__} defines no update")
 
     def _run(
         self,
