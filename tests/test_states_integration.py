@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mixprec import PolicyMap, Precision
+from mixprec.cli import main
 from mixprec.doctor import state_errors
 from mixprec.errors import PolicySpecError
 from mixprec.plan import BudgetError, search
@@ -379,3 +380,37 @@ def test_a_training_search_chooses_state_formats_and_its_policy_file_carries_the
     assert loaded.states == {"0": "int8", "2": "int8"}
     with pytest.raises(ValueError, match="count='training'"):
         search(model, batches, F.mse_loss, budget={"memory": 0.7}, states=["int8"])
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+
+class TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.flat = nn.Linear(64, 64, bias=False)
+        self.rough = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.flat(torch.ones_like(x)).sum() + self.rough(x).square().sum()
+
+
+def make():
+    return TwoBranches(), torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+"""
+
+
+def test_mixprec_doctor_states_names_the_hurt_layer_and_exits_1(tmp_path, capsys) -> None:
+    path = tmp_path / "factory.py"
+    path.write_text(FACTORY)
+    args = ["doctor", f"{path}:make", "--precision", "32-true", "--no-report"]
+    assert main([*args, "--states", "int4"]) == 1
+    out = capsys.readouterr().out
+    assert "rough.weight  int4" in out and "HURT" in out
+    assert "states={'rough': 'float32'}" in out
+    assert main([*args, "--states", "int8"]) == 0  # the diagnosis passes, no layer hurt
+    assert main([*args, "--states", "int9"]) == 2
+    assert "--states: unknown state format 'int9'" in capsys.readouterr().err
