@@ -366,6 +366,17 @@ def test_refusals_name_what_to_do():
         from_optimizer(torch.optim.AdamW(params, amsgrad=True))
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4/block=96"])
+def test_a_large_parameter_steps_in_parts_with_the_same_result(fmt, monkeypatch):
+    from mixprec.states import optimizers
+
+    whole, parts = _params(), _params()
+    _run(LowBitAdamW(whole, lr=1e-2, states=fmt, min_size=0, compile=False), whole, range(3))
+    monkeypatch.setattr(optimizers, "CHUNK", 1000)  # not a whole number of blocks either
+    _run(LowBitAdamW(parts, lr=1e-2, states=fmt, min_size=0, compile=False), parts, range(3))
+    assert all(torch.equal(a, b) for a, b in zip(whole, parts, strict=True))
+
+
 # -- checkpoints --------------------------------------------------------------------------------
 
 

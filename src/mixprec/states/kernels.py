@@ -37,6 +37,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# what an update returns: the float32 result for stochastic rounding (or None), and the
+# updated low-bit moments in float32
+Update = tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]
 # the builds one update function may hold (formats x dtypes x compensations x size classes)
 RECOMPILE_LIMIT = 64
 
@@ -88,6 +91,14 @@ def _write(
     return None
 
 
+def _kept(fmt: StateFormat, *moments: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The updated float32 moments of a low-bit format, returned by the update so that the
+    compiled code computes them once, kept in memory for the update of the parameter, rather
+    than decoding the old codes again in each loop that reads them (the requantization's
+    and the parameter's); nothing for float32 moments, which the state holds."""
+    return moments if fmt.quantized else ()
+
+
 def _blocks(x: torch.Tensor | None, fmt: StateFormat) -> torch.Tensor | None:
     """A flat tensor as (blocks, block) for a low-bit format, so that the moments' blocks,
     the parameter and its gradient share one iteration space (one fused loop); as it is
@@ -111,14 +122,14 @@ def adam_update(
     block: int | None,
     decoupled: bool,
     compensation: str | None,
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
     """One Adam/AdamW update of the flat parameter ``p`` (a whole number of blocks for a
     low-bit format) with the flat gradient ``g``; the moments in the format ``kind`` and
     ``block`` name (codes and scales, or float32 with no scales); ``tables``: the first
     moment's `code_tables`, then the second's; ``hp``: float32 (lr, beta1, beta2, eps,
     weight_decay, lr / (1 - beta1^step), (1 - beta2^step)^-1/2). Decoupled weight decay
     (AdamW) or L2 added to the gradient (Adam). Returns the float32 result for stochastic
-    rounding, else None (``p`` written in place)."""
+    rounding, else None (``p`` written in place), and the updated moments (`_kept`)."""
     fmt = StateFormat(kind, block)
     lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp.unbind()
     p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
@@ -132,7 +143,7 @@ def adam_update(
     _store(m2, v, v_scales, fmt, False, tables[3:])
     update = step_size * m1 / (m2.sqrt() * inv_sqrt_bc2 + eps)
     new = p32 * (1 - lr * wd) - update if decoupled else p32 - update
-    return _write(p, new, buf, compensation)
+    return _write(p, new, buf, compensation), _kept(fmt, m1, m2)
 
 
 def sgd_update(
@@ -147,31 +158,33 @@ def sgd_update(
     block: int | None,
     nesterov: bool,
     compensation: str | None,
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
     """One SGD update of the flat ``p``, with momentum buffer ``b`` (None without momentum)
     in the format ``kind`` and ``block`` name; ``hp``: float32 (lr, keep, gain,
     weight_decay, momentum), ``keep`` and ``gain`` 0 and 1 on the first step, so that the
-    buffer starts as the gradient, as torch's does."""
+    buffer starts as the gradient, as torch's does. Returns what `adam_update` returns."""
     fmt = StateFormat(kind, block)
     lr, keep, gain, wd, momentum = hp.unbind()
     p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
     p32 = p.to(torch.float32)
     d = g.to(torch.float32) + wd * p32
+    kept: tuple[torch.Tensor, ...] = ()
     if b is not None:
         mom = _load(b, b_scales, tables, fmt) * keep + gain * d
         _store(mom, b, b_scales, fmt, True, tables)
         d = d + momentum * mom if nesterov else mom
-    return _write(p, p32 - lr * d, buf, compensation)
+        kept = _kept(fmt, mom)
+    return _write(p, p32 - lr * d, buf, compensation), kept
 
 
-_KERNELS: dict[str, Callable[..., torch.Tensor | None]] = {
+_KERNELS: dict[str, Callable[..., Update]] = {
     "adam": adam_update,
     "sgd": sgd_update,
 }
-_COMPILED: dict[str, Callable[..., torch.Tensor | None]] = {}
+_COMPILED: dict[str, Callable[..., Update]] = {}
 
 
-def compiled(algorithm: str) -> Callable[..., torch.Tensor | None]:
+def compiled(algorithm: str) -> Callable[..., Update]:
     """The torch.compile'd update of ``algorithm`` (``"adam"`` or ``"sgd"``), built on
     first use; `run_compiled` calls it with dynamic sizes (one build per format, dtype and
     compensation)."""
@@ -185,7 +198,7 @@ def compiled(algorithm: str) -> Callable[..., torch.Tensor | None]:
     return _COMPILED[algorithm]
 
 
-def run_compiled(algorithm: str, args: tuple) -> torch.Tensor | None:
+def run_compiled(algorithm: str, args: tuple) -> Update:
     """Call the compiled update of ``algorithm`` on ``args`` (those of `adam_update` or
     `sgd_update`), the first dimension of every tensor but the tables and ``hp`` marked
     dynamic: one build serves every size, while the block stays a constant of the code."""
@@ -199,7 +212,7 @@ def run_compiled(algorithm: str, args: tuple) -> torch.Tensor | None:
         return compiled(algorithm)(*args)
 
 
-def eager(algorithm: str) -> Callable[..., torch.Tensor | None]:
+def eager(algorithm: str) -> Callable[..., Update]:
     """The update of ``algorithm`` run op by op (the compiled one's math)."""
     return _KERNELS[algorithm]
 

@@ -37,6 +37,7 @@ from mixprec.states.formats import (
 )
 
 __all__ = [
+    "CHUNK",
     "COMPILE_MIN_ELEMENTS",
     "MIN_SIZE",
     "AdamW4bit",
@@ -52,6 +53,8 @@ __all__ = [
 # parameters with fewer elements keep float32 moments (their bytes are few, their scales
 # would be many)
 MIN_SIZE = 4096
+# elements per call of a low-bit update (which holds its moments in float32 meanwhile)
+CHUNK = 1 << 22
 # compile=None compiles a step covering at least this many elements (the first step's
 # build, seconds, then pays back)
 COMPILE_MIN_ELEMENTS = 1 << 18
@@ -186,8 +189,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         statics: tuple,
         total: int,
     ) -> None:
-        """Update ``p`` from its flat views: the whole blocks in one call, the last partial
-        block (if any) from zero-padded copies in a second; then the stochastic rounding."""
+        """Update ``p`` from its flat views: the whole blocks in calls of at most ``CHUNK``
+        elements, the last partial block (if any) from zero-padded copies; then the
+        stochastic rounding."""
         local = _local(p)
         fmt = parse_state_format(state["format"])
         compensation = self.compensation if local.dtype in COMPENSATED_DTYPES else None
@@ -199,15 +203,21 @@ class LowBitOptimizer(torch.optim.Optimizer):
         cut = n - n % fmt.block if fmt.quantized else n  # type: ignore[operator]
         codes = fmt.code_bytes(cut)
         pieces = []
-        if cut:
+        # a low-bit update holds its moments in float32 while it runs: in parts of at most
+        # CHUNK elements, so that this stays small beside a large parameter
+        step = CHUNK - CHUNK % fmt.block if fmt.quantized else max(cut, 1)  # type: ignore[operator]
+        for begin in range(0, cut, step):
+            end = min(cut, begin + step)
             states = [
                 (
-                    None if t is None else t[:codes] if fmt.quantized else t,
-                    None if s is None else s[: cut // fmt.block],
+                    None if t is None
+                    else t[fmt.code_bytes(begin) : fmt.code_bytes(end)] if fmt.quantized else t,
+                    None if s is None else s[begin // fmt.block : end // fmt.block],
                 )  # type: ignore[operator]
                 for t, s in moments
-            ]
-            pieces.append((flat[:cut], grad[:cut], states, None if buf is None else buf[:cut]))
+            ]  # fmt: skip
+            piece_buf = None if buf is None else buf[begin:end]
+            pieces.append((flat[begin:end], grad[begin:end], states, piece_buf))
         if cut < n:  # the last block, padded
             size = fmt.block
             blocks = cut // size  # type: ignore[operator]
@@ -233,7 +243,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             args += (hp, fmt.kind, fmt.block, *statics, compensation)
             result, ran = self._compiled(args) if compiled else (None, False)
             if not ran:
-                result = kernels.eager(self.algorithm)(*args)
+                result, _ = kernels.eager(self.algorithm)(*args)
             results.append(result)
         if cut < n:
             flat[cut:] = pieces[-1][0][: n - cut]
@@ -260,7 +270,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         from torch._dynamo.exc import BackendCompilerFailed
 
         try:
-            return kernels.run_compiled(self.algorithm, args), True
+            return kernels.run_compiled(self.algorithm, args)[0], True
         except BackendCompilerFailed as error:
             if self.compile is not None:
                 raise
