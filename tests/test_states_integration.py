@@ -213,6 +213,23 @@ def test_the_trainer_switch_trains_low_bit_states_and_resumes_them_bit_identical
             assert torch.equal(v, sb[pb][k]) if torch.is_tensor(v) else v == sb[pb][k], k
 
 
+def test_float16_weights_step_int8_states_through_their_float32_masters(tmp_path):
+    model = Net()
+    trainer = Trainer(
+        precision="16-true", optimizer_states="int8", max_steps=4, allow_slow_precision=True,
+        **QUIET,
+    )  # fmt: skip
+    trainer.fit(model, loader())
+    opt = trainer.optimizers[0]
+    assert len(opt.master_params) == len(list(model.parameters()))  # every weight: float16
+    master = opt.master_params[model.body[1].weight]
+    assert master.dtype == torch.float32
+    assert opt.optimizer.state[master]["format"] == "int8"
+    # the embedding's master keeps float32 moments, as the embedding would
+    assert opt.optimizer.state[opt.master_params[model.embed.weight]]["format"] == "float32"
+    assert opt.param_groups[0]["lr"] == 3e-3 * 0.5  # the schedule drove it: 4 steps, 3 a halving
+
+
 def test_a_scheduler_over_a_group_split_by_format_is_refused(tmp_path):
     pmap = PolicyMap("32-true", states={"body\\.1": "int4"})
     trainer = Trainer(precision=pmap, optimizer_states="int8", max_steps=1, **QUIET)

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from mixprec.hardware import DeviceInfo, Support
 from mixprec.policy_map import PolicyMap
 from mixprec.precision import Precision
+from mixprec.states import parse_state_format
 from mixprec.trainer.callbacks import Callback, ModelCheckpoint, check_callback, keeps_state
 from mixprec.trainer.module import TrainingModule, hooks_not_called
 from mixprec.trainer.progress import RichProgressBar
@@ -280,7 +281,8 @@ def choose_precision(
     """
     if isinstance(precision, Precision):
         _check_given(precision, device, allow_slow)
-        if optimizer_states is not None and precision.optimizer_states != optimizer_states:
+        wanted = str(parse_state_format(optimizer_states)) if optimizer_states else None
+        if wanted is not None and precision.optimizer_states != wanted:
             raise ValueError(
                 f"optimizer_states={optimizer_states!r}, but the Precision given was built "
                 f"with optimizer_states={precision.optimizer_states!r}; the Trainer runs a "

@@ -117,8 +117,10 @@ def repoint_converted(configs: list[dict[str, Any]], precision: Precision) -> No
         new = precision.converted(old) if isinstance(old, torch.optim.Optimizer) else None
         if new is None:
             continue
+        # the wrapper may have put float32 masters in place of 16-bit parameters
+        wrapper = next(w for w in precision.optimizers if w.optimizer is new)
         groups = [[id(p) for p in g["params"]] for g in old.param_groups]
-        if groups != [[id(p) for p in g["params"]] for g in new.param_groups]:
+        if groups != [[id(wrapper.model_param(p)) for p in g["params"]] for g in new.param_groups]:
             raise ValueError(
                 f"scheduler {type(sched).__name__} sets the learning rates of the "
                 f"{len(old.param_groups)} parameter group(s) of {type(old).__name__}, which "
