@@ -207,8 +207,12 @@ def run_compiled(algorithm: str, args: tuple) -> Update:
             torch._dynamo.maybe_mark_dynamic(t, 0)
     # each format, dtype, compensation and size class (one block, several) is a build of
     # the one function: more than torch's default of 8 builds per function in a model that
-    # mixes formats, past which the update would silently run uncompiled
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+    # mixes formats, past which the update would silently run uncompiled. And no automatic
+    # dynamic shapes: a second block size would make the block a symbol in every later build
+    # (vector loops of unknown length, several times slower), where each is a constant
+    with torch._dynamo.config.patch(
+        recompile_limit=RECOMPILE_LIMIT, automatic_dynamic_shapes=False
+    ):
         return compiled(algorithm)(*args)
 
 
