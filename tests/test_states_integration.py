@@ -217,7 +217,7 @@ def test_float16_weights_step_int8_states_through_their_float32_masters(tmp_path
     model = Net()
     trainer = Trainer(
         precision="16-true", optimizer_states="int8", max_steps=4, allow_slow_precision=True,
-        **QUIET,
+        default_root_dir=tmp_path, **QUIET,
     )  # fmt: skip
     trainer.fit(model, loader())
     opt = trainer.optimizers[0]
@@ -232,7 +232,9 @@ def test_float16_weights_step_int8_states_through_their_float32_masters(tmp_path
 
 def test_a_scheduler_over_a_group_split_by_format_is_refused(tmp_path):
     pmap = PolicyMap("32-true", states={"body\\.1": "int4"})
-    trainer = Trainer(precision=pmap, optimizer_states="int8", max_steps=1, **QUIET)
+    trainer = Trainer(
+        precision=pmap, optimizer_states="int8", max_steps=1, default_root_dir=tmp_path, **QUIET
+    )
     with pytest.raises(ValueError, match=r"StepLR .* split into 2 by state format"):
         trainer.fit(Net(), loader())
     given = Precision("32-true", optimizer_states="int4")
