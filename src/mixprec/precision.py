@@ -48,6 +48,7 @@ from mixprec.optim import LossScaleOptimizer, backward_context, joint_step
 from mixprec.policy import is_auto
 from mixprec.policy.map import PolicyMap, as_map
 from mixprec.scaling import LossScaler, as_loss_scaler
+from mixprec.states import LowBitOptimizer, from_optimizer, parse_state_format
 
 __all__ = ["Precision"]
 
@@ -78,6 +79,14 @@ class Precision:
         device_info: a described device (``mixprec.hardware.DeviceInfo``) to check the policy
             against and resolve ``"auto"`` for, instead of detecting the device at ``setup``:
             "on an H100", "on an AVX2-only CPU".
+        optimizer_states: ``"int8"``, ``"int4"``, ``"fp8"`` or ``"float32"`` (a
+            `mixprec.states` format spec): ``setup`` converts each torch AdamW, Adam or SGD
+            into the low-bit one of `mixprec.states` (`from_optimizer`), each parameter's
+            moments in the format `PolicyMap.state_formats` gives it: this one by default,
+            float32 for small parameters and embedding tables, the map's ``states`` rules
+            first. Use the optimizers ``setup`` returns (and build schedulers on them); other
+            optimizers are refused. ``None`` (default) converts only when the policy map
+            has ``states``.
 
     Life cycle: built (a policy other than ``"auto"`` and the scaler are known at once), then
     `resolve` once for the device it runs on (``"auto"`` picked, the hardware checked; ``setup``
@@ -95,6 +104,7 @@ class Precision:
         master_weights: bool | None = None,
         device_info: DeviceInfo | None = None,
         compensation: str | None = None,
+        optimizer_states: str | None = None,
     ) -> None:
         if not isinstance(allow_slow, bool):
             raise TypeError(f"allow_slow must be True or False, got {allow_slow!r}")
@@ -116,7 +126,12 @@ class Precision:
         self.allow_slow = allow_slow
         self.master_weights = master_weights
         self.compensation = compensation
+        self.optimizer_states = (
+            str(parse_state_format(optimizer_states)) if optimizer_states is not None else None
+        )
         self.optimizers: list[LossScaleOptimizer] = []
+        # (the optimizer given to setup, the low-bit one it was converted into)
+        self._converted: list[tuple[torch.optim.Optimizer, LowBitOptimizer]] = []
         self._spec = spec
         self._scaler_spec = scaler
         self._policy: PolicyMap | None = None
@@ -136,6 +151,12 @@ class Precision:
             self._policy = resolve_policy(self._spec, device)
         else:
             self._policy = as_map(self._spec)
+        states = self._policy.states
+        if isinstance(states, str) and self.optimizer_states not in (None, states):
+            raise ValueError(
+                f"optimizer_states={self.optimizer_states!r}, but the policy map's states say "
+                f"{states!r}: give the format once"
+            )
         self._scaler = as_loss_scaler(
             self._scaler_spec, needs_scaling=self._policy.needs_loss_scaling
         )
@@ -180,6 +201,7 @@ class Precision:
         starts alike. The policy and the hardware check stay as `resolve` left them. The
         Trainer calls this before each fit, validate, test and predict."""
         self.optimizers = []
+        self._converted = []
         if self._scaler is not None:
             self._scaler.load_state_dict(self._configured_scaler)
 
@@ -257,8 +279,56 @@ class Precision:
             warn_unmatched(self.policy, model)
             _warn_replaced(before, model, optimizers)
         self.scaler.to(self.device)
+        if self.optimizer_states is not None or self.policy.states is not None:
+            optimizers = tuple(self._low_bit(opt, model) for opt in optimizers)
         wrapped = [self._wrap(opt, model) for opt in optimizers]
         return (model, *wrapped) if wrapped else model
+
+    def _low_bit(self, optimizer: Any, model: nn.Module) -> Any:
+        """``optimizer`` with its states in the formats this precision gives each parameter
+        (a low-bit optimizer, or a wrapper from an earlier ``setup``, as it is)."""
+        if isinstance(optimizer, (LowBitOptimizer, LossScaleOptimizer)):
+            return optimizer
+        known = next((new for old, new in self._converted if old is optimizer), None)
+        if known is not None:
+            return known
+        if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
+            raise TypeError(
+                f"optimizer_states converts torch.optim.AdamW, Adam and SGD (or takes a "
+                f"mixprec.states optimizer as it is), got {type(optimizer).__name__}: build one "
+                "of those, or leave optimizer_states out"
+            )
+        states = self.policy.states
+        default = self.optimizer_states or (states if isinstance(states, str) else "float32")
+        assigned = self.policy.state_formats(model, self.optimizer_states)
+        named = dict(model.named_parameters())
+        # float32 ones are picked per parameter (a master stands for its parameter), which
+        # keeps the groups as they are; another low-bit format needs a group of its own
+        plain = {id(named[n]) for n, (fmt, _) in assigned.items() if not fmt.quantized}
+        formats = {
+            named[n]: fmt
+            for n, (fmt, _) in assigned.items()
+            if fmt.quantized and str(fmt) != default
+        }
+
+        def keep_float32(p: torch.Tensor) -> bool:
+            return id(p) in plain or any(id(w.model_param(p)) in plain for w in self.optimizers)
+
+        converted = from_optimizer(
+            optimizer,
+            default,
+            formats=formats,
+            keep_float32=keep_float32,
+            compensation=self.compensation,
+        )
+        self._converted.append((optimizer, converted))
+        return converted
+
+    def converted(self, optimizer: torch.optim.Optimizer) -> LowBitOptimizer | None:
+        """The low-bit optimizer ``setup`` converted ``optimizer`` into (``optimizer_states``
+        or the map's ``states``), None when it converted none: a scheduler built on
+        ``optimizer`` must drive this one instead."""
+        return next((new for old, new in self._converted if old is optimizer), None)
 
     def _wrap(
         self, optimizer: torch.optim.Optimizer | LossScaleOptimizer, model: nn.Module
@@ -278,14 +348,18 @@ class Precision:
                 self.scaler,
                 master_weights=self.master_weights,
                 model=model,
-                compensation=self.compensation,
+                # a converted optimizer compensates its own 16-bit updates
+                compensation=None
+                if any(new is optimizer for _, new in self._converted)
+                else self.compensation,
             )
         if lso not in self.optimizers:
             self.optimizers.append(lso)
         return lso
 
     def _wrapper_of(self, optimizer: torch.optim.Optimizer) -> LossScaleOptimizer | None:
-        return next((w for w in self.optimizers if w.optimizer is optimizer), None)
+        inner = self.converted(optimizer) or optimizer
+        return next((w for w in self.optimizers if w.optimizer is inner), None)
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -425,7 +499,10 @@ class Precision:
     def __repr__(self) -> str:
         if self._policy is None:
             return f"Precision('auto', device={self.device})"
-        return f"Precision({self.policy.name!r}, scaler={self.scaler!r}, device={self.device})"
+        states = f", optimizer_states={self.optimizer_states!r}" if self.optimizer_states else ""
+        return (
+            f"Precision({self.policy.name!r}, scaler={self.scaler!r}, device={self.device}{states})"
+        )
 
     # -- internals --------------------------------------------------------------------------
 

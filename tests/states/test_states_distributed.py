@@ -8,12 +8,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from spawning import run_ranks
+from spawning import WORLD, run_ranks
 from torch import nn
 
 from mixprec.states import LowBitAdamW
-
-WORLD = 2
 
 
 def _model() -> nn.Module:

@@ -175,6 +175,7 @@ _DIAGNOSIS_ONLY = (
     ("--loss-scale", "loss_scale", None),
     ("--optimizer", "optimizer", "adam"),
     ("--no-recommend", "no_recommend", False),
+    ("--states", "states", None),
 )
 
 
@@ -193,6 +194,14 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"mixprec doctor: {flag} is not an option of --search{hint}", file=sys.stderr)
                 return 2
         return _search(args)
+    if args.states is not None:
+        from mixprec.states import parse_state_format
+
+        try:
+            parse_state_format(args.states)
+        except ValueError as error:
+            print(f"mixprec doctor: --states: {error}", file=sys.stderr)
+            return 2
     for flag, given in (
         ("--memory", args.memory),
         ("--speed", args.speed),
@@ -240,6 +249,9 @@ def _run(args: argparse.Namespace) -> int:
         found = None
         if not args.no_recommend and diagnosis.findings:
             found = _recommend(diagnosis, args.tolerance, console, err)
+        hurt = _state_check(args, model, batch, loss_fn, console, err)
+        if hurt is None:
+            return 2
     for note in _once(str(w.message) for w in caught):
         err.print(f"[dim]note: {note}[/]")
     if not args.no_report:
@@ -250,7 +262,25 @@ def _run(args: argparse.Namespace) -> int:
             f"\nreport: {path} (plots: {path.parent / 'error.png'}, {path.parent / 'range.png'}"
             f"{written})"
         )
-    return 0 if diagnosis.passes(args.tolerance) else 1
+    return 0 if diagnosis.passes(args.tolerance) and not hurt else 1
+
+
+def _state_check(
+    args: argparse.Namespace, model: Any, batch: Any, loss_fn: Any, console: Any, err: Any
+) -> bool | None:
+    """``--states``: the layers whose optimizer states that format hurts (printed); whether
+    any is (None: a bad format, said on stderr)."""
+    if args.states is None:
+        return False
+    from mixprec.doctor.state_errors import state_errors
+
+    try:
+        report = state_errors(model, [batch], loss_fn, states=args.states, lr=args.lr or 1e-3)
+    except ValueError as error:
+        err.print(f"[red]mixprec doctor: --states: {error}[/]")
+        return None
+    console.print(str(report), markup=False, highlight=False)
+    return bool(report.hurting)
 
 
 def _numbered(parent: Path) -> Path:
@@ -374,6 +404,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "doctor-report/<date-time>/, a new one each run)",
     )
     p.add_argument("--no-recommend", action="store_true", help="only diagnose")
+    p.add_argument(
+        "--states",
+        default=None,
+        metavar="FORMAT",
+        help="also check optimizer states in FORMAT (int8, int4, fp8): name the layers whose "
+        "moments it stores with over 10%% error after 3 AdamW steps on the batch (exit 1 if any)",
+    )
     _add_search_arguments(p)
     p.add_argument("--no-report", action="store_true", help="write no report files")
     p.set_defaults(func=_run)

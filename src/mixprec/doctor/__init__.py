@@ -1,9 +1,10 @@
 """The numerics doctor: find the layers that break in low precision and the policy that fixes
-them (`diagnose`, `Diagnosis.recommend`), and watch them during training
-(`PrecisionMonitor`)."""
+them (`diagnose`, `Diagnosis.recommend`), watch them during training (`PrecisionMonitor`),
+and name the layers whose optimizer states a low-bit format hurts (`state_errors`)."""
 
 from mixprec.doctor.diagnosis import Diagnosis, Recommendation, diagnose
 from mixprec.doctor.monitor import LayerSample, PrecisionMonitor, PrecisionWarning
+from mixprec.doctor.state_errors import StateError, StateErrors, state_errors
 from mixprec.doctor.verdicts import (
     AT_RISK,
     BROKEN,
@@ -26,6 +27,9 @@ __all__ = [
     "PrecisionMonitor",
     "PrecisionWarning",
     "Recommendation",
+    "StateError",
+    "StateErrors",
     "Verdict",
     "diagnose",
+    "state_errors",
 ]

@@ -33,6 +33,7 @@ class SearchInputs:
     loss_fn: Callable[..., Tensor] | None
     budget: Budget
     count: str
+    states: list[str] | None
     tolerance: float
     retries: int
     train_steps: int
@@ -66,6 +67,7 @@ def search_inputs(
     formats: Sequence[Any] | None,
     baseline: Any,
     count: str,
+    states: Sequence[str] | None,
     eval_batches: Any,
     tolerance: Any,
     retries: Any,
@@ -83,6 +85,11 @@ def search_inputs(
     budget = Budget.of(budget)
     if count not in COUNTS:
         raise ValueError(f"count must be one of {', '.join(COUNTS)}, got {count!r}")
+    if states is not None and count != "training":
+        raise ValueError(
+            f"states are optimizer-state formats, counted only under count='training' (got "
+            f"count={count!r}); pass count='training' or leave states out"
+        )
     _check_numbers(retries, train_steps, reps, tolerance, lr, seed)
     batches = _check_batches(batches, "batches")
     train_list = (
@@ -115,6 +122,7 @@ def search_inputs(
         loss_fn=loss_fn,
         budget=budget,
         count=count,
+        states=list(states) if states is not None else None,
         tolerance=tolerance,
         retries=retries,
         train_steps=train_steps,

@@ -18,6 +18,7 @@ from mixprec.doctor.running import loss_of
 from mixprec.plan.units import Unit, state_bytes
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
+from mixprec.states import StateFormat
 from mixprec.step import backward, seeded
 
 __all__ = ["Measured", "Trained", "convert", "eval_loss", "measure_plans", "train"]
@@ -91,6 +92,14 @@ def _unit_modules(model: nn.Module, units: Sequence[Unit]) -> nn.ModuleList:
     return nn.ModuleList(modules[p] for u in units for p in u.paths)
 
 
+def _state_formats(model: nn.Module, plan: PolicyMap) -> dict[int, StateFormat] | None:
+    """The optimizer-state format of each parameter of a plan with ``states`` (by ``id``)."""
+    if plan.states is None:
+        return None
+    named = dict(model.named_parameters())
+    return {id(named[n]): fmt for n, (fmt, _) in plan.state_formats(model).items()}
+
+
 def measure_plans(
     model: nn.Module,
     plans: dict[str, PolicyMap],
@@ -128,11 +137,12 @@ def measure_plans(
                 run()
                 if rep:
                     times[name].append(time.perf_counter() - start)
+    formats = {name: _state_formats(m, plans[name]) for name, m in converted.items()}
     return {
         name: Measured(
             loss=losses[name],
-            unit_bytes=state_bytes(_unit_modules(m, units), count),
-            model_bytes=state_bytes(m, count),
+            unit_bytes=state_bytes(_unit_modules(m, units), count, formats[name]),
+            model_bytes=state_bytes(m, count, formats[name]),
             seconds=statistics.median(times[name]) if name in times else None,
         )
         for name, m in converted.items()

@@ -13,10 +13,12 @@ from mixprec.plan import sensitivity
 from mixprec.plan.inputs import SearchInputs, check_finite
 from mixprec.plan.measure import convert
 from mixprec.plan.report import Option, UnitRow
+from mixprec.plan.state_choice import choose_states, holder_formats
 from mixprec.plan.units import candidate, state_bytes, unit_applies
 from mixprec.policy import QuantizedPolicy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
+from mixprec.states import StateFormat
 from mixprec.step import seeded
 
 __all__ = ["Holders", "candidates", "score"]
@@ -25,10 +27,21 @@ __all__ = ["Holders", "candidates", "score"]
 Holders = list[list[nn.ModuleList | None]]
 
 
-def candidates(s: SearchInputs) -> tuple[nn.Module, Holders, list[UnitRow]]:
-    """The float32 reference model, every layer built in every format that applies to it,
-    and a row per layer with each candidate's bytes (the others marked with why not)."""
+def candidates(
+    s: SearchInputs,
+) -> tuple[nn.Module, Holders, list[UnitRow], list[StateFormat | None] | None, int]:
+    """The float32 reference model, every layer built in every format that applies to it, a
+    row per layer with each candidate's bytes (the others marked with why not), each layer's
+    optimizer-state formats when `s.states` offers some (`state_choice.choose_states`;
+    None otherwise), and the baseline's bytes with float32 states, the memory budget's
+    reference."""
     reference = convert(s.model, PolicyMap("32-true"))
+    unit_states = (
+        choose_states(reference, s.units, s.batches, s.loss_fn, s.states, lr=s.lr)
+        if s.states is not None
+        else None
+    )
+    base_bytes = 0
     holders: Holders = []
     rows: list[UnitRow] = []
     modules = dict(reference.named_modules())
@@ -43,10 +56,13 @@ def candidates(s: SearchInputs) -> tuple[nn.Module, Holders, list[UnitRow]]:
                 continue
             holder = candidate(reference, unit, p)
             built.append(holder)
-            row.options[p.name] = Option(bytes=state_bytes(holder, s.count))
+            formats = holder_formats(holder, unit_states[len(rows)]) if unit_states else None
+            row.options[p.name] = Option(bytes=state_bytes(holder, s.count, formats))
+            if p.name == s.base.name:
+                base_bytes += state_bytes(holder, s.count)
         holders.append(built)
         rows.append(row)
-    return reference, holders, rows
+    return reference, holders, rows, unit_states, base_bytes
 
 
 def score(

@@ -54,6 +54,7 @@ def search(
     formats: Sequence[Any] | None = None,
     baseline: Any = "bf16-mixed",
     count: str = "weights",
+    states: Sequence[str] | None = None,
     eval_batches: Iterable[Any] | None = None,
     tolerance: float = 0.01,
     retries: int = 2,
@@ -81,6 +82,11 @@ def search(
             the one to keep within `tolerance`); other layers stay in it.
         count: ``"weights"`` (parameters and buffers) or ``"training"`` (also gradients,
             AdamW moments and Kahan buffers: `mixprec.plan.units`).
+        states: with ``count="training"``, optimizer-state formats the searched layers'
+            AdamW moments may take (``("int8", "int4")``): each layer keeps the cheapest
+            whose moment error after a few AdamW steps stays small
+            (`mixprec.plan.state_choice`), its bytes counted so; the plan (and the uniform
+            plans beside it) carry them as ``states`` rules.
         eval_batches: held-out batches the plans are verified on (default: `batches`).
         tolerance: the plan's loss may exceed the baseline's by this fraction.
         retries: solves again this many times with measured damages if the plan misses.
@@ -101,6 +107,7 @@ def search(
         formats=formats,
         baseline=baseline,
         count=count,
+        states=states,
         eval_batches=eval_batches,
         tolerance=tolerance,
         retries=retries,
@@ -122,18 +129,18 @@ def _run(s: SearchInputs, started: float) -> SearchReport:
     phases = dict.fromkeys(("candidates", "scores", "layer times", "solve", "verify", "train"), 0.0)
     # measure: every candidate built and weighed
     clock = time.perf_counter()
-    reference, holders, rows = candidates(s)
+    reference, holders, rows, unit_states, base_bytes = candidates(s)
     phases["candidates"] = time.perf_counter() - clock
     # score: damages and times from the reference run, batch by batch
     ref_losses = score(s, reference, holders, rows, phases)
     del holders
     # solve and verify, retrying with measured damages; keep the lowest measured loss
     base_costs = {
-        "memory": sum(r.options[s.base.name].bytes for r in rows),
+        "memory": base_bytes,
         "speed": sum(r.options[s.base.name].seconds for r in rows),
     }
     limits = limits_of(s.budget, base_costs)
-    verified = verify(s, rows, base_costs, phases)
+    verified = verify(s, rows, base_costs, phases, unit_states)
     keep(s, rows, verified, limits, phases)
     _why_kept(rows, s.names, s.budget.kinds[0])
     clock = time.perf_counter()

@@ -16,6 +16,8 @@ Bytes are measured on the converted copies, each storage once (a tied weight cou
 its gradient and AdamW's two moments in the parameter's dtype, and for a 16-bit parameter
 the Kahan buffer that ``Precision(compensation="kahan")`` keeps (the way a search's training
 run trains): 16 bytes per float32 weight, 10 per bfloat16 one, int8/int4 weights frozen.
+A parameter given an optimizer-state format (`mixprec.states`) counts its two moments as
+that format stores them (`StateFormat.bytes`: codes and block scales) instead.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from mixprec.hardware import SUPPORTED, DeviceInfo, policy_support
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.policy.map import PolicyMap
 from mixprec.quantize.rules import hugging_face_conv1d, skip_reason
+from mixprec.states import StateFormat
 
 __all__ = [
     "COUNTS",
@@ -160,23 +163,28 @@ def candidate(model: nn.Module, unit: Unit, policy: Policy) -> nn.ModuleList:
     return holder
 
 
-def state_bytes(modules: nn.Module, count: str) -> int:
+def state_bytes(
+    modules: nn.Module, count: str, formats: dict[int, StateFormat] | None = None
+) -> int:
     """Bytes of `modules`' parameters and buffers, each storage once; under
     ``count="training"`` also the gradient, AdamW's moments and (16-bit) Kahan buffer of
-    each trainable parameter (see the module's docstring)."""
-    seen: dict[int, tuple[int, bool, torch.dtype]] = {}
+    each trainable parameter (see the module's docstring). ``formats``: the optimizer-state
+    format of some parameters (by ``id``), whose moments count as that format stores them."""
+    seen: dict[int, tuple[int, bool, torch.dtype, StateFormat | None, int]] = {}
     for t in modules.parameters():
         storage = t.untyped_storage()
-        seen[storage.data_ptr()] = (storage.nbytes(), t.requires_grad, t.dtype)
+        fmt = (formats or {}).get(id(t))
+        seen[storage.data_ptr()] = (storage.nbytes(), t.requires_grad, t.dtype, fmt, t.numel())
     for t in modules.buffers():
         storage = t.untyped_storage()
-        seen.setdefault(storage.data_ptr(), (storage.nbytes(), False, t.dtype))
+        seen.setdefault(storage.data_ptr(), (storage.nbytes(), False, t.dtype, None, 0))
     total = 0
-    for nbytes, trains, dtype in seen.values():
+    for nbytes, trains, dtype, fmt, numel in seen.values():
         total += nbytes
         if count == "training" and trains:
             sixteen = dtype.is_floating_point and torch.finfo(dtype).bits == 16
-            total += nbytes * (3 + (1 if sixteen else 0))
+            moments = 2 * nbytes if fmt is None or not fmt.quantized else 2 * fmt.bytes(numel)
+            total += nbytes * (1 + (1 if sixteen else 0)) + moments
     return total
 
 

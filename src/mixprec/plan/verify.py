@@ -16,10 +16,12 @@ from mixprec.plan.budget import Budget, BudgetError
 from mixprec.plan.inputs import SearchInputs, check_finite
 from mixprec.plan.measure import Measured, convert, eval_loss, measure_plans
 from mixprec.plan.report import Attempt, UnitRow, costs_of, formats_of, within
+from mixprec.plan.state_choice import with_states
 from mixprec.plan.units import Unit
 from mixprec.policy import Policy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
+from mixprec.states import StateFormat
 
 __all__ = ["Verified", "keep", "limits_of", "verify"]
 
@@ -44,13 +46,18 @@ def limits_of(budget: Budget, base_costs: dict[str, float]) -> dict[str, float]:
 
 
 def verify(
-    s: SearchInputs, rows: list[UnitRow], base_costs: dict[str, float], phases: dict[str, float]
+    s: SearchInputs,
+    rows: list[UnitRow],
+    base_costs: dict[str, float],
+    phases: dict[str, float],
+    states: list[StateFormat | None] | None = None,
 ) -> Verified:
-    """Solve, run the plan (and, the first time, every other plan), and retry with measured
-    damages while the plan misses the tolerance; the lowest measured solved plan is left as
-    ``plans["plan"]``. Adds seconds to ``phases["solve"]`` and ``phases["verify"]``."""
+    """Solve, run the plan (and, the first time, every other plan), and retry with measured damages
+    while the plan misses the tolerance; the lowest measured solved plan is left as
+    ``plans["plan"]``. `states`: each layer's optimizer-state formats, carried by every
+    plan. Adds seconds to ``phases["solve"]`` and ``phases["verify"]``."""
     limits = list(limits_of(s.budget, base_costs).values())
-    v = Verified(plans=_uniform_plans(s, rows))
+    v = Verified(plans=_uniform_plans(s, rows, states))
     tried: dict[tuple[str, ...], int] = {}  # plan -> its attempt
     best: tuple[Attempt, Measured, PolicyMap] | None = None
     clock = time.perf_counter()
@@ -63,7 +70,7 @@ def verify(
             )
             break
         tried[chosen] = attempt
-        v.plans["plan"] = _plan_map(s.base, s.units, list(chosen))
+        v.plans["plan"] = _plan_map(s.base, s.units, list(chosen), states)
         # the first attempt measures every plan, a retry the new plan beside the baseline
         todo = v.plans if not v.measured else {k: v.plans[k] for k in ("plan", "baseline")}
         # uniform plans are timed only when time is budgeted (each is a whole model)
@@ -126,7 +133,9 @@ def keep(
                 r.options[fmt].measured_damage = value
 
 
-def _uniform_plans(s: SearchInputs, rows: list[UnitRow]) -> dict[str, PolicyMap]:
+def _uniform_plans(
+    s: SearchInputs, rows: list[UnitRow], states: list[StateFormat | None] | None
+) -> dict[str, PolicyMap]:
     """float32, the baseline, and each format everywhere it applies (the baseline
     elsewhere): the plans a solved one is measured beside."""
     plans: dict[str, PolicyMap] = {
@@ -138,7 +147,10 @@ def _uniform_plans(s: SearchInputs, rows: list[UnitRow]) -> dict[str, PolicyMap]
         # format no layer can take would only repeat the baseline
         if name not in (s.base.name, "32-true") and any(name in r.options for r in rows):
             plans[f"all {name}"] = _plan_map(
-                s.base, s.units, [name if name in r.options else s.base.name for r in rows]
+                s.base,
+                s.units,
+                [name if name in r.options else s.base.name for r in rows],
+                states,
             )
     return plans
 
@@ -227,13 +239,19 @@ def _alone_damage(s: SearchInputs, unit: Unit, fmt: str, float32_loss: float) ->
     )
 
 
-def _plan_map(baseline: Policy, units: list[Unit], chosen: list[str]) -> PolicyMap:
+def _plan_map(
+    baseline: Policy,
+    units: list[Unit],
+    chosen: list[str],
+    states: list[StateFormat | None] | None = None,
+) -> PolicyMap:
     rules = {}
     for unit, fmt in zip(units, chosen, strict=True):
         if fmt != baseline.name:
             for path in unit.paths + unit.aliases:
                 rules[re.escape(path)] = fmt
-    return PolicyMap(baseline, rules)
+    plan = PolicyMap(baseline, rules)
+    return with_states(plan, units, states) if states is not None else plan
 
 
 def _uniform_winner(

@@ -21,6 +21,10 @@ Beside its policy, a module whose forward calls attention (`calls_attention`) un
 computing in 16 bits may run that attention in float32 (`Resolution.float32_attention`): where
 the device's 16-bit attention is slower than float32 (`mixprec.hardware.slow_attention`), or
 as the map's ``float32_attention`` says.
+
+A map may also say which optimizer-state format each parameter's moments take (``states``:
+one format for all, or rules from module paths to formats), read by
+`mixprec.Precision.setup` when it converts the optimizer and shown by `explain`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ from torch import nn
 from mixprec.errors import PolicySpecError
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.quantize.rules import skip_reason
+from mixprec.states.assign import Assignment, assign_formats
+from mixprec.states.formats import parse_state_format
 
 __all__ = [
     "APPLIED_STATE",
@@ -89,6 +95,7 @@ AUTOCAST_FLOAT32: dict[str, tuple[type[nn.Module], ...]] = {
 }
 
 RuleKey = str | type
+StatesSpec = str | Mapping[str, str]
 
 _SDPA = F.scaled_dot_product_attention
 
@@ -194,6 +201,9 @@ class PolicyMap:
     """A default policy plus ordered rules (path regex or module type -> policy).
 
     The one policy type the rest of mixprec holds: a plain policy is a map with no rules.
+    ``states``: the optimizer-state format of every parameter (``"int8"``) or rules from
+    module path regexes to formats (``{"head": "int4", "tok": "float32"}``, first match in
+    order), for `Precision.setup` to convert the optimizer with (`state_formats`).
     """
 
     def __init__(
@@ -203,8 +213,11 @@ class PolicyMap:
         *,
         float32_islands: bool = True,
         float32_attention: bool | None = None,
+        states: StatesSpec | None = None,
     ) -> None:
         self.default: Policy = as_policy(default)
+        # optimizer-state formats: one for every parameter, or {module path regex: format}
+        self.states: str | dict[str, str] | None = _checked_states(states)
         if not isinstance(float32_islands, bool):
             raise TypeError(
                 f"float32_islands must be True or False, not {type(float32_islands).__name__} "
@@ -388,6 +401,26 @@ class PolicyMap:
         else:
             out[name] = _with_quantization(inherited, module)
 
+    def state_formats(self, model: nn.Module, default: str | None = None) -> dict[str, Assignment]:
+        """Each trainable parameter's optimizer-state format and why, as
+        `mixprec.states.assign_formats` decides: parameters under its ``min_size`` keep
+        float32 ("small"); then this map's state rules (``re.fullmatch`` on the module path
+        owning the parameter, the first rule in order wins); then embedding tables keep
+        float32; the rest take ``default`` (`Precision`'s ``optimizer_states``), else the
+        map's single ``states`` format, else float32."""
+        if isinstance(self.states, str):
+            default = default or self.states
+        rules = self.states if isinstance(self.states, dict) else {}
+        # a rule names a module; the parameters it owns are that path plus one name
+        on_params = {rf"(?:{key})\.[^.]+": key for key in rules}
+        found = assign_formats(
+            model,
+            default or "float32",
+            rules={pattern: rules[key] for pattern, key in on_params.items()},
+        )
+        said = {f"rule {pattern!r}": f"state rule {key!r}" for pattern, key in on_params.items()}
+        return {name: (fmt, said.get(why, why)) for name, (fmt, why) in found.items()}
+
     def policies(self) -> set[Policy]:
         """Every policy this map can hand out (default, rules, and islands)."""
         found = {self.default, *self._types.values(), *(p for _, p in self._paths.values())}
@@ -420,6 +453,7 @@ class PolicyMap:
                 if self.float32_attention is not None
                 else {}
             ),
+            **({"states": self.states} if self.states is not None else {}),
         }
 
     @classmethod
@@ -430,16 +464,17 @@ class PolicyMap:
         if not isinstance(config, Mapping) or "default" not in config:
             raise PolicySpecError(
                 "PolicyMap.from_config takes the dict PolicyMap.to_config() returns (keys "
-                "default, rules, float32_islands, float32_attention; 'default', the policy of "
-                f"the modules no rule names, is required), got {config!r}"
+                "default, rules, float32_islands, float32_attention, states; 'default', the "
+                f"policy of the modules no rule names, is required), got {config!r}"
             )
         unknown = [key for key in config if key not in _MAP_KEYS]
         if unknown:
             raise PolicySpecError(
                 f"unknown policy map key(s) {', '.join(map(repr, unknown))}; the keys are "
                 "'default' (a policy), 'rules' (a list of rules, " + _RULE_FORM + "), "
-                "'float32_islands' (true or false) and 'float32_attention' (true or false; "
-                "left out: where the device's 16-bit attention is slower than float32)"
+                "'float32_islands' (true or false), 'float32_attention' (true or false; "
+                "left out: where the device's 16-bit attention is slower than float32) and "
+                "'states' (an optimizer-state format, or {module path regex: format})"
             )
         default = _config_policy("'default'", config["default"])
         rule_list = config.get("rules", [])
@@ -465,7 +500,18 @@ class PolicyMap:
                     f"rule {i} repeats the rule for {shown!r}: one rule per path or type"
                 )
             rules[key] = _config_policy(f"rule {i} 'policy'", rule["policy"])
-        return cls(default, rules, float32_islands=islands, float32_attention=attention)
+        if "states" in config and config["states"] is None:
+            raise PolicySpecError(
+                "'states' is null; it is one optimizer-state format ('int8') or an object "
+                "{module path regex: format}, or left out"
+            )
+        return cls(
+            default,
+            rules,
+            float32_islands=islands,
+            float32_attention=attention,
+            states=config.get("states"),
+        )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write `to_config()` as a JSON policy file (atomically: a reader never sees half of
@@ -542,6 +588,8 @@ class PolicyMap:
             lines.append("    float32_islands=False,")
         if self.float32_attention is not None:
             lines.append(f"    float32_attention={self.float32_attention},")
+        if self.states is not None:
+            lines.append(f"    states={self.states!r},")
         lines.append(")")
         return "\n".join(lines)
 
@@ -557,14 +605,44 @@ class PolicyMap:
             f"{k!r}: {p.name!r}" if isinstance(k, str) else f"{k.__name__}: {p.name!r}"
             for k, p in self.rules.items()
         )
-        return f"PolicyMap({self.default.name!r}, {{{rules}}})"
+        states = f", states={self.states!r}" if self.states is not None else ""
+        return f"PolicyMap({self.default.name!r}, {{{rules}}}{states})"
 
 
-_MAP_KEYS = ("default", "rules", "float32_islands", "float32_attention")
+_MAP_KEYS = ("default", "rules", "float32_islands", "float32_attention", "states")
 _RULE_FORM = (
     "{'path': regex, 'policy': policy} or {'type': 'package.module.Class', 'policy': policy}, "
     "a policy being a name such as 'bf16-mixed' or what Policy.to_config() gives"
 )
+
+
+def _checked_states(states: Any) -> str | dict[str, str] | None:
+    """A map's ``states``, each format checked and spelled canonically (``"int8"``,
+    ``"int4/block=64"``); errors name the rule and what is accepted."""
+    if states is None:
+        return None
+    if isinstance(states, str):
+        try:
+            return str(parse_state_format(states))
+        except ValueError as error:
+            raise PolicySpecError(f"states: {error}") from None
+    if not isinstance(states, Mapping):
+        raise PolicySpecError(
+            f"states must be one optimizer-state format ('int8', 'int4', 'fp8', 'float32') or "
+            f"a mapping {{module path regex: format}}, got {_describe(states)}"
+        )
+    out = {}
+    for key, spec in states.items():
+        if not isinstance(key, str):
+            raise PolicySpecError(f"state rule key {key!r} must be a module path regex (str)")
+        try:
+            re.compile(key)
+            out[key] = str(parse_state_format(spec))
+        except re.error as error:
+            raise PolicySpecError(f"state rule {key!r} is not a valid regex: {error}") from None
+        except (TypeError, ValueError) as error:
+            raise PolicySpecError(f"state rule {key!r}: {error}") from None
+    return out
 
 
 def _describe(value: Any) -> str:
@@ -682,9 +760,15 @@ class Explanation(dict):
     """Effective policy per module path, with the reason; prints as a rich table."""
 
     def __init__(
-        self, model: nn.Module, resolved: dict[str, Resolution], device_type: str = "cpu"
+        self,
+        model: nn.Module,
+        resolved: dict[str, Resolution],
+        device_type: str = "cpu",
+        states: Mapping[str, Assignment] | None = None,
     ) -> None:
         super().__init__({name: r.policy for name, r in resolved.items()})
+        # under a map with ``states``: each parameter's optimizer-state format and why
+        self.states = {name: (str(fmt), why) for name, (fmt, why) in (states or {}).items()}
         self.sources = {name: r.source for name, r in resolved.items()}
         # modules whose attention runs in float32 inside their 16-bit autocast, and why
         self.float32_attention = {
@@ -731,6 +815,8 @@ class Explanation(dict):
         columns = ["module", "type", "policy", "param", "compute", "output", "why"]
         if self.quantization:
             columns.insert(6, "quantized")
+        if self.states:
+            columns.append("optimizer states")
         for col in columns:
             table.add_column(col)
         for name, p in self.items():
@@ -749,8 +835,17 @@ class Explanation(dict):
                     if name in self.float32_attention
                     else ""
                 ),
+                *([self._states_of(name)] if self.states else []),
             )
         return table
+
+    def _states_of(self, module: str) -> str:
+        """The state formats of ``module``'s own parameters: ``weight int8 (default)``."""
+        return "; ".join(
+            f"{param.rpartition('.')[2]} {fmt} ({why})"
+            for param, (fmt, why) in self.states.items()
+            if param.rpartition(".")[0] == module
+        )
 
     def __str__(self) -> str:
         from rich.console import Console
@@ -773,10 +868,13 @@ def explain(
 ) -> Explanation:
     """What each layer of `model` runs in under `policy` (default: the policy `apply` gave
     the model, else the global one), and under quantized policies which layers are
-    quantized and which skipped, and why. `slow_attention` and `device_type` as
+    quantized and which skipped, and why; under a map with ``states``, each parameter's
+    optimizer-state format and why (`Explanation.states`). `slow_attention` and `device_type` as
     `PolicyMap.resolve` takes them (`mixprec.explain` passes the model's device's)."""
     if policy is None:
         applied = model.__dict__.get(APPLIED_STATE)
         policy = applied.policy if applied is not None else None
-    resolved = as_map(policy).resolve(model, slow_attention=slow_attention, device_type=device_type)
-    return Explanation(model, resolved, device_type)
+    pmap = as_map(policy)
+    resolved = pmap.resolve(model, slow_attention=slow_attention, device_type=device_type)
+    states = pmap.state_formats(model) if pmap.states is not None else None
+    return Explanation(model, resolved, device_type, states)

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from mixprec.hardware import DeviceInfo, Support
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
+from mixprec.states import parse_state_format
 from mixprec.trainer.callbacks import Callback, ModelCheckpoint, check_callback, keeps_state
 from mixprec.trainer.module import TrainingModule, hooks_not_called
 from mixprec.trainer.progress import RichProgressBar
@@ -266,7 +267,7 @@ def _check_given(precision: Precision, device: torch.device, allow_slow: bool) -
 
 
 def choose_precision(
-    precision: Any, device: torch.device, allow_slow: bool
+    precision: Any, device: torch.device, allow_slow: bool, optimizer_states: str | None = None
 ) -> tuple[Precision, Support, str]:
     """The `Precision` a Trainer's ``precision`` flag means on ``device``, resolved there once
     (`Precision.resolve`: ``"auto"`` picked, the hardware checked), with its support and the
@@ -274,14 +275,21 @@ def choose_precision(
 
     A configured `Precision` is used as it is, not copied: the runs go through that object
     (each begins with `Precision.reset`). A spec, Policy or PolicyMap becomes
-    ``Precision(spec, allow_slow=allow_slow)``. Raises as `resolve_precision` does, and
-    ``ValueError`` when a configured Precision contradicts the Trainer's device or
-    ``allow_slow_precision``.
+    ``Precision(spec, allow_slow=allow_slow, optimizer_states=optimizer_states)``. Raises as
+    `resolve_precision` does, and ``ValueError`` when a configured Precision contradicts the
+    Trainer's device, ``allow_slow_precision`` or ``optimizer_states``.
     """
     if isinstance(precision, Precision):
         _check_given(precision, device, allow_slow)
+        wanted = str(parse_state_format(optimizer_states)) if optimizer_states else None
+        if wanted is not None and precision.optimizer_states != wanted:
+            raise ValueError(
+                f"optimizer_states={optimizer_states!r}, but the Precision given was built "
+                f"with optimizer_states={precision.optimizer_states!r}; the Trainer runs a "
+                "configured Precision as it is: set it there"
+            )
     else:
-        precision = Precision(precision, allow_slow=allow_slow)
+        precision = Precision(precision, allow_slow=allow_slow, optimizer_states=optimizer_states)
     support = precision.resolve(device)
     info = precision.resolved_for
     assert info is not None

@@ -3,6 +3,7 @@ optimizers, and schedulers with their interval, frequency and monitored metric."
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import warnings
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 from mixprec.optim import LossScaleOptimizer
+from mixprec.precision import Precision
 from mixprec.trainer.module import TrainingModule
 
 __all__ = [
@@ -23,6 +25,7 @@ __all__ = [
     "configured_optimizers",
     "needs_closure",
     "parse_optimizers",
+    "repoint_converted",
     "scheduler_entry",
     "warn_if_foreign",
 ]
@@ -101,6 +104,49 @@ def scheduler_entry(config: dict[str, Any], optimizers: list[LossScaleOptimizer]
     if monitor is None and isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError("ReduceLROnPlateau needs a 'monitor' in its scheduler config")
     return Scheduler(sched, owner, interval, int(config.get("frequency", 1)), monitor)
+
+
+def repoint_converted(configs: list[dict[str, Any]], precision: Precision) -> None:
+    """Make each scheduler built on an optimizer that ``precision`` converted to low-bit
+    states (``optimizer_states=``) drive the converted one: the same parameter groups, in
+    the same order, hold the learning rates it sets. A conversion that split a group by
+    state format is refused: the scheduler's per-group values would land on other groups."""
+    for config in configs:
+        sched = config["scheduler"]
+        old = getattr(sched, "optimizer", None)
+        new = precision.converted(old) if isinstance(old, torch.optim.Optimizer) else None
+        if new is None:
+            continue
+        # the wrapper may have put float32 masters in place of 16-bit parameters
+        wrapper = next(w for w in precision.optimizers if w.optimizer is new)
+        groups = [[id(p) for p in g["params"]] for g in old.param_groups]
+        if groups != [[id(wrapper.model_param(p)) for p in g["params"]] for g in new.param_groups]:
+            raise ValueError(
+                f"scheduler {type(sched).__name__} sets the learning rates of the "
+                f"{len(old.param_groups)} parameter group(s) of {type(old).__name__}, which "
+                f"optimizer_states split into {len(new.param_groups)} by state format (a "
+                "state rule giving some parameters a low-bit format other than the default); "
+                "give those parameters a group of their own in configure_optimizers, or the "
+                "default format"
+            )
+        sched.optimizer = new
+        _count_steps(new)
+
+
+def _count_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer``'s steps as torch's schedulers do on the optimizer they are built
+    on, so one moved onto it does not warn that its step was replaced or not called."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    counted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = counted  # type: ignore[method-assign]
 
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]

@@ -65,6 +65,7 @@ from mixprec.trainer.module import attach, detach
 from mixprec.trainer.optimizers import (
     check_closure_fit,
     configured_optimizers,
+    repoint_converted,
     scheduler_entry,
     warn_if_foreign,
 )
@@ -123,6 +124,11 @@ class Trainer:
             wrapping, and handed back uncompiled after the run; checkpoints keep its plain
             state-dict keys. A ``TrainingModule``'s steps run eagerly around its compiled
             ``__call__`` (``self(x)``), as in Lightning.
+        optimizer_states: ``"int8"``, ``"int4"``, ``"fp8"`` or ``"float32"``: the fit's
+            torch AdamW, Adam or SGD steps with its moments in that format
+            (`mixprec.Precision`'s ``optimizer_states``: small parameters and embedding
+            tables keep float32, a PolicyMap's ``states`` rules apply); its schedulers move
+            to the converted optimizer, and checkpoints hold the low-bit states.
 
     Raises ``ValueError`` for a flag outside what is accepted (the message lists it),
     ``mixprec.PolicySpecError`` for an unknown precision, ``mixprec.PrecisionError`` when
@@ -155,6 +161,7 @@ class Trainer:
         deterministic: bool = False,
         allow_slow_precision: bool = False,
         compile: bool | dict[str, Any] = False,
+        optimizer_states: str | None = None,
     ) -> None:
         template = precision if isinstance(precision, Precision) else None
         self.config = TrainerConfig(
@@ -175,7 +182,7 @@ class Trainer:
         )
         self.strategy = make_strategy(accelerator, devices, strategy)
         self._precision, self.support, self.device_description = choose_precision(
-            precision, self.strategy.device, allow_slow_precision
+            precision, self.strategy.device, allow_slow_precision, optimizer_states
         )
         self.policy = self._precision.policy
         self.loggers = make_loggers(logger, self.config.default_root_dir)
@@ -574,6 +581,7 @@ class Trainer:
         if self.is_global_zero:
             warn_if_foreign(model, made)
         wrapped = precision.setup(model, *made, convert=not is_sharded)
+        repoint_converted(scheduler_configs, precision)
         if self.config.compile is not None and self._uncompile is None:
             self._uncompile = compile_model(model, self.config.compile)
         opts = list(wrapped[1:]) if made else []

@@ -1,0 +1,432 @@
+"""Low-bit optimizer states where precision is set: `Precision(optimizer_states=...)`, the
+Trainer's ``optimizer_states=`` (resumed bit-identically from its checkpoints, under DDP and
+FSDP2 too), a PolicyMap's ``states`` rules (policy files, `explain`)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from spawning import WORLD, run_ranks
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from trainers import SILENT
+
+from mixprec import PolicyMap, Precision
+from mixprec.cli import main
+from mixprec.doctor import state_errors
+from mixprec.errors import PolicySpecError
+from mixprec.plan import BudgetError, search
+from mixprec.policy.map import explain
+from mixprec.states import LowBitAdamW, LowBitSGD, StateFormat, state_bytes
+from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule
+
+
+class StatesNet(TrainingModule):
+    """An embedding table, a Linear big enough for low-bit states (64 x 128), small ones, a
+    LayerNorm, dropout, AdamW under a step schedule."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(64, 128)
+        self.body = nn.Sequential(nn.LayerNorm(128), nn.Linear(128, 64), nn.GELU(), nn.Dropout(0.1))
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(x).mean(1)))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=3e-3)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def loader() -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (96, 5), generator=g)
+    return DataLoader(TensorDataset(x, x[:, 0] % 3), batch_size=8, shuffle=True)
+
+
+def _step(precision: Precision, model: StatesNet, opt: Any, batch: Any) -> None:
+    opt.zero_grad()
+    precision.backward(model.training_step(batch, 0))
+    precision.step()
+
+
+# -- Precision ------------------------------------------------------------------------------
+
+
+def test_precision_converts_adamw_into_int8_states_per_parameter() -> None:
+    model = StatesNet()
+    precision = Precision("32-true", optimizer_states="int8")
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert isinstance(opt.optimizer, LowBitAdamW)
+    assert len(opt.param_groups) == 1  # float32 choices are made per parameter, not by groups
+    assert "optimizer_states='int8'" in repr(precision)
+    _step(precision, model, opt, next(iter(loader())))
+    state = opt.optimizer.state
+    fc = state[model.body[1].weight]
+    assert fc["format"] == "int8"
+    assert fc["exp_avg_codes"].dtype == torch.uint8 and fc["exp_avg_codes"].numel() == 8192
+    assert state[model.embed.weight]["format"] == "float32"  # an embedding table
+    assert state[model.head.weight]["format"] == "float32"  # 192 elements: small
+    # exactly: two int8 moments of the Linear (codes + one float32 scale per 256), float32
+    # moments of everything else
+    small = sum(p.numel() for n, p in model.named_parameters() if n != "body.1.weight")
+    assert state_bytes(opt.optimizer) == 2 * (8192 + 4 * 32) + 2 * 4 * small
+
+
+def test_the_optimizer_given_to_setup_still_names_its_wrapper() -> None:
+    model = StatesNet()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    precision = Precision("32-true", optimizer_states="int4")
+    model, opt = precision.setup(model, sgd)
+    assert isinstance(opt.optimizer, LowBitSGD) and precision.converted(sgd) is opt.optimizer
+    opt.zero_grad()
+    precision.backward(model.training_step(next(iter(loader())), 0))
+    assert precision.step(sgd)  # the optimizer as given steps through its conversion
+    assert opt.optimizer.state[model.body[1].weight]["format"] == "int4"
+    assert precision.setup(model, sgd)[1] is opt  # setting up twice changes nothing
+
+
+def test_compensation_goes_to_the_converted_optimizer_of_16_bit_weights() -> None:
+    model = nn.Sequential(nn.Linear(128, 64))
+    precision = Precision(
+        "bf16-true", optimizer_states="int8", compensation="kahan", allow_slow=True
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*round away")  # it compensates itself
+        model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert opt.compensation is None and opt.optimizer.compensation == "kahan"
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    precision.backward(model(x).float().square().mean())
+    precision.step()
+    state = opt.optimizer.state[model[0].weight]
+    assert state["format"] == "int8" and state["compensation"].dtype == torch.bfloat16
+
+
+def test_unsupported_optimizers_and_formats_are_refused() -> None:
+    model = StatesNet()
+    with pytest.raises(TypeError, match=r"AdamW, Adam and SGD.*got RMSprop"):
+        Precision("32-true", optimizer_states="int8").setup(
+            model, torch.optim.RMSprop(model.parameters())
+        )
+    with pytest.raises(ValueError, match="amsgrad"):
+        Precision("32-true", optimizer_states="int8").setup(
+            model, torch.optim.AdamW(model.parameters(), amsgrad=True)
+        )
+    with pytest.raises(ValueError, match=r"unknown state format 'int9'"):
+        Precision("32-true", optimizer_states="int9")
+    with pytest.raises(ValueError, match="give the format once"):
+        Precision(PolicyMap("32-true", states="int4"), optimizer_states="int8")
+
+
+# -- PolicyMap ------------------------------------------------------------------------------
+
+
+def test_a_policy_map_state_rule_gives_a_layer_its_own_format(tmp_path: Path) -> None:
+    pmap = PolicyMap("32-true", states={"body\\.1": "int4", "embed": "int8"})
+    loaded = PolicyMap.load(pmap.save(tmp_path / "policy.json"))
+    assert loaded == pmap and loaded.states == {"body\\.1": "int4", "embed": "int8"}
+    model = StatesNet()
+    precision = Precision(loaded, optimizer_states="fp8")
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    _step(precision, model, opt, next(iter(loader())))
+    formats = {n: opt.optimizer.state[p]["format"] for n, p in model.named_parameters()}
+    assert formats["body.1.weight"] == "int4"  # the rule
+    assert formats["embed.weight"] == "int8"  # a rule outranks the embedding's float32
+    assert formats["body.1.bias"] == formats["head.weight"] == "float32"  # small
+    # explain names each parameter's format and why
+    why = explain(model, loaded).states
+    assert why["body.1.weight"] == ("int4", "state rule 'body\\\\.1'")
+    assert why["body.1.bias"] == ("float32", "small: 64 < 4096 elements")
+    assert "optimizer states" in str(explain(model, loaded))
+    assert PolicyMap("32-true", states="int8").state_formats(model)["embed.weight"] == (
+        StateFormat("float32"),
+        "embedding",
+    )
+    assert "states={'body\\\\.1': 'int4', 'embed': 'int8'}" in pmap.to_code()
+
+
+def test_a_policy_maps_single_format_converts_without_splitting_groups() -> None:
+    model = StatesNet()
+    precision = Precision(PolicyMap("32-true", states="int4"))
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["states"] == "int4"
+    _step(precision, model, opt, next(iter(loader())))
+    assert opt.optimizer.state[model.body[1].weight]["format"] == "int4"
+    assert opt.optimizer.state[model.embed.weight]["format"] == "float32"
+
+
+def test_bad_state_rules_are_refused_naming_the_rule() -> None:
+    with pytest.raises(PolicySpecError, match=r"state rule 'head'.*unknown state format"):
+        PolicyMap("32-true", states={"head": "int3"})
+    with pytest.raises(PolicySpecError, match=r"state rule '\(' is not a valid regex"):
+        PolicyMap("32-true", states={"(": "int8"})
+    with pytest.raises(PolicySpecError, match="'states' is null"):
+        PolicyMap.from_config({"default": "32-true", "states": None})
+
+
+# -- Trainer --------------------------------------------------------------------------------
+
+
+def _trainer(root: Path, steps: int, **kwargs: Any) -> Trainer:
+    return Trainer(
+        precision="32-true", optimizer_states="int8", max_steps=steps, seed=3,
+        deterministic=True, default_root_dir=root, **SILENT, **kwargs,
+    )  # fmt: skip
+
+
+def test_the_trainer_switch_trains_low_bit_states_and_resumes_them_bit_identically(tmp_path):
+    straight = StatesNet()
+    t_straight = _trainer(tmp_path / "a", 10)
+    t_straight.fit(straight, loader())
+    opt = t_straight.optimizers[0]
+    assert isinstance(opt.optimizer, LowBitAdamW)
+    assert opt.optimizer.state[straight.body[1].weight]["format"] == "int8"
+    assert opt.param_groups[0]["lr"] == 3e-3 * 0.5**3  # the schedule drove the converted one
+
+    t_first = _trainer(tmp_path / "b", 5)
+    t_first.fit(StatesNet(), loader())
+    path = t_first.save_checkpoint(tmp_path / "half.ckpt")
+    resumed = StatesNet(seed=9)
+    t_resumed = _trainer(tmp_path / "c", 10)
+    t_resumed.fit(resumed, loader(), ckpt_path=path)
+
+    for (name, a), b in zip(
+        straight.state_dict().items(), resumed.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    sa, sb = opt.optimizer.state, t_resumed.optimizers[0].optimizer.state
+    for pa, pb in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert sa[pa].keys() == sb[pb].keys()
+        for k, v in sa[pa].items():
+            assert torch.equal(v, sb[pb][k]) if torch.is_tensor(v) else v == sb[pb][k], k
+
+
+def test_float16_weights_step_int8_states_through_their_float32_masters(tmp_path):
+    model = StatesNet()
+    trainer = Trainer(
+        precision="16-true", optimizer_states="int8", max_steps=4, allow_slow_precision=True,
+        default_root_dir=tmp_path, **SILENT,
+    )  # fmt: skip
+    trainer.fit(model, loader())
+    opt = trainer.optimizers[0]
+    assert len(opt.master_params) == len(list(model.parameters()))  # every weight: float16
+    master = opt.master_params[model.body[1].weight]
+    assert master.dtype == torch.float32
+    assert opt.optimizer.state[master]["format"] == "int8"
+    # the embedding's master keeps float32 moments, as the embedding would
+    assert opt.optimizer.state[opt.master_params[model.embed.weight]]["format"] == "float32"
+    assert opt.param_groups[0]["lr"] == 3e-3 * 0.5  # the schedule drove it: 4 steps, 3 a halving
+
+
+def test_a_scheduler_over_a_group_split_by_format_is_refused(tmp_path):
+    pmap = PolicyMap("32-true", states={"body\\.1": "int4"})
+    trainer = Trainer(
+        precision=pmap, optimizer_states="int8", max_steps=1, default_root_dir=tmp_path, **SILENT
+    )
+    with pytest.raises(ValueError, match=r"StepLR .* split into 2 by state format"):
+        trainer.fit(StatesNet(), loader())
+    given = Precision("32-true", optimizer_states="int4")
+    with pytest.raises(ValueError, match="configured Precision as it is"):
+        Trainer(precision=given, optimizer_states="int8", **SILENT)
+
+
+# -- DDP and FSDP2 --------------------------------------------------------------------------
+
+
+class Wide(TrainingModule):
+    """A 128 x 128 Linear: each FSDP shard (64 rows) still has low-bit states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(nn.Linear(6, 128), nn.GELU(), nn.Linear(128, 128))
+        self.head = nn.Linear(128, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.blocks(x)))
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def wide_loader() -> DataLoader:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 6, generator=g)
+    return DataLoader(TensorDataset(x, torch.randint(0, 3, (64,), generator=g)), batch_size=8)
+
+
+def _distributed_fit(strategy: str, steps: int, out: Path, **fit: Any) -> dict[str, Any]:
+    every_3 = ModelCheckpoint(dirpath=out.parent / f"{out.stem}-ckpt", every_n_train_steps=3)
+    trainer = Trainer(
+        precision="32-true", optimizer_states="int8", strategy=strategy, devices=WORLD,
+        max_steps=steps, seed=0, callbacks=[every_3], **SILENT,
+    )  # fmt: skip
+    model = Wide()
+    trainer.fit(model, wide_loader(), **fit)
+    trainer.save_full_state_dict(out)
+    inner = trainer.optimizers[0].optimizer
+    state = inner.state[model.blocks[2].weight]
+    codes = state["exp_avg_codes"]
+    return {
+        "optimizer": type(inner).__name__,
+        "format": state["format"],
+        "codes": getattr(codes, "_local_tensor", codes).clone(),
+    }
+
+
+def _worker(rank: int, out: str) -> None:
+    d = Path(out)
+    results = {
+        "ddp": _distributed_fit("ddp", 6, d / "ddp.pt"),
+        "fsdp": _distributed_fit("fsdp", 6, d / "fsdp.pt"),
+        "fsdp_half": _distributed_fit("fsdp", 3, d / "half.pt"),
+    }
+    checkpoint = d / "half-ckpt" / "epoch=0-step=3.ckpt"
+    results["fsdp_resumed"] = _distributed_fit("fsdp", 6, d / "resumed.pt", ckpt_path=checkpoint)
+    torch.save(results, d / f"rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out: Path = tmp_path_factory.mktemp("states")
+    run_ranks(_worker, str(out), nprocs=WORLD)
+    return out, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.slow
+def test_ddp_ranks_keep_identical_int8_states(runs):
+    _, ranks = runs
+    for r in ranks:
+        assert r["ddp"]["optimizer"] == "LowBitAdamW" and r["ddp"]["format"] == "int8"
+    assert torch.equal(ranks[0]["ddp"]["codes"], ranks[1]["ddp"]["codes"])
+
+
+@pytest.mark.slow
+def test_fsdp_shards_int8_states_and_resumes_its_dcp_checkpoint_bit_identically(runs):
+    out, ranks = runs
+    for r in ranks:
+        assert r["fsdp"]["format"] == "int8"
+        assert torch.equal(r["fsdp"]["codes"], r["fsdp_resumed"]["codes"])
+    # each rank holds its own shard's codes: 64 rows x 128, padded to whole blocks
+    assert ranks[0]["fsdp"]["codes"].numel() == 64 * 128
+    assert not torch.equal(ranks[0]["fsdp"]["codes"], ranks[1]["fsdp"]["codes"])
+    straight = torch.load(out / "fsdp.pt", weights_only=True)
+    resumed = torch.load(out / "resumed.pt", weights_only=True)
+    start = Wide().state_dict()
+    assert any(not torch.equal(straight[k], start[k]) for k in start)  # it trained
+    for k, v in straight.items():
+        assert torch.equal(v, resumed[k]), k
+    # and DDP's run, the same steps on the whole tensors, ends close to FSDP's
+    ddp = torch.load(out / "ddp.pt", weights_only=True)
+    for k, v in ddp.items():
+        torch.testing.assert_close(v, straight[k], rtol=0, atol=2e-2)
+
+
+# -- the doctor -----------------------------------------------------------------------------
+
+
+class TwoBranches(nn.Module):
+    """``flat``'s gradient is the same number everywhere (its moments store exactly in any
+    format); ``rough``'s varies as random inputs do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.flat = nn.Linear(64, 64, bias=False)
+        self.rough = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.flat(torch.ones_like(x)).sum() + self.rough(x).square().sum()
+
+
+def test_the_doctor_names_the_layer_whose_states_int4_hurts() -> None:
+    batches = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    model = TwoBranches()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = state_errors(model, batches, states="int4", steps=3)
+    assert [r.param for r in report.hurting] == ["rough.weight"]
+    flat = next(r for r in report.rows if r.param == "flat.weight")
+    assert flat.first == flat.second == 0.0  # equal values are a block's exact maximum
+    assert report.states_rules() == {"rough": "float32"}
+    assert "rough.weight  int4" in str(report) and "HURT" in str(report)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # untouched
+    # int8 keeps both within the threshold; the rule, applied, keeps rough's moments float32
+    assert state_errors(model, batches, states="int8").hurting == []
+    fixed = PolicyMap("32-true", states=report.states_rules())
+    assert fixed.state_formats(model, "int4")["rough.weight"][0] == StateFormat("float32")
+    with pytest.raises(ValueError, match="at least one batch"):
+        state_errors(model, [], states="int8")
+
+
+# -- the search -----------------------------------------------------------------------------
+
+
+def test_a_training_search_chooses_state_formats_and_its_policy_file_carries_them(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64))
+    batches = [(torch.randn(16, 64), torch.randn(16, 64)) for _ in range(2)]
+    common = dict(formats=["32-true"], baseline="32-true", count="training", reps=1)
+    # float32 weights with float32 AdamW states: 16 bytes a weight, over a 0.7 budget
+    with pytest.raises(BudgetError):
+        search(model, batches, F.mse_loss, budget={"memory": 0.7}, **common)
+    report = search(model, batches, F.mse_loss, budget={"memory": 0.7}, states=["int8"], **common)
+    assert report.policy.states == {"0": "int8", "2": "int8"}
+    int8 = StateFormat("int8")
+    # weights, gradients and int8 moments of the two big weights; float32 ones of the biases
+    expected = sum(8 * 8192 + 2 * int8.bytes(8192) + 16 * b for b in (128, 64))
+    assert report.measured["plan"].unit_bytes == expected
+    assert report.measured["baseline"].unit_bytes == 16 * sum(p.numel() for p in model.parameters())
+    loaded = PolicyMap.load(report.policy.save(tmp_path / "plan.json"))
+    assert loaded.states == {"0": "int8", "2": "int8"}
+    with pytest.raises(ValueError, match="count='training'"):
+        search(model, batches, F.mse_loss, budget={"memory": 0.7}, states=["int8"])
+
+
+FACTORY = """
+import torch
+from torch import nn
+
+
+class TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.flat = nn.Linear(64, 64, bias=False)
+        self.rough = nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.flat(torch.ones_like(x)).sum() + self.rough(x).square().sum()
+
+
+def make():
+    return TwoBranches(), torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+"""
+
+
+def test_mixprec_doctor_states_names_the_hurt_layer_and_exits_1(tmp_path, capsys) -> None:
+    path = tmp_path / "factory.py"
+    path.write_text(FACTORY)
+    args = ["doctor", f"{path}:make", "--precision", "32-true", "--no-report"]
+    assert main([*args, "--states", "int4"]) == 1
+    out = capsys.readouterr().out
+    assert "rough.weight  int4" in out and "HURT" in out
+    assert "states={'rough': 'float32'}" in out
+    assert main([*args, "--states", "int8"]) == 0  # the diagnosis passes, no layer hurt
+    assert main([*args, "--states", "int9"]) == 2
+    assert "--states: unknown state format 'int9'" in capsys.readouterr().err
