@@ -229,13 +229,21 @@ def test_float16_weights_step_int8_states_through_their_float32_masters(tmp_path
     assert opt.param_groups[0]["lr"] == 3e-3 * 0.5  # the schedule drove it: 4 steps, 3 a halving
 
 
-def test_a_scheduler_over_a_group_split_by_format_is_refused(tmp_path):
+def test_a_scheduler_drives_a_group_whose_parameters_take_two_formats(tmp_path):
+    """A state rule gives one layer int4 inside the group the default int8 fills: the group
+    stays whole (formats are held per parameter), so the scheduler built on the torch
+    optimizer drives the converted one."""
     pmap = PolicyMap("32-true", states={"body\\.1": "int4"})
     trainer = Trainer(
-        precision=pmap, optimizer_states="int8", max_steps=1, default_root_dir=tmp_path, **SILENT
+        precision=pmap, optimizer_states="int8", max_steps=3, default_root_dir=tmp_path, **SILENT
     )
-    with pytest.raises(ValueError, match=r"StepLR .* split into 2 by state format"):
-        trainer.fit(StatesNet(), loader())
+    model = StatesNet()
+    trainer.fit(model, loader())
+    opt = trainer.optimizers[0].optimizer
+    assert len(opt.param_groups) == 1
+    formats = {n: opt.state[p]["format"] for n, p in model.named_parameters() if p in opt.state}
+    assert formats["body.1.weight"] == "int4"
+    assert opt.param_groups[0]["lr"] == pytest.approx(1.5e-3)  # StepLR halved it at step 3
     given = Precision("32-true", optimizer_states="int4")
     with pytest.raises(ValueError, match="configured Precision as it is"):
         Trainer(precision=given, optimizer_states="int8", **SILENT)

@@ -108,27 +108,16 @@ def scheduler_entry(config: dict[str, Any], optimizers: list[LossScaleOptimizer]
 
 def repoint_converted(configs: list[dict[str, Any]], precision: Precision) -> None:
     """Make each scheduler built on an optimizer that ``precision`` converted to low-bit
-    states (``optimizer_states=``) drive the converted one: the same parameter groups, in
-    the same order, hold the learning rates it sets. A conversion that split a group by
-    state format is refused: the scheduler's per-group values would land on other groups."""
+    states (``optimizer_states=``) drive the converted one: `states.from_optimizer` keeps
+    the parameter groups one to one, in order (a parameter's own format is held per
+    parameter, not by splitting its group), so the learning rates it sets land where they
+    did."""
     for config in configs:
         sched = config["scheduler"]
         old = getattr(sched, "optimizer", None)
         new = precision.converted(old) if isinstance(old, torch.optim.Optimizer) else None
         if new is None:
             continue
-        # the wrapper may have put float32 masters in place of 16-bit parameters
-        wrapper = next(w for w in precision.optimizers if w.optimizer is new)
-        groups = [[id(p) for p in g["params"]] for g in old.param_groups]
-        if groups != [[id(wrapper.model_param(p)) for p in g["params"]] for g in new.param_groups]:
-            raise ValueError(
-                f"scheduler {type(sched).__name__} sets the learning rates of the "
-                f"{len(old.param_groups)} parameter group(s) of {type(old).__name__}, which "
-                f"optimizer_states split into {len(new.param_groups)} by state format (a "
-                "state rule giving some parameters a low-bit format other than the default); "
-                "give those parameters a group of their own in configure_optimizers, or the "
-                "default format"
-            )
         sched.optimizer = new
         _count_steps(new)
 
