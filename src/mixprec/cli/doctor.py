@@ -179,7 +179,8 @@ _DIAGNOSIS_ONLY = (
 )
 
 
-def _run(args: argparse.Namespace) -> int:
+def _check_args(args: argparse.Namespace) -> int | None:
+    """Exit status 2, the reason printed, for options that do not go together; else None."""
     if args.no_report and args.out is not None:
         print(
             "mixprec doctor: --out names the report's directory; --no-report writes none: "
@@ -193,7 +194,7 @@ def _run(args: argparse.Namespace) -> int:
                 hint = " (the search's precision is --baseline)" if flag == "--precision" else ""
                 print(f"mixprec doctor: {flag} is not an option of --search{hint}", file=sys.stderr)
                 return 2
-        return _search(args)
+        return None
     if args.states is not None:
         from mixprec.states import parse_state_format
 
@@ -211,6 +212,15 @@ def _run(args: argparse.Namespace) -> int:
         if given:
             print(f"mixprec doctor: {flag} is an option of --search", file=sys.stderr)
             return 2
+    return None
+
+
+def _run(args: argparse.Namespace) -> int:
+    status = _check_args(args)
+    if status is not None:
+        return status
+    if args.search:
+        return _search(args)
     from rich.console import Console
 
     from mixprec import textout
