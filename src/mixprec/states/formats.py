@@ -241,7 +241,7 @@ def _tables(kind: str, signed: bool, device: torch.device) -> tuple[torch.Tensor
 def code_tables(fmt: StateFormat, signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
     """What `encode` and `decode` read for ``fmt`` on ``device`` (made once): the code
     values, the nearest code of each cell of magnitudes, the boundaries between
-    magnitudes. Empty for fp8, whose codes are their values."""
+    magnitudes. Empty for fp8, whose codes are values (scaled; the second moment's root)."""
     if fmt.kind == "fp8":
         empty = torch.empty(0, device=device)
         return empty, empty, empty
