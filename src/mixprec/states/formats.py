@@ -17,7 +17,13 @@ one code per element:
   study (Li et al., arXiv 2309.01507) advises: a second moment rounded to zero turns its
   update ``m / sqrt(v)`` into a huge step.
 - ``fp8`` (block 256): float8 e4m3 codes of the element divided by its block's scale (the
-  block's largest magnitude over 448, e4m3's largest finite value).
+  block's largest magnitude over 448, e4m3's largest finite value). The second moment is
+  stored as its square root and squared back: e4m3 spans 2^18.8 from 448 down to where it
+  rounds to zero, so a block of ``v`` itself would lose every element below its largest
+  over 2^18.8 (a spread gradients reach) and turn ``m / sqrt(v)`` into ``m / eps``; the
+  square root spans 2^37.6 of ``v``, and a positive root below the smallest subnormal
+  (2^-9) is stored as that subnormal, so no positive ``v`` decodes to 0 (an element
+  that small gets a smaller step than float32 would give it, never a larger one).
 
 The padded tail of the last block is stored, so a moment of ``n`` elements takes
 ``ceil(n / block)`` scales and ``ceil(n / block) * block`` codes (half as many bytes for
@@ -52,6 +58,8 @@ KINDS: tuple[str, ...] = ("float32", "int8", "int4", "fp8")
 DEFAULT_BLOCKS: dict[str, int] = {"int8": 256, "int4": 128, "fp8": 256}
 # e4m3's largest finite value: a block's largest magnitude maps onto it
 FP8_MAX = 448.0
+# e4m3's smallest positive (subnormal) value: the least a positive second moment's root keeps
+_FP8_TINY = 2.0**-9
 _ACCEPTED = (
     "'float32', 'int8', 'int4' or 'fp8', optionally with a block size "
     "('int8/block=128'; defaults: int8 256, int4 128, fp8 256)"
@@ -233,7 +241,7 @@ def _tables(kind: str, signed: bool, device: torch.device) -> tuple[torch.Tensor
 def code_tables(fmt: StateFormat, signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
     """What `encode` and `decode` read for ``fmt`` on ``device`` (made once): the code
     values, the nearest code of each cell of magnitudes, the boundaries between
-    magnitudes. Empty for fp8, whose codes are their values."""
+    magnitudes. Empty for fp8, whose codes are values (scaled; the second moment's root)."""
     if fmt.kind == "fp8":
         empty = torch.empty(0, device=device)
         return empty, empty, empty
@@ -245,12 +253,18 @@ def encode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of ``x``, float32 of shape (blocks, block): one float32 scale per
     block, uint8 codes (int4: two per byte, the first in the low half) or float8 e4m3;
-    ``signed`` and ``tables`` (`code_tables`) give the code map."""
-    absmax = x.abs().amax(dim=1)
+    ``signed`` and ``tables`` (`code_tables`) give the code map. An unsigned fp8 moment
+    (``x >= 0``) is stored as its square root, no positive element coded as 0."""
     if fmt.kind == "fp8":
-        scales = absmax / FP8_MAX
+        if not signed:
+            x = x.sqrt()
+        scales = x.abs().amax(dim=1) / FP8_MAX
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        return (x / safe[:, None]).to(torch.float8_e4m3fn).reshape(-1), scales
+        y = x / safe[:, None]
+        if not signed:
+            y = torch.where(y > 0, y.clamp_min(_FP8_TINY), y)
+        return y.to(torch.float8_e4m3fn).reshape(-1), scales
+    absmax = x.abs().amax(dim=1)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     codes = nearest_code(x / safe[:, None], fmt.kind, signed, tables).reshape(-1)
     if fmt.kind == "int4":
@@ -263,11 +277,14 @@ def decode(
     codes: torch.Tensor,
     scales: torch.Tensor,
     fmt: StateFormat,
+    signed: bool,
     tables: tuple[torch.Tensor, ...],
 ) -> torch.Tensor:
-    """The float32 blocks, shape (blocks, block), that ``codes`` and ``scales`` stand for."""
+    """The float32 blocks, shape (blocks, block), that ``codes`` and ``scales`` stand for;
+    ``signed`` as `encode` took it (an unsigned fp8 moment is squared back)."""
     if fmt.kind == "fp8":
-        values = codes.to(torch.float32).view(-1, fmt.block)
+        root = codes.to(torch.float32).view(-1, fmt.block) * scales[:, None]
+        return root if signed else root * root
     else:
         index = codes.to(torch.int32)
         if fmt.kind == "int4":
@@ -306,7 +323,7 @@ def dequantize(
     fmt = parse_state_format(fmt)
     tables = code_tables(fmt, signed, codes.device)
     numel = math.prod(shape)
-    return decode(codes, scales, fmt, tables).reshape(-1)[:numel].view(shape)
+    return decode(codes, scales, fmt, signed, tables).reshape(-1)[:numel].view(shape)
 
 
 def moment_error(x: torch.Tensor, fmt: StateFormat | str, *, signed: bool | None = None) -> float:

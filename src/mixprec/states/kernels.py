@@ -49,11 +49,12 @@ def _load(
     scales: torch.Tensor | None,
     tables: tuple[torch.Tensor, ...],
     fmt: StateFormat,
+    signed: bool,
 ) -> torch.Tensor:
     """A moment in float32: (blocks, block) for a low-bit format, flat for float32."""
     if scales is None:
         return state
-    return decode(state, scales, fmt, tables)
+    return decode(state, scales, fmt, signed, tables)
 
 
 def _store(
@@ -137,8 +138,8 @@ def adam_update(
     g32 = g.to(torch.float32)
     if not decoupled:
         g32 = g32 + wd * p32
-    m1 = torch.lerp(_load(m, m_scales, tables[:3], fmt), g32, 1 - beta1)
-    m2 = _load(v, v_scales, tables[3:], fmt) * beta2 + (1 - beta2) * g32 * g32
+    m1 = torch.lerp(_load(m, m_scales, tables[:3], fmt, True), g32, 1 - beta1)
+    m2 = _load(v, v_scales, tables[3:], fmt, False) * beta2 + (1 - beta2) * g32 * g32
     _store(m1, m, m_scales, fmt, True, tables[:3])
     _store(m2, v, v_scales, fmt, False, tables[3:])
     update = step_size * m1 / (m2.sqrt() * inv_sqrt_bc2 + eps)
@@ -170,7 +171,7 @@ def sgd_update(
     d = g.to(torch.float32) + wd * p32
     kept: tuple[torch.Tensor, ...] = ()
     if b is not None:
-        mom = _load(b, b_scales, tables, fmt) * keep + gain * d
+        mom = _load(b, b_scales, tables, fmt, True) * keep + gain * d
         _store(mom, b, b_scales, fmt, True, tables)
         d = d + momentum * mom if nesterov else mom
         kept = _kept(fmt, mom)

@@ -411,7 +411,7 @@ def _float32_moment(
         return state[name].clone()
     tables = code_tables(fmt, signed, local.device)
     codes, scales = _local(state[f"{name}_codes"]), _local(state[f"{name}_scales"])
-    values = decode(codes, scales, fmt, tables).reshape(-1)[: local.numel()]
+    values = decode(codes, scales, fmt, signed, tables).reshape(-1)[: local.numel()]
     return _shard_like(values.reshape(local.shape).clone(), p)
 
 
