@@ -239,6 +239,11 @@ FORMAT_MODULES = {
 }
 
 
+# the optimizer-state formats (`mixprec.states`) are another vocabulary, whose "int8" and
+# "int4" name moments' codes, declared in their own module
+STATE_FORMATS = "states/formats.py"
+
+
 def test_no_module_outside_the_formats_compares_against_a_mode_name() -> None:
     """Code reads the registry: a comparison with a format's name (``mode == "int8"``,
     ``mode in ("mxfp8", ...)``) belongs in that format's own module."""
@@ -247,6 +252,8 @@ def test_no_module_outside_the_formats_compares_against_a_mode_name() -> None:
     wrong = []
     for path in sorted(src.rglob("*.py")):
         if path.name in FORMAT_MODULES or path.parent.name in FORMAT_MODULES:
+            continue
+        if path.relative_to(src).as_posix() == STATE_FORMATS:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Compare):
