@@ -289,7 +289,7 @@ class Precision:
         (a low-bit optimizer, or a wrapper from an earlier ``setup``, as it is)."""
         if isinstance(optimizer, (LowBitOptimizer, LossScaleOptimizer)):
             return optimizer
-        known = next((new for old, new in self._converted if old is optimizer), None)
+        known = self.converted(optimizer)
         if known is not None:
             return known
         if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
@@ -302,8 +302,9 @@ class Precision:
         default = self.optimizer_states or (states if isinstance(states, str) else "float32")
         assigned = self.policy.state_formats(model, self.optimizer_states)
         named = dict(model.named_parameters())
-        # float32 ones are picked per parameter (a master stands for its parameter), which
-        # keeps the groups as they are; another low-bit format needs a group of its own
+        # each parameter's format is held per parameter (a master stands for its parameter),
+        # so the groups stay the torch optimizer's: float32 by `keep_float32`, another
+        # low-bit format than the default by `formats`
         plain = {id(named[n]) for n, (fmt, _) in assigned.items() if not fmt.quantized}
         formats = {
             named[n]: fmt

@@ -58,8 +58,8 @@ def candidates(
             built.append(holder)
             formats = holder_formats(holder, unit_states[len(rows)]) if unit_states else None
             row.options[p.name] = Option(bytes=state_bytes(holder, s.count, formats))
-            if p.name == s.base.name:
-                base_bytes += state_bytes(holder, s.count)
+            if p.name == s.base.name:  # the budget's reference keeps float32 states
+                base_bytes += state_bytes(holder, s.count) if formats else row.options[p.name].bytes
         holders.append(built)
         rows.append(row)
     return reference, holders, rows, unit_states, base_bytes
