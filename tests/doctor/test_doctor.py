@@ -483,6 +483,38 @@ def test_the_terminal_never_calls_a_layer_with_inf_nan_ok_and_says_a_rerun_may_f
     assert "8 module(s) after inp hold the inf/NaN it made" in report
 
 
+class NaiveSoftmax(nn.Module):
+    def forward(self, x):
+        return x.exp() / x.exp().sum(-1, keepdim=True)
+
+
+def test_modules_before_a_broken_one_hold_its_nan_in_their_gradients_not_from_upstream():
+    """The doctor page's example: the modules before the broken softmax compute finite
+    outputs and only receive NaN gradients from it, so they are shown as holding inf/NaN
+    gradients from downstream (the first layer has no upstream), and the note counts them
+    apart from the one after it."""
+    from mixprec.doctor.report import hidden_downstream, verdict_text
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8), NaiveSoftmax(), nn.Linear(8, 2)
+    )
+    with torch.no_grad():
+        model[2].weight.mul_(20.0)
+    batch = (torch.randn(64, 8), torch.randint(0, 2, (64,)))
+    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    assert names(d) == ["3"]
+    shown = {name: verdict_text(m) for name, m in d.modules.items()}
+    assert shown["4"] == "inf/NaN from upstream"
+    for name in ("0", "1", "2"):
+        assert d.modules[name].nonfinite == 0 and d.modules[name].grad_nonfinite
+        assert shown[name] == "inf/NaN gradients from downstream"
+    assert hidden_downstream(d).startswith(
+        "1 module(s) after 3 hold the inf/NaN it made; 3 module(s) before 3 hold it in their "
+        "gradients, so whether"
+    )
+
+
 def test_float16_training_nan_fixed_by_recommended_policy():
     """Plain 16-mixed never takes a step (NaN); the recommended map trains like float32."""
 

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixprec.doctor.verdicts import AT_RISK, BROKEN, OK, UPSTREAM
+from mixprec.doctor.verdicts import AT_RISK, BROKEN, DOWNSTREAM, OK, UPSTREAM
 from mixprec.dtypes import format_info
 
 if TYPE_CHECKING:
@@ -78,26 +78,36 @@ def _cells(m: ModuleReport, columns: tuple[str, ...] = _COLUMNS) -> list[str]:
 
 def verdict_text(m: ModuleReport) -> str:
     """A module's verdict as the tables show it: an ok module holding inf/NaN is never just
-    "ok", since it only passes on what a broken module made (or holds one that is)."""
+    "ok", since it only passes on what a broken module made (or holds one that is): in its
+    outputs, from upstream, or only in its gradients, from downstream."""
     if m.verdict != OK or not (m.nonfinite or m.grad_nonfinite):
         return m.verdict
-    return "inf/NaN from inside" if m.note.startswith("contains") else UPSTREAM
+    if m.note.startswith("contains"):
+        return "inf/NaN from inside"
+    return UPSTREAM if m.nonfinite else DOWNSTREAM
 
 
 def hidden_downstream(d: Diagnosis) -> str | None:
-    """Why a run with a broken module cannot rule out another downstream, or None: the
-    modules after it hold its inf/NaN, so whether one of them breaks on its own shows only in
-    a run with it fixed."""
-    carrying = [m for m in d.modules.values() if verdict_text(m) == UPSTREAM]
+    """Why a run with a broken module cannot rule out another, or None: the modules after it
+    hold its inf/NaN in their outputs and those before it in their gradients, so whether one
+    of them breaks on its own shows only in a run with it fixed."""
+    shown = [verdict_text(m) for m in d.modules.values()]
+    after, before = shown.count(UPSTREAM), shown.count(DOWNSTREAM)
     origins = [m.display_name for m in d.findings if m.verdict == BROKEN]
-    if not carrying or not origins:
+    if not (after or before) or not origins:
         return None
+    names = ", ".join(origins)
+    made = f"the inf/NaN {'it' if len(origins) == 1 else 'they'} made"
+    where = [f"{after} module(s) after {names} hold {made}"] if after else []
+    if before:
+        where.append(
+            f"{before} module(s) before {names} hold {'it' if after else made} in their gradients"
+        )
     return (
-        f"{len(carrying)} module(s) after {', '.join(origins)} hold the inf/NaN "
-        f"{'it' if len(origins) == 1 else 'they'} made, so whether one of them breaks on its "
-        "own shows only in a run with it fixed: the recommendation fixes one module at a time "
-        "and runs again after each fix, naming any it finds (mixprec doctor without "
-        "--no-recommend, or run again with its policy.json)"
+        f"{'; '.join(where)}, so whether one of them breaks on its own shows only in a run "
+        "with it fixed: the recommendation fixes one module at a time and runs again after "
+        "each fix, naming any it finds (mixprec doctor without --no-recommend, or run again "
+        "with its policy.json)"
     )
 
 

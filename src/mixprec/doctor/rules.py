@@ -37,6 +37,7 @@ import torch
 from mixprec.doctor.verdicts import (
     AT_RISK,
     BROKEN,
+    DOWNSTREAM,
     ERROR_AT_RISK,
     ERROR_BROKEN,
     ERROR_GROWTH,
@@ -390,11 +391,12 @@ def _entry_of_nonfinite(modules: dict[str, ModuleReport]) -> ModuleReport | None
 
 def mark_origins(modules: dict[str, ModuleReport]) -> None:
     """Mark the broken modules as where problems start, and note on the others that hold
-    inf/NaN that they only pass them on."""
+    inf/NaN that they only pass them on: in their outputs from upstream, or only in their
+    gradients, from downstream (a module before the broken one)."""
     for m in modules.values():
         m.origin = m.verdict == BROKEN
         if m.verdict == OK and not m.note and (m.nonfinite or m.grad_nonfinite):
-            m.note = UPSTREAM
+            m.note = UPSTREAM if m.nonfinite else DOWNSTREAM
 
 
 def judge(

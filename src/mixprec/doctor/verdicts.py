@@ -39,6 +39,7 @@ __all__ = [
     "ModuleReport",
     "OK",
     "UPSTREAM",
+    "DOWNSTREAM",
     "Origins",
     "ParamReport",
     "QUANTIZED_TOLERANCE",
@@ -76,8 +77,10 @@ class Verdict(str, Enum):
 
 
 OK, AT_RISK, BROKEN = Verdict.OK, Verdict.AT_RISK, Verdict.BROKEN
-# what an ok module holding inf/NaN that it did not make is shown as: never just "ok"
+# what an ok module holding inf/NaN that it did not make is shown as, never just "ok": in its
+# outputs, made by a module before it; only in its gradients, made by a module after it
 UPSTREAM = "inf/NaN from upstream"
+DOWNSTREAM = "inf/NaN gradients from downstream"
 
 
 class FindingKind(str, Enum):
