@@ -105,6 +105,8 @@ def _scale_outputs(outputs: Any, scale: torch.Tensor) -> Any:
     if isinstance(outputs, torch.Tensor):
         scaled = outputs * scale.to(outputs.device, non_blocking=True)
         scaled._mixprec_scaled = True  # type: ignore[attr-defined]
+        if scaled.grad_fn is not None:  # marks the graph too: arithmetic on `scaled` keeps it
+            scaled.grad_fn.metadata[_SCALED_MARK] = True
         return scaled
     if isinstance(outputs, Mapping):
         return type(outputs)({k: _scale_outputs(v, scale) for k, v in outputs.items()})
@@ -117,11 +119,41 @@ def _scale_outputs(outputs: Any, scale: torch.Tensor) -> Any:
     )
 
 
+# the key of the mark ``scale`` leaves in its product's autograd node (``Node.metadata``)
+_SCALED_MARK = "mixprec_scaled"
+# how far `is_scaled` looks back through the autograd graph from a loss: operations, nodes
+SCALED_SEARCH_DEPTH = 4
+SCALED_SEARCH_NODES = 256
+
+
 def is_scaled(loss: torch.Tensor) -> bool:
-    """Whether `loss` came out of a scaler's ``scale``: a backward that scales its loss
-    refuses one, since scaling twice leaves gradients the scale times too large after the
-    one unscale (an Adam step hides most of that, so it would pass unnoticed)."""
-    return getattr(loss, "_mixprec_scaled", False)
+    """Whether `loss` came out of a scaler's ``scale``, or was computed from such a tensor in
+    at most `SCALED_SEARCH_DEPTH` autograd operations (``scaler.scale(loss) / accumulation``,
+    ``scaler.scale(loss) * weight``, a sum of scaled losses), looking at no more than
+    `SCALED_SEARCH_NODES` nodes. A backward that scales its loss refuses one, since scaling
+    twice leaves gradients the scale times too large after the one unscale (an Adam step
+    hides most of that, so it would pass unnoticed).
+
+    ``scale`` marks its product's autograd node; the arithmetic after it makes new tensors,
+    but their graph leads back to that node. Anything not a tensor is never scaled (a
+    stand-in object whose attributes are all truthy included)."""
+    if not isinstance(loss, torch.Tensor):
+        return False
+    if getattr(loss, "_mixprec_scaled", False) is True:
+        return True
+    level = [loss.grad_fn] if loss.grad_fn is not None else []
+    seen: set[Any] = set()  # the nodes themselves: held, so that none is looked at twice
+    for _ in range(SCALED_SEARCH_DEPTH + 1):
+        following = []
+        for node in level:
+            if node in seen or len(seen) >= SCALED_SEARCH_NODES:
+                continue
+            seen.add(node)
+            if node.metadata.get(_SCALED_MARK) is True:
+                return True
+            following.extend(n for n, _ in node.next_functions if n is not None)
+        level = following
+    return False
 
 
 def _check_keys(state: Mapping[str, Any], keys: Sequence[str], what: str) -> None:

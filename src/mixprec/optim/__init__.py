@@ -527,7 +527,9 @@ def backward_context(
     if is_scaled(loss):
         raise ValueError(
             "the loss given to the backward is already multiplied by the loss scale "
-            "(scaler.scale(loss)): pass the loss itself, the backward scales it once"
+            "(scaler.scale(loss)), or computed from such a loss (scaler.scale(loss) / "
+            "accumulation_steps, scaler.scale(loss) * weight): pass the loss itself, divided "
+            "or weighted first (loss / accumulation_steps), the backward scales it once"
         )
     for opt in optimizers:
         opt.check_can_backward()
