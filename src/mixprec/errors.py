@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 __all__ = [
     "FactoryError",
     "PolicySpecError",
     "PrecisionError",
     "SlowPrecisionError",
     "SlowPrecisionWarning",
+    "caller_level",
 ]
 
 
@@ -33,3 +37,18 @@ class SlowPrecisionWarning(UserWarning):
 class FactoryError(ValueError):
     """A ``file.py:factory`` / ``module:factory`` reference could not be loaded or called,
     or gave something unusable."""
+
+
+# the mixprec package's folder: frames in it are not the caller a warning points at
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def caller_level() -> int:
+    """The ``stacklevel`` that makes a warning raised in the calling function point at the
+    first frame outside mixprec, the user's line, however deep in mixprec it is raised
+    (`apply`, the doctor, the search and `Precision` reach the same checks by paths of
+    different depths)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level

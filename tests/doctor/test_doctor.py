@@ -483,11 +483,6 @@ def test_the_terminal_never_calls_a_layer_with_inf_nan_ok_and_says_a_rerun_may_f
     assert "8 module(s) after inp hold the inf/NaN it made" in report
 
 
-class NaiveSoftmax(nn.Module):
-    def forward(self, x):
-        return x.exp() / x.exp().sum(-1, keepdim=True)
-
-
 def test_modules_before_a_broken_one_hold_its_nan_in_their_gradients_not_from_upstream():
     """The doctor page's example: the modules before the broken softmax compute finite
     outputs and only receive NaN gradients from it, so they are shown as holding inf/NaN
@@ -513,6 +508,21 @@ def test_modules_before_a_broken_one_hold_its_nan_in_their_gradients_not_from_up
         "1 module(s) after 3 hold the inf/NaN it made; 3 module(s) before 3 hold it in their "
         "gradients, so whether"
     )
+
+
+def test_the_slow_precision_warning_points_at_the_users_line():
+    """Raised deep inside the doctor (a copy of the model converted in `running`), the
+    warning names the caller's file and line, as `apply`'s does."""
+    model, batch = overflow_model(10.0)
+    with hardware.assume(ZEN4), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+        line = sys._getframe().f_lineno - 1
+        mixprec.apply(nn.Linear(2, 2), "16-mixed")
+    slow = [w for w in caught if w.category is mixprec.SlowPrecisionWarning]
+    assert len(slow) >= 2
+    assert {(w.filename, w.lineno) for w in slow[:-1]} == {(__file__, line)}
+    assert (slow[-1].filename, slow[-1].lineno) == (__file__, line + 2)
 
 
 def test_float16_training_nan_fixed_by_recommended_policy():

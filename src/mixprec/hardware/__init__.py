@@ -22,7 +22,12 @@ import torch
 from torch import nn
 
 from mixprec.dtypes import dtype_name
-from mixprec.errors import PrecisionError, SlowPrecisionError, SlowPrecisionWarning
+from mixprec.errors import (
+    PrecisionError,
+    SlowPrecisionError,
+    SlowPrecisionWarning,
+    caller_level,
+)
 from mixprec.formats.registry import Status, Support, format_named
 from mixprec.hardware import gemm_ratio
 from mixprec.policy import Policy, QuantizedPolicy, is_auto
@@ -49,6 +54,7 @@ __all__ = [
     "allow_slow_from_env",
     "assume",
     "cap_cpu_flags",
+    "caps_in_effect",
     "check",
     "default_device",
     "detect",
@@ -269,7 +275,22 @@ def device_of(model: nn.Module) -> torch.device:
 
 
 _ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+# oneDNN reads its cap once, when the process creates its first primitive (a float32 matmul
+# may), and torch does not say which it read: mixprec takes the variables as they were when it
+# was imported, before it multiplied anything itself
+_ONEDNN_AT_IMPORT = {var: os.environ.get(var) for var in _ISA_VARS[:2]}
 _assumed: dict[str, DeviceInfo] = {}
+
+
+def caps_in_effect(requested: Mapping[str, str]) -> dict[str, str]:
+    """The ISA caps this process's kernels run under, as the variables would spell them:
+    oneDNN's as they were when mixprec was imported, ATen's capability as torch reports it
+    where `requested` sets one (ATen too reads its variable once). A cap set later in a
+    process whose torch already multiplied is in `requested` and not here."""
+    caps = {var: value for var, value in _ONEDNN_AT_IMPORT.items() if value}
+    if requested.get("ATEN_CPU_CAPABILITY"):
+        caps["ATEN_CPU_CAPABILITY"] = torch.backends.cpu.get_cpu_capability()
+    return caps
 
 
 @cache
@@ -303,14 +324,28 @@ def _host_cpu(caps: tuple[str | None, ...], refresh: bool) -> DeviceInfo:
         "isa_cap": cap,
         "torch": torch.__version__,
     }
-    measured = gemm_ratio.cached(key, refresh=refresh)
+    path = gemm_ratio.cache_path()
+    in_effect, _ = cap_cpu_flags(_cpu_flags(), caps_in_effect(env))
+    if in_effect == flags:
+        measured = gemm_ratio.cached(key, refresh=refresh)
+        note = f"{measured.note()}; cached in {path}"
+    else:
+        # this process's GEMMs run under another cap than the one asked for: measuring them
+        # would store one cap's speed under the other's key
+        measured = gemm_ratio.lookup(key)
+        why = (
+            "not measured in this process: its kernels run under another ISA cap than the "
+            "one asked for (oneDNN and ATen read theirs once, at the first matmul; set the cap "
+            "before the process starts)"
+        )
+        note = f"{measured.note()}; read from {path}; {why}" if measured else why
     return DeviceInfo(
         "cpu",
         name,
         cpu_flags=flags,
         isa_cap=cap,
-        gemm_ratios=measured.ratios,
-        gemm_note=f"{measured.note()}; cached in {gemm_ratio.cache_path()}",
+        gemm_ratios=measured.ratios if measured else None,
+        gemm_note=note,
     )
 
 
@@ -395,12 +430,19 @@ def _rated(prior: Support, ratio: float | None, dtype: torch.dtype) -> Support:
         return prior
     measured = f"its GEMMs measured {_times(ratio)} float32's speed here"
     if ratio < SLOW_BELOW:
-        return Support(SLOW, f"{measured}; {prior.reason}")
-    if prior.status == FAST or dtype != torch.bfloat16:
+        if prior.status == SLOW:
+            return Support(SLOW, f"{measured}; {prior.reason}")
+        return Support(SLOW, f"{measured}, slower than its flags predict ({prior.reason})")
+    if dtype != torch.bfloat16:
+        if prior.status == SLOW:
+            return Support(SLOW, f"{measured}, but rated by its convolutions: {prior.reason}")
         return Support(prior.status, f"{prior.reason}; {measured}")
-    if ratio >= FAST_FROM:
-        return Support(FAST, f"{measured}; {prior.reason}")
-    return Support(SUPPORTED, f"{measured}, about float32's; {prior.reason}")
+    if prior.status == FAST:
+        return Support(FAST, f"{prior.reason}; {measured}")
+    status, speed = (FAST, "") if ratio >= FAST_FROM else (SUPPORTED, ", about float32's")
+    if prior.status == SLOW:
+        return Support(status, f"{measured}{speed}, not what its flags predict ({prior.reason})")
+    return Support(status, f"{measured}{speed}; {prior.reason}")
 
 
 def _cpu_prior(dtype: torch.dtype, flags: frozenset[str]) -> Support:
@@ -640,5 +682,5 @@ def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -
         warnings.warn(
             f"precision {worst.name!r} is {s.status} on {info.describe()}: {s.reason}",
             SlowPrecisionWarning,
-            stacklevel=3,
+            stacklevel=caller_level(),
         )

@@ -37,13 +37,12 @@ import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from mixprec.errors import PolicySpecError
+from mixprec.errors import PolicySpecError, caller_level
 from mixprec.formats.registry import format_named, formats, register
 from mixprec.policy import QuantizedPolicy, as_policy, is_quantized
 from mixprec.quantize.float8 import FLOAT8
@@ -221,22 +220,9 @@ def _warn_untied(modules: dict[str, nn.Module], new: dict[int, nn.Module], codes
                 f"quantizing {path} alone unties them (its codes keep today's weight while "
                 f"the float side trains on). Quantize both (a filter naming both paths) or "
                 f"neither",
-                stacklevel=_caller_level(),
+                stacklevel=caller_level(),
             )
             break
-
-
-# the mixprec package's folder: frames in it are not the caller a warning points at
-_PACKAGE = str(Path(__file__).resolve().parents[1])
-
-
-def _caller_level() -> int:
-    """The ``stacklevel`` that makes a warning raised in the calling function point at the
-    first frame outside mixprec (``quantize``, ``apply`` and ``Precision`` all get here)."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def quantize(
