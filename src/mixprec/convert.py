@@ -600,17 +600,26 @@ def device_slow_attention(device: torch.device) -> frozenset[torch.dtype]:
 
 
 def explain(
-    model: nn.Module, policy: Any = None, *, device: torch.device | str | None = None
+    model: nn.Module,
+    policy: Any = None,
+    *,
+    device: torch.device | str | None = None,
+    optimizer_states: str | None = None,
 ) -> Explanation:
     """What each layer of `model` runs in under `policy` (default: the policy `apply` gave
     the model, else the global one), and under quantized policies which layers are
     quantized and which skipped, and why; which modules run their attention in float32 and
     which layers are float32 islands beyond what the device's own autocast does, as `apply`
     decides it on `device` (default: the model's; "cuda" on a CPU-only machine shows what a
-    GPU run would do)."""
+    GPU run would do); each parameter's optimizer-state format under a map with ``states``
+    or with ``optimizer_states`` (`Precision`'s)."""
     where = parse_device(device) if device is not None else device_of(model)
     return policy_map.explain(
-        model, policy, slow_attention=device_slow_attention(where), device_type=where.type
+        model,
+        policy,
+        slow_attention=device_slow_attention(where),
+        device_type=where.type,
+        optimizer_states=optimizer_states,
     )
 
 

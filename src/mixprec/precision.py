@@ -18,6 +18,7 @@ the overflow flag, and the step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -84,9 +85,11 @@ class Precision:
             into the low-bit one of `mixprec.states` (`from_optimizer`), each parameter's
             moments in the format `PolicyMap.state_formats` gives it: this one by default,
             float32 for small parameters and embedding tables, the map's ``states`` rules
-            first. Use the optimizers ``setup`` returns (and build schedulers on them); other
-            optimizers are refused. ``None`` (default) converts only when the policy map
-            has ``states``.
+            first. Use the optimizers ``setup`` returns; a scheduler built on the torch
+            optimizer before drives the converted one (the torch optimizer is given its
+            parameter groups, and its own ``step`` raises). Other optimizers are refused, and
+            so is a `mixprec.states` optimizer keeping another format. ``None`` (default)
+            converts only when the policy map has ``states``.
 
     Life cycle: built (a policy other than ``"auto"`` and the scaler are known at once), then
     `resolve` once for the device it runs on (``"auto"`` picked, the hardware checked; ``setup``
@@ -151,12 +154,7 @@ class Precision:
             self._policy = resolve_policy(self._spec, device)
         else:
             self._policy = as_map(self._spec)
-        states = self._policy.states
-        if isinstance(states, str) and self.optimizer_states not in (None, states):
-            raise ValueError(
-                f"optimizer_states={self.optimizer_states!r}, but the policy map's states say "
-                f"{states!r}: give the format once"
-            )
+        self._policy.state_default(self.optimizer_states)  # refuses two formats given
         self._scaler = as_loss_scaler(
             self._scaler_spec, needs_scaling=self._policy.needs_loss_scaling
         )
@@ -286,8 +284,23 @@ class Precision:
 
     def _low_bit(self, optimizer: Any, model: nn.Module) -> Any:
         """``optimizer`` with its states in the formats this precision gives each parameter
-        (a low-bit optimizer, or a wrapper from an earlier ``setup``, as it is)."""
+        (a low-bit optimizer, or a wrapper from an earlier ``setup``, as it is: one keeping
+        another format than the one given is refused, as a map's is)."""
+        default = self.policy.state_default(self.optimizer_states)
         if isinstance(optimizer, (LowBitOptimizer, LossScaleOptimizer)):
+            inner = getattr(optimizer, "optimizer", optimizer)
+            kept = inner.defaults["states"] if isinstance(inner, LowBitOptimizer) else None
+            if default is not None and kept is not None and kept != default:
+                said = (
+                    f"optimizer_states={default!r}"
+                    if self.optimizer_states
+                    else f"the policy map's states say {default!r}"
+                )
+                raise ValueError(
+                    f"{said}, but the {type(inner).__name__} given keeps {kept!r} states: give "
+                    f"the format once (a torch AdamW, Adam or SGD is converted into {default!r}; "
+                    f"a low-bit optimizer is taken as it is without optimizer_states)"
+                )
             return optimizer
         known = self.converted(optimizer)
         if known is not None:
@@ -298,13 +311,12 @@ class Precision:
                 f"mixprec.states optimizer as it is), got {type(optimizer).__name__}: build one "
                 "of those, or leave optimizer_states out"
             )
-        states = self.policy.states
-        default = self.optimizer_states or (states if isinstance(states, str) else "float32")
-        assigned = self.policy.state_formats(model, self.optimizer_states)
+        default = default or "float32"
+        assigned = self.policy.state_formats(model, default)
         named = dict(model.named_parameters())
-        # each parameter's format is held per parameter (a master stands for its parameter),
-        # so the groups stay the torch optimizer's: float32 by `keep_float32`, another
-        # low-bit format than the default by `formats`
+        # each parameter's format is held per parameter (a master takes its parameter's), so
+        # the groups stay the torch optimizer's: float32 by `keep_float32`, another low-bit
+        # format than the default by `formats`
         plain = {id(named[n]) for n, (fmt, _) in assigned.items() if not fmt.quantized}
         formats = {
             named[n]: fmt
@@ -322,6 +334,7 @@ class Precision:
             keep_float32=keep_float32,
             compensation=self.compensation,
         )
+        _hand_over(optimizer, converted)
         self._converted.append((optimizer, converted))
         return converted
 
@@ -529,6 +542,36 @@ class Precision:
             opt.unscale_()
         master_of = {p: m for opt in self.optimizers for p, m in opt.master_params.items()}
         return [master_of.get(t, t) for t in tensors]
+
+
+def _hand_over(old: torch.optim.Optimizer, new: LowBitOptimizer) -> None:
+    """Make the torch optimizer ``old``, converted into ``new``, stand for it where a caller
+    still holds it: its parameter groups become ``new``'s (one to one), so a learning-rate
+    scheduler built on ``old`` sets ``new``'s learning rates; its own step raises (it would
+    train float32 moments that nothing uses); and ``new``'s steps count as ``old``'s for
+    torch's check that a scheduler steps after its optimizer."""
+    name = type(old).__name__
+
+    def stale_step(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"this {name} was converted into {type(new).__name__} "
+            f"(states {new.defaults['states']!r}) by Precision.setup: its own step would train "
+            f"float32 moments that the run does not use. Step the optimizer setup returned, or "
+            f"precision.step()"
+        )
+
+    stale_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    old.step = stale_step  # type: ignore[method-assign]
+    old.param_groups = new.param_groups
+    step = new.step
+
+    @functools.wraps(step)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        old._opt_called = new._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    counted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    new.step = counted  # type: ignore[method-assign]
 
 
 def _warn_replaced(

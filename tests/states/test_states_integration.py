@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from trainers import SILENT
 
+import mixprec
 from mixprec import PolicyMap, Precision
 from mixprec.cli import main
 from mixprec.doctor import state_errors
@@ -127,6 +128,61 @@ def test_unsupported_optimizers_and_formats_are_refused() -> None:
         Precision("32-true", optimizer_states="int9")
     with pytest.raises(ValueError, match="give the format once"):
         Precision(PolicyMap("32-true", states="int4"), optimizer_states="int8")
+
+
+def test_a_scheduler_built_before_setup_drives_the_converted_optimizer() -> None:
+    model = StatesNet()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5)
+    precision = Precision("32-true", optimizer_states="int8")
+    model, opt = precision.setup(model, adamw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "lr_scheduler.step() before optimizer.step()"
+        for batch in list(loader())[:2]:
+            _step(precision, model, opt, batch)
+            sched.step()
+    assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0] == 1e-2 * 0.5**2
+    # the torch optimizer's own step would train float32 moments nothing reads
+    with pytest.raises(RuntimeError, match=r"AdamW was converted into LowBitAdamW.*int8"):
+        adamw.step()
+
+
+def test_a_low_bit_optimizer_of_another_format_is_refused_as_a_maps_is() -> None:
+    from mixprec.states import AdamW4bit, AdamW8bit
+
+    model = StatesNet()
+    with pytest.raises(ValueError, match=r"optimizer_states='int8'.*AdamW4bit.*'int4'.*once"):
+        Precision("32-true", optimizer_states="int8").setup(model, AdamW4bit(model.parameters()))
+    with pytest.raises(ValueError, match=r"map's states say 'int4'.*AdamW8bit.*'int8'"):
+        Precision(PolicyMap("32-true", states="int4")).setup(model, AdamW8bit(model.parameters()))
+    # the same format, or no format given: taken as it is
+    opt = AdamW8bit(model.parameters())
+    assert Precision("32-true", optimizer_states="int8").setup(model, opt)[1].optimizer is opt
+
+
+@pytest.mark.parametrize(
+    ("spec", "masters"), [("16-true", None), ("bf16-true", True)], ids=["16-true", "bf16-masters"]
+)
+def test_a_state_rule_reaches_the_float32_master_of_its_parameter(spec, masters) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64))
+    pmap = PolicyMap(spec, states={"2": "int4"})
+    precision = Precision(pmap, optimizer_states="int8", master_weights=masters, allow_slow=True)
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    precision.backward(model(precision.convert_input(torch.randn(4, 64))).float().square().mean())
+    precision.step()
+    assert len(opt.master_params) == 4
+    state = opt.optimizer.state
+    formats = {n: state[opt.master_params[p]]["format"] for n, p in model.named_parameters()}
+    assert formats == {
+        "0.weight": "int8",
+        "0.bias": "float32",
+        "2.weight": "int4",
+        "2.bias": "float32",
+    }
+    said = explain(model, pmap, optimizer_states="int8").states
+    assert {n: fmt for n, (fmt, _) in said.items()} == formats  # explain says what ran
+    assert mixprec.explain(model, pmap, optimizer_states="int8").states == said
 
 
 # -- PolicyMap ------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.states import LowBitOptimizer
+
 __all__ = ["MASTER_DTYPES", "MasterWeights", "master_weights_by_name"]
 
 # which parameter dtypes get float32 masters, per value of `master_weights`
@@ -56,7 +58,8 @@ class MasterWeights:
 
     def add(self, optimizer: torch.optim.Optimizer) -> None:
         """Give every trainable parameter of a master dtype in ``optimizer``'s groups its
-        float32 master, in its place there (with its state cast to float32). The ones already
+        float32 master, in its place there (with its state cast to float32, and a low-bit
+        optimizer's state format given to the parameter given to the master). The ones already
         mastered are float32 and skipped, so this also catches groups added on the optimizer
         and parameters unfrozen after wrapping."""
         for group in optimizer.param_groups:
@@ -67,6 +70,9 @@ class MasterWeights:
                     continue
                 master = nn.Parameter(p.detach().to(torch.float32))
                 params[i] = master
+                if isinstance(optimizer, LowBitOptimizer) and p in optimizer.formats:
+                    # a state format given to the parameter is its master's: the one stepped
+                    optimizer.formats[master] = optimizer.formats.pop(p)
                 if p in optimizer.state:
                     optimizer.state[master] = {
                         k: v.to(torch.float32) if torch.is_tensor(v) and v.dtype == p.dtype else v

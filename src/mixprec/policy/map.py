@@ -51,7 +51,7 @@ from mixprec.errors import PolicySpecError
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.quantize.rules import skip_reason
 from mixprec.states.assign import Assignment, assign_formats
-from mixprec.states.formats import parse_state_format
+from mixprec.states.formats import StateFormat, parse_state_format
 
 __all__ = [
     "APPLIED_STATE",
@@ -400,6 +400,21 @@ class PolicyMap:
                 out[name] = Resolution(island_policy(inherited.policy), "float32 island")
         else:
             out[name] = _with_quantization(inherited, module)
+
+    def state_default(self, optimizer_states: str | StateFormat | None = None) -> str | None:
+        """The state format of the parameters no state rule names, canonically spelled:
+        ``optimizer_states`` (`Precision`'s), else this map's single ``states`` format; None
+        when neither gives one. Another ``optimizer_states`` beside a single ``states`` is
+        refused: the format is given once."""
+        given = str(parse_state_format(optimizer_states)) if optimizer_states is not None else None
+        if isinstance(self.states, str):
+            if given not in (None, self.states):
+                raise ValueError(
+                    f"optimizer_states={given!r}, but the policy map's states say "
+                    f"{self.states!r}: give the format once"
+                )
+            return self.states
+        return given
 
     def state_formats(self, model: nn.Module, default: str | None = None) -> dict[str, Assignment]:
         """Each trainable parameter's optimizer-state format and why, as
@@ -865,16 +880,21 @@ def explain(
     *,
     slow_attention: frozenset[torch.dtype] = frozenset(),
     device_type: str = "cpu",
+    optimizer_states: str | StateFormat | None = None,
 ) -> Explanation:
     """What each layer of `model` runs in under `policy` (default: the policy `apply` gave
     the model, else the global one), and under quantized policies which layers are
-    quantized and which skipped, and why; under a map with ``states``, each parameter's
-    optimizer-state format and why (`Explanation.states`). `slow_attention` and `device_type` as
-    `PolicyMap.resolve` takes them (`mixprec.explain` passes the model's device's)."""
+    quantized and which skipped, and why; under a map with ``states`` or with
+    ``optimizer_states`` (`Precision`'s, the run's default state format), each parameter's
+    optimizer-state format and why (`Explanation.states`), as `Precision.setup` gives them.
+    `slow_attention` and `device_type` as `PolicyMap.resolve` takes them (`mixprec.explain`
+    passes the model's device's)."""
     if policy is None:
         applied = model.__dict__.get(APPLIED_STATE)
         policy = applied.policy if applied is not None else None
     pmap = as_map(policy)
+    default = pmap.state_default(optimizer_states)
     resolved = pmap.resolve(model, slow_attention=slow_attention, device_type=device_type)
-    states = pmap.state_formats(model) if pmap.states is not None else None
+    has_states = pmap.states is not None or default is not None
+    states = pmap.state_formats(model, default) if has_states else None
     return Explanation(model, resolved, device_type, states)

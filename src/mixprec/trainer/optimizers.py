@@ -3,7 +3,6 @@ optimizers, and schedulers with their interval, frequency and monitored metric."
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import warnings
@@ -110,8 +109,9 @@ def repoint_converted(configs: list[dict[str, Any]], precision: Precision) -> No
     """Make each scheduler built on an optimizer that ``precision`` converted to low-bit
     states (``optimizer_states=``) drive the converted one: `states.from_optimizer` keeps
     the parameter groups one to one, in order (a parameter's own format is held per
-    parameter, not by splitting its group), so the learning rates it sets land where they
-    did."""
+    parameter, not by splitting its group), and `Precision.setup` gave the torch optimizer
+    the converted one's groups and steps, so the learning rates it sets land where they did
+    and torch's check of the step order passes."""
     for config in configs:
         sched = config["scheduler"]
         old = getattr(sched, "optimizer", None)
@@ -119,23 +119,6 @@ def repoint_converted(configs: list[dict[str, Any]], precision: Precision) -> No
         if new is None:
             continue
         sched.optimizer = new
-        _count_steps(new)
-
-
-def _count_steps(optimizer: torch.optim.Optimizer) -> None:
-    """Mark ``optimizer``'s steps as torch's schedulers do on the optimizer they are built
-    on, so one moved onto it does not warn that its step was replaced or not called."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    step = optimizer.step
-
-    @functools.wraps(step)
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        optimizer._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    counted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = counted  # type: ignore[method-assign]
 
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]
