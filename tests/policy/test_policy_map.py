@@ -328,3 +328,20 @@ def test_as_map_is_the_one_coercion():
     assert as_map("bf16-mixed") == as_map(Policy("bf16-mixed")) == PolicyMap("bf16-mixed")
     assert as_map(Policy("16-true").to_config()) == PolicyMap("16-true")
     assert as_map("bf16-mixed").rules == {}
+
+
+def test_explain_says_each_autocast_difference_once_for_the_modules_it_holds_for():
+    """Every LayerNorm is a float32 island for the same reason: the caption names the
+    reason once, after the paths, instead of once per LayerNorm."""
+    from rich.console import Console
+
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2)
+    )
+    explanation = mixprec.explain(model, mixprec.PolicyMap("bf16-mixed"))
+    assert set(explanation.autocast_differences) == {"1", "3"}
+    console = Console(width=400, record=True)
+    console.print(explanation)
+    text = " ".join(console.export_text().split())
+    assert text.count("computes in float32 whatever its input") == 1
+    assert "beyond cpu torch.autocast: 1, 3: LayerNorm computes in float32" in text

@@ -823,8 +823,12 @@ class Explanation(dict):
 
         caption = None
         if self.autocast_differences:
+            # each reason once, after the modules it holds for (every LayerNorm shares one)
+            names: dict[str, list[str]] = {}
+            for name, why in self.autocast_differences.items():
+                names.setdefault(why, []).append(name or "<root>")
             caption = f"beyond {self.device_type} torch.autocast: " + "; ".join(
-                f"{name or '<root>'}: {why}" for name, why in self.autocast_differences.items()
+                f"{', '.join(where)}: {why}" for why, where in names.items()
             )
         table = Table(title="effective precision per module", caption=caption)
         columns = ["module", "type", "policy", "param", "compute", "output", "why"]
