@@ -449,8 +449,8 @@ def test_a_training_search_chooses_state_formats_and_its_policy_file_carries_the
     # float32 weights with float32 AdamW states: 16 bytes a weight, over a 0.7 budget
     with pytest.raises(BudgetError):
         search(model, batches, F.mse_loss, budget={"memory": 0.7}, **common)
-    report = search(model, batches, F.mse_loss, budget={"memory": 0.7}, states=["int8"], **common)
-    assert report.policy.states == {"0": "int8", "2": "int8"}
+    report = search(model, batches, F.mse_loss, budget={"memory": 0.7}, states="int8", **common)
+    assert report.policy.states == {"0": "int8", "2": "int8"}  # one format, not its letters
     int8 = StateFormat("int8")
     # weights, gradients and int8 moments of the two big weights; float32 ones of the biases
     expected = sum(8 * 8192 + 2 * int8.bytes(8192) + 16 * b for b in (128, 64))
@@ -460,6 +460,8 @@ def test_a_training_search_chooses_state_formats_and_its_policy_file_carries_the
     assert loaded.states == {"0": "int8", "2": "int8"}
     with pytest.raises(ValueError, match="count='training'"):
         search(model, batches, F.mse_loss, budget={"memory": 0.7}, states=["int8"])
+    as_format = search(model, batches, F.mse_loss, budget={"memory": 0.7}, states=int8, **common)
+    assert as_format.policy.states == report.policy.states
 
 
 FACTORY = """

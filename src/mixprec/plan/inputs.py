@@ -17,6 +17,7 @@ from mixprec.plan.budget import Budget
 from mixprec.plan.units import COUNTS, Unit, default_formats, find_units, format_name
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.policy.map import PolicyMap
+from mixprec.states import StateFormat, parse_state_format
 
 __all__ = ["SearchInputs", "check_finite", "search_inputs"]
 
@@ -67,7 +68,7 @@ def search_inputs(
     formats: Sequence[Any] | None,
     baseline: Any,
     count: str,
-    states: Sequence[str] | None,
+    states: str | StateFormat | Sequence[str | StateFormat] | None,
     eval_batches: Any,
     tolerance: Any,
     retries: Any,
@@ -90,6 +91,7 @@ def search_inputs(
             f"states are optimizer-state formats, counted only under count='training' (got "
             f"count={count!r}); pass count='training' or leave states out"
         )
+    state_list = _state_formats(states)
     _check_numbers(retries, train_steps, reps, tolerance, lr, seed)
     batches = _check_batches(batches, "batches")
     train_list = (
@@ -122,7 +124,7 @@ def search_inputs(
         loss_fn=loss_fn,
         budget=budget,
         count=count,
-        states=list(states) if states is not None else None,
+        states=state_list,
         tolerance=tolerance,
         retries=retries,
         train_steps=train_steps,
@@ -136,6 +138,21 @@ def search_inputs(
         units=units,
         seed=seed,
     )
+
+
+def _state_formats(states: Any) -> list[str] | None:
+    """``states`` as canonical format names: one format (``"int8"``, a `StateFormat`) is a
+    list of one, not a sequence of characters."""
+    if states is None:
+        return None
+    if isinstance(states, (str, StateFormat)):
+        states = [states]
+    if not isinstance(states, Iterable) or isinstance(states, Mapping):
+        raise TypeError(
+            f"states must be an optimizer-state format ('int8') or a list of them "
+            f"(['int8', 'int4']), got {type(states).__name__}"
+        )
+    return [str(parse_state_format(s)) for s in states]
 
 
 def check_finite(float32_loss: float, where: str) -> None:

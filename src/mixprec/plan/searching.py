@@ -37,6 +37,7 @@ from mixprec.plan.measure import Trained, train
 from mixprec.plan.report import SearchReport, UnitRow
 from mixprec.plan.scoring import candidates, score
 from mixprec.plan.verify import Verified, keep, limits_of, verify
+from mixprec.states import StateFormat
 
 __all__ = ["search"]
 
@@ -54,7 +55,7 @@ def search(
     formats: Sequence[Any] | None = None,
     baseline: Any = "bf16-mixed",
     count: str = "weights",
-    states: Sequence[str] | None = None,
+    states: str | StateFormat | Sequence[str | StateFormat] | None = None,
     eval_batches: Iterable[Any] | None = None,
     tolerance: float = 0.01,
     retries: int = 2,
@@ -83,8 +84,8 @@ def search(
         count: ``"weights"`` (parameters and buffers) or ``"training"`` (also gradients,
             AdamW moments and Kahan buffers: `mixprec.plan.units`).
         states: with ``count="training"``, optimizer-state formats the searched layers'
-            AdamW moments may take (``("int8", "int4")``): each layer keeps the cheapest
-            whose moment error after a few AdamW steps stays small
+            AdamW moments may take (``("int8", "int4")``, or one: ``"int8"``): each layer
+            keeps the cheapest whose moment error after a few AdamW steps stays small
             (`mixprec.plan.state_choice`), its bytes counted so; the plan (and the uniform
             plans beside it) carry them as ``states`` rules.
         eval_batches: held-out batches the plans are verified on (default: `batches`).
