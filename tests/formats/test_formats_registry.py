@@ -209,6 +209,63 @@ def test_unregistering_a_format_forgets_it() -> None:
 
 
 @pytest.mark.parametrize(
+    ("name", "error", "message"),
+    [
+        (3, TypeError, "a format's name is a string.*got int 3 from Unnamed.name"),
+        (None, TypeError, "got NoneType None from Unnamed.name"),
+        ("to y", ValueError, "without blanks.*got 'to y'"),
+        ("Toy", ValueError, "lower case.*got 'Toy'"),
+    ],
+)
+def test_a_format_name_that_is_no_policy_spelling_is_refused_saying_why(
+    name, error, message
+) -> None:
+    unnamed = type("Unnamed", (ToyFormat,), {"name": name})()
+    with pytest.raises(error, match=message):
+        register(unnamed)
+    assert unnamed not in formats()
+
+
+class KeyedToyFormat(ToyFormat):
+    """The toy, its steps written into a policy config under a key of its own."""
+
+    name = "keyedtoy"
+    accepted = "'keyedtoy', 'keyedtoy/<steps per unit>'"
+    config_keys = {"steps": "the toy's steps per unit"}
+
+    def to_dict(self, config: ToyConfig) -> dict[str, Any]:
+        return {"steps": config.steps}
+
+    def from_dict(self, values: Mapping[str, Any], name: str) -> ToyConfig:
+        return ToyConfig(values["steps"])
+
+
+def test_a_policy_file_naming_a_format_not_registered_says_so(tmp_path) -> None:
+    """A policy file written while a format was registered, read where it is not: the
+    error names the format and registering it, not its config keys."""
+    register(KeyedToyFormat())
+    register(TOY)
+    try:
+        policy = QuantizedPolicy("keyedtoy/16", "float32")
+        assert QuantizedPolicy.from_config(policy.to_config()) == policy
+        path = mixprec.PolicyMap(rules={"0": policy}).save(tmp_path / "policy.json")
+        config, toy_config = policy.to_config(), QuantizedPolicy("toy/16", "float32").to_config()
+    finally:
+        unregister("keyedtoy")
+        unregister("toy")
+    unregistered = (
+        r"unknown quantization mode '{}'.*no format of that name is registered; modes are "
+        r"int8, int4, .*mixprec\.formats\.register"
+    )
+    with pytest.raises(PolicySpecError, match=unregistered.format("keyedtoy")):
+        mixprec.PolicyMap.load(path)
+    with pytest.raises(PolicySpecError, match=unregistered.format("keyedtoy")):
+        QuantizedPolicy.from_config(config)
+    with pytest.raises(PolicySpecError, match=unregistered.format("toy")):
+        QuantizedPolicy.from_config(toy_config)  # its key "options" is a builtin one too
+
+
+@pytest.mark.parametrize(
     "spec",
     ["int8", "int4/32", "int4/-1", "float8", "float8/delayed:16", "mxfp8", "mxfp4", "nvfp4"],
 )

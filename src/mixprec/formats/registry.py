@@ -192,7 +192,18 @@ def register(fmt: Format) -> Format:
     if not isinstance(fmt, Format):
         raise TypeError(f"register takes a Format instance, not {type(fmt).__name__}")
     name = fmt.name
-    if not name or name != name.strip().lower() or "/" in name or "_from_" in name:
+    if not isinstance(name, str):
+        raise TypeError(
+            f"a format's name is a string, the mode as policy names spell it ('int8'), got "
+            f"{type(name).__name__} {name!r} from {type(fmt).__name__}.name"
+        )
+    if (
+        not name
+        or name != name.lower()
+        or any(c.isspace() for c in name)
+        or "/" in name
+        or "_from_" in name
+    ):
         raise ValueError(
             f"a format name is lower case, without blanks, '/' or '_from_', got {name!r}"
         )

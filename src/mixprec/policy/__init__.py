@@ -35,6 +35,7 @@ from mixprec.policy.names import (
     names_quantized,
     parse_float,
     parse_quantized,
+    unregistered,
 )
 
 # is_auto is the grammar's (policy.names); it is listed here too for the code that takes specs
@@ -414,6 +415,9 @@ class QuantizedPolicy(Policy):
                 holds.setdefault(key, what)
         keys = {"quantization_mode", "source", *holds}
         unknown = set(config) - keys
+        mode = config["quantization_mode"]
+        if unknown and isinstance(mode, str) and format_named(mode) is None:
+            raise PolicySpecError(unregistered(mode, f" (config keys {sorted(unknown)})"))
         if unknown:
             raise PolicySpecError(
                 f"unknown quantized policy config keys {sorted(unknown)}; expected "
@@ -428,7 +432,6 @@ class QuantizedPolicy(Policy):
                 raise PolicySpecError(
                     f"quantized policy config key {key!r} is null; it takes {takes}"
                 )
-        mode = config["quantization_mode"]
         fmt = format_named(mode) if isinstance(mode, str) else None
         stored = {k: v for k, v in config.items() if k in holds}
         for key, value in stored.items():

@@ -40,6 +40,7 @@ __all__ = [
     "parse_float_spec",
     "parse_quantized",
     "parse_spec",
+    "unregistered",
 ]
 
 f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
@@ -263,6 +264,17 @@ def _modes() -> str:
     return ", ".join(f.name for f in formats())
 
 
+def unregistered(mode: str, where: str = "") -> str:
+    """What to say of a quantization `mode` (named `where`) no registered format is
+    called: the formats that are, and that a format declared elsewhere is registered before
+    a name or a policy file naming it is read."""
+    return (
+        f"unknown quantization mode {mode!r}{where}: no format of that name is registered; "
+        f"modes are {_modes()}. A format declared outside mixprec must be registered "
+        f"(mixprec.formats.register) before a policy naming it is parsed or loaded"
+    )
+
+
 def _bare_quantized(name: str) -> bool:
     """A bare mode or float8 storage name ("int8", "mxfp8", "float8_e4m3fn"), which names a
     quantization, not a policy."""
@@ -372,10 +384,7 @@ def parse_quantized(
     mode, slash, option = mode_text.partition("/")
     fmt = format_named(mode)
     if fmt is None:
-        raise PolicySpecError(
-            f"unknown quantization mode {mode!r} in {spec!r}; modes are {_modes()}. "
-            + accepted_quantized()
-        )
+        raise PolicySpecError(unregistered(mode, f" in {spec!r}") + ". " + accepted_quantized())
     if slash and not option:
         raise PolicySpecError(f"nothing after '/' in {spec!r}. " + accepted_quantized())
     if sep:
