@@ -561,7 +561,7 @@ def test_summaries_speedup_overhead_and_oom_rows():
         Row(Config("32-true", "32-true", 8, None, False), ok([40.0, 10.0, 30.0])),
         Row(
             Config("bf16-mixed", "bf16-mixed", 8, None, True),
-            ok([12.0, 15.0, 99.0], [12.0, 50.0, 10.0]),
+            ok([20.0, 5.0, 99.0], [16.0, 50.0, 4.0]),
         ),
         Row(Config("32-true", "32-true", 16, None, False), RunResult(OOM, LoopResult(OOM, "x"))),
         Row(Config("bf16-mixed", "bf16-mixed", 16, None, True), ok([20.0], [16.0])),
@@ -569,13 +569,18 @@ def test_summaries_speedup_overhead_and_oom_rows():
     s = summarize(_report(rows))
     assert (s[0].median_ms, s[0].min_ms, s[0].max_ms, s[0].speedup) == (30.0, 10.0, 40.0, 1.0)
     assert s[0].samples_per_s == pytest.approx(8 / 0.030)
-    assert s[1].speedup == pytest.approx(30.0 / 15.0)
-    assert s[1].overhead == pytest.approx(15.0 / 12.0 - 1)
+    # the median of the rounds' ratios (40/20, 10/5, 30/99), not a ratio of medians (30/20):
+    # the round that was slow for bf16 alone does not move it
+    assert s[1].speedup == pytest.approx(2.0)
+    assert (s[1].speedup_low, s[1].speedup_high, s[1].rounds) == (pytest.approx(30 / 99), 2.0, 3)
+    assert not s[1].paired  # the rows were not timed side by side
+    assert s[1].overhead == pytest.approx(20.0 / 16.0 - 1)  # median of 20/16, 5/50, 99/4
     assert s[2].status == OOM and s[2].median_ms is None
     assert s[3].speedup is None  # no float32 result at batch 16 to compare with
     assert s[3].overhead == pytest.approx(0.25)
     md = markdown(_report(rows), s)
-    assert "| 8 | bf16-mixed | 15.0 | 12.0-99.0 | 533.3 | 2.00x | 0.0 MiB | 12.0 | +25.0% |" in md
+    row = "| 8 | bf16-mixed | 20.0 | 5.0-99.0 | 400.0 | 2.00x (0.30-2.00) | 0.0 MiB | 16.0 |"
+    assert row + " +25.0% |" in md
     assert "| 16 | 32-true | OOM | - | - | - | - | - | - |" in md
 
 
@@ -596,9 +601,12 @@ def test_blog_preset_report_shows_the_blogs_v100_numbers():
 def test_busy_machine_warning():
     cores = os.cpu_count() or 1
     assert busy_machine_warning([0.0, 0.0, 0.0], cores, "cpu") is None
-    assert "other work was using the CPUs" in busy_machine_warning(
-        [cores + 1.0, 0.0, 0.0], 1, "cpu"
-    )
+    one = busy_machine_warning([cores + 1.0, 0.0, 0.0], 1, "cpu")
+    assert "other work was using the CPUs" in one and "paired rounds" in one
+    # at one thread there are no fewer threads to advise
+    assert one.endswith("rerun on a quieter machine") and "--threads" not in one
+    two = busy_machine_warning([cores + 1.0, 0.0, 0.0], 2, "cpu")
+    assert two.endswith("rerun on a quieter machine or with --threads 1")
     assert busy_machine_warning([cores + 1.0, 0.0, 0.0], 1, "cuda") is None
 
 

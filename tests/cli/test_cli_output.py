@@ -16,8 +16,9 @@ from devices import AVX2_CPU, ZEN4
 from rich.console import Console
 
 from mixprec import Policy, PolicyMap, hardware, textout
-from mixprec.bench.report import Summary, conclusion, markdown, notes, rich_table
-from mixprec.bench.suite import BenchReport
+from mixprec.bench.report import Summary, conclusion, markdown, notes, rich_table, summarize
+from mixprec.bench.runner import RunResult
+from mixprec.bench.suite import BenchReport, Config, Row
 from mixprec.cli import main
 from mixprec.hardware import dtype_support, policy_support, support_matrix
 
@@ -26,9 +27,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 
 def _committed(run: str) -> tuple[BenchReport, list[Summary]]:
-    """A committed bench run, as its summaries were written."""
+    """A committed bench run, summarized again from its recorded step times."""
     data = json.loads((RESULTS / run / "results.json").read_text())
-    return BenchReport(data["metadata"], []), [Summary(**r["summary"]) for r in data["results"]]
+    rows = [Row(Config(**r["config"]), RunResult.from_dict(r["result"])) for r in data["results"]]
+    report = BenchReport(data["metadata"], rows)
+    return report, summarize(report)
 
 
 def _render(renderable, width: int) -> str:
@@ -70,8 +73,10 @@ def test_the_bench_table_at_80_columns_leaves_out_columns_and_names_them():
     _fits(text, 80)
     rows = [line for line in text.splitlines() if "bf16-mixed" in line]
     assert len(rows) == 3 and all("x" in row and "MiB" in row for row in rows)
-    assert "│    32 │ bf16-mixed │   153.0 │ 146.5-186.9 │   5.28x │ 102.7 MiB │" in text
-    assert "left out at this width: samples/s, raw torch ms/step" in " ".join(text.split())
+    # the speedup: the median of the runs' step ratios, and its 95% interval
+    assert "│    32 │ bf16-mixed │   153.0 │ 5.27x (4.89-5.48) │ 102.7 MiB │    +0.8% │" in text
+    left_out = "left out at this width: min-max, samples/s, raw torch ms/step"
+    assert left_out in " ".join(text.split())
     wide = _render(rich_table(report, summaries), 400)
     assert "left out" not in wide and "raw torch ms/step" in wide and "182.6" in wide
 
@@ -168,8 +173,9 @@ def test_doctor_reports_are_numbered_and_never_overwritten(
 def test_the_bench_closes_with_one_sentence_against_float32_and_the_seed_experiment():
     assert conclusion(*_committed("bench_default_cpu")) == (
         "On this machine bf16-mixed trains the cnn model 4.2-5.3x as fast as float32 with "
-        "29-45% less peak memory (batch 8-32); the seed experiment got 1.1x from mixed "
-        "precision on its V100 GPU, so mixed precision pays more here than it did there."
+        "29-45% less peak memory (batch 8-32; 95% intervals within 4.1-5.5x from 10 unpaired "
+        "runs); the seed experiment got 1.1x from mixed precision on its V100 GPU, so mixed "
+        "precision pays more here than it did there."
     )
     assert conclusion(*_committed("bench_default_cpu_avx2")) == (
         "No mixed precision is fast on this machine, so float32 is the one to train in here "

@@ -13,7 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from mixprec.bench.runner import OK, OOM
-from mixprec.bench.suite import BLOG_V100_MS, MIXED_CANDIDATES, BenchReport, Row
+from mixprec.bench.suite import BASELINE, BLOG_V100_MS, MIXED_CANDIDATES, BenchReport, Row
+from mixprec.bench.verdict import (
+    CONFIDENCE,
+    FASTER,
+    FEW,
+    MAX_WIDTH,
+    MIN_ROUNDS,
+    Interval,
+    ratio_interval,
+    speed_verdict,
+)
 from mixprec.textout import Column, FittedTable
 
 __all__ = [
@@ -38,7 +48,6 @@ __all__ = [
     "write_outputs",
 ]
 
-BASELINE = "32-true"
 OUTPUT_FILES = ("results.json", "results.csv", "report.md", "bench.png")
 COLUMNS = (
     "batch",
@@ -63,7 +72,14 @@ _KEEP = {
 
 @dataclass
 class Summary:
-    """The numbers of one table row (None where the configuration did not run)."""
+    """The numbers of one table row (None where the configuration did not run).
+
+    `speedup` is the median over rounds of float32's step time / this one's at the same
+    batch size, `speedup_low`-`speedup_high` its interval at `speedup_confidence`
+    (`verdict.ratio_interval`), from `rounds` ratios; `paired`: those ratios pair steps of
+    the same round (rows timed side by side), else step i of two separate runs. `overhead`
+    is the median over rounds of our step time / the raw torch loop's, minus 1.
+    """
 
     label: str
     precision: str
@@ -85,19 +101,24 @@ class Summary:
     compiled: bool = False
     first_step_s: float | None = None
     raw_first_step_s: float | None = None
+    speedup_low: float | None = None
+    speedup_high: float | None = None
+    speedup_confidence: float | None = None
+    rounds: int | None = None
+    paired: bool = False
 
 
-def _baseline(rows: list[Row], batch: int) -> float | None:
+def _baseline(rows: list[Row], batch: int) -> Row | None:
     for row in rows:
         r = row.result
         if row.config.spec == BASELINE and row.config.batch_size == batch and r.status == OK:
-            return statistics.median(r.mixprec.step_ms)
+            return row
     return None
 
 
 def summarize(report: BenchReport) -> list[Summary]:
-    """One summary per configuration: medians, speedup vs float32 at the same batch size,
-    and our overhead vs the raw torch loop (our median / raw median - 1)."""
+    """One summary per configuration: medians, the speedup against float32 at the same batch
+    size and our overhead against the raw torch loop, each a median of per-round ratios."""
     out = []
     for row in report.rows:
         c, r = row.config, row.result
@@ -105,9 +126,11 @@ def summarize(report: BenchReport) -> list[Summary]:
         ok = r.status == OK and bool(ours.step_ms)
         med = statistics.median(ours.step_ms) if ok else None
         base = _baseline(report.rows, c.batch_size)
+        speed = ratio_interval(base.result.mixprec.step_ms, ours.step_ms) if ok and base else None
         raw = r.raw
         raw_ok = ok and raw is not None and raw.status == OK and bool(raw.step_ms)
         raw_med = statistics.median(raw.step_ms) if raw_ok and raw is not None else None
+        overhead = ratio_interval(ours.step_ms, raw.step_ms) if raw_ok and raw is not None else None
         out.append(
             Summary(
                 label=c.label,
@@ -119,17 +142,22 @@ def summarize(report: BenchReport) -> list[Summary]:
                 min_ms=min(ours.step_ms) if ok else None,
                 max_ms=max(ours.step_ms) if ok else None,
                 samples_per_s=c.batch_size / med * 1e3 if med else None,
-                speedup=base / med if med and base else None,
+                speedup=speed.median if speed else None,
                 peak_memory=ours.peak_memory,
                 raw_median_ms=raw_med,
                 raw_peak_memory=raw.peak_memory if raw is not None else None,
-                overhead=med / raw_med - 1 if med and raw_med else None,
+                overhead=overhead.median - 1 if overhead else None,
                 skipped_steps=ours.skipped_steps,
                 raw_skipped_steps=raw.skipped_steps if raw is not None else None,
                 error=r.error or ours.error,
                 compiled=c.compiled,
                 first_step_s=ours.first_step_s,
                 raw_first_step_s=raw.first_step_s if raw is not None else None,
+                speedup_low=speed.low if speed else None,
+                speedup_high=speed.high if speed else None,
+                speedup_confidence=speed.confidence if speed else None,
+                rounds=speed.n if speed else None,
+                paired=bool(speed and base and r.paired and base.result.paired),
             )
         )
     return out
@@ -137,6 +165,15 @@ def summarize(report: BenchReport) -> list[Summary]:
 
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+def _speedup_cell(s: Summary) -> str:
+    """ "4.58x (4.41-4.80)": the median ratio and its interval (float32 itself: "1.00x")."""
+    if s.speedup is None:
+        return "-"
+    if s.precision == BASELINE or s.speedup_low is None or s.speedup_high is None:
+        return f"{s.speedup:.2f}x"
+    return f"{s.speedup:.2f}x ({s.speedup_low:.2f}-{s.speedup_high:.2f})"
 
 
 def _cells(s: Summary) -> list[str]:
@@ -149,7 +186,7 @@ def _cells(s: Summary) -> list[str]:
         f"{s.median_ms:,.1f}",
         f"{s.min_ms:,.1f}-{s.max_ms:,.1f}",
         f"{s.samples_per_s:,.1f}",
-        f"{s.speedup:.2f}x" if s.speedup is not None else "-",
+        _speedup_cell(s),
         _mib(s.peak_memory),
         f"{s.raw_median_ms:,.1f}" if s.raw_median_ms is not None else "-",
         f"{s.overhead * 100:+.1f}%" if s.overhead is not None else "-",
@@ -163,6 +200,8 @@ def progress_line(row: Row, index: int, total: int, seconds: float) -> str:
     head = f"[{index}/{total}] {c.label} @ {c.batch_size}:"
     where = f"{seconds:.1f} s" + (", fresh process" if r.fresh_process else "")
     ours = r.mixprec
+    if r.paired:
+        where = f"{len(ours.step_ms)} rounds side by side, batch in {where}"
     if r.status != OK or not ours.step_ms:
         return f"{head} {'OOM' if r.status == OOM else r.status} ({where})"
     med = statistics.median(ours.step_ms)
@@ -170,7 +209,9 @@ def progress_line(row: Row, index: int, total: int, seconds: float) -> str:
     raw = r.raw
     if raw is not None and raw.status == OK and raw.step_ms:
         raw_med = statistics.median(raw.step_ms)
-        parts.append(f"raw torch {raw_med:,.1f} ms/step ({med / raw_med - 1:+.1%})")
+        overhead = ratio_interval(ours.step_ms, raw.step_ms)
+        if overhead is not None:
+            parts.append(f"raw torch {raw_med:,.1f} ms/step ({overhead.median - 1:+.1%})")
     return f"{head} ok, {', '.join(parts)} ({where})"
 
 
@@ -235,18 +276,38 @@ def max_batch_lines(report: BenchReport) -> list[str]:
     return lines
 
 
+def _other_load(meta: dict[str, Any]) -> float | None:
+    """The 1-minute load of other work: the larger of the load before the run and the load
+    after it less the run's own threads."""
+    before, after = meta.get("load_average_before"), meta.get("load_average_after")
+    loads = [before[0]] if before else []
+    if after:
+        loads.append(after[0] - (meta.get("threads") or 1))
+    return max(loads) if loads else None
+
+
+def _is_busy(load: float | None, threads: int, device_type: str) -> bool:
+    """Whether other work keeps the CPUs busy: with every core in use, threads wait for
+    each other at each parallel op and single steps slow down at random."""
+    cores = os.cpu_count() or 1
+    return device_type == "cpu" and load is not None and load > cores - threads + 0.5
+
+
+def _rerun_advice(threads: int) -> str:
+    return "rerun on a quieter machine" + (" or with --threads 1" if threads > 1 else "")
+
+
 def busy_machine_warning(load: list[float] | None, threads: int, device_type: str) -> str | None:
-    """A warning when other work keeps the CPUs busy: with every core in use, threads wait
-    for each other at each parallel op and CPU timings lose their meaning."""
-    if device_type != "cpu" or not load:
+    """A warning, before the run, when other work keeps the CPUs busy: the verdict then
+    rests on paired rounds, and may be withheld as too noisy."""
+    if not load or not _is_busy(load[0], threads, device_type):
         return None
     cores = os.cpu_count() or 1
-    if load[0] <= cores - threads + 0.5:
-        return None
     return (
         f"WARNING: other work was using the CPUs (1-minute load {load[0]} on {cores} cores, "
-        f"{threads} thread(s) asked for): timings may be distorted; check the min-max "
-        "spread, and rerun on an idle machine or with fewer --threads"
+        f"{threads} thread(s) asked for): single steps are slowed at random; the speedup "
+        "is taken from paired rounds with its interval, and withheld if still too noisy; "
+        f"for tighter figures, {_rerun_advice(threads)}"
     )
 
 
@@ -255,14 +316,17 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
     leaves out the busy-machine warning, for a terminal that was already warned)."""
     meta = report.metadata
     out = [
-        f"timing: {meta['timing']}; {meta['steps']} timed steps after the memory step and "
-        f"{meta['warmup']} warm-up step(s), {meta['threads']} thread(s)",
+        f"timing: {meta['timing']}; {meta['warmup']} warm-up round(s) after the memory "
+        f"step, {meta['threads']} thread(s)",
         f"peak memory: {meta['memory_method']}",
-        "speedup: float32 (32-true) median / this median at the same batch size",
+        f"speedup: the median over rounds of float32's (32-true) step time / this row's at "
+        f"the same batch size, and its {CONFIDENCE:.0%} interval (order statistics of the "
+        "rounds' ratios)",
     ]
     if any(s.overhead is not None for s in summaries):  # else its column is left out
         out.append(
-            "mixprec overhead: our median / the raw torch.autocast loop's median - 1 (mixed "
+            "mixprec overhead: the median over rounds of our step time / the raw "
+            "torch.autocast loop's - 1 (mixed "
             "precisions only); mixprec computes layer-norm-type and softmax layers in float32 "
             "islands where the device's autocast does not (rows marked 'no f32 islands' leave "
             "them to autocast, as the raw loop does)"
@@ -369,10 +433,57 @@ def _span(values: list[float], fmt: str) -> str:
     )
 
 
+def _interval(s: Summary) -> Interval:
+    speed = s.speedup or 0.0
+    low = s.speedup_low if s.speedup_low is not None else speed
+    high = s.speedup_high if s.speedup_high is not None else speed
+    return Interval(speed, low, high, s.rounds or 0, s.speedup_confidence or 0.0)
+
+
+def _memory_clause(rows: list[Summary], fp32: dict[int, Summary]) -> str | None:
+    """ "29-45% less peak memory" over the rows, against float32 at each batch size."""
+    memory = [
+        1 - s.peak_memory / fp32[s.batch_size].peak_memory
+        for s in rows
+        if s.peak_memory and fp32[s.batch_size].peak_memory
+    ]
+    if not memory:
+        return None
+    saved = _span([abs(m) * 100 for m in memory], "{:.0f}")
+    more_or_less = "less" if min(memory) >= 0 else "more" if max(memory) <= 0 else "less or more"
+    return f"{saved}% {more_or_less} peak memory"
+
+
+def _withheld(meta: dict[str, Any], label: str, kind: str, decisive: Interval, batch: int) -> str:
+    """The sentence of a verdict withheld: why, and what to do."""
+    model, threads = meta["model"], meta.get("threads") or 1
+    how = f"how fast {label} trains the {model} model against float32 here"
+    if kind == FEW:
+        return (
+            f"Too few rounds to conclude {how}: {decisive.n} at batch {batch}, where a "
+            f"{CONFIDENCE:.0%} interval needs at least {MIN_ROUNDS} (their median: "
+            f"{decisive.median:.2f}x); rerun with --steps {MIN_ROUNDS} or more."
+        )
+    load = _other_load(meta)
+    under = (
+        f", under a 1-minute load of {load:.1f} on {os.cpu_count() or 1} cores"
+        if _is_busy(load, threads, meta.get("device_type", ""))
+        else ""
+    )
+    return (
+        f"Too noisy to conclude {how}: at batch {batch} its speedup lies anywhere in "
+        f"{decisive.low:.2f}-{decisive.high:.2f}x (the {CONFIDENCE:.0%} interval of "
+        f"{decisive.n} rounds is {decisive.width:.1f}x wide, a verdict needs at most "
+        f"{MAX_WIDTH:.1f}x){under}; {_rerun_advice(threads)}."
+    )
+
+
 def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
-    """One plain sentence closing the run: what the recommended mixed precision buys on this
-    machine against float32 (speed and peak memory, over the batch sizes both ran at), and
-    how that compares with the seed experiment's V100 (`BLOG_V100_MS`)."""
+    """What the recommended mixed precision buys on this machine against float32 (speed,
+    with its interval, and peak memory, over the batch sizes both ran at), and how that
+    compares with the seed experiment's V100 (`BLOG_V100_MS`); or, when the intervals are
+    too wide or too few rounds ran (`verdict.speed_verdict`), no speed finding but why not,
+    and the memory finding, which the load does not touch."""
     meta = report.metadata
     blog = [fp32 / mixed for mixed, fp32 in BLOG_V100_MS.values()]
     seed = f"the seed experiment got {_span(blog, '{:.1f}')}x from mixed precision on its V100 GPU"
@@ -389,23 +500,31 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     labels = list(dict.fromkeys(s.label for s in ok))
     label = next((n for n in fast if n in labels), labels[0])
     rows = [s for s in ok if s.label == label]
-    speed = [s.speedup for s in rows]
-    memory = [
-        1 - s.peak_memory / fp32[s.batch_size].peak_memory
-        for s in rows
-        if s.peak_memory and fp32[s.batch_size].peak_memory
-    ]
-    batches = _span([float(s.batch_size) for s in rows], "{:.0f}")
-    if min(speed) >= 1:
-        buys = f"trains the {meta['model']} model {_span(speed, '{:.1f}')}x as fast as float32"
+    verdict = speed_verdict([_interval(s) for s in rows])
+    memory = _memory_clause(rows, fp32)
+    if verdict.withheld:
+        batch = rows[verdict.intervals.index(verdict.decisive)].batch_size
+        sentence = _withheld(meta, label, verdict.kind, verdict.decisive, batch)
+        if memory:
+            sentence += f" It uses {memory} than float32 (memory does not depend on the load)."
+        return sentence
+    speed = [s.speedup or 0.0 for s in rows]
+    digits = "{:.1f}" if verdict.kind == FASTER else "{:.2f}"
+    if verdict.kind == FASTER:
+        buys = f"trains the {meta['model']} model {_span(speed, digits)}x as fast as float32"
     else:
-        buys = f"runs the {meta['model']} model at {_span(speed, '{:.2f}')}x the speed of float32"
+        buys = f"runs the {meta['model']} model at {_span(speed, digits)}x the speed of float32"
     if memory:
-        saved = _span([abs(m) * 100 for m in memory], "{:.0f}")
-        more_or_less = (
-            "less" if min(memory) >= 0 else "more" if max(memory) <= 0 else "less or more"
-        )
-        buys += f" with {saved}% {more_or_less} peak memory"
+        buys += f" with {memory}"
+    batches = _span([float(s.batch_size) for s in rows], "{:.0f}")
+    low = min(i.low for i in verdict.intervals)
+    high = max(i.high for i in verdict.intervals)
+    rounds = _span([float(i.n) for i in verdict.intervals], "{:.0f}")
+    kind = "paired rounds" if all(s.paired for s in rows) else "unpaired runs"
+    certainty = (
+        f"{CONFIDENCE:.0%} intervals within {digits.format(low)}-{digits.format(high)}x "
+        f"from {rounds} {kind}"
+    )
     median = statistics.median(speed)
     if median > 1.2 * max(blog):
         than = "so mixed precision pays more here than it did there"
@@ -413,7 +532,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         than = "about what it pays here"
     else:
         than = "so here it pays less than there: train in float32 unless memory is what you need"
-    return f"On this machine {label} {buys} (batch {batches}); {seed}, {than}."
+    return f"On this machine {label} {buys} (batch {batches}; {certainty}); {seed}, {than}."
 
 
 def to_json(report: BenchReport, summaries: list[Summary]) -> dict[str, Any]:

@@ -25,10 +25,14 @@ defaults, after conversion and placement; not `model.compile()`, which leaves a 
 torch.nn modules only, such as a raw `nn.Sequential`, uncompiled): the first step compiles,
 and its time is kept apart as `first_step_s`.
 
-Then the warm-up steps, then the timed steps with GC disabled and CUDA synchronised. A mixed
-configuration also runs a hand-written `torch.autocast` loop (plus `torch.amp.GradScaler`
-for float16) on an identical model; its steps alternate with ours, so both see the same
-machine load, and "mixprec overhead" compares like with like.
+A mixed configuration also runs a hand-written `torch.autocast` loop (plus
+`torch.amp.GradScaler` for float16) on an identical model, so that "mixprec overhead"
+compares like with like. `run_group` runs the configurations of one batch size side by side:
+after every loop's memory step, the warm-up and the timed steps go in rounds
+(`rounds.run_rounds`), one step of each loop per round (ours, the raw twins, float32 and the
+mixed precisions), in an order rotating from round to round, with GC disabled and CUDA
+synchronised; so every loop sees the same machine load, and float32's step of round i and
+bf16's make one paired ratio (`verdict.ratio_interval`).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -49,6 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mixprec.bench.rounds import RoundPolicy, run_rounds
 from mixprec.tree import map_tensors
 
 __all__ = [
@@ -67,8 +72,10 @@ __all__ = [
     "is_oom",
     "main",
     "run_config",
+    "run_group",
     "run_in_process",
     "run_isolated",
+    "run_side_by_side",
     "set_tf32",
 ]
 
@@ -127,7 +134,11 @@ class LoopResult:
 
 @dataclass
 class RunResult:
-    """What the child reports: our loop, and the raw torch loop when one was asked for."""
+    """What a configuration gave: our loop, and the raw torch loop when one was asked for.
+
+    `paired`: its step times are rounds shared with the other rows of its batch size (step
+    i of each from round i); `rounds_stop`: why its rounds ended (`rounds.STEPS`, ...).
+    """
 
     status: str
     mixprec: LoopResult
@@ -135,6 +146,8 @@ class RunResult:
     memory_method: str = ""
     error: str | None = None
     fresh_process: bool = False
+    paired: bool = False
+    rounds_stop: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunResult:
@@ -146,6 +159,8 @@ class RunResult:
             memory_method=d.get("memory_method", ""),
             error=d.get("error"),
             fresh_process=d.get("fresh_process", False),
+            paired=d.get("paired", False),
+            rounds_stop=d.get("rounds_stop"),
         )
 
 
@@ -208,8 +223,9 @@ def _measured(device: torch.device, work: Callable[[], Any]) -> tuple[Any, int]:
     return out, _cpu_peak(prof.profiler.kineto_results.events())
 
 
-def _limit_memory(spec: RunSpec, device: torch.device) -> None:
-    """Enforce `spec.memory_limit` like a device's capacity: allocations beyond it fail.
+def _limit_memory(limit: int | None, loops: int, device: torch.device) -> None:
+    """Enforce a memory `limit` for each of `loops` loops like a device's capacity:
+    allocations beyond it fail.
 
     CUDA: the caching allocator's per-process fraction, the limit for each loop (the raw
     loop lives beside ours). CPU: an address-space limit (RLIMIT_AS) of the process's
@@ -217,10 +233,8 @@ def _limit_memory(spec: RunSpec, device: torch.device) -> None:
     over-limit step fails with a real allocation error; the measured peak is also compared
     with the limit, per loop, by the caller.
     """
-    limit = spec.memory_limit
     if limit is None:
         return
-    loops = 2 if spec.raw else 1
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, loops * limit / total), device)
@@ -366,97 +380,162 @@ def _oom_message(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).strip()[:300]}"
 
 
-def run_config(spec: RunSpec, deadline: float | None = None) -> RunResult:
-    """Run one configuration in this process (`run_in_process` restores the settings it
-    changes). `deadline` (a `time.monotonic()` value) is checked between steps: past it,
-    `_TimedOut` is raised."""
-    device = torch.device(spec.device)
-    torch.set_num_threads(spec.threads)
+def _detail(err: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(err), err)).strip()
+
+
+def _fail(res: LoopResult, err: Exception) -> None:
+    """Record a loop's failure: out of memory is a result, anything else an error."""
+    if is_oom(err):
+        res.status, res.error = OOM, _oom_message(err)
+    else:
+        res.status, res.error = ERROR, _detail(err)
+
+
+def _use_tf32(spec: RunSpec, device: torch.device) -> None:
+    if device.type == "cuda" and spec.tf32 is not None:
+        set_tf32(spec.tf32)
+
+
+def _ready_loop(
+    spec: RunSpec, name: str, res: LoopResult, device: torch.device, deadline: float | None
+) -> Loop | None:
+    """Build loop `name` ("mixprec" or "raw") of `spec`, warmed up and run to its first
+    update while its peak memory is measured; None (the reason in `res`) when it failed."""
+    build = _build_mixprec if name == "mixprec" else _build_raw
+    try:
+        _warm_up(build, spec, deadline)
+        (loop, res.first_step_s), res.peak_memory = _measured(
+            device, lambda: _first_update(build, spec, deadline)
+        )
+    except _TimedOut:
+        raise
+    except Exception as err:  # noqa: BLE001 - the loop's result; the others go on
+        _fail(res, err)
+        _release(device)
+        return None
+    if spec.memory_limit is not None and res.peak_memory > spec.memory_limit:
+        res.status = OOM
+        res.error = (
+            f"peak {res.peak_memory} bytes is over the memory limit of {spec.memory_limit} bytes"
+        )
+        del loop
+        _release(device)
+        return None
+    return loop
+
+
+def run_group(
+    specs: Sequence[RunSpec],
+    base: int | None = None,
+    budget_s: float = 0.0,
+    deadline: float | None = None,
+) -> list[RunResult]:
+    """Run configurations that differ only in precision (and TF32) side by side in this
+    process: each loop is built and its memory measured in turn, then every loop (ours and
+    each raw twin) takes one step per round (`rounds.run_rounds`), so step i of every row is
+    from the same round. `specs[base]` is the float32 baseline: with `budget_s`, rounds are
+    added beyond the first ``steps`` while a speedup's interval against it is wide. The first
+    spec's device, threads, steps and warm-up apply to all. `deadline` (a
+    `time.monotonic()` value) is checked between steps: past it, `_TimedOut` is raised."""
+    first = specs[0]
+    device = torch.device(first.device)
+    torch.set_num_threads(first.threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        if spec.tf32 is not None:
-            set_tf32(spec.tf32)
     method = CUDA_MEMORY_METHOD if device.type == "cuda" else CPU_MEMORY_METHOD
-    _limit_memory(spec, device)
+    _limit_memory(first.memory_limit, sum(1 + s.raw for s in specs), device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
-    builders = {"mixprec": _build_mixprec, **({"raw": _build_raw} if spec.raw else {})}
-    results = {name: LoopResult() for name in builders}
-    loops: dict[str, Loop] = {}
-    for name, build in builders.items():
-        res = results[name]
-        try:
-            _warm_up(build, spec, deadline)
-            (loop, res.first_step_s), res.peak_memory = _measured(
-                device, lambda b=build: _first_update(b, spec, deadline)
-            )
-        except Exception as err:  # noqa: BLE001 - OOM is a result; anything else propagates
-            if not is_oom(err):
-                raise
-            res.status, res.error = OOM, _oom_message(err)
-            _release(device)
-            continue
-        if spec.memory_limit is not None and res.peak_memory > spec.memory_limit:
-            res.status = OOM
-            res.error = (
-                f"peak {res.peak_memory} bytes is over the memory limit of "
-                f"{spec.memory_limit} bytes"
-            )
-            del loop
-            _release(device)
-            continue
-        loops[name] = loop
+    results = [{"mixprec": LoopResult(), **({"raw": LoopResult()} if s.raw else {})} for s in specs]
+    loops: dict[tuple[int, str], Loop] = {}
+    for i, spec in enumerate(specs):
+        _use_tf32(spec, device)
+        for name, res in results[i].items():
+            loop = _ready_loop(spec, name, res, device, deadline)
+            if loop is not None:
+                loops[i, name] = loop
+    failed = {i for i, res in enumerate(results) if res["mixprec"].status != OK} | {
+        i for i, res in enumerate(results) if any(r.status == ERROR for r in res.values())
+    }
+    last: dict[tuple[int, str], Tensor] = {}
 
-    ours = results["mixprec"]
-    if ours.status == OK:
-        try:
-            for _ in range(spec.warmup):
-                _check(deadline)
-                for loop in loops.values():
-                    loop.step()
-                    sync()
-            _time_interleaved(loops, results, spec.steps, sync, deadline)
-        except Exception as err:  # noqa: BLE001
-            if not is_oom(err):
-                raise
-            ours.status, ours.error = OOM, _oom_message(err)
-    if ours.status == OK:
-        for name, loop in loops.items():
-            results[name].skipped_steps = loop.steps_run - loop.steps_taken
-    return RunResult(ours.status, ours, results.get("raw"), method)
+    def timer(key: tuple[int, str], loop: Loop) -> Callable[[], float | None]:
+        spec, res = specs[key[0]], results[key[0]][key[1]]
+
+        def step() -> float | None:
+            if key[0] in failed:
+                return None
+            _use_tf32(spec, device)
+            sync()
+            t0 = time.perf_counter()
+            try:
+                last[key] = loop.step()
+                sync()
+            except Exception as err:  # noqa: BLE001 - the loop's result; the others go on
+                _fail(res, err)
+                if key[1] == "mixprec" or res.status == ERROR:
+                    failed.add(key[0])
+                return None
+            return (time.perf_counter() - t0) * 1e3
+
+        return step
+
+    steps = {key: timer(key, loop) for key, loop in loops.items() if key[0] not in failed}
+
+    def check() -> None:
+        _check(deadline)
+
+    if first.warmup:
+        run_rounds(steps, [], RoundPolicy(first.warmup), before_round=check)
+    pairs = [
+        ((base, "mixprec"), (i, "mixprec"))
+        for i in range(len(specs))
+        if base is not None and i != base
+    ]
+    policy = RoundPolicy(first.steps, budget_s if pairs else 0.0)
+    gc.collect()
+    gc.disable()
+    try:
+        rounds = run_rounds(steps, pairs, policy, before_round=check)
+    finally:
+        gc.enable()
+    for key, ms in rounds.times.items():
+        results[key[0]][key[1]].step_ms = ms
+        results[key[0]][key[1]].final_loss = float(last[key])
+    for key, loop in loops.items():
+        if key[0] not in failed:
+            results[key[0]][key[1]].skipped_steps = loop.steps_run - loop.steps_taken
+    out = []
+    for res in results:
+        error = next((r.error for r in res.values() if r.status == ERROR), None)
+        ours = res["mixprec"]
+        status = ERROR if error is not None else ours.status
+        paired = len(specs) > 1 and status == OK
+        out.append(
+            RunResult(
+                status,
+                ours,
+                res.get("raw"),
+                method,
+                error=error,
+                paired=paired,
+                rounds_stop=rounds.stop if status == OK else None,
+            )
+        )
+    return out
+
+
+def run_config(spec: RunSpec, deadline: float | None = None) -> RunResult:
+    """Run one configuration in this process (`run_in_process` restores the settings it
+    changes); `deadline` as in `run_group`."""
+    return run_group([spec], deadline=deadline)[0]
 
 
 def _release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _time_interleaved(
-    loops: dict[str, Loop],
-    results: dict[str, LoopResult],
-    steps: int,
-    sync: Callable[[], None],
-    deadline: float | None = None,
-) -> None:
-    """Time `steps` steps of each loop, alternating which goes first, with GC disabled."""
-    names = list(loops)
-    last: dict[str, Tensor] = {}
-    gc.collect()
-    gc.disable()
-    try:
-        for i in range(steps):
-            _check(deadline)
-            for name in names if i % 2 == 0 else names[::-1]:
-                sync()
-                t0 = time.perf_counter()
-                last[name] = loops[name].step()
-                sync()
-                results[name].step_ms.append((time.perf_counter() - t0) * 1e3)
-    finally:
-        gc.enable()
-    for name, loss in last.items():
-        results[name].final_loss = float(loss)
 
 
 # -- in this process or a fresh one --------------------------------------------------------
@@ -483,11 +562,22 @@ def _timeout_result(timeout: float | None) -> RunResult:
 
 
 def run_in_process(spec: RunSpec, timeout: float | None = None) -> RunResult:
-    """Run `spec` in this process, as a fresh process would: the thread count and TF32 flags
-    it sets are restored afterwards and its memory released. An exception becomes an error
-    result carrying its message (as in a child process); `timeout` is checked between steps.
-    KeyboardInterrupt and other BaseExceptions propagate."""
-    device = torch.device(spec.device)
+    """Run `spec` in this process, as a fresh process would (see `run_side_by_side`)."""
+    return run_side_by_side([spec], timeout=timeout)[0]
+
+
+def run_side_by_side(
+    specs: Sequence[RunSpec],
+    base: int | None = None,
+    budget_s: float = 0.0,
+    timeout: float | None = None,
+) -> list[RunResult]:
+    """`run_group` in this process, as a fresh process would: the thread count and TF32
+    flags it sets are restored afterwards and its memory released. An exception becomes an
+    error result of every spec, carrying its message (as in a child process); `timeout`
+    (seconds for the whole group) is checked between steps. KeyboardInterrupt and other
+    BaseExceptions propagate."""
+    device = torch.device(specs[0].device)
     threads = torch.get_num_threads()
     tf32 = (
         (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
@@ -496,12 +586,12 @@ def run_in_process(spec: RunSpec, timeout: float | None = None) -> RunResult:
     )
     deadline = time.monotonic() + timeout if timeout is not None else None
     try:
-        return run_config(spec, deadline)
+        return run_group(specs, base, budget_s, deadline)
     except _TimedOut:
-        return _timeout_result(timeout)
-    except Exception as err:  # noqa: BLE001 - reported as the configuration's result
-        detail = "".join(traceback.format_exception_only(type(err), err)).strip()
-        return RunResult(ERROR, LoopResult(ERROR, detail), error=detail)
+        return [_timeout_result(timeout) for _ in specs]
+    except Exception as err:  # noqa: BLE001 - reported as the configurations' result
+        detail = _detail(err)
+        return [RunResult(ERROR, LoopResult(ERROR, detail), error=detail) for _ in specs]
     finally:
         torch.set_num_threads(threads)
         if tf32 is not None:
@@ -545,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_config(spec)
     except Exception as err:  # noqa: BLE001 - reported to the parent, which shows it
-        detail = "".join(traceback.format_exception_only(type(err), err)).strip()
+        detail = _detail(err)
         result = RunResult(ERROR, LoopResult(ERROR, detail), error=detail)
         traceback.print_exc()
     Path(result_path).write_text(json.dumps(asdict(result)))

@@ -27,6 +27,7 @@ from mixprec.bench.models import (
     check_model,
     check_workload,
 )
+from mixprec.bench.rounds import MAX_ROUNDS
 from mixprec.bench.runner import (
     OK,
     OOM,
@@ -35,7 +36,9 @@ from mixprec.bench.runner import (
     fresh_process_reason,
     run_in_process,
     run_isolated,
+    run_side_by_side,
 )
+from mixprec.bench.verdict import CONFIDENCE, TARGET_WIDTH
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
 from mixprec.hardware import (
@@ -59,7 +62,9 @@ from mixprec.policy.map import PolicyMap, is_policy_file
 from mixprec.version import __version__
 
 __all__ = [
+    "BASELINE",
     "BLOG_V100_MS",
+    "DEFAULT_TIME_BUDGET",
     "BenchOptions",
     "BenchReport",
     "Config",
@@ -95,6 +100,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 # epoch 20): batch size -> (mixed_float16, float32). Smaller batches are garbled in the text.
 BLOG_V100_MS: dict[int, tuple[int, int]] = {128: (97, 106), 256: (188, 206), 512: (377, 415)}
 MAX_BATCH_CAP = 2**16
+# the precision every speedup is measured against
+BASELINE = "32-true"
+# seconds of rounds per batch size while a speedup's interval is wide (without --steps)
+DEFAULT_TIME_BUDGET = 30.0
 # The mixed precisions a float32-only run is compared against, in order of preference.
 MIXED_CANDIDATES = ("bf16-mixed", "16-mixed")
 
@@ -110,8 +119,13 @@ class BenchOptions:
             `mixprec info` recommends here.
         batch_sizes: the batch sizes; None: the model's (or the preset's) defaults.
         image_size: the CNN's square input size in pixels; None: the model's default.
-        steps: timed steps per configuration.
-        warmup: untimed steps before them.
+        steps: timed rounds per batch size (one step of each configuration a round), at
+            least; None: 10.
+        time_budget: seconds of rounds per batch size: past `steps`, rounds are added while
+            a speedup's interval against float32 is wider than `verdict.TARGET_WIDTH`, until
+            this budget; None: `DEFAULT_TIME_BUDGET`, or 0 (exactly `steps`) when `steps` is
+            given.
+        warmup: untimed rounds before them.
         device: "cpu", "cuda", "cuda:N"; None: the best one available.
         threads: CPU threads each configuration's process uses.
         tf32: on CUDA, float32 rows with TF32 "on", "off" or "both".
@@ -130,6 +144,7 @@ class BenchOptions:
     batch_sizes: list[int] | None = None
     image_size: int | None = None
     steps: int | None = None
+    time_budget: float | None = None
     warmup: int | None = None
     device: str | None = None
     threads: int | None = None
@@ -221,8 +236,12 @@ def _resolve(opts: BenchOptions) -> BenchOptions:
     builtin = opts.model in DEFAULT_BATCH_SIZES
     if opts.batch_sizes is None and not builtin:
         raise ValueError(f"--model {opts.model} needs --batch-sizes (no defaults for it)")
+    budget = opts.time_budget
+    if budget is None:
+        budget = DEFAULT_TIME_BUDGET if opts.steps is None else 0.0
     return replace(
         opts,
+        time_budget=budget,
         batch_sizes=sorted(set(opts.batch_sizes or DEFAULT_BATCH_SIZES[opts.model])),
         image_size=opts.image_size if opts.image_size is not None else DEFAULT_IMAGE_SIZE,
         steps=opts.steps if opts.steps is not None else 10,
@@ -310,7 +329,8 @@ def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
         parts += ["--image-size", str(opts.image_size)]
     parts += ["--batch-sizes", *map(str, opts.batch_sizes or [])]
     parts += ["--precision", *(opts.precisions or [])]
-    parts += ["--steps", str(opts.steps), "--warmup", str(opts.warmup)]
+    parts += ["--steps", str(opts.steps), "--time-budget", f"{opts.time_budget:g}"]
+    parts += ["--warmup", str(opts.warmup)]
     parts += ["--device", str(device), "--threads", str(opts.threads)]
     if opts.tf32 is not None:
         parts += ["--tf32", opts.tf32]
@@ -342,6 +362,8 @@ def plan(options: BenchOptions) -> Plan:
         _positive(name, value, minimum)
     for b in opts.batch_sizes or []:
         _positive("every batch size", b)
+    if not (opts.time_budget or 0) >= 0:
+        raise ValueError(f"--time-budget must be >= 0 seconds, got {opts.time_budget}")
     if not opts.timeout > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {opts.timeout}")
     device = _device(opts.device)
@@ -475,6 +497,7 @@ def metadata(p: Plan) -> dict[str, Any]:
         "precisions": o.precisions,
         "support": p.support,
         "steps": o.steps,
+        "time_budget_s": o.time_budget,
         "warmup": o.warmup,
         "threads": o.threads,
         "memory_limit": o.memory_limit,
@@ -487,8 +510,13 @@ def metadata(p: Plan) -> dict[str, Any]:
         "timing": (
             "per step: zero_grad, forward, loss, backward, optimizer step"
             + (" (CUDA synchronised)" if p.device.type == "cuda" else "")
-            + "; warm-up excluded, GC disabled, median of the timed steps; a mixed precision's "
-            "raw torch.autocast loop alternates steps with ours in the same process"
+            + "; the configurations of a batch size (float32, each mixed precision and its raw "
+            "torch.autocast twin) take one step each per round in one process, in an order "
+            f"rotating by round; at least {o.steps} rounds, then more while a speedup's "
+            f"{CONFIDENCE:.0%} interval is wider than {TARGET_WIDTH:.2f}x (high/low), within "
+            f"{o.time_budget:g} s of rounds per batch size and {MAX_ROUNDS} rounds; warm-up "
+            "excluded, GC disabled; ms/step is the median of the rounds, a speedup the median "
+            "of the rounds' paired ratios"
         ),
     }
 
@@ -498,6 +526,26 @@ def run_spec(spec: RunSpec, workdir: Path, timeout: float | None) -> RunResult:
     if fresh_process_reason(spec) is None:
         return run_in_process(spec, timeout)
     return run_isolated(spec, workdir, timeout)
+
+
+def _groups(configs: Sequence[Config]) -> list[list[int]]:
+    """The indices of the configurations of each batch size, in plan order."""
+    groups: dict[int, list[int]] = {}
+    for index, config in enumerate(configs):
+        groups.setdefault(config.batch_size, []).append(index)
+    return list(groups.values())
+
+
+def run_batch(p: Plan, configs: Sequence[Config], workdir: Path) -> list[RunResult]:
+    """The configurations of one batch size: side by side in rounds in this process, each
+    step time paired with float32's of the same round; where a fresh process changes a
+    figure (`runner.fresh_process_reason`), each in its own, one after another (unpaired)."""
+    specs = [_spec(p, c) for c in configs]
+    timeout = p.options.timeout
+    if any(fresh_process_reason(s) for s in specs):
+        return [run_isolated(s, workdir, timeout) for s in specs]
+    base = next((i for i, c in enumerate(configs) if c.spec == BASELINE), None)
+    return run_side_by_side(specs, base, p.options.time_budget or 0.0, timeout * len(specs))
 
 
 def _probe(p: Plan, name: str, batch: int, workdir: Path) -> RunResult:
@@ -581,7 +629,7 @@ class Listener:
         """The run's metadata, and the configurations it will run, before the first one."""
 
     def measured(self, row: Row, index: int, seconds: float) -> None:
-        """Configuration number `index` (from 1) took `seconds` and gave `row`."""
+        """Configuration number `index` (from 1) gave `row`; its batch size took `seconds`."""
 
     def probed(self, name: str, batch: int, status: str) -> None:
         """A max-batch probe of precision `name` at `batch` ended with `status`."""
@@ -594,8 +642,8 @@ class Listener:
 
 
 def run_bench(p: Plan, listeners: Sequence[Listener] = ()) -> BenchReport:
-    """Run every configuration of plan `p` (in this process unless a fresh one changes its
-    figures), then the max-batch search if asked, telling `listeners` as it goes."""
+    """Run every configuration of plan `p`, batch size by batch size (`run_batch`), then
+    the max-batch search if asked, telling `listeners` of each row as its batch size ends."""
     meta = metadata(p)
     meta["comparison_gap"] = comparison_gap(p)
     for listener in listeners:
@@ -603,12 +651,16 @@ def run_bench(p: Plan, listeners: Sequence[Listener] = ()) -> BenchReport:
     t0 = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="mixprec-bench-") as tmp:
-        for index, config in enumerate(p.configs, 1):
+        for group in _groups(p.configs):
             start = time.perf_counter()
-            row = Row(config, run_spec(_spec(p, config), Path(tmp), p.options.timeout))
-            rows.append(row)
-            for listener in listeners:
-                listener.measured(row, index, time.perf_counter() - start)
+            configs = [p.configs[i] for i in group]
+            results = run_batch(p, configs, Path(tmp))
+            seconds = time.perf_counter() - start
+            for index, config, result in zip(group, configs, results, strict=True):
+                row = Row(config, result)
+                rows.append(row)
+                for listener in listeners:
+                    listener.measured(row, index + 1, seconds)
         max_batch = {}
         if p.options.max_batch:
             for name in p.precisions:

@@ -136,9 +136,22 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # a flat list of op
         "on the model",
     )
     p.add_argument("--image-size", type=int, help="image side for --model cnn (default 128)")
-    p.add_argument("--steps", type=int, help="timed steps per configuration (default 10)")
     p.add_argument(
-        "--warmup", type=int, help="untimed steps after the (untimed) memory step (default 1)"
+        "--steps",
+        type=int,
+        help="timed rounds per batch size, one step of each configuration a round (default "
+        "10); given alone, exactly that many",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="after --steps rounds, more rounds while a speedup's 95%% interval is wider than "
+        "+-5%%, until this many seconds of rounds per batch size (default 30, or 0 when "
+        "--steps is given)",
+    )
+    p.add_argument(
+        "--warmup", type=int, help="untimed rounds after the (untimed) memory step (default 1)"
     )
     p.add_argument("--preset", choices=sorted(PRESETS), help="blog: 256x256, batch 32..512 (GPU)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: the best available)")
@@ -197,6 +210,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         batch_sizes=batch_sizes,
         image_size=args.image_size,
         steps=args.steps,
+        time_budget=args.time_budget,
         warmup=args.warmup,
         device=args.device,
         threads=args.threads,
@@ -214,6 +228,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
 # the timing run's options, which --strategy does not take (flag, attribute, default)
 _TIMING_ONLY = (
     ("--image-size", "image_size", None),
+    ("--time-budget", "time_budget", None),
     ("--warmup", "warmup", None),
     ("--preset", "preset", None),
     ("--tf32", "tf32", None),

@@ -1,0 +1,102 @@
+"""Paired, interleaved rounds: the loops compared take turns, one step each per round, the
+order rotating from round to round, so that other work on the machine falls on all of them
+alike and each round gives one ratio per pair (`verdict.ratio_interval`).
+
+At least `RoundPolicy.min_rounds` rounds run; then more while some pair's interval is wider
+than `target_width`, until `budget_s` seconds of rounds have passed or `max_rounds`. The
+steps and the clock are arguments, so the schedule is tested with injected timing streams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from mixprec.bench.verdict import TARGET_WIDTH, ratio_interval
+
+__all__ = [
+    "BUDGET",
+    "CAPPED",
+    "MAX_ROUNDS",
+    "NARROW",
+    "RoundPolicy",
+    "Rounds",
+    "STEPS",
+    "run_rounds",
+]
+
+K = TypeVar("K", bound=Hashable)
+MAX_ROUNDS = 200
+# why the rounds ended
+STEPS, NARROW, BUDGET, CAPPED = "steps", "narrow", "budget", "max rounds"
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """How many rounds: `min_rounds` always; with a `budget_s`, more while an interval is
+    wider than `target_width`, until that many seconds of rounds or `max_rounds`."""
+
+    min_rounds: int
+    budget_s: float = 0.0
+    target_width: float = TARGET_WIDTH
+    max_rounds: int = MAX_ROUNDS
+
+
+@dataclass
+class Rounds(Generic[K]):
+    """Each loop's step times, one per round (index i is round i for all of them), and why
+    the rounds ended (`STEPS`, `NARROW`, `BUDGET`, `CAPPED`). A loop whose step returned
+    None left the rounds and has no times here."""
+
+    times: dict[K, list[float]]
+    stop: str
+
+
+def _widest(times: Mapping[K, list[float]], pairs: Sequence[tuple[K, K]]) -> float:
+    widths = [
+        interval.width
+        for base, other in pairs
+        if base in times and other in times
+        if (interval := ratio_interval(times[base], times[other])) is not None
+    ]
+    return max(widths, default=0.0)
+
+
+def run_rounds(
+    steps: Mapping[K, Callable[[], float | None]],
+    pairs: Sequence[tuple[K, K]],
+    policy: RoundPolicy,
+    clock: Callable[[], float] = time.monotonic,
+    before_round: Callable[[], None] = lambda: None,
+) -> Rounds[K]:
+    """Run rounds of `steps` (each returns its step's milliseconds, or None when its loop
+    failed and leaves) until `policy` says stop; `pairs` are (base, other) keys whose
+    ratio intervals decide whether to add rounds. `before_round` may raise to stop."""
+    live = list(steps)
+    times: dict[K, list[float]] = {key: [] for key in live}
+    start = clock()
+    n = 0
+    while live:
+        before_round()
+        shift = n % len(live)
+        for key in live[shift:] + live[:shift]:
+            ms = steps[key]()
+            if ms is None:
+                live.remove(key)
+                del times[key]
+            else:
+                times[key].append(ms)
+        n += 1
+        if n < policy.min_rounds:
+            continue
+        if policy.budget_s <= 0:
+            return Rounds(times, STEPS)
+        if _widest(times, pairs) <= policy.target_width:
+            return Rounds(times, NARROW)
+        if n >= policy.max_rounds:
+            return Rounds(times, CAPPED)
+        if clock() - start >= policy.budget_s:
+            return Rounds(times, BUDGET)
+    return Rounds(times, STEPS)
