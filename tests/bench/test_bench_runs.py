@@ -29,6 +29,7 @@ from mixprec.bench.runner import (
     run_config,
     run_in_process,
     run_isolated,
+    run_side_by_side,
 )
 from mixprec.bench.suite import Config, Row
 from mixprec.cli import main
@@ -137,6 +138,27 @@ def test_in_process_figures_equal_fresh_process_ones(factories, tmp_path):
         assert _figures(here) == _figures(fresh), precision
         assert here.mixprec.peak_memory > 0 and len(here.mixprec.step_ms) == 2
     assert torch.get_num_threads() == before  # the run's thread count is not left behind
+
+
+def test_side_by_side_rows_share_rounds_and_keep_their_own_figures(factories):
+    """The configurations of a batch size take turns in one process: every loop has one
+    step per round, and each row's memory, loss and skipped steps are what it gives alone."""
+    specs = [_spec("make", "32-true"), _spec("make", "bf16-mixed", raw=True)]
+    together = run_side_by_side(specs, base=0, budget_s=0.0)
+    for spec, result in zip(specs, together, strict=True):
+        alone = run_in_process(spec)
+        assert result.status == OK and result.paired and not alone.paired
+        assert result.rounds_stop == "steps"
+        assert _figures(result) == _figures(alone), spec.precision
+    steps = [together[0].mixprec.step_ms, *(r.mixprec.step_ms for r in together[1:])]
+    assert [len(s) for s in steps] == [2, 2] and len(together[1].raw.step_ms) == 2
+
+
+def test_a_failing_row_leaves_its_batch_sizes_other_rows_measured(factories):
+    specs = [_spec("make", "32-true"), replace(_spec("make", "32-true"), model="nope:make")]
+    ok, failed = run_side_by_side(specs, base=0)
+    assert ok.status == OK and len(ok.mixprec.step_ms) == 2
+    assert failed.status == "error" and "nope" in failed.error and not failed.paired
 
 
 def test_what_needs_a_fresh_process_says_why():

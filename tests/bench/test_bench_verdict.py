@@ -1,0 +1,215 @@
+"""The bench's verdict under noise: timing streams injected into the rounds (a fake clock and
+fake steps, seeded), never the real machine's speed. A noisy stream must give the quiet
+stream's verdict, or an explicit "too noisy" that says why."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from mixprec.bench.report import conclusion, summarize
+from mixprec.bench.rounds import BUDGET, NARROW, STEPS, RoundPolicy, run_rounds
+from mixprec.bench.runner import OK, LoopResult, RunResult
+from mixprec.bench.suite import BenchReport, Config, Row
+from mixprec.bench.verdict import (
+    FASTER,
+    FEW,
+    MIN_ROUNDS,
+    NOISY,
+    NOT_FASTER,
+    median_interval,
+    ratio_interval,
+    speed_verdict,
+)
+
+FP32_MS, BF16_MS = 100.0, 22.0  # the true step times: bf16 4.55x as fast
+TRUE_SPEEDUP = FP32_MS / BF16_MS
+KEYS = ("32-true", "bf16-mixed")
+
+
+class Machine:
+    """A fake clock and fake steps: each step takes its true time times `slowdown(rng)`,
+    and the clock advances by it."""
+
+    def __init__(self, slowdown: Callable[[random.Random], float], seed: int = 0) -> None:
+        self.now = 0.0
+        self.rng = random.Random(seed)
+        self.slowdown = slowdown
+        self.order: list[str] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    def step(self, key: str, ms: float) -> Callable[[], float]:
+        def run() -> float:
+            taken = ms * self.slowdown(self.rng)
+            self.now += taken / 1e3
+            self.order.append(key)
+            return taken
+
+        return run
+
+    def rounds(self, policy: RoundPolicy):
+        steps = {"32-true": self.step("32-true", FP32_MS), "bf16-mixed": self.step("b", BF16_MS)}
+        return run_rounds(steps, [KEYS], policy, clock=self.clock)
+
+
+def quiet(rng: random.Random) -> float:
+    return 1 + rng.uniform(0, 0.02)
+
+
+def loaded(rng: random.Random) -> float:
+    """Half the steps slowed 1-8x by other work (the issue's busy run: one row's min-max
+    38.9-528.8 ms)."""
+    return 1 + rng.uniform(0, 0.02) + (rng.uniform(0, 7) if rng.random() < 0.5 else 0)
+
+
+def swamped(rng: random.Random) -> float:
+    """Most steps slowed 1-20x."""
+    return 1 + (rng.uniform(0, 19) if rng.random() < 0.8 else 0)
+
+
+POLICY = RoundPolicy(min_rounds=10, budget_s=30.0)
+
+
+def _report(times: dict[str, list[float]], threads: int = 2, load: float = 0.0) -> BenchReport:
+    rows = [
+        Row(
+            Config(key, key, 16, None, key != "32-true"),
+            RunResult(OK, LoopResult(step_ms=times[key], peak_memory=100), paired=True),
+        )
+        for key in KEYS
+    ]
+    meta = {
+        "model": "cnn",
+        "threads": threads,
+        "device_type": "cpu",
+        "support": {"32-true": "fast", "bf16-mixed": "fast"},
+        "load_average_before": [load, load, load],
+    }
+    return BenchReport(meta, rows)
+
+
+def test_the_median_interval_is_the_order_statistics_the_binomial_gives():
+    values = [float(x) for x in range(1, 11)]  # n = 10: [x_2, x_9] holds the median 97.9%
+    interval = median_interval(values)
+    assert (interval.median, interval.low, interval.high) == (5.5, 2.0, 9.0)
+    assert interval.confidence == pytest.approx(1 - 2 * 11 / 1024, abs=1e-4)
+    assert MIN_ROUNDS == 6  # 1 - 2 / 2**6 >= 95%: fewer values cannot give 95%
+    five = median_interval([3.0, 1.0, 2.0, 5.0, 4.0])
+    assert (five.low, five.high) == (1.0, 5.0) and five.confidence == pytest.approx(0.9375)
+    # a ratio interval pairs index by index
+    assert ratio_interval([10.0, 20.0], [5.0, 5.0]).median == pytest.approx(3.0)
+    assert ratio_interval([], [1.0]) is None
+
+
+def test_a_quiet_stream_stops_at_the_first_rounds_and_concludes_faster():
+    machine = Machine(quiet)
+    rounds = machine.rounds(POLICY)
+    assert rounds.stop == NARROW and len(rounds.times["32-true"]) == 10
+    verdict = speed_verdict([ratio_interval(rounds.times["32-true"], rounds.times["bf16-mixed"])])
+    assert verdict.kind == FASTER
+    assert verdict.decisive.low < TRUE_SPEEDUP < verdict.decisive.high
+    assert verdict.decisive.width < 1.05
+
+
+def test_a_noisy_stream_gets_the_quiet_streams_verdict_after_more_rounds():
+    quiet_rounds = Machine(quiet).rounds(POLICY)
+    noisy_rounds = Machine(loaded, seed=1).rounds(POLICY)
+    calm = ratio_interval(quiet_rounds.times["32-true"], quiet_rounds.times["bf16-mixed"])
+    noisy = ratio_interval(noisy_rounds.times["32-true"], noisy_rounds.times["bf16-mixed"])
+    # more rounds were taken, within the budget, until the interval narrowed or time ran out
+    assert noisy.n > calm.n and noisy_rounds.stop in (NARROW, BUDGET)
+    assert speed_verdict([noisy]).kind == speed_verdict([calm]).kind == FASTER
+    assert noisy.low < TRUE_SPEEDUP < noisy.high and noisy.low < calm.high and calm.low < noisy.high
+    fp32 = noisy_rounds.times["32-true"]
+    assert max(fp32) / min(fp32) > 4  # a row's min-max as wide as the issue's busy run
+    # and the sentence: the same finding, with its interval
+    for times in (quiet_rounds.times, noisy_rounds.times):
+        sentence = conclusion(_report(times), summarize(_report(times)))
+        assert sentence.startswith("On this machine bf16-mixed trains the cnn model 4.")
+        assert "as fast as float32" in sentence and "paired rounds" in sentence
+
+
+def test_a_swamped_stream_is_too_noisy_to_conclude_and_says_why():
+    rounds = Machine(swamped, seed=2).rounds(RoundPolicy(min_rounds=10, budget_s=5.0))
+    assert rounds.stop == BUDGET
+    interval = ratio_interval(rounds.times["32-true"], rounds.times["bf16-mixed"])
+    assert speed_verdict([interval]).kind == NOISY
+    for threads, advice in ((2, "rerun on a quieter machine or with --threads 1."), (1, None)):
+        report = _report(rounds.times, threads=threads, load=9.0)
+        sentence = conclusion(report, summarize(report))
+        assert sentence.startswith(
+            "Too noisy to conclude how fast bf16-mixed trains the cnn model against float32"
+        )
+        assert f"{interval.n} rounds is {interval.width:.1f}x wide" in sentence
+        assert "under a 1-minute load of 9.0" in sentence
+        if advice is not None:
+            assert advice in sentence
+        else:  # at one thread already: no advice to use fewer
+            assert "--threads" not in sentence and "rerun on a quieter machine." in sentence
+        assert "It uses 0% less peak memory than float32" in sentence
+
+
+def test_too_few_rounds_withhold_the_verdict():
+    rounds = Machine(quiet).rounds(RoundPolicy(min_rounds=3))
+    assert rounds.stop == STEPS and len(rounds.times["bf16-mixed"]) == 3
+    report = _report(rounds.times)
+    sentence = conclusion(report, summarize(report))
+    assert speed_verdict([ratio_interval(*rounds.times.values())]).kind == FEW
+    assert sentence.startswith("Too few rounds to conclude how fast bf16-mixed")
+    assert f"rerun with --steps {MIN_ROUNDS} or more" in sentence
+
+
+def test_an_interval_reaching_one_is_not_a_speedup():
+    same = [median_interval([0.97, 1.0, 1.02, 0.99, 1.03, 1.01, 0.98])]
+    assert speed_verdict(same).kind == NOT_FASTER
+
+
+def test_load_that_drifts_over_the_run_cancels_in_paired_rounds():
+    """Other work starts after a second: timing float32's steps first and bf16's after (the old
+    order) charges the load to bf16 alone; paired rounds charge both alike."""
+    drift = Machine(lambda rng: 1.0)
+
+    def step(ms: float) -> Callable[[], float]:
+        def run() -> float:
+            taken = ms * (3.0 if drift.now >= 1.0 else 1.0)
+            drift.now += taken / 1e3
+            return taken
+
+        return run
+
+    fp32_first = [step(FP32_MS)() for _ in range(10)]
+    bf16_after = [step(BF16_MS)() for _ in range(10)]
+    assert ratio_interval(fp32_first, bf16_after).median < TRUE_SPEEDUP / 2
+    drift.now = 0.0
+    rounds = run_rounds(
+        {"32-true": step(FP32_MS), "bf16-mixed": step(BF16_MS)},
+        [KEYS],
+        RoundPolicy(20),
+        clock=drift.clock,
+    )
+    paired = ratio_interval(rounds.times["32-true"], rounds.times["bf16-mixed"])
+    assert paired.median == pytest.approx(TRUE_SPEEDUP)
+
+
+def test_rounds_rotate_the_order_and_a_failed_loop_leaves_the_others_aligned():
+    calls: list[str] = []
+
+    def step(key: str, fail_at: int | None = None) -> Callable[[], float | None]:
+        def run() -> float | None:
+            calls.append(key)
+            if fail_at is not None and calls.count(key) == fail_at:
+                return None
+            return 1.0
+
+        return run
+
+    steps = {"a": step("a"), "b": step("b"), "c": step("c", fail_at=2)}
+    rounds = run_rounds(steps, [("a", "b")], RoundPolicy(4))
+    # round 1: a b c; round 2: b c a (c fails and leaves); then a, b alternate who goes first
+    assert calls == ["a", "b", "c", "b", "c", "a", "a", "b", "b", "a"]
+    assert set(rounds.times) == {"a", "b"}
+    assert len(rounds.times["a"]) == len(rounds.times["b"]) == 4
