@@ -171,6 +171,7 @@ def test_checkpoint_contents(tmp_path):
         "epoch_batches": 12,
         "batch_size": 8,
         "order": {"sampler": "RandomSampler", "batch_sampler": "BatchSampler", "generators": []},
+        "loader_rng": [],
     }
     assert state["optimizer_types"] == ["AdamW"]
     assert set(state["rng"]) >= {"python", "torch", "numpy"}

@@ -68,6 +68,8 @@ def run_state(run: FitRun) -> dict[str, Any]:
             "epoch_batches": run.num_training_batches,
             "batch_size": loader_batch_size(run.train_loader),
             "order": order_of(run.train_loader),
+            # the loader's own generators now: the next epochs' orders are drawn from them
+            "loader_rng": [g.get_state() for g in generators(run.train_loader)],
         },
         "optimizer_types": [type(opt.optimizer).__name__ for opt in run.optimizers],
         # an epoch-interval scheduler does not advance after a skipped last step
@@ -275,6 +277,27 @@ def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
     restore_progress(run, state, path)
 
 
+def _restore_loader_rng(run: FitRun, loop: dict[str, Any]) -> None:
+    """The train loader's own generators (``generator=``, a sampler's) as they were at the
+    save, so that the epochs after it are drawn as in a run that never stopped (a mid-epoch
+    resume first replays its epoch from the states at the epoch's start). A loader ordered
+    otherwise than at the save, taken at an epoch's end, keeps its generators as given."""
+    saved = loop.get("loader_rng")  # absent from checkpoints written before it was kept
+    if saved is None:
+        return
+    here = order_of(run.train_loader)
+    if here != loop.get("order"):
+        log.info(
+            "the training DataLoader is ordered by %s, at the save by %s: its generators "
+            "start as given, not from the checkpoint",
+            describe_order(here),
+            describe_order(loop.get("order") or {"generators": []}),
+        )
+        return
+    for gen, state in zip(generators(run.train_loader), saved, strict=True):
+        gen.set_state(state)
+
+
 def restore_progress(run: FitRun, state: dict[str, Any], path: Path) -> None:
     """The loop position, the RNG states to resume with and the metrics monitors read, from
     a checkpoint's run state (a file's or a sharded one's)."""
@@ -283,6 +306,7 @@ def restore_progress(run: FitRun, state: dict[str, Any], path: Path) -> None:
     progress.global_step = loop["global_step"]
     if loop["epoch_rng"] is not None:
         run.epoch_rng = loop["epoch_rng"]
+    _restore_loader_rng(run, loop)
     run.resume_rng = state["rng"]
     for opt, skipped in zip(run.optimizers, state.get("last_step_skipped", []), strict=False):
         opt.step_was_skipped = skipped

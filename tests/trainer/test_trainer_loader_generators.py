@@ -1,0 +1,98 @@
+"""A DataLoader ordered by a generator of its own (``generator=``, or a ``RandomSampler``'s):
+a checkpoint keeps that generator's state, so a resumed fit draws the next epochs' orders as
+a fit that never stopped does, at an epoch's end as in its middle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from trainers import SILENT
+
+from mixprec.trainer import Trainer, TrainingModule
+from mixprec.trainer import checkpoint as ckpt_io
+
+
+class Net(TrainingModule):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(48, 6, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long())
+
+
+def _own_generator() -> DataLoader:
+    return DataLoader(
+        _data(), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(5)
+    )
+
+
+def _sampler_generator() -> DataLoader:
+    data = _data()
+    return DataLoader(
+        data, batch_size=8, sampler=RandomSampler(data, generator=torch.Generator().manual_seed(5))
+    )
+
+
+LOADERS = {
+    "DataLoader(generator=)": _own_generator,
+    "RandomSampler(generator=)": _sampler_generator,
+}
+
+
+def _fit(loader: Callable[[], DataLoader], ckpt_path: Path | None = None, **stop) -> Trainer:
+    """A fit of a fresh loader built as the first was (its generator seeded anew, as a
+    resumed script builds it), 6 batches an epoch."""
+    t = Trainer(seed=0, deterministic=True, enable_checkpointing=False, **SILENT, **stop)
+    t.fit(Net(0 if ckpt_path is None else 1), loader(), ckpt_path=ckpt_path)
+    return t
+
+
+def _same_weights(a: Trainer, b: Trainer) -> None:
+    for (name, x), y in zip(
+        a.model.state_dict().items(), b.model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("loader", LOADERS.values(), ids=LOADERS)
+@pytest.mark.parametrize(
+    "stop",
+    [dict(max_epochs=1), dict(max_steps=6), dict(max_steps=9), dict(max_steps=3)],
+    ids=["epoch-end", "epoch-last-batch", "mid-epoch-1", "mid-epoch-0"],
+)
+def test_a_resumed_fit_draws_the_loaders_next_orders_as_an_uninterrupted_one(
+    tmp_path, loader, stop
+):
+    straight = _fit(loader, max_epochs=2)
+    path = _fit(loader, **stop).save_checkpoint(tmp_path / "stop.ckpt")
+    resumed = _fit(loader, path, max_epochs=2)
+    assert resumed.global_step == straight.global_step == 12
+    _same_weights(straight, resumed)
+
+
+def test_the_checkpoint_holds_the_loaders_generator_as_it_is_at_the_save(tmp_path):
+    loader = _own_generator()
+    t = Trainer(max_epochs=1, seed=0, enable_checkpointing=False, **SILENT)
+    t.fit(Net(0), loader)
+    state = ckpt_io.load(t.save_checkpoint(tmp_path / "x.ckpt"))
+    (saved,) = state["loop"]["loader_rng"]
+    assert torch.equal(saved, loader.generator.get_state())
+    assert not torch.equal(saved, torch.Generator().manual_seed(5).get_state())
