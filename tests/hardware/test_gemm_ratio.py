@@ -3,7 +3,10 @@ the prior and the explanation, the measurement the verdict, cached per machine. 
 CPUs state their ratios, so every outcome here is the same on any host."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -218,28 +221,207 @@ def test_the_cache_lives_where_the_user_cache_is(tmp_path):
     assert gemm_ratio.cache_path({}).parts[-3:] == (".cache", "mixprec", "gemm-ratios.json")
 
 
-def test_measuring_leaves_the_rng_autocast_and_threads_alone_and_uses_one_size():
+def test_measuring_leaves_the_rng_autocast_and_threads_alone_and_says_its_sizes():
     torch.manual_seed(3)
     before = torch.get_rng_state()
     threads = torch.get_num_threads()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         m = gemm_ratio.measure()
     assert torch.equal(torch.get_rng_state(), before) and torch.get_num_threads() == threads
-    assert set(m.ratios) == {"bfloat16", "float16"} and set(m.spread) == {
-        "float32",
-        "bfloat16",
-        "float16",
-    }
-    assert m.size == gemm_ratio.SIZE
-    assert gemm_ratio.MIN_ROUNDS <= m.rounds <= gemm_ratio.MAX_ROUNDS
+    for field in (m.ratios, m.spread, m.sizes, m.rounds):
+        assert set(field) == {"bfloat16", "float16"}
+    assert set(m.sizes.values()) <= set(gemm_ratio.SIZES)
     assert all(v > 0 for v in m.ratios.values()) and all(v >= 1 for v in m.spread.values())
+    for name, size in m.sizes.items():
+        assert f"{name} at {size}x{size}" in m.note() and "on one thread" in m.note()
 
 
-def test_info_measure_times_every_dtype_at_one_size():
+class _Cpu:
+    """Timers for `gemm_ratio.rate` from a described CPU: float32 at `gflops`, each dtype at
+    its speed against float32 at each size; a clock that the timed multiplies advance (a turn
+    is two of them), and the sizes each dtype was timed at."""
+
+    def __init__(self, gflops: float, speed: dict[str, dict[int, float]]):
+        self.gflops, self.speed, self.now = gflops, speed, 0.0
+        self.timed: dict[str, set[int]] = {}
+
+    def multiply(self, name, size):
+        t = 2 * size**3 / (self.gflops * 1e9)
+        return t / (1.0 if name == "float32" else self.speed[name][size])
+
+    def timer_at(self, size, names):
+        for name in names:
+            self.timed.setdefault(name, set()).add(size)
+            self.now += self.multiply(name, size)  # the warm-up
+
+        def time_one(name):
+            t = self.multiply(name, size)
+            self.now += 2 * t
+            return t
+
+        return time_one
+
+    def clock(self):
+        return self.now
+
+
+AMX_SPEED = {
+    "bfloat16": {128: 1.2, 256: 4.5, 512: 7.1, 1024: 8.0},
+    "float16": {128: 0.9, 256: 0.9, 512: 0.9, 1024: 0.9},
+}
+
+
+def test_a_cpu_is_rated_at_a_training_size_not_at_a_small_one():
+    """An AMX CPU's bfloat16 is rated at 1024x1024, where it runs 8x float32's speed, not at
+    128x128, where its tiles' setup makes it 1.2x."""
+    cpu = _Cpu(150.0, AMX_SPEED)
+    rated = gemm_ratio.rate(["bfloat16", "float16"], cpu.timer_at, cpu.clock)
+    assert {n: size for n, (_, size) in rated.items()} == {"bfloat16": 1024, "float16": 1024}
+    assert rated["bfloat16"][0].ratio("bfloat16") == pytest.approx(8.0)
+    assert cpu.now < gemm_ratio.BUDGET_S
+
+
+def test_a_dtype_far_slower_than_float32_is_rated_at_the_size_that_shows_it():
+    """On an AVX2-only CPU bfloat16 is emulated, over 10x slower at 128x128 already: it is
+    rated there and never multiplied larger (a 1024x1024 one takes seconds)."""
+    slow = {n: dict.fromkeys(gemm_ratio.SIZES, 0.03) for n in ("bfloat16", "float16")}
+    cpu = _Cpu(50.0, slow)
+    rated = gemm_ratio.rate(["bfloat16", "float16"], cpu.timer_at, cpu.clock)
+    assert {n: size for n, (_, size) in rated.items()} == {"bfloat16": 128, "float16": 128}
+    assert cpu.timed["bfloat16"] == {128} and cpu.now < gemm_ratio.BUDGET_S
+    # one slow dtype does not hold the other back
+    cpu = _Cpu(150.0, {**AMX_SPEED, "float16": slow["float16"]})
+    rated = gemm_ratio.rate(["bfloat16", "float16"], cpu.timer_at, cpu.clock)
+    assert rated["float16"][1] == 128 and rated["bfloat16"][1] == 1024
+    assert cpu.timed["float16"] == {128}
+
+
+def test_a_slow_cpu_is_rated_at_the_largest_size_its_budget_allows():
+    cpu = _Cpu(5.0, {n: dict.fromkeys(gemm_ratio.SIZES, 0.5) for n in ("bfloat16", "float16")})
+    rated = gemm_ratio.rate(["bfloat16", "float16"], cpu.timer_at, cpu.clock)
+    (size,) = {size for _, size in rated.values()}
+    assert size < gemm_ratio.TRAINING and cpu.now < 1.25 * gemm_ratio.BUDGET_S
+    assert rated["bfloat16"][0].ratio("bfloat16") == pytest.approx(0.5)
+
+
+def test_a_size_whose_warm_up_shows_it_will_not_fit_is_left_for_the_one_before():
+    """A CPU whose float32 falls off a cliff at 1024x1024 (its caches): the growth estimate
+    from 512x512 says it fits, the warm-up says it does not, and the rating stays at 512."""
+
+    class Cliff(_Cpu):
+        def multiply(self, name, size):
+            return super().multiply(name, size) * (6.0 if size == 1024 else 1.0)
+
+    cpu = Cliff(150.0, AMX_SPEED)
+    rated = gemm_ratio.rate(["bfloat16", "float16"], cpu.timer_at, cpu.clock)
+    assert {size for _, size in rated.values()} == {512}
+    assert rated["bfloat16"][0].ratio("bfloat16") == pytest.approx(7.1)
+    assert 1024 in cpu.timed["float32"] and cpu.now < 1.25 * gemm_ratio.BUDGET_S
+
+
+def test_the_note_says_each_dtypes_size_and_when_its_rounds_disagreed():
+    m = gemm_ratio.GemmRatios(
+        ratios={"bfloat16": 8.0, "float16": 0.03},
+        spread={"bfloat16": 1.6, "float16": 2.0},
+        sizes={"bfloat16": 1024, "float16": 128},
+        rounds={"bfloat16": 15, "float16": 3},
+        seconds=0.31,
+        measured_at="2026-01-01 00:00 UTC",
+    )
+    note = m.note()
+    assert "bfloat16 at 1024x1024 (15 rounds, within 1.60x)" in note
+    assert "float16 at 128x128" in note and "so not measured larger" in note
+    assert "on one thread" in note and "in 0.31 s" in note
+    # float16's upper quartile is still decisively slow: only bfloat16's rounds are in doubt
+    assert m.noisy() == ["bfloat16"] and "rounds of bfloat16 disagreed" in note
+
+
+def test_a_rating_never_contradicts_its_reason():
+    """Flags that predict emulation and a GEMM measured at float32's speed: the reason says
+    what was measured and that the flags predicted otherwise, not "slower than float32"
+    beside a rating of "supported"."""
+    s = hardware.dtype_support(torch.bfloat16, _cpu({"avx2"}, bfloat16=1.1))
+    assert s.status == "supported"
+    assert s.reason.startswith("its GEMMs measured 1.1x float32's speed here, about float32's")
+    assert "not what its flags predict (no bf16 or avx512 instructions" in s.reason
+    s = hardware.dtype_support(torch.bfloat16, _cpu({"avx512bw", "avx512_bf16"}, bfloat16=0.5))
+    assert s.status == "slow" and "slower than its flags predict" in s.reason
+
+
+def test_info_measure_times_every_dtype_at_one_size_and_pairs_them_with_float32():
     rates = measuring.measure_rates(
         (torch.float32, torch.bfloat16, torch.float16), "cpu", seconds=0.02, repeats=2
     )
     assert len({r.size for r in rates.values()}) == 1
+    assert rates["float32"].ratio == 1.0 and rates["float32"].ratio_spread == 1.0
+    assert all(r.ratio > 0 and r.ratio_spread >= 1.0 for r in rates.values())
+
+
+def test_the_measure_notice_says_when_the_paired_ratios_disagree():
+    rate = measuring.Rate
+    rates = {
+        "float32": rate(100.0, 95.0, 105.0, 1024, 1.0),
+        "bfloat16": rate(300.0, 290.0, 310.0, 1024, 3.0, 1.6),
+    }
+    notice = measuring.measure_notice(rates, ZEN4, load=0.5)
+    assert "ratios against float32 spread wider than 1.25x (quartiles: bfloat16 3x-4.8x)" in notice
+
+
+def test_a_cap_set_after_the_process_multiplied_is_not_measured_under_its_key(tmp_path):
+    """oneDNN reads ONEDNN_MAX_CPU_ISA once: a process that multiplied before setting it runs
+    its GEMMs uncapped, so what it measures must not be cached as the capped CPU's (every later
+    capped process would read it). The capped view it asked for is rated by its flags."""
+    script = (
+        "import json, os, torch\n"
+        "from mixprec import hardware\n"
+        "a = torch.ones(64, 64, dtype=torch.bfloat16); a @ a\n"
+        "os.environ['ONEDNN_MAX_CPU_ISA'] = 'AVX2'\n"
+        "info = hardware.detect('cpu')\n"
+        "bf16 = hardware.dtype_support(torch.bfloat16, info)\n"
+        "print(json.dumps([info.gemm_ratios, info.gemm_note, info.isa_cap, bf16.status]))\n"
+    )
+    caps = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+    env = {k: v for k, v in os.environ.items() if k not in caps}
+    env[gemm_ratio.CACHE_ENV] = str(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    ratios, note, cap, bf16 = json.loads(proc.stdout)
+    assert cap == "capped by ONEDNN_MAX_CPU_ISA=AVX2" and bf16 == "slow"
+    assert ratios is None and "not measured in this process" in note
+    path = tmp_path / gemm_ratio.CACHE_FILE
+    entries = json.loads(path.read_text())["entries"] if path.exists() else []
+    assert not [e for e in entries if e["key"]["isa_cap"]]
+
+
+@pytest.mark.usefixtures("_clean_detect")
+def test_a_late_cap_reads_what_a_process_under_it_measured(tmp_path, monkeypatch):
+    """In a process whose kernels are not under the cap asked for, the capped CPU is rated by
+    what a process under that cap cached, and the note says where it comes from."""
+    _fresh(monkeypatch, tmp_path)
+    for var in ("DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(var, raising=False)
+    # this process's oneDNN started uncapped: mixprec was imported without a cap
+    monkeypatch.setitem(hardware._ONEDNN_AT_IMPORT, "ONEDNN_MAX_CPU_ISA", None)
+    monkeypatch.setitem(hardware._ONEDNN_AT_IMPORT, "DNNL_MAX_CPU_ISA", None)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    flags, cap = hardware.cap_cpu_flags(hardware._cpu_flags(), {"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    key = {"cpu": hardware._cpu_name(), "flags": sorted(flags), "isa_cap": cap}
+    measured = {
+        "ratios": {"bfloat16": 0.02, "float16": 0.03},
+        "spread": {"bfloat16": 1.0, "float16": 1.0},
+        "sizes": {"bfloat16": 128, "float16": 128},
+        "rounds": {"bfloat16": 3, "float16": 3},
+        "seconds": 0.1,
+        "measured_at": "2026-01-01 00:00 UTC",
+    }
+    entry = {"key": {**key, "torch": torch.__version__}, "measured": measured}
+    (tmp_path / gemm_ratio.CACHE_FILE).write_text(json.dumps({"entries": [entry]}))
+    info = hardware.detect("cpu")
+    assert info.gemm_ratios == {"bfloat16": 0.02, "float16": 0.03}
+    assert "read from" in info.gemm_note and "not measured in this process" in info.gemm_note
+    assert len(json.loads((tmp_path / gemm_ratio.CACHE_FILE).read_text())["entries"]) == 1
 
 
 def test_the_measure_notice_never_advises_the_option_already_given():

@@ -175,7 +175,8 @@ def test_info_measure_prints_medians_and_ranges_at_80_columns(capsys, monkeypatc
     with hardware.assume(ZEN4):
         assert main(args) == 0
     out = capsys.readouterr().out
-    assert "median of 2 rounds" in out and "…" not in out
+    assert "median of the rounds" in out and "…" not in out
+    assert "lower quartile of the paired rounds' ratios" in out and "spread" in out
     assert max(len(line.rstrip()) for line in out.splitlines()) <= 80
     with pytest.raises(SystemExit):
         main(["info", "--measure", "--repeats", "0"])
@@ -199,6 +200,25 @@ def test_info_says_int8_saves_memory_not_time_without_vnni(capsys, monkeypatch):
         assert main(["info"]) == 0
     flat = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "int8_from_float32 fast int8: VNNI dot products (avx512_vnni)" in flat
+
+
+def test_info_on_an_amx_cpu_rates_bf16_fast_by_its_measured_speed(capsys, monkeypatch):
+    """A Sapphire Rapids-like CPU, described: bfloat16 fast at the size it was measured at,
+    float16 rated by its convolutions whatever its GEMMs measured, "auto" bf16-mixed."""
+    monkeypatch.setenv("COLUMNS", "200")
+    with hardware.assume(AMX_CPU):
+        assert main(["info", "--device", "cpu"]) == 0
+    flat = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert (
+        "bf16-mixed fast bfloat16: bfloat16 matrix instructions (amx_bf16/avx512_bf16); "
+        "its GEMMs measured 8x float32's speed here"
+    ) in flat
+    assert "16-mixed slow float16: its GEMMs measured 0.9x float32's speed here, but rated by" in (
+        flat
+    )
+    assert "(bfloat16 8x, float16 0.9x; below 0.8x is slow): bfloat16 at 1024x1024" in flat
+    assert '"auto" resolves to: bf16-mixed' in flat
+    assert "bfloat16 would be fast on" not in flat
 
 
 def test_unknown_device_type_is_refused():

@@ -83,16 +83,17 @@ def _info(args: argparse.Namespace) -> int:
     if args.measure:
         rates = measure_rates(device=info.device, seconds=args.seconds, repeats=args.repeats)
         t = FittedTable(
-            f"matmul throughput, measured now (median of {args.repeats} rounds)",
+            "matmul throughput, measured now (median of the rounds; vs float32: the lower "
+            "quartile of the paired rounds' ratios, and their spread)",
             [
                 Column("dtype", "left"),
                 Column("GFLOP/s", "right"),
                 Column("rounds: min-max", "right", keep=1),
                 Column("matrix", "right", keep=0),
                 Column("vs float32", "right"),
+                Column("spread", "right", keep=2),
             ],
         )
-        base = rates.get("float32")
         for dtype, r in rates.items():
             t.add_row(
                 [
@@ -100,7 +101,8 @@ def _info(args: argparse.Namespace) -> int:
                     f"{r.median:,.1f}",
                     f"{r.low:,.1f}-{r.high:,.1f}",
                     f"{r.size}^2",
-                    _relative(r.median, base.median if base else None),
+                    _relative(r.ratio),
+                    f"{r.ratio_spread:.2f}x" if r.ratio is not None else "-",
                 ]
             )
         console.print(t)
@@ -114,7 +116,8 @@ def _info(args: argparse.Namespace) -> int:
 def _ratings_source(info: DeviceInfo) -> str:
     """Where a CPU's bfloat16 and float16 ratings come from: measured GEMMs or flags alone."""
     if not info.gemm_ratios:
-        return "bfloat16 and float16 rated by this CPU's flags alone (no GEMM speed measured)"
+        why = info.gemm_note or "no GEMM speed measured"
+        return f"bfloat16 and float16 rated by this CPU's flags alone ({why})"
     ratios = ", ".join(f"{name} {r:.2g}x" for name, r in sorted(info.gemm_ratios.items()))
     return (
         f"bfloat16 and float16 rated by their GEMM speed against float32 ({ratios}; below "
@@ -131,13 +134,13 @@ _STRATEGIES = (
 )
 
 
-def _relative(rate: float, base: float | None) -> str:
-    """A rate against float32's: "1.00x", "3.10x", or "0.0081x (124x slower)"."""
-    if not base or not rate:
+def _relative(ratio: float | None) -> str:
+    """A speed against float32's: "1.00x", "3.10x", or "0.0081x (124x slower)"."""
+    if not ratio:
         return "-"
-    if rate >= base / 2:
-        return f"{rate / base:.2f}x"
-    return f"{rate / base:.2g}x ({base / rate:,.0f}x slower)"
+    if ratio >= 0.5:
+        return f"{ratio:.2f}x"
+    return f"{ratio:.2g}x ({1 / ratio:,.0f}x slower)"
 
 
 def _positive(text: str) -> float:
@@ -169,12 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("info", help="this device and which precisions are fast on it")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1, mps (default: best)")
     p.add_argument("--measure", action="store_true", help="also measure matmul GFLOP/s")
-    p.add_argument("--seconds", type=_positive, default=0.5, help="measuring time per dtype (0.5)")
+    p.add_argument(
+        "--seconds",
+        type=_positive,
+        default=0.5,
+        help="measuring time per dtype (0.5), up to 3x while the paired rounds disagree",
+    )
     p.add_argument(
         "--repeats",
         type=_at_least_one,
         default=5,
-        help="rounds per dtype; the median is shown, with their range (5)",
+        help="rounds at least (5), up to 3x while they disagree; the median is shown, with "
+        "their range",
     )
     p.set_defaults(func=_info)
     add_bench_parser(sub)

@@ -425,7 +425,9 @@ def _rated(prior: Support, ratio: float | None, dtype: torch.dtype) -> Support:
     """A CPU dtype's support from its flags (`prior`) and its measured GEMM ratio: below
     `SLOW_BELOW` slow, whatever the flags; else the flags' rating, which for bfloat16 a ratio
     of `FAST_FROM` raises to fast and one of `SLOW_BELOW` raises to supported. float16 is never
-    raised: its convolutions are slow on CPUs without amx_fp16 however fast its GEMM is."""
+    raised: its convolutions are slow on CPUs without amx_fp16 however fast its GEMM is. Where
+    the measurement and the flags disagree the reason says so, never a speed its rating
+    contradicts."""
     if ratio is None:
         return prior
     measured = f"its GEMMs measured {_times(ratio)} float32's speed here"

@@ -3,10 +3,15 @@ per machine.
 
 Instruction flags say what a CPU should do with bfloat16 and float16; a GEMM says what it does
 with this torch. The fast/supported/slow rating of those dtypes on a CPU
-(`hardware.dtype_support`) reads the ratio measured here. One measurement takes well under a
-second (small square GEMMs, the same size for every dtype, the dtypes taking turns within each
-round, the fastest multiply of each kept) and is kept in a small JSON file, one entry per CPU
-model and flags, ISA cap and torch version, so a machine pays for it once per configuration.
+(`hardware.dtype_support`) reads the ratio measured here. A 16-bit kernel's edge over float32
+grows with the matrix (its blocking and packing cost the same at any size), so a dtype is rated
+at a size a training step multiplies: matrices grow from `SIZES`' first towards `TRAINING`
+while the next size's rounds still fit the time budget, and a dtype more than `DECISIVE` times
+slower than float32 at a size is rated there (no larger matrix makes it fast, and its larger
+multiplies are the slow ones). float32 and the dtypes take turns within each round, and the
+ratio is the paired ratios' lower quartile (`mixprec.timing`). One measurement stays within
+`BUDGET_S` and is kept in a small JSON file, one entry per CPU model and flags, ISA cap and
+torch version, so a machine pays for it once per configuration.
 
 The GEMMs run on one thread. A multi-threaded multiply waits for its slowest thread, and on a
 host where other processes hold the cores every float32 multiply can wait a scheduler slice
@@ -23,7 +28,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,34 +37,46 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import dtype_name
+from mixprec.timing import WIDE, Paired, paired_rounds
 
 __all__ = [
+    "BUDGET_S",
     "CACHE_ENV",
     "CACHE_FILE",
+    "DECISIVE",
     "DTYPES",
+    "SIZES",
+    "TRAINING",
     "GemmRatios",
     "cache_path",
     "cached",
+    "lookup",
     "measure",
+    "rate",
 ]
 
 CACHE_ENV = "MIXPREC_CACHE_DIR"
 CACHE_FILE = "gemm-ratios.json"
 # the dtypes rated against float32
 DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-# one square size for every dtype: large enough that a float32 multiply is more than the
-# call's overhead, small enough that a dtype emulated in software still takes milliseconds
-SIZE = 128
-# rounds are started until MAX_ROUNDS or, after MIN_ROUNDS, until BUDGET_S has passed
-MIN_ROUNDS = 2
-MAX_ROUNDS = 7
+# the square sizes tried, smallest first; the last is a training step's GEMM size
+SIZES: tuple[int, ...] = (128, 256, 512, 1024)
+TRAINING = SIZES[-1]
+# a dtype whose ratio at a size is below this is rated at that size
+DECISIVE = 0.1
+# the whole measurement's time: a size is grown only while its estimated rounds fit
 BUDGET_S = 0.4
-# a dtype's turn in a round times single multiplies, at least MIN_CALLS and then until TURN_S
-# has passed or MAX_CALLS were timed, and keeps the fastest: a multi-threaded multiply whose
-# thread waited for a core another process held is not what the hardware does
-MIN_CALLS = 3
-MAX_CALLS = 64
+# paired rounds at each size, and at most at the size rated
+MIN_ROUNDS = 3
+MAX_ROUNDS = 15
+# a dtype's turn in a round times single multiplies until TURN_S has passed (at least
+# MIN_CALLS, at most MAX_CALLS) and keeps the fastest: a small multiply is shorter than the
+# timer's jitter, and a long one is the likelier to be preempted by other work
 TURN_S = 0.002
+MIN_CALLS = 2
+MAX_CALLS = 64
+# the time of a round at twice the size, against this one's: the work grows eightfold
+GROWTH = 8
 # entries kept in the cache file, newest last
 KEEP = 16
 # one measurement at a time in a process: two at once would compete for the cores they time,
@@ -71,30 +88,57 @@ _MEASURING = threading.Lock()
 class GemmRatios:
     """A measured GEMM speed of each 16-bit dtype against float32 on one CPU.
 
-    `ratios` maps a dtype name to float32's best time over that dtype's best time (0.5: half
-    float32's speed); `spread` maps each dtype measured (float32 too) to its slowest round
-    over its fastest, which is large when other work shared the CPU."""
+    `ratios` maps a dtype name to its speed against float32 (0.5: half float32's speed), the
+    lower quartile of the rounds' paired ratios; `spread` maps it to the upper quartile over
+    the lower (wide when other work shared the CPU); `sizes` to the square size it was rated
+    at, and `rounds` to the paired rounds there."""
 
     ratios: dict[str, float]
     spread: dict[str, float]
-    size: int
-    rounds: int
+    sizes: dict[str, int]
+    rounds: dict[str, int]
     seconds: float
     measured_at: str
 
+    def noisy(self) -> list[str]:
+        """The dtypes whose rounds disagreed by more than `timing.WIDE`, unless even their
+        upper quartile stays under `DECISIVE`."""
+        return [
+            name
+            for name, s in self.spread.items()
+            if s > WIDE and self.ratios[name] * s >= DECISIVE
+        ]
+
     def note(self) -> str:
-        """How it was measured, for `mixprec info`."""
-        spread = max(self.spread.values(), default=1.0)
-        return (
-            f"{self.size}x{self.size} GEMMs on one thread, best of {self.rounds} interleaved "
-            "rounds in "
-            f"{self.seconds:.2f} s (rounds within {spread:.2f}x), measured {self.measured_at}"
+        """How it was measured, for `mixprec info`: each dtype's size and rounds, and whether
+        the rounds disagreed."""
+        parts = []
+        for name in self.ratios:
+            size = self.sizes[name]
+            part = (
+                f"{name} at {size}x{size} ({self.rounds[name]} rounds, within "
+                f"{self.spread[name]:.2f}x"
+            )
+            if size < TRAINING and self.ratios[name] < DECISIVE:
+                part += f"; under {DECISIVE:g}x float32's speed there, so not measured larger"
+            parts.append(part + ")")
+        text = (
+            f"{', '.join(parts)}, against float32 on one thread, the lower quartile of paired "
+            f"rounds, in {self.seconds:.2f} s, measured {self.measured_at}"
         )
+        if self.noisy():
+            text += (
+                f"; the rounds of {' and '.join(self.noisy())} disagreed by more than "
+                f"{WIDE:g}x: other work shared the CPU and the ratios may be off "
+                "(`mixprec info --measure` measures again)"
+            )
+        return text
 
 
 def measure(dtypes: tuple[torch.dtype, ...] = DTYPES) -> GemmRatios:
-    """Time `SIZE`-square GEMMs in float32 and each of `dtypes` on one CPU thread and return
-    each dtype's speed against float32.
+    """Time GEMMs in float32 and each of `dtypes` on one CPU thread and return each dtype's
+    speed against float32, at the largest of `SIZES` whose rounds fit `BUDGET_S`, or at the
+    first size where it is `DECISIVE`ly slow.
 
     The global RNG, autocast, autograd and torch's thread count are left as they were: the
     operands come from a generator of their own, and the multiplies run with autocast off and
@@ -103,44 +147,103 @@ def measure(dtypes: tuple[torch.dtype, ...] = DTYPES) -> GemmRatios:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return _measure(dtypes)
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):
+                return _measure(dtypes)
         finally:
             torch.set_num_threads(threads)
 
 
+def _gemm_timer(size: int, names: list[str]) -> Callable[[str], float]:
+    """A timer of `size`-square multiplies in each of `names`, warmed up: a dtype's turn times
+    single multiplies until `TURN_S` has passed (at least `MIN_CALLS`, at most `MAX_CALLS`)
+    and keeps the fastest."""
+    generator = torch.Generator().manual_seed(size)
+    a32 = torch.randn(size, size, generator=generator)
+    b32 = torch.randn(size, size, generator=generator)
+    operands = {n: (a32.to(getattr(torch, n)), b32.to(getattr(torch, n))) for n in names}
+    for a, b in operands.values():
+        a @ b  # warm-up: kernel selection, first-touch allocation
+
+    def time_one(name: str) -> float:
+        a, b = operands[name]
+        times: list[float] = []
+        turn = time.perf_counter()
+        while len(times) < MIN_CALLS or (
+            len(times) < MAX_CALLS and time.perf_counter() - turn < TURN_S
+        ):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return time_one
+
+
+def rate(
+    names: list[str],
+    timer_at: Callable[[int, list[str]], Callable[[str], float]],
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, tuple[Paired, int]]:
+    """Each of `names` against float32, from the timers `timer_at(size, ["float32", ...])`
+    builds (warming them up): `MIN_ROUNDS` paired rounds at each of `SIZES` in turn, a name
+    whose ratio there is under `DECISIVE` rated at that size; the others rated at the last
+    size, or at the last one whose rounds fit what is left of `BUDGET_S` (the next size's
+    estimated `GROWTH` times as long, or its warm-up showing them longer), with more rounds
+    there while they disagree. Returns each name's paired rounds and size."""
+    start = clock()
+    pending = list(names)
+    rated: dict[str, tuple[Paired, int]] = {}
+    last: tuple[Paired, Callable[[str], float], int] | None = None
+    for size in SIZES:
+        before = clock()
+        timer = timer_at(size, ["float32", *pending])
+        warm_up = clock() - before  # one multiply of each
+        if last is not None and warm_up * MIN_CALLS * MIN_ROUNDS > BUDGET_S - (clock() - start):
+            break
+        paired = paired_rounds(
+            timer,
+            ["float32", *pending],
+            "float32",
+            min_rounds=MIN_ROUNDS,
+            max_rounds=MIN_ROUNDS,
+            clock=clock,
+        )
+        decided = [n for n in pending if paired.ratio(n) < DECISIVE]
+        rated.update((n, (paired, size)) for n in decided)
+        pending = [n for n in pending if n not in decided]
+        last = (paired, timer, size)
+        # a turn at the next size takes MIN_CALLS multiplies, or TURN_S of them
+        next_round = sum(
+            max(GROWTH * MIN_CALLS * sorted(paired.times[n])[paired.rounds // 2], TURN_S)
+            for n in ["float32", *pending]
+        )
+        if not pending or next_round * (MIN_ROUNDS + 1) > BUDGET_S - (clock() - start):
+            break
+    if pending and last is not None:
+        paired, timer, size = last
+        paired = paired_rounds(
+            timer,
+            ["float32", *pending],
+            "float32",
+            min_rounds=MIN_ROUNDS,
+            max_rounds=MAX_ROUNDS,
+            budget_s=BUDGET_S - (clock() - start),
+            prior=paired,
+            clock=clock,
+        )
+        rated.update((n, (paired, size)) for n in pending)
+    return rated
+
+
 def _measure(dtypes: tuple[torch.dtype, ...]) -> GemmRatios:
     start = time.perf_counter()
-    generator = torch.Generator().manual_seed(0)
-    a32 = torch.randn(SIZE, SIZE, generator=generator)
-    b32 = torch.randn(SIZE, SIZE, generator=generator)
-    names = ["float32", *(dtype_name(d) for d in dtypes if d != torch.float32)]
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        operands = {
-            name: (a32.to(getattr(torch, name)), b32.to(getattr(torch, name))) for name in names
-        }
-        for a, b in operands.values():
-            a @ b  # warm-up: kernel selection, first-touch allocation
-        best: dict[str, list[float]] = {name: [] for name in names}
-        rounds = 0
-        while rounds < MAX_ROUNDS and (
-            rounds < MIN_ROUNDS or time.perf_counter() - start < BUDGET_S
-        ):
-            for name, (a, b) in operands.items():
-                times: list[float] = []
-                turn = time.perf_counter()
-                while len(times) < MIN_CALLS or (
-                    len(times) < MAX_CALLS and time.perf_counter() - turn < TURN_S
-                ):
-                    t0 = time.perf_counter()
-                    a @ b
-                    times.append(time.perf_counter() - t0)
-                best[name].append(min(times))
-            rounds += 1
+    names = [dtype_name(d) for d in dtypes if d != torch.float32]
+    rated = rate(names, _gemm_timer)
     return GemmRatios(
-        ratios={name: min(best["float32"]) / min(best[name]) for name in names[1:]},
-        spread={name: max(times) / min(times) for name, times in best.items()},
-        size=SIZE,
-        rounds=rounds,
+        ratios={n: rated[n][0].ratio(n) for n in names},
+        spread={n: rated[n][0].spread(n) for n in names},
+        sizes={n: rated[n][1] for n in names},
+        rounds={n: rated[n][0].rounds for n in names},
         seconds=time.perf_counter() - start,
         measured_at=datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     )
@@ -175,10 +278,13 @@ def _from_entry(entry: dict[str, Any]) -> GemmRatios | None:
         found = GemmRatios(**entry["measured"])
     except (KeyError, TypeError):
         return None
-    ratios = found.ratios if isinstance(found.ratios, dict) else {}
     names = {dtype_name(d) for d in DTYPES}
-    valid = set(ratios) == names and all(
-        isinstance(v, float | int) and v > 0 for v in ratios.values()
+    fields = (found.ratios, found.spread, found.sizes, found.rounds)
+    valid = all(
+        isinstance(f, dict)
+        and set(f) == names
+        and all(isinstance(v, float | int) and v > 0 for v in f.values())
+        for f in fields
     )
     return found if valid else None
 
@@ -198,18 +304,26 @@ def _write(path: Path, entries: list[dict[str, Any]]) -> None:
         raise
 
 
+def lookup(key: Mapping[str, Any]) -> GemmRatios | None:
+    """The ratios the cache file holds for `key`, or None."""
+    key = dict(key)
+    for entry in _entries(cache_path()):
+        if entry.get("key") == key and (found := _from_entry(entry)) is not None:
+            return found
+    return None
+
+
 def cached(key: Mapping[str, Any], refresh: bool = False) -> GemmRatios:
-    """The ratios measured for `key` (what decides them: CPU model and flags, ISA cap, torch
-    version), from the cache file, or measured now and stored there when the file has
-    none for `key` or `refresh` asks. A cache that cannot be written is warned about, and the
-    measurement is then only the caller's."""
+    """The ratios measured for `key` (what decides them: CPU model and flags, the ISA cap this
+    process's kernels run under, torch version), from the cache file, or measured now and
+    stored there when the file has none for `key` or `refresh` asks. The caller vouches that
+    `key` describes this process: its GEMMs are what is measured. A cache that cannot be
+    written is warned about, and the measurement is then only the caller's."""
     key = dict(key)
     path = cache_path()
+    if not refresh and (found := lookup(key)) is not None:
+        return found
     entries = _entries(path)
-    if not refresh:
-        for entry in entries:
-            if entry.get("key") == key and (found := _from_entry(entry)) is not None:
-                return found
     found = measure()
     kept = [e for e in entries if e.get("key") != key]
     try:

@@ -1,6 +1,7 @@
 """Matmul rates measured on the device (`mixprec info --measure`): `measure_rates` times
-each dtype's GEMM in rounds that take turns, `measure_notice` says when other work on the
-device makes the rates not to be trusted. The ratings themselves live in `hardware`."""
+each dtype's GEMM in paired rounds that take turns (`mixprec.timing`), `measure_notice` says
+when other work on the device makes the rates not to be trusted. The ratings themselves live
+in `hardware`."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from mixprec.hardware import (
     detect,
     dtype_support,
 )
+from mixprec.timing import WIDE, paired_rounds
 
 __all__ = ["BUSY_SPREAD", "Rate", "measure", "measure_notice", "measure_rates"]
 
@@ -29,12 +31,16 @@ __all__ = ["BUSY_SPREAD", "Rate", "measure", "measure_notice", "measure_rates"]
 @dataclass(frozen=True)
 class Rate:
     """A measured matmul rate in GFLOP/s: the median of the rounds and their range. A wide
-    range means other work shared the device while it was timed."""
+    range means other work shared the device while it was timed. `ratio` is the speed against
+    float32, the lower quartile of the rounds' paired ratios (None where float32 was not
+    measured beside it), and `ratio_spread` their upper quartile over the lower."""
 
     median: float
     low: float
     high: float
     size: int
+    ratio: float | None = None
+    ratio_spread: float = 1.0
 
     @property
     def spread(self) -> float:
@@ -48,6 +54,9 @@ MIN_ROUND_S = 0.02
 MIN_MULTIPLY_S = 0.005
 # rounds whose rates differ by more than this factor were disturbed by other work
 BUSY_SPREAD = 1.5
+# while the paired ratios disagree, rounds go on up to this many times `repeats` and this many
+# times the time asked for
+MORE = 3
 
 
 def measure_rates(
@@ -58,9 +67,11 @@ def measure_rates(
 ) -> dict[str, Rate]:
     """Matmul GFLOP/s per dtype on the device: `repeats` rounds of about `seconds / repeats`
     each (at least `MIN_ROUND_S`), the dtypes taking turns within each round so that a burst
-    of other work hits them alike; a round's rate is that of its fastest single multiply (a
-    multiply whose threads waited for cores other work held is not what the hardware does);
-    the median round and the range.
+    of other work hits them alike, and more while their paired ratios against float32 spread
+    wider than `timing.WIDE` (up to `MORE` times the rounds and the time); a round's rate is
+    that of its fastest single multiply (a multiply whose threads waited for cores other work
+    held is not what the hardware does); the median round and the range, and each dtype's
+    paired ratio against float32 with its spread.
 
     Every dtype multiplies matrices of one size, settled first from the median of three
     timings: it grows from 128 until the slowest dtype's multiply takes `MIN_MULTIPLY_S`, so
@@ -73,11 +84,10 @@ def measure_rates(
     # the device measured, not the current one (they differ for cuda:1)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
-    def timed(a: torch.Tensor, b: torch.Tensor, reps: int) -> float:
+    def timed(a: torch.Tensor, b: torch.Tensor) -> float:
         sync()
         t0 = time.perf_counter()
-        for _ in range(reps):
-            a @ b
+        a @ b
         sync()
         return time.perf_counter() - t0
 
@@ -92,22 +102,37 @@ def measure_rates(
         operands = {dtype_name(d): (a32.to(d), b32.to(d)) for d in kept}
         one = {}
         for name, (a, b) in operands.items():
-            timed(a, b, 1)  # warm-up: kernel selection, first-touch allocation
-            one[name] = sorted(timed(a, b, 1) for _ in range(3))[1]
+            timed(a, b)  # warm-up: kernel selection, first-touch allocation
+            one[name] = sorted(timed(a, b) for _ in range(3))[1]
         if not one or max(one.values()) > MIN_MULTIPLY_S or n >= 4096:
             break
         n *= 2
+    if not operands:
+        return {}
     reps = {name: max(3, round(per_round / max(t, 1e-6))) for name, t in one.items()}
-    rounds: dict[str, list[float]] = {name: [] for name in operands}
+
+    def fastest(name: str) -> float:
+        a, b = operands[name]
+        return min(timed(a, b) for _ in range(reps[name]))
+
+    names = list(operands)
+    base = "float32" if "float32" in operands else names[0]
     with torch.no_grad(), torch.autocast(device.type, enabled=False):
-        for _ in range(repeats):
-            for name, (a, b) in operands.items():
-                fastest = min(timed(a, b, 1) for _ in range(reps[name]))
-                rounds[name].append(2 * n**3 / fastest / 1e9)
-    return {
-        name: Rate(statistics.median(rates), min(rates), max(rates), n)
-        for name, rates in rounds.items()
-    }
+        paired = paired_rounds(
+            fastest,
+            names,
+            base,
+            min_rounds=repeats,
+            max_rounds=MORE * repeats,
+            budget_s=MORE * seconds * len(names),
+        )
+    out = {}
+    for name in names:
+        rates = [2 * n**3 / t / 1e9 for t in paired.times[name]]
+        ratio = paired.ratio(name) if base == "float32" else None
+        spread = paired.spread(name) if base == "float32" else 1.0
+        out[name] = Rate(statistics.median(rates), min(rates), max(rates), n, ratio, spread)
+    return out
 
 
 def measure(
@@ -127,8 +152,9 @@ def measure_notice(
     seconds: float | None = None,
 ) -> str | None:
     """Why the rates just measured may not be trusted, or None: rounds that disagree by
-    more than `BUSY_SPREAD`, a load average above the cores, or a dtype the hardware's flags
-    make fast measuring slower than float32 (other work took the cores while it ran). The
+    more than `BUSY_SPREAD`, paired ratios against float32 spread wider than `timing.WIDE`, a
+    load average above the cores, or a dtype the hardware's flags make fast measuring slower
+    than float32 (other work took the cores while it ran). The
     advice to measure longer names more than the `seconds` the rates were measured in."""
     reasons = []
     wide = [
@@ -137,6 +163,16 @@ def measure_notice(
     if wide:
         reasons.append(
             f"the rounds disagreed by more than {BUSY_SPREAD}x ({', '.join(wide)} GFLOP/s)"
+        )
+    unpaired = [
+        f"{name} {r.ratio:.3g}x-{r.ratio * r.ratio_spread:.3g}x"
+        for name, r in rates.items()
+        if r.ratio is not None and r.ratio_spread > WIDE
+    ]
+    if unpaired:
+        reasons.append(
+            f"the paired rounds' ratios against float32 spread wider than {WIDE:g}x "
+            f"(quartiles: {', '.join(unpaired)})"
         )
     cores = os.cpu_count() or 1
     if info.type == "cpu" and load is not None and load > cores:
@@ -151,10 +187,10 @@ def measure_notice(
             if info.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
             else dtype_support(dtype, info)
         )
-        if predicted.status == FAST and r.median < base.median / BUSY_SPREAD:
+        speed = r.ratio if r.ratio is not None else r.median / base.median
+        if predicted.status == FAST and speed < 1 / BUSY_SPREAD:
             reasons.append(
-                f"{name}, fast on this hardware, measured {base.median / r.median:.1f}x slower "
-                "than float32"
+                f"{name}, fast on this hardware, measured {1 / speed:.1f}x slower than float32"
             )
     if not reasons:
         return None
@@ -163,6 +199,6 @@ def measure_notice(
         "these rates are not to be trusted: "
         + "; ".join(reasons)
         + ". Other work is probably using the device; rerun when it is idle, or longer "
-        f"(--seconds {longer:g}). The ratings above read their own measurement, the fastest "
-        "of many single multiplies, which a busy core disturbs less."
+        f"(--seconds {longer:g}). The ratings above read their own measurement, on one "
+        "thread, which a busy core disturbs less."
     )

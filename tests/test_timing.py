@@ -1,0 +1,86 @@
+"""Paired timing (`mixprec.timing`), on injected timings: what a burst of other work does to
+the answer, when rounds are added, and the budget."""
+
+import pytest
+
+from mixprec.timing import Paired, paired_rounds, quantile
+
+
+class Scripted:
+    """A timer answering from scripted per-round times, and a clock that advances by them."""
+
+    def __init__(self, times: dict[str, list[float]]):
+        self.times = {name: list(t) for name, t in times.items()}
+        self.now = 0.0
+        self.order: list[str] = []
+
+    def __call__(self, name: str) -> float:
+        t = self.times[name].pop(0)
+        self.now += t
+        self.order.append(name)
+        return t
+
+    def clock(self) -> float:
+        return self.now
+
+
+def test_quantile_interpolates_between_the_sorted_values():
+    assert quantile([4.0, 1.0, 3.0, 2.0, 5.0], 0.25) == 2.0
+    assert quantile([1.0, 2.0], 0.5) == 1.5
+    assert quantile([7.0], 0.25) == 7.0
+    with pytest.raises(ValueError):
+        quantile([], 0.5)
+
+
+def test_a_burst_that_slows_the_baseline_does_not_make_the_piece_look_fast():
+    """The busy-machine case: in two rounds of five float32 waited for the cores (80x its
+    time); the median of the rates would say so, the lower quartile of paired ratios does not."""
+    timer = Scripted(
+        {"float32": [1.0, 80.0, 1.0, 80.0, 1.0], "bfloat16": [0.25, 0.25, 0.25, 0.25, 0.25]}
+    )
+    paired = paired_rounds(
+        timer, ["float32", "bfloat16"], "float32", min_rounds=5, max_rounds=5, clock=timer.clock
+    )
+    assert paired.ratios("bfloat16") == (4.0, 320.0, 4.0, 320.0, 4.0)
+    assert paired.ratio("bfloat16") == 4.0
+    assert paired.spread("bfloat16") == 80.0 and paired.noisy() == ["bfloat16"]
+    # the order rotates, so neither piece is always the first of a round
+    assert timer.order[:4] == ["float32", "bfloat16", "bfloat16", "float32"]
+
+
+def test_rounds_are_added_while_they_disagree_and_stop_when_they_agree():
+    timer = Scripted({"a": [1.0] * 9, "b": [0.5, 2.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5]})
+    paired = paired_rounds(
+        timer, ["a", "b"], "a", min_rounds=3, max_rounds=9, budget_s=100.0, clock=timer.clock
+    )
+    # three rounds' quartiles spread 1.6x (ratios 2, 0.5, 2); a fourth brings them within 1.25x
+    assert paired.rounds == 4 and paired.spread("b") < 1.25 and not paired.noisy()
+    assert 1.5 < paired.ratio("b") < 2.0
+
+
+def test_the_budget_stops_the_rounds_and_the_result_says_they_disagreed():
+    timer = Scripted({"a": [1.0] * 20, "b": [0.5, 2.0] * 10})
+    paired = paired_rounds(
+        timer, ["a", "b"], "a", min_rounds=3, max_rounds=20, budget_s=7.5, clock=timer.clock
+    )
+    # three rounds took 6 s: a fourth, as long on average, would pass the budget
+    assert paired.rounds == 3 and paired.seconds == 6.0
+    assert paired.noisy() == ["b"]
+    capped = paired_rounds(
+        Scripted({"a": [1.0] * 20, "b": [0.5, 2.0] * 10}),
+        ["a", "b"],
+        "a",
+        min_rounds=3,
+        max_rounds=6,
+        budget_s=100.0,
+    )
+    assert capped.rounds == 6
+
+
+def test_a_measurement_can_be_continued():
+    first = Paired("a", {"a": (1.0, 1.0), "b": (0.5, 0.5)}, 2.0)
+    timer = Scripted({"a": [1.0], "b": [0.5]})
+    more = paired_rounds(timer, ["a", "b"], "a", min_rounds=3, prior=first, clock=timer.clock)
+    assert more.rounds == 3 and more.ratios("b") == (2.0, 2.0, 2.0) and more.seconds == 1.5
+    with pytest.raises(ValueError, match="baseline"):
+        paired_rounds(timer, ["b"], "a")
