@@ -277,7 +277,8 @@ class Precision:
             warn_unmatched(self.policy, model)
             _warn_replaced(before, model, optimizers)
         self.scaler.to(self.device)
-        if self.optimizer_states is not None or self.policy.states is not None:
+        if optimizers and (self.optimizer_states is not None or self.policy.states is not None):
+            self.policy.warn_unmatched_states(model)
             optimizers = tuple(self._low_bit(opt, model) for opt in optimizers)
         wrapped = [self._wrap(opt, model) for opt in optimizers]
         return (model, *wrapped) if wrapped else model

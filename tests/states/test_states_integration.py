@@ -23,7 +23,7 @@ from mixprec.doctor import state_errors
 from mixprec.errors import PolicySpecError
 from mixprec.plan import BudgetError, search
 from mixprec.policy.map import explain
-from mixprec.states import LowBitAdamW, LowBitSGD, StateFormat, state_bytes
+from mixprec.states import LowBitAdamW, LowBitSGD, StateFormat, assign_formats, state_bytes
 from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule
 
 
@@ -220,6 +220,27 @@ def test_a_policy_maps_single_format_converts_without_splitting_groups() -> None
     _step(precision, model, opt, next(iter(loader())))
     assert opt.optimizer.state[model.body[1].weight]["format"] == "int4"
     assert opt.optimizer.state[model.embed.weight]["format"] == "float32"
+
+
+def test_state_rules_matching_nothing_warn_as_policy_rules_do() -> None:
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64))
+    written_as_a_parameter = PolicyMap("32-true", states={"2.weight": "int4"})
+    said = r"state rule '2\.weight' matches no module.*module paths.*name its module, '2'"
+    with pytest.warns(UserWarning, match=said):
+        Precision(written_as_a_parameter, optimizer_states="int8").setup(
+            model, torch.optim.AdamW(model.parameters())
+        )
+    with pytest.warns(UserWarning, match=r"state rule 'haed' matches no module.*closest: 'head'"):
+        explain(StatesNet(), PolicyMap("32-true", states={"haed": "int4"}))
+    with pytest.warns(UserWarning, match=r"'body' has no parameters of its own: 'body\\\..\*'"):
+        explain(StatesNet(), PolicyMap("32-true", states={"body": "int4"}))
+    rules = {"body.2.weight": "int4"}
+    with pytest.warns(UserWarning, match=r"matches no trainable parameter.*'body\.1\.weight'"):
+        assign_formats(StatesNet(), "int8", rules=rules)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # rules that match say nothing
+        explain(model, PolicyMap("32-true", states={"2": "int4", "0|2": "int8"}))
+        assign_formats(model, "int8", rules={r"2\.weight": "int4"})
 
 
 def test_bad_state_rules_are_refused_naming_the_rule() -> None:

@@ -50,7 +50,7 @@ from torch import nn
 from mixprec.errors import PolicySpecError
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.quantize.rules import skip_reason
-from mixprec.states.assign import Assignment, assign_formats
+from mixprec.states.assign import Assignment, assign_formats, closest, warn_unmatched_rules
 from mixprec.states.formats import StateFormat, parse_state_format
 
 __all__ = [
@@ -432,9 +432,43 @@ class PolicyMap:
             model,
             default or "float32",
             rules={pattern: rules[key] for pattern, key in on_params.items()},
+            warn=False,  # `warn_unmatched_states` names the rules as written
         )
         said = {f"rule {pattern!r}": f"state rule {key!r}" for pattern, key in on_params.items()}
         return {name: (fmt, said.get(why, why)) for name, (fmt, why) in found.items()}
+
+    def warn_unmatched_states(self, model: nn.Module, *, stacklevel: int = 2) -> None:
+        """Warn, as for policy rules, about the state rules that match no module owning
+        parameters of ``model``: a typo far more often than intent. A rule written as a
+        parameter name (``"2.weight"``) is told its module's path (``"2"``), one naming a
+        module without parameters of its own (``"body"``) the rule reaching those below."""
+        if not isinstance(self.states, dict):
+            return
+        params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        owners = sorted({n.rpartition(".")[0] for n in params} - {""})
+        modules = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
+        unmatched = {}
+        for key in self.states:
+            rx = re.compile(key)
+            if any(rx.fullmatch(o) for o in owners):
+                continue
+            param = next((n for n in params if rx.fullmatch(n)), None)
+            module = next((m for m in modules if rx.fullmatch(m)), None)
+            if param is not None:
+                hint = f"{param!r} is a parameter: name its module, {param.rpartition('.')[0]!r}"
+            elif module is not None:
+                below = key + r"\..*"
+                hint = f"{module!r} has no parameters of its own: '{below}' names those below it"
+            else:
+                hint = closest(key, owners)
+            unmatched[key] = hint
+        warn_unmatched_rules(
+            unmatched,
+            f"module of {type(model).__name__} owning parameters",
+            "state rules are re.fullmatch'ed against module paths, as policy rules are, "
+            "not parameter names",
+            stacklevel=stacklevel + 1,
+        )
 
     def policies(self) -> set[Policy]:
         """Every policy this map can hand out (default, rules, and islands)."""
@@ -899,6 +933,7 @@ def explain(
     pmap = as_map(policy)
     default = pmap.state_default(optimizer_states)
     resolved = pmap.resolve(model, slow_attention=slow_attention, device_type=device_type)
+    pmap.warn_unmatched_states(model, stacklevel=2)
     has_states = pmap.states is not None or default is not None
     states = pmap.state_formats(model, default) if has_states else None
     return Explanation(model, resolved, device_type, states)

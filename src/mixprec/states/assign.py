@@ -13,8 +13,10 @@ in the rules' order); an embedding's weight (float32); the default ``states``.
 
 from __future__ import annotations
 
+import difflib
 import re
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,10 +34,12 @@ from mixprec.states.optimizers import (
 __all__ = [
     "Assignment",
     "assign_formats",
+    "closest",
     "explain_formats",
     "format_groups",
     "from_model",
     "from_optimizer",
+    "warn_unmatched_rules",
 ]
 
 Assignment = tuple[StateFormat, str]
@@ -49,6 +53,8 @@ _REFUSED = {
 }
 # torch's implementation flags, dropped on conversion (they choose torch's kernels)
 _IMPLEMENTATION = ("foreach", "fused", "decoupled_weight_decay")
+# unmatched rules named, with their hints, in one warning (a generated map may hold many)
+_UNMATCHED_NAMED = 5
 
 
 def _named(
@@ -76,16 +82,35 @@ def assign_formats(
     rules: Mapping[str, str | StateFormat] | None = None,
     min_size: int = MIN_SIZE,
     embeddings_float32: bool = True,
+    warn: bool = True,
 ) -> dict[str, Assignment]:
     """Each trainable parameter's name -> (its moments' `StateFormat`, why): ``"small:
     1024 < 4096 elements"``, ``"rule 'head\\..*'"``, ``"embedding"`` or ``"default"``.
 
-    ``rules`` maps a regex on parameter names (``re.fullmatch``) to a format spec;
-    embedding tables (of ``nn.Embedding``/``nn.EmbeddingBag``, known only when a model is
-    given) keep float32 unless ``embeddings_float32=False``."""
+    ``rules`` maps a regex on parameter names (``re.fullmatch``) to a format spec; a rule
+    matching no parameter is a typo far more often than intent, so ``warn`` says so (one
+    warning, with the closest names). Embedding tables (of ``nn.Embedding``/
+    ``nn.EmbeddingBag``, known only when a model is given) keep float32 unless
+    ``embeddings_float32=False``."""
     default = parse_state_format(states)
     compiled = [(re.compile(k), k, parse_state_format(v)) for k, v in (rules or {}).items()]
     named, tables = _named(model_or_named)
+    if warn:
+        names = [name for name, _ in named]
+        owner = (
+            type(model_or_named).__name__
+            if isinstance(model_or_named, nn.Module)
+            else "the parameters given"
+        )
+        warn_unmatched_rules(
+            {
+                key: closest(key, names)
+                for rx, key, _ in compiled
+                if not any(rx.fullmatch(n) for n in names)
+            },
+            f"trainable parameter of {owner}",
+            "rules are re.fullmatch'ed against parameter names",
+        )
     out: dict[str, Assignment] = {}
     for name, p in named:
         n = p.numel()
@@ -99,6 +124,39 @@ def assign_formats(
         else:
             out[name] = (default, "default")
     return out
+
+
+def closest(key: str, names: Sequence[str]) -> str:
+    """A hint naming the ``names`` closest to a rule ``key`` (``"closest: 'a', 'b'"``), or
+    ``""`` when none is close."""
+    close = difflib.get_close_matches(key, [n for n in names if n], n=3, cutoff=0.5)
+    return f"closest: {', '.join(map(repr, close))}" if close else ""
+
+
+def warn_unmatched_rules(
+    unmatched: Mapping[str, str], target: str, how: str, *, stacklevel: int = 2
+) -> None:
+    """One warning naming the state rules that match nothing, as `mixprec.convert` warns
+    of policy rules: ``unmatched`` maps each rule to a hint (``""`` for none), ``target``
+    says what the rules were matched against (``"trainable parameter of Net"``), ``how``
+    how rules match. ``stacklevel`` counts from the caller, as `warnings.warn`'s."""
+    if not unmatched:
+        return
+    if len(unmatched) == 1:
+        ((key, hint),) = unmatched.items()
+        message = f"state rule {key!r} matches no {target} ({how})" + (f"; {hint}" if hint else "")
+    else:
+        said = [
+            f"{key!r}" + (f" ({hint})" if hint else "")
+            for key, hint in list(unmatched.items())[:_UNMATCHED_NAMED]
+        ]
+        more = len(unmatched) - len(said)
+        message = (
+            f"{len(unmatched)} state rules match no {target} ({how}): "
+            + ", ".join(said)
+            + (f" and {more} more" if more else "")
+        )
+    warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def explain_formats(assignments: Mapping[str, Assignment]) -> str:
