@@ -67,6 +67,11 @@ def stochastic_round_(
     """Write ``src`` into the 16-bit ``dst``, rounding up or down at random with probability
     proportional to the distance, so the result equals ``src`` on average (the rounding of
     the compensated steps, with 16 random bits per element drawn from ``generator``)."""
+    if src.shape != dst.shape:
+        raise ValueError(
+            f"stochastic_round_ writes src into dst of the same shape: got src of shape "
+            f"{list(src.shape)} into dst of shape {list(dst.shape)}"
+        )
     noise = torch.randint(
         0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=generator
     )

@@ -179,6 +179,17 @@ class OptimizerCheckpoint:
         """Refuse, before loading, an optimizer state saved for other parameters."""
         if not isinstance(saved, Mapping) or not {"state", "param_groups"} <= saved.keys():
             raise ValueError("the saved optimizer state lacks 'state' and 'param_groups'")
+        low_bit = any(
+            isinstance(s, Mapping) and any(str(k).endswith("_codes") for k in s)
+            for s in saved["state"].values()
+        )
+        if low_bit and not hasattr(self.optimizer, "to_float32_state_dict"):
+            raise ValueError(
+                f"the saved optimizer state is a low-bit optimizer's (mixprec.states: moments "
+                f"as codes and scales), which {type(self.optimizer).__name__} cannot load: load "
+                f"it into the low-bit optimizer that saved it, or give this one that "
+                f"optimizer's to_float32_state_dict() (float32 moments, as torch keeps them)"
+            )
         groups = self.optimizer.param_groups
         # another optimizer class's groups hold settings this one lacks and lack some of its
         # own (SGD's momentum beside AdamW's betas); another torch version only adds or drops

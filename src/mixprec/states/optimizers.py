@@ -4,7 +4,10 @@ Each parameter's moments are kept in the format its group's ``"states"`` key nam
 optimizer's ``states=`` by default): ``"float32"``, ``"int8"``, ``"int4"`` or ``"fp8"``
 (`mixprec.states.formats`). Parameters with fewer than ``min_size`` elements, and those
 ``keep_float32`` picks, keep float32 moments. The format a parameter got is recorded in
-its state (``"format"``), so a checkpoint restores the same layout.
+its state (``"format"``), so a checkpoint restores the same layout; a state recorded in
+another format than the parameter takes now (a checkpoint of another format, a group whose
+``"states"`` changed) is decoded and stored in the new one, on load or at the next step.
+A complex parameter is stepped as its real pairs, as torch's optimizers step it.
 
 State keys: torch's (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, float32, the
 parameter's shape) for float32 moments, so that such a state loads into torch's optimizers
@@ -29,6 +32,7 @@ import torch
 from mixprec.compensated import COMPENSATED_DTYPES, check_compensation, stochastic_round_
 from mixprec.states import kernels
 from mixprec.states.formats import (
+    DEFAULT_BLOCKS,
     StateFormat,
     code_tables,
     decode,
@@ -60,6 +64,7 @@ CHUNK = 1 << 22
 COMPILE_MIN_ELEMENTS = 1 << 18
 # the per-parameter moments of each algorithm and whether each is signed
 _MOMENTS = {"adam": (("exp_avg", True), ("exp_avg_sq", False)), "sgd": (("momentum_buffer", True),)}
+_FLOAT32 = StateFormat("float32")
 
 
 def _dtensor_type() -> type | None:
@@ -71,6 +76,36 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """The local part of a DTensor (the tensor itself otherwise)."""
     dtensor = _dtensor_type()
     return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """The local part of ``t``, a complex one viewed as its real pairs (as torch's
+    optimizers step a complex parameter, its gradient and its moments)."""
+    local = _local(t)
+    return torch.view_as_real(local) if local.is_complex() else local
+
+
+def _elements(p: torch.Tensor) -> int:
+    """Real elements of the largest local shard of ``p`` (two per complex element): those
+    its low-bit moments hold, in blocks."""
+    return _largest_shard(p) * (2 if p.is_complex() else 1)
+
+
+def _fitted(fmt: StateFormat, p: torch.Tensor) -> StateFormat:
+    """``fmt`` with a block no larger than ``p``'s elements rounded up to the kind's default
+    block: a block past the parameter would only store padding."""
+    if not fmt.quantized:
+        return fmt
+    default = DEFAULT_BLOCKS[fmt.kind]
+    most = max(-(-_elements(p) // default), 1) * default
+    return fmt if fmt.block <= most else StateFormat(fmt.kind, most)  # type: ignore[operator]
+
+
+def _describe(value: Any) -> str:
+    """A saved state value in words: a tensor's dtype and shape, else its type."""
+    if torch.is_tensor(value):
+        return f"{value.dtype} of shape {list(value.shape)}"
+    return "missing" if value is None else f"a {type(value).__name__}"
 
 
 class LowBitOptimizer(torch.optim.Optimizer):
@@ -128,28 +163,31 @@ class LowBitOptimizer(torch.optim.Optimizer):
     # -- formats -----------------------------------------------------------------------------
 
     def format_of(self, p: torch.Tensor, group: Mapping[str, Any]) -> StateFormat:
-        """The format ``p``'s moments take: its recorded one once stepped, else float32 when
-        small or picked by ``keep_float32``, else its own in ``formats``, else its group's
-        ``"states"``."""
-        state = self.state.get(p)
-        if state and "format" in state:
-            return parse_state_format(state["format"])
-        fmt = self.formats.get(p) or parse_state_format(group["states"])
+        """The format ``p``'s moments take: float32 when small or picked by
+        ``keep_float32``, else its own in ``formats``, else its group's ``"states"``; a block
+        larger than ``p`` is cut to ``p``'s elements rounded up to the kind's default block
+        (no more bytes than the default block takes). A state recorded in another format is
+        converted to this one at ``p``'s next step or on load."""
         # (a DTensor's whole size: every rank of a sharded parameter takes the same format)
         if p.numel() < self.min_size or (self.keep_float32 and self.keep_float32(p)):
-            return StateFormat("float32")
-        return fmt
+            return _FLOAT32
+        return _fitted(self.formats.get(p) or parse_state_format(group["states"]), p)
 
-    def _init_state(self, p: torch.Tensor, group: Mapping[str, Any], momentum: bool) -> dict:
-        fmt = self.format_of(p, group)
+    def _prepared(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
+        """``p``'s state ready for a step: made on its first, converted when its format is
+        no longer the one ``format_of`` gives (its group's ``"states"`` changed)."""
         state = self.state[p]
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["format"] = str(fmt)
-        if momentum:
-            for name, _ in _MOMENTS[self.algorithm]:
-                state.update(_zero_moment(name, p, fmt))
-        if self.compensation == "kahan" and p.dtype in COMPENSATED_DTYPES:
-            state["compensation"] = torch.zeros_like(p)
+        if "format" not in state:
+            fmt = self.format_of(p, group)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["format"] = str(fmt)
+            if self.algorithm == "adam":  # (SGD's buffer starts at its first momentum step)
+                for name, _ in _MOMENTS["adam"]:
+                    state.update(_zero_moment(name, p, fmt))
+            if self.compensation == "kahan" and p.dtype in COMPENSATED_DTYPES:
+                state["compensation"] = torch.zeros_like(p)
+        elif parse_state_format(state["format"]) != self.format_of(p, group):
+            self.adopt(p, state, group)
         return state
 
     # -- the step ----------------------------------------------------------------------------
@@ -157,21 +195,29 @@ class LowBitOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter with a gradient; ``closure`` re-evaluates the loss
-        first (its value is returned)."""
+        first (its value is returned). Every gradient is checked before any parameter is
+        updated."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = [
-            (group, p) for group in self.param_groups for p in group["params"] if p.grad is not None
-        ]
+        work = []
+        params = [(group, p) for group in self.param_groups for p in group["params"]]
+        for index, (group, p) in enumerate(params):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients (parameter "
+                    f"{index}, shape {list(p.shape)}; nothing was updated): build the embedding "
+                    f"with sparse=False, or step its parameters with torch.optim.SparseAdam"
+                )
+            work.append((group, p))
         if not work:
             return loss
         total = sum(_local(p).numel() for _, p in work)
         scalars: dict[tuple, torch.Tensor] = {}
         for group, p in work:
-            if p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             self._step_param(p, group, total, scalars)
         return loss
 
@@ -195,21 +241,24 @@ class LowBitOptimizer(torch.optim.Optimizer):
     ) -> None:
         """Update ``p`` from its flat views: the whole blocks in calls of at most ``CHUNK``
         elements, the last partial block (if any) from zero-padded copies; then the
-        stochastic rounding."""
-        local = _local(p)
+        stochastic rounding. A complex parameter is stepped as its real pairs, as torch's
+        optimizers step it; a parameter without elements is left as it is."""
+        real = _real(p)
+        n = real.numel()
+        if n == 0:
+            return
         fmt = parse_state_format(state["format"])
-        compensation = self.compensation if local.dtype in COMPENSATED_DTYPES else None
-        flat = local.view(-1) if local.is_contiguous() else local.contiguous().view(-1)
-        grad = _local(p.grad).reshape(-1)
+        compensation = self.compensation if p.dtype in COMPENSATED_DTYPES else None
+        flat = real.view(-1) if real.is_contiguous() else real.contiguous().view(-1)
+        grad = _real(p.grad).reshape(-1)
         buf = state.get("compensation") if compensation == "kahan" else None
         buf = None if buf is None else _local(buf).view(-1)
-        n = flat.numel()
         cut = n - n % fmt.block if fmt.quantized else n  # type: ignore[operator]
         codes = fmt.code_bytes(cut)
         pieces = []
         # a low-bit update holds its moments in float32 while it runs: in parts of at most
-        # CHUNK elements, so that this stays small beside a large parameter
-        step = CHUNK - CHUNK % fmt.block if fmt.quantized else max(cut, 1)  # type: ignore[operator]
+        # CHUNK elements (or one block), so that this stays small beside a large parameter
+        step = max(CHUNK - CHUNK % fmt.block, fmt.block) if fmt.quantized else cut  # type: ignore[operator]
         for begin in range(0, cut, step):
             end = min(cut, begin + step)
             states = [
@@ -240,7 +289,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 tail_buf = buf.new_zeros(size)
                 tail_buf[: n - cut] = buf[cut:]
             pieces.append((pad[0], pad[1], states, tail_buf))
-        compiled = self._compiles(local.device, total)
+        compiled = self._compiles(real.device, total)
         results = []
         for piece_p, piece_g, states, piece_buf in pieces:
             args = (piece_p, piece_g, *(t for pair in states for t in pair), tables, piece_buf)
@@ -254,12 +303,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if buf is not None:
                 buf[cut:] = pieces[-1][3][: n - cut]  # type: ignore[index]
         if compensation == "stochastic":
-            value = torch.cat(results)[:n] if len(results) > 1 else results[0]
-            if self._generator is None or self._generator.device != local.device:
-                self._generator = torch.Generator(local.device).manual_seed(self.seed)
+            # (the last block's result is padded: cut to the parameter's elements)
+            value = (torch.cat(results) if len(results) > 1 else results[0])[:n]
+            if self._generator is None or self._generator.device != real.device:
+                self._generator = torch.Generator(real.device).manual_seed(self.seed)
             stochastic_round_(flat, value, self._generator)
-        if flat.data_ptr() != local.data_ptr():
-            local.copy_(flat.view(local.shape))
+        if flat.data_ptr() != real.data_ptr():
+            real.copy_(flat.view(real.shape))
 
     def _compiles(self, device: torch.device, total: int) -> bool:
         if self._compile_failed is not None:
@@ -300,8 +350,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Restore a `state_dict` bit for bit, or load a torch Adam/AdamW/SGD state dict:
         its float32 moments are stored in each parameter's format (quantized on load).
 
-        torch's loader casts floating state to the parameter's dtype; the saved dtypes are
-        put back (float32 moments and scales beside 16-bit parameters)."""
+        A parameter saved in another format than the one this optimizer gives it (an int8
+        state loaded into `AdamW4bit`) is decoded and stored in this one's; the groups keep
+        this optimizer's ``"states"``. Everything is checked first (the groups' settings,
+        every parameter's keys, shapes, lengths and dtypes): a refused state changes
+        nothing. torch's loader casts floating state to the parameter's dtype; the saved
+        dtypes are put back (float32 moments and scales beside 16-bit parameters)."""
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             raise ValueError(
                 "an optimizer state dict holds 'state' and 'param_groups' (from "
@@ -309,13 +363,26 @@ class LowBitOptimizer(torch.optim.Optimizer):
             )
         saved = dict(state_dict)
         generator = saved.pop("generator", None)
-        groups = [dict(g) for g in saved["param_groups"]]
-        for g in groups:
-            g.setdefault("states", self.defaults["states"])
-        saved["param_groups"] = groups
-        super().load_state_dict(saved)
+        self._check_groups(saved["param_groups"])
         params = [p for g in self.param_groups for p in g["params"]]
-        index = [i for g in groups for i in g["params"]]
+        index = [i for g in saved["param_groups"] for i in g["params"]]
+        for i, (p, key) in enumerate(zip(params, index, strict=True)):
+            if saved["state"].get(key) is not None:
+                self._check_saved(i, p, saved["state"][key])
+        if generator is not None:
+            if not (torch.is_tensor(generator) and generator.dtype == torch.uint8):
+                raise ValueError(
+                    f"the saved 'generator' is a random generator's state (a uint8 tensor "
+                    f"from Generator.get_state()), got {type(generator).__name__}"
+                )
+            device = _local(params[0]).device if params else torch.device("cpu")
+            restored = torch.Generator(device)
+            restored.set_state(generator)
+        saved["param_groups"] = [
+            {**g, "states": ours["states"]}
+            for g, ours in zip(saved["param_groups"], self.param_groups, strict=True)
+        ]
+        super().load_state_dict(saved)
         for p, key in zip(params, index, strict=True):
             entry = saved["state"].get(key)
             if entry is None:
@@ -326,26 +393,152 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     state[name] = _like_saved(value, p)
                 elif not torch.is_tensor(value):  # torch's loader rebuilds a string
                     state[name] = value
-            if "format" not in state:
-                self.adopt(p, state, self._group_of(p))
+            self.adopt(p, state, self._group_of(p))
         if generator is not None:
-            device = _local(params[0]).device if params else torch.device("cpu")
-            self._generator = torch.Generator(device)
-            self._generator.set_state(generator)
+            self._generator = restored
+
+    def _check_groups(self, saved: Any) -> None:
+        """Refuse saved parameter groups of another shape, or of another algorithm (an SGD
+        state lacks AdamW's ``betas``) or of settings this step does not keep."""
+        if not isinstance(saved, list) or not all(isinstance(g, Mapping) for g in saved):
+            raise ValueError("the saved 'param_groups' is a list of dicts (from state_dict())")
+        sizes = [len(g["params"]) for g in self.param_groups]
+        saved_sizes = [len(g.get("params", ())) for g in saved]
+        if sizes != saved_sizes:
+            raise ValueError(
+                f"the saved optimizer has parameter groups of sizes {saved_sizes}, this one "
+                f"{sizes}: it was saved for other parameters or other parameter groups"
+            )
+        name = type(self).__name__
+        ours = set(self.defaults) - {"states"}
+        for i, group in enumerate(saved):
+            missing = sorted(ours - set(group))
+            if missing:
+                extra = sorted(set(group) - ours - {"params", "param_names", "states"})
+                raise ValueError(
+                    f"the saved parameter group {i} lacks {missing}, which {name} needs "
+                    f"(it holds {extra}): it was saved from another optimizer class; load "
+                    f"it into the class that saved it (torch's SGD into LowBitSGD, AdamW "
+                    f"or Adam into LowBitAdamW or LowBitAdam)"
+                )
+            refused = sorted(flag for flag in ("amsgrad", "maximize") if group.get(flag))
+            if refused:
+                raise ValueError(
+                    f"the saved parameter group {i} was stepped with {refused} True, which "
+                    f"{name} does not do (it keeps no maximum of the second moment and "
+                    f"minimizes)"
+                )
+
+    def _check_saved(self, i: int, p: torch.Tensor, entry: Any) -> None:
+        """Refuse the saved state ``entry`` of parameter ``i`` unless it is one this
+        optimizer can step: a torch state (float32 moments of ``p``'s shape) or one of
+        ours, its keys, and the lengths and dtypes of its codes and scales, as its
+        ``"format"`` says."""
+        where = f"parameter {i} (shape {list(p.shape)})"
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"the saved state of {where} is a {type(entry).__name__}, not a dict")
+        spec = entry.get("format")
+        if spec is None:
+            fmt = _FLOAT32  # a torch optimizer's state
+        else:
+            try:
+                fmt = parse_state_format(spec)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"the saved state of {where}: {error}") from None
+        keys = {"step", "format", "compensation"}
+        moments = {}
+        for name, _ in _MOMENTS[self.algorithm]:
+            moments[name] = (f"{name}_codes", f"{name}_scales") if fmt.quantized else (name,)
+            keys.update(moments[name])
+        extra = sorted(set(entry) - keys)
+        if extra:
+            raise ValueError(
+                f"the saved state of {where} holds {extra}, which a {fmt} state of "
+                f"{type(self).__name__} does not (it keeps {sorted(keys)}): it was saved by "
+                f"another optimizer or relabelled"
+            )
+        required = [k for names in moments.values() for k in names]
+        if self.algorithm == "sgd":  # a buffer is made at the first step with momentum
+            required = [] if all(entry.get(k) is None for k in required) else required
+        if self.algorithm == "adam":
+            required.append("step")
+        missing = [k for k in required if entry.get(k) is None]
+        if missing:
+            raise ValueError(
+                f"the saved state of {where} lacks {missing} (it holds {sorted(entry)}): "
+                f"a {fmt} state of {type(self).__name__} needs {sorted(required)}"
+            )
+        step = entry.get("step")
+        if step is not None and not (
+            (torch.is_tensor(step) and step.numel() == 1)
+            or (isinstance(step, int | float) and not isinstance(step, bool))
+        ):
+            raise ValueError(f"the saved 'step' of {where} is not a number: {step!r}")
+        for name, names in moments.items():
+            if all(entry.get(k) is None for k in names):
+                continue
+            if fmt.quantized:
+                blocks = fmt.blocks(_elements(p))
+                code_dtype = torch.float8_e4m3fn if fmt.kind == "fp8" else torch.uint8
+                expected = [
+                    (names[0], (fmt.code_bytes(blocks * fmt.block),), code_dtype),
+                    (names[1], (blocks,), torch.float32),
+                ]  # type: ignore[operator]
+                for key, shape, dtype in expected:
+                    value = entry[key]
+                    local = _local(value) if torch.is_tensor(value) else None
+                    if local is None or tuple(local.shape) != shape or local.dtype != dtype:
+                        raise ValueError(
+                            f"the saved {key!r} of {where} is {_describe(value)}; its "
+                            f"{fmt} state keeps {dtype} of shape {list(shape)}: it belongs "
+                            f"to another parameter, or its format was relabelled"
+                        )
+            else:
+                value = entry[name]
+                kind = "complex" if p.is_complex() else "floating"
+                if (
+                    not torch.is_tensor(value)
+                    or tuple(value.shape) != tuple(p.shape)
+                    or value.is_complex() != p.is_complex()
+                    or not (value.is_complex() or value.is_floating_point())
+                ):
+                    raise ValueError(
+                        f"the saved {name!r} of {where} is {_describe(value)}; a float32 "
+                        f"moment is a {kind} tensor of the parameter's shape: it belongs to "
+                        f"another parameter"
+                    )
+        buf = entry.get("compensation")
+        if buf is not None and (not torch.is_tensor(buf) or tuple(buf.shape) != tuple(p.shape)):
+            raise ValueError(
+                f"the saved 'compensation' (Kahan buffer) of {where} is {_describe(buf)}; it "
+                f"has the parameter's shape"
+            )
 
     def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
         return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
     def adopt(self, p: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any]) -> None:
-        """Give a state loaded from a torch optimizer (float32 moments, no format) this
-        optimizer's layout: its moments stored in ``p``'s format."""
+        """Give a loaded state this optimizer's layout: the moments of a torch optimizer's
+        state (float32, no format) or of another format than the one ``format_of`` gives
+        ``p`` decoded and stored in that one."""
         fmt = self.format_of(p, group)
-        state["format"] = str(fmt)
-        if "step" in state and not torch.is_tensor(state["step"]):
+        old = parse_state_format(state["format"]) if "format" in state else None
+        if "step" not in state:  # (torch's SGD keeps none)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        elif not torch.is_tensor(state["step"]):
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-        for name, signed in _MOMENTS[self.algorithm]:
-            if name in state:
-                state.update(_stored_moment(name, state.pop(name), p, fmt, signed))
+        if old != fmt:
+            for name, signed in _MOMENTS[self.algorithm]:
+                if old is None or not old.quantized:
+                    value = state.pop(name, None)
+                elif f"{name}_codes" in state:
+                    value = _float32_moment(state, name, p, old, signed)
+                    del state[f"{name}_codes"], state[f"{name}_scales"]
+                else:
+                    value = None
+                if value is not None:
+                    state.update(_stored_moment(name, value, p, fmt, signed))
+        state["format"] = str(fmt)
         if self.compensation == "kahan" and p.dtype in COMPENSATED_DTYPES:
             state.setdefault("compensation", torch.zeros_like(p))
 
@@ -371,13 +564,20 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return out
 
 
+def _moment_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of a float32 moment of ``p``: float32, complex64 for a complex ``p`` (as
+    torch keeps a complex parameter's moments)."""
+    return torch.complex64 if p.is_complex() else torch.float32
+
+
 def _zero_moment(name: str, p: torch.Tensor, fmt: StateFormat) -> dict[str, torch.Tensor]:
     """A zero moment of ``p`` in ``fmt``."""
     local = _local(p)
     if not fmt.quantized:
-        return {name: _shard_like(torch.zeros(local.shape, device=local.device), p)}
+        zero = torch.zeros(local.shape, dtype=_moment_dtype(p), device=local.device)
+        return {name: _shard_like(zero, p)}
     dtype = torch.float8_e4m3fn if fmt.kind == "fp8" else torch.uint8
-    blocks = fmt.blocks(_largest_shard(p))
+    blocks = fmt.blocks(_elements(p))
     codes = torch.zeros(fmt.code_bytes(blocks * fmt.block), dtype=dtype, device=local.device)
     scales = torch.zeros(blocks, dtype=torch.float32, device=local.device)
     return {f"{name}_codes": _flat_shard(codes, p), f"{name}_scales": _flat_shard(scales, p)}
@@ -388,13 +588,14 @@ def _stored_moment(
 ) -> dict[str, torch.Tensor]:
     """A float32 moment ``value`` of ``p`` stored in ``fmt``."""
     local = _local(p)
-    value = _local(value).to(device=local.device, dtype=torch.float32)
+    value = _local(value).to(device=local.device, dtype=_moment_dtype(p))
     if not fmt.quantized:
         return {name: _shard_like(value.reshape(local.shape).clone(), p)}
     zero = _zero_moment(name, p, fmt)
     codes, scales = _local(zero[f"{name}_codes"]), _local(zero[f"{name}_scales"])
-    flat = torch.zeros(scales.numel() * fmt.block, device=local.device)  # type: ignore[operator]
-    flat[: value.numel()] = value.reshape(-1)
+    flat = torch.zeros(scales.numel() * fmt.block, dtype=torch.float32, device=local.device)  # type: ignore[operator]
+    real = torch.view_as_real(value) if value.is_complex() else value
+    flat[: real.numel()] = real.reshape(-1)
     tables = code_tables(fmt, signed, local.device)
     new_codes, new_scales = encode(flat.view(-1, fmt.block), fmt, signed, tables)
     codes.copy_(new_codes)
@@ -405,13 +606,16 @@ def _stored_moment(
 def _float32_moment(
     state: Mapping[str, Any], name: str, p: torch.Tensor, fmt: StateFormat, signed: bool
 ) -> torch.Tensor:
-    """The moment ``name`` of ``p`` in float32, of ``p``'s shape (a DTensor for one)."""
+    """The moment ``name`` of ``p`` in float32 (complex64 for a complex ``p``), of ``p``'s
+    shape (a DTensor for one)."""
     local = _local(p)
     if not fmt.quantized:
         return state[name].clone()
     tables = code_tables(fmt, signed, local.device)
     codes, scales = _local(state[f"{name}_codes"]), _local(state[f"{name}_scales"])
-    values = decode(codes, scales, fmt, signed, tables).reshape(-1)[: local.numel()]
+    values = decode(codes, scales, fmt, signed, tables).reshape(-1)[: _real(p).numel()]
+    if p.is_complex():
+        values = torch.view_as_complex(values.view(-1, 2))
     return _shard_like(values.reshape(local.shape).clone(), p)
 
 
@@ -420,7 +624,7 @@ def _like_saved(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(value, dtensor):
         return value.to(device=_local(p).device).clone()
-    return value.to(device=_local(p).device, copy=True)
+    return value.to(device=_local(p).device, copy=True, memory_format=torch.contiguous_format)
 
 
 def _largest_shard(p: torch.Tensor) -> int:
@@ -530,9 +734,7 @@ class LowBitAdamW(LowBitOptimizer):
     def _step_param(
         self, p: torch.Tensor, group: dict[str, Any], total: int, scalars: dict
     ) -> None:
-        state = self.state[p]
-        if "format" not in state:
-            state = self._init_state(p, group, momentum=True)
+        state = self._prepared(p, group)
         state["step"] += 1
         step = int(state["step"].item())
         fmt = parse_state_format(state["format"])
@@ -552,7 +754,7 @@ class LowBitAdamW(LowBitOptimizer):
                 moments.append((_local(state[f"{name}_codes"]), _local(state[f"{name}_scales"])))
                 tables += code_tables(fmt, signed, local.device)
             else:
-                moments.append((_local(state[name]).view(-1), None))
+                moments.append((_real(state[name]).view(-1), None))
         self._run(p, state, moments, tables, scalars[key], (self.decoupled,), total)
 
 
@@ -622,12 +824,14 @@ class LowBitSGD(LowBitOptimizer):
         self, p: torch.Tensor, group: dict[str, Any], total: int, scalars: dict
     ) -> None:
         momentum = group["momentum"]
-        state = self.state[p]
-        if "format" not in state:
-            state = self._init_state(p, group, momentum=bool(momentum))
+        state = self._prepared(p, group)
         state["step"] += 1
-        first = int(state["step"].item()) == 1
         fmt = parse_state_format(state["format"])
+        # as torch's SGD: the buffer starts as the gradient at the first step with momentum
+        # (the first step, or a later one when the momentum is raised from 0)
+        first = bool(momentum) and not {"momentum_buffer", "momentum_buffer_codes"} & set(state)
+        if first:
+            state.update(_zero_moment("momentum_buffer", p, fmt))
         local = _local(p)
         lr = float(group["lr"])
         key = (id(group), first, lr, local.device)
@@ -643,7 +847,7 @@ class LowBitSGD(LowBitOptimizer):
             moment = (_local(codes), _local(scales))
             tables = code_tables(fmt, True, local.device)
         else:
-            moment = (_local(state["momentum_buffer"]).view(-1), None)
+            moment = (_real(state["momentum_buffer"]).view(-1), None)
         nesterov = (bool(group["nesterov"]),)
         self._run(p, state, [moment], tables, scalars[key], nesterov, total)
 

@@ -1,0 +1,470 @@
+"""The low-bit optimizers on inputs that used to break them: state dicts of the wrong shape,
+format or algorithm (refused at load, the optimizer left as it was), states converted to the
+loading optimizer's format, complex parameters, zero-size and sub-block parameters under
+stochastic rounding, a momentum raised from 0, a bfloat16 default dtype, blocks larger than
+the parameter, sparse gradients, and a low-bit state handed to a torch optimizer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import LossScaleOptimizer
+from mixprec.states import (
+    AdamW4bit,
+    AdamW8bit,
+    AdamWFp8,
+    LowBitAdam,
+    LowBitAdamW,
+    LowBitSGD,
+    StateFormat,
+    dequantize,
+    quantize,
+    state_bytes,
+)
+
+KW = dict(compile=False)
+
+
+def _params(shapes=((64, 128), (96,)), dtype=torch.float32, seed=0) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    drawn = dtype if dtype.is_complex else torch.float32  # (whatever the default dtype)
+    return [nn.Parameter(torch.randn(s, generator=g, dtype=drawn).to(dtype)) for s in shapes]
+
+
+def _run(opt: torch.optim.Optimizer, params: list[nn.Parameter], steps: range) -> None:
+    for i in steps:
+        g = torch.Generator().manual_seed(1000 + i)
+        for p in params:
+            drawn = p.dtype if p.is_complex() else torch.float32
+            p.grad = torch.randn(p.shape, generator=g, dtype=drawn).to(p.dtype)
+        opt.step()
+
+
+def _snapshot(opt: torch.optim.Optimizer) -> tuple[list, list]:
+    """Everything a load could change: each state's values (tensors as bytes) and groups."""
+    states = [
+        {k: (v.dtype, v.view(torch.uint8).clone() if v.dtype == torch.float8_e4m3fn else v.clone())
+         if torch.is_tensor(v) else v for k, v in s.items()}
+        for s in opt.state.values()
+    ]  # fmt: skip
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return states, groups
+
+
+def _same(a: tuple[list, list], b: tuple[list, list]) -> bool:
+    def equal(x, y):
+        if isinstance(x, tuple) and len(x) == 2 and torch.is_tensor(x[1]):
+            return x[0] == y[0] and torch.equal(x[1], y[1])
+        return x == y
+
+    return (
+        a[1] == b[1]
+        and len(a[0]) == len(b[0])
+        and all(
+            s.keys() == t.keys() and all(equal(s[k], t[k]) for k in s)
+            for s, t in zip(a[0], b[0], strict=True)
+        )
+    )
+
+
+# -- item 3: refused at load, naming the parameter, before changing anything ---------------------
+
+
+def _torch_adamw_state(params: list[nn.Parameter]) -> dict:
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    _run(opt, params, range(2))
+    return copy.deepcopy(opt.state_dict())
+
+
+def _transposed(state: dict) -> None:
+    state["state"][0]["exp_avg"] = state["state"][0]["exp_avg"].t().contiguous()
+
+
+def _truncated(state: dict) -> None:
+    state["state"][0]["exp_avg"] = state["state"][0]["exp_avg"].reshape(-1)[:10].clone()
+
+
+def _dropped(state: dict) -> None:
+    del state["state"][0]["exp_avg_sq"]
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (_transposed, r"'exp_avg' of parameter 0 \(shape \[64, 128\]\) is torch.float32 of "
+         r"shape \[128, 64\]"),
+        (_truncated, r"'exp_avg' of parameter 0 \(shape \[64, 128\]\) is torch.float32 of "
+         r"shape \[10\]"),
+        (_dropped, r"parameter 0 \(shape \[64, 128\]\) lacks \['exp_avg_sq'\]"),
+    ],
+    ids=["transposed", "truncated", "missing"],
+)  # fmt: skip
+def test_a_torch_state_of_the_wrong_shape_is_refused_naming_the_parameter(spoil, message):
+    params = _params()
+    saved = _torch_adamw_state(params)
+    spoil(saved)
+    opt = AdamW8bit(params, lr=1e-2, min_size=1000, **KW)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(saved)
+    assert not opt.state
+
+
+def _short_codes(state: dict) -> None:
+    state["state"][0]["exp_avg_codes"] = state["state"][0]["exp_avg_codes"][:-256].clone()
+
+
+def _float_scales(state: dict) -> None:
+    state["state"][0]["exp_avg_sq_scales"] = state["state"][0]["exp_avg_sq_scales"].double()
+
+
+def _relabelled(state: dict) -> None:
+    state["state"][0]["format"] = "int4"
+
+
+def _unknown_format(state: dict) -> None:
+    state["state"][0]["format"] = "int3"
+
+
+def _missing_codes(state: dict) -> None:
+    del state["state"][0]["exp_avg_sq_codes"]
+
+
+@pytest.mark.parametrize(
+    "spoil, message",
+    [
+        (_short_codes, r"'exp_avg_codes' of parameter 0 \(shape \[64, 128\]\) is torch.uint8 "
+         r"of shape \[7936\]; its int8 state keeps torch.uint8 of shape \[8192\]"),
+        (_float_scales, r"'exp_avg_sq_scales' of parameter 0 .* is torch.float64"),
+        (_relabelled, r"'exp_avg_codes' of parameter 0 .* its int4 state keeps torch.uint8 of "
+         r"shape \[4096\]"),
+        (_unknown_format, r"saved state of parameter 0 \(shape \[64, 128\]\): unknown state "
+         r"format 'int3'"),
+        (_missing_codes, r"parameter 0 \(shape \[64, 128\]\) lacks \['exp_avg_sq_codes'\]"),
+    ],
+    ids=["short-codes", "float64-scales", "relabelled", "unknown-format", "missing-codes"],
+)  # fmt: skip
+def test_a_low_bit_state_of_the_wrong_layout_is_refused_and_changes_nothing(spoil, message):
+    params = _params()
+    source = AdamW8bit(params, lr=1e-2, min_size=1000, **KW)
+    _run(source, params, range(2))
+    saved = copy.deepcopy(source.state_dict())
+    spoil(saved)
+    # a stepped optimizer whose state the failed load must leave exactly as it was
+    opt = AdamW8bit(params, lr=3e-3, min_size=1000, **KW)
+    _run(opt, params, range(3))
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(saved)
+    assert _same(_snapshot(opt), before)
+    assert opt.param_groups[0]["lr"] == 3e-3
+
+
+def test_a_bad_last_parameter_leaves_the_earlier_ones_unloaded():
+    params = _params()
+    source = AdamW8bit(params, lr=1e-2, min_size=1000, **KW)
+    _run(source, params, range(4))
+    saved = copy.deepcopy(source.state_dict())
+    saved["state"][1]["exp_avg"] = saved["state"][1]["exp_avg"][:5].clone()
+    opt = AdamW8bit(params, lr=3e-3, min_size=1000, **KW)
+    _run(opt, params, range(1))
+    before = _snapshot(opt)
+    with pytest.raises(ValueError, match=r"parameter 1 \(shape \[96\]\)"):
+        opt.load_state_dict(saved)
+    assert _same(_snapshot(opt), before)
+    assert int(opt.state[params[0]]["step"]) == 1
+
+
+def test_another_algorithms_state_is_refused_by_its_group_settings():
+    params = _params()
+    sgd = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    _run(sgd, params, range(1))
+    with pytest.raises(ValueError, match=r"lacks \['betas', 'eps'\], which AdamW8bit needs"):
+        AdamW8bit(params, **KW).load_state_dict(copy.deepcopy(sgd.state_dict()))
+    adamw = _torch_adamw_state(params)
+    with pytest.raises(ValueError, match=r"lacks \['dampening', 'momentum', 'nesterov'\]"):
+        LowBitSGD(params, lr=0.1, momentum=0.9, **KW).load_state_dict(adamw)
+    # a torch SGD state still loads into LowBitSGD (no step count: torch's SGD keeps none)
+    low_sgd = LowBitSGD(params, lr=0.1, momentum=0.9, min_size=1000, **KW)
+    low_sgd.load_state_dict(copy.deepcopy(sgd.state_dict()))
+    assert low_sgd.state[params[0]]["format"] == "int8"
+    assert int(low_sgd.state[params[0]]["step"]) == 0
+    _run(low_sgd, params, range(1, 2))
+
+
+def test_a_group_stepped_with_amsgrad_is_refused():
+    params = _params()
+    opt = torch.optim.AdamW(params, amsgrad=True)
+    _run(opt, params, range(1))
+    with pytest.raises(ValueError, match=r"\['amsgrad'\] True"):
+        LowBitAdamW(params, **KW).load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+# -- formats: a state saved in another format takes the loading optimizer's ----------------------
+
+
+def _moments(opt: torch.optim.Optimizer, p: torch.Tensor) -> list[torch.Tensor]:
+    entry = opt.to_float32_state_dict()["state"]
+    key = [q for g in opt.param_groups for q in g["params"]].index(p)
+    return [entry[key]["exp_avg"], entry[key]["exp_avg_sq"]]
+
+
+def test_an_int8_state_loads_into_adamw4bit_as_int4():
+    params = _params()
+    source = AdamW8bit(params, lr=1e-2, min_size=1000, **KW)
+    _run(source, params, range(3))
+    opt = AdamW4bit(params, lr=1e-2, min_size=1000, **KW)
+    opt.load_state_dict(copy.deepcopy(source.state_dict()))
+    state, big = opt.state[params[0]], params[0]
+    assert state["format"] == "int4" and opt.param_groups[0]["states"] == "int4"
+    assert state["exp_avg_codes"].numel() == big.numel() // 2  # two codes a byte
+    assert state["exp_avg_scales"].numel() == big.numel() // 128
+    for name, signed, original, loaded in zip(
+        ("exp_avg", "exp_avg_sq"), (True, False), _moments(source, big), _moments(opt, big),
+        strict=True,
+    ):  # fmt: skip
+        # exactly the int8 moment stored in int4, so within int4's error of it
+        codes, scales = quantize(original, "int4", signed=signed)
+        assert torch.equal(loaded, dequantize(codes, scales, "int4", big.shape, signed=signed))
+        assert float((loaded - original).norm() / original.norm()) < 0.2, name  # int4's
+    assert int(state["step"]) == 3
+    _run(opt, params, range(3, 4))
+    assert opt.state[big]["format"] == "int4"
+
+
+def test_a_float32_state_of_ours_loads_quantized_and_back():
+    params = _params()
+    source = LowBitAdamW(params, lr=1e-2, states="float32", **KW)
+    _run(source, params, range(2))
+    opt = AdamWFp8(params, lr=1e-2, min_size=1000, **KW)
+    opt.load_state_dict(copy.deepcopy(source.state_dict()))
+    assert opt.state[params[0]]["format"] == "fp8"
+    back = LowBitAdamW(params, lr=1e-2, states="float32", **KW)
+    back.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert back.state[params[0]]["format"] == "float32"
+    assert back.state[params[0]]["exp_avg"].dtype == torch.float32
+
+
+def test_a_group_whose_states_change_converts_at_its_next_step():
+    params, reference = _params(), _params()
+    opt = AdamW8bit(params, lr=1e-2, min_size=1000, **KW)
+    ref = AdamW8bit(reference, lr=1e-2, min_size=1000, **KW)
+    _run(opt, params, range(3))
+    _run(ref, reference, range(3))
+    opt.param_groups[0]["states"] = "int4"
+    _run(opt, params, range(3, 4))
+    _run(ref, reference, range(3, 4))
+    state = opt.state[params[0]]
+    assert state["format"] == "int4" and state["exp_avg_codes"].numel() == 64 * 128 // 2
+    for ours, theirs in zip(_moments(opt, params[0]), _moments(ref, reference[0]), strict=True):
+        assert float((ours - theirs).norm() / theirs.norm()) < 0.2  # int4's error
+    assert opt.state[params[1]]["format"] == "float32"  # small: unchanged
+
+
+# -- item 4: complex parameters step as torch steps them (real pairs) ----------------------------
+
+
+@pytest.mark.parametrize("cls", [LowBitAdamW, LowBitAdam])
+def test_complex_parameters_follow_torch(cls):
+    torch_cls = torch.optim.AdamW if cls is LowBitAdamW else torch.optim.Adam
+    shapes = ((40, 64), (7,))
+    ours = _params(shapes, torch.complex64)
+    ref = _params(shapes, torch.complex64)
+    lows = [_params(shapes, torch.complex64) for _ in range(2)]
+    opt = cls(ours, lr=1e-2, weight_decay=0.1, states="float32", **KW)
+    _run(opt, ours, range(20))
+    _run(torch_cls(ref, lr=1e-2, weight_decay=0.1), ref, range(20))
+    start = _params(shapes, torch.complex64)
+    assert max(float((a - b).abs().max()) for a, b in zip(ref, start, strict=True)) > 0.1
+    for a, b in zip(ours, ref, strict=True):
+        assert a.dtype == torch.complex64
+        assert float((a - b).abs().max()) < 5e-6
+    assert opt.state[ours[0]]["exp_avg"].dtype == torch.complex64
+    for fmt, low in zip(("int8", "int4"), lows, strict=True):
+        low_opt = cls(low, lr=1e-2, weight_decay=0.1, states=fmt, min_size=1000, **KW)
+        _run(low_opt, low, range(20))
+        # 2560 complex elements are 5120 real ones: int8's 20 blocks, int4's 40
+        assert low_opt.state[low[0]]["exp_avg_scales"].numel() == 5120 // StateFormat(fmt).block
+        most = 5e-3 if fmt == "int8" else 5e-2
+        assert float((low[0] - ref[0]).abs().mean()) < most
+    # the float32 state goes to torch and back as complex moments
+    plain = torch_cls(ours, lr=1e-2, weight_decay=0.1)
+    plain.load_state_dict(copy.deepcopy(opt.to_float32_state_dict()))
+    assert plain.state[ours[0]]["exp_avg"].dtype == torch.complex64
+    quantized = cls(ours, lr=1e-2, states="int8", min_size=1000, **KW)
+    quantized.load_state_dict(copy.deepcopy(plain.state_dict()))
+    back = _moments(quantized, ours[0])[0]
+    exact = opt.state[ours[0]]["exp_avg"]
+    assert back.dtype == torch.complex64 and float((back - exact).norm() / exact.norm()) < 0.02
+
+
+# -- item 5: stochastic rounding of zero-size and sub-block parameters ---------------------------
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8", "float32"])
+def test_stochastic_rounding_steps_zero_size_and_sub_block_parameters(fmt):
+    shapes = ((0,), (3,), (100,), (300,))
+    params = _params(shapes, torch.bfloat16)
+    ref = [nn.Parameter(p.detach().float()) for p in params]
+    opt = LowBitAdamW(params, lr=1e-2, states=fmt, min_size=0, compensation="stochastic", **KW)
+    _run(opt, params, range(3))
+    _run(torch.optim.AdamW(ref, lr=1e-2), ref, range(3))
+    assert params[0].shape == (0,) and int(opt.state[params[0]]["step"]) == 3
+    for p, r in zip(params[1:], ref[1:], strict=True):
+        # within a few bfloat16 spacings (2^-7 at 1..2) of float32 AdamW, each weight moved
+        # about 0.02
+        assert float((p.float() - r).abs().max()) < 0.04
+        assert float((p.float() - r).abs().mean()) < 0.01
+
+
+def test_stochastic_round_refuses_a_source_of_another_shape():
+    from mixprec.compensated import stochastic_round_
+
+    dst = torch.zeros(3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"src of shape \[256\] into dst of shape \[3\]"):
+        stochastic_round_(dst, torch.ones(256))
+
+
+# -- item 6: a momentum raised from 0 starts its buffer as torch's SGD does ----------------------
+
+
+@pytest.mark.parametrize("nesterov, dampening", [(False, 0.0), (False, 0.3), (True, 0.0)])
+def test_a_momentum_warm_up_follows_torch_sgd(nesterov, dampening):
+    ours, ref = _params(), _params()
+    opt = LowBitSGD(ours, lr=1e-2, momentum=0.0, weight_decay=1e-3, states="float32", **KW)
+    torch_opt = torch.optim.SGD(ref, lr=1e-2, momentum=0.0, weight_decay=1e-3)
+    # momentum 0, raised, back to 0 (the buffer kept), raised again (the buffer resumed)
+    for momentum, steps in [(0.0, range(2)), (0.5, range(2, 4)), (0.0, range(4, 5)),
+                            (0.9, range(5, 8))]:  # fmt: skip
+        for o in (opt, torch_opt):
+            for g in o.param_groups:
+                g.update(momentum=momentum, nesterov=nesterov and momentum > 0,
+                         dampening=dampening)  # fmt: skip
+        _run(opt, ours, steps)
+        _run(torch_opt, ref, steps)
+        for a, b in zip(ours, ref, strict=True):
+            assert float((a - b).abs().max()) < 1e-6
+    for p, q in zip(ours, ref, strict=True):
+        buffer = torch_opt.state[q]["momentum_buffer"]
+        assert float((opt.state[p]["momentum_buffer"] - buffer).abs().max()) < 1e-6
+
+
+def test_a_momentum_warm_up_with_low_bit_buffers_steps():
+    params, ref = _params(), _params()
+    opt = LowBitSGD(params, lr=1e-2, momentum=0.0, min_size=1000, **KW)
+    torch_opt = torch.optim.SGD(ref, lr=1e-2, momentum=0.0)
+    _run(opt, params, range(1))
+    _run(torch_opt, ref, range(1))
+    for o in (opt, torch_opt):
+        o.param_groups[0]["momentum"] = 0.9
+    _run(opt, params, range(1, 4))
+    _run(torch_opt, ref, range(1, 4))
+    assert "momentum_buffer_codes" in opt.state[params[0]]
+    assert float((params[0] - ref[0]).abs().max()) < 5e-3
+
+
+# -- item 8: a bfloat16 default dtype ------------------------------------------------------------
+
+
+MAKERS = {
+    "LowBitAdamW": lambda ps, fmt: LowBitAdamW(ps, lr=1e-2, states=fmt, min_size=1000, **KW),
+    "LowBitAdam": lambda ps, fmt: LowBitAdam(ps, lr=1e-2, states=fmt, min_size=1000, **KW),
+    "LowBitSGD": lambda ps, fmt: LowBitSGD(
+        ps, lr=1e-2, momentum=0.9, states=fmt, min_size=1000, **KW
+    ),
+    "AdamW8bit": lambda ps, fmt: AdamW8bit(ps, lr=1e-2, min_size=1000, **KW),
+    "AdamW4bit": lambda ps, fmt: AdamW4bit(ps, lr=1e-2, min_size=1000, **KW),
+    "AdamWFp8": lambda ps, fmt: AdamWFp8(ps, lr=1e-2, min_size=1000, **KW),
+}
+CASES = [
+    (name, fmt)
+    for name in MAKERS
+    for fmt in (["float32", "int8", "int4", "fp8"] if name.startswith("LowBit") else [None])
+]
+
+
+@pytest.mark.parametrize("name, fmt", CASES)
+def test_a_bfloat16_default_dtype_changes_nothing(name, fmt):
+    make = MAKERS[name]
+    expected = _params()
+    _run(make(expected, fmt), expected, range(2))
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        params = _params()
+        opt = make(params, fmt)
+        _run(opt, params, range(2))
+        # and a torch state loads under it too
+        loaded = make(_params(), fmt)
+        loaded.load_state_dict(copy.deepcopy(opt.to_float32_state_dict()))
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(params, expected, strict=True))
+    floats = {
+        v.dtype for s in opt.state.values() for k, v in s.items()
+        if torch.is_tensor(v) and v.is_floating_point() and not k.endswith("_codes")
+    }  # fmt: skip
+    assert floats == {torch.float32}
+
+
+# -- blocks larger than the parameter -------------------------------------------------------------
+
+
+def test_a_block_larger_than_the_parameter_is_cut_to_it():
+    p = nn.Parameter(torch.randn(4096))
+    opt = AdamW8bit([p], block_size=65536, min_size=0, **KW)
+    _run(opt, [p], range(1))
+    assert opt.state[p]["format"] == "int8/block=4096"
+    assert state_bytes(opt) == 2 * (4096 + 4)  # codes and one scale per moment
+    # a huge block asks for no more than the parameter's default blocks take
+    q = nn.Parameter(torch.randn(1000))
+    huge = LowBitAdamW(
+        [{"params": [q], "states": f"int4/block={1 << 30}"}], states="int8", min_size=0, **KW
+    )
+    _run(huge, [q], range(1))
+    assert huge.state[q]["format"] == "int4/block=1024"
+    assert state_bytes(huge) == 2 * (1024 // 2 + 4)
+    # a block the parameter fills is kept
+    r = nn.Parameter(torch.randn(5000))
+    kept = AdamW8bit([r], block_size=1024, min_size=0, **KW)
+    _run(kept, [r], range(1))
+    assert kept.state[r]["format"] == "int8/block=1024"
+
+
+# -- sparse gradients ------------------------------------------------------------------------------
+
+
+def test_a_sparse_gradient_is_refused_before_any_parameter_is_stepped():
+    dense = nn.Linear(8, 4)
+    embed = nn.Embedding(10, 8, sparse=True)
+    params = [*dense.parameters(), embed.weight]
+    opt = LowBitAdamW(params, lr=1e-2, **KW)
+    (dense(embed(torch.tensor([1, 2]))).sum()).backward()
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError) as refused:
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    assert not opt.state
+    message = str(refused.value)
+    assert "parameter 2, shape [10, 8]" in message and "nothing was updated" in message
+    assert "sparse=False" in message and "torch.optim.SparseAdam" in message
+
+
+# -- a low-bit state dict handed to a torch optimizer ----------------------------------------------
+
+
+def test_a_loss_scale_optimizer_over_torch_refuses_a_low_bit_state_naming_the_way_out():
+    params = _params()
+    low = AdamW8bit(params, lr=1e-2, min_size=1000, **KW)
+    _run(low, params, range(1))
+    wrapped = LossScaleOptimizer(torch.optim.AdamW(params, lr=1e-2))
+    with pytest.raises(ValueError, match=r"to_float32_state_dict\(\)"):
+        wrapped.load_state_dict(copy.deepcopy(low.state_dict()))
+    low_wrapped = LossScaleOptimizer(low)
+    with pytest.raises(ValueError, match=r"to_float32_state_dict\(\)"):
+        wrapped.load_state_dict(copy.deepcopy(low_wrapped.state_dict()))
+    assert not wrapped.optimizer.state
+    wrapped.load_state_dict(copy.deepcopy(low.to_float32_state_dict()))
+    assert wrapped.optimizer.state[params[0]]["exp_avg"].dtype == torch.float32
