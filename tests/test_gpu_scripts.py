@@ -147,7 +147,8 @@ def test_run_h100_script_is_valid_bash_and_lists_its_parts():
     for part in ("-m cuda", "--preset blog", "--max-batch", "transformer.py", "trainer_overhead"):
         assert part in text
     assert "float8_mlp.py" in text and "results.tar.gz" in text
-    assert 'run cuda "${CUDA_TIMEOUT:-150}" INT -- python -m pytest -v -m cuda' in text
+    assert 'run cuda "${CUDA_TIMEOUT:-150}" INT -- "$PYTHON" -m pytest -v -m cuda' in text
+    assert re.findall(r"^[^#\n]*\bpython\b.*$", text, re.M) == ['PYTHON="${PYTHON:-python}"']
 
 
 def test_run_h100_budgets_fit_one_nine_minute_command():
@@ -167,9 +168,16 @@ def test_run_h100_budgets_fit_one_nine_minute_command():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the parts would really run")
 def test_run_h100_script_writes_as_it_goes_and_skips_what_the_total_cannot_fit(tmp_path):
     """On a CPU the float8 part runs and exits 2 (no GPU), its row, log and the packed copies
-    written; with the total spent, parts are skipped and said so."""
+    written; with the total spent, parts are skipped and said so. The parts run $PYTHON, this
+    interpreter, though the `python` first on PATH has no torch (a virtual environment's
+    interpreter running the suite without activating it)."""
     out, pack = tmp_path / "res", tmp_path / "pack"
-    env = {**os.environ, "TOTAL_BUDGET": "200"}
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python").write_text("#!/bin/sh\necho 'No module named torch' >&2\nexit 1\n")
+    (bare / "python").chmod(0o755)
+    path = f"{bare}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "TOTAL_BUDGET": "200", "PYTHON": sys.executable, "PATH": path}
     cmd = ["bash", str(RUN_H100), "--out", str(out), "--pack", str(pack), "float8"]
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=200)
     summary = (out / "summary.md").read_text()

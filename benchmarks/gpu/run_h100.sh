@@ -41,12 +41,16 @@
 # (the GPU, torch, each part's exit code, seconds and budget, the CUDA tests' outcome and
 # every result table so far), rewritten after each part. --pack DIR copies summary.md and
 # results.tar.gz (all of DIR) there after each part.
+#
+# Every part runs "$PYTHON" (default: the `python` first on PATH): set PYTHON to an
+# interpreter of a virtual environment that is not activated.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+PYTHON="${PYTHON:-python}"
 
 DIR=""
 PACK=""
@@ -81,7 +85,7 @@ ROWS="$DIR/.rows.md"
 {
     echo '```'
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1
-    python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+    "$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda,
           'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)" 2>&1
     echo '```'
 } > "$DIR/.machine.md"
@@ -151,12 +155,12 @@ run() {
     summarize
 }
 
-BENCH=(python -m mixprec.cli bench --preset blog --device cuda --precision 32-true bf16-mixed
+BENCH=("$PYTHON" -m mixprec.cli bench --preset blog --device cuda --precision 32-true bf16-mixed
     16-mixed)
 for part in "${PARTS[@]}"; do
     case "$part" in
         cuda)
-            run cuda "${CUDA_TIMEOUT:-150}" INT -- python -m pytest -v -m cuda \
+            run cuda "${CUDA_TIMEOUT:-150}" INT -- "$PYTHON" -m pytest -v -m cuda \
                 -p no:cacheprovider --durations=10 ;;
         blog256)
             run blog256 "${BLOG256_TIMEOUT:-60}" -- "${BENCH[@]}" --batch-sizes 256 \
@@ -165,21 +169,23 @@ for part in "${PARTS[@]}"; do
             run blog32 "${BLOG32_TIMEOUT:-55}" -- "${BENCH[@]}" --batch-sizes 32 \
                 --out "$DIR/blog32" ;;
         transformer)
-            run transformer "${TRANSFORMER_TIMEOUT:-80}" -- python benchmarks/gpu/transformer.py \
+            run transformer "${TRANSFORMER_TIMEOUT:-80}" -- \
+                "$PYTHON" benchmarks/gpu/transformer.py \
                 --device cuda --precision bf16-mixed --compile both --timeout 60 \
                 --out "$DIR/transformer" ;;
         trainer)
-            run trainer "${TRAINER_TIMEOUT:-50}" -- python benchmarks/gpu/trainer_overhead.py \
+            run trainer "${TRAINER_TIMEOUT:-50}" -- "$PYTHON" benchmarks/gpu/trainer_overhead.py \
                 --device cuda --out "$DIR/trainer/results.md" ;;
         float8)
-            run float8 "${FLOAT8_TIMEOUT:-120}" -- python benchmarks/gpu/float8_mlp.py \
+            run float8 "${FLOAT8_TIMEOUT:-120}" -- "$PYTHON" benchmarks/gpu/float8_mlp.py \
                 --device cuda --out "$DIR/float8" ;;
         maxbatch)
-            run maxbatch "${MAXBATCH_TIMEOUT:-130}" -- python -m mixprec.cli bench --preset blog \
+            run maxbatch "${MAXBATCH_TIMEOUT:-130}" -- \
+                "$PYTHON" -m mixprec.cli bench --preset blog \
                 --device cuda --batch-sizes 256 --precision 32-true bf16-mixed --tf32 off \
                 --max-batch --memory-limit "$MEMORY_LIMIT" --out "$DIR/maxbatch" ;;
         suite)
-            run suite "${SUITE_TIMEOUT:-300}" INT -- python -m pytest -q -m "not cuda" \
+            run suite "${SUITE_TIMEOUT:-300}" INT -- "$PYTHON" -m pytest -q -m "not cuda" \
                 -p no:cacheprovider --durations=20 ;;
     esac
 done

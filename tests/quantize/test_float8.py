@@ -36,6 +36,7 @@ from mixprec.quantize.float8 import (
     axis_scale,
     convert_from_float8,
     convert_to_float8,
+    scaled_matmul,
     skip_reason,
     tensor_scale,
     to_float8,
@@ -704,7 +705,10 @@ def test_convert_to_float8_and_quantize_take_and_refuse_filters_alike():
 
 def test_cpu_scaled_mm_gives_the_emulated_values():
     """Why the CPU path emulates: torch's CPU `_scaled_mm` computes the same dequantized
-    float32 product (bit-identical here; within a float32 ulp at odd shapes)."""
+    float32 product. Its kernel (AMX, AVX2, ...) sums in an order of its own, so each
+    element is the emulation's up to float32 rounding of the sum: at most one rounding per
+    addition, of the sum of the products' magnitudes. Where every partial sum is exact (small
+    integer codes, power-of-2 scales) both are bit-identical on every CPU."""
     torch.manual_seed(0)
     x, w = torch.randn(64, 32), torch.randn(48, 32)
     sx, sw = tensor_scale(x, E4M3), tensor_scale(w, E4M3)
@@ -712,4 +716,13 @@ def test_cpu_scaled_mm_gives_the_emulated_values():
     real = torch._scaled_mm(x8, w8.t(), sx.reciprocal(), sw.reciprocal(), out_dtype=torch.float32)
     emulated = Float8Linear.from_float(nn.Linear(32, 48, bias=False))
     emulated.weight.data = w
-    assert torch.equal(real, emulated(x).detach())
+    magnitudes = (x8.float() / sx).abs() @ (w8.float() / sw).abs().t()
+    bound = x.shape[1] * torch.finfo(torch.float32).eps * magnitudes
+    assert ((real - emulated(x).detach()).abs() <= bound).all()
+
+    # codes -16..16 (exact in e4m3), products up to 256, sums of 32 of them exact in float32
+    a8 = torch.randint(-16, 17, (64, 32)).float().to(E4M3)
+    b8 = torch.randint(-16, 17, (48, 32)).float().to(E4M3)
+    a_inv, b_inv = torch.tensor(2.0**-5), torch.tensor(2.0**3)
+    exact = torch._scaled_mm(a8, b8.t(), a_inv, b_inv, out_dtype=torch.float32)
+    assert torch.equal(exact, scaled_matmul(a8, a_inv, b8.t(), b_inv, torch.float32, emulate=True))

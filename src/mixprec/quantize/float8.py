@@ -21,8 +21,8 @@ Matmuls run through `torch._scaled_mm` on CUDA devices of compute capability 8.9
 shapes allow it (reduced and output dims multiples of 16; rowwise also needs a bfloat16
 output and an SM 8.9/9.0 GPU). Everywhere else they are emulated: dequantize to float32,
 float32 matmul, round to the output dtype. torch's CPU `_scaled_mm` computes the same thing
-(bit-identical at tile-friendly shapes, within one float32 ulp at odd ones) at the same
-speed, so the explicit form is used: plain torch ops that compile and run on any device.
+(up to float32 rounding: its kernel sums in an order of its own, which differs by CPU) at the
+same speed, so the explicit form is used: plain torch ops that compile and run on any device.
 
 The casts' abs-max and saturating cast run as compiled kernels on CUDA, in eager models too
 (`mixprec.quantize.float8_casts`; `set_compiled_casts` chooses the devices), bit-identical
