@@ -133,6 +133,10 @@ def _missing_codes(state: dict) -> None:
     del state["state"][0]["exp_avg_sq_codes"]
 
 
+def _stray_moment(state: dict) -> None:
+    state["state"][0]["max_exp_avg_sq"] = torch.zeros(64, 128)
+
+
 @pytest.mark.parametrize(
     "spoil, message",
     [
@@ -144,8 +148,11 @@ def _missing_codes(state: dict) -> None:
         (_unknown_format, r"saved state of parameter 0 \(shape \[64, 128\]\): unknown state "
          r"format 'int3'"),
         (_missing_codes, r"parameter 0 \(shape \[64, 128\]\) lacks \['exp_avg_sq_codes'\]"),
+        (_stray_moment, r"parameter 0 \(shape \[64, 128\]\) holds \['max_exp_avg_sq'\], which "
+         r"AdamW8bit's int8 states do not"),
     ],
-    ids=["short-codes", "float64-scales", "relabelled", "unknown-format", "missing-codes"],
+    ids=["short-codes", "float64-scales", "relabelled", "unknown-format", "missing-codes",
+         "stray-moment"],
 )  # fmt: skip
 def test_a_low_bit_state_of_the_wrong_layout_is_refused_and_changes_nothing(spoil, message):
     params = _params()

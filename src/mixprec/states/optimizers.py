@@ -356,9 +356,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
         every parameter's keys, shapes, lengths and dtypes): a refused state changes
         nothing. torch's loader casts floating state to the parameter's dtype; the saved
         dtypes are put back (float32 moments and scales beside 16-bit parameters)."""
-        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+        if (
+            not isinstance(state_dict, Mapping)
+            or not {"state", "param_groups"} <= set(state_dict)
+            or not isinstance(state_dict["state"], Mapping)
+        ):
             raise ValueError(
-                "an optimizer state dict holds 'state' and 'param_groups' (from "
+                "an optimizer state dict holds 'state' (a dict) and 'param_groups' (from "
                 "optimizer.state_dict())"
             )
         saved = dict(state_dict)
@@ -453,9 +457,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         extra = sorted(set(entry) - keys)
         if extra:
             raise ValueError(
-                f"the saved state of {where} holds {extra}, which a {fmt} state of "
-                f"{type(self).__name__} does not (it keeps {sorted(keys)}): it was saved by "
-                f"another optimizer or relabelled"
+                f"the saved state of {where} holds {extra}, which {type(self).__name__}'s "
+                f"{fmt} states do not (they keep {sorted(keys)}): it was saved by another "
+                f"optimizer or relabelled"
             )
         required = [k for names in moments.values() for k in names]
         if self.algorithm == "sgd":  # a buffer is made at the first step with momentum
@@ -466,7 +470,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if missing:
             raise ValueError(
                 f"the saved state of {where} lacks {missing} (it holds {sorted(entry)}): "
-                f"a {fmt} state of {type(self).__name__} needs {sorted(required)}"
+                f"{type(self).__name__}'s {fmt} state needs {sorted(required)}"
             )
         step = entry.get("step")
         if step is not None and not (
