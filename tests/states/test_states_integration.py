@@ -25,6 +25,7 @@ from mixprec.plan import BudgetError, search
 from mixprec.policy.map import explain
 from mixprec.states import LowBitAdamW, LowBitSGD, StateFormat, assign_formats, state_bytes
 from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule
+from mixprec.trainer.checkpoint import CheckpointError
 
 
 class StatesNet(TrainingModule):
@@ -287,6 +288,41 @@ def test_the_trainer_switch_trains_low_bit_states_and_resumes_them_bit_identical
         assert sa[pa].keys() == sb[pb].keys()
         for k, v in sa[pa].items():
             assert torch.equal(v, sb[pb][k]) if torch.is_tensor(v) else v == sb[pb][k], k
+
+
+def test_a_checkpoint_resumes_in_another_state_format_announced(tmp_path):
+    """int8 states resumed with optimizer_states="int4", a float32 AdamW's with "int8": the
+    moments are stored in the new format, said in a warning naming both, and the run goes
+    on; a low-bit checkpoint resumed by a torch optimizer is refused, naming the formats."""
+    first = _trainer(tmp_path / "a", 5)
+    first.fit(StatesNet(), loader())
+    int8 = first.save_checkpoint(tmp_path / "int8.ckpt")
+    plain = Trainer(
+        precision="32-true", max_steps=5, seed=3, default_root_dir=tmp_path / "b", **SILENT
+    )
+    plain.fit(StatesNet(), loader())
+    float32 = plain.save_checkpoint(tmp_path / "float32.ckpt")
+    fresh = {*LowBitAdamW(StatesNet().parameters()).param_groups[0]}
+
+    for ckpt, was, now in ((int8, "int8", "int4"), (float32, "float32", "int8")):
+        model = StatesNet(seed=9)
+        saved = torch.load(ckpt, weights_only=False)["model"]["body.1.weight"]
+        resumed = Trainer(
+            precision="32-true", optimizer_states=now, max_steps=8, seed=3,
+            default_root_dir=tmp_path / now, **SILENT,
+        )  # fmt: skip
+        with pytest.warns(UserWarning, match=rf"1 saved as {was}, resumed as {now} param"):
+            resumed.fit(model, loader(), ckpt_path=ckpt)
+        opt = resumed.optimizers[0].optimizer
+        state = opt.state[model.body[1].weight]
+        assert state["format"] == now and state["step"].item() == 8  # three steps more
+        assert not torch.equal(model.body[1].weight.detach(), saved)
+        assert {*opt.param_groups[0]} - {"initial_lr"} == fresh  # (the scheduler's key)
+        assert opt.param_groups[0]["states"] == now
+
+    back = Trainer(precision="32-true", max_steps=8, default_root_dir=tmp_path / "c", **SILENT)
+    with pytest.raises(CheckpointError, match=r"int8 \(LowBitAdamW\).*optimizer_states='int8'"):
+        back.fit(StatesNet(), loader(), ckpt_path=int8)
 
 
 def test_float16_weights_step_int8_states_through_their_float32_masters(tmp_path):

@@ -39,6 +39,7 @@ __all__ = [
     "format_groups",
     "from_model",
     "from_optimizer",
+    "low_bit_settings",
     "warn_unmatched_rules",
 ]
 
@@ -53,6 +54,7 @@ _REFUSED = {
 }
 # torch's implementation flags, dropped on conversion (they choose torch's kernels)
 _IMPLEMENTATION = ("foreach", "fused", "decoupled_weight_decay")
+_DROPPED = {*_REFUSED, *_IMPLEMENTATION}
 # unmatched rules named, with their hints, in one warning (a generated map may hold many)
 _UNMATCHED_NAMED = 5
 
@@ -228,6 +230,16 @@ def _low_bit_class(optimizer: torch.optim.Optimizer) -> type[LowBitOptimizer]:
     raise TypeError(f"from_optimizer converts torch.optim.AdamW, Adam and SGD, got {kind.__name__}")
 
 
+def low_bit_settings(group: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """A torch AdamW/Adam/SGD parameter group (live or saved) as the low-bit optimizer
+    converted from it holds it: a flag the low-bit step does not honour refused when set
+    (``amsgrad``...), torch's implementation flags dropped. ``name``: the torch class."""
+    for flag, why in _REFUSED.items():
+        if group.get(flag):
+            raise ValueError(f"{name}({flag}=True) cannot be converted: {why}")
+    return {k: v for k, v in group.items() if k not in _DROPPED}
+
+
 def from_optimizer(
     optimizer: torch.optim.Optimizer,
     states: str | StateFormat = "int8",
@@ -242,12 +254,9 @@ def from_optimizer(
     ``compile``...). A learning-rate scheduler built on the torch optimizer follows the new
     one once re-pointed (``scheduler.optimizer = converted``)."""
     cls = _low_bit_class(optimizer)
-    for flag, why in _REFUSED.items():
-        if any(g.get(flag) for g in optimizer.param_groups):
-            raise ValueError(f"{type(optimizer).__name__}({flag}=True) cannot be converted: {why}")
-    dropped = {*_REFUSED, *_IMPLEMENTATION}
-    groups = [{k: v for k, v in g.items() if k not in dropped} for g in optimizer.param_groups]
-    defaults = {k: v for k, v in optimizer.defaults.items() if k not in dropped}
+    name = type(optimizer).__name__
+    groups = [low_bit_settings(g, name) for g in optimizer.param_groups]
+    defaults = {k: v for k, v in optimizer.defaults.items() if k not in _DROPPED}
     converted = cls(groups, **{**defaults, "states": states, "formats": formats, **kwargs})
     for group in converted.param_groups:
         for p in group["params"]:

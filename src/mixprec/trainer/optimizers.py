@@ -8,6 +8,7 @@ import logging
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,11 +16,15 @@ from torch import nn
 
 from mixprec.optim import LossScaleOptimizer
 from mixprec.precision import Precision
+from mixprec.states import LowBitAdam, LowBitAdamW, LowBitOptimizer, LowBitSGD
+from mixprec.states.assign import low_bit_settings
+from mixprec.trainer.checkpoint import CheckpointError
 from mixprec.trainer.module import TrainingModule
 
 __all__ = [
     "OptimizerFactory",
     "Scheduler",
+    "across_state_formats",
     "check_closure_fit",
     "configured_optimizers",
     "needs_closure",
@@ -103,6 +108,78 @@ def scheduler_entry(config: dict[str, Any], optimizers: list[LossScaleOptimizer]
     if monitor is None and isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError("ReduceLROnPlateau needs a 'monitor' in its scheduler config")
     return Scheduler(sched, owner, interval, int(config.get("frequency", 1)), monitor)
+
+
+# the torch optimizers `optimizer_states` converts into each low-bit class (subclasses first)
+_CONVERTED_FROM = ((LowBitSGD, ("SGD",)), (LowBitAdam, ("Adam",)), (LowBitAdamW, ("AdamW", "Adam")))
+
+
+def across_state_formats(
+    state: dict[str, Any], optimizers: list[LossScaleOptimizer], path: Path
+) -> dict[str, Any]:
+    """A checkpoint's ``state`` with each optimizer's saved state in the form this run's
+    ``optimizers`` load, where ``optimizer_states`` (or a map's ``states``) changed between
+    the runs: a torch optimizer's state, saved without it, goes to the low-bit optimizer
+    this run converted it into with that one's groups (`states.low_bit_settings`, each
+    group's ``"states"``), its float32 moments stored in their formats on load; a low-bit
+    state in other formats is converted by the optimizer's load. Either is announced, naming
+    both formats: moments stored again are close to the saved ones, not them. A low-bit
+    state resumed by a torch optimizer is refused, naming the formats to resume with."""
+    if len(state["optimizers"]) != len(optimizers):
+        return state  # the resume's checks refuse it
+    saved_types = state.get("optimizer_types", [None] * len(optimizers))
+    states, types = [], []
+    for i, (opt, saved, saved_type) in enumerate(
+        zip(optimizers, state["optimizers"], saved_types, strict=True)
+    ):
+        inner, groups = opt.optimizer, saved["optimizer"]["param_groups"]
+        low_bit = "states" in groups[0] if groups else False
+        if low_bit and not isinstance(inner, LowBitOptimizer):
+            was = sorted({g["states"] for g in groups})
+            raise CheckpointError(
+                f"{path} holds optimizer {i}'s states in {', '.join(was)} ({saved_type}); this "
+                f"run's {type(inner).__name__} keeps float32 ones: resume with "
+                f"optimizer_states={was[0]!r}, as the checkpoint was trained"
+            )
+        if not low_bit and isinstance(inner, LowBitOptimizer):
+            torch_names = next(names for cls, names in _CONVERTED_FROM if isinstance(inner, cls))
+            if saved_type in torch_names:
+                try:
+                    groups = [
+                        {**low_bit_settings(g, saved_type), "states": ours["states"]}
+                        for g, ours in zip(groups, inner.param_groups, strict=True)
+                    ]
+                except ValueError as error:
+                    raise CheckpointError(f"{path}, optimizer {i}: {error}") from None
+                saved = {**saved, "optimizer": {**saved["optimizer"], "param_groups": groups}}
+                saved_type = type(inner).__name__
+        if isinstance(inner, LowBitOptimizer):
+            _announce_formats(saved["optimizer"], inner, f"{path}: optimizer {i}")
+        states.append(saved)
+        types.append(saved_type)
+    return {**state, "optimizers": states, "optimizer_types": types}
+
+
+def _announce_formats(saved: dict[str, Any], inner: LowBitOptimizer, where: str) -> None:
+    """Warn when parameters saved in one state format resume in another."""
+    index = [k for g in saved["param_groups"] for k in g["params"]]
+    mine = [(p, g) for g in inner.param_groups for p in g["params"]]
+    changed: dict[tuple[str, str], int] = {}
+    for key, (p, group) in zip(index, mine, strict=False):
+        entry = saved["state"].get(key)
+        if entry:
+            pair = (str(entry.get("format", "float32")), str(inner.format_of(p, group)))
+            if pair[0] != pair[1]:
+                changed[pair] = changed.get(pair, 0) + 1
+    if changed:
+        said = "; ".join(f"{n} saved as {a}, resumed as {b}" for (a, b), n in changed.items())
+        warnings.warn(
+            f"{where}'s states change format ({said} parameter(s)): optimizer_states or the "
+            f"map's states rules differ from the saved run's, so those moments are decoded and "
+            f"stored again, close to the saved ones but not them; the run does not continue "
+            f"bit for bit",
+            stacklevel=2,
+        )
 
 
 def repoint_converted(configs: list[dict[str, Any]], precision: Precision) -> None:

@@ -21,6 +21,7 @@ from mixprec.trainer.callbacks import callback_states, load_callback_states
 from mixprec.trainer.checkpoint import FORMAT, FORMAT_VERSION, CheckpointError, rng_states
 from mixprec.trainer.data import describe_order, generators, loader_batch_size, order_of
 from mixprec.trainer.loop import FitRun, Run
+from mixprec.trainer.optimizers import across_state_formats
 from mixprec.version import __version__
 
 __all__ = [
@@ -241,6 +242,7 @@ def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
     """Put ``run`` and its progress back where the checkpoint ``state`` left them."""
     # everything is checked before anything is loaded: a failed resume leaves the model as it was
     check_weights(run.model, state, path)
+    state = across_state_formats(state, run.optimizers, path)
     _check_optimizers(run, state, path)
     loop = state["loop"]
     world = run.strategy.world_size
