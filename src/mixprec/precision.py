@@ -341,8 +341,9 @@ class Precision:
 
     def converted(self, optimizer: torch.optim.Optimizer) -> LowBitOptimizer | None:
         """The low-bit optimizer ``setup`` converted ``optimizer`` into (``optimizer_states``
-        or the map's ``states``), None when it converted none: a scheduler built on
-        ``optimizer`` must drive this one instead."""
+        or the map's ``states``), None when it converted none. A scheduler built on
+        ``optimizer`` drives this one's groups already (``setup`` gave them to
+        ``optimizer``); one re-pointed here (``scheduler.optimizer = ...``) names it too."""
         return next((new for old, new in self._converted if old is optimizer), None)
 
     def _wrap(
