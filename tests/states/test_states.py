@@ -151,7 +151,8 @@ def _blockwise_max(x: torch.Tensor, block: int) -> torch.Tensor:
     [
         # half the widest gap of the map, as a fraction of the block's largest magnitude
         ("int8", True, 0.9 / 128),
-        ("int8", False, 0.9 / 256),
+        # (the second moment's root: (r + d)^2 - r^2 <= 2d + d^2 of the largest)
+        ("int8", False, 2 * 0.9 / 256 + (0.9 / 256) ** 2),
         ("int4", True, 0.9 / 8),
         ("int4", False, 1 / 16),  # no zero: below 1/16 rounds up to it
     ],

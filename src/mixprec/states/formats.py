@@ -10,7 +10,14 @@ one code per element:
   the first moment), a run of zero bits giving the decade, an indicator bit, the remaining
   bits a linear fraction of the decade; the unsigned map (second moment) spends the sign
   bit on one more fraction bit. Our signed map holds -1 in place of its smallest positive
-  value, so that a block's largest magnitude is kept exactly whatever its sign.
+  value, so that a block's largest magnitude is kept exactly whatever its sign. The second
+  moment is stored as its square root, a positive root below half the map's smallest
+  positive value (3.25e-7 of the block's largest) taking that value's code, never 0's:
+  storing ``v`` itself decoded as 0 every ``v`` under 1.6e-7 of its block's largest (a
+  gradient 2,500x below the largest of its block, as one outlier input feature gives), and
+  its next step with a small gradient became ``m / eps``. The block's scale, its largest
+  root, is stored negated: a positive scale marks a block of codes of ``v`` itself, as
+  states saved before int8 kept roots hold, and decodes as it did then.
 - ``int4`` (block 128): a 4-bit index, two packed per byte. The first moment takes the
   signed dynamic map with 3 exponent bits (-1 in place of its smallest positive value);
   the second moment a linear map with no zero, 1/16 .. 16/16, as the 4-bit optimizer
@@ -24,6 +31,9 @@ one code per element:
   square root spans 2^37.6 of ``v``, and a positive root below the smallest subnormal
   (2^-9) is stored as that subnormal, so no positive ``v`` decodes to 0 (an element
   that small gets a smaller step than float32 would give it, never a larger one).
+
+In every format a positive second moment's code decodes to at least float32's smallest
+normal number: a root squared underflows to 0 in a block whose largest ``v`` is below 1e-32.
 
 The padded tail of the last block is stored, so a moment of ``n`` elements takes
 ``ceil(n / block)`` scales and ``ceil(n / block) * block`` codes (half as many bytes for
@@ -60,6 +70,9 @@ DEFAULT_BLOCKS: dict[str, int] = {"int8": 256, "int4": 128, "fp8": 256}
 FP8_MAX = 448.0
 # e4m3's smallest positive (subnormal) value: the least a positive second moment's root keeps
 _FP8_TINY = 2.0**-9
+# the least a positive second moment decodes to (float32's smallest normal number): a block
+# whose largest value is itself tiny would otherwise underflow its smallest codes to 0
+_SMALLEST_V = torch.finfo(torch.float32).tiny
 _ACCEPTED = (
     "'float32', 'int8', 'int4' or 'fp8', optionally with a block size "
     "('int8/block=128'; defaults: int8 256, int4 128, fp8 256)"
@@ -255,9 +268,10 @@ def encode(
     block, uint8 codes (int4: two per byte, the first in the low half) or float8 e4m3;
     ``signed`` and ``tables`` (`code_tables`) give the code map. An unsigned fp8 moment
     (``x >= 0``) is stored as its square root, no positive element coded as 0."""
+    roots = not signed and fmt.kind in ("fp8", "int8")
+    if roots:
+        x = x.sqrt()
     if fmt.kind == "fp8":
-        if not signed:
-            x = x.sqrt()
         scales = x.abs().amax(dim=1) / FP8_MAX
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         y = x / safe[:, None]
@@ -266,7 +280,12 @@ def encode(
         return y.to(torch.float8_e4m3fn).reshape(-1), scales
     absmax = x.abs().amax(dim=1)
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    codes = nearest_code(x / safe[:, None], fmt.kind, signed, tables).reshape(-1)
+    y = x / safe[:, None]
+    codes = nearest_code(y, fmt.kind, signed, tables)
+    if roots:  # a positive root below the smallest positive code's half takes that code
+        codes = torch.where(y > 0, codes.clamp_min(1), codes)
+        absmax = -absmax  # negated: the block's codes are of roots (see the module's docstring)
+    codes = codes.reshape(-1)
     if fmt.kind == "int4":
         pairs = codes.view(-1, 2)
         codes = pairs[:, 0] | (pairs[:, 1] << 4)
@@ -281,16 +300,28 @@ def decode(
     tables: tuple[torch.Tensor, ...],
 ) -> torch.Tensor:
     """The float32 blocks, shape (blocks, block), that ``codes`` and ``scales`` stand for;
-    ``signed`` as `encode` took it (an unsigned fp8 moment is squared back)."""
+    ``signed`` as `encode` took it. An unsigned fp8 moment is squared back, so is an
+    unsigned int8 block whose scale is negative (a block with a positive scale holds codes
+    of ``v`` itself, as states saved before int8 kept roots do); a positive unsigned code
+    decodes to at least float32's smallest normal number, never to 0."""
     if fmt.kind == "fp8":
-        root = codes.to(torch.float32).view(-1, fmt.block) * scales[:, None]
-        return root if signed else root * root
+        values = codes.to(torch.float32).view(-1, fmt.block)
     else:
         index = codes.to(torch.int32)
         if fmt.kind == "int4":
             index = torch.stack([index & 15, index >> 4], dim=-1)
         values = tables[0][index.reshape(-1, fmt.block)]
-    return values * scales[:, None]
+    if signed:
+        return values * scales[:, None]
+    magnitude = scales.abs()[:, None]
+    stored = values * magnitude
+    if fmt.kind == "fp8":
+        v = stored * stored
+    elif fmt.kind == "int8":
+        v = torch.where(scales[:, None] < 0, stored * stored, stored)
+    else:
+        v = stored
+    return torch.where((values > 0) & (magnitude > 0), v.clamp_min(_SMALLEST_V), v)
 
 
 def _blocked(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:

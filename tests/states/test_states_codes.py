@@ -1,0 +1,213 @@
+"""What the low-bit codes of a second moment may never do: decode a positive ``v`` as 0 (the
+update ``m / (sqrt(v) + eps)`` becomes ``m / eps``) or far below itself. int8 keeps ``v``'s
+square root, a positive root never coded 0; int4's map has no zero; fp8 keeps the root, the
+smallest root as e4m3's smallest subnormal; and every format decodes a positive code to at
+least float32's smallest normal number. States saved when int8 kept ``v`` itself decode as
+they did."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import mixprec
+from mixprec.states import LowBitAdamW, StateFormat, code_map, dequantize, quantize
+from mixprec.states.formats import code_tables, nearest_code
+
+CPU = torch.device("cpu")
+TINY = torch.finfo(torch.float32).tiny  # the least a positive second moment decodes to
+
+
+def _old_int8_second_moment(v: torch.Tensor, block: int = 256) -> tuple[torch.Tensor, ...]:
+    """(codes, scales) of ``v`` as int8 stored it before it kept roots: the nearest code of
+    each element over its block's largest value, a positive value below half the smallest
+    positive code coded 0."""
+    blocks = v.reshape(-1, block)
+    absmax = blocks.amax(dim=1)
+    tables = code_tables(StateFormat("int8", block), False, CPU)
+    codes = nearest_code(blocks / absmax[:, None], "int8", False, tables)
+    return codes.to(torch.uint8).reshape(-1), absmax
+
+
+def _outlier_gradient() -> torch.Tensor:
+    g = torch.full((4096,), 1e-4)
+    g[::256] = 1.0
+    return g
+
+
+# -- the issue's reproductions -----------------------------------------------------------------
+
+
+def test_int8_adamw_does_not_step_m_over_eps_on_an_element_2500x_below_its_block():
+    """One element in 256 takes gradient 1, the rest 1e-4 for 20 steps, then 0: the old
+    int8 map decoded their ``v`` (1e-8 of the block's largest) as 0, so their next steps
+    were ``m / eps`` (the weights reached 159). Now they follow torch's AdamW."""
+    grads = [
+        _outlier_gradient() if i < 20 else (_outlier_gradient() >= 1).float() for i in range(40)
+    ]
+    ours, ref = nn.Parameter(torch.zeros(4096)), nn.Parameter(torch.zeros(4096))
+    opt = mixprec.AdamW8bit([ours], lr=1e-3, weight_decay=0, compile=False)
+    torch_opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0)
+    for grad in grads:
+        ours.grad, ref.grad = grad.clone(), grad.clone()
+        opt.step()
+        torch_opt.step()
+        decoded = opt.to_float32_state_dict()["state"][0]["exp_avg_sq"]
+        assert bool((decoded[torch_opt.state[ref]["exp_avg_sq"] > 0] > 0).all())
+    moved, wanted = float(ours[1:256].detach().abs().max()), float(ref[1:256].detach().abs().max())
+    assert wanted == pytest.approx(0.0286, abs=1e-3)
+    assert moved < 0.1 and moved < 2 * wanted
+    torch.testing.assert_close(ours[::256].detach(), ref[::256].detach(), rtol=1e-5, atol=0)
+
+
+def test_int8_adamw_fits_a_teacher_with_one_outlier_input_feature_as_torch_does():
+    """A Linear(256, 64) whose first input feature is 1000x the others ("massive
+    activations"): each row's weights get gradients 1000x apart. The old int8 codes turned
+    most of their steps into ``m / eps`` (final loss in the millions); now the loss ends
+    within 1.5x of torch AdamW's."""
+
+    def final_loss(make) -> float:
+        torch.manual_seed(0)
+        teacher, student = nn.Linear(256, 64), nn.Linear(256, 64)
+        x = torch.randn(128, 256, generator=torch.Generator().manual_seed(0))
+        x[:, 0] *= 1000
+        with torch.no_grad():
+            y = teacher(x)
+        opt = make(student.parameters())
+        for _ in range(100):
+            loss = nn.functional.mse_loss(student(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return float(loss.detach())
+
+    ref = final_loss(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0))
+    ours = final_loss(lambda ps: mixprec.AdamW8bit(ps, lr=1e-2, weight_decay=0, compile=False))
+    assert ref < 0.2  # it learned: from about 2e3
+    assert ours < 1.5 * ref
+
+
+# -- every format on adversarial blocks ----------------------------------------------------------
+
+
+def _adversarial(kind: str, rows: int, block: int, seed: int) -> torch.Tensor:
+    """Second moments (rows, block) of one kind: ``"outlier"`` (one element 1e30 times the
+    rest), ``"span"`` (log-uniform over 1e-30 .. 1e30), ``"subnormal"`` (float32 subnormals,
+    the smallest among them), ``"tiny"`` (a block whose largest is 1e-36 and the rest spread
+    over the 60 decades below down to subnormals)."""
+    g = torch.Generator().manual_seed(seed)
+    exponents = torch.rand(rows, block, generator=g)
+    if kind == "outlier":
+        v = torch.full((rows, block), 1e-15) * (1 + exponents)
+        v[:, 0] = 1e15
+    elif kind == "span":
+        v = torch.pow(10.0, 60 * exponents - 30)
+    elif kind == "subnormal":
+        v = TINY * exponents
+        v[:, -1] = 2.0**-149
+    else:
+        v = torch.pow(10.0, -36 - 10 * exponents)
+        v[:, 0] = 1e-36
+    return v
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fmt=st.sampled_from(["int8", "int4", "fp8"]),
+    block=st.sampled_from([2, 64, 128, 256]),
+    kind=st.sampled_from(["outlier", "span", "subnormal", "tiny"]),
+    seed=st.integers(0, 2**16),
+)
+def test_no_positive_second_moment_decodes_as_zero_or_far_below_itself(fmt, block, kind, seed):
+    """In every low-bit format and block size: a positive ``v`` decodes positive and to at
+    least a quarter of itself (so the update ``m / sqrt(v)`` of an element whose gradient
+    stopped grows at most 2x over float32's); a zero stays zero where the map has one."""
+    fmt = StateFormat(fmt, block)
+    v = _adversarial(kind, 3, block, seed)
+    v[1, 1] = 0.0
+    back = dequantize(*quantize(v, fmt, signed=False), fmt, v.shape, signed=False)
+    positive = v > 0
+    assert bool((back[positive] > 0).all())
+    assert bool((back[positive] >= v[positive] / 4).all())
+    if fmt.kind != "int4":  # int4's map has no zero: 1/16 .. 1
+        assert float(back[1, 1]) == 0.0
+    m, eps = v.sqrt(), 1e-8
+    assert float((m / (back.sqrt() + eps)).max()) <= 2.0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_the_smallest_subnormal_beside_a_tiny_largest_value_decodes_positive(fmt):
+    """Blocks of two: float32's smallest subnormal 2^-149 beside a largest value from 1e-45
+    to 1e-20. Its root decoded and squared can round below half that subnormal (92 such
+    blocks of 5000 for int8, 10 for fp8), so a positive code decodes to at least float32's
+    smallest normal number, 1.2e-38 (a ``v`` whose root, 1e-19, is far below ``eps``)."""
+    fmt = StateFormat(fmt, 2)
+    v = torch.stack([torch.logspace(-45, -20, 5000), torch.full((5000,), 2.0**-149)], dim=1)
+    back = dequantize(*quantize(v, fmt, signed=False), fmt, v.shape, signed=False)
+    assert bool((back[:, 1] >= v[:, 1]).all())
+    assert float(back[:, 1].min()) == TINY
+
+
+def test_int8_keeps_roots_and_codes_a_positive_root_below_its_smallest_code_as_that_code():
+    """A block [1, 1e-20, 0, 0.25]: the roots [1, 1e-10, 0, 0.5]; 1e-10 is below half the
+    map's smallest positive value (3.25e-7) yet takes its code, not 0. The scale is the
+    largest root, negated: it marks codes of roots."""
+    v = torch.tensor([1.0, 1e-20, 0.0, 0.25])
+    codes, scales = quantize(v, StateFormat("int8", 4), signed=False)
+    table = code_map("int8", False)
+    assert codes.tolist()[:3] == [255, 1, 0] and float(table[int(codes[3])]) == pytest.approx(
+        0.5, 1e-2
+    )
+    assert scales.tolist() == [-1.0]
+    back = dequantize(codes, scales, StateFormat("int8", 4), (4,), signed=False)
+    assert back[:3].tolist() == [1.0, float(table[1] * table[1]), 0.0]
+    # a block of zeros: scale -0.0, decodes as zeros
+    codes, scales = quantize(torch.zeros(4), StateFormat("int8", 4), signed=False)
+    assert codes.tolist() == [0] * 4 and math.copysign(1, float(scales)) == -1
+    assert dequantize(codes, scales, "int8/block=4", (4,), signed=False).tolist() == [0.0] * 4
+
+
+# -- states saved when int8 kept v itself ----------------------------------------------------
+
+
+def test_int8_states_saved_before_roots_decode_as_they_did_and_step_on_as_roots():
+    """A block with a positive scale holds codes of ``v`` itself (how int8 states were saved
+    before): it decodes to the code's value times the scale, exactly as then; the next step
+    stores the block as roots (a negative scale), its moment tracking torch's."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(64, 96, generator=g)
+    grads = [torch.randn(64, 96, generator=g) for _ in range(4)]
+    ref = nn.Parameter(start.clone())
+    torch_opt = torch.optim.AdamW([ref], lr=1e-2)
+    for grad in grads[:3]:
+        ref.grad = grad.clone()
+        torch_opt.step()
+    ours = nn.Parameter(ref.detach().clone())
+    saved = LowBitAdamW([ours], lr=1e-2, states="int8", min_size=0, compile=False)
+    saved.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    old = saved.state_dict()
+    v = torch_opt.state[ref]["exp_avg_sq"]
+    codes, scales = _old_int8_second_moment(v)
+    old["state"][0]["exp_avg_sq_codes"], old["state"][0]["exp_avg_sq_scales"] = codes, scales
+
+    loaded = LowBitAdamW([ours], lr=1e-2, states="int8", min_size=0, compile=False)
+    loaded.load_state_dict(old)
+    decoded = loaded.to_float32_state_dict()["state"][0]["exp_avg_sq"]
+    as_then = (code_map("int8", False)[codes.long()].view(-1, 256) * scales[:, None]).view(64, 96)
+    assert torch.equal(decoded, as_then)
+    assert float((decoded - v).norm() / v.norm()) < 0.01
+
+    ours.grad, ref.grad = grads[3].clone(), grads[3].clone()
+    loaded.step()
+    torch_opt.step()
+    assert bool((loaded.state[ours]["exp_avg_sq_scales"] < 0).all())
+    stepped = loaded.to_float32_state_dict()["state"][0]["exp_avg_sq"]
+    true = torch_opt.state[ref]["exp_avg_sq"]
+    assert float((stepped - true).norm() / true.norm()) < 0.01
+    assert float((ours - ref).detach().abs().max()) < 1e-3
