@@ -1,11 +1,15 @@
 """Which layers' optimizer states a low-bit format hurts: a few float32 AdamW steps on a copy
 of the model, then each moment stored in the format and read back (`state_errors`).
 
-The measure is the core's `mixprec.states.moment_error`, ``||dequantize(quantize(m)) - m||
-/ ||m||``, of each parameter's first moment (signed) and second moment (unsigned) in the
-format `mixprec.PolicyMap.state_formats` gives it (small parameters and embedding tables
-keep float32 and are not measured). A parameter whose error exceeds ``threshold`` is named;
-`StateErrors.states_rules` is the PolicyMap ``states`` rule that keeps those in float32.
+The measure is what the update sees: the relative error of the Adam update direction ``m /
+(sqrt(v) + eps)`` computed from the moments read back, against the float32 moments'
+(`update_error`), for each parameter in the format `mixprec.PolicyMap.state_formats` gives it
+(small parameters and embedding tables keep float32 and are not measured). Each moment's own
+relative error (`mixprec.states.moment_error`) is reported beside it, but cannot be the
+measure: a second moment thousands of times below its block's largest weighs nothing in
+``||v||``, yet read back as 0 it turns its element's update into ``m / eps``. A parameter
+whose update error exceeds ``threshold`` is named; `StateErrors.states_rules` is the
+PolicyMap ``states`` rule that keeps those in float32.
 """
 
 from __future__ import annotations
@@ -22,23 +26,23 @@ from torch import Tensor, nn
 from mixprec.doctor.running import loss_of
 from mixprec.policy.map import PolicyMap, as_map
 from mixprec.precision import Precision
-from mixprec.states import moment_error, parse_state_format
+from mixprec.states import StateFormat, dequantize, moment_error, parse_state_format, quantize
 
-__all__ = ["StateError", "StateErrors", "moment_errors", "state_errors"]
+__all__ = ["StateError", "StateErrors", "moment_errors", "state_errors", "update_error"]
 
 
 @dataclass(frozen=True)
 class StateError:
-    """One parameter's moments stored in ``format``: their relative errors."""
+    """One parameter's moments stored in ``format`` and read back: the relative errors of
+    each moment and of the update direction they give, and the positive second moments
+    read back as 0."""
 
     param: str
     format: str
     first: float  # the first moment (exp_avg), signed
     second: float  # the second moment (exp_avg_sq), unsigned
-
-    @property
-    def worst(self) -> float:
-        return max(self.first, self.second)
+    update: float  # the update direction m / (sqrt(v) + eps): the measure
+    zeroed: int  # positive second moments read back as 0 (their update: m / eps)
 
 
 @dataclass
@@ -51,8 +55,9 @@ class StateErrors:
 
     @property
     def hurting(self) -> list[StateError]:
-        """The parameters whose moments the format hurts: an error above the threshold."""
-        return [r for r in self.rows if r.worst > self.threshold]
+        """The parameters whose moments the format hurts: an update error above the
+        threshold."""
+        return [r for r in self.rows if r.update > self.threshold]
 
     def states_rules(self) -> dict[str, str]:
         """A PolicyMap ``states`` mapping keeping the hurt layers' moments in float32."""
@@ -62,21 +67,78 @@ class StateErrors:
     def __str__(self) -> str:
         lines = [
             f"optimizer-state errors after {self.steps} AdamW step(s) "
-            f"(relative error of each moment stored and read back; hurt above "
-            f"{self.threshold:.0%}):"
+            f"(relative error of each moment stored and read back, and of the update "
+            f"m / (sqrt(v) + eps) they give; hurt above {self.threshold:.0%} of the update):"
         ]
         width = max((len(r.param) for r in self.rows), default=0)
         for r in self.rows:
-            mark = "  HURT" if r.worst > self.threshold else ""
+            zeroed = f"  {r.zeroed} positive v read back as 0" if r.zeroed else ""
+            mark = "  HURT" if r.update > self.threshold else ""
             lines.append(
                 f"  {r.param:<{width}}  {r.format:<6}  first {r.first:7.2%}  "
-                f"second {r.second:7.2%}{mark}"
+                f"second {r.second:7.2%}  update {r.update:7.2%}{zeroed}{mark}"
             )
         if self.hurting:
             lines.append(f"keep them in float32: PolicyMap(..., states={self.states_rules()!r})")
         else:
             lines.append("no layer's states are hurt by the format")
         return "\n".join(lines)
+
+
+def update_error(
+    first: Tensor,
+    second: Tensor,
+    first_read: Tensor,
+    second_read: Tensor,
+    *,
+    eps: float = 1e-8,
+    bias_correction2: float = 1.0,
+) -> float:
+    """Relative error ``||u_read - u|| / ||u||`` of the Adam update direction ``u = m /
+    (sqrt(v / bias_correction2) + eps)`` given by the moments read back (``first_read``,
+    ``second_read``) against the float32 moments' (``first``, ``second``);
+    ``bias_correction2`` is ``1 - beta2^step``. 0 when both updates are 0, infinite when
+    only the float32 one is."""
+    if eps <= 0 or not 0 < bias_correction2 <= 1:
+        raise ValueError(
+            f"update_error takes eps > 0 and 0 < bias_correction2 <= 1, got eps={eps!r}, "
+            f"bias_correction2={bias_correction2!r}"
+        )
+
+    def direction(m: Tensor, v: Tensor) -> Tensor:
+        m, v = m.detach().to(torch.float32), v.detach().to(torch.float32)
+        return m / ((v / bias_correction2).sqrt() + eps)
+
+    exact = direction(first, second)
+    error = torch.linalg.vector_norm(direction(first_read, second_read) - exact)
+    norm = torch.linalg.vector_norm(exact)
+    if norm == 0:
+        return 0.0 if error == 0 else float("inf")
+    return float(error / norm)
+
+
+def _read_back(x: Tensor, fmt: StateFormat, signed: bool) -> Tensor:
+    """``x`` stored in ``fmt`` and read back (float32 ``x`` as it is)."""
+    if not fmt.quantized:
+        return x
+    return dequantize(*quantize(x, fmt, signed=signed), fmt, x.shape, signed=signed)
+
+
+def _stored_error(
+    name: str, state: dict[str, Any], fmt: StateFormat, eps: float, beta2: float
+) -> StateError:
+    """The errors of the AdamW ``state`` of the parameter ``name`` stored in ``fmt``."""
+    m, v = state["exp_avg"].detach().float(), state["exp_avg_sq"].detach().float()
+    m_read, v_read = _read_back(m, fmt, True), _read_back(v, fmt, False)
+    correction = 1 - beta2 ** float(state["step"])
+    return StateError(
+        name,
+        str(fmt),
+        moment_error(m, fmt, signed=True),
+        moment_error(v, fmt, signed=False),
+        update_error(m, v, m_read, v_read, eps=eps, bias_correction2=correction),
+        int(((v > 0) & (v_read == 0)).sum()),
+    )
 
 
 def moment_errors(
@@ -87,10 +149,11 @@ def moment_errors(
     *,
     steps: int = 3,
     lr: float = 1e-3,
-) -> dict[str, dict[str, tuple[float, float]]]:
-    """Each trainable parameter's name -> format -> the relative errors of its (first,
-    second) moment stored in that format, after ``steps`` float32 AdamW steps of a copy of
-    ``model`` on ``batches`` in turn. The model is not touched."""
+) -> dict[str, dict[str, StateError]]:
+    """Each trainable parameter's name -> format -> its `StateError` in that format (the
+    relative errors of its moments and of the update they give, stored in that format),
+    after ``steps`` float32 AdamW steps of a copy of ``model`` on ``batches`` in turn. The
+    model is not touched."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if not batches:
@@ -104,17 +167,13 @@ def moment_errors(
         optimizer.zero_grad(set_to_none=True)
         loss_of(copied, precision, batches[i % len(batches)], loss_fn).backward()
         optimizer.step()
-    out: dict[str, dict[str, tuple[float, float]]] = {}
+    group = optimizer.param_groups[0]
+    eps, beta2 = group["eps"], group["betas"][1]
+    out: dict[str, dict[str, StateError]] = {}
     for name, p in copied.named_parameters():
         state = optimizer.state.get(p)
         if state:
-            out[name] = {
-                str(f): (
-                    moment_error(state["exp_avg"], f, signed=True),
-                    moment_error(state["exp_avg_sq"], f, signed=False),
-                )
-                for f in parsed
-            }
+            out[name] = {str(f): _stored_error(name, state, f, eps, beta2) for f in parsed}
     return out
 
 
@@ -130,9 +189,9 @@ def state_errors(
 ) -> StateErrors:
     """Train a float32 copy of ``model`` ``steps`` AdamW steps on ``batches`` (in turn, as
     `mixprec.diagnose` takes a batch), then measure how much storing each parameter's
-    moments in its state format changes them (see the module's docstring). ``states``: a
-    format for every parameter (``"int8"``, ``"int4"``, ``"fp8"``) or a PolicyMap with
-    ``states`` rules. The model is not touched."""
+    moments in its state format changes the update they give (see the module's docstring).
+    ``states``: a format for every parameter (``"int8"``, ``"int4"``, ``"fp8"``) or a
+    PolicyMap with ``states`` rules. The model is not touched."""
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
         raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
     if isinstance(states, PolicyMap):
@@ -146,10 +205,6 @@ def state_errors(
         model, list(batches), loss_fn, sorted({str(f) for f in assigned.values()}),
         steps=steps, lr=lr,
     )  # fmt: skip
-    rows = [
-        StateError(name, str(fmt), *errors[name][str(fmt)])
-        for name, fmt in assigned.items()
-        if name in errors
-    ]
-    rows.sort(key=lambda r: -r.worst)
+    rows = [errors[name][str(fmt)] for name, fmt in assigned.items() if name in errors]
+    rows.sort(key=lambda r: -r.update)
     return StateErrors(rows, float(threshold), steps)

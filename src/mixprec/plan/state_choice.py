@@ -1,6 +1,7 @@
 """The optimizer-state format of each searched layer under ``count="training"``: the
-cheapest of the formats offered whose moments, after a few float32 AdamW steps, store with
-a relative error under `THRESHOLD` (`mixprec.doctor.state_errors.moment_errors`, the
+cheapest of the formats offered whose moments, after a few float32 AdamW steps, stored and
+read back give an update direction ``m / (sqrt(v) + eps)`` within a relative error of
+`THRESHOLD` of the float32 moments' (`mixprec.doctor.state_errors.moment_errors`, the
 doctor's measure); float32 when none does. Embedding tables keep float32 moments, as
 `mixprec.PolicyMap.state_formats` gives them."""
 
@@ -20,7 +21,7 @@ from mixprec.states import MIN_SIZE, StateFormat, parse_state_format
 __all__ = ["STEPS", "THRESHOLD", "choose_states", "holder_formats", "with_states"]
 
 STEPS = 3  # AdamW steps before the moments are measured
-THRESHOLD = 0.1  # the largest relative moment error a chosen format may have
+THRESHOLD = 0.1  # the largest relative update error a chosen format may give
 
 
 def _state_params(model: nn.Module, unit: Unit) -> list[str]:
@@ -59,7 +60,7 @@ def choose_states(
         if not names or "Embedding" in unit.kinds:
             out.append(None)
             continue
-        fits = [f for f in offered if all(max(errors[n][str(f)]) <= THRESHOLD for n in names)]
+        fits = [f for f in offered if all(errors[n][str(f)].update <= THRESHOLD for n in names)]
         out.append(fits[0] if fits else None)
     return out
 
