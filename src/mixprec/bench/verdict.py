@@ -37,7 +37,7 @@ __all__ = [
 ]
 
 CONFIDENCE = 0.95
-# rounds are added while an interval's high / low is wider than this (about +-5%)
+# rounds are added while an interval's high / low is wider than this (high = 1.10 low)
 TARGET_WIDTH = 1.10
 # a verdict is withheld when an interval's high / low is wider than this
 MAX_WIDTH = 1.5
@@ -79,7 +79,7 @@ class Interval:
 
     @property
     def width(self) -> float:
-        """high / low: 1.10 is about +-5% around the median."""
+        """high / low, a factor of 1 or more."""
         return self.high / self.low if self.low > 0 else math.inf
 
 

@@ -48,6 +48,7 @@ from mixprec.bench.report import (
 )
 from mixprec.bench.runner import OK, OOM
 from mixprec.bench.suite import (
+    DEFAULT_TIME_BUDGET,
     PRESETS,
     BenchOptions,
     BenchReport,
@@ -57,6 +58,7 @@ from mixprec.bench.suite import (
     plan,
     run_bench,
 )
+from mixprec.bench.verdict import CONFIDENCE, TARGET_WIDTH
 from mixprec.cli.outputs import check_output_dir, new_output_dir
 from mixprec.hardware import detect, parse_device, resolve_auto
 from mixprec.version import __version__
@@ -146,9 +148,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # a flat list of op
         "--time-budget",
         type=float,
         metavar="SECONDS",
-        help="after --steps rounds, more rounds while a speedup's 95%% interval is wider than "
-        "+-5%%, until this many seconds of rounds per batch size (default 30, or 0 when "
-        "--steps is given)",
+        help=f"after --steps rounds, more rounds while a speedup's {CONFIDENCE * 100:.0f}%% interval "
+        f"is wider than {TARGET_WIDTH:.2f}x (high/low), until this many seconds of rounds per "
+        f"batch size (default {DEFAULT_TIME_BUDGET:g}, or 0 when --steps is given)",
     )
     p.add_argument(
         "--warmup", type=int, help="untimed rounds after the (untimed) memory step (default 1)"
