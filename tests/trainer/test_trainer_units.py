@@ -227,7 +227,7 @@ def test_summary_rows_leave_out_the_per_step_figures():
         {"precision": "16-mixed"},
         Stats(),
         123.4,
-        56.0,
+        "56 MiB resident (the whole process)",
         {"val_loss": 0.5, "lr": 0.1, "samples_per_sec": 3.0},
         "best.ckpt",
     )
@@ -235,7 +235,7 @@ def test_summary_rows_leave_out_the_per_step_figures():
         "precision": "16-mixed",
         "loss scale": "1024 (2 skipped steps)",
         "throughput": "123.4 samples/s",
-        "peak memory": "56 MiB",
+        "peak memory": "56 MiB resident (the whole process)",
         "val_loss": "0.5",
         "checkpoint": "best.ckpt",
     }

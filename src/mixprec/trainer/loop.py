@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from mixprec.memory import measured
 from mixprec.optim import LossScaleOptimizer, scheduler_step
 from mixprec.precision import Precision
 from mixprec.quantize.float8 import Float8Linear, sync_amax_histories
@@ -36,7 +37,7 @@ from mixprec.trainer.data import (
     to_device,
     why_empty,
 )
-from mixprec.trainer.metrics import MetricStore, StepLog
+from mixprec.trainer.metrics import MetricStore, StepLog, held_bytes, memory_readout
 from mixprec.trainer.module import MODULE_HOOKS, TrainingModule
 from mixprec.trainer.optimizers import Scheduler
 
@@ -236,6 +237,11 @@ class FitRun(Run):
 
 # -- fit ------------------------------------------------------------------------------------
 
+# the optimizer steps of a fit whose tensor memory is measured: the first allocates the
+# states and whatever a library sets up once per process (a low-bit optimizer's code tables);
+# the second is a step as every later one, and the summary's readout when the fit has it
+MEASURED_STEPS = 2
+
 
 def fit_loop(run: FitRun) -> None:
     """Epochs until a stop condition; an epoch cut by ``max_steps`` or a stop request is left
@@ -307,7 +313,10 @@ def train_epoch(run: FitRun) -> None:
         except StopIteration:
             exhausted = True
             break
-        train_batch(run, batch, batch_idx)
+        if run.log.measured_steps < MEASURED_STEPS:
+            measured_batch(run, batch, batch_idx)
+        else:
+            train_batch(run, batch, batch_idx)
         batch_idx += 1
         progress.should_stop = strategy.any(progress.should_stop)  # all ranks together
         if not run.window_batches and fit_done(run):
@@ -375,6 +384,31 @@ def train_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
     if run.val_loader is not None and val_due(run, batch_idx):
         validate_during_fit(run, run.val_loader)
     run.hook("on_train_batch_end", output, batch, batch_idx)
+
+
+def measured_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
+    """`train_batch` of a batch of the fit's first `MEASURED_STEPS` optimizer steps, its
+    tensor memory measured (`mixprec.memory`: on a CPU the profiler's allocation events,
+    which cost a second or two once per process; on CUDA the allocator's peak since the fit
+    began); each step that has run gives the summary's readout. Not measured inside a
+    profile of the user's."""
+    device = run.strategy.device
+    if device.type != "cuda" and torch.autograd._profiler_enabled():
+        train_batch(run, batch, batch_idx)
+        return
+    held = held_bytes(run.model, run.optimizers)
+    if device.type == "cuda":
+        train_batch(run, batch, batch_idx)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        _, grown = measured(device, lambda: train_batch(run, batch, batch_idx))
+        peak = held + grown
+    log = run.log
+    log.step_peak = max(log.step_peak, peak)
+    if run.progress.stepped_this_batch:
+        log.memory = memory_readout(log.step_peak, run.model, run.optimizers)
+        log.measured_steps += 1
+        log.step_peak = 0
 
 
 def micro_batch(run: FitRun, batch: Any, batch_idx: int) -> Any:

@@ -12,15 +12,23 @@ import contextlib
 import os
 import resource
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from mixprec.optim import LossScaleOptimizer
+from mixprec.states import state_bytes
 
 __all__ = [
+    "MemoryReadout",
     "MetricStore",
     "StepLog",
+    "held_bytes",
+    "memory_readout",
+    "memory_row",
     "peak_memory_mib",
     "reset_peak_memory",
     "shown_in_progress",
@@ -179,6 +187,88 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+@dataclass(frozen=True)
+class MemoryReadout:
+    """The tensor memory of a fit's optimizer step (the second: the first also allocates the
+    states and what libraries set up once), in bytes, and the parts of it a user can act on:
+    the peak of live tensors, the weights (parameters and buffers), the gradients (one per
+    trainable parameter), the optimizer states (float32 masters included) and the rest,
+    activations and temporaries."""
+
+    peak: int
+    weights: int
+    gradients: int
+    optimizer_states: int
+
+    @property
+    def activations(self) -> int:
+        """What the peak holds beyond weights, gradients and states: activations saved for
+        the backward and the temporaries of the forward, backward and step."""
+        return max(0, self.peak - self.weights - self.gradients - self.optimizer_states)
+
+
+def _bytes(tensors: Iterable[Tensor]) -> int:
+    """Bytes of `tensors`, each storage once (tied weights, views)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+        storage = local.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _state_bytes(optimizers: Sequence[LossScaleOptimizer]) -> int:
+    return sum(
+        state_bytes(opt.optimizer) + _bytes(opt.master_params.values()) for opt in optimizers
+    )
+
+
+def held_bytes(model: nn.Module, optimizers: Sequence[LossScaleOptimizer]) -> int:
+    """The tensor bytes a training step finds alive when it starts: weights, the gradients
+    accumulated so far, the optimizer states."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return (
+        _bytes([*model.parameters(), *model.buffers()]) + _bytes(grads) + _state_bytes(optimizers)
+    )
+
+
+def memory_readout(
+    peak: int, model: nn.Module, optimizers: Sequence[LossScaleOptimizer]
+) -> MemoryReadout:
+    """`peak` (a step's, measured) with its parts as they are after that step."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return MemoryReadout(
+        peak=peak,
+        weights=_bytes([*model.parameters(), *model.buffers()]),
+        gradients=sum(p.numel() * p.element_size() for p in trainable),
+        optimizer_states=_state_bytes(optimizers),
+    )
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.2f} MiB"
+
+
+def memory_row(memory: MemoryReadout | None, device: torch.device) -> str:
+    """The summary's memory row: the peak of tensor memory at an optimizer step and its
+    parts (the bench's measure), then the process's peak, labelled: resident memory on
+    a CPU (Python, torch, libraries, data), allocated on a CUDA device over the fit."""
+    whole = peak_memory_mib(device)
+    process = (
+        f"{whole:,.0f} MiB allocated on the device over the fit"
+        if device.type == "cuda"
+        else f"{whole:,.0f} MiB resident (the whole process)"
+    )
+    if memory is None:
+        return process
+    return (
+        f"{_mib(memory.peak)} of tensors at a step (weights {_mib(memory.weights)}, "
+        f"gradients {_mib(memory.gradients)}, optimizer states "
+        f"{_mib(memory.optimizer_states)}, activations and temporaries "
+        f"{_mib(memory.activations)}); {process}"
+    )
+
+
 def peak_memory_mib(device: torch.device) -> float:
     """Peak memory of this process: allocated on a CUDA device, resident (RSS) on the CPU."""
     if device.type == "cuda":
@@ -229,6 +319,9 @@ class StepLog:
         self.fit_seconds = 0.0
         self._seconds = 0.0  # training time since the last logged step row, spans closed
         self._since: float | None = None  # when the open span of training time began
+        self.memory: MemoryReadout | None = None  # the last measured optimizer step's
+        self.measured_steps = 0  # optimizer steps of this fit measured so far
+        self.step_peak = 0  # tensor bytes at the peak so far of the step being measured
 
     def start_timing(self) -> None:
         """Training time counts from now (an epoch's start, after a validation)."""
@@ -246,6 +339,7 @@ class StepLog:
         self.latest = None
         self.samples, self.fit_samples, self.fit_seconds, self._seconds = 0, 0, 0.0, 0.0
         self._since = None
+        self.memory, self.measured_steps, self.step_peak = None, 0, 0
 
     def step_row(self, step: int, row: dict[str, Tensor | float], force: bool = False) -> None:
         """The row of training step ``step``: logged now, with the throughput since the last
@@ -353,18 +447,19 @@ def summary_rows(
     head: dict[str, str],
     scaler_stats: Any,
     throughput: float | None,
-    peak_mib: float,
+    memory: str,
     metrics: dict[str, float],
     checkpoint: str,
 ) -> dict[str, str]:
     """The one-screen account of a fit: ``head`` (precision, device, progress), then the
-    loss scale, throughput, peak memory, the last value of each metric, the best checkpoint."""
+    loss scale, throughput, peak memory (`memory_row`), the last value of each metric, the
+    best checkpoint."""
     rows = dict(head)
     if scaler_stats is not None:
         rows["loss scale"] = f"{scaler_stats.scale:g} ({scaler_stats.skipped_steps} skipped steps)"
     if throughput is not None:
         rows["throughput"] = f"{throughput:,.1f} samples/s"
-    rows["peak memory"] = f"{peak_mib:,.0f} MiB"
+    rows["peak memory"] = memory
     for name in sorted(metrics):
         if name not in _NOT_IN_SUMMARY:
             rows[name] = f"{metrics[name]:.6g}"

@@ -56,7 +56,7 @@ from mixprec.trainer.loop import (
 from mixprec.trainer.metrics import (
     MetricStore,
     StepLog,
-    peak_memory_mib,
+    memory_row,
     reset_peak_memory,
     shown_in_progress,
     summary_rows,
@@ -340,7 +340,7 @@ class Trainer:
             head,
             scaler.stats() if scaler.enabled else None,
             self._log.throughput(),
-            peak_memory_mib(self.strategy.device),
+            memory_row(self._log.memory, self.strategy.device),
             self.callback_metrics,
             cb.best_model_path if cb is not None else "",
         )

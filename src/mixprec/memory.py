@@ -1,0 +1,51 @@
+"""Tensor memory of a piece of work: the peak of its live tensor bytes, as the bench and the
+Trainer measure it.
+
+- CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, minus what was
+  allocated when the work began;
+- CPU: the peak of the running sum of the CPU allocator's allocation and free events that
+  `torch.profiler` records (`profile_memory=True`) over the work. The first profile in a
+  process starts the profiler's machinery (about a second or two).
+
+Both count what the work allocates, never the tensors alive before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["cpu_tensor_peak", "measured"]
+
+
+def cpu_tensor_peak(events: list[Any]) -> int:
+    """Peak of the running sum of CPU allocation (+) and free (-) events, in bytes."""
+    cpu = torch._C._autograd.DeviceType.CPU
+    mem = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in events
+        if e.name() == "[memory]" and e.device_type() == cpu
+    )
+    live = peak = 0
+    for _, nbytes in mem:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def measured(device: torch.device, work: Callable[[], Any]) -> tuple[Any, int]:
+    """Run `work` and return its result and the peak of the tensor bytes it allocated on
+    `device` (see the module's docstring)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = work()
+        torch.cuda.synchronize(device)
+        return out, torch.cuda.max_memory_allocated(device) - base
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+        out = work()
+    return out, cpu_tensor_peak(prof.profiler.kineto_results.events())
