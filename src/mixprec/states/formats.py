@@ -266,8 +266,9 @@ def encode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of ``x``, float32 of shape (blocks, block): one float32 scale per
     block, uint8 codes (int4: two per byte, the first in the low half) or float8 e4m3;
-    ``signed`` and ``tables`` (`code_tables`) give the code map. An unsigned fp8 moment
-    (``x >= 0``) is stored as its square root, no positive element coded as 0."""
+    ``signed`` and ``tables`` (`code_tables`) give the code map. An unsigned fp8 or int8
+    moment (``x >= 0``) is stored as its square root, no positive element coded as 0; the
+    int8 one's scales negated, marking codes of roots."""
     roots = not signed and fmt.kind in ("fp8", "int8")
     if roots:
         x = x.sqrt()
@@ -282,7 +283,7 @@ def encode(
     safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     y = x / safe[:, None]
     codes = nearest_code(y, fmt.kind, signed, tables)
-    if roots:  # a positive root below the smallest positive code's half takes that code
+    if roots:  # a positive root below half the smallest positive value takes its code
         codes = torch.where(y > 0, codes.clamp_min(1), codes)
         absmax = -absmax  # negated: the block's codes are of roots (see the module's docstring)
     codes = codes.reshape(-1)
