@@ -4,6 +4,7 @@ labelled as such; a feature that saves memory shows it there."""
 
 from __future__ import annotations
 
+import io
 import re
 
 import torch
@@ -50,3 +51,49 @@ def test_the_summary_shows_what_int8_optimizer_states_save_in_tensor_memory():
     for parts in (full, int8):
         assert parts["peak"] >= parts["weights"] + parts["gradients"] + parts["states"] - 0.02
         assert parts["resident"] > parts["peak"]
+
+
+def test_the_progress_bar_says_when_the_first_step_may_compile_a_low_bit_optimizer():
+    """A low-bit optimizer's first step compiles its update (seconds, once per process): the
+    bar says so until that batch ends, and says nothing of the kind for an optimizer that
+    does not compile."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from mixprec.states import LowBitAdamW
+    from mixprec.trainer import RichProgressBar
+    from mixprec.trainer.progress import COMPILING, compiles_first_step
+
+    params = [nn.Parameter(torch.zeros(64, 64))]
+    compiling, eager = LowBitAdamW(params, compile=True), LowBitAdamW(params, compile=False)
+    assert compiles_first_step(compiling, "cpu") and not compiles_first_step(eager, "cpu")
+    assert not compiles_first_step(LowBitAdamW(params), "cpu")  # too small to choose it
+    assert not compiles_first_step(torch.optim.AdamW(params), "cpu")
+
+    def shown(optimizer: torch.optim.Optimizer) -> tuple[str, str]:
+        out = io.StringIO()
+        console = Console(file=out, force_terminal=True, width=200, color_system=None)
+        bar = RichProgressBar(console=console, refresh_seconds=0.0)
+        trainer = SimpleNamespace(
+            is_global_zero=True,
+            max_epochs=1,
+            current_epoch=0,
+            num_training_batches=2,
+            batches_done=0,
+            strategy=SimpleNamespace(device=torch.device("cpu")),
+            optimizers=[SimpleNamespace(optimizer=optimizer)],
+            progress_metrics=lambda: {"loss": 1.0},
+        )
+        bar.on_fit_start(trainer, None)
+        bar.on_train_epoch_start(trainer, None)
+        before = out.getvalue()
+        bar.on_train_batch_end(trainer, None, None, None, 0)
+        bar._progress.refresh()
+        after = out.getvalue()[len(before) :]
+        bar._stop()
+        return before, after
+
+    before, after = shown(compiling)
+    assert COMPILING in before and COMPILING not in after and "loss 1" in after
+    assert COMPILING not in "".join(shown(eager))

@@ -24,6 +24,9 @@ from rich.progress import (
 from rich.table import Table
 from torch import nn
 
+from mixprec.states import LowBitOptimizer
+from mixprec.states.kernels import can_compile
+from mixprec.states.optimizers import COMPILE_MIN_ELEMENTS
 from mixprec.trainer.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -44,6 +47,22 @@ def format_metrics(metrics: dict[str, float]) -> str:
             parts.append(f"{name} {value:.4g}")
     return " · ".join(parts)
 
+
+def compiles_first_step(optimizer: Any, device: str) -> bool:
+    """Whether `optimizer` (a torch optimizer) may compile its update on its first step: a
+    low-bit optimizer with ``compile=True``, or ``compile=None`` (the default) where
+    torch.compile works and a parameter is large enough for it to choose compiling. That
+    takes seconds, once per process, in a step that otherwise takes milliseconds."""
+    if not isinstance(optimizer, LowBitOptimizer) or optimizer.compile is False:
+        return False
+    if optimizer.compile:
+        return True
+    sizes = (p.numel() for group in optimizer.param_groups for p in group["params"])
+    return can_compile(device) and any(n >= COMPILE_MIN_ELEMENTS for n in sizes)
+
+
+# what the bar says while the first step may compile a low-bit optimizer's update
+COMPILING = "first step: the low-bit optimizer may be compiling its update (torch.compile, once)"
 
 _BAR = 30
 # width of everything but the metrics: description, bar, count, elapsed, eta, separators
@@ -68,6 +87,7 @@ class RichProgressBar(Callback):
         self._train: TaskID | None = None
         self._eval: TaskID | None = None
         self._last_refresh = 0.0
+        self._stepped = False  # whether this fit's first training batch has ended
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_progress": None, "_train": None, "_eval": None}
@@ -113,6 +133,7 @@ class RichProgressBar(Callback):
         self._progress = self._train = self._eval = None
 
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
+        self._stepped = False
         self._start(trainer)
 
     def on_train_epoch_start(self, trainer: Trainer, model: nn.Module) -> None:
@@ -125,6 +146,11 @@ class RichProgressBar(Callback):
             completed=trainer.batches_done,
             metrics="",
         )
+        device = trainer.strategy.device.type
+        if not self._stepped and any(
+            compiles_first_step(opt.optimizer, device) for opt in trainer.optimizers
+        ):
+            self._progress.update(self._train, metrics=COMPILING, refresh=True)
 
     def on_train_batch_end(
         self, trainer: Trainer, model: nn.Module, outputs: Any, batch: Any, batch_idx: int
@@ -133,7 +159,8 @@ class RichProgressBar(Callback):
             return
         now = time.monotonic()
         fields = {}
-        if now - self._last_refresh >= self.refresh_seconds:
+        if not self._stepped or now - self._last_refresh >= self.refresh_seconds:
+            self._stepped = True
             self._last_refresh = now
             fields["metrics"] = self._metrics_text(trainer)
         self._progress.update(self._train, completed=batch_idx + 1, **fields)
