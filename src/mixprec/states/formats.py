@@ -12,10 +12,10 @@ one code per element:
   bit on one more fraction bit. Our signed map holds -1 in place of its smallest positive
   value, so that a block's largest magnitude is kept exactly whatever its sign. The second
   moment is stored as its square root, a positive root below half the map's smallest
-  positive value (3.25e-7 of the block's largest) taking that value's code, never 0's:
-  storing ``v`` itself decoded as 0 every ``v`` under 1.6e-7 of its block's largest (a
-  gradient 2,500x below the largest of its block, as one outlier input feature gives), and
-  its next step with a small gradient became ``m / eps``. The block's scale, its largest
+  positive value (3.25e-7 of the block's largest) taking that value's code, never 0's: a
+  ``v`` stored as itself would decode as 0 under 1.6e-7 of its block's largest (a gradient
+  a few thousand times below the largest of its block, as one outlier input feature gives),
+  and its next step with a small gradient would be ``m / eps``. The block's scale, its largest
   root, is stored negated: a positive scale marks a block of codes of ``v`` itself, as
   states saved before int8 kept roots hold, and decodes as it did then.
 - ``int4`` (block 128): a 4-bit index, two packed per byte. The first moment takes the
