@@ -133,6 +133,19 @@ def test_a_noisy_stream_gets_the_quiet_streams_verdict_after_more_rounds():
         assert "as fast as float32" in sentence and "paired rounds" in sentence
 
 
+def test_a_verdict_taken_with_several_threads_on_busy_cores_says_threads_1_measures_it():
+    """Paired rounds cancel load that slows both steps alike, not threads waiting for each
+    other at every op on cores other work holds, which weighs more on the shorter step."""
+    times = Machine(quiet).rounds(POLICY).times
+    busy = _report(times, threads=2, load=9.0)
+    sentence = conclusion(busy, summarize(busy))
+    assert sentence.startswith("On this machine bf16-mixed trains the cnn model 4.")
+    assert "Measured with 2 threads on cores other work was using (1-minute load 9.0" in sentence
+    assert sentence.endswith("--threads 1 measures what bf16-mixed itself buys.")
+    for report in (_report(times, threads=1, load=9.0), _report(times, threads=2, load=0.0)):
+        assert "Measured with" not in conclusion(report, summarize(report))
+
+
 def test_a_swamped_stream_is_too_noisy_to_conclude_and_says_why():
     rounds = Machine(swamped, seed=2).rounds(RoundPolicy(min_rounds=10, budget_s=5.0))
     assert rounds.stop == BUDGET

@@ -532,7 +532,17 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         than = "about what it pays here"
     else:
         than = "so here it pays less than there: train in float32 unless memory is what you need"
-    return f"On this machine {label} {buys} (batch {batches}; {certainty}); {seed}, {than}."
+    sentence = f"On this machine {label} {buys} (batch {batches}; {certainty}); {seed}, {than}."
+    threads = meta.get("threads") or 1
+    load = _other_load(meta)
+    if threads > 1 and _is_busy(load, threads, meta.get("device_type", "")):
+        sentence += (
+            f" Measured with {threads} threads on cores other work was using (1-minute load "
+            f"{load:.1f} on {os.cpu_count() or 1} cores): threads then wait for each other at "
+            "every op, which may cost the shorter low-precision step more, so this ratio can "
+            f"be lower than free cores give; --threads 1 measures what {label} itself buys."
+        )
+    return sentence
 
 
 def to_json(report: BenchReport, summaries: list[Summary]) -> dict[str, Any]:
