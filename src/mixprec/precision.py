@@ -302,6 +302,8 @@ class Precision:
                     f"the format once (a torch AdamW, Adam or SGD is converted into {default!r}; "
                     f"a low-bit optimizer is taken as it is without optimizer_states)"
                 )
+            if isinstance(inner, LowBitOptimizer):
+                self._check_kept_formats(inner, model, default or kept)
             return optimizer
         known = self.converted(optimizer)
         if known is not None:
@@ -338,6 +340,27 @@ class Precision:
         _hand_over(optimizer, converted)
         self._converted.append((optimizer, converted))
         return converted
+
+    def _check_kept_formats(self, inner: LowBitOptimizer, model: nn.Module, default: str) -> None:
+        """A low-bit optimizer is taken as it is: refuse it when the map's per-module state
+        rules give some of its parameters another kind of format than it keeps for them."""
+        if not isinstance(self.policy.states, dict):
+            return
+        named = dict(model.named_parameters())
+        group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
+        differ = []
+        for name, (fmt, _) in self.policy.state_formats(model, default).items():
+            group = group_of.get(id(named[name]))
+            kept = inner.format_of(named[name], group) if group is not None else None
+            if kept is not None and kept.kind != fmt.kind:
+                differ.append(f"{name} keeps {kept.kind} where the map says {fmt.kind}")
+        if differ:
+            raise ValueError(
+                f"the {type(inner).__name__} given is taken as it is, but the policy map's "
+                f"state rules say otherwise: {'; '.join(differ)}. Give a torch AdamW, Adam or "
+                "SGD to have it converted per the map, or build the low-bit optimizer with "
+                "mixprec.states.from_model(model, rules=...) (its rules match parameter names)"
+            )
 
     def converted(self, optimizer: torch.optim.Optimizer) -> LowBitOptimizer | None:
         """The low-bit optimizer ``setup`` converted ``optimizer`` into (``optimizer_states``

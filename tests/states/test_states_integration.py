@@ -161,6 +161,20 @@ def test_a_low_bit_optimizer_of_another_format_is_refused_as_a_maps_is() -> None
     assert Precision("32-true", optimizer_states="int8").setup(model, opt)[1].optimizer is opt
 
 
+def test_a_low_bit_optimizer_the_maps_state_rules_disagree_with_is_refused() -> None:
+    """Per-module rules cannot reach a low-bit optimizer taken as it is: where they give a
+    parameter another format than it keeps, setup says which, instead of ignoring them."""
+    from mixprec.states import AdamW8bit, from_model
+
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64))
+    pmap = PolicyMap("32-true", states={"2": "int4"})
+    with pytest.raises(ValueError, match=r"2\.weight keeps int8 where the map says int4"):
+        Precision(pmap).setup(model, AdamW8bit(model.parameters()))
+    # built by the same rules, it agrees and is taken as it is
+    agreed = from_model(model, states="int8", rules={r"2\..*": "int4"})  # parameter names
+    assert Precision(pmap).setup(model, agreed)[1].optimizer is agreed
+
+
 @pytest.mark.parametrize(
     ("spec", "masters"), [("16-true", None), ("bf16-true", True)], ids=["16-true", "bf16-masters"]
 )
