@@ -142,7 +142,9 @@ def test_a_verdict_taken_with_several_threads_on_busy_cores_says_threads_1_measu
     assert sentence.startswith("On this machine bf16-mixed trains the cnn model 4.")
     assert "Measured with 2 threads on cores other work was using (1-minute load 9.0" in sentence
     assert sentence.endswith("--threads 1 measures what bf16-mixed itself buys.")
-    for report in (_report(times, threads=1, load=9.0), _report(times, threads=2, load=0.0)):
+    ended = _report(times, threads=2, load=9.0)  # other work ended as the run began:
+    ended.metadata["load_average_after"] = [2.4, 5.0, 5.0]  # the run's own 2 threads, and 0.4
+    for report in (_report(times, threads=1, load=9.0), _report(times, threads=2), ended):
         assert "Measured with" not in conclusion(report, summarize(report))
 
 

@@ -277,13 +277,14 @@ def max_batch_lines(report: BenchReport) -> list[str]:
 
 
 def _other_load(meta: dict[str, Any]) -> float | None:
-    """The 1-minute load of other work: the larger of the load before the run and the load
-    after it less the run's own threads."""
+    """The 1-minute load of other work through the run: the smaller of the load before it
+    and the load after it less the run's own threads (the load before alone may be the tail
+    of work that just ended)."""
     before, after = meta.get("load_average_before"), meta.get("load_average_after")
     loads = [before[0]] if before else []
     if after:
         loads.append(after[0] - (meta.get("threads") or 1))
-    return max(loads) if loads else None
+    return min(loads) if loads else None
 
 
 def _is_busy(load: float | None, threads: int, device_type: str) -> bool:
