@@ -1,14 +1,18 @@
 """Low-bit optimizer states: state bytes and optimizer-step time against torch's AdamW.
 
-A ~4.2M-parameter MLP (three 1024x1024 Linear layers and a 1024x1000 head) gets gradients
-once; then torch's ``AdamW(foreach=True)`` and mixprec's ``LowBitAdamW`` in each state
-format (compiled, ``compile=True``) take turns stepping, after two warm-up steps that
-include the first call's build. Each step is timed in CPU time of the stepping thread on
-one thread (``torch.set_num_threads(1)``), which waiting on a busy host does not inflate;
-the table gives the fastest and the median of ``--steps`` steps and the state bytes
-(`mixprec.states.state_bytes`, scales included) against torch's.
+Two MLPs get gradients once: ``small`` (64-256-256-32, three weights quantized, the biases
+float32 as ``min_size`` keeps them) and ``large`` (~4.2M parameters: three 1024x1024
+Linear layers and a 1024x1000 head). Then torch's ``AdamW(foreach=True)`` and mixprec's
+optimizers at their defaults (``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``, and
+``LowBitAdamW(states="float32")``; ``compile=None``, so each decides whether to compile)
+take turns stepping, after warm-up steps that include the first call's build. Each step is
+timed in CPU time of the stepping thread on one thread (``torch.set_num_threads(1)``),
+which waiting on a busy host does not inflate; the table gives the fastest, the lower
+quartile and the median of ``--steps`` steps, the median against torch's, and the state
+bytes (`mixprec.states.state_bytes`, scales included) against torch's.
 
-    python benchmarks/states_step.py [--steps 15] [--formats float32 int8 int4 fp8]
+    python benchmarks/states_step.py [--models small large] [--steps 41]
+        [--compile {none,true,false}]
 """
 
 from __future__ import annotations
@@ -20,38 +24,42 @@ import time
 import torch
 from torch import nn
 
-from mixprec.states import LowBitAdamW, state_bytes
+from mixprec.states import AdamW4bit, AdamW8bit, AdamWFp8, LowBitAdamW, state_bytes
+
+_OPTIMIZERS = {
+    "AdamW8bit": AdamW8bit,
+    "AdamW4bit": AdamW4bit,
+    "AdamWFp8": AdamWFp8,
+    "LowBitAdamW('float32')": lambda params, **kw: LowBitAdamW(params, states="float32", **kw),
+}
 
 
-def _model() -> nn.Module:
+def _model(name: str) -> nn.Module:
     torch.manual_seed(0)
+    if name == "small":
+        return nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 256), nn.Linear(256, 32))
     return nn.Sequential(
         nn.Linear(1024, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 1000)
     )
 
 
-def _optimizer(kind: str) -> torch.optim.Optimizer:
-    model = _model()
+def _optimizer(model_name: str, kind: str, compile: bool | None) -> torch.optim.Optimizer:
+    model = _model(model_name)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     if kind == "torch":
         return torch.optim.AdamW(model.parameters(), foreach=True)
-    return LowBitAdamW(model.parameters(), states=kind, compile=True)
+    return _OPTIMIZERS[kind](model.parameters(), compile=compile)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--formats", nargs="+", default=["float32", "int8", "int4", "fp8"])
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    kinds = ["torch", *args.formats]
-    optimizers = {k: _optimizer(k) for k in kinds}
+def _table(model_name: str, steps: int, compile: bool | None) -> list[str]:
+    kinds = ["torch", *_OPTIMIZERS]
+    optimizers = {k: _optimizer(model_name, k, compile) for k in kinds}
     for opt in optimizers.values():
-        opt.step()
-        opt.step()
+        for _ in range(3):
+            opt.step()
     times: dict[str, list[float]] = {k: [] for k in kinds}
-    for _ in range(args.steps):
+    for _ in range(steps):
         for kind, opt in optimizers.items():
             start = time.thread_time()
             opt.step()
@@ -59,17 +67,35 @@ def main() -> None:
     params = sum(p.numel() for g in optimizers["torch"].param_groups for p in g["params"])
     base_time = statistics.median(times["torch"])
     base_bytes = state_bytes(optimizers["torch"])
-    print(f"{params} parameters, {args.steps} steps, one thread, CPU time of the step\n")
-    print("| optimizer | fastest ms | median ms | x torch | state bytes | x torch |")
-    print("|---|---|---|---|---|---|")
+    lines = [
+        f"{model_name}: {params} parameters, {steps} steps, one thread, CPU time of the step",
+        "",
+        "| optimizer | fastest ms | lower quartile ms | median ms | x torch | state bytes"
+        " | x torch |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for kind, opt in optimizers.items():
-        name = "torch AdamW(foreach=True)" if kind == "torch" else f"LowBitAdamW({kind!r})"
+        name = "torch AdamW(foreach=True)" if kind == "torch" else kind
         median = statistics.median(times[kind])
+        quartile = statistics.quantiles(times[kind], n=4)[0]
         size = state_bytes(opt)
-        print(
-            f"| {name} | {1000 * min(times[kind]):.1f} | {1000 * median:.1f} | "
-            f"{median / base_time:.2f} | {size} | {size / base_bytes:.3f} |"
+        lines.append(
+            f"| {name} | {1000 * min(times[kind]):.2f} | {1000 * quartile:.2f} | "
+            f"{1000 * median:.2f} | {median / base_time:.2f} | {size} | {size / base_bytes:.3f} |"
         )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["small", "large"])
+    parser.add_argument("--steps", type=int, default=41)
+    parser.add_argument("--compile", choices=["none", "true", "false"], default="none")
+    args = parser.parse_args()
+    compile = {"none": None, "true": True, "false": False}[args.compile]
+    torch.set_num_threads(1)
+    for name in args.models:
+        print("\n".join(_table(name, args.steps, compile)), end="\n\n")
 
 
 if __name__ == "__main__":

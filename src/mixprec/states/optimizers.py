@@ -22,6 +22,7 @@ shard's), so that `torch.distributed.checkpoint` saves and loads each rank's par
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 
 from mixprec.compensated import COMPENSATED_DTYPES, check_compensation, stochastic_round_
+from mixprec.states import buckets as buckets_
 from mixprec.states import kernels
 from mixprec.states.formats import (
     DEFAULT_BLOCKS,
@@ -99,6 +101,29 @@ def _fitted(fmt: StateFormat, p: torch.Tensor) -> StateFormat:
     default = DEFAULT_BLOCKS[fmt.kind]
     most = max(-(-_elements(p) // default), 1) * default
     return fmt if fmt.block <= most else StateFormat(fmt.kind, most)  # type: ignore[operator]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as bytes when it holds float8 codes (which concatenation and
+    ``_foreach_copy_`` may not take), else ``t``."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@dataclasses.dataclass
+class _Planned:
+    """One parameter's update this step: its state, its format, its moments' flat views
+    (codes and scales, or a float32 moment and None), the code tables, the hyperparameters
+    (a float32 tensor for the kernel, the same as floats for ``_foreach`` ops) and the
+    algorithm's flags."""
+
+    p: torch.Tensor
+    state: dict[str, Any]
+    fmt: StateFormat
+    moments: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+    tables: tuple[torch.Tensor, ...]
+    hp: torch.Tensor
+    values: tuple[float, ...]
+    statics: tuple
 
 
 def _describe(value: Any) -> str:
@@ -216,43 +241,68 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if not work:
             return loss
         total = sum(_local(p).numel() for _, p in work)
-        scalars: dict[tuple, torch.Tensor] = {}
+        scalars: dict[tuple, tuple[torch.Tensor, tuple[float, ...]]] = {}
+        buckets: dict[tuple, list[_Planned]] = {}
         for group, p in work:
-            self._step_param(p, group, total, scalars)
+            planned = self._plan(p, group, scalars)
+            real = _real(p)
+            if real.numel() == 0:
+                continue
+            compensation = self.compensation if p.dtype in COMPENSATED_DTYPES else None
+            if real.numel() > buckets_.FLAT_MAX or not real.is_contiguous() or _local(p) is not p:
+                self._run(planned, total)
+                continue
+            grad = _real(p.grad)
+            way = (
+                "foreach"
+                if not planned.fmt.quantized
+                and real.dtype == torch.float32
+                and grad.dtype == torch.float32
+                else "flat"
+            )
+            key = (way, planned.fmt, real.dtype, real.device, compensation, id(planned.hp))
+            buckets.setdefault(key + planned.statics, []).append(planned)
+        for key, bucket in buckets.items():
+            if key[0] == "foreach":
+                self._run_foreach(bucket)
+            else:
+                self._run_flat(bucket, key[4], total)
         return loss
 
-    def _step_param(
-        self, p: torch.Tensor, group: dict[str, Any], total: int, scalars: dict
-    ) -> None:
-        """Update ``p`` (each algorithm's own); ``total``: the elements this step updates,
-        ``scalars``: the hyperparameter tensors made so far this step, shared by equal
-        groups and steps."""
-        raise NotImplementedError(f"{type(self).__name__} defines no update")
-
-    def _run(
+    def _plan(
         self,
         p: torch.Tensor,
-        state: dict[str, Any],
+        group: dict[str, Any],
+        scalars: dict[tuple, tuple[torch.Tensor, tuple[float, ...]]],
+    ) -> _Planned:
+        """``p``'s state prepared and counted one step on, and what its update reads (each
+        algorithm's own); ``scalars``: the hyperparameters made so far this step (a tensor
+        and its floats), shared by equal groups and steps."""
+        raise NotImplementedError(f"{type(self).__name__} defines no update")
+
+    def _hyperparameters(
+        self, scalars: dict, key: tuple, values: list[float], device: torch.device
+    ) -> tuple[torch.Tensor, tuple[float, ...]]:
+        if key not in scalars:
+            tensor = torch.tensor(values, dtype=torch.float32, device=device)
+            scalars[key] = (tensor, tuple(values))
+        return scalars[key]
+
+    def _update(
+        self,
+        flat: torch.Tensor,
+        grad: torch.Tensor,
         moments: list[tuple[torch.Tensor | None, torch.Tensor | None]],
-        tables: tuple[torch.Tensor, ...],
-        hp: torch.Tensor,
-        statics: tuple,
-        total: int,
-    ) -> None:
-        """Update ``p`` from its flat views: the whole blocks in calls of at most ``CHUNK``
-        elements, the last partial block (if any) from zero-padded copies; then the
-        stochastic rounding. A complex parameter is stepped as its real pairs, as torch's
-        optimizers step it; a parameter without elements is left as it is."""
-        real = _real(p)
-        n = real.numel()
-        if n == 0:
-            return
-        fmt = parse_state_format(state["format"])
-        compensation = self.compensation if p.dtype in COMPENSATED_DTYPES else None
-        flat = real.view(-1) if real.is_contiguous() else real.contiguous().view(-1)
-        grad = _real(p.grad).reshape(-1)
-        buf = state.get("compensation") if compensation == "kahan" else None
-        buf = None if buf is None else _local(buf).view(-1)
+        buf: torch.Tensor | None,
+        planned: _Planned,
+        compensation: str | None,
+        compiled: bool,
+    ) -> torch.Tensor | None:
+        """Update the flat ``flat`` (its moments, its Kahan buffer ``buf``) in place: the
+        whole blocks in calls of at most ``CHUNK`` elements, the last partial block (if
+        any) from zero-padded copies. Returns the float32 result, of ``flat``'s length, for
+        stochastic rounding (else None)."""
+        fmt, n = planned.fmt, flat.numel()
         cut = n - n % fmt.block if fmt.quantized else n  # type: ignore[operator]
         codes = fmt.code_bytes(cut)
         pieces = []
@@ -289,11 +339,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 tail_buf = buf.new_zeros(size)
                 tail_buf[: n - cut] = buf[cut:]
             pieces.append((pad[0], pad[1], states, tail_buf))
-        compiled = self._compiles(real.device, total)
         results = []
         for piece_p, piece_g, states, piece_buf in pieces:
-            args = (piece_p, piece_g, *(t for pair in states for t in pair), tables, piece_buf)
-            args += (hp, fmt.kind, fmt.block, *statics, compensation)
+            args = (piece_p, piece_g, *(t for pair in states for t in pair))
+            args += (planned.tables, piece_buf, planned.hp, fmt.kind, fmt.block)
+            args += (*planned.statics, compensation)
             result, ran = self._compiled(args) if compiled else (None, False)
             if not ran:
                 result, _ = kernels.eager(self.algorithm)(*args)
@@ -302,14 +352,87 @@ class LowBitOptimizer(torch.optim.Optimizer):
             flat[cut:] = pieces[-1][0][: n - cut]
             if buf is not None:
                 buf[cut:] = pieces[-1][3][: n - cut]  # type: ignore[index]
-        if compensation == "stochastic":
-            # (the last block's result is padded: cut to the parameter's elements)
-            value = (torch.cat(results) if len(results) > 1 else results[0])[:n]
-            if self._generator is None or self._generator.device != real.device:
-                self._generator = torch.Generator(real.device).manual_seed(self.seed)
-            stochastic_round_(flat, value, self._generator)
+        if compensation != "stochastic":
+            return None
+        # (the last block's result is padded: cut to the parameter's elements)
+        return (torch.cat(results) if len(results) > 1 else results[0])[:n]
+
+    def _round(self, flat: torch.Tensor, value: torch.Tensor) -> None:
+        """Round the float32 ``value`` stochastically into the 16-bit ``flat``."""
+        if self._generator is None or self._generator.device != flat.device:
+            self._generator = torch.Generator(flat.device).manual_seed(self.seed)
+        stochastic_round_(flat, value, self._generator)
+
+    def _run(self, planned: _Planned, total: int) -> None:
+        """Update one parameter from its flat views (a copy of a non-contiguous one),
+        then its stochastic rounding. A complex parameter is stepped as its real pairs, as
+        torch's optimizers step it."""
+        p = planned.p
+        real = _real(p)
+        compensation = self.compensation if p.dtype in COMPENSATED_DTYPES else None
+        flat = real.view(-1) if real.is_contiguous() else real.contiguous().view(-1)
+        grad = _real(p.grad).reshape(-1)
+        buf = planned.state.get("compensation") if compensation == "kahan" else None
+        buf = None if buf is None else _local(buf).view(-1)
+        compiled = self._compiles(real.device, total)
+        value = self._update(flat, grad, planned.moments, buf, planned, compensation, compiled)
+        if value is not None:
+            self._round(flat, value)
         if flat.data_ptr() != real.data_ptr():
             real.copy_(flat.view(real.shape))
+
+    def _run_foreach(self, bucket: list[_Planned]) -> None:
+        """Update float32 parameters with float32 moments by torch's ``_foreach`` ops."""
+        params = [_real(b.p).view(-1) for b in bucket]
+        grads = [_real(b.p.grad).reshape(-1) for b in bucket]
+        moments = [[m for m, _ in b.moments] for b in bucket]
+        first = bucket[0]
+        if self.algorithm == "adam":
+            exp_avgs, exp_avg_sqs = ([m[i] for m in moments] for i in (0, 1))
+            buckets_.foreach_adam(
+                params, grads, exp_avgs, exp_avg_sqs, first.values, *first.statics
+            )
+        else:
+            buffers = None if moments[0][0] is None else [m[0] for m in moments]
+            buckets_.foreach_sgd(params, grads, buffers, first.values, *first.statics)
+
+    def _run_flat(self, bucket: list[_Planned], compensation: str | None, total: int) -> None:
+        """Update a bucket of parameters as one flat tensor: each parameter, gradient and
+        Kahan buffer zero-padded to whole blocks and concatenated, so are the moments'
+        codes and scales (already whole blocks); one update; copied back."""
+        fmt = bucket[0].fmt
+        params = [_real(b.p).view(-1) for b in bucket]
+        pads = [-t.numel() % fmt.block if fmt.quantized else 0 for t in params]  # type: ignore[operator]
+        flat = buckets_.gather(params, pads)
+        grad = buckets_.gather([_real(b.p.grad).reshape(-1) for b in bucket], pads)
+        bufs = None
+        if compensation == "kahan":
+            bufs = [_local(b.state["compensation"]).view(-1) for b in bucket]
+        buf = None if bufs is None else buckets_.gather(bufs, pads)
+        moments: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+        stored: list[list[torch.Tensor]] = []
+        for i in range(len(bucket[0].moments)):
+            pair: list[torch.Tensor | None] = []
+            for j in (0, 1):
+                parts = [b.moments[i][j] for b in bucket]
+                if parts[0] is None:
+                    pair.append(None)
+                    continue
+                bits = [_bits(t) for t in parts]  # type: ignore[arg-type]
+                joined = buckets_.gather(bits, [0] * len(bits))
+                pair.append(joined.view(parts[0].dtype))  # type: ignore[union-attr]
+                stored.append(bits)
+            moments.append((pair[0], pair[1]))
+        compiled = self._compiles(flat.device, total)
+        value = self._update(flat, grad, moments, buf, bucket[0], compensation, compiled)
+        if value is not None:
+            self._round(flat, value)
+        buckets_.scatter(flat, params, pads)
+        if bufs is not None:
+            buckets_.scatter(buf, bufs, pads)  # type: ignore[arg-type]
+        joined_all = [_bits(t) for pair in moments for t in pair if t is not None]
+        for joined, targets in zip(joined_all, stored, strict=True):
+            buckets_.scatter(joined, targets, [0] * len(targets))
 
     def _compiles(self, device: torch.device, total: int) -> bool:
         if self._compile_failed is not None:
@@ -735,9 +858,7 @@ class LowBitAdamW(LowBitOptimizer):
             formats=formats,
         )
 
-    def _step_param(
-        self, p: torch.Tensor, group: dict[str, Any], total: int, scalars: dict
-    ) -> None:
+    def _plan(self, p: torch.Tensor, group: dict[str, Any], scalars: dict) -> _Planned:
         state = self._prepared(p, group)
         state["step"] += 1
         step = int(state["step"].item())
@@ -745,12 +866,11 @@ class LowBitAdamW(LowBitOptimizer):
         local = _local(p)
         lr = float(group["lr"])
         beta1, beta2 = group["betas"]
+        bc1 = 1 - beta1**step
+        bc2 = 1 - beta2**step
+        values = [lr, beta1, beta2, group["eps"], group["weight_decay"], lr / bc1, bc2**-0.5]
         key = (id(group), step, lr, local.device)
-        if key not in scalars:
-            bc1 = 1 - beta1**step
-            bc2 = 1 - beta2**step
-            values = [lr, beta1, beta2, group["eps"], group["weight_decay"], lr / bc1, bc2**-0.5]
-            scalars[key] = torch.tensor(values, dtype=torch.float32, device=local.device)
+        hp, floats = self._hyperparameters(scalars, key, values, local.device)
         moments: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         tables: tuple[torch.Tensor, ...] = ()
         for name, signed in _MOMENTS["adam"]:
@@ -759,7 +879,7 @@ class LowBitAdamW(LowBitOptimizer):
                 tables += code_tables(fmt, signed, local.device)
             else:
                 moments.append((_real(state[name]).view(-1), None))
-        self._run(p, state, moments, tables, scalars[key], (self.decoupled,), total)
+        return _Planned(p, state, fmt, moments, tables, hp, floats, (self.decoupled,))
 
 
 class LowBitAdam(LowBitAdamW):
@@ -824,9 +944,7 @@ class LowBitSGD(LowBitOptimizer):
             formats=formats,
         )
 
-    def _step_param(
-        self, p: torch.Tensor, group: dict[str, Any], total: int, scalars: dict
-    ) -> None:
+    def _plan(self, p: torch.Tensor, group: dict[str, Any], scalars: dict) -> _Planned:
         momentum = group["momentum"]
         state = self._prepared(p, group)
         state["step"] += 1
@@ -838,11 +956,10 @@ class LowBitSGD(LowBitOptimizer):
             state.update(_zero_moment("momentum_buffer", p, fmt))
         local = _local(p)
         lr = float(group["lr"])
+        keep, gain = (0.0, 1.0) if first else (momentum, 1 - group["dampening"])
+        values = [lr, keep, gain, group["weight_decay"], momentum]
         key = (id(group), first, lr, local.device)
-        if key not in scalars:
-            keep, gain = (0.0, 1.0) if first else (momentum, 1 - group["dampening"])
-            values = [lr, keep, gain, group["weight_decay"], momentum]
-            scalars[key] = torch.tensor(values, dtype=torch.float32, device=local.device)
+        hp, floats = self._hyperparameters(scalars, key, values, local.device)
         tables: tuple[torch.Tensor, ...] = ()
         if not momentum:
             moment: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
@@ -853,7 +970,7 @@ class LowBitSGD(LowBitOptimizer):
         else:
             moment = (_real(state["momentum_buffer"]).view(-1), None)
         nesterov = (bool(group["nesterov"]),)
-        self._run(p, state, [moment], tables, scalars[key], nesterov, total)
+        return _Planned(p, state, fmt, [moment], tables, hp, floats, nesterov)
 
 
 class AdamW8bit(LowBitAdamW):
