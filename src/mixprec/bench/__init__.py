@@ -1,10 +1,11 @@
 """`mixprec bench`: the seed blog's float32-vs-mixed experiment on the machine in hand.
 
-Each configuration (precision x batch size) runs through `mixprec.Precision`, in this
-process unless a fresh one would change its figures; mixed ones are also timed as a
-hand-written `torch.autocast` loop beside it, so the table shows mixprec's overhead over raw
-torch. `Journal` writes each row to disk as it is measured, and `load_journal` rebuilds the
-report from it.
+Each configuration (precision x batch size) runs through `mixprec.Precision`; those of a
+batch size take turns in rounds in this process (unless a fresh one would change their
+figures), so that a speedup is a median of paired ratios with its interval (`verdict`);
+mixed ones are also timed as a hand-written `torch.autocast` loop beside them, so the table
+shows mixprec's overhead over raw torch. `Journal` writes each row to disk as it is
+measured, and `load_journal` rebuilds the report from it.
 """
 
 from mixprec.bench.journal import Journal

@@ -1,6 +1,7 @@
-"""The float32-vs-mixed experiment: plan the configurations, run each (in this process
-unless a fresh one changes its figures: `runner.fresh_process_reason`), telling listeners
-as it goes, and (optionally) search the largest batch that fits per precision.
+"""The float32-vs-mixed experiment: plan the configurations, run those of each batch size
+side by side in rounds in this process (each alone in a fresh one where that changes its
+figures: `runner.fresh_process_reason`), telling listeners as it goes, and (optionally)
+search the largest batch that fits per precision.
 
 `plan` validates everything before any process starts (unknown specs, precisions the
 hardware refuses, far-slower-than-float32 ones without `allow_slow`), so a bad option fails
