@@ -61,7 +61,7 @@ def test_a_sum_of_scaled_losses_and_a_few_operations_after_the_scaling_are_seen(
 
 def test_a_loss_whose_scaled_attribute_is_any_other_truthy_object_is_not_scaled():
     """Lightning's tests hand the backward a ``Mock``, whose every attribute is a truthy
-    ``Mock``: only ``True`` set by ``scale`` marks a loss."""
+    ``Mock``: only the mark ``scale`` sets marks a loss."""
     precision, model = _set_up()
     loss = model(torch.ones(1, 2)).sum()
     loss._mixprec_scaled = mock.Mock()

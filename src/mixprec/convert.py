@@ -130,29 +130,23 @@ def _device_type(
             if kind not in ("cpu", "meta"):
                 return kind
             first = first or kind
-    for x in kwargs.values():
-        if isinstance(x, Tensor):
-            kind = x.device.type
-            if kind not in ("cpu", "meta"):
-                return kind
-            first = first or kind
-    own = _module_device_type(module, probe)
+    if kwargs:
+        for x in kwargs.values():
+            if isinstance(x, Tensor):
+                kind = x.device.type
+                if kind not in ("cpu", "meta"):
+                    return kind
+                first = first or kind
+    # the module's weights: the parameter `probe` names (its owner and key, read in one
+    # lookup every call, so that a model moved after `apply` is seen), else its first
+    # parameter or buffer
+    param = probe[0]._parameters.get(probe[1]) if probe is not None else None
+    own = param.device.type if param is not None else device_of(module).type
     return own if own not in ("cpu", "meta") else (first or own)
 
 
-def _module_device_type(module: nn.Module, probe: tuple[nn.Module, str] | None = None) -> str:
-    """The device type of `module`'s weights: of the parameter `probe` names (its owner and
-    key, read in one lookup every call, so that a model moved after `apply` is seen), else of
-    its first parameter or buffer."""
-    if probe is not None:
-        param = probe[0]._parameters.get(probe[1])
-        if param is not None:
-            return param.device.type
-    return device_of(module).type
-
-
 def _weight_probe(module: nn.Module) -> tuple[nn.Module, str] | None:
-    """Where `module`'s first parameter lives (owner module, key), for `_module_device_type`."""
+    """Where `module`'s first parameter lives (owner module, key), for `_device_type`."""
     for name, _ in module.named_parameters():
         owner, _, key = name.rpartition(".")
         return (module.get_submodule(owner) if owner else module), key
@@ -289,6 +283,9 @@ class _Region:
             except RuntimeError as err:
                 _explain_rnn_error(err, module, device_type, self.compute_dtype)
                 raise
+            if isinstance(out, Tensor):  # `cast_floating`'s first case, without its call
+                dtype = self.output_dtype
+                return out.to(dtype) if out.is_floating_point() and out.dtype != dtype else out
         else:
             args = cast_floating(args, self.compute_dtype)
             kwargs = cast_floating(kwargs, self.compute_dtype)

@@ -45,7 +45,13 @@ from mixprec.hardware import (
     parse_device,
     resolve_policy,
 )
-from mixprec.optim import LossScaleOptimizer, backward_context, joint_step
+from mixprec.optim import (
+    LossScaleOptimizer,
+    backward_context,
+    backward_dtype,
+    joint_step,
+    scale_for_backward,
+)
 from mixprec.policy import is_auto
 from mixprec.policy.map import PolicyMap, as_map
 from mixprec.scaling import LossScaler, as_loss_scaler
@@ -404,9 +410,15 @@ class Precision:
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """Backpropagate ``loss`` scaled by the current loss scale, in `backward_context`;
-        ``kwargs`` go to ``Tensor.backward``."""
-        with self.backward_context(loss) as scaled:
+        ``kwargs`` go to ``Tensor.backward``. The context's steps are taken inline (no
+        generator) since this runs every step."""
+        scaled = scale_for_backward(loss, self.scaler, self.optimizers)
+        dtype = backward_dtype(self.policy.default)
+        if dtype is None:
             scaled.backward(**kwargs)
+        else:
+            with default_dtype(dtype):
+                scaled.backward(**kwargs)
 
     def backward_context(self, loss: torch.Tensor) -> AbstractContextManager[torch.Tensor]:
         """The one context every backward under this precision runs in, yielding ``loss``
@@ -460,6 +472,12 @@ class Precision:
         An optimizer passed to ``setup`` may be given in place of its wrapper. ``closure``
         is for one LBFGS-style optimizer, without loss scaling.
         """
+        if (
+            closure is None
+            and len(optimizers) == 1
+            and isinstance(optimizers[0], LossScaleOptimizer)
+        ):  # the common call, `precision.step(optimizer)`, without the lists below
+            return optimizers[0].step()
         wrapped = [self._as_wrapper(opt) for opt in optimizers] or self.optimizers
         if not wrapped:
             raise ValueError(

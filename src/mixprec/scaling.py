@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import struct
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -104,9 +105,11 @@ def _scale_outputs(outputs: Any, scale: torch.Tensor) -> Any:
     ``scale``, keeping the container types, as torch.amp.GradScaler.scale does."""
     if isinstance(outputs, torch.Tensor):
         scaled = outputs * scale.to(outputs.device, non_blocking=True)
-        scaled._mixprec_scaled = True  # type: ignore[attr-defined]
+        mark = _Mark()
+        _live_marks.add(weakref.ref(mark, _live_marks.discard))
+        scaled._mixprec_scaled = mark  # type: ignore[attr-defined]
         if scaled.grad_fn is not None:  # marks the graph too: arithmetic on `scaled` keeps it
-            scaled.grad_fn.metadata[_SCALED_MARK] = True
+            scaled.grad_fn.metadata[_SCALED_MARK] = mark
         return scaled
     if isinstance(outputs, Mapping):
         return type(outputs)({k: _scale_outputs(v, scale) for k, v in outputs.items()})
@@ -126,6 +129,19 @@ SCALED_SEARCH_DEPTH = 4
 SCALED_SEARCH_NODES = 256
 
 
+class _Mark:
+    """What ``scale`` leaves on its product and in that product's autograd node. Only the
+    tensor and the node hold it, so it lives as long as either can be reached from a loss."""
+
+    __slots__ = ("__weakref__",)
+
+
+# weak references to the marks alive, each dropped as its mark dies: while there are none, no
+# loss can be scaled and `is_scaled` answers without walking a graph (every step of an
+# unscaled run, and a scaled run's step once the last step's scaled loss and graph are gone)
+_live_marks: set[weakref.ref[_Mark]] = set()
+
+
 def is_scaled(loss: torch.Tensor) -> bool:
     """Whether `loss` came out of a scaler's ``scale``, or was computed from such a tensor in
     at most `SCALED_SEARCH_DEPTH` autograd operations (``scaler.scale(loss) / accumulation``,
@@ -136,10 +152,11 @@ def is_scaled(loss: torch.Tensor) -> bool:
 
     ``scale`` marks its product's autograd node; the arithmetic after it makes new tensors,
     but their graph leads back to that node. Anything not a tensor is never scaled (a
-    stand-in object whose attributes are all truthy included)."""
-    if not isinstance(loss, torch.Tensor):
+    stand-in object whose attributes are all truthy included). While no mark is alive
+    nothing is walked: a step without loss scaling pays for no graph search."""
+    if not _live_marks or not isinstance(loss, torch.Tensor):
         return False
-    if getattr(loss, "_mixprec_scaled", False) is True:
+    if type(getattr(loss, "_mixprec_scaled", None)) is _Mark:
         return True
     level = [loss.grad_fn] if loss.grad_fn is not None else []
     seen: set[Any] = set()  # the nodes themselves: held, so that none is looked at twice
@@ -149,9 +166,11 @@ def is_scaled(loss: torch.Tensor) -> bool:
             if node in seen or len(seen) >= SCALED_SEARCH_NODES:
                 continue
             seen.add(node)
-            if node.metadata.get(_SCALED_MARK) is True:
+            if type(node.metadata.get(_SCALED_MARK)) is _Mark:
                 return True
-            following.extend(n for n, _ in node.next_functions if n is not None)
+            for n, _ in node.next_functions:
+                if n is not None:
+                    following.append(n)
         level = following
     return False
 

@@ -69,9 +69,11 @@ __all__ = [
     "OptState",
     "SkipAwareScheduler",
     "backward_context",
+    "backward_dtype",
     "check_sharded_masters",
     "joint_step",
     "master_weights_by_name",
+    "scale_for_backward",
     "scheduler_step",
 ]
 
@@ -524,6 +526,20 @@ def backward_context(
       and attention islands re-enter their own regions when recomputed). A mixed policy
       needs nothing: checkpointing restores the forward's autocast itself.
     """
+    scaled = scale_for_backward(loss, scaler, optimizers)
+    dtype = backward_dtype(policy)
+    if dtype is not None:
+        with default_dtype(dtype):
+            yield scaled
+    else:
+        yield scaled
+
+
+def scale_for_backward(
+    loss: torch.Tensor, scaler: LossScaler, optimizers: Iterable[LossScaleOptimizer]
+) -> torch.Tensor:
+    """`backward_context`'s checks, then ``loss`` times the scale: what a backward that needs
+    no context of its own (`Precision.backward` under a mixed policy) runs before it."""
     if is_scaled(loss):
         raise ValueError(
             "the loss given to the backward is already multiplied by the loss scale "
@@ -533,11 +549,15 @@ def backward_context(
         )
     for opt in optimizers:
         opt.check_can_backward()
+    return scaler.scale(loss)
+
+
+def backward_dtype(policy: Policy | None) -> torch.dtype | None:
+    """The default dtype `backward_context` sets for a backward under ``policy``: a "true"
+    policy's compute dtype where torch's default differs; None where nothing is set."""
     if policy is not None and not policy.is_mixed and needs_default_dtype(policy.compute_dtype):
-        with default_dtype(policy.compute_dtype):
-            yield scaler.scale(loss)
-    else:
-        yield scaler.scale(loss)
+        return policy.compute_dtype
+    return None
 
 
 def _sharded(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

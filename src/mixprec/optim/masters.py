@@ -126,7 +126,7 @@ class MasterWeights:
     def sync(self, optimizer: torch.optim.Optimizer) -> None:
         """Move gradients into the masters, first giving a master to any parameter of a
         master dtype found with a gradient but none. For steps that do not unscale."""
-        if self.has_unmastered_grads(optimizer):
+        if self.dtypes and self.has_unmastered_grads(optimizer):
             self.add(optimizer)
         if self.masters:
             self.move_grads()
@@ -140,13 +140,15 @@ class MasterWeights:
     def end_step(self, stepped: bool) -> None:
         """After a step: the model follows its masters if they moved, and the masters'
         gradients are now the last step's."""
-        if stepped:
+        if stepped and self.masters:
             self.copy_to_model()
         self._grads_stale = True
 
     def zero_model_grads(self, set_to_none: bool) -> None:
         """Clear the model parameters' gradients (the optimizer clears the masters')."""
         self._grads_stale = False  # the masters' gradients are None or zeros now
+        if not self.params:
+            return
         if set_to_none:
             for p in self.params:
                 p.grad = None
