@@ -57,8 +57,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 from charlm import CharGPT, charlm_loaders  # noqa: E402
 
 from mixprec import states  # noqa: E402
-from mixprec.bench.runner import _measured  # noqa: E402
 from mixprec.hardware import detect  # noqa: E402
+from mixprec.memory import measured  # noqa: E402
 
 LR, WEIGHT_DECAY = 2e-3, 0.01
 BASELINE = "torch AdamW (float32, foreach)"
@@ -209,7 +209,7 @@ class Run:
         try:
             if measure_memory:
                 held = sum(p.nbytes for p in self.model.parameters()) + state_bytes(self.optimizer)
-                _, grown = _measured(torch.device("cpu"), lambda: self._step(batch))
+                _, grown = measured(torch.device("cpu"), lambda: self._step(batch))
                 self.peak_bytes = held + grown
             else:
                 whole, opt = self._step(batch)

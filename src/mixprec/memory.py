@@ -5,14 +5,21 @@ Trainer measure it.
   allocated when the work began;
 - CPU: the peak of the running sum of the CPU allocator's allocation and free events that
   `torch.profiler` records (`profile_memory=True`) over the work. The first profile in a
-  process starts the profiler's machinery (about a second or two).
+  process starts the profiler's machinery (about a second or two). The profiler's own log
+  lines (``USDT: ... profiler_start`` / ``profiler_stop``, written by torch's C++ side at each
+  start and stop) are kept off the user's stderr; anything else written there meanwhile is
+  passed on when the work ends.
 
 Both count what the work allocates, never the tensors alive before it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -46,6 +53,31 @@ def measured(device: torch.device, work: Callable[[], Any]) -> tuple[Any, int]:
         torch.cuda.synchronize(device)
         return out, torch.cuda.max_memory_allocated(device) - base
     activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        out = work()
+    with _without_profiler_log():
+        with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
+            out = work()
     return out, cpu_tensor_peak(prof.profiler.kineto_results.events())
+
+
+# how torch's profiler starts the lines it logs to stderr at each start and stop
+_PROFILER_LOG = b"USDT:"
+
+
+@contextlib.contextmanager
+def _without_profiler_log() -> Iterator[None]:
+    """Hold what is written to the process's stderr (file descriptor 2, where torch's C++
+    logs) in a temporary file, then write it back without the profiler's own lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held if not line.startswith(_PROFILER_LOG)]
+            if kept:
+                os.write(2, b"".join(kept))

@@ -39,9 +39,9 @@ from torch import nn
 from torch.multiprocessing.spawn import ProcessException
 
 from mixprec.bench.models import load_workload
-from mixprec.bench.runner import _measured
 from mixprec.errors import PrecisionError
 from mixprec.hardware import check, detect, policy_support
+from mixprec.memory import measured
 from mixprec.policy.map import as_map
 from mixprec.precision import Precision
 from mixprec.step import backward, plain_loss
@@ -226,7 +226,7 @@ def _measure_rank(rank: int, spec: MemorySpec, device: torch.device, out: str) -
     for _ in range(max(0, spec.steps - 1)):
         step()
     before = sum(held_bytes(model, opt))  # no gradients between steps
-    (loss, held), growth = _measured(device, step)
+    (loss, held), growth = measured(device, step)
     row = RankMemory(
         spec.strategy,
         spec.precision,

@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from mixprec.bench.rounds import RoundPolicy, run_rounds
+from mixprec.memory import measured
 from mixprec.tree import map_tensors
 
 __all__ = [
@@ -188,39 +189,6 @@ def set_tf32(enabled: bool) -> None:
     """
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
-
-
-# -- memory --------------------------------------------------------------------------------
-
-
-def _cpu_peak(events: list[Any]) -> int:
-    """Peak of the running sum of CPU allocation (+) and free (-) events, in bytes."""
-    cpu = torch._C._autograd.DeviceType.CPU
-    mem = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in events
-        if e.name() == "[memory]" and e.device_type() == cpu
-    )
-    live = peak = 0
-    for _, nbytes in mem:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
-
-
-def _measured(device: torch.device, work: Callable[[], Any]) -> tuple[Any, int]:
-    """Run `work` and return its result and the peak memory it allocated (see module doc)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = work()
-        torch.cuda.synchronize(device)
-        return out, torch.cuda.max_memory_allocated(device) - base
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
-        out = work()
-    return out, _cpu_peak(prof.profiler.kineto_results.events())
 
 
 def _limit_memory(limit: int | None, loops: int, device: torch.device) -> None:
@@ -405,7 +373,7 @@ def _ready_loop(
     build = _build_mixprec if name == "mixprec" else _build_raw
     try:
         _warm_up(build, spec, deadline)
-        (loop, res.first_step_s), res.peak_memory = _measured(
+        (loop, res.first_step_s), res.peak_memory = measured(
             device, lambda: _first_update(build, spec, deadline)
         )
     except _TimedOut:
