@@ -4,7 +4,9 @@ The README is the home page (its links into docs/ and benchmarks/results/ rewrit
 site's). Every Markdown file, plot and JSON/CSV data file under benchmarks/results/ (and the
 GPU experiment's README) is added as a generated file under results/, read from where it is committed, so the
 site always shows what the repository holds and nothing is copied by hand. A results index
-lists them."""
+lists them. The pages link to results as the repository holds them (`../benchmarks/results/...`,
+which a reader of the Markdown files can follow), and those links are pointed at the generated
+pages as each page is read."""
 
 from __future__ import annotations
 
@@ -57,3 +59,15 @@ def on_files(files: Files, config) -> Files:
     lines += [f"- [{title}]({uri}) (`{uri}`)" for uri, title in entries]
     files.append(File.generated(config, "results/index.md", content="\n".join(lines) + "\n"))
     return files
+
+
+def site_links(markdown: str) -> str:
+    """A page's links into benchmarks/ (written for the repository) as links to the site's
+    results pages."""
+    markdown = markdown.replace("](../benchmarks/gpu/README.md)", "](results/gpu.md)")
+    markdown = markdown.replace("](../benchmarks/results/)", "](results/index.md)")
+    return markdown.replace("](../benchmarks/results/", "](results/")
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    return site_links(markdown)
