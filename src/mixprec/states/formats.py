@@ -181,55 +181,99 @@ def _dynamic_map(bits: int, signed: bool, exponent_bits: int) -> list[float]:
     return sorted(values)
 
 
-# the top 16 bits of a float32 (sign, exponent and 7 mantissa bits) index the table of the
-# nearest code of each cell's value nearest zero
-_CELL_SHIFT = 16
-_CELLS = 1 << 16
-_FIRST_NEGATIVE = 0x8000  # the cell of -0.0
+@dataclasses.dataclass(frozen=True)
+class _Decades:
+    """A dynamic map's decades as the arithmetic nearest code reads them, from decade 0
+    (smallest) up: each one's first magnitude index, number of values and the factor
+    scaling it onto [0.1, 1]; the magnitudes past which the next decade's first value is
+    nearer than this one's last (``uppers``); below ``zero`` the nearest value is 0 (on the
+    positive side of a signed map, which lacks index 0: below ``zero_positive``, else index
+    1); above ``one``, 1."""
+
+    starts: tuple[int, ...]
+    parts: tuple[int, ...]
+    factors: tuple[float, ...]
+    uppers: tuple[float, ...]
+    zero: float
+    zero_positive: float
+    one: float
+    last: int
 
 
-def _lookup(kind: str, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cell table, farther boundaries) of ``kind``'s map: the uint8 code of the value
-    nearest each cell's value nearest zero (cells past 1 in magnitude: that of +-1, or of
-    the end of the map), and for each code, on each side of zero (the negative side at
-    ``256 + code``), the magnitude past which the next code away from zero is nearer
-    (infinite at the ends). Each cell holds at most one boundary (checked here), so one
-    comparison finishes the search."""
-    table = code_map(kind, signed).double()
-    bounds = (table[1:] + table[:-1]) / 2
-    cells = torch.arange(_CELLS, dtype=torch.int32) << _CELL_SHIFT
-    near = cells.view(torch.float32).double().clamp(-1, 1)
-    far = (cells | ((1 << _CELL_SHIFT) - 1)).view(torch.float32).double().clamp(-1, 1)
-    end = torch.where(cells < 0, -1.0, 1.0).double()  # a NaN's cell: that of +-1
-    near = torch.where(near.isnan(), end, near)
-    far = torch.where(far.isnan(), end, far)
-    first = torch.bucketize(near, bounds)
-    last = torch.bucketize(far, bounds)
-    assert int((last - first).abs().max()) <= 1, f"two boundaries in a cell of the {kind} map"
-    inf = torch.tensor([float("inf")], dtype=torch.float64)
-    outward = torch.cat([bounds, inf])  # code k -> k + 1, for values >= 0
-    inward = torch.cat([inf, -bounds])  # code k -> k - 1, for values < 0
-    padded = [
-        torch.nn.functional.pad(t, (0, 256 - t.numel()), value=float("inf"))
-        for t in (outward, inward)
-    ]
-    return first.to(torch.uint8), torch.cat(padded).float()
+def _decades(bits: int, exponent_bits: int, signed: bool) -> _Decades:
+    """`_Decades` of the map `_dynamic_map` builds with these arguments."""
+    base = bits - 1 - exponent_bits + (0 if signed else 1)
+    parts = tuple(2 ** (i + base) for i in range(exponent_bits))
+    starts = tuple(2**base * (2**i - 1) for i in range(exponent_bits))
+    tops = [10.0 ** (i - exponent_bits + 1) for i in range(exponent_bits)]
+
+    def value(i: int, j: int) -> float:
+        return tops[i] * (0.1 + 0.9 * (j + 0.5) / parts[i])
+
+    uppers = tuple((value(i, parts[i] - 1) + value(i + 1, 0)) / 2 for i in range(exponent_bits - 1))
+    second = value(0, 1) if parts[0] > 1 else value(1, 0)
+    return _Decades(
+        starts=starts,
+        parts=parts,
+        factors=tuple(1 / top for top in tops),
+        uppers=uppers,
+        zero=value(0, 0) / 2,
+        zero_positive=second / 2,
+        one=(value(exponent_bits - 1, parts[-1] - 1) + 1) / 2,
+        last=starts[-1] + parts[-1],
+    )
+
+
+# the dynamic maps' decades by kind and signedness: (bits, exponent bits, signed)
+_DECADES = {
+    ("int8", True): _decades(8, 7, True),
+    ("int8", False): _decades(8, 7, False),
+    ("int4", True): _decades(4, 3, True),
+}
+
+
+def _dynamic_nearest(y: torch.Tensor, d: _Decades, signed: bool) -> torch.Tensor:
+    """The code of the dynamic map value nearest each element of ``y`` by arithmetic (a
+    tie to either side, one rounding apart): the decade from comparisons with the
+    magnitudes between decades, the part of its even split the magnitude falls in (whose
+    midpoint is the decade's nearest value), then 0 and 1 at the ends."""
+    a = y.abs()
+    a = torch.where(a <= 1.0, a, 1.0)  # (a NaN: the code of +-1)
+    start = torch.full_like(a, d.starts[0])
+    parts = torch.full_like(a, d.parts[0])
+    factor = torch.full_like(a, d.factors[0])
+    for i, upper in enumerate(d.uppers, start=1):
+        above = a > upper
+        start = torch.where(above, d.starts[i], start)
+        parts = torch.where(above, d.parts[i], parts)
+        factor = torch.where(above, d.factors[i], factor)
+    j = torch.floor((a * factor - 0.1) * (parts / 0.9)).clamp(torch.zeros_like(parts), parts - 1)
+    t = start + j
+    negative = y < 0  # (-0: the code of 0 either way)
+    if signed:  # no positive value of index 0 (-1 in its place): 0 or index 1
+        zero = torch.where(negative, d.zero, d.zero_positive)
+        t = torch.where(~negative & (t == 0), 1.0, t)
+    else:
+        zero = torch.full_like(a, d.zero)
+    t = torch.where(a < zero, -1.0, torch.where(a > d.one, float(d.last), t))
+    t = t.to(torch.int32)
+    if not signed:
+        return t + 1
+    half = d.last + 1  # the code of 0: after -1 and the negative magnitudes
+    return torch.where(negative, half - 1 - t, half + t.clamp_min(0))
 
 
 def nearest_code(
-    y: torch.Tensor, kind: str, signed: bool, tables: tuple[torch.Tensor, ...]
+    y: torch.Tensor, kind: str, signed: bool, tables: tuple[torch.Tensor, ...] = ()
 ) -> torch.Tensor:
     """The int32 code of the map value nearest to each element of ``y`` (float32, in
-    [-1, 1]; >= 0 for an unsigned map) without a search: the top bits of ``y`` index a
-    table of each cell's nearest code, and one comparison with the boundary to the next
-    code away from zero finishes. ``tables``: `code_tables`."""
-    _, cell_code, bounds = tables
-    bits = y.view(torch.int32)
-    cell = (bits >> _CELL_SHIFT) & (_CELLS - 1)
-    code = cell_code[cell].to(torch.int32)
-    negative = bits < 0
-    past = y.abs() > bounds[code + negative.to(torch.int32) * 256]
-    return code + torch.where(negative, -past.to(torch.int32), past.to(torch.int32))
+    [-1, 1]; >= 0 for an unsigned map), computed from the map's shape, not read from a
+    table, so that it vectorizes: the dynamic maps' decade and part by arithmetic, then the
+    nearest of three neighbours; int4's linear second-moment map by rounding. ``tables``
+    is not read (`code_tables` for the signature the kernels share)."""
+    if kind == "int4" and not signed:
+        return (torch.ceil(y * 16 - 0.5) - 1).clamp(0, 15).to(torch.int32)
+    return _dynamic_nearest(y, _DECADES[(kind, signed)], signed)
 
 
 def code_map(kind: str, signed: bool) -> torch.Tensor:
@@ -247,17 +291,14 @@ def code_map(kind: str, signed: bool) -> torch.Tensor:
 
 @functools.cache
 def _tables(kind: str, signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
-    values = code_map(kind, signed)
-    return tuple(t.to(device) for t in (values, *_lookup(kind, signed)))
+    return (code_map(kind, signed).to(device),)
 
 
 def code_tables(fmt: StateFormat, signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """What `encode` and `decode` read for ``fmt`` on ``device`` (made once): the code
-    values, the nearest code of each cell of magnitudes, the boundaries between
-    magnitudes. Empty for fp8, whose codes are values (scaled; the second moment's root)."""
+    """What `decode` reads for ``fmt`` on ``device`` (made once): the code values, one
+    tensor. Empty for fp8, whose codes are values (scaled; the second moment's root)."""
     if fmt.kind == "fp8":
-        empty = torch.empty(0, device=device)
-        return empty, empty, empty
+        return (torch.empty(0, device=device),)
     return _tables(fmt.kind, signed, torch.device(device))
 
 
@@ -286,11 +327,24 @@ def encode(
     if roots:  # a positive root below half the smallest positive value takes its code
         codes = torch.where(y > 0, codes.clamp_min(1), codes)
         absmax = -absmax  # negated: the block's codes are of roots (see the module's docstring)
-    codes = codes.reshape(-1)
+    codes = codes.reshape(-1).to(torch.uint8)
     if fmt.kind == "int4":
-        pairs = codes.view(-1, 2)
-        codes = pairs[:, 0] | (pairs[:, 1] << 4)
-    return codes.to(torch.uint8), absmax
+        codes = _pack(codes)
+    return codes, absmax
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """Pairs of 4-bit uint8 ``codes`` in one byte each, the first in the low half: through
+    each pair read as one little-endian int16, so that the loop runs over contiguous
+    elements (a pair's stride-2 reads do not vectorize)."""
+    pairs = codes.view(torch.int16)
+    return ((pairs & 0x0F) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The uint8 codes `_pack` packed, two per byte, in order (the reverse computation)."""
+    wide = packed.to(torch.int16)
+    return ((wide & 0x0F) | ((wide & 0xF0) << 4)).view(torch.uint8)
 
 
 def decode(
@@ -308,10 +362,8 @@ def decode(
     if fmt.kind == "fp8":
         values = codes.to(torch.float32).view(-1, fmt.block)
     else:
-        index = codes.to(torch.int32)
-        if fmt.kind == "int4":
-            index = torch.stack([index & 15, index >> 4], dim=-1)
-        values = tables[0][index.reshape(-1, fmt.block)]
+        index = _unpack(codes) if fmt.kind == "int4" else codes
+        values = tables[0][index.to(torch.int32).reshape(-1, fmt.block)]
     if signed:
         return values * scales[:, None]
     magnitude = scales.abs()[:, None]

@@ -138,10 +138,10 @@ def adam_update(
     g32 = g.to(torch.float32)
     if not decoupled:
         g32 = g32 + wd * p32
-    m1 = torch.lerp(_load(m, m_scales, tables[:3], fmt, True), g32, 1 - beta1)
-    m2 = _load(v, v_scales, tables[3:], fmt, False) * beta2 + (1 - beta2) * g32 * g32
-    _store(m1, m, m_scales, fmt, True, tables[:3])
-    _store(m2, v, v_scales, fmt, False, tables[3:])
+    m1 = torch.lerp(_load(m, m_scales, tables[:1], fmt, True), g32, 1 - beta1)
+    m2 = _load(v, v_scales, tables[1:], fmt, False) * beta2 + (1 - beta2) * g32 * g32
+    _store(m1, m, m_scales, fmt, True, tables[:1])
+    _store(m2, v, v_scales, fmt, False, tables[1:])
     update = step_size * m1 / (m2.sqrt() * inv_sqrt_bc2 + eps)
     new = p32 * (1 - lr * wd) - update if decoupled else p32 - update
     return _write(p, new, buf, compensation), _kept(fmt, m1, m2)
