@@ -3,7 +3,7 @@ the answer, when rounds are added, and the budget."""
 
 import pytest
 
-from mixprec.timing import Paired, paired_rounds, quantile
+from mixprec.timing import Paired, paired_rounds, quantile, take_turns
 
 
 class Scripted:
@@ -84,3 +84,30 @@ def test_a_measurement_can_be_continued():
     assert more.rounds == 3 and more.ratios("b") == (2.0, 2.0, 2.0) and more.seconds == 1.5
     with pytest.raises(ValueError, match="baseline"):
         paired_rounds(timer, ["b"], "a")
+
+
+def test_take_turns_rotates_the_order_drops_a_failed_step_and_asks_before_each_round():
+    """The one schedule: each round starts one step later in the order; a step that fails
+    (None) leaves with its times; the stopping rule is asked before every round, with the
+    rounds run and the seconds taken."""
+    order: list[str] = []
+    fails_at = {"b": 2}
+
+    def step(name: str):
+        def run():
+            order.append(name)
+            rounds = order.count(name)
+            return None if fails_at.get(name) == rounds else 1.0
+
+        return run
+
+    asked: list[int] = []
+
+    def stop(times, rounds, seconds):
+        asked.append(rounds)
+        return "four" if rounds == 4 else None
+
+    times, why = take_turns({n: step(n) for n in "abc"}, stop, clock=lambda: 0.0)
+    assert why == "four" and asked == [0, 1, 2, 3, 4]
+    assert order == ["a", "b", "c", "b", "c", "a", "a", "c", "c", "a"]
+    assert times == {"a": [1.0] * 4, "c": [1.0] * 4}

@@ -1,6 +1,7 @@
-"""Paired, interleaved rounds: the loops compared take turns, one step each per round, the
-order rotating from round to round, so that other work on the machine falls on all of them
-alike and each round gives one ratio per pair (`verdict.ratio_interval`).
+"""Paired, interleaved rounds: the loops compared take turns (`mixprec.timing.take_turns`),
+one step each per round, the order rotating from round to round, so that other work on the
+machine falls on all of them alike and each round gives one ratio per pair
+(`verdict.ratio_interval`).
 
 At least `RoundPolicy.min_rounds` rounds run; then more while some pair's interval is wider
 than `target_width`, until `budget_s` seconds of rounds have passed or `max_rounds`. The
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from mixprec.bench.verdict import TARGET_WIDTH, ratio_interval
+from mixprec.timing import take_turns
 
 __all__ = [
     "BUDGET",
@@ -72,31 +74,20 @@ def run_rounds(
     before_round: Callable[[], None] = lambda: None,
 ) -> Rounds[K]:
     """Run rounds of `steps` (each returns its step's milliseconds, or None when its loop
-    failed and leaves) until `policy` says stop; `pairs` are (base, other) keys whose
-    ratio intervals decide whether to add rounds. `before_round` may raise to stop."""
-    live = list(steps)
-    times: dict[K, list[float]] = {key: [] for key in live}
-    start = clock()
-    n = 0
-    while live:
-        before_round()
-        shift = n % len(live)
-        for key in live[shift:] + live[:shift]:
-            ms = steps[key]()
-            if ms is None:
-                live.remove(key)
-                del times[key]
-            else:
-                times[key].append(ms)
-        n += 1
-        if n < policy.min_rounds:
-            continue
+    failed and leaves) taking turns (`mixprec.timing.take_turns`) until `policy` says stop;
+    `pairs` are (base, other) keys whose ratio intervals decide whether to add rounds.
+    `before_round` may raise to stop."""
+
+    def stop(times: dict[K, list[float]], rounds: int, seconds: float) -> str | None:
+        if rounds < policy.min_rounds:
+            return None
         if policy.budget_s <= 0:
-            return Rounds(times, STEPS)
+            return STEPS
         if _widest(times, pairs) <= policy.target_width:
-            return Rounds(times, NARROW)
-        if n >= policy.max_rounds:
-            return Rounds(times, CAPPED)
-        if clock() - start >= policy.budget_s:
-            return Rounds(times, BUDGET)
-    return Rounds(times, STEPS)
+            return NARROW
+        if rounds >= policy.max_rounds:
+            return CAPPED
+        return BUDGET if seconds >= policy.budget_s else None
+
+    times, why = take_turns(steps, stop, clock=clock, before_round=before_round)
+    return Rounds(times, STEPS if why == "failed" else why)
