@@ -40,8 +40,8 @@ def on_files(files: Files, config) -> Files:
     files.append(File.generated(config, "index.md", content=home_page()))
     entries = []
     for path in sorted(RESULTS.rglob("*")):
-        # pages, plots and the raw data files pages link to
-        if path.suffix not in {".md", ".png", ".json", ".csv"}:
+        # pages, plots, logs and the raw data files pages link to
+        if path.suffix not in {".md", ".png", ".json", ".csv", ".log"}:
             continue
         uri = "results/" + path.relative_to(RESULTS).as_posix()
         files.append(File.generated(config, uri, abs_src_path=str(path)))
