@@ -126,6 +126,9 @@ def _device_type(
     first = None
     for x in args:
         if isinstance(x, Tensor):
+            if x.is_cpu:  # read without building a torch.device
+                first = first or "cpu"
+                continue
             kind = x.device.type
             if kind not in ("cpu", "meta"):
                 return kind
@@ -141,7 +144,10 @@ def _device_type(
     # lookup every call, so that a model moved after `apply` is seen), else its first
     # parameter or buffer
     param = probe[0]._parameters.get(probe[1]) if probe is not None else None
-    own = param.device.type if param is not None else device_of(module).type
+    if param is None:
+        own = device_of(module).type
+    else:
+        own = "cpu" if param.is_cpu else param.device.type
     return own if own not in ("cpu", "meta") else (first or own)
 
 

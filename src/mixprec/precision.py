@@ -413,7 +413,8 @@ class Precision:
         ``kwargs`` go to ``Tensor.backward``. The context's steps are taken inline (no
         generator) since this runs every step."""
         scaled = scale_for_backward(loss, self.scaler, self.optimizers)
-        dtype = backward_dtype(self.policy.default)
+        policy = self._policy.default  # set: `scaler` raised otherwise
+        dtype = None if policy.is_mixed else backward_dtype(policy)
         if dtype is None:
             scaled.backward(**kwargs)
         else:

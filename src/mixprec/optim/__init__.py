@@ -298,6 +298,12 @@ class LossScaleOptimizer(OptimizerCheckpoint):
                 f"{type(self.optimizer).__name__}.step() needs a closure that re-evaluates the "
                 f"loss: call step(closure) (precision.step(optimizer, closure=closure))"
             )
+        scaler = self.scaler
+        if not scaler.enabled:  # `_step_together`'s first case, for one optimizer
+            self.take_step(None)
+            self.end_step(True)
+            scaler.update(scaler.unscale_([]), False)
+            return True
         return _step_together((self,))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
