@@ -33,7 +33,7 @@ def gather(tensors: Sequence[torch.Tensor], pads: Sequence[int]) -> torch.Tensor
     """The flat tensors ``tensors`` concatenated, each followed by ``pads[i]`` zeros."""
     most = max(pads, default=0)
     if not most:
-        return torch.cat(list(tensors)) if len(tensors) > 1 else tensors[0].clone()
+        return torch.cat(list(tensors))
     zeros = tensors[0].new_zeros(most)
     pieces: list[torch.Tensor] = []
     for t, pad in zip(tensors, pads, strict=True):

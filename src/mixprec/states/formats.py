@@ -291,14 +291,14 @@ def code_map(kind: str, signed: bool) -> torch.Tensor:
 
 @functools.cache
 def _tables(kind: str, signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
+    if kind == "fp8":
+        return (torch.empty(0, device=device),)
     return (code_map(kind, signed).to(device),)
 
 
 def code_tables(fmt: StateFormat, signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
     """What `decode` reads for ``fmt`` on ``device`` (made once): the code values, one
     tensor. Empty for fp8, whose codes are values (scaled; the second moment's root)."""
-    if fmt.kind == "fp8":
-        return (torch.empty(0, device=device),)
     return _tables(fmt.kind, signed, torch.device(device))
 
 

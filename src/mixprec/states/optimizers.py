@@ -243,8 +243,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
         total = sum(_local(p).numel() for _, p in work)
         scalars: dict[tuple, tuple[torch.Tensor, tuple[float, ...]]] = {}
         buckets: dict[tuple, list[_Planned]] = {}
-        for group, p in work:
-            planned = self._plan(p, group, scalars)
+        states = [self._prepared(p, group) for group, p in work]
+        # every step count on by one and read back in a fixed number of calls
+        counts = [state["step"] for state in states]
+        torch._foreach_add_(counts, 1.0)
+        steps = torch.stack([c.to("cpu", torch.float32) for c in counts]).tolist()
+        for (group, p), state, step in zip(work, states, steps, strict=True):
+            planned = self._plan(p, group, state, int(step), scalars)
             real = _real(p)
             if real.numel() == 0:
                 continue
@@ -273,11 +278,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self,
         p: torch.Tensor,
         group: dict[str, Any],
+        state: dict[str, Any],
+        step: int,
         scalars: dict[tuple, tuple[torch.Tensor, tuple[float, ...]]],
     ) -> _Planned:
-        """``p``'s state prepared and counted one step on, and what its update reads (each
-        algorithm's own); ``scalars``: the hyperparameters made so far this step (a tensor
-        and its floats), shared by equal groups and steps."""
+        """What ``p``'s update reads (each algorithm's own), its ``state`` prepared and at
+        ``step``; ``scalars``: the hyperparameters made so far this step (a tensor and its
+        floats), shared by equal groups and steps."""
         raise NotImplementedError(f"{type(self).__name__} defines no update")
 
     def _hyperparameters(
@@ -858,10 +865,14 @@ class LowBitAdamW(LowBitOptimizer):
             formats=formats,
         )
 
-    def _plan(self, p: torch.Tensor, group: dict[str, Any], scalars: dict) -> _Planned:
-        state = self._prepared(p, group)
-        state["step"] += 1
-        step = int(state["step"].item())
+    def _plan(
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        state: dict[str, Any],
+        step: int,
+        scalars: dict,
+    ) -> _Planned:
         fmt = parse_state_format(state["format"])
         local = _local(p)
         lr = float(group["lr"])
@@ -944,10 +955,15 @@ class LowBitSGD(LowBitOptimizer):
             formats=formats,
         )
 
-    def _plan(self, p: torch.Tensor, group: dict[str, Any], scalars: dict) -> _Planned:
+    def _plan(
+        self,
+        p: torch.Tensor,
+        group: dict[str, Any],
+        state: dict[str, Any],
+        step: int,
+        scalars: dict,
+    ) -> _Planned:
         momentum = group["momentum"]
-        state = self._prepared(p, group)
-        state["step"] += 1
         fmt = parse_state_format(state["format"])
         # as torch's SGD: the buffer starts as the gradient at the first step with momentum
         # (the first step, or a later one when the momentum is raised from 0)

@@ -1,0 +1,122 @@
+"""Multi-tensor steps: a step's calls do not grow with the number of parameters, the
+bucketed step does what the per-parameter step did, and states saved by the per-parameter
+step load and continue."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mixprec.states import LowBitAdamW, LowBitSGD
+
+DATA = Path(__file__).parent / "data"
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the aten calls that compute (views, which only re-describe memory, left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _params(n: int, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
+    torch.manual_seed(0)
+    # sizes with and without partial blocks, below and above min_size
+    sizes = [(40, 50), (300,), (64, 64), (17,)]
+    return [nn.Parameter(torch.randn(sizes[i % len(sizes)], dtype=dtype)) for i in range(n)]
+
+
+def _ops_of_a_step(make, n: int, dtype: torch.dtype = torch.float32) -> int:
+    params = _params(n, dtype)
+    opt = make(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # the first step makes the states
+    with _CountOps() as counter:
+        opt.step()
+    return counter.calls
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: LowBitAdamW(ps, states="int8", min_size=1000, compile=False),
+        lambda ps: LowBitAdamW(ps, states="int4", min_size=0, compile=False),
+        lambda ps: LowBitAdamW(ps, states="fp8", compile=False),
+        lambda ps: LowBitAdamW(ps, states="float32", compile=False),
+        lambda ps: LowBitSGD(ps, lr=0.1, momentum=0.9, states="int8", min_size=0, compile=False),
+        lambda ps: LowBitSGD(ps, lr=0.1, states="float32", compile=False),
+    ],
+    ids=["int8", "int4", "fp8", "float32", "sgd-int8", "sgd-float32"],
+)
+def test_the_calls_of_a_step_do_not_grow_with_the_number_of_parameters(make):
+    assert _ops_of_a_step(make, 4) == _ops_of_a_step(make, 12)
+
+
+@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
+def test_the_calls_of_a_compensated_bfloat16_step_do_not_grow(compensation):
+    def make(ps):
+        return LowBitAdamW(ps, states="int8", min_size=0, compensation=compensation, compile=False)
+
+    assert _ops_of_a_step(make, 4, torch.bfloat16) == _ops_of_a_step(make, 12, torch.bfloat16)
+
+
+def test_the_compiled_update_runs_once_per_bucket_whatever_the_number_of_parameters():
+    """One compiled call per bucket: the low-bit parameters of one group in one format."""
+    from mixprec.states import kernels
+
+    counted = []
+    original = kernels.run_compiled
+
+    def counting(algorithm, args):
+        counted.append(algorithm)
+        return original(algorithm, args)
+
+    for n in (4, 12):
+        counted.clear()
+        params = _params(n)
+        opt = LowBitAdamW(params, states="int8", min_size=1000, compile=True)
+        for p in params:
+            p.grad = torch.randn_like(p)
+        kernels.run_compiled = counting
+        try:
+            opt.step()
+        finally:
+            kernels.run_compiled = original
+        assert counted == ["adam"]
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fp8", "sgd-int8"])
+def test_a_state_saved_by_the_per_parameter_step_loads_and_continues(name):
+    """tests/states/data/per_parameter_states.pt: states after 3 steps of the step that
+    updated one parameter per call, and the parameters 2 steps later; loaded into today's
+    optimizer, the same 2 steps land there (up to a code rounded the other way at a tie)."""
+    saved = torch.load(DATA / "per_parameter_states.pt", weights_only=True)[name]
+    params = [nn.Parameter(p.clone()) for p in saved["params"]]
+    make = {
+        "int8": lambda ps: LowBitAdamW(ps, lr=1e-2, states="int8", min_size=1000),
+        "int4": lambda ps: LowBitAdamW(ps, lr=1e-2, states="int4", min_size=0),
+        "fp8": lambda ps: LowBitAdamW(ps, lr=1e-2, states="fp8", min_size=0),
+        "sgd-int8": lambda ps: LowBitSGD(ps, lr=1e-2, momentum=0.9, states="int8", min_size=0),
+    }[name]
+    opt = make(params)
+    opt.load_state_dict(saved["state_dict"])
+    for step in range(3, 5):
+        g = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    for p, expected in zip(params, saved["after"], strict=True):
+        torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-5)
+    for state in opt.state.values():
+        assert int(state["step"]) == 5
