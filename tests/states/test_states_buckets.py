@@ -31,8 +31,9 @@ class _CountOps(TorchDispatchMode):
 
 def _params(n: int, dtype: torch.dtype = torch.float32) -> list[nn.Parameter]:
     torch.manual_seed(0)
-    # sizes with and without partial blocks, below and above min_size
-    sizes = [(40, 50), (300,), (64, 64), (17,)]
+    # sizes with and without partial blocks, below and above min_size; twelve of them
+    # together within one flat update (buckets.FLAT_MAX)
+    sizes = [(20, 30), (300,), (64, 64), (17,)]
     return [nn.Parameter(torch.randn(sizes[i % len(sizes)], dtype=dtype)) for i in range(n)]
 
 
@@ -54,7 +55,7 @@ def _ops_of_a_step(make, n: int, dtype: torch.dtype = torch.float32) -> int:
         lambda ps: LowBitAdamW(ps, states="int4", min_size=0, compile=False),
         lambda ps: LowBitAdamW(ps, states="fp8", compile=False),
         lambda ps: LowBitAdamW(ps, states="float32", compile=False),
-        lambda ps: LowBitSGD(ps, lr=0.1, momentum=0.9, states="int8", min_size=0, compile=False),
+        lambda ps: LowBitSGD(ps, lr=0.1, momentum=0.9, states="int8", min_size=500, compile=False),
         lambda ps: LowBitSGD(ps, lr=0.1, states="float32", compile=False),
     ],
     ids=["int8", "int4", "fp8", "float32", "sgd-int8", "sgd-float32"],
@@ -66,7 +67,9 @@ def test_the_calls_of_a_step_do_not_grow_with_the_number_of_parameters(make):
 @pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
 def test_the_calls_of_a_compensated_bfloat16_step_do_not_grow(compensation):
     def make(ps):
-        return LowBitAdamW(ps, states="int8", min_size=0, compensation=compensation, compile=False)
+        return LowBitAdamW(
+            ps, states="int8", min_size=500, compensation=compensation, compile=False
+        )
 
     assert _ops_of_a_step(make, 4, torch.bfloat16) == _ops_of_a_step(make, 12, torch.bfloat16)
 

@@ -13,8 +13,11 @@ Two kinds of bucket:
   update (compiled or eager) over the flat tensors; the results copied back with one
   ``_foreach_copy_`` per kind of tensor.
 
-A parameter larger than `FLAT_MAX` elements is updated in place by its own call instead:
-copying it would cost more than the call it saves.
+A flat update covers at most `FLAT_MAX` elements (a bucket of more takes several), so
+that the float32 it holds meanwhile (the copies, the moments decoded) stays as small as one
+such parameter's update; a parameter larger than that is updated in place by its own
+call: copying it would cost more than the call it saves. A step's calls grow with its
+elements over `FLAT_MAX`, not with its number of parameters.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import torch
 
 __all__ = ["FLAT_MAX", "foreach_adam", "foreach_sgd", "gather", "scatter"]
 
-# a parameter of more elements is updated by its own call (no copy into a flat bucket)
-FLAT_MAX = 1 << 17
+# the most elements (padded to whole blocks) one flat update covers; a parameter of more
+# is updated by its own call (no copy)
+FLAT_MAX = 1 << 14
 
 
 def gather(tensors: Sequence[torch.Tensor], pads: Sequence[int]) -> torch.Tensor:

@@ -61,9 +61,11 @@ __all__ = [
 MIN_SIZE = 4096
 # elements per call of a low-bit update (which holds its moments in float32 meanwhile)
 CHUNK = 1 << 22
-# compile=None compiles a step covering at least this many elements (the first step's
-# build, seconds, then pays back)
-COMPILE_MIN_ELEMENTS = 1 << 18
+# compile=None compiles a step covering at least this many elements: the first step's
+# build takes seconds, once per bucket signature (format, dtype, compensation), whatever
+# the number of parameters, and an eager low-bit step runs dozens of passes over the
+# elements where the compiled one runs a few
+COMPILE_MIN_ELEMENTS = 1 << 16
 # the per-parameter moments of each algorithm and whether each is signed
 _MOMENTS = {"adam": (("exp_avg", True), ("exp_avg_sq", False)), "sgd": (("momentum_buffer", True),)}
 _FLOAT32 = StateFormat("float32")
@@ -124,6 +126,23 @@ class _Planned:
     hp: torch.Tensor
     values: tuple[float, ...]
     statics: tuple
+
+
+def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
+    """``bucket`` in runs of parameters of at most ``FLAT_MAX`` elements together (blocks
+    padded): each flat update holds its copies and float32 moments for no more elements
+    than one parameter's update in place may."""
+    parts: list[list[_Planned]] = [[]]
+    size = 0
+    for planned in bucket:
+        fmt, n = planned.fmt, _real(planned.p).numel()
+        n = fmt.blocks(n) * fmt.block if fmt.quantized else n  # type: ignore[operator]
+        if parts[-1] and size + n > buckets_.FLAT_MAX:
+            parts.append([])
+            size = 0
+        parts[-1].append(planned)
+        size += n
+    return parts
 
 
 def _describe(value: Any) -> str:
@@ -271,7 +290,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if key[0] == "foreach":
                 self._run_foreach(bucket)
             else:
-                self._run_flat(bucket, key[4], total)
+                for part in _parts(bucket):
+                    self._run_flat(part, key[4], total)
         return loss
 
     def _plan(
