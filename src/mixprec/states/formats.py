@@ -143,6 +143,12 @@ def parse_state_format(spec: str | StateFormat) -> StateFormat:
             f"a state format is a string or a StateFormat, got {type(spec).__name__}: "
             f"expected {_ACCEPTED}"
         )
+    return _parse(spec)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(spec: str) -> StateFormat:
+    """`parse_state_format` of a string, remembered: a step reads each parameter's."""
     kind, _, options = spec.strip().lower().partition("/")
     if kind not in KINDS:
         raise ValueError(f"unknown state format {spec!r}: expected {_ACCEPTED}")

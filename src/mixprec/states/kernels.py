@@ -183,6 +183,10 @@ _KERNELS: dict[str, Callable[..., Update]] = {
     "sgd": sgd_update,
 }
 _COMPILED: dict[str, Callable[..., Update]] = {}
+# the dynamo settings of every compiled call (`run_compiled` says why), made once
+_SETTINGS = torch._dynamo.config.patch(
+    recompile_limit=RECOMPILE_LIMIT, automatic_dynamic_shapes=False
+)
 
 
 def compiled(algorithm: str) -> Callable[..., Update]:
@@ -211,9 +215,7 @@ def run_compiled(algorithm: str, args: tuple) -> Update:
     # mixes formats, past which the update would silently run uncompiled. And no automatic
     # dynamic shapes: a second block size would make the block a symbol in every later build
     # (vector loops of unknown length, several times slower), where each is a constant
-    with torch._dynamo.config.patch(
-        recompile_limit=RECOMPILE_LIMIT, automatic_dynamic_shapes=False
-    ):
+    with _SETTINGS:
         return compiled(algorithm)(*args)
 
 
