@@ -73,3 +73,21 @@ def test_a_loss_whose_scaled_attribute_is_any_other_truthy_object_is_not_scaled(
     bf16, _ = _set_up("bf16-mixed")
     bf16.backward(stand_in)
     stand_in.backward.assert_called_once_with()
+
+
+def test_no_graph_is_walked_once_the_scaled_losses_are_gone():
+    """`is_scaled` walks a loss's graph only while a tensor `scale` marked lives: a bfloat16
+    step never pays for the search, nor a float16 step after the last one's scaled loss."""
+    import gc
+
+    from mixprec import scaling
+
+    gc.collect()
+    precision, model = _set_up()
+    precision.backward(model(torch.ones(1, 2)).sum())
+    gc.collect()
+    assert not scaling._live_marks
+    scaled = precision.scaler.scale(model(torch.ones(1, 2)).sum())
+    assert scaling._live_marks and is_scaled(scaled / 2)
+    del scaled
+    assert not scaling._live_marks

@@ -291,7 +291,11 @@ class _Region:
                 raise
             if isinstance(out, Tensor):  # `cast_floating`'s first case, without its call
                 dtype = self.output_dtype
-                return out.to(dtype) if out.is_floating_point() and out.dtype != dtype else out
+                if not out.is_floating_point() or out.dtype == dtype:
+                    return out
+                if type(out) is Tensor and dtype == torch.float32:
+                    return out.float()  # a plain tensor's `to(torch.float32)`, parsed faster
+                return out.to(dtype)
         else:
             args = cast_floating(args, self.compute_dtype)
             kwargs = cast_floating(kwargs, self.compute_dtype)

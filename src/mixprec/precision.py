@@ -147,6 +147,7 @@ class Precision:
         self._scaler: LossScaler | None = None
         self._configured_scaler: dict[str, Any] = {}  # the scaler's state as built
         self._resolved: tuple[DeviceInfo, Support] | None = None  # the device checked
+        self._mixed = False  # the policy's default is mixed (set with the policy)
         if not is_auto(spec):
             self._choose(None)
         elif device_info is not None or self.device is not None:
@@ -165,6 +166,7 @@ class Precision:
             self._scaler_spec, needs_scaling=self._policy.needs_loss_scaling
         )
         self._configured_scaler = self._scaler.state_dict()
+        self._mixed = self._policy.default.is_mixed  # read by every `backward`
 
     def resolve(self, device: torch.device | str | None = None) -> Support:
         """Settle this precision for the device it runs on, once: ``"auto"`` becomes the
@@ -412,9 +414,11 @@ class Precision:
         """Backpropagate ``loss`` scaled by the current loss scale, in `backward_context`;
         ``kwargs`` go to ``Tensor.backward``. The context's steps are taken inline (no
         generator) since this runs every step."""
-        scaled = scale_for_backward(loss, self.scaler, self.optimizers)
-        policy = self._policy.default  # set: `scaler` raised otherwise
-        dtype = None if policy.is_mixed else backward_dtype(policy)
+        scaler = self._scaler
+        if scaler is None:
+            raise self._unresolved()
+        scaled = scale_for_backward(loss, scaler, self.optimizers)
+        dtype = None if self._mixed else backward_dtype(self.policy.default)
         if dtype is None:
             scaled.backward(**kwargs)
         else:

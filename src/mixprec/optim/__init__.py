@@ -290,7 +290,8 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         without loss scaling only: such a step cannot be skipped half-way. With
         ``compensation`` it is the compensated step, as without a closure.
         """
-        self.check_can_step()
+        if self._retired:
+            self.check_can_step()  # raises
         if closure is not None:
             return self._closure_step(closure)
         if self._needs_closure:
@@ -299,8 +300,12 @@ class LossScaleOptimizer(OptimizerCheckpoint):
                 f"loss: call step(closure) (precision.step(optimizer, closure=closure))"
             )
         scaler = self.scaler
-        if not scaler.enabled:  # `_step_together`'s first case, for one optimizer
-            self.take_step(None)
+        if not scaler.enabled:  # `_step_together`'s first case, `take_step(None)` inline
+            self._masters.sync(self.optimizer)
+            if self._compensator is not None:
+                self._compensator.step(self.optimizer)
+            else:
+                self.optimizer.step()
             self.end_step(True)
             scaler.update(scaler.unscale_([]), False)
             return True

@@ -88,17 +88,6 @@ class MasterWeights:
 
     # -- gradients and the step -------------------------------------------------------------
 
-    def has_unmastered_grads(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether a parameter of a master dtype in ``optimizer``'s groups (so without a
-        master) holds a gradient."""
-        dtypes = self.dtypes
-        if dtypes:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.dtype in dtypes and p.grad is not None:
-                        return True
-        return False
-
     def move_grads(self) -> None:
         """Move the model parameters' gradients into their masters (as float32). The first
         move after a step drops a master's gradient whose parameter has none: it is the last
@@ -125,9 +114,20 @@ class MasterWeights:
 
     def sync(self, optimizer: torch.optim.Optimizer) -> None:
         """Move gradients into the masters, first giving a master to any parameter of a
-        master dtype found with a gradient but none. For steps that do not unscale."""
-        if self.dtypes and self.has_unmastered_grads(optimizer):
-            self.add(optimizer)
+        master dtype found with a gradient but none (a parameter of such a dtype in the
+        optimizer's groups has no master). For steps that do not unscale."""
+        dtypes = self.dtypes
+        if dtypes:
+            unmastered = False
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.dtype in dtypes and p.grad is not None:
+                        unmastered = True
+                        break
+                if unmastered:
+                    break
+            if unmastered:
+                self.add(optimizer)
         if self.masters:
             self.move_grads()
 
