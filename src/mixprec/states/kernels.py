@@ -1,6 +1,7 @@
-"""The per-tensor updates of the low-bit optimizers: one elementwise function per algorithm
-that decodes a parameter's moments, updates them and the parameter in float32, and encodes
-them again, all on the flattened tensor cut into blocks (no Python loop over blocks).
+"""The updates of the low-bit optimizers: one elementwise function per algorithm that
+decodes moments, updates them and the parameters in float32, and encodes them again, all on
+a flat tensor cut into blocks (no Python loop over blocks): one parameter's, or a bucket's
+parameters concatenated (`mixprec.states.buckets`).
 
 The same function runs eagerly or compiled by ``torch.compile`` (shapes dynamic, so one
 build serves every parameter size; the hyperparameters arrive in one float32 tensor, so a
