@@ -127,3 +127,19 @@ def test_getting_started_shows_what_mixprec_prints_on_that_cpu(capsys, monkeypat
     assert " ".join(shown.split()) == " ".join(str(err.value).split())
     order = ["## 1. `mixprec info`", "## 2. Your model in bf16-mixed", "## 3. When a precision"]
     assert [page.index(h) for h in order] == sorted(page.index(h) for h in order)
+
+
+LINK = re.compile(r"\]\((?![a-z]+:|#)(?P<target>[^)\s]+)\)")
+
+
+def test_every_relative_link_of_the_pages_leads_to_a_file_in_the_repository():
+    """Read as Markdown files (in a clone, on a code host), the pages' links resolve: results
+    are linked where the repository holds them (`../benchmarks/results/...`), and the site's
+    build points those links at its own results pages."""
+    dead = []
+    for page in [DOCS.parent / "README.md", *sorted(DOCS.glob("*.md"))]:
+        for m in LINK.finditer(page.read_text()):
+            target = m["target"].split("#")[0]
+            if target and not (page.parent / target).exists():
+                dead.append(f"{page.name}: {m['target']}")
+    assert not dead, "links to nothing:\n" + "\n".join(dead)
