@@ -148,9 +148,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # a flat list of op
         "--time-budget",
         type=float,
         metavar="SECONDS",
-        help=f"after --steps rounds, more rounds while a speedup's {CONFIDENCE * 100:.0f}%% interval "
-        f"is wider than {TARGET_WIDTH:.2f}x (high/low), until this many seconds of rounds per "
-        f"batch size (default {DEFAULT_TIME_BUDGET:g}, or 0 when --steps is given)",
+        help=f"after --steps rounds, more rounds while a speedup's {CONFIDENCE * 100:.0f}%% "
+        f"interval is wider than {TARGET_WIDTH:.2f}x (high/low), until this many seconds of "
+        f"rounds per batch size (default {DEFAULT_TIME_BUDGET:g}, or 0 when --steps is given)",
     )
     p.add_argument(
         "--warmup", type=int, help="untimed rounds after the (untimed) memory step (default 1)"
