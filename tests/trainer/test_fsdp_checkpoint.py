@@ -315,3 +315,24 @@ def test_install_replaces_across_kinds_and_an_aside_is_put_back_only_where_missi
     live = tmp_path / f".other.ckpt.{ckpt_io._HOST}.{os.getppid()}.0d.old"  # a running save's
     live.write_bytes(b"in use")
     assert not ckpt_io.recover_aside(tmp_path / "other.ckpt") and live.exists()
+
+
+def test_a_sharded_resume_in_other_optimizer_state_formats_is_refused_naming_them(tmp_path):
+    """An unsharded checkpoint converts its optimizer states to another optimizer_states; a
+    sharded one holds them in DCP shards of their saved layout, so another format is refused
+    before anything is loaded, naming both."""
+    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    first = Trainer(
+        precision="32-true", strategy="fsdp", devices=1, max_steps=2, callbacks=[every_2],
+        optimizer_states="int8", **RUN,
+    )  # fmt: skip
+    first.fit(ShardedDropoutNet(), one_rank_loader())
+    model = ShardedDropoutNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    again = Trainer(
+        precision="32-true", strategy="fsdp", devices=1, max_steps=4, optimizer_states="int4",
+        enable_checkpointing=False, **RUN,
+    )  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"\[\['int8'\]\].*\[\['int4'\]\].*optimizer_states"):
+        again.fit(model, one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

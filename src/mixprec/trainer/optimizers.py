@@ -114,6 +114,12 @@ def scheduler_entry(config: dict[str, Any], optimizers: list[LossScaleOptimizer]
 _CONVERTED_FROM = ((LowBitSGD, ("SGD",)), (LowBitAdam, ("Adam",)), (LowBitAdamW, ("AdamW", "Adam")))
 
 
+def state_formats(optimizer: torch.optim.Optimizer) -> list[str]:
+    """Each group's optimizer-state format: a low-bit optimizer's ``"states"``, float32 for
+    any other optimizer's."""
+    return [str(g.get("states", "float32")) for g in optimizer.param_groups]
+
+
 def across_state_formats(
     state: dict[str, Any], optimizers: list[LossScaleOptimizer], path: Path
 ) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.callbacks import load_callback_states
 from mixprec.trainer.interrupt import ctrl_c_deferred
+from mixprec.trainer.optimizers import state_formats
 from mixprec.trainer.resume import check_resume_point, restore_progress, run_state
 
 if TYPE_CHECKING:
@@ -180,7 +181,17 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
         raise ckpt_io.CheckpointError(
             f"{path} holds optimizers {state['optimizer_types']} and "
             f"{len(state['schedulers'])} schedulers; this run configured {types} and "
-            f"{len(run.schedulers)}: resume with the same configure_optimizers"
+            f"{len(run.schedulers)}: resume with the same configure_optimizers and "
+            "optimizer_states (a sharded checkpoint keeps the optimizers it was saved with)"
+        )
+    formats = [state_formats(opt.optimizer) for opt in run.optimizers]
+    saved_formats = state.get("optimizer_state_formats", formats)  # (older checkpoints)
+    if saved_formats != formats:
+        raise ckpt_io.CheckpointError(
+            f"{path} holds optimizer states in {saved_formats} (per optimizer, per group); "
+            f"this run keeps {formats}: a sharded checkpoint resumes in the formats it was "
+            "saved in, so resume with the optimizer_states it was trained with (an unsharded "
+            "checkpoint converts them). Nothing was loaded"
         )
     loop = state["loop"]
     if saved_world != world and loop["batch"]:
