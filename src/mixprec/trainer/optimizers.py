@@ -31,6 +31,7 @@ __all__ = [
     "parse_optimizers",
     "repoint_converted",
     "scheduler_entry",
+    "state_formats",
     "warn_if_foreign",
 ]
 
