@@ -3,7 +3,7 @@ the answer, when rounds are added, and the budget."""
 
 import pytest
 
-from mixprec.timing import Paired, paired_rounds, quantile, take_turns
+from mixprec.timing import Paired, busy_cores, free_threads, paired_rounds, quantile, take_turns
 
 
 class Scripted:
@@ -111,3 +111,29 @@ def test_take_turns_rotates_the_order_drops_a_failed_step_and_asks_before_each_r
     assert why == "four" and asked == [0, 1, 2, 3, 4]
     assert order == ["a", "b", "c", "b", "c", "a", "a", "c", "c", "a"]
     assert times == {"a": [1.0] * 4, "c": [1.0] * 4}
+
+
+def _stat(busy: int, idle: int, steal: int = 0) -> str:
+    # cpu  user nice system idle iowait irq softirq steal
+    return f"cpu  {busy} 0 0 {idle} 0 0 0 {steal} 0 0\ncpu0 1 0 0 1 0 0 0 0 0 0\n"
+
+
+def test_busy_cores_is_the_busy_share_of_the_sample_times_the_cores():
+    """Another machine's load arrives as steal time and counts as busy; the reading is the
+    change over the sample, not the totals since boot."""
+    reads = iter([_stat(1000, 9000), _stat(1150, 9050)])  # 150 busy of 200 ticks
+    assert busy_cores(0.0, read=lambda: next(reads), cores=2) == 1.5
+    reads = iter([_stat(0, 0, steal=0), _stat(50, 150, steal=50)])  # 100 busy of 250
+    assert busy_cores(0.0, read=lambda: next(reads), cores=4) == pytest.approx(1.6)
+
+
+def test_free_threads_uses_the_free_cores_and_says_why_when_fewer():
+    assert free_threads(2, 0.2, 2) == (2, None)  # a quiet machine: torch's default
+    assert free_threads(2, None, 2) == (2, None)  # the load unknown: torch's default
+    threads, why = free_threads(2, 1.0, 2)  # a burner on one of two cores
+    assert threads == 1
+    assert "other work kept 1.0 of 2 cores busy" in why and why.endswith(
+        "--threads 2 to use them anyway"
+    )
+    assert free_threads(2, 3.7, 2)[0] == 1  # never fewer than one
+    assert free_threads(8, 5.2, 8)[0] == 3

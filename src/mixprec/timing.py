@@ -14,12 +14,22 @@ stayed wide.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-__all__ = ["QUANTILE", "WIDE", "Paired", "paired_rounds", "quantile", "take_turns"]
+__all__ = [
+    "QUANTILE",
+    "WIDE",
+    "Paired",
+    "busy_cores",
+    "free_threads",
+    "paired_rounds",
+    "quantile",
+    "take_turns",
+]
 
 K = TypeVar("K", bound=Hashable)
 
@@ -145,3 +155,55 @@ def paired_rounds(
         clock=clock,
     )
     return Paired(baseline, {n: tuple(t) for n, t in times.items()}, clock() - start)
+
+
+def _cpu_ticks(stat: str) -> tuple[int, int]:
+    """(busy, total) jiffies of all CPUs from the first line of /proc/stat: busy counts
+    user, nice, system, irq, softirq and steal (another virtual machine on the host)."""
+    fields = [int(x) for x in stat.split("\n", 1)[0].split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, steal = fields + [0] * (8 - len(fields))
+    busy = user + nice + system + irq + softirq + steal
+    return busy, busy + idle + iowait
+
+
+def busy_cores(
+    sample_s: float = 0.25,
+    read: Callable[[], str] | None = None,
+    cores: int | None = None,
+) -> float | None:
+    """How many cores other work keeps busy now: the CPUs' busy share over `sample_s` seconds
+    in which this process sleeps, times the cores (Linux's /proc/stat; `read` returns its
+    text). Elsewhere the 1-minute load average, which lags; None when neither is known."""
+    cores = cores or os.cpu_count() or 1
+    if read is None and os.path.exists("/proc/stat"):
+
+        def read() -> str:
+            with open("/proc/stat") as f:
+                return f.read()
+
+    if read is not None:
+        busy0, total0 = _cpu_ticks(read())
+        time.sleep(sample_s)
+        busy1, total1 = _cpu_ticks(read())
+        if total1 > total0:
+            return cores * (busy1 - busy0) / (total1 - total0)
+    if hasattr(os, "getloadavg"):
+        return min(float(cores), os.getloadavg()[0])
+    return None
+
+
+def free_threads(default: int, busy: float | None, cores: int) -> tuple[int, str | None]:
+    """The threads a CPU measurement should use when other work keeps `busy` of `cores`
+    busy: `default` while that many cores are free, else the free ones (at least one), and
+    why fewer. Threads of one op wait for each other, so one that shares its core with other
+    work stalls them all; a speed-up measured so is lower than free cores give."""
+    if busy is None:
+        return default, None
+    free = max(1, int(cores - busy + 0.5))
+    if free >= default:
+        return default, None
+    return free, (
+        f"{free} thread(s), not torch's {default}: other work kept {busy:.1f} of {cores} cores "
+        f"busy as the run began (threads sharing a core with other work wait for each other "
+        f"at every op); --threads {default} to use them anyway"
+    )

@@ -657,3 +657,29 @@ def test_out_of_memory_in_any_library_words_counts_as_oom(message):
 
     assert is_oom(RuntimeError(message))
     assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_the_default_thread_count_leaves_cores_other_work_keeps_busy(monkeypatch):
+    """Threads that share a core with other work wait for each other at every op, which
+    lowers a speed-up measured on them: without --threads the run takes the free cores,
+    says so, and writes the count into the reproduce command; --threads is obeyed."""
+    import os
+
+    from mixprec.bench import suite
+
+    cores = os.cpu_count() or 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setattr(suite, "busy_cores", lambda: cores - 1.0)
+        busy = plan(BenchOptions(precisions=["32-true"], batch_sizes=[2], device="cpu"))
+        asked = plan(BenchOptions(precisions=["32-true"], batch_sizes=[2], device="cpu", threads=2))
+        monkeypatch.setattr(suite, "busy_cores", lambda: 0.0)
+        quiet = plan(BenchOptions(precisions=["32-true"], batch_sizes=[2], device="cpu"))
+    finally:
+        torch.set_num_threads(before)
+    assert busy.options.threads == 1 and "--threads 1" in busy.command
+    assert f"other work kept {cores - 1.0:.1f} of {cores} cores busy" in busy.threads_note
+    assert asked.options.threads == 2 and asked.threads_note is None
+    if cores >= 2:  # two free cores: torch's default
+        assert quiet.options.threads == 2 and quiet.threads_note is None

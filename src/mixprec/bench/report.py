@@ -318,7 +318,8 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
     meta = report.metadata
     out = [
         f"timing: {meta['timing']}; {meta['warmup']} warm-up round(s) after the memory "
-        f"step, {meta['threads']} thread(s)",
+        f"step, {meta['threads']} thread(s)"
+        + (f" ({meta['threads_note']})" if meta.get("threads_note") else ""),
         f"peak memory: {meta['memory_method']}",
         f"speedup: the median over rounds of float32's (32-true) step time / this row's at "
         f"the same batch size, and its {CONFIDENCE:.0%} interval (order statistics of the "

@@ -60,6 +60,7 @@ from mixprec.hardware import (
 from mixprec.hardware.measuring import measure
 from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy.map import PolicyMap, is_policy_file
+from mixprec.timing import busy_cores, free_threads
 from mixprec.version import __version__
 
 __all__ = [
@@ -128,7 +129,8 @@ class BenchOptions:
             given.
         warmup: untimed rounds before them.
         device: "cpu", "cuda", "cuda:N"; None: the best one available.
-        threads: CPU threads each configuration's process uses.
+        threads: CPU threads the configurations use; None: torch's default, or fewer
+            when other work keeps cores busy as the run begins (`timing.free_threads`).
         tf32: on CUDA, float32 rows with TF32 "on", "off" or "both".
         allow_slow: also time precisions rated slow on this device.
         memory_limit: bytes a configuration may use; past it, it is reported out of memory.
@@ -184,6 +186,8 @@ class Plan:
     command: str
     asked: bool = False
     left_out: dict[str, Support] = field(default_factory=dict)
+    # why fewer threads than torch's default were chosen (other work on the cores), or None
+    threads_note: str | None = None
 
     @property
     def times_low_precision(self) -> bool:
@@ -247,7 +251,6 @@ def _resolve(opts: BenchOptions) -> BenchOptions:
         image_size=opts.image_size if opts.image_size is not None else DEFAULT_IMAGE_SIZE,
         steps=opts.steps if opts.steps is not None else 10,
         warmup=opts.warmup if opts.warmup is not None else 1,
-        threads=opts.threads if opts.threads is not None else torch.get_num_threads(),
     )
 
 
@@ -368,6 +371,13 @@ def plan(options: BenchOptions) -> Plan:
     if not opts.timeout > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {opts.timeout}")
     device = _device(opts.device)
+    threads_note = None
+    if opts.threads is None:
+        threads = torch.get_num_threads()
+        if device.type == "cpu":  # a GPU's timing does not wait for busy CPU cores
+            cores = os.cpu_count() or 1
+            threads, threads_note = free_threads(threads, busy_cores(), cores)
+        opts = replace(opts, threads=threads)
     if opts.max_batch and device.type == "cpu" and opts.memory_limit is None:
         raise ValueError(
             "--max-batch on a CPU needs --memory-limit (e.g. 2GiB): host memory is shared "
@@ -401,7 +411,7 @@ def plan(options: BenchOptions) -> Plan:
                         label += " (compiled)"
                     configs.append(Config(label, name, batch, tf32, mixed, island, opts.compile))
     command = reproduce_command(opts, device)
-    return Plan(opts, device, policies, support, configs, command, asked, left_out)
+    return Plan(opts, device, policies, support, configs, command, asked, left_out, threads_note)
 
 
 def comparison_gap(p: Plan) -> dict[str, Any] | None:
@@ -501,6 +511,7 @@ def metadata(p: Plan) -> dict[str, Any]:
         "time_budget_s": o.time_budget,
         "warmup": o.warmup,
         "threads": o.threads,
+        "threads_note": p.threads_note,
         "memory_limit": o.memory_limit,
         "float32_islands": o.float32_islands,
         "compile": o.compile,

@@ -157,7 +157,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # a flat list of op
     )
     p.add_argument("--preset", choices=sorted(PRESETS), help="blog: 256x256, batch 32..512 (GPU)")
     p.add_argument("--device", help="cpu or cuda[:N] (default: the best available)")
-    p.add_argument("--threads", type=int, help="torch threads (default: torch's default here)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        help="torch threads (default: torch's default here, fewer when other work keeps "
+        "cores busy as the run begins)",
+    )
     p.add_argument("--tf32", choices=("on", "off", "both"), help="CUDA float32 rows (default both)")
     p.add_argument(
         "--allow-slow",
@@ -505,6 +510,8 @@ def run_command(args: argparse.Namespace) -> int:
         f"batch {', '.join(map(str, o.batch_sizes or []))} on {p.device}"
     )
     console.print(f"reproduce: {p.command}", highlight=False, soft_wrap=True)
+    if p.threads_note:
+        err.print(f"[yellow]{p.threads_note}[/]", highlight=False, soft_wrap=True)
     load = [round(x, 2) for x in os.getloadavg()]
     busy = busy_machine_warning(load, o.threads or 1, p.device.type)
     if busy:
