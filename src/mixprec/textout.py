@@ -5,7 +5,8 @@ A table drawn by rich squeezes its columns to the console's width and cuts what 
 its least useful columns until the rest fit (saying which, and where the full table is) and
 wraps, never cuts, what is still too wide. `console()` gives the width to fit: the terminal's
 (rich honours ``COLUMNS``), or, written to a file or a pipe, ``COLUMNS`` when set and
-otherwise a width nothing is cut at.
+otherwise `FILE_WIDTH`, at which a table keeps every column and wraps its cells between words,
+never inside one, so that a name in it can still be searched for.
 """
 
 from __future__ import annotations
@@ -15,24 +16,34 @@ import sys
 import textwrap
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["Column", "FittedTable", "console"]
+__all__ = ["Column", "FileConsole", "FittedTable", "console"]
 
-# written to a file or a pipe without COLUMNS: wide enough that no line of ours wraps
-FILE_WIDTH = 400
+# written to a file or a pipe without COLUMNS: the width tables are wrapped to (wider where a
+# column's longest word needs it); prose is not wrapped
+FILE_WIDTH = 120
+
+
+class FileConsole(Console):
+    """A console writing to a file or a pipe: its tables keep every column and break no
+    word, growing past the width when their longest words need it (nothing is cropped)."""
+
+    def print(self, *objects: Any, crop: bool = False, **kwargs: Any) -> None:
+        super().print(*objects, crop=crop, **kwargs)
 
 
 def console(stderr: bool = False) -> Console:
     """A console for the CLI's output: the terminal's width on a terminal; in a file or a
-    pipe, ``COLUMNS`` when it is set, else `FILE_WIDTH` (a file never cuts a table)."""
+    pipe, ``COLUMNS`` when it is set, else a `FileConsole` of `FILE_WIDTH`."""
     stream = sys.stderr if stderr else sys.stdout
     if stream.isatty() or os.environ.get("COLUMNS", "").isdigit():
         return Console(stderr=stderr)
-    return Console(stderr=stderr, width=FILE_WIDTH)
+    return FileConsole(stderr=stderr, width=FILE_WIDTH)
 
 
 @dataclass(frozen=True)
@@ -106,7 +117,40 @@ class FittedTable:
         left = [c.header for i, c in enumerate(self.columns) if i not in keep]
         return table, left
 
+    def whole(self, width: int) -> Table:
+        """Every column, in `width` cells or as few more as its longest words need: the widest
+        columns are narrowed first, none below its longest word, and cells wrap between
+        words."""
+        shown = list(range(len(self.columns)))
+        widths = [self.natural(i) for i in shown]
+        floors = [
+            max(
+                [len(w) for w in c.header.split()]
+                + [
+                    len(w)
+                    for cells, _ in self.rows
+                    for w in Text.from_markup(cells[i]).plain.split()
+                ]
+            )
+            for i, c in enumerate(self.columns)
+        ]
+        while sum(w + 3 for w in widths) + 1 > width:
+            narrowable = [i for i in shown if widths[i] > floors[i]]
+            if not narrowable:
+                break
+            i = max(narrowable, key=lambda i: widths[i])
+            widths[i] -= 1
+        table = Table(title=self.title)
+        for c, w in zip(self.columns, widths, strict=True):
+            table.add_column(c.header, justify=c.justify, overflow="fold", width=w)  # type: ignore[arg-type]
+        for cells, style in self.rows:
+            table.add_row(*cells, style=style)
+        return table
+
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if isinstance(console, FileConsole):
+            yield from console.render(self.whole(options.max_width), options.update_width(1 << 16))
+            return
         table, left = self.table(options.max_width)
         yield table
         yield from self._note(left)

@@ -208,3 +208,27 @@ def test_runs_started_in_the_same_second_get_their_own_default_folders(tmp_path)
     with ThreadPoolExecutor(8) as pool:
         made = list(pool.map(lambda _: new_output_dir(tmp_path / "race", "stamp"), range(8)))
     assert len(set(made)) == 8 and all(path.is_dir() for path in made)
+
+
+def test_written_to_a_file_a_table_keeps_every_column_and_wraps_between_words():
+    """Piped, a table is no wider than `FILE_WIDTH` when its words allow: prose cells wrap
+    between words, every column stays, and a name longer than the room left is kept whole
+    (the table grows instead), so it can still be searched for."""
+    import io
+
+    prose = " ".join(["the reason this precision is rated as it is here"] * 6)
+    table = textout.FittedTable(
+        "t", [textout.Column("precision", "left"), textout.Column("why", "left", keep=1)]
+    )
+    table.add_row(["bf16-mixed", prose])
+    out = io.StringIO()
+    textout.FileConsole(width=textout.FILE_WIDTH, file=out).print(table)
+    lines = out.getvalue().splitlines()
+    assert max(len(line) for line in lines) <= textout.FILE_WIDTH and len(lines) > 6
+    joined = " ".join(line.split("│")[2].strip() for line in lines if line.count("│") == 3)
+    assert joined == prose  # every word of the cell, in order, none broken
+    long = "x" * (textout.FILE_WIDTH + 20)
+    table.add_row([long, "short"])
+    out = io.StringIO()
+    textout.FileConsole(width=textout.FILE_WIDTH, file=out).print(table)
+    assert long in out.getvalue() and "left out" not in out.getvalue()
