@@ -80,6 +80,7 @@ def _info(args: argparse.Namespace) -> int:
             name = str(dtype).removeprefix("torch.")
             console.print(f"{name} would be fast on: {where}", highlight=False)
     console.print(_STRATEGIES, highlight=False)
+    console.print(_GLOSSARY, style="dim", highlight=False)
     if args.measure:
         rates = measure_rates(device=info.device, seconds=args.seconds, repeats=args.repeats)
         t = FittedTable(
@@ -120,10 +121,16 @@ def _ratings_source(info: DeviceInfo) -> str:
         return f"bfloat16 and float16 rated by this CPU's flags alone ({why})"
     ratios = ", ".join(f"{name} {r:.2g}x" for name, r in sorted(info.gemm_ratios.items()))
     return (
-        f"bfloat16 and float16 rated by their GEMM speed against float32 ({ratios}; below "
+        f"bfloat16 and float16 rated by their GEMM (matrix multiply, most of a training "
+        f"step's work) speed against float32 ({ratios}; below "
         f"{SLOW_BELOW}x is slow): {info.gemm_note or 'as described'}"
     )
 
+
+_GLOSSARY = (
+    "words used here (GEMM, VNNI, amax, float32 island, 16-mixed, int8_from_float32, ...) are "
+    "explained in docs/glossary.md"
+)
 
 _STRATEGIES = (
     "several processes: Trainer(strategy='ddp') while the model, its gradients and optimizer "
