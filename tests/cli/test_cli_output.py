@@ -65,6 +65,11 @@ def test_info_at_80_columns_cuts_nothing_and_says_why_bf16_mixed_is_fast(capsys,
     assert "bf16-mixed fast bfloat16: bfloat16 matrix instructions" in flat
     assert "float32: baseline" in flat  # the 32-true row only
     assert flat.count("float32: baseline") == 1
+    # the jargon points to the glossary, and every term it names is defined there
+    assert "explained in docs/glossary.md" in flat
+    named = flat.split("words used here (", 1)[1].split(", ...)", 1)[0].split(", ")
+    terms = (ROOT / "docs" / "glossary.md").read_text()
+    assert len(named) >= 5 and all(term in terms for term in named), named
 
 
 def test_the_bench_table_at_80_columns_leaves_out_columns_and_names_them():
