@@ -306,7 +306,7 @@ def busy_machine_warning(load: list[float] | None, threads: int, device_type: st
     cores = os.cpu_count() or 1
     return (
         f"WARNING: other work was using the CPUs (1-minute load {load[0]} on {cores} cores, "
-        f"{threads} thread(s) asked for): single steps are slowed at random; the speedup "
+        f"{threads} thread(s) timing): single steps are slowed at random; the speedup "
         "is taken from paired rounds with its interval, and withheld if still too noisy; "
         f"for tighter figures, {_rerun_advice(threads)}"
     )
