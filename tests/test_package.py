@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"dtypes", "compensated", "formats", "hardware.gemm_ratio"},
     {"policy.names"},
     {"policy"},
-    {"quantize", "states"},
+    {"quantize", "states", "activations"},
     {"policy.map", "tree"},
     {"hardware"},
     {"convert", "scaling", "hardware.measuring"},

@@ -12,6 +12,7 @@ computing in 16 bits may also get an attention island (`Resolution.float32_atten
 from __future__ import annotations
 
 import contextlib
+import copy
 import difflib
 import inspect
 import sys
@@ -28,6 +29,9 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
+from mixprec.activations import ActivationForward, saved_bytes
+from mixprec.activations import check as check_activations
+from mixprec.activations import install as install_activations
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import (
@@ -372,7 +376,7 @@ def _region_key(p: Policy) -> tuple[bool, torch.dtype, torch.dtype]:
 def _strip_regions(model: nn.Module) -> None:
     for module in model.modules():
         region = module.__dict__.get("forward")
-        while isinstance(region, (_Region, _AttentionIsland)):
+        while isinstance(region, (_Region, _AttentionIsland, ActivationForward)):
             if region.original is None:
                 del module.__dict__["forward"]
             else:
@@ -546,6 +550,9 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     resolved = pmap.resolve(model, slow_attention=slow, device_type=device.type)
     if warn:
         warn_unmatched(pmap, model)
+        if pmap.activations is not None:
+            pmap.activations.warn_unmatched(model, stacklevel=2)
+    check_activations(model, pmap.activation_choices(model))
     # everything that can refuse the policy runs before the model changes: a refused
     # re-apply leaves the previous policy in place, weights unrounded
     _check_bypassed(model, resolved)
@@ -571,6 +578,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
         resolved = _after_swap(model, resolved)
     _convert(_dtype_plan(model, resolved))
     _install_regions(model, resolved)
+    install_activations(model, pmap.activation_choices(model))  # outside the regions
     set_fast_paths(model)  # torch's fused transformer layers would pass regions over
     model.__dict__[_STATE] = AppliedState(pmap, original)
     return model
@@ -612,6 +620,7 @@ def explain(
     *,
     device: torch.device | str | None = None,
     optimizer_states: str | None = None,
+    batch: Any = None,
 ) -> Explanation:
     """What each layer of `model` runs in under `policy` (default: the policy `apply` gave
     the model, else the global one), and under quantized policies which layers are
@@ -619,15 +628,23 @@ def explain(
     which layers are float32 islands beyond what the device's own autocast does, as `apply`
     decides it on `device` (default: the model's; "cuda" on a CPU-only machine shows what a
     GPU run would do); each parameter's optimizer-state format under a map with ``states``
-    or with ``optimizer_states`` (`Precision`'s)."""
+    or with ``optimizer_states`` (`Precision`'s); each module's activation option under a map
+    with ``activations``, and with ``batch`` (a tensor, or a tuple of the forward's
+    arguments) the bytes each module's own ops save for the backward in one forward of a
+    converted copy of `model` on it (`Explanation.saved_bytes`)."""
     where = parse_device(device) if device is not None else device_of(model)
-    return policy_map.explain(
+    found = policy_map.explain(
         model,
         policy,
         slow_attention=device_slow_attention(where),
         device_type=where.type,
         optimizer_states=optimizer_states,
     )
+    if batch is not None:
+        converted = apply(copy.deepcopy(model), policy or applied_policy(model), warn=False)
+        inputs = batch if isinstance(batch, tuple) else (batch,)
+        found.saved_bytes = saved_bytes(converted, *inputs)
+    return found
 
 
 def _to_cast(module: nn.Module, policy: Policy, regions: dict[int, Policy]) -> tuple[str, ...]:

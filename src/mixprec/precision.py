@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.activations import ActivationsSpec, as_rules, check_device
 from mixprec.compensated import check_compensation
 from mixprec.convert import (
     apply,
@@ -96,6 +97,12 @@ class Precision:
             parameter groups, and its own ``step`` raises). Other optimizers are refused, and
             so is a `mixprec.states` optimizer keeping another format. ``None`` (default)
             converts only when the policy map has ``states``.
+        activations: how each layer keeps the tensors its forward saves for the backward
+            (`mixprec.activations`): one option for every layer (``"keep"``, ``"bf16"``,
+            ``"fp8"``, ``"checkpoint"``, ``"selective"``, ``"offload"``, CUDA only) or a
+            mapping {module path regex or module type: option}. It becomes the policy map's
+            ``activations`` (a map with others refuses it), which ``setup`` puts on the
+            model. ``None`` (default) leaves them to the map.
 
     Life cycle: built (a policy other than ``"auto"`` and the scaler are known at once), then
     `resolve` once for the device it runs on (``"auto"`` picked, the hardware checked; ``setup``
@@ -114,6 +121,7 @@ class Precision:
         device_info: DeviceInfo | None = None,
         compensation: str | None = None,
         optimizer_states: str | None = None,
+        activations: ActivationsSpec | None = None,
     ) -> None:
         if not isinstance(allow_slow, bool):
             raise TypeError(f"allow_slow must be True or False, got {allow_slow!r}")
@@ -138,6 +146,7 @@ class Precision:
         self.optimizer_states = (
             str(parse_state_format(optimizer_states)) if optimizer_states is not None else None
         )
+        self.activations = as_rules(activations)
         self.optimizers: list[LossScaleOptimizer] = []
         # (the optimizer given to setup, the low-bit one it was converted into)
         self._converted: list[tuple[torch.optim.Optimizer, LowBitOptimizer]] = []
@@ -162,6 +171,8 @@ class Precision:
         else:
             self._policy = as_map(self._spec)
         self._policy.state_default(self.optimizer_states)  # refuses two formats given
+        if self.activations is not None:
+            self._policy = self._policy.with_activations(self.activations)
         self._scaler = as_loss_scaler(
             self._scaler_spec, needs_scaling=self._policy.needs_loss_scaling
         )
@@ -279,6 +290,14 @@ class Precision:
             self.device = device_of(model)
         if self._resolved is None:
             self.resolve()
+        if self.policy.activations is not None:
+            if not convert:
+                raise ValueError(
+                    "activation options are put on the model by setup's conversion, and "
+                    "convert=False (a model sharded by mixprec.shard) skips it: leave "
+                    "activations out of a sharded run's precision"
+                )
+            check_device(self.policy.activations.options, self.device.type)
         if convert:
             before = dict(model.named_parameters())
             apply(model, self.policy, warn=False)  # the device was checked by `resolve`

@@ -24,7 +24,10 @@ as the map's ``float32_attention`` says.
 
 A map may also say which optimizer-state format each parameter's moments take (``states``:
 one format for all, or rules from module paths to formats), read by
-`mixprec.Precision.setup` when it converts the optimizer and shown by `explain`.
+`mixprec.Precision.setup` when it converts the optimizer and shown by `explain`; and how
+each layer keeps the tensors its forward saves for the backward (``activations``: one option
+for all, or rules from module paths or types to options, `mixprec.activations`), put on the
+model by `mixprec.apply` and shown by `explain`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mixprec.activations.rules import ActivationRules, ActivationsSpec, Choice, as_rules
 from mixprec.errors import PolicySpecError
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.quantize.rules import skip_reason
@@ -204,6 +208,9 @@ class PolicyMap:
     ``states``: the optimizer-state format of every parameter (``"int8"``) or rules from
     module path regexes to formats (``{"head": "int4", "tok": "float32"}``, first match in
     order), for `Precision.setup` to convert the optimizer with (`state_formats`).
+    ``activations``: how every layer keeps its saved activations (``"fp8"``) or rules from
+    module path regexes or module types to options (``{r"blocks\\.\\d+": "checkpoint"}``),
+    which `mixprec.apply` puts on the model (`mixprec.activations`).
     """
 
     def __init__(
@@ -214,8 +221,11 @@ class PolicyMap:
         float32_islands: bool = True,
         float32_attention: bool | None = None,
         states: StatesSpec | None = None,
+        activations: ActivationsSpec | ActivationRules | None = None,
     ) -> None:
         self.default: Policy = as_policy(default)
+        # how each layer keeps its saved activations: None keeps them all as torch does
+        self.activations: ActivationRules | None = as_rules(activations)
         # optimizer-state formats: one for every parameter, or {module path regex: format}
         self.states: str | dict[str, str] | None = _checked_states(states)
         if not isinstance(float32_islands, bool):
@@ -470,6 +480,29 @@ class PolicyMap:
             stacklevel=stacklevel + 1,
         )
 
+    def activation_choices(self, model: nn.Module) -> dict[str, Choice]:
+        """Each module's activation option and why (``keep`` everywhere without
+        ``activations``), as `mixprec.activations.ActivationRules.resolve` decides."""
+        return (self.activations or ActivationRules()).resolve(model)
+
+    def with_activations(self, activations: ActivationsSpec | ActivationRules) -> PolicyMap:
+        """This map with ``activations`` (`Precision`'s); refused when this map has other
+        activation rules: they are given once."""
+        given = as_rules(activations)
+        if self.activations is not None and self.activations != given:
+            raise PolicySpecError(
+                f"activations={given.spec()!r}, but the policy map's activations say "
+                f"{self.activations.spec()!r}: give them once"
+            )
+        return PolicyMap(
+            self.default,
+            self.rules,
+            float32_islands=self.float32_islands,
+            float32_attention=self.float32_attention,
+            states=self.states,
+            activations=given,
+        )
+
     def policies(self) -> set[Policy]:
         """Every policy this map can hand out (default, rules, and islands)."""
         found = {self.default, *self._types.values(), *(p for _, p in self._paths.values())}
@@ -503,6 +536,11 @@ class PolicyMap:
                 else {}
             ),
             **({"states": self.states} if self.states is not None else {}),
+            **(
+                {"activations": _activations_config(self.activations)}
+                if self.activations is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -513,7 +551,8 @@ class PolicyMap:
         if not isinstance(config, Mapping) or "default" not in config:
             raise PolicySpecError(
                 "PolicyMap.from_config takes the dict PolicyMap.to_config() returns (keys "
-                "default, rules, float32_islands, float32_attention, states; 'default', the "
+                "default, rules, float32_islands, float32_attention, states, activations; "
+                "'default', the "
                 f"policy of the modules no rule names, is required), got {config!r}"
             )
         unknown = [key for key in config if key not in _MAP_KEYS]
@@ -523,7 +562,8 @@ class PolicyMap:
                 "'default' (a policy), 'rules' (a list of rules, " + _RULE_FORM + "), "
                 "'float32_islands' (true or false), 'float32_attention' (true or false; "
                 "left out: where the device's 16-bit attention is slower than float32) and "
-                "'states' (an optimizer-state format, or {module path regex: format})"
+                "'states' (an optimizer-state format, or {module path regex: format}) and "
+                "'activations' (an activation option, or a list of rules, " + _ACTIVATION_FORM + ")"
             )
         default = _config_policy("'default'", config["default"])
         rule_list = config.get("rules", [])
@@ -560,14 +600,18 @@ class PolicyMap:
             float32_islands=islands,
             float32_attention=attention,
             states=config.get("states"),
+            activations=_config_activations(config["activations"])
+            if "activations" in config
+            else None,
         )
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write `to_config()` as a JSON policy file (atomically: a reader never sees half of
         it); `PolicyMap.load`, `mixprec.Precision`, the Trainer's ``precision=`` and the
         CLI's ``--precision`` read it back. Returns the path."""
-        for t in self._types:
-            _check_nameable(t, "PolicyMap.load could not import it back")
+        for t in [*self._types, *(self.activations.rules if self.activations else {})]:
+            if isinstance(t, type):
+                _check_nameable(t, "PolicyMap.load could not import it back")
         path = Path(path)
         if path.is_dir():
             raise IsADirectoryError(
@@ -639,6 +683,8 @@ class PolicyMap:
             lines.append(f"    float32_attention={self.float32_attention},")
         if self.states is not None:
             lines.append(f"    states={self.states!r},")
+        if self.activations is not None:
+            lines.append(f"    activations={_activations_code(self.activations)},")
         lines.append(")")
         return "\n".join(lines)
 
@@ -655,14 +701,79 @@ class PolicyMap:
             for k, p in self.rules.items()
         )
         states = f", states={self.states!r}" if self.states is not None else ""
+        if self.activations is not None:
+            states += f", activations={self.activations.spec()!r}"
         return f"PolicyMap({self.default.name!r}, {{{rules}}}{states})"
 
 
-_MAP_KEYS = ("default", "rules", "float32_islands", "float32_attention", "states")
+_MAP_KEYS = ("default", "rules", "float32_islands", "float32_attention", "states", "activations")
 _RULE_FORM = (
     "{'path': regex, 'policy': policy} or {'type': 'package.module.Class', 'policy': policy}, "
     "a policy being a name such as 'bf16-mixed' or what Policy.to_config() gives"
 )
+
+
+_ACTIVATION_FORM = (
+    "each {'path': regex, 'option': option} or {'type': 'package.module.Class', 'option': "
+    "option}, an option being 'keep', 'bf16', 'fp8', 'checkpoint', 'selective' or 'offload'"
+)
+
+
+def _activations_config(rules: ActivationRules) -> str | list[dict[str, str]]:
+    """``activations`` as a policy file keeps it: the one option, or the rules in order."""
+    if not rules.rules:
+        return rules.default
+    return [
+        {"path": key, "option": option}
+        if isinstance(key, str)
+        else {"type": _type_name(key), "option": option}
+        for key, option in rules.rules.items()
+    ]
+
+
+def _activations_code(rules: ActivationRules) -> str:
+    """Python source of ``activations``: the option, or the rules dict."""
+    if not rules.rules:
+        return repr(rules.default)
+    items = []
+    for key, option in rules.rules.items():
+        if isinstance(key, type):
+            _check_nameable(key, "source code cannot name it")
+        items.append(
+            f"{key!r}: {option!r}" if isinstance(key, str) else f"{_type_name(key)}: {option!r}"
+        )
+    return "{" + ", ".join(items) + "}"
+
+
+def _config_activations(value: Any) -> ActivationRules:
+    """The ``activations`` of a config, as strictly checked as its policy rules."""
+    if isinstance(value, str):
+        return ActivationRules(value)
+    if not isinstance(value, (list, tuple)):
+        raise PolicySpecError(
+            f"'activations' is {_describe(value)}; it is one activation option ('fp8') or a "
+            "list of rules, " + _ACTIVATION_FORM
+        )
+    rules: dict[RuleKey, str] = {}
+    for i, rule in enumerate(value):
+        where = f"activation rule {i}"
+        forms = ({"path", "option"}, {"type", "option"})
+        if not isinstance(rule, Mapping) or set(rule) not in forms:
+            shown = dict(rule) if isinstance(rule, Mapping) else rule
+            raise PolicySpecError(f"{where} is {_describe(shown)}; " + _ACTIVATION_FORM)
+        kind = "path" if "path" in rule else "type"
+        if not isinstance(rule[kind], str):
+            raise PolicySpecError(f"{where} '{kind}' is {_describe(rule[kind])}; it is a string")
+        key: RuleKey = rule[kind]
+        if kind == "type":
+            found = _import_type(rule[kind])
+            if not (isinstance(found, type) and issubclass(found, nn.Module)):
+                raise PolicySpecError(f"{where} 'type' {rule[kind]!r} is not an nn.Module subclass")
+            key = found
+        if key in rules:
+            raise PolicySpecError(f"{where} repeats the rule for {rule[kind]!r}: one rule each")
+        rules[key] = rule["option"]
+    return ActivationRules(rules)
 
 
 def _checked_states(states: Any) -> str | dict[str, str] | None:
@@ -814,8 +925,13 @@ class Explanation(dict):
         resolved: dict[str, Resolution],
         device_type: str = "cpu",
         states: Mapping[str, Assignment] | None = None,
+        activations: Mapping[str, Choice] | None = None,
     ) -> None:
         super().__init__({name: r.policy for name, r in resolved.items()})
+        # under a map with ``activations``: each module's activation option and why; with a
+        # batch (`mixprec.explain(..., batch=)`), the bytes each module's own ops saved
+        self.activations = dict(activations or {})
+        self.saved_bytes: dict[str, int] = {}
         # under a map with ``states``: each parameter's optimizer-state format and why
         self.states = {name: (str(fmt), why) for name, (fmt, why) in (states or {}).items()}
         self.sources = {name: r.source for name, r in resolved.items()}
@@ -870,6 +986,10 @@ class Explanation(dict):
             columns.insert(6, "quantized")
         if self.states:
             columns.append("optimizer states")
+        if self.activations:
+            columns.append("activations")
+        if self.saved_bytes:
+            columns.append("saved")
         for col in columns:
             table.add_column(col)
         for name, p in self.items():
@@ -889,8 +1009,14 @@ class Explanation(dict):
                     else ""
                 ),
                 *([self._states_of(name)] if self.states else []),
+                *([self._activation_of(name)] if self.activations else []),
+                *([_size(self.saved_bytes.get(name, 0))] if self.saved_bytes else []),
             )
         return table
+
+    def _activation_of(self, module: str) -> str:
+        option, why = self.activations.get(module, ("keep", "default"))
+        return f"{option} ({why})"
 
     def _states_of(self, module: str) -> str:
         """The state formats of ``module``'s own parameters: ``weight int8 (default)``."""
@@ -906,6 +1032,13 @@ class Explanation(dict):
         console = Console(width=140, record=True, file=io.StringIO())
         console.print(self)
         return console.export_text()
+
+
+def _size(n: int) -> str:
+    """Bytes as a table shows them: in B, KiB or MiB, with one decimal above B."""
+    if n < 1024:
+        return f"{n} B" if n else "0"
+    return f"{n / 1024:.1f} KiB" if n < 1024**2 else f"{n / 1024**2:.1f} MiB"
 
 
 # where `mixprec.apply` keeps what it did on the root module (its `AppliedState`)
@@ -924,7 +1057,9 @@ def explain(
     the model, else the global one), and under quantized policies which layers are
     quantized and which skipped, and why; under a map with ``states`` or with
     ``optimizer_states`` (`Precision`'s, the run's default state format), each parameter's
-    optimizer-state format and why (`Explanation.states`), as `Precision.setup` gives them.
+    optimizer-state format and why (`Explanation.states`), as `Precision.setup` gives them;
+    under a map with ``activations``, each module's activation option and why
+    (`Explanation.activations`).
     `slow_attention` and `device_type` as `PolicyMap.resolve` takes them (`mixprec.explain`
     passes the model's device's)."""
     if policy is None:
@@ -936,4 +1071,8 @@ def explain(
     pmap.warn_unmatched_states(model, stacklevel=2)
     has_states = pmap.states is not None or default is not None
     states = pmap.state_formats(model, default) if has_states else None
-    return Explanation(model, resolved, device_type, states)
+    activations = None
+    if pmap.activations is not None:
+        pmap.activations.warn_unmatched(model, stacklevel=2)
+        activations = pmap.activation_choices(model)
+    return Explanation(model, resolved, device_type, states, activations)

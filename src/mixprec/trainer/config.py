@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from mixprec.activations import as_rules
 from mixprec.hardware import DeviceInfo, Support
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
@@ -267,7 +268,11 @@ def _check_given(precision: Precision, device: torch.device, allow_slow: bool) -
 
 
 def choose_precision(
-    precision: Any, device: torch.device, allow_slow: bool, optimizer_states: str | None = None
+    precision: Any,
+    device: torch.device,
+    allow_slow: bool,
+    optimizer_states: str | None = None,
+    activations: Any = None,
 ) -> tuple[Precision, Support, str]:
     """The `Precision` a Trainer's ``precision`` flag means on ``device``, resolved there once
     (`Precision.resolve`: ``"auto"`` picked, the hardware checked), with its support and the
@@ -275,9 +280,10 @@ def choose_precision(
 
     A configured `Precision` is used as it is, not copied: the runs go through that object
     (each begins with `Precision.reset`). A spec, Policy or PolicyMap becomes
-    ``Precision(spec, allow_slow=allow_slow, optimizer_states=optimizer_states)``. Raises as
-    `resolve_precision` does, and ``ValueError`` when a configured Precision contradicts the
-    Trainer's device, ``allow_slow_precision`` or ``optimizer_states``.
+    ``Precision(spec, allow_slow=allow_slow, optimizer_states=optimizer_states,
+    activations=activations)``. Raises as `resolve_precision` does, and ``ValueError`` when a
+    configured Precision contradicts the Trainer's device, ``allow_slow_precision``,
+    ``optimizer_states`` or ``activations``.
     """
     if isinstance(precision, Precision):
         _check_given(precision, device, allow_slow)
@@ -288,8 +294,20 @@ def choose_precision(
                 f"with optimizer_states={precision.optimizer_states!r}; the Trainer runs a "
                 "configured Precision as it is: set it there"
             )
+        wanted_rules = as_rules(activations)
+        if wanted_rules is not None and precision.activations != wanted_rules:
+            raise ValueError(
+                f"activations={activations!r}, but the Precision given was built with "
+                f"activations={precision.activations!r}; the Trainer runs a configured "
+                "Precision as it is: set them there"
+            )
     else:
-        precision = Precision(precision, allow_slow=allow_slow, optimizer_states=optimizer_states)
+        precision = Precision(
+            precision,
+            allow_slow=allow_slow,
+            optimizer_states=optimizer_states,
+            activations=activations,
+        )
     support = precision.resolve(device)
     info = precision.resolved_for
     assert info is not None

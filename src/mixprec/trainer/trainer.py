@@ -129,6 +129,10 @@ class Trainer:
             (`mixprec.Precision`'s ``optimizer_states``: small parameters and embedding
             tables keep float32, a PolicyMap's ``states`` rules apply); its schedulers move
             to the converted optimizer, and checkpoints hold the low-bit states.
+        activations: how each layer keeps the tensors its forward saves for the backward
+            (`mixprec.Precision`'s ``activations``): ``"fp8"`` for every layer, or a mapping
+            {module path regex or module type: option}, e.g.
+            ``{r"blocks\\.\\d+": "checkpoint"}`` (`mixprec.activations`).
 
     Raises ``ValueError`` for a flag outside what is accepted (the message lists it),
     ``mixprec.PolicySpecError`` for an unknown precision, ``mixprec.PrecisionError`` when
@@ -162,6 +166,7 @@ class Trainer:
         allow_slow_precision: bool = False,
         compile: bool | dict[str, Any] = False,
         optimizer_states: str | None = None,
+        activations: Any = None,
     ) -> None:
         template = precision if isinstance(precision, Precision) else None
         self.config = TrainerConfig(
@@ -182,7 +187,7 @@ class Trainer:
         )
         self.strategy = make_strategy(accelerator, devices, strategy)
         self._precision, self.support, self.device_description = choose_precision(
-            precision, self.strategy.device, allow_slow_precision, optimizer_states
+            precision, self.strategy.device, allow_slow_precision, optimizer_states, activations
         )
         self.policy = self._precision.policy
         self.loggers = make_loggers(logger, self.config.default_root_dir)

@@ -1,0 +1,152 @@
+"""Putting the options on a model: `install` wraps the `forward` of each module whose option
+differs from its parent's in an `ActivationForward`, which runs it under its codec's
+``saved_tensors_hooks``, under ``save_on_cpu``, or recomputed. `mixprec.apply` calls it after
+its regions, so the wrapper is outermost: a recomputed layer re-enters its own region, and a
+codec sees what the region saved. Below a recomputed module nothing is wrapped.
+
+`check` refuses, before the model changes, an option a module cannot take (`refusal`) and
+``offload`` where no CUDA device exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
+
+from mixprec.activations.codecs import CODECS
+from mixprec.activations.options import OPTIONS, accepted, refusal
+from mixprec.activations.recompute import recomputed
+from mixprec.activations.rules import Choice
+from mixprec.errors import PolicySpecError
+
+__all__ = ["ActivationForward", "check", "check_device", "install", "wrapped"]
+
+
+def _offload_refused(where: str) -> PolicySpecError:
+    others = tuple(o for o in OPTIONS if o != "offload")
+    return PolicySpecError(
+        f"'offload' moves saved tensors from a CUDA device to pinned host memory, but {where}: "
+        f"it runs on CUDA only; on this device choose {accepted(others)}"
+    )
+
+
+def check_device(options: set[str], device_type: str) -> None:
+    """Refuse ``offload`` among `options` for a run on `device_type` other than CUDA."""
+    if "offload" in options and device_type != "cuda":
+        raise _offload_refused(f"the run is on {device_type}")
+
+
+class ActivationForward:
+    """Stands in for one module's `forward`, kept in the module's ``__dict__`` as mixprec's
+    regions are (holding the module, not a bound method, so copies and pickles work): runs
+    the forward with its saved tensors stored, offloaded or recomputed as `option` says.
+    Without autograd recording (``no_grad``, inference) it only calls the forward."""
+
+    def __init__(self, module: nn.Module, option: str, original: Any) -> None:
+        self.module = module
+        self.option = option
+        self.original = original
+        self.codec = CODECS[option]() if option in CODECS else None
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        if self.original is not None:
+            return inspect.signature(self.original)
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"module": self.module, "option": self.option, "original": self.original}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["module"], state["option"], state["original"])  # type: ignore[misc]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        if self.original is None:
+            forward = functools.partial(type(module).forward, module)
+        else:
+            forward = self.original
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        if self.codec is not None:
+            with saved_tensors_hooks(self.codec.pack, self.codec.unpack):
+                return forward(*args, **kwargs)
+        if self.option == "offload":
+            device = _device_of(args, kwargs, module)
+            if device is not None and device.type != "cuda":
+                raise _offload_refused(f"{type(module).__name__} runs on {device.type}")
+            with save_on_cpu(pin_memory=True):
+                return forward(*args, **kwargs)
+        buffers = list(module.named_buffers()) if module.training else []
+        versions = [b._version for _, b in buffers]
+        out = recomputed(forward, self.option, args, kwargs)
+        for (name, b), version in zip(buffers, versions, strict=True):
+            if b._version != version:
+                raise PolicySpecError(
+                    f"{type(module).__name__} updated its buffer {name!r} in place in a "
+                    f"forward that {self.option!r} recomputes, so the backward updates it "
+                    "again; give this module 'keep', 'bf16', 'fp8' or 'offload', or "
+                    "recompute the modules around the one updating it"
+                )
+        return out
+
+
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module) -> Any:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, Tensor):
+            return value.device
+    param = next(module.parameters(), None)
+    return param.device if param is not None else None
+
+
+def _wrapped(choices: dict[str, Choice], model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, option) of each module that gets a wrapper: where its option differs from
+    its parent's, outside any recomputed module (the root: unless it keeps)."""
+    found: dict[int, tuple[nn.Module, str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        option, why = choices[name]
+        if why.startswith("recomputed with"):
+            continue
+        parent = choices[name.rpartition(".")[0]][0] if name else "keep"
+        if option != parent:
+            found.setdefault(id(module), (module, option))
+    return list(found.values())
+
+
+def check(model: nn.Module, choices: dict[str, Choice]) -> None:
+    """Refuse the options the modules of `model` cannot take (`refusal`), and ``offload``
+    where no CUDA device exists; changes nothing."""
+    for name, module in model.named_modules():
+        option, why = choices[name]
+        if why.startswith("recomputed with"):
+            continue
+        reason = refusal(module, option)
+        if reason is not None:
+            raise PolicySpecError(
+                f"module {name or '<root>'!r} ({type(module).__name__}) cannot take the "
+                f"activation option {option!r} ({why}): {reason}"
+            )
+        if option == "offload" and not torch.cuda.is_available():
+            raise _offload_refused("this machine has no CUDA device")
+
+
+def install(model: nn.Module, choices: dict[str, Choice]) -> None:
+    """Wrap the forwards that `choices` (`ActivationRules.resolve`) ask for, outermost."""
+    for module, option in _wrapped(choices, model):
+        module.__dict__["forward"] = ActivationForward(
+            module, option, module.__dict__.get("forward")
+        )
+
+
+def wrapped(model: nn.Module) -> dict[str, str]:
+    """The option of each module of `model` wrapped by `install`, by path."""
+    return {
+        name: forward.option
+        for name, module in model.named_modules()
+        if isinstance(forward := module.__dict__.get("forward"), ActivationForward)
+    }

@@ -1,0 +1,54 @@
+"""What each layer keeps for the backward: `saved_bytes` runs one forward and adds up, per
+module, the bytes its own ops leave saved (after the codec of its option stored them; for a
+recomputed module the inputs checkpointing holds, and nothing below it; nothing for
+``offload``, which holds them in host memory; ``selective``'s saved matmul outputs are held
+by torch's checkpointing, out of this count's sight).
+Parameters, buffers and inputs are not counted: they are alive without the graph."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from mixprec.activations.codecs import Keep, is_activation, record_to
+
+__all__ = ["saved_bytes"]
+
+
+def saved_bytes(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
+    """Bytes of activations saved for the backward by each module of `model`'s forward on
+    `args` and `kwargs`, by path (a module's own ops: its children's are theirs), as the
+    activation options `mixprec.apply` gave it store them. Each tensor is counted once, by the
+    module whose op saved it first. The forward's graph is dropped afterwards."""
+    names = {id(m): name for name, m in model.named_modules()}
+    out = dict.fromkeys(names.values(), 0)
+    stack: list[str] = []
+    seen: set[int] = set()
+
+    def record(original: Tensor, stored: int, key: int) -> None:
+        if key in seen or not is_activation(original):
+            return
+        seen.add(key)
+        out[stack[-1] if stack else ""] += stored
+
+    def enter(module: nn.Module, args: Any) -> None:
+        stack.append(names.get(id(module), stack[-1] if stack else ""))
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        stack.pop()
+
+    handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
+    handles += [m.register_forward_hook(leave, always_call=True) for m in model.modules()]
+    outer = Keep()
+    record_to(record)
+    try:
+        with torch.enable_grad(), saved_tensors_hooks(outer.pack, outer.unpack):
+            model(*args, **kwargs)
+    finally:
+        record_to(None)
+        for handle in handles:
+            handle.remove()
+    return out

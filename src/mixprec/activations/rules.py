@@ -1,0 +1,188 @@
+"""Which activation option each module of a model takes: `ActivationRules`, rules from module
+paths or module types to options, resolved as a `mixprec.PolicyMap`'s policy rules are.
+
+Precedence for each module: an exact path rule, a regex path rule (``re.fullmatch``), a type
+rule (``isinstance``), the parent's option, the default (``"keep"``, or the one option given
+for every module). Two rules of the same rank matching one module is an error. Below a module
+that is recomputed (``checkpoint``, ``selective``) nothing is saved, so the modules there take
+its option whatever their own rules say, and the resolution says why.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from mixprec.activations.options import RECOMPUTE, check_option
+from mixprec.errors import PolicySpecError
+
+__all__ = ["ActivationRules", "ActivationsSpec", "Choice", "as_rules"]
+
+# what `Precision(activations=...)` and `PolicyMap(activations=...)` take: one option for
+# every module, or {module path regex or module type: option}
+ActivationsSpec = str | Mapping[str | type, str]
+# (option, why) of one module
+Choice = tuple[str, str]
+
+
+def _key_name(key: Any) -> str:
+    return key.__name__ if isinstance(key, type) else repr(key)
+
+
+class ActivationRules:
+    """A default option and rules from module path regexes or module types to options.
+
+    ``ActivationRules("fp8")`` stores every layer's saved tensors in fp8;
+    ``ActivationRules({r"blocks\\.\\d+": "checkpoint", nn.Linear: "bf16"})`` recomputes each
+    block and keeps the other Linear layers' saved tensors in bfloat16."""
+
+    def __init__(self, spec: ActivationsSpec | ActivationRules = "keep") -> None:
+        if isinstance(spec, ActivationRules):
+            self.default: str = spec.default
+            self._paths: dict[str, tuple[re.Pattern[str], str]] = dict(spec._paths)
+            self._types: dict[type, str] = dict(spec._types)
+            return
+        self._paths = {}
+        self._types = {}
+        if isinstance(spec, str):
+            self.default = check_option(spec)
+            return
+        if not isinstance(spec, Mapping):
+            raise PolicySpecError(
+                "activations takes one option for every module ('fp8') or a mapping "
+                "{module path regex or module type: option} "
+                f"({{'blocks\\\\.\\\\d+': 'checkpoint'}}), got {type(spec).__name__} {spec!r}"
+            )
+        self.default = "keep"
+        for key, option in spec.items():
+            where = f"activation rule {_key_name(key)}"
+            checked = check_option(option, where)
+            if isinstance(key, type) and issubclass(key, nn.Module):
+                self._types[key] = checked
+            elif isinstance(key, str):
+                try:
+                    self._paths[key] = (re.compile(key), checked)
+                except re.error as error:
+                    raise PolicySpecError(f"{where} is not a valid regex: {error}") from None
+            else:
+                raise PolicySpecError(
+                    f"activation rule key {key!r} must be a module path regex (str) or an "
+                    "nn.Module subclass"
+                )
+
+    @property
+    def rules(self) -> dict[str | type, str]:
+        """The rules as given, path rules first."""
+        return {**{k: o for k, (_, o) in self._paths.items()}, **self._types}
+
+    @property
+    def options(self) -> set[str]:
+        """Every option these rules can give a module."""
+        return {self.default, *self.rules.values()}
+
+    def spec(self) -> ActivationsSpec:
+        """What builds these rules again: the one option, or the rules mapping."""
+        return self.rules if self.rules else self.default
+
+    def _ruled(self, name: str, module: nn.Module) -> Choice | None:
+        if name in self._paths:
+            return self._paths[name][1], f"path rule {name!r}"
+        for rank, hits in (
+            ("regex rule", [k for k, (rx, _) in self._paths.items() if rx.fullmatch(name)]),
+            ("type rule", [t for t in self._types if _is_a(module, t)]),
+        ):
+            if len(hits) > 1:
+                shown = ", ".join(map(_key_name, hits))
+                raise PolicySpecError(
+                    f"module {name or '<root>'!r} ({type(module).__name__}) is matched by "
+                    f"{len(hits)} activation {rank}s of the same rank: {shown}; make them "
+                    "disjoint"
+                )
+            if hits:
+                hit = hits[0]
+                if isinstance(hit, str):
+                    return self._paths[hit][1], f"regex rule {hit!r}"
+                return self._types[hit], f"type rule {hit.__name__}"
+        return None
+
+    def resolve(self, model: nn.Module) -> dict[str, Choice]:
+        """(option, why) of every module of `model`, keyed by qualified name. A module
+        reachable at two paths that resolve differently is an error naming both."""
+        out: dict[str, Choice] = {}
+        first: dict[int, str] = {}
+        recomputed: dict[str, str] = {}  # module -> the recomputed module it runs inside
+        for name, module in model.named_modules(remove_duplicate=False):
+            parent = name.rpartition(".")[0] if name else None
+            up = out.get(parent) if parent is not None else None
+            if parent is not None and parent in recomputed:
+                recomputed[name] = recomputed[parent]
+                out[name] = (out[parent][0], f"recomputed with {recomputed[name] or '<root>'!r}")
+            else:
+                ruled = self._ruled(name, module)
+                if ruled is not None:
+                    out[name] = ruled
+                elif up is not None:
+                    out[name] = (up[0], f"inherited from {parent or '<root>'}")
+                else:
+                    out[name] = (self.default, "default")
+                if out[name][0] in RECOMPUTE:
+                    recomputed[name] = name
+            other = first.setdefault(id(module), name)
+            if out[other][0] != out[name][0]:
+                raise PolicySpecError(
+                    f"module {type(module).__name__} is reachable at {other!r} and {name!r}, "
+                    f"whose activation options are {out[other][0]!r} ({out[other][1]}) and "
+                    f"{out[name][0]!r} ({out[name][1]}); give both paths the same option"
+                )
+        return out
+
+    def unmatched_paths(self, names: list[str]) -> list[str]:
+        """The path rules that match none of `names` (module paths)."""
+        return [
+            key
+            for key, (rx, _) in self._paths.items()
+            if key not in names and not any(rx.fullmatch(n) for n in names)
+        ]
+
+    def warn_unmatched(self, model: nn.Module, *, stacklevel: int = 2) -> None:
+        """One warning naming the path rules that match no module of `model` (with the
+        closest paths), as for policy rules: a typo far more often than intent."""
+        names = [name for name, _ in model.named_modules(remove_duplicate=False)]
+        said = []
+        for key in self.unmatched_paths(names):
+            close = difflib.get_close_matches(key, [n for n in names if n], n=3, cutoff=0.5)
+            said.append(
+                f"{key!r}" + (f" (closest: {', '.join(map(repr, close))})" if close else "")
+            )
+        if said:
+            warnings.warn(
+                f"activation rule(s) {', '.join(said)} match no module of "
+                f"{type(model).__name__} (rules are re.fullmatch'ed against named_modules() "
+                "paths)",
+                stacklevel=stacklevel + 1,
+            )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ActivationRules):
+            return NotImplemented
+        return self.default == other.default and self.rules == other.rules
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"ActivationRules({self.spec()!r})"
+
+
+def _is_a(module: nn.Module, t: type) -> bool:
+    """isinstance, where a quantized layer also counts as the float type it replaced."""
+    return isinstance(module, t) or issubclass(getattr(module, "float_type", type(None)), t)
+
+
+def as_rules(spec: Any) -> ActivationRules | None:
+    """`spec` (None, an option, a mapping, or rules) as `ActivationRules`; None stays None."""
+    return None if spec is None else ActivationRules(spec)

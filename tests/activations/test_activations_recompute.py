@@ -1,0 +1,144 @@
+"""checkpoint and selective: gradients equal the un-checkpointed ones bit for bit under every
+kind of policy, activations are not kept, and what cannot be recomputed (or offloaded here)
+is refused with the options accepted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import PolicyMap, PolicySpecError, Precision
+from mixprec.activations import saved_bytes, wrapped
+from mixprec.activations.recompute import SAVED_OPS, selective_policy
+from mixprec.quantize.float8 import Float8Linear
+
+
+class Block(nn.Module):
+    """A residual MLP block with a LayerNorm (a float32 island under mixed policies),
+    dropout (recomputed with the same mask) and a tensor made without a dtype (which must
+    come out alike when a "true" policy's block is recomputed in the backward)."""
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 2 * width)
+        self.drop = nn.Dropout(0.2)
+        self.out = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(nn.functional.gelu(self.fc(self.norm(x))))
+        return x + self.out(h) * torch.ones(x.shape[-1]).to(x.dtype)
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), Block(), Block(), nn.Linear(32, 4))
+
+
+def gradients(policy, activations, x: torch.Tensor) -> list[torch.Tensor]:
+    model = net()
+    precision = Precision(policy, allow_slow=True, activations=activations)
+    model = precision.setup(model)
+    torch.manual_seed(1)  # dropout's masks
+    loss = model(precision.convert_input(x)).float().pow(2).mean()
+    precision.backward(loss)
+    return [p.grad for p in model.parameters() if p.grad is not None]
+
+
+POLICIES = ["bf16-mixed", "16-mixed", "bf16-true", "int8_from_mixed_bfloat16", "32-true"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("activations", [{r"[12]": "checkpoint"}, "checkpoint", "selective"])
+def test_recomputed_gradients_equal_kept_ones_bit_for_bit(policy, activations):
+    x = torch.randn(8, 16)
+    kept = gradients(policy, None, x)
+    again = gradients(policy, activations, x)
+    assert len(kept) == len(again) > 0
+    for a, b in zip(kept, again, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_checkpointed_blocks_keep_only_their_inputs():
+    x = torch.randn(64, 16)
+    plain = mixprec.apply(net(), "32-true")
+    blocks = mixprec.apply(net(), PolicyMap("32-true", activations={r"[12]": "checkpoint"}))
+    assert wrapped(blocks) == {"1": "checkpoint", "2": "checkpoint"}
+    kept, held = saved_bytes(plain, x), saved_bytes(blocks, x)
+    assert held["1"] == held["2"] == 64 * 32 * 4  # each block's input
+    assert sum(kept[n] for n in kept if n.startswith(("1", "2"))) > 4 * held["1"]
+    assert held["1.fc"] == held["2.out"] == 0
+
+
+def test_selective_saves_matmul_outputs_and_recomputes_the_rest():
+    aten = torch.ops.aten
+    assert selective_policy(None, aten.mm.default).name == "MUST_SAVE"
+    assert selective_policy(None, aten.addmm.default).name == "MUST_SAVE"
+    assert selective_policy(None, aten.gelu.default).name == "PREFER_RECOMPUTE"
+    assert aten.convolution in SAVED_OPS
+
+
+def bn_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8)), nn.Sequential(nn.Linear(8, 8))
+    )
+
+
+@pytest.mark.parametrize("option", ["checkpoint", "selective"])
+def test_recomputing_a_batchnorm_is_refused_before_anything_changes(option):
+    model = bn_net()
+    weight = model[0][0].weight.detach().clone()
+    pmap = PolicyMap("bf16-true", activations={"0": option})
+    with pytest.raises(
+        PolicySpecError,
+        match=rf"module '0' \(Sequential\) cannot take the activation option '{option}' "
+        r"\(path rule '0'\): .* 1 \(BatchNorm1d\) updates its running statistics in place .* "
+        r"'keep', 'bf16', 'fp8' or 'offload'",
+    ):
+        mixprec.apply(model, pmap)
+    assert model[0][0].weight.dtype == torch.float32 and torch.equal(model[0][0].weight, weight)
+    assert "forward" not in model.__dict__
+    with pytest.raises(PolicySpecError, match="BatchNorm1d"):
+        Precision("32-true", activations=option).setup(bn_net())
+
+
+def test_batchnorm_takes_the_other_options_and_unrecomputed_neighbours_are_recomputed():
+    model = mixprec.apply(
+        bn_net(), PolicyMap("32-true", activations={"0": "fp8", "1": "checkpoint"})
+    )
+    assert wrapped(model) == {"0": "fp8", "1": "checkpoint"}
+    model(torch.randn(16, 4)).sum().backward()
+    assert int(model[0][1].num_batches_tracked) == 1
+
+
+def test_a_buffer_updated_in_a_recomputed_forward_is_refused_when_it_happens():
+    torch.manual_seed(0)
+    layer = Float8Linear.from_float(nn.Linear(16, 16), recipe="delayed")
+    model = mixprec.apply(nn.Sequential(layer), PolicyMap("32-true", activations="checkpoint"))
+    with pytest.raises(PolicySpecError, match="updated its buffer .* in place in a forward that"):
+        model(torch.randn(4, 16))
+
+
+def test_offload_is_refused_off_cuda_naming_the_options_accepted():
+    accepted = "'keep', 'bf16', 'fp8', 'checkpoint' or 'selective'"
+    with pytest.raises(PolicySpecError, match=f"'offload' .* CUDA only; .* {accepted}"):
+        Precision("32-true", activations="offload", device="cpu").setup(net())
+    if not torch.cuda.is_available():
+        with pytest.raises(PolicySpecError, match="this machine has no CUDA device"):
+            mixprec.apply(net(), PolicyMap("32-true", activations={"1": "offload"}))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="offload needs a CUDA device")
+def test_offload_moves_saved_tensors_to_the_host_and_back():
+    x = torch.randn(64, 16, device="cuda")
+    grads = []
+    for activations in (None, "offload"):
+        model = Precision("bf16-mixed", activations=activations).setup(net().cuda())
+        torch.manual_seed(1)
+        model(x).float().pow(2).mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)

@@ -1,0 +1,140 @@
+"""Activation rules: precedence, recompute below a recomputed module, the PolicyMap field
+(saved, loaded and refused as strictly as states rules), warnings, and `explain`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import PolicyMap, PolicySpecError
+from mixprec.activations import ActivationRules
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.act = nn.GELU()
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(self.act(self.fc(x)))
+
+
+def net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), Block(), Block(), nn.Linear(16, 2))
+
+
+def options(model: nn.Module, spec) -> dict[str, str]:
+    return {name: option for name, (option, _) in ActivationRules(spec).resolve(model).items()}
+
+
+def test_precedence_exact_then_regex_then_type_then_parent_then_default():
+    got = options(net(), {"1.fc": "bf16", r"\d\.fc": "keep", nn.Linear: "fp8", "2": "offload"})
+    assert got["1.fc"] == "bf16"  # exact beats the regex
+    assert got["2.fc"] == "keep"  # regex beats the type rule
+    assert got["0"] == got["3"] == got["1.out"] == got["2.out"] == "fp8"
+    assert got["2"] == got["2.act"] == "offload"  # inherited from its block
+    assert got[""] == got["1"] == got["1.act"] == "keep"
+
+
+def test_one_option_for_every_module_and_case_is_forgiven():
+    got = options(net(), " FP8 ")
+    assert set(got.values()) == {"fp8"}
+
+
+def test_below_a_recomputed_module_every_module_is_recomputed_with_it():
+    resolved = ActivationRules({r"\d": "checkpoint", nn.Linear: "fp8"}).resolve(net())
+    assert resolved["1.fc"] == ("checkpoint", "recomputed with '1'")
+    assert resolved["0"] == ("checkpoint", "regex rule '\\\\d'")
+    assert resolved[""] == ("keep", "default")
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("fp4", "unknown activation option 'fp4'; expected 'keep', 'bf16', 'fp8', 'checkpoint'"),
+        ({"1": 8}, "activation rule '1': unknown activation option int 8"),
+        ({"(": "fp8"}, "activation rule '\\('.* is not a valid regex"),
+        ({3: "fp8"}, "must be a module path regex"),
+        (["fp8"], "one option for every module .* or a mapping"),
+    ],
+)
+def test_bad_specs_are_refused_naming_what_is_accepted(spec, message):
+    with pytest.raises(PolicySpecError, match=message):
+        PolicyMap("32-true", activations=spec)
+
+
+def test_two_rules_of_one_rank_matching_a_module_are_refused():
+    with pytest.raises(PolicySpecError, match="matched by 2 activation regex rules"):
+        ActivationRules({r"1\..*": "fp8", r".*\.fc": "bf16"}).resolve(net())
+
+
+def test_the_map_saves_and_loads_its_activation_rules(tmp_path):
+    pmap = PolicyMap(
+        "bf16-mixed", {"3": "32-true"}, activations={r"[12]": "checkpoint", nn.Linear: "fp8"}
+    )
+    path = pmap.save(tmp_path / "policy.json")
+    assert json.loads(path.read_text())["activations"] == [
+        {"path": "[12]", "option": "checkpoint"},
+        {"type": "torch.nn.modules.linear.Linear", "option": "fp8"},
+    ]
+    loaded = PolicyMap.load(path)
+    assert loaded == pmap and loaded.activations == pmap.activations
+    assert PolicyMap.from_config(PolicyMap("32-true", activations="bf16").to_config()) == (
+        PolicyMap("32-true", activations="bf16")
+    )
+    assert "activations" not in PolicyMap("32-true").to_config()  # old files stay as they were
+    assert "activations={'[12]': 'checkpoint', torch.nn.modules.linear.Linear: 'fp8'}" in (
+        pmap.to_code()
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (None, "'activations' is null"),
+        (8, "'activations' is the number 8"),
+        ([{"path": "1"}], "activation rule 0 is an object"),
+        ([{"path": "1", "option": "fp8", "extra": 1}], "activation rule 0 is an object"),
+        ([{"path": 1, "option": "fp8"}], "activation rule 0 'path' is the number 1"),
+        ([{"type": "torch.nn.Nope", "option": "fp8"}], "cannot import module type"),
+        ([{"type": "torch.Tensor", "option": "fp8"}], "not an nn.Module subclass"),
+        ([{"path": "1", "option": "fp8"}, {"path": "1", "option": "bf16"}], "repeats the rule"),
+        ([{"path": "1", "option": "fp9"}], "unknown activation option 'fp9'"),
+    ],
+)
+def test_a_policy_file_with_bad_activations_is_refused_naming_the_file(tmp_path, value, message):
+    path = tmp_path / "policy.json"
+    path.write_text(json.dumps({"default": "32-true", "activations": value}))
+    with pytest.raises(PolicySpecError, match=message):
+        PolicyMap.load(path)
+
+
+def test_a_path_rule_matching_no_module_warns_with_the_closest_paths():
+    model = net()
+    with pytest.warns(UserWarning, match=r"activation rule\(s\) '1\.fcc' \(closest: '1\.fc'"):
+        mixprec.apply(model, PolicyMap("32-true", activations={"1.fcc": "fp8"}))
+
+
+def test_explain_shows_each_layers_option_and_saved_bytes_at_a_batch():
+    model = net()
+    pmap = PolicyMap("32-true", activations={"1": "checkpoint", "2": "fp8"})
+    shown = mixprec.explain(model, pmap, batch=torch.randn(64, 8))
+    assert shown.activations["1.fc"] == ("checkpoint", "recomputed with '1'")
+    assert shown.activations["2"] == ("fp8", "path rule '2'")
+    saved = shown.saved_bytes
+    # float32 activations of 64 x 16: 4 KiB each. A recomputed block holds its input only
+    assert saved["1"] == 64 * 16 * 4 and saved["1.fc"] == saved["1.act"] == 0
+    assert saved["0"] == 0  # its input is the batch: alive without the graph
+    # each Linear's input and GELU's: 1024 codes and 4 float32 scales
+    assert saved["2.fc"] == saved["2.act"] == saved["2.out"] == 64 * 16 + 4 * 4
+    assert saved["3"] == 64 * 16 * 4  # the head's input, kept as it is
+    text = str(shown)
+    assert "checkpoint (recomputed with '1')" in text and "activations" in text
+    assert model.__dict__.get("forward") is None  # explained on a copy
