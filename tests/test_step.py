@@ -507,3 +507,244 @@ def test_a_loss_scaled_twice_is_refused_at_every_door():
         precision.backward(scaled)
     precision.backward(model(torch.ones(1, 2)).sum())  # the plain loss is taken
     assert model.weight.grad is not None
+
+
+# -- the per-step work of the formats: every door enters `Precision.before_step` ----------------
+# Two gloo ranks train a delayed-scaling float8 model whose inputs run 4x larger on rank 1.
+# DDP broadcasts rank 0's buffers before each forward, so after a step each rank holds its own
+# newest amaxes unless the door shared them (the elementwise max over the ranks) before the
+# optimizer step; every door must leave both ranks with the same histories.
+
+AMAX_STEPS = 3
+
+
+def float8_net() -> torch.nn.Module:
+    """Linear-ReLU-Linear on 16 features, delayed float8 with 4-long amax histories."""
+    from mixprec.quantize.float8 import convert_to_float8
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    return convert_to_float8(net, recipe="delayed", amax_history_length=4, skip_small=False)
+
+
+def rank_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's batches: the same draws on both ranks, rank 1's inputs 4x larger."""
+    g = torch.Generator().manual_seed(3)
+    draws = [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(8)]
+    return [(x * (1 + 3 * rank), y) for x, y in draws[:AMAX_STEPS]]
+
+
+def alternating_rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`n` rows, the odd ones 4x larger: a sampler striding over two ranks gives rank 1 those."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 16, generator=g) * torch.tensor([1.0, 4.0]).repeat(n // 2)[:, None]
+    return x, torch.randn(n, 16, generator=g)
+
+
+def save_histories(net: torch.nn.Module, out: str, rank: int) -> None:
+    histories = {k: v.clone() for k, v in net.state_dict().items() if k.endswith("amax_history")}
+    torch.save(histories, f"{out}/rank{rank}.pt")
+
+
+def assert_shared_histories(out) -> None:
+    """Both ranks hold the same amax histories, with a step's amaxes recorded in each."""
+    r0, r1 = (torch.load(out / f"rank{r}.pt") for r in range(2))
+    assert sorted(r0) == sorted(r1) and len(r0) == 6
+    for name in r0:
+        assert bool((r0[name][:AMAX_STEPS] > 0).all()), name
+        assert torch.equal(r0[name], r1[name]), name
+
+
+def _precision_loop_amax_worker(rank: int, out: str) -> None:
+    import torch.nn.functional as F
+
+    net = float8_net()
+    precision = mixprec.Precision("32-true")
+    net, opt = precision.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    for x, y in rank_batches(rank):
+        opt.zero_grad()
+        precision.backward(F.mse_loss(ddp(x), y))
+        precision.step(opt)
+    save_histories(net, out, rank)
+
+
+def _trainer_amax_worker(rank: int, out: str) -> None:
+    import torch.nn.functional as F
+
+    net = float8_net()
+    trainer = Trainer(
+        precision="32-true", strategy="ddp", devices=2, max_steps=AMAX_STEPS, seed=0,
+        logger=False, enable_progress_bar=False, enable_checkpointing=False,
+    )  # fmt: skip
+    data = DataLoader(TensorDataset(*alternating_rows(8 * AMAX_STEPS)), batch_size=4)
+    trainer.fit(net, data, loss_fn=F.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    save_histories(net, out, rank)
+
+
+def _lightning_amax_worker(rank: int, out: str) -> None:
+    import pytorch_lightning as pl
+    import torch.nn.functional as F
+
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = float8_net()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Module()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", plugins=[MixprecPrecision("32-true")],
+        max_steps=AMAX_STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = DataLoader(TensorDataset(*alternating_rows(8 * AMAX_STEPS)), batch_size=4)
+    trainer.fit(module, data)
+    save_histories(module.net, out, rank)
+
+
+def _hugging_face_amax_worker(rank: int, out: str) -> None:
+    import tempfile
+
+    import torch.nn.functional as F
+    import transformers
+
+    from mixprec.integrations.huggingface import MixprecTrainer
+
+    class Config(transformers.PretrainedConfig):
+        model_type = "mixprec-float8"
+
+    class Model(transformers.PreTrainedModel):
+        config_class = Config
+        main_input_name = "x"
+
+        def __init__(self, config: Config) -> None:
+            super().__init__(config)
+            self.net = torch.nn.Linear(1, 1)
+            self.post_init()
+
+        def forward(self, x, labels):
+            return {"loss": F.mse_loss(self.net(x), labels)}
+
+    model = Model(Config())
+    model.net = float8_net()
+    x, y = alternating_rows(2 * AMAX_STEPS)
+    rows = [{"x": x[i : i + 1], "labels": y[i : i + 1]} for i in range(len(x))]
+    with tempfile.TemporaryDirectory() as tmp:
+        args = transformers.TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=1, max_steps=AMAX_STEPS,
+            learning_rate=0.1, max_grad_norm=0.0, report_to=[], save_strategy="no",
+            use_cpu=True, remove_unused_columns=False, disable_tqdm=True,
+        )  # fmt: skip
+        trainer = MixprecTrainer(
+            model=model, args=args, train_dataset=rows, data_collator=lambda r: r[0],
+            optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None),
+            precision=mixprec.Precision("32-true"),
+        )  # fmt: skip
+        trainer.train()
+    save_histories(model.net, out, rank)
+
+
+def _accelerate_amax_worker(rank: int, out: str) -> None:
+    import accelerate
+    import torch.nn.functional as F
+
+    from mixprec.integrations.huggingface import prepare
+
+    net = float8_net()
+    accelerator = accelerate.Accelerator(mixed_precision="no", cpu=True)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    model, optimizer = prepare(accelerator, mixprec.Precision("32-true"), net, optimizer)
+    for x, y in rank_batches(rank):  # the loop as Accelerate users write it
+        optimizer.zero_grad()
+        accelerator.backward(F.mse_loss(model(x), y))
+        optimizer.step()
+    save_histories(net, out, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("door", "needs"),
+    [
+        ("precision_loop", ()),
+        ("trainer", ()),
+        ("lightning", ("pytorch_lightning",)),
+        ("hugging_face", ("transformers",)),
+        ("accelerate", ("accelerate", "transformers")),
+    ],
+)
+def test_every_door_shares_the_float8_amax_histories_across_ranks(tmp_path, door, needs):
+    from spawning import run_ranks
+
+    for package in needs:
+        pytest.importorskip(package)
+    run_ranks(globals()[f"_{door}_amax_worker"], str(tmp_path), nprocs=2)
+    assert_shared_histories(tmp_path)
+
+
+class CountedLinear(torch.nn.Linear):
+    """A Linear whose format counts the steps it was told of."""
+
+    steps_told = 0
+
+
+class CountingFormat(mixprec.formats.Format):
+    """A format with work before each optimizer step: it counts them on its layers."""
+
+    name = "counting"
+
+    def step_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        return [m for m in model.modules() if isinstance(m, CountedLinear)]
+
+    def before_step(self, layers, group) -> None:
+        for layer in layers:
+            layer.steps_told += 1
+
+
+@pytest.fixture
+def counting():
+    mixprec.formats.register(CountingFormat())
+    try:
+        yield
+    finally:
+        mixprec.formats.unregister("counting")
+
+
+def test_precision_step_runs_the_formats_work_once_per_step_and_after_each_closure(counting):
+    net = torch.nn.Sequential(CountedLinear(4, 4), torch.nn.Linear(4, 1))
+    precision = mixprec.Precision("32-true")
+    net, opt = precision.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    x = torch.randn(8, 4)
+    for _ in range(3):
+        opt.zero_grad()
+        precision.backward(net(x).square().mean())
+        precision.step(opt)
+    assert net[0].steps_told == 3
+
+    evaluations = []
+    lbfgs = torch.optim.LBFGS(net.parameters(), max_iter=3)
+    precision = mixprec.Precision("32-true")
+    net, lbfgs = precision.setup(net, lbfgs)
+
+    def closure() -> torch.Tensor:
+        lbfgs.zero_grad()
+        loss = net(x).square().mean()
+        loss.backward()
+        evaluations.append(net[0].steps_told)
+        return loss
+
+    precision.step(lbfgs, closure=closure)
+    # each evaluation's backward is followed by the work, before the next evaluation
+    assert evaluations == list(range(3, 3 + len(evaluations)))
+    assert net[0].steps_told == 3 + len(evaluations)
+    precision.reset()  # another run: the models set up before are forgotten
+    precision.before_step()
+    assert net[0].steps_told == 3 + len(evaluations)

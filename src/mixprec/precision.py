@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -36,6 +37,7 @@ from mixprec.convert import (
     needs_default_dtype,
     warn_unmatched,
 )
+from mixprec.formats.registry import StepWork, before_step, step_work
 from mixprec.hardware import (
     DeviceInfo,
     Support,
@@ -150,6 +152,10 @@ class Precision:
         self.optimizers: list[LossScaleOptimizer] = []
         # (the optimizer given to setup, the low-bit one it was converted into)
         self._converted: list[tuple[torch.optim.Optimizer, LowBitOptimizer]] = []
+        # each model set up -> the per-step work of its formats' layers (`before_step`)
+        self._step_work: weakref.WeakKeyDictionary[nn.Module, StepWork] = (
+            weakref.WeakKeyDictionary()
+        )
         self._spec = spec
         self._scaler_spec = scaler
         self._policy: PolicyMap | None = None
@@ -213,12 +219,13 @@ class Precision:
         return self._resolved[0] if self._resolved is not None else None
 
     def reset(self) -> None:
-        """Begin another run with this precision: forget the optimizers set up so far and
-        return the scaler to its state as built (its initial scale, no steps), so every run
+        """Begin another run with this precision: forget the models and optimizers set up so
+        far and return the scaler to its state as built (its initial scale, no steps), so every run
         starts alike. The policy and the hardware check stay as `resolve` left them. The
         Trainer calls this before each fit, validate, test and predict."""
         self.optimizers = []
         self._converted = []
+        self._step_work.clear()
         if self._scaler is not None:
             self._scaler.load_state_dict(self._configured_scaler)
 
@@ -303,6 +310,11 @@ class Precision:
             apply(model, self.policy, warn=False)  # the device was checked by `resolve`
             warn_unmatched(self.policy, model)
             _warn_replaced(before, model, optimizers)
+        work = step_work(model)  # its layers now are the ones its steps run
+        if work:
+            self._step_work[model] = work
+        else:
+            self._step_work.pop(model, None)
         self.scaler.to(self.device)
         if optimizers and (self.optimizer_states is not None or self.policy.states is not None):
             self.policy.warn_unmatched_states(model)
@@ -494,8 +506,14 @@ class Precision:
         ``torch.amp.GradScaler``), update the scale once. Returns True when all stepped.
 
         An optimizer passed to ``setup`` may be given in place of its wrapper. ``closure``
-        is for one LBFGS-style optimizer, without loss scaling.
+        is for one LBFGS-style optimizer, without loss scaling. `before_step` runs first
+        (inside the closure, after each of its evaluations, when there is one).
         """
+        if self._step_work:
+            if closure is None:
+                self.before_step()
+            else:
+                closure = self._then_before_step(closure)
         if (
             closure is None
             and len(optimizers) == 1
@@ -514,6 +532,29 @@ class Precision:
         if len(wrapped) == 1:
             return wrapped[0].step()
         return joint_step(*wrapped)
+
+    def before_step(self) -> None:
+        """The work the quantized layers of the models set up here need between the backward
+        passes of an optimizer step and the step (`mixprec.formats.Format.before_step`: under
+        several processes, float8's delayed scaling makes each amax history the max over the
+        ranks, so every rank scales the next step alike). The one door every loop enters, as
+        it enters `backward_context`: `step` runs it, and so do the Trainer (through `step`),
+        the Lightning plugin and the Hugging Face and Accelerate integrations; a loop that
+        steps its optimizers without `step` calls it before stepping. Nothing to do (the
+        common case) costs nothing."""
+        for work in self._step_work.values():
+            before_step(work)
+
+    def _then_before_step(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """`closure`, then `before_step`: an optimizer evaluating the loss inside its step
+        runs the backward there."""
+
+        def evaluated() -> Any:
+            result = closure()
+            self.before_step()
+            return result
+
+        return evaluated
 
     def _as_wrapper(self, optimizer: Any) -> LossScaleOptimizer:
         if isinstance(optimizer, LossScaleOptimizer):

@@ -354,6 +354,38 @@ def test_an_id_out_of_range_raises_index_error_as_nn_embedding_does(kind, bad):
         layer(torch.tensor([True, False]))  # a mask is not a list of ids
 
 
+@pytest.mark.parametrize("mode", ["float8", "mxfp8"])
+def test_dequantize_gives_every_formats_layers_back_as_the_linear_they_hold(mode):
+    """`dequantize` asks each layer's format (`Format.to_float`): a float8 layer, which it
+    left quantized before, becomes the Linear holding its own parameters, as a block-scaled
+    one does."""
+    from mixprec.quantize.float8 import convert_to_float8
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64))
+    params = list(model.parameters())
+    if mode == "float8":  # delayed, with its amax-history buffers; too small for its rule
+        convert_to_float8(model, recipe="delayed", amax_history_length=4, skip_small=False)
+    else:
+        quantize(model, mode)
+    assert all(isinstance(getattr(m, "quantization_mode", None), str) for m in model[::2])
+    dequantize(model)
+    assert [type(m) for m in model] == [nn.Linear, nn.ReLU, nn.Linear]
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    assert not list(model.buffers())  # float8's amax histories went with its layer
+
+
+def test_quantize_takes_the_keywords_the_formats_declare():
+    model = nn.Sequential(nn.Linear(64, 32))
+    with pytest.raises(
+        TypeError,
+        match=r"unknown option\(s\) groupsize; the formats take "
+        r"amax_history_length \(float8\), group_size \(int4\), recipe",
+    ):
+        quantize(model, "int4", groupsize=32)
+    assert quantize(model, "int4", group_size=32).quantized == {"0": "int4 (groups of 32)"}
+
+
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_dequantize_gives_float_layers_back_tied_again(mode):
     model = _model()

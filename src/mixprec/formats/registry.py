@@ -2,13 +2,15 @@
 `Format` object, registered once, that the rest of mixprec reads.
 
 A format says, in one place: how its policy names spell it and its options
-("int4/64_from_bf16-mixed", "float8/delayed:16", "mxfp8/floor") and how its config prints
-back canonically; its config (a frozen value); which layers it leaves float and why; the
-layer it swaps in for a float one; the bytes its weights take; and how well a device runs
-it. The policy grammar (`mixprec.policy.names`), `QuantizedPolicy`, `mixprec.quantize`,
-`mixprec.hardware` and the format search (`mixprec.plan`) ask the registry, never a mode by
-name, so adding a format is one subclass of `Format` in the format's own module and one
-`register` call (the builtin ones are declared beside their layers in `mixprec.quantize`'s
+("int4/64_from_bf16-mixed", "float8/delayed:16", "mxfp8/floor") and how its config prints back
+canonically; its config (a frozen value); which layers it leaves float and why; the layer it swaps
+in for a float one and the float layer it gives back (`Format.to_float`); the work its layers need
+once per optimizer step (`Format.before_step`: float8's delayed scaling shares its amax histories
+across the ranks; `Precision.before_step` runs it at every door); the bytes its weights take; and
+how well a device runs it. The policy grammar (`mixprec.policy.names`), `QuantizedPolicy`,
+`mixprec.quantize`, `mixprec.hardware` and the format search (`mixprec.plan`) ask the registry,
+never a mode by name, so adding a format is one subclass of `Format` in the format's own module and
+one `register` call (the builtin ones are declared beside their layers in `mixprec.quantize`'s
 modules and registered, in order, by `mixprec.quantize.BUILTIN_FORMATS`).
 
 The format's rating is a `Support`: a `Status` and the reason for it, as the hardware
@@ -17,7 +19,7 @@ support matrix rates dtypes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -34,10 +36,13 @@ __all__ = [
     "Format",
     "Status",
     "Support",
+    "StepWork",
     "agree",
+    "before_step",
     "format_named",
     "formats",
     "register",
+    "step_work",
     "unregister",
 ]
 
@@ -163,6 +168,30 @@ class Format:
         `tie`) can share one quantized copy of it."""
         raise NotImplementedError(f"format {self.name!r} has no layer to swap in")
 
+    def to_float(self, layer: nn.Module, memo: dict[int, Any]) -> nn.Module:
+        """The float layer standing for `layer`, one of this format's (`quantize.dequantize`
+        swaps it in). `memo` lives for one dequantization, so that layers sharing a quantized
+        weight get one float weight back. The default asks the layer (its ``to_float()``),
+        for a layer that keeps its float parameters."""
+        to_float = getattr(layer, "to_float", None)
+        if not callable(to_float):
+            raise TypeError(
+                f"format {self.name!r} gives no float layer back for {type(layer).__name__}: "
+                "give the layer a to_float() method or override Format.to_float"
+            )
+        return to_float()
+
+    def step_layers(self, model: nn.Module) -> list[nn.Module]:
+        """The layers of `model` that need this format's `before_step` work (none by
+        default). Asked once, when a model is set up (`Precision.setup`), so that a step
+        walks no modules."""
+        return []
+
+    def before_step(self, layers: Sequence[nn.Module], group: Any) -> None:
+        """The work `layers` (from `step_layers`) need once per optimizer step, after its
+        backward passes and before it, among the processes of `group` (a torch.distributed
+        process group; None: the default one, if any). The default does nothing."""
+
     def layer_config(self, layer: nn.Module) -> Any:
         """The config a layer already quantized in this format was built with (None: no
         options to compare)."""
@@ -228,6 +257,25 @@ def formats() -> tuple[Format, ...]:
 def format_named(name: str) -> Format | None:
     """The registered format called `name`, or None."""
     return _FORMATS.get(name)
+
+
+# what a model set up needs before each optimizer step: each format with such work, and its
+# layers in that model
+StepWork = tuple[tuple[Format, tuple[nn.Module, ...]], ...]
+
+
+def step_work(model: nn.Module) -> StepWork:
+    """The registered formats whose layers in `model` need work before each optimizer step,
+    each with those layers (`Format.step_layers`); empty for most models."""
+    found = ((fmt, tuple(fmt.step_layers(model))) for fmt in _FORMATS.values())
+    return tuple((fmt, layers) for fmt, layers in found if layers)
+
+
+def before_step(work: StepWork, group: Any = None) -> None:
+    """Run the per-step work `step_work` found (`Format.before_step`), among the processes
+    of `group` (None: the default group, if any)."""
+    for fmt, layers in work:
+        fmt.before_step(layers, group)
 
 
 def agree(what: str, spelled: Any, given: Any, name: str) -> Any:

@@ -12,7 +12,9 @@ Both doors run the backward as every mixprec loop does: the accelerator's ``back
 routed through ``Precision.backward_context`` (the loss scaled; under a "true" policy the
 compute dtype as torch's default, as in the forward, so activation-checkpointed blocks
 recompute what they computed there), around Accelerate's own (its division by the
-accumulation steps, DDP). Why a subclass and not just ``optimizers=(wrapped, scheduler)``:
+accumulation steps, DDP); after the last backward of an optimizer step it runs
+``Precision.before_step``, the formats' per-step work (float8's delayed amax histories
+shared across the ranks). Why a subclass and not just ``optimizers=(wrapped, scheduler)``:
 in ``Trainer.training_step`` gradient clipping (``max_grad_norm``, 1.0 by default) runs right
 after the last backward, on whatever the gradients hold; and the scheduler is gated on
 ``accelerator.optimizer_step_was_skipped``, which knows only optimizers Accelerate wrapped
@@ -185,13 +187,18 @@ def _json_safe(row: dict[str, float]) -> dict[str, float | str]:
 def _route_backward(accelerator: Any, precision: Callable[[], Precision]) -> None:
     """Make ``accelerator.backward(loss)`` enter the precision's backward context
     (``Precision.backward_context``) around Accelerate's own backward, which receives the
-    scaled loss. `precision` is read at each call (the Trainer sets its own up after HF
-    built the accelerator)."""
+    scaled loss, and after the last backward of an optimizer step (``sync_gradients``) run
+    ``Precision.before_step`` (float8's amax histories shared across the ranks). `precision`
+    is read at each call (the Trainer sets its own up after HF built the accelerator)."""
     plain = accelerator.backward
 
     def backward(loss: torch.Tensor, **kwargs: Any) -> Any:
-        with precision().backward_context(loss) as scaled:
-            return plain(scaled, **kwargs)
+        current = precision()
+        with current.backward_context(loss) as scaled:
+            result = plain(scaled, **kwargs)
+        if accelerator.sync_gradients:
+            current.before_step()
+        return result
 
     accelerator.backward = backward
 

@@ -24,9 +24,10 @@ What the plugin does at each point Lightning hands it:
   ``Precision.backward_context``, the backward every mixprec loop runs (the compute dtype of a
   "true" policy as torch's default, as in the forward, for activation-checkpointed blocks);
   Lightning's ``on_before_backward`` hooks see the loss unscaled.
-- ``optimizer_step``: runs the closure (forward and backward), unscales, runs Lightning's
-  ``on_before_optimizer_step`` hooks and gradient clipping on the unscaled gradients, then
-  steps, or skips on inf/NaN, and updates the scale.
+- ``optimizer_step``: runs the closure (forward and backward), then ``Precision.before_step``
+  (the formats' per-step work: float8's delayed amax histories shared across the ranks),
+  unscales, runs Lightning's ``on_before_optimizer_step`` hooks and gradient clipping on the
+  unscaled gradients, then steps, or skips on inf/NaN, and updates the scale.
 - ``state_dict``: the scaler, and the float32 master weights and compensation state of each
   optimizer (Lightning saves the wrapped optimizer's own state), so a resumed run continues
   bit for bit.
@@ -244,8 +245,10 @@ class MixprecPrecision(LightningPrecision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        """Run the closure, unscale, run the ``on_before_optimizer_step`` hooks and clipping,
-        then step or skip on inf/NaN and update the scale. Returns the closure's result."""
+        """Run the closure, then ``Precision.before_step`` (the formats' per-step work: float8's
+        amax histories shared across the ranks), unscale, run the ``on_before_optimizer_step``
+        hooks and clipping, then step or skip on inf/NaN and update the scale. Returns the
+        closure's result."""
         if kwargs:
             raise TypeError(
                 f"MixprecPrecision steps optimizers without arguments, got {sorted(kwargs)}"
@@ -260,6 +263,7 @@ class MixprecPrecision(LightningPrecision):
         result = closure()
         if result is None and model.automatic_optimization:
             return None  # training_step returned None: Lightning skips the batch, no backward
+        self.mixprec.before_step()  # the formats' work (float8's amax histories shared)
         lso.unscale_()
         self._after_closure(model, optimizer)  # Lightning's hooks, then clip_gradients
         lso.step()

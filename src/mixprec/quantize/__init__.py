@@ -67,13 +67,6 @@ BUILTIN_FORMATS = (INT8, INT4, FLOAT8, *MICROSCALING_FORMATS)
 for _format in BUILTIN_FORMATS:
     register(_format)
 
-QUANTIZED_TYPES: tuple[type[nn.Module], ...] = (
-    Int8Linear,
-    Int8Embedding,
-    Int4Linear,
-    Int4Embedding,
-)
-
 __all__ = [
     "BUILTIN_FORMATS",
     "Int4Embedding",
@@ -226,17 +219,12 @@ def _warn_untied(modules: dict[str, nn.Module], new: dict[int, nn.Module], codes
 
 
 def quantize(
-    model: nn.Module,
-    mode: str | QuantizedPolicy,
-    *,
-    filter: Filter = None,
-    group_size: int | None = None,
-    recipe: str | None = None,
-    amax_history_length: int | None = None,
+    model: nn.Module, mode: str | QuantizedPolicy, *, filter: Filter = None, **options: Any
 ) -> QuantizeResult:
     """Quantize `model`'s Linear (and, for int8/int4, Embedding) layers in place.
 
-    `mode`: "int8", "int4" (`group_size`, default 128; -1 per channel), "float8" (`recipe`
+    `mode` and its `options`, the keywords its format takes (`mixprec.formats.Format.keywords`):
+    "int8", "int4" (`group_size`, default 128; -1 per channel), "float8" (`recipe`
     tensorwise/rowwise/rowwise_with_gw_hp/delayed, `amax_history_length` for delayed), a
     block-scaled mode with its options in the name ("mxfp8", "mxfp8/floor", "mxfp4",
     "nvfp4/2d:rht:sr", ...: Linear layers only, emulated), or a quantized policy or its
@@ -251,11 +239,13 @@ def quantize(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"quantize needs an nn.Module, got {type(model).__name__}")
-    options = {
-        "group_size": group_size,
-        "recipe": recipe,
-        "amax_history_length": amax_history_length,
-    }
+    known = {k: f.name for f in reversed(formats()) for k in f.keywords}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        taken = ", ".join(f"{k} ({known[k]})" for k in sorted(known))
+        raise TypeError(
+            f"quantize() got unknown option(s) {', '.join(unknown)}; the formats take {taken}"
+        )
     policy = _as_policy(mode, options)
     keep = path_filter(filter)
     chosen: dict[str, QuantizedPolicy] = {}
@@ -275,31 +265,19 @@ def quantize(
     return result
 
 
-def _float_layer(layer: nn.Module, memo: dict[int, nn.Parameter]) -> nn.Module:
-    """The float Linear/Embedding a quantized layer stands for (adapters folded in)."""
-    key = id(layer.qweight)
-    weight = layer.dequantized_weight()
-    if isinstance(layer, LoraMixin) and layer.lora_rank:
-        weight, key = weight + layer.lora_delta().detach().to(weight.dtype), id(layer)
-    if key not in memo:
-        memo[key] = nn.Parameter(weight.detach().clone())
-    if isinstance(layer, (Int8Linear, Int4Linear)):
-        out = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
-        out.bias = layer.bias
-    else:
-        out = nn.Embedding(layer.num_embeddings, layer.embedding_dim, layer.padding_idx)
-    out.weight = memo[key]
-    return out.to(weight.device)
-
-
 def dequantize(model: nn.Module) -> nn.Module:
-    """Swap every int8/int4 layer of `model` back to a float Linear/Embedding holding its
-    dequantized weight (LoRA adapters folded in; tied weights tied again), and every
-    block-scaled layer back to the Linear holding its own (float) parameters; returns
-    `model`."""
-    memo: dict[int, nn.Parameter] = {}
-    new = {id(m): _float_layer(m, memo) for m in model.modules() if isinstance(m, QUANTIZED_TYPES)}
-    new.update({id(m): m.to_float() for m in model.modules() if isinstance(m, MicroscalingLinear)})
+    """Swap every quantized layer of `model` back to the float layer its format gives
+    (`mixprec.formats.Format.to_float`); returns `model`. An int8/int4 layer becomes a
+    Linear/Embedding holding its dequantized weight (LoRA adapters folded in; tied weights
+    tied again), a float8 or block-scaled layer the Linear holding its own (float)
+    parameters."""
+    memo: dict[int, Any] = {}
+    new: dict[int, nn.Module] = {}
+    for m in model.modules():
+        mode = getattr(m, "quantization_mode", None)
+        fmt = format_named(mode) if isinstance(mode, str) else None
+        if fmt is not None:
+            new[id(m)] = fmt.to_float(m, memo)
     swap_modules(model, lambda path, child: new.get(id(child)))
     return model
 

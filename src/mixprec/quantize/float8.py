@@ -31,7 +31,7 @@ to the op-by-op form.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -354,8 +354,9 @@ class Float8Linear(nn.Linear):
     recomputes the same values, and each amax is pushed once, by the one backward that
     runs per step. A training forward with gradients enabled but nothing requiring grad
     (so no backward) pushes the input and weight amaxes at once; eval and no-grad forwards
-    push nothing. Under several processes `sync_amax_histories` (the Trainer calls it every
-    optimizer step) makes the histories the max over the ranks; without it DDP ranks
+    push nothing. Under several processes `sync_amax_histories` (the format's
+    `Format.before_step`, which `mixprec.Precision.before_step` runs before every optimizer
+    step, at every door) makes the histories the max over the ranks; without it DDP ranks
     quantize with rank 0's (broadcast before each forward) and FSDP ranks with their own.
 
     `emulate=True` forces the float32 emulation even where a real float8 matmul could run.
@@ -500,18 +501,19 @@ def delayed_layers(model: nn.Module) -> list[Float8Linear]:
     return [m for m in model.modules() if isinstance(m, Float8Linear) and m.recipe == "delayed"]
 
 
-def sync_amax_histories(model: nn.Module | list[Float8Linear], group: Any = None) -> int:
+def sync_amax_histories(model: nn.Module | Sequence[Float8Linear], group: Any = None) -> int:
     """Make every rank's delayed-scaling amax histories the elementwise max over the ranks
     (one all-reduce for all layers) and set the scales from them; returns how many layers.
 
-    Call it on every rank after the backward passes of an optimizer step (the output
-    gradients' amaxes are recorded in backward). Without it each rank scales from its own
-    amaxes (FSDP2 leaves buffers alone) or from rank 0's (DDP broadcasts them before each
-    forward), so a rank whose data runs larger saturates. With it the next step's scales
-    come from the largest amax any rank saw, as one process on the whole batch would have.
-    The histories must have been equal on the ranks before the step (they are from a common
-    start: the same checkpoint, or DDP's first broadcast), so entry i means the same step
-    everywhere. `model` may be the list `delayed_layers` returns, to skip the module walk."""
+    Every door into a step runs it on every rank after the backward passes of an optimizer step
+    (`mixprec.Precision.before_step`; the output gradients' amaxes are recorded in backward); a loop
+    stepping its optimizers without a `Precision` calls it there. Without it each rank scales from
+    its own amaxes (FSDP2 leaves buffers alone) or from rank 0's (DDP broadcasts them before each
+    forward), so a rank whose data runs larger saturates. With it the next step's scales come from
+    the largest amax any rank saw, as one process on the whole batch would have. The histories must
+    have been equal on the ranks before the step (they are from a common start: the same checkpoint,
+    or DDP's first broadcast), so entry i means the same step everywhere. `model` may be the layers
+    `delayed_layers` returns, to skip the module walk."""
     import torch.distributed as dist
 
     layers = delayed_layers(model) if isinstance(model, nn.Module) else model
@@ -766,6 +768,12 @@ class Float8Format(Format):
 
     def layer_config(self, layer: nn.Module) -> Float8Config:
         return Float8Config(layer.recipe, layer.amax_history_length)
+
+    def step_layers(self, model: nn.Module) -> list[nn.Module]:
+        return list(delayed_layers(model))
+
+    def before_step(self, layers: Sequence[nn.Module], group: Any) -> None:
+        sync_amax_histories(layers, group)  # type: ignore[arg-type]
 
     def weight_bytes(self, config: Float8Config, module: nn.Module, storage: torch.dtype) -> int:
         weight = module.weight.numel() * storage.itemsize

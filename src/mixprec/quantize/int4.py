@@ -40,6 +40,7 @@ from mixprec.quantize.int8 import (
     Prepacked,
     check_finite,
     check_input,
+    float_layer,
     output_dtype,
     storable_scale,
 )
@@ -494,6 +495,9 @@ class Int4Format(Format):
 
     def layer_config(self, layer: nn.Module) -> Int4Config:
         return Int4Config(layer.group_size)
+
+    def to_float(self, layer: nn.Module, memo: dict[int, Any]) -> nn.Module:
+        return float_layer(layer, memo)
 
     def weight_bytes(self, config: Int4Config, module: nn.Module, storage: torch.dtype) -> int:
         rows, features = module.weight.shape

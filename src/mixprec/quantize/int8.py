@@ -66,6 +66,7 @@ __all__ = [
     "check_finite",
     "check_input",
     "cpu_int8_kernels",
+    "float_layer",
     "float_sums",
     "int8_linear",
     "int8_support",
@@ -735,6 +736,9 @@ class Int8Format(Format):
         layer = Int8Linear if isinstance(module, nn.Linear) else Int8Embedding
         return layer.from_float(module, memo[key])
 
+    def to_float(self, layer: nn.Module, memo: dict[int, Any]) -> nn.Module:
+        return float_layer(layer, memo)
+
     def weight_bytes(self, config: None, module: nn.Module, storage: torch.dtype) -> int:
         rows, features = module.weight.shape
         return rows * features + rows * storage.itemsize
@@ -744,3 +748,23 @@ class Int8Format(Format):
 
 
 INT8 = Int8Format()
+
+
+def float_layer(layer: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """The float Linear/Embedding (its ``float_type``) an int8/int4 layer holding codes
+    stands for: its dequantized weight, LoRA adapters folded in, the bias the same
+    Parameter. Layers sharing one quantized weight (and no adapters) share one float weight
+    through `memo` (`mixprec.quantize.dequantize`'s)."""
+    key = id(layer.qweight)
+    weight = layer.dequantized_weight()
+    if isinstance(layer, LoraMixin) and layer.lora_rank:
+        weight, key = weight + layer.lora_delta().detach().to(weight.dtype), id(layer)
+    if key not in memo:
+        memo[key] = nn.Parameter(weight.detach().clone())
+    if layer.float_type is nn.Linear:
+        out = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+        out.bias = layer.bias
+    else:
+        out = nn.Embedding(layer.num_embeddings, layer.embedding_dim, layer.padding_idx)
+    out.weight = memo[key]
+    return out.to(weight.device)

@@ -24,7 +24,6 @@ from torch import Tensor, nn
 from mixprec.memory import measured
 from mixprec.optim import LossScaleOptimizer, scheduler_step
 from mixprec.precision import Precision
-from mixprec.quantize.float8 import Float8Linear, sync_amax_histories
 from mixprec.step import backward, plain_loss, split_batch, step_context
 from mixprec.trainer.callbacks import Callback, listens
 from mixprec.trainer.checkpoint import rng_states, set_rng_states
@@ -221,8 +220,6 @@ class FitRun(Run):
     epoch_finished: bool = False
     window_losses: list[Tensor] = field(default_factory=list)
     trained_batches: int = 0  # batches of this epoch that returned a loss
-    # delayed-scaling float8 layers whose amax histories the ranks share (several processes)
-    amax_layers: list[Float8Linear] = field(default_factory=list)
     closure: bool = False  # its one optimizer evaluates the loss inside step (LBFGS)
 
     @property
@@ -526,11 +523,10 @@ def optimizer_step(run: FitRun) -> None:
 
 
 def before_step(run: FitRun) -> None:
-    """What comes between the backward and the step: the float8 amax histories shared, the
-    gradients unscaled, ``on_before_optimizer_step``, clipping."""
+    """What comes between the backward and the step: the gradients unscaled,
+    ``on_before_optimizer_step``, clipping. The formats' own work (float8's amax histories
+    shared across the ranks) is `Precision.before_step`, which `Precision.step` runs."""
     precision, config = run.precision, run.config
-    if run.amax_layers:  # the next step scales from the largest amax any rank saw
-        sync_amax_histories(run.amax_layers)
     hooks = run.listening("on_before_optimizer_step")
     if not hooks and config.gradient_clip_val is None:
         return  # nothing reads the gradients before the step, which unscales them itself

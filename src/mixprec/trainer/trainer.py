@@ -20,7 +20,6 @@ from torch import Tensor, nn
 
 from mixprec.optim import LossScaleOptimizer
 from mixprec.precision import Precision
-from mixprec.quantize.float8 import delayed_layers
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer import resume, sharded
 from mixprec.trainer.callbacks import (
@@ -618,7 +617,6 @@ class Trainer:
             num_training_batches=num_batches(
                 train_loader, self.config.limit_train_batches, "train"
             ),
-            amax_layers=delayed_layers(model) if self.world_size > 1 else [],
         )
         run.closure = check_closure_fit(
             opts, precision.scaler.enabled, self.config.accumulate_grad_batches, self.strategy.name
