@@ -137,6 +137,36 @@ def test_float8_mlp_script_builds_float8_models_with_the_casts_asked_for():
     assert [type(m).__name__ for m in plain][:1] == ["Linear"]
 
 
+def test_states_adamw_script_tiny_on_cpu(tmp_path, monkeypatch):
+    """mixprec's low-bit AdamWs against torch's, each stepping its own copy; a row per
+    optimizer with its paired ratio and state bytes, written as it goes."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    script = _load("states_adamw")
+    out = tmp_path / "out"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert script.main(["--device", "cpu", "--tiny", "--warmup", "1", "--out", str(out)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = [json.loads(line) for line in (out / "states_adamw.jsonl").read_text().splitlines()]
+    names = [r["optimizer"] for r in rows]
+    assert names[:4] == [
+        "torch AdamW (foreach)",
+        "mixprec AdamW8bit",
+        "mixprec AdamW4bit",
+        "mixprec AdamWFp8",
+    ]
+    assert rows[0]["vs_baseline"] == 1.0 and all(len(r["step_ms"]) == 2 for r in rows)
+    by = {r["optimizer"]: r["state_bytes"] for r in rows}
+    # two float32 moments against one byte (int8, float8) or half a byte (int4) each
+    assert by["mixprec AdamW8bit"] < by["torch AdamW (foreach)"] / 3
+    assert by["mixprec AdamW4bit"] < by["mixprec AdamW8bit"]
+    md = (out / "states_adamw.md").read_text()
+    assert "| tiny (" in md and "--tiny" in md
+    assert script.main(["--device", "cuda"]) == 2 or torch.cuda.is_available()
+
+
 RUN_H100 = GPU / "run_h100.sh"
 DEFAULT_PARTS = ["cuda", "blog256", "blog32", "transformer", "trainer", "float8"]
 
