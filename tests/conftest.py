@@ -7,8 +7,8 @@ import tempfile
 import pytest
 
 import mixprec
+from mixprec.device.gemm_ratio import CACHE_ENV
 from mixprec.hardware import ALLOW_SLOW_ENV
-from mixprec.hardware.gemm_ratio import CACHE_ENV
 
 _GEMM_CACHE = tempfile.TemporaryDirectory(prefix="mixprec-cache-")
 

@@ -19,7 +19,9 @@ SRC = Path(mixprec.__file__).parent
 # below it. Utilities with no knowledge of precision sit at the bottom.
 LAYERS: list[set[str]] = [
     {"errors", "version", "textout", "timing", "memory"},
-    {"dtypes", "compensated", "formats", "hardware.gemm_ratio"},
+    {"dtypes", "compensated"},
+    {"device"},
+    {"formats"},
     {"policy.names"},
     {"policy"},
     {"quantize", "states", "activations"},
@@ -117,10 +119,12 @@ def test_the_tests_mirror_the_package():
 
 
 def test_imports_point_down_the_layers():
+    """Every import counts: at module level, inside functions and under ``if
+    TYPE_CHECKING:`` (an annotation naming a higher layer's class ties the layers too)."""
     wrong = []
     for module, path in _modules().items():
         here = _component(module)
-        for imported, _ in _imports(path):
+        for imported, _ in _imports(path, annotations=True):
             there = _component(imported)
             if there == "__init__" and imported == "mixprec" and here != "__init__":
                 wrong.append(f"{module} imports the top-level package (import a module instead)")
@@ -158,6 +162,61 @@ def test_no_import_cycle_at_module_level():
         for m, p in modules.items()
     }
     _check_no_cycle(graph)
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of `graph` (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next((n for n in edges if n not in index or n in stack), None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set(stack[stack.index(node) :])
+                    del stack[stack.index(node) :]
+                    found.append(component)
+            elif nxt in index:
+                low[node] = min(low[node], index[nxt])
+            else:
+                index[nxt] = low[nxt] = len(index)
+                stack.append(nxt)
+                work.append((nxt, iter(sorted(graph[nxt]))))
+    return found
+
+
+def _folder(module: str) -> str:
+    """The package a module's file sits in (`mixprec.policy.map` and `mixprec.policy` ->
+    "mixprec.policy"; a root module -> "mixprec")."""
+    if MODULES[module].name == "__init__.py":
+        return module
+    return module.rpartition(".")[0]
+
+
+def test_no_import_circle_spans_two_folders():
+    """No set of modules across packages imports one another round, counting every import
+    (functions and annotations too): each package can be read and changed from the bottom."""
+    graph = {
+        m: {i for i, _ in _imports(p, annotations=True) if i in MODULES and i != m}
+        for m, p in MODULES.items()
+    }
+    circles = [
+        "{" + ", ".join(sorted(c)) + "}"
+        for c in _strongly_connected(graph)
+        if len({_folder(m) for m in c}) > 1
+    ]
+    assert not circles, "modules of several packages import each other:\n" + "\n".join(circles)
 
 
 TRAINER_CLASS_MODULE = "mixprec.trainer.trainer"

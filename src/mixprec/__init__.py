@@ -26,6 +26,7 @@ from mixprec.errors import (
     SlowPrecisionError,
     SlowPrecisionWarning,
 )
+from mixprec.formats import register
 from mixprec.optim import LossScaleOptimizer
 from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
 from mixprec.policy.map import PolicyMap
@@ -39,6 +40,10 @@ from mixprec.scaling import (
 )
 from mixprec.states import AdamW4bit, AdamW8bit, AdamWFp8, LowBitAdamW, LowBitSGD
 from mixprec.version import __version__
+
+# the builtin formats, registered once, here, in the order names and searches list them
+for _builtin in quantize.BUILTIN_FORMATS:
+    register(_builtin)
 
 if TYPE_CHECKING:
     from mixprec.doctor import PrecisionMonitor, diagnose

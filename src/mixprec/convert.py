@@ -32,15 +32,10 @@ from torch.overrides import TorchFunctionMode
 from mixprec.activations import ActivationForward, saved_bytes
 from mixprec.activations import check as check_activations
 from mixprec.activations import install as install_activations
+from mixprec.device import detect, device_of, parse_device
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError
-from mixprec.hardware import (
-    detect,
-    device_of,
-    parse_device,
-    slow_attention,
-    warn_if_unsupported,
-)
+from mixprec.hardware import slow_attention, warn_if_unsupported
 from mixprec.policy import Policy
 from mixprec.policy import map as policy_map
 from mixprec.policy.map import (

@@ -15,9 +15,10 @@ from devices import AMX_CPU, AVX2_CPU, AVX512_CPU, H100, ZEN4
 from torch import nn
 
 import mixprec
-from mixprec import SlowPrecisionError, hardware
+from mixprec import SlowPrecisionError, device, hardware
 from mixprec.cli import main
-from mixprec.hardware import DeviceInfo, check, gemm_ratio, measuring, resolve_auto, support_matrix
+from mixprec.device import DeviceInfo, gemm_ratio
+from mixprec.hardware import check, measuring, resolve_auto, support_matrix
 from mixprec.policy import as_policy
 
 
@@ -95,7 +96,7 @@ def test_info_rates_bf16_slow_on_an_avx512_cpu_without_bf16(capsys, monkeypatch)
     out = capsys.readouterr().out
     assert re.search(r"bf16-mixed\s*│\s*slow\s*│ bfloat16: its GEMMs measured 0\.42x", out)
     assert '"auto" resolves to: 32-true' in out
-    assert "rated by their GEMM speed against float32 (bfloat16 0.42x, float16 0.05x" in out
+    assert "speed against float32 (bfloat16 0.42x, float16 0.05x" in out
     with hardware.assume(ZEN4):
         assert main(["info", "--device", "cpu"]) == 0
     assert "rated by this CPU's flags alone" in capsys.readouterr().out
@@ -135,20 +136,20 @@ def test_the_doctor_does_not_offer_bf16_where_it_is_rated_slow():
 
 def _fresh(monkeypatch, folder):
     monkeypatch.setenv(gemm_ratio.CACHE_ENV, str(folder))
-    hardware._detect.cache_clear()
+    device._detect.cache_clear()
 
 
 @pytest.fixture
 def _clean_detect():
-    hardware._detect.cache_clear()
+    device._detect.cache_clear()
     yield
-    hardware._detect.cache_clear()
+    device._detect.cache_clear()
 
 
 @pytest.mark.usefixtures("_clean_detect")
 def test_the_host_is_measured_once_per_machine_and_torch(tmp_path, monkeypatch):
     _fresh(monkeypatch, tmp_path)
-    first = hardware.detect("cpu")
+    first = device.detect("cpu")
     path = tmp_path / gemm_ratio.CACHE_FILE
     data = json.loads(path.read_text())
     (entry,) = data["entries"]
@@ -159,14 +160,14 @@ def test_the_host_is_measured_once_per_machine_and_torch(tmp_path, monkeypatch):
     # a later process reads the cache: what it says is what rates the host
     entry["measured"]["ratios"] = {"bfloat16": 0.5, "float16": 0.6}
     path.write_text(json.dumps(data))
-    hardware._detect.cache_clear()
-    assert hardware.detect("cpu").gemm_ratios == {"bfloat16": 0.5, "float16": 0.6}
-    assert support_matrix(hardware.detect("cpu"))["bf16-mixed"].status == "slow"
+    device._detect.cache_clear()
+    assert device.detect("cpu").gemm_ratios == {"bfloat16": 0.5, "float16": 0.6}
+    assert support_matrix(device.detect("cpu"))["bf16-mixed"].status == "slow"
     # measured under another torch: measured again, and kept beside it
     entry["key"]["torch"] = "2.0.0"
     path.write_text(json.dumps(data))
-    hardware._detect.cache_clear()
-    again = hardware.detect("cpu")
+    device._detect.cache_clear()
+    again = device.detect("cpu")
     assert again.gemm_ratios != {"bfloat16": 0.5, "float16": 0.6}
     versions = [e["key"]["torch"] for e in json.loads(path.read_text())["entries"]]
     assert versions == ["2.0.0", torch.__version__]
@@ -176,16 +177,16 @@ def test_the_host_is_measured_once_per_machine_and_torch(tmp_path, monkeypatch):
 @pytest.mark.usefixtures("_clean_detect")
 def test_remeasure_replaces_the_cached_ratios(tmp_path, monkeypatch):
     _fresh(monkeypatch, tmp_path)
-    hardware.detect("cpu")
+    device.detect("cpu")
     path = tmp_path / gemm_ratio.CACHE_FILE
     data = json.loads(path.read_text())
     data["entries"][0]["measured"]["ratios"] = {"bfloat16": 0.5, "float16": 0.6}
     path.write_text(json.dumps(data))
-    hardware._detect.cache_clear()
-    assert hardware.detect("cpu").gemm_ratios == {"bfloat16": 0.5, "float16": 0.6}
-    again = hardware.remeasure()
+    device._detect.cache_clear()
+    assert device.detect("cpu").gemm_ratios == {"bfloat16": 0.5, "float16": 0.6}
+    again = device.remeasure()
     assert again.gemm_ratios != {"bfloat16": 0.5, "float16": 0.6}
-    assert hardware.detect("cpu") is again
+    assert device.detect("cpu") is again
     assert len(json.loads(path.read_text())["entries"]) == 1
 
 
@@ -193,7 +194,7 @@ def test_remeasure_replaces_the_cached_ratios(tmp_path, monkeypatch):
 def test_a_cache_that_is_not_ours_is_measured_again(tmp_path, monkeypatch):
     _fresh(monkeypatch, tmp_path)
     (tmp_path / gemm_ratio.CACHE_FILE).write_text("not json")
-    info = hardware.detect("cpu")
+    info = device.detect("cpu")
     assert set(info.gemm_ratios) == {"bfloat16", "float16"}
     assert json.loads((tmp_path / gemm_ratio.CACHE_FILE).read_text())["entries"]
 
@@ -205,7 +206,7 @@ def test_a_cache_that_cannot_be_written_is_said_and_the_host_still_rated(tmp_pat
     _fresh(monkeypatch, blocker / "cache")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        info = hardware.detect("cpu")
+        info = device.detect("cpu")
     assert set(info.gemm_ratios) == {"bfloat16", "float16"}
     (w,) = [w for w in caught if issubclass(w.category, RuntimeWarning)]
     assert "could not cache" in str(w.message) and gemm_ratio.CACHE_ENV in str(w.message)
@@ -373,10 +374,10 @@ def test_a_cap_set_after_the_process_multiplied_is_not_measured_under_its_key(tm
     capped process would read it). The capped view it asked for is rated by its flags."""
     script = (
         "import json, os, torch\n"
-        "from mixprec import hardware\n"
+        "from mixprec import device, hardware\n"
         "a = torch.ones(64, 64, dtype=torch.bfloat16); a @ a\n"
         "os.environ['ONEDNN_MAX_CPU_ISA'] = 'AVX2'\n"
-        "info = hardware.detect('cpu')\n"
+        "info = device.detect('cpu')\n"
         "bf16 = hardware.dtype_support(torch.bfloat16, info)\n"
         "print(json.dumps([info.gemm_ratios, info.gemm_note, info.isa_cap, bf16.status]))\n"
     )
@@ -403,11 +404,11 @@ def test_a_late_cap_reads_what_a_process_under_it_measured(tmp_path, monkeypatch
     for var in ("DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
         monkeypatch.delenv(var, raising=False)
     # this process's oneDNN started uncapped: mixprec was imported without a cap
-    monkeypatch.setitem(hardware._ONEDNN_AT_IMPORT, "ONEDNN_MAX_CPU_ISA", None)
-    monkeypatch.setitem(hardware._ONEDNN_AT_IMPORT, "DNNL_MAX_CPU_ISA", None)
+    monkeypatch.setitem(device._ONEDNN_AT_IMPORT, "ONEDNN_MAX_CPU_ISA", None)
+    monkeypatch.setitem(device._ONEDNN_AT_IMPORT, "DNNL_MAX_CPU_ISA", None)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    flags, cap = hardware.cap_cpu_flags(hardware._cpu_flags(), {"ONEDNN_MAX_CPU_ISA": "AVX2"})
-    key = {"cpu": hardware._cpu_name(), "flags": sorted(flags), "isa_cap": cap}
+    flags, cap = device.cap_cpu_flags(device._cpu_flags(), {"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    key = {"cpu": device._cpu_name(), "flags": sorted(flags), "isa_cap": cap}
     measured = {
         "ratios": {"bfloat16": 0.02, "float16": 0.03},
         "spread": {"bfloat16": 1.0, "float16": 1.0},
@@ -418,7 +419,7 @@ def test_a_late_cap_reads_what_a_process_under_it_measured(tmp_path, monkeypatch
     }
     entry = {"key": {**key, "torch": torch.__version__}, "measured": measured}
     (tmp_path / gemm_ratio.CACHE_FILE).write_text(json.dumps({"entries": [entry]}))
-    info = hardware.detect("cpu")
+    info = device.detect("cpu")
     assert info.gemm_ratios == {"bfloat16": 0.02, "float16": 0.03}
     assert "read from" in info.gemm_note and "not measured in this process" in info.gemm_note
     assert len(json.loads((tmp_path / gemm_ratio.CACHE_FILE).read_text())["entries"]) == 1

@@ -250,7 +250,7 @@ AMX_FLAGS = frozenset({"avx2", "avx512bw", "avx512_bf16", "amx_bf16", "avx512_fp
     ],
 )
 def test_isa_caps_users_set_for_torch_cap_the_flags(env, kept, note):
-    from mixprec.hardware import cap_cpu_flags
+    from mixprec.device import cap_cpu_flags
 
     flags, why = cap_cpu_flags(AMX_FLAGS, env)
     assert flags == kept

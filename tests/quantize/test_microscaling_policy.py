@@ -18,7 +18,7 @@ from mixprec.errors import PolicySpecError
 from mixprec.formats.microscaling import MicroscalingConfig
 from mixprec.hardware import DeviceInfo
 from mixprec.policy import Policy, QuantizedPolicy
-from mixprec.quantize.microscaling import MicroscalingLinear
+from mixprec.quantize.microscaling import MicroscalingLinear, microscaling_support
 from mixprec.trainer import Trainer, TrainingModule
 
 B200 = DeviceInfo("cuda", "B200", 0, capability=(10, 0))
@@ -168,7 +168,7 @@ def test_the_hardware_check_calls_block_scaled_policies_emulated_everywhere():
         support = hardware.policy_support(Policy("mxfp8_from_bf16-mixed"), info)
         assert support.status == hardware.SLOW, info
         assert support.reason.startswith("mxfp8: ")
-    assert "mixprec has no kernel path" in hardware.microscaling_support(B200).reason
+    assert "mixprec has no kernel path" in microscaling_support(B200).reason
     with hardware.assume(AVX2_CPU), pytest.raises(mixprec.SlowPrecisionError) as err:
         mixprec.Precision("nvfp4_from_float32").setup(_model())
     assert "block-scaled (MX, NVFP4) matmuls are emulated" in str(err.value)

@@ -18,10 +18,12 @@ from torch import nn
 
 import mixprec
 from mixprec import hardware
+from mixprec.device import cap_cpu_flags
 from mixprec.errors import PolicySpecError, SlowPrecisionError
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.policy.names import POLICY_NAMES
 from mixprec.quantize import Int4Embedding, Int4Linear, Int8Linear
+from mixprec.quantize.int8 import int8_support
 from mixprec.quantize.rules import skip_reason
 
 f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
@@ -488,15 +490,15 @@ def test_the_layer_rules_are_the_quantize_packages_and_the_policy_a_plain_value(
 
 def test_capping_onednn_below_vnni_rates_int8_as_saving_memory_only():
     flags = frozenset({"avx2", "avx512bw", "avx512_vnni", "avx512_bf16"})
-    kept, note = hardware.cap_cpu_flags(flags, {"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    kept, note = cap_cpu_flags(flags, {"ONEDNN_MAX_CPU_ISA": "AVX2"})
     assert "avx512_vnni" not in kept and note
-    kept, _ = hardware.cap_cpu_flags(flags, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"})
+    kept, _ = cap_cpu_flags(flags, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"})
     assert "avx512_vnni" in kept and "avx512_bf16" not in kept
     capped = hardware.DeviceInfo("cpu", "capped", cpu_flags=kept - {"avx512_vnni"})
-    assert hardware.int8_support(capped).status == hardware.SUPPORTED
+    assert int8_support(capped).status == hardware.SUPPORTED
     # an Arm CPU reports none of the x86 flags: not judged by them
     arm = hardware.DeviceInfo("cpu", "Arm", cpu_flags=frozenset({"asimd"}))
-    assert hardware.int8_support(arm).status == hardware.FAST
+    assert int8_support(arm).status == hardware.FAST
 
 
 def test_quantize_takes_a_modes_options_in_its_name_as_a_policy_does():

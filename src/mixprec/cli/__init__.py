@@ -16,6 +16,7 @@ from rich.console import Console
 from mixprec import textout
 from mixprec.cli.bench import add_parser as add_bench_parser
 from mixprec.cli.doctor import add_parser as add_doctor_parser
+from mixprec.device import DeviceInfo, detect, remeasure
 from mixprec.errors import PrecisionError
 from mixprec.formats.registry import formats
 from mixprec.hardware import (
@@ -23,11 +24,8 @@ from mixprec.hardware import (
     REFUSED,
     SLOW,
     SLOW_BELOW,
-    DeviceInfo,
-    detect,
     fast_on,
     policy_support,
-    remeasure,
     resolve_auto,
     support_matrix,
 )

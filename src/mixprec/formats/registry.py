@@ -30,7 +30,7 @@ from torch import nn
 from mixprec.errors import PolicySpecError
 
 if TYPE_CHECKING:
-    from mixprec.hardware import DeviceInfo
+    from mixprec.device import DeviceInfo
 
 __all__ = [
     "Format",

@@ -1,26 +1,35 @@
-"""What the device in hand supports, what is fast on it, and what "auto" means there.
+"""How well the device in hand runs each precision, what is fast on it, and what "auto"
+means there.
 
-The support matrix comes from hardware facts (CPU flags, CUDA compute capability, MPS) and,
-on a CPU, from a short measured GEMM speed of bfloat16 and float16 against float32
-(`gemm_ratio`): the flags are the prior and the explanation, the measurement the verdict. A
-refused precision raises; one slower than float32 raises unless the caller allows it. Nothing
-here ever switches a user to another precision silently.
+The ratings come from the device's facts (`mixprec.device`: CPU flags, CUDA compute
+capability, MPS) and, on a CPU, from a short measured GEMM speed of bfloat16 and float16
+against float32: the flags are the prior and the explanation, the measurement the verdict. A
+quantized policy adds its format's own rating (`Format.rate`). A refused precision raises;
+one slower than float32 raises unless the caller allows it. Nothing here ever switches a user
+to another precision silently.
+
+The public functions take any policy spec and convert it once (`as_map`); the functions they
+call take the converted `PolicyMap`. `DeviceInfo`, `detect` and `assume` are
+`mixprec.device`'s, offered here too, where the checks that read them are.
 """
 
 from __future__ import annotations
 
 import os
-import platform
 import warnings
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 import torch
-from torch import nn
 
+from mixprec.device import (
+    DeviceInfo,
+    assume,
+    default_device,
+    detect,
+    device_of,
+    parse_device,
+    remeasure,
+)
 from mixprec.dtypes import dtype_name
 from mixprec.errors import (
     PrecisionError,
@@ -29,41 +38,26 @@ from mixprec.errors import (
     caller_level,
 )
 from mixprec.formats.registry import Status, Support, format_named
-from mixprec.hardware import gemm_ratio
 from mixprec.policy import Policy, QuantizedPolicy, is_auto
 from mixprec.policy.map import PolicyMap, as_map
-
-# each format's rating lives with the format (`Format.rate`); the builtin ones are this
-# module's names too, beside the dtypes' ratings
-from mixprec.quantize.float8 import FLOAT8_FAST_ON, float8_support
-from mixprec.quantize.int8 import int8_support
-from mixprec.quantize.microscaling import microscaling_support
 
 __all__ = [
     "ALLOW_SLOW_ENV",
     "DeviceInfo",
     "FAST",
-    "FLOAT8_FAST_ON",
-    "MATRIX_PRECISIONS",
     "REFUSED",
     "SLOW",
     "SLOW_BELOW",
     "SUPPORTED",
     "Status",
     "Support",
-    "allow_slow_from_env",
     "assume",
-    "cap_cpu_flags",
-    "caps_in_effect",
     "check",
     "default_device",
     "detect",
     "device_of",
     "dtype_support",
     "fast_on",
-    "int8_support",
-    "float8_support",
-    "microscaling_support",
     "parse_device",
     "policy_support",
     "remeasure",
@@ -85,330 +79,6 @@ MATRIX_PRECISIONS: tuple[str, ...] = (
     "16-mixed",
     "16-true",
 )
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """Facts about one device that decide which precisions are fast on it.
-
-    Attributes:
-        type: "cpu", "cuda" or "mps".
-        name: the CPU model or GPU name.
-        index: the CUDA device index (None elsewhere).
-        cpu_flags: the CPU's instruction flags that matter here, after any ISA cap.
-        capability: a CUDA GPU's compute capability, (major, minor).
-        total_memory: a GPU's memory in bytes.
-        torch_version: the torch the facts were gathered with.
-        isa_cap: which ISA cap (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``) applied.
-        gemm_ratios: on a CPU, the measured GEMM speed of "bfloat16" and "float16" against
-            float32 (below 1: slower than float32); `detect` measures the host's (on one thread,
-            cached per machine), a described CPU states them or, left None, is rated by its
-            flags alone.
-        gemm_note: how and when `gemm_ratios` were measured, shown by `mixprec info`.
-    """
-
-    type: str
-    name: str
-    index: int | None = None
-    cpu_flags: frozenset[str] = field(default_factory=frozenset)
-    capability: tuple[int, int] | None = None
-    total_memory: int | None = None
-    torch_version: str = torch.__version__
-    isa_cap: str | None = None
-    gemm_ratios: Mapping[str, float] | None = field(default=None, hash=False)
-    gemm_note: str | None = field(default=None, hash=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.gemm_ratios is None:
-            return
-        names = {dtype_name(d) for d in gemm_ratio.DTYPES}
-        ratios = dict(self.gemm_ratios)
-        bad = {
-            k: v
-            for k, v in ratios.items()
-            if k not in names or not isinstance(v, float | int) or not 0 < v < float("inf")
-        }
-        if bad:
-            raise ValueError(
-                f"DeviceInfo.gemm_ratios: {bad} is not understood; it maps "
-                f"{' and '.join(sorted(names))} to a positive speed against float32 "
-                "(e.g. {'bfloat16': 0.42})"
-            )
-        object.__setattr__(self, "gemm_ratios", ratios)
-
-    @property
-    def device(self) -> torch.device:
-        return (
-            torch.device(self.type, self.index)
-            if self.index is not None
-            else torch.device(self.type)
-        )
-
-    def describe(self) -> str:
-        if self.type == "cuda":
-            cc = f"compute capability {self.capability[0]}.{self.capability[1]}"
-            mem = f", {self.total_memory / 2**30:.0f} GiB" if self.total_memory else ""
-            return f"{self.device} ({self.name}, {cc}{mem})"
-        if self.type == "cpu":
-            shown = sorted(self.cpu_flags & set(_CPU_FLAGS_OF_INTEREST))
-            flags = ", ".join(shown) if shown else "no bf16/fp16 matrix extensions"
-            cap = f"; {self.isa_cap}" if self.isa_cap else ""
-            return f"cpu ({self.name}; {flags}{cap}; {_threads(torch.get_num_threads())})"
-        return f"{self.device} ({self.name})"
-
-
-def _threads(n: int) -> str:
-    return "1 thread" if n == 1 else f"{n} threads"
-
-
-_CPU_FLAGS_OF_INTEREST = (
-    "avx512_bf16",
-    "amx_bf16",
-    "avx512_fp16",
-    "amx_fp16",
-    "avx512bw",
-    "avx512_vnni",
-    "avx_vnni",
-    "amx_int8",
-)
-
-
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    if platform.machine() == "arm64" and platform.system() == "Darwin":
-        return frozenset({"apple_silicon"})
-    return frozenset()
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-# oneDNN's ISA levels, lowest first, and the CPU flags each level lets its kernels use
-# (of those that decide bf16/fp16 speed); a level allows the flags of every level below it.
-_ONEDNN_LEVELS: tuple[tuple[tuple[str, ...], frozenset[str]], ...] = (
-    (("SSE41", "AVX", "AVX2"), frozenset()),
-    (("AVX2_VNNI", "AVX2_VNNI_2"), frozenset({"avx_vnni"})),
-    (("AVX512_CORE",), frozenset({"avx512bw"})),
-    (("AVX512_CORE_VNNI",), frozenset({"avx512_vnni"})),
-    (("AVX512_CORE_BF16",), frozenset({"avx512_bf16"})),
-    (("AVX512_CORE_FP16", "AVX10_1_512"), frozenset({"avx512_fp16"})),
-    (("AVX512_CORE_AMX", "AVX10_1_512_AMX"), frozenset({"amx_bf16", "amx_int8"})),
-    (("AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "ALL", "DEFAULT"), frozenset({"amx_fp16"})),
-)
-# ATen's CPU capability levels and the flags its vectorised kernels may use at each
-_ATEN_LEVELS: dict[str, frozenset[str]] = {
-    "DEFAULT": frozenset(),
-    "AVX2": frozenset(),
-    "AVX512": frozenset(_CPU_FLAGS_OF_INTEREST),
-}
-
-
-def _onednn_allowed(level: str) -> frozenset[str] | None:
-    allowed: set[str] = set()
-    for names, flags in _ONEDNN_LEVELS:
-        allowed |= flags
-        if level in names:
-            return frozenset(allowed)
-    return None
-
-
-def cap_cpu_flags(
-    flags: frozenset[str], environ: Mapping[str, str]
-) -> tuple[frozenset[str], str | None]:
-    """The CPU flags left usable under the ISA caps users already set for torch's kernels
-    (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``), and a note saying which cap applied.
-
-    Capping to AVX2 on a CPU with AMX makes its bf16 kernels as slow as an AVX2 CPU's, so the
-    support matrix follows the cap; an unknown value caps nothing and the note says so.
-    """
-    kept = set(flags)
-    notes = []
-    for var, allowed_of in (
-        ("ONEDNN_MAX_CPU_ISA", _onednn_allowed),
-        ("DNNL_MAX_CPU_ISA", _onednn_allowed),
-        ("ATEN_CPU_CAPABILITY", _ATEN_LEVELS.get),
-    ):
-        value = environ.get(var, "").strip()
-        if not value:
-            continue
-        allowed = allowed_of(value.upper())
-        if allowed is None:
-            notes.append(f"{var}={value} not understood, ignored")
-            continue
-        removed = kept & (set(_CPU_FLAGS_OF_INTEREST) - allowed)
-        if removed:
-            kept -= removed
-            notes.append(f"capped by {var}={value}")
-    return frozenset(kept), "; ".join(notes) or None
-
-
-def default_device() -> torch.device:
-    """The device a user most likely means: CUDA, then MPS, then CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def device_of(model: nn.Module) -> torch.device:
-    """Device of a model's first parameter or buffer (cpu for an empty model)."""
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return torch.device("cpu")
-
-
-_ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
-# oneDNN reads its cap once, when the process creates its first primitive (a float32 matmul
-# may), and torch does not say which it read: mixprec takes the variables as they were when it
-# was imported, before it multiplied anything itself
-_ONEDNN_AT_IMPORT = {var: os.environ.get(var) for var in _ISA_VARS[:2]}
-_assumed: dict[str, DeviceInfo] = {}
-
-
-def caps_in_effect(requested: Mapping[str, str]) -> dict[str, str]:
-    """The ISA caps this process's kernels run under, as the variables would spell them:
-    oneDNN's as they were when mixprec was imported, ATen's capability as torch reports it
-    where `requested` sets one (ATen too reads its variable once). A cap set later in a
-    process whose torch already multiplied is in `requested` and not here."""
-    caps = {var: value for var, value in _ONEDNN_AT_IMPORT.items() if value}
-    if requested.get("ATEN_CPU_CAPABILITY"):
-        caps["ATEN_CPU_CAPABILITY"] = torch.backends.cpu.get_cpu_capability()
-    return caps
-
-
-@cache
-def _detect(type_: str, index: int | None, caps: tuple[str | None, ...]) -> DeviceInfo:
-    if type_ == "cuda":
-        idx = index if index is not None else torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(idx)
-        return DeviceInfo(
-            "cuda",
-            props.name,
-            idx,
-            capability=(props.major, props.minor),
-            total_memory=props.total_memory,
-        )
-    if type_ == "mps":
-        return DeviceInfo("mps", f"Apple GPU (macOS {platform.mac_ver()[0]})")
-    if type_ == "cpu":
-        return _host_cpu(caps, refresh=False)
-    raise PrecisionError(f"unknown device type {type_!r}; mixprec knows cpu, cuda and mps")
-
-
-def _host_cpu(caps: tuple[str | None, ...], refresh: bool) -> DeviceInfo:
-    """The host CPU under the ISA caps `caps`, rated by its measured GEMM ratios: cached per
-    CPU model and flags, cap and torch version."""
-    env = {var: value for var, value in zip(_ISA_VARS, caps, strict=True) if value}
-    flags, cap = cap_cpu_flags(_cpu_flags(), env)
-    name = _cpu_name()
-    key = {
-        "cpu": name,
-        "flags": sorted(flags),
-        "isa_cap": cap,
-        "torch": torch.__version__,
-    }
-    path = gemm_ratio.cache_path()
-    in_effect, _ = cap_cpu_flags(_cpu_flags(), caps_in_effect(env))
-    if in_effect == flags:
-        measured = gemm_ratio.cached(key, refresh=refresh)
-        note = f"{measured.note()}; cached in {path}"
-    else:
-        # this process's GEMMs run under another cap than the one asked for: measuring them
-        # would store one cap's speed under the other's key
-        measured = gemm_ratio.lookup(key)
-        why = (
-            "not measured in this process: its kernels run under another ISA cap than the "
-            "one asked for (oneDNN and ATen read theirs once, at the first matmul; set the cap "
-            "before the process starts)"
-        )
-        note = f"{measured.note()}; read from {path}; {why}" if measured else why
-    return DeviceInfo(
-        "cpu",
-        name,
-        cpu_flags=flags,
-        isa_cap=cap,
-        gemm_ratios=measured.ratios if measured else None,
-        gemm_note=note,
-    )
-
-
-def remeasure() -> DeviceInfo:
-    """Measure the host CPU's GEMM ratios again, replacing the cached ones (say, a measurement
-    taken while other work held the cores), and return the CPU's `DeviceInfo` rated by them;
-    `detect` answers it from then on."""
-    _detect.cache_clear()
-    caps = tuple(os.environ.get(v) for v in _ISA_VARS)
-    _host_cpu(caps, refresh=True)
-    return detect("cpu")
-
-
-def parse_device(device: torch.device | str) -> torch.device:
-    """`device` as a torch.device; PrecisionError naming the accepted kinds otherwise."""
-    try:
-        return torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise PrecisionError(
-            f"unknown device {device!r}; mixprec runs on 'cpu', 'cuda', 'cuda:N' and 'mps'"
-        ) from None
-
-
-def detect(device: torch.device | str | None = None) -> DeviceInfo:
-    """Facts about `device` (default: the best available one), or the `DeviceInfo` assumed
-    for its type by `assume`."""
-    device = parse_device(device) if device is not None else default_device()
-    if device.type in _assumed:
-        return _assumed[device.type]
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise PrecisionError(
-            f"device {str(device)!r}: this torch ({torch.__version__}) sees no CUDA GPU"
-            + ("" if torch.version.cuda else " (it is a CPU-only build)")
-            + "; use device='cpu', or install a CUDA build of torch on a machine with a GPU"
-        )
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise PrecisionError(
-            f"device 'mps': this torch ({torch.__version__}) sees no Apple GPU"
-            + ("" if torch.backends.mps.is_built() else " (it is built without MPS)")
-            + "; MPS needs Apple silicon and macOS 12.3+; use device='cpu'"
-        )
-    return _detect(device.type, device.index, tuple(os.environ.get(v) for v in _ISA_VARS))
-
-
-@contextmanager
-def assume(info: DeviceInfo) -> Iterator[DeviceInfo]:
-    """Within the block, `detect` answers `info` for devices of its type: every hardware
-    check (Precision, Trainer, bench, doctor, "auto") then judges that device, not the host.
-
-    For tests and for asking "what would happen on an H100 / an AVX2 CPU"; the code still
-    runs on the real device, and nothing is measured: a described CPU is rated by the
-    `gemm_ratios` it states, or by its flags alone. Process-wide, so not for use from several
-    threads at once.
-    """
-    before = _assumed.get(info.type)
-    _assumed[info.type] = info
-    try:
-        yield info
-    finally:
-        if before is None:
-            del _assumed[info.type]
-        else:
-            _assumed[info.type] = before
 
 
 # a 16-bit GEMM measured below this fraction of float32's speed rates its dtype slow; one
@@ -541,34 +211,49 @@ def slow_attention(info: DeviceInfo) -> frozenset[torch.dtype]:
 
 def policy_support(policy: Any, info: DeviceInfo) -> Support:
     """The worst support over every dtype a policy (or each policy of a map) uses, and for
-    a quantized policy its format's own rating (`Format.rate`): float8 needs float8 matmul
-    hardware (`float8_support`), block-scaled formats (mxfp8, mxfp6, mxfp4, nvfp4) are
-    emulated everywhere (`microscaling_support`), int8 saves memory but not time on x86
-    CPUs without VNNI (`int8_support`), and int4 runs anywhere.
+    a quantized policy its format's own rating (`Format.rate`).
 
     The reason is the map's default policy's unless another policy of the map is worse: a
     bf16-mixed map is fast because of bfloat16, not because of its float32 islands."""
-    pmap = as_map(policy)
-    others = sorted(pmap.policies() - {pmap.default}, key=lambda p: p.name)
+    return _map_support(as_map(policy), info)
+
+
+def _in_order(pmap: PolicyMap) -> list[Policy]:
+    """The map's policies, its default first, then the others by name."""
+    return [pmap.default, *sorted(pmap.policies() - {pmap.default}, key=lambda p: p.name)]
+
+
+def _worse(worst: Support, status: Status, reason: str) -> Support:
+    """`worst`, or the new rating where it is worse (the first of equals is kept)."""
+    return Support(status, reason) if status.rank > worst.status.rank or not worst.reason else worst
+
+
+def _one_support(policy: Policy, info: DeviceInfo) -> Support:
+    """One policy's support: its format's rating first, then its dtypes' (storage matters
+    only if refused; speed is decided by the compute dtype)."""
     worst = Support(FAST, "")
-    for p in [pmap.default, *others]:
-        rated = p.format.rate(info) if isinstance(p, QuantizedPolicy) else None
-        if rated is not None and (rated.status.rank > worst.status.rank or not worst.reason):
-            worst = Support(rated.status, f"{p.mode}: {rated.reason}")
-        # storage matters only if refused; speed is decided by the compute dtype
-        for dtype in dict.fromkeys((p.compute_dtype, p.param_dtype, p.output_dtype)):
-            s = dtype_support(dtype, info)
-            if dtype != p.compute_dtype and s.status != REFUSED:
-                continue
-            if s.status.rank > worst.status.rank or not worst.reason:
-                worst = Support(s.status, f"{dtype_name(dtype)}: {s.reason}")
+    rated = policy.format.rate(info) if isinstance(policy, QuantizedPolicy) else None
+    if rated is not None:
+        worst = _worse(worst, rated.status, f"{policy.mode}: {rated.reason}")
+    for dtype in dict.fromkeys((policy.compute_dtype, policy.param_dtype, policy.output_dtype)):
+        s = dtype_support(dtype, info)
+        if dtype == policy.compute_dtype or s.status == REFUSED:
+            worst = _worse(worst, s.status, f"{dtype_name(dtype)}: {s.reason}")
+    return worst
+
+
+def _map_support(pmap: PolicyMap, info: DeviceInfo) -> Support:
+    worst = Support(FAST, "")
+    for p in _in_order(pmap):
+        s = _one_support(p, info)
+        worst = _worse(worst, s.status, s.reason)
     return worst
 
 
 def support_matrix(info: DeviceInfo | None = None) -> dict[str, Support]:
     """Support of each common precision on the device (default: the best available)."""
     info = info or detect()
-    return {name: policy_support(Policy(name), info) for name in MATRIX_PRECISIONS}
+    return {name: _one_support(Policy(name), info) for name in MATRIX_PRECISIONS}
 
 
 def resolve_auto(info: DeviceInfo) -> Policy:
@@ -576,7 +261,7 @@ def resolve_auto(info: DeviceInfo) -> Policy:
     bf16 mixed where bf16 is fast, float16 mixed (with loss scaling) where only float16 is,
     else float32."""
     for name in ("bf16-mixed", "16-mixed"):
-        if policy_support(Policy(name), info).status == FAST:
+        if _one_support(Policy(name), info).status == FAST:
             return Policy(name)
     return Policy("32-true")
 
@@ -634,9 +319,9 @@ def check(
     measured below `SLOW_BELOW` x float32's speed) unless `allow_slow` (or
     ``MIXPREC_ALLOW_SLOW=1``); return the support (status and reason)."""
     info = info or detect(device)
-    policy = as_map(policy)
-    s = policy_support(policy, info)
-    name = policy.name
+    pmap = as_map(policy)
+    s = _map_support(pmap, info)
+    name = pmap.name
     if s.status == REFUSED:
         ok = [n for n, c in support_matrix(info).items() if c.status != REFUSED]
         raise PrecisionError(
@@ -648,7 +333,7 @@ def check(
         # a reason names what is slow first: a format (its hardware) or a dtype
         fmt = format_named(s.reason.partition(":")[0])
         where = fmt.fast_on if fmt is not None and fmt.fast_on else None
-        where = where or fast_on(_slowest_dtype(policy, info))
+        where = where or fast_on(_slowest_dtype(pmap, info))
         raise SlowPrecisionError(
             f"precision {name!r} runs on {info.describe()} but slower than float32 "
             f"({s.reason}). It is fast on {where}. To run it here anyway (e.g. to study its "
@@ -659,8 +344,8 @@ def check(
     return s
 
 
-def _slowest_dtype(policy: Any, info: DeviceInfo) -> torch.dtype:
-    dtypes = {p.compute_dtype for p in as_map(policy).policies()}
+def _slowest_dtype(pmap: PolicyMap, info: DeviceInfo) -> torch.dtype:
+    dtypes = {p.compute_dtype for p in pmap.policies()}
     return max(dtypes, key=lambda d: dtype_support(d, info).status.rank)
 
 
@@ -673,14 +358,13 @@ def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -
     then show once per place. ``MIXPREC_ALLOW_SLOW=1`` silences it for a slow policy, as it
     lifts `check`'s error: whoever set it knows; a refused one is still said."""
     info = detect(device)
-    s = policy_support(policy, info)
+    pmap = as_map(policy)
+    s = _map_support(pmap, info)
     if s.status == SLOW and allow_slow_from_env():
         return
     if s.status in (SLOW, REFUSED):
-        pmap = as_map(policy)
-        others = sorted(pmap.policies() - {pmap.default}, key=lambda p: p.name)
         # max keeps the first of equals: the default policy when it is as bad as any rule
-        worst = max([pmap.default, *others], key=lambda p: policy_support(p, info).status.rank)
+        worst = max(_in_order(pmap), key=lambda p: _one_support(p, info).status.rank)
         warnings.warn(
             f"precision {worst.name!r} is {s.status} on {info.describe()}: {s.reason}",
             SlowPrecisionWarning,

@@ -13,16 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mixprec.device import DeviceInfo, default_device, detect
 from mixprec.dtypes import dtype_name
-from mixprec.hardware import (
-    FAST,
-    REFUSED,
-    DeviceInfo,
-    _cpu_prior,
-    default_device,
-    detect,
-    dtype_support,
-)
+from mixprec.hardware import FAST, REFUSED, _cpu_prior, dtype_support
 from mixprec.timing import WIDE, paired_rounds
 
 __all__ = ["BUSY_SPREAD", "Rate", "measure", "measure_notice", "measure_rates"]

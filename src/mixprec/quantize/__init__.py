@@ -18,7 +18,7 @@ the Linear it computes; `dequantize` gives such a layer back as an ``nn.Linear``
   (`mixprec.quantize.microscaling`); the weight stays a float parameter and trains.
 
 Each format is a `mixprec.formats.Format` declared in its layer's module (`Int8Format`,
-`Int4Format`, `Float8Format`, `MicroscalingFormat`) and registered here, in the order
+`Int4Format`, `Float8Format`, `MicroscalingFormat`) and registered by `mixprec` in the order
 `BUILTIN_FORMATS` lists them; `quantize` and `apply` swap a layer through its policy's format
 (`Format.swap`), and a format registered later is quantized the same way.
 
@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import PolicySpecError, caller_level
-from mixprec.formats.registry import format_named, formats, register
+from mixprec.formats.registry import format_named, formats
 from mixprec.policy import QuantizedPolicy, as_policy, is_quantized
 from mixprec.quantize.float8 import FLOAT8
 from mixprec.quantize.int4 import INT4, Int4Embedding, Int4Linear
@@ -61,11 +61,9 @@ from mixprec.quantize.rules import (
     swap_modules,
 )
 
-# the builtin formats, registered here in the order names, messages and searches list them;
-# a new format's module declares its Format and it is added to this line
+# the builtin formats, in the order names, messages and searches list them (`mixprec`
+# registers them); a new format's module declares its Format and it is added to this line
 BUILTIN_FORMATS = (INT8, INT4, FLOAT8, *MICROSCALING_FORMATS)
-for _format in BUILTIN_FORMATS:
-    register(_format)
 
 __all__ = [
     "BUILTIN_FORMATS",

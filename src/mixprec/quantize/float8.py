@@ -47,7 +47,7 @@ from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_
 from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules
 
 if TYPE_CHECKING:
-    from mixprec.hardware import DeviceInfo
+    from mixprec.device import DeviceInfo
 
 __all__ = [
     "AMAX_FLOOR",

@@ -49,7 +49,7 @@ from mixprec.policy.names import accepted_quantized
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
 if TYPE_CHECKING:
-    from mixprec.hardware import DeviceInfo
+    from mixprec.device import DeviceInfo
 
 __all__ = [
     "ACC_MAX_K",

@@ -61,7 +61,7 @@ from mixprec.quantize.first_order import first_order
 from mixprec.quantize.rules import carry_hooks, plain_linear
 
 if TYPE_CHECKING:
-    from mixprec.hardware import DeviceInfo
+    from mixprec.device import DeviceInfo
 
 __all__ = [
     "E8M0_NAN",

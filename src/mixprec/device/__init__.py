@@ -1,0 +1,360 @@
+"""The device in hand: what it is (`DeviceInfo`: type, name, CPU flags after any ISA cap,
+compute capability, a CPU's measured GEMM ratios), `detect`ed or described (`assume`).
+
+Facts only: how well a device runs a dtype, a policy or a format is rated above, by
+`mixprec.hardware` and each format's `Format.rate`. A CPU's GEMM ratios are measured once per
+configuration and cached (`gemm_ratio`); the ISA caps torch users set
+(``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``) cap the flags.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cache
+
+import torch
+from torch import nn
+
+from mixprec.device import gemm_ratio
+from mixprec.dtypes import dtype_name
+from mixprec.errors import PrecisionError
+
+__all__ = [
+    "DeviceInfo",
+    "assume",
+    "cap_cpu_flags",
+    "caps_in_effect",
+    "default_device",
+    "detect",
+    "device_of",
+    "parse_device",
+    "remeasure",
+]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Facts about one device that decide which precisions are fast on it.
+
+    Attributes:
+        type: "cpu", "cuda" or "mps".
+        name: the CPU model or GPU name.
+        index: the CUDA device index (None elsewhere).
+        cpu_flags: the CPU's instruction flags that matter here, after any ISA cap.
+        capability: a CUDA GPU's compute capability, (major, minor).
+        total_memory: a GPU's memory in bytes.
+        torch_version: the torch the facts were gathered with.
+        isa_cap: which ISA cap (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``) applied.
+        gemm_ratios: on a CPU, the measured GEMM speed of "bfloat16" and "float16" against
+            float32 (below 1: slower than float32); `detect` measures the host's (on one thread,
+            cached per machine), a described CPU states them or, left None, is rated by its
+            flags alone.
+        gemm_note: how and when `gemm_ratios` were measured, shown by `mixprec info`.
+    """
+
+    type: str
+    name: str
+    index: int | None = None
+    cpu_flags: frozenset[str] = field(default_factory=frozenset)
+    capability: tuple[int, int] | None = None
+    total_memory: int | None = None
+    torch_version: str = torch.__version__
+    isa_cap: str | None = None
+    gemm_ratios: Mapping[str, float] | None = field(default=None, hash=False)
+    gemm_note: str | None = field(default=None, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.gemm_ratios is None:
+            return
+        names = {dtype_name(d) for d in gemm_ratio.DTYPES}
+        ratios = dict(self.gemm_ratios)
+        bad = {
+            k: v
+            for k, v in ratios.items()
+            if k not in names or not isinstance(v, float | int) or not 0 < v < float("inf")
+        }
+        if bad:
+            raise ValueError(
+                f"DeviceInfo.gemm_ratios: {bad} is not understood; it maps "
+                f"{' and '.join(sorted(names))} to a positive speed against float32 "
+                "(e.g. {'bfloat16': 0.42})"
+            )
+        object.__setattr__(self, "gemm_ratios", ratios)
+
+    @property
+    def device(self) -> torch.device:
+        return (
+            torch.device(self.type, self.index)
+            if self.index is not None
+            else torch.device(self.type)
+        )
+
+    def describe(self) -> str:
+        if self.type == "cuda":
+            cc = f"compute capability {self.capability[0]}.{self.capability[1]}"
+            mem = f", {self.total_memory / 2**30:.0f} GiB" if self.total_memory else ""
+            return f"{self.device} ({self.name}, {cc}{mem})"
+        if self.type == "cpu":
+            shown = sorted(self.cpu_flags & set(_CPU_FLAGS_OF_INTEREST))
+            flags = ", ".join(shown) if shown else "no bf16/fp16 matrix extensions"
+            cap = f"; {self.isa_cap}" if self.isa_cap else ""
+            return f"cpu ({self.name}; {flags}{cap}; {_threads(torch.get_num_threads())})"
+        return f"{self.device} ({self.name})"
+
+
+def _threads(n: int) -> str:
+    return "1 thread" if n == 1 else f"{n} threads"
+
+
+_CPU_FLAGS_OF_INTEREST = (
+    "avx512_bf16",
+    "amx_bf16",
+    "avx512_fp16",
+    "amx_fp16",
+    "avx512bw",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_int8",
+)
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    if platform.machine() == "arm64" and platform.system() == "Darwin":
+        return frozenset({"apple_silicon"})
+    return frozenset()
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# oneDNN's ISA levels, lowest first, and the CPU flags each level lets its kernels use
+# (of those that decide bf16/fp16 speed); a level allows the flags of every level below it.
+_ONEDNN_LEVELS: tuple[tuple[tuple[str, ...], frozenset[str]], ...] = (
+    (("SSE41", "AVX", "AVX2"), frozenset()),
+    (("AVX2_VNNI", "AVX2_VNNI_2"), frozenset({"avx_vnni"})),
+    (("AVX512_CORE",), frozenset({"avx512bw"})),
+    (("AVX512_CORE_VNNI",), frozenset({"avx512_vnni"})),
+    (("AVX512_CORE_BF16",), frozenset({"avx512_bf16"})),
+    (("AVX512_CORE_FP16", "AVX10_1_512"), frozenset({"avx512_fp16"})),
+    (("AVX512_CORE_AMX", "AVX10_1_512_AMX"), frozenset({"amx_bf16", "amx_int8"})),
+    (("AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "ALL", "DEFAULT"), frozenset({"amx_fp16"})),
+)
+# ATen's CPU capability levels and the flags its vectorised kernels may use at each
+_ATEN_LEVELS: dict[str, frozenset[str]] = {
+    "DEFAULT": frozenset(),
+    "AVX2": frozenset(),
+    "AVX512": frozenset(_CPU_FLAGS_OF_INTEREST),
+}
+
+
+def _onednn_allowed(level: str) -> frozenset[str] | None:
+    allowed: set[str] = set()
+    for names, flags in _ONEDNN_LEVELS:
+        allowed |= flags
+        if level in names:
+            return frozenset(allowed)
+    return None
+
+
+def cap_cpu_flags(
+    flags: frozenset[str], environ: Mapping[str, str]
+) -> tuple[frozenset[str], str | None]:
+    """The CPU flags left usable under the ISA caps users already set for torch's kernels
+    (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``), and a note saying which cap applied.
+
+    Capping to AVX2 on a CPU with AMX makes its bf16 kernels as slow as an AVX2 CPU's, so the
+    support matrix follows the cap; an unknown value caps nothing and the note says so.
+    """
+    kept = set(flags)
+    notes = []
+    for var, allowed_of in (
+        ("ONEDNN_MAX_CPU_ISA", _onednn_allowed),
+        ("DNNL_MAX_CPU_ISA", _onednn_allowed),
+        ("ATEN_CPU_CAPABILITY", _ATEN_LEVELS.get),
+    ):
+        value = environ.get(var, "").strip()
+        if not value:
+            continue
+        allowed = allowed_of(value.upper())
+        if allowed is None:
+            notes.append(f"{var}={value} not understood, ignored")
+            continue
+        removed = kept & (set(_CPU_FLAGS_OF_INTEREST) - allowed)
+        if removed:
+            kept -= removed
+            notes.append(f"capped by {var}={value}")
+    return frozenset(kept), "; ".join(notes) or None
+
+
+def default_device() -> torch.device:
+    """The device a user most likely means: CUDA, then MPS, then CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Device of a model's first parameter or buffer (cpu for an empty model)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+_ISA_VARS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+# oneDNN reads its cap once, when the process creates its first primitive (a float32 matmul
+# may), and torch does not say which it read: mixprec takes the variables as they were when it
+# was imported, before it multiplied anything itself
+_ONEDNN_AT_IMPORT = {var: os.environ.get(var) for var in _ISA_VARS[:2]}
+_assumed: dict[str, DeviceInfo] = {}
+
+
+def caps_in_effect(requested: Mapping[str, str]) -> dict[str, str]:
+    """The ISA caps this process's kernels run under, as the variables would spell them:
+    oneDNN's as they were when mixprec was imported, ATen's capability as torch reports it
+    where `requested` sets one (ATen too reads its variable once). A cap set later in a
+    process whose torch already multiplied is in `requested` and not here."""
+    caps = {var: value for var, value in _ONEDNN_AT_IMPORT.items() if value}
+    if requested.get("ATEN_CPU_CAPABILITY"):
+        caps["ATEN_CPU_CAPABILITY"] = torch.backends.cpu.get_cpu_capability()
+    return caps
+
+
+@cache
+def _detect(type_: str, index: int | None, caps: tuple[str | None, ...]) -> DeviceInfo:
+    if type_ == "cuda":
+        idx = index if index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        return DeviceInfo(
+            "cuda",
+            props.name,
+            idx,
+            capability=(props.major, props.minor),
+            total_memory=props.total_memory,
+        )
+    if type_ == "mps":
+        return DeviceInfo("mps", f"Apple GPU (macOS {platform.mac_ver()[0]})")
+    if type_ == "cpu":
+        return _host_cpu(caps, refresh=False)
+    raise PrecisionError(f"unknown device type {type_!r}; mixprec knows cpu, cuda and mps")
+
+
+def _host_cpu(caps: tuple[str | None, ...], refresh: bool) -> DeviceInfo:
+    """The host CPU under the ISA caps `caps`, rated by its measured GEMM ratios: cached per
+    CPU model and flags, cap and torch version."""
+    env = {var: value for var, value in zip(_ISA_VARS, caps, strict=True) if value}
+    flags, cap = cap_cpu_flags(_cpu_flags(), env)
+    name = _cpu_name()
+    key = {
+        "cpu": name,
+        "flags": sorted(flags),
+        "isa_cap": cap,
+        "torch": torch.__version__,
+    }
+    path = gemm_ratio.cache_path()
+    in_effect, _ = cap_cpu_flags(_cpu_flags(), caps_in_effect(env))
+    if in_effect == flags:
+        measured = gemm_ratio.cached(key, refresh=refresh)
+        note = f"{measured.note()}; cached in {path}"
+    else:
+        # this process's GEMMs run under another cap than the one asked for: measuring them
+        # would store one cap's speed under the other's key
+        measured = gemm_ratio.lookup(key)
+        why = (
+            "not measured in this process: its kernels run under another ISA cap than the "
+            "one asked for (oneDNN and ATen read theirs once, at the first matmul; set the cap "
+            "before the process starts)"
+        )
+        note = f"{measured.note()}; read from {path}; {why}" if measured else why
+    return DeviceInfo(
+        "cpu",
+        name,
+        cpu_flags=flags,
+        isa_cap=cap,
+        gemm_ratios=measured.ratios if measured else None,
+        gemm_note=note,
+    )
+
+
+def remeasure() -> DeviceInfo:
+    """Measure the host CPU's GEMM ratios again, replacing the cached ones (say, a measurement
+    taken while other work held the cores), and return the CPU's `DeviceInfo` rated by them;
+    `detect` answers it from then on."""
+    _detect.cache_clear()
+    caps = tuple(os.environ.get(v) for v in _ISA_VARS)
+    _host_cpu(caps, refresh=True)
+    return detect("cpu")
+
+
+def parse_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device; PrecisionError naming the accepted kinds otherwise."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise PrecisionError(
+            f"unknown device {device!r}; mixprec runs on 'cpu', 'cuda', 'cuda:N' and 'mps'"
+        ) from None
+
+
+def detect(device: torch.device | str | None = None) -> DeviceInfo:
+    """Facts about `device` (default: the best available one), or the `DeviceInfo` assumed
+    for its type by `assume`."""
+    device = parse_device(device) if device is not None else default_device()
+    if device.type in _assumed:
+        return _assumed[device.type]
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise PrecisionError(
+            f"device {str(device)!r}: this torch ({torch.__version__}) sees no CUDA GPU"
+            + ("" if torch.version.cuda else " (it is a CPU-only build)")
+            + "; use device='cpu', or install a CUDA build of torch on a machine with a GPU"
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise PrecisionError(
+            f"device 'mps': this torch ({torch.__version__}) sees no Apple GPU"
+            + ("" if torch.backends.mps.is_built() else " (it is built without MPS)")
+            + "; MPS needs Apple silicon and macOS 12.3+; use device='cpu'"
+        )
+    return _detect(device.type, device.index, tuple(os.environ.get(v) for v in _ISA_VARS))
+
+
+@contextmanager
+def assume(info: DeviceInfo) -> Iterator[DeviceInfo]:
+    """Within the block, `detect` answers `info` for devices of its type: every hardware
+    check (Precision, Trainer, bench, doctor, "auto") then judges that device, not the host.
+
+    For tests and for asking "what would happen on an H100 / an AVX2 CPU"; the code still
+    runs on the real device, and nothing is measured: a described CPU is rated by the
+    `gemm_ratios` it states, or by its flags alone. Process-wide, so not for use from several
+    threads at once.
+    """
+    before = _assumed.get(info.type)
+    _assumed[info.type] = info
+    try:
+        yield info
+    finally:
+        if before is None:
+            del _assumed[info.type]
+        else:
+            _assumed[info.type] = before
