@@ -369,6 +369,7 @@ def test_the_doctor_loads_neither_the_trainer_nor_rich():
 def test_the_top_level_holds_the_daily_names_only():
     assert sorted(mixprec.__all__) == sorted(
         [
+            "ActivationRules",
             "AdamW4bit",
             "AdamW8bit",
             "AdamWFp8",

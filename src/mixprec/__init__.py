@@ -4,8 +4,8 @@ Precision policies per layer, loss scaling, a Trainer with a precision flag, the
 float32-vs-mixed benchmark, and a numerics doctor: one path for data, many front doors.
 
 The names a user types daily live here; helpers stay in their modules (`mixprec.hardware`,
-`mixprec.optim`, `mixprec.states`, `mixprec.dtypes`, `mixprec.trainer`, `mixprec.doctor`,
-`mixprec.bench`).
+`mixprec.optim`, `mixprec.states`, `mixprec.activations`, `mixprec.dtypes`,
+`mixprec.trainer`, `mixprec.doctor`, `mixprec.bench`).
 The Trainer and the doctor load on first use, so `import mixprec` stays light (no rich, no
 Trainer).
 """
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 # the package, which is callable: mixprec.quantize(model, "int8") quantizes in place and
 # mixprec.quantize.dequantize / enable_lora / merge_lora are its other functions
 import mixprec.quantize as quantize
+from mixprec.activations import ActivationRules
 from mixprec.convert import apply, explain, remove
 from mixprec.errors import (
     PolicySpecError,
@@ -59,6 +60,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "ActivationRules",
     "AdamW4bit",
     "AdamW8bit",
     "AdamWFp8",

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from mixprec.activations import as_rules
+from mixprec.activations import as_rules, check_device
 from mixprec.hardware import DeviceInfo, Support
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
@@ -309,6 +309,8 @@ def choose_precision(
             activations=activations,
         )
     support = precision.resolve(device)
+    if precision.policy.activations is not None:
+        check_device(precision.policy.activations.options, device.type)
     info = precision.resolved_for
     assert info is not None
     policy, scaler = precision.policy, precision.scaler
