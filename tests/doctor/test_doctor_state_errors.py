@@ -107,13 +107,13 @@ def test_moment_errors_report_the_update_error_of_each_format_and_no_zeros():
     errors = moment_errors(model, batches, nn.functional.mse_loss, ["int8", "int4", "fp8"])
     state = _adamw_moments(model, batches)
     m, v = state["exp_avg"], state["exp_avg_sq"]
-    for fmt in ("int8", "int4", "fp8"):
+    for fmt in ("int8", "int4", "float8"):  # ("fp8" is spelled float8)
         row = errors["weight"][fmt]
         assert (row.param, row.format, row.zeroed) == ("weight", fmt, 0)
         m_read = dequantize(*quantize(m, fmt), fmt, m.shape)
         v_read = dequantize(*quantize(v, fmt, signed=False), fmt, v.shape, signed=False)
         expected = update_error(m, v, m_read, v_read, bias_correction2=1 - BETA2**3)
         assert row.update == pytest.approx(expected, rel=1e-5)
-    assert errors["weight"]["fp8"].update < 0.1
+    assert errors["weight"]["float8"].update < 0.1
     float32 = moment_errors(model, batches, nn.functional.mse_loss, ["float32"])["weight"]
     assert (float32["float32"].update, float32["float32"].zeroed) == (0.0, 0)

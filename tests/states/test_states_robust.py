@@ -253,7 +253,7 @@ def test_a_float32_state_of_ours_loads_quantized_and_back():
     _run(source, params, range(2))
     opt = AdamWFp8(params, lr=1e-2, min_size=1000, **KW)
     opt.load_state_dict(copy.deepcopy(source.state_dict()))
-    assert opt.state[params[0]]["format"] == "fp8"
+    assert opt.state[params[0]]["format"] == "float8"
     back = LowBitAdamW(params, lr=1e-2, states="float32", **KW)
     back.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert back.state[params[0]]["format"] == "float32"

@@ -1,8 +1,11 @@
 """Optimizer states in 8 and 4 bits: AdamW, Adam and SGD keeping their moments block-wise
-quantized (``int8``, ``int4``, ``fp8``) or in float32, per parameter.
+quantized (``int8``, ``int4``, ``float8``, or any registered format) or in float32, per
+parameter.
 
+- `codecs`: the registry of state formats, one `StateCodec` per kind
+  (`register_state_format`, `state_codec`, `state_codecs`) and the builtin ones.
 - `formats`: `StateFormat`, `parse_state_format`, the code maps, `quantize` /
-  `dequantize`, `moment_error`.
+  `dequantize` (any tensor stored block-wise in a format and read back), `moment_error`.
 - `kernels`: the per-tensor update (decode, float32 math, encode), compiled or eager.
 - `optimizers`: `LowBitAdamW`, `LowBitAdam`, `LowBitSGD`, the drop-in `AdamW8bit`,
   `AdamW4bit`, `AdamWFp8`, `state_bytes`.
@@ -20,6 +23,13 @@ from mixprec.states.assign import (
     from_model,
     from_optimizer,
 )
+from mixprec.states.codecs import (
+    StateCodec,
+    register_state_format,
+    state_codec,
+    state_codecs,
+    unregister_state_format,
+)
 from mixprec.states.formats import (
     KINDS,
     StateFormat,
@@ -28,6 +38,7 @@ from mixprec.states.formats import (
     moment_error,
     parse_state_format,
     quantize,
+    state_kinds,
 )
 from mixprec.states.optimizers import (
     MIN_SIZE,
@@ -52,6 +63,7 @@ __all__ = [
     "LowBitAdamW",
     "LowBitOptimizer",
     "LowBitSGD",
+    "StateCodec",
     "StateFormat",
     "assign_formats",
     "code_map",
@@ -63,5 +75,10 @@ __all__ = [
     "moment_error",
     "parse_state_format",
     "quantize",
+    "register_state_format",
     "state_bytes",
+    "state_codec",
+    "state_codecs",
+    "state_kinds",
+    "unregister_state_format",
 ]

@@ -1,4 +1,6 @@
-"""State formats: how an optimizer keeps one moment of one parameter.
+"""State formats: how an optimizer keeps one moment of one parameter. A `StateFormat` is a
+kind (a codec registered in `mixprec.optim.states.codecs`) and a block size; what follows
+describes the builtin kinds.
 
 ``float32`` keeps it as torch does. The low-bit formats split the flattened moment into
 blocks of ``block`` elements, keep one float32 scale per block (its largest magnitude) and
@@ -23,8 +25,9 @@ one code per element:
   the second moment a linear map with no zero, 1/16 .. 16/16, as the 4-bit optimizer
   study (Li et al., arXiv 2309.01507) advises: a second moment rounded to zero turns its
   update ``m / sqrt(v)`` into a huge step.
-- ``fp8`` (block 256): float8 e4m3 codes of the element divided by its block's scale (the
-  block's largest magnitude over 448, e4m3's largest finite value). The second moment is
+- ``float8`` (block 256; ``fp8`` is accepted for it): float8 e4m3 codes of the element
+  divided by its block's scale (the block's largest magnitude over 448, e4m3's largest
+  finite value). The second moment is
   stored as its square root and squared back: e4m3 spans 2^18.8 from 448 down to where it
   rounds to zero, so a block of ``v`` itself would lose every element below its largest
   over 2^18.8 (a spread gradients reach) and turn ``m / sqrt(v)`` into ``m / eps``; the
@@ -48,8 +51,10 @@ import math
 
 import torch
 
+from mixprec.states import codecs
+from mixprec.states.codecs import FP8_MAX, StateCodec, state_codec, state_codecs
+
 __all__ = [
-    "DEFAULT_BLOCKS",
     "FP8_MAX",
     "KINDS",
     "StateFormat",
@@ -58,100 +63,127 @@ __all__ = [
     "decode",
     "dequantize",
     "encode",
-    "nearest_code",
     "moment_error",
+    "nearest_code",
     "parse_state_format",
     "quantize",
+    "state_kinds",
 ]
 
-KINDS: tuple[str, ...] = ("float32", "int8", "int4", "fp8")
-DEFAULT_BLOCKS: dict[str, int] = {"int8": 256, "int4": 128, "fp8": 256}
-# e4m3's largest finite value: a block's largest magnitude maps onto it
-FP8_MAX = 448.0
-# e4m3's smallest positive (subnormal) value: the least a positive second moment's root keeps
-_FP8_TINY = 2.0**-9
-# the least a positive second moment decodes to (float32's smallest normal number): a block
-# whose largest value is itself tiny would otherwise underflow its smallest codes to 0
-_SMALLEST_V = torch.finfo(torch.float32).tiny
-_ACCEPTED = (
-    "'float32', 'int8', 'int4' or 'fp8', optionally with a block size "
-    "('int8/block=128'; defaults: int8 256, int4 128, fp8 256)"
-)
+# the builtin kinds (`state_kinds` lists every registered one)
+KINDS: tuple[str, ...] = ("float32", "int8", "int4", "float8")
+
+
+def state_kinds() -> tuple[str, ...]:
+    """The names of the registered state formats, in the order registered."""
+    return tuple(c.name for c in state_codecs())
+
+
+def _accepted() -> str:
+    """What a state format spec may say, from the registry, for messages."""
+    names = [f"{c.name!r}" + (f" (or {', '.join(map(repr, c.aliases))})" if c.aliases else "")
+             for c in state_codecs()]  # fmt: skip
+    listed = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+    blocked = [c for c in state_codecs() if c.quantized]
+    defaults = ", ".join(f"{c.name} {c.default_block}" for c in blocked)
+    example = f"{blocked[0].name}/block=128" if blocked else "int8/block=128"
+    return (
+        f"{listed}, a blocked one optionally with a block size ({example!r}; defaults: {defaults})"
+    )
+
+
+def _codec(kind: str) -> StateCodec:
+    codec = state_codec(kind) if isinstance(kind, str) else None
+    if codec is None:
+        raise ValueError(f"unknown state format {kind!r}: expected {_accepted()}")
+    return codec
 
 
 @dataclasses.dataclass(frozen=True)
 class StateFormat:
-    """One moment's storage. ``StateFormat("int8")`` takes the kind's default block;
-    ``str()`` gives the spec back (``"int8/block=128"`` where the block is not the default).
+    """One moment's storage: a registered kind (`codec`) and its block size.
+    ``StateFormat("int8")`` takes the kind's default block; an alias is spelled by its
+    kind's name (``StateFormat("fp8").kind == "float8"``); ``str()`` gives the spec back
+    (``"int8/block=128"`` where the block is not the default).
 
     Attributes:
-        kind: ``"float32"``, ``"int8"``, ``"int4"`` or ``"fp8"``.
-        block: elements sharing one float32 scale (an even number; None for float32).
+        kind: the codec's name: ``"float32"``, ``"int8"``, ``"int4"``, ``"float8"`` or any
+            registered one.
+        block: elements sharing one float32 scale (None for a format without blocks).
     """
 
     kind: str
     block: int | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown state format {self.kind!r}: expected {_ACCEPTED}")
-        if self.kind == "float32":
+        codec = _codec(self.kind)
+        object.__setattr__(self, "kind", codec.name)
+        if not codec.quantized:
             if self.block is not None:
-                raise ValueError("a float32 state has no blocks: drop the block size")
+                codec.check_block(self.block)  # (refuses)
             return
         if self.block is None:
-            object.__setattr__(self, "block", DEFAULT_BLOCKS[self.kind])
-        block = self.block
-        if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block % 2:
-            raise ValueError(
-                f"the block size of a {self.kind} state must be an even integer >= 2, got {block!r}"
-            )
+            object.__setattr__(self, "block", codec.default_block)
+        codec.check_block(self.block)
+
+    @property
+    def codec(self) -> StateCodec:
+        """The registered codec of this format's kind."""
+        return _codec(self.kind)
 
     @property
     def quantized(self) -> bool:
-        """Whether the moment is stored in blocks of low-bit codes."""
-        return self.kind != "float32"
+        """Whether the moment is stored in blocks of codes (False: float32, as torch)."""
+        return self.block is not None
 
     def blocks(self, numel: int) -> int:
         """The number of blocks (and float32 scales) of a moment of ``numel`` elements."""
         return -(-numel // self.block) if self.block else 0
 
+    def padded(self, numel: int) -> int:
+        """``numel`` rounded up to whole blocks (itself for a format without blocks)."""
+        return self.blocks(numel) * self.block if self.block else numel
+
+    def code_count(self, numel: int) -> int:
+        """Elements of the codes tensor of a moment of ``numel`` elements (padded to whole
+        blocks; for float32, ``numel``)."""
+        return self.codec.code_count(self.padded(numel))
+
     def code_bytes(self, numel: int) -> int:
         """Bytes of the codes of a moment of ``numel`` elements (padded to whole blocks)."""
-        if not self.quantized:
-            return 4 * numel
-        padded = self.blocks(numel) * self.block
-        return padded // 2 if self.kind == "int4" else padded
+        return self.codec.code_bytes(self.padded(numel))
 
     def bytes(self, numel: int) -> int:
         """Exact bytes one moment of ``numel`` elements takes: codes and float32 scales."""
         return self.code_bytes(numel) + 4 * self.blocks(numel)
 
     def __str__(self) -> str:
-        if self.quantized and self.block != DEFAULT_BLOCKS[self.kind]:
+        if self.quantized and self.block != self.codec.default_block:
             return f"{self.kind}/block={self.block}"
         return self.kind
 
 
 def parse_state_format(spec: str | StateFormat) -> StateFormat:
-    """The `StateFormat` a spec names: ``"float32"``, ``"int8"``, ``"int4"``, ``"fp8"``,
-    each low-bit kind optionally with ``/block=N``; a `StateFormat` is returned as is."""
+    """The `StateFormat` a spec names: a registered kind (``"float32"``, ``"int8"``,
+    ``"int4"``, ``"float8"`` or ``"fp8"``...), a blocked one optionally with ``/block=N``;
+    a `StateFormat` is returned as is."""
     if isinstance(spec, StateFormat):
         return spec
     if not isinstance(spec, str):
         raise TypeError(
             f"a state format is a string or a StateFormat, got {type(spec).__name__}: "
-            f"expected {_ACCEPTED}"
+            f"expected {_accepted()}"
         )
-    return _parse(spec)
+    return _parse(spec, codecs.generation())
 
 
 @functools.lru_cache(maxsize=256)
-def _parse(spec: str) -> StateFormat:
-    """`parse_state_format` of a string, remembered: a step reads each parameter's."""
+def _parse(spec: str, generation: int) -> StateFormat:
+    """`parse_state_format` of a string, remembered (per registry ``generation``): a step
+    reads each parameter's."""
     kind, _, options = spec.strip().lower().partition("/")
-    if kind not in KINDS:
-        raise ValueError(f"unknown state format {spec!r}: expected {_ACCEPTED}")
+    if state_codec(kind) is None:
+        raise ValueError(f"unknown state format {spec!r}: expected {_accepted()}")
     if not options:
         return StateFormat(kind)
     name, eq, value = options.partition("=")
@@ -163,194 +195,53 @@ def _parse(spec: str) -> StateFormat:
     return StateFormat(kind, int(value))
 
 
-def _dynamic_map(bits: int, signed: bool, exponent_bits: int) -> list[float]:
-    """The dynamic tree code map, sorted: for each decade ``10^-e`` (``e`` from
-    ``exponent_bits - 1`` down to 0) the midpoints of an even split of [0.1, 1] times the
-    decade, into as many parts as the fraction bits left after the decade's marker give;
-    then 0 and 1. A signed map also holds the negatives of these values and -1, and drops
-    its smallest positive value to make room: a block whose largest magnitude is negative
-    keeps it exactly, as one whose largest is positive does (the paper's map has no -1, so
-    the former would shrink by half its top step every time). ``2^bits`` values."""
-    free = bits - 1  # the bits after the sign (an unsigned map uses it as a fraction bit)
-    magnitudes = []
-    for i in range(exponent_bits):
-        parts = 2 ** (i + free - exponent_bits + (0 if signed else 1))
-        decade = 10.0 ** (i - exponent_bits + 1)
-        for j in range(parts):
-            low = 0.1 + 0.9 * j / parts
-            high = 0.1 + 0.9 * (j + 1) / parts
-            magnitudes.append(decade * (low + high) / 2)
-    values = [0.0, *magnitudes, 1.0]
-    if signed:
-        values = [-1.0, *(-m for m in magnitudes), 0.0, *magnitudes[1:], 1.0]
-    assert len(values) == 2**bits, (bits, signed, len(values))
-    return sorted(values)
+def _as_codec(kind: str | StateFormat | StateCodec) -> StateCodec:
+    if isinstance(kind, StateCodec):
+        return kind
+    if isinstance(kind, StateFormat):
+        return kind.codec
+    return _codec(kind)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Decades:
-    """A dynamic map's decades as the arithmetic nearest code reads them, from decade 0
-    (smallest) up: each one's first magnitude index, number of values and the factor
-    scaling it onto [0.1, 1]; the magnitudes past which the next decade's first value is
-    nearer than this one's last (``uppers``); below ``zero`` the nearest value is 0 (on the
-    positive side of a signed map, which lacks index 0: below ``zero_positive``, else index
-    1); above ``one``, 1."""
-
-    starts: tuple[int, ...]
-    parts: tuple[int, ...]
-    factors: tuple[float, ...]
-    uppers: tuple[float, ...]
-    zero: float
-    zero_positive: float
-    one: float
-    last: int
+def code_map(kind: str | StateFormat | StateCodec, signed: bool) -> torch.Tensor:
+    """The sorted float32 values the codes of ``kind`` (``"int8"``/``"int4"``...) index: a
+    code is its value's position. ``signed`` for the first moment (and SGD's momentum),
+    unsigned for the second moment."""
+    codec = _as_codec(kind)
+    values = codec.code_map(signed)
+    if values is None:
+        raise ValueError(
+            f"{codec.name!r} has no code map: its codes are values (only formats whose codes "
+            f"index a map, as 'int8' and 'int4', have one)"
+        )
+    return values
 
 
-def _decades(bits: int, exponent_bits: int, signed: bool) -> _Decades:
-    """`_Decades` of the map `_dynamic_map` builds with these arguments."""
-    base = bits - 1 - exponent_bits + (0 if signed else 1)
-    parts = tuple(2 ** (i + base) for i in range(exponent_bits))
-    starts = tuple(2**base * (2**i - 1) for i in range(exponent_bits))
-    tops = [10.0 ** (i - exponent_bits + 1) for i in range(exponent_bits)]
-
-    def value(i: int, j: int) -> float:
-        return tops[i] * (0.1 + 0.9 * (j + 0.5) / parts[i])
-
-    uppers = tuple((value(i, parts[i] - 1) + value(i + 1, 0)) / 2 for i in range(exponent_bits - 1))
-    second = value(0, 1) if parts[0] > 1 else value(1, 0)
-    return _Decades(
-        starts=starts,
-        parts=parts,
-        factors=tuple(1 / top for top in tops),
-        uppers=uppers,
-        zero=value(0, 0) / 2,
-        zero_positive=second / 2,
-        one=(value(exponent_bits - 1, parts[-1] - 1) + 1) / 2,
-        last=starts[-1] + parts[-1],
-    )
-
-
-# the dynamic maps' decades by kind and signedness: (bits, exponent bits, signed)
-_DECADES = {
-    ("int8", True): _decades(8, 7, True),
-    ("int8", False): _decades(8, 7, False),
-    ("int4", True): _decades(4, 3, True),
-}
-
-
-def _dynamic_nearest(y: torch.Tensor, d: _Decades, signed: bool) -> torch.Tensor:
-    """The code of the dynamic map value nearest each element of ``y`` by arithmetic (a
-    tie to either side, one rounding apart): the decade from comparisons with the
-    magnitudes between decades, the part of its even split the magnitude falls in (whose
-    midpoint is the decade's nearest value), then 0 and 1 at the ends."""
-    a = y.abs()
-    a = torch.where(a <= 1.0, a, 1.0)  # (a NaN: the code of +-1)
-    start = torch.full_like(a, d.starts[0])
-    parts = torch.full_like(a, d.parts[0])
-    factor = torch.full_like(a, d.factors[0])
-    for i, upper in enumerate(d.uppers, start=1):
-        above = a > upper
-        start = torch.where(above, d.starts[i], start)
-        parts = torch.where(above, d.parts[i], parts)
-        factor = torch.where(above, d.factors[i], factor)
-    j = torch.floor((a * factor - 0.1) * (parts / 0.9)).clamp(torch.zeros_like(parts), parts - 1)
-    t = start + j
-    negative = y < 0  # (-0: the code of 0 either way)
-    if signed:  # no positive value of index 0 (-1 in its place): 0 or index 1
-        zero = torch.where(negative, d.zero, d.zero_positive)
-        t = torch.where(~negative & (t == 0), 1.0, t)
-    else:
-        zero = torch.full_like(a, d.zero)
-    t = torch.where(a < zero, -1.0, torch.where(a > d.one, float(d.last), t))
-    t = t.to(torch.int32)
-    if not signed:
-        return t + 1
-    half = d.last + 1  # the code of 0: after -1 and the negative magnitudes
-    return torch.where(negative, half - 1 - t, half + t.clamp_min(0))
+def code_tables(fmt: StateFormat, signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """What `decode` reads for ``fmt`` on ``device`` (made once): one tensor, the codec's
+    `StateCodec.table` (empty where the codes are values, as float8's)."""
+    return (fmt.codec.table(signed, device),)
 
 
 def nearest_code(
     y: torch.Tensor, kind: str, signed: bool, tables: tuple[torch.Tensor, ...] = ()
 ) -> torch.Tensor:
     """The int32 code of the map value nearest to each element of ``y`` (float32, in
-    [-1, 1]; >= 0 for an unsigned map), computed from the map's shape, not read from a
-    table, so that it vectorizes: the dynamic maps' decade and part by arithmetic, then the
-    nearest of three neighbours; int4's linear second-moment map by rounding. ``tables``
-    is not read (`code_tables` for the signature the kernels share)."""
-    if kind == "int4" and not signed:
-        return (torch.ceil(y * 16 - 0.5) - 1).clamp(0, 15).to(torch.int32)
-    return _dynamic_nearest(y, _DECADES[(kind, signed)], signed)
-
-
-def code_map(kind: str, signed: bool) -> torch.Tensor:
-    """The sorted float32 values the codes of ``kind`` (``"int8"``/``"int4"``) index: a
-    code is its value's position. ``signed`` for the first moment (and SGD's momentum),
-    unsigned for the second moment."""
-    if kind == "int8":
-        values = _dynamic_map(8, signed, 7)
-    elif kind == "int4":
-        values = _dynamic_map(4, True, 3) if signed else [k / 16 for k in range(1, 17)]
-    else:
-        raise ValueError(f"{kind!r} has no code map: only 'int8' and 'int4' states do")
-    return torch.tensor(values, dtype=torch.float32)
-
-
-@functools.cache
-def _tables(kind: str, signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
-    if kind == "fp8":
-        return (torch.empty(0, device=device),)
-    return (code_map(kind, signed).to(device),)
-
-
-def code_tables(fmt: StateFormat, signed: bool, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """What `decode` reads for ``fmt`` on ``device`` (made once): the code values, one
-    tensor. Empty for fp8, whose codes are values (scaled; the second moment's root)."""
-    return _tables(fmt.kind, signed, torch.device(device))
+    [-1, 1]; >= 0 for an unsigned map) for a kind whose codes index a map (int8, int4),
+    computed from the map's shape so that it vectorizes. ``tables`` is not read."""
+    codec = _as_codec(kind)
+    nearest = getattr(codec, "nearest", None)
+    if nearest is None:
+        raise ValueError(f"{codec.name!r} has no code map to find the nearest code in")
+    return nearest(y, signed)
 
 
 def encode(
     x: torch.Tensor, fmt: StateFormat, signed: bool, tables: tuple[torch.Tensor, ...]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, scales) of ``x``, float32 of shape (blocks, block): one float32 scale per
-    block, uint8 codes (int4: two per byte, the first in the low half) or float8 e4m3;
-    ``signed`` and ``tables`` (`code_tables`) give the code map. An unsigned fp8 or int8
-    moment (``x >= 0``) is stored as its square root, no positive element coded as 0; the
-    int8 one's scales negated, marking codes of roots."""
-    roots = not signed and fmt.kind in ("fp8", "int8")
-    if roots:
-        x = x.sqrt()
-    if fmt.kind == "fp8":
-        scales = x.abs().amax(dim=1) / FP8_MAX
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        y = x / safe[:, None]
-        if not signed:
-            y = torch.where(y > 0, y.clamp_min(_FP8_TINY), y)
-        return y.to(torch.float8_e4m3fn).reshape(-1), scales
-    absmax = x.abs().amax(dim=1)
-    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    y = x / safe[:, None]
-    codes = nearest_code(y, fmt.kind, signed, tables)
-    if roots:  # a positive root below half the smallest positive value takes its code
-        codes = torch.where(y > 0, codes.clamp_min(1), codes)
-        absmax = -absmax  # negated: the block's codes are of roots (see the module's docstring)
-    codes = codes.reshape(-1).to(torch.uint8)
-    if fmt.kind == "int4":
-        codes = _pack(codes)
-    return codes, absmax
-
-
-def _pack(codes: torch.Tensor) -> torch.Tensor:
-    """Pairs of 4-bit uint8 ``codes`` in one byte each, the first in the low half: through
-    each pair read as one little-endian int16, so that the loop runs over contiguous
-    elements (a pair's stride-2 reads do not vectorize)."""
-    pairs = codes.view(torch.int16)
-    return ((pairs & 0x0F) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
-
-
-def _unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The uint8 codes `_pack` packed, two per byte, in order (the reverse computation)."""
-    wide = packed.to(torch.int16)
-    return ((wide & 0x0F) | ((wide & 0xF0) << 4)).view(torch.uint8)
+    """(codes, scales) of ``x``, float32 of shape (blocks, block), in ``fmt`` (its codec's
+    `StateCodec.encode`); ``tables``: `code_tables` for ``fmt`` and ``signed``."""
+    return fmt.codec.encode(x, signed, tables[0])
 
 
 def decode(
@@ -360,44 +251,29 @@ def decode(
     signed: bool,
     tables: tuple[torch.Tensor, ...],
 ) -> torch.Tensor:
-    """The float32 blocks, shape (blocks, block), that ``codes`` and ``scales`` stand for;
-    ``signed`` as `encode` took it. An unsigned fp8 moment is squared back, so is an
-    unsigned int8 block whose scale is negative (a block with a positive scale holds codes
-    of ``v`` itself, as states saved before int8 kept roots do); a positive unsigned code
-    decodes to at least float32's smallest normal number, never to 0."""
-    if fmt.kind == "fp8":
-        values = codes.to(torch.float32).view(-1, fmt.block)
-    else:
-        index = _unpack(codes) if fmt.kind == "int4" else codes
-        values = tables[0][index.to(torch.int32).reshape(-1, fmt.block)]
-    if signed:
-        return values * scales[:, None]
-    magnitude = scales.abs()[:, None]
-    stored = values * magnitude
-    if fmt.kind == "fp8":
-        v = stored * stored
-    elif fmt.kind == "int8":
-        v = torch.where(scales[:, None] < 0, stored * stored, stored)
-    else:
-        v = stored
-    return torch.where((values > 0) & (magnitude > 0), v.clamp_min(_SMALLEST_V), v)
+    """The float32 blocks, shape (blocks, block), that ``codes`` and ``scales`` stand for
+    (``fmt``'s codec's `StateCodec.decode`); ``signed`` as `encode` took it."""
+    return fmt.codec.decode(codes, scales, fmt.block, signed, tables[0])
 
 
 def _blocked(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
     """``x`` flattened in float32, zero-padded to whole blocks, shape (blocks, block)."""
     flat = x.reshape(-1).to(torch.float32)
-    pad = fmt.blocks(flat.numel()) * fmt.block - flat.numel()
+    pad = fmt.padded(flat.numel()) - flat.numel()
     return torch.nn.functional.pad(flat, (0, pad)).view(-1, fmt.block)
 
 
 def quantize(
     x: torch.Tensor, fmt: StateFormat | str, *, signed: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, float32 scales) of the tensor ``x`` in the low-bit format ``fmt``; ``signed``
-    picks the first moment's map (False: the second moment's, for values >= 0)."""
+    """(codes, float32 scales) of the tensor ``x`` (any shape, flattened and zero-padded
+    to whole blocks) in the blocked format ``fmt``; ``signed`` picks the first moment's map
+    (False: the second moment's, for values >= 0). With `dequantize`, the pair that stores
+    any tensor block-wise in a state format (as the float8 codec stores moments)."""
     fmt = parse_state_format(fmt)
     if not fmt.quantized:
-        raise ValueError("quantize takes a low-bit format ('int8', 'int4' or 'fp8')")
+        blocked = ", ".join(repr(c.name) for c in state_codecs() if c.quantized)
+        raise ValueError(f"quantize takes a blocked state format ({blocked}), got {str(fmt)!r}")
     return encode(_blocked(x, fmt), fmt, signed, code_tables(fmt, signed, x.device))
 
 

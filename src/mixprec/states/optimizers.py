@@ -1,12 +1,13 @@
 """Adam, AdamW and SGD keeping their moments in low-bit state formats.
 
 Each parameter's moments are kept in the format its group's ``"states"`` key names (the
-optimizer's ``states=`` by default): ``"float32"``, ``"int8"``, ``"int4"`` or ``"fp8"``
-(`mixprec.states.formats`). Parameters with fewer than ``min_size`` elements, and those
-``keep_float32`` picks, keep float32 moments. The format a parameter got is recorded in
-its state (``"format"``), so a checkpoint restores the same layout; a state recorded in
-another format than the parameter takes now (a checkpoint of another format, a group whose
-``"states"`` changed) is decoded and stored in the new one, on load or at the next step.
+optimizer's ``states=`` by default): ``"float32"``, ``"int8"``, ``"int4"``, ``"float8"`` or
+a registered one (`mixprec.states.formats`). Parameters with fewer than ``min_size``
+elements, and those ``keep_float32`` picks, keep float32 moments. The format a parameter
+got is recorded in its state (``"format"``), so a checkpoint restores the same layout; a
+state recorded in another format than the parameter takes now (a checkpoint of another
+format, a group whose ``"states"`` changed) is decoded and stored in the new one, on load
+or at the next step.
 A complex parameter is stepped as its real pairs, as torch's optimizers step it.
 
 State keys: torch's (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``, float32, the
@@ -34,7 +35,6 @@ from mixprec.compensated import COMPENSATED_DTYPES, check_compensation, stochast
 from mixprec.states import buckets as buckets_
 from mixprec.states import kernels
 from mixprec.states.formats import (
-    DEFAULT_BLOCKS,
     StateFormat,
     code_tables,
     decode,
@@ -100,15 +100,15 @@ def _fitted(fmt: StateFormat, p: torch.Tensor) -> StateFormat:
     block: a block past the parameter would only store padding."""
     if not fmt.quantized:
         return fmt
-    default = DEFAULT_BLOCKS[fmt.kind]
+    default = fmt.codec.default_block
     most = max(-(-_elements(p) // default), 1) * default
     return fmt if fmt.block <= most else StateFormat(fmt.kind, most)  # type: ignore[operator]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as bytes when it holds float8 codes (which concatenation and
-    ``_foreach_copy_`` may not take), else ``t``."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    """``t`` viewed as bytes when it holds one-byte floating codes (float8, which
+    concatenation and ``_foreach_copy_`` may not take), else ``t``."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t
 
 
 @dataclasses.dataclass
@@ -136,7 +136,7 @@ def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
     size = 0
     for planned in bucket:
         fmt, n = planned.fmt, _real(planned.p).numel()
-        n = fmt.blocks(n) * fmt.block if fmt.quantized else n  # type: ignore[operator]
+        n = fmt.padded(n)
         if parts[-1] and size + n > buckets_.FLAT_MAX:
             parts.append([])
             size = 0
@@ -331,7 +331,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         stochastic rounding (else None)."""
         fmt, n = planned.fmt, flat.numel()
         cut = n - n % fmt.block if fmt.quantized else n  # type: ignore[operator]
-        codes = fmt.code_bytes(cut)
+        codes = fmt.code_count(cut)
         pieces = []
         # a low-bit update holds its moments in float32 while it runs: in parts of at most
         # CHUNK elements (or one block), so that this stays small beside a large parameter
@@ -341,7 +341,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             states = [
                 (
                     None if t is None
-                    else t[fmt.code_bytes(begin) : fmt.code_bytes(end)] if fmt.quantized else t,
+                    else t[fmt.code_count(begin) : fmt.code_count(end)] if fmt.quantized else t,
                     None if s is None else s[begin // fmt.block : end // fmt.block],
                 )  # type: ignore[operator]
                 for t, s in moments
@@ -353,7 +353,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             blocks = cut // size  # type: ignore[operator]
             states = [
                 (
-                    None if t is None else t[codes : codes + fmt.code_bytes(size)],
+                    None if t is None else t[codes : codes + fmt.code_count(size)],
                     None if s is None else s[blocks : blocks + 1],
                 )  # type: ignore[operator]
                 for t, s in moments
@@ -633,9 +633,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 continue
             if fmt.quantized:
                 blocks = fmt.blocks(_elements(p))
-                code_dtype = torch.float8_e4m3fn if fmt.kind == "fp8" else torch.uint8
+                code_dtype = fmt.codec.code_dtype
                 expected = [
-                    (names[0], (fmt.code_bytes(blocks * fmt.block),), code_dtype),
+                    (names[0], (fmt.code_count(blocks * fmt.block),), code_dtype),
                     (names[1], (blocks,), torch.float32),
                 ]  # type: ignore[operator]
                 for key, shape, dtype in expected:
@@ -730,10 +730,7 @@ def _zero_moment(name: str, p: torch.Tensor, fmt: StateFormat) -> dict[str, torc
     if not fmt.quantized:
         zero = torch.zeros(local.shape, dtype=_moment_dtype(p), device=local.device)
         return {name: _shard_like(zero, p)}
-    dtype = torch.float8_e4m3fn if fmt.kind == "fp8" else torch.uint8
-    blocks = fmt.blocks(_elements(p))
-    codes = torch.zeros(fmt.code_bytes(blocks * fmt.block), dtype=dtype, device=local.device)
-    scales = torch.zeros(blocks, dtype=torch.float32, device=local.device)
+    codes, scales = fmt.codec.zeros(fmt.blocks(_elements(p)), fmt.block, local.device)
     return {f"{name}_codes": _flat_shard(codes, p), f"{name}_scales": _flat_shard(scales, p)}
 
 
@@ -820,8 +817,9 @@ class LowBitAdamW(LowBitOptimizer):
         params: parameters or parameter groups; a group's ``"states"`` key overrides the
             format for its parameters (``{"params": ..., "states": "float32"}``).
         lr, betas, eps, weight_decay: as torch's AdamW.
-        states: the moments' format: ``"int8"`` (default), ``"int4"``, ``"fp8"``,
-            ``"float32"``, optionally with ``/block=N``; or a `StateFormat`.
+        states: the moments' format: ``"int8"`` (default), ``"int4"``, ``"float8"``
+            (``"fp8"``), ``"float32"`` or a registered one, optionally with ``/block=N``;
+            or a `StateFormat`.
         block_size: the block size of ``states`` (the kind's default when None).
         min_size: parameters with fewer elements keep float32 moments.
         keep_float32: a function of a parameter; True keeps its moments in float32.
@@ -1029,7 +1027,7 @@ class AdamWFp8(LowBitAdamW):
     """`LowBitAdamW` with float8 e4m3 moments (block 256)."""
 
     def __init__(self, params: Iterable[Any], *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("states", "fp8")
+        kwargs.setdefault("states", "float8")
         super().__init__(params, *args, **kwargs)
 
 

@@ -1,0 +1,469 @@
+"""The registry of optimizer-state formats: each kind of storage for a moment (``float32``,
+``int8``, ``int4``, ``float8``, ...) is one `StateCodec` object, registered once, that the
+rest of mixprec reads through `StateFormat` (`mixprec.optim.states.formats`).
+
+A codec says, in one place: its name and the other names it accepts (``fp8`` for
+``float8``); its default block (None for a format stored as torch stores it, in float32);
+the dtype and count of its codes (`code_count`: int4 packs two per byte) and so the bytes a
+moment takes; its code maps (the values its codes index, or none when the codes are
+values); and how a moment is stored and read back: `zeros`, `encode` and `decode` on blocks
+of a flat float32 tensor, shape ``(blocks, block)``, one float32 scale per block. The
+optimizers, their checkpoints, the policy map's ``states`` rules, ``explain``, the doctor
+and the format search ask the format's codec, never a kind by name, so adding a format is
+one subclass of `StateCodec` and one `register_state_format` call.
+
+The builtin codecs (see `mixprec.optim.states.formats` for the maps and why):
+
+- ``float32``: as torch keeps moments (``exp_avg``, ...); nothing encoded.
+- ``int8`` (block 256): an index into a dynamic code map; the second moment stored as its
+  square root, the block's scale negated to mark it.
+- ``int4`` (block 128): a 4-bit index, two per byte; the second moment on a linear map
+  without zero.
+- ``float8`` (block 256; also spelled ``fp8``): float8 e4m3 codes of the element over its
+  block's scale; the second moment stored as its square root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+
+__all__ = [
+    "FP8_MAX",
+    "Float32Codec",
+    "Float8Codec",
+    "Int4Codec",
+    "Int8Codec",
+    "StateCodec",
+    "generation",
+    "register_state_format",
+    "state_codec",
+    "state_codecs",
+    "unregister_state_format",
+]
+
+# e4m3's largest finite value: a block's largest magnitude maps onto it
+FP8_MAX = 448.0
+# e4m3's smallest positive (subnormal) value: the least a positive second moment's root keeps
+_FP8_TINY = 2.0**-9
+# the least a positive second moment decodes to (float32's smallest normal number): a block
+# whose largest value is itself tiny would otherwise underflow its smallest codes to 0
+SMALLEST_V = torch.finfo(torch.float32).tiny
+
+
+class StateCodec:
+    """One kind of optimizer-state storage. Subclass it, set the class attributes, override
+    `encode` and `decode` (and what else differs), and `register_state_format` an instance.
+
+    Attributes:
+        name: the kind as specs spell it (``"int8"``); lower case, no ``/``.
+        aliases: other spellings accepted for it (``("fp8",)``); output spells `name`.
+        default_block: elements per float32 scale when a spec gives none; None for a
+            format kept as torch keeps moments (float32, no blocks, no codes).
+        code_dtype: the dtype of the codes tensor.
+        description: what it stores, in a few words, for messages and docs.
+    """
+
+    name: ClassVar[str] = ""
+    aliases: ClassVar[tuple[str, ...]] = ()
+    default_block: ClassVar[int | None] = None
+    code_dtype: ClassVar[torch.dtype] = torch.uint8
+    description: ClassVar[str] = ""
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[bool, torch.device], torch.Tensor] = {}
+
+    @property
+    def quantized(self) -> bool:
+        """Whether a moment is stored in blocks of codes (False: float32, as torch)."""
+        return self.default_block is not None
+
+    def check_block(self, block: object) -> int:
+        """``block`` if this format takes it (an even integer >= 2), else ``ValueError``."""
+        if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block % 2:
+            raise ValueError(
+                f"the block size of a {self.name} state must be an even integer >= 2, got {block!r}"
+            )
+        return block
+
+    def code_count(self, padded: int) -> int:
+        """Elements of the codes tensor of a moment of ``padded`` elements (whole blocks;
+        any ``numel`` for a format without blocks)."""
+        return padded
+
+    def code_bytes(self, padded: int) -> int:
+        """Bytes of the codes of a moment of ``padded`` elements."""
+        return self.code_count(padded) * self.code_dtype.itemsize
+
+    def code_map(self, signed: bool) -> torch.Tensor | None:
+        """The sorted float32 values the codes index (a code is its value's position), for
+        the first moment (``signed``) or the second; None when the codes are values."""
+        return None
+
+    def table(self, signed: bool, device: torch.device) -> torch.Tensor:
+        """What `encode` and `decode` read on ``device``, made once: the `code_map` there,
+        or an empty tensor for a format without one."""
+        key = (signed, torch.device(device))
+        if key not in self._tables:
+            values = self.code_map(signed)
+            self._tables[key] = (
+                torch.empty(0, device=device) if values is None else values.to(device)
+            )
+        return self._tables[key]
+
+    def zeros(self, blocks: int, block: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(codes, scales) of a zero moment of ``blocks`` blocks of ``block`` elements."""
+        codes = torch.zeros(self.code_count(blocks * block), dtype=self.code_dtype, device=device)
+        return codes, torch.zeros(blocks, dtype=torch.float32, device=device)
+
+    def encode(
+        self, x: torch.Tensor, signed: bool, table: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat codes, float32 scales, one per block) of the float32 blocks ``x``, shape
+        (blocks, block); ``signed``: a first moment (else ``x >= 0``, a second moment);
+        ``table``: `table` for ``signed`` on ``x``'s device. Runs eagerly and inside the
+        compiled step (elementwise and per-block reductions only)."""
+        raise NotImplementedError(f"state format {self.name!r} defines no encode")
+
+    def decode(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        block: int,
+        signed: bool,
+        table: torch.Tensor,
+    ) -> torch.Tensor:
+        """The float32 blocks, shape (blocks, block), that `encode` stored as ``codes`` and
+        ``scales``."""
+        raise NotImplementedError(f"state format {self.name!r} defines no decode")
+
+    def __repr__(self) -> str:
+        return f"<state format {self.name}>"
+
+
+# every registered codec by name, in the order registered (the builtin ones first), and the
+# aliases by the name they stand for
+_CODECS: dict[str, StateCodec] = {}
+_ALIASES: dict[str, str] = {}
+_GENERATION = [0]  # bumped by each change: parsed specs are remembered per generation
+
+
+def generation() -> int:
+    """A number that changes whenever a codec is registered or unregistered."""
+    return _GENERATION[0]
+
+
+def register_state_format(codec: StateCodec) -> StateCodec:
+    """Add ``codec`` to the registry (its name and aliases must be free) and return it."""
+    if not isinstance(codec, StateCodec):
+        raise TypeError(
+            f"register_state_format takes a StateCodec instance, not {type(codec).__name__}"
+        )
+    names = (codec.name, *codec.aliases)
+    for name in names:
+        if not isinstance(name, str) or not name or name != name.strip().lower() or "/" in name:
+            raise ValueError(
+                f"a state format's name is lower case, without blanks or '/', got {name!r} "
+                f"from {type(codec).__name__}"
+            )
+        if name in _CODECS or name in _ALIASES:
+            raise ValueError(f"a state format named {name!r} is registered already")
+    if codec.default_block is not None:
+        codec.check_block(codec.default_block)
+    _CODECS[codec.name] = codec
+    for alias in codec.aliases:
+        _ALIASES[alias] = codec.name
+    _GENERATION[0] += 1
+    return codec
+
+
+def unregister_state_format(name: str) -> StateCodec:
+    """Remove the state format ``name`` (and its aliases) from the registry; returns it."""
+    if name not in _CODECS:
+        raise KeyError(f"no state format named {name!r} is registered")
+    codec = _CODECS.pop(name)
+    for alias in codec.aliases:
+        _ALIASES.pop(alias, None)
+    _GENERATION[0] += 1
+    return codec
+
+
+def state_codecs() -> tuple[StateCodec, ...]:
+    """The registered codecs, in the order they were registered."""
+    return tuple(_CODECS.values())
+
+
+def state_codec(name: str) -> StateCodec | None:
+    """The registered codec called ``name`` or one of its aliases, or None."""
+    codec = _CODECS.get(name)
+    if codec is None and name in _ALIASES:
+        codec = _CODECS.get(_ALIASES[name])
+    return codec
+
+
+# -- float32 ------------------------------------------------------------------------------------
+
+
+class Float32Codec(StateCodec):
+    """Moments kept as torch keeps them: float32 tensors of the parameter's shape (the
+    optimizers store them under torch's keys; `encode` here is a copy, for symmetry)."""
+
+    name = "float32"
+    default_block = None
+    code_dtype = torch.float32
+    description = "float32, as torch keeps moments"
+
+    def check_block(self, block: object) -> int:
+        raise ValueError("a float32 state has no blocks: drop the block size")
+
+    def zeros(self, blocks: int, block: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        n = blocks * block
+        return torch.zeros(n, device=device), torch.zeros(0, device=device)
+
+    def encode(self, x, signed, table):  # type: ignore[no-untyped-def]
+        return x.reshape(-1).to(torch.float32), x.new_zeros(0, dtype=torch.float32)
+
+    def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
+        return codes.to(torch.float32).view(-1, block)
+
+
+# -- the dynamic maps (int8, int4) --------------------------------------------------------------
+
+
+def dynamic_map(bits: int, signed: bool, exponent_bits: int) -> list[float]:
+    """The dynamic tree code map, sorted: for each decade ``10^-e`` (``e`` from
+    ``exponent_bits - 1`` down to 0) the midpoints of an even split of [0.1, 1] times the
+    decade, into as many parts as the fraction bits left after the decade's marker give;
+    then 0 and 1. A signed map also holds the negatives of these values and -1, and drops
+    its smallest positive value to make room: a block whose largest magnitude is negative
+    keeps it exactly, as one whose largest is positive does (the paper's map has no -1, so
+    the former would shrink by half its top step every time). ``2^bits`` values."""
+    free = bits - 1  # the bits after the sign (an unsigned map uses it as a fraction bit)
+    magnitudes = []
+    for i in range(exponent_bits):
+        parts = 2 ** (i + free - exponent_bits + (0 if signed else 1))
+        decade = 10.0 ** (i - exponent_bits + 1)
+        for j in range(parts):
+            low = 0.1 + 0.9 * j / parts
+            high = 0.1 + 0.9 * (j + 1) / parts
+            magnitudes.append(decade * (low + high) / 2)
+    values = [0.0, *magnitudes, 1.0]
+    if signed:
+        values = [-1.0, *(-m for m in magnitudes), 0.0, *magnitudes[1:], 1.0]
+    assert len(values) == 2**bits, (bits, signed, len(values))
+    return sorted(values)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decades:
+    """A dynamic map's decades as the arithmetic nearest code reads them, from decade 0
+    (smallest) up: each one's first magnitude index, number of values and the factor
+    scaling it onto [0.1, 1]; the magnitudes past which the next decade's first value is
+    nearer than this one's last (``uppers``); below ``zero`` the nearest value is 0 (on the
+    positive side of a signed map, which lacks index 0: below ``zero_positive``, else index
+    1); above ``one``, 1."""
+
+    starts: tuple[int, ...]
+    parts: tuple[int, ...]
+    factors: tuple[float, ...]
+    uppers: tuple[float, ...]
+    zero: float
+    zero_positive: float
+    one: float
+    last: int
+
+
+def _decades(bits: int, exponent_bits: int, signed: bool) -> _Decades:
+    """`_Decades` of the map `dynamic_map` builds with these arguments."""
+    base = bits - 1 - exponent_bits + (0 if signed else 1)
+    parts = tuple(2 ** (i + base) for i in range(exponent_bits))
+    starts = tuple(2**base * (2**i - 1) for i in range(exponent_bits))
+    tops = [10.0 ** (i - exponent_bits + 1) for i in range(exponent_bits)]
+
+    def value(i: int, j: int) -> float:
+        return tops[i] * (0.1 + 0.9 * (j + 0.5) / parts[i])
+
+    uppers = tuple((value(i, parts[i] - 1) + value(i + 1, 0)) / 2 for i in range(exponent_bits - 1))
+    second = value(0, 1) if parts[0] > 1 else value(1, 0)
+    return _Decades(
+        starts=starts,
+        parts=parts,
+        factors=tuple(1 / top for top in tops),
+        uppers=uppers,
+        zero=value(0, 0) / 2,
+        zero_positive=second / 2,
+        one=(value(exponent_bits - 1, parts[-1] - 1) + 1) / 2,
+        last=starts[-1] + parts[-1],
+    )
+
+
+def dynamic_nearest(y: torch.Tensor, d: _Decades, signed: bool) -> torch.Tensor:
+    """The code of the dynamic map value nearest each element of ``y`` by arithmetic (a
+    tie to either side, one rounding apart): the decade from comparisons with the
+    magnitudes between decades, the part of its even split the magnitude falls in (whose
+    midpoint is the decade's nearest value), then 0 and 1 at the ends. int32."""
+    a = y.abs()
+    a = torch.where(a <= 1.0, a, 1.0)  # (a NaN: the code of +-1)
+    start = torch.full_like(a, d.starts[0])
+    parts = torch.full_like(a, d.parts[0])
+    factor = torch.full_like(a, d.factors[0])
+    for i, upper in enumerate(d.uppers, start=1):
+        above = a > upper
+        start = torch.where(above, d.starts[i], start)
+        parts = torch.where(above, d.parts[i], parts)
+        factor = torch.where(above, d.factors[i], factor)
+    j = torch.floor((a * factor - 0.1) * (parts / 0.9)).clamp(torch.zeros_like(parts), parts - 1)
+    t = start + j
+    negative = y < 0  # (-0: the code of 0 either way)
+    if signed:  # no positive value of index 0 (-1 in its place): 0 or index 1
+        zero = torch.where(negative, d.zero, d.zero_positive)
+        t = torch.where(~negative & (t == 0), 1.0, t)
+    else:
+        zero = torch.full_like(a, d.zero)
+    t = torch.where(a < zero, -1.0, torch.where(a > d.one, float(d.last), t))
+    t = t.to(torch.int32)
+    if not signed:
+        return t + 1
+    half = d.last + 1  # the code of 0: after -1 and the negative magnitudes
+    return torch.where(negative, half - 1 - t, half + t.clamp_min(0))
+
+
+def _scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x`` over each block's largest magnitude, that magnitude): a zero block over 1."""
+    absmax = x.abs().amax(dim=1)
+    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    return x / safe[:, None], absmax
+
+
+def _at_least_tiny(v: torch.Tensor, values: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """``v`` with every element of a positive code and scale at least float32's smallest
+    normal number: a positive second moment never decodes to 0."""
+    return torch.where((values > 0) & (magnitude > 0), v.clamp_min(SMALLEST_V), v)
+
+
+class Int8Codec(StateCodec):
+    """8-bit indices into the dynamic tree maps (7 exponent bits). The unsigned moment is
+    stored as its square root, the block's scale negated to mark it; a block with a positive
+    scale holds codes of ``v`` itself (states saved before int8 kept roots) and decodes as
+    then. A positive root below half the map's smallest positive value takes that value's
+    code, never 0's."""
+
+    name = "int8"
+    default_block = 256
+    description = "8-bit dynamic-map codes, one float32 scale per block"
+    _D = {True: _decades(8, 7, True), False: _decades(8, 7, False)}
+
+    def code_map(self, signed: bool) -> torch.Tensor:
+        return torch.tensor(dynamic_map(8, signed, 7), dtype=torch.float32)
+
+    def nearest(self, y: torch.Tensor, signed: bool) -> torch.Tensor:
+        """The int32 code of the map value nearest each element of ``y`` (in [-1, 1])."""
+        return dynamic_nearest(y, self._D[signed], signed)
+
+    def encode(self, x, signed, table):  # type: ignore[no-untyped-def]
+        if not signed:
+            x = x.sqrt()
+        y, absmax = _scaled(x)
+        codes = self.nearest(y, signed)
+        if not signed:  # a positive root below half the smallest positive value takes its code
+            codes = torch.where(y > 0, codes.clamp_min(1), codes)
+            absmax = -absmax  # negated: the block's codes are of roots
+        return codes.reshape(-1).to(torch.uint8), absmax
+
+    def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
+        values = table[codes.to(torch.int32).reshape(-1, block)]
+        if signed:
+            return values * scales[:, None]
+        magnitude = scales.abs()[:, None]
+        stored = values * magnitude
+        v = torch.where(scales[:, None] < 0, stored * stored, stored)
+        return _at_least_tiny(v, values, magnitude)
+
+
+def pack4(codes: torch.Tensor) -> torch.Tensor:
+    """Pairs of 4-bit uint8 ``codes`` in one byte each, the first in the low half: through
+    each pair read as one little-endian int16, so that the loop runs over contiguous
+    elements (a pair's stride-2 reads do not vectorize)."""
+    pairs = codes.view(torch.int16)
+    return ((pairs & 0x0F) | ((pairs >> 4) & 0xF0)).to(torch.uint8)
+
+
+def unpack4(packed: torch.Tensor) -> torch.Tensor:
+    """The uint8 codes `pack4` packed, two per byte, in order (the reverse computation)."""
+    wide = packed.to(torch.int16)
+    return ((wide & 0x0F) | ((wide & 0xF0) << 4)).view(torch.uint8)
+
+
+class Int4Codec(StateCodec):
+    """4-bit indices, two per byte (the first in the low half): the signed dynamic map with
+    3 exponent bits for the first moment; for the second a linear map without zero, 1/16 ..
+    16/16 (a second moment rounded to zero turns ``m / sqrt(v)`` into a huge step)."""
+
+    name = "int4"
+    default_block = 128
+    description = "4-bit codes, two per byte, one float32 scale per block"
+    _D = _decades(4, 3, True)
+
+    def code_count(self, padded: int) -> int:
+        return padded // 2
+
+    def code_map(self, signed: bool) -> torch.Tensor:
+        values = dynamic_map(4, True, 3) if signed else [k / 16 for k in range(1, 17)]
+        return torch.tensor(values, dtype=torch.float32)
+
+    def nearest(self, y: torch.Tensor, signed: bool) -> torch.Tensor:
+        """The int32 code of the map value nearest each element of ``y``: the dynamic map's
+        by arithmetic, the linear map's by rounding."""
+        if not signed:
+            return (torch.ceil(y * 16 - 0.5) - 1).clamp(0, 15).to(torch.int32)
+        return dynamic_nearest(y, self._D, True)
+
+    def encode(self, x, signed, table):  # type: ignore[no-untyped-def]
+        y, absmax = _scaled(x)
+        codes = self.nearest(y, signed)
+        return pack4(codes.reshape(-1).to(torch.uint8)), absmax
+
+    def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
+        values = table[unpack4(codes).to(torch.int32).reshape(-1, block)]
+        if signed:
+            return values * scales[:, None]
+        magnitude = scales.abs()[:, None]
+        return _at_least_tiny(values * magnitude, values, magnitude)
+
+
+class Float8Codec(StateCodec):
+    """float8 e4m3 codes of the element over its block's scale (the block's largest
+    magnitude over 448, e4m3's largest finite value). The second moment is stored as its
+    square root and squared back, a positive root below the smallest subnormal (2^-9) stored
+    as that subnormal: e4m3 spans 2^18.8, its square root 2^37.6 of ``v``."""
+
+    name = "float8"
+    aliases = ("fp8",)
+    default_block = 256
+    code_dtype = torch.float8_e4m3fn
+    description = "float8 e4m3 codes, one float32 scale per block"
+
+    def encode(self, x, signed, table):  # type: ignore[no-untyped-def]
+        if not signed:
+            x = x.sqrt()
+        scales = x.abs().amax(dim=1) / FP8_MAX
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        y = x / safe[:, None]
+        if not signed:
+            y = torch.where(y > 0, y.clamp_min(_FP8_TINY), y)
+        return y.to(torch.float8_e4m3fn).reshape(-1), scales
+
+    def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
+        values = codes.to(torch.float32).view(-1, block)
+        if signed:
+            return values * scales[:, None]
+        magnitude = scales.abs()[:, None]
+        stored = values * magnitude
+        return _at_least_tiny(stored * stored, values, magnitude)
+
+
+for _codec in (Float32Codec(), Int8Codec(), Int4Codec(), Float8Codec()):
+    register_state_format(_codec)
+del _codec
