@@ -473,7 +473,10 @@ _UNMATCHED_NAMED = 5
 
 def warn_unmatched(pmap: PolicyMap, model: nn.Module) -> None:
     """A path rule that matches no module is a typo far more often than intent: say so, in
-    one warning for all of them (a generated map may hold thousands)."""
+    one warning for all of them (a generated map may hold thousands); activation rules
+    likewise, in a warning of their own."""
+    if pmap.activations is not None:
+        pmap.activations.warn_unmatched(model, stacklevel=3)
     names = [name for name, _ in model.named_modules(remove_duplicate=False)]
     unmatched = pmap.unmatched_paths(names)
     if not unmatched:
@@ -545,9 +548,8 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     resolved = pmap.resolve(model, slow_attention=slow, device_type=device.type)
     if warn:
         warn_unmatched(pmap, model)
-        if pmap.activations is not None:
-            pmap.activations.warn_unmatched(model, stacklevel=2)
-    check_activations(model, pmap.activation_choices(model))
+    if pmap.activations is not None:
+        check_activations(model, pmap.activation_choices(model))
     # everything that can refuse the policy runs before the model changes: a refused
     # re-apply leaves the previous policy in place, weights unrounded
     _check_bypassed(model, resolved)
@@ -573,7 +575,8 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
         resolved = _after_swap(model, resolved)
     _convert(_dtype_plan(model, resolved))
     _install_regions(model, resolved)
-    install_activations(model, pmap.activation_choices(model))  # outside the regions
+    if pmap.activations is not None:  # outside the regions
+        install_activations(model, pmap.activation_choices(model))
     set_fast_paths(model)  # torch's fused transformer layers would pass regions over
     model.__dict__[_STATE] = AppliedState(pmap, original)
     return model

@@ -11,7 +11,7 @@ from torch import nn
 
 import mixprec
 from mixprec import PolicyMap, PolicySpecError
-from mixprec.activations import ActivationRules
+from mixprec.activations import ActivationRules, wrapped
 
 
 class Block(nn.Module):
@@ -117,9 +117,24 @@ def test_a_policy_file_with_bad_activations_is_refused_naming_the_file(tmp_path,
 
 
 def test_a_path_rule_matching_no_module_warns_with_the_closest_paths():
-    model = net()
-    with pytest.warns(UserWarning, match=r"activation rule\(s\) '1\.fcc' \(closest: '1\.fc'"):
-        mixprec.apply(model, PolicyMap("32-true", activations={"1.fcc": "fp8"}))
+    said = r"activation rule\(s\) '1\.fcc' \(closest: '1\.fc'"
+    with pytest.warns(UserWarning, match=said) as caught:
+        mixprec.apply(net(), PolicyMap("32-true", activations={"1.fcc": "fp8"}))
+    assert caught[0].filename == __file__  # said of the caller's line
+    with pytest.warns(UserWarning, match=said):
+        mixprec.Precision("32-true", activations={"1.fcc": "fp8"}).setup(net())
+
+
+def test_reapplying_replaces_the_wrappers_and_remove_takes_them_off():
+    model = mixprec.apply(net(), PolicyMap("32-true", activations={"1": "fp8"}))
+    assert wrapped(model) == {"1": "fp8"}
+    mixprec.apply(model, PolicyMap("32-true", activations={"2": "checkpoint"}))
+    assert wrapped(model) == {"2": "checkpoint"}
+    mixprec.apply(model, "32-true")
+    assert wrapped(model) == {}
+    mixprec.apply(model, PolicyMap("32-true", activations="bf16"))
+    mixprec.remove(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
 
 
 def test_explain_shows_each_layers_option_and_saved_bytes_at_a_batch():
