@@ -20,7 +20,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from mixprec.formats.microscaling import MicroscalingConfig
-from mixprec.quantize.microscaling import (
+from mixprec.quantize.block_formats import (
     E8M0_NAN,
     FORMATS,
     MXTensor,

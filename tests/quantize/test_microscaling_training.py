@@ -18,13 +18,8 @@ from torch.nn import functional as F
 
 import mixprec
 from mixprec.formats.microscaling import MicroscalingConfig
-from mixprec.quantize.microscaling import (
-    MicroscalingLinear,
-    fake_quantize,
-    hadamard_16,
-    quantize_mx,
-    quantize_nvfp4,
-)
+from mixprec.quantize.block_formats import fake_quantize, quantize_mx, quantize_nvfp4
+from mixprec.quantize.microscaling import MicroscalingLinear, hadamard_16
 
 
 def mx(t: torch.Tensor, element: str = "e4m3", rounding: str = "rceil") -> torch.Tensor:
