@@ -67,6 +67,10 @@ class Logger(ABC):
                 self.log_dir.mkdir(parents=True, exist_ok=True)
         return self._version
 
+    @version.setter
+    def version(self, version: int) -> None:
+        self._version = version
+
     @property
     def log_dir(self) -> Path:
         """The run directory this logger writes into."""

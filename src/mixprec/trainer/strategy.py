@@ -51,6 +51,7 @@ __all__ = [
     "FSDPStrategy",
     "CTRL_C_GRACE_S",
     "LAUNCHER_GONE_GRACE_S",
+    "ProcessGroupStrategy",
     "STRATEGIES",
     "SingleDeviceStrategy",
     "Strategy",
@@ -286,14 +287,16 @@ class SingleDeviceStrategy(Strategy):
         pass  # one process, one directory
 
 
-class DDPStrategy(Strategy):
-    """One process per device; gradients all-reduced by DistributedDataParallel."""
-
-    name = "ddp"
+class ProcessGroupStrategy(Strategy):
+    """One process per device in a process group, launched here or by torchrun: what DDP
+    and FSDP share (joining and leaving the group, launching, loaders, reductions, the run
+    directory); each says how a model trains across the processes."""
 
     def __init__(self, accelerator: str, device_ids: list[int], start_method: str = "spawn"):
         if accelerator == "mps":
-            raise ValueError("strategy='ddp' does not run on MPS; use accelerator='cpu' or 'cuda'")
+            raise ValueError(
+                f"strategy={self.name!r} does not run on MPS; use accelerator='cpu' or 'cuda'"
+            )
         self.accelerator = accelerator
         self.device_ids = device_ids
         self.start_method = start_method
@@ -326,12 +329,6 @@ class DDPStrategy(Strategy):
             self.device = torch.device("cuda", self.device_ids[self.local_rank])
             torch.cuda.set_device(self.device)
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
-
     def no_sync(self, wrapped: nn.Module, sync: bool) -> AbstractContextManager[Any]:
         return contextlib.nullcontext() if sync else wrapped.no_sync()  # type: ignore[operator]
 
@@ -354,7 +351,7 @@ class DDPStrategy(Strategy):
             versions = [loggers[0].version if self.global_rank == 0 else None]
             dist.broadcast_object_list(versions, src=0)
             for lg in loggers:
-                lg._version = versions[0]
+                lg.version = versions[0]
 
     def teardown(self, failed: bool = False) -> None:
         # After a clean run every rank arrives before the group goes away, so none tears it
@@ -406,7 +403,19 @@ class DDPStrategy(Strategy):
             return torch.load(Path(tmp) / "rank0.pt", weights_only=False)
 
 
-class FSDPStrategy(DDPStrategy):
+class DDPStrategy(ProcessGroupStrategy):
+    """One process per device; gradients all-reduced by DistributedDataParallel."""
+
+    name = "ddp"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+
+
+class FSDPStrategy(ProcessGroupStrategy):
     """One process per device, launched as for DDP; parameters, gradients and optimizer
     state sharded by FSDP2 under the run's policy (`mixprec.sharding.shard`): float32 sharded
     masters for ``*-mixed`` policies, float32 islands as float32 units, quantized layers for
@@ -417,8 +426,6 @@ class FSDPStrategy(DDPStrategy):
     sharded = True
 
     def __init__(self, accelerator: str, device_ids: list[int], settings: FSDP | None = None):
-        if accelerator == "mps":
-            raise ValueError("strategy='fsdp' does not run on MPS; use accelerator='cpu' or 'cuda'")
         super().__init__(accelerator, device_ids)
         self.settings = settings or FSDP()
 

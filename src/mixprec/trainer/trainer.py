@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mixprec.convert import apply
 from mixprec.optim import LossScaleOptimizer
 from mixprec.precision import Precision
 from mixprec.trainer import checkpoint as ckpt_io
@@ -68,7 +69,7 @@ from mixprec.trainer.optimizers import (
     scheduler_entry,
     warn_if_foreign,
 )
-from mixprec.trainer.strategy import FSDP, DDPStrategy, make_strategy
+from mixprec.trainer.strategy import FSDP, ProcessGroupStrategy, make_strategy
 
 __all__ = ["Trainer"]
 
@@ -412,7 +413,7 @@ class Trainer:
         ckpt_path: str | os.PathLike[str] | None = None,
     ) -> list[Any]:
         """Return the outputs of ``predict_step`` (or of the module) for each batch."""
-        if isinstance(self.strategy, DDPStrategy):
+        if isinstance(self.strategy, ProcessGroupStrategy):
             raise ValueError(
                 "predict runs on one device (outputs stay in order); use a Trainer with "
                 "devices=1 for prediction"
@@ -498,25 +499,26 @@ class Trainer:
         kwargs["ckpt_path"] = ckpt_io.resolve_path(kwargs["ckpt_path"], self.checkpoint_callback)
         if kwargs["ckpt_path"] is not None:  # one a killed save left aside
             ckpt_io.recover_aside(kwargs["ckpt_path"])
-        if isinstance(self.strategy, DDPStrategy) and self.strategy.launches_processes:
+        if isinstance(self.strategy, ProcessGroupStrategy) and self.strategy.launches_processes:
             return self._launch_processes(self.strategy, stage, model, kwargs)
         return self._run(stage, model, kwargs)
 
     def _launch_processes(
-        self, strategy: DDPStrategy, stage: str, model: nn.Module, kwargs: dict[str, Any]
+        self, strategy: ProcessGroupStrategy, stage: str, model: nn.Module, kwargs: dict[str, Any]
     ) -> Any:
         """Run ``stage`` in the processes ``strategy`` launches; rank 0 sends back the model's
         weights and the trainer's progress, which land on the objects the caller holds."""
         for lg in self.loggers:
             lg.version  # noqa: B018 (fix the run directory before the children start)
         out = strategy.launch(_run_launched, self, stage, model, kwargs)
-        precision = Precision(self.policy, device="cpu", allow_slow=True)
+        # the weights land in the model as it was given, converted as the run's (sharded:
+        # with its quantized layers only)
         if not strategy.sharded:
-            precision.setup(model)
-        else:  # the weights land in the model as it was given, but with its quantized layers
+            apply(model, self.policy, warn=False)
+        else:
             from mixprec.sharding import quantize_for
 
-            quantize_for(model, precision.policy)
+            quantize_for(model, self.policy)
         model.load_state_dict(out["model"])
         self._progress = out["progress"]
         self._log.callback_metrics = out["callback_metrics"]
