@@ -4,6 +4,7 @@ stream's verdict, or an explicit "too noisy" that says why."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 
@@ -228,3 +229,33 @@ def test_rounds_rotate_the_order_and_a_failed_loop_leaves_the_others_aligned():
     assert calls == ["a", "b", "c", "b", "c", "a", "a", "b", "b", "a"]
     assert set(rounds.times) == {"a", "b"}
     assert len(rounds.times["a"]) == len(rounds.times["b"]) == 4
+
+
+def test_a_finding_comes_from_the_batch_sizes_that_allow_one_and_names_the_noisy_rest():
+    """One batch size swamped by other work withholds only its own speedup: the finding is
+    given for the others, and the noisy one is named with its interval."""
+    calm = Machine(quiet).rounds(POLICY).times
+    noisy = Machine(swamped, seed=2).rounds(RoundPolicy(min_rounds=10, budget_s=5.0)).times
+    rows = [
+        Row(
+            Config(key, key, batch, None, key != "32-true"),
+            RunResult(OK, LoopResult(step_ms=times[key], peak_memory=100), paired=True),
+        )
+        for batch, times in ((8, calm), (32, noisy))
+        for key in KEYS
+    ]
+    meta = _report(calm, threads=1, load=9.0).metadata
+    report = BenchReport(meta, rows)
+    sentence = conclusion(report, summarize(report))
+    interval = ratio_interval(noisy["32-true"], noisy["bf16-mixed"])
+    assert sentence.startswith("On this machine bf16-mixed trains the cnn model 4.")
+    assert "(batch 8; 95% intervals within" in sentence
+    assert (
+        f"Too noisy under a 1-minute load of 9.0 on {os.cpu_count() or 1} cores to state the "
+        f"speedup at the other batch size(s) (batch 32: anywhere in {interval.low:.2f}-"
+        f"{interval.high:.2f}x from {interval.n} rounds;"
+    ) in sentence
+    assert sentence.endswith("rerun on a quieter machine.")
+    # every batch size noisy: no finding at all, as before
+    both = BenchReport(meta, [Row(r.config, r.result) for r in rows if r.config.batch_size == 32])
+    assert conclusion(both, summarize(both)).startswith("Too noisy to conclude")

@@ -20,6 +20,7 @@ from mixprec.bench.verdict import (
     FEW,
     MAX_WIDTH,
     MIN_ROUNDS,
+    NOISY,
     Interval,
     ratio_interval,
     speed_verdict,
@@ -480,6 +481,26 @@ def _withheld(meta: dict[str, Any], label: str, kind: str, decisive: Interval, b
     )
 
 
+def _noisy_clause(meta: dict[str, Any], noisy: list[tuple[Summary, Interval]]) -> str:
+    """The batch sizes left out of a finding as too noisy, with their intervals."""
+    threads = meta.get("threads") or 1
+    parts = ", ".join(
+        f"batch {s.batch_size}: anywhere in {i.low:.2f}-{i.high:.2f}x from {i.n} rounds"
+        for s, i in noisy
+    )
+    load = _other_load(meta)
+    under = (
+        f" under a 1-minute load of {load:.1f} on {os.cpu_count() or 1} cores"
+        if _is_busy(load, threads, meta.get("device_type", ""))
+        else ""
+    )
+    return (
+        f" Too noisy{under} to state the speedup at the other batch size(s) ({parts}; a "
+        f"verdict needs a {CONFIDENCE:.0%} interval at most {MAX_WIDTH:.1f}x wide); "
+        f"{_rerun_advice(threads)}."
+    )
+
+
 def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     """What the recommended mixed precision buys on this machine against float32 (speed,
     with its interval, and peak memory, over the batch sizes both ran at), and how that
@@ -504,6 +525,15 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     rows = [s for s in ok if s.label == label]
     verdict = speed_verdict([_interval(s) for s in rows])
     memory = _memory_clause(rows, fp32)
+    noisy_tail = ""
+    if verdict.kind == NOISY:  # a finding from the batch sizes that allow one, if any
+        clear = [i.width <= MAX_WIDTH for i in verdict.intervals]
+        if any(clear):
+            pairs = zip(rows, verdict.intervals, clear, strict=True)
+            noisy = [(s, i) for s, i, c in pairs if not c]
+            noisy_tail = _noisy_clause(meta, noisy)
+            rows = [s for s, c in zip(rows, clear, strict=True) if c]
+            verdict = speed_verdict([_interval(s) for s in rows])
     if verdict.withheld:
         batch = rows[verdict.intervals.index(verdict.decisive)].batch_size
         sentence = _withheld(meta, label, verdict.kind, verdict.decisive, batch)
@@ -535,6 +565,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     else:
         than = "so here it pays less than there: train in float32 unless memory is what you need"
     sentence = f"On this machine {label} {buys} (batch {batches}; {certainty}); {seed}, {than}."
+    sentence += noisy_tail
     threads = meta.get("threads") or 1
     load = _other_load(meta)
     if threads > 1 and _is_busy(load, threads, meta.get("device_type", "")):
