@@ -524,7 +524,6 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     label = next((n for n in fast if n in labels), labels[0])
     rows = [s for s in ok if s.label == label]
     verdict = speed_verdict([_interval(s) for s in rows])
-    memory = _memory_clause(rows, fp32)
     noisy_tail = ""
     if verdict.kind == NOISY:  # a finding from the batch sizes that allow one, if any
         clear = [i.width <= MAX_WIDTH for i in verdict.intervals]
@@ -534,6 +533,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
             noisy_tail = _noisy_clause(meta, noisy)
             rows = [s for s, c in zip(rows, clear, strict=True) if c]
             verdict = speed_verdict([_interval(s) for s in rows])
+    memory = _memory_clause(rows, fp32)  # over the batch sizes the sentence names
     if verdict.withheld:
         batch = rows[verdict.intervals.index(verdict.decisive)].batch_size
         sentence = _withheld(meta, label, verdict.kind, verdict.decisive, batch)
