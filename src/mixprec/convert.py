@@ -58,7 +58,6 @@ __all__ = [
     "apply",
     "cast_floating",
     "default_dtype",
-    "device_slow_attention",
     "explain",
     "needs_default_dtype",
     "remove",

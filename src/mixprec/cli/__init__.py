@@ -34,7 +34,7 @@ from mixprec.policy import Policy
 from mixprec.textout import Column, FittedTable
 from mixprec.version import __version__
 
-__all__ = ["ERROR_EXIT", "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
 _STYLE = {FAST: "green", "supported": "yellow", SLOW: "red", REFUSED: "red bold"}
 

@@ -27,7 +27,6 @@ __all__ = [
     "DeviceInfo",
     "assume",
     "cap_cpu_flags",
-    "caps_in_effect",
     "default_device",
     "detect",
     "device_of",

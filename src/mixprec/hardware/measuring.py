@@ -18,7 +18,7 @@ from mixprec.dtypes import dtype_name
 from mixprec.hardware import FAST, REFUSED, _cpu_prior, dtype_support
 from mixprec.timing import WIDE, paired_rounds
 
-__all__ = ["BUSY_SPREAD", "Rate", "measure", "measure_notice", "measure_rates"]
+__all__ = ["Rate", "measure", "measure_notice", "measure_rates"]
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,6 @@ from mixprec.errors import PolicySpecError
 from mixprec.formats.registry import Format, format_named, formats
 
 __all__ = [
-    "AUTO",
-    "LIGHTNING_FLOAT8",
     "POLICY_NAMES",
     "FloatSpec",
     "QuantizedSpec",
@@ -37,7 +35,6 @@ __all__ = [
     "is_auto",
     "names_quantized",
     "parse_float",
-    "parse_float_spec",
     "parse_quantized",
     "parse_spec",
     "unregistered",

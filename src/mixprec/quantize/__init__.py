@@ -21,7 +21,6 @@ Each format is a `mixprec.formats.Format` declared in its layer's module (`Int8F
 `Int4Format`, `Float8Format`, `MicroscalingFormat`) and registered by `mixprec` in the order
 `BUILTIN_FORMATS` lists them; `quantize` and `apply` swap a layer through its policy's format
 (`Format.swap`), and a format registered later is quantized the same way.
-
 `QuantizeResult.kernels` says which matmul each quantized int8/int4 Linear runs, and why.
 
 Quantized layers keep their int tensors and scales as buffers, so ``state_dict`` holds them

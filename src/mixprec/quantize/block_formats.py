@@ -47,7 +47,6 @@ __all__ = [
     "encode_elements",
     "exp2_int",
     "fake_quantize",
-    "mx_scale_exponents",
     "pack_fp4",
     "quantize_mx",
     "quantize_nvfp4",

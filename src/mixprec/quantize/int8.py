@@ -24,13 +24,8 @@ Without VNNI oneDNN's int8 kernels saturate 16-bit partial sums (a row of 127s t
 summed to 8160 instead of 1032256 under ``ONEDNN_MAX_CPU_ISA=AVX2``), and `torch._int_mm` on
 CPU returned garbage for a reduction of one feature: neither is used where it is wrong.
 
-A forward is a dozen tensor calls: ``|x|`` and its row maxima, the quotient written into the
-buffer of ``|x|``, codes by a rounding addition (`_codes`: no round and no float-to-int
-conversion pass), the product, the token scales, the bias. torch.ao's dynamic int8 Linear
-(fbgemm) is one call that quantizes the activations per tensor, asymmetric, while it packs
-them for its GEMM: the products run at the same speed, and the per-token calls around
-mixprec's, each paying for cold caches, are what it costs more on small layers
-(docs/quantized.md and benchmarks/results/quantize_int.md have the measurements).
+A forward is a dozen tensor calls (codes by a rounding addition, `_codes`, the product, the
+scales, the bias); docs/quantized.md compares it with torch.ao's dynamic int8 Linear.
 """
 
 from __future__ import annotations

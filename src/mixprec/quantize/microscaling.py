@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from mixprec.device import DeviceInfo
 
 __all__ = [
-    "MICROSCALING_FAST_ON",
     "MICROSCALING_FORMATS",
     "MicroscalingFormat",
     "MicroscalingLinear",

@@ -21,7 +21,6 @@ from mixprec.policy import QuantizedPolicy
 
 __all__ = [
     "Filter",
-    "MIN_QUANTIZED_FEATURES",
     "carry_hooks",
     "check_same_options",
     "describe",

@@ -25,9 +25,8 @@ stopped inside an epoch (by it or ``max_steps``) leaves the epoch unfinished: no
 
 A `TrainingModule` may define these hooks too (all but ``on_exception``, without the trainer
 and model arguments, as in Lightning), and ``on_validation_epoch_start/_end``,
-``on_test_epoch_start/_end``; its own run before the callbacks'. `ModelCheckpoint` and
-`EarlyStopping` are the two callbacks most runs want; `RunEstimate` says early how long a
-long run will take.
+``on_test_epoch_start/_end``; its own run before the callbacks'. Here too: `ModelCheckpoint`,
+`EarlyStopping`, `RunEstimate` (how long a long run will take).
 """
 
 from __future__ import annotations

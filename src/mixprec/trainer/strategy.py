@@ -45,21 +45,17 @@ from mixprec.trainer.interrupt import ctrl_c_deferred
 from mixprec.trainer.loggers import Logger
 
 __all__ = [
-    "ACCELERATORS",
     "DDPStrategy",
     "FSDP",
     "FSDPStrategy",
     "CTRL_C_GRACE_S",
-    "LAUNCHER_GONE_GRACE_S",
     "ProcessGroupStrategy",
     "STRATEGIES",
     "SingleDeviceStrategy",
     "Strategy",
     "end_finished_process",
     "free_port",
-    "launched_by_torchrun",
     "make_strategy",
-    "resolve_accelerator",
     "resolve_devices",
     "run_processes",
 ]

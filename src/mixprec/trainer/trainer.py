@@ -75,70 +75,35 @@ __all__ = ["Trainer"]
 
 
 class Trainer:
-    """Trains, validates, tests and predicts with one precision flag.
+    """Trains, validates, tests and predicts with one precision flag (docs/trainer.md has
+    each flag in full).
 
     Args:
-        precision: any spec ``mixprec.Policy`` takes (``"32-true"``, ``"bf16-mixed"``,
-            ``"16-mixed"``, ``"bf16-true"``, ``"16-true"``, ``"64-true"``, Lightning aliases,
-            Keras names, jmp specs, ``"auto"``), a Policy, a PolicyMap, or a configured
-            ``mixprec.Precision``, which the runs use as it is (``trainer.precision`` is
-            that object; each run starts from its scaler as configured; its ``device``,
-            ``device_info`` and ``allow_slow`` must agree with this Trainer's).
-        accelerator: ``"auto"``, ``"cpu"``, ``"cuda"`` (or ``"gpu"``), ``"mps"``.
-        devices: processes/GPUs to use (an int, a list of GPU indices, or ``"auto"``).
-        strategy: ``"auto"`` (one device, or ``"ddp"`` when ``devices > 1``),
-            ``"single_device"``, ``"ddp"`` (joins torchrun, else spawns the processes),
-            ``"ddp_fork"`` (forks them: works with lambdas and notebooks; Linux, CPU),
-            ``"fsdp"`` or ``FSDP(...)`` (launched as ``"ddp"``; parameters, gradients and
-            optimizer state sharded with FSDP2; optimizers built after sharding, so pass a
-            factory or use ``configure_optimizers``; checkpoints are sharded directories;
-            a spawned fit's weights land in the given model unconverted).
+        precision: any spec ``mixprec.Policy`` takes (``"bf16-mixed"``, ``"auto"``, ...), a
+            Policy, a PolicyMap, or a configured ``mixprec.Precision`` the runs use as it is.
+        accelerator, devices: ``"auto"``, ``"cpu"``, ``"cuda"``/``"gpu"``, ``"mps"``; a
+            count, a list of GPU indices or ``"auto"``.
+        strategy: ``"auto"``, ``"single_device"``, ``"ddp"``, ``"ddp_fork"``, ``"fsdp"``, FSDP().
         max_epochs, max_steps: when to stop (both None: 1000 epochs, as in Lightning).
-            A step is one optimizer step, taken or skipped for overflow.
-        accumulate_grad_batches: micro-batches per optimizer step.
-        gradient_clip_val, gradient_clip_algorithm: clip the unscaled gradients by total
-            ``"norm"`` or by ``"value"`` before each step.
-        val_check_interval: validate every this fraction of an epoch (float) or every this
-            many training batches (int), and always at the end of an epoch (for data without
-            ``len()``: when it runs out).
-        limit_train_batches, limit_val_batches: a fraction or a number of batches per epoch.
-        log_every_n_steps: log the training values (loss, lr, loss scale, skipped steps,
-            ``self.log`` values, throughput) of every N-th optimizer step, as Lightning does.
-            Until then they stay on the device: the loop reads nothing back in between
-            (``trainer.callback_metrics`` reads the latest values when a callback asks).
-        callbacks: a Callback (or an object with Callback hooks: a PrecisionMonitor) or a
-            list of them.
-        logger: True (CSV, and TensorBoard when installed), False, a Logger or a list.
-        enable_progress_bar: draw a rich progress bar when stdout is a terminal.
-        enable_checkpointing: add a ``ModelCheckpoint`` (latest epoch) unless one is given.
-        default_root_dir: where logs and checkpoints go (default: the working directory).
-        seed: seed Python, numpy and torch at the start of each fit/validate/test/predict.
-        deterministic: use deterministic algorithms (resumed runs are then bit-identical to
-            uninterrupted ones on the same machine).
-        allow_slow_precision: accept a precision that runs far slower than float32 on this
-            device (float16 on CPUs without float16 hardware) instead of raising.
-        compile: ``True`` compiles the model with ``torch.compile`` (torch's defaults), a dict
-            passes those keyword arguments (``{"mode": "max-autotune"}``; checked by torch
-            when the Trainer is built), ``False`` runs it eagerly. The model is compiled in
-            place (``nn.Module.compile``) after conversion and device placement, before DDP
-            wrapping, and handed back uncompiled after the run; checkpoints keep its plain
-            state-dict keys. A ``TrainingModule``'s steps run eagerly around its compiled
-            ``__call__`` (``self(x)``), as in Lightning.
-        optimizer_states: ``"int8"``, ``"int4"``, ``"fp8"`` or ``"float32"``: the fit's
-            torch AdamW, Adam or SGD steps with its moments in that format
-            (`mixprec.Precision`'s ``optimizer_states``: small parameters and embedding
-            tables keep float32, a PolicyMap's ``states`` rules apply); its schedulers move
-            to the converted optimizer, and checkpoints hold the low-bit states.
-        activations: how each layer keeps the tensors its forward saves for the backward
-            (`mixprec.Precision`'s ``activations``): ``"fp8"`` for every layer, or a mapping
-            {module path regex or module type: option}, e.g.
-            ``{r"blocks\\.\\d+": "checkpoint"}`` (`mixprec.activations`).
+        accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm: micro-batches
+            per optimizer step; clipping of the unscaled gradients ("norm" or "value").
+        val_check_interval, limit_train_batches, limit_val_batches: a fraction of an epoch
+            or a number of batches.
+        log_every_n_steps: log the training values of every N-th optimizer step.
+        callbacks, logger: Callbacks (or objects with their hooks); True (CSV, TensorBoard
+            when installed), False, a Logger or a list.
+        enable_progress_bar, enable_checkpointing, default_root_dir: a rich bar on a
+            terminal; a latest-epoch ``ModelCheckpoint``; where logs and checkpoints go.
+        seed, deterministic: seeded at each run's start; deterministic algorithms.
+        allow_slow_precision: accept a precision far slower than float32 here.
+        compile: ``True`` or ``torch.compile``'s keywords: compiled in place after conversion.
+        optimizer_states, activations: `mixprec.Precision`'s (``"int8"``...; ``"fp8"`` or
+            {module path regex or type: option}).
 
-    Raises ``ValueError`` for a flag outside what is accepted (the message lists it),
-    ``mixprec.PolicySpecError`` for an unknown precision, ``mixprec.PrecisionError`` when
-    the accelerator refuses it and ``mixprec.SlowPrecisionError`` when it is far slower than
-    float32 there (unless ``allow_slow_precision``). The checked settings are in
-    ``trainer.config`` and readable as attributes (``trainer.max_epochs``).
+    Raises ``ValueError`` for a flag outside what is accepted, ``mixprec.PolicySpecError``
+    for an unknown precision, ``mixprec.PrecisionError`` / ``SlowPrecisionError`` when the
+    accelerator refuses it or runs it far slower than float32 (without
+    ``allow_slow_precision``). The checked settings are in ``trainer.config``.
     """
 
     def __init__(
