@@ -13,9 +13,9 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import mixprec
 from mixprec.activations import saved_bytes, wrapped
-from mixprec.activations.codecs import FP8, ToBfloat16, ToFp8, is_activation
+from mixprec.activations.codecs import FP8, Fp8Saved, Reshaped, ToBfloat16, ToFp8, is_activation
 from mixprec.memory import measured
-from mixprec.states.formats import dequantize, quantize
+from mixprec.optim.states.formats import dequantize, quantize
 
 
 def saved_by(codec, work):
@@ -76,19 +76,23 @@ def test_parameters_inputs_and_casts_of_parameters_are_kept_as_they_are():
     assert is_activation(layer(x))
 
 
-def test_a_tensor_saved_twice_in_a_forward_is_stored_once():
+def test_a_tensor_saved_twice_in_a_forward_is_stored_once_also_as_a_reshaped_view():
     torch.manual_seed(0)
-    x = torch.randn(16, 64, requires_grad=True)
+    x = torch.randn(4, 16, 64, requires_grad=True)
     q, k = nn.Linear(64, 64), nn.Linear(64, 64)
     codec = ToFp8()
 
     def work():
-        h = torch.tanh(x)  # saved by tanh, then by both Linears
+        h = torch.tanh(x)  # saved by tanh; each 3-d Linear saves it flattened to 64 x 64
         return (q(h) * k(h)).sum()
 
     packs, _ = saved_by(codec, work)
     stored = [p for _, p in packs if not isinstance(p, torch.Tensor)]
-    assert len({id(p) for p in stored}) < len(stored)
+    assert len(stored) == 5  # tanh's h, the Linears' views of it, q(h), k(h)
+    views = [p for p in stored if isinstance(p, Reshaped)]
+    assert len(views) == 2 and all(v.packed is stored[0] and v.shape == (64, 64) for v in views)
+    assert torch.equal(codec.unpack(views[0]), codec.unpack(stored[0]).view(64, 64))
+    assert sum(p.codes.numel() for p in stored if isinstance(p, Fp8Saved)) == 3 * 4 * 16 * 64
 
 
 def mlp(width: int = 256, depth: int = 6) -> nn.Module:

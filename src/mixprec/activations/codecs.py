@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 # the one place the states' codec is imported from
-from mixprec.states.formats import StateFormat, dequantize, quantize
+from mixprec.optim.states.formats import StateFormat, dequantize, quantize
 
 __all__ = [
     "CODECS",
@@ -31,6 +31,7 @@ __all__ = [
     "Codec",
     "Fp8Saved",
     "Keep",
+    "Reshaped",
     "ToBfloat16",
     "ToFp8",
     "is_activation",
@@ -84,13 +85,16 @@ def is_activation(t: Tensor) -> bool:
 
 class Codec:
     """Packs saved tensors and unpacks them for the backward; a tensor packed once per
-    forward however often it is saved (`pack` is called per save)."""
+    forward however often it is saved (`pack` is called per save), also when a later save
+    is a reshaped view of it (``F.linear`` flattens a 3-d input before saving it)."""
 
     name = "keep"
 
     def __init__(self) -> None:
-        # id(tensor) -> (weak reference, version, packed): dropped when the tensor dies
-        self._packed: dict[int, tuple[weakref.ref[Tensor], int, Any]] = {}
+        # (storage, offset, elements, dtype, version) -> (weak reference to the tensor packed,
+        # its shape, packed): an entry lives while that tensor does, so its memory is not
+        # another tensor's
+        self._packed: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], torch.Size, Any]] = {}
 
     def stores(self, t: Tensor) -> bool:
         """Whether `t` is stored otherwise than as it is."""
@@ -103,22 +107,35 @@ class Codec:
         return packed
 
     def pack(self, t: Tensor) -> Any:
+        storage = t.untyped_storage()
         if not self.stores(t):
-            storage = t.untyped_storage()
             _record(t, storage.nbytes(), storage.data_ptr())
             return t
-        key = id(t)
-        seen = self._packed.get(key)
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
-            return seen[2]
+        contiguous = t.is_contiguous()
+        key = (storage.data_ptr(), t.storage_offset(), t.numel(), t.dtype, t._version)
+        seen = self._packed.get(key) if contiguous else None
+        if seen is not None and seen[0]() is not None:
+            return seen[2] if seen[1] == t.shape else Reshaped(seen[2], t.shape)
         packed = self.encode(t.detach())
         _record(t, _bytes(packed), id(packed))
-        forget = self._packed.pop
-        self._packed[key] = (weakref.ref(t, lambda _, k=key: forget(k, None)), t._version, packed)
+        if contiguous:
+            forget = self._packed.pop
+            original = weakref.ref(t, lambda _, k=key: forget(k, None))
+            self._packed[key] = (original, t.shape, packed)
         return packed
 
     def unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, Reshaped):
+            return self.decode(packed.packed).view(packed.shape)
         return self.decode(packed)
+
+
+@dataclass(frozen=True)
+class Reshaped:
+    """A save of a tensor already packed, seen through another shape (a contiguous view)."""
+
+    packed: Any
+    shape: torch.Size
 
 
 def _bytes(packed: Any) -> int:
