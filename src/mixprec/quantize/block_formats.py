@@ -129,11 +129,7 @@ def round_to_element(
     E4M3 and E5M2 to nearest go through torch's float8 casts of the clamped values (the
     same rounding, a few passes over the tensor instead of a dozen; the tests hold both
     ways to torch's casts and to hand-computed values); the rest by `round_by_definition`."""
-    fmt = _format(element)
-    v = v.float()
-    if noise is not None:
-        _check_noise(noise, v)
-    return _round_to_element(v, fmt, noise)
+    return _round_to_element(*_checked(v, element, noise))
 
 
 def _round_to_element(v: Tensor, fmt: ElementFormat, noise: Tensor | None) -> Tensor:
@@ -142,6 +138,18 @@ def _round_to_element(v: Tensor, fmt: ElementFormat, noise: Tensor | None) -> Te
     if noise is None and fmt.name in _TORCH_FLOAT8:
         return torch.where(torch.isfinite(v), _saturating_cast(v, fmt), torch.nan)
     return _round_by_definition(v, fmt, noise)
+
+
+def _checked(
+    v: Tensor, element: str | ElementFormat, noise: Tensor | None
+) -> tuple[Tensor, ElementFormat, Tensor | None]:
+    """The arguments of a public rounding, checked: `v` as float32, the element format,
+    the noise (None, or uniform values in [0, 1) of v's shape)."""
+    fmt = _format(element)
+    v = v.float()
+    if noise is not None:
+        _check_noise(noise, v)
+    return v, fmt, noise
 
 
 def _check_noise(noise: Tensor, v: Tensor) -> None:
@@ -178,11 +186,7 @@ def round_by_definition(
     step that v lies above its floor, not by flooring the float32 sum ``v / step + noise``,
     which rounds up to the next integer for noise just under 1 and moved values the format
     holds."""
-    fmt = _format(element)
-    v = v.float()
-    if noise is not None:
-        _check_noise(noise, v)
-    return _round_by_definition(v, fmt, noise)
+    return _round_by_definition(*_checked(v, element, noise))
 
 
 def _round_by_definition(v: Tensor, fmt: ElementFormat, noise: Tensor | None) -> Tensor:
