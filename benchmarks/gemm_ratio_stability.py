@@ -1,5 +1,5 @@
 """How stable the GEMM ratio that rates a CPU's bfloat16 and float16 is, measured as mixprec
-measures it (`mixprec.hardware.gemm_ratio.measure`: one thread) and, beside it, the same
+measures it (`mixprec.device.gemm_ratio.measure`: one thread) and, beside it, the same
 measurement at torch's thread count, the two taking turns, each run of each recorded with
 the 1-minute load average before it. On a host whose cores other processes share, a
 multi-threaded float32 GEMM waits for its slowest thread while torch's one-thread 16-bit
@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from mixprec.hardware import gemm_ratio
+from mixprec.device import gemm_ratio
 
 
 def _at_threads(threads: int) -> gemm_ratio.GemmRatios:
