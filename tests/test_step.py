@@ -17,7 +17,7 @@ from mixprec import Trainer, diagnose
 from mixprec.bench.models import load_workload
 from mixprec.bench.runner import RunSpec, _build_mixprec
 from mixprec.optim import LossScaleOptimizer
-from mixprec.step import backward
+from mixprec.step import backward, batch_loss
 from mixprec.trainer import Callback
 
 FACTORY = """
@@ -275,14 +275,13 @@ def test_the_bare_loss_scale_optimizer_door(workload, reference):
 
 
 def test_the_doctors_door(workload, reference):
-    """`doctor.running.loss_of` and the backward a diagnosis runs after it."""
-    from mixprec.doctor.running import loss_of
-
+    """`step.batch_loss`, the doctor's (and the search's) loss, and the backward a diagnosis
+    runs after it."""
     work = load_workload(workload)
     grads = record_grads(work.model)
     model = mixprec.apply(work.model, TRUE, warn=False)
     precision = mixprec.Precision(TRUE, device="cpu", allow_slow=True)
-    loss = loss_of(model, precision, batch(workload), work.loss_fn)
+    loss = batch_loss(precision, model, batch(workload), work.loss_fn)
     backward(precision, loss)
     assert_same(Door(loss.detach(), grads, None), reference)
 
@@ -748,3 +747,53 @@ def test_precision_step_runs_the_formats_work_once_per_step_and_after_each_closu
     precision.reset()  # another run: the models set up before are forgotten
     precision.before_step()
     assert net[0].steps_told == 3 + len(evaluations)
+
+
+class Argmax(torch.nn.Module):
+    """A classifier that returns class indices: no loss computed from them reaches its
+    weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).argmax(-1)
+
+
+def test_the_trainer_the_doctor_and_the_search_check_one_batch_loss_alike():
+    """`step.batch_loss` is the one checked loss of a batch: a loss that cannot train (outputs
+    with no floating tensor, a loss left unreduced) is refused with the same words by the
+    Trainer and the doctor (the Trainer ran the first into its backward before)."""
+    from trainers import QUIET
+
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    data = DataLoader(TensorDataset(x, y), batch_size=8)
+    precision = mixprec.Precision("32-true")
+    for model, loss_fn in (
+        (Argmax(), lambda out, t: (out.float() - t).abs().mean()),
+        (torch.nn.Linear(4, 3), lambda out, t: out - t[:, None]),
+    ):
+        with pytest.raises(TypeError) as direct:
+            batch_loss(precision, model, (x, y), loss_fn)
+        with pytest.raises(TypeError) as trained:
+            Trainer(max_steps=1, **QUIET).fit(model, data, loss_fn=loss_fn)
+        with pytest.raises(TypeError) as diagnosed:
+            diagnose(model, (x, y), loss_fn, "32-true")
+        assert str(trained.value) == str(diagnosed.value) == str(direct.value)
+
+
+def test_the_search_takes_its_losses_from_the_step_not_from_the_doctor():
+    """The search (`mixprec.plan`) and the doctor share `step.batch_loss`; no module of the
+    search imports the doctor's runner."""
+    import ast
+    from pathlib import Path
+
+    plan = Path(mixprec.__file__).parent / "plan"
+    imported = {
+        node.module
+        for path in plan.glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert "mixprec.step" in imported and "mixprec.doctor.running" not in imported

@@ -237,6 +237,12 @@ class Precision:
         )
 
     @property
+    def has_policy(self) -> bool:
+        """Whether the policy is chosen: from the start, but for ``"auto"`` without a device
+        only once `resolve` (or ``setup``) picked it; until then `policy` raises."""
+        return self._policy is not None
+
+    @property
     def policy(self) -> PolicyMap:
         """The policy map in force (a plain policy is a map with no rules)."""
         if self._policy is None:

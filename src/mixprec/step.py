@@ -1,7 +1,10 @@
 """One training step of a model under a `Precision`: the context its forward runs in, where
 the loss is computed, the scaled backward (``Precision.backward_context``), and the seeding
 that makes two runs of a step draw alike. The Trainer, the doctor, both bench runs and the
-search compute their losses here, so a loss measured by one is the loss the others train on.
+search compute their losses here, so a loss measured by one is the loss the others train on;
+`batch_loss` is the one checked loss of a batch the Trainer (a plain module's step), the
+doctor and the search take, and `as_loss` the one check of what a loss function or a
+training step returned.
 
 A plain module with a ``loss_fn`` (the batch ``(inputs..., target)``):
 
@@ -21,7 +24,7 @@ Code that calls into the model from outside (a ``training_step``, a compiled mod
 "true" policy, whose region's switch of torch's default dtype would be a graph boundary) runs
 in ``Precision.forward_context()`` too, which is all a region would have done around it.
 
-A model that computes its own loss (`batch_loss`):
+A model that computes its own loss (`own_loss`):
 
 - a Hugging Face ``PreTrainedModel``: the batch is a dict of keyword arguments (with
   ``labels``) and the output's ``.loss`` is the loss;
@@ -46,13 +49,16 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.precision import Precision
+from mixprec.tree import iter_tensors
 
 __all__ = [
     "as_loss",
     "backward",
     "batch_loss",
+    "check_outputs",
     "compiled_in_place",
     "is_hugging_face_model",
+    "own_loss",
     "plain_loss",
     "seeded",
     "split_batch",
@@ -113,7 +119,49 @@ def plain_loss(
         return loss_fn(outputs, target)
 
 
-def batch_loss(model: nn.Module, batch: Any) -> Tensor:
+def batch_loss(
+    precision: Precision,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[..., Any] | None,
+    *,
+    converted: bool = False,
+) -> Tensor:
+    """The checked loss of one batch, a 0-dim floating tensor, computed as every step in
+    mixprec computes it (see the module's docstring): with a `loss_fn`, a plain module's
+    forward and the loss (`plain_loss`; outputs no loss can reach the weights through are
+    refused, `check_outputs`); without one, the loss of a model that computes its own
+    (`own_loss`) in the precision's forward context. `converted`: the caller converted the
+    batch already. The Trainer (a plain module's step), the doctor and the search take their
+    losses here."""
+    if loss_fn is not None:
+        out = plain_loss(
+            precision, model, batch, loss_fn, check_outputs=check_outputs, converted=converted
+        )
+        return as_loss(out, "loss_fn")
+    if not converted:
+        batch = precision.convert_input(batch)
+    with step_context(precision, model, user_code=True):
+        return own_loss(model, batch)
+
+
+def check_outputs(outputs: Any) -> None:
+    """Refuse outputs no loss can reach the weights through (no floating tensor in them)."""
+    if isinstance(outputs, Tensor) and outputs.is_floating_point():
+        return  # the common case, without a walk
+    if not any(t.is_floating_point() for t in iter_tensors(outputs)):
+        got = (
+            f"a {str(outputs.dtype).removeprefix('torch.')} tensor"
+            if isinstance(outputs, Tensor)
+            else type(outputs).__name__
+        )
+        raise TypeError(
+            f"the model's output holds no floating tensor ({got}): no loss computed from it "
+            "can reach the weights; return logits or scores, not argmax/indices"
+        )
+
+
+def own_loss(model: nn.Module, batch: Any) -> Tensor:
     """The scalar loss of a model that computes its own (see the module's docstring; a plain
     module with a ``loss_fn`` goes through `plain_loss`)."""
     if is_hugging_face_model(model):
@@ -131,7 +179,9 @@ def batch_loss(model: nn.Module, batch: Any) -> Tensor:
                 f"and failed: {err}. For a model that returns outputs, pass loss_fn=... "
                 "(e.g. torch.nn.functional.cross_entropy) with batches of (inputs, target)"
             ) from err
-        return as_loss(out, "the model (no loss_fn given)")
+        return as_loss(
+            out, "the model (no loss_fn given; pass loss_fn=... for one returning outputs)"
+        )
     if getattr(model, "automatic_optimization", True) is False:
         raise TypeError(
             f"{type(model).__name__} uses Lightning's manual optimization: its training_step "
@@ -169,19 +219,27 @@ def _hugging_face_loss(model: nn.Module, batch: Any) -> Tensor:
 
 
 def as_loss(result: Any, where: str) -> Tensor:
-    """`result` (a tensor, or a dict with "loss") as a 0-dim loss; TypeError naming `where`
-    otherwise."""
+    """`result` (a tensor, or a dict with "loss") as a 0-dim floating loss; a TypeError
+    naming `where` (who returned it), what it gave and the fix otherwise. The one check of a
+    loss in mixprec: `batch_loss`'s, and the Trainer's of what a training step returned
+    (after reading None as "skip the batch")."""
+    loss = result
     if isinstance(result, dict):
         if "loss" not in result:
             raise TypeError(f"{where} returned a dict without a 'loss' key: {sorted(result)}")
-        result = result["loss"]
-    if not isinstance(result, Tensor) or result.numel() != 1 or not result.is_floating_point():
-        got = tuple(result.shape) if isinstance(result, Tensor) else type(result).__name__
+        loss = result["loss"]
+    if not isinstance(loss, Tensor) or not loss.is_floating_point():
+        got = f"a {loss.dtype} tensor" if isinstance(loss, Tensor) else type(loss).__name__
         raise TypeError(
-            f"{where} must give a scalar floating loss tensor (or a dict with 'loss'), got {got};"
-            " pass loss_fn=... with a batch of (inputs, targets)"
+            f"{where} must return the loss as a one-element floating tensor (or a dict with "
+            f"'loss'), got {got}"
         )
-    return result.reshape(())
+    if loss.numel() != 1:
+        raise TypeError(
+            f"{where} must return the loss as a single number, got a tensor of shape "
+            f"{tuple(loss.shape)}: reduce it (e.g. .mean() or reduction='mean')"
+        )
+    return loss if loss.dim() == 0 else loss.reshape(())
 
 
 def _ignore(*args: Any, **kwargs: Any) -> None:

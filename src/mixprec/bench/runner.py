@@ -47,6 +47,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ __all__ = [
     "OOM",
     "RunResult",
     "RunSpec",
+    "RunStatus",
     "TIMEOUT",
     "fresh_process_reason",
     "is_oom",
@@ -80,7 +82,20 @@ __all__ = [
     "set_tf32",
 ]
 
-OK, OOM, ERROR, TIMEOUT = "ok", "oom", "error", "timeout"
+
+class RunStatus(str, Enum):
+    """How a loop or a configuration ended; written into results and journals as its value."""
+
+    OK = "ok"
+    OOM = "oom"  # out of memory: the batch does not fit
+    ERROR = "error"
+    TIMEOUT = "timeout"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+OK, OOM, ERROR, TIMEOUT = RunStatus.OK, RunStatus.OOM, RunStatus.ERROR, RunStatus.TIMEOUT
 _AFTER_WARM_UP = (
     "from model build to the first optimizer update, after one untimed run of the same loop "
     "(what libraries allocate once per process, such as cuBLAS workspaces, is not counted)"
@@ -124,13 +139,16 @@ class LoopResult:
     wall time of the first step, compilation included when the model is compiled.
     """
 
-    status: str = OK
+    status: RunStatus = OK
     error: str | None = None
     peak_memory: int | None = None
     step_ms: list[float] = field(default_factory=list)
     skipped_steps: int = 0
     final_loss: float | None = None
     first_step_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.status = RunStatus(self.status)  # read back from JSON as its value
 
 
 @dataclass
@@ -141,7 +159,7 @@ class RunResult:
     i of each from round i); `rounds_stop`: why its rounds ended (`rounds.STEPS`, ...).
     """
 
-    status: str
+    status: RunStatus
     mixprec: LoopResult
     raw: LoopResult | None = None
     memory_method: str = ""
@@ -149,6 +167,9 @@ class RunResult:
     fresh_process: bool = False
     paired: bool = False
     rounds_stop: str | None = None
+
+    def __post_init__(self) -> None:
+        self.status = RunStatus(self.status)  # read back from JSON as its value
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunResult:

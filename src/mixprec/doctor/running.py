@@ -1,5 +1,6 @@
 """Running a model once in a precision, probed: the same batch, the same seed and a fresh
-copy of the caller's (untouched) model every time, the loss computed as the Trainer does."""
+copy of the caller's (untouched) model every time, the loss computed as the Trainer does
+(`mixprec.step.batch_loss`)."""
 
 from __future__ import annotations
 
@@ -11,52 +12,14 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.convert import apply
-from mixprec.doctor.probe import (
-    Probe,
-    Recording,
-    floating_tensors,
-    lowest_float,
-    measure_param_grads,
-)
+from mixprec.doctor.probe import Probe, Recording, lowest_float, measure_param_grads
 from mixprec.doctor.verdicts import UpdateModel
+from mixprec.optim.scaling import StaticLossScaler
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
-from mixprec.scaling import StaticLossScaler
-from mixprec.step import as_loss, backward, batch_loss, plain_loss, seeded, step_context
+from mixprec.step import backward, batch_loss, seeded
 
-__all__ = ["Session", "check_outputs", "grad_amax", "loss_of"]
-
-
-def loss_of(
-    model: nn.Module, precision: Precision, batch: Any, loss_fn: Callable[..., Tensor] | None
-) -> Tensor:
-    """The loss of one batch, computed as the Trainer computes it (`mixprec.step`): a plain
-    module's forward and ``loss_fn`` as a step runs them (inside autocast under a mixed
-    policy); a model that computes its own loss (`mixprec.step.batch_loss`: a training step,
-    a Hugging Face model) in the precision's forward context."""
-    if loss_fn is not None:
-        out = plain_loss(precision, model, batch, loss_fn, check_outputs=check_outputs)
-        return as_loss(out, "loss_fn")
-    batch = precision.convert_input(batch)
-    with step_context(precision, model, user_code=True):
-        return batch_loss(model, batch)
-
-
-def check_outputs(outputs: Any) -> None:
-    """Refuse outputs no loss can reach the weights through (no floating tensor in them)."""
-    if not floating_tensors(outputs):
-        raise TypeError(
-            f"the model's output holds no floating tensor ({_kinds(outputs)}): no "
-            "loss computed from it can reach the weights; return logits or "
-            "scores, not argmax/indices"
-        )
-
-
-def _kinds(outputs: Any) -> str:
-    """What a model returned, for an error: the dtype of a tensor, else the type's name."""
-    if isinstance(outputs, Tensor):
-        return f"a {str(outputs.dtype).removeprefix('torch.')} tensor"
-    return type(outputs).__name__
+__all__ = ["Session", "grad_amax"]
 
 
 def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
@@ -120,7 +83,7 @@ class Session:
         }
         probe = Probe(model, reference, grad_scale=scale)
         with seeded(self.seed, self.device), probe as rec:
-            loss = loss_of(model, precision, self.batch, self.loss_fn)
+            loss = batch_loss(precision, model, self.batch, self.loss_fn)
             if not loss.requires_grad:
                 raise ValueError(
                     "the loss does not require grad: is the model frozen or run under no_grad?"

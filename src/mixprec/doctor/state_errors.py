@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.doctor.running import loss_of
 from mixprec.policy.map import PolicyMap, as_map
 from mixprec.precision import Precision
 from mixprec.states import StateFormat, dequantize, moment_error, parse_state_format, quantize
+from mixprec.step import batch_loss
 
 __all__ = ["StateError", "StateErrors", "moment_errors", "state_errors", "update_error"]
 
@@ -165,7 +165,7 @@ def moment_errors(
     optimizer = torch.optim.AdamW(copied.parameters(), lr=lr)
     for i in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        loss_of(copied, precision, batches[i % len(batches)], loss_fn).backward()
+        batch_loss(precision, copied, batches[i % len(batches)], loss_fn).backward()
         optimizer.step()
     group = optimizer.param_groups[0]
     eps, beta2 = group["eps"], group["betas"][1]

@@ -127,10 +127,9 @@ class MixprecPrecision(LightningPrecision):
             )
         self._module: nn.Module | None = None
         self._wrappers: dict[torch.optim.Optimizer, LossScaleOptimizer] = {}
-        try:
-            self.precision = self.mixprec.policy.default.name  # type: ignore[assignment]
-        except RuntimeError:  # "auto": resolved at convert_module, on the strategy's device
-            self.precision = "auto"  # type: ignore[assignment]
+        # "auto" is resolved at convert_module, on the strategy's device
+        name = self.mixprec.policy.default.name if self.mixprec.has_policy else "auto"
+        self.precision = name  # type: ignore[assignment]
 
     @property
     def policy(self) -> PolicyMap:

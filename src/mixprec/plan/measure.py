@@ -14,12 +14,11 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.convert import apply
-from mixprec.doctor.running import loss_of
 from mixprec.plan.units import Unit, state_bytes
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.states import StateFormat
-from mixprec.step import backward, seeded
+from mixprec.step import backward, batch_loss, seeded
 
 __all__ = ["Measured", "Trained", "convert", "eval_loss", "measure_plans", "train"]
 
@@ -67,7 +66,7 @@ def eval_loss(
     with torch.no_grad():
         for b in batches:
             with seeded(seed, device):
-                losses.append(float(loss_of(model, precision, b, loss_fn).detach()))
+                losses.append(float(batch_loss(precision, model, b, loss_fn).detach()))
     return sum(losses) / len(losses)
 
 
@@ -76,13 +75,13 @@ def _step(
 ) -> Callable[[], None]:
     def run() -> None:
         if training:
-            loss = loss_of(model, precision, batch, loss_fn)
+            loss = batch_loss(precision, model, batch, loss_fn)
             if loss.requires_grad:  # a plan may freeze every layer (all quantized)
                 backward(precision, loss)
             model.zero_grad(set_to_none=True)
         else:
             with torch.no_grad():
-                loss_of(model, precision, batch, loss_fn)
+                batch_loss(precision, model, batch, loss_fn)
 
     return run
 
@@ -185,7 +184,7 @@ def train(
         trained, optimizer = precision.setup(trained, optimizer, convert=False)
         losses = []
         for i in range(steps):
-            loss = loss_of(trained, precision, batches[i % len(batches)], loss_fn)
+            loss = batch_loss(precision, trained, batches[i % len(batches)], loss_fn)
             backward(precision, loss)
             precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)

@@ -8,7 +8,6 @@ import time
 import torch
 from torch import Tensor, nn
 
-from mixprec.doctor.running import loss_of
 from mixprec.plan import sensitivity
 from mixprec.plan.inputs import SearchInputs, check_finite
 from mixprec.plan.measure import convert
@@ -19,7 +18,7 @@ from mixprec.policy import QuantizedPolicy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.states import StateFormat
-from mixprec.step import seeded
+from mixprec.step import batch_loss, seeded
 
 __all__ = ["Holders", "candidates", "score"]
 
@@ -85,7 +84,7 @@ def score(
             loss, calls, read_outside = sensitivity.record(
                 reference,
                 paths,
-                lambda batch=batch: loss_of(reference, precision, batch, s.loss_fn),
+                lambda batch=batch: batch_loss(precision, reference, batch, s.loss_fn),
             )
         reference.zero_grad(set_to_none=True)
         check_finite(loss, f"batches[{b}]")

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from mixprec.memory import measured
 from mixprec.optim import LossScaleOptimizer, scheduler_step
 from mixprec.precision import Precision
-from mixprec.step import backward, plain_loss, split_batch, step_context
+from mixprec.step import as_loss, backward, batch_loss, split_batch, step_context
 from mixprec.trainer.callbacks import Callback, listens
 from mixprec.trainer.checkpoint import rng_states, set_rng_states
 from mixprec.trainer.data import (
@@ -61,7 +61,6 @@ __all__ = [
     "forward_backward",
     "log_step",
     "log_training_epoch",
-    "loss_of",
     "micro_batch",
     "monitored_value",
     "optimizer_step",
@@ -83,9 +82,10 @@ class StepRunner(nn.Module):
     """Runs one step of a kind ("training", "validation", ...) as a module's forward, so that
     DistributedDataParallel sees the training step as its forward (as Lightning does).
 
-    A plain module's step is `mixprec.step`'s, as in the doctor and the bench: the forward
-    in the model's region, ``loss_fn`` outside it on the outputs. A TrainingModule's step
-    runs in the precision's forward context (it may call submodules directly)."""
+    A plain module's step is `mixprec.step.batch_loss`, as in the doctor and the search: the
+    forward in the model's region, ``loss_fn`` outside it on the outputs, the loss checked.
+    A TrainingModule's step runs in the precision's forward context (it may call submodules
+    directly)."""
 
     def __init__(
         self, model: nn.Module, precision: Precision, loss_fn: Callable[..., Tensor] | None
@@ -103,7 +103,7 @@ class StepRunner(nn.Module):
                 return getattr(model, f"{kind}_step")(batch, batch_idx)
         if kind != "predict":
             # the loops converted the batch before their hooks saw it
-            return plain_loss(precision, model, batch, self.loss_fn, converted=True)
+            return batch_loss(precision, model, batch, self.loss_fn, converted=True)
         # the target, if the batch has one, is not needed
         inputs = [batch] if isinstance(batch, Tensor) else split_batch(batch)[0]
         with step_context(precision, model):
@@ -446,7 +446,7 @@ def closure_step(run: FitRun, batch: Any, batch_idx: int) -> Any:
     def closure() -> Tensor:
         opt.zero_grad(set_to_none=True)
         output = run.step("training", batch, batch_idx)
-        loss = loss_of(output, "training_step" if run.is_module else "loss_fn")
+        loss = None if output is None else as_loss(output, "training_step")
         if loss is None:
             raise RuntimeError(
                 f"training_step returned None for batch {batch_idx}, but "
@@ -473,8 +473,8 @@ def forward_backward(
     """The training step and the scaled backward of its loss (divided by the ``window``'s
     micro-batches); returns what the step returned and the loss (None: skip the batch)."""
     output = run.step("training", batch, batch_idx)
-    is_module = isinstance(run.model, TrainingModule)
-    loss = loss_of(output, "training_step" if is_module else "loss_fn")
+    # a plain module's loss comes checked (`batch_loss`); a training step's None skips
+    loss = None if output is None else as_loss(output, "training_step")
     if loss is not None:
         backward(run.precision, loss, accumulate=window)
     elif run.strategy.world_size > 1:
@@ -485,25 +485,6 @@ def forward_backward(
             "nothing instead (e.g. loss * 0.0)"
         )
     return output, loss
-
-
-def loss_of(output: Any, who: str) -> Tensor | None:
-    """The loss in what ``who`` (training_step or loss_fn) returned: a tensor, a dict holding
-    ``"loss"``, or None (skip the batch)."""
-    if output is None:
-        return None
-    loss = output.get("loss") if isinstance(output, dict) else output
-    if not isinstance(loss, Tensor):
-        raise TypeError(
-            f"{who} must return the loss as a one-element tensor (or a dict with 'loss', or "
-            f"None to skip the batch), got {type(output).__name__}"
-        )
-    if loss.numel() != 1:
-        raise TypeError(
-            f"{who} must return the loss as a single number, got a tensor of shape "
-            f"{tuple(loss.shape)}: reduce it (e.g. .mean() or reduction='mean')"
-        )
-    return loss if loss.dim() == 0 else loss.reshape(())
 
 
 def optimizer_step(run: FitRun) -> None:
