@@ -5,7 +5,7 @@ step keeps alive (parameters, gradients, optimizer state incl. Kahan buffers, fl
 and their gradients) and times the optimizer step alone (gradients set once, median of
 ``--steps`` steps, the configurations taking turns step by step, after warm-up steps that
 include the compiled steps' first-call build). The Kahan step of mixprec
-(`mixprec.compensated`, compiled as ``LossScaleOptimizer(compensation=...)`` builds it, and
+(`mixprec.optim.compensated`, compiled as ``LossScaleOptimizer(compensation=...)`` builds it, and
 its eager fallback) runs next to torch's plain bfloat16 AdamW and torch-optimi's
 ``AdamW(kahan_sum=True)`` when ``optimi`` is installed (the ``bench`` extra; the report
 says when it is missing), and they are compared for
@@ -29,9 +29,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mixprec.compensated import Compensator
 from mixprec.hardware import detect
 from mixprec.optim import LossScaleOptimizer
+from mixprec.optim.compensated import Compensator
 
 OPTIMI = "bf16-true + Kahan (torch-optimi 0.3.3)"
 KAHAN = "bf16-true + Kahan (mixprec, compiled)"

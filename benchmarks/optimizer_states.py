@@ -14,7 +14,7 @@ Optimizers: float32 states (``torch.optim.AdamW(foreach=True)``, the baseline); 
 ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8`` (torch.compile'd by torchao) and bitsandbytes'
 8-bit ``AdamW8bit`` when they are installed (the ``lowbit`` extra; the report says what is
 missing or failed); mixprec's ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8``
-(`mixprec.states`). Figures:
+(`mixprec.optim.states`). Figures:
 
 - held-out loss: mean cross-entropy (nats/byte) over ``--val-batches`` batches of the last
   10% of the text, after training;
@@ -56,9 +56,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from charlm import CharGPT, charlm_loaders  # noqa: E402
 
-from mixprec import states  # noqa: E402
 from mixprec.hardware import detect  # noqa: E402
 from mixprec.memory import measured  # noqa: E402
+from mixprec.optim import states  # noqa: E402
 
 LR, WEIGHT_DECAY = 2e-3, 0.01
 BASELINE = "torch AdamW (float32, foreach)"

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import mixprec
+from mixprec.optim.scaling import DynamicLossScaler
 from mixprec.precision import Precision
-from mixprec.scaling import DynamicLossScaler
 
 
 def mlp() -> nn.Module:

@@ -9,7 +9,7 @@ take turns stepping, after warm-up steps that include the first call's build. Ea
 timed in CPU time of the stepping thread on one thread (``torch.set_num_threads(1)``),
 which waiting on a busy host does not inflate; the table gives the fastest, the lower
 quartile and the median of ``--steps`` steps, the median against torch's, and the state
-bytes (`mixprec.states.state_bytes`, scales included) against torch's.
+bytes (`mixprec.optim.states.state_bytes`, scales included) against torch's.
 
     python benchmarks/states_step.py [--models small large] [--steps 41]
         [--compile {none,true,false}]
@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-from mixprec.states import AdamW4bit, AdamW8bit, AdamWFp8, LowBitAdamW, state_bytes
+from mixprec.optim.states import AdamW4bit, AdamW8bit, AdamWFp8, LowBitAdamW, state_bytes
 
 _OPTIMIZERS = {
     "AdamW8bit": AdamW8bit,

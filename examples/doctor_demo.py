@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mixprec.doctor import diagnose
+from mixprec.optim.scaling import LossScaleDivergedError
 from mixprec.precision import Precision
-from mixprec.scaling import LossScaleDivergedError
 
 
 class NaiveSoftmax(nn.Module):

@@ -25,7 +25,7 @@ import mixprec
 from mixprec import PolicyMap, Precision
 from mixprec.bench.models import MLP, BlogCNN, TinyTransformer, probabilities_nll
 from mixprec.hardware import assume
-from mixprec.scaling import DynamicLossScaler
+from mixprec.optim.scaling import DynamicLossScaler
 from mixprec.step import backward, plain_loss
 from tests.devices import H100, ZEN4
 

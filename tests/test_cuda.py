@@ -29,8 +29,8 @@ from mixprec import Trainer, apply
 from mixprec.bench.runner import OK
 from mixprec.cli import main
 from mixprec.doctor import BROKEN, diagnose
+from mixprec.optim.scaling import DynamicLossScaler
 from mixprec.precision import Precision
-from mixprec.scaling import DynamicLossScaler
 
 pytestmark = [
     pytest.mark.cuda,

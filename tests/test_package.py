@@ -19,15 +19,15 @@ SRC = Path(mixprec.__file__).parent
 # below it. Utilities with no knowledge of precision sit at the bottom.
 LAYERS: list[set[str]] = [
     {"errors", "version", "textout", "timing", "memory"},
-    {"dtypes", "compensated"},
+    {"dtypes", "compensated", "optim.compensated"},
     {"device"},
     {"formats"},
     {"policy.names"},
     {"policy"},
-    {"quantize", "states", "activations"},
+    {"quantize", "states", "optim.states", "activations"},
     {"policy.map", "tree"},
     {"hardware"},
-    {"convert", "scaling", "hardware.measuring"},
+    {"convert", "scaling", "optim.scaling", "hardware.measuring"},
     {"optim", "optim.checkpoint", "optim.masters"},
     {"precision"},
     {"step"},
@@ -240,7 +240,7 @@ def test_the_trainer_package_imports_in_one_direction():
 
 # classes whose private attributes (fields set on `self`, methods) only their own body touches
 PRIVATE_TO_CLASS = [
-    ("mixprec.optim", "LossScaleOptimizer"),
+    ("mixprec.optim.wrapper", "LossScaleOptimizer"),
     ("mixprec.optim.checkpoint", "OptimizerCheckpoint"),
     ("mixprec.optim.masters", "MasterWeights"),
 ]

@@ -14,8 +14,8 @@ from torch import nn
 
 from mixprec import Policy, PolicyMap, PrecisionError, SlowPrecisionError, hardware
 from mixprec.optim import LossScaleOptimizer
+from mixprec.optim.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
 from mixprec.precision import Precision
-from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
 

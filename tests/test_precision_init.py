@@ -10,7 +10,7 @@ from torch import nn
 
 from mixprec import Precision, SlowPrecisionError
 from mixprec.hardware import assume
-from mixprec.scaling import DynamicLossScaler
+from mixprec.optim.scaling import DynamicLossScaler
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from mixprec import Precision
 from mixprec.optim import LossScaleOptimizer, master_weights_by_name
-from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
+from mixprec.optim.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
 

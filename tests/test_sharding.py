@@ -22,10 +22,10 @@ from torch import nn
 from mixprec import hardware
 from mixprec.errors import PrecisionError, SlowPrecisionError
 from mixprec.optim import LossScaleOptimizer
+from mixprec.optim.scaling import DynamicLossScaler
 from mixprec.policy import Policy
 from mixprec.policy.map import PolicyMap, island_policy
 from mixprec.precision import Precision
-from mixprec.scaling import DynamicLossScaler
 from mixprec.sharding import mixed_precision_policy, shard, units
 
 STEPS = 4

@@ -29,17 +29,17 @@ from mixprec.errors import (
 )
 from mixprec.formats import register
 from mixprec.optim import LossScaleOptimizer
-from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
-from mixprec.policy.map import PolicyMap
-from mixprec.precision import Precision
-from mixprec.scaling import (
+from mixprec.optim.scaling import (
     DynamicLossScaler,
     LossScaleDivergedError,
     LossScaler,
     NoLossScaler,
     StaticLossScaler,
 )
-from mixprec.states import AdamW4bit, AdamW8bit, AdamWFp8, LowBitAdamW, LowBitSGD
+from mixprec.optim.states import AdamW4bit, AdamW8bit, AdamWFp8, LowBitAdamW, LowBitSGD
+from mixprec.policy import Policy, global_policy, policy_scope, set_global_policy
+from mixprec.policy.map import PolicyMap
+from mixprec.precision import Precision
 from mixprec.version import __version__
 
 # the builtin formats, registered once, here, in the order names and searches list them

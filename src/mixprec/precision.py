@@ -18,7 +18,6 @@ the overflow flag, and the step.
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -29,7 +28,6 @@ import torch
 from torch import nn
 
 from mixprec.activations import ActivationsSpec, as_rules, check_device
-from mixprec.compensated import check_compensation
 from mixprec.convert import (
     apply,
     cast_floating,
@@ -52,13 +50,15 @@ from mixprec.optim import (
     LossScaleOptimizer,
     backward_context,
     backward_dtype,
+    convert_for,
     joint_step,
     scale_for_backward,
 )
+from mixprec.optim.compensated import check_compensation
+from mixprec.optim.scaling import LossScaler, as_loss_scaler
+from mixprec.optim.states import LowBitOptimizer, parse_state_format
 from mixprec.policy import is_auto
 from mixprec.policy.map import PolicyMap, as_map
-from mixprec.scaling import LossScaler, as_loss_scaler
-from mixprec.states import LowBitOptimizer, from_optimizer, parse_state_format
 
 __all__ = ["Precision"]
 
@@ -89,16 +89,16 @@ class Precision:
         device_info: a described device (``mixprec.hardware.DeviceInfo``) to check the policy
             against and resolve ``"auto"`` for, instead of detecting the device at ``setup``:
             "on an H100", "on an AVX2-only CPU".
-        optimizer_states: ``"int8"``, ``"int4"``, ``"fp8"`` or ``"float32"`` (a
-            `mixprec.states` format spec): ``setup`` converts each torch AdamW, Adam or SGD
-            into the low-bit one of `mixprec.states` (`from_optimizer`), each parameter's
-            moments in the format `PolicyMap.state_formats` gives it: this one by default,
-            float32 for small parameters and embedding tables, the map's ``states`` rules
-            first. Use the optimizers ``setup`` returns; a scheduler built on the torch
-            optimizer before drives the converted one (the torch optimizer is given its
-            parameter groups, and its own ``step`` raises). Other optimizers are refused, and
-            so is a `mixprec.states` optimizer keeping another format. ``None`` (default)
-            converts only when the policy map has ``states``.
+        optimizer_states: ``"int8"``, ``"int4"``, ``"float8"`` or ``"float32"`` (a
+            `mixprec.optim.states` format spec): ``setup`` converts each torch AdamW, Adam or
+            SGD into the low-bit one of `mixprec.optim.states` (`mixprec.optim.convert_for`),
+            each parameter's moments in the format `PolicyMap.state_formats` gives it: this
+            one by default, float32 for small parameters and embedding tables, the map's
+            ``states`` rules first. Use the optimizers ``setup`` returns; a scheduler built on
+            the torch optimizer before drives the converted one (the torch optimizer is given
+            its parameter groups, and its own ``step`` raises). Other optimizers are refused,
+            and so is a `mixprec.optim.states` optimizer keeping another format. ``None``
+            (default) converts only when the policy map has ``states``.
         activations: how each layer keeps the tensors its forward saves for the backward
             (`mixprec.activations`): one option for every layer (``"keep"``, ``"bf16"``,
             ``"fp8"``, ``"checkpoint"``, ``"selective"``, ``"offload"``, CUDA only) or a
@@ -329,83 +329,24 @@ class Precision:
         return (model, *wrapped) if wrapped else model
 
     def _low_bit(self, optimizer: Any, model: nn.Module) -> Any:
-        """``optimizer`` with its states in the formats this precision gives each parameter
-        (a low-bit optimizer, or a wrapper from an earlier ``setup``, as it is: one keeping
-        another format than the one given is refused, as a map's is)."""
-        default = self.policy.state_default(self.optimizer_states)
-        if isinstance(optimizer, (LowBitOptimizer, LossScaleOptimizer)):
-            inner = getattr(optimizer, "optimizer", optimizer)
-            kept = inner.defaults["states"] if isinstance(inner, LowBitOptimizer) else None
-            if default is not None and kept is not None and kept != default:
-                said = (
-                    f"optimizer_states={default!r}"
-                    if self.optimizer_states
-                    else f"the policy map's states say {default!r}"
-                )
-                raise ValueError(
-                    f"{said}, but the {type(inner).__name__} given keeps {kept!r} states: give "
-                    f"the format once (a torch AdamW, Adam or SGD is converted into {default!r}; "
-                    f"a low-bit optimizer is taken as it is without optimizer_states)"
-                )
-            if isinstance(inner, LowBitOptimizer):
-                self._check_kept_formats(inner, model, default or kept)
-            return optimizer
+        """``optimizer`` with its states in the formats this precision gives each parameter,
+        as the optimizer side converts it (`mixprec.optim.convert_for`: a low-bit optimizer,
+        or a wrapper from an earlier ``setup``, as it is; one keeping another format than
+        the one given is refused, as a map's is); a conversion is remembered (`converted`)."""
         known = self.converted(optimizer)
         if known is not None:
             return known
-        if type(optimizer) not in (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD):
-            raise TypeError(
-                f"optimizer_states converts torch.optim.AdamW, Adam and SGD (or takes a "
-                f"mixprec.states optimizer as it is), got {type(optimizer).__name__}: build one "
-                "of those, or leave optimizer_states out"
-            )
-        default = default or "float32"
-        assigned = self.policy.state_formats(model, default)
-        named = dict(model.named_parameters())
-        # each parameter's format is held per parameter (a master takes its parameter's), so
-        # the groups stay the torch optimizer's: float32 by `keep_float32`, another low-bit
-        # format than the default by `formats`
-        plain = {id(named[n]) for n, (fmt, _) in assigned.items() if not fmt.quantized}
-        formats = {
-            named[n]: fmt
-            for n, (fmt, _) in assigned.items()
-            if fmt.quantized and str(fmt) != default
-        }
-
-        def keep_float32(p: torch.Tensor) -> bool:
-            return id(p) in plain or any(id(w.model_param(p)) in plain for w in self.optimizers)
-
-        converted = from_optimizer(
+        converted = convert_for(
+            self.policy,
             optimizer,
-            default,
-            formats=formats,
-            keep_float32=keep_float32,
+            model,
+            optimizer_states=self.optimizer_states,
             compensation=self.compensation,
+            wrappers=self.optimizers,
         )
-        _hand_over(optimizer, converted)
-        self._converted.append((optimizer, converted))
+        if converted is not optimizer:
+            self._converted.append((optimizer, converted))
         return converted
-
-    def _check_kept_formats(self, inner: LowBitOptimizer, model: nn.Module, default: str) -> None:
-        """A low-bit optimizer is taken as it is: refuse it when the map's per-module state
-        rules give some of its parameters another kind of format than it keeps for them."""
-        if not isinstance(self.policy.states, dict):
-            return
-        named = dict(model.named_parameters())
-        group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
-        differ = []
-        for name, (fmt, _) in self.policy.state_formats(model, default).items():
-            group = group_of.get(id(named[name]))
-            kept = inner.format_of(named[name], group) if group is not None else None
-            if kept is not None and kept.kind != fmt.kind:
-                differ.append(f"{name} keeps {kept.kind} where the map says {fmt.kind}")
-        if differ:
-            raise ValueError(
-                f"the {type(inner).__name__} given is taken as it is, but the policy map's "
-                f"state rules say otherwise: {'; '.join(differ)}. Give a torch AdamW, Adam or "
-                "SGD to have it converted per the map, or build the low-bit optimizer with "
-                "mixprec.states.from_model(model, rules=...) (its rules match parameter names)"
-            )
 
     def converted(self, optimizer: torch.optim.Optimizer) -> LowBitOptimizer | None:
         """The low-bit optimizer ``setup`` converted ``optimizer`` into (``optimizer_states``
@@ -656,36 +597,6 @@ class Precision:
             opt.unscale_()
         master_of = {p: m for opt in self.optimizers for p, m in opt.master_params.items()}
         return [master_of.get(t, t) for t in tensors]
-
-
-def _hand_over(old: torch.optim.Optimizer, new: LowBitOptimizer) -> None:
-    """Make the torch optimizer ``old``, converted into ``new``, stand for it where a caller
-    still holds it: its parameter groups become ``new``'s (one to one), so a learning-rate
-    scheduler built on ``old`` sets ``new``'s learning rates; its own step raises (it would
-    train float32 moments that nothing uses); and ``new``'s steps count as ``old``'s for
-    torch's check that a scheduler steps after its optimizer."""
-    name = type(old).__name__
-
-    def stale_step(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"this {name} was converted into {type(new).__name__} "
-            f"(states {new.defaults['states']!r}) by Precision.setup: its own step would train "
-            f"float32 moments that the run does not use. Step the optimizer setup returned, or "
-            f"precision.step()"
-        )
-
-    stale_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    old.step = stale_step  # type: ignore[method-assign]
-    old.param_groups = new.param_groups
-    step = new.step
-
-    @functools.wraps(step)
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        old._opt_called = new._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    counted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    new.step = counted  # type: ignore[method-assign]
 
 
 def _warn_replaced(

@@ -25,10 +25,10 @@ from mixprec.convert import applied_policy, sharded_units, warn_unmatched
 from mixprec.errors import PrecisionError
 from mixprec.hardware import check, device_of
 from mixprec.optim import check_sharded_masters
+from mixprec.optim.scaling import LossScaler
 from mixprec.policy import Policy
 from mixprec.policy.map import as_map
 from mixprec.quantize import QuantizeResult, quantize_modules
-from mixprec.scaling import LossScaler
 
 __all__ = ["mixed_precision_policy", "quantize_for", "shard", "units"]
 

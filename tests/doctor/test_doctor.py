@@ -20,8 +20,8 @@ from mixprec import Policy, PolicyMap, PolicySpecError, PrecisionError, hardware
 from mixprec.cli import main
 from mixprec.doctor import AT_RISK, BROKEN, OK, diagnose
 from mixprec.doctor.probe import Comparisons, RefTensor, Scratch
+from mixprec.optim.scaling import LossScaleDivergedError
 from mixprec.precision import Precision
-from mixprec.scaling import LossScaleDivergedError
 from mixprec.trainer import TrainingModule
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import mixprec
 from mixprec.doctor.monitor import PrecisionMonitor, PrecisionWarning
-from mixprec.scaling import DynamicLossScaler
+from mixprec.optim.scaling import DynamicLossScaler
 from mixprec.trainer import Callback, Logger, Trainer
 
 pytestmark = pytest.mark.filterwarnings("ignore:precision .* is slow")

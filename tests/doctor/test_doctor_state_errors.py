@@ -10,8 +10,8 @@ from torch import nn
 
 from mixprec.doctor import StateError, StateErrors
 from mixprec.doctor.state_errors import moment_errors, update_error
-from mixprec.states import StateFormat, code_map, dequantize, quantize
-from mixprec.states.formats import code_tables, nearest_code
+from mixprec.optim.states import StateFormat, code_map, dequantize, quantize
+from mixprec.optim.states.formats import code_tables, nearest_code
 
 BETA2 = 0.999
 

@@ -19,7 +19,7 @@ from mixprec.optim import (
     master_weights_by_name,
     scheduler_step,
 )
-from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
+from mixprec.optim.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
 

@@ -24,7 +24,7 @@ from trainers import QUIET
 
 from mixprec import Precision
 from mixprec.errors import PrecisionError
-from mixprec.scaling import DynamicLossScaler
+from mixprec.optim.scaling import DynamicLossScaler
 from mixprec.trainer import Callback, Trainer, TrainingModule
 from mixprec.trainer.strategy import FSDP, FSDPStrategy
 

@@ -61,7 +61,7 @@ def test_the_progress_bar_says_when_the_first_step_may_compile_a_low_bit_optimiz
 
     from rich.console import Console
 
-    from mixprec.states import LowBitAdamW
+    from mixprec.optim.states import LowBitAdamW
     from mixprec.trainer import RichProgressBar
     from mixprec.trainer.progress import COMPILING, compiles_first_step
 

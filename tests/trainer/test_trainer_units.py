@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 from trainers import QUIET
 
 import mixprec
-from mixprec.scaling import DynamicLossScaler
+from mixprec.optim.scaling import DynamicLossScaler
 from mixprec.trainer import Trainer
 from mixprec.trainer.config import TrainerConfig
 from mixprec.trainer.data import (

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 # the one place the states' codec is imported from
-from mixprec.states.formats import StateFormat, dequantize, quantize
+from mixprec.optim.states.formats import StateFormat, dequantize, quantize
 
 __all__ = [
     "CODECS",

@@ -196,7 +196,7 @@ def _check_args(args: argparse.Namespace) -> int | None:
                 return 2
         return None
     if args.states is not None:
-        from mixprec.states import parse_state_format
+        from mixprec.optim.states import parse_state_format
 
         try:
             parse_state_format(args.states)

@@ -53,9 +53,9 @@ from mixprec.hardware import (
     parse_device,
     resolve_policy,
 )
+from mixprec.optim.scaling import LossScaler
 from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy.map import PolicyMap
-from mixprec.scaling import LossScaler
 from mixprec.tree import map_tensors
 
 __all__ = ["Diagnosis", "Recommendation", "diagnose"]

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from mixprec.doctor.probe import floating_tensors
 from mixprec.doctor.verdicts import HEADROOM, UNDERFLOW_AT_RISK
 from mixprec.dtypes import LOW_PRECISION_FLOATS, format_info
-from mixprec.scaling import LossScaler
+from mixprec.optim.scaling import LossScaler
 
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mixprec.optim.states import StateFormat, dequantize, moment_error, parse_state_format, quantize
 from mixprec.policy.map import PolicyMap, as_map
 from mixprec.precision import Precision
-from mixprec.states import StateFormat, dequantize, moment_error, parse_state_format, quantize
 from mixprec.step import batch_loss
 
 __all__ = ["StateError", "StateErrors", "moment_errors", "state_errors", "update_error"]

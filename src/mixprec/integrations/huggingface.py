@@ -43,8 +43,8 @@ from torch import nn
 
 from mixprec.doctor.monitor import PrecisionMonitor
 from mixprec.optim import LossScaleOptimizer, SkipAwareScheduler
+from mixprec.optim.scaling import LossScaler
 from mixprec.precision import Precision
-from mixprec.scaling import LossScaler
 
 __all__ = [
     "MixprecTrainer",

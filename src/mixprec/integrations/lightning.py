@@ -62,9 +62,9 @@ except ImportError as err:  # pragma: no cover - the extra is installed wherever
 from mixprec.doctor.monitor import PrecisionMonitor
 from mixprec.hardware import DeviceInfo, device_of
 from mixprec.optim import LossScaleOptimizer, SkipAwareScheduler
+from mixprec.optim.scaling import LossScaler
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
-from mixprec.scaling import LossScaler
 
 __all__ = ["MixprecPrecision", "PrecisionMonitorCallback", "SkipAwareScheduler"]
 

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.compensated import Compensator
+from mixprec.optim.compensated import Compensator
 from mixprec.optim.masters import MasterWeights
-from mixprec.scaling import LossScaler
+from mixprec.optim.scaling import LossScaler
 
 __all__ = ["OptimizerCheckpoint"]
 
@@ -185,9 +185,9 @@ class OptimizerCheckpoint:
         )
         if low_bit and not hasattr(self.optimizer, "to_float32_state_dict"):
             raise ValueError(
-                f"the saved optimizer state is a low-bit optimizer's (mixprec.states: moments "
-                f"as codes and scales), which {type(self.optimizer).__name__} cannot load: load "
-                f"it into the low-bit optimizer that saved it, or give this one that "
+                f"the saved optimizer state is a low-bit optimizer's (mixprec.optim.states: "
+                f"moments as codes and scales), which {type(self.optimizer).__name__} cannot load: "
+                f"load it into the low-bit optimizer that saved it, or give this one that "
                 f"optimizer's to_float32_state_dict() (float32 moments, as torch keeps them)"
             )
         groups = self.optimizer.param_groups

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.states import LowBitOptimizer
+from mixprec.optim.states import LowBitOptimizer
 
 __all__ = ["MASTER_DTYPES", "MasterWeights", "master_weights_by_name"]
 

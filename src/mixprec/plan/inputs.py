@@ -13,11 +13,11 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.hardware import DeviceInfo, check, detect, device_of, parse_device
+from mixprec.optim.states import StateFormat, parse_state_format
 from mixprec.plan.budget import Budget
 from mixprec.plan.units import COUNTS, Unit, default_formats, find_units, format_name
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.policy.map import PolicyMap
-from mixprec.states import StateFormat, parse_state_format
 
 __all__ = ["SearchInputs", "check_finite", "search_inputs"]
 

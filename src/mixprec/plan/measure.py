@@ -14,10 +14,10 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.convert import apply
+from mixprec.optim.states import StateFormat
 from mixprec.plan.units import Unit, state_bytes
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
-from mixprec.states import StateFormat
 from mixprec.step import backward, batch_loss, seeded
 
 __all__ = ["Measured", "Trained", "convert", "eval_loss", "measure_plans", "train"]

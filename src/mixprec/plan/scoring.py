@@ -8,6 +8,7 @@ import time
 import torch
 from torch import Tensor, nn
 
+from mixprec.optim.states import StateFormat
 from mixprec.plan import sensitivity
 from mixprec.plan.inputs import SearchInputs, check_finite
 from mixprec.plan.measure import convert
@@ -17,7 +18,6 @@ from mixprec.plan.units import candidate, state_bytes, unit_applies
 from mixprec.policy import QuantizedPolicy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
-from mixprec.states import StateFormat
 from mixprec.step import batch_loss, seeded
 
 __all__ = ["Holders", "candidates", "score"]

@@ -31,13 +31,13 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.hardware import DeviceInfo
+from mixprec.optim.states import StateFormat
 from mixprec.plan.budget import Budget
 from mixprec.plan.inputs import SearchInputs, search_inputs
 from mixprec.plan.measure import Trained, train
 from mixprec.plan.report import SearchReport, UnitRow
 from mixprec.plan.scoring import candidates, score
 from mixprec.plan.verify import Verified, keep, limits_of, verify
-from mixprec.states import StateFormat
 
 __all__ = ["search"]
 

@@ -14,9 +14,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from mixprec.doctor.state_errors import moment_errors
+from mixprec.optim.states import MIN_SIZE, StateFormat, parse_state_format
 from mixprec.plan.units import Unit
 from mixprec.policy.map import PolicyMap
-from mixprec.states import MIN_SIZE, StateFormat, parse_state_format
 
 __all__ = ["STEPS", "THRESHOLD", "choose_states", "holder_formats", "with_states"]
 

@@ -31,10 +31,10 @@ from torch import nn
 from mixprec.convert import apply
 from mixprec.formats.registry import formats
 from mixprec.hardware import SUPPORTED, DeviceInfo, policy_support
+from mixprec.optim.states import StateFormat
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.policy.map import PolicyMap
 from mixprec.quantize.rules import hugging_face_conv1d, skip_reason
-from mixprec.states import StateFormat
 
 __all__ = [
     "COUNTS",

@@ -11,6 +11,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from mixprec.optim.states import StateFormat
 from mixprec.plan import solver
 from mixprec.plan.budget import Budget, BudgetError
 from mixprec.plan.inputs import SearchInputs, check_finite
@@ -21,7 +22,6 @@ from mixprec.plan.units import Unit
 from mixprec.policy import Policy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
-from mixprec.states import StateFormat
 
 __all__ = ["Verified", "keep", "limits_of", "verify"]
 

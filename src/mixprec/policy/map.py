@@ -52,10 +52,10 @@ from torch import nn
 
 from mixprec.activations.rules import ActivationRules, ActivationsSpec, Choice, as_rules
 from mixprec.errors import PolicySpecError
+from mixprec.optim.states.assign import Assignment, assign_formats, closest, warn_unmatched_rules
+from mixprec.optim.states.formats import StateFormat, parse_state_format
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.quantize.rules import skip_reason
-from mixprec.states.assign import Assignment, assign_formats, closest, warn_unmatched_rules
-from mixprec.states.formats import StateFormat, parse_state_format
 
 __all__ = [
     "APPLIED_STATE",

@@ -26,9 +26,9 @@ from torch.utils.data import DataLoader
 
 from mixprec.activations import as_rules, check_device
 from mixprec.hardware import DeviceInfo, Support
+from mixprec.optim.states import parse_state_format
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
-from mixprec.states import parse_state_format
 from mixprec.trainer.callbacks import Callback, ModelCheckpoint, check_callback, keeps_state
 from mixprec.trainer.module import TrainingModule, hooks_not_called
 from mixprec.trainer.progress import RichProgressBar

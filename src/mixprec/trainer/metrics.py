@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.optim import LossScaleOptimizer
-from mixprec.states import state_bytes
+from mixprec.optim.states import state_bytes
 
 __all__ = [
     "MemoryReadout",

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from mixprec.optim import LossScaleOptimizer
+from mixprec.optim.states import LowBitAdam, LowBitAdamW, LowBitOptimizer, LowBitSGD
+from mixprec.optim.states.assign import low_bit_settings
 from mixprec.precision import Precision
-from mixprec.states import LowBitAdam, LowBitAdamW, LowBitOptimizer, LowBitSGD
-from mixprec.states.assign import low_bit_settings
 from mixprec.trainer.checkpoint import CheckpointError
 from mixprec.trainer.module import TrainingModule
 

@@ -24,9 +24,9 @@ from rich.progress import (
 from rich.table import Table
 from torch import nn
 
-from mixprec.states import LowBitOptimizer
-from mixprec.states.kernels import can_compile
-from mixprec.states.optimizers import COMPILE_MIN_ELEMENTS
+from mixprec.optim.states import LowBitOptimizer
+from mixprec.optim.states.kernels import can_compile
+from mixprec.optim.states.optimizers import COMPILE_MIN_ELEMENTS
 from mixprec.trainer.callbacks import Callback
 
 if TYPE_CHECKING:

@@ -2,7 +2,7 @@
 
 Each parameter's moments are kept in the format its group's ``"states"`` key names (the
 optimizer's ``states=`` by default): ``"float32"``, ``"int8"``, ``"int4"``, ``"float8"`` or
-a registered one (`mixprec.states.formats`). Parameters with fewer than ``min_size``
+a registered one (`mixprec.optim.states.formats`). Parameters with fewer than ``min_size``
 elements, and those ``keep_float32`` picks, keep float32 moments. The format a parameter
 got is recorded in its state (``"format"``), so a checkpoint restores the same layout; a
 state recorded in another format than the parameter takes now (a checkpoint of another
@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from mixprec.compensated import COMPENSATED_DTYPES, check_compensation, stochastic_round_
-from mixprec.states import buckets as buckets_
-from mixprec.states import kernels
-from mixprec.states.formats import (
+from mixprec.optim.compensated import COMPENSATED_DTYPES, check_compensation, stochastic_round_
+from mixprec.optim.states import buckets as buckets_
+from mixprec.optim.states import kernels
+from mixprec.optim.states.formats import (
     StateFormat,
     code_tables,
     decode,

@@ -1,7 +1,7 @@
 """`Compensator`: steps a torch AdamW, Adam or SGD with compensated updates of its 16-bit
 parameters, from the optimizer's own groups and state, inside its step hooks. Parameters are
 gathered into kernel calls (large ones alone and in place, small ones from one packed copy),
-each call run compiled or eagerly (`mixprec.compensated.kernels`)."""
+each call run compiled or eagerly (`mixprec.optim.compensated.kernels`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ from typing import Any
 
 import torch
 
-from mixprec.compensated.kernels import KERNELS, call_key, can_compile, compiled_step, on_memory
-from mixprec.compensated.rules import COMPENSATED_DTYPES, check_compensation, check_optimizer
+from mixprec.optim.compensated.kernels import (
+    KERNELS,
+    call_key,
+    can_compile,
+    compiled_step,
+    on_memory,
+)
+from mixprec.optim.compensated.rules import COMPENSATED_DTYPES, check_compensation, check_optimizer
 
 __all__ = [
     "CALL_MAX",
@@ -81,7 +87,7 @@ class Compensator:
             ``COMPILE_MIN_ELEMENTS`` or more 16-bit elements on a device that can build
             (a Linux CPU with a C++ compiler, CUDA with Triton); ``True`` compiles every
             call of two or more elements; ``False`` runs the same math eagerly. The results
-            are the same on a CPU (`mixprec.compensated.kernels`).
+            are the same on a CPU (`mixprec.optim.compensated.kernels`).
     """
 
     def __init__(self, kind: str, seed: int | None = None, compile: bool | None = None) -> None:

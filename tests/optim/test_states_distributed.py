@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from spawning import WORLD, run_ranks
 from torch import nn
 
-from mixprec.states import LowBitAdamW
+from mixprec.optim.states import LowBitAdamW
 
 
 def _model() -> nn.Module:

@@ -15,7 +15,7 @@ parameter.
 
 from __future__ import annotations
 
-from mixprec.states.assign import (
+from mixprec.optim.states.assign import (
     Assignment,
     assign_formats,
     explain_formats,
@@ -23,14 +23,14 @@ from mixprec.states.assign import (
     from_model,
     from_optimizer,
 )
-from mixprec.states.codecs import (
+from mixprec.optim.states.codecs import (
     StateCodec,
     register_state_format,
     state_codec,
     state_codecs,
     unregister_state_format,
 )
-from mixprec.states.formats import (
+from mixprec.optim.states.formats import (
     KINDS,
     StateFormat,
     code_map,
@@ -40,7 +40,7 @@ from mixprec.states.formats import (
     quantize,
     state_kinds,
 )
-from mixprec.states.optimizers import (
+from mixprec.optim.states.optimizers import (
     MIN_SIZE,
     AdamW4bit,
     AdamW8bit,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec.scaling import SCALED_SEARCH_DEPTH, DynamicLossScaler, is_scaled
+from mixprec.optim.scaling import SCALED_SEARCH_DEPTH, DynamicLossScaler, is_scaled
 
 
 def _set_up(spec: str = "16-mixed") -> tuple[mixprec.Precision, torch.nn.Module]:
@@ -80,7 +80,7 @@ def test_no_graph_is_walked_once_the_scaled_losses_are_gone():
     step never pays for the search, nor a float16 step after the last one's scaled loss."""
     import gc
 
-    from mixprec import scaling
+    from mixprec.optim import scaling
 
     gc.collect()
     precision, model = _set_up()

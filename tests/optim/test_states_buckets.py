@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.states import LowBitAdamW, LowBitSGD
+from mixprec.optim.states import LowBitAdamW, LowBitSGD
 
 DATA = Path(__file__).parent / "data"
 
@@ -77,7 +77,7 @@ def test_the_calls_of_a_compensated_bfloat16_step_do_not_grow(compensation):
 def test_the_compiled_update_runs_once_per_bucket_whatever_the_number_of_parameters(monkeypatch):
     """One compiled call per bucket: the low-bit parameters of one group in one format
     (within `buckets.FLAT_MAX` elements), counted around the real compiled update."""
-    from mixprec.states import kernels
+    from mixprec.optim.states import kernels
 
     counted = []
     original = kernels.run_compiled
@@ -99,7 +99,7 @@ def test_the_compiled_update_runs_once_per_bucket_whatever_the_number_of_paramet
 
 @pytest.mark.parametrize("name", ["int8", "int4", "fp8", "sgd-int8"])
 def test_a_state_saved_by_the_per_parameter_step_loads_and_continues(name):
-    """tests/states/data/per_parameter_states.pt: states after 3 steps of the step that
+    """tests/optim/data/per_parameter_states.pt: states after 3 steps of the step that
     updated one parameter per call, and the parameters 2 steps later; loaded into today's
     optimizer, the same 2 steps land there (up to a code rounded the other way at a tie)."""
     saved = torch.load(DATA / "per_parameter_states.pt", weights_only=True)[name]

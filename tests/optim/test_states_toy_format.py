@@ -19,9 +19,7 @@ from torch import nn
 
 import mixprec
 from mixprec import PolicyMap, Precision
-from mixprec.plan import search
-from mixprec.policy.map import explain
-from mixprec.states import (
+from mixprec.optim.states import (
     LowBitAdamW,
     StateCodec,
     StateFormat,
@@ -34,6 +32,8 @@ from mixprec.states import (
     state_kinds,
     unregister_state_format,
 )
+from mixprec.plan import search
+from mixprec.policy.map import explain
 
 TOP = 32767.0
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from spawning import WORLD, run_ranks
 
 from mixprec.optim import LossScaleOptimizer
-from mixprec.scaling import DynamicLossScaler
+from mixprec.optim.scaling import DynamicLossScaler
 
 
 def _worker(rank: int, out_dir: str) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mixprec import LossScaleOptimizer
-from mixprec.states import (
+from mixprec.optim.states import (
     AdamW4bit,
     AdamW8bit,
     AdamWFp8,
@@ -333,7 +333,7 @@ def test_stochastic_rounding_steps_zero_size_and_sub_block_parameters(fmt):
 
 
 def test_stochastic_round_refuses_a_source_of_another_shape():
-    from mixprec.compensated import stochastic_round_
+    from mixprec.optim.compensated import stochastic_round_
 
     dst = torch.zeros(3, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"src of shape \[256\] into dst of shape \[3\]"):

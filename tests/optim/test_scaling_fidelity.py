@@ -11,7 +11,7 @@ from torch import nn
 
 from mixprec import Precision
 from mixprec.optim import LossScaleOptimizer, joint_step
-from mixprec.scaling import DynamicLossScaler
+from mixprec.optim.scaling import DynamicLossScaler
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from mixprec.states import AdamW8bit, state_bytes
+from mixprec.optim.states import AdamW8bit, state_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 

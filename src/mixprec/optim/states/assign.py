@@ -22,8 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.states.formats import StateFormat, parse_state_format
-from mixprec.states.optimizers import (
+from mixprec.optim.states.formats import StateFormat, parse_state_format
+from mixprec.optim.states.optimizers import (
     MIN_SIZE,
     LowBitAdam,
     LowBitAdamW,

@@ -1,7 +1,7 @@
 """The updates of the low-bit optimizers: one elementwise function per algorithm that
 decodes moments, updates them and the parameters in float32, and encodes them again, all on
 a flat tensor cut into blocks (no Python loop over blocks): one parameter's, or a bucket's
-parameters concatenated (`mixprec.states.buckets`).
+parameters concatenated (`mixprec.optim.states.buckets`).
 
 The same function runs eagerly or compiled by ``torch.compile`` (shapes dynamic, so one
 build serves every parameter size; the hyperparameters arrive in one float32 tensor, so a
@@ -11,7 +11,7 @@ the compensation are Python constants the build specializes on.
 16-bit parameters are updated in float32 and written back rounded to nearest, with a Kahan
 buffer (``"kahan"``: the buffer, in the parameter's dtype, holds what the last rounding
 lost and is added to the next update), or returned in float32 for stochastic rounding
-(``"stochastic"``, done by `mixprec.compensated.stochastic_round_` after the call).
+(``"stochastic"``, done by `mixprec.optim.compensated.stochastic_round_` after the call).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from mixprec.states.formats import StateFormat, decode, encode
+from mixprec.optim.states.formats import StateFormat, decode, encode
 
 __all__ = [
     "RECOMPILE_LIMIT",

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from nets import mlp
 
 from mixprec.optim import LossScaleOptimizer
-from mixprec.scaling import (
+from mixprec.optim.scaling import (
     DynamicLossScaler,
     LossScaleDivergedError,
     NoLossScaler,

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from nets import mlp
 
-from mixprec.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler, as_loss_scaler
+from mixprec.optim.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler, as_loss_scaler
 
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixprec
-from mixprec.states import LowBitAdamW, StateFormat, code_map, dequantize, quantize
-from mixprec.states.formats import code_tables, nearest_code
+from mixprec.optim.states import LowBitAdamW, StateFormat, code_map, dequantize, quantize
+from mixprec.optim.states.formats import code_tables, nearest_code
 
 CPU = torch.device("cpu")
 TINY = torch.finfo(torch.float32).tiny  # the least a positive second moment decodes to

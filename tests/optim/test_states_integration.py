@@ -21,9 +21,9 @@ from mixprec import PolicyMap, Precision
 from mixprec.cli import main
 from mixprec.doctor import state_errors
 from mixprec.errors import PolicySpecError
+from mixprec.optim.states import LowBitAdamW, LowBitSGD, StateFormat, assign_formats, state_bytes
 from mixprec.plan import BudgetError, search
 from mixprec.policy.map import explain
-from mixprec.states import LowBitAdamW, LowBitSGD, StateFormat, assign_formats, state_bytes
 from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule
 from mixprec.trainer.checkpoint import CheckpointError
 
@@ -149,7 +149,7 @@ def test_a_scheduler_built_before_setup_drives_the_converted_optimizer() -> None
 
 
 def test_a_low_bit_optimizer_of_another_format_is_refused_as_a_maps_is() -> None:
-    from mixprec.states import AdamW4bit, AdamW8bit
+    from mixprec.optim.states import AdamW4bit, AdamW8bit
 
     model = StatesNet()
     with pytest.raises(ValueError, match=r"optimizer_states='int8'.*AdamW4bit.*'int4'.*once"):
@@ -164,7 +164,7 @@ def test_a_low_bit_optimizer_of_another_format_is_refused_as_a_maps_is() -> None
 def test_a_low_bit_optimizer_the_maps_state_rules_disagree_with_is_refused() -> None:
     """Per-module rules cannot reach a low-bit optimizer taken as it is: where they give a
     parameter another format than it keeps, setup says which, instead of ignoring them."""
-    from mixprec.states import AdamW8bit, from_model
+    from mixprec.optim.states import AdamW8bit, from_model
 
     model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 64))
     pmap = PolicyMap("32-true", states={"2": "int4"})

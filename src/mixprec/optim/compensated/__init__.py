@@ -18,9 +18,9 @@ How it works and what it costs, measured: docs/pure-bf16.md.
 
 from __future__ import annotations
 
-from mixprec.compensated.compensator import COMPILE_MIN_ELEMENTS, SMALL, Compensator
-from mixprec.compensated.kernels import stochastic_round_
-from mixprec.compensated.rules import COMPENSATED_DTYPES, COMPENSATIONS, check_compensation
+from mixprec.optim.compensated.compensator import COMPILE_MIN_ELEMENTS, SMALL, Compensator
+from mixprec.optim.compensated.kernels import stochastic_round_
+from mixprec.optim.compensated.rules import COMPENSATED_DTYPES, COMPENSATIONS, check_compensation
 
 __all__ = [
     "COMPENSATED_DTYPES",

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mixprec import LossScaleOptimizer, StaticLossScaler
-from mixprec.states import (
+from mixprec.optim.states import (
     AdamW4bit,
     AdamW8bit,
     AdamWFp8,
@@ -32,7 +32,7 @@ from mixprec.states import (
     quantize,
     state_bytes,
 )
-from mixprec.states.formats import code_tables, nearest_code
+from mixprec.optim.states.formats import code_tables, nearest_code
 
 LOW_BIT = ["int8", "int4", "fp8"]
 CPU = torch.device("cpu")
@@ -424,7 +424,7 @@ def test_refusals_name_what_to_do():
 
 @pytest.mark.parametrize("fmt", ["int8", "int4/block=96"])
 def test_a_large_parameter_steps_in_parts_with_the_same_result(fmt, monkeypatch):
-    from mixprec.states import optimizers
+    from mixprec.optim.states import optimizers
 
     whole, parts = _params(), _params()
     _run(LowBitAdamW(whole, lr=1e-2, states=fmt, min_size=0, compile=False), whole, range(3))

@@ -41,7 +41,7 @@ from collections.abc import Callable
 
 import torch
 
-from mixprec.compensated.rules import COMPENSATED_DTYPES
+from mixprec.optim.compensated.rules import COMPENSATED_DTYPES
 
 __all__ = [
     "KERNELS",

@@ -51,8 +51,8 @@ import math
 
 import torch
 
-from mixprec.states import codecs
-from mixprec.states.codecs import FP8_MAX, StateCodec, state_codec, state_codecs
+from mixprec.optim.states import codecs
+from mixprec.optim.states.codecs import FP8_MAX, StateCodec, state_codec, state_codecs
 
 __all__ = [
     "FP8_MAX",

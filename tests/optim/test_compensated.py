@@ -14,7 +14,8 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import mixprec
-from mixprec.compensated import (
+from mixprec.optim import LossScaleOptimizer
+from mixprec.optim.compensated import (
     COMPILE_MIN_ELEMENTS,
     SMALL,
     Compensator,
@@ -22,7 +23,6 @@ from mixprec.compensated import (
     kernels,
     stochastic_round_,
 )
-from mixprec.optim import LossScaleOptimizer
 
 OPTIMIZERS = {
     "adamw": lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1),

@@ -1,0 +1,155 @@
+"""``convert_for``: the optimizer a policy map's optimizer-state formats make of the one a
+loop built, what `Precision.setup` asks the optimizer side for.
+
+A torch AdamW, Adam or SGD becomes the low-bit optimizer of `mixprec.optim.states` with the
+same parameter groups and state (`from_optimizer`), each parameter's moments in the format
+the map gives it (`PolicyMap.state_formats`: its ``states`` rules, embeddings and small
+parameters in float32, the rest in the default format). The torch optimizer then stands for
+the new one where a caller still holds it (`hand_over`). A low-bit optimizer, or a wrapper
+of one, is taken as it is, after checking that it keeps the formats the map gives.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.optim.states import LowBitOptimizer, StateFormat, from_optimizer
+from mixprec.optim.wrapper import LossScaleOptimizer
+from mixprec.policy.map import PolicyMap
+
+__all__ = ["CONVERTIBLE", "check_kept_formats", "convert_for", "hand_over"]
+
+# the torch optimizers whose state formats a policy map converts (exactly these classes)
+CONVERTIBLE: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.AdamW,
+    torch.optim.Adam,
+    torch.optim.SGD,
+)
+
+
+def convert_for(
+    policy_map: PolicyMap,
+    optimizer: torch.optim.Optimizer | LossScaleOptimizer,
+    model: nn.Module,
+    *,
+    optimizer_states: str | StateFormat | None = None,
+    compensation: str | None = None,
+    wrappers: Iterable[LossScaleOptimizer] = (),
+) -> Any:
+    """``optimizer`` with its states in the formats ``policy_map`` gives each parameter of
+    ``model``: a torch AdamW, Adam or SGD converted (and handed over, `hand_over`), a
+    low-bit optimizer or a wrapper as it is (refused when it keeps another format than the
+    one given, or than the map's state rules give some of its parameters).
+
+    ``optimizer_states``: the run's default format (`Precision`'s), else the map's single
+    ``states``, else float32. ``compensation``: the converted optimizer's (it compensates
+    its own 16-bit updates). ``wrappers``: the loop's wrappers so far, whose float32
+    masters take their model parameters' formats."""
+    default = policy_map.state_default(optimizer_states)
+    if isinstance(optimizer, (LowBitOptimizer, LossScaleOptimizer)):
+        inner = getattr(optimizer, "optimizer", optimizer)
+        kept = inner.defaults["states"] if isinstance(inner, LowBitOptimizer) else None
+        if default is not None and kept is not None and kept != default:
+            said = (
+                f"optimizer_states={default!r}"
+                if optimizer_states is not None
+                else f"the policy map's states say {default!r}"
+            )
+            raise ValueError(
+                f"{said}, but the {type(inner).__name__} given keeps {kept!r} states: give "
+                f"the format once (a torch AdamW, Adam or SGD is converted into {default!r}; "
+                f"a low-bit optimizer is taken as it is without optimizer_states)"
+            )
+        if isinstance(inner, LowBitOptimizer):
+            check_kept_formats(policy_map, inner, model, default or kept)
+        return optimizer
+    if type(optimizer) not in CONVERTIBLE:
+        raise TypeError(
+            f"optimizer_states converts torch.optim.AdamW, Adam and SGD (or takes a "
+            f"mixprec.optim.states optimizer as it is), got {type(optimizer).__name__}: build "
+            "one of those, or leave optimizer_states out"
+        )
+    default = default or "float32"
+    assigned = policy_map.state_formats(model, default)
+    named = dict(model.named_parameters())
+    # each parameter's format is held per parameter (a master takes its parameter's), so
+    # the groups stay the torch optimizer's: float32 by `keep_float32`, another low-bit
+    # format than the default by `formats`
+    plain = {id(named[n]) for n, (fmt, _) in assigned.items() if not fmt.quantized}
+    formats = {
+        named[n]: fmt for n, (fmt, _) in assigned.items() if fmt.quantized and str(fmt) != default
+    }
+    masters = list(wrappers)
+
+    def keep_float32(p: torch.Tensor) -> bool:
+        return id(p) in plain or any(id(w.model_param(p)) in plain for w in masters)
+
+    converted = from_optimizer(
+        optimizer,
+        default,
+        formats=formats,
+        keep_float32=keep_float32,
+        compensation=compensation,
+    )
+    hand_over(optimizer, converted)
+    return converted
+
+
+def check_kept_formats(
+    policy_map: PolicyMap, inner: LowBitOptimizer, model: nn.Module, default: str | None
+) -> None:
+    """A low-bit optimizer is taken as it is: refuse it when the map's per-module state
+    rules give some of its parameters another kind of format than it keeps for them."""
+    if not isinstance(policy_map.states, dict):
+        return
+    named = dict(model.named_parameters())
+    group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
+    differ = []
+    for name, (fmt, _) in policy_map.state_formats(model, default).items():
+        group = group_of.get(id(named[name]))
+        kept = inner.format_of(named[name], group) if group is not None else None
+        if kept is not None and kept.kind != fmt.kind:
+            differ.append(f"{name} keeps {kept.kind} where the map says {fmt.kind}")
+    if differ:
+        raise ValueError(
+            f"the {type(inner).__name__} given is taken as it is, but the policy map's "
+            f"state rules say otherwise: {'; '.join(differ)}. Give a torch AdamW, Adam or "
+            "SGD to have it converted per the map, or build the low-bit optimizer with "
+            "mixprec.optim.states.from_model(model, rules=...) (its rules match parameter "
+            "names)"
+        )
+
+
+def hand_over(old: torch.optim.Optimizer, new: LowBitOptimizer) -> None:
+    """Make the torch optimizer ``old``, converted into ``new``, stand for it where a caller
+    still holds it: its parameter groups become ``new``'s (one to one), so a learning-rate
+    scheduler built on ``old`` sets ``new``'s learning rates; its own step raises (it would
+    train float32 moments that nothing uses); and ``new``'s steps count as ``old``'s for
+    torch's check that a scheduler steps after its optimizer."""
+    name = type(old).__name__
+
+    def stale_step(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"this {name} was converted into {type(new).__name__} "
+            f"(states {new.defaults['states']!r}) by Precision.setup: its own step would train "
+            f"float32 moments that the run does not use. Step the optimizer setup returned, or "
+            f"precision.step()"
+        )
+
+    stale_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    old.step = stale_step  # type: ignore[method-assign]
+    old.param_groups = new.param_groups
+    step = new.step
+
+    @functools.wraps(step)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        old._opt_called = new._opt_called = True  # type: ignore[attr-defined]
+        return step(*args, **kwargs)
+
+    counted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    new.step = counted  # type: ignore[method-assign]

@@ -1,0 +1,783 @@
+"""``LossScaleOptimizer``: loss scaling and float32 master weights around any torch optimizer.
+
+Wrap your optimizer (as in Keras)::
+
+    opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters()), model=model)
+    for x, y in data:
+        opt.zero_grad()
+        opt.backward(loss_fn(model(x), y))   # scaled backward
+        opt.unscale_()                       # optional: before clipping or inspecting grads
+        torch.nn.utils.clip_grad_norm_(opt.params_with_grads(), 1.0)
+        opt.step()                           # unscale, check, step or skip, update the scale
+        scheduler_step(scheduler, opt)       # the LR schedule does not advance on a skip
+
+Several optimizers can share one scaler. When each has its own backward (a GAN's
+discriminator then generator), call each ``step()`` as usual: every step ends one scaler
+iteration. When one backward feeds several optimizers, step them together with
+``joint_step(opt_a, opt_b)``: as with ``torch.amp.GradScaler``, each optimizer is checked on
+its own gradients and skips only if they overflowed, the others step, and the scale is
+updated once (backing off if any overflowed). Stepping them one by one instead raises an
+error rather than unscaling the second optimizer's gradients with a scale the first one
+already changed.
+
+Float16 trainable parameters get float32 master copies (``mixprec.optim.masters.MasterWeights``):
+the wrapped optimizer is re-pointed at the masters, gradients are moved into them (so
+``zero_grad`` on the wrapped optimizer clears everything) and unscaled in float32 (where
+small values survive), the optimizer updates the masters, and the float16 parameters are
+refreshed from them after each taken step. This makes pure float16 training work where
+``torch.amp.GradScaler`` refuses float16 gradients.
+
+Each step goes READY -> UNSCALED (``unscale_``) -> STEPPED (``OptState``); ``joint_step``
+drives it through public methods (``unscale_``, ``found_inf``, ``take_step``, ``end_step``).
+
+The backward runs in `backward_context`, the one context every scaled backward in mixprec
+enters (``Precision.backward``, the Trainer, the integrations, ``opt.backward`` here): the
+loss scaled, and under a "true" policy the compute dtype as torch's default, as in the
+forward, so that an activation-checkpointed block recomputes what it computed there. Give
+the wrapper the converted model (``model=``) and ``opt.backward`` knows the policy.
+
+Saving and loading (``state_dict``, ``load_state_dict``,
+``load_state_dict_across_precisions``) live in `mixprec.optim.checkpoint`, the class's base.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import inspect
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.convert import applied_policy, default_dtype, needs_default_dtype
+from mixprec.errors import PrecisionError
+from mixprec.optim.checkpoint import OptimizerCheckpoint
+from mixprec.optim.compensated import COMPENSATED_DTYPES, Compensator, check_compensation
+from mixprec.optim.masters import MASTER_DTYPES, MasterWeights, master_weights_by_name
+from mixprec.optim.scaling import LossScaler, as_loss_scaler, is_scaled
+from mixprec.optim.states import LowBitOptimizer
+from mixprec.policy import Policy
+
+__all__ = [
+    "LossScaleOptimizer",
+    "OptState",
+    "SkipAwareScheduler",
+    "backward_context",
+    "backward_dtype",
+    "check_sharded_masters",
+    "joint_step",
+    "master_weights_by_name",
+    "scale_for_backward",
+    "scheduler_step",
+]
+
+# optimizer -> (its latest wrapper, that wrapper's masters): a new wrapper of the same
+# optimizer takes the masters over and retires the old wrapper
+_WRAPPERS: weakref.WeakKeyDictionary[
+    torch.optim.Optimizer, tuple[weakref.ref[LossScaleOptimizer], MasterWeights]
+] = weakref.WeakKeyDictionary()
+
+
+class OptState(enum.Enum):
+    """Where a ``LossScaleOptimizer`` is in its step, as ``torch.amp.grad_scaler.OptState``."""
+
+    READY = "ready"  # gradients as backward left them (scaled)
+    UNSCALED = "unscaled"  # unscale_ ran: gradients divided by the scale, found_inf set
+    STEPPED = "stepped"  # the step was taken or skipped; zero_grad or unscale_ starts anew
+
+
+class LossScaleOptimizer(OptimizerCheckpoint):
+    """Wrap ``optimizer`` so that its step is loss-scaled and, if needed, uses master weights.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer``; fused ones (``fused=True`` Adam, AdamW, SGD,
+            flagged ``_step_supports_amp_scaling``) get the overflow flag and skip inside
+            their kernel, so no host sync precedes their step. An optimizer has one live
+            wrapper: wrapping it again (a second ``Precision``, a re-run notebook cell) hands
+            its masters to the new wrapper and retires the old one, whose ``step`` then
+            raises instead of stepping the optimizer a second time.
+        scaler: ``None`` or ``"dynamic"`` (a new ``DynamicLossScaler``), a number (a static
+            scale), ``"none"``, or a ``LossScaler`` instance, possibly shared with other
+            optimizers.
+        master_weights: ``None`` keeps float32 masters for trainable float16 parameters;
+            ``True`` also for bfloat16 ones; ``False`` never (float16 gradients are then
+            unscaled in float16, where small values can flush to zero).
+        model: the module the parameters belong to; its parameter names are saved in
+            ``state_dict`` (``Precision.setup`` passes it), so that ``master_weights_by_name``
+            can restore the masters by name, and ``backward`` runs in the compute dtype of
+            the policy ``mixprec.apply`` converted it to (`backward_context`). Without it,
+            the names an optimizer built from ``model.named_parameters()`` keeps are used,
+            and the backward runs in torch's default dtype as it is.
+        compensation: ``"kahan"`` or ``"stochastic"`` steps a torch AdamW, Adam or SGD with
+            compensated updates of its bfloat16/float16 parameters instead of float32
+            masters (``mixprec.optim.compensated``); ``None`` (default) steps the optimizer as it
+            is. It excludes ``master_weights=True`` and needs 16-bit trainable parameters.
+            Without it and without masters, 16-bit trainable parameters get one
+            ``UserWarning``: their small updates round away.
+
+    Parameters sharded by FSDP2 (DTensors) take neither masters nor compensation: a wrapper
+    that would give them some is refused up front (`check_sharded_masters`).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scaler: LossScaler | str | float | None = None,
+        *,
+        master_weights: bool | None = None,
+        model: nn.Module | None = None,
+        compensation: str | None = None,
+    ) -> None:
+        _check_wrappable(optimizer, master_weights, model)
+        self._compensator = _compensator_for(optimizer, compensation, master_weights)
+        _check_sharded_params(optimizer, _trainable(optimizer), master_weights, compensation)
+        if compensation is not None:
+            master_weights = False
+        self.optimizer = optimizer
+        self.scaler = as_loss_scaler(scaler, needs_scaling=True)
+        self.model = model
+        self._master_weights = master_weights
+        self._masters = MasterWeights(MASTER_DTYPES[master_weights])
+        self._retired = False
+        self._take_over_from_previous_wrapper()
+        self._masters.add(optimizer)
+        if compensation is None:
+            _warn_uncompensated(optimizer, self._masters.dtypes)
+        # a compensated step runs our code, not a fused kernel that could skip by itself
+        self._fused = self._compensator is None and bool(
+            getattr(optimizer, "_step_supports_amp_scaling", False)
+        )
+        step_args = inspect.signature(optimizer.step).parameters
+        closure = step_args.get("closure")
+        self._needs_closure = closure is not None and closure.default is inspect.Parameter.empty
+        self._stage = OptState.READY
+        self._found_inf: torch.Tensor | None = None  # set while UNSCALED or CHECKED
+        # the scale a fused optimizer divides by in its kernel, while CHECKED
+        self._grad_scale: torch.Tensor | None = None
+        self.step_was_skipped = False
+        first = next(iter(self._all_params()), None)
+        if first is not None and self.scaler.device != first.device:
+            self.scaler.to(first.device)
+
+    def _take_over_from_previous_wrapper(self) -> None:
+        """Become the optimizer's one live wrapper: an earlier wrapper of it is retired and
+        its masters are taken over."""
+        previous = _WRAPPERS.get(self.optimizer)
+        if previous is not None:
+            old = previous[0]()
+            if old is not None:
+                old._retired = True
+            self._masters.take_over(previous[1])
+        _WRAPPERS[self.optimizer] = (weakref.ref(self), self._masters)
+
+    # -- passthrough ------------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups (holding the masters, if any)."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's per-parameter state."""
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's default hyperparameters."""
+        return self.optimizer.defaults
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (a host sync)."""
+        return self.scaler.loss_scale
+
+    @property
+    def compensation(self) -> str | None:
+        """``"kahan"``, ``"stochastic"`` or None: how 16-bit parameters are updated."""
+        return self._compensator.kind if self._compensator is not None else None
+
+    @property
+    def master_params(self) -> Mapping[torch.Tensor, torch.Tensor]:
+        """Model parameter -> its float32 master, for parameters that have one."""
+        return self._masters.master_of
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        """Add a parameter group to the wrapped optimizer, with masters where needed.
+
+        A group added on the wrapped optimizer directly gets its masters at the next step.
+        """
+        params = group.get("params")
+        if params is not None and not isinstance(params, (torch.Tensor, list, tuple, set)):
+            group = {**group, "params": list(params)}  # a generator: read once, here
+            params = group["params"]
+        given = [params] if isinstance(params, torch.Tensor) else list(params or ())
+        trainable = [p for p in given if isinstance(p, torch.Tensor) and p.requires_grad]
+        _check_sharded_params(self.optimizer, trainable, self._master_weights, self.compensation)
+        self.optimizer.add_param_group(group)
+        self._masters.add(self.optimizer)
+
+    def params_with_grads(self) -> list[torch.Tensor]:
+        """The tensors the optimizer updates that hold a gradient (masters in place of
+        low-precision parameters): what to clip or inspect after ``unscale_``."""
+        return [p for p in self._all_params() if p.grad is not None]
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """Backpropagate the scaled loss in `backward_context` (the compute dtype of the
+        converted ``model``'s policy, when one was given); ``kwargs`` go to
+        ``Tensor.backward``."""
+        with self.backward_context(loss) as scaled:
+            scaled.backward(**kwargs)
+
+    def backward_context(
+        self, loss: torch.Tensor
+    ) -> contextlib.AbstractContextManager[torch.Tensor]:
+        """`backward_context` for this optimizer alone, under the policy ``mixprec.apply``
+        gave ``model`` (none without a model, or for a model it did not convert); yields
+        the scaled loss, for a loop that calls the backward itself."""
+        policy = applied_policy(self.model) if self.model is not None else None
+        return backward_context(
+            loss, self.scaler, (self,), policy.default if policy is not None else None
+        )
+
+    def check_can_backward(self) -> None:
+        """Raise if this step's gradients were already unscaled: new scaled gradients added
+        to unscaled ones would be wrong (accumulate first, unscale once before the step)."""
+        if self._stage is OptState.UNSCALED:
+            raise RuntimeError(
+                "backward() after unscale_() in the same step: gradients would mix scaled and "
+                "unscaled values. With gradient accumulation, unscale (or clip) only after "
+                "the last micro-batch's backward."
+            )
+
+    def unscale_(self) -> None:
+        """Divide this step's gradients by the loss scale, in place; idempotent until ``step``.
+
+        Call it before clipping or inspecting gradients; ``step`` calls it when needed.
+        """
+        self.check_can_step()
+        if self._stage is not OptState.UNSCALED:
+            self._found_inf = self._unscale()
+            self._grad_scale = None
+            self._stage = OptState.UNSCALED
+
+    def check_(self) -> None:
+        """Find this step's overflow flag without unscaling: for a fused optimizer, which
+        divides by the scale inside its kernel (torch.amp's ``grad_scale`` protocol, as
+        ``GradScaler`` drives one when nothing unscaled first). ``unscale_`` after it still
+        unscales. ``joint_step`` calls it."""
+        self.check_can_step()
+        if self._stage is not OptState.UNSCALED and self._found_inf is None:
+            grads = self._gather_grads()
+            self._check_scaled_since_update(grads)
+            self._found_inf = self.scaler.check_(grads)
+            self._grad_scale = self.scaler.scale_tensor if self.scaler.enabled else None
+
+    def step(self, closure: Callable[[], Any] | None = None) -> bool:
+        """Unscale if needed, then take the step or skip it on inf/NaN, then update the scale.
+
+        Returns True when the parameters were updated. Ends the scaler's iteration: when one
+        backward feeds several optimizers sharing this scaler, use ``joint_step`` instead.
+        ``closure`` (for LBFGS-style optimizers that re-evaluate the loss) is supported
+        without loss scaling only: such a step cannot be skipped half-way. With
+        ``compensation`` it is the compensated step, as without a closure.
+        """
+        if self._retired:
+            self.check_can_step()  # raises
+        if closure is not None:
+            return self._closure_step(closure)
+        if self._needs_closure:
+            raise TypeError(
+                f"{type(self.optimizer).__name__}.step() needs a closure that re-evaluates the "
+                f"loss: call step(closure) (precision.step(optimizer, closure=closure))"
+            )
+        scaler = self.scaler
+        if not scaler.enabled:  # `_step_together`'s first case, `take_step(None)` inline
+            self._masters.sync(self.optimizer)
+            if self._compensator is not None:
+                self._compensator.step(self.optimizer)
+            else:
+                self.optimizer.step()
+            self.end_step(True)
+            scaler.update(scaler.unscale_([]), False)
+            return True
+        return _step_together((self,))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of the wrapped optimizer's tensors and of the model's
+        low-precision parameters; a step's ``unscale_`` is forgotten with them."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._stage = OptState.READY
+        self._found_inf = None
+        self._grad_scale = None
+        self._masters.zero_model_grads(set_to_none)
+
+    # -- the step's parts, for joint_step and integrations (a loop calls step) ---------------
+
+    @property
+    def stage(self) -> OptState:
+        """Where this optimizer is in its step: ``READY`` (after ``zero_grad``),
+        ``UNSCALED`` (after ``unscale_``), ``STEPPED`` (after the step, taken or skipped)."""
+        return self._stage
+
+    @property
+    def found_inf(self) -> torch.Tensor | None:
+        """This step's overflow flag (a 0-dim float32 tensor, positive if a gradient was
+        inf/NaN) once ``unscale_`` ran; None before."""
+        return self._found_inf
+
+    @property
+    def skips_in_kernel(self) -> bool:
+        """Whether the wrapped optimizer is fused and skips an overflowed step inside its
+        kernel (flagged ``_step_supports_amp_scaling``): its step may be queued before the
+        overflow flag is read."""
+        return self._fused
+
+    @property
+    def needs_closure(self) -> bool:
+        """Whether the wrapped optimizer's ``step`` requires a closure (LBFGS-style)."""
+        return self._needs_closure
+
+    def check_can_step(self) -> None:
+        """Raise if a newer wrapper of the same optimizer retired this one."""
+        if self._retired:
+            raise RuntimeError(
+                f"this LossScaleOptimizer was replaced by a newer wrapper of the same "
+                f"{type(self.optimizer).__name__} (setup() by another Precision, or a second "
+                f"LossScaleOptimizer): step the newer one, or the optimizer would be stepped "
+                f"twice per iteration"
+            )
+
+    def take_step(self, found_inf: torch.Tensor | None) -> None:
+        """Step the wrapped optimizer now, unchecked: the caller decided to. ``found_inf`` is
+        the step's overflow flag after ``unscale_`` (handed to a fused optimizer, which skips
+        by itself on it), or None for a step without loss scaling: the gradients are then
+        moved into the masters first. ``end_step`` follows."""
+        if found_inf is None:
+            self._masters.sync(self.optimizer)
+        if self._compensator is not None:
+            self._compensator.step(self.optimizer)
+            return
+        if not self._fused or found_inf is None:
+            self.optimizer.step()
+            return
+        # torch.amp's protocol for optimizers flagged _step_supports_amp_scaling, as
+        # GradScaler follows it: `found_inf` set, and `grad_scale` a fresh tensor of the
+        # scale (times one the user set) when the gradients are still scaled (`check_`: the
+        # kernel divides them), else the user's or None (after `unscale_`); both removed
+        # after the step.
+        opt = self.optimizer
+        own = getattr(opt, "grad_scale", None)
+        if self._grad_scale is not None:
+            own = self._grad_scale * (1 if own is None else own)
+        opt.grad_scale = own  # type: ignore[attr-defined]
+        opt.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            opt.step()
+        finally:
+            del opt.grad_scale  # type: ignore[attr-defined]
+            del opt.found_inf  # type: ignore[attr-defined]
+
+    def end_step(self, stepped: bool) -> None:
+        """End this step, taken (``stepped``: the model's parameters follow their masters) or
+        skipped (``step_was_skipped``)."""
+        self._masters.end_step(stepped)
+        self.step_was_skipped = not stepped
+        self._stage = OptState.STEPPED
+        self._found_inf = None
+        self._grad_scale = None
+
+    def __repr__(self) -> str:
+        return (
+            f"LossScaleOptimizer({type(self.optimizer).__name__}, scaler={self.scaler!r}, "
+            f"master_weights={len(self._masters)}, compensation={self.compensation!r})"
+        )
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _gather_grads(self) -> list[torch.Tensor]:
+        """The masters' ``sync``, then every gradient the optimizer will use, in one pass
+        over the parameters in the common case."""
+        masters = self._masters
+        if masters:
+            masters.move_grads()
+        grads = self._grads()
+        if grads is None:
+            masters.sync(self.optimizer)
+            grads = self._grads()
+            assert grads is not None
+        return grads
+
+    def _grads(self) -> list[torch.Tensor] | None:
+        """The gradients of the tensors in ``param_groups``; None if one of them is of a
+        dtype that should have a master (one pass over the parameters either way)."""
+        master_dtypes = self._masters.dtypes
+        grads = []
+        for p in self._all_params():
+            g = p.grad
+            if g is None:
+                continue
+            if p.dtype in master_dtypes:
+                return None
+            if g.is_sparse and g.dtype == torch.float16 and not g.is_coalesced():
+                # Duplicate indices are summed by the optimizer; check the sums instead.
+                g = p.grad = g.coalesce()
+            grads.append(g)
+        return grads
+
+    def _unscale(self) -> torch.Tensor:
+        grads = self._gather_grads()
+        self._check_scaled_since_update(grads)
+        return self.scaler.unscale_(grads)
+
+    def _check_scaled_since_update(self, grads: list[torch.Tensor]) -> None:
+        if grads and self.scaler.enabled and not self.scaler.scaled_since_update:
+            raise RuntimeError(
+                "these gradients were not produced through this scaler since its last update "
+                "(call backward via LossScaleOptimizer.backward or Precision.backward), or the "
+                "shared scaler was already updated by another optimizer's step(). When one "
+                "backward feeds several optimizers, step them together: "
+                "mixprec.optim.joint_step(opt_a, opt_b) or precision.step(opt_a, opt_b)."
+            )
+
+    def _closure_step(self, closure: Callable[[], Any]) -> bool:
+        if self.scaler.enabled:
+            raise RuntimeError(
+                f"{type(self.optimizer).__name__} with a closure re-evaluates the loss several "
+                f"times per step, and a loss-scaled step cannot be skipped half-way. Train it "
+                f"without loss scaling: a bfloat16 or float32 precision ('bf16-mixed', "
+                f"'32-true') or scaler='none'"
+            )
+
+        def evaluate() -> Any:
+            self._masters.copy_to_model()  # the optimizer moved the masters: the model follows
+            with torch.enable_grad():
+                loss = closure()
+            self._masters.sync(self.optimizer)
+            return loss
+
+        if self._compensator is not None:
+            self._compensator.step(self.optimizer, evaluate)
+        else:
+            self.optimizer.step(evaluate)
+        self.end_step(True)
+        self.scaler.update(self.scaler.unscale_([]), False)
+        return True
+
+
+def _trainable(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+
+def _check_wrappable(optimizer: Any, master_weights: bool | None, model: nn.Module | None) -> None:
+    """Refuse what `LossScaleOptimizer` cannot wrap or be told, naming what it takes."""
+    if isinstance(optimizer, LossScaleOptimizer):
+        raise TypeError("this optimizer is already wrapped in a LossScaleOptimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"LossScaleOptimizer wraps a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}; build one from the model's parameters first, "
+            f"e.g. torch.optim.AdamW(model.parameters())"
+        )
+    if master_weights not in MASTER_DTYPES:
+        raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+
+
+def _compensator_for(
+    optimizer: torch.optim.Optimizer, compensation: str | None, master_weights: bool | None
+) -> Compensator | None:
+    """The `Compensator` stepping `optimizer` under `compensation` (None without), after
+    checking that the optimizer and its parameters take it."""
+    check_compensation(compensation)
+    if compensation is None:
+        return None
+    if master_weights:
+        raise ValueError(
+            "compensation and master_weights=True are two answers to one problem: "
+            "float32 masters already keep small updates; choose one"
+        )
+    Compensator.check_optimizer(optimizer)
+    if not any(p.dtype in COMPENSATED_DTYPES for p in _trainable(optimizer)):
+        dtypes = sorted({str(p.dtype) for p in _trainable(optimizer)})
+        raise ValueError(
+            f"compensation={compensation!r} is for bfloat16/float16 parameters, but "
+            f"this optimizer's trainable parameters are {dtypes}: use a '*-true' "
+            f"16-bit policy ('bf16-true'), or drop compensation"
+        )
+    return Compensator(compensation)
+
+
+@contextmanager
+def backward_context(
+    loss: torch.Tensor,
+    scaler: LossScaler,
+    optimizers: Iterable[LossScaleOptimizer],
+    policy: Policy | None,
+) -> Iterator[torch.Tensor]:
+    """The one context a scaled backward runs in; yields ``loss`` times the scale, to
+    backpropagate inside it. ``Precision.backward_context`` (the Trainer, the doctor, the
+    bench, the search and the Lightning, Hugging Face and Accelerate integrations go
+    through it) and ``LossScaleOptimizer.backward_context`` enter it.
+
+    - `optimizers` refuse a backward once this step's gradients were unscaled (scaled and
+      unscaled gradients would add up; float32 masters receive theirs at the unscale);
+    - under a "true" `policy` torch's default dtype is its compute dtype, as it was in the
+      forward: an activation-checkpointed block recomputes its forward inside the backward,
+      and a tensor it creates without a dtype must come out as it did the first time (float32
+      and attention islands re-enter their own regions when recomputed). A mixed policy
+      needs nothing: checkpointing restores the forward's autocast itself.
+    """
+    scaled = scale_for_backward(loss, scaler, optimizers)
+    dtype = backward_dtype(policy)
+    if dtype is not None:
+        with default_dtype(dtype):
+            yield scaled
+    else:
+        yield scaled
+
+
+def scale_for_backward(
+    loss: torch.Tensor, scaler: LossScaler, optimizers: Iterable[LossScaleOptimizer]
+) -> torch.Tensor:
+    """`backward_context`'s checks, then ``loss`` times the scale: what a backward that needs
+    no context of its own (`Precision.backward` under a mixed policy) runs before it."""
+    if is_scaled(loss):
+        raise ValueError(
+            "the loss given to the backward is already multiplied by the loss scale "
+            "(scaler.scale(loss)), or computed from such a loss (scaler.scale(loss) / "
+            "accumulation_steps, scaler.scale(loss) * weight): pass the loss itself, divided "
+            "or weighted first (loss / accumulation_steps), the backward scales it once"
+        )
+    for opt in optimizers:
+        opt.check_can_backward()
+    return scaler.scale(loss)
+
+
+def backward_dtype(policy: Policy | None) -> torch.dtype | None:
+    """The default dtype `backward_context` sets for a backward under ``policy``: a "true"
+    policy's compute dtype where torch's default differs; None where nothing is set."""
+    if policy is not None and not policy.is_mixed and needs_default_dtype(policy.compute_dtype):
+        return policy.compute_dtype
+    return None
+
+
+def _sharded(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters that are DTensors (sharded by FSDP2)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:  # never imported: no DTensor exists (and none is imported for this)
+        return []
+    return [p for p in params if isinstance(p, module.DTensor)]
+
+
+def check_sharded_masters(
+    stored: Iterable[torch.dtype],
+    *,
+    master_weights: bool | None,
+    compensation: str | None,
+    setup: str,
+) -> None:
+    """Raise `PrecisionError` if parameters sharded by FSDP2 and stored in `stored` dtypes
+    would get float32 master weights (`master_weights` as `LossScaleOptimizer` takes it: by
+    default for float16) or compensation buffers: neither works on DTensors (the first taken
+    step fails deep inside torch), and a ``*-mixed`` policy gives the same training with
+    float32 shards as the masters. `setup` names the refused set-up in the message.
+
+    `LossScaleOptimizer` (on DTensor parameters), `mixprec.sharding.shard` and the Trainer's
+    ``strategy="fsdp"`` all refuse through this one check, with one reason."""
+    kinds = set(stored)
+    masters = kinds & set(MASTER_DTYPES[master_weights])
+    if not masters and compensation is None:
+        return
+    kept = "compensation buffers" if compensation is not None else "float32 master weights"
+    shown = masters or kinds & set(COMPENSATED_DTYPES)
+    dtypes = "/".join(sorted(str(d).removeprefix("torch.") for d in shown)) or "16-bit"
+    raise PrecisionError(
+        f"{setup} with master_weights={master_weights}, compensation={compensation!r} would "
+        f"keep {kept} beside {dtypes} parameters sharded by FSDP2 (DTensors), which mixprec "
+        f"does not support: its masters and compensation do not work on DTensors (the first "
+        f"step would fail). Use a '*-mixed' policy ('16-mixed' rather than '16-true', "
+        f"'bf16-mixed' rather than 'bf16-true'): its sharded parameters are float32, they are "
+        f"the masters, and FSDP2 computes in 16 bits. To step the 16-bit weights themselves, "
+        f"pass master_weights=False and no compensation (Precision, LossScaleOptimizer and "
+        f"shard take master_weights)"
+    )
+
+
+def _check_sharded_params(
+    optimizer: torch.optim.Optimizer,
+    trainable: list[torch.Tensor],
+    master_weights: bool | None,
+    compensation: str | None,
+) -> None:
+    """`check_sharded_masters` for the DTensors among an optimizer's trainable parameters."""
+    sharded = _sharded(trainable)
+    if sharded:
+        check_sharded_masters(
+            {p.dtype for p in sharded},
+            master_weights=master_weights,
+            compensation=compensation,
+            setup=f"LossScaleOptimizer({type(optimizer).__name__})",
+        )
+
+
+def _warn_uncompensated(
+    optimizer: torch.optim.Optimizer, master_dtypes: tuple[torch.dtype, ...]
+) -> None:
+    """One ``UserWarning`` when 16-bit trainable parameters are stepped in place, uncompensated:
+    an update below 2^-9 (bfloat16) or 2^-12 (float16) of a weight rounds away. A low-bit
+    states optimizer built with its own ``compensation=`` compensates them itself."""
+    if isinstance(optimizer, LowBitOptimizer) and optimizer.compensation is not None:
+        return
+    plain = {
+        str(p.dtype).removeprefix("torch.")
+        for p in _trainable(optimizer)
+        if p.dtype in COMPENSATED_DTYPES and p.dtype not in master_dtypes
+    }
+    if plain:
+        sharded = bool(_sharded(_trainable(optimizer)))
+        fix = (
+            "Sharded with FSDP, train a *-mixed policy instead: FSDP keeps float32 sharded "
+            "masters and computes in 16 bits (compensation and master_weights are not offered "
+            "for sharded 16-bit weights)"
+            if sharded
+            else "Pass compensation='kahan' (or 'stochastic') to Precision / "
+            "LossScaleOptimizer, or master_weights=True"
+        )
+        warnings.warn(
+            f"{type(optimizer).__name__} updates {'/'.join(sorted(plain))} parameters in place "
+            f"without float32 master weights: updates much smaller than a weight round away "
+            f"and training stalls. {fix}",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def joint_step(*optimizers: LossScaleOptimizer) -> bool:
+    """Step several wrapped optimizers that share one scaler as one iteration.
+
+    As ``torch.amp.GradScaler`` does: every optimizer's gradients are unscaled and checked
+    on their own (the flags are all-reduced across ranks), each optimizer steps unless its
+    own gradients overflowed, and the scale is updated once, backing off if any overflowed.
+    Returns True when every optimizer stepped; ``step_was_skipped`` tells each one.
+    """
+    if not optimizers:
+        raise ValueError("joint_step() needs at least one LossScaleOptimizer")
+    for opt in optimizers:
+        if not isinstance(opt, LossScaleOptimizer):
+            raise TypeError(
+                f"joint_step() takes LossScaleOptimizers, got {type(opt).__name__}: step "
+                f"the optimizers returned by precision.setup() or wrap them first"
+            )
+        opt.check_can_step()
+    if len(set(map(id, optimizers))) != len(optimizers):
+        raise ValueError("an optimizer was passed twice: it would be stepped twice")
+    scaler = optimizers[0].scaler
+    if any(opt.scaler is not scaler for opt in optimizers):
+        raise ValueError("joint_step() needs optimizers that share one scaler")
+    return _step_together(optimizers)
+
+
+def _step_together(optimizers: tuple[LossScaleOptimizer, ...]) -> bool:
+    """`joint_step` once its arguments are checked (a single optimizer's `step` checks its
+    own)."""
+    scaler = optimizers[0].scaler
+    if not scaler.enabled:
+        for opt in optimizers:
+            opt.take_step(None)
+            opt.end_step(True)
+        scaler.update(scaler.unscale_([]), False)
+        return True
+    for opt in optimizers:
+        # a fused optimizer divides by the scale in its kernel unless unscale_ came first
+        if opt.skips_in_kernel and opt.stage is not OptState.UNSCALED:
+            opt.check_()
+        else:
+            opt.unscale_()
+    flags: list[torch.Tensor] = [opt.found_inf for opt in optimizers]  # type: ignore[misc]
+    # one optimizer: its 0-dim flag as it is, so a step dispatches what GradScaler's does
+    found = scaler.synchronize(flags[0] if len(flags) == 1 else torch.stack(flags))
+    per_opt = [found] if len(flags) == 1 else list(found.unbind())
+    # Fused optimizers skip by themselves on device, so with only those the flags are read
+    # after their step is queued; otherwise they are read first (the one host sync).
+    fused_only = all([opt.skips_in_kernel for opt in optimizers])
+    overflow = None if fused_only else _read_flags(found)
+    for i, opt in enumerate(optimizers):
+        if overflow is None or not overflow[i]:
+            opt.take_step(per_opt[i])
+    if overflow is None:
+        overflow = _read_flags(found)
+    for opt, bad in zip(optimizers, overflow, strict=True):
+        opt.end_step(not bad)
+    combined = found.amax() if len(flags) > 1 else flags[0]
+    scaler.update(combined, any(overflow))  # type: ignore[arg-type]
+    return not any(overflow)
+
+
+def _read_flags(found: torch.Tensor) -> list[bool]:
+    """The overflow flags on the host: one read (``.item()`` of a single flag, as GradScaler)."""
+    if found.dim() == 0:
+        return [found.item() > 0]
+    return [f > 0 for f in found.tolist()]
+
+
+def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> bool:
+    """Advance ``scheduler`` unless ``optimizer`` (a LossScaleOptimizer, or the optimizer one
+    wraps) skipped its last step.
+
+    torch's schedulers cannot tell a skipped step from a taken one; without this gate a run
+    with many overflows moves through its learning-rate schedule too fast. ``args`` and
+    ``kwargs`` go to ``scheduler.step`` (e.g. a metric for ReduceLROnPlateau). Returns whether
+    the scheduler advanced.
+    """
+    if not isinstance(optimizer, LossScaleOptimizer):
+        # the plain optimizer a wrapper steps (Precision.step accepts either)
+        live = _WRAPPERS.get(optimizer)
+        optimizer = live[0]() if live is not None else optimizer
+    if isinstance(optimizer, LossScaleOptimizer) and optimizer.step_was_skipped:
+        return False
+    scheduler.step(*args, **kwargs)
+    return True
+
+
+class SkipAwareScheduler:
+    """An LR scheduler that does not advance when its ``LossScaleOptimizer`` skipped its last
+    step, for trainers that step schedulers themselves (Lightning, Hugging Face).
+
+    Attributes (``optimizer``, ``get_last_lr``, ``last_epoch``) are the wrapped scheduler's,
+    and so is the state saved in checkpoints (they load without mixprec); the scheduler itself
+    is ``.scheduler``.
+    """
+
+    def __init__(self, scheduler: Any, optimizer: LossScaleOptimizer) -> None:
+        self.scheduler = scheduler
+        self.loss_scale_optimizer = optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> bool:
+        """Advance unless the optimizer's last step was skipped; returns whether it did."""
+        return scheduler_step(self.scheduler, self.loss_scale_optimizer, *args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped scheduler's state."""
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the wrapped scheduler's state."""
+        self.scheduler.load_state_dict(state)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "scheduler":  # not set yet (copying, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+    def __repr__(self) -> str:
+        return f"SkipAwareScheduler({self.scheduler!r})"
