@@ -7,6 +7,7 @@ Parameters, buffers and inputs are not counted: they are alive without the graph
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from mixprec.activations.codecs import Keep, is_activation, record_to
 
-__all__ = ["saved_bytes"]
+__all__ = ["saved_bytes", "saved_bytes_of"]
 
 
 def saved_bytes(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
@@ -23,6 +24,13 @@ def saved_bytes(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
     `args` and `kwargs`, by path (a module's own ops: its children's are theirs), as the
     activation options `mixprec.apply` gave it store them. Each tensor is counted once, by the
     module whose op saved it first. The forward's graph is dropped afterwards."""
+    return saved_bytes_of(model, lambda: model(*args, **kwargs))
+
+
+def saved_bytes_of(model: nn.Module, run: Callable[[], Any]) -> dict[str, int]:
+    """`saved_bytes` of whatever forward of `model` ``run()`` makes (a loss computed as a
+    training step computes it: under a precision's autocast, with the loss function's own
+    saved tensors counted at the root)."""
     names = {id(m): name for name, m in model.named_modules()}
     out = dict.fromkeys(names.values(), 0)
     stack: list[str] = []
@@ -46,7 +54,7 @@ def saved_bytes(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
     record_to(record)
     try:
         with torch.enable_grad(), saved_tensors_hooks(outer.pack, outer.unpack):
-            model(*args, **kwargs)
+            run()
     finally:
         record_to(None)
         for handle in handles:

@@ -12,6 +12,15 @@ error, from `mixprec.cli`).
 ``eval_batches`` (held-out) instead of one ``batch``. Exit status 0 when the verified plan's
 loss is within --tolerance of the baseline's, 1 when not, 2 for bad arguments or a budget
 nothing fits (the message names the smallest reachable).
+
+``--fit SIZE`` (a size with its unit, ``"4GiB"``) searches with ``count="training"`` at
+the batch of the factory's batches (formats and each block's activation option,
+`mixprec.plan.fitting`), measures the plan's
+training step in a fresh process (the factory is called there again: it must build the same
+model each call), steps down to the next cheaper plan while the measured peak is over, and
+writes the policy file of the plan that fits with the least loss. Exit status 0 when one
+fits, 1 when none does (the message says how many bytes the smallest plan is over), 2 for
+bad arguments (a size it cannot read).
 """
 
 from __future__ import annotations
@@ -19,8 +28,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
+import json
+import os
 import shlex
+import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,7 +46,7 @@ from mixprec.doctor.report import REPORT_FILES
 from mixprec.doctor.verdicts import DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE
 from mixprec.errors import PolicySpecError, PrecisionError
 
-__all__ = ["add_parser"]
+__all__ = ["add_parser", "fit_child"]
 
 
 def _unpack(made: Any) -> tuple[Any, Any, Any]:
@@ -146,15 +159,140 @@ def _search(args: argparse.Namespace) -> int:
     return 0 if report.met else 1
 
 
+# what a fresh process runs to measure plans: `fit_child` with its arguments
+_CHILD = "import sys; from mixprec.cli.doctor import fit_child; fit_child(sys.argv[1:])"
+FIT_FILES = ("policy.json", "fit.md")
+
+
+def fit_child(argv: list[str]) -> None:
+    """A fresh process's measurement for ``--fit``: ``argv`` is a JSON spec (the factory,
+    the plans as policy configs, device, seed, lr) and the file the peaks go to."""
+    from mixprec.plan.fitting import step_peaks
+    from mixprec.policy.map import PolicyMap
+
+    spec, path = json.loads(argv[0]), argv[1]
+    model, batches, loss_fn, _, _ = _search_inputs(
+        call_factory(load_factory(spec["factory"]), spec["factory"])
+    )
+    peaks = step_peaks(
+        model,
+        list(batches)[0],
+        loss_fn,
+        [PolicyMap.from_config(c) for c in spec["plans"]],
+        device=spec["device"],
+        seed=spec["seed"],
+        lr=spec["lr"],
+    )
+    Path(path).write_text(json.dumps([[p.bytes, p.loss] for p in peaks]))
+
+
+def _fresh_measure(args: argparse.Namespace) -> Any:
+    """Measures plans in a fresh Python process (`fit_child`), all of one call in one."""
+    from mixprec.plan.fitting import Peak
+
+    def measure(plans: list[Any]) -> list[Peak]:
+        spec = {
+            "factory": args.factory,
+            "plans": [p.to_config() for p in plans],
+            "device": args.device,
+            "seed": args.seed,
+            "lr": args.lr or 1e-3,
+        }
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "peaks.json"
+            proc = subprocess.run(
+                [sys.executable, "-c", _CHILD, json.dumps(spec), str(out)],
+                capture_output=True,
+                text=True,
+                env=dict(os.environ),
+            )
+            if proc.returncode != 0 or not out.exists():
+                tail = (proc.stderr or proc.stdout).strip()[-1500:]
+                raise RuntimeError(
+                    f"the process measuring the plans exited with code {proc.returncode}: {tail}"
+                )
+            return [Peak(bytes=int(b), loss=float(x)) for b, x in json.loads(out.read_text())]
+
+    return measure
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from mixprec import textout
+    from mixprec.plan import BudgetError
+    from mixprec.plan.budget import parse_bytes
+    from mixprec.plan.fitting import fit
+
+    console = textout.console()
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        budget = parse_bytes(args.fit)
+    except ValueError as error:
+        err.print(f"[red]mixprec doctor --fit: {error}[/]")
+        return 2
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if not args.no_report:
+                out = args.out or _numbered(Path("doctor-report"))
+                check_output_dir(out, "--out", keep=FIT_FILES)
+            model, batches, loss_fn, eval_batches, _ = _search_inputs(
+                call_factory(load_factory(args.factory), args.factory)
+            )
+            formats = [f.strip() for f in args.formats.split(",")] if args.formats else None
+            report = fit(
+                model,
+                batches,
+                loss_fn,
+                budget=budget,
+                measure=_fresh_measure(args),
+                formats=formats,
+                baseline=args.baseline,
+                eval_batches=eval_batches,
+                tolerance=args.tolerance if args.tolerance is not None else 0.01,
+                lr=args.lr or 1e-3,
+                device=args.device,
+                allow_slow=args.allow_slow,
+                seed=args.seed,
+            )
+        except (
+            BudgetError,
+            FactoryError,
+            PolicySpecError,
+            PrecisionError,
+            RuntimeError,
+            TypeError,
+            ValueError,
+        ) as error:
+            err.print(f"[red]mixprec doctor --fit: {error}[/]")
+            return 2
+    console.print(report.summary(), markup=False, highlight=False)
+    for note in _once(str(w.message) for w in caught):
+        err.print(f"[dim]note: {note}[/]")
+    if report.chosen is None:
+        return 1
+    if not args.no_report:
+        out.mkdir(parents=True, exist_ok=True)
+        command = _search_command(args)
+        (out / "fit.md").write_text(
+            f"# Plan fitting {args.fit}\n\nCommand: `{command}`\n\n```\n{report.summary()}\n```\n"
+        )
+        policy = report.chosen.policy.save(out / "policy.json")
+        console.print(f"\nplan: {policy} (report: {out / 'fit.md'})")
+    return 0
+
+
 def _search_command(args: argparse.Namespace) -> str:
     """The command line that repeats this search (into another --out)."""
-    words = ["mixprec", "doctor", args.factory, "--search"]
+    words = ["mixprec", "doctor", args.factory]
+    words += ["--fit", args.fit] if args.fit is not None else ["--search"]
     for flag, value in (
         ("--memory", args.memory),
         ("--speed", args.speed),
         ("--formats", args.formats),
         ("--baseline", args.baseline),
-        ("--count", args.count),
+        ("--count", args.count if args.fit is None else None),
         ("--tolerance", args.tolerance),
         ("--train-steps", args.train_steps or None),
         ("--lr", args.lr),
@@ -188,11 +326,26 @@ def _check_args(args: argparse.Namespace) -> int | None:
             file=sys.stderr,
         )
         return 2
-    if args.search:
+    if args.fit is not None:
+        for flag, given in (
+            ("--search", args.search),
+            ("--memory", args.memory),
+            ("--speed", args.speed),
+            ("--train-steps", args.train_steps),
+        ):
+            if given:
+                print(
+                    f"mixprec doctor: {flag} does not go with --fit (--fit searches within the "
+                    "bytes it is given and measures each plan)",
+                    file=sys.stderr,
+                )
+                return 2
+    if args.search or args.fit is not None:
+        what = "--fit" if args.fit is not None else "--search"
         for flag, name, default in _DIAGNOSIS_ONLY:
             if getattr(args, name) != default:
                 hint = " (the search's precision is --baseline)" if flag == "--precision" else ""
-                print(f"mixprec doctor: {flag} is not an option of --search{hint}", file=sys.stderr)
+                print(f"mixprec doctor: {flag} is not an option of {what}{hint}", file=sys.stderr)
                 return 2
         return None
     if args.states is not None:
@@ -219,6 +372,8 @@ def _run(args: argparse.Namespace) -> int:
     status = _check_args(args)
     if status is not None:
         return status
+    if args.fit is not None:
+        return _fit(args)
     if args.search:
         return _search(args)
     from rich.console import Console
@@ -435,6 +590,14 @@ def _add_search_arguments(p: argparse.ArgumentParser) -> None:
         "running the plan; writes policy.json, search.md and search.json",
     )
     search.add_argument("--search", action="store_true", help="search formats per layer")
+    search.add_argument(
+        "--fit",
+        default=None,
+        metavar="SIZE",
+        help="search formats and activation options at the batch of the factory's batches "
+        "and write the plan of least loss whose training step, measured in a fresh process, "
+        "fits SIZE (4GiB, 512MB, 100000B); exit 1 when none does",
+    )
     search.add_argument(
         "--memory",
         type=_positive_float("--memory"),

@@ -8,13 +8,16 @@ Modules: `budget` (`Budget`), `units` (the layers searched, the formats, bytes),
 `sensitivity` (damage and time of each layer in each format), `solver` (the budgeted
 assignment), `measure` (plans run: loss, bytes, time, a training run), `report`, `inputs`
 (the arguments checked), `scoring` (candidates built, scored, timed), `verify` (solve, verify,
-retry, keep), `searching` (`search` itself, the phases in order).
+retry, keep), `searching` (`search` itself, the phases in order), `activation_choice` (each
+block's activation option under ``batch_size``), `fitting` (`fit`: the plan whose measured
+training step fits a budget in bytes).
 """
 
 from __future__ import annotations
 
 from mixprec.plan.budget import Budget, BudgetError
+from mixprec.plan.fitting import FitReport, fit
 from mixprec.plan.report import SearchReport
 from mixprec.plan.searching import search
 
-__all__ = ["Budget", "BudgetError", "SearchReport", "search"]
+__all__ = ["Budget", "BudgetError", "FitReport", "SearchReport", "fit", "search"]

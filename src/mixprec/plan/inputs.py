@@ -47,6 +47,7 @@ class SearchInputs:
     left_out: dict[str, str]
     units: list[Unit]
     seed: int
+    batch_size: int | None = None  # activations counted and chosen at this batch
 
     @property
     def names(self) -> list[str]:
@@ -80,6 +81,7 @@ def search_inputs(
     device_info: DeviceInfo | None,
     allow_slow: bool,
     seed: Any,
+    batch_size: Any = None,
 ) -> SearchInputs:
     """`search`'s arguments checked and put in the form its phases use."""
     _check_model(model)
@@ -92,6 +94,14 @@ def search_inputs(
             f"count={count!r}); pass count='training' or leave states out"
         )
     state_list = _state_formats(states)
+    if batch_size is not None:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if count != "training":
+            raise ValueError(
+                f"batch_size counts the activations a training step saves, under "
+                f"count='training' only (got count={count!r}); pass count='training'"
+            )
     _check_numbers(retries, train_steps, reps, tolerance, lr, seed)
     batches = _check_batches(batches, "batches")
     train_list = (
@@ -137,6 +147,7 @@ def search_inputs(
         left_out=left_out,
         units=units,
         seed=seed,
+        batch_size=batch_size,
     )
 
 

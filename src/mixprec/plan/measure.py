@@ -26,12 +26,15 @@ __all__ = ["Measured", "Trained", "convert", "eval_loss", "measure_plans", "trai
 @dataclass
 class Measured:
     """A plan as it ran: mean loss over the evaluation batches, bytes of the searched layers
-    and of the whole model, median seconds of one step."""
+    and of the whole model, median seconds of one step; under a search's ``batch_size``, the
+    activation bytes and seconds its blocks' options count (`activation_choice`)."""
 
     loss: float
     unit_bytes: int
     model_bytes: int
     seconds: float | None  # None: not timed
+    activation_bytes: int = 0
+    activation_seconds: float = 0.0
 
 
 @dataclass

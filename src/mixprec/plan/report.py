@@ -19,6 +19,7 @@ from mixprec.policy.map import PolicyMap
 __all__ = [
     "REPORT_FILES",
     "Attempt",
+    "BlockRow",
     "Option",
     "SearchReport",
     "UnitRow",
@@ -64,6 +65,19 @@ class UnitRow:
 
 
 @dataclass
+class BlockRow:
+    """One block's activation options (`mixprec.plan.activation_choice`): each option's
+    counted bytes at the batch, seconds and damage, those it cannot take with why, and the
+    option chosen."""
+
+    path: str
+    kind: str
+    options: dict[str, Option] = field(default_factory=dict)
+    not_applicable: dict[str, str] = field(default_factory=dict)
+    chosen: str = "keep"
+
+
+@dataclass
 class Attempt:
     """One solve and its verification: the formats chosen, the measured loss and its gap
     to the baseline's (a fraction), and the predicted loss change (both terms summed)."""
@@ -97,10 +111,13 @@ def costs_of(
     measured: Measured, rows: list[UnitRow], formats: list[str] | None
 ) -> dict[str, float]:
     """A measured plan's cost per budget kind, as the budget counts it: bytes of the
-    searched layers; the summed step time of its layers' `formats` (when known)."""
-    out: dict[str, float] = {"memory": measured.unit_bytes}
+    searched layers; the summed step time of its layers' `formats` (when known); each with
+    its blocks' activations, when counted."""
+    out: dict[str, float] = {"memory": measured.unit_bytes + measured.activation_bytes}
     if formats is not None:
-        out["speed"] = sum(r.options[f].seconds for r, f in zip(rows, formats, strict=True))
+        out["speed"] = measured.activation_seconds + sum(
+            r.options[f].seconds for r, f in zip(rows, formats, strict=True)
+        )
     return out
 
 
@@ -147,6 +164,11 @@ class SearchReport:
         uniform_won: the measured plan returned instead of every solved one (a uniform
             plan, the baseline or float32 that fits the budget and measured a lower loss),
             or None when a solved plan is returned.
+        blocks: under ``batch_size``, each block with its activation options' bytes at that
+            batch, seconds and damage, and the option chosen; empty otherwise.
+        batch_size: the batch activations were counted at (None: not counted).
+        fixed_bytes: bytes no choice changes, counted with a budget in bytes: the unsearched
+            parameters (as ``count`` counts them) and the activations saved outside blocks.
     """
 
     rows: list[UnitRow]
@@ -168,12 +190,27 @@ class SearchReport:
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)
     uniform_won: str | None = None
+    blocks: list[BlockRow] = field(default_factory=list)
+    batch_size: int | None = None
+    fixed_bytes: int = 0
 
     # --- verdicts -------------------------------------------------------------------
     @property
     def plan(self) -> dict[str, str]:
         """The chosen format of each searched layer, by path (each path a layer is at)."""
         return {p: r.chosen for r in self.rows for p in r.unit.paths + r.unit.aliases}
+
+    @property
+    def total_bytes(self) -> int:
+        """The whole model's bytes the search counted for the plan: its searched layers, its
+        blocks' activations and the fixed bytes (what a budget in bytes is held to)."""
+        p = self.measured["plan"]
+        return int(p.unit_bytes + p.activation_bytes + self.fixed_bytes)
+
+    @property
+    def activations(self) -> dict[str, str]:
+        """The chosen activation option of each block, by path (empty: none counted)."""
+        return {b.path: b.chosen for b in self.blocks}
 
     @property
     def gap(self) -> float:
@@ -212,7 +249,14 @@ class SearchReport:
         parts = []
         for kind, limit in self.limits.items():
             frac = getattr(self.budget, kind)
-            if kind == "memory":
+            if kind == "memory" and self.budget.memory_bytes is not None:
+                acts = f", activations at batch {self.batch_size}" if self.batch_size else ""
+                parts.append(
+                    f"memory <= {describe_bytes(self.budget.memory_bytes)} for the whole model "
+                    f"({self.count} bytes{acts}; {describe_bytes(limit)} left to the searched "
+                    f"layers and blocks after {describe_bytes(self.fixed_bytes)} fixed)"
+                )
+            elif kind == "memory":
                 whole = describe_bytes(self.base_costs["memory"])
                 parts.append(
                     f"memory <= {frac:g}x the baseline's {self.count} bytes of the searched "
@@ -259,6 +303,13 @@ class SearchReport:
                 )
         if not fitting and not same:
             lines.append("no uniform plan fits the budget")
+        if self.blocks:
+            chosen = [b.chosen for b in self.blocks]
+            counts = ", ".join(f"{chosen.count(o)} {o}" for o in dict.fromkeys(chosen))
+            lines.append(
+                f"activations at batch {self.batch_size}: {describe_bytes(p.activation_bytes)} "
+                f"saved by the blocks ({counts}) vs {describe_bytes(b.activation_bytes)} kept"
+            )
         speed = getattr(self.budget, "speed", None)
         if speed is not None and p.seconds is not None and b.seconds:
             ratio = p.seconds / b.seconds
@@ -382,6 +433,19 @@ class SearchReport:
             for r in self.rows
         ]
         w(_md_table(headers, rows))
+        if self.blocks:
+            w(f"\n## Activations per block (batch {self.batch_size})\n\n")
+            w("bytes: what each option leaves saved at the batch, measured; damage: the ")
+            w("first-order loss change of one SGD step with the stored gradients; ms: the ")
+            w("block's forward and backward alone.\n\n")
+            options = list(dict.fromkeys(o for b in self.blocks for o in b.options))
+            headers = ("block", "type", "chosen", *(f"{o} bytes" for o in options))
+            rows = [
+                [b.path, b.kind, b.chosen]
+                + [describe_bytes(b.options[o].bytes) if o in b.options else "n/a" for o in options]
+                for b in self.blocks
+            ]
+            w(_md_table(headers, rows))
         if self.trained:
             w("\n## Training run\n\n")
             w("| plan | first loss | last loss | eval loss after |\n|---|---:|---:|---:|\n")
@@ -396,7 +460,19 @@ class SearchReport:
             {
                 "device": self.device,
                 "baseline": self.baseline,
-                "budget": {k: getattr(self.budget, k) for k in self.budget.kinds},
+                "budget": {k: v for k, v in vars(self.budget).items() if v is not None},
+                "batch_size": self.batch_size,
+                "fixed_bytes": self.fixed_bytes,
+                "activations": [
+                    {
+                        "path": b.path,
+                        "kind": b.kind,
+                        "chosen": b.chosen,
+                        "options": {k: vars(o) for k, o in b.options.items()},
+                        "not_applicable": b.not_applicable,
+                    }
+                    for b in self.blocks
+                ],
                 "count": self.count,
                 "limits": self.limits,
                 "baseline_costs": self.base_costs,

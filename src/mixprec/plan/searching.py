@@ -5,7 +5,9 @@ budget, verified by running the plan.
    (`units.default_formats`, or the caller's list, checked against the hardware), with
    every argument (`inputs`).
 2. Each (layer, format) built once by `apply`, its bytes weighed, its step timed, its
-   damage scored against float32 on the search batches (`scoring`, `sensitivity`).
+   damage scored against float32 on the search batches (`scoring`, `sensitivity`); under
+   ``batch_size``, each block's activation options measured at that batch
+   (`activation_choice`).
 3. The assignment of least damage within the budget (`solver.solve`), written as a
    PolicyMap over the baseline policy (`verify`).
 4. Verification (`verify`): the plan, the baseline, float32 and every uniform plan (one format
@@ -22,9 +24,11 @@ budget, verified by running the plan.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,14 +36,17 @@ from torch import Tensor, nn
 
 from mixprec.hardware import DeviceInfo
 from mixprec.optim.states import StateFormat
+from mixprec.plan.activation_choice import block_rows
 from mixprec.plan.budget import Budget
 from mixprec.plan.inputs import SearchInputs, search_inputs
-from mixprec.plan.measure import Trained, train
-from mixprec.plan.report import SearchReport, UnitRow
+from mixprec.plan.measure import Trained, convert, train
+from mixprec.plan.report import BlockRow, SearchReport, UnitRow
 from mixprec.plan.scoring import candidates, score
+from mixprec.plan.units import state_bytes
 from mixprec.plan.verify import Verified, keep, limits_of, verify
+from mixprec.policy.map import PolicyMap
 
-__all__ = ["search"]
+__all__ = ["Scored", "planned", "scored", "search"]
 
 # a layer is said to be kept for its sensitivity when a cheaper format would hurt it at least
 # this many times the median layer's damage in that format
@@ -55,6 +62,7 @@ def search(
     formats: Sequence[Any] | None = None,
     baseline: Any = "bf16-mixed",
     count: str = "weights",
+    batch_size: int | None = None,
     states: str | StateFormat | Sequence[str | StateFormat] | None = None,
     eval_batches: Iterable[Any] | None = None,
     tolerance: float = 0.01,
@@ -75,7 +83,10 @@ def search(
             ``loss_fn(model(*inputs), target)`` takes as ``(inputs..., target)``, or what a
             model that computes its own loss takes (Hugging Face, TrainingModule).
         budget: ``Budget(memory=0.5)``, ``{"speed": 0.7}`` or ``"memory=0.5"``: fractions of
-            the baseline's bytes / step time, summed over the searched layers.
+            the baseline's bytes / step time, summed over the searched layers (and blocks);
+            or bytes for the whole model, ``"memory=2GiB"`` or ``Budget(memory_bytes=...)``:
+            every parameter as `count` counts it and, under `batch_size`, every activation
+            saved at that batch.
         formats: the formats each layer may take (policy names); default: float32, the
             baseline, bf16-true, int8 and int4 (groups 32, 128) on the baseline, 16-bit and
             float8 ones where the device runs them fast. The baseline is always one.
@@ -83,6 +94,12 @@ def search(
             the one to keep within `tolerance`); other layers stay in it.
         count: ``"weights"`` (parameters and buffers) or ``"training"`` (also gradients,
             AdamW moments and Kahan buffers: `mixprec.plan.units`).
+        batch_size: with ``count="training"``, also count the activations a training step
+            saves at this batch (the first search batch's rows repeated), measured per block,
+            and choose each block's activation option (keep, bf16, fp8, checkpoint; offload
+            on CUDA) with the formats: lossy storage weighed by its measured damage, recompute
+            by its measured time (`mixprec.plan.activation_choice`). The plan carries them as
+            ``activations`` rules.
         states: with ``count="training"``, optimizer-state formats the searched layers'
             AdamW moments may take (``("int8", "int4")``, or one: ``"int8"``): each layer
             keeps the cheapest whose moment error after a few AdamW steps stays small
@@ -120,6 +137,7 @@ def search(
         device_info=device_info,
         allow_slow=allow_slow,
         seed=seed,
+        batch_size=batch_size,
     )
     return _run(s, started)
 
@@ -127,6 +145,27 @@ def search(
 def _run(s: SearchInputs, started: float) -> SearchReport:
     """The phases in order, each one's seconds kept for the report: measure (candidates
     built and weighed), score, solve and verify (with retries), keep, train, report."""
+    return planned(s, scored(s), started)
+
+
+@dataclass
+class Scored:
+    """What a search measured before solving (`scored`): every layer's formats and every
+    block's activation options with their costs and damages, the baseline's costs, the bytes
+    no choice changes. `planned` solves it within a budget, as often as asked."""
+
+    rows: list[UnitRow]
+    blocks: list[BlockRow]
+    unit_states: list[StateFormat | None] | None
+    base_costs: dict[str, float]
+    fixed: float
+    ref_losses: list[float]
+    phases: dict[str, float]
+
+
+def scored(s: SearchInputs) -> Scored:
+    """The measuring phases of a search: candidates built and weighed, scored and timed
+    against float32, and (under ``batch_size``) the blocks' activation options."""
     phases = dict.fromkeys(("candidates", "scores", "layer times", "solve", "verify", "train"), 0.0)
     # measure: every candidate built and weighed
     clock = time.perf_counter()
@@ -135,19 +174,67 @@ def _run(s: SearchInputs, started: float) -> SearchReport:
     # score: damages and times from the reference run, batch by batch
     ref_losses = score(s, reference, holders, rows, phases)
     del holders
-    # solve and verify, retrying with measured damages; keep the lowest measured loss
+    # the blocks' activation options, measured at the batch
+    clock = time.perf_counter()
+    blocks, outside = _blocks(s, reference)
+    if s.batch_size is not None:
+        phases["activations"] = time.perf_counter() - clock
     base_costs = {
-        "memory": base_bytes,
-        "speed": sum(r.options[s.base.name].seconds for r in rows),
+        "memory": base_bytes + sum(b.options["keep"].bytes for b in blocks),
+        "speed": sum(r.options[s.base.name].seconds for r in rows)
+        + sum(b.options["keep"].seconds for b in blocks),
     }
-    limits = limits_of(s.budget, base_costs)
-    verified = verify(s, rows, base_costs, phases, unit_states)
+    fixed = state_bytes(convert(s.model, PolicyMap(s.base)), s.count) - base_bytes + outside
+    return Scored(rows, blocks, unit_states, base_costs, fixed, ref_losses, phases)
+
+
+def planned(s: SearchInputs, m: Scored, started: float) -> SearchReport:
+    """Solve and verify `m` within `s.budget` (retrying with measured damages; the lowest
+    measured loss kept), train when asked, and report. `m` is left as it was: each call
+    works on its own copy of the rows, so one `Scored` serves several budgets."""
+    rows, blocks = copy.deepcopy(m.rows), copy.deepcopy(m.blocks)
+    phases = dict(m.phases)
+    limits = limits_of(s.budget, m.base_costs, m.fixed)
+    verified = verify(s, rows, m.base_costs, phases, m.unit_states, blocks, m.fixed)
     keep(s, rows, verified, limits, phases)
+    for b, option in zip(blocks, verified.activations, strict=True):
+        b.chosen = option
     _why_kept(rows, s.names, s.budget.kinds[0])
     clock = time.perf_counter()
     trained = _train(s, verified)
     phases["train"] = time.perf_counter() - clock
-    return _report(s, rows, verified, base_costs, limits, trained, ref_losses, phases, started)
+    return _report(
+        s,
+        rows,
+        verified,
+        m.base_costs,
+        limits,
+        trained,
+        m.ref_losses,
+        phases,
+        started,
+        blocks,
+        m.fixed,
+    )
+
+
+def _blocks(s: SearchInputs, reference: nn.Module) -> tuple[list[BlockRow], int]:
+    """Each block's activation options under `batch_size` (none without), and the bytes
+    saved outside the blocks."""
+    if s.batch_size is None:
+        return [], 0
+    return block_rows(
+        s.model,
+        reference,
+        s.base,
+        s.batches,
+        s.loss_fn,
+        batch_size=s.batch_size,
+        lr=s.lr,
+        reps=s.reps,
+        device=s.device,
+        seed=s.seed,
+    )
 
 
 def _train(s: SearchInputs, v: Verified) -> dict[str, Trained]:
@@ -180,6 +267,8 @@ def _report(
     ref_losses: list[float],
     phases: dict[str, float],
     started: float,
+    blocks: list[BlockRow],
+    fixed: float,
 ) -> SearchReport:
     return SearchReport(
         rows=rows,
@@ -201,6 +290,9 @@ def _report(
         seconds=time.perf_counter() - started,
         phases=phases,
         uniform_won=v.winner,
+        blocks=blocks,
+        batch_size=s.batch_size,
+        fixed_bytes=int(fixed),
     )
 
 

@@ -91,4 +91,5 @@ def with_states(
         float32_islands=plan.float32_islands,
         float32_attention=plan.float32_attention,
         states=rules,
+        activations=plan.activations,
     )

@@ -2,7 +2,8 @@
 (`solve`), written as a plan and run beside the baseline, float32 and every uniform plan
 (`verify`); a plan that misses the tolerance has its layers' damages replaced by what each
 one alone measures, when larger, and is solved again. The lowest measured loss that fits is
-kept (`keep`), a uniform plan's included."""
+kept (`keep`), a uniform plan's included. Under ``batch_size`` each block's activation option
+(`activation_choice`) is solved with the formats, one knapsack, and the plan carries it."""
 
 from __future__ import annotations
 
@@ -13,17 +14,18 @@ from dataclasses import dataclass, field
 
 from mixprec.optim.states import StateFormat
 from mixprec.plan import solver
+from mixprec.plan.activation_choice import plan_activations, tie_weight
 from mixprec.plan.budget import Budget, BudgetError
 from mixprec.plan.inputs import SearchInputs, check_finite
 from mixprec.plan.measure import Measured, convert, eval_loss, measure_plans
-from mixprec.plan.report import Attempt, UnitRow, costs_of, formats_of, within
+from mixprec.plan.report import Attempt, BlockRow, UnitRow, costs_of, formats_of, within
 from mixprec.plan.state_choice import with_states
 from mixprec.plan.units import Unit
 from mixprec.policy import Policy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 
-__all__ = ["Verified", "keep", "limits_of", "verify"]
+__all__ = ["Verified", "keep", "limits_of", "plan_map", "verify"]
 
 
 @dataclass
@@ -38,11 +40,18 @@ class Verified:
     measured_damage: dict[tuple[int, str], float] = field(default_factory=dict)
     best: Attempt | None = None  # the solved plan of lowest measured loss
     winner: str | None = None  # the uniform plan returned instead of it, if one
+    activations: tuple[str, ...] = ()  # the kept plan's option per block
 
 
-def limits_of(budget: Budget, base_costs: dict[str, float]) -> dict[str, float]:
-    """Each budgeted kind's limit in bytes or seconds."""
-    return {k: getattr(budget, k) * base_costs[k] for k in budget.kinds}
+def limits_of(budget: Budget, base_costs: dict[str, float], fixed: float = 0.0) -> dict[str, float]:
+    """Each budgeted kind's limit in bytes or seconds, on what the search chooses: a memory
+    budget in bytes less the `fixed` bytes (what no choice changes)."""
+    return {
+        k: budget.memory_bytes - fixed
+        if k == "memory" and budget.memory_bytes is not None
+        else getattr(budget, k) * base_costs[k]
+        for k in budget.kinds
+    }
 
 
 def verify(
@@ -51,31 +60,45 @@ def verify(
     base_costs: dict[str, float],
     phases: dict[str, float],
     states: list[StateFormat | None] | None = None,
+    blocks: list[BlockRow] | None = None,
+    fixed: float = 0.0,
 ) -> Verified:
     """Solve, run the plan (and, the first time, every other plan), and retry with measured damages
     while the plan misses the tolerance; the lowest measured solved plan is left as
     ``plans["plan"]``. `states`: each layer's optimizer-state formats, carried by every
-    plan. Adds seconds to ``phases["solve"]`` and ``phases["verify"]``."""
-    limits = list(limits_of(s.budget, base_costs).values())
+    plan; `blocks`: the activation options of each block (their bytes and seconds are the
+    counted ones, added to each plan's measured costs); `fixed`: bytes no choice changes.
+    Adds seconds to ``phases["solve"]`` and ``phases["verify"]``."""
+    blocks = blocks or []
+    limits = list(limits_of(s.budget, base_costs, fixed).values())
     v = Verified(plans=_uniform_plans(s, rows, states))
     tried: dict[tuple[str, ...], int] = {}  # plan -> its attempt
-    best: tuple[Attempt, Measured, PolicyMap] | None = None
+    best: tuple[Attempt, Measured, PolicyMap, tuple[str, ...]] | None = None
     clock = time.perf_counter()
     for attempt in range(s.retries + 1):
-        chosen = _solve(s, rows, v.measured_damage, limits, base_costs, phases)
-        if chosen in tried:
+        chosen, options = _solve(
+            s, rows, v.measured_damage, limits, base_costs, phases, blocks, fixed
+        )
+        if chosen + options in tried:
             v.attempts[-1].note = (
                 f"solved again with the measured damages: the same plan as attempt "
-                f"{tried[chosen] + 1}; stopped"
+                f"{tried[chosen + options] + 1}; stopped"
             )
             break
-        tried[chosen] = attempt
-        v.plans["plan"] = _plan_map(s.base, s.units, list(chosen), states)
+        tried[chosen + options] = attempt
+        v.plans["plan"] = plan_map(
+            s.base,
+            s.units,
+            list(chosen),
+            states,
+            dict(zip([b.path for b in blocks], options, strict=True)),
+        )
         # the first attempt measures every plan, a retry the new plan beside the baseline
         todo = v.plans if not v.measured else {k: v.plans[k] for k in ("plan", "baseline")}
         # uniform plans are timed only when time is budgeted (each is a whole model)
         timed = set(todo) if s.budget.speed is not None else {"plan", "baseline", "float32"}
         v.measured.update(_measure(s, todo, timed & set(todo)))
+        _add_activations(v.measured, blocks, options)
         check_finite(v.measured["float32"].loss, "eval_batches" if s.held_out else "batches")
         plan_loss, base_loss = v.measured["plan"].loss, v.measured["baseline"].loss
         gap = (plan_loss - base_loss) / max(abs(base_loss), 1e-12)
@@ -86,7 +109,7 @@ def verify(
             Attempt(chosen=list(chosen), loss=plan_loss, gap=gap, predicted=predicted)
         )
         if best is None or plan_loss < best[0].loss:
-            best = (v.attempts[-1], v.measured["plan"], v.plans["plan"])
+            best = (v.attempts[-1], v.measured["plan"], v.plans["plan"], options)
         if gap <= s.tolerance or attempt == s.retries:
             break
         found = _measure_alone(s, rows, chosen, v)
@@ -96,8 +119,21 @@ def verify(
             break
     phases["verify"] += time.perf_counter() - clock - phases["solve"]
     assert best is not None
-    v.best, v.measured["plan"], v.plans["plan"] = best
+    v.best, v.measured["plan"], v.plans["plan"], v.activations = best
     return v
+
+
+def _add_activations(
+    measured: dict[str, Measured], blocks: list[BlockRow], options: tuple[str, ...]
+) -> None:
+    """Each measured plan's counted activation bytes and seconds: the plan's options, and
+    ``keep`` in every other plan (theirs keep every activation)."""
+    for name, m in measured.items():
+        chosen = options if name == "plan" else tuple("keep" for _ in blocks)
+        m.activation_bytes = sum(b.options[o].bytes for b, o in zip(blocks, chosen, strict=True))
+        m.activation_seconds = sum(
+            b.options[o].seconds for b, o in zip(blocks, chosen, strict=True)
+        )
 
 
 def keep(
@@ -118,11 +154,16 @@ def keep(
     else:
         v.winner, formats_won = won
         v.plans["plan"], chosen = v.plans[v.winner], tuple(formats_won)
+        v.activations = tuple("keep" for _ in v.activations)
         if v.measured[v.winner].seconds is None:  # uniform plans are timed under speed only
             clock = time.perf_counter()
+            won_costs = v.measured[v.winner]
             v.measured.update(
                 _measure(s, {k: v.plans[k] for k in ("plan", "baseline")}, {"plan", "baseline"})
             )
+            for name in ("plan", "baseline"):  # both keep every activation, as the winner
+                v.measured[name].activation_bytes = won_costs.activation_bytes
+                v.measured[name].activation_seconds = won_costs.activation_seconds
             phases["verify"] += time.perf_counter() - clock
         else:
             v.measured["plan"] = v.measured[v.winner]
@@ -146,7 +187,7 @@ def _uniform_plans(
         # the baseline is measured; float32 everywhere is the float32 row, norms aside; a
         # format no layer can take would only repeat the baseline
         if name not in (s.base.name, "32-true") and any(name in r.options for r in rows):
-            plans[f"all {name}"] = _plan_map(
+            plans[f"all {name}"] = plan_map(
                 s.base,
                 s.units,
                 [name if name in r.options else s.base.name for r in rows],
@@ -162,9 +203,12 @@ def _solve(
     limits: list[float],
     base_costs: dict[str, float],
     phases: dict[str, float],
-) -> tuple[str, ...]:
-    """The format of each layer of least total damage within `limits` (measured damages
-    where there are, predicted ones elsewhere); `BudgetError` when none fits."""
+    blocks: list[BlockRow],
+    fixed: float,
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The format of each layer and the activation option of each block of least total
+    damage within `limits` (measured damages where there are, predicted ones elsewhere;
+    recompute's extra seconds weighed by `tie_weight`); `BudgetError` when none fits."""
     names = s.names
     damages = [
         [
@@ -185,12 +229,35 @@ def _solve(
         ]
         for k in s.budget.kinds
     ]
+    block_names = [list(b.options) for b in blocks]
+    extra = [
+        [max(0.0, b.options[o].seconds - b.options["keep"].seconds) for o in opts]
+        for b, opts in zip(blocks, block_names, strict=True)
+    ]
+    weight = tie_weight(
+        [d for row in damages for d in row if math.isfinite(d)]
+        + [b.options[o].damage for b, opts in zip(blocks, block_names, strict=True) for o in opts],
+        [max(e) for e in extra],
+    )
+    damages += [
+        [b.options[o].damage + weight * e for o, e in zip(opts, ex, strict=True)]
+        for b, opts, ex in zip(blocks, block_names, extra, strict=True)
+    ]
+    for k, kind in enumerate(s.budget.kinds):
+        key = "bytes" if kind == "memory" else "seconds"
+        costs[k] += [
+            [getattr(b.options[o], key) for o in opts]
+            for b, opts in zip(blocks, block_names, strict=True)
+        ]
     solving = time.perf_counter()
     picked = solver.solve(damages, costs, limits)
     phases["solve"] += time.perf_counter() - solving
     if picked is None:
-        raise BudgetError(_too_small(s.budget, rows, names, base_costs))
-    return tuple(names[f] for f in picked)
+        raise BudgetError(_too_small(s.budget, rows, names, base_costs, blocks, fixed))
+    return (
+        tuple(names[f] for f in picked[: len(rows)]),
+        tuple(opts[f] for opts, f in zip(block_names, picked[len(rows) :], strict=True)),
+    )
 
 
 def _measure(s: SearchInputs, todo: dict[str, PolicyMap], timed: set[str]) -> dict[str, Measured]:
@@ -239,18 +306,21 @@ def _alone_damage(s: SearchInputs, unit: Unit, fmt: str, float32_loss: float) ->
     )
 
 
-def _plan_map(
+def plan_map(
     baseline: Policy,
     units: list[Unit],
     chosen: list[str],
     states: list[StateFormat | None] | None = None,
+    activations: dict[str, str] | None = None,
 ) -> PolicyMap:
+    """The plan as a policy: the `chosen` format of each unit over the baseline, each
+    unit's optimizer-state format, and each block's activation option (by path)."""
     rules = {}
     for unit, fmt in zip(units, chosen, strict=True):
         if fmt != baseline.name:
             for path in unit.paths + unit.aliases:
                 rules[re.escape(path)] = fmt
-    plan = PolicyMap(baseline, rules)
+    plan = PolicyMap(baseline, rules, activations=plan_activations(activations or {}))
     return with_states(plan, units, states) if states is not None else plan
 
 
@@ -276,18 +346,32 @@ def _uniform_winner(
 
 
 def _too_small(
-    budget: Budget, rows: list[UnitRow], names: list[str], base_costs: dict[str, float]
+    budget: Budget,
+    rows: list[UnitRow],
+    names: list[str],
+    base_costs: dict[str, float],
+    blocks: list[BlockRow] | None = None,
+    fixed: float = 0.0,
 ) -> str:
-    """Why no plan fits: the smallest fraction reachable for each budget on its own, and the
-    formats that reach it."""
+    """Why no plan fits: the smallest fraction (or bytes) reachable for each budget on its
+    own, and the formats and activation options that reach it."""
     parts, reachable = [], []
     for k in budget.kinds:
         key = "bytes" if k == "memory" else "seconds"
         least, fmts = 0.0, set()
-        for r in rows:
+        for r in [*rows, *(blocks or [])]:
             lowest = min(getattr(o, key) for o in r.options.values())
             least += lowest
             fmts |= {n for n, o in r.options.items() if getattr(o, key) == lowest}
+        if k == "memory" and budget.memory_bytes is not None:
+            smallest = int(least + fixed)
+            reachable.append(smallest <= budget.memory_bytes)
+            parts.append(
+                f"memory <= {budget.memory_bytes} bytes: the smallest plan counts {smallest} "
+                f"bytes, {smallest - budget.memory_bytes} over (each layer and block in its "
+                f"cheapest option: {', '.join(sorted(fmts))})"
+            )
+            continue
         frac = least / base_costs[k]
         reachable.append(frac <= getattr(budget, k))
         parts.append(

@@ -1,0 +1,376 @@
+"""The activation option of each block, chosen by the search beside the formats: with
+``batch_size`` (under ``count="training"``) a search counts the activations a training
+step saves at that batch and lets each block keep them, store them in fewer bits or
+recompute them (`mixprec.activations`).
+
+A *block* is a child of the model (the children of an ``nn.Sequential`` or
+``nn.ModuleList`` child, or of a model that is one, in its place) whose forward saves
+something. Each block's options, and what each is measured to cost:
+
+- bytes: what the block's forward saves at batch ``batch_size``, measured by
+  `mixprec.activations.measure.saved_bytes_of` on the model converted to the baseline (a
+  batch made by repeating the first search batch's rows), with every block given the option
+  at once; what the model saves outside the blocks is a fixed cost;
+- damage (``bf16``, ``fp8``): the lossy storage changes the gradients, not the loss, so its
+  damage is the loss change of one SGD step of size ``lr`` it causes, to first order:
+  ``lr * |g . (g' - g)|`` with ``g`` float32's gradients and ``g'`` those with only this
+  block's saved tensors stored so, averaged over the search batches (recompute and
+  ``keep`` are exact: zero);
+- seconds: the block's forward and backward alone on the inputs it saw in the first search
+  batch, with the option (median of ``reps``); recompute's extra time over ``keep`` breaks
+  ties between plans of equal damage (`tie_weight`), so a budget with room keeps.
+
+Searched: ``keep``, ``bf16``, ``fp8``, ``checkpoint``, and ``offload`` on CUDA; not
+``selective``, whose saved matmul outputs torch's checkpointing holds out of the count's
+sight, so its bytes would be undercounted (give it by hand in ``activations=``). A block
+that cannot take an option (`mixprec.activations.refusal`) is not offered it.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.activations import ActivationForward, ActivationRules, install, refusal
+from mixprec.activations.measure import saved_bytes_of
+from mixprec.convert import apply
+from mixprec.plan.report import BlockRow, Option
+from mixprec.policy import Policy
+from mixprec.policy.map import PolicyMap
+from mixprec.precision import Precision
+from mixprec.step import backward, batch_loss, seeded
+
+__all__ = [
+    "NOT_SEARCHED",
+    "batch_at",
+    "batch_rows",
+    "block_rows",
+    "find_blocks",
+    "plan_activations",
+    "searched_options",
+    "tie_weight",
+]
+
+# the option left out of the search, and why
+NOT_SEARCHED = {
+    "selective": "its saved matmul outputs are held by torch's checkpointing, out of the "
+    "saved-bytes count's sight; give it by hand (activations=...)"
+}
+
+
+def searched_options(device: torch.device) -> tuple[str, ...]:
+    """The activation options a search offers on `device`."""
+    return ("keep", "bf16", "fp8", "checkpoint", *(("offload",) if device.type == "cuda" else ()))
+
+
+def _containers(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Sequential, nn.ModuleList))
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """The paths of the model's blocks (see the module's docstring), in order."""
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            path = f"{prefix}{name}"
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            if _containers(child):
+                walk(f"{path}.", child)
+            else:
+                found.append(path)
+
+    walk("", model)  # a Sequential model's children are its blocks, as any model's are
+    return found
+
+
+def batch_at(batch: Any, size: int) -> Any:
+    """`batch` with `size` rows: every tensor whose first dimension is the batch's (the first
+    tensor's) takes rows ``0, 1, ..., n-1, 0, 1, ...`` of it; other values stay."""
+    leading = batch_rows(batch)
+    if leading is None:
+        raise ValueError(
+            "batch_size needs a batch holding a tensor with a batch dimension to repeat, got "
+            f"{type(batch).__name__}"
+        )
+    index = torch.arange(size) % leading
+
+    def resized(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.dim() and value.shape[0] == leading:
+            return value[index.to(value.device)]
+        if isinstance(value, Mapping):
+            return type(value)({k: resized(v) for k, v in value.items()})
+        if isinstance(value, (tuple, list)):
+            return type(value)(resized(v) for v in value)
+        return value
+
+    return resized(batch)
+
+
+def batch_rows(value: Any) -> int | None:
+    """The rows of a batch: its first tensor's first dimension (None: it holds none)."""
+    if isinstance(value, Tensor):
+        return value.shape[0] if value.dim() else None
+    items = value.values() if isinstance(value, Mapping) else value
+    if isinstance(value, (Mapping, tuple, list)):
+        for v in items:
+            found = batch_rows(v)
+            if found is not None:
+                return found
+    return None
+
+
+def _under(path: str, block: str) -> bool:
+    return path == block or path.startswith(block + ".")
+
+
+def _rules(options: Mapping[str, str]) -> dict[str, str]:
+    return {re.escape(path): option for path, option in options.items() if option != "keep"}
+
+
+def plan_activations(options: Mapping[str, str]) -> ActivationRules | None:
+    """The rules a plan carries for each block's option (None: every block keeps)."""
+    rules = _rules(options)
+    return ActivationRules(rules) if rules else None
+
+
+def block_rows(
+    model: nn.Module,
+    reference: nn.Module,
+    base: Policy,
+    batches: Sequence[Any],
+    loss_fn: Any,
+    *,
+    batch_size: int,
+    lr: float,
+    reps: int,
+    device: torch.device,
+    seed: int,
+) -> tuple[list[BlockRow], int]:
+    """A row per block with each option's bytes, damage and seconds (see the module's
+    docstring), and the bytes saved outside the blocks (with ``keep``). `reference`: the
+    float32 model the formats are scored on."""
+    modules = dict(model.named_modules())
+    blocks = find_blocks(model)
+    rows = [BlockRow(path=b, kind=type(modules[b]).__name__) for b in blocks]
+    options = searched_options(device)
+    for row in rows:
+        for option in options:
+            reason = refusal(modules[row.path], option)
+            if reason is not None:
+                row.not_applicable[option] = reason
+        row.not_applicable.update(NOT_SEARCHED)
+    big = batch_at(batches[0], batch_size)
+    outside = 0
+    for option in options:
+        takes = {r.path: option for r in rows if option not in r.not_applicable}
+        saved = _saved(model, base, takes, big, loss_fn, device, seed)
+        for r in rows:
+            if r.path in takes:
+                r.options[option] = Option(
+                    bytes=sum(n for p, n in saved.items() if _under(p, r.path))
+                )
+        if option == "keep":
+            outside = sum(n for p, n in saved.items() if not any(_under(p, b) for b in blocks))
+    rows = [r for r in rows if r.options["keep"].bytes > 0]
+    _damages(reference, rows, batches, loss_fn, lr=lr, device=device, seed=seed)
+    _times(reference, rows, batches[0], loss_fn, reps=reps, device=device, seed=seed)
+    return rows, outside
+
+
+def _saved(
+    model: nn.Module,
+    base: Policy,
+    options: dict[str, str],
+    batch: Any,
+    loss_fn: Any,
+    device: torch.device,
+    seed: int,
+) -> dict[str, int]:
+    """Bytes saved per module path in one training forward (and loss) of `model` in the
+    baseline policy with `options` on its blocks."""
+    policy = PolicyMap(base, activations=_rules(options) or None)
+    converted = copy.deepcopy(model).train()
+    apply(converted, policy, warn=False)
+    precision = Precision(policy, device=device, allow_slow=True)
+    with seeded(seed, device):
+        return saved_bytes_of(converted, lambda: batch_loss(precision, converted, batch, loss_fn))
+
+
+def _grads(model: nn.Module, precision: Precision, batch: Any, loss_fn: Any) -> Tensor:
+    """The gradients of every trainable parameter, flat, float64."""
+    loss = batch_loss(precision, model, batch, loss_fn)
+    backward(precision, loss)
+    flat = [
+        (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).double()
+        for p in model.parameters()
+        if p.requires_grad
+    ]
+    model.zero_grad(set_to_none=True)
+    return torch.cat(flat)
+
+
+class _Installed:
+    """`option` on `path` of `model` while inside: the wrappers `install` puts on, taken
+    off again on leaving."""
+
+    def __init__(self, model: nn.Module, path: str, option: str) -> None:
+        self.model, self.path, self.option = model, path, option
+
+    def __enter__(self) -> None:
+        rules = ActivationRules({re.escape(self.path): self.option})
+        install(self.model, rules.resolve(self.model))
+
+    def __exit__(self, *exc: object) -> None:
+        for module in self.model.modules():
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, ActivationForward):
+                if forward.original is None:
+                    del module.__dict__["forward"]
+                else:
+                    module.__dict__["forward"] = forward.original
+
+
+def _damages(
+    reference: nn.Module,
+    rows: list[BlockRow],
+    batches: Sequence[Any],
+    loss_fn: Any,
+    *,
+    lr: float,
+    device: torch.device,
+    seed: int,
+) -> None:
+    """Each lossy storage option's damage (the module's docstring), written into `rows`."""
+    precision = Precision("32-true", device=device)
+    totals: dict[tuple[int, str], float] = {}
+    for batch in batches:
+        with seeded(seed, device):
+            exact = _grads(reference, precision, batch, loss_fn)
+        for i, row in enumerate(rows):
+            for option in ("bf16", "fp8"):
+                if option not in row.options:
+                    continue
+                with _Installed(reference, row.path, option), seeded(seed, device):
+                    stored = _grads(reference, precision, batch, loss_fn)
+                change = lr * abs(float(torch.dot(exact, stored - exact)))
+                totals[(i, option)] = totals.get((i, option), 0.0) + change
+    for (i, option), total in totals.items():
+        rows[i].options[option].damage = total / len(batches)
+
+
+def _inputs(model: nn.Module, paths: list[str], run: Any) -> dict[str, tuple[tuple, dict]]:
+    """The args and kwargs each block at `paths` is first called with in ``run()``."""
+    modules = dict(model.named_modules())
+    seen: dict[str, tuple[tuple, dict]] = {}
+    handles = []
+
+    def hook_for(path: str) -> Any:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if path not in seen:
+                seen[path] = (
+                    tuple(a.detach().clone() if isinstance(a, Tensor) else a for a in args),
+                    {
+                        k: v.detach().clone() if isinstance(v, Tensor) else v
+                        for k, v in kwargs.items()
+                    },
+                )
+
+        return hook
+
+    try:
+        for path in paths:
+            handles.append(
+                modules[path].register_forward_pre_hook(hook_for(path), with_kwargs=True)
+            )
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _floating(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value] if value.is_floating_point() and value.requires_grad else []
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _floating(v)]
+    return []
+
+
+def _step_seconds(block: nn.Module, args: tuple, kwargs: dict) -> float:
+    args = tuple(
+        a.detach().requires_grad_() if isinstance(a, Tensor) and a.is_floating_point() else a
+        for a in args
+    )
+    start = time.perf_counter()
+    outs = _floating(block(*args, **kwargs))
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    seconds = time.perf_counter() - start
+    block.zero_grad(set_to_none=True)
+    return seconds
+
+
+def _times(
+    reference: nn.Module,
+    rows: list[BlockRow],
+    batch: Any,
+    loss_fn: Any,
+    *,
+    reps: int,
+    device: torch.device,
+    seed: int,
+) -> None:
+    """Each option's median seconds of its block's forward and backward alone (one untimed
+    round first, the options taking turns), written into `rows`."""
+    precision = Precision("32-true", device=device)
+    with seeded(seed, device):
+        inputs = _inputs(
+            reference,
+            [r.path for r in rows],
+            lambda: batch_loss(precision, reference, batch, loss_fn),
+        )
+    modules = dict(reference.named_modules())
+    for row in rows:
+        if row.path not in inputs:
+            continue
+        args, kwargs = inputs[row.path]
+        copies = {}
+        for option in row.options:
+            block = copy.deepcopy(modules[row.path]).train()
+            install(block, ActivationRules(option).resolve(block))
+            copies[option] = block
+        times: dict[str, list[float]] = {o: [] for o in copies}
+        with seeded(seed, device):
+            for rep in range(reps + 1):
+                for option, block in copies.items():
+                    seconds = _step_seconds(block, args, kwargs)
+                    if rep:
+                        times[option].append(seconds)
+        for option, t in times.items():
+            row.options[option].seconds = statistics.median(t)
+
+
+def tie_weight(damages: Sequence[float], extra_seconds: Sequence[float]) -> float:
+    """The weight that turns recompute's extra seconds into damage: small enough that all
+    of it together stays below a tenth of the least positive damage, so time decides only
+    between plans of (nearly) equal damage; 1 when no damage is positive."""
+    positive = [d for d in damages if d > 0]
+    total = sum(s for s in extra_seconds if s > 0)
+    if not positive or total <= 0:
+        return 1.0
+    return min(positive) / (10 * total)

@@ -1,0 +1,325 @@
+"""`fit`: the plan of least loss whose training step, measured, fits a memory budget in bytes.
+
+A search (`mixprec.plan.search`, ``count="training"`` at the batch of the batches given)
+counts parameters, gradients, optimizer states and saved activations; a step also holds
+temporaries the count does not see (the backward's intermediate gradients, the loss's own
+tensors, a recomputed block's forward). So each plan is *measured*: `measure` runs it (in a
+fresh process, where the caller's CLI spawns one) and returns its peak. While the plan's
+peak is over the budget, the search solves again within a budget lowered by the overshoot
+(the measured peak less the counted bytes), the next cheaper plan, up to `MAX_STEPS` times.
+The plan that fits is then measured beside the uniform activation plans (its formats, every
+block in one option) and the one of least loss after the measured steps among those that
+fit is returned. When none fits, the smallest plan (each layer and block in its cheapest
+option) is measured and the report says by how many bytes it is over.
+
+`step_peaks` is the measurement: the parameters' bytes plus the tensor peak
+(`mixprec.memory.measured`) of building AdamW and running ``steps`` training steps, and the
+loss on the batch afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixprec.convert import apply
+from mixprec.memory import measured
+from mixprec.plan.activation_choice import batch_rows, plan_activations
+from mixprec.plan.budget import Budget, BudgetError
+from mixprec.plan.inputs import search_inputs
+from mixprec.plan.report import SearchReport
+from mixprec.plan.searching import Scored, planned, scored
+from mixprec.plan.units import describe_bytes, state_bytes
+from mixprec.plan.verify import plan_map
+from mixprec.policy.map import PolicyMap
+from mixprec.precision import Precision
+from mixprec.step import backward, batch_loss, seeded
+
+__all__ = ["MAX_STEPS", "FitReport", "Peak", "Tried", "fit", "step_peaks"]
+
+# how many times a plan over the budget is replaced by the next cheaper one
+MAX_STEPS = 6
+
+
+@dataclass(frozen=True)
+class Peak:
+    """One plan's measured training step: bytes at its peak (parameters and buffers, and
+    the tensor peak of the step), and the loss on the batch after the steps."""
+
+    bytes: int
+    loss: float
+
+
+@dataclass
+class Tried:
+    """A plan measured: its name ("plan 1", "all fp8", "smallest"), policy, the bytes the
+    search counted for it, its measured peak and loss, and whether the peak fits."""
+
+    name: str
+    policy: PolicyMap
+    counted: int
+    peak: int
+    loss: float
+    fits: bool
+
+
+@dataclass
+class FitReport:
+    """What `fit` found.
+
+    Attributes:
+        budget: the budget, in bytes.
+        batch_size: the batch the plans were counted and measured at.
+        tried: every plan measured, in order: the solved plans stepping down, then the
+            uniform activation plans (or "smallest" when nothing fit).
+        chosen: the plan returned (the least loss among those that fit), None when none fits.
+        search: the search report of the solved plan that fit (None when none did).
+    """
+
+    budget: int
+    batch_size: int
+    tried: list[Tried] = field(default_factory=list)
+    chosen: Tried | None = None
+    search: SearchReport | None = None
+
+    @property
+    def over(self) -> int | None:
+        """When nothing fits: by how many bytes the smallest measured peak exceeds the budget
+        (None when a plan fits)."""
+        if self.chosen is not None:
+            return None
+        return min(t.peak for t in self.tried) - self.budget
+
+    def summary(self) -> str:
+        """A line per plan measured, and the verdict."""
+        lines = [
+            f"budget {describe_bytes(self.budget)} ({self.budget} bytes) for one training step "
+            f"at batch {self.batch_size}, each plan measured:"
+        ]
+        for t in self.tried:
+            mark = "fits" if t.fits else f"over by {t.peak - self.budget} bytes"
+            lines.append(
+                f"  {t.name}: peak {describe_bytes(t.peak)} (counted "
+                f"{describe_bytes(t.counted)}), loss {t.loss:.6g}, {mark}"
+            )
+        if self.chosen is None:
+            lines.append(
+                f"no plan fits: the smallest measured is {self.over} bytes "
+                f"({describe_bytes(self.over or 0)}) over the budget"
+            )
+        else:
+            acts = self.chosen.policy.activations
+            lines.append(
+                f"chosen: {self.chosen.name}, peak {describe_bytes(self.chosen.peak)} <= "
+                f"{describe_bytes(self.budget)}; activations: "
+                f"{acts.spec() if acts is not None else 'keep'}"
+            )
+        return "\n".join(lines)
+
+
+# measures a list of plans, each on the model and batch `fit` was given, in order
+Measure = Callable[[list[PolicyMap]], list[Peak]]
+
+
+def fit(
+    model: nn.Module,
+    batches: Iterable[Any],
+    loss_fn: Callable[..., Any] | None,
+    *,
+    budget: int | str,
+    measure: Measure,
+    **search_args: Any,
+) -> FitReport:
+    """The plan of least loss whose measured step fits `budget` (bytes, or a size such as
+    ``"4GiB"``), searched at the batch of `batches` (see the module's docstring).
+    `measure` runs plans and returns their `Peak`s (`step_peaks`, in a fresh process);
+    `search_args` go to the search (formats, baseline, eval_batches, device, ...)."""
+    limit = Budget.of(f"memory={budget}" if isinstance(budget, str) else {"memory_bytes": budget})
+    assert limit.memory_bytes is not None
+    batches = list(batches)
+    started = time.perf_counter()
+    s = search_inputs(
+        model,
+        batches,
+        loss_fn,
+        **{**_SEARCH_DEFAULTS, **search_args},
+        budget=limit,
+        count="training",
+        batch_size=_batch_size(batches),
+    )
+    assert s.batch_size is not None
+    m = scored(s)
+    report = FitReport(budget=limit.memory_bytes, batch_size=s.batch_size)
+    target = limit.memory_bytes
+    for step in range(1, MAX_STEPS + 1):
+        try:
+            found = planned(dataclasses.replace(s, budget=Budget(memory_bytes=target)), m, started)
+        except BudgetError:
+            break
+        counted = found.total_bytes
+        peak = measure([found.policy])[0]
+        tried = Tried(f"plan {step}", found.policy, counted, peak.bytes, peak.loss, False)
+        tried.fits = peak.bytes <= report.budget
+        report.tried.append(tried)
+        if tried.fits:
+            report.chosen, report.search = tried, found
+            break
+        # the next cheaper plan: the overshoot taken off what the search may count
+        target = min(counted - 1, report.budget - (peak.bytes - counted))
+        if target <= 0:
+            break
+    if report.chosen is None:
+        policy, counted = _smallest(s.base, s.units, m)
+        peak = measure([policy])[0]
+        report.tried.append(
+            Tried("smallest", policy, counted, peak.bytes, peak.loss, peak.bytes <= report.budget)
+        )
+        if report.tried[-1].fits:
+            report.chosen = report.tried[-1]
+        return report
+    _against_uniform(report, m, measure)
+    return report
+
+
+# the search's defaults a fit changes: one verification attempt is enough, the measured
+# peak and loss decide
+_SEARCH_DEFAULTS: dict[str, Any] = {
+    "formats": None,
+    "baseline": "bf16-mixed",
+    "states": None,
+    "eval_batches": None,
+    "tolerance": 0.01,
+    "retries": 0,
+    "train_steps": 0,
+    "train_batches": None,
+    "lr": 1e-3,
+    "reps": 3,
+    "device": None,
+    "device_info": None,
+    "allow_slow": False,
+    "seed": 0,
+}
+
+
+def _batch_size(batches: Sequence[Any]) -> int:
+    """The rows of the first batch, the batch a fit counts and measures at."""
+    rows = batch_rows(batches[0]) if batches else None
+    if rows is None:
+        raise ValueError(
+            "fit measures a training step at the batch of the batches given: give at least "
+            "one batch holding a tensor with a batch dimension"
+        )
+    return rows
+
+
+def _smallest(base: Any, units: list[Any], m: Scored) -> tuple[PolicyMap, int]:
+    """Each layer and block in its cheapest option by bytes, and the bytes counted so."""
+    formats = [min(r.options, key=lambda n, r=r: r.options[n].bytes) for r in m.rows]
+    options = {b.path: min(b.options, key=lambda o, b=b: b.options[o].bytes) for b in m.blocks}
+    counted = (
+        sum(r.options[f].bytes for r, f in zip(m.rows, formats, strict=True))
+        + sum(b.options[options[b.path]].bytes for b in m.blocks)
+        + m.fixed
+    )
+    return plan_map(base, units, formats, m.unit_states, options), int(counted)
+
+
+def _against_uniform(report: FitReport, m: Scored, measure: Measure) -> None:
+    """Measure the chosen plan's formats with every block in one option; one that fits
+    with a lower loss is returned instead."""
+    chosen = report.chosen
+    assert chosen is not None and report.search is not None
+    options = sorted({o for b in m.blocks for o in b.options}, key=_ORDER.index)
+    policies = [_with_activations(chosen.policy, m, option) for option in options]
+    peaks = measure(policies)
+    for option, policy, peak in zip(options, policies, peaks, strict=True):
+        counted = report.search.total_bytes + sum(
+            b.options[option if option in b.options else "keep"].bytes
+            - b.options[report.search.activations.get(b.path, "keep")].bytes
+            for b in m.blocks
+        )
+        t = Tried(f"all {option}", policy, counted, peak.bytes, peak.loss, False)
+        t.fits = peak.bytes <= report.budget
+        report.tried.append(t)
+        if t.fits and t.loss < report.chosen.loss:  # type: ignore[union-attr]
+            report.chosen = t
+
+
+_ORDER = ("keep", "bf16", "fp8", "checkpoint", "selective", "offload")
+
+
+def _with_activations(policy: PolicyMap, m: Scored, option: str) -> PolicyMap:
+    """`policy` with every block (that can take it) in `option`."""
+    given = {b.path: option for b in m.blocks if option in b.options}
+    return _with(policy, plan_activations(given))
+
+
+def _with(policy: PolicyMap, activations: Any) -> PolicyMap:
+    """`policy` with these `activations` rules in place of its own."""
+    return PolicyMap(
+        policy.default,
+        policy.rules,
+        float32_islands=policy.float32_islands,
+        float32_attention=policy.float32_attention,
+        states=policy.states,
+        activations=activations,
+    )
+
+
+def step_peaks(
+    model: nn.Module,
+    batch: Any,
+    loss_fn: Callable[..., Any] | None,
+    plans: Sequence[PolicyMap],
+    *,
+    device: torch.device | str | None = None,
+    steps: int = 2,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> list[Peak]:
+    """Each plan's `Peak`: a copy of `model` converted to it (parameters and buffers
+    counted), then the tensor peak of AdamW built and `steps` training steps on `batch` (16-bit
+    weights with Kahan compensation, as the search's training run), and the loss after."""
+    dev = torch.device(device) if device is not None else next(model.parameters()).device
+    out = []
+    for plan in plans:
+        with seeded(seed, dev):
+            trained = copy.deepcopy(model).train()
+            apply(trained, plan, warn=False)
+            held = state_bytes(trained, "weights")
+            sixteen = any(
+                p.dtype in (torch.bfloat16, torch.float16)
+                for p in trained.parameters()
+                if p.requires_grad
+            )
+            # the activation options are on the model (`apply`); the step needs the rest
+            precision = Precision(
+                _with(plan, None),
+                device=dev,
+                allow_slow=True,
+                compensation="kahan" if sixteen else None,
+            )
+
+            def work(trained: nn.Module = trained, precision: Precision = precision) -> None:
+                params = [p for p in trained.parameters() if p.requires_grad]
+                optimizer = torch.optim.AdamW(params, lr=lr)
+                model_, optimizer = precision.setup(trained, optimizer, convert=False)
+                for _ in range(steps):
+                    loss = batch_loss(precision, model_, batch, loss_fn)
+                    backward(precision, loss)
+                    precision.step(optimizer)
+                    optimizer.zero_grad(set_to_none=True)
+
+            _, peak = measured(dev, work)
+            trained.eval()
+            with torch.no_grad():
+                loss = float(batch_loss(precision, trained, batch, loss_fn))
+        out.append(Peak(bytes=held + peak, loss=loss))
+    return out

@@ -1,0 +1,121 @@
+"""``mixprec doctor --fit SIZE``: the plan it writes has a measured training-step peak within
+SIZE in a fresh process, a SIZE below the smallest plan exits 1 saying how far over it is,
+and bad sizes and flags are refused with exit 2.
+
+The budget is computed from a first measurement in the test (every block kept, every block
+recomputed), never written as a machine figure; float32 and int8 run alike on every CPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from mixprec.cli import main
+from mixprec.plan.fitting import step_peaks
+from mixprec.policy.map import PolicyMap
+
+FACTORY = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 16)
+        self.blocks = nn.ModuleList(Block(16) for _ in range(2))
+        self.head = nn.Linear(16, 16)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def loss(logits, ids):
+    return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+def make():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 16, (32, 8))
+    return {"model": TinyLM(), "batches": [(ids, ids)], "loss_fn": loss}
+"""
+FLAGS = ["--baseline", "32-true", "--formats", "32-true,int8_from_32-true"]
+
+
+def _made() -> dict:
+    scope: dict = {}
+    exec(compile(FACTORY, "factory", "exec"), scope)
+    return scope["make"]()
+
+
+def _fresh_peak(spec: str, policy: PolicyMap, tmp_path) -> int:
+    """The plan's peak measured as --fit measures it, in a process of its own."""
+    out = tmp_path / "peak.json"
+    args = {"factory": spec, "plans": [policy.to_config()], "device": None, "seed": 0, "lr": 1e-3}
+    code = "import sys; from mixprec.cli.doctor import fit_child; fit_child(sys.argv[1:])"
+    subprocess.run([sys.executable, "-c", code, json.dumps(args), str(out)], check=True)
+    return json.loads(out.read_text())[0][0]
+
+
+def test_doctor_fit_writes_a_plan_whose_step_measured_in_a_fresh_process_fits(
+    tmp_path, capsys
+) -> None:
+    factory = tmp_path / "lm.py"
+    factory.write_text(FACTORY)
+    spec = f"{factory}:make"
+    made = _made()
+    every = r"blocks\.\d+|head"
+    keep, recomputed = step_peaks(
+        made["model"],
+        made["batches"][0],
+        made["loss_fn"],
+        [
+            PolicyMap("32-true", activations={every: "keep"}),
+            PolicyMap("32-true", activations={every: "checkpoint"}),
+        ],
+    )
+    assert recomputed.bytes < keep.bytes
+    budget = (keep.bytes + recomputed.bytes) // 2
+    out_dir = tmp_path / "plan"
+    assert main(["doctor", spec, "--fit", f"{budget}B", *FLAGS, "--out", str(out_dir)]) == 0
+    printed = capsys.readouterr().out
+    assert "chosen:" in printed
+    policy = PolicyMap.load(out_dir / "policy.json")
+    assert policy.activations is not None  # keeping every activation does not fit
+    assert f"--fit {budget}B" in (out_dir / "fit.md").read_text()
+    assert _fresh_peak(spec, policy, tmp_path) <= budget
+
+    # below the smallest plan: exit 1, the shortfall in bytes
+    assert main(["doctor", spec, "--fit", "1000B", *FLAGS, "--no-report"]) == 1
+    printed = capsys.readouterr().out
+    assert "no plan fits" in printed and "bytes" in printed and "over the budget" in printed
+
+
+def test_doctor_fit_refuses_bad_sizes_and_flags_it_does_not_take(tmp_path, capsys) -> None:
+    factory = tmp_path / "lm.py"
+    factory.write_text(FACTORY)
+    spec = f"{factory}:make"
+    for bad in ("4XB", "4", "GiB", "0B"):
+        assert main(["doctor", spec, "--fit", bad, "--no-report"]) == 2
+        err = capsys.readouterr().err
+        assert ("not a size" in err and "GiB" in err) or "at least one byte" in err
+    assert main(["doctor", spec, "--fit", "4GiB", "--memory", "0.5", "--no-report"]) == 2
+    assert "--memory does not go with --fit" in capsys.readouterr().err
+    assert main(["doctor", spec, "--fit", "4GiB", "--precision", "bf16-mixed"]) == 2
+    assert "--precision is not an option of --fit" in capsys.readouterr().err

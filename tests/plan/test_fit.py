@@ -1,0 +1,220 @@
+"""The search under a budget in bytes: activations counted at the batch (measured, as
+`mixprec.activations.saved_bytes` measures them), each block's activation option chosen
+with the formats, and `fit`: the measured peak of the plan it returns within the budget,
+no worse a loss than the uniform activation plans that fit, and the shortfall said when
+nothing fits.
+
+Formats are float32 and int8 on float32 (every CPU runs them alike); budgets are computed
+from a first count or measurement in the test, never written as machine figures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.activations import saved_bytes
+from mixprec.plan import Budget, BudgetError, search
+from mixprec.plan.budget import parse_bytes
+from mixprec.plan.fitting import fit, step_peaks
+from mixprec.policy.map import PolicyMap
+
+FORMATS = ["32-true", "int8_from_32-true"]
+FAST = {"formats": FORMATS, "baseline": "32-true", "reps": 1, "retries": 0}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab: int = 16, d: int = 16, n: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+
+def tiny(rows: int = 4) -> tuple[nn.Module, list]:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 16, (rows, 8))
+    return TinyLM(), [(ids, ids)]
+
+
+def counted(report) -> int:
+    p = report.measured["plan"]
+    return p.unit_bytes + p.activation_bytes + report.fixed_bytes
+
+
+# --- budgets in bytes ----------------------------------------------------------------------
+
+
+def test_a_memory_budget_is_taken_in_bytes_with_a_unit_and_bad_sizes_are_refused() -> None:
+    assert Budget.of("memory=2GiB") == Budget(memory_bytes=2 * 2**30)
+    assert Budget.of("memory=1.5GB,speed=1").memory_bytes == 1_500_000_000
+    assert Budget.of({"memory_bytes": 4096}).kinds == ["memory"]
+    assert Budget.of("memory=0.5").memory == 0.5  # a bare number stays a fraction
+    assert parse_bytes("512MiB") == 512 * 2**20
+    for bad in ("4XB", "GiB", "4", "-1GiB", "0B", ""):
+        with pytest.raises(ValueError, match="size|at least one byte"):
+            parse_bytes(bad)
+    with pytest.raises(ValueError, match="not a size"):
+        Budget.of("memory=2XB")
+    with pytest.raises(ValueError, match="not both"):
+        Budget(memory=0.5, memory_bytes=10)
+    with pytest.raises(ValueError, match="positive whole number"):
+        Budget(memory_bytes=0)
+
+
+# --- activations counted and chosen ----------------------------------------------------------
+
+
+def test_activation_bytes_are_counted_at_the_batch_as_saved_bytes_measures_them() -> None:
+    model, batches = tiny(rows=4)
+    reports = {
+        b: search(
+            model,
+            batches,
+            token_loss,
+            budget=Budget(memory_bytes=10**12),
+            count="training",
+            batch_size=b,
+            **FAST,
+        )
+        for b in (8, 16)
+    }
+    ids = torch.randint(0, 16, (8, 8))
+    direct = saved_bytes(model.train(), ids)
+    for block in reports[8].blocks:
+        under = sum(
+            n for p, n in direct.items() if p == block.path or p.startswith(block.path + ".")
+        )
+        assert block.options["keep"].bytes == under > 0
+        twice = next(b for b in reports[16].blocks if b.path == block.path)
+        assert twice.options["keep"].bytes == 2 * under  # activations grow with the batch
+    # a budget with room keeps every activation: recompute costs time, storage damage
+    assert set(reports[8].activations.values()) == {"keep"}
+    assert reports[8].policy.activations is None
+    with pytest.raises(ValueError, match="count='training'"):
+        search(model, batches, token_loss, budget="memory=0.5", batch_size=8, **FAST)
+    with pytest.raises(ValueError, match="batch_size must be"):
+        search(model, batches, token_loss, budget="memory=0.5", count="training", batch_size=0)
+
+
+def test_a_budget_only_smaller_activations_meet_gives_a_plan_storing_or_recomputing_them(
+    tmp_path,
+) -> None:
+    model, batches = tiny()
+    loose = search(
+        model,
+        batches,
+        token_loss,
+        budget=Budget(memory_bytes=10**12),
+        count="training",
+        batch_size=16,
+        **FAST,
+    )
+    everything = counted(loose)
+    bf16 = sum(b.options["bf16"].bytes for b in loose.blocks)
+    keep = sum(b.options["keep"].bytes for b in loose.blocks)
+    # below every block in bf16, with int8 weights' savings not enough on their own
+    weights_saving = sum(
+        r.options["32-true"].bytes - min(o.bytes for o in r.options.values()) for r in loose.rows
+    )
+    budget = everything - (keep - bf16) - weights_saving - 1
+    report = search(
+        model,
+        batches,
+        token_loss,
+        budget=Budget(memory_bytes=budget),
+        count="training",
+        batch_size=16,
+        **FAST,
+    )
+    assert counted(report) <= budget
+    chosen = set(report.activations.values())
+    assert chosen & {"fp8", "checkpoint"}, report.activations
+    # the policy file carries the activation rules, and they put the options on a model
+    path = report.save(tmp_path)
+    loaded = PolicyMap.load(path)
+    assert loaded.activations == report.policy.activations is not None
+    resolved = loaded.activation_choices(model)
+    for block, option in report.activations.items():
+        assert resolved[block][0] == option
+    # nothing fits a budget below every block recomputed and every weight at its smallest
+    with pytest.raises(BudgetError, match="bytes, .* over"):
+        search(
+            model,
+            batches,
+            token_loss,
+            budget=Budget(memory_bytes=loose.fixed_bytes),
+            count="training",
+            batch_size=16,
+            **FAST,
+        )
+
+
+# --- fit: measured peaks -------------------------------------------------------------------
+
+
+def _uniform(option: str) -> PolicyMap:
+    return PolicyMap("32-true", activations={r"blocks\.\d+|head": option})
+
+
+def test_fit_returns_a_plan_whose_measured_peak_fits_and_no_worse_than_uniform_ones() -> None:
+    model, batches = tiny(rows=32)
+    batch = batches[0]
+
+    def measure(plans):
+        return step_peaks(model, batch, token_loss, plans)
+
+    keep, checkpointed = measure([_uniform("keep"), _uniform("checkpoint")])
+    assert checkpointed.bytes < keep.bytes
+    budget = (keep.bytes + checkpointed.bytes) // 2
+    report = fit(model, batches, token_loss, budget=budget, measure=measure, **FAST)
+    assert report.chosen is not None and report.over is None
+    assert report.chosen.peak <= budget
+    assert measure([report.chosen.policy])[0].bytes <= budget  # measured again
+    assert report.chosen.policy.activations is not None  # keeping everything does not fit
+    uniform = [t for t in report.tried if t.name.startswith("all ")]
+    assert {t.name for t in uniform} >= {"all keep", "all bf16", "all fp8", "all checkpoint"}
+    for t in uniform:
+        if t.fits:
+            assert report.chosen.loss <= t.loss, (t.name, t.loss, report.chosen.loss)
+        else:
+            assert t.peak > budget
+    assert f"chosen: {report.chosen.name}" in report.summary()
+
+
+def test_fit_says_how_far_the_smallest_plan_is_over_a_budget_nothing_fits() -> None:
+    model, batches = tiny(rows=16)
+
+    def measure(plans):
+        return step_peaks(model, batches[0], token_loss, plans)
+
+    report = fit(model, batches, token_loss, budget=1000, measure=measure, **FAST)
+    assert report.chosen is None
+    smallest = min(t.peak for t in report.tried)
+    assert report.over == smallest - 1000 > 0
+    assert any(t.name == "smallest" for t in report.tried)
+    assert f"{report.over} bytes" in report.summary()
+    with pytest.raises(ValueError, match="not a size"):
+        fit(model, batches, token_loss, budget="4XB", measure=measure, **FAST)
