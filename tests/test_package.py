@@ -555,3 +555,48 @@ def test_the_source_states_no_measured_figures_or_history():
     live in docs/ and benchmarks/results/ (see FIGURES and NOT_FIGURES for what counts)."""
     wrong = [f"{where}: {what} {figure!r}" for where, what, figure in measured_figures(SRC.parent)]
     assert not wrong, "move these to docs/ or benchmarks/results/:\n" + "\n".join(wrong)
+
+
+# A docstring says what a thing is and how to use it; the long story (each flag in full, the
+# measurements, the design) lives in docs/. At most this many lines:
+DOCSTRING_LINES = 30
+# docstrings still longer, in modules other work is reshaping: none may grow, none may join
+LONG_DOCSTRINGS = {
+    "mixprec.bench.runner": 36,
+    "mixprec.integrations.lightning": 38,
+    "mixprec.optim.compensated.kernels": 31,
+    "mixprec.optim.states.formats": 44,
+    "mixprec.optim.wrapper": 41,
+    "mixprec.optim.wrapper.LossScaleOptimizer": 31,
+    "mixprec.plan.report.SearchReport": 34,
+    "mixprec.plan.searching.search": 40,
+    "mixprec.policy.map": 31,
+    "mixprec.precision.Precision": 45,
+    "mixprec.step": 38,
+}
+
+
+def _docstring_lengths() -> dict[str, int]:
+    """Lines of each module's, class's and function's docstring, by dotted name."""
+    lengths = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        for node in [tree, *ast.walk(tree)]:
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)):
+                continue
+            doc = ast.get_docstring(node, clean=False)
+            if doc is not None:
+                name = module if isinstance(node, ast.Module) else f"{module}.{node.name}"
+                lengths[name] = max(lengths.get(name, 0), len(doc.split("\n")))
+    return lengths
+
+
+def test_no_docstring_runs_over_30_lines():
+    wrong = [
+        f"{name}: {lines} lines"
+        for name, lines in sorted(_docstring_lengths().items())
+        if lines > LONG_DOCSTRINGS.get(name, DOCSTRING_LINES)
+    ]
+    assert not wrong, f"over {DOCSTRING_LINES} lines (move the detail to docs/):\n" + "\n".join(
+        wrong
+    )
