@@ -32,7 +32,7 @@ from torch import nn
 from mixprec.convert import apply
 from mixprec.memory import measured
 from mixprec.plan.activation_choice import batch_rows, plan_activations
-from mixprec.plan.budget import Budget, BudgetError
+from mixprec.plan.budget import Budget, BudgetError, parse_bytes
 from mixprec.plan.inputs import search_inputs
 from mixprec.plan.report import SearchReport
 from mixprec.plan.searching import Scored, planned, scored
@@ -141,7 +141,7 @@ def fit(
     ``"4GiB"``), searched at the batch of `batches` (see the module's docstring).
     `measure` runs plans and returns their `Peak`s (`step_peaks`, in a fresh process);
     `search_args` go to the search (formats, baseline, eval_batches, device, ...)."""
-    limit = Budget.of(f"memory={budget}" if isinstance(budget, str) else {"memory_bytes": budget})
+    limit = Budget(memory_bytes=parse_bytes(budget) if isinstance(budget, str) else budget)
     assert limit.memory_bytes is not None
     batches = list(batches)
     started = time.perf_counter()
