@@ -797,3 +797,19 @@ def test_the_search_takes_its_losses_from_the_step_not_from_the_doctor():
         if isinstance(node, ast.ImportFrom) and node.module
     }
     assert "mixprec.step" in imported and "mixprec.doctor.running" not in imported
+
+
+def test_a_precision_with_per_step_work_pickles_and_finds_it_again_at_setup(counting):
+    """The Trainer sends its Precision to the processes it spawns: the models it set up stay
+    behind, and the copy finds their work again when it sets them up."""
+    import pickle
+
+    net = torch.nn.Sequential(CountedLinear(4, 4))
+    precision = mixprec.Precision("32-true")
+    precision.setup(net)
+    copied = pickle.loads(pickle.dumps(precision))
+    copied.before_step()
+    assert net[0].steps_told == 0
+    copied.setup(net)
+    copied.before_step()
+    assert net[0].steps_told == 1

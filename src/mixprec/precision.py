@@ -565,6 +565,17 @@ class Precision:
             )
         self.scaler.load_state_dict(state["scaler"])
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the models set up (a pickle of the models holds other objects):
+        the copy finds their per-step work again when it sets them up."""
+        state = self.__dict__.copy()
+        state["_step_work"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._step_work = weakref.WeakKeyDictionary()
+
     def __repr__(self) -> str:
         if self._policy is None:
             return f"Precision('auto', device={self.device})"
