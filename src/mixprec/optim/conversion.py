@@ -12,7 +12,7 @@ of one, is taken as it is, after checking that it keeps the formats the map give
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ def convert_for(
     *,
     optimizer_states: str | StateFormat | None = None,
     compensation: str | None = None,
-    wrappers: Iterable[LossScaleOptimizer] = (),
+    wrappers: Collection[LossScaleOptimizer] = (),
 ) -> Any:
     """``optimizer`` with its states in the formats ``policy_map`` gives each parameter of
     ``model``: a torch AdamW, Adam or SGD converted (and handed over, `hand_over`), a
@@ -48,8 +48,9 @@ def convert_for(
 
     ``optimizer_states``: the run's default format (`Precision`'s), else the map's single
     ``states``, else float32. ``compensation``: the converted optimizer's (it compensates
-    its own 16-bit updates). ``wrappers``: the loop's wrappers so far, whose float32
-    masters take their model parameters' formats."""
+    its own 16-bit updates). ``wrappers``: the loop's wrappers, a collection read whenever
+    a parameter's format is asked (so that the wrapper made after the conversion counts):
+    their float32 masters take their model parameters' formats."""
     default = policy_map.state_default(optimizer_states)
     if isinstance(optimizer, (LowBitOptimizer, LossScaleOptimizer)):
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -84,10 +85,8 @@ def convert_for(
     formats = {
         named[n]: fmt for n, (fmt, _) in assigned.items() if fmt.quantized and str(fmt) != default
     }
-    masters = list(wrappers)
-
     def keep_float32(p: torch.Tensor) -> bool:
-        return id(p) in plain or any(id(w.model_param(p)) in plain for w in masters)
+        return id(p) in plain or any(id(w.model_param(p)) in plain for w in wrappers)
 
     converted = from_optimizer(
         optimizer,
