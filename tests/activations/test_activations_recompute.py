@@ -142,3 +142,23 @@ def test_offload_moves_saved_tensors_to_the_host_and_back():
         grads.append([p.grad for p in model.parameters()])
     for a, b in zip(*grads, strict=True):
         assert torch.equal(a, b)
+
+
+def test_compiled_models_recompute_and_store_as_eager_ones_do():
+    x = torch.randn(8, 16)
+    eager = Precision("32-true", activations={"[12]": "checkpoint"}).setup(net().eval())
+    eager(x).sum().backward()  # eval: no dropout, whose compiled masks differ
+    compiled = Precision("32-true", activations={"[12]": "checkpoint"}).setup(net().eval())
+    torch.compile(compiled)(x).sum().backward()
+    for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    grads = []
+    for compiled in (False, True):  # a module storing in fp8 runs eagerly inside the graph
+        model = Precision("32-true", activations={"1": "fp8"}).setup(net().eval())
+        (torch.compile(model) if compiled else model)(x).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+    kept = Precision("32-true").setup(net().eval())
+    kept(x).sum().backward()
+    assert not torch.allclose(kept[1].fc.weight.grad, model[1].fc.weight.grad, atol=1e-6)

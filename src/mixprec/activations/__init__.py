@@ -3,23 +3,24 @@
 A `mixprec.PolicyMap`'s ``activations`` (or ``Precision(activations=...)``,
 ``Trainer(activations=...)``) gives each layer one option (`options`): ``keep``, ``bf16``,
 ``fp8``, ``checkpoint``, ``selective`` or ``offload``, by rules on module paths or types
-(`rules`); `mixprec.apply` puts them on the model (`install`), every door through it alike.
+(`rules`); `mixprec.apply` puts them on the model (`wrapper.install`), every door through it
+alike.
 
 - `options`: the option names, which a module cannot take and why (`refusal`);
 - `rules`: `ActivationRules`, each module's option and why;
 - `codecs`: the storage of ``bf16`` and ``fp8`` (the optimizer states' float8 codec);
 - `recompute`: ``checkpoint`` and ``selective``;
-- `install`: the forward wrapper and the checks before it goes on;
+- `wrapper`: the forward wrapper, `install` and the checks before it goes on;
 - `measure`: `saved_bytes`, each layer's saved activations for one batch.
 """
 
 from __future__ import annotations
 
 from mixprec.activations.codecs import CODECS, Codec, Fp8Saved
-from mixprec.activations.install import ActivationForward, check, check_device, install, wrapped
 from mixprec.activations.measure import saved_bytes
 from mixprec.activations.options import OPTIONS, RECOMPUTE, STORAGE, refusal
 from mixprec.activations.rules import ActivationRules, ActivationsSpec, as_rules
+from mixprec.activations.wrapper import ActivationForward, check, check_device, install, wrapped
 
 __all__ = [
     "CODECS",

@@ -73,15 +73,8 @@ class ActivationForward:
             forward = self.original
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        if self.codec is not None:
-            with saved_tensors_hooks(self.codec.pack, self.codec.unpack):
-                return forward(*args, **kwargs)
-        if self.option == "offload":
-            device = _device_of(args, kwargs, module)
-            if device is not None and device.type != "cuda":
-                raise _offload_refused(f"{type(module).__name__} runs on {device.type}")
-            with save_on_cpu(pin_memory=True):
-                return forward(*args, **kwargs)
+        if self.codec is not None or self.option == "offload":
+            return _stored(self, forward, args, kwargs)
         buffers = list(module.named_buffers()) if module.training else []
         versions = [b._version for _, b in buffers]
         out = recomputed(forward, self.option, args, kwargs)
@@ -94,6 +87,23 @@ class ActivationForward:
                     "recompute the modules around the one updating it"
                 )
         return out
+
+
+@torch.compiler.disable
+def _stored(
+    wrapper: ActivationForward, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """`forward` under `wrapper`'s codec hooks or ``save_on_cpu``. Never traced: the graphs of
+    torch.compile do not run saved_tensors_hooks, so under it this module's forward runs
+    eagerly (the modules around it still compile)."""
+    if wrapper.codec is not None:
+        with saved_tensors_hooks(wrapper.codec.pack, wrapper.codec.unpack):
+            return forward(*args, **kwargs)
+    device = _device_of(args, kwargs, wrapper.module)
+    if device is not None and device.type != "cuda":
+        raise _offload_refused(f"{type(wrapper.module).__name__} runs on {device.type}")
+    with save_on_cpu(pin_memory=True):
+        return forward(*args, **kwargs)
 
 
 def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module) -> Any:
