@@ -293,6 +293,7 @@ FORMAT_MODULES = {
     "int4.py",
     "float8.py",
     "microscaling.py",
+    "block_formats.py",
 }
 
 
