@@ -17,8 +17,9 @@ something. Each block's options, and what each is measured to cost:
   block's saved tensors stored so, averaged over the search batches (recompute and
   ``keep`` are exact: zero);
 - seconds: the block's forward and backward alone on the inputs it saw in the first search
-  batch, with the option (median of ``reps``); recompute's extra time over ``keep`` breaks
-  ties between plans of equal damage (`tie_weight`), so a budget with room keeps.
+  batch, with the option (median of ``reps``); its extra time over ``keep`` (at least
+  `TIE_FLOOR`, `extra_seconds`) breaks ties between plans of equal damage (`tie_weight`), so
+  a budget with room keeps.
 
 Searched: ``keep``, ``bf16``, ``fp8``, ``checkpoint``, and ``offload`` on CUDA; not
 ``selective``, whose saved matmul outputs torch's checkpointing holds out of the count's
@@ -49,8 +50,10 @@ from mixprec.step import backward, batch_loss, seeded
 
 __all__ = [
     "NOT_SEARCHED",
+    "TIE_FLOOR",
     "batch_at",
     "batch_rows",
+    "extra_seconds",
     "block_rows",
     "find_blocks",
     "plan_activations",
@@ -58,6 +61,8 @@ __all__ = [
     "tie_weight",
 ]
 
+# the least extra seconds an option other than keep counts in a tie (`extra_seconds`)
+TIE_FLOOR = 1e-6
 # the option left out of the search, and why
 NOT_SEARCHED = {
     "selective": "its saved matmul outputs are held by torch's checkpointing, out of the "
@@ -363,6 +368,16 @@ def _times(
                         times[option].append(seconds)
         for option, t in times.items():
             row.options[option].seconds = statistics.median(t)
+
+
+def extra_seconds(row: BlockRow, option: str) -> float:
+    """What `option` adds to the block's step over ``keep``, as the tie between plans
+    weighs it: the measured difference, and never less than `TIE_FLOOR` for an option other
+    than ``keep`` (one measured as fast is noise, or free in time but not in risk: keeping
+    wins a tie)."""
+    if option == "keep":
+        return 0.0
+    return max(row.options[option].seconds - row.options["keep"].seconds, TIE_FLOOR)
 
 
 def tie_weight(damages: Sequence[float], extra_seconds: Sequence[float]) -> float:

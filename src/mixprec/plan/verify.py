@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mixprec.optim.states import StateFormat
 from mixprec.plan import solver
-from mixprec.plan.activation_choice import plan_activations, tie_weight
+from mixprec.plan.activation_choice import extra_seconds, plan_activations, tie_weight
 from mixprec.plan.budget import Budget, BudgetError
 from mixprec.plan.inputs import SearchInputs, check_finite
 from mixprec.plan.measure import Measured, convert, eval_loss, measure_plans
@@ -231,8 +231,7 @@ def _solve(
     ]
     block_names = [list(b.options) for b in blocks]
     extra = [
-        [max(0.0, b.options[o].seconds - b.options["keep"].seconds) for o in opts]
-        for b, opts in zip(blocks, block_names, strict=True)
+        [extra_seconds(b, o) for o in opts] for b, opts in zip(blocks, block_names, strict=True)
     ]
     weight = tie_weight(
         [d for row in damages for d in row if math.isfinite(d)]
