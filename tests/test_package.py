@@ -600,3 +600,18 @@ def test_no_docstring_runs_over_30_lines():
     assert not wrong, f"over {DOCSTRING_LINES} lines (move the detail to docs/):\n" + "\n".join(
         wrong
     )
+
+
+def test_the_architecture_page_is_a_short_map_naming_every_package():
+    """docs/architecture.md is read in two minutes: a row per package in a line or two
+    (the detail lives in the packages' docstrings), every package named in a row."""
+    page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    words = {row.split("|")[1].strip(): len(re.sub(r"[`|]", " ", row).split()) for row in rows}
+    long = {name: n for name, n in words.items() if n > 50}
+    assert not long, f"rows over 50 words (move the detail to the docstring): {long}"
+    assert len(page.split()) < 1200
+    named = " ".join(words)
+    packages = sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").exists())
+    missing = [p for p in packages if f"`{p}/" not in named and f"`{p}`" not in named]
+    assert not missing, f"packages without a row in docs/architecture.md: {missing}"

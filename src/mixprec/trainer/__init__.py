@@ -1,5 +1,25 @@
 """The Trainer: a fit loop with a precision flag, callbacks, loggers, checkpoints, DDP and
-FSDP."""
+FSDP.
+
+- `trainer`: `Trainer`, its entry points (fit, validate, test, predict), process launching,
+  and the set-up of a run: device, `Precision.setup` (or `sharding.shard` under FSDP, then
+  the optimizers), the DDP wrap. The only module touching the Trainer's private state.
+- `loop`: the run object (progress counters, metric stores, hook dispatch to the module then
+  the callbacks) and the steps, through `mixprec.step` (one checked loss: `step.batch_loss`).
+- `config`: the flags checked before anything runs (`TrainerConfig`, the precision string).
+- `optimizers`: what `configure_optimizers` returned, in any form Lightning accepts, made
+  uniform (optimizers and their schedulers' interval, frequency and monitored metric).
+- `checkpoint`, `resume`, `sharded`: checkpoints written atomically (weights, optimizers,
+  scaler, policy, step, RNG, loader generators), resumed bit for bit; DCP shards under FSDP.
+- `strategy`: single device, DDP and FSDP over torch.distributed; `data`: batches on the
+  device, sharded over processes, restartable mid-epoch; `interrupt`: Ctrl-C held back while
+  a checkpoint is written.
+- `callbacks`, `loggers`, `metrics`, `progress`, `module`: the hooks a user extends,
+  CSV/TensorBoard logs, logged values, the progress bar and memory summary, `TrainingModule`.
+
+No two trainer modules import each other at module level, annotations included
+(`tests/test_package.py`).
+"""
 
 from mixprec.trainer.callbacks import Callback, EarlyStopping, ModelCheckpoint, RunEstimate
 from mixprec.trainer.checkpoint import CheckpointError
