@@ -237,6 +237,8 @@ def _against_uniform(report: FitReport, m: Scored, measure: Measure) -> None:
     chosen = report.chosen
     assert chosen is not None and report.search is not None
     options = sorted({o for b in m.blocks for o in b.options}, key=_ORDER.index)
+    if not options:  # no block saves anything: no activation plan to compare
+        return
     policies = [_with_activations(chosen.policy, m, option) for option in options]
     peaks = measure(policies)
     for option, policy, peak in zip(options, policies, peaks, strict=True):
