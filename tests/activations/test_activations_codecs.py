@@ -12,7 +12,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 import mixprec
-from mixprec.activations import saved_bytes, wrapped
+from mixprec.activations import codecs, saved_bytes, wrapped
 from mixprec.activations.codecs import FP8, Fp8Saved, Reshaped, ToBfloat16, ToFp8, is_activation
 from mixprec.memory import measured
 from mixprec.optim.states.formats import dequantize, quantize
@@ -52,6 +52,21 @@ def test_an_fp8_saved_tensor_decodes_bit_for_bit_as_the_states_codec(dtype):
     expected = dequantize(codes, scales, "fp8", original.shape, signed=True).to(dtype)
     assert torch.equal(read, expected)
     assert not torch.equal(read, original)  # lossy: e4m3 keeps 3 mantissa bits
+
+
+def test_fp8_codes_in_chunks_are_the_whole_tensors_codes(monkeypatch):
+    """The codec encodes and decodes a chunk of blocks at a time (its float32 temporaries
+    stay a chunk's size): the codes, scales and values read are those of the whole."""
+    torch.manual_seed(0)
+    x = torch.randn(7, 333, dtype=torch.bfloat16, requires_grad=True)
+    monkeypatch.setattr(codecs, "CHUNK", 2 * FP8.block)
+    packs, unpacks = saved_by(ToFp8(), lambda: (x * 2).sin().sum())
+    (original, packed), read = packs[-1], unpacks[-1]
+    codes, scales = quantize(original, "fp8", signed=True)
+    assert torch.equal(packed.codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(packed.scales, scales)
+    expected = dequantize(codes, scales, "fp8", original.shape, signed=True).bfloat16()
+    assert torch.equal(read, expected)
 
 
 def test_bf16_stores_float32_activations_and_reads_them_back_as_float32():

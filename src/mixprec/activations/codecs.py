@@ -26,6 +26,7 @@ from torch import Tensor
 from mixprec.optim.states.formats import StateFormat, dequantize, quantize
 
 __all__ = [
+    "CHUNK",
     "CODECS",
     "FP8",
     "Codec",
@@ -39,6 +40,9 @@ __all__ = [
 ]
 
 FP8 = StateFormat("fp8")
+# elements `ToFp8` encodes or decodes at a time (a multiple of the block): the codec's float32
+# temporaries take this many elements, not a whole activation's, and the codes are the same
+CHUNK = 1 << 18
 
 # nodes through which a saved tensor is still a parameter: casts and views
 _CAST_OR_VIEW = frozenset(
@@ -189,14 +193,32 @@ class ToFp8(Codec):
         return t.is_floating_point() and t.numel() >= FP8.block and is_activation(t)
 
     def encode(self, t: Tensor) -> Any:
-        codes, scales = quantize(t, FP8, signed=True)
+        flat = t.reshape(-1)
+        pieces = [
+            quantize(flat[i : i + CHUNK], FP8, signed=True) for i in range(0, len(flat), CHUNK)
+        ]
+        if len(pieces) == 1:
+            codes, scales = pieces[0]
+        else:  # blocks are independent: the pieces' codes and scales are the whole's
+            codes = torch.cat([c.view(torch.uint8) for c, _ in pieces]).view(torch.float8_e4m3fn)
+            scales = torch.cat([s for _, s in pieces])
         return Fp8Saved(codes, scales, t.shape, t.dtype)
 
     def decode(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        out = dequantize(packed.codes, packed.scales, FP8, packed.shape, signed=True)
-        return out.to(packed.dtype)
+        if len(packed.codes) <= CHUNK:  # float32 comes back as dequantize made it, no copy
+            out = dequantize(packed.codes, packed.scales, FP8, packed.shape, signed=True)
+            return out.to(packed.dtype)
+        out = torch.empty(packed.shape, dtype=packed.dtype, device=packed.codes.device)
+        flat, block = out.view(-1), FP8.block
+        for i in range(0, len(flat), CHUNK):
+            n = min(CHUNK, len(flat) - i)
+            blocks = -(-n // block)
+            codes = packed.codes[i : i + blocks * block]
+            scales = packed.scales[i // block : i // block + blocks]
+            flat[i : i + n] = dequantize(codes, scales, FP8, (n,), signed=True)
+        return out
 
 
 # the codec of each storage option (and of `keep` below a storing layer)
