@@ -16,7 +16,7 @@ and name the layers whose optimizer states a low-bit format hurts (`state_errors
 
 from mixprec.doctor.diagnosis import Diagnosis, Recommendation, diagnose
 from mixprec.doctor.monitor import LayerSample, PrecisionMonitor, PrecisionWarning
-from mixprec.doctor.state_errors import StateError, StateErrors, state_errors
+from mixprec.doctor.state_errors import StateError, StateErrors, moment_errors, state_errors
 from mixprec.doctor.verdicts import (
     AT_RISK,
     BROKEN,
@@ -43,5 +43,6 @@ __all__ = [
     "StateErrors",
     "Verdict",
     "diagnose",
+    "moment_errors",
     "state_errors",
 ]

@@ -1,7 +1,7 @@
 """The optimizer-state format of each searched layer under ``count="training"``: the
 cheapest of the formats offered whose moments, after a few float32 AdamW steps, stored and
 read back give an update direction ``m / (sqrt(v) + eps)`` within a relative error of
-`THRESHOLD` of the float32 moments' (`mixprec.doctor.state_errors.moment_errors`, the
+`THRESHOLD` of the float32 moments' (`mixprec.doctor.moment_errors`, the
 doctor's measure); float32 when none does. Embedding tables keep float32 moments, as
 `mixprec.PolicyMap.state_formats` gives them."""
 
@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from mixprec.doctor.state_errors import moment_errors
+from mixprec.doctor import moment_errors
 from mixprec.optim.states import MIN_SIZE, StateFormat, parse_state_format
 from mixprec.plan.units import Unit
 from mixprec.policy.map import PolicyMap
