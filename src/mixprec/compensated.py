@@ -6,21 +6,8 @@ what is imported or patched through it is what the new path holds.
 
 from __future__ import annotations
 
-import importlib
-import sys
-import warnings
+from mixprec.errors import stand_in_for
 
 __all__: list[str] = []
 
-_NEW = "mixprec.optim.compensated"
-_SUBMODULES: tuple[str, ...] = ("compensator", "kernels", "rules")
-
-warnings.warn(
-    f"{__name__} moved to {_NEW}: import it from there (this path goes in a later release)",
-    DeprecationWarning,
-    stacklevel=2,
-)
-_module = importlib.import_module(_NEW)
-for _name in _SUBMODULES:
-    sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"{_NEW}.{_name}")
-sys.modules[__name__] = _module
+stand_in_for(__name__, "mixprec.optim.compensated", ("compensator", "kernels", "rules"))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
+import warnings
 from pathlib import Path
 
 __all__ = [
@@ -12,6 +14,7 @@ __all__ = [
     "SlowPrecisionError",
     "SlowPrecisionWarning",
     "caller_level",
+    "stand_in_for",
 ]
 
 
@@ -52,3 +55,19 @@ def caller_level() -> int:
     while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def stand_in_for(old: str, new: str, submodules: tuple[str, ...] = ()) -> None:
+    """Make the module being imported at `old` stand for the module at `new` (and
+    `old.<sub>` for `new.<sub>`, each of `submodules`), with a ``DeprecationWarning`` told at
+    the line that imported it: a moved module's old path, kept for one release, imports and
+    patches the same module objects as the new one. Call it from the old path's module body."""
+    warnings.warn(
+        f"{old} moved to {new}: import it from there (this path goes in a later release)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    module = importlib.import_module(new)
+    for name in submodules:
+        sys.modules[f"{old}.{name}"] = importlib.import_module(f"{new}.{name}")
+    sys.modules[old] = module

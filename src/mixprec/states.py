@@ -6,21 +6,12 @@ what is imported or patched through it is what the new path holds.
 
 from __future__ import annotations
 
-import importlib
-import sys
-import warnings
+from mixprec.errors import stand_in_for
 
 __all__: list[str] = []
 
-_NEW = "mixprec.optim.states"
-_SUBMODULES: tuple[str, ...] = ("assign", "buckets", "codecs", "formats", "kernels", "optimizers")
-
-warnings.warn(
-    f"{__name__} moved to {_NEW}: import it from there (this path goes in a later release)",
-    DeprecationWarning,
-    stacklevel=2,
+stand_in_for(
+    __name__,
+    "mixprec.optim.states",
+    ("assign", "buckets", "codecs", "formats", "kernels", "optimizers"),
 )
-_module = importlib.import_module(_NEW)
-for _name in _SUBMODULES:
-    sys.modules[f"{__name__}.{_name}"] = importlib.import_module(f"{_NEW}.{_name}")
-sys.modules[__name__] = _module
