@@ -165,7 +165,27 @@ class Format:
         """The quantized layer for the float `module` at `path` (an ``nn.Linear``, or an
         ``nn.Embedding`` if `embeddings`). `storage` is the dtype its scales will be kept
         in; `memo` lives for one quantization, so that modules sharing a weight (equal
-        `tie`) can share one quantized copy of it."""
+        `tie`) can share one quantized copy of it. The default: `build` the layer, from the
+        codes `quantize_weight` makes once per tie for a format whose layers hold codes
+        (not `keeps_weight`)."""
+        codes = None
+        if not self.keeps_weight:
+            key = (tie, self.name, config, storage)
+            if key not in memo:
+                memo[key] = self.quantize_weight(module.weight, config, f"{path}.weight", storage)
+            codes = memo[key]
+        return self.build(module, config, codes)
+
+    def quantize_weight(
+        self, weight: torch.Tensor, config: Any, name: str, storage: torch.dtype
+    ) -> Any:
+        """The codes of the float `weight` (`name` in messages), scales kept in `storage`,
+        that `build` takes: for a format whose layers hold codes, not the weight."""
+        raise NotImplementedError(f"format {self.name!r} makes no codes of a weight")
+
+    def build(self, module: nn.Module, config: Any, codes: Any) -> nn.Module:
+        """The quantized layer for the float `module`, from `codes` (`quantize_weight`'s,
+        shared by tied modules; None for a format that `keeps_weight`)."""
         raise NotImplementedError(f"format {self.name!r} has no layer to swap in")
 
     def to_float(self, layer: nn.Module, memo: dict[int, Any]) -> nn.Module:

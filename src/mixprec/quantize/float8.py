@@ -754,16 +754,7 @@ class Float8Format(Format):
             return f"too small for float8 matmuls: {shape}"
         return config.gain_reason(module.in_features, module.out_features)
 
-    def swap(
-        self,
-        module: nn.Module,
-        config: Float8Config,
-        *,
-        path: str,
-        storage: torch.dtype,
-        tie: tuple[Any, ...],
-        memo: dict[Any, Any],
-    ) -> nn.Module:
+    def build(self, module: nn.Module, config: Float8Config, codes: None) -> nn.Module:
         return Float8Linear.from_float(module, config.recipe, config.amax_history_length)
 
     def layer_config(self, layer: nn.Module) -> Float8Config:

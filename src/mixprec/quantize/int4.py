@@ -476,22 +476,14 @@ class Int4Format(Format):
     def to_dict(self, config: Int4Config) -> dict[str, Any]:
         return {"group_size": config.group_size}
 
-    def swap(
-        self,
-        module: nn.Module,
-        config: Int4Config,
-        *,
-        path: str,
-        storage: torch.dtype,
-        tie: tuple[Any, ...],
-        memo: dict[Any, Any],
-    ) -> nn.Module:
-        size = config.group_size
-        key = (tie, self.name, size, storage)
-        if key not in memo:
-            memo[key] = quantize_groups(module.weight, size, f"{path}.weight", storage)
+    def quantize_weight(
+        self, weight: Tensor, config: Int4Config, name: str, storage: torch.dtype
+    ) -> tuple[Tensor, ...]:
+        return quantize_groups(weight, config.group_size, name, storage)
+
+    def build(self, module: nn.Module, config: Int4Config, codes: tuple[Tensor, ...]) -> nn.Module:
         layer = Int4Linear if isinstance(module, nn.Linear) else Int4Embedding
-        return layer.from_float(module, size, memo[key])
+        return layer.from_float(module, config.group_size, codes)
 
     def layer_config(self, layer: nn.Module) -> Int4Config:
         return Int4Config(layer.group_size)

@@ -715,21 +715,14 @@ class Int8Format(Format):
             "or float32 source, e.g. 'int8_from_mixed_bfloat16'"
         )
 
-    def swap(
-        self,
-        module: nn.Module,
-        config: None,
-        *,
-        path: str,
-        storage: torch.dtype,
-        tie: tuple[Any, ...],
-        memo: dict[Any, Any],
-    ) -> nn.Module:
-        key = (tie, self.name, storage)
-        if key not in memo:
-            memo[key] = quantize_rows(module.weight, f"{path}.weight", storage)
+    def quantize_weight(
+        self, weight: Tensor, config: None, name: str, storage: torch.dtype
+    ) -> tuple[Tensor, ...]:
+        return quantize_rows(weight, name, storage)
+
+    def build(self, module: nn.Module, config: None, codes: tuple[Tensor, ...]) -> nn.Module:
         layer = Int8Linear if isinstance(module, nn.Linear) else Int8Embedding
-        return layer.from_float(module, memo[key])
+        return layer.from_float(module, codes)
 
     def to_float(self, layer: nn.Module, memo: dict[int, Any]) -> nn.Module:
         return float_layer(layer, memo)

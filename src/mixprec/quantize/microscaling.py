@@ -283,16 +283,7 @@ class MicroscalingFormat(Format):
         shape = config.shape_reason(module.in_features, module.out_features)
         return None if shape is None else f"does not fill whole blocks: {shape}"
 
-    def swap(
-        self,
-        module: nn.Module,
-        config: MicroscalingConfig,
-        *,
-        path: str,
-        storage: torch.dtype,
-        tie: tuple[Any, ...],
-        memo: dict[Any, Any],
-    ) -> nn.Module:
+    def build(self, module: nn.Module, config: MicroscalingConfig, codes: None) -> nn.Module:
         return MicroscalingLinear.from_float(module, config)
 
     def layer_config(self, layer: nn.Module) -> MicroscalingConfig:
