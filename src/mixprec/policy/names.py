@@ -37,6 +37,7 @@ __all__ = [
     "parse_float",
     "parse_quantized",
     "parse_spec",
+    "spelled_int",
     "unregistered",
 ]
 
@@ -286,6 +287,17 @@ def accepted_quantized() -> str:
         "any float policy name after '_from_' (e.g. 'int8_from_float32', "
         "'int4/64_from_mixed_bfloat16', 'float8/rowwise_from_bf16-mixed')"
     )
+
+
+def spelled_int(text: str, what: str, name: str) -> int:
+    """The int that the option `text` of the quantized spec `name` spells, or
+    PolicySpecError saying that `what` is not an integer and what is accepted."""
+    try:
+        return int(text)
+    except ValueError:
+        raise PolicySpecError(
+            f"{what} {text!r} in {name!r} is not an integer. " + accepted_quantized()
+        ) from None
 
 
 def names_quantized(spec: Any) -> bool:

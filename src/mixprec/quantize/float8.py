@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from mixprec.errors import PolicySpecError
 from mixprec.formats.float8 import Float8Config
 from mixprec.formats.registry import Format, Status, Support, agree
-from mixprec.policy.names import accepted_quantized
+from mixprec.policy.names import accepted_quantized, spelled_int
 from mixprec.quantize.first_order import first_order
 from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_casts
 from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules
@@ -694,13 +694,7 @@ class Float8Format(Format):
         if options is not None:
             spelled_recipe, colon, history = options.partition(":")
             if colon:
-                try:
-                    spelled_history = int(history)
-                except ValueError:
-                    raise PolicySpecError(
-                        f"amax history length {history!r} in {name!r} is not an integer. "
-                        + accepted_quantized()
-                    ) from None
+                spelled_history = spelled_int(history, "amax history length", name)
         recipe = agree("recipe", spelled_recipe, keywords.get("recipe"), name)
         given = keywords.get("amax_history_length")
         history = agree("amax_history_length", spelled_history, given, name)

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from mixprec.errors import PolicySpecError
 from mixprec.formats.registry import Format, agree
-from mixprec.policy.names import accepted_quantized
+from mixprec.policy.names import spelled_int
 from mixprec.quantize.int8 import (
     Prepacked,
     check_finite,
@@ -451,13 +451,7 @@ class Int4Format(Format):
         if options == "none":  # Keras's older spelling of per-channel int4 ("int4/None_from_...")
             spelled = PER_CHANNEL
         elif options is not None:
-            try:
-                spelled = int(options)
-            except ValueError:
-                raise PolicySpecError(
-                    f"int4 group size {options!r} in {name!r} is not an integer. "
-                    + accepted_quantized()
-                ) from None
+            spelled = spelled_int(options, "int4 group size", name)
         size = agree("group size", spelled, keywords.get("group_size"), name)
         try:
             return Int4Config(DEFAULT_GROUP_SIZE if size is None else size)

@@ -503,7 +503,30 @@ def output_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-class Int8Linear(Prepacked, LoraMixin, nn.Module):
+class _Int8Rows:
+    """The int8 weight of an int8 Linear or Embedding: ``qweight`` and one ``weight_scale``
+    a row."""
+
+    qweight: Tensor
+    weight_scale: Tensor
+
+    def take_rows(self, weight: Tensor, quantized: tuple[Tensor, ...] | None) -> None:
+        """Hold the int8 rows of the float `weight`, or `quantized` (``(qweight,
+        weight_scale)`` already made from it), the scales in its dtype."""
+        q, scale = quantized if quantized is not None else quantize_rows(weight)
+        self.qweight, self.weight_scale = q, scale.to(weight.dtype)
+
+    def dequantized_weight(self) -> Tensor:
+        """``qweight * weight_scale`` in the scales' dtype (LoRA adapters not included)."""
+        return self.qweight.to(self.weight_scale.dtype) * self.weight_scale[:, None]
+
+    def requantize(self, weight: Tensor) -> None:
+        """Replace the int8 rows by the quantization of the float `weight`."""
+        q, scale = quantize_rows(weight, dtype=self.weight_scale.dtype)
+        self.qweight, self.weight_scale = q, scale.to(self.weight_scale.dtype)
+
+
+class Int8Linear(_Int8Rows, Prepacked, LoraMixin, nn.Module):
     """A Linear with int8 weights (per output channel) and per-token int8 activations.
 
     The int8 weight and its scales are buffers (no gradient); the bias trains. Scales are
@@ -529,19 +552,13 @@ class Int8Linear(Prepacked, LoraMixin, nn.Module):
         """Quantize `linear` (or take ``(qweight, weight_scale)`` already made from its
         weight, so tied weights share one int8 copy)."""
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        q, scale = quantized if quantized is not None else quantize_rows(linear.weight)
-        layer.qweight, layer.weight_scale = q, scale.to(linear.weight.dtype)
+        layer.take_rows(linear.weight, quantized)
         layer.bias = linear.bias  # the same Parameter: an optimizer holding it keeps working
         return layer.to(linear.weight.device)
 
-    def dequantized_weight(self) -> Tensor:
-        """``qweight * weight_scale`` in the scales' dtype (LoRA adapters not included)."""
-        return self.qweight.to(self.weight_scale.dtype) * self.weight_scale[:, None]
-
     def requantize(self, weight: Tensor) -> None:
         """Replace the int8 weight by the quantization of the float `weight`."""
-        q, scale = quantize_rows(weight, dtype=self.weight_scale.dtype)
-        self.qweight, self.weight_scale = q, scale.to(self.weight_scale.dtype)
+        super().requantize(weight)
         self.drop_prepacked()
 
     @property
@@ -615,7 +632,7 @@ class Int8Linear(Prepacked, LoraMixin, nn.Module):
         )
 
 
-class Int8Embedding(LoraEmbeddingMixin, nn.Module):
+class Int8Embedding(_Int8Rows, LoraEmbeddingMixin, nn.Module):
     """An Embedding with int8 rows (one scale per row): each lookup is dequantized."""
 
     float_type = nn.Embedding
@@ -639,18 +656,8 @@ class Int8Embedding(LoraEmbeddingMixin, nn.Module):
     ) -> Int8Embedding:
         """Quantize `embedding` (or take ``(qweight, weight_scale)`` of its weight)."""
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx)
-        q, scale = quantized if quantized is not None else quantize_rows(embedding.weight)
-        layer.qweight, layer.weight_scale = q, scale.to(embedding.weight.dtype)
+        layer.take_rows(embedding.weight, quantized)
         return layer.to(embedding.weight.device)
-
-    def dequantized_weight(self) -> Tensor:
-        """``qweight * weight_scale`` in the scales' dtype."""
-        return self.qweight.to(self.weight_scale.dtype) * self.weight_scale[:, None]
-
-    def requantize(self, weight: Tensor) -> None:
-        """Replace the int8 rows by the quantization of the float `weight`."""
-        q, scale = quantize_rows(weight, dtype=self.weight_scale.dtype)
-        self.qweight, self.weight_scale = q, scale.to(self.weight_scale.dtype)
 
     def forward(self, idx: Tensor) -> Tensor:
         rows = F.embedding(idx, self.qweight).to(self.weight_scale.dtype)
