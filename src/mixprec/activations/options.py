@@ -72,10 +72,11 @@ def refusal(module: nn.Module, option: str) -> str | None:
     if inner is None:
         return None
     others = tuple(o for o in OPTIONS if o not in RECOMPUTE)
+    layer = type(module.get_submodule("" if inner == "<itself>" else inner)).__name__
+    where = "it" if inner == "<itself>" else f"its {layer} {inner!r}"
     return (
-        f"{option!r} recomputes the forward in the backward, and {inner} "
-        f"({type(module.get_submodule('' if inner == '<itself>' else inner)).__name__}) "
-        "updates its running statistics in place there, so each batch would count twice; "
+        f"{option!r} recomputes the forward in the backward, and {where} updates running "
+        "statistics in place there, so each batch would count twice; "
         f"give this module {accepted(others)}, recompute the modules around the BatchNorm, "
         "or build it with track_running_stats=False"
     )
