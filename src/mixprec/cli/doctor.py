@@ -187,13 +187,17 @@ def fit_child(argv: list[str]) -> None:
 
 
 def _fresh_measure(args: argparse.Namespace) -> Any:
-    """Measures plans in a fresh Python process (`fit_child`), all of one call in one."""
+    """Measures each plan in a fresh Python process of its own (`fit_child`): nothing a
+    plan measured before it ran leaves its mark on the allocator."""
     from mixprec.plan.fitting import Peak
 
     def measure(plans: list[Any]) -> list[Peak]:
+        return [peak for plan in plans for peak in measure_one(plan)]
+
+    def measure_one(plan: Any) -> list[Peak]:
         spec = {
             "factory": args.factory,
-            "plans": [p.to_config() for p in plans],
+            "plans": [plan.to_config()],
             "device": args.device,
             "seed": args.seed,
             "lr": args.lr or 1e-3,

@@ -13,14 +13,16 @@ fit is returned. When none fits, the smallest plan (each layer and block in its 
 option) is measured and the report says by how many bytes it is over.
 
 `step_peaks` is the measurement: the parameters' bytes plus the tensor peak
-(`mixprec.memory.measured`) of building AdamW and running ``steps`` training steps, and the
-loss on the batch afterwards.
+(`mixprec.memory.measured`) of building AdamW and running ``steps`` training steps, with
+Python's cycle collector stopped so that the peak does not depend on what ran before, and
+the loss on the batch afterwards.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -275,6 +277,21 @@ def _with(policy: PolicyMap, activations: Any) -> PolicyMap:
     )
 
 
+def _without_collector(run: Callable[[], Any]) -> Any:
+    """``run()`` with Python's cycle collector stopped (after one collection): where it
+    would run depends on every object the process made before, so the same step would peak
+    differently from one process to the next; stopped, cyclic garbage waits to the end, and
+    the peak is the same each time and never below what a collection could make it."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return run()
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def step_peaks(
     model: nn.Module,
     batch: Any,
@@ -319,7 +336,7 @@ def step_peaks(
                     precision.step(optimizer)
                     optimizer.zero_grad(set_to_none=True)
 
-            _, peak = measured(dev, work)
+            _, peak = _without_collector(lambda: measured(dev, work))
             trained.eval()
             with torch.no_grad():
                 loss = float(batch_loss(precision, trained, batch, loss_fn))
