@@ -19,7 +19,7 @@ SRC = Path(mixprec.__file__).parent
 # below it. Utilities with no knowledge of precision sit at the bottom.
 LAYERS: list[set[str]] = [
     {"errors", "version", "textout", "timing", "memory"},
-    {"dtypes", "compensated", "optim.compensated"},
+    {"dtypes", "compensated", "optim.compensated", "optim.engine"},
     {"device"},
     {"formats"},
     {"policy.names"},

@@ -14,7 +14,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import mixprec
-from mixprec.optim import LossScaleOptimizer
+from mixprec.optim import LossScaleOptimizer, engine
 from mixprec.optim.compensated import (
     COMPILE_MIN_ELEMENTS,
     SMALL,
@@ -415,7 +415,7 @@ def test_rounding_is_a_function_of_seed_and_step_counts():
 
 
 def _unhash(x: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``kernels._hash`` (int64 arithmetic modulo 2^32)."""
+    """The inverse of ``engine.hash32`` (int64 arithmetic modulo 2^32)."""
     x = x.long() & 0xFFFFFFFF
 
     def unxorshift(x, shift):
@@ -438,17 +438,17 @@ def test_the_noise_is_two_halves_of_a_bijection_of_index_plus_key():
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(-(1 << 31), 1 << 31, (100_000,), generator=gen, dtype=torch.int64)
     x = torch.cat([x, torch.tensor([0, 1, -1, (1 << 31) - 1, -(1 << 31)])]).int()
-    h = kernels._hash(x)
+    h = engine.hash32(x)
     assert torch.equal(_unhash(h), x.long() & 0xFFFFFFFF)
     key, start, n = -123456789, 1 << 20, 5000
-    low, high = kernels._noise(n, start, key, torch.device("cpu"))
+    low, high = engine.random_bits(n, start, key, torch.device("cpu"))
     i = torch.arange(start, start + n, dtype=torch.int64)
-    expect = kernels._hash((i + key).int())
+    expect = engine.hash32((i + key).int())
     assert torch.equal(low, expect & 0xFFFF)
     assert torch.equal(high, (expect.long() >> 16) & 0xFFFF)
     assert (low | (high << 16)).unique().numel() == n  # distinct 32-bit values
     for half in (0, 1):  # pairs: the even and the odd elements
-        got = kernels._noise(n // 2, start + half, key, torch.device("cpu"), step=2)
+        got = engine.random_bits(n // 2, start + half, key, torch.device("cpu"), step=2)
         assert torch.equal(got[0], low[half::2]) and torch.equal(got[1], high[half::2])
 
 
@@ -459,7 +459,7 @@ def test_rounding_keeps_signed_zeros_infinities_and_nans_of_any_payload(dtype):
     bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F800000, -0x800000, -(1 << 31), 0])
     x = bits.to(torch.int32).view(torch.float32)
     for noise in (0, 0xFFFF):
-        out = kernels._round_stochastic(x, torch.full_like(bits, noise, dtype=torch.int32), dtype)
+        out = engine.round_stochastic(x, torch.full_like(bits, noise, dtype=torch.int32), dtype)
         assert out[:3].isnan().all()
         assert out[3] == float("inf") and out[4] == float("-inf")
         assert torch.equal(out[5:].signbit(), torch.tensor([True, False]))

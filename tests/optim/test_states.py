@@ -478,9 +478,14 @@ def test_a_resumed_run_is_bit_identical_to_one_that_never_stopped(make, tmp_path
         assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
 
 
-def test_a_resumed_stochastic_bfloat16_run_is_bit_identical():
-    def make(ps):
-        return LowBitAdamW(ps, lr=1e-3, compensation="stochastic", seed=3, compile=False)
+@pytest.mark.parametrize("compensation", ["stochastic", "kahan"])
+def test_a_resumed_compensated_bfloat16_run_is_bit_identical(compensation):
+    """The random bits are the engine's: a hash of the seed, the step counts and the
+    parameters' indices, so the state dict holds the seed and no generator state, and a
+    resumed run (here built with another seed, restored from the state) is the same run."""
+
+    def make(ps, seed=3):
+        return LowBitAdamW(ps, lr=1e-3, compensation=compensation, seed=seed, compile=False)
 
     straight = _params(dtype=torch.bfloat16)
     _run(make(straight), straight, range(6))
@@ -488,19 +493,40 @@ def test_a_resumed_stochastic_bfloat16_run_is_bit_identical():
     opt_a = make(first)
     _run(opt_a, first, range(3))
     state = copy.deepcopy(opt_a.state_dict())
-    assert state["generator"] is not None
+    assert state["seed"] == 3 and "generator" not in state
     resumed = [nn.Parameter(p.detach().clone()) for p in first]
-    opt_b = make(resumed)
+    opt_b = make(resumed, seed=99)
     opt_b.load_state_dict(state)
+    assert opt_b.seed == 3
     # float32 moments and scales beside bfloat16 weights stay float32 (torch's loader would
     # cast them to bfloat16)
     floats = {
-        v.dtype for s in opt_b.state.values() for k, v in s.items() if k not in ("step", "format")
-        and not k.endswith("codes")
+        v.dtype for s in opt_b.state.values() for k, v in s.items()
+        if k not in ("step", "format", "compensation") and not k.endswith("codes")
     }  # fmt: skip
     assert floats == {torch.float32}
     _run(opt_b, resumed, range(3, 6))
     assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+
+
+def test_a_state_saved_with_a_generator_state_loads_and_steps():
+    """States saved before the engine's random bits hold the stochastic rounding's
+    generator state: it is checked, set aside, and the run continues (the rounding is the
+    engine's from then on)."""
+    params = _params(dtype=torch.bfloat16)
+    opt = LowBitAdamW(params, lr=1e-3, compensation="stochastic", seed=3, compile=False)
+    _run(opt, params, range(2))
+    old = copy.deepcopy(opt.state_dict())
+    del old["seed"]
+    old["generator"] = torch.Generator().manual_seed(3).get_state()
+    again = LowBitAdamW(params, lr=1e-3, compensation="stochastic", seed=5, compile=False)
+    again.load_state_dict(copy.deepcopy(old))
+    assert again.seed == 5
+    _run(again, params, range(2, 3))
+    old["generator"] = "not a state"
+    fresh = LowBitAdamW(params, lr=1e-3, compensation="stochastic", compile=False)
+    with pytest.raises(ValueError, match="generator"):
+        fresh.load_state_dict(old)
 
 
 @pytest.mark.parametrize("fmt, most", [("int8", 0.02), ("fp8", 0.08)])
@@ -637,6 +663,24 @@ def test_compiled_step_matches_eager_and_a_changing_lr_does_not_recompile():
     assert counters["stats"]["unique_graphs"] == built, "a learning-rate change recompiled"
     assert compiled.param_groups[0]["lr"] == pytest.approx(1e-2 / 7)
     assert _max_diff(eager_params, compiled_params) < 1e-4
+
+
+@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
+def test_the_compiled_compensated_step_draws_the_eager_steps_random_bits(compensation):
+    """bfloat16 weights written back by the engine inside the compiled update: the same
+    random bits as the eager update (a hash of the element's index and the call's key), and
+    the same weights on this CPU."""
+    runs = {}
+    for compile in (False, True):
+        params = _params(dtype=torch.bfloat16)
+        opt = LowBitAdamW(
+            params, lr=1e-3, states="int8", min_size=0, compensation=compensation,
+            compile=compile, seed=7,
+        )  # fmt: skip
+        _run(opt, params, range(3))
+        runs[compile] = params
+    for a, b in zip(runs[False], runs[True], strict=True):
+        assert torch.equal(a, b)
 
 
 # -- composition --------------------------------------------------------------------------------

@@ -18,18 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.optim.engine import SUPPORTED_OPTIMIZERS
 from mixprec.optim.states import LowBitOptimizer, StateFormat, from_optimizer
 from mixprec.optim.wrapper import LossScaleOptimizer
 from mixprec.policy.map import PolicyMap
 
 __all__ = ["CONVERTIBLE", "check_kept_formats", "convert_for", "hand_over"]
 
-# the torch optimizers whose state formats a policy map converts (exactly these classes)
-CONVERTIBLE: tuple[type[torch.optim.Optimizer], ...] = (
-    torch.optim.AdamW,
-    torch.optim.Adam,
-    torch.optim.SGD,
-)
+# the torch optimizers whose state formats a policy map converts (exactly these classes:
+# the engine's supported ones, as the compensated steps stand in for)
+CONVERTIBLE: tuple[type[torch.optim.Optimizer], ...] = tuple(SUPPORTED_OPTIMIZERS)
 
 
 def convert_for(
@@ -85,6 +83,7 @@ def convert_for(
     formats = {
         named[n]: fmt for n, (fmt, _) in assigned.items() if fmt.quantized and str(fmt) != default
     }
+
     def keep_float32(p: torch.Tensor) -> bool:
         return id(p) in plain or any(id(w.model_param(p)) in plain for w in wrappers)
 

@@ -12,15 +12,21 @@ small. Two fixes keep the memory of pure 16-bit training (no float32 copy of the
 ``Compensator(kind).step(optimizer)`` replaces ``optimizer.step()`` for torch's AdamW, Adam
 and SGD, from the optimizer's own groups and state (so schedulers and checkpoints keep
 working). Modules: `rules` (what is compensated and what is refused), `kernels` (the
-elementwise math, stochastic rounding, the compiled kernels), `compensator` (`Compensator`).
+elementwise Adam and SGD math, the compiled kernels), `compensator` (`Compensator`). The
+weight's write-back, the random bits, the compile gate and the optimizers stood in for are
+the engine's (`mixprec.optim.engine`), which the low-bit optimizers share.
 How it works and what it costs, measured: docs/pure-bf16.md.
 """
 
 from __future__ import annotations
 
 from mixprec.optim.compensated.compensator import COMPILE_MIN_ELEMENTS, SMALL, Compensator
-from mixprec.optim.compensated.kernels import stochastic_round_
-from mixprec.optim.compensated.rules import COMPENSATED_DTYPES, COMPENSATIONS, check_compensation
+from mixprec.optim.engine import (
+    COMPENSATED_DTYPES,
+    COMPENSATIONS,
+    check_compensation,
+    stochastic_round_,
+)
 
 __all__ = [
     "COMPENSATED_DTYPES",

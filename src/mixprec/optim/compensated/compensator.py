@@ -6,20 +6,14 @@ each call run compiled or eagerly (`mixprec.optim.compensated.kernels`)."""
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from mixprec.optim.compensated.kernels import (
-    KERNELS,
-    call_key,
-    can_compile,
-    compiled_step,
-    on_memory,
-)
-from mixprec.optim.compensated.rules import COMPENSATED_DTYPES, check_compensation, check_optimizer
+from mixprec.optim.compensated.kernels import KERNELS, compiled_step, on_memory
+from mixprec.optim.compensated.rules import check_optimizer
+from mixprec.optim.engine import COMPENSATED_DTYPES, CompileGate, call_key, check_compensation
 
 __all__ = [
     "CALL_MAX",
@@ -93,14 +87,18 @@ class Compensator:
     def __init__(self, kind: str, seed: int | None = None, compile: bool | None = None) -> None:
         if check_compensation(kind) is None:
             raise ValueError("a Compensator needs compensation='kahan' or 'stochastic'")
-        if compile is not None and not isinstance(compile, bool):
-            raise TypeError(f"compile must be None, True or False, got {compile!r}")
+        # the engine's gate: the same one the low-bit optimizers take
+        self._gate = CompileGate(
+            compile,
+            COMPILE_MIN_ELEMENTS,
+            "compensated step",
+            "Compensator(..., compile=False) skips the attempt",
+        )
         self.kind = kind
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.seed = seed
         self.compile = compile
-        self._compile_failed: str | None = None
 
     check_optimizer = staticmethod(check_optimizer)
 
@@ -325,7 +323,7 @@ class Compensator:
         elements on a CPU, of ``EAGER_CHUNK_ACCELERATOR`` elsewhere."""
         p = flat[0]
         assert p is not None
-        compiled = call.kind is not None and self._compiles(p.device, compensated)
+        compiled = call.kind is not None and self._gate.wants(p.device, compensated)
         kernel = KERNELS[call.algorithm, call.kind]
         width = 2 if call.pairs else 1  # elements per kernel element
         most = CALL_MAX // width
@@ -347,13 +345,6 @@ class Compensator:
                 chunk = [None if t is None else t[start : start + size] for t in piece]
                 kernel(*chunk, eager_scalars, key, call.decay, start * width)
 
-    def _compiles(self, device: torch.device, compensated: int) -> bool:
-        if self._compile_failed is not None:
-            return False
-        if self.compile is None:
-            return compensated >= COMPILE_MIN_ELEMENTS and can_compile(device.type)
-        return self.compile
-
     def _compiled_call(
         self,
         call: _Call,
@@ -363,22 +354,8 @@ class Compensator:
     ) -> bool:
         """Run the compiled step; False (with one warning, and eager steps from then on) if
         ``compile=None`` chose to compile and the build failed before anything ran."""
-        from torch._dynamo.exc import BackendCompilerFailed
-
-        try:
-            compiled_step(call.algorithm, call.kind)(*tensors, scalars, key, call.decay)
-        except BackendCompilerFailed as error:
-            if self.compile is not None:
-                raise
-            self._compile_failed = str(error).splitlines()[0]
-            warnings.warn(
-                f"the compensated step could not be compiled ({self._compile_failed}); it "
-                f"runs eagerly from now on: the same results, slower. Compensator(..., "
-                f"compile=False) skips the attempt",
-                stacklevel=4,
-            )
-            return False
-        return True
+        step = compiled_step(call.algorithm, call.kind)
+        return self._gate.run(step, *tensors, scalars, key, call.decay, stacklevel=4)[1]
 
     def state_dict(self) -> dict[str, Any]:
         """The kind and the seed (the rounding's only state besides the step counts, which

@@ -1,13 +1,20 @@
 """Which optimizers and parameters a compensated step covers: the compensations
-(`COMPENSATIONS`), the 16-bit dtypes compensated (`COMPENSATED_DTYPES`), the torch optimizers
-it can stand in for and the flags it refuses, each refusal naming what to do instead."""
+(`COMPENSATIONS`), the 16-bit dtypes compensated (`COMPENSATED_DTYPES`) and the torch
+optimizers it stands in for (the engine's, `mixprec.optim.engine`, which the low-bit
+optimizers share), and the flags it refuses, each refusal naming what to do instead."""
 
 from __future__ import annotations
 
 import inspect
-from typing import Any
 
 import torch
+
+from mixprec.optim.engine import (
+    COMPENSATED_DTYPES,
+    COMPENSATIONS,
+    SUPPORTED_OPTIMIZERS,
+    check_compensation,
+)
 
 __all__ = [
     "COMPENSATED_DTYPES",
@@ -17,13 +24,12 @@ __all__ = [
     "check_optimizer",
 ]
 
-COMPENSATIONS: tuple[str, ...] = ("kahan", "stochastic")
-# parameter dtypes whose updates are compensated (others step plainly in their own dtype)
-COMPENSATED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
-SUPPORTED = (torch.optim.Adam, torch.optim.SGD)  # AdamW is an Adam subclass
+# torch's AdamW, Adam and SGD (`mixprec.optim.engine.SUPPORTED_OPTIMIZERS`): the classes a
+# compensated step stands in for, and subclasses keeping their step
+SUPPORTED = tuple(SUPPORTED_OPTIMIZERS)
 # the steps the compensated step stands in for (unwrapped from torch's hook wrapper): a
 # subclass that overrides ``step`` is refused
-_TORCH_STEPS = (inspect.unwrap(torch.optim.Adam.step), inspect.unwrap(torch.optim.SGD.step))
+_TORCH_STEPS = tuple({inspect.unwrap(cls.step) for cls in SUPPORTED_OPTIMIZERS})
 # optimizer flags the compensated step cannot honour: (flag, why, what to do instead)
 _REFUSED_FLAGS = (
     (
@@ -43,17 +49,6 @@ _REFUSED_FLAGS = (
         "use master_weights=True: torch's own step on float32 masters",
     ),
 )
-
-
-def check_compensation(value: Any) -> str | None:
-    """``value`` if it names a compensation (or is None); a ``ValueError`` saying what is
-    accepted otherwise."""
-    if value is None or value in COMPENSATIONS:
-        return value
-    raise ValueError(
-        f"compensation must be 'kahan', 'stochastic' or None, got {value!r}: 'kahan' keeps a "
-        f"16-bit buffer of the rounding error per parameter, 'stochastic' rounds at random"
-    )
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.optim.engine import SUPPORTED_OPTIMIZERS
 from mixprec.optim.states.formats import StateFormat, parse_state_format
 from mixprec.optim.states.optimizers import (
     MIN_SIZE,
@@ -216,18 +217,20 @@ def from_model(
 
 
 def _low_bit_class(optimizer: torch.optim.Optimizer) -> type[LowBitOptimizer]:
+    """The low-bit class standing for a torch optimizer of the engine's supported ones
+    (`mixprec.optim.engine.SUPPORTED_OPTIMIZERS`, exactly those classes)."""
     if isinstance(optimizer, LowBitOptimizer):
         raise TypeError(f"{type(optimizer).__name__} is already a low-bit optimizer")
     kind = type(optimizer)
-    if kind is torch.optim.AdamW:
-        return LowBitAdamW
-    if kind is torch.optim.Adam:
-        if optimizer.defaults.get("decoupled_weight_decay"):
-            return LowBitAdamW
-        return LowBitAdam
-    if kind is torch.optim.SGD:
+    if kind not in SUPPORTED_OPTIMIZERS:
+        raise TypeError(
+            f"from_optimizer converts torch.optim.AdamW, Adam and SGD, got {kind.__name__}"
+        )
+    if SUPPORTED_OPTIMIZERS[kind] == "sgd":
         return LowBitSGD
-    raise TypeError(f"from_optimizer converts torch.optim.AdamW, Adam and SGD, got {kind.__name__}")
+    if kind is torch.optim.AdamW or optimizer.defaults.get("decoupled_weight_decay"):
+        return LowBitAdamW
+    return LowBitAdam
 
 
 def low_bit_settings(group: Mapping[str, Any], name: str) -> dict[str, Any]:

@@ -8,22 +8,22 @@ build serves every parameter size; the hyperparameters arrive in one float32 ten
 learning-rate schedule changes values, not the compiled code). The format, the decay and
 the compensation are Python constants the build specializes on.
 
-16-bit parameters are updated in float32 and written back rounded to nearest, with a Kahan
-buffer (``"kahan"``: the buffer, in the parameter's dtype, holds what the last rounding
-lost and is added to the next update), or returned in float32 for stochastic rounding
-(``"stochastic"``, done by `mixprec.optim.compensated.stochastic_round_` after the call).
+Parameters are updated in float32 and written back by the engine's write-back
+(`mixprec.optim.engine.write_back`, the one the compensated steps of torch's optimizers
+take): rounded to nearest, Kahan-compensated (``"kahan"``: a buffer in the parameter's
+dtype holds what the last rounding lost and is added to the next update) or stochastically
+rounded (``"stochastic"``), with the engine's random bits (``key``: a signed 32-bit value
+hashed from the seed, the step count and the parameter's index, `call_key`).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import shutil
-import sys
 from collections.abc import Callable
 
 import torch
 
+from mixprec.optim.engine import Lanes, can_compile, write_back
 from mixprec.optim.states.formats import StateFormat, decode, encode
 
 __all__ = [
@@ -38,9 +38,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# what an update returns: the float32 result for stochastic rounding (or None), and the
-# updated low-bit moments in float32
-Update = tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]
+# what an update returns: the updated low-bit moments in float32
+Update = tuple[torch.Tensor, ...]
 # the builds one update function may hold (formats x dtypes x compensations x size classes)
 RECOMPILE_LIMIT = 64
 
@@ -75,22 +74,20 @@ def _store(
 
 
 def _write(
-    p: torch.Tensor, new: torch.Tensor, buf: torch.Tensor | None, compensation: str | None
-) -> torch.Tensor | None:
-    """Write the float32 ``new`` into the flat parameter ``p`` as ``compensation`` says;
-    the float32 result for ``"stochastic"`` (rounded by the caller), else None."""
-    if compensation == "stochastic":
-        return new.reshape(-1)
-    if compensation == "kahan":
-        assert buf is not None
-        old = p.to(torch.float32)
-        wanted = new - old + buf.to(torch.float32)
-        rounded = (old + wanted).to(p.dtype)
-        buf.copy_(wanted - (rounded.to(torch.float32) - old))
-        p.copy_(rounded)
-        return None
-    p.copy_(new)
-    return None
+    p: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    buf: torch.Tensor | None,
+    key: torch.Tensor | int,
+    compensation: str | None,
+) -> None:
+    """Write ``w + u`` (the float32 weight and its update) into ``p`` by the engine's
+    write-back: as ``compensation`` says, with ``buf`` the Kahan buffer and ``key`` the
+    random bits of the call's first element."""
+    lanes = Lanes(p, 0, key)
+    noise = None if compensation is None else lanes.noise(0)[1]
+    c = None if buf is None else buf.to(torch.float32)
+    lanes.store([p, buf], [write_back(lanes, p, w, u, c, noise, compensation)])
 
 
 def _kept(fmt: StateFormat, *moments: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -120,18 +117,21 @@ def adam_update(
     tables: tuple[torch.Tensor, ...],
     buf: torch.Tensor | None,
     hp: torch.Tensor,
+    key: torch.Tensor | int,
     kind: str,
     block: int | None,
     decoupled: bool,
     compensation: str | None,
-) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+) -> Update:
     """One Adam/AdamW update of the flat parameter ``p`` (a whole number of blocks for a
     low-bit format) with the flat gradient ``g``; the moments in the format ``kind`` and
     ``block`` name (codes and scales, or float32 with no scales); ``tables``: the first
     moment's `code_tables`, then the second's; ``hp``: float32 (lr, beta1, beta2, eps,
     weight_decay, lr / (1 - beta1^step), (1 - beta2^step)^-1/2). Decoupled weight decay
-    (AdamW) or L2 added to the gradient (Adam). Returns the float32 result for stochastic
-    rounding, else None (``p`` written in place), and the updated moments (`_kept`)."""
+    (AdamW) or L2 added to the gradient (Adam). ``p`` is written in place by the engine's
+    write-back (``compensation``, with the Kahan buffer ``buf`` and the random bits of
+    ``key``: a one-element int32 tensor compiled, an int eagerly). Returns the updated
+    moments (`_kept`)."""
     fmt = StateFormat(kind, block)
     lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp.unbind()
     p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
@@ -143,9 +143,11 @@ def adam_update(
     m2 = _load(v, v_scales, tables[1:], fmt, False) * beta2 + (1 - beta2) * g32 * g32
     _store(m1, m, m_scales, fmt, True, tables[:1])
     _store(m2, v, v_scales, fmt, False, tables[1:])
-    update = step_size * m1 / (m2.sqrt() * inv_sqrt_bc2 + eps)
-    new = p32 * (1 - lr * wd) - update if decoupled else p32 - update
-    return _write(p, new, buf, compensation), _kept(fmt, m1, m2)
+    u = -(step_size * m1 / (m2.sqrt() * inv_sqrt_bc2 + eps))
+    if decoupled:
+        u = u - (lr * wd) * p32
+    _write(p, p32, u, buf, key, compensation)
+    return _kept(fmt, m1, m2)
 
 
 def sgd_update(
@@ -156,11 +158,12 @@ def sgd_update(
     tables: tuple[torch.Tensor, ...],
     buf: torch.Tensor | None,
     hp: torch.Tensor,
+    key: torch.Tensor | int,
     kind: str,
     block: int | None,
     nesterov: bool,
     compensation: str | None,
-) -> tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]:
+) -> Update:
     """One SGD update of the flat ``p``, with momentum buffer ``b`` (None without momentum)
     in the format ``kind`` and ``block`` name; ``hp``: float32 (lr, keep, gain,
     weight_decay, momentum), ``keep`` and ``gain`` 0 and 1 on the first step, so that the
@@ -176,7 +179,8 @@ def sgd_update(
         _store(mom, b, b_scales, fmt, True, tables)
         d = d + momentum * mom if nesterov else mom
         kept = _kept(fmt, mom)
-    return _write(p, p32 - lr * d, buf, compensation), kept
+    _write(p, p32, -lr * d, buf, key, compensation)
+    return kept
 
 
 _KERNELS: dict[str, Callable[..., Update]] = {
@@ -208,7 +212,7 @@ def run_compiled(algorithm: str, args: tuple) -> Update:
     """Call the compiled update of ``algorithm`` on ``args`` (those of `adam_update` or
     `sgd_update`), the first dimension of every tensor but the tables and ``hp`` marked
     dynamic: one build serves every size, while the block stays a constant of the code."""
-    for t in args[:-5]:  # not hp and the constants after it
+    for t in args[:-6]:  # not hp, the key and the constants after them
         if torch.is_tensor(t):
             torch._dynamo.maybe_mark_dynamic(t, 0)
     # each format, dtype, compensation and size class (one block, several) is a build of
@@ -223,18 +227,3 @@ def run_compiled(algorithm: str, args: tuple) -> Update:
 def eager(algorithm: str) -> Callable[..., Update]:
     """The update of ``algorithm`` run op by op (the compiled one's math)."""
     return _KERNELS[algorithm]
-
-
-@functools.cache
-def can_compile(device: str) -> bool:
-    """Whether ``compile=None`` compiles on ``device``: a Linux CPU with a C++ compiler on
-    the PATH, or CUDA with Triton."""
-    if device == "cpu":
-        return sys.platform.startswith("linux") and any(
-            shutil.which(cxx) for cxx in ("c++", "g++", "clang++")
-        )
-    if device == "cuda":
-        from torch.utils._triton import has_triton
-
-        return has_triton()
-    return False

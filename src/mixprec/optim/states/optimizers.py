@@ -25,13 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from mixprec.optim.compensated import COMPENSATED_DTYPES, check_compensation, stochastic_round_
+from mixprec.optim.engine import (
+    COMPENSATED_DTYPES,
+    CompileGate,
+    call_key,
+    check_compensation,
+    wrap32,
+)
 from mixprec.optim.states import buckets as buckets_
 from mixprec.optim.states import kernels
 from mixprec.optim.states.formats import (
@@ -126,6 +131,8 @@ class _Planned:
     hp: torch.Tensor
     values: tuple[float, ...]
     statics: tuple
+    index: int = 0  # the parameter's position in the optimizer
+    step: int = 0  # its step count this step
 
 
 def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
@@ -184,16 +191,21 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 f"keep_float32 must be a function of a parameter returning a bool, got "
                 f"{type(keep_float32).__name__}"
             )
-        if compile not in (None, True, False):
-            raise TypeError(f"compile must be None, True or False, got {compile!r}")
+        # the engine's gate: the one the compensated steps of torch's optimizers take
+        self._gate = CompileGate(
+            compile,
+            COMPILE_MIN_ELEMENTS,
+            "low-bit optimizer step",
+            "Pass compile=False to skip the attempt",
+        )
         self.min_size = min_size
         self.keep_float32 = keep_float32
         # formats of single parameters, consulted before their group's
         self.formats = {p: parse_state_format(f) for p, f in (formats or {}).items()}
         self.compensation = check_compensation(compensation)
         self.compile = compile
-        self._compile_failed: str | None = None
-        self._generator: torch.Generator | None = None
+        # the random bits of stochastic rounding and of the Kahan buffer's rounding: the
+        # engine's, keyed by the seed, each parameter's step count and index
         self.seed = seed
         defaults["states"] = str(fmt)
         super().__init__(params, defaults)
@@ -246,6 +258,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         work = []
+        indices = []  # each parameter's position in the optimizer: part of its random key
         params = [(group, p) for group in self.param_groups for p in group["params"]]
         for index, (group, p) in enumerate(params):
             if p.grad is None:
@@ -257,6 +270,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     f"with sparse=False, or step its parameters with torch.optim.SparseAdam"
                 )
             work.append((group, p))
+            indices.append(index)
         if not work:
             return loss
         total = sum(_local(p).numel() for _, p in work)
@@ -267,8 +281,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         counts = [state["step"] for state in states]
         torch._foreach_add_(counts, 1.0)
         steps = torch.stack([c.to("cpu", torch.float32) for c in counts]).tolist()
-        for (group, p), state, step in zip(work, states, steps, strict=True):
+        for (group, p), index, state, step in zip(work, indices, states, steps, strict=True):
             planned = self._plan(p, group, state, int(step), scalars)
+            planned.index, planned.step = index, int(step)
             real = _real(p)
             if real.numel() == 0:
                 continue
@@ -324,11 +339,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
         planned: _Planned,
         compensation: str | None,
         compiled: bool,
-    ) -> torch.Tensor | None:
+        key: int,
+    ) -> None:
         """Update the flat ``flat`` (its moments, its Kahan buffer ``buf``) in place: the
         whole blocks in calls of at most ``CHUNK`` elements, the last partial block (if
-        any) from zero-padded copies. Returns the float32 result, of ``flat``'s length, for
-        stochastic rounding (else None)."""
+        any) from zero-padded copies. ``key``: the random bits of ``flat``'s first element
+        (`call_key`); a piece from element ``begin`` takes ``key + begin``, so each element
+        draws what it would in one call."""
         fmt, n = planned.fmt, flat.numel()
         cut = n - n % fmt.block if fmt.quantized else n  # type: ignore[operator]
         codes = fmt.code_count(cut)
@@ -347,7 +364,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 for t, s in moments
             ]  # fmt: skip
             piece_buf = None if buf is None else buf[begin:end]
-            pieces.append((flat[begin:end], grad[begin:end], states, piece_buf))
+            pieces.append((flat[begin:end], grad[begin:end], states, piece_buf, begin))
         if cut < n:  # the last block, padded
             size = fmt.block
             blocks = cut // size  # type: ignore[operator]
@@ -365,35 +382,26 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if buf is not None:
                 tail_buf = buf.new_zeros(size)
                 tail_buf[: n - cut] = buf[cut:]
-            pieces.append((pad[0], pad[1], states, tail_buf))
-        results = []
-        for piece_p, piece_g, states, piece_buf in pieces:
+            pieces.append((pad[0], pad[1], states, tail_buf, cut))
+        for piece_p, piece_g, states, piece_buf, begin in pieces:
+            piece_key: torch.Tensor | int = 0  # (no random bits without a compensation)
+            if compensation is not None:
+                piece_key = wrap32(key + begin)
+                if compiled:
+                    piece_key = torch.tensor(piece_key, dtype=torch.int32, device=flat.device)
             args = (piece_p, piece_g, *(t for pair in states for t in pair))
-            args += (planned.tables, piece_buf, planned.hp, fmt.kind, fmt.block)
+            args += (planned.tables, piece_buf, planned.hp, piece_key, fmt.kind, fmt.block)
             args += (*planned.statics, compensation)
-            result, ran = self._compiled(args) if compiled else (None, False)
-            if not ran:
-                result, _ = kernels.eager(self.algorithm)(*args)
-            results.append(result)
+            if not (compiled and self._compiled(args)):
+                kernels.eager(self.algorithm)(*args)
         if cut < n:
             flat[cut:] = pieces[-1][0][: n - cut]
             if buf is not None:
                 buf[cut:] = pieces[-1][3][: n - cut]  # type: ignore[index]
-        if compensation != "stochastic":
-            return None
-        # (the last block's result is padded: cut to the parameter's elements)
-        return (torch.cat(results) if len(results) > 1 else results[0])[:n]
-
-    def _round(self, flat: torch.Tensor, value: torch.Tensor) -> None:
-        """Round the float32 ``value`` stochastically into the 16-bit ``flat``."""
-        if self._generator is None or self._generator.device != flat.device:
-            self._generator = torch.Generator(flat.device).manual_seed(self.seed)
-        stochastic_round_(flat, value, self._generator)
 
     def _run(self, planned: _Planned, total: int) -> None:
-        """Update one parameter from its flat views (a copy of a non-contiguous one),
-        then its stochastic rounding. A complex parameter is stepped as its real pairs, as
-        torch's optimizers step it."""
+        """Update one parameter from its flat views (a copy of a non-contiguous one). A
+        complex parameter is stepped as its real pairs, as torch's optimizers step it."""
         p = planned.p
         real = _real(p)
         compensation = self.compensation if p.dtype in COMPENSATED_DTYPES else None
@@ -401,10 +409,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         grad = _real(p.grad).reshape(-1)
         buf = planned.state.get("compensation") if compensation == "kahan" else None
         buf = None if buf is None else _local(buf).view(-1)
-        compiled = self._compiles(real.device, total)
-        value = self._update(flat, grad, planned.moments, buf, planned, compensation, compiled)
-        if value is not None:
-            self._round(flat, value)
+        compiled = self._gate.wants(real.device, total)
+        key = call_key(self.seed, planned.step, planned.index)
+        self._update(flat, grad, planned.moments, buf, planned, compensation, compiled, key)
         if flat.data_ptr() != real.data_ptr():
             real.copy_(flat.view(real.shape))
 
@@ -450,10 +457,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 pair.append(joined.view(parts[0].dtype))  # type: ignore[union-attr]
                 stored.append(bits)
             moments.append((pair[0], pair[1]))
-        compiled = self._compiles(flat.device, total)
-        value = self._update(flat, grad, moments, buf, bucket[0], compensation, compiled)
-        if value is not None:
-            self._round(flat, value)
+        compiled = self._gate.wants(flat.device, total)
+        # the random bits of the bucket's elements, from its first parameter's key on
+        key = call_key(self.seed, bucket[0].step, bucket[0].index)
+        self._update(flat, grad, moments, buf, bucket[0], compensation, compiled, key)
         buckets_.scatter(flat, params, pads)
         if bufs is not None:
             buckets_.scatter(buf, bufs, pads)  # type: ignore[arg-type]
@@ -461,39 +468,20 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for joined, targets in zip(joined_all, stored, strict=True):
             buckets_.scatter(joined, targets, [0] * len(targets))
 
-    def _compiles(self, device: torch.device, total: int) -> bool:
-        if self._compile_failed is not None:
-            return False
-        if self.compile is None:
-            return total >= COMPILE_MIN_ELEMENTS and kernels.can_compile(device.type)
-        return self.compile
-
-    def _compiled(self, args: tuple) -> tuple[torch.Tensor | None, bool]:
-        """(result, True) from the compiled update; (None, False), with one warning and
-        eager steps from then on, if ``compile=None`` chose to compile and the build failed."""
-        from torch._dynamo.exc import BackendCompilerFailed
-
-        try:
-            return kernels.run_compiled(self.algorithm, args)[0], True
-        except BackendCompilerFailed as error:
-            if self.compile is not None:
-                raise
-            self._compile_failed = str(error).splitlines()[0]
-            warnings.warn(
-                f"the low-bit optimizer step could not be compiled ({self._compile_failed}); "
-                f"it runs eagerly from now on: the same math, slower. Pass compile=False to "
-                f"skip the attempt",
-                stacklevel=5,
-            )
-            return None, False
+    def _compiled(self, args: tuple) -> bool:
+        """Run the compiled update (True); False, with one warning and eager steps from
+        then on, if ``compile=None`` chose to compile and the build failed (the engine's
+        `CompileGate`)."""
+        return self._gate.run(kernels.run_compiled, self.algorithm, args, stacklevel=5)[1]
 
     # -- checkpoints -------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, plus ``"generator"``: the stochastic rounding's random state
-        (None before the first stochastic rounding)."""
+        """torch's state dict, plus ``"seed"``: with the step counts in the state, all the
+        random bits of stochastic rounding and of the Kahan buffer's rounding depend on
+        (the engine's counter-based scheme: no generator state)."""
         out = super().state_dict()
-        out["generator"] = None if self._generator is None else self._generator.get_state()
+        out["seed"] = self.seed
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -516,22 +504,25 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 "optimizer.state_dict())"
             )
         saved = dict(state_dict)
+        # (states saved before the engine's random bits hold a generator state instead of
+        # the seed: checked and set aside, the rounding draws from no generator now)
         generator = saved.pop("generator", None)
+        seed = saved.pop("seed", None)
         self._check_groups(saved["param_groups"])
         params = [p for g in self.param_groups for p in g["params"]]
         index = [i for g in saved["param_groups"] for i in g["params"]]
         for i, (p, key) in enumerate(zip(params, index, strict=True)):
             if saved["state"].get(key) is not None:
                 self._check_saved(i, p, saved["state"][key])
-        if generator is not None:
-            if not (torch.is_tensor(generator) and generator.dtype == torch.uint8):
-                raise ValueError(
-                    f"the saved 'generator' is a random generator's state (a uint8 tensor "
-                    f"from Generator.get_state()), got {type(generator).__name__}"
-                )
-            device = _local(params[0]).device if params else torch.device("cpu")
-            restored = torch.Generator(device)
-            restored.set_state(generator)
+        if generator is not None and not (
+            torch.is_tensor(generator) and generator.dtype == torch.uint8
+        ):
+            raise ValueError(
+                f"the saved 'generator' is a random generator's state (a uint8 tensor from "
+                f"Generator.get_state()), got {type(generator).__name__}"
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"the saved 'seed' is an int (from state_dict()), got {seed!r}")
         saved["param_groups"] = [
             {**g, "states": ours["states"]}
             for g, ours in zip(saved["param_groups"], self.param_groups, strict=True)
@@ -548,8 +539,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 elif not torch.is_tensor(value):  # torch's loader rebuilds a string
                     state[name] = value
             self.adopt(p, state, self._group_of(p))
-        if generator is not None:
-            self._generator = restored
+        if seed is not None:
+            self.seed = seed
 
     def _check_groups(self, saved: Any) -> None:
         """Refuse saved parameter groups of another shape, or of another algorithm (an SGD
@@ -830,7 +821,10 @@ class LowBitAdamW(LowBitOptimizer):
             (the same math); ``None`` compiles when a step covers ``COMPILE_MIN_ELEMENTS``
             elements on a device that can build (a Linux CPU with a C++ compiler, CUDA with
             Triton), and falls back to eager, warning once, if the build fails.
-        seed: seeds the stochastic rounding's random generator (saved in `state_dict`).
+        seed: keys the random bits of stochastic rounding and of the Kahan buffer's
+            rounding (the engine's, `mixprec.optim.engine`: a hash of the seed, each
+            parameter's step count and index and the element's position; saved in
+            `state_dict`).
         amsgrad: not supported (refused).
         formats: single parameters' formats (parameter -> spec), before their group's;
             ``min_size`` and ``keep_float32`` still keep theirs float32.

@@ -1,0 +1,398 @@
+"""The step engine every optimizer of `mixprec.optim` shares: the low-bit optimizers
+(`mixprec.optim.states`) and the compensated steps of torch's optimizers
+(`mixprec.optim.compensated`) write their weights back, draw their random bits, decide to
+compile and name the optimizers they stand in for here, once.
+
+- **The weight write-back** (`write_back`): the new weight ``w + u`` of an update ``u``
+  stored plainly (rounded to nearest by the store), Kahan-compensated (a buffer in the
+  weight's dtype holds what the last rounding lost and is added to the next update; the
+  buffer itself stored with stochastic rounding, so its own rounding errors do not add up)
+  or stochastically rounded (up or down at random, with probability proportional to the
+  distance). `Lanes` says how a kernel reads and writes its tensors: plain tensors of any
+  dtype (the math in float32, float64 for float64), or bfloat16 pairs held in int32,
+  rounded by integer arithmetic on their bits (so inductor's C++ kernels vectorize them).
+- **The random bits** (`random_bits`, `call_key`): element ``i`` of a call takes the two 16-bit
+  halves of ``hash32(i + key)``, a bijection of the 32-bit values, with ``key`` hashed from
+  (seed, step count, parameter index, part). The state is the seed and the step counts, so
+  a resumed run is bit-identical and no generator state is saved; inside a compiled kernel
+  this is integer arithmetic on the index, fused into the step.
+- **The compile gate** (`CompileGate`, `can_compile`): ``compile=None`` compiles a step
+  covering enough elements on a device that can build (a Linux CPU with a C++ compiler,
+  CUDA with Triton), and falls back to eager, warning once, if the build fails.
+- **The optimizers stood in for** (`SUPPORTED_OPTIMIZERS`, `algorithm_of`): torch's
+  AdamW, Adam and SGD.
+- **The compensations** (`COMPENSATIONS`, `COMPENSATED_DTYPES`, `check_compensation`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import shutil
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "COMPENSATED_DTYPES",
+    "COMPENSATIONS",
+    "SUPPORTED_OPTIMIZERS",
+    "CompileGate",
+    "Lanes",
+    "algorithm_of",
+    "at_least",
+    "call_key",
+    "can_compile",
+    "check_compensation",
+    "hash32",
+    "nearest_bits",
+    "random_bits",
+    "round_stochastic",
+    "stochastic_bits",
+    "stochastic_round_",
+    "wrap32",
+    "write_back",
+]
+
+COMPENSATIONS: tuple[str, ...] = ("kahan", "stochastic")
+# parameter dtypes whose updates are compensated (others step plainly in their own dtype)
+COMPENSATED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+# the torch optimizers the compensated and the low-bit steps stand in for, and the algorithm
+# each runs ("adam": Adam's moments, its weight decay decoupled for AdamW and for Adam with
+# decoupled_weight_decay=True; "sgd": SGD with momentum)
+SUPPORTED_OPTIMIZERS: dict[type[torch.optim.Optimizer], str] = {
+    torch.optim.AdamW: "adam",
+    torch.optim.Adam: "adam",
+    torch.optim.SGD: "sgd",
+}
+
+# the odd multipliers of ``hash32`` (0x7FEB352D and 0x846CA68B as int32)
+_MIX = (0x7FEB352D, 0x846CA68B - (1 << 32))
+# the float32 bits of a bfloat16: the high half
+_HIGH = -(1 << 16)
+_MASK64 = (1 << 64) - 1
+
+
+def check_compensation(value: Any) -> str | None:
+    """``value`` if it names a compensation (or is None); a ``ValueError`` saying what is
+    accepted otherwise."""
+    if value is None or value in COMPENSATIONS:
+        return value
+    raise ValueError(
+        f"compensation must be 'kahan', 'stochastic' or None, got {value!r}: 'kahan' keeps a "
+        f"16-bit buffer of the rounding error per parameter, 'stochastic' rounds at random"
+    )
+
+
+def algorithm_of(optimizer: torch.optim.Optimizer | type) -> str | None:
+    """The algorithm (``"adam"`` or ``"sgd"``) of a supported torch optimizer (or class),
+    a subclass included; None for any other."""
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    for base, algorithm in SUPPORTED_OPTIMIZERS.items():
+        if issubclass(cls, base):
+            return algorithm
+    return None
+
+
+def stochastic_round_(
+    dst: torch.Tensor, src: torch.Tensor, generator: torch.Generator | None = None
+) -> None:
+    """Write ``src`` into the 16-bit ``dst``, rounding up or down at random with probability
+    proportional to the distance, so the result equals ``src`` on average (the rounding of
+    the compensated steps, with 16 random bits per element drawn from ``generator``)."""
+    if src.shape != dst.shape:
+        raise ValueError(
+            f"stochastic_round_ writes src into dst of the same shape: got src of shape "
+            f"{list(src.shape)} into dst of shape {list(dst.shape)}"
+        )
+    noise = torch.randint(
+        0, 1 << 16, src.shape, dtype=torch.int32, device=src.device, generator=generator
+    )
+    dst.copy_(round_stochastic(src.to(torch.float32), noise, dst.dtype))
+
+
+# -- the random bits and the roundings ---------------------------------------------------
+
+
+def _lsr(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """Logical right shift of int32 ``x`` (torch's ``>>`` on int32 copies the sign bit)."""
+    return (x >> shift) & ((1 << (32 - shift)) - 1)
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A bijection of the 32-bit values (int32, arithmetic modulo 2^32): xorshifts and two
+    multiplications by odd constants (Wellons' "lowbias32", a well-mixing 32-bit hash)."""
+    x = _mix(x)
+    return x ^ _lsr(x, 16)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """``hash32`` but its last xorshift, which changes the low half only (``noise`` takes
+    that half as ``x ^ (x >> 16)``, one operation fewer)."""
+    x = x ^ _lsr(x, 16)
+    x = x * _MIX[0]
+    x = x ^ _lsr(x, 15)
+    return x * _MIX[1]
+
+
+def random_bits(
+    n: int, start: int, key: torch.Tensor | int, device: torch.device, step: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two int32 tensors of ``n`` values in [0, 65536), for the elements ``start``,
+    ``start + step``, ... of a call with ``key`` (a signed 32-bit offset: a one-element int32
+    tensor compiled, an int eagerly): the low and the high half of ``hash32(i + key)``.
+
+    With a uniform key, ``i + key`` is uniform over the 2^32 values for each element ``i``,
+    so is its image under the bijection, and the two halves of a uniform 32-bit value are
+    uniform and independent: each element's two values are exactly uniform, independent of
+    each other and (independent keys) of other steps'; within a call no two elements share
+    a 32-bit value. Compiled, this is integer arithmetic on the element's index, fused into
+    the step."""
+    i = torch.arange(start, start + n * step, step, dtype=torch.int32, device=device)
+    x = _mix(i + key)
+    return (x ^ (x >> 16)) & 0xFFFF, _lsr(x, 16)
+
+
+def round_stochastic(x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float32) rounded to a neighbouring ``dtype`` (bfloat16/float16) value: away
+    from zero when ``65535 - noise`` (``noise`` int32 in [0, 65536), from `random_bits`) is
+    below 65536 times the fraction of the way there, else toward zero; in float32, exactly
+    representable in ``dtype``. Unbiased to 2^-16 of a spacing (exactly for bfloat16);
+    signed zeros and infinities pass unchanged, a NaN becomes a NaN (bfloat16: the quiet
+    NaN).
+
+    bfloat16 is the upper half of float32: ``stochastic_bits`` of the NaN-quieted ``x``
+    (a quiet NaN's payload cannot carry into the sign). float16 takes the spacing of its
+    numbers at ``x``, ``ufp(x) * 2^-10`` with ``ufp(x)`` the power of two at or below
+    ``|x|``: Rump's ``q - (1 - 2^-24) q`` with ``q = (2^23 + 1) |x|``, taken of
+    ``|x| * 2^-24`` so that no finite ``x`` overflows, and at least the spacing of float16's
+    subnormals (also for infinities, whose ``q - q`` is NaN); then ``floor`` of ``|x|`` in
+    spacings, a comparison, and the sign put back: the same rule in float arithmetic."""
+    if dtype == torch.bfloat16:
+        if torch.compiler.is_compiling():  # (inductor vectorizes this, not nan_to_num)
+            quiet = torch.where(x != x, math.nan, x)
+        else:
+            quiet = x.nan_to_num(nan=math.nan, posinf=math.inf, neginf=-math.inf)
+        return stochastic_bits(quiet, noise).view(torch.float32)
+    magnitude = x.abs()
+    q = magnitude * (2.0**-24 * (2.0**23 + 1))
+    spacing = at_least((q - q * (1 - 2.0**-24)) * 2.0**14, 2.0**-24)
+    t = magnitude / spacing
+    low = t.floor()
+    up = ((noise ^ 0xFFFF).float() < (t - low) * 65536).to(x.dtype)
+    return ((low + up) * spacing).copysign(x)
+
+
+def stochastic_bits(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The float32 bits of ``x`` rounded stochastically to bfloat16 (int32, low half zero):
+    ``noise`` added to the 16 bits a bfloat16 drops, and the sum truncated (a carry means
+    those bits exceed ``65535 - noise``). A NaN whose low 16 bits are not zero may carry
+    into the sign: ``round_stochastic`` quiets NaNs first; in the step every NaN is made by
+    arithmetic on bfloat16 values and float32 scalars, whose low halves are zero."""
+    return (x.view(torch.int32) + noise) & _HIGH
+
+
+def nearest_bits(x: torch.Tensor) -> torch.Tensor:
+    """The float32 bits of ``x`` rounded to the nearest bfloat16, ties to even (int32, low
+    half zero): torch's conversion for every number; NaNs as ``stochastic_bits``."""
+    bits = x.view(torch.int32)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) & _HIGH
+
+
+def at_least(x: torch.Tensor, bound: float) -> torch.Tensor:
+    """``x`` where above ``bound``, else (NaN included) ``bound``: one ``where`` compiled;
+    eagerly two cheaper operations with the same result (``torch.where`` is ten times
+    slower than arithmetic on the eager CPU path)."""
+    if torch.compiler.is_compiling():
+        return torch.where(x > bound, x, bound)
+    return x.nan_to_num(nan=bound).clamp_(min=bound)
+
+
+# -- the write-back --------------------------------------------------------------------------
+
+
+class Lanes:
+    """How the step reads and writes its tensors. bfloat16 ones come as int32 pairs (each
+    int32 holds two bfloat16 values, the even element in its low half) and are rounded by
+    integer arithmetic on the float32 bits of the results (``nearest_bits``,
+    ``stochastic_bits``). Compiled, each pair is read as two float32 tensors by moving
+    each half into the high half, and written back from the high halves of the results:
+    the step sees 32-bit types only, which inductor's C++ kernels vectorize 16 at a time
+    with native conversions (a 16-bit tensor makes them work 32 elements at a time, where
+    int/float conversions and bit views fall back to scalar loops, much slower).
+    Eagerly the same values are read and written through a bfloat16 view of the whole slice
+    (half the operations of two halves). Other tensors are read in the math dtype and
+    their results converted on copy."""
+
+    def __init__(self, p: torch.Tensor, start: int, key: torch.Tensor | int) -> None:
+        self.bits = p.dtype == torch.int32  # bfloat16 pairs, rounded through their bits
+        self.pairs = self.bits and torch.compiler.is_compiling()  # read as two halves
+        self.dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+        self.start, self.key, self.device = start, key, p.device
+        self.n = 2 * p.numel() if self.bits and not self.pairs else p.numel()
+        self.shape = p.shape
+
+    def halves(self, *tensors: torch.Tensor | None) -> list[list[torch.Tensor | None]]:
+        """The tensors' values in the math dtype: one list, or for pairs compiled the even
+        and the odd elements."""
+        if self.pairs:
+            return [
+                [None if t is None else (t << 16 if half == 0 else t & _HIGH).view(torch.float32)
+                 for t in tensors]
+                for half in (0, 1)
+            ]  # fmt: skip
+        if self.bits:
+            return [[None if t is None else t.view(torch.bfloat16).float() for t in tensors]]
+        return [[None if t is None else t.to(self.dtype) for t in tensors]]
+
+    def noise(self, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two random values (`random_bits`) of each element of the half ``half``,
+        shaped as the tensors read (a plain tensor's shape, e.g. blocks of a low-bit step)."""
+        if self.pairs:
+            return random_bits(self.n, self.start + half, self.key, self.device, step=2)
+        low, high = random_bits(self.n, self.start, self.key, self.device)
+        if self.bits:
+            return low, high
+        return low.view(self.shape), high.view(self.shape)
+
+    def nearest(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` rounded to nearest: bits for bfloat16 pairs, else as is (the copy
+        converts)."""
+        return nearest_bits(x) if self.bits else x
+
+    def value(self, rounded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The math-dtype value of ``nearest(x)`` once stored in ``dtype``."""
+        if self.bits:
+            return rounded.view(torch.float32)
+        return rounded.to(dtype).to(self.dtype)
+
+    def stochastic(self, x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x`` stochastically rounded for a tensor of ``dtype``: to its 16-bit grid, or
+        as is for a float32/float64 one (state kept in float32 beside 16-bit weights stays
+        float32 math; only 16-bit tensors are rounded)."""
+        if self.bits:
+            return stochastic_bits(x, noise)
+        if dtype not in COMPENSATED_DTYPES:
+            return x
+        return round_stochastic(x, noise, dtype)
+
+    def store(self, targets: list[torch.Tensor | None], halves: list[list]) -> None:
+        """Write each half's results (per target) into ``targets`` (None: nothing)."""
+        for j, t in enumerate(targets):
+            if t is None:
+                continue
+            if self.pairs:
+                t.copy_(_lsr(halves[0][j], 16) | halves[1][j])
+            elif self.bits:
+                t.view(torch.int16).copy_(halves[0][j] >> 16)
+            else:
+                t.copy_(halves[0][j])
+
+
+def write_back(
+    lanes: Lanes,
+    p: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    c: torch.Tensor | None,
+    noise: torch.Tensor | None,
+    kind: str | None,
+) -> list[torch.Tensor | None]:
+    """The new weight ``w + u`` (and Kahan buffer): Kahan-compensated with the buffer
+    ``c``, stochastically rounded, or (``kind`` None, a parameter stepped plainly) rounded
+    to nearest; results for ``lanes.store``."""
+    if kind == "kahan":
+        assert c is not None and noise is not None
+        u = u + c  # what earlier roundings lost
+        new = lanes.nearest(w + u)
+        # the part of the update that made it into the parameter is exact in float32
+        buffer = u - (lanes.value(new, p.dtype) - w)
+        return [new, lanes.stochastic(buffer, noise, c.dtype)]
+    if kind == "stochastic":
+        assert noise is not None
+        return [lanes.stochastic(w + u, noise, p.dtype), None]
+    return [w + u, None]
+
+
+class CompileGate:
+    """Whether a step's kernels run compiled, and the fallback when a build fails.
+
+    ``compile``: None compiles a step covering ``min_elements`` or more elements on a
+    device that can build (`can_compile`), True always, False never. A build that fails
+    under None warns once (``what`` names the step, ``hint`` how to skip the attempt) and
+    every later step runs eagerly: the same math, slower; under True it raises."""
+
+    def __init__(self, compile: bool | None, min_elements: int, what: str, hint: str) -> None:
+        if compile not in (None, True, False):
+            raise TypeError(f"compile must be None, True or False, got {compile!r}")
+        self.compile = compile
+        self.min_elements = min_elements
+        self.what = what
+        self.hint = hint
+        self.failed: str | None = None  # the first line of the failed build's error
+
+    def wants(self, device: torch.device, elements: int) -> bool:
+        """Whether a step of ``elements`` on ``device`` runs compiled."""
+        if self.failed is not None:
+            return False
+        if self.compile is None:
+            return elements >= self.min_elements and can_compile(device.type)
+        return self.compile
+
+    def run(self, call: Callable[..., Any], *args: Any, stacklevel: int = 3) -> tuple[Any, bool]:
+        """(``call(*args)``, True), or (None, False) when the build failed under
+        ``compile=None`` (warned once; nothing ran)."""
+        from torch._dynamo.exc import BackendCompilerFailed
+
+        try:
+            return call(*args), True
+        except BackendCompilerFailed as error:
+            if self.compile is not None:
+                raise
+            self.failed = str(error).splitlines()[0]
+            warnings.warn(
+                f"the {self.what} could not be compiled ({self.failed}); it runs eagerly "
+                f"from now on: the same math, slower. {self.hint}",
+                stacklevel=stacklevel + 1,
+            )
+            return None, False
+
+
+@functools.cache
+def can_compile(device: str) -> bool:
+    """Whether ``compile=None`` compiles on ``device``: a Linux CPU with a C++ compiler on
+    the PATH, or CUDA with Triton."""
+    if device == "cpu":
+        return sys.platform.startswith("linux") and any(
+            shutil.which(cxx) for cxx in ("c++", "g++", "clang++")
+        )
+    if device == "cuda":
+        from torch.utils._triton import has_triton
+
+        return has_triton()
+    return False
+
+
+def _splitmix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def call_key(seed: int, *words: int) -> int:
+    """A signed 32-bit value hashed from ``seed`` and ``words`` (a call's noise offset)."""
+    h = _splitmix(seed & _MASK64)
+    for word in words:
+        h = _splitmix(h ^ (word & _MASK64))
+    h &= 0xFFFFFFFF
+    return h - (1 << 32) if h >= 1 << 31 else h
+
+
+def wrap32(x: int) -> int:
+    """``x`` modulo 2^32 as a signed 32-bit value (a key moved by an element offset)."""
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x >= 1 << 31 else x
