@@ -19,6 +19,7 @@ from torch import nn
 
 from mixprec.doctor.probe import Key, Recording, Stats, combine, lowest_float
 from mixprec.dtypes import dtype_name, format_info
+from mixprec.formats.registry import Ranked
 from mixprec.policy.map import PolicyMap
 
 __all__ = [
@@ -60,20 +61,17 @@ __all__ = [
 ]
 
 
-class Verdict(str, Enum):
+class Verdict(Ranked):
     """How a module fares in the target precision, in order of severity."""
 
     BROKEN = "broken"
     AT_RISK = "at risk"
     OK = "ok"
 
-    def __str__(self) -> str:
-        return self.value
-
     @property
     def severity(self) -> int:
         """0 for the worst verdict: sorts findings worst first."""
-        return list(Verdict).index(self)
+        return self.rank
 
 
 OK, AT_RISK, BROKEN = Verdict.OK, Verdict.AT_RISK, Verdict.BROKEN
@@ -243,6 +241,19 @@ def _frac(count: float, total: float) -> float:
     return count / total if total else 0.0
 
 
+def _rates(s: Stats) -> dict[str, Any]:
+    """What a report reads alike from one tensor's statistics: its size, the fractions that
+    underflow, flush to zero and overflow, the non-finite count and the relative error."""
+    return dict(
+        numel=int(s.numel),
+        underflow=_frac(s.underflow, s.nonzero),
+        flushed=_frac(s.flushed, s.nonzero),
+        overflow=_frac(s.overflow, s.numel),
+        nonfinite=int(s.nonfinite),
+        rel_error=s.rel_error,
+    )
+
+
 def loss_scale_for(grad_amax: float, dtype: torch.dtype) -> float:
     """Largest power of two keeping `grad_amax` x scale below `dtype`'s max by the margin."""
     if grad_amax == 0:
@@ -274,14 +285,9 @@ def param_reports(target: Recording, params: dict[str, Stats]) -> dict[str, Para
             name=name,
             module=name.rpartition(".")[0],
             dtype=limit,
-            numel=int(r.numel),
             nonzero=int(r.nonzero),
             grad_amax=r.amax,
-            underflow=_frac(r.underflow, r.nonzero),
-            flushed=_frac(r.flushed, r.nonzero),
-            overflow=_frac(r.overflow, r.numel),
-            nonfinite=int(r.nonfinite),
-            rel_error=r.rel_error,
+            **_rates(r),
         )
     return reports
 
@@ -369,14 +375,9 @@ def _module_report(
         order=order,
         dtype=dtype_name(lowest_float([target.slots[k].dtype for k in out_keys])),
         calls=len(calls),
-        numel=int(out.numel),
         amax=out.amax,
         amin=out.amin,
-        overflow=_frac(out.overflow, out.numel),
-        underflow=_frac(out.underflow, out.nonzero),
-        flushed=_frac(out.flushed, out.nonzero),
-        nonfinite=int(out.nonfinite),
-        rel_error=out.rel_error,
+        **_rates(out),
         sqnr_db=out.sqnr_db,
         input_amax=inp.amax if inp else 0.0,
         input_nonfinite=int(inp.nonfinite) if inp else 0,

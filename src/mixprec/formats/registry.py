@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Format",
+    "Ranked",
     "Status",
     "Support",
     "StepWork",
@@ -47,21 +48,26 @@ __all__ = [
 ]
 
 
-class Status(str, Enum):
-    """How well a device runs a precision, best first."""
-
-    FAST = "fast"
-    SUPPORTED = "supported"
-    SLOW = "slow"
-    REFUSED = "refused"
+class Ranked(str, Enum):
+    """Words in order: a member prints as its value, and `rank` is its place in the list."""
 
     def __str__(self) -> str:
         return self.value
 
     @property
     def rank(self) -> int:
-        """0 for the best status: the worst dtype of a policy decides its support."""
-        return list(Status).index(self)
+        """The member's place, 0 for the first listed."""
+        return list(type(self)).index(self)
+
+
+class Status(Ranked):
+    """How well a device runs a precision, best first (rank 0): the worst dtype of a
+    policy decides its support."""
+
+    FAST = "fast"
+    SUPPORTED = "supported"
+    SLOW = "slow"
+    REFUSED = "refused"
 
 
 @dataclass(frozen=True)
