@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -218,6 +218,16 @@ class LossScaler:
 
     enabled: bool = True
     kind: str = "base"
+    # what `state_dict` saves beside the kind and the scale: each key and the attribute that
+    # holds it, which `load_state_dict` sets back
+    _SAVED: ClassVar[dict[str, str]] = {
+        "steps": "_steps",
+        "skipped_steps": "_skipped",
+        "consecutive_skips": "_consecutive",
+        "skips_at_min_scale": "_skips_at_floor",
+        "last_overflow_step": "_last_overflow",
+        "max_skips_at_min_scale": "max_skips_at_min_scale",
+    }
 
     def __init__(
         self,
@@ -363,16 +373,8 @@ class LossScaler:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume exactly, valid before the first step too."""
-        return {
-            "kind": self.kind,
-            "scale": self.loss_scale,
-            "steps": self._steps,
-            "skipped_steps": self._skipped,
-            "consecutive_skips": self._consecutive,
-            "skips_at_min_scale": self._skips_at_floor,
-            "last_overflow_step": self._last_overflow,
-            "max_skips_at_min_scale": self.max_skips_at_min_scale,
-        }
+        saved = {key: getattr(self, attr) for key, attr in self._SAVED.items()}
+        return {"kind": self.kind, "scale": self.loss_scale, **saved}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a state saved by ``state_dict`` of a scaler of the same kind.
@@ -391,26 +393,14 @@ class LossScaler:
             )
         _check_keys(state, self._state_keys(), f"{self.kind!r} loss scaler")
         self._scale.fill_(state["scale"])
-        self._steps = state["steps"]
-        self._skipped = state["skipped_steps"]
-        self._consecutive = state["consecutive_skips"]
-        self._skips_at_floor = state["skips_at_min_scale"]
-        self._last_overflow = state["last_overflow_step"]
-        self.max_skips_at_min_scale = state["max_skips_at_min_scale"]
+        for key, attr in self._SAVED.items():
+            setattr(self, attr, state[key])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(scale={self.loss_scale:g}, steps={self._steps})"
 
     def _state_keys(self) -> list[str]:
-        return [
-            "scale",
-            "steps",
-            "skipped_steps",
-            "consecutive_skips",
-            "skips_at_min_scale",
-            "last_overflow_step",
-            "max_skips_at_min_scale",
-        ]
+        return ["scale", *self._SAVED]
 
     def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
         """A state without a ``kind``: from torch.amp.GradScaler, or not a scaler's at all."""
@@ -564,6 +554,15 @@ class DynamicLossScaler(LossScaler):
     """
 
     kind = "dynamic"
+    # its settings too, each under its own name
+    _SAVED: ClassVar[dict[str, str]] = {
+        **LossScaler._SAVED,
+        **{
+            name: name
+            for name in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+            + ("hysteresis", "min_scale", "max_scale")
+        },
+    }
 
     def __init__(
         self,
@@ -675,31 +674,12 @@ class DynamicLossScaler(LossScaler):
         """Scale, growth tracker, hysteresis credits, counters and settings."""
         state = super().state_dict()
         state.update(
-            growth_tracker=int(self._growth_tracker.item()),
-            credits=int(self._credits.item()),
-            init_scale=self.init_scale,
-            growth_factor=self.growth_factor,
-            backoff_factor=self.backoff_factor,
-            growth_interval=self.growth_interval,
-            hysteresis=self.hysteresis,
-            min_scale=self.min_scale,
-            max_scale=self.max_scale,
+            growth_tracker=int(self._growth_tracker.item()), credits=int(self._credits.item())
         )
         return state
 
     def _state_keys(self) -> list[str]:
-        return [
-            *super()._state_keys(),
-            "growth_tracker",
-            "credits",
-            "init_scale",
-            "growth_factor",
-            "backoff_factor",
-            "growth_interval",
-            "hysteresis",
-            "min_scale",
-            "max_scale",
-        ]
+        return [*super()._state_keys(), "growth_tracker", "credits"]
 
     def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
         """Resume from ``torch.amp.GradScaler.state_dict()``: its scale, growth tracker,
@@ -735,13 +715,6 @@ class DynamicLossScaler(LossScaler):
         self._growth_tracker.fill_(state["growth_tracker"])
         self._host = (_float32(float(state["scale"])), int(state["growth_tracker"]))
         self._credits.fill_(state["credits"])
-        self.init_scale = state["init_scale"]
-        self.growth_factor = state["growth_factor"]
-        self.backoff_factor = state["backoff_factor"]
-        self.growth_interval = state["growth_interval"]
-        self.hysteresis = state["hysteresis"]
-        self.min_scale = state["min_scale"]
-        self.max_scale = state["max_scale"]
 
 
 def as_loss_scaler(
