@@ -132,6 +132,9 @@ class Compensator:
     def _update(self, optimizer: torch.optim.Optimizer) -> None:
         """Update every parameter with a gradient (under no_grad)."""
         calls: dict[tuple, _Call] = {}
+        adam = isinstance(optimizer, torch.optim.Adam)
+        decoupled = isinstance(optimizer, torch.optim.AdamW)
+        work = []
         index = 0  # each parameter's position in the optimizer: part of its random key
         for group in optimizer.param_groups:
             params = group["params"]
@@ -140,11 +143,22 @@ class Compensator:
                     continue
                 if p.grad.is_sparse:
                     raise ValueError("compensated updates do not support sparse gradients")
-                if isinstance(optimizer, torch.optim.Adam):
-                    self._add_adam(calls, optimizer, group, i, p)
-                else:
-                    self._add_sgd(calls, optimizer, group, i, p)
+                work.append((group, i, p, self._prepared(optimizer.state[p], p, adam)))
             index += len(params)
+        steps: list[float] = []
+        if work:
+            # every step count on by one and read back in a fixed number of calls, whatever
+            # the number of parameters (torch's Adam counts each parameter's own steps: one
+            # that had no gradient for a while is behind the others, with its own bias
+            # correction)
+            counts = [state["step"] for *_, state in work]
+            torch._foreach_add_(counts, 1.0)
+            steps = torch.stack([c.to("cpu", torch.float32) for c in counts]).tolist()
+        for (group, i, p, state), step in zip(work, steps, strict=True):
+            if adam:
+                self._add_adam(calls, group, i, p, state, int(step), decoupled)
+            else:
+                self._add_sgd(calls, group, i, p, state, int(step))
         compensated = sum(call.numel for call in calls.values() if call.kind)
         scalars: dict[tuple, torch.Tensor] = {}
         # the largest first: a compiled step's first call sets its threading by its size
@@ -156,25 +170,32 @@ class Compensator:
     def _kind(self, p: torch.Tensor) -> str | None:
         return self.kind if p.dtype in COMPENSATED_DTYPES else None
 
-    def _add_adam(
-        self, calls: dict, optimizer: Any, group: dict, index: int, p: torch.Tensor
-    ) -> None:
-        state = optimizer.state[p]
-        if "step" not in state:
+    @staticmethod
+    def _prepared(state: dict, p: torch.Tensor, adam: bool) -> dict:
+        """``p``'s state, made on its first step as torch's Adam or SGD makes it (and a
+        step count for SGD, which torch keeps none of: the random key reads it)."""
+        if adam and "step" not in state:
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state.setdefault("step", torch.tensor(0.0))
+        return state
+
+    def _add_adam(
+        self,
+        calls: dict,
+        group: dict,
+        index: int,
+        p: torch.Tensor,
+        state: dict,
+        step: int,
+        decoupled: bool,
+    ) -> None:
         kind = self._kind(p)
         buffer = self._buffer(state, p) if kind == "kahan" else None
-        state["step"] += 1
-        # torch's Adam counts each parameter's own steps: one that had no gradient for a
-        # while is behind the others and has its own bias correction
-        step = int(state["step"].item())
         lr, (beta1, beta2) = float(group["lr"]), group["betas"]
         wd = group["weight_decay"]
-        decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
-            "decoupled_weight_decay", False
-        )
+        decoupled = decoupled or group.get("decoupled_weight_decay", False)
         sign = -1.0 if group.get("maximize") else 1.0
         scalars = [
             beta1,
@@ -193,11 +214,8 @@ class Compensator:
         self._add(calls, "adam", kind, scalars, step, index, row, decay)
 
     def _add_sgd(
-        self, calls: dict, optimizer: Any, group: dict, index: int, p: torch.Tensor
+        self, calls: dict, group: dict, index: int, p: torch.Tensor, state: dict, step: int
     ) -> None:
-        state = optimizer.state[p]
-        state.setdefault("step", torch.tensor(0.0))
-        state["step"] += 1
         kind = self._kind(p)
         buffer = self._buffer(state, p) if kind == "kahan" else None
         momentum, dampening = group["momentum"], group["dampening"]
@@ -218,7 +236,7 @@ class Compensator:
             decay = "l2"
             scalars.append(group["weight_decay"])
         row = [p, p.grad, state["momentum_buffer"] if momentum else None, buffer]
-        self._add(calls, "sgd", kind, scalars, int(state["step"].item()), index, row, decay)
+        self._add(calls, "sgd", kind, scalars, step, index, row, decay)
 
     @staticmethod
     def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
