@@ -66,15 +66,13 @@ ParamsLike = nn.Module | LossScaleOptimizer | torch.Tensor | Iterable[torch.Tens
 
 
 class Precision:
-    """Training precision for a hand-written loop.
+    """Training precision for a hand-written loop (docs/precision.md).
 
     Args:
         spec: any policy spec (``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``, ``"32-true"``,
             Keras and jmp names, a dtype, ``"auto"``), a ``Policy`` or a ``PolicyMap``.
         device: where training runs, for the hardware check, ``"auto"`` and ``autocast``
-            (default: the model's device at ``setup``). The model is not moved. ``"auto"``
-            without a device is resolved by `resolve` (``setup`` calls it), and ``policy``
-            and ``scaler`` exist from then on.
+            (default: the model's device at ``setup``). The model is not moved.
         allow_slow: accept a precision that works here but is far slower than float32
             (float16 on most CPUs), e.g. to study its numerics.
         scaler: ``None`` picks dynamic loss scaling when the policy uses float16 and none
@@ -82,34 +80,21 @@ class Precision:
         master_weights: passed to each ``LossScaleOptimizer``: ``None`` keeps float32
             masters for float16 parameters, ``True`` also for bfloat16 ones, ``False`` never.
         compensation: ``"kahan"`` or ``"stochastic"``: under a 16-bit ``*-true`` policy, step
-            AdamW/Adam/SGD with compensated updates of the 16-bit weights instead of keeping
-            float32 masters (``mixprec.compensated``; about 10 bytes per parameter with
-            AdamW and Kahan). ``None`` (default) changes nothing; uncompensated bfloat16
-            weights then get one warning at ``setup``. Excludes ``master_weights=True``.
+            AdamW/Adam/SGD with compensated updates of the 16-bit weights instead of float32
+            masters (docs/pure-bf16.md). ``None``: no change. Excludes ``master_weights=True``.
         device_info: a described device (``mixprec.hardware.DeviceInfo``) to check the policy
-            against and resolve ``"auto"`` for, instead of detecting the device at ``setup``:
-            "on an H100", "on an AVX2-only CPU".
-        optimizer_states: ``"int8"``, ``"int4"``, ``"float8"`` or ``"float32"`` (a
-            `mixprec.optim.states` format spec): ``setup`` converts each torch AdamW, Adam or
-            SGD into the low-bit one of `mixprec.optim.states` (`mixprec.optim.convert_for`),
-            each parameter's moments in the format `PolicyMap.state_formats` gives it: this
-            one by default, float32 for small parameters and embedding tables, the map's
-            ``states`` rules first. Use the optimizers ``setup`` returns; a scheduler built on
-            the torch optimizer before drives the converted one (the torch optimizer is given
-            its parameter groups, and its own ``step`` raises). Other optimizers are refused,
-            and so is a `mixprec.optim.states` optimizer keeping another format. ``None``
-            (default) converts only when the policy map has ``states``.
-        activations: how each layer keeps the tensors its forward saves for the backward
-            (`mixprec.activations`): one option for every layer (``"keep"``, ``"bf16"``,
-            ``"fp8"``, ``"checkpoint"``, ``"selective"``, ``"offload"``, CUDA only) or a
-            mapping {module path regex or module type: option}. It becomes the policy map's
-            ``activations`` (a map with others refuses it), which ``setup`` puts on the
-            model. ``None`` (default) leaves them to the map.
+            against and resolve ``"auto"`` for, instead of detecting the device at ``setup``.
+        optimizer_states: ``"int8"``, ``"int4"``, ``"float8"`` or ``"float32"``: ``setup``
+            converts each torch AdamW, Adam or SGD into a `mixprec.optim.states` optimizer,
+            per parameter as `PolicyMap.state_formats` says; use the ones it returns
+            (docs/states.md). ``None`` converts only when the map has ``states``.
+        activations: how layers keep the tensors saved for the backward: one option of
+            `mixprec.activations` for all or {module path regex or type: option}; it becomes
+            the policy map's ``activations`` (docs/activations.md). ``None`` leaves them to it.
 
-    Life cycle: built (a policy other than ``"auto"`` and the scaler are known at once), then
-    `resolve` once for the device it runs on (``"auto"`` picked, the hardware checked; ``setup``
-    does it when nothing did), then ``setup`` and the steps. `reset` begins another run with
-    the same object (the Trainer's runs), without checking the hardware again.
+    Life cycle: built (policy and scaler known at once unless the spec is ``"auto"``), then
+    `resolve` once for the device (``setup`` does it when nothing did), then ``setup`` and the
+    steps. `reset` begins another run (the Trainer's), without checking the hardware again.
     """
 
     def __init__(
