@@ -1,40 +1,29 @@
 """One training step of a model under a `Precision`: the context its forward runs in, where
 the loss is computed, the scaled backward (``Precision.backward_context``), and the seeding
 that makes two runs of a step draw alike. The Trainer, the doctor, both bench runs and the
-search compute their losses here, so a loss measured by one is the loss the others train on;
-`batch_loss` is the one checked loss of a batch the Trainer (a plain module's step), the
-doctor and the search take, and `as_loss` the one check of what a loss function or a
-training step returned.
+search compute their losses here, so a loss measured by one is the loss the others train on:
+`batch_loss` is the one checked loss of a batch, and `as_loss` the one check of what a loss
+function or a training step returned.
 
-A plain module with a ``loss_fn`` (the batch ``(inputs..., target)``):
+A plain module with a ``loss_fn`` (the batch ``(inputs..., target)``): the batch is converted
+by ``Precision.convert_input`` (floating tensors, the target included, to the compute dtype of
+a "true" policy; unchanged under a mixed one). Under a mixed policy the forward **and**
+``loss_fn`` run inside the precision's autocast, as in a hand-written ``torch.autocast`` loop:
+the model's region sees its own autocast already on and adds nothing, so a step dispatches
+the same ops in the same dtypes as that loop (torch's losses are on autocast's float32 lists,
+on CPU and CUDA). Under a "true" policy the model's region casts and hands the outputs back
+in the output dtype, and ``loss_fn`` runs on them. Code that calls into the model from
+outside (a ``training_step``, a module compiled in place under a "true" policy, where the
+region's switch of torch's default dtype would be a graph boundary) runs in
+``Precision.forward_context()`` too, which is all a region would have done around it.
 
-- the batch is converted as ``Precision.convert_input`` says (floating tensors, the target
-  included, to the compute dtype of a "true" policy; unchanged under a mixed policy);
-- under a mixed policy the forward **and** ``loss_fn`` run inside the precision's autocast,
-  as in a hand-written ``torch.autocast`` loop: the model's region sees its own autocast
-  already on and adds nothing, so the outputs reach the loss as autocast made them and a
-  step dispatches the same ops in the same dtypes as that loop. torch's loss functions run
-  in float32 there on CPU and CUDA alike (autocast's float32 lists name ``cross_entropy``,
-  ``nll_loss``, ``mse_loss``... on CPU, and ``log_softmax``, ``nll_loss``, ``mse_loss``... on
-  CUDA, which reads 16-bit logits in its float32 softmax kernel);
-- under a "true" policy the forward enters the model's region, which casts and hands the
-  outputs back in the output dtype, and ``loss_fn`` runs on them.
-
-Code that calls into the model from outside (a ``training_step``, a compiled module under a
-"true" policy, whose region's switch of torch's default dtype would be a graph boundary) runs
-in ``Precision.forward_context()`` too, which is all a region would have done around it.
-
-A model that computes its own loss (`own_loss`):
-
-- a Hugging Face ``PreTrainedModel``: the batch is a dict of keyword arguments (with
-  ``labels``) and the output's ``.loss`` is the loss;
-- a model with ``training_step(batch, batch_idx)`` (a mixprec ``TrainingModule``, a Lightning
-  ``LightningModule``): its result, a loss or a dict with ``"loss"``; ``self.log`` calls are
-  dropped (no trainer to take them);
-- any other model returns the loss (or a dict with ``"loss"``) from ``model(batch)``.
-
-Hugging Face and Lightning are recognised without importing them: a model of theirs can only
-exist once its package is loaded.
+A model that computes its own loss (`own_loss`): a Hugging Face ``PreTrainedModel`` is called
+with the batch (a dict with ``labels``) as keyword arguments, its output's ``.loss`` the loss;
+a model with ``training_step(batch, batch_idx)`` (a mixprec ``TrainingModule``, a Lightning
+``LightningModule``) returns a loss or a dict with ``"loss"``, its ``self.log`` calls dropped
+(no trainer takes them); any other model returns one from ``model(batch)``. Hugging Face and
+Lightning are recognised without importing them: a model of theirs can only exist once its
+package is loaded.
 """
 
 from __future__ import annotations

@@ -22,12 +22,9 @@ computing in 16 bits may run that attention in float32 (`Resolution.float32_atte
 the device's 16-bit attention is slower than float32 (`mixprec.hardware.slow_attention`), or
 as the map's ``float32_attention`` says.
 
-A map may also say which optimizer-state format each parameter's moments take (``states``:
-one format for all, or rules from module paths to formats), read by
-`mixprec.Precision.setup` when it converts the optimizer and shown by `explain`; and how
-each layer keeps the tensors its forward saves for the backward (``activations``: one option
-for all, or rules from module paths or types to options, `mixprec.activations`), put on the
-model by `mixprec.apply` and shown by `explain`.
+A map may also say which optimizer-state format each parameter's moments take (``states``)
+and how each layer keeps the tensors its forward saves for the backward (``activations``),
+as `PolicyMap` tells; `explain` shows both.
 """
 
 from __future__ import annotations
