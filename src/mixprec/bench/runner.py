@@ -1,38 +1,30 @@
 """One benchmark configuration (model, precision, batch size), run in this process or in a
-fresh one.
+fresh one; docs/bench.md ("How it measures") tells the method in full.
 
 `run_in_process` runs it here (threads and TF32 flags restored afterwards); `run_isolated`
 starts `python -m mixprec.bench.runner SPEC RESULT`, whose child writes a JSON result. A fresh
 process is needed only where the process itself shapes a figure (`fresh_process_reason`): a
 memory limit caps a whole process, and torch.compile's caches carry over between models.
 
-Each loop is first run once, eagerly, up to its first optimizer update and dropped: what
-libraries set up on first use and keep for the life of the process (cuBLAS keeps a workspace
-per handle and stream, and autograd's backward runs on a thread with a handle of its own)
-then exists before any measurement, so neither the loop measured first nor the first
-configuration of a process is charged for it. Then the loop is built again and run up to its
-first optimizer update (one step, unless float16 overflow skips some) while its peak memory
-is measured:
+Each loop first runs once, eagerly, up to its first optimizer update and is dropped, so what
+libraries set up on first use for the life of the process (cuBLAS workspaces) is charged to
+no loop. Then it is built again and run up to its first optimizer update (one step, unless
+float16 overflow skips some) while its peak memory is measured: on CUDA
+`torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, minus what was allocated
+before the loop was built; on CPU the peak of live tensor bytes from the allocator's events
+that `torch.profiler` records (`profile_memory=True`).
 
-- CUDA: `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, minus what was
-  allocated before the loop was built (so a second loop in the process is not counted);
-- CPU: the peak of live tensor bytes, summed from the CPU allocator's allocation and free
-  events recorded by `torch.profiler` (`profile_memory=True`) over the same span (weights,
-  optimizer state, batch, activations, gradients).
-
-With `compile`, both loops' models are compiled alike (`torch.compile(model)`, torch's
-defaults, after conversion and placement; not `model.compile()`, which leaves a model made of
-torch.nn modules only, such as a raw `nn.Sequential`, uncompiled): the first step compiles,
-and its time is kept apart as `first_step_s`.
+With `compile`, both loops' models are compiled alike, with `torch.compile(model)` after
+conversion and placement (not `model.compile()`, which leaves a model made of torch.nn
+modules only, such as a raw `nn.Sequential`, uncompiled); the first step's time is kept
+apart as `first_step_s`.
 
 A mixed configuration also runs a hand-written `torch.autocast` loop (plus
 `torch.amp.GradScaler` for float16) on an identical model, so that "mixprec overhead"
-compares like with like. `run_group` runs the configurations of one batch size side by side:
-after every loop's memory step, the warm-up and the timed steps go in rounds
-(`rounds.run_rounds`), one step of each loop per round (ours, the raw twins, float32 and the
-mixed precisions), in an order rotating from round to round, with GC disabled and CUDA
-synchronised; so every loop sees the same machine load, and float32's step of round i and
-bf16's make one paired ratio (`verdict.ratio_interval`).
+compares like with like. `run_group` runs the configurations of one batch size side by side,
+in rounds (`rounds.run_rounds`) of one step of each loop in an order rotating from round to
+round, so that float32's step of round i and bf16's make one paired ratio
+(`verdict.ratio_interval`).
 """
 
 from __future__ import annotations

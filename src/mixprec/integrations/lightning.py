@@ -9,28 +9,17 @@
     plugin = MixprecPrecision(PolicyMap("bf16-mixed", {"head": "32-true"}))
     trainer = pl.Trainer(plugins=[plugin], callbacks=[PrecisionMonitorCallback(every_n_steps=50)])
 
-What the plugin does at each point Lightning hands it:
-
-- ``convert_module``: checks the policy on the strategy's device and raises mixprec's
-  ``PrecisionError`` / ``SlowPrecisionError`` instead of switching precision (Lightning turns
-  ``16-mixed`` into ``bf16-mixed`` on CPU), then converts the LightningModule with
-  ``mixprec.apply`` (per-layer policies, float32 islands) before any DDP wrapping.
-- ``connect``: wraps each optimizer in a ``LossScaleOptimizer`` sharing the plugin's scaler
-  (float32 masters, compensation), and each LR scheduler in a ``SkipAwareScheduler``:
-  Lightning's loop steps its schedulers whether or not the optimizer stepped.
-- ``forward_context`` (every step's context), ``convert_input``, ``module_init_context``:
-  ``mixprec.Precision``'s own.
-- ``backward``: ``LightningModule.backward`` of the scaled loss inside
-  ``Precision.backward_context``, the backward every mixprec loop runs (the compute dtype of a
-  "true" policy as torch's default, as in the forward, for activation-checkpointed blocks);
-  Lightning's ``on_before_backward`` hooks see the loss unscaled.
-- ``optimizer_step``: runs the closure (forward and backward), then ``Precision.before_step``
-  (the formats' per-step work: float8's delayed amax histories shared across the ranks),
-  unscales, runs Lightning's ``on_before_optimizer_step`` hooks and gradient clipping on the
-  unscaled gradients, then steps, or skips on inf/NaN, and updates the scale.
-- ``state_dict``: the scaler, and the float32 master weights and compensation state of each
-  optimizer (Lightning saves the wrapped optimizer's own state), so a resumed run continues
-  bit for bit.
+The plugin is ``mixprec.Precision`` at each point Lightning hands it (docs/lightning.md):
+``convert_module`` checks the policy on the strategy's device, raising rather than switching
+precision as Lightning does (``16-mixed`` to ``bf16-mixed`` on CPU), and converts the module
+before any DDP wrapping; ``connect`` wraps each optimizer in a ``LossScaleOptimizer`` sharing
+the plugin's scaler and each LR scheduler in a ``SkipAwareScheduler`` (Lightning steps its
+schedulers whether or not the optimizer stepped); ``backward`` runs in
+``Precision.backward_context``, the backward of every mixprec loop; ``optimizer_step`` runs
+the closure and ``Precision.before_step``, unscales, runs Lightning's hooks and clipping on
+the unscaled gradients, then steps or skips; ``state_dict`` holds the scaler and each
+optimizer's masters and compensation state, so a resumed run continues bit for bit. Each
+method's docstring says the rest.
 
 Lightning is an optional dependency (the ``lightning`` extra: ``pip install
 'pytorch-lightning>=2.6,<2.7' 'torch==2.13.0'``): this module imports ``pytorch_lightning``;
@@ -233,7 +222,8 @@ class MixprecPrecision(LightningPrecision):
     ) -> None:
         """``LightningModule.backward`` of the scaled loss inside the precision's one backward
         context (``Precision.backward_context``: under a "true" policy the compute dtype as
-        torch's default, as in the forward, for activation-checkpointed blocks)."""
+        torch's default, as in the forward, for activation-checkpointed blocks). Lightning's
+        ``on_before_backward`` hooks see the loss unscaled."""
         with self.mixprec.backward_context(tensor) as scaled:
             super().backward(scaled, model, optimizer, *args, **kwargs)
 
