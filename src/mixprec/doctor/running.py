@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
     ]
 
 
+@dataclass(eq=False, repr=False)
 class Session:
     """Everything needed to run the model again in any precision on the same batch.
 
@@ -40,22 +42,16 @@ class Session:
     changed the model since.
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        batch: Any,
-        loss_fn: Callable[..., Tensor] | None,
-        device: torch.device,
-        seed: int,
-        update: UpdateModel | None = None,
-    ) -> None:
-        self.model = model
-        self.update = update
-        self.batch = batch
-        self.loss_fn = loss_fn
-        self.device = device
-        self.seed = seed
-        self._fingerprint = _fingerprint(model)
+    model: nn.Module
+    batch: Any
+    loss_fn: Callable[..., Tensor] | None
+    device: torch.device
+    seed: int
+    update: UpdateModel | None = None
+    _fingerprint: list[tuple[Any, ...]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._fingerprint = _fingerprint(self.model)
 
     def copy(self) -> nn.Module:
         """A fresh copy of the model as it was diagnosed."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from mixprec.errors import PolicySpecError
+from mixprec.formats.registry import whole_number
 
 __all__ = ["Float8Config"]
 
@@ -59,7 +60,7 @@ class Float8Config:
     @classmethod
     def check_history_length(cls, length: Any) -> int:
         """A positive int amax history length, or PolicySpecError."""
-        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        if not whole_number(length, 1):
             raise PolicySpecError(
                 f"amax_history_length must be a positive int (Keras's default is "
                 f"{cls.DEFAULT_AMAX_HISTORY_LENGTH}), got {length!r}"

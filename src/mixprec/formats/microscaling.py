@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from mixprec.errors import PolicySpecError
+from mixprec.formats.registry import whole_number
 
 __all__ = ["MicroscalingConfig"]
 
@@ -125,7 +126,7 @@ class MicroscalingConfig:
     def check_block_size(size: object) -> int:
         """`size` if it is an MX block size (an int >= 2; bools are not sizes), else
         PolicySpecError saying so."""
-        if isinstance(size, bool) or not isinstance(size, int) or size < 2:
+        if not whole_number(size, 2):
             raise PolicySpecError(
                 f"block size must be an int >= 2 (32 by the spec; the last dim must be a "
                 f"multiple of it), got {size!r} ({type(size).__name__})"

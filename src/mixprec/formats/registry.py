@@ -45,6 +45,7 @@ __all__ = [
     "register",
     "step_work",
     "unregister",
+    "whole_number",
 ]
 
 
@@ -302,6 +303,12 @@ def before_step(work: StepWork, group: Any = None) -> None:
     of `group` (None: the default group, if any)."""
     for fmt, layers in work:
         fmt.before_step(layers, group)
+
+
+def whole_number(value: object, least: int) -> bool:
+    """Whether `value` is an int (a bool is not a number here) of at least `least`: the
+    check behind a format's count options."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 def agree(what: str, spelled: Any, given: Any, name: str) -> Any:
