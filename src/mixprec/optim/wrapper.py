@@ -11,33 +11,22 @@ Wrap your optimizer (as in Keras)::
         opt.step()                           # unscale, check, step or skip, update the scale
         scheduler_step(scheduler, opt)       # the LR schedule does not advance on a skip
 
-Several optimizers can share one scaler. When each has its own backward (a GAN's
-discriminator then generator), call each ``step()`` as usual: every step ends one scaler
-iteration. When one backward feeds several optimizers, step them together with
-``joint_step(opt_a, opt_b)``: as with ``torch.amp.GradScaler``, each optimizer is checked on
-its own gradients and skips only if they overflowed, the others step, and the scale is
-updated once (backing off if any overflowed). Stepping them one by one instead raises an
-error rather than unscaling the second optimizer's gradients with a scale the first one
-already changed.
+Several optimizers can share one scaler: each ``step()`` ends one scaler iteration, and
+``joint_step(opt_a, opt_b)`` steps optimizers fed by one backward together (as with
+``torch.amp.GradScaler``, each skips only if its own gradients overflowed, and the scale is
+updated once); stepping those one by one raises. docs/precision.md tells loss scaling in full.
 
 Float16 trainable parameters get float32 master copies (``mixprec.optim.masters.MasterWeights``):
 the wrapped optimizer is re-pointed at the masters, gradients are moved into them (so
-``zero_grad`` on the wrapped optimizer clears everything) and unscaled in float32 (where
-small values survive), the optimizer updates the masters, and the float16 parameters are
-refreshed from them after each taken step. This makes pure float16 training work where
-``torch.amp.GradScaler`` refuses float16 gradients.
+``zero_grad`` on the wrapped optimizer clears everything) and unscaled in float32, the
+optimizer updates the masters, and the float16 parameters are refreshed from them after
+each taken step: pure float16 trains, where ``torch.amp.GradScaler`` refuses its gradients.
 
 Each step goes READY -> UNSCALED (``unscale_``) -> STEPPED (``OptState``); ``joint_step``
 drives it through public methods (``unscale_``, ``found_inf``, ``take_step``, ``end_step``).
-
-The backward runs in `backward_context`, the one context every scaled backward in mixprec
-enters (``Precision.backward``, the Trainer, the integrations, ``opt.backward`` here): the
-loss scaled, and under a "true" policy the compute dtype as torch's default, as in the
-forward, so that an activation-checkpointed block recomputes what it computed there. Give
-the wrapper the converted model (``model=``) and ``opt.backward`` knows the policy.
-
-Saving and loading (``state_dict``, ``load_state_dict``,
-``load_state_dict_across_precisions``) live in `mixprec.optim.checkpoint`, the class's base.
+The backward runs in `backward_context`, which every scaled backward in mixprec enters
+(docs/precision.md, "One backward"). ``state_dict``, ``load_state_dict`` and
+``load_state_dict_across_precisions`` live in `mixprec.optim.checkpoint`, the class's base.
 """
 
 from __future__ import annotations
@@ -103,8 +92,7 @@ class LossScaleOptimizer(OptimizerCheckpoint):
             its masters to the new wrapper and retires the old one, whose ``step`` then
             raises instead of stepping the optimizer a second time.
         scaler: ``None`` or ``"dynamic"`` (a new ``DynamicLossScaler``), a number (a static
-            scale), ``"none"``, or a ``LossScaler`` instance, possibly shared with other
-            optimizers.
+            scale), ``"none"``, or a ``LossScaler``, possibly shared with other optimizers.
         master_weights: ``None`` keeps float32 masters for trainable float16 parameters;
             ``True`` also for bfloat16 ones; ``False`` never (float16 gradients are then
             unscaled in float16, where small values can flush to zero).

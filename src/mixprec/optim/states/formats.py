@@ -1,46 +1,32 @@
 """State formats: how an optimizer keeps one moment of one parameter. A `StateFormat` is a
 kind (a codec registered in `mixprec.optim.states.codecs`) and a block size; what follows
-describes the builtin kinds.
+describes the builtin kinds (docs/states.md, "The code maps", gives the reasons in full).
 
 ``float32`` keeps it as torch does. The low-bit formats split the flattened moment into
 blocks of ``block`` elements, keep one float32 scale per block (its largest magnitude) and
 one code per element:
 
-- ``int8`` (block 256): an 8-bit index into a dynamic code map, the nearest of its 256
-  values to the element divided by its block's scale. The maps are the dynamic tree maps of
-  block-wise 8-bit optimizers (Dettmers et al., arXiv 2110.02861): a sign (signed map, for
-  the first moment), a run of zero bits giving the decade, an indicator bit, the remaining
-  bits a linear fraction of the decade; the unsigned map (second moment) spends the sign
-  bit on one more fraction bit. Our signed map holds -1 in place of its smallest positive
-  value, so that a block's largest magnitude is kept exactly whatever its sign. The second
-  moment is stored as its square root, a positive root below half the map's smallest
-  positive value (3.25e-7 of the block's largest) taking that value's code, never 0's: a
-  ``v`` stored as itself would decode as 0 under 1.6e-7 of its block's largest (a gradient
-  a few thousand times below the largest of its block, as one outlier input feature gives),
-  and its next step with a small gradient would be ``m / eps``. The block's scale, its largest
-  root, is stored negated: a positive scale marks a block of codes of ``v`` itself, as
-  states saved before int8 kept roots hold, and decodes as it did then.
-- ``int4`` (block 128): a 4-bit index, two packed per byte. The first moment takes the
-  signed dynamic map with 3 exponent bits (-1 in place of its smallest positive value);
-  the second moment a linear map with no zero, 1/16 .. 16/16, as the 4-bit optimizer
-  study (Li et al., arXiv 2309.01507) advises: a second moment rounded to zero turns its
-  update ``m / sqrt(v)`` into a huge step.
+- ``int8`` (block 256): an 8-bit index into a dynamic tree map of block-wise 8-bit
+  optimizers (Dettmers et al., arXiv 2110.02861), signed for the first moment, unsigned for
+  the second. Our signed map holds -1 in place of its smallest positive value, so that a
+  block's largest magnitude is kept exactly whatever its sign. The second moment is stored
+  as its square root, a positive root below half the map's smallest positive value taking
+  that value's code, never 0's (a ``v`` decoded as 0 makes its next step ``m / eps``). The
+  block's scale, its largest root, is stored negated: a positive scale marks a block of
+  codes of ``v`` itself, as states saved before int8 kept roots hold, and decodes as then.
+- ``int4`` (block 128): a 4-bit index, two packed per byte: the signed dynamic map with 3
+  exponent bits (-1 in place of its smallest positive value) for the first moment, a linear
+  map with no zero, 1/16 .. 16/16, for the second, as the 4-bit optimizer study (Li et al.,
+  arXiv 2309.01507) advises: a second moment rounded to zero makes a huge step.
 - ``float8`` (block 256; ``fp8`` is accepted for it): float8 e4m3 codes of the element
   divided by its block's scale (the block's largest magnitude over 448, e4m3's largest
-  finite value). The second moment is
-  stored as its square root and squared back: e4m3 spans 2^18.8 from 448 down to where it
-  rounds to zero, so a block of ``v`` itself would lose every element below its largest
-  over 2^18.8 (a spread gradients reach) and turn ``m / sqrt(v)`` into ``m / eps``; the
-  square root spans 2^37.6 of ``v``, and a positive root below the smallest subnormal
-  (2^-9) is stored as that subnormal, so no positive ``v`` decodes to 0 (an element
-  that small gets a smaller step than float32 would give it, never a larger one).
+  finite value). The second moment is stored as its square root, and a positive root below
+  the smallest subnormal as that subnormal, so no positive ``v`` decodes to 0.
 
 In every format a positive second moment's code decodes to at least float32's smallest
-normal number: a root squared underflows to 0 in a block whose largest ``v`` is below 1e-32.
-
-The padded tail of the last block is stored, so a moment of ``n`` elements takes
-``ceil(n / block)`` scales and ``ceil(n / block) * block`` codes (half as many bytes for
-``int4``): `StateFormat.bytes` counts them exactly.
+normal number. The padded tail of the last block is stored, so a moment of ``n`` elements
+takes ``ceil(n / block)`` scales and ``ceil(n / block) * block`` codes (half as many bytes
+for ``int4``): `StateFormat.bytes` counts them exactly.
 """
 
 from __future__ import annotations
