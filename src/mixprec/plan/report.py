@@ -139,16 +139,13 @@ class SearchReport:
     """The result of `mixprec.search` (see its docstring); `policy` is the plan.
 
     Attributes:
-        rows: each searched layer (or tied group) with its formats' costs and scores and
-            the format chosen for it.
+        rows: each searched layer (or tied group), its formats' costs and scores, its format.
         formats: the formats the search tried.
         left_out: formats not tried, each with why (slow or refused on the device, ...).
         baseline: the baseline policy's name, which the plan's loss is held to.
         budget: the budget the plan had to fit (fractions of the baseline's costs).
-        count: what the bytes count: "weights", or "training" (with gradients and
-            optimizer state).
-        base_costs: the baseline's cost per budget kind: bytes of the searched layers
-            ("memory"), the summed step seconds of those layers ("speed").
+        count: what the bytes count: "weights", or "training" (also gradients, optimizer state).
+        base_costs: the searched layers' baseline bytes ("memory"), summed step seconds ("speed").
         limits: each budget kind's limit in those units.
         policy: the plan, as a `PolicyMap`.
         measured: each verified plan ("plan", "baseline", "float32", "all <format>") as it
@@ -161,9 +158,8 @@ class SearchReport:
         device: the device searched on, as `mixprec info` describes it.
         seconds: how long the search took.
         phases: seconds per step of the search.
-        uniform_won: the measured plan returned instead of every solved one (a uniform
-            plan, the baseline or float32 that fits the budget and measured a lower loss),
-            or None when a solved plan is returned.
+        uniform_won: the name of the uniform plan (the baseline, float32 among them) returned
+            as it fits and measured a lower loss than every solved one; None for a solved one.
         blocks: under ``batch_size``, each block with its activation options' bytes at that
             batch, seconds and damage, and the option chosen; empty otherwise.
         batch_size: the batch activations were counted at (None: not counted).

@@ -79,32 +79,22 @@ def search(
     """Choose a format per layer for `model` (never changed) within `budget`, verified.
 
     Args:
-        batches: the batches sensitivities are measured on (a few suffice), each what
-            ``loss_fn(model(*inputs), target)`` takes as ``(inputs..., target)``, or what a
-            model that computes its own loss takes (Hugging Face, TrainingModule).
+        batches: the batches sensitivities are measured on (a few suffice): ``(inputs...,
+            target)`` for ``loss_fn``, or what a model computing its own loss takes.
         budget: ``Budget(memory=0.5)``, ``{"speed": 0.7}`` or ``"memory=0.5"``: fractions of
-            the baseline's bytes / step time, summed over the searched layers (and blocks);
-            or bytes for the whole model, ``"memory=2GiB"`` or ``Budget(memory_bytes=...)``:
-            every parameter as `count` counts it and, under `batch_size`, every activation
-            saved at that batch.
-        formats: the formats each layer may take (policy names); default: float32, the
-            baseline, bf16-true, int8 and int4 (groups 32, 128) on the baseline, 16-bit and
-            float8 ones where the device runs them fast. The baseline is always one.
-        baseline: the precision the plan departs from and is judged against (its loss is
-            the one to keep within `tolerance`); other layers stay in it.
+            the baseline's bytes / step time over the searched layers (and blocks); or bytes
+            for the whole model, ``"memory=2GiB"`` or ``Budget(memory_bytes=...)``.
+        formats: the formats each layer may take (policy names), the baseline always one;
+            default: those of docs/doctor.md ("Formats") the device runs fast.
+        baseline: the precision the plan departs from and whose loss it is judged against.
         count: ``"weights"`` (parameters and buffers) or ``"training"`` (also gradients,
             AdamW moments and Kahan buffers: `mixprec.plan.units`).
-        batch_size: with ``count="training"``, also count the activations a training step
-            saves at this batch (the first search batch's rows repeated), measured per block,
-            and choose each block's activation option (keep, bf16, fp8, checkpoint; offload
-            on CUDA) with the formats: lossy storage weighed by its measured damage, recompute
-            by its measured time (`mixprec.plan.activation_choice`). The plan carries them as
-            ``activations`` rules.
-        states: with ``count="training"``, optimizer-state formats the searched layers'
-            AdamW moments may take (``("int8", "int4")``, or one: ``"int8"``): each layer
-            keeps the cheapest whose moment error after a few AdamW steps stays small
-            (`mixprec.plan.state_choice`), its bytes counted so; the plan (and the uniform
-            plans beside it) carry them as ``states`` rules.
+        batch_size: with ``count="training"``, also count the activations a step saves at
+            this batch and choose each block's activation option with the formats
+            (`mixprec.plan.activation_choice`), carried as the plan's ``activations`` rules.
+        states: with ``count="training"``, the state formats (``("int8", "int4")`` or ``"int8"``)
+            the searched layers' AdamW moments may take, each the cheapest that stays accurate
+            (`mixprec.plan.state_choice`): the plan and the uniform plans carry them as rules.
         eval_batches: held-out batches the plans are verified on (default: `batches`).
         tolerance: the plan's loss may exceed the baseline's by this fraction.
         retries: solves again this many times with measured damages if the plan misses.
