@@ -205,13 +205,9 @@ class RichProgressBar(Callback):
     def on_test_start(self, trainer: Trainer, model: nn.Module) -> None:
         self._eval_start(trainer, "test")
 
-    def on_test_batch_end(
-        self, trainer: Trainer, model: nn.Module, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        self._eval_batch()
-
-    def on_test_end(self, trainer: Trainer, model: nn.Module) -> None:
-        self._eval_end(trainer)
+    # a test pass's batches and end show as a validation pass's do
+    on_test_batch_end = on_validation_batch_end
+    on_test_end = on_validation_end
 
     def on_fit_end(self, trainer: Trainer, model: nn.Module) -> None:
         if self._progress is None:
