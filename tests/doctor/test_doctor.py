@@ -713,7 +713,7 @@ def test_loss_scale_recommendation_is_exact():
     assert d.params["weight"].grad_amax == 2000.0
     assert d.recommended_loss_scale == 4.0 and d.loss_scale == 4.0
     assert diagnose(model, batch, loss_fn, precision="16-mixed", loss_scale=64).loss_scale == 64
-    scaler = mixprec.scaling.StaticLossScaler(8.0)
+    scaler = mixprec.StaticLossScaler(8.0)
     assert diagnose(model, batch, loss_fn, loss_scale=scaler).loss_scale == 8.0
 
 

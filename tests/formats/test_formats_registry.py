@@ -297,7 +297,7 @@ FORMAT_MODULES = {
 }
 
 
-# the optimizer-state formats (`mixprec.states`) are another vocabulary, whose "int8" and
+# the optimizer-state formats (`mixprec.optim.states`) are another vocabulary, whose "int8" and
 # "int4" name moments' codes, declared in their own module
 STATE_FORMATS = "states/formats.py"
 

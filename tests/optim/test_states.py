@@ -1,4 +1,4 @@
-"""Low-bit optimizer states (`mixprec.states`): the formats and their error bounds, the
+"""Low-bit optimizer states (`mixprec.optim.states`): the formats and their error bounds, the
 optimizers against torch's, bytes, checkpoints, format choice per parameter, the compiled
 step, and composition with 16-bit weights and `LossScaleOptimizer`."""
 

@@ -6,7 +6,7 @@ buffer) or a cast or view of a parameter (autocast's 16-bit weight copy) is aliv
 the graph anyway, and a second, smaller copy of it would only add memory. A tensor saved
 twice in one forward (the input of the query, key and value projections) is packed once.
 
-``fp8`` is the optimizer states' float8 codec (`mixprec.states.formats`, signed, blocks of
+``fp8`` is the optimizer states' float8 codec (`mixprec.optim.states.formats`, signed, blocks of
 256 with one float32 scale each): a saved tensor decodes bit for bit as a state does. A
 tensor of fewer elements than one block is kept as it is: its padded block would be larger.
 """

@@ -5,7 +5,7 @@ The measure is what the update sees: the relative error of the Adam update direc
 (sqrt(v) + eps)`` computed from the moments read back, against the float32 moments'
 (`update_error`), for each parameter in the format `mixprec.PolicyMap.state_formats` gives it
 (small parameters and embedding tables keep float32 and are not measured). Each moment's own
-relative error (`mixprec.states.moment_error`) is reported beside it, but cannot be the
+relative error (`mixprec.optim.states.moment_error`) is reported beside it, but cannot be the
 measure: a second moment thousands of times below its block's largest weighs nothing in
 ``||v||``, yet read back as 0 it turns its element's update into ``m / eps``. A parameter
 whose update error exceeds ``threshold`` is named; `StateErrors.states_rules` is the

@@ -16,7 +16,7 @@ Bytes are measured on the converted copies, each storage once (a tied weight cou
 its gradient and AdamW's two moments in the parameter's dtype, and for a 16-bit parameter
 the Kahan buffer that ``Precision(compensation="kahan")`` keeps (the way a search's training
 run trains): 16 bytes per float32 weight, 10 per bfloat16 one, int8/int4 weights frozen.
-A parameter given an optimizer-state format (`mixprec.states`) counts its two moments as
+A parameter given an optimizer-state format (`mixprec.optim.states`) counts its two moments as
 that format stores them (`StateFormat.bytes`: codes and block scales) instead.
 """
 
