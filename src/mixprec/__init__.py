@@ -4,7 +4,7 @@ Precision policies per layer, loss scaling, a Trainer with a precision flag, the
 float32-vs-mixed benchmark, and a numerics doctor: one path for data, many front doors.
 
 The names a user types daily live here; helpers stay in their modules (`mixprec.hardware`,
-`mixprec.optim`, `mixprec.states`, `mixprec.activations`, `mixprec.dtypes`,
+`mixprec.optim` (with `optim.states`), `mixprec.activations`, `mixprec.dtypes`,
 `mixprec.trainer`, `mixprec.doctor`, `mixprec.bench`).
 The Trainer and the doctor load on first use, so `import mixprec` stays light (no rich, no
 Trainer).
