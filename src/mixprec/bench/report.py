@@ -467,18 +467,22 @@ def _withheld(meta: dict[str, Any], label: str, kind: str, decisive: Interval, b
             f"{CONFIDENCE:.0%} interval needs at least {MIN_ROUNDS} (their median: "
             f"{decisive.median:.2f}x); rerun with --steps {MIN_ROUNDS} or more."
         )
-    load = _other_load(meta)
-    under = (
-        f", under a 1-minute load of {load:.1f} on {os.cpu_count() or 1} cores"
-        if _is_busy(load, threads, meta.get("device_type", ""))
-        else ""
-    )
+    under = _under_load(meta)
     return (
         f"Too noisy to conclude {how}: at batch {batch} its speedup lies anywhere in "
         f"{decisive.low:.2f}-{decisive.high:.2f}x (the {CONFIDENCE:.0%} interval of "
         f"{decisive.n} rounds is {decisive.width:.1f}x wide, a verdict needs at most "
-        f"{MAX_WIDTH:.1f}x){under}; {_rerun_advice(threads)}."
+        f"{MAX_WIDTH:.1f}x){', ' + under if under else ''}; {_rerun_advice(threads)}."
     )
+
+
+def _under_load(meta: dict[str, Any]) -> str:
+    """ "under a 1-minute load of 7.2 on 2 cores" when other work kept the CPUs busy, else
+    nothing."""
+    load = _other_load(meta)
+    if not _is_busy(load, meta.get("threads") or 1, meta.get("device_type", "")):
+        return ""
+    return f"under a 1-minute load of {load:.1f} on {os.cpu_count() or 1} cores"
 
 
 def _noisy_clause(meta: dict[str, Any], noisy: list[tuple[Summary, Interval]]) -> str:
@@ -488,14 +492,10 @@ def _noisy_clause(meta: dict[str, Any], noisy: list[tuple[Summary, Interval]]) -
         f"batch {s.batch_size}: anywhere in {i.low:.2f}-{i.high:.2f}x from {i.n} rounds"
         for s, i in noisy
     )
-    load = _other_load(meta)
-    under = (
-        f" under a 1-minute load of {load:.1f} on {os.cpu_count() or 1} cores"
-        if _is_busy(load, threads, meta.get("device_type", ""))
-        else ""
-    )
+    under = _under_load(meta)
     return (
-        f" Too noisy{under} to state the speedup at the other batch size(s) ({parts}; a "
+        f" Too noisy{' ' + under if under else ''} to state the speedup at the other batch "
+        f"size(s) ({parts}; a "
         f"verdict needs a {CONFIDENCE:.0%} interval at most {MAX_WIDTH:.1f}x wide); "
         f"{_rerun_advice(threads)}."
     )
