@@ -23,11 +23,9 @@ each element's two values are uniform and independent, and the state is the seed
 step counts, so a resumed run is bit-identical.
 
 The same functions run eagerly where nothing is compiled and give bit-identical results on
-a CPU: every operation is correctly rounded in both (inductor compiles without
-floating-point contraction and keeps the 16-bit round trips), and eager float32 ``sqrt``,
-which is not, is taken in float64 (``_sqrt``). On CUDA, Triton may fuse a multiply and an
-add, so the two can differ in the last bit there. Design notes and measured costs:
-docs/pure-bf16.md.
+a CPU (inductor compiles without floating-point contraction; eager float32 ``sqrt``, not
+correctly rounded, is taken in float64: ``_sqrt``). On CUDA, Triton may fuse a multiply and
+an add, so the two can differ in the last bit. Design notes and costs: docs/pure-bf16.md.
 """
 
 from __future__ import annotations
