@@ -99,61 +99,79 @@ def _search_inputs(made: Any) -> tuple[Any, list[Any], Any, list[Any] | None, An
     return model, [batch], loss_fn, None, None
 
 
-def _search(args: argparse.Namespace) -> int:
+def _planned(
+    args: argparse.Namespace,
+    flag: str,
+    files: tuple[str, ...],
+    run: Any,
+    refused: tuple[type[Exception], ...] = (),
+) -> tuple[Any, Path | None] | int:
+    """What `--search` and `--fit` share: the report directory checked before any work, the
+    factory's inputs, the options both take, bad input as exit status 2 (with `refused`,
+    more exceptions that mean it), and each warning printed once as a note. `run(inputs,
+    options)` does the work; returns its report and the directory, or the exit status."""
     from rich.console import Console
 
-    from mixprec import textout
-    from mixprec.plan import BudgetError, search
-    from mixprec.plan.report import REPORT_FILES as SEARCH_FILES
+    from mixprec.plan import BudgetError
 
-    console = textout.console()
     err = Console(stderr=True, soft_wrap=True)
-    budget = {k: v for k, v in (("memory", args.memory), ("speed", args.speed)) if v}
+    out = None
+    bad = (BudgetError, FactoryError, PolicySpecError, PrecisionError, TypeError, ValueError)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            if not budget:
-                raise ValueError(
-                    "--search needs a budget: --memory FRACTION and/or --speed FRACTION"
-                )
             if not args.no_report:
                 out = args.out or _numbered(Path("doctor-report"))
-                check_output_dir(out, "--out", keep=SEARCH_FILES)
-            model, batches, loss_fn, eval_batches, train_batches = _search_inputs(
-                call_factory(load_factory(args.factory), args.factory)
-            )
-            formats = [f.strip() for f in args.formats.split(",")] if args.formats else None
-            report = search(
-                model,
-                batches,
-                loss_fn,
-                budget=budget,
-                formats=formats,
-                baseline=args.baseline,
-                count=args.count,
-                eval_batches=eval_batches,
-                tolerance=args.tolerance if args.tolerance is not None else 0.01,
-                train_steps=args.train_steps,
-                train_batches=train_batches,
-                lr=args.lr or 1e-3,
-                device=args.device,
-                allow_slow=args.allow_slow,
-                seed=args.seed,
-            )
-        except (
-            BudgetError,
-            FactoryError,
-            PolicySpecError,
-            PrecisionError,
-            TypeError,
-            ValueError,
-        ) as error:
-            err.print(f"[red]mixprec doctor --search: {error}[/]")
+                check_output_dir(out, "--out", keep=files)
+            inputs = _search_inputs(call_factory(load_factory(args.factory), args.factory))
+            options = {
+                "formats": [f.strip() for f in args.formats.split(",")] if args.formats else None,
+                "baseline": args.baseline,
+                "eval_batches": inputs[3],
+                "tolerance": args.tolerance if args.tolerance is not None else 0.01,
+                "lr": args.lr or 1e-3,
+                "device": args.device,
+                "allow_slow": args.allow_slow,
+                "seed": args.seed,
+            }
+            report = run(inputs, options)
+        except (*bad, *refused) as error:
+            err.print(f"[red]mixprec doctor {flag}: {error}[/]")
             return 2
-        console.print(report.__rich__())
     for note in _once(str(w.message) for w in caught):
         err.print(f"[dim]note: {note}[/]")
-    if not args.no_report:
+    return report, out
+
+
+def _search(args: argparse.Namespace) -> int:
+    from mixprec import textout
+    from mixprec.plan import search
+    from mixprec.plan.report import REPORT_FILES as SEARCH_FILES
+
+    budget = {k: v for k, v in (("memory", args.memory), ("speed", args.speed)) if v}
+
+    def run(inputs: tuple[Any, ...], options: dict[str, Any]) -> Any:
+        if not budget:
+            raise ValueError("--search needs a budget: --memory FRACTION and/or --speed FRACTION")
+        model, batches, loss_fn, _, train_batches = inputs
+        return search(
+            model,
+            batches,
+            loss_fn,
+            budget=budget,
+            count=args.count,
+            train_steps=args.train_steps,
+            train_batches=train_batches,
+            **options,
+        )
+
+    done = _planned(args, "--search", SEARCH_FILES, run)
+    if isinstance(done, int):
+        return done
+    report, out = done
+    console = textout.console()
+    console.print(report.__rich__())
+    if out is not None:
         policy = report.save(out, _search_command(args))
         console.print(f"\nplan: {policy} (report: {policy.parent / 'search.md'})")
     return 0 if report.met else 1
@@ -224,59 +242,29 @@ def _fit(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from mixprec import textout
-    from mixprec.plan import BudgetError
     from mixprec.plan.budget import parse_bytes
     from mixprec.plan.fitting import fit
 
-    console = textout.console()
-    err = Console(stderr=True, soft_wrap=True)
     try:
         budget = parse_bytes(args.fit)
     except ValueError as error:
-        err.print(f"[red]mixprec doctor --fit: {error}[/]")
+        Console(stderr=True).print(f"[red]mixprec doctor --fit: {error}[/]")
         return 2
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            if not args.no_report:
-                out = args.out or _numbered(Path("doctor-report"))
-                check_output_dir(out, "--out", keep=FIT_FILES)
-            model, batches, loss_fn, eval_batches, _ = _search_inputs(
-                call_factory(load_factory(args.factory), args.factory)
-            )
-            formats = [f.strip() for f in args.formats.split(",")] if args.formats else None
-            report = fit(
-                model,
-                batches,
-                loss_fn,
-                budget=budget,
-                measure=_fresh_measure(args),
-                formats=formats,
-                baseline=args.baseline,
-                eval_batches=eval_batches,
-                tolerance=args.tolerance if args.tolerance is not None else 0.01,
-                lr=args.lr or 1e-3,
-                device=args.device,
-                allow_slow=args.allow_slow,
-                seed=args.seed,
-            )
-        except (
-            BudgetError,
-            FactoryError,
-            PolicySpecError,
-            PrecisionError,
-            RuntimeError,
-            TypeError,
-            ValueError,
-        ) as error:
-            err.print(f"[red]mixprec doctor --fit: {error}[/]")
-            return 2
+
+    def run(inputs: tuple[Any, ...], options: dict[str, Any]) -> Any:
+        model, batches, loss_fn, _, _ = inputs
+        return fit(model, batches, loss_fn, budget=budget, measure=_fresh_measure(args), **options)
+
+    # RuntimeError: the process measuring the plans failed, and says why
+    done = _planned(args, "--fit", FIT_FILES, run, refused=(RuntimeError,))
+    if isinstance(done, int):
+        return done
+    report, out = done
+    console = textout.console()
     console.print(report.summary(), markup=False, highlight=False)
-    for note in _once(str(w.message) for w in caught):
-        err.print(f"[dim]note: {note}[/]")
     if report.chosen is None:
         return 1
-    if not args.no_report:
+    if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         command = _search_command(args)
         (out / "fit.md").write_text(
