@@ -425,7 +425,7 @@ class PolicyMap:
 
     def state_formats(self, model: nn.Module, default: str | None = None) -> dict[str, Assignment]:
         """Each trainable parameter's optimizer-state format and why, as
-        `mixprec.states.assign_formats` decides: parameters under its ``min_size`` keep
+        `mixprec.optim.states.assign_formats` decides: parameters under its ``min_size`` keep
         float32 ("small"); then this map's state rules (``re.fullmatch`` on the module path
         owning the parameter, the first rule in order wins); then embedding tables keep
         float32; the rest take ``default`` (`Precision`'s ``optimizer_states``), else the
