@@ -14,8 +14,8 @@ Two kinds of bucket:
   ``_foreach_copy_`` per kind of tensor.
 
 A flat update covers at most `FLAT_MAX` elements (a bucket of more takes several), so
-that the float32 it holds meanwhile (the copies, the moments decoded) stays as small as one
-such parameter's update; a parameter larger than that is updated in place by its own
+that the float32 it holds meanwhile (the copies, the moments decoded) stays small (a few
+MB); a parameter larger than that, or alone in its part, is updated in place by its own
 call: copying it would cost more than the call it saves. A step's calls grow with its
 elements over `FLAT_MAX`, not with its number of parameters.
 """
@@ -30,7 +30,7 @@ __all__ = ["FLAT_MAX", "foreach_adam", "foreach_sgd", "gather", "scatter"]
 
 # the most elements (padded to whole blocks) one flat update covers; a parameter of more
 # is updated by its own call (no copy)
-FLAT_MAX = 1 << 14
+FLAT_MAX = 1 << 17
 
 
 def gather(tensors: Sequence[torch.Tensor], pads: Sequence[int]) -> torch.Tensor:

@@ -306,7 +306,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 self._run_foreach(bucket)
             else:
                 for part in _parts(bucket):
-                    self._run_flat(part, key[4], total)
+                    if len(part) == 1:  # (alone: in place, no copies to make)
+                        self._run(part[0], total)
+                    else:
+                        self._run_flat(part, key[4], total)
         return loss
 
     def _plan(
