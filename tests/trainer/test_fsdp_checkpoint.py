@@ -336,3 +336,25 @@ def test_a_sharded_resume_in_other_optimizer_state_formats_is_refused_naming_the
     with pytest.raises(CheckpointError, match=r"\[\['int8'\]\].*\[\['int4'\]\].*optimizer_states"):
         again.fit(model, one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_sharded_checkpoint_recording_fp8_states_resumes_as_float8(tmp_path):
+    """Checkpoints written before the states' float8 format was spelled "float8" recorded
+    "fp8": the same format, so the resume goes on."""
+    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    first = Trainer(
+        precision="32-true", strategy="fsdp", devices=1, max_steps=2, callbacks=[every_2],
+        optimizer_states="float8", **RUN,
+    )  # fmt: skip
+    first.fit(ShardedDropoutNet(), one_rank_loader())
+    rank_file = (tmp_path / "last.ckpt").resolve() / "trainer-rank0.pt"
+    state = torch.load(rank_file, weights_only=False)
+    assert state["optimizer_state_formats"] == [["float8"]]
+    state["optimizer_state_formats"] = [["fp8"]]  # as an older version wrote it
+    torch.save(state, rank_file)
+    again = Trainer(
+        precision="32-true", strategy="fsdp", devices=1, max_steps=4,
+        optimizer_states="float8", enable_checkpointing=False, **RUN,
+    )  # fmt: skip
+    again.fit(ShardedDropoutNet(), one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert again.global_step == 4

@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from mixprec.optim import LossScaleOptimizer
-from mixprec.optim.states import LowBitAdam, LowBitAdamW, LowBitOptimizer, LowBitSGD
+from mixprec.optim.states import (
+    LowBitAdam,
+    LowBitAdamW,
+    LowBitOptimizer,
+    LowBitSGD,
+    parse_state_format,
+)
 from mixprec.optim.states.assign import low_bit_settings
 from mixprec.precision import Precision
 from mixprec.trainer.checkpoint import CheckpointError
@@ -30,6 +36,7 @@ __all__ = [
     "needs_closure",
     "parse_optimizers",
     "repoint_converted",
+    "saved_state_formats",
     "scheduler_entry",
     "state_formats",
     "warn_if_foreign",
@@ -118,7 +125,13 @@ _CONVERTED_FROM = ((LowBitSGD, ("SGD",)), (LowBitAdam, ("Adam",)), (LowBitAdamW,
 def state_formats(optimizer: torch.optim.Optimizer) -> list[str]:
     """Each group's optimizer-state format: a low-bit optimizer's ``"states"``, float32 for
     any other optimizer's."""
-    return [str(g.get("states", "float32")) for g in optimizer.param_groups]
+    return [str(parse_state_format(g.get("states", "float32"))) for g in optimizer.param_groups]
+
+
+def saved_state_formats(saved: list[list[str]]) -> list[list[str]]:
+    """The formats a checkpoint recorded per optimizer and group, spelled as `state_formats`
+    spells them now (``"fp8"``, the older name, is ``"float8"``)."""
+    return [[str(parse_state_format(f)) for f in groups] for groups in saved]
 
 
 def across_state_formats(

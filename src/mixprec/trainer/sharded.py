@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.callbacks import load_callback_states
 from mixprec.trainer.interrupt import ctrl_c_deferred
-from mixprec.trainer.optimizers import state_formats
+from mixprec.trainer.optimizers import saved_state_formats, state_formats
 from mixprec.trainer.resume import check_resume_point, restore_progress, run_state
 
 if TYPE_CHECKING:
@@ -185,7 +185,8 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
             "optimizer_states (a sharded checkpoint keeps the optimizers it was saved with)"
         )
     formats = [state_formats(opt.optimizer) for opt in run.optimizers]
-    saved_formats = state.get("optimizer_state_formats", formats)  # (older checkpoints)
+    # (older checkpoints recorded none; "fp8" is spelled "float8" now)
+    saved_formats = saved_state_formats(state.get("optimizer_state_formats", formats))
     if saved_formats != formats:
         raise ckpt_io.CheckpointError(
             f"{path} holds optimizer states in {saved_formats} (per optimizer, per group); "
