@@ -194,7 +194,8 @@ def _check_ready(
         raise PrecisionError(
             f"precision {pmap.name!r} computes in float16 and needs loss scaling whose "
             "overflow flag is all-reduced, so that every rank skips a step together: pass "
-            "scaler=DynamicLossScaler() (mixprec.optim.scaling; synchronize() all-reduces the flag) "
+            "scaler=DynamicLossScaler() (mixprec.optim.scaling; synchronize() all-reduces the "
+            "flag) "
             "and step through LossScaleOptimizer(optimizer, scaler), or pass "
             "scaler=Precision('16-mixed').scaler"
         )

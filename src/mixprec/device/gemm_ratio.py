@@ -4,8 +4,8 @@ per machine.
 Instruction flags say what a CPU should do with bfloat16 and float16; a GEMM says what it does
 with this torch. The fast/supported/slow rating of those dtypes on a CPU
 (`mixprec.hardware.dtype_support`) reads the ratio measured here. A 16-bit kernel's edge over
-float32 grows with the matrix (its blocking and packing cost the same at any size), so a dtype is rated
-at a size a training step multiplies: matrices grow from `SIZES`' first towards `TRAINING`
+float32 grows with the matrix (its blocking and packing cost the same at any size), so a dtype is
+rated at a size a training step multiplies: matrices grow from `SIZES`' first towards `TRAINING`
 while the next size's rounds still fit the time budget, and a dtype more than `DECISIVE` times
 slower than float32 at a size is rated there (no larger matrix makes it fast, and its larger
 multiplies are the slow ones). float32 and the dtypes take turns within each round, and the
