@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from mixprec.cli import main
 from mixprec.plan.fitting import step_peaks
 from mixprec.policy.map import PolicyMap
@@ -73,6 +75,7 @@ def _fresh_peak(spec: str, policy: PolicyMap, tmp_path) -> int:
     return json.loads(out.read_text())[0][0]
 
 
+@pytest.mark.slow  # measures plans in fresh processes
 def test_doctor_fit_writes_a_plan_whose_step_measured_in_a_fresh_process_fits(
     tmp_path, capsys
 ) -> None:

@@ -179,6 +179,7 @@ def _uniform(option: str) -> PolicyMap:
     return PolicyMap("32-true", activations={r"blocks\.\d+|head": option})
 
 
+@pytest.mark.slow  # measures plans in fresh processes
 def test_fit_returns_a_plan_whose_measured_peak_fits_and_no_worse_than_uniform_ones() -> None:
     model, batches = tiny(rows=32)
     batch = batches[0]
