@@ -38,8 +38,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# what an update returns: the updated low-bit moments in float32
-Update = tuple[torch.Tensor, ...]
 # the builds one update function may hold (formats x dtypes x compensations x size classes)
 RECOMPILE_LIMIT = 64
 
@@ -69,7 +67,11 @@ def _store(
         state.copy_(value)
         return
     codes, new_scales = encode(value, fmt, signed, tables)
-    state.copy_(codes)
+    # stored block by block, as the moment was computed: one loop nest for the block's
+    # reduction, its codes and the parameter's update (a flat store would be a loop of its
+    # own, fed by float32 copies of the moment and its codes)
+    blocks = value.shape[0]
+    state.view(blocks, -1).copy_(codes.view(blocks, -1))
     scales.copy_(new_scales)
 
 
@@ -90,12 +92,20 @@ def _write(
     lanes.store([p, buf], [write_back(lanes, p, w, u, c, noise, compensation)])
 
 
-def _kept(fmt: StateFormat, *moments: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The updated float32 moments of a low-bit format, returned by the update so that the
-    compiled code computes them once, kept in memory for the update of the parameter, rather
-    than decoding the old codes again in each loop that reads them (the requantization's
-    and the parameter's); nothing for float32 moments, which the state holds."""
-    return moments if fmt.quantized else ()
+def _same_sizes(
+    fmt: StateFormat, p: torch.Tensor, others: tuple[torch.Tensor | None, ...], *moments
+) -> None:
+    """Tell the compiler that the flat tensors of one update have the sizes ``p``'s implies
+    (each is marked dynamic on its own, so each size would otherwise be a symbol of its
+    own, and loops over different symbols are never fused into one); eagerly, a check."""
+    n = p.shape[0]
+    for t in others:
+        if t is not None:
+            torch._check(t.shape[0] == n)
+    for codes, scales in moments:
+        if scales is not None:
+            torch._check(codes.shape[0] == fmt.codec.code_count(n))
+            torch._check(scales.shape[0] * fmt.block == n)
 
 
 def _blocks(x: torch.Tensor | None, fmt: StateFormat) -> torch.Tensor | None:
@@ -122,7 +132,7 @@ def adam_update(
     block: int | None,
     decoupled: bool,
     compensation: str | None,
-) -> Update:
+) -> None:
     """One Adam/AdamW update of the flat parameter ``p`` (a whole number of blocks for a
     low-bit format) with the flat gradient ``g``; the moments in the format ``kind`` and
     ``block`` name (codes and scales, or float32 with no scales); ``tables``: the first
@@ -130,10 +140,10 @@ def adam_update(
     weight_decay, lr / (1 - beta1^step), (1 - beta2^step)^-1/2). Decoupled weight decay
     (AdamW) or L2 added to the gradient (Adam). ``p`` is written in place by the engine's
     write-back (``compensation``, with the Kahan buffer ``buf`` and the random bits of
-    ``key``: a one-element int32 tensor compiled, an int eagerly). Returns the updated
-    moments (`_kept`)."""
+    ``key``: a one-element int32 tensor compiled, an int eagerly)."""
     fmt = StateFormat(kind, block)
     lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp.unbind()
+    _same_sizes(fmt, p, (g, buf), (m, m_scales), (v, v_scales))
     p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
     p32 = p.to(torch.float32)
     g32 = g.to(torch.float32)
@@ -147,7 +157,6 @@ def adam_update(
     if decoupled:
         u = u - (lr * wd) * p32
     _write(p, p32, u, buf, key, compensation)
-    return _kept(fmt, m1, m2)
 
 
 def sgd_update(
@@ -163,38 +172,36 @@ def sgd_update(
     block: int | None,
     nesterov: bool,
     compensation: str | None,
-) -> Update:
+) -> None:
     """One SGD update of the flat ``p``, with momentum buffer ``b`` (None without momentum)
     in the format ``kind`` and ``block`` name; ``hp``: float32 (lr, keep, gain,
     weight_decay, momentum), ``keep`` and ``gain`` 0 and 1 on the first step, so that the
-    buffer starts as the gradient, as torch's does. Returns what `adam_update` returns."""
+    buffer starts as the gradient, as torch's does."""
     fmt = StateFormat(kind, block)
     lr, keep, gain, wd, momentum = hp.unbind()
+    _same_sizes(fmt, p, (g, buf), (b, b_scales))
     p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
     p32 = p.to(torch.float32)
     d = g.to(torch.float32) + wd * p32
-    kept: tuple[torch.Tensor, ...] = ()
     if b is not None:
         mom = _load(b, b_scales, tables, fmt, True) * keep + gain * d
         _store(mom, b, b_scales, fmt, True, tables)
         d = d + momentum * mom if nesterov else mom
-        kept = _kept(fmt, mom)
     _write(p, p32, -lr * d, buf, key, compensation)
-    return kept
 
 
-_KERNELS: dict[str, Callable[..., Update]] = {
+_KERNELS: dict[str, Callable[..., None]] = {
     "adam": adam_update,
     "sgd": sgd_update,
 }
-_COMPILED: dict[str, Callable[..., Update]] = {}
+_COMPILED: dict[str, Callable[..., None]] = {}
 # the dynamo settings of every compiled call (`run_compiled` says why), made once
 _SETTINGS = torch._dynamo.config.patch(
     recompile_limit=RECOMPILE_LIMIT, automatic_dynamic_shapes=False
 )
 
 
-def compiled(algorithm: str) -> Callable[..., Update]:
+def compiled(algorithm: str) -> Callable[..., None]:
     """The torch.compile'd update of ``algorithm`` (``"adam"`` or ``"sgd"``), built on
     first use; `run_compiled` calls it with dynamic sizes (one build per format, dtype and
     compensation)."""
@@ -208,7 +215,7 @@ def compiled(algorithm: str) -> Callable[..., Update]:
     return _COMPILED[algorithm]
 
 
-def run_compiled(algorithm: str, args: tuple) -> Update:
+def run_compiled(algorithm: str, args: tuple) -> None:
     """Call the compiled update of ``algorithm`` on ``args`` (those of `adam_update` or
     `sgd_update`), the first dimension of every tensor but the tables and ``hp`` marked
     dynamic: one build serves every size, while the block stays a constant of the code."""
@@ -224,6 +231,6 @@ def run_compiled(algorithm: str, args: tuple) -> Update:
         return compiled(algorithm)(*args)
 
 
-def eager(algorithm: str) -> Callable[..., Update]:
+def eager(algorithm: str) -> Callable[..., None]:
     """The update of ``algorithm`` run op by op (the compiled one's math)."""
     return _KERNELS[algorithm]
