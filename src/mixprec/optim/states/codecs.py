@@ -259,15 +259,18 @@ def dynamic_map(bits: int, signed: bool, exponent_bits: int) -> list[float]:
 @dataclasses.dataclass(frozen=True)
 class _Decades:
     """A dynamic map's decades as the arithmetic nearest code reads them, from decade 0
-    (smallest) up: each one's first magnitude index, number of values and the factor
-    scaling it onto [0.1, 1]; the magnitudes past which the next decade's first value is
-    nearer than this one's last (``uppers``); below ``zero`` the nearest value is 0 (on the
-    positive side of a signed map, which lacks index 0: below ``zero_positive``, else index
-    1); above ``one``, 1."""
+    (smallest) up: in each, the position ``a * slope + offset`` of a magnitude ``a`` on the
+    decade's even split, counted in codes from the map's first magnitude (its floor is the
+    code of the part ``a`` falls in, whose midpoint is the nearest value), and the decade's
+    last code (``ends``: a magnitude past the decade's top, but nearer its last value than
+    the next decade's first, lands one part beyond); the magnitudes past which the next
+    decade's first value is nearer than this one's last (``uppers``); below ``zero`` the
+    nearest value is 0 (on the positive side of a signed map, which lacks index 0: below
+    ``zero_positive``, else index 1); above ``one``, 1, code ``last``."""
 
-    starts: tuple[int, ...]
-    parts: tuple[int, ...]
-    factors: tuple[float, ...]
+    slopes: tuple[float, ...]
+    offsets: tuple[float, ...]
+    ends: tuple[float, ...]
     uppers: tuple[float, ...]
     zero: float
     zero_positive: float
@@ -278,8 +281,8 @@ class _Decades:
 def _decades(bits: int, exponent_bits: int, signed: bool) -> _Decades:
     """`_Decades` of the map `dynamic_map` builds with these arguments."""
     base = bits - 1 - exponent_bits + (0 if signed else 1)
-    parts = tuple(2 ** (i + base) for i in range(exponent_bits))
-    starts = tuple(2**base * (2**i - 1) for i in range(exponent_bits))
+    parts = [2 ** (i + base) for i in range(exponent_bits)]
+    starts = [2**base * (2**i - 1) for i in range(exponent_bits)]
     tops = [10.0 ** (i - exponent_bits + 1) for i in range(exponent_bits)]
 
     def value(i: int, j: int) -> float:
@@ -288,9 +291,10 @@ def _decades(bits: int, exponent_bits: int, signed: bool) -> _Decades:
     uppers = tuple((value(i, parts[i] - 1) + value(i + 1, 0)) / 2 for i in range(exponent_bits - 1))
     second = value(0, 1) if parts[0] > 1 else value(1, 0)
     return _Decades(
-        starts=starts,
-        parts=parts,
-        factors=tuple(1 / top for top in tops),
+        # (a / top - 0.1) * parts / 0.9 + start, folded into one multiply and one add
+        slopes=tuple(n / (0.9 * top) for n, top in zip(parts, tops, strict=True)),
+        offsets=tuple(s - 0.1 * n / 0.9 for s, n in zip(starts, parts, strict=True)),
+        ends=tuple(float(s + n - 1) for s, n in zip(starts, parts, strict=True)),
         uppers=uppers,
         zero=value(0, 0) / 2,
         zero_positive=second / 2,
@@ -306,16 +310,15 @@ def dynamic_nearest(y: torch.Tensor, d: _Decades, signed: bool) -> torch.Tensor:
     midpoint is the decade's nearest value), then 0 and 1 at the ends. int32."""
     a = y.abs()
     a = torch.where(a <= 1.0, a, 1.0)  # (a NaN: the code of +-1)
-    start = torch.full_like(a, d.starts[0])
-    parts = torch.full_like(a, d.parts[0])
-    factor = torch.full_like(a, d.factors[0])
+    slope = torch.full_like(a, d.slopes[0])
+    offset = torch.full_like(a, d.offsets[0])
+    end = torch.full_like(a, d.ends[0])
     for i, upper in enumerate(d.uppers, start=1):
         above = a > upper
-        start = torch.where(above, d.starts[i], start)
-        parts = torch.where(above, d.parts[i], parts)
-        factor = torch.where(above, d.factors[i], factor)
-    j = torch.floor((a * factor - 0.1) * (parts / 0.9)).clamp(torch.zeros_like(parts), parts - 1)
-    t = start + j
+        slope = torch.where(above, d.slopes[i], slope)
+        offset = torch.where(above, d.offsets[i], offset)
+        end = torch.where(above, d.ends[i], end)
+    t = torch.minimum(torch.floor(a * slope + offset), end)
     negative = y < 0  # (-0: the code of 0 either way)
     if signed:  # no positive value of index 0 (-1 in its place): 0 or index 1
         zero = torch.where(negative, d.zero, d.zero_positive)
@@ -330,11 +333,20 @@ def dynamic_nearest(y: torch.Tensor, d: _Decades, signed: bool) -> torch.Tensor:
     return torch.where(negative, half - 1 - t, half + t.clamp_min(0))
 
 
+def _over(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Each block of ``x`` over its ``scale`` (a zero scale: over 1), by one reciprocal a
+    block and a multiply an element, as a division an element costs several times more; a
+    scale below float32's smallest normal number is first scaled up by 2^64 with its block
+    (exact), so that its reciprocal stays finite."""
+    up = torch.where(scale < SMALLEST_V, 2.0**64, 1.0)
+    safe = torch.where(scale > 0, scale * up, 1.0)
+    return (x * up[:, None]) * (1.0 / safe)[:, None]
+
+
 def _scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``x`` over each block's largest magnitude, that magnitude): a zero block over 1."""
+    """(``x`` over each block's largest magnitude, that magnitude)."""
     absmax = x.abs().amax(dim=1)
-    safe = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-    return x / safe[:, None], absmax
+    return _over(x, absmax), absmax
 
 
 def _at_least_tiny(v: torch.Tensor, values: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
@@ -449,8 +461,7 @@ class Float8Codec(StateCodec):
         if not signed:
             x = x.sqrt()
         scales = x.abs().amax(dim=1) / FP8_MAX
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        y = x / safe[:, None]
+        y = _over(x, scales)
         if not signed:
             y = torch.where(y > 0, y.clamp_min(_FP8_TINY), y)
         return y.to(torch.float8_e4m3fn).reshape(-1), scales

@@ -74,6 +74,8 @@ COMPILE_MIN_ELEMENTS = 1 << 16
 # the per-parameter moments of each algorithm and whether each is signed
 _MOMENTS = {"adam": (("exp_avg", True), ("exp_avg_sq", False)), "sgd": (("momentum_buffer", True),)}
 _FLOAT32 = StateFormat("float32")
+# tensor types that are never a DTensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _dtensor_type() -> type | None:
@@ -83,6 +85,8 @@ def _dtensor_type() -> type | None:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local part of a DTensor (the tensor itself otherwise)."""
+    if type(t) in _PLAIN:  # (the common case, asked dozens of times a step)
+        return t
     dtensor = _dtensor_type()
     return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
 
