@@ -11,8 +11,14 @@ which waiting on a busy host does not inflate; the table gives the fastest, the 
 quartile and the median of ``--steps`` steps, the median against torch's, and the state
 bytes (`mixprec.optim.states.state_bytes`, scales included) against torch's.
 
+With ``--dtype bfloat16`` the models are pure bfloat16 (parameters and gradients), torch's
+AdamW steps them as they are, and ``--compensation kahan`` or ``stochastic`` gives mixprec's
+optimizers that write-back; with ``kahan``, torch-optimi's ``AdamW(kahan_sum=True)`` (what a
+user would pick instead) takes its turn too where it is installed.
+
     python benchmarks/states_step.py [--models small large] [--steps 41]
-        [--compile {none,true,false}]
+        [--compile {none,true,false}] [--dtype {float32,bfloat16}]
+        [--compensation {kahan,stochastic}]
 """
 
 from __future__ import annotations
@@ -43,18 +49,51 @@ def _model(name: str) -> nn.Module:
     )
 
 
-def _optimizer(model_name: str, kind: str, compile: bool | None) -> torch.optim.Optimizer:
-    model = _model(model_name)
+OPTIMI = "torch-optimi AdamW(kahan_sum=True)"
+
+
+def _optimizer(
+    model_name: str,
+    kind: str,
+    compile: bool | None,
+    dtype: torch.dtype = torch.float32,
+    compensation: str | None = None,
+) -> torch.optim.Optimizer:
+    model = _model(model_name).to(dtype)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     if kind == "torch":
         return torch.optim.AdamW(model.parameters(), foreach=True)
-    return _OPTIMIZERS[kind](model.parameters(), compile=compile)
+    if kind == OPTIMI:
+        import optimi
+
+        return optimi.AdamW(model.parameters(), lr=1e-3, kahan_sum=True, foreach=True)
+    return _OPTIMIZERS[kind](model.parameters(), compile=compile, compensation=compensation)
 
 
-def _table(model_name: str, steps: int, compile: bool | None) -> list[str]:
-    kinds = ["torch", *_OPTIMIZERS]
-    optimizers = {k: _optimizer(model_name, k, compile) for k in kinds}
+def _kinds(compensation: str | None) -> list[str]:
+    """torch's AdamW, torch-optimi's Kahan AdamW beside mixprec's Kahan steps where it is
+    installed, then mixprec's optimizers."""
+    kinds = ["torch"]
+    if compensation == "kahan":
+        try:
+            import optimi  # noqa: F401
+        except ImportError:
+            print("(torch-optimi is not installed: its Kahan AdamW is left out)")
+        else:
+            kinds.append(OPTIMI)
+    return [*kinds, *_OPTIMIZERS]
+
+
+def _table(
+    model_name: str,
+    steps: int,
+    compile: bool | None,
+    dtype: torch.dtype = torch.float32,
+    compensation: str | None = None,
+) -> list[str]:
+    kinds = _kinds(compensation)
+    optimizers = {k: _optimizer(model_name, k, compile, dtype, compensation) for k in kinds}
     for opt in optimizers.values():
         for _ in range(3):
             opt.step()
@@ -67,8 +106,11 @@ def _table(model_name: str, steps: int, compile: bool | None) -> list[str]:
     params = sum(p.numel() for g in optimizers["torch"].param_groups for p in g["params"])
     base_time = statistics.median(times["torch"])
     base_bytes = state_bytes(optimizers["torch"])
+    setting = "" if dtype == torch.float32 else f", {str(dtype)[6:]} parameters"
+    setting += f", compensation={compensation}" if compensation else ""
     lines = [
-        f"{model_name}: {params} parameters, {steps} steps, one thread, CPU time of the step",
+        f"{model_name}: {params} parameters{setting}, {steps} steps, one thread, CPU time of "
+        "the step",
         "",
         "| optimizer | fastest ms | lower quartile ms | median ms | x torch | state bytes"
         " | x torch |",
@@ -91,11 +133,15 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["small", "large"])
     parser.add_argument("--steps", type=int, default=41)
     parser.add_argument("--compile", choices=["none", "true", "false"], default="none")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--compensation", choices=["kahan", "stochastic"], default=None)
     args = parser.parse_args()
     compile = {"none": None, "true": True, "false": False}[args.compile]
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)
     for name in args.models:
-        print("\n".join(_table(name, args.steps, compile)), end="\n\n")
+        table = _table(name, args.steps, compile, dtype, args.compensation)
+        print("\n".join(table), end="\n\n")
 
 
 if __name__ == "__main__":
