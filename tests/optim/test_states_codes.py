@@ -211,3 +211,35 @@ def test_int8_states_saved_before_roots_decode_as_they_did_and_step_on_as_roots(
     true = torch_opt.state[ref]["exp_avg_sq"]
     assert float((stepped - true).norm() / true.norm()) < 0.01
     assert float((ours - ref).detach().abs().max()) < 1e-3
+
+
+@pytest.mark.parametrize(
+    "kind, signed", [("int8", True), ("int4", True), ("int4", False), ("float8", True)]
+)
+def test_a_block_of_subnormal_values_is_coded_as_a_normal_one(kind, signed):
+    """A block is divided by its scale as a multiply by the scale's reciprocal, which would
+    be infinite for a scale below about 2^-128: such a block is scaled up first (exactly).
+    A block of subnormal values takes the codes of the same block 2^140 times larger (float8,
+    whose scale is itself subnormal: the values back within e4m3's error), never NaN or
+    infinity; an all-zero block still decodes to zeros. (int8 and float8 store a second
+    moment's square root, which is never subnormal.)"""
+    g = torch.Generator().manual_seed(3)
+    normal = torch.randint(1, 17, (512,), generator=g).float() / 16  # exact at 2^-140
+    if signed:
+        normal = normal * torch.where(torch.rand(512, generator=g) < 0.5, -1.0, 1.0)
+    shift = 128 if kind == "float8" else 140  # (float8's scale is the block's max over 448)
+    tiny = normal * 2.0**-shift
+    back_up = tiny
+    for _ in range(4):  # (2^shift itself overflows float32)
+        back_up = back_up * 2.0 ** (shift // 4)
+    assert 0 < float(tiny.abs().max()) < TINY and torch.equal(back_up, normal)  # (exact)
+    codes, scales = quantize(tiny, kind, signed=signed)
+    back = dequantize(codes, scales, kind, tiny.shape, signed=signed)
+    assert torch.isfinite(back).all()
+    if kind == "float8":
+        bound = 2.0**-4 * float(tiny.abs().max()) + 2.0**-149
+        assert float((back - tiny).abs().max()) <= bound
+    else:
+        assert torch.equal(codes, quantize(normal, kind, signed=signed)[0])
+    zero = quantize(torch.zeros(512), kind, signed=signed)
+    assert torch.equal(dequantize(*zero, kind, (512,), signed=signed), torch.zeros(512))
