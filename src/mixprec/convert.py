@@ -51,12 +51,8 @@ from mixprec.quantize.rules import set_fast_paths
 from mixprec.tree import map_tensors
 
 __all__ = [
-    "AppliedState",
-    "sharded_units",
-    "warn_unmatched",
     "applied_policy",
     "apply",
-    "cast_floating",
     "default_dtype",
     "explain",
     "needs_default_dtype",

@@ -14,7 +14,6 @@ __all__ = [
     "SlowPrecisionError",
     "SlowPrecisionWarning",
     "caller_level",
-    "stand_in_for",
 ]
 
 

@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["cpu_tensor_peak", "measured"]
+__all__ = [
+    "measured",
+]
 
 
 def cpu_tensor_peak(events: list[Any]) -> int:

@@ -30,7 +30,11 @@ from mixprec.policy import Policy
 from mixprec.policy.map import as_map
 from mixprec.quantize import QuantizeResult, quantize_modules
 
-__all__ = ["mixed_precision_policy", "quantize_for", "shard", "units"]
+__all__ = [
+    "quantize_for",
+    "shard",
+    "units",
+]
 
 WrapFn = Callable[[str, nn.Module], bool]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]

@@ -22,7 +22,11 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["Column", "FileConsole", "FittedTable", "console"]
+__all__ = [
+    "Column",
+    "FittedTable",
+    "console",
+]
 
 # written to a file or a pipe without COLUMNS: the width tables are wrapped to (wider where a
 # column's longest word needs it); prose is not wrapped

@@ -21,13 +21,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 __all__ = [
-    "QUANTILE",
     "WIDE",
     "Paired",
     "busy_cores",
     "free_threads",
     "paired_rounds",
-    "quantile",
     "take_turns",
 ]
 

@@ -46,7 +46,9 @@ from mixprec.doctor.report import REPORT_FILES
 from mixprec.doctor.verdicts import DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE
 from mixprec.errors import PolicySpecError, PrecisionError
 
-__all__ = ["add_parser", "fit_child"]
+__all__ = [
+    "fit_child",
+]
 
 
 def _unpack(made: Any) -> tuple[Any, Any, Any]:
@@ -484,17 +486,20 @@ def _recommend(diagnosis: Diagnosis, tolerance: float | None, console: Any, err:
     return found
 
 
-def _positive_float(what: str) -> Any:
+def _add_positive(group: Any, flag: str, help: str) -> None:
+    """Add the option `flag`: a positive number (None when not given), refused as argparse
+    reads it."""
+
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{what} must be a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"{flag} must be a number, got {text!r}") from None
         if not value > 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"{what} must be a positive number, got {text}")
+            raise argparse.ArgumentTypeError(f"{flag} must be a positive number, got {text}")
         return value
 
-    return parse
+    group.add_argument(flag, type=parse, help=help)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -524,27 +529,24 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "doctor writes with its recommendation",
     )
     p.add_argument("--reference", default="32-true", help="reference precision (32-true)")
-    p.add_argument(
+    _add_positive(
+        p,
         "--loss-scale",
-        type=_positive_float("loss scale"),
-        default=None,
-        help="loss scale of the target's backward (default: where a dynamic scaler settles)",
+        "loss scale of the target's backward (default: where a dynamic scaler settles)",
     )
-    p.add_argument(
+    _add_positive(
+        p,
         "--tolerance",
-        type=_positive_float("tolerance"),
-        default=None,
-        help=f"relative loss/gradient error the fix must reach ({DEFAULT_TOLERANCE}; "
+        f"relative loss/gradient error the fix must reach ({DEFAULT_TOLERANCE}; "
         f"{QUANTIZED_TOLERANCE} under a quantized policy); with --search, how far the plan's "
         "loss may exceed the baseline's (0.01)",
     )
-    p.add_argument("--device", default=None, help="run on this device (default: the model's)")
+    p.add_argument("--device", help="run on this device (default: the model's)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed of both runs")
-    p.add_argument(
+    _add_positive(
+        p,
         "--lr",
-        type=_positive_float("lr"),
-        default=None,
-        help="learning rate: also report the parameter updates that round away in 16-bit "
+        "learning rate: also report the parameter updates that round away in 16-bit "
         "weights (true policies)",
     )
     p.add_argument(
@@ -556,14 +558,12 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--out",
         type=Path,
-        default=None,
         help="report directory, which must not hold an earlier report (default: "
         "doctor-report/<date-time>/, a new one each run)",
     )
     p.add_argument("--no-recommend", action="store_true", help="only diagnose")
     p.add_argument(
         "--states",
-        default=None,
         metavar="FORMAT",
         help="also check optimizer states in FORMAT (int8, int4, fp8): name the layers whose "
         "moments it stores with over 10%% error after 3 AdamW steps on the batch (exit 1 if any)",
@@ -584,27 +584,23 @@ def _add_search_arguments(p: argparse.ArgumentParser) -> None:
     search.add_argument("--search", action="store_true", help="search formats per layer")
     search.add_argument(
         "--fit",
-        default=None,
         metavar="SIZE",
         help="search formats and activation options at the batch of the factory's batches "
         "and write the plan of least loss whose training step, measured in a fresh process, "
         "fits SIZE (4GiB, 512MB, 100000B); exit 1 when none does",
     )
-    search.add_argument(
+    _add_positive(
+        search,
         "--memory",
-        type=_positive_float("--memory"),
-        default=None,
-        help="bytes budget: a fraction of the baseline's bytes of the searched layers (0.5)",
+        "bytes budget: a fraction of the baseline's bytes of the searched layers (0.5)",
     )
-    search.add_argument(
+    _add_positive(
+        search,
         "--speed",
-        type=_positive_float("--speed"),
-        default=None,
-        help="time budget: a fraction of the baseline's summed step time of those layers",
+        "time budget: a fraction of the baseline's summed step time of those layers",
     )
     search.add_argument(
         "--formats",
-        default=None,
         help="comma-separated formats to try (default: those fast on the device: 32-true, "
         "the baseline, bf16-true, int8 and int4 on the baseline...)",
     )

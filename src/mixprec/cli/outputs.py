@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-__all__ = ["check_output_dir", "new_output_dir"]
+__all__: list[str] = []
 
 
 def check_output_dir(path: str | os.PathLike[str], flag: str, keep: Iterable[str] = ()) -> Path:

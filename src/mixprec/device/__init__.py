@@ -26,7 +26,6 @@ from mixprec.errors import PrecisionError
 __all__ = [
     "DeviceInfo",
     "assume",
-    "cap_cpu_flags",
     "default_device",
     "detect",
     "device_of",

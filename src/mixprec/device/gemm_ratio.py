@@ -40,17 +40,8 @@ from mixprec.dtypes import dtype_name
 from mixprec.timing import WIDE, Paired, paired_rounds
 
 __all__ = [
-    "BUDGET_S",
     "CACHE_ENV",
-    "CACHE_FILE",
-    "DECISIVE",
-    "DTYPES",
-    "SIZES",
-    "TRAINING",
     "GemmRatios",
-    "cache_path",
-    "cached",
-    "lookup",
     "measure",
     "rate",
 ]

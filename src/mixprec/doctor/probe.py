@@ -27,24 +27,7 @@ from torch import Tensor, nn
 from mixprec.dtypes import format_info
 from mixprec.tree import iter_tensors
 
-__all__ = [
-    "Call",
-    "Comparisons",
-    "Key",
-    "Probe",
-    "Recording",
-    "RefStats",
-    "RefTensor",
-    "Scratch",
-    "Slot",
-    "Stats",
-    "combine",
-    "count_nonfinite",
-    "floating_tensors",
-    "lowest_float",
-    "measure_param_grads",
-    "snapshot",
-]
+__all__: list[str] = []
 
 
 class RefStats(NamedTuple):

@@ -14,7 +14,9 @@ if TYPE_CHECKING:
     from mixprec.doctor.diagnosis import Diagnosis, Recommendation
     from mixprec.doctor.verdicts import ModuleReport
 
-__all__ = ["REPORT_FILES", "as_text", "rich_view", "save", "summary", "to_markdown"]
+__all__ = [
+    "REPORT_FILES",
+]
 
 # what `save` writes (policy.json only with a recommendation); a run never overwrites them
 REPORT_FILES = ("report.md", "error.png", "range.png", "policy.json")

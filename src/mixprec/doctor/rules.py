@@ -61,26 +61,7 @@ from mixprec.doctor.verdicts import (
 )
 from mixprec.dtypes import LOW_PRECISION_FLOATS, FormatInfo, dtype_name, format_info
 
-__all__ = [
-    "Finding",
-    "MODULE_RULES",
-    "Rule",
-    "RunFacts",
-    "backward_overflow",
-    "blame_innermost",
-    "error_grows",
-    "first_finding",
-    "forward_overflow",
-    "gradient_arrives_nonfinite",
-    "gradients_flush",
-    "gradients_underflow",
-    "judge",
-    "loss_outside_modules",
-    "mark_origins",
-    "output_near_max",
-    "outputs_underflow",
-    "updates_vanish",
-]
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.step import backward, batch_loss, seeded
 
-__all__ = ["Session", "grad_amax"]
+__all__: list[str] = []
 
 
 def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:

@@ -36,8 +36,8 @@ __all__ = [
     "Format",
     "Ranked",
     "Status",
-    "Support",
     "StepWork",
+    "Support",
     "agree",
     "before_step",
     "format_named",
@@ -45,7 +45,6 @@ __all__ = [
     "register",
     "step_work",
     "unregister",
-    "whole_number",
 ]
 
 

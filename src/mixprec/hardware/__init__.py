@@ -49,7 +49,6 @@ __all__ = [
     "SLOW",
     "SLOW_BELOW",
     "SUPPORTED",
-    "Status",
     "Support",
     "assume",
     "check",

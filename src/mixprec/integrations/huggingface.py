@@ -49,9 +49,7 @@ from mixprec.precision import Precision
 __all__ = [
     "MixprecTrainer",
     "PrecisionMonitorCallback",
-    "SkipAwareScheduler",
     "prepare",
-    "tie_quantized_weights",
 ]
 
 

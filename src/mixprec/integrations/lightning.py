@@ -55,7 +55,10 @@ from mixprec.optim.scaling import LossScaler
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 
-__all__ = ["MixprecPrecision", "PrecisionMonitorCallback", "SkipAwareScheduler"]
+__all__ = [
+    "MixprecPrecision",
+    "PrecisionMonitorCallback",
+]
 
 
 class MixprecPrecision(LightningPrecision):

@@ -42,24 +42,14 @@ from torch import Tensor, nn
 from mixprec.activations import ActivationForward, ActivationRules, install, refusal
 from mixprec.activations.measure import saved_bytes_of
 from mixprec.convert import apply
+from mixprec.plan.inputs import SearchInputs
 from mixprec.plan.report import BlockRow, Option
 from mixprec.policy import Policy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.step import backward, batch_loss, seeded
 
-__all__ = [
-    "NOT_SEARCHED",
-    "TIE_FLOOR",
-    "batch_at",
-    "batch_rows",
-    "extra_seconds",
-    "block_rows",
-    "find_blocks",
-    "plan_activations",
-    "searched_options",
-    "tie_weight",
-]
+__all__: list[str] = []
 
 # the least extra seconds an option other than keep counts in a tie (`extra_seconds`)
 TIE_FLOOR = 1e-6
@@ -149,22 +139,15 @@ def plan_activations(options: Mapping[str, str]) -> ActivationRules | None:
     return ActivationRules(rules) if rules else None
 
 
-def block_rows(
-    model: nn.Module,
-    reference: nn.Module,
-    base: Policy,
-    batches: Sequence[Any],
-    loss_fn: Any,
-    *,
-    batch_size: int,
-    lr: float,
-    reps: int,
-    device: torch.device,
-    seed: int,
-) -> tuple[list[BlockRow], int]:
-    """A row per block with each option's bytes, damage and seconds (see the module's
-    docstring), and the bytes saved outside the blocks (with ``keep``). `reference`: the
-    float32 model the formats are scored on."""
+def block_rows(s: SearchInputs, reference: nn.Module) -> tuple[list[BlockRow], int]:
+    """A row per block with each option's bytes, damage and seconds at the search's
+    ``batch_size`` (see the module's docstring; none without one), and the bytes saved
+    outside the blocks (with ``keep``). `reference`: the float32 model the formats are
+    scored on."""
+    if s.batch_size is None:
+        return [], 0
+    model, base, batches, loss_fn = s.model, s.base, s.batches, s.loss_fn
+    lr, reps, device, seed = s.lr, s.reps, s.device, s.seed
     modules = dict(model.named_modules())
     blocks = find_blocks(model)
     rows = [BlockRow(path=b, kind=type(modules[b]).__name__) for b in blocks]
@@ -175,7 +158,7 @@ def block_rows(
             if reason is not None:
                 row.not_applicable[option] = reason
         row.not_applicable.update(NOT_SEARCHED)
-    big = batch_at(batches[0], batch_size)
+    big = batch_at(batches[0], s.batch_size)
     outside = 0
     for option in options:
         takes = {r.path: option for r in rows if option not in r.not_applicable}

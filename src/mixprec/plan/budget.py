@@ -11,7 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BUDGET_KINDS", "SIZE_UNITS", "Budget", "BudgetError", "parse_bytes"]
+__all__ = [
+    "Budget",
+    "BudgetError",
+    "parse_bytes",
+]
 
 BUDGET_KINDS = ("memory", "speed")
 # the units a size is written in: powers of 1000 and of 1024

@@ -44,7 +44,13 @@ from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.step import backward, batch_loss, seeded
 
-__all__ = ["MAX_STEPS", "FitReport", "Peak", "Tried", "fit", "step_peaks"]
+__all__ = [
+    "FitReport",
+    "Peak",
+    "Tried",
+    "fit",
+    "step_peaks",
+]
 
 # how many times a plan over the budget is replaced by the next cheaper one
 MAX_STEPS = 6
@@ -262,19 +268,7 @@ _ORDER = ("keep", "bf16", "fp8", "checkpoint", "selective", "offload")
 def _with_activations(policy: PolicyMap, m: Scored, option: str) -> PolicyMap:
     """`policy` with every block (that can take it) in `option`."""
     given = {b.path: option for b in m.blocks if option in b.options}
-    return _with(policy, plan_activations(given))
-
-
-def _with(policy: PolicyMap, activations: Any) -> PolicyMap:
-    """`policy` with these `activations` rules in place of its own."""
-    return PolicyMap(
-        policy.default,
-        policy.rules,
-        float32_islands=policy.float32_islands,
-        float32_attention=policy.float32_attention,
-        states=policy.states,
-        activations=activations,
-    )
+    return policy.replace(activations=plan_activations(given))
 
 
 def _without_collector(run: Callable[[], Any]) -> Any:
@@ -320,7 +314,7 @@ def step_peaks(
             )
             # the activation options are on the model (`apply`); the step needs the rest
             precision = Precision(
-                _with(plan, None),
+                plan.replace(activations=None),
                 device=dev,
                 allow_slow=True,
                 compensation="kahan" if sixteen else None,

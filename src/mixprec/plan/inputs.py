@@ -19,7 +19,7 @@ from mixprec.plan.units import COUNTS, Unit, default_formats, find_units, format
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.policy.map import PolicyMap
 
-__all__ = ["SearchInputs", "check_finite", "search_inputs"]
+__all__: list[str] = []
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.step import backward, batch_loss, seeded
 
-__all__ = ["Measured", "Trained", "convert", "eval_loss", "measure_plans", "train"]
+__all__: list[str] = []
 
 
 @dataclass

@@ -23,9 +23,6 @@ __all__ = [
     "Option",
     "SearchReport",
     "UnitRow",
-    "costs_of",
-    "formats_of",
-    "within",
 ]
 
 REPORT_FILES = ("policy.json", "search.md", "search.json")

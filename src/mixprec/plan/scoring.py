@@ -20,7 +20,7 @@ from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.step import batch_loss, seeded
 
-__all__ = ["Holders", "candidates", "score"]
+__all__: list[str] = []
 
 # per layer, per format: the layer built in that format, or None where it does not apply
 Holders = list[list[nn.ModuleList | None]]

@@ -46,7 +46,9 @@ from mixprec.plan.units import state_bytes
 from mixprec.plan.verify import Verified, keep, limits_of, verify
 from mixprec.policy.map import PolicyMap
 
-__all__ = ["Scored", "planned", "scored", "search"]
+__all__ = [
+    "search",
+]
 
 # a layer is said to be kept for its sensitivity when a cheaper format would hurt it at least
 # this many times the median layer's damage in that format
@@ -166,7 +168,7 @@ def scored(s: SearchInputs) -> Scored:
     del holders
     # the blocks' activation options, measured at the batch
     clock = time.perf_counter()
-    blocks, outside = _blocks(s, reference)
+    blocks, outside = block_rows(s, reference)
     if s.batch_size is not None:
         phases["activations"] = time.perf_counter() - clock
     base_costs = {
@@ -205,25 +207,6 @@ def planned(s: SearchInputs, m: Scored, started: float) -> SearchReport:
         started,
         blocks,
         m.fixed,
-    )
-
-
-def _blocks(s: SearchInputs, reference: nn.Module) -> tuple[list[BlockRow], int]:
-    """Each block's activation options under `batch_size` (none without), and the bytes
-    saved outside the blocks."""
-    if s.batch_size is None:
-        return [], 0
-    return block_rows(
-        s.model,
-        reference,
-        s.base,
-        s.batches,
-        s.loss_fn,
-        batch_size=s.batch_size,
-        lr=s.lr,
-        reps=s.reps,
-        device=s.device,
-        seed=s.seed,
     )
 
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["RESOLUTION_ONE", "RESOLUTION_TWO", "brute_force", "solve"]
+__all__: list[str] = []
 
 # steps per budget: one budget (a vector) or two (a table)
 RESOLUTION_ONE = 1 << 20

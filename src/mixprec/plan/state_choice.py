@@ -18,7 +18,7 @@ from mixprec.optim.states import MIN_SIZE, StateFormat, parse_state_format
 from mixprec.plan.units import Unit
 from mixprec.policy.map import PolicyMap
 
-__all__ = ["STEPS", "THRESHOLD", "choose_states", "holder_formats", "with_states"]
+__all__: list[str] = []
 
 STEPS = 3  # AdamW steps before the moments are measured
 THRESHOLD = 0.1  # the largest relative update error a chosen format may give
@@ -85,11 +85,4 @@ def with_states(
     }
     if not rules:
         return plan
-    return PolicyMap(
-        plan.default,
-        plan.rules,
-        float32_islands=plan.float32_islands,
-        float32_attention=plan.float32_attention,
-        states=rules,
-        activations=plan.activations,
-    )
+    return plan.replace(states=rules)

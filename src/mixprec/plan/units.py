@@ -36,17 +36,7 @@ from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.policy.map import PolicyMap
 from mixprec.quantize.rules import hugging_face_conv1d, skip_reason
 
-__all__ = [
-    "COUNTS",
-    "Unit",
-    "candidate",
-    "default_formats",
-    "describe_bytes",
-    "find_units",
-    "format_name",
-    "state_bytes",
-    "unit_applies",
-]
+__all__: list[str] = []
 
 COUNTS = ("weights", "training")
 

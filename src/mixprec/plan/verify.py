@@ -25,7 +25,7 @@ from mixprec.policy import Policy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 
-__all__ = ["Verified", "keep", "limits_of", "plan_map", "verify"]
+__all__: list[str] = []
 
 
 @dataclass

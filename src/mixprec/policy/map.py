@@ -52,21 +52,18 @@ from mixprec.errors import PolicySpecError
 from mixprec.optim.states.assign import Assignment, assign_formats, closest, warn_unmatched_rules
 from mixprec.optim.states.formats import StateFormat, parse_state_format
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
+from mixprec.policy.matching import PathRules, TypeRules, match_rule, split_rules
 from mixprec.quantize.rules import skip_reason
 
 __all__ = [
     "APPLIED_STATE",
     "Explanation",
-    "ISLAND_TYPES",
     "PolicyMap",
     "Resolution",
-    "RuleKey",
     "as_map",
-    "calls_attention",
     "explain",
     "float_dtypes",
     "is_policy_file",
-    "island_policy",
 ]
 
 # What torch's CUDA autocast runs in float32 (layer_norm, group_norm, softmax, ...), made
@@ -168,12 +165,6 @@ def island_policy(inherited: Policy) -> Policy:
     )
 
 
-def _is_a(module: nn.Module, t: type) -> bool:
-    """isinstance, where a quantized layer also counts as the float type it replaced (its
-    `float_type`), so a type rule keeps matching after `apply` or `quantize` swapped it."""
-    return isinstance(module, t) or issubclass(getattr(module, "float_type", type(None)), t)
-
-
 def _type_name(t: type) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
@@ -240,8 +231,6 @@ class PolicyMap:
         # attention (scaled_dot_product_attention) in float32 under 16-bit policies: True
         # everywhere, False nowhere, None where `hardware.slow_attention` says it is faster
         self.float32_attention = float32_attention
-        self._paths: dict[str, tuple[re.Pattern[str], Policy]] = {}
-        self._types: dict[type, Policy] = {}
         if rules is not None and not isinstance(rules, Mapping):
             example = (
                 " (dict(...) turns a list of (key, policy) pairs into one)"
@@ -253,19 +242,10 @@ class PolicyMap:
                 f"{type(rules).__name__} {rules!r}{example}; e.g. "
                 "PolicyMap('bf16-mixed', {'head': '32-true', nn.LayerNorm: '32-true'})"
             )
-        for key, spec in (rules or {}).items():
-            policy = as_policy(spec)
-            if isinstance(key, type) and issubclass(key, nn.Module):
-                self._types[key] = policy
-            elif isinstance(key, str):
-                try:
-                    self._paths[key] = (re.compile(key), policy)
-                except re.error as err:
-                    raise PolicySpecError(f"rule {key!r} is not a valid regex: {err}") from None
-            else:
-                raise PolicySpecError(
-                    f"rule key {key!r} must be a module path regex (str) or an nn.Module subclass"
-                )
+        # path rules (compiled) and type rules, each in the order given
+        self._paths: PathRules[Policy]
+        self._types: TypeRules[Policy]
+        self._paths, self._types = split_rules({k: as_policy(p) for k, p in (rules or {}).items()})
 
     @property
     def rules(self) -> dict[RuleKey, Policy]:
@@ -273,24 +253,8 @@ class PolicyMap:
         return {**{k: p for k, (_, p) in self._paths.items()}, **self._types}
 
     def _ruled(self, name: str, module: nn.Module) -> Resolution | None:
-        if name in self._paths:
-            return Resolution(self._paths[name][1], f"path rule {name!r}")
-        for rank, hits in (
-            ("regex rule", [k for k, (rx, _) in self._paths.items() if rx.fullmatch(name)]),
-            ("type rule", [t for t in self._types if _is_a(module, t)]),
-        ):
-            if len(hits) > 1:
-                shown = ", ".join(repr(h) if isinstance(h, str) else h.__name__ for h in hits)
-                raise PolicySpecError(
-                    f"module {name or '<root>'!r} ({type(module).__name__}) is matched by "
-                    f"{len(hits)} {rank}s of the same rank: {shown}; make them disjoint"
-                )
-            if hits:
-                hit = hits[0]
-                if isinstance(hit, str):
-                    return Resolution(self._paths[hit][1], f"regex rule {hit!r}")
-                return Resolution(self._types[hit], f"type rule {hit.__name__}")
-        return None
+        found = match_rule(self._paths, self._types, name, module)
+        return None if found is None else Resolution(*found)
 
     def unmatched_paths(self, names: list[str]) -> list[str]:
         """The path rules that match none of `names` (module paths)."""
@@ -491,14 +455,24 @@ class PolicyMap:
                 f"activations={given.spec()!r}, but the policy map's activations say "
                 f"{self.activations.spec()!r}: give them once"
             )
-        return PolicyMap(
-            self.default,
-            self.rules,
+        return self.replace(activations=given)
+
+    def replace(self, **changes: Any) -> PolicyMap:
+        """This map with some of its arguments changed (``default``, ``rules``,
+        ``float32_islands``, ``float32_attention``, ``states``, ``activations``), the rest
+        as they are: ``plan.replace(states="int8")``."""
+        given = dict(
+            default=self.default,
+            rules=self.rules,
             float32_islands=self.float32_islands,
             float32_attention=self.float32_attention,
             states=self.states,
-            activations=given,
+            activations=self.activations,
         )
+        unknown = sorted(set(changes) - set(given))
+        if unknown:
+            raise TypeError(f"PolicyMap has no argument {unknown[0]!r}; it takes {list(given)}")
+        return PolicyMap(**{**given, **changes})
 
     def policies(self) -> set[Policy]:
         """Every policy this map can hand out (default, rules, and islands)."""

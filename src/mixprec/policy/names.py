@@ -27,18 +27,9 @@ from mixprec.formats.registry import Format, format_named, formats
 
 __all__ = [
     "POLICY_NAMES",
-    "FloatSpec",
-    "QuantizedSpec",
-    "accepted",
     "accepted_quantized",
-    "float_name",
     "is_auto",
-    "names_quantized",
-    "parse_float",
-    "parse_quantized",
-    "parse_spec",
     "spelled_int",
-    "unregistered",
 ]
 
 f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
@@ -54,20 +45,23 @@ _NAMED: dict[str, tuple[torch.dtype, torch.dtype, torch.dtype]] = {
 }
 _BY_DTYPES = {v: k for k, v in _NAMED.items()}
 
-# Every other accepted whole-policy name, mapped to a canonical one.
+# Keras's name of each canonical policy (also the source part of a quantized policy's name)
+_KERAS_NAMES: dict[str, str] = {
+    "16-mixed": "mixed_float16",
+    "bf16-mixed": "mixed_bfloat16",
+    "32-true": "float32",
+    "64-true": "float64",
+    "16-true": "float16",
+    "bf16-true": "bfloat16",
+}
+# Every other accepted whole-policy name, mapped to a canonical one: Lightning's aliases and
+# Keras's names.
 _ALIASES: dict[str, str] = {
-    # Lightning aliases
     "16": "16-mixed",
     "bf16": "bf16-mixed",
     "32": "32-true",
     "64": "64-true",
-    # Keras names
-    "mixed_float16": "16-mixed",
-    "mixed_bfloat16": "bf16-mixed",
-    "float32": "32-true",
-    "float64": "64-true",
-    "float16": "16-true",
-    "bfloat16": "bf16-true",
+    **{keras: name for name, keras in _KERAS_NAMES.items()},
 }
 POLICY_NAMES: tuple[str, ...] = (*_NAMED, *_ALIASES)
 
@@ -235,15 +229,6 @@ def float_name(param: torch.dtype, compute: torch.dtype, output: torch.dtype) ->
 # ---- quantized policies: "<mode>_from_<float policy>", as Keras spells them ----
 
 _QUANTIZED_SEP = "_from_"
-# Keras's name of each canonical float policy: the source part of a canonical quantized name
-_KERAS_NAMES: dict[str, str] = {
-    "32-true": "float32",
-    "64-true": "float64",
-    "bf16-mixed": "mixed_bfloat16",
-    "16-mixed": "mixed_float16",
-    "bf16-true": "bfloat16",
-    "16-true": "float16",
-}
 # Lightning's Transformer Engine flags, as Lightning runs them: weights and compute in
 # bfloat16 (float16), float8 matmuls scaled from a 1024-step amax history (Transformer Engine's
 # DelayedScaling defaults: e4m3 forward, e5m2 gradients), outputs back in float32

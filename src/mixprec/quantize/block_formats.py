@@ -36,24 +36,7 @@ from torch import Tensor
 
 from mixprec.formats.microscaling import MicroscalingConfig
 
-__all__ = [
-    "E8M0_NAN",
-    "FORMATS",
-    "ElementFormat",
-    "MXTensor",
-    "NVFP4Tensor",
-    "code_values",
-    "decode_elements",
-    "encode_elements",
-    "exp2_int",
-    "fake_quantize",
-    "pack_fp4",
-    "quantize_mx",
-    "quantize_nvfp4",
-    "round_by_definition",
-    "round_to_element",
-    "unpack_fp4",
-]
+__all__: list[str] = []
 
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["first_order"]
+__all__: list[str] = []
 
 Gradients = tuple[Tensor | None, ...]
 

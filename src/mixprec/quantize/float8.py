@@ -44,34 +44,18 @@ from mixprec.formats.registry import Format, Status, Support, agree
 from mixprec.policy.names import accepted_quantized, spelled_int
 from mixprec.quantize.first_order import first_order
 from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_casts
-from mixprec.quantize.rules import Filter, carry_hooks, path_filter, plain_linear, swap_modules
+from mixprec.quantize.rules import Filter, SwappedLinear, path_filter, swap_modules
 
 if TYPE_CHECKING:
     from mixprec.device import DeviceInfo
 
 __all__ = [
-    "AMAX_FLOOR",
     "DELAYED_BUFFERS",
-    "E4M3",
-    "E5M2",
-    "FLOAT8",
-    "FLOAT8_FAST_ON",
-    "Float8Format",
     "Float8Linear",
-    "amax_to_scale",
-    "axis_scale",
     "convert_from_float8",
     "convert_to_float8",
-    "delayed_layers",
-    "float8_support",
-    "high_precision_matmul",
-    "real_scaled_mm_supported",
-    "scaled_matmul",
     "set_compiled_casts",
-    "skip_reason",
     "sync_amax_histories",
-    "tensor_scale",
-    "to_float8",
 ]
 
 E4M3: torch.dtype = torch.float8_e4m3fn
@@ -333,7 +317,7 @@ class _Float8Matmul(torch.autograd.Function):
         )
 
 
-class Float8Linear(nn.Linear):
+class Float8Linear(SwappedLinear):
     """An `nn.Linear` whose matmuls run in float8 (see the module docstring for the recipes).
 
     The output comes out in the compute dtype: autocast's dtype inside `torch.autocast`
@@ -359,30 +343,21 @@ class Float8Linear(nn.Linear):
     step, at every door) makes the histories the max over the ranks; without it DDP ranks
     quantize with rank 0's (broadcast before each forward) and FSDP ranks with their own.
 
-    `emulate=True` forces the float32 emulation even where a real float8 matmul could run.
+    Options (keywords of the constructor and `from_float`): ``recipe``,
+    ``amax_history_length``, and ``emulate=True``, which forces the float32 emulation even
+    where a real float8 matmul could run.
     """
 
-    # what the quantized layers of `mixprec.quantize` say they are (explain, quantize), and
-    # the float type that PolicyMap type rules keep matching
+    # what the quantized layers of `mixprec.quantize` say they are (explain, quantize)
     quantization_mode = "float8"
-    float_type = nn.Linear
 
-    def __init__(
+    def _setup(
         self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
         recipe: str = Float8Config.DEFAULT_RECIPE,
         amax_history_length: int = Float8Config.DEFAULT_AMAX_HISTORY_LENGTH,
+        *,
         emulate: bool = False,
     ) -> None:
-        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self._setup(recipe, amax_history_length, emulate)
-
-    def _setup(self, recipe: str, amax_history_length: int, emulate: bool) -> None:
         config = Float8Config(recipe, amax_history_length)
         self.recipe, self.amax_history_length = config.recipe, config.amax_history_length
         self.emulate = _check_flag("emulate", emulate)
@@ -391,31 +366,6 @@ class Float8Linear(nn.Linear):
             for name in DELAYED_BUFFERS:
                 shape = (amax_history_length,) if name.endswith("history") else ()
                 self.register_buffer(name, torch.zeros(shape, dtype=torch.float32, device=device))
-
-    @classmethod
-    def from_float(
-        cls,
-        linear: nn.Linear,
-        recipe: str = Float8Config.DEFAULT_RECIPE,
-        amax_history_length: int = Float8Config.DEFAULT_AMAX_HISTORY_LENGTH,
-        *,
-        emulate: bool = False,
-    ) -> Float8Linear:
-        """A Float8Linear holding `linear`'s own weight and bias parameters (no copy), with
-        its training mode and hooks."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"from_float needs an nn.Linear, got {type(linear).__name__}")
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias
-        new._setup(recipe, amax_history_length, emulate)
-        carry_hooks(linear, new)
-        return new.train(linear.training)
-
-    def to_float(self) -> nn.Linear:
-        """A plain nn.Linear holding this module's parameters (the delayed buffers dropped)."""
-        return plain_linear(self)
 
     def reset_parameters(self) -> None:
         """nn.Linear's, and for the delayed recipe empty amax histories and unknown scales
@@ -617,7 +567,9 @@ def convert_to_float8(
         if reason is not None:
             skipped[path] = reason
             return None
-        return Float8Linear.from_float(child, recipe, amax_history_length, emulate=emulate)
+        return Float8Linear.from_float(
+            child, recipe=recipe, amax_history_length=amax_history_length, emulate=emulate
+        )
 
     if isinstance(model, nn.Linear):
         converted = make("", model)
@@ -749,7 +701,9 @@ class Float8Format(Format):
         return config.gain_reason(module.in_features, module.out_features)
 
     def build(self, module: nn.Module, config: Float8Config, codes: None) -> nn.Module:
-        return Float8Linear.from_float(module, config.recipe, config.amax_history_length)
+        return Float8Linear.from_float(
+            module, recipe=config.recipe, amax_history_length=config.amax_history_length
+        )
 
     def layer_config(self, layer: nn.Module) -> Float8Config:
         return Float8Config(layer.recipe, layer.amax_history_length)

@@ -36,7 +36,9 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["abs_max", "compiled_cast_devices", "saturated_cast", "set_compiled_casts"]
+__all__ = [
+    "set_compiled_casts",
+]
 
 _devices: tuple[str, ...] = ("cuda",)
 _compiled: dict[Callable[..., Tensor], Callable[..., Tensor]] = {}

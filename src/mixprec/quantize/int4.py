@@ -47,26 +47,9 @@ from mixprec.quantize.int8 import (
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
 
 __all__ = [
-    "DEFAULT_GROUP_SIZE",
-    "INT4",
     "Int4Config",
-    "Int4Format",
-    "KERNEL_GROUP_SIZES",
-    "KERNEL_INPUT_DTYPES",
     "Int4Embedding",
     "Int4Linear",
-    "PER_CHANNEL",
-    "PackedInt4",
-    "QMAX",
-    "dequantize_groups",
-    "groups_of",
-    "kernel_for",
-    "kernel_linear",
-    "kernel_matmul",
-    "pack",
-    "pack_for_kernel",
-    "quantize_groups",
-    "unpack",
 ]
 
 QMAX = 15

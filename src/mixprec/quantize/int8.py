@@ -47,32 +47,8 @@ if TYPE_CHECKING:
     from mixprec.device import DeviceInfo
 
 __all__ = [
-    "ACC_MAX_K",
-    "INT8",
-    "INT_MM_MIN_K",
-    "Int8Format",
-    "ONEDNN_MAX_K",
     "Int8Embedding",
     "Int8Linear",
-    "OnednnWeight",
-    "F32_EXACT_K",
-    "Prepacked",
-    "QMAX",
-    "check_finite",
-    "check_input",
-    "cpu_int8_kernels",
-    "float_layer",
-    "float_sums",
-    "int8_linear",
-    "int8_support",
-    "int_matmul",
-    "onednn_prepack",
-    "onednn_product",
-    "output_dtype",
-    "quantize_rows",
-    "quantize_tokens",
-    "storable_scale",
-    "wrong_sums",
 ]
 
 QMAX = 127

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LoraEmbeddingMixin", "LoraMixin"]
+__all__: list[str] = []
 
 
 class LoraMixin:

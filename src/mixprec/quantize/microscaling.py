@@ -31,17 +31,13 @@ from mixprec.formats.microscaling import MicroscalingConfig
 from mixprec.formats.registry import Format, Status, Support
 from mixprec.quantize.block_formats import fake_quantize
 from mixprec.quantize.first_order import first_order
-from mixprec.quantize.rules import carry_hooks, plain_linear
+from mixprec.quantize.rules import SwappedLinear
 
 if TYPE_CHECKING:
     from mixprec.device import DeviceInfo
 
 __all__ = [
-    "MICROSCALING_FORMATS",
-    "MicroscalingFormat",
     "MicroscalingLinear",
-    "hadamard_16",
-    "microscaling_support",
 ]
 
 # --- the random Hadamard transform ----------------------------------------------------------
@@ -147,9 +143,10 @@ class _BlockScaledMatmul(torch.autograd.Function):
         )
 
 
-class MicroscalingLinear(nn.Linear):
-    """An `nn.Linear` whose matmuls run in a block-scaled format (`config`), emulated: see
-    the module docstring for what each GEMM quantizes.
+class MicroscalingLinear(SwappedLinear):
+    """An `nn.Linear` whose matmuls run in a block-scaled format (the keyword ``config``: a
+    `MicroscalingConfig` or a mode name such as ``"mxfp8/floor"``), emulated: see the module
+    docstring for what each GEMM quantizes.
 
     The output comes out in the compute dtype (autocast's inside `torch.autocast`, else the
     input's); the bias is added in it, never quantized. Gradients are cast to the input's
@@ -157,22 +154,7 @@ class MicroscalingLinear(nn.Linear):
     state-dict keys are a Linear's.
     """
 
-    float_type = nn.Linear
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        config: MicroscalingConfig | str = "mxfp8",
-    ) -> None:
-        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self._setup(config)
-
-    def _setup(self, config: MicroscalingConfig | str) -> None:
+    def _setup(self, config: MicroscalingConfig | str = "mxfp8") -> None:
         if isinstance(config, str):
             mode, slash, options = config.partition("/")
             config = MicroscalingConfig.parse(mode, options if slash else None)
@@ -186,26 +168,6 @@ class MicroscalingLinear(nn.Linear):
             raise ValueError(f"{config.describe()} cannot quantize this Linear: {reason}")
         self.config = config
         self.quantization_mode = config.mode
-
-    @classmethod
-    def from_float(
-        cls, linear: nn.Linear, config: MicroscalingConfig | str = "mxfp8"
-    ) -> MicroscalingLinear:
-        """A MicroscalingLinear holding `linear`'s own weight and bias parameters (no copy),
-        with its training mode and hooks."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"from_float needs an nn.Linear, got {type(linear).__name__}")
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias
-        new._setup(config)
-        carry_hooks(linear, new)
-        return new.train(linear.training)
-
-    def to_float(self) -> nn.Linear:
-        """A plain nn.Linear holding this module's parameters."""
-        return plain_linear(self)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() == 0 or x.shape[-1] != self.in_features or not x.is_floating_point():
@@ -284,7 +246,7 @@ class MicroscalingFormat(Format):
         return None if shape is None else f"does not fill whole blocks: {shape}"
 
     def build(self, module: nn.Module, config: MicroscalingConfig, codes: None) -> nn.Module:
-        return MicroscalingLinear.from_float(module, config)
+        return MicroscalingLinear.from_float(module, config=config)
 
     def layer_config(self, layer: nn.Module) -> MicroscalingConfig:
         return layer.config

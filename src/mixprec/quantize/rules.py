@@ -13,24 +13,18 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable
+from typing import Any, TypeVar
 
+import torch
 from torch import nn
 
 from mixprec.errors import PolicySpecError
 from mixprec.policy import QuantizedPolicy
 
 __all__ = [
-    "Filter",
-    "carry_hooks",
-    "check_same_options",
-    "describe",
     "hugging_face_conv1d",
-    "linear_view",
-    "path_filter",
-    "plain_linear",
     "set_fast_paths",
     "skip_reason",
-    "swap_modules",
 ]
 
 # A Linear/Embedding with fewer input features than this stays float: its weight is too small
@@ -225,12 +219,55 @@ def carry_hooks(source: nn.Module, target: nn.Module) -> None:
         target._is_full_backward_hook = source._is_full_backward_hook
 
 
-def plain_linear(layer: nn.Module) -> nn.Linear:
-    """A plain nn.Linear holding a swapped Linear's parameters (shared, not copied), its
-    hooks and its training mode: how a float8 or block-scaled layer turns back into float."""
-    linear = nn.Linear.__new__(nn.Linear)
+L = TypeVar("L", bound=nn.Linear)
+S = TypeVar("S", bound="SwappedLinear")
+
+
+def linear_like(cls: type[L], layer: nn.Module) -> L:
+    """A `cls` (nn.Linear or a subclass), made without its ``__init__``, holding `layer`'s
+    parameters (shared, not copied), hooks and training mode."""
+    if not isinstance(layer, nn.Linear):
+        raise TypeError(f"from_float needs an nn.Linear, got {type(layer).__name__}")
+    linear = cls.__new__(cls)
     nn.Module.__init__(linear)
     linear.in_features, linear.out_features = layer.in_features, layer.out_features
     linear.weight, linear.bias = layer.weight, layer.bias
     carry_hooks(layer, linear)
     return linear.train(layer.training)
+
+
+class SwappedLinear(nn.Linear):
+    """An nn.Linear whose matmuls a format replaces (float8, block-scaled): built as a Linear
+    is, plus the format's keyword options, or from a Linear's own parameters
+    (`from_float`), and turned back into a plain Linear (`to_float`). Type rules naming
+    ``nn.Linear`` keep matching it (`float_type`). A subclass takes its options in
+    ``_setup`` and defines ``forward``."""
+
+    float_type = nn.Linear
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        **options: Any,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._setup(**options)
+
+    def _setup(self, **options: Any) -> None:
+        raise NotImplementedError(f"{type(self).__name__} takes its options in _setup")
+
+    @classmethod
+    def from_float(cls: type[S], linear: nn.Linear, *args: Any, **options: Any) -> S:
+        """A layer holding `linear`'s own weight and bias parameters (no copy), with its
+        training mode and hooks, and these options (``_setup``'s arguments)."""
+        new = linear_like(cls, linear)
+        new._setup(*args, **options)
+        return new
+
+    def to_float(self) -> nn.Linear:
+        """A plain nn.Linear holding this layer's parameters (its own buffers dropped)."""
+        return linear_like(nn.Linear, self)

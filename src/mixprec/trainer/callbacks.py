@@ -54,14 +54,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Callback",
     "EarlyStopping",
-    "HOOKS",
     "ModelCheckpoint",
     "RunEstimate",
-    "callback_states",
-    "check_callback",
-    "keeps_state",
-    "listens",
-    "load_callback_states",
 ]
 
 log = logging.getLogger("mixprec")

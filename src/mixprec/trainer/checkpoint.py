@@ -34,22 +34,6 @@ from mixprec.trainer.interrupt import ctrl_c_deferred
 
 __all__ = [
     "CheckpointError",
-    "FORMAT",
-    "FORMAT_VERSION",
-    "RUN_KEYS",
-    "atomic_link",
-    "atomic_save",
-    "atomic_write",
-    "clean_stale_tmp",
-    "commit",
-    "install",
-    "load",
-    "new_tmp",
-    "prepare",
-    "recover_aside",
-    "resolve_path",
-    "rng_states",
-    "set_rng_states",
 ]
 
 log = logging.getLogger("mixprec")

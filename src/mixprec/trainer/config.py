@@ -38,14 +38,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TrainerConfig",
-    "check_fit_inputs",
-    "check_model",
-    "check_one_loader",
-    "choose_precision",
-    "compile_model",
-    "compile_options",
-    "determinism",
-    "make_callbacks",
     "resolve_precision",
     "seed_everything",
 ]

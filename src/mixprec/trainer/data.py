@@ -24,20 +24,7 @@ from torch.utils.data import (
 
 from mixprec.tree import iter_tensors, map_tensors
 
-__all__ = [
-    "SkipBatches",
-    "batch_size_of",
-    "describe_order",
-    "distributed",
-    "generators",
-    "iterate_from",
-    "loader_batch_size",
-    "num_batches",
-    "order_of",
-    "set_epoch",
-    "to_device",
-    "why_empty",
-]
+__all__: list[str] = []
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -117,21 +104,17 @@ class SkipBatches(Sampler[list[int]]):
         return max(0, len(self.batch_sampler) - self.skip)  # type: ignore[arg-type]
 
 
+# what a rebuilt DataLoader keeps of the one it replaces (all but how it batches)
+_LOADER_OPTIONS = (
+    "num_workers collate_fn pin_memory timeout worker_init_fn multiprocessing_context "
+    "generator prefetch_factor persistent_workers pin_memory_device"
+).split()
+
+
 def _rebuild(loader: DataLoader, batch_sampler: Iterable[list[int]]) -> DataLoader:
-    return DataLoader(
-        loader.dataset,
-        batch_sampler=batch_sampler,
-        num_workers=loader.num_workers,
-        collate_fn=loader.collate_fn,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
-        multiprocessing_context=loader.multiprocessing_context,
-        generator=loader.generator,
-        prefetch_factor=loader.prefetch_factor,
-        persistent_workers=loader.persistent_workers,
-        pin_memory_device=loader.pin_memory_device,
-    )
+    """`loader` with another batch sampler, its other options as they were."""
+    options = {name: getattr(loader, name) for name in _LOADER_OPTIONS}
+    return DataLoader(loader.dataset, batch_sampler=batch_sampler, **options)
 
 
 def _check_map_style(loader: Any, why: str) -> DataLoader:

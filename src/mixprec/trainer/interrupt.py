@@ -11,7 +11,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["ctrl_c_deferred"]
+__all__: list[str] = []
 
 
 @contextlib.contextmanager

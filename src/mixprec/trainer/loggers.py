@@ -25,9 +25,6 @@ __all__ = [
     "CSVLogger",
     "Logger",
     "TensorBoardLogger",
-    "make_loggers",
-    "next_version",
-    "tensorboard_available",
 ]
 
 log = logging.getLogger("mixprec")

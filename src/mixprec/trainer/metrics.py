@@ -22,18 +22,7 @@ from torch import Tensor, nn
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim.states import state_bytes
 
-__all__ = [
-    "MemoryReadout",
-    "MetricStore",
-    "StepLog",
-    "held_bytes",
-    "memory_readout",
-    "memory_row",
-    "peak_memory_mib",
-    "reset_peak_memory",
-    "shown_in_progress",
-    "summary_rows",
-]
+__all__: list[str] = []
 
 _Sums = dict[str, list[Any]]  # name -> [sum tensor, weight]
 

@@ -17,12 +17,7 @@ if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
 __all__ = [
-    "MODULE_HOOKS",
-    "NOT_CALLED",
     "TrainingModule",
-    "attach",
-    "detach",
-    "hooks_not_called",
 ]
 
 

@@ -27,20 +27,7 @@ from mixprec.precision import Precision
 from mixprec.trainer.checkpoint import CheckpointError
 from mixprec.trainer.module import TrainingModule
 
-__all__ = [
-    "OptimizerFactory",
-    "Scheduler",
-    "across_state_formats",
-    "check_closure_fit",
-    "configured_optimizers",
-    "needs_closure",
-    "parse_optimizers",
-    "repoint_converted",
-    "saved_state_formats",
-    "scheduler_entry",
-    "state_formats",
-    "warn_if_foreign",
-]
+__all__: list[str] = []
 
 log = logging.getLogger("mixprec")
 

@@ -32,7 +32,9 @@ from mixprec.trainer.callbacks import Callback
 if TYPE_CHECKING:
     from mixprec.trainer.trainer import Trainer
 
-__all__ = ["RichProgressBar", "format_metrics"]
+__all__ = [
+    "RichProgressBar",
+]
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

@@ -24,16 +24,7 @@ from mixprec.trainer.loop import FitRun, Run
 from mixprec.trainer.optimizers import across_state_formats, state_formats
 from mixprec.version import __version__
 
-__all__ = [
-    "check_resume_point",
-    "check_weights",
-    "checkpoint_state",
-    "load_weights",
-    "restore",
-    "restore_progress",
-    "run_state",
-    "saved_masters",
-]
+__all__: list[str] = []
 
 log = logging.getLogger("mixprec")
 

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from mixprec.trainer.loop import FitRun, Run
     from mixprec.trainer.strategy import Strategy
 
-__all__ = ["copy", "load_weights", "restore", "save"]
+__all__: list[str] = []
 
 log = logging.getLogger("mixprec")
 

@@ -45,18 +45,9 @@ from mixprec.trainer.interrupt import ctrl_c_deferred
 from mixprec.trainer.loggers import Logger
 
 __all__ = [
-    "DDPStrategy",
     "FSDP",
-    "FSDPStrategy",
-    "CTRL_C_GRACE_S",
-    "ProcessGroupStrategy",
-    "STRATEGIES",
-    "SingleDeviceStrategy",
-    "Strategy",
     "end_finished_process",
     "free_port",
-    "make_strategy",
-    "resolve_devices",
     "run_processes",
 ]
 

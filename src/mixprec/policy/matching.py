@@ -1,0 +1,76 @@
+"""Rules from module paths or module types to values, read and matched one way for every kind
+of rule: a `mixprec.PolicyMap`'s policies and `mixprec.activations.ActivationRules`' options.
+
+A key is a module path regex (``re.fullmatch`` against a module's qualified name) or an
+``nn.Module`` subclass. For each module, in order: an exact path rule, a regex path rule, a
+type rule (``isinstance``, where a quantized layer also counts as the float type it replaced);
+two rules of the same rank matching one module is an error, not a silent pick.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from torch import nn
+
+from mixprec.errors import PolicySpecError
+
+__all__ = ["is_a", "match_rule", "split_rules"]
+
+V = TypeVar("V")
+PathRules = dict[str, tuple[re.Pattern[str], V]]  # path regex -> (compiled, value)
+TypeRules = dict[type, V]
+
+
+def split_rules(rules: Mapping[Any, V], kind: str = "") -> tuple[PathRules, TypeRules]:
+    """`rules` as path rules (compiled) and type rules, each in the order given; a key that
+    is neither, or a regex that does not compile, refused. `kind` names the rules in errors
+    (``"activation "``: "activation rule 'x' is not a valid regex")."""
+    paths: PathRules = {}
+    types: TypeRules = {}
+    for key, value in rules.items():
+        if isinstance(key, type) and issubclass(key, nn.Module):
+            types[key] = value
+            continue
+        if not isinstance(key, str):
+            raise PolicySpecError(
+                f"{kind}rule key {key!r} must be a module path regex (str) or an nn.Module subclass"
+            )
+        try:
+            paths[key] = (re.compile(key), value)
+        except re.error as err:
+            raise PolicySpecError(f"{kind}rule {key!r} is not a valid regex: {err}") from None
+    return paths, types
+
+
+def is_a(module: nn.Module, t: type) -> bool:
+    """isinstance, where a quantized layer also counts as the float type it replaced (its
+    `float_type`), so a type rule keeps matching after `apply` or `quantize` swapped it."""
+    return isinstance(module, t) or issubclass(getattr(module, "float_type", type(None)), t)
+
+
+def match_rule(
+    paths: PathRules, types: TypeRules, name: str, module: nn.Module, kind: str = ""
+) -> tuple[Any, str] | None:
+    """(value, why) of the rule that decides for the module `module` at path `name`, None
+    when no rule matches it; two rules of one rank matching it raise PolicySpecError."""
+    if name in paths:
+        return paths[name][1], f"path rule {name!r}"
+    for rank, hits in (
+        ("regex rule", [k for k, (rx, _) in paths.items() if rx.fullmatch(name)]),
+        ("type rule", [t for t in types if is_a(module, t)]),
+    ):
+        if len(hits) > 1:
+            shown = ", ".join(repr(h) if isinstance(h, str) else h.__name__ for h in hits)
+            raise PolicySpecError(
+                f"module {name or '<root>'!r} ({type(module).__name__}) is matched by "
+                f"{len(hits)} {kind}{rank}s of the same rank: {shown}; make them disjoint"
+            )
+        if hits:
+            hit = hits[0]
+            if isinstance(hit, str):
+                return paths[hit][1], f"regex rule {hit!r}"
+            return types[hit], f"type rule {hit.__name__}"
+    return None
