@@ -19,7 +19,7 @@ from mixprec.optim.compensated import Compensator
 from mixprec.optim.masters import MasterWeights
 from mixprec.optim.scaling import LossScaler
 
-__all__ = ["OptimizerCheckpoint"]
+__all__ = []
 
 # per-parameter state buffers of torch's optimizers that have the parameter's shape
 _PARAM_SHAPED_STATE = (

@@ -23,7 +23,7 @@ from mixprec.optim.states import LowBitOptimizer, StateFormat, from_optimizer
 from mixprec.optim.wrapper import LossScaleOptimizer
 from mixprec.policy.map import PolicyMap
 
-__all__ = ["CONVERTIBLE", "check_kept_formats", "convert_for", "hand_over"]
+__all__ = ["convert_for"]
 
 # the torch optimizers whose state formats a policy map converts (exactly these classes:
 # the engine's supported ones, as the compensated steps stand in for)

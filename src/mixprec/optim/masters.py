@@ -19,7 +19,7 @@ from torch import nn
 
 from mixprec.optim.states import LowBitOptimizer
 
-__all__ = ["MASTER_DTYPES", "MasterWeights", "master_weights_by_name"]
+__all__ = []
 
 # which parameter dtypes get float32 masters, per value of `master_weights`
 MASTER_DTYPES: dict[bool | None, tuple[torch.dtype, ...]] = {

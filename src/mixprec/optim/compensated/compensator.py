@@ -15,14 +15,7 @@ from mixprec.optim.compensated.kernels import KERNELS, compiled_step, on_memory
 from mixprec.optim.compensated.rules import check_optimizer
 from mixprec.optim.engine import COMPENSATED_DTYPES, CompileGate, call_key, check_compensation
 
-__all__ = [
-    "CALL_MAX",
-    "COMPILE_MIN_ELEMENTS",
-    "EAGER_CHUNK",
-    "EAGER_CHUNK_ACCELERATOR",
-    "SMALL",
-    "Compensator",
-]
+__all__ = ["COMPILE_MIN_ELEMENTS", "SMALL", "Compensator"]
 
 # compile=None compiles a step covering at least this many 16-bit elements (the first
 # step's compile, seconds, then pays back within a few hundred steps)

@@ -38,11 +38,7 @@ import torch
 
 from mixprec.optim.engine import Lanes, write_back
 
-__all__ = [
-    "KERNELS",
-    "compiled_step",
-    "on_memory",
-]
+__all__ = []
 
 log = logging.getLogger(__name__)
 

@@ -10,19 +10,10 @@ import inspect
 import torch
 
 from mixprec.optim.engine import (
-    COMPENSATED_DTYPES,
-    COMPENSATIONS,
     SUPPORTED_OPTIMIZERS,
-    check_compensation,
 )
 
-__all__ = [
-    "COMPENSATED_DTYPES",
-    "COMPENSATIONS",
-    "SUPPORTED",
-    "check_compensation",
-    "check_optimizer",
-]
+__all__ = []
 
 # torch's AdamW, Adam and SGD (`mixprec.optim.engine.SUPPORTED_OPTIMIZERS`): the classes a
 # compensated step stands in for, and subclasses keeping their step

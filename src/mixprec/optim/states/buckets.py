@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["FLAT_MAX", "foreach_adam", "foreach_sgd", "gather", "scatter"]
+__all__ = []
 
 # the most elements (padded to whole blocks) one flat update covers; a parameter of more
 # is updated by its own call (no copy)

@@ -31,13 +31,11 @@ from typing import ClassVar
 import torch
 
 __all__ = [
-    "FP8_MAX",
     "Float32Codec",
     "Float8Codec",
     "Int4Codec",
     "Int8Codec",
     "StateCodec",
-    "generation",
     "register_state_format",
     "state_codec",
     "state_codecs",

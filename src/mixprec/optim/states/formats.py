@@ -38,10 +38,9 @@ import math
 import torch
 
 from mixprec.optim.states import codecs
-from mixprec.optim.states.codecs import FP8_MAX, StateCodec, state_codec, state_codecs
+from mixprec.optim.states.codecs import StateCodec, state_codec, state_codecs
 
 __all__ = [
-    "FP8_MAX",
     "KINDS",
     "StateFormat",
     "code_map",
@@ -50,7 +49,6 @@ __all__ = [
     "dequantize",
     "encode",
     "moment_error",
-    "nearest_code",
     "parse_state_format",
     "quantize",
     "state_kinds",

@@ -26,15 +26,7 @@ import torch
 from mixprec.optim.engine import Lanes, can_compile, write_back
 from mixprec.optim.states.formats import StateFormat, decode, encode
 
-__all__ = [
-    "RECOMPILE_LIMIT",
-    "run_compiled",
-    "adam_update",
-    "can_compile",
-    "compiled",
-    "eager",
-    "sgd_update",
-]
+__all__ = ["can_compile"]
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,6 @@ from mixprec.optim.states.formats import (
 )
 
 __all__ = [
-    "CHUNK",
     "COMPILE_MIN_ELEMENTS",
     "MIN_SIZE",
     "AdamW4bit",
