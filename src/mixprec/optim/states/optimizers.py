@@ -63,8 +63,12 @@ __all__ = [
 # parameters with fewer elements keep float32 moments (their bytes are few, their scales
 # would be many)
 MIN_SIZE = 4096
-# elements per call of a low-bit update (which holds its moments in float32 meanwhile)
+# elements per call of a low-bit update, which holds its moments in float32 meanwhile: on
+# an accelerator few calls; on a CPU, where the compiled update runs as loops over the
+# elements that hand float32 buffers on to each other, few enough that those buffers stay in
+# the core's cache rather than making trips to memory (the update is otherwise memory-bound)
 CHUNK = 1 << 22
+CPU_CHUNK = 1 << 18
 # compile=None compiles a step covering at least this many elements: the first step's
 # build takes seconds, once per bucket signature (format, dtype, compensation), whatever
 # the number of parameters, and an eager low-bit step runs dozens of passes over the
@@ -348,7 +352,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         key: int,
     ) -> None:
         """Update the flat ``flat`` (its moments, its Kahan buffer ``buf``) in place: the
-        whole blocks in calls of at most ``CHUNK`` elements, the last partial block (if
+        whole blocks in calls of at most ``CHUNK`` elements (``CPU_CHUNK`` on a CPU), the
+        last partial block (if
         any) from zero-padded copies. ``key``: the random bits of ``flat``'s first element
         (`call_key`); a piece from element ``begin`` takes ``key + begin``, so each element
         draws what it would in one call."""
@@ -358,7 +363,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         pieces = []
         # a low-bit update holds its moments in float32 while it runs: in parts of at most
         # CHUNK elements (or one block), so that this stays small beside a large parameter
-        step = max(CHUNK - CHUNK % fmt.block, fmt.block) if fmt.quantized else cut  # type: ignore[operator]
+        most = CPU_CHUNK if flat.device.type == "cpu" else CHUNK
+        step = max(most - most % fmt.block, fmt.block) if fmt.quantized else cut  # type: ignore[operator]
         for begin in range(0, cut, step):
             end = min(cut, begin + step)
             states = [
