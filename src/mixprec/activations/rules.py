@@ -20,6 +20,7 @@ from torch import nn
 
 from mixprec.activations.options import RECOMPUTE, check_option
 from mixprec.errors import PolicySpecError
+from mixprec.policy.matching import match_rule, split_rules
 
 __all__ = ["ActivationRules", "ActivationsSpec", "Choice", "as_rules"]
 
@@ -59,21 +60,8 @@ class ActivationRules:
                 f"({{'blocks\\\\.\\\\d+': 'checkpoint'}}), got {type(spec).__name__} {spec!r}"
             )
         self.default = "keep"
-        for key, option in spec.items():
-            where = f"activation rule {_key_name(key)}"
-            checked = check_option(option, where)
-            if isinstance(key, type) and issubclass(key, nn.Module):
-                self._types[key] = checked
-            elif isinstance(key, str):
-                try:
-                    self._paths[key] = (re.compile(key), checked)
-                except re.error as error:
-                    raise PolicySpecError(f"{where} is not a valid regex: {error}") from None
-            else:
-                raise PolicySpecError(
-                    f"activation rule key {key!r} must be a module path regex (str) or an "
-                    "nn.Module subclass"
-                )
+        options = {k: check_option(o, f"activation rule {_key_name(k)}") for k, o in spec.items()}
+        self._paths, self._types = split_rules(options, "activation ")
 
     @property
     def rules(self) -> dict[str | type, str]:
@@ -90,25 +78,7 @@ class ActivationRules:
         return self.rules if self.rules else self.default
 
     def _ruled(self, name: str, module: nn.Module) -> Choice | None:
-        if name in self._paths:
-            return self._paths[name][1], f"path rule {name!r}"
-        for rank, hits in (
-            ("regex rule", [k for k, (rx, _) in self._paths.items() if rx.fullmatch(name)]),
-            ("type rule", [t for t in self._types if _is_a(module, t)]),
-        ):
-            if len(hits) > 1:
-                shown = ", ".join(map(_key_name, hits))
-                raise PolicySpecError(
-                    f"module {name or '<root>'!r} ({type(module).__name__}) is matched by "
-                    f"{len(hits)} activation {rank}s of the same rank: {shown}; make them "
-                    "disjoint"
-                )
-            if hits:
-                hit = hits[0]
-                if isinstance(hit, str):
-                    return self._paths[hit][1], f"regex rule {hit!r}"
-                return self._types[hit], f"type rule {hit.__name__}"
-        return None
+        return match_rule(self._paths, self._types, name, module, "activation ")
 
     def resolve(self, model: nn.Module) -> dict[str, Choice]:
         """(option, why) of every module of `model`, keyed by qualified name. A module
@@ -176,11 +146,6 @@ class ActivationRules:
 
     def __repr__(self) -> str:
         return f"ActivationRules({self.spec()!r})"
-
-
-def _is_a(module: nn.Module, t: type) -> bool:
-    """isinstance, where a quantized layer also counts as the float type it replaced."""
-    return isinstance(module, t) or issubclass(getattr(module, "float_type", type(None)), t)
 
 
 def as_rules(spec: Any) -> ActivationRules | None:
