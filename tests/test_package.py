@@ -25,7 +25,7 @@ LAYERS: list[set[str]] = [
     {"policy.names"},
     {"policy"},
     {"quantize", "states", "optim.states", "activations"},
-    {"policy.map", "tree"},
+    {"policy.map", "policy.files", "policy.explanation", "tree"},
     {"hardware"},
     {"convert", "scaling", "optim.scaling", "hardware.measuring"},
     {"optim", "optim.checkpoint", "optim.masters"},

@@ -36,11 +36,10 @@ from mixprec.device import detect, device_of, parse_device
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import slow_attention, warn_if_unsupported
-from mixprec.policy import Policy
-from mixprec.policy import map as policy_map
+from mixprec.policy import Policy, explanation
+from mixprec.policy.explanation import Explanation
 from mixprec.policy.map import (
     APPLIED_STATE,
-    Explanation,
     PolicyMap,
     Resolution,
     as_map,
@@ -626,7 +625,7 @@ def explain(
     arguments) the bytes each module's own ops save for the backward in one forward of a
     converted copy of `model` on it (`Explanation.saved_bytes`)."""
     where = parse_device(device) if device is not None else device_of(model)
-    found = policy_map.explain(
+    found = explanation.explain(
         model,
         policy,
         slow_attention=device_slow_attention(where),

@@ -23,7 +23,7 @@ from mixprec.doctor import state_errors
 from mixprec.errors import PolicySpecError
 from mixprec.optim.states import LowBitAdamW, LowBitSGD, StateFormat, assign_formats, state_bytes
 from mixprec.plan import BudgetError, search
-from mixprec.policy.map import explain
+from mixprec.policy.explanation import explain
 from mixprec.trainer import ModelCheckpoint, Trainer, TrainingModule
 from mixprec.trainer.checkpoint import CheckpointError
 

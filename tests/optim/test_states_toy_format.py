@@ -33,7 +33,7 @@ from mixprec.optim.states import (
     unregister_state_format,
 )
 from mixprec.plan import search
-from mixprec.policy.map import explain
+from mixprec.policy.explanation import explain
 
 TOP = 32767.0
 

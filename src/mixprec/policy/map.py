@@ -30,9 +30,7 @@ as `PolicyMap` tells; `explain` shows both.
 from __future__ import annotations
 
 import errno
-import importlib
 import inspect
-import io
 import json
 import os
 import re
@@ -52,16 +50,29 @@ from mixprec.errors import PolicySpecError
 from mixprec.optim.states.assign import Assignment, assign_formats, closest, warn_unmatched_rules
 from mixprec.optim.states.formats import StateFormat, parse_state_format
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
+from mixprec.policy.files import (
+    ACTIVATION_FORM,
+    RULE_FORM,
+    RuleKey,
+    activations_code,
+    activations_config,
+    check_nameable,
+    checked_states,
+    config_activations,
+    config_policy,
+    config_rule_key,
+    describe,
+    type_name,
+    unique_keys,
+)
 from mixprec.policy.matching import PathRules, TypeRules, match_rule, split_rules
 from mixprec.quantize.rules import skip_reason
 
 __all__ = [
     "APPLIED_STATE",
-    "Explanation",
     "PolicyMap",
     "Resolution",
     "as_map",
-    "explain",
     "float_dtypes",
     "is_policy_file",
 ]
@@ -92,7 +103,6 @@ AUTOCAST_FLOAT32: dict[str, tuple[type[nn.Module], ...]] = {
     "cuda": (nn.LayerNorm, nn.GroupNorm, nn.Softmax, nn.LogSoftmax, nn.Softmin),
 }
 
-RuleKey = str | type
 StatesSpec = str | Mapping[str, str]
 
 _SDPA = F.scaled_dot_product_attention
@@ -165,30 +175,6 @@ def island_policy(inherited: Policy) -> Policy:
     )
 
 
-def _type_name(t: type) -> str:
-    return f"{t.__module__}.{t.__qualname__}"
-
-
-def _check_nameable(t: type, why: str) -> None:
-    """Refuse a type rule's class defined inside a function: no import can reach it."""
-    if "<locals>" in t.__qualname__:
-        raise PolicySpecError(
-            f"type rule {t.__name__} is a class defined inside a function ({_type_name(t)}): "
-            f"{why}. Define the class at module level, or use a path rule for those modules"
-        )
-
-
-def _import_type(path: str) -> type:
-    module, _, name = path.rpartition(".")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError):
-        raise PolicySpecError(f"cannot import module type {path!r} named in a policy map") from None
-    return obj
-
-
 class PolicyMap:
     """A default policy plus ordered rules (path regex or module type -> policy).
 
@@ -215,7 +201,7 @@ class PolicyMap:
         # how each layer keeps its saved activations: None keeps them all as torch does
         self.activations: ActivationRules | None = as_rules(activations)
         # optimizer-state formats: one for every parameter, or {module path regex: format}
-        self.states: str | dict[str, str] | None = _checked_states(states)
+        self.states: str | dict[str, str] | None = checked_states(states)
         if not isinstance(float32_islands, bool):
             raise TypeError(
                 f"float32_islands must be True or False, not {type(float32_islands).__name__} "
@@ -498,7 +484,7 @@ class PolicyMap:
         return {
             "default": self.default.to_config(),
             "rules": [{"path": k, "policy": p.to_config()} for k, (_, p) in self._paths.items()]
-            + [{"type": _type_name(t), "policy": p.to_config()} for t, p in self._types.items()],
+            + [{"type": type_name(t), "policy": p.to_config()} for t, p in self._types.items()],
             "float32_islands": self.float32_islands,
             # left out when None (the device decides), so maps without it keep their files
             **(
@@ -508,7 +494,7 @@ class PolicyMap:
             ),
             **({"states": self.states} if self.states is not None else {}),
             **(
-                {"activations": _activations_config(self.activations)}
+                {"activations": activations_config(self.activations)}
                 if self.activations is not None
                 else {}
             ),
@@ -530,36 +516,36 @@ class PolicyMap:
         if unknown:
             raise PolicySpecError(
                 f"unknown policy map key(s) {', '.join(map(repr, unknown))}; the keys are "
-                "'default' (a policy), 'rules' (a list of rules, " + _RULE_FORM + "), "
+                "'default' (a policy), 'rules' (a list of rules, " + RULE_FORM + "), "
                 "'float32_islands' (true or false), 'float32_attention' (true or false; "
                 "left out: where the device's 16-bit attention is slower than float32) and "
                 "'states' (an optimizer-state format, or {module path regex: format}) and "
-                "'activations' (an activation option, or a list of rules, " + _ACTIVATION_FORM + ")"
+                "'activations' (an activation option, or a list of rules, " + ACTIVATION_FORM + ")"
             )
-        default = _config_policy("'default'", config["default"])
+        default = config_policy("'default'", config["default"])
         rule_list = config.get("rules", [])
         if not isinstance(rule_list, (list, tuple)):
             raise PolicySpecError(
-                f"'rules' is {_describe(rule_list)}; it is a list of rules, each " + _RULE_FORM
+                f"'rules' is {describe(rule_list)}; it is a list of rules, each " + RULE_FORM
             )
         islands = config.get("float32_islands", True)
         if not isinstance(islands, bool):
-            raise PolicySpecError(f"'float32_islands' is {_describe(islands)}; it is true or false")
+            raise PolicySpecError(f"'float32_islands' is {describe(islands)}; it is true or false")
         attention = config.get("float32_attention")
         if "float32_attention" in config and not isinstance(attention, bool):
             raise PolicySpecError(
-                f"'float32_attention' is {_describe(attention)}; it is true or false (left "
+                f"'float32_attention' is {describe(attention)}; it is true or false (left "
                 "out: where the device's 16-bit attention is slower than float32)"
             )
         rules: dict[RuleKey, Policy] = {}
         for i, rule in enumerate(rule_list):
-            key = _config_rule_key(i, rule)
+            key = config_rule_key(i, rule)
             if key in rules:
-                shown = key if isinstance(key, str) else _type_name(key)
+                shown = key if isinstance(key, str) else type_name(key)
                 raise PolicySpecError(
                     f"rule {i} repeats the rule for {shown!r}: one rule per path or type"
                 )
-            rules[key] = _config_policy(f"rule {i} 'policy'", rule["policy"])
+            rules[key] = config_policy(f"rule {i} 'policy'", rule["policy"])
         if "states" in config and config["states"] is None:
             raise PolicySpecError(
                 "'states' is null; it is one optimizer-state format ('int8') or an object "
@@ -571,7 +557,7 @@ class PolicyMap:
             float32_islands=islands,
             float32_attention=attention,
             states=config.get("states"),
-            activations=_config_activations(config["activations"])
+            activations=config_activations(config["activations"])
             if "activations" in config
             else None,
         )
@@ -582,7 +568,7 @@ class PolicyMap:
         CLI's ``--precision`` read it back. Returns the path."""
         for t in [*self._types, *(self.activations.rules if self.activations else {})]:
             if isinstance(t, type):
-                _check_nameable(t, "PolicyMap.load could not import it back")
+                check_nameable(t, "PolicyMap.load could not import it back")
         path = Path(path)
         if path.is_dir():
             raise IsADirectoryError(
@@ -618,14 +604,14 @@ class PolicyMap:
         except (OSError, UnicodeDecodeError) as error:
             raise PolicySpecError(f"cannot read the policy file {str(path)!r}: {error}") from None
         try:
-            config = json.loads(text, object_pairs_hook=_unique_keys)
+            config = json.loads(text, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as error:
             raise PolicySpecError(f"cannot read the policy file {str(path)!r}: {error}") from None
         except PolicySpecError as error:  # a repeated key
             raise PolicySpecError(f"policy file {str(path)!r}: {error}") from None
         if not isinstance(config, Mapping):
             raise PolicySpecError(
-                f"policy file {str(path)!r} holds {_describe(config)}; a policy file holds a "
+                f"policy file {str(path)!r} holds {describe(config)}; a policy file holds a "
                 'JSON object: a policy map as PolicyMap.save writes it ({"default": policy, '
                 '"rules": [...], "float32_islands": true}) or one policy as '
                 'Policy.to_config() gives it ({"param_dtype": ..., "compute_dtype": ..., '
@@ -645,8 +631,8 @@ class PolicyMap:
         for key, (_, p) in self._paths.items():
             lines.append(f"        {key!r}: {p.name!r},")
         for t, p in self._types.items():
-            _check_nameable(t, "source code cannot name it")
-            lines.append(f"        {_type_name(t)}: {p.name!r},")
+            check_nameable(t, "source code cannot name it")
+            lines.append(f"        {type_name(t)}: {p.name!r},")
         lines.append("    },")
         if not self.float32_islands:
             lines.append("    float32_islands=False,")
@@ -655,7 +641,7 @@ class PolicyMap:
         if self.states is not None:
             lines.append(f"    states={self.states!r},")
         if self.activations is not None:
-            lines.append(f"    activations={_activations_code(self.activations)},")
+            lines.append(f"    activations={activations_code(self.activations)},")
         lines.append(")")
         return "\n".join(lines)
 
@@ -678,171 +664,6 @@ class PolicyMap:
 
 
 _MAP_KEYS = ("default", "rules", "float32_islands", "float32_attention", "states", "activations")
-_RULE_FORM = (
-    "{'path': regex, 'policy': policy} or {'type': 'package.module.Class', 'policy': policy}, "
-    "a policy being a name such as 'bf16-mixed' or what Policy.to_config() gives"
-)
-
-
-_ACTIVATION_FORM = (
-    "each {'path': regex, 'option': option} or {'type': 'package.module.Class', 'option': "
-    "option}, an option being 'keep', 'bf16', 'fp8', 'checkpoint', 'selective' or 'offload'"
-)
-
-
-def _activations_config(rules: ActivationRules) -> str | list[dict[str, str]]:
-    """``activations`` as a policy file keeps it: the one option, or the rules in order."""
-    if not rules.rules:
-        return rules.default
-    return [
-        {"path": key, "option": option}
-        if isinstance(key, str)
-        else {"type": _type_name(key), "option": option}
-        for key, option in rules.rules.items()
-    ]
-
-
-def _activations_code(rules: ActivationRules) -> str:
-    """Python source of ``activations``: the option, or the rules dict."""
-    if not rules.rules:
-        return repr(rules.default)
-    items = []
-    for key, option in rules.rules.items():
-        if isinstance(key, type):
-            _check_nameable(key, "source code cannot name it")
-        items.append(
-            f"{key!r}: {option!r}" if isinstance(key, str) else f"{_type_name(key)}: {option!r}"
-        )
-    return "{" + ", ".join(items) + "}"
-
-
-def _config_activations(value: Any) -> ActivationRules:
-    """The ``activations`` of a config, as strictly checked as its policy rules."""
-    if isinstance(value, str):
-        return ActivationRules(value)
-    if not isinstance(value, (list, tuple)):
-        raise PolicySpecError(
-            f"'activations' is {_describe(value)}; it is one activation option ('fp8') or a "
-            "list of rules, " + _ACTIVATION_FORM
-        )
-    rules: dict[RuleKey, str] = {}
-    for i, rule in enumerate(value):
-        where = f"activation rule {i}"
-        forms = ({"path", "option"}, {"type", "option"})
-        if not isinstance(rule, Mapping) or set(rule) not in forms:
-            shown = dict(rule) if isinstance(rule, Mapping) else rule
-            raise PolicySpecError(f"{where} is {_describe(shown)}; " + _ACTIVATION_FORM)
-        kind = "path" if "path" in rule else "type"
-        if not isinstance(rule[kind], str):
-            raise PolicySpecError(f"{where} '{kind}' is {_describe(rule[kind])}; it is a string")
-        key: RuleKey = rule[kind]
-        if kind == "type":
-            found = _import_type(rule[kind])
-            if not (isinstance(found, type) and issubclass(found, nn.Module)):
-                raise PolicySpecError(f"{where} 'type' {rule[kind]!r} is not an nn.Module subclass")
-            key = found
-        if key in rules:
-            raise PolicySpecError(f"{where} repeats the rule for {rule[kind]!r}: one rule each")
-        rules[key] = rule["option"]
-    return ActivationRules(rules)
-
-
-def _checked_states(states: Any) -> str | dict[str, str] | None:
-    """A map's ``states``, each format checked and spelled canonically (``"int8"``,
-    ``"int4/block=64"``); errors name the rule and what is accepted."""
-    if states is None:
-        return None
-    if isinstance(states, str):
-        try:
-            return str(parse_state_format(states))
-        except ValueError as error:
-            raise PolicySpecError(f"states: {error}") from None
-    if not isinstance(states, Mapping):
-        raise PolicySpecError(
-            f"states must be one optimizer-state format ('int8', 'int4', 'fp8', 'float32') or "
-            f"a mapping {{module path regex: format}}, got {_describe(states)}"
-        )
-    out = {}
-    for key, spec in states.items():
-        if not isinstance(key, str):
-            raise PolicySpecError(f"state rule key {key!r} must be a module path regex (str)")
-        try:
-            re.compile(key)
-            out[key] = str(parse_state_format(spec))
-        except re.error as error:
-            raise PolicySpecError(f"state rule {key!r} is not a valid regex: {error}") from None
-        except (TypeError, ValueError) as error:
-            raise PolicySpecError(f"state rule {key!r}: {error}") from None
-    return out
-
-
-def _describe(value: Any) -> str:
-    """A config value as JSON would name it, for errors: null, the string 'false', ..."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, str):
-        return f"the string {value!r}"
-    if isinstance(value, (int, float)):
-        return f"the number {value!r}"
-    if isinstance(value, (list, tuple)):
-        return f"a list ({value!r})"
-    if isinstance(value, Mapping):
-        return f"an object ({dict(value)!r})"
-    return f"{type(value).__name__} {value!r}"
-
-
-def _config_policy(where: str, value: Any) -> Policy:
-    """The policy a config value names; `where` says which key, in errors."""
-    if value is None:
-        raise PolicySpecError(
-            f"{where} is null; give a policy: a name such as 'bf16-mixed' or what "
-            "Policy.to_config() gives"
-        )
-    try:
-        return as_policy(value)
-    except PolicySpecError as error:
-        raise PolicySpecError(f"{where}: {error}") from None
-
-
-def _config_rule_key(i: int, rule: Any) -> RuleKey:
-    """The path or module type of rule `i` of a config, checked for form and types."""
-    if not isinstance(rule, Mapping):
-        raise PolicySpecError(
-            f"rule {i} of the policy map config is {_describe(rule)}; each rule is " + _RULE_FORM
-        )
-    unknown = [key for key in rule if key not in ("path", "type", "policy")]
-    if unknown or "policy" not in rule or ("path" in rule) == ("type" in rule):
-        wrong = f" (unknown key(s) {', '.join(map(repr, unknown))})" if unknown else ""
-        raise PolicySpecError(
-            f"rule {i} of the policy map config is {dict(rule)!r}{wrong}; each rule is "
-            + _RULE_FORM
-        )
-    kind = "path" if "path" in rule else "type"
-    key = rule[kind]
-    if not isinstance(key, str):
-        takes = "a regex" if kind == "path" else "a class name 'package.module.Class'"
-        raise PolicySpecError(f"rule {i} '{kind}' is {_describe(key)}; it takes {takes}")
-    if kind == "path":
-        return key
-    found = _import_type(key)
-    if not (isinstance(found, type) and issubclass(found, nn.Module)):
-        raise PolicySpecError(
-            f"rule {i} 'type' {key!r} names {type(found).__name__} {found!r}, not an nn.Module "
-            "subclass"
-        )
-    return found
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object's pairs as a dict; a key given twice is an error (json keeps the last)."""
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise PolicySpecError(f"key {key!r} appears twice in one object")
-        out[key] = value
-    return out
 
 
 def is_policy_file(spec: Any) -> bool:
@@ -867,183 +688,5 @@ def as_map(policy: Any = None) -> PolicyMap:
     return PolicyMap(as_policy(policy))
 
 
-def _autocast_differences(
-    resolved: dict[str, Resolution], types: dict[str, str], device_type: str
-) -> dict[str, str]:
-    """Where a step computes otherwise than `torch.autocast` alone would on `device_type`
-    (each float32 island and float32 attention inside a mixed policy), with the reason."""
-    out = {}
-    for name, r in resolved.items():
-        if r.source == "float32 island":
-            parent = resolved[name.rpartition(".")[0]].policy if name else r.policy
-            low = str(parent.compute_dtype).removeprefix("torch.")
-            out[name] = (
-                f"{types.get(name, 'this layer')} computes in float32 whatever its input: "
-                f"{device_type} autocast would run it in its input's dtype ({low} after a "
-                f"{low} layer); a float32 island, float32_islands=False drops it"
-            )
-        elif r.float32_attention:
-            out[name] = f"attention in float32: {r.float32_attention}"
-    return out
-
-
-class Explanation(dict):
-    """Effective policy per module path, with the reason; prints as a rich table."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        resolved: dict[str, Resolution],
-        device_type: str = "cpu",
-        states: Mapping[str, Assignment] | None = None,
-        activations: Mapping[str, Choice] | None = None,
-    ) -> None:
-        super().__init__({name: r.policy for name, r in resolved.items()})
-        # under a map with ``activations``: each module's activation option and why; with a
-        # batch (`mixprec.explain(..., batch=)`), the bytes each module's own ops saved
-        self.activations = dict(activations or {})
-        self.saved_bytes: dict[str, int] = {}
-        # under a map with ``states``: each parameter's optimizer-state format and why
-        self.states = {name: (str(fmt), why) for name, (fmt, why) in (states or {}).items()}
-        self.sources = {name: r.source for name, r in resolved.items()}
-        # modules whose attention runs in float32 inside their 16-bit autocast, and why
-        self.float32_attention = {
-            name: r.float32_attention for name, r in resolved.items() if r.float32_attention
-        }
-        self.types = {name: type(m).__name__ for name, m in model.named_modules()}
-        self.device_type = device_type
-        self.autocast_differences = _autocast_differences(resolved, self.types, device_type)
-        # under a quantized policy: "int8" etc. for a quantized layer, "skipped: why" for a
-        # layer it leaves in its source float policy; layers quantized before, their mode
-        self.quantization: dict[str, str] = {}
-        for name, module in model.named_modules():
-            r = resolved.get(name)
-            if r is not None and r.quantized:
-                self.quantization[name] = r.policy.mode  # type: ignore[attr-defined]
-            elif r is not None and r.skipped:
-                self.quantization[name] = f"skipped: {r.skipped}"
-            elif isinstance(getattr(module, "quantization_mode", None), str):
-                self.quantization[name] = module.quantization_mode
-
-    @property
-    def quantized(self) -> list[str]:
-        """Paths of the layers that are (or will be) quantized."""
-        return [n for n, q in self.quantization.items() if not q.startswith("skipped")]
-
-    @property
-    def skipped(self) -> dict[str, str]:
-        """Layers a quantized policy leaves in float, with the reason."""
-        return {
-            n: q.removeprefix("skipped: ")
-            for n, q in self.quantization.items()
-            if q.startswith("skipped")
-        }
-
-    def __rich__(self) -> Any:
-        from rich.table import Table
-
-        caption = None
-        if self.autocast_differences:
-            # each reason once, after the modules it holds for (every LayerNorm shares one)
-            names: dict[str, list[str]] = {}
-            for name, why in self.autocast_differences.items():
-                names.setdefault(why, []).append(name or "<root>")
-            caption = f"beyond {self.device_type} torch.autocast: " + "; ".join(
-                f"{', '.join(where)}: {why}" for why, where in names.items()
-            )
-        table = Table(title="effective precision per module", caption=caption)
-        columns = ["module", "type", "policy", "param", "compute", "output", "why"]
-        if self.quantization:
-            columns.insert(6, "quantized")
-        if self.states:
-            columns.append("optimizer states")
-        if self.activations:
-            columns.append("activations")
-        if self.saved_bytes:
-            columns.append("saved")
-        for col in columns:
-            table.add_column(col)
-        for name, p in self.items():
-            quantized = [self.quantization.get(name, "")] if self.quantization else []
-            table.add_row(
-                name or "<root>",
-                self.types.get(name, ""),
-                p.name,
-                str(p.param_dtype).removeprefix("torch."),
-                str(p.compute_dtype).removeprefix("torch."),
-                str(p.output_dtype).removeprefix("torch."),
-                *quantized,
-                self.sources[name]
-                + (
-                    f"; attention in float32 ({self.float32_attention[name]})"
-                    if name in self.float32_attention
-                    else ""
-                ),
-                *([self._states_of(name)] if self.states else []),
-                *([self._activation_of(name)] if self.activations else []),
-                *([_size(self.saved_bytes.get(name, 0))] if self.saved_bytes else []),
-            )
-        return table
-
-    def _activation_of(self, module: str) -> str:
-        option, why = self.activations.get(module, ("keep", "default"))
-        return f"{option} ({why})"
-
-    def _states_of(self, module: str) -> str:
-        """The state formats of ``module``'s own parameters: ``weight int8 (default)``."""
-        return "; ".join(
-            f"{param.rpartition('.')[2]} {fmt} ({why})"
-            for param, (fmt, why) in self.states.items()
-            if param.rpartition(".")[0] == module
-        )
-
-    def __str__(self) -> str:
-        from rich.console import Console
-
-        console = Console(width=140, record=True, file=io.StringIO())
-        console.print(self)
-        return console.export_text()
-
-
-def _size(n: int) -> str:
-    """Bytes as a table shows them: in B, KiB or MiB, with one decimal above B."""
-    if n < 1024:
-        return f"{n} B" if n else "0"
-    return f"{n / 1024:.1f} KiB" if n < 1024**2 else f"{n / 1024**2:.1f} MiB"
-
-
 # where `mixprec.apply` keeps what it did on the root module (its `AppliedState`)
 APPLIED_STATE = "_mixprec_state"
-
-
-def explain(
-    model: nn.Module,
-    policy: Any = None,
-    *,
-    slow_attention: frozenset[torch.dtype] = frozenset(),
-    device_type: str = "cpu",
-    optimizer_states: str | StateFormat | None = None,
-) -> Explanation:
-    """What each layer of `model` runs in under `policy` (default: the policy `apply` gave
-    the model, else the global one), and under quantized policies which layers are
-    quantized and which skipped, and why; under a map with ``states`` or with
-    ``optimizer_states`` (`Precision`'s, the run's default state format), each parameter's
-    optimizer-state format and why (`Explanation.states`), as `Precision.setup` gives them;
-    under a map with ``activations``, each module's activation option and why
-    (`Explanation.activations`).
-    `slow_attention` and `device_type` as `PolicyMap.resolve` takes them (`mixprec.explain`
-    passes the model's device's)."""
-    if policy is None:
-        applied = model.__dict__.get(APPLIED_STATE)
-        policy = applied.policy if applied is not None else None
-    pmap = as_map(policy)
-    default = pmap.state_default(optimizer_states)
-    resolved = pmap.resolve(model, slow_attention=slow_attention, device_type=device_type)
-    pmap.warn_unmatched_states(model, stacklevel=2)
-    has_states = pmap.states is not None or default is not None
-    states = pmap.state_formats(model, default) if has_states else None
-    activations = None
-    if pmap.activations is not None:
-        pmap.activations.warn_unmatched(model, stacklevel=2)
-        activations = pmap.activation_choices(model)
-    return Explanation(model, resolved, device_type, states, activations)
