@@ -8,7 +8,10 @@ parameter.
   `dequantize` (any tensor stored block-wise in a format and read back), `moment_error`.
 - `kernels`: the per-tensor update (decode, float32 math, encode), compiled or eager.
 - `optimizers`: `LowBitAdamW`, `LowBitAdam`, `LowBitSGD`, the drop-in `AdamW8bit`,
-  `AdamW4bit`, `AdamWFp8`, `state_bytes`.
+  `AdamW4bit`, `AdamWFp8`, `state_bytes`; the step, in buckets (`buckets`).
+- `checkpoint`: their checkpoint half (`StateCheckpoint`, the base class): saving, the
+  checked loads, states converted between formats; `moments`: a moment made zero, stored
+  from float32 and read back, and the layouts of a sharded parameter's states.
 - `assign`: which format each parameter of a model gets and why (`assign_formats`,
   `explain_formats`), `from_model`, `from_optimizer`.
 """

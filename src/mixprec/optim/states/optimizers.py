@@ -24,7 +24,6 @@ shard's), so that `torch.distributed.checkpoint` saves and loads each rank's par
 from __future__ import annotations
 
 import dataclasses
-import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -39,12 +38,18 @@ from mixprec.optim.engine import (
 )
 from mixprec.optim.states import buckets as buckets_
 from mixprec.optim.states import kernels
+from mixprec.optim.states.checkpoint import StateCheckpoint
 from mixprec.optim.states.formats import (
     StateFormat,
     code_tables,
-    decode,
-    encode,
     parse_state_format,
+)
+from mixprec.optim.states.moments import (
+    MOMENTS,
+    elements_of,
+    local_part,
+    real_view,
+    zero_moment,
 )
 
 __all__ = [
@@ -74,37 +79,7 @@ CPU_CHUNK = 1 << 18
 # the number of parameters, and an eager low-bit step runs dozens of passes over the
 # elements where the compiled one runs a few
 COMPILE_MIN_ELEMENTS = 1 << 16
-# the per-parameter moments of each algorithm and whether each is signed
-_MOMENTS = {"adam": (("exp_avg", True), ("exp_avg_sq", False)), "sgd": (("momentum_buffer", True),)}
 _FLOAT32 = StateFormat("float32")
-# tensor types that are never a DTensor
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _dtensor_type() -> type | None:
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else module.DTensor
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local part of a DTensor (the tensor itself otherwise)."""
-    if type(t) in _PLAIN:  # (the common case, asked dozens of times a step)
-        return t
-    dtensor = _dtensor_type()
-    return t.to_local() if dtensor is not None and isinstance(t, dtensor) else t
-
-
-def _real(t: torch.Tensor) -> torch.Tensor:
-    """The local part of ``t``, a complex one viewed as its real pairs (as torch's
-    optimizers step a complex parameter, its gradient and its moments)."""
-    local = _local(t)
-    return torch.view_as_real(local) if local.is_complex() else local
-
-
-def _elements(p: torch.Tensor) -> int:
-    """Real elements of the largest local shard of ``p`` (two per complex element): those
-    its low-bit moments hold, in blocks."""
-    return _largest_shard(p) * (2 if p.is_complex() else 1)
 
 
 def _fitted(fmt: StateFormat, p: torch.Tensor) -> StateFormat:
@@ -113,7 +88,7 @@ def _fitted(fmt: StateFormat, p: torch.Tensor) -> StateFormat:
     if not fmt.quantized:
         return fmt
     default = fmt.codec.default_block
-    most = max(-(-_elements(p) // default), 1) * default
+    most = max(-(-elements_of(p) // default), 1) * default
     return fmt if fmt.block <= most else StateFormat(fmt.kind, most)  # type: ignore[operator]
 
 
@@ -149,7 +124,7 @@ def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
     parts: list[list[_Planned]] = [[]]
     size = 0
     for planned in bucket:
-        fmt, n = planned.fmt, _real(planned.p).numel()
+        fmt, n = planned.fmt, real_view(planned.p).numel()
         n = fmt.padded(n)
         if parts[-1] and size + n > buckets_.FLAT_MAX:
             parts.append([])
@@ -159,14 +134,7 @@ def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
     return parts
 
 
-def _describe(value: Any) -> str:
-    """A saved state value in words: a tensor's dtype and shape, else its type."""
-    if torch.is_tensor(value):
-        return f"{value.dtype} of shape {list(value.shape)}"
-    return "missing" if value is None else f"a {type(value).__name__}"
-
-
-class LowBitOptimizer(torch.optim.Optimizer):
+class LowBitOptimizer(StateCheckpoint):
     """What the low-bit optimizers share: formats per parameter, the states' layout, the
     compiled or eager step, compensation of 16-bit parameters, checkpoints."""
 
@@ -245,8 +213,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["format"] = str(fmt)
             if self.algorithm == "adam":  # (SGD's buffer starts at its first momentum step)
-                for name, _ in _MOMENTS["adam"]:
-                    state.update(_zero_moment(name, p, fmt))
+                for name, _ in MOMENTS["adam"]:
+                    state.update(zero_moment(name, p, fmt))
             if self.compensation == "kahan" and p.dtype in COMPENSATED_DTYPES:
                 state["compensation"] = torch.zeros_like(p)
         elif parse_state_format(state["format"]) != self.format_of(p, group):
@@ -280,7 +248,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             indices.append(index)
         if not work:
             return loss
-        total = sum(_local(p).numel() for _, p in work)
+        total = sum(local_part(p).numel() for _, p in work)
         scalars: dict[tuple, tuple[torch.Tensor, tuple[float, ...]]] = {}
         buckets: dict[tuple, list[_Planned]] = {}
         states = [self._prepared(p, group) for group, p in work]
@@ -291,14 +259,18 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for (group, p), index, state, step in zip(work, indices, states, steps, strict=True):
             planned = self._plan(p, group, state, int(step), scalars)
             planned.index, planned.step = index, int(step)
-            real = _real(p)
+            real = real_view(p)
             if real.numel() == 0:
                 continue
             compensation = self.compensation if p.dtype in COMPENSATED_DTYPES else None
-            if real.numel() > buckets_.FLAT_MAX or not real.is_contiguous() or _local(p) is not p:
+            if (
+                real.numel() > buckets_.FLAT_MAX
+                or not real.is_contiguous()
+                or local_part(p) is not p
+            ):
                 self._run(planned, total)
                 continue
-            grad = _real(p.grad)
+            grad = real_view(p.grad)
             way = (
                 "foreach"
                 if not planned.fmt.quantized
@@ -415,12 +387,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Update one parameter from its flat views (a copy of a non-contiguous one). A
         complex parameter is stepped as its real pairs, as torch's optimizers step it."""
         p = planned.p
-        real = _real(p)
+        real = real_view(p)
         compensation = self.compensation if p.dtype in COMPENSATED_DTYPES else None
         flat = real.view(-1) if real.is_contiguous() else real.contiguous().view(-1)
-        grad = _real(p.grad).reshape(-1)
+        grad = real_view(p.grad).reshape(-1)
         buf = planned.state.get("compensation") if compensation == "kahan" else None
-        buf = None if buf is None else _local(buf).view(-1)
+        buf = None if buf is None else local_part(buf).view(-1)
         compiled = self._gate.wants(real.device, total)
         key = call_key(self.seed, planned.step, planned.index)
         self._update(flat, grad, planned.moments, buf, planned, compensation, compiled, key)
@@ -429,8 +401,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _run_foreach(self, bucket: list[_Planned]) -> None:
         """Update float32 parameters with float32 moments by torch's ``_foreach`` ops."""
-        params = [_real(b.p).view(-1) for b in bucket]
-        grads = [_real(b.p.grad).reshape(-1) for b in bucket]
+        params = [real_view(b.p).view(-1) for b in bucket]
+        grads = [real_view(b.p.grad).reshape(-1) for b in bucket]
         moments = [[m for m, _ in b.moments] for b in bucket]
         first = bucket[0]
         if self.algorithm == "adam":
@@ -447,13 +419,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
         Kahan buffer zero-padded to whole blocks and concatenated, so are the moments'
         codes and scales (already whole blocks); one update; copied back."""
         fmt = bucket[0].fmt
-        params = [_real(b.p).view(-1) for b in bucket]
+        params = [real_view(b.p).view(-1) for b in bucket]
         pads = [-t.numel() % fmt.block if fmt.quantized else 0 for t in params]  # type: ignore[operator]
         flat = buckets_.gather(params, pads)
-        grad = buckets_.gather([_real(b.p.grad).reshape(-1) for b in bucket], pads)
+        grad = buckets_.gather([real_view(b.p.grad).reshape(-1) for b in bucket], pads)
         bufs = None
         if compensation == "kahan":
-            bufs = [_local(b.state["compensation"]).view(-1) for b in bucket]
+            bufs = [local_part(b.state["compensation"]).view(-1) for b in bucket]
         buf = None if bufs is None else buckets_.gather(bufs, pads)
         moments: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         stored: list[list[torch.Tensor]] = []
@@ -485,332 +457,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
         then on, if ``compile=None`` chose to compile and the build failed (the engine's
         `CompileGate`)."""
         return self._gate.run(kernels.run_compiled, self.algorithm, args, stacklevel=5)[1]
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's state dict, plus ``"seed"``: with the step counts in the state, all the
-        random bits of stochastic rounding and of the Kahan buffer's rounding depend on
-        (the engine's counter-based scheme: no generator state)."""
-        out = super().state_dict()
-        out["seed"] = self.seed
-        return out
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore a `state_dict` bit for bit, or load a torch Adam/AdamW/SGD state dict:
-        its float32 moments are stored in each parameter's format (quantized on load).
-
-        A parameter saved in another format than the one this optimizer gives it (an int8
-        state loaded into `AdamW4bit`) is decoded and stored in this one's; the groups keep
-        this optimizer's ``"states"``. Everything is checked first (the groups' settings,
-        every parameter's keys, shapes, lengths and dtypes): a refused state changes
-        nothing. torch's loader casts floating state to the parameter's dtype; the saved
-        dtypes are put back (float32 moments and scales beside 16-bit parameters)."""
-        if (
-            not isinstance(state_dict, Mapping)
-            or not {"state", "param_groups"} <= set(state_dict)
-            or not isinstance(state_dict["state"], Mapping)
-        ):
-            raise ValueError(
-                "an optimizer state dict holds 'state' (a dict) and 'param_groups' (from "
-                "optimizer.state_dict())"
-            )
-        saved = dict(state_dict)
-        # (states saved before the engine's random bits hold a generator state instead of
-        # the seed: checked and set aside, the rounding draws from no generator now)
-        generator = saved.pop("generator", None)
-        seed = saved.pop("seed", None)
-        self._check_groups(saved["param_groups"])
-        params = [p for g in self.param_groups for p in g["params"]]
-        index = [i for g in saved["param_groups"] for i in g["params"]]
-        for i, (p, key) in enumerate(zip(params, index, strict=True)):
-            if saved["state"].get(key) is not None:
-                self._check_saved(i, p, saved["state"][key])
-        if generator is not None and not (
-            torch.is_tensor(generator) and generator.dtype == torch.uint8
-        ):
-            raise ValueError(
-                f"the saved 'generator' is a random generator's state (a uint8 tensor from "
-                f"Generator.get_state()), got {type(generator).__name__}"
-            )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"the saved 'seed' is an int (from state_dict()), got {seed!r}")
-        saved["param_groups"] = [
-            {**g, "states": ours["states"]}
-            for g, ours in zip(saved["param_groups"], self.param_groups, strict=True)
-        ]
-        super().load_state_dict(saved)
-        for p, key in zip(params, index, strict=True):
-            entry = saved["state"].get(key)
-            if entry is None:
-                continue
-            state = self.state[p]
-            for name, value in entry.items():
-                if torch.is_tensor(value) and name != "step":
-                    state[name] = _like_saved(value, p)
-                elif not torch.is_tensor(value):  # torch's loader rebuilds a string
-                    state[name] = value
-            self.adopt(p, state, self._group_of(p))
-        if seed is not None:
-            self.seed = seed
-
-    def _check_groups(self, saved: Any) -> None:
-        """Refuse saved parameter groups of another shape, or of another algorithm (an SGD
-        state lacks AdamW's ``betas``) or of settings this step does not keep."""
-        if not isinstance(saved, list) or not all(isinstance(g, Mapping) for g in saved):
-            raise ValueError("the saved 'param_groups' is a list of dicts (from state_dict())")
-        sizes = [len(g["params"]) for g in self.param_groups]
-        saved_sizes = [len(g.get("params", ())) for g in saved]
-        if sizes != saved_sizes:
-            raise ValueError(
-                f"the saved optimizer has parameter groups of sizes {saved_sizes}, this one "
-                f"{sizes}: it was saved for other parameters or other parameter groups"
-            )
-        name = type(self).__name__
-        ours = set(self.defaults) - {"states"}
-        for i, group in enumerate(saved):
-            missing = sorted(ours - set(group))
-            if missing:
-                extra = sorted(set(group) - ours - {"params", "param_names", "states"})
-                raise ValueError(
-                    f"the saved parameter group {i} lacks {missing}, which {name} needs "
-                    f"(it holds {extra}): it was saved from another optimizer class; load "
-                    f"it into the class that saved it (torch's SGD into LowBitSGD, AdamW "
-                    f"or Adam into LowBitAdamW or LowBitAdam)"
-                )
-            refused = sorted(flag for flag in ("amsgrad", "maximize") if group.get(flag))
-            if refused:
-                raise ValueError(
-                    f"the saved parameter group {i} was stepped with {refused} True, which "
-                    f"{name} does not do (it keeps no maximum of the second moment and "
-                    f"minimizes)"
-                )
-
-    def _check_saved(self, i: int, p: torch.Tensor, entry: Any) -> None:
-        """Refuse the saved state ``entry`` of parameter ``i`` unless it is one this
-        optimizer can step: a torch state (float32 moments of ``p``'s shape) or one of
-        ours, its keys, and the lengths and dtypes of its codes and scales, as its
-        ``"format"`` says."""
-        where = f"parameter {i} (shape {list(p.shape)})"
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"the saved state of {where} is a {type(entry).__name__}, not a dict")
-        spec = entry.get("format")
-        if spec is None:
-            fmt = _FLOAT32  # a torch optimizer's state
-        else:
-            try:
-                fmt = parse_state_format(spec)
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"the saved state of {where}: {error}") from None
-        keys = {"step", "format", "compensation"}
-        moments = {}
-        for name, _ in _MOMENTS[self.algorithm]:
-            moments[name] = (f"{name}_codes", f"{name}_scales") if fmt.quantized else (name,)
-            keys.update(moments[name])
-        extra = sorted(set(entry) - keys)
-        if extra:
-            raise ValueError(
-                f"the saved state of {where} holds {extra}, which {type(self).__name__}'s "
-                f"{fmt} states do not (they keep {sorted(keys)}): it was saved by another "
-                f"optimizer or relabelled"
-            )
-        required = [k for names in moments.values() for k in names]
-        if self.algorithm == "sgd":  # a buffer is made at the first step with momentum
-            required = [] if all(entry.get(k) is None for k in required) else required
-        if self.algorithm == "adam":
-            required.append("step")
-        missing = [k for k in required if entry.get(k) is None]
-        if missing:
-            raise ValueError(
-                f"the saved state of {where} lacks {missing} (it holds {sorted(entry)}): "
-                f"{type(self).__name__}'s {fmt} state needs {sorted(required)}"
-            )
-        step = entry.get("step")
-        if step is not None and not (
-            (torch.is_tensor(step) and step.numel() == 1)
-            or (isinstance(step, int | float) and not isinstance(step, bool))
-        ):
-            raise ValueError(f"the saved 'step' of {where} is not a number: {step!r}")
-        for name, names in moments.items():
-            if all(entry.get(k) is None for k in names):
-                continue
-            if fmt.quantized:
-                blocks = fmt.blocks(_elements(p))
-                code_dtype = fmt.codec.code_dtype
-                expected = [
-                    (names[0], (fmt.code_count(blocks * fmt.block),), code_dtype),
-                    (names[1], (blocks,), torch.float32),
-                ]  # type: ignore[operator]
-                for key, shape, dtype in expected:
-                    value = entry[key]
-                    local = _local(value) if torch.is_tensor(value) else None
-                    if local is None or tuple(local.shape) != shape or local.dtype != dtype:
-                        raise ValueError(
-                            f"the saved {key!r} of {where} is {_describe(value)}; its "
-                            f"{fmt} state keeps {dtype} of shape {list(shape)}: it belongs "
-                            f"to another parameter, or its format was relabelled"
-                        )
-            else:
-                value = entry[name]
-                kind = "complex" if p.is_complex() else "floating"
-                if (
-                    not torch.is_tensor(value)
-                    or tuple(value.shape) != tuple(p.shape)
-                    or value.is_complex() != p.is_complex()
-                    or not (value.is_complex() or value.is_floating_point())
-                ):
-                    raise ValueError(
-                        f"the saved {name!r} of {where} is {_describe(value)}; a float32 "
-                        f"moment is a {kind} tensor of the parameter's shape: it belongs to "
-                        f"another parameter"
-                    )
-        buf = entry.get("compensation")
-        if buf is not None and (not torch.is_tensor(buf) or tuple(buf.shape) != tuple(p.shape)):
-            raise ValueError(
-                f"the saved 'compensation' (Kahan buffer) of {where} is {_describe(buf)}; it "
-                f"has the parameter's shape"
-            )
-
-    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
-        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
-
-    def adopt(self, p: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any]) -> None:
-        """Give a loaded state this optimizer's layout: the moments of a torch optimizer's
-        state (float32, no format) or of another format than the one ``format_of`` gives
-        ``p`` decoded and stored in that one."""
-        fmt = self.format_of(p, group)
-        old = parse_state_format(state["format"]) if "format" in state else None
-        if "step" not in state:  # (torch's SGD keeps none)
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        elif not torch.is_tensor(state["step"]):
-            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-        if old != fmt:
-            for name, signed in _MOMENTS[self.algorithm]:
-                if old is None or not old.quantized:
-                    value = state.pop(name, None)
-                elif f"{name}_codes" in state:
-                    value = _float32_moment(state, name, p, old, signed)
-                    del state[f"{name}_codes"], state[f"{name}_scales"]
-                else:
-                    value = None
-                if value is not None:
-                    state.update(_stored_moment(name, value, p, fmt, signed))
-        state["format"] = str(fmt)
-        if self.compensation == "kahan" and p.dtype in COMPENSATED_DTYPES:
-            state.setdefault("compensation", torch.zeros_like(p))
-
-    def to_float32_state_dict(self) -> dict[str, Any]:
-        """This optimizer's state as torch's optimizer of the same algorithm saves it
-        (float32 ``exp_avg``/``exp_avg_sq`` or ``momentum_buffer`` of each parameter's shape,
-        ``step``; no formats, codes or Kahan buffers): loadable into ``torch.optim.AdamW``
-        (``Adam``, ``SGD``) of the same parameters."""
-        out = super().state_dict()
-        params = [p for g in self.param_groups for p in g["params"]]
-        for key, p in enumerate(params):
-            state = self.state.get(p)
-            if not state:
-                continue
-            fmt = parse_state_format(state["format"])
-            plain: dict[str, Any] = {"step": state["step"].clone()}
-            for name, signed in _MOMENTS[self.algorithm]:
-                if name in state or f"{name}_codes" in state:
-                    plain[name] = _float32_moment(state, name, p, fmt, signed)
-            out["state"][key] = plain
-        for group in out["param_groups"]:
-            group.pop("states", None)
-        return out
-
-
-def _moment_dtype(p: torch.Tensor) -> torch.dtype:
-    """The dtype of a float32 moment of ``p``: float32, complex64 for a complex ``p`` (as
-    torch keeps a complex parameter's moments)."""
-    return torch.complex64 if p.is_complex() else torch.float32
-
-
-def _zero_moment(name: str, p: torch.Tensor, fmt: StateFormat) -> dict[str, torch.Tensor]:
-    """A zero moment of ``p`` in ``fmt``."""
-    local = _local(p)
-    if not fmt.quantized:
-        zero = torch.zeros(local.shape, dtype=_moment_dtype(p), device=local.device)
-        return {name: _shard_like(zero, p)}
-    codes, scales = fmt.codec.zeros(fmt.blocks(_elements(p)), fmt.block, local.device)
-    return {f"{name}_codes": _flat_shard(codes, p), f"{name}_scales": _flat_shard(scales, p)}
-
-
-def _stored_moment(
-    name: str, value: torch.Tensor, p: torch.Tensor, fmt: StateFormat, signed: bool
-) -> dict[str, torch.Tensor]:
-    """A float32 moment ``value`` of ``p`` stored in ``fmt``."""
-    local = _local(p)
-    value = _local(value).to(device=local.device, dtype=_moment_dtype(p))
-    if not fmt.quantized:
-        return {name: _shard_like(value.reshape(local.shape).clone(), p)}
-    zero = _zero_moment(name, p, fmt)
-    codes, scales = _local(zero[f"{name}_codes"]), _local(zero[f"{name}_scales"])
-    flat = torch.zeros(scales.numel() * fmt.block, dtype=torch.float32, device=local.device)  # type: ignore[operator]
-    real = torch.view_as_real(value) if value.is_complex() else value
-    flat[: real.numel()] = real.reshape(-1)
-    tables = code_tables(fmt, signed, local.device)
-    new_codes, new_scales = encode(flat.view(-1, fmt.block), fmt, signed, tables)
-    codes.copy_(new_codes)
-    scales.copy_(new_scales)
-    return zero
-
-
-def _float32_moment(
-    state: Mapping[str, Any], name: str, p: torch.Tensor, fmt: StateFormat, signed: bool
-) -> torch.Tensor:
-    """The moment ``name`` of ``p`` in float32 (complex64 for a complex ``p``), of ``p``'s
-    shape (a DTensor for one)."""
-    local = _local(p)
-    if not fmt.quantized:
-        return state[name].clone()
-    tables = code_tables(fmt, signed, local.device)
-    codes, scales = _local(state[f"{name}_codes"]), _local(state[f"{name}_scales"])
-    values = decode(codes, scales, fmt, signed, tables).reshape(-1)[: _real(p).numel()]
-    if p.is_complex():
-        values = torch.view_as_complex(values.view(-1, 2))
-    return _shard_like(values.reshape(local.shape).clone(), p)
-
-
-def _like_saved(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """A saved state tensor as it was saved: its dtype, on ``p``'s device (a copy)."""
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(value, dtensor):
-        return value.to(device=_local(p).device).clone()
-    return value.to(device=_local(p).device, copy=True, memory_format=torch.contiguous_format)
-
-
-def _largest_shard(p: torch.Tensor) -> int:
-    """Elements of the largest local shard of ``p`` (its own size if not a DTensor)."""
-    dtensor = _dtensor_type()
-    if dtensor is None or not isinstance(p, dtensor):
-        return p.numel()
-    ranks = p.device_mesh.size()
-    rows = -(-p.shape[0] // ranks) if p.dim() else 1
-    return rows * (p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1)
-
-
-def _flat_shard(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``local`` (one rank's flat state) as a DTensor sharded on dim 0 over ``p``'s mesh
-    when ``p`` is a DTensor (every rank's part the same size), else ``local``."""
-    dtensor = _dtensor_type()
-    if dtensor is None or not isinstance(p, dtensor):
-        return local
-    from torch.distributed.tensor import Shard
-
-    mesh = p.device_mesh
-    return dtensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False)
-
-
-def _shard_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``local`` (of ``p``'s local shape) as a DTensor laid out as ``p`` when it is one."""
-    dtensor = _dtensor_type()
-    if dtensor is None or not isinstance(p, dtensor):
-        return local
-    return dtensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
 
 
 class LowBitAdamW(LowBitOptimizer):
@@ -898,7 +544,7 @@ class LowBitAdamW(LowBitOptimizer):
         scalars: dict,
     ) -> _Planned:
         fmt = parse_state_format(state["format"])
-        local = _local(p)
+        local = local_part(p)
         lr = float(group["lr"])
         beta1, beta2 = group["betas"]
         bc1 = 1 - beta1**step
@@ -908,12 +554,14 @@ class LowBitAdamW(LowBitOptimizer):
         hp, floats = self._hyperparameters(scalars, key, values, local.device)
         moments: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         tables: tuple[torch.Tensor, ...] = ()
-        for name, signed in _MOMENTS["adam"]:
+        for name, signed in MOMENTS["adam"]:
             if fmt.quantized:
-                moments.append((_local(state[f"{name}_codes"]), _local(state[f"{name}_scales"])))
+                moments.append(
+                    (local_part(state[f"{name}_codes"]), local_part(state[f"{name}_scales"]))
+                )
                 tables += code_tables(fmt, signed, local.device)
             else:
-                moments.append((_real(state[name]).view(-1), None))
+                moments.append((real_view(state[name]).view(-1), None))
         return _Planned(p, state, fmt, moments, tables, hp, floats, (self.decoupled,))
 
 
@@ -993,8 +641,8 @@ class LowBitSGD(LowBitOptimizer):
         # (the first step, or a later one when the momentum is raised from 0)
         first = bool(momentum) and not {"momentum_buffer", "momentum_buffer_codes"} & set(state)
         if first:
-            state.update(_zero_moment("momentum_buffer", p, fmt))
-        local = _local(p)
+            state.update(zero_moment("momentum_buffer", p, fmt))
+        local = local_part(p)
         lr = float(group["lr"])
         keep, gain = (0.0, 1.0) if first else (momentum, 1 - group["dampening"])
         values = [lr, keep, gain, group["weight_decay"], momentum]
@@ -1005,10 +653,10 @@ class LowBitSGD(LowBitOptimizer):
             moment: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         elif fmt.quantized:
             codes, scales = state["momentum_buffer_codes"], state["momentum_buffer_scales"]
-            moment = (_local(codes), _local(scales))
+            moment = (local_part(codes), local_part(scales))
             tables = code_tables(fmt, True, local.device)
         else:
-            moment = (_real(state["momentum_buffer"]).view(-1), None)
+            moment = (real_view(state["momentum_buffer"]).view(-1), None)
         nesterov = (bool(group["nesterov"]),)
         return _Planned(p, state, fmt, [moment], tables, hp, floats, nesterov)
 
@@ -1045,6 +693,6 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for state in optimizer.state.values():
         for name, value in state.items():
             if name != "step" and torch.is_tensor(value):
-                local = _local(value)
+                local = local_part(value)
                 total += local.numel() * local.element_size()
     return total

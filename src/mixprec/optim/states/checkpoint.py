@@ -1,0 +1,265 @@
+"""The checkpoint half of the low-bit optimizers (`StateCheckpoint`, their base class): a
+state dict with the engine's seed, loads that check every group and parameter before
+changing anything (and take torch's Adam, AdamW and SGD state dicts, quantizing their
+moments), states of another format converted to each parameter's own (`adopt`), and the
+state as torch's own optimizer saves it (`to_float32_state_dict`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mixprec.optim.engine import COMPENSATED_DTYPES
+from mixprec.optim.states.formats import StateFormat, parse_state_format
+from mixprec.optim.states.moments import (
+    MOMENTS,
+    describe,
+    elements_of,
+    float32_moment,
+    like_saved,
+    local_part,
+    stored_moment,
+)
+
+__all__: list[str] = []
+
+
+class StateCheckpoint(torch.optim.Optimizer):
+    """What a low-bit optimizer saves and restores. A subclass gives ``algorithm``,
+    ``compensation``, ``seed`` and ``format_of`` (`LowBitOptimizer` does)."""
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict, plus ``"seed"``: with the step counts in the state, all the
+        random bits of stochastic rounding and of the Kahan buffer's rounding depend on
+        (the engine's counter-based scheme: no generator state)."""
+        out = super().state_dict()
+        out["seed"] = self.seed
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore a `state_dict` bit for bit, or load a torch Adam/AdamW/SGD state dict:
+        its float32 moments are stored in each parameter's format (quantized on load).
+
+        A parameter saved in another format than the one this optimizer gives it (an int8
+        state loaded into `AdamW4bit`) is decoded and stored in this one's; the groups keep
+        this optimizer's ``"states"``. Everything is checked first (the groups' settings,
+        every parameter's keys, shapes, lengths and dtypes): a refused state changes
+        nothing. torch's loader casts floating state to the parameter's dtype; the saved
+        dtypes are put back (float32 moments and scales beside 16-bit parameters)."""
+        if (
+            not isinstance(state_dict, Mapping)
+            or not {"state", "param_groups"} <= set(state_dict)
+            or not isinstance(state_dict["state"], Mapping)
+        ):
+            raise ValueError(
+                "an optimizer state dict holds 'state' (a dict) and 'param_groups' (from "
+                "optimizer.state_dict())"
+            )
+        saved = dict(state_dict)
+        # (states saved before the engine's random bits hold a generator state instead of
+        # the seed: checked and set aside, the rounding draws from no generator now)
+        generator = saved.pop("generator", None)
+        seed = saved.pop("seed", None)
+        self._check_groups(saved["param_groups"])
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = [i for g in saved["param_groups"] for i in g["params"]]
+        for i, (p, key) in enumerate(zip(params, index, strict=True)):
+            if saved["state"].get(key) is not None:
+                self._check_saved(i, p, saved["state"][key])
+        if generator is not None and not (
+            torch.is_tensor(generator) and generator.dtype == torch.uint8
+        ):
+            raise ValueError(
+                f"the saved 'generator' is a random generator's state (a uint8 tensor from "
+                f"Generator.get_state()), got {type(generator).__name__}"
+            )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"the saved 'seed' is an int (from state_dict()), got {seed!r}")
+        saved["param_groups"] = [
+            {**g, "states": ours["states"]}
+            for g, ours in zip(saved["param_groups"], self.param_groups, strict=True)
+        ]
+        super().load_state_dict(saved)
+        for p, key in zip(params, index, strict=True):
+            entry = saved["state"].get(key)
+            if entry is None:
+                continue
+            state = self.state[p]
+            for name, value in entry.items():
+                if torch.is_tensor(value) and name != "step":
+                    state[name] = like_saved(value, p)
+                elif not torch.is_tensor(value):  # torch's loader rebuilds a string
+                    state[name] = value
+            self.adopt(p, state, self._group_of(p))
+        if seed is not None:
+            self.seed = seed
+
+    def _check_groups(self, saved: Any) -> None:
+        """Refuse saved parameter groups of another shape, or of another algorithm (an SGD
+        state lacks AdamW's ``betas``) or of settings this step does not keep."""
+        if not isinstance(saved, list) or not all(isinstance(g, Mapping) for g in saved):
+            raise ValueError("the saved 'param_groups' is a list of dicts (from state_dict())")
+        sizes = [len(g["params"]) for g in self.param_groups]
+        saved_sizes = [len(g.get("params", ())) for g in saved]
+        if sizes != saved_sizes:
+            raise ValueError(
+                f"the saved optimizer has parameter groups of sizes {saved_sizes}, this one "
+                f"{sizes}: it was saved for other parameters or other parameter groups"
+            )
+        name = type(self).__name__
+        ours = set(self.defaults) - {"states"}
+        for i, group in enumerate(saved):
+            missing = sorted(ours - set(group))
+            if missing:
+                extra = sorted(set(group) - ours - {"params", "param_names", "states"})
+                raise ValueError(
+                    f"the saved parameter group {i} lacks {missing}, which {name} needs "
+                    f"(it holds {extra}): it was saved from another optimizer class; load "
+                    f"it into the class that saved it (torch's SGD into LowBitSGD, AdamW "
+                    f"or Adam into LowBitAdamW or LowBitAdam)"
+                )
+            refused = sorted(flag for flag in ("amsgrad", "maximize") if group.get(flag))
+            if refused:
+                raise ValueError(
+                    f"the saved parameter group {i} was stepped with {refused} True, which "
+                    f"{name} does not do (it keeps no maximum of the second moment and "
+                    f"minimizes)"
+                )
+
+    def _check_saved(self, i: int, p: torch.Tensor, entry: Any) -> None:
+        """Refuse the saved state ``entry`` of parameter ``i`` unless it is one this
+        optimizer can step: a torch state (float32 moments of ``p``'s shape) or one of
+        ours, its keys, and the lengths and dtypes of its codes and scales, as its
+        ``"format"`` says."""
+        where = f"parameter {i} (shape {list(p.shape)})"
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"the saved state of {where} is a {type(entry).__name__}, not a dict")
+        spec = entry.get("format")
+        if spec is None:
+            fmt = StateFormat("float32")  # a torch optimizer's state
+        else:
+            try:
+                fmt = parse_state_format(spec)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"the saved state of {where}: {error}") from None
+        keys = {"step", "format", "compensation"}
+        moments = {}
+        for name, _ in MOMENTS[self.algorithm]:
+            moments[name] = (f"{name}_codes", f"{name}_scales") if fmt.quantized else (name,)
+            keys.update(moments[name])
+        extra = sorted(set(entry) - keys)
+        if extra:
+            raise ValueError(
+                f"the saved state of {where} holds {extra}, which {type(self).__name__}'s "
+                f"{fmt} states do not (they keep {sorted(keys)}): it was saved by another "
+                f"optimizer or relabelled"
+            )
+        required = [k for names in moments.values() for k in names]
+        if self.algorithm == "sgd":  # a buffer is made at the first step with momentum
+            required = [] if all(entry.get(k) is None for k in required) else required
+        if self.algorithm == "adam":
+            required.append("step")
+        missing = [k for k in required if entry.get(k) is None]
+        if missing:
+            raise ValueError(
+                f"the saved state of {where} lacks {missing} (it holds {sorted(entry)}): "
+                f"{type(self).__name__}'s {fmt} state needs {sorted(required)}"
+            )
+        step = entry.get("step")
+        if step is not None and not (
+            (torch.is_tensor(step) and step.numel() == 1)
+            or (isinstance(step, int | float) and not isinstance(step, bool))
+        ):
+            raise ValueError(f"the saved 'step' of {where} is not a number: {step!r}")
+        for name, names in moments.items():
+            if all(entry.get(k) is None for k in names):
+                continue
+            if fmt.quantized:
+                blocks = fmt.blocks(elements_of(p))
+                code_dtype = fmt.codec.code_dtype
+                expected = [
+                    (names[0], (fmt.code_count(blocks * fmt.block),), code_dtype),
+                    (names[1], (blocks,), torch.float32),
+                ]  # type: ignore[operator]
+                for key, shape, dtype in expected:
+                    value = entry[key]
+                    local = local_part(value) if torch.is_tensor(value) else None
+                    if local is None or tuple(local.shape) != shape or local.dtype != dtype:
+                        raise ValueError(
+                            f"the saved {key!r} of {where} is {describe(value)}; its "
+                            f"{fmt} state keeps {dtype} of shape {list(shape)}: it belongs "
+                            f"to another parameter, or its format was relabelled"
+                        )
+            else:
+                value = entry[name]
+                kind = "complex" if p.is_complex() else "floating"
+                if (
+                    not torch.is_tensor(value)
+                    or tuple(value.shape) != tuple(p.shape)
+                    or value.is_complex() != p.is_complex()
+                    or not (value.is_complex() or value.is_floating_point())
+                ):
+                    raise ValueError(
+                        f"the saved {name!r} of {where} is {describe(value)}; a float32 "
+                        f"moment is a {kind} tensor of the parameter's shape: it belongs to "
+                        f"another parameter"
+                    )
+        buf = entry.get("compensation")
+        if buf is not None and (not torch.is_tensor(buf) or tuple(buf.shape) != tuple(p.shape)):
+            raise ValueError(
+                f"the saved 'compensation' (Kahan buffer) of {where} is {describe(buf)}; it "
+                f"has the parameter's shape"
+            )
+
+    def _group_of(self, p: torch.Tensor) -> dict[str, Any]:
+        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
+
+    def adopt(self, p: torch.Tensor, state: dict[str, Any], group: Mapping[str, Any]) -> None:
+        """Give a loaded state this optimizer's layout: the moments of a torch optimizer's
+        state (float32, no format) or of another format than the one ``format_of`` gives
+        ``p`` decoded and stored in that one."""
+        fmt = self.format_of(p, group)
+        old = parse_state_format(state["format"]) if "format" in state else None
+        if "step" not in state:  # (torch's SGD keeps none)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        elif not torch.is_tensor(state["step"]):
+            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+        if old != fmt:
+            for name, signed in MOMENTS[self.algorithm]:
+                if old is None or not old.quantized:
+                    value = state.pop(name, None)
+                elif f"{name}_codes" in state:
+                    value = float32_moment(state, name, p, old, signed)
+                    del state[f"{name}_codes"], state[f"{name}_scales"]
+                else:
+                    value = None
+                if value is not None:
+                    state.update(stored_moment(name, value, p, fmt, signed))
+        state["format"] = str(fmt)
+        if self.compensation == "kahan" and p.dtype in COMPENSATED_DTYPES:
+            state.setdefault("compensation", torch.zeros_like(p))
+
+    def to_float32_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state as torch's optimizer of the same algorithm saves it
+        (float32 ``exp_avg``/``exp_avg_sq`` or ``momentum_buffer`` of each parameter's shape,
+        ``step``; no formats, codes or Kahan buffers): loadable into ``torch.optim.AdamW``
+        (``Adam``, ``SGD``) of the same parameters."""
+        out = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        for key, p in enumerate(params):
+            state = self.state.get(p)
+            if not state:
+                continue
+            fmt = parse_state_format(state["format"])
+            plain: dict[str, Any] = {"step": state["step"].clone()}
+            for name, signed in MOMENTS[self.algorithm]:
+                if name in state or f"{name}_codes" in state:
+                    plain[name] = float32_moment(state, name, p, fmt, signed)
+            out["state"][key] = plain
+        for group in out["param_groups"]:
+            group.pop("states", None)
+        return out
