@@ -15,6 +15,7 @@ import mixprec
 from mixprec.activations import codecs, saved_bytes, wrapped
 from mixprec.activations.codecs import FP8, Fp8Saved, Reshaped, ToBfloat16, ToFp8, is_activation
 from mixprec.memory import measured
+from mixprec.optim.engine import can_compile
 from mixprec.optim.states.formats import dequantize, quantize
 
 
@@ -39,11 +40,35 @@ def saved_by(codec, work):
     return packs, unpacks
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_fp8_saved_tensor_decodes_bit_for_bit_as_the_states_codec(dtype):
+@pytest.fixture
+def compiled(request, monkeypatch):
+    """The fp8 codec run compiled (True: whatever the size) or eagerly (False); the list the
+    compiled kernels called are named in, and the flag."""
+    if request.param and not can_compile("cpu"):
+        pytest.skip("no C++ compiler to build the compiled codec with")
+    monkeypatch.setattr(codecs.GATE, "compile", request.param)
+    calls, kernel = [], codecs._compiled
+    monkeypatch.setattr(codecs, "_compiled", lambda name: calls.append(name) or kernel(name))
+    return calls, request.param
+
+
+@pytest.mark.parametrize("compiled", [False, True], indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("columns", "kernels"), [(33, ""), (64, "_blocks")])
+def test_an_fp8_saved_tensor_decodes_bit_for_bit_as_the_states_codec(
+    dtype, compiled, columns, kernels
+):
+    """Eagerly and compiled; a tensor ending in a part of a block, or in whole blocks (the
+    compiled kernels without padding); blocks of zeros and of subnormal numbers among them."""
     torch.manual_seed(0)
-    x = (torch.randn(40, 33) * torch.logspace(-3, 3, 33)).to(dtype).requires_grad_()
+    scale = torch.logspace(-3, 3, columns)
+    x = torch.randn(40, columns) * scale
+    x[:8] = 0.0
+    x[8:16] *= 1e-41  # float32's subnormals (bfloat16's too; float16 flushes them to 0)
+    x = x.to(dtype).requires_grad_()
     packs, unpacks = saved_by(ToFp8(), lambda: (x * 2).sin().sum())
+    calls, flag = compiled
+    assert calls == ([f"encode{kernels}", f"decode{kernels}"] if flag else [])
     (original, packed), read = packs[-1], unpacks[-1]  # sin's input, x * 2
     assert original.dtype == dtype and read.dtype == dtype
     codes, scales = quantize(original, "fp8", signed=True)
@@ -54,9 +79,59 @@ def test_an_fp8_saved_tensor_decodes_bit_for_bit_as_the_states_codec(dtype):
     assert not torch.equal(read, original)  # lossy: e4m3 keeps 3 mantissa bits
 
 
-def test_fp8_codes_in_chunks_are_the_whole_tensors_codes(monkeypatch):
-    """The codec encodes and decodes a chunk of blocks at a time (its float32 temporaries
-    stay a chunk's size): the codes, scales and values read are those of the whole."""
+@pytest.mark.parametrize("compiled", [False, True], indirect=True)
+def test_a_transposed_saved_tensor_is_coded_as_it_lies_in_memory_and_read_back_so(compiled):
+    """A saved view whose elements fill their memory in another order (attention's heads
+    view of a projection) is coded in memory order, with no copy: its codes are the states'
+    codes of that memory, and it decodes to the same values with the same strides."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 300, 5, dtype=torch.bfloat16, requires_grad=True)
+    packs, unpacks = saved_by(ToFp8(), lambda: (x * 2).permute(2, 0, 1).sin().sum())
+    (original, packed), read = packs[-1], unpacks[-1]
+    assert not original.is_contiguous() and packed.stride == (1, 1500, 5)
+    memory = original.permute(1, 2, 0)  # the same elements, in the order of their memory
+    assert memory.is_contiguous()
+    codes, scales = quantize(memory, "fp8", signed=True)
+    assert torch.equal(packed.codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(packed.scales, scales)
+    expected = dequantize(codes, scales, "fp8", memory.shape, signed=True).bfloat16()
+    assert read.stride() == original.stride() and torch.equal(read, expected.permute(2, 0, 1))
+
+
+def test_a_tensor_whose_saves_are_read_one_after_another_is_decoded_once():
+    """A ReLU's output is the next Linear's input: both backward nodes read it, in turn,
+    and it is decoded once for both, then let go."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    lin = nn.Linear(64, 48)
+    codec, decoded = ToFp8(), []
+    decode = codec.decode
+    codec.decode = lambda packed: decoded.append(packed) or decode(packed)
+    packs, unpacks = saved_by(codec, lambda: lin(torch.relu(x * 2)).sum())
+    stored = [p for _, p in packs if isinstance(p, (Fp8Saved, Reshaped))]
+    assert len(stored) == 2 and isinstance(stored[1], Reshaped)  # relu's, and Linear's view
+    assert len([d for d in decoded if isinstance(d, Fp8Saved)]) == 1
+    shared = [u for u in unpacks if u.dtype == torch.float32 and u.numel() == 4 * 16 * 64]
+    assert len(shared) == 2 and shared[0].data_ptr() == shared[1].data_ptr()
+    assert codec._last is None and stored[0].reads == [0]  # read twice; nothing kept
+
+
+def test_a_graph_freed_before_its_last_read_leaves_nothing_decoded_behind():
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, 64, requires_grad=True)
+    lin, codec = nn.Linear(64, 48), ToFp8()
+    with saved_tensors_hooks(codec.pack, codec.unpack):
+        y = lin(torch.relu(x * 2))
+    (grad,) = torch.autograd.grad(y.sum(), lin.weight)  # reads the Linear's input only
+    assert codec._last is not None and grad.shape == (48, 64)
+    del y
+    assert codec._last is None
+
+
+@pytest.mark.parametrize("compiled", [False], indirect=True)
+def test_fp8_codes_in_chunks_are_the_whole_tensors_codes(monkeypatch, compiled):
+    """Eagerly the codec encodes and decodes a chunk of blocks at a time (its float32
+    temporaries stay a chunk's size): the codes, scales and values read are the whole's."""
     torch.manual_seed(0)
     x = torch.randn(7, 333, dtype=torch.bfloat16, requires_grad=True)
     monkeypatch.setattr(codecs, "CHUNK", 2 * FP8.block)
@@ -154,3 +229,72 @@ def test_a_deep_copy_of_a_stored_model_stores_too():
     x = torch.randn(8, 256)
     assert sum(saved_bytes(twin, x).values()) == sum(saved_bytes(model, x).values())
     assert FP8.block == 256
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = (z.view(b, t, 4, 16).transpose(1, 2) for z in self.qkv(x).split(64, dim=2))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(torch.tanh(y.transpose(1, 2).reshape(b, t, 64)))
+
+
+def stored_bytes(model, x):
+    """(shape, bytes stored) of every activation the forward of `model` on `x` saves."""
+    seen = []
+    codecs.record_to(lambda t, n, key: is_activation(t) and seen.append((tuple(t.shape), n)))
+    try:
+        model(x)
+    finally:
+        codecs.record_to(None)
+    return seen
+
+
+def test_under_fp8_attentions_saves_are_stored_in_bfloat16_at_most():
+    """Attention's backward computes its weights again from the saved query and key against
+    the exact log-sum-exp: fp8 ones would not match it. Stored as bf16 stores them; the
+    other activations in fp8; a module inside keeping or recomputing has its way."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 32, 64)
+    heads = (2, 4, 32, 16)  # the query, key, value and output of attention
+    fp8 = mixprec.apply(Attention(), mixprec.PolicyMap("32-true", activations="fp8"))
+    saved = stored_bytes(fp8, x)
+    assert sorted(n for s, n in saved if s == heads) == [2 * 2 * 4 * 32 * 16] * 4  # bfloat16
+    tanh = [n for s, n in saved if s == (2, 32, 64)]
+    assert tanh == [2 * 32 * 64 + 4 * 16]  # fp8: a byte each, a float32 scale per block
+
+    def inside(option):  # attention in a module of `option` inside an fp8 model
+        model = nn.Sequential(Attention(), nn.Tanh())
+        policy = mixprec.PolicyMap("32-true", activations={"": "fp8", "0": option})
+        return [n for s, n in stored_bytes(mixprec.apply(model, policy), x) if s == heads]
+
+    kept = inside("keep")  # float32, on the memory they are views of
+    assert len(kept) == 4 and min(kept) >= 4 * 2 * 4 * 32 * 16
+    assert inside("checkpoint") == []  # recomputed: nothing saved
+
+
+def test_under_fp8_multihead_attention_saves_as_bf16_stores_them():
+    """nn.MultiheadAttention calls attention inside its functional form, where no torch
+    function mode sees it: everything that form saves goes as bf16 stores it."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(64, 4, batch_first=True)
+    model = mixprec.apply(Attend(mha), mixprec.PolicyMap("32-true", activations="fp8"))
+    saved = stored_bytes(model, torch.randn(2, 32, 64))
+    bf16 = 2 * 2 * 32 * 64  # bytes of a (2, 32, 64) activation in bfloat16
+    assert saved == [((2, 4, 32, 16), bf16)] * 4 + [  # attention's query, key, value, output
+        ((64, 64), bf16),  # the output projection's input
+        ((2, 32, 64), 2 * 32 * 64 + 4 * 16),  # tanh's output, outside it: fp8
+    ]
+
+
+class Attend(nn.Module):
+    def __init__(self, mha: nn.MultiheadAttention) -> None:
+        super().__init__()
+        self.mha = mha
+
+    def forward(self, x):
+        return self.mha(x, x, x, need_weights=False)[0].tanh()

@@ -9,26 +9,39 @@ twice in one forward (the input of the query, key and value projections) is pack
 ``fp8`` is the optimizer states' float8 codec (`mixprec.optim.states.formats`, signed, blocks of
 256 with one float32 scale each): a saved tensor decodes bit for bit as a state does. A
 tensor of fewer elements than one block is kept as it is: its padded block would be larger.
+From `COMPILE_MIN` elements, on a device that can build (`mixprec.optim.engine.can_compile`),
+the states' own `quantize` and `dequantize` run as one torch.compile'd kernel each (shapes
+dynamic: one build per dtype), reading the tensor once and writing codes and scales, or
+writing the decoded tensor in its dtype; elsewhere, or after a failed build (warned once),
+eagerly, a chunk of blocks at a time. Both give the same codes and values.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import Tensor
 
+from mixprec.optim.engine import CompileGate
+
 # the one place the states' codec is imported from
-from mixprec.optim.states.formats import StateFormat, dequantize, quantize
+from mixprec.optim.states.formats import StateFormat, code_tables, dequantize, quantize
+from mixprec.optim.states.formats import decode as decode_blocks
+from mixprec.optim.states.formats import encode as encode_blocks
 
 __all__ = [
     "CHUNK",
     "CODECS",
+    "COMPILE_MIN",
     "FP8",
+    "GATE",
     "Codec",
     "Fp8Saved",
     "Keep",
@@ -43,6 +56,16 @@ FP8 = StateFormat("fp8")
 # elements `ToFp8` encodes or decodes at a time (a multiple of the block): the codec's float32
 # temporaries take this many elements, not a whole activation's, and the codes are the same
 CHUNK = 1 << 18
+# elements from which `ToFp8` encodes and decodes with its compiled kernels: below, a call's
+# fixed cost (guards, launch) is more than the eager passes it saves
+COMPILE_MIN = 1 << 14
+# whether `ToFp8` compiles, and its eager fallback (one gate for the process: warned once)
+GATE = CompileGate(
+    None,
+    COMPILE_MIN,
+    "fp8 activation codec",
+    "mixprec.activations.codecs.GATE.compile = False skips the attempt",
+)
 
 # nodes through which a saved tensor is still a parameter: casts and views
 _CAST_OR_VIEW = frozenset(
@@ -90,7 +113,10 @@ def is_activation(t: Tensor) -> bool:
 class Codec:
     """Packs saved tensors and unpacks them for the backward; a tensor packed once per
     forward however often it is saved (`pack` is called per save), also when a later save
-    is a reshaped view of it (``F.linear`` flattens a 3-d input before saving it)."""
+    is a reshaped view of it (``F.linear`` flattens a 3-d input before saving it). A tensor
+    saved several times (an `Fp8Saved`) whose saves the backward reads one right after
+    another (a ReLU's output, the next Linear's input) is decoded once: the decoded tensor
+    is kept until its last read or the next read of another tensor, whichever is first."""
 
     name = "keep"
 
@@ -99,6 +125,9 @@ class Codec:
         # its shape, packed): an entry lives while that tensor does, so its memory is not
         # another tensor's
         self._packed: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], torch.Size, Any]] = {}
+        # (weak reference to the packed object last read, what it decoded to) while more
+        # reads of it are to come
+        self._last: tuple[weakref.ref[Any], Tensor] | None = None
 
     def stores(self, t: Tensor) -> bool:
         """Whether `t` is stored otherwise than as it is."""
@@ -119,6 +148,8 @@ class Codec:
         key = (storage.data_ptr(), t.storage_offset(), t.numel(), t.dtype, t._version)
         seen = self._packed.get(key) if contiguous else None
         if seen is not None and seen[0]() is not None:
+            if isinstance(seen[2], Fp8Saved):
+                seen[2].reads[0] += 1
             return seen[2] if seen[1] == t.shape else Reshaped(seen[2], t.shape)
         packed = self.encode(t.detach())
         _record(t, _bytes(packed), id(packed))
@@ -130,8 +161,23 @@ class Codec:
 
     def unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, Reshaped):
-            return self.decode(packed.packed).view(packed.shape)
-        return self.decode(packed)
+            return self._read(packed.packed).view(packed.shape)
+        return self._read(packed)
+
+    def _read(self, packed: Any) -> Tensor:
+        """`decode(packed)`, or what the last read decoded when it read `packed` too."""
+        if not isinstance(packed, Fp8Saved):
+            return self.decode(packed)
+        last, self._last = self._last, None
+        out = last[1] if last is not None and last[0]() is packed else self.decode(packed)
+        packed.reads[0] -= 1
+        if packed.reads[0] > 0:  # weakly: a graph freed before its last read drops it
+            self._last = (weakref.ref(packed, self._forget), out)
+        return out
+
+    def _forget(self, ref: weakref.ref[Any]) -> None:
+        if self._last is not None and self._last[0] is ref:
+            self._last = None
 
 
 @dataclass(frozen=True)
@@ -174,13 +220,17 @@ class ToBfloat16(Codec):
 
 @dataclass(frozen=True)
 class Fp8Saved:
-    """A saved tensor as the states' fp8 codec keeps it: e4m3 codes, block scales, and the
-    shape and dtype to decode it back to."""
+    """A saved tensor as the states' fp8 codec keeps it: e4m3 codes, block scales, the
+    shape and dtype to decode it back to, and its strides when its elements were coded in
+    the order they lie in memory (a transposed view's: None for a contiguous tensor);
+    `reads` counts the saves of it the backward has not read yet."""
 
     codes: Tensor
     scales: Tensor
     shape: torch.Size
     dtype: torch.dtype
+    stride: tuple[int, ...] | None = None
+    reads: list[int] = field(default_factory=lambda: [1], compare=False, repr=False)
 
 
 class ToFp8(Codec):
@@ -193,7 +243,14 @@ class ToFp8(Codec):
         return t.is_floating_point() and t.numel() >= FP8.block and is_activation(t)
 
     def encode(self, t: Tensor) -> Any:
-        flat = t.reshape(-1)
+        flat, stride = _in_memory_order(t)
+        if GATE.wants(flat.device, flat.numel()):
+            if flat.numel() % FP8.block:
+                pair, ran = _run("encode", _fresh(flat))
+            else:  # whole blocks: no padding for the kernel to mask
+                pair, ran = _run("encode_blocks", _fresh(flat).view(-1, FP8.block))
+            if ran:
+                return Fp8Saved(pair[0], pair[1], t.shape, t.dtype, stride)
         pieces = [
             quantize(flat[i : i + CHUNK], FP8, signed=True) for i in range(0, len(flat), CHUNK)
         ]
@@ -202,23 +259,120 @@ class ToFp8(Codec):
         else:  # blocks are independent: the pieces' codes and scales are the whole's
             codes = torch.cat([c.view(torch.uint8) for c, _ in pieces]).view(torch.float8_e4m3fn)
             scales = torch.cat([s for _, s in pieces])
-        return Fp8Saved(codes, scales, t.shape, t.dtype)
+        return Fp8Saved(codes, scales, t.shape, t.dtype, stride)
 
     def decode(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
+        numel = math.prod(packed.shape)
+        if GATE.wants(packed.codes.device, numel):
+            if numel % FP8.block:
+                out, ran = _run("decode", packed.codes, packed.scales, numel, packed.dtype)
+            else:
+                out, ran = _run("decode_blocks", packed.codes, packed.scales, packed.dtype)
+            if ran:
+                return _shaped(out.view(-1), packed)
         if len(packed.codes) <= CHUNK:  # float32 comes back as dequantize made it, no copy
-            out = dequantize(packed.codes, packed.scales, FP8, packed.shape, signed=True)
-            return out.to(packed.dtype)
-        out = torch.empty(packed.shape, dtype=packed.dtype, device=packed.codes.device)
-        flat, block = out.view(-1), FP8.block
-        for i in range(0, len(flat), CHUNK):
-            n = min(CHUNK, len(flat) - i)
+            out = dequantize(packed.codes, packed.scales, FP8, (numel,), signed=True)
+            return _shaped(out.to(packed.dtype), packed)
+        flat, block = torch.empty(numel, dtype=packed.dtype, device=packed.codes.device), FP8.block
+        for i in range(0, numel, CHUNK):
+            n = min(CHUNK, numel - i)
             blocks = -(-n // block)
             codes = packed.codes[i : i + blocks * block]
             scales = packed.scales[i // block : i // block + blocks]
             flat[i : i + n] = dequantize(codes, scales, FP8, (n,), signed=True)
-        return out
+        return _shaped(flat, packed)
+
+
+def _in_memory_order(t: Tensor) -> tuple[Tensor, tuple[int, ...] | None]:
+    """`t`'s elements as one flat tensor, and the strides that put them back: for a tensor
+    whose elements fill their memory without gaps in another order than its own (a
+    transposed view), that memory as it lies, so no copy is made; otherwise its flattened
+    order (a copy where it is not contiguous), and None."""
+    if t.is_contiguous():
+        return t.reshape(-1), None
+    dims = sorted((st, size) for size, st in zip(t.shape, t.stride(), strict=True) if size > 1)
+    expected = 1
+    for st, size in dims:
+        if st != expected:
+            return t.reshape(-1), None
+        expected *= size
+    return t.as_strided((t.numel(),), (1,)), tuple(t.stride())
+
+
+def _shaped(flat: Tensor, packed: Fp8Saved) -> Tensor:
+    """The flat decoded `flat` in `packed`'s shape (and strides, where it has them)."""
+    if packed.stride is None:
+        return flat.view(packed.shape)
+    return flat.as_strided(packed.shape, packed.stride)
+
+
+def _encode(flat: Tensor) -> tuple[Tensor, Tensor]:
+    """The states' `quantize` of a flat tensor, as one compiled kernel traces it."""
+    return quantize(flat, FP8, signed=True)
+
+
+def _encode_blocks(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """`_encode` of a tensor of whole blocks, given as (blocks, block): what `quantize` does
+    to it (the states' `encode` of its float32 blocks) without the padding to whole blocks,
+    which costs a kernel of unknown size a mask on every element."""
+    return encode_blocks(blocks.to(torch.float32), FP8, True, code_tables(FP8, True, blocks.device))
+
+
+def _decode(codes: Tensor, scales: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
+    """The states' `dequantize` of `numel` elements, cast to `dtype` in the same kernel."""
+    return dequantize(codes, scales, FP8, (numel,), signed=True).to(dtype)
+
+
+def _decode_blocks(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """`_decode` of whole blocks, (blocks, block): the states' `decode`, cast to `dtype`."""
+    tables = code_tables(FP8, True, codes.device)
+    return decode_blocks(codes, scales, FP8, True, tables).to(dtype)
+
+
+def _fresh(flat: Tensor) -> Tensor:
+    """The flat tensor `flat` on its memory, not a view of another tensor: views and fresh
+    tensors take separate torch.compile builds, and this keeps every call's input fresh."""
+    if flat._base is None:
+        return flat
+    out = flat.new_empty(0)
+    return out.set_(flat.untyped_storage(), flat.storage_offset(), flat.shape, flat.stride())
+
+
+_KERNELS: dict[str, Callable[..., Any]] = {
+    "encode": _encode,
+    "encode_blocks": _encode_blocks,
+    "decode": _decode,
+    "decode_blocks": _decode_blocks,
+}
+_COMPILED: dict[str, Callable[..., Any]] = {}
+_NO_DUCK_SIZING = fx_config.patch(use_duck_shape=False)
+
+
+def _run(name: str, first: Tensor, *args: Any) -> tuple[Any, bool]:
+    """(the compiled kernel `name` on `first` and `args`, True), or (None, False) when its
+    build failed (`GATE`). The states' table for the device is made before, so that no
+    build traces its making, and sizes and storage offsets each take a symbol of their own
+    (no duck sizing: a size equal to an offset, or to the codes' length, would otherwise
+    build again for every other case)."""
+    code_tables(FP8, True, first.device)
+    with torch.no_grad(), _NO_DUCK_SIZING:
+        return GATE.run(_compiled(name), first, *args, stacklevel=4)
+
+
+def _compiled(name: str) -> Callable[..., Any]:
+    """The torch.compile'd kernel `name` (`_KERNELS`), built on first use: sizes dynamic,
+    so one build per dtype (and device) serves every tensor; eager's casts and division
+    kept."""
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(
+            _KERNELS[name],
+            dynamic=True,
+            fullgraph=True,
+            options={"emulate_precision_casts": True, "eager_numerics.division_rounding": True},
+        )
+    return _COMPILED[name]
 
 
 # the codec of each storage option (and of `keep` below a storing layer)

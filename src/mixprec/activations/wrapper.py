@@ -10,15 +10,18 @@ codec sees what the region saved. Below a recomputed module nothing is wrapped.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
+from torch.overrides import TorchFunctionMode
 
-from mixprec.activations.codecs import CODECS
+from mixprec.activations.codecs import CODECS, ToBfloat16, ToFp8
 from mixprec.activations.options import OPTIONS, accepted, refusal
 from mixprec.activations.recompute import recomputed
 from mixprec.activations.rules import Choice
@@ -89,15 +92,54 @@ class ActivationForward:
         return out
 
 
+_SDPA = F.scaled_dot_product_attention
+# the functions whose saves `_AttentionInBfloat16` stores as bf16 stores them: attention, and
+# nn.MultiheadAttention's functional form, which calls it where a torch function mode cannot
+# see (a mode sees the outermost torch function of a call only), so all it saves goes so
+_ATTENTION_FUNCTIONS = (_SDPA, F.multi_head_attention_forward)
+
+
+class _AttentionInBfloat16(TorchFunctionMode):
+    """While on, what `scaled_dot_product_attention` saves is stored as ``bf16`` stores it
+    (float32 as bfloat16, the rest as it is), whatever codec is around it: its backward
+    computes the attention weights again from the saved query and key against the saved
+    log-sum-exp of the exact ones, and fp8's query and key no longer match it (the weights
+    come out unnormalized: docs/activations.md says what that does to training).
+    nn.MultiheadAttention's functional form is stored so whole, its projections' inputs too
+    (`_ATTENTION_FUNCTIONS`). Only where the innermost saved-tensor hooks are an fp8 codec's
+    (a module inside keeping, recomputing or offloading has its way). Every other call runs
+    as it is."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        if func not in _ATTENTION_FUNCTIONS or not _fp8_innermost():
+            return func(*args, **(kwargs or {}))
+        with saved_tensors_hooks(_ATTENTION.pack, _ATTENTION.unpack):
+            return func(*args, **(kwargs or {}))
+
+
+_ATTENTION = ToBfloat16()
+
+
+def _fp8_innermost() -> bool:
+    """Whether the saved-tensor hooks torch calls now are an fp8 codec's."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and isinstance(getattr(top[0], "__self__", None), ToFp8)
+
+
 @torch.compiler.disable
 def _stored(
     wrapper: ActivationForward, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """`forward` under `wrapper`'s codec hooks or ``save_on_cpu``. Never traced: the graphs of
-    torch.compile do not run saved_tensors_hooks, so under it this module's forward runs
-    eagerly (the modules around it still compile)."""
-    if wrapper.codec is not None:
-        with saved_tensors_hooks(wrapper.codec.pack, wrapper.codec.unpack):
+    """`forward` under `wrapper`'s codec hooks (for fp8, attention's saves in bfloat16:
+    `_AttentionInBfloat16`) or ``save_on_cpu``. Never traced: the graphs of torch.compile do
+    not run saved_tensors_hooks, so under it this module's forward runs eagerly (the modules
+    around it still compile)."""
+    codec = wrapper.codec
+    if codec is not None:
+        attention = _AttentionInBfloat16() if codec.name == "fp8" else contextlib.nullcontext()
+        with saved_tensors_hooks(codec.pack, codec.unpack), attention:
             return forward(*args, **kwargs)
     device = _device_of(args, kwargs, wrapper.module)
     if device is not None and device.type != "cuda":

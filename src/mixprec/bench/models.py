@@ -8,6 +8,7 @@ Built-in workloads are seeded, so every subprocess of a run builds the same weig
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mixprec.activations.options import RECOMPUTE
 from mixprec.bench.factory import FactoryError, call_factory, load_factory, parse_reference
 
 __all__ = [
@@ -26,9 +28,11 @@ __all__ = [
     "NUM_CLASSES",
     "TinyTransformer",
     "Workload",
+    "activation_spec",
     "check_model",
     "check_model_name",
     "check_workload",
+    "find_blocks",
     "load_workload",
     "probabilities_nll",
 ]
@@ -230,3 +234,41 @@ def load_workload(name: str, image_size: int = DEFAULT_IMAGE_SIZE, seed: int = 0
     if name == "transformer":
         return _transformer()
     return _from_factory(name)
+
+
+def find_blocks(model: nn.Module) -> list[str]:
+    """The paths of `model`'s blocks, in order: in each outermost ``nn.ModuleList`` or
+    ``nn.Sequential`` holding them, the entries of a type that comes two or more times and
+    holds layers of its own (a transformer's layers; not the layers of a plain stack of
+    Linear and ReLU)."""
+    found: list[str] = []
+    for name, module in model.named_modules():
+        if any(name == b or name.startswith(b + ".") for b in found):
+            continue
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        entries = list(module.named_children())
+        kinds = [type(child) for _, child in entries]
+        found += [
+            f"{name}.{entry}" if name else entry
+            for entry, child in entries
+            if kinds.count(type(child)) > 1 and next(iter(child.children()), None) is not None
+        ]
+    return found
+
+
+def activation_spec(model: nn.Module, option: str) -> str | dict[str, str]:
+    """What ``mixprec bench --activations option`` gives `model`: a recompute option
+    (``checkpoint``, ``selective``) for each of its blocks (`find_blocks`), any other option
+    for the whole model. ValueError when a recompute option finds no block."""
+    if option not in RECOMPUTE:
+        return option
+    blocks = find_blocks(model)
+    if not blocks:
+        raise ValueError(
+            f"--activations {option} recomputes each block of the model, and "
+            f"{type(model).__name__} has none (no nn.ModuleList or nn.Sequential holding two "
+            "or more modules of one type that hold layers of their own); give it per layer "
+            "in a policy file's activation rules instead"
+        )
+    return {re.escape(path): option for path in blocks}

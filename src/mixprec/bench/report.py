@@ -8,12 +8,19 @@ import csv
 import json
 import os
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from mixprec.bench.runner import OK, OOM
-from mixprec.bench.suite import BASELINE, BLOG_V100_MS, MIXED_CANDIDATES, BenchReport, Row
+from mixprec.bench.suite import (
+    BASELINE,
+    BLOG_V100_MS,
+    MIXED_CANDIDATES,
+    BenchReport,
+    Row,
+    activation_label,
+)
 from mixprec.bench.verdict import (
     CONFIDENCE,
     FASTER,
@@ -57,6 +64,7 @@ COLUMNS = (
     "min-max",
     "samples/s",
     "speedup",
+    "step vs keep",
     "peak memory",
     "raw torch ms/step",
     "mixprec overhead",
@@ -80,6 +88,9 @@ class Summary:
     (`verdict.ratio_interval`), from `rounds` ratios; `paired`: those ratios pair steps of
     the same round (rows timed side by side), else step i of two separate runs. `overhead`
     is the median over rounds of our step time / the raw torch loop's, minus 1.
+    `vs_keep` (`vs_keep_low`-`vs_keep_high`) is, for a row of ``--activations`` option
+    `activations`, the median over rounds of its step time / the same precision's with
+    every activation kept, and its interval.
     """
 
     label: str
@@ -107,13 +118,33 @@ class Summary:
     speedup_confidence: float | None = None
     rounds: int | None = None
     paired: bool = False
+    activations: str | None = None
+    vs_keep: float | None = None
+    vs_keep_low: float | None = None
+    vs_keep_high: float | None = None
 
 
 def _baseline(rows: list[Row], batch: int) -> Row | None:
     for row in rows:
-        r = row.result
-        if row.config.spec == BASELINE and row.config.batch_size == batch and r.status == OK:
-            return row
+        c = row.config
+        if c.spec == BASELINE and c.batch_size == batch and c.activations in (None, "keep"):
+            if row.result.status == OK:
+                return row
+    return None
+
+
+def _kept(rows: list[Row], row: Row) -> Row | None:
+    """The row that runs `row`'s configuration with every activation kept (``keep``)."""
+    if row.config.activations is None:
+        return None
+    for other in rows:
+        c, r = other.config, other.result
+        if (
+            c.activations == "keep"
+            and r.status == OK
+            and c == replace(row.config, label=c.label, raw=c.raw, activations="keep")
+        ):
+            return other
     return None
 
 
@@ -132,6 +163,8 @@ def summarize(report: BenchReport) -> list[Summary]:
         raw_ok = ok and raw is not None and raw.status == OK and bool(raw.step_ms)
         raw_med = statistics.median(raw.step_ms) if raw_ok and raw is not None else None
         overhead = ratio_interval(ours.step_ms, raw.step_ms) if raw_ok and raw is not None else None
+        kept = _kept(report.rows, row)
+        vs_keep = ratio_interval(ours.step_ms, kept.result.mixprec.step_ms) if ok and kept else None
         out.append(
             Summary(
                 label=c.label,
@@ -159,6 +192,10 @@ def summarize(report: BenchReport) -> list[Summary]:
                 speedup_confidence=speed.confidence if speed else None,
                 rounds=speed.n if speed else None,
                 paired=bool(speed and base and r.paired and base.result.paired),
+                activations=c.activations,
+                vs_keep=vs_keep.median if vs_keep else None,
+                vs_keep_low=vs_keep.low if vs_keep and c.activations != "keep" else None,
+                vs_keep_high=vs_keep.high if vs_keep and c.activations != "keep" else None,
             )
         )
     return out
@@ -168,19 +205,33 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f} MiB"
 
 
+def _is_baseline(s: Summary) -> bool:
+    """Whether `s` is a row of float32 itself, its activations kept."""
+    return s.precision == BASELINE and s.activations in (None, "keep")
+
+
 def _speedup_cell(s: Summary) -> str:
     """ "4.58x (4.41-4.80)": the median ratio and its interval (float32 itself: "1.00x")."""
     if s.speedup is None:
         return "-"
-    if s.precision == BASELINE or s.speedup_low is None or s.speedup_high is None:
+    if _is_baseline(s) or s.speedup_low is None or s.speedup_high is None:
         return f"{s.speedup:.2f}x"
     return f"{s.speedup:.2f}x ({s.speedup_low:.2f}-{s.speedup_high:.2f})"
+
+
+def _vs_keep_cell(s: Summary) -> str:
+    """ "1.18x (1.12-1.25)": this row's step time over keep's (keep itself: "1.00x")."""
+    if s.vs_keep is None:
+        return "-"
+    if s.vs_keep_low is None or s.vs_keep_high is None:
+        return f"{s.vs_keep:.2f}x"
+    return f"{s.vs_keep:.2f}x ({s.vs_keep_low:.2f}-{s.vs_keep_high:.2f})"
 
 
 def _cells(s: Summary) -> list[str]:
     if s.status != OK:
         shown = "OOM" if s.status == OOM else s.status
-        return [str(s.batch_size), s.label, shown, "-", "-", "-", "-", "-", "-"]
+        return [str(s.batch_size), s.label, shown, *["-"] * (len(COLUMNS) - 3)]
     return [
         str(s.batch_size),
         s.label,
@@ -188,6 +239,7 @@ def _cells(s: Summary) -> list[str]:
         f"{s.min_ms:,.1f}-{s.max_ms:,.1f}",
         f"{s.samples_per_s:,.1f}",
         _speedup_cell(s),
+        _vs_keep_cell(s),
         _mib(s.peak_memory),
         f"{s.raw_median_ms:,.1f}" if s.raw_median_ms is not None else "-",
         f"{s.overhead * 100:+.1f}%" if s.overhead is not None else "-",
@@ -273,8 +325,21 @@ def max_batch_lines(report: BenchReport) -> list[str]:
         else:
             lines.append(
                 f"{name}: {found['max_batch']} fits, {found['first_oom']} runs out of memory"
+                + _vs_kept(report, found)
             )
     return lines
+
+
+def _vs_kept(report: BenchReport, found: dict[str, Any]) -> str:
+    """ " (1.44x keep's)": an activation option's largest batch over keep's, where both were
+    found; "" otherwise."""
+    option = found.get("activations")
+    if option in (None, "keep"):
+        return ""
+    kept = report.max_batch.get(activation_label(found["precision"], "keep"))
+    if not kept or kept["error"] or kept["capped"] or not kept["max_batch"]:
+        return ""
+    return f" ({found['max_batch'] / kept['max_batch']:.2f}x keep's)"
 
 
 def _other_load(meta: dict[str, Any]) -> float | None:
@@ -326,6 +391,13 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
         f"the same batch size, and its {CONFIDENCE:.0%} interval (order statistics of the "
         "rounds' ratios)",
     ]
+    if any(s.vs_keep is not None for s in summaries):
+        out.append(
+            "step vs keep: the median over rounds of this row's step time / the same "
+            "precision's with every activation kept (--activations keep) at the same batch "
+            f"size, and its {CONFIDENCE:.0%} interval; above 1: slower. checkpoint and "
+            "selective recompute each block of the model, the other options apply to all of it"
+        )
     if any(s.overhead is not None for s in summaries):  # else its column is left out
         out.append(
             "mixprec overhead: the median over rounds of our step time / the raw "
@@ -404,7 +476,7 @@ def comparison_gap_lines(report: BenchReport, summaries: list[Summary]) -> list[
             rel = f"{factor:,.0f}x slower" if factor >= 1.5 else f"{1 / factor:.1f}x float32"
             shown.append(f"{dtype} {rate:,.1f} ({rel})")
         lines.append("matmul rates measured now: " + ", ".join(shown))
-    fp32 = [s for s in summaries if s.precision == BASELINE and s.median_ms is not None]
+    fp32 = [s for s in summaries if _is_baseline(s) and s.median_ms is not None]
     steps = meta["steps"] + meta["warmup"] + 1
     per_step, timing = [], []
     for name, why in gap["left_out"].items():
@@ -510,7 +582,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     meta = report.metadata
     blog = [fp32 / mixed for mixed, fp32 in BLOG_V100_MS.values()]
     seed = f"the seed experiment got {_span(blog, '{:.1f}')}x from mixed precision on its V100 GPU"
-    fp32 = {s.batch_size: s for s in summaries if s.precision == BASELINE and s.median_ms}
+    fp32 = {s.batch_size: s for s in summaries if _is_baseline(s) and s.median_ms}
     ok = [s for s in summaries if s.precision != BASELINE and s.speedup and s.batch_size in fp32]
     if not fp32 or not ok:
         if meta.get("comparison_gap"):

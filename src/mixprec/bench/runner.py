@@ -120,6 +120,8 @@ class RunSpec:
     float32_islands: bool = True
     seed: int = 0
     compile: bool = False
+    # an activation option for the model (`models.activation_spec`); None: as the policy says
+    activations: str | None = None
 
 
 @dataclass
@@ -210,9 +212,12 @@ def _limit_memory(limit: int | None, loops: int, device: torch.device) -> None:
 
     CUDA: the caching allocator's per-process fraction, the limit for each loop (the raw
     loop lives beside ours). CPU: an address-space limit (RLIMIT_AS) of the process's
-    current size plus the limit for each loop plus slack for allocator arenas. Either way an
-    over-limit step fails with a real allocation error; the measured peak is also compared
-    with the limit, per loop, by the caller.
+    current size plus the limit for each loop plus slack for allocator arenas; `run_group`
+    sets it again after the first loop's warm-up, so that what the process loads once for its
+    life (torch.compile's kernels and compiler, thread pools: address space that holds no
+    tensor) is in the base rather than taken from the limit. Either way an over-limit step
+    fails with a real allocation error; the measured peak is also compared with the limit,
+    per loop, by the caller.
     """
     if limit is None:
         return
@@ -259,7 +264,7 @@ class Loop:
 
 def _build_mixprec(spec: RunSpec, device: torch.device) -> Loop:
     """Our loop: the workload set up through `mixprec.Precision`."""
-    from mixprec.bench.models import load_workload
+    from mixprec.bench.models import activation_spec, load_workload
     from mixprec.policy.map import PolicyMap, is_policy_file
     from mixprec.precision import Precision
     from mixprec.step import backward, plain_loss
@@ -271,6 +276,8 @@ def _build_mixprec(spec: RunSpec, device: torch.device) -> Loop:
         policy = PolicyMap.load(spec.precision)
     else:
         policy = PolicyMap(spec.precision, float32_islands=spec.float32_islands)
+    if spec.activations is not None:
+        policy = policy.with_activations(activation_spec(work.model, spec.activations))
     precision = Precision(policy, device=device, allow_slow=spec.allow_slow)
     model, optimizer = precision.setup(model, torch.optim.Adam(model.parameters(), lr=1e-3))
     if spec.compile:  # after conversion: the graph traces mixprec's regions and casts
@@ -379,13 +386,20 @@ def _use_tf32(spec: RunSpec, device: torch.device) -> None:
 
 
 def _ready_loop(
-    spec: RunSpec, name: str, res: LoopResult, device: torch.device, deadline: float | None
+    spec: RunSpec,
+    name: str,
+    res: LoopResult,
+    device: torch.device,
+    deadline: float | None,
+    warmed: Callable[[], None] = lambda: None,
 ) -> Loop | None:
-    """Build loop `name` ("mixprec" or "raw") of `spec`, warmed up and run to its first
-    update while its peak memory is measured; None (the reason in `res`) when it failed."""
+    """Build loop `name` ("mixprec" or "raw") of `spec`, warmed up (then `warmed()` is
+    called) and run to its first update while its peak memory is measured; None (the
+    reason in `res`) when it failed."""
     build = _build_mixprec if name == "mixprec" else _build_raw
     try:
         _warm_up(build, spec, deadline)
+        warmed()
         (loop, res.first_step_s), res.peak_memory = measured(
             device, lambda: _first_update(build, spec, deadline)
         )
@@ -425,7 +439,18 @@ def run_group(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     method = CUDA_MEMORY_METHOD if device.type == "cuda" else CPU_MEMORY_METHOD
-    _limit_memory(first.memory_limit, sum(1 + s.raw for s in specs), device)
+    count = sum(1 + s.raw for s in specs)  # loops, ours and the raw twins
+    # a CPU's first warm-up runs under twice the limit, the warm-ups and steps after it under
+    # the limit from the size it leaves (`_limit_memory`)
+    _limit_memory(first.memory_limit, count * (1 if device.type == "cuda" else 2), device)
+    limited = device.type == "cuda"
+
+    def warmed() -> None:  # a CPU's address-space limit: after the first warm-up
+        nonlocal limited
+        if not limited:
+            _limit_memory(first.memory_limit, count, device)
+            limited = True
+
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
     results = [{"mixprec": LoopResult(), **({"raw": LoopResult()} if s.raw else {})} for s in specs]
@@ -433,7 +458,7 @@ def run_group(
     for i, spec in enumerate(specs):
         _use_tf32(spec, device)
         for name, res in results[i].items():
-            loop = _ready_loop(spec, name, res, device, deadline)
+            loop = _ready_loop(spec, name, res, device, deadline, warmed)
             if loop is not None:
                 loops[i, name] = loop
     failed = {i for i, res in enumerate(results) if res["mixprec"].status != OK} | {
@@ -587,7 +612,8 @@ def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> 
     crash or an exception in the child as an error carrying the end of its output.
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    tag = f"{spec.precision}-{spec.batch_size}-{spec.tf32}".replace("/", "_").replace(",", "_")
+    tag = f"{spec.precision}-{spec.activations}-{spec.batch_size}-{spec.tf32}"
+    tag = tag.replace("/", "_").replace(",", "_")
     out_path = workdir / f"result-{tag}-{os.getpid()}-{time.monotonic_ns()}.json"
     env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads))
     cmd = [sys.executable, "-m", "mixprec.bench.runner", json.dumps(asdict(spec)), str(out_path)]

@@ -22,11 +22,16 @@ from typing import Any
 
 import torch
 
+from mixprec.activations import ActivationRules, check_device
+from mixprec.activations import check as check_activations
+from mixprec.activations.options import RECOMPUTE, check_option
 from mixprec.bench.models import (
     DEFAULT_BATCH_SIZES,
     DEFAULT_IMAGE_SIZE,
+    activation_spec,
     check_model,
     check_workload,
+    load_workload,
 )
 from mixprec.bench.rounds import MAX_ROUNDS
 from mixprec.bench.runner import (
@@ -123,10 +128,9 @@ class BenchOptions:
         image_size: the CNN's square input size in pixels; None: the model's default.
         steps: timed rounds per batch size (one step of each configuration a round), at
             least; None: 10.
-        time_budget: seconds of rounds per batch size: past `steps`, rounds are added while
-            a speedup's interval against float32 is wider than `verdict.TARGET_WIDTH`, until
-            this budget; None: `DEFAULT_TIME_BUDGET`, or 0 (exactly `steps`) when `steps` is
-            given.
+        time_budget: seconds of rounds per batch size: past `steps`, more while a speedup's
+            interval against float32 is wider than `verdict.TARGET_WIDTH`; None:
+            `DEFAULT_TIME_BUDGET`, or 0 (exactly `steps`) when `steps` is given.
         warmup: untimed rounds before them.
         device: "cpu", "cuda", "cuda:N"; None: the best one available.
         threads: CPU threads the configurations use; None: torch's default, or fewer
@@ -140,6 +144,8 @@ class BenchOptions:
             without them "off", or "both".
         timeout: seconds a configuration may run before it is stopped.
         compile: every configuration under ``torch.compile``.
+        activations: activation options to run every precision with, a row each, ``keep``
+            among them; recompute options on each block (`models.activation_spec`).
     """
 
     model: str = "cnn"
@@ -159,11 +165,13 @@ class BenchOptions:
     float32_islands: str = "on"
     timeout: float = 900.0
     compile: bool = False
+    activations: list[str] | None = None
 
 
 @dataclass(frozen=True)
 class Config:
-    """One row of the experiment: a precision (and TF32 setting) at one batch size."""
+    """One row of the experiment: a precision (and TF32 setting, activation option) at one
+    batch size."""
 
     label: str
     spec: str
@@ -172,6 +180,7 @@ class Config:
     raw: bool
     float32_islands: bool = True
     compiled: bool = False
+    activations: str | None = None
 
 
 @dataclass
@@ -348,6 +357,8 @@ def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
         parts += ["--float32-islands", opts.float32_islands]
     if opts.compile:
         parts.append("--compile")
+    if opts.activations:
+        parts += ["--activations", *opts.activations]
     if opts.timeout != BenchOptions.timeout:
         parts += ["--timeout", f"{opts.timeout:g}"]
     return shlex.join(parts)
@@ -384,7 +395,11 @@ def plan(options: BenchOptions) -> Plan:
             "and swaps long before a batch 'does not fit'"
         )
     policies, support = _precisions(opts.precisions, device, opts.allow_slow)
+    activations = _activation_options(opts.activations, policies, device)
     check_workload(opts.model)  # last: it calls a user's factory
+    if activations:
+        _check_activations(opts, activations)
+        opts = replace(opts, activations=activations)
     info = detect(device)
     left_out = {
         name: policy_support(Policy(name), info)
@@ -404,14 +419,61 @@ def plan(options: BenchOptions) -> Plan:
             mixed = policy.default.is_mixed and not from_file
             for tf32 in modes if fp32_compute else modes[:1]:
                 for island in islands if mixed else [policy.float32_islands]:
-                    label = _label(name, fp32_compute, tf32, modes)
-                    if not island and policy.default.is_mixed:
-                        label += " (no f32 islands)"
-                    if opts.compile:
-                        label += " (compiled)"
-                    configs.append(Config(label, name, batch, tf32, mixed, island, opts.compile))
+                    for option in activations or [None]:
+                        label = activation_label(_label(name, fp32_compute, tf32, modes), option)
+                        if not island and policy.default.is_mixed:
+                            label += " (no f32 islands)"
+                        if opts.compile:
+                            label += " (compiled)"
+                        # the raw torch loop keeps every activation: a twin of keep only
+                        raw = mixed and option in (None, "keep")
+                        configs.append(
+                            Config(label, name, batch, tf32, raw, island, opts.compile, option)
+                        )
     command = reproduce_command(opts, device)
     return Plan(opts, device, policies, support, configs, command, asked, left_out, threads_note)
+
+
+def activation_label(name: str, option: str | None) -> str:
+    """The row label of precision `name` run with activation `option` (None: as it is)."""
+    if option is None:
+        return name
+    return f"{name}, activations {option}" + (" per block" if option in RECOMPUTE else "")
+
+
+def _activation_options(
+    given: list[str] | None, policies: dict[str, PolicyMap], device: torch.device
+) -> list[str] | None:
+    """The checked ``--activations`` options, ``keep`` first and each once (None: none
+    given); refused: an unknown option, ``offload`` off CUDA, a precision whose policy file
+    has activation rules of its own."""
+    if not given:
+        return None
+    try:
+        options = [check_option(o, "--activations") for o in given]
+        check_device(set(options), device.type)
+    except PolicySpecError as err:
+        raise ValueError(str(err)) from None
+    for name, policy in policies.items():
+        if policy.activations is not None:
+            raise ValueError(
+                f"--activations runs each precision with each option, but {name} has "
+                f"activations of its own ({policy.activations.spec()!r}); leave them out of "
+                "the file or leave out --activations"
+            )
+    return list(dict.fromkeys(["keep", *options]))
+
+
+def _check_activations(opts: BenchOptions, options: list[str]) -> None:
+    """Refuse, before any process starts, an option the model cannot take: a recompute
+    option on a model without blocks, or on a block updating its buffers in place."""
+    model = load_workload(opts.model, opts.image_size or DEFAULT_IMAGE_SIZE).model
+    for option in options:
+        rules = ActivationRules(activation_spec(model, option))
+        try:
+            check_activations(model, rules.resolve(model))
+        except PolicySpecError as err:
+            raise ValueError(f"--activations {option}: {err}") from None
 
 
 def comparison_gap(p: Plan) -> dict[str, Any] | None:
@@ -471,6 +533,7 @@ def _spec(p: Plan, config: Config) -> RunSpec:
         memory_limit=o.memory_limit,
         float32_islands=config.float32_islands,
         compile=config.compiled,
+        activations=None if config.activations == "keep" else config.activations,
     )
 
 
@@ -515,6 +578,7 @@ def metadata(p: Plan) -> dict[str, Any]:
         "memory_limit": o.memory_limit,
         "float32_islands": o.float32_islands,
         "compile": o.compile,
+        "activations": o.activations,
         "preset": o.preset,
         "command": p.command,
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -556,16 +620,32 @@ def run_batch(p: Plan, configs: Sequence[Config], workdir: Path) -> list[RunResu
     timeout = p.options.timeout
     if any(fresh_process_reason(s) for s in specs):
         return [run_isolated(s, workdir, timeout) for s in specs]
-    base = next((i for i, c in enumerate(configs) if c.spec == BASELINE), None)
+    base = next(
+        (
+            i
+            for i, c in enumerate(configs)
+            if c.spec == BASELINE and c.activations in (None, "keep")
+        ),
+        None,
+    )
     return run_side_by_side(specs, base, p.options.time_budget or 0.0, timeout * len(specs))
 
 
-def _probe(p: Plan, name: str, batch: int, workdir: Path) -> RunResult:
-    """One step of precision `name` at `batch`."""
+def _probe(
+    p: Plan, name: str, batch: int, workdir: Path, activations: str | None = None
+) -> RunResult:
+    """One step of precision `name` (with activation option `activations`) at `batch`."""
     tf32 = _tf32_modes(p.options.tf32, p.device)[0]
     island = _island_modes(p.options.float32_islands)[0]
     config = Config(
-        name, name, batch, tf32, raw=False, float32_islands=island, compiled=p.options.compile
+        name,
+        name,
+        batch,
+        tf32,
+        raw=False,
+        float32_islands=island,
+        compiled=p.options.compile,
+        activations=activations,
     )
     spec = replace(_spec(p, config), steps=1, warmup=0)
     return run_spec(spec, workdir, p.options.timeout)
@@ -576,10 +656,15 @@ class _ProbeFailed(Exception):
 
 
 def search_max_batch(
-    p: Plan, name: str, workdir: Path, on_probe: Callable[[int, str], None] | None = None
+    p: Plan,
+    name: str,
+    workdir: Path,
+    on_probe: Callable[[int, str], None] | None = None,
+    activations: str | None = None,
 ) -> dict[str, Any]:
-    """Largest batch of precision `name` that fits: double from the smallest batch size
-    until one runs out of memory, then bisect between the last fit and the first OOM.
+    """Largest batch of precision `name` (with activation option `activations`) that fits:
+    double from the smallest batch size until one runs out of memory, then bisect between
+    the last fit and the first OOM.
 
     A probe that errors or times out stops the search: `error` then says which batch and
     why, `max_batch` is the largest batch that fitted before it (0: none) and `first_oom`
@@ -588,7 +673,7 @@ def search_max_batch(
     probes: list[dict[str, Any]] = []
 
     def probe(batch: int) -> bool:
-        result = _probe(p, name, batch, workdir)
+        result = _probe(p, name, batch, workdir, activations)
         fits = result.status == OK
         probes.append(
             {
@@ -628,6 +713,7 @@ def search_max_batch(
         "capped": hi is None and error is None,
         "error": error,
         "probes": probes,
+        **({"precision": name, "activations": activations} if activations else {}),
     }
 
 
@@ -676,14 +762,17 @@ def run_bench(p: Plan, listeners: Sequence[Listener] = ()) -> BenchReport:
         max_batch = {}
         if p.options.max_batch:
             for name in p.precisions:
+                for option in p.options.activations or [None]:
+                    label = activation_label(name, option)
 
-                def on_probe(batch: int, status: str, name: str = name) -> None:
+                    def on_probe(batch: int, status: str, label: str = label) -> None:
+                        for listener in listeners:
+                            listener.probed(label, batch, status)
+
+                    found = search_max_batch(p, name, Path(tmp), on_probe, option)
+                    max_batch[label] = found
                     for listener in listeners:
-                        listener.probed(name, batch, status)
-
-                max_batch[name] = search_max_batch(p, name, Path(tmp), on_probe)
-                for listener in listeners:
-                    listener.searched(name, max_batch[name])
+                        listener.searched(label, found)
     end = {
         "elapsed_s": round(time.perf_counter() - t0, 1),
         "load_average_after": _load_average(),

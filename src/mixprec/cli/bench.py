@@ -28,6 +28,7 @@ from rich.progress import (
 )
 
 from mixprec import textout
+from mixprec.activations.options import OPTIONS
 from mixprec.bench import distributed
 from mixprec.bench.journal import JOURNAL, Journal
 from mixprec.bench.journal import load as load_journal
@@ -193,6 +194,16 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # a flat list of op
         help="torch.compile the model (torch's defaults) in every row, mixprec's and the raw "
         "torch loop alike; the first step compiles and is reported apart",
     )
+    p.add_argument(
+        "--activations",
+        nargs="+",
+        action="extend",
+        metavar="OPTION",
+        help=f"also run every precision with these activation options ({', '.join(OPTIONS)}), "
+        "one row each beside keep, with its step time against keep's (and its largest batch "
+        "with --max-batch); checkpoint and selective recompute each block of the model (the "
+        "entries of its repeated layer stacks), the others apply to the whole model",
+    )
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per configuration")
     p.add_argument(
         "--strategy",
@@ -229,6 +240,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         float32_islands=args.float32_islands,
         timeout=args.timeout,
         compile=args.compile,
+        activations=args.activations,
     )
 
 
@@ -243,6 +255,7 @@ _TIMING_ONLY = (
     ("--max-batch", "max_batch", False),
     ("--float32-islands", "float32_islands", "on"),
     ("--compile", "compile", False),
+    ("--activations", "activations", None),
     ("--timeout", "timeout", 900.0),
 )
 
