@@ -16,21 +16,18 @@ alike.
 
 from __future__ import annotations
 
-from mixprec.activations.codecs import CODECS, Codec, Fp8Saved
+from mixprec.activations.codecs import Fp8Saved
 from mixprec.activations.measure import saved_bytes
-from mixprec.activations.options import OPTIONS, RECOMPUTE, STORAGE, refusal
+from mixprec.activations.options import OPTIONS, RECOMPUTE, refusal
 from mixprec.activations.rules import ActivationRules, ActivationsSpec, as_rules
 from mixprec.activations.wrapper import ActivationForward, check, check_device, install, wrapped
 
 __all__ = [
-    "CODECS",
     "OPTIONS",
     "RECOMPUTE",
-    "STORAGE",
     "ActivationForward",
     "ActivationRules",
     "ActivationsSpec",
-    "Codec",
     "Fp8Saved",
     "as_rules",
     "check",

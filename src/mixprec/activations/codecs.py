@@ -38,11 +38,8 @@ from mixprec.optim.states.formats import encode as encode_blocks
 
 __all__ = [
     "CHUNK",
-    "CODECS",
-    "COMPILE_MIN",
     "FP8",
     "GATE",
-    "Codec",
     "Fp8Saved",
     "Keep",
     "Reshaped",

@@ -27,7 +27,6 @@ from mixprec.errors import PolicySpecError
 __all__ = [
     "OPTIONS",
     "RECOMPUTE",
-    "STORAGE",
     "accepted",
     "check_option",
     "refusal",

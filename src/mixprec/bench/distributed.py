@@ -53,7 +53,6 @@ __all__ = [
     "CTRL_C_GRACE_S",
     "FailedRun",
     "Interrupted",
-    "MeasurementFailed",
     "MemorySpec",
     "OUTPUT_FILES",
     "RankMemory",

@@ -22,7 +22,11 @@ from typing import Any
 
 from mixprec.errors import FactoryError
 
-__all__ = ["FactoryError", "call_factory", "load_factory", "parse_reference"]
+__all__ = [
+    "FactoryError",
+    "call_factory",
+    "load_factory",
+]
 
 
 def parse_reference(reference: str) -> tuple[str, str]:

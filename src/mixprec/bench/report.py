@@ -41,7 +41,6 @@ __all__ = [
     "Summary",
     "busy_machine_warning",
     "comparison_gap_lines",
-    "shown_columns",
     "conclusion",
     "markdown",
     "max_batch_lines",
@@ -51,8 +50,6 @@ __all__ = [
     "rich_table",
     "stopped_line",
     "summarize",
-    "to_json",
-    "write_csv",
     "write_outputs",
 ]
 

@@ -51,23 +51,18 @@ from mixprec.memory import measured
 from mixprec.tree import map_tensors
 
 __all__ = [
-    "CPU_MEMORY_METHOD",
-    "CUDA_MEMORY_METHOD",
     "ERROR",
     "Loop",
     "LoopResult",
-    "MAX_STEPS_TO_FIRST_UPDATE",
     "OK",
     "OOM",
     "RunResult",
     "RunSpec",
     "RunStatus",
-    "TIMEOUT",
     "fresh_process_reason",
     "is_oom",
     "main",
     "run_config",
-    "run_group",
     "run_in_process",
     "run_isolated",
     "run_side_by_side",

@@ -70,14 +70,11 @@ from mixprec.version import __version__
 
 __all__ = [
     "BASELINE",
-    "BLOG_V100_MS",
     "DEFAULT_TIME_BUDGET",
     "BenchOptions",
     "BenchReport",
     "Config",
     "Listener",
-    "MAX_BATCH_CAP",
-    "MIXED_CANDIDATES",
     "PRESETS",
     "Plan",
     "Row",
@@ -85,10 +82,7 @@ __all__ = [
     "memory_method",
     "metadata",
     "plan",
-    "reproduce_command",
     "run_bench",
-    "run_spec",
-    "search_max_batch",
 ]
 
 PRESETS: dict[str, dict[str, Any]] = {

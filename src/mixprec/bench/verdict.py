@@ -24,8 +24,6 @@ __all__ = [
     "CONFIDENCE",
     "FASTER",
     "FEW",
-    "Interval",
-    "MAX_WIDTH",
     "MIN_ROUNDS",
     "NOISY",
     "NOT_FASTER",

@@ -64,7 +64,10 @@ from mixprec.cli.outputs import check_output_dir, new_output_dir
 from mixprec.hardware import detect, parse_device, resolve_auto
 from mixprec.version import __version__
 
-__all__ = ["Terminated", "add_parser", "parse_size", "run_command", "run_memory_command"]
+__all__ = [
+    "add_parser",
+    "parse_size",
+]
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
