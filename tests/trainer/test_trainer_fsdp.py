@@ -325,11 +325,15 @@ import sys
 from pathlib import Path
 sys.path[:0] = {tests!r}
 from test_trainer_fsdp import _fit
+from mixprec.trainer.strategy import end_finished_process
 
 if __name__ == "__main__":
     seen = _fit("fsdp", "bf16-mixed", Path({out!r}) / "torchrun.pt",
                 accumulate_grad_batches=2, gradient_clip_val=0.5)
     assert seen["param_types"] == {{"DTensor"}} and seen["global_step"] == 4, seen
+    # its work written: skip the interpreter's teardown, where torch's C++ destructors run
+    # after the process group and about one exit in four aborts (as the spawned ranks do)
+    end_finished_process()
 """
 
 
