@@ -68,6 +68,97 @@ def test_the_calls_of_a_step_do_not_grow_with_the_number_of_parameters(make):
     assert _ops_of_a_step(make, 4) <= _ops_of_a_step(make, 8)
 
 
+class _CountCats(TorchDispatchMode):
+    """Counts the concatenations a step makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cats = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.cats += func is torch.ops.aten.cat.default
+        return func(*args, **(kwargs or {}))
+
+
+def _stepped(opt: torch.optim.Optimizer, params: list[nn.Parameter], seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    opt.step()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: LowBitAdamW(ps, states="int8", min_size=0, compile=False),
+        lambda ps: LowBitAdamW(ps, states="fp8", min_size=0, compile=False),
+        lambda ps: LowBitSGD(ps, lr=0.1, momentum=0.9, states="int4", min_size=0, compile=False),
+    ],
+    ids=["int8", "fp8", "sgd-int4"],
+)
+def test_a_buckets_low_bit_moments_stay_joined_from_step_to_step(make):
+    """After a bucket's first step its parameters' codes and scales are slices of one
+    tensor per moment, and later steps update them in place: the same tensors, and no
+    concatenation but the parameters' and the gradients'."""
+    params = _params(8)
+    opt = make(params)
+    _stepped(opt, params, 0)
+    names = [k for k in opt.state[params[0]] if k.endswith(("_codes", "_scales"))]
+    before = {(i, k): opt.state[p][k] for i, p in enumerate(params) for k in names}
+    for k in names:
+        assert len({opt.state[p][k].untyped_storage().data_ptr() for p in params}) == 1, k
+    with _CountCats() as counter:
+        _stepped(opt, params, 1)
+    assert counter.cats == 2  # (the parameters, the gradients)
+    assert all(opt.state[params[i]][k] is t for (i, k), t in before.items())
+
+
+def test_a_state_replaced_between_steps_is_joined_again_with_the_same_step():
+    """A state tensor replaced by another with the same values (as a user's copy, or a
+    loader's, would) is what the next step reads and updates: the step equals one
+    without the replacement, bit for bit, and the states are joined again."""
+    runs = []
+    for replace in (False, True):
+        params = _params(8)
+        opt = LowBitAdamW(params, states="int8", min_size=0, compile=False)
+        _stepped(opt, params, 0)
+        if replace:
+            state = opt.state[params[3]]
+            state["exp_avg_codes"] = state["exp_avg_codes"].clone()
+            state["exp_avg_sq_scales"] = state["exp_avg_sq_scales"].clone()
+        _stepped(opt, params, 1)
+        _stepped(opt, params, 2)
+        runs.append((params, opt))
+    (plain, _), (replaced, opt) = runs
+    for p, q in zip(plain, replaced, strict=True):
+        assert torch.equal(p, q)
+    storages = {opt.state[p]["exp_avg_codes"].untyped_storage().data_ptr() for p in replaced}
+    assert len(storages) == 1
+
+
+def test_a_joined_state_saves_once_and_resumes_bit_for_bit(tmp_path):
+    """torch.save stores the joined tensors once (the file is about the states' bytes,
+    not a copy of them per parameter), and a fresh optimizer loading it continues as the
+    saving one does, bit for bit."""
+    from mixprec.optim.states import state_bytes
+
+    params = _params(8)
+    opt = LowBitAdamW(params, states="int8", min_size=0, compile=False)
+    for seed in range(2):
+        _stepped(opt, params, seed)
+    path = tmp_path / "optimizer.pt"
+    torch.save(opt.state_dict(), path)
+    assert path.stat().st_size < state_bytes(opt) + 64 * 1024
+    resumed = [nn.Parameter(p.detach().clone()) for p in params]
+    again = LowBitAdamW(resumed, states="int8", min_size=0, compile=False)
+    again.load_state_dict(torch.load(path, weights_only=True))
+    for seed in range(2, 4):
+        _stepped(opt, params, seed)
+        _stepped(again, resumed, seed)
+    for p, q in zip(params, resumed, strict=True):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
 def test_the_calls_of_a_compensated_bfloat16_step_do_not_grow(compensation):
     def make(ps):

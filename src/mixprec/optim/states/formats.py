@@ -217,7 +217,7 @@ def nearest_code(
     nearest = getattr(codec, "nearest", None)
     if nearest is None:
         raise ValueError(f"{codec.name!r} has no code map to find the nearest code in")
-    return nearest(y, signed)
+    return nearest(y, signed).to(torch.int32)
 
 
 def encode(

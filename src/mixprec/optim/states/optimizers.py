@@ -117,6 +117,15 @@ class _Planned:
     step: int = 0  # its step count this step
 
 
+@dataclasses.dataclass
+class _Joined:
+    """A bucket's low-bit moments joined: per moment, the flat codes (as bytes) and the
+    flat scales, and the states' tensors that are their slices."""
+
+    flats: list[tuple[torch.Tensor | None, torch.Tensor | None]]
+    slices: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]]  # per parameter
+
+
 def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
     """``bucket`` in runs of parameters of at most ``FLAT_MAX`` elements together (blocks
     padded): each flat update holds its copies and float32 moments for no more elements
@@ -182,6 +191,9 @@ class LowBitOptimizer(StateCheckpoint):
         # the random bits of stochastic rounding and of the Kahan buffer's rounding: the
         # engine's, keyed by the seed, each parameter's step count and index
         self.seed = seed
+        # the low-bit moments of each bucket of parameters stepped together, as flat
+        # tensors whose slices are those parameters' states (`_joined`)
+        self._flats: dict[tuple[int, ...], _Joined] = {}
         defaults["states"] = str(fmt)
         super().__init__(params, defaults)
 
@@ -280,6 +292,7 @@ class LowBitOptimizer(StateCheckpoint):
             )
             key = (way, planned.fmt, real.dtype, real.device, compensation, id(planned.hp))
             buckets.setdefault(key + planned.statics, []).append(planned)
+        joined, self._flats = getattr(self, "_flats", {}), {}
         for key, bucket in buckets.items():
             if key[0] == "foreach":
                 self._run_foreach(bucket)
@@ -288,7 +301,7 @@ class LowBitOptimizer(StateCheckpoint):
                     if len(part) == 1:  # (alone: in place, no copies to make)
                         self._run(part[0], total)
                     else:
-                        self._run_flat(part, key[4], total)
+                        self._run_flat(part, key[4], total, joined)
         return loss
 
     def _plan(
@@ -414,10 +427,17 @@ class LowBitOptimizer(StateCheckpoint):
             buffers = None if moments[0][0] is None else [m[0] for m in moments]
             buckets_.foreach_sgd(params, grads, buffers, first.values, *first.statics)
 
-    def _run_flat(self, bucket: list[_Planned], compensation: str | None, total: int) -> None:
+    def _run_flat(
+        self,
+        bucket: list[_Planned],
+        compensation: str | None,
+        total: int,
+        joined: dict[tuple[int, ...], _Joined],
+    ) -> None:
         """Update a bucket of parameters as one flat tensor: each parameter, gradient and
-        Kahan buffer zero-padded to whole blocks and concatenated, so are the moments'
-        codes and scales (already whole blocks); one update; copied back."""
+        Kahan buffer zero-padded to whole blocks and concatenated; one update; copied back.
+        Low-bit moments are kept joined from step to step (`_joined`); float32 moments
+        (of 16-bit parameters) are concatenated and copied back as the parameters are."""
         fmt = bucket[0].fmt
         params = [real_view(b.p).view(-1) for b in bucket]
         pads = [-t.numel() % fmt.block if fmt.quantized else 0 for t in params]  # type: ignore[operator]
@@ -429,18 +449,16 @@ class LowBitOptimizer(StateCheckpoint):
         buf = None if bufs is None else buckets_.gather(bufs, pads)
         moments: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         stored: list[list[torch.Tensor]] = []
-        for i in range(len(bucket[0].moments)):
-            pair: list[torch.Tensor | None] = []
-            for j in (0, 1):
-                parts = [b.moments[i][j] for b in bucket]
+        if fmt.quantized:
+            moments = self._joined(bucket, joined)
+        else:
+            for i in range(len(bucket[0].moments)):
+                parts = [b.moments[i][0] for b in bucket]
                 if parts[0] is None:
-                    pair.append(None)
+                    moments.append((None, None))
                     continue
-                bits = [_bits(t) for t in parts]  # type: ignore[arg-type]
-                joined = buckets_.gather(bits, [0] * len(bits))
-                pair.append(joined.view(parts[0].dtype))  # type: ignore[union-attr]
-                stored.append(bits)
-            moments.append((pair[0], pair[1]))
+                moments.append((buckets_.gather(parts, [0] * len(parts)), None))  # type: ignore[arg-type]
+                stored.append(parts)  # type: ignore[arg-type]
         compiled = self._gate.wants(flat.device, total)
         # the random bits of the bucket's elements, from its first parameter's key on
         key = call_key(self.seed, bucket[0].step, bucket[0].index)
@@ -448,9 +466,59 @@ class LowBitOptimizer(StateCheckpoint):
         buckets_.scatter(flat, params, pads)
         if bufs is not None:
             buckets_.scatter(buf, bufs, pads)  # type: ignore[arg-type]
-        joined_all = [_bits(t) for pair in moments for t in pair if t is not None]
-        for joined, targets in zip(joined_all, stored, strict=True):
-            buckets_.scatter(joined, targets, [0] * len(targets))
+        gathered = [m for m, _ in moments if m is not None] if stored else []
+        for whole, targets in zip(gathered, stored, strict=True):
+            buckets_.scatter(whole, targets, [0] * len(targets))
+
+    def _joined(
+        self, bucket: list[_Planned], joined: dict[tuple[int, ...], _Joined]
+    ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """The low-bit moments of ``bucket`` as flat (codes, scales) per moment. They are
+        joined on the first step of this set of parameters, or when a state was replaced
+        since (a checkpoint loaded, a format changed), and each parameter's state then
+        holds slices of them: later steps update the states in place, with no copies.
+        ``joined``: the previous step's; the entry used moves on to this step's."""
+        key = tuple(id(b.p) for b in bucket)
+        entry = joined.get(key)
+        if entry is None or any(
+            b.moments[i][j] is not pair[j]
+            for b, slices in zip(bucket, entry.slices, strict=True)
+            for i, pair in enumerate(slices)
+            for j in (0, 1)
+        ):
+            entry = self._join(bucket)
+        self._flats[key] = entry
+        return [
+            (None, None) if codes is None else (codes.view(first.dtype), scales)  # type: ignore[union-attr]
+            for (codes, scales), (first, _) in zip(entry.flats, entry.slices[0], strict=True)
+        ]
+
+    def _join(self, bucket: list[_Planned]) -> _Joined:
+        """Concatenate ``bucket``'s low-bit moments and point each parameter's state at
+        its slices (so a state dict holds views of one tensor per moment, as
+        `torch.save` stores once and `torch.distributed.checkpoint` copies apart)."""
+        names = [name for name, _ in MOMENTS[self.algorithm]]
+        flats = []
+        slices: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = [[] for _ in bucket]
+        for i in range(len(bucket[0].moments)):
+            if bucket[0].moments[i][0] is None:  # (SGD without momentum)
+                flats.append((None, None))
+                for mine in slices:
+                    mine.append((None, None))
+                continue
+            codes = buckets_.gather([_bits(b.moments[i][0]) for b in bucket], [0] * len(bucket))  # type: ignore[arg-type]
+            scales = buckets_.gather([b.moments[i][1] for b in bucket], [0] * len(bucket))  # type: ignore[misc]
+            flats.append((codes, scales))
+            at_code = at_scale = 0
+            for b, mine in zip(bucket, slices, strict=True):
+                old_codes, old_scales = b.moments[i]
+                n, m = old_codes.numel(), old_scales.numel()  # type: ignore[union-attr]
+                new_codes = codes[at_code : at_code + n].view(old_codes.dtype)  # type: ignore[union-attr]
+                new_scales = scales[at_scale : at_scale + m]
+                b.state[f"{names[i]}_codes"], b.state[f"{names[i]}_scales"] = new_codes, new_scales
+                mine.append((new_codes, new_scales))
+                at_code, at_scale = at_code + n, at_scale + m
+        return _Joined(flats, slices)
 
     def _compiled(self, args: tuple) -> bool:
         """Run the compiled update (True); False, with one warning and eager steps from
