@@ -20,7 +20,8 @@ from spawning import WORLD, run_ranks
 from torch import nn
 
 from mixprec import hardware
-from mixprec.errors import PrecisionError, SlowPrecisionError
+from mixprec.activations import wrapped
+from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim.scaling import DynamicLossScaler
 from mixprec.policy import Policy
@@ -186,6 +187,30 @@ def _int8(rank: int) -> dict[str, Any]:
     }
 
 
+def _activations(rank: int) -> dict[str, Any]:
+    """Each activation option under shard on two ranks, against the same run keeping
+    everything: what is on the model, and the weights after the steps."""
+
+    def run(activations: Any) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        torch.manual_seed(0)
+        policy = PolicyMap("bf16-mixed", activations=activations)
+        model, opt = shard(
+            BlockNet(32), policy, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR)
+        )
+        x, y = _data()
+        mine = slice(rank * 8, rank * 8 + 8)  # 8 rows of 32: whole fp8 blocks
+        for _ in range(STEPS):
+            opt.zero_grad()
+            F.mse_loss(model(x[mine]), y[mine]).backward()
+            opt.step()
+        Precision(policy).setup(model, convert=False)  # (it carries the options already)
+        return _full(model), wrapped(model)
+
+    options: list[Any] = [None, "checkpoint", {r"blocks\.\d+": "selective"}]
+    options += [{r"blocks\.\d+": "fp8"}]
+    return {str(option): run(option) for option in options}
+
+
 def _outcome(attempt: Any) -> str:
     """What `attempt()` did: "ok", or the exception it raised (kept, not raised: one rank's
     failure here must not stop the other scenarios)."""
@@ -250,7 +275,7 @@ def _fp16_true(rank: int) -> dict[str, Any]:
 
 
 def _worker(rank: int, out_dir: str) -> None:
-    scenarios = (_bf16_mixed, _fp16_inf, _bf16_true, _int8, _fp16_true)
+    scenarios = (_bf16_mixed, _fp16_inf, _bf16_true, _int8, _fp16_true, _activations)
     results = {f.__name__: f(rank) for f in scenarios}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
@@ -337,6 +362,42 @@ def test_16_true_with_float32_masters_is_refused_at_set_up_not_at_the_first_step
         ), got["wrapped"]
         for said in (got["documented"], got["wrapped"]):
             assert "'16-mixed' rather than '16-true'" in said and "master_weights=False" in said
+
+
+@pytest.mark.slow
+def test_activation_options_go_on_before_sharding_and_recompute_bit_for_bit(ranks):
+    """shard puts a map's activation options on the model as apply does; inside FSDP2's
+    hooks a recomputed block is gathered again, so its weights end as keeping's, bit for
+    bit; fp8 storage moves them a little."""
+    for r in ranks:
+        got = r["_activations"]
+        kept, _ = got["None"]
+        assert got["checkpoint"][1] == {"": "checkpoint"}
+        assert got[str({r"blocks\.\d+": "selective"})][1] == {
+            "blocks.0": "selective",
+            "blocks.1": "selective",
+        }
+        for option in ("checkpoint", str({r"blocks\.\d+": "selective"})):
+            for key, value in kept.items():
+                assert torch.equal(got[option][0][key], value), (option, key)
+        fp8, on = got[str({r"blocks\.\d+": "fp8"})]
+        assert on == {"blocks.0": "fp8", "blocks.1": "fp8"}
+        assert any(not torch.equal(fp8[k], v) for k, v in kept.items())
+        for key, value in kept.items():
+            torch.testing.assert_close(fp8[key], value, atol=2e-2, rtol=2e-2)
+
+
+def test_an_activation_option_a_module_cannot_take_is_refused_before_sharding(one_rank):
+    """As apply refuses it: checkpoint on a block holding a BatchNorm that tracks running
+    statistics, before anything is sharded; and setup(convert=False) refuses a model that
+    does not carry its precision's options."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    with pytest.raises(PolicySpecError, match="BatchNorm1d"):
+        shard(model, PolicyMap("32-true", activations={"": "checkpoint"}))
+    assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())
+    plain = shard(BlockNet(8), "32-true")
+    with pytest.raises(ValueError, match="it carries none: shard it with mixprec.shard"):
+        Precision("32-true", activations="fp8").setup(plain, convert=False)
 
 
 @pytest.mark.slow

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.activations import ActivationsSpec, as_rules, check_device
+from mixprec.activations import ActivationsSpec, as_rules, check_device, installed
+from mixprec.activations import wrapped as wrapped_activations
 from mixprec.convert import (
     apply,
     cast_floating,
@@ -266,7 +267,8 @@ class Precision:
         ``model`` in place and wrap ``optimizers``.
 
         ``convert=False`` leaves the model's dtypes and forward alone, for a model sharded by
-        `mixprec.sharding.shard` (FSDP2 casts per unit, and the policy was checked there).
+        `mixprec.sharding.shard` (FSDP2 casts per unit, and the policy was checked there;
+        the activation options, if any, must be on it already, as `shard` puts them).
 
         Returns ``model`` alone, or ``(model, *wrapped_optimizers)`` when optimizers are
         given. All wrapped optimizers share this precision's one scaler. Build the optimizers
@@ -289,11 +291,14 @@ class Precision:
         if self._resolved is None:
             self.resolve()
         if self.policy.activations is not None:
-            if not convert:
+            if not convert and not installed(model, self.policy.activation_choices(model)):
+                carried = wrapped_activations(model) or "none"
                 raise ValueError(
-                    "activation options are put on the model by setup's conversion, and "
-                    "convert=False (a model sharded by mixprec.shard) skips it: leave "
-                    "activations out of a sharded run's precision"
+                    "activation options are put on the model by setup's conversion, or by "
+                    "mixprec.shard under this precision's policy; with convert=False the "
+                    f"model must carry them already, and it carries {carried}: shard it with "
+                    "mixprec.shard(model, precision.policy), or leave activations out of "
+                    "this precision"
                 )
             check_device(self.policy.activations.options, self.device.type)
         if convert:

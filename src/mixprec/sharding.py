@@ -21,6 +21,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from mixprec.activations import check as check_activations
+from mixprec.activations import check_device
+from mixprec.activations import install as install_activations
 from mixprec.convert import applied_policy, sharded_units, warn_unmatched
 from mixprec.errors import PrecisionError
 from mixprec.hardware import check, device_of
@@ -246,12 +249,14 @@ def shard(
     """Shard `model` in place with FSDP2 under `policy` (a spec, Policy or PolicyMap) and
     return it, or `(model, optimizer)` when `optimizer_factory` is given.
 
-    Quantized rules (int8, int4, float8) first swap their layers (`quantize_for`, as
-    `apply` does); then each unit (see `units`) is sharded with `mixed_precision_policy`,
-    then the root. A mixed policy keeps the sharded parameters in their param dtype (float32
-    masters) and computes in its compute dtype; a "true" policy's storage (parameters,
-    floating buffers but float8's float32 delayed scales) is cast before sharding, as FSDP2
-    keeps the dtype it finds. Gradients are reduced in `reduce_dtype`.
+    Quantized rules (int8, int4, float8) first swap their layers (`quantize_for`, as `apply`
+    does), and the map's activation options go on the model (as `apply` puts them; refused
+    first as it refuses them); then each unit (see `units`) is sharded with
+    `mixed_precision_policy`, then the root. A mixed policy keeps the sharded parameters in
+    their param dtype (float32 masters) and computes in its compute dtype; a "true" policy's
+    storage (parameters, floating buffers but float8's float32 delayed scales) is cast
+    before sharding, as FSDP2 keeps the dtype it finds. Gradients are reduced in
+    `reduce_dtype`.
 
     Raises `PrecisionError` before touching the model when torch.distributed is not
     initialised (and no `mesh` is given); when `optimizer` holds the model's unsharded
@@ -271,6 +276,9 @@ def shard(
     _check_ready(model, pmap, optimizer, scaler, mesh, master_weights, reduce_dtype)
     check(pmap, device_of(model), allow_slow=allow_slow)
     warn_unmatched(pmap, model)
+    if pmap.activations is not None:  # (refused before the model changes)
+        check_activations(model, pmap.activation_choices(model))
+        check_device(pmap.activations.options, device_of(model).type)
     quantize_for(model, pmap)
     plan = units(model, pmap, wrap)
     _check_ranks_agree(pmap, plan, reduce_dtype, mesh)
@@ -288,6 +296,8 @@ def shard(
                     continue
                 if b.dtype != stored:
                     module._buffers[key] = b.to(stored)
+    if pmap.activations is not None:  # inside FSDP2's hooks, which gather a recomputed unit
+        install_activations(model, pmap.activation_choices(model))
     modules = dict(model.named_modules())
     for name, unit_policy in plan.items():
         enclosing = None

@@ -132,6 +132,9 @@ def _worker(rank: int, out: str) -> None:
         "fsdp": _fit("fsdp", "bf16-mixed", directory / "fsdp.pt", **step),
         "ddp": _fit("ddp", "bf16-mixed", directory / "ddp.pt", **step),
         "synced": _fit(synced, "bf16-mixed", directory / "synced.pt", **step),
+        "checkpoint": _fit(
+            "fsdp", "bf16-mixed", directory / "checkpoint.pt", activations="checkpoint", **step
+        ),
         "overflow": _overflow(),
         "int8": _fit("fsdp", "int8_from_bf16-mixed", directory / "int8.pt"),
         "int8_ddp": _fit("ddp", "int8_from_bf16-mixed", directory / "int8_ddp.pt"),
@@ -169,6 +172,18 @@ def test_fsdp_bf16_mixed_shards_float32_masters_and_ends_near_ddp(runs):
     for k in start:
         assert fsdp[k].dtype == torch.float32
         torch.testing.assert_close(fsdp[k], ddp[k], atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.slow
+def test_fsdp_recomputing_every_layer_trains_as_keeping_them_bit_for_bit(runs):
+    """Trainer(strategy="fsdp", activations="checkpoint"): the model is recomputed in the
+    backward inside FSDP's hooks, and the weights come out as the same fit keeping its
+    activations."""
+    out, ranks = runs
+    plain, recomputed = _weights(out / "fsdp.pt"), _weights(out / "checkpoint.pt")
+    for k, v in plain.items():
+        assert torch.equal(recomputed[k], v), k
+    assert all(r["checkpoint"]["global_step"] == 4 for r in ranks)
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ A `mixprec.PolicyMap`'s ``activations`` (or ``Precision(activations=...)``,
 ``Trainer(activations=...)``) gives each layer one option (`options`): ``keep``, ``bf16``,
 ``fp8``, ``checkpoint``, ``selective`` or ``offload``, by rules on module paths or types
 (`rules`); `mixprec.apply` puts them on the model (`wrapper.install`), every door through it
-alike.
+alike, and `mixprec.shard` before FSDP2 shards it.
 
 - `options`: the option names, which a module cannot take and why (`refusal`);
 - `rules`: `ActivationRules`, each module's option and why;
@@ -20,7 +20,14 @@ from mixprec.activations.codecs import Fp8Saved
 from mixprec.activations.measure import saved_bytes
 from mixprec.activations.options import OPTIONS, RECOMPUTE, refusal
 from mixprec.activations.rules import ActivationRules, ActivationsSpec, as_rules
-from mixprec.activations.wrapper import ActivationForward, check, check_device, install, wrapped
+from mixprec.activations.wrapper import (
+    ActivationForward,
+    check,
+    check_device,
+    install,
+    installed,
+    wrapped,
+)
 
 __all__ = [
     "OPTIONS",
@@ -33,6 +40,7 @@ __all__ = [
     "check",
     "check_device",
     "install",
+    "installed",
     "refusal",
     "saved_bytes",
     "wrapped",

@@ -27,7 +27,7 @@ from mixprec.activations.recompute import recomputed
 from mixprec.activations.rules import Choice
 from mixprec.errors import PolicySpecError
 
-__all__ = ["ActivationForward", "check", "check_device", "install", "wrapped"]
+__all__ = ["ActivationForward", "check", "check_device", "install", "installed", "wrapped"]
 
 
 def _offload_refused(where: str) -> PolicySpecError:
@@ -193,6 +193,17 @@ def install(model: nn.Module, choices: dict[str, Choice]) -> None:
         module.__dict__["forward"] = ActivationForward(
             module, option, module.__dict__.get("forward")
         )
+
+
+def installed(model: nn.Module, choices: dict[str, Choice]) -> bool:
+    """Whether the wrappers on ``model`` are those `install` puts on for `choices`, no
+    more and no fewer (a model converted, or sharded by `mixprec.shard`, under them)."""
+    on = {
+        (id(module), forward.option)
+        for module in model.modules()
+        if isinstance(forward := module.__dict__.get("forward"), ActivationForward)
+    }
+    return on == {(id(module), option) for module, option in _wrapped(choices, model)}
 
 
 def wrapped(model: nn.Module) -> dict[str, str]:
