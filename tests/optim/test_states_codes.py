@@ -243,3 +243,41 @@ def test_a_block_of_subnormal_values_is_coded_as_a_normal_one(kind, signed):
         assert torch.equal(codes, quantize(normal, kind, signed=signed)[0])
     zero = quantize(torch.zeros(512), kind, signed=signed)
     assert torch.equal(dequantize(*zero, kind, (512,), signed=signed), torch.zeros(512))
+
+
+# -- the e4m3 codes as AVX2 CPUs compute them ---------------------------------------------------
+
+
+def _e4m3_cases() -> torch.Tensor:
+    """float32 values where a conversion to e4m3 can go wrong: both sides of every midpoint
+    between neighbouring e4m3 values and the midpoints themselves (ties to even), a sweep of
+    float32 bit patterns from 2^-12 to 1024, random magnitudes from 2^-30 to 2^10, zeros,
+    the edge of 448 and past it, infinities and NaN; with both signs."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[~values.isnan()].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    near = torch.cat([mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    sweep = torch.arange(0x39800000, 0x44800000, 101, dtype=torch.int32).view(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    drawn = torch.rand(20000, generator=g) * torch.exp2(
+        torch.randint(-30, 11, (20000,), generator=g).float()
+    )
+    edges = torch.tensor([0.0, 448.0, 456.0, 464.0, 465.0, 480.0, 1e9, math.inf, math.nan])
+    cases = torch.cat([near, sweep, drawn, edges])
+    return torch.cat([cases, -cases])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_e4m3_from_bits_is_torchs_conversion_bit_for_bit(compiled):
+    """The integer e4m3 encoder the float8 states take on AVX2 CPUs (where torch converts
+    element by element) rounds, saturates and keeps NaN as torch's conversion does; and
+    the table the decode reads there holds each code's value as torch converts it back."""
+    from mixprec.optim.states.codecs import _E4M3_VALUES, _e4m3
+
+    y = _e4m3_cases()
+    expected = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    encode = torch.compile(_e4m3) if compiled else _e4m3
+    assert torch.equal(encode(y).view(torch.uint8), expected)
+    codes = torch.arange(256, dtype=torch.uint8)
+    back = codes.view(torch.float8_e4m3fn).float()
+    assert torch.equal(_E4M3_VALUES[codes.long()].nan_to_num(7.0), back.nan_to_num(7.0))

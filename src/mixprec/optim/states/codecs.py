@@ -458,6 +458,29 @@ class Int4Codec(StateCodec):
         return _at_least_tiny(values * magnitude, values, magnitude)
 
 
+# the float32 value of each e4m3 byte (NaN for the two NaN codes): a table read in place of
+# the conversion, which AVX2 CPUs run element by element (the same values bit for bit)
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def _e4m3(y: torch.Tensor) -> torch.Tensor:
+    """``y.to(torch.float8_e4m3fn)`` from the bits of float32 ``y``, bit for bit as torch
+    converts (round to nearest even, subnormals, past 448 saturated to 448, NaN to NaN): in
+    integer operations that vectorize on AVX2, where torch's conversion does not."""
+    bits = y.view(torch.int32)
+    magnitude = bits & 0x7FFFFFFF
+    # a normal e4m3 (from 2^-6): the exponent rebiased from 127 to 7, three mantissa bits
+    # kept, rounded to nearest even by adding just under half the dropped part and its low bit
+    normal = ((magnitude + 0x7FFFF + ((magnitude >> 20) & 1)) >> 20) - (120 << 3)
+    subnormal = torch.round(y.abs() * 512.0).to(torch.int32)  # multiples of 2^-9
+    code = torch.where(magnitude < 0x3C800000, subnormal, normal)  # (2^-6)
+    code = torch.where(magnitude > 0x43E00000, 0x7E, code)  # past 448 (inf too): 448
+    code = torch.where(magnitude > 0x7F800000, 0x7F, code)  # NaN
+    code = code | ((bits >> 24) & 0x80)
+    # (through float32: int32 to uint8 runs element by element on AVX2 too)
+    return code.to(torch.float32).to(torch.uint8).view(torch.float8_e4m3fn)
+
+
 class Float8Codec(StateCodec):
     """float8 e4m3 codes of the element over its block's scale (the block's largest
     magnitude over 448, e4m3's largest finite value). The second moment is stored as its
@@ -477,10 +500,15 @@ class Float8Codec(StateCodec):
         y = _over(x, scales)
         if not signed:
             y = torch.where(y > 0, y.clamp_min(_FP8_TINY), y)
+        if _AVX2 and y.device.type == "cpu":
+            return _e4m3(y).reshape(-1), scales
         return y.to(torch.float8_e4m3fn).reshape(-1), scales
 
     def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
-        values = codes.to(torch.float32).view(-1, block)
+        if _AVX2 and codes.device.type == "cpu":  # (e4m3 to float32 runs element by element)
+            values = _E4M3_VALUES[_indices(codes.view(torch.uint8)).view(-1, block)]
+        else:
+            values = codes.to(torch.float32).view(-1, block)
         if signed:
             return values * scales[:, None]
         magnitude = scales.abs()[:, None]
