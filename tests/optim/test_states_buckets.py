@@ -136,6 +136,34 @@ def test_a_state_replaced_between_steps_is_joined_again_with_the_same_step():
     assert len(storages) == 1
 
 
+def test_a_parameter_left_out_of_its_bucket_keeps_no_joined_tensor_alive():
+    """A parameter frozen after its bucket was joined (its gradient None from then on)
+    gets copies of its own states at the next step, so the joined tensors of the old
+    bucket are freed: the states' storages hold the states' bytes and no more; and its
+    states keep their values."""
+    from mixprec.optim.states import state_bytes
+
+    params = _params(8)
+    opt = LowBitAdamW(params, states="int8", min_size=0, compile=False)
+    _stepped(opt, params, 0)
+    frozen = params[5]
+    kept = {k: v.clone() for k, v in opt.state[frozen].items() if torch.is_tensor(v)}
+    frozen.requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    for p in params:
+        p.grad = None if p is frozen else torch.randn(p.shape, generator=g)
+    opt.step()
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for state in opt.state.values()
+        for k, t in state.items()
+        if torch.is_tensor(t) and k != "step"
+    }
+    assert sum(storages.values()) == state_bytes(opt)
+    for k, v in kept.items():
+        assert torch.equal(opt.state[frozen][k], v), k
+
+
 def test_a_joined_state_saves_once_and_resumes_bit_for_bit(tmp_path):
     """torch.save stores the joined tensors once (the file is about the states' bytes,
     not a copy of them per parameter), and a fresh optimizer loading it continues as the

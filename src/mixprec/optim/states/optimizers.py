@@ -120,10 +120,23 @@ class _Planned:
 @dataclasses.dataclass
 class _Joined:
     """A bucket's low-bit moments joined: per moment, the flat codes (as bytes) and the
-    flat scales, and the states' tensors that are their slices."""
+    flat scales; the states' tensors that are their slices, per parameter; and the states
+    and their keys, for `release`."""
 
     flats: list[tuple[torch.Tensor | None, torch.Tensor | None]]
-    slices: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]]  # per parameter
+    slices: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]]
+    states: list[dict[str, Any]]
+    names: list[str]
+
+    def release(self) -> None:
+        """Give each state still holding slices of these tensors copies of its own, so
+        that the joined tensors are freed (a parameter left out of its bucket since, as a
+        frozen one, would otherwise keep its whole bucket's moments alive)."""
+        for state, slices in zip(self.states, self.slices, strict=True):
+            for name, (codes, scales) in zip(self.names, slices, strict=True):
+                for key, joined in ((f"{name}_codes", codes), (f"{name}_scales", scales)):
+                    if joined is not None and state.get(key) is joined:
+                        state[key] = joined.clone()
 
 
 def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
@@ -302,6 +315,9 @@ class LowBitOptimizer(StateCheckpoint):
                         self._run(part[0], total)
                     else:
                         self._run_flat(part, key[4], total, joined)
+        for key, entry in joined.items():  # (the previous step's, not used in this one)
+            if self._flats.get(key) is not entry:
+                entry.release()
         return loss
 
     def _plan(
@@ -518,7 +534,7 @@ class LowBitOptimizer(StateCheckpoint):
                 b.state[f"{names[i]}_codes"], b.state[f"{names[i]}_scales"] = new_codes, new_scales
                 mine.append((new_codes, new_scales))
                 at_code, at_scale = at_code + n, at_scale + m
-        return _Joined(flats, slices)
+        return _Joined(flats, slices, [b.state for b in bucket], names)
 
     def _compiled(self, args: tuple) -> bool:
         """Run the compiled update (True); False, with one warning and eager steps from
