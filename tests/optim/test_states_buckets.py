@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -162,6 +164,54 @@ def test_a_parameter_left_out_of_its_bucket_keeps_no_joined_tensor_alive():
     assert sum(storages.values()) == state_bytes(opt)
     for k, v in kept.items():
         assert torch.equal(opt.state[frozen][k], v), k
+
+
+_EVENTS = st.lists(
+    st.tuples(
+        st.lists(st.booleans(), min_size=6, max_size=6),  # which parameters have a gradient
+        st.sampled_from(["step", "replace", "reload"]),  # and what happens before the step
+    ),
+    min_size=2,
+    max_size=6,
+)
+
+
+@settings(max_examples=30, deadline=None)
+@given(events=_EVENTS, kind=st.sampled_from(["int8", "int4", "fp8"]), sgd=st.booleans())
+def test_joined_states_step_as_states_joined_afresh_every_step(events, kind, sgd):
+    """Differential: an optimizer keeping its joined states across steps, while parameters
+    drop in and out of their bucket (a gradient None), states are replaced by copies and
+    the whole state dict is reloaded between steps, steps as one that joins its states
+    afresh at every step (what the step did before states stayed joined): the same
+    parameters and the same states, bit for bit."""
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if sgd:
+            return LowBitSGD(params, lr=0.1, momentum=0.9, states=kind, min_size=0, compile=False)
+        return LowBitAdamW(params, states=kind, min_size=0, compile=False)
+
+    kept, fresh = _params(6), _params(6)
+    opt, reference = make(kept), make(fresh)
+    for i, (has_grad, event) in enumerate(events):
+        if event == "replace":
+            for state in opt.state.values():
+                for k, v in list(state.items()):
+                    if torch.is_tensor(v) and k.endswith("_codes"):
+                        state[k] = v.clone()
+        elif event == "reload":
+            opt.load_state_dict(opt.state_dict())
+        g = torch.Generator().manual_seed(i)
+        for a, b, on in zip(kept, fresh, has_grad, strict=True):
+            grad = torch.randn(a.shape, generator=g)
+            a.grad, b.grad = (grad, grad.clone()) if on else (None, None)
+        opt.step()
+        reference._flats.clear()  # (joined afresh)
+        reference.step()
+    for a, b in zip(kept, fresh, strict=True):
+        assert torch.equal(a, b)
+        for k, v in opt.state[a].items():
+            if torch.is_tensor(v):
+                assert torch.equal(v, reference.state[b][k]), k
 
 
 def test_a_joined_state_saves_once_and_resumes_bit_for_bit(tmp_path):

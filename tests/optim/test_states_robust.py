@@ -7,6 +7,7 @@ the parameter, sparse gradients, and a low-bit state handed to a torch optimizer
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -480,3 +481,63 @@ def test_a_loss_scale_optimizer_over_torch_refuses_a_low_bit_state_naming_the_wa
     assert not wrapped.optimizer.state
     wrapped.load_state_dict(copy.deepcopy(low.to_float32_state_dict()))
     assert wrapped.optimizer.state[params[0]]["exp_avg"].dtype == torch.float32
+
+
+def _copies_step_alike(make, copy_of) -> None:
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(20, 30)), nn.Parameter(torch.randn(300))]
+    opt = make(params)
+    for seed in range(2):
+        g = torch.Generator().manual_seed(seed)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    twin = copy_of(opt)
+    twins = [p for group in twin.param_groups for p in group["params"]]
+    for seed in range(2, 4):
+        g = torch.Generator().manual_seed(seed)
+        for p, q in zip(params, twins, strict=True):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        twin.step()
+    for p, q in zip(params, twins, strict=True):
+        assert torch.equal(p, q)
+
+
+def _pickled(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    buffer = io.BytesIO()
+    torch.save(opt, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, _pickled], ids=["deepcopy", "pickle"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: LowBitAdamW(ps, states="int8", min_size=500, compile=False, seed=3),
+        lambda ps: LowBitSGD(ps, lr=0.1, momentum=0.9, states="fp8", min_size=0, compile=False),
+    ],
+    ids=["adamw-int8", "sgd-fp8"],
+)
+def test_a_copied_or_pickled_optimizer_steps_as_the_original(make, copy_of):
+    """Its settings live in attributes (formats, min_size, the seed, the compile gate),
+    which torch's pickling of optimizers leaves out: a copy failed at its first step
+    ('no attribute min_size'). Now a deepcopy and a pickled copy step as the original,
+    bit for bit."""
+    _copies_step_alike(make, copy_of)
+
+
+def test_a_state_dict_loads_back_into_its_optimizer_again_and_again():
+    """torch's loader adds 'differentiable' to the optimizer's defaults, and the next load
+    refused every saved group as 'another optimizer class' for lacking it."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(300))]
+    opt = LowBitAdamW(params, states="int8", min_size=0, compile=False)
+    params[0].grad = torch.randn(300)
+    opt.step()
+    for _ in range(3):
+        opt.load_state_dict(opt.state_dict())
+    opt.step()
+    assert int(opt.state[params[0]]["step"]) == 2

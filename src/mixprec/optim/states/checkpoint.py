@@ -111,7 +111,8 @@ class StateCheckpoint(torch.optim.Optimizer):
                 f"{sizes}: it was saved for other parameters or other parameter groups"
             )
         name = type(self).__name__
-        ours = set(self.defaults) - {"states"}
+        # (torch's own loader adds "differentiable" to the defaults: not a saved setting)
+        ours = set(self.defaults) - {"states", "differentiable"}
         for i, group in enumerate(saved):
             missing = sorted(ours - set(group))
             if missing:

@@ -210,6 +210,13 @@ class LowBitOptimizer(StateCheckpoint):
         defaults["states"] = str(fmt)
         super().__init__(params, defaults)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything the optimizer holds. torch's keeps the defaults, the state and the
+        groups only, where its optimizers keep their settings; these keep theirs (formats,
+        ``min_size``, the compile gate, the seed...) in attributes, which a copy or a
+        pickle would otherwise lose, failing at its first step."""
+        return dict(self.__dict__)
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, with the group's ``"states"`` (if any) checked and written canonically."""
         if "states" in param_group:
