@@ -20,7 +20,7 @@ from spawning import WORLD, run_ranks
 from torch import nn
 
 from mixprec import hardware
-from mixprec.activations import wrapped
+from mixprec.activations import install, wrapped
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim.scaling import DynamicLossScaler
@@ -398,6 +398,15 @@ def test_an_activation_option_a_module_cannot_take_is_refused_before_sharding(on
     plain = shard(BlockNet(8), "32-true")
     with pytest.raises(ValueError, match="it carries none: shard it with mixprec.shard"):
         Precision("32-true", activations="fp8").setup(plain, convert=False)
+    # a model carrying options of its own is refused, not wrapped a second time
+    wrapped_first = BlockNet(8)
+    install(
+        wrapped_first,
+        PolicyMap("32-true", activations="checkpoint").activation_choices(wrapped_first),
+    )
+    with pytest.raises(PolicySpecError, match=r"carries activation options already \(\{'': "):
+        shard(wrapped_first, PolicyMap("32-true", activations="checkpoint"))
+    assert wrapped(wrapped_first) == {"": "checkpoint"}
 
 
 @pytest.mark.slow

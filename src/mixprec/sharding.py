@@ -24,8 +24,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from mixprec.activations import check as check_activations
 from mixprec.activations import check_device
 from mixprec.activations import install as install_activations
+from mixprec.activations import wrapped as wrapped_activations
 from mixprec.convert import applied_policy, sharded_units, warn_unmatched
-from mixprec.errors import PrecisionError
+from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import check, device_of
 from mixprec.optim import check_sharded_masters
 from mixprec.optim.scaling import LossScaler
@@ -279,6 +280,13 @@ def shard(
     if pmap.activations is not None:  # (refused before the model changes)
         check_activations(model, pmap.activation_choices(model))
         check_device(pmap.activations.options, device_of(model).type)
+    carried = wrapped_activations(model)
+    if carried:  # (shard would wrap them again: every recomputation done twice)
+        raise PolicySpecError(
+            f"the model carries activation options already ({carried}, put on by "
+            "mixprec.activations.install); shard puts on those of its policy: give it a "
+            "model without them, and the options as the policy map's activations"
+        )
     quantize_for(model, pmap)
     plan = units(model, pmap, wrap)
     _check_ranks_agree(pmap, plan, reduce_dtype, mesh)
