@@ -263,7 +263,9 @@ def _e4m3_cases() -> torch.Tensor:
         torch.randint(-30, 11, (20000,), generator=g).float()
     )
     edges = torch.tensor([0.0, 448.0, 456.0, 464.0, 465.0, 480.0, 1e9, math.inf, math.nan])
-    cases = torch.cat([near, sweep, drawn, edges])
+    tiny = torch.finfo(torch.float32).tiny  # float32's own subnormals, and its largest
+    denormals = torch.tensor([tiny / 2, tiny / 1024, 1e-45, tiny, torch.finfo(torch.float32).max])
+    cases = torch.cat([near, sweep, drawn, edges, denormals])
     return torch.cat([cases, -cases])
 
 
@@ -278,6 +280,10 @@ def test_e4m3_from_bits_is_torchs_conversion_bit_for_bit(compiled):
     expected = y.to(torch.float8_e4m3fn).view(torch.uint8)
     encode = torch.compile(_e4m3) if compiled else _e4m3
     assert torch.equal(encode(y).view(torch.uint8), expected)
+    for few in (y[:0], y[-1:], y[:1]):  # empty and one-element tensors
+        assert torch.equal(
+            _e4m3(few).view(torch.uint8), few.to(torch.float8_e4m3fn).view(torch.uint8)
+        )
     codes = torch.arange(256, dtype=torch.uint8)
     back = codes.view(torch.float8_e4m3fn).float()
     assert torch.equal(_E4M3_VALUES[codes.long()].nan_to_num(7.0), back.nan_to_num(7.0))
