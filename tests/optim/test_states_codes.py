@@ -287,3 +287,28 @@ def test_e4m3_from_bits_is_torchs_conversion_bit_for_bit(compiled):
     codes = torch.arange(256, dtype=torch.uint8)
     back = codes.view(torch.float8_e4m3fn).float()
     assert torch.equal(_E4M3_VALUES[codes.long()].nan_to_num(7.0), back.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_int4_second_moments_decode_as_their_map_reads_every_code(compiled):
+    """The int4 second moment's linear map is read by arithmetic where a table read costs
+    more (not on AVX2 CPUs): every code of both halves of a byte, under scales of either
+    sign, zero and float32's extremes, decodes bit for bit as the map's table says."""
+    from mixprec.optim.states.codecs import SMALLEST_V, pack4, state_codec
+
+    codec = state_codec("int4")
+    table = codec.table(False, torch.device("cpu"))
+    low, high = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    codes = torch.stack([low.reshape(-1), high.reshape(-1)], dim=1).reshape(-1).to(torch.uint8)
+    block = 32  # 512 codes: 16 blocks
+    top = torch.finfo(torch.float32).max
+    scales = torch.tensor(
+        [1.0, -1.0, 0.0, -0.0, 3e-3, -7.5, 2.0**-126, 2.0**-140, 1e30, top, -top, 0.5]
+        + [2.0**k for k in (-3, 5, 17, -60)]
+    )
+    decode = torch.compile(codec.decode) if compiled else codec.decode
+    got = decode(pack4(codes), scales, block, False, table)
+    values = table[codes.long()].view(-1, block)
+    magnitude = scales.abs()[:, None]
+    expected = torch.where(magnitude > 0, (values * magnitude).clamp_min(SMALLEST_V), 0.0)
+    assert torch.equal(got, expected)

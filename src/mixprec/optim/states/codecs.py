@@ -451,7 +451,12 @@ class Int4Codec(StateCodec):
         return pack4(codes.reshape(-1).to(torch.uint8)), absmax
 
     def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
-        values = table[_indices(unpack4(codes)).reshape(-1, block)]
+        if signed or (_AVX2 and codes.device.type == "cpu"):
+            values = table[_indices(unpack4(codes)).reshape(-1, block)]
+        else:  # the linear map's value k/16 of code k - 1 by arithmetic (exact), as a table
+            # read costs the compiled update more than the rest of the moment's decode; not
+            # on AVX2, where the update's loop then runs element by element
+            values = (unpack4(codes).to(torch.float32) + 1.0).reshape(-1, block) * 0.0625
         if signed:
             return values * scales[:, None]
         magnitude = scales.abs()[:, None]
