@@ -85,7 +85,7 @@ class _CountCats(TorchDispatchMode):
 def _stepped(opt: torch.optim.Optimizer, params: list[nn.Parameter], seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for p in params:
-        p.grad = torch.randn(p.shape, generator=g)
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
     opt.step()
 
 
@@ -115,6 +115,29 @@ def test_a_buckets_low_bit_moments_stay_joined_from_step_to_step(make):
     assert all(opt.state[params[i]][k] is t for (i, k), t in before.items())
 
 
+@pytest.mark.parametrize("kind", ["float32", "int8"])
+def test_a_bfloat16_buckets_moments_and_kahan_buffers_stay_joined(kind):
+    """bfloat16 parameters with Kahan buffers: their moments (float32 ones too, shaped as
+    torch keeps them) and buffers are slices of one tensor each after the first step, and
+    later steps concatenate only the parameters and the gradients."""
+    params = _params(8, torch.bfloat16)
+    opt = LowBitAdamW(params, states=kind, min_size=0, compensation="kahan", compile=False)
+    _stepped(opt, params, 0)
+    names = [k for k, v in opt.state[params[0]].items() if torch.is_tensor(v) and k != "step"]
+    assert "compensation" in names
+    before = {(i, k): opt.state[p][k] for i, p in enumerate(params) for k in names}
+    for k in names:
+        assert len({opt.state[p][k].untyped_storage().data_ptr() for p in params}) == 1, k
+    for p in params:
+        assert opt.state[p]["compensation"].shape == p.shape
+        if kind == "float32":
+            assert opt.state[p]["exp_avg"].shape == p.shape
+    with _CountCats() as counter:
+        _stepped(opt, params, 1)
+    assert counter.cats == 2  # (the parameters, the gradients)
+    assert all(opt.state[params[i]][k] is t for (i, k), t in before.items())
+
+
 def test_a_state_replaced_between_steps_is_joined_again_with_the_same_step():
     """A state tensor replaced by another with the same values (as a user's copy, or a
     loader's, would) is what the next step reads and updates: the step equals one
@@ -138,22 +161,32 @@ def test_a_state_replaced_between_steps_is_joined_again_with_the_same_step():
     assert len(storages) == 1
 
 
-def test_a_parameter_left_out_of_its_bucket_keeps_no_joined_tensor_alive():
+@pytest.mark.parametrize(
+    "kind, dtype, compensation",
+    [
+        ("int8", torch.float32, None),
+        ("float32", torch.bfloat16, "kahan"),
+        ("int4", torch.bfloat16, "kahan"),
+    ],
+    ids=["int8", "float32-kahan", "int4-kahan"],
+)
+def test_a_parameter_left_out_of_its_bucket_keeps_no_joined_tensor_alive(kind, dtype, compensation):
     """A parameter frozen after its bucket was joined (its gradient None from then on)
     gets copies of its own states at the next step, so the joined tensors of the old
-    bucket are freed: the states' storages hold the states' bytes and no more; and its
-    states keep their values."""
+    bucket are freed: the states' storages hold the states' bytes and no more (but the
+    Kahan buffers' padding to whole blocks in their bucket, under a block of bfloat16
+    each); and its states keep their values."""
     from mixprec.optim.states import state_bytes
 
-    params = _params(8)
-    opt = LowBitAdamW(params, states="int8", min_size=0, compile=False)
+    params = _params(8, dtype)
+    opt = LowBitAdamW(params, states=kind, min_size=0, compensation=compensation, compile=False)
     _stepped(opt, params, 0)
     frozen = params[5]
     kept = {k: v.clone() for k, v in opt.state[frozen].items() if torch.is_tensor(v)}
     frozen.requires_grad_(False)
     g = torch.Generator().manual_seed(1)
     for p in params:
-        p.grad = None if p is frozen else torch.randn(p.shape, generator=g)
+        p.grad = None if p is frozen else torch.randn(p.shape, generator=g).to(dtype)
     opt.step()
     storages = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -161,7 +194,8 @@ def test_a_parameter_left_out_of_its_bucket_keeps_no_joined_tensor_alive():
         for k, t in state.items()
         if torch.is_tensor(t) and k != "step"
     }
-    assert sum(storages.values()) == state_bytes(opt)
+    padding = 0 if compensation is None or kind == "float32" else len(params) * 256 * 2
+    assert state_bytes(opt) <= sum(storages.values()) <= state_bytes(opt) + padding
     for k, v in kept.items():
         assert torch.equal(opt.state[frozen][k], v), k
 
@@ -176,39 +210,52 @@ _EVENTS = st.lists(
 )
 
 
-@settings(max_examples=30, deadline=None)
-@given(events=_EVENTS, kind=st.sampled_from(["int8", "int4", "fp8"]), sgd=st.booleans())
-def test_joined_states_step_as_states_joined_afresh_every_step(events, kind, sgd):
+@settings(max_examples=40, deadline=None)
+@given(
+    events=_EVENTS,
+    kind=st.sampled_from(["int8", "int4", "fp8", "float32"]),
+    sgd=st.booleans(),
+    kahan=st.booleans(),
+)
+def test_joined_states_step_as_states_joined_afresh_every_step(events, kind, sgd, kahan):
     """Differential: an optimizer keeping its joined states across steps, while parameters
     drop in and out of their bucket (a gradient None), states are replaced by copies and
     the whole state dict is reloaded between steps, steps as one that joins its states
     afresh at every step (what the step did before states stayed joined): the same
-    parameters and the same states, bit for bit."""
+    parameters and the same states, bit for bit. Low-bit moments of float32 parameters,
+    and, of bfloat16 ones with Kahan buffers (padded to whole blocks in their bucket) or
+    without, low-bit or float32 moments."""
+    dtype = torch.bfloat16 if kahan or kind == "float32" else torch.float32
+    compensation = "kahan" if kahan else None
 
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        kw = dict(states=kind, compensation=compensation, compile=False)
+        if kind != "float32":
+            kw["min_size"] = 0
         if sgd:
-            return LowBitSGD(params, lr=0.1, momentum=0.9, states=kind, min_size=0, compile=False)
-        return LowBitAdamW(params, states=kind, min_size=0, compile=False)
+            return LowBitSGD(params, lr=0.1, momentum=0.9, **kw)
+        return LowBitAdamW(params, **kw)
 
-    kept, fresh = _params(6), _params(6)
+    kept, fresh = _params(6, dtype), _params(6, dtype)
     opt, reference = make(kept), make(fresh)
     for i, (has_grad, event) in enumerate(events):
         if event == "replace":
             for state in opt.state.values():
                 for k, v in list(state.items()):
-                    if torch.is_tensor(v) and k.endswith("_codes"):
+                    if torch.is_tensor(v) and k != "step":
                         state[k] = v.clone()
         elif event == "reload":
             opt.load_state_dict(opt.state_dict())
         g = torch.Generator().manual_seed(i)
         for a, b, on in zip(kept, fresh, has_grad, strict=True):
-            grad = torch.randn(a.shape, generator=g)
+            grad = torch.randn(a.shape, generator=g).to(dtype)
             a.grad, b.grad = (grad, grad.clone()) if on else (None, None)
         opt.step()
         reference._flats.clear()  # (joined afresh)
         reference.step()
     for a, b in zip(kept, fresh, strict=True):
         assert torch.equal(a, b)
+        assert opt.state[a].keys() == reference.state[b].keys()
         for k, v in opt.state[a].items():
             if torch.is_tensor(v):
                 assert torch.equal(v, reference.state[b][k]), k

@@ -119,24 +119,55 @@ class _Planned:
 
 @dataclasses.dataclass
 class _Joined:
-    """A bucket's low-bit moments joined: per moment, the flat codes (as bytes) and the
-    flat scales; the states' tensors that are their slices, per parameter; and the states
-    and their keys, for `release`."""
+    """A bucket's per-parameter state joined into flat tensors: per moment, what the update
+    reads (the flat codes as bytes and the flat scales, or a flat float32 moment and None);
+    the Kahan buffers' flat tensor (each parameter's padded to whole blocks as the
+    parameters are), if any; and, per parameter, the tensors put in its state (by key) as
+    slices of those, so that a state replaced since is seen by identity."""
 
     flats: list[tuple[torch.Tensor | None, torch.Tensor | None]]
-    slices: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]]
+    buf: torch.Tensor | None
+    held: list[dict[str, torch.Tensor]]
     states: list[dict[str, Any]]
-    names: list[str]
+
+    def current(self, states: list[dict[str, Any]]) -> bool:
+        """Whether every state of ``states`` (the bucket's parameters' now: a loaded state
+        dict makes new ones) still holds the slices put in it; if so they are the ones
+        `release` acts on from now."""
+        if not all(
+            state.get(key) is t
+            for state, held in zip(states, self.held, strict=True)
+            for key, t in held.items()
+        ):
+            return False
+        self.states = states
+        return True
 
     def release(self) -> None:
         """Give each state still holding slices of these tensors copies of its own, so
         that the joined tensors are freed (a parameter left out of its bucket since, as a
         frozen one, would otherwise keep its whole bucket's moments alive)."""
-        for state, slices in zip(self.states, self.slices, strict=True):
-            for name, (codes, scales) in zip(self.names, slices, strict=True):
-                for key, joined in ((f"{name}_codes", codes), (f"{name}_scales", scales)):
-                    if joined is not None and state.get(key) is joined:
-                        state[key] = joined.clone()
+        for state, held in zip(self.states, self.held, strict=True):
+            for key, t in held.items():
+                if state.get(key) is t:
+                    state[key] = t.clone()
+
+
+def _slices(whole: torch.Tensor, olds: list[torch.Tensor], pads: list[int]) -> list[torch.Tensor]:
+    """The tensors of ``olds``' shapes and dtypes (a complex one from its real pairs) that
+    are the consecutive slices of the flat ``whole`` `buckets.gather` made from them with
+    ``pads``."""
+    out, at = [], 0
+    for old, pad in zip(olds, pads, strict=True):
+        n = old.numel() * (2 if old.is_complex() else 1)
+        piece = whole[at : at + n]
+        out.append(
+            torch.view_as_complex(piece.view(*old.shape, 2))
+            if old.is_complex()
+            else piece.view(old.shape)
+        )
+        at += n + pad
+    return out
 
 
 def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
@@ -457,91 +488,89 @@ class LowBitOptimizer(StateCheckpoint):
         total: int,
         joined: dict[tuple[int, ...], _Joined],
     ) -> None:
-        """Update a bucket of parameters as one flat tensor: each parameter, gradient and
-        Kahan buffer zero-padded to whole blocks and concatenated; one update; copied back.
-        Low-bit moments are kept joined from step to step (`_joined`); float32 moments
-        (of 16-bit parameters) are concatenated and copied back as the parameters are."""
+        """Update a bucket of parameters as one flat tensor: each parameter and gradient
+        zero-padded to whole blocks and concatenated; one update; the parameters copied
+        back. The moments and Kahan buffers are kept joined from step to step (`_joined`)."""
         fmt = bucket[0].fmt
         params = [real_view(b.p).view(-1) for b in bucket]
         pads = [-t.numel() % fmt.block if fmt.quantized else 0 for t in params]  # type: ignore[operator]
         flat = buckets_.gather(params, pads)
         grad = buckets_.gather([real_view(b.p.grad).reshape(-1) for b in bucket], pads)
-        bufs = None
-        if compensation == "kahan":
-            bufs = [local_part(b.state["compensation"]).view(-1) for b in bucket]
-        buf = None if bufs is None else buckets_.gather(bufs, pads)
-        moments: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
-        stored: list[list[torch.Tensor]] = []
-        if fmt.quantized:
-            moments = self._joined(bucket, joined)
-        else:
-            for i in range(len(bucket[0].moments)):
-                parts = [b.moments[i][0] for b in bucket]
-                if parts[0] is None:
-                    moments.append((None, None))
-                    continue
-                moments.append((buckets_.gather(parts, [0] * len(parts)), None))  # type: ignore[arg-type]
-                stored.append(parts)  # type: ignore[arg-type]
+        entry = self._joined(bucket, pads, compensation, joined)
         compiled = self._gate.wants(flat.device, total)
         # the random bits of the bucket's elements, from its first parameter's key on
         key = call_key(self.seed, bucket[0].step, bucket[0].index)
-        self._update(flat, grad, moments, buf, bucket[0], compensation, compiled, key)
+        buf = entry.buf if compensation == "kahan" else None
+        self._update(flat, grad, entry.flats, buf, bucket[0], compensation, compiled, key)
         buckets_.scatter(flat, params, pads)
-        if bufs is not None:
-            buckets_.scatter(buf, bufs, pads)  # type: ignore[arg-type]
-        gathered = [m for m, _ in moments if m is not None] if stored else []
-        for whole, targets in zip(gathered, stored, strict=True):
-            buckets_.scatter(whole, targets, [0] * len(targets))
 
     def _joined(
-        self, bucket: list[_Planned], joined: dict[tuple[int, ...], _Joined]
-    ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-        """The low-bit moments of ``bucket`` as flat (codes, scales) per moment. They are
-        joined on the first step of this set of parameters, or when a state was replaced
-        since (a checkpoint loaded, a format changed), and each parameter's state then
-        holds slices of them: later steps update the states in place, with no copies.
-        ``joined``: the previous step's; the entry used moves on to this step's."""
+        self,
+        bucket: list[_Planned],
+        pads: list[int],
+        compensation: str | None,
+        joined: dict[tuple[int, ...], _Joined],
+    ) -> _Joined:
+        """``bucket``'s moments (and Kahan buffers) as flat tensors. They are joined on the
+        first step of this set of parameters, or when a state was replaced since (a
+        checkpoint loaded, a format changed), and each parameter's state then holds slices
+        of them: later steps update the states in place, with no copies. ``joined``: the
+        previous step's; the entry used moves on to this step's."""
         key = tuple(id(b.p) for b in bucket)
         entry = joined.get(key)
-        if entry is None or any(
-            b.moments[i][j] is not pair[j]
-            for b, slices in zip(bucket, entry.slices, strict=True)
-            for i, pair in enumerate(slices)
-            for j in (0, 1)
+        if (
+            entry is None
+            or (compensation == "kahan") != (entry.buf is not None)
+            or not entry.current([b.state for b in bucket])
         ):
-            entry = self._join(bucket)
+            entry = self._join(bucket, pads, compensation)
         self._flats[key] = entry
-        return [
-            (None, None) if codes is None else (codes.view(first.dtype), scales)  # type: ignore[union-attr]
-            for (codes, scales), (first, _) in zip(entry.flats, entry.slices[0], strict=True)
-        ]
+        return entry
 
-    def _join(self, bucket: list[_Planned]) -> _Joined:
-        """Concatenate ``bucket``'s low-bit moments and point each parameter's state at
-        its slices (so a state dict holds views of one tensor per moment, as
+    def _join(self, bucket: list[_Planned], pads: list[int], compensation: str | None) -> _Joined:
+        """Concatenate ``bucket``'s moments and Kahan buffers and point each parameter's
+        state at its slices (so a state dict holds views of one tensor per moment, as
         `torch.save` stores once and `torch.distributed.checkpoint` copies apart)."""
-        names = [name for name, _ in MOMENTS[self.algorithm]]
-        flats = []
-        slices: list[list[tuple[torch.Tensor | None, torch.Tensor | None]]] = [[] for _ in bucket]
-        for i in range(len(bucket[0].moments)):
-            if bucket[0].moments[i][0] is None:  # (SGD without momentum)
+        fmt = bucket[0].fmt
+        states = [b.state for b in bucket]
+        held: list[dict[str, torch.Tensor]] = [{} for _ in bucket]
+        flats: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+        none = [0] * len(bucket)
+        for name, _ in MOMENTS[self.algorithm]:
+            if fmt.quantized:
+                keys = [f"{name}_codes", f"{name}_scales"]
+            else:
+                keys = [name]
+            if keys[0] not in states[0]:  # (SGD without momentum)
                 flats.append((None, None))
-                for mine in slices:
-                    mine.append((None, None))
                 continue
-            codes = buckets_.gather([_bits(b.moments[i][0]) for b in bucket], [0] * len(bucket))  # type: ignore[arg-type]
-            scales = buckets_.gather([b.moments[i][1] for b in bucket], [0] * len(bucket))  # type: ignore[misc]
-            flats.append((codes, scales))
-            at_code = at_scale = 0
-            for b, mine in zip(bucket, slices, strict=True):
-                old_codes, old_scales = b.moments[i]
-                n, m = old_codes.numel(), old_scales.numel()  # type: ignore[union-attr]
-                new_codes = codes[at_code : at_code + n].view(old_codes.dtype)  # type: ignore[union-attr]
-                new_scales = scales[at_scale : at_scale + m]
-                b.state[f"{names[i]}_codes"], b.state[f"{names[i]}_scales"] = new_codes, new_scales
-                mine.append((new_codes, new_scales))
-                at_code, at_scale = at_code + n, at_scale + m
-        return _Joined(flats, slices, [b.state for b in bucket], names)
+            pair: list[torch.Tensor | None] = []
+            for k in keys:
+                olds = [state[k] for state in states]
+                whole = buckets_.gather(
+                    [_bits(t) if fmt.quantized else real_view(t).reshape(-1) for t in olds], none
+                )
+                if fmt.quantized:
+                    news = [
+                        piece.view(old.dtype)
+                        for piece, old in zip(
+                            whole.split([_bits(t).numel() for t in olds]), olds, strict=True
+                        )
+                    ]
+                    pair.append(whole.view(olds[0].dtype) if k.endswith("_codes") else whole)
+                else:
+                    news = _slices(whole, olds, none)
+                    pair.append(whole)
+                for state, mine, new in zip(states, held, news, strict=True):
+                    state[k] = mine[k] = new
+            flats.append((pair[0], pair[1] if len(pair) > 1 else None))
+        buf = None
+        if compensation == "kahan":
+            olds = [state["compensation"] for state in states]
+            buf = buckets_.gather([t.reshape(-1) for t in olds], pads)
+            for state, mine, new in zip(states, held, _slices(buf, olds, pads), strict=True):
+                state["compensation"] = mine["compensation"] = new
+        return _Joined(flats, buf, held, states)
 
     def _compiled(self, args: tuple) -> bool:
         """Run the compiled update (True); False, with one warning and eager steps from
