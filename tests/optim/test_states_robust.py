@@ -541,3 +541,34 @@ def test_a_state_dict_loads_back_into_its_optimizer_again_and_again():
         opt.load_state_dict(opt.state_dict())
     opt.step()
     assert int(opt.state[params[0]]["step"]) == 2
+
+
+@pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+@pytest.mark.parametrize("fmt", ["int8", "float32"])
+def test_kahan_steps_a_non_contiguous_bfloat16_weight_as_its_contiguous_copy(layout, fmt):
+    """A bfloat16 weight laid out transposed or channels-last (its Kahan buffer made in its
+    layout, as `zeros_like` makes it) steps as the same weight laid out contiguously, bit
+    for bit, weights and buffers; the buffer keeps its layout. (The buffer was read as a
+    flat view, which such a layout has not: the step raised.)"""
+    g = torch.Generator().manual_seed(0)
+    if layout == "transposed":
+        odd = torch.randn(70, 90, generator=g).t()
+    else:
+        odd = torch.randn(8, 6, 5, 5, generator=g).contiguous(memory_format=torch.channels_last)
+    odd = nn.Parameter(odd.to(torch.bfloat16))
+    plain = nn.Parameter(odd.detach().contiguous())
+    assert not odd.is_contiguous()
+    opts = [
+        LowBitAdamW([p], lr=1e-2, states=fmt, min_size=0, compensation="kahan", compile=False)
+        for p in (odd, plain)
+    ]
+    for _ in range(3):
+        grad = torch.randn(odd.shape, generator=g).to(torch.bfloat16)
+        odd.grad, plain.grad = grad.clone(), grad.clone()
+        for opt in opts:
+            opt.step()
+    assert torch.equal(odd, plain)
+    buffers = [opt.state[p]["compensation"] for opt, p in zip(opts, (odd, plain), strict=True)]
+    assert torch.equal(*buffers)
+    assert buffers[0].stride() == odd.stride()
+    assert buffers[0].abs().sum() > 0  # (the buffers hold what rounding lost)

@@ -92,6 +92,12 @@ def _fitted(fmt: StateFormat, p: torch.Tensor) -> StateFormat:
     return fmt if fmt.block <= most else StateFormat(fmt.kind, most)  # type: ignore[operator]
 
 
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements in their logical order as one flat tensor: a view of a contiguous
+    ``t``, else a copy (to be copied back)."""
+    return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t`` viewed as bytes when it holds one-byte floating codes (float8, which
     concatenation and ``_foreach_copy_`` may not take), else ``t``."""
@@ -451,20 +457,23 @@ class LowBitOptimizer(StateCheckpoint):
                 buf[cut:] = pieces[-1][3][: n - cut]  # type: ignore[index]
 
     def _run(self, planned: _Planned, total: int) -> None:
-        """Update one parameter from its flat views (a copy of a non-contiguous one). A
+        """Update one parameter from its flat views (a copy of a non-contiguous one, as a
+        transposed or channels-last weight and its Kahan buffer are, copied back after). A
         complex parameter is stepped as its real pairs, as torch's optimizers step it."""
         p = planned.p
         real = real_view(p)
         compensation = self.compensation if p.dtype in COMPENSATED_DTYPES else None
-        flat = real.view(-1) if real.is_contiguous() else real.contiguous().view(-1)
+        flat = _flat(real)
         grad = real_view(p.grad).reshape(-1)
-        buf = planned.state.get("compensation") if compensation == "kahan" else None
-        buf = None if buf is None else local_part(buf).view(-1)
+        kept = planned.state.get("compensation") if compensation == "kahan" else None
+        kept = None if kept is None else local_part(kept)
+        buf = None if kept is None else _flat(kept)
         compiled = self._gate.wants(real.device, total)
         key = call_key(self.seed, planned.step, planned.index)
         self._update(flat, grad, planned.moments, buf, planned, compensation, compiled, key)
-        if flat.data_ptr() != real.data_ptr():
-            real.copy_(flat.view(real.shape))
+        for whole, flat_view in ((real, flat), (kept, buf)):
+            if whole is not None and flat_view.data_ptr() != whole.data_ptr():  # type: ignore[union-attr]
+                whole.copy_(flat_view.view(whole.shape))  # type: ignore[union-attr]
 
     def _run_foreach(self, bucket: list[_Planned]) -> None:
         """Update float32 parameters with float32 moments by torch's ``_foreach`` ops."""
