@@ -796,3 +796,34 @@ def test_another_optimizer_classs_state_is_refused_at_load_and_torchs_part_moves
     model(x).sum().backward()
     plain.step()
     assert plain.state[model.weight]["step"] == 2
+
+
+def test_the_compensators_build_refused_by_dynamos_limit_falls_back_to_eager(monkeypatch):
+    """The engine's gate is the compensated steps' too: a build dynamo refuses (its limit
+    of builds of one function reached in the process) warns once under compile=None and
+    the step runs eagerly, as compile=False steps, bit for bit."""
+    from mixprec.optim.compensated import Compensator
+    from mixprec.optim.compensated import compensator as compensator_module
+
+    monkeypatch.setattr(compensator_module, "COMPILE_MIN_ELEMENTS", 0)
+    g = torch.Generator().manual_seed(0)
+    weights = [nn.Parameter(torch.randn(300, generator=g).to(torch.bfloat16)) for _ in range(2)]
+    copies = [nn.Parameter(w.detach().clone()) for w in weights]
+    opts = [torch.optim.AdamW(ws, lr=1e-2) for ws in (weights, copies)]
+    auto, eager = (
+        Compensator("kahan", seed=3, compile=None),
+        Compensator("kahan", seed=3, compile=False),
+    )
+    with torch._dynamo.config.patch(recompile_limit=0):
+        for step in range(2):
+            for w, c in zip(weights, copies, strict=True):
+                grad = torch.randn(300, generator=g).to(torch.bfloat16)
+                w.grad, c.grad = grad.clone(), grad.clone()
+            if step == 0:
+                with pytest.warns(UserWarning, match="limit of builds"):
+                    auto.step(opts[0])
+            else:
+                auto.step(opts[0])
+            eager.step(opts[1])
+    for w, c in zip(weights, copies, strict=True):
+        assert torch.equal(w, c)

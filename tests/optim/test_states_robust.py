@@ -572,3 +572,39 @@ def test_kahan_steps_a_non_contiguous_bfloat16_weight_as_its_contiguous_copy(lay
     assert torch.equal(*buffers)
     assert buffers[0].stride() == odd.stride()
     assert buffers[0].abs().sum() > 0  # (the buffers hold what rounding lost)
+
+
+def test_dynamos_build_limit_falls_back_to_eager_under_compile_none(monkeypatch):
+    """Builds of the update accumulate in a process (formats, dtypes, compensations, other
+    optimizers); past dynamo's limit a further one is refused. Under compile=None that
+    step, and every later one, runs eagerly with one warning saying why, as the same
+    optimizer with compile=False steps, bit for bit; under compile=True it raises. (It
+    raised under None too: a default step failing after enough builds elsewhere.)"""
+    from mixprec.optim.states import kernels
+    from mixprec.optim.states import optimizers as optimizers_module
+
+    # a limit of no builds at all: the first call is refused at once, before anything runs
+    refuse = torch._dynamo.config.patch(recompile_limit=0, automatic_dynamic_shapes=False)
+    monkeypatch.setattr(kernels, "_SETTINGS", refuse)
+    monkeypatch.setattr(optimizers_module, "COMPILE_MIN_ELEMENTS", 0)
+    g = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(1000, generator=g)) for _ in range(2)]
+    plain = [nn.Parameter(p.detach().clone()) for p in params]
+    auto = LowBitAdamW(params, min_size=0, compile=None)
+    eager = LowBitAdamW(plain, min_size=0, compile=False)
+    for step in range(2):
+        grads = [torch.randn(1000, generator=g) for _ in params]
+        for p, q, grad in zip(params, plain, grads, strict=True):
+            p.grad, q.grad = grad.clone(), grad.clone()
+        if step == 0:
+            with pytest.warns(UserWarning, match="limit of builds.*runs eagerly"):
+                auto.step()
+        else:
+            auto.step()
+        eager.step()
+    for p, q in zip(params, plain, strict=True):
+        assert torch.equal(p, q)
+    forced = LowBitAdamW([nn.Parameter(torch.randn(1000))], min_size=0, compile=True)
+    forced.param_groups[0]["params"][0].grad = torch.randn(1000)
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        forced.step()

@@ -337,15 +337,19 @@ class CompileGate:
 
     def run(self, call: Callable[..., Any], *args: Any, stacklevel: int = 3) -> tuple[Any, bool]:
         """(``call(*args)``, True), or (None, False) when the build failed under
-        ``compile=None`` (warned once; nothing ran)."""
-        from torch._dynamo.exc import BackendCompilerFailed
+        ``compile=None`` (warned once; nothing ran): the compiler failed, or dynamo
+        refused another build of the function in this process (its recompile limit,
+        reached by many formats, dtypes and optimizers before this one)."""
+        from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 
         try:
             return call(*args), True
-        except BackendCompilerFailed as error:
+        except (BackendCompilerFailed, FailOnRecompileLimitHit) as error:
             if self.compile is not None:
                 raise
             self.failed = str(error).splitlines()[0]
+            if isinstance(error, FailOnRecompileLimitHit):
+                self.failed = "dynamo's limit of builds of one function in a process was reached"
             warnings.warn(
                 f"the {self.what} could not be compiled ({self.failed}); it runs eagerly "
                 f"from now on: the same math, slower. {self.hint}",
