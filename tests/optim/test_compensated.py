@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import types
 import warnings
 
 import pytest
@@ -802,10 +803,18 @@ def test_the_compensators_build_refused_by_dynamos_limit_falls_back_to_eager(mon
     """The engine's gate is the compensated steps' too: a build dynamo refuses (its limit
     of builds of one function reached in the process) warns once under compile=None and
     the step runs eagerly, as compile=False steps, bit for bit."""
-    from mixprec.optim.compensated import Compensator
+    from mixprec.optim.compensated import Compensator, kernels
     from mixprec.optim.compensated import compensator as compensator_module
 
     monkeypatch.setattr(compensator_module, "COMPILE_MIN_ELEMENTS", 0)
+    # a copy of the step with a code object of its own: no build of an earlier test serves it
+    step = kernels.KERNELS["adam", "kahan"]
+    fresh = types.FunctionType(
+        step.__code__.replace(), step.__globals__, step.__name__, step.__defaults__
+    )
+    fresh.__kwdefaults__ = step.__kwdefaults__
+    monkeypatch.setitem(kernels.KERNELS, ("adam", "kahan"), fresh)
+    monkeypatch.setattr(kernels, "_COMPILED", {})
     g = torch.Generator().manual_seed(0)
     weights = [nn.Parameter(torch.randn(300, generator=g).to(torch.bfloat16)) for _ in range(2)]
     copies = [nn.Parameter(w.detach().clone()) for w in weights]

@@ -574,6 +574,14 @@ def test_kahan_steps_a_non_contiguous_bfloat16_weight_as_its_contiguous_copy(lay
     assert buffers[0].abs().sum() > 0  # (the buffers hold what rounding lost)
 
 
+def _fresh(function):
+    """A copy of ``function`` with a code object of its own, which dynamo caches apart."""
+    import types
+
+    code, names = function.__code__.replace(), function.__globals__
+    return types.FunctionType(code, names, function.__name__, function.__defaults__)
+
+
 def test_dynamos_build_limit_falls_back_to_eager_under_compile_none(monkeypatch):
     """Builds of the update accumulate in a process (formats, dtypes, compensations, other
     optimizers); past dynamo's limit a further one is refused. Under compile=None that
@@ -583,9 +591,13 @@ def test_dynamos_build_limit_falls_back_to_eager_under_compile_none(monkeypatch)
     from mixprec.optim.states import kernels
     from mixprec.optim.states import optimizers as optimizers_module
 
-    # a limit of no builds at all: the first call is refused at once, before anything runs
+    # a limit of no builds at all: the first call is refused at once, before anything
+    # runs; of a copy of the update (its own code object: no build of an earlier test
+    # in this process serves it)
     refuse = torch._dynamo.config.patch(recompile_limit=0, automatic_dynamic_shapes=False)
     monkeypatch.setattr(kernels, "_SETTINGS", refuse)
+    monkeypatch.setattr(kernels, "_KERNELS", {"adam": _fresh(kernels.adam_update)})
+    monkeypatch.setattr(kernels, "_COMPILED", {})
     monkeypatch.setattr(optimizers_module, "COMPILE_MIN_ELEMENTS", 0)
     g = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(1000, generator=g)) for _ in range(2)]
