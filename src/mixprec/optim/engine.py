@@ -347,9 +347,11 @@ class CompileGate:
         except (BackendCompilerFailed, FailOnRecompileLimitHit) as error:
             if self.compile is not None:
                 raise
-            self.failed = str(error).splitlines()[0]
-            if isinstance(error, FailOnRecompileLimitHit):
-                self.failed = "dynamo's limit of builds of one function in a process was reached"
+            self.failed = (
+                "dynamo's limit of builds of one function in a process was reached"
+                if isinstance(error, FailOnRecompileLimitHit)
+                else str(error).splitlines()[0]
+            )
             warnings.warn(
                 f"the {self.what} could not be compiled ({self.failed}); it runs eagerly "
                 f"from now on: the same math, slower. {self.hint}",

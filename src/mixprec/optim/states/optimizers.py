@@ -98,6 +98,12 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1) if t.is_contiguous() else t.contiguous().view(-1)
 
 
+def _copy_back(flat: torch.Tensor, t: torch.Tensor) -> None:
+    """Copy ``flat`` (`_flat` of ``t``) into ``t`` unless it is a view of it."""
+    if flat.data_ptr() != t.data_ptr():
+        t.copy_(flat.view(t.shape))
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """``t`` viewed as bytes when it holds one-byte floating codes (float8, which
     concatenation and ``_foreach_copy_`` may not take), else ``t``."""
@@ -160,9 +166,9 @@ class _Joined:
 
 
 def _slices(whole: torch.Tensor, olds: list[torch.Tensor], pads: list[int]) -> list[torch.Tensor]:
-    """The tensors of ``olds``' shapes and dtypes (a complex one from its real pairs) that
-    are the consecutive slices of the flat ``whole`` `buckets.gather` made from them with
-    ``pads``."""
+    """The tensors of ``olds``' shapes and dtypes that are the consecutive slices of the
+    flat ``whole`` `buckets.gather` made from them with ``pads`` (a complex one from its
+    real pairs, float8 codes from their bytes)."""
     out, at = [], 0
     for old, pad in zip(olds, pads, strict=True):
         n = old.numel() * (2 if old.is_complex() else 1)
@@ -170,7 +176,7 @@ def _slices(whole: torch.Tensor, olds: list[torch.Tensor], pads: list[int]) -> l
         out.append(
             torch.view_as_complex(piece.view(*old.shape, 2))
             if old.is_complex()
-            else piece.view(old.shape)
+            else piece.view(old.shape).view(old.dtype)
         )
         at += n + pad
     return out
@@ -471,9 +477,9 @@ class LowBitOptimizer(StateCheckpoint):
         compiled = self._gate.wants(real.device, total)
         key = call_key(self.seed, planned.step, planned.index)
         self._update(flat, grad, planned.moments, buf, planned, compensation, compiled, key)
-        for whole, flat_view in ((real, flat), (kept, buf)):
-            if whole is not None and flat_view.data_ptr() != whole.data_ptr():  # type: ignore[union-attr]
-                whole.copy_(flat_view.view(whole.shape))  # type: ignore[union-attr]
+        _copy_back(flat, real)
+        if kept is not None:
+            _copy_back(buf, kept)  # type: ignore[arg-type]
 
     def _run_foreach(self, bucket: list[_Planned]) -> None:
         """Update float32 parameters with float32 moments by torch's ``_foreach`` ops."""
@@ -556,21 +562,12 @@ class LowBitOptimizer(StateCheckpoint):
             pair: list[torch.Tensor | None] = []
             for k in keys:
                 olds = [state[k] for state in states]
-                whole = buckets_.gather(
-                    [_bits(t) if fmt.quantized else real_view(t).reshape(-1) for t in olds], none
-                )
-                if fmt.quantized:
-                    news = [
-                        piece.view(old.dtype)
-                        for piece, old in zip(
-                            whole.split([_bits(t).numel() for t in olds]), olds, strict=True
-                        )
-                    ]
-                    pair.append(whole.view(olds[0].dtype) if k.endswith("_codes") else whole)
-                else:
-                    news = _slices(whole, olds, none)
-                    pair.append(whole)
-                for state, mine, new in zip(states, held, news, strict=True):
+                # flat codes (as bytes: float8 ones too) and scales; or float32 moments of
+                # the parameters' shapes (a complex one as its real pairs)
+                parts = [_bits(t) if fmt.quantized else real_view(t).reshape(-1) for t in olds]
+                whole = buckets_.gather(parts, none)
+                pair.append(whole.view(olds[0].dtype) if fmt.quantized else whole)
+                for state, mine, new in zip(states, held, _slices(whole, olds, none), strict=True):
                     state[k] = mine[k] = new
             flats.append((pair[0], pair[1] if len(pair) > 1 else None))
         buf = None
