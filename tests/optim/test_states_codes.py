@@ -293,22 +293,32 @@ def test_e4m3_from_bits_is_torchs_conversion_bit_for_bit(compiled):
 def test_int4_second_moments_decode_as_their_map_reads_every_code(compiled):
     """The int4 second moment's linear map is read by arithmetic where a table read costs
     more (not on AVX2 CPUs): every code of both halves of a byte, under scales of either
-    sign, zero and float32's extremes, decodes bit for bit as the map's table says."""
-    from mixprec.optim.states.codecs import SMALLEST_V, pack4, state_codec
+    sign, zero, subnormal, float32's extremes, infinite and NaN, decodes bit for bit as
+    the map's table says; and no blocks decode to none."""
+    from mixprec.optim.engine import can_compile
+    from mixprec.optim.states.codecs import _at_least_tiny, pack4, state_codec
 
+    if compiled and not can_compile("cpu"):
+        pytest.skip("no C++ compiler for torch.compile on this host")
     codec = state_codec("int4")
     table = codec.table(False, torch.device("cpu"))
     low, high = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
     codes = torch.stack([low.reshape(-1), high.reshape(-1)], dim=1).reshape(-1).to(torch.uint8)
-    block = 32  # 512 codes: 16 blocks
     top = torch.finfo(torch.float32).max
+    # scales of either sign, zero, subnormal, float32's extremes, infinite and NaN
     scales = torch.tensor(
         [1.0, -1.0, 0.0, -0.0, 3e-3, -7.5, 2.0**-126, 2.0**-140, 1e30, top, -top, 0.5]
-        + [2.0**k for k in (-3, 5, 17, -60)]
+        + [2.0**k for k in (-3, 5, 17)]
+        + [math.inf, -math.inf, math.nan]
     )
+    block = 32  # the first 16 blocks hold every pair of codes once
+    codes = codes.repeat(2)[: block * scales.numel()]
     decode = torch.compile(codec.decode) if compiled else codec.decode
     got = decode(pack4(codes), scales, block, False, table)
     values = table[codes.long()].view(-1, block)
     magnitude = scales.abs()[:, None]
-    expected = torch.where(magnitude > 0, (values * magnitude).clamp_min(SMALLEST_V), 0.0)
-    assert torch.equal(got, expected)
+    expected = _at_least_tiny(values * magnitude, values, magnitude)
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
+    empty = decode(pack4(codes[:0]), scales[:0], block, False, table)
+    assert empty.shape == (0, block)
