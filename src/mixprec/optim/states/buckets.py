@@ -4,9 +4,10 @@ dispatch cost does not grow with the number of parameters.
 
 Two kinds of bucket:
 
-- float32 moments of float32 parameters: torch's ``_foreach`` ops over the lists of
-  parameters, gradients and moments (no copies), the math of `kernels.adam_update` and
-  `kernels.sgd_update` in a fixed number of calls;
+- float32 moments of float32 parameters: torch's fused Adam, AdamW and SGD kernels over
+  the lists of parameters, gradients and moments on a CPU (one call, no copies), its
+  ``_foreach`` ops elsewhere: the math of `kernels.adam_update` and `kernels.sgd_update` (up
+  to the order of float32 operations) in a fixed number of calls;
 - any other (low-bit moments, 16-bit parameters, Kahan buffers, stochastic rounding): the
   parameters, gradients and buffers copied into one flat tensor each, every parameter
   zero-padded to whole blocks so that its codes and scales, concatenated, line up; one
@@ -64,17 +65,28 @@ def scatter(flat: torch.Tensor, targets: Sequence[torch.Tensor], pads: Sequence[
     torch._foreach_copy_(list(targets), kept)
 
 
-def foreach_adam(
+def fused_adam(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
     hp: Sequence[float],
     decoupled: bool,
 ) -> None:
     """Adam/AdamW on float32 ``params`` with float32 moments, in place; ``hp`` as
-    `kernels.adam_update` takes it, in Python floats."""
+    `kernels.adam_update` takes it, in Python floats; ``steps``: the step counts (this
+    step's). On a CPU by torch's fused kernel, one call for every tensor (its ``_foreach``
+    ops are ten, a dispatch each); elsewhere, where that kernel wants its step counts on the
+    device, by ``_foreach`` ops."""
     lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp
+    if params[0].device.type == "cpu":
+        fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+        fused(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=beta1, beta2=beta2,
+            weight_decay=wd, eps=eps, amsgrad=False, maximize=False,
+        )  # fmt: skip
+        return
     if not decoupled and wd:
         grads = torch._foreach_add(grads, params, alpha=wd)
     torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
@@ -88,7 +100,7 @@ def foreach_adam(
     torch._foreach_addcdiv_(params, exp_avgs, denom, -step_size)
 
 
-def foreach_sgd(
+def fused_sgd(
     params: list[torch.Tensor],
     grads: list[torch.Tensor],
     buffers: list[torch.Tensor] | None,
@@ -96,10 +108,20 @@ def foreach_sgd(
     nesterov: bool,
 ) -> None:
     """SGD on float32 ``params`` with float32 momentum ``buffers`` (None without momentum),
-    in place; ``hp`` as `kernels.sgd_update` takes it, in Python floats."""
-    lr, keep, gain, wd, momentum = hp
+    in place; ``hp``: (lr, momentum, dampening, weight_decay, first: 1.0 at the step that
+    starts the buffers as the gradient, as torch's does). On a CPU by torch's fused kernel;
+    elsewhere by ``_foreach`` ops."""
+    lr, momentum, dampening, wd, first = hp
+    if params[0].device.type == "cpu":
+        torch._fused_sgd_(
+            params, grads, [] if buffers is None else buffers, weight_decay=wd,
+            momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov, maximize=False,
+            is_first_step=bool(first) and buffers is not None,
+        )  # fmt: skip
+        return
     d = torch._foreach_add(grads, params, alpha=wd) if wd else grads
     if buffers is not None:
+        keep, gain = (0.0, 1.0) if first else (momentum, 1 - dampening)
         torch._foreach_mul_(buffers, keep)
         torch._foreach_add_(buffers, d, alpha=gain)
         d = torch._foreach_add(d, buffers, alpha=momentum) if nesterov else buffers

@@ -114,8 +114,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 class _Planned:
     """One parameter's update this step: its state, its format, its moments' flat views
     (codes and scales, or a float32 moment and None), the code tables, the hyperparameters
-    (a float32 tensor for the kernel, the same as floats for ``_foreach`` ops) and the
-    algorithm's flags."""
+    (a float32 tensor for the kernel, and floats for the fused step of float32 moments) and
+    the algorithm's flags."""
 
     p: torch.Tensor
     state: dict[str, Any]
@@ -384,11 +384,18 @@ class LowBitOptimizer(StateCheckpoint):
         raise NotImplementedError(f"{type(self).__name__} defines no update")
 
     def _hyperparameters(
-        self, scalars: dict, key: tuple, values: list[float], device: torch.device
+        self,
+        scalars: dict,
+        key: tuple,
+        values: list[float],
+        device: torch.device,
+        floats: list[float] | None = None,
     ) -> tuple[torch.Tensor, tuple[float, ...]]:
+        """(``values`` as the update's float32 tensor, ``floats`` (``values`` by default)
+        for the fused step), made once per ``key`` in a step."""
         if key not in scalars:
             tensor = torch.tensor(values, dtype=torch.float32, device=device)
-            scalars[key] = (tensor, tuple(values))
+            scalars[key] = (tensor, tuple(values if floats is None else floats))
         return scalars[key]
 
     def _update(
@@ -482,19 +489,21 @@ class LowBitOptimizer(StateCheckpoint):
             _copy_back(buf, kept)  # type: ignore[arg-type]
 
     def _run_foreach(self, bucket: list[_Planned]) -> None:
-        """Update float32 parameters with float32 moments by torch's ``_foreach`` ops."""
+        """Update float32 parameters with float32 moments by torch's fused or ``_foreach``
+        ops (`buckets.fused_adam`, `buckets.fused_sgd`)."""
         params = [real_view(b.p).view(-1) for b in bucket]
         grads = [real_view(b.p.grad).reshape(-1) for b in bucket]
         moments = [[m for m, _ in b.moments] for b in bucket]
         first = bucket[0]
         if self.algorithm == "adam":
             exp_avgs, exp_avg_sqs = ([m[i] for m in moments] for i in (0, 1))
-            buckets_.foreach_adam(
-                params, grads, exp_avgs, exp_avg_sqs, first.values, *first.statics
+            steps = [b.state["step"] for b in bucket]
+            buckets_.fused_adam(
+                params, grads, exp_avgs, exp_avg_sqs, steps, first.values, *first.statics
             )
         else:
             buffers = None if moments[0][0] is None else [m[0] for m in moments]
-            buckets_.foreach_sgd(params, grads, buffers, first.values, *first.statics)
+            buckets_.fused_sgd(params, grads, buffers, first.values, *first.statics)
 
     def _run_flat(
         self,
@@ -773,7 +782,9 @@ class LowBitSGD(LowBitOptimizer):
         keep, gain = (0.0, 1.0) if first else (momentum, 1 - group["dampening"])
         values = [lr, keep, gain, group["weight_decay"], momentum]
         key = (id(group), first, lr, local.device)
-        hp, floats = self._hyperparameters(scalars, key, values, local.device)
+        # (the fused step's floats: lr, momentum, dampening, weight decay, first)
+        floats = [lr, momentum, group["dampening"], group["weight_decay"], float(first)]
+        hp, floats = self._hyperparameters(scalars, key, values, local.device, floats)
         tables: tuple[torch.Tensor, ...] = ()
         if not momentum:
             moment: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
