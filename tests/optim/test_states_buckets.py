@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.optim.states import LowBitAdamW, LowBitSGD
+from mixprec.optim.states import LowBitAdam, LowBitAdamW, LowBitSGD
 
 DATA = Path(__file__).parent / "data"
 
@@ -370,3 +370,81 @@ def test_a_state_saved_by_the_per_parameter_step_loads_and_continues(name):
         torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-5)
     for state in opt.state.values():
         assert int(state["step"]) == 5
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    algorithm=st.sampled_from(["adamw", "adam", "sgd"]),
+    lrs=st.lists(st.sampled_from([1e-3, 3e-2, 0.1]), min_size=3, max_size=3),
+    weight_decay=st.sampled_from([0.0, 1e-2, 0.3]),
+    momentum=st.sampled_from([0.0, 0.9]),
+    nesterov=st.booleans(),
+    dampening=st.sampled_from([0.0, 0.3]),
+    gradients=st.lists(st.lists(st.booleans(), min_size=5, max_size=5), min_size=2, max_size=4),
+    lr_tensor=st.booleans(),
+)
+def test_float32_states_step_as_torchs_fused_optimizers_bit_for_bit(
+    algorithm, lrs, weight_decay, momentum, nesterov, dampening, gradients, lr_tensor
+):
+    """Differential: float32 moments of contiguous float32 parameters on a CPU take torch's
+    fused step, one call for the bucket, whatever the parameters' sizes (one here is past
+    FLAT_MAX): the parameters and the moments end as `torch.optim.AdamW(fused=True)`'s (and
+    Adam's, and SGD's with momentum, dampening and nesterov) bit for bit, over two groups,
+    a learning rate changed between steps (a float or a tensor), gradients missing on
+    some steps and a complex parameter stepped as its real pairs."""
+    nesterov = nesterov and momentum > 0 and dampening == 0
+    if algorithm == "sgd":  # (torch's fused SGD fails on buffers started at different steps)
+        gradients = [[True] * 5, *gradients[1:]]
+    shapes = [(40, 30), (300,), (1 << 17) + 5, (7,), (9, 4)]
+
+    def params(complex_last: bool) -> list[nn.Parameter]:
+        """The parameters; the last complex, or (torch's fused steps take no complex
+        tensor) its real pairs."""
+        torch.manual_seed(0)
+        made = [torch.randn(s) for s in shapes[:4]]
+        last = torch.randn(shapes[4], dtype=torch.complex64)
+        made.append(last if complex_last else torch.view_as_real(last).clone())
+        return [nn.Parameter(t) for t in made]
+
+    def groups(ps: list[nn.Parameter], lr: float) -> list[dict]:
+        return [{"params": ps[:3]}, {"params": ps[3:], "lr": lr / 2}]
+
+    def make(ps: list[nn.Parameter], torchs: bool) -> torch.optim.Optimizer:
+        lr = torch.tensor(lrs[0]) if lr_tensor else lrs[0]
+        if algorithm == "sgd":
+            kw = dict(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                      weight_decay=weight_decay)  # fmt: skip
+            cls = torch.optim.SGD if torchs else LowBitSGD
+        else:
+            kw = dict(lr=lr, weight_decay=weight_decay)
+            cls = {
+                (True, "adamw"): torch.optim.AdamW,
+                (True, "adam"): torch.optim.Adam,
+                (False, "adamw"): LowBitAdamW,
+                (False, "adam"): LowBitAdam,
+            }[torchs, algorithm]
+        if torchs:
+            return cls(groups(ps, lrs[0]), fused=True, **kw)
+        return cls(groups(ps, lrs[0]), states="float32", compile=False, **kw)
+
+    ours, theirs = params(True), params(False)
+    opt, reference = make(ours, False), make(theirs, True)
+    for i, present in enumerate(gradients):
+        lr = lrs[i % len(lrs)]
+        for o in (opt, reference):
+            o.param_groups[0]["lr"] = torch.tensor(lr) if lr_tensor else lr
+        g = torch.Generator().manual_seed(i)
+        for a, b, on in zip(ours, theirs, present, strict=True):
+            grad = torch.randn(a.shape, generator=g, dtype=a.dtype)
+            a.grad, b.grad = (grad, _real(grad).clone()) if on else (None, None)
+        opt.step()
+        reference.step()
+    for a, b in zip(ours, theirs, strict=True):
+        assert torch.equal(_real(a), b)
+        for k, v in reference.state[b].items():
+            if torch.is_tensor(v) and k != "step":
+                assert torch.equal(_real(opt.state[a][k]), v), k
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t

@@ -4,10 +4,12 @@ dispatch cost does not grow with the number of parameters.
 
 Two kinds of bucket:
 
-- float32 moments of float32 parameters: torch's fused Adam, AdamW and SGD kernels over
-  the lists of parameters, gradients and moments on a CPU (one call, no copies), its
-  ``_foreach`` ops elsewhere: the math of `kernels.adam_update` and `kernels.sgd_update` (up
-  to the order of float32 operations) in a fixed number of calls;
+- float32 moments of contiguous float32 parameters: on a CPU torch's fused Adam, AdamW and
+  SGD kernel over the lists of parameters, gradients and moments, whatever their sizes (one
+  call, no copies; the step of ``torch.optim.AdamW(fused=True)`` bit for bit, and faster
+  than a compiled update of our own); elsewhere its ``_foreach`` ops: the math of
+  `kernels.adam_update` and `kernels.sgd_update` (up to the order of float32 operations) in
+  a fixed number of calls;
 - any other (low-bit moments, 16-bit parameters, Kahan buffers, stochastic rounding): the
   parameters, gradients and buffers copied into one flat tensor each, every parameter
   zero-padded to whole blocks so that its codes and scales, concatenated, line up; one
@@ -16,9 +18,9 @@ Two kinds of bucket:
 
 A flat update covers at most `FLAT_MAX` elements (a bucket of more takes several), so
 that the float32 it holds meanwhile (the copies, the moments decoded) stays small (a few
-MB); a parameter larger than that, or alone in its part, is updated in place by its own
-call: copying it would cost more than the call it saves. A step's calls grow with its
-elements over `FLAT_MAX`, not with its number of parameters.
+MB); a parameter larger than that (but in the fused call), or alone in its part, is
+updated in place by its own call: copying it would cost more than the call it saves. A
+step's calls grow with its elements over `FLAT_MAX`, not with its number of parameters.
 """
 
 from __future__ import annotations

@@ -338,27 +338,27 @@ class LowBitOptimizer(StateCheckpoint):
             if real.numel() == 0:
                 continue
             compensation = self.compensation if p.dtype in COMPENSATED_DTYPES else None
-            if (
-                real.numel() > buckets_.FLAT_MAX
-                or not real.is_contiguous()
-                or local_part(p) is not p
-            ):
-                self._run(planned, total)
-                continue
-            grad = real_view(p.grad)
+            own = local_part(p) is not p or not real.is_contiguous()  # (a copy to step)
             way = (
-                "foreach"
+                "fused"
                 if not planned.fmt.quantized
                 and real.dtype == torch.float32
-                and grad.dtype == torch.float32
+                and real_view(p.grad).dtype == torch.float32
                 else "flat"
             )
+            # float32 moments of a float32 parameter step in the fused call on a CPU, where
+            # torch's fused kernel outruns a call of our own at any size; elsewhere, as the
+            # flat updates, a parameter too large to be worth a copy steps on its own
+            alone = real.numel() > buckets_.FLAT_MAX and (way, real.device.type) != ("fused", "cpu")
+            if own or alone:
+                self._run(planned, total)
+                continue
             key = (way, planned.fmt, real.dtype, real.device, compensation, id(planned.hp))
             buckets.setdefault(key + planned.statics, []).append(planned)
         joined, self._flats = getattr(self, "_flats", {}), {}
         for key, bucket in buckets.items():
-            if key[0] == "foreach":
-                self._run_foreach(bucket)
+            if key[0] == "fused":
+                self._run_fused(bucket)
             else:
                 for part in _parts(bucket):
                     if len(part) == 1:  # (alone: in place, no copies to make)
@@ -488,7 +488,7 @@ class LowBitOptimizer(StateCheckpoint):
         if kept is not None:
             _copy_back(buf, kept)  # type: ignore[arg-type]
 
-    def _run_foreach(self, bucket: list[_Planned]) -> None:
+    def _run_fused(self, bucket: list[_Planned]) -> None:
         """Update float32 parameters with float32 moments by torch's fused or ``_foreach``
         ops (`buckets.fused_adam`, `buckets.fused_sgd`)."""
         params = [real_view(b.p).view(-1) for b in bucket]
