@@ -59,6 +59,36 @@ def test_float64_step_is_torchs(name):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("decoupled_first", [True, False])
+def test_groups_whose_decay_scalars_coincide_keep_their_own_decay_form(decoupled_first):
+    """Under maximize, a decoupled decay's scalar (-lr * wd) can equal another group's L2
+    one (wd * -1): small parameters of both were filed under one batched call, and every
+    one of them took the first group's form of decay (off by 2e-2 after one step)."""
+    torch.manual_seed(0)
+    w, g = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    groups = [
+        {"decoupled_weight_decay": True, "weight_decay": 1.0},
+        {"decoupled_weight_decay": False, "weight_decay": 0.01},
+    ]
+    if not decoupled_first:
+        groups.reverse()
+
+    def make() -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+        params = [nn.Parameter(w.clone()) for _ in groups]
+        made = [{"params": [p], **group} for p, group in zip(params, groups, strict=True)]
+        return params, torch.optim.Adam(made, lr=0.01, maximize=True)
+
+    (ours, opt_ours), (theirs, opt_theirs) = make(), make()
+    comp = Compensator("kahan", seed=0, compile=False)
+    for _ in range(3):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad, b.grad = g.clone(), g.clone()
+        comp.step(opt_ours)
+        opt_theirs.step()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_a_parameter_that_skips_steps_gets_its_own_bias_correction(name):
     """One parameter without a gradient for the first 10 steps is 10 steps behind: Adam's

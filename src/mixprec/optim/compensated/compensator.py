@@ -250,7 +250,7 @@ class Compensator:
     ) -> None:
         """File the parameter's ``row`` under a call: alone if large and contiguous (and,
         stepped as bfloat16 pairs, of an even size from an even offset), else with the
-        small ones of the same group, step, device and dtypes."""
+        small ones of the same scalars, decay form, step, device and dtypes."""
         if kind != "kahan":
             row = row[:-1]  # no Kahan buffer
         # a complex tensor steps as its real and imaginary parts, as torch's Adam and SGD
@@ -262,7 +262,8 @@ class Compensator:
         )
         alone = alone and not (pairs and row[0].numel() % 2)
         layout = tuple(None if t is None else t.dtype for t in row)
-        key = (index if alone else None, algorithm, kind, step, tuple(scalars), layout)
+        # (the decay's form too: a decoupled decay's scalar may equal another group's L2 one)
+        key = (index if alone else None, algorithm, kind, step, tuple(scalars), decay, layout)
         key += (str(row[0].device),)
         if key not in calls:
             calls[key] = _Call(algorithm, kind, scalars, step, decay, not alone, pairs)
