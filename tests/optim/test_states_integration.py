@@ -331,7 +331,10 @@ def test_a_checkpoint_resumes_in_another_state_format_announced(tmp_path):
         state = opt.state[model.body[1].weight]
         assert state["format"] == now and state["step"].item() == 8  # three steps more
         assert not torch.equal(model.body[1].weight.detach(), saved)
-        assert {*opt.param_groups[0]} - {"initial_lr"} == fresh  # (the scheduler's key)
+        # (the scheduler's key; a group converted from torch's AdamW keeps its form of decay)
+        keys = {*opt.param_groups[0]} - {"initial_lr", "decoupled_weight_decay"}
+        assert keys == fresh
+        assert opt.param_groups[0].get("decoupled_weight_decay", True) is True
         assert opt.param_groups[0]["states"] == now
 
     back = Trainer(precision="32-true", max_steps=8, default_root_dir=tmp_path / "c", **SILENT)

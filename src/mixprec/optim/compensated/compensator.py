@@ -188,7 +188,8 @@ class Compensator:
         buffer = self._buffer(state, p) if kind == "kahan" else None
         lr, (beta1, beta2) = float(group["lr"]), group["betas"]
         wd = group["weight_decay"]
-        decoupled = decoupled or group.get("decoupled_weight_decay", False)
+        # (a group's own flag, as torch's Adam and AdamW read it; the class's without one)
+        decoupled = bool(group.get("decoupled_weight_decay", decoupled))
         sign = -1.0 if group.get("maximize") else 1.0
         scalars = [
             beta1,

@@ -54,8 +54,10 @@ _REFUSED = {
     "differentiable": "the low-bit step is not differentiable",
 }
 # torch's implementation flags, dropped on conversion (they choose torch's kernels)
-_IMPLEMENTATION = ("foreach", "fused", "decoupled_weight_decay")
+_IMPLEMENTATION = ("foreach", "fused")
 _DROPPED = {*_REFUSED, *_IMPLEMENTATION}
+# a setting the low-bit Adam takes per group only: its class gives the default
+_GROUP_ONLY = ("decoupled_weight_decay",)
 # unmatched rules named, with their hints, in one warning (a generated map may hold many)
 _UNMATCHED_NAMED = 5
 
@@ -259,7 +261,7 @@ def from_optimizer(
     cls = _low_bit_class(optimizer)
     name = type(optimizer).__name__
     groups = [low_bit_settings(g, name) for g in optimizer.param_groups]
-    defaults = {k: v for k, v in optimizer.defaults.items() if k not in _DROPPED}
+    defaults = {k: v for k, v in optimizer.defaults.items() if k not in {*_DROPPED, *_GROUP_ONLY}}
     converted = cls(groups, **{**defaults, "states": states, "formats": formats, **kwargs})
     for group in converted.param_groups:
         for p in group["params"]:

@@ -595,7 +595,9 @@ class LowBitOptimizer(StateCheckpoint):
 
 
 class LowBitAdamW(LowBitOptimizer):
-    """AdamW (decoupled weight decay) with its two moments in a low-bit format.
+    """AdamW (decoupled weight decay) with its two moments in a low-bit format. A group
+    holding torch's ``"decoupled_weight_decay"`` key (as a group converted from torch's
+    Adam or AdamW does) takes its decay's form from it, as torch's optimizers do.
 
     Args:
         params: parameters or parameter groups; a group's ``"states"`` key overrides the
@@ -697,7 +699,10 @@ class LowBitAdamW(LowBitOptimizer):
                 tables += code_tables(fmt, signed, local.device)
             else:
                 moments.append((real_view(state[name]).view(-1), None))
-        return _Planned(p, state, fmt, moments, tables, hp, floats, (self.decoupled,))
+        # (a group's own decoupled_weight_decay, as torch's Adam and AdamW keep it and
+        # from_optimizer carries it over, chooses its decay's form; the class's without one)
+        decoupled = bool(group.get("decoupled_weight_decay", self.decoupled))
+        return _Planned(p, state, fmt, moments, tables, hp, floats, (decoupled,))
 
 
 class LowBitAdam(LowBitAdamW):
