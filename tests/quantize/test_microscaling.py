@@ -323,6 +323,24 @@ def test_nvfp4_zero_tensor_and_non_finite_blocks():
     assert out[:16].isnan().all() and out[16].item() == 10.5
 
 
+def test_nvfp4_tensor_scale_is_one_float32_division():
+    """s_enc = 6 * 448 / amax in one correctly rounded float32 division, as the format
+    defines it (it was the reciprocal of amax times 2688, a float32 ulp off for a quarter of
+    amaxes: a lone 7.0 came back 6.9999995, float32's largest value as -inf)."""
+    gen = torch.Generator().manual_seed(0)
+    amaxes = torch.exp(torch.empty(200).uniform_(-80, 80, generator=gen))
+    for amax in amaxes.tolist():
+        x = torch.zeros(16)
+        x[3] = amax
+        expected = torch.tensor(1.0) / torch.tensor(2688.0 / amax, dtype=torch.float32)
+        assert quantize_nvfp4(x).tensor_scale.item() == expected.item(), amax
+    x = torch.zeros(16)
+    x[0] = 7.0
+    assert fake_quantize(x, MicroscalingConfig("nvfp4"))[0].item() == 7.0
+    x[0] = -torch.finfo(torch.float32).max
+    assert fake_quantize(x, MicroscalingConfig("nvfp4"))[0].item() == x[0].item()
+
+
 @pytest.mark.parametrize(
     "value", [1e-40, 2.0**-149, -3e-39, 1e-38, 1e-37, 0.0, -0.0], ids=lambda v: f"{v:g}"
 )

@@ -442,7 +442,9 @@ def _nvfp4(x: Tensor, two_d: bool, noise: Tensor | None) -> tuple[Tensor, Tensor
     x32 = x.float()
     finite = torch.where(torch.isfinite(x32), x32.abs(), 0.0)
     amax = finite.amax() if finite.numel() else finite.new_zeros(())  # amax() refuses empty
-    s_enc = torch.where(amax > 0, NVFP4_TENSOR_MAX / amax, 1.0)
+    # (a division: a number over a tensor is its reciprocal times the number in torch, two
+    # roundings, a float32 ulp off s_enc for a quarter of amaxes)
+    s_enc = torch.where(amax > 0, torch.full_like(amax, NVFP4_TENSOR_MAX) / amax, 1.0)
     s_enc = s_enc.clamp(max=_FLOAT32_MAX)  # a subnormal amax
     s_dec = 1.0 / s_enc
     blocks = _nv_blocks(x32, two_d)
