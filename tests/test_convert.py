@@ -125,6 +125,36 @@ def test_a_float32_layer_inside_a_true_policy_hands_back_the_parents_dtype(spec)
     assert seen == {"0": low, "1": low, "2": low} and out.dtype == low
 
 
+@pytest.mark.parametrize("mixed", ["bf16-mixed", "16-mixed"])
+def test_float64_layers_beside_mixed_ones_hand_over_through_float32(mixed):
+    """autocast leaves float64 alone: a float64 layer's output reached its mixed
+    neighbour's float32 weights uncast and the forward failed ("mat1 and mat2 must have the
+    same dtype"). Inside a mixed parent a float64 region hands back float32; a mixed region
+    takes float64 inputs as float32; the math is float64 there, autocast's here."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 8)
+    low = Policy(mixed).compute_dtype
+    inner = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    reference = copy.deepcopy(inner)
+    mixprec.apply(inner, PolicyMap(mixed, {"0": "64-true"}))
+    out = inner(x)
+    h = reference[0].double()(x.double()).float()
+    with torch.autocast("cpu", dtype=low):
+        h = reference[1](h)
+    expected = reference[2](h.float())  # (the norm: a float32 island)
+    assert out.dtype == f32
+    torch.testing.assert_close(out, expected.float(), rtol=0, atol=0)
+    out.sum().backward()
+    assert inner[0].weight.grad.dtype == f64 and inner[1].weight.grad.dtype == f32
+    # the other way round: a mixed layer inside a float64 model
+    outer = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    mixprec.apply(outer, PolicyMap("64-true", {"1": mixed, "2": mixed}))
+    out = outer(x)
+    assert out.dtype == f64
+    out.sum().backward()
+    assert outer[0].weight.grad.dtype == f64 and outer[2].weight.grad.dtype == f32
+
+
 def test_islands_keep_norms_in_float32_inside_16_bit_layers():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Softmax(-1))
     mixprec.apply(model, "bf16-mixed")

@@ -74,6 +74,15 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     )
 
 
+def _without_float64(obj: Any) -> Any:
+    """``obj`` with its float64 tensors as float32, for a mixed region: autocast leaves
+    float64 alone, so a float64 neighbour's output would reach float32 weights uncast (an
+    error); every other tensor as it is, autocast's to cast."""
+    if type(obj) is dict and not obj:
+        return obj
+    return map_tensors(lambda t: t.float() if t.dtype == torch.float64 else t, obj)
+
+
 # torch's default dtype is process-wide. A "true" forward that needs another default sets it
 # for its duration under this lock, so forwards of "true" precisions in two threads take turns
 # instead of seeing each other's default. A float32 forward outside any such block takes no
@@ -245,9 +254,13 @@ class _Region:
         # those of a policy that `casts_params` (float16 params computing in bfloat16...)
         self.cast = cast
         # Inside a "true" parent nothing casts between siblings, so a region hands its
-        # result back in the parent's compute dtype; elsewhere in its own output dtype.
+        # result back in the parent's compute dtype; inside a mixed one autocast casts
+        # between them but leaves float64 alone, so a float64 result comes back as float32
+        # (the mixed parent's parameters'); elsewhere in its own output dtype.
         if parent is not None and not parent.is_mixed:
             self.output_dtype = parent.compute_dtype
+        elif parent is not None and policy.output_dtype == torch.float64:
+            self.output_dtype = torch.float32
         else:
             self.output_dtype = policy.output_dtype
         self.original = original
@@ -259,6 +272,16 @@ class _Region:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
+        # a float64 input (a float64 neighbour's output) computes as float32 in a mixed
+        # region; the common case, one plain tensor of another dtype, tested without a call
+        if self.autocast and (
+            kwargs
+            or not args
+            or args[1:]
+            or type(args[0]) is not Tensor
+            or args[0].dtype == torch.float64
+        ):
+            args, kwargs = _without_float64(args), _without_float64(kwargs)
         if self.original is None:
             # the class's function with the module as an argument, never a bound method:
             # torch.compile rebuilds bound methods as `module.forward`, which is this region
