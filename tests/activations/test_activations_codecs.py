@@ -13,7 +13,15 @@ from torch.autograd.graph import saved_tensors_hooks
 
 import mixprec
 from mixprec.activations import codecs, saved_bytes, wrapped
-from mixprec.activations.codecs import FP8, Fp8Saved, Reshaped, ToBfloat16, ToFp8, is_activation
+from mixprec.activations.codecs import (
+    FP8,
+    AsIs,
+    Fp8Saved,
+    Reshaped,
+    ToBfloat16,
+    ToFp8,
+    is_activation,
+)
 from mixprec.memory import measured
 from mixprec.optim.engine import can_compile
 from mixprec.optim.states.formats import dequantize, quantize
@@ -159,7 +167,7 @@ def test_parameters_inputs_and_casts_of_parameters_are_kept_as_they_are():
     x = torch.randn(4, 300)
     for codec in (ToBfloat16(), ToFp8()):
         packs, _ = saved_by(codec, lambda: layer(x).sum())  # noqa: B023
-        assert all(isinstance(p, torch.Tensor) for _, p in packs)  # input and weight as is
+        assert all(isinstance(p, AsIs) for _, p in packs)  # input and weight as is
     with torch.autocast("cpu", torch.bfloat16):
         w = layer.weight.to(torch.bfloat16).t()
     assert not is_activation(w) and not is_activation(layer.weight) and not is_activation(x)
@@ -177,7 +185,7 @@ def test_a_tensor_saved_twice_in_a_forward_is_stored_once_also_as_a_reshaped_vie
         return (q(h) * k(h)).sum()
 
     packs, _ = saved_by(codec, work)
-    stored = [p for _, p in packs if not isinstance(p, torch.Tensor)]
+    stored = [p for _, p in packs if not isinstance(p, AsIs)]
     assert len(stored) == 5  # tanh's h, the Linears' views of it, q(h), k(h)
     views = [p for p in stored if isinstance(p, Reshaped)]
     assert len(views) == 2 and all(v.packed is stored[0] and v.shape == (64, 64) for v in views)
@@ -298,3 +306,46 @@ class Attend(nn.Module):
 
     def forward(self, x):
         return self.mha(x, x, x, need_weights=False)[0].tanh()
+
+
+class _Overwrites(nn.Module):
+    """A small block whose ReLU output (under one fp8 block: kept as it is) the caller may
+    overwrite after the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hidden = torch.relu(self.a(x))
+        return self.b(self.hidden)
+
+
+@pytest.mark.parametrize("option", ["keep", "bf16", "fp8"])
+@pytest.mark.parametrize("write", ["weight", "activation"])
+def test_a_saved_tensor_written_in_place_before_the_backward_raises_as_torch_does(option, write):
+    """torch checks each saved tensor's version counter, but not one its saved-tensor hooks
+    hand back: a weight updated (an optimizer step before the backward) or an activation
+    kept as it is (fp8's under one block) overwritten between the forward and the backward
+    gave gradients of the new values under bf16 and fp8 (the overwritten activation's weight
+    gradient exactly 0), where keep raises. Each raises now, as keep does. A stored copy
+    (bf16's of a float32 activation) holds the forward's values: its gradients are the
+    forward's, as if nothing had been written."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = mixprec.apply(_Overwrites(), mixprec.PolicyMap("32-true", activations=option))
+    reference = copy.deepcopy(model)
+    loss = model(x).pow(2).mean()
+    with torch.no_grad():
+        if write == "weight":
+            model.b.weight.add_(1.0)
+        else:
+            model.hidden.zero_()
+    if (option, write) == ("bf16", "activation"):
+        loss.backward()
+        reference(x).pow(2).mean().backward()
+        assert torch.equal(model.b.weight.grad, reference.b.weight.grad)
+        return
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

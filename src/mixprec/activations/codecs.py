@@ -38,6 +38,7 @@ from mixprec.optim.states.formats import encode as encode_blocks
 
 __all__ = [
     "CHUNK",
+    "AsIs",
     "FP8",
     "GATE",
     "Fp8Saved",
@@ -140,7 +141,7 @@ class Codec:
         storage = t.untyped_storage()
         if not self.stores(t):
             _record(t, storage.nbytes(), storage.data_ptr())
-            return t
+            return AsIs(t, t._version)
         contiguous = t.is_contiguous()
         key = (storage.data_ptr(), t.storage_offset(), t.numel(), t.dtype, t._version)
         seen = self._packed.get(key) if contiguous else None
@@ -157,6 +158,8 @@ class Codec:
         return packed
 
     def unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, AsIs):
+            return packed.read()
         if isinstance(packed, Reshaped):
             return self._read(packed.packed).view(packed.shape)
         return self._read(packed)
@@ -175,6 +178,31 @@ class Codec:
     def _forget(self, ref: weakref.ref[Any]) -> None:
         if self._last is not None and self._last[0] is ref:
             self._last = None
+
+
+@dataclass(frozen=True)
+class AsIs:
+    """A saved tensor kept as it is, with its version counter at the save. torch checks
+    its own saves against in-place writes since, but not a tensor its saved-tensor hooks
+    hand back: read back, it is checked here the same way, so that a weight updated or an
+    input overwritten between the forward and the backward raises as it would under
+    ``keep``, instead of giving gradients of the new values."""
+
+    tensor: Tensor
+    version: int
+
+    def read(self) -> Tensor:
+        now = self.tensor._version
+        if now != self.version:
+            t = self.tensor
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: a saved {t.dtype} tensor of shape {list(t.shape)} is "
+                f"at version {now}; expected version {self.version} instead (as torch checks "
+                f"its own saves: run the backward before updating the weights, or clone a "
+                f"tensor before writing into it)"
+            )
+        return self.tensor
 
 
 @dataclass(frozen=True)
@@ -210,8 +238,6 @@ class ToBfloat16(Codec):
         return (t.to(torch.bfloat16),)
 
     def decode(self, packed: Any) -> Tensor:
-        if isinstance(packed, Tensor):
-            return packed
         return packed[0].to(torch.float32)
 
 
