@@ -61,6 +61,36 @@ def test_recomputed_gradients_equal_kept_ones_bit_for_bit(policy, activations):
         assert torch.equal(a, b)
 
 
+class _CalledTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(torch.relu(self.lin(x)))
+
+
+@pytest.mark.parametrize("policy", ["bf16-mixed", "16-mixed"])
+def test_selective_on_a_layer_called_twice_under_autocast_recomputes(policy):
+    """A layer called twice in a forward (or tied weights) under autocast: its weight was
+    cast once, the second call served from autocast's cache, and the second call's
+    recomputation cast it again, an op its selective record lacked: torch failed the
+    backward ("_to_copy encountered during backward but not found in storage"). Each
+    recomputed call now casts from a fresh cache, as its recomputation does. The weight's
+    two uses are then two casts, their gradients summed in float32 where keep sums them in
+    the 16-bit dtype of its one shared cast: close, not equal."""
+    x = torch.randn(4, 16)
+    grads = []
+    for activations in (None, {"lin": "selective"}):
+        torch.manual_seed(0)
+        precision = Precision(policy, allow_slow=True, activations=activations)
+        model = precision.setup(_CalledTwice())
+        precision.backward(model(x).float().mean() * 1e-2)
+        grads.append([p.grad for p in model.parameters()])
+    for kept, again in zip(*grads, strict=True):
+        torch.testing.assert_close(again, kept, rtol=1e-2, atol=1e-6)
+
+
 def test_checkpointed_blocks_keep_only_their_inputs():
     x = torch.randn(64, 16)
     plain = mixprec.apply(net(), "32-true")

@@ -63,5 +63,18 @@ def recomputed(
 ) -> Any:
     """``forward(*args, **kwargs)`` with its saved tensors dropped and recomputed in the
     backward; `mode` is ``"checkpoint"`` or ``"selective"``."""
+    run = functools.partial(forward, **kwargs)
+    if mode == "selective":
+        run = functools.partial(_with_fresh_cast_cache, run)
     extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
-    return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=False, **extra)
+    return checkpoint(run, *args, use_reentrant=False, **extra)
+
+
+def _with_fresh_cast_cache(run: Callable[..., Any], *args: Any) -> Any:
+    """``run(*args)`` from an empty autocast cache of weight casts: a weight an earlier
+    layer cast (a layer called twice, tied weights) is cast again here, as the recomputation
+    in the backward casts it, so the selective record holds the cast that the recomputation
+    makes (torch fails the backward on a recomputed op missing from it). Within the layer
+    the cache serves as before, in the forward and in the recomputation alike."""
+    torch.clear_autocast_cache()
+    return run(*args)
