@@ -985,3 +985,32 @@ def test_a_budget_takes_any_real_number_as_a_float() -> None:
         Budget(memory=np.bool_(True))
     with pytest.raises(ValueError, match="positive fraction"):
         Budget(speed=np.float32("nan"))
+
+
+@pytest.mark.parametrize(
+    "states", [{"0": "int8", "2": "int8"}, {"0": "int8/block=65536", "2": "int4"}]
+)
+@pytest.mark.parametrize("base", ["bf16-true", "32-true"])
+def test_training_bytes_of_a_plan_with_state_formats_are_what_training_holds(base, states):
+    """The search's count of a plan with optimizer-state formats against a real step: the
+    weights, their gradients and every tensor the low-bit optimizer holds (moments, scales,
+    Kahan buffers), equal. It counted a small 16-bit parameter's moments (a bias under
+    MIN_SIZE, which the optimizer keeps in float32) in its own dtype, under by 4 bytes an
+    element, and a block larger than its parameter as given, where the optimizer cuts it to
+    the parameter (over by 114,520 bytes here)."""
+    from mixprec.optim.states import state_bytes as held
+    from mixprec.plan.measure import _state_formats
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 10))
+    plan = mixprec.PolicyMap(base, states=states)
+    precision = mixprec.Precision(
+        plan, compensation="kahan" if base == "bf16-true" else None, allow_slow=True
+    )
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters()))
+    x = precision.convert_input(torch.randn(4, 64))
+    precision.backward(model(x).float().pow(2).mean())
+    precision.step(opt)
+    weights_and_grads = sum(2 * p.numel() * p.element_size() for p in model.parameters())
+    real = weights_and_grads + held(opt.optimizer)
+    assert state_bytes(model, "training", _state_formats(model, plan)) == real

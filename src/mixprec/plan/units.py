@@ -16,8 +16,11 @@ Bytes are measured on the converted copies, each storage once (a tied weight cou
 its gradient and AdamW's two moments in the parameter's dtype, and for a 16-bit parameter
 the Kahan buffer that ``Precision(compensation="kahan")`` keeps (the way a search's training
 run trains): 16 bytes per float32 weight, 10 per bfloat16 one, int8/int4 weights frozen.
-A parameter given an optimizer-state format (`mixprec.optim.states`) counts its two moments as
-that format stores them (`StateFormat.bytes`: codes and block scales) instead.
+In a plan with optimizer-state formats (`mixprec.optim.states`, whose optimizer then steps
+every parameter) a parameter given one counts its two moments as that format stores them
+(`StateFormat.bytes`: codes and block scales, the block cut to the parameter as the
+optimizer cuts it), and every other parameter float32 moments, which that optimizer keeps
+whatever the parameter's dtype (8 bytes an element).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from torch import nn
 from mixprec.convert import apply
 from mixprec.formats.registry import formats
 from mixprec.hardware import SUPPORTED, DeviceInfo, policy_support
-from mixprec.optim.states import StateFormat
+from mixprec.optim.states import StateFormat, fitted_format
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.policy.map import PolicyMap
 from mixprec.quantize.rules import hugging_face_conv1d, skip_reason
@@ -157,25 +160,39 @@ def state_bytes(
     modules: nn.Module, count: str, formats: dict[int, StateFormat] | None = None
 ) -> int:
     """Bytes of `modules`' parameters and buffers, each storage once; under
-    ``count="training"`` also the gradient, AdamW's moments and (16-bit) Kahan buffer of
-    each trainable parameter (see the module's docstring). ``formats``: the optimizer-state
-    format of some parameters (by ``id``), whose moments count as that format stores them."""
-    seen: dict[int, tuple[int, bool, torch.dtype, StateFormat | None, int]] = {}
+    ``count="training"`` also the gradient, the optimizer's two moments and (16-bit) Kahan
+    buffer of each trainable parameter (see the module's docstring). ``formats``: given (a
+    run with low-bit optimizer states), the state format of some parameters (by ``id``),
+    whose moments count as that format stores them (its block cut to the parameter, as the
+    optimizer cuts it), every other parameter's as float32 moments, which the low-bit
+    optimizer keeps for them whatever their dtype; None: torch's AdamW, moments in each
+    parameter's dtype."""
+    seen: dict[int, tuple[int, torch.Tensor | None]] = {}
     for t in modules.parameters():
         storage = t.untyped_storage()
-        fmt = (formats or {}).get(id(t))
-        seen[storage.data_ptr()] = (storage.nbytes(), t.requires_grad, t.dtype, fmt, t.numel())
+        seen[storage.data_ptr()] = (storage.nbytes(), t if t.requires_grad else None)
     for t in modules.buffers():
         storage = t.untyped_storage()
-        seen.setdefault(storage.data_ptr(), (storage.nbytes(), False, t.dtype, None, 0))
+        seen.setdefault(storage.data_ptr(), (storage.nbytes(), None))
     total = 0
-    for nbytes, trains, dtype, fmt, numel in seen.values():
+    for nbytes, trained in seen.values():
         total += nbytes
-        if count == "training" and trains:
+        if count == "training" and trained is not None:
+            dtype = trained.dtype
             sixteen = dtype.is_floating_point and torch.finfo(dtype).bits == 16
-            moments = 2 * nbytes if fmt is None or not fmt.quantized else 2 * fmt.bytes(numel)
-            total += nbytes * (1 + (1 if sixteen else 0)) + moments
+            total += nbytes * (1 + (1 if sixteen else 0)) + _moment_bytes(trained, nbytes, formats)
     return total
+
+
+def _moment_bytes(p: torch.Tensor, nbytes: int, formats: dict[int, StateFormat] | None) -> int:
+    """Bytes of the two moments the optimizer keeps for ``p`` (``nbytes`` of storage)."""
+    if formats is None:
+        return 2 * nbytes
+    fmt = formats.get(id(p))
+    real = p.numel() * (2 if p.is_complex() else 1)
+    if fmt is None or not fmt.quantized:
+        return 2 * 4 * real
+    return 2 * fitted_format(fmt, p).bytes(real)
 
 
 def describe_bytes(n: float) -> str:

@@ -52,6 +52,7 @@ from mixprec.optim.states.optimizers import (
     LowBitAdamW,
     LowBitOptimizer,
     LowBitSGD,
+    fitted_format,
     state_bytes,
 )
 
@@ -72,6 +73,7 @@ __all__ = [
     "code_map",
     "dequantize",
     "explain_formats",
+    "fitted_format",
     "format_groups",
     "from_model",
     "from_optimizer",

@@ -62,6 +62,7 @@ __all__ = [
     "LowBitAdamW",
     "LowBitOptimizer",
     "LowBitSGD",
+    "fitted_format",
     "state_bytes",
 ]
 
@@ -82,9 +83,10 @@ COMPILE_MIN_ELEMENTS = 1 << 16
 _FLOAT32 = StateFormat("float32")
 
 
-def _fitted(fmt: StateFormat, p: torch.Tensor) -> StateFormat:
-    """``fmt`` with a block no larger than ``p``'s elements rounded up to the kind's default
-    block: a block past the parameter would only store padding."""
+def fitted_format(fmt: StateFormat, p: torch.Tensor) -> StateFormat:
+    """The format ``p``'s moments take in ``fmt``: its block no larger than ``p``'s elements
+    rounded up to the kind's default block (a block past the parameter would only store
+    padding)."""
     if not fmt.quantized:
         return fmt
     default = fmt.codec.default_block
@@ -277,7 +279,7 @@ class LowBitOptimizer(StateCheckpoint):
         # (a DTensor's whole size: every rank of a sharded parameter takes the same format)
         if p.numel() < self.min_size or (self.keep_float32 and self.keep_float32(p)):
             return _FLOAT32
-        return _fitted(self.formats.get(p) or parse_state_format(group["states"]), p)
+        return fitted_format(self.formats.get(p) or parse_state_format(group["states"]), p)
 
     def _prepared(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
         """``p``'s state ready for a step: made on its first, converted when its format is
