@@ -510,21 +510,29 @@ class Precision:
 
     # -- code outside the model -------------------------------------------------------------
 
-    def autocast(self) -> AbstractContextManager[Any]:
+    def autocast(self, *, cache_enabled: bool = True) -> AbstractContextManager[Any]:
         """A context running code outside the model (a loss, a metric) in the compute dtype
-        of a mixed policy; does nothing for a "true" policy."""
+        of a mixed policy; does nothing for a "true" policy. ``cache_enabled=False`` drops
+        autocast's cache of weight casts, for a context that an optimizer step runs inside
+        (the cached copies would serve the old weights to a later forward)."""
         policy = self.policy.default
         device = self.device or default_device()
-        return torch.autocast(device.type, dtype=policy.compute_dtype, enabled=policy.is_mixed)
+        return torch.autocast(
+            device.type,
+            dtype=policy.compute_dtype,
+            enabled=policy.is_mixed,
+            cache_enabled=cache_enabled,
+        )
 
-    def forward_context(self) -> AbstractContextManager[Any]:
+    def forward_context(self, *, cache_enabled: bool = True) -> AbstractContextManager[Any]:
         """The context a forward and its loss run in: ``autocast`` for a mixed policy (the
-        very ``torch.autocast`` object, nothing around it); for a "true" policy torch's
-        default dtype set to the compute dtype (restored on exit), so tensors created without
-        a dtype (``torch.ones(n, 3)``) match the weights."""
+        very ``torch.autocast`` object, nothing around it; ``cache_enabled`` as `autocast`
+        takes it); for a "true" policy torch's default dtype set to the compute dtype
+        (restored on exit), so tensors created without a dtype (``torch.ones(n, 3)``) match
+        the weights."""
         policy = self.policy.default
         if policy.is_mixed:
-            return self.autocast()
+            return self.autocast(cache_enabled=cache_enabled)
         if needs_default_dtype(policy.compute_dtype):
             return default_dtype(policy.compute_dtype)
         return contextlib.nullcontext()

@@ -4,6 +4,7 @@ FSDP2 too), a PolicyMap's ``states`` rules (policy files, `explain`)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,29 @@ def test_a_scheduler_built_before_setup_drives_the_converted_optimizer() -> None
     # the torch optimizer's own step would train float32 moments nothing reads
     with pytest.raises(RuntimeError, match=r"AdamW was converted into LowBitAdamW.*int8"):
         adamw.step()
+
+
+def test_the_converted_optimizer_follows_its_scheduler_after_the_torch_one_is_loaded() -> None:
+    """A caller restoring the torch optimizer it holds (Lightning on resume) gave it groups
+    of its own: its scheduler then set those, and the low-bit optimizer that steps kept the
+    learning rate of the resume for the rest of the run. The loaded groups' settings go to
+    the converted optimizer's groups, which the torch one holds again."""
+    model = StatesNet()
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5)
+    precision = Precision("32-true", optimizer_states="int8")
+    model, opt = precision.setup(model, adamw)
+    batches = list(loader())[:3]
+    _step(precision, model, opt, batches[0])
+    sched.step()
+    saved = copy.deepcopy(adamw.state_dict())
+    saved["param_groups"][0]["lr"] = 3e-3  # (what a checkpoint of that moment held)
+    adamw.load_state_dict(saved)
+    assert adamw.param_groups is opt.param_groups and opt.param_groups[0]["lr"] == 3e-3
+    for batch in batches[1:]:
+        _step(precision, model, opt, batch)
+        sched.step()
+    assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0] == 3e-3 * 0.5**2
 
 
 def test_a_low_bit_optimizer_of_another_format_is_refused_as_a_maps_is() -> None:

@@ -13,12 +13,14 @@ The plugin is ``mixprec.Precision`` at each point Lightning hands it (docs/light
 ``convert_module`` checks the policy on the strategy's device, raising rather than switching
 precision as Lightning does (``16-mixed`` to ``bf16-mixed`` on CPU), and converts the module
 before any DDP wrapping; ``connect`` wraps each optimizer in a ``LossScaleOptimizer`` sharing
-the plugin's scaler and each LR scheduler in a ``SkipAwareScheduler`` (Lightning steps its
-schedulers whether or not the optimizer stepped); ``backward`` runs in
+the plugin's scaler and each step-interval LR scheduler in a ``SkipAwareScheduler`` (Lightning
+steps its schedulers whether or not the optimizer stepped; an epoch's step follows the
+epoch, whatever its last batch did); ``backward`` runs in
 ``Precision.backward_context``, the backward of every mixprec loop; ``optimizer_step`` runs
 the closure and ``Precision.before_step``, unscales, runs Lightning's hooks and clipping on
 the unscaled gradients, then steps or skips; ``state_dict`` holds the scaler and each
-optimizer's masters and compensation state, so a resumed run continues bit for bit. Each
+optimizer's masters and compensation state (and a low-bit optimizer's own state, which
+Lightning does not hold), so a resumed run continues bit for bit. Each
 method's docstring says the rest.
 
 Lightning is an optional dependency (the ``lightning`` extra: ``pip install
@@ -178,7 +180,8 @@ class MixprecPrecision(LightningPrecision):
         if isinstance(scheduler, SkipAwareScheduler):
             scheduler = scheduler.scheduler
         lso = self._wrappers.get(getattr(scheduler, "optimizer", None))  # type: ignore[arg-type]
-        if lso is None or not isinstance(config, LRSchedulerConfig):
+        # (an epoch's scheduler step follows the epoch's steps, not its last one: it stays)
+        if lso is None or not isinstance(config, LRSchedulerConfig) or config.interval != "step":
             return config
         return dataclasses.replace(config, scheduler=SkipAwareScheduler(scheduler, lso))
 
@@ -198,8 +201,10 @@ class MixprecPrecision(LightningPrecision):
     def forward_context(self) -> AbstractContextManager[Any]:
         """mixprec's forward context: autocast for mixed policies, the compute dtype as
         torch's default for "true" ones. Lightning's train/val/test/predict step contexts
-        all enter it."""
-        return self.mixprec.forward_context()
+        all enter it. Its autocast keeps no cache of weight casts, as Lightning's own
+        plugin's: under manual optimization the optimizer steps inside it, and a forward
+        after the step would read the cached casts of the old weights."""
+        return self.mixprec.forward_context(cache_enabled=False)
 
     def module_init_context(self) -> AbstractContextManager[Any]:
         """Parameters created inside get the policy's param dtype (``Trainer.init_module``)."""
@@ -273,17 +278,19 @@ class MixprecPrecision(LightningPrecision):
 
     def state_dict(self) -> dict[str, Any]:
         """The policy, the scaler, and per optimizer its float32 masters and compensation
-        state (everything but the wrapped optimizer's state, which Lightning saves)."""
+        state; and the state of the optimizer that steps where it is not the one Lightning
+        holds and saves (a low-bit optimizer converted from it, ``optimizer_states=``)."""
         optimizers = []
-        for lso in self._wrappers.values():
+        for given, lso in self._wrappers.items():
             state = lso.state_dict()
-            del state["optimizer"]
+            if lso.optimizer is given:  # (Lightning saves it)
+                del state["optimizer"]
             optimizers.append(state)
         return {"precision": self.mixprec.state_dict(), "optimizers": optimizers}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore the scaler and each optimizer's masters; Lightning restores the wrapped
-        optimizers' own state afterwards."""
+        """Restore the scaler, each optimizer's masters and a converted optimizer's state;
+        Lightning restores the optimizers it holds afterwards."""
         if not isinstance(state_dict, Mapping) or not {"precision", "optimizers"} <= set(
             state_dict
         ):
@@ -312,7 +319,8 @@ class MixprecPrecision(LightningPrecision):
             )
         self.mixprec.load_state_dict(state_dict["precision"])
         for lso, state in zip(self._wrappers.values(), saved, strict=False):
-            lso.load_state_dict({**state, "optimizer": lso.optimizer.state_dict()})
+            # (a converted optimizer's own state, saved here; else Lightning restores it)
+            lso.load_state_dict({"optimizer": lso.optimizer.state_dict(), **state})
 
     def __repr__(self) -> str:
         return f"MixprecPrecision({self.mixprec!r})"

@@ -126,9 +126,10 @@ def check_kept_formats(
 def hand_over(old: torch.optim.Optimizer, new: LowBitOptimizer) -> None:
     """Make the torch optimizer ``old``, converted into ``new``, stand for it where a caller
     still holds it: its parameter groups become ``new``'s (one to one), so a learning-rate
-    scheduler built on ``old`` sets ``new``'s learning rates; its own step raises (it would
-    train float32 moments that nothing uses); and ``new``'s steps count as ``old``'s for
-    torch's check that a scheduler steps after its optimizer."""
+    scheduler built on ``old`` sets ``new``'s learning rates, also after a state dict is
+    loaded into ``old`` (its groups' settings go to ``new``'s); its own step raises (it
+    would train float32 moments that nothing uses); and ``new``'s steps count as ``old``'s
+    for torch's check that a scheduler steps after its optimizer."""
     name = type(old).__name__
 
     def stale_step(*args: Any, **kwargs: Any) -> Any:
@@ -142,6 +143,20 @@ def hand_over(old: torch.optim.Optimizer, new: LowBitOptimizer) -> None:
     stale_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     old.step = stale_step  # type: ignore[method-assign]
     old.param_groups = new.param_groups
+    load = old.load_state_dict
+
+    @functools.wraps(load)
+    def relinked(state_dict: Any) -> None:
+        # torch's load gives ``old`` groups of its own (a caller restoring the optimizer it
+        # holds, as Lightning does on resume), which a scheduler would then set alone: their
+        # settings go to ``new``'s groups, which ``old`` holds again (its empty state stays
+        # its own; ``new``'s state is restored by whoever saved it)
+        load(state_dict)
+        for mine, loaded in zip(new.param_groups, old.param_groups, strict=True):
+            mine.update({k: loaded[k] for k in mine if k != "params" and k in loaded})
+        old.param_groups = new.param_groups
+
+    old.load_state_dict = relinked  # type: ignore[method-assign]
     step = new.step
 
     @functools.wraps(step)
