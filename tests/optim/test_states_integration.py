@@ -149,11 +149,12 @@ def test_a_scheduler_built_before_setup_drives_the_converted_optimizer() -> None
         adamw.step()
 
 
-def test_the_converted_optimizer_follows_its_scheduler_after_the_torch_one_is_loaded() -> None:
-    """A caller restoring the torch optimizer it holds (Lightning on resume) gave it groups
-    of its own: its scheduler then set those, and the low-bit optimizer that steps kept the
-    learning rate of the resume for the rest of the run. The loaded groups' settings go to
-    the converted optimizer's groups, which the torch one holds again."""
+def test_the_converted_optimizer_follows_its_scheduler_after_either_is_loaded() -> None:
+    """A caller restoring the torch optimizer it holds (Lightning on resume), or the
+    converted one (Hugging Face's and Accelerate's resumes, through the LossScaleOptimizer),
+    gave that optimizer groups of its own: the scheduler built on the torch one then set
+    groups the stepping one does not read, which kept the resume's learning rate for the
+    rest of the run. Loaded settings now go into the groups both hold."""
     model = StatesNet()
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5)
@@ -170,6 +171,12 @@ def test_the_converted_optimizer_follows_its_scheduler_after_the_torch_one_is_lo
         _step(precision, model, opt, batch)
         sched.step()
     assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0] == 3e-3 * 0.5**2
+    # and a load into the optimizer that steps (a Hugging Face or Accelerate resume): torch's
+    # loader gave it groups of its own, and the scheduler on the torch one set nothing used
+    opt.load_state_dict(opt.state_dict())
+    assert adamw.param_groups is opt.param_groups
+    sched.step()
+    assert opt.param_groups[0]["lr"] == sched.get_last_lr()[0] == 3e-3 * 0.5**3
 
 
 def test_a_low_bit_optimizer_of_another_format_is_refused_as_a_maps_is() -> None:

@@ -83,7 +83,15 @@ class StateCheckpoint(torch.optim.Optimizer):
             {**g, "states": ours["states"]}
             for g, ours in zip(saved["param_groups"], self.param_groups, strict=True)
         ]
+        # the loaded settings go into the groups this optimizer has (torch's loader makes new
+        # ones), so that whoever holds them goes on seeing them: the torch optimizer it was
+        # converted from, whose scheduler sets their learning rates (`conversion.hand_over`)
+        groups = self.param_groups
         super().load_state_dict(saved)
+        for mine, loaded in zip(groups, self.param_groups, strict=True):
+            mine.clear()
+            mine.update(loaded)
+        self.param_groups = groups
         for p, key in zip(params, index, strict=True):
             entry = saved["state"].get(key)
             if entry is None:
