@@ -169,6 +169,29 @@ def test_branch_gradients_underflow_without_loss_scaling():
     assert scaled.findings == [] and scaled.params["aux.weight"].underflow < 0.05
 
 
+class _Amplify(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() * 1e9
+
+
+def test_an_output_flushed_whole_is_broken_not_at_risk():
+    """A layer whose whole output flushes to zero keeps no signal (SQNR 0 dB): the range rule
+    came first and capped it at "at risk", where a layer under 6 dB is broken (docs), so a
+    fix could leave it as it was and pass its re-check."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), _Amplify(), nn.Linear(32, 4)
+    )
+    with torch.no_grad():
+        model[2].weight.mul_(1e-9)
+        model[2].bias.mul_(1e-9)
+    batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    tiny = d.modules["2"]
+    assert tiny.verdict == BROKEN and tiny.rel_error >= 0.5
+    assert "smallest normal" in tiny.reason and "little signal" in tiny.reason
+
+
 class Shift(nn.Module):
     """(x + offset) - offset: float16 spacing at 2048 is 2 (at 512, 0.5), so unit-sized
     values lose most (some) of their precision."""

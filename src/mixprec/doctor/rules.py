@@ -206,9 +206,11 @@ def output_near_max(m: ModuleReport, run: RunFacts) -> Finding | None:
 def outputs_underflow(m: ModuleReport, run: RunFacts) -> Finding | None:
     """At least `UNDERFLOW_AT_RISK` (half) of a low-precision output's nonzero values are
     below its dtype's smallest normal, where they keep fewer bits or flush to zero: a few
-    such values are harmless, most of an output is a range problem. At risk; a wider range
-    fixes it. Not blamed when its low-precision inputs underflow as much (the problem
-    starts upstream)."""
+    such values are harmless, most of an output is a range problem. At risk; broken where
+    the output's error grows here to `ERROR_BROKEN` (SQNR 6 dB or less, as `error_grows`
+    breaks on: an output flushed whole carries no signal); a wider range fixes it. Not
+    blamed when its low-precision inputs underflow as much (the problem starts
+    upstream)."""
     if not (
         _low(m)
         and m.underflow >= UNDERFLOW_AT_RISK
@@ -220,6 +222,16 @@ def outputs_underflow(m: ModuleReport, run: RunFacts) -> Finding | None:
         f"{m.underflow:.0%} of its nonzero outputs fall below {info.name}'s smallest "
         f"normal {info.smallest_normal:.2g} (smallest {_fmt(m.amin)})"
     )
+    if (
+        math.isfinite(m.rel_error)
+        and m.rel_error >= ERROR_BROKEN
+        and m.rel_error > ERROR_GROWTH * m.input_rel_error
+    ):
+        reason += (
+            f"; its error against the reference grows to {m.rel_error:.2g} here "
+            f"(SQNR {m.sqnr_db:.1f} dB): it carries little signal"
+        )
+        return Finding(BROKEN, FindingKind.RANGE, reason)
     return Finding(AT_RISK, FindingKind.RANGE, reason)
 
 
