@@ -684,3 +684,36 @@ def test_the_default_thread_count_leaves_cores_other_work_keeps_busy(monkeypatch
     assert asked.options.threads == 2 and asked.threads_note is None
     if cores >= 2:  # two free cores: torch's default
         assert quiet.options.threads == 2 and quiet.threads_note is None
+
+
+@pytest.mark.parametrize(
+    ("start", "fits_below", "probed", "found"),
+    [
+        (70000, 10**9, [70000], (70000, None, True)),  # a start above the cap is probed
+        (70000, 70000, [70000, 35000], (69999, 70000, False)),  # then bisected
+        (3, 10**9, [3, 6, 12, 24, 48, 96, 192, 384, 768, 1536, 3072, 6144, 12288, 24576,
+                    49152, 65536], (65536, None, True)),  # the cap itself is probed
+    ],
+)
+def test_the_max_batch_search_probes_its_start_and_its_cap(
+    monkeypatch, start, fits_below, probed, found
+):
+    # before: a smallest batch size above the cap probed nothing and printed ">= 0", and a
+    # start that is no power of two stopped doubling at up to half the cap
+    from types import SimpleNamespace
+
+    from mixprec.bench import suite
+    from mixprec.bench.runner import OOM
+
+    calls = []
+
+    def probe(plan, name, batch, workdir, activations):
+        calls.append(batch)
+        status = OK if batch < fits_below else OOM
+        return SimpleNamespace(status=status, error=None, mixprec=SimpleNamespace(peak_memory=1))
+
+    monkeypatch.setattr(suite, "_probe", probe)
+    plan = SimpleNamespace(options=SimpleNamespace(batch_sizes=[start]))
+    result = suite.search_max_batch(plan, "bf16-mixed", None)
+    assert calls[: len(probed)] == probed
+    assert (result["max_batch"], result["first_oom"], result["capped"]) == found

@@ -4,6 +4,7 @@ stream's verdict, or an explicit "too noisy" that says why."""
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from mixprec.bench.verdict import (
 FP32_MS, BF16_MS = 100.0, 22.0  # the true step times: bf16 4.55x as fast
 TRUE_SPEEDUP = FP32_MS / BF16_MS
 KEYS = ("32-true", "bf16-mixed")
+PEAKS = {"32-true": 100, "bf16-mixed": 60}
 
 
 class Machine:
@@ -79,7 +81,7 @@ def _report(times: dict[str, list[float]], threads: int = 2, load: float = 0.0) 
     rows = [
         Row(
             Config(key, key, 16, None, key != "32-true"),
-            RunResult(OK, LoopResult(step_ms=times[key], peak_memory=100), paired=True),
+            RunResult(OK, LoopResult(step_ms=times[key], peak_memory=PEAKS[key]), paired=True),
         )
         for key in KEYS
     ]
@@ -166,7 +168,7 @@ def test_a_swamped_stream_is_too_noisy_to_conclude_and_says_why():
             assert advice in sentence
         else:  # at one thread already: no advice to use fewer
             assert "--threads" not in sentence and "rerun on a quieter machine." in sentence
-        assert "It uses 0% less peak memory than float32" in sentence
+        assert "It uses 40% less peak memory than float32" in sentence
 
 
 def test_too_few_rounds_withhold_the_verdict():
@@ -239,7 +241,7 @@ def test_a_finding_comes_from_the_batch_sizes_that_allow_one_and_names_the_noisy
     rows = [
         Row(
             Config(key, key, batch, None, key != "32-true"),
-            RunResult(OK, LoopResult(step_ms=times[key], peak_memory=100), paired=True),
+            RunResult(OK, LoopResult(step_ms=times[key], peak_memory=PEAKS[key]), paired=True),
         )
         for batch, times in ((8, calm), (32, noisy))
         for key in KEYS
@@ -259,3 +261,63 @@ def test_a_finding_comes_from_the_batch_sizes_that_allow_one_and_names_the_noisy
     # every batch size noisy: no finding at all, as before
     both = BenchReport(meta, [Row(r.config, r.result) for r in rows if r.config.batch_size == 32])
     assert conclusion(both, summarize(both)).startswith("Too noisy to conclude")
+
+
+def test_a_budget_adds_rounds_until_an_interval_can_hold_the_median_with_confidence():
+    # before: three quiet rounds made a "narrow" min-max interval (75% confidence), the
+    # rounds stopped there with the budget almost unused, and the verdict was withheld as
+    # too few rounds
+    rounds = Machine(quiet).rounds(RoundPolicy(min_rounds=3, budget_s=30.0))
+    assert rounds.stop == NARROW and len(rounds.times["bf16-mixed"]) == MIN_ROUNDS
+    assert speed_verdict([ratio_interval(*rounds.times.values())]).kind == FASTER
+
+
+def _with_interval(low: float, median: float, high: float) -> tuple[BenchReport, list]:
+    report = _report({key: [FP32_MS] * 10 for key in KEYS})
+    summaries = summarize(report)
+    mixed = summaries[1]
+    mixed.speedup, mixed.speedup_low, mixed.speedup_high = median, low, high
+    return report, summaries
+
+
+@pytest.mark.parametrize(
+    ("low", "median", "high", "than"),
+    [
+        (0.99, 1.40, 1.45, "about what it pays here."),  # (1.1 inside: not "more")
+        (1.02, 1.40, 1.50, "about what it pays here."),
+        (1.15, 1.40, 1.50, "so mixed precision pays more here than it did there."),
+        (1.01, 1.04, 1.08, "so here it pays less than there."),
+        (0.80, 0.85, 0.90, "train in float32 unless memory is what you need."),
+    ],
+)
+def test_the_sentence_compares_with_the_seed_experiment_only_what_its_interval_carries(
+    low, median, high, than
+):
+    # before: the median alone decided, so an interval holding the seed's 1.1x still read
+    # "pays more here than it did there"
+    sentence = conclusion(*_with_interval(low, median, high))
+    assert sentence.endswith(than), sentence
+
+
+def test_an_interval_just_above_one_is_printed_so_that_it_does_not_read_as_reaching_it():
+    sentence = conclusion(*_with_interval(1.02, 1.40, 1.10 * 1.02))
+    assert "trains the cnn model 1.4x as fast" in sentence
+    assert "95% intervals within 1.02-1.12x" in sentence  # (not "1.0-1.1x")
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, 0.0, -1.0])
+def test_a_step_time_that_is_not_a_positive_finite_number_is_refused(bad):
+    # before: a NaN made the interval's high NaN and the verdict "faster"; a zero divided
+    with pytest.raises(ValueError, match="step times are finite milliseconds above 0"):
+        ratio_interval([2.0] * 5 + [bad], [1.0] * 6)
+    with pytest.raises(ValueError, match="step times are finite milliseconds above 0"):
+        ratio_interval([1.0] * 6, [bad] * 6)
+    with pytest.raises(ValueError, match="must be finite"):
+        median_interval([1.0, math.nan, 2.0])
+
+
+def test_equal_peaks_state_no_memory_finding(monkeypatch):
+    # before: "with 0% less peak memory"
+    monkeypatch.setitem(PEAKS, "bf16-mixed", 100)
+    sentence = conclusion(*_with_interval(1.15, 1.40, 1.50))
+    assert "peak memory" not in sentence and "as fast as float32 (batch 16;" in sentence

@@ -522,6 +522,8 @@ def _memory_clause(rows: list[Summary], fp32: dict[int, Summary]) -> str | None:
     if not memory:
         return None
     saved = _span([abs(m) * 100 for m in memory], "{:.0f}")
+    if saved == "0":  # (equal peaks, to the percent: no finding to state)
+        return None
     more_or_less = "less" if min(memory) >= 0 else "more" if max(memory) <= 0 else "less or more"
     return f"{saved}% {more_or_less} peak memory"
 
@@ -622,15 +624,21 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     high = max(i.high for i in verdict.intervals)
     rounds = _span([float(i.n) for i in verdict.intervals], "{:.0f}")
     kind = "paired rounds" if all(s.paired for s in rows) else "unpaired runs"
+    bounds = f"{digits.format(low)}-{digits.format(high)}"
+    if verdict.kind == FASTER and float(digits.format(low)) <= 1.0:  # ("1.0-1.1x" reads as
+        bounds = f"{low:.2f}-{high:.2f}"  # an interval reaching 1)
     certainty = (
-        f"{CONFIDENCE:.0%} intervals within {digits.format(low)}-{digits.format(high)}x "
+        f"{CONFIDENCE:.0%} intervals within {bounds}x "
         f"from {rounds} {kind}"
     )
-    median = statistics.median(speed)
-    if median > 1.2 * max(blog):
+    # against the seed's figure only what the intervals carry: more or less when every
+    # interval lies above or below it, else no difference this run can show
+    if low > max(blog):
         than = "so mixed precision pays more here than it did there"
-    elif median >= 0.9 * min(blog):
+    elif high >= min(blog):
         than = "about what it pays here"
+    elif statistics.median(speed) >= 0.9 * min(blog):
+        than = "so here it pays less than there"
     else:
         than = "so here it pays less than there: train in float32 unless memory is what you need"
     sentence = f"On this machine {label} {buys} (batch {batches}; {certainty}); {seed}, {than}."

@@ -15,7 +15,7 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from mixprec.bench.verdict import TARGET_WIDTH, ratio_interval
+from mixprec.bench.verdict import MIN_ROUNDS, TARGET_WIDTH, ratio_interval
 from mixprec.timing import take_turns
 
 __all__ = [
@@ -83,7 +83,9 @@ def run_rounds(
             return None
         if policy.budget_s <= 0:
             return STEPS
-        if _widest(times, pairs) <= policy.target_width:
+        # (an interval of fewer than MIN_ROUNDS rounds holds the median with less than
+        # CONFIDENCE: narrow, it is still no reason to stop while the budget lasts)
+        if rounds >= MIN_ROUNDS and _widest(times, pairs) <= policy.target_width:
             return NARROW
         if rounds >= policy.max_rounds:
             return CAPPED

@@ -685,13 +685,16 @@ def search_max_batch(
 
     lo, hi, error = 0, None, None
     batch = min(p.options.batch_sizes or [1])
+    cap = max(MAX_BATCH_CAP, batch)  # (the cap itself is probed, as a start above it)
     try:
-        while batch <= MAX_BATCH_CAP:
-            if probe(batch):
-                lo, batch = batch, batch * 2
-            else:
+        while True:
+            if not probe(batch):
                 hi = batch
                 break
+            lo = batch
+            if batch >= cap:
+                break
+            batch = min(batch * 2, cap)
         if hi is not None:
             while hi - lo > 1:
                 mid = (lo + hi) // 2

@@ -87,6 +87,8 @@ def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> 
     n = len(xs)
     if n == 0:
         raise ValueError("no values")
+    if not all(math.isfinite(x) for x in xs):
+        raise ValueError(f"the values of a median interval must be finite numbers, got {values!r}")
     k = _rank(n, confidence)
     covered = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
     return Interval(statistics.median(xs), xs[k - 1], xs[n - k], n, round(covered, 4))
@@ -98,6 +100,12 @@ def ratio_interval(base_ms: Sequence[float], other_ms: Sequence[float]) -> Inter
     n = min(len(base_ms), len(other_ms))
     if n == 0:
         return None
+    bad = [t for t in (*base_ms[:n], *other_ms[:n]) if not (math.isfinite(t) and t > 0)]
+    if bad:
+        raise ValueError(
+            f"step times are finite milliseconds above 0, got {bad[0]!r} among the rounds' "
+            f"times (a step that failed leaves its loop instead: its time is None)"
+        )
     return median_interval([b / o for b, o in zip(base_ms[:n], other_ms[:n], strict=True)])
 
 
