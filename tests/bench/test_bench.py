@@ -691,8 +691,12 @@ def test_the_default_thread_count_leaves_cores_other_work_keeps_busy(monkeypatch
     [
         (70000, 10**9, [70000], (70000, None, True)),  # a start above the cap is probed
         (70000, 70000, [70000, 35000], (69999, 70000, False)),  # then bisected
-        (3, 10**9, [3, 6, 12, 24, 48, 96, 192, 384, 768, 1536, 3072, 6144, 12288, 24576,
-                    49152, 65536], (65536, None, True)),  # the cap itself is probed
+        (
+            3,
+            10**9,
+            [3, 6, 12, 24, 48, 96, 192, 384, 768, 1536, 3072, 6144, 12288, 24576, 49152, 65536],
+            (65536, None, True),
+        ),  # the cap itself is probed
     ],
 )
 def test_the_max_batch_search_probes_its_start_and_its_cap(

@@ -627,10 +627,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     bounds = f"{digits.format(low)}-{digits.format(high)}"
     if verdict.kind == FASTER and float(digits.format(low)) <= 1.0:  # ("1.0-1.1x" reads as
         bounds = f"{low:.2f}-{high:.2f}"  # an interval reaching 1)
-    certainty = (
-        f"{CONFIDENCE:.0%} intervals within {bounds}x "
-        f"from {rounds} {kind}"
-    )
+    certainty = f"{CONFIDENCE:.0%} intervals within {bounds}x from {rounds} {kind}"
     # against the seed's figure only what the intervals carry: more or less when every
     # interval lies above or below it, else no difference this run can show
     if low > max(blog):

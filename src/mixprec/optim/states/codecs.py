@@ -341,8 +341,8 @@ def _indices(codes: torch.Tensor) -> torch.Tensor:
     compiled update converts uint8 to int32 element by element there, so its table reads
     take about a third longer; with AVX-512 the direct conversion is the faster one."""
     if _AVX2 and codes.device.type == "cpu":
-        return codes.to(torch.int16).to(torch.int32)
-    return codes.to(torch.int32)
+        return codes.to(torch.int16).to(torch.int32).clamp(0, 255)
+    return codes.to(torch.int32).clamp(0, 255)
 
 
 def _over(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
