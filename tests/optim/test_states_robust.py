@@ -624,3 +624,95 @@ def test_dynamos_build_limit_falls_back_to_eager_under_compile_none(monkeypatch)
     forced.param_groups[0]["params"][0].grad = torch.randn(1000)
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
         forced.step()
+
+
+def test_a_copy_of_an_optimizer_precision_converted_steps_its_own_parameters():
+    """Precision.setup's conversion linked the new optimizer to the torch one by closures
+    over the originals: a deep copy of the converted optimizer stepped the original's
+    parameters (and asked the original's ids which to keep float32), and pickling failed."""
+    import mixprec
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 64), nn.Linear(64, 64))
+    precision = mixprec.Precision("32-true", optimizer_states="int8")
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x = torch.arange(4)
+
+    def step(m, o):
+        m(x).square().mean().backward()
+        o.step()
+        o.zero_grad()
+
+    step(model, opt.optimizer)
+    model2, low2 = copy.deepcopy((model, opt.optimizer))
+    before, before2 = model[1].weight.detach().clone(), model2[1].weight.detach().clone()
+    step(model2, low2)
+    assert torch.equal(model[1].weight, before)  # the original did not move
+    assert not torch.equal(model2[1].weight, before2)
+    formats = {n: low2.state[p]["format"] for n, p in model2.named_parameters()}
+    assert formats == {"0.weight": "float32", "1.weight": "int8", "1.bias": "float32"}
+    assert low2.stands_for is not opt.optimizer.stands_for  # (the torch one, copied too)
+    _pickled(opt.optimizer)
+
+
+@pytest.mark.parametrize("shapes", [((64, 128),), ((64, 128), (96, 32))], ids=["alone", "bucket"])
+def test_kahan_takes_up_weights_cast_to_bfloat16_after_float32_steps(shapes):
+    """A Kahan buffer was made only at a parameter's first step, if 16-bit then: a model
+    cast to bfloat16 after float32 steps (Precision('bf16-true').setup does) raised a
+    KeyError or an AssertionError at its next step."""
+    params = _params(shapes)
+    opt = LowBitAdamW(params, states="int8", min_size=0, compensation="kahan", **KW)
+    _run(opt, params, range(2))
+    for p in params:
+        p.data = p.data.to(torch.bfloat16)
+    _run(opt, params, range(2, 4))
+    for p in params:
+        buf = opt.state[p]["compensation"]
+        assert buf.dtype == torch.bfloat16 and buf.shape == p.shape and buf.abs().sum() > 0
+
+
+@pytest.mark.parametrize("states", ["float32", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_float64_weights_step_in_float64(states, dtype):
+    """float64 weights were rounded to float32 at every step (1 + 1e-12 became 1 at lr 0);
+    now the update runs in float64 and follows torch's AdamW to the moments' storage."""
+    params = _params(((48, 64),), dtype=dtype)
+    with torch.no_grad():
+        params[0].add_(1e-12)
+    kept = params[0].detach().clone()
+    opt = LowBitAdamW(params, lr=0.0, states=states, min_size=0, **KW)
+    _run(opt, params, range(2))
+    assert torch.equal(params[0], kept)
+    ours, theirs = _params(((48, 64),), dtype=dtype), _params(((48, 64),), dtype=dtype)
+    _run(LowBitAdamW(ours, lr=1e-2, states=states, min_size=0, **KW), ours, range(3))
+    _run(torch.optim.AdamW(theirs, lr=1e-2), theirs, range(3))
+    err = (ours[0] - theirs[0]).abs().max().item()
+    assert err < (1e-6 if states == "float32" else 1e-3), err  # (float32 moments)
+    sgd = _params(((48, 64),), dtype=dtype)
+    with torch.no_grad():
+        sgd[0].add_(1e-12)
+    kept = sgd[0].detach().clone()
+    _run(LowBitSGD(sgd, lr=0.0, momentum=0.9, states=states, min_size=0, **KW), sgd, range(2))
+    assert torch.equal(sgd[0], kept)
+
+
+@pytest.mark.parametrize("flag", ["maximize", "amsgrad", "capturable", "differentiable"])
+@pytest.mark.parametrize("cls", [LowBitAdamW, LowBitSGD])
+def test_a_group_asking_for_a_flag_the_step_ignores_is_refused(cls, flag):
+    """The constructor and the converters refused these; a group holding one (in the
+    constructor's groups or add_param_group) was taken and stepped without it (a
+    maximizing SGD minimized)."""
+    params = _params()
+    with pytest.raises(ValueError, match=f"sets {flag} \\("):
+        cls([{"params": params[:1], flag: True}], **KW)
+    opt = cls(params[:1], **KW)
+    with pytest.raises(ValueError, match=f"sets {flag} \\("):
+        opt.add_param_group({"params": params[1:], flag: True})
+    opt.add_param_group({"params": params[1:], flag: False})  # (off: taken)
+
+
+def test_a_parameter_listed_twice_in_a_group_is_refused():
+    """It counted two steps and took one from the same old state."""
+    p = _params(((64, 96),))[0]
+    with pytest.raises(ValueError, match=r"lists a parameter of shape \[64, 96\] twice"):
+        AdamW8bit([p, p], **KW)

@@ -11,7 +11,7 @@ of one, is taken as it is, after checking that it keeps the formats the map give
 
 from __future__ import annotations
 
-import functools
+import types
 from collections.abc import Collection
 from typing import Any
 
@@ -84,14 +84,11 @@ def convert_for(
         named[n]: fmt for n, (fmt, _) in assigned.items() if fmt.quantized and str(fmt) != default
     }
 
-    def keep_float32(p: torch.Tensor) -> bool:
-        return id(p) in plain or any(id(w.model_param(p)) in plain for w in wrappers)
-
     converted = from_optimizer(
         optimizer,
         default,
         formats=formats,
-        keep_float32=keep_float32,
+        keep_float32=KeptFloat32([p for p in named.values() if id(p) in plain], wrappers),
         compensation=compensation,
     )
     hand_over(optimizer, converted)
@@ -123,46 +120,68 @@ def check_kept_formats(
         )
 
 
+class KeptFloat32:
+    """The ``keep_float32`` of a converted optimizer: True for the parameters the map keeps
+    in float32 and for the float32 masters of those (through ``wrappers``, read at each
+    call). It holds the tensors, not their ids alone, so that a copy of the optimizer
+    (``copy.deepcopy``) asks about its own copies of them."""
+
+    def __init__(self, kept: list[torch.Tensor], wrappers: Collection[LossScaleOptimizer]):
+        self.kept = kept
+        self.wrappers = wrappers
+        self._ids = {id(t) for t in kept}
+
+    def __call__(self, p: torch.Tensor) -> bool:
+        ids = self._ids
+        return id(p) in ids or any(id(w.model_param(p)) in ids for w in self.wrappers)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"kept": self.kept, "wrappers": self.wrappers}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["kept"], state["wrappers"])  # type: ignore[misc]
+
+
+def _stale_step(old: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    """The step of a torch optimizer handed over (`hand_over`): refused."""
+    new = old._converted_into  # type: ignore[attr-defined]
+    raise RuntimeError(
+        f"this {type(old).__name__} was converted into {type(new).__name__} "
+        f"(states {new.defaults['states']!r}) by Precision.setup: its own step would train "
+        f"float32 moments that the run does not use. Step the optimizer setup returned, or "
+        f"precision.step()"
+    )
+
+
+# (a scheduler built on the old optimizer leaves its step as it is: the new one's steps
+# count for it, `LowBitOptimizer.step`)
+_stale_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+
+def _relinked_load(old: torch.optim.Optimizer, state_dict: Any) -> None:
+    """torch's load into a torch optimizer handed over, its groups then the new one's."""
+    new = old._converted_into  # type: ignore[attr-defined]
+    # torch's load gives ``old`` groups of its own (a caller restoring the optimizer it
+    # holds, as Lightning does on resume), which a scheduler would then set alone: their
+    # settings go to ``new``'s groups, which ``old`` holds again (its empty state stays its
+    # own; ``new``'s state is restored by whoever saved it)
+    type(old).load_state_dict(old, state_dict)
+    for mine, loaded in zip(new.param_groups, old.param_groups, strict=True):
+        mine.update({k: loaded[k] for k in mine if k != "params" and k in loaded})
+    old.param_groups = new.param_groups
+
+
 def hand_over(old: torch.optim.Optimizer, new: LowBitOptimizer) -> None:
     """Make the torch optimizer ``old``, converted into ``new``, stand for it where a caller
     still holds it: its parameter groups become ``new``'s (one to one), so a learning-rate
     scheduler built on ``old`` sets ``new``'s learning rates, also after a state dict is
     loaded into ``old`` (its groups' settings go to ``new``'s); its own step raises (it
     would train float32 moments that nothing uses); and ``new``'s steps count as ``old``'s
-    for torch's check that a scheduler steps after its optimizer."""
-    name = type(old).__name__
-
-    def stale_step(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"this {name} was converted into {type(new).__name__} "
-            f"(states {new.defaults['states']!r}) by Precision.setup: its own step would train "
-            f"float32 moments that the run does not use. Step the optimizer setup returned, or "
-            f"precision.step()"
-        )
-
-    stale_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    old.step = stale_step  # type: ignore[method-assign]
+    for torch's check that a scheduler steps after its optimizer. Each is a method bound to
+    the optimizer, and each links the two by an attribute: a deep copy of either links the
+    copies, never the originals."""
+    old._converted_into = new  # type: ignore[attr-defined]
+    new.stands_for = old
+    old.step = types.MethodType(_stale_step, old)  # type: ignore[method-assign]
+    old.load_state_dict = types.MethodType(_relinked_load, old)  # type: ignore[method-assign]
     old.param_groups = new.param_groups
-    load = old.load_state_dict
-
-    @functools.wraps(load)
-    def relinked(state_dict: Any) -> None:
-        # torch's load gives ``old`` groups of its own (a caller restoring the optimizer it
-        # holds, as Lightning does on resume), which a scheduler would then set alone: their
-        # settings go to ``new``'s groups, which ``old`` holds again (its empty state stays
-        # its own; ``new``'s state is restored by whoever saved it)
-        load(state_dict)
-        for mine, loaded in zip(new.param_groups, old.param_groups, strict=True):
-            mine.update({k: loaded[k] for k in mine if k != "params" and k in loaded})
-        old.param_groups = new.param_groups
-
-    old.load_state_dict = relinked  # type: ignore[method-assign]
-    step = new.step
-
-    @functools.wraps(step)
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        old._opt_called = new._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    counted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    new.step = counted  # type: ignore[method-assign]

@@ -25,6 +25,7 @@ from torch import nn
 from mixprec.optim.engine import SUPPORTED_OPTIMIZERS
 from mixprec.optim.states.formats import StateFormat, parse_state_format
 from mixprec.optim.states.optimizers import (
+    UNSUPPORTED_FLAGS,
     MIN_SIZE,
     LowBitAdam,
     LowBitAdamW,
@@ -46,16 +47,9 @@ __all__ = [
 
 Assignment = tuple[StateFormat, str]
 _EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
-# torch optimizer flags the low-bit step does not honour: (flag, what to do instead)
-_REFUSED = {
-    "amsgrad": "the low-bit step keeps no maximum of the second moment",
-    "maximize": "the low-bit step minimizes",
-    "capturable": "the low-bit step is not CUDA-graph capturable",
-    "differentiable": "the low-bit step is not differentiable",
-}
 # torch's implementation flags, dropped on conversion (they choose torch's kernels)
 _IMPLEMENTATION = ("foreach", "fused")
-_DROPPED = {*_REFUSED, *_IMPLEMENTATION}
+_DROPPED = {*UNSUPPORTED_FLAGS, *_IMPLEMENTATION}
 # a setting the low-bit Adam takes per group only: its class gives the default
 _GROUP_ONLY = ("decoupled_weight_decay",)
 # unmatched rules named, with their hints, in one warning (a generated map may hold many)
@@ -239,7 +233,7 @@ def low_bit_settings(group: Mapping[str, Any], name: str) -> dict[str, Any]:
     """A torch AdamW/Adam/SGD parameter group (live or saved) as the low-bit optimizer
     converted from it holds it: a flag the low-bit step does not honour refused when set
     (``amsgrad``...), torch's implementation flags dropped. ``name``: the torch class."""
-    for flag, why in _REFUSED.items():
+    for flag, why in UNSUPPORTED_FLAGS.items():
         if group.get(flag):
             raise ValueError(f"{name}({flag}=True) cannot be converted: {why}")
     return {k: v for k, v in group.items() if k not in _DROPPED}

@@ -8,7 +8,7 @@ build serves every parameter size; the hyperparameters arrive in one float32 ten
 learning-rate schedule changes values, not the compiled code). The format, the decay and
 the compensation are Python constants the build specializes on.
 
-Parameters are updated in float32 and written back by the engine's write-back
+Parameters are updated in float32 (float64 ones in float64) and written back by the engine's write-back
 (`mixprec.optim.engine.write_back`, the one the compensated steps of torch's optimizers
 take): rounded to nearest, Kahan-compensated (``"kahan"``: a buffer in the parameter's
 dtype holds what the last rounding lost and is added to the next update) or stochastically
@@ -109,6 +109,12 @@ def _blocks(x: torch.Tensor | None, fmt: StateFormat) -> torch.Tensor | None:
     return x.view(-1, fmt.block)  # type: ignore[arg-type]
 
 
+def _working_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype an update computes in: float32, or float64 for a float64 parameter (a
+    complex128 one's real pairs), which float32 arithmetic would round at every step."""
+    return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+
 def adam_update(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -137,12 +143,13 @@ def adam_update(
     lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp.unbind()
     _same_sizes(fmt, p, (g, buf), (m, m_scales), (v, v_scales))
     p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
-    p32 = p.to(torch.float32)
-    g32 = g.to(torch.float32)
+    work = _working_dtype(p)
+    p32 = p.to(work)
+    g32 = g.to(work)
     if not decoupled:
         g32 = g32 + wd * p32
-    m1 = torch.lerp(_load(m, m_scales, tables[:1], fmt, True), g32, 1 - beta1)
-    m2 = _load(v, v_scales, tables[1:], fmt, False) * beta2 + (1 - beta2) * g32 * g32
+    m1 = torch.lerp(_load(m, m_scales, tables[:1], fmt, True).to(work), g32, 1 - beta1)
+    m2 = _load(v, v_scales, tables[1:], fmt, False).to(work) * beta2 + (1 - beta2) * g32 * g32
     _store(m1, m, m_scales, fmt, True, tables[:1])
     _store(m2, v, v_scales, fmt, False, tables[1:])
     u = -(step_size * m1 / (m2.sqrt() * inv_sqrt_bc2 + eps))
@@ -173,10 +180,11 @@ def sgd_update(
     lr, keep, gain, wd, momentum = hp.unbind()
     _same_sizes(fmt, p, (g, buf), (b, b_scales))
     p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
-    p32 = p.to(torch.float32)
-    d = g.to(torch.float32) + wd * p32
+    work = _working_dtype(p)
+    p32 = p.to(work)
+    d = g.to(work) + wd * p32
     if b is not None:
-        mom = _load(b, b_scales, tables, fmt, True) * keep + gain * d
+        mom = _load(b, b_scales, tables, fmt, True).to(work) * keep + gain * d
         _store(mom, b, b_scales, fmt, True, tables)
         d = d + momentum * mom if nesterov else mom
     _write(p, p32, -lr * d, buf, key, compensation)

@@ -201,11 +201,25 @@ def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
     return parts
 
 
+# torch optimizer flags the low-bit step does not honour, refused wherever they arrive (a
+# group, a converted torch optimizer, a loaded state dict), with why
+UNSUPPORTED_FLAGS = {
+    "amsgrad": "the low-bit step keeps no maximum of the second moment",
+    "maximize": "the low-bit step minimizes",
+    "capturable": "the low-bit step is not CUDA-graph capturable",
+    "differentiable": "the low-bit step is not differentiable",
+}
+
+
 class LowBitOptimizer(StateCheckpoint):
     """What the low-bit optimizers share: formats per parameter, the states' layout, the
     compiled or eager step, compensation of 16-bit parameters, checkpoints."""
 
     algorithm = "adam"
+    # the torch optimizer this one was converted from, which a caller may still hold and a
+    # scheduler may be built on (`mixprec.optim.conversion.hand_over`): each step counts as
+    # its step too, for torch's check that a scheduler steps after its optimizer
+    stands_for: torch.optim.Optimizer | None = None
 
     def __init__(
         self,
@@ -263,7 +277,26 @@ class LowBitOptimizer(StateCheckpoint):
         return dict(self.__dict__)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's, with the group's ``"states"`` (if any) checked and written canonically."""
+        """torch's, with the group's ``"states"`` (if any) checked and written canonically;
+        a group asking for what these optimizers do not do (``maximize``, ``amsgrad``,
+        ``capturable``, ``differentiable``) or listing a parameter twice is refused."""
+        asked = [f"{k} ({why})" for k, why in UNSUPPORTED_FLAGS.items() if param_group.get(k)]
+        if asked:
+            raise ValueError(
+                f"a parameter group of {type(self).__name__} sets {', '.join(asked)}: leave "
+                f"it out, or step these parameters with the torch optimizer"
+            )
+        params = param_group.get("params")
+        if isinstance(params, (list, tuple)):
+            seen: set[int] = set()
+            for p in params:
+                if torch.is_tensor(p) and id(p) in seen:
+                    raise ValueError(
+                        f"a parameter group of {type(self).__name__} lists a parameter of shape "
+                        f"{list(p.shape)} twice: it would count two steps and take one "
+                        f"(torch deprecates this too); list each parameter once"
+                    )
+                seen.add(id(p))
         if "states" in param_group:
             param_group["states"] = str(parse_state_format(param_group["states"]))
         super().add_param_group(param_group)
@@ -292,10 +325,14 @@ class LowBitOptimizer(StateCheckpoint):
             if self.algorithm == "adam":  # (SGD's buffer starts at its first momentum step)
                 for name, _ in MOMENTS["adam"]:
                     state.update(zero_moment(name, p, fmt))
-            if self.compensation == "kahan" and p.dtype in COMPENSATED_DTYPES:
-                state["compensation"] = torch.zeros_like(p)
         elif parse_state_format(state["format"]) != self.format_of(p, group):
             self.adopt(p, state, group)
+        if self.compensation == "kahan" and p.dtype in COMPENSATED_DTYPES:
+            # (made at the first step as a 16-bit parameter: also one that became 16-bit
+            # since, as a model cast after float32 steps is)
+            buf = state.get("compensation")
+            if buf is None or buf.dtype != p.dtype or buf.shape != p.shape:
+                state["compensation"] = torch.zeros_like(p)
         return state
 
     # -- the step ----------------------------------------------------------------------------
@@ -309,6 +346,8 @@ class LowBitOptimizer(StateCheckpoint):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.stands_for is not None:
+            self.stands_for._opt_called = True  # type: ignore[attr-defined]
         work = []
         indices = []  # each parameter's position in the optimizer: part of its random key
         params = [(group, p) for group in self.param_groups for p in group["params"]]
