@@ -25,8 +25,8 @@ from torch import nn
 from mixprec.optim.engine import SUPPORTED_OPTIMIZERS
 from mixprec.optim.states.formats import StateFormat, parse_state_format
 from mixprec.optim.states.optimizers import (
-    UNSUPPORTED_FLAGS,
     MIN_SIZE,
+    UNSUPPORTED_FLAGS,
     LowBitAdam,
     LowBitAdamW,
     LowBitOptimizer,

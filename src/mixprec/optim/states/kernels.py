@@ -8,12 +8,13 @@ build serves every parameter size; the hyperparameters arrive in one float32 ten
 learning-rate schedule changes values, not the compiled code). The format, the decay and
 the compensation are Python constants the build specializes on.
 
-Parameters are updated in float32 (float64 ones in float64) and written back by the engine's write-back
-(`mixprec.optim.engine.write_back`, the one the compensated steps of torch's optimizers
-take): rounded to nearest, Kahan-compensated (``"kahan"``: a buffer in the parameter's
-dtype holds what the last rounding lost and is added to the next update) or stochastically
-rounded (``"stochastic"``), with the engine's random bits (``key``: a signed 32-bit value
-hashed from the seed, the step count and the parameter's index, `call_key`).
+Parameters are updated in float32 (float64 ones in float64) and written back by the
+engine's write-back (`mixprec.optim.engine.write_back`, the one the compensated steps of
+torch's optimizers take): rounded to nearest, Kahan-compensated (``"kahan"``: a buffer in
+the parameter's dtype holds what the last rounding lost and is added to the next update) or
+stochastically rounded (``"stochastic"``), with the engine's random bits (``key``: a
+signed 32-bit value hashed from the seed, the step count and the parameter's index,
+`call_key`).
 """
 
 from __future__ import annotations
