@@ -109,3 +109,39 @@ def _fsdp_worker(rank: int, path: str, states: str) -> None:
 def test_fsdp2_states_are_sharded_and_resume_bit_identically_through_dcp(tmp_path):
     for states in ("int8", "int4"):
         run_ranks(_fsdp_worker, str(tmp_path / states), states, nprocs=WORLD)
+    _one_process_refuses(str(tmp_path / "int8"))
+
+
+def _one_process_refuses(path: str) -> None:
+    """Codes cut in blocks within each rank's shard, loaded as one parameter's: the first
+    weight's (150 + 150 rows of 32, 19 blocks each) have the length of the whole weight's 38
+    blocks, so they loaded silently with every block after the first rank's misplaced."""
+    import pytest
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    model = _model()
+    opt = LowBitAdamW(model.parameters(), lr=1e-2, states="int8", min_size=0, compile=False)
+    _train(model, opt, range(1), 0)
+    model_state, optim_state = get_state_dict(model, opt)
+    assert optim_state["state"]["0.weight"]["shards"] == 1
+    # (the first weight alone: the others' codes differ in length, which DCP refuses itself)
+    optim_state["state"] = {"0.weight": optim_state["state"]["0.weight"]}
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=path, no_dist=True)
+    assert loaded["optim"]["state"]["0.weight"]["shards"] == WORLD
+    before = {k: v.clone() for k, v in opt.state[model[0].weight].items() if torch.is_tensor(v)}
+    with pytest.raises(ValueError, match=f"cut into blocks within each of {WORLD} shards"):
+        set_state_dict(
+            model,
+            opt,
+            model_state_dict=loaded["model"],
+            optim_state_dict=loaded["optim"],
+            options=StateDictOptions(strict=False),
+        )
+    after = opt.state[model[0].weight]
+    assert all(torch.equal(after[k], v) for k, v in before.items())

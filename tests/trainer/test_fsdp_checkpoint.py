@@ -358,3 +358,30 @@ def test_a_sharded_checkpoint_recording_fp8_states_resumes_as_float8(tmp_path):
     )  # fmt: skip
     again.fit(ShardedDropoutNet(), one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
     assert again.global_step == 4
+
+
+def test_low_bit_states_saved_in_another_layout_are_refused_before_anything_loads(tmp_path):
+    """FSDP cuts each rank's shard of a moment into blocks of its own: a 2-process
+    checkpoint's int8 codes, read by one process (or by DDP) as one parameter's, often have
+    the right length and silently misplaced blocks. The run state records the layout (here
+    rewritten as a 2-process save writes it) and a resume in another one is refused."""
+    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    first = Trainer(
+        precision="32-true", strategy="fsdp", devices=1, max_steps=2, callbacks=[every_2],
+        optimizer_states="int8", **RUN,
+    )  # fmt: skip
+    first.fit(ShardedDropoutNet(), one_rank_loader())
+    rank_file = (tmp_path / "last.ckpt").resolve() / "trainer-rank0.pt"
+    state = torch.load(rank_file, weights_only=False)
+    assert state["optimizer_state_shards"] == [1]
+    state["optimizer_state_shards"] = [2]
+    torch.save(state, rank_file)
+    model = ShardedDropoutNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    again = Trainer(
+        precision="32-true", strategy="fsdp", devices=1, max_steps=4,
+        optimizer_states="int8", enable_checkpointing=False, **RUN,
+    )  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"each of \[2\] shards.*\[1\].*Nothing was loaded"):
+        again.fit(model, one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

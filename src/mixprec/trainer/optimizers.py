@@ -23,6 +23,7 @@ from mixprec.optim.states import (
     parse_state_format,
 )
 from mixprec.optim.states.assign import low_bit_settings
+from mixprec.optim.states.moments import shards_of
 from mixprec.precision import Precision
 from mixprec.trainer.checkpoint import CheckpointError
 from mixprec.trainer.module import TrainingModule
@@ -113,6 +114,12 @@ def state_formats(optimizer: torch.optim.Optimizer) -> list[str]:
     """Each group's optimizer-state format: a low-bit optimizer's ``"states"``, float32 for
     any other optimizer's."""
     return [str(parse_state_format(g.get("states", "float32"))) for g in optimizer.param_groups]
+
+
+def state_shards(optimizer: torch.optim.Optimizer) -> int:
+    """The most parts any parameter's low-bit moments are cut into (`shards_of`: an FSDP2
+    run's processes; 1 unsharded): the layout a sharded checkpoint's codes are in."""
+    return max((shards_of(p) for g in optimizer.param_groups for p in g["params"]), default=1)
 
 
 def saved_state_formats(saved: list[list[str]]) -> list[list[str]]:

@@ -21,7 +21,7 @@ from mixprec.trainer.callbacks import callback_states, load_callback_states
 from mixprec.trainer.checkpoint import FORMAT, FORMAT_VERSION, CheckpointError, rng_states
 from mixprec.trainer.data import describe_order, generators, loader_batch_size, order_of
 from mixprec.trainer.loop import FitRun, Run
-from mixprec.trainer.optimizers import across_state_formats, state_formats
+from mixprec.trainer.optimizers import across_state_formats, state_formats, state_shards
 from mixprec.version import __version__
 
 __all__: list[str] = []
@@ -66,6 +66,8 @@ def run_state(run: FitRun) -> dict[str, Any]:
         "optimizer_types": [type(opt.optimizer).__name__ for opt in run.optimizers],
         # each group's optimizer-state format (low-bit optimizers): a sharded resume keeps it
         "optimizer_state_formats": [state_formats(opt.optimizer) for opt in run.optimizers],
+        # the parts low-bit codes are cut into (FSDP2's processes): a sharded resume keeps it
+        "optimizer_state_shards": [state_shards(opt.optimizer) for opt in run.optimizers],
         # an epoch-interval scheduler does not advance after a skipped last step
         "last_step_skipped": [opt.step_was_skipped for opt in run.optimizers],
         "schedulers": [s.scheduler.state_dict() for s in run.schedulers],

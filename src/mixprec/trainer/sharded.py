@@ -36,10 +36,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from mixprec.optim.states import parse_state_format
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.callbacks import load_callback_states
 from mixprec.trainer.interrupt import ctrl_c_deferred
-from mixprec.trainer.optimizers import saved_state_formats, state_formats
+from mixprec.trainer.optimizers import saved_state_formats, state_formats, state_shards
 from mixprec.trainer.resume import check_resume_point, restore_progress, run_state
 
 if TYPE_CHECKING:
@@ -193,6 +194,23 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
             f"this run keeps {formats}: a sharded checkpoint resumes in the formats it was "
             "saved in, so resume with the optimizer_states it was trained with (an unsharded "
             "checkpoint converts them). Nothing was loaded"
+        )
+    shards = [state_shards(opt.optimizer) for opt in run.optimizers]
+    # (older checkpoints recorded none: their codes were cut among the processes that saved
+    # them if sharded, which their world size then tells)
+    saved_shards = state.get("optimizer_state_shards")
+    low_bit = [any(parse_state_format(f).quantized for f in groups) for groups in formats]
+    moved = [
+        bool(quantized) and (saved_shards[i] != shards[i] if saved_shards else saved_world != world)
+        for i, quantized in enumerate(low_bit)
+    ]
+    if any(moved):
+        was = saved_shards or [saved_world] * len(shards)
+        raise ckpt_io.CheckpointError(
+            f"{path} holds low-bit optimizer states cut into blocks within each of {was} "
+            f"shards (per optimizer: the FSDP processes that saved them), where this run cuts "
+            f"them in {shards}: low-bit states resume in the layout they were saved in only. "
+            "Resume with the strategy and number of processes that saved it. Nothing was loaded"
         )
     loop = state["loop"]
     if saved_world != world and loop["batch"]:

@@ -20,6 +20,7 @@ from mixprec.optim.states.moments import (
     float32_moment,
     like_saved,
     local_part,
+    shards_of,
     stored_moment,
 )
 
@@ -35,9 +36,17 @@ class StateCheckpoint(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict, plus ``"seed"``: with the step counts in the state, all the
         random bits of stochastic rounding and of the Kahan buffer's rounding depend on
-        (the engine's counter-based scheme: no generator state)."""
+        (the engine's counter-based scheme: no generator state); and in each low-bit
+        state ``"shards"``, the parts its blocks were cut in (`shards_of`: an FSDP2
+        parameter's processes), which a load checks: codes cut in 2 shards, read as one
+        parameter's, have the right length and the wrong blocks."""
         out = super().state_dict()
         out["seed"] = self.seed
+        params = [p for g in self.param_groups for p in g["params"]]
+        for key, p in enumerate(params):
+            entry = out["state"].get(key)
+            if entry and parse_state_format(entry.get("format", "float32")).quantized:
+                entry["shards"] = shards_of(p)
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -98,6 +107,8 @@ class StateCheckpoint(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             for name, value in entry.items():
+                if name == "shards":  # (checked: the layout, not a state)
+                    continue
                 if torch.is_tensor(value) and name != "step":
                     state[name] = like_saved(value, p)
                 elif not torch.is_tensor(value):  # torch's loader rebuilds a string
@@ -155,7 +166,7 @@ class StateCheckpoint(torch.optim.Optimizer):
                 fmt = parse_state_format(spec)
             except (TypeError, ValueError) as error:
                 raise ValueError(f"the saved state of {where}: {error}") from None
-        keys = {"step", "format", "compensation"}
+        keys = {"step", "format", "compensation", "shards"}
         moments = {}
         for name, _ in MOMENTS[self.algorithm]:
             moments[name] = (f"{name}_codes", f"{name}_scales") if fmt.quantized else (name,)
@@ -184,6 +195,16 @@ class StateCheckpoint(torch.optim.Optimizer):
             or (isinstance(step, int | float) and not isinstance(step, bool))
         ):
             raise ValueError(f"the saved 'step' of {where} is not a number: {step!r}")
+        shards = entry.get("shards")
+        if fmt.quantized and shards is not None and shards != shards_of(p):
+            raise ValueError(
+                f"the saved {fmt} moments of {where} were cut into blocks within each of "
+                f"{shards} shards (an FSDP2 run of {shards} processes saved them), where this "
+                f"optimizer cuts them in {shards_of(p)}: low-bit states load into the layout "
+                f"they were saved in only (the same number of FSDP2 processes). To move them "
+                f"to another, load them where they were saved and save "
+                f"to_float32_state_dict(), which any layout loads (quantized on load)"
+            )
         for name, names in moments.items():
             if all(entry.get(k) is None for k in names):
                 continue

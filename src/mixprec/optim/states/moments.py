@@ -14,7 +14,7 @@ import torch
 
 from mixprec.optim.states.formats import StateFormat, code_tables, decode, encode
 
-__all__: list[str] = []
+__all__ = ["shards_of"]
 
 # tensor types that are never a DTensor
 PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -113,6 +113,15 @@ def like_saved(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if dtensor is not None and isinstance(value, dtensor):
         return value.to(device=local_part(p).device).clone()
     return value.to(device=local_part(p).device, copy=True, memory_format=torch.contiguous_format)
+
+
+def shards_of(p: torch.Tensor) -> int:
+    """How many parts ``p``'s low-bit moments are cut into, each in blocks of its own: the
+    processes of its mesh for an FSDP2 DTensor, 1 for a tensor."""
+    dtensor = dtensor_type()
+    if dtensor is None or not isinstance(p, dtensor):
+        return 1
+    return p.device_mesh.size()
 
 
 def largest_shard(p: torch.Tensor) -> int:
