@@ -674,7 +674,7 @@ def test_layers_changed_in_place_frozen_or_read_outside_are_scored_right() -> No
     assert rows[("frozen",)].options[INT8.replace("32-true", "float32")].damage > 0
     # the embedding's weight is read by the head: no quantized format for it
     (reason,) = rows[("emb",)].not_applicable.values()
-    assert "emb's weight is read by linear outside any layer" in reason
+    assert "its parent Unusual reads its weight in its own forward" in reason
     assert report.plan["emb"] == "32-true"
 
 

@@ -82,3 +82,26 @@ def test_gpt2_conv1d_layers_quantize_and_the_tied_head_shares_one_copy() -> None
     assert model.lm_head.qweight is model.transformer.wte.qweight
     after = float(model(input_ids=ids, labels=ids).loss)
     assert after == pytest.approx(before, rel=0.02)
+
+
+@pytest.mark.parametrize(("mode", "options"), [("int8", {}), ("int4", {"group_size": 32})])
+def test_a_layer_whose_parent_reads_its_weight_stays_float_and_explain_says_why(mode, options):
+    """T5's feed-forward reads ``self.wo.weight`` (to pick its input's dtype): quantize and
+    explain put codes there and every forward raised AttributeError. The layer stays float
+    now, for the same reason in both."""
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    wo = "encoder.block.0.layer.1.DenseReluDense.wo"
+    spec = f"{mode}/32_from_float32" if options else f"{mode}_from_float32"
+    said = mixprec.explain(model, spec).quantization[wo]
+    assert said.startswith("skipped: ") and "its parent T5DenseActDense reads its weight" in said
+    result = mixprec.quantize(model, mode, **options)
+    assert "T5DenseActDense reads its weight" in result.skipped[wo]
+    assert type(model.get_submodule(wo)) is nn.Linear
+    assert type(model.get_submodule(wo.replace("wo", "wi"))) in (Int8Linear, Int4Linear)
+    ids = torch.randint(0, 64, (2, 5))
+    model(input_ids=ids, labels=ids).loss.backward()  # (raised AttributeError before)

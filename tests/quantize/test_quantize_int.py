@@ -1335,3 +1335,17 @@ def test_float_sums_in_tiles_of_weight_rows_are_the_exact_sums(monkeypatch, m, k
     assert got.dtype == (torch.float32 if k <= F32_EXACT_K else torch.float64)
     assert torch.equal(got.long(), a.long() @ b.long().t())
     assert torch.equal(int_matmul(a, b).long(), a.long() @ b.long().t())
+
+
+@pytest.mark.parametrize("other", ["mxfp8_from_float32", "float8/rowwise_from_float32"])
+def test_a_tied_side_in_a_format_that_keeps_the_weight_counts_as_float(other):
+    """A side swapped for a float8 or block-format layer keeps training its float weight,
+    as a float side does: int8 codes on the other side untied them (0.25 apart after one
+    step on GPT-2's embedding and head) with no warning, which a side left float gave."""
+    from mixprec import PolicyMap, apply
+
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    model[1].weight = model[0].weight
+    rules = {"0": "int8_from_float32", "1": other}
+    with pytest.warns(UserWarning, match=r"0.weight is tied to 1.weight, which stays float"):
+        apply(model, PolicyMap("32-true", rules))

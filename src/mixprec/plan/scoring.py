@@ -18,6 +18,7 @@ from mixprec.plan.units import candidate, state_bytes, unit_applies
 from mixprec.policy import QuantizedPolicy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
+from mixprec.quantize.rules import weights_read_by_parents
 from mixprec.step import batch_loss, seeded
 
 __all__: list[str] = []
@@ -44,11 +45,12 @@ def candidates(
     holders: Holders = []
     rows: list[UnitRow] = []
     modules = dict(reference.named_modules())
+    read = weights_read_by_parents(reference)
     for unit in s.units:
         row = UnitRow(unit=unit)
         built: list[nn.ModuleList | None] = []
         for p in s.policies:
-            reason = unit_applies(p, [modules[path] for path in unit.paths])
+            reason = unit_applies(p, [modules[path] for path in unit.paths], read)
             if reason is not None:
                 row.not_applicable[p.name] = reason
                 built.append(None)

@@ -26,6 +26,7 @@ whatever the parameter's dtype (8 bytes an element).
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -105,13 +106,16 @@ def format_name(spec: object) -> str:
     return as_policy(spec).name
 
 
-def unit_applies(policy: Policy, modules: list[nn.Module]) -> str | None:
+def unit_applies(
+    policy: Policy, modules: list[nn.Module], read: Mapping[int, str] | None = None
+) -> str | None:
     """Why `policy` cannot take this unit (None: it can): a quantized policy must quantize
-    every layer of the unit, or the shared weight would split."""
+    every layer of the unit, or the shared weight would split; ``read``: the model's
+    `weights_read_by_parents`."""
     if not isinstance(policy, QuantizedPolicy):
         return None
     for m in modules:
-        reason = skip_reason(policy, m)
+        reason = skip_reason(policy, m, (read or {}).get(id(m)))
         if reason is not None:
             return reason
     return None

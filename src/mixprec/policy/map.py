@@ -66,7 +66,7 @@ from mixprec.policy.files import (
     unique_keys,
 )
 from mixprec.policy.matching import PathRules, TypeRules, match_rule, split_rules
-from mixprec.quantize.rules import skip_reason
+from mixprec.quantize.rules import skip_reason, weights_read_by_parents
 
 __all__ = [
     "APPLIED_STATE",
@@ -151,11 +151,15 @@ class Resolution:
     float32_attention: str | None = None
 
 
-def _with_quantization(res: Resolution, module: nn.Module) -> Resolution:
+def _with_quantization(
+    res: Resolution, module: nn.Module, read: Mapping[int, str] | None = None
+) -> Resolution:
+    """``res`` with whether its quantized policy quantizes ``module`` or why not; ``read``:
+    `weights_read_by_parents` of the model."""
     policy = res.policy
     if not isinstance(policy, QuantizedPolicy):
         return res
-    reason = skip_reason(policy, module)
+    reason = skip_reason(policy, module, (read or {}).get(id(module)))
     if reason is None:
         return Resolution(policy, res.source, quantized=True)
     if any(True for _ in module.parameters(recurse=False)):
@@ -269,11 +273,12 @@ class PolicyMap:
         out: dict[str, Resolution] = {}
         first_path: dict[int, str] = {}
         modules = dict(model.named_modules(remove_duplicate=False))
+        read = weights_read_by_parents(model)
         for name, module in modules.items():
             if name in out:
                 continue
-            self._resolve_one(name, module, out, covered, device_type)
-            self._follow_attention(name, module, modules, out)
+            self._resolve_one(name, module, out, covered, device_type, read)
+            self._follow_attention(name, module, modules, out, read)
             out[name] = self._attention_island(module, out[name], slow_attention)
             other = first_path.setdefault(id(module), name)
             if other != name and out[other].policy != out[name].policy:
@@ -292,6 +297,7 @@ class PolicyMap:
         module: nn.Module,
         modules: dict[str, nn.Module],
         out: dict[str, Resolution],
+        read: Mapping[int, str] | None = None,
     ) -> None:
         """`MultiheadAttention` uses its `out_proj` weight inside its own forward, so the
         projection runs in the attention's policy: a type or regex rule that reaches it
@@ -309,6 +315,7 @@ class PolicyMap:
             out[name] = _with_quantization(
                 Resolution(attention.policy, f"follows its attention {parent or '<root>'}"),
                 module,
+                read,
             )
 
     def _attention_island(
@@ -338,10 +345,11 @@ class PolicyMap:
         out: dict[str, Resolution],
         covered: tuple[type[nn.Module], ...] = (),
         device_type: str = "cpu",
+        read: Mapping[int, str] | None = None,
     ) -> None:
         ruled = self._ruled(name, module)
         if ruled is not None:
-            out[name] = _with_quantization(ruled, module)
+            out[name] = _with_quantization(ruled, module, read)
             return
         parent = name.rpartition(".")[0] if name else None
         if parent is None:
@@ -352,11 +360,11 @@ class PolicyMap:
         if self.float32_islands and isinstance(module, ISLAND_TYPES) and inherited.policy.is_mixed:
             if isinstance(module, covered):
                 why = f"{inherited.source}; {device_type} autocast computes it in float32 itself"
-                out[name] = _with_quantization(Resolution(inherited.policy, why), module)
+                out[name] = _with_quantization(Resolution(inherited.policy, why), module, read)
             else:
                 out[name] = Resolution(island_policy(inherited.policy), "float32 island")
         else:
-            out[name] = _with_quantization(inherited, module)
+            out[name] = _with_quantization(inherited, module, read)
 
     def state_default(self, optimizer_states: str | StateFormat | None = None) -> str | None:
         """The state format of the parameters no state rule names, canonically spelled:

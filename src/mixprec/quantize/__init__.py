@@ -58,6 +58,7 @@ from mixprec.quantize.rules import (
     path_filter,
     skip_reason,
     swap_modules,
+    weights_read_by_parents,
 )
 
 # the builtin formats, in the order names, messages and searches list them (`mixprec`
@@ -162,9 +163,10 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
     new: dict[int, nn.Module] = {}
     codes: set[int] = set()  # the modules swapped for layers holding codes, not the weight
     memo: dict[Any, Any] = {}
+    read = weights_read_by_parents(model)
     for path, policy in policies.items():
         module = modules[path]
-        reason = skip_reason(policy, module)
+        reason = skip_reason(policy, module, read.get(id(module)))
         if reason is not None:
             result.skipped[path] = reason
         elif isinstance(getattr(module, "quantization_mode", None), str):
@@ -191,9 +193,10 @@ def quantize_modules(model: nn.Module, policies: Mapping[str, QuantizedPolicy]) 
 
 def _warn_untied(modules: dict[str, nn.Module], new: dict[int, nn.Module], codes: set[int]) -> None:
     """Warn when a layer holding codes (int8/int4: the ids in `codes`) has its weight tied
-    to a module left float (an embedding and its head): it holds codes of the weight as it
-    is now, so the tie ends and the float side trains away from them. Formats that keep the
-    weight itself (float8, block-scaled) keep the tie."""
+    to a module that keeps a float weight (one left float, or in a format that keeps the
+    weight itself: float8, block-scaled): it holds codes of the weight as it is now, so the
+    tie ends and the float side trains away from them. Two sides in formats that keep the
+    weight keep the tie."""
     owners: dict[int, list[tuple[str, nn.Module]]] = {}
     for path, module in modules.items():
         for name, param in module._parameters.items():
@@ -203,7 +206,9 @@ def _warn_untied(modules: dict[str, nn.Module], new: dict[int, nn.Module], codes
         if id(module) not in codes:
             continue
         weight = module._parameters.get("weight")
-        float_side = [p for p, m in owners.get(id(weight), []) if id(m) not in new]
+        # (a side swapped for a layer that keeps the weight itself, float8's or a block
+        # format's, trains it as a float side does)
+        float_side = [p for p, m in owners.get(id(weight), []) if id(m) not in codes]
         if float_side:
             warnings.warn(
                 f"{path}.weight is tied to {', '.join(float_side)}, which stays float: "
@@ -247,13 +252,14 @@ def quantize(
     keep = path_filter(filter)
     chosen: dict[str, QuantizedPolicy] = {}
     excluded: dict[str, str] = {}
+    read = weights_read_by_parents(model)
     for path, module in model.named_modules():
         own = any(True for _ in module.parameters(recurse=False)) or isinstance(
             getattr(module, "quantization_mode", None), str
         )
         if not own:
             continue
-        if skip_reason(policy, module) is None and not keep(path, module):
+        if skip_reason(policy, module, read.get(id(module))) is None and not keep(path, module):
             excluded[path] = "excluded by filter"
         else:
             chosen[path] = policy

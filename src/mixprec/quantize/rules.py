@@ -10,6 +10,8 @@ them).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import re
 import sys
 from collections.abc import Callable
@@ -25,6 +27,7 @@ __all__ = [
     "hugging_face_conv1d",
     "set_fast_paths",
     "skip_reason",
+    "weights_read_by_parents",
 ]
 
 # A Linear/Embedding with fewer input features than this stays float: its weight is too small
@@ -58,10 +61,42 @@ def linear_view(module: nn.Module) -> nn.Module:
     return linear.train(module.training)
 
 
-def skip_reason(policy: QuantizedPolicy, module: nn.Module) -> str | None:
+@functools.cache
+def _weights_read(cls: type) -> frozenset[str]:
+    """The children whose weight ``cls.forward`` reads itself (``self.wo.weight``, as
+    Hugging Face's T5 feed-forward does to pick its input's dtype), from its source; none
+    when the source cannot be read, or the reads are in torch's inference fast path of an
+    encoder layer, which `set_fast_paths` turns off around quantized layers."""
+    if issubclass(cls, nn.TransformerEncoderLayer):
+        return frozenset()
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return frozenset()
+    return frozenset(re.findall(r"self\.(\w+)\.weight\b", source))
+
+
+def weights_read_by_parents(model: nn.Module) -> dict[int, str]:
+    """The modules of ``model`` whose weight their parent's forward reads itself, by id,
+    with that parent's class name: a layer holding codes in place of its weight would
+    break that forward (`skip_reason`'s ``read_by``)."""
+    out: dict[int, str] = {}
+    for parent in model.modules():
+        for name in _weights_read(type(parent)):
+            child = parent._modules.get(name)
+            if child is not None:
+                out[id(child)] = type(parent).__name__
+    return out
+
+
+def skip_reason(
+    policy: QuantizedPolicy, module: nn.Module, read_by: str | None = None
+) -> str | None:
     """Why `policy` leaves `module` in its source float policy (None: it quantizes it, or
     it is already quantized in this mode). The rules every format shares (the layer types
-    it takes, enough input features) come first, then the format's own (`Format.skip`)."""
+    it takes, enough input features, a weight its parent reads: ``read_by``, the parent's
+    class from `weights_read_by_parents`) come first, then the format's own
+    (`Format.skip`)."""
     fmt = policy.format
     done = getattr(module, "quantization_mode", None)
     if isinstance(done, str):
@@ -72,6 +107,11 @@ def skip_reason(policy: QuantizedPolicy, module: nn.Module) -> str | None:
         return (
             "unsupported type: the output projection of nn.MultiheadAttention, whose "
             "forward reads its weight directly"
+        )
+    if read_by is not None and not fmt.keeps_weight:
+        return (
+            f"unsupported: its parent {read_by} reads its weight in its own forward, where "
+            f"a layer in {fmt.name} holds codes"
         )
     embedding = not linear_only and type(module) is nn.Embedding
     if embedding and (module.max_norm is not None or module.sparse):
