@@ -355,8 +355,47 @@ def test_untied_or_float_models_get_no_tie_entries(tmp_path):
     )
     assert untied.model.lm_head.qweight is not untied.model.model.embed_tokens.qweight
     assert tie_quantized_weights(untied.model) == {}
-    assert untied.model._tied_weights_keys == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert untied.model._tied_weights_keys == {}  # (the declared tie of weights now gone)
     assert tie_quantized_weights(tiny_llama()) == {}  # float: its own mapping holds
+
+
+@pytest.mark.parametrize("side", ["transformer.wte", "lm_head"])
+def test_one_side_of_a_tie_quantized_leaves_a_model_that_ties_and_saves(tmp_path, side):
+    """A tie whose source quantization replaced stayed in the mapping: tie_weights raised
+    (GPT-2, one side quantized); and T5's two float embedding tables, still sharing the
+    Parameter once the shared table is quantized, lost their tie, so save_pretrained
+    raised on the undeclared shared tensor."""
+    from mixprec.integrations.huggingface import tie_quantized_weights
+
+    gpt2 = tiny_gpt2()
+    with pytest.warns(UserWarning, match="unties them"):
+        mixprec.apply(gpt2, mixprec.PolicyMap("32-true", {side: "int8_from_float32"}))
+    assert tie_quantized_weights(gpt2) == {}
+    gpt2.tie_weights()  # (raised AttributeError)
+    gpt2.save_pretrained(tmp_path / "gpt2")
+
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(
+            num_layers=1,
+            num_decoder_layers=1,
+            d_model=32,
+            d_ff=64,
+            d_kv=16,
+            num_heads=2,
+            vocab_size=64,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )  # fmt: skip
+    ).eval()
+    with pytest.warns(UserWarning, match="unties them"):
+        mixprec.apply(t5, mixprec.PolicyMap("32-true", {r"shared|lm_head": "int8_from_float32"}))
+    assert t5.encoder.embed_tokens.weight is t5.decoder.embed_tokens.weight
+    tie_quantized_weights(t5)
+    assert t5._tied_weights_keys["decoder.embed_tokens.weight"] == "encoder.embed_tokens.weight"
+    t5.save_pretrained(tmp_path / "t5")  # (raised on the shared float tensor)
+    t5.tie_weights()
+    assert t5.encoder.embed_tokens.weight is t5.decoder.embed_tokens.weight
 
 
 def test_tie_entries_take_the_list_form_of_transformers_4():

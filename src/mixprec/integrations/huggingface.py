@@ -211,8 +211,10 @@ def tie_quantized_weights(model: nn.Module) -> dict[str, str]:
     aliased tensors). Declared, the copy under the first name (the embedding's) is saved,
     the others are left out (``_keys_to_ignore_on_save``, so loading a checkpoint back
     re-ties them, without a missing-keys warning), and ``tie_weights`` ties the buffers
-    instead of looking for the float weights. Models that are not a ``PreTrainedModel``, or
-    share nothing, are left as they are.
+    instead of looking for the float weights. Ties to a weight quantization replaced are
+    dropped (or, for float weights still sharing a Parameter, moved to one of them), so
+    ``tie_weights`` and ``save_pretrained`` work when one side alone was quantized. Models
+    that are not a ``PreTrainedModel``, or hold no quantized layer, are left as they are.
     """
     if not isinstance(model, transformers.PreTrainedModel):
         return {}
@@ -224,8 +226,11 @@ def tie_quantized_weights(model: nn.Module) -> dict[str, str]:
             for key, buf in module.named_buffers(recurse=False):
                 names.setdefault(id(buf), []).append(f"{path}.{key}" if path else key)
     added = {t: ns[0] for ns in names.values() if len(set(ns)) > 1 for t in dict.fromkeys(ns[1:])}
-    if not added:
+    if not quantized_paths:
         return {}
+    holders: dict[int, list[str]] = {}  # the float Parameters left, by every name holding one
+    for name, param in model.named_parameters(remove_duplicate=False):
+        holders.setdefault(id(param), []).append(name)
 
     def gone(name: str) -> bool:  # a float weight that quantization replaced
         path, _, key = name.rpartition(".")
@@ -236,16 +241,34 @@ def tie_quantized_weights(model: nn.Module) -> dict[str, str]:
         )
 
     def kept(mapping: dict[str, str] | None) -> dict[str, str]:
-        return {t: s for t, s in (mapping or {}).items() if not (gone(t) or gone(s))}
+        """The ties left: none to or from a replaced weight, except that float weights
+        which still share a Parameter (T5's two embedding tables, once the shared one they
+        were tied to is quantized) are tied to the first of them that holds it."""
+        out = {}
+        for target, source in (mapping or {}).items():
+            if gone(target):
+                continue
+            if gone(source):
+                try:
+                    names = holders.get(id(model.get_parameter(target)), [])
+                except AttributeError:
+                    continue
+                if not names or names[0] == target:
+                    continue
+                source = names[0]
+            out[target] = source
+        return out
 
+    # (tie_weights recomputes its mapping from the declared one by default)
     tied = getattr(model, "_tied_weights_keys", None)
     if isinstance(tied, (list, tuple, set)):  # transformers 4: the tied targets' names
         model._tied_weights_keys = [n for n in tied if not gone(n)] + list(added)
-    else:  # transformers 5: {target: source}, and the resolved mapping beside it
+    elif tied is not None or added:  # transformers 5: {target: source}, resolved beside it
         model._tied_weights_keys = {**kept(tied), **added}
     if "all_tied_weights_keys" in model.__dict__:
         model.all_tied_weights_keys = {**kept(model.all_tied_weights_keys), **added}
-    model._keys_to_ignore_on_save = set(model._keys_to_ignore_on_save or ()) | set(added)
+    if added:
+        model._keys_to_ignore_on_save = set(model._keys_to_ignore_on_save or ()) | set(added)
     return added
 
 
