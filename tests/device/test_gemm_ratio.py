@@ -3,6 +3,7 @@ the prior and the explanation, the measurement the verdict, cached per machine. 
 CPUs state their ratios, so every outcome here is the same on any host."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -447,3 +448,65 @@ def test_the_allow_slow_switch_silences_the_slow_precision_warning(monkeypatch):
         mixprec.apply(nn.Linear(2, 2), "bf16-mixed")
     assert [w.category for w in caught] == [mixprec.SlowPrecisionWarning]
     assert "measured 0.42x" in str(caught[0].message)
+
+
+def test_a_measure_notice_flags_a_slow_dtype_that_measured_faster_than_float32():
+    """Under load, float32's turns slowed so that float16 (0.06x on a Zen 4) read 15x as
+    fast as float32 beneath a table rating it slow, and nothing said so."""
+    rate = measuring.Rate
+    rates = {
+        "float32": rate(0.4, 0.3, 0.4, 128, 1.0, 1.0),
+        "bfloat16": rate(0.9, 0.8, 0.9, 128, 2.26, 1.11),
+        "float16": rate(5.6, 5.6, 5.7, 128, 15.07, 1.12),
+    }
+    notice = measuring.measure_notice(rates, ZEN4, load=1.2)
+    assert "float16, slow on this hardware, measured 15.1x faster than float32" in notice
+    quiet = {**rates, "float16": rate(0.02, 0.02, 0.02, 128, 0.06, 1.05)}
+    quiet["float32"] = rate(150.0, 148.0, 152.0, 128, 1.0, 1.0)
+    quiet["bfloat16"] = rate(600.0, 590.0, 610.0, 128, 4.0, 1.05)
+    assert measuring.measure_notice(quiet, ZEN4, load=0.5) is None
+
+
+def test_a_fast_dtype_whose_few_first_rounds_other_work_slowed_is_not_rated_there():
+    """bfloat16 (4x float32) with two of its three 128x128 turns slowed 60x read 0.07x there,
+    under DECISIVE, and was rated slow from rounds that disagreed 30x; it is decided only
+    when its upper quartile is under DECISIVE too, so it goes on to the sizes that show it."""
+    cpu = _Cpu(150.0, {**AMX_SPEED, "bfloat16": dict.fromkeys(gemm_ratio.SIZES, 4.0)})
+    hits = [0]
+    timer_at = cpu.timer_at
+
+    def disturbed(size, names):
+        time_one = timer_at(size, names)
+
+        def one(name):
+            t = time_one(name)
+            if name == "bfloat16" and size == 128 and hits[0] < 2:
+                hits[0] += 1
+                cpu.now += 59 * 2 * t
+                return 60 * t
+            return t
+
+        return one
+
+    rated = gemm_ratio.rate(["bfloat16", "float16"], disturbed, cpu.clock)
+    assert hits[0] == 2 and rated["bfloat16"][1] > 128
+    assert rated["bfloat16"][0].ratio("bfloat16") == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("bad", [math.inf, True, 0.0, math.nan])
+def test_a_cached_ratio_that_no_measurement_gives_is_measured_again(bad):
+    """A cached Infinity passed the cache's check (> 0), and DeviceInfo, which refuses it,
+    then made detect() and `mixprec info` fail until the file was deleted by hand."""
+    entry = {
+        "measured": {
+            "ratios": {"bfloat16": 4.0, "float16": 0.06},
+            "spread": {"bfloat16": 1.0, "float16": 1.0},
+            "sizes": {"bfloat16": 1024, "float16": 128},
+            "rounds": {"bfloat16": 3, "float16": 3},
+            "seconds": 0.5,
+            "measured_at": "2026-12-02 17:00 UTC",
+        }
+    }
+    assert gemm_ratio._from_entry(entry) is not None
+    entry["measured"]["ratios"]["bfloat16"] = bad
+    assert gemm_ratio._from_entry(entry) is None

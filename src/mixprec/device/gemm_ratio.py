@@ -23,6 +23,7 @@ instructions do, which is what the rating is about.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import threading
@@ -177,7 +178,8 @@ def rate(
 ) -> dict[str, tuple[Paired, int]]:
     """Each of `names` against float32, from the timers `timer_at(size, ["float32", ...])`
     builds (warming them up): `MIN_ROUNDS` paired rounds at each of `SIZES` in turn, a name
-    whose ratio there is under `DECISIVE` rated at that size; the others rated at the last
+    whose ratio there is under `DECISIVE` in all its rounds but the fastest quarter (its upper
+    quartile) rated at that size; the others rated at the last
     size, or at the last one whose rounds fit what is left of `BUDGET_S` (the next size's
     estimated `GROWTH` times as long, or its warm-up showing them longer), with more rounds
     there while they disagree. Returns each name's paired rounds and size."""
@@ -199,7 +201,9 @@ def rate(
             max_rounds=MIN_ROUNDS,
             clock=clock,
         )
-        decided = [n for n in pending if paired.ratio(n) < DECISIVE]
+        # (under DECISIVE at its rounds' upper quartile too: a turn other work slowed can
+        # make a fast dtype read decisively slow from the few rounds of one size)
+        decided = [n for n in pending if paired.ratio(n) * paired.spread(n) < DECISIVE]
         rated.update((n, (paired, size)) for n in decided)
         pending = [n for n in pending if n not in decided]
         last = (paired, timer, size)
@@ -274,7 +278,10 @@ def _from_entry(entry: dict[str, Any]) -> GemmRatios | None:
     valid = all(
         isinstance(f, dict)
         and set(f) == names
-        and all(isinstance(v, float | int) and v > 0 for v in f.values())
+        and all(
+            isinstance(v, float | int) and not isinstance(v, bool) and 0 < v < math.inf
+            for v in f.values()
+        )
         for f in fields
     )
     return found if valid else None

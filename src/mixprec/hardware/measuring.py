@@ -15,7 +15,7 @@ import torch
 
 from mixprec.device import DeviceInfo, default_device, detect
 from mixprec.dtypes import dtype_name
-from mixprec.hardware import FAST, REFUSED, _cpu_prior, dtype_support
+from mixprec.hardware import FAST, REFUSED, SLOW, _cpu_prior, dtype_support
 from mixprec.timing import WIDE, paired_rounds
 
 __all__ = ["Rate", "measure", "measure_notice", "measure_rates"]
@@ -147,7 +147,8 @@ def measure_notice(
     """Why the rates just measured may not be trusted, or None: rounds that disagree by
     more than `BUSY_SPREAD`, paired ratios against float32 spread wider than `timing.WIDE`, a
     load average above the cores, or a dtype the hardware's flags make fast measuring slower
-    than float32 (other work took the cores while it ran). The
+    than float32, or one they make slow measuring faster (other work took the cores while
+    one of them ran). The
     advice to measure longer names more than the `seconds` the rates were measured in."""
     reasons = []
     wide = [
@@ -184,6 +185,11 @@ def measure_notice(
         if predicted.status == FAST and speed < 1 / BUSY_SPREAD:
             reasons.append(
                 f"{name}, fast on this hardware, measured {1 / speed:.1f}x slower than float32"
+            )
+        elif predicted.status == SLOW and speed > BUSY_SPREAD:
+            reasons.append(
+                f"{name}, slow on this hardware, measured {speed:.1f}x faster than float32 "
+                f"(float32's own rounds were slowed)"
             )
     if not reasons:
         return None
