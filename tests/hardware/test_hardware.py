@@ -359,3 +359,34 @@ def test_diagnose_resolves_auto_on_its_device():
         model, batch, nn.functional.cross_entropy, precision="auto", device="cpu"
     )
     assert report.precision == PolicyMap("32-true")
+
+
+@pytest.mark.parametrize(
+    ("macos", "status"), [(None, "supported"), ((14, 5), "supported"), ((13, 6), "refused")]
+)
+def test_a_described_apple_gpu_is_rated_from_its_description(macos, status):
+    """The bfloat16 rating asked the host's torch for its macOS version: every rating of a
+    described MPS device raised on any other machine (RuntimeError, `mixprec info` exit 3)."""
+    m2 = DeviceInfo("mps", "Apple M2", macos=macos)
+    assert support_matrix(m2)["bf16-mixed"].status == status
+    assert resolve_auto(m2).name == "16-mixed"
+    with mixprec.hardware.assume(m2):
+        assert main(["info", "--device", "mps"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"type": "gpu"}, "type is 'cpu', 'cuda' or 'mps'"),
+        ({"type": "cuda"}, "needs its capability"),
+        ({"type": "cuda", "capability": (9,)}, r"capability is a \(major, minor\)"),
+        ({"type": "cuda", "capability": "9.0"}, r"capability is a \(major, minor\)"),
+        ({"cpu_flags": "avx512_bf16"}, "cpu_flags is a frozenset"),
+        ({"type": "mps", "macos": (14,)}, r"macos is a \(major, minor\)"),
+    ],
+)
+def test_a_device_description_that_does_not_hold_together_is_refused(fields, message):
+    """These raised a bare torch or unpacking error at the first rating, or rated every
+    precision refused (an "xpu") while auto still answered."""
+    with pytest.raises(ValueError, match=message):
+        DeviceInfo(**{"type": "cpu", "name": "described", **fields})

@@ -52,6 +52,8 @@ class DeviceInfo:
             cached per machine), a described CPU states them or, left None, is rated by its
             flags alone.
         gemm_note: how and when `gemm_ratios` were measured, shown by `mixprec info`.
+        macos: on an Apple GPU ("mps"), the macOS version, (major, minor): `detect` reads
+            the host's; a described one left None is taken as a current macOS (14+).
     """
 
     type: str
@@ -64,8 +66,31 @@ class DeviceInfo:
     isa_cap: str | None = None
     gemm_ratios: Mapping[str, float] | None = field(default=None, hash=False)
     gemm_note: str | None = field(default=None, hash=False, compare=False)
+    macos: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.type not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"DeviceInfo.type is 'cpu', 'cuda' or 'mps', got {self.type!r}")
+        for name in ("capability", "macos"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, tuple)
+                and len(value) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            ):
+                raise ValueError(
+                    f"DeviceInfo.{name} is a (major, minor) tuple of ints, e.g. (9, 0), got "
+                    f"{value!r}"
+                )
+        if self.type == "cuda" and self.capability is None:
+            raise ValueError("a cuda DeviceInfo needs its capability, e.g. (9, 0) for an H100")
+        if not isinstance(self.cpu_flags, frozenset) or not all(
+            isinstance(f, str) for f in self.cpu_flags
+        ):
+            raise ValueError(
+                f"DeviceInfo.cpu_flags is a frozenset of flag names as /proc/cpuinfo spells "
+                f"them (lower case, e.g. frozenset({{'avx512_bf16'}})), got {self.cpu_flags!r}"
+            )
         if self.gemm_ratios is None:
             return
         names = {dtype_name(d) for d in gemm_ratio.DTYPES}
@@ -253,7 +278,9 @@ def _detect(type_: str, index: int | None, caps: tuple[str | None, ...]) -> Devi
             total_memory=props.total_memory,
         )
     if type_ == "mps":
-        return DeviceInfo("mps", f"Apple GPU (macOS {platform.mac_ver()[0]})")
+        version = platform.mac_ver()[0]
+        parts = [int(v) for v in version.split(".")[:2] if v.isdigit()] + [0, 0]
+        return DeviceInfo("mps", f"Apple GPU (macOS {version})", macos=(parts[0], parts[1]))
     if type_ == "cpu":
         return _host_cpu(caps, refresh=False)
     raise PrecisionError(f"unknown device type {type_!r}; mixprec knows cpu, cuda and mps")

@@ -184,7 +184,9 @@ def dtype_support(dtype: torch.dtype, info: DeviceInfo) -> Support:
         if dtype == torch.float64:
             return Support(REFUSED, "MPS has no float64")
         if dtype == torch.bfloat16:
-            if torch.backends.mps.is_macos_or_newer(14, 0):
+            if info.macos is None:
+                return Support(SUPPORTED, "bfloat16 on macOS 14+ (a current macOS assumed)")
+            if info.macos >= (14, 0):
                 return Support(SUPPORTED, "bfloat16 on macOS 14+")
             return Support(REFUSED, "bfloat16 on MPS needs macOS 14 or newer")
         if dtype in (torch.float32, torch.float16):
