@@ -349,3 +349,34 @@ def test_a_saved_tensor_written_in_place_before_the_backward_raises_as_torch_doe
         return
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("option", ["bf16", "fp8"])
+def test_separate_modules_saving_one_tensor_store_it_once(option):
+    """Each module held its own codec: separate query, key and value Linears under a rule
+    by type each stored a copy of their shared input, holding more than keep (2.89 MB
+    against 2.62 MB in the probe). One codec per option stores it once, as one module does."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, h):
+            return self.q(h).tanh() + self.k(h).tanh() + self.v(h).tanh()
+
+    torch.manual_seed(0)
+    x = torch.randn(256, 64)
+
+    def model(activations):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, 64), Attention())  # (its output saved by q, k, v)
+        return mixprec.apply(net, mixprec.PolicyMap("32-true", activations=activations))
+
+    kept = saved_bytes(model("keep"), x)
+    by_type = saved_bytes(model({nn.Linear: option}), x)
+    # the first Linear's output, saved by the three projections: once, in q's count
+    h = 256 * 64 * (2 if option == "bf16" else 1)
+    assert kept["1.q"] == 4 * 256 * 64 and kept["1.k"] == kept["1.v"] == 0
+    assert by_type["1.q"] >= h and by_type["1.k"] < h and by_type["1.v"] < h
+    assert sum(by_type.values()) < sum(kept.values())

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
-from mixprec.activations.codecs import CODECS, ToBfloat16, ToFp8
+from mixprec.activations.codecs import CODECS, Codec, ToBfloat16, ToFp8
 from mixprec.activations.options import OPTIONS, accepted, refusal
 from mixprec.activations.recompute import recomputed
 from mixprec.activations.rules import Choice
@@ -44,6 +44,22 @@ def check_device(options: set[str], device_type: str) -> None:
         raise _offload_refused(f"the run is on {device_type}")
 
 
+# one codec per storage option for every module taking it: a tensor several modules save
+# (the input of separate query, key and value projections; a block's output, the next
+# block's input) is stored once, as one module saving it several times stores it
+_CODECS: dict[str, Codec] = {}
+
+
+def _shared(option: str) -> Codec | None:
+    """The codec of every module whose activations take ``option`` (None: recomputed or
+    offloaded)."""
+    if option not in CODECS:
+        return None
+    if option not in _CODECS:
+        _CODECS[option] = CODECS[option]()
+    return _CODECS[option]
+
+
 class ActivationForward:
     """Stands in for one module's `forward`, kept in the module's ``__dict__`` as mixprec's
     regions are (holding the module, not a bound method, so copies and pickles work): runs
@@ -54,7 +70,7 @@ class ActivationForward:
         self.module = module
         self.option = option
         self.original = original
-        self.codec = CODECS[option]() if option in CODECS else None
+        self.codec = _shared(option)
 
     @property
     def __signature__(self) -> inspect.Signature:
