@@ -651,3 +651,19 @@ def test_float8_delayed_scales_stay_float32_when_a_true_policy_casts_the_storage
         out.float().sum().backward()
     assert {b.dtype for b in layer.buffers()} == {torch.float32}
     assert layer.input_scale.item() > 0 and out.abs().max() > 0
+
+
+def test_a_rule_naming_a_container_shards_its_children(one_rank):
+    """A rule on a ModuleList made the list a unit of its own (its compute dtype differs
+    from its parent's), which fully_shard refuses ("containers that do not implement
+    forward") after the blocks inside were sharded already; the same map ran unsharded."""
+    policy = PolicyMap("32-true", {"blocks": "bf16-mixed"})
+    plan = units(BlockNet(8), policy)
+    assert "blocks" not in plan and {"blocks.0", "blocks.1"} <= set(plan)
+    assert plan["blocks.1"].compute_dtype == torch.bfloat16
+    x = torch.randn(5, 4)
+    reference = Precision(policy, allow_slow=True).setup(BlockNet(8))
+    sharded = shard(BlockNet(8), policy, allow_slow=True)
+    out = sharded(x)
+    assert out.dtype == torch.float32  # (the head computes in float32 on bf16 blocks' output)
+    torch.testing.assert_close(out, reference(x), rtol=1e-2, atol=1e-2)

@@ -87,7 +87,8 @@ def units(model: nn.Module, policy: Any, wrap: WrapFn | None = None) -> dict[str
 
     Units are the `wrap(name, module)` hits (default: the blocks of top-level ModuleLists and
     Sequentials), plus every module whose policy computes in another dtype than its parent's
-    (float32 islands, rules): FSDP2 casts per unit, so a different compute dtype needs one.
+    (float32 islands, rules): FSDP2 casts per unit, so a different compute dtype needs one;
+    a container without a forward (a ModuleList a rule names) stands for its children.
     A quantized embedding under a mixed policy computes in its param dtype (its scales'), so
     it is such a unit too, and hands its rows back in its parent's compute dtype. Call it on
     the model as `shard` sees it: quantized by `quantize_for`."""
@@ -110,6 +111,18 @@ def units(model: nn.Module, policy: Any, wrap: WrapFn | None = None) -> dict[str
         parent = name.rpartition(".")[0]
         if name and policies[name].compute_dtype != policies[parent].compute_dtype:
             chosen.add(name)
+    # a container without a forward of its own (ModuleList, ModuleDict) is not a unit FSDP2
+    # can shard (its parent calls its children): its children are, each under its policy
+    modules = dict(model.named_modules())
+    containers = [n for n in chosen if type(modules[n]).forward is nn.Module.forward]
+    while containers:
+        name = containers.pop()
+        chosen.discard(name)
+        for child, module in modules[name].named_children():
+            path = f"{name}.{child}"
+            chosen.add(path)
+            if type(module).forward is nn.Module.forward:
+                containers.append(path)
     in_model_order = [name for name in resolved if name in chosen]
     ordered = sorted(in_model_order, key=lambda n: -n.count("."))  # stable: deepest first
     return {name: policies[name] for name in [*ordered, ""]}
