@@ -385,3 +385,27 @@ def test_low_bit_states_saved_in_another_layout_are_refused_before_anything_load
     with pytest.raises(CheckpointError, match=r"each of \[2\] shards.*\[1\].*Nothing was loaded"):
         again.fit(model, one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_file_checkpoint_loads_into_fsdp_for_evaluation_and_refuses_to_resume_a_fit(tmp_path):
+    """A one-device run's file checkpoint given to an FSDP run failed inside torch's
+    load_state_dict ("got mixed torch.Tensor and DTensor"). Its weights now load into the
+    sharded model for validate/test; resuming a fit from it, whose optimizer state is laid
+    out for the unsharded model, is refused before anything loads, saying what works."""
+    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    first = Trainer(precision="32-true", max_steps=2, callbacks=[every_2], **RUN)
+    trained = ShardedDropoutNet()
+    first.fit(trained, one_rank_loader())
+    assert (tmp_path / "last.ckpt").is_file()
+    sharded = Trainer(precision="32-true", strategy="fsdp", devices=1, max_steps=4, **RUN)
+    model = ShardedDropoutNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"file checkpoint.*strategy='ddp'.*Nothing"):
+        sharded.fit(model, one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    evaluated = ShardedDropoutNet()
+    Trainer(precision="32-true", strategy="fsdp", devices=1, **RUN).validate(
+        evaluated, one_rank_loader(), ckpt_path=tmp_path / "last.ckpt"
+    )
+    for k, v in trained.state_dict().items():
+        assert torch.equal(evaluated.state_dict()[k], v), k

@@ -220,7 +220,15 @@ def load_weights(run: Run, state: dict[str, Any], path: Path) -> bool:
             else "",
         )
         weights.update(saved_masters(state))
-    run.model.load_state_dict(weights)
+    if run.strategy.sharded:  # (whole tensors, each rank keeping its shard of them)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        set_model_state_dict(run.model, weights, options=StateDictOptions(full_state_dict=True))
+    else:
+        run.model.load_state_dict(weights)
     return same
 
 
@@ -236,6 +244,14 @@ def saved_masters(state: dict[str, Any]) -> dict[str, Tensor]:
 def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
     """Put ``run`` and its progress back where the checkpoint ``state`` left them."""
     # everything is checked before anything is loaded: a failed resume leaves the model as it was
+    if run.strategy.sharded:
+        raise CheckpointError(
+            f"{path} is a file checkpoint (a one-device or DDP run's), and this run shards its "
+            "model (strategy='fsdp'), which resumes sharded checkpoints only: resume it with "
+            "strategy='ddp' or on one device, or start this run from its weights alone "
+            "(model.load_state_dict(torch.load(path)['model']) before fit, without ckpt_path). "
+            "Nothing was loaded"
+        )
     check_weights(run.model, state, path)
     state = across_state_formats(state, run.optimizers, path)
     _check_optimizers(run, state, path)
