@@ -380,3 +380,48 @@ def test_separate_modules_saving_one_tensor_store_it_once(option):
     assert kept["1.q"] == 4 * 256 * 64 and kept["1.k"] == kept["1.v"] == 0
     assert by_type["1.q"] >= h and by_type["1.k"] < h and by_type["1.v"] < h
     assert sum(by_type.values()) < sum(kept.values())
+
+
+def _graph_holds(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the storages the graph saves that are not the model's or the input's."""
+    alive = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), x]}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in alive:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(seen.values())
+
+
+def _frozen_first() -> nn.Module:
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    model[0].requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("make", "shape"),
+    [
+        (_frozen_first, (32, 64)),
+        (lambda: nn.Sequential(nn.Linear(64, 128), nn.Dropout(0.5), nn.Linear(128, 10)), (32, 64)),
+        (
+            lambda: nn.Sequential(
+                nn.Conv2d(3, 8, 3), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(1800, 4)
+            ),
+            (4, 3, 32, 32),
+        ),
+    ],
+    ids=["frozen-first-layer", "dropout", "max-pool"],
+)
+def test_saved_bytes_count_what_only_the_graph_holds(make, shape):
+    """A saved tensor without a history was taken for a parameter, buffer or input: a frozen
+    layer's output (0 counted of 16,384 held), dropout's mask and max-pooling's int64
+    indices went uncounted."""
+    torch.manual_seed(0)
+    model, x = make(), torch.randn(shape)
+    assert sum(saved_bytes(model, x).values()) == _graph_holds(model, x)

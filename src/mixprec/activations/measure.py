@@ -3,7 +3,9 @@ module, the bytes its own ops leave saved (after the codec of its option stored 
 recomputed module the inputs checkpointing holds, and nothing below it; nothing for
 ``offload``, which holds them in host memory; ``selective``'s saved matmul outputs are held
 by torch's checkpointing, out of this count's sight).
-Parameters, buffers and inputs are not counted: they are alive without the graph."""
+Parameters, buffers and the model's inputs are not counted: they are alive without the
+graph; tensors without a history that only the graph holds (a frozen layer's output,
+dropout's mask, max-pooling's indices) are, though the codecs keep them as they are."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._pytree import tree_leaves
 
 from mixprec.activations.codecs import Keep, is_activation, record_to
 
@@ -35,12 +38,24 @@ def saved_bytes_of(model: nn.Module, run: Callable[[], Any]) -> dict[str, int]:
     out = dict.fromkeys(names.values(), 0)
     stack: list[str] = []
     seen: set[int] = set()
+    # the storages alive without the graph: parameters, buffers and the model's inputs
+    alive = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
 
     def record(original: Tensor, stored: int, key: int) -> None:
-        if key in seen or not is_activation(original):
+        if key in seen:
+            return
+        # (a tensor without a history that is none of those lives through the graph alone:
+        # a frozen layer's output, dropout's mask, max-pooling's indices)
+        if not is_activation(original) and (
+            original.grad_fn is not None or original.untyped_storage().data_ptr() in alive
+        ):
             return
         seen.add(key)
         out[stack[-1] if stack else ""] += stored
+
+    def inputs(module: nn.Module, args: Any, kwargs: Any) -> None:
+        leaves = tree_leaves((args, kwargs))
+        alive.update(t.untyped_storage().data_ptr() for t in leaves if torch.is_tensor(t))
 
     def enter(module: nn.Module, args: Any) -> None:
         stack.append(names.get(id(module), stack[-1] if stack else ""))
@@ -48,7 +63,8 @@ def saved_bytes_of(model: nn.Module, run: Callable[[], Any]) -> dict[str, int]:
     def leave(module: nn.Module, args: Any, output: Any) -> None:
         stack.pop()
 
-    handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
+    handles = [model.register_forward_pre_hook(inputs, with_kwargs=True)]
+    handles += [m.register_forward_pre_hook(enter) for m in model.modules()]
     handles += [m.register_forward_hook(leave, always_call=True) for m in model.modules()]
     outer = Keep()
     record_to(record)
