@@ -412,6 +412,7 @@ def test_policy_maps_with_quantized_rules_round_trip():
 
 
 A100 = hardware.DeviceInfo("cuda", "A100", 0, capability=(8, 0))
+B200 = hardware.DeviceInfo("cuda", "NVIDIA B200", 0, capability=(10, 0))
 
 
 @pytest.mark.parametrize(
@@ -430,9 +431,17 @@ A100 = hardware.DeviceInfo("cuda", "A100", 0, capability=(8, 0))
         ("transformer-engine-float16", H100, hardware.FAST),
         ("transformer-engine", A100, hardware.SLOW),  # float8 needs compute capability 8.9+
         ("transformer-engine", AVX2_CPU, hardware.SLOW),
+        # torch's row-wise float8 kernels: a bfloat16 output on 8.9/9.0 only (else emulated)
+        ("float8/rowwise_from_bf16-mixed", H100, hardware.FAST),
+        ("float8/rowwise_from_float32", H100, hardware.SLOW),
+        ("float8/rowwise_with_gw_hp_from_16-mixed", H100, hardware.SLOW),
+        ("float8/rowwise_from_bf16-mixed", B200, hardware.SLOW),
+        ("float8_from_bf16-mixed", B200, hardware.FAST),
     ],
 )
 def test_hardware_rates_quantized_policies_honestly(spec, info, status):
+    """(Row-wise float8 was rated fast on every GPU of 8.9+ and any compute dtype, where
+    it runs emulated but on Ada/Hopper with a bfloat16 output.)"""
     assert hardware.policy_support(spec, info).status == status
 
 

@@ -234,6 +234,13 @@ class Format:
         dtypes, with nothing of its own to say)."""
         return None
 
+    def rate_policy(
+        self, info: DeviceInfo, config: Any, compute_dtype: torch.dtype
+    ) -> Support | None:
+        """`rate` for one configuration of the format under a policy computing in
+        ``compute_dtype``; a format whose kernels depend on them overrides it."""
+        return self.rate(info)
+
     def __repr__(self) -> str:
         return f"<format {self.name}>"
 

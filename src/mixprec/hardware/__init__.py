@@ -233,7 +233,11 @@ def _one_support(policy: Policy, info: DeviceInfo) -> Support:
     """One policy's support: its format's rating first, then its dtypes' (storage matters
     only if refused; speed is decided by the compute dtype)."""
     worst = Support(FAST, "")
-    rated = policy.format.rate(info) if isinstance(policy, QuantizedPolicy) else None
+    rated = (
+        policy.format.rate_policy(info, policy.config, policy.compute_dtype)
+        if isinstance(policy, QuantizedPolicy)
+        else None
+    )
     if rated is not None:
         worst = _worse(worst, rated.status, f"{policy.mode}: {rated.reason}")
     for dtype in dict.fromkeys((policy.compute_dtype, policy.param_dtype, policy.output_dtype)):

@@ -724,5 +724,24 @@ class Float8Format(Format):
     def rate(self, info: DeviceInfo) -> Support:
         return float8_support(info)
 
+    def rate_policy(
+        self, info: DeviceInfo, config: Float8Config, compute_dtype: torch.dtype
+    ) -> Support:
+        """`float8_support`, except that torch's row-wise float8 kernels exist for a bfloat16
+        output on Ada and Hopper GPUs only (`real_scaled_mm_supported`): elsewhere a
+        row-wise recipe runs emulated."""
+        rated = float8_support(info)
+        if rated.status != Status.FAST or config.recipe not in Float8Config.ROWWISE_RECIPES:
+            return rated
+        major, minor = info.capability or (0, 0)
+        if compute_dtype == torch.bfloat16 and (major, minor) in ((8, 9), (9, 0)):
+            return rated
+        return Support(
+            Status.SLOW,
+            f"{config.recipe} float8 runs emulated here: torch's row-wise float8 matmuls "
+            f"need a bfloat16 compute dtype on compute capability 8.9 or 9.0 (this policy "
+            f"computes in {str(compute_dtype).removeprefix('torch.')} on {major}.{minor})",
+        )
+
 
 FLOAT8 = Float8Format()
