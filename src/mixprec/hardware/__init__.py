@@ -138,9 +138,10 @@ def _cpu_prior(dtype: torch.dtype, flags: frozenset[str]) -> Support:
             "convolutions may still use slow float16 kernels",
         )
     if "avx512_fp16" in flags or "apple_silicon" in flags:
+        which = "avx512_fp16" if "avx512_fp16" in flags else "Apple silicon's CPU"
         return Support(
             SLOW,
-            "float16 matmuls near float32 speed (avx512_fp16), but "
+            f"float16 matmuls near float32 speed ({which}), but "
             "convolutions and most other float16 ops fall back to slow "
             "kernels (a CNN step measured ~100x slower than float32)",
         )
@@ -278,10 +279,10 @@ _FAST_ON: dict[torch.dtype, str] = {
     torch.bfloat16: (
         "NVIDIA GPUs of compute capability 8.0+ (A100, RTX 30xx, H100 and newer), "
         "CPUs with avx512_bf16 (AMD Zen 4+, Intel Cooper Lake) or amx_bf16 "
-        "(Intel Sapphire Rapids+), Apple silicon (M2+)"
+        "(Intel Sapphire Rapids+)"
     ),
     torch.float16: (
-        "NVIDIA GPUs of compute capability 7.0+ (V100, T4 and newer), Apple silicon; "
+        "NVIDIA GPUs of compute capability 7.0+ (V100, T4 and newer), Apple GPUs (MPS); "
         "on CPUs only those with amx_fp16 (Intel Granite Rapids+), for matmuls"
     ),
 }
