@@ -484,7 +484,8 @@ def test_quantize_reports_skips_and_honours_filters():
         "b": "excluded by filter",
         "small": "too small: 4 input features (fewer than 16 save little and lose the most "
         "accuracy)",
-        "n": "unsupported type LayerNorm: int8 quantizes Linear and Embedding",
+        "n": "unsupported type LayerNorm: int8 quantizes Linear, Embedding and "
+        "Hugging Face's Conv1D",
     }
     result = quantize(model, "int4", filter=lambda path, m: path != "a", group_size=16)
     assert list(result.quantized) == ["b"] and result.quantized["b"] == "int4 (groups of 16)"

@@ -327,7 +327,8 @@ def test_explain_says_which_layers_a_rule_quantizes_and_which_it_skips_and_why()
     assert e.quantized == ["body.0", "head"]
     assert e.quantization["body.0"] == "int8" and e.quantization["head"] == "int4"
     assert e.skipped == {
-        "body.2": "unsupported type LayerNorm: int8 quantizes Linear and Embedding",
+        "body.2": "unsupported type LayerNorm: int8 quantizes Linear, Embedding and "
+        "Hugging Face's Conv1D",
         "tiny": "too small: 8 input features (fewer than 16 save little and lose the most "
         "accuracy)",
     }
@@ -486,7 +487,7 @@ def test_the_layer_rules_are_the_quantize_packages_and_the_policy_a_plain_value(
     assert not hasattr(policy, "skip_reason")
     assert skip_reason(policy, nn.Linear(32, 32)) is None
     assert skip_reason(policy, nn.LayerNorm(32)) == (
-        "unsupported type LayerNorm: int8 quantizes Linear and Embedding"
+        "unsupported type LayerNorm: int8 quantizes Linear, Embedding and Hugging Face's Conv1D"
     )
     model = _model()
     explained = mixprec.explain(model, policy).skipped

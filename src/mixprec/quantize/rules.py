@@ -102,7 +102,7 @@ def skip_reason(
     if isinstance(done, str):
         return None if done == fmt.name else f"already quantized to {done}"
     linear_only = not fmt.embeddings
-    kinds = "Linear" if linear_only else "Linear and Embedding"
+    kinds = "Linear" if linear_only else "Linear, Embedding and Hugging Face's Conv1D"
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return (
             "unsupported type: the output projection of nn.MultiheadAttention, whose "

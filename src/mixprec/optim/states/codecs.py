@@ -336,13 +336,15 @@ def dynamic_nearest(y: torch.Tensor, d: _Decades, signed: bool) -> torch.Tensor:
 _AVX2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
-def _indices(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 ``codes`` as int32 indices into a code map. On an AVX2 CPU through int16: the
-    compiled update converts uint8 to int32 element by element there, so its table reads
-    take about a third longer; with AVX-512 the direct conversion is the faster one."""
+def _indices(codes: torch.Tensor, size: int = 256) -> torch.Tensor:
+    """uint8 ``codes`` as int32 indices into a code map of ``size`` values. On an AVX2 CPU
+    through int16: the compiled update converts uint8 to int32 element by element there, so
+    its table reads take about a third longer; with AVX-512 the direct conversion is the
+    faster one. Clamped to the map (where the codes always are): the compiled update then
+    knows the indices' range and drops its per-element bounds check of the table read."""
     if _AVX2 and codes.device.type == "cpu":
-        return codes.to(torch.int16).to(torch.int32).clamp(0, 255)
-    return codes.to(torch.int32).clamp(0, 255)
+        return codes.to(torch.int16).to(torch.int32).clamp(0, size - 1)
+    return codes.to(torch.int32).clamp(0, size - 1)
 
 
 def _over(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -452,7 +454,7 @@ class Int4Codec(StateCodec):
 
     def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
         if signed or (_AVX2 and codes.device.type == "cpu"):
-            values = table[_indices(unpack4(codes)).reshape(-1, block)]
+            values = table[_indices(unpack4(codes), 16).reshape(-1, block)]
         else:  # the linear map's value k/16 of code k - 1 by arithmetic (exact), as a table
             # read costs the compiled update more than the rest of the moment's decode; not
             # on AVX2, where the update's loop then runs element by element
