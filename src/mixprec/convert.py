@@ -43,6 +43,7 @@ from mixprec.policy.map import (
     PolicyMap,
     Resolution,
     as_map,
+    dtype_plan,
     float_dtypes,
 )
 from mixprec.quantize import quantize_modules
@@ -396,41 +397,6 @@ def _strip_regions(model: nn.Module) -> None:
             region = region.original
 
 
-def _dtype_plan(
-    model: nn.Module, resolved: dict[str, Resolution], *, replaced: bool = False
-) -> list[tuple[nn.Module, str, str, torch.dtype]]:
-    """(module, "parameter"/"buffer", key, dtype) for every floating tensor whose dtype the
-    policy changes; a `PolicySpecError` for a tensor shared by modules that store it in
-    different dtypes. Changes nothing, so `apply` can check before it converts.
-    `replaced`: leave out the layers quantization is about to replace (a head quantized
-    apart from the embedding it shares a weight with shares nothing afterwards)."""
-    owners: dict[int, tuple[str, torch.dtype]] = {}
-    plan = []
-    for name, module in model.named_modules():
-        if replaced and resolved[name].quantized:
-            continue
-        policy = resolved[name].policy
-        fixed = getattr(module, "fixed_dtype_buffers", ())  # float8 delayed scales
-        for kind, store in (("parameter", module._parameters), ("buffer", module._buffers)):
-            dtype = policy.param_dtype if kind == "parameter" else policy.buffer_dtype
-            for key, t in store.items():
-                if t is None or not t.is_floating_point():
-                    continue
-                if kind == "buffer" and key in fixed:
-                    continue
-                path = f"{name}.{key}" if name else key
-                seen = owners.setdefault(id(t), (path, dtype))
-                if seen[1] != dtype:
-                    raise PolicySpecError(
-                        f"{kind} {path} is shared with {seen[0]!r}, but the policy stores it "
-                        f"as {dtype} here and {seen[1]} there; give both modules the same "
-                        "param dtype"
-                    )
-                if t.dtype != dtype:
-                    plan.append((module, kind, key, dtype))
-    return plan
-
-
 def _convert(plan: list[tuple[nn.Module, str, str, torch.dtype]]) -> None:
     # under inference_mode the converted tensors would be inference tensors, which can
     # never be trained again: convert as plain tensors whatever the caller's mode
@@ -570,7 +536,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     # everything that can refuse the policy runs before the model changes: a refused
     # re-apply leaves the previous policy in place, weights unrounded
     _check_bypassed(model, resolved)
-    _dtype_plan(model, resolved, replaced=True)
+    dtype_plan(model, resolved, replaced=True)
     if state is None:
         original = _floating_dtypes(model)
     else:
@@ -590,7 +556,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
                 )
             raise
         resolved = _after_swap(model, resolved)
-    _convert(_dtype_plan(model, resolved))
+    _convert(dtype_plan(model, resolved))
     _install_regions(model, resolved)
     if pmap.activations is not None:  # outside the regions
         install_activations(model, pmap.activation_choices(model))

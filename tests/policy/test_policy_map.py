@@ -345,3 +345,21 @@ def test_explain_says_each_autocast_difference_once_for_the_modules_it_holds_for
     text = " ".join(console.export_text().split())
     assert text.count("computes in float32 whatever its input") == 1
     assert "beyond cpu torch.autocast: 1, 3: LayerNorm computes in float32" in text
+
+
+def test_explain_refuses_a_shared_weight_given_two_dtypes_as_apply_does():
+    """explain showed the head of a tied embedding in 32-true under a bf16-true default;
+    apply refuses that map (one tensor, two dtypes), and explain now says the same."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(10, 16)
+            self.head = nn.Linear(16, 10, bias=False)
+            self.head.weight = self.emb.weight
+
+    pmap = PolicyMap("bf16-true", {"head": "32-true"})
+    for call in (mixprec.explain, mixprec.apply):
+        with pytest.raises(PolicySpecError, match=r"head.weight is shared with 'emb.weight'"):
+            call(Tied(), pmap)
+    mixprec.explain(Tied(), PolicyMap("32-true", {"head": "bf16-mixed"}))  # (float32 both)

@@ -73,6 +73,7 @@ __all__ = [
     "PolicyMap",
     "Resolution",
     "as_map",
+    "dtype_plan",
     "float_dtypes",
     "is_policy_file",
 ]
@@ -698,3 +699,39 @@ def as_map(policy: Any = None) -> PolicyMap:
 
 # where `mixprec.apply` keeps what it did on the root module (its `AppliedState`)
 APPLIED_STATE = "_mixprec_state"
+
+
+def dtype_plan(
+    model: nn.Module, resolved: dict[str, Resolution], *, replaced: bool = False
+) -> list[tuple[nn.Module, str, str, torch.dtype]]:
+    """(module, "parameter"/"buffer", key, dtype) for every floating tensor whose dtype the
+    policy changes; a `PolicySpecError` for a tensor shared by modules that store it in
+    different dtypes. Changes nothing, so `apply` can check before it converts (and
+    `explain` refuses what `apply` would).
+    `replaced`: leave out the layers quantization is about to replace (a head quantized
+    apart from the embedding it shares a weight with shares nothing afterwards)."""
+    owners: dict[int, tuple[str, torch.dtype]] = {}
+    plan = []
+    for name, module in model.named_modules():
+        if replaced and resolved[name].quantized:
+            continue
+        policy = resolved[name].policy
+        fixed = getattr(module, "fixed_dtype_buffers", ())  # float8 delayed scales
+        for kind, store in (("parameter", module._parameters), ("buffer", module._buffers)):
+            dtype = policy.param_dtype if kind == "parameter" else policy.buffer_dtype
+            for key, t in store.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                if kind == "buffer" and key in fixed:
+                    continue
+                path = f"{name}.{key}" if name else key
+                seen = owners.setdefault(id(t), (path, dtype))
+                if seen[1] != dtype:
+                    raise PolicySpecError(
+                        f"{kind} {path} is shared with {seen[0]!r}, but the policy stores it "
+                        f"as {dtype} here and {seen[1]} there; give both modules the same "
+                        "param dtype"
+                    )
+                if t.dtype != dtype:
+                    plan.append((module, kind, key, dtype))
+    return plan
