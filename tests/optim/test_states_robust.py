@@ -716,3 +716,17 @@ def test_a_parameter_listed_twice_in_a_group_is_refused():
     p = _params(((64, 96),))[0]
     with pytest.raises(ValueError, match=r"lists a parameter of shape \[64, 96\] twice"):
         AdamW8bit([p, p], **KW)
+
+
+def test_a_state_dict_leaves_the_live_state_as_it_was():
+    """The layout a state dict records ("shards") went into the live state too (torch's
+    state dict holds the state's own dicts), where a later load found an int among the
+    tensors."""
+    params = _params()
+    opt = AdamW8bit(params, min_size=0, **KW)
+    _run(opt, params, range(1))
+    before = {p: set(s) for p, s in opt.state.items()}
+    saved = opt.state_dict()
+    assert saved["state"][0]["shards"] == 1
+    assert {p: set(s) for p, s in opt.state.items()} == before
+    assert all("shards" not in s for s in opt.state.values())

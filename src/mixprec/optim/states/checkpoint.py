@@ -46,7 +46,8 @@ class StateCheckpoint(torch.optim.Optimizer):
         for key, p in enumerate(params):
             entry = out["state"].get(key)
             if entry and parse_state_format(entry.get("format", "float32")).quantized:
-                entry["shards"] = shards_of(p)
+                # (a new dict: torch's state dict holds the live state's own)
+                out["state"][key] = {**entry, "shards": shards_of(p)}
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
