@@ -10,7 +10,11 @@ Trainer measure it.
   start and stop) are kept off the user's stderr; anything else written there meanwhile is
   passed on when the work ends.
 
-Both count what the work allocates, never the tensors alive before it.
+Both count what the work allocates, never the tensors alive before it. They differ where
+the work frees such a tensor: CUDA's count drops below its start by its bytes (a later
+allocation of the same size nets to 0), the CPU's does not see that free (the profiler
+records the frees of blocks it saw allocated), so there the later allocation counts whole.
+The bench builds its models inside the work, which has no such tensors.
 """
 
 from __future__ import annotations
