@@ -730,3 +730,17 @@ def test_a_state_dict_leaves_the_live_state_as_it_was():
     assert saved["state"][0]["shards"] == 1
     assert {p: set(s) for p, s in opt.state.items()} == before
     assert all("shards" not in s for s in opt.state.values())
+
+
+@pytest.mark.parametrize("size", [50, 1000])
+def test_a_parameter_resized_after_its_first_step_is_refused_with_float32_moments(size):
+    """torch's fused kernel, which steps float32 moments, was given moments of the old
+    size: a smaller parameter stepped silently, a larger one read past them (non-finite
+    weights or a crash)."""
+    p = nn.Parameter(torch.randn(100))
+    opt = LowBitAdamW([p], states="float32", min_size=0, **KW)
+    p.grad = torch.randn(100)
+    opt.step()
+    p.data, p.grad = torch.randn(size), torch.randn(size)
+    with pytest.raises(RuntimeError, match=r"no longer has the size of its optimizer state"):
+        opt.step()

@@ -535,6 +535,15 @@ class LowBitOptimizer(StateCheckpoint):
         params = [real_view(b.p).view(-1) for b in bucket]
         grads = [real_view(b.p.grad).reshape(-1) for b in bucket]
         moments = [[m for m, _ in b.moments] for b in bucket]
+        for b, p, ms in zip(bucket, params, moments, strict=True):
+            # (torch's fused kernel reads past a smaller moment: a parameter whose data was
+            # replaced by a larger tensor after its state was made would corrupt memory)
+            if any(m is not None and m.numel() != p.numel() for m in ms):
+                raise RuntimeError(
+                    f"parameter {b.index} (shape {list(b.p.shape)}) no longer has the size of "
+                    f"its optimizer state ({ms[0].numel()} elements): its data was replaced "
+                    f"after its first step; build the optimizer after resizing parameters"
+                )
         first = bucket[0]
         if self.algorithm == "adam":
             exp_avgs, exp_avg_sqs = ([m[i] for m in moments] for i in (0, 1))
