@@ -93,6 +93,13 @@ class StateCheckpoint(torch.optim.Optimizer):
             {**g, "states": ours["states"]}
             for g, ours in zip(saved["param_groups"], self.param_groups, strict=True)
         ]
+        # (the layout, checked above, is the state dict's, not a state's)
+        saved["state"] = {
+            key: {k: v for k, v in entry.items() if k != "shards"}
+            if isinstance(entry, Mapping)
+            else entry
+            for key, entry in saved["state"].items()
+        }
         # the loaded settings go into the groups this optimizer has (torch's loader makes new
         # ones), so that whoever holds them goes on seeing them: the torch optimizer it was
         # converted from, whose scheduler sets their learning rates (`conversion.hand_over`)
@@ -108,8 +115,6 @@ class StateCheckpoint(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             for name, value in entry.items():
-                if name == "shards":  # (checked: the layout, not a state)
-                    continue
                 if torch.is_tensor(value) and name != "step":
                     state[name] = like_saved(value, p)
                 elif not torch.is_tensor(value):  # torch's loader rebuilds a string
