@@ -409,3 +409,36 @@ def test_a_file_checkpoint_loads_into_fsdp_for_evaluation_and_refuses_to_resume_
     )
     for k, v in trained.state_dict().items():
         assert torch.equal(evaluated.state_dict()[k], v), k
+
+
+def test_a_sharded_checkpoint_saved_before_layouts_were_recorded_resumes(tmp_path):
+    """Low-bit state dicts now record each state's layout ("shards"); DCP's strict load
+    refused a checkpoint written before (a missing key), even on the process count that
+    saved it. Its states load as they are, the run state's world size standing for the
+    layout."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    first = Trainer(
+        precision="32-true", strategy="fsdp", devices=1, max_steps=2, callbacks=[every_2],
+        optimizer_states="int8", **RUN,
+    )  # fmt: skip
+    first.fit(ShardedDropoutNet(width=1024), one_rank_loader())  # (an int8 state)
+    saved = (tmp_path / "last.ckpt").resolve()
+    # the checkpoint as it was written before: no layouts in the shards nor the run state
+    dcp_to_torch_save(saved, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=False)
+    layouts = [entry.pop("shards", None) for entry in whole["optim"]["state"].values()]
+    assert 1 in layouts  # (the int8 states': the float32 ones record none)
+    older = tmp_path / "older.ckpt"
+    torch.save(whole, tmp_path / "older.pt")
+    torch_save_to_dcp(tmp_path / "older.pt", older)
+    state = torch.load(saved / "trainer-rank0.pt", weights_only=False)
+    del state["optimizer_state_shards"]
+    torch.save(state, older / "trainer-rank0.pt")
+    again = Trainer(
+        precision="32-true", strategy="fsdp", devices=1, max_steps=4,
+        optimizer_states="int8", enable_checkpointing=False, **RUN,
+    )  # fmt: skip
+    again.fit(ShardedDropoutNet(width=1024), one_rank_loader(), ckpt_path=older)
+    assert again.global_step == 4

@@ -81,6 +81,21 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
         dcp.load(state, checkpoint_id=path, no_dist=True)
 
 
+def _as_saved_before_layouts(optim_state: dict[str, Any], path: Path) -> None:
+    """Leave out of the optimizer state to load the low-bit layouts (``"shards"``) the
+    checkpoint at ``path`` does not hold: one saved before they were recorded, which DCP's
+    strict load would refuse for the missing keys (the run state's world size stands for
+    the layout then, `restore`)."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for fqn, entry in optim_state.get("state", {}).items():
+        if (
+            isinstance(entry, dict)
+            and "shards" in entry
+            and f"optim.state.{fqn}.shards" not in saved
+        ):
+            del entry["shards"]
+
+
 def _inner(run: FitRun | Run) -> list[torch.optim.Optimizer]:
     return [opt.optimizer for opt in getattr(run, "optimizers", [])]
 
@@ -220,6 +235,7 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
         )
     check_resume_point(run, loop, path)
     model_state, optim_state = get_state_dict(run.model, _inner(run))
+    _as_saved_before_layouts(optim_state, path)
     _dcp_load({"model": model_state, "optim": optim_state}, path)
     set_state_dict(
         run.model, _inner(run), model_state_dict=model_state, optim_state_dict=optim_state
