@@ -321,3 +321,26 @@ def test_equal_peaks_state_no_memory_finding(monkeypatch):
     monkeypatch.setitem(PEAKS, "bf16-mixed", 100)
     sentence = conclusion(*_with_interval(1.15, 1.40, 1.50))
     assert "peak memory" not in sentence and "as fast as float32 (batch 16;" in sentence
+
+
+def test_intervals_on_both_sides_of_the_seeds_figure_say_so():
+    """An interval under 1.1x at one batch size and one over it at another read "about
+    what it pays here" (the span of all of them held 1.1x)."""
+    rows = [
+        Row(
+            Config(key, key, batch, None, key != "32-true"),
+            RunResult(OK, LoopResult(step_ms=[FP32_MS] * 10, peak_memory=PEAKS[key]), paired=True),
+        )
+        for batch in (16, 32)
+        for key in KEYS
+    ]
+    report = BenchReport(_report({k: [FP32_MS] for k in KEYS}).metadata, rows)
+    summaries = summarize(report)
+    for s, (low, median, high) in zip(
+        [s for s in summaries if s.precision != "32-true"], [(0.8, 0.82, 0.85), (1.3, 1.35, 1.4)]
+    ):
+        s.speedup, s.speedup_low, s.speedup_high = median, low, high
+    sentence = conclusion(report, summaries)
+    assert sentence.endswith("more than that at some batch sizes here and less at others."), (
+        sentence
+    )

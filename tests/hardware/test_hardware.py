@@ -383,6 +383,7 @@ def test_a_described_apple_gpu_is_rated_from_its_description(macos, status):
         ({"type": "cuda", "capability": "9.0"}, r"capability is a \(major, minor\)"),
         ({"cpu_flags": "avx512_bf16"}, "cpu_flags is a frozenset"),
         ({"type": "mps", "macos": (14,)}, r"macos is a \(major, minor\)"),
+        ({"gemm_ratios": {"bfloat16": True}}, "gemm_ratios"),
     ],
 )
 def test_a_device_description_that_does_not_hold_together_is_refused(fields, message):

@@ -1350,3 +1350,11 @@ def test_a_tied_side_in_a_format_that_keeps_the_weight_counts_as_float(other):
     rules = {"0": "int8_from_float32", "1": other}
     with pytest.warns(UserWarning, match=r"0.weight is tied to 1.weight, which stays float"):
         apply(model, PolicyMap("32-true", rules))
+
+
+def test_a_model_holding_a_torchscript_module_quantizes():
+    """Reading which children a parent's forward reads the weight of asked a TorchScript
+    module's class for its forward, which raises AttributeError there."""
+    model = nn.Sequential(nn.Linear(64, 64), torch.jit.script(nn.Sequential(nn.Linear(64, 64))))
+    result = quantize(model, "int8")
+    assert list(result.quantized) == ["0"]

@@ -30,16 +30,18 @@ def saved_bytes(model: nn.Module, *args: Any, **kwargs: Any) -> dict[str, int]:
     return saved_bytes_of(model, lambda: model(*args, **kwargs))
 
 
-def saved_bytes_of(model: nn.Module, run: Callable[[], Any]) -> dict[str, int]:
+def saved_bytes_of(model: nn.Module, run: Callable[[], Any], batch: Any = ()) -> dict[str, int]:
     """`saved_bytes` of whatever forward of `model` ``run()`` makes (a loss computed as a
     training step computes it: under a precision's autocast, with the loss function's own
-    saved tensors counted at the root)."""
+    saved tensors counted at the root); ``batch``: the tensors the step reads besides the
+    model's inputs (a loss's targets), alive without the graph as those are."""
     names = {id(m): name for name, m in model.named_modules()}
     out = dict.fromkeys(names.values(), 0)
     stack: list[str] = []
     seen: set[int] = set()
     # the storages alive without the graph: parameters, buffers and the model's inputs
-    alive = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    kept = (*model.parameters(), *model.buffers(), *tree_leaves(batch))
+    alive = {t.untyped_storage().data_ptr() for t in kept if torch.is_tensor(t)}
 
     def record(original: Tensor, stored: int, key: int) -> None:
         if key in seen:

@@ -629,15 +629,18 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         bounds = f"{low:.2f}-{high:.2f}"  # an interval reaching 1)
     certainty = f"{CONFIDENCE:.0%} intervals within {bounds}x from {rounds} {kind}"
     # against the seed's figure only what the intervals carry: more or less when every
-    # interval lies above or below it, else no difference this run can show
-    if low > max(blog):
+    # interval lies above or below it, about the same when every one holds it
+    intervals = verdict.intervals
+    if all(i.low > max(blog) for i in intervals):
         than = "so mixed precision pays more here than it did there"
-    elif high >= min(blog):
-        than = "about what it pays here"
-    elif statistics.median(speed) >= 0.9 * min(blog):
+    elif all(i.high < min(blog) for i in intervals):
         than = "so here it pays less than there"
+        if statistics.median(speed) < 0.9 * min(blog):
+            than += ": train in float32 unless memory is what you need"
+    elif all(i.low <= max(blog) and i.high >= min(blog) for i in intervals):
+        than = "about what it pays here"
     else:
-        than = "so here it pays less than there: train in float32 unless memory is what you need"
+        than = "more than that at some batch sizes here and less at others"
     sentence = f"On this machine {label} {buys} (batch {batches}; {certainty}); {seed}, {than}."
     sentence += noisy_tail
     threads = meta.get("threads") or 1

@@ -98,7 +98,10 @@ class DeviceInfo:
         bad = {
             k: v
             for k, v in ratios.items()
-            if k not in names or not isinstance(v, float | int) or not 0 < v < float("inf")
+            if k not in names
+            or not isinstance(v, float | int)
+            or isinstance(v, bool)
+            or not 0 < v < float("inf")
         }
         if bad:
             raise ValueError(
@@ -280,7 +283,10 @@ def _detect(type_: str, index: int | None, caps: tuple[str | None, ...]) -> Devi
     if type_ == "mps":
         version = platform.mac_ver()[0]
         parts = [int(v) for v in version.split(".")[:2] if v.isdigit()] + [0, 0]
-        return DeviceInfo("mps", f"Apple GPU (macOS {version})", macos=(parts[0], parts[1]))
+        macos = (parts[0], parts[1])
+        if macos < (11, 0):  # (a Python built against an older SDK says 10.16 on macOS 11+)
+            macos = (14, 0) if torch.backends.mps.is_macos_or_newer(14, 0) else (13, 0)
+        return DeviceInfo("mps", f"Apple GPU (macOS {version})", macos=macos)
     if type_ == "cpu":
         return _host_cpu(caps, refresh=False)
     raise PrecisionError(f"unknown device type {type_!r}; mixprec knows cpu, cuda and mps")

@@ -178,8 +178,10 @@ def hand_over(old: torch.optim.Optimizer, new: LowBitOptimizer) -> None:
     loaded into ``old`` (its groups' settings go to ``new``'s); its own step raises (it
     would train float32 moments that nothing uses); and ``new``'s steps count as ``old``'s
     for torch's check that a scheduler steps after its optimizer. Each is a method bound to
-    the optimizer, and each links the two by an attribute: a deep copy of either links the
-    copies, never the originals."""
+    the optimizer, linked to the other by an attribute, never by a closure: a copy of
+    ``new`` steps its own parameters and counts its steps for its copy of ``old``, which,
+    as torch copies and pickles optimizers (their defaults, state and groups), is a plain
+    torch optimizer again."""
     old._converted_into = new  # type: ignore[attr-defined]
     new.stands_for = old
     old.step = types.MethodType(_stale_step, old)  # type: ignore[method-assign]

@@ -192,7 +192,9 @@ def _saved(
     apply(converted, policy, warn=False)
     precision = Precision(policy, device=device, allow_slow=True)
     with seeded(seed, device):
-        return saved_bytes_of(converted, lambda: batch_loss(precision, converted, batch, loss_fn))
+        return saved_bytes_of(
+            converted, lambda: batch_loss(precision, converted, batch, loss_fn), batch
+        )
 
 
 def _grads(model: nn.Module, precision: Precision, batch: Any, loss_fn: Any) -> Tensor:

@@ -67,10 +67,11 @@ def _weights_read(cls: type) -> frozenset[str]:
     Hugging Face's T5 feed-forward does to pick its input's dtype), from its source; none
     when the source cannot be read, or the reads are in torch's inference fast path of an
     encoder layer, which `set_fast_paths` turns off around quantized layers."""
-    if issubclass(cls, nn.TransformerEncoderLayer):
+    forward = inspect.getattr_static(cls, "forward", None)  # (a TorchScript module's is not
+    if issubclass(cls, nn.TransformerEncoderLayer) or not inspect.isfunction(forward):  # one)
         return frozenset()
     try:
-        source = inspect.getsource(cls.forward)
+        source = inspect.getsource(forward)
     except (OSError, TypeError):
         return frozenset()
     return frozenset(re.findall(r"self\.(\w+)\.weight\b", source))

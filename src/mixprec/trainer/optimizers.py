@@ -116,6 +116,16 @@ def state_formats(optimizer: torch.optim.Optimizer) -> list[str]:
     return [str(parse_state_format(g.get("states", "float32"))) for g in optimizer.param_groups]
 
 
+def holds_low_bit_states(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any parameter's moments are in a low-bit format (a group's ``"states"``, or
+    a parameter's own, as a policy map's state rules give)."""
+    if not isinstance(optimizer, LowBitOptimizer):
+        return False
+    return any(
+        optimizer.format_of(p, g).quantized for g in optimizer.param_groups for p in g["params"]
+    )
+
+
 def state_shards(optimizer: torch.optim.Optimizer) -> int:
     """The most parts any parameter's low-bit moments are cut into (`shards_of`: an FSDP2
     run's processes; 1 unsharded): the layout a sharded checkpoint's codes are in."""

@@ -36,11 +36,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from mixprec.optim.states import parse_state_format
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.callbacks import load_callback_states
 from mixprec.trainer.interrupt import ctrl_c_deferred
-from mixprec.trainer.optimizers import saved_state_formats, state_formats, state_shards
+from mixprec.trainer.optimizers import (
+    holds_low_bit_states,
+    saved_state_formats,
+    state_formats,
+    state_shards,
+)
 from mixprec.trainer.resume import check_resume_point, restore_progress, run_state
 
 if TYPE_CHECKING:
@@ -214,7 +218,7 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
     # (older checkpoints recorded none: their codes were cut among the processes that saved
     # them if sharded, which their world size then tells)
     saved_shards = state.get("optimizer_state_shards")
-    low_bit = [any(parse_state_format(f).quantized for f in groups) for groups in formats]
+    low_bit = [holds_low_bit_states(opt.optimizer) for opt in run.optimizers]
     moved = [
         bool(quantized) and (saved_shards[i] != shards[i] if saved_shards else saved_world != world)
         for i, quantized in enumerate(low_bit)

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from mixprec.optim.engine import SUPPORTED_OPTIMIZERS
+from mixprec.optim.states.checkpoint import UNSUPPORTED_FLAGS
 from mixprec.optim.states.formats import StateFormat, parse_state_format
 from mixprec.optim.states.optimizers import (
     MIN_SIZE,
-    UNSUPPORTED_FLAGS,
     LowBitAdam,
     LowBitAdamW,
     LowBitOptimizer,

@@ -27,6 +27,16 @@ from mixprec.optim.states.moments import (
 __all__: list[str] = []
 
 
+# torch optimizer flags the low-bit step does not honour, refused wherever they arrive (a
+# group, a converted torch optimizer, a loaded state dict), with why
+UNSUPPORTED_FLAGS = {
+    "amsgrad": "the low-bit step keeps no maximum of the second moment",
+    "maximize": "the low-bit step minimizes",
+    "capturable": "the low-bit step is not CUDA-graph capturable",
+    "differentiable": "the low-bit step is not differentiable",
+}
+
+
 class StateCheckpoint(torch.optim.Optimizer):
     """What a low-bit optimizer saves and restores. A subclass gives ``algorithm``,
     ``compensation``, ``seed`` and ``format_of`` (`LowBitOptimizer` does)."""
@@ -148,12 +158,11 @@ class StateCheckpoint(torch.optim.Optimizer):
                     f"it into the class that saved it (torch's SGD into LowBitSGD, AdamW "
                     f"or Adam into LowBitAdamW or LowBitAdam)"
                 )
-            refused = sorted(flag for flag in ("amsgrad", "maximize") if group.get(flag))
+            refused = [f"{k} ({why})" for k, why in UNSUPPORTED_FLAGS.items() if group.get(k)]
             if refused:
                 raise ValueError(
-                    f"the saved parameter group {i} was stepped with {refused} True, which "
-                    f"{name} does not do (it keeps no maximum of the second moment and "
-                    f"minimizes)"
+                    f"the saved parameter group {i} was stepped with {', '.join(refused)}, "
+                    f"which {name} does not do"
                 )
 
     def _check_saved(self, i: int, p: torch.Tensor, entry: Any) -> None:

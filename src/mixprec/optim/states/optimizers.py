@@ -38,7 +38,7 @@ from mixprec.optim.engine import (
 )
 from mixprec.optim.states import buckets as buckets_
 from mixprec.optim.states import kernels
-from mixprec.optim.states.checkpoint import StateCheckpoint
+from mixprec.optim.states.checkpoint import UNSUPPORTED_FLAGS, StateCheckpoint
 from mixprec.optim.states.formats import (
     StateFormat,
     code_tables,
@@ -199,16 +199,6 @@ def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
         parts[-1].append(planned)
         size += n
     return parts
-
-
-# torch optimizer flags the low-bit step does not honour, refused wherever they arrive (a
-# group, a converted torch optimizer, a loaded state dict), with why
-UNSUPPORTED_FLAGS = {
-    "amsgrad": "the low-bit step keeps no maximum of the second moment",
-    "maximize": "the low-bit step minimizes",
-    "capturable": "the low-bit step is not CUDA-graph capturable",
-    "differentiable": "the low-bit step is not differentiable",
-}
 
 
 class LowBitOptimizer(StateCheckpoint):
