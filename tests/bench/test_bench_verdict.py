@@ -336,9 +336,8 @@ def test_intervals_on_both_sides_of_the_seeds_figure_say_so():
     ]
     report = BenchReport(_report({k: [FP32_MS] for k in KEYS}).metadata, rows)
     summaries = summarize(report)
-    for s, (low, median, high) in zip(
-        [s for s in summaries if s.precision != "32-true"], [(0.8, 0.82, 0.85), (1.3, 1.35, 1.4)]
-    ):
+    mixed = [s for s in summaries if s.precision != "32-true"]
+    for s, (low, median, high) in zip(mixed, [(0.8, 0.82, 0.85), (1.3, 1.35, 1.4)], strict=True):
         s.speedup, s.speedup_low, s.speedup_high = median, low, high
     sentence = conclusion(report, summaries)
     assert sentence.endswith("more than that at some batch sizes here and less at others."), (
