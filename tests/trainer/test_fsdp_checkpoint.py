@@ -317,16 +317,29 @@ def test_install_replaces_across_kinds_and_an_aside_is_put_back_only_where_missi
     assert not ckpt_io.recover_aside(tmp_path / "other.ckpt") and live.exists()
 
 
+def _saved_by_one_fsdp_process(tmp_path: Path, states: str, width: int = 32) -> None:
+    """A one-process FSDP fit of 2 steps in ``states``, saving ``tmp_path / "last.ckpt"``."""
+    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    first = Trainer(
+        precision="32-true", strategy="fsdp", devices=1, max_steps=2, callbacks=[every_2],
+        optimizer_states=states, **RUN,
+    )  # fmt: skip
+    first.fit(ShardedDropoutNet(width), one_rank_loader())
+
+
+def _resuming_fsdp_process(states: str) -> Trainer:
+    """A one-process FSDP Trainer in ``states`` that resumes to step 4."""
+    return Trainer(
+        precision="32-true", strategy="fsdp", devices=1, max_steps=4, optimizer_states=states,
+        enable_checkpointing=False, **RUN,
+    )  # fmt: skip
+
+
 def test_a_sharded_resume_in_other_optimizer_state_formats_is_refused_naming_them(tmp_path):
     """An unsharded checkpoint converts its optimizer states to another optimizer_states; a
     sharded one holds them in DCP shards of their saved layout, so another format is refused
     before anything is loaded, naming both."""
-    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
-    first = Trainer(
-        precision="32-true", strategy="fsdp", devices=1, max_steps=2, callbacks=[every_2],
-        optimizer_states="int8", **RUN,
-    )  # fmt: skip
-    first.fit(ShardedDropoutNet(), one_rank_loader())
+    _saved_by_one_fsdp_process(tmp_path, "int8")
     model = ShardedDropoutNet()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     again = Trainer(
@@ -341,21 +354,13 @@ def test_a_sharded_resume_in_other_optimizer_state_formats_is_refused_naming_the
 def test_a_sharded_checkpoint_recording_fp8_states_resumes_as_float8(tmp_path):
     """Checkpoints written before the states' float8 format was spelled "float8" recorded
     "fp8": the same format, so the resume goes on."""
-    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
-    first = Trainer(
-        precision="32-true", strategy="fsdp", devices=1, max_steps=2, callbacks=[every_2],
-        optimizer_states="float8", **RUN,
-    )  # fmt: skip
-    first.fit(ShardedDropoutNet(), one_rank_loader())
+    _saved_by_one_fsdp_process(tmp_path, "float8")
     rank_file = (tmp_path / "last.ckpt").resolve() / "trainer-rank0.pt"
     state = torch.load(rank_file, weights_only=False)
     assert state["optimizer_state_formats"] == [["float8"]]
     state["optimizer_state_formats"] = [["fp8"]]  # as an older version wrote it
     torch.save(state, rank_file)
-    again = Trainer(
-        precision="32-true", strategy="fsdp", devices=1, max_steps=4,
-        optimizer_states="float8", enable_checkpointing=False, **RUN,
-    )  # fmt: skip
+    again = _resuming_fsdp_process("float8")
     again.fit(ShardedDropoutNet(), one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
     assert again.global_step == 4
 
@@ -365,23 +370,15 @@ def test_low_bit_states_saved_in_another_layout_are_refused_before_anything_load
     checkpoint's int8 codes, read by one process (or by DDP) as one parameter's, often have
     the right length and silently misplaced blocks. The run state records the layout (here
     rewritten as a 2-process save writes it) and a resume in another one is refused."""
-    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
-    first = Trainer(
-        precision="32-true", strategy="fsdp", devices=1, max_steps=2, callbacks=[every_2],
-        optimizer_states="int8", **RUN,
-    )  # fmt: skip
-    first.fit(ShardedDropoutNet(), one_rank_loader())
+    _saved_by_one_fsdp_process(tmp_path, "int8", width=1024)  # (an int8 state)
     rank_file = (tmp_path / "last.ckpt").resolve() / "trainer-rank0.pt"
     state = torch.load(rank_file, weights_only=False)
     assert state["optimizer_state_shards"] == [1]
     state["optimizer_state_shards"] = [2]
     torch.save(state, rank_file)
-    model = ShardedDropoutNet()
+    model = ShardedDropoutNet(width=1024)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    again = Trainer(
-        precision="32-true", strategy="fsdp", devices=1, max_steps=4,
-        optimizer_states="int8", enable_checkpointing=False, **RUN,
-    )  # fmt: skip
+    again = _resuming_fsdp_process("int8")
     with pytest.raises(CheckpointError, match=r"each of \[2\] shards.*\[1\].*Nothing was loaded"):
         again.fit(model, one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
@@ -418,12 +415,7 @@ def test_a_sharded_checkpoint_saved_before_layouts_were_recorded_resumes(tmp_pat
     layout."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
-    first = Trainer(
-        precision="32-true", strategy="fsdp", devices=1, max_steps=2, callbacks=[every_2],
-        optimizer_states="int8", **RUN,
-    )  # fmt: skip
-    first.fit(ShardedDropoutNet(width=1024), one_rank_loader())  # (an int8 state)
+    _saved_by_one_fsdp_process(tmp_path, "int8", width=1024)  # (an int8 state)
     saved = (tmp_path / "last.ckpt").resolve()
     # the checkpoint as it was written before: no layouts in the shards nor the run state
     dcp_to_torch_save(saved, tmp_path / "whole.pt")
@@ -436,9 +428,6 @@ def test_a_sharded_checkpoint_saved_before_layouts_were_recorded_resumes(tmp_pat
     state = torch.load(saved / "trainer-rank0.pt", weights_only=False)
     del state["optimizer_state_shards"]
     torch.save(state, older / "trainer-rank0.pt")
-    again = Trainer(
-        precision="32-true", strategy="fsdp", devices=1, max_steps=4,
-        optimizer_states="int8", enable_checkpointing=False, **RUN,
-    )  # fmt: skip
+    again = _resuming_fsdp_process("int8")
     again.fit(ShardedDropoutNet(width=1024), one_rank_loader(), ckpt_path=older)
     assert again.global_step == 4
