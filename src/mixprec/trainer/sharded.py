@@ -220,7 +220,7 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
     saved_shards = state.get("optimizer_state_shards")
     low_bit = [holds_low_bit_states(opt.optimizer) for opt in run.optimizers]
     moved = [
-        bool(quantized) and (saved_shards[i] != shards[i] if saved_shards else saved_world != world)
+        quantized and (saved_shards[i] != shards[i] if saved_shards else saved_world != world)
         for i, quantized in enumerate(low_bit)
     ]
     if any(moved):
