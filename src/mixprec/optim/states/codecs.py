@@ -336,15 +336,17 @@ def dynamic_nearest(y: torch.Tensor, d: _Decades, signed: bool) -> torch.Tensor:
 _AVX2 = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
-def _indices(codes: torch.Tensor, size: int = 256) -> torch.Tensor:
-    """uint8 ``codes`` as int32 indices into a code map of ``size`` values. On an AVX2 CPU
-    through int16: the compiled update converts uint8 to int32 element by element there, so
-    its table reads take about a third longer; with AVX-512 the direct conversion is the
-    faster one. Clamped to the map (where the codes always are): the compiled update then
-    knows the indices' range and drops its per-element bounds check of the table read."""
+def _read(table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """The values of ``table`` at the flat uint8 ``codes`` (every code in its range), by
+    ``torch.gather``: compiled, a plain read per element where indexing adds a negative
+    index's wrap-around and a clamp (about a third longer in the update). The index goes
+    int32 then int64 (uint8 to int64 directly runs element by element); on an AVX2 CPU
+    through int16 first, as uint8 to int32 runs element by element there."""
     if _AVX2 and codes.device.type == "cpu":
-        return codes.to(torch.int16).to(torch.int32).clamp(0, size - 1)
-    return codes.to(torch.int32).clamp(0, size - 1)
+        index = codes.to(torch.int16).to(torch.int32)
+    else:
+        index = codes.to(torch.int32)
+    return torch.gather(table, 0, index.reshape(-1).to(torch.int64))
 
 
 def _over(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -400,7 +402,7 @@ class Int8Codec(StateCodec):
         return codes.reshape(-1).to(torch.uint8), absmax
 
     def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
-        values = table[_indices(codes).reshape(-1, block)]
+        values = _read(table, codes).view(-1, block)
         if signed:
             return values * scales[:, None]
         magnitude = scales.abs()[:, None]
@@ -454,7 +456,7 @@ class Int4Codec(StateCodec):
 
     def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
         if signed or (_AVX2 and codes.device.type == "cpu"):
-            values = table[_indices(unpack4(codes), 16).reshape(-1, block)]
+            values = _read(table, unpack4(codes)).view(-1, block)
         else:  # the linear map's value k/16 of code k - 1 by arithmetic (exact), as a table
             # read costs the compiled update more than the rest of the moment's decode; not
             # on AVX2, where the update's loop then runs element by element
@@ -513,7 +515,7 @@ class Float8Codec(StateCodec):
 
     def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
         if _AVX2 and codes.device.type == "cpu":  # (e4m3 to float32 runs element by element)
-            values = _E4M3_VALUES[_indices(codes.view(torch.uint8)).view(-1, block)]
+            values = _read(_E4M3_VALUES, codes.view(torch.uint8)).view(-1, block)
         else:
             values = codes.to(torch.float32).view(-1, block)
         if signed:
