@@ -260,15 +260,17 @@ class _Decades:
     (smallest) up: in each, the position ``a * slope + offset`` of a magnitude ``a`` on the
     decade's even split, counted in codes from the map's first magnitude (its floor is the
     code of the part ``a`` falls in, whose midpoint is the nearest value), and the decade's
-    last code (``ends``: a magnitude past the decade's top, but nearer its last value than
-    the next decade's first, lands one part beyond); the magnitudes past which the next
-    decade's first value is nearer than this one's last (``uppers``); below ``zero`` the
-    nearest value is 0 (on the positive side of a signed map, which lacks index 0: below
-    ``zero_positive``, else index 1); above ``one``, 1, code ``last``."""
+    last code (a magnitude past the decade's top, but nearer its last value than the next
+    decade's first, lands one part beyond), which is ``floor(offset * end_slope +
+    end_offset)`` in every decade (both grow as the decade's parts); the magnitudes past
+    which the next decade's first value is nearer than this one's last (``uppers``); below
+    ``zero`` the nearest value is 0 (on the positive side of a signed map, which lacks index
+    0: below ``zero_positive``, else index 1); above ``one``, 1, code ``last``."""
 
     slopes: tuple[float, ...]
     offsets: tuple[float, ...]
-    ends: tuple[float, ...]
+    end_slope: float
+    end_offset: float
     uppers: tuple[float, ...]
     zero: float
     zero_positive: float
@@ -288,11 +290,19 @@ def _decades(bits: int, exponent_bits: int, signed: bool) -> _Decades:
 
     uppers = tuple((value(i, parts[i] - 1) + value(i + 1, 0)) / 2 for i in range(exponent_bits - 1))
     second = value(0, 1) if parts[0] > 1 else value(1, 0)
+    # (a / top - 0.1) * parts / 0.9 + start, folded into one multiply and one add
+    slopes = tuple(n / (0.9 * top) for n, top in zip(parts, tops, strict=True))
+    offsets = tuple(s - 0.1 * n / 0.9 for s, n in zip(starts, parts, strict=True))
+    # the last code, start + parts - 1, from offset = start - parts / 9 and start = 2^base
+    # (2^i - 1), parts = 2^(base + i): 9/4 offset + 5/4 2^base - 1 (+ 1/2 for the floor)
+    end_slope, end_offset = 2.25, 1.25 * 2**base - 0.5
+    ends = torch.floor(torch.tensor(offsets) * end_slope + end_offset)
+    assert ends.tolist() == [float(s + n - 1) for s, n in zip(starts, parts, strict=True)]
     return _Decades(
-        # (a / top - 0.1) * parts / 0.9 + start, folded into one multiply and one add
-        slopes=tuple(n / (0.9 * top) for n, top in zip(parts, tops, strict=True)),
-        offsets=tuple(s - 0.1 * n / 0.9 for s, n in zip(starts, parts, strict=True)),
-        ends=tuple(float(s + n - 1) for s, n in zip(starts, parts, strict=True)),
+        slopes=slopes,
+        offsets=offsets,
+        end_slope=end_slope,
+        end_offset=end_offset,
         uppers=uppers,
         zero=value(0, 0) / 2,
         zero_positive=second / 2,
@@ -312,24 +322,22 @@ def dynamic_nearest(y: torch.Tensor, d: _Decades, signed: bool) -> torch.Tensor:
     a = torch.where(a <= 1.0, a, 1.0)  # (a NaN: the code of +-1)
     slope = torch.full_like(a, d.slopes[0])
     offset = torch.full_like(a, d.offsets[0])
-    end = torch.full_like(a, d.ends[0])
     for i, upper in enumerate(d.uppers, start=1):
         above = a > upper
         slope = torch.where(above, d.slopes[i], slope)
         offset = torch.where(above, d.offsets[i], offset)
-        end = torch.where(above, d.ends[i], end)
+    end = torch.floor(offset * d.end_slope + d.end_offset)
     t = torch.minimum(torch.floor(a * slope + offset), end)
+    t = torch.where(a > d.one, float(d.last), t)  # the magnitude's index, 1 as the last
+    if not signed:  # 0 first, then the magnitudes
+        return torch.where(a < d.zero, 0.0, t + 1.0)
+    # the magnitude's distance from 0's code: its index + 1 on the negative side; on the
+    # positive side, which lacks index 0 (-1 took its place), the index itself, at least 1
     negative = y < 0  # (-0: the code of 0 either way)
-    if signed:  # no positive value of index 0 (-1 in its place): 0 or index 1
-        zero = torch.where(negative, d.zero, d.zero_positive)
-        t = torch.where(~negative & (t == 0), 1.0, t)
-    else:
-        zero = torch.full_like(a, d.zero)
-    t = torch.where(a < zero, -1.0, torch.where(a > d.one, float(d.last), t))
-    if not signed:
-        return t + 1.0
+    k = torch.where(negative, t + 1.0, t.clamp_min(1.0))
+    k = torch.where(a < torch.where(negative, d.zero, d.zero_positive), 0.0, k)
     half = float(d.last + 1)  # the code of 0: after -1 and the negative magnitudes
-    return torch.where(negative, half - 1.0 - t, half + t.clamp_min(0.0))
+    return torch.where(negative, half - k, half + k)
 
 
 # whether torch's CPU kernels (and inductor's, which read the same cap) use AVX2 at most
