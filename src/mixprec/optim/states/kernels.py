@@ -211,7 +211,10 @@ def compiled(algorithm: str) -> Callable[..., None]:
         _COMPILED[algorithm] = torch.compile(
             _KERNELS[algorithm],
             fullgraph=True,
-            options={"emulate_precision_casts": True},
+            # inductor stores an expression of more than 50 operations read twice to a
+            # buffer of its own on a CPU: a dynamic map's nearest code is one, and storing it
+            # costs a float32 write and read an element more than computing it where read
+            options={"emulate_precision_casts": True, "realize_cpu_opcount_threshold": 100},
         )
     return _COMPILED[algorithm]
 
