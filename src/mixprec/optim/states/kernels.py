@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -202,6 +203,21 @@ _SETTINGS = torch._dynamo.config.patch(
 )
 
 
+def _options() -> dict[str, Any]:
+    """The inductor settings of the compiled updates. Inductor on a CPU stores a pointwise
+    expression of more than 50 operations that is read twice to a buffer of its own; a
+    dynamic map's nearest code is one, and storing it costs a float32 write and read an
+    element more than computing it where it is read. So that threshold is raised to 100 where
+    the installed inductor has it (a version without it has one threshold for every device,
+    left as it is)."""
+    from torch._inductor import config
+
+    options: dict[str, Any] = {"emulate_precision_casts": True}
+    if hasattr(config, "realize_cpu_opcount_threshold"):
+        options["realize_cpu_opcount_threshold"] = 100
+    return options
+
+
 def compiled(algorithm: str) -> Callable[..., None]:
     """The torch.compile'd update of ``algorithm`` (``"adam"`` or ``"sgd"``), built on
     first use; `run_compiled` calls it with dynamic sizes (one build per format, dtype and
@@ -209,12 +225,7 @@ def compiled(algorithm: str) -> Callable[..., None]:
     if algorithm not in _COMPILED:
         log.info("compiling the low-bit %s update: the first call builds it", algorithm)
         _COMPILED[algorithm] = torch.compile(
-            _KERNELS[algorithm],
-            fullgraph=True,
-            # inductor stores an expression of more than 50 operations read twice to a
-            # buffer of its own on a CPU: a dynamic map's nearest code is one, and storing it
-            # costs a float32 write and read an element more than computing it where read
-            options={"emulate_precision_casts": True, "realize_cpu_opcount_threshold": 100},
+            _KERNELS[algorithm], fullgraph=True, options=_options()
         )
     return _COMPILED[algorithm]
 
