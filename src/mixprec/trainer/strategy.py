@@ -601,7 +601,9 @@ def _child(rank: int, payload: Any, nprocs: int, port: int, tmp: str, threads: i
         out = function(*args)
     except BaseException as exc:
         _record_failure(Path(tmp), rank, exc)
-        raise
+        if isinstance(exc, KeyboardInterrupt):  # (the launcher's Ctrl-C handling ends it)
+            raise
+        end_failed_process()
     if rank == 0:
         torch.save(out, Path(tmp) / "rank0.pt")
     end_finished_process()
@@ -616,6 +618,17 @@ def end_finished_process() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def end_failed_process() -> None:
+    """End a launched process whose work raised (its exception recorded for the launcher),
+    skipping the interpreter's teardown: there a failed rank could block for good (about one
+    run in ten on a loaded 2-core host, the launcher waiting on it), while its peer waited in
+    a collective this rank had left, for gloo's 30-minute timeout. Exiting at once lets the
+    launcher see the failure and stop the others."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _record_failure(directory: Path, rank: int, exc: BaseException) -> None:
