@@ -615,9 +615,7 @@ def end_finished_process() -> None:
     process group, and about one exit in four then aborts in torch's C++ destructors
     ("terminate called without an active exception", SIGABRT), failing a run that succeeded.
     Everything this process owed its launcher is written by now."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit_now(0)
 
 
 def end_failed_process() -> None:
@@ -626,9 +624,15 @@ def end_failed_process() -> None:
     run in ten on a loaded 2-core host, the launcher waiting on it), while its peer waited in
     a collective this rank had left, for gloo's 30-minute timeout. Exiting at once lets the
     launcher see the failure and stop the others."""
+    _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+    """Flush this process's output and end it with ``code``, without the interpreter's
+    teardown."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(1)
+    os._exit(code)
 
 
 def _record_failure(directory: Path, rank: int, exc: BaseException) -> None:
