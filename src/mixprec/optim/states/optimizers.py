@@ -582,9 +582,12 @@ class LowBitOptimizer(StateCheckpoint):
         previous step's; the entry used moves on to this step's."""
         key = tuple(id(b.p) for b in bucket)
         entry = joined.get(key)
+        # (the moments the plan steps: SGD's buffer stays out while the momentum is 0)
+        planned = [m[0] is not None for m in bucket[0].moments]
         if (
             entry is None
             or (compensation == "kahan") != (entry.buf is not None)
+            or [f[0] is not None for f in entry.flats] != planned
             or not entry.current([b.state for b in bucket])
         ):
             entry = self._join(bucket, pads, compensation)
@@ -600,14 +603,11 @@ class LowBitOptimizer(StateCheckpoint):
         held: list[dict[str, torch.Tensor]] = [{} for _ in bucket]
         flats: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         none = [0] * len(bucket)
-        for name, _ in MOMENTS[self.algorithm]:
-            if fmt.quantized:
-                keys = [f"{name}_codes", f"{name}_scales"]
-            else:
-                keys = [name]
-            if keys[0] not in states[0]:  # (SGD without momentum)
+        for (name, _), moment in zip(MOMENTS[self.algorithm], bucket[0].moments, strict=True):
+            if moment[0] is None:  # (SGD without momentum: a buffer kept, not stepped)
                 flats.append((None, None))
                 continue
+            keys = [f"{name}_codes", f"{name}_scales"] if fmt.quantized else [name]
             pair: list[torch.Tensor | None] = []
             for k in keys:
                 olds = [state[k] for state in states]
