@@ -252,6 +252,7 @@ def test_joined_states_step_as_states_joined_afresh_every_step(events, kind, sgd
             a.grad, b.grad = (grad, grad.clone()) if on else (None, None)
         opt.step()
         reference._flats.clear()  # (joined afresh)
+        reference._layout = None  # (planned afresh)
         reference.step()
     for a, b in zip(kept, fresh, strict=True):
         assert torch.equal(a, b)
@@ -259,6 +260,143 @@ def test_joined_states_step_as_states_joined_afresh_every_step(events, kind, sgd
         for k, v in opt.state[a].items():
             if torch.is_tensor(v):
                 assert torch.equal(v, reference.state[b][k]), k
+
+
+_PLAN_EVENTS = st.lists(
+    st.tuples(
+        st.lists(st.booleans(), min_size=6, max_size=6),  # which parameters have a gradient
+        st.sampled_from(
+            [
+                "step",
+                "step",
+                "lr",
+                "states",
+                "flag",
+                "momentum",
+                "data",
+                "replace",
+                "reload",
+                "compensation",
+            ]
+        ),  # fmt: skip
+    ),
+    min_size=2,
+    max_size=8,
+)
+
+
+def _event(opt: torch.optim.Optimizer, params: list[nn.Parameter], event: str, i: int) -> None:
+    """Change what a step's plan is made of (as a user, a scheduler or a checkpoint may)."""
+    group = opt.param_groups[0]
+    if event == "lr":
+        group["lr"] = group["lr"] * 0.5
+    elif event == "states":
+        group["states"] = ["int8", "int4", "fp8", "float32"][i % 4]
+    elif event == "flag":
+        if "nesterov" in group:
+            group["nesterov"] = not group["nesterov"] and group["momentum"] > 0
+        else:
+            group["decoupled_weight_decay"] = not group.get("decoupled_weight_decay", True)
+    elif event == "momentum" and "momentum" in group:
+        group["momentum"] = 0.0 if group["momentum"] else 0.9
+        group["nesterov"] = False
+    elif event == "data":
+        params[i % len(params)].data = params[i % len(params)].data.clone()
+    elif event == "replace":
+        for state in opt.state.values():
+            for k, v in list(state.items()):
+                if torch.is_tensor(v):
+                    state[k] = v.clone()
+    elif event == "reload":
+        opt.load_state_dict(opt.state_dict())
+    elif event == "compensation":
+        opt.compensation = {None: "kahan", "kahan": "stochastic", "stochastic": None}[
+            opt.compensation
+        ]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    events=_PLAN_EVENTS,
+    kind=st.sampled_from(["int8", "int4", "fp8", "float32"]),
+    sgd=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_a_step_taking_its_last_plan_again_steps_as_one_planned_afresh(events, kind, sgd, dtype):
+    """Differential: an optimizer that takes the last step's plan again when its parameters
+    and states are unchanged steps as one that plans every step, bit for bit, while the
+    learning rate, the group's state format, its flags (decoupled decay, nesterov), SGD's
+    momentum, a parameter's data, the states (replaced, reloaded), the compensation and
+    the set of parameters with a gradient change between steps."""
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        kw = dict(states=kind, min_size=0, compile=False)
+        if sgd:
+            return LowBitSGD(params, lr=0.1, momentum=0.9, **kw)
+        return LowBitAdamW(params, lr=0.01, **kw)
+
+    kept, fresh = _params(6, dtype), _params(6, dtype)
+    opt, reference = make(kept), make(fresh)
+    for i, (has_grad, event) in enumerate(events):
+        _event(opt, kept, event, i)
+        _event(reference, fresh, event, i)
+        g = torch.Generator().manual_seed(i)
+        for a, b, on in zip(kept, fresh, has_grad, strict=True):
+            grad = torch.randn(a.shape, generator=g).to(dtype)
+            a.grad, b.grad = (grad, grad.clone()) if on else (None, None)
+        opt.step()
+        reference._layout = None  # (planned afresh)
+        reference.step()
+        for a, b in zip(kept, fresh, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(kept, fresh, strict=True):
+        assert opt.state[a].keys() == reference.state[b].keys()
+        for k, v in opt.state[a].items():
+            if torch.is_tensor(v):
+                assert torch.equal(_bytes(v), _bytes(reference.state[b][k])), k
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t
+
+
+def test_a_step_of_the_same_parameters_plans_nothing_and_a_change_plans_again():
+    """The plan of a step is taken again by the next step of the same parameters and
+    states (the same `_Layout`, even as the learning rate changes), from the step after
+    the one that joined its bucket's states; it is made anew when a gradient goes
+    missing, a state is replaced or the group's format changes."""
+    params = _params(6)
+    opt = LowBitAdamW(params, min_size=0, compile=False)
+
+    def step() -> object:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.ones_like(p)
+        opt.step()
+        return opt._layout
+
+    def settled() -> object:
+        # (a step that joins states has the next one planned afresh)
+        step()
+        layout = step()
+        assert layout is not None and step() is layout
+        return layout
+
+    assert step() is None  # (the first step joined its bucket's states)
+    first = settled()
+    opt.param_groups[0]["lr"] = 1e-4
+    assert step() is first
+    params[1].grad = None
+    opt.step()
+    assert opt._layout is None  # (the bucket without it was joined)
+    second = settled()  # (the gradient back)
+    assert second is not first
+    opt.state[params[0]]["exp_avg_codes"] = opt.state[params[0]]["exp_avg_codes"].clone()
+    third = settled()
+    assert third is not second
+    opt.param_groups[0]["states"] = "int4"
+    fourth = settled()
+    assert fourth is not third and opt.state[params[0]]["format"] == "int4"
 
 
 def test_a_joined_state_saves_once_and_resumes_bit_for_bit(tmp_path):
@@ -505,7 +643,3 @@ def test_sgd_follows_its_momentum_as_it_is_raised_from_zero_lowered_and_raised(k
         # int4's 16 levels a buffer, about 0.1)
         moved = float((q - s).abs().mean())
         assert float((p - q).abs().mean()) < (0.25 if kind == "int4" else 0.05) * moved
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t

@@ -600,8 +600,10 @@ def test_dynamos_build_limit_falls_back_to_eager_under_compile_none(monkeypatch)
     # a limit of no builds at all: the first call is refused at once, before anything
     # runs; of a copy of the update (its own code object: no build of an earlier test
     # in this process serves it)
-    refuse = torch._dynamo.config.patch(recompile_limit=0, automatic_dynamic_shapes=False)
-    monkeypatch.setattr(kernels, "_SETTINGS", refuse)
+    refuse = torch._dynamo.config._make_closure_patcher(
+        recompile_limit=0, automatic_dynamic_shapes=False
+    )
+    monkeypatch.setattr(kernels, "_apply_settings", refuse)
     monkeypatch.setattr(kernels, "_KERNELS", {"adam": _fresh(kernels.adam_update)})
     monkeypatch.setattr(kernels, "_COMPILED", {})
     monkeypatch.setattr(optimizers_module, "COMPILE_MIN_ELEMENTS", 0)

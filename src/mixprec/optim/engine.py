@@ -19,6 +19,8 @@ compile and name the optimizers they stand in for here, once.
 - **The compile gate** (`CompileGate`, `can_compile`): ``compile=None`` compiles a step
   covering enough elements on a device that can build (a Linux CPU with a C++ compiler,
   CUDA with Triton), and falls back to eager, warning once, if the build fails.
+- **The step counts** (`StepCounts`): every parameter's count advanced and read back in
+  two calls, whatever the number of parameters.
 - **The optimizers stood in for** (`SUPPORTED_OPTIMIZERS`, `algorithm_of`): torch's
   AdamW, Adam and SGD.
 - **The compensations** (`COMPENSATIONS`, `COMPENSATED_DTYPES`, `check_compensation`).
@@ -42,6 +44,7 @@ __all__ = [
     "SUPPORTED_OPTIMIZERS",
     "CompileGate",
     "Lanes",
+    "StepCounts",
     "call_key",
     "can_compile",
     "check_compensation",
@@ -373,6 +376,49 @@ def can_compile(device: str) -> bool:
 
         return has_triton()
     return False
+
+
+class StepCounts:
+    """The step counts (``state["step"]``) of the parameters an optimizer steps, advanced
+    by one and read back together. On their first step together they are joined: each
+    state's count becomes a 0-dim view of one float32 tensor (values kept), so that every
+    later step of the same parameters adds to all of them in one call and reads them in
+    one more, where a count per tensor costs two dispatches per parameter. A state whose
+    count was replaced since (a checkpoint loaded) or a different set of parameters joins
+    again; counts that are not 0-dim float32 CPU tensors (moved to an accelerator) are
+    advanced as they are, in a fixed number of calls."""
+
+    def __init__(self) -> None:
+        self.whole: torch.Tensor | None = None
+        self.held: list[torch.Tensor] = []
+
+    def advance(self, states: list[dict[str, Any]]) -> list[int]:
+        """Add one to each state's ``"step"`` and return the counts, in order."""
+        counts = [state["step"] for state in states]
+        held = self.held
+        if len(held) != len(counts) or any(c is not h for c, h in zip(counts, held, strict=True)):
+            if not all(_joinable(c) for c in counts):
+                torch._foreach_add_(counts, 1.0)
+                values = torch.stack([c.to("cpu", torch.float32) for c in counts]).tolist()
+                return [int(v) for v in values]
+            self.whole = torch.stack(counts)
+            self.held = list(self.whole.unbind())
+            for state, view in zip(states, self.held, strict=True):
+                state["step"] = view
+        assert self.whole is not None
+        self.whole.add_(1.0)
+        return [int(v) for v in self.whole.tolist()]
+
+
+def _joinable(count: Any) -> bool:
+    """Whether a step count can join `StepCounts`' tensor: a 0-dim float32 CPU tensor."""
+    return (
+        type(count) is torch.Tensor
+        and count.dim() == 0
+        and count.dtype == torch.float32
+        and count.device.type == "cpu"
+        and not count.requires_grad
+    )
 
 
 def _splitmix(x: int) -> int:

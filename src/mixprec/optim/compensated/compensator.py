@@ -13,7 +13,13 @@ import torch
 
 from mixprec.optim.compensated.kernels import KERNELS, compiled_step, on_memory
 from mixprec.optim.compensated.rules import check_optimizer
-from mixprec.optim.engine import COMPENSATED_DTYPES, CompileGate, call_key, check_compensation
+from mixprec.optim.engine import (
+    COMPENSATED_DTYPES,
+    CompileGate,
+    StepCounts,
+    call_key,
+    check_compensation,
+)
 
 __all__ = ["COMPILE_MIN_ELEMENTS", "SMALL", "Compensator"]
 
@@ -92,6 +98,8 @@ class Compensator:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         self.seed = seed
         self.compile = compile
+        # the step counts of the states it steps, advanced together (the engine's)
+        self._counts = StepCounts()
 
     check_optimizer = staticmethod(check_optimizer)
 
@@ -138,20 +146,20 @@ class Compensator:
                     raise ValueError("compensated updates do not support sparse gradients")
                 work.append((group, i, p, self._prepared(optimizer.state[p], p, adam)))
             index += len(params)
-        steps: list[float] = []
+        steps: list[int] = []
         if work:
             # every step count on by one and read back in a fixed number of calls, whatever
             # the number of parameters (torch's Adam counts each parameter's own steps: one
             # that had no gradient for a while is behind the others, with its own bias
             # correction)
-            counts = [state["step"] for *_, state in work]
-            torch._foreach_add_(counts, 1.0)
-            steps = torch.stack([c.to("cpu", torch.float32) for c in counts]).tolist()
+            if getattr(self, "_counts", None) is None:  # (one pickled before counts)
+                self._counts = StepCounts()
+            steps = self._counts.advance([state for *_, state in work])
         for (group, i, p, state), step in zip(work, steps, strict=True):
             if adam:
-                self._add_adam(calls, group, i, p, state, int(step), decoupled)
+                self._add_adam(calls, group, i, p, state, step, decoupled)
             else:
-                self._add_sgd(calls, group, i, p, state, int(step))
+                self._add_sgd(calls, group, i, p, state, step)
         compensated = sum(call.numel for call in calls.values() if call.kind)
         scalars: dict[tuple, torch.Tensor] = {}
         # the largest first: a compiled step's first call sets its threading by its size

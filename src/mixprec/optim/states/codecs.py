@@ -373,6 +373,15 @@ def _scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return _over(x, absmax), absmax
 
 
+def _root_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the square root of ``x`` (a second moment, >= 0 or NaN) over each block's largest
+    root, that root). The largest root is taken as the root of the block's largest ``x``:
+    the same number, as the square root is correctly rounded and never decreasing, for one
+    root a block where a largest root takes one an element (a second pass over the block)."""
+    absmax = x.amax(dim=1).sqrt().abs()  # (abs: a block of -0.0 has the scale +0.0)
+    return _over(x.sqrt(), absmax), absmax
+
+
 def _at_least_tiny(v: torch.Tensor, values: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
     """``v`` with every element of a positive code and scale at least float32's smallest
     normal number: a positive second moment never decodes to 0."""
@@ -400,9 +409,7 @@ class Int8Codec(StateCodec):
         return dynamic_nearest(y, self._D[signed], signed)
 
     def encode(self, x, signed, table):  # type: ignore[no-untyped-def]
-        if not signed:
-            x = x.sqrt()
-        y, absmax = _scaled(x)
+        y, absmax = _scaled(x) if signed else _root_scaled(x)
         codes = self.nearest(y, signed)
         if not signed:  # a positive root below half the smallest positive value takes its code
             codes = torch.where(y > 0, codes.clamp_min(1), codes)
@@ -511,9 +518,11 @@ class Float8Codec(StateCodec):
     description = "float8 e4m3 codes, one float32 scale per block"
 
     def encode(self, x, signed, table):  # type: ignore[no-untyped-def]
-        if not signed:
+        if signed:
+            scales = x.abs().amax(dim=1) / FP8_MAX
+        else:  # (the largest root as `_root_scaled` takes it)
+            scales = x.amax(dim=1).sqrt().abs() / FP8_MAX
             x = x.sqrt()
-        scales = x.abs().amax(dim=1) / FP8_MAX
         y = _over(x, scales)
         if not signed:
             y = torch.where(y > 0, y.clamp_min(_FP8_TINY), y)

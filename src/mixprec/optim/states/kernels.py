@@ -197,10 +197,18 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "sgd": sgd_update,
 }
 _COMPILED: dict[str, Callable[..., None]] = {}
-# the dynamo settings of every compiled call (`run_compiled` says why), made once
-_SETTINGS = torch._dynamo.config.patch(
-    recompile_limit=RECOMPILE_LIMIT, automatic_dynamic_shapes=False
-)
+# the dynamo settings of every compiled call (`run_compiled` says why): a function setting
+# them that returns the one restoring them (dynamo's low-overhead patcher, a third of a
+# context manager's cost, where the installed torch has it)
+_SETTINGS = dict(recompile_limit=RECOMPILE_LIMIT, automatic_dynamic_shapes=False)
+if hasattr(torch._dynamo.config, "_make_closure_patcher"):
+    _apply_settings = torch._dynamo.config._make_closure_patcher(**_SETTINGS)
+else:  # pragma: no cover - torch without it
+
+    def _apply_settings() -> Callable[[], None]:
+        patch = torch._dynamo.config.patch(**_SETTINGS)
+        patch.__enter__()
+        return lambda: patch.__exit__(None, None, None)
 
 
 def _options() -> dict[str, Any]:
@@ -242,8 +250,11 @@ def run_compiled(algorithm: str, args: tuple) -> None:
     # mixes formats, past which the update would silently run uncompiled. And no automatic
     # dynamic shapes: a second block size would make the block a symbol in every later build
     # (vector loops of unknown length, several times slower), where each is a constant
-    with _SETTINGS:
+    restore = _apply_settings()
+    try:
         return compiled(algorithm)(*args)
+    finally:
+        restore()
 
 
 def eager(algorithm: str) -> Callable[..., None]:

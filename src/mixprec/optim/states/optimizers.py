@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
     CompileGate,
+    StepCounts,
     call_key,
     check_compensation,
     wrap32,
@@ -46,6 +47,7 @@ from mixprec.optim.states.formats import (
 )
 from mixprec.optim.states.moments import (
     MOMENTS,
+    PLAIN,
     elements_of,
     local_part,
     real_view,
@@ -112,6 +114,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t
 
 
+class _Hyper(NamedTuple):
+    """A parameter's hyperparameters at a step: what besides its group tells parameters
+    sharing them apart (``tag``), the kernel's values, the fused step's floats (None: the
+    values), the flags the kernel specializes on (``statics``) and every setting the plan
+    depends on (``form``: the statics and any other, as whether SGD has momentum)."""
+
+    tag: tuple
+    values: list[float]
+    floats: list[float] | None
+    statics: tuple
+    form: tuple
+
+
 @dataclasses.dataclass
 class _Planned:
     """One parameter's update this step: its state, its format, its moments' flat views
@@ -127,6 +142,8 @@ class _Planned:
     hp: torch.Tensor
     values: tuple[float, ...]
     statics: tuple
+    form: tuple
+    device: torch.device
     index: int = 0  # the parameter's position in the optimizer
     step: int = 0  # its step count this step
 
@@ -157,14 +174,18 @@ class _Joined:
         self.states = states
         return True
 
-    def release(self) -> None:
+    def release(self) -> bool:
         """Give each state still holding slices of these tensors copies of its own, so
         that the joined tensors are freed (a parameter left out of its bucket since, as a
-        frozen one, would otherwise keep its whole bucket's moments alive)."""
+        frozen one, would otherwise keep its whole bucket's moments alive); whether any
+        state was given one."""
+        gave = False
         for state, held in zip(self.states, self.held, strict=True):
             for key, t in held.items():
                 if state.get(key) is t:
                     state[key] = t.clone()
+                    gave = True
+        return gave
 
 
 def _slices(whole: torch.Tensor, olds: list[torch.Tensor], pads: list[int]) -> list[torch.Tensor]:
@@ -199,6 +220,62 @@ def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
         parts[-1].append(planned)
         size += n
     return parts
+
+
+def _mark(p: torch.Tensor, state: dict[str, Any]) -> tuple[tuple, tuple]:
+    """What a parameter's plan and its place in the step's runs were read from, beyond its
+    group's hyperparameters: (objects compared by identity: the state and every value in
+    it; facts compared by value: the parameter's and its gradient's dtypes, its shape,
+    layout, device and type, the state's keys)."""
+    facts = (p.dtype, p.grad.dtype, p.shape, p.is_contiguous(), p.device, type(p), tuple(state))
+    return (state, *state.values()), facts  # type: ignore[union-attr]
+
+
+@dataclasses.dataclass
+class _Layout:
+    """A step's plan, kept for the next step: the parameters stepped (group, parameter and
+    position), each one's `_Planned` update and the runs that carry them out (``"one"``: a
+    parameter stepped alone; ``"fused"``: float32 moments in torch's fused call;
+    ``"flat"``: one flat update, with its compensation). A step of the same parameters
+    whose `_mark`s are unchanged (no state replaced, converted or made; no dtype, shape,
+    layout or device changed) takes the same runs with its own hyperparameters and step
+    counts, planning nothing: the plan is a function of what the marks record and of the
+    groups' hyperparameters, which are read again (a changed flag plans again)."""
+
+    work: list[tuple[dict[str, Any], torch.Tensor]]
+    indices: list[int]
+    compensation: str | None
+    planned: list[_Planned]
+    runs: list[tuple[str, list[_Planned], str | None]]
+    total: int
+    marks: list[tuple[tuple, tuple]] = dataclasses.field(default_factory=list)
+
+    def fits(
+        self,
+        work: list[tuple[dict[str, Any], torch.Tensor]],
+        indices: list[int],
+        states: list[dict[str, Any]],
+        compensation: str | None,
+    ) -> bool:
+        """Whether a step of ``work`` (at ``indices``, with ``states`` prepared) is planned
+        as this one was."""
+        if (
+            compensation != self.compensation
+            or indices != self.indices
+            or len(self.marks) != len(work)
+        ):
+            return False
+        for (group, p), (old_group, old_p), state, (objects, facts) in zip(
+            work, self.work, states, self.marks, strict=True
+        ):
+            if group is not old_group or p is not old_p:
+                return False
+            now_objects, now_facts = _mark(p, state)
+            if len(now_objects) != len(objects) or now_facts != facts:
+                return False
+            if any(a is not b for a, b in zip(now_objects, objects, strict=True)):
+                return False
+        return True
 
 
 class LowBitOptimizer(StateCheckpoint):
@@ -256,6 +333,9 @@ class LowBitOptimizer(StateCheckpoint):
         # the low-bit moments of each bucket of parameters stepped together, as flat
         # tensors whose slices are those parameters' states (`_joined`)
         self._flats: dict[tuple[int, ...], _Joined] = {}
+        self._counts = StepCounts()
+        # the last step's plan, taken again by a step of the same parameters (`_Layout`)
+        self._layout: _Layout | None = None
         defaults["states"] = str(fmt)
         super().__init__(params, defaults)
 
@@ -264,7 +344,7 @@ class LowBitOptimizer(StateCheckpoint):
         groups only, where its optimizers keep their settings; these keep theirs (formats,
         ``min_size``, the compile gate, the seed...) in attributes, which a copy or a
         pickle would otherwise lose, failing at its first step."""
-        return dict(self.__dict__)
+        return {**self.__dict__, "_layout": None}  # (a plan holds this step's objects)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, with the group's ``"states"`` (if any) checked and written canonically;
@@ -354,17 +434,50 @@ class LowBitOptimizer(StateCheckpoint):
             indices.append(index)
         if not work:
             return loss
+        states = [self._prepared(p, group) for group, p in work]
+        # every step count on by one and read back in a fixed number of calls
+        if getattr(self, "_counts", None) is None:  # (an optimizer pickled before counts)
+            self._counts = StepCounts()
+        steps = self._counts.advance(states)
+        layout = getattr(self, "_layout", None)
+        reused = (
+            layout is not None
+            and layout.fits(work, indices, states, self.compensation)
+            and self._refresh(layout, states, steps)
+        )
+        if not reused:
+            layout = self._lay_out(work, indices, states, steps)
+            # what the plan was made from (for plain tensors: a DTensor's local parts are
+            # read again every step)
+            if all(type(p) in PLAIN for _, p in work):
+                layout.marks = [_mark(p, s) for (_, p), s in zip(work, states, strict=True)]
+        assert layout is not None
+        self._layout = None  # (until the step has run: one that raised plans again)
+        kept = self._execute(layout)
+        # taken again only while the states hold what the plan read: a step that joined
+        # or released states (their tensors replaced) has the next one planned afresh
+        self._layout = layout if kept and layout.marks else None
+        return loss
+
+    def _lay_out(
+        self,
+        work: list[tuple[dict[str, Any], torch.Tensor]],
+        indices: list[int],
+        states: list[dict[str, Any]],
+        steps: list[int],
+    ) -> _Layout:
+        """Plan a step: each parameter's update (`_plan`) and the runs that carry them out,
+        parameters that share a format, a dtype, a compensation and hyperparameters
+        bucketed together (`buckets`)."""
         total = sum(local_part(p).numel() for _, p in work)
         scalars: dict[tuple, tuple[torch.Tensor, tuple[float, ...]]] = {}
         buckets: dict[tuple, list[_Planned]] = {}
-        states = [self._prepared(p, group) for group, p in work]
-        # every step count on by one and read back in a fixed number of calls
-        counts = [state["step"] for state in states]
-        torch._foreach_add_(counts, 1.0)
-        steps = torch.stack([c.to("cpu", torch.float32) for c in counts]).tolist()
+        runs: list[tuple[str, list[_Planned], str | None]] = []
+        every: list[_Planned] = []
         for (group, p), index, state, step in zip(work, indices, states, steps, strict=True):
-            planned = self._plan(p, group, state, int(step), scalars)
-            planned.index, planned.step = index, int(step)
+            planned = self._plan(p, group, state, step, scalars)
+            planned.index, planned.step = index, step
+            every.append(planned)
             real = real_view(p)
             if real.numel() == 0:
                 continue
@@ -382,24 +495,57 @@ class LowBitOptimizer(StateCheckpoint):
             # flat updates, a parameter too large to be worth a copy steps on its own
             alone = real.numel() > buckets_.FLAT_MAX and (way, real.device.type) != ("fused", "cpu")
             if own or alone:
-                self._run(planned, total)
+                runs.append(("one", [planned], compensation))
                 continue
             key = (way, planned.fmt, real.dtype, real.device, compensation, id(planned.hp))
             buckets.setdefault(key + planned.statics, []).append(planned)
-        joined, self._flats = getattr(self, "_flats", {}), {}
         for key, bucket in buckets.items():
             if key[0] == "fused":
-                self._run_fused(bucket)
+                runs.append(("fused", bucket, None))
+                continue
+            for part in _parts(bucket):
+                # (one alone: in place, no copies to make)
+                runs.append(("one" if len(part) == 1 else "flat", part, key[4]))
+        return _Layout(work, indices, self.compensation, every, runs, total)
+
+    def _refresh(self, layout: _Layout, states: list[dict[str, Any]], steps: list[int]) -> bool:
+        """Give ``layout``'s planned updates this step's counts and hyperparameters; False
+        (nothing to run: plan again) where that changes the plan: a flag of a group
+        changed, a state must be made (SGD's buffer at its first step with momentum), or
+        parameters stepped together no longer share their hyperparameters."""
+        scalars: dict[tuple, tuple[torch.Tensor, tuple[float, ...]]] = {}
+        for planned, (group, _), state, step in zip(
+            layout.planned, layout.work, states, steps, strict=True
+        ):
+            got = self._hyper(group, state, step)
+            if got is None:
+                return False
+            if got.form != planned.form:
+                return False
+            key = (id(group), *got.tag, planned.device)
+            planned.hp, planned.values = self._hyperparameters(
+                scalars, key, got.values, planned.device, got.floats
+            )
+            planned.step = step
+        return all(all(b.hp is members[0].hp for b in members) for _, members, _ in layout.runs)
+
+    def _execute(self, layout: _Layout) -> bool:
+        """Run ``layout``'s runs; the joined moments of buckets not stepped are released.
+        Whether every state kept its tensors (none joined or released)."""
+        joined, self._flats = getattr(self, "_flats", {}), {}
+        for way, members, compensation in layout.runs:
+            if way == "one":
+                self._run(members[0], layout.total)
+            elif way == "fused":
+                self._run_fused(members)
             else:
-                for part in _parts(bucket):
-                    if len(part) == 1:  # (alone: in place, no copies to make)
-                        self._run(part[0], total)
-                    else:
-                        self._run_flat(part, key[4], total, joined)
+                self._run_flat(members, compensation, layout.total, joined)
+        # (an entry not the previous step's was joined now: states given its slices)
+        kept = all(joined.get(key) is entry for key, entry in self._flats.items())
         for key, entry in joined.items():  # (the previous step's, not used in this one)
-            if self._flats.get(key) is not entry:
-                entry.release()
-        return loss
+            if self._flats.get(key) is not entry and entry.release():
+                kept = False
+        return kept
 
     def _plan(
         self,
@@ -412,6 +558,11 @@ class LowBitOptimizer(StateCheckpoint):
         """What ``p``'s update reads (each algorithm's own), its ``state`` prepared and at
         ``step``; ``scalars``: the hyperparameters made so far this step (a tensor and its
         floats), shared by equal groups and steps."""
+        raise NotImplementedError(f"{type(self).__name__} defines no update")
+
+    def _hyper(self, group: dict[str, Any], state: dict[str, Any], step: int) -> _Hyper | None:
+        """A parameter's hyperparameters at ``step`` (each algorithm's own); None when
+        ``state`` must be planned again first."""
         raise NotImplementedError(f"{type(self).__name__} defines no update")
 
     def _hyperparameters(
@@ -442,19 +593,19 @@ class LowBitOptimizer(StateCheckpoint):
     ) -> None:
         """Update the flat ``flat`` (its moments, its Kahan buffer ``buf``) in place: the
         whole blocks in calls of at most ``CHUNK`` elements (``CPU_CHUNK`` on a CPU), the
-        last partial block (if
-        any) from zero-padded copies. ``key``: the random bits of ``flat``'s first element
-        (`call_key`); a piece from element ``begin`` takes ``key + begin``, so each element
-        draws what it would in one call."""
+        last partial block (if any) from zero-padded copies. ``key``: the random bits of
+        ``flat``'s first element (`call_key`); a piece from element ``begin`` takes
+        ``key + begin``, so each element draws what it would in one call."""
         fmt, n = planned.fmt, flat.numel()
         cut = n - n % fmt.block if fmt.quantized else n  # type: ignore[operator]
-        codes = fmt.code_count(cut)
         pieces = []
         # a low-bit update holds its moments in float32 while it runs: in parts of at most
         # CHUNK elements (or one block), so that this stays small beside a large parameter
         most = CPU_CHUNK if flat.device.type == "cpu" else CHUNK
         step = max(most - most % fmt.block, fmt.block) if fmt.quantized else cut  # type: ignore[operator]
-        for begin in range(0, cut, step):
+        if cut == n and n <= step:  # (one piece: the tensors as they are)
+            pieces.append((flat, grad, moments, buf, 0))
+        for begin in range(0, cut if not pieces else 0, step):
             end = min(cut, begin + step)
             states = [
                 (
@@ -469,6 +620,7 @@ class LowBitOptimizer(StateCheckpoint):
         if cut < n:  # the last block, padded
             size = fmt.block
             blocks = cut // size  # type: ignore[operator]
+            codes = fmt.code_count(cut)
             states = [
                 (
                     None if t is None else t[codes : codes + fmt.code_count(size)],
@@ -722,13 +874,9 @@ class LowBitAdamW(LowBitOptimizer):
     ) -> _Planned:
         fmt = parse_state_format(state["format"])
         local = local_part(p)
-        lr = float(group["lr"])
-        beta1, beta2 = group["betas"]
-        bc1 = 1 - beta1**step
-        bc2 = 1 - beta2**step
-        values = [lr, beta1, beta2, group["eps"], group["weight_decay"], lr / bc1, bc2**-0.5]
-        key = (id(group), step, lr, local.device)
-        hp, floats = self._hyperparameters(scalars, key, values, local.device)
+        got = self._hyper(group, state, step)
+        key = (id(group), *got.tag, local.device)
+        hp, floats = self._hyperparameters(scalars, key, got.values, local.device)
         moments: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         tables: tuple[torch.Tensor, ...] = ()
         for name, signed in MOMENTS["adam"]:
@@ -739,10 +887,20 @@ class LowBitAdamW(LowBitOptimizer):
                 tables += code_tables(fmt, signed, local.device)
             else:
                 moments.append((real_view(state[name]).view(-1), None))
+        return _Planned(
+            p, state, fmt, moments, tables, hp, floats, got.statics, got.form, local.device
+        )
+
+    def _hyper(self, group: dict[str, Any], state: dict[str, Any], step: int) -> _Hyper:
+        lr = float(group["lr"])
+        beta1, beta2 = group["betas"]
+        bc1 = 1 - beta1**step
+        bc2 = 1 - beta2**step
+        values = [lr, beta1, beta2, group["eps"], group["weight_decay"], lr / bc1, bc2**-0.5]
         # (a group's own decoupled_weight_decay, as torch's Adam and AdamW keep it and
         # from_optimizer carries it over, chooses its decay's form; the class's without one)
         decoupled = bool(group.get("decoupled_weight_decay", self.decoupled))
-        return _Planned(p, state, fmt, moments, tables, hp, floats, (decoupled,))
+        return _Hyper((step, lr), values, None, (decoupled,), (decoupled,))
 
 
 class LowBitAdam(LowBitAdamW):
@@ -815,23 +973,15 @@ class LowBitSGD(LowBitOptimizer):
         step: int,
         scalars: dict,
     ) -> _Planned:
-        momentum = group["momentum"]
         fmt = parse_state_format(state["format"])
-        # as torch's SGD: the buffer starts as the gradient at the first step with momentum
-        # (the first step, or a later one when the momentum is raised from 0)
-        first = bool(momentum) and not {"momentum_buffer", "momentum_buffer_codes"} & set(state)
-        if first:
+        got = self._values(group, state)
+        if got.tag[0]:  # (first: the buffer starts as the gradient)
             state.update(zero_moment("momentum_buffer", p, fmt))
         local = local_part(p)
-        lr = float(group["lr"])
-        keep, gain = (0.0, 1.0) if first else (momentum, 1 - group["dampening"])
-        values = [lr, keep, gain, group["weight_decay"], momentum]
-        key = (id(group), first, lr, local.device)
-        # (the fused step's floats: lr, momentum, dampening, weight decay, first)
-        floats = [lr, momentum, group["dampening"], group["weight_decay"], float(first)]
-        hp, floats = self._hyperparameters(scalars, key, values, local.device, floats)
+        key = (id(group), *got.tag, local.device)
+        hp, floats = self._hyperparameters(scalars, key, got.values, local.device, got.floats)
         tables: tuple[torch.Tensor, ...] = ()
-        if not momentum:
+        if not group["momentum"]:
             moment: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         elif fmt.quantized:
             codes, scales = state["momentum_buffer_codes"], state["momentum_buffer_scales"]
@@ -839,8 +989,27 @@ class LowBitSGD(LowBitOptimizer):
             tables = code_tables(fmt, True, local.device)
         else:
             moment = (real_view(state["momentum_buffer"]).view(-1), None)
-        nesterov = (bool(group["nesterov"]),)
-        return _Planned(p, state, fmt, [moment], tables, hp, floats, nesterov)
+        return _Planned(
+            p, state, fmt, [moment], tables, hp, floats, got.statics, got.form, local.device
+        )
+
+    def _values(self, group: dict[str, Any], state: dict[str, Any]) -> _Hyper:
+        """`_hyper`'s answer whether or not ``state`` has its buffer yet."""
+        momentum = group["momentum"]
+        # as torch's SGD: the buffer starts as the gradient at the first step with momentum
+        # (the first step, or a later one when the momentum is raised from 0)
+        first = bool(momentum) and not {"momentum_buffer", "momentum_buffer_codes"} & set(state)
+        lr = float(group["lr"])
+        keep, gain = (0.0, 1.0) if first else (momentum, 1 - group["dampening"])
+        values = [lr, keep, gain, group["weight_decay"], momentum]
+        # (the fused step's floats: lr, momentum, dampening, weight decay, first)
+        floats = [lr, momentum, group["dampening"], group["weight_decay"], float(first)]
+        nesterov = bool(group["nesterov"])
+        return _Hyper((first, lr), values, floats, (nesterov,), (nesterov, bool(momentum)))
+
+    def _hyper(self, group: dict[str, Any], state: dict[str, Any], step: int) -> _Hyper | None:
+        got = self._values(group, state)
+        return None if got.tag[0] else got  # (a buffer to make: plan again)
 
 
 class AdamW8bit(LowBitAdamW):
