@@ -5,6 +5,7 @@ and states saved by the per-parameter step load and continue."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -643,3 +644,48 @@ def test_sgd_follows_its_momentum_as_it_is_raised_from_zero_lowered_and_raised(k
         # int4's 16 levels a buffer, about 0.1)
         moved = float((q - s).abs().mean())
         assert float((p - q).abs().mean()) < (0.25 if kind == "int4" else 0.05) * moved
+
+
+def test_step_counts_advance_joined_and_join_again_when_replaced():
+    """`StepCounts`: the counts of the states stepped become 0-dim views of one tensor
+    (values kept), advance together and read back; a count replaced (a checkpoint loaded)
+    or another set of states joins again; counts that cannot join (float64 here) advance
+    as they are. A state dict of joined counts saves, loads into a fresh optimizer and into
+    torch's AdamW, and steps on."""
+    from mixprec.optim.engine import StepCounts
+
+    states = [{"step": torch.tensor(float(i))} for i in range(3)]
+    counts = StepCounts()
+    assert counts.advance(states) == [1, 2, 3]
+    views = [s["step"] for s in states]
+    assert all(v._base is counts.whole for v in views)
+    assert counts.advance(states) == [2, 3, 4] and [s["step"] for s in states] == views
+    states[1]["step"] = torch.tensor(10.0)  # (replaced)
+    assert counts.advance(states) == [3, 11, 5]
+    assert states[1]["step"]._base is counts.whole and float(views[1]) == 3.0
+    assert counts.advance(states[:2]) == [4, 12]  # (another set)
+    assert float(states[2]["step"]) == 5.0
+    odd = [{"step": torch.tensor(1.0, dtype=torch.float64)}, {"step": torch.tensor(2.0)}]
+    assert counts.advance(odd) == [2, 3] and odd[0]["step"].dtype == torch.float64
+
+    params = _params(4)
+    opt = LowBitAdamW(params, states="float32", min_size=0)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.step()
+    saved = io.BytesIO()
+    torch.save(opt.state_dict(), saved)
+    copies = [nn.Parameter(p.detach().clone()) for p in params]
+    again = LowBitAdamW(copies, states="float32", min_size=0)
+    again.load_state_dict(torch.load(io.BytesIO(saved.getvalue())))
+    others = [nn.Parameter(p.detach().clone()) for p in params]
+    plain = torch.optim.AdamW(others, fused=True)
+    plain.load_state_dict(opt.to_float32_state_dict())
+    for o in (opt, again, plain):
+        for p in o.param_groups[0]["params"]:
+            p.grad = torch.ones_like(p)
+        o.step()
+    for a, b, c in zip(params, copies, others, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+        assert float(opt.state[a]["step"]) == float(again.state[b]["step"]) == 3.0
