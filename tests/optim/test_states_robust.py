@@ -715,6 +715,27 @@ def test_a_group_asking_for_a_flag_the_step_ignores_is_refused(cls, flag):
     opt.add_param_group({"params": params[1:], flag: False})  # (off: taken)
 
 
+@pytest.mark.parametrize("flag", ["maximize", "amsgrad", "capturable", "differentiable"])
+@pytest.mark.parametrize("cls", [LowBitAdamW, LowBitSGD])
+def test_a_flag_set_on_a_group_after_construction_is_refused_at_the_step(cls, flag):
+    """A group given the flag later (``opt.param_groups[0]["maximize"] = True``) was
+    stepped without it: a maximizing optimizer minimized, silently. The step refuses it
+    before any parameter moves, and steps again once it is set back."""
+    params = _params()
+    opt = cls(params, **KW)
+    _run(opt, params, range(1))
+    before = [p.detach().clone() for p in params]
+    opt.param_groups[0][flag] = True
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=f"parameter group 0 of {cls.__name__} sets {flag}"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    opt.param_groups[0][flag] = False
+    opt.step()
+    assert not all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+
+
 def test_a_parameter_listed_twice_in_a_group_is_refused():
     """It counted two steps and took one from the same old state."""
     p = _params(((64, 96),))[0]

@@ -434,6 +434,14 @@ class LowBitOptimizer(StateCheckpoint):
             indices.append(index)
         if not work:
             return loss
+        for i, group in enumerate(self.param_groups):  # (a flag set on a group since)
+            asked = [f"{k} ({why})" for k, why in UNSUPPORTED_FLAGS.items() if group.get(k)]
+            if asked:
+                raise ValueError(
+                    f"parameter group {i} of {type(self).__name__} sets {', '.join(asked)}; "
+                    f"nothing was updated: set it back to False, or step these parameters "
+                    f"with the torch optimizer"
+                )
         states = [self._prepared(p, group) for group, p in work]
         # every step count on by one and read back in a fixed number of calls
         if getattr(self, "_counts", None) is None:  # (an optimizer pickled before counts)
