@@ -673,7 +673,8 @@ class LowBitOptimizer(StateCheckpoint):
         kept = None if kept is None else local_part(kept)
         buf = None if kept is None else _flat(kept)
         compiled = self._gate.wants(real.device, total)
-        key = call_key(self.seed, planned.step, planned.index)
+        # (random bits only for a compensation)
+        key = 0 if compensation is None else call_key(self.seed, planned.step, planned.index)
         self._update(flat, grad, planned.moments, buf, planned, compensation, compiled, key)
         _copy_back(flat, real)
         if kept is not None:
@@ -722,8 +723,9 @@ class LowBitOptimizer(StateCheckpoint):
         grad = buckets_.gather([real_view(b.p.grad).reshape(-1) for b in bucket], pads)
         entry = self._joined(bucket, pads, compensation, joined)
         compiled = self._gate.wants(flat.device, total)
-        # the random bits of the bucket's elements, from its first parameter's key on
-        key = call_key(self.seed, bucket[0].step, bucket[0].index)
+        # the random bits of the bucket's elements, from its first parameter's key on (only
+        # for a compensation)
+        key = 0 if compensation is None else call_key(self.seed, bucket[0].step, bucket[0].index)
         buf = entry.buf if compensation == "kahan" else None
         self._update(flat, grad, entry.flats, buf, bucket[0], compensation, compiled, key)
         buckets_.scatter(flat, params, pads)
