@@ -5,6 +5,7 @@ unfrozen parameters, closures, loading foreign states; plus named master weights
 import copy
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from nets import mlp
 from torch import nn
 
+import mixprec
 from mixprec import Precision
 from mixprec.optim import LossScaleOptimizer, master_weights_by_name
 from mixprec.optim.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
@@ -395,3 +397,54 @@ def test_a_bad_scaler_state_leaves_the_optimizer_untouched():
     with pytest.raises(ValueError, match="cannot load a 'static' loss scaler state"):
         fresh.load_state_dict(state)
     assert not fresh.state and fresh.loss_scale == 2.0**8
+
+
+def test_the_scheduler_gate_finds_the_wrapper_of_a_converted_optimizer():
+    """With ``optimizer_states=`` the optimizer given to setup is converted into a low-bit
+    one, which the wrapper steps: `scheduler_step(scheduler, optimizer)` did not find that
+    wrapper and advanced the schedule after a skipped step (lr 1.0 -> 0.5), where
+    `Precision.step(optimizer)` found it. Both find it now."""
+    for states in (None, "int8"):
+        torch.manual_seed(0)
+        model = nn.Linear(64, 64)
+        plain = torch.optim.AdamW(model.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.StepLR(plain, step_size=1, gamma=0.5)
+        precision = mixprec.Precision("16-mixed", allow_slow=True, optimizer_states=states)
+        model, opt = precision.setup(model, plain)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the skipped step's own warning)
+            precision.backward(model(torch.randn(2, 64)).float().sum() * float("inf"))
+            assert precision.step(plain) is False
+            assert mixprec.optim.scheduler_step(scheduler, plain) is False
+        assert opt.param_groups[0]["lr"] == 1.0
+
+
+def test_a_loss_scale_optimizer_of_another_scaler_is_refused_by_step():
+    """A LossScaleOptimizer built by hand, with a scaler of its own, was stepped by
+    `Precision.step` with the gradients of this precision's scaled loss never unscaled
+    (2^16 times too large under 16-mixed). Refused, as an optimizer not set up is."""
+    model = nn.Linear(4, 1)
+    precision = mixprec.Precision("16-mixed", allow_slow=True)
+    model = precision.setup(model)
+    own = mixprec.LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), scaler="none")
+    precision.backward(model(torch.randn(8, 4)).float().mean())
+    before = model.weight.detach().clone()
+    for call in (lambda: precision.step(own), lambda: precision.step(own, own)):
+        with pytest.raises(ValueError, match="has its own scaler"):
+            call()
+    assert torch.equal(model.weight, before)
+
+
+def test_the_state_of_a_mastered_parameter_is_read_by_the_model_parameter():
+    """Under float32 masters the optimizer's state is keyed by the masters: reading it by
+    the model's parameter made an empty entry, and the next ``state_dict()`` failed with a
+    bare KeyError. A model parameter reads its master's state."""
+    model = nn.Linear(4, 2)
+    precision = mixprec.Precision("16-true", allow_slow=True, scaler=1.0)
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    precision.backward(model(torch.randn(3, 4, dtype=torch.float16)).float().sum())
+    precision.step(opt)
+    state = opt.state[model.weight]
+    assert "exp_avg" in state and state["exp_avg"].dtype == torch.float32
+    assert model.weight in opt.state and len(opt.state) == 2
+    assert len(opt.state_dict()["optimizer"]["state"]) == 2

@@ -455,6 +455,7 @@ class Precision:
             closure is None
             and len(optimizers) == 1
             and isinstance(optimizers[0], LossScaleOptimizer)
+            and optimizers[0].scaler is self.scaler
         ):  # the common call, `precision.step(optimizer)`, without the lists below
             return optimizers[0].step()
         wrapped = [self._as_wrapper(opt) for opt in optimizers] or self.optimizers
@@ -495,6 +496,14 @@ class Precision:
 
     def _as_wrapper(self, optimizer: Any) -> LossScaleOptimizer:
         if isinstance(optimizer, LossScaleOptimizer):
+            if optimizer.scaler is not self.scaler:
+                # (its scaler did not scale this precision's losses: stepped, it would apply
+                # gradients still multiplied by this one's scale)
+                raise ValueError(
+                    "this LossScaleOptimizer has its own scaler, not this Precision's, which "
+                    "scaled the loss: step the optimizer setup() returned (pass the plain "
+                    "optimizer to setup), or call the LossScaleOptimizer's own step()"
+                )
             return optimizer
         if isinstance(optimizer, torch.optim.Optimizer):
             lso = self._wrapper_of(optimizer)

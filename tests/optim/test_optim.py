@@ -509,3 +509,40 @@ def test_complex_parameters_are_unscaled_and_checked_through_their_real_and_imag
     grad = torch.tensor([4 + 8j, -2 + 0.5j])
     assert DynamicLossScaler(4.0).unscale_([grad]).item() == 0
     assert torch.equal(grad, torch.tensor([1 + 2j, -0.5 + 0.125j]))
+
+
+@pytest.mark.parametrize("write", ["load_state_dict", "init", "row", "data"])
+def test_weights_written_after_wrapping_are_kept_by_the_next_step(write):
+    """The masters were copied from the model once, at wrapping; weights written into the
+    float16 model after that (pretrained weights loaded after setup, an init, a padding row
+    zeroed) were undone by the next step, which copies the masters into the model. The
+    masters now take what was written: the elements it changed, keeping the float32 bits
+    of the others; a step of lr 0 leaves the written weights as they are."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).to(f16)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 8.0)
+    x = torch.randn(5, 4, dtype=f16)
+    opt.backward(model(x).float().sum())
+    opt.step()  # the masters now hold float32 bits the float16 weights round away
+    master = opt.master_params[model.weight]
+    kept = master[1:].clone()
+    with torch.no_grad():
+        if write == "load_state_dict":
+            model.load_state_dict({"weight": torch.ones(3, 4, dtype=f16), "bias": model.bias})
+        elif write == "init":
+            nn.init.constant_(model.weight, 1.0)
+        elif write == "row":
+            model.weight[0] = 0.0
+        else:
+            model.weight.data = torch.ones(3, 4, dtype=f16)
+    written = model.weight.detach().clone()
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    opt.zero_grad()
+    opt.backward(model(x).float().sum())
+    opt.step()
+    assert torch.equal(model.weight, written)
+    if write == "row":  # the other rows keep their float32 bits
+        assert torch.equal(master[0], written[0].float()) and torch.equal(master[1:], kept)
+    else:
+        assert torch.equal(master, written.float())

@@ -103,9 +103,14 @@ class _BranchFree(DynamicLossScaler):
         self._scale.clamp_(self.min_scale, self.max_scale)
 
 
-def test_branch_free_update_equals_torch_update_at_hysteresis_one():
+@pytest.mark.parametrize("growth, backoff", [(2.0, 0.5), (1.1, 0.9), (3.0, 0.3)])
+def test_branch_free_update_equals_torch_update_at_hysteresis_one(growth, backoff):
+    """Bit for bit, with factors float32 cannot hold too: each product in float64, rounded
+    once, as torch's kernel (the factor rounded to float32 first gave 3.3000002 for 3 *
+    1.1 where torch gives 3.2999999)."""
     overflows = [i % 7 == 0 or i % 11 == 0 for i in range(400)]
     kwargs = dict(init_scale=2.0**100, growth_interval=3, min_scale=0.0, max_scale=math.inf)
+    kwargs.update(growth_factor=growth, backoff_factor=backoff)
     assert _trajectory(_BranchFree(**kwargs), overflows) == _trajectory(
         DynamicLossScaler(**kwargs), overflows
     )

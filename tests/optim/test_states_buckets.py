@@ -6,6 +6,7 @@ and states saved by the per-parameter step load and continue."""
 from __future__ import annotations
 
 import io
+import pickle
 from pathlib import Path
 
 import pytest
@@ -689,3 +690,63 @@ def test_step_counts_advance_joined_and_join_again_when_replaced():
     for a, b, c in zip(params, copies, others, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
         assert float(opt.state[a]["step"]) == float(again.state[b]["step"]) == 3.0
+
+
+def _grads(params: list[nn.Parameter], step: int) -> None:
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+@pytest.mark.parametrize(
+    "make, dtype",
+    [
+        (lambda ps: LowBitAdamW(ps, lr=1e-2, states="int8", min_size=0, compile=False), None),
+        (lambda ps: LowBitSGD(ps, lr=1e-2, momentum=0.9, states="fp8", compile=False), None),
+        (
+            lambda ps: LowBitAdamW(
+                ps, lr=1e-2, states="float32", compensation="kahan", compile=False
+            ),
+            torch.bfloat16,
+        ),
+    ],
+)
+def test_a_pickled_optimizer_keeps_its_states_and_counts_stepping(make, dtype):
+    """A plain pickle (multiprocessing, Ray) stores a state's joined step count and moment
+    slices apart from the tensors they were views of: the copy's counts stayed at the
+    pickle's value while it stepped on, and its state dict resumed 2e-3 away. The copy joins
+    them again: its states, counts and further steps are those of the optimizer never
+    pickled, bit for bit."""
+
+    def run(pickled: bool):
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(300)), nn.Parameter(torch.randn(129))]
+        if dtype is not None:
+            params = [nn.Parameter(p.detach().to(dtype)) for p in params]
+        opt = make(params)
+        for step in range(6):
+            if step == 3 and pickled:
+                params, opt = pickle.loads(pickle.dumps((params, opt)))
+            _grads(params, step)
+            opt.step()
+        return params, opt
+
+    ref_params, ref = run(False)
+    params, opt = run(True)
+    for p, q in zip(params, ref_params, strict=True):
+        assert torch.equal(p, q)
+        mine, theirs = opt.state[p], ref.state[q]
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            if torch.is_tensor(value):
+                assert torch.equal(mine[key], value), key
+    resumed = make(params)
+    resumed.load_state_dict(opt.state_dict())
+    again = make(ref_params)
+    again.load_state_dict(ref.state_dict())
+    for step in range(6, 8):
+        _grads(params, step)
+        _grads(ref_params, step)
+        resumed.step()
+        again.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, ref_params, strict=True))

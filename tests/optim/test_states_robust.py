@@ -23,6 +23,7 @@ from mixprec.optim.states import (
     LowBitSGD,
     StateFormat,
     dequantize,
+    from_optimizer,
     quantize,
     state_bytes,
 )
@@ -757,15 +758,87 @@ def test_a_state_dict_leaves_the_live_state_as_it_was():
     assert all("shards" not in s for s in opt.state.values())
 
 
-@pytest.mark.parametrize("size", [50, 1000])
-def test_a_parameter_resized_after_its_first_step_is_refused_with_float32_moments(size):
-    """torch's fused kernel, which steps float32 moments, was given moments of the old
-    size: a smaller parameter stepped silently, a larger one read past them (non-finite
-    weights or a crash)."""
-    p = nn.Parameter(torch.randn(100))
-    opt = LowBitAdamW([p], states="float32", min_size=0, **KW)
-    p.grad = torch.randn(100)
+@pytest.mark.parametrize("states", ["float32", "int8", "int4", "fp8"])
+@pytest.mark.parametrize("size, alone", [(50, False), (1000, False), (300, True), (800, False)])
+def test_a_parameter_resized_after_its_first_step_is_refused(states, size, alone):
+    """A parameter whose data is replaced by one of another size no longer fits its state.
+    torch's fused kernel (float32 moments) read past a smaller one; low-bit moments were
+    stepped with the old blocks silently (a parameter stepped alone, or in a bucket of the
+    same number of blocks) or failed on a bare size check. Each is refused before any
+    parameter moves, naming the parameter. (A low-bit state records its blocks, not its
+    elements: a size within the same blocks is not seen.)"""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(600))] + ([] if alone else [nn.Parameter(torch.randn(300))])
+    opt = LowBitAdamW(params, states=states, min_size=0, **KW)
+    for p in params:
+        p.grad = torch.randn_like(p)
     opt.step()
-    p.data, p.grad = torch.randn(size), torch.randn(size)
-    with pytest.raises(RuntimeError, match=r"no longer has the size of its optimizer state"):
+    params[0].data = torch.randn(size)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    others = [p.detach().clone() for p in params[1:]]
+    with pytest.raises(RuntimeError, match=r"parameter 0 \(shape \[\d+\]\) no longer has the size"):
         opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params[1:], others, strict=True))
+
+
+def test_a_strided_gradient_of_a_float32_state_steps_its_own_elements():
+    """torch's fused kernel, which steps float32 moments of float32 parameters, reads a
+    strided gradient (``g[:, ::2]``, set by hand) as if its elements were consecutive: the
+    step took the wrong elements (2e-2 off torch's AdamW, 5e-2 off its SGD), also for the
+    biases `AdamW8bit` keeps in float32."""
+    torch.manual_seed(0)
+    w = torch.randn(20, 16)
+    g = torch.randn(20, 32)[:, ::2]
+    for ours_cls, torch_cls, kw in [
+        (LowBitAdamW, torch.optim.AdamW, dict(lr=1e-2)),
+        (LowBitSGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9)),
+        (AdamW8bit, torch.optim.AdamW, dict(lr=1e-2)),  # (below min_size: float32 moments)
+    ]:
+        ours, ref = nn.Parameter(w.clone()), nn.Parameter(w.clone())
+        extra = {} if ours_cls is AdamW8bit else {"states": "float32", "min_size": 0}
+        ours.grad, ref.grad = g, g.contiguous()
+        ours_cls([ours], **kw, **extra, **KW).step()
+        torch_cls([ref], **kw, foreach=False).step()
+        assert float((ours - ref).abs().max()) < 1e-6
+
+
+def test_a_torch_optimizer_of_a_channels_last_weight_converts_and_steps():
+    """torch makes the moments (and SGD's buffer, a copy of the gradient) of a channels-last
+    weight channels-last; converted as they were, the next step could not read them as
+    flat (``view size is not compatible``)."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 4, 6, 6).to(memory_format=torch.channels_last)
+    for make in (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9),
+    ):
+        for states in ("float32", "int8"):
+            source = make(conv.parameters())
+            conv.zero_grad()
+            conv(x).square().mean().backward()
+            source.step()
+            low = from_optimizer(source, states, min_size=0, **KW)
+            conv(x).square().mean().backward()
+            low.step()
+            assert all(torch.isfinite(p).all() for p in conv.parameters())
+
+
+@pytest.mark.parametrize("step", [torch.tensor(3), torch.tensor([3.0])])
+def test_a_saved_step_count_of_another_dtype_or_shape_loads_and_steps(step):
+    """torch's optimizers step a saved count that is an int64 tensor or of shape [1]; the
+    low-bit step failed on them (a cast error, or ``int()`` of a list). They load as a
+    0-dim float32 count and step on."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(300))
+    source = torch.optim.AdamW([nn.Parameter(p.detach().clone())], lr=1e-2)
+    source.param_groups[0]["params"][0].grad = torch.randn(300)
+    source.step()
+    saved = copy.deepcopy(source.state_dict())
+    saved["state"][0]["step"] = step
+    opt = AdamW8bit([p], min_size=0, **KW)
+    opt.load_state_dict(saved)
+    p.grad = torch.randn(300)
+    opt.step()
+    assert opt.state[p]["step"].shape == () and float(opt.state[p]["step"]) == 4.0

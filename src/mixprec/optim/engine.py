@@ -392,6 +392,12 @@ class StepCounts:
         self.whole: torch.Tensor | None = None
         self.held: list[torch.Tensor] = []
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Not joined: a pickle stores each state's count apart from the tensor it is a view
+        of, so that the copy's counts would stop advancing with it. They join again at the
+        copy's next step."""
+        return {"whole": None, "held": []}
+
     def advance(self, states: list[dict[str, Any]]) -> list[int]:
         """Add one to each state's ``"step"`` and return the counts, in order."""
         counts = [state["step"] for state in states]

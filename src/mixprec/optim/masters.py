@@ -44,6 +44,8 @@ class MasterWeights:
         self.param_of: dict[torch.Tensor, torch.Tensor] = {}
         # after a step, a master's gradient is that step's until moved over or zeroed
         self._grads_stale = False
+        # each parameter's version counter and memory when mixprec last wrote or read it
+        self._seen: dict[torch.Tensor, tuple[int, int | None]] = {}
 
     def __len__(self) -> int:
         return len(self.masters)
@@ -85,6 +87,24 @@ class MasterWeights:
         self.masters.append(master)
         self.master_of[p] = master
         self.param_of[master] = p
+        self._seen[p] = _written(p)
+
+    def follow_edits(self) -> None:
+        """Give the masters what was written into their parameters since mixprec last wrote
+        them (a model state or pretrained weights loaded after setup, an init, a padding row
+        zeroed): the elements the write changed take its values, the others keep their
+        float32 bits. Without this the next step, which copies the masters into the model,
+        would undo the write."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            if _written(p) == self._seen[p]:
+                continue
+            with torch.no_grad():
+                changed = p.ne(m.to(p.dtype))
+                m.copy_(torch.where(changed, p.to(torch.float32), m))
+            self._seen[p] = _written(p)
+
+    def _saw_all(self) -> None:
+        self._seen = {p: _written(p) for p in self.params}
 
     # -- gradients and the step -------------------------------------------------------------
 
@@ -93,6 +113,7 @@ class MasterWeights:
         move after a step drops a master's gradient whose parameter has none: it is the last
         step's (the model's own ``zero_grad`` cannot reach the masters), and stepping it again
         would update a parameter this step did not use."""
+        self.follow_edits()
         drop_stale = self._grads_stale
         self._grads_stale = False
         dst: list[torch.Tensor] = []
@@ -136,6 +157,7 @@ class MasterWeights:
         if self.masters:
             with torch.no_grad():
                 torch._foreach_copy_(self.params, self.masters)
+            self._saw_all()
 
     def end_step(self, stepped: bool) -> None:
         """After a step: the model follows its masters if they moved, and the masters'
@@ -233,12 +255,21 @@ class MasterWeights:
             with torch.no_grad():
                 torch._foreach_copy_(list(values), [s.to(m.device) for m, s in values.items()])
                 torch._foreach_copy_([self.param_of[m] for m in values], list(values))
+            self._saw_all()
 
     def refresh_from_model(self) -> None:
         """Set every master to its model parameter (an optimizer state without masters)."""
         with torch.no_grad():
             for p, m in self.master_of.items():
                 m.copy_(p)
+        self._saw_all()
+
+
+def _written(p: torch.Tensor) -> tuple[int, int | None]:
+    """What changes when ``p`` is written: its version counter (an in-place write) and, for
+    a plain tensor, its memory (``p.data = ...``, which keeps the counter)."""
+    plain = type(p) in (torch.Tensor, nn.Parameter)
+    return p._version, p.data_ptr() if plain else None
 
 
 def master_weights_by_name(

@@ -652,11 +652,15 @@ class DynamicLossScaler(LossScaler):
         back_off = overflow & (credits <= 0)
         clean_run = torch.where(overflow, 0, self._growth_tracker + 1)
         grow = clean_run >= self.growth_interval
-        grown = self._scale * self.growth_factor
+        # (each product in float64 and rounded once, as torch's kernel multiplies the
+        # float32 scale by the double factor: a factor rounded to float32 first lands the
+        # scale one rounding away, 3.3000002 for 3.0 * 1.1; MPS has no float64)
+        wide = self._scale if self._scale.device.type == "mps" else self._scale.double()
+        grown = (wide * self.growth_factor).to(self._scale.dtype)
         grown = torch.where(torch.isfinite(grown), grown, self._scale)
         new_scale = torch.where(
             back_off,
-            self._scale * self.backoff_factor,
+            (wide * self.backoff_factor).to(self._scale.dtype),
             torch.where(grow, grown, self._scale),
         )
         self._scale.copy_(new_scale)

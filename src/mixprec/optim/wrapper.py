@@ -37,7 +37,7 @@ import inspect
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -173,8 +173,13 @@ class LossScaleOptimizer(OptimizerCheckpoint):
 
     @property
     def state(self) -> Any:
-        """The wrapped optimizer's per-parameter state."""
-        return self.optimizer.state
+        """The wrapped optimizer's per-parameter state. With float32 masters it is keyed by
+        the masters; a model parameter given as a key reads and writes its master's state
+        (`MasterKeyedState`), where torch's dict would make an empty entry for it that its
+        ``state_dict`` cannot save."""
+        if not self._masters:
+            return self.optimizer.state
+        return MasterKeyedState(self.optimizer.state, self._masters.master_of)
 
     @property
     def defaults(self) -> dict[str, Any]:
@@ -444,6 +449,8 @@ class LossScaleOptimizer(OptimizerCheckpoint):
                 f"without loss scaling: a bfloat16 or float32 precision ('bf16-mixed', "
                 f"'32-true') or scaler='none'"
             )
+
+        self._masters.follow_edits()  # (before the first evaluation copies masters over)
 
         def evaluate() -> Any:
             self._masters.copy_to_model()  # the optimizer moved the masters: the model follows
@@ -718,6 +725,37 @@ def _read_flags(found: torch.Tensor) -> list[bool]:
     return [f > 0 for f in found.tolist()]
 
 
+class MasterKeyedState(MutableMapping):
+    """An optimizer's state (``state``, keyed by the tensors it steps) seen through
+    ``master_of``: a model parameter with a float32 master stands for its master. Iterating
+    gives the optimizer's own keys."""
+
+    def __init__(self, state: Any, master_of: Mapping[torch.Tensor, torch.Tensor]) -> None:
+        self._state = state
+        self._master_of = master_of
+
+    def _key(self, p: Any) -> Any:
+        return self._master_of.get(p, p) if isinstance(p, torch.Tensor) else p
+
+    def __getitem__(self, p: Any) -> Any:
+        return self._state[self._key(p)]
+
+    def __setitem__(self, p: Any, value: Any) -> None:
+        self._state[self._key(p)] = value
+
+    def __delitem__(self, p: Any) -> None:
+        del self._state[self._key(p)]
+
+    def __contains__(self, p: object) -> bool:
+        return self._key(p) in self._state
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
 def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> bool:
     """Advance ``scheduler`` unless ``optimizer`` (a LossScaleOptimizer, or the optimizer one
     wraps) skipped its last step.
@@ -728,7 +766,9 @@ def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) ->
     the scheduler advanced.
     """
     if not isinstance(optimizer, LossScaleOptimizer):
-        # the plain optimizer a wrapper steps (Precision.step accepts either)
+        # the plain optimizer a wrapper steps (Precision.step accepts either); a torch
+        # optimizer converted into a low-bit one (optimizer_states=) stands for that one
+        optimizer = getattr(optimizer, "_converted_into", optimizer)
         live = _WRAPPERS.get(optimizer)
         optimizer = live[0]() if live is not None else optimizer
     if isinstance(optimizer, LossScaleOptimizer) and optimizer.step_was_skipped:

@@ -81,7 +81,7 @@ def fused_adam(
     step's). On a CPU by torch's fused kernel, one call for every tensor (its ``_foreach``
     ops are ten, a dispatch each); elsewhere, where that kernel wants its step counts on the
     device, by ``_foreach`` ops."""
-    lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp
+    lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2, gain1, gain2 = hp
     if params[0].device.type == "cpu":
         fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
         fused(
@@ -91,9 +91,9 @@ def fused_adam(
         return
     if not decoupled and wd:
         grads = torch._foreach_add(grads, params, alpha=wd)
-    torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+    torch._foreach_lerp_(exp_avgs, grads, gain1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, gain2)
     denom = torch._foreach_sqrt(exp_avg_sqs)
     torch._foreach_mul_(denom, inv_sqrt_bc2)
     torch._foreach_add_(denom, eps)

@@ -273,6 +273,9 @@ class StateCheckpoint(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         elif not torch.is_tensor(state["step"]):
             state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+        elif state["step"].dim() or state["step"].dtype != torch.float32:
+            # (an int64 count, or one of shape [1], as torch's optimizers step them too)
+            state["step"] = state["step"].detach().reshape(()).to(torch.float32)
         if old != fmt:
             for name, signed in MOMENTS[self.algorithm]:
                 if old is None or not old.quantized:

@@ -137,12 +137,14 @@ def adam_update(
     low-bit format) with the flat gradient ``g``; the moments in the format ``kind`` and
     ``block`` name (codes and scales, or float32 with no scales); ``tables``: the first
     moment's `code_tables`, then the second's; ``hp``: float32 (lr, beta1, beta2, eps,
-    weight_decay, lr / (1 - beta1^step), (1 - beta2^step)^-1/2). Decoupled weight decay
+    weight_decay, lr / (1 - beta1^step), (1 - beta2^step)^-1/2, 1 - beta1, 1 - beta2: the
+    last two from the betas in double, as torch's AdamW takes them, since 1 - beta2 taken from
+    float32 beta2 is off by up to 1e-3 of itself for beta2 = 0.99999). Decoupled weight decay
     (AdamW) or L2 added to the gradient (Adam). ``p`` is written in place by the engine's
     write-back (``compensation``, with the Kahan buffer ``buf`` and the random bits of
     ``key``: a one-element int32 tensor compiled, an int eagerly)."""
     fmt = StateFormat(kind, block)
-    lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2 = hp.unbind()
+    lr, beta1, beta2, eps, wd, step_size, inv_sqrt_bc2, gain1, gain2 = hp.unbind()
     _same_sizes(fmt, p, (g, buf), (m, m_scales), (v, v_scales))
     p, g, buf = _blocks(p, fmt), _blocks(g, fmt), _blocks(buf, fmt)
     work = _working_dtype(p)
@@ -150,8 +152,8 @@ def adam_update(
     g32 = g.to(work)
     if not decoupled:
         g32 = g32 + wd * p32
-    m1 = torch.lerp(_load(m, m_scales, tables[:1], fmt, True).to(work), g32, 1 - beta1)
-    m2 = _load(v, v_scales, tables[1:], fmt, False).to(work) * beta2 + (1 - beta2) * g32 * g32
+    m1 = torch.lerp(_load(m, m_scales, tables[:1], fmt, True).to(work), g32, gain1)
+    m2 = _load(v, v_scales, tables[1:], fmt, False).to(work) * beta2 + gain2 * g32 * g32
     _store(m1, m, m_scales, fmt, True, tables[:1])
     _store(m2, v, v_scales, fmt, False, tables[1:])
     u = -(step_size * m1 / (m2.sqrt() * inv_sqrt_bc2 + eps))

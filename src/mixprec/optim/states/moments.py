@@ -78,7 +78,10 @@ def stored_moment(
     local = local_part(p)
     value = local_part(value).to(device=local.device, dtype=moment_dtype(p))
     if not fmt.quantized:
-        return {name: shard_like(value.reshape(local.shape).clone(), p)}
+        # (contiguous: a torch optimizer's moment of a channels-last or transposed weight
+        # keeps the weight's strides, and the step reads moments as flat views)
+        value = value.reshape(local.shape).clone(memory_format=torch.contiguous_format)
+        return {name: shard_like(value, p)}
     zero = zero_moment(name, p, fmt)
     codes, scales = local_part(zero[f"{name}_codes"]), local_part(zero[f"{name}_scales"])
     flat = torch.zeros(scales.numel() * fmt.block, dtype=torch.float32, device=local.device)  # type: ignore[operator]

@@ -343,8 +343,10 @@ class LowBitOptimizer(StateCheckpoint):
         """Everything the optimizer holds. torch's keeps the defaults, the state and the
         groups only, where its optimizers keep their settings; these keep theirs (formats,
         ``min_size``, the compile gate, the seed...) in attributes, which a copy or a
-        pickle would otherwise lose, failing at its first step."""
-        return {**self.__dict__, "_layout": None}  # (a plan holds this step's objects)
+        pickle would otherwise lose, failing at its first step. Not the plan (it holds this
+        step's objects) nor the joined moments: a pickle stores each state's slices apart
+        from the flat tensors they are views of, so the copy joins them again."""
+        return {**self.__dict__, "_layout": None, "_flats": {}}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, with the group's ``"states"`` (if any) checked and written canonically;
@@ -396,6 +398,7 @@ class LowBitOptimizer(StateCheckpoint):
                 for name, _ in MOMENTS["adam"]:
                     state.update(zero_moment(name, p, fmt))
         elif parse_state_format(state["format"]) != self.format_of(p, group):
+            self._refuse_resized(p, state, None)  # (a size that changed the block)
             self.adopt(p, state, group)
         if self.compensation == "kahan" and p.dtype in COMPENSATED_DTYPES:
             # (made at the first step as a 16-bit parameter: also one that became 16-bit
@@ -404,6 +407,30 @@ class LowBitOptimizer(StateCheckpoint):
             if buf is None or buf.dtype != p.dtype or buf.shape != p.shape:
                 state["compensation"] = torch.zeros_like(p)
         return state
+
+    def _refuse_resized(self, p: torch.Tensor, state: dict[str, Any], index: int | None) -> None:
+        """Refuse a parameter whose data was replaced by a tensor of another size since its
+        state was made: its moments no longer hold its elements (low-bit ones stepped
+        silently with the old blocks, or failed on a bare size check; torch's fused kernel
+        reads past float32 ones). Raised before any parameter is updated."""
+        if type(p) not in PLAIN or "format" not in state:  # (a DTensor's shards: its own)
+            return
+        fmt = parse_state_format(state["format"])
+        for name, _ in MOMENTS[self.algorithm]:
+            if fmt.quantized:
+                scales = state.get(f"{name}_scales")
+                held = None if scales is None else scales.numel() * fmt.block  # type: ignore[operator]
+                want = fmt.blocks(elements_of(p)) * fmt.block  # type: ignore[operator]
+            else:
+                moment = state.get(name)
+                held, want = (None if moment is None else moment.numel()), p.numel()
+            if held is not None and held != want:
+                where = "a parameter" if index is None else f"parameter {index}"
+                raise RuntimeError(
+                    f"{where} (shape {list(p.shape)}) no longer has the size of its optimizer "
+                    f"state ({held} elements in {fmt}): its data was replaced after its first "
+                    f"step; nothing was updated: build the optimizer after resizing parameters"
+                )
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -483,6 +510,7 @@ class LowBitOptimizer(StateCheckpoint):
         runs: list[tuple[str, list[_Planned], str | None]] = []
         every: list[_Planned] = []
         for (group, p), index, state, step in zip(work, indices, states, steps, strict=True):
+            self._refuse_resized(p, state, index)
             planned = self._plan(p, group, state, step, scalars)
             planned.index, planned.step = index, step
             every.append(planned)
@@ -684,17 +712,10 @@ class LowBitOptimizer(StateCheckpoint):
         """Update float32 parameters with float32 moments by torch's fused or ``_foreach``
         ops (`buckets.fused_adam`, `buckets.fused_sgd`)."""
         params = [real_view(b.p).view(-1) for b in bucket]
-        grads = [real_view(b.p.grad).reshape(-1) for b in bucket]
+        # (contiguous: torch's fused kernel reads a strided gradient, as ``g[:, ::2]``, as
+        # if its elements were consecutive)
+        grads = [real_view(b.p.grad).contiguous().view(-1) for b in bucket]
         moments = [[m for m, _ in b.moments] for b in bucket]
-        for b, p, ms in zip(bucket, params, moments, strict=True):
-            # (torch's fused kernel reads past a smaller moment: a parameter whose data was
-            # replaced by a larger tensor after its state was made would corrupt memory)
-            if any(m is not None and m.numel() != p.numel() for m in ms):
-                raise RuntimeError(
-                    f"parameter {b.index} (shape {list(b.p.shape)}) no longer has the size of "
-                    f"its optimizer state ({ms[0].numel()} elements): its data was replaced "
-                    f"after its first step; build the optimizer after resizing parameters"
-                )
         first = bucket[0]
         if self.algorithm == "adam":
             exp_avgs, exp_avg_sqs = ([m[i] for m in moments] for i in (0, 1))
@@ -907,6 +928,7 @@ class LowBitAdamW(LowBitOptimizer):
         bc1 = 1 - beta1**step
         bc2 = 1 - beta2**step
         values = [lr, beta1, beta2, group["eps"], group["weight_decay"], lr / bc1, bc2**-0.5]
+        values += [1 - beta1, 1 - beta2]  # (in double: `kernels.adam_update` says why)
         # (a group's own decoupled_weight_decay, as torch's Adam and AdamW keep it and
         # from_optimizer carries it over, chooses its decay's form; the class's without one)
         decoupled = bool(group.get("decoupled_weight_decay", self.decoupled))
