@@ -601,3 +601,140 @@ def test_mixprec_doctor_states_names_the_hurt_layer_and_exits_1(tmp_path, capsys
     assert main([*args, "--states", "int8"]) == 0  # the diagnosis passes, no layer hurt
     assert main([*args, "--states", "int9"]) == 2
     assert "--states: unknown state format 'int9'" in capsys.readouterr().err
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 64))
+
+
+def _train(precision: Precision, model: nn.Module, opt: Any, steps: int) -> None:
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        opt.zero_grad()
+        precision.backward(model(x).square().mean())
+        precision.step(opt)
+
+
+def test_the_torch_optimizer_handed_over_saves_loads_and_grows_the_converted_one():
+    """A loop that holds on to the torch optimizer it gave setup saved its empty state (the
+    converted optimizer's moments and counts lost), loaded a state into that torch
+    optimizer's own state silently, and added groups without the ``"states"`` the step reads
+    (a bare KeyError at the next step). It stands for the converted optimizer in each."""
+    precision = Precision("32-true", optimizer_states="int8")
+    model = _net()
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = precision.setup(model, torch_opt)
+    _train(precision, model, opt, 3)
+    saved = copy.deepcopy(torch_opt.state_dict())
+    assert len(saved["state"]) == 4 and "exp_avg_codes" in saved["state"][2]
+    weights = copy.deepcopy(model.state_dict())
+    _train(precision, model, opt, 2)
+    after = [p.detach().clone() for p in model.parameters()]
+
+    again = Precision("32-true", optimizer_states="int8")
+    model2 = _net()
+    torch_opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    model2, opt2 = again.setup(model2, torch_opt2)
+    model2.load_state_dict(weights)
+    torch_opt2.load_state_dict(saved)
+    assert float(opt2.optimizer.state[next(model2.parameters())]["step"]) == 3.0
+    _train(again, model2, opt2, 2)
+    assert all(torch.equal(p, q) for p, q in zip(model2.parameters(), after, strict=True))
+
+    extra = nn.Parameter(torch.randn(64, 64))
+    torch_opt2.add_param_group({"params": [extra], "lr": 1e-3})
+    assert opt2.param_groups[-1]["states"] == "int8" and opt2.param_groups[-1]["lr"] == 1e-3
+    extra.grad = torch.randn(64, 64)
+    opt2.optimizer.step()
+    assert "exp_avg_codes" in opt2.optimizer.state[extra]
+
+
+def test_a_second_setup_of_a_converted_optimizer_keeps_its_moments():
+    """A torch optimizer converted before (a second fit, a setup after reset()) was
+    converted again from its empty state: moments and counts started afresh (5 -> 5 where
+    5 -> 10). It stands for the low-bit one it became."""
+    precision = Precision("32-true", optimizer_states="int8")
+    model = _net()
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = precision.setup(model, torch_opt)
+    _train(precision, model, opt, 5)
+    precision.reset()
+    model, opt = precision.setup(model, torch_opt)
+    _train(precision, model, opt, 5)
+    assert float(opt.optimizer.state[next(model.parameters())]["step"]) == 10.0
+
+
+def test_parameters_frozen_at_setup_take_the_maps_formats_when_unfrozen():
+    """Formats were given to the trainable parameters only: a layer frozen at setup and
+    unfrozen later took the default low-bit format where a state rule (or the embedding
+    rule) keeps it float32."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(256, 64), nn.Linear(64, 128), nn.Linear(128, 64))
+    for p in [*model[0].parameters(), *model[2].parameters()]:
+        p.requires_grad_(False)
+    policy = PolicyMap("32-true", states={"2": "float32"})
+    precision = Precision(policy, optimizer_states="int4")
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for p in model.parameters():
+        p.requires_grad_(True)
+    x = torch.randint(0, 256, (4, 8))
+    precision.backward(model(x).square().mean())
+    precision.step(opt)
+    formats = {n: opt.optimizer.state[p]["format"] for n, p in model.named_parameters()}
+    assert formats["0.weight"] == "float32" and formats["2.weight"] == "float32"
+    assert formats["1.weight"] == "int4"
+
+
+def test_a_torch_state_loads_through_the_wrapper_into_low_bit_states():
+    """The wrapper refused a torch AdamW state for its LowBitAdamW ("saved from another
+    optimizer class"), which that optimizer loads (quantized) and the Trainer resumes."""
+    plain = Precision("32-true")
+    model = _net()
+    model, opt = plain.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(plain, model, opt, 3)
+    low = Precision("32-true", optimizer_states="int8")
+    model2 = _net()
+    model2, opt2 = low.setup(model2, torch.optim.AdamW(model2.parameters(), lr=1e-2))
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    state = opt2.optimizer.state[next(model2.parameters())]
+    assert state["format"] == "int8" and float(state["step"]) == 3.0
+
+
+def test_float16_kahan_with_low_bit_states_compensates_instead_of_masters():
+    """Under 16-true, compensation="kahan" with optimizer_states gave float32 masters and no
+    Kahan buffer (the compensation asked for never ran), where bf16-true or 16-true without
+    optimizer_states gave Kahan buffers and no masters."""
+    precision = Precision(
+        "16-true", compensation="kahan", optimizer_states="int8", scaler=1.0, allow_slow=True
+    )
+    model = _net()
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    x = torch.randn(16, 32, dtype=torch.float16)
+    precision.backward(model(x).float().square().mean())
+    precision.step(opt)
+    assert len(opt.master_params) == 0
+    assert all("compensation" in opt.optimizer.state[p] for p in model.parameters())
+
+
+def test_a_wrapper_of_a_torch_optimizer_with_optimizer_states_is_refused():
+    """setup kept a LossScaleOptimizer of a torch AdamW as it was under
+    optimizer_states="int8": float32 states, four times the bytes, no word."""
+    precision = Precision("32-true", optimizer_states="int8")
+    model = _net()
+    wrapped = mixprec.LossScaleOptimizer(torch.optim.AdamW(model.parameters()), precision.scaler)
+    with pytest.raises(ValueError, match="pass the plain optimizer to setup"):
+        precision.setup(model, wrapped)
+
+
+def test_explain_shows_the_block_a_run_cuts_to_the_parameter():
+    """A block larger than a parameter is cut to the parameter's size rounded up to the
+    kind's default block; `explain` showed the block as given, not what the run records."""
+    model = _net()
+    shown = explain(model, PolicyMap("32-true"), optimizer_states="int8/block=65536").states
+    precision = Precision("32-true", optimizer_states="int8/block=65536")
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(precision, model, opt, 1)
+    for name, p in model.named_parameters():
+        assert str(shown[name][0]) == opt.optimizer.state[p]["format"]
+    assert str(shown["0.weight"][0]) == "int8/block=4096"

@@ -88,6 +88,15 @@ def record_to(record: Callable[[Tensor, int, int], None] | None) -> None:
     _meter.record = record
 
 
+def _plain_layout(t: Tensor) -> bool:
+    """Whether `t` is a strided tensor whose elements each have memory of their own: a
+    sparse or nested one has no storage to read, and an expanded view (a stride of 0) holds
+    fewer bytes than its elements, which a stored copy would multiply."""
+    if t.layout != torch.strided or t.is_nested:
+        return False
+    return all(st or size < 2 for size, st in zip(t.shape, t.stride(), strict=True))
+
+
 def _record(original: Tensor, stored: int, key: int) -> None:
     record = getattr(_meter, "record", None)
     if record is not None:
@@ -138,6 +147,8 @@ class Codec:
         return packed
 
     def pack(self, t: Tensor) -> Any:
+        if not _plain_layout(t):  # (sparse, nested: kept as they are, their bytes unknown)
+            return AsIs(t, t._version)
         storage = t.untyped_storage()
         if not self.stores(t):
             _record(t, storage.nbytes(), storage.data_ptr())
@@ -218,7 +229,7 @@ def _bytes(packed: Any) -> int:
         return packed.untyped_storage().nbytes()
     if isinstance(packed, Fp8Saved):
         return packed.codes.nbytes + packed.scales.nbytes
-    return sum(_bytes(p) for p in packed)
+    return sum(_bytes(p) for p in packed if isinstance(p, Tensor | Fp8Saved))
 
 
 class Keep(Codec):
@@ -273,7 +284,7 @@ class ToFp8(Codec):
             else:  # whole blocks: no padding for the kernel to mask
                 pair, ran = _run("encode_blocks", _fresh(flat).view(-1, FP8.block))
             if ran:
-                return Fp8Saved(pair[0], pair[1], t.shape, t.dtype, stride)
+                return self._finite_or_bf16(t, Fp8Saved(pair[0], pair[1], t.shape, t.dtype, stride))
         pieces = [
             quantize(flat[i : i + CHUNK], FP8, signed=True) for i in range(0, len(flat), CHUNK)
         ]
@@ -282,11 +293,24 @@ class ToFp8(Codec):
         else:  # blocks are independent: the pieces' codes and scales are the whole's
             codes = torch.cat([c.view(torch.uint8) for c, _ in pieces]).view(torch.float8_e4m3fn)
             scales = torch.cat([s for _, s in pieces])
-        return Fp8Saved(codes, scales, t.shape, t.dtype, stride)
+        return self._finite_or_bf16(t, Fp8Saved(codes, scales, t.shape, t.dtype, stride))
+
+    @staticmethod
+    def _finite_or_bf16(t: Tensor, packed: Fp8Saved) -> Any:
+        """`packed`, or on a CPU, where a block's scale is not finite (the block holds an
+        inf or a NaN: a masked log-softmax's -inf), `t` as ``bf16`` stores it: every
+        element of such a block would decode to NaN. (On an accelerator the check would
+        wait for the device at every saved tensor: there such a block decodes to NaN.)"""
+        if t.device.type == "cpu" and not bool(torch.isfinite(packed.scales).all()):
+            kept = t.to(torch.bfloat16) if t.dtype == torch.float32 else t
+            return (kept, t.dtype)
+        return packed
 
     def decode(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
+        if isinstance(packed, tuple):  # (`_finite_or_bf16`'s)
+            return packed[0].to(packed[1])
         numel = math.prod(packed.shape)
         if GATE.wants(packed.codes.device, numel):
             if numel % FP8.block:

@@ -5,7 +5,8 @@ recomputed module the inputs checkpointing holds, and nothing below it; nothing 
 by torch's checkpointing, out of this count's sight).
 Parameters, buffers and the model's inputs are not counted: they are alive without the
 graph; tensors without a history that only the graph holds (a frozen layer's output,
-dropout's mask, max-pooling's indices) are, though the codecs keep them as they are."""
+dropout's mask, max-pooling's indices) are, though the codecs keep them as they are. A
+sparse or nested saved tensor is kept as it is and not counted."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def saved_bytes_of(model: nn.Module, run: Callable[[], Any], batch: Any = ()) ->
     seen: set[int] = set()
     # the storages alive without the graph: parameters, buffers and the model's inputs
     kept = (*model.parameters(), *model.buffers(), *tree_leaves(batch))
-    alive = {t.untyped_storage().data_ptr() for t in kept if torch.is_tensor(t)}
+    alive = {_memory(t) for t in kept if torch.is_tensor(t)}
 
     def record(original: Tensor, stored: int, key: int) -> None:
         if key in seen:
@@ -57,7 +58,7 @@ def saved_bytes_of(model: nn.Module, run: Callable[[], Any], batch: Any = ()) ->
 
     def inputs(module: nn.Module, args: Any, kwargs: Any) -> None:
         leaves = tree_leaves((args, kwargs))
-        alive.update(t.untyped_storage().data_ptr() for t in leaves if torch.is_tensor(t))
+        alive.update(_memory(t) for t in leaves if torch.is_tensor(t))
 
     def enter(module: nn.Module, args: Any) -> None:
         stack.append(names.get(id(module), stack[-1] if stack else ""))
@@ -78,3 +79,11 @@ def saved_bytes_of(model: nn.Module, run: Callable[[], Any], batch: Any = ()) ->
         for handle in handles:
             handle.remove()
     return out
+
+
+def _memory(t: Tensor) -> int | None:
+    """Where `t`'s elements live: its storage's address; None for a sparse or nested tensor,
+    which has no storage to read (the codecs keep such a tensor as it is, uncounted)."""
+    if t.layout != torch.strided or t.is_nested:
+        return None
+    return t.untyped_storage().data_ptr()

@@ -97,13 +97,15 @@ class ActivationForward:
         buffers = list(module.named_buffers()) if module.training else []
         versions = [b._version for _, b in buffers]
         out = recomputed(forward, self.option, args, kwargs)
+        # (a buffer written in place, or assigned anew, as ``self.ema = 0.9 * self.ema + x``)
+        now = dict(module.named_buffers()) if buffers else {}
         for (name, b), version in zip(buffers, versions, strict=True):
-            if b._version != version:
+            if now.get(name) is not b or b._version != version:
                 raise PolicySpecError(
-                    f"{type(module).__name__} updated its buffer {name!r} in place in a "
-                    f"forward that {self.option!r} recomputes, so the backward updates it "
-                    "again; give this module 'keep', 'bf16', 'fp8' or 'offload', or "
-                    "recompute the modules around the one updating it"
+                    f"{type(module).__name__} updated its buffer {name!r} in a forward that "
+                    f"{self.option!r} recomputes, so the backward updates it again; give "
+                    "this module 'keep', 'bf16', 'fp8' or 'offload', or recompute the "
+                    "modules around the one updating it"
                 )
         return out
 

@@ -192,10 +192,12 @@ class OptimizerCheckpoint:
             )
         groups = self.optimizer.param_groups
         # another optimizer class's groups hold settings this one lacks and lack some of its
-        # own (SGD's momentum beside AdamW's betas); another torch version only adds or drops
+        # own (SGD's momentum beside AdamW's betas); another torch version only adds or drops.
+        # A low-bit optimizer checks its own: it loads its torch counterpart's state too
         ours = set().union(*(g.keys() for g in groups))
         theirs = set().union(*(g.keys() for g in saved["param_groups"]))
-        if theirs - ours and ours - theirs:
+        converts = hasattr(self.optimizer, "to_float32_state_dict")
+        if theirs - ours and ours - theirs and not converts:
             name = type(self.optimizer).__name__
             raise ValueError(
                 f"the saved optimizer state's parameter groups hold {sorted(theirs - ours)}, "

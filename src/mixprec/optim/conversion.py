@@ -50,9 +50,20 @@ def convert_for(
     a parameter's format is asked (so that the wrapper made after the conversion counts):
     their float32 masters take their model parameters' formats."""
     default = policy_map.state_default(optimizer_states)
+    # a torch optimizer converted before (a second fit, a setup after reset()) stands for
+    # the low-bit one it became, whose moments and counts go on: converting it again would
+    # start them afresh from its empty state
+    optimizer = getattr(optimizer, "_converted_into", optimizer)
     if isinstance(optimizer, (LowBitOptimizer, LossScaleOptimizer)):
         inner = getattr(optimizer, "optimizer", optimizer)
         kept = inner.defaults["states"] if isinstance(inner, LowBitOptimizer) else None
+        if kept is None and default is not None and str(default) != "float32":
+            raise ValueError(
+                f"the LossScaleOptimizer given wraps {type(inner).__name__} (float32 "
+                f"states), which optimizer_states={str(default)!r} would convert: pass the "
+                f"plain optimizer to setup (it is converted, then wrapped), or leave "
+                f"optimizer_states out"
+            )
         if default is not None and kept is not None and kept != default:
             said = (
                 f"optimizer_states={default!r}"
@@ -74,7 +85,7 @@ def convert_for(
             "one of those, or leave optimizer_states out"
         )
     default = default or "float32"
-    assigned = policy_map.state_formats(model, default)
+    assigned = policy_map.state_formats(model, default, frozen=True)
     named = dict(model.named_parameters())
     # each parameter's format is held per parameter (a master takes its parameter's), so
     # the groups stay the torch optimizer's: float32 by `keep_float32`, another low-bit
@@ -159,23 +170,43 @@ _stale_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
 
 def _relinked_load(old: torch.optim.Optimizer, state_dict: Any) -> None:
-    """torch's load into a torch optimizer handed over, its groups then the new one's."""
+    """A state dict loaded into a torch optimizer handed over goes into the one it stands
+    for, which takes its own state dicts and torch's (moments converted into its formats;
+    its groups keep their ``"states"``), and whose groups ``old`` goes on holding. One with
+    no state at all (saved before any step, or by a version whose torch optimizer saved
+    none) gives only its groups' settings: the state the new one holds, restored by whoever
+    saved it (a Lightning plugin), stays."""
     new = old._converted_into  # type: ignore[attr-defined]
-    # torch's load gives ``old`` groups of its own (a caller restoring the optimizer it
-    # holds, as Lightning does on resume), which a scheduler would then set alone: their
-    # settings go to ``new``'s groups, which ``old`` holds again (its empty state stays its
-    # own; ``new``'s state is restored by whoever saved it)
-    type(old).load_state_dict(old, state_dict)
-    for mine, loaded in zip(new.param_groups, old.param_groups, strict=True):
-        mine.update({k: loaded[k] for k in mine if k != "params" and k in loaded})
+    if not state_dict.get("state") and new.state:
+        type(old).load_state_dict(old, state_dict)  # (torch's checks, into ``old``'s groups)
+        for mine, loaded in zip(new.param_groups, old.param_groups, strict=True):
+            mine.update(
+                {k: loaded[k] for k in mine if k not in ("params", "states") and k in loaded}
+            )
+    else:
+        new.load_state_dict(state_dict)
+    old.param_groups = new.param_groups
+
+
+def _relinked_state_dict(old: torch.optim.Optimizer) -> dict[str, Any]:
+    """The state dict of a torch optimizer handed over: the one it stands for's (its own
+    state is empty; saving that would lose the moments)."""
+    return old._converted_into.state_dict()  # type: ignore[attr-defined]
+
+
+def _relinked_add(old: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+    """A group added to a torch optimizer handed over is added to the one it stands for
+    (with its ``"states"``; torch's would give it the torch optimizer's defaults only)."""
+    new = old._converted_into  # type: ignore[attr-defined]
+    new.add_param_group(param_group)
     old.param_groups = new.param_groups
 
 
 def hand_over(old: torch.optim.Optimizer, new: LowBitOptimizer) -> None:
     """Make the torch optimizer ``old``, converted into ``new``, stand for it where a caller
     still holds it: its parameter groups become ``new``'s (one to one), so a learning-rate
-    scheduler built on ``old`` sets ``new``'s learning rates, also after a state dict is
-    loaded into ``old`` (its groups' settings go to ``new``'s); its own step raises (it
+    scheduler built on ``old`` sets ``new``'s learning rates; its state dicts are ``new``'s,
+    saved and loaded, and a group added to it is added to ``new``; its own step raises (it
     would train float32 moments that nothing uses); and ``new``'s steps count as ``old``'s
     for torch's check that a scheduler steps after its optimizer. Each is a method bound to
     the optimizer, linked to the other by an attribute, never by a closure: a copy of
@@ -186,4 +217,6 @@ def hand_over(old: torch.optim.Optimizer, new: LowBitOptimizer) -> None:
     new.stands_for = old
     old.step = types.MethodType(_stale_step, old)  # type: ignore[method-assign]
     old.load_state_dict = types.MethodType(_relinked_load, old)  # type: ignore[method-assign]
+    old.state_dict = types.MethodType(_relinked_state_dict, old)  # type: ignore[method-assign]
+    old.add_param_group = types.MethodType(_relinked_add, old)  # type: ignore[method-assign]
     old.param_groups = new.param_groups

@@ -125,7 +125,10 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         _check_wrappable(optimizer, master_weights, model)
         self._compensator = _compensator_for(optimizer, compensation, master_weights)
         _check_sharded_params(optimizer, _trainable(optimizer), master_weights, compensation)
-        if compensation is not None:
+        # a compensation stands in for float32 masters: the wrapper's, or by default a
+        # low-bit optimizer's own (it compensates its 16-bit updates itself)
+        own = getattr(optimizer, "compensation", None) if master_weights is None else None
+        if compensation is not None or own is not None:
             master_weights = False
         self.optimizer = optimizer
         self.scaler = as_loss_scaler(scaler, needs_scaling=True)

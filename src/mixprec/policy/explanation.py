@@ -17,6 +17,7 @@ from torch import nn
 from mixprec.activations.rules import Choice
 from mixprec.optim.states.assign import Assignment
 from mixprec.optim.states.formats import StateFormat
+from mixprec.optim.states.optimizers import fitted_format
 from mixprec.policy.map import APPLIED_STATE, Resolution, as_map, dtype_plan
 
 __all__ = ["Explanation", "explain"]
@@ -194,6 +195,9 @@ def explain(
     pmap.warn_unmatched_states(model, stacklevel=2)
     has_states = pmap.states is not None or default is not None
     states = pmap.state_formats(model, default) if has_states else None
+    if states is not None:  # (a block larger than a parameter is cut, as the run cuts it)
+        named = dict(model.named_parameters())
+        states = {n: (fitted_format(fmt, named[n]), why) for n, (fmt, why) in states.items()}
     activations = None
     if pmap.activations is not None:
         pmap.activations.warn_unmatched(model, stacklevel=2)

@@ -382,8 +382,11 @@ class PolicyMap:
             return self.states
         return given
 
-    def state_formats(self, model: nn.Module, default: str | None = None) -> dict[str, Assignment]:
-        """Each trainable parameter's optimizer-state format and why, as
+    def state_formats(
+        self, model: nn.Module, default: str | None = None, *, frozen: bool = False
+    ) -> dict[str, Assignment]:
+        """Each trainable parameter's (with ``frozen``, every parameter's: an optimizer
+        converted holds frozen ones, stepped once unfrozen) optimizer-state format and why, as
         `mixprec.optim.states.assign_formats` decides: parameters under its ``min_size`` keep
         float32 ("small"); then this map's state rules (``re.fullmatch`` on the module path
         owning the parameter, the first rule in order wins); then embedding tables keep
@@ -399,6 +402,7 @@ class PolicyMap:
             default or "float32",
             rules={pattern: rules[key] for pattern, key in on_params.items()},
             warn=False,  # `warn_unmatched_states` names the rules as written
+            frozen=frozen,
         )
         said = {f"rule {pattern!r}": f"state rule {key!r}" for pattern, key in on_params.items()}
         return {name: (fmt, said.get(why, why)) for name, (fmt, why) in found.items()}

@@ -57,11 +57,12 @@ _UNMATCHED_NAMED = 5
 
 
 def _named(
-    model_or_named: nn.Module | Iterable[tuple[str, torch.Tensor]],
+    model_or_named: nn.Module | Iterable[tuple[str, torch.Tensor]], frozen: bool = False
 ) -> tuple[list[tuple[str, torch.Tensor]], set[int]]:
-    """(name, parameter) pairs (trainable ones of a model) and the ids of embedding tables."""
+    """(name, parameter) pairs (trainable ones of a model, or every one with ``frozen``)
+    and the ids of embedding tables."""
     if isinstance(model_or_named, nn.Module):
-        named = [(n, p) for n, p in model_or_named.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model_or_named.named_parameters() if frozen or p.requires_grad]
         tables = {id(m.weight) for m in model_or_named.modules() if isinstance(m, _EMBEDDINGS)}
         return named, tables
     named = list(model_or_named)
@@ -82,6 +83,7 @@ def assign_formats(
     min_size: int = MIN_SIZE,
     embeddings_float32: bool = True,
     warn: bool = True,
+    frozen: bool = False,
 ) -> dict[str, Assignment]:
     """Each trainable parameter's name -> (its moments' `StateFormat`, why): ``"small:
     1024 < 4096 elements"``, ``"rule 'head\\..*'"``, ``"embedding"`` or ``"default"``.
@@ -90,10 +92,11 @@ def assign_formats(
     matching no parameter is a typo far more often than intent, so ``warn`` says so (one
     warning, with the closest names). Embedding tables (of ``nn.Embedding``/
     ``nn.EmbeddingBag``, known only when a model is given) keep float32 unless
-    ``embeddings_float32=False``."""
+    ``embeddings_float32=False``. ``frozen``: a model's frozen parameters too (an optimizer
+    holding them steps them once unfrozen)."""
     default = parse_state_format(states)
     compiled = [(re.compile(k), k, parse_state_format(v)) for k, v in (rules or {}).items()]
-    named, tables = _named(model_or_named)
+    named, tables = _named(model_or_named, frozen)
     if warn:
         names = [name for name, _ in named]
         owner = (
