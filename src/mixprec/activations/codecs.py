@@ -274,9 +274,15 @@ class ToFp8(Codec):
     name = "fp8"
 
     def stores(self, t: Tensor) -> bool:
-        return t.is_floating_point() and t.numel() >= FP8.block and is_activation(t)
+        if not (t.is_floating_point() and is_activation(t)):
+            return False
+        # under a block: stored only as a copy of a view of larger memory, which the view
+        # kept as it is would hold whole (`encode`)
+        return t.numel() >= FP8.block or _pins(t)
 
     def encode(self, t: Tensor) -> Any:
+        if t.numel() < FP8.block:  # (a small view of a larger activation: `stores`)
+            return (t.clone(), t.dtype)
         flat, stride = _in_memory_order(t)
         if GATE.wants(flat.device, flat.numel()):
             if flat.numel() % FP8.block:
@@ -330,6 +336,12 @@ class ToFp8(Codec):
             scales = packed.scales[i // block : i // block + blocks]
             flat[i : i + n] = dequantize(codes, scales, FP8, (n,), signed=True)
         return _shaped(flat, packed)
+
+
+def _pins(t: Tensor) -> bool:
+    """Whether `t` is a view of memory more than twice its own size (the last token's row
+    of a sequence's activations): kept as it is, it would hold all of that memory."""
+    return t.untyped_storage().nbytes() > 2 * t.numel() * t.element_size()
 
 
 def _in_memory_order(t: Tensor) -> tuple[Tensor, tuple[int, ...] | None]:
