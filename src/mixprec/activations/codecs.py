@@ -46,6 +46,7 @@ __all__ = [
     "Reshaped",
     "ToBfloat16",
     "ToFp8",
+    "has_storage",
     "is_activation",
     "record_to",
 ]
@@ -88,13 +89,20 @@ def record_to(record: Callable[[Tensor, int, int], None] | None) -> None:
     _meter.record = record
 
 
+def has_storage(t: Tensor) -> bool:
+    """Whether `t` has a storage to read: not a sparse or nested tensor."""
+    return t.layout == torch.strided and not t.is_nested
+
+
 def _plain_layout(t: Tensor) -> bool:
-    """Whether `t` is a strided tensor whose elements each have memory of their own: a
-    sparse or nested one has no storage to read, and an expanded view (a stride of 0) holds
-    fewer bytes than its elements, which a stored copy would multiply."""
-    if t.layout != torch.strided or t.is_nested:
+    """Whether `t` has a storage (`has_storage`) in which each element has memory of its
+    own: an expanded view (a stride of 0) holds fewer bytes than its elements, which a
+    stored copy would multiply."""
+    if not has_storage(t):
         return False
-    return all(st or size < 2 for size, st in zip(t.shape, t.stride(), strict=True))
+    return t.is_contiguous() or all(
+        st or size < 2 for size, st in zip(t.shape, t.stride(), strict=True)
+    )
 
 
 def _record(original: Tensor, stored: int, key: int) -> None:

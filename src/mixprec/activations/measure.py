@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_leaves
 
-from mixprec.activations.codecs import Keep, is_activation, record_to
+from mixprec.activations.codecs import Keep, has_storage, is_activation, record_to
 
 __all__ = ["saved_bytes", "saved_bytes_of"]
 
@@ -84,6 +84,4 @@ def saved_bytes_of(model: nn.Module, run: Callable[[], Any], batch: Any = ()) ->
 def _memory(t: Tensor) -> int | None:
     """Where `t`'s elements live: its storage's address; None for a sparse or nested tensor,
     which has no storage to read (the codecs keep such a tensor as it is, uncounted)."""
-    if t.layout != torch.strided or t.is_nested:
-        return None
-    return t.untyped_storage().data_ptr()
+    return t.untyped_storage().data_ptr() if has_storage(t) else None
