@@ -440,21 +440,38 @@ class _MaskedLogSoftmax(nn.Module):
         return torch.log_softmax(y.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
-def test_fp8_stores_a_block_holding_an_inf_as_bf16_does_on_a_cpu():
+@pytest.mark.parametrize("compiled", [False, True], indirect=True)
+def test_fp8_keeps_an_inf_of_a_saved_tensor_to_its_element(compiled):
     """One -inf in a block (a masked log-softmax's saved output) made its scale inf and
     every element of the block decode to NaN: NaN weight gradients where keep's and bf16's
-    are finite. On a CPU such a tensor is stored as bf16 stores it."""
+    are finite. The block's scale is now of its finite elements and the -inf decodes to
+    itself, on every device (compiled and eager alike); the gradients are finite and point
+    where keep's do (e4m3's 3 mantissa bits on log-probabilities near -6 are steps of 0.5:
+    the probabilities the backward takes from them are off by up to a quarter)."""
     torch.manual_seed(0)
-    x = torch.randn(64, 64)
+    y = torch.randn(64, 512, requires_grad=True)
+    allowed = torch.arange(512) % 3 != 0
+    packs, unpacks = saved_by(
+        ToFp8(),
+        lambda: torch.log_softmax(y.masked_fill(~allowed, float("-inf")), -1)[:, allowed].sum(),
+    )
+    original, packed = next((t, p) for t, p in packs if t.isinf().any())
+    read = next(r for r in unpacks if r.isinf().any())
+    assert isinstance(packed, Fp8Saved)
+    assert torch.equal(read[:, ~allowed], original[:, ~allowed])  # -inf, as saved
+    codes, scales = quantize(original.masked_fill(~allowed, 0.0), "fp8", signed=True)
+    expected = dequantize(codes, scales, "fp8", original.shape, signed=True)
+    assert torch.equal(read[:, allowed], expected[:, allowed])
     grads = {}
     for option in ("keep", "fp8"):
         torch.manual_seed(0)
         model = mixprec.apply(_MaskedLogSoftmax(), mixprec.PolicyMap("32-true", activations=option))
-        out = model(x)
+        out = model(torch.randn(64, 64))
         out.masked_fill(torch.isinf(out), 0.0).sum().backward()
         grads[option] = model.lin.weight.grad
     assert torch.isfinite(grads["fp8"]).all()
-    assert float((grads["fp8"] - grads["keep"]).norm() / grads["keep"].norm()) < 0.05
+    fp8, keep = grads["fp8"].flatten(), grads["keep"].flatten()
+    assert torch.nn.functional.cosine_similarity(fp8, keep, 0) > 0.95
 
 
 class _Sparse(nn.Module):

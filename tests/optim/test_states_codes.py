@@ -322,3 +322,58 @@ def test_int4_second_moments_decode_as_their_map_reads_every_code(compiled):
     assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
     empty = decode(pack4(codes[:0]), scales[:0], block, False, table)
     assert empty.shape == (0, block)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("signed", [True, False], ids=["first", "second"])
+def test_float8_keeps_an_infinity_to_its_element(signed, compiled):
+    """An inf made its block's scale inf, and every element of the block decoded to NaN (a
+    masked log-softmax's -inf in a saved activation, one overflowed second moment). The
+    scale is now the block's finite largest, the inf takes e4m3's NaN code of its sign and
+    decodes to itself; the block's other elements code as if it were 0. A NaN still makes
+    its block's scale, and the block, NaN."""
+    if compiled and not mixprec.optim.engine.can_compile("cpu"):
+        pytest.skip("no C++ compiler to build the compiled codec with")
+    torch.manual_seed(0)
+    x = torch.randn(3, 256)
+    x = x.abs() ** 2 if not signed else x
+    infinite = x.clone()
+    infinite[0, 5] = math.inf
+    if signed:
+        infinite[0, 9] = -math.inf
+    infinite[2, 7] = math.nan
+    zeroed = torch.where(infinite.isinf(), 0.0, x)
+    run = (lambda f: torch.compile(f, dynamic=False)) if compiled else (lambda f: f)
+    fmt = StateFormat("float8")
+    encode = run(lambda t: quantize(t, fmt, signed=signed))
+    decode = run(lambda c, s: dequantize(c, s, fmt, (3, 256), signed=signed))
+    codes, scales = encode(infinite)
+    zero_codes, zero_scales = encode(zeroed)
+    assert torch.equal(scales[:2], zero_scales[:2]) and torch.isnan(scales[2])
+    out, expected = decode(codes, scales), decode(zero_codes, zero_scales)
+    assert out[0, 5] == math.inf and (not signed or out[0, 9] == -math.inf)
+    finite = torch.isfinite(infinite[:2])
+    assert torch.equal(out[:2][finite], expected[:2][finite])
+    assert torch.isnan(out[2]).all()
+
+
+def test_adamw_fp8_leaves_one_inf_gradient_to_its_element():
+    """An inf gradient element spoiled its whole block of float8 moments; now only its own
+    weight goes non-finite (NaN, as torch's AdamW makes it: inf over inf), and every other
+    weight steps as it does with that gradient element 0."""
+    torch.manual_seed(0)
+    base = nn.Linear(32, 32, bias=False)
+    weights = {}
+    for value in (0.0, math.inf):
+        model = copy.deepcopy(base)
+        opt = mixprec.AdamWFp8(model.parameters(), lr=1e-2, min_size=0, compile=False)
+        for i in range(4):  # (the inf at the third step: its moments are read at the fourth)
+            torch.manual_seed(i)
+            model.weight.grad = torch.randn(32, 32)
+            if i == 2:
+                model.weight.grad[4, 4] = value
+            opt.step()
+        weights[value] = model.weight.detach().clone()
+    spoiled = ~torch.isfinite(weights[math.inf])
+    assert spoiled.sum() == 1 and spoiled[4, 4]
+    assert torch.equal(weights[math.inf][~spoiled], weights[0.0][~spoiled])

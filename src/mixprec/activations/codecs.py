@@ -298,7 +298,7 @@ class ToFp8(Codec):
             else:  # whole blocks: no padding for the kernel to mask
                 pair, ran = _run("encode_blocks", _fresh(flat).view(-1, FP8.block))
             if ran:
-                return self._finite_or_bf16(t, Fp8Saved(pair[0], pair[1], t.shape, t.dtype, stride))
+                return Fp8Saved(pair[0], pair[1], t.shape, t.dtype, stride)
         pieces = [
             quantize(flat[i : i + CHUNK], FP8, signed=True) for i in range(0, len(flat), CHUNK)
         ]
@@ -307,23 +307,12 @@ class ToFp8(Codec):
         else:  # blocks are independent: the pieces' codes and scales are the whole's
             codes = torch.cat([c.view(torch.uint8) for c, _ in pieces]).view(torch.float8_e4m3fn)
             scales = torch.cat([s for _, s in pieces])
-        return self._finite_or_bf16(t, Fp8Saved(codes, scales, t.shape, t.dtype, stride))
-
-    @staticmethod
-    def _finite_or_bf16(t: Tensor, packed: Fp8Saved) -> Any:
-        """`packed`, or on a CPU, where a block's scale is not finite (the block holds an
-        inf or a NaN: a masked log-softmax's -inf), `t` as ``bf16`` stores it: every
-        element of such a block would decode to NaN. (On an accelerator the check would
-        wait for the device at every saved tensor: there such a block decodes to NaN.)"""
-        if t.device.type == "cpu" and not bool(torch.isfinite(packed.scales).all()):
-            kept = t.to(torch.bfloat16) if t.dtype == torch.float32 else t
-            return (kept, t.dtype)
-        return packed
+        return Fp8Saved(codes, scales, t.shape, t.dtype, stride)
 
     def decode(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        if isinstance(packed, tuple):  # (`_finite_or_bf16`'s)
+        if isinstance(packed, tuple):  # (a small view's copy: `encode`)
             return packed[0].to(packed[1])
         numel = math.prod(packed.shape)
         if GATE.wants(packed.codes.device, numel):

@@ -505,11 +505,28 @@ def _e4m3(y: torch.Tensor) -> torch.Tensor:
     return code.to(torch.float32).to(torch.uint8).view(torch.float8_e4m3fn)
 
 
+def _finite_amax(a: torch.Tensor) -> torch.Tensor:
+    """Each block's largest element of ``a`` (magnitudes, or a second moment: >= 0 or NaN),
+    infinities left out: NaN where the block holds a NaN."""
+    return torch.where(a == torch.inf, 0.0, a).amax(dim=1)
+
+
+def _coded_infinities(y: torch.Tensor) -> torch.Tensor:
+    """``y`` with +-inf as NaN of the same sign: e4m3 has no infinity, and a conversion
+    saturates one to +-448, so an infinity takes the NaN code of its sign (0x7F, 0xFF)."""
+    return torch.where(y.isinf(), torch.copysign(torch.full_like(y, torch.nan), y), y)
+
+
 class Float8Codec(StateCodec):
-    """float8 e4m3 codes of the element over its block's scale (the block's largest
+    """float8 e4m3 codes of the element over its block's scale (the block's largest finite
     magnitude over 448, e4m3's largest finite value). The second moment is stored as its
     square root and squared back, a positive root below the smallest subnormal (2^-9) stored
-    as that subnormal: e4m3 spans 2^18.8, its square root 2^37.6 of ``v``."""
+    as that subnormal: e4m3 spans 2^18.8, its square root 2^37.6 of ``v``.
+
+    An infinity is kept to its element: it takes e4m3's NaN code of its sign under the
+    finite scale of the rest of its block, and decodes to itself (a masked log-softmax's -inf
+    in a saved activation, a moment overflowed by one gradient). A NaN makes its block's
+    scale NaN: the block decodes to NaN."""
 
     name = "float8"
     aliases = ("fp8",)
@@ -519,13 +536,14 @@ class Float8Codec(StateCodec):
 
     def encode(self, x, signed, table):  # type: ignore[no-untyped-def]
         if signed:
-            scales = x.abs().amax(dim=1) / FP8_MAX
+            scales = _finite_amax(x.abs()) / FP8_MAX
         else:  # (the largest root as `_root_scaled` takes it)
-            scales = x.amax(dim=1).sqrt().abs() / FP8_MAX
+            scales = _finite_amax(x).sqrt().abs() / FP8_MAX
             x = x.sqrt()
         y = _over(x, scales)
         if not signed:
             y = torch.where(y > 0, y.clamp_min(_FP8_TINY), y)
+        y = _coded_infinities(y)
         if _AVX2 and y.device.type == "cpu":
             return _e4m3(y).reshape(-1), scales
         return y.to(torch.float8_e4m3fn).reshape(-1), scales
@@ -536,10 +554,14 @@ class Float8Codec(StateCodec):
         else:
             values = codes.to(torch.float32).view(-1, block)
         if signed:
-            return values * scales[:, None]
-        magnitude = scales.abs()[:, None]
-        stored = values * magnitude
-        return _at_least_tiny(stored * stored, values, magnitude)
+            out = values * scales[:, None]
+        else:
+            magnitude = scales.abs()[:, None]
+            stored = values * magnitude
+            out = _at_least_tiny(stored * stored, values, magnitude)
+        # a NaN code under a finite scale: an infinity of the code's sign
+        infinite = values.isnan() & scales.isfinite()[:, None]
+        return torch.where(infinite, torch.copysign(torch.full_like(out, torch.inf), values), out)
 
 
 for _codec in (Float32Codec(), Int8Codec(), Int4Codec(), Float8Codec()):
