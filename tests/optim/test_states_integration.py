@@ -289,6 +289,32 @@ def test_state_rules_matching_nothing_warn_as_policy_rules_do() -> None:
         assign_formats(model, "int8", rules={r"2\.weight": "int4"})
 
 
+def test_a_state_rule_matches_its_module_path_as_written() -> None:
+    """A rule was pasted into a larger pattern on parameter names: an anchored rule
+    (``head$``) matched nothing, silently (its parameters kept the default), and an inline
+    flag (``(?i)``) failed at setup with a bare ``re.error``. Each is now ``re.fullmatch``'ed
+    against the owning module's path, as written."""
+    model = nn.Sequential()
+    model.add_module("body", nn.Linear(128, 128))
+    model.add_module("head", nn.Linear(128, 64))
+    for rule in ("head$", "(?i)HEAD", "hea."):
+        pmap = PolicyMap("32-true", states={rule: "int4", "body": "int8"})
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            formats = pmap.state_formats(model)
+            pmap.warn_unmatched_states(model)
+        assert formats["head.weight"] == (StateFormat("int4"), f"state rule {rule!r}")
+        assert formats["body.weight"] == (StateFormat("int8"), "state rule 'body'")
+    precision = Precision(PolicyMap("32-true", states={"(?i)HEAD": "int4"}), optimizer_states="fp8")
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with precision.forward_context():
+        loss = model(torch.randn(4, 128)).square().mean()
+    precision.backward(loss)
+    precision.step(opt)
+    assert opt.optimizer.state[model.head.weight]["format"] == "int4"
+    assert opt.optimizer.state[model.body.weight]["format"] == "float8"
+
+
 def test_bad_state_rules_are_refused_naming_the_rule() -> None:
     with pytest.raises(PolicySpecError, match=r"state rule 'head'.*unknown state format"):
         PolicyMap("32-true", states={"head": "int3"})

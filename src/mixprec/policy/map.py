@@ -395,16 +395,15 @@ class PolicyMap:
         if isinstance(self.states, str):
             default = default or self.states
         rules = self.states if isinstance(self.states, dict) else {}
-        # a rule names a module; the parameters it owns are that path plus one name
-        on_params = {rf"(?:{key})\.[^.]+": key for key in rules}
         found = assign_formats(
             model,
             default or "float32",
-            rules={pattern: rules[key] for pattern, key in on_params.items()},
+            rules=rules,
             warn=False,  # `warn_unmatched_states` names the rules as written
             frozen=frozen,
+            on_modules=True,  # a rule names the module owning its parameters
         )
-        said = {f"rule {pattern!r}": f"state rule {key!r}" for pattern, key in on_params.items()}
+        said = {f"rule {key!r}": f"state rule {key!r}" for key in rules}
         return {name: (fmt, said.get(why, why)) for name, (fmt, why) in found.items()}
 
     def warn_unmatched_states(self, model: nn.Module, *, stacklevel: int = 2) -> None:

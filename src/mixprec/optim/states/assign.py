@@ -84,6 +84,7 @@ def assign_formats(
     embeddings_float32: bool = True,
     warn: bool = True,
     frozen: bool = False,
+    on_modules: bool = False,
 ) -> dict[str, Assignment]:
     """Each trainable parameter's name -> (its moments' `StateFormat`, why): ``"small:
     1024 < 4096 elements"``, ``"rule 'head\\..*'"``, ``"embedding"`` or ``"default"``.
@@ -93,7 +94,9 @@ def assign_formats(
     warning, with the closest names). Embedding tables (of ``nn.Embedding``/
     ``nn.EmbeddingBag``, known only when a model is given) keep float32 unless
     ``embeddings_float32=False``. ``frozen``: a model's frozen parameters too (an optimizer
-    holding them steps them once unfrozen)."""
+    holding them steps them once unfrozen). ``on_modules``: ``rules`` are ``re.fullmatch``'ed
+    against the path of the module owning each parameter instead (a policy map's state
+    rules: the rule as written, so that an anchor or an inline flag means what it says)."""
     default = parse_state_format(states)
     compiled = [(re.compile(k), k, parse_state_format(v)) for k, v in (rules or {}).items()]
     named, tables = _named(model_or_named, frozen)
@@ -116,7 +119,8 @@ def assign_formats(
     out: dict[str, Assignment] = {}
     for name, p in named:
         n = p.numel()
-        rule = next(((key, fmt) for rx, key, fmt in compiled if rx.fullmatch(name)), None)
+        target = name.rpartition(".")[0] if on_modules else name
+        rule = next(((key, fmt) for rx, key, fmt in compiled if rx.fullmatch(target)), None)
         if n < min_size:
             out[name] = (StateFormat("float32"), f"small: {n} < {min_size} elements")
         elif rule is not None:
