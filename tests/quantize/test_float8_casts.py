@@ -232,3 +232,20 @@ def test_without_triton_cuda_casts_run_op_by_op_and_say_so_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once
         assert float8_casts._why_not_compiled("cuda") is not None
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_an_inf_under_a_finite_scale_casts_to_nan_compiled_as_eagerly(device, fp8):
+    """A delayed recipe's scale comes from its history, so it stays finite while the tensor
+    holds an inf. The compiled cast turned that inf into the format's largest value (+-448,
+    +-57344: inductor folds ``x * 0`` to 0), and an overflowed step looked finite to the loss
+    scaler; it is NaN, as eagerly, per element."""
+    x = torch.tensor([[1.0, float("inf"), -float("inf"), float("nan"), -0.0, 2.0]], device=device)
+    scale = torch.tensor(2.0, device=device)
+    set_compiled_casts(())
+    eager = saturated_cast(x, scale, fp8)
+    set_compiled_casts((device,))
+    compiled = saturated_cast(x, scale, fp8)
+    assert torch.equal(_bits(compiled), _bits(eager))
+    assert torch.isnan(compiled[0, 1:4].float()).all()
+    assert torch.isfinite(compiled[0, [0, 4, 5]].float()).all()

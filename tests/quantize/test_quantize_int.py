@@ -1358,3 +1358,25 @@ def test_a_model_holding_a_torchscript_module_quantizes():
     model = nn.Sequential(nn.Linear(64, 64), torch.jit.script(nn.Sequential(nn.Linear(64, 64))))
     result = quantize(model, "int8")
     assert list(result.quantized) == ["0"]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4/32"])
+def test_int_swaps_both_ways_keep_the_layers_hooks_and_training_mode(mode):
+    """An int8/int4 layer swapped in for a Linear or an Embedding (and the float layer
+    `dequantize` swaps back) dropped the user's hooks (a forward hook zeroing an output
+    ran no more) and came back in training mode inside a model in eval mode."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(64, 64), nn.Linear(64, 64)).eval()
+    calls = []
+    model[0].register_forward_hook(lambda mod, inp, out: calls.append("embedding") or out * 2)
+    model[1].register_forward_pre_hook(lambda mod, args: calls.append("linear") or None)
+    model[1].register_forward_hook(lambda mod, inp, out: out * 0)
+    ids = torch.tensor([[1, 2, 3]])
+    mixprec.quantize(model, mode)
+    assert type(model[0]).__name__.endswith("Embedding") and "Int" in type(model[1]).__name__
+    assert not model[0].training and not model[1].training
+    assert torch.equal(model(ids), torch.zeros(1, 3, 64)) and calls == ["embedding", "linear"]
+    mixprec.quantize.dequantize(model)
+    assert type(model[1]) is nn.Linear and not model[1].training
+    calls.clear()
+    assert torch.equal(model(ids), torch.zeros(1, 3, 64)) and calls == ["embedding", "linear"]

@@ -165,11 +165,12 @@ def abs_max(x: Tensor, dim: int | None = None) -> Tensor:
 def _saturated(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> Tensor:
     limit = torch.finfo(fp8_dtype).max
     scaled = (x.float() * scale).clamp(-limit, limit)
-    # `+ x * 0` adds to each finite value a zero of its own sign (which changes no bit, -0
-    # included) and makes each inf or NaN of x NaN; nan_to_num then makes every NaN the one
-    # quiet NaN (how a clamp passes a NaN on, payload and sign, varies with the kernel, and
-    # a NaN's sign survives into the fp8 code). Nothing here is an inf any more.
-    return torch.nan_to_num(scaled + x * 0, nan=math.nan).to(fp8_dtype)
+    # each inf of x made NaN by a select (inductor folds ``x * 0`` to 0, so the arithmetic
+    # way gives an inf the finite limit once compiled); a NaN of x is NaN already, and
+    # nan_to_num makes every NaN the one quiet NaN (how a clamp passes a NaN on, payload and
+    # sign, varies with the kernel, and a NaN's sign survives into the fp8 code)
+    scaled = scaled.masked_fill(x.isinf(), math.nan)
+    return torch.nan_to_num(scaled, nan=math.nan).to(fp8_dtype)
 
 
 # one compiled function per fp8 format and scale layout the recipes use (tensorwise e4m3 and

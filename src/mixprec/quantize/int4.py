@@ -45,6 +45,7 @@ from mixprec.quantize.int8 import (
     storable_scale,
 )
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
+from mixprec.quantize.rules import swapped_in
 
 __all__ = [
     "Int4Config",
@@ -284,7 +285,7 @@ class Int4Linear(LoraMixin, _Int4Weight):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size)
         layer._take(quantized or quantize_groups(linear.weight, group_size), linear.weight.dtype)
         layer.bias = linear.bias  # the same Parameter: an optimizer holding it keeps working
-        return layer.to(linear.weight.device)
+        return swapped_in(linear, layer.to(linear.weight.device))
 
     @property
     def kernel_group(self) -> int:
@@ -369,7 +370,7 @@ class Int4Embedding(LoraEmbeddingMixin, _Int4Weight):
         layer._take(
             quantized or quantize_groups(embedding.weight, group_size), embedding.weight.dtype
         )
-        return layer.to(embedding.weight.device)
+        return swapped_in(embedding, layer.to(embedding.weight.device))
 
     def forward(self, idx: Tensor) -> Tensor:
         # F.embedding, not indexing: an id outside [0, num_embeddings) raises IndexError as

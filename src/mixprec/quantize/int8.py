@@ -42,6 +42,7 @@ from mixprec.errors import PolicySpecError
 from mixprec.formats.registry import Format, Status, Support
 from mixprec.policy.names import accepted_quantized
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
+from mixprec.quantize.rules import swapped_in
 
 if TYPE_CHECKING:
     from mixprec.device import DeviceInfo
@@ -530,7 +531,7 @@ class Int8Linear(_Int8Rows, Prepacked, LoraMixin, nn.Module):
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
         layer.take_rows(linear.weight, quantized)
         layer.bias = linear.bias  # the same Parameter: an optimizer holding it keeps working
-        return layer.to(linear.weight.device)
+        return swapped_in(linear, layer.to(linear.weight.device))
 
     def requantize(self, weight: Tensor) -> None:
         """Replace the int8 weight by the quantization of the float `weight`."""
@@ -633,7 +634,7 @@ class Int8Embedding(_Int8Rows, LoraEmbeddingMixin, nn.Module):
         """Quantize `embedding` (or take ``(qweight, weight_scale)`` of its weight)."""
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx)
         layer.take_rows(embedding.weight, quantized)
-        return layer.to(embedding.weight.device)
+        return swapped_in(embedding, layer.to(embedding.weight.device))
 
     def forward(self, idx: Tensor) -> Tensor:
         rows = F.embedding(idx, self.qweight).to(self.weight_scale.dtype)
@@ -738,4 +739,4 @@ def float_layer(layer: nn.Module, memo: dict[int, Any]) -> nn.Module:
     else:
         out = nn.Embedding(layer.num_embeddings, layer.embedding_dim, layer.padding_idx)
     out.weight = memo[key]
-    return out.to(weight.device)
+    return swapped_in(layer, out.to(weight.device))

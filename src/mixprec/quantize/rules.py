@@ -260,6 +260,16 @@ def carry_hooks(source: nn.Module, target: nn.Module) -> None:
         target._is_full_backward_hook = source._is_full_backward_hook
 
 
+M = TypeVar("M", bound=nn.Module)
+
+
+def swapped_in(source: nn.Module, target: M) -> M:
+    """`target`, the layer swapped in for `source`, given `source`'s hooks (`carry_hooks`)
+    and training mode: a user's hook, or a model in eval mode, stays as it was."""
+    carry_hooks(source, target)
+    return target.train(source.training)
+
+
 L = TypeVar("L", bound=nn.Linear)
 S = TypeVar("S", bound="SwappedLinear")
 
