@@ -323,6 +323,64 @@ def test_scheduler_does_not_advance_on_a_step_skipped_for_overflow():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+class InfAtEpochEnd(InfAt):
+    """`InfAt` with a scheduler halving the learning rate every epoch."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}
+
+
+def test_an_epoch_scheduler_advances_once_per_epoch_whatever_its_last_step_did():
+    """The gate that holds a step-interval scheduler on a skipped step held back an epoch
+    scheduler when the epoch's last step overflowed: one skipped step cost a whole epoch's
+    decay (here every epoch's last step overflows, and the rate never moved)."""
+    model = InfAtEpochEnd(bad_batches={5})  # the last of the 6 batches of each epoch
+    trainer = Trainer(precision="16-mixed", max_epochs=3, allow_slow_precision=True, **QUIET)
+    trainer.fit(model, DataLoader(small_targets(96), batch_size=16))
+    assert trainer.precision.scaler.stats().skipped_steps == 3
+    assert trainer.lr_schedulers[0].last_epoch == 3
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.1 * 0.5**3
+
+
+class PlateauEachStep(TrainingModule):
+    """A model logging a metric that never improves, under a step-interval plateau scheduler
+    (``frequency`` as given)."""
+
+    def __init__(self, frequency=1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+        self.frequency = frequency
+
+    def training_step(self, batch, batch_idx):
+        self.log("flat", 1.0)
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        config = {"scheduler": sched, "interval": "step", "monitor": "flat"}
+        return {"optimizer": opt, "lr_scheduler": {**config, "frequency": self.frequency}}
+
+
+def test_a_step_interval_plateau_scheduler_reads_the_steps_monitored_value():
+    """It was stepped without its metric (a bare TypeError at the first step)."""
+    trainer = Trainer(max_steps=4, **QUIET)
+    trainer.fit(PlateauEachStep(), DataLoader(small_targets(64), batch_size=16))
+    # the first step sets the best value; each later one fails to improve on it
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+@pytest.mark.parametrize("frequency", [0, 0.5, -1, True, "2"])
+def test_a_scheduler_frequency_out_of_range_is_refused_before_the_fit(frequency):
+    """0 failed at the first epoch's end on a modulo by zero; 0.5 was cut to 0."""
+    with pytest.raises(ValueError, match=rf"frequency must be a whole number >= 1.*{frequency!r}"):
+        Trainer(max_steps=1, **QUIET).fit(
+            PlateauEachStep(frequency), DataLoader(small_targets(16), batch_size=16)
+        )
+
+
 class Classifier(TrainingModule):
     def __init__(self, config=None) -> None:
         super().__init__()

@@ -501,8 +501,13 @@ def after_step(run: FitRun) -> None:
         opt.zero_grad(set_to_none=True)
     run.progress.global_step += 1
     run.progress.stepped_this_batch = True
-    for s in run.schedulers:
-        if s.interval == "step" and run.progress.global_step % s.frequency == 0:
+    due = [
+        s
+        for s in run.schedulers
+        if s.interval == "step" and run.progress.global_step % s.frequency == 0
+    ]
+    for s in due:
+        if not s.monitor:
             scheduler_step(s.scheduler, s.optimizer)  # does not advance on a skipped step
     losses, run.window_losses = run.window_losses, []
     if len(losses) == 1:
@@ -511,6 +516,9 @@ def after_step(run: FitRun) -> None:
         with torch.no_grad():
             loss = torch.stack(losses).mean()
     log_step(run, loss)
+    for s in due:  # a monitored one reads this step's values, once they are logged
+        if s.monitor:
+            scheduler_step(s.scheduler, s.optimizer, monitored_value(run, s))
 
 
 def rescale_grads(optimizers: list[LossScaleOptimizer], factor: float) -> None:
@@ -597,8 +605,10 @@ def step_epoch_schedulers(run: FitRun, monitored: bool) -> None:
         for s in run.schedulers:
             due = s.interval == "epoch" and (run.progress.current_epoch + 1) % s.frequency == 0
             if due and bool(s.monitor) == monitored:
+                # once per epoch trained, whatever its last step did: a step skipped for an
+                # overflow holds back step-interval schedulers, not a whole epoch's
                 args = [monitored_value(run, s)] if s.monitor else []
-                scheduler_step(s.scheduler, s.optimizer, *args)
+                s.scheduler.step(*args)
 
 
 def log_training_epoch(run: Run) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import numbers
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,7 +104,13 @@ def scheduler_entry(config: dict[str, Any], optimizers: list[LossScaleOptimizer]
     monitor = config.get("monitor")
     if monitor is None and isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ValueError("ReduceLROnPlateau needs a 'monitor' in its scheduler config")
-    return Scheduler(sched, owner, interval, int(config.get("frequency", 1)), monitor)
+    frequency = config.get("frequency", 1)
+    if isinstance(frequency, bool) or not isinstance(frequency, numbers.Integral) or frequency < 1:
+        raise ValueError(
+            f"scheduler frequency must be a whole number >= 1 (steps or epochs between its "
+            f"steps), got {frequency!r}"
+        )
+    return Scheduler(sched, owner, interval, int(frequency), monitor)
 
 
 # the torch optimizers `optimizer_states` converts into each low-bit class (subclasses first)

@@ -68,7 +68,7 @@ def run_state(run: FitRun) -> dict[str, Any]:
         "optimizer_state_formats": [state_formats(opt.optimizer) for opt in run.optimizers],
         # the parts low-bit codes are cut into (FSDP2's processes): a sharded resume keeps it
         "optimizer_state_shards": [state_shards(opt.optimizer) for opt in run.optimizers],
-        # an epoch-interval scheduler does not advance after a skipped last step
+        # whether each optimizer skipped its last step, as it was (`step_was_skipped`)
         "last_step_skipped": [opt.step_was_skipped for opt in run.optimizers],
         "schedulers": [s.scheduler.state_dict() for s in run.schedulers],
         "precision": run.precision.state_dict(),
