@@ -210,3 +210,41 @@ def test_torchrun_launched_ddp(tmp_path):
     assert r0["world"] == r1["world"] == 2
     assert all(torch.equal(p, r1["params"][n]) for n, p in r0["params"].items())
     assert [p.name for p in (tmp_path / "logs").iterdir()] == ["version_0"]
+
+
+class DumpMasters(Callback):
+    """Rank 0 saves the float32 masters its optimizer kept, by parameter name."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer, model):
+        if trainer.strategy.global_rank == 0:
+            names = {p: n for n, p in model.named_parameters()}
+            masters = trainer.optimizers[0].master_params
+            torch.save({names[p]: m.detach().cpu() for p, m in masters.items()}, self.path)
+
+
+def test_a_spawned_16_true_fit_exports_its_float32_masters(tmp_path):
+    """The launched processes sent back only the float16 parameters: the export after the
+    fit held them cast to float32, 11 bits short of the masters the run kept (as one
+    process's export holds)."""
+    trainer = Trainer(
+        precision="16-true",
+        allow_slow_precision=True,
+        devices=2,
+        strategy="ddp",
+        max_epochs=1,
+        callbacks=[DumpMasters(tmp_path / "masters.pt")],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    sgd = functools.partial(torch.optim.SGD, lr=0.2)
+    trainer.fit(model(), DataLoader(data(), batch_size=8), loss_fn=F.mse_loss, optimizer=sgd)
+    exported = torch.load(trainer.save_full_state_dict(tmp_path / "full.pt"), weights_only=True)
+    masters = torch.load(tmp_path / "masters.pt")
+    assert set(masters) == set(exported) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    for name, master in masters.items():
+        assert master.dtype == torch.float32 and torch.equal(exported[name], master), name
+    assert not all(torch.equal(m, m.half().float()) for m in masters.values())

@@ -169,6 +169,8 @@ class Trainer:
         self._current: Run | None = None  # the current or last run in this process
         self._summary: dict[str, str] = {}  # from the processes a DDP launch started
         self._gathered: dict[str, Tensor] | None = None  # a sharded run's weights, on rank 0
+        # the float32 masters of the last fit in processes the Trainer launched, by name
+        self._launched_masters: dict[str, Tensor] = {}
         self._fit_loss_fn: Any = None
         self._uncompile: Callable[[], None] | None = None  # hands the run's model back eager
 
@@ -186,6 +188,7 @@ class Trainer:
             _current=None,
             _fit_loss_fn=None,
             _gathered=None,
+            _launched_masters={},
             _uncompile=None,
         )
         return state
@@ -432,12 +435,10 @@ class Trainer:
             weights = self._gathered  # the process group is gone
         elif run is not None:  # in this process, during or after a run
             weights = self.strategy.full_state_dict(run.model)
-            if isinstance(run, FitRun):
-                names = {p: n for n, p in run.model.named_parameters()}
-                for opt in run.optimizers:
-                    weights.update({names[p]: m for p, m in opt.master_params.items()})
+            weights.update(_masters(run))
         elif self.model is not None:  # trained in processes the Trainer launched
             weights = dict(self.model.state_dict())
+            weights.update(self._launched_masters)
         else:
             raise RuntimeError("save_full_state_dict needs a model: call it during or after fit")
         if self.is_global_zero:
@@ -485,6 +486,7 @@ class Trainer:
 
             quantize_for(model, self.policy)
         model.load_state_dict(out["model"])
+        self._launched_masters = out["masters"]
         self._progress = out["progress"]
         self._log.callback_metrics = out["callback_metrics"]
         self._log.logged_metrics = out["logged_metrics"]
@@ -654,8 +656,10 @@ def _run_launched(
     kept): the result, the summary, the model's weights, progress and callback states."""
     result = trainer._run(stage, model, kwargs)
     weights = trainer._gathered  # a sharded model's whole state, gathered before teardown
+    masters = {}
     if weights is None:
         weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        masters = {k: v.detach().cpu() for k, v in _masters(trainer._current).items()}
     if stage == "fit":
         result, summary = None, result["summary"]
     else:
@@ -664,11 +668,20 @@ def _run_launched(
         "result": result,
         "summary": summary,
         "model": weights,
+        "masters": masters,
         "progress": trainer._progress,
         "callback_metrics": trainer.callback_metrics,
         "logged_metrics": trainer.logged_metrics,
         "callbacks": callback_states(trainer.callbacks),
     }
+
+
+def _masters(run: Run | None) -> dict[str, Tensor]:
+    """The float32 masters a fit kept (16-true), by parameter name; none for another run."""
+    if not isinstance(run, FitRun):
+        return {}
+    names = {p: n for n, p in run.model.named_parameters()}
+    return {names[p]: m for opt in run.optimizers for p, m in opt.master_params.items()}
 
 
 def _model_for(model: nn.Module | None, last: nn.Module | None, data: Any, stage: str) -> nn.Module:
