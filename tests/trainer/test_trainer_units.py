@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import math
+import warnings
 
 import pytest
 import torch
@@ -122,6 +123,23 @@ def test_distributed_shards_by_rank_and_refuses_what_it_cannot_shard():
     custom = DataLoader(TensorDataset(torch.arange(4)), batch_sampler=[[0, 1], [2, 3]])
     with pytest.raises(TypeError, match="custom batch_sampler"):
         distributed(custom, 0, 2, seed=0)
+
+
+def test_evaluation_data_the_sampler_pads_is_named_not_counted_twice_silently():
+    """Sharding 9 validation samples over 2 processes repeats one (DistributedSampler pads
+    to equal shards): its epoch metrics counted it twice, silently (a mean of 0..8 read 3.6,
+    not 4.0). Rank 0 warns for evaluation data; training data pads as torch's does."""
+    odd = DataLoader(TensorDataset(torch.arange(9)), batch_size=2)
+    with pytest.warns(UserWarning, match="9 samples over 2 processes.*repeats 1 of them"):
+        distributed(odd, 0, 2, seed=0, evaluation=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        distributed(odd, 1, 2, seed=0, evaluation=True)  # (said once, by rank 0)
+        distributed(odd, 0, 2, seed=0)  # training
+        even = DataLoader(TensorDataset(torch.arange(8)), batch_size=2)
+        distributed(even, 0, 2, seed=0, evaluation=True)
+        dropping = DataLoader(TensorDataset(torch.arange(9)), batch_size=2, drop_last=True)
+        distributed(dropping, 0, 2, seed=0, evaluation=True)
 
 
 # -- metrics ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ happens on the batch sampler, so skipped batches are never loaded.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.utils.data import (
     Sampler,
 )
 
+from mixprec.errors import caller_level
 from mixprec.tree import iter_tensors, map_tensors
 
 __all__: list[str] = []
@@ -130,7 +132,9 @@ def _check_map_style(loader: Any, why: str) -> DataLoader:
     return loader
 
 
-def distributed(loader: Any, rank: int, world_size: int, seed: int) -> DataLoader:
+def distributed(
+    loader: Any, rank: int, world_size: int, seed: int, *, evaluation: bool = False
+) -> DataLoader:
     """``loader`` with its sampler replaced by a ``DistributedSampler`` for this rank.
 
     Shuffling is kept if the loader shuffled (its order then comes from ``seed`` and the
@@ -154,6 +158,16 @@ def distributed(loader: Any, rank: int, world_size: int, seed: int) -> DataLoade
         seed=seed,
         drop_last=batch_sampler.drop_last,
     )
+    extra = sampler.total_size - len(loader.dataset)  # type: ignore[arg-type]
+    if evaluation and extra > 0 and rank == 0:
+        warnings.warn(
+            f"evaluation data of {len(loader.dataset)} samples over {world_size} processes: "  # type: ignore[arg-type]
+            f"the DistributedSampler repeats {extra} of them to give each process as many, "
+            "so epoch metrics count those twice; make the dataset a multiple of the process "
+            "count, or evaluate in one process, for exact metrics",
+            UserWarning,
+            stacklevel=caller_level(),
+        )
     return _rebuild(
         loader, BatchSampler(sampler, batch_sampler.batch_size, batch_sampler.drop_last)
     )

@@ -213,8 +213,11 @@ class Strategy(abc.ABC):
         """A context for one micro-batch; gradients are all-reduced only when ``sync``."""
 
     @abc.abstractmethod
-    def prepare_loader(self, loader: Iterable[Any], seed: int) -> Iterable[Any]:
-        """``loader`` as this process should iterate it."""
+    def prepare_loader(
+        self, loader: Iterable[Any], seed: int, *, evaluation: bool = False
+    ) -> Iterable[Any]:
+        """``loader`` as this process should iterate it (``evaluation``: a validation or test
+        loader, whose metrics a padded shard would skew)."""
 
     @abc.abstractmethod
     def mean(self, values: torch.Tensor) -> torch.Tensor:
@@ -261,7 +264,9 @@ class SingleDeviceStrategy(Strategy):
     def no_sync(self, wrapped: nn.Module, sync: bool) -> AbstractContextManager[Any]:
         return contextlib.nullcontext()
 
-    def prepare_loader(self, loader: Iterable[Any], seed: int) -> Iterable[Any]:
+    def prepare_loader(
+        self, loader: Iterable[Any], seed: int, *, evaluation: bool = False
+    ) -> Iterable[Any]:
         return loader
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
@@ -319,8 +324,10 @@ class ProcessGroupStrategy(Strategy):
     def no_sync(self, wrapped: nn.Module, sync: bool) -> AbstractContextManager[Any]:
         return contextlib.nullcontext() if sync else wrapped.no_sync()  # type: ignore[operator]
 
-    def prepare_loader(self, loader: Iterable[Any], seed: int) -> Iterable[Any]:
-        return distributed(loader, self.global_rank, self.world_size, seed)
+    def prepare_loader(
+        self, loader: Iterable[Any], seed: int, *, evaluation: bool = False
+    ) -> Iterable[Any]:
+        return distributed(loader, self.global_rank, self.world_size, seed, evaluation=evaluation)
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
         out = values.detach().to(self.device, torch.float64).clone()

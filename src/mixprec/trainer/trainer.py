@@ -582,7 +582,11 @@ class Trainer:
             schedulers=[scheduler_entry(c, opts) for c in scheduler_configs],
             train_loader=train_loader,
             train_data=train,
-            val_loader=self.strategy.prepare_loader(val, seed) if val is not None else None,
+            val_loader=(
+                self.strategy.prepare_loader(val, seed, evaluation=True)
+                if val is not None
+                else None
+            ),
             num_training_batches=num_batches(
                 train_loader, self.config.limit_train_batches, "train"
             ),
@@ -624,7 +628,7 @@ class Trainer:
             resume.load_weights(run, ckpt_io.load(ckpt_path), ckpt_path)
         if stage == "predict":
             return predict_loop(run, loader)
-        loader = self.strategy.prepare_loader(loader, self.config.seed or 0)
+        loader = self.strategy.prepare_loader(loader, self.config.seed or 0, evaluation=True)
         if stage == "validate":
             return [run_eval(run, "validation", loader, self.config.limit_val_batches)]
         return [run_eval(run, "test", loader, None)]
