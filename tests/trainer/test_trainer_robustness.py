@@ -667,3 +667,52 @@ def test_checkpoints_get_the_permissions_the_umask_gives_any_file(tmp_path, umas
     assert expected == 0o666 & ~umask
     assert (path.stat().st_mode & 0o777) == expected
     assert ((tmp_path / "last.ckpt").stat().st_mode & 0o777) == expected
+
+
+FAILING_THIRD_SAVE = """
+import json, resource, signal, sys
+import torch, torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from mixprec.trainer import Callback, ModelCheckpoint, Trainer
+
+class FullDiskAfterStep7(Callback):
+    def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+        if trainer.global_step == 7:  # files can no longer grow: the save at step 9 fails
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+
+torch.manual_seed(0)
+x = torch.randn(64, 4)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+cb = ModelCheckpoint(dirpath=sys.argv[1], save_top_k=1, save_last=True, every_n_train_steps=3)
+trainer = Trainer(max_steps=9, callbacks=[cb, FullDiskAfterStep7()], logger=False,
+                  enable_progress_bar=False)
+try:
+    trainer.fit(model, DataLoader(TensorDataset(x, x[:, :1]), batch_size=4), loss_fn=F.mse_loss)
+except OSError as err:
+    print(json.dumps({"error": str(err), "best": cb.best_model_path, "saved": cb._saved}))
+"""
+
+
+def test_a_checkpoint_that_fails_to_write_leaves_the_records_naming_files_that_exist(tmp_path):
+    """The records went first: a third save that failed (the disk full) left best_model_path
+    on the file never written, and the second save out of the list save_top_k cleans (a
+    later ckpt_path="best" failed on a missing file)."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", FAILING_THIRD_SAVE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "cannot write the checkpoint" in out["error"] and "step=9" in out["error"]
+    second = str(tmp_path / "epoch=0-step=6.ckpt")
+    assert out["best"] == second and out["saved"] == [second]
+    assert ckpt_io.load(tmp_path / "last.ckpt")["loop"]["global_step"] == 6
+    assert ckpt_io.load(second)["loop"]["global_step"] == 6
+    assert not (tmp_path / "epoch=0-step=9.ckpt").exists()

@@ -367,7 +367,15 @@ class ModelCheckpoint(Callback):
             if not self._better(score, self.best_k_models[worst]):
                 keep = 0  # not among the best: only last.ckpt, if asked
         # the bookkeeping first, so that the checkpoint written holds it (it is the best one,
-        # the last one...); files are removed only once the new one is safely written
+        # the last one...); files are removed only once the new one is safely written, and a
+        # write that fails (a full disk) puts the records back: none names a file never made
+        before = (
+            list(self._saved),
+            dict(self.best_k_models),
+            self.best_model_path,
+            self.best_model_score,
+            self.last_model_path,
+        )
         path: Path | None = None
         stale: list[str] = []
         if keep != 0:
@@ -389,13 +397,22 @@ class ModelCheckpoint(Callback):
         last = self._directory() / "last.ckpt"
         if self.save_last:
             self.last_model_path = str(last)
-        if path is not None:
-            trainer.save_checkpoint(path)
-            if self.save_last:
-                trainer.link_checkpoint(path, last)
-        elif self.save_last:
-            trainer.save_checkpoint(last)
-        if path is not None or self.save_last:
+        target = path if path is not None else last if self.save_last else None
+        try:
+            if target is not None:
+                trainer.save_checkpoint(target)
+        except BaseException:
+            (
+                self._saved,
+                self.best_k_models,
+                self.best_model_path,
+                self.best_model_score,
+                self.last_model_path,
+            ) = before
+            raise
+        if path is not None and self.save_last:
+            trainer.link_checkpoint(path, last)
+        if target is not None:
             self._step_saved = trainer.global_step
         for old in stale:
             self._remove(trainer, old)
