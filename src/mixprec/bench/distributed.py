@@ -146,14 +146,18 @@ def _local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+def held_bytes(model: nn.Module, optimizer: Any) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer state) bytes this process holds: local shards of
-    DTensors, whole tensors otherwise; each storage counted once."""
+    DTensors, whole tensors otherwise. ``optimizer``: a `LossScaleOptimizer` (its float32
+    masters, under a "true" 16-bit policy, count as optimizer state and their gradients as
+    gradients: the step keeps both) or a plain optimizer."""
+    masters = list(getattr(optimizer, "master_params", {}).values())
+    inner = getattr(optimizer, "optimizer", optimizer)
     params = sum(_local_bytes(p) for p in model.parameters())
-    grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-    state = sum(
+    grads = sum(_local_bytes(t.grad) for t in (*model.parameters(), *masters) if t.grad is not None)
+    state = sum(_local_bytes(m) for m in masters) + sum(
         _local_bytes(v)
-        for s in optimizer.state.values()
+        for s in inner.state.values()
         for v in s.values()
         if isinstance(v, torch.Tensor)
     )
@@ -218,13 +222,13 @@ def _measure_rank(rank: int, spec: MemorySpec, device: torch.device, out: str) -
         loss = plain_loss(precision, step_model, (inputs, targets), work.loss_fn)
         backward(precision, loss)
         precision.step()
-        held = held_bytes(model, opt)
+        held = held_bytes(model, lso)
         lso.zero_grad(set_to_none=True)
         return loss.detach(), held
 
     for _ in range(max(0, spec.steps - 1)):
         step()
-    before = sum(held_bytes(model, opt))  # no gradients between steps
+    before = sum(held_bytes(model, lso))  # no gradients between steps
     (loss, held), growth = measured(device, step)
     row = RankMemory(
         spec.strategy,
@@ -390,8 +394,9 @@ def markdown(lines: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['steps']} steps\n\n"
         f"{head}{body}\n{failed}"
         "Per (strategy, precision), the rank holding the most. held = parameters + gradients "
-        "+ optimizer state this rank holds after a step (local shards of DTensors; DDP's "
-        "gradient buckets not counted); step peak = held before a step (parameters + "
+        "+ optimizer state this rank holds after a step (local shards of DTensors; float32 "
+        "masters of a 16-bit model counted as optimizer state, their gradients as gradients; "
+        "DDP's gradient buckets not counted); step peak = held before a step (parameters + "
         "optimizer state) + the peak growth of live tensor bytes during it (allocator events "
         "via torch.profiler on CPU, max_memory_allocated on CUDA): activations, gradients and "
         "gathered parameters included; process peak RSS = the process's "
