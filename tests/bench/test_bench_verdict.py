@@ -343,3 +343,64 @@ def test_intervals_on_both_sides_of_the_seeds_figure_say_so():
     assert sentence.endswith("more than that at some batch sizes here and less at others."), (
         sentence
     )
+
+
+def _two_batches(bf16_ms: float, peaks: dict[tuple[str, int], int]) -> BenchReport:
+    """float32 at 100 ms and bf16-mixed at ``bf16_ms`` in every one of 10 paired rounds, at
+    batch sizes 8 and 16, with the given peaks."""
+    rows = [
+        Row(
+            Config(key, key, batch, None, key != "32-true"),
+            RunResult(
+                OK,
+                LoopResult(
+                    step_ms=[FP32_MS if key == "32-true" else bf16_ms] * 10,
+                    peak_memory=peaks[(key, batch)],
+                ),
+                paired=True,
+            ),
+        )
+        for batch in (8, 16)
+        for key in KEYS
+    ]
+    meta = {"model": "mlp", "threads": 1, "device_type": "cpu",
+            "support": {"32-true": "fast", "bf16-mixed": "fast"},
+            "load_average_before": [0.0, 0.0, 0.0]}  # fmt: skip
+    return BenchReport(meta, rows)
+
+
+def test_a_small_speedup_is_not_printed_as_one_and_memory_both_ways_names_each_batch():
+    """A verdict "faster" at 1.04x read "1.0x as fast as float32"; 30% less memory at one
+    batch size and 10% more at the other read "10-30% less or more peak memory"."""
+    even = dict.fromkeys([(k, b) for k in KEYS for b in (8, 16)], 1000)
+    report = _two_batches(FP32_MS / 1.04, even)
+    sentence = conclusion(report, summarize(report))
+    assert "trains the mlp model 1.04x as fast as float32" in sentence
+    peaks = {**even, ("bf16-mixed", 8): 700, ("bf16-mixed", 16): 1100}
+    report = _two_batches(FP32_MS / 2, peaks)
+    sentence = conclusion(report, summarize(report))
+    assert (
+        "2.0x as fast as float32 with 30% less peak memory at batch 8 and 10% more at "
+        "batch 16 (" in sentence
+    )
+
+
+def test_float32_alone_asked_for_does_not_read_as_no_mixed_precision_being_fast():
+    """`--precision 32-true` where bf16 is fast ended "No mixed precision is fast on this
+    machine", after the paragraph saying bf16-mixed was left out, fast here."""
+    rows = [
+        Row(
+            Config("32-true", "32-true", 8, None, False),
+            RunResult(OK, LoopResult(step_ms=[FP32_MS] * 10, peak_memory=100), paired=True),
+        )
+    ]
+    gap = {"asked": True, "left_out": {"bf16-mixed": {"status": "fast"}, "16-mixed": {
+        "status": "slow"}}}  # fmt: skip
+    meta = {"model": "cnn", "precisions": ["32-true"], "comparison_gap": gap}
+    sentence = conclusion(BenchReport(meta, rows), summarize(BenchReport(meta, rows)))
+    assert sentence.startswith("Only 32-true was asked for, so no mixed precision ran beside")
+    assert "(bf16-mixed would be fast here: see above)" in sentence
+    assert "No mixed precision is fast" not in sentence
+    gap["asked"] = False
+    sentence = conclusion(BenchReport(meta, rows), summarize(BenchReport(meta, rows)))
+    assert sentence.startswith("No mixed precision is fast on this machine")

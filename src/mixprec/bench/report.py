@@ -513,19 +513,30 @@ def _interval(s: Summary) -> Interval:
 
 
 def _memory_clause(rows: list[Summary], fp32: dict[int, Summary]) -> str | None:
-    """ "29-45% less peak memory" over the rows, against float32 at each batch size."""
-    memory = [
-        1 - s.peak_memory / fp32[s.batch_size].peak_memory
+    """ "29-45% less peak memory" over the rows, against float32 at each batch size (where
+    it is less at some and more at others, each side with its batch sizes)."""
+    memory = {
+        s.batch_size: 1 - s.peak_memory / fp32[s.batch_size].peak_memory
         for s in rows
         if s.peak_memory and fp32[s.batch_size].peak_memory
-    ]
+    }
     if not memory:
         return None
-    saved = _span([abs(m) * 100 for m in memory], "{:.0f}")
+    saved = _span([abs(m) * 100 for m in memory.values()], "{:.0f}")
     if saved == "0":  # (equal peaks, to the percent: no finding to state)
         return None
-    more_or_less = "less" if min(memory) >= 0 else "more" if max(memory) <= 0 else "less or more"
-    return f"{saved}% {more_or_less} peak memory"
+    if min(memory.values()) >= 0:
+        return f"{saved}% less peak memory"
+    if max(memory.values()) <= 0:
+        return f"{saved}% more peak memory"
+
+    def at(sign: int) -> tuple[str, str]:
+        batches = sorted(b for b, m in memory.items() if m * sign > 0)
+        share = _span([abs(memory[b]) * 100 for b in batches], "{:.0f}")
+        return share, f"batch {', '.join(str(b) for b in batches)}"
+
+    (less, where_less), (more, where_more) = at(1), at(-1)
+    return f"{less}% less peak memory at {where_less} and {more}% more at {where_more}"
 
 
 def _withheld(meta: dict[str, Any], label: str, kind: str, decisive: Interval, batch: int) -> str:
@@ -584,7 +595,16 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     fp32 = {s.batch_size: s for s in summaries if _is_baseline(s) and s.median_ms}
     ok = [s for s in summaries if s.precision != BASELINE and s.speedup and s.batch_size in fp32]
     if not fp32 or not ok:
-        if meta.get("comparison_gap"):
+        gap = meta.get("comparison_gap")
+        left_out = (gap or {}).get("left_out", {})
+        fast = [n for n, why in left_out.items() if why["status"] == "fast"]
+        if gap and gap["asked"]:  # left out because not asked for: nothing found against them
+            also = f" ({', '.join(fast)} would be fast here: see above)" if fast else ""
+            return (
+                f"Only {', '.join(meta['precisions'])} was asked for, so no mixed precision "
+                f"ran beside float32 to compare{also}; {seed}."
+            )
+        if gap:
             return (
                 "No mixed precision is fast on this machine, so float32 is the one to train "
                 f"in here (as said above); {seed}."
@@ -613,6 +633,8 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         return sentence
     speed = [s.speedup or 0.0 for s in rows]
     digits = "{:.1f}" if verdict.kind == FASTER else "{:.2f}"
+    if verdict.kind == FASTER and min(float(f"{x:.1f}") for x in speed) <= 1.0:
+        digits = "{:.2f}"  # ("1.0x as fast" reads as no faster)
     if verdict.kind == FASTER:
         buys = f"trains the {meta['model']} model {_span(speed, digits)}x as fast as float32"
     else:
