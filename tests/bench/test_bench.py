@@ -621,6 +621,11 @@ def test_parse_size():
     assert parse_size("512M") == 512 * 2**20
     assert parse_size("1.5k") == 1536
     assert parse_size("0.5G") == 2**29
+    # as the doctor's and the search's sizes: "MB" is 10^6 bytes ("128MB" read 128 MiB here)
+    assert parse_size("128MB") == 128 * 10**6 and parse_size("2 GB") == 2 * 10**9
+    assert parse_size("128MiB") == 128 * 2**20 and parse_size("100b") == 100
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        parse_size("5 parsecs")
     for tiny in ("0.5", "0", "0k"):  # '0.5' was read as 0 bytes, then refused as 'got 0'
         with pytest.raises(argparse.ArgumentTypeError, match="less than one byte"):
             parse_size(tiny)

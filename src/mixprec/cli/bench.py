@@ -69,17 +69,22 @@ __all__ = [
     "parse_size",
 ]
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 
 
 def parse_size(text: str) -> int:
-    """Bytes from "2GiB", "512M", "1.5g", "1000000" (binary units: K=1024)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    """Bytes from "2GiB", "512M", "1.5g", "1000000": a bare prefix (K, M...) or one with
+    "iB" is binary (K = 1024), one with "B" decimal (KB = 1000), as the doctor's and the
+    search's sizes read them."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(ib|b)?|b)?\s*", text.lower())
     if m is None:
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a size; use bytes or a number with K, M, G or T (e.g. 2GiB, 512M)"
+            f"{text!r} is not a size; use bytes or a number with K, M, G or T, then iB "
+            "(binary) or B (decimal) (e.g. 2GiB, 512M, 500MB)"
         )
-    size = int(float(m.group(1)) * _UNITS[m.group(2)])
+    prefix, suffix = m.group(2) or "", m.group(3)
+    base = 1000 if suffix == "b" else 1024
+    size = int(float(m.group(1)) * base ** _POWERS[prefix])
     if size < 1:  # '0.5' read as bytes rounded to 0, refused as 'got 0'
         raise argparse.ArgumentTypeError(
             f"{text!r} is less than one byte (a bare number counts bytes); use a number with "
@@ -177,7 +182,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # a flat list of op
         "--memory-limit",
         type=parse_size,
         metavar="SIZE",
-        help="memory a configuration may use (e.g. 2GiB); above it the row is OOM",
+        help="memory a configuration may use (e.g. 2GiB, 512M: binary; 500MB: decimal); above "
+        "it the row is OOM",
     )
     p.add_argument(
         "--max-batch",
