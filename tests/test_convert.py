@@ -329,6 +329,44 @@ def test_a_module_shared_by_two_parents_runs_in_its_policy_through_both():
     assert got == [bf16, bf16]  # through the float32 parent 'b' too
 
 
+class Residual(nn.Module):
+    def __init__(self, s: nn.Module) -> None:
+        super().__init__()
+        self.s = s
+
+    def forward(self, x):
+        return x + self.s(x)
+
+
+class Residuals(nn.Module):
+    """Two residual blocks ``a`` and ``b`` sharing one Linear ``s``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        shared = nn.Linear(16, 16)
+        self.a, self.b = Residual(shared), Residual(shared)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+@pytest.mark.parametrize("shared", ["32-true", "bf16-true"])
+def test_a_module_shared_by_true_parents_of_two_dtypes_hands_each_its_own(shared):
+    """The region took its output dtype from the first path's parent: called by the
+    float32 block, the shared layer handed back bfloat16 (the float32 block's result off by
+    1.9e-3), or float32 into the bfloat16 block (a bare dtype error further on)."""
+    model, plain = Residuals(), Residuals()
+    mixprec.apply(model, PolicyMap("32-true", {"a": "bf16-true", r"[ab]\.s": shared}))
+    seen = []
+    model.a.s.register_forward_hook(lambda m, i, o: seen.append((i[0].dtype, o.dtype)))
+    x = torch.randn(4, 16)
+    _, from_b = model(x)
+    assert seen == [(bf16, bf16), (f32, f32)]  # each block gets its own dtype back
+    if shared == "32-true":  # the float32 block computes exactly as the plain model
+        assert torch.equal(from_b, plain(x)[1])
+
+
 @pytest.mark.parametrize("default", ["bf16-mixed", "bf16-true"])
 def test_a_rule_on_multihead_attention_out_proj_is_refused(default):
     # the attention reads out_proj.weight itself: out_proj's own forward never runs

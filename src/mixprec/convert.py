@@ -48,7 +48,7 @@ from mixprec.policy.map import (
 )
 from mixprec.quantize import quantize_modules
 from mixprec.quantize.rules import set_fast_paths
-from mixprec.tree import map_tensors
+from mixprec.tree import iter_tensors, map_tensors
 
 __all__ = [
     "applied_policy",
@@ -247,6 +247,7 @@ class _Region:
         parent: Policy | None,
         original: Any,
         cast: tuple[str, ...] = (),
+        follow_input: bool = False,
     ) -> None:
         self.module = module
         self.autocast = policy.is_mixed
@@ -254,16 +255,10 @@ class _Region:
         # parameters (paths below `module`) the region computes on as compute-dtype copies:
         # those of a policy that `casts_params` (float16 params computing in bfloat16...)
         self.cast = cast
-        # Inside a "true" parent nothing casts between siblings, so a region hands its
-        # result back in the parent's compute dtype; inside a mixed one autocast casts
-        # between them but leaves float64 alone, so a float64 result comes back as float32
-        # (the mixed parent's parameters'); elsewhere in its own output dtype.
-        if parent is not None and not parent.is_mixed:
-            self.output_dtype = parent.compute_dtype
-        elif parent is not None and policy.output_dtype == torch.float64:
-            self.output_dtype = torch.float32
-        else:
-            self.output_dtype = policy.output_dtype
+        self.output_dtype = _output_dtype(policy, parent)
+        # a module shared by parents that want its result in different dtypes hands it back
+        # in its caller's: the dtype of its first floating input (None: `output_dtype`)
+        self.follow_input = follow_input
         self.original = original
         self.probe = _weight_probe(module)
 
@@ -273,6 +268,12 @@ class _Region:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
+        output_dtype = self.output_dtype
+        if self.follow_input:
+            output_dtype = next(
+                (t.dtype for t in iter_tensors((args, kwargs)) if t.is_floating_point()),
+                output_dtype,
+            )
         # a float64 input (a float64 neighbour's output) computes as float32 in a mixed
         # region; the common case, one plain tensor of another dtype, tested without a call
         if self.autocast and (
@@ -307,7 +308,7 @@ class _Region:
                 _explain_rnn_error(err, module, device_type, self.compute_dtype)
                 raise
             if isinstance(out, Tensor):  # `cast_floating`'s first case, without its call
-                dtype = self.output_dtype
+                dtype = output_dtype
                 if not out.is_floating_point() or out.dtype == dtype:
                     return out
                 if type(out) is Tensor and dtype == torch.float32:
@@ -332,7 +333,7 @@ class _Region:
             else:
                 with off, swap:
                     out = forward(*args, **kwargs)
-        return cast_floating(out, self.output_dtype)
+        return cast_floating(out, output_dtype)
 
 
 def _compute_copies(
@@ -567,8 +568,8 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
 
 def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
     regions = _regions(model, resolved)
-    policies = {id(module): policy for module, policy, _ in regions}
-    for module, policy_here, parent in regions:
+    policies = {id(module): policy for module, policy, _, _ in regions}
+    for module, policy_here, parent, follow_input in regions:
         cast = () if policy_here.is_mixed else _to_cast(module, policy_here, policies)
         module.__dict__["forward"] = _Region(
             module,
@@ -576,6 +577,7 @@ def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
             parent=parent,
             original=module.__dict__.get("forward"),
             cast=cast,
+            follow_input=follow_input,
         )
     islands: set[int] = set()  # a module at two paths resolves alike at both: one island
     for name, module in model.named_modules(remove_duplicate=False):
@@ -663,21 +665,36 @@ def _casts_own(module: nn.Module, policy: Policy) -> bool:
     )
 
 
+def _output_dtype(policy: Policy, parent: Policy | None) -> torch.dtype:
+    """The dtype a region of `policy` hands its result back in, inside `parent`: inside a
+    "true" parent nothing casts between siblings, so the parent's compute dtype; inside a
+    mixed one autocast casts between them but leaves float64 alone, so a float64 result
+    comes back as float32 (the mixed parent's parameters'); elsewhere its own output dtype."""
+    if parent is not None and not parent.is_mixed:
+        return parent.compute_dtype
+    if parent is not None and policy.output_dtype == torch.float64:
+        return torch.float32
+    return policy.output_dtype
+
+
 def _regions(
     model: nn.Module, resolved: dict[str, Resolution]
-) -> list[tuple[nn.Module, Policy, Policy | None]]:
+) -> list[tuple[nn.Module, Policy, Policy | None, bool]]:
     """(module, policy, parent policy) for each module that needs a region of its own: the
     root, a module computing differently from its parent at any of its paths (a module
     shared by two parents gets one when either differs, so it computes as its policy says
     whichever path calls it), and a module whose parameters its policy casts for compute
     (so a training step calling it directly, not through the root, casts them too)."""
     found: dict[int, tuple[nn.Module, Policy, Policy | None]] = {}
+    outputs: dict[int, set[torch.dtype]] = {}  # what each path's parent wants back
     for name, module in model.named_modules(remove_duplicate=False):
         here = resolved[name].policy
         parent = resolved[name.rpartition(".")[0]].policy if name else None
+        outputs.setdefault(id(module), set()).add(_output_dtype(here, parent))
         if parent is None or _region_key(parent) != _region_key(here) or _casts_own(module, here):
             found.setdefault(id(module), (module, here, parent))
-    return list(found.values())
+    # (a module shared by parents wanting its result in different dtypes: its caller's)
+    return [(*entry, len(outputs[key]) > 1) for key, entry in found.items()]
 
 
 def _check_bypassed(model: nn.Module, resolved: dict[str, Resolution]) -> None:
