@@ -666,3 +666,38 @@ def test_a_training_step_under_64_true_creates_float64_tensors():
     trainer.fit(Module(), DataLoader(data, batch_size=4))
     assert seen == [f64, f64]
     assert torch.get_default_dtype() == f32
+
+
+def test_apply_refuses_to_nest_in_either_order_and_leaves_the_model_as_it_was():
+    """An apply to a model holding a module applied on its own left that module's region
+    running (its matmul in bfloat16 under a float32 map, or a bare dtype error) and `remove`
+    gave it bfloat16 weights back; an apply to a layer inside an applied model wrapped its
+    regions again."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 4))
+    mixprec.apply(model[0], "bf16-true")
+    with pytest.raises(mixprec.PolicySpecError, match=r"'0' was converted by an apply of its"):
+        mixprec.apply(model, "32-true")
+    assert model[0].weight.dtype == bf16 and model[2].weight.dtype == f32  # as it was
+    mixprec.remove(model[0])
+    mixprec.apply(model, PolicyMap("32-true", {"0": "bf16-true"}))  # the way that works
+    assert model[0].weight.dtype == bf16
+    with pytest.raises(mixprec.PolicySpecError, match="part of a model mixprec.apply converted"):
+        mixprec.apply(model[0], "32-true")
+    mixprec.remove(model)
+    assert all(p.dtype == f32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("rule", ["0.out_proj", r"0\.out_proj", r".*\.out_proj"])
+def test_a_rule_aimed_at_out_proj_alone_is_refused_by_apply_and_explain(rule):
+    """Written as a regex, a rule naming only out_proj was dropped silently (out_proj ran in
+    its attention's policy, no warning), and `explain` listed the exact-path rule's float32
+    that `apply` refuses. A regex reaching other modules too still gives way at out_proj."""
+    model = nn.Sequential(nn.MultiheadAttention(8, 2, batch_first=True), nn.Linear(8, 8))
+    pmap = PolicyMap("bf16-mixed", {rule: "float32"})
+    for call in (mixprec.explain, mixprec.apply):
+        with pytest.raises(mixprec.PolicySpecError, match="give the rule to '0' itself"):
+            call(model, pmap)
+    wide = PolicyMap("bf16-mixed", {r"0\.out_proj|1": "float32"})
+    assert mixprec.explain(model, wide)["0.out_proj"].name == "bf16-mixed"
+    mixprec.apply(model, wide)
+    assert model[1].weight.dtype == f32

@@ -43,8 +43,8 @@ from mixprec.policy.map import (
     PolicyMap,
     Resolution,
     as_map,
+    check_bypassed,
     dtype_plan,
-    float_dtypes,
 )
 from mixprec.quantize import quantize_modules
 from mixprec.quantize.rules import set_fast_paths
@@ -523,6 +523,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     Warns when the policy is slow or refused on the model's device, and when path rules
     match no module (one warning naming them); `warn=False` warns of neither."""
     _check_model(model)
+    _check_nesting(model)
     pmap = as_map(policy)
     if warn:
         warn_if_unsupported(pmap, device_of(model))
@@ -536,7 +537,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
         check_activations(model, pmap.activation_choices(model))
     # everything that can refuse the policy runs before the model changes: a refused
     # re-apply leaves the previous policy in place, weights unrounded
-    _check_bypassed(model, resolved)
+    check_bypassed(model, resolved)
     dtype_plan(model, resolved, replaced=True)
     if state is None:
         original = _floating_dtypes(model)
@@ -564,6 +565,28 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     set_fast_paths(model)  # torch's fused transformer layers would pass regions over
     model.__dict__[_STATE] = AppliedState(pmap, original)
     return model
+
+
+def _check_nesting(model: nn.Module) -> None:
+    """Refuse `apply` to a model holding a module converted by an `apply` of its own, or to
+    a module inside a model an `apply` converted: each would cast and wrap the same layers
+    (the inner policy's regions kept running under the outer one, its dtypes recorded after
+    the outer's, so that `remove` gave bfloat16 weights back)."""
+    for name, module in model.named_modules():
+        if name and _STATE in module.__dict__:
+            raise PolicySpecError(
+                f"{name!r} was converted by an apply of its own: remove that first "
+                f"(mixprec.remove(model.get_submodule({name!r}))), then give {name!r} its "
+                "policy as a rule of this map"
+            )
+    if _STATE not in model.__dict__ and any(
+        isinstance(m.__dict__.get("forward"), (_Region, _AttentionIsland, ActivationForward))
+        for m in model.modules()
+    ):
+        raise PolicySpecError(
+            f"this {type(model).__name__} is part of a model mixprec.apply converted: give it "
+            "a rule in that model's policy map (its path), or remove that model's policy first"
+        )
 
 
 def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
@@ -695,24 +718,6 @@ def _regions(
             found.setdefault(id(module), (module, here, parent))
     # (a module shared by parents wanting its result in different dtypes: its caller's)
     return [(*entry, len(outputs[key]) > 1) for key, entry in found.items()]
-
-
-def _check_bypassed(model: nn.Module, resolved: dict[str, Resolution]) -> None:
-    """Refuse a policy that `MultiheadAttention.out_proj` cannot follow: the attention reads
-    its weight directly, so the projection's own forward (and region) never runs."""
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.MultiheadAttention):
-            continue
-        inner = f"{name}.out_proj" if name else "out_proj"
-        outer, proj = resolved[name], resolved[inner]
-        if proj.quantized or float_dtypes(outer.policy) == float_dtypes(proj.policy):
-            continue
-        raise PolicySpecError(
-            f"{inner!r} resolves to {proj.policy.name} ({proj.source}) but its "
-            f"MultiheadAttention {name or '<root>'!r} to {outer.policy.name}: the attention "
-            "uses out_proj's weight inside its own forward, so out_proj runs in the "
-            f"attention's policy; give the rule to {name or '<root>'!r} itself"
-        )
 
 
 def remove(model: nn.Module) -> nn.Module:

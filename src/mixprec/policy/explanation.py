@@ -18,7 +18,7 @@ from mixprec.activations.rules import Choice
 from mixprec.optim.states.assign import Assignment
 from mixprec.optim.states.formats import StateFormat
 from mixprec.optim.states.optimizers import fitted_format
-from mixprec.policy.map import APPLIED_STATE, Resolution, as_map, dtype_plan
+from mixprec.policy.map import APPLIED_STATE, Resolution, as_map, check_bypassed, dtype_plan
 
 __all__ = ["Explanation", "explain"]
 
@@ -191,7 +191,8 @@ def explain(
     pmap = as_map(policy)
     default = pmap.state_default(optimizer_states)
     resolved = pmap.resolve(model, slow_attention=slow_attention, device_type=device_type)
-    dtype_plan(model, resolved, replaced=True)  # (refuses what apply refuses)
+    check_bypassed(model, resolved)  # (refuses what apply refuses)
+    dtype_plan(model, resolved, replaced=True)
     pmap.warn_unmatched_states(model, stacklevel=2)
     has_states = pmap.states is not None or default is not None
     states = pmap.state_formats(model, default) if has_states else None

@@ -74,6 +74,7 @@ __all__ = [
     "Resolution",
     "as_map",
     "dtype_plan",
+    "check_bypassed",
     "float_dtypes",
     "is_policy_file",
 ]
@@ -171,6 +172,35 @@ def _with_quantization(
 def float_dtypes(policy: Policy) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     """(param, compute, output): what a policy stores and computes in, quantization aside."""
     return (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+
+
+def check_bypassed(model: nn.Module, resolved: Mapping[str, Resolution]) -> None:
+    """Refuse a policy that `MultiheadAttention.out_proj` cannot follow: the attention reads
+    its weight directly, so the projection's own forward (and region) never runs. (`apply`
+    and `explain` both refuse it.)"""
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.MultiheadAttention):
+            continue
+        inner = f"{name}.out_proj" if name else "out_proj"
+        outer, proj = resolved[name], resolved[inner]
+        if proj.quantized or float_dtypes(outer.policy) == float_dtypes(proj.policy):
+            continue
+        raise PolicySpecError(
+            f"{inner!r} resolves to {proj.policy.name} ({proj.source}) but its "
+            f"MultiheadAttention {name or '<root>'!r} to {outer.policy.name}: the attention "
+            "uses out_proj's weight inside its own forward, so out_proj runs in the "
+            f"attention's policy; give the rule to {name or '<root>'!r} itself"
+        )
+
+
+def _is_out_proj(name: str, modules: Mapping[str, nn.Module]) -> bool:
+    """Whether the module at ``name`` is a `MultiheadAttention`'s ``out_proj``."""
+    parent, _, leaf = name.rpartition(".")
+    return (
+        leaf == "out_proj"
+        and isinstance(modules.get(name), nn.Linear)
+        and isinstance(modules.get(parent), nn.MultiheadAttention)
+    )
 
 
 def island_policy(inherited: Policy) -> Policy:
@@ -310,7 +340,7 @@ class PolicyMap:
         if not isinstance(modules.get(parent), nn.MultiheadAttention):
             return
         attention = out[parent]
-        if out[name].source.startswith("path"):
+        if out[name].source.startswith("path") or self._aimed_at_out_projs(name, modules):
             return
         if float_dtypes(out[name].policy) != float_dtypes(attention.policy):
             out[name] = _with_quantization(
@@ -318,6 +348,16 @@ class PolicyMap:
                 module,
                 read,
             )
+
+    def _aimed_at_out_projs(self, name: str, modules: Mapping[str, nn.Module]) -> bool:
+        """Whether a regex rule deciding for the ``out_proj`` at ``name`` matches attentions'
+        out_projs only (``attn\\.out_proj``, ``.*\\.out_proj``): aimed at them as a path
+        rule is, it stays, so that `apply` refuses it, where one reaching other modules too
+        (``.*proj``) gives way as a type rule does."""
+        hits = [rx for rx, _ in self._paths.values() if rx.fullmatch(name)]
+        if len(hits) != 1:
+            return False
+        return all(_is_out_proj(n, modules) for n in modules if hits[0].fullmatch(n))
 
     def _attention_island(
         self, module: nn.Module, res: Resolution, slow: frozenset[torch.dtype]
