@@ -701,3 +701,20 @@ def test_a_rule_aimed_at_out_proj_alone_is_refused_by_apply_and_explain(rule):
     assert mixprec.explain(model, wide)["0.out_proj"].name == "bf16-mixed"
     mixprec.apply(model, wide)
     assert model[1].weight.dtype == f32
+
+
+def test_remove_keeps_a_buffer_two_modules_share_shared():
+    """apply kept a shared buffer shared; remove cast it once per owner, so an in-place
+    update through one module no longer reached the other."""
+
+    class WithTable(nn.Linear):
+        def __init__(self, table: torch.Tensor) -> None:
+            super().__init__(4, 4)
+            self.register_buffer("table", table)
+
+    table = torch.zeros(4)
+    model = nn.Sequential(WithTable(table), WithTable(table))
+    mixprec.apply(model, "bf16-true")
+    assert model[0].table is model[1].table and model[0].table.dtype == bf16
+    mixprec.remove(model)
+    assert model[0].table is model[1].table and model[0].table.dtype == f32

@@ -730,6 +730,7 @@ def remove(model: nn.Module) -> nn.Module:
     _strip_regions(model)
     set_fast_paths(model)
     modules = dict(model.named_modules())
+    restored: dict[int, Tensor] = {}  # a buffer shared by two modules stays shared
     with torch.inference_mode(False):
         for (owner_name, key), dtype in state.original_dtypes.items():
             owner = modules.get(owner_name)
@@ -742,7 +743,10 @@ def remove(model: nn.Module) -> nn.Module:
                     if t.grad is not None:
                         t.grad = t.grad.to(dtype)
             elif owner._buffers.get(key) is not None and owner._buffers[key].dtype != dtype:
-                owner._buffers[key] = owner._buffers[key].to(dtype)
+                buffer = owner._buffers[key]
+                if id(buffer) not in restored:
+                    restored[id(buffer)] = buffer.to(dtype)
+                owner._buffers[key] = restored[id(buffer)]
     return model
 
 
