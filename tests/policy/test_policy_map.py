@@ -319,6 +319,20 @@ def test_to_code_refuses_a_class_defined_in_a_function():
         PolicyMap("bf16-mixed", {Local: "32-true"}).to_code()
 
 
+def test_a_class_of_the_running_script_is_not_saved_and_is_coded_by_its_bare_name(tmp_path):
+    """A type rule on a class of the script being run saved as '__main__.Block', which no
+    other process can import back, and to_code() wrote '__main__.Block', a NameError pasted
+    into that script."""
+    block = type("Block", (nn.Linear,), {"__module__": "__main__"})
+    pmap = PolicyMap("bf16-mixed", {block: "32-true"}, activations={block: "checkpoint"})
+    with pytest.raises(PolicySpecError, match=r"class of the script being run.*another process"):
+        pmap.save(tmp_path / "policy.json")
+    assert not (tmp_path / "policy.json").exists()
+    code = pmap.to_code()
+    assert "    Block: '32-true'," in code and "activations={Block: 'checkpoint'}" in code
+    assert "__main__" not in code
+
+
 def test_as_map_is_the_one_coercion():
     from mixprec.policy.map import as_map
 

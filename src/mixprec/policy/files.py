@@ -38,13 +38,28 @@ def type_name(t: type) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def check_nameable(t: type, why: str) -> None:
-    """Refuse a type rule's class defined inside a function: no import can reach it."""
+def check_nameable(t: type, why: str, *, script: bool = True) -> None:
+    """Refuse a type rule's class defined inside a function: no import can reach it; and,
+    unless ``script`` is False, one defined in the script being run (``__main__``): another
+    process imports its own script under that name."""
     if "<locals>" in t.__qualname__:
         raise PolicySpecError(
             f"type rule {t.__name__} is a class defined inside a function ({type_name(t)}): "
             f"{why}. Define the class at module level, or use a path rule for those modules"
         )
+    if script and t.__module__ == "__main__":
+        raise PolicySpecError(
+            f"type rule {t.__name__} is a class of the script being run "
+            f"(__main__.{t.__qualname__}): {why} in another process. Define the class in a "
+            "module the file can import, or use a path rule for those modules"
+        )
+
+
+def code_name(t: type) -> str:
+    """How Python source names a type rule's class: its import path, or its bare name for a
+    class of the running script (the code is pasted there)."""
+    check_nameable(t, "source code cannot name it", script=False)
+    return t.__qualname__ if t.__module__ == "__main__" else type_name(t)
 
 
 def import_type(path: str) -> type:
@@ -76,10 +91,8 @@ def activations_code(rules: ActivationRules) -> str:
         return repr(rules.default)
     items = []
     for key, option in rules.rules.items():
-        if isinstance(key, type):
-            check_nameable(key, "source code cannot name it")
         items.append(
-            f"{key!r}: {option!r}" if isinstance(key, str) else f"{type_name(key)}: {option!r}"
+            f"{key!r}: {option!r}" if isinstance(key, str) else f"{code_name(key)}: {option!r}"
         )
     return "{" + ", ".join(items) + "}"
 

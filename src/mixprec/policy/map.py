@@ -58,6 +58,7 @@ from mixprec.policy.files import (
     activations_config,
     check_nameable,
     checked_states,
+    code_name,
     config_activations,
     config_policy,
     config_rule_key,
@@ -683,8 +684,7 @@ class PolicyMap:
         for key, (_, p) in self._paths.items():
             lines.append(f"        {key!r}: {p.name!r},")
         for t, p in self._types.items():
-            check_nameable(t, "source code cannot name it")
-            lines.append(f"        {type_name(t)}: {p.name!r},")
+            lines.append(f"        {code_name(t)}: {p.name!r},")
         lines.append("    },")
         if not self.float32_islands:
             lines.append("    float32_islands=False,")
