@@ -67,13 +67,32 @@ class _Call:
         self.numel = 0
 
 
+def _drawn_seed() -> int:
+    """A seed from torch's global generator; in a process group of several ranks, rank 0's
+    (a broadcast): replicas whose generators were seeded apart would otherwise round their
+    weights apart, and DDP never brings them back together."""
+    seed = torch.randint(0, 2**62, (1,))
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend() == "nccl"
+            else torch.device("cpu")
+        )
+        seed = seed.to(device)
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
+
+
 class Compensator:
     """Steps a torch AdamW/Adam/SGD with compensated updates of its 16-bit parameters.
 
     Args:
         kind: ``"kahan"`` or ``"stochastic"``.
         seed: seeds the stochastic rounding; None draws one from torch's global generator
-            (so ``torch.manual_seed`` makes a run reproducible). The rounding of a step
+            (so ``torch.manual_seed`` makes a run reproducible), rank 0's in a process group
+            (every rank builds its Compensator: the seed is broadcast, so DDP's replicas,
+            seeded apart for their dropout, round alike). The rounding of a step
             depends on the seed and the optimizer's step counts only, and the seed is in
             ``state_dict``: a resumed run is bit-identical.
         compile: ``None`` compiles the step with torch.compile when it covers
@@ -95,7 +114,7 @@ class Compensator:
         )
         self.kind = kind
         if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,)).item())
+            seed = _drawn_seed()
         self.seed = seed
         self.compile = compile
         # the step counts of the states it steps, advanced together (the engine's)
