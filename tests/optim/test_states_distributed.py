@@ -145,3 +145,41 @@ def _one_process_refuses(path: str) -> None:
         )
     after = opt.state[model[0].weight]
     assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def _hsdp_worker(rank: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    # HSDP: replicated over the first mesh dimension, cut over the second (of size 1 here)
+    mesh = init_device_mesh("cpu", (WORLD, 1), mesh_dim_names=("replicate", "shard"))
+    model, plain = _model(), _model()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    opt = LowBitAdamW(model.parameters(), lr=1e-2, states="int8", min_size=0, compile=False)
+    plain_opt = LowBitAdamW(plain.parameters(), lr=1e-2, states="int8", min_size=0, compile=False)
+    _train(model, opt, range(3), rank=0)  # (the same batches on both replicas)
+    _train(plain, plain_opt, range(3), rank=0)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.detach())  # the whole parameter, stepped as one
+        assert opt.state[p]["exp_avg_codes"].placements[1] == Shard(0)
+    # a parameter cut on another dim than 0: refused before any state is made, naming why
+    cut = nn.Linear(16, 512, bias=False)
+    fully_shard(cut, shard_placement_fn=lambda p: Shard(1))
+    refused = LowBitAdamW(cut.parameters(), lr=1e-2, states="int8", min_size=0, compile=False)
+    cut(torch.randn(2, 16)).sum().backward()
+    try:
+        refused.step()
+    except ValueError as err:
+        assert "placed (Shard(dim=1),)" in str(err) and "shard it on dim 0" in str(err)
+    else:
+        raise AssertionError("a dim-1 cut was stepped")
+
+
+def test_hsdp_states_cover_each_replicas_shard_and_other_cuts_are_refused():
+    """On a 2-D mesh (HSDP) the states were laid out as if the parameter were cut over every
+    process: each rank's codes covered half its local part, and the step failed on a bare
+    'Expected cond to be True'; a parameter cut on dim 1 failed the same way."""
+    run_ranks(_hsdp_worker, nprocs=WORLD)

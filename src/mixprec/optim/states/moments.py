@@ -118,35 +118,55 @@ def like_saved(value: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return value.to(device=local_part(p).device, copy=True, memory_format=torch.contiguous_format)
 
 
-def shards_of(p: torch.Tensor) -> int:
-    """How many parts ``p``'s low-bit moments are cut into, each in blocks of its own: the
-    processes of its mesh for an FSDP2 DTensor, 1 for a tensor."""
+def _sharding(p: torch.Tensor) -> tuple[int, list[Any]] | None:
+    """For a DTensor ``p``: (the ranks its dim 0 is cut over, the placements of its flat
+    states: cut alike where ``p`` is cut, replicated where it is: FSDP2 on one mesh
+    dimension, HSDP's replicas beside it). None for a tensor. A layout whose blocks would
+    not follow its local parts (another dim cut, dim 0 cut on two mesh dimensions) is
+    refused before any state is made."""
     dtensor = dtensor_type()
     if dtensor is None or not isinstance(p, dtensor):
-        return 1
-    return p.device_mesh.size()
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = list(p.placements)
+    cut = [i for i, pl in enumerate(placements) if pl.is_shard()]
+    if len(cut) > 1 or any(not (pl.is_shard(0) or pl.is_replicate()) for pl in placements):
+        raise ValueError(
+            f"a parameter of shape {list(p.shape)} is placed {tuple(placements)} on a "
+            f"{p.device_mesh.ndim}-D mesh: low-bit states follow a parameter cut on dim 0 over "
+            "one mesh dimension (FSDP2's default, HSDP's replicas beside it); keep this one's "
+            "states in float32 (keep_float32 or a 'float32' state rule), or shard it on dim 0"
+        )
+    ranks = p.device_mesh.size(cut[0]) if cut else 1
+    return ranks, [Shard(0) if pl.is_shard() else Replicate() for pl in placements]
+
+
+def shards_of(p: torch.Tensor) -> int:
+    """How many parts ``p``'s low-bit moments are cut into, each in blocks of its own: the
+    processes its dim 0 is cut over for an FSDP2 DTensor, 1 for a tensor."""
+    sharding = _sharding(p)
+    return 1 if sharding is None else sharding[0]
 
 
 def largest_shard(p: torch.Tensor) -> int:
     """Elements of the largest local shard of ``p`` (its own size if not a DTensor)."""
-    dtensor = dtensor_type()
-    if dtensor is None or not isinstance(p, dtensor):
+    sharding = _sharding(p)
+    if sharding is None:
         return p.numel()
-    ranks = p.device_mesh.size()
+    ranks = sharding[0]
     rows = -(-p.shape[0] // ranks) if p.dim() else 1
     return rows * (p.numel() // p.shape[0] if p.dim() and p.shape[0] else 1)
 
 
 def flat_shard(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``local`` (one rank's flat state) as a DTensor sharded on dim 0 over ``p``'s mesh
-    when ``p`` is a DTensor (every rank's part the same size), else ``local``."""
-    dtensor = dtensor_type()
-    if dtensor is None or not isinstance(p, dtensor):
+    """``local`` (one rank's flat state) as a DTensor laid out over ``p``'s mesh as ``p`` is
+    (cut on dim 0 where ``p`` is, every rank's part the same size; replicated where ``p``
+    is) when ``p`` is a DTensor, else ``local``."""
+    sharding = _sharding(p)
+    if sharding is None:
         return local
-    from torch.distributed.tensor import Shard
-
-    mesh = p.device_mesh
-    return dtensor.from_local(local, mesh, [Shard(0)] * mesh.ndim, run_check=False)
+    return dtensor_type().from_local(local, p.device_mesh, sharding[1], run_check=False)  # type: ignore[union-attr]
 
 
 def shard_like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
