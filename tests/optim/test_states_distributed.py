@@ -183,3 +183,33 @@ def test_hsdp_states_cover_each_replicas_shard_and_other_cuts_are_refused():
     process: each rank's codes covered half its local part, and the step failed on a bare
     'Expected cond to be True'; a parameter cut on dim 1 failed the same way."""
     run_ranks(_hsdp_worker, nprocs=WORLD)
+
+
+def _stochastic_worker(rank: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    whole = nn.Linear(300, 5, bias=False).to(torch.bfloat16)  # 5 rows: 3 and 2 per rank
+    sharded = nn.Linear(300, 5, bias=False).to(torch.bfloat16)
+    sharded.load_state_dict(whole.state_dict())
+    fully_shard(sharded)
+    kwargs = dict(lr=1e-3, states="float32", compensation="stochastic", compile=False)
+    opts = [LowBitAdamW(m.parameters(), **kwargs) for m in (whole, sharded)]
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        grad = torch.randn(5, 300, generator=g).to(torch.bfloat16)
+        whole.weight.grad = grad
+        sharded.weight.grad = torch.distributed.tensor.distribute_tensor(
+            grad, sharded.weight.device_mesh, sharded.weight.placements
+        )
+        for opt in opts:
+            opt.step()
+    assert torch.equal(sharded.weight.full_tensor(), whole.weight.detach())
+
+
+def test_a_sharded_stochastic_step_draws_each_elements_bits_from_its_place_in_the_whole():
+    """Each rank's shard drew its random bits from offset 0: element j of every shard took
+    the same noise (identical rows stayed identical on every rank, where one process rounds
+    them apart). Each shard now starts at its place in the whole parameter, so FSDP2's step
+    is one process's, bit for bit."""
+    run_ranks(_stochastic_worker, nprocs=WORLD)

@@ -149,6 +149,22 @@ def shards_of(p: torch.Tensor) -> int:
     return 1 if sharding is None else sharding[0]
 
 
+def shard_offset(p: torch.Tensor) -> int:
+    """The flat position in the whole of ``p`` (real elements: two per complex one) of this
+    rank's local part's first element: 0 for a tensor. A sharded step's random bits start
+    there, so each element draws what it would in the whole, not its shard-mates' bits."""
+    sharding = _sharding(p)
+    if sharding is None or not p.dim() or not p.shape[0]:
+        return 0
+    ranks = sharding[0]
+    cut = next((i for i, pl in enumerate(p.placements) if pl.is_shard()), None)  # type: ignore[attr-defined]
+    if cut is None:
+        return 0
+    rows = -(-p.shape[0] // ranks)  # torch's chunks: the first ones full
+    first = min(p.device_mesh.get_local_rank(cut) * rows, p.shape[0])  # type: ignore[attr-defined]
+    return first * (p.numel() // p.shape[0]) * (2 if p.is_complex() else 1)
+
+
 def largest_shard(p: torch.Tensor) -> int:
     """Elements of the largest local shard of ``p`` (its own size if not a DTensor)."""
     sharding = _sharding(p)

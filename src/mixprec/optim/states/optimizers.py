@@ -51,6 +51,7 @@ from mixprec.optim.states.moments import (
     elements_of,
     local_part,
     real_view,
+    shard_offset,
     zero_moment,
 )
 
@@ -701,8 +702,10 @@ class LowBitOptimizer(StateCheckpoint):
         kept = None if kept is None else local_part(kept)
         buf = None if kept is None else _flat(kept)
         compiled = self._gate.wants(real.device, total)
-        # (random bits only for a compensation)
-        key = 0 if compensation is None else call_key(self.seed, planned.step, planned.index)
+        # (random bits only for a compensation; a shard's from its place in the whole)
+        key = 0
+        if compensation is not None:
+            key = call_key(self.seed, planned.step, planned.index) + shard_offset(p)
         self._update(flat, grad, planned.moments, buf, planned, compensation, compiled, key)
         _copy_back(flat, real)
         if kept is not None:
