@@ -237,7 +237,11 @@ class StateCheckpoint(torch.optim.Optimizer):
                         raise ValueError(
                             f"the saved {key!r} of {where} is {describe(value)}; its "
                             f"{fmt} state keeps {dtype} of shape {list(shape)}: it belongs "
-                            f"to another parameter, or its format was relabelled"
+                            f"to another parameter, or its format was relabelled; or (read "
+                            f"through torch.distributed.checkpoint, which fills this "
+                            f"optimizer's own tensors) it was saved in another format: load "
+                            f"it into an optimizer of the saving format, then change the "
+                            f"group's 'states'"
                         )
             else:
                 value = entry[name]
