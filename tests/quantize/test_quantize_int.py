@@ -732,14 +732,28 @@ def test_scales_a_policy_stores_in_16_bits_keep_weights_within_half_a_step(spec)
     _assert_within_half_a_stored_step(model[0], w)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4/-1"])
+def test_a_float16_row_near_its_largest_value_is_refused_not_stored_to_come_back_inf(mode):
+    """A float16 row holding 65504: its scale, rounded up to a float16, times the largest
+    code is past float16's range, so the row dequantized to inf (and so did the layer's
+    output). Refused, as a scale beyond the range is."""
+    model = nn.Sequential(nn.Embedding(64, 64)).half()
+    with torch.no_grad():
+        model[0].weight[3, 5] = 65504.0
+    with pytest.raises(ValueError, match="times its largest code .* exceeds torch.float16"):
+        mixprec.quantize(model, mode)
+    assert type(model[0]) is nn.Embedding  # nothing swapped
+
+
 def test_a_scale_beyond_the_storage_dtype_is_refused():
     """Rounded up past float16's max, a scale would be inf and its row's codes 0."""
     layer = Int8Linear.from_float(nn.Linear(32, 4).half())
     before = layer.qweight.clone()
-    with pytest.raises(ValueError, match="largest scale 7.87e\\+04 exceeds torch.float16's range"):
+    too_far = "largest scale 7.87e\\+04 times its largest code \\(127\\) exceeds torch.float16"
+    with pytest.raises(ValueError, match=too_far):
         layer.requantize(torch.full((4, 32), 1e7))
     assert torch.equal(layer.qweight, before)
-    assert storable_scale(torch.tensor([1e-9, 1.0004]), torch.float16, "w").tolist() == [
+    assert storable_scale(torch.tensor([1e-9, 1.0004]), torch.float16, "w", 127).tolist() == [
         2**-24,  # float16's smallest subnormal, not 0
         1.0009765625,  # rounded up, not down to 1.0
     ]

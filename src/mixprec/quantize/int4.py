@@ -95,7 +95,7 @@ def quantize_groups(
     hi = w32.amax(dim=-1).clamp(min=0)
     scale = (hi - lo) / QMAX
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    scale = storable_scale(scale, w.dtype if dtype is None else dtype, name)
+    scale = storable_scale(scale, w.dtype if dtype is None else dtype, name, QMAX)
     zero = torch.round(-lo / scale).clamp_(0, QMAX)
     q = (torch.round(w32 / scale[..., None]) + zero[..., None]).clamp_(0, QMAX)
     return pack(q.to(torch.uint8).view(rows, n * size)), scale, zero.to(torch.uint8)

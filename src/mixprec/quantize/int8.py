@@ -73,24 +73,26 @@ def check_finite(w: Tensor, name: str) -> None:
         )
 
 
-def storable_scale(scale: Tensor, dtype: torch.dtype, name: str) -> Tensor:
+def storable_scale(scale: Tensor, dtype: torch.dtype, name: str, largest: int) -> Tensor:
     """The float32 `scale` rounded up to a value `dtype` holds exactly (unchanged for float32
     and float64), so codes computed with it are the codes of the scale the layer stores.
 
     Scales are stored in the weight's dtype. Rounded to nearest, a float16 scale below 3e-8
     would become 0 (a row of tiny weights would come back as zeros) and a bfloat16 one could
     land below the row's ``max|w| / 127``, pushing its largest codes past 127; rounded up,
-    codes stay in range and within half a stored step of the weight. A scale
-    beyond `dtype`'s range is refused, naming the weight `name`."""
+    codes stay in range and within half a stored step of the weight. A scale whose product
+    with the `largest` code magnitude is beyond `dtype`'s range is refused, naming the
+    weight `name` (a float16 row holding 65504: rounded up, 127 times its scale is inf)."""
     if torch.finfo(dtype).bits >= 32:
         return scale
     stored = scale.to(dtype)
     up = torch.nextafter(stored, torch.full_like(stored, torch.inf))
     stored = torch.where(stored.float() < scale, up, stored)
-    if not scale.is_meta and torch.isinf(stored).any():
+    if not scale.is_meta and torch.isinf(stored * largest).any():
         raise ValueError(
-            f"cannot quantize {name}: its largest scale {scale.max().item():.3g} exceeds "
-            f"{dtype}'s range; quantize it with scales in float32 or bfloat16"
+            f"cannot quantize {name}: its largest scale {scale.max().item():.3g} times its "
+            f"largest code ({largest}) exceeds {dtype}'s range; quantize it with scales in "
+            "float32 or bfloat16"
         )
     return stored.float()
 
@@ -130,7 +132,7 @@ def _quantize_rows(
     amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
     scale = torch.where(amax > 0, amax / QMAX, 1.0)
     scale = torch.where(torch.isfinite(amax), scale, torch.nan)
-    scale = storable_scale(scale, dtype, name)
+    scale = storable_scale(scale, dtype, name, QMAX)
     return _codes(x, scale), scale.squeeze(-1)
 
 
