@@ -1394,3 +1394,19 @@ def test_int_swaps_both_ways_keep_the_layers_hooks_and_training_mode(mode):
     assert type(model[1]) is nn.Linear and not model[1].training
     calls.clear()
     assert torch.equal(model(ids), torch.zeros(1, 3, 64)) and calls == ["embedding", "linear"]
+
+
+def test_weight_bytes_of_a_model_on_the_meta_device_count_every_tensor_once():
+    """Every meta tensor's storage sits at address 0, so all of them counted as one (256
+    bytes where the model holds 25,088)."""
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Embedding(64, 64), nn.Linear(64, 32))
+
+    on_cpu = build()
+    with torch.device("meta"):
+        on_meta = build()
+    assert weight_bytes(on_meta) == weight_bytes(on_cpu) == 4 * (64 * 64 + 64 * 32 + 32)
+    tied = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)).to("meta")
+    tied[1].weight = tied[0].weight
+    assert weight_bytes(tied) == 4 * 64 * 64  # a tied weight once

@@ -340,10 +340,13 @@ def _storage_bytes(layer: nn.Module) -> int:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of all parameters and buffers of `model`, each storage counted once (tied
     weights and shared quantized copies count once)."""
-    seen: dict[int, int] = {}
+    seen: dict[tuple[str, int], int] = {}
     for t in (*model.parameters(), *model.buffers()):
+        if t.is_meta:  # (no memory: every storage's address is 0; a tied tensor is one object)
+            seen["meta", id(t)] = t.numel() * t.element_size()
+            continue
         storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        seen["memory", storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
 
