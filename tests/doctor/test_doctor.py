@@ -548,6 +548,41 @@ def test_the_slow_precision_warning_points_at_the_users_line():
     assert (slow[-1].filename, slow[-1].lineno) == (__file__, line + 2)
 
 
+class _BigInside(nn.Module):
+    """Embedding ids, a softmax, a Linear whose outputs reach 1e5 (past float16's range),
+    a tanh called as a function, a head: nested one level, as ``net``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.big = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.big(self.emb(ids).mean(1).softmax(-1))))
+
+
+def test_a_parent_moved_after_its_child_is_not_shadowed_by_the_childs_rule():
+    """``net.big`` went to bf16-mixed first; the remaining error showed at its parent
+    ``net``, moved to float32, but the child's own rule outranked the parent's, so nothing
+    changed and recommend raised "no per-module policy" (its numbers printed twice), where
+    a one-rule fix passes. The child's narrower rule now gives way to the parent's."""
+    torch.manual_seed(3)
+    model = nn.Sequential()
+    model.add_module("net", _BigInside())
+    with torch.no_grad():
+        model.net.big.weight.mul_(1e6)
+    batch = (torch.randint(0, 50, (8, 5)), torch.randint(0, 3, (8,)))
+    with hardware.assume(ZEN4):  # (bfloat16 the first fix, as on a CPU that runs it well)
+        d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+        assert [f.name for f in d.findings][:1] == ["net.big"]
+        fix = d.recommend()
+    assert fix.verified.passes(fix.tolerance)
+    assert fix.policy.rules  # one module moved (and no child rule shadowing it)
+    for key in fix.policy.rules:
+        assert not any(o != key and o.startswith(f"{key}.") for o in fix.policy.rules)
+
+
 def test_float16_training_nan_fixed_by_recommended_policy():
     """Plain 16-mixed never takes a step (NaN); the recommended map trains like float32."""
 

@@ -302,6 +302,7 @@ class Diagnosis:
                 exhausted.add(pick.name)
                 continue
             chosen[pick.name] = safer
+            _drop_shadowing(chosen, pick.name, safer)
             trial = self._trial(chosen, scale)
             log.append(
                 f"{pick.display_name} -> {safer.name}: "
@@ -331,13 +332,16 @@ class Diagnosis:
             if not self.precision.default.is_mixed
             else ""
         )
+        why = _why_not(trial, tolerance)
+        if "loss error" not in why:  # (a broken module or a non-finite run: the errors too)
+            why += f" (loss error {trial.loss_rel_error:.3g}, gradient error "
+            why += f"{trial.grad_rel_error:.3g})"
         return PrecisionError(
             f"no per-module policy brings {self.precision.default.name} within "
             f"tolerance {tolerance:g} of {self.reference.default.name}: after trying "
             f"{', '.join(sorted(n or '<root>' for n in exhausted))} in every safer "
-            f"precision, {_why_not(trial, tolerance)} (loss error "
-            f"{trial.loss_rel_error:.3g}, gradient error {trial.grad_rel_error:.3g}).{hint}"
-            " Use a larger tolerance or train in the reference precision."
+            f"precision, {why}.{hint} Use a larger tolerance or train in the reference "
+            "precision."
         )
 
     def _drop_unneeded(
@@ -437,6 +441,18 @@ class Recommendation:
             "its scale on an overflow by itself, skipping that step, but doubles it only after "
             "growth_interval clean steps)"
         )
+
+
+def _drop_shadowing(chosen: dict[str, Policy], name: str, policy: Policy) -> None:
+    """Drop the rules of modules below `name` that compute narrower than `policy`, which
+    `name` was just moved to: a path rule below it outranks its rule, so those modules kept
+    the narrower dtype and the move changed nothing (they inherit `policy` now, and a
+    finding there is moved again on its own)."""
+    bits = format_info(policy.compute_dtype).bits
+    below = f"{name}." if name else ""
+    for other in [n for n in chosen if n != name and n.startswith(below)]:
+        if format_info(chosen[other].compute_dtype).bits < bits:
+            del chosen[other]
 
 
 def _why_not(d: Diagnosis, tolerance: float) -> str:
