@@ -80,6 +80,38 @@ def test_warns_with_the_layer_name_before_it_overflows():
     assert len(monitor.history["2"]) == 10
 
 
+class _ExpBlock(nn.Module):
+    """Two Linears with an ``exp`` between them, called as a function: its own code, not a
+    child, overflows float16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x).exp())
+
+
+def test_an_inf_made_by_a_parents_own_code_is_named_at_the_parent_not_its_child():
+    """Layers finish child first: the monitor named ``1.fc2``, which only received the inf
+    the block's ``exp`` made (the doctor names the block). The first layer whose output is
+    not finite while its inputs were is named, also one that hands on its child's output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _ExpBlock(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[1].fc1.weight.mul_(20)
+    precision = mixprec.Precision("16-mixed", allow_slow=True)
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=1e-3))
+    monitor = PrecisionMonitor(every_n_steps=1).attach(model)
+    monitor.start_step(0)
+    x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
+    with pytest.warns(PrecisionWarning, match="produced inf/NaN"):
+        precision.backward(F.cross_entropy(model(x), y))
+        monitor.end_step(0, scaler=precision.scaler)
+    nonfinite = [w for w in monitor.warnings if "produced inf/NaN" in w]
+    assert len(nonfinite) == 1 and nonfinite[0].startswith("layer 1 produced inf/NaN")
+
+
 def test_hooks_exist_only_on_monitored_steps():
     model = model_16_mixed()
     monitor = PrecisionMonitor(every_n_steps=3).attach(model)

@@ -121,6 +121,12 @@ class PrecisionMonitor:
         self._handles: list[Any] = []
         self._pending: dict[str, list[tuple[torch.dtype, list[Tensor]]]] = {}
         self._grads: dict[str, list[Tensor]] = {}
+        # each layer's largest floating input magnitude (inf/NaN when one came in so), and
+        # in the order layers finish, each (layer, layer whose sample holds its output): a
+        # parent handing on its last child's output has no sample of its own
+        self._inputs: dict[str, Tensor] = {}
+        self._finished: list[tuple[str, str]] = []
+        self._owners: dict[int, str] = {}
         self._seen: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self._armed_step: int | None = None
         self._done_step: int | None = None
@@ -174,13 +180,26 @@ class PrecisionMonitor:
         grad_names = list(self._grads)
         for name in grad_names:
             tensors += self._grads[name]
+        input_names = list(self._inputs)
+        tensors += [self._inputs[name] for name in input_names]
+        finished = list(self._finished)
         self._disarm()
         self._done_step = step
         values = torch.stack([t.float().cpu() for t in tensors]).tolist() if tensors else []
-        samples = self._samples(step, names, grad_names, values)
+        inputs = dict(zip(input_names, values[len(values) - len(input_names) :], strict=True))
+        samples = self._samples(step, names, grad_names, values[: len(values) - len(input_names)])
         metrics: dict[str, float] = {}
-        # inf/NaN propagate downstream: only the first layer (in execution order) is named
-        first_bad = next((n for n, s in samples.items() if not math.isfinite(s.amax)), None)
+        # inf/NaN propagate downstream: only the layer that made them is named, the first (in
+        # the order layers finish) whose output is not finite and whose inputs were (a child
+        # finishes before its parent: one fed its parent's inf passes it on), else the first
+        bad = [
+            (n, owner)
+            for n, owner in finished
+            if owner in samples and not math.isfinite(samples[owner].amax)
+        ]
+        culprit = next(
+            (b for b in bad if math.isfinite(inputs.get(b[0], 0.0))), bad[0] if bad else None
+        )
         for name, sample in samples.items():
             self.history.setdefault(name, deque(maxlen=self._maxlen)).append(sample)
             metrics[f"precision/{name}/amax"] = sample.amax
@@ -188,8 +207,10 @@ class PrecisionMonitor:
             if not math.isnan(sample.grad_amax):
                 metrics[f"precision/{name}/grad_amax"] = sample.grad_amax
                 metrics[f"precision/{name}/grad_underflow"] = sample.grad_underflow
-            if math.isfinite(sample.amax) or name == first_bad:
+            if math.isfinite(sample.amax):
                 self._check_layer(name, sample)
+        if culprit is not None:
+            self._check_layer(culprit[0], samples[culprit[1]])
         if scaler is not None:
             metrics.update(self._check_scaler(step, scaler, samples))
         if self.log_fn is not None and metrics:
@@ -200,10 +221,20 @@ class PrecisionMonitor:
 
     def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self._names.get(id(module), "?") or "<root>"
+        sizes = [t.detach().abs().amax().float() for t in floating_tensors(args) if t.numel()]
+        if sizes:  # (combined over several calls: one bad call makes its inputs bad)
+            largest = torch.stack(sizes).amax() if len(sizes) > 1 else sizes[0]
+            old = self._inputs.get(name)
+            self._inputs[name] = largest if old is None else torch.maximum(old, largest)
         for t in floating_tensors(output):
-            if t.dtype not in LOW_PRECISION_FLOATS or id(t) in self._seen or not t.numel():
+            if t.dtype not in LOW_PRECISION_FLOATS or not t.numel():
+                continue
+            if id(t) in self._seen:  # (a child's output handed on)
+                self._finished.append((name, self._owners[id(t)]))
                 continue
             self._seen[id(t)] = t
+            self._owners[id(t)] = name
+            self._finished.append((name, name))
             info = format_info(t.dtype)
             self._pending.setdefault(name, []).append((t.dtype, _range_stats(t, info)))
             if t.requires_grad:
@@ -232,6 +263,9 @@ class PrecisionMonitor:
         self._handles.clear()
         self._pending.clear()
         self._grads.clear()
+        self._inputs.clear()
+        self._finished.clear()
+        self._owners.clear()
         self._seen.clear()
         self._armed_step = None
 
