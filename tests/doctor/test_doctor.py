@@ -583,6 +583,32 @@ def test_a_parent_moved_after_its_child_is_not_shadowed_by_the_childs_rule():
         assert not any(o != key and o.startswith(f"{key}.") for o in fix.policy.rules)
 
 
+class _TimesFour(nn.Module):
+    """A residual block multiplying its input by 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.eye(16) * 3)
+            self.fc.bias.zero_()
+
+    def forward(self, x):
+        return x + self.fc(x)
+
+
+def test_a_layer_past_the_max_behind_an_overflow_upstream_is_not_said_to_be_within_it():
+    """A layer whose output reaches 3.0e5, behind one that overflowed first, read "at risk:
+    output reaches 3.0e5, within 4x of float16 max 65504" (4.6x past it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_TimesFour() for _ in range(8)], nn.LayerNorm(16), nn.Linear(16, 2))
+    batch = (torch.randn(8, 16) * 2, torch.randint(0, 2, (8,)))
+    d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    last = next(f for f in d.findings if f.name == "7.fc")
+    assert last.verdict == AT_RISK
+    assert "past float16 max 65504" in last.reason and "within" not in last.reason
+
+
 def test_float16_training_nan_fixed_by_recommended_policy():
     """Plain 16-mixed never takes a step (NaN); the recommended map trains like float32."""
 

@@ -199,7 +199,15 @@ def output_near_max(m: ModuleReport, run: RunFacts) -> Finding | None:
     near = info.max / HEADROOM
     if not (_low(m) and m.amax > near and not (_inherited(m) and m.input_amax > near)):
         return None
-    reason = f"output reaches {_fmt(m.amax)}, within {HEADROOM:g}x of {info.name} max {info.max:g}"
+    if m.amax > info.max:  # (not blamed as an overflow: its inputs held inf/NaN already)
+        reason = (
+            f"output reaches {_fmt(m.amax)}, past {info.name} max {info.max:g} (its inputs are "
+            "inf/NaN from upstream already: it overflows too once those are fixed)"
+        )
+    else:
+        reason = (
+            f"output reaches {_fmt(m.amax)}, within {HEADROOM:g}x of {info.name} max {info.max:g}"
+        )
     return Finding(AT_RISK, FindingKind.RANGE, reason)
 
 
