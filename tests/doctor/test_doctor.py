@@ -609,6 +609,33 @@ def test_a_layer_past_the_max_behind_an_overflow_upstream_is_not_said_to_be_with
     assert "past float16 max 65504" in last.reason and "within" not in last.reason
 
 
+class _SharedTwice(nn.Module):
+    """One overflowing Linear registered at two paths (``self.b = self.a``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = self.a
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def test_a_module_at_two_paths_is_moved_at_both():
+    """The rule went to the first path alone; the map then resolved the one module two ways
+    and recommend raised "reachable at 'a' and 'b'" about a rule the user never wrote."""
+    torch.manual_seed(0)
+    model = _SharedTwice()
+    with torch.no_grad():
+        model.a.weight.mul_(1e5)
+    batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
+    with hardware.assume(ZEN4):
+        fix = diagnose(model, batch, F.cross_entropy, precision="16-mixed").recommend()
+    assert fix.policy == PolicyMap("16-mixed", {"a": "bf16-mixed", "b": "bf16-mixed"})
+    assert fix.verified.passes(fix.tolerance)
+
+
 def test_float16_training_nan_fixed_by_recommended_policy():
     """Plain 16-mixed never takes a step (NaN); the recommended map trains like float32."""
 

@@ -222,14 +222,24 @@ class Diagnosis:
 
     def _rule_key(self, name: str) -> str:
         """`name` as a rule key: escaped only if, as a regex, it would match another module."""
-        names = [n for n, _ in self._session.model.named_modules()]
+        names = [n for n, _ in self._session.model.named_modules(remove_duplicate=False)]
         if any(n != name and re.fullmatch(name, n) for n in names):
             return re.escape(name)
         return name
 
     def _map(self, chosen: dict[str, Policy]) -> PolicyMap:
         rules: dict[Any, Any] = dict(self.precision.rules)
-        rules.update({self._rule_key(name): p for name, p in chosen.items()})
+        # a module reachable at several paths (``self.b = self.a``) runs in one policy: its
+        # rule goes to every path (the probe names it at its first)
+        modules = self._session.model.named_modules(remove_duplicate=False)
+        paths: dict[int, list[str]] = {}
+        by_name: dict[str, int] = {}
+        for n, module in modules:
+            paths.setdefault(id(module), []).append(n)
+            by_name[n] = id(module)
+        for name, p in chosen.items():
+            for path in paths.get(by_name.get(name, -1), [name]):
+                rules[self._rule_key(path)] = p
         return PolicyMap(
             self.precision.default,
             rules,
