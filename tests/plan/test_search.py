@@ -530,6 +530,19 @@ def test_a_model_on_the_meta_device_is_refused() -> None:
         )
 
 
+def test_a_model_that_is_one_layer_is_told_to_wrap_it() -> None:
+    """A bare Linear read "Linear has no layer a search can choose for (Linear, ...)"."""
+    with pytest.raises(ValueError, match=r"itself one Linear.*\(nn.Sequential\(layer\)\)"):
+        search(
+            nn.Linear(16, 4),
+            [(torch.zeros(2, 16), torch.zeros(2, 4))],
+            F.mse_loss,
+            budget=Budget(memory=0.5),
+            baseline="32-true",
+            device_info=ZEN4,
+        )
+
+
 def test_a_model_without_searchable_layers_is_refused() -> None:
     with pytest.raises(ValueError, match="no layer a search can choose for"):
         search(

@@ -121,6 +121,12 @@ def search_inputs(
     policies, left_out = _formats(formats, base, info, allow_slow)
     units = find_units(model)
     if not units:
+        if type(model) in (nn.Linear, nn.Embedding):  # (its own layer: not swappable in place)
+            raise ValueError(
+                f"the model is itself one {type(model).__name__}: a search chooses for the "
+                "layers inside a model, swapping them in their parents; search it wrapped "
+                "(nn.Sequential(layer))"
+            )
         raise ValueError(
             f"{type(model).__name__} has no layer a search can choose for (Linear, Embedding "
             "or Hugging Face Conv1D with a floating weight)"
