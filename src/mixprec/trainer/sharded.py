@@ -104,15 +104,32 @@ def _inner(run: FitRun | Run) -> list[torch.optim.Optimizer]:
     return [opt.optimizer for opt in getattr(run, "optimizers", [])]
 
 
+def _state_dicts(run: FitRun | Run) -> tuple[dict[str, Any], dict[str, Any], list[bool]]:
+    """``get_state_dict`` of the run's model and optimizers, and which optimizers had no
+    state yet. For those torch makes one by a step at learning rate 0 (Adam's step count 1,
+    its moments 0); that state is taken out of the live optimizer again, so that saving or
+    loading before the first real step (every step so far skipped for an overflow) changes
+    nothing: Adam's bias correction would run a step ahead for the rest of the run."""
+    inner = _inner(run)
+    unstepped = [not opt.state for opt in inner]
+    model_state, optim_state = get_state_dict(run.model, inner)
+    for opt, empty in zip(inner, unstepped, strict=True):
+        if empty:
+            opt.state.clear()
+    return model_state, optim_state, unstepped
+
+
 def save(run: FitRun, path: str | os.PathLike[str]) -> Path:
     """Write a sharded checkpoint of ``run`` at ``path`` (every rank calls it)."""
     path = Path(path)
     rank = run.strategy.global_rank
     tmp = _agreed_tmp(path, rank)
-    model_state, optim_state = get_state_dict(run.model, _inner(run))
+    model_state, optim_state, unstepped = _state_dicts(run)
+    state = run_state(run)
+    state["optimizers_unstepped"] = unstepped  # (their saved state is torch's placeholder)
     with ctrl_c_deferred():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-        ckpt_io.atomic_save(run_state(run), tmp / _RUN_STATE.format(rank))
+        ckpt_io.atomic_save(state, tmp / _RUN_STATE.format(rank))
         if _distributed():
             dist.barrier()  # every rank's files are in
         if rank == 0:
@@ -238,12 +255,16 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
             f"needs the same number (this run has {world})"
         )
     check_resume_point(run, loop, path)
-    model_state, optim_state = get_state_dict(run.model, _inner(run))
+    model_state, optim_state, _ = _state_dicts(run)
     _as_saved_before_layouts(optim_state, path)
     _dcp_load({"model": model_state, "optim": optim_state}, path)
     set_state_dict(
         run.model, _inner(run), model_state_dict=model_state, optim_state_dict=optim_state
     )
+    unstepped = state.get("optimizers_unstepped", [])  # (absent from older checkpoints)
+    for opt, empty in zip(_inner(run), unstepped, strict=False):
+        if empty:  # saved before its first real step: it resumes as it was, without state
+            opt.state.clear()
     for s, saved in zip(run.schedulers, state["schedulers"], strict=True):
         s.scheduler.load_state_dict(saved)
     run.precision.load_state_dict(state["precision"])
