@@ -21,6 +21,7 @@ from torch import nn
 
 from mixprec import hardware
 from mixprec.activations import install, wrapped
+from mixprec.convert import sharded_units
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
 from mixprec.optim import LossScaleOptimizer
 from mixprec.optim.scaling import DynamicLossScaler
@@ -274,8 +275,49 @@ def _fp16_true(rank: int) -> dict[str, Any]:
     }
 
 
+class _Tied(nn.Module):
+    """An embedding whose table the head shares (``tied``), or whose forward reads it as
+    its output projection (not tied: the parent reads its child's weight)."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(32, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32, bias=False) if tied else None
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, t):
+        h = torch.tanh(self.fc(self.emb(t)))
+        return self.head(h) if self.head is not None else F.linear(h, self.emb.weight)
+
+
+def _refused(rank: int) -> dict[str, Any]:
+    """What shard refuses before the model changes (each outcome, and whether the model
+    was left unsharded)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    out: dict[str, Any] = {}
+    cases = {
+        "tied": (lambda: _Tied(True), {"head": "32-true"}, None),
+        "reads": (lambda: _Tied(False), {"emb": "32-true"}, None),
+        "out_proj": (
+            lambda: nn.Sequential(nn.MultiheadAttention(8, 2, batch_first=True)),
+            {"0.out_proj": "32-true"},
+            None,
+        ),
+        "mesh": (lambda: _Tied(False), {}, lambda: DeviceMesh("cpu", [0])),
+    }
+    for name, (make, rules, mesh) in cases.items():
+        model = make()
+        given = mesh() if mesh is not None else None
+        pmap = PolicyMap("bf16-mixed", rules)
+        out[name] = _outcome(lambda m=model, p=pmap, g=given: shard(m, p, mesh=g))
+        out[f"{name}_untouched"] = not sharded_units(model)
+    return out
+
+
 def _worker(rank: int, out_dir: str) -> None:
-    scenarios = (_bf16_mixed, _fp16_inf, _bf16_true, _int8, _fp16_true, _activations)
+    scenarios = (_bf16_mixed, _fp16_inf, _bf16_true, _int8, _fp16_true, _activations, _refused)
     results = {f.__name__: f(rank) for f in scenarios}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
@@ -667,3 +709,17 @@ def test_a_rule_naming_a_container_shards_its_children(one_rank):
     out = sharded(x)
     assert out.dtype == torch.float32  # (the head computes in float32 on bf16 blocks' output)
     torch.testing.assert_close(out, reference(x), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.slow
+def test_what_fsdp2_cannot_shard_apart_is_refused_before_the_model_changes(ranks):
+    """Tied weights ruled into two units, a layer sharded apart from the parent reading its
+    weight, a rule on out_proj alone: each failed at the first forward, after sharding, on
+    torch's words; a mesh without this rank failed on a bare IndexError."""
+    for rank, r in enumerate(ranks):
+        assert r["_refused"]["tied"].startswith("PolicySpecError: 'emb.weight' and 'head.weight'")
+        assert "reads its weight in its own forward" in r["_refused"]["reads"]
+        assert "give the rule to '0' itself" in r["_refused"]["out_proj"]
+        assert all(r["_refused"][f"{k}_untouched"] for k in ("tied", "reads", "out_proj"))
+        mesh = r["_refused"]["mesh"]
+        assert mesh == "ok" if rank == 0 else mesh.startswith("PrecisionError: rank 1 is not in")

@@ -31,8 +31,9 @@ from mixprec.hardware import check, device_of
 from mixprec.optim import check_sharded_masters
 from mixprec.optim.scaling import LossScaler
 from mixprec.policy import Policy
-from mixprec.policy.map import as_map
+from mixprec.policy.map import as_map, check_bypassed
 from mixprec.quantize import QuantizeResult, quantize_modules
+from mixprec.quantize.rules import weights_read_by_parents
 
 __all__ = [
     "quantize_for",
@@ -225,6 +226,52 @@ def _check_ready(
             "shard needs torch.distributed: call dist.init_process_group(...) first (gloo on "
             "CPU, nccl on GPUs; torchrun sets the rank and world size), or pass mesh=..."
         )
+    if mesh is not None and dist.is_initialized() and mesh.get_coordinate() is None:
+        raise PrecisionError(
+            f"rank {dist.get_rank()} is not in the mesh given ({mesh.size()} of the "
+            f"{dist.get_world_size()} processes): it would shard over nothing. Give every "
+            "process a mesh it belongs to (init_device_mesh(device, (world_size,)), or a "
+            "sub-mesh of its own data-parallel group)"
+        )
+
+
+def _unit_of(name: str, plan: dict[str, Policy]) -> str:
+    """The unit `name` is sharded in: itself or its nearest enclosing unit ("" the root)."""
+    while name and name not in plan:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _check_units_apart(model: nn.Module, plan: dict[str, Policy]) -> None:
+    """Refuse, before the model changes, what FSDP2 cannot shard in separate units: one
+    parameter held by modules of two units (tied weights whose modules the map rules apart:
+    FSDP2 manages a parameter in one unit), and a layer sharded apart from the parent whose
+    forward reads its weight itself (the parent would see the sharded parameter)."""
+    owners: dict[int, tuple[str, str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for key, param in module._parameters.items():
+            if param is None:
+                continue
+            where = (_unit_of(name, plan), f"{name}.{key}" if name else key)
+            first = owners.setdefault(id(param), where)
+            if first[0] != where[0]:
+                raise PolicySpecError(
+                    f"{first[1]!r} and {where[1]!r} are one parameter (tied), but shard in "
+                    f"different units ({first[0] or '<root>'!r} and {where[0] or '<root>'!r}: "
+                    "their rules differ); FSDP2 keeps a parameter in one unit. Give both "
+                    "modules the same rule, or rule the module holding both"
+                )
+    read = weights_read_by_parents(model)
+    for name, module in model.named_modules():
+        if name and id(module) in read and name in plan:
+            parent = name.rpartition(".")[0]
+            if _unit_of(parent, plan) != name:
+                raise PolicySpecError(
+                    f"{name!r} shards in a unit of its own, but its parent "
+                    f"{parent or '<root>'!r} ({read[id(module)]}) reads its weight in its own "
+                    "forward, where that weight would be a shard; give it its parent's rule "
+                    "(or rule the parent instead)"
+                )
 
 
 def _check_ranks_agree(
@@ -300,6 +347,8 @@ def shard(
             "mixprec.activations.install); shard puts on those of its policy: give it a "
             "model without them, and the options as the policy map's activations"
         )
+    check_bypassed(model, pmap.resolve(model))  # (MultiheadAttention's out_proj, as apply)
+    _check_units_apart(model, units(model, pmap, wrap))
     quantize_for(model, pmap)
     plan = units(model, pmap, wrap)
     _check_ranks_agree(pmap, plan, reduce_dtype, mesh)

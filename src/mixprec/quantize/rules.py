@@ -74,7 +74,9 @@ def _weights_read(cls: type) -> frozenset[str]:
         source = inspect.getsource(forward)
     except (OSError, TypeError):
         return frozenset()
-    return frozenset(re.findall(r"self\.(\w+)\.weight\b", source))
+    # (the module as forward names it: ``self`` by convention, not always)
+    me = next(iter(inspect.signature(forward).parameters), "self")
+    return frozenset(re.findall(rf"\b{re.escape(me)}\.(\w+)\.weight\b", source))
 
 
 def weights_read_by_parents(model: nn.Module) -> dict[int, str]:
