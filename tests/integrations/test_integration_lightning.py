@@ -323,6 +323,49 @@ def test_a_batch_whose_training_step_returns_none_is_not_a_step():
     assert len(rec.before) == BATCHES - 1  # no optimizer-step hooks for the skipped batch
 
 
+class TwoOptimizers(pl.LightningModule):
+    """A generator and a discriminator, manual optimization without toggle_optimizer (the
+    generator's loss leaves gradients on the discriminator, which ``d_opt.zero_grad()``
+    clears), SGD at lr 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.gen, self.dis = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.start = self.dis.weight.detach().clone()
+
+    def training_step(self, batch, batch_idx):
+        z, real = batch
+        g_opt, d_opt = self.optimizers()
+        g_opt.zero_grad()
+        self.manual_backward((self.dis(self.gen(z)).float() - 1).pow(2).mean())
+        g_opt.step()
+        d_opt.zero_grad()
+        fake = self.dis(self.gen(z).detach()).float()
+        self.manual_backward((self.dis(real).float() - 1).pow(2).mean() + fake.pow(2).mean())
+        d_opt.step()
+
+    def configure_optimizers(self):
+        return [torch.optim.SGD(m.parameters(), lr=1.0) for m in (self.gen, self.dis)]
+
+
+def test_zero_grad_clears_the_models_gradients_where_masters_are_stepped():
+    """Under 16-true Lightning's zero_grad reached the torch optimizer, which holds the
+    float32 masters: the float16 gradients the generator's loss left on the discriminator
+    were added to its next step (1.24 off on an update of 6.1)."""
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 8, generator=g))
+    moved = {}
+    for spec in ("32-true", "16-true"):
+        model = TwoOptimizers()
+        scaler = DynamicLossScaler(init_scale=16.0) if spec == "16-true" else None
+        plugin = MixprecPrecision(spec, allow_slow=True, scaler=scaler)
+        _trainer(plugin, max_steps=2).fit(model, DataLoader(data, batch_size=8))
+        moved[spec] = model.dis.weight.detach().float() - model.start
+    assert float((moved["16-true"] - moved["32-true"]).abs().max()) < 1e-2  # float16 rounding
+
+
 # -- checkpoints ----------------------------------------------------------------------------
 
 
@@ -501,3 +544,24 @@ def test_importing_mixprec_does_not_import_lightning():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_a_checkpoint_whose_map_rules_a_class_defined_in_a_function_resumes(tmp_path):
+    """The plugin rebuilt the saved map from its config to compare it, importing its type
+    rules' classes: a class defined in a function saved, then refused its own checkpoint
+    ("cannot import module type ..."), a message that never named checkpoints."""
+
+    class LocalHead(nn.Linear):
+        pass
+
+    def fit(epochs: int, ckpt_path=None) -> pl.Trainer:
+        model = _model()
+        model.net[3] = LocalHead(16, 1)
+        plugin = MixprecPrecision(PolicyMap("bf16-mixed", {LocalHead: "32-true"}))
+        trainer = _trainer(plugin, max_epochs=epochs)
+        trainer.fit(model, _loader(), ckpt_path=ckpt_path)
+        return trainer
+
+    path = tmp_path / "run.ckpt"
+    fit(1).save_checkpoint(path)
+    assert fit(2, ckpt_path=path).global_step == 2 * BATCHES

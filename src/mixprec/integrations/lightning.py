@@ -51,6 +51,7 @@ except ImportError as err:  # pragma: no cover - the extra is installed wherever
     ) from err
 
 from mixprec.doctor.monitor import PrecisionMonitor
+from mixprec.errors import PolicySpecError
 from mixprec.hardware import DeviceInfo, device_of
 from mixprec.optim import LossScaleOptimizer, SkipAwareScheduler
 from mixprec.optim.scaling import LossScaler
@@ -61,6 +62,39 @@ __all__ = [
     "MixprecPrecision",
     "PrecisionMonitorCallback",
 ]
+
+
+def _clears_model_grads_too(optimizer: torch.optim.Optimizer, lso: LossScaleOptimizer) -> None:
+    """Make ``optimizer.zero_grad()`` (what Lightning calls: it keeps the torch optimizer)
+    clear the model's 16-bit gradients too, where it steps float32 masters: it clears the
+    masters' alone, so a backward's gradients left on the model (a GAN's generator loss
+    reaching the discriminator, a skipped micro-batch) were added to the next step's."""
+    own = optimizer.zero_grad  # (the class's, bound: the wrapper's own call goes there too)
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        own(set_to_none=set_to_none)
+        lso.zero_model_grads(set_to_none)
+
+    optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+def _calling(zero_grad: Any) -> Any:
+    """A ``zero_grad`` method that calls the torch optimizer's (which clears the model's
+    gradients too, `_clears_model_grads_too`)."""
+
+    def method(_self: Any, set_to_none: bool = True) -> None:
+        zero_grad(set_to_none=set_to_none)
+
+    return method
+
+
+def _described(config: Any) -> str:
+    """A saved policy map's config in words: the map, or its config where its type rules'
+    classes cannot be imported here."""
+    try:
+        return repr(PolicyMap.from_config(config))
+    except PolicySpecError:
+        return repr(config)
 
 
 class MixprecPrecision(LightningPrecision):
@@ -173,6 +207,9 @@ class MixprecPrecision(LightningPrecision):
             )
         wrapped = self.mixprec.setup(self._module, *optimizers) if optimizers else ()
         self._wrappers = dict(zip(optimizers, wrapped[1:], strict=True))
+        for optimizer, lso in self._wrappers.items():
+            if lso.master_params:
+                _clears_model_grads_too(optimizer, lso)
         return model, optimizers, [self._skip_aware(config) for config in lr_schedulers]
 
     def _skip_aware(self, config: Any) -> Any:
@@ -232,8 +269,22 @@ class MixprecPrecision(LightningPrecision):
         context (``Precision.backward_context``: under a "true" policy the compute dtype as
         torch's default, as in the forward, for activation-checkpointed blocks). Lightning's
         ``on_before_backward`` hooks see the loss unscaled."""
+        self._clear_through_lightning_optimizers(model)
         with self.mixprec.backward_context(tensor) as scaled:
             super().backward(scaled, model, optimizer, *args, **kwargs)
+
+    def _clear_through_lightning_optimizers(self, model: Any) -> None:
+        """Give the ``LightningOptimizer``s of optimizers stepping float32 masters the
+        ``zero_grad`` that clears the model's gradients too (`_clears_model_grads_too`):
+        Lightning makes them after `connect`, each of a class of its own whose ``zero_grad``
+        is the torch optimizer's class's (what ``opt.zero_grad()`` calls in manual
+        optimization). Once, at the first backward, when they exist."""
+        strategy = getattr(getattr(model, "_trainer", None), "strategy", None)
+        for wrapper in getattr(strategy, "_lightning_optimizers", None) or ():
+            lso = self._wrappers.get(getattr(wrapper, "optimizer", None))  # type: ignore[arg-type]
+            if lso is None or not lso.master_params or "zero_grad" in type(wrapper).__dict__:
+                continue
+            type(wrapper).zero_grad = _calling(wrapper.optimizer.zero_grad)  # type: ignore[method-assign]
 
     def optimizer_step(  # type: ignore[override]
         self,
@@ -300,17 +351,17 @@ class MixprecPrecision(LightningPrecision):
                 f"another precision plugin"
             )
         saved_policy = state_dict["precision"].get("policy")
-        if saved_policy is not None:
-            before, now = PolicyMap.from_config(saved_policy), self.mixprec.policy
-            if before != now:
-                raise ValueError(
-                    f"the checkpoint was saved under {before!r}, this run's precision is "
-                    f"{now!r}: MixprecPrecision resumes a run in the precision that saved it "
-                    f"(its loss scaler, masters and optimizer state are that precision's). To "
-                    f"go on in another precision, load the checkpoint's weights into the "
-                    f"model (model.load_state_dict(torch.load(path)['state_dict'])) and fit "
-                    f"without ckpt_path"
-                )
+        # (compared as configs: rebuilding the saved map would import its type rules' classes,
+        # which a class defined in a function or a script cannot be)
+        if saved_policy is not None and saved_policy != self.mixprec.policy.to_config():
+            raise ValueError(
+                f"the checkpoint was saved under {_described(saved_policy)}, this run's "
+                f"precision is {self.mixprec.policy!r}: MixprecPrecision resumes a run in the "
+                "precision that saved it (its loss scaler, masters and optimizer state are "
+                "that precision's). To go on in another precision, load the checkpoint's "
+                "weights into the model (model.load_state_dict(torch.load(path)['state_dict'])) "
+                "and fit without ckpt_path"
+            )
         saved = state_dict["optimizers"]
         if saved and len(saved) != len(self._wrappers):
             raise ValueError(

@@ -316,6 +316,12 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         self._grad_scale = None
         self._masters.zero_model_grads(set_to_none)
 
+    def zero_model_grads(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of the model's low-precision parameters (those its float32
+        masters stand for) alone: for an integration whose trainer clears the wrapped
+        optimizer's itself."""
+        self._masters.zero_model_grads(set_to_none)
+
     # -- the step's parts, for joint_step and integrations (a loop calls step) ---------------
 
     @property
