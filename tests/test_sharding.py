@@ -316,8 +316,40 @@ def _refused(rank: int) -> dict[str, Any]:
     return out
 
 
+class _Attends(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 6, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2))
+
+
+def _attention(rank: int) -> dict[str, Any]:
+    """The dtype scaled_dot_product_attention's query arrives in, under a bf16-mixed map
+    asking attention in float32."""
+    from torch.overrides import TorchFunctionMode
+
+    seen: list[torch.dtype] = []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.scaled_dot_product_attention:
+                seen.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = shard(_Attends(), PolicyMap("bf16-mixed", float32_attention=True))
+    with Record():
+        model(torch.randn(2, 6, 16))
+    return {"query": seen}
+
+
 def _worker(rank: int, out_dir: str) -> None:
-    scenarios = (_bf16_mixed, _fp16_inf, _bf16_true, _int8, _fp16_true, _activations, _refused)
+    scenarios = (
+        _bf16_mixed, _fp16_inf, _bf16_true, _int8, _fp16_true, _activations, _refused, _attention,
+    )  # fmt: skip
     results = {f.__name__: f(rank) for f in scenarios}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
 
@@ -723,3 +755,11 @@ def test_what_fsdp2_cannot_shard_apart_is_refused_before_the_model_changes(ranks
         assert all(r["_refused"][f"{k}_untouched"] for k in ("tied", "reads", "out_proj"))
         mesh = r["_refused"]["mesh"]
         assert mesh == "ok" if rank == 0 else mesh.startswith("PrecisionError: rank 1 is not in")
+
+
+@pytest.mark.slow
+def test_float32_attention_is_carried_to_the_sharded_model(ranks):
+    """shard resolved the map without its attention islands: float32_attention=True (and a
+    CPU's own float32 attention) ran attention in bfloat16 under FSDP2."""
+    for r in ranks:
+        assert r["_attention"]["query"] == [torch.float32]

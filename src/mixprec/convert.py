@@ -215,10 +215,12 @@ class _AttentionIsland:
     Confined to that module's forward because a torch function mode costs a few
     microseconds on every torch call it sees."""
 
-    def __init__(self, module: nn.Module, policy: Policy, original: Any) -> None:
+    def __init__(
+        self, module: nn.Module, policy: Policy, original: Any, mixed: bool | None = None
+    ) -> None:
         self.module = module
         self.dtype = policy.compute_dtype
-        self.mixed = policy.is_mixed
+        self.mixed = policy.is_mixed if mixed is None else mixed
         self.original = original
 
     @property
@@ -602,6 +604,16 @@ def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
             cast=cast,
             follow_input=follow_input,
         )
+    install_attention_islands(model, resolved)
+
+
+def install_attention_islands(
+    model: nn.Module, resolved: dict[str, Resolution], *, autocast: bool = True
+) -> None:
+    """Run attention in float32 in the modules `resolved` says so of
+    (`Resolution.float32_attention`). `autocast`: whether a mixed policy computes under
+    autocast (`apply`), or, as under FSDP2's casts (`mixprec.sharding.shard`), in its compute
+    dtype with autocast off, as a "true" policy does."""
     islands: set[int] = set()  # a module at two paths resolves alike at both: one island
     for name, module in model.named_modules(remove_duplicate=False):
         res = resolved[name]
@@ -609,7 +621,10 @@ def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
             continue
         islands.add(id(module))
         module.__dict__["forward"] = _AttentionIsland(
-            module, res.policy, module.__dict__.get("forward")
+            module,
+            res.policy,
+            module.__dict__.get("forward"),
+            mixed=None if autocast else False,
         )
 
 

@@ -25,7 +25,13 @@ from mixprec.activations import check as check_activations
 from mixprec.activations import check_device
 from mixprec.activations import install as install_activations
 from mixprec.activations import wrapped as wrapped_activations
-from mixprec.convert import applied_policy, sharded_units, warn_unmatched
+from mixprec.convert import (
+    applied_policy,
+    device_slow_attention,
+    install_attention_islands,
+    sharded_units,
+    warn_unmatched,
+)
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import check, device_of
 from mixprec.optim import check_sharded_masters
@@ -352,7 +358,10 @@ def shard(
     quantize_for(model, pmap)
     plan = units(model, pmap, wrap)
     _check_ranks_agree(pmap, plan, reduce_dtype, mesh)
-    resolved = pmap.resolve(model)
+    device = device_of(model)
+    resolved = pmap.resolve(
+        model, slow_attention=device_slow_attention(device), device_type=device.type
+    )
     with torch.no_grad():  # FSDP2 keeps the storage dtype it finds: cast it first
         for name, module in model.named_modules():
             stored = resolved[name].policy.param_dtype
@@ -366,6 +375,9 @@ def shard(
                     continue
                 if b.dtype != stored:
                     module._buffers[key] = b.to(stored)
+    # attention in float32 where the map (or, left to it, the device) asks: FSDP2 casts
+    # parameters and inputs, no autocast, so as a "true" policy's
+    install_attention_islands(model, resolved, autocast=False)
     if pmap.activations is not None:  # inside FSDP2's hooks, which gather a recomputed unit
         install_activations(model, pmap.activation_choices(model))
     modules = dict(model.named_modules())
