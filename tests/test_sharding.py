@@ -346,9 +346,20 @@ def _attention(rank: int) -> dict[str, Any]:
     return {"query": seen}
 
 
+def _batchnorm(rank: int) -> dict[str, Any]:
+    """A BatchNorm under bf16-mixed, sharded: one forward and backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    model = shard(model, "bf16-mixed")
+    out = model(torch.randn(4, 8))
+    out.float().sum().backward()
+    return {"out": out.dtype, "finite": bool(torch.isfinite(out).all())}
+
+
 def _worker(rank: int, out_dir: str) -> None:
     scenarios = (
         _bf16_mixed, _fp16_inf, _bf16_true, _int8, _fp16_true, _activations, _refused, _attention,
+        _batchnorm,
     )  # fmt: skip
     results = {f.__name__: f(rank) for f in scenarios}
     torch.save(results, f"{out_dir}/rank{rank}.pt")
@@ -763,3 +774,14 @@ def test_float32_attention_is_carried_to_the_sharded_model(ranks):
     CPU's own float32 attention) ran attention in bfloat16 under FSDP2."""
     for r in ranks:
         assert r["_attention"]["query"] == [torch.float32]
+
+
+@pytest.mark.slow
+def test_a_batchnorm_under_a_mixed_policy_is_a_float32_unit_and_runs(ranks):
+    """FSDP2 gathered its weight in bfloat16 beside its float32 statistics, which the kernel
+    refuses ("expected scalar type BFloat16 but found Float") at the first forward."""
+    for r in ranks:
+        assert r["_batchnorm"] == {"out": torch.float32, "finite": True}
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    plan = units(model, "bf16-mixed")
+    assert plan["1"].compute_dtype == torch.float32 and plan[""].compute_dtype == torch.bfloat16

@@ -37,7 +37,7 @@ from mixprec.hardware import check, device_of
 from mixprec.optim import check_sharded_masters
 from mixprec.optim.scaling import LossScaler
 from mixprec.policy import Policy
-from mixprec.policy.map import as_map, check_bypassed
+from mixprec.policy.map import as_map, check_bypassed, island_policy
 from mixprec.quantize import QuantizeResult, quantize_modules
 from mixprec.quantize.rules import weights_read_by_parents
 
@@ -108,6 +108,16 @@ def units(model: nn.Module, policy: Any, wrap: WrapFn | None = None) -> dict[str
     policies = {name: r.policy for name, r in resolved.items()}
     for name, module in model.named_modules():
         here = policies[name]
+        if (
+            isinstance(module, nn.modules.batchnorm._BatchNorm)
+            and here.is_mixed
+            and here.compute_dtype != torch.float32
+        ):
+            # under autocast a BatchNorm takes 16-bit inputs beside its float32 weight and
+            # statistics; FSDP2 would gather its weight in 16 bits beside float32 statistics,
+            # which its kernel refuses: a float32 unit of its own
+            policies[name] = island_policy(here)
+            continue
         if _dequantizes_in_its_storage(module) and here.compute_dtype != here.param_dtype:
             policies[name] = Policy(
                 param_dtype=here.param_dtype,
