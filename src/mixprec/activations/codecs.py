@@ -373,7 +373,8 @@ def _encode_blocks(blocks: Tensor) -> tuple[Tensor, Tensor]:
     """`_encode` of a tensor of whole blocks, given as (blocks, block): what `quantize` does
     to it (the states' `encode` of its float32 blocks) without the padding to whole blocks,
     which costs a kernel of unknown size a mask on every element."""
-    return encode_blocks(blocks.to(torch.float32), FP8, True, code_tables(FP8, True, blocks.device))
+    tables = code_tables(FP8, True, blocks.device)
+    return encode_blocks(blocks.to(torch.float32), FP8, True, tables, tensor=True)
 
 
 def _decode(codes: Tensor, scales: Tensor, numel: int, dtype: torch.dtype) -> Tensor:
@@ -384,7 +385,7 @@ def _decode(codes: Tensor, scales: Tensor, numel: int, dtype: torch.dtype) -> Te
 def _decode_blocks(codes: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
     """`_decode` of whole blocks, (blocks, block): the states' `decode`, cast to `dtype`."""
     tables = code_tables(FP8, True, codes.device)
-    return decode_blocks(codes, scales, FP8, True, tables).to(dtype)
+    return decode_blocks(codes, scales, FP8, True, tables, tensor=True).to(dtype)
 
 
 def _fresh(flat: Tensor) -> Tensor:

@@ -221,10 +221,18 @@ def nearest_code(
 
 
 def encode(
-    x: torch.Tensor, fmt: StateFormat, signed: bool, tables: tuple[torch.Tensor, ...]
+    x: torch.Tensor,
+    fmt: StateFormat,
+    signed: bool,
+    tables: tuple[torch.Tensor, ...],
+    *,
+    tensor: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of ``x``, float32 of shape (blocks, block), in ``fmt`` (its codec's
-    `StateCodec.encode`); ``tables``: `code_tables` for ``fmt`` and ``signed``."""
+    `StateCodec.encode`; with ``tensor``, of a tensor stored once, `StateCodec.encode_tensor`);
+    ``tables``: `code_tables` for ``fmt`` and ``signed``."""
+    if tensor:
+        return fmt.codec.encode_tensor(x, signed, tables[0])
     return fmt.codec.encode(x, signed, tables[0])
 
 
@@ -234,9 +242,14 @@ def decode(
     fmt: StateFormat,
     signed: bool,
     tables: tuple[torch.Tensor, ...],
+    *,
+    tensor: bool = False,
 ) -> torch.Tensor:
     """The float32 blocks, shape (blocks, block), that ``codes`` and ``scales`` stand for
-    (``fmt``'s codec's `StateCodec.decode`); ``signed`` as `encode` took it."""
+    (``fmt``'s codec's `StateCodec.decode`); ``signed`` and ``tensor`` as `encode` took
+    them."""
+    if tensor:
+        return fmt.codec.decode_tensor(codes, scales, fmt.block, signed, tables[0])
     return fmt.codec.decode(codes, scales, fmt.block, signed, tables[0])
 
 
@@ -258,7 +271,7 @@ def quantize(
     if not fmt.quantized:
         blocked = ", ".join(repr(c.name) for c in state_codecs() if c.quantized)
         raise ValueError(f"quantize takes a blocked state format ({blocked}), got {str(fmt)!r}")
-    return encode(_blocked(x, fmt), fmt, signed, code_tables(fmt, signed, x.device))
+    return encode(_blocked(x, fmt), fmt, signed, code_tables(fmt, signed, x.device), tensor=True)
 
 
 def dequantize(
@@ -273,7 +286,7 @@ def dequantize(
     fmt = parse_state_format(fmt)
     tables = code_tables(fmt, signed, codes.device)
     numel = math.prod(shape)
-    return decode(codes, scales, fmt, signed, tables).reshape(-1)[:numel].view(shape)
+    return decode(codes, scales, fmt, signed, tables, tensor=True).reshape(-1)[:numel].view(shape)
 
 
 def moment_error(x: torch.Tensor, fmt: StateFormat | str, *, signed: bool | None = None) -> float:
