@@ -78,6 +78,7 @@ __all__ = [
     "check_bypassed",
     "float_dtypes",
     "is_policy_file",
+    "island_policy",
 ]
 
 # What torch's CUDA autocast runs in float32 (layer_norm, group_norm, softmax, ...), made
