@@ -356,3 +356,23 @@ def test_float8_keeps_an_infinity_to_its_element(signed, compiled):
     finite = torch.isfinite(infinite[:2])
     assert torch.equal(out[:2][finite], expected[:2][finite])
     assert torch.isnan(out[2]).all()
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [0.0] * 255 + [-math.inf],  # the rest of its block zero: a scale of 0
+        [-math.inf],  # one element
+        [math.inf] * 256,  # a whole block infinite
+        [1e-40, 3e4, -math.inf] * 10,  # a subnormal beside a large value and an inf
+        [],  # empty
+    ],
+    ids=["zeros-and-inf", "one-inf", "all-inf", "span-and-inf", "empty"],
+)
+def test_a_stored_float8_tensor_keeps_infinities_on_hostile_blocks(values):
+    x = torch.tensor(values, dtype=torch.float32)
+    codes, scales = quantize(x, "float8")
+    back = dequantize(codes, scales, "float8", x.shape)
+    assert back.shape == x.shape
+    assert torch.equal(back.isinf(), x.isinf()) and torch.equal(back[x.isinf()], x[x.isinf()])
+    assert torch.isfinite(back[~x.isinf()]).all()
