@@ -155,6 +155,8 @@ class MixprecPrecision(LightningPrecision):
             )
         self._module: nn.Module | None = None
         self._wrappers: dict[torch.optim.Optimizer, LossScaleOptimizer] = {}
+        # the list of LightningOptimizers given their zero_grad (`_clear_through_...`)
+        self._cleared_through: list[Any] | None = None
         # "auto" is resolved at convert_module, on the strategy's device
         name = self.mixprec.policy.default.name if self.mixprec.has_policy else "auto"
         self.precision = name  # type: ignore[assignment]
@@ -280,7 +282,11 @@ class MixprecPrecision(LightningPrecision):
         is the torch optimizer's class's (what ``opt.zero_grad()`` calls in manual
         optimization). Once, at the first backward, when they exist."""
         strategy = getattr(getattr(model, "_trainer", None), "strategy", None)
-        for wrapper in getattr(strategy, "_lightning_optimizers", None) or ():
+        wrappers = getattr(strategy, "_lightning_optimizers", None)
+        if not wrappers or wrappers is self._cleared_through:  # (a step's backward: done)
+            return
+        self._cleared_through = wrappers
+        for wrapper in wrappers:
             lso = self._wrappers.get(getattr(wrapper, "optimizer", None))  # type: ignore[arg-type]
             if lso is None or not lso.master_params or "zero_grad" in type(wrapper).__dict__:
                 continue
