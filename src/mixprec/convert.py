@@ -16,10 +16,7 @@ import copy
 import difflib
 import inspect
 import sys
-import threading
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +30,7 @@ from mixprec.activations import ActivationForward, saved_bytes
 from mixprec.activations import check as check_activations
 from mixprec.activations import install as install_activations
 from mixprec.device import detect, device_of, parse_device
-from mixprec.dtypes import dtype_name
+from mixprec.dtypes import default_dtype, dtype_name, needs_default_dtype
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import slow_attention, warn_if_unsupported
 from mixprec.policy import Policy, explanation
@@ -82,39 +79,6 @@ def _without_float64(obj: Any) -> Any:
     if type(obj) is dict and not obj:
         return obj
     return map_tensors(lambda t: t.float() if t.dtype == torch.float64 else t, obj)
-
-
-# torch's default dtype is process-wide. A "true" forward that needs another default sets it
-# for its duration under this lock, so forwards of "true" precisions in two threads take turns
-# instead of seeing each other's default. A float32 forward outside any such block takes no
-# lock (float32 and mixed models keep running in parallel), so while another thread's
-# float64/16-bit "true" forward runs, it sees that forward's default.
-_default_dtype_lock = threading.RLock()
-_held = threading.local()  # .dtypes: the defaults this thread's open blocks set, innermost last
-
-
-def needs_default_dtype(dtype: torch.dtype) -> bool:
-    """Whether a forward computing in `dtype` must set torch's default dtype first."""
-    mine = getattr(_held, "dtypes", None)
-    if mine:
-        return mine[-1] != dtype
-    return dtype != torch.float32 or torch.get_default_dtype() != dtype
-
-
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Make `dtype` torch's default dtype inside the block (restored on exit, also on error),
-    so tensors a forward creates without a dtype (`torch.ones(n, 3)`) match its weights."""
-    with _default_dtype_lock:
-        mine = _held.__dict__.setdefault("dtypes", [])
-        before = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        mine.append(dtype)
-        try:
-            yield
-        finally:
-            mine.pop()
-            torch.set_default_dtype(before)
 
 
 def _device_type(
@@ -664,6 +628,11 @@ def explain(
     if batch is not None:
         converted = apply(copy.deepcopy(model), policy or applied_policy(model), warn=False)
         inputs = batch if isinstance(batch, tuple) else (batch,)
+        # (the batch as a step hands it over: cast to a "true" policy's compute dtype, as
+        # `Precision.convert_input` does, not saved beside a 16-bit copy the step never makes)
+        default = as_map(policy or applied_policy(model)).default
+        if not default.is_mixed:
+            inputs = cast_floating(inputs, default.compute_dtype)
         found.saved_bytes = saved_bytes(converted, *inputs)
     return found
 

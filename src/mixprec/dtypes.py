@@ -6,6 +6,9 @@ and what each format can represent, so policies, the doctor and the bench agree.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -17,9 +20,11 @@ __all__ = [
     "FLOAT8_DTYPES",
     "FormatInfo",
     "LOW_PRECISION_FLOATS",
+    "default_dtype",
     "dtype_name",
     "format_info",
     "is_float8",
+    "needs_default_dtype",
     "to_dtype",
 ]
 
@@ -122,3 +127,39 @@ def format_info(dtype: torch.dtype | str) -> FormatInfo:
         smallest_subnormal=float(fi.smallest_normal) * float(fi.eps),
         eps=float(fi.eps),
     )
+
+
+# torch's default dtype is process-wide. A "true" forward that needs another default sets it
+# for its duration under this lock, so forwards of "true" precisions in two threads take turns
+# instead of seeing each other's default. A float32 forward outside any such block takes no
+# lock (float32 and mixed models keep running in parallel), so while another thread's
+# float64/16-bit "true" forward runs, it sees that forward's default.
+_default_dtype_lock = threading.RLock()
+_held = threading.local()  # .dtypes: the defaults this thread's open blocks set, innermost last
+
+
+def needs_default_dtype(dtype: torch.dtype) -> bool:
+    """Whether a forward computing in `dtype` must set torch's default dtype first."""
+    mine = getattr(_held, "dtypes", None)
+    if mine:
+        return mine[-1] != dtype
+    return dtype != torch.float32 or torch.get_default_dtype() != dtype
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype, exclusive: bool = True) -> Iterator[None]:
+    """Make `dtype` torch's default dtype inside the block (restored on exit, also on error),
+    so tensors a forward creates without a dtype (`torch.ones(n, 3)`) match its weights.
+    ``exclusive=False`` does not take the lock: for a forward recomputed in the backward,
+    which CUDA's autograd runs on a thread of its own while the thread that called
+    ``backward`` may hold it (the lock would never come free)."""
+    with _default_dtype_lock if exclusive else nullcontext():
+        mine = _held.__dict__.setdefault("dtypes", [])
+        before = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        mine.append(dtype)
+        try:
+            yield
+        finally:
+            mine.pop()
+            torch.set_default_dtype(before)

@@ -545,3 +545,22 @@ def test_fp8_copies_a_small_view_instead_of_holding_its_whole_activation():
         sizes[option] = sum(saved_bytes(model, x).values())
         model(x).backward()
     assert sizes["fp8"] < 0.3 * sizes["keep"]
+
+
+def test_fp8_keeps_float64_activations_as_they_are():
+    """float64 activations went through the codec's float32 blocks: 1e300 decoded as inf,
+    1e-300 as 0 (a 64-true model's gradients went non-finite). They are kept."""
+    x = torch.full((4, 256), 1e300, dtype=torch.float64, requires_grad=True)
+    y = x * 1e-300  # an activation whose values are past float32's range
+    assert not ToFp8().stores(y)
+    assert ToFp8().stores(torch.ones(4, 256, requires_grad=True) * 2)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1)).double()
+    torch.manual_seed(0)
+    data = torch.randn(8, 256, dtype=torch.float64) * 1e200
+    grads = []
+    for option in (None, "fp8"):
+        m = mixprec.apply(copy.deepcopy(model), mixprec.PolicyMap("64-true", activations=option))
+        m(data).sum().backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.isfinite(b).all() and torch.equal(a, b)

@@ -103,6 +103,12 @@ def test_the_trainer_refuses_offload_and_a_precision_saying_otherwise():
         Trainer(precision=Precision("32-true"), activations="fp8", **QUIET)
     with pytest.raises(PolicySpecError, match="give them once"):
         Precision(PolicyMap("32-true", activations="bf16"), activations="fp8")
+    # the same rules carried by the Precision's policy map are no conflict (refused before,
+    # "built with activations=None"); other rules are, named as the map holds them
+    carried = Precision(PolicyMap("32-true", activations="fp8"))
+    Trainer(precision=carried, activations="fp8", **QUIET)
+    with pytest.raises(ValueError, match=r"built with activations=ActivationRules\('fp8'\)"):
+        Trainer(precision=carried, activations="bf16", **QUIET)
 
 
 def lightning_fit(option: str | None) -> tuple[nn.Module, torch.Tensor]:

@@ -216,3 +216,96 @@ def test_compiled_models_recompute_and_store_as_eager_ones_do():
     kept = Precision("32-true").setup(net().eval())
     kept(x).sum().backward()
     assert not torch.allclose(kept[1].fc.weight.grad, model[1].fc.weight.grad, atol=1e-6)
+
+
+class _Stack(nn.Module):
+    """Blocks kept in an nn.ModuleList (no forward of its own), as transformers keep layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, 32)
+        self.layers = nn.ModuleList([Block(), Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("option", ["checkpoint", "fp8"])
+def test_a_rule_on_a_module_list_is_carried_out_by_each_of_its_layers(option):
+    """A rule on an nn.ModuleList wrapped the list, whose forward nothing calls: a no-op,
+    while `explain` showed every layer taking it. Each layer now takes it on its own."""
+    x = torch.randn(64, 16)
+    torch.manual_seed(0)
+    plain = mixprec.apply(_Stack(), "32-true")
+    torch.manual_seed(0)
+    ruled = mixprec.apply(_Stack(), PolicyMap("32-true", activations={"layers": option}))
+    assert wrapped(ruled) == {"layers.0": option, "layers.1": option}
+    kept, held = saved_bytes(plain, x), saved_bytes(ruled, x)
+    assert sum(held.values()) < 0.5 * sum(kept.values())
+    torch.manual_seed(1)
+    ruled(x).pow(2).mean().backward()
+    torch.manual_seed(1)
+    plain(x).pow(2).mean().backward()
+    grads = [(a.grad, b.grad) for a, b in zip(plain.parameters(), ruled.parameters(), strict=True)]
+    for a, b in grads:
+        if option == "checkpoint":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a, rtol=0.1, atol=1e-3)
+
+
+class _Scaled(nn.Module):
+    """A layer making a tensor without a dtype whose values round otherwise in bfloat16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * (torch.arange(16.0) / 7.0).exp().to(x.dtype)
+
+
+@pytest.mark.parametrize("option", ["checkpoint", "selective"])
+def test_a_layer_recomputed_inside_a_true_rule_region_keeps_its_default_dtype(option):
+    """A recomputed layer inside a bf16-true rule's region (not the map's default) ran
+    again in the backward under the map's float32 default: a tensor made without a dtype
+    came out float32 (checkpoint: silently other gradients; selective: torch's error). It
+    recomputes under the default dtype its forward ran in."""
+
+    def grads(activations):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Sequential(_Scaled(), _Scaled()))
+        pmap = PolicyMap("32-true", rules={"1": "bf16-true"}, activations=activations)
+        precision = Precision(pmap, allow_slow=True)
+        model = precision.setup(model)
+        precision.backward(model(torch.randn(4, 8)).float().pow(2).mean())
+        return [p.grad for p in model.parameters()]
+
+    for a, b in zip(grads(None), grads({r"1\.0": option}), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "layer", [nn.GRU(8, 8), nn.RNN(8, 8), nn.GRUCell(8, 8), nn.LSTMCell(8, 8), nn.LSTM(8, 8)]
+)
+def test_selective_refuses_recurrent_layers_and_checkpoint_takes_them(layer):
+    """GRU's CPU kernels write into the matmul outputs selective keeps: its gradients came
+    out silently wrong (RNN, LSTMCell: torch's error in the backward)."""
+    refused = r"'selective' keeps the matmul outputs .* 'checkpoint'"
+    with pytest.raises(PolicySpecError, match=refused):
+        mixprec.apply(nn.Sequential(layer), PolicyMap("32-true", activations={"0": "selective"}))
+    mixprec.apply(nn.Sequential(layer), PolicyMap("32-true", activations={"0": "checkpoint"}))
+
+
+def test_recomputing_an_instance_norm_tracking_statistics_is_refused():
+    norm = nn.InstanceNorm1d(4, track_running_stats=True)
+    model = nn.Sequential(nn.Sequential(nn.Conv1d(2, 4, 3), norm))
+    with pytest.raises(PolicySpecError, match=r"InstanceNorm1d .1. updates running statistics"):
+        mixprec.apply(model, PolicyMap("32-true", activations={"0": "checkpoint"}))
+    mixprec.apply(
+        nn.Sequential(nn.Sequential(nn.Conv1d(2, 4, 3), nn.InstanceNorm1d(4))),
+        PolicyMap("32-true", activations={"0": "checkpoint"}),
+    )

@@ -153,3 +153,17 @@ def test_explain_shows_each_layers_option_and_saved_bytes_at_a_batch():
     text = str(shown)
     assert "checkpoint (recomputed with '1')" in text and "activations" in text
     assert model.__dict__.get("forward") is None  # explained on a copy
+
+
+def test_explain_under_a_true_policy_counts_the_batch_as_a_step_hands_it_over():
+    """Under bf16-true, `explain(batch=...)` ran the float32 batch and counted the first
+    layer's bfloat16 copy of it, which a step (`Precision.convert_input`) never makes."""
+    model = net()
+    x = torch.randn(64, 8)
+    shown = mixprec.explain(model, "bf16-true", batch=x)
+    precision = mixprec.Precision("bf16-true", allow_slow=True)
+    stepped = precision.setup(net())
+    from mixprec.activations import saved_bytes
+
+    assert shown.saved_bytes == saved_bytes(stepped, precision.convert_input(x))
+    assert shown.saved_bytes["0"] == 0  # the converted batch: alive without the graph

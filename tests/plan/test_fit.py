@@ -119,6 +119,56 @@ def test_activation_bytes_are_counted_at_the_batch_as_saved_bytes_measures_them(
         search(model, batches, token_loss, budget="memory=0.5", count="training", batch_size=0)
 
 
+class TwoHeads(nn.Module):
+    """Two blocks saving one tensor: each head's Linear saves the shared hidden state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 64)
+        self.a = nn.Linear(64, 4)
+        self.b = nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        return self.a(h) + self.b(h)
+
+
+def test_a_tensor_two_blocks_save_is_counted_as_the_step_holds_it() -> None:
+    """Measured with every block under one option at once, the shared tensor counted in the
+    first block only: the second block's bytes were 0 under every option, so it kept, and
+    a plan storing the first in bf16 was counted at half of keep's bytes while the step
+    held the tensor and its bfloat16 copy (1.5x keep's). Each option is now what it changes
+    in the whole step's bytes with the others keeping: storing one head's save does not
+    shrink the step, so no plan reaches 0.9x and the search says so."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 8), torch.randint(0, 4, (8,)))]
+    report = search(
+        TwoHeads(),
+        batches,
+        F.cross_entropy,
+        budget=Budget(memory_bytes=10**12),
+        count="training",
+        batch_size=64,
+        **FAST,
+    )
+    a = next(b for b in report.blocks if b.path == "a")
+    # a's bf16 copy comes on top of the tensor b keeps: more bytes than keep's count
+    assert a.options["bf16"].bytes > a.options["keep"].bytes > 0
+    with pytest.raises(BudgetError, match="no plan fits"):
+        search(
+            TwoHeads(),
+            batches,
+            F.cross_entropy,
+            budget="memory=0.9",
+            formats=["32-true"],
+            baseline="32-true",
+            count="training",
+            batch_size=64,
+            reps=1,
+            retries=0,
+        )
+
+
 def test_a_budget_only_smaller_activations_meet_gives_a_plan_storing_or_recomputing_them(
     tmp_path,
 ) -> None:

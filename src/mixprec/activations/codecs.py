@@ -275,14 +275,20 @@ class Fp8Saved:
     reads: list[int] = field(default_factory=lambda: [1], compare=False, repr=False)
 
 
+# the dtypes `ToFp8` stores: those the states' float32 blocks hold without losing range
+_FP8_STORED = frozenset({torch.float32, torch.bfloat16, torch.float16})
+
+
 class ToFp8(Codec):
-    """Saved floating activations of at least one block stored as the states' fp8 codec
-    stores a first moment, decoded back to their dtype when read."""
+    """Saved float32, bfloat16 and float16 activations of at least one block stored as the
+    states' fp8 codec stores a first moment, decoded back to their dtype when read (float64
+    ones are kept: their range is past the codec's float32 blocks)."""
 
     name = "fp8"
 
     def stores(self, t: Tensor) -> bool:
-        if not (t.is_floating_point() and is_activation(t)):
+        # (float64 as it is: the codec's blocks are float32, out of whose range it reaches)
+        if t.dtype not in _FP8_STORED or not is_activation(t):
             return False
         # under a block: stored only as a copy of a view of larger memory, which the view
         # kept as it is would hold whole (`encode`)

@@ -13,7 +13,9 @@
 - ``offload``: saved tensors moved to pinned host memory and back (CUDA only).
 
 Recomputing runs a forward twice, so a layer updating its buffers in place there (BatchNorm's
-running statistics in training) cannot be recomputed: `refusal` says so before anything runs.
+or InstanceNorm's running statistics in training) cannot be recomputed, and ``selective``
+cannot take a recurrent layer (its CPU kernels write into the matmul outputs selective keeps):
+`refusal` says so before anything runs.
 """
 
 from __future__ import annotations
@@ -54,29 +56,50 @@ def check_option(value: Any, where: str = "activations") -> str:
     return value.strip().lower()
 
 
-def _updates_buffers(module: nn.Module) -> str | None:
-    """The path (below `module`) of a layer whose training forward updates its buffers in
-    place: a BatchNorm tracking running statistics."""
+def _first(module: nn.Module, kinds: tuple[type, ...], tracking: bool) -> str | None:
+    """The path below `module` (``"<itself>"`` for it) of its first layer of one of `kinds`
+    (with ``tracking``: only one tracking running statistics)."""
     for name, m in module.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+        if isinstance(m, kinds) and (not tracking or m.track_running_stats):
             return name or "<itself>"
     return None
 
 
+def _where(module: nn.Module, inner: str) -> str:
+    if inner == "<itself>":
+        return "it"
+    return f"its {type(module.get_submodule(inner)).__name__} {inner!r}"
+
+
+# layers whose training forward updates buffers in place: normalizations tracking running
+# statistics (BatchNorm, SyncBatchNorm, InstanceNorm with track_running_stats=True)
+_TRACKING = (nn.modules.batchnorm._NormBase,)
+# recurrent layers: on a CPU their kernels write in place into chunks of the matmul outputs
+# that `selective` saves, so its recomputation reads mutated values (GRU: silently wrong
+# gradients; RNN, LSTMCell: torch's error)
+_RECURRENT = (nn.RNNBase, nn.RNNCellBase)
+
+
 def refusal(module: nn.Module, option: str) -> str | None:
     """Why `module` cannot take `option` (None: it can). A recomputed forward runs twice per
-    step, so BatchNorm's running statistics would take each batch twice."""
+    step, so running statistics would take each batch twice; ``selective`` keeps matmul
+    outputs that a recurrent layer's kernels then write into."""
     if option not in RECOMPUTE:
         return None
-    inner = _updates_buffers(module)
-    if inner is None:
-        return None
     others = tuple(o for o in OPTIONS if o not in RECOMPUTE)
-    layer = type(module.get_submodule("" if inner == "<itself>" else inner)).__name__
-    where = "it" if inner == "<itself>" else f"its {layer} {inner!r}"
-    return (
-        f"{option!r} recomputes the forward in the backward, and {where} updates running "
-        "statistics in place there, so each batch would count twice; "
-        f"give this module {accepted(others)}, recompute the modules around the BatchNorm, "
-        "or build it with track_running_stats=False"
-    )
+    inner = _first(module, _TRACKING, tracking=True)
+    if inner is not None:
+        return (
+            f"{option!r} recomputes the forward in the backward, and {_where(module, inner)} "
+            "updates running statistics in place there, so each batch would count twice; "
+            f"give this module {accepted(others)}, recompute the modules around the "
+            "normalization, or build it with track_running_stats=False"
+        )
+    inner = _first(module, _RECURRENT, tracking=False) if option == "selective" else None
+    if inner is not None:
+        return (
+            f"'selective' keeps the matmul outputs for the backward, and {_where(module, inner)} "
+            "writes into them in place (a recurrent layer's kernels do), so its recomputation "
+            f"would read changed values; give this module {accepted(('checkpoint', *others))}"
+        )
+    return None

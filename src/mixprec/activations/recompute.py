@@ -3,12 +3,11 @@ backward, with torch's non-reentrant checkpointing (``checkpoint``) or its selec
 checkpointing (``selective``: the outputs of the matmuls, convolutions and attention saved,
 the cheap ops between them recomputed).
 
-The recomputation runs under the autocast state of the forward (torch restores it), and a
-layer with a region of its own re-enters it. Under a "true" policy the default dtype is the
-compute dtype in the backward as it was in the forward because every door's backward runs in
-`mixprec.Precision.backward_context`, so tensors created without a dtype come out alike (a
-plain ``loss.backward()`` outside it would recompute them in float32). RNG state is restored,
-so dropout draws the same mask.
+The recomputation runs under the autocast state of the forward (torch restores it) and under
+the default dtype the forward ran in (a "true" region's compute dtype, set by a region around
+the recomputed layer that the backward does not re-enter), so tensors created without a dtype
+come out alike; a layer with a region of its own re-enters it. RNG state is restored, so
+dropout draws the same mask.
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ from torch.utils.checkpoint import (
     checkpoint,
     create_selective_checkpoint_contexts,
 )
+
+from mixprec.dtypes import default_dtype, needs_default_dtype
 
 __all__ = ["SAVED_OPS", "recomputed", "selective_policy"]
 
@@ -63,11 +64,23 @@ def recomputed(
 ) -> Any:
     """``forward(*args, **kwargs)`` with its saved tensors dropped and recomputed in the
     backward; `mode` is ``"checkpoint"`` or ``"selective"``."""
-    run = functools.partial(forward, **kwargs)
+    run = functools.partial(_in_default_dtype, torch.get_default_dtype(), forward, kwargs)
     if mode == "selective":
         run = functools.partial(_with_fresh_cast_cache, run)
     extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
     return checkpoint(run, *args, use_reentrant=False, **extra)
+
+
+def _in_default_dtype(
+    dtype: torch.dtype, forward: Callable[..., Any], kwargs: dict[str, Any], *args: Any
+) -> Any:
+    """``forward(*args, **kwargs)`` with `dtype` torch's default dtype, as it was when the
+    forward first ran: the recomputation in the backward runs outside the regions around the
+    layer, which set it then (without their lock: `default_dtype`)."""
+    if torch.get_default_dtype() == dtype and not needs_default_dtype(dtype):
+        return forward(*args, **kwargs)
+    with default_dtype(dtype, exclusive=False):
+        return forward(*args, **kwargs)
 
 
 def _with_fresh_cast_cache(run: Callable[..., Any], *args: Any) -> Any:

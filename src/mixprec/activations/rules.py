@@ -6,6 +6,10 @@ rule (``isinstance``), the parent's option, the default (``"keep"``, or the one 
 for every module). Two rules of the same rank matching one module is an error. Below a module
 that is recomputed (``checkpoint``, ``selective``) nothing is saved, so the modules there take
 its option whatever their own rules say, and the resolution says why.
+
+A container that is never called (`nn.ModuleList`, `nn.ModuleDict`: no ``forward`` of its own)
+passes its option to its children, each of which then takes it on its own: a
+``{"layers": "checkpoint"}`` rule recomputes each layer of the list.
 """
 
 from __future__ import annotations
@@ -22,13 +26,20 @@ from mixprec.activations.options import RECOMPUTE, check_option
 from mixprec.errors import PolicySpecError
 from mixprec.policy.matching import match_rule, split_rules
 
-__all__ = ["ActivationRules", "ActivationsSpec", "Choice", "as_rules"]
+__all__ = ["ActivationRules", "ActivationsSpec", "Choice", "as_rules", "never_called"]
 
 # what `Precision(activations=...)` and `PolicyMap(activations=...)` take: one option for
 # every module, or {module path regex or module type: option}
 ActivationsSpec = str | Mapping[str | type, str]
 # (option, why) of one module
 Choice = tuple[str, str]
+
+
+def never_called(module: nn.Module) -> bool:
+    """Whether `module` has no ``forward`` of its own (`nn.ModuleList`, `nn.ModuleDict`): a
+    container its parent reaches into, whose own forward nothing calls, so an option on it
+    is carried out by its children."""
+    return type(module).forward is nn.Module.forward and "forward" not in module.__dict__
 
 
 def _key_name(key: Any) -> str:
@@ -100,7 +111,7 @@ class ActivationRules:
                     out[name] = (up[0], f"inherited from {parent or '<root>'}")
                 else:
                     out[name] = (self.default, "default")
-                if out[name][0] in RECOMPUTE:
+                if out[name][0] in RECOMPUTE and not never_called(module):
                     recomputed[name] = name
             other = first.setdefault(id(module), name)
             if out[other][0] != out[name][0]:

@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 from mixprec.activations.codecs import CODECS, Codec, ToBfloat16, ToFp8
 from mixprec.activations.options import OPTIONS, accepted, refusal
 from mixprec.activations.recompute import recomputed
-from mixprec.activations.rules import Choice
+from mixprec.activations.rules import Choice, never_called
 from mixprec.errors import PolicySpecError
 
 __all__ = ["ActivationForward", "check", "check_device", "install", "installed", "wrapped"]
@@ -176,14 +176,19 @@ def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module)
 
 def _wrapped(choices: dict[str, Choice], model: nn.Module) -> list[tuple[nn.Module, str]]:
     """(module, option) of each module that gets a wrapper: where its option differs from
-    its parent's, outside any recomputed module (the root: unless it keeps)."""
+    the one in force where it is called (its nearest called ancestor's: a container never
+    called, `never_called`, is not wrapped, its children are), outside any recomputed
+    module (the root: unless it keeps)."""
     found: dict[int, tuple[nn.Module, str]] = {}
+    active: dict[str, str] = {}  # path -> the option in force inside that module's forward
     for name, module in model.named_modules(remove_duplicate=False):
         option, why = choices[name]
-        if why.startswith("recomputed with"):
+        ambient = active[name.rpartition(".")[0]] if name else "keep"
+        active[name] = ambient
+        if why.startswith("recomputed with") or never_called(module):
             continue
-        parent = choices[name.rpartition(".")[0]][0] if name else "keep"
-        if option != parent:
+        active[name] = option
+        if option != ambient:
             found.setdefault(id(module), (module, option))
     return list(found.values())
 

@@ -7,10 +7,12 @@ A *block* is a child of the model (the children of an ``nn.Sequential`` or
 ``nn.ModuleList`` child, or of a model that is one, in its place) whose forward saves
 something. Each block's options, and what each is measured to cost:
 
-- bytes: what the block's forward saves at batch ``batch_size``, measured by
-  `mixprec.activations.measure.saved_bytes_of` on the model converted to the baseline (a
-  batch made by repeating the first search batch's rows), with every block given the option
-  at once; what the model saves outside the blocks is a fixed cost;
+- bytes: what the block's forward saves at batch ``batch_size`` with ``keep`` (measured by
+  `mixprec.activations.measure.saved_bytes_of` on the model converted to the baseline, a
+  batch repeating the first search batch's rows); with another option, that plus what giving
+  the block alone the option changes in the whole step's bytes (docs/doctor.md: a tensor two
+  blocks save is counted as the step holds it, never below). Bytes outside the blocks are
+  a fixed cost;
 - damage (``bf16``, ``fp8``): the lossy storage changes the gradients, not the loss, so its
   damage is the loss change of one SGD step of size ``lr`` it causes, to first order:
   ``lr * |g . (g' - g)|`` with ``g`` float32's gradients and ``g'`` those with only this
@@ -159,18 +161,18 @@ def block_rows(s: SearchInputs, reference: nn.Module) -> tuple[list[BlockRow], i
                 row.not_applicable[option] = reason
         row.not_applicable.update(NOT_SEARCHED)
     big = batch_at(batches[0], s.batch_size)
-    outside = 0
-    for option in options:
-        takes = {r.path: option for r in rows if option not in r.not_applicable}
-        saved = _saved(model, base, takes, big, loss_fn, device, seed)
-        for r in rows:
-            if r.path in takes:
-                r.options[option] = Option(
-                    bytes=sum(n for p, n in saved.items() if _under(p, r.path))
-                )
-        if option == "keep":
-            outside = sum(n for p, n in saved.items() if not any(_under(p, b) for b in blocks))
+    kept = _saved(model, base, {}, big, loss_fn, device, seed)
+    whole = sum(kept.values())
+    outside = sum(n for p, n in kept.items() if not any(_under(p, b) for b in blocks))
+    for r in rows:
+        r.options["keep"] = Option(bytes=sum(n for p, n in kept.items() if _under(p, r.path)))
     rows = [r for r in rows if r.options["keep"].bytes > 0]
+    for option in options:
+        for r in rows:
+            if option == "keep" or option in r.not_applicable:
+                continue
+            alone = sum(_saved(model, base, {r.path: option}, big, loss_fn, device, seed).values())
+            r.options[option] = Option(bytes=max(0, r.options["keep"].bytes + alone - whole))
     _damages(reference, rows, batches, loss_fn, lr=lr, device=device, seed=seed)
     _times(reference, rows, batches[0], loss_fn, reps=reps, device=device, seed=seed)
     return rows, outside

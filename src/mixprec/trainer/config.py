@@ -287,11 +287,15 @@ def choose_precision(
                 "configured Precision as it is: set it there"
             )
         wanted_rules = as_rules(activations)
-        if wanted_rules is not None and precision.activations != wanted_rules:
+        # (the rules in force: given to the Precision, or carried by its policy map)
+        held = precision.activations
+        if held is None and precision._policy is not None:
+            held = precision._policy.activations
+        if wanted_rules is not None and held != wanted_rules:
             raise ValueError(
                 f"activations={activations!r}, but the Precision given was built with "
-                f"activations={precision.activations!r}; the Trainer runs a configured "
-                "Precision as it is: set them there"
+                f"activations={held!r}; the Trainer runs a configured Precision as it is: "
+                "set them there"
             )
     else:
         precision = Precision(
