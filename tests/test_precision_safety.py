@@ -100,6 +100,42 @@ def test_parameter_unfrozen_after_setup_is_stepped_through_a_master():
     assert not torch.equal(master, before) and torch.equal(model[2].weight, master.to(f16))
 
 
+def test_a_run_unfrozen_after_setup_resumes_bit_for_bit():
+    """A layer frozen at setup has its master made at its first step after unfreezing. A
+    resumed run builds the wrapper before any step, so its optimizer held no master for it
+    and loading the checkpoint was refused as "saved under another precision policy"."""
+
+    def build():
+        model = mlp()
+        model[2].requires_grad_(False)
+        precision = _fp16_precision()
+        model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        return precision, model, opt
+
+    def step(precision, model, opt, seed):
+        opt.zero_grad()
+        precision.backward(_loss(model, seed))
+        precision.step(opt)
+
+    precision, model, opt = build()
+    step(precision, model, opt, 1)
+    model[2].requires_grad_(True)
+    step(precision, model, opt, 2)
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    for seed in (3, 4):
+        step(precision, model, opt, seed)
+
+    precision2, model2, opt2 = build()
+    model2[2].requires_grad_(True)
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    for seed in (3, 4):
+        step(precision2, model2, opt2, seed)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert model2[2].weight in opt2.master_params
+
+
 # -- one optimizer, one wrapper -------------------------------------------------------------
 
 

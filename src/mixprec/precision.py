@@ -601,16 +601,28 @@ class Precision:
             params.unscale_()
             return params.params_with_grads()
         if isinstance(params, nn.Module):
-            tensors = list(params.parameters())
+            named = list(params.named_parameters())
         elif isinstance(params, torch.Tensor):
-            tensors = [params]
+            named = [("tensor 0", params)]
         else:
-            tensors = list(params)
+            named = [(f"tensor {i}", t) for i, t in enumerate(params)]
+        tensors = [t for _, t in named]
         owner: dict[torch.Tensor, LossScaleOptimizer] = {}
         for opt in self.optimizers:
             for group in opt.param_groups:
                 for p in group["params"]:
                     owner[opt.model_param(p)] = owner[p] = opt
+        # a gradient no optimizer here unscales is still multiplied by the loss scale: in a
+        # norm beside unscaled ones it would dominate it and clip the rest to almost nothing
+        scaled = [n for n, t in named if t not in owner and t.grad is not None]
+        if scaled and self.scaler.enabled:
+            raise ValueError(
+                f"{', '.join(scaled[:5])}{' ...' if len(scaled) > 5 else ''} hold gradients "
+                "that no optimizer set up by this Precision steps, so they are still "
+                "multiplied by the loss scale and nothing unscales them: clip the "
+                "optimizers' parameters (precision.clip_grad_norm_(optimizer, ...)), or set "
+                "up the optimizer holding these too"
+            )
         for opt in {owner[t] for t in tensors if t in owner}:
             opt.unscale_()
         master_of = {p: m for opt in self.optimizers for p, m in opt.master_params.items()}

@@ -153,6 +153,34 @@ def test_two_optimizers_share_one_scaler_and_skip_only_the_overflowing_one():
         opt_b.step()
 
 
+def test_two_optimizers_unscaled_by_a_clip_and_stepped_one_by_one_are_refused():
+    """One backward, both unscaled (a clip over the model), then a.step(), b.step(): b's
+    stage was UNSCALED, so nothing noticed a's step had updated the shared scaler since, and
+    the scale moved once per optimizer (growing twice as fast, b's overflow undone by a's
+    growth). Refused as stepping one by one without the clip is."""
+    model = mlp(8, 16, 1)
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
+    opt_a = LossScaleOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), scaler)
+    opt_b = LossScaleOptimizer(torch.optim.SGD(model[2].parameters(), lr=0.1), scaler)
+    (x, y), (x2, y2) = _batches(2)
+    opt_a.backward(F.mse_loss(model(x), y))
+    opt_a.unscale_()
+    opt_b.unscale_()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    before = model[2].weight.detach().clone()
+    assert opt_a.step()
+    with pytest.raises(RuntimeError, match=r"unscaled .* before another optimizer's step"):
+        opt_b.step()
+    assert torch.equal(model[2].weight, before) and scaler.stats().steps == 1
+    # together after the same clip: one update
+    for opt in (opt_a, opt_b):
+        opt.zero_grad()
+    opt_a.backward(F.mse_loss(model(x2), y2))
+    opt_a.unscale_()
+    opt_b.unscale_()
+    assert joint_step(opt_a, opt_b) and scaler.stats().steps == 2
+
+
 def test_two_optimizers_with_their_own_backward_step_one_by_one():
     """GAN-style: each optimizer has its own backward; each step is one scaler iteration."""
     model = mlp(8, 16, 1)
@@ -546,3 +574,20 @@ def test_weights_written_after_wrapping_are_kept_by_the_next_step(write):
         assert torch.equal(master[0], written[0].float()) and torch.equal(master[1:], kept)
     else:
         assert torch.equal(master, written.float())
+
+
+def test_clipping_a_model_holding_gradients_no_optimizer_unscales_is_refused():
+    """precision.clip_grad_norm_(model) unscaled only the optimizers' gradients; one held by
+    a parameter no optimizer steps stayed multiplied by the loss scale and dominated the
+    norm, clipping every other gradient to almost nothing, silently."""
+    from mixprec import Precision
+
+    precision = Precision("32-true", scaler=DynamicLossScaler(init_scale=2.0**16))
+    model = mlp(8, 16, 1)
+    model, opt = precision.setup(model, torch.optim.SGD(model[0].parameters(), lr=0.1))
+    x, y = _batches(1)[0]
+    precision.backward(F.mse_loss(model(x), y))
+    with pytest.raises(ValueError, match=r"2\.weight, 2\.bias hold gradients .* loss scale"):
+        precision.clip_grad_norm_(model, 1.0)
+    norm = precision.clip_grad_norm_(opt, 1.0)  # the optimizer's own: unscaled, clipped
+    assert torch.isfinite(norm) and norm < 2.0**10

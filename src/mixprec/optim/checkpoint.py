@@ -91,6 +91,10 @@ class OptimizerCheckpoint:
             return
         self._check_keys(state)
         self._check_inner_state(state["optimizer"], state["param_shapes"])
+        if isinstance(state["master_weights"], Mapping):
+            # (a parameter frozen at setup has its master made at its first step: one made
+            # since the wrapper was built has none yet)
+            self._masters.add(self.optimizer, state["master_weights"])
         masters = self._masters.check_saved(
             state["master_weights"], list(self._all_params()), self._describe
         )

@@ -11,7 +11,7 @@ another precision, and ``MasterWeights.by_name`` takes such weights back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -58,16 +58,21 @@ class MasterWeights:
         for p, master in other.master_of.items():
             self._link(p, master)
 
-    def add(self, optimizer: torch.optim.Optimizer) -> None:
+    def add(self, optimizer: torch.optim.Optimizer, saved: Iterable[int] = ()) -> None:
         """Give every trainable parameter of a master dtype in ``optimizer``'s groups its
         float32 master, in its place there (with its state cast to float32, and a low-bit
         optimizer's state format given to the parameter given to the master). The ones already
         mastered are float32 and skipped, so this also catches groups added on the optimizer
-        and parameters unfrozen after wrapping."""
+        and parameters unfrozen after wrapping. ``saved``: positions (in the optimizer's
+        order) that a checkpoint holds masters for, given theirs whether trainable now or not
+        (a layer frozen at setup and unfrozen before the checkpoint was saved)."""
+        saved = set(saved)
+        index = -1
         for group in optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
-                trainable = p.requires_grad or p.grad is not None
+                index += 1
+                trainable = p.requires_grad or p.grad is not None or index in saved
                 if not (trainable and p.dtype in self.dtypes):
                     continue
                 master = nn.Parameter(p.detach().to(torch.float32))

@@ -149,6 +149,9 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         self._needs_closure = closure is not None and closure.default is inspect.Parameter.empty
         self._stage = OptState.READY
         self._found_inf: torch.Tensor | None = None  # set while UNSCALED or CHECKED
+        # the scaler's update count when it was set: another optimizer's step() updating the
+        # shared scaler since means this one's gradients were unscaled by an older scale
+        self._found_at = 0
         # the scale a fused optimizer divides by in its kernel, while CHECKED
         self._grad_scale: torch.Tensor | None = None
         self.step_was_skipped = False
@@ -262,6 +265,7 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         self.check_can_step()
         if self._stage is not OptState.UNSCALED:
             self._found_inf = self._unscale()
+            self._found_at = self.scaler._steps
             self._grad_scale = None
             self._stage = OptState.UNSCALED
 
@@ -275,6 +279,7 @@ class LossScaleOptimizer(OptimizerCheckpoint):
             grads = self._gather_grads()
             self._check_scaled_since_update(grads)
             self._found_inf = self.scaler.check_(grads)
+            self._found_at = self.scaler._steps
             self._grad_scale = self.scaler.scale_tensor if self.scaler.enabled else None
 
     def step(self, closure: Callable[[], Any] | None = None) -> bool:
@@ -701,6 +706,18 @@ def _step_together(optimizers: tuple[LossScaleOptimizer, ...]) -> bool:
             opt.end_step(True)
         scaler.update(scaler.unscale_([]), False)
         return True
+    for opt in optimizers:
+        if opt._found_inf is not None and opt._found_at != scaler._steps:
+            # unscaled (or checked) before another optimizer's step() updated the shared
+            # scaler: one backward fed both, and they must step together
+            raise RuntimeError(
+                f"{type(opt.optimizer).__name__}'s gradients were unscaled (by unscale_() or "
+                "a clip) before another optimizer's step() updated the scaler they share: its "
+                "overflow would not count toward that update, and the scale would move once "
+                "per optimizer. When one backward feeds several optimizers, step them "
+                "together: mixprec.optim.joint_step(opt_a, opt_b) or precision.step(opt_a, "
+                "opt_b)."
+            )
     for opt in optimizers:
         # a fused optimizer divides by the scale in its kernel unless unscale_ came first
         if opt.skips_in_kernel and opt.stage is not OptState.UNSCALED:
