@@ -182,6 +182,35 @@ def test_stochastic_rounding_is_unbiased_and_seeded(dtype):
     assert not torch.equal(out, again)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_stochastic_rounding_never_overflows_what_rounding_to_nearest_keeps(dtype, compiled):
+    """Past a 16-bit type's largest value the neighbour above is infinity: a weight at the
+    top of the range plus a small update (float16 65504 + 8) became inf one time in four,
+    where rounding to nearest keeps the largest. Values that overflow to nearest still do."""
+    top = torch.finfo(dtype).max
+    ulp = 32.0 if dtype == torch.float16 else 2.0**120
+    x = torch.tensor([top + ulp / 4, -(top + ulp / 4), top + ulp / 2, 1.0, -0.0, float("nan")])
+    x = x.repeat_interleave(4096)
+    lanes = engine.Lanes(x, 0, 7)
+    noise = lanes.noise(0)[1]
+
+    def rounded(x, noise):
+        if dtype == torch.bfloat16:
+            return engine.stochastic_bits(x, noise).view(torch.float32)
+        return engine.round_stochastic(x, noise, dtype)
+
+    fn = torch.compile(rounded, fullgraph=True) if compiled else rounded
+    out = fn(x, noise).to(dtype).float().view(6, -1)  # (stored: 65536 is float16's inf)
+    nearest = x.to(dtype).float().view(6, -1)
+    for i in (0, 1, 3, 4):
+        assert torch.equal(out[i].unique(), nearest[i].unique()), i  # one value: no inf
+    assert set(out[2].unique().tolist()) <= {top, float("inf")}  # overflows to nearest too
+    assert out[5].isnan().all()
+    with pytest.raises(ValueError, match="bfloat16 or float16, got dst of dtype torch.float32"):
+        stochastic_round_(torch.empty(3), torch.ones(3))
+
+
 def test_adding_1e3_a_thousand_times_to_one():
     # the facts sheet: plain bfloat16 stays 1.0, stochastic averages ~2.0, Kahan gives 2.000
     results = {}

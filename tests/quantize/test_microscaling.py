@@ -479,3 +479,19 @@ def test_encoding_refuses_nan_where_the_format_has_no_nan_and_odd_shapes():
     assert decode_elements(torch.tensor([0x7F], dtype=torch.uint8), "e4m3").isnan().all()
     with pytest.raises(ValueError, match="not mxfp8's"):
         fake_quantize(torch.zeros(32), MicroscalingConfig("mxfp8"), stochastic=True)
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e5m2", "e2m1"])
+def test_a_block_near_float32s_largest_decodes_finite_under_rceil(element):
+    """rceil picks the exponent under which the block's largest fits the element's range;
+    near float32's largest (3.4e38) the element rounds up (e4m3: 255.8 to 256) and 256 *
+    2^120 is 2^128, past float32: finite values decoded to inf. Saturated to float32's
+    largest."""
+    x = torch.full((1, 32), 3.4e38)
+    x[0, 1] = -3.4e38
+    top = torch.finfo(torch.float32).max
+    kind = "mxfp4" if element == "e2m1" else "mxfp8"
+    config = MicroscalingConfig(kind, element, "rceil")
+    for out in (quantize_mx(x, element).dequantize(), fake_quantize(x, config)):
+        assert torch.isfinite(out).all()
+        assert out[0, 0] == top and out[0, 1] == -top

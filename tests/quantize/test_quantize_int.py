@@ -1410,3 +1410,38 @@ def test_weight_bytes_of_a_model_on_the_meta_device_count_every_tensor_once():
     tied = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)).to("meta")
     tied[1].weight = tied[0].weight
     assert weight_bytes(tied) == 4 * 64 * 64  # a tied weight once
+
+
+def test_int4_groups_spanning_past_float32s_largest_quantize_finite():
+    """A group holding -2e38 and 2e38: hi - lo overflowed to inf, the scale was inf and the
+    group dequantized to NaN from finite weights."""
+    w = torch.zeros(1, 32)
+    w[0, 0], w[0, 1], w[0, 2] = -2e38, 2e38, 1.0
+    packed, scale, zero = quantize_groups(w, 32)
+    back = dequantize_groups(packed, scale, zero, 32, 32)
+    assert torch.isfinite(scale).all() and torch.isfinite(back).all()
+    assert (back - w).abs().max() <= scale.max() / 2 * 1.0001
+
+
+def test_int4_float16_groups_of_both_signs_are_stored_when_their_values_fit():
+    """A float16 group spanning -40000 .. 40000 was refused ("times its largest code (15)
+    exceeds float16's range"), though its codes reach only 8 steps from the zero point
+    (42.7k, within float16). The reach checked is the group's own."""
+    w = torch.zeros(2, 32, dtype=torch.float16)
+    w[0, 0], w[0, 1] = -40000.0, 40000.0
+    packed, scale, zero = quantize_groups(w, 32)
+    back = dequantize_groups(packed, scale.to(torch.float16), zero, 32, 32)
+    assert torch.isfinite(back).all()
+    assert (back.float() - w.float()).abs().max() <= scale.max() / 2 * 1.01
+    w[1, 0] = 65504.0  # and a group reaching float16's largest is still refused
+    with pytest.raises(ValueError, match="exceeds torch.float16's range"):
+        quantize_groups(w, 32)
+
+
+def test_int8_rows_of_subnormal_weights_keep_their_values():
+    """max |w| under 127 times float32's smallest subnormal: the scale underflowed to 0 and
+    the row came back as zeros, against |w - q * s| <= s / 2."""
+    w = torch.tensor([[7.0, -2.0, 0.0, 1.0]]) * 2.0**-149
+    q, scale = quantize_rows(w)
+    assert scale.item() > 0
+    assert torch.equal(q.float() * scale[:, None], w)

@@ -69,6 +69,14 @@ SUPPORTED_OPTIMIZERS: dict[type[torch.optim.Optimizer], str] = {
 _MIX = (0x7FEB352D, 0x846CA68B - (1 << 32))
 # the float32 bits of a bfloat16: the high half
 _HIGH = -(1 << 16)
+_SIGN = -(1 << 31)
+# bfloat16's largest finite value and the float32 magnitude from which rounding to nearest
+# gives infinity (halfway to 2^128, a tie rounding up to the even infinity), as float32 bits
+_BF16_MAX_BITS = 0x7F7F0000
+_BF16_OVERFLOW_BITS = 0x7F7F8000
+# the same for float16: its largest value and where rounding to nearest overflows
+_F16_MAX = 65504.0
+_F16_OVERFLOW = 65520.0
 _MASK64 = (1 << 64) - 1
 
 
@@ -99,6 +107,10 @@ def stochastic_round_(
     """Write ``src`` into the 16-bit ``dst``, rounding up or down at random with probability
     proportional to the distance, so the result equals ``src`` on average (the rounding of
     the compensated steps, with 16 random bits per element drawn from ``generator``)."""
+    if dst.dtype not in COMPENSATED_DTYPES:
+        raise ValueError(
+            f"stochastic_round_ rounds to bfloat16 or float16, got dst of dtype {dst.dtype}"
+        )
     if src.shape != dst.shape:
         raise ValueError(
             f"stochastic_round_ writes src into dst of the same shape: got src of shape "
@@ -179,7 +191,11 @@ def round_stochastic(x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -
     t = magnitude / spacing
     low = t.floor()
     up = ((noise ^ 0xFFFF).float() < (t - low) * 65536).to(x.dtype)
-    return ((low + up) * spacing).copysign(x)
+    rounded = (low + up) * spacing
+    # above float16's largest, up is infinity: kept for a value rounding to nearest would
+    # overflow too (from 65520), else the largest (a weight at 65504 plus a small update)
+    rounded = torch.where(magnitude < _F16_OVERFLOW, rounded.clamp_max(_F16_MAX), rounded)
+    return rounded.copysign(x)
 
 
 def stochastic_bits(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -188,7 +204,13 @@ def stochastic_bits(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     those bits exceed ``65535 - noise``). A NaN whose low 16 bits are not zero may carry
     into the sign: ``round_stochastic`` quiets NaNs first; in the step every NaN is made by
     arithmetic on bfloat16 values and float32 scalars, whose low halves are zero."""
-    return (x.view(torch.int32) + noise) & _HIGH
+    bits = x.view(torch.int32)
+    rounded = (bits + noise) & _HIGH
+    # a carry out of bfloat16's largest exponent is infinity: kept for a value rounding to
+    # nearest would overflow too, else the largest of its sign (NaNs are above both bounds)
+    magnitude = bits & 0x7FFFFFFF
+    capped = (rounded & 0x7FFFFFFF).clamp_max(_BF16_MAX_BITS) | (bits & _SIGN)
+    return torch.where(magnitude < _BF16_OVERFLOW_BITS, capped, rounded)
 
 
 def nearest_bits(x: torch.Tensor) -> torch.Tensor:

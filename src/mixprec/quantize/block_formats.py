@@ -328,6 +328,16 @@ def mx_scale_exponents(amax: Tensor, element: str | ElementFormat, rounding: str
     return torch.where(amax == 0, -127, e).clamp(min=-127, max=127)
 
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _times_scale(values: Tensor, e: Tensor) -> Tensor:
+    """Elements times their block's power of two, saturated to float32's range: an element
+    rounded up under a scale near float32's largest (``rceil`` on a block of 3.4e38: 256 *
+    2^120) is 2^128, beyond float32, and would decode to inf from finite values."""
+    return (values * exp2_int(e)).clamp(-_FLOAT32_MAX, _FLOAT32_MAX)
+
+
 @dataclass
 class MXTensor:
     """A tensor in an MX format: one uint8 element code per value (`pack_fp4` packs FP4 two
@@ -345,7 +355,7 @@ class MXTensor:
         """The float32 values: element * 2**(scale - 127); NaN for blocks of scale 0xFF."""
         values = _blocks(decode_elements(self.codes, self.element), self.block_size)
         codes = self.scales.unsqueeze(-1).to(torch.int32)
-        out = torch.where(codes == E8M0_NAN, torch.nan, values * exp2_int(codes - E8M0_BIAS))
+        out = torch.where(codes == E8M0_NAN, torch.nan, _times_scale(values, codes - E8M0_BIAS))
         return out.reshape(self.codes.shape)
 
 
@@ -367,7 +377,7 @@ def _mx_fake_fp8(x: Tensor, fmt: ElementFormat, block_size: int, rounding: str) 
     blocks = _blocks(x, block_size)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     e = mx_scale_exponents(amax, fmt, rounding)
-    out = _saturating_cast(blocks * exp2_int(-e), fmt) * exp2_int(e)
+    out = _times_scale(_saturating_cast(blocks * exp2_int(-e), fmt), e)
     return torch.where(torch.isfinite(amax), out, torch.nan).reshape(x.shape)
 
 
@@ -389,7 +399,7 @@ def _mx_fake(x: Tensor, fmt: ElementFormat, block_size: int, rounding: str) -> T
     if fmt.name in _TORCH_FLOAT8:
         return _mx_fake_fp8(x, fmt, block_size, rounding)
     elements, e, bad = _mx(x, fmt, block_size, rounding)
-    return torch.where(bad, torch.nan, elements * exp2_int(e)).reshape(x.shape)
+    return torch.where(bad, torch.nan, _times_scale(elements, e)).reshape(x.shape)
 
 
 @dataclass

@@ -93,9 +93,14 @@ def quantize_groups(
     w32 = F.pad(w.detach().to(torch.float32), (0, n * size - features)).view(rows, n, size)
     lo = w32.amin(dim=-1).clamp(max=0)
     hi = w32.amax(dim=-1).clamp(min=0)
-    scale = (hi - lo) / QMAX
+    span = hi - lo
+    # (a span past float32's largest, as -2e38 .. 2e38, taken in two parts: inf otherwise)
+    scale = torch.where(torch.isinf(span), hi / QMAX - lo / QMAX, span / QMAX)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    scale = storable_scale(scale, w.dtype if dtype is None else dtype, name, QMAX)
+    # the codes reach from the zero point as far as the group's weights reach from 0, one
+    # step more for the rounding of the zero point: not the whole 15 steps both ways
+    reach = (torch.maximum(-lo, hi) / scale).ceil().add_(1).clamp_(max=QMAX)
+    scale = storable_scale(scale, w.dtype if dtype is None else dtype, name, reach)
     zero = torch.round(-lo / scale).clamp_(0, QMAX)
     q = (torch.round(w32 / scale[..., None]) + zero[..., None]).clamp_(0, QMAX)
     return pack(q.to(torch.uint8).view(rows, n * size)), scale, zero.to(torch.uint8)

@@ -73,7 +73,10 @@ def check_finite(w: Tensor, name: str) -> None:
         )
 
 
-def storable_scale(scale: Tensor, dtype: torch.dtype, name: str, largest: int) -> Tensor:
+_SMALLEST_SUBNORMAL = 2.0**-149
+
+
+def storable_scale(scale: Tensor, dtype: torch.dtype, name: str, largest: int | Tensor) -> Tensor:
     """The float32 `scale` rounded up to a value `dtype` holds exactly (unchanged for float32
     and float64), so codes computed with it are the codes of the scale the layer stores.
 
@@ -82,16 +85,21 @@ def storable_scale(scale: Tensor, dtype: torch.dtype, name: str, largest: int) -
     land below the row's ``max|w| / 127``, pushing its largest codes past 127; rounded up,
     codes stay in range and within half a stored step of the weight. A scale whose product
     with the `largest` code magnitude is beyond `dtype`'s range is refused, naming the
-    weight `name` (a float16 row holding 65504: rounded up, 127 times its scale is inf)."""
+    weight `name` (a float16 row holding 65504: rounded up, 127 times its scale is inf);
+    `largest` may be a tensor of each scale's own (int4's codes reach as far from their zero
+    point as the group's weights reach from 0)."""
     if torch.finfo(dtype).bits >= 32:
         return scale
     stored = scale.to(dtype)
     up = torch.nextafter(stored, torch.full_like(stored, torch.inf))
     stored = torch.where(stored.float() < scale, up, stored)
+    if isinstance(largest, Tensor):  # (multiplied in `dtype`, as a stored scale is used)
+        largest = largest.to(dtype)
     if not scale.is_meta and torch.isinf(stored * largest).any():
+        reach = int(largest.max()) if isinstance(largest, Tensor) else largest
         raise ValueError(
             f"cannot quantize {name}: its largest scale {scale.max().item():.3g} times its "
-            f"largest code ({largest}) exceeds {dtype}'s range; quantize it with scales in "
+            f"largest code ({reach}) exceeds {dtype}'s range; quantize it with scales in "
             "float32 or bfloat16"
         )
     return stored.float()
@@ -118,7 +126,7 @@ def _codes(x: Tensor, scale: Tensor, zero_point: int = 0, out: Tensor | None = N
 
 
 def _quantize_rows(
-    x: Tensor, dtype: torch.dtype = torch.float32, name: str = "the tensor"
+    x: Tensor, dtype: torch.dtype = torch.float32, name: str = "the tensor", smallest: float = 0.0
 ) -> tuple[Tensor, Tensor]:
     """Symmetric per-row int8 of a 2-D tensor: int8 codes and scales [rows] as float32
     holding values `dtype` holds exactly (see `storable_scale`); an all-zero row gets scale 1.
@@ -130,7 +138,7 @@ def _quantize_rows(
         x = x.to(torch.float32)  # float64: codes of its float32 values, as before
     # max |x| per row, in x's own dtype (exact); NaN or inf for a non-finite row
     amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
-    scale = torch.where(amax > 0, amax / QMAX, 1.0)
+    scale = torch.where(amax > 0, (amax / QMAX).clamp_min(smallest), 1.0)
     scale = torch.where(torch.isfinite(amax), scale, torch.nan)
     scale = storable_scale(scale, dtype, name, QMAX)
     return _codes(x, scale), scale.squeeze(-1)
@@ -166,7 +174,11 @@ def quantize_rows(
     check_finite(w, name)
     # contiguous codes: the kernels prepack them from memory (a transposed weight's codes
     # read as rows gave other sums)
-    return _quantize_rows(w.contiguous(), w.dtype if dtype is None else dtype, name)
+    # (scales at least float32's smallest subnormal: a row of weights under 127 times it
+    # would take scale 0 and come back as zeros)
+    return _quantize_rows(
+        w.contiguous(), w.dtype if dtype is None else dtype, name, _SMALLEST_SUBNORMAL
+    )
 
 
 # The longest reduction whose int32 sums cannot overflow: each product of two codes is at
