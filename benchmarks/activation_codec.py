@@ -1,0 +1,52 @@
+"""The fp8 activation codec's compiled kernels alone: encode and decode time of one saved
+tensor by dtype and size, beside a plain copy of it.
+
+Each kernel runs on the same tensor (in cache after the first call) 50 times after 3 warm-up
+calls, one thread; the lower quartile, in microseconds. What a step pays is more (the
+tensor comes from memory), but the ratio between versions and dtypes shows here.
+
+    PYTHONPATH=src python benchmarks/activation_codec.py
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from mixprec.activations import codecs
+
+
+def lower_quartile_us(fn: Callable[[], object], calls: int = 50) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    times.sort()
+    return times[calls // 4] * 1e6
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    encode = codecs._compiled("encode_blocks")
+    decode = codecs._compiled("decode_blocks")
+    print("| elements | dtype | encode us | decode us | copy us |")
+    print("|---:|---|---:|---:|---:|")
+    for numel in (1 << 18, 1 << 20):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(numel).to(dtype)
+            blocks = x.view(-1, codecs.FP8.block)
+            codes, scales = encode(blocks)
+            enc = lower_quartile_us(lambda b=blocks: encode(b))
+            dec = lower_quartile_us(lambda c=codes, s=scales, d=dtype: decode(c, s, d))
+            copy = lower_quartile_us(lambda t=x: t.clone())
+            name = str(dtype).removeprefix("torch.")
+            print(f"| {numel} | {name} | {enc:.0f} | {dec:.0f} | {copy:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
