@@ -147,13 +147,14 @@ def needs_default_dtype(dtype: torch.dtype) -> bool:
 
 
 @contextmanager
-def default_dtype(dtype: torch.dtype, exclusive: bool = True) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Make `dtype` torch's default dtype inside the block (restored on exit, also on error),
     so tensors a forward creates without a dtype (`torch.ones(n, 3)`) match its weights.
-    ``exclusive=False`` does not take the lock: for a forward recomputed in the backward,
-    which CUDA's autograd runs on a thread of its own while the thread that called
-    ``backward`` may hold it (the lock would never come free)."""
-    with _default_dtype_lock if exclusive else nullcontext():
+    Inside a backward (a forward recomputed there) the lock is not taken: CUDA's autograd
+    runs the backward on a thread of its own while the thread that called ``backward`` holds
+    it (`Precision.backward_context`), and it would never come free."""
+    in_backward = torch._C._current_graph_task_id() != -1
+    with nullcontext() if in_backward else _default_dtype_lock:
         mine = _held.__dict__.setdefault("dtypes", [])
         before = torch.get_default_dtype()
         torch.set_default_dtype(dtype)

@@ -309,3 +309,37 @@ def test_recomputing_an_instance_norm_tracking_statistics_is_refused():
         nn.Sequential(nn.Sequential(nn.Conv1d(2, 4, 3), nn.InstanceNorm1d(4))),
         PolicyMap("32-true", activations={"0": "checkpoint"}),
     )
+
+
+def test_a_region_entered_in_a_backward_on_another_thread_does_not_wait_for_the_lock():
+    """CUDA's autograd runs a backward on a thread of its own while the thread that called
+    it holds the default-dtype lock (`backward_context` under a "true" policy). A region
+    entered there (a float32 island inside a recomputed block) waited for that lock: a
+    deadlock. Inside a backward the lock is not taken; simulated here with the backward run
+    on a second thread while this one holds the lock."""
+    import threading
+
+    from mixprec.dtypes import default_dtype
+
+    seen = []
+
+    class Recomputes(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            with default_dtype(torch.float64):
+                seen.append(torch.ones(1).dtype)
+            return grad * 2
+
+    x = torch.ones(3, requires_grad=True)
+    y = Recomputes.apply(x).sum()
+    with default_dtype(torch.bfloat16):
+        worker = threading.Thread(target=y.backward)
+        worker.start()
+        worker.join(timeout=30)
+        assert not worker.is_alive(), "the backward waited for the lock"
+    assert seen == [torch.float64] and torch.equal(x.grad, torch.full((3,), 2.0))
+    assert torch.get_default_dtype() == torch.float32

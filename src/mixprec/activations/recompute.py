@@ -76,10 +76,10 @@ def _in_default_dtype(
 ) -> Any:
     """``forward(*args, **kwargs)`` with `dtype` torch's default dtype, as it was when the
     forward first ran: the recomputation in the backward runs outside the regions around the
-    layer, which set it then (without their lock: `default_dtype`)."""
+    layer, which set it then."""
     if torch.get_default_dtype() == dtype and not needs_default_dtype(dtype):
         return forward(*args, **kwargs)
-    with default_dtype(dtype, exclusive=False):
+    with default_dtype(dtype):
         return forward(*args, **kwargs)
 
 
