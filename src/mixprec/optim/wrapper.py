@@ -269,6 +269,21 @@ class LossScaleOptimizer(OptimizerCheckpoint):
             self._grad_scale = None
             self._stage = OptState.UNSCALED
 
+    def check_unscaled_since_update(self) -> None:
+        """Refuse a step whose gradients were unscaled (or checked) before another
+        optimizer's step updated the scaler they share: one backward fed both, so they must
+        step together, or this overflow would miss that update and the scale would move
+        once per optimizer."""
+        if self._found_inf is not None and self._found_at != self.scaler._steps:
+            raise RuntimeError(
+                f"{type(self.optimizer).__name__}'s gradients were unscaled (by unscale_() or "
+                "a clip) before another optimizer's step() updated the scaler they share: its "
+                "overflow would not count toward that update, and the scale would move once "
+                "per optimizer. When one backward feeds several optimizers, step them "
+                "together: mixprec.optim.joint_step(opt_a, opt_b) or precision.step(opt_a, "
+                "opt_b)."
+            )
+
     def check_(self) -> None:
         """Find this step's overflow flag without unscaling: for a fused optimizer, which
         divides by the scale inside its kernel (torch.amp's ``grad_scale`` protocol, as
@@ -707,17 +722,7 @@ def _step_together(optimizers: tuple[LossScaleOptimizer, ...]) -> bool:
         scaler.update(scaler.unscale_([]), False)
         return True
     for opt in optimizers:
-        if opt._found_inf is not None and opt._found_at != scaler._steps:
-            # unscaled (or checked) before another optimizer's step() updated the shared
-            # scaler: one backward fed both, and they must step together
-            raise RuntimeError(
-                f"{type(opt.optimizer).__name__}'s gradients were unscaled (by unscale_() or "
-                "a clip) before another optimizer's step() updated the scaler they share: its "
-                "overflow would not count toward that update, and the scale would move once "
-                "per optimizer. When one backward feeds several optimizers, step them "
-                "together: mixprec.optim.joint_step(opt_a, opt_b) or precision.step(opt_a, "
-                "opt_b)."
-            )
+        opt.check_unscaled_since_update()
     for opt in optimizers:
         # a fused optimizer divides by the scale in its kernel unless unscale_ came first
         if opt.skips_in_kernel and opt.stage is not OptState.UNSCALED:
