@@ -52,19 +52,19 @@ def gather(tensors: Sequence[torch.Tensor], pads: Sequence[int]) -> torch.Tensor
 
 def scatter(flat: torch.Tensor, targets: Sequence[torch.Tensor], pads: Sequence[int]) -> None:
     """Copy ``flat`` (as `gather` made it from ``targets`` and ``pads``) back into the flat
-    ``targets``, padding left out: one split and one ``_foreach_copy_``."""
+    ``targets``, the padding into a scratch tensor: one ``split_with_sizes_copy`` (a
+    dispatch, where splitting into views and copying them take one a piece)."""
     sizes: list[int] = []
+    outs: list[torch.Tensor] = []
+    most = max(pads, default=0)
+    scratch = flat.new_empty(most) if most else None
     for t, pad in zip(targets, pads, strict=True):
         sizes.append(t.numel())
+        outs.append(t)
         if pad:
             sizes.append(pad)
-    pieces = flat.split(sizes)
-    kept: list[torch.Tensor] = []
-    i = 0
-    for pad in pads:
-        kept.append(pieces[i])
-        i += 2 if pad else 1
-    torch._foreach_copy_(list(targets), kept)
+            outs.append(scratch[:pad])  # type: ignore[index]
+    torch.split_with_sizes_copy(flat, sizes, 0, out=outs)
 
 
 def fused_adam(

@@ -24,7 +24,9 @@ shard's), so that `torch.distributed.checkpoint` saves and loads each rank's par
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable, Mapping
+from operator import is_
 from typing import Any, NamedTuple
 
 import torch
@@ -38,7 +40,7 @@ from mixprec.optim.engine import (
     wrap32,
 )
 from mixprec.optim.states import buckets as buckets_
-from mixprec.optim.states import kernels
+from mixprec.optim.states import codecs, kernels
 from mixprec.optim.states.checkpoint import UNSUPPORTED_FLAGS, StateCheckpoint
 from mixprec.optim.states.formats import (
     StateFormat,
@@ -92,8 +94,15 @@ def fitted_format(fmt: StateFormat, p: torch.Tensor) -> StateFormat:
     padding)."""
     if not fmt.quantized:
         return fmt
+    return _fit(fmt, elements_of(p), codecs.generation())
+
+
+@functools.lru_cache(maxsize=1024)
+def _fit(fmt: StateFormat, elements: int, generation: int) -> StateFormat:
+    """`fitted_format` of a parameter of ``elements``, remembered (per registry
+    ``generation``): a step asks for each parameter's."""
     default = fmt.codec.default_block
-    most = max(-(-elements_of(p) // default), 1) * default
+    most = max(-(-elements // default), 1) * default
     return fmt if fmt.block <= most else StateFormat(fmt.kind, most)  # type: ignore[operator]
 
 
@@ -166,12 +175,9 @@ class _Joined:
         """Whether every state of ``states`` (the bucket's parameters' now: a loaded state
         dict makes new ones) still holds the slices put in it; if so they are the ones
         `release` acts on from now."""
-        if not all(
-            state.get(key) is t
-            for state, held in zip(states, self.held, strict=True)
-            for key, t in held.items()
-        ):
-            return False
+        for state, held in zip(states, self.held, strict=True):
+            if not all(map(is_, map(state.get, held), held.values())):
+                return False
         self.states = states
         return True
 
@@ -223,13 +229,17 @@ def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
     return parts
 
 
-def _mark(p: torch.Tensor, state: dict[str, Any]) -> tuple[tuple, tuple]:
+def _mark(p: torch.Tensor, state: dict[str, Any]) -> tuple[dict, tuple, tuple]:
     """What a parameter's plan and its place in the step's runs were read from, beyond its
-    group's hyperparameters: (objects compared by identity: the state and every value in
-    it; facts compared by value: the parameter's and its gradient's dtypes, its shape,
-    layout, device and type, the state's keys)."""
-    facts = (p.dtype, p.grad.dtype, p.shape, p.is_contiguous(), p.device, type(p), tuple(state))
-    return (state, *state.values()), facts  # type: ignore[union-attr]
+    group's hyperparameters: (the state and every value in it, compared by identity; facts
+    compared by value: the parameter's and its gradient's dtypes, its shape, layout, device
+    and type, the state's keys)."""
+    return state, tuple(state.values()), _facts(p, state)
+
+
+def _facts(p: torch.Tensor, state: dict[str, Any]) -> tuple:
+    """`_mark`'s facts of ``p`` (with a gradient) and its ``state``."""
+    return (p.dtype, p.grad.dtype, p.shape, p.is_contiguous(), p.device, type(p), tuple(state))  # type: ignore[union-attr]
 
 
 @dataclasses.dataclass
@@ -249,7 +259,7 @@ class _Layout:
     planned: list[_Planned]
     runs: list[tuple[str, list[_Planned], str | None]]
     total: int
-    marks: list[tuple[tuple, tuple]] = dataclasses.field(default_factory=list)
+    marks: list[tuple[dict, tuple, tuple]] = dataclasses.field(default_factory=list)
 
     def fits(
         self,
@@ -266,15 +276,14 @@ class _Layout:
             or len(self.marks) != len(work)
         ):
             return False
-        for (group, p), (old_group, old_p), state, (objects, facts) in zip(
+        for (group, p), (old_group, old_p), state, (old_state, values, facts) in zip(
             work, self.work, states, self.marks, strict=True
         ):
-            if group is not old_group or p is not old_p:
+            if group is not old_group or p is not old_p or state is not old_state:
                 return False
-            now_objects, now_facts = _mark(p, state)
-            if len(now_objects) != len(objects) or now_facts != facts:
+            if len(state) != len(values) or not all(map(is_, state.values(), values)):
                 return False
-            if any(a is not b for a, b in zip(now_objects, objects, strict=True)):
+            if _facts(p, state) != facts:
                 return False
         return True
 
@@ -284,6 +293,8 @@ class LowBitOptimizer(StateCheckpoint):
     compiled or eager step, compensation of 16-bit parameters, checkpoints."""
 
     algorithm = "adam"
+    # whether `_hyper` reads a parameter's state (else its answer is its group's and step's)
+    hyper_reads_state = True
     # the torch optimizer this one was converted from, which a caller may still hold and a
     # scheduler may be built on (`mixprec.optim.conversion.hand_over`): each step counts as
     # its step too, for torch's check that a scheduler steps after its optimizer
@@ -385,7 +396,8 @@ class LowBitOptimizer(StateCheckpoint):
         # (a DTensor's whole size: every rank of a sharded parameter takes the same format)
         if p.numel() < self.min_size or (self.keep_float32 and self.keep_float32(p)):
             return _FLOAT32
-        return fitted_format(self.formats.get(p) or parse_state_format(group["states"]), p)
+        own = self.formats.get(p) if self.formats else None
+        return fitted_format(own or parse_state_format(group["states"]), p)
 
     def _prepared(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
         """``p``'s state ready for a step: made on its first, converted when its format is
@@ -398,7 +410,9 @@ class LowBitOptimizer(StateCheckpoint):
             if self.algorithm == "adam":  # (SGD's buffer starts at its first momentum step)
                 for name, _ in MOMENTS["adam"]:
                     state.update(zero_moment(name, p, fmt))
-        elif parse_state_format(state["format"]) != self.format_of(p, group):
+        elif (held := parse_state_format(state["format"])) is not (
+            want := self.format_of(p, group)
+        ) and held != want:
             self._refuse_resized(p, state, None)  # (a size that changed the block)
             self.adopt(p, state, group)
         if self.compensation == "kahan" and p.dtype in COMPENSATED_DTYPES:
@@ -551,18 +565,25 @@ class LowBitOptimizer(StateCheckpoint):
         changed, a state must be made (SGD's buffer at its first step with momentum), or
         parameters stepped together no longer share their hyperparameters."""
         scalars: dict[tuple, tuple[torch.Tensor, tuple[float, ...]]] = {}
+        # (an algorithm whose hyperparameters read no state: one answer per group and step)
+        answers: dict[tuple, tuple[_Hyper, tuple[torch.Tensor, tuple[float, ...]]]] = {}
         for planned, (group, _), state, step in zip(
             layout.planned, layout.work, states, steps, strict=True
         ):
-            got = self._hyper(group, state, step)
-            if got is None:
+            shared = None if self.hyper_reads_state else (id(group), step, planned.device)
+            answer = answers.get(shared) if shared is not None else None
+            if answer is None:
+                got = self._hyper(group, state, step)
+                if got is None:
+                    return False
+                key = (id(group), *got.tag, planned.device)
+                made = self._hyperparameters(scalars, key, got.values, planned.device, got.floats)
+                answer = (got, made)
+                if shared is not None:
+                    answers[shared] = answer
+            if answer[0].form != planned.form:
                 return False
-            if got.form != planned.form:
-                return False
-            key = (id(group), *got.tag, planned.device)
-            planned.hp, planned.values = self._hyperparameters(
-                scalars, key, got.values, planned.device, got.floats
-            )
+            planned.hp, planned.values = answer[1]
             planned.step = step
         return all(all(b.hp is members[0].hp for b in members) for _, members, _ in layout.runs)
 
@@ -852,6 +873,7 @@ class LowBitAdamW(LowBitOptimizer):
     """
 
     decoupled = True
+    hyper_reads_state = False
 
     def __init__(
         self,
