@@ -13,8 +13,8 @@ Two kinds of bucket:
 - any other (low-bit moments, 16-bit parameters, Kahan buffers, stochastic rounding): the
   parameters, gradients and buffers copied into one flat tensor each, every parameter
   zero-padded to whole blocks so that its codes and scales, concatenated, line up; one
-  update (compiled or eager) over the flat tensors; the results copied back with one
-  ``_foreach_copy_`` per kind of tensor.
+  update (compiled or eager) over the flat tensors; the parameters copied back with one
+  ``split_with_sizes_copy`` (the moments and Kahan buffers stay joined between steps).
 
 A flat update covers at most `FLAT_MAX` elements (a bucket of more takes several), so
 that the float32 it holds meanwhile (the copies, the moments decoded) stays small (a few
