@@ -649,6 +649,35 @@ def test_float32_moments_of_16_bit_weights_stay_float32_math(dtype, kind, compil
 
 
 @pytest.mark.parametrize("kind", ["kahan", "stochastic"])
+def test_float16_weights_get_float32_adam_moments(kind):
+    """Adam's moments of a float16 weight are float32 (made so, or widened from torch's
+    float16 ones at the step): in float16 a squared gradient under 2.4e-4 was 0, the update
+    divided the first moment by eps, and the weight moved by ~1e3 in one step."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(64).half())
+    made = nn.Parameter(w.detach().clone())
+    opt = torch.optim.AdamW([w], lr=1e-2)
+    opt.state[w].update(  # as torch's own step (or its load_state_dict) leaves them
+        step=torch.tensor(0.0),
+        exp_avg=torch.zeros(64, dtype=torch.float16),
+        exp_avg_sq=torch.zeros(64, dtype=torch.float16),
+    )
+    opt_made = torch.optim.AdamW([made], lr=1e-2)
+    comp = Compensator(kind, seed=0, compile=False)
+    for _ in range(3):
+        g = (torch.randn(64) * 1e-3).half()  # squares under float16's smallest subnormal
+        for p, o in ((w, opt), (made, opt_made)):
+            before = p.detach().float().clone()
+            p.grad = g.clone()
+            comp.step(o)
+            assert (p.float() - before).abs().max() <= 1.1e-2  # lr, not ~1e3
+    for o, p in ((opt, w), (opt_made, made)):
+        assert o.state[p]["exp_avg"].dtype == o.state[p]["exp_avg_sq"].dtype == torch.float32
+        assert (o.state[p]["exp_avg_sq"] > 0).all()
+    assert torch.equal(w, made)
+
+
+@pytest.mark.parametrize("kind", ["kahan", "stochastic"])
 def test_a_step_with_a_closure_is_the_compensated_step(kind):
     """LossScaleOptimizer.step(closure) took torch's plain 16-bit step: the same gradients
     and seed must give the compensated step's weights and state, bit for bit."""

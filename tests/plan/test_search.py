@@ -168,6 +168,8 @@ def test_bytes_of_each_format_are_counted_exactly() -> None:
     assert weigh("32-true", "training") == 16 * n  # weight, gradient, two AdamW moments
     assert weigh("bf16-true", "weights") == 2 * n
     assert weigh("bf16-true", "training") == 10 * n  # and a 16-bit Kahan buffer
+    # float16: the compensated step keeps Adam's moments of a float16 weight in float32
+    assert weigh("16-true", "training") == (2 + 2 + 8 + 2) * n
     assert weigh("bf16-mixed", "weights") == 4 * n  # float32 storage, bf16 compute
     # int8: codes + float32 row scales + the float32 bias; only the bias trains
     assert weigh(INT8, "weights") == 64 * 32 + 32 * 4 + 32 * 4

@@ -13,9 +13,10 @@ plan gets, so what is scored, timed and weighed is what will run.
 
 Bytes are measured on the converted copies, each storage once (a tied weight counts once):
 ``"weights"`` counts parameters and buffers; ``"training"`` adds, per trainable parameter,
-its gradient and AdamW's two moments in the parameter's dtype, and for a 16-bit parameter
-the Kahan buffer that ``Precision(compensation="kahan")`` keeps (the way a search's training
-run trains): 16 bytes per float32 weight, 10 per bfloat16 one, int8/int4 weights frozen.
+its gradient and AdamW's two moments in the parameter's dtype (float32 for a float16 one,
+as the compensated step keeps them), and for a 16-bit parameter the Kahan buffer that
+``Precision(compensation="kahan")`` keeps (the way a search's training run trains): 16
+bytes per float32 weight, 10 per bfloat16 one, 14 per float16 one, int8/int4 weights frozen.
 In a plan with optimizer-state formats (`mixprec.optim.states`, whose optimizer then steps
 every parameter) a parameter given one counts its two moments as that format stores them
 (`StateFormat.bytes`: codes and block scales, the block cut to the parameter as the
@@ -170,7 +171,8 @@ def state_bytes(
     whose moments count as that format stores them (its block cut to the parameter, as the
     optimizer cuts it), every other parameter's as float32 moments, which the low-bit
     optimizer keeps for them whatever their dtype; None: torch's AdamW, moments in each
-    parameter's dtype."""
+    parameter's dtype (float32 for a float16 parameter, as the compensated step keeps
+    them)."""
     seen: dict[int, tuple[int, torch.Tensor | None]] = {}
     for t in modules.parameters():
         storage = t.untyped_storage()
@@ -190,8 +192,8 @@ def state_bytes(
 
 def _moment_bytes(p: torch.Tensor, nbytes: int, formats: dict[int, StateFormat] | None) -> int:
     """Bytes of the two moments the optimizer keeps for ``p`` (``nbytes`` of storage)."""
-    if formats is None:
-        return 2 * nbytes
+    if formats is None:  # (a float16 weight's: float32, as the compensated step keeps them)
+        return 2 * (2 * nbytes if p.dtype == torch.float16 else nbytes)
     fmt = formats.get(id(p))
     real = p.numel() * (2 if p.is_complex() else 1)
     if fmt is None or not fmt.quantized:

@@ -193,11 +193,21 @@ class Compensator:
     @staticmethod
     def _prepared(state: dict, p: torch.Tensor, adam: bool) -> dict:
         """``p``'s state, made on its first step as torch's Adam or SGD makes it (and a
-        step count for SGD, which torch keeps none of: the random key reads it)."""
+        step count for SGD, which torch keeps none of: the random key reads it), but for
+        Adam's moments of a float16 parameter, which are float32: float16 holds no square
+        of a gradient under 2.4e-4 (it is 0, and the update divides the first moment by
+        ``eps``: a weight moved by ~1e3 in a step). Float16 moments made elsewhere (torch's
+        own steps before, a state dict loaded into torch's optimizer, which casts its
+        moments to the parameter's dtype) are widened at the step, losing nothing."""
         if adam and "step" not in state:
+            wide = torch.float32 if p.dtype == torch.float16 else p.dtype
             state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for name in ("exp_avg", "exp_avg_sq"):
+                state[name] = torch.zeros_like(p, dtype=wide, memory_format=torch.preserve_format)
+        elif adam and p.dtype == torch.float16:
+            for name in ("exp_avg", "exp_avg_sq"):
+                if state[name].dtype == torch.float16:
+                    state[name] = state[name].float()
         state.setdefault("step", torch.tensor(0.0))
         return state
 
