@@ -113,7 +113,7 @@ class Precision:
     ) -> None:
         if not isinstance(allow_slow, bool):
             raise TypeError(f"allow_slow must be True or False, got {allow_slow!r}")
-        if master_weights not in (None, True, False):
+        if not (master_weights is None or isinstance(master_weights, bool)):  # (not 1 or 0)
             raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
         check_compensation(compensation)
         if compensation is not None and master_weights:

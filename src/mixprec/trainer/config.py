@@ -128,6 +128,9 @@ class TrainerConfig:
             )
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        for name in ("deterministic", "allow_slow_precision"):
+            if not isinstance(getattr(self, name), bool):  # ("yes" or 0 read as a choice)
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_epochs is None and self.max_steps is None:
             object.__setattr__(self, "max_epochs", 1000)
         object.__setattr__(self, "compile", compile_options(self.compile))
