@@ -413,29 +413,41 @@ class StepCounts:
     def __init__(self) -> None:
         self.whole: torch.Tensor | None = None
         self.held: list[torch.Tensor] = []
+        self.addresses: list[int] = []  # the views' (a count given other memory: `advance`)
 
     def __getstate__(self) -> dict[str, Any]:
         """Not joined: a pickle stores each state's count apart from the tensor it is a view
         of, so that the copy's counts would stop advancing with it. They join again at the
         copy's next step."""
-        return {"whole": None, "held": []}
+        return {"whole": None, "held": [], "addresses": []}
 
     def advance(self, states: list[dict[str, Any]]) -> list[int]:
-        """Add one to each state's ``"step"`` and return the counts, in order."""
+        """Add one to each state's ``"step"`` and return the counts, in order. Counts
+        joined before join again where a state's count was replaced, or given other memory
+        through ``.data`` (the same object, no longer a view of the joined tensor)."""
         counts = [state["step"] for state in states]
         held = self.held
-        if len(held) != len(counts) or any(c is not h for c, h in zip(counts, held, strict=True)):
+        if (
+            len(held) != len(counts)
+            or any(c is not h for c, h in zip(counts, held, strict=True))
+            or list(map(torch.Tensor.data_ptr, counts)) != self.addresses
+        ):
             if not all(_joinable(c) for c in counts):
                 torch._foreach_add_(counts, 1.0)
                 values = torch.stack([c.to("cpu", torch.float32) for c in counts]).tolist()
                 return [int(v) for v in values]
             self.whole = torch.stack(counts)
             self.held = list(self.whole.unbind())
+            self.addresses = list(map(torch.Tensor.data_ptr, self.held))
             for state, view in zip(states, self.held, strict=True):
                 state["step"] = view
         assert self.whole is not None
         self.whole.add_(1.0)
         return [int(v) for v in self.whole.tolist()]
+
+    def undo(self, states: list[dict[str, Any]]) -> None:
+        """Take back `advance` (a step refused before any update)."""
+        torch._foreach_sub_([state["step"] for state in states], 1.0)
 
 
 def _joinable(count: Any) -> bool:

@@ -23,6 +23,7 @@ shard's), so that `torch.distributed.checkpoint` saves and loads each rank's par
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
@@ -124,6 +125,28 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t
 
 
+class _Float8Codes:
+    """A float8 tensor as a pickle holds it: its bytes, viewed back as float8 on loading
+    (torch's own pickle of a float8 tensor stores it, but cannot load it)."""
+
+    def __init__(self, codes: torch.Tensor) -> None:
+        self.codes = codes
+
+    @staticmethod
+    def of(value: Any) -> Any:
+        """``value``, or its stand-in if it is a float8 tensor (a plain one)."""
+        float8 = type(value) is torch.Tensor and value.dtype.itemsize == 1
+        return _Float8Codes(value) if float8 and value.dtype.is_floating_point else value
+
+    def __reduce__(self) -> tuple:
+        return _float8_view, (self.codes.view(torch.uint8), str(self.codes.dtype))
+
+
+def _float8_view(codes: torch.Tensor, dtype: str) -> torch.Tensor:
+    """The bytes ``codes`` as the float8 dtype named ``dtype`` (``"torch.float8_e4m3fn"``)."""
+    return codes.view(getattr(torch, dtype.removeprefix("torch.")))
+
+
 class _Hyper(NamedTuple):
     """A parameter's hyperparameters at a step: what besides its group tells parameters
     sharing them apart (``tag``), the kernel's values, the fused step's floats (None: the
@@ -163,21 +186,36 @@ class _Joined:
     """A bucket's per-parameter state joined into flat tensors: per moment, what the update
     reads (the flat codes as bytes and the flat scales, or a flat float32 moment and None);
     the Kahan buffers' flat tensor (each parameter's padded to whole blocks as the
-    parameters are), if any; and, per parameter, the tensors put in its state (by key) as
-    slices of those, so that a state replaced since is seen by identity."""
+    parameters are), if any; per parameter, the tensors put in its state (by key) as
+    slices of those, so that a state replaced since is seen by identity, and their
+    addresses, so that one given other memory through ``.data`` is seen too; and the
+    padding each parameter was joined with (the Kahan buffer's layout)."""
 
     flats: list[tuple[torch.Tensor | None, torch.Tensor | None]]
     buf: torch.Tensor | None
     held: list[dict[str, torch.Tensor]]
     states: list[dict[str, Any]]
+    pads: list[int]
+    tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    addresses: list[int] = dataclasses.field(default_factory=list)
 
-    def current(self, states: list[dict[str, Any]]) -> bool:
+    def __post_init__(self) -> None:
+        self.tensors = [t for held in self.held for t in held.values()]
+        self.addresses = list(map(torch.Tensor.data_ptr, self.tensors))
+
+    def current(self, states: list[dict[str, Any]], pads: list[int]) -> bool:
         """Whether every state of ``states`` (the bucket's parameters' now: a loaded state
-        dict makes new ones) still holds the slices put in it; if so they are the ones
-        `release` acts on from now."""
+        dict makes new ones) still holds the slices put in it, on their memory, and the
+        parameters are padded as when joined (a format changed since pads them otherwise:
+        the Kahan buffer, the one tensor a format change keeps, lies as the old padding
+        put it); if so they are the ones `release` acts on from now."""
+        if pads != self.pads:
+            return False
         for state, held in zip(states, self.held, strict=True):
             if not all(map(is_, map(state.get, held), held.values())):
                 return False
+        if list(map(torch.Tensor.data_ptr, self.tensors)) != self.addresses:
+            return False
         self.states = states
         return True
 
@@ -229,12 +267,17 @@ def _parts(bucket: list[_Planned]) -> list[list[_Planned]]:
     return parts
 
 
-def _mark(p: torch.Tensor, state: dict[str, Any]) -> tuple[dict, tuple, tuple]:
+def _mark(p: torch.Tensor, state: dict[str, Any], viewed: bool) -> tuple:
     """What a parameter's plan and its place in the step's runs were read from, beyond its
     group's hyperparameters: (the state and every value in it, compared by identity; facts
     compared by value: the parameter's and its gradient's dtypes, its shape, layout, device
-    and type, the state's keys)."""
-    return state, tuple(state.values()), _facts(p, state)
+    and type, the state's keys; where the plan holds views of the state's tensors
+    (``viewed``: not a flat run's, whose joined tensors `_Joined.current` checks), those
+    tensors and their addresses: one given other memory through ``.data``, as a snippet
+    moving a state to a device does, is the same object, and the views would be stale)."""
+    tensors = tuple(v for v in state.values() if isinstance(v, torch.Tensor)) if viewed else ()
+    addresses = list(map(torch.Tensor.data_ptr, tensors))
+    return state, tuple(state.values()), _facts(p, state), tensors, addresses
 
 
 def _facts(p: torch.Tensor, state: dict[str, Any]) -> tuple:
@@ -259,7 +302,10 @@ class _Layout:
     planned: list[_Planned]
     runs: list[tuple[str, list[_Planned], str | None]]
     total: int
-    marks: list[tuple[dict, tuple, tuple]] = dataclasses.field(default_factory=list)
+    # each run's bucket (what a bucket key holds but the hyperparameters, and its number), or
+    # None for a parameter stepped on its own
+    origins: list[tuple | None] = dataclasses.field(default_factory=list)
+    marks: list[tuple] = dataclasses.field(default_factory=list)
 
     def fits(
         self,
@@ -276,14 +322,17 @@ class _Layout:
             or len(self.marks) != len(work)
         ):
             return False
-        for (group, p), (old_group, old_p), state, (old_state, values, facts) in zip(
+        for (group, p), (old_group, old_p), state, mark in zip(
             work, self.work, states, self.marks, strict=True
         ):
+            old_state, values, facts, viewed, addresses = mark
             if group is not old_group or p is not old_p or state is not old_state:
                 return False
             if len(state) != len(values) or not all(map(is_, state.values(), values)):
                 return False
             if _facts(p, state) != facts:
+                return False
+            if viewed and list(map(torch.Tensor.data_ptr, viewed)) != addresses:
                 return False
         return True
 
@@ -357,8 +406,12 @@ class LowBitOptimizer(StateCheckpoint):
         ``min_size``, the compile gate, the seed...) in attributes, which a copy or a
         pickle would otherwise lose, failing at its first step. Not the plan (it holds this
         step's objects) nor the joined moments: a pickle stores each state's slices apart
-        from the flat tensors they are views of, so the copy joins them again."""
-        return {**self.__dict__, "_layout": None, "_flats": {}}
+        from the flat tensors they are views of, so the copy joins them again. Float8 codes
+        go as their bytes (`_Float8Codes`): torch loads no pickled float8 tensor."""
+        state = collections.defaultdict(dict)
+        for p, held in self.state.items():
+            state[p] = {k: _Float8Codes.of(v) for k, v in held.items()}
+        return {**self.__dict__, "state": state, "_layout": None, "_flats": {}}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, with the group's ``"states"`` (if any) checked and written canonically;
@@ -490,17 +543,27 @@ class LowBitOptimizer(StateCheckpoint):
             self._counts = StepCounts()
         steps = self._counts.advance(states)
         layout = getattr(self, "_layout", None)
-        reused = (
-            layout is not None
-            and layout.fits(work, indices, states, self.compensation)
-            and self._refresh(layout, states, steps)
-        )
-        if not reused:
-            layout = self._lay_out(work, indices, states, steps)
-            # what the plan was made from (for plain tensors: a DTensor's local parts are
-            # read again every step)
-            if all(type(p) in PLAIN for _, p in work):
-                layout.marks = [_mark(p, s) for (_, p), s in zip(work, states, strict=True)]
+        try:
+            reused = (
+                layout is not None
+                and layout.fits(work, indices, states, self.compensation)
+                and self._refresh(layout, states, steps)
+            )
+            if not reused:
+                layout = self._lay_out(work, indices, states, steps)
+                # what the plan was made from (for plain tensors: a DTensor's local parts
+                # are read again every step)
+                if all(type(p) in PLAIN for _, p in work):
+                    flat = {
+                        id(b) for way, members, _ in layout.runs if way == "flat" for b in members
+                    }
+                    layout.marks = [
+                        _mark(p, s, id(planned) not in flat)
+                        for (_, p), s, planned in zip(work, states, layout.planned, strict=True)
+                    ]
+        except Exception:  # (refused before any update: nothing was stepped, counts neither)
+            self._counts.undo(states)
+            raise
         assert layout is not None
         self._layout = None  # (until the step has run: one that raised plans again)
         kept = self._execute(layout)
@@ -523,6 +586,7 @@ class LowBitOptimizer(StateCheckpoint):
         scalars: dict[tuple, tuple[torch.Tensor, tuple[float, ...]]] = {}
         buckets: dict[tuple, list[_Planned]] = {}
         runs: list[tuple[str, list[_Planned], str | None]] = []
+        origins: list[tuple | None] = []
         every: list[_Planned] = []
         for (group, p), index, state, step in zip(work, indices, states, steps, strict=True):
             self._refuse_resized(p, state, index)
@@ -547,17 +611,18 @@ class LowBitOptimizer(StateCheckpoint):
             alone = real.numel() > buckets_.FLAT_MAX and (way, real.device.type) != ("fused", "cpu")
             if own or alone:
                 runs.append(("one", [planned], compensation))
+                origins.append(None)
                 continue
-            key = (way, planned.fmt, real.dtype, real.device, compensation, id(planned.hp))
-            buckets.setdefault(key + planned.statics, []).append(planned)
-        for key, bucket in buckets.items():
-            if key[0] == "fused":
-                runs.append(("fused", bucket, None))
-                continue
-            for part in _parts(bucket):
+            base = (way, planned.fmt, real.dtype, real.device, compensation, *planned.statics)
+            buckets.setdefault((base, id(planned.hp)), []).append(planned)
+        for number, ((base, _), bucket) in enumerate(buckets.items()):
+            parts = [bucket] if base[0] == "fused" else _parts(bucket)
+            for part in parts:
                 # (one alone: in place, no copies to make)
-                runs.append(("one" if len(part) == 1 else "flat", part, key[4]))
-        return _Layout(work, indices, self.compensation, every, runs, total)
+                way = base[0] if base[0] == "fused" or len(part) > 1 else "one"
+                runs.append((way, part, None if way == "fused" else base[4]))
+                origins.append((base, number))
+        return _Layout(work, indices, self.compensation, every, runs, total, origins=origins)
 
     def _refresh(self, layout: _Layout, states: list[dict[str, Any]], steps: list[int]) -> bool:
         """Give ``layout``'s planned updates this step's counts and hyperparameters; False
@@ -585,7 +650,18 @@ class LowBitOptimizer(StateCheckpoint):
                 return False
             planned.hp, planned.values = answer[1]
             planned.step = step
-        return all(all(b.hp is members[0].hp for b in members) for _, members, _ in layout.runs)
+        if not all(all(b.hp is members[0].hp for b in members) for _, members, _ in layout.runs):
+            return False
+        # nor where buckets the plan kept apart now share them: a fresh plan would join them,
+        # and the random bits of a compensation follow a bucket's layout (a parameter whose
+        # first SGD step came later than its neighbours' was kept apart for good)
+        seen: dict[tuple, int] = {}
+        for (_, members, _), origin in zip(layout.runs, layout.origins, strict=True):
+            if origin is not None:
+                base, number = origin
+                if seen.setdefault((base, id(members[0].hp)), number) != number:
+                    return False
+        return True
 
     def _execute(self, layout: _Layout) -> bool:
         """Run ``layout``'s runs; the joined moments of buckets not stepped are released.
@@ -795,7 +871,7 @@ class LowBitOptimizer(StateCheckpoint):
             entry is None
             or (compensation == "kahan") != (entry.buf is not None)
             or [f[0] is not None for f in entry.flats] != planned
-            or not entry.current([b.state for b in bucket])
+            or not entry.current([b.state for b in bucket], pads)
         ):
             entry = self._join(bucket, pads, compensation)
         self._flats[key] = entry
@@ -832,7 +908,7 @@ class LowBitOptimizer(StateCheckpoint):
             buf = buckets_.gather([t.reshape(-1) for t in olds], pads)
             for state, mine, new in zip(states, held, _slices(buf, olds, pads), strict=True):
                 state["compensation"] = mine["compensation"] = new
-        return _Joined(flats, buf, held, states)
+        return _Joined(flats, buf, held, states, list(pads))
 
     def _compiled(self, args: tuple) -> bool:
         """Run the compiled update (True); False, with one warning and eager steps from
