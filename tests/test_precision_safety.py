@@ -484,3 +484,15 @@ def test_the_state_of_a_mastered_parameter_is_read_by_the_model_parameter():
     assert "exp_avg" in state and state["exp_avg"].dtype == torch.float32
     assert model.weight in opt.state and len(opt.state) == 2
     assert len(opt.state_dict()["optimizer"]["state"]) == 2
+
+
+def test_setup_warns_about_an_optimizer_of_another_model():
+    """An optimizer built on another model's parameters steps that model: the one set up
+    would never train. The Trainer warned; `Precision.setup` said nothing."""
+    model, other = nn.Linear(4, 4), nn.Linear(4, 4)
+    precision = mixprec.Precision("32-true")
+    with pytest.warns(UserWarning, match=r"optimizer 0 \(SGD\) holds none of the parameters"):
+        precision.setup(model, torch.optim.SGD(other.parameters(), lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixprec.Precision("32-true").setup(model, torch.optim.SGD(model.parameters(), lr=0.1))

@@ -54,6 +54,7 @@ from mixprec.optim import (
     convert_for,
     joint_step,
     scale_for_backward,
+    warn_if_foreign,
 )
 from mixprec.optim.compensated import check_compensation
 from mixprec.optim.scaling import LossScaler, as_loss_scaler
@@ -286,6 +287,7 @@ class Precision:
                     f"setup() argument {i + 2} must be a torch.optim.Optimizer built from the "
                     f"model's parameters, got {type(opt).__name__}"
                 )
+        warn_if_foreign(model, optimizers)
         if self.device is None:
             self.device = device_of(model)
         if self._resolved is None:

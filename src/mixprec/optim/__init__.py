@@ -12,7 +12,8 @@ optimizer's step.
 - `states`: the optimizer-state formats (one registered codec per kind) and the low-bit
   optimizers (``LowBitAdamW``, ``AdamW8bit``...).
 - `conversion`: ``convert_for``, the optimizer a policy map's state formats make of a
-  torch optimizer (what ``Precision.setup`` asks for).
+  torch optimizer (what ``Precision.setup`` asks for), and ``warn_if_foreign``, its warning
+  about an optimizer holding none of the model's parameters.
 
 Names load on first use: ``from mixprec.optim import LossScaleOptimizer`` imports the
 wrapper then, and ``import mixprec.optim.states`` (as the policy map does, layers below the
@@ -25,7 +26,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mixprec.optim.conversion import convert_for
+    from mixprec.optim.conversion import convert_for, warn_if_foreign
     from mixprec.optim.wrapper import (
         LossScaleOptimizer,
         OptState,
@@ -51,10 +52,13 @@ __all__ = [
     "master_weights_by_name",
     "scale_for_backward",
     "scheduler_step",
+    "warn_if_foreign",
 ]
 
 # each public name -> the submodule defining it
-_HOME = {name: "wrapper" for name in __all__} | {"convert_for": "conversion"}
+_HOME = {name: "wrapper" for name in __all__} | dict.fromkeys(
+    ("convert_for", "warn_if_foreign"), "conversion"
+)
 _SUBMODULES = ("checkpoint", "compensated", "conversion", "masters", "scaling", "states", "wrapper")
 
 

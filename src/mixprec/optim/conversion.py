@@ -12,6 +12,7 @@ of one, is taken as it is, after checking that it keeps the formats the map give
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Collection
 from typing import Any
 
@@ -23,7 +24,7 @@ from mixprec.optim.states import LowBitOptimizer, StateFormat, from_optimizer
 from mixprec.optim.wrapper import LossScaleOptimizer
 from mixprec.policy.map import PolicyMap
 
-__all__ = ["convert_for"]
+__all__ = ["convert_for", "warn_if_foreign"]
 
 # the torch optimizers whose state formats a policy map converts (exactly these classes:
 # the engine's supported ones, as the compensated steps stand in for)
@@ -220,3 +221,18 @@ def hand_over(old: torch.optim.Optimizer, new: LowBitOptimizer) -> None:
     old.state_dict = types.MethodType(_relinked_state_dict, old)  # type: ignore[method-assign]
     old.add_param_group = types.MethodType(_relinked_add, old)  # type: ignore[method-assign]
     old.param_groups = new.param_groups
+
+
+def warn_if_foreign(model: nn.Module, optimizers: Collection[Any], stacklevel: int = 3) -> None:
+    """Warn about an optimizer (torch's, or one wrapped) holding none of ``model``'s
+    parameters: its steps would never change the model."""
+    mine = {id(p) for p in model.parameters()}
+    for i, opt in enumerate(optimizers):
+        if not any(id(p) in mine for group in opt.param_groups for p in group["params"]):
+            warnings.warn(
+                f"optimizer {i} ({type(opt).__name__}) holds none of the parameters of the "
+                f"{type(model).__name__} being trained, so its steps will not change it: build "
+                "it from this model's parameters, or give the Trainer a factory "
+                "(optimizer=lambda params: torch.optim.SGD(params, lr=0.1))",
+                stacklevel=stacklevel,
+            )

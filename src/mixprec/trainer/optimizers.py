@@ -252,21 +252,6 @@ def configured_optimizers(
     return parse_optimizers(model.configure_optimizers())
 
 
-def warn_if_foreign(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> None:
-    """Warn about an optimizer holding none of ``model``'s parameters: its steps would never
-    change the model."""
-    mine = {id(p) for p in model.parameters()}
-    for i, opt in enumerate(optimizers):
-        if not any(id(p) in mine for group in opt.param_groups for p in group["params"]):
-            warnings.warn(
-                f"optimizer {i} ({type(opt).__name__}) holds none of the parameters of the "
-                f"{type(model).__name__} being fit, so training will not change it: build it "
-                "from this model's parameters, or pass a factory "
-                "(optimizer=lambda params: torch.optim.SGD(params, lr=0.1))",
-                stacklevel=2,
-            )
-
-
 def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` requires a closure that re-evaluates the loss (LBFGS)."""
     closure = inspect.signature(optimizer.step).parameters.get("closure")

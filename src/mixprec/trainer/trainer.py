@@ -67,7 +67,6 @@ from mixprec.trainer.optimizers import (
     configured_optimizers,
     repoint_converted,
     scheduler_entry,
-    warn_if_foreign,
 )
 from mixprec.trainer.strategy import FSDP, ProcessGroupStrategy, make_strategy
 
@@ -551,8 +550,6 @@ class Trainer:
         optimizers, scheduler_configs = configured_optimizers(model, optimizer) if fit else ([], [])
         made = [opt(model) if callable(opt) else opt for opt in optimizers]
         self.strategy.check_optimizers(model, made)
-        if self.is_global_zero:
-            warn_if_foreign(model, made)
         wrapped = precision.setup(model, *made, convert=not is_sharded)
         repoint_converted(scheduler_configs, precision)
         if self.config.compile is not None and self._uncompile is None:

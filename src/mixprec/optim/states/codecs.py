@@ -543,7 +543,7 @@ def _coded_infinities(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     its sign (0x7F, 0xFF). By a select and a ``copysign``, which vectorize (a float32 value's
     bits as int32 and back are two element-by-element copies in inductor's CPU code, which
     doubled the encode's time), the select reading ``x`` (a fused kernel's input, where
-    ``y``'s magnitude would be computed again: 12% of the encode)."""
+    ``y``'s magnitude would be computed again)."""
     return torch.copysign(torch.where(x.abs() == torch.inf, torch.nan, y), x)
 
 
