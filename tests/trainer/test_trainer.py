@@ -372,6 +372,33 @@ def test_a_step_interval_plateau_scheduler_reads_the_steps_monitored_value():
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
 
 
+class PlateauOnMissing(PlateauEachStep):
+    """A scheduler config with Lightning's ``strict`` and ``name`` keys, monitoring a value
+    never logged."""
+
+    def __init__(self, strict: bool) -> None:
+        super().__init__()
+        self.strict = strict
+
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        config["lr_scheduler"].update(monitor="missing", strict=self.strict, name="plateau")
+        return config
+
+
+def test_lightnings_strict_and_name_scheduler_keys_are_honoured():
+    """They were refused as unknown keys, where a LightningModule's configure_optimizers
+    moves over as it is: ``strict: False`` warns and leaves the step out (Lightning's),
+    ``strict: True`` raises, naming the scheduler."""
+    data = DataLoader(small_targets(64), batch_size=16)
+    trainer = Trainer(max_steps=3, **QUIET)
+    with pytest.warns(UserWarning, match=r"scheduler 'plateau' monitors 'missing'.*left out"):
+        trainer.fit(PlateauOnMissing(strict=False), data)
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.1  # never stepped
+    with pytest.raises(KeyError, match=r"scheduler 'plateau' monitors 'missing'.*flat"):
+        Trainer(max_steps=3, **QUIET).fit(PlateauOnMissing(strict=True), data)
+
+
 @pytest.mark.parametrize("frequency", [0, 0.5, -1, True, "2"])
 def test_a_scheduler_frequency_out_of_range_is_refused_before_the_fit(frequency):
     """0 failed at the first epoch's end on a modulo by zero; 0.5 was cut to 0."""

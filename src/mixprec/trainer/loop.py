@@ -518,7 +518,9 @@ def after_step(run: FitRun) -> None:
     log_step(run, loss)
     for s in due:  # a monitored one reads this step's values, once they are logged
         if s.monitor:
-            scheduler_step(s.scheduler, s.optimizer, monitored_value(run, s))
+            value = monitored_value(run, s)
+            if value is not None:
+                scheduler_step(s.scheduler, s.optimizer, value)
 
 
 def rescale_grads(optimizers: list[LossScaleOptimizer], factor: float) -> None:
@@ -607,8 +609,10 @@ def step_epoch_schedulers(run: FitRun, monitored: bool) -> None:
             if due and bool(s.monitor) == monitored:
                 # once per epoch trained, whatever its last step did: a step skipped for an
                 # overflow holds back step-interval schedulers, not a whole epoch's
-                args = [monitored_value(run, s)] if s.monitor else []
-                s.scheduler.step(*args)
+                value = monitored_value(run, s) if s.monitor else None
+                if s.monitor and value is None:
+                    continue
+                s.scheduler.step(*([] if value is None else [value]))
 
 
 def log_training_epoch(run: Run) -> None:
@@ -618,14 +622,20 @@ def log_training_epoch(run: Run) -> None:
         run.log.add(run.progress.global_step, dict(metrics), flush=True)
 
 
-def monitored_value(run: Run, s: Scheduler) -> float:
-    """The value of the metric a plateau-type scheduler watches."""
+def monitored_value(run: Run, s: Scheduler) -> float | None:
+    """The value of the metric a plateau-type scheduler watches; None (warned) where it was
+    not logged and the scheduler's config says ``strict: False``, as Lightning does."""
     metrics = run.log.read()
     if s.monitor not in metrics:
-        raise KeyError(
-            f"the scheduler monitors {s.monitor!r}, which was not logged; logged: "
+        which = f"scheduler {s.name!r}" if s.name else "the scheduler"
+        message = (
+            f"{which} monitors {s.monitor!r}, which was not logged; logged: "
             f"{', '.join(sorted(metrics)) or 'nothing'}"
         )
+        if s.strict:
+            raise KeyError(message)
+        warnings.warn(f"{message}: its step is left out ('strict': False)", stacklevel=2)
+        return None
     return metrics[s.monitor]
 
 

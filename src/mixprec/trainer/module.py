@@ -211,7 +211,9 @@ class TrainingModule(nn.Module):
         - ``([optimizers], [schedulers])``;
         - a dict ``{"optimizer": opt, "lr_scheduler": sched_or_config}`` or a list of them,
           where a scheduler config is ``{"scheduler": s, "interval": "epoch" | "step",
-          "frequency": 1, "monitor": "val_loss"}``.
+          "frequency": 1, "monitor": "val_loss", "strict": True, "name": None}``
+          (``strict: False``: a monitored value not logged warns and leaves the step out,
+          instead of raising; ``name`` is said in that message).
 
         The default is ``torch.optim.AdamW(self.parameters(), lr=1e-3)``.
         """

@@ -43,6 +43,10 @@ class Scheduler:
     interval: str = "epoch"
     frequency: int = 1
     monitor: str | None = None
+    # whether a monitored value not logged is an error (Lightning's default) or a warning
+    # and a step left out
+    strict: bool = True
+    name: str | None = None  # (Lightning's name for it: said in messages)
 
 
 def parse_optimizers(config: Any) -> tuple[list[Any], list[dict[str, Any]]]:
@@ -54,11 +58,11 @@ def parse_optimizers(config: Any) -> tuple[list[Any], list[dict[str, Any]]]:
                 raise ValueError(
                     f"a scheduler config dict needs a 'scheduler' key, got {sorted(s)}"
                 )
-            unknown = set(s) - {"scheduler", "interval", "frequency", "monitor"}
+            unknown = set(s) - {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
             if unknown:
                 raise ValueError(
                     f"unknown scheduler config keys {sorted(unknown)}; accepted: scheduler, "
-                    "interval ('epoch' or 'step'), frequency, monitor"
+                    "interval ('epoch' or 'step'), frequency, monitor, strict, name"
                 )
             return dict(s)
         return {"scheduler": s}
@@ -110,7 +114,12 @@ def scheduler_entry(config: dict[str, Any], optimizers: list[LossScaleOptimizer]
             f"scheduler frequency must be a whole number >= 1 (steps or epochs between its "
             f"steps), got {frequency!r}"
         )
-    return Scheduler(sched, owner, interval, int(frequency), monitor)
+    strict, name = config.get("strict", True), config.get("name")
+    if not isinstance(strict, bool):
+        raise ValueError(f"scheduler strict must be True or False, got {strict!r}")
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"scheduler name must be a string or None, got {name!r}")
+    return Scheduler(sched, owner, interval, int(frequency), monitor, strict, name)
 
 
 # the torch optimizers `optimizer_states` converts into each low-bit class (subclasses first)
