@@ -480,3 +480,68 @@ def test_a_checkpoint_before_the_first_real_step_changes_nothing_and_resumes_bit
     )
     for name, weight in plain.items():
         assert torch.equal(weight, saving[name]) and torch.equal(weight, resumed[name]), name
+
+
+class Headed(ShardedDropoutNet):
+    """`ShardedDropoutNet` with one more layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+class Grouped(ShardedDropoutNet):
+    """Two parameter groups of three parameters: the weights and the biases, or (``split``)
+    the first three parameters and the last three."""
+
+    def __init__(self, split: bool) -> None:
+        super().__init__()
+        self.split = split
+
+    def configure_optimizers(self):
+        named = list(self.named_parameters())
+        if self.split:
+            first, rest = [p for _, p in named[:3]], [p for _, p in named[3:]]
+        else:
+            first = [p for n, p in named if n.endswith("weight")]
+            rest = [p for n, p in named if not n.endswith("weight")]
+        return torch.optim.AdamW([{"params": first}, {"params": rest, "lr": 0.0}], lr=0.01)
+
+
+def _saved_and_refused(tmp_path: Path, saved: TrainingModule, resumed: TrainingModule,
+                       sharded: bool, match: str) -> None:  # fmt: skip
+    """Fit ``saved`` 2 steps (sharded: one FSDP process), then resume ``resumed`` from its
+    checkpoint: refused with ``match``, ``resumed``'s weights untouched."""
+    strategy = dict(strategy="fsdp", devices=1) if sharded else {}
+    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    Trainer(precision="32-true", max_steps=2, callbacks=[every_2], **strategy, **RUN).fit(
+        saved, one_rank_loader()
+    )
+    before = {k: v.clone() for k, v in resumed.state_dict().items()}
+    again = Trainer(precision="32-true", max_steps=4, enable_checkpointing=False, **strategy, **RUN)
+    with pytest.raises(CheckpointError, match=match):
+        again.fit(resumed, one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert all(torch.equal(v, resumed.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_sharded_checkpoint_of_a_larger_model_is_refused(tmp_path):
+    """Only the model's own keys were looked for in the shards: a checkpoint with a layer
+    this model lacks resumed silently (the file checkpoint's check refused it)."""
+    _saved_and_refused(
+        tmp_path, Headed(), ShardedDropoutNet(), True,
+        r"not in this model: head\.weight, head\.bias.*Nothing was loaded",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["sharded", "file"])
+def test_a_resume_with_other_parameter_groups_is_refused_before_loading(tmp_path, sharded):
+    """Groups of the same sizes holding other parameters: the sharded resume gave a group
+    the other's settings (and then a bare KeyError at the step); the file resume loaded the
+    weights and then failed on a moment's shape, a ValueError, the model overwritten."""
+    _saved_and_refused(
+        tmp_path, Grouped(split=False), Grouped(split=True), sharded,
+        r"optimizer 0's parameter groups were \[3: blocks\.0\.0\.weight.*Nothing was loaded",
+    )  # fmt: skip

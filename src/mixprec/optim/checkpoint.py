@@ -81,16 +81,12 @@ class OptimizerCheckpoint:
         the scaler is left as it is. Everything is checked before anything is changed. A
         state saved under another precision goes to ``load_state_dict_across_precisions``.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
+        self.check_state_dict(state)
         if "optimizer" not in state and {"state", "param_groups"} <= state.keys():
-            self._check_inner_state(state, None)
             self.optimizer.load_state_dict(dict(state))
             self._keep_saved_dtypes(state)
             self._masters.refresh_from_model()
             return
-        self._check_keys(state)
-        self._check_inner_state(state["optimizer"], state["param_shapes"])
         if isinstance(state["master_weights"], Mapping):
             # (a parameter frozen at setup has its master made at its first step: one made
             # since the wrapper was built has none yet)
@@ -131,6 +127,18 @@ class OptimizerCheckpoint:
                     and loaded[name].dtype != value.dtype
                 ):
                     loaded[name] = value.to(loaded[name].device, copy=True)
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raise, changing nothing, what `load_state_dict` refuses in ``state`` (its keys;
+        its parameters: their number per group, their shapes; the optimizer class that saved
+        it), for a caller that loads other things first (a Trainer's resume, the weights)."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
+        if "optimizer" not in state and {"state", "param_groups"} <= state.keys():
+            self._check_inner_state(state, None)
+            return
+        self._check_keys(state)
+        self._check_inner_state(state["optimizer"], state["param_shapes"])
 
     def load_state_dict_across_precisions(
         self, state: Mapping[str, Any], weights: Mapping[str, torch.Tensor]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.optim import master_weights_by_name
+from mixprec.optim import LossScaleOptimizer, master_weights_by_name
 from mixprec.trainer.callbacks import callback_states, load_callback_states
 from mixprec.trainer.checkpoint import FORMAT, FORMAT_VERSION, CheckpointError, rng_states
 from mixprec.trainer.data import describe_order, generators, loader_batch_size, order_of
@@ -64,6 +64,8 @@ def run_state(run: FitRun) -> dict[str, Any]:
             "loader_rng": [g.get_state() for g in generators(run.train_loader)],
         },
         "optimizer_types": [type(opt.optimizer).__name__ for opt in run.optimizers],
+        # each optimizer's parameter groups by parameter name: a resume holds them the same
+        "optimizer_groups": [group_names(run.model, opt) for opt in run.optimizers],
         # each group's optimizer-state format (low-bit optimizers): a sharded resume keeps it
         "optimizer_state_formats": [state_formats(opt.optimizer) for opt in run.optimizers],
         # the parts low-bit codes are cut into (FSDP2's processes): a sharded resume keeps it
@@ -80,6 +82,40 @@ def run_state(run: FitRun) -> dict[str, Any]:
             "training_epoch": run.metrics.training_epoch_sums() if own else {},
         },
     }
+
+
+def group_names(model: nn.Module, optimizer: LossScaleOptimizer) -> list[list[str]]:
+    """Each parameter group of ``optimizer`` as the names its parameters (a master: the
+    parameter it stands for) have in ``model`` ("?" for one the model does not hold)."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return [
+        [names.get(id(optimizer.model_param(p)), "?") for p in g["params"]]
+        for g in optimizer.optimizer.param_groups
+    ]
+
+
+def check_groups(run: FitRun, state: dict[str, Any], path: Path) -> None:
+    """Raise before anything is loaded if an optimizer's parameter groups are not the ones
+    saved (another ``configure_optimizers``): a group's settings and each parameter's state
+    would go to other parameters (by position, or by name into a group of other settings),
+    silently where their shapes agree."""
+    saved = state.get("optimizer_groups")  # (absent from checkpoints written before it)
+    if saved is None or len(saved) != len(run.optimizers):
+        return
+    for i, (then, opt) in enumerate(zip(saved, run.optimizers, strict=True)):
+        now = group_names(run.model, opt)
+        if then != now:
+            raise CheckpointError(
+                f"{path}: optimizer {i}'s parameter groups were {_groups(then)} at the save; "
+                f"this run's are {_groups(now)}: resume with the same configure_optimizers "
+                "(the same groups, holding the same parameters). Nothing was loaded"
+            )
+
+
+def _groups(groups: list[list[str]]) -> str:
+    return "; ".join(f"[{len(g)}: {_shown(g)}]" for g in groups)
 
 
 def _shown(names: list[str]) -> str:
@@ -255,6 +291,15 @@ def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
     check_weights(run.model, state, path)
     state = across_state_formats(state, run.optimizers, path)
     _check_optimizers(run, state, path)
+    check_groups(run, state, path)
+    for i, (opt, saved) in enumerate(zip(run.optimizers, state["optimizers"], strict=True)):
+        try:
+            opt.check_state_dict(saved)
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(
+                f"{path}: the state of optimizer {i} does not fit this run's: {error}. "
+                "Nothing was loaded"
+            ) from error
     loop = state["loop"]
     world = run.strategy.world_size
     if state.get("world_size", 1) != world and loop["batch"]:

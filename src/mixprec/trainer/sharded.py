@@ -45,7 +45,7 @@ from mixprec.trainer.optimizers import (
     state_formats,
     state_shards,
 )
-from mixprec.trainer.resume import check_resume_point, restore_progress, run_state
+from mixprec.trainer.resume import check_groups, check_resume_point, restore_progress, run_state
 
 if TYPE_CHECKING:
     from mixprec.trainer.loop import FitRun, Run
@@ -163,16 +163,19 @@ def _check_keys(run: Run, path: Path, optimizers: bool) -> None:
     """Raise `CheckpointError` before loading if the shards are another model's."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved_model = {k.removeprefix("model."): m for k, m in saved.items() if k.startswith("model.")}
-    own = {k: v for k, v in run.model.state_dict().items() if isinstance(v, torch.Tensor)}
+    whole = run.model.state_dict()
+    own = {k: v for k, v in whole.items() if isinstance(v, torch.Tensor)}
     missing = [k for k in own if k not in saved_model]
+    unexpected = [k for k in saved_model if k not in whole]
     shapes = [
         f"{k} {tuple(saved_model[k].size)} vs {tuple(v.shape)}"
         for k, v in own.items()
         if k in saved_model and tuple(saved_model[k].size) != tuple(v.shape)
     ]
     has_optim = any(k.startswith("optim.") for k in saved)
-    if missing or shapes or (optimizers and _inner(run) and not has_optim):
+    if missing or unexpected or shapes or (optimizers and _inner(run) and not has_optim):
         parts = [f"missing in the checkpoint: {', '.join(missing[:5])}"] if missing else []
+        parts += [f"not in this model: {', '.join(unexpected[:5])}"] if unexpected else []
         parts += [f"shapes differ (checkpoint vs model): {', '.join(shapes[:5])}"] if shapes else []
         parts += [] if parts else ["it holds no optimizer state"]
         raise ckpt_io.CheckpointError(
@@ -221,6 +224,7 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
             f"{len(run.schedulers)}: resume with the same configure_optimizers and "
             "optimizer_states (a sharded checkpoint keeps the optimizers it was saved with)"
         )
+    check_groups(run, state, path)
     formats = [state_formats(opt.optimizer) for opt in run.optimizers]
     # (older checkpoints recorded none; "fp8" is spelled "float8" now)
     saved_formats = saved_state_formats(state.get("optimizer_state_formats", formats))
