@@ -284,3 +284,20 @@ def test_a_finished_run_is_rebuilt_whole_and_a_record_cut_short_is_left_out(tmp_
     assert len(report.rows) == 2 and report.metadata["stopped"]["not_run"] == []
     with pytest.raises(FileExistsError):
         Journal(journal.path).started({}, configs)
+
+
+def test_the_peak_is_a_steps_with_the_optimizers_state_alive(factories):
+    """The peak was measured up to the first optimizer update only, whose forward and
+    backward run before Adam's moments exist: a step's peak holds them beside the
+    activations, so every later step needed two moments more than the bench reported and
+    `--max-batch` called batches that run out of memory fits."""
+    from benchruns_factory import make
+
+    from mixprec.bench.runner import _build_mixprec, _first_update
+    from mixprec.memory import measured
+
+    spec = _spec("make", "32-true", batch=64)  # activations past the update's own peak
+    peak = run_in_process(spec).mixprec.peak_memory
+    _, to_first_update = measured(torch.device("cpu"), lambda: _first_update(_build_mixprec, spec))
+    moments = 2 * sum(p.numel() * p.element_size() for p in make()[0].parameters())
+    assert peak >= to_first_update + moments

@@ -9,7 +9,10 @@ memory limit caps a whole process, and torch.compile's caches carry over between
 Each loop first runs once, eagerly, up to its first optimizer update and is dropped, so what
 libraries set up on first use for the life of the process (cuBLAS workspaces) is charged to
 no loop. Then it is built again and run up to its first optimizer update (one step, unless
-float16 overflow skips some) while its peak memory is measured: on CUDA
+float16 overflow skips some) and one step more while its peak memory is measured, so that
+the peak is a training step's with the optimizer's state alive (the forward and backward
+before the first update run without it: Adam's two moments, a float32 model's weights
+twice over, were left out of the peak and of what fits a memory limit): on CUDA
 `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, minus what was allocated
 before the loop was built; on CPU the peak of live tensor bytes from the allocator's events
 that `torch.profiler` records (`profile_memory=True`).
@@ -331,11 +334,15 @@ def _check(deadline: float | None) -> None:
 
 
 def _first_update(
-    build: Callable[[RunSpec, torch.device], Loop], spec: RunSpec, deadline: float | None = None
+    build: Callable[[RunSpec, torch.device], Loop],
+    spec: RunSpec,
+    deadline: float | None = None,
+    then: int = 0,
 ) -> tuple[Loop, float]:
     """Build a loop and run it up to its first taken optimizer step, which creates the
-    optimizer's state (float16 runs skip their first steps while the loss scale settles);
-    also returns the seconds of the first step (which compiles a compiled model)."""
+    optimizer's state (float16 runs skip their first steps while the loss scale settles),
+    and ``then`` steps more; also returns the seconds of the first step (which compiles a
+    compiled model)."""
     device = torch.device(spec.device)
     loop = build(spec, device)
     t0 = time.perf_counter()
@@ -344,6 +351,9 @@ def _first_update(
         torch.cuda.synchronize(device)
     first = time.perf_counter() - t0
     while loop.steps_taken == 0 and loop.steps_run < MAX_STEPS_TO_FIRST_UPDATE:
+        _check(deadline)
+        loop.step()
+    for _ in range(then):
         _check(deadline)
         loop.step()
     return loop, first
@@ -389,14 +399,14 @@ def _ready_loop(
     warmed: Callable[[], None] = lambda: None,
 ) -> Loop | None:
     """Build loop `name` ("mixprec" or "raw") of `spec`, warmed up (then `warmed()` is
-    called) and run to its first update while its peak memory is measured; None (the
-    reason in `res`) when it failed."""
+    called) and run to its first update and one step more (with the optimizer's state
+    alive) while its peak memory is measured; None (the reason in `res`) when it failed."""
     build = _build_mixprec if name == "mixprec" else _build_raw
     try:
         _warm_up(build, spec, deadline)
         warmed()
         (loop, res.first_step_s), res.peak_memory = measured(
-            device, lambda: _first_update(build, spec, deadline)
+            device, lambda: _first_update(build, spec, deadline, then=1)
         )
     except _TimedOut:
         raise
