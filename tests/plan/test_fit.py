@@ -17,7 +17,7 @@ from torch import nn
 from mixprec.activations import saved_bytes
 from mixprec.plan import Budget, BudgetError, search
 from mixprec.plan.budget import parse_bytes
-from mixprec.plan.fitting import fit, step_peaks
+from mixprec.plan.fitting import Peak, fit, step_peaks
 from mixprec.policy.map import PolicyMap
 
 FORMATS = ["32-true", "int8_from_32-true"]
@@ -269,3 +269,47 @@ def test_fit_says_how_far_the_smallest_plan_is_over_a_budget_nothing_fits() -> N
     assert f"{report.over} bytes" in report.summary()
     with pytest.raises(ValueError, match="not a size"):
         fit(model, batches, token_loss, budget="4XB", measure=measure, **FAST)
+
+
+def test_when_no_searched_plan_fits_its_uniform_activation_plans_are_measured() -> None:
+    """Nothing the search solved fit, and the smallest plan was written, while the first
+    plan's formats with every block in fp8 or recomputed fit at less loss: those uniform
+    plans were never measured. Here every plan measured alone (the search's, the smallest)
+    is reported over the budget, the uniform ones (measured together) as they are."""
+    model, batches = tiny(rows=16)
+    budget = 10**12
+
+    def measure(plans):
+        peaks = step_peaks(model, batches[0], token_loss, plans)
+        if len(plans) == 1:
+            return [Peak(bytes=budget + 1, loss=p.loss) for p in peaks]
+        return peaks
+
+    report = fit(model, batches, token_loss, budget=budget, measure=measure, **FAST)
+    names = [t.name for t in report.tried]
+    assert "all fp8" in names and names[-1] == "smallest"
+    assert report.chosen is not None and report.chosen.name.startswith("all ")
+    assert report.chosen.loss == min(t.loss for t in report.tried if t.fits)
+    assert report.search is not None  # the formats are the first plan's
+
+
+def test_a_plans_peak_counts_the_batch_the_step_holds() -> None:
+    """The batch is made before the measured window, so its bytes were left out of every
+    plan's peak: a plan said to fit did not once its batch was in memory."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    wide = torch.randn(64, 4096)  # 1 MiB, of which the model reads 8 columns (a view)
+
+    def loss(out, target):
+        return F.mse_loss(out, target)
+
+    class FirstColumns(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x):
+            return self.inner(x[:, :8])
+
+    (peak,) = step_peaks(FirstColumns(), (wide, torch.zeros(64, 4)), loss, [PolicyMap("32-true")])
+    assert peak.bytes >= wide.nbytes

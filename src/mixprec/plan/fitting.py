@@ -43,6 +43,7 @@ from mixprec.plan.verify import plan_map
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.step import backward, batch_loss, seeded
+from mixprec.tree import iter_tensors
 
 __all__ = [
     "FitReport",
@@ -58,8 +59,8 @@ MAX_STEPS = 6
 
 @dataclass(frozen=True)
 class Peak:
-    """One plan's measured training step: bytes at its peak (parameters and buffers, and
-    the tensor peak of the step), and the loss on the batch after the steps."""
+    """One plan's measured training step: bytes at its peak (parameters and buffers, the
+    batch, and the tensor peak of the step), and the loss on the batch after the steps."""
 
     bytes: int
     loss: float
@@ -86,9 +87,11 @@ class FitReport:
         budget: the budget, in bytes.
         batch_size: the batch the plans were counted and measured at.
         tried: every plan measured, in order: the solved plans stepping down, then the
-            uniform activation plans (or "smallest" when nothing fit).
+            uniform activation plans of the one that fit (when none did: of the first, the
+            least-loss formats, and then "smallest").
         chosen: the plan returned (the least loss among those that fit), None when none fits.
-        search: the search report of the solved plan that fit (None when none did).
+        search: the search report of the solved plan the chosen one is, or takes the
+            formats of (None when none does: the smallest plan chosen, or nothing fits).
     """
 
     budget: int
@@ -166,6 +169,7 @@ def fit(
     m = scored(s)
     report = FitReport(budget=limit.memory_bytes, batch_size=s.batch_size)
     target = limit.memory_bytes
+    first: tuple[Tried, SearchReport] | None = None  # the search's first (least loss)
     for step in range(1, MAX_STEPS + 1):
         try:
             found = planned(dataclasses.replace(s, budget=Budget(memory_bytes=target)), m, started)
@@ -176,6 +180,7 @@ def fit(
         tried = Tried(f"plan {step}", found.policy, counted, peak.bytes, peak.loss, False)
         tried.fits = peak.bytes <= report.budget
         report.tried.append(tried)
+        first = first or (tried, found)
         if tried.fits:
             report.chosen, report.search = tried, found
             break
@@ -184,15 +189,20 @@ def fit(
         if target <= 0:
             break
     if report.chosen is None:
+        # the search's plans are over: their formats with every block in one option may fit
+        # (all fp8 beside the least-loss formats), at less loss than the smallest plan
+        if first is not None:
+            _against_uniform(report, m, measure, *first)
         policy, counted = _smallest(s.base, s.units, m)
         peak = measure([policy])[0]
-        report.tried.append(
-            Tried("smallest", policy, counted, peak.bytes, peak.loss, peak.bytes <= report.budget)
-        )
-        if report.tried[-1].fits:
-            report.chosen = report.tried[-1]
+        smallest = Tried("smallest", policy, counted, peak.bytes, peak.loss, False)
+        smallest.fits = peak.bytes <= report.budget
+        report.tried.append(smallest)
+        if smallest.fits and (report.chosen is None or smallest.loss < report.chosen.loss):
+            report.chosen, report.search = smallest, None
         return report
-    _against_uniform(report, m, measure)
+    assert report.search is not None
+    _against_uniform(report, m, measure, report.chosen, report.search)
     return report
 
 
@@ -239,27 +249,28 @@ def _smallest(base: Any, units: list[Any], m: Scored) -> tuple[PolicyMap, int]:
     return plan_map(base, units, formats, m.unit_states, options), int(counted)
 
 
-def _against_uniform(report: FitReport, m: Scored, measure: Measure) -> None:
-    """Measure the chosen plan's formats with every block in one option; one that fits
-    with a lower loss is returned instead."""
-    chosen = report.chosen
-    assert chosen is not None and report.search is not None
+def _against_uniform(
+    report: FitReport, m: Scored, measure: Measure, base: Tried, found: SearchReport
+) -> None:
+    """Measure ``base``'s formats (a plan the search ``found``) with every block in one
+    option; one that fits with a lower loss than the plan chosen so far (or the first
+    that fits, none being chosen) is chosen instead."""
     options = sorted({o for b in m.blocks for o in b.options}, key=_ORDER.index)
     if not options:  # no block saves anything: no activation plan to compare
         return
-    policies = [_with_activations(chosen.policy, m, option) for option in options]
+    policies = [_with_activations(base.policy, m, option) for option in options]
     peaks = measure(policies)
     for option, policy, peak in zip(options, policies, peaks, strict=True):
-        counted = report.search.total_bytes + sum(
+        counted = found.total_bytes + sum(
             b.options[option if option in b.options else "keep"].bytes
-            - b.options[report.search.activations.get(b.path, "keep")].bytes
+            - b.options[found.activations.get(b.path, "keep")].bytes
             for b in m.blocks
         )
         t = Tried(f"all {option}", policy, counted, peak.bytes, peak.loss, False)
         t.fits = peak.bytes <= report.budget
         report.tried.append(t)
-        if t.fits and t.loss < report.chosen.loss:  # type: ignore[union-attr]
-            report.chosen = t
+        if t.fits and (report.chosen is None or t.loss < report.chosen.loss):
+            report.chosen, report.search = t, found
 
 
 _ORDER = ("keep", "bf16", "fp8", "checkpoint", "selective", "offload")
@@ -298,9 +309,12 @@ def step_peaks(
     seed: int = 0,
 ) -> list[Peak]:
     """Each plan's `Peak`: a copy of `model` converted to it (parameters and buffers
-    counted), then the tensor peak of AdamW built and `steps` training steps on `batch` (16-bit
+    counted), the batch (made before the measured window, so counted apart: a step holds
+    it), then the tensor peak of AdamW built and `steps` training steps on `batch` (16-bit
     weights with Kahan compensation, as the search's training run), and the loss after."""
     dev = torch.device(device) if device is not None else next(model.parameters()).device
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in iter_tensors(batch)}
+    batch_bytes = sum(s.nbytes() for s in storages.values())
     out = []
     for plan in plans:
         with seeded(seed, dev):
@@ -334,5 +348,5 @@ def step_peaks(
             trained.eval()
             with torch.no_grad():
                 loss = float(batch_loss(precision, trained, batch, loss_fn))
-        out.append(Peak(bytes=held + peak, loss=loss))
+        out.append(Peak(bytes=held + batch_bytes + peak, loss=loss))
     return out
