@@ -186,6 +186,20 @@ def test_an_interval_reaching_one_is_not_a_speedup():
     assert speed_verdict(same).kind == NOT_FASTER
 
 
+def test_a_wide_interval_on_one_side_of_one_says_which_way():
+    """0.08-0.35x is slower however wide it is, and 2.2-3.7x faster: both were withheld as
+    too noisy, with the advice to rerun on a quieter machine. Only a wide interval that
+    holds 1 withholds the verdict."""
+    slower = median_interval([0.08, 0.1, 0.2, 0.15, 0.3, 0.35, 0.12, 0.25])
+    faster = median_interval([2.19, 3.67, 2.5, 3.1, 2.8, 3.4, 2.3, 3.0])
+    both_ways = median_interval([0.6, 1.4, 0.9, 1.2, 0.8, 1.3, 0.7, 1.1])
+    assert min(i.width for i in (slower, faster, both_ways)) > 1.5
+    assert speed_verdict([slower]).kind == NOT_FASTER
+    assert speed_verdict([faster]).kind == FASTER
+    assert speed_verdict([faster, both_ways]).kind == NOISY
+    assert speed_verdict([faster, both_ways]).decisive == both_ways
+
+
 def test_load_that_drifts_over_the_run_cancels_in_paired_rounds():
     """Other work starts after a second: timing float32's steps first and bf16's after (the old
     order) charges the load to bf16 alone; paired rounds charge both alike."""

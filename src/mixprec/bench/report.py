@@ -29,6 +29,7 @@ from mixprec.bench.verdict import (
     MIN_ROUNDS,
     NOISY,
     Interval,
+    carries_finding,
     ratio_interval,
     speed_verdict,
 )
@@ -553,8 +554,9 @@ def _withheld(meta: dict[str, Any], label: str, kind: str, decisive: Interval, b
     return (
         f"Too noisy to conclude {how}: at batch {batch} its speedup lies anywhere in "
         f"{decisive.low:.2f}-{decisive.high:.2f}x (the {CONFIDENCE:.0%} interval of "
-        f"{decisive.n} rounds is {decisive.width:.1f}x wide, a verdict needs at most "
-        f"{MAX_WIDTH:.1f}x){', ' + under if under else ''}; {_rerun_advice(threads)}."
+        f"{decisive.n} rounds is {decisive.width:.1f}x wide and holds 1, a verdict needs at "
+        f"most {MAX_WIDTH:.1f}x or one side of 1){', ' + under if under else ''}; "
+        f"{_rerun_advice(threads)}."
     )
 
 
@@ -578,7 +580,8 @@ def _noisy_clause(meta: dict[str, Any], noisy: list[tuple[Summary, Interval]]) -
     return (
         f" Too noisy{' ' + under if under else ''} to state the speedup at the other batch "
         f"size(s) ({parts}; a "
-        f"verdict needs a {CONFIDENCE:.0%} interval at most {MAX_WIDTH:.1f}x wide); "
+        f"verdict needs a {CONFIDENCE:.0%} interval at most {MAX_WIDTH:.1f}x wide or on one side "
+        "of 1); "
         f"{_rerun_advice(threads)}."
     )
 
@@ -617,7 +620,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     verdict = speed_verdict([_interval(s) for s in rows])
     noisy_tail = ""
     if verdict.kind == NOISY:  # a finding from the batch sizes that allow one, if any
-        clear = [i.width <= MAX_WIDTH for i in verdict.intervals]
+        clear = [carries_finding(i) for i in verdict.intervals]
         if any(clear):
             pairs = zip(rows, verdict.intervals, clear, strict=True)
             noisy = [(s, i) for s, i, c in pairs if not c]
