@@ -157,6 +157,16 @@ def test_an_unknown_device_is_a_usage_error_everywhere(annotated, tmp_path, caps
     assert "unknown device 'tpu'" in capsys.readouterr().err
 
 
+def test_infos_measuring_settings_without_measure_are_a_usage_error(capsys):
+    """``--seconds`` and ``--repeats`` set how ``--measure`` measures: without it they
+    were ignored silently."""
+    for given in (["--seconds", "2"], ["--repeats", "3"]):
+        with pytest.raises(SystemExit) as stopped:
+            main(["info", *given])
+        assert stopped.value.code == 2
+        assert "add --measure" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS")
 def test_mps_without_mps_is_a_usage_error_everywhere(annotated, tmp_path, capsys):
     # before: `info` printed a line and crashed in the support matrix, `doctor` in torch

@@ -180,15 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--seconds",
         type=_positive,
-        default=0.5,
-        help="measuring time per dtype (0.5), up to 3x while the paired rounds disagree",
+        default=None,
+        help="with --measure: measuring time per dtype (0.5), up to 3x while the paired "
+        "rounds disagree",
     )
     p.add_argument(
         "--repeats",
         type=_at_least_one,
-        default=5,
-        help="rounds at least (5), up to 3x while they disagree; the median is shown, with "
-        "their range",
+        default=None,
+        help="with --measure: rounds at least (5), up to 3x while they disagree; the median "
+        "is shown, with their range",
     )
     p.set_defaults(func=_info)
     add_bench_parser(sub)
@@ -204,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     prints its traceback and one line naming it on stderr, and exits with 3."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "info":
+        if not args.measure and (args.seconds is not None or args.repeats is not None):
+            parser.error("info: --seconds and --repeats set how --measure measures; add --measure")
+        args.seconds = 0.5 if args.seconds is None else args.seconds
+        args.repeats = 5 if args.repeats is None else args.repeats
     try:
         return args.func(args)
     except Exception as err:  # noqa: BLE001 - any failure gets its own exit status

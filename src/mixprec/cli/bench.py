@@ -75,7 +75,9 @@ _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
 def parse_size(text: str) -> int:
     """Bytes from "2GiB", "512M", "1.5g", "1000000": a bare prefix (K, M...) or one with
     "iB" is binary (K = 1024), one with "B" decimal (KB = 1000), as the doctor's and the
-    search's sizes read them."""
+    search's sizes read them; a bare number counts bytes, and a bare prefix is binary,
+    where the doctor's ``--fit`` wants the unit written out (its budgets also take
+    fractions, which a bare number would read as)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(ib|b)?|b)?\s*", text.lower())
     if m is None:
         raise argparse.ArgumentTypeError(
