@@ -11,8 +11,7 @@ libraries set up on first use for the life of the process (cuBLAS workspaces) is
 no loop. Then it is built again and run up to its first optimizer update (one step, unless
 float16 overflow skips some) and one step more while its peak memory is measured, so that
 the peak is a training step's with the optimizer's state alive (the forward and backward
-before the first update run without it: Adam's two moments, a float32 model's weights
-twice over, were left out of the peak and of what fits a memory limit): on CUDA
+before the first update run without it): on CUDA
 `torch.cuda.max_memory_allocated` after `reset_peak_memory_stats`, minus what was allocated
 before the loop was built; on CPU the peak of live tensor bytes from the allocator's events
 that `torch.profiler` records (`profile_memory=True`).

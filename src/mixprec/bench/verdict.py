@@ -132,7 +132,7 @@ class Verdict:
 
 def carries_finding(interval: Interval, max_width: float = MAX_WIDTH) -> bool:
     """Whether ``interval`` supports a finding: at most `max_width` wide, or wholly above or
-    below 1 (a speedup of 0.08-0.35x is slower however wide it is)."""
+    below 1 (then it says which way, however wide it is)."""
     return interval.width <= max_width or interval.low > 1 or interval.high < 1
 
 
