@@ -197,10 +197,10 @@ def test_on_a_cpu_without_fast_bf16_the_default_run_says_why_it_timed_float32_on
         assert "left out: bf16-mixed, slow here (bfloat16: no bf16 or avx512 instructions" in flat
         assert f"float32 {rates['float32']:,.1f} GFLOP/s" in flat
         assert "bfloat16 is fast on NVIDIA GPUs of compute capability 8.0+" in flat
-        assert f"to time them anyway: {anyway}" in flat
+        assert f"to time bf16-mixed and 16-mixed anyway: {anyway}" in flat
     # a few short labelled lines, not one paragraph
     section = md.split("## Why no mixed precision was timed")[1].split("##")[0].strip()
-    labels = ("timed", "left out", "matmul rates", "estimate", "where it pays", "to time them")
+    labels = ("timed", "left out", "matmul rates", "estimate", "where it pays", "to time ")
     for line in section.splitlines():
         assert line.startswith("- ") and line[2:].startswith(labels), line
     assert len(section.splitlines()) >= 5
@@ -225,7 +225,14 @@ def test_asking_for_float32_only_says_what_was_left_out(tmp_path, capsys):
     # only the fast one is suggested, so no --allow-slow
     assert "--precision 32-true bf16-mixed --steps" in gap["command"]
     assert "--allow-slow" not in gap["command"]
+    # and 16-mixed, slow here, by its own command (before: the line named no precision, and
+    # its command timed bf16-mixed alone beside an estimate for 16-mixed)
+    assert gap["slow_runnable"] == ["16-mixed"]
+    assert "--precision 32-true bf16-mixed 16-mixed --steps" in gap["slow_command"]
+    assert gap["slow_command"].endswith("--allow-slow")
     flat = " ".join(md.split())
+    assert f"to time bf16-mixed anyway: {gap['command']}" in flat
+    assert f"to time 16-mixed too (slow here): {gap['slow_command']}" in flat
     assert "timed: only 32-true was asked for (--precision), so only float32 was timed" in flat
     assert "left out: bf16-mixed, fast here" in flat
 

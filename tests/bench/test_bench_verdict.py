@@ -337,6 +337,14 @@ def test_equal_peaks_state_no_memory_finding(monkeypatch):
     assert "peak memory" not in sentence and "as fast as float32 (batch 16;" in sentence
 
 
+@pytest.mark.parametrize("peak", [100, 120])
+def test_a_slower_run_saving_no_memory_does_not_point_at_memory(monkeypatch, peak):
+    # before: "train in float32 unless memory is what you need" with equal or larger peaks
+    monkeypatch.setitem(PEAKS, "bf16-mixed", peak)
+    sentence = conclusion(*_with_interval(0.80, 0.85, 0.90))
+    assert sentence.endswith("so here it pays less than there: train in float32 here."), sentence
+
+
 def test_intervals_on_both_sides_of_the_seeds_figure_say_so():
     """An interval under 1.1x at one batch size and one over it at another read "about
     what it pays here" (the span of all of them held 1.1x)."""

@@ -499,7 +499,9 @@ def test_the_terminal_never_calls_a_layer_with_inf_nan_ok_and_says_a_rerun_may_f
     assert "run again, pool.softmax (NaiveSoftmax) is broken: 121 of 2048 outputs" in " ".join(
         text.split()
     )
+    assert "out dtype" in text  # the dtype column is the layer's output's, and says so
     report = (out / "report.md").read_text()
+    assert "| module | type | out dtype |" in report
     assert "| norm | LayerNorm | float32 |" in report
     norm = next(line for line in report.splitlines() if line.startswith("| norm |"))
     assert norm.count("inf/NaN from upstream") == 1 and "| ok |" not in norm

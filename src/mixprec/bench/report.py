@@ -449,7 +449,8 @@ def _duration(ms: float) -> str:
 def comparison_gap_lines(report: BenchReport, summaries: list[Summary]) -> list[str]:
     """Why no mixed precision was timed, as short labelled lines: what was timed, each
     precision left out and why, the dtype rates measured here, what timing them would cost,
-    where they pay, and the command to time them anyway. Empty when nothing was left out."""
+    where they pay, and the commands to time them anyway (the fast ones, then with the slow
+    ones too). Empty when nothing was left out."""
     gap = report.metadata.get("comparison_gap")
     if not gap:
         return []
@@ -495,7 +496,11 @@ def comparison_gap_lines(report: BenchReport, summaries: list[Summary]) -> list[
     if fast:
         lines.append("where it pays: " + "; ".join(fast))
     if gap["command"]:
-        lines.append(f"to time them anyway: {gap['command']}")
+        names = " and ".join(gap.get("runnable") or ["them"])
+        lines.append(f"to time {names} anyway: {gap['command']}")
+    if gap.get("slow_command"):
+        names = " and ".join(gap["slow_runnable"])
+        lines.append(f"to time {names} too (slow here): {gap['slow_command']}")
     return lines
 
 
@@ -661,7 +666,10 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     elif all(i.high < min(blog) for i in intervals):
         than = "so here it pays less than there"
         if statistics.median(speed) < 0.9 * min(blog):
-            than += ": train in float32 unless memory is what you need"
+            if memory and memory.endswith("less peak memory"):
+                than += ": train in float32 unless memory is what you need"
+            else:  # (no memory saved at every batch size: nothing to weigh the speed against)
+                than += ": train in float32 here"
     elif all(i.low <= max(blog) and i.high >= min(blog) for i in intervals):
         than = "about what it pays here"
     else:

@@ -483,16 +483,21 @@ def comparison_gap(p: Plan) -> dict[str, Any] | None:
     finally:
         torch.set_num_threads(before)
     fast = [n for n, s in p.left_out.items() if s.status == FAST]
-    runnable = fast or [n for n, s in p.left_out.items() if s.status != REFUSED]
-    command = None
-    if runnable:
-        slow = any(p.left_out[n].status == SLOW for n in runnable)
+    others = [n for n, s in p.left_out.items() if s.status not in (FAST, REFUSED)]
+
+    def timing(names: list[str]) -> str | None:
+        if not names:
+            return None
+        slow = any(p.left_out[n].status == SLOW for n in names)
         anyway = replace(
             p.options,
-            precisions=[*(p.options.precisions or []), *runnable],
+            precisions=[*(p.options.precisions or []), *names],
             allow_slow=p.options.allow_slow or slow,
         )
-        command = reproduce_command(anyway, p.device)
+        return reproduce_command(anyway, p.device)
+
+    # the fast ones first; the slow ones (whose cost the report estimates) by their own command
+    runnable = fast or others
     return {
         "asked": p.asked,
         "timed": sorted({dtype_name(d) for m in p.precisions.values() for d in m.compute_dtypes()}),
@@ -506,7 +511,10 @@ def comparison_gap(p: Plan) -> dict[str, Any] | None:
             for name, s in p.left_out.items()
         },
         "matmul_gflops": {k: round(v, 2) for k, v in rates.items()},
-        "command": command,
+        "runnable": runnable,
+        "command": timing(runnable),
+        "slow_runnable": others if fast else [],
+        "slow_command": timing([*fast, *others]) if fast and others else None,
     }
 
 

@@ -25,7 +25,7 @@ _STYLE = {OK: "green", AT_RISK: "yellow", BROKEN: "red bold"}
 _COLUMNS = (
     "module",
     "type",
-    "dtype",
+    "out dtype",
     "amax",
     "min abs",
     "overflow",
@@ -55,16 +55,16 @@ def _pct(x: float) -> str:
 
 
 # the terminal shows fewer columns than the markdown report
-_TERMINAL = ("module", "type", "dtype", "amax", "inf/nan", "rel err", "SQNR dB", "verdict")
+_TERMINAL = ("module", "type", "out dtype", "amax", "inf/nan", "rel err", "SQNR dB", "verdict")
 # which of them a narrow terminal keeps longest (absent: always shown)
-_KEEP = {"SQNR dB": 5, "type": 4, "rel err": 3, "inf/nan": 2, "dtype": 1}
+_KEEP = {"SQNR dB": 5, "type": 4, "rel err": 3, "inf/nan": 2, "out dtype": 1}
 
 
 def _cells(m: ModuleReport, columns: tuple[str, ...] = _COLUMNS) -> list[str]:
     cells = {
         "module": m.display_name,
         "type": m.type,
-        "dtype": m.dtype,
+        "out dtype": m.dtype,
         "amax": _num(m.amax),
         "min abs": _num(m.amin),
         "overflow": _pct(m.overflow),
