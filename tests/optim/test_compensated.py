@@ -948,3 +948,38 @@ def test_the_compensators_build_refused_by_dynamos_limit_falls_back_to_eager(mon
             eager.step(opts[1])
     for w, c in zip(weights, copies, strict=True):
         assert torch.equal(w, c)
+
+
+def _kahan_sum(path: str, dtype: torch.dtype, compile: bool, steps: int) -> torch.Tensor:
+    """``w + c`` (weight plus Kahan buffer, in float64) of 64 weights at 2^-6 after ``steps``
+    plain SGD steps of 2^-26 each down, by the compensated torch SGD or the low-bit SGD."""
+    from mixprec.optim.states import LowBitSGD
+
+    p = nn.Parameter(torch.full((64,), 2.0**-6, dtype=dtype))
+    if path == "torch":
+        opt, comp = torch.optim.SGD([p], lr=2.0**-26), Compensator("kahan", seed=0, compile=compile)
+    else:
+        opt = LowBitSGD([p], lr=2.0**-26, compensation="kahan", seed=0, compile=compile)
+        comp = None
+    for _ in range(steps):
+        p.grad = torch.ones_like(p)
+        comp.step(opt) if comp is not None else opt.step()
+    return p.detach().double() + opt.state[p]["compensation"].double()
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("path", ["torch", "low-bit"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kahan_buffer_is_itself_stochastically_rounded_on_every_path(dtype, path, compile):
+    """An update of 2^-26 is below half the spacing the buffer has once it holds a few of
+    them (bfloat16) or below half of float16's smallest subnormal: rounded to nearest, the
+    buffer stops growing before it reaches half a weight spacing (2^-15 for bfloat16, 2^-18
+    for float16 at 2^-6), and the weights never move. The engine stores it stochastically
+    rounded, so it keeps the sum on average. Before: only bfloat16 weights of torch's
+    optimizers had it; float16 ones and the low-bit optimizers' buffers rounded to nearest
+    and lost 57% (bfloat16) to all (float16) of the distance moved here."""
+    steps = 600
+    exact = 2.0**-6 - steps * 2.0**-26
+    got = _kahan_sum(path, dtype, compile, steps)
+    # the buffer's own rounding errors average out over the 64 weights
+    assert abs(got.mean().item() - exact) < 0.05 * steps * 2.0**-26

@@ -328,7 +328,8 @@ def write_back(
         new = lanes.nearest(w + u)
         # the part of the update that made it into the parameter is exact in float32
         buffer = u - (lanes.value(new, p.dtype) - w)
-        return [new, lanes.stochastic(buffer, noise, c.dtype)]
+        # (the buffer is stored in the weight's dtype: ``c`` arrives in the math dtype)
+        return [new, lanes.stochastic(buffer, noise, p.dtype)]
     if kind == "stochastic":
         assert noise is not None
         return [lanes.stochastic(w + u, noise, p.dtype), None]
