@@ -6,6 +6,7 @@ import math
 import pickle
 import time
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import pytest
@@ -718,3 +719,24 @@ def test_remove_keeps_a_buffer_two_modules_share_shared():
     assert model[0].table is model[1].table and model[0].table.dtype == bf16
     mixprec.remove(model)
     assert model[0].table is model[1].table and model[0].table.dtype == f32
+
+
+def test_a_region_differing_from_its_mixed_parent_in_output_dtype_hands_that_dtype_back():
+    """Before: a layer's region inside a mixed parent of the same compute dtype returned
+    autocast's bfloat16 whatever its output dtype (the parent's autocast made it skip its
+    cast), while `explain` listed float16, and the layer called alone returned float16."""
+    seen = {}
+    for rules, want in (
+        (("bf16-mixed", {"head": "p=f32,c=bf16,o=f16"}), torch.float16),
+        (("c=bf16", {"head": "bf16-mixed"}), torch.float32),
+    ):
+        model = nn.Sequential(OrderedDict(body=nn.Linear(8, 8), head=nn.Linear(8, 4)))
+        model.head.register_forward_hook(lambda m, i, o: seen.__setitem__("head", o.dtype))
+        mixprec.apply(model, mixprec.PolicyMap(*rules))
+        assert mixprec.explain(model)["head"].output_dtype == want
+        model(torch.randn(2, 8))
+        assert seen["head"] == want
+        # the model's own region under its caller's autocast still leaves autocast's outputs
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(2, 8))
+        assert seen["head"] == want

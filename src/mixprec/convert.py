@@ -33,10 +33,9 @@ from mixprec.device import detect, device_of, parse_device
 from mixprec.dtypes import default_dtype, dtype_name, needs_default_dtype
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import slow_attention, warn_if_unsupported
-from mixprec.policy import Policy, explanation
+from mixprec.policy import APPLIED_STATE, REGION_MARK, Policy, explanation
 from mixprec.policy.explanation import Explanation
 from mixprec.policy.map import (
-    APPLIED_STATE,
     PolicyMap,
     Resolution,
     as_map,
@@ -222,6 +221,7 @@ class _Region:
         # those of a policy that `casts_params` (float16 params computing in bfloat16...)
         self.cast = cast
         self.output_dtype = _output_dtype(policy, parent)
+        self.root = parent is None  # (the model's own region: its caller's autocast is kept)
         # a module shared by parents that want its result in different dtypes hands it back
         # in its caller's: the dtype of its first floating input (None: `output_dtype`)
         self.follow_input = follow_input
@@ -263,16 +263,21 @@ class _Region:
                 torch.is_autocast_enabled(device_type)
                 and torch.get_autocast_dtype(device_type) == self.compute_dtype
             ):
-                # The caller runs this very autocast (a training step, the precision's
-                # forward context): the region adds nothing, and its outputs stay as autocast
-                # made them for the loss computed inside it, as in a torch.autocast loop.
-                return forward(*args, **kwargs)
-            try:
-                with torch.autocast(device_type, dtype=self.compute_dtype):
-                    out = forward(*args, **kwargs)
-            except RuntimeError as err:
-                _explain_rnn_error(err, module, device_type, self.compute_dtype)
-                raise
+                # This very autocast runs already: the region adds none. The root's caller
+                # runs it (a training step, the precision's forward context): the outputs
+                # stay as autocast made them for the loss computed inside it, as in a
+                # torch.autocast loop. Inside the model (a parent region's, or the caller's
+                # around a layer it calls) a region still hands back its output dtype.
+                out = forward(*args, **kwargs)
+                if self.root:
+                    return out
+            else:
+                try:
+                    with torch.autocast(device_type, dtype=self.compute_dtype):
+                        out = forward(*args, **kwargs)
+                except RuntimeError as err:
+                    _explain_rnn_error(err, module, device_type, self.compute_dtype)
+                    raise
             if isinstance(out, Tensor):  # `cast_floating`'s first case, without its call
                 dtype = output_dtype
                 if not out.is_floating_point() or out.dtype == dtype:
@@ -300,6 +305,9 @@ class _Region:
                 with off, swap:
                     out = forward(*args, **kwargs)
         return cast_floating(out, output_dtype)
+
+
+setattr(_Region, REGION_MARK, True)  # (what layer-swapping tools look for)
 
 
 def _compute_copies(

@@ -144,6 +144,11 @@ def test_immutable():
         ("p=f32,c=int8", "int8 is not a floating dtype"),
         ("complex64", "complex64 is not a floating dtype"),
         ("p=f32,c=float8_e4m3fn", "float8 tensors need per-tensor scales"),
+        # before: accepted, and apply stored every weight as an unsigned power of two
+        ("float8_e8m0fnu", "float8_e8m0fnu is not a policy dtype"),
+        (torch.float8_e8m0fnu, "param dtype float8_e8m0fnu refused: a policy's dtypes are"),
+        ("p=f32,c=float8_e8m0fnu", "compute dtype float8_e8m0fnu refused.*'mxfp8_from_"),
+        (torch.float4_e2m1fn_x2, "param dtype float4_e2m1fn_x2 refused"),
         ("mixed", "did you mean 'bf16-mixed' or '16-mixed'"),
     ],
 )

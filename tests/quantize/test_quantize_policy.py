@@ -252,6 +252,11 @@ REFUSED = {
     "int4/1_from_float32": "group size 1",
     "int4/-2_from_float32": "group size -2",
     "int4/abc_from_float32": "group size 'abc'.*not an integer",
+    # before: int() took these as 16 and 64 (one policy, several names)
+    "int4/1_6_from_float32": "group size '1_6'.*not an integer in digits 0-9",
+    "int4/+64_from_float32": "group size '\\+64'.*not an integer in digits 0-9",
+    "int4/\uff16\uff14_from_float32": "not an integer in digits 0-9",
+    "float8/delayed:1_6_from_float32": "amax history length '1_6'",
     "int4/_from_float32": "nothing after '/'",
     "float8/fast_from_float32": "unknown float8 recipe 'fast'.*tensorwise, rowwise, rowwise_",
     "float8/rowwise:16_from_float32": "belongs to the 'delayed' float8 recipe",
@@ -542,3 +547,28 @@ def test_setup_with_an_optimizer_built_first_warns_of_the_replaced_weights():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mixprec.Precision("int8_from_float32").setup(again)
+
+
+def test_quantize_and_dequantize_refuse_a_model_apply_converted():
+    """Before: both swapped layers of an applied model and dropped their regions: a float32
+    rule's layer then computed in bfloat16 under the root's autocast while `explain` still
+    listed 32-true (and a quantized rule's layer lost its region on dequantize)."""
+    from collections import OrderedDict
+
+    from mixprec.quantize import dequantize, quantize
+
+    def fresh() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(OrderedDict(body=nn.Linear(32, 32), head=nn.Linear(32, 32)))
+
+    model = mixprec.apply(fresh(), mixprec.PolicyMap("bf16-mixed", {"head": "float32"}))
+    for call in (lambda m: quantize(m, "int8"), dequantize):
+        for target in (model, model.head):  # (a region below the root too)
+            with pytest.raises(ValueError, match="before apply, or mixprec.remove"):
+                call(target)
+    assert type(model.head) is nn.Linear and "forward" in model.head.__dict__
+    # removed, quantized, applied again: what the message says works
+    mixprec.remove(model)
+    quantize(model, "int8")
+    mixprec.apply(model, mixprec.PolicyMap("bf16-mixed", {"head": "float32"}))
+    assert model.head.quantization_mode == "int8"

@@ -41,6 +41,8 @@ from mixprec.policy.names import (
 # is_auto is the grammar's (policy.names); it is listed here too for the code that takes specs
 # and policies from this module (hardware, precision)
 __all__ = [
+    "APPLIED_STATE",
+    "REGION_MARK",
     "Policy",
     "QuantizedPolicy",
     "as_policy",
@@ -476,6 +478,12 @@ def _given(spec: Any, where: str) -> Policy:
         raise PolicySpecError(f"{where} needs a policy, not None; " + accepted())
     return as_policy(spec)
 
+
+# where `mixprec.apply` keeps what it did on the root module (its `AppliedState`)
+APPLIED_STATE = "_mixprec_state"
+# the attribute a module's region (the forward `apply` stores on the instance) carries, so
+# that tools swapping layers (quantize, dequantize) can tell it from other patched forwards
+REGION_MARK = "_mixprec_region"
 
 _lock = threading.Lock()
 _global = Policy("32-true")

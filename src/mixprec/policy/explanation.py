@@ -18,7 +18,8 @@ from mixprec.activations.rules import Choice
 from mixprec.optim.states.assign import Assignment
 from mixprec.optim.states.formats import StateFormat
 from mixprec.optim.states.optimizers import fitted_format
-from mixprec.policy.map import APPLIED_STATE, Resolution, as_map, check_bypassed, dtype_plan
+from mixprec.policy import APPLIED_STATE
+from mixprec.policy.map import Resolution, as_map, check_bypassed, dtype_plan
 
 __all__ = ["Explanation", "explain"]
 

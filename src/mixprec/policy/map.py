@@ -70,7 +70,6 @@ from mixprec.policy.matching import PathRules, TypeRules, match_rule, split_rule
 from mixprec.quantize.rules import skip_reason, weights_read_by_parents
 
 __all__ = [
-    "APPLIED_STATE",
     "PolicyMap",
     "Resolution",
     "as_map",
@@ -739,10 +738,6 @@ def as_map(policy: Any = None) -> PolicyMap:
     if isinstance(policy, Mapping) and any(key in policy for key in _MAP_KEYS):
         return PolicyMap.from_config(policy)
     return PolicyMap(as_policy(policy))
-
-
-# where `mixprec.apply` keeps what it did on the root module (its `AppliedState`)
-APPLIED_STATE = "_mixprec_state"
 
 
 def dtype_plan(

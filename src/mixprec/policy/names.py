@@ -15,6 +15,7 @@ values from them.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -197,8 +198,9 @@ def parse_float(spec: Any) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         return dtype, dtype, dtype
     dtype = getattr(torch, bare, None)
     if isinstance(dtype, torch.dtype):  # an integer or complex dtype: refused with the reason
+        what = "not a floating dtype" if not dtype.is_floating_point else "not a policy dtype"
         raise PolicySpecError(
-            f"precision {spec!r} refused: {dtype_name(dtype)} is not a floating dtype; "
+            f"precision {spec!r} refused: {dtype_name(dtype)} is {what}; "
             + accepted()
             + ". "
             + accepted_quantized()
@@ -275,14 +277,15 @@ def accepted_quantized() -> str:
 
 
 def spelled_int(text: str, what: str, name: str) -> int:
-    """The int that the option `text` of the quantized spec `name` spells, or
-    PolicySpecError saying that `what` is not an integer and what is accepted."""
-    try:
-        return int(text)
-    except ValueError:
+    """The int that the option `text` of the quantized spec `name` spells in ASCII digits
+    (a leading minus allowed), or PolicySpecError saying that `what` is not one and what
+    is accepted (`int` alone would take blanks, '+', '1_6' and other scripts' digits, so a
+    name would not be one spelling per policy)."""
+    if not re.fullmatch(r"-?[0-9]+", text):
         raise PolicySpecError(
-            f"{what} {text!r} in {name!r} is not an integer. " + accepted_quantized()
-        ) from None
+            f"{what} {text!r} in {name!r} is not an integer in digits 0-9. " + accepted_quantized()
+        )
+    return int(text)
 
 
 def names_quantized(spec: Any) -> bool:
@@ -292,6 +295,10 @@ def names_quantized(spec: Any) -> bool:
         return False
     name = spec.strip().lower()
     return _QUANTIZED_SEP in name or name in LIGHTNING_FLOAT8
+
+
+# the dtypes a float policy stores, computes and outputs in
+_POLICY_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -317,6 +324,12 @@ class FloatSpec:
                     f"{role} dtype {dtype_name(dtype)} refused: float8 tensors need per-tensor "
                     "scales (a float8 recipe with scaled matmuls), which a plain cast policy "
                     "cannot give; use float16/bfloat16 here"
+                )
+            if dtype not in _POLICY_DTYPES:  # (scale-only and packed formats: float8_e8m0fnu,
+                raise PolicySpecError(  # float4_e2m1fn_x2)
+                    f"{role} dtype {dtype_name(dtype)} refused: a policy's dtypes are float64, "
+                    "float32, float16 or bfloat16 (block-scaled formats are quantized "
+                    "policies, e.g. 'mxfp8_from_bf16-mixed', 'nvfp4_from_bf16-mixed')"
                 )
 
     @property
