@@ -524,12 +524,14 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
             quantize_modules(model, to_quantize)  # type: ignore[arg-type]
         except Exception:
             # quantize checks every layer (finite weights...) before it swaps any: the
-            # model is as it was but for the regions, which go back
+            # model is as it was but for the regions and activation wrappers, which go back
             if state is not None:
                 _install_regions(
                     model,
                     state.policy.resolve(model, slow_attention=slow, device_type=device.type),
                 )
+                if state.policy.activations is not None:  # (stripped with the regions)
+                    install_activations(model, state.policy.activation_choices(model))
             raise
         resolved = _after_swap(model, resolved)
     _convert(dtype_plan(model, resolved))

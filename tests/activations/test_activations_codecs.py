@@ -564,3 +564,41 @@ def test_fp8_keeps_float64_activations_as_they_are():
         grads.append([p.grad for p in m.parameters()])
     for a, b in zip(*grads, strict=True):
         assert torch.isfinite(b).all() and torch.equal(a, b)
+
+
+class _ChunkedHead(nn.Module):
+    """A fused weight used in parts: the saved operands of the matmul are the input and a
+    split (then, under autocast, a cast) of the parameter; a conv of an unsqueezed weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 192))
+        self.c = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.w.chunk(3, dim=1)[0] + x @ self.w[:, 64:128] + x @ self.w.select(1, 5)[:, None]
+        return torch.nn.functional.conv1d(y[:, None, :8].expand(-1, 8, -1), self.c.unsqueeze(-1))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("option", ["bf16", "fp8"])
+def test_split_slice_select_and_unsqueezed_views_of_parameters_are_kept_as_they_are(
+    precision, option
+):
+    """Before: only casts, transposes, permutes, views and expands of a parameter were
+    known as parameters; a chunk, slice, select or unsqueeze of one was stored rounded, so
+    the input's gradient (which reads only the weight) differed from `keep`'s by up to half
+    its size, and `saved_bytes` counted the weight as an activation."""
+    grads, counted = {}, {}
+    for opt in ("keep", option):
+        torch.manual_seed(0)
+        model = mixprec.Precision(precision, activations=opt, allow_slow=True).setup(_ChunkedHead())
+        x = torch.randn(16, 64, requires_grad=True)
+        model(x).float().sum().backward()
+        grads[opt] = x.grad
+        counted[opt] = saved_bytes(model, x.detach())
+    assert torch.equal(grads[option], grads["keep"])
+    # no weight counted: nothing under 32-true (the conv's input is an expanded view, no
+    # memory of its own), autocast's three bfloat16 copies of the batch under bf16-mixed
+    assert counted["keep"] == {"": 0 if precision == "32-true" else 3 * 16 * 64 * 2}
+    assert counted[option][""] <= counted["keep"][""]

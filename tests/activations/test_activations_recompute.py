@@ -343,3 +343,44 @@ def test_a_region_entered_in_a_backward_on_another_thread_does_not_wait_for_the_
         assert not worker.is_alive(), "the backward waited for the lock"
     assert seen == [torch.float64] and torch.equal(x.grad, torch.full((3,), 2.0))
     assert torch.get_default_dtype() == torch.float32
+
+
+class _KeywordScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor, bias: float = 0.0) -> torch.Tensor:
+        return self.l(x * scale) + bias
+
+
+class _CallsScaled(nn.Module):
+    def __init__(self, mutate: bool) -> None:
+        super().__init__()
+        self.pre, self.b, self.mutate = nn.Linear(16, 16), _KeywordScaled(), mutate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.full((16,), 2.0)
+        y = self.b(self.pre(x), scale=scale, bias=1.0)
+        if self.mutate:
+            scale.add_(1)  # (a mask or scale the caller reuses)
+        return y
+
+
+@pytest.mark.parametrize("option", ["checkpoint", "selective"])
+def test_a_tensor_given_by_keyword_and_written_in_place_after_is_refused_as_when_kept(option):
+    """Before: keyword tensors were bound in a closure the checkpoint never saw, so one
+    written in place after the call was recomputed from its new values: gradients off by
+    half their size, no error (kept, or given positionally, torch raises)."""
+    x = torch.randn(4, 16)
+    grads = []
+    for opt in ("keep", {"b": option}):
+        torch.manual_seed(0)
+        model = mixprec.Precision("32-true", activations=opt).setup(_CallsScaled(False))
+        model(x).sum().backward()
+        grads.append(model.pre.weight.grad)
+    assert torch.equal(*grads)  # (keyword tensors and other keywords reach the layer)
+    torch.manual_seed(0)
+    model = mixprec.Precision("32-true", activations={"b": option}).setup(_CallsScaled(True))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()

@@ -167,3 +167,18 @@ def test_explain_under_a_true_policy_counts_the_batch_as_a_step_hands_it_over():
 
     assert shown.saved_bytes == saved_bytes(stepped, precision.convert_input(x))
     assert shown.saved_bytes["0"] == 0  # the converted batch: alive without the graph
+
+
+def test_a_refused_re_apply_leaves_the_previous_activation_options_in_place():
+    """Before: a re-apply refused by the quantization (the model itself a Linear) put the
+    previous regions back but not the activation wrappers: the model stopped storing its
+    activations in fp8 while its applied policy still said fp8."""
+    model = mixprec.apply(nn.Linear(64, 64), mixprec.PolicyMap("32-true", activations="fp8"))
+    with pytest.raises(ValueError, match="quantize swaps submodules"):
+        mixprec.apply(model, mixprec.PolicyMap("int8_from_mixed_bfloat16", activations="fp8"))
+    assert wrapped(model) == {"": "fp8"}
+    seen = []
+    x = torch.randn(8, 64, requires_grad=True) * 1.0  # (an activation: not a leaf)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        model(x).sum()
+    assert not [t for t in seen if t.dtype == torch.float32 and t.numel() == x.numel()]

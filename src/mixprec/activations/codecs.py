@@ -77,6 +77,14 @@ _CAST_OR_VIEW = frozenset(
         "UnsafeViewBackward0",
         "ExpandBackward0",
         "AliasBackward0",
+        "SplitBackward0",
+        "SplitWithSizesBackward0",
+        "SliceBackward0",
+        "SelectBackward0",
+        "UnsqueezeBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
     }
 )
 
@@ -114,6 +122,8 @@ def _record(original: Tensor, stored: int, key: int) -> None:
 def is_activation(t: Tensor) -> bool:
     """Whether `t` was computed in this forward, not a parameter, buffer, input or a cast or
     view of a parameter: the tensors a codec stores otherwise."""
+    while t._is_view():  # (a view is what its base is: a split of a weight is the weight)
+        t = t._base  # type: ignore[assignment]
     node = t.grad_fn
     while node is not None and type(node).__name__ in _CAST_OR_VIEW:
         nexts = [n for n, _ in node.next_functions if n is not None]

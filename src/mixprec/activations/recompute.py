@@ -64,19 +64,35 @@ def recomputed(
 ) -> Any:
     """``forward(*args, **kwargs)`` with its saved tensors dropped and recomputed in the
     backward; `mode` is ``"checkpoint"`` or ``"selective"``."""
-    run = functools.partial(_in_default_dtype, torch.get_default_dtype(), forward, kwargs)
+    # tensors given by keyword go to the checkpoint as positional arguments, as the others:
+    # bound in a closure, one written in place after the call was recomputed from its new
+    # values without torch's error
+    names = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+    others = {k: None if k in names else v for k, v in kwargs.items()}
+    run = functools.partial(
+        _in_default_dtype, torch.get_default_dtype(), forward, others, names, len(args)
+    )
     if mode == "selective":
         run = functools.partial(_with_fresh_cast_cache, run)
     extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
-    return checkpoint(run, *args, use_reentrant=False, **extra)
+    return checkpoint(run, *args, *(kwargs[k] for k in names), use_reentrant=False, **extra)
 
 
 def _in_default_dtype(
-    dtype: torch.dtype, forward: Callable[..., Any], kwargs: dict[str, Any], *args: Any
+    dtype: torch.dtype,
+    forward: Callable[..., Any],
+    kwargs: dict[str, Any],
+    names: tuple[str, ...],
+    count: int,
+    *args: Any,
 ) -> Any:
     """``forward(*args, **kwargs)`` with `dtype` torch's default dtype, as it was when the
     forward first ran: the recomputation in the backward runs outside the regions around the
-    layer, which set it then."""
+    layer, which set it then. The arguments after the first `count` are the tensors given
+    by the keywords `names`."""
+    given = dict(zip(names, args[count:], strict=True))
+    kwargs = {k: given[k] if k in given else v for k, v in kwargs.items()}  # (their order)
+    args = args[:count]
     if torch.get_default_dtype() == dtype and not needs_default_dtype(dtype):
         return forward(*args, **kwargs)
     with default_dtype(dtype):
