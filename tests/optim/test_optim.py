@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from nets import mlp
 from torch import nn
 
+import mixprec
 from mixprec.optim import (
     LossScaleOptimizer,
     OptState,
@@ -591,3 +592,37 @@ def test_clipping_a_model_holding_gradients_no_optimizer_unscales_is_refused():
         precision.clip_grad_norm_(model, 1.0)
     norm = precision.clip_grad_norm_(opt, 1.0)  # the optimizer's own: unscaled, clipped
     assert torch.isfinite(norm) and norm < 2.0**10
+
+
+@pytest.mark.parametrize(
+    ("spec", "options"),
+    [("16-true", {}), ("bf16-true", {"master_weights": True, "scaler": "dynamic"})],
+)
+def test_a_weight_written_after_the_unscale_is_kept_by_the_step(spec, options):
+    """Before: a loss-scaled step with float32 masters took the masters as the unscale
+    (or a clip) left them and copied them over the model: a weight written between the
+    unscale and the step was undone (without a scaler the step kept it)."""
+    torch.manual_seed(0)
+    precision = mixprec.Precision(spec, allow_slow=True, **options)
+    model = nn.Linear(4, 2)
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    x = torch.randn(3, 4).to(model.weight.dtype)
+    precision.backward(model(x).float().pow(2).mean())
+    precision.unscale_()
+    with torch.no_grad():
+        model.weight.zero_()
+    assert precision.step(opt)
+    assert torch.equal(model.weight, torch.zeros_like(model.weight))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_backward_after_check_is_refused(fused):
+    """Before: `check_()` in the middle of an accumulation kept its flag, so an inf in a
+    later micro-batch went unseen and a fused step applied it (NaN weights, step() True)."""
+    model = nn.Linear(2, 1)
+    opt = mixprec.LossScaleOptimizer(torch.optim.Adam(model.parameters(), fused=fused), 8.0)
+    opt.backward(model(torch.ones(1, 2)).sum())
+    opt.check_()
+    with pytest.raises(RuntimeError, match=r"backward\(\) after check_\(\) in the same step"):
+        opt.backward(model(torch.ones(1, 2)).sum() * float("inf"))
+    assert opt.step() and torch.isfinite(model.weight).all()  # (the first micro-batch's)

@@ -144,3 +144,35 @@ def test_a_bad_initial_scale_is_refused_by_every_scaler(value, error, match):
         DynamicLossScaler(value, min_scale=0.0, max_scale=math.inf)
     with pytest.raises(error, match=match):
         StaticLossScaler(value)
+
+
+@pytest.mark.parametrize(
+    ("make", "change", "message"),
+    [
+        (lambda: StaticLossScaler(1024.0), {"scale": 0.0}, "scale must be a positive finite"),
+        (lambda: DynamicLossScaler(), {"scale": -4.0}, "scale must be a positive finite"),
+        (lambda: DynamicLossScaler(), {"scale": math.inf}, "scale must be a positive finite"),
+        (lambda: DynamicLossScaler(), {"growth_factor": -2.0}, "growth_factor must be"),
+        (lambda: DynamicLossScaler(), {"backoff_factor": 3.0}, "backoff_factor must be in"),
+        (lambda: DynamicLossScaler(), {"growth_interval": 0}, "growth_interval"),
+        (lambda: DynamicLossScaler(), {"hysteresis": 0}, "hysteresis"),
+        (lambda: DynamicLossScaler(), {"scale": 2.0**30}, "scale 1073741824.0 is outside"),
+        (lambda: DynamicLossScaler(), {"steps": -1}, "steps must be an int >= 0"),
+    ],
+)
+def test_a_saved_scaler_state_is_checked_as_the_constructor_checks(make, change, message):
+    """Before: a mixprec scaler state loaded whatever it held: a static scale of 0 skipped
+    every step and then advised lowering the scale, a backoff factor of 3 grew the scale on
+    every overflow."""
+    scaler = make()
+    with pytest.raises(
+        ValueError, match="invalid '(static|dynamic)' loss scaler state: " + message
+    ):
+        scaler.load_state_dict({**make().state_dict(), **change})
+    assert scaler.state_dict() == make().state_dict()  # (nothing loaded)
+
+
+def test_a_torch_grad_scaler_state_with_an_infinite_scale_is_refused():
+    state = torch.amp.GradScaler("cpu").state_dict()
+    with pytest.raises(ValueError, match="invalid torch.amp.GradScaler state"):
+        DynamicLossScaler().load_state_dict({**state, "scale": math.inf})

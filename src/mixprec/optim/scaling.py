@@ -392,6 +392,10 @@ class LossScaler:
                 f"scaler; build the scaler the checkpoint was saved with"
             )
         _check_keys(state, self._state_keys(), f"{self.kind!r} loss scaler")
+        try:  # (the settings and scale as the constructor checks them, and counters >= 0)
+            self._check_saved(state)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"invalid {self.kind!r} loss scaler state: {err}") from None
         self._scale.fill_(state["scale"])
         for key, attr in self._SAVED.items():
             setattr(self, attr, state[key])
@@ -401,6 +405,16 @@ class LossScaler:
 
     def _state_keys(self) -> list[str]:
         return ["scale", *self._SAVED]
+
+    def _check_saved(self, state: Mapping[str, Any]) -> None:
+        """Raise what the constructor would for a saved state's scale and settings, and for
+        a counter that is not an int >= 0."""
+        _initial_scale("scale", state["scale"])
+        _positive_int("max_skips_at_min_scale", state["max_skips_at_min_scale"])
+        for key in ("steps", "skipped_steps", "consecutive_skips", "skips_at_min_scale"):
+            value = state[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{key} must be an int >= 0, got {value!r}")
 
     def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
         """A state without a ``kind``: from torch.amp.GradScaler, or not a scaler's at all."""
@@ -685,6 +699,18 @@ class DynamicLossScaler(LossScaler):
     def _state_keys(self) -> list[str]:
         return [*super()._state_keys(), "growth_tracker", "credits"]
 
+    def _check_saved(self, state: Mapping[str, Any]) -> None:
+        super()._check_saved(state)
+        keys = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+        keys += ("hysteresis", "min_scale", "max_scale", "max_skips_at_min_scale")
+        DynamicLossScaler(**{k: state[k] for k in keys})  # (the constructor's checks)
+        scale = _float32(float(state["scale"]))
+        if not _float32(state["min_scale"]) <= scale <= _float32(state["max_scale"]):
+            raise ValueError(
+                f"scale {state['scale']} is outside [min_scale, max_scale] = "
+                f"[{state['min_scale']}, {state['max_scale']}]"
+            )
+
     def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
         """Resume from ``torch.amp.GradScaler.state_dict()``: its scale, growth tracker,
         factors and interval. It has no hysteresis, bounds or counters: this scaler keeps its
@@ -697,7 +723,11 @@ class DynamicLossScaler(LossScaler):
         backoff_factor = _real("backoff_factor", state["backoff_factor"])
         growth_interval = _positive_int("growth_interval", state["growth_interval"])
         tracker = state["_growth_tracker"]
-        if not scale > 0 or not 1.0 < growth_factor or not 0.0 < backoff_factor < 1.0:
+        if (
+            not 0 < scale < math.inf
+            or not 1.0 < growth_factor < math.inf
+            or not 0.0 < backoff_factor < 1.0
+        ):
             raise ValueError(f"invalid torch.amp.GradScaler state: {dict(state)}")
         self._scale.fill_(scale)
         self._growth_tracker.fill_(int(tracker))

@@ -256,6 +256,12 @@ class LossScaleOptimizer(OptimizerCheckpoint):
                 "unscaled values. With gradient accumulation, unscale (or clip) only after "
                 "the last micro-batch's backward."
             )
+        if self._found_inf is not None:  # (`check_`: its flag would miss these gradients)
+            raise RuntimeError(
+                "backward() after check_() in the same step: the overflow flag it found "
+                "would not see this backward's gradients (a fused step would apply an inf). "
+                "With gradient accumulation, check only after the last micro-batch's backward."
+            )
 
     def unscale_(self) -> None:
         """Divide this step's gradients by the loss scale, in place; idempotent until ``step``.
@@ -385,6 +391,8 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         moved into the masters first. ``end_step`` follows."""
         if found_inf is None:
             self._masters.sync(self.optimizer)
+        else:  # (weights written since the unscale moved the gradients: a clip's neighbour)
+            self._masters.follow_edits()
         if self._compensator is not None:
             self._compensator.step(self.optimizer)
             return
@@ -473,9 +481,11 @@ class LossScaleOptimizer(OptimizerCheckpoint):
     def _closure_step(self, closure: Callable[[], Any]) -> bool:
         if self.scaler.enabled:
             raise RuntimeError(
-                f"{type(self.optimizer).__name__} with a closure re-evaluates the loss several "
-                f"times per step, and a loss-scaled step cannot be skipped half-way. Train it "
-                f"without loss scaling: a bfloat16 or float32 precision ('bf16-mixed', "
+                f"step(closure) of {type(self.optimizer).__name__} under loss scaling: the "
+                f"optimizer evaluates the closure inside its step (LBFGS several times), where "
+                f"an overflow found in the closure's gradients can no longer skip it, as torch's "
+                f"GradScaler refuses it too. Without a closure, call backward and step(); or "
+                f"train without loss scaling: a bfloat16 or float32 precision ('bf16-mixed', "
                 f"'32-true') or scaler='none'"
             )
 
