@@ -565,3 +565,25 @@ def test_a_checkpoint_whose_map_rules_a_class_defined_in_a_function_resumes(tmp_
     path = tmp_path / "run.ckpt"
     fit(1).save_checkpoint(path)
     assert fit(2, ckpt_path=path).global_step == 2 * BATCHES
+
+
+def test_a_run_resumes_with_other_activation_options(tmp_path):
+    """Activation options change no weight, scaler, master or optimizer state: a run
+    resumed with `checkpoint` (after running out of memory) is the same run, bit for bit.
+    Before: refused as a change of precision."""
+
+    def plugin(activations) -> MixprecPrecision:
+        return MixprecPrecision(Precision("16-mixed", allow_slow=True, activations=activations))
+
+    straight = _model()
+    _trainer(plugin(None), max_epochs=2).fit(straight, _loader())
+    half = _model()
+    first = _trainer(plugin(None), max_epochs=1)
+    first.fit(half, _loader())
+    path = tmp_path / "half.ckpt"
+    first.save_checkpoint(path)
+    resumed = _model()
+    rules = {r"net\.[03]": "checkpoint"}
+    _trainer(plugin(rules), max_epochs=2).fit(resumed, _loader(), ckpt_path=path)
+    for a, b in zip(straight.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -55,7 +55,7 @@ from mixprec.errors import PolicySpecError
 from mixprec.hardware import DeviceInfo, device_of
 from mixprec.optim import LossScaleOptimizer, SkipAwareScheduler
 from mixprec.optim.scaling import LossScaler
-from mixprec.policy.map import PolicyMap
+from mixprec.policy.map import PolicyMap, resumable_config
 from mixprec.precision import Precision
 
 __all__ = [
@@ -359,7 +359,9 @@ class MixprecPrecision(LightningPrecision):
         saved_policy = state_dict["precision"].get("policy")
         # (compared as configs: rebuilding the saved map would import its type rules' classes,
         # which a class defined in a function or a script cannot be)
-        if saved_policy is not None and saved_policy != self.mixprec.policy.to_config():
+        if saved_policy is not None and resumable_config(saved_policy) != resumable_config(
+            self.mixprec.policy.to_config()
+        ):
             raise ValueError(
                 f"the checkpoint was saved under {_described(saved_policy)}, this run's "
                 f"precision is {self.mixprec.policy!r}: MixprecPrecision resumes a run in the "

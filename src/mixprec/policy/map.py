@@ -78,6 +78,7 @@ __all__ = [
     "float_dtypes",
     "is_policy_file",
     "island_policy",
+    "resumable_config",
 ]
 
 # What torch's CUDA autocast runs in float32 (layer_norm, group_norm, softmax, ...), made
@@ -774,3 +775,12 @@ def dtype_plan(
                 if t.dtype != dtype:
                     plan.append((module, kind, key, dtype))
     return plan
+
+
+def resumable_config(config: Any) -> Any:
+    """A map's ``to_config()`` as a resume compares it: without the activation options,
+    which leave the weights, the loss scaler, the masters and the optimizer state as they
+    are (a run resumed with ``checkpoint`` after running out of memory is the same run)."""
+    if isinstance(config, Mapping):
+        return {k: v for k, v in config.items() if k != "activations"}
+    return config

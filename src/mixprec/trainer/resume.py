@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.optim import LossScaleOptimizer, master_weights_by_name
+from mixprec.policy.map import resumable_config
 from mixprec.trainer.callbacks import callback_states, load_callback_states
 from mixprec.trainer.checkpoint import FORMAT, FORMAT_VERSION, CheckpointError, rng_states
 from mixprec.trainer.data import describe_order, generators, loader_batch_size, order_of
@@ -243,7 +244,7 @@ def load_weights(run: Run, state: dict[str, Any], path: Path) -> bool:
     """
     check_weights(run.model, state, path)
     saved_policy = state["precision"]["policy"]
-    same = saved_policy == run.precision.policy.to_config()
+    same = resumable_config(saved_policy) == resumable_config(run.precision.policy.to_config())
     weights = dict(state["model"])
     if not same:
         log.info(

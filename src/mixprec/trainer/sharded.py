@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from mixprec.policy.map import resumable_config
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.callbacks import load_callback_states
 from mixprec.trainer.interrupt import ctrl_c_deferred
@@ -186,7 +187,7 @@ def _check_keys(run: Run, path: Path, optimizers: bool) -> None:
 
 def _check_policy(run: Run, state: dict[str, Any], path: Path) -> None:
     saved = state["precision"]["policy"]
-    if saved != run.precision.policy.to_config():
+    if resumable_config(saved) != resumable_config(run.precision.policy.to_config()):
         raise ckpt_io.CheckpointError(
             f"{path} was trained in precision {state.get('policy_name', '?')}, this run uses "
             f"{run.precision.policy.name}: a sharded checkpoint resumes in its own precision. "
