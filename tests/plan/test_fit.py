@@ -222,6 +222,26 @@ def test_a_budget_only_smaller_activations_meet_gives_a_plan_storing_or_recomput
         )
 
 
+def test_a_block_used_twice_keeps_and_the_others_are_planned() -> None:
+    """Before: a block reached at two paths was planned at its first alone, and the rules
+    (its second path keeping) were refused by `resolve`: the search crashed whatever the
+    budget. It is no block now; the others are planned."""
+    torch.manual_seed(0)
+    shared = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    model = nn.Sequential(nn.Linear(32, 64), shared, shared, nn.GELU(), nn.Linear(64, 4))
+    batches = [(torch.randn(16, 32), torch.randint(0, 4, (16,)))]
+    report = search(
+        model,
+        batches,
+        F.cross_entropy,
+        budget=Budget(memory_bytes=10**12),
+        count="training",
+        batch_size=64,
+        **FAST,
+    )
+    assert [b.path for b in report.blocks] == ["3", "4"]  # ("0" saves nothing: its input)
+
+
 # --- fit: measured peaks -------------------------------------------------------------------
 
 

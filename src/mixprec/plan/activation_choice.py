@@ -26,7 +26,9 @@ something. Each block's options, and what each is measured to cost:
 Searched: ``keep``, ``bf16``, ``fp8``, ``checkpoint``, and ``offload`` on CUDA; not
 ``selective``, whose saved matmul outputs torch's checkpointing holds out of the count's
 sight, so its bytes would be undercounted (give it by hand in ``activations=``). A block
-that cannot take an option (`mixprec.activations.refusal`) is not offered it.
+that cannot take an option (`mixprec.activations.refusal`) is not offered it, and a module
+the model reaches at several paths (a block used twice, weights shared) is no block: it
+keeps, as the rules of one path would leave the others keeping, which `resolve` refuses.
 """
 
 from __future__ import annotations
@@ -75,11 +77,15 @@ def find_blocks(model: nn.Module) -> list[str]:
     """The paths of the model's blocks (see the module's docstring), in order."""
     found: list[str] = []
     seen: set[int] = set()
+    # modules reached at several paths (a block used twice): an option must name them all
+    paths: dict[int, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        paths[id(module)] = paths.get(id(module), 0) + 1
 
     def walk(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             path = f"{prefix}{name}"
-            if id(child) in seen:
+            if id(child) in seen or paths[id(child)] > 1:
                 continue
             seen.add(id(child))
             if _containers(child):
