@@ -6,6 +6,7 @@ in fewer bits trains close to it; offloading is refused off CUDA at each door.""
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -238,3 +239,32 @@ def test_the_accelerate_door(hf):
     assert torch.equal(trained, kept)
     with pytest.raises(PolicySpecError, match="'offload' .* the run is on cpu"):
         train("offload")
+
+
+def test_an_option_on_a_model_whose_own_forward_never_runs_is_warned_of_once():
+    """Before: a LightningModule (or TrainingModule) whose training step calls `self.net`
+    took a uniform option ("fp8", "checkpoint") on its own forward, which never ran: the
+    option silently did nothing."""
+
+    class Step(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+    x = torch.randn(4, 8)
+    for direct in (False, True):
+        precision = Precision("32-true", activations="fp8")
+        model = Step()
+        model, _ = precision.setup(model, torch.optim.SGD(model.parameters()))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                out = model.net(x) if direct else model(x)
+                precision.backward(out.sum())
+        told = [w for w in caught if "a backward ran without its forward" in str(w.message)]
+        assert len(told) == direct  # (once)
+        if direct:
+            assert "activations={'net': 'fp8'}" in str(told[0].message)

@@ -26,6 +26,7 @@ from mixprec.activations.wrapper import (
     check_device,
     install,
     installed,
+    warn_if_root_unused,
     wrapped,
 )
 
@@ -43,5 +44,6 @@ __all__ = [
     "installed",
     "refusal",
     "saved_bytes",
+    "warn_if_root_unused",
     "wrapped",
 ]

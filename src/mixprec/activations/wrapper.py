@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -25,9 +26,17 @@ from mixprec.activations.codecs import CODECS, Codec, ToBfloat16, ToFp8
 from mixprec.activations.options import OPTIONS, accepted, refusal
 from mixprec.activations.recompute import recomputed
 from mixprec.activations.rules import Choice, never_called
-from mixprec.errors import PolicySpecError
+from mixprec.errors import PolicySpecError, caller_level
 
-__all__ = ["ActivationForward", "check", "check_device", "install", "installed", "wrapped"]
+__all__ = [
+    "ActivationForward",
+    "check",
+    "check_device",
+    "install",
+    "installed",
+    "warn_if_root_unused",
+    "wrapped",
+]
 
 
 def _offload_refused(where: str) -> PolicySpecError:
@@ -71,6 +80,8 @@ class ActivationForward:
         self.option = option
         self.original = original
         self.codec = _shared(option)
+        # whether a forward ran with autograd recording, and whether its absence was told
+        self.recorded = self.told = False
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -92,6 +103,7 @@ class ActivationForward:
             forward = self.original
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        self.recorded = True  # (`warn_if_root_unused`)
         if self.codec is not None or self.option == "offload":
             return _stored(self, forward, args, kwargs)
         buffers = list(module.named_buffers()) if module.training else []
@@ -108,6 +120,27 @@ class ActivationForward:
                     "modules around the one updating it"
                 )
         return out
+
+
+def warn_if_root_unused(model: nn.Module) -> None:
+    """Warn once when a backward runs on a model whose own forward carries an activation
+    option (a rule for the root: one option for every layer) but never ran recording: the
+    training step called a submodule (a LightningModule's ``self.net(x)``), around which
+    nothing stores, offloads or recomputes, so the option takes no effect."""
+    root = model.__dict__.get("forward")
+    if not isinstance(root, ActivationForward) or root.recorded or root.told:
+        return
+    root.told = True
+    children = [name for name, _ in model.named_children()]
+    example = f"{{{children[0]!r}: {root.option!r}}}" if children else "a rule for it"
+    warnings.warn(
+        f"the activation option {root.option!r} is the model's own ({type(model).__name__}), "
+        "but a backward ran without its forward: the step called a submodule directly, "
+        "around which nothing is stored otherwise or recomputed. Give the submodule the "
+        f"step calls the option (e.g. activations={example})",
+        UserWarning,
+        stacklevel=caller_level(),
+    )
 
 
 _SDPA = F.scaled_dot_product_attention

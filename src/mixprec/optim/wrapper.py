@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.activations import warn_if_root_unused
 from mixprec.convert import applied_policy, default_dtype, needs_default_dtype
 from mixprec.errors import PrecisionError
 from mixprec.optim.checkpoint import OptimizerCheckpoint
@@ -594,6 +595,8 @@ def scale_for_backward(
         )
     for opt in optimizers:
         opt.check_can_backward()
+        if opt.model is not None:  # (an option on a model whose own forward never ran)
+            warn_if_root_unused(opt.model)
     return scaler.scale(loss)
 
 

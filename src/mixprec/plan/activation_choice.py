@@ -25,10 +25,8 @@ something. Each block's options, and what each is measured to cost:
 
 Searched: ``keep``, ``bf16``, ``fp8``, ``checkpoint``, and ``offload`` on CUDA; not
 ``selective``, whose saved matmul outputs torch's checkpointing holds out of the count's
-sight, so its bytes would be undercounted (give it by hand in ``activations=``). A block
-that cannot take an option (`mixprec.activations.refusal`) is not offered it, and a module
-the model reaches at several paths (a block used twice, weights shared) is no block: it
-keeps, as the rules of one path would leave the others keeping, which `resolve` refuses.
+sight (give it by hand). A block that cannot take an option (`activations.refusal`) is
+not offered it; a module reached at several paths (used twice) is no block: it keeps.
 """
 
 from __future__ import annotations
