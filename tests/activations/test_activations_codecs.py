@@ -602,3 +602,19 @@ def test_split_slice_select_and_unsqueezed_views_of_parameters_are_kept_as_they_
     # memory of its own), autocast's three bfloat16 copies of the batch under bf16-mixed
     assert counted["keep"] == {"": 0 if precision == "32-true" else 3 * 16 * 64 * 2}
     assert counted[option][""] <= counted["keep"][""]
+
+
+def test_counting_saved_bytes_leaves_the_generator_and_running_statistics_as_they_were():
+    """Before: the counting forward drew dropout's numbers from the global generator and
+    updated BatchNorm's running statistics (`explain(model, batch=...)` mid-run changed
+    what the run did next)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    x = torch.randn(16, 4)
+    before = copy.deepcopy(model.state_dict())
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    assert saved_bytes(model, x)["1"] > 0
+    assert torch.equal(torch.rand(3), expected)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key

@@ -71,13 +71,24 @@ def saved_bytes_of(model: nn.Module, run: Callable[[], Any], batch: Any = ()) ->
     handles += [m.register_forward_hook(leave, always_call=True) for m in model.modules()]
     outer = Keep()
     record_to(record)
+    # the forward leaves the model and the generators as they were: its running statistics
+    # (a BatchNorm's) and the random numbers dropout drew are put back
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    devices = sorted({t.device.index or 0 for t in kept if torch.is_tensor(t) and t.is_cuda})
     try:
-        with torch.enable_grad(), saved_tensors_hooks(outer.pack, outer.unpack):
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.enable_grad(),
+            saved_tensors_hooks(outer.pack, outer.unpack),
+        ):
             run()
     finally:
         record_to(None)
         for handle in handles:
             handle.remove()
+        with torch.no_grad():
+            for b, before in buffers:
+                b.copy_(before)
     return out
 
 

@@ -68,7 +68,7 @@ def _first(module: nn.Module, kinds: tuple[type, ...], tracking: bool) -> str | 
 def _where(module: nn.Module, inner: str) -> str:
     if inner == "<itself>":
         return "it"
-    return f"its {type(module.get_submodule(inner)).__name__} {inner!r}"
+    return f"its {type(module.get_submodule(inner)).__name__} (at {inner!r} inside it)"
 
 
 # layers whose training forward updates buffers in place: normalizations tracking running
