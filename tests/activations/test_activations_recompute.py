@@ -125,7 +125,8 @@ def test_recomputing_a_batchnorm_is_refused_before_anything_changes(option):
     with pytest.raises(
         PolicySpecError,
         match=rf"module '0' \(Sequential\) cannot take the activation option '{option}' "
-        r"\(path rule .0.\): .* its BatchNorm1d \(at .1. inside it\) updates running statistics in place .* "
+        r"\(path rule .0.\): .* its BatchNorm1d \(at .1. inside it\) updates running "
+        r"statistics in place .* "
         r"'keep', 'bf16', 'fp8' or 'offload'",
     ):
         mixprec.apply(model, pmap)
