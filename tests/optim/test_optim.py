@@ -626,3 +626,34 @@ def test_a_backward_after_check_is_refused(fused):
     with pytest.raises(RuntimeError, match=r"backward\(\) after check_\(\) in the same step"):
         opt.backward(model(torch.ones(1, 2)).sum() * float("inf"))
     assert opt.step() and torch.isfinite(model.weight).all()  # (the first micro-batch's)
+
+
+def test_a_checkpoint_saved_with_a_layer_frozen_loads_with_it_trainable():
+    """Before: refused as "saved under another precision policy" (the checkpoint has no
+    master for the frozen layer). A layer the saved optimizer never stepped takes its
+    master from the model, as a master made now does; a stepped one without a saved master
+    is still refused."""
+
+    def make(frozen: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        model[0].requires_grad_(not frozen)
+        precision = mixprec.Precision("16-true", allow_slow=True, scaler=16.0)
+        model, opt = precision.setup(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+        return model, opt, precision
+
+    model, opt, precision = make(frozen=True)
+    precision.backward(model(torch.ones(1, 2, dtype=torch.float16)).float().sum())
+    precision.step(opt)
+    saved = copy.deepcopy(opt.state_dict())
+    thawed, opt2, _ = make(frozen=False)
+    thawed.load_state_dict(model.state_dict())
+    opt2.load_state_dict(saved)
+    masters = opt2.optimizer.param_groups[0]["params"]
+    for p, master in zip(thawed.parameters(), masters, strict=True):
+        assert master.dtype == torch.float32 and torch.equal(master.half(), p)
+    stepped = copy.deepcopy(saved)
+    moments = {"exp_avg": torch.zeros(2, 2), "exp_avg_sq": torch.zeros(2, 2)}
+    stepped["optimizer"]["state"][0] = {"step": torch.tensor(1.0), **moments}
+    with pytest.raises(ValueError, match="master weights for parameters"):
+        make(frozen=False)[1].load_state_dict(stepped)

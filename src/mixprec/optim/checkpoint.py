@@ -92,7 +92,10 @@ class OptimizerCheckpoint:
             # since the wrapper was built has none yet)
             self._masters.add(self.optimizer, state["master_weights"])
         masters = self._masters.check_saved(
-            state["master_weights"], list(self._all_params()), self._describe
+            state["master_weights"],
+            list(self._all_params()),
+            self._describe,
+            stepped=state["optimizer"]["state"],
         )
         compensation = state.get("compensation")
         if self._compensator is not None and compensation is not None:

@@ -191,11 +191,27 @@ class MasterWeights:
         return {i: p.detach() for i, p in enumerate(params) if p in self.param_of}
 
     def check_saved(
-        self, saved: Any, params: list[torch.Tensor], describe: Callable[[int], str]
+        self,
+        saved: Any,
+        params: list[torch.Tensor],
+        describe: Callable[[int], str],
+        stepped: Iterable[int] = (),
     ) -> dict[torch.Tensor, torch.Tensor]:
         """Master -> its value in ``saved`` (``by_index`` of a same-precision state), after
-        checking that they correspond; ``describe(index)`` names a parameter in errors."""
+        checking that they correspond; ``describe(index)`` names a parameter in errors. A
+        master without a saved one, at a position the saved optimizer never stepped
+        (``stepped``: those it holds state for; a layer frozen when it was saved), takes its
+        model parameter's value, as a master made now does."""
         here = {i for i, p in enumerate(params) if p in self.param_of}
+        if (
+            isinstance(saved, Mapping)
+            and set(saved) < here
+            and not (here - set(saved)) & set(stepped)
+        ):
+            saved = {
+                **saved,
+                **{i: self.param_of[params[i]].detach() for i in here - set(saved)},
+            }
         if not isinstance(saved, Mapping) or set(saved) != here:
             got = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
             raise ValueError(
