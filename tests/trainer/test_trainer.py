@@ -821,3 +821,59 @@ def test_lbfgs_beside_another_optimizer_is_refused_naming_both():
     trainer = Trainer(max_epochs=1, **QUIET)
     with pytest.raises(ValueError, match="steps one optimizer alone; this fit has 2 .LBFGS, SGD"):
         trainer.fit(Two(), DataLoader(regression_data(32), batch_size=8))
+
+
+class _FrozenBackbone(TrainingModule):
+    """A head trained on a frozen backbone, put in eval mode (its BatchNorm's statistics
+    fixed), as fine-tuning recipes do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.backbone = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+        self.head = nn.Linear(4, 1)
+        self.backbone.requires_grad_(False)
+        self.backbone.eval()
+        self.modes: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.backbone(x))
+
+    def training_step(self, batch, batch_idx):
+        self.modes.append(self.backbone.training or self.backbone[1].training)
+        return F.mse_loss(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+
+def test_modules_the_user_put_in_eval_mode_stay_so_and_evaluations_put_modes_back(tmp_path):
+    """Before: every epoch start and every validation inside fit set the whole model to
+    train mode (a frozen BatchNorm's statistics drifted with the training data, its dropout
+    ran), and validate/test/predict left the model in eval mode."""
+    x = torch.randn(32, 4) * 3 + 5
+    loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=8)
+    model = _FrozenBackbone()
+    stats = model.backbone[1].running_mean.clone()
+    trainer = Trainer(max_epochs=2, val_check_interval=2, default_root_dir=tmp_path, **QUIET)
+    trainer.fit(model, loader, loader)
+    assert model.modes == [False] * 8 and model.training and not model.backbone.training
+    assert torch.equal(model.backbone[1].running_mean, stats)
+    for evaluate in (trainer.validate, trainer.test, trainer.predict):
+        evaluate(model, loader)
+        assert model.training and model.head.training and not model.backbone.training
+
+
+def test_a_validation_interval_past_the_epoch_is_refused(tmp_path):
+    """Before: accepted, and validation ran once an epoch (Lightning refuses it too)."""
+    x = torch.randn(16, 4)
+    loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)
+    trainer = Trainer(max_epochs=1, val_check_interval=5, default_root_dir=tmp_path, **QUIET)
+    with pytest.raises(ValueError, match="val_check_interval=5 batches is more than an epoch's 4"):
+        trainer.fit(_FrozenBackbone(), loader, loader)

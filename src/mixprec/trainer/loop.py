@@ -247,7 +247,8 @@ def train_epoch(run: FitRun) -> None:
     """One epoch, or its rest when resumed mid-epoch, or until a stop condition (taking effect
     at the end of an accumulation window)."""
     progress = run.progress
-    run.wrapped.train()
+    if not run.wrapped.training:  # (a model left in eval mode; submodules the user put in
+        run.wrapped.train()  # eval mode under a training model, a frozen backbone, stay so)
     with run.metrics.epoch_hook("on_train_epoch_start"):
         run.hook("on_train_epoch_start")
     n = run.num_training_batches
@@ -574,8 +575,7 @@ def val_due(run: FitRun, batch_idx: int) -> bool:
 def validate_during_fit(run: FitRun, loader: Iterable[Any]) -> None:
     """A validation pass inside fit; its time does not count as training time."""
     run.log.stop_timing()
-    run_eval(run, "validation", loader, run.config.limit_val_batches)
-    run.wrapped.train()
+    run_eval(run, "validation", loader, run.config.limit_val_batches)  # (modes put back)
     run.log.start_timing()
 
 
@@ -653,6 +653,20 @@ def rng_unchanged() -> Iterator[None]:
         set_rng_states(states)
 
 
+@contextlib.contextmanager
+def modes_kept(model: nn.Module) -> Iterator[None]:
+    """Put every module of `model` back in the train or eval mode it had (an evaluation
+    sets them all to eval): a frozen backbone the user put in eval mode stays so through
+    fit's validations, and `validate`, `test` and `predict` leave the modes as they found
+    them, as Lightning does."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
 def run_eval(
     run: Run, kind: str, loader: Iterable[Any], limit: int | float | None
 ) -> dict[str, float]:
@@ -661,9 +675,9 @@ def run_eval(
     n = run.progress.num_eval_batches = num_batches(loader, limit, what)
     model, metrics_store = run.model, run.metrics
     plain = not isinstance(model, TrainingModule)
-    run.runner.eval()
     metrics_store.training = False
-    with rng_unchanged(), torch.no_grad():
+    with modes_kept(run.runner), rng_unchanged(), torch.no_grad():
+        run.runner.eval()
         run.hook(f"on_{kind}_start")
         if isinstance(model, TrainingModule):
             with metrics_store.epoch_hook(f"on_{kind}_epoch_start"):
@@ -691,9 +705,9 @@ def run_eval(
 
 def predict_loop(run: Run, loader: Iterable[Any]) -> list[Any]:
     """The outputs of ``predict_step`` (or of the module) for each batch, in order."""
-    run.runner.eval()
     out = []
-    with torch.no_grad():
+    with modes_kept(run.runner), torch.no_grad():
+        run.runner.eval()
         for batch_idx, batch in enumerate(loader):
             batch = run.precision.convert_input(to_device(batch, run.strategy.device))
             out.append(run.runner("predict", batch, batch_idx))

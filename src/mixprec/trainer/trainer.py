@@ -594,6 +594,13 @@ class Trainer:
         self._current = run
         if run.num_training_batches == 0:
             raise EmptyEpochError(f"the training data has no batch: {why_empty(train)}")
+        interval, n = self.config.val_check_interval, run.num_training_batches
+        if isinstance(interval, int) and n is not None and interval > n and val is not None:
+            raise ValueError(  # (it would validate once an epoch, at its end, silently)
+                f"val_check_interval={interval} batches is more than an epoch's "
+                f"{n} training batches: give at most {n}, or a fraction of an epoch "
+                "(1.0: at each epoch's end)"
+            )
         progress = self._progress
         progress.current_epoch = progress.global_step = progress.batches_done = 0
         progress.should_stop = False
