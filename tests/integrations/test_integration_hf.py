@@ -583,3 +583,32 @@ def test_prepare_names_the_environment_when_accelerate_took_its_precision_from_i
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="mixed_precision='bf16'.*ACCELERATE_MIXED_PRECISION"):
         prepare(accelerator, Precision("32-true"), model, optimizer)
+
+
+def test_accelerates_usual_accumulation_loop_steps_once_per_window():
+    """Before: the wrapped optimizer stepped (and zeroed) on every micro-batch of
+    `accelerator.accumulate`, where Accelerate's own waits for the window's last backward:
+    the usual loop silently stepped twice as often as its scheduler, on half-window
+    gradients. Now it matches the loop that checks `sync_gradients` itself, bit for bit."""
+
+    def run(check: bool) -> dict[str, torch.Tensor]:
+        accelerator = accelerate.Accelerator(
+            mixed_precision="no", cpu=True, gradient_accumulation_steps=2
+        )
+        model = tiny_gpt2()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer, data = prepare(
+            accelerator, Precision("bf16-mixed", allow_slow=True), model, optimizer, loader()
+        )
+        steps = 0
+        for batch in data:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)
+                if not check or accelerator.sync_gradients:
+                    steps += bool(optimizer.step())
+                    optimizer.zero_grad()
+        assert steps == 2
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    usual, checked = run(False), run(True)
+    assert all(torch.equal(usual[n], checked[n]) for n in usual)

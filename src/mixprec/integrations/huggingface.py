@@ -420,8 +420,8 @@ def prepare(
     ``accelerator.backward(loss)``; it clips with
     ``precision.clip_grad_norm_`` or the accelerator's ``clip_grad_norm_`` /
     ``clip_grad_value_`` (which, for this accelerator, are the precision's: they unscale
-    first), and with gradient accumulation steps the optimizer only when
-    ``accelerator.sync_gradients``.
+    first). With gradient accumulation the optimizer's ``step`` and ``zero_grad`` do nothing
+    until ``accelerator.sync_gradients``, as Accelerate's own optimizer's.
     """
     from accelerate.scheduler import AcceleratedScheduler
 
@@ -450,6 +450,8 @@ def prepare(
                 )
             scheduler.optimizers = [wrapped]  # its skip check reads step_was_skipped
     accelerator.register_for_checkpointing(wrapped)
+    # as Accelerate's own optimizer: step and zero_grad wait for the window's last backward
+    wrapped.step_gate = lambda: accelerator.sync_gradients
     _route_backward(accelerator, lambda: precision)
     # Accelerate's own clipping unscales only its GradScaler's gradients: on mixprec's it
     # clipped the scaled ones. This accelerator's clipping goes through the precision,

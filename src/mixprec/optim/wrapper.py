@@ -134,6 +134,9 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         self.optimizer = optimizer
         self.scaler = as_loss_scaler(scaler, needs_scaling=True)
         self.model = model
+        # None, or whether a ``step``/``zero_grad`` call now ends an accumulation window: a
+        # host loop calling them on every micro-batch (Accelerate's) makes them wait for it
+        self.step_gate: Callable[[], bool] | None = None
         self._master_weights = master_weights
         self._masters = MasterWeights(MASTER_DTYPES[master_weights])
         self._retired = False
@@ -315,6 +318,8 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         """
         if self._retired:
             self.check_can_step()  # raises
+        if self.step_gate is not None and not self.step_gate():
+            return False  # (a micro-batch inside the host's accumulation window)
         if closure is not None:
             return self._closure_step(closure)
         if self._needs_closure:
@@ -336,7 +341,10 @@ class LossScaleOptimizer(OptimizerCheckpoint):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of the wrapped optimizer's tensors and of the model's
-        low-precision parameters; a step's ``unscale_`` is forgotten with them."""
+        low-precision parameters; a step's ``unscale_`` is forgotten with them. Nothing
+        inside an accumulation window its ``step_gate`` keeps."""
+        if self.step_gate is not None and not self.step_gate():
+            return
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._stage = OptState.READY
         self._found_inf = None
