@@ -19,7 +19,7 @@ import torch
 from devices import AVX2_CPU, ZEN4
 
 from mixprec import hardware
-from mixprec.bench.report import busy_machine_warning, markdown, summarize
+from mixprec.bench.report import busy_machine_warning, conclusion, markdown, summarize
 from mixprec.bench.runner import OK, OOM, LoopResult, RunResult, set_tf32
 from mixprec.bench.suite import BenchOptions, BenchReport, Config, Row, plan
 from mixprec.cli import build_parser, main
@@ -310,7 +310,10 @@ def test_plan_of_a_policy_file_keeps_its_islands_and_has_no_raw_twin(tmp_path):
     )
     p = plan(
         BenchOptions(
-            model="mlp", precisions=["32-true", str(path)], float32_islands="both", allow_slow=True
+            model="mlp",
+            precisions=["32-true", "bf16-mixed", str(path)],
+            float32_islands="both",
+            allow_slow=True,
         )
     )
     assert p.precisions[str(path)] == PolicyMap.load(path)
@@ -319,7 +322,7 @@ def test_plan_of_a_policy_file_keeps_its_islands_and_has_no_raw_twin(tmp_path):
         (False, False, f"{path} (no f32 islands)")
     }
     assert p.times_low_precision
-    assert f"--precision 32-true {path}" in p.command
+    assert f"--precision 32-true bf16-mixed {path}" in p.command
     with pytest.raises(ValueError, match="cannot read the policy file"):
         plan(BenchOptions(model="mlp", precisions=[str(tmp_path / "missing.json")]))
 
@@ -733,3 +736,30 @@ def test_the_max_batch_search_probes_its_start_and_its_cap(
     result = suite.search_max_batch(plan, "bf16-mixed", None)
     assert calls[: len(probed)] == probed
     assert (result["max_batch"], result["first_oom"], result["capped"]) == found
+
+
+def test_float32_islands_without_a_mixed_precision_is_refused():
+    """Before: accepted and dropped silently (no row changes: islands are a mixed
+    policy's), its flag kept in the reproduce line."""
+    with hardware.assume(ZEN4):  # (bfloat16 fast: nothing else refused)
+        with pytest.raises(ValueError, match="--float32-islands off changes the rows of mixed"):
+            plan(
+                BenchOptions(
+                    precisions=["32-true", "bf16-true"], float32_islands="off", batch_sizes=[2]
+                )
+            )
+        options = BenchOptions(precisions=["bf16-mixed"], float32_islands="off", batch_sizes=[2])
+        assert plan(options).configs
+
+
+def test_a_float64_only_run_does_not_say_float32_ran():
+    rows = [
+        Row(
+            Config("64-true", "64-true", 8, None, False),
+            RunResult(OK, LoopResult(step_ms=[3.0] * 10, peak_memory=100), paired=True),
+        )
+    ]
+    gap = {"asked": True, "left_out": {"bf16-mixed": {"status": "fast"}}}
+    meta = {"model": "cnn", "precisions": ["64-true"], "comparison_gap": gap}
+    sentence = conclusion(BenchReport(meta, rows), summarize(BenchReport(meta, rows)))
+    assert sentence.startswith("Only 64-true was asked for, so no mixed precision ran to compare")

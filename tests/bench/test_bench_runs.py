@@ -301,3 +301,8 @@ def test_the_peak_is_a_steps_with_the_optimizers_state_alive(factories):
     _, to_first_update = measured(torch.device("cpu"), lambda: _first_update(_build_mixprec, spec))
     moments = 2 * sum(p.numel() * p.element_size() for p in make()[0].parameters())
     assert peak >= to_first_update + moments
+    # and the method the report prints says so (it named the old window)
+    from mixprec.bench.runner import CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD
+
+    for method in (CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD):
+        assert "one step past the first optimizer update" in method

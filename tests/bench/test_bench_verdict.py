@@ -426,3 +426,18 @@ def test_float32_alone_asked_for_does_not_read_as_no_mixed_precision_being_fast(
     gap["asked"] = False
     sentence = conclusion(BenchReport(meta, rows), summarize(BenchReport(meta, rows)))
     assert sentence.startswith("No mixed precision is fast on this machine")
+
+
+def test_the_speedup_note_says_what_an_interval_of_too_few_rounds_is():
+    """Before: the note called every bracket a 95% interval, also the lowest and highest
+    of two rounds' ratios (50%)."""
+    from mixprec.bench.report import notes
+
+    for rounds, said in ((2, "at 50% confidence"), (10, None)):
+        report = _report({"32-true": [FP32_MS] * rounds, "bf16-mixed": [FP32_MS / 2] * rounds})
+        report.metadata.update(timing="cpu time", warmup=1, memory_method="peak")
+        speedup = next(n for n in notes(report, summarize(report)) if n.startswith("speedup"))
+        if said is None:
+            assert "confidence" not in speedup
+        else:
+            assert speedup.endswith(f"give the lowest and highest ratio, {said}")

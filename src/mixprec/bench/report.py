@@ -376,6 +376,23 @@ def busy_machine_warning(load: list[float] | None, threads: int, device_type: st
     )
 
 
+def _low_confidence(summaries: list[Summary]) -> str:
+    """What the intervals of rows with too few rounds for the stated confidence are."""
+    low = sorted(
+        {
+            s.speedup_confidence
+            for s in summaries
+            if s.speedup_confidence is not None and s.speedup_confidence < CONFIDENCE
+        }
+    )
+    if not low:
+        return ""
+    return (
+        f"; rows with too few rounds for that give the lowest and highest ratio, at "
+        f"{', '.join(f'{c:.0%}' for c in low)} confidence"
+    )
+
+
 def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> list[str]:
     """How the numbers were taken, shown under the table and in report.md (`busy=False`
     leaves out the busy-machine warning, for a terminal that was already warned)."""
@@ -387,7 +404,7 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
         f"peak memory: {meta['memory_method']}",
         f"speedup: the median over rounds of float32's (32-true) step time / this row's at "
         f"the same batch size, and its {CONFIDENCE:.0%} interval (order statistics of the "
-        "rounds' ratios)",
+        "rounds' ratios)" + _low_confidence(summaries),
     ]
     if any(s.vs_keep is not None for s in summaries):
         out.append(
@@ -608,9 +625,10 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         fast = [n for n, why in left_out.items() if why["status"] == "fast"]
         if gap and gap["asked"]:  # left out because not asked for: nothing found against them
             also = f" ({', '.join(fast)} would be fast here: see above)" if fast else ""
+            beside = "beside float32 " if BASELINE in meta["precisions"] else ""
             return (
                 f"Only {', '.join(meta['precisions'])} was asked for, so no mixed precision "
-                f"ran beside float32 to compare{also}; {seed}."
+                f"ran {beside}to compare{also}; {seed}."
             )
         if gap:
             return (

@@ -86,7 +86,8 @@ class RunStatus(str, Enum):
 
 OK, OOM, ERROR, TIMEOUT = RunStatus.OK, RunStatus.OOM, RunStatus.ERROR, RunStatus.TIMEOUT
 _AFTER_WARM_UP = (
-    "from model build to the first optimizer update, after one untimed run of the same loop "
+    "from model build to one step past the first optimizer update (its state made), after "
+    "one untimed run of the same loop "
     "(what libraries allocate once per process, such as cuBLAS workspaces, is not counted)"
 )
 CPU_MEMORY_METHOD = (

@@ -404,6 +404,15 @@ def plan(options: BenchOptions) -> Plan:
     opts = replace(opts, precisions=list(policies))
     modes = _tf32_modes(opts.tf32, device)
     islands = _island_modes(opts.float32_islands)
+    if opts.float32_islands != "on" and not any(
+        p.default.is_mixed and not is_policy_file(n) for n, p in policies.items()
+    ):
+        raise ValueError(  # (it would be dropped silently: islands are a mixed policy's)
+            f"--float32-islands {opts.float32_islands} changes the rows of mixed precisions "
+            f"named here (float32 norms and softmax; a policy file keeps its own), and none "
+            f"of {', '.join(policies)} is one: add one (bf16-mixed, 16-mixed) or leave the "
+            "option out"
+        )
     configs = []
     for batch in opts.batch_sizes or []:
         for name, policy in policies.items():
