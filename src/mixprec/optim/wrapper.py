@@ -137,6 +137,7 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         # None, or whether a ``step``/``zero_grad`` call now ends an accumulation window: a
         # host loop calling them on every micro-batch (Accelerate's) makes them wait for it
         self.step_gate: Callable[[], bool] | None = None
+        self._first_backward = True
         self._master_weights = master_weights
         self._masters = MasterWeights(MASTER_DTYPES[master_weights])
         self._retired = False
@@ -260,6 +261,10 @@ class LossScaleOptimizer(OptimizerCheckpoint):
                 "unscaled values. With gradient accumulation, unscale (or clip) only after "
                 "the last micro-batch's backward."
             )
+        if self._first_backward:  # (an activation option on a model whose forward never ran)
+            self._first_backward = False
+            if self.model is not None:
+                warn_if_root_unused(self.model)
         if self._found_inf is not None:  # (`check_`: its flag would miss these gradients)
             raise RuntimeError(
                 "backward() after check_() in the same step: the overflow flag it found "
@@ -603,8 +608,6 @@ def scale_for_backward(
         )
     for opt in optimizers:
         opt.check_can_backward()
-        if opt.model is not None:  # (an option on a model whose own forward never ran)
-            warn_if_root_unused(opt.model)
     return scaler.scale(loss)
 
 
