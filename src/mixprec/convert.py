@@ -43,6 +43,7 @@ from mixprec.policy.map import (
     dtype_plan,
 )
 from mixprec.quantize import quantize_modules
+from mixprec.quantize.int8 import CODE_BUFFERS, ScaledCodes
 from mixprec.quantize.rules import set_fast_paths
 from mixprec.tree import iter_tensors, map_tensors
 
@@ -376,6 +377,7 @@ def _convert(plan: list[tuple[nn.Module, str, str, torch.dtype]]) -> None:
     # under inference_mode the converted tensors would be inference tensors, which can
     # never be trained again: convert as plain tensors whatever the caller's mode
     converted: dict[int, Tensor] = {}  # a buffer shared by two modules stays shared
+    shared_codes: dict[int, dict[str, Tensor]] = {}
     with torch.inference_mode(False):
         for module, kind, key, dtype in plan:
             if kind == "parameter":
@@ -385,6 +387,18 @@ def _convert(plan: list[tuple[nn.Module, str, str, torch.dtype]]) -> None:
                 t.data = t.data.to(dtype)
                 if t.grad is not None:
                     t.grad = t.grad.to(dtype)
+            elif key == "weight_scale" and isinstance(module, ScaledCodes):
+                # codes and scales change together where the scales do not fit `dtype`;
+                # layers sharing them (a tied embedding and head) keep sharing the new ones
+                t = module._buffers[key]
+                if id(t) in converted:
+                    module._buffers.update(shared_codes[id(t)])
+                    continue
+                module.cast_scales(dtype)
+                converted[id(t)] = module.weight_scale
+                shared_codes[id(t)] = {
+                    k: module._buffers[k] for k in CODE_BUFFERS if k in module._buffers
+                }
             else:
                 t = module._buffers[key]
                 module._buffers[key] = converted.setdefault(id(t), t.to(dtype))

@@ -497,13 +497,40 @@ def test_quantize_reports_skips_and_honours_filters():
 
 
 def test_embeddings_with_max_norm_or_sparse_gradients_stay_float():
+    """So does one scaling its gradient by the ids' frequency: quantized and dequantized, it
+    came back without the option (a row read three times got three times the gradient)."""
     model = nn.ModuleDict(
-        {"a": nn.Embedding(9, 32, max_norm=1.0), "b": nn.Embedding(9, 32, sparse=True)}
+        {
+            "a": nn.Embedding(9, 32, max_norm=1.0),
+            "b": nn.Embedding(9, 32, sparse=True),
+            "c": nn.Embedding(9, 32, scale_grad_by_freq=True),
+        }
     )
     result = quantize(model, "int8")
     assert result.quantized == {} and all(
         "unsupported option" in r for r in result.skipped.values()
     )
+    assert set(result.skipped) == {"a", "b", "c"}
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4/32"])
+def test_a_frozen_weight_comes_back_frozen_from_dequantize(spec):
+    """`dequantize` gives each float layer back with its weight as trainable as it was: a
+    weight frozen before quantizing came back trainable (an optimizer built after the round
+    trip trained it)."""
+    from mixprec.quantize import dequantize
+
+    model = nn.Sequential(nn.Embedding(50, 32), nn.Linear(32, 32), nn.Linear(32, 32))
+    model[0].weight.requires_grad_(False)
+    model[1].weight.requires_grad_(False)
+    quantize(model, spec)
+    dequantize(model)
+    assert [p.requires_grad for p in (model[0].weight, model[1].weight, model[2].weight)] == [
+        False,
+        False,
+        True,
+    ]
+    assert model[1].bias.requires_grad
 
 
 def test_a_layer_at_two_paths_is_swapped_at_both():
@@ -1445,3 +1472,92 @@ def test_int8_rows_of_subnormal_weights_keep_their_values():
     q, scale = quantize_rows(w)
     assert scale.item() > 0
     assert torch.equal(q.float() * scale[:, None], w)
+
+
+@pytest.mark.parametrize("k", [512, 2 * F32_EXACT_K + 21])
+def test_float_sums_stay_exact_inside_autocast(monkeypatch, k):
+    """The float32 matmuls of the codes run with autocast off: inside bfloat16 autocast (an
+    ``int8_from_bf16-mixed`` layer's region) they ran in bfloat16, sums off by up to 504,
+    and a layer on a CPU without exact integer kernels gave other outputs than on one with
+    them (outside autocast, converted to autocast's dtype, is what it must give)."""
+    from mixprec.quantize import int8 as int8_module
+
+    g = torch.Generator().manual_seed(k)
+    a = torch.randint(-127, 128, (8, k), generator=g, dtype=torch.int8)
+    b = torch.randint(-127, 128, (64, k), generator=g, dtype=torch.int8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = float_sums(a, b)
+    assert torch.equal(got.long(), a.long() @ b.long().t())
+    monkeypatch.setattr(
+        int8_module, "_cpu_int8_kernels", {"onednn": "none (as probed)", "int_mm": None}
+    )
+    torch.manual_seed(0)
+    layer = Int8Linear.from_float(nn.Linear(k, 64))
+    x = torch.randn(8, k)
+    with torch.no_grad():
+        want = layer(x).to(torch.bfloat16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside = layer(x)
+    assert inside.dtype == torch.bfloat16
+    assert torch.equal(inside, want)
+
+
+def _steps(layer, weight):
+    """The largest distance of `layer`'s int8 weight from `weight`, in its stored steps."""
+    scale = layer.weight_scale.float()[:, None]
+    return ((layer.qweight.float() * scale - weight.float()).abs() / scale).max().item()
+
+
+@pytest.mark.parametrize("policy", ["int8_from_p=f16,c=bf16,o=bf16", "int8_from_bf16-true"])
+def test_scales_are_made_in_the_dtype_they_are_stored_in(policy):
+    """Scales are computed in the dtype `apply` stores them in: a policy casting parameters
+    stores buffers in its compute dtype (its scales were made for float16 and cast to
+    bfloat16 by nearest: 0.97 of a step off), and a float16 model under a bfloat16 policy got
+    bfloat16 scales squeezed through float16 (a row of tiny weights shrank by a quarter)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64))
+    with torch.no_grad():
+        model[0].weight[0] = torch.randn(32) * 3e-6
+    model = model.half() if policy == "int8_from_bf16-true" else model
+    weight = model[0].weight.detach().float().clone()
+    mixprec.apply(model, policy, warn=False)
+    layer = model[0]
+    assert layer.weight_scale.dtype == torch.bfloat16
+    assert _steps(layer, weight) <= 0.5
+    assert (layer.weight_scale.float() * 127 >= weight.abs().amax(dim=1)).all()
+
+
+@pytest.mark.parametrize("cast", ["apply", "method"])
+@pytest.mark.parametrize("spec", ["int8", "int4/16"])
+def test_a_cast_of_quantized_scales_requantizes_where_they_do_not_fit(cast, spec):
+    """Scales cast to a dtype that does not hold them (`apply(model, "16-true")` or
+    ``model.half()`` after `quantize`) quantize the weight again in it, scales rounded up:
+    rounded to nearest, a float16 row of tiny weights got scale 0 (its outputs were the bias
+    alone) and other scales fell below their rows' largest weight / 127. Exact casts
+    (float16 scales to float32) change nothing; a tied embedding and head keep sharing."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"emb": nn.Embedding(64, 32), "head": nn.Linear(32, 64)})
+    model["head"].weight = model["emb"].weight
+    with torch.no_grad():
+        model["emb"].weight[0] = torch.randn(32) * 1e-6
+    mixprec.quantize(model, spec)
+    before = model["head"].dequantized_weight().float()
+    if cast == "apply":
+        mixprec.apply(model, "16-true", warn=False)
+    else:
+        model.half()
+    head, emb = model["head"], model["emb"]
+    assert head.weight_scale.dtype == torch.float16
+    assert (head.weight_scale > 0).all()
+    assert head.dequantized_weight()[0].abs().max() > 0  # the tiny row kept its values
+    after = head.dequantized_weight().float()
+    # within a stored step of the weight the codes stood for (rounded up: codes in range)
+    step = head.weight_scale.float().reshape(before.shape[0], -1).amax(dim=1, keepdim=True)
+    assert ((after - before).abs() <= step).all()
+    assert torch.equal(emb.dequantized_weight(), head.dequantized_weight())
+    if cast == "apply":
+        assert emb.qweight is head.qweight and emb.weight_scale is head.weight_scale
+    codes = head.qweight.clone()
+    model.float()  # exact: float16 values fit float32
+    assert torch.equal(head.qweight, codes)
+    assert torch.equal(head.dequantized_weight().half(), after.half())

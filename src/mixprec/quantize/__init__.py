@@ -146,12 +146,13 @@ def _quantized_layer(
 ) -> nn.Module:
     """The quantized layer `policy`'s format swaps in for the module at `path`; `memo`
     lets a tied weight quantized the same way share one quantized copy. The scales hold
-    values of the dtype they will be stored in: a 16-bit param dtype of the policy
-    (`apply` casts them to it), else the weight's."""
+    values of the dtype they will be stored in: the policy's 16-bit buffer dtype (`apply`
+    casts them to it: its param dtype, or its compute dtype where it casts parameters), else
+    the weight's."""
     tie = (id(module.weight), hugging_face_conv1d(module))
     module = linear_view(module)
-    param = policy.param_dtype
-    storage = param if torch.finfo(param).bits < 32 else module.weight.dtype
+    buffers = policy.buffer_dtype
+    storage = buffers if torch.finfo(buffers).bits < 32 else module.weight.dtype
     return policy.format.swap(module, policy.config, path=path, storage=storage, tie=tie, memo=memo)
 
 

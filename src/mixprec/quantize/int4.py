@@ -38,6 +38,7 @@ from mixprec.formats.registry import Format, agree
 from mixprec.policy.names import spelled_int
 from mixprec.quantize.int8 import (
     Prepacked,
+    ScaledCodes,
     check_finite,
     check_input,
     float_layer,
@@ -237,7 +238,7 @@ class _Int4Matmul(torch.autograd.Function):
         return grad @ w.to(grad.dtype), None, None, None, None
 
 
-class _Int4Weight(Prepacked, nn.Module):
+class _Int4Weight(ScaledCodes, Prepacked, nn.Module):
     """Buffers and (de)quantization shared by the int4 Linear and Embedding."""
 
     quantization_mode = "int4"
@@ -255,15 +256,26 @@ class _Int4Weight(Prepacked, nn.Module):
         self.qweight, self.weight_scale, self.weight_zero = packed, scale.to(dtype), zero
         self.drop_prepacked()
 
-    def requantize(self, weight: Tensor) -> None:
-        """Replace the int4 weight by the quantization of the float `weight`."""
-        dtype = self.weight_scale.dtype
+    def take_groups(self, weight: Tensor, quantized: tuple[Tensor, ...] | None) -> None:
+        """Hold the int4 groups of the float `weight` (scales in its dtype), or `quantized`
+        (``(packed, scale, zero)`` already made from it, the scales kept in their dtype:
+        the format makes them in the dtype they are stored in)."""
+        if quantized is not None:
+            self._take(quantized, quantized[1].dtype)
+            return
+        self._take(quantize_groups(weight, self.group_size), weight.dtype)
+
+    def requantize(self, weight: Tensor, dtype: torch.dtype | None = None) -> None:
+        dtype = self.weight_scale.dtype if dtype is None else dtype
         self._take(quantize_groups(weight, self.group_size, dtype=dtype), dtype)
 
-    def dequantized_weight(self) -> Tensor:
-        """The float weight the int4 values stand for, in the scales' dtype."""
+    def weight_from(self, buffers: Mapping[str, Tensor]) -> Tensor:
         return dequantize_groups(
-            self.qweight, self.weight_scale, self.weight_zero, self.features, self.group_size
+            buffers["qweight"],
+            buffers["weight_scale"],
+            buffers["weight_zero"],
+            self.features,
+            self.group_size,
         )
 
 
@@ -288,7 +300,7 @@ class Int4Linear(LoraMixin, _Int4Weight):
         """Quantize `linear` (or take ``(packed, scale, zero)`` already made from its weight,
         so tied weights share one int4 copy)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, group_size)
-        layer._take(quantized or quantize_groups(linear.weight, group_size), linear.weight.dtype)
+        layer.take_groups(linear.weight, quantized)
         layer.bias = linear.bias  # the same Parameter: an optimizer holding it keeps working
         return swapped_in(linear, layer.to(linear.weight.device))
 
@@ -372,9 +384,7 @@ class Int4Embedding(LoraEmbeddingMixin, _Int4Weight):
         layer = cls(
             embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, group_size
         )
-        layer._take(
-            quantized or quantize_groups(embedding.weight, group_size), embedding.weight.dtype
-        )
+        layer.take_groups(embedding.weight, quantized)
         return swapped_in(embedding, layer.to(embedding.weight.device))
 
     def forward(self, idx: Tensor) -> Tensor:
@@ -462,7 +472,8 @@ class Int4Format(Format):
     def quantize_weight(
         self, weight: Tensor, config: Int4Config, name: str, storage: torch.dtype
     ) -> tuple[Tensor, ...]:
-        return quantize_groups(weight, config.group_size, name, storage)
+        packed, scale, zero = quantize_groups(weight, config.group_size, name, storage)
+        return packed, scale.to(storage), zero
 
     def build(self, module: nn.Module, config: Int4Config, codes: tuple[Tensor, ...]) -> nn.Module:
         layer = Int4Linear if isinstance(module, nn.Linear) else Int4Embedding

@@ -48,8 +48,10 @@ if TYPE_CHECKING:
     from mixprec.device import DeviceInfo
 
 __all__ = [
+    "CODE_BUFFERS",
     "Int8Embedding",
     "Int8Linear",
+    "ScaledCodes",
 ]
 
 QMAX = 127
@@ -322,7 +324,13 @@ def float_sums(a: Tensor, b: Tensor) -> Tensor:
     loops), over tiles of `b`'s rows whose float32 copy is at most `FLOAT_TILE_BYTES`, each
     in chunks of at most `F32_EXACT_K` features so every partial sum is exact; one chunk
     gives float32, several float64 (their sum, exact). Other devices: a float64 matmul.
-    Converted to float32, a sum rounds as the int32 sum's ``.to(float32)`` does."""
+    Converted to float32, a sum rounds as the int32 sum's ``.to(float32)`` does. Autocast
+    is off inside: a bfloat16 matmul of the codes would round the sums."""
+    with torch.autocast(a.device.type, enabled=False):
+        return _float_sums(a, b)
+
+
+def _float_sums(a: Tensor, b: Tensor) -> Tensor:
     if a.device.type != "cpu":
         return a.double() @ b.double().t()
     (m, k), n = a.shape, b.shape[0]
@@ -494,27 +502,86 @@ def output_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-class _Int8Rows:
+# the buffers of a `ScaledCodes` layer that change together when its scales change dtype
+CODE_BUFFERS = ("qweight", "weight_scale", "weight_zero")
+
+
+class ScaledCodes:
+    """Mixin for a layer holding integer codes and their ``weight_scale`` (int8, int4): its
+    scales stay values of the dtype they are stored in. A cast of the scales to a dtype that
+    does not hold them all (``model.bfloat16()`` or `apply` of a 16-bit policy after
+    `mixprec.quantize`: float32 scales) requantizes the weight they stand for with scales
+    rounded up in that dtype (`storable_scale`), as quantizing in it does: rounded to
+    nearest, a scale could fall below its row's ``max|w| / 127`` (codes past the range,
+    weights off by almost a whole step) or to 0 (a float16 row of tiny weights)."""
+
+    weight_scale: Tensor
+    _buffers: dict[str, Tensor]
+
+    def weight_from(self, buffers: Mapping[str, Tensor]) -> Tensor:
+        """The float weight the codes and scales in `buffers` stand for (their dtype)."""
+        raise NotImplementedError
+
+    def dequantized_weight(self) -> Tensor:
+        """The float weight the codes stand for, in the scales' dtype (LoRA adapters not
+        included)."""
+        return self.weight_from(self._buffers)
+
+    def requantize(self, weight: Tensor, dtype: torch.dtype | None = None) -> None:
+        """Replace the codes by the quantization of the float `weight`, scales in `dtype`
+        (by default the scales' own)."""
+        raise NotImplementedError
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        old = dict(self._buffers)
+        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        self.keep_scales_exact(old)
+        return out
+
+    def cast_scales(self, dtype: torch.dtype) -> None:
+        """Store the scales in `dtype` (the cast `mixprec.apply` makes of a policy's
+        buffers), requantizing where they do not fit it exactly."""
+        old = dict(self._buffers)
+        self.weight_scale = old["weight_scale"].to(dtype)
+        self.keep_scales_exact(old)
+
+    def keep_scales_exact(self, old: Mapping[str, Tensor]) -> None:
+        """After the scales changed dtype from those in `old` (the buffers before): where
+        a scale changed value, requantize the weight `old` stood for in the new dtype."""
+        before, now = old["weight_scale"], self.weight_scale
+        if now.dtype == before.dtype or not now.is_floating_point():
+            return
+        back = now.to(before.device, before.dtype)
+        if bool(((back == before) | before.isnan()).all()):
+            return
+        weight = self.weight_from(old).to(now.device)
+        self.requantize(weight, now.dtype)
+
+
+class _Int8Rows(ScaledCodes):
     """The int8 weight of an int8 Linear or Embedding: ``qweight`` and one ``weight_scale``
     a row."""
 
     qweight: Tensor
-    weight_scale: Tensor
 
     def take_rows(self, weight: Tensor, quantized: tuple[Tensor, ...] | None) -> None:
-        """Hold the int8 rows of the float `weight`, or `quantized` (``(qweight,
-        weight_scale)`` already made from it), the scales in its dtype."""
-        q, scale = quantized if quantized is not None else quantize_rows(weight)
+        """Hold the int8 rows of the float `weight` (scales in its dtype), or `quantized`
+        (``(qweight, weight_scale)`` already made from it, the scales kept in their dtype:
+        the format makes them in the dtype they are stored in)."""
+        if quantized is not None:
+            self.qweight, self.weight_scale = quantized
+            return
+        q, scale = quantize_rows(weight)
         self.qweight, self.weight_scale = q, scale.to(weight.dtype)
 
-    def dequantized_weight(self) -> Tensor:
-        """``qweight * weight_scale`` in the scales' dtype (LoRA adapters not included)."""
-        return self.qweight.to(self.weight_scale.dtype) * self.weight_scale[:, None]
+    def weight_from(self, buffers: Mapping[str, Tensor]) -> Tensor:
+        scale = buffers["weight_scale"]
+        return buffers["qweight"].to(scale.dtype) * scale[:, None]
 
-    def requantize(self, weight: Tensor) -> None:
-        """Replace the int8 rows by the quantization of the float `weight`."""
-        q, scale = quantize_rows(weight, dtype=self.weight_scale.dtype)
-        self.qweight, self.weight_scale = q, scale.to(self.weight_scale.dtype)
+    def requantize(self, weight: Tensor, dtype: torch.dtype | None = None) -> None:
+        dtype = self.weight_scale.dtype if dtype is None else dtype
+        q, scale = quantize_rows(weight, dtype=dtype)
+        self.qweight, self.weight_scale = q, scale.to(dtype)
 
 
 class Int8Linear(_Int8Rows, Prepacked, LoraMixin, nn.Module):
@@ -547,9 +614,10 @@ class Int8Linear(_Int8Rows, Prepacked, LoraMixin, nn.Module):
         layer.bias = linear.bias  # the same Parameter: an optimizer holding it keeps working
         return swapped_in(linear, layer.to(linear.weight.device))
 
-    def requantize(self, weight: Tensor) -> None:
-        """Replace the int8 weight by the quantization of the float `weight`."""
-        super().requantize(weight)
+    def requantize(self, weight: Tensor, dtype: torch.dtype | None = None) -> None:
+        """Replace the int8 weight by the quantization of the float `weight` (scales in
+        `dtype`, by default their own)."""
+        super().requantize(weight, dtype)
         self.drop_prepacked()
 
     @property
@@ -716,7 +784,8 @@ class Int8Format(Format):
     def quantize_weight(
         self, weight: Tensor, config: None, name: str, storage: torch.dtype
     ) -> tuple[Tensor, ...]:
-        return quantize_rows(weight, name, storage)
+        q, scale = quantize_rows(weight, name, storage)
+        return q, scale.to(storage)
 
     def build(self, module: nn.Module, config: None, codes: tuple[Tensor, ...]) -> nn.Module:
         layer = Int8Linear if isinstance(module, nn.Linear) else Int8Embedding
@@ -738,15 +807,16 @@ INT8 = Int8Format()
 
 def float_layer(layer: nn.Module, memo: dict[int, Any]) -> nn.Module:
     """The float Linear/Embedding (its ``float_type``) an int8/int4 layer holding codes
-    stands for: its dequantized weight, LoRA adapters folded in, the bias the same
-    Parameter. Layers sharing one quantized weight (and no adapters) share one float weight
-    through `memo` (`mixprec.quantize.dequantize`'s)."""
+    stands for: its dequantized weight (frozen if the float weight was), LoRA adapters
+    folded in, the bias the same Parameter. Layers sharing one quantized weight (and no
+    adapters) share one float weight through `memo` (`mixprec.quantize.dequantize`'s)."""
     key = id(layer.qweight)
     weight = layer.dequantized_weight()
     if isinstance(layer, LoraMixin) and layer.lora_rank:
         weight, key = weight + layer.lora_delta().detach().to(weight.dtype), id(layer)
     if key not in memo:
-        memo[key] = nn.Parameter(weight.detach().clone())
+        trains = getattr(layer, "weight_requires_grad", True)
+        memo[key] = nn.Parameter(weight.detach().clone(), requires_grad=trains)
     if layer.float_type is nn.Linear:
         out = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
         out.bias = layer.bias

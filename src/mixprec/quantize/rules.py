@@ -117,10 +117,11 @@ def skip_reason(
             f"a layer in {fmt.name} holds codes"
         )
     embedding = not linear_only and type(module) is nn.Embedding
-    if embedding and (module.max_norm is not None or module.sparse):
+    if embedding and (module.max_norm is not None or module.sparse or module.scale_grad_by_freq):
         return (
-            "unsupported option: an Embedding with max_norm or sparse=True changes its "
-            "weight or gradient in ways a quantized table cannot"
+            "unsupported option: an Embedding with max_norm, sparse=True or "
+            "scale_grad_by_freq=True changes its weight or gradient in ways a quantized table "
+            "cannot"
         )
     conv1d = not linear_only and hugging_face_conv1d(module)
     if type(module) is not nn.Linear and not embedding and not conv1d:
@@ -267,8 +268,13 @@ M = TypeVar("M", bound=nn.Module)
 
 def swapped_in(source: nn.Module, target: M) -> M:
     """`target`, the layer swapped in for `source`, given `source`'s hooks (`carry_hooks`)
-    and training mode: a user's hook, or a model in eval mode, stays as it was."""
+    and training mode: a user's hook, or a model in eval mode, stays as it was. A layer
+    holding codes remembers whether its float weight trained (``weight_requires_grad``), which
+    `mixprec.quantize.dequantize` gives back (a frozen weight stays frozen)."""
     carry_hooks(source, target)
+    weight = getattr(source, "weight", None)
+    if "qweight" in target._buffers and isinstance(weight, torch.Tensor):
+        target.weight_requires_grad = weight.requires_grad
     return target.train(source.training)
 
 
