@@ -1153,3 +1153,66 @@ def test_a_batch_of_inputs_and_target_without_loss_fn_says_loss_fn_is_missing():
     with pytest.raises(TypeError, match=r"no loss_fn was given.*tuple of 2.*pass loss_fn=") as err:
         mixprec.diagnose(model, batch)
     assert "must be Tensor, not tuple" in str(err.value)
+
+
+def test_cli_doctor_says_why_a_run_with_no_finding_misses_the_tolerance(tmp_path, capsys):
+    """An error built up over layers, none at risk, misses a tight tolerance: the command
+    exits 1 and says why (it said only "no finding: every module is ok")."""
+    factory = tmp_path / "deep.py"
+    factory.write_text(
+        "import torch, torch.nn.functional as F\n"
+        "from torch import nn\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 4))\n"
+        "    return model, (torch.randn(32, 16), torch.randint(0, 4, (32,))), "
+        "F.cross_entropy\n"
+    )
+    args = ["doctor", f"{factory}:make", "--precision", "bf16-mixed", "--no-report"]
+    assert main([*args, "--tolerance", "1e-9"]) == 1
+    captured = capsys.readouterr()
+    assert "no finding" in captured.out
+    assert "not within tolerance 1e-09" in captured.err + captured.out
+
+
+def test_recommend_keeps_the_maps_activation_and_state_rules():
+    """The policy `recommend` verifies and writes is the user's with rules added: it dropped
+    the map's activation and optimizer-state rules (a search's own plan came back without
+    them, and the fix was verified on another setup)."""
+    model, batch = overflow_model()
+    given = PolicyMap("16-mixed", activations={"inp": "checkpoint"}, states="int8")
+    fix = diagnose(model, batch, F.cross_entropy, precision=given).recommend()
+    assert fix.log and "proj" in str(fix.policy.rules)
+    for policy in (fix.policy, fix.verified.precision):
+        assert policy.activations == given.activations and policy.states == given.states
+
+
+@pytest.mark.parametrize("key", ["a(", "x[1", "a+", "a|b"])
+def test_recommend_escapes_a_module_name_that_is_no_regex_of_itself(key):
+    """A ModuleDict key that is no valid pattern (``"a("``) crashed `recommend` with
+    ``re.error``; one that is a pattern not matching itself (``"a+"``) gave a rule that
+    missed its own layer."""
+
+    class Heads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(8, 16)
+            self.heads = nn.ModuleDict({key: nn.Linear(16, 16), "ok": nn.Linear(16, 16)})
+            self.norm = nn.LayerNorm(16)
+            self.out = nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            return self.out(self.norm(self.heads[key](h)) + self.heads["ok"](h))
+
+    torch.manual_seed(0)
+    model = Heads()
+    x, y = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    with torch.no_grad():
+        model.heads[key].weight.mul_(1e5 / model.heads[key](model.inp(x)).abs().max())
+    diagnosis = diagnose(model, (x, y), F.cross_entropy, precision="16-mixed")
+    assert f"heads.{key}" in [f.name for f in diagnosis.findings]
+    fix = diagnosis.recommend()
+    resolved = fix.policy.resolve(model)
+    assert resolved[f"heads.{key}"].policy != resolved["heads.ok"].policy
+    assert fix.verified.passes(fix.tolerance)

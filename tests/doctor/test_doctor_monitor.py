@@ -279,3 +279,36 @@ def test_a_failing_fit_leaves_no_hook_on_the_model(tmp_path):
     with pytest.raises(RuntimeError, match="planted in the loss"):
         trainer.fit(model, data, loss_fn=failing_loss)
     assert hooks(model) == 0
+
+
+@pytest.mark.parametrize("order", ["bad-first", "bad-last"])
+def test_a_nan_from_any_call_of_a_layer_is_kept(order):
+    """A layer called twice in a step (shared, or micro-batches) whose first call made a
+    NaN and the second a finite output: the finite amax replaced the NaN, and the warning
+    blamed the root instead of the layer."""
+
+    class NaiveSoftmax(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.exp() / x.exp().sum(-1, keepdim=True)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.sm = NaiveSoftmax()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            big, small = h * 100.0, h * 0.1
+            first, second = (big, small) if order == "bad-first" else (small, big)
+            return self.sm(first) + self.sm(second)
+
+    torch.manual_seed(0)
+    model = Twice()
+    mixprec.apply(model, "16-true")
+    monitor = PrecisionMonitor(every_n_steps=1).attach(model)
+    with pytest.warns(PrecisionWarning, match="layer sm produced inf/NaN"):
+        monitor.start_step(0)
+        model(torch.randn(4, 8, dtype=torch.float16)).float().sum().backward()
+        metrics = monitor.end_step(0)
+    assert math.isnan(metrics["precision/sm/amax"])

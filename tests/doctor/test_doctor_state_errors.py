@@ -117,3 +117,22 @@ def test_moment_errors_report_the_update_error_of_each_format_and_no_zeros():
     assert errors["weight"]["float8"].update < 0.1
     float32 = moment_errors(model, batches, nn.functional.mse_loss, ["float32"])["weight"]
     assert (float32["float32"].update, float32["float32"].zeroed) == (0.0, 0)
+
+
+def test_moment_errors_are_seeded_and_leave_the_callers_generator_alone():
+    """The steps run with dropout off and the generator seeded (`seed`): the errors moved
+    with the caller's seed (the search's state formats with them) and the caller's
+    generator was advanced."""
+    from torch.nn import functional as F
+
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), nn.ReLU(), nn.Linear(64, 4))
+    batch = (torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    results = []
+    for caller in (1, 2):
+        torch.manual_seed(caller)
+        state = torch.get_rng_state()
+        errors = moment_errors(model, [batch], F.cross_entropy, ["int4"], steps=2)
+        assert torch.equal(torch.get_rng_state(), state)
+        results.append({name: e["int4"].update for name, e in errors.items()})
+    assert results[0] == results[1]
+    assert model.training and model[1].training

@@ -1029,3 +1029,21 @@ def test_training_bytes_of_a_plan_with_state_formats_are_what_training_holds(bas
     weights_and_grads = sum(2 * p.numel() * p.element_size() for p in model.parameters())
     real = weights_and_grads + held(opt.optimizer)
     assert state_bytes(model, "training", _state_formats(model, plan)) == real
+
+
+def test_two_budgets_met_exactly_by_the_baseline_find_it():
+    """Costs rounded up to the grid of two budgets (1/1000 of each) made three units at a
+    third of each budget 1002 steps, past the grid: the baseline plan, at exactly 1.0x of
+    both, was lost and `search(budget={"memory": 1.0, "speed": 1.0})` raised BudgetError."""
+    damages = [[0.0, 0.0, 1e-4]] * 3
+    memory = [[2000.0, 4000.0, 1000.0]] * 3
+    speed = [[1.0, 0.9, 1.3]] * 3
+    budgets = [6000.0, 3.0]
+    assert brute_force(damages, [memory, speed], budgets) == (0.0, [0, 0, 0])
+    assert solve(damages, [memory, speed], budgets) == [0, 0, 0]
+    # a plan of least damage among those that fit at the edge, not merely the first
+    damages = [[1.0, 0.5, 1e-4]] * 3
+    memory = [[2000.0, 2000.0, 1000.0]] * 3
+    speed = [[1.0, 1.0, 1.3]] * 3
+    assert solve(damages, [memory, speed], budgets) == [1, 1, 1]
+    assert solve(damages, [memory, speed], [5999.0, 3.0]) is None

@@ -406,7 +406,9 @@ def _run(args: argparse.Namespace) -> int:
             return 2
         console.print(diagnosis.__rich__())
         found = None
-        if not args.no_recommend and diagnosis.findings:
+        # (also with no finding: an error built up across layers misses the tolerance,
+        # and the recommendation says what fixes it or why nothing does)
+        if not args.no_recommend and (diagnosis.findings or not diagnosis.passes(args.tolerance)):
             found = _recommend(diagnosis, args.tolerance, console, err)
         hurt = _state_check(args, model, batch, loss_fn, console, err)
         if hurt is None:
@@ -434,7 +436,9 @@ def _state_check(
     from mixprec.doctor.state_errors import state_errors
 
     try:
-        report = state_errors(model, [batch], loss_fn, states=args.states, lr=args.lr or 1e-3)
+        report = state_errors(
+            model, [batch], loss_fn, states=args.states, lr=args.lr or 1e-3, seed=args.seed
+        )
     except ValueError as error:
         err.print(f"[red]mixprec doctor: --states: {error}[/]")
         return None

@@ -221,9 +221,15 @@ class Diagnosis:
         return later[0] if later else None
 
     def _rule_key(self, name: str) -> str:
-        """`name` as a rule key: escaped only if, as a regex, it would match another module."""
+        """`name` as a rule key: escaped only if, as a regex, it would not match exactly
+        this module (another one too, not itself, or no regex at all: a ModuleDict key
+        ``"a("``)."""
+        try:
+            pattern = re.compile(name)
+        except re.error:
+            return re.escape(name)
         names = [n for n, _ in self._session.model.named_modules(remove_duplicate=False)]
-        if any(n != name and re.fullmatch(name, n) for n in names):
+        if not pattern.fullmatch(name) or any(n != name and pattern.fullmatch(n) for n in names):
             return re.escape(name)
         return name
 
@@ -240,12 +246,8 @@ class Diagnosis:
         for name, p in chosen.items():
             for path in paths.get(by_name.get(name, -1), [name]):
                 rules[self._rule_key(path)] = p
-        return PolicyMap(
-            self.precision.default,
-            rules,
-            float32_islands=self.precision.float32_islands,
-            float32_attention=self.precision.float32_attention,
-        )
+        # (the user's activation and optimizer-state rules stay, verified with the fix)
+        return self.precision.replace(rules=rules)
 
     def _trial(self, chosen: dict[str, Policy], loss_scale: float) -> Diagnosis:
         policy = self._map(chosen)

@@ -284,7 +284,9 @@ class PrecisionMonitor:
             amax, under, nonzero = values[i : i + 3]
             i += 3
             m = merged.setdefault(name, [dtype, 0.0, 0.0, 0.0])
-            m[1] = amax if math.isnan(amax) or math.isnan(m[1]) else max(m[1], amax)
+            # (a NaN from any call of the layer stays: a later finite call does not hide it)
+            if not math.isnan(m[1]):
+                m[1] = amax if math.isnan(amax) else max(m[1], amax)
             m[2] += under
             m[3] += nonzero
         grads: dict[str, tuple[float, float]] = {}

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from mixprec.optim.states import StateFormat, dequantize, moment_error, parse_state_format, quantize
 from mixprec.policy.map import PolicyMap, as_map
 from mixprec.precision import Precision
-from mixprec.step import batch_loss
+from mixprec.step import batch_loss, seeded
 
 __all__ = ["StateError", "StateErrors", "moment_errors", "state_errors", "update_error"]
 
@@ -149,11 +149,13 @@ def moment_errors(
     *,
     steps: int = 3,
     lr: float = 1e-3,
+    seed: int = 0,
 ) -> dict[str, dict[str, StateError]]:
     """Each trainable parameter's name -> format -> its `StateError` in that format (the
     relative errors of its moments and of the update they give, stored in that format),
-    after ``steps`` float32 AdamW steps of a copy of ``model`` on ``batches`` in turn. The
-    model is not touched."""
+    after ``steps`` float32 AdamW steps of a copy of ``model`` on ``batches`` in turn, its
+    dropout off and the random generator seeded with ``seed`` (the same errors whatever
+    the caller's generator, whose state is put back). The model is not touched."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
     if not batches:
@@ -161,12 +163,17 @@ def moment_errors(
     parsed = [parse_state_format(f) for f in formats]
     copied = copy.deepcopy(model).float()
     copied.train()
+    for module in copied.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.eval()
     precision = Precision("32-true")
     optimizer = torch.optim.AdamW(copied.parameters(), lr=lr)
-    for i in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        batch_loss(precision, copied, batches[i % len(batches)], loss_fn).backward()
-        optimizer.step()
+    first = next(copied.parameters(), None)
+    with seeded(seed, torch.device("cpu") if first is None else first.device):
+        for i in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            batch_loss(precision, copied, batches[i % len(batches)], loss_fn).backward()
+            optimizer.step()
     group = optimizer.param_groups[0]
     eps, beta2 = group["eps"], group["betas"][1]
     out: dict[str, dict[str, StateError]] = {}
@@ -186,12 +193,14 @@ def state_errors(
     steps: int = 3,
     lr: float = 1e-3,
     threshold: float = 0.1,
+    seed: int = 0,
 ) -> StateErrors:
     """Train a float32 copy of ``model`` ``steps`` AdamW steps on ``batches`` (in turn, as
     `mixprec.diagnose` takes a batch), then measure how much storing each parameter's
     moments in its state format changes the update they give (see the module's docstring).
     ``states``: a format for every parameter (``"int8"``, ``"int4"``, ``"fp8"``) or a
-    PolicyMap with ``states`` rules. The model is not touched."""
+    PolicyMap with ``states`` rules; ``seed``: the generator's seed for the steps (dropout
+    is off). The model is not touched."""
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold < 0:
         raise ValueError(f"threshold must be a number >= 0, got {threshold!r}")
     if isinstance(states, PolicyMap):
@@ -203,7 +212,7 @@ def state_errors(
     }
     errors = moment_errors(
         model, list(batches), loss_fn, sorted({str(f) for f in assigned.values()}),
-        steps=steps, lr=lr,
+        steps=steps, lr=lr, seed=seed,
     )  # fmt: skip
     rows = [errors[name][str(fmt)] for name, fmt in assigned.items() if name in errors]
     rows.sort(key=lambda r: -r.update)

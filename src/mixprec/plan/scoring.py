@@ -37,7 +37,7 @@ def candidates(
     reference."""
     reference = convert(s.model, PolicyMap("32-true"))
     unit_states = (
-        choose_states(reference, s.units, s.batches, s.loss_fn, s.states, lr=s.lr)
+        choose_states(reference, s.units, s.batches, s.loss_fn, s.states, lr=s.lr, seed=s.seed)
         if s.states is not None
         else None
     )

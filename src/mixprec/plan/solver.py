@@ -104,7 +104,7 @@ def solve(
         steps_of.append(unit_steps)
     lowest = float(best.min())
     if lowest == inf:
-        return _cheapest_if_fits(costs, budgets)
+        return _edge_plan(damages, costs, budgets)
     # the cheapest cell of least damage: first by the first budget, then the second
     cells = (best == lowest).nonzero().tolist()
     a, b = min(cells)
@@ -118,24 +118,37 @@ def solve(
     return plan
 
 
-def _cheapest_if_fits(
-    costs: Sequence[Sequence[Sequence[float]]], budgets: Sequence[float]
+def _edge_plan(
+    damages: Sequence[Sequence[float]],
+    costs: Sequence[Sequence[Sequence[float]]],
+    budgets: Sequence[float],
 ) -> list[int] | None:
-    """Each unit's cheapest option under one budget (ties: the cheaper under the others),
-    the first such plan (by budget) that fits every true budget: the plan rounding up can
-    lose at a budget's very edge (None if none fits)."""
+    """The least damaging of a few plans that fit every true budget, for when the rounded
+    costs fit none (rounding each unit's cost up can lose a plan at a budget's very edge):
+    each unit's cheapest option under one budget (ties: the cheaper under the others), and
+    every unit taking the same option (the baseline, exactly at budgets given
+    relative to it, among them). None if none of them fits."""
     kinds = range(len(budgets))
-    for k in kinds:
-        plan = [
+    units = range(len(costs[0]))
+    plans = [
+        [
             min(range(len(costs[k][u])), key=lambda f, u=u: [costs[j][u][f] for j in (k, *kinds)])
-            for u in range(len(costs[k]))
+            for u in units
         ]
-        if all(
+        for k in kinds
+    ]
+    plans += [[f] * len(units) for f in range(min(len(options) for options in damages))]
+
+    def fits(plan: list[int]) -> bool:
+        return all(math.isfinite(damages[u][f]) for u, f in enumerate(plan)) and all(
             sum(costs[j][u][f] for u, f in enumerate(plan)) <= budgets[j] * (1 + 1e-9)
             for j in kinds
-        ):
-            return plan
-    return None
+        )
+
+    fitting = [plan for plan in plans if fits(plan)]
+    if not fitting:
+        return None
+    return min(fitting, key=lambda plan: sum(damages[u][f] for u, f in enumerate(plan)))
 
 
 def brute_force(

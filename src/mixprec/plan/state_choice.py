@@ -45,6 +45,7 @@ def choose_states(
     states: Sequence[str],
     *,
     lr: float,
+    seed: int,
 ) -> list[StateFormat | None]:
     """Each unit's state format (None: float32), as the module's docstring says."""
     offered = sorted(
@@ -53,7 +54,9 @@ def choose_states(
     )
     if not offered:
         return [None for _ in units]
-    errors = moment_errors(model, batches, loss_fn, [str(f) for f in offered], steps=STEPS, lr=lr)
+    errors = moment_errors(
+        model, batches, loss_fn, [str(f) for f in offered], steps=STEPS, lr=lr, seed=seed
+    )
     out: list[StateFormat | None] = []
     for unit in units:
         names = [n for n in _state_params(model, unit) if n in errors]
