@@ -842,3 +842,75 @@ def test_a_saved_step_count_of_another_dtype_or_shape_loads_and_steps(step):
     p.grad = torch.randn(300)
     opt.step()
     assert opt.state[p]["step"].shape == () and float(opt.state[p]["step"]) == 4.0
+
+
+def _adam_weights(optimizer_of, load=None, steps=5):
+    """A weight after `steps` steps of fixed gradients (weight decay 0.5), the optimizer
+    first loading `load`."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(64))
+    optimizer = optimizer_of([p])
+    if load is not None:  # (a copy: torch's loader keeps the saved tensors, steps them)
+        optimizer.load_state_dict(copy.deepcopy(load))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        p.grad = torch.randn(64, generator=g)
+        optimizer.step()
+    return p.detach(), optimizer
+
+
+def test_an_adam_state_loaded_into_an_adamw_keeps_its_decoupled_decay():
+    """A torch Adam state dict (``decoupled_weight_decay=False``) loaded into `LowBitAdamW`
+    made it run L2 decay, silently (torch's AdamW sets the flag back to True on load); a
+    group keeps this optimizer's form of decay, as it keeps its format."""
+    _, adam = _adam_weights(lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.5), steps=3)
+    saved = adam.state_dict()
+    want, torch_adamw = _adam_weights(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.5), load=saved
+    )
+    got, ours = _adam_weights(
+        lambda ps: LowBitAdamW(ps, lr=1e-2, weight_decay=0.5, states="float32"), load=saved
+    )
+    assert torch_adamw.param_groups[0]["decoupled_weight_decay"] is True
+    assert ours.param_groups[0].get("decoupled_weight_decay", True) is True
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    # an Adam keeps its L2 decay loading an AdamW's state (the moments are the same kind)
+    _, adamw = _adam_weights(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.5), steps=3)
+    saved = adamw.state_dict()
+    l2, _ = _adam_weights(
+        lambda ps: LowBitAdam(ps, lr=1e-2, weight_decay=0.5, states="float32"), load=saved
+    )
+    saved["param_groups"][0]["decoupled_weight_decay"] = False
+    want, _ = _adam_weights(lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.5), load=saved)
+    torch.testing.assert_close(l2, want, rtol=0, atol=1e-6)
+
+
+def test_low_bit_adam_takes_torch_adams_positional_arguments():
+    p = nn.Parameter(torch.randn(8))
+    optimizer = LowBitAdam([p], 1e-3, (0.8, 0.99), 1e-6, 0.1, states="float32")
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (
+        1e-3,
+        (0.8, 0.99),
+        1e-6,
+        0.1,
+    )
+    assert LowBitAdam([p]).param_groups[0]["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("states", ["float32", "int8"])
+def test_a_low_bit_step_inside_a_compiled_function_runs_as_eagerly(states):
+    """``torch.compile`` around the optimizer's step (a compiled training step) crashed in
+    dynamo's tracing of the step's planning; the step runs outside it, as called eagerly."""
+    torch._dynamo.reset()
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(4096))
+        optimizer = LowBitAdamW([p], states=states, min_size=0, compile=False)
+        step = torch.compile(optimizer.step) if compiled else optimizer.step
+        for i in range(3):
+            p.grad = torch.full_like(p, 0.1 * (i + 1))
+            step()
+        results.append(p.detach().clone())
+    assert torch.equal(results[0], results[1])

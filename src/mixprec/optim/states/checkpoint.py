@@ -36,6 +36,9 @@ UNSUPPORTED_FLAGS = {
     "differentiable": "the low-bit step is not differentiable",
 }
 
+# a group's form of Adam's weight decay (torch's key): the optimizer's own, never a state's
+_DECAY_FORM = "decoupled_weight_decay"
+
 
 class StateCheckpoint(torch.optim.Optimizer):
     """What a low-bit optimizer saves and restores. A subclass gives ``algorithm``,
@@ -66,7 +69,8 @@ class StateCheckpoint(torch.optim.Optimizer):
 
         A parameter saved in another format than the one this optimizer gives it (an int8
         state loaded into `AdamW4bit`) is decoded and stored in this one's; the groups keep
-        this optimizer's ``"states"``. Everything is checked first (the groups' settings,
+        this optimizer's ``"states"`` and form of weight decay (``"decoupled_weight_decay"``,
+        the class's where the group has none). Everything is checked first (the groups' settings,
         every parameter's keys, shapes, lengths and dtypes): a refused state changes
         nothing. torch's loader casts floating state to the parameter's dtype; the saved
         dtypes are put back (float32 moments and scales beside 16-bit parameters)."""
@@ -99,8 +103,15 @@ class StateCheckpoint(torch.optim.Optimizer):
             )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"the saved 'seed' is an int (from state_dict()), got {seed!r}")
+        # each group keeps this optimizer's format and form of weight decay: a torch Adam
+        # state's decoupled_weight_decay=False made an AdamW run L2 decay (torch's AdamW
+        # sets it back to True on load); absent here, the class's form holds
         saved["param_groups"] = [
-            {**g, "states": ours["states"]}
+            {
+                **{k: v for k, v in g.items() if k != _DECAY_FORM},
+                "states": ours["states"],
+                **({_DECAY_FORM: ours[_DECAY_FORM]} if _DECAY_FORM in ours else {}),
+            }
             for g, ours in zip(saved["param_groups"], self.param_groups, strict=True)
         ]
         # (the layout, checked above, is the state dict's, not a state's)

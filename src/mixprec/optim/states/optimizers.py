@@ -502,11 +502,13 @@ class LowBitOptimizer(StateCheckpoint):
 
     # -- the step ----------------------------------------------------------------------------
 
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter with a gradient; ``closure`` re-evaluates the loss
         first (its value is returned). Every gradient is checked before any parameter is
-        updated."""
+        updated. Runs outside any enclosing ``torch.compile`` (a compiled training step):
+        the step compiles its own kernels, and its planning reads tensors' addresses."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1042,9 +1044,16 @@ class LowBitAdam(LowBitAdamW):
 
     decoupled = False
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, *args: Any, **kwargs: Any):
-        kwargs.setdefault("weight_decay", 0.0)
-        super().__init__(params, lr, *args, **kwargs)
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
 
 
 class LowBitSGD(LowBitOptimizer):
