@@ -230,6 +230,18 @@ def test_unknown_device_type_is_refused():
 AMX_FLAGS = frozenset({"avx2", "avx512bw", "avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"})
 
 
+def test_avx2_vnni_is_a_side_branch_of_onednns_levels():
+    """Capped at AVX512_CORE, oneDNN takes no VNNI kernel, avx_vnni's neither (int8 was
+    rated fast there while the layer, finding oneDNN's sums wrong, ran its slower float
+    path); AVX2_VNNI and ALL keep it."""
+    from mixprec.device import cap_cpu_flags
+
+    flags = frozenset({"avx2", "avx_vnni", "avx512bw", "avx512_vnni"})
+    assert cap_cpu_flags(flags, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"})[0] == {"avx2", "avx512bw"}
+    assert cap_cpu_flags(flags, {"ONEDNN_MAX_CPU_ISA": "AVX2_VNNI"})[0] == {"avx2", "avx_vnni"}
+    assert cap_cpu_flags(flags, {"ONEDNN_MAX_CPU_ISA": "ALL"})[0] == flags
+
+
 @pytest.mark.parametrize(
     "env, kept, note",
     [
@@ -246,10 +258,22 @@ AMX_FLAGS = frozenset({"avx2", "avx512bw", "avx512_bf16", "amx_bf16", "avx512_fp
         ({"DNNL_MAX_CPU_ISA": "AVX2"}, {"avx2"}, "DNNL_MAX_CPU_ISA=AVX2"),
         ({"ATEN_CPU_CAPABILITY": "avx2"}, {"avx2"}, "capped by ATEN_CPU_CAPABILITY=avx2"),
         ({"ATEN_CPU_CAPABILITY": "avx512"}, AMX_FLAGS, None),
-        ({"ONEDNN_MAX_CPU_ISA": "pentium"}, AMX_FLAGS, "ONEDNN_MAX_CPU_ISA=pentium not understood"),
+        ({"ONEDNN_MAX_CPU_ISA": "pentium"}, AMX_FLAGS, "ONEDNN_MAX_CPU_ISA='pentium' not under"),
+        # read as the libraries read them: oneDNN's own variable over its old name, no
+        # blanks around a value; ATen's lowercase names only (it ignores "AVX2")
+        (
+            {"ONEDNN_MAX_CPU_ISA": "ALL", "DNNL_MAX_CPU_ISA": "AVX2"},
+            AMX_FLAGS,
+            "DNNL_MAX_CPU_ISA='AVX2' ignored: ONEDNN_MAX_CPU_ISA is set",
+        ),
+        ({"DNNL_MAX_CPU_ISA": " AVX2"}, AMX_FLAGS, "DNNL_MAX_CPU_ISA=' AVX2' not understood"),
+        ({"ATEN_CPU_CAPABILITY": "AVX2"}, AMX_FLAGS, "ATEN_CPU_CAPABILITY='AVX2' not understood"),
     ],
 )
 def test_isa_caps_users_set_for_torch_cap_the_flags(env, kept, note):
+    """Each cap as its library reads it: a cap the library ignored, read as applied, rated
+    a fast bfloat16 CPU slow ("auto" gave 32-true), or stored its speed under the key of a
+    process really capped (which then read bfloat16 fast at 0.02x float32)."""
     from mixprec.device import cap_cpu_flags
 
     flags, why = cap_cpu_flags(AMX_FLAGS, env)
@@ -372,6 +396,16 @@ def test_a_described_apple_gpu_is_rated_from_its_description(macos, status):
     assert resolve_auto(m2).name == "16-mixed"
     with mixprec.hardware.assume(m2):
         assert main(["info", "--device", "mps"]) == 0
+
+
+def test_int8_is_refused_on_an_apple_gpu():
+    """int8 was rated fast on MPS, whose int8 layers have only the float64 fallback there,
+    which MPS lacks (the forward would fail)."""
+    from mixprec.hardware import policy_support
+
+    m2 = DeviceInfo("mps", "Apple M2", macos=(14, 5))
+    support = policy_support("int8_from_float32", m2)
+    assert support.status == "refused" and "float64" in support.reason
 
 
 @pytest.mark.parametrize(

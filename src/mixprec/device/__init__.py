@@ -184,6 +184,8 @@ _ONEDNN_LEVELS: tuple[tuple[tuple[str, ...], frozenset[str]], ...] = (
     (("AVX512_CORE_AMX", "AVX10_1_512_AMX"), frozenset({"amx_bf16", "amx_int8"})),
     (("AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX_FP16", "ALL", "DEFAULT"), frozenset({"amx_fp16"})),
 )
+# the oneDNN levels that take avx_vnni's kernels
+_AVX_VNNI_LEVELS = frozenset({"AVX2_VNNI", "AVX2_VNNI_2", "ALL", "DEFAULT"})
 # ATen's CPU capability levels and the flags its vectorised kernels may use at each
 _ATEN_LEVELS: dict[str, frozenset[str]] = {
     "DEFAULT": frozenset(),
@@ -193,12 +195,23 @@ _ATEN_LEVELS: dict[str, frozenset[str]] = {
 
 
 def _onednn_allowed(level: str) -> frozenset[str] | None:
+    if level != level.strip():  # (oneDNN ignores " AVX2")
+        return None
     allowed: set[str] = set()
     for names, flags in _ONEDNN_LEVELS:
         allowed |= flags
-        if level in names:
+        if level.upper() in names:
+            # (the AVX2 VNNI levels are a side branch: AVX512_CORE and its successors do not
+            # take avx_vnni's kernels, only ALL does)
+            if level.upper() not in _AVX_VNNI_LEVELS:
+                allowed.discard("avx_vnni")
             return frozenset(allowed)
     return None
+
+
+def _aten_allowed(level: str) -> frozenset[str] | None:
+    # (ATen warns "ignoring invalid value" for any other spelling, "AVX2" included)
+    return _ATEN_LEVELS[level.upper()] if level in ("default", "avx2", "avx512") else None
 
 
 def cap_cpu_flags(
@@ -208,21 +221,27 @@ def cap_cpu_flags(
     (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``), and a note saying which cap applied.
 
     Capping to AVX2 on a CPU with AMX makes its bf16 kernels as slow as an AVX2 CPU's, so the
-    support matrix follows the cap; an unknown value caps nothing and the note says so.
+    support matrix follows the cap. Each variable is read as its library reads it: oneDNN
+    takes ``ONEDNN_MAX_CPU_ISA`` over ``DNNL_MAX_CPU_ISA`` and ignores a value with blanks
+    around it; ATen takes only its lowercase names (``avx2``, ``avx512``, ``default``). A
+    value its library ignores caps nothing here either, and the note says so.
     """
     kept = set(flags)
     notes = []
     for var, allowed_of in (
         ("ONEDNN_MAX_CPU_ISA", _onednn_allowed),
         ("DNNL_MAX_CPU_ISA", _onednn_allowed),
-        ("ATEN_CPU_CAPABILITY", _ATEN_LEVELS.get),
+        ("ATEN_CPU_CAPABILITY", _aten_allowed),
     ):
-        value = environ.get(var, "").strip()
+        value = environ.get(var, "")
         if not value:
             continue
-        allowed = allowed_of(value.upper())
+        if var == "DNNL_MAX_CPU_ISA" and environ.get("ONEDNN_MAX_CPU_ISA"):
+            notes.append(f"{var}={value!r} ignored: ONEDNN_MAX_CPU_ISA is set (oneDNN's rule)")
+            continue
+        allowed = allowed_of(value)
         if allowed is None:
-            notes.append(f"{var}={value} not understood, ignored")
+            notes.append(f"{var}={value!r} not understood (its library ignores it), ignored")
             continue
         removed = kept & (set(_CPU_FLAGS_OF_INTEREST) - allowed)
         if removed:
@@ -263,8 +282,8 @@ def caps_in_effect(requested: Mapping[str, str]) -> dict[str, str]:
     where `requested` sets one (ATen too reads its variable once). A cap set later in a
     process whose torch already multiplied is in `requested` and not here."""
     caps = {var: value for var, value in _ONEDNN_AT_IMPORT.items() if value}
-    if requested.get("ATEN_CPU_CAPABILITY"):
-        caps["ATEN_CPU_CAPABILITY"] = torch.backends.cpu.get_cpu_capability()
+    if requested.get("ATEN_CPU_CAPABILITY"):  # (torch says "AVX2"; the variable, "avx2")
+        caps["ATEN_CPU_CAPABILITY"] = torch.backends.cpu.get_cpu_capability().lower()
     return caps
 
 

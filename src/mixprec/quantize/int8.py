@@ -740,7 +740,13 @@ def int8_support(info: DeviceInfo) -> Support:
     has no integer kernel whose sums are exact (16-bit partial sums saturate), so mixprec's
     int8 layers sum their codes in exact float32 matmuls there (`float_sums`), converting
     the weight's codes per call, slower than float32 (docs/quantized.md has the
-    measurements): memory saved, not time."""
+    measurements): memory saved, not time. MPS has neither integer matmuls nor float64."""
+    if info.type == "mps":
+        return Support(
+            Status.REFUSED,
+            "no integer matmul on mps, and the exact fallback sums in float64, which MPS "
+            "lacks: int8 layers would fail there",
+        )
     x86 = info.type == "cpu" and bool(info.cpu_flags & _X86_FLAGS)
     vnni = sorted(info.cpu_flags & _VNNI_FLAGS)
     if x86 and not vnni:
