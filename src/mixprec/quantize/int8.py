@@ -549,8 +549,13 @@ class ScaledCodes:
         """After the scales changed dtype from those in `old` (the buffers before): where
         a scale changed value, requantize the weight `old` stood for in the new dtype."""
         before, now = old["weight_scale"], self.weight_scale
-        if now.dtype == before.dtype or not now.is_floating_point():
-            return
+        if (
+            now.dtype == before.dtype
+            or not now.is_floating_point()
+            or now.is_meta
+            or before.is_meta
+        ):
+            return  # (meta tensors hold no values to keep)
         back = now.to(before.device, before.dtype)
         if bool(((back == before) | before.isnan()).all()):
             return
