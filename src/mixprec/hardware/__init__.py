@@ -283,7 +283,8 @@ _FAST_ON: dict[torch.dtype, str] = {
     ),
     torch.float16: (
         "NVIDIA GPUs of compute capability 7.0+ (V100, T4 and newer), Apple GPUs (MPS); "
-        "on CPUs only those with amx_fp16 (Intel Granite Rapids+), for matmuls"
+        "no CPU (those with amx_fp16, Intel Granite Rapids+, run its matmuls at speed, "
+        "its convolutions still slowly: supported, not fast)"
     ),
 }
 
