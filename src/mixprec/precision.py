@@ -36,6 +36,7 @@ from mixprec.convert import (
     needs_default_dtype,
     warn_unmatched,
 )
+from mixprec.errors import caller_level
 from mixprec.formats.registry import StepWork, before_step, step_work
 from mixprec.hardware import (
     DeviceInfo,
@@ -371,8 +372,27 @@ class Precision:
                 else self.compensation,
             )
         if lso not in self.optimizers:
+            self._retire_overlapping(lso)
             self.optimizers.append(lso)
         return lso
+
+    def _retire_overlapping(self, new: LossScaleOptimizer) -> None:
+        """Drop (warning) the wrappers set up before that step parameters ``new`` steps: a
+        notebook cell run twice, or a training stage with a new optimizer, left the old one
+        live, so that ``step()`` and ``unscale_()`` of all stepped the shared gradients twice
+        (an update twice as large, or unscaled twice: no update)."""
+        mine = {id(new.model_param(p)) for g in new.param_groups for p in g["params"]}
+        for old in list(self.optimizers):
+            theirs = {id(old.model_param(p)) for g in old.param_groups for p in g["params"]}
+            if mine & theirs:
+                self.optimizers.remove(old)
+                warnings.warn(
+                    f"setup() got a new {type(new.optimizer).__name__} over parameters the "
+                    f"{type(old.optimizer).__name__} set up before steps: that one is retired "
+                    "(step() and unscale_() of all no longer take it). To start a new run "
+                    "afresh, scaler included, call precision.reset() first",
+                    stacklevel=caller_level(),
+                )
 
     def _wrapper_of(self, optimizer: torch.optim.Optimizer) -> LossScaleOptimizer | None:
         inner = self.converted(optimizer) or optimizer

@@ -59,7 +59,11 @@ class OptimizerCheckpoint:
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state (with Kahan buffers), the scaler's state, the float32 master
         weights by parameter index, each parameter's shape and names (by index, as in the
-        optimizer's state), and the compensation's kind and random generator states."""
+        optimizer's state), and the compensation's kind and random generator states. The
+        masters first take what was written into their parameters since the last step (a
+        model state loaded, an edit), as the next step would: saved stale, a resume copied
+        the old masters over the loaded model."""
+        self._masters.follow_edits()
         params = list(self._all_params())
         return {
             "optimizer": self.optimizer.state_dict(),

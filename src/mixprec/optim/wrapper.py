@@ -209,7 +209,9 @@ class LossScaleOptimizer(OptimizerCheckpoint):
 
     @property
     def master_params(self) -> Mapping[torch.Tensor, torch.Tensor]:
-        """Model parameter -> its float32 master, for parameters that have one."""
+        """Model parameter -> its float32 master, for parameters that have one (writes into
+        the parameters since the last step taken first, as the step takes them)."""
+        self._masters.follow_edits()
         return self._masters.master_of
 
     def add_param_group(self, group: dict[str, Any]) -> None:
