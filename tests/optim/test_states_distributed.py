@@ -213,3 +213,57 @@ def test_a_sharded_stochastic_step_draws_each_elements_bits_from_its_place_in_th
     them apart). Each shard now starts at its place in the whole parameter, so FSDP2's step
     is one process's, bit for bit."""
     run_ranks(_stochastic_worker, nprocs=WORLD)
+
+
+def _whole_blocks_worker(rank: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    whole = nn.Linear(256, 33, bias=False)  # rows of whole blocks: 17 and 16 per rank
+    sharded = nn.Linear(256, 33, bias=False)
+    sharded.load_state_dict(whole.state_dict())
+    fully_shard(sharded)
+    opts = [
+        LowBitAdamW(m.parameters(), lr=1e-2, states="int8", compile=False) for m in (whole, sharded)
+    ]
+    for i in range(2):
+        g = torch.Generator().manual_seed(i)
+        grad = torch.randn(33, 256, generator=g)
+        whole.weight.grad = grad
+        sharded.weight.grad = torch.distributed.tensor.distribute_tensor(
+            grad, sharded.weight.device_mesh, sharded.weight.placements
+        )
+        for opt in opts:
+            opt.step()
+    assert torch.equal(sharded.weight.full_tensor(), whole.weight.detach())
+    # a whole torch state (the parameter's global shape) is refused before anything changes
+    reference = torch.optim.AdamW(whole.parameters(), lr=1e-2)
+    whole.weight.grad = torch.ones(33, 256)
+    reference.step()
+    before = {
+        k: v.clone() if torch.is_tensor(v) else v for k, v in opts[1].state[sharded.weight].items()
+    }
+    try:
+        opts[1].load_state_dict(reference.state_dict())
+    except ValueError as error:
+        assert "whole tensor, where this optimizer's parameter is sharded by FSDP2" in str(error)
+    else:
+        raise AssertionError("a whole state loaded into a sharded optimizer")
+    after = opts[1].state[sharded.weight]
+    assert sorted(after) == sorted(before)
+    assert all(
+        torch.equal(local(after[k]), local(v)) for k, v in before.items() if torch.is_tensor(v)
+    )
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def test_a_shard_of_whole_blocks_smaller_than_the_largest_steps_as_one_process():
+    """Each rank's codes are padded to the largest shard's blocks; a shard of whole blocks
+    stepped in one piece met them unsliced and failed on a bare "Expected cond to be True"
+    on that rank alone (the other hung in its next collective): `Linear(256, 33)` at the
+    default min_size. And a whole torch state loaded into the sharded optimizer passed the
+    checks, then failed halfway, its states replaced."""
+    run_ranks(_whole_blocks_worker, nprocs=WORLD)

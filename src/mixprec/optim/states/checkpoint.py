@@ -257,6 +257,7 @@ class StateCheckpoint(torch.optim.Optimizer):
             else:
                 value = entry[name]
                 kind = "complex" if p.is_complex() else "floating"
+                _check_sharded_alike(value, p, name, where)
                 if (
                     not torch.is_tensor(value)
                     or tuple(value.shape) != tuple(p.shape)
@@ -269,6 +270,8 @@ class StateCheckpoint(torch.optim.Optimizer):
                         f"another parameter"
                     )
         buf = entry.get("compensation")
+        if buf is not None:
+            _check_sharded_alike(buf, p, "compensation", where)
         if buf is not None and (not torch.is_tensor(buf) or tuple(buf.shape) != tuple(p.shape)):
             raise ValueError(
                 f"the saved 'compensation' (Kahan buffer) of {where} is {describe(buf)}; it "
@@ -326,3 +329,20 @@ class StateCheckpoint(torch.optim.Optimizer):
         for group in out["param_groups"]:
             group.pop("states", None)
         return out
+
+
+def _check_sharded_alike(value: Any, p: torch.Tensor, name: str, where: str) -> None:
+    """Refuse a whole tensor saved for a parameter FSDP2 shards (or a sharded one for a
+    whole parameter): it has the parameter's shape, passed the checks, and failed halfway
+    through the load, the states already replaced."""
+    if not torch.is_tensor(value):
+        return
+    sharded, saved_sharded = local_part(p) is not p, local_part(value) is not value
+    if sharded != saved_sharded:
+        raise ValueError(
+            f"the saved {name!r} of {where} is a "
+            f"{'sharded DTensor' if saved_sharded else 'whole tensor'}, where this optimizer's "
+            f"parameter is {'sharded by FSDP2' if sharded else 'whole'}: load a sharded "
+            f"optimizer's state through torch.distributed.checkpoint "
+            f"(set_optimizer_state_dict), which hands each rank its part"
+        )

@@ -734,6 +734,20 @@ class LowBitOptimizer(StateCheckpoint):
         ``key + begin``, so each element draws what it would in one call."""
         fmt, n = planned.fmt, flat.numel()
         cut = n - n % fmt.block if fmt.quantized else n  # type: ignore[operator]
+        if fmt.quantized:
+            # a shard's codes and scales are padded to the largest shard's blocks (FSDP2):
+            # this one's own blocks only, or a shard of whole blocks, stepped in one piece,
+            # met moments of another length
+            blocks = -(-n // fmt.block)  # type: ignore[operator]
+            moments = [
+                (
+                    None if t is None else t[: fmt.code_count(blocks * fmt.block)],  # type: ignore[operator]
+                    None if sc is None else sc[:blocks],
+                )
+                if sc is not None and sc.shape[0] > blocks
+                else (t, sc)
+                for t, sc in moments
+            ]
         pieces = []
         # a low-bit update holds its moments in float32 while it runs: in parts of at most
         # CHUNK elements (or one block), so that this stays small beside a large parameter
