@@ -185,19 +185,22 @@ def test_hsdp_states_cover_each_replicas_shard_and_other_cuts_are_refused():
     run_ranks(_hsdp_worker, nprocs=WORLD)
 
 
-def _stochastic_worker(rank: int) -> None:
+def _whole_and_sharded(
+    rows: int, features: int, dtype: torch.dtype, steps: int, **kwargs
+) -> tuple[nn.Linear, nn.Linear, list[LowBitAdamW]]:
+    """A Linear and its FSDP2-sharded twin, each stepped ``steps`` times by a `LowBitAdamW`
+    of ``kwargs`` on the same gradients; the sharded one must equal the whole bit for bit."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    whole = nn.Linear(300, 5, bias=False).to(torch.bfloat16)  # 5 rows: 3 and 2 per rank
-    sharded = nn.Linear(300, 5, bias=False).to(torch.bfloat16)
+    whole = nn.Linear(features, rows, bias=False).to(dtype)
+    sharded = nn.Linear(features, rows, bias=False).to(dtype)
     sharded.load_state_dict(whole.state_dict())
     fully_shard(sharded)
-    kwargs = dict(lr=1e-3, states="float32", compensation="stochastic", compile=False)
-    opts = [LowBitAdamW(m.parameters(), **kwargs) for m in (whole, sharded)]
-    for i in range(3):
+    opts = [LowBitAdamW(m.parameters(), compile=False, **kwargs) for m in (whole, sharded)]
+    for i in range(steps):
         g = torch.Generator().manual_seed(i)
-        grad = torch.randn(5, 300, generator=g).to(torch.bfloat16)
+        grad = torch.randn(rows, features, generator=g).to(dtype)
         whole.weight.grad = grad
         sharded.weight.grad = torch.distributed.tensor.distribute_tensor(
             grad, sharded.weight.device_mesh, sharded.weight.placements
@@ -205,6 +208,13 @@ def _stochastic_worker(rank: int) -> None:
         for opt in opts:
             opt.step()
     assert torch.equal(sharded.weight.full_tensor(), whole.weight.detach())
+    return whole, sharded, opts
+
+
+def _stochastic_worker(rank: int) -> None:
+    # 5 rows: 3 and 2 per rank
+    kwargs = dict(lr=1e-3, states="float32", compensation="stochastic")
+    _whole_and_sharded(5, 300, torch.bfloat16, 3, **kwargs)
 
 
 def test_a_sharded_stochastic_step_draws_each_elements_bits_from_its_place_in_the_whole():
@@ -216,26 +226,8 @@ def test_a_sharded_stochastic_step_draws_each_elements_bits_from_its_place_in_th
 
 
 def _whole_blocks_worker(rank: int) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    whole = nn.Linear(256, 33, bias=False)  # rows of whole blocks: 17 and 16 per rank
-    sharded = nn.Linear(256, 33, bias=False)
-    sharded.load_state_dict(whole.state_dict())
-    fully_shard(sharded)
-    opts = [
-        LowBitAdamW(m.parameters(), lr=1e-2, states="int8", compile=False) for m in (whole, sharded)
-    ]
-    for i in range(2):
-        g = torch.Generator().manual_seed(i)
-        grad = torch.randn(33, 256, generator=g)
-        whole.weight.grad = grad
-        sharded.weight.grad = torch.distributed.tensor.distribute_tensor(
-            grad, sharded.weight.device_mesh, sharded.weight.placements
-        )
-        for opt in opts:
-            opt.step()
-    assert torch.equal(sharded.weight.full_tensor(), whole.weight.detach())
+    # rows of whole blocks: 17 and 16 per rank
+    whole, sharded, opts = _whole_and_sharded(33, 256, torch.float32, 2, lr=1e-2, states="int8")
     # a whole torch state (the parameter's global shape) is refused before anything changes
     reference = torch.optim.AdamW(whole.parameters(), lr=1e-2)
     whole.weight.grad = torch.ones(33, 256)
