@@ -785,3 +785,30 @@ def test_a_batchnorm_under_a_mixed_policy_is_a_float32_unit_and_runs(ranks):
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
     plan = units(model, "bf16-mixed")
     assert plan["1"].compute_dtype == torch.float32 and plan[""].compute_dtype == torch.bfloat16
+
+
+def _lora_worker(rank: int) -> None:
+    import mixprec
+    from mixprec.quantize import dequantize, enable_lora, merge_lora
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+    mixprec.quantize(model, "int8")
+    late = copy.deepcopy(model)
+    enable_lora(model, 4)
+    shard(model, "float32")
+    for call in (merge_lora, dequantize):
+        with pytest.raises(
+            ValueError, match="on a model FSDP2 has sharded: its adapters are shards"
+        ):
+            call(model)
+    shard(late, "float32")
+    with pytest.raises(ValueError, match="enable LoRA before sharding"):
+        enable_lora(late, 4)
+
+
+def test_lora_on_a_sharded_model_is_refused_where_it_would_go_wrong():
+    """Adapters added after sharding were plain tensors each rank trained apart (replicas
+    0.08 apart after 3 steps, no warning); merging or dequantizing sharded adapters failed
+    in torch's mixed Tensor/DTensor arithmetic. Both refused, saying what works."""
+    run_ranks(_lora_worker, nprocs=WORLD)

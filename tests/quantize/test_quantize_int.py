@@ -1561,3 +1561,41 @@ def test_a_cast_of_quantized_scales_requantizes_where_they_do_not_fit(cast, spec
     model.float()  # exact: float16 values fit float32
     assert torch.equal(head.qweight, codes)
     assert torch.equal(head.dequantized_weight().half(), after.half())
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4/16"])
+def test_a_peft_models_adapters_stay_float_and_its_base_layers_quantize(spec):
+    """peft's LoRA adapters are Linear layers too: `quantize` on a peft model swapped its
+    ``lora_A`` (64 input features) for codes, which froze it (only B trained). They are
+    skipped, saying why; the base layers quantize (QLoRA) and both adapters train."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["0", "2"]))
+    result = quantize(model, spec)
+    assert sorted(result.quantized) == [
+        "base_model.model.0.base_layer",
+        "base_model.model.2.base_layer",
+    ]
+    adapters = [path for path in result.skipped if ".lora_" in path]
+    assert len(adapters) == 4
+    assert all("a peft LoRA adapter" in result.skipped[path] for path in adapters)
+    model(torch.randn(4, 64)).sum().backward()
+    trained = sorted(n for n, p in model.named_parameters() if p.grad is not None)
+    assert [n.split(".")[-3] for n in trained] == ["lora_A", "lora_B", "lora_A", "lora_B"]
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4/16"])
+def test_dequantize_with_adapters_gives_the_bias_back_its_training(spec):
+    """`enable_lora` freezes the bias; `merge_lora` gives it back, but `dequantize` with the
+    adapters folded in left it frozen (the float model's biases never trained again)."""
+    from mixprec.quantize import dequantize, enable_lora
+
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    model[1].bias.requires_grad_(False)
+    quantize(model, spec)
+    enable_lora(model, 4)
+    assert not model[0].bias.requires_grad
+    dequantize(model)
+    assert model[0].bias.requires_grad and model[0].weight.requires_grad
+    assert not model[1].bias.requires_grad  # frozen before: stays frozen

@@ -292,6 +292,7 @@ def dequantize(model: nn.Module) -> nn.Module:
     tied again), a float8 or block-scaled layer the Linear holding its own (float)
     parameters."""
     _refuse_applied(model, "dequantize")
+    _refuse_sharded_adapters(_lora_layers(model), "dequantize")
     memo: dict[int, Any] = {}
     new: dict[int, nn.Module] = {}
     for m in model.modules():
@@ -318,6 +319,13 @@ def enable_lora(module: nn.Module, rank: int, alpha: float | None = None) -> lis
             f"enable_lora found no int8/int4 Linear or Embedding in {type(module).__name__}: "
             "quantize first, e.g. mixprec.quantize(model, 'int8')"
         )
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in module.modules()):
+        raise ValueError(
+            "enable_lora on a model FSDP2 has sharded: the new adapters would be plain "
+            "tensors each rank trains apart (the replicas drift); enable LoRA before "
+            "sharding (mixprec.sharding.shard, fully_shard)"
+        )
     return [p for layer in layers for p in layer.enable_lora(rank, alpha)]
 
 
@@ -333,6 +341,7 @@ def merge_lora(module: nn.Module) -> int:
         if isinstance(m, LoraMixin):
             sharers.setdefault(id(m.qweight), []).append((name or "<root>", m))  # type: ignore[attr-defined]
     layers = [m for m in _lora_layers(module) if m.lora_rank]
+    _refuse_sharded_adapters(layers, "merge_lora")
     for layer in layers:
         layer.merge_lora()
     for group in sharers.values():
@@ -344,10 +353,25 @@ def merge_lora(module: nn.Module) -> int:
                 f"merge_lora untied the quantized weight shared by {names}: their adapters "
                 f"trained different changes, so each now holds its own copy (+{extra} "
                 "bytes). To keep one copy, leave the shared layers without adapters "
-                "(enable_lora on the other layers only).",
+                "(enable_lora on the other layers only). A model tied again (freshly "
+                "quantized) loads only one of the copies from this state dict: load it "
+                "into a model untied the same way (merged too).",
                 stacklevel=2,
             )
     return len(layers)
+
+
+def _refuse_sharded_adapters(layers: list[Any], what: str) -> None:
+    """A ``ValueError`` if an adapter is an FSDP2 shard: folding it into the replicated codes
+    needs the whole adapter (torch refused the mixed arithmetic midway)."""
+    plain = (torch.Tensor, nn.Parameter)  # (an FSDP2 shard is a DTensor)
+    if any(type(layer.lora_A) not in plain for layer in layers if layer.lora_rank):
+        raise ValueError(
+            f"{what} on a model FSDP2 has sharded: its adapters are shards; gather the "
+            "model's full state dict (torch.distributed.checkpoint.state_dict."
+            "get_model_state_dict with full_state_dict=True), load it into an unsharded "
+            f"copy and call {what} there"
+        )
 
 
 def _storage_bytes(layer: nn.Module) -> int:

@@ -831,6 +831,9 @@ def float_layer(layer: nn.Module, memo: dict[int, Any]) -> nn.Module:
     if layer.float_type is nn.Linear:
         out = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
         out.bias = layer.bias
+        if layer.bias is not None and isinstance(layer, LoraMixin) and layer.lora_rank:
+            # (enable_lora froze it; merged into a float layer, it trains as it did before)
+            layer.bias.requires_grad_(layer._bias_requires_grad)
     else:
         out = nn.Embedding(layer.num_embeddings, layer.embedding_dim, layer.padding_idx)
     out.weight = memo[key]

@@ -89,7 +89,18 @@ def weights_read_by_parents(model: nn.Module) -> dict[int, str]:
             child = parent._modules.get(name)
             if child is not None:
                 out[id(child)] = type(parent).__name__
+        if type(parent).__module__.startswith("peft."):
+            for name in _PEFT_ADAPTERS:
+                adapters = parent._modules.get(name)
+                for child in adapters.modules() if adapters is not None else ():
+                    out[id(child)] = PEFT_ADAPTER
     return out
+
+
+# a `weights_read_by_parents` answer for the layers of a peft LoRA adapter, and the module
+# dicts peft keeps them in
+PEFT_ADAPTER = "peft's LoRA"
+_PEFT_ADAPTERS = ("lora_A", "lora_B", "lora_magnitude_vector")
 
 
 def skip_reason(
@@ -106,6 +117,11 @@ def skip_reason(
         return None if done == fmt.name else f"already quantized to {done}"
     linear_only = not fmt.embeddings
     kinds = "Linear" if linear_only else "Linear, Embedding and Hugging Face's Conv1D"
+    if read_by == PEFT_ADAPTER:
+        return (
+            "a peft LoRA adapter: it trains in float beside the layer it adapts, whose base "
+            "layer is quantized"
+        )
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return (
             "unsupported type: the output projection of nn.MultiheadAttention, whose "
