@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -102,10 +103,11 @@ def digits_loaders(batch_size: int, seed: int = 0) -> tuple[DataLoader, DataLoad
 
 def median_rate(trainer: Trainer) -> float:
     """Median of the training throughput the Trainer logged (samples/s, every 10 steps):
-    robust to the bursts of a shared machine, unlike the whole run's time."""
+    robust to the bursts of a shared machine, unlike the whole run's time; NaN when the
+    run logged none."""
     with open(trainer.run_dir / "metrics.csv") as f:
-        rates = [float(r["samples_per_sec"]) for r in csv.DictReader(f) if r["samples_per_sec"]]
-    return statistics.median(rates)
+        rates = [float(r["samples_per_sec"]) for r in csv.DictReader(f) if r.get("samples_per_sec")]
+    return statistics.median(rates) if rates else math.nan
 
 
 def run(
@@ -126,7 +128,8 @@ def run(
         precision=precision,
         devices=devices,
         max_epochs=epochs,
-        log_every_n_steps=10,  # 2 rows an epoch: throughput samples for median_rate
+        # 2 rows an epoch: throughput samples for median_rate (a shorter run logs its first)
+        log_every_n_steps=min(10, epochs * len(train)),
         default_root_dir=root,
         seed=seed,
         allow_slow_precision=allow_slow,

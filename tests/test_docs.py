@@ -123,6 +123,13 @@ def test_getting_started_shows_what_mixprec_prints_on_that_cpu(capsys, monkeypat
     for row in rows:
         assert row in page, row
     assert '"auto" resolves to: 32-true' in page and '"auto" resolves to: 32-true' in out
+    # (and where each precision would be fast, as printed: the page once named Apple silicon
+    # for bfloat16, which mixprec rates supported there)
+    flat_page, flat_out = " ".join(page.split()), " ".join(out.split())
+    for lead in ("bfloat16 would be fast on:", "float16 would be fast on:"):
+        line = flat_out.split(lead, 1)[1].split(" float16 would be fast on:")[0]
+        line = line.split(" several processes:")[0]
+        assert lead + line in flat_page, lead + line
     shown = page.split("mixprec.errors.SlowPrecisionError: ", 1)[1].split("```", 1)[0]
     assert " ".join(shown.split()) == " ".join(str(err.value).split())
     order = ["## 1. `mixprec info`", "## 2. Your model in bf16-mixed", "## 3. When a precision"]

@@ -70,4 +70,9 @@ def site_links(markdown: str) -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    if page.file.src_uri.startswith("results/"):
+        # a results page links to the docs as the repository holds them (../../docs/x.md
+        # from benchmarks/results/); on the site they sit one level up from results/
+        depth = page.file.src_uri.count("/")
+        return markdown.replace("](../../docs/", "](" + "../" * depth)
     return site_links(markdown)
