@@ -366,6 +366,76 @@ def test_zero_grad_clears_the_models_gradients_where_masters_are_stepped():
     assert float((moved["16-true"] - moved["32-true"]).abs().max()) < 1e-2  # float16 rounding
 
 
+class ToggledGan(TwoOptimizers):
+    """Lightning's GAN loop: ``toggle_optimizer`` freezes the other optimizer's parameters
+    for each loss, so no gradient is left on the discriminator by the generator's loss and
+    its step needs no zero_grad first."""
+
+    def training_step(self, batch, batch_idx):
+        z, real = batch
+        g_opt, d_opt = self.optimizers()
+        self.toggle_optimizer(g_opt)
+        self.manual_backward((self.dis(self.gen(z)).float() - 1).pow(2).mean())
+        self.left.append(self.dis.weight.grad is not None)
+        g_opt.step()
+        g_opt.zero_grad()
+        self.untoggle_optimizer(g_opt)
+        self.toggle_optimizer(d_opt)
+        fake = self.dis(self.gen(z).detach()).float()
+        self.manual_backward((self.dis(real).float() - 1).pow(2).mean() + fake.pow(2).mean())
+        d_opt.step()
+        d_opt.zero_grad()
+        self.untoggle_optimizer(d_opt)
+
+
+@pytest.mark.parametrize("options", [{}, {"optimizer_states": "int8"}])
+def test_toggle_optimizer_freezes_the_model_where_masters_are_stepped(options):
+    """Lightning's toggle_optimizer sets requires_grad on what the optimizers' groups hold,
+    the float32 masters under 16-true: the discriminator stayed trainable, the generator's
+    loss left gradients on it and its step added them (0.12 off after two steps)."""
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 8, generator=g))
+    moved = {}
+    for spec in ("32-true", "16-true"):
+        model = ToggledGan()
+        model.left = []
+        scaler = DynamicLossScaler(init_scale=16.0) if spec == "16-true" else None
+        precision = Precision(spec, allow_slow=True, scaler=scaler, **options)
+        _trainer(MixprecPrecision(precision), max_steps=2).fit(
+            model, DataLoader(data, batch_size=8)
+        )
+        assert model.left and not any(model.left)
+        assert all(p.requires_grad for p in model.parameters())
+        moved[spec] = model.dis.weight.detach().float() - model.start
+    assert float((moved["16-true"] - moved["32-true"]).abs().max()) < 1e-2  # float16 rounding
+
+
+def test_a_finetuning_callback_with_masters_is_refused_saying_what_works():
+    """BackboneFinetuning names the optimizer's parameters by the module's, which float32
+    masters are not: it failed with a KeyError at the first epoch."""
+    from pytorch_lightning.callbacks import BackboneFinetuning
+
+    class WithBackbone(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return (self.head(self.backbone(x)).float() - y).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1)
+
+    data = TensorDataset(torch.randn(8, 4), torch.randn(8, 1))
+    plugin = MixprecPrecision("16-true", allow_slow=True)
+    trainer = _trainer(
+        plugin, max_epochs=1, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)]
+    )
+    with pytest.raises(ValueError, match="BackboneFinetuning with float32 master weights"):
+        trainer.fit(WithBackbone(), DataLoader(data, batch_size=4))
+
+
 # -- checkpoints ----------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ from torch import nn
 
 try:
     import pytorch_lightning as pl
+    from pytorch_lightning.callbacks import BaseFinetuning
     from pytorch_lightning.core.optimizer import LightningOptimizer
     from pytorch_lightning.plugins.precision import Precision as LightningPrecision
     from pytorch_lightning.utilities.types import LRSchedulerConfig
@@ -76,6 +77,42 @@ def _clears_model_grads_too(optimizer: torch.optim.Optimizer, lso: LossScaleOpti
         lso.zero_model_grads(set_to_none)
 
     optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+
+
+def _toggles_model_params_too(module: nn.Module, wrappers: list[LossScaleOptimizer]) -> None:
+    """Make the LightningModule's ``toggle_optimizer`` / ``untoggle_optimizer`` freeze and
+    unfreeze the model's parameters where the optimizers step float32 masters: Lightning
+    sets ``requires_grad`` on what the optimizers' groups hold, the masters, so a GAN's
+    generator loss left gradients on the discriminator, which its next step added (0.12
+    off after two steps). Each parameter takes its master's flag after the call."""
+    for name in ("toggle_optimizer", "untoggle_optimizer"):
+        own = getattr(module, name, None)
+        if own is None:
+            continue
+
+        def call(optimizer: Any, _own: Callable[[Any], None] = own) -> None:
+            _own(optimizer)
+            for lso in wrappers:
+                for param, master in lso.master_params.items():
+                    param.requires_grad_(master.requires_grad)
+
+        object.__setattr__(module, name, call)
+
+
+def _refuse_finetuning_callbacks(module: nn.Module) -> None:
+    """Refuse Lightning's finetuning callbacks where the optimizers step float32 masters:
+    they name the optimizers' parameters by the module's, which the masters are not (a
+    ``KeyError`` at the first epoch)."""
+    trainer = getattr(module, "_trainer", None)
+    callbacks = getattr(trainer, "callbacks", [])
+    found = [type(c).__name__ for c in callbacks if isinstance(c, BaseFinetuning)]
+    if found:
+        raise ValueError(
+            f"{found[0]} with float32 master weights: Lightning's finetuning callbacks map the "
+            "optimizer's parameters to the module's by name, and the optimizer steps the "
+            "masters. Train this in a mixed policy ('bf16-mixed'), or in bf16-true with "
+            "compensation='kahan' instead of masters"
+        )
 
 
 def _calling(zero_grad: Any) -> Any:
@@ -209,9 +246,13 @@ class MixprecPrecision(LightningPrecision):
             )
         wrapped = self.mixprec.setup(self._module, *optimizers) if optimizers else ()
         self._wrappers = dict(zip(optimizers, wrapped[1:], strict=True))
+        mastered = [lso for lso in self._wrappers.values() if lso.master_params]
         for optimizer, lso in self._wrappers.items():
-            if lso.master_params:
+            if lso in mastered:
                 _clears_model_grads_too(optimizer, lso)
+        if mastered:
+            _refuse_finetuning_callbacks(self._module)
+            _toggles_model_params_too(self._module, mastered)
         return model, optimizers, [self._skip_aware(config) for config in lr_schedulers]
 
     def _skip_aware(self, config: Any) -> Any:
