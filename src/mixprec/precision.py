@@ -68,6 +68,10 @@ __all__ = ["Precision"]
 ParamsLike = nn.Module | LossScaleOptimizer | torch.Tensor | Iterable[torch.Tensor]
 
 
+# the parameter names of mixprec's LoRA adapters (`mixprec.quantize.enable_lora`)
+_ADAPTERS = frozenset({"lora_A", "lora_B"})
+
+
 class Precision:
     """Training precision for a hand-written loop (docs/precision.md).
 
@@ -319,7 +323,32 @@ class Precision:
             self.policy.warn_unmatched_states(model)
             optimizers = tuple(self._low_bit(opt, model) for opt in optimizers)
         wrapped = [self._wrap(opt, model) for opt in optimizers]
+        if wrapped:
+            self._warn_untrained_adapters(model)
         return (model, *wrapped) if wrapped else model
+
+    def _warn_untrained_adapters(self, model: nn.Module) -> None:
+        """Warn when LoRA adapters of the model are in no optimizer set up here: enabled
+        after the optimizer was built, they never train, and `enable_lora` froze the biases
+        that trained before (the loss stays where it was, with no word)."""
+        held = {
+            id(w.model_param(p))
+            for w in self.optimizers
+            for g in w.param_groups
+            for p in g["params"]
+        }
+        missed = [
+            name
+            for name, p in model.named_parameters()
+            if p.requires_grad and name.rpartition(".")[2] in _ADAPTERS and id(p) not in held
+        ]
+        if missed:
+            warnings.warn(
+                f"{len(missed)} LoRA adapter tensor(s) ({missed[0]}, ...) are in no optimizer "
+                "set up with this model: they will not train. Build the optimizer after "
+                "enable_lora, from its returned tensors (or model.parameters())",
+                stacklevel=caller_level(),
+            )
 
     def _low_bit(self, optimizer: Any, model: nn.Module) -> Any:
         """``optimizer`` with its states in the formats this precision gives each parameter,

@@ -1599,3 +1599,23 @@ def test_dequantize_with_adapters_gives_the_bias_back_its_training(spec):
     dequantize(model)
     assert model[0].bias.requires_grad and model[0].weight.requires_grad
     assert not model[1].bias.requires_grad  # frozen before: stays frozen
+
+
+def test_setup_warns_when_lora_adapters_are_in_no_optimizer():
+    """Adapters enabled after the optimizer was built never trained (the loss stayed put,
+    the biases it trained before frozen by enable_lora), with no word."""
+    import warnings as warnings_module
+
+    from mixprec.quantize import enable_lora
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    precision = mixprec.Precision("int8_from_float32")
+    model = precision.setup(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    precision.setup(model, optimizer)
+    adapters = enable_lora(model, rank=4)
+    with pytest.warns(UserWarning, match="4 LoRA adapter tensor.* are in no optimizer"):
+        precision.setup(model, optimizer)
+    with warnings_module.catch_warnings():
+        warnings_module.simplefilter("error")
+        mixprec.Precision("int8_from_float32").setup(model, torch.optim.AdamW(adapters))
