@@ -740,3 +740,44 @@ def test_a_region_differing_from_its_mixed_parent_in_output_dtype_hands_that_dty
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(torch.randn(2, 8))
         assert seen["head"] == want
+
+
+class _Positions(nn.Module):
+    """Makes a tensor without a dtype (positions), as rotary and sinusoidal embeddings do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(300.0)
+        self.seen = (torch.get_default_dtype(), pos.dtype, pos[257].item())
+        return x + self.lin(pos[:, None]).sum()
+
+
+class _WithPositions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos, self.out = _Positions(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.pos(x))
+
+
+@pytest.mark.parametrize("root", ["bf16-true", "16-true", "64-true"])
+def test_a_mixed_rule_inside_a_true_region_makes_tensors_in_its_weights_dtype(root):
+    """A "true" region makes its compute dtype torch's default; a mixed child kept it, so
+    tensors its forward made without a dtype came out bfloat16 (position 257 read 256) or
+    float64 (a float64 input met bfloat16 weights: autocast refused the matmul). It puts
+    its weights' dtype back, as a float32 rule there does."""
+    model = mixprec.apply(_WithPositions(), PolicyMap(root, {"pos": "bf16-mixed"}))
+    dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}[root]
+    out = model(torch.randn(2, 4, dtype=dtype))
+    assert model.pos.seen == (torch.float32, torch.float32, 257.0)
+    assert out.dtype == dtype and torch.get_default_dtype() == torch.float32
+
+
+def test_explain_names_the_type_at_every_path_of_a_shared_module():
+    lin = nn.Linear(4, 4)
+    model = nn.ModuleDict({"a": nn.Sequential(nn.ReLU(), lin), "b": nn.Sequential(nn.ReLU(), lin)})
+    assert mixprec.explain(model, "bf16-mixed").types["b.1"] == "Linear"

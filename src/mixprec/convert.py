@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import difflib
+import functools
 import inspect
 import sys
 import warnings
@@ -223,6 +224,17 @@ class _Region:
         self.cast = cast
         self.output_dtype = _output_dtype(policy, parent)
         self.root = parent is None  # (the model's own region: its caller's autocast is kept)
+        # a mixed region inside a "true" one computing in another dtype than its weights':
+        # that region made its compute dtype torch's default, which this one puts back to
+        # its weights' (tensors its forward makes without a dtype matched the parent's)
+        self.default = (
+            policy.param_dtype
+            if self.autocast
+            and parent is not None
+            and not parent.is_mixed
+            and parent.compute_dtype != policy.param_dtype
+            else None
+        )
         # a module shared by parents that want its result in different dtypes hands it back
         # in its caller's: the dtype of its first floating input (None: `output_dtype`)
         self.follow_input = follow_input
@@ -259,6 +271,8 @@ class _Region:
         else:
             forward = self.original
         if self.autocast:
+            if self.default is not None:  # (rare: not a call on the common path)
+                forward = functools.partial(_with_default_dtype, self.default, forward)
             device_type = _device_type(args, kwargs, module, self.probe)
             if (
                 torch.is_autocast_enabled(device_type)
@@ -309,6 +323,12 @@ class _Region:
 
 
 setattr(_Region, REGION_MARK, True)  # (what layer-swapping tools look for)
+
+
+def _with_default_dtype(dtype: torch.dtype, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """``forward(*args, **kwargs)`` with `dtype` torch's default dtype (`_Region.default`)."""
+    with default_dtype(dtype):
+        return forward(*args, **kwargs)
 
 
 def _compute_copies(

@@ -67,7 +67,10 @@ class Explanation(dict):
         self.float32_attention = {
             name: r.float32_attention for name, r in resolved.items() if r.float32_attention
         }
-        self.types = {name: type(m).__name__ for name, m in model.named_modules()}
+        # (every path of a module reached at several: each row names its type)
+        self.types = {
+            name: type(m).__name__ for name, m in model.named_modules(remove_duplicate=False)
+        }
         self.device_type = device_type
         self.autocast_differences = _autocast_differences(resolved, self.types, device_type)
         # under a quantized policy: "int8" etc. for a quantized layer, "skipped: why" for a
