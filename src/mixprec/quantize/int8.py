@@ -447,7 +447,9 @@ def int8_linear(
             weight_scale = weight_scale.to(torch.float32)
         if not _takes_int_mm(qx.device, qx.shape[0], qx.shape[1], qweight.shape[0]):
             sums = float_sums(qx, qweight)  # the int32 sums' float32 values, rounded alike
-            out = (sums if sums.dtype == torch.float32 else sums.float()).mul_(weight_scale)
+            # (out of place: the sums are a matmul's output, which selective checkpointing
+            # may keep for the backward and refuses to see changed)
+            out = (sums if sums.dtype == torch.float32 else sums.float()).mul(weight_scale)
         else:
             acc = int_matmul(qx, qweight)
             if acc.dtype == torch.int32:  # into the sums' own memory, each read then written
