@@ -209,9 +209,8 @@ class LossScaleOptimizer(OptimizerCheckpoint):
 
     @property
     def master_params(self) -> Mapping[torch.Tensor, torch.Tensor]:
-        """Model parameter -> its float32 master, for parameters that have one (writes into
-        the parameters since the last step taken first, as the step takes them)."""
-        self._masters.follow_edits()
+        """Model parameter -> its float32 master, for parameters that have one (as of the
+        last step or `state_dict`, which take writes into the parameters first)."""
         return self._masters.master_of
 
     def add_param_group(self, group: dict[str, Any]) -> None:
