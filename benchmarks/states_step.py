@@ -14,8 +14,14 @@ and the state bytes (`mixprec.optim.states.state_bytes`, scales included) agains
 
 With ``--dtype bfloat16`` the models are pure bfloat16 (parameters and gradients), torch's
 AdamW steps them as they are, and ``--compensation kahan`` or ``stochastic`` gives mixprec's
-optimizers that write-back; with ``kahan``, torch-optimi's ``AdamW(kahan_sum=True)`` (what a
-user would pick instead) takes its turn too where it is installed.
+optimizers that write-back. Two more rows then take their turns: mixprec's compensated step
+of torch's own AdamW (`mixprec.optim.compensated.Compensator`, the pure-bfloat16 path of
+``Precision("bf16-true", compensation=...)``: its moments bfloat16, as torch keeps them for
+bfloat16 parameters) and, with ``kahan``, torch-optimi's ``AdamW(kahan_sum=True)`` where it is
+installed (what a user would pick instead; its moments bfloat16 too). Those two hold the
+same state bytes and compare like for like; ``LowBitAdamW('float32')`` with a compensation
+keeps float32 moments beside bfloat16 weights (2.5 times torch's bytes) and moves that much
+more memory a step.
 
     python benchmarks/states_step.py [--models small large] [--steps 41]
         [--compile {none,true,false}] [--dtype {float32,bfloat16}]
@@ -31,6 +37,7 @@ import time
 import torch
 from torch import nn
 
+from mixprec.optim.compensated import Compensator
 from mixprec.optim.states import AdamW4bit, AdamW8bit, AdamWFp8, LowBitAdamW, state_bytes
 
 _OPTIMIZERS = {
@@ -51,6 +58,20 @@ def _model(name: str) -> nn.Module:
 
 
 OPTIMI = "torch-optimi AdamW(kahan_sum=True)"
+COMPENSATED = "Compensator(torch AdamW)"
+
+
+class _Compensated:
+    """torch's AdamW stepped by mixprec's `Compensator` (``step()`` as an optimizer's)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, kind: str) -> None:
+        self.optimizer = optimizer
+        self.compensator = Compensator(kind, seed=0)
+        self.state = optimizer.state
+        self.param_groups = optimizer.param_groups
+
+    def step(self) -> None:
+        self.compensator.step(self.optimizer)
 
 
 def _optimizer(
@@ -69,13 +90,18 @@ def _optimizer(
         import optimi
 
         return optimi.AdamW(model.parameters(), lr=1e-3, kahan_sum=True, foreach=True)
+    if kind == COMPENSATED:
+        return _Compensated(torch.optim.AdamW(model.parameters()), compensation)  # type: ignore[return-value]
     return _OPTIMIZERS[kind](model.parameters(), compile=compile, compensation=compensation)
 
 
 def _kinds(compensation: str | None) -> list[str]:
-    """torch's AdamW, torch-optimi's Kahan AdamW beside mixprec's Kahan steps where it is
-    installed, then mixprec's optimizers."""
+    """torch's AdamW; with a compensation mixprec's compensated step of torch's AdamW and
+    torch-optimi's Kahan AdamW beside mixprec's Kahan steps where it is installed; then
+    mixprec's optimizers."""
     kinds = ["torch"]
+    if compensation is not None:
+        kinds.append(COMPENSATED)
     if compensation == "kahan":
         try:
             import optimi  # noqa: F401
@@ -118,7 +144,9 @@ def _table(
         "|---|---|---|---|---|---|---|---|",
     ]
     for kind, opt in optimizers.items():
-        name = "torch AdamW(foreach=True)" if kind == "torch" else kind
+        name = {"torch": "torch AdamW(foreach=True)", COMPENSATED: f"{kind}, {compensation}"}.get(
+            kind, kind
+        )
         median = statistics.median(times[kind])
         quartile = statistics.quantiles(times[kind], n=4)[0]
         # each round's step over torch's in the same round: a neighbour's load that slows a

@@ -72,6 +72,8 @@ def test_the_progress_bar_says_when_the_first_step_may_compile_a_low_bit_optimiz
     assert compiles_first_step(compiling, "cpu") and not compiles_first_step(eager, "cpu")
     assert not compiles_first_step(LowBitAdamW(params), "cpu")  # too small to choose it
     assert not compiles_first_step(torch.optim.AdamW(params), "cpu")
+    # float32 moments of float32 parameters take torch's fused kernel: nothing to build
+    assert not compiles_first_step(LowBitAdamW(params, states="float32", compile=True), "cpu")
 
     def shown(optimizer: torch.optim.Optimizer) -> tuple[str, str]:
         out = io.StringIO()
@@ -84,7 +86,7 @@ def test_the_progress_bar_says_when_the_first_step_may_compile_a_low_bit_optimiz
             num_training_batches=2,
             batches_done=0,
             strategy=SimpleNamespace(device=torch.device("cpu")),
-            optimizers=[SimpleNamespace(optimizer=optimizer)],
+            optimizers=[optimizer],
             progress_metrics=lambda: {"loss": 1.0},
         )
         bar.on_fit_start(trainer, None)
@@ -99,3 +101,25 @@ def test_the_progress_bar_says_when_the_first_step_may_compile_a_low_bit_optimiz
     before, after = shown(compiling)
     assert COMPILING in before and COMPILING not in after and "loss 1" in after
     assert COMPILING not in "".join(shown(eager))
+
+
+def test_the_gate_counts_a_step_s_elements_and_the_bar_asks_the_wrapped_optimizer():
+    """Whether a first step compiles is the engine's gate's answer for the whole step (many
+    parameters of a few thousand elements add up), for the low-bit updates and the
+    compensated steps of torch's optimizers alike; the Trainer's bar asks the optimizer it
+    holds (a LossScaleOptimizer), which answers for its compensation too."""
+    from mixprec.optim import LossScaleOptimizer
+    from mixprec.optim.engine import COMPILE_MIN_ELEMENTS, can_compile
+    from mixprec.optim.states import LowBitAdamW
+    from mixprec.trainer.progress import compiles_first_step
+
+    pieces = COMPILE_MIN_ELEMENTS // 4096
+    many = [nn.Parameter(torch.zeros(4096)) for _ in range(pieces)]  # each under the gate's size
+    assert LowBitAdamW(many, min_size=1).compiles("cpu") == can_compile("cpu")
+    assert not LowBitAdamW(many[:-1], min_size=1).compiles("cpu")  # one parameter fewer
+    halves = [nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16)) for _ in range(pieces)]
+    wrapped = LossScaleOptimizer(torch.optim.AdamW(halves), compensation="kahan")
+    assert compiles_first_step(wrapped, "cpu") == can_compile("cpu")
+    small = LossScaleOptimizer(torch.optim.AdamW(halves[:-1]), compensation="kahan")
+    assert not compiles_first_step(small, "cpu")
+    assert not compiles_first_step(LossScaleOptimizer(torch.optim.AdamW(many)), "cpu")

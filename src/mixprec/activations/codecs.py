@@ -61,9 +61,9 @@ COMPILE_MIN = 1 << 14
 # whether `ToFp8` compiles, and its eager fallback (one gate for the process: warned once)
 GATE = CompileGate(
     None,
-    COMPILE_MIN,
     "fp8 activation codec",
     "mixprec.activations.codecs.GATE.compile = False skips the attempt",
+    COMPILE_MIN,
 )
 
 # nodes through which a saved tensor is still a parameter: casts and views

@@ -16,9 +16,10 @@ compile and name the optimizers they stand in for here, once.
   (seed, step count, parameter index, part). The state is the seed and the step counts, so
   a resumed run is bit-identical and no generator state is saved; inside a compiled kernel
   this is integer arithmetic on the index, fused into the step.
-- **The compile gate** (`CompileGate`, `can_compile`): ``compile=None`` compiles a step
-  covering enough elements on a device that can build (a Linux CPU with a C++ compiler,
-  CUDA with Triton), and falls back to eager, warning once, if the build fails.
+- **The compile gate** (`CompileGate`, `can_compile`, `COMPILE_MIN_ELEMENTS`):
+  ``compile=None`` compiles a step covering ``COMPILE_MIN_ELEMENTS`` or more elements on a
+  device that can build (a Linux CPU with a C++ compiler, CUDA with Triton), and falls back
+  to eager, warning once, if the build fails.
 - **The step counts** (`StepCounts`): every parameter's count advanced and read back in
   two calls, whatever the number of parameters.
 - **The optimizers stood in for** (`SUPPORTED_OPTIMIZERS`, `algorithm_of`): torch's
@@ -41,6 +42,7 @@ import torch
 __all__ = [
     "COMPENSATED_DTYPES",
     "COMPENSATIONS",
+    "COMPILE_MIN_ELEMENTS",
     "SUPPORTED_OPTIMIZERS",
     "CompileGate",
     "Lanes",
@@ -56,6 +58,13 @@ __all__ = [
 COMPENSATIONS: tuple[str, ...] = ("kahan", "stochastic")
 # parameter dtypes whose updates are compensated (others step plainly in their own dtype)
 COMPENSATED_DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+# compile=None compiles a step covering at least this many elements (the low-bit steps':
+# all they update; the compensated ones': their 16-bit elements). The first step's build
+# takes seconds, once per signature (algorithm, format, dtype, compensation), whatever the
+# number of parameters; eagerly a step runs dozens of passes over its elements where the
+# compiled one runs one, so at this size the build is paid back within a few thousand steps
+# (docs/pure-bf16.md), and a larger model's sooner
+COMPILE_MIN_ELEMENTS = 1 << 16
 # the torch optimizers the compensated and the low-bit steps stand in for, and the algorithm
 # each runs ("adam": Adam's moments, its weight decay decoupled for AdamW and for Adam with
 # decoupled_weight_decay=True; "sgd": SGD with momentum)
@@ -339,16 +348,19 @@ def write_back(
 class CompileGate:
     """Whether a step's kernels run compiled, and the fallback when a build fails.
 
-    ``compile``: None compiles a step covering ``min_elements`` or more elements on a
-    device that can build (`can_compile`), True always, False never. A build that fails
+    ``compile``: None compiles a step covering ``min_elements`` (`COMPILE_MIN_ELEMENTS` by
+    default) or more elements on a device that can build (`can_compile`), True always,
+    False never. A build that fails
     under None warns once (``what`` names the step, ``hint`` how to skip the attempt) and
     every later step runs eagerly: the same math, slower; under True it raises."""
 
-    def __init__(self, compile: bool | None, min_elements: int, what: str, hint: str) -> None:
+    def __init__(
+        self, compile: bool | None, what: str, hint: str, min_elements: int | None = None
+    ) -> None:
         if compile not in (None, True, False):
             raise TypeError(f"compile must be None, True or False, got {compile!r}")
         self.compile = compile
-        self.min_elements = min_elements
+        self.min_elements = COMPILE_MIN_ELEMENTS if min_elements is None else min_elements
         self.what = what
         self.hint = hint
         self.failed: str | None = None  # the first line of the failed build's error

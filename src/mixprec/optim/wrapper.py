@@ -207,6 +207,14 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         """``"kahan"``, ``"stochastic"`` or None: how 16-bit parameters are updated."""
         return self._compensator.kind if self._compensator is not None else None
 
+    def compiles(self, device: torch.device | str) -> bool:
+        """Whether this optimizer's step on ``device`` runs a compiled kernel of mixprec's
+        (a compensated step, or a low-bit optimizer's update), which its first step builds:
+        seconds, once per process."""
+        if self._compensator is not None:
+            return self._compensator.compiles(self.optimizer, device)
+        return isinstance(self.optimizer, LowBitOptimizer) and self.optimizer.compiles(device)
+
     @property
     def master_params(self) -> Mapping[torch.Tensor, torch.Tensor]:
         """Model parameter -> its float32 master, for parameters that have one (as of the

@@ -24,9 +24,6 @@ from rich.progress import (
 from rich.table import Table
 from torch import nn
 
-from mixprec.optim.states import LowBitOptimizer
-from mixprec.optim.states.kernels import can_compile
-from mixprec.optim.states.optimizers import COMPILE_MIN_ELEMENTS
 from mixprec.trainer.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -51,20 +48,17 @@ def format_metrics(metrics: dict[str, float]) -> str:
 
 
 def compiles_first_step(optimizer: Any, device: str) -> bool:
-    """Whether `optimizer` (a torch optimizer) may compile its update on its first step: a
-    low-bit optimizer with ``compile=True``, or ``compile=None`` (the default) where
-    torch.compile works and a parameter is large enough for it to choose compiling. That
-    takes seconds, once per process, in a step that otherwise takes milliseconds."""
-    if not isinstance(optimizer, LowBitOptimizer) or optimizer.compile is False:
-        return False
-    if optimizer.compile:
-        return True
-    sizes = (p.numel() for group in optimizer.param_groups for p in group["params"])
-    return can_compile(device) and any(n >= COMPILE_MIN_ELEMENTS for n in sizes)
+    """Whether `optimizer` (a `LossScaleOptimizer`, or a low-bit optimizer) compiles a kernel
+    on its first step: a compensated step of 16-bit parameters or a low-bit update, with
+    ``compile=True``, or ``compile=None`` (the default) where torch.compile works and the
+    step is large enough for the engine's gate to choose compiling. That takes seconds,
+    once per process, in a step that otherwise takes milliseconds."""
+    compiles = getattr(optimizer, "compiles", None)
+    return bool(compiles is not None and compiles(device))
 
 
-# what the bar says while the first step may compile a low-bit optimizer's update
-COMPILING = "first step: the low-bit optimizer may be compiling its update (torch.compile, once)"
+# what the bar says while the first step may compile a kernel of the optimizer's step
+COMPILING = "first step: the optimizer may be compiling its update (torch.compile, once)"
 
 _BAR = 30
 # width of everything but the metrics: description, bar, count, elapsed, eta, separators
@@ -150,7 +144,7 @@ class RichProgressBar(Callback):
         )
         device = trainer.strategy.device.type
         if not self._stepped and any(
-            compiles_first_step(opt.optimizer, device) for opt in trainer.optimizers
+            compiles_first_step(opt, device) for opt in trainer.optimizers
         ):
             self._progress.update(self._train, metrics=COMPILING, refresh=True)
 

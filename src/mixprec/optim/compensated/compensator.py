@@ -15,6 +15,7 @@ from mixprec.optim.compensated.kernels import KERNELS, compiled_step, on_memory
 from mixprec.optim.compensated.rules import check_optimizer
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
+    COMPILE_MIN_ELEMENTS,
     CompileGate,
     StepCounts,
     call_key,
@@ -23,9 +24,6 @@ from mixprec.optim.engine import (
 
 __all__ = ["COMPILE_MIN_ELEMENTS", "SMALL", "Compensator"]
 
-# compile=None compiles a step covering at least this many 16-bit elements (the first
-# step's compile, seconds, then pays back within a few hundred steps)
-COMPILE_MIN_ELEMENTS = 1 << 18
 # parameters with fewer elements (or not contiguous) are stepped together from one packed
 # copy: one kernel call for all of them instead of one each
 SMALL = 1 << 16
@@ -108,9 +106,9 @@ class Compensator:
         # the engine's gate: the same one the low-bit optimizers take
         self._gate = CompileGate(
             compile,
-            COMPILE_MIN_ELEMENTS,
             "compensated step",
             "Compensator(..., compile=False) skips the attempt",
+            COMPILE_MIN_ELEMENTS,
         )
         self.kind = kind
         if seed is None:
@@ -121,6 +119,18 @@ class Compensator:
         self._counts = StepCounts()
 
     check_optimizer = staticmethod(check_optimizer)
+
+    def compiles(self, optimizer: torch.optim.Optimizer, device: torch.device | str) -> bool:
+        """Whether a step of every parameter of ``optimizer`` on ``device`` runs compiled
+        (its first such step builds the kernel: seconds, once per process): the gate's
+        answer for its 16-bit elements, the ones a compensation steps."""
+        compensated = sum(
+            p.numel()
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.requires_grad and p.dtype in COMPENSATED_DTYPES
+        )
+        return compensated > 0 and self._gate.wants(torch.device(device), compensated)
 
     @torch.compiler.disable
     def step(
@@ -174,9 +184,14 @@ class Compensator:
             if getattr(self, "_counts", None) is None:  # (one pickled before counts)
                 self._counts = StepCounts()
             steps = self._counts.advance([state for *_, state in work])
+        # (Adam's scalars depend on the group and the step only: made once per pair)
+        made: dict[tuple[int, int], tuple[list[float], str | None]] = {}
         for (group, i, p, state), step in zip(work, steps, strict=True):
             if adam:
-                self._add_adam(calls, group, i, p, state, step, decoupled)
+                scalars = made.get((id(group), step))
+                if scalars is None:
+                    scalars = made[id(group), step] = self._adam_scalars(group, step, decoupled)
+                self._add_adam(calls, i, p, state, step, scalars)
             else:
                 self._add_sgd(calls, group, i, p, state, step)
         compensated = sum(call.numel for call in calls.values() if call.kind)
@@ -211,18 +226,10 @@ class Compensator:
         state.setdefault("step", torch.tensor(0.0))
         return state
 
-    def _add_adam(
-        self,
-        calls: dict,
-        group: dict,
-        index: int,
-        p: torch.Tensor,
-        state: dict,
-        step: int,
-        decoupled: bool,
-    ) -> None:
-        kind = self._kind(p)
-        buffer = self._buffer(state, p) if kind == "kahan" else None
+    @staticmethod
+    def _adam_scalars(group: dict, step: int, decoupled: bool) -> tuple[list[float], str | None]:
+        """Adam's scalars (as ``kernels._adam`` takes them) and the decay's form, for
+        ``group`` at ``step``."""
         lr, (beta1, beta2) = float(group["lr"]), group["betas"]
         wd = group["weight_decay"]
         # (a group's own flag, as torch's Adam and AdamW read it; the class's without one)
@@ -241,8 +248,21 @@ class Compensator:
         if wd:
             decay = "decoupled" if decoupled else "l2"
             scalars.append(-lr * wd if decoupled else wd * sign)
+        return scalars, decay
+
+    def _add_adam(
+        self,
+        calls: dict,
+        index: int,
+        p: torch.Tensor,
+        state: dict,
+        step: int,
+        scalars: tuple[list[float], str | None],
+    ) -> None:
+        kind = self._kind(p)
+        buffer = self._buffer(state, p) if kind == "kahan" else None
         row = [p, p.grad, state["exp_avg"], state["exp_avg_sq"], buffer]
-        self._add(calls, "adam", kind, scalars, step, index, row, decay)
+        self._add(calls, "adam", kind, scalars[0], step, index, row, scalars[1])
 
     def _add_sgd(
         self, calls: dict, group: dict, index: int, p: torch.Tensor, state: dict, step: int
@@ -302,7 +322,7 @@ class Compensator:
         layout = tuple(None if t is None else t.dtype for t in row)
         # (the decay's form too: a decoupled decay's scalar may equal another group's L2 one)
         key = (index if alone else None, algorithm, kind, step, tuple(scalars), decay, layout)
-        key += (str(row[0].device),)
+        key += (row[0].device,)
         if key not in calls:
             calls[key] = _Call(algorithm, kind, scalars, step, decay, not alone, pairs)
         calls[key].rows.append((index, row))

@@ -34,6 +34,7 @@ import torch
 
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
+    COMPILE_MIN_ELEMENTS,
     CompileGate,
     StepCounts,
     call_key,
@@ -81,11 +82,6 @@ MIN_SIZE = 4096
 # the core's cache rather than making trips to memory (the update is otherwise memory-bound)
 CHUNK = 1 << 22
 CPU_CHUNK = 1 << 18
-# compile=None compiles a step covering at least this many elements: the first step's
-# build takes seconds, once per bucket signature (format, dtype, compensation), whatever
-# the number of parameters, and an eager low-bit step runs dozens of passes over the
-# elements where the compiled one runs a few
-COMPILE_MIN_ELEMENTS = 1 << 16
 _FLOAT32 = StateFormat("float32")
 
 
@@ -378,9 +374,9 @@ class LowBitOptimizer(StateCheckpoint):
         # the engine's gate: the one the compensated steps of torch's optimizers take
         self._gate = CompileGate(
             compile,
-            COMPILE_MIN_ELEMENTS,
             "low-bit optimizer step",
             "Pass compile=False to skip the attempt",
+            COMPILE_MIN_ELEMENTS,
         )
         self.min_size = min_size
         self.keep_float32 = keep_float32
@@ -451,6 +447,19 @@ class LowBitOptimizer(StateCheckpoint):
             return _FLOAT32
         own = self.formats.get(p) if self.formats else None
         return fitted_format(own or parse_state_format(group["states"]), p)
+
+    def compiles(self, device: torch.device | str) -> bool:
+        """Whether a step of every parameter on ``device`` runs its update compiled (its
+        first such step builds it: seconds, once per process and signature): the gate's
+        answer for the step's elements, where any parameter takes the compiled update (a
+        low-bit format or a 16-bit parameter; float32 ones with float32 moments take
+        torch's fused or ``_foreach`` ops)."""
+        params = [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
+        own = any(
+            self.format_of(p, g).quantized or real_view(p).dtype != torch.float32 for g, p in params
+        )
+        total = sum(local_part(p).numel() for _, p in params)
+        return own and self._gate.wants(torch.device(device), total)
 
     def _prepared(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
         """``p``'s state ready for a step: made on its first, converted when its format is
