@@ -983,3 +983,17 @@ def test_the_kahan_buffer_is_itself_stochastically_rounded_on_every_path(dtype, 
     got = _kahan_sum(path, dtype, compile, steps)
     # the buffer's own rounding errors average out over the 64 weights
     assert abs(got.mean().item() - exact) < 0.05 * steps * 2.0**-26
+
+
+@pytest.mark.parametrize("size", [64, SMALL])  # packed and copied back; stepped in place
+def test_a_graph_saved_before_a_compensated_step_is_refused_after_it(size):
+    """A backward through a graph that saved a weight before the step must fail as torch's
+    own step makes it fail (the weight was modified in place), whether the step copies a
+    small parameter back or writes a large one in place through another tensor."""
+    w = nn.Parameter(torch.ones(size, dtype=torch.bfloat16))
+    w.grad = torch.ones_like(w)
+    optimizer = torch.optim.AdamW([w], lr=1e-3)
+    loss = (w * w).sum()  # saves w
+    Compensator("kahan", compile=False).step(optimizer)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -914,3 +914,17 @@ def test_a_low_bit_step_inside_a_compiled_function_runs_as_eagerly(states):
             step()
         results.append(p.detach().clone())
     assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("states", ["float32", "int8"])
+def test_a_graph_saved_before_a_low_bit_step_is_refused_after_it(states):
+    """A backward through a graph that saved a weight before the step fails, as after
+    torch's foreach step, also where float32 moments take torch's fused CPU kernel (which
+    writes without telling autograd)."""
+    w = nn.Parameter(torch.ones(4096))
+    w.grad = torch.ones_like(w)
+    optimizer = LowBitAdamW([w], states=states, compile=False)
+    loss = (w * w).sum()  # saves w
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

@@ -346,6 +346,11 @@ class Compensator:
                 for t in rows[0]
             ]
             self._kernel(call, flat, s, call.rows[0][0], compensated)
+            # written through other tensors on their memory: autograd's in-place checks
+            # (a graph saved before the step, backpropagated after it) must see the writes
+            torch.autograd.graph.increment_version(
+                [t for j, t in enumerate(rows[0]) if t is not None and j != 1]
+            )
             return
         columns = list(zip(*rows, strict=True))
         # (under no_grad: the parameters' copies track nothing; 1-D tensors need no view;

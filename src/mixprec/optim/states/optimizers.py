@@ -851,6 +851,9 @@ class LowBitOptimizer(StateCheckpoint):
         else:
             buffers = None if moments[0][0] is None else [m[0] for m in moments]
             buckets_.fused_sgd(params, grads, buffers, first.values, *first.statics)
+        # torch's fused CPU kernels write in place without telling autograd: its in-place
+        # checks (a graph saved before the step, backpropagated after it) must see the writes
+        torch.autograd.graph.increment_version([b.p for b in bucket])
 
     def _run_flat(
         self,
