@@ -997,3 +997,58 @@ def test_a_graph_saved_before_a_compensated_step_is_refused_after_it(size):
     Compensator("kahan", compile=False).step(optimizer)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def _kahan_sgd(params: list[nn.Parameter], path: str):
+    """A step function: torch's SGD under a Kahan Compensator, or mixprec's LowBitSGD."""
+    if path == "compensator":
+        optimizer = torch.optim.SGD(params, lr=1e-3)
+        compensator = Compensator("kahan", seed=0, compile=False)
+        return optimizer, lambda: compensator.step(optimizer)
+    from mixprec.optim.states import LowBitSGD
+
+    optimizer = LowBitSGD(params, lr=1e-3, compensation="kahan", seed=0, compile=False)
+    return optimizer, optimizer.step
+
+
+@pytest.mark.parametrize("path", ["compensator", "low-bit"])
+def test_a_weight_written_between_steps_drops_its_kahan_buffer(path):
+    """What a Kahan buffer holds is the last rounding error of the weight it was made for:
+    after a weight is written by someone else (a pruning mask, a model state loaded) a step
+    with a zero gradient leaves it exactly as written; an optimizer state loaded with it
+    keeps its buffers, so an in-process resume stays bit for bit."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n, dtype=torch.bfloat16)) for n in (96, 160, 2048)]
+    optimizer, step = _kahan_sgd(params, path)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        step()
+    saved = (copy.deepcopy([p.detach() for p in params]), copy.deepcopy(optimizer.state_dict()))
+    with torch.no_grad():
+        params[0][:48] = 0  # pruned
+        params[2].fill_(1e-3)  # loaded
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    step()
+    assert torch.equal(params[0][:48], torch.zeros(48, dtype=torch.bfloat16))
+    assert torch.equal(params[2], torch.full((2048,), 1e-3, dtype=torch.bfloat16))
+
+    def onward(count: int) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        for _ in range(count):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            step()
+        return [p.detach().clone() for p in params]
+
+    def restore() -> None:
+        with torch.no_grad():
+            for p, value in zip(params, saved[0], strict=True):
+                p.copy_(value)
+        optimizer.load_state_dict(copy.deepcopy(saved[1]))
+
+    restore()
+    straight = onward(3)
+    restore()
+    assert all(torch.equal(a, b) for a, b in zip(straight, onward(3), strict=True))

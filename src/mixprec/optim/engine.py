@@ -53,6 +53,7 @@ __all__ = [
     "stochastic_round_",
     "wrap32",
     "write_back",
+    "written_mark",
 ]
 
 COMPENSATIONS: tuple[str, ...] = ("kahan", "stochastic")
@@ -461,6 +462,14 @@ class StepCounts:
     def undo(self, states: list[dict[str, Any]]) -> None:
         """Take back `advance` (a step refused before any update)."""
         torch._foreach_sub_([state["step"] for state in states], 1.0)
+
+
+def written_mark(p: torch.Tensor) -> tuple[int, int | None]:
+    """What changes when ``p`` is written: its version counter (an in-place write) and, for
+    a plain tensor, its memory (``p.data = ...``, which keeps the counter). A step records
+    it after writing a weight, to tell the user's edits from its own at the next."""
+    plain = type(p) in (torch.Tensor, torch.nn.Parameter)
+    return p._version, p.data_ptr() if plain else None
 
 
 def _joinable(count: Any) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixprec.optim.engine import written_mark
 from mixprec.optim.states import LowBitOptimizer
 
 __all__ = []
@@ -92,7 +93,7 @@ class MasterWeights:
         self.masters.append(master)
         self.master_of[p] = master
         self.param_of[master] = p
-        self._seen[p] = _written(p)
+        self._seen[p] = written_mark(p)
 
     def follow_edits(self) -> None:
         """Give the masters what was written into their parameters since mixprec last wrote
@@ -101,15 +102,15 @@ class MasterWeights:
         float32 bits. Without this the next step, which copies the masters into the model,
         would undo the write."""
         for p, m in zip(self.params, self.masters, strict=True):
-            if _written(p) == self._seen[p]:
+            if written_mark(p) == self._seen[p]:
                 continue
             with torch.no_grad():
                 changed = p.ne(m.to(p.dtype))
                 m.copy_(torch.where(changed, p.to(torch.float32), m))
-            self._seen[p] = _written(p)
+            self._seen[p] = written_mark(p)
 
     def _saw_all(self) -> None:
-        self._seen = {p: _written(p) for p in self.params}
+        self._seen = {p: written_mark(p) for p in self.params}
 
     # -- gradients and the step -------------------------------------------------------------
 
@@ -284,13 +285,6 @@ class MasterWeights:
             for p, m in self.master_of.items():
                 m.copy_(p)
         self._saw_all()
-
-
-def _written(p: torch.Tensor) -> tuple[int, int | None]:
-    """What changes when ``p`` is written: its version counter (an in-place write) and, for
-    a plain tensor, its memory (``p.data = ...``, which keeps the counter)."""
-    plain = type(p) in (torch.Tensor, nn.Parameter)
-    return p._version, p.data_ptr() if plain else None
 
 
 def master_weights_by_name(

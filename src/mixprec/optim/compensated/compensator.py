@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec.optim.compensated.kernels import KERNELS, compiled_step, on_memory
 from mixprec.optim.compensated.rules import check_optimizer
@@ -20,6 +21,7 @@ from mixprec.optim.engine import (
     StepCounts,
     call_key,
     check_compensation,
+    written_mark,
 )
 
 __all__ = ["COMPILE_MIN_ELEMENTS", "SMALL", "Compensator"]
@@ -117,6 +119,18 @@ class Compensator:
         self.compile = compile
         # the step counts of the states it steps, advanced together (the engine's)
         self._counts = StepCounts()
+        # parameter -> (its `written_mark` after this step wrote it, its Kahan buffer's):
+        # a weight written since by someone else (a model state loaded, a pruning mask) has
+        # a buffer holding the old weight's rounding error, to be dropped
+        self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Without the record of what the last step wrote (the copy's parameters are others)."""
+        return {**self.__dict__, "_written": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._written = WeakIdKeyDictionary()
 
     check_optimizer = staticmethod(check_optimizer)
 
@@ -199,6 +213,10 @@ class Compensator:
         # the largest first: a compiled step's first call sets its threading by its size
         for call in sorted(calls.values(), key=lambda call: -call.numel):
             self._run(call, compensated, scalars)
+        for _, _, p, state in work:
+            buffer = state.get("compensation")
+            if buffer is not None and self._kind(p) == "kahan":
+                self._written[p] = (written_mark(p), written_mark(buffer))
         # lr schedulers check that the optimizer stepped before them
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
@@ -289,11 +307,24 @@ class Compensator:
         row = [p, p.grad, state["momentum_buffer"] if momentum else None, buffer]
         self._add(calls, "sgd", kind, scalars, step, index, row, decay)
 
-    @staticmethod
-    def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
-        if "compensation" not in state:
-            state["compensation"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state["compensation"]
+    def _buffer(self, state: dict, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s Kahan buffer: made at its first step; zeroed where ``p`` was written by
+        someone else since the last step wrote it (what the buffer held was the old
+        weight's rounding error: added to the new weight it would move it), unless the
+        buffer was replaced too (an optimizer state loaded with the model's)."""
+        buffer = state.get("compensation")
+        if buffer is None:
+            buffer = state["compensation"] = torch.zeros_like(
+                p, memory_format=torch.preserve_format
+            )
+            return buffer
+        written = getattr(self, "_written", None)
+        if written is None:  # (one pickled before the record)
+            written = self._written = WeakIdKeyDictionary()
+        seen = written.get(p)
+        if seen is not None and seen[1] == written_mark(buffer) and seen[0] != written_mark(p):
+            buffer.zero_()
+        return buffer
 
     @staticmethod
     def _add(

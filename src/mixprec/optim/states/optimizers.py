@@ -31,6 +31,7 @@ from operator import is_
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
@@ -40,6 +41,7 @@ from mixprec.optim.engine import (
     call_key,
     check_compensation,
     wrap32,
+    written_mark,
 )
 from mixprec.optim.states import buckets as buckets_
 from mixprec.optim.states import codecs, kernels
@@ -407,7 +409,7 @@ class LowBitOptimizer(StateCheckpoint):
         state = collections.defaultdict(dict)
         for p, held in self.state.items():
             state[p] = {k: _Float8Codes.of(v) for k, v in held.items()}
-        return {**self.__dict__, "state": state, "_layout": None, "_flats": {}}
+        return {**self.__dict__, "state": state, "_layout": None, "_flats": {}, "_written": None}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, with the group's ``"states"`` (if any) checked and written canonically;
@@ -577,11 +579,44 @@ class LowBitOptimizer(StateCheckpoint):
             raise
         assert layout is not None
         self._layout = None  # (until the step has run: one that raised plans again)
+        if self.compensation == "kahan":
+            self._drop_stale_buffers(work, states)
         kept = self._execute(layout)
+        if self.compensation == "kahan":
+            written = self._written_record()
+            for (_, p), state in zip(work, states, strict=True):
+                if "compensation" in state:
+                    written[p] = (written_mark(p), written_mark(state["compensation"]))
         # taken again only while the states hold what the plan read: a step that joined
         # or released states (their tensors replaced) has the next one planned afresh
         self._layout = layout if kept and layout.marks else None
         return loss
+
+    def _written_record(self) -> WeakIdKeyDictionary:
+        """Parameter -> (its `written_mark` after this optimizer's last step wrote it, its
+        Kahan buffer's)."""
+        written = getattr(self, "_written", None)
+        if written is None:  # (made, or a copy's: its parameters are others)
+            written = self._written = WeakIdKeyDictionary()
+        return written
+
+    def _drop_stale_buffers(
+        self, work: list[tuple[dict[str, Any], torch.Tensor]], states: list[dict[str, Any]]
+    ) -> None:
+        """Zero the Kahan buffers of parameters written by someone else since the last step
+        wrote them (a model state loaded, a pruning mask): a buffer holds the old weight's
+        rounding error, which added to the new weight would move it. Not where the buffer
+        was replaced too (an optimizer state loaded with the model's)."""
+        written = self._written_record()
+        stale = []
+        for (_, p), state in zip(work, states, strict=True):
+            buffer = state.get("compensation")
+            seen = None if buffer is None else written.get(p)
+            if seen is not None and seen[1] == written_mark(buffer) and seen[0] != written_mark(p):
+                stale.append(buffer)
+        # (after the checks: joined buffers are views of one tensor, sharing its counter)
+        for buffer in stale:
+            buffer.zero_()
 
     def _lay_out(
         self,
