@@ -410,6 +410,30 @@ def test_toggle_optimizer_freezes_the_model_where_masters_are_stepped(options):
     assert float((moved["16-true"] - moved["32-true"]).abs().max()) < 1e-2  # float16 rounding
 
 
+class FrozenBiasGan(ToggledGan):
+    """The GAN with the generator's bias frozen once training starts."""
+
+    def on_train_start(self) -> None:
+        self.gen.bias.requires_grad_(False)
+        self.frozen = self.gen.bias.detach().clone()
+
+
+def test_toggle_optimizer_keeps_a_layer_the_user_froze_frozen_where_masters_are_stepped():
+    """Each parameter took its master's flag after a toggle, and masters are never frozen:
+    a bias the user froze after setup trained again under 16-true (it stays under 32-true)."""
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(8, 4, generator=g), torch.randn(8, 8, generator=g))
+    for spec in ("32-true", "16-true"):
+        model = FrozenBiasGan()
+        model.left = []
+        scaler = DynamicLossScaler(init_scale=16.0) if spec == "16-true" else None
+        plugin = MixprecPrecision(spec, allow_slow=True, scaler=scaler)
+        _trainer(plugin, max_steps=2).fit(model, DataLoader(data, batch_size=8))
+        assert not model.gen.bias.requires_grad, spec
+        assert torch.equal(model.gen.bias.detach(), model.frozen), spec
+        assert model.gen.weight.requires_grad and model.dis.weight.requires_grad
+
+
 def test_a_finetuning_callback_with_masters_is_refused_saying_what_works():
     """BackboneFinetuning names the optimizer's parameters by the module's, which float32
     masters are not: it failed with a KeyError at the first epoch."""

@@ -84,17 +84,21 @@ def _toggles_model_params_too(module: nn.Module, wrappers: list[LossScaleOptimiz
     unfreeze the model's parameters where the optimizers step float32 masters: Lightning
     sets ``requires_grad`` on what the optimizers' groups hold, the masters, so a GAN's
     generator loss left gradients on the discriminator, which its next step added (0.12
-    off after two steps). Each parameter takes its master's flag after the call."""
+    off after two steps). Each master takes its parameter's flag before the call (so that
+    Lightning records and restores the user's: a layer frozen after setup stays frozen),
+    each parameter its master's after it."""
     for name in ("toggle_optimizer", "untoggle_optimizer"):
         own = getattr(module, name, None)
         if own is None:
             continue
 
         def call(optimizer: Any, _own: Callable[[Any], None] = own) -> None:
+            pairs = [pair for lso in wrappers for pair in lso.master_params.items()]
+            for param, master in pairs:
+                master.requires_grad_(param.requires_grad)
             _own(optimizer)
-            for lso in wrappers:
-                for param, master in lso.master_params.items():
-                    param.requires_grad_(master.requires_grad)
+            for param, master in pairs:
+                param.requires_grad_(master.requires_grad)
 
         object.__setattr__(module, name, call)
 
