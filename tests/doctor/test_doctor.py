@@ -1216,3 +1216,29 @@ def test_recommend_escapes_a_module_name_that_is_no_regex_of_itself(key):
     resolved = fix.policy.resolve(model)
     assert resolved[f"heads.{key}"].policy != resolved["heads.ok"].policy
     assert fix.verified.passes(fix.tolerance)
+
+
+def test_recommend_keeps_an_exact_path_rule_beside_the_users_regex_rules():
+    """A path that is no regex of itself (``"blocks.big+1"``) was escaped into a regex rule,
+    which then matched the module beside the user's own regex rule of the same rank: the
+    recommendation was refused ("matched by 2 regex rules"). A key equal to the path is
+    the module's exact rule, which wins."""
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleDict({"big+1": nn.Linear(4, 4), "out": nn.Linear(4, 1)})
+            with torch.no_grad():
+                self.blocks["big+1"].weight.mul_(3e4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.blocks["out"](self.blocks["big+1"](x) / 1e4)
+
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4) * 10, torch.randn(8, 1)
+    user = mixprec.PolicyMap("16-mixed", {r"blocks\..*": "16-mixed"})
+    diagnosis = diagnose(Blocks(), (x, y), F.mse_loss, precision=user)
+    assert "blocks.big+1" in [f.name for f in diagnosis.findings]
+    fix = diagnosis.recommend()
+    assert fix.policy.rules["blocks.big+1"] != fix.policy.rules[r"blocks\..*"]
+    assert fix.verified.passes(fix.tolerance)

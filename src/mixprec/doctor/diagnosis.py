@@ -221,15 +221,17 @@ class Diagnosis:
         return later[0] if later else None
 
     def _rule_key(self, name: str) -> str:
-        """`name` as a rule key: escaped only if, as a regex, it would not match exactly
-        this module (another one too, not itself, or no regex at all: a ModuleDict key
-        ``"a("``)."""
+        """`name` as a rule key: escaped only if, as a regex, it would match another module
+        too or is no regex at all (a ModuleDict key ``"a("``). A key equal to a module's
+        path is that module's exact rule whatever it means as a regex (``"blocks.big+1"``,
+        which as a regex does not match itself): escaped it would become a regex rule,
+        clashing with the user's regex rules of the same rank."""
         try:
             pattern = re.compile(name)
         except re.error:
             return re.escape(name)
         names = [n for n, _ in self._session.model.named_modules(remove_duplicate=False)]
-        if not pattern.fullmatch(name) or any(n != name and pattern.fullmatch(n) for n in names):
+        if any(n != name and pattern.fullmatch(n) for n in names):
             return re.escape(name)
         return name
 
