@@ -896,6 +896,11 @@ def test_low_bit_adam_takes_torch_adams_positional_arguments():
         0.1,
     )
     assert LowBitAdam([p]).param_groups[0]["weight_decay"] == 0.0
+    # torch's sixth positional argument, amsgrad: False taken, True refused saying why
+    for cls in (LowBitAdam, LowBitAdamW):
+        assert cls([p], 1e-3, (0.9, 0.999), 1e-8, 0.0, False).param_groups[0]["lr"] == 1e-3
+        with pytest.raises(ValueError, match="does not support amsgrad"):
+            cls([p], 1e-3, (0.9, 0.999), 1e-8, 0.0, True)
 
 
 @pytest.mark.parametrize("states", ["float32", "int8"])

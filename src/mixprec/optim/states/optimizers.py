@@ -1021,6 +1021,7 @@ class LowBitAdamW(LowBitOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
         states: str | StateFormat = "int8",
         block_size: int | None = None,
@@ -1029,7 +1030,6 @@ class LowBitAdamW(LowBitOptimizer):
         compensation: str | None = None,
         compile: bool | None = None,
         seed: int = 0,
-        amsgrad: bool = False,
         formats: Mapping[torch.Tensor, str | StateFormat] | None = None,
     ) -> None:
         if amsgrad:
@@ -1112,9 +1112,10 @@ class LowBitAdam(LowBitAdamW):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        amsgrad: bool = False,
         **kwargs: Any,
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
 
 
 class LowBitSGD(LowBitOptimizer):
