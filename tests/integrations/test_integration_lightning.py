@@ -469,14 +469,23 @@ def test_a_finetuning_callback_with_masters_is_refused_saying_what_works():
         ("16-mixed", {}),
         ("16-true", {}),
         ("bf16-true", {"compensation": "stochastic"}),
+        ("16-true", {"compensation": "kahan"}),
         ("16-mixed", {"optimizer_states": "int8"}),
     ],
-    ids=["16-mixed", "16-true-masters", "bf16-true-stochastic", "16-mixed-int8-states"],
+    ids=[
+        "16-mixed",
+        "16-true-masters",
+        "bf16-true-stochastic",
+        "16-true-kahan",
+        "16-mixed-int8-states",
+    ],
 )
 def test_a_lightning_checkpoint_resumes_bit_identically(spec, options, tmp_path):
     """Low-bit optimizer states: Lightning saves the torch optimizer it holds, which the
     low-bit one converted from it replaces; the plugin saves that one's state (it was lost:
-    the resumed run restarted its moments)."""
+    the resumed run restarted its moments). Compensated float16 weights: Adam's moments are
+    float32, and Lightning restores the torch optimizer after the plugin with torch's load,
+    which cast them to float16 (the resumed run differed by 4e-3)."""
 
     def plugin() -> MixprecPrecision:
         scaler = DynamicLossScaler(init_scale=2.0**8)
@@ -507,7 +516,8 @@ def test_a_lightning_checkpoint_resumes_bit_identically(spec, options, tmp_path)
         for lso_a, lso_b in zip(straight_plugin.optimizers, resumed_plugin.optimizers, strict=True)
         for m, n in zip(lso_a.master_params.values(), lso_b.master_params.values(), strict=True)
     ]
-    assert len(masters) == (6 if spec == "16-true" else 0)  # float16 weights keep masters
+    # float16 weights keep masters, but where compensated
+    assert len(masters) == (6 if spec == "16-true" and not options else 0)
     assert all(torch.equal(m, n) for m, n in masters)
     assert resumed_plugin.scaler.state_dict() == straight_plugin.scaler.state_dict()
     assert resumed_plugin.scaler.stats().skipped_steps == 1
