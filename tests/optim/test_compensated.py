@@ -1052,3 +1052,25 @@ def test_a_weight_written_between_steps_drops_its_kahan_buffer(path):
     straight = onward(3)
     restore()
     assert all(torch.equal(a, b) for a, b in zip(straight, onward(3), strict=True))
+
+
+@pytest.mark.parametrize("path", ["compensator", "low-bit"])
+def test_step_counts_stay_exact_past_float32s_integers(path):
+    """Step counts are float32 tensors, whose integers end at 2^24: from there adding one
+    left every count (so every step's random bits) the same, and each weight rounded the
+    same way at every step. A count reaching 2^24 goes on in float64, exactly."""
+    p = nn.Parameter(torch.ones(256, dtype=torch.bfloat16))
+    optimizer, step = _kahan_sgd([p], path)
+    p.grad = torch.full_like(p, 1e-3)
+    step()
+    optimizer.state[p]["step"] = torch.tensor(float(2**24 - 2))
+    counts = []
+    for _ in range(4):
+        step()
+        counts.append(int(optimizer.state[p]["step"]))
+    assert counts == [2**24 - 1, 2**24, 2**24 + 1, 2**24 + 2]  # (the random keys' steps)
+    assert optimizer.state[p]["step"].dtype == torch.float64
+    restored = copy.deepcopy(optimizer.state_dict())  # (and it saves and loads)
+    optimizer.load_state_dict(restored)
+    step()
+    assert int(optimizer.state[p]["step"]) == 2**24 + 3

@@ -9,6 +9,7 @@ front and ``master_weights_by_name`` can hand the masters to a run in another pr
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -114,6 +115,27 @@ class OptimizerCheckpoint:
         if self._compensator is not None and compensation is not None:
             self._compensator.load_state_dict(compensation)
         self._masters.load(masters)
+
+    def _keep_saved_dtypes_on_direct_loads(self) -> None:
+        """Hook the wrapped torch optimizer's ``load_state_dict`` so that a state loaded into
+        it directly (as Lightning restores optimizers, after the plugin) keeps the floating
+        dtypes it was saved in, as `load_state_dict` does: torch's load casts float32
+        moments of 16-bit weights to the weights' dtype, and what the cast lost (second
+        moments under float16's range become 0) would stay lost."""
+        owner = weakref.ref(self)
+        loading: list[Mapping[str, Any]] = []
+
+        def before(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+            loading[:] = [state]  # (one load at a time; a failed one's is replaced)
+
+        def after(optimizer: torch.optim.Optimizer) -> None:
+            saved = loading.pop() if loading else None
+            wrapper = owner()
+            if wrapper is not None and saved is not None and wrapper.optimizer is optimizer:
+                wrapper._keep_saved_dtypes(saved)
+
+        self.optimizer.register_load_state_dict_pre_hook(before)
+        self.optimizer.register_load_state_dict_post_hook(after)
 
     def _keep_saved_dtypes(self, saved: Mapping[str, Any]) -> None:
         """With compensation, put back the state tensors saved in another floating dtype

@@ -447,21 +447,41 @@ class StepCounts:
             or list(map(torch.Tensor.data_ptr, counts)) != self.addresses
         ):
             if not all(_joinable(c) for c in counts):
-                torch._foreach_add_(counts, 1.0)
-                values = torch.stack([c.to("cpu", torch.float32) for c in counts]).tolist()
-                return [int(v) for v in values]
+                return _advance_apart(states)
             self.whole = torch.stack(counts)
             self.held = list(self.whole.unbind())
             self.addresses = list(map(torch.Tensor.data_ptr, self.held))
             for state, view in zip(states, self.held, strict=True):
                 state["step"] = view
         assert self.whole is not None
+        last = [int(v) for v in self.whole.tolist()]
+        if max(last) + 1 >= _FLOAT32_EXACT:  # (float64 counts are not joined)
+            self.whole, self.held, self.addresses = None, [], []
+            return _advance_apart(states)
         self.whole.add_(1.0)
-        return [int(v) for v in self.whole.tolist()]
+        return [v + 1 for v in last]
 
     def undo(self, states: list[dict[str, Any]]) -> None:
         """Take back `advance` (a step refused before any update)."""
         torch._foreach_sub_([state["step"] for state in states], 1.0)
+
+
+# float32 counts from which adding one would round (2^24): counts widen to float64 there
+_FLOAT32_EXACT = 1 << 24
+
+
+def _advance_apart(states: list[dict[str, Any]]) -> list[int]:
+    """`StepCounts.advance` of counts not joined, in a fixed number of calls; a float32
+    count about to pass 2^24 goes on in float64 first (from there adding one to a float32
+    rounds back: every later step would take the same count, so the same random bits, and
+    stochastic rounding would no longer be random); float64 counts are exact to 2^53."""
+    counts = torch.stack([state["step"].to("cpu", torch.float64) for state in states])
+    last = [int(v) for v in counts.tolist()]
+    for state, count in zip(states, last, strict=True):
+        if count + 1 >= _FLOAT32_EXACT and state["step"].dtype != torch.float64:
+            state["step"] = state["step"].to(torch.float64)
+    torch._foreach_add_([state["step"] for state in states], 1.0)
+    return [v + 1 for v in last]
 
 
 def written_mark(p: torch.Tensor) -> tuple[int, int | None]:

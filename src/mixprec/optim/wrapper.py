@@ -146,7 +146,7 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         if compensation is None:
             _warn_uncompensated(optimizer, self._masters.dtypes)
         else:
-            _keeps_saved_dtypes_on_direct_loads(self)
+            self._keep_saved_dtypes_on_direct_loads()
         # a compensated step runs our code, not a fused kernel that could skip by itself
         self._fused = self._compensator is None and bool(
             getattr(optimizer, "_step_supports_amp_scaling", False)
@@ -550,28 +550,6 @@ def _check_wrappable(optimizer: Any, master_weights: bool | None, model: nn.Modu
         raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-
-
-def _keeps_saved_dtypes_on_direct_loads(lso: LossScaleOptimizer) -> None:
-    """Hook the wrapped torch optimizer's ``load_state_dict`` so that a state loaded into
-    it directly (as Lightning restores optimizers, after the plugin) keeps the floating
-    dtypes it was saved in, as `LossScaleOptimizer.load_state_dict` does: torch's load casts
-    float32 moments of 16-bit weights to the weights' dtype, and what the cast lost (second
-    moments under float16's range become 0) would stay lost."""
-    owner = weakref.ref(lso)
-    loading: list[Mapping[str, Any]] = []
-
-    def before(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-        loading[:] = [state]  # (one load at a time; a failed one's is replaced)
-
-    def after(optimizer: torch.optim.Optimizer) -> None:
-        saved = loading.pop() if loading else None
-        wrapper = owner()
-        if wrapper is not None and saved is not None and wrapper.optimizer is optimizer:
-            wrapper._keep_saved_dtypes(saved)
-
-    lso.optimizer.register_load_state_dict_pre_hook(before)
-    lso.optimizer.register_load_state_dict_post_hook(after)
 
 
 def _compensator_for(
