@@ -5,6 +5,8 @@ twice is stored once; and the memory a step holds goes down."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -618,3 +620,92 @@ def test_counting_saved_bytes_leaves_the_generator_and_running_statistics_as_the
     assert torch.equal(torch.rand(3), expected)
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
+
+
+def _forward_only_leaves(codec_or_count, make) -> weakref.ref:
+    """A weak reference to a ReLU's output (an op saving its own output) of a forward whose
+    graph is then dropped without a backward."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = make(torch.randn(4, 16))
+    if codec_or_count == "saved_bytes":
+        outs = []
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+        model[1].register_forward_hook(lambda m, i, o: outs.append(weakref.ref(o)))
+        saved_bytes(model, x)
+        return outs[0]
+    with saved_tensors_hooks(codec_or_count.pack, codec_or_count.unpack):
+        y = torch.relu(x @ make(w))
+        loss = (y @ make(w)).sum()
+    ref = weakref.ref(y)
+    del y, loss
+    return ref
+
+
+@pytest.mark.parametrize(
+    ("codec", "make"),
+    [
+        (codecs.Keep(), lambda t: t),
+        (ToBfloat16(), lambda t: t.to(torch.bfloat16)),  # (bfloat16: kept as it is)
+        (ToFp8(), lambda t: t),  # (under a block: kept as it is)
+        ("saved_bytes", lambda t: t),
+    ],
+    ids=["keep", "bf16", "fp8", "saved_bytes"],
+)
+def test_a_graph_dropped_without_a_backward_is_freed(codec, make):
+    """A tensor kept as it is was held with its history: for an op saving its own output
+    (relu, tanh, softmax) that made a cycle (its grad_fn holds the saved tensor, which holds
+    the tensor, which holds its grad_fn) the garbage collector cannot see, so a graph not
+    consumed by a backward (a forward-only step, `saved_bytes`, `explain(batch=)`, the
+    planner, ``retain_graph``) was never freed."""
+    ref = _forward_only_leaves(codec, make)
+    gc.collect()
+    assert ref() is None
+
+
+_PARAMETER_VIEWS = {
+    "unbind": lambda w: w.unbind(0)[0],
+    "diagonal": lambda w: w.diagonal(dim1=1, dim2=2),
+    "as_strided": lambda w: w.as_strided((16, 16), (16, 1)),
+    "unfold": lambda w: w.unfold(2, 4, 4),
+    "view_as_complex": lambda w: torch.view_as_real(torch.view_as_complex(w.view(4, 16, 8, 2))),
+}
+
+
+@pytest.mark.parametrize("view", _PARAMETER_VIEWS.values(), ids=list(_PARAMETER_VIEWS))
+def test_casts_of_any_view_of_a_parameter_are_no_activations(view):
+    """Only some views were known as views: autocast's 16-bit copy of ``w.unbind(0)[i]``
+    (stacked experts' weights), of a diagonal or of an as_strided view of a parameter was
+    taken for an activation, stored in fp8 and counted by `saved_bytes`."""
+    w = nn.Parameter(torch.randn(4, 16, 16))
+    assert not is_activation(view(w).to(torch.bfloat16))
+    assert is_activation(view(w * 2).to(torch.bfloat16))
+
+
+class _Experts(nn.Module):
+    """Stacked weights used through unbind, diagonal and as_strided views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(2, 64, 64) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.w.unbind(0)
+        y = nn.functional.linear(nn.functional.linear(x, a), b)
+        return y * self.w.diagonal(dim1=1, dim2=2)[0] @ self.w.as_strided((64, 64), (64, 1))
+
+
+def test_unbound_diagonal_and_strided_views_of_parameters_are_kept_and_not_counted():
+    grads, counted = {}, {}
+    for opt in ("keep", "fp8"):
+        torch.manual_seed(0)
+        model = mixprec.Precision("bf16-mixed", activations=opt).setup(_Experts())
+        x = torch.randn(8, 64, requires_grad=True)
+        model(x).float().sum().backward()
+        grads[opt] = x.grad
+        counted[opt] = saved_bytes(model, x.detach())
+    assert torch.equal(grads["fp8"], grads["keep"])
+    assert counted["fp8"][""] <= counted["keep"][""]
+    # no copy of the weight counted: the batch's bfloat16 copy, the two Linears' outputs,
+    # the bfloat16 copy of the product (8 x 64 each)
+    assert counted["keep"] == {"": 4 * 8 * 64 * 2}

@@ -387,3 +387,116 @@ def test_a_tensor_given_by_keyword_and_written_in_place_after_is_refused_as_when
     model = mixprec.Precision("32-true", activations={"b": option}).setup(_CallsScaled(True))
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         model(x).sum().backward()
+
+
+class _Counts(nn.Module):
+    """Counts its calls in a buffer, in place, whether training or not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.fc(x) * self.calls
+
+
+@pytest.mark.parametrize("option", ["checkpoint", "selective"])
+def test_a_buffer_updated_in_a_recomputed_forward_is_refused_in_eval_mode_too(option):
+    """Buffers were checked in training mode only: in eval() the recomputation updated the
+    buffer again and read its new value (the count 2 where the forward saw 1, the layer's
+    gradients doubled), silently."""
+    model = mixprec.apply(
+        nn.Sequential(_Counts(), nn.Linear(8, 1)), PolicyMap("32-true", activations={"0": option})
+    ).eval()
+    with pytest.raises(PolicySpecError, match="updated its buffer 'calls' in a forward that"):
+        model(torch.randn(4, 8))
+
+
+class _Pairs(nn.Module):
+    """Takes tensors inside a tuple (Hugging Face's ``position_embeddings=(cos, sin)``) and a
+    dict, by keyword or positionally, beside non-tensor leaves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, pair=None, extra=None, *, pos=None):
+        a, b = pos if pos is not None else pair
+        return (self.fc(x) * a + b) * extra["scale"] + extra["shift"]
+
+
+class _CallsPairs(nn.Module):
+    def __init__(self, how: str, write: str | None = None) -> None:
+        super().__init__()
+        self.inp, self.layer, self.out = nn.Linear(4, 8), _Pairs(), nn.Linear(8, 1)
+        self.how, self.write = how, write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.full((8,), 2.0), torch.zeros(8)
+        pair, extra = [a, b], {"scale": torch.full((8,), 3.0), "shift": 1.0}
+        if self.how == "keyword":
+            y = self.layer(self.inp(x), extra=extra, pos=pair)
+        else:
+            y = self.layer(self.inp(x), pair, extra)
+        if self.write == "in place":  # (a cache the caller reuses)
+            a.mul_(10)
+            extra["scale"].add_(1)
+        elif self.write == "replaced":  # (the caller's containers changed, not the tensors)
+            pair[0], extra["scale"], extra["shift"] = a * 10, extra["scale"] + 1, 5.0
+        return self.out(y)
+
+
+def _pairs_grads(how: str, activations, write: str | None = None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = mixprec.Precision("32-true", activations=activations).setup(_CallsPairs(how, write))
+    model(torch.randn(3, 4)).sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["keyword", "positional"])
+@pytest.mark.parametrize("option", ["checkpoint", "selective"])
+def test_tensors_nested_in_arguments_and_written_in_place_after_are_refused_as_when_kept(
+    how, option
+):
+    """Only bare tensors given by keyword reached the checkpoint: tensors inside a tuple,
+    list or dict stayed in a closure, so one written in place after the call was recomputed
+    from its new values (the layer's gradients ten times too large), silently. A container
+    changed after the call (an element replaced) is recomputed as the forward saw it."""
+    kept = _pairs_grads(how, "keep")
+    for write in (None, "replaced"):  # (the nested tensors and the rest reach the layer)
+        for a, b in zip(kept, _pairs_grads(how, {"layer": option}, write), strict=True):
+            assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _pairs_grads(how, {"layer": option}, "in place")
+
+
+class _Residual(nn.Module):
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.relu(self.fc(x)))
+
+
+@pytest.mark.parametrize("parent", ["bf16", "fp8"])
+@pytest.mark.parametrize("option", ["checkpoint", "selective"])
+def test_a_block_recomputed_inside_a_storing_parent_recomputes_from_its_exact_inputs(
+    parent, option
+):
+    """torch's checkpoint saves the block's inputs through the saved-tensor hooks around
+    it: inside a bf16 or fp8 parent it recomputed the block from rounded inputs, and the
+    block's gradients came out far from keep's. Its inputs are kept exactly: the block's
+    gradients are keep's, bit for bit."""
+    x = torch.randn(16, 8)
+    grads = {}
+    for name, activations in (("keep", None), ("nested", {"": parent, "1": option})):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), _Residual(), nn.Linear(32, 1))
+        model = mixprec.Precision("32-true", activations=activations).setup(model)
+        model(x).sum().backward()
+        grads[name] = [p.grad for p in model[1].parameters()]
+    for a, b in zip(grads["keep"], grads["nested"], strict=True):
+        assert torch.equal(a, b)

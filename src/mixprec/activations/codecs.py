@@ -66,7 +66,8 @@ GATE = CompileGate(
     COMPILE_MIN,
 )
 
-# nodes through which a saved tensor is still a parameter: casts and views
+# nodes through which a saved tensor is still a parameter: casts and views (every view op
+# of torch's, so that autocast's copy of any view of a weight, as ``w.unbind(0)[i]``, is one)
 _CAST_OR_VIEW = frozenset(
     {
         "ToCopyBackward0",
@@ -75,16 +76,23 @@ _CAST_OR_VIEW = frozenset(
         "PermuteBackward0",
         "ViewBackward0",
         "UnsafeViewBackward0",
+        "ReshapeAliasBackward0",
         "ExpandBackward0",
         "AliasBackward0",
         "SplitBackward0",
         "SplitWithSizesBackward0",
+        "UnbindBackward0",
         "SliceBackward0",
         "SelectBackward0",
+        "DiagonalBackward0",
+        "AsStridedBackward0",
+        "UnfoldBackward0",
         "UnsqueezeBackward0",
         "SqueezeBackward0",
         "SqueezeBackward1",
         "SqueezeBackward2",
+        "ViewAsRealBackward0",
+        "ViewAsComplexBackward0",
     }
 )
 
@@ -165,12 +173,16 @@ class Codec:
         return packed
 
     def pack(self, t: Tensor) -> Any:
+        # a tensor kept as it is is held detached (its memory and version counter, not its
+        # history): a saved output (relu's, softmax's) held with its grad_fn made a cycle,
+        # grad_fn -> saved tensor -> it -> grad_fn, which the garbage collector cannot see,
+        # so a graph dropped without a backward was never freed
         if not _plain_layout(t):  # (sparse, nested: kept as they are, their bytes unknown)
-            return AsIs(t, t._version)
+            return AsIs(t.detach(), t._version)
         storage = t.untyped_storage()
         if not self.stores(t):
             _record(t, storage.nbytes(), storage.data_ptr())
-            return AsIs(t, t._version)
+            return AsIs(t.detach(), t._version)
         contiguous = t.is_contiguous()
         key = (storage.data_ptr(), t.storage_offset(), t.numel(), t.dtype, t._version)
         seen = self._packed.get(key) if contiguous else None
@@ -215,7 +227,8 @@ class AsIs:
     its own saves against in-place writes since, but not a tensor its saved-tensor hooks
     hand back: read back, it is checked here the same way, so that a weight updated or an
     input overwritten between the forward and the backward raises as it would under
-    ``keep``, instead of giving gradients of the new values."""
+    ``keep``, instead of giving gradients of the new values. `tensor` is detached (`Codec.pack`):
+    the saved tensor's history is torch's to restore on unpacking."""
 
     tensor: Tensor
     version: int

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -64,35 +65,47 @@ def recomputed(
 ) -> Any:
     """``forward(*args, **kwargs)`` with its saved tensors dropped and recomputed in the
     backward; `mode` is ``"checkpoint"`` or ``"selective"``."""
-    # tensors given by keyword go to the checkpoint as positional arguments, as the others:
-    # bound in a closure, one written in place after the call was recomputed from its new
-    # values without torch's error
-    names = tuple(k for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-    others = {k: None if k in names else v for k, v in kwargs.items()}
+    # every tensor of the arguments, given by keyword or nested in a tuple, list or dict (a
+    # Hugging Face layer's ``position_embeddings=(cos, sin)``), goes to the checkpoint as a
+    # positional argument, which it saves and checks: bound in a closure, one written in
+    # place after the call was recomputed from its new values without torch's error
+    leaves, spec = tree_flatten((args, kwargs))
+    where = tuple(i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor))
     run = functools.partial(
-        _in_default_dtype, torch.get_default_dtype(), forward, others, names, len(args)
+        _in_default_dtype, torch.get_default_dtype(), forward, (args, kwargs), leaves, spec, where
     )
     if mode == "selective":
         run = functools.partial(_with_fresh_cast_cache, run)
     extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
-    return checkpoint(run, *args, *(kwargs[k] for k in names), use_reentrant=False, **extra)
+    return checkpoint(run, *(leaves[i] for i in where), use_reentrant=False, **extra)
 
 
 def _in_default_dtype(
     dtype: torch.dtype,
     forward: Callable[..., Any],
-    kwargs: dict[str, Any],
-    names: tuple[str, ...],
-    count: int,
-    *args: Any,
+    given: tuple[tuple[Any, ...], dict[str, Any]],
+    leaves: list[Any],
+    spec: TreeSpec,
+    where: tuple[int, ...],
+    *tensors: Any,
 ) -> Any:
     """``forward(*args, **kwargs)`` with `dtype` torch's default dtype, as it was when the
     forward first ran: the recomputation in the backward runs outside the regions around the
-    layer, which set it then. The arguments after the first `count` are the tensors given
-    by the keywords `names`."""
-    given = dict(zip(names, args[count:], strict=True))
-    kwargs = {k: given[k] if k in given else v for k, v in kwargs.items()}  # (their order)
-    args = args[:count]
+    layer, which set it then. `tensors` are the arguments' tensors (the `leaves` of the
+    arguments at `where`): the forward's call takes the arguments `given` as they are (a
+    mutable container the layer changes is the caller's), the recomputation in the backward
+    rebuilds them from `spec` around the tensors the checkpoint saved (a container changed
+    since is recomputed as the forward saw it)."""
+    # (traced by torch.compile: one call, which the compiled backward recomputes)
+    if all(t is leaves[i] for t, i in zip(tensors, where, strict=True)) and (
+        torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
+    ):
+        args, kwargs = given
+    else:
+        filled = list(leaves)
+        for i, t in zip(where, tensors, strict=True):
+            filled[i] = t
+        args, kwargs = tree_unflatten(filled, spec)
     if torch.get_default_dtype() == dtype and not needs_default_dtype(dtype):
         return forward(*args, **kwargs)
     with default_dtype(dtype):

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
-from mixprec.activations.codecs import CODECS, Codec, ToBfloat16, ToFp8
+from mixprec.activations.codecs import CODECS, Codec, Keep, ToBfloat16, ToFp8
 from mixprec.activations.options import OPTIONS, accepted, refusal
 from mixprec.activations.recompute import recomputed
 from mixprec.activations.rules import Choice, never_called
@@ -106,9 +106,11 @@ class ActivationForward:
         self.recorded = True  # (`warn_if_root_unused`)
         if self.codec is not None or self.option == "offload":
             return _stored(self, forward, args, kwargs)
-        buffers = list(module.named_buffers()) if module.training else []
+        # (in eval mode too: a forward may update a buffer there, a count or a scale)
+        buffers = list(module.named_buffers())
         versions = [b._version for _, b in buffers]
-        out = recomputed(forward, self.option, args, kwargs)
+        with _exact_inputs():
+            out = recomputed(forward, self.option, args, kwargs)
         # (a buffer written in place, or assigned anew, as ``self.ema = 0.9 * self.ema + x``)
         now = dict(module.named_buffers()) if buffers else {}
         for (name, b), version in zip(buffers, versions, strict=True):
@@ -173,10 +175,32 @@ class _AttentionInBfloat16(TorchFunctionMode):
 _ATTENTION = ToBfloat16()
 
 
+def _innermost_codec() -> Codec | None:
+    """The codec whose saved-tensor hooks torch calls now (None: no codec's)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    codec = getattr(top[0], "__self__", None) if top is not None else None
+    return codec if isinstance(codec, Codec) else None
+
+
 def _fp8_innermost() -> bool:
     """Whether the saved-tensor hooks torch calls now are an fp8 codec's."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return top is not None and isinstance(getattr(top[0], "__self__", None), ToFp8)
+    return isinstance(_innermost_codec(), ToFp8)
+
+
+_EXACT = Keep()
+
+
+def _exact_inputs() -> Any:
+    """Where a storing codec's hooks are innermost (a recomputed module inside a ``bf16``
+    or ``fp8`` one), ``keep``'s hooks: torch's checkpoint saves the module's inputs through
+    the hooks around it, and a recomputation from rounded inputs gives other gradients than
+    the forward's. Elsewhere (offloaded, kept, traced by torch.compile) nothing changes."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    codec = _innermost_codec()
+    if codec is None or codec.name == "keep":
+        return contextlib.nullcontext()
+    return saved_tensors_hooks(_EXACT.pack, _EXACT.unpack)
 
 
 @torch.compiler.disable
