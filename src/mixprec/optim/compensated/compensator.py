@@ -241,7 +241,8 @@ class Compensator:
             for name in ("exp_avg", "exp_avg_sq"):
                 if state[name].dtype == torch.float16:
                     state[name] = state[name].float()
-        state.setdefault("step", torch.tensor(0.0))
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0)
         return state
 
     @staticmethod
