@@ -44,7 +44,7 @@ from mixprec.policy.map import (
     dtype_plan,
 )
 from mixprec.quantize import quantize_modules
-from mixprec.quantize.int8 import CODE_BUFFERS, ScaledCodes
+from mixprec.quantize.int8 import CodeCasts, ScaledCodes
 from mixprec.quantize.rules import set_fast_paths
 from mixprec.tree import iter_tensors, map_tensors
 
@@ -397,7 +397,7 @@ def _convert(plan: list[tuple[nn.Module, str, str, torch.dtype]]) -> None:
     # under inference_mode the converted tensors would be inference tensors, which can
     # never be trained again: convert as plain tensors whatever the caller's mode
     converted: dict[int, Tensor] = {}  # a buffer shared by two modules stays shared
-    shared_codes: dict[int, dict[str, Tensor]] = {}
+    casts = CodeCasts()  # codes shared by two layers (a tied embedding and head) stay shared
     with torch.inference_mode(False):
         for module, kind, key, dtype in plan:
             if kind == "parameter":
@@ -408,17 +408,11 @@ def _convert(plan: list[tuple[nn.Module, str, str, torch.dtype]]) -> None:
                 if t.grad is not None:
                     t.grad = t.grad.to(dtype)
             elif key == "weight_scale" and isinstance(module, ScaledCodes):
-                # codes and scales change together where the scales do not fit `dtype`;
-                # layers sharing them (a tied embedding and head) keep sharing the new ones
+                # codes and scales change together where the scales do not fit `dtype`
+                # (`_check_scales` made sure they can be stored in it)
                 t = module._buffers[key]
-                if id(t) in converted:
-                    module._buffers.update(shared_codes[id(t)])
-                    continue
-                module.cast_scales(dtype)
+                module.cast_scales(dtype, casts)
                 converted[id(t)] = module.weight_scale
-                shared_codes[id(t)] = {
-                    k: module._buffers[k] for k in CODE_BUFFERS if k in module._buffers
-                }
             else:
                 t = module._buffers[key]
                 module._buffers[key] = converted.setdefault(id(t), t.to(dtype))
@@ -547,6 +541,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     # re-apply leaves the previous policy in place, weights unrounded
     check_bypassed(model, resolved)
     dtype_plan(model, resolved, replaced=True)
+    _check_scales(model, resolved)
     if state is None:
         original = _floating_dtypes(model)
     else:
@@ -575,6 +570,28 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     set_fast_paths(model)  # torch's fused transformer layers would pass regions over
     model.__dict__[_STATE] = AppliedState(pmap, original)
     return model
+
+
+def _check_scales(model: nn.Module, resolved: dict[str, Resolution]) -> None:
+    """Refuse, before anything changes, a policy storing a quantized layer's scales in a
+    dtype that cannot hold them (`ScaledCodes.scales_refused`: a float16 scale whose product
+    with the largest code is past its range), naming the layer and what is accepted."""
+    seen: set[int] = set()  # (shared scales are asked once)
+    for name, module in model.named_modules():
+        if not isinstance(module, ScaledCodes) or id(module.weight_scale) in seen:
+            continue
+        seen.add(id(module.weight_scale))
+        policy = resolved[name].policy
+        why = module.scales_refused(policy.buffer_dtype)
+        if why is not None:
+            path = name or "<root>"
+            raise PolicySpecError(
+                f"{path!r} ({type(module).__name__}) cannot store its scales in "
+                f"{policy.buffer_dtype}, as {policy.name!r} would: {why}. Accepted: a "
+                "policy storing them in bfloat16 or float32 (bf16-true, bf16-mixed, "
+                "16-mixed), or a rule keeping this layer in float32: "
+                f"PolicyMap(policy, {{{path!r}: '32-true'}})"
+            )
 
 
 def _check_nesting(model: nn.Module) -> None:

@@ -312,12 +312,22 @@ def enable_lora(module: nn.Module, rank: int, alpha: float | None = None) -> lis
     """Add LoRA adapters of `rank` to every int8/int4 Linear and Embedding in `module` (a
     layer or a whole model) and return the new trainable parameters (give them to the
     optimizer). The quantized weights never train; the biases of those layers are frozen
-    too."""
+    too. Enable them before wrapping the model in DistributedDataParallel or sharding it:
+    a wrapper's reducer knows only the parameters it was built with (a DDP wrapper given
+    here is refused)."""
     layers = _lora_layers(module)
     if not layers:
         raise ValueError(
             f"enable_lora found no int8/int4 Linear or Embedding in {type(module).__name__}: "
             "quantize first, e.g. mixprec.quantize(model, 'int8')"
+        )
+    ddp = nn.parallel.DistributedDataParallel
+    if any(isinstance(m, ddp) for m in module.modules()):
+        raise ValueError(
+            "enable_lora on a model DistributedDataParallel wraps already: its reducer does "
+            "not know the new adapters, so each rank would train its own (the replicas "
+            "drift); enable LoRA before wrapping: enable_lora(model, ...), then "
+            "DistributedDataParallel(model)"
         )
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in module.modules()):

@@ -265,9 +265,9 @@ class _Int4Weight(ScaledCodes, Prepacked, nn.Module):
             return
         self._take(quantize_groups(weight, self.group_size), weight.dtype)
 
-    def requantize(self, weight: Tensor, dtype: torch.dtype | None = None) -> None:
-        dtype = self.weight_scale.dtype if dtype is None else dtype
-        self._take(quantize_groups(weight, self.group_size, dtype=dtype), dtype)
+    def quantized_buffers(self, weight: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
+        packed, scale, zero = quantize_groups(weight, self.group_size, dtype=dtype)
+        return {"qweight": packed, "weight_scale": scale.to(dtype), "weight_zero": zero}
 
     def weight_from(self, buffers: Mapping[str, Tensor]) -> Tensor:
         return dequantize_groups(

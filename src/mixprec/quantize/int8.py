@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CODE_BUFFERS",
+    "CodeCasts",
     "Int8Embedding",
     "Int8Linear",
     "ScaledCodes",
@@ -78,6 +79,15 @@ def check_finite(w: Tensor, name: str) -> None:
 _SMALLEST_SUBNORMAL = 2.0**-149
 
 
+class ScaleRangeError(ValueError):
+    """Scales a dtype cannot store (`storable_scale`); `detail` says which and why, for a
+    caller that words the remedy (a cast, `apply`'s pre-checks)."""
+
+    def __init__(self, message: str, detail: str) -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
 def storable_scale(scale: Tensor, dtype: torch.dtype, name: str, largest: int | Tensor) -> Tensor:
     """The float32 `scale` rounded up to a value `dtype` holds exactly (unchanged for float32
     and float64), so codes computed with it are the codes of the scale the layer stores.
@@ -99,10 +109,13 @@ def storable_scale(scale: Tensor, dtype: torch.dtype, name: str, largest: int | 
         largest = largest.to(dtype)
     if not scale.is_meta and torch.isinf(stored * largest).any():
         reach = int(largest.max()) if isinstance(largest, Tensor) else largest
-        raise ValueError(
-            f"cannot quantize {name}: its largest scale {scale.max().item():.3g} times its "
-            f"largest code ({reach}) exceeds {dtype}'s range; quantize it with scales in "
-            "float32 or bfloat16"
+        detail = (
+            f"its largest scale {scale.max().item():.3g} times its largest code ({reach}) "
+            f"exceeds {dtype}'s range"
+        )
+        raise ScaleRangeError(
+            f"cannot quantize {name}: {detail}; quantize it with scales in float32 or bfloat16",
+            detail,
         )
     return stored.float()
 
@@ -451,11 +464,8 @@ def int8_linear(
             # may keep for the backward and refuses to see changed)
             out = (sums if sums.dtype == torch.float32 else sums.float()).mul(weight_scale)
         else:
-            acc = int_matmul(qx, qweight)
-            if acc.dtype == torch.int32:  # into the sums' own memory, each read then written
-                out = torch.mul(acc, weight_scale, out=acc.view(torch.float32))
-            else:
-                out = torch.mul(acc, weight_scale)
+            # (out of place too: selective checkpointing keeps `torch._int_mm`'s output)
+            out = torch.mul(int_matmul(qx, qweight), weight_scale)
     else:
         ux, x_scale = _quantize_tokens(x2, zero_point=128)
         out = onednn_product(ux, packed)
@@ -508,14 +518,68 @@ def output_dtype(x: Tensor) -> torch.dtype:
 CODE_BUFFERS = ("qweight", "weight_scale", "weight_zero")
 
 
+class CodeCasts:
+    """What the code buffers of each layer became in one cast (``.half()``, ``.to()``,
+    `apply`'s conversion), so that a layer holding the same ones (a tied embedding and head)
+    takes the same new ones, not a copy requantized on its own. Keyed by the old tensors
+    (held weakly, as the new ones: the memo keeps nothing alive) and the new scales' dtype
+    and device; a tensor changed in place since does not match."""
+
+    def __init__(self) -> None:
+        self._done: dict[Any, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self._prune_at = 64
+
+    @staticmethod
+    def _key(old: Mapping[str, Tensor], scale: Tensor) -> Any:
+        return tuple((k, id(t)) for k, t in old.items()), scale.dtype, scale.device
+
+    def get(self, old: Mapping[str, Tensor], scale: Tensor) -> dict[str, Tensor] | None:
+        """The buffers `old` became with scales like `scale` in this cast, if it did."""
+        entry = self._done.get(self._key(old, scale))
+        if entry is None:
+            return None
+        sources, made = entry
+        for (ref, version), t in zip(sources, old.values(), strict=True):
+            if ref() is not t or _version(t) != version:
+                return None
+        new = {}
+        for k, (ref, version) in made.items():
+            t = ref()
+            if t is None or _version(t) != version:
+                return None
+            new[k] = t
+        return new
+
+    def put(self, old: Mapping[str, Tensor], new: Mapping[str, Tensor]) -> None:
+        """Record that `old` became `new`."""
+        if len(self._done) >= self._prune_at:  # (a cast function kept alive: drop the dead)
+            self._done = {k: e for k, e in self._done.items() if all(r() for r, _ in e[0])}
+            self._prune_at = 2 * max(len(self._done), 32)
+        self._done[self._key(old, new["weight_scale"])] = (
+            tuple((weakref.ref(t), _version(t)) for t in old.values()),
+            {k: (weakref.ref(t), _version(t)) for k, t in new.items()},
+        )
+
+
+# the memo of each cast `nn.Module._apply` runs: it hands the same function to every module
+_CASTS: weakref.WeakKeyDictionary[Any, CodeCasts] = weakref.WeakKeyDictionary()
+
+_CAST_REMEDY = (
+    "store them in float32 or bfloat16 (model.bfloat16(), a bf16 policy), or keep this "
+    "layer in float32"
+)
+
+
 class ScaledCodes:
     """Mixin for a layer holding integer codes and their ``weight_scale`` (int8, int4): its
     scales stay values of the dtype they are stored in. A cast of the scales to a dtype that
     does not hold them all (``model.bfloat16()`` or `apply` of a 16-bit policy after
-    `mixprec.quantize`: float32 scales) requantizes the weight they stand for with scales
-    rounded up in that dtype (`storable_scale`), as quantizing in it does: rounded to
-    nearest, a scale could fall below its row's ``max|w| / 127`` (codes past the range,
-    weights off by almost a whole step) or to 0 (a float16 row of tiny weights)."""
+    `mixprec.quantize`: float32 scales), or a checkpoint loaded with scales in another dtype
+    than the layer's, requantizes the weight they stand for with scales rounded up in the
+    layer's dtype (`storable_scale`), as quantizing in it does: rounded to nearest, a scale
+    could fall below its row's ``max|w| / 127`` (codes past the range, weights off by almost
+    a whole step) or to 0 (a float16 row of tiny weights). Layers sharing codes keep sharing
+    them through a cast (`CodeCasts`)."""
 
     weight_scale: Tensor
     _buffers: dict[str, Tensor]
@@ -524,45 +588,146 @@ class ScaledCodes:
         """The float weight the codes and scales in `buffers` stand for (their dtype)."""
         raise NotImplementedError
 
+    def quantized_buffers(self, weight: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
+        """The code buffers of the float `weight` quantized with scales in `dtype`."""
+        raise NotImplementedError
+
     def dequantized_weight(self) -> Tensor:
         """The float weight the codes stand for, in the scales' dtype (LoRA adapters not
         included)."""
         return self.weight_from(self._buffers)
 
+    def code_buffers(self) -> dict[str, Tensor]:
+        """The layer's `CODE_BUFFERS`, by name."""
+        return {k: self._buffers[k] for k in CODE_BUFFERS if self._buffers.get(k) is not None}
+
+    def take_buffers(self, buffers: Mapping[str, Tensor]) -> None:
+        """Hold `buffers` (code buffers by name) in place of its own."""
+        for k, t in buffers.items():
+            setattr(self, k, t)
+        drop = getattr(self, "drop_prepacked", None)
+        if drop is not None:
+            drop()
+
     def requantize(self, weight: Tensor, dtype: torch.dtype | None = None) -> None:
         """Replace the codes by the quantization of the float `weight`, scales in `dtype`
         (by default the scales' own)."""
-        raise NotImplementedError
+        dtype = self.weight_scale.dtype if dtype is None else dtype
+        self.take_buffers(self.quantized_buffers(weight, dtype))
 
-    def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        old = dict(self._buffers)
-        out = super()._apply(fn, recurse)  # type: ignore[misc]
-        self.keep_scales_exact(old)
-        return out
-
-    def cast_scales(self, dtype: torch.dtype) -> None:
-        """Store the scales in `dtype` (the cast `mixprec.apply` makes of a policy's
-        buffers), requantizing where they do not fit it exactly."""
-        old = dict(self._buffers)
-        self.weight_scale = old["weight_scale"].to(dtype)
-        self.keep_scales_exact(old)
-
-    def keep_scales_exact(self, old: Mapping[str, Tensor]) -> None:
-        """After the scales changed dtype from those in `old` (the buffers before): where
-        a scale changed value, requantize the weight `old` stood for in the new dtype."""
-        before, now = old["weight_scale"], self.weight_scale
+    def requantized(
+        self, old: Mapping[str, Tensor], scale: Tensor, name: str | None = None
+    ) -> dict[str, Tensor] | None:
+        """None where `scale`, the scales of the code buffers `old` cast (to another dtype
+        or device), holds their values; else the code buffers of the weight `old` stands for
+        quantized again with scales in `scale`'s dtype, on its device. Changes nothing; a
+        `ScaleRangeError` naming `name` (default: the layer's type) where that dtype cannot
+        store them."""
+        before = old["weight_scale"]
         if (
-            now.dtype == before.dtype
-            or not now.is_floating_point()
-            or now.is_meta
+            scale.dtype == before.dtype
+            or not scale.is_floating_point()
+            or scale.is_meta
             or before.is_meta
         ):
-            return  # (meta tensors hold no values to keep)
-        back = now.to(before.device, before.dtype)
+            return None  # (meta tensors hold no values to keep)
+        back = scale.to(before.device, before.dtype)
         if bool(((back == before) | before.isnan()).all()):
+            return None
+        weight = self.weight_from(old).to(scale.device)
+        try:
+            return self.quantized_buffers(weight, scale.dtype)
+        except ScaleRangeError as err:
+            name = name or f"this {type(self).__name__}"
+            message = f"cannot store the scales of {name} in {scale.dtype}: {err.detail}"
+            raise ScaleRangeError(f"{message}; {_CAST_REMEDY}", err.detail) from None
+
+    def scales_refused(self, dtype: torch.dtype) -> str | None:
+        """Why this layer's scales cannot be stored in `dtype` (None: they can, requantized
+        where they do not fit); changes nothing (`apply` asks before it converts)."""
+        scale = self.weight_scale
+        if scale.dtype == dtype or torch.finfo(dtype).bits >= 32:
+            return None
+        try:
+            self.requantized(self.code_buffers(), scale.to(dtype))
+        except ScaleRangeError as err:
+            return err.detail
+        return None
+
+    def _take_cast(
+        self,
+        old: Mapping[str, Tensor],
+        cast: Mapping[str, Tensor],
+        casts: CodeCasts,
+        name: str | None = None,
+    ) -> None:
+        """Hold what the code buffers `old` become in a cast, given `cast`, them cast as
+        plain tensors: what they became for another layer in `casts`, else `cast`
+        requantized where its scales changed value (`requantized`)."""
+        new = casts.get(old, cast["weight_scale"])
+        if new is None:
+            new = self.requantized(old, cast["weight_scale"], name) or dict(cast)
+            casts.put(old, new)
+        self.take_buffers(new)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        old = self.code_buffers()
+        out = super()._apply(fn, recurse)  # type: ignore[misc]
+        try:
+            casts = _CASTS.setdefault(fn, CodeCasts())
+        except TypeError:  # (a function that takes no weak reference: no sharing)
+            casts = CodeCasts()
+        self._take_cast(old, self.code_buffers(), casts)
+        return out
+
+    def cast_scales(
+        self, dtype: torch.dtype, casts: CodeCasts | None = None, name: str | None = None
+    ) -> None:
+        """Store the scales in `dtype` (the cast `mixprec.apply` makes of a policy's
+        buffers), requantizing where they do not fit it exactly; layers sharing codes share
+        the new ones through `casts`. Assigns only once the new buffers are made: refused
+        (`ScaleRangeError`, naming `name`), it changes nothing."""
+        old = self.code_buffers()
+        cast = {**old, "weight_scale": old["weight_scale"].to(dtype)}
+        self._take_cast(old, cast, CodeCasts() if casts is None else casts, name)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        if not local_metadata.get("assign_to_params_buffers", False):  # (assigned: as given)
+            try:
+                self._requantize_loaded(state_dict, prefix)
+            except ScaleRangeError as err:
+                error_msgs.append(str(err))
+        super()._load_from_state_dict(  # type: ignore[misc]
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+
+    def _requantize_loaded(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """Put in `state_dict`, for code buffers whose scales are in another dtype than this
+        layer's (float32 ones loaded into a model cast to 16 bits first), those of the
+        weight they stand for requantized in the layer's dtype, as a cast after loading
+        would make them: copied in, the scales would be rounded to nearest against codes
+        made for the others."""
+        mine = self.code_buffers()
+        given = {k: state_dict.get(prefix + k) for k in mine}
+        for k, t in given.items():
+            if type(t) is not Tensor or t.shape != mine[k].shape or t.is_meta:
+                return  # (missing, another layout, a tensor subclass: loaded as it is)
+        own = mine["weight_scale"]
+        if own.is_meta or given["weight_scale"].dtype == own.dtype:
             return
-        weight = self.weight_from(old).to(now.device)
-        self.requantize(weight, now.dtype)
+        name = repr(prefix[:-1]) if prefix else None
+        new = self.requantized(given, given["weight_scale"].to(own.dtype), name)
+        if new is not None:
+            state_dict.update({prefix + k: t for k, t in new.items()})
 
 
 class _Int8Rows(ScaledCodes):
@@ -585,10 +750,9 @@ class _Int8Rows(ScaledCodes):
         scale = buffers["weight_scale"]
         return buffers["qweight"].to(scale.dtype) * scale[:, None]
 
-    def requantize(self, weight: Tensor, dtype: torch.dtype | None = None) -> None:
-        dtype = self.weight_scale.dtype if dtype is None else dtype
+    def quantized_buffers(self, weight: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
         q, scale = quantize_rows(weight, dtype=dtype)
-        self.qweight, self.weight_scale = q, scale.to(dtype)
+        return {"qweight": q, "weight_scale": scale.to(dtype)}
 
 
 class Int8Linear(_Int8Rows, Prepacked, LoraMixin, nn.Module):
@@ -620,12 +784,6 @@ class Int8Linear(_Int8Rows, Prepacked, LoraMixin, nn.Module):
         layer.take_rows(linear.weight, quantized)
         layer.bias = linear.bias  # the same Parameter: an optimizer holding it keeps working
         return swapped_in(linear, layer.to(linear.weight.device))
-
-    def requantize(self, weight: Tensor, dtype: torch.dtype | None = None) -> None:
-        """Replace the int8 weight by the quantization of the float `weight` (scales in
-        `dtype`, by default their own)."""
-        super().requantize(weight, dtype)
-        self.drop_prepacked()
 
     @property
     def kernel(self) -> str:

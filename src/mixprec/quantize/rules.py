@@ -90,17 +90,29 @@ def weights_read_by_parents(model: nn.Module) -> dict[int, str]:
             if child is not None:
                 out[id(child)] = type(parent).__name__
         if type(parent).__module__.startswith("peft."):
-            for name in _PEFT_ADAPTERS:
-                adapters = parent._modules.get(name)
-                for child in adapters.modules() if adapters is not None else ():
-                    out[id(child)] = PEFT_ADAPTER
+            for child in parent._modules.values():
+                weight = getattr(child, "_parameters", {}).get("weight")
+                if isinstance(weight, torch.Tensor) and weight.requires_grad:
+                    out[id(child)] = PEFT_TRAINED
+            for name, reason in _PEFT_KEPT.items():
+                kept = parent._modules.get(name)
+                for child in kept.modules() if kept is not None else ():
+                    out[id(child)] = reason
     return out
 
 
-# a `weights_read_by_parents` answer for the layers of a peft LoRA adapter, and the module
-# dicts peft keeps them in
+# `weights_read_by_parents` answers for the modules peft trains in float: the layers of a
+# LoRA adapter, the copies ``modules_to_save`` trains (a ModulesToSaveWrapper's), by the
+# module dicts peft keeps them in, and any other child of a peft module whose weight trains
 PEFT_ADAPTER = "peft's LoRA"
-_PEFT_ADAPTERS = ("lora_A", "lora_B", "lora_magnitude_vector")
+PEFT_SAVED = "peft's modules_to_save"
+PEFT_TRAINED = "peft, training its weight"
+_PEFT_KEPT = {
+    "lora_A": PEFT_ADAPTER,
+    "lora_B": PEFT_ADAPTER,
+    "lora_magnitude_vector": PEFT_ADAPTER,
+    "modules_to_save": PEFT_SAVED,
+}
 
 
 def skip_reason(
@@ -121,6 +133,12 @@ def skip_reason(
         return (
             "a peft LoRA adapter: it trains in float beside the layer it adapts, whose base "
             "layer is quantized"
+        )
+    if read_by in (PEFT_SAVED, PEFT_TRAINED) and not fmt.keeps_weight:
+        what = "a peft modules_to_save copy" if read_by == PEFT_SAVED else "trained by peft"
+        return (
+            f"{what}: peft trains its weight in float, and a layer in {fmt.name} holds codes "
+            "that never train"
         )
     if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return (
