@@ -933,3 +933,70 @@ def test_a_graph_saved_before_a_low_bit_step_is_refused_after_it(states):
     optimizer.step()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_a_layer_written_while_frozen_drops_its_joined_kahan_buffer():
+    """A parameter left out of a step (frozen) has its joined Kahan buffer released into a
+    tensor of its own; the record of what the step last wrote followed the old buffer, so a
+    weight loaded while frozen kept its old rounding error and moved at the next step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)).to(torch.bfloat16)
+    optimizer = LowBitSGD(
+        model.parameters(), lr=1e-3, states="int8", min_size=256, compensation="kahan",
+        compile=False,
+    )  # fmt: skip
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    for frozen in (False, False, False, True):
+        model[1].requires_grad_(not frozen)
+        optimizer.zero_grad()
+        model(x).float().square().mean().backward()
+        optimizer.step()
+    model[1].load_state_dict({"weight": torch.full((32, 32), 1e-3), "bias": torch.zeros(32)})
+    model[1].requires_grad_(True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    assert torch.equal(model[1].weight, torch.full((32, 32), 1e-3, dtype=torch.bfloat16))
+
+
+def test_a_float64_step_count_loads_as_it_was_saved():
+    """Counts past 2^24 go on in float64; a load cast them to float32, rounding an odd count
+    down: the resumed run was a step behind and drew other random bits."""
+    p = nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))
+    optimizer = LowBitAdamW([p], states="float32", compensation="stochastic", compile=False)
+    p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    optimizer.state[p]["step"] = torch.tensor(float(2**24 + 1), dtype=torch.float64)
+    fresh = LowBitAdamW([p], states="float32", compensation="stochastic", compile=False)
+    fresh.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    fresh.step()
+    assert fresh.state[p]["step"].dtype == torch.float64
+    assert int(fresh.state[p]["step"]) == 2**24 + 2
+
+
+def test_a_refused_step_makes_no_momentum_buffer():
+    """A step refused for a resized parameter had made the SGD momentum buffers of the
+    parameters planned before it: their next step took a buffer started at (1 - dampening)
+    times the gradient, where torch's starts it at the gradient."""
+    torch.manual_seed(0)
+    a, b = nn.Parameter(torch.randn(100)), nn.Parameter(torch.randn(100))
+    groups = [{"params": [a], "momentum": 0.0}, {"params": [b], "momentum": 0.9}]
+    ours = LowBitSGD(groups, lr=0.1, dampening=0.5, states="float32", compile=False)
+    a2 = nn.Parameter(a.detach().clone())
+    torch_sgd = torch.optim.SGD([a2], lr=0.1, dampening=0.5)
+    a.grad, b.grad = torch.randn(100), torch.randn(100)
+    ours.step()  # a without momentum: no buffer; b's made
+    a2.grad = a.grad.clone()
+    torch_sgd.step()
+    ours.param_groups[0]["momentum"] = torch_sgd.param_groups[0]["momentum"] = 0.9
+    kept = b.data
+    b.data, b.grad = torch.randn(120), torch.randn(120)
+    with pytest.raises(RuntimeError, match="no longer has the size"):
+        ours.step()
+    b.data, b.grad = kept, torch.randn(100)
+    for _ in range(2):
+        a.grad = torch.randn(100)
+        a2.grad = a.grad.clone()
+        ours.step()
+        torch_sgd.step()
+    assert torch.equal(a, a2)

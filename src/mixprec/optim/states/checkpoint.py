@@ -290,10 +290,11 @@ class StateCheckpoint(torch.optim.Optimizer):
         if "step" not in state:  # (torch's SGD keeps none)
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         elif not torch.is_tensor(state["step"]):
-            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
-        elif state["step"].dim() or state["step"].dtype != torch.float32:
+            state["step"] = torch.tensor(float(state["step"]), dtype=_count_dtype(state["step"]))
+        elif state["step"].dim() or state["step"].dtype not in (torch.float32, torch.float64):
             # (an int64 count, or one of shape [1], as torch's optimizers step them too)
-            state["step"] = state["step"].detach().reshape(()).to(torch.float32)
+            count = state["step"].detach().reshape(())
+            state["step"] = count.to(_count_dtype(count.item()))
         if old != fmt:
             for name, signed in MOMENTS[self.algorithm]:
                 if old is None or not old.quantized:
@@ -346,3 +347,10 @@ def _check_sharded_alike(value: Any, p: torch.Tensor, name: str, where: str) -> 
             f"optimizer's state through torch.distributed.checkpoint "
             f"(set_optimizer_state_dict), which hands each rank its part"
         )
+
+
+def _count_dtype(count: float) -> torch.dtype:
+    """The dtype a loaded step count is kept in: float32 as torch keeps counts, float64 from
+    2^24 on, where float32 holds no longer every integer (the steps' counts go on in float64
+    there too: `mixprec.optim.engine.StepCounts`)."""
+    return torch.float64 if count >= 1 << 24 else torch.float32

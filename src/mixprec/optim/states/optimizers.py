@@ -581,9 +581,16 @@ class LowBitOptimizer(StateCheckpoint):
         self._layout = None  # (until the step has run: one that raised plans again)
         if self.compensation == "kahan":
             self._drop_stale_buffers(work, states)
+            # the buffers of parameters not stepped now, which this step may join or
+            # release (new tensors, the same values): their records follow
+            written = self._written_record()
+            idle = [(p, seen, self.state[p].get("compensation")) for p, seen in written.items()]
         kept = self._execute(layout)
         if self.compensation == "kahan":
-            written = self._written_record()
+            for p, seen, buffer in idle:
+                now = self.state[p].get("compensation")
+                if now is not None and now is not buffer:
+                    written[p] = (seen[0], written_mark(now))
             for (_, p), state in zip(work, states, strict=True):
                 if "compensation" in state:
                     written[p] = (written_mark(p), written_mark(state["compensation"]))
@@ -634,8 +641,10 @@ class LowBitOptimizer(StateCheckpoint):
         runs: list[tuple[str, list[_Planned], str | None]] = []
         origins: list[tuple | None] = []
         every: list[_Planned] = []
-        for (group, p), index, state, step in zip(work, indices, states, steps, strict=True):
+        # every parameter checked before any is planned (an SGD buffer is made at its plan)
+        for (_, p), index, state in zip(work, indices, states, strict=True):
             self._refuse_resized(p, state, index)
+        for (group, p), index, state, step in zip(work, indices, states, steps, strict=True):
             planned = self._plan(p, group, state, step, scalars)
             planned.index, planned.step = index, step
             every.append(planned)
