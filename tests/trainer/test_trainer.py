@@ -870,6 +870,20 @@ def test_modules_the_user_put_in_eval_mode_stay_so_and_evaluations_put_modes_bac
         assert model.training and model.head.training and not model.backbone.training
 
 
+def test_a_model_left_in_eval_mode_trains_in_train_mode(tmp_path):
+    """The epoch's start asked the Trainer's own step runner (always training) whether it
+    was in eval mode, not the model: a model left in eval mode before fit trained with its
+    dropout off and its BatchNorm's statistics frozen."""
+    x = torch.randn(32, 4) * 3 + 5
+    loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=8)
+    model = _FrozenBackbone()
+    model.eval()
+    stats = model.backbone[1].running_mean.clone()
+    Trainer(max_epochs=1, default_root_dir=tmp_path, **QUIET).fit(model, loader)
+    assert model.modes == [True] * 4 and model.training
+    assert not torch.equal(model.backbone[1].running_mean, stats)
+
+
 def test_a_validation_interval_past_the_epoch_is_refused(tmp_path):
     """Before: accepted, and validation ran once an epoch (Lightning refuses it too)."""
     x = torch.randn(16, 4)

@@ -247,8 +247,8 @@ def train_epoch(run: FitRun) -> None:
     """One epoch, or its rest when resumed mid-epoch, or until a stop condition (taking effect
     at the end of an accumulation window)."""
     progress = run.progress
-    if not run.wrapped.training:  # (a model left in eval mode; submodules the user put in
-        run.wrapped.train()  # eval mode under a training model, a frozen backbone, stay so)
+    if not run.model.training:  # (a model left in eval mode; submodules the user put in
+        run.model.train()  # eval mode under a training model, a frozen backbone, stay so)
     with run.metrics.epoch_hook("on_train_epoch_start"):
         run.hook("on_train_epoch_start")
     n = run.num_training_batches
