@@ -515,6 +515,20 @@ def test_early_stopping_and_best_checkpoints(tmp_path):
     assert metrics["val_loss"] == pytest.approx(ckpt.best_model_score)
 
 
+def test_early_stopping_without_validation_checks_at_each_epochs_end(tmp_path):
+    """Without validation data EarlyStopping never checked (and said nothing): a fit whose
+    loss never improves ran all its epochs. It checks at the training epochs' ends."""
+    model = Classifier(lambda m: torch.optim.SGD(m.parameters(), 0.0))  # loss never improves
+    stop = EarlyStopping("train_ce", patience=2)
+    trainer = Trainer(
+        max_epochs=10, callbacks=[stop], default_root_dir=tmp_path, logger=False,
+        enable_progress_bar=False,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(class_data(), batch_size=32))
+    assert trainer.current_epoch == 3 and trainer.should_stop  # first epoch sets best, 2 fail
+    assert stop.reason.endswith("in 2 epochs")
+
+
 def test_monitoring_a_metric_that_was_not_logged_raises_listing_the_logged_ones(tmp_path):
     trainer = Trainer(
         max_epochs=1,

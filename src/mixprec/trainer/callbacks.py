@@ -557,7 +557,9 @@ class RunEstimate(Callback):
 
 class EarlyStopping(Callback):
     """Stop training when ``monitor`` has not improved by ``min_delta`` for ``patience``
-    validation passes in a row, or as soon as it is inf/NaN (``check_finite``)."""
+    validation passes in a row, or as soon as it is inf/NaN (``check_finite``). A fit without
+    validation is checked at each training epoch's end instead (a metric logged with
+    ``on_epoch=True``), as Lightning does."""
 
     def __init__(
         self,
@@ -579,14 +581,27 @@ class EarlyStopping(Callback):
         self.wait_count = 0
         self.stopped_epoch: int | None = None
         self.reason = ""
+        self._validated = False  # whether this fit has validated yet
 
     @property
     def state_key(self) -> str:
         return f"EarlyStopping[monitor={self.monitor}]"
 
+    def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
+        self._validated = False
+
     def on_validation_end(self, trainer: Trainer, model: nn.Module) -> None:
         if trainer.stage != "fit":
             return
+        self._validated = True
+        self._check(trainer, "validation passes")
+
+    def on_train_epoch_end(self, trainer: Trainer, model: nn.Module) -> None:
+        # (validation, where the fit has some, ran before: the epoch's last batch's)
+        if not self._validated:
+            self._check(trainer, "epochs")
+
+    def _check(self, trainer: Trainer, passes: str) -> None:
         score = _monitored(trainer, self.monitor, "EarlyStopping")
         if self.check_finite and not math.isfinite(score):
             self._stop(trainer, f"{self.monitor} = {score} is not finite")
@@ -605,7 +620,7 @@ class EarlyStopping(Callback):
             self._stop(
                 trainer,
                 f"{self.monitor} did not improve on {self.best_score:.6g} by more than "
-                f"{self.min_delta:g} in {self.patience} validation passes",
+                f"{self.min_delta:g} in {self.patience} {passes}",
             )
 
     def _stop(self, trainer: Trainer, reason: str) -> None:
