@@ -905,3 +905,19 @@ def test_a_validation_interval_past_the_epoch_is_refused(tmp_path):
     trainer = Trainer(max_epochs=1, val_check_interval=5, default_root_dir=tmp_path, **QUIET)
     with pytest.raises(ValueError, match="val_check_interval=5 batches is more than an epoch's 4"):
         trainer.fit(_FrozenBackbone(), loader, loader)
+
+
+def test_a_callback_with_hooks_this_trainer_never_calls_is_warned(tmp_path):
+    """Lightning's hook names on a Callback (``on_after_backward``...) never ran, silently,
+    where a TrainingModule defining them is warned and any other object refused."""
+    from mixprec.trainer import Callback
+
+    class Lightningish(Callback):
+        def on_validation_end(self, trainer, model):
+            pass
+
+        def on_after_backward(self, trainer, model):
+            raise AssertionError("never called")
+
+    with pytest.warns(UserWarning, match="never calls, so their code will not run: on_after_b"):
+        Trainer(callbacks=[Lightningish()], default_root_dir=tmp_path, **QUIET)

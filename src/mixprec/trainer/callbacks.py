@@ -142,11 +142,20 @@ def check_callback(obj: Any) -> None:
     """Refuse what the Trainer cannot call back. It takes a `Callback`, or any object whose
     ``on_*`` methods are all Callback hooks (at least one), such as the doctor's
     `PrecisionMonitor`, which does not import the Trainer; it calls the hooks an object has
-    and keeps the state of `Callback` instances only."""
-    if isinstance(obj, Callback):
-        return
+    and keeps the state of `Callback` instances only. A `Callback` defining ``on_*`` methods
+    that are no hooks of this Trainer (Lightning's ``on_after_backward``...) is warned: their
+    code would never run."""
     kind = type(obj)
     hooks = {n for n in dir(kind) if n.startswith("on_") and callable(getattr(kind, n))}
+    if isinstance(obj, Callback):
+        if hooks - HOOKS:
+            warnings.warn(
+                f"{kind.__qualname__} defines methods this Trainer never calls, so their code "
+                f"will not run: {', '.join(sorted(hooks - HOOKS))} (the hooks: "
+                f"{', '.join(sorted(HOOKS))})",
+                stacklevel=4,
+            )
+        return
     if not hooks or hooks - HOOKS:
         name = kind.__qualname__
         name = name if kind.__module__ == "builtins" else f"{kind.__module__}.{name}"
