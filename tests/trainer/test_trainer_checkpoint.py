@@ -623,3 +623,20 @@ def test_a_generator_in_a_batch_samplers_sampler_is_replayed_on_a_mid_epoch_resu
         straight.model.state_dict().items(), resumed.model.state_dict().values(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_a_new_trainer_resumes_from_last_on_disk_and_says_what_it_lacks_for_best(tmp_path):
+    """``ckpt_path="last"`` looked only at what this Trainer's ModelCheckpoint had saved, so
+    a new Trainer resuming a crashed run failed with last.ckpt on disk; it takes that file.
+    ``"best"`` cannot be known before a save: the error says to pass a path."""
+    train, _ = loaders()
+    kwargs = dict(logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    first = Trainer(max_epochs=1, callbacks=[ModelCheckpoint(save_last=True)], **kwargs)
+    first.fit(DropoutNet(0), train)
+    resumed = Trainer(max_epochs=2, callbacks=[ModelCheckpoint(save_last=True)], **kwargs)
+    resumed.fit(DropoutNet(0), train, ckpt_path="last")
+    assert resumed.ckpt_path == tmp_path / "checkpoints" / "last.ckpt"
+    assert resumed.global_step == 2 * first.global_step
+    fresh = Trainer(max_epochs=1, **kwargs)
+    with pytest.raises(ValueError, match="saved no best checkpoint .a new Trainer.*pass the"):
+        fresh.fit(DropoutNet(0), train, ckpt_path="best")

@@ -461,7 +461,9 @@ class Trainer:
         return self._launch(stage, model, kwargs)
 
     def _launch(self, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
-        kwargs["ckpt_path"] = ckpt_io.resolve_path(kwargs["ckpt_path"], self.checkpoint_callback)
+        kwargs["ckpt_path"] = ckpt_io.resolve_path(
+            kwargs["ckpt_path"], self.checkpoint_callback, self.run_dir
+        )
         if kwargs["ckpt_path"] is not None:  # one a killed save left aside
             ckpt_io.recover_aside(kwargs["ckpt_path"])
         if isinstance(self.strategy, ProcessGroupStrategy) and self.strategy.launches_processes:
