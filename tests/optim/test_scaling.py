@@ -331,3 +331,31 @@ def test_the_host_mirror_follows_the_device_scale_exactly(
         assert ours._mirror() == (ref.loss_scale, int(ref._growth_tracker))
         assert ours.loss_scale == ref.loss_scale
         assert ours._at_floor() == ref._at_floor()
+
+
+def test_a_step_without_backward_neither_counts_nor_grows_the_scale():
+    """A step with no backward since the last one (no gradient at all) counted as a clean
+    step: three of them grew the scale eightfold at growth_interval=1. It is a step of
+    nothing now, the scaler left alone; gradients kept from before (the zeros of
+    zero_grad(set_to_none=False)) are refused saying so."""
+    import mixprec
+    from mixprec.optim.scaling import DynamicLossScaler
+
+    model = torch.nn.Linear(4, 2)
+    precision = mixprec.Precision(
+        "16-mixed", allow_slow=True, scaler=DynamicLossScaler(init_scale=2.0**8, growth_interval=1)
+    )
+    model, optimizer = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        precision.step(optimizer)
+    assert precision.scaler.loss_scale == 2.0**8 and precision.scaler.stats().steps == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    with precision.forward_context():
+        loss = model(torch.randn(3, 4)).float().sum()
+    precision.backward(loss)
+    precision.step(optimizer)
+    assert precision.scaler.loss_scale == 2.0**9  # a real step still grows it
+    optimizer.zero_grad(set_to_none=False)
+    with pytest.raises(RuntimeError, match="no backward ran through it since the last step"):
+        precision.step(optimizer)

@@ -496,10 +496,12 @@ class LossScaleOptimizer(OptimizerCheckpoint):
     def _check_scaled_since_update(self, grads: list[torch.Tensor]) -> None:
         if grads and self.scaler.enabled and not self.scaler.scaled_since_update:
             raise RuntimeError(
-                "these gradients were not produced through this scaler since its last update "
-                "(call backward via LossScaleOptimizer.backward or Precision.backward), or the "
-                "shared scaler was already updated by another optimizer's step(). When one "
-                "backward feeds several optimizers, step them together: "
+                "these gradients were not produced through this scaler since its last update: "
+                "no backward ran through it since the last step (gradients left from before, "
+                "such as the zeros zero_grad(set_to_none=False) keeps, are not this step's: "
+                "call backward via Precision.backward or LossScaleOptimizer.backward first), "
+                "or the shared scaler was already updated by another optimizer's step(). When "
+                "one backward feeds several optimizers, step them together: "
                 "mixprec.optim.joint_step(opt_a, opt_b) or precision.step(opt_a, opt_b)."
             )
 
@@ -779,8 +781,12 @@ def _step_together(optimizers: tuple[LossScaleOptimizer, ...]) -> bool:
         overflow = _read_flags(found)
     for opt, bad in zip(optimizers, overflow, strict=True):
         opt.end_step(not bad)
-    combined = found.amax() if len(flags) > 1 else flags[0]
-    scaler.update(combined, any(overflow))  # type: ignore[arg-type]
+    # no backward through the scaler since its update, so no gradient (one would have been
+    # refused above): a step of nothing, which neither counts nor grows the scale (torch's
+    # GradScaler refuses it)
+    if scaler.scaled_since_update:
+        combined = found.amax() if len(flags) > 1 else flags[0]
+        scaler.update(combined, any(overflow))  # type: ignore[arg-type]
     return not any(overflow)
 
 
