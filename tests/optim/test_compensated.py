@@ -1033,6 +1033,17 @@ def test_a_weight_written_between_steps_drops_its_kahan_buffer(path):
     step()
     assert torch.equal(params[0][:48], torch.zeros(48, dtype=torch.bfloat16))
     assert torch.equal(params[2], torch.full((2048,), 1e-3, dtype=torch.bfloat16))
+    # a write that keeps the values (a clamp clipping nothing, SAM's restore) keeps the
+    # buffers: compensation goes on
+    kept = [optimizer.state[p]["compensation"].clone() for p in params]
+    with torch.no_grad():
+        for p in params:
+            p.clamp_(-100, 100)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    step()
+    settled = [optimizer.state[p]["compensation"] for p in params]
+    assert all(torch.equal(a, b) for a, b in zip(kept, settled, strict=True))
 
     def onward(count: int) -> list[torch.Tensor]:
         torch.manual_seed(1)
@@ -1074,3 +1085,25 @@ def test_step_counts_stay_exact_past_float32s_integers(path):
     optimizer.load_state_dict(restored)
     step()
     assert int(optimizer.state[p]["step"]) == 2**24 + 3
+
+
+@pytest.mark.parametrize("path", ["compensator", "low-bit"])
+def test_a_write_that_keeps_the_weights_keeps_the_kahan_compensation(path):
+    """A clamp that clips nothing (or SAM's, an EMA's swap and restore) writes the weights
+    every step without changing them: zeroing the buffers at each such write would freeze
+    a weight that updates a sixteenth of its spacing a step, as plain bfloat16 does. Settled
+    instead, the buffers keep what the step left, and the weight moves as without the
+    clamp: 64 updates of 2^-11 from 1.0 reach 1.03125."""
+    finals = []
+    for clamp in (False, True):
+        p = nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+        optimizer, step = _kahan_sgd([p], path)
+        for _ in range(64):
+            p.grad = torch.full_like(p, -(2.0**-11) / 1e-3)  # lr 1e-3: an update of 2^-11
+            step()
+            if clamp:
+                with torch.no_grad():
+                    p.clamp_(-10.0, 10.0)
+        finals.append(p.detach().clone())
+    assert torch.equal(finals[0], torch.full((64,), 1.03125, dtype=torch.bfloat16))
+    assert torch.equal(finals[1], finals[0])

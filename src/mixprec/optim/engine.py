@@ -50,6 +50,7 @@ __all__ = [
     "call_key",
     "can_compile",
     "check_compensation",
+    "settle_buffer_",
     "stochastic_round_",
     "wrap32",
     "write_back",
@@ -482,6 +483,31 @@ def _advance_apart(states: list[dict[str, Any]]) -> list[int]:
             state["step"] = state["step"].to(torch.float64)
     torch._foreach_add_([state["step"] for state in states], 1.0)
     return [v + 1 for v in last]
+
+
+def settle_buffer_(buffer: torch.Tensor, p: torch.Tensor) -> None:
+    """Zero the entries of the Kahan ``buffer`` that could move their weight at the next
+    rounding, after ``p`` was written by something other than the step. A step leaves in each
+    entry the rounding error of its weight's new value, under half the spacing of ``p``'s
+    16-bit numbers there. An entry whose weight kept its value (a clamp that clipped nothing,
+    an EMA swapped in and back, DDP's first broadcast) keeps its error; one whose weight was
+    set to another value (pruned to zero, loaded) held the old weight's, which would move the
+    new one: zeroed, unless within half the spacing toward which it points (at a power of
+    two the spacing below is half the one above), where the new weight rounds back to
+    itself (a tie, which a step leaves beside an even weight, where the weight is even)."""
+    weight, error = p.detach().float(), buffer.float()
+    bits, tiny = (7, 2.0**-133) if p.dtype == torch.bfloat16 else (10, 2.0**-24)
+
+    def half_spacing(magnitude: torch.Tensor) -> torch.Tensor:
+        binade = (magnitude.view(torch.int32) & 0x7F800000).view(torch.float32)  # (0: subnormal)
+        return (binade * 2.0**-bits).clamp_min_(tiny) * 0.5
+
+    magnitude = weight.abs()
+    away = error * weight > 0  # (toward a larger magnitude: the spacing of the weight's binade)
+    half = torch.where(away, half_spacing(magnitude), half_spacing(magnitude * (1 - 2.0**-9)))
+    size = error.abs()
+    even = (p.detach().view(torch.int16) & 1) == 0  # (a tie rounds to the even neighbour)
+    buffer.masked_fill_((size > half) | ((size == half) & ~even), 0)
 
 
 def written_mark(p: torch.Tensor) -> tuple[int, int | None]:

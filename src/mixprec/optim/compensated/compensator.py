@@ -21,6 +21,7 @@ from mixprec.optim.engine import (
     StepCounts,
     call_key,
     check_compensation,
+    settle_buffer_,
     written_mark,
 )
 
@@ -119,9 +120,8 @@ class Compensator:
         self.compile = compile
         # the step counts of the states it steps, advanced together (the engine's)
         self._counts = StepCounts()
-        # parameter -> (its `written_mark` after this step wrote it, its Kahan buffer's):
-        # a weight written since by someone else (a model state loaded, a pruning mask) has
-        # a buffer holding the old weight's rounding error, to be dropped
+        # parameter -> its `written_mark` after this step wrote it: a weight written since by
+        # something else (a model state loaded, a pruning mask) has its buffer settled
         self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -216,7 +216,7 @@ class Compensator:
         for _, _, p, state in work:
             buffer = state.get("compensation")
             if buffer is not None and self._kind(p) == "kahan":
-                self._written[p] = (written_mark(p), written_mark(buffer))
+                self._written[p] = written_mark(p)
         # lr schedulers check that the optimizer stepped before them
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
@@ -309,16 +309,23 @@ class Compensator:
         self._add(calls, "sgd", kind, scalars, step, index, row, decay)
 
     def _buffer(self, state: dict, p: torch.Tensor) -> torch.Tensor:
-        """``p``'s Kahan buffer: made at its first step; zeroed where ``p`` was written by
-        someone else since the last step wrote it (what the buffer held was the old
-        weight's rounding error: added to the new weight it would move it), unless the
-        buffer was replaced too (an optimizer state loaded with the model's)."""
+        """``p``'s Kahan buffer: made at its first step; settled (`engine.settle_buffer_`)
+        where ``p`` was written by something other than the last step: an entry whose
+        weight now has another value (pruned, loaded) held the old weight's rounding error,
+        which added to the new weight would move it."""
         buffer = state.get("compensation")
         if buffer is None:
             buffer = state["compensation"] = torch.zeros_like(
                 p, memory_format=torch.preserve_format
             )
             return buffer
+        written = getattr(self, "_written", None)
+        if written is None:  # (one pickled before the record)
+            written = self._written = WeakIdKeyDictionary()
+        seen = written.get(p)
+        if seen is not None and seen != written_mark(p):
+            settle_buffer_(buffer, p)
+        return buffer
         written = getattr(self, "_written", None)
         if written is None:  # (one pickled before the record)
             written = self._written = WeakIdKeyDictionary()

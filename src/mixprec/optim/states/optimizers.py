@@ -40,6 +40,7 @@ from mixprec.optim.engine import (
     StepCounts,
     call_key,
     check_compensation,
+    settle_buffer_,
     wrap32,
     written_mark,
 )
@@ -580,50 +581,38 @@ class LowBitOptimizer(StateCheckpoint):
         assert layout is not None
         self._layout = None  # (until the step has run: one that raised plans again)
         if self.compensation == "kahan":
-            self._drop_stale_buffers(work, states)
-            # the buffers of parameters not stepped now, which this step may join or
-            # release (new tensors, the same values): their records follow
-            written = self._written_record()
-            idle = [(p, seen, self.state[p].get("compensation")) for p, seen in written.items()]
+            self._settle_written_buffers(work, states)
         kept = self._execute(layout)
         if self.compensation == "kahan":
-            for p, seen, buffer in idle:
-                now = self.state[p].get("compensation")
-                if now is not None and now is not buffer:
-                    written[p] = (seen[0], written_mark(now))
+            written = self._written_record()
             for (_, p), state in zip(work, states, strict=True):
                 if "compensation" in state:
-                    written[p] = (written_mark(p), written_mark(state["compensation"]))
+                    written[p] = written_mark(p)
         # taken again only while the states hold what the plan read: a step that joined
         # or released states (their tensors replaced) has the next one planned afresh
         self._layout = layout if kept and layout.marks else None
         return loss
 
     def _written_record(self) -> WeakIdKeyDictionary:
-        """Parameter -> (its `written_mark` after this optimizer's last step wrote it, its
-        Kahan buffer's)."""
+        """Parameter -> its `written_mark` after this optimizer's last step wrote it."""
         written = getattr(self, "_written", None)
         if written is None:  # (made, or a copy's: its parameters are others)
             written = self._written = WeakIdKeyDictionary()
         return written
 
-    def _drop_stale_buffers(
+    def _settle_written_buffers(
         self, work: list[tuple[dict[str, Any], torch.Tensor]], states: list[dict[str, Any]]
     ) -> None:
-        """Zero the Kahan buffers of parameters written by someone else since the last step
-        wrote them (a model state loaded, a pruning mask): a buffer holds the old weight's
-        rounding error, which added to the new weight would move it. Not where the buffer
-        was replaced too (an optimizer state loaded with the model's)."""
+        """Settle (`engine.settle_buffer_`) the Kahan buffers of parameters written by
+        something other than the last step (a model state loaded, a pruning mask): an entry
+        whose weight now has another value held the old weight's rounding error, which added
+        to the new weight would move it."""
         written = self._written_record()
-        stale = []
         for (_, p), state in zip(work, states, strict=True):
             buffer = state.get("compensation")
             seen = None if buffer is None else written.get(p)
-            if seen is not None and seen[1] == written_mark(buffer) and seen[0] != written_mark(p):
-                stale.append(buffer)
-        # (after the checks: joined buffers are views of one tensor, sharing its counter)
-        for buffer in stale:
-            buffer.zero_()
+            if seen is not None and seen != written_mark(p):
+                settle_buffer_(buffer, p)
 
     def _lay_out(
         self,
