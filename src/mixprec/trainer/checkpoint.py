@@ -23,7 +23,7 @@ import re
 import secrets
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -392,23 +392,26 @@ def set_rng_states(states: dict[str, Any]) -> None:
 
 
 def resolve_path(
-    ckpt_path: str | os.PathLike[str] | None, callback: ModelCheckpoint | None, run_dir: Path
+    ckpt_path: str | os.PathLike[str] | None,
+    callback: ModelCheckpoint | None,
+    run_dir: Callable[[], Path],
 ) -> Path | None:
     """The file a ``ckpt_path`` argument names: a path, or ``"best"`` / ``"last"`` of the
     run's ModelCheckpoint. ``"last"`` in a Trainer whose ModelCheckpoint saved none yet (a
     new process resuming a crashed run) is the ``last.ckpt`` in its directory (``dirpath``,
-    else ``run_dir/checkpoints``), where one exists."""
+    else ``run_dir()/checkpoints``: asked only then, since a logger makes its version's
+    directory when first asked), where one exists."""
     if ckpt_path in ("best", "last"):
         found = ""
         if callback is not None:
             found = callback.best_model_path if ckpt_path == "best" else callback.last_model_path
-        directory = (callback.dirpath if callback is not None else None) or run_dir / "checkpoints"
-        on_disk = directory / "last.ckpt"
-        if not found and ckpt_path == "last" and on_disk.exists():
-            found = str(on_disk)
+        where = "(a new Trainer knows no best one before it saves)"
+        if not found and ckpt_path == "last":
+            directory = callback.dirpath if callback is not None else None
+            on_disk = (directory or run_dir() / "checkpoints") / "last.ckpt"
+            found = str(on_disk) if on_disk.exists() else ""
+            where = f"and there is no {on_disk}"
         if not found:
-            where = f"and there is no {on_disk}" if ckpt_path == "last" else "(a new Trainer"
-            where += "" if ckpt_path == "last" else " knows no best one before it saves)"
             raise ValueError(
                 f"ckpt_path={ckpt_path!r}, but this Trainer's ModelCheckpoint has saved no "
                 f"{ckpt_path} checkpoint {where}: pass the checkpoint's path (for 'last', "

@@ -462,7 +462,7 @@ class Trainer:
 
     def _launch(self, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
         kwargs["ckpt_path"] = ckpt_io.resolve_path(
-            kwargs["ckpt_path"], self.checkpoint_callback, self.run_dir
+            kwargs["ckpt_path"], self.checkpoint_callback, lambda: self.run_dir
         )
         if kwargs["ckpt_path"] is not None:  # one a killed save left aside
             ckpt_io.recover_aside(kwargs["ckpt_path"])
