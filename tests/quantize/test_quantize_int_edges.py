@@ -216,3 +216,13 @@ def test_enable_lora_on_a_ddp_wrapped_model_is_refused():
     """Adapters added to a model DDP wraps already are not in its reducer: each rank trained
     its own and the replicas drifted apart, with no word."""
     run_ranks(_ddp_lora_worker, nprocs=WORLD)
+
+
+def test_a_cast_of_a_model_of_many_quantized_layers_keeps_every_layer():
+    """The casts' memo drops its dead entries past 64 layers; it asked a live code tensor
+    for its truth value and every cast of a larger model (``.cpu()``, ``.float()``) raised."""
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(70)])
+    mixprec.quantize(model, "int8")
+    codes = [layer.qweight for layer in model]
+    model.cpu().float()
+    assert all(layer.qweight is code for layer, code in zip(model, codes, strict=True))

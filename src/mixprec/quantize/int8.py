@@ -553,7 +553,9 @@ class CodeCasts:
     def put(self, old: Mapping[str, Tensor], new: Mapping[str, Tensor]) -> None:
         """Record that `old` became `new`."""
         if len(self._done) >= self._prune_at:  # (a cast function kept alive: drop the dead)
-            self._done = {k: e for k, e in self._done.items() if all(r() for r, _ in e[0])}
+            self._done = {
+                k: e for k, e in self._done.items() if all(r() is not None for r, _ in e[0])
+            }
             self._prune_at = 2 * max(len(self._done), 32)
         self._done[self._key(old, new["weight_scale"])] = (
             tuple((weakref.ref(t), _version(t)) for t in old.values()),
