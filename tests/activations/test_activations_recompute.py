@@ -500,3 +500,36 @@ def test_a_block_recomputed_inside_a_storing_parent_recomputes_from_its_exact_in
         grads[name] = [p.grad for p in model[1].parameters()]
     for a, b in zip(grads["keep"], grads["nested"], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["checkpoint", "selective"])
+def test_a_size_argument_reaches_the_recomputation_as_a_size(mode):
+    """Arguments are flattened to pass their tensors to the checkpoint; a torch.Size came
+    back from the tree as a plain tuple, and a layer calling ``shape.numel()`` failed in the
+    backward."""
+
+    class Reshaping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+            return self.fc(x.reshape(shape.numel() // 8, 8))
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp, self.layer = nn.Linear(4, 8), Reshaping()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.inp(x)
+            return self.layer(h, h.shape).sum()
+
+    torch.manual_seed(0)
+    grads = []
+    for activations in ("keep", {"layer": mode}):
+        torch.manual_seed(0)
+        model = mixprec.Precision("32-true", activations=activations).setup(Outer())
+        model(torch.ones(3, 4)).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -69,7 +69,8 @@ def recomputed(
     # Hugging Face layer's ``position_embeddings=(cos, sin)``), goes to the checkpoint as a
     # positional argument, which it saves and checks: bound in a closure, one written in
     # place after the call was recomputed from its new values without torch's error
-    leaves, spec = tree_flatten((args, kwargs))
+    # (a torch.Size is a leaf: rebuilt as a tuple it would lose its methods, ``numel()``)
+    leaves, spec = tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, torch.Size))
     where = tuple(i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor))
     run = functools.partial(
         _in_default_dtype, torch.get_default_dtype(), forward, (args, kwargs), leaves, spec, where
