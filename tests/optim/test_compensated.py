@@ -1107,3 +1107,56 @@ def test_a_write_that_keeps_the_weights_keeps_the_kahan_compensation(path):
         finals.append(p.detach().clone())
     assert torch.equal(finals[0], torch.full((64,), 1.03125, dtype=torch.bfloat16))
     assert torch.equal(finals[1], finals[0])
+
+
+def test_the_direct_load_hook_follows_copies_and_leaves_other_loads_alone():
+    """A compensated wrapper keeps float32 moments of float16 weights when its torch
+    optimizer is loaded directly. That hook was lost in a pickled or deep-copied wrapper
+    (torch drops an optimizer's hooks there), and it also fired where it should not: inside
+    a load across precisions (which casts to this run's dtypes: float32 moments beside
+    bfloat16 weights doubled their memory) and for a wrapper retired by a newer one."""
+    import pickle
+
+    p = nn.Parameter(torch.ones(8, dtype=torch.float16))
+    wrapper = LossScaleOptimizer(
+        torch.optim.AdamW([p], lr=1e-3), scaler="none", compensation="kahan"
+    )
+    p.grad = torch.full_like(p, 1e-4)
+    wrapper.step()
+    saved = copy.deepcopy(wrapper.optimizer.state_dict())
+    assert saved["state"][0]["exp_avg_sq"].dtype == torch.float32
+    for copied in (pickle.loads(pickle.dumps(wrapper)), copy.deepcopy(wrapper)):
+        q = copied.optimizer.param_groups[0]["params"][0]
+        copied.optimizer.load_state_dict(copy.deepcopy(saved))
+        assert copied.optimizer.state[q]["exp_avg_sq"].dtype == torch.float32
+
+    b = nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    bf16 = LossScaleOptimizer(torch.optim.AdamW([b]), scaler="none", compensation="kahan")
+    f32 = nn.Parameter(torch.ones(8))
+    f32.grad = torch.ones(8)
+    plain = LossScaleOptimizer(torch.optim.AdamW([f32]), scaler="none")
+    plain.step()
+    bf16.load_state_dict_across_precisions(plain.state_dict(), {"0": torch.ones(8)})
+    assert bf16.optimizer.state[b]["exp_avg"].dtype == torch.bfloat16
+
+    newer = LossScaleOptimizer(wrapper.optimizer, scaler="none", master_weights=False)
+    wrapper.optimizer.load_state_dict(copy.deepcopy(saved))
+    assert wrapper.optimizer.state[p]["exp_avg_sq"].dtype == torch.float16  # the newer's rule
+    p.grad = torch.full_like(p, 1e-4)
+    newer.step()
+
+
+def test_a_float64_step_count_survives_a_fused_optimizers_load():
+    """torch's fused AdamW loads its step counts as float32: a count past 2^24 saved in
+    float64 came back rounded, a step behind, and the resumed run drew other bits."""
+    p = nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+    wrapper = LossScaleOptimizer(
+        torch.optim.AdamW([p], fused=True), scaler="none", compensation="stochastic"
+    )
+    p.grad = torch.full_like(p, 1e-3)
+    wrapper.step()
+    wrapper.optimizer.state[p]["step"] = torch.tensor(float(2**24 + 1), dtype=torch.float64)
+    saved = copy.deepcopy(wrapper.state_dict())
+    wrapper.load_state_dict(saved)
+    assert wrapper.optimizer.state[p]["step"].dtype == torch.float64
+    assert int(wrapper.optimizer.state[p]["step"]) == 2**24 + 1

@@ -88,7 +88,7 @@ class OptimizerCheckpoint:
         """
         self.check_state_dict(state)
         if "optimizer" not in state and {"state", "param_groups"} <= state.keys():
-            self.optimizer.load_state_dict(dict(state))
+            self._load_inner(state)
             self._keep_saved_dtypes(state)
             self._masters.refresh_from_model()
             return
@@ -110,7 +110,7 @@ class OptimizerCheckpoint:
                     f", this optimizer uses {self._compensator.kind!r}"
                 )
         self.scaler.load_state_dict(state["scaler"])  # checks its state before changing it
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_inner(state["optimizer"])
         self._keep_saved_dtypes(state["optimizer"])
         if self._compensator is not None and compensation is not None:
             self._compensator.load_state_dict(compensation)
@@ -131,17 +131,45 @@ class OptimizerCheckpoint:
         def after(optimizer: torch.optim.Optimizer) -> None:
             saved = loading.pop() if loading else None
             wrapper = owner()
-            if wrapper is not None and saved is not None and wrapper.optimizer is optimizer:
+            if (
+                wrapper is not None
+                and saved is not None
+                and wrapper.optimizer is optimizer
+                and not wrapper.retired  # (a newer wrapper steps it: its own rules)
+                and not getattr(wrapper, "_own_load", False)  # (its loads choose themselves)
+            ):
                 wrapper._keep_saved_dtypes(saved)
 
         self.optimizer.register_load_state_dict_pre_hook(before)
         self.optimizer.register_load_state_dict_post_hook(after)
 
+    @property
+    def retired(self) -> bool:
+        """Whether a newer wrapper of the same optimizer took over (False here)."""
+        return False
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy's torch optimizer has no hooks (torch's pickle drops them): hooked again."""
+        self.__dict__.update(state)
+        if self._compensator is not None:
+            self._keep_saved_dtypes_on_direct_loads()
+
+    def _load_inner(self, state: Mapping[str, Any]) -> None:
+        """The wrapped optimizer's ``load_state_dict``, without the direct-load hook (the
+        caller decides which dtypes the state keeps)."""
+        self._own_load = True
+        try:
+            self.optimizer.load_state_dict(dict(state))
+        finally:
+            self._own_load = False
+
     def _keep_saved_dtypes(self, saved: Mapping[str, Any]) -> None:
         """With compensation, put back the state tensors saved in another floating dtype
         than their parameter's (float32 moments beside 16-bit weights), which torch's load
         cast to the parameter's dtype: the compensated step keeps them in float32, so the
-        resumed run is the one that never stopped."""
+        resumed run is the one that never stopped; and step counts saved in float64 (past
+        2^24, where float32 holds no longer every integer), which torch's fused optimizers
+        load as float32."""
         if self._compensator is None:
             return
         index = [i for g in saved["param_groups"] for i in g["params"]]
@@ -149,9 +177,9 @@ class OptimizerCheckpoint:
             loaded = self.optimizer.state.get(p, {})
             for name, value in saved["state"].get(key, {}).items():
                 if (
-                    name in _PARAM_SHAPED_STATE
-                    and torch.is_tensor(value)
+                    torch.is_tensor(value)
                     and value.is_floating_point()
+                    and (name in _PARAM_SHAPED_STATE or (name == "step" and value.itemsize == 8))
                     and torch.is_tensor(loaded.get(name))
                     and loaded[name].dtype != value.dtype
                 ):
@@ -186,7 +214,7 @@ class OptimizerCheckpoint:
         self._check_inner_state(state["optimizer"], state["param_shapes"])
         params = list(self._all_params())
         masters = self._masters.by_name(weights, params, self._param_names(), self._describe)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_inner(state["optimizer"])  # (cast to this run's dtypes: no dtype kept)
         self._masters.load(masters)
 
     def _param_names(self) -> list[list[str]]:

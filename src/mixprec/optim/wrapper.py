@@ -209,6 +209,12 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         """``"kahan"``, ``"stochastic"`` or None: how 16-bit parameters are updated."""
         return self._compensator.kind if self._compensator is not None else None
 
+    @property
+    def retired(self) -> bool:
+        """Whether a newer wrapper of the same optimizer took over (a second ``setup`` or
+        ``LossScaleOptimizer`` of it): a retired wrapper refuses to step."""
+        return self._retired
+
     def compiles(self, device: torch.device | str) -> bool:
         """Whether this optimizer's step on ``device`` runs a compiled kernel of mixprec's
         (a compensated step, or a low-bit optimizer's update), which its first step builds:
