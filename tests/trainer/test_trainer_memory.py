@@ -72,8 +72,11 @@ def test_the_progress_bar_says_when_the_first_step_may_compile_a_low_bit_optimiz
     assert compiles_first_step(compiling, "cpu") and not compiles_first_step(eager, "cpu")
     assert not compiles_first_step(LowBitAdamW(params), "cpu")  # too small to choose it
     assert not compiles_first_step(torch.optim.AdamW(params), "cpu")
-    # float32 moments of float32 parameters take torch's fused kernel: nothing to build
+    # float32 moments of float32 parameters take torch's fused kernel: nothing to build;
+    # a non-contiguous one is stepped alone from a copy, by the compiled update
     assert not compiles_first_step(LowBitAdamW(params, states="float32", compile=True), "cpu")
+    transposed = [nn.Parameter(torch.zeros(64, 64).t())]
+    assert compiles_first_step(LowBitAdamW(transposed, states="float32", compile=True), "cpu")
 
     def shown(optimizer: torch.optim.Optimizer) -> tuple[str, str]:
         out = io.StringIO()

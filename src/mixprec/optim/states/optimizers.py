@@ -454,15 +454,23 @@ class LowBitOptimizer(StateCheckpoint):
     def compiles(self, device: torch.device | str) -> bool:
         """Whether a step of every parameter on ``device`` runs its update compiled (its
         first such step builds it: seconds, once per process and signature): the gate's
-        answer for the step's elements, where any parameter takes the compiled update (a
-        low-bit format or a 16-bit parameter; float32 ones with float32 moments take
-        torch's fused or ``_foreach`` ops)."""
+        answer for the step's elements, where any parameter takes the compiled update (as
+        `_lay_out` routes them: all but float32 ones with float32 moments, which take
+        torch's fused or ``_foreach`` ops unless stepped alone from a copy or, off a CPU,
+        past `buckets.FLAT_MAX`)."""
         params = [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
-        own = any(
-            self.format_of(p, g).quantized or real_view(p).dtype != torch.float32 for g, p in params
-        )
+        on_cpu = torch.device(device).type == "cpu"
+
+        def compiled(group: Mapping[str, Any], p: torch.Tensor) -> bool:
+            real = real_view(p)
+            fused = not self.format_of(p, group).quantized and real.dtype == torch.float32
+            own = local_part(p) is not p or not real.is_contiguous()
+            return not fused or own or (real.numel() > buckets_.FLAT_MAX and not on_cpu)
+
         total = sum(local_part(p).numel() for _, p in params)
-        return own and self._gate.wants(torch.device(device), total)
+        return any(compiled(g, p) for g, p in params) and self._gate.wants(
+            torch.device(device), total
+        )
 
     def _prepared(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
         """``p``'s state ready for a step: made on its first, converted when its format is
