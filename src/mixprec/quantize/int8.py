@@ -648,7 +648,8 @@ class ScaledCodes:
         """Why this layer's scales cannot be stored in `dtype` (None: they can, requantized
         where they do not fit); changes nothing (`apply` asks before it converts)."""
         scale = self.weight_scale
-        if scale.dtype == dtype or torch.finfo(dtype).bits >= 32:
+        wide = torch.finfo(dtype).max > 2.0**127  # (float32's exponents: bfloat16 too)
+        if scale.dtype == dtype or wide:
             return None
         try:
             self.requantized(self.code_buffers(), scale.to(dtype))
