@@ -612,3 +612,131 @@ def test_accelerates_usual_accumulation_loop_steps_once_per_window():
 
     usual, checked = run(False), run(True)
     assert all(torch.equal(usual[n], checked[n]) for n in usual)
+
+
+def two_models() -> tuple[
+    torch.nn.Module, torch.optim.Optimizer, torch.nn.Module, torch.optim.Optimizer
+]:
+    a, b = tiny_gpt2(0), tiny_gpt2(1)
+    return (
+        a,
+        torch.optim.SGD(a.parameters(), lr=0.1),
+        b,
+        torch.optim.SGD(b.parameters(), lr=0.1),
+    )
+
+
+def test_prepare_twice_with_one_precision_routes_the_backward_once():
+    """Before: each `prepare` wrapped `accelerator.backward` again, so the first backward
+    of a raw loss was refused as already multiplied by the loss scale."""
+    accelerator = accelerate.Accelerator(mixed_precision="no", cpu=True)
+    precision = Precision("16-mixed", allow_slow=True)
+    a, opt_a, b, opt_b = two_models()
+    a, opt_a, data = prepare(accelerator, precision, a, opt_a, loader())
+    b, opt_b = prepare(accelerator, precision, b, opt_b)
+    batch = next(iter(data))
+    accelerator.backward(a(**batch).loss + b(**batch).loss)
+    assert accelerator.clip_grad_norm_(b.parameters(), 1.0) < 100  # unscaled once
+    assert precision.step(opt_a, opt_b)
+
+
+def test_prepare_refuses_a_second_precision_on_one_accelerator():
+    """Before: model B's loss was scaled by model A's scaler and never unscaled."""
+    accelerator = accelerate.Accelerator(mixed_precision="no", cpu=True)
+    a, opt_a, b, opt_b = two_models()
+    prepare(accelerator, Precision("16-mixed", allow_slow=True), a, opt_a)
+    with pytest.raises(ValueError, match="one Precision"):
+        prepare(accelerator, Precision("bf16-mixed", allow_slow=True), b, opt_b)
+    assert b.transformer.h[0].mlp.c_fc.weight.dtype == torch.float32  # untouched
+
+
+@pytest.mark.parametrize("extra", ["model", "optimizer"])
+def test_prepare_refuses_a_model_or_optimizer_among_the_other_objects(extra):
+    """Before: they went through `accelerator.prepare` unconverted, the optimizer stepping
+    gradients still multiplied by the loss scale."""
+    accelerator = accelerate.Accelerator(mixed_precision="no", cpu=True)
+    a, opt_a, b, opt_b = two_models()
+    objects = (b,) if extra == "model" else (opt_b,)
+    name = "GPT2LMHeadModel" if extra == "model" else "SGD"
+    with pytest.raises(ValueError, match=f"{name}.*prepare"):
+        prepare(accelerator, Precision("16-mixed", allow_slow=True), a, opt_a, *objects)
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_accelerator_unscale_gradients_unscales_through_the_precision(given):
+    """Before: a no-op, so a clip after it clipped gradients still multiplied by the scale."""
+    accelerator = accelerate.Accelerator(mixed_precision="no", cpu=True)
+    precision = Precision("16-mixed", allow_slow=True)
+    model = tiny_gpt2()
+    model, optimizer, data = prepare(
+        accelerator, precision, model, torch.optim.SGD(model.parameters(), lr=0.1), loader()
+    )
+    accelerator.backward(model(**next(iter(data))).loss)
+    accelerator.unscale_gradients(optimizer=optimizer if given else None)
+    assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0) < 100
+    assert optimizer.step()
+
+
+def test_accelerator_optimizer_step_was_skipped_reports_a_skipped_step():
+    accelerator = accelerate.Accelerator(mixed_precision="no", cpu=True)
+    model = tiny_gpt2()
+    model, optimizer, data = prepare(
+        accelerator,
+        Precision("16-mixed", allow_slow=True),
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        loader(),
+    )
+    batches = iter(data)
+    handle = inject(model)
+    accelerator.backward(model(**next(batches)).loss)
+    assert not optimizer.step()
+    assert accelerator.optimizer_step_was_skipped
+    handle.remove()
+    optimizer.zero_grad()
+    accelerator.backward(model(**next(batches)).loss)
+    assert optimizer.step()
+    assert not accelerator.optimizer_step_was_skipped
+
+
+def test_mixprec_trainer_leaves_a_greedy_lr_scheduler_unwrapped(tmp_path):
+    """Before: wrapped in SkipAwareScheduler, HF's isinstance check missed it and stepped it
+    without its metric (TypeError)."""
+    from transformers.optimization import GreedyLR
+
+    trainer = MixprecTrainer(
+        model=tiny_gpt2(),
+        args=hf_args(
+            tmp_path,
+            lr_scheduler_type="greedy",
+            eval_strategy="steps",
+            eval_steps=2,
+            metric_for_best_model="loss",
+        ),
+        train_dataset=token_rows(),
+        eval_dataset=token_rows(n=4, seed=1),
+        precision="32-true",
+    )
+    trainer.train()
+    assert isinstance(trainer.lr_scheduler, GreedyLR)
+
+
+def test_mixprec_trainer_says_how_to_allow_a_slow_precision(tmp_path, monkeypatch):
+    """Before: the hint named allow_slow_precision=True, which MixprecTrainer refuses."""
+    monkeypatch.delenv("MIXPREC_ALLOW_SLOW", raising=False)
+    try:
+        Precision("16-mixed").resolve("cpu")
+    except mixprec.errors.SlowPrecisionError:
+        pass
+    else:
+        pytest.skip("float16 is not slow on this device")
+    with pytest.raises(mixprec.errors.SlowPrecisionError) as caught:
+        MixprecTrainer(
+            model=tiny_gpt2(),
+            args=hf_args(tmp_path),
+            train_dataset=token_rows(),
+            precision="16-mixed",
+        )
+    message = str(caught.value)
+    assert "allow_slow_precision" not in message
+    assert "Precision('16-mixed', allow_slow=True)" in message

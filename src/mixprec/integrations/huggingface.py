@@ -42,6 +42,7 @@ import transformers
 from torch import nn
 
 from mixprec.doctor.monitor import PrecisionMonitor
+from mixprec.errors import SlowPrecisionError
 from mixprec.optim import LossScaleOptimizer, SkipAwareScheduler
 from mixprec.optim.scaling import LossScaler
 from mixprec.precision import Precision
@@ -182,12 +183,34 @@ def _json_safe(row: dict[str, float]) -> dict[str, float | str]:
 # -- transformers.Trainer ---------------------------------------------------------------------
 
 
-def _route_backward(accelerator: Any, precision: Callable[[], Precision]) -> None:
+_ROUTE = "_mixprec_route"
+
+
+class _Route:
+    """What an accelerator was routed to: its precision (read at each call) and the
+    wrappers ``prepare`` set up on it."""
+
+    def __init__(self, precision: Callable[[], Precision]) -> None:
+        self.precision = precision
+        self.optimizers: list[LossScaleOptimizer] = []
+
+    def live(self) -> list[LossScaleOptimizer]:
+        """The wrappers still set up (not retired by a later ``setup``)."""
+        current = self.precision().optimizers
+        return [o for o in self.optimizers if any(o is c for c in current)]
+
+
+def _route_backward(accelerator: Any, precision: Callable[[], Precision]) -> _Route:
     """Make ``accelerator.backward(loss)`` enter the precision's backward context
     (``Precision.backward_context``) around Accelerate's own backward, which receives the
     scaled loss, and after the last backward of an optimizer step (``sync_gradients``) run
     ``Precision.before_step`` (float8's amax histories shared across the ranks). `precision`
-    is read at each call (the Trainer sets its own up after HF built the accelerator)."""
+    is read at each call (the Trainer sets its own up after HF built the accelerator).
+    Routed once per accelerator: a later call returns the first route."""
+    route = accelerator.__dict__.get(_ROUTE)
+    if route is not None:
+        return route
+    route = _Route(precision)
     plain = accelerator.backward
 
     def backward(loss: torch.Tensor, **kwargs: Any) -> Any:
@@ -199,6 +222,8 @@ def _route_backward(accelerator: Any, precision: Callable[[], Precision]) -> Non
         return result
 
     accelerator.backward = backward
+    setattr(accelerator, _ROUTE, route)
+    return route
 
 
 def tie_quantized_weights(model: nn.Module) -> dict[str, str]:
@@ -340,10 +365,13 @@ class MixprecTrainer(transformers.Trainer):
         if self.model is None:
             raise ValueError("MixprecTrainer needs model=... (model_init is not supported)")
         self.precision = precision if isinstance(precision, Precision) else Precision(precision)
-        if self.optimizer is not None:
-            self.model, self.optimizer = self.precision.setup(self.model, self.optimizer)
-        else:
-            self.model = self.precision.setup(self.model)
+        try:
+            if self.optimizer is not None:
+                self.model, self.optimizer = self.precision.setup(self.model, self.optimizer)
+            else:
+                self.model = self.precision.setup(self.model)
+        except SlowPrecisionError as error:
+            raise SlowPrecisionError(_trainer_hint(str(error), precision)) from None
         tie_quantized_weights(self.model)
         self.model_wrapped = self.model
         self._unscaled = False
@@ -365,12 +393,12 @@ class MixprecTrainer(transformers.Trainer):
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
         """HF's scheduler built on the plain optimizer, stepped only when the optimizer
-        stepped (``ReduceLROnPlateau`` follows its metric and is left as it is)."""
+        stepped (``ReduceLROnPlateau`` and ``GreedyLR`` follow their metric and are left as
+        they are: HF steps them after evaluation)."""
         if self.lr_scheduler is None and optimizer is None:
             optimizer = self.optimizer.optimizer
         scheduler = super().create_scheduler(num_training_steps, optimizer)
-        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
-        if not isinstance(scheduler, (SkipAwareScheduler, plateau)):
+        if not isinstance(scheduler, (SkipAwareScheduler, *_metric_driven())):
             self.lr_scheduler = SkipAwareScheduler(scheduler, self.optimizer)
         return self.lr_scheduler
 
@@ -394,6 +422,26 @@ class MixprecTrainer(transformers.Trainer):
             self.optimizer.unscale_()
             self._unscaled = True
         return loss
+
+
+def _metric_driven() -> tuple[type, ...]:
+    """The schedulers HF steps with a metric after evaluation, recognized by type."""
+    kinds: tuple[type, ...] = (torch.optim.lr_scheduler.ReduceLROnPlateau,)
+    try:
+        from transformers.optimization import GreedyLR
+    except ImportError:  # (transformers without it)
+        return kinds
+    return (*kinds, GreedyLR)
+
+
+def _trainer_hint(message: str, precision: Any) -> str:
+    """The SlowPrecisionError's hint, told the way MixprecTrainer takes it."""
+    spec = repr(precision) if isinstance(precision, str) else "..."
+    how = f"pass MixprecTrainer(precision=Precision({spec}, allow_slow=True))"
+    general = "pass allow_slow=True (Precision), allow_slow_precision=True (Trainer)"
+    if general in message:
+        return message.replace(general, how)
+    return f"{message} (MixprecTrainer: {how})"
 
 
 # -- accelerate -------------------------------------------------------------------------------
@@ -420,8 +468,14 @@ def prepare(
     ``accelerator.backward(loss)``; it clips with
     ``precision.clip_grad_norm_`` or the accelerator's ``clip_grad_norm_`` /
     ``clip_grad_value_`` (which, for this accelerator, are the precision's: they unscale
-    first). With gradient accumulation the optimizer's ``step`` and ``zero_grad`` do nothing
+    first); ``accelerator.unscale_gradients`` is the precision's ``unscale_``, and
+    ``accelerator.optimizer_step_was_skipped`` tells a skipped step of the optimizers set up
+    here. With gradient accumulation the optimizer's ``step`` and ``zero_grad`` do nothing
     until ``accelerator.sync_gradients``, as Accelerate's own optimizer's.
+
+    Several models on one accelerator: call ``prepare`` once per model with its optimizer,
+    all with the same ``precision`` (another Precision is refused: the accelerator's
+    backward scales by one scaler).
     """
     from accelerate.scheduler import AcceleratedScheduler
 
@@ -438,6 +492,23 @@ def prepare(
             f"precision must be a mixprec.Precision, got {type(precision).__name__}: "
             "mixprec.Precision('bf16-mixed') or Precision(policy_map)"
         )
+    for obj in objects:
+        if isinstance(obj, (nn.Module, torch.optim.Optimizer, LossScaleOptimizer)):
+            raise ValueError(
+                f"prepare() sets up one model and its optimizer; a {type(obj).__name__} among "
+                "the other objects would go through accelerator.prepare unconverted by the "
+                "policy, its gradients left multiplied by the loss scale: prepare each model "
+                "with its optimizer through this function (prepare(accelerator, precision, "
+                "model_b, optimizer_b)), with the same Precision"
+            )
+    route = accelerator.__dict__.get(_ROUTE)
+    if route is not None and route.precision() is not precision:
+        raise ValueError(
+            "this accelerator was prepared with another Precision: its backward scales the "
+            "loss by one Precision's scaler, so a second one's gradients would stay scaled. "
+            "Prepare every model on an accelerator through one Precision (pass the same "
+            "Precision to each prepare() call, one per model and its optimizer)"
+        )
     model = model.to(accelerator.device)  # masters are made on the parameters' device
     model, wrapped = precision.setup(model, optimizer)
     prepared = accelerator.prepare(model, wrapped, *objects)
@@ -452,10 +523,66 @@ def prepare(
     accelerator.register_for_checkpointing(wrapped)
     # as Accelerate's own optimizer: step and zero_grad wait for the window's last backward
     wrapped.step_gate = lambda: accelerator.sync_gradients
-    _route_backward(accelerator, lambda: precision)
-    # Accelerate's own clipping unscales only its GradScaler's gradients: on mixprec's it
-    # clipped the scaled ones. This accelerator's clipping goes through the precision,
-    # which unscales first (and clips float32 masters where they hold the gradients).
+    if route is None:
+        route = _route_backward(accelerator, lambda: precision)
+        _route_accelerator(accelerator, precision, route)
+    if not any(wrapped is o for o in route.optimizers):
+        route.optimizers.append(wrapped)
+    return tuple(prepared)
+
+
+def _route_accelerator(accelerator: Any, precision: Precision, route: _Route) -> None:
+    """Accelerate's own clipping and ``unscale_gradients`` unscale only its GradScaler's
+    gradients: on mixprec's they left the scaled ones. This accelerator's go through the
+    precision, which unscales first (and clips float32 masters where they hold the
+    gradients); its ``optimizer_step_was_skipped`` also reads the wrappers set up here."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
     accelerator.clip_grad_norm_ = precision.clip_grad_norm_
     accelerator.clip_grad_value_ = precision.clip_grad_value_
-    return tuple(prepared)
+
+    def unscale_gradients(optimizer: Any = None) -> None:
+        if optimizer is None:
+            precision.unscale_(*route.live())
+            return
+        for opt in optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]:
+            while isinstance(opt, AcceleratedOptimizer):
+                opt = opt.optimizer
+            if isinstance(opt, LossScaleOptimizer) or precision._wrapper_of(opt) is not None:
+                precision.unscale_(opt)
+            # (another optimizer: nothing scaled its gradients, mixed_precision="no")
+
+    accelerator.unscale_gradients = unscale_gradients
+    accelerator.__class__ = _skip_aware(type(accelerator))
+
+
+_SKIP_AWARE: dict[type, type] = {}
+
+
+def _skip_aware(cls: type) -> type:
+    """``cls`` with an ``optimizer_step_was_skipped`` (a property, so not settable on the
+    instance) that also reads the wrappers ``prepare`` set up on the accelerator."""
+    if getattr(cls, "_mixprec_skip_aware", False):
+        return cls
+    if cls not in _SKIP_AWARE:
+
+        def optimizer_step_was_skipped(self: Any) -> bool:
+            if super(sub, self).optimizer_step_was_skipped:
+                return True
+            route = self.__dict__.get(_ROUTE)
+            return route is not None and any(o.step_was_skipped for o in route.live())
+
+        sub = type(
+            cls.__name__,
+            (cls,),
+            {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "_mixprec_skip_aware": True,
+                "optimizer_step_was_skipped": property(
+                    optimizer_step_was_skipped, doc=cls.optimizer_step_was_skipped.__doc__
+                ),
+            },
+        )
+        _SKIP_AWARE[cls] = sub
+    return _SKIP_AWARE[cls]
