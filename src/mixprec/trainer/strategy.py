@@ -655,7 +655,11 @@ def _record_failure(directory: Path, rank: int, exc: BaseException) -> None:
         "exception": pickled,
         "text": "".join(traceback.format_exception(exc)),
     }
-    (directory / f"failure-rank{rank}.pkl").write_bytes(pickle.dumps(record))
+    # written aside and renamed: a rank terminated by the launcher while writing (the first
+    # failure ends the others) leaves no half record for the parent to read
+    aside = directory / f".failure-rank{rank}.pkl.tmp"
+    aside.write_bytes(pickle.dumps(record))
+    os.replace(aside, directory / f"failure-rank{rank}.pkl")
 
 
 def _first_failure(directory: Path, nprocs: int, err: Exception) -> BaseException:
@@ -663,7 +667,7 @@ def _first_failure(directory: Path, nprocs: int, err: Exception) -> BaseExceptio
     after it, in a collective it left), with a note naming its rank and its traceback."""
     records = []
     for path in directory.glob("failure-rank*.pkl"):
-        # written by our own child processes: a trusted pickle
+        # written by our own child processes: a trusted pickle (whole: renamed when written)
         record = pickle.loads(path.read_bytes())
         records.append((record["time"], int(path.stem.removeprefix("failure-rank")), record))
     if not records:  # killed by a signal (out of memory?) before it could say why
