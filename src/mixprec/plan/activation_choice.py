@@ -19,8 +19,8 @@ something. Each block's options, and what each is measured to cost:
   block's saved tensors stored so, averaged over the search batches (recompute and
   ``keep`` are exact: zero);
 - seconds: the block's forward and backward alone on the inputs it saw in the first search
-  batch, with the option (median of ``reps``); its extra time over ``keep`` (at least
-  `TIE_FLOOR`, `extra_seconds`) breaks ties between plans of equal damage (`tie_weight`), so
+  batch, with the option (median of ``reps``); its extra time over ``keep`` (`extra_seconds`)
+  breaks ties between plans of equal damage (`tie_costs`: noise alone tells none apart), so
   a budget with room keeps.
 
 Searched: ``keep``, ``bf16``, ``fp8``, ``checkpoint``, and ``offload`` on CUDA; not
@@ -32,7 +32,6 @@ not offered it; a module reached at several paths (used twice) is no block: it k
 from __future__ import annotations
 
 import copy
-import re
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -46,6 +45,7 @@ from mixprec.activations.measure import saved_bytes_of
 from mixprec.convert import apply
 from mixprec.plan.inputs import SearchInputs
 from mixprec.plan.report import BlockRow, Option
+from mixprec.plan.units import path_rule
 from mixprec.policy import Policy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
@@ -55,6 +55,12 @@ __all__: list[str] = []
 
 # the least extra seconds an option other than keep counts in a tie (`extra_seconds`)
 TIE_FLOOR = 1e-6
+# noise thresholds of `tie_costs`: an option counts slower than keep only when its extra
+# seconds exceed this fraction of keep's (a tiny block's step timed twice on a shared CPU
+# differs by tens of percent), and slower than another option only when more than this
+# factor slower (two timings of one step never differ so much)
+TIE_NOISE = 0.5
+TIE_RATIO = 2.0
 # the option left out of the search, and why
 NOT_SEARCHED = {
     "selective": "its saved matmul outputs are held by torch's checkpointing, out of the "
@@ -136,7 +142,7 @@ def _under(path: str, block: str) -> bool:
 
 
 def _rules(options: Mapping[str, str]) -> dict[str, str]:
-    return {re.escape(path): option for path, option in options.items() if option != "keep"}
+    return {path_rule(path): option for path, option in options.items() if option != "keep"}
 
 
 def plan_activations(options: Mapping[str, str]) -> ActivationRules | None:
@@ -224,7 +230,7 @@ class _Installed:
         self.model, self.path, self.option = model, path, option
 
     def __enter__(self) -> None:
-        rules = ActivationRules({re.escape(self.path): self.option})
+        rules = ActivationRules({path_rule(self.path): self.option})
         install(self.model, rules.resolve(self.model))
 
     def __exit__(self, *exc: object) -> None:
@@ -371,12 +377,36 @@ def extra_seconds(row: BlockRow, option: str) -> float:
     return max(row.options[option].seconds - row.options["keep"].seconds, TIE_FLOOR)
 
 
-def tie_weight(damages: Sequence[float], extra_seconds: Sequence[float]) -> float:
-    """The weight that turns recompute's extra seconds into damage: small enough that all
-    of it together stays below a tenth of the least positive damage, so time decides only
-    between plans of (nearly) equal damage; 1 when no damage is positive."""
+def tie_costs(rows: Sequence[BlockRow], names: Sequence[Sequence[str]]) -> list[list[float]]:
+    """What each option (``names[i]`` of ``rows[i]``) counts in a tie between plans of equal
+    damage: 0 for keep; else the rank of its extra seconds among every block's options, with
+    extras below `TIE_NOISE` of keep's counted as the least and extras within `TIE_RATIO` of
+    the next smaller one as its rank. Noise decides nothing: equal ranks are equal costs,
+    which the solver breaks in its fixed order."""
+    extras = [
+        [
+            TIE_FLOOR
+            if o != "keep" and extra_seconds(r, o) <= TIE_NOISE * r.options["keep"].seconds
+            else extra_seconds(r, o)
+            for o in opts
+        ]
+        for r, opts in zip(rows, names, strict=True)
+    ]
+    rank, ranks, previous = 0, {0.0: 0}, 0.0
+    for e in sorted({e for row in extras for e in row} - {0.0}):
+        if rank == 0 or e > TIE_RATIO * previous:
+            rank += 1
+        ranks[e], previous = rank, e
+    return [[float(ranks[e]) for e in row] for row in extras]
+
+
+def tie_weight(damages: Sequence[float], tie_costs: Sequence[float]) -> float:
+    """The weight that turns tie costs (`tie_costs`, the largest of each block's) into
+    damage: small enough that all of it together stays below a tenth of the least positive
+    damage, so time decides only between plans of (nearly) equal damage; 1 when no damage
+    is positive."""
     positive = [d for d in damages if d > 0]
-    total = sum(s for s in extra_seconds if s > 0)
+    total = sum(s for s in tie_costs if s > 0)
     if not positive or total <= 0:
         return 1.0
     return min(positive) / (10 * total)

@@ -276,8 +276,13 @@ class SearchReport:
             f"{b.seconds * 1e3:.3g} ms ({p.seconds / b.seconds:.2f}x)",
         ]
         same = [n for n in self.uniform if self._formats_of(n) == self._formats_of("plan")]
-        if self.uniform_won is not None:
-            solved = min(self.attempts, key=lambda a: a.loss)
+        solved = min(self.attempts, key=lambda a: a.loss) if self.attempts else None
+        if self.uniform_won is not None and solved is not None and p.loss >= solved.loss:
+            lines.append(
+                f"a uniform plan won: the plan is {self.uniform_won}, which fits where the "
+                f"plan the solver chose (loss {solved.loss:.6g}) measured over the byte limit"
+            )
+        elif self.uniform_won is not None and solved is not None:
             lines.append(
                 f"a uniform plan won: the plan is {self.uniform_won}, which fits and measured "
                 f"a lower loss than every plan the solver chose (the lowest {solved.loss:.6g})"
@@ -296,6 +301,8 @@ class SearchReport:
                 )
         if not fitting and not same:
             lines.append("no uniform plan fits the budget")
+        if self.fits("plan") is False:
+            lines.append("the plan does NOT fit the budget as measured")
         if self.blocks:
             chosen = [b.chosen for b in self.blocks]
             counts = ", ".join(f"{chosen.count(o)} {o}" for o in dict.fromkeys(chosen))

@@ -41,6 +41,9 @@ def candidates(
         if s.states is not None
         else None
     )
+    # a plan with any low-bit state format trains with the low-bit optimizer, which keeps
+    # float32 moments for every parameter given none
+    low_bit = unit_states is not None and any(f is not None for f in unit_states)
     base_bytes = 0
     holders: Holders = []
     rows: list[UnitRow] = []
@@ -57,10 +60,10 @@ def candidates(
                 continue
             holder = candidate(reference, unit, p)
             built.append(holder)
-            formats = holder_formats(holder, unit_states[len(rows)]) if unit_states else None
+            formats = holder_formats(holder, unit_states[len(rows)]) if low_bit else None
             row.options[p.name] = Option(bytes=state_bytes(holder, s.count, formats))
-            if p.name == s.base.name:  # the budget's reference keeps float32 states
-                base_bytes += state_bytes(holder, s.count) if formats else row.options[p.name].bytes
+            if p.name == s.base.name:  # the budget's reference: torch's AdamW
+                base_bytes += state_bytes(holder, s.count)
         holders.append(built)
         rows.append(row)
     return reference, holders, rows, unit_states, base_bytes

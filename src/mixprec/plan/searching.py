@@ -176,8 +176,19 @@ def scored(s: SearchInputs) -> Scored:
         "speed": sum(r.options[s.base.name].seconds for r in rows)
         + sum(b.options["keep"].seconds for b in blocks),
     }
-    fixed = state_bytes(convert(s.model, PolicyMap(s.base)), s.count) - base_bytes + outside
+    fixed = _fixed_bytes(s, unit_states) + outside
     return Scored(rows, blocks, unit_states, base_costs, fixed, ref_losses, phases)
+
+
+def _fixed_bytes(s: SearchInputs, unit_states: list[StateFormat | None] | None) -> int:
+    """Bytes of the parameters and buffers no unit holds, in the baseline, with the moments
+    the plan's optimizer keeps: float32 under a low-bit state format anywhere (the low-bit
+    optimizer's for parameters without one), else each parameter's dtype (torch's AdamW)."""
+    model = convert(s.model, PolicyMap(s.base))
+    formats = {} if unit_states is not None and any(f is not None for f in unit_states) else None
+    modules = dict(model.named_modules())
+    units = nn.ModuleList(modules[p] for u in s.units for p in u.paths)
+    return state_bytes(model, s.count, formats) - state_bytes(units, s.count, formats)
 
 
 def planned(s: SearchInputs, m: Scored, started: float) -> SearchReport:

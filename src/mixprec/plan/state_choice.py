@@ -68,11 +68,12 @@ def choose_states(
     return out
 
 
-def holder_formats(holder: nn.Module, fmt: StateFormat | None) -> dict[int, StateFormat] | None:
+def holder_formats(holder: nn.Module, fmt: StateFormat | None) -> dict[int, StateFormat]:
     """The state format of each of a candidate's parameters that takes one (``min_size``
-    elements or more; the optimizer keeps smaller ones in float32), for `units.state_bytes`."""
+    elements or more), for `units.state_bytes` under a plan with low-bit states: the
+    optimizer keeps float32 moments for the others, and all of them when `fmt` is None."""
     if fmt is None:
-        return None
+        return {}
     return {id(t): fmt for t in holder.parameters() if t.numel() >= MIN_SIZE}
 
 

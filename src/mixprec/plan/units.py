@@ -27,6 +27,7 @@ whatever the parameter's dtype (8 bytes an element).
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -44,6 +45,13 @@ from mixprec.quantize.rules import hugging_face_conv1d, skip_reason
 __all__: list[str] = []
 
 COUNTS = ("weights", "training")
+
+
+def path_rule(path: str) -> str:
+    """A policy or activation rule key naming the module at `path` alone: a regex matching
+    `path` only, wrapped so that it is no ordinary module's path (a key equal to a path is that
+    module's exact rule, and ``a\\.b`` is the path of ``b`` under a child named ``a\\``)."""
+    return "(?:" + re.escape(path) + ")"
 
 
 @dataclass(frozen=True)

@@ -8,19 +8,18 @@ kept (`keep`), a uniform plan's included. Under ``batch_size`` each block's acti
 from __future__ import annotations
 
 import math
-import re
 import time
 from dataclasses import dataclass, field
 
 from mixprec.optim.states import StateFormat
 from mixprec.plan import solver
-from mixprec.plan.activation_choice import extra_seconds, plan_activations, tie_weight
+from mixprec.plan.activation_choice import plan_activations, tie_costs, tie_weight
 from mixprec.plan.budget import Budget, BudgetError
 from mixprec.plan.inputs import SearchInputs, check_finite
 from mixprec.plan.measure import Measured, convert, eval_loss, measure_plans
 from mixprec.plan.report import Attempt, BlockRow, UnitRow, costs_of, formats_of, within
 from mixprec.plan.state_choice import with_states
-from mixprec.plan.units import Unit
+from mixprec.plan.units import Unit, path_rule
 from mixprec.policy import Policy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
@@ -144,11 +143,20 @@ def keep(
     phases: dict[str, float],
 ) -> None:
     """The plan returned: the kept solved one, or a measured uniform plan that fits with a
-    lower loss (`v.winner`, measured again beside the baseline when it was not timed); each
-    row's chosen format and measured damages written in."""
+    lower loss (`v.winner`, measured again beside the baseline when it was not timed), or
+    with any loss when the solved plan's measured bytes exceed the limit (none fitting: the
+    solved plan, its attempt noting it); each row's chosen format and measured damages
+    written in."""
     assert v.best is not None
     chosen = tuple(v.best.chosen)
-    won = _uniform_winner(v.measured, rows, s.base.name, s.names, limits)
+    bytes_only = {k: limit for k, limit in limits.items() if k == "memory"}
+    over = within(costs_of(v.measured["plan"], rows, None), bytes_only) is False
+    won = _uniform_winner(v.measured, rows, s.base.name, s.names, limits, any_loss=over)
+    if over:
+        said = f"; {won[0]} returned, which fits" if won else "; no measured plan fits"
+        v.best.note = "; ".join(
+            filter(None, [v.best.note, "measured over the byte limit the solver counted" + said])
+        )
     if won is None:
         v.best.kept = True
     else:
@@ -208,7 +216,8 @@ def _solve(
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The format of each layer and the activation option of each block of least total
     damage within `limits` (measured damages where there are, predicted ones elsewhere;
-    recompute's extra seconds weighed by `tie_weight`); `BudgetError` when none fits."""
+    recompute's extra seconds ranked by `tie_costs`, weighed by `tie_weight`); `BudgetError`
+    when none fits."""
     names = s.names
     damages = [
         [
@@ -230,9 +239,7 @@ def _solve(
         for k in s.budget.kinds
     ]
     block_names = [list(b.options) for b in blocks]
-    extra = [
-        [extra_seconds(b, o) for o in opts] for b, opts in zip(blocks, block_names, strict=True)
-    ]
+    extra = tie_costs(blocks, block_names)
     weight = tie_weight(
         [d for row in damages for d in row if math.isfinite(d)]
         + [b.options[o].damage for b, opts in zip(blocks, block_names, strict=True) for o in opts],
@@ -295,7 +302,7 @@ def _measure_alone(
 def _alone_damage(s: SearchInputs, unit: Unit, fmt: str, float32_loss: float) -> float:
     """The loss change of the float32 model with only `unit` in `fmt`, on the evaluation
     batches (whose float32 loss is `float32_loss`)."""
-    rules = {re.escape(p): fmt for p in unit.paths + unit.aliases}
+    rules = {path_rule(p): fmt for p in unit.paths + unit.aliases}
     policy = PolicyMap("32-true", rules)
     m = convert(s.model, policy)
     precision = Precision(policy, device=s.device)
@@ -318,7 +325,7 @@ def plan_map(
     for unit, fmt in zip(units, chosen, strict=True):
         if fmt != baseline.name:
             for path in unit.paths + unit.aliases:
-                rules[re.escape(path)] = fmt
+                rules[path_rule(path)] = fmt
     plan = PolicyMap(baseline, rules, activations=plan_activations(activations or {}))
     return with_states(plan, units, states) if states is not None else plan
 
@@ -329,12 +336,13 @@ def _uniform_winner(
     baseline: str,
     names: list[str],
     limits: dict[str, float],
+    any_loss: bool = False,
 ) -> tuple[str, list[str]] | None:
     """The measured plan other than the solved one (a uniform plan, the baseline, float32
     when it is one of the formats) that fits the budget with the lowest loss, if that loss
-    is below the solved plan's: the damages the solver adds up are predictions, the losses
-    measured. Returned with the format of each layer in it."""
-    winner, lowest = None, verified["plan"].loss
+    is below the solved plan's (with `any_loss`, whatever it is): the damages the solver
+    adds up are predictions, the losses measured. Returned with the format of each layer."""
+    winner, lowest = None, math.inf if any_loss else verified["plan"].loss
     for name, measured in verified.items():
         formats = formats_of(name, rows, baseline, names) if name != "plan" else None
         if formats is None or within(costs_of(measured, rows, formats), limits) is not True:

@@ -1,0 +1,125 @@
+"""The plans a search writes: rule keys naming one module each, the same plan from the same
+call, and bytes counted as the plan's optimizer keeps them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.plan import Budget, search
+from mixprec.plan.activation_choice import plan_activations
+from mixprec.plan.measure import Measured
+from mixprec.plan.report import Attempt, BlockRow, Option, UnitRow
+from mixprec.plan.units import Unit, find_units
+from mixprec.plan.verify import Verified, _solve, keep, plan_map
+from mixprec.policy import as_policy
+from mixprec.policy.map import PolicyMap
+
+
+class Backslashed(nn.Module):
+    """``a.b`` and ``a\\.b``: the second's path is the first's path escaped as a regex."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.ModuleDict({"b": nn.Linear(8, 8)})
+        self.add_module("a\\", nn.ModuleDict({"b": nn.Linear(8, 8)}))
+
+
+def test_a_plans_rule_names_its_layer_not_one_whose_path_is_the_rule(tmp_path) -> None:
+    model = Backslashed()
+    units = find_units(model)
+    assert [u.paths for u in units] == [("a.b",), ("a\\.b",)]
+    for chosen in (["bf16-true", "32-true"], ["32-true", "bf16-true"]):
+        plan = plan_map(as_policy("32-true"), units, chosen)
+        resolved = plan.resolve(model)
+        assert [resolved[u.paths[0]].policy.name for u in units] == chosen
+        assert PolicyMap.load(plan.save(tmp_path / "plan.json")) == plan
+    for option in ("checkpoint", "keep"):
+        other = "keep" if option == "checkpoint" else "checkpoint"
+        rules = plan_activations({"a.b": option, "a\\.b": other})
+        assert rules is not None
+        choices = rules.resolve(model)
+        assert (choices["a.b"][0], choices["a\\.b"][0]) == (option, other)
+
+
+def _blocks(checkpoint_seconds: list[float]) -> list[BlockRow]:
+    """Identical blocks but for checkpoint's timing: keep, or checkpoint at a fifth of the
+    bytes and more seconds."""
+    return [
+        BlockRow(
+            path=str(i),
+            kind="Linear",
+            options={
+                "keep": Option(bytes=1000, seconds=1.0),
+                "checkpoint": Option(bytes=200, seconds=seconds),
+            },
+        )
+        for i, seconds in enumerate(checkpoint_seconds)
+    ]
+
+
+def test_blocks_whose_timings_differ_by_noise_get_the_same_plan_every_time() -> None:
+    s = SimpleNamespace(names=["32-true"], budget=Budget(memory_bytes=2200))
+    plans = set()
+    # the same three blocks timed three times: checkpoint adds about one keep step, each time
+    # another block's timing lowest
+    for seconds in ([1.9, 2.0, 2.1], [2.1, 1.9, 2.0], [2.0, 2.1, 1.9]):
+        phases = {"solve": 0.0}
+        _, options = _solve(s, [], {}, [2200.0], {}, phases, _blocks(seconds), 0.0)
+        assert sorted(options) == ["checkpoint", "keep", "keep"]
+        plans.add(options)
+    assert len(plans) == 1
+    # an option several times slower than another is still told apart
+    _, options = _solve(s, [], {}, [2200.0], {}, phases, _blocks([2.0, 9.0, 9.0]), 0.0)
+    assert options == ("checkpoint", "keep", "keep")
+    _, options = _solve(s, [], {}, [2200.0], {}, phases, _blocks([9.0, 9.0, 2.0]), 0.0)
+    assert options == ("keep", "keep", "checkpoint")
+
+
+def test_bytes_counted_under_low_bit_states_are_the_bytes_the_plan_holds() -> None:
+    torch.manual_seed(0)
+    # a norm no unit holds, and a last layer too small for low-bit moments: the low-bit
+    # optimizer keeps float32 moments for both, whatever the parameters' dtype
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.LayerNorm(256), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10)
+    )
+    batch = (torch.randn(16, 64), torch.randint(0, 10, (16,)))
+    report = search(
+        model,
+        [batch],
+        F.cross_entropy,
+        budget="memory=1GiB",
+        reps=1,
+        baseline="bf16-true",
+        count="training",
+        states=["int8"],
+        formats=["bf16-true"],  # (float32, without states, never returned)
+    )
+    assert report.uniform_won is None and report.policy.states
+    plan = report.measured["plan"]
+    assert sum(r.options[r.chosen].bytes for r in report.rows) == plan.unit_bytes
+    assert report.total_bytes == plan.model_bytes
+
+
+def test_a_plan_measured_over_the_byte_limit_is_not_returned_as_fitting() -> None:
+    unit = Unit(paths=("0",), kinds=("Linear",), params=10)
+    rows = [UnitRow(unit=unit, options={"32-true": Option(100), "bf16-true": Option(60)})]
+    s = SimpleNamespace(base=as_policy("32-true"), names=["32-true", "bf16-true"])
+    v = Verified(plans={n: PolicyMap("32-true") for n in ("plan", "baseline", "all bf16-true")})
+    v.measured = {
+        "plan": Measured(loss=1.0, unit_bytes=90, model_bytes=90, seconds=1.0),
+        "baseline": Measured(loss=2.0, unit_bytes=100, model_bytes=100, seconds=1.0),
+        "all bf16-true": Measured(loss=1.5, unit_bytes=60, model_bytes=60, seconds=1.0),
+    }
+    v.best = Attempt(chosen=["bf16-true"], loss=1.0, gap=0.0, predicted=0.0)
+    keep(s, rows, v, {"memory": 80.0}, {"verify": 0.0})
+    assert v.winner == "all bf16-true" and rows[0].chosen == "bf16-true"
+    assert "over the byte limit" in v.best.note
+    # nothing measured fits: the solved plan stays, saying so
+    v.measured["all bf16-true"].unit_bytes = 85
+    v.winner, v.best.note = None, ""
+    keep(s, rows, v, {"memory": 80.0}, {"verify": 0.0})
+    assert v.winner is None and "no measured plan fits" in v.best.note
