@@ -150,7 +150,9 @@ def time_model(
 
 
 def table(rows: list[dict[str, object]]) -> str:
-    base_bytes = {r["model"]: r["state_bytes"] for r in rows if r["optimizer"].startswith("torch")}
+    base_bytes = {
+        r["model"]: r["state_bytes"] for r in rows if r["optimizer"].startswith("torch AdamW")
+    }
     lines = [
         "| model | optimizer | ms/step (median) | vs torch (median of paired rounds) "
         "| state MiB | vs torch's | warm-up s |",

@@ -186,6 +186,7 @@ def test_offload_is_refused_off_cuda_naming_the_options_accepted():
             mixprec.apply(net(), PolicyMap("32-true", activations={"1": "offload"}))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="offload needs a CUDA device")
 def test_offload_moves_saved_tensors_to_the_host_and_back():
     x = torch.randn(64, 16, device="cuda")
