@@ -167,6 +167,65 @@ def test_states_adamw_script_tiny_on_cpu(tmp_path, monkeypatch):
     assert script.main(["--device", "cuda"]) == 2 or torch.cuda.is_available()
 
 
+def test_activations_script_tiny_on_cpu(tmp_path, monkeypatch):
+    """Every option but offload (CUDA only, said so) timed against keep on the tiny LM; the
+    memory phase needs CUDA's max_memory_allocated, so off a GPU the targets on batches say
+    they were not measured."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    script = _load("activations")
+    out = tmp_path / "out"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        args = ["--device", "cpu", "--tiny", "--allow-slow", "--out", str(out)]
+        assert script.main(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads((out / "results.json").read_text())
+    assert report["skipped"] == {"offload": "CUDA only"}
+    assert list(report["time"]) == ["keep", "bf16", "fp8", "checkpoint", "selective"]
+    assert all(t["rounds"] == 2 and t["ms"] > 0 for t in report["time"].values())
+    assert report["time"]["keep"]["vs_keep"] == 1.0
+    md = (out / "results.md").read_text()
+    assert "| offload | skipped: CUDA only |" in md
+    assert "- fp8 batch >= 1.6x keep's: not measured" in md
+    assert "--tiny" in md
+
+
+def test_activations_search_settles_the_largest_batch_by_measuring():
+    """A line through two peaks predicts; measured peaks move it up or down to the batch
+    that fits with the next one over; a cap, no check, and the probe limit are said so."""
+    search = _load("activations").search
+    calls = []
+
+    def peak(fixed, per, bump=0):
+        def measure(batch):
+            calls.append(batch)
+            return fixed + per * batch + (bump if batch >= 20 else 0)
+
+        return measure
+
+    found = search(peak(100, 10), (4, 8), limit=300, cap=96)
+    assert (found["predicted"], found["max_batch"], found["checked"]) == (20, 20, True)
+    assert calls == [4, 8, 20, 21]
+    calls.clear()  # a peak that grows faster past batch 20: the prediction is over
+    found = search(peak(100, 10, bump=25), (4, 8), limit=300, cap=96)
+    assert (found["predicted"], found["max_batch"], found["checked"]) == (20, 19, True)
+    assert calls == [4, 8, 20, 19]
+    calls.clear()
+    found = search(peak(100, 10, bump=25), (4, 8), limit=300, cap=96, more=lambda: False)
+    assert (found["max_batch"], found["checked"], calls) == (8, False, [4, 8, 20])
+    calls.clear()  # under the prediction (a line from two peaks is a lower bound here)
+    found = search(peak(100, 10), (4, 8), limit=335, cap=96)
+    assert (found["predicted"], found["max_batch"]) == (23, 23) and calls[-1] == 24
+    found = search(peak(100, 1), (4, 8), limit=300, cap=96)
+    assert (found["max_batch"], found["capped"], found["checked"]) == (96, True, False)
+    found = search(peak(100, 10), (4, 8), limit=300, cap=96, check=False)
+    assert (found["max_batch"], found["checked"], len(found["peaks"])) == (20, False, 2)
+    found = search(peak(100, 10), (4, 8), limit=50, cap=96)
+    assert (found["predicted"], found["max_batch"], found["checked"]) == (1, 0, True)
+
+
 RUN_H100 = GPU / "run_h100.sh"
 DEFAULT_PARTS = ["cuda", "blog256", "blog32", "transformer", "trainer", "float8"]
 

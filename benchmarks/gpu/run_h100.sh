@@ -23,10 +23,12 @@
 #   float8       benchmarks/gpu/float8_mlp.py: 4 Linear layers (d=4096, hidden 16384, 8192
 #                tokens), bf16-mixed against float8 tensorwise, eager and compiled
 #
-# and three more, only when named: `maxbatch` (the blog CNN under a 4.5 GiB memory limit with
+# and four more, only when named: `maxbatch` (the blog CNN under a 4.5 GiB memory limit with
 # --max-batch), `states` (benchmarks/gpu/states_adamw.py: mixprec's AdamW8bit, AdamW4bit and
 # AdamWFp8 against torch's fused AdamW and, where installed, torchao's and bitsandbytes'
-# 8-bit AdamW, on a 4.2M and a 100M MLP; budget 120 s, most of it compiling) and `suite`
+# 8-bit AdamW, on a 4.2M and a 100M MLP; budget 120 s, most of it compiling), `activations`
+# (benchmarks/gpu/activations.py: each activation option's largest batch under an 8 GiB
+# limit and its step time against keep's, on a 160M decoder LM; budget 110 s) and `suite`
 # (the tests not marked cuda).
 #
 # Budgets (seconds) come from the first H200 run (../shared/gpu-runs/h200-2026-11-28; about
@@ -70,8 +72,9 @@ ALL=(cuda blog256 blog32 transformer trainer float8)
 [ "${#PARTS[@]}" -eq 0 ] && PARTS=("${ALL[@]}")
 for part in "${PARTS[@]}"; do
     case "$part" in
-        cuda|blog256|blog32|transformer|trainer|float8|maxbatch|states|suite) ;;
-        *) echo "unknown part '$part': use ${ALL[*]}, maxbatch, states or suite" >&2; exit 2 ;;
+        cuda|blog256|blog32|transformer|trainer|float8|maxbatch|states|activations|suite) ;;
+        *) echo "unknown part '$part': use ${ALL[*]}, maxbatch, states, activations or suite" >&2
+            exit 2 ;;
     esac
 done
 if [ -z "$DIR" ]; then
@@ -117,7 +120,7 @@ summarize() {
         fi
         for report in blog256/report.md blog32/report.md transformer/results.md \
             trainer/results.md float8/float8_mlp.md maxbatch/report.md \
-            states/states_adamw.md; do
+            states/states_adamw.md activations/results.md; do
             if [ -f "$DIR/$report" ]; then
                 echo
                 echo "## $report"
@@ -191,6 +194,10 @@ for part in "${PARTS[@]}"; do
         states)
             run states "${STATES_TIMEOUT:-120}" -- "$PYTHON" benchmarks/gpu/states_adamw.py \
                 --device cuda --out "$DIR/states" ;;
+        activations)
+            run activations "${ACTIVATIONS_TIMEOUT:-110}" -- \
+                "$PYTHON" benchmarks/gpu/activations.py --device cuda --budget 95 \
+                --out "$DIR/activations" ;;
         suite)
             run suite "${SUITE_TIMEOUT:-300}" INT -- "$PYTHON" -m pytest -q -m "not cuda" \
                 -p no:cacheprovider --durations=20 ;;

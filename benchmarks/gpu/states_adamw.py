@@ -51,17 +51,24 @@ def _torchao() -> Callable[..., torch.optim.Optimizer] | None:
         try:
             module = __import__(where, fromlist=["AdamW8bit"])
             return module.AdamW8bit
-        except (ImportError, AttributeError):
+        except ImportError:
             continue
+        except Exception as err:  # noqa: BLE001 - a build for another torch: said, left out
+            print(f"torchao left out: {type(err).__name__}: {err}", flush=True)
+            return None
     return None
 
 
 def _bitsandbytes() -> Callable[..., torch.optim.Optimizer] | None:
     try:
         import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit
     except ImportError:
         return None
-    return bnb.optim.AdamW8bit
+    except Exception as err:  # noqa: BLE001 - no library for this CUDA: said, left out
+        print(f"bitsandbytes left out: {type(err).__name__}: {err}", flush=True)
+        return None
 
 
 def optimizers(device: torch.device) -> dict[str, Callable[..., torch.optim.Optimizer]]:
