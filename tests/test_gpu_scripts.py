@@ -193,36 +193,34 @@ def test_activations_script_tiny_on_cpu(tmp_path, monkeypatch):
 
 
 def test_activations_search_settles_the_largest_batch_by_measuring():
-    """A line through two peaks predicts; measured peaks move it up or down to the batch
-    that fits with the next one over; a cap, no check, and the probe limit are said so."""
+    """A line through two peaks predicts; lines through the largest batches measured, kept
+    between the largest fit and the smallest miss, settle it; a cap, no check, a spent
+    budget and a limit nothing fits are said so."""
     search = _load("activations").search
     calls = []
 
-    def peak(fixed, per, bump=0):
+    def peak(per, steeper=0):  # a line, growing `steeper` more per sample from batch 8 on
         def measure(batch):
             calls.append(batch)
-            return fixed + per * batch + (bump if batch >= 20 else 0)
+            return 100 + per * batch + steeper * max(0, batch - 8)
 
         return measure
 
-    found = search(peak(100, 10), (4, 8), limit=300, cap=96)
+    found = search(peak(10), (4, 8), limit=300, cap=96)
     assert (found["predicted"], found["max_batch"], found["checked"]) == (20, 20, True)
     assert calls == [4, 8, 20, 21]
-    calls.clear()  # a peak that grows faster past batch 20: the prediction is over
-    found = search(peak(100, 10, bump=25), (4, 8), limit=300, cap=96)
-    assert (found["predicted"], found["max_batch"], found["checked"]) == (20, 19, True)
-    assert calls == [4, 8, 20, 19]
-    calls.clear()
-    found = search(peak(100, 10, bump=25), (4, 8), limit=300, cap=96, more=lambda: False)
-    assert (found["max_batch"], found["checked"], calls) == (8, False, [4, 8, 20])
-    calls.clear()  # under the prediction (a line from two peaks is a lower bound here)
-    found = search(peak(100, 10), (4, 8), limit=335, cap=96)
-    assert (found["predicted"], found["max_batch"]) == (23, 23) and calls[-1] == 24
-    found = search(peak(100, 1), (4, 8), limit=300, cap=96)
+    calls.clear()  # a step whose peak grows faster at large batches (checkpoint's, say)
+    found = search(peak(2, steeper=30), (4, 8), limit=1000, cap=96)
+    assert (found["predicted"], found["max_batch"], found["checked"]) == (96, 35, True)
+    assert calls[:3] == [4, 8, 96] and len(calls) <= 8 and {35, 36} <= set(calls)
+    found = search(peak(1), (4, 8), limit=300, cap=96)
     assert (found["max_batch"], found["capped"], found["checked"]) == (96, True, False)
-    found = search(peak(100, 10), (4, 8), limit=300, cap=96, check=False)
+    found = search(peak(10), (4, 8), limit=300, cap=96, check=False)
     assert (found["max_batch"], found["checked"], len(found["peaks"])) == (20, False, 2)
-    found = search(peak(100, 10), (4, 8), limit=50, cap=96)
+    calls.clear()
+    found = search(peak(10, steeper=30), (4, 8), limit=300, cap=96, more=lambda: False)
+    assert (found["max_batch"], found["checked"], calls) == (8, False, [4, 8])
+    found = search(peak(10), (4, 8), limit=50, cap=96)
     assert (found["predicted"], found["max_batch"], found["checked"]) == (1, 0, True)
 
 

@@ -117,52 +117,50 @@ def search(
     peak: Callable[[int], int], fit: tuple[int, int], limit: int, cap: int, check: bool = True,
     more: Callable[[], bool] = lambda: True,
 ) -> dict[str, Any]:  # fmt: skip
-    """The largest batch whose measured `peak(batch)` is at most `limit`: a line through the
-    peaks at the two `fit` batches predicts it (at most `cap`), then measuring settles it:
-    up while the next batch fits, down while over. `check=False` keeps the prediction;
-    `more()` False (a spent budget) or `MAX_PROBES` peaks stop the measuring unsettled (going
-    down, at the largest batch measured under the limit)."""
+    """The largest batch whose measured `peak(batch)` is at most `limit` (at most `cap`): a
+    line through the peaks at the two `fit` batches predicts it; then each probe is the line
+    through the two largest batches measured so far, kept strictly between the largest
+    measured fit and the smallest measured miss (their midpoint when the line is no help),
+    until those two are adjacent. `check=False` keeps the first prediction; `more()` False
+    (a spent budget) or `MAX_PROBES` peaks stop it unsettled, at the largest measured fit."""
     peaks: dict[int, int] = {}
 
     def measured(batch: int) -> int:
         peaks[batch] = peak(batch)
         return peaks[batch]
 
+    def line(a: int, b: int) -> int:
+        slope = (peaks[b] - peaks[a]) / (b - a)
+        return int((limit - peaks[a]) // slope) + a if slope > 0 else cap
+
     low, high = measured(fit[0]), measured(fit[1])
-    per_sample = (high - low) / (fit[1] - fit[0])
-    fixed = low - per_sample * fit[0]
-    predicted = int((limit - fixed) // per_sample) if per_sample > 0 else cap
-    batch = predicted = max(1, min(predicted, cap))
+    predicted = max(1, min(line(*fit), cap))
     settled = capped = False
-
-    def going() -> bool:
-        return len(peaks) < MAX_PROBES and more()
-
-    if not check:
-        pass
-    elif measured(predicted) <= limit:
-        capped = batch == cap
-        while not capped and going():
-            if measured(batch + 1) > limit:
-                settled = True
-                break
-            batch += 1
-            capped = batch == cap
-    else:
-        while batch > 0 and going():
-            batch -= 1
-            if batch == 0 or measured(batch) <= limit:
-                settled = True
-                break
-        if not settled:  # the largest batch measured under the limit
-            batch = max((b for b, p in peaks.items() if p <= limit), default=0)
+    batch = predicted
+    while check and len(peaks) < MAX_PROBES and more():
+        measured(batch)
+        fits = [b for b, p in peaks.items() if p <= limit]
+        misses = [b for b, p in peaks.items() if p > limit]
+        lo, hi = max(fits, default=0), min(misses, default=None)
+        if hi is not None and hi - lo <= 1:
+            settled = True
+            break
+        if hi is None and lo >= cap:
+            capped = True
+            break
+        top = sorted(peaks)[-2:]
+        guess = line(*top)
+        ceiling = cap if hi is None else hi - 1
+        batch = max(lo + 1, min(guess, ceiling))
+        if batch in peaks:  # the line points at a measured batch: halve the gap instead
+            batch = (lo + ceiling + 1) // 2
+    fits = [b for b, p in peaks.items() if p <= limit]
     return {
         "fit_batches": list(fit),
         "peaks_at_fit": [low, high],
-        "bytes_per_sample": per_sample,
-        "fixed_bytes": fixed,
+        "bytes_per_sample": (high - low) / (fit[1] - fit[0]),
         "predicted": predicted,
-        "max_batch": batch,
+        "max_batch": max(fits, default=0) if check else predicted,
         "checked": settled,
         "capped": capped,
         "peaks": peaks,
@@ -192,7 +190,7 @@ def largest_batch(
 
 def time_options(
     options: list[str], dims: Dims, device: torch.device, batch: int, rounds: int, budget: Budget,
-    allow_slow: bool,
+    allow_slow: bool, profile: bool = False,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Every option's step at `batch`, taking turns; medians and ratios to keep's."""
     steps = {}
@@ -223,9 +221,40 @@ def time_options(
             ),
             "rounds": len(times[option]),
         }
+    if profile:
+        for option in options:
+            out[option]["profile"] = profile_step(steps[option], batch, device)
     del steps
     _release(device)
     return out
+
+
+def profile_step(step: Callable[[int], None], batch: int, device: torch.device) -> dict[str, Any]:
+    """One step under torch.profiler: its wall time, the device's kernel time and launches
+    (a step whose wall time is far above its kernel time waits on the host: Python and
+    dispatch), and the ops with the most host time of their own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    _sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step(batch)
+        _sync(device)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return {
+        "wall_ms": wall * 1e3,
+        "kernel_ms": sum(e.device_time for e in kernels) / 1e3,
+        "kernels": len(kernels),
+        "top_host_ops": [
+            {"op": e.key, "calls": e.count, "self_host_ms": e.self_cpu_time_total / 1e3}
+            for e in ops[:8]
+        ],
+    }
 
 
 def _mib(n: float | None) -> str:
@@ -271,6 +300,26 @@ def markdown(report: dict[str, Any]) -> str:
             q = t["quartiles"]
             ratio = f"{t['vs_keep']:.3f}x ({q[0]:.3f}-{q[1]:.3f})"
         lines.append(f"| {option} | {batch} | {vs} | {peak} | {per} | {ms} | {ratio} |")
+    profiled = {o: t["profile"] for o, t in timing.items() if t.get("profile")}
+    if profiled:
+        lines += [
+            "",
+            "One step profiled (wall time against the device's kernel time: the rest is the "
+            "host's Python and dispatch, or waits):",
+            "",
+            "| activations | wall ms | kernel ms | kernels | ops with the most host time "
+            "(calls, ms) |",
+            "|---|---:|---:|---:|---|",
+        ]
+        for option, prof in profiled.items():
+            top = "; ".join(
+                f"{o['op']} ({o['calls']}, {o['self_host_ms']:.1f})"
+                for o in prof["top_host_ops"][:5]
+            )
+            lines.append(
+                f"| {option} | {prof['wall_ms']:.1f} | {prof['kernel_ms']:.1f} "
+                f"| {prof['kernels']} | {top} |"
+            )
     lines += ["", "Targets:", ""]
     for option, what, bound in TARGETS:
         if what == "batch":
@@ -307,6 +356,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--time-batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--budget", type=float, default=90.0, help="seconds for the run")
+    parser.add_argument(
+        "--profile", action="store_true", help="also profile one step of each option"
+    )
     parser.add_argument("--tiny", action="store_true", help="a smoke test: TINY dims")
     parser.add_argument("--allow-slow", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("activations"))
@@ -361,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             write(args.out, report)
     if not budget.spent:
         report["time"] = time_options(
-            options, dims, device, time_batch, rounds, budget, args.allow_slow
+            options, dims, device, time_batch, rounds, budget, args.allow_slow, args.profile
         )
     write(args.out, report)
     print(markdown(report))

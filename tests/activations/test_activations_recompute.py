@@ -29,7 +29,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.drop(nn.functional.gelu(self.fc(self.norm(x))))
-        return x + self.out(h) * torch.ones(x.shape[-1]).to(x.dtype)
+        return x + self.out(h) * torch.ones(x.shape[-1], device=x.device).to(x.dtype)
 
 
 def net() -> nn.Module:
