@@ -444,7 +444,7 @@ def _run(name: str, first: Tensor, *args: Any) -> tuple[Any, bool]:
     build again for every other case)."""
     code_tables(FP8, True, first.device)
     with torch.no_grad(), _NO_DUCK_SIZING:
-        return GATE.run(_compiled(name), first, *args, stacklevel=4)
+        return GATE.run(_compiled(name), first, *args, eager=_KERNELS[name], stacklevel=4)
 
 
 def _compiled(name: str) -> Callable[..., Any]:

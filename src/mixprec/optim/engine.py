@@ -38,6 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
     "COMPENSATED_DTYPES",
@@ -366,6 +367,7 @@ class CompileGate:
         self.what = what
         self.hint = hint
         self.failed: str | None = None  # the first line of the failed build's error
+        self.checked: set[str] = set()  # device types where compiled matched eager
 
     def wants(self, device: torch.device, elements: int) -> bool:
         """Whether a step of ``elements`` on ``device`` runs compiled."""
@@ -375,14 +377,30 @@ class CompileGate:
             return elements >= self.min_elements and can_compile(device.type)
         return self.compile
 
-    def run(self, call: Callable[..., Any], *args: Any, stacklevel: int = 3) -> tuple[Any, bool]:
+    def run(
+        self,
+        call: Callable[..., Any],
+        *args: Any,
+        eager: Callable[..., Any] | None = None,
+        stacklevel: int = 3,
+    ) -> tuple[Any, bool]:
         """(``call(*args)``, True), or (None, False) when the build failed under
         ``compile=None`` (warned once; nothing ran): the compiler failed, or dynamo
         refused another build of the function in this process (its recompile limit,
-        reached by many formats, dtypes and optimizers before this one)."""
+        reached by many formats, dtypes and optimizers before this one).
+
+        With ``eager`` (the same math op by op, where the compiled kernel is held to it bit
+        for bit: the compensated step, the fp8 codec), the first call on each device type
+        other than the CPU (where the test suite holds them so) of at most
+        `CHECK_MAX_BYTES` of tensors is checked: ``eager`` runs on copies of the
+        arguments, and where any tensor or result differs in a bit, the eager results are
+        kept, a warning names the difference and later steps run eagerly (a compiler whose
+        numerics drift from eager's would change a step silently otherwise)."""
         from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 
         try:
+            if eager is not None and _unchecked(self.checked, args):
+                return self._checked(call, eager, args, stacklevel + 1), True
             return call(*args), True
         except (BackendCompilerFailed, FailOnRecompileLimitHit) as error:
             if self.compile is not None:
@@ -398,6 +416,73 @@ class CompileGate:
                 stacklevel=stacklevel + 1,
             )
             return None, False
+
+    def _checked(
+        self, call: Callable[..., Any], eager: Callable[..., Any], args: tuple, stacklevel: int
+    ) -> Any:
+        """`call` on ``args`` checked against `eager` on copies of them (see `run`)."""
+        leaves, spec = tree_flatten(args)
+        copies = _copies(leaves)
+        expected = eager(*tree_unflatten(copies, spec))
+        got = call(*args)
+        device = next(t.device for t in leaves if isinstance(t, torch.Tensor))
+        pairs = [(a, b) for a, b in zip(leaves, copies, strict=True) if isinstance(a, torch.Tensor)]
+        pairs += [
+            (a, b)
+            for a, b in zip(tree_flatten(got)[0], tree_flatten(expected)[0], strict=True)
+            if isinstance(a, torch.Tensor)
+        ]
+        differ = sum(int((_bytes(a) != _bytes(b)).sum()) for a, b in pairs)
+        if not differ:
+            self.checked.add(device.type)
+            return got
+        for a, b in zip(leaves, copies, strict=True):  # this step as eager computed it
+            if isinstance(a, torch.Tensor):
+                a.untyped_storage().copy_(b.untyped_storage())
+        self.failed = f"its compiled form differs from its eager form on {device.type}"
+        warnings.warn(
+            f"the {self.what} compiled on {device.type} differs from its eager form in "
+            f"{differ} bytes of its results; it runs eagerly from now on: the same math, "
+            f"slower. {self.hint}",
+            stacklevel=stacklevel + 1,
+        )
+        return expected
+
+
+# the largest call (bytes of its tensors) `CompileGate.run` checks against eager: a copy of
+# the arguments is made for it
+CHECK_MAX_BYTES = 1 << 28
+# device types whose compiled kernels `CompileGate.run` does not check (the test suite does)
+TRUSTED = ("cpu",)
+
+
+def _unchecked(checked: set[str], args: tuple) -> bool:
+    """Whether a call on ``args`` is one `CompileGate.run` checks."""
+    tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+    if not tensors or tensors[0].device.type in (*TRUSTED, *checked):
+        return False
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values()) <= CHECK_MAX_BYTES
+
+
+def _copies(leaves: list[Any]) -> list[Any]:
+    """The leaves with every tensor copied, views of one storage staying views of one copy."""
+    stores: dict[int, torch.UntypedStorage] = {}
+    out = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+            continue
+        storage = leaf.untyped_storage()
+        copy = stores.setdefault(storage.data_ptr(), storage.clone())
+        view = leaf.new_empty(0).set_(copy, leaf.storage_offset(), leaf.shape, leaf.stride())
+        out.append(view)
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (NaN payloads and signed zeros compared as they are)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 @functools.cache

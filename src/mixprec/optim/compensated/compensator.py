@@ -469,7 +469,10 @@ class Compensator:
         """Run the compiled step; False (with one warning, and eager steps from then on) if
         ``compile=None`` chose to compile and the build failed before anything ran."""
         step = compiled_step(call.algorithm, call.kind)
-        return self._gate.run(step, *tensors, scalars, key, call.decay, stacklevel=4)[1]
+        eager = KERNELS[call.algorithm, call.kind]
+        return self._gate.run(step, *tensors, scalars, key, call.decay, eager=eager, stacklevel=4)[
+            1
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         """The kind and the seed (the rounding's only state besides the step counts, which

@@ -584,10 +584,13 @@ class Float8Codec(StateCodec):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         magnitudes = x.abs() if signed else x  # (a second moment: >= 0 or NaN)
         largest = _finite_amax(magnitudes) if infinities else magnitudes.amax(dim=1)
+        # (over a tensor, not a number: CUDA divides by a number as a multiply by its
+        # reciprocal, a last bit off the division a CPU and the compiled kernels do)
+        top = largest.new_full((), FP8_MAX)
         if signed:
-            scales = largest / FP8_MAX
+            scales = largest / top
         else:  # (the largest root as `_root_scaled` takes it)
-            scales = largest.sqrt().abs() / FP8_MAX
+            scales = largest.sqrt().abs() / top
             x = x.sqrt()
         y = _over(x, scales)
         if not signed:

@@ -222,7 +222,11 @@ def _options() -> dict[str, Any]:
     left as it is)."""
     from torch._inductor import config
 
+    # 16-bit round trips kept (Kahan's rounded weight) and float32 division rounded as
+    # eager's (Triton's own division is approximate)
     options: dict[str, Any] = {"emulate_precision_casts": True}
+    if hasattr(getattr(config, "eager_numerics", None), "division_rounding"):
+        options["eager_numerics.division_rounding"] = True
     if hasattr(config, "realize_cpu_opcount_threshold"):
         options["realize_cpu_opcount_threshold"] = 100
     return options

@@ -1,0 +1,93 @@
+"""The compile gate's check of a compiled kernel against its eager form on a device whose
+compiled numerics the suite does not hold (a GPU's): run here on the CPU by trusting no
+device, with mixprec's own kernels held to their eager form bit for bit (the compensated
+step, the fp8 codec) and with a build that drifts."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.activations import codecs
+from mixprec.activations.codecs import ToFp8
+from mixprec.optim import engine
+from mixprec.optim.compensated import Compensator
+from mixprec.optim.engine import CompileGate, can_compile
+
+needs_compiler = pytest.mark.skipif(not can_compile("cpu"), reason="no C++ compiler here")
+
+
+@pytest.fixture
+def untrusted(monkeypatch):
+    monkeypatch.setattr(engine, "TRUSTED", ())
+
+
+def test_a_build_that_drifts_from_eager_is_caught_its_step_redone_and_dropped(untrusted):
+    gate = CompileGate(None, "test step", "(a hint)")
+    x = torch.arange(6.0)
+    alias = x[2:]  # a view: the check's copies keep it one
+
+    def drifting(a, b):
+        a.add_(1.0)
+        b.mul_(2.0)
+        return a.sum()
+
+    def exact(a, b):
+        a.add_(1.0)
+        b.mul_(3.0)
+        return a.sum()
+
+    with pytest.warns(UserWarning, match="test step compiled on cpu differs from its eager"):
+        result, ran = gate.run(drifting, x, alias, eager=exact)
+    assert ran and gate.failed is not None
+    assert torch.equal(x, torch.tensor([1.0, 2.0, 9.0, 12.0, 15.0, 18.0]))  # eager's
+    assert float(result) == 57.0  # eager's result, from its own copies
+    assert not gate.wants(torch.device("cpu"), 1 << 30)  # eager from now on
+
+
+def test_a_matching_build_is_checked_once_per_device_type(untrusted):
+    gate = CompileGate(None, "test step", "")
+    calls = []
+
+    def eager(a):
+        calls.append("eager")
+        return a.add_(1.0)
+
+    x = torch.zeros(4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        gate.run(lambda a: a.add_(1.0), x, eager=eager)
+        gate.run(lambda a: a.add_(1.0), x, eager=eager)
+    assert not [w for w in seen if "eager form" in str(w.message)]
+    assert calls == ["eager"] and gate.checked == {"cpu"} and gate.failed is None
+    assert torch.equal(x, torch.full((4,), 2.0))
+
+
+def test_calls_past_the_size_bound_and_trusted_devices_are_not_checked(monkeypatch):
+    gate = CompileGate(None, "test step", "")
+    x = torch.zeros(64)
+    gate.run(lambda a: a.add_(1.0), x, eager=lambda a: a.add_(2.0))  # the CPU is trusted
+    monkeypatch.setattr(engine, "TRUSTED", ())
+    monkeypatch.setattr(engine, "CHECK_MAX_BYTES", 64 * 4 - 1)
+    gate.run(lambda a: a.add_(1.0), x, eager=lambda a: a.add_(2.0))
+    assert gate.checked == set() and gate.failed is None and float(x[0]) == 2.0
+
+
+@needs_compiler
+def test_the_compensated_step_and_the_fp8_codec_pass_their_check(untrusted, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.randn(70000, generator=g).to(torch.bfloat16))]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    comp = Compensator("kahan", seed=1, compile=True)
+    monkeypatch.setattr(codecs.GATE, "compile", True)
+    monkeypatch.setattr(codecs.GATE, "checked", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        params[0].grad = torch.randn(70000, generator=g).to(torch.bfloat16)
+        comp.step(opt)
+        ToFp8().decode(ToFp8().encode(torch.randn(64, 96, generator=g)))
+    assert not [w for w in seen if "eager form" in str(w.message)]
+    assert codecs.GATE.checked == {"cpu"} and codecs.GATE.failed is None
