@@ -65,11 +65,12 @@ def test_low_bit_states_step_compiled_on_cuda_as_eagerly_on_the_cpu(states):
 
 @pytest.mark.skipif(not can_compile("cuda"), reason="no Triton to compile with")
 @pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
-def test_bf16_weights_with_low_bit_states_compiled_on_cuda_follow_the_cpu(compensation):
-    """The engine's write-back inside the Triton kernel: the random bits are a hash of the
-    element's index and the call's key, so the CPU's eager step draws the same ones; the
-    weights agree but for rare elements one bfloat16 step apart (float32 division and square
-    root may round differently in the two kernels)."""
+def test_bf16_weights_with_low_bit_states_on_cuda_follow_the_cpu(compensation):
+    """Stochastic rounding inside the Triton kernel: the random bits are a hash of the
+    element's index and the call's key, so the CPU's eager step draws the same ones. The
+    Kahan write-back runs eagerly on CUDA (`engine.KAHAN_COMPILES`: an H200 run found the
+    compiled one off). The weights they carry agree within a bfloat16 step, nearly all
+    exactly."""
     runs = []
     for device, compile in ((CUDA, None), (CPU, False)):
         params = _params(device, torch.bfloat16)
@@ -77,6 +78,8 @@ def test_bf16_weights_with_low_bit_states_compiled_on_cuda_follow_the_cpu(compen
             params, lr=1e-3, states="int8", min_size=0, compensation=compensation,
             compile=compile, seed=7,
         )  # fmt: skip
+        if device.type == "cuda":
+            assert opt.compiles(CUDA) == (compensation != "kahan")
         _run(opt.step, params, 4)
         # the weight a Kahan step carries: the bfloat16 weight plus its compensation
         runs.append([_carried(opt, p) for p in params])

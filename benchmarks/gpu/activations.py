@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     options = ["keep", *(o for o in args.options if o != "keep")]
     budget = Budget(args.budget)
     args.out.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["python", "benchmarks/gpu/activations.py", *(argv or sys.argv[1:])])
+    given = sys.argv[1:] if argv is None else argv
+    command = shlex.join(["python", "benchmarks/gpu/activations.py", *given])
     with torch.device("meta"):
         parameters = sum(p.numel() for p in LM(dims).parameters())
     report: dict[str, Any] = {

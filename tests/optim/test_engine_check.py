@@ -16,6 +16,7 @@ from mixprec.activations.codecs import ToFp8
 from mixprec.optim import engine
 from mixprec.optim.compensated import Compensator
 from mixprec.optim.engine import CompileGate, can_compile
+from mixprec.optim.states import LowBitAdamW
 
 needs_compiler = pytest.mark.skipif(not can_compile("cpu"), reason="no C++ compiler here")
 
@@ -91,3 +92,29 @@ def test_the_compensated_step_and_the_fp8_codec_pass_their_check(untrusted, monk
         ToFp8().decode(ToFp8().encode(torch.randn(64, 96, generator=g)))
     assert not [w for w in seen if "eager form" in str(w.message)]
     assert codecs.GATE.checked == {"cpu"} and codecs.GATE.failed is None
+
+
+@needs_compiler
+def test_a_kahan_low_bit_step_runs_eagerly_where_its_compiled_form_is_not_trusted(monkeypatch):
+    """Where `KAHAN_COMPILES` leaves a device out (CUDA, after an H200 run found the Triton
+    write-back off the eager one), the Kahan step runs eagerly whatever ``compile`` says,
+    compile=True warning once; other compensations and float32 weights still compile."""
+    monkeypatch.setattr(engine, "KAHAN_COMPILES", ())
+
+    def run(compensation, compile, dtype=torch.bfloat16):
+        g = torch.Generator().manual_seed(0)
+        params = [nn.Parameter(torch.randn(300, 256, generator=g).to(dtype))]
+        opt = LowBitAdamW(params, lr=1e-3, compensation=compensation, compile=compile, seed=1)
+        for _ in range(2):
+            params[0].grad = torch.randn(300, 256, generator=g).to(dtype)
+            opt.step()
+        return opt, params[0].detach()
+
+    eager, expected = run("kahan", False)
+    auto, got = run("kahan", None)
+    assert not auto.compiles("cpu") and torch.equal(got, expected)
+    with pytest.warns(UserWarning, match="Kahan step runs eagerly on cpu although compile=True"):
+        forced, got = run("kahan", True)
+    assert torch.equal(got, expected)
+    assert run("stochastic", None)[0].compiles("cpu")
+    assert run("kahan", None, torch.float32)[0].compiles("cpu")  # nothing to compensate

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from operator import is_
 from typing import Any, NamedTuple
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from mixprec.optim import engine
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
     COMPILE_MIN_ELEMENTS,
@@ -381,6 +383,7 @@ class LowBitOptimizer(StateCheckpoint):
             "Pass compile=False to skip the attempt",
             COMPILE_MIN_ELEMENTS,
         )
+        self._kahan_warned = False
         self.min_size = min_size
         self.keep_float32 = keep_float32
         # formats of single parameters, consulted before their group's
@@ -463,6 +466,10 @@ class LowBitOptimizer(StateCheckpoint):
 
         def compiled(group: Mapping[str, Any], p: torch.Tensor) -> bool:
             real = real_view(p)
+            if self._kahan_eager(torch.device(device), self.compensation) and (
+                p.dtype in COMPENSATED_DTYPES
+            ):
+                return False
             fused = not self.format_of(p, group).quantized and real.dtype == torch.float32
             own = local_part(p) is not p or not real.is_contiguous()
             return not fused or own or (real.numel() > buckets_.FLAT_MAX and not on_cpu)
@@ -471,6 +478,28 @@ class LowBitOptimizer(StateCheckpoint):
         return any(compiled(g, p) for g, p in params) and self._gate.wants(
             torch.device(device), total
         )
+
+    def _wants(self, device: torch.device, total: int, compensation: str | None) -> bool:
+        """Whether an update of ``total`` elements on ``device`` runs compiled: the gate's
+        answer, but never a Kahan write-back where `engine.KAHAN_COMPILES` leaves it out."""
+        if self._kahan_eager(device, compensation):
+            return False
+        return self._gate.wants(device, total)
+
+    def _kahan_eager(self, device: torch.device, compensation: str | None) -> bool:
+        """Whether a Kahan write-back on ``device`` runs eagerly whatever ``compile`` says
+        (warned once where compile=True asked for it)."""
+        if compensation != "kahan" or device.type in engine.KAHAN_COMPILES:
+            return False
+        if self._gate.compile is True and not self._kahan_warned:
+            self._kahan_warned = True
+            warnings.warn(
+                f"the low-bit optimizer's Kahan step runs eagerly on {device.type} although "
+                "compile=True: its compiled form was found off the eager one there "
+                "(mixprec.optim.engine.KAHAN_COMPILES)",
+                stacklevel=4,
+            )
+        return True
 
     def _prepared(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
         """``p``'s state ready for a step: made on its first, converted when its format is
@@ -864,7 +893,7 @@ class LowBitOptimizer(StateCheckpoint):
         kept = planned.state.get("compensation") if compensation == "kahan" else None
         kept = None if kept is None else local_part(kept)
         buf = None if kept is None else _flat(kept)
-        compiled = self._gate.wants(real.device, total)
+        compiled = self._wants(real.device, total, compensation)
         # (random bits only for a compensation; a shard's from its place in the whole)
         key = 0
         if compensation is not None:
@@ -912,7 +941,7 @@ class LowBitOptimizer(StateCheckpoint):
         flat = buckets_.gather(params, pads)
         grad = buckets_.gather([real_view(b.p.grad).reshape(-1) for b in bucket], pads)
         entry = self._joined(bucket, pads, compensation, joined)
-        compiled = self._gate.wants(flat.device, total)
+        compiled = self._wants(flat.device, total, compensation)
         # the random bits of the bucket's elements, from its first parameter's key on (only
         # for a compensation)
         key = 0 if compensation is None else call_key(self.seed, bucket[0].step, bucket[0].index)
