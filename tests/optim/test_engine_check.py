@@ -63,7 +63,7 @@ def test_a_matching_build_is_checked_once_per_device_type(untrusted):
         gate.run(lambda a: a.add_(1.0), x, eager=eager)
         gate.run(lambda a: a.add_(1.0), x, eager=eager)
     assert not [w for w in seen if "eager form" in str(w.message)]
-    assert calls == ["eager"] and gate.checked == {"cpu"} and gate.failed is None
+    assert calls == ["eager"] and len(gate.checked) == 1 and gate.failed is None
     assert torch.equal(x, torch.full((4,), 2.0))
 
 
@@ -75,6 +75,39 @@ def test_calls_past_the_size_bound_and_trusted_devices_are_not_checked(monkeypat
     monkeypatch.setattr(engine, "CHECK_MAX_BYTES", 64 * 4 - 1)
     gate.run(lambda a: a.add_(1.0), x, eager=lambda a: a.add_(2.0))
     assert gate.checked == set() and gate.failed is None and float(x[0]) == 2.0
+
+
+def test_nans_of_other_payloads_match_and_each_kernel_and_dtype_is_checked(untrusted):
+    gate = CompileGate(None, "test step", "")
+
+    def quiet(a):
+        a.copy_(torch.tensor([float("nan"), 1.0]))
+
+    def payload(a):  # another NaN's bits
+        a.copy_(torch.tensor([0x7FC00001, 0x3F800000], dtype=torch.int32).view(torch.float32))
+
+    x = torch.zeros(2)
+    gate.run(payload, x, eager=quiet)
+    assert gate.failed is None and len(gate.checked) == 1
+
+    def drifting(a):
+        a.add_(1.0)
+
+    with pytest.warns(UserWarning, match="differs from its eager form"):
+        gate.run(drifting, torch.zeros(2, dtype=torch.float64), eager=lambda a: a.add_(2.0))
+    assert gate.failed is not None  # another kernel, another dtype: checked too
+
+
+def test_results_of_another_shape_dtype_or_value_are_drift(untrusted):
+    for got, expected in [
+        (lambda a: (a * 2, 3), lambda a: (a * 2, 4)),
+        (lambda a: a.int(), lambda a: a.float()),
+        (lambda a: a.repeat(2), lambda a: a),
+    ]:
+        gate = CompileGate(None, "test step", "")
+        with pytest.warns(UserWarning, match="differs from its eager form"):
+            gate.run(got, torch.zeros(4), eager=expected)
+        assert gate.failed is not None
 
 
 @needs_compiler
@@ -91,7 +124,8 @@ def test_the_compensated_step_and_the_fp8_codec_pass_their_check(untrusted, monk
         comp.step(opt)
         ToFp8().decode(ToFp8().encode(torch.randn(64, 96, generator=g)))
     assert not [w for w in seen if "eager form" in str(w.message)]
-    assert codecs.GATE.checked == {"cpu"} and codecs.GATE.failed is None
+    # one check per kernel and dtypes: the encode and the decode
+    assert len(codecs.GATE.checked) == 2 and codecs.GATE.failed is None
 
 
 @needs_compiler

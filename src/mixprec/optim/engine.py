@@ -370,7 +370,7 @@ class CompileGate:
         self.what = what
         self.hint = hint
         self.failed: str | None = None  # the first line of the failed build's error
-        self.checked: set[str] = set()  # device types where compiled matched eager
+        self.checked: set[tuple] = set()  # kinds of calls checked (`_kind`)
 
     def wants(self, device: torch.device, elements: int) -> bool:
         """Whether a step of ``elements`` on ``device`` runs compiled."""
@@ -393,16 +393,17 @@ class CompileGate:
         reached by many formats, dtypes and optimizers before this one).
 
         With ``eager`` (the same math op by op, where the compiled kernel is held to it bit
-        for bit: the compensated step, the fp8 codec), the first call on each device type
-        other than the CPU (where the test suite holds them so) of at most
-        `CHECK_MAX_BYTES` of tensors is checked: ``eager`` runs on copies of the
-        arguments, and where any tensor or result differs in a bit, the eager results are
-        kept, a warning names the difference and later steps run eagerly (a compiler whose
-        numerics drift from eager's would change a step silently otherwise)."""
+        for bit: the compensated step, the fp8 codec), the first call of each kind (the
+        kernel, the device type, the dtypes of its tensors) on a device other than the CPU
+        (where the test suite holds them so), of at most `CHECK_MAX_BYTES` of tensors, is
+        checked: ``eager`` runs on copies of the arguments, and where any tensor or result
+        differs (NaNs equal whatever their payload), the eager results are kept, a warning
+        names the difference and later steps run eagerly (a compiler whose numerics drift
+        from eager's would change a step silently otherwise)."""
         from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 
         try:
-            if eager is not None and _unchecked(self.checked, args):
+            if eager is not None and _unchecked(self.checked, call, args):
                 return self._checked(call, eager, args, stacklevel + 1), True
             return call(*args), True
         except (BackendCompilerFailed, FailOnRecompileLimitHit) as error:
@@ -423,38 +424,38 @@ class CompileGate:
     def _checked(
         self, call: Callable[..., Any], eager: Callable[..., Any], args: tuple, stacklevel: int
     ) -> Any:
-        """`call` on ``args`` checked against `eager` on copies of them (see `run`)."""
+        """`call` on ``args`` checked against `eager` on copies of them (see `run`). A call
+        whose check would not fit in the device's memory runs unchecked (and the next call
+        of its kind is checked instead)."""
         leaves, spec = tree_flatten(args)
-        copies = _copies(leaves)
-        expected = eager(*tree_unflatten(copies, spec))
+        try:
+            copies = _copies(leaves)
+            expected = eager(*tree_unflatten(copies, spec))
+        except torch.OutOfMemoryError:
+            return call(*args)
         got = call(*args)
-        device = next(t.device for t in leaves if isinstance(t, torch.Tensor))
-        pairs = [(a, b) for a, b in zip(leaves, copies, strict=True) if isinstance(a, torch.Tensor)]
-        pairs += [
-            (a, b)
-            for a, b in zip(tree_flatten(got)[0], tree_flatten(expected)[0], strict=True)
-            if isinstance(a, torch.Tensor)
-        ]
-        differ = sum(int((_bytes(a) != _bytes(b)).sum()) for a, b in pairs)
+        self.checked.add(_kind(call, args))
+        differ = _difference(
+            [*leaves, *tree_flatten(got)[0]], [*copies, *tree_flatten(expected)[0]]
+        )
         if not differ:
-            self.checked.add(device.type)
             return got
         for a, b in zip(leaves, copies, strict=True):  # this step as eager computed it
             if isinstance(a, torch.Tensor):
                 a.untyped_storage().copy_(b.untyped_storage())
+        device = next(t.device for t in leaves if isinstance(t, torch.Tensor))
         self.failed = f"its compiled form differs from its eager form on {device.type}"
         warnings.warn(
-            f"the {self.what} compiled on {device.type} differs from its eager form in "
-            f"{differ} bytes of its results; it runs eagerly from now on: the same math, "
-            f"slower. {self.hint}",
+            f"the {self.what} compiled on {device.type} differs from its eager form "
+            f"({differ}); it runs eagerly from now on: the same math, slower. {self.hint}",
             stacklevel=stacklevel + 1,
         )
         return expected
 
 
 # the largest call (bytes of its tensors) `CompileGate.run` checks against eager: a copy of
-# the arguments is made for it
-CHECK_MAX_BYTES = 1 << 28
+# the arguments and eager's temporaries (several times the tensors) are made for it
+CHECK_MAX_BYTES = 1 << 26
 # device types whose compiled kernels `CompileGate.run` does not check (the test suite does)
 TRUSTED = ("cpu",)
 # device types where the low-bit optimizers' Kahan write-back runs compiled: on an H200
@@ -465,13 +466,47 @@ TRUSTED = ("cpu",)
 KAHAN_COMPILES = ("cpu",)
 
 
-def _unchecked(checked: set[str], args: tuple) -> bool:
-    """Whether a call on ``args`` is one `CompileGate.run` checks."""
+def _kind(call: Callable[..., Any], args: tuple) -> tuple:
+    """What one check of `CompileGate.run` covers: the kernel, the device type, and the
+    dtypes of its tensors (each a build of its own)."""
     tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
-    if not tensors or tensors[0].device.type in (*TRUSTED, *checked):
+    return (id(call), tensors[0].device.type, *(t.dtype for t in tensors))
+
+
+def _unchecked(checked: set[tuple], call: Callable[..., Any], args: tuple) -> bool:
+    """Whether a call on ``args`` is one `CompileGate.run` checks: on an untrusted device,
+    of a kind not checked yet, of at most `CHECK_MAX_BYTES` of tensors."""
+    tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+    if not tensors or tensors[0].device.type in TRUSTED or _kind(call, args) in checked:
         return False
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values()) <= CHECK_MAX_BYTES
+
+
+def _difference(got: list[Any], expected: list[Any]) -> str:
+    """How the leaves ``got`` differ from ``expected`` ('' where they are the same): the
+    bytes of tensors (NaNs equal whatever their payload), their shapes and dtypes, and
+    other values compared as values."""
+    if len(got) != len(expected):
+        return "a different number of results"
+    differ = 0
+    for a, b in zip(got, expected, strict=True):
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
+                return f"{a!r} where eager gives {b!r}"
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return (
+                f"a {a.dtype} {tuple(a.shape)} tensor where eager gives {b.dtype} {tuple(b.shape)}"
+            )
+        a, b = a.detach(), b.detach()
+        same = (_bytes(a) == _bytes(b)).view(-1, a.element_size()).all(dim=1)
+        if a.is_floating_point() or a.is_complex():
+            if a.element_size() == 1:  # (float8: compared through float32)
+                a, b = a.float(), b.float()
+            same |= (a.isnan() & b.isnan()).reshape(-1)
+        differ += int((~same).sum())
+    return f"{differ} elements of its results" if differ else ""
 
 
 def _copies(leaves: list[Any]) -> list[Any]:
@@ -483,7 +518,9 @@ def _copies(leaves: list[Any]) -> list[Any]:
             out.append(leaf)
             continue
         storage = leaf.untyped_storage()
-        copy = stores.setdefault(storage.data_ptr(), storage.clone())
+        if storage.data_ptr() not in stores:
+            stores[storage.data_ptr()] = storage.clone()
+        copy = stores[storage.data_ptr()]
         view = leaf.new_empty(0).set_(copy, leaf.storage_offset(), leaf.shape, leaf.stride())
         out.append(view)
     return out
