@@ -1,8 +1,9 @@
 """MkDocs hook: the README and the committed benchmark results become pages of the site.
 
 The README is the home page (its links into docs/ and benchmarks/results/ rewritten to the
-site's). Every Markdown file, plot and JSON/CSV data file under benchmarks/results/ (and the
-GPU experiment's README) is added as a generated file under results/, read from where it is committed, so the
+site's). Every Markdown file, plot, JSON/CSV data file, log, text output and script under
+benchmarks/results/ (and the GPU experiment's README) is added as a generated file under
+results/, read from where it is committed, so the
 site always shows what the repository holds and nothing is copied by hand. A results index
 lists them. The pages link to results as the repository holds them (`../benchmarks/results/...`,
 which a reader of the Markdown files can follow), and those links are pointed at the generated
@@ -40,8 +41,8 @@ def on_files(files: Files, config) -> Files:
     files.append(File.generated(config, "index.md", content=home_page()))
     entries = []
     for path in sorted(RESULTS.rglob("*")):
-        # pages, plots, logs and the raw data files pages link to
-        if path.suffix not in {".md", ".png", ".json", ".csv", ".log"}:
+        # pages, plots, logs, the raw data files pages link to and scripts that made them
+        if path.suffix not in {".md", ".png", ".json", ".csv", ".log", ".txt", ".py"}:
             continue
         uri = "results/" + path.relative_to(RESULTS).as_posix()
         files.append(File.generated(config, uri, abs_src_path=str(path)))
