@@ -251,12 +251,21 @@ def profile_step(step: Callable[[int], None], batch: int, device: torch.device) 
         step(batch)
         _sync(device)
         wall = time.perf_counter() - start
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    on_device = [
+        e
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+        and not getattr(e, "is_user_annotation", False)
+    ]
+    copies = [e for e in on_device if e.name.startswith(("Memcpy", "Memset"))]
+    kernels = [e for e in on_device if not e.name.startswith(("Memcpy", "Memset"))]
     ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     return {
         "wall_ms": wall * 1e3,
+        # (summed: kernels on several streams at once count each)
         "kernel_ms": sum(e.device_time for e in kernels) / 1e3,
         "kernels": len(kernels),
+        "copy_ms": sum(e.device_time for e in copies) / 1e3,
         "top_host_ops": [
             {"op": e.key, "calls": e.count, "self_host_ms": e.self_cpu_time_total / 1e3}
             for e in ops[:8]
@@ -266,6 +275,14 @@ def profile_step(step: Callable[[int], None], batch: int, device: torch.device) 
 
 def _mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:,.1f}"
+
+
+def _unsettled(m: dict[str, Any]) -> str:
+    """A largest batch the search did not settle: the prediction alone (unmeasured), or the
+    largest measured fit when the budget or the probe limit stopped it."""
+    if len(m["peaks"]) <= 2:
+        return f"{m['predicted']} (predicted from the fit, unmeasured)"  # (at most the cap)
+    return f">= {m['max_batch']} (unsettled)"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -298,8 +315,10 @@ def markdown(report: dict[str, Any]) -> str:
             if m["capped"]:
                 batch = f">= {batch} (the cap)"
             elif not m["checked"]:
-                batch += " (predicted)"
-            vs = f"{m['max_batch'] / keep_batch:.2f}x" if keep_batch else "-"
+                batch = _unsettled(m)
+            if keep_batch and (m["checked"] or m["capped"]):
+                vs = f"{m['max_batch'] / keep_batch:.2f}x"
+                vs = (">= " if m["capped"] else "") + vs
             peak = _mib(m["peaks_at_fit"][1])
             per = f"{_mib(m['bytes_per_sample'])}; {_mib(m['bytes_per_sample_at_top'])}"
         ms = ratio = "-"
@@ -315,9 +334,9 @@ def markdown(report: dict[str, Any]) -> str:
             "One step profiled (wall time against the device's kernel time: the rest is the "
             "host's Python and dispatch, or waits):",
             "",
-            "| activations | wall ms | kernel ms | kernels | ops with the most host time "
-            "(calls, ms) |",
-            "|---|---:|---:|---:|---|",
+            "| activations | wall ms | kernel ms | kernels | copy ms | ops with the most host "
+            "time (calls, ms) |",
+            "|---|---:|---:|---:|---:|---|",
         ]
         for option, prof in profiled.items():
             top = "; ".join(
@@ -326,13 +345,13 @@ def markdown(report: dict[str, Any]) -> str:
             )
             lines.append(
                 f"| {option} | {prof['wall_ms']:.1f} | {prof['kernel_ms']:.1f} "
-                f"| {prof['kernels']} | {top} |"
+                f"| {prof['kernels']} | {prof.get('copy_ms', 0.0):.1f} | {top} |"
             )
     lines += ["", "Targets:", ""]
     for option, what, bound in TARGETS:
         if what == "batch":
             m = memory.get(option)
-            if not (m and keep_batch):
+            if not (m and keep_batch and (m["checked"] or m["capped"])):
                 lines.append(f"- {option} batch >= {bound}x keep's: not measured")
                 continue
             got = m["max_batch"] / keep_batch
@@ -408,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         report["skipped"]["offload"] = "CUDA only"
         options.remove("offload")
     if device.type == "cuda":
+        # what a process allocates once (cuBLAS workspaces...) before the first base reading,
+        # so that no option's peaks carry it
+        build("keep", dims, device, args.allow_slow)(args.fit[0])
+        _release(device)
         for option in options:
             if budget.spent:
                 break

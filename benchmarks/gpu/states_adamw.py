@@ -10,7 +10,7 @@ torch's. Rows are written after each model, so a run stopped at its budget keeps
 measured.
 
     python benchmarks/gpu/states_adamw.py [--device cuda] [--models mlp4m mlp100m]
-        [--rounds 30] [--warmup 3] [--out DIR] [--tiny]
+        [--rounds 40] [--warmup 10] [--out DIR] [--tiny]
 
 ``--tiny`` runs a 64-wide MLP for a smoke test on a CPU (its numbers mean nothing there).
 """
@@ -18,6 +18,7 @@ measured.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shlex
 import statistics
@@ -112,6 +113,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _rounds(
+    steppers: dict[str, tuple[torch.optim.Optimizer, float]],
+    labels: list[str],
+    times: dict[str, list[float]],
+    rounds: int,
+    device: torch.device,
+) -> None:
+    """Each optimizer one step a round, in an order rotating by round, synchronised."""
+    for r in range(rounds):
+        shift = r % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            opt = steppers[label][0]
+            _sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            _sync(device)
+            times[label].append(time.perf_counter() - t0)
+
+
 def time_model(
     name: str, device: torch.device, rounds: int, warmup: int
 ) -> list[dict[str, object]]:
@@ -128,15 +148,14 @@ def time_model(
         print(f"{name}: {label} warmed up in {steppers[label][1]:.1f} s", flush=True)
     labels = list(steppers)
     times: dict[str, list[float]] = {k: [] for k in labels}
-    for r in range(rounds):
-        shift = r % len(labels)
-        for label in labels[shift:] + labels[:shift]:
-            opt = steppers[label][0]
-            _sync(device)
-            t0 = time.perf_counter()
-            opt.step()
-            _sync(device)
-            times[label].append(time.perf_counter() - t0)
+    # (warm-up steps past the compiling one: the first H200 run's steps ran twice as slow
+    # for several rounds after 3; no collection pauses inside the rounds)
+    gc.collect()
+    gc.disable()
+    try:
+        _rounds(steppers, labels, times, rounds, device)
+    finally:
+        gc.enable()
     base = labels[0]
     rows = []
     for label in labels:
@@ -178,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--models", nargs="+", default=["mlp4m", "mlp100m"], choices=MODELS)
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--out", type=Path, default=Path("states_adamw"))
     parser.add_argument("--tiny", action="store_true", help="a 64-wide MLP, 2 rounds")
     args = parser.parse_args(argv)
