@@ -624,8 +624,9 @@ def settle_buffer_(buffer: torch.Tensor, p: torch.Tensor) -> None:
     an EMA swapped in and back, DDP's first broadcast) keeps its error; one whose weight was
     set to another value (pruned to zero, loaded) held the old weight's, which would move the
     new one: zeroed, unless within half the spacing toward which it points (at a power of
-    two the spacing below is half the one above), where the new weight rounds back to
-    itself (a tie, which a step leaves beside an even weight, where the weight is even)."""
+    two the spacing below is half the one above). An entry of exactly half a spacing is kept
+    beside any weight: the buffer is itself rounded stochastically to its 16-bit grid, on
+    which half a spacing lies, so a step leaves such ties beside odd weights too."""
     weight, error = p.detach().float(), buffer.float()
     bits, tiny = (7, 2.0**-133) if p.dtype == torch.bfloat16 else (10, 2.0**-24)
 
@@ -635,10 +636,11 @@ def settle_buffer_(buffer: torch.Tensor, p: torch.Tensor) -> None:
 
     magnitude = weight.abs()
     away = error * weight > 0  # (toward a larger magnitude: the spacing of the weight's binade)
-    half = torch.where(away, half_spacing(magnitude), half_spacing(magnitude * (1 - 2.0**-9)))
-    size = error.abs()
-    even = (p.detach().view(torch.int16) & 1) == 0  # (a tie rounds to the even neighbour)
-    buffer.masked_fill_((size > half) | ((size == half) & ~even), 0)
+    # (toward zero: the binade below a power of two, and the weight's own above it; a factor
+    # of 1 - 2^-(bits + 2) takes a power of two below it and no other number of the dtype)
+    below = half_spacing(magnitude * (1 - 2.0 ** -(bits + 2)))
+    half = torch.where(away, half_spacing(magnitude), below)
+    buffer.masked_fill_(error.abs() > half, 0)
 
 
 def written_mark(p: torch.Tensor) -> tuple[int, int | None]:
