@@ -1053,3 +1053,21 @@ def test_an_in_process_rollback_of_a_kahan_run_continues_it_bit_for_bit(dtype, n
         opt.step()
     for a, b in zip(straight, rolled, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("states", ["int8", "float32"])
+def test_parameters_over_the_same_memory_take_both_updates_as_torchs(states):
+    """Two Parameters over one tensor (and a third over a disjoint part of another buffer):
+    a flat run read both before writing either, so the second update overwrote the first."""
+    from mixprec.optim.states import LowBitSGD
+
+    shared = torch.zeros(5000, dtype=torch.bfloat16)
+    buffer = torch.zeros(10000, dtype=torch.bfloat16)
+    params = [nn.Parameter(shared), nn.Parameter(shared), nn.Parameter(buffer[:5000])]
+    params.append(nn.Parameter(buffer[5000:]))
+    opt = LowBitSGD(params, lr=0.1, states=states, min_size=0, compile=False)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert float(shared[0]) == pytest.approx(-0.2, rel=1e-2)  # both updates, as torch's
+    assert float(buffer[0]) == pytest.approx(-0.1, rel=1e-2) == float(buffer[-1])
