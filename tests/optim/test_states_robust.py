@@ -1071,3 +1071,22 @@ def test_parameters_over_the_same_memory_take_both_updates_as_torchs(states):
     opt.step()
     assert float(shared[0]) == pytest.approx(-0.2, rel=1e-2)  # both updates, as torch's
     assert float(buffer[0]) == pytest.approx(-0.1, rel=1e-2) == float(buffer[-1])
+
+
+def test_an_empty_saved_entry_is_no_state_as_torch_loads_it():
+    """Reading ``optimizer.state[p]`` of a parameter not stepped yet makes an empty entry,
+    which its state dict carries; torch's loader takes it, ours refused it as lacking moments."""
+    from mixprec.optim.states import AdamW8bit
+
+    params = [nn.Parameter(torch.randn(300, 256)), nn.Parameter(torch.randn(10))]
+    opt = AdamW8bit(params, compile=False)
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    assert opt.state[params[1]] == {}
+    fresh = AdamW8bit(params, compile=False)
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert params[1] not in fresh.state or fresh.state[params[1]] == {}
+    for p in params:
+        p.grad = torch.ones_like(p)
+    fresh.step()
+    assert int(fresh.state[params[1]]["step"]) == 1 and int(fresh.state[params[0]]["step"]) == 2

@@ -84,6 +84,11 @@ class StateCheckpoint(torch.optim.Optimizer):
                 "optimizer.state_dict())"
             )
         saved = dict(state_dict)
+        # an empty entry is no state (reading ``optimizer.state[p]`` makes one): as torch's
+        # loader takes it, the parameter starts afresh at its next step
+        saved["state"] = {
+            k: v for k, v in saved["state"].items() if not (isinstance(v, Mapping) and not v)
+        }
         # (states saved before the engine's random bits hold a generator state instead of
         # the seed: checked and set aside, the rounding draws from no generator now)
         generator = saved.pop("generator", None)
