@@ -86,17 +86,22 @@ def test_transformer_script_gives_its_children_an_indexed_cuda_device(tmp_path, 
     assert [job.device for job in jobs] == ["cuda:0"]
 
 
+def _main_on_one_thread(script, args: list[str]) -> int:
+    """``script.main(args)`` with torch on one thread (a shared 2-core machine: one thread
+    times steadily), the thread count restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return script.main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_trainer_overhead_script_tiny_on_cpu(tmp_path, monkeypatch, capsys):
     script = _load("trainer_overhead")
     out = tmp_path / "trainer.md"
     args = ["--device", "cpu", "--tiny", "--precision", "32-true", "--out", str(out)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a shared 2-core machine: one thread times steadily
-    try:
-        code = script.main(args)
-    finally:
-        torch.set_num_threads(threads)
-    assert code == 0
+    assert _main_on_one_thread(script, args) == 0
     text = out.read_text()
     assert "blog CNN on 16x16 images, batch 4" in text
     row = next(line for line in text.splitlines() if line.startswith("| 32-true |"))
@@ -110,12 +115,7 @@ def test_float8_mlp_script_tiny_on_cpu(tmp_path, monkeypatch):
     out = tmp_path / "out"
     variants = ["bf16-mixed", "float8", "float8 op-by-op casts"]
     args = ["--device", "cpu", "--tiny", "--out", str(out), "--variants", *variants]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert script.main(args) == 0
-    finally:
-        torch.set_num_threads(threads)
+    assert _main_on_one_thread(script, args) == 0
     rows = [json.loads(line) for line in (out / "float8_mlp.jsonl").read_text().splitlines()]
     assert [r["variant"] for r in rows] == variants
     for r in rows:
@@ -143,12 +143,8 @@ def test_states_adamw_script_tiny_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     script = _load("states_adamw")
     out = tmp_path / "out"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert script.main(["--device", "cpu", "--tiny", "--warmup", "1", "--out", str(out)]) == 0
-    finally:
-        torch.set_num_threads(threads)
+    args = ["--device", "cpu", "--tiny", "--warmup", "1", "--out", str(out)]
+    assert _main_on_one_thread(script, args) == 0
     rows = [json.loads(line) for line in (out / "states_adamw.jsonl").read_text().splitlines()]
     names = [r["optimizer"] for r in rows]
     assert names[:4] == [
@@ -174,13 +170,8 @@ def test_activations_script_tiny_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     script = _load("activations")
     out = tmp_path / "out"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        args = ["--device", "cpu", "--tiny", "--allow-slow", "--out", str(out)]
-        assert script.main(args) == 0
-    finally:
-        torch.set_num_threads(threads)
+    args = ["--device", "cpu", "--tiny", "--allow-slow", "--out", str(out)]
+    assert _main_on_one_thread(script, args) == 0
     report = json.loads((out / "results.json").read_text())
     assert report["skipped"] == {"offload": "CUDA only"}
     assert list(report["time"]) == ["keep", "bf16", "fp8", "checkpoint", "selective"]

@@ -434,7 +434,7 @@ class CompileGate:
         except torch.OutOfMemoryError:
             return call(*args)
         got = call(*args)
-        self.checked.add(_kind(call, args))
+        self.checked.add(_kind(call, [t for t in args if isinstance(t, torch.Tensor)]))
         differ = _difference(
             [*leaves, *tree_flatten(got)[0]], [*copies, *tree_flatten(expected)[0]]
         )
@@ -466,18 +466,18 @@ TRUSTED = ("cpu",)
 KAHAN_COMPILES = ("cpu",)
 
 
-def _kind(call: Callable[..., Any], args: tuple) -> tuple:
+def _kind(call: Callable[..., Any], tensors: list[torch.Tensor]) -> tuple:
     """What one check of `CompileGate.run` covers: the kernel, the device type, and the
-    dtypes of its tensors (each a build of its own)."""
-    tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+    dtypes of its tensor arguments (each a build of its own)."""
     return (id(call), tensors[0].device.type, *(t.dtype for t in tensors))
 
 
 def _unchecked(checked: set[tuple], call: Callable[..., Any], args: tuple) -> bool:
     """Whether a call on ``args`` is one `CompileGate.run` checks: on an untrusted device,
-    of a kind not checked yet, of at most `CHECK_MAX_BYTES` of tensors."""
-    tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
-    if not tensors or tensors[0].device.type in TRUSTED or _kind(call, args) in checked:
+    of a kind not checked yet, of at most `CHECK_MAX_BYTES` of tensors. (Every step asks:
+    its arguments are read as they are passed, the callers' being flat.)"""
+    tensors = [t for t in args if isinstance(t, torch.Tensor)]
+    if not tensors or tensors[0].device.type in TRUSTED or _kind(call, tensors) in checked:
         return False
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values()) <= CHECK_MAX_BYTES

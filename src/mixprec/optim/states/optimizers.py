@@ -463,12 +463,11 @@ class LowBitOptimizer(StateCheckpoint):
         past `buckets.FLAT_MAX`)."""
         params = [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
         on_cpu = torch.device(device).type == "cpu"
+        kahan_eager = self._kahan_eager(torch.device(device), self.compensation)
 
         def compiled(group: Mapping[str, Any], p: torch.Tensor) -> bool:
             real = real_view(p)
-            if self._kahan_eager(torch.device(device), self.compensation) and (
-                p.dtype in COMPENSATED_DTYPES
-            ):
+            if kahan_eager and p.dtype in COMPENSATED_DTYPES:
                 return False
             fused = not self.format_of(p, group).quantized and real.dtype == torch.float32
             own = local_part(p) is not p or not real.is_contiguous()
@@ -481,16 +480,10 @@ class LowBitOptimizer(StateCheckpoint):
 
     def _wants(self, device: torch.device, total: int, compensation: str | None) -> bool:
         """Whether an update of ``total`` elements on ``device`` runs compiled: the gate's
-        answer, but never a Kahan write-back where `engine.KAHAN_COMPILES` leaves it out."""
-        if self._kahan_eager(device, compensation):
-            return False
-        return self._gate.wants(device, total)
-
-    def _kahan_eager(self, device: torch.device, compensation: str | None) -> bool:
-        """Whether a Kahan write-back on ``device`` runs eagerly whatever ``compile`` says
+        answer, but never a Kahan write-back where `engine.KAHAN_COMPILES` leaves it out
         (warned once where compile=True asked for it)."""
-        if compensation != "kahan" or device.type in engine.KAHAN_COMPILES:
-            return False
+        if not self._kahan_eager(device, compensation):
+            return self._gate.wants(device, total)
         if self._gate.compile is True and not self._kahan_warned:
             self._kahan_warned = True
             warnings.warn(
@@ -499,7 +492,12 @@ class LowBitOptimizer(StateCheckpoint):
                 "(mixprec.optim.engine.KAHAN_COMPILES)",
                 stacklevel=4,
             )
-        return True
+        return False
+
+    @staticmethod
+    def _kahan_eager(device: torch.device, compensation: str | None) -> bool:
+        """Whether a Kahan write-back on ``device`` runs eagerly whatever ``compile`` says."""
+        return compensation == "kahan" and device.type not in engine.KAHAN_COMPILES
 
     def _prepared(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
         """``p``'s state ready for a step: made on its first, converted when its format is
