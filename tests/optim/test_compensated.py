@@ -1160,3 +1160,27 @@ def test_a_float64_step_count_survives_a_fused_optimizers_load():
     wrapper.load_state_dict(saved)
     assert wrapper.optimizer.state[p]["step"].dtype == torch.float64
     assert int(wrapper.optimizer.state[p]["step"]) == 2**24 + 1
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_nearest_value_is_torchs_conversion_without_a_cast(dtype, compiled):
+    """The compiled Kahan write-back takes the rounded weight from `nearest_value`, not from
+    a narrowing-widening cast pair a compiler may drop: it must equal torch's conversion
+    everywhere, ties, subnormals, the overflow edge, signed zeros, infinities and NaN."""
+    g = torch.Generator().manual_seed(0)
+    spread = torch.randn(20_000, generator=g) * torch.logspace(-30, 30, 20_000).float()
+    top = torch.finfo(dtype).max
+    edges = [0.0, -0.0, 2.0**-25, 3 * 2.0**-26, 2.0**-24, 2.0**-14, 1 + 2.0**-11,
+             1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8, top, 65519.99, 65520.0,
+             float("inf"), float("nan"), 1e-40, 3.4e38]  # fmt: skip
+    edge = torch.tensor(edges)
+    x = torch.cat([spread, edge, -edge, torch.randn(4096, generator=g)])
+
+    def value(x):
+        return engine.nearest_value(x, dtype)
+
+    fn = torch.compile(value, fullgraph=True) if compiled else value
+    got, expected = fn(x), x.to(dtype).float()
+    same = (got.view(torch.int32) == expected.view(torch.int32)) | (got.isnan() & expected.isnan())
+    assert same.all(), x[~same][:5]

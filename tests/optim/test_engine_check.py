@@ -129,26 +129,31 @@ def test_the_compensated_step_and_the_fp8_codec_pass_their_check(untrusted, monk
 
 
 @needs_compiler
-def test_a_kahan_low_bit_step_runs_eagerly_where_its_compiled_form_is_not_trusted(monkeypatch):
-    """Where `KAHAN_COMPILES` leaves a device out (CUDA, after an H200 run found the Triton
-    write-back off the eager one), the Kahan step runs eagerly whatever ``compile`` says,
-    compile=True warning once; other compensations and float32 weights still compile."""
-    monkeypatch.setattr(engine, "KAHAN_COMPILES", ())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_compiled_kahan_low_bit_step_does_not_lean_on_a_cast_pair(monkeypatch, dtype):
+    """torch 2.11's inductor drops ``x.to(bfloat16).to(float32)`` as pointless even under
+    ``emulate_precision_casts`` (an H200 run: a third of the weights a step off the eager
+    step's, every Kahan buffer lost, on CUDA and on that machine's CPU alike); this inductor
+    does so without that option. The compiled write-back takes its rounded weight from
+    `engine.nearest_value`, so the step keeps to the eager one without the option too."""
+    from mixprec.optim.states import kernels
 
-    def run(compensation, compile, dtype=torch.bfloat16):
+    options = kernels._options()
+    monkeypatch.setattr(kernels, "_options", lambda: {**options, "emulate_precision_casts": False})
+    monkeypatch.setattr(kernels, "_COMPILED", {})
+    torch._dynamo.reset()
+
+    def run(compile):
         g = torch.Generator().manual_seed(0)
         params = [nn.Parameter(torch.randn(300, 256, generator=g).to(dtype))]
-        opt = LowBitAdamW(params, lr=1e-3, compensation=compensation, compile=compile, seed=1)
-        for _ in range(2):
-            params[0].grad = torch.randn(300, 256, generator=g).to(dtype)
+        opt = LowBitAdamW(params, lr=1e-3, compensation="kahan", compile=compile, seed=1)
+        for _ in range(4):
+            params[0].grad = (torch.randn(300, 256, generator=g) * 1e-2).to(dtype)
             opt.step()
-        return opt, params[0].detach()
+        assert opt.compiles("cpu") == (compile is None)
+        return params[0].detach(), opt.state[params[0]]["compensation"].float()
 
-    eager, expected = run("kahan", False)
-    auto, got = run("kahan", None)
-    assert not auto.compiles("cpu") and torch.equal(got, expected)
-    with pytest.warns(UserWarning, match="Kahan step runs eagerly on cpu although compile=True"):
-        forced, got = run("kahan", True)
-    assert torch.equal(got, expected)
-    assert run("stochastic", None)[0].compiles("cpu")
-    assert run("kahan", None, torch.float32)[0].compiles("cpu")  # nothing to compensate
+    (w, c), (w0, c0) = run(None), run(False)
+    assert torch.equal(w, w0)
+    # (the buffers: equal but where a moment's compiled scale is a float32 ulp off eager's)
+    assert float((c != c0).float().mean()) < 1e-2 and bool(c0.abs().gt(0).float().mean() > 0.5)

@@ -45,7 +45,6 @@ __all__ = [
     "COMPENSATIONS",
     "CHECK_MAX_BYTES",
     "COMPILE_MIN_ELEMENTS",
-    "KAHAN_COMPILES",
     "SUPPORTED_OPTIMIZERS",
     "TRUSTED",
     "CompileGate",
@@ -235,6 +234,24 @@ def nearest_bits(x: torch.Tensor) -> torch.Tensor:
     return (bits + 0x7FFF + ((bits >> 16) & 1)) & _HIGH
 
 
+def nearest_value(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float32) rounded to the nearest ``dtype`` (bfloat16/float16) value, ties to
+    even, as a float32: torch's conversion, made of integer and exact float operations. A
+    compiled ``x.to(dtype).to(torch.float32)`` is not safe to rely on: some inductor
+    versions drop a narrowing cast followed by a widening one as pointless, and the Kahan
+    buffer (``u - (rounded - w)``) then loses what the rounding lost. bfloat16 by
+    `nearest_bits`; float16 in spacings ``ufp(x) * 2^-10`` (``ufp`` the power of two at or
+    below ``|x|``, read from the exponent bits), at least its subnormals' 2^-24, infinity
+    from 65520 as torch's conversion gives it."""
+    if dtype == torch.bfloat16:
+        return nearest_bits(x).view(torch.float32)
+    magnitude = x.abs()
+    ufp = (magnitude.view(torch.int32) & 0x7F800000).view(torch.float32)
+    spacing = at_least(ufp * 2.0**-10, 2.0**-24)
+    rounded = torch.round(magnitude / spacing) * spacing
+    return torch.where(magnitude >= _F16_OVERFLOW, math.inf, rounded).copysign(x)
+
+
 def at_least(x: torch.Tensor, bound: float) -> torch.Tensor:
     """``x`` where above ``bound``, else (NaN included) ``bound``: one ``where`` compiled;
     eagerly two cheaper operations with the same result (``torch.where`` is ten times
@@ -297,9 +314,16 @@ class Lanes:
         return nearest_bits(x) if self.bits else x
 
     def value(self, rounded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The math-dtype value of ``nearest(x)`` once stored in ``dtype``."""
+        """The math-dtype value of ``nearest(x)`` once stored in ``dtype``: compiled,
+        without a round trip of casts (`nearest_value` says why)."""
         if self.bits:
             return rounded.view(torch.float32)
+        if (
+            torch.compiler.is_compiling()
+            and dtype in COMPENSATED_DTYPES
+            and self.dtype == torch.float32
+        ):
+            return nearest_value(rounded, dtype)
         return rounded.to(dtype).to(self.dtype)
 
     def stochastic(self, x: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -458,12 +482,6 @@ class CompileGate:
 CHECK_MAX_BYTES = 1 << 26
 # device types whose compiled kernels `CompileGate.run` does not check (the test suite does)
 TRUSTED = ("cpu",)
-# device types where the low-bit optimizers' Kahan write-back runs compiled: on an H200
-# (torch 2.11, Triton) the compiled one was found off the eager one (a third of the
-# bfloat16 weights a step apart, the carried value up to half a step, with every moment code
-# equal), where the eager CUDA step equals the CPU's bit for bit; elsewhere it runs eagerly
-# until a GPU run shows the compiled one equal
-KAHAN_COMPILES = ("cpu",)
 
 
 def _kind(call: Callable[..., Any], tensors: list[torch.Tensor]) -> tuple:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from operator import is_
 from typing import Any, NamedTuple
@@ -34,7 +33,6 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from mixprec.optim import engine
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
     COMPILE_MIN_ELEMENTS,
@@ -383,7 +381,6 @@ class LowBitOptimizer(StateCheckpoint):
             "Pass compile=False to skip the attempt",
             COMPILE_MIN_ELEMENTS,
         )
-        self._kahan_warned = False
         self.min_size = min_size
         self.keep_float32 = keep_float32
         # formats of single parameters, consulted before their group's
@@ -463,12 +460,9 @@ class LowBitOptimizer(StateCheckpoint):
         past `buckets.FLAT_MAX`)."""
         params = [(g, p) for g in self.param_groups for p in g["params"] if p.requires_grad]
         on_cpu = torch.device(device).type == "cpu"
-        kahan_eager = self._kahan_eager(torch.device(device), self.compensation)
 
         def compiled(group: Mapping[str, Any], p: torch.Tensor) -> bool:
             real = real_view(p)
-            if kahan_eager and p.dtype in COMPENSATED_DTYPES:
-                return False
             fused = not self.format_of(p, group).quantized and real.dtype == torch.float32
             own = local_part(p) is not p or not real.is_contiguous()
             return not fused or own or (real.numel() > buckets_.FLAT_MAX and not on_cpu)
@@ -477,27 +471,6 @@ class LowBitOptimizer(StateCheckpoint):
         return any(compiled(g, p) for g, p in params) and self._gate.wants(
             torch.device(device), total
         )
-
-    def _wants(self, device: torch.device, total: int, compensation: str | None) -> bool:
-        """Whether an update of ``total`` elements on ``device`` runs compiled: the gate's
-        answer, but never a Kahan write-back where `engine.KAHAN_COMPILES` leaves it out
-        (warned once where compile=True asked for it)."""
-        if not self._kahan_eager(device, compensation):
-            return self._gate.wants(device, total)
-        if self._gate.compile is True and not self._kahan_warned:
-            self._kahan_warned = True
-            warnings.warn(
-                f"the low-bit optimizer's Kahan step runs eagerly on {device.type} although "
-                "compile=True: its compiled form was found off the eager one there "
-                "(mixprec.optim.engine.KAHAN_COMPILES)",
-                stacklevel=4,
-            )
-        return False
-
-    @staticmethod
-    def _kahan_eager(device: torch.device, compensation: str | None) -> bool:
-        """Whether a Kahan write-back on ``device`` runs eagerly whatever ``compile`` says."""
-        return compensation == "kahan" and device.type not in engine.KAHAN_COMPILES
 
     def _prepared(self, p: torch.Tensor, group: Mapping[str, Any]) -> dict[str, Any]:
         """``p``'s state ready for a step: made on its first, converted when its format is
@@ -899,7 +872,7 @@ class LowBitOptimizer(StateCheckpoint):
         kept = planned.state.get("compensation") if compensation == "kahan" else None
         kept = None if kept is None else local_part(kept)
         buf = None if kept is None else _flat(kept)
-        compiled = self._wants(real.device, total, compensation)
+        compiled = self._gate.wants(real.device, total)
         # (random bits only for a compensation; a shard's from its place in the whole)
         key = 0
         if compensation is not None:
@@ -947,7 +920,7 @@ class LowBitOptimizer(StateCheckpoint):
         flat = buckets_.gather(params, pads)
         grad = buckets_.gather([real_view(b.p.grad).reshape(-1) for b in bucket], pads)
         entry = self._joined(bucket, pads, compensation, joined)
-        compiled = self._wants(flat.device, total, compensation)
+        compiled = self._gate.wants(flat.device, total)
         # the random bits of the bucket's elements, from its first parameter's key on (only
         # for a compensation)
         key = 0 if compensation is None else call_key(self.seed, bucket[0].step, bucket[0].index)
