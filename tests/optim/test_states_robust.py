@@ -1090,3 +1090,27 @@ def test_an_empty_saved_entry_is_no_state_as_torch_loads_it():
         p.grad = torch.ones_like(p)
     fresh.step()
     assert int(fresh.state[params[1]]["step"]) == 1 and int(fresh.state[params[0]]["step"]) == 2
+
+
+def test_a_quantized_state_is_refused_by_a_parameter_of_another_shape_and_the_same_size():
+    """Flat int8 codes of a (32, 64) weight have the length a (64, 32) one's need: loaded
+    into a model whose parameters come in another order they were taken silently, each
+    element stepping with another's moments. The saved shape is checked; a state saved
+    without it (an earlier release's) still loads by its lengths."""
+    params = _params(((32, 64), (64, 32)))
+    source = AdamW8bit(params, lr=1e-2, min_size=1000, **KW)
+    _run(source, params, range(2))
+    saved = copy.deepcopy(source.state_dict())
+    assert saved["state"][0]["shape"] == [32, 64]
+    swapped = [params[1], params[0]]
+    opt = AdamW8bit(swapped, lr=1e-2, min_size=1000, **KW)
+    with pytest.raises(ValueError, match=r"parameter 0 \(shape \[64, 32\]\).*shape \[32, 64\]"):
+        opt.load_state_dict(copy.deepcopy(saved))
+    assert not opt.state
+    for entry in saved["state"].values():
+        del entry["shape"]
+    opt.load_state_dict(saved)
+    assert "shape" not in opt.state[swapped[0]]
+    again = AdamW8bit(params, lr=1e-2, min_size=1000, **KW)
+    again.load_state_dict(copy.deepcopy(source.state_dict()))
+    _run(again, params, range(2, 3))

@@ -51,8 +51,10 @@ class StateCheckpoint(torch.optim.Optimizer):
         random bits of stochastic rounding and of the Kahan buffer's rounding depend on
         (the engine's counter-based scheme: no generator state); and in each low-bit
         state ``"shards"``, the parts its blocks were cut in (`shards_of`: an FSDP2
-        parameter's processes), which a load checks: codes cut in 2 shards, read as one
-        parameter's, have the right length and the wrong blocks."""
+        parameter's processes), and ``"shape"``, its parameter's, both of which a load
+        checks: codes cut in 2 shards, read as one parameter's, have the right length and
+        the wrong blocks, and so do the flat codes of a (32, 8) weight loaded into a (8, 32)
+        one (a model whose parameters came in another order)."""
         out = super().state_dict()
         out["seed"] = self.seed
         params = [p for g in self.param_groups for p in g["params"]]
@@ -60,7 +62,7 @@ class StateCheckpoint(torch.optim.Optimizer):
             entry = out["state"].get(key)
             if entry and parse_state_format(entry.get("format", "float32")).quantized:
                 # (a new dict: torch's state dict holds the live state's own)
-                out["state"][key] = {**entry, "shards": shards_of(p)}
+                out["state"][key] = {**entry, "shards": shards_of(p), "shape": list(p.shape)}
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -121,7 +123,7 @@ class StateCheckpoint(torch.optim.Optimizer):
         ]
         # (the layout, checked above, is the state dict's, not a state's)
         saved["state"] = {
-            key: {k: v for k, v in entry.items() if k != "shards"}
+            key: {k: v for k, v in entry.items() if k not in ("shards", "shape")}
             if isinstance(entry, Mapping)
             else entry
             for key, entry in saved["state"].items()
@@ -197,7 +199,7 @@ class StateCheckpoint(torch.optim.Optimizer):
                 fmt = parse_state_format(spec)
             except (TypeError, ValueError) as error:
                 raise ValueError(f"the saved state of {where}: {error}") from None
-        keys = {"step", "format", "compensation", "shards"}
+        keys = {"step", "format", "compensation", "shards", "shape"}
         moments = {}
         for name, _ in MOMENTS[self.algorithm]:
             moments[name] = (f"{name}_codes", f"{name}_scales") if fmt.quantized else (name,)
@@ -226,6 +228,14 @@ class StateCheckpoint(torch.optim.Optimizer):
             or (isinstance(step, int | float) and not isinstance(step, bool))
         ):
             raise ValueError(f"the saved 'step' of {where} is not a number: {step!r}")
+        shape = entry.get("shape")
+        if shape is not None and list(shape) != list(p.shape):
+            raise ValueError(
+                f"the saved state of {where} was made for a parameter of shape {list(shape)}: "
+                f"it belongs to another parameter (the model's parameters come in another "
+                f"order, or a layer changed shape); its {fmt} codes have the right length "
+                f"but hold another layout's elements"
+            )
         shards = entry.get("shards")
         if fmt.quantized and shards is not None and shards != shards_of(p):
             raise ValueError(
