@@ -1184,3 +1184,47 @@ def test_nearest_value_is_torchs_conversion_without_a_cast(dtype, compiled):
     got, expected = fn(x), x.to(dtype).float()
     same = (got.view(torch.int32) == expected.view(torch.int32)) | (got.isnan() & expected.isnan())
     assert same.all(), x[~same][:5]
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_small_parameters_states_are_kept_joined_and_step_as_if_apart(name):
+    """The small parameters' moments and Kahan buffers are kept in one flat tensor each
+    between steps (their state entries views of it), so a step packs and copies back only
+    the weights. Results equal a run whose entries are replaced by fresh tensors before
+    every step (each step joins them again), a write into an entry included."""
+
+    def run(apart: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 3)).to(torch.bfloat16)
+        if name == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, nesterov=True)
+        comp = Compensator("kahan", seed=5)
+        g = torch.Generator().manual_seed(1)
+        for step in range(6):
+            for p in model.parameters():
+                p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+            if step == 3:  # a write into a state entry is what the next step reads
+                first = next(iter(opt.state.values()))
+                for value in first.values():
+                    if value.dim():
+                        value.mul_(0.5)
+            if apart:
+                for state in opt.state.values():
+                    for k, value in state.items():
+                        if value.dim():
+                            state[k] = value.clone()
+            comp.step(opt)
+        return model, opt
+
+    model, opt = run(False)
+    states = list(opt.state.values())
+    storage = states[0]["compensation"].untyped_storage().data_ptr()
+    assert all(s["compensation"].untyped_storage().data_ptr() == storage for s in states)
+    reference, ref_opt = run(True)
+    for a, b in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for s, r in zip(states, ref_opt.state.values(), strict=True):
+        for k in s:
+            assert torch.equal(s[k], r[k]), k
