@@ -144,11 +144,17 @@ def test_an_fp8_saved_tensor_on_cuda_decodes_as_the_states_codec(dtype, compile,
     codes, scales = quantize(original, "fp8", signed=True)  # the states' codec, eager on CUDA
     cpu_codes, cpu_scales = quantize(original.cpu(), "fp8", signed=True)
     assert torch.equal(scales.cpu(), cpu_scales)  # one division on every device
-    assert torch.equal(packed.scales.cpu(), cpu_scales)
-    if compile:  # Triton's float8 conversion: the CPU's codes but for a rare tie
+    if compile:
+        # Triton's division by a constant and reciprocal: scales a float32 ulp off eager's
+        # (an H200 run: half the blocks), so a quotient at an exact tie of two e4m3 values
+        # may take the other; the gate's check allows that and keeps the compiled kernel
+        assert codecs.GATE.failed is None
+        ulp = torch.finfo(torch.float32).eps * cpu_scales.abs()
+        assert bool(((packed.scales.cpu() - cpu_scales).abs() <= ulp).all())
         off = packed.codes.cpu().view(torch.uint8).int() - cpu_codes.view(torch.uint8).int()
-        assert off.abs().max() <= 1 and float((off != 0).float().mean()) < 1e-3
+        assert off.abs().max() <= 1 and float((off != 0).float().mean()) < 1e-2
         return
+    assert torch.equal(packed.scales.cpu(), cpu_scales)
     assert torch.equal(packed.codes.view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(codes.cpu().view(torch.uint8), cpu_codes.view(torch.uint8))
     expected = dequantize(codes, scales, "fp8", original.shape, signed=True).to(dtype)

@@ -157,3 +157,67 @@ def test_a_compiled_kahan_low_bit_step_does_not_lean_on_a_cast_pair(monkeypatch,
     assert torch.equal(w, w0)
     # (the buffers: equal but where a moment's compiled scale is a float32 ulp off eager's)
     assert float((c != c0).float().mean()) < 1e-2 and bool(c0.abs().gt(0).float().mean() > 0.5)
+
+
+def _nudged(steps: int):
+    """The fp8 codec's eager encode with every scale one float32 ulp up and one code moved
+    ``steps`` e4m3 values: what a GPU's compiled division may give (``steps`` 1)."""
+    eager = codecs._KERNELS["encode_blocks"]
+
+    def call(blocks):
+        codes, scales = eager(blocks)
+        scales = torch.nextafter(scales, torch.full_like(scales, torch.inf))
+        raw = codes.view(torch.uint8).clone()
+        i = int((raw > 0).logical_and(raw < 0x70).nonzero()[0])  # a positive code below 448
+        raw[i] += steps
+        return raw.view(torch.float8_e4m3fn), scales
+
+    return call
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_the_fp8_codec_check_allows_a_last_bit_and_refuses_more(untrusted, steps):
+    """An H200's compiled codec had scales a float32 ulp off eager's in half the blocks and
+    so codes at exact ties one e4m3 value apart; held bit for bit, its first call sent every
+    later one to the eager codec (a 168M LM's step from 0.1 to 4 s). The codec's check
+    allows that and nothing more: a code two values off is refused, eager's results kept."""
+    blocks = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 3
+    eager = codecs._KERNELS["encode_blocks"]
+    gate = CompileGate(None, "fp8 codec", "(hint)")
+    if steps == 1:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            (codes, scales), ran = gate.run(_nudged(1), blocks, eager=eager, agree=codecs._agrees)
+        assert ran and gate.failed is None
+        assert not torch.equal(scales, eager(blocks)[1])  # the compiled results are kept
+    else:
+        with pytest.warns(UserWarning, match="1 elements of its results past a last bit"):
+            (codes, scales), ran = gate.run(_nudged(2), blocks, eager=eager, agree=codecs._agrees)
+        assert gate.failed is not None
+        expected = eager(blocks)
+        assert torch.equal(scales, expected[1]) and torch.equal(
+            codes.view(torch.uint8), expected[0].view(torch.uint8)
+        )
+    # decoded values: a last bit of their dtype allowed, two refused
+    x = torch.randn(1000).to(torch.bfloat16)
+    up = torch.nextafter(x, torch.full_like(x, torch.inf))
+    assert codecs._agrees([up], [x]) == ""
+    assert codecs._agrees([torch.nextafter(up, torch.full_like(x, torch.inf))], [x])
+
+
+@needs_compiler
+def test_the_fp8_codec_builds_once_for_saves_under_autocast_and_outside(monkeypatch):
+    """A forward saves under autocast and a recomputation outside it: the codec's calls run
+    with autocast off, one build for both (each state was a build, toward dynamo's limit
+    of eight a function, reached on an H200 run)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    monkeypatch.setattr(codecs, "_COMPILED", {})
+    monkeypatch.setattr(codecs.GATE, "compile", True)
+    torch._dynamo.reset()
+    x = torch.randn(128, 256).to(torch.bfloat16)
+    outside = ToFp8().encode(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = ToFp8().encode(x)
+    assert torch.equal(outside.scales, inside.scales)
+    assert len(_debug_get_cache_entry_list(codecs._KERNELS["encode_blocks"].__code__)) == 1

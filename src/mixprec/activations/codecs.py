@@ -38,6 +38,7 @@ from mixprec.optim.states.formats import encode as encode_blocks
 
 __all__ = [
     "CHUNK",
+    "CHUNK_ACCELERATOR",
     "AsIs",
     "FP8",
     "GATE",
@@ -52,9 +53,13 @@ __all__ = [
 ]
 
 FP8 = StateFormat("fp8")
-# elements `ToFp8` encodes or decodes at a time (a multiple of the block): the codec's float32
-# temporaries take this many elements, not a whole activation's, and the codes are the same
+# elements `ToFp8` encodes or decodes eagerly at a time (a multiple of the block): the codec's
+# float32 temporaries take this many elements, not a whole activation's, and the codes are
+# the same. On a CPU they stay cache-sized; elsewhere a chunk is a dozen kernel launches, so
+# chunks are large (an H200 step of a 168M-parameter LM ran its eager codec in 4 s at the
+# CPU's size, ~70 chunks a tensor)
 CHUNK = 1 << 18
+CHUNK_ACCELERATOR = 1 << 24
 # elements from which `ToFp8` encodes and decodes with its compiled kernels: below, a call's
 # fixed cost (guards, launch) is more than the eager passes it saves
 COMPILE_MIN = 1 << 14
@@ -328,9 +333,8 @@ class ToFp8(Codec):
                 pair, ran = _run("encode_blocks", _fresh(flat).view(-1, FP8.block))
             if ran:
                 return Fp8Saved(pair[0], pair[1], t.shape, t.dtype, stride)
-        pieces = [
-            quantize(flat[i : i + CHUNK], FP8, signed=True) for i in range(0, len(flat), CHUNK)
-        ]
+        size = _chunk(flat.device)
+        pieces = [quantize(flat[i : i + size], FP8, signed=True) for i in range(0, len(flat), size)]
         if len(pieces) == 1:
             codes, scales = pieces[0]
         else:  # blocks are independent: the pieces' codes and scales are the whole's
@@ -351,17 +355,23 @@ class ToFp8(Codec):
                 out, ran = _run("decode_blocks", packed.codes, packed.scales, packed.dtype)
             if ran:
                 return _shaped(out.view(-1), packed)
-        if len(packed.codes) <= CHUNK:  # float32 comes back as dequantize made it, no copy
+        size = _chunk(packed.codes.device)
+        if len(packed.codes) <= size:  # float32 comes back as dequantize made it, no copy
             out = dequantize(packed.codes, packed.scales, FP8, (numel,), signed=True)
             return _shaped(out.to(packed.dtype), packed)
         flat, block = torch.empty(numel, dtype=packed.dtype, device=packed.codes.device), FP8.block
-        for i in range(0, numel, CHUNK):
-            n = min(CHUNK, numel - i)
+        for i in range(0, numel, size):
+            n = min(size, numel - i)
             blocks = -(-n // block)
             codes = packed.codes[i : i + blocks * block]
             scales = packed.scales[i // block : i // block + blocks]
             flat[i : i + n] = dequantize(codes, scales, FP8, (n,), signed=True)
         return _shaped(flat, packed)
+
+
+def _chunk(device: torch.device) -> int:
+    """Elements the eager codec takes at a time on ``device`` (`CHUNK`)."""
+    return CHUNK if device.type == "cpu" else CHUNK_ACCELERATOR
 
 
 def _pins(t: Tensor) -> bool:
@@ -441,10 +451,49 @@ def _run(name: str, first: Tensor, *args: Any) -> tuple[Any, bool]:
     build failed (`GATE`). The states' table for the device is made before, so that no
     build traces its making, and sizes and storage offsets each take a symbol of their own
     (no duck sizing: a size equal to an offset, or to the codes' length, would otherwise
-    build again for every other case)."""
+    build again for every other case). Autocast is off inside (none of its ops is one
+    autocast changes): a forward saves under it and a recomputation outside it, and each
+    state would be a build of its own, toward dynamo's limit of builds per function."""
     code_tables(FP8, True, first.device)
-    with torch.no_grad(), _NO_DUCK_SIZING:
-        return GATE.run(_compiled(name), first, *args, eager=_KERNELS[name], stacklevel=4)
+    with torch.no_grad(), torch.autocast(first.device.type, enabled=False), _NO_DUCK_SIZING:
+        return GATE.run(
+            _compiled(name), first, *args, eager=_KERNELS[name], agree=_agrees, stacklevel=4
+        )
+
+
+def _agrees(got: list[Any], expected: list[Any]) -> str:
+    """How the compiled codec's results (`GATE`'s check) differ from eager's beyond a last
+    bit of float32 rounding, or '': on a GPU the compiled block scales and quotients are a
+    float32 ulp off eager's (an H200 run: scales in half the blocks, so a quotient at an exact
+    tie of two e4m3 values takes the other), which the codec, lossy by design, allows. Codes
+    more than one e4m3 value apart, NaN or infinity codes that differ, values off by more
+    than one unit in the last place of their dtype, or other shapes and dtypes, it does not."""
+    differ = 0
+    for a, b in zip(got, expected, strict=True):
+        if not isinstance(a, Tensor) or not isinstance(b, Tensor):
+            if a != b:
+                return f"{a!r} where eager gives {b!r}"
+            continue
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return (
+                f"a {a.dtype} {tuple(a.shape)} tensor where eager gives {b.dtype} {tuple(b.shape)}"
+            )
+        if a.dtype == torch.float8_e4m3fn:
+            x, y = _e4m3_order(a), _e4m3_order(b)
+            special = (a.float().isnan() | b.float().isnan()).reshape(-1)
+            far = torch.where(special, x != y, (x - y).abs() > 1)
+        else:
+            x, y = a.double().reshape(-1), b.double().reshape(-1)
+            ulp = torch.finfo(a.dtype).eps * y.abs().clamp_min(torch.finfo(a.dtype).tiny)
+            far = ~((x == y) | (x.isnan() & y.isnan()) | ((x - y).abs() <= ulp))
+        differ += int(far.sum())
+    return f"{differ} elements of its results past a last bit" if differ else ""
+
+
+def _e4m3_order(codes: Tensor) -> Tensor:
+    """e4m3 codes as integers in the order of their values (adjacent values one apart)."""
+    b = codes.reshape(-1).view(torch.uint8).to(torch.int32)
+    return torch.where(b >= 128, 128 - b, b)
 
 
 def _compiled(name: str) -> Callable[..., Any]:

@@ -409,6 +409,7 @@ class CompileGate:
         call: Callable[..., Any],
         *args: Any,
         eager: Callable[..., Any] | None = None,
+        agree: Callable[[list[Any], list[Any]], str] | None = None,
         stacklevel: int = 3,
     ) -> tuple[Any, bool]:
         """(``call(*args)``, True), or (None, False) when the build failed under
@@ -423,12 +424,15 @@ class CompileGate:
         checked: ``eager`` runs on copies of the arguments, and where any tensor or result
         differs (NaNs equal whatever their payload), the eager results are kept, a warning
         names the difference and later steps run eagerly (a compiler whose numerics drift
-        from eager's would change a step silently otherwise)."""
+        from eager's would change a step silently otherwise). ``agree(got, expected)``, where
+        given, judges the results (flat lists) in place of bit equality: how they differ
+        beyond what the kernel allows, or '' (a lossy codec whose compiled division may be
+        a last bit off eager's); the arguments are still held to eager's bit for bit."""
         from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
 
         try:
             if eager is not None and _unchecked(self.checked, call, args):
-                return self._checked(call, eager, args, stacklevel + 1), True
+                return self._checked(call, eager, args, agree, stacklevel + 1), True
             return call(*args), True
         except (BackendCompilerFailed, FailOnRecompileLimitHit) as error:
             if self.compile is not None:
@@ -446,7 +450,12 @@ class CompileGate:
             return None, False
 
     def _checked(
-        self, call: Callable[..., Any], eager: Callable[..., Any], args: tuple, stacklevel: int
+        self,
+        call: Callable[..., Any],
+        eager: Callable[..., Any],
+        args: tuple,
+        agree: Callable[[list[Any], list[Any]], str] | None,
+        stacklevel: int,
     ) -> Any:
         """`call` on ``args`` checked against `eager` on copies of them (see `run`). A call
         whose check would not fit in the device's memory runs unchecked (and the next call
@@ -459,9 +468,11 @@ class CompileGate:
             return call(*args)
         got = call(*args)
         self.checked.add(_kind(call, [t for t in args if isinstance(t, torch.Tensor)]))
-        differ = _difference(
-            [*leaves, *tree_flatten(got)[0]], [*copies, *tree_flatten(expected)[0]]
-        )
+        results, eager_results = tree_flatten(got)[0], tree_flatten(expected)[0]
+        if agree is None:
+            differ = _difference([*leaves, *results], [*copies, *eager_results])
+        else:
+            differ = _difference(leaves, copies) or agree(results, eager_results)
         if not differ:
             return got
         for a, b in zip(leaves, copies, strict=True):  # this step as eager computed it

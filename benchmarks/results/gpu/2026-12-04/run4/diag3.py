@@ -44,8 +44,11 @@ for dev in ("cpu", "cuda"):
     for opts in ({}, {"emulate_precision_casts": True}):
         torch._dynamo.reset()
         got = torch.compile(pair, fullgraph=True, options=opts)(x.to(dev)).cpu()
-        print(f"cast pair {dev} {opts}: rounding kept in {int((got != 0).sum())} of "
-              f"{expected} (eager)", flush=True)
+        print(
+            f"cast pair {dev} {opts}: rounding kept in {int((got != 0).sum())} of "
+            f"{expected} (eager)",
+            flush=True,
+        )
 
 
 def params(device, dtype):
@@ -58,8 +61,9 @@ def params(device, dtype):
 
 def run(device, compile, dtype, code_file=None):
     ps = params(device, dtype)
-    opt = LowBitAdamW(ps, lr=1e-3, states="int8", min_size=0, compensation="kahan",
-                      compile=compile, seed=7)
+    opt = LowBitAdamW(
+        ps, lr=1e-3, states="int8", min_size=0, compensation="kahan", compile=compile, seed=7
+    )
 
     def steps():
         for i in range(4):
@@ -79,10 +83,13 @@ def run(device, compile, dtype, code_file=None):
 
 def compare(label, got, ref):
     for j, ((w, c), (w0, c0)) in enumerate(zip(got, ref, strict=True)):
-        print(f"{label} param {j}: weights equal {float((w == w0).float().mean()):.5f}, "
-              f"max |dw| {float((w - w0).abs().max()):.3g}, buffers equal "
-              f"{float((c == c0).float().mean()):.5f}, max |d carried| "
-              f"{float(((w + c) - (w0 + c0)).abs().max()):.3g}", flush=True)
+        print(
+            f"{label} param {j}: weights equal {float((w == w0).float().mean()):.5f}, "
+            f"max |dw| {float((w - w0).abs().max()):.3g}, buffers equal "
+            f"{float((c == c0).float().mean()):.5f}, max |d carried| "
+            f"{float(((w + c) - (w0 + c0)).abs().max()):.3g}",
+            flush=True,
+        )
 
 
 engine.KAHAN_COMPILES = ("cpu", "cuda")
@@ -90,8 +97,10 @@ new_value = engine.nearest_value
 for dtype in (torch.bfloat16, torch.float16):
     ref = run("cpu", False, dtype)
     compare(f"{dtype} cuda eager", run("cuda", False, dtype), ref)
-    for label, value in (("nearest_value", new_value),
-                         ("cast pair", lambda x, d: x.to(d).to(torch.float32))):
+    for label, value in (
+        ("nearest_value", new_value),
+        ("cast pair", lambda x, d: x.to(d).to(torch.float32)),
+    ):
         engine.nearest_value = value
         torch._dynamo.reset()
         tag = "new" if value is new_value else "old"
