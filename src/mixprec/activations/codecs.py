@@ -56,8 +56,8 @@ FP8 = StateFormat("fp8")
 # elements `ToFp8` encodes or decodes eagerly at a time (a multiple of the block): the codec's
 # float32 temporaries take this many elements, not a whole activation's, and the codes are
 # the same. On a CPU they stay cache-sized; elsewhere a chunk is a dozen kernel launches, so
-# chunks are large (an H200 step of a 168M-parameter LM ran its eager codec in 4 s at the
-# CPU's size, ~70 chunks a tensor)
+# chunks are large (docs/activations.md: at the CPU's size a GPU step took tens of times
+# keep's)
 CHUNK = 1 << 18
 CHUNK_ACCELERATOR = 1 << 24
 # elements from which `ToFp8` encodes and decodes with its compiled kernels: below, a call's
