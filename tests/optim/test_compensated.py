@@ -1228,3 +1228,23 @@ def test_small_parameters_states_are_kept_joined_and_step_as_if_apart(name):
     for s, r in zip(states, ref_opt.state.values(), strict=True):
         for k in s:
             assert torch.equal(s[k], r[k]), k
+
+
+def test_a_graph_holding_a_joined_state_entry_sees_the_steps_write():
+    """The kernel writes the joined states through aliases of their flat tensors; their
+    version counters are moved, so a graph that saved an entry before the step refuses to
+    backpropagate after it, as with torch's own in-place writes."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 3)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    comp = Compensator("kahan", seed=5)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        comp.step(opt)
+    entry = opt.state[model[1].bias]["exp_avg"]
+    assert entry._base is not None  # a view of the joined column
+    w = torch.ones_like(entry, requires_grad=True)
+    y = (w * entry).sum()
+    comp.step(opt)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()

@@ -467,8 +467,9 @@ class Compensator:
                 for piece, t in zip(flat[: sum(sizes)].split(sizes), col, strict=True)
             ]
         torch._foreach_copy_(dst, src)
-        # written through the kernel's aliases: autograd's in-place checks see the writes
-        torch.autograd.graph.increment_version([v for vs in join.views.values() for v in vs])
+        # written through the kernel's aliases: autograd's in-place checks see the writes (a
+        # flat's views share its version counter)
+        torch.autograd.graph.increment_version(list(join.flats.values()))
 
     def _join(self, call: _Call, columns: list[tuple], odd: int, width: int) -> _Joined:
         """The state columns of the packed ``call`` joined (`_Joined`): last step's join
