@@ -65,33 +65,7 @@ class _Call:
         self.scalars = scalars
         self.step = step
         self.rows: list[tuple[int, list[torch.Tensor | None]]] = []  # (parameter index, tensors)
-        # each row's optimizer state, and the state key of each column (None: the weight, the
-        # gradient), for moments kept joined between steps (`_Joined`)
-        self.states: list[dict] = []
-        self.names: tuple[str | None, ...] = ()
         self.numel = 0
-
-
-class _Joined:
-    """The state columns (moments, Kahan buffers) of a packed call kept in one flat tensor
-    each between steps, every parameter's state entry a view of its part: a step packs and
-    copies back only the weights (and packs the gradients), not every column. Valid while
-    the state entries are these views (a state loaded, or a moment widened, replaces them:
-    the columns are joined again)."""
-
-    def __init__(self, flats: dict[int, torch.Tensor], views: dict[int, list[torch.Tensor]],
-                 kernel: dict[int, torch.Tensor]) -> None:  # fmt: skip
-        self.flats = flats  # column -> its joined flat tensor
-        self.views = views  # column -> the state entries, views of the flat
-        self.kernel = kernel  # column -> the flat as the kernel reads it (`on_memory`)
-
-    def holds(self, columns: list[tuple]) -> bool:
-        """Whether the state entries in ``columns`` are still this join's views."""
-        return all(
-            len(columns[j]) == len(views)
-            and all(a is b for a, b in zip(columns[j], views, strict=True))
-            for j, views in self.views.items()
-        )
 
 
 def _drawn_seed() -> int:
@@ -149,17 +123,14 @@ class Compensator:
         # parameter -> its `written_mark` after this step wrote it: a weight written since by
         # something else (a model state loaded, a pruning mask) has its buffer settled
         self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        # the joined state columns of the last step's packed calls, by their parameters
-        self._joined: dict[tuple[int, ...], _Joined] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """Without the record of what the last step wrote (the copy's parameters are others)."""
-        return {**self.__dict__, "_written": None, "_joined": None}
+        return {**self.__dict__, "_written": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._written = WeakIdKeyDictionary()
-        self._joined = {}
 
     check_optimizer = staticmethod(check_optimizer)
 
@@ -239,11 +210,9 @@ class Compensator:
                 self._add_sgd(calls, group, i, p, state, step)
         compensated = sum(call.numel for call in calls.values() if call.kind)
         scalars: dict[tuple, torch.Tensor] = {}
-        joined: dict[tuple[int, ...], _Joined] = {}
         # the largest first: a compiled step's first call sets its threading by its size
         for call in sorted(calls.values(), key=lambda call: -call.numel):
-            self._run(call, compensated, scalars, joined)
-        self._joined = joined  # (joins no call used this step are let go)
+            self._run(call, compensated, scalars)
         for _, _, p, state in work:
             buffer = state.get("compensation")
             if buffer is not None and self._kind(p) == "kahan":
@@ -312,8 +281,7 @@ class Compensator:
         kind = self._kind(p)
         buffer = self._buffer(state, p) if kind == "kahan" else None
         row = [p, p.grad, state["exp_avg"], state["exp_avg_sq"], buffer]
-        names = (None, None, "exp_avg", "exp_avg_sq", "compensation")
-        self._add(calls, "adam", kind, scalars[0], step, index, row, scalars[1], state, names)
+        self._add(calls, "adam", kind, scalars[0], step, index, row, scalars[1])
 
     def _add_sgd(
         self, calls: dict, group: dict, index: int, p: torch.Tensor, state: dict, step: int
@@ -338,8 +306,7 @@ class Compensator:
             decay = "l2"
             scalars.append(group["weight_decay"])
         row = [p, p.grad, state["momentum_buffer"] if momentum else None, buffer]
-        names = (None, None, "momentum_buffer", "compensation")
-        self._add(calls, "sgd", kind, scalars, step, index, row, decay, state, names)
+        self._add(calls, "sgd", kind, scalars, step, index, row, decay)
 
     def _buffer(self, state: dict, p: torch.Tensor) -> torch.Tensor:
         """``p``'s Kahan buffer: made at its first step; settled (`engine.settle_buffer_`)
@@ -370,15 +337,12 @@ class Compensator:
         index: int,
         row: list[torch.Tensor | None],
         decay: str | None,
-        state: dict,
-        names: tuple[str | None, ...],
     ) -> None:
-        """File the parameter's ``row`` (with its ``state`` and the state key of each
-        tensor, ``names``) under a call: alone if large and contiguous (and, stepped as
-        bfloat16 pairs, of an even size from an even offset), else with the small ones of
-        the same scalars, decay form, step, device and dtypes."""
+        """File the parameter's ``row`` under a call: alone if large and contiguous (and,
+        stepped as bfloat16 pairs, of an even size from an even offset), else with the
+        small ones of the same scalars, decay form, step, device and dtypes."""
         if kind != "kahan":
-            row, names = row[:-1], names[:-1]  # no Kahan buffer
+            row = row[:-1]  # no Kahan buffer
         # a complex tensor steps as its real and imaginary parts, as torch's Adam and SGD
         # step it (read as real, its imaginary part was dropped)
         row = [t if t is None or not t.is_complex() else torch.view_as_real(t) for t in row]
@@ -394,21 +358,11 @@ class Compensator:
         if key not in calls:
             calls[key] = _Call(algorithm, kind, scalars, step, decay, not alone, pairs)
         calls[key].rows.append((index, row))
-        calls[key].states.append(state)
-        calls[key].names = names
         calls[key].numel += row[0].numel()  # type: ignore[union-attr]
 
-    def _run(
-        self,
-        call: _Call,
-        compensated: int,
-        scalars: dict[tuple, torch.Tensor],
-        joined: dict[tuple[int, ...], _Joined],
-    ) -> None:
-        """Step ``call``'s parameters: one packed copy for several (their state columns
-        joined between steps, `_Joined`; the joins used are put in ``joined``), in place for
-        one large. ``scalars``: the scalar tensors made so far this step, shared by equal
-        calls."""
+    def _run(self, call: _Call, compensated: int, scalars: dict[tuple, torch.Tensor]) -> None:
+        """Step ``call``'s parameters: one packed copy for several, in place for one large.
+        ``scalars``: the scalar tensors made so far this step, shared by equal calls."""
         rows = [tensors for _, tensors in call.rows]
         p = rows[0][0]
         assert p is not None
@@ -434,22 +388,17 @@ class Compensator:
         # (under no_grad: the parameters' copies track nothing; 1-D tensors need no view;
         # pairs of an odd number of elements take one more, a zero, stepped and dropped)
         odd = call.pairs and sum(t.numel() for t in columns[0]) % 2
-        join = self._join(call, columns, odd, width)
-        joined[tuple(map(id, columns[0]))] = join
         packed = [
-            join.flats[j]
-            if j in join.flats
-            else None
+            None
             if col[0] is None
             else torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in col] +
                            ([col[0].new_zeros(1)] if odd else []))
-            for j, col in enumerate(columns)
+            for col in columns
         ]  # fmt: skip
         self._kernel(
             call,
-            [join.kernel[j] if j in join.kernel else
-             None if t is None else on_memory(t, 0, (t.numel() // width,), call.pairs)
-             for j, t in enumerate(packed)],
+            [None if t is None else on_memory(t, 0, (t.numel() // width,), call.pairs)
+             for t in packed],
             s,
             call.rows[0][0],
             compensated,
@@ -458,8 +407,7 @@ class Compensator:
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         for j, (col, flat) in enumerate(zip(columns, packed, strict=True)):
-            # the gradient is only read; joined columns were written where they are kept
-            if j == 1 or flat is None or j in join.flats:
+            if j == 1 or flat is None:  # the gradient is only read
                 continue
             dst += col
             src += [
@@ -467,38 +415,6 @@ class Compensator:
                 for piece, t in zip(flat[: sum(sizes)].split(sizes), col, strict=True)
             ]
         torch._foreach_copy_(dst, src)
-        # written through the kernel's aliases: autograd's in-place checks see the writes (a
-        # flat's views share its version counter)
-        torch.autograd.graph.increment_version(list(join.flats.values()))
-
-    def _join(self, call: _Call, columns: list[tuple], odd: int, width: int) -> _Joined:
-        """The state columns of the packed ``call`` joined (`_Joined`): last step's join
-        where its views are still the state entries, else each joinable column (every entry
-        a plain real tensor the state holds) copied into one flat tensor (and a zero for
-        ``odd`` pairs), each state entry replaced by a view of its part."""
-        previous = self._joined.get(tuple(map(id, columns[0])))
-        if previous is not None and previous.holds(columns):
-            return previous
-        flats, views, kernel = {}, {}, {}
-        for j, name in enumerate(call.names):
-            col = columns[j]
-            if (
-                name is None
-                or col[0] is None
-                or not all(
-                    type(t) is torch.Tensor and not t.is_complex() and state.get(name) is t
-                    for t, state in zip(col, call.states, strict=True)
-                )
-            ):
-                continue
-            flat = torch.cat([t.reshape(-1) for t in col] + ([col[0].new_zeros(1)] if odd else []))
-            parts = flat.split([t.numel() for t in col] + ([1] if odd else []))
-            views[j] = [part.view(t.shape) for part, t in zip(parts, col, strict=False)]
-            for state, view in zip(call.states, views[j], strict=True):
-                state[name] = view
-            flats[j] = flat
-            kernel[j] = on_memory(flat, 0, (flat.numel() // width,), call.pairs)
-        return _Joined(flats, views, kernel)
 
     def _kernel(
         self,
