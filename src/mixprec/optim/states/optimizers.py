@@ -141,6 +141,17 @@ class _Float8Codes:
         return _float8_view, (self.codes.view(torch.uint8), str(self.codes.dtype))
 
 
+def _own_memory(value: Any) -> Any:
+    """``value``, or a copy of it where it is a tensor viewing more memory than its own
+    elements (a slice of a joined moment)."""
+    if (
+        type(value) is torch.Tensor
+        and value.untyped_storage().nbytes() > value.numel() * value.element_size()
+    ):
+        return value.clone()
+    return value
+
+
 def _float8_view(codes: torch.Tensor, dtype: str) -> torch.Tensor:
     """The bytes ``codes`` as the float8 dtype named ``dtype`` (``"torch.float8_e4m3fn"``)."""
     return codes.view(getattr(torch, dtype.removeprefix("torch.")))
@@ -404,12 +415,14 @@ class LowBitOptimizer(StateCheckpoint):
         groups only, where its optimizers keep their settings; these keep theirs (formats,
         ``min_size``, the compile gate, the seed...) in attributes, which a copy or a
         pickle would otherwise lose, failing at its first step. Not the plan (it holds this
-        step's objects) nor the joined moments: a pickle stores each state's slices apart
-        from the flat tensors they are views of, so the copy joins them again. Float8 codes
-        go as their bytes (`_Float8Codes`): torch loads no pickled float8 tensor."""
+        step's objects) nor the joined moments: each state's slices go as copies of their
+        own (a pickle writes a view with all of the memory under it, so every slice of a
+        joined moment carried the whole moment: a bucket's states took its size times its
+        parameter count), and the copy joins them again. Float8 codes go as their bytes
+        (`_Float8Codes`): torch loads no pickled float8 tensor."""
         state = collections.defaultdict(dict)
         for p, held in self.state.items():
-            state[p] = {k: _Float8Codes.of(v) for k, v in held.items()}
+            state[p] = {k: _Float8Codes.of(_own_memory(v)) for k, v in held.items()}
         return {**self.__dict__, "state": state, "_layout": None, "_flats": {}, "_written": None}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
