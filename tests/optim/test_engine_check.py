@@ -123,9 +123,11 @@ def test_the_compensated_step_and_the_fp8_codec_pass_their_check(untrusted, monk
         params[0].grad = torch.randn(70000, generator=g).to(torch.bfloat16)
         comp.step(opt)
         ToFp8().decode(ToFp8().encode(torch.randn(64, 96, generator=g)))
+        # a decode to another dtype is a build of its own, so a check of its own
+        ToFp8().decode(ToFp8().encode(torch.randn(64, 96, generator=g).to(torch.bfloat16)))
     assert not [w for w in seen if "eager form" in str(w.message)]
-    # one check per kernel and dtypes: the encode and the decode
-    assert len(codecs.GATE.checked) == 2 and codecs.GATE.failed is None
+    # one check per kernel, dtypes and dtype arguments: two encodes, two decodes
+    assert len(codecs.GATE.checked) == 4 and codecs.GATE.failed is None
 
 
 @needs_compiler
@@ -221,3 +223,24 @@ def test_the_fp8_codec_builds_once_for_saves_under_autocast_and_outside(monkeypa
         inside = ToFp8().encode(x)
     assert torch.equal(outside.scales, inside.scales)
     assert len(_debug_get_cache_entry_list(codecs._KERNELS["encode_blocks"].__code__)) == 1
+
+
+def test_the_codec_check_holds_infinities_nans_and_structure_exactly():
+    inf, nan = float("inf"), float("nan")
+    eager = torch.tensor([inf, -inf, nan, 1.0, 0.0])
+    assert codecs._agrees([eager.clone()], [eager]) == ""
+    for wrong in ([0.0, -inf, nan, 1.0, 0.0], [inf, inf, nan, 1.0, 0.0], [inf, -inf, 1.0, 1.0, 0.0],
+                  [inf, -inf, nan, inf, 0.0]):  # fmt: skip
+        assert codecs._agrees([torch.tensor(wrong)], [eager]) == (
+            "1 elements of its results past a last bit"
+        )
+    assert codecs._agrees([eager], [eager, eager]) == "a different number of results"
+    assert "where eager gives" in codecs._agrees([eager], [3])
+    assert codecs._agrees([torch.tensor([1, 2])], [torch.tensor([1, 3])])
+
+
+def test_nearest_value_quiets_nan_payloads():
+    """A NaN whose low 16 bits are set carried into bfloat16's exponent or sign (to -0.0 or
+    -inf) in `nearest_bits`; torch's conversion gives a NaN."""
+    bits = torch.tensor([0x7FFFA0DC, 0xFF8044E3 - (1 << 32), 0x7FC00001], dtype=torch.int32)
+    assert engine.nearest_value(bits.view(torch.float32), torch.bfloat16).isnan().all()

@@ -409,10 +409,10 @@ def test_a_file_checkpoint_loads_into_fsdp_for_evaluation_and_refuses_to_resume_
 
 
 def test_a_sharded_checkpoint_saved_before_layouts_were_recorded_resumes(tmp_path):
-    """Low-bit state dicts now record each state's layout ("shards"); DCP's strict load
-    refused a checkpoint written before (a missing key), even on the process count that
-    saved it. Its states load as they are, the run state's world size standing for the
-    layout."""
+    """Low-bit state dicts now record each state's layout ("shards") and parameter shape
+    ("shape"); DCP's strict load refused a checkpoint written before (a missing key), even
+    on the process count that saved it. Its states load as they are, the run state's world
+    size standing for the layout."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
     _saved_by_one_fsdp_process(tmp_path, "int8", width=1024)  # (an int8 state)
@@ -422,6 +422,8 @@ def test_a_sharded_checkpoint_saved_before_layouts_were_recorded_resumes(tmp_pat
     whole = torch.load(tmp_path / "whole.pt", weights_only=False)
     layouts = [entry.pop("shards", None) for entry in whole["optim"]["state"].values()]
     assert 1 in layouts  # (the int8 states': the float32 ones record none)
+    shapes = [entry.pop("shape", None) for entry in whole["optim"]["state"].values()]
+    assert [1024, 6] in shapes  # (the int8 weight's)
     older = tmp_path / "older.ckpt"
     torch.save(whole, tmp_path / "older.pt")
     torch_save_to_dcp(tmp_path / "older.pt", older)

@@ -243,8 +243,8 @@ def nearest_value(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     `nearest_bits`; float16 in spacings ``ufp(x) * 2^-10`` (``ufp`` the power of two at or
     below ``|x|``, read from the exponent bits), at least its subnormals' 2^-24, infinity
     from 65520 as torch's conversion gives it."""
-    if dtype == torch.bfloat16:
-        return nearest_bits(x).view(torch.float32)
+    if dtype == torch.bfloat16:  # (NaNs quieted: a payload's carry would reach the sign)
+        return nearest_bits(torch.where(x != x, math.nan, x)).view(torch.float32)
     magnitude = x.abs()
     ufp = (magnitude.view(torch.int32) & 0x7F800000).view(torch.float32)
     spacing = at_least(ufp * 2.0**-10, 2.0**-24)
@@ -467,7 +467,7 @@ class CompileGate:
         except torch.OutOfMemoryError:
             return call(*args)
         got = call(*args)
-        self.checked.add(_kind(call, [t for t in args if isinstance(t, torch.Tensor)]))
+        self.checked.add(_kind(call, args))
         results, eager_results = tree_flatten(got)[0], tree_flatten(expected)[0]
         if agree is None:
             differ = _difference([*leaves, *results], [*copies, *eager_results])
@@ -495,10 +495,13 @@ CHECK_MAX_BYTES = 1 << 26
 TRUSTED = ("cpu",)
 
 
-def _kind(call: Callable[..., Any], tensors: list[torch.Tensor]) -> tuple:
-    """What one check of `CompileGate.run` covers: the kernel, the device type, and the
-    dtypes of its tensor arguments (each a build of its own)."""
-    return (id(call), tensors[0].device.type, *(t.dtype for t in tensors))
+def _kind(call: Callable[..., Any], args: tuple) -> tuple:
+    """What one check of `CompileGate.run` covers: the kernel, the device type, the dtypes
+    of its tensor arguments and its dtype and string arguments (a decode's output dtype, a
+    step's form of decay): each a build of its own."""
+    tensors = [t for t in args if isinstance(t, torch.Tensor)]
+    flags = [a for a in args if isinstance(a, torch.dtype | str)]
+    return (id(call), tensors[0].device.type, *(t.dtype for t in tensors), *flags)
 
 
 def _unchecked(checked: set[tuple], call: Callable[..., Any], args: tuple) -> bool:
@@ -506,7 +509,7 @@ def _unchecked(checked: set[tuple], call: Callable[..., Any], args: tuple) -> bo
     of a kind not checked yet, of at most `CHECK_MAX_BYTES` of tensors. (Every step asks:
     its arguments are read as they are passed, the callers' being flat.)"""
     tensors = [t for t in args if isinstance(t, torch.Tensor)]
-    if not tensors or tensors[0].device.type in TRUSTED or _kind(call, tensors) in checked:
+    if not tensors or tensors[0].device.type in TRUSTED or _kind(call, args) in checked:
         return False
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values()) <= CHECK_MAX_BYTES

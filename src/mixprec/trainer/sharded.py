@@ -87,18 +87,17 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
 
 
 def _as_saved_before_layouts(optim_state: dict[str, Any], path: Path) -> None:
-    """Leave out of the optimizer state to load the low-bit layouts (``"shards"``) the
-    checkpoint at ``path`` does not hold: one saved before they were recorded, which DCP's
-    strict load would refuse for the missing keys (the run state's world size stands for
-    the layout then, `restore`)."""
+    """Leave out of the optimizer state to load the low-bit records (``"shards"``, the
+    layout; ``"shape"``, the parameter's) the checkpoint at ``path`` does not hold: one
+    saved before they were recorded, which DCP's strict load would refuse for the missing
+    keys (the run state's world size stands for the layout then, `restore`)."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     for fqn, entry in optim_state.get("state", {}).items():
-        if (
-            isinstance(entry, dict)
-            and "shards" in entry
-            and f"optim.state.{fqn}.shards" not in saved
-        ):
-            del entry["shards"]
+        if not isinstance(entry, dict):
+            continue
+        for key in ("shards", "shape"):
+            if key in entry and f"optim.state.{fqn}.{key}" not in saved:
+                del entry[key]
 
 
 def _inner(run: FitRun | Run) -> list[torch.optim.Optimizer]:
