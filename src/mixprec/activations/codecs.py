@@ -29,7 +29,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 from torch import Tensor
 
-from mixprec.optim.engine import CompileGate
+from mixprec.optim.engine import CompileGate, difference
 
 # the one place the states' codec is imported from
 from mixprec.optim.states.formats import StateFormat, code_tables, dequantize, quantize
@@ -463,37 +463,29 @@ def _run(name: str, first: Tensor, *args: Any) -> tuple[Any, bool]:
 
 def _agrees(got: list[Any], expected: list[Any]) -> str:
     """How the compiled codec's results (`GATE`'s check) differ from eager's beyond a last
-    bit of float32 rounding, or '': on a GPU the compiled block scales and quotients are a
-    float32 ulp off eager's (an H200 run: scales in half the blocks, so a quotient at an exact
-    tie of two e4m3 values takes the other), which the codec, lossy by design, allows. Codes
-    more than one e4m3 value apart, NaN codes that differ, floats off by more than one unit
-    in the last place of their dtype or not equal where either is infinite or NaN, other
-    tensors not equal bit for bit, or other shapes and dtypes, it does not."""
-    if len(got) != len(expected):
-        return "a different number of results"
-    differ = 0
-    for a, b in zip(got, expected, strict=True):
-        if not isinstance(a, Tensor) or not isinstance(b, Tensor):
-            if isinstance(a, Tensor) or isinstance(b, Tensor) or a != b:
-                return f"{a!r} where eager gives {b!r}"
-            continue
-        if a.shape != b.shape or a.dtype != b.dtype:
-            shapes = f"{a.dtype} {tuple(a.shape)} where eager gives {b.dtype} {tuple(b.shape)}"
-            return f"a tensor of {shapes}"
-        if a.dtype == torch.float8_e4m3fn:
-            x, y = _e4m3_order(a), _e4m3_order(b)
-            special = (a.float().isnan() | b.float().isnan()).reshape(-1)
-            far = torch.where(special, x != y, (x - y).abs() > 1)
-        elif a.is_floating_point():
-            x, y = a.double().reshape(-1), b.double().reshape(-1)
-            ulp = torch.finfo(a.dtype).eps * y.abs().clamp_min(torch.finfo(a.dtype).tiny)
-            finite = x.isfinite() & y.isfinite()
-            near = torch.where(finite, (x - y).abs() <= ulp, x == y)
-            far = ~(near | (x.isnan() & y.isnan()))
-        else:
-            far = (a != b).reshape(-1)
-        differ += int(far.sum())
-    return f"{differ} elements of its results past a last bit" if differ else ""
+    bit of float32 rounding, or '' (`engine.difference` with `_far`): on a GPU the compiled
+    block scales and quotients are a float32 ulp off eager's (an H200 run: scales in half the
+    blocks, so a quotient at an exact tie of two e4m3 values takes the other), which the
+    codec, lossy by design, allows."""
+    return difference(got, expected, _far, " past a last bit")
+
+
+def _far(a: Tensor, b: Tensor) -> Tensor:
+    """The elements of the compiled result ``a`` past a last bit of eager's ``b``: codes
+    more than one e4m3 value apart or NaN codes that differ, floats off by more than one
+    unit in the last place of their dtype or not equal where either is infinite or NaN,
+    other elements not equal."""
+    if a.dtype == torch.float8_e4m3fn:
+        x, y = _e4m3_order(a), _e4m3_order(b)
+        special = (a.float().isnan() | b.float().isnan()).reshape(-1)
+        return torch.where(special, x != y, (x - y).abs() > 1)
+    if a.is_floating_point():
+        x, y = a.double().reshape(-1), b.double().reshape(-1)
+        ulp = torch.finfo(a.dtype).eps * y.abs().clamp_min(torch.finfo(a.dtype).tiny)
+        finite = x.isfinite() & y.isfinite()
+        near = torch.where(finite, (x - y).abs() <= ulp, x == y)
+        return ~(near | (x.isnan() & y.isnan()))
+    return (a != b).reshape(-1)
 
 
 def _e4m3_order(codes: Tensor) -> Tensor:

@@ -19,7 +19,8 @@ compile and name the optimizers they stand in for here, once.
 - **The compile gate** (`CompileGate`, `can_compile`, `COMPILE_MIN_ELEMENTS`):
   ``compile=None`` compiles a step covering ``COMPILE_MIN_ELEMENTS`` or more elements on a
   device that can build (a Linux CPU with a C++ compiler, CUDA with Triton), and falls back
-  to eager, warning once, if the build fails.
+  to eager, warning once, if the build fails; on a GPU it checks a kernel's first call
+  against its eager form (`difference`: bit for bit, or within a tolerance it is given).
 - **The step counts** (`StepCounts`): every parameter's count advanced and read back in
   two calls, whatever the number of parameters.
 - **The optimizers stood in for** (`SUPPORTED_OPTIMIZERS`, `algorithm_of`): torch's
@@ -53,6 +54,7 @@ __all__ = [
     "call_key",
     "can_compile",
     "check_compensation",
+    "difference",
     "settle_buffer_",
     "stochastic_round_",
     "wrap32",
@@ -470,9 +472,9 @@ class CompileGate:
         self.checked.add(_kind(call, args))
         results, eager_results = tree_flatten(got)[0], tree_flatten(expected)[0]
         if agree is None:
-            differ = _difference([*leaves, *results], [*copies, *eager_results])
+            differ = difference([*leaves, *results], [*copies, *eager_results])
         else:
-            differ = _difference(leaves, copies) or agree(results, eager_results)
+            differ = difference(leaves, copies) or agree(results, eager_results)
         if not differ:
             return got
         for a, b in zip(leaves, copies, strict=True):  # this step as eager computed it
@@ -515,10 +517,17 @@ def _unchecked(checked: set[tuple], call: Callable[..., Any], args: tuple) -> bo
     return sum(storages.values()) <= CHECK_MAX_BYTES
 
 
-def _difference(got: list[Any], expected: list[Any]) -> str:
-    """How the leaves ``got`` differ from ``expected`` ('' where they are the same): the
-    bytes of tensors (NaNs equal whatever their payload), their shapes and dtypes, and
-    other values compared as values."""
+def difference(
+    got: list[Any],
+    expected: list[Any],
+    far: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    beyond: str = "",
+) -> str:
+    """How the leaves ``got`` differ from ``expected`` ('' where they are the same): their
+    number, other values compared as values, tensors' shapes and dtypes, then their
+    elements: ``far(a, b)`` (a flat mask of the elements that differ, for two tensors of
+    one shape and dtype), by default their bytes (NaNs equal whatever their payload); the
+    count of elements that differ is told with ``beyond`` after it."""
     if len(got) != len(expected):
         return "a different number of results"
     differ = 0
@@ -531,14 +540,18 @@ def _difference(got: list[Any], expected: list[Any]) -> str:
             return (
                 f"a {a.dtype} {tuple(a.shape)} tensor where eager gives {b.dtype} {tuple(b.shape)}"
             )
-        a, b = a.detach(), b.detach()
-        same = (_bytes(a) == _bytes(b)).view(-1, a.element_size()).all(dim=1)
-        if a.is_floating_point() or a.is_complex():
-            if a.element_size() == 1:  # (float8: compared through float32)
-                a, b = a.float(), b.float()
-            same |= (a.isnan() & b.isnan()).reshape(-1)
-        differ += int((~same).sum())
-    return f"{differ} elements of its results" if differ else ""
+        differ += int((far or _bytes_differ)(a.detach(), b.detach()).sum())
+    return f"{differ} elements of its results{beyond}" if differ else ""
+
+
+def _bytes_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The elements of ``a`` and ``b`` whose bytes differ, NaNs equal whatever their payload."""
+    same = (_bytes(a) == _bytes(b)).view(-1, a.element_size()).all(dim=1)
+    if a.is_floating_point() or a.is_complex():
+        if a.element_size() == 1:  # (float8: compared through float32)
+            a, b = a.float(), b.float()
+        same |= (a.isnan() & b.isnan()).reshape(-1)
+    return ~same
 
 
 def _copies(leaves: list[Any]) -> list[Any]:
