@@ -1213,3 +1213,68 @@ def test_the_state_entries_a_load_gives_are_the_ones_the_steps_update():
     small.data = torch.zeros_like(small)
     step()
     assert bool((opt.state[model[0].bias]["exp_avg"] != 0).all())
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_what_a_step_keeps_for_the_next_follows_the_tensors_memory(compile):
+    """A step keeps its packed copy of the small parameters and the flat form of the large
+    ones for the next (a tiny model's step is mostly that Python work). Weights and states
+    given new memory between steps (``.data =``, a checkpoint moved in) are the ones the next
+    step reads and writes, the old memory is left alone, and the steps match a run that
+    never moved them, bit for bit, as does a pickled copy (which keeps nothing of it)."""
+    import pickle
+
+    def run(move: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 7)).to(torch.bfloat16)
+        assert model[0].weight.numel() >= SMALL > model[1].weight.numel()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        comp = Compensator("kahan", seed=3, compile=compile)
+        left = []
+        for i in range(4):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            comp.step(opt)
+            if move and i == 1:
+                for p in model.parameters():
+                    old = p.data
+                    p.data = old.clone()
+                    state = opt.state[p]
+                    for name in ("exp_avg", "compensation"):
+                        state[name].data = state[name].data.clone()
+                    left.append((old, old.clone()))
+            if move and i == 2:
+                comp = pickle.loads(pickle.dumps(comp))
+        assert all(torch.equal(old, value) for old, value in left)
+        return [p.detach() for p in model.parameters()], [
+            t for p in model.parameters() for t in opt.state[p].values() if t.dim()
+        ]
+
+    (weights, states), (moved, moved_states) = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(weights, moved, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(states, moved_states, strict=True))
+
+
+def test_a_map_by_tensor_tells_a_freed_tensors_reused_id_apart_and_drops_the_dead():
+    """The steps' records by parameter (`engine.ByTensor`) hold tensors weakly: a tensor
+    freed and another made at its id finds nothing, and entries of freed tensors do not
+    pile up over a long run of new tensors (a gradient per step)."""
+    import gc
+
+    record = engine.ByTensor()
+    a = torch.zeros(3)
+    record[a] = "a"
+    assert record.get(a) == "a" and record.get(torch.zeros(3), "none") == "none"
+    ident = id(a)
+    del a
+    gc.collect()
+    reused = [torch.zeros(3) for _ in range(1000)]
+    twin = next((t for t in reused if id(t) == ident), None)
+    if twin is not None:  # (CPython usually gives the freed id to the next tensor)
+        assert record.get(twin, "none") == "none"
+    kept = torch.ones(2)
+    record[kept] = 1
+    for _ in range(10_000):
+        record[torch.zeros(1)] = 0
+    assert len(record) == 1 and record.get(kept) == 1
+    assert len(record._items) <= 2 * 1 + 64 + 1

@@ -35,6 +35,7 @@ import math
 import shutil
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,7 @@ __all__ = [
     "COMPILE_MIN_ELEMENTS",
     "SUPPORTED_OPTIMIZERS",
     "TRUSTED",
+    "ByTensor",
     "CompileGate",
     "Lanes",
     "StepCounts",
@@ -686,6 +688,31 @@ def settle_buffer_(buffer: torch.Tensor, p: torch.Tensor) -> None:
     below = half_spacing(magnitude * (1 - 2.0 ** -(bits + 2)))
     half = torch.where(away, half_spacing(magnitude), below)
     buffer.masked_fill_(error.abs() > half, 0)
+
+
+class ByTensor:
+    """A map keyed by tensors' identity that holds them weakly, as torch's
+    ``WeakIdKeyDictionary`` does, at a plain dictionary's cost: a step reads and writes an
+    entry per parameter, where that dictionary makes a new reference object at each lookup.
+    Entries of tensors since freed are dropped once they could outnumber the live ones."""
+
+    def __init__(self) -> None:
+        self._items: dict[int, tuple[weakref.ref, Any]] = {}
+        self._limit = 64
+
+    def get(self, t: torch.Tensor, default: Any = None) -> Any:
+        item = self._items.get(id(t))
+        # (an id is reused once its tensor is freed: the reference tells them apart)
+        return default if item is None or item[0]() is not t else item[1]
+
+    def __setitem__(self, t: torch.Tensor, value: Any) -> None:
+        self._items[id(t)] = (weakref.ref(t), value)
+        if len(self._items) > self._limit:
+            self._items = {k: item for k, item in self._items.items() if item[0]() is not None}
+            self._limit = 2 * len(self._items) + 64
+
+    def __len__(self) -> int:
+        return sum(item[0]() is not None for item in self._items.values())
 
 
 def written_mark(p: torch.Tensor) -> tuple[int, int | None]:

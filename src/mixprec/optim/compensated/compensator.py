@@ -1,7 +1,8 @@
 """`Compensator`: steps a torch AdamW, Adam or SGD with compensated updates of its 16-bit
 parameters, from the optimizer's own groups and state, inside its step hooks. Parameters are
-gathered into kernel calls (large ones alone and in place, small ones from one packed copy),
-each call run compiled or eagerly (`mixprec.optim.compensated.kernels`)."""
+gathered into kernel calls (large ones alone and in place, small ones from one packed copy,
+kept between steps as scratch), each call run compiled or eagerly
+(`mixprec.optim.compensated.kernels`)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec.optim.compensated.kernels import KERNELS, compiled_step, on_memory
 from mixprec.optim.compensated.rules import check_optimizer
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
     COMPILE_MIN_ELEMENTS,
+    ByTensor,
     CompileGate,
     StepCounts,
     call_key,
@@ -33,6 +34,10 @@ SMALL = 1 << 16
 # elements per kernel call (element indices stay int32); a larger tensor takes several
 # calls, each with its own key
 CALL_MAX = 1 << 30
+# a packed copy of at most this many elements is kept for the next steps (`Compensator._pack`),
+# at most this many of them
+PACK_KEPT = 1 << 18
+PACKS_KEPT = 4
 # elements per slice on the eager path: on a CPU its float32 temporaries stay cache-sized; on
 # an accelerator slices are large, so that the ~40 kernel launches per slice are few
 EAGER_CHUNK = 1 << 16
@@ -66,6 +71,30 @@ class _Call:
         self.step = step
         self.rows: list[tuple[int, list[torch.Tensor | None]]] = []  # (parameter index, tensors)
         self.numel = 0
+
+
+class _Pack:
+    """A packed copy of a call's small parameters: one flat tensor per column (the
+    weights, gradients, states), the pieces of it shaped as each row's tensors, and the
+    flat tensors as the kernel takes them (int32 for bfloat16 pairs). Pairs of an odd
+    number of elements take one more, stepped and dropped (each element's step reads its
+    own values only)."""
+
+    def __init__(self, columns: list[tuple], pairs: bool) -> None:
+        sizes = [t.numel() for t in columns[0]]
+        total = sum(sizes) + (sum(sizes) % 2 if pairs else 0)
+        flats = [None if col[0] is None else col[0].new_zeros(total) for col in columns]
+        self.pieces = [
+            None if flat is None else [
+                piece.view(t.shape)
+                for piece, t in zip(flat[: sum(sizes)].split(sizes), col, strict=True)
+            ]
+            for col, flat in zip(columns, flats, strict=True)
+        ]  # fmt: skip
+        width = 2 if pairs else 1  # elements per kernel element
+        self.lanes = [
+            None if flat is None else on_memory(flat, 0, (total // width,), pairs) for flat in flats
+        ]
 
 
 def _drawn_seed() -> int:
@@ -122,15 +151,20 @@ class Compensator:
         self._counts = StepCounts()
         # parameter -> its `written_mark` after this step wrote it: a weight written since by
         # something else (a model state loaded, a pruning mask) has its buffer settled
-        self._written: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._written: ByTensor = ByTensor()
+        # the packed copies kept for the next steps (`_pack`), the most recent last
+        self._packs: dict[tuple, _Pack] = {}
+        # tensor -> (its address, its flat form for the kernel) (`_flat`)
+        self._flats: ByTensor = ByTensor()
 
     def __getstate__(self) -> dict[str, Any]:
         """Without the record of what the last step wrote (the copy's parameters are others)."""
-        return {**self.__dict__, "_written": None}
+        return {**self.__dict__, "_written": None, "_packs": {}, "_flats": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._written = WeakIdKeyDictionary()
+        self._written = ByTensor()
+        self._flats = ByTensor()
 
     check_optimizer = staticmethod(check_optimizer)
 
@@ -321,7 +355,7 @@ class Compensator:
             return buffer
         written = getattr(self, "_written", None)
         if written is None:  # (one pickled before the record)
-            written = self._written = WeakIdKeyDictionary()
+            written = self._written = ByTensor()
         seen = written.get(p)
         if seen is not None and seen != written_mark(p):
             settle_buffer_(buffer, p)
@@ -343,15 +377,17 @@ class Compensator:
         small ones of the same scalars, decay form, step, device and dtypes."""
         if kind != "kahan":
             row = row[:-1]  # no Kahan buffer
-        # a complex tensor steps as its real and imaginary parts, as torch's Adam and SGD
-        # step it (read as real, its imaginary part was dropped)
-        row = [t if t is None or not t.is_complex() else torch.view_as_real(t) for t in row]
-        pairs = kind is not None and all(t is None or t.dtype == torch.bfloat16 for t in row)
+        layout = tuple(None if t is None else t.dtype for t in row)
+        if any(dtype is not None and dtype.is_complex for dtype in layout):
+            # a complex tensor steps as its real and imaginary parts, as torch's Adam and
+            # SGD step it (read as real, its imaginary part was dropped)
+            row = [t if t is None or not t.is_complex() else torch.view_as_real(t) for t in row]
+            layout = tuple(None if t is None else t.dtype for t in row)
+        pairs = kind is not None and all(d is None or d == torch.bfloat16 for d in layout)
         alone = row[0].numel() >= SMALL and all(
             t is None or (t.is_contiguous() and not (pairs and t.storage_offset() % 2)) for t in row
         )
         alone = alone and not (pairs and row[0].numel() % 2)
-        layout = tuple(None if t is None else t.dtype for t in row)
         # (the decay's form too: a decoupled decay's scalar may equal another group's L2 one)
         key = (index if alone else None, algorithm, kind, step, tuple(scalars), decay, layout)
         key += (row[0].device,)
@@ -374,9 +410,11 @@ class Compensator:
         width = 2 if call.pairs else 1  # elements per kernel element
         if not call.packed:
             flat = [
-                None if t is None else on_memory(t, 0, (t.numel() // width,), call.pairs)
-                for t in rows[0]
-            ]
+                None if t is None
+                else on_memory(t, 0, (t.numel() // width,), call.pairs) if j == 1
+                else self._flat(t, width, call.pairs)
+                for j, t in enumerate(rows[0])
+            ]  # fmt: skip
             self._kernel(call, flat, s, call.rows[0][0], compensated)
             # written through other tensors on their memory: autograd's in-place checks
             # (a graph saved before the step, backpropagated after it) must see the writes
@@ -385,36 +423,55 @@ class Compensator:
             )
             return
         columns = list(zip(*rows, strict=True))
-        # (under no_grad: the parameters' copies track nothing; 1-D tensors need no view;
-        # pairs of an odd number of elements take one more, a zero, stepped and dropped)
-        odd = call.pairs and sum(t.numel() for t in columns[0]) % 2
-        packed = [
-            None
-            if col[0] is None
-            else torch.cat([t if t.dim() == 1 else t.reshape(-1) for t in col] +
-                           ([col[0].new_zeros(1)] if odd else []))
-            for col in columns
-        ]  # fmt: skip
-        self._kernel(
-            call,
-            [None if t is None else on_memory(t, 0, (t.numel() // width,), call.pairs)
-             for t in packed],
-            s,
-            call.rows[0][0],
-            compensated,
-        )  # fmt: skip
-        sizes = [t.numel() for t in columns[0]]
+        pack = self._pack(call, columns)
+        # in: every column's tensors onto the pack's pieces, one copy for all
+        torch._foreach_copy_(
+            [piece for pieces in pack.pieces if pieces for piece in pieces],
+            [t for col in columns if col[0] is not None for t in col],
+        )
+        self._kernel(call, pack.lanes, s, call.rows[0][0], compensated)
+        # out: the results back onto the weights and states (the gradient is only read)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
-        for j, (col, flat) in enumerate(zip(columns, packed, strict=True)):
-            if j == 1 or flat is None:  # the gradient is only read
-                continue
-            dst += col
-            src += [
-                piece if t.dim() == 1 else piece.view(t.shape)
-                for piece, t in zip(flat[: sum(sizes)].split(sizes), col, strict=True)
-            ]
+        for j, (col, pieces) in enumerate(zip(columns, pack.pieces, strict=True)):
+            if j != 1 and pieces:
+                dst += col
+                src += pieces
         torch._foreach_copy_(dst, src)
+
+    def _flat(self, t: torch.Tensor, width: int, pairs: bool) -> torch.Tensor:
+        """``t`` whole as the kernel takes it (`on_memory`), kept for the next steps while
+        ``t`` keeps its memory (a weight or state; a gradient is new at each step)."""
+        kept = getattr(self, "_flats", None)
+        if kept is None:  # (one pickled before flats were kept)
+            kept = self._flats = ByTensor()
+        address, flat = kept.get(t, (None, None))
+        if flat is None or address != t.data_ptr() or flat.numel() * width != t.numel():
+            flat = on_memory(t, 0, (t.numel() // width,), pairs)
+            kept[t] = (t.data_ptr(), flat)
+        return flat
+
+    def _pack(self, call: _Call, columns: list[tuple]) -> _Pack:
+        """The packed copy for ``columns`` (one tuple of tensors per row position): kept
+        between steps for the same tensors' shapes and dtypes when it is small (a step of a
+        small model is its calls' Python cost: slicing a fresh copy cost more than the
+        copies), else made for this step."""
+        # (a row's tensors have its weight's shape, as torch's foreach steps need them)
+        key = (call.pairs, columns[0][0].device)
+        key += tuple(None if col[0] is None else col[0].dtype for col in columns)
+        key += tuple(t.shape for t in columns[0])
+        packs = getattr(self, "_packs", None)
+        if packs is None:  # (one pickled before packs were kept)
+            packs = self._packs = {}
+        pack = packs.pop(key, None)
+        if pack is None:
+            pack = _Pack(columns, call.pairs)
+            if call.numel > PACK_KEPT:
+                return pack
+        packs[key] = pack  # the most recent last
+        while len(packs) > PACKS_KEPT:
+            packs.pop(next(iter(packs)))
+        return pack
 
     def _kernel(
         self,

@@ -31,11 +31,11 @@ from operator import is_
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
     COMPILE_MIN_ELEMENTS,
+    ByTensor,
     CompileGate,
     StepCounts,
     call_key,
@@ -614,11 +614,11 @@ class LowBitOptimizer(StateCheckpoint):
         self._layout = layout if kept and layout.marks else None
         return loss
 
-    def _written_record(self) -> WeakIdKeyDictionary:
+    def _written_record(self) -> ByTensor:
         """Parameter -> its `written_mark` after this optimizer's last step wrote it."""
         written = getattr(self, "_written", None)
         if written is None:  # (made, or a copy's: its parameters are others)
-            written = self._written = WeakIdKeyDictionary()
+            written = self._written = ByTensor()
         return written
 
     def _settle_written_buffers(
