@@ -1217,8 +1217,8 @@ def test_the_state_entries_a_load_gives_are_the_ones_the_steps_update():
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_what_a_step_keeps_for_the_next_follows_the_tensors_memory(compile):
-    """A step keeps its packed copy of the small parameters and the flat form of the large
-    ones for the next (a tiny model's step is mostly that Python work). Weights and states
+    """A step keeps its packed copy of the small parameters for the next (a tiny model's
+    step is mostly Python work), as scratch: weights and states
     given new memory between steps (``.data =``, a checkpoint moved in) are the ones the next
     step reads and writes, the old memory is left alone, and the steps match a run that
     never moved them, bit for bit, as does a pickled copy (which keeps nothing of it)."""
@@ -1226,7 +1226,8 @@ def test_what_a_step_keeps_for_the_next_follows_the_tensors_memory(compile):
 
     def run(move: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 7)).to(torch.bfloat16)
+        model = nn.Sequential(nn.Linear(256, SMALL // 256), nn.Linear(SMALL // 256, 7))
+        model = model.to(torch.bfloat16)
         assert model[0].weight.numel() >= SMALL > model[1].weight.numel()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         comp = Compensator("kahan", seed=3, compile=compile)
@@ -1253,6 +1254,56 @@ def test_what_a_step_keeps_for_the_next_follows_the_tensors_memory(compile):
     (weights, states), (moved, moved_states) = run(False), run(True)
     assert all(torch.equal(a, b) for a, b in zip(weights, moved, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(states, moved_states, strict=True))
+
+
+def test_a_compensator_holds_no_memory_of_the_tensors_it_stepped():
+    """What a step keeps for the next is scratch of its own: once the model and its
+    optimizer are gone, their weights and states are freed even while the Compensator lives
+    on (a flat view kept of each large tensor held all of them, a whole model's bytes)."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model = nn.Sequential(nn.Linear(8, SMALL // 8), nn.Linear(SMALL // 8, 3)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    comp = Compensator("kahan", seed=1, compile=False)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        comp.step(opt)
+    # their memory (the step counts, 0-dim, are views of the counts' one tensor, kept:
+    # `engine.StepCounts`)
+    tensors = [*model.parameters()]
+    tensors += [t for state in opt.state.values() for t in state.values() if t.dim()]
+    refs = [StorageWeakRef(t.untyped_storage()) for t in tensors]
+    del model, opt, p, tensors
+    gc.collect()
+    assert all(ref.expired() for ref in refs)
+
+
+def test_a_state_reshaped_between_steps_still_steps():
+    """A kept pack is laid out by the weights' shapes; a state of the same size in another
+    shape (a state dict written by other code) is copied through a pack of its own and
+    steps as a fresh Compensator steps it."""
+    import pickle
+
+    def run(keep: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2)).to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        comp = Compensator("kahan", seed=2, compile=False)
+        for i in range(3):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            if i == 2:
+                state = opt.state[model[0].weight]
+                state["exp_avg"] = state["exp_avg"].reshape(1, 12).clone()
+            if not keep:
+                comp = pickle.loads(pickle.dumps(comp))
+            comp.step(opt)
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False), strict=True))
 
 
 def test_a_map_by_tensor_tells_a_freed_tensors_reused_id_apart_and_drops_the_dead():

@@ -29,8 +29,9 @@ from mixprec.optim.engine import (
 __all__ = ["COMPILE_MIN_ELEMENTS", "SMALL", "Compensator"]
 
 # parameters with fewer elements (or not contiguous) are stepped together from one packed
-# copy: one kernel call for all of them instead of one each
-SMALL = 1 << 16
+# copy: one kernel call for all of them instead of one each (a compiled call's fixed cost
+# is about what copying a tensor of this size in and out costs on a CPU)
+SMALL = 1 << 17
 # elements per kernel call (element indices stay int32); a larger tensor takes several
 # calls, each with its own key
 CALL_MAX = 1 << 30
@@ -42,6 +43,9 @@ PACKS_KEPT = 4
 # an accelerator slices are large, so that the ~40 kernel launches per slice are few
 EAGER_CHUNK = 1 << 16
 EAGER_CHUNK_ACCELERATOR = 1 << 22
+
+
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
 
 
 class _Call:
@@ -91,6 +95,8 @@ class _Pack:
             ]
             for col, flat in zip(columns, flats, strict=True)
         ]  # fmt: skip
+        # every piece, in the order of the columns' tensors (what a step copies in)
+        self.into = [piece for pieces in self.pieces if pieces for piece in pieces]
         width = 2 if pairs else 1  # elements per kernel element
         self.lanes = [
             None if flat is None else on_memory(flat, 0, (total // width,), pairs) for flat in flats
@@ -154,17 +160,14 @@ class Compensator:
         self._written: ByTensor = ByTensor()
         # the packed copies kept for the next steps (`_pack`), the most recent last
         self._packs: dict[tuple, _Pack] = {}
-        # tensor -> (its address, its flat form for the kernel) (`_flat`)
-        self._flats: ByTensor = ByTensor()
 
     def __getstate__(self) -> dict[str, Any]:
         """Without the record of what the last step wrote (the copy's parameters are others)."""
-        return {**self.__dict__, "_written": None, "_packs": {}, "_flats": None}
+        return {**self.__dict__, "_written": None, "_packs": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._written = ByTensor()
-        self._flats = ByTensor()
 
     check_optimizer = staticmethod(check_optimizer)
 
@@ -377,13 +380,14 @@ class Compensator:
         small ones of the same scalars, decay form, step, device and dtypes."""
         if kind != "kahan":
             row = row[:-1]  # no Kahan buffer
-        layout = tuple(None if t is None else t.dtype for t in row)
-        if any(dtype is not None and dtype.is_complex for dtype in layout):
+        # (set and count tests: this runs for every parameter at every step)
+        layout = tuple([None if t is None else t.dtype for t in row])
+        if not _COMPLEX.isdisjoint(layout):
             # a complex tensor steps as its real and imaginary parts, as torch's Adam and
             # SGD step it (read as real, its imaginary part was dropped)
             row = [t if t is None or not t.is_complex() else torch.view_as_real(t) for t in row]
-            layout = tuple(None if t is None else t.dtype for t in row)
-        pairs = kind is not None and all(d is None or d == torch.bfloat16 for d in layout)
+            layout = tuple([None if t is None else t.dtype for t in row])
+        pairs = kind is not None and layout.count(torch.bfloat16) + layout.count(None) == len(row)
         alone = row[0].numel() >= SMALL and all(
             t is None or (t.is_contiguous() and not (pairs and t.storage_offset() % 2)) for t in row
         )
@@ -410,11 +414,9 @@ class Compensator:
         width = 2 if call.pairs else 1  # elements per kernel element
         if not call.packed:
             flat = [
-                None if t is None
-                else on_memory(t, 0, (t.numel() // width,), call.pairs) if j == 1
-                else self._flat(t, width, call.pairs)
-                for j, t in enumerate(rows[0])
-            ]  # fmt: skip
+                None if t is None else on_memory(t, 0, (t.numel() // width,), call.pairs)
+                for t in rows[0]
+            ]
             self._kernel(call, flat, s, call.rows[0][0], compensated)
             # written through other tensors on their memory: autograd's in-place checks
             # (a graph saved before the step, backpropagated after it) must see the writes
@@ -425,38 +427,29 @@ class Compensator:
         columns = list(zip(*rows, strict=True))
         pack = self._pack(call, columns)
         # in: every column's tensors onto the pack's pieces, one copy for all
-        torch._foreach_copy_(
-            [piece for pieces in pack.pieces if pieces for piece in pieces],
-            [t for col in columns if col[0] is not None for t in col],
-        )
+        src = [t for col in columns if col[0] is not None for t in col]
+        try:
+            torch._foreach_copy_(pack.into, src)
+        except RuntimeError:  # a state reshaped since the kept pack was made: one of its own
+            pack = _Pack(columns, call.pairs)
+            torch._foreach_copy_(pack.into, src)
         self._kernel(call, pack.lanes, s, call.rows[0][0], compensated)
         # out: the results back onto the weights and states (the gradient is only read)
         dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
+        src = []
         for j, (col, pieces) in enumerate(zip(columns, pack.pieces, strict=True)):
             if j != 1 and pieces:
                 dst += col
                 src += pieces
         torch._foreach_copy_(dst, src)
 
-    def _flat(self, t: torch.Tensor, width: int, pairs: bool) -> torch.Tensor:
-        """``t`` whole as the kernel takes it (`on_memory`), kept for the next steps while
-        ``t`` keeps its memory (a weight or state; a gradient is new at each step)."""
-        kept = getattr(self, "_flats", None)
-        if kept is None:  # (one pickled before flats were kept)
-            kept = self._flats = ByTensor()
-        address, flat = kept.get(t, (None, None))
-        if flat is None or address != t.data_ptr() or flat.numel() * width != t.numel():
-            flat = on_memory(t, 0, (t.numel() // width,), pairs)
-            kept[t] = (t.data_ptr(), flat)
-        return flat
-
     def _pack(self, call: _Call, columns: list[tuple]) -> _Pack:
         """The packed copy for ``columns`` (one tuple of tensors per row position): kept
         between steps for the same tensors' shapes and dtypes when it is small (a step of a
         small model is its calls' Python cost: slicing a fresh copy cost more than the
         copies), else made for this step."""
-        # (a row's tensors have its weight's shape, as torch's foreach steps need them)
+        # (by the weights' shapes: a state reshaped since, which torch's own steps refuse,
+        # gets a pack of its own in `_run`)
         key = (call.pairs, columns[0][0].device)
         key += tuple(None if col[0] is None else col[0].dtype for col in columns)
         key += tuple(t.shape for t in columns[0])
