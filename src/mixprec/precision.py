@@ -497,7 +497,8 @@ class Precision:
         is for one LBFGS-style optimizer, without loss scaling. `before_step` runs first
         (inside the closure, after each of its evaluations, when there is one).
         """
-        if self._step_work:
+        # (the dictionary under the weak one: its own length costs three Python calls a step)
+        if self._step_work.data:
             if closure is None:
                 self.before_step()
             else:
@@ -506,7 +507,7 @@ class Precision:
             closure is None
             and len(optimizers) == 1
             and isinstance(optimizers[0], LossScaleOptimizer)
-            and optimizers[0].scaler is self.scaler
+            and optimizers[0].scaler is self._scaler
         ):  # the common call, `precision.step(optimizer)`, without the lists below
             return optimizers[0].step()
         wrapped = [self._as_wrapper(opt) for opt in optimizers] or self.optimizers
