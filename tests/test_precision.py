@@ -262,7 +262,8 @@ def test_a_bf16_mixed_step_makes_few_python_calls_beyond_the_torch_autocast_loop
         loop: (_calls_per_step(loop, 30) - _calls_per_step(loop, 10)) / 20
         for loop in (raw, wrapped)
     }
-    assert per_step[wrapped] - per_step[raw] <= 30, per_step
+    # (26 today: a weak dictionary's length read at each step had taken it to 30 unseen)
+    assert per_step[wrapped] - per_step[raw] <= 27, per_step
 
 
 @pytest.mark.parametrize("spec", ["bf16-mixed", "16-mixed", "16-true"])
