@@ -208,6 +208,8 @@ def as_loss(result: Any, where: str) -> Tensor:
     naming `where` (who returned it), what it gave and the fix otherwise. The one check of a
     loss in mixprec: `batch_loss`'s, and the Trainer's of what a training step returned
     (after reading None as "skip the batch")."""
+    if type(result) is Tensor and result.dim() == 0 and result.is_floating_point():
+        return result  # the common case, in the fewest calls (a step's time on a small model)
     loss = result
     if isinstance(result, dict):
         if "loss" not in result:
