@@ -1,15 +1,14 @@
 """Precision: the two-line path for any loop, on real bfloat16/float16 arithmetic."""
 
 import copy
-import cProfile
 import math
-import pstats
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
 from devices import AVX2_CPU
+from launch_bound import autocast_loop, calls_per_step, tiny_mlp
 from nets import mlp
 from torch import nn
 
@@ -222,35 +221,17 @@ def test_a_float16_loss_cannot_carry_the_default_scale():
     assert taken == [False, True] and precision.scaler.loss_scale == 2.0**15
 
 
-def _calls_per_step(loop, steps: int) -> int:
-    """Python function calls (cProfile's count, built-ins included) of `loop(steps)`."""
-    prof = cProfile.Profile()
-    prof.enable()
-    loop(steps)
-    prof.disable()
-    return sum(entry[1] for entry in pstats.Stats(prof).stats.values())  # type: ignore[attr-defined]
-
-
 def test_a_bf16_mixed_step_makes_few_python_calls_beyond_the_torch_autocast_loop():
     """In a launch-bound step the Python around the ops is the time: a `Precision` step (the
     region's autocast, the backward's checks, the unscaled step) costs a few dozen calls more
     than the loop written with ``torch.autocast``, none of them growing with the graph."""
     torch.manual_seed(0)
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
-
-    def raw(steps: int) -> None:
-        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for _ in range(steps):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    raw = autocast_loop(x, y)
 
     def wrapped(steps: int) -> None:
         precision = Precision("bf16-mixed", allow_slow=True)  # counts calls, on any CPU
-        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+        model = tiny_mlp()
         model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
         for _ in range(steps):
             precision.backward(F.cross_entropy(model(x), y))
@@ -258,10 +239,7 @@ def test_a_bf16_mixed_step_makes_few_python_calls_beyond_the_torch_autocast_loop
             opt.zero_grad(set_to_none=True)
 
     raw(2), wrapped(2)  # imports and first-call caches
-    per_step = {
-        loop: (_calls_per_step(loop, 30) - _calls_per_step(loop, 10)) / 20
-        for loop in (raw, wrapped)
-    }
+    per_step = {loop: calls_per_step(loop, 10, 30) for loop in (raw, wrapped)}
     # (26 today: a weak dictionary's length read at each step had taken it to 30 unseen)
     assert per_step[wrapped] - per_step[raw] <= 27, per_step
 

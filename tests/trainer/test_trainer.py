@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from devices import AVX2_CPU, ZEN4
+from launch_bound import autocast_loop, calls_per_step, tiny_mlp
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from trainers import QUIET
@@ -926,33 +927,12 @@ def test_a_callback_with_hooks_this_trainer_never_calls_is_warned(tmp_path):
 def test_a_bare_trainer_step_makes_few_python_calls_beyond_the_torch_autocast_loop(tmp_path):
     """In a launch-bound step the Python around the ops is the time: the Trainer's step
     (its loop, the checked loss, Precision's backward and step, its periodic log rows)
-    costs a bounded number of calls more than the loop written with ``torch.autocast``,
-    counted per step as the difference of a 60- and a 20-step run (setup cancels)."""
-    import cProfile
-    import pstats
-
+    costs a bounded number of calls more than the loop written with ``torch.autocast``."""
     torch.manual_seed(0)
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
-
-    def calls(loop, steps: int) -> int:
-        prof = cProfile.Profile()
-        prof.enable()
-        loop(steps)
-        prof.disable()
-        return sum(entry[1] for entry in pstats.Stats(prof).stats.values())  # type: ignore[attr-defined]
-
-    def raw(steps: int) -> None:
-        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        for _ in range(steps):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+    raw = autocast_loop(x, y)
 
     def trainer(steps: int) -> None:
-        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
         Trainer(
             precision="bf16-mixed",  # counts calls, on any CPU
             allow_slow_precision=True,
@@ -962,13 +942,13 @@ def test_a_bare_trainer_step_makes_few_python_calls_beyond_the_torch_autocast_lo
             enable_checkpointing=False,
             default_root_dir=tmp_path,
         ).fit(
-            model,
+            tiny_mlp(),
             [(x, y)] * steps,
             loss_fn=F.cross_entropy,
             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
         )
 
     raw(2), trainer(2)  # imports and first-call caches
-    per_step = {loop: (calls(loop, 60) - calls(loop, 20)) / 40 for loop in (raw, trainer)}
+    per_step = {loop: calls_per_step(loop, 20, 60) for loop in (raw, trainer)}
     # (about 80 today; the loss checked twice in full had taken it to 86 unseen)
     assert per_step[trainer] - per_step[raw] <= 82, per_step
