@@ -512,9 +512,10 @@ def _unchecked(checked: set[tuple], call: Callable[..., Any], args: tuple) -> bo
     """Whether a call on ``args`` is one `CompileGate.run` checks: on an untrusted device,
     of a kind not checked yet, of at most `CHECK_MAX_BYTES` of tensors. (Every step asks:
     its arguments are read as they are passed, the callers' being flat.)"""
-    tensors = [t for t in args if isinstance(t, torch.Tensor)]
-    if not tensors or tensors[0].device.type in TRUSTED or _kind(call, args) in checked:
+    first = next((t for t in args if isinstance(t, torch.Tensor)), None)
+    if first is None or first.device.type in TRUSTED or _kind(call, args) in checked:
         return False
+    tensors = [t for t in args if isinstance(t, torch.Tensor)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values()) <= CHECK_MAX_BYTES
 

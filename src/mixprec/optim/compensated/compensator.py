@@ -88,15 +88,19 @@ class _Pack:
         sizes = [t.numel() for t in columns[0]]
         total = sum(sizes) + (sum(sizes) % 2 if pairs else 0)
         flats = [None if col[0] is None else col[0].new_zeros(total) for col in columns]
-        self.pieces = [
+        pieces = [
             None if flat is None else [
                 piece.view(t.shape)
                 for piece, t in zip(flat[: sum(sizes)].split(sizes), col, strict=True)
             ]
             for col, flat in zip(columns, flats, strict=True)
         ]  # fmt: skip
-        # every piece, in the order of the columns' tensors (what a step copies in)
-        self.into = [piece for pieces in self.pieces if pieces for piece in pieces]
+        # every piece, in the order of the columns' tensors (what a step copies in), and
+        # those of the columns a step writes (all but the gradients': what it copies out)
+        self.into = [piece for column in pieces if column for piece in column]
+        self.out = [
+            piece for j, column in enumerate(pieces) if j != 1 and column for piece in column
+        ]
         width = 2 if pairs else 1  # elements per kernel element
         self.lanes = [
             None if flat is None else on_memory(flat, 0, (total // width,), pairs) for flat in flats
@@ -168,6 +172,9 @@ class Compensator:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._written = ByTensor()
+        self._packs = {}
+        if getattr(self, "_counts", None) is None:  # (one pickled before counts were kept)
+            self._counts = StepCounts()
 
     check_optimizer = staticmethod(check_optimizer)
 
@@ -232,8 +239,6 @@ class Compensator:
             # the number of parameters (torch's Adam counts each parameter's own steps: one
             # that had no gradient for a while is behind the others, with its own bias
             # correction)
-            if getattr(self, "_counts", None) is None:  # (one pickled before counts)
-                self._counts = StepCounts()
             steps = self._counts.advance([state for *_, state in work])
         # (Adam's scalars depend on the group and the step only: made once per pair)
         made: dict[tuple[int, int], tuple[list[float], str | None]] = {}
@@ -356,10 +361,7 @@ class Compensator:
                 p, memory_format=torch.preserve_format
             )
             return buffer
-        written = getattr(self, "_written", None)
-        if written is None:  # (one pickled before the record)
-            written = self._written = ByTensor()
-        seen = written.get(p)
+        seen = self._written.get(p)
         if seen is not None and seen != written_mark(p):
             settle_buffer_(buffer, p)
         return buffer
@@ -435,13 +437,8 @@ class Compensator:
             torch._foreach_copy_(pack.into, src)
         self._kernel(call, pack.lanes, s, call.rows[0][0], compensated)
         # out: the results back onto the weights and states (the gradient is only read)
-        dst: list[torch.Tensor] = []
-        src = []
-        for j, (col, pieces) in enumerate(zip(columns, pack.pieces, strict=True)):
-            if j != 1 and pieces:
-                dst += col
-                src += pieces
-        torch._foreach_copy_(dst, src)
+        dst = [t for j, col in enumerate(columns) if j != 1 and col[0] is not None for t in col]
+        torch._foreach_copy_(dst, pack.out)
 
     def _pack(self, call: _Call, columns: list[tuple]) -> _Pack:
         """The packed copy for ``columns`` (one tuple of tensors per row position): kept
@@ -453,9 +450,7 @@ class Compensator:
         key = (call.pairs, columns[0][0].device)
         key += tuple(None if col[0] is None else col[0].dtype for col in columns)
         key += tuple(t.shape for t in columns[0])
-        packs = getattr(self, "_packs", None)
-        if packs is None:  # (one pickled before packs were kept)
-            packs = self._packs = {}
+        packs = self._packs
         pack = packs.pop(key, None)
         if pack is None:
             pack = _Pack(columns, call.pairs)
