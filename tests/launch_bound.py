@@ -32,15 +32,17 @@ def calls_per_step(loop: Callable[[int], None], short: int, long: int) -> float:
     return (calls(long) - calls(short)) / (long - short)
 
 
-def autocast_loop(x: torch.Tensor, y: torch.Tensor) -> Callable[[int], None]:
-    """``steps`` bfloat16 autocast SGD steps of a fresh `tiny_mlp` on (x, y), as written by
-    hand."""
+def autocast_loop(
+    x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype | None = torch.bfloat16
+) -> Callable[[int], None]:
+    """``steps`` autocast SGD steps of a fresh `tiny_mlp` on (x, y) in ``dtype`` (None:
+    float32, the autocast context switched off), as written by hand."""
 
     def loop(steps: int) -> None:
         model = tiny_mlp()
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         for _ in range(steps):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
                 loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()

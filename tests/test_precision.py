@@ -221,16 +221,22 @@ def test_a_float16_loss_cannot_carry_the_default_scale():
     assert taken == [False, True] and precision.scaler.loss_scale == 2.0**15
 
 
-def test_a_bf16_mixed_step_makes_few_python_calls_beyond_the_torch_autocast_loop():
+# (today 26 and 4: a weak dictionary's length read at each step had taken bf16-mixed to 30
+# unseen; a 32-true region walked its inputs with the module among them, 58)
+@pytest.mark.parametrize(
+    ("spec", "dtype", "most"), [("bf16-mixed", torch.bfloat16, 27), ("32-true", None, 8)]
+)
+def test_a_step_makes_few_python_calls_beyond_the_torch_autocast_loop(spec, dtype, most):
     """In a launch-bound step the Python around the ops is the time: a `Precision` step (the
-    region's autocast, the backward's checks, the unscaled step) costs a few dozen calls more
-    than the loop written with ``torch.autocast``, none of them growing with the graph."""
+    region's autocast or casts, the backward's checks, the unscaled step) costs a few dozen
+    calls more than the loop written with ``torch.autocast``, none of them growing with the
+    graph."""
     torch.manual_seed(0)
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
-    raw = autocast_loop(x, y)
+    raw = autocast_loop(x, y, dtype)
 
     def wrapped(steps: int) -> None:
-        precision = Precision("bf16-mixed", allow_slow=True)  # counts calls, on any CPU
+        precision = Precision(spec, allow_slow=True)  # counts calls, on any CPU
         model = tiny_mlp()
         model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.01))
         for _ in range(steps):
@@ -240,8 +246,7 @@ def test_a_bf16_mixed_step_makes_few_python_calls_beyond_the_torch_autocast_loop
 
     raw(2), wrapped(2)  # imports and first-call caches
     per_step = {loop: calls_per_step(loop, 10, 30) for loop in (raw, wrapped)}
-    # (26 today: a weak dictionary's length read at each step had taken it to 30 unseen)
-    assert per_step[wrapped] - per_step[raw] <= 27, per_step
+    assert per_step[wrapped] - per_step[raw] <= most, per_step
 
 
 @pytest.mark.parametrize("spec", ["bf16-mixed", "16-mixed", "16-true"])

@@ -253,16 +253,17 @@ class _Region:
                 (t.dtype for t in iter_tensors((args, kwargs)) if t.is_floating_point()),
                 output_dtype,
             )
-        # a float64 input (a float64 neighbour's output) computes as float32 in a mixed
-        # region; the common case, one plain tensor of another dtype, tested without a call
-        if self.autocast and (
-            kwargs
-            or not args
-            or args[1:]
-            or type(args[0]) is not Tensor
-            or args[0].dtype == torch.float64
-        ):
-            args, kwargs = _without_float64(args), _without_float64(kwargs)
+        # the common case, one plain tensor, tested without a call
+        one = not kwargs and args and not args[1:] and type(args[0]) is Tensor
+        if self.autocast:
+            # a float64 input (a float64 neighbour's output) computes as float32 here
+            if not one or args[0].dtype == torch.float64:
+                args, kwargs = _without_float64(args), _without_float64(kwargs)
+        elif not one:  # a "true" region computes on its inputs in its own dtype
+            args = cast_floating(args, self.compute_dtype)
+            kwargs = cast_floating(kwargs, self.compute_dtype)
+        elif args[0].dtype != self.compute_dtype and args[0].is_floating_point():
+            args = (args[0].to(self.compute_dtype),)
         if self.original is None:
             # the class's function with the module as an argument, never a bound method:
             # torch.compile rebuilds bound methods as `module.forward`, which is this region
@@ -293,32 +294,34 @@ class _Region:
                 except RuntimeError as err:
                     _explain_rnn_error(err, module, device_type, self.compute_dtype)
                     raise
-            if isinstance(out, Tensor):  # `cast_floating`'s first case, without its call
-                dtype = output_dtype
-                if not out.is_floating_point() or out.dtype == dtype:
-                    return out
-                if type(out) is Tensor and dtype == torch.float32:
-                    return out.float()  # a plain tensor's `to(torch.float32)`, parsed faster
-                return out.to(dtype)
         else:
-            args = cast_floating(args, self.compute_dtype)
-            kwargs = cast_floating(kwargs, self.compute_dtype)
             # A "true" region computes in its own dtype even inside an enclosing autocast (a
             # parent's mixed region, or the caller's): autocast is switched off for it.
             # Plain `with` blocks, not an ExitStack: torch.compile traces them without a break.
-            off = (
-                torch.autocast(_device_type(args, kwargs, module, self.probe), enabled=False)
-                if torch._C._is_any_autocast_enabled()
-                else contextlib.nullcontext()
-            )
+            autocast_on = torch._C._is_any_autocast_enabled()
             copies = _compute_copies(module, self.cast, self.compute_dtype) if self.cast else {}
-            swap = _reparametrize_module(module, copies) if copies else contextlib.nullcontext()
-            if needs_default_dtype(self.compute_dtype):
-                with default_dtype(self.compute_dtype), off, swap:
-                    out = forward(*args, **kwargs)
+            default = needs_default_dtype(self.compute_dtype)
+            if not (autocast_on or copies or default):  # (float32 as it is: nothing to set)
+                out = forward(*args, **kwargs)
             else:
-                with off, swap:
-                    out = forward(*args, **kwargs)
+                off = (
+                    torch.autocast(_device_type(args, kwargs, module, self.probe), enabled=False)
+                    if autocast_on
+                    else contextlib.nullcontext()
+                )
+                swap = _reparametrize_module(module, copies) if copies else contextlib.nullcontext()
+                if default:
+                    with default_dtype(self.compute_dtype), off, swap:
+                        out = forward(*args, **kwargs)
+                else:
+                    with off, swap:
+                        out = forward(*args, **kwargs)
+        if isinstance(out, Tensor):  # `cast_floating`'s first case, without its call
+            if not out.is_floating_point() or out.dtype == output_dtype:
+                return out
+            if type(out) is Tensor and output_dtype == torch.float32:
+                return out.float()  # a plain tensor's `to(torch.float32)`, parsed faster
+            return out.to(output_dtype)
         return cast_floating(out, output_dtype)
 
 
