@@ -4,6 +4,8 @@ is refused with the options accepted."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -425,7 +427,21 @@ class _Pairs(nn.Module):
 
     def forward(self, x, pair=None, extra=None, *, pos=None):
         a, b = pos if pos is not None else pair
-        return (self.fc(x) * a + b) * extra["scale"] + extra["shift"]
+        scale, shift = (
+            (extra["scale"], extra["shift"])
+            if isinstance(extra, dict)
+            else (extra.scale, extra.shift)
+        )
+        return (self.fc(x) * a + b) * scale + shift
+
+
+@dataclasses.dataclass
+class _Extra:
+    """What a layer's caller may pass in a dataclass (a config, a cache): torch's pytree
+    does not open one."""
+
+    scale: torch.Tensor
+    shift: float
 
 
 class _CallsPairs(nn.Module):
@@ -437,15 +453,22 @@ class _CallsPairs(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = torch.full((8,), 2.0), torch.zeros(8)
         pair, extra = [a, b], {"scale": torch.full((8,), 3.0), "shift": 1.0}
+        if self.how == "dataclass":
+            extra = _Extra(extra["scale"], extra["shift"])
         if self.how == "keyword":
             y = self.layer(self.inp(x), extra=extra, pos=pair)
         else:
             y = self.layer(self.inp(x), pair, extra)
+        scale = extra["scale"] if isinstance(extra, dict) else extra.scale
         if self.write == "in place":  # (a cache the caller reuses)
             a.mul_(10)
-            extra["scale"].add_(1)
+            scale.add_(1)
         elif self.write == "replaced":  # (the caller's containers changed, not the tensors)
-            pair[0], extra["scale"], extra["shift"] = a * 10, extra["scale"] + 1, 5.0
+            pair[0] = a * 10
+            if isinstance(extra, dict):
+                extra["scale"], extra["shift"] = scale + 1, 5.0
+            else:
+                extra.scale, extra.shift = scale + 1, 5.0
         return self.out(y)
 
 
@@ -456,15 +479,16 @@ def _pairs_grads(how: str, activations, write: str | None = None) -> list[torch.
     return [p.grad for p in model.parameters()]
 
 
-@pytest.mark.parametrize("how", ["keyword", "positional"])
+@pytest.mark.parametrize("how", ["keyword", "positional", "dataclass"])
 @pytest.mark.parametrize("option", ["checkpoint", "selective"])
 def test_tensors_nested_in_arguments_and_written_in_place_after_are_refused_as_when_kept(
     how, option
 ):
     """Only bare tensors given by keyword reached the checkpoint: tensors inside a tuple,
-    list or dict stayed in a closure, so one written in place after the call was recomputed
-    from its new values (the layer's gradients ten times too large), silently. A container
-    changed after the call (an element replaced) is recomputed as the forward saw it."""
+    list or dict (and later a dataclass, which torch's pytree does not open) stayed in a
+    closure, so one written in place after the call was recomputed from its new values (the
+    layer's gradients ten times too large), silently. A container changed after the call
+    (an element or a field replaced) is recomputed as the forward saw it."""
     kept = _pairs_grads(how, "keep")
     for write in (None, "replaced"):  # (the nested tensors and the rest reach the layer)
         for a, b in zip(kept, _pairs_grads(how, {"layer": option}, write), strict=True):

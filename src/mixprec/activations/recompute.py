@@ -12,6 +12,8 @@ dropout draws the same mask.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +27,7 @@ from torch.utils.checkpoint import (
 )
 
 from mixprec.dtypes import default_dtype, needs_default_dtype
+from mixprec.tree import iter_tensors, map_tensors
 
 __all__ = ["SAVED_OPS", "recomputed", "selective_policy"]
 
@@ -72,41 +75,89 @@ def recomputed(
     # (a torch.Size is a leaf: rebuilt as a tuple it would lose its methods, ``numel()``)
     leaves, spec = tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, torch.Size))
     where = tuple(i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor))
+    # and those inside leaves torch's pytree does not open (a dataclass: `mixprec.tree`
+    # walks it), each such leaf rebuilt around them in the recomputation from a copy of it
+    # as the call saw it (a field the caller replaces since is not recomputed)
+    inner = tuple(
+        (i, tuple(iter_tensors(v)))
+        for i, v in enumerate(leaves)
+        if not isinstance(v, (torch.Tensor, torch.Size)) and _may_hold_tensors(v)
+    )
+    inner = tuple((i, ts) for i, ts in inner if ts)
+    if inner:
+        leaves = list(leaves)
+        for i, _ in inner:
+            leaves[i] = copy.copy(leaves[i])
     run = functools.partial(
-        _in_default_dtype, torch.get_default_dtype(), forward, (args, kwargs), leaves, spec, where
+        _in_default_dtype,
+        torch.get_default_dtype(),
+        forward,
+        (args, kwargs),
+        _Leaves(leaves, spec, where, inner),
     )
     if mode == "selective":
         run = functools.partial(_with_fresh_cast_cache, run)
     extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
-    return checkpoint(run, *(leaves[i] for i in where), use_reentrant=False, **extra)
+    tensors = [leaves[i] for i in where] + [t for _, ts in inner for t in ts]
+    return checkpoint(run, *tensors, use_reentrant=False, **extra)
+
+
+def _may_hold_tensors(obj: Any) -> bool:
+    """Whether ``obj``, a leaf of torch's pytree, is a container `mixprec.tree` opens."""
+    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
+
+class _Leaves:
+    """The call's arguments as torch's pytree flattened them: the ``leaves``, their ``spec``,
+    the positions of the tensors among them (``where``) and of the leaves holding tensors it
+    does not see (``inner``: position and those tensors, in `iter_tensors` order)."""
+
+    def __init__(
+        self,
+        leaves: list[Any],
+        spec: TreeSpec,
+        where: tuple[int, ...],
+        inner: tuple[tuple[int, tuple[torch.Tensor, ...]], ...],
+    ) -> None:
+        self.leaves, self.spec, self.where, self.inner = leaves, spec, where, inner
+
+    def originals(self) -> list[torch.Tensor]:
+        """The tensors the checkpoint was given, in its order."""
+        return [self.leaves[i] for i in self.where] + [t for _, ts in self.inner for t in ts]
+
+    def rebuilt(self, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+        """(args, kwargs) around ``tensors`` (the checkpoint's, in `originals` order)."""
+        filled = list(self.leaves)
+        for i, t in zip(self.where, tensors, strict=False):
+            filled[i] = t
+        rest = iter(tensors[len(self.where) :])
+        for i, ts in self.inner:
+            swap = {id(old): new for old, new in zip(ts, rest, strict=False)}
+            filled[i] = map_tensors(lambda t, swap=swap: swap.get(id(t), t), self.leaves[i])
+        return tree_unflatten(filled, self.spec)
 
 
 def _in_default_dtype(
     dtype: torch.dtype,
     forward: Callable[..., Any],
     given: tuple[tuple[Any, ...], dict[str, Any]],
-    leaves: list[Any],
-    spec: TreeSpec,
-    where: tuple[int, ...],
+    leaves: _Leaves,
     *tensors: Any,
 ) -> Any:
     """``forward(*args, **kwargs)`` with `dtype` torch's default dtype, as it was when the
     forward first ran: the recomputation in the backward runs outside the regions around the
-    layer, which set it then. `tensors` are the arguments' tensors (the `leaves` of the
-    arguments at `where`): the forward's call takes the arguments `given` as they are (a
-    mutable container the layer changes is the caller's), the recomputation in the backward
-    rebuilds them from `spec` around the tensors the checkpoint saved (a container changed
-    since is recomputed as the forward saw it)."""
+    layer, which set it then. `tensors` are the arguments' tensors (`_Leaves.originals`):
+    the forward's call takes the arguments `given` as they are (a mutable container the
+    layer changes is the caller's), the recomputation in the backward rebuilds them around
+    the tensors the checkpoint saved (a container changed since is recomputed as the forward
+    saw it)."""
     # (traced by torch.compile: one call, which the compiled backward recomputes)
-    if all(t is leaves[i] for t, i in zip(tensors, where, strict=True)) and (
+    if all(t is o for t, o in zip(tensors, leaves.originals(), strict=True)) and (
         torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
     ):
         args, kwargs = given
     else:
-        filled = list(leaves)
-        for i, t in zip(where, tensors, strict=True):
-            filled[i] = t
-        args, kwargs = tree_unflatten(filled, spec)
+        args, kwargs = leaves.rebuilt(tensors)
     if torch.get_default_dtype() == dtype and not needs_default_dtype(dtype):
         return forward(*args, **kwargs)
     with default_dtype(dtype):
