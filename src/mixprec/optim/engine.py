@@ -35,7 +35,6 @@ import math
 import shutil
 import sys
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -49,7 +48,6 @@ __all__ = [
     "COMPILE_MIN_ELEMENTS",
     "SUPPORTED_OPTIMIZERS",
     "TRUSTED",
-    "ByTensor",
     "CompileGate",
     "Lanes",
     "StepCounts",
@@ -57,7 +55,7 @@ __all__ = [
     "can_compile",
     "check_compensation",
     "difference",
-    "settle_buffer_",
+    "settled",
     "stochastic_round_",
     "wrap32",
     "write_back",
@@ -367,7 +365,8 @@ def write_back(
     to nearest; results for ``lanes.store``."""
     if kind == "kahan":
         assert c is not None and noise is not None
-        u = u + c  # what earlier roundings lost
+        # what earlier roundings lost (bfloat16 pairs come as int32)
+        u = u + settled(w, c, torch.bfloat16 if lanes.bits else p.dtype)
         new = lanes.nearest(w + u)
         # the part of the update that made it into the parameter is exact in float32
         buffer = u - (lanes.value(new, p.dtype) - w)
@@ -664,56 +663,28 @@ def _advance_apart(states: list[dict[str, Any]]) -> list[int]:
     return [v + 1 for v in last]
 
 
-def settle_buffer_(buffer: torch.Tensor, p: torch.Tensor) -> None:
-    """Zero the entries of the Kahan ``buffer`` that could move their weight at the next
-    rounding, after ``p`` was written by something other than the step. A step leaves in each
-    entry the rounding error of its weight's new value, under half the spacing of ``p``'s
-    16-bit numbers there. An entry whose weight kept its value (a clamp that clipped nothing,
-    an EMA swapped in and back, DDP's first broadcast) keeps its error; one whose weight was
-    set to another value (pruned to zero, loaded) held the old weight's, which would move the
-    new one: zeroed, unless within half the spacing toward which it points (at a power of
-    two the spacing below is half the one above). An entry of exactly half a spacing is kept
-    beside any weight: the buffer is itself rounded stochastically to its 16-bit grid, on
-    which half a spacing lies, so a step leaves such ties beside odd weights too."""
-    weight, error = p.detach().float(), buffer.float()
-    bits, tiny = (7, 2.0**-133) if p.dtype == torch.bfloat16 else (10, 2.0**-24)
-
-    def half_spacing(magnitude: torch.Tensor) -> torch.Tensor:
-        binade = (magnitude.view(torch.int32) & 0x7F800000).view(torch.float32)  # (0: subnormal)
-        return (binade * 2.0**-bits).clamp_min_(tiny) * 0.5
-
-    magnitude = weight.abs()
-    away = error * weight > 0  # (toward a larger magnitude: the spacing of the weight's binade)
-    # (toward zero: the binade below a power of two, and the weight's own above it; a factor
-    # of 1 - 2^-(bits + 2) takes a power of two below it and no other number of the dtype)
-    below = half_spacing(magnitude * (1 - 2.0 ** -(bits + 2)))
-    half = torch.where(away, half_spacing(magnitude), below)
-    buffer.masked_fill_(error.abs() > half, 0)
-
-
-class ByTensor:
-    """A map keyed by tensors' identity that holds them weakly, as torch's
-    ``WeakIdKeyDictionary`` does, at a plain dictionary's cost: a step reads and writes an
-    entry per parameter, where that dictionary makes a new reference object at each lookup.
-    Entries of tensors since freed are dropped once they could outnumber the live ones."""
-
-    def __init__(self) -> None:
-        self._items: dict[int, tuple[weakref.ref, Any]] = {}
-        self._limit = 64
-
-    def get(self, t: torch.Tensor, default: Any = None) -> Any:
-        item = self._items.get(id(t))
-        # (an id is reused once its tensor is freed: the reference tells them apart)
-        return default if item is None or item[0]() is not t else item[1]
-
-    def __setitem__(self, t: torch.Tensor, value: Any) -> None:
-        self._items[id(t)] = (weakref.ref(t), value)
-        if len(self._items) > self._limit:
-            self._items = {k: item for k, item in self._items.items() if item[0]() is not None}
-            self._limit = 2 * len(self._items) + 64
-
-    def __len__(self) -> int:
-        return sum(item[0]() is not None for item in self._items.values())
+def settled(w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The Kahan buffer ``c`` beside the weights ``w`` (both in the math dtype; ``dtype``
+    the weights' 16-bit one) with 0 in the entries that cannot be the rounding error a step
+    left there. A step leaves in each entry the error of its weight's new value: at most
+    half the spacing of ``dtype``'s numbers at the weight, toward which it points (at a power
+    of two the spacing below is half the one above), and at least the smallest subnormal
+    apart from 0 (the buffer is itself rounded stochastically to its 16-bit grid, on which
+    half a spacing lies, or below the normal range the subnormal step). An entry past that
+    was left beside another weight: its weight was written since by something else (pruned
+    to zero, loaded, written in place through ``.data``, which no version counter sees), and
+    the old weight's error would move the new one. Each step applies it, so no write goes
+    unseen; an entry whose weight kept its value (a clamp that clipped nothing, an EMA
+    swapped in and back) keeps its error."""
+    bits, tiny = (7, 2.0**-133) if dtype == torch.bfloat16 else (10, 2.0**-24)
+    magnitude = w.abs()
+    # toward zero the spacing is the binade's below at a power of two, the weight's own
+    # above it: a factor of 1 - 2^-(bits + 2) takes a power of two below it and no other
+    # number of the dtype
+    toward = torch.where(c * w > 0, magnitude, magnitude * (1 - 2.0 ** -(bits + 2)))
+    binade = (toward.view(torch.int32) & 0x7F800000).view(torch.float32)  # (0: subnormal)
+    half = (binade * 2.0 ** -(bits + 1)).clamp_min(tiny)
+    return torch.where(c.abs() > half, torch.zeros_like(c), c)
 
 
 def written_mark(p: torch.Tensor) -> tuple[int, int | None]:

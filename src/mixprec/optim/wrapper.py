@@ -353,7 +353,7 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         if not scaler.enabled:  # `_step_together`'s first case, `take_step(None)` inline
             self._masters.sync(self.optimizer)
             if self._compensator is not None:
-                self._compensator.step(self.optimizer)
+                self._compensator.step(self.optimizer, attach=False)
             else:
                 self.optimizer.step()
             self.end_step(True)
@@ -425,7 +425,7 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         else:  # (weights written since the unscale moved the gradients: a clip's neighbour)
             self._masters.follow_edits()
         if self._compensator is not None:
-            self._compensator.step(self.optimizer)
+            self._compensator.step(self.optimizer, attach=False)
             return
         if not self._fused or found_inf is None:
             self.optimizer.step()
@@ -532,7 +532,7 @@ class LossScaleOptimizer(OptimizerCheckpoint):
             return loss
 
         if self._compensator is not None:
-            self._compensator.step(self.optimizer, evaluate)
+            self._compensator.step(self.optimizer, evaluate, attach=False)
         else:
             self.optimizer.step(evaluate)
         self.end_step(True)

@@ -7,6 +7,8 @@ kept between steps as scratch), each call run compiled or eagerly
 from __future__ import annotations
 
 import math
+import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,13 +19,10 @@ from mixprec.optim.compensated.rules import check_optimizer
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
     COMPILE_MIN_ELEMENTS,
-    ByTensor,
     CompileGate,
     StepCounts,
     call_key,
     check_compensation,
-    settle_buffer_,
-    written_mark,
 )
 
 __all__ = ["COMPILE_MIN_ELEMENTS", "SMALL", "Compensator"]
@@ -159,20 +158,23 @@ class Compensator:
         self.compile = compile
         # the step counts of the states it steps, advanced together (the engine's)
         self._counts = StepCounts()
-        # parameter -> its `written_mark` after this step wrote it: a weight written since by
-        # something else (a model state loaded, a pruning mask) has its buffer settled
-        self._written: ByTensor = ByTensor()
         # the packed copies kept for the next steps (`_pack`), the most recent last
         self._packs: dict[tuple, _Pack] = {}
+        # the optimizers whose loads keep float32 moments (`attach`)
+        self._attached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        self._warned_narrow = False
 
     def __getstate__(self) -> dict[str, Any]:
-        """Without the record of what the last step wrote (the copy's parameters are others)."""
-        return {**self.__dict__, "_written": None, "_packs": {}}
+        """Without the packed copies (scratch of the original's tensors)."""
+        return {**self.__dict__, "_packs": {}, "_attached": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._written = ByTensor()
+        self.__dict__.pop("_written", None)  # (the record of writes one pickled before kept)
         self._packs = {}
+        # (a copy's optimizers are others; torch's pickle drops their hooks)
+        self._attached = weakref.WeakSet()
+        self.__dict__.setdefault("_warned_narrow", False)
         if getattr(self, "_counts", None) is None:  # (one pickled before counts were kept)
             self._counts = StepCounts()
 
@@ -190,17 +192,47 @@ class Compensator:
         )
         return compensated > 0 and self._gate.wants(torch.device(device), compensated)
 
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hook ``optimizer``'s ``load_state_dict`` so that a state loaded into it keeps the
+        float32 Adam moments of its float16 parameters as they were saved: torch's load casts
+        them to float16, where a second moment under float16's range (gradients below about
+        2.4e-4) becomes 0 and the next update divides by ``eps``. `step` attaches each
+        optimizer it steps (an in-process rollback is kept); call it before loading a saved
+        state into an optimizer this Compensator has not stepped yet (a resumed run)."""
+        if optimizer in self._attached:
+            return
+        self._attached.add(optimizer)
+        loading: list[Mapping[str, Any]] = []
+
+        def before(opt: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+            loading[:] = [state]  # (one load at a time; a failed one's is replaced)
+
+        def after(opt: torch.optim.Optimizer) -> None:
+            if loading:
+                _keep_float32_moments(opt, loading.pop())
+
+        optimizer.register_load_state_dict_pre_hook(before)
+        optimizer.register_load_state_dict_post_hook(after)
+
     @torch.compiler.disable
     def step(
-        self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None
+        self,
+        optimizer: torch.optim.Optimizer,
+        closure: Callable[[], Any] | None = None,
+        *,
+        attach: bool = True,
     ) -> Any:
         """One step of ``optimizer``'s algorithm on every parameter with a gradient (outside
         any enclosing torch.compile: it compiles its own kernels), in place of
         ``optimizer.step(closure)``: the optimizer's step pre- and post-hooks and torch's
         global ones run around it as around torch's step (pre-hooks may replace the
         arguments), and ``closure``, if given, is called once with gradients enabled before
-        the update; its loss is returned (None without one)."""
+        the update; its loss is returned (None without one). ``attach``: `attach` the
+        optimizer on its first step (a `LossScaleOptimizer`, whose loads keep the saved
+        dtypes by rules of its own, passes False)."""
         self.check_optimizer(optimizer)
+        if attach and optimizer not in self._attached:
+            self.attach(optimizer)
         hooked = torch.optim.Optimizer.profile_hook_step(self._step)
         return hooked(optimizer) if closure is None else hooked(optimizer, closure)
 
@@ -255,34 +287,47 @@ class Compensator:
         # the largest first: a compiled step's first call sets its threading by its size
         for call in sorted(calls.values(), key=lambda call: -call.numel):
             self._run(call, compensated, scalars)
-        for _, _, p, state in work:
-            buffer = state.get("compensation")
-            if buffer is not None and self._kind(p) == "kahan":
-                self._written[p] = written_mark(p)
         # lr schedulers check that the optimizer stepped before them
         optimizer._opt_called = True  # type: ignore[attr-defined]
 
     def _kind(self, p: torch.Tensor) -> str | None:
         return self.kind if p.dtype in COMPENSATED_DTYPES else None
 
-    @staticmethod
-    def _prepared(state: dict, p: torch.Tensor, adam: bool) -> dict:
+    def _prepared(self, state: dict, p: torch.Tensor, adam: bool) -> dict:
         """``p``'s state, made on its first step as torch's Adam or SGD makes it (and a
         step count for SGD, which torch keeps none of: the random key reads it), but for
         Adam's moments of a float16 parameter, which are float32: float16 holds no square
         of a gradient under 2.4e-4 (it is 0, and the update divides the first moment by
         ``eps``: a weight moved by ~1e3 in a step). Float16 moments made elsewhere (torch's
-        own steps before, a state dict loaded into torch's optimizer, which casts its
-        moments to the parameter's dtype) are widened at the step, losing nothing."""
+        own steps before, a state loaded into an optimizer not `attach`-ed, which torch's
+        load casts to the parameter's dtype) are widened at the step, with a warning: what
+        float16 could not hold is lost."""
         if adam and "step" not in state:
             wide = torch.float32 if p.dtype == torch.float16 else p.dtype
             state["step"] = torch.tensor(0.0)
             for name in ("exp_avg", "exp_avg_sq"):
                 state[name] = torch.zeros_like(p, dtype=wide, memory_format=torch.preserve_format)
-        elif adam and p.dtype == torch.float16:
+        elif (
+            adam
+            and p.dtype == torch.float16
+            and torch.float16
+            in (
+                state["exp_avg"].dtype,
+                state["exp_avg_sq"].dtype,
+            )
+        ):
             for name in ("exp_avg", "exp_avg_sq"):
-                if state[name].dtype == torch.float16:
-                    state[name] = state[name].float()
+                state[name] = state[name].float()
+            if not self._warned_narrow:
+                self._warned_narrow = True
+                warnings.warn(
+                    "a float16 parameter's Adam moments were float16 (made by torch's own "
+                    "step, or cast by torch's load_state_dict): they go on in float32, but "
+                    "second moments under float16's range were lost as 0. To resume a "
+                    "compensated run, call compensator.attach(optimizer) before "
+                    "optimizer.load_state_dict(...): the saved float32 moments are kept",
+                    stacklevel=5,
+                )
         if "step" not in state:
             state["step"] = torch.tensor(0.0)
         return state
@@ -350,20 +395,16 @@ class Compensator:
         row = [p, p.grad, state["momentum_buffer"] if momentum else None, buffer]
         self._add(calls, "sgd", kind, scalars, step, index, row, decay)
 
-    def _buffer(self, state: dict, p: torch.Tensor) -> torch.Tensor:
-        """``p``'s Kahan buffer: made at its first step; settled (`engine.settle_buffer_`)
-        where ``p`` was written by something other than the last step: an entry whose
-        weight now has another value (pruned, loaded) held the old weight's rounding error,
-        which added to the new weight would move it."""
+    @staticmethod
+    def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s Kahan buffer, made at its first step. Each step keeps only the entries that
+        can be its weight's last rounding error (`engine.settled`): a weight written since by
+        something else (pruned, loaded) does not take the old weight's error."""
         buffer = state.get("compensation")
         if buffer is None:
             buffer = state["compensation"] = torch.zeros_like(
                 p, memory_format=torch.preserve_format
             )
-            return buffer
-        seen = self._written.get(p)
-        if seen is not None and seen != written_mark(p):
-            settle_buffer_(buffer, p)
         return buffer
 
     @staticmethod
@@ -527,3 +568,25 @@ class Compensator:
                 f"optimizer uses {self.kind!r}"
             )
         self.seed = int(state["seed"])
+
+
+def _keep_float32_moments(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:
+    """After torch's ``load_state_dict`` of ``saved`` into ``optimizer``: the float16
+    parameters' Adam moments saved in float32 (as a compensated step keeps them) back in
+    float32, where the load cast them to float16 (`Compensator.attach`)."""
+    index = [i for group in saved["param_groups"] for i in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for p, key in zip(params, index, strict=True):
+        loaded = optimizer.state.get(p) if p.dtype == torch.float16 else None
+        if not loaded:
+            continue
+        for name in ("exp_avg", "exp_avg_sq"):
+            value = saved["state"].get(key, {}).get(name)
+            now = loaded.get(name)
+            if (
+                torch.is_tensor(value)
+                and value.dtype == torch.float32
+                and torch.is_tensor(now)
+                and now.dtype == torch.float16
+            ):
+                loaded[name] = value.to(now.device, copy=True)

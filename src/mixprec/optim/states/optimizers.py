@@ -35,14 +35,11 @@ import torch
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
     COMPILE_MIN_ELEMENTS,
-    ByTensor,
     CompileGate,
     StepCounts,
     call_key,
     check_compensation,
-    settle_buffer_,
     wrap32,
-    written_mark,
 )
 from mixprec.optim.states import buckets as buckets_
 from mixprec.optim.states import codecs, kernels
@@ -423,7 +420,7 @@ class LowBitOptimizer(StateCheckpoint):
         state = collections.defaultdict(dict)
         for p, held in self.state.items():
             state[p] = {k: _Float8Codes.of(_own_memory(v)) for k, v in held.items()}
-        return {**self.__dict__, "state": state, "_layout": None, "_flats": {}, "_written": None}
+        return {**self.__dict__, "state": state, "_layout": None, "_flats": {}}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, with the group's ``"states"`` (if any) checked and written canonically;
@@ -601,39 +598,11 @@ class LowBitOptimizer(StateCheckpoint):
             raise
         assert layout is not None
         self._layout = None  # (until the step has run: one that raised plans again)
-        if self.compensation == "kahan":
-            self._settle_written_buffers(work, states)
         kept = self._execute(layout)
-        if self.compensation == "kahan":
-            written = self._written_record()
-            for (_, p), state in zip(work, states, strict=True):
-                if "compensation" in state:
-                    written[p] = written_mark(p)
         # taken again only while the states hold what the plan read: a step that joined
         # or released states (their tensors replaced) has the next one planned afresh
         self._layout = layout if kept and layout.marks else None
         return loss
-
-    def _written_record(self) -> ByTensor:
-        """Parameter -> its `written_mark` after this optimizer's last step wrote it."""
-        written = getattr(self, "_written", None)
-        if written is None:  # (made, or a copy's: its parameters are others)
-            written = self._written = ByTensor()
-        return written
-
-    def _settle_written_buffers(
-        self, work: list[tuple[dict[str, Any], torch.Tensor]], states: list[dict[str, Any]]
-    ) -> None:
-        """Settle (`engine.settle_buffer_`) the Kahan buffers of parameters written by
-        something other than the last step (a model state loaded, a pruning mask): an entry
-        whose weight now has another value held the old weight's rounding error, which added
-        to the new weight would move it."""
-        written = self._written_record()
-        for (_, p), state in zip(work, states, strict=True):
-            buffer = state.get("compensation")
-            seen = None if buffer is None else written.get(p)
-            if seen is not None and seen != written_mark(p):
-                settle_buffer_(buffer, p)
 
     def _lay_out(
         self,
