@@ -18,14 +18,14 @@ SRC = Path(mixprec.__file__).parent
 # Lower layers first; a module may import only from its own layer's package or from layers
 # below it. Utilities with no knowledge of precision sit at the bottom.
 LAYERS: list[set[str]] = [
-    {"errors", "version", "textout", "timing", "memory"},
+    {"errors", "version", "textout", "timing", "memory", "tree"},
     {"dtypes", "compensated", "optim.compensated", "optim.engine"},
     {"device"},
     {"formats"},
     {"policy.names"},
     {"policy"},
     {"quantize", "states", "optim.states", "activations"},
-    {"policy.map", "policy.files", "policy.explanation", "tree"},
+    {"policy.map", "policy.files", "policy.explanation"},
     {"hardware"},
     {"convert", "scaling", "optim.scaling", "hardware.measuring"},
     {"optim", "optim.checkpoint", "optim.masters"},
