@@ -581,7 +581,7 @@ class Precision:
         return torch.autocast(
             device.type,
             dtype=policy.compute_dtype,
-            enabled=policy.is_mixed,
+            enabled=self._mixed,
             cache_enabled=cache_enabled,
         )
 
@@ -592,7 +592,7 @@ class Precision:
         (restored on exit), so tensors created without a dtype (``torch.ones(n, 3)``) match
         the weights."""
         policy = self.policy.default
-        if policy.is_mixed:
+        if self._mixed:  # (the policy's, read once: every step enters this)
             return self.autocast(cache_enabled=cache_enabled)
         if needs_default_dtype(policy.compute_dtype):
             return default_dtype(policy.compute_dtype)
