@@ -21,11 +21,12 @@ from torch import Tensor
 
 T = TypeVar("T")
 
-__all__ = ["map_tensors", "iter_tensors"]
+__all__ = ["iter_tensors", "map_tensors", "shallow_copy"]
 
 
-def _blank_copy(obj: Any) -> Any:
-    """A shallow copy made without `__init__` (which may need other arguments)."""
+def shallow_copy(obj: Any) -> Any:
+    """A shallow copy of ``obj`` made without its ``__init__`` (which may need other
+    arguments: a dataclass that is also an ``OrderedDict``, whose copy calls ``cls()``)."""
     try:
         return copy.copy(obj)
     except TypeError:
@@ -95,7 +96,7 @@ class _Mapper:
             elif cls is list:
                 return items
             else:
-                new = _blank_copy(obj)
+                new = shallow_copy(obj)
                 new[:] = items
             return self._fields(new, fresh=True)
         if isinstance(obj, Mapping):
@@ -110,7 +111,7 @@ class _Mapper:
             maps = [self(m) for m in obj.maps]
             if all(a is b for a, b in zip(maps, obj.maps, strict=True)):
                 return obj
-            new = _blank_copy(obj)
+            new = shallow_copy(obj)
             new.maps = maps
             return new
         values = {k: self(v) for k, v in obj.items()}
@@ -119,7 +120,7 @@ class _Mapper:
         if type(obj) is dict:
             return values
         if isinstance(obj, MutableMapping):
-            new = _blank_copy(obj)
+            new = shallow_copy(obj)
             for k, v in values.items():
                 new[k] = v
             return new
@@ -146,7 +147,7 @@ class _Mapper:
                     changed[f.name] = new
         if not changed:
             return obj
-        target = obj if fresh else _blank_copy(obj)
+        target = obj if fresh else shallow_copy(obj)
         for name, value in changed.items():
             object.__setattr__(target, name, value)
         return target

@@ -4,6 +4,7 @@ is refused with the options accepted."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -428,9 +429,7 @@ class _Pairs(nn.Module):
     def forward(self, x, pair=None, extra=None, *, pos=None):
         a, b = pos if pos is not None else pair
         scale, shift = (
-            (extra["scale"], extra["shift"])
-            if isinstance(extra, dict)
-            else (extra.scale, extra.shift)
+            (extra["scale"], extra["shift"]) if type(extra) is dict else (extra.scale, extra.shift)
         )
         return (self.fc(x) * a + b) * scale + shift
 
@@ -439,6 +438,15 @@ class _Pairs(nn.Module):
 class _Extra:
     """What a layer's caller may pass in a dataclass (a config, a cache): torch's pytree
     does not open one."""
+
+    scale: torch.Tensor
+    shift: float
+
+
+@dataclasses.dataclass
+class _ExtraDict(collections.OrderedDict):
+    """A dataclass that is an OrderedDict too (as Hugging Face's model outputs are): its
+    ``copy.copy`` calls the class without the fields it requires."""
 
     scale: torch.Tensor
     shift: float
@@ -455,17 +463,19 @@ class _CallsPairs(nn.Module):
         pair, extra = [a, b], {"scale": torch.full((8,), 3.0), "shift": 1.0}
         if self.how == "dataclass":
             extra = _Extra(extra["scale"], extra["shift"])
+        elif self.how == "dict dataclass":
+            extra = _ExtraDict(extra["scale"], extra["shift"])
         if self.how == "keyword":
             y = self.layer(self.inp(x), extra=extra, pos=pair)
         else:
             y = self.layer(self.inp(x), pair, extra)
-        scale = extra["scale"] if isinstance(extra, dict) else extra.scale
+        scale = extra["scale"] if type(extra) is dict else extra.scale
         if self.write == "in place":  # (a cache the caller reuses)
             a.mul_(10)
             scale.add_(1)
         elif self.write == "replaced":  # (the caller's containers changed, not the tensors)
             pair[0] = a * 10
-            if isinstance(extra, dict):
+            if type(extra) is dict:
                 extra["scale"], extra["shift"] = scale + 1, 5.0
             else:
                 extra.scale, extra.shift = scale + 1, 5.0
@@ -479,7 +489,7 @@ def _pairs_grads(how: str, activations, write: str | None = None) -> list[torch.
     return [p.grad for p in model.parameters()]
 
 
-@pytest.mark.parametrize("how", ["keyword", "positional", "dataclass"])
+@pytest.mark.parametrize("how", ["keyword", "positional", "dataclass", "dict dataclass"])
 @pytest.mark.parametrize("option", ["checkpoint", "selective"])
 def test_tensors_nested_in_arguments_and_written_in_place_after_are_refused_as_when_kept(
     how, option

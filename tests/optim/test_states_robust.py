@@ -957,13 +957,14 @@ def test_a_layer_written_while_frozen_drops_its_joined_kahan_buffer():
         p.grad = torch.zeros_like(p)
     optimizer.step()
     # what the weight carries (itself and its buffer) is the loaded value to within half a
-    # spacing there (2^-18): an old buffer kept whole was off by up to half the old weights'
-    # spacing; a tie of half a spacing kept beside an odd weight moves it a step, its
-    # buffer the other way (a step leaves such ties: the buffer is rounded stochastically)
+    # spacing there (2^-18) and a step of the buffer's grid (2^-25: a step leaves that much
+    # past a float32 tie, so it is kept): an old buffer kept whole was off by up to half the
+    # old weights' spacing; a tie of half a spacing kept beside an odd weight moves it a
+    # step, its buffer the other way (the buffer is rounded stochastically)
     loaded = torch.tensor(1e-3, dtype=torch.bfloat16).float()
     weight = model[1].weight.detach().float()
     carried = weight + optimizer.state[model[1].weight]["compensation"].float()
-    assert float((carried - loaded).abs().max()) <= 2.0**-18
+    assert float((carried - loaded).abs().max()) <= 2.0**-18 + 2.0**-25
     assert float((weight - loaded).abs().max()) <= 2.0**-17
     assert int((weight != loaded).sum()) <= 8
 

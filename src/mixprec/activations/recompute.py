@@ -12,7 +12,6 @@ dropout draws the same mask.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from torch.utils.checkpoint import (
 )
 
 from mixprec.dtypes import default_dtype, needs_default_dtype
-from mixprec.tree import iter_tensors, map_tensors
+from mixprec.tree import iter_tensors, map_tensors, shallow_copy
 
 __all__ = ["SAVED_OPS", "recomputed", "selective_policy"]
 
@@ -76,8 +75,9 @@ def recomputed(
     leaves, spec = tree_flatten((args, kwargs), is_leaf=lambda x: isinstance(x, torch.Size))
     where = tuple(i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor))
     # and those inside leaves torch's pytree does not open (a dataclass: `mixprec.tree`
-    # walks it), each such leaf rebuilt around them in the recomputation from a copy of it
-    # as the call saw it (a field the caller replaces since is not recomputed)
+    # walks it), each such leaf rebuilt around them in the recomputation from a shallow
+    # copy of it as the call saw it (a top-level field the caller replaces since is not
+    # recomputed; what a field's own containers hold is read as it is then)
     inner = tuple(
         (i, tuple(iter_tensors(v)))
         for i, v in enumerate(leaves)
@@ -87,7 +87,7 @@ def recomputed(
     if inner:
         leaves = list(leaves)
         for i, _ in inner:
-            leaves[i] = copy.copy(leaves[i])
+            leaves[i] = shallow_copy(leaves[i])
     run = functools.partial(
         _in_default_dtype,
         torch.get_default_dtype(),

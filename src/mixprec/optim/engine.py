@@ -666,25 +666,24 @@ def _advance_apart(states: list[dict[str, Any]]) -> list[int]:
 def settled(w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The Kahan buffer ``c`` beside the weights ``w`` (both in the math dtype; ``dtype``
     the weights' 16-bit one) with 0 in the entries that cannot be the rounding error a step
-    left there. A step leaves in each entry the error of its weight's new value: at most
-    half the spacing of ``dtype``'s numbers at the weight, toward which it points (at a power
-    of two the spacing below is half the one above), and at least the smallest subnormal
-    apart from 0 (the buffer is itself rounded stochastically to its 16-bit grid, on which
-    half a spacing lies, or below the normal range the subnormal step). An entry past that
-    was left beside another weight: its weight was written since by something else (pruned
-    to zero, loaded, written in place through ``.data``, which no version counter sees), and
-    the old weight's error would move the new one. Each step applies it, so no write goes
-    unseen; an entry whose weight kept its value (a clamp that clipped nothing, an EMA
-    swapped in and back) keeps its error."""
+    left there. A step leaves in each entry the error of its weight's new value: half the
+    spacing of ``dtype``'s numbers where the weight and its entry together lie (the binade
+    of ``w + c``: at a power of two an entry toward zero lies in the binade below, whose
+    spacing is half; below the normal range the subnormal step), and one step of the
+    buffer's own 16-bit grid more: the sum is rounded to float32 before the 16-bit grid (at
+    a float32 tie the error passes half a spacing by half a float32 unit), and the buffer is
+    rounded stochastically to its grid, up as well as down. An entry past that was left
+    beside another weight: its weight was written since by something else (pruned to zero,
+    loaded, written in place through ``.data``, which no version counter sees), and the old
+    weight's error would move the new one. Each step applies it, so no write goes unseen;
+    an entry whose weight kept its value (a clamp that clipped nothing, an EMA swapped in
+    and back) keeps its error."""
     bits, tiny = (7, 2.0**-133) if dtype == torch.bfloat16 else (10, 2.0**-24)
-    magnitude = w.abs()
-    # toward zero the spacing is the binade's below at a power of two, the weight's own
-    # above it: a factor of 1 - 2^-(bits + 2) takes a power of two below it and no other
-    # number of the dtype
-    toward = torch.where(c * w > 0, magnitude, magnitude * (1 - 2.0 ** -(bits + 2)))
-    binade = (toward.view(torch.int32) & 0x7F800000).view(torch.float32)  # (0: subnormal)
+    total = (w + c).abs()
+    binade = (total.view(torch.int32) & 0x7F800000).view(torch.float32)  # (0: subnormal)
     half = (binade * 2.0 ** -(bits + 1)).clamp_min(tiny)
-    return torch.where(c.abs() > half, torch.zeros_like(c), c)
+    bound = half + (half * 2.0**-bits).clamp_min(tiny)  # (a step of the buffer's grid above)
+    return torch.where(c.abs() > bound, torch.zeros_like(c), c)
 
 
 def written_mark(p: torch.Tensor) -> tuple[int, int | None]:
