@@ -79,27 +79,22 @@ def recomputed(
     # copy of it as the call saw it (a top-level field the caller replaces since is not
     # recomputed; what a field's own containers hold is read as it is then)
     inner = tuple(
-        (i, tuple(iter_tensors(v)))
+        (i, ts)
         for i, v in enumerate(leaves)
-        if not isinstance(v, (torch.Tensor, torch.Size)) and _may_hold_tensors(v)
+        if _may_hold_tensors(v) and (ts := tuple(iter_tensors(v)))
     )
-    inner = tuple((i, ts) for i, ts in inner if ts)
     if inner:
         leaves = list(leaves)
         for i, _ in inner:
             leaves[i] = shallow_copy(leaves[i])
+    run_leaves = _Leaves(leaves, spec, where, inner)
     run = functools.partial(
-        _in_default_dtype,
-        torch.get_default_dtype(),
-        forward,
-        (args, kwargs),
-        _Leaves(leaves, spec, where, inner),
+        _in_default_dtype, torch.get_default_dtype(), forward, (args, kwargs), run_leaves
     )
     if mode == "selective":
         run = functools.partial(_with_fresh_cast_cache, run)
     extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
-    tensors = [leaves[i] for i in where] + [t for _, ts in inner for t in ts]
-    return checkpoint(run, *tensors, use_reentrant=False, **extra)
+    return checkpoint(run, *run_leaves.originals, use_reentrant=False, **extra)
 
 
 def _may_hold_tensors(obj: Any) -> bool:
@@ -120,13 +115,11 @@ class _Leaves:
         inner: tuple[tuple[int, tuple[torch.Tensor, ...]], ...],
     ) -> None:
         self.leaves, self.spec, self.where, self.inner = leaves, spec, where, inner
-
-    def originals(self) -> list[torch.Tensor]:
-        """The tensors the checkpoint was given, in its order."""
-        return [self.leaves[i] for i in self.where] + [t for _, ts in self.inner for t in ts]
+        # the tensors the checkpoint is given, in its order
+        self.originals = [leaves[i] for i in where] + [t for _, ts in inner for t in ts]
 
     def rebuilt(self, tensors: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
-        """(args, kwargs) around ``tensors`` (the checkpoint's, in `originals` order)."""
+        """(args, kwargs) around ``tensors`` (the checkpoint's, in the order of `originals`)."""
         filled = list(self.leaves)
         for i, t in zip(self.where, tensors, strict=False):
             filled[i] = t
@@ -152,7 +145,7 @@ def _in_default_dtype(
     the tensors the checkpoint saved (a container changed since is recomputed as the forward
     saw it)."""
     # (traced by torch.compile: one call, which the compiled backward recomputes)
-    if all(t is o for t, o in zip(tensors, leaves.originals(), strict=True)) and (
+    if all(t is o for t, o in zip(tensors, leaves.originals, strict=True)) and (
         torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
     ):
         args, kwargs = given

@@ -683,7 +683,7 @@ def settled(w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     binade = (total.view(torch.int32) & 0x7F800000).view(torch.float32)  # (0: subnormal)
     half = (binade * 2.0 ** -(bits + 1)).clamp_min(tiny)
     bound = half + (half * 2.0**-bits).clamp_min(tiny)  # (a step of the buffer's grid above)
-    return torch.where(c.abs() > bound, torch.zeros_like(c), c)
+    return c.masked_fill(c.abs() > bound, 0.0)
 
 
 def written_mark(p: torch.Tensor) -> tuple[int, int | None]:
