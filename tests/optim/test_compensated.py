@@ -1077,6 +1077,10 @@ def _kahan_sgd(params: list[nn.Parameter], path: str):
         # beside a weight pruned to zero, only the smallest subnormal
         (torch.bfloat16, 0.0, 2.0**-133, True),
         (torch.bfloat16, 0.0, 2.0**-10, False),
+        (torch.float16, 0.0, 2.0**-24, True),
+        (torch.float16, 0.0, 2.0**-23, False),
+        (torch.float16, -0.0, -(2.0**-23), False),
+        (torch.float16, 2.0**-14, 2.0**-23, False),
         (torch.float16, 1.5, -(2.0**-11), True),
         (torch.float16, 1.5, 2.0**-11 + 2.0**-20, False),
         # below the normal range the buffer's grid is the subnormal step, which a step

@@ -669,20 +669,22 @@ def settled(w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     left there. A step leaves in each entry the error of its weight's new value: half the
     spacing of ``dtype``'s numbers where the weight and its entry together lie (the binade
     of ``w + c``: at a power of two an entry toward zero lies in the binade below, whose
-    spacing is half; below the normal range the subnormal step), and one step of the
-    buffer's own 16-bit grid more: the sum is rounded to float32 before the 16-bit grid (at
-    a float32 tie the error passes half a spacing by half a float32 unit), and the buffer is
-    rounded stochastically to its grid, up as well as down. An entry past that was left
-    beside another weight: its weight was written since by something else (pruned to zero,
-    loaded, written in place through ``.data``, which no version counter sees), and the old
-    weight's error would move the new one. Each step applies it, so no write goes unseen;
-    an entry whose weight kept its value (a clamp that clipped nothing, an EMA swapped in
-    and back) keeps its error."""
+    spacing is half), and one step of the buffer's own 16-bit grid more (where half a
+    spacing is under the smallest subnormal, that subnormal): the sum is rounded to float32
+    before the 16-bit grid (at a float32 tie the error passes half a spacing by half a
+    float32 unit), and the buffer is rounded stochastically to its grid, up as well as
+    down. An entry past that was left beside another weight: its weight was written since
+    by something else (pruned to zero, loaded, written in place through ``.data``, which no
+    version counter sees), and the old weight's error would move the new one. Each step
+    applies it, so no write goes unseen; an entry whose weight kept its value (a clamp that
+    clipped nothing, an EMA swapped in and back) keeps its error."""
     bits, tiny = (7, 2.0**-133) if dtype == torch.bfloat16 else (10, 2.0**-24)
     total = (w + c).abs()
     binade = (total.view(torch.int32) & 0x7F800000).view(torch.float32)  # (0: subnormal)
-    half = (binade * 2.0 ** -(bits + 1)).clamp_min(tiny)
-    bound = half + (half * 2.0**-bits).clamp_min(tiny)  # (a step of the buffer's grid above)
+    half = binade * 2.0 ** -(bits + 1)
+    # a step of the buffer's grid above half a spacing; where half a spacing is under the
+    # smallest subnormal, that subnormal (the buffer rounds to it or to 0)
+    bound = torch.where(half < tiny, tiny, half + (half * 2.0**-bits).clamp_min(tiny))
     return c.masked_fill(c.abs() > bound, 0.0)
 
 
