@@ -1103,6 +1103,25 @@ def test_a_kahan_entry_is_kept_only_where_a_step_could_have_left_it(dtype, w, c,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_kahan_entry_is_judged_by_its_bound_at_every_16_bit_value(dtype):
+    """`engine.settled` against its bound written out (half a spacing of the binade of
+    weight plus entry, one grid step more; the smallest subnormal where half a spacing is
+    under it), for every 16-bit entry beside weights from subnormal to large, both signs."""
+    bits, tiny = (7, 2.0**-133) if dtype == torch.bfloat16 else (10, 2.0**-24)
+    entries = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    entries = entries.float()
+    for w in (0.0, -0.0, tiny, -3 * tiny, 2.0**-14, 2.0**-126, 1.0, -1.5, 3.0e4, 2.0**100):
+        weight = torch.full_like(entries, w).to(dtype).float()
+        out = engine.settled(weight, entries, dtype)
+        total = (weight + entries).abs()
+        binade = (total.view(torch.int32) & 0x7F800000).view(torch.float32)
+        half = binade * 2.0 ** -(bits + 1)
+        bound = torch.where(half < tiny, tiny, half + (half * 2.0**-bits).clamp_min(tiny))
+        expected = torch.where(entries.abs() > bound, 0.0, entries)
+        assert torch.equal(out.view(torch.int32), expected.view(torch.int32)), w  # (NaNs too)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", ["tie", "adamw", "sgd"])
 def test_steps_alone_never_leave_an_entry_the_next_step_drops(case, dtype, monkeypatch):
     """`engine.settled` is for writes from outside: runs with nothing written between

@@ -679,12 +679,13 @@ def settled(w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     applies it, so no write goes unseen; an entry whose weight kept its value (a clamp that
     clipped nothing, an EMA swapped in and back) keeps its error."""
     bits, tiny = (7, 2.0**-133) if dtype == torch.bfloat16 else (10, 2.0**-24)
-    total = (w + c).abs()
-    binade = (total.view(torch.int32) & 0x7F800000).view(torch.float32)  # (0: subnormal)
+    # the binade of |w + c| (the mask drops the sign; 0 where the sum is subnormal)
+    binade = ((w + c).view(torch.int32) & 0x7F800000).view(torch.float32)
     half = binade * 2.0 ** -(bits + 1)
-    # a step of the buffer's grid above half a spacing; where half a spacing is under the
-    # smallest subnormal, that subnormal (the buffer rounds to it or to 0)
-    bound = torch.where(half < tiny, tiny, half + (half * 2.0**-bits).clamp_min(tiny))
+    # a step of the buffer's grid above half a spacing. Where half a spacing is under the
+    # smallest subnormal the bound is that subnormal: half + tiny lies below the next grid
+    # point, and ``c`` is on the grid (stored in ``dtype``), so the test is the same
+    bound = half + (half * 2.0**-bits).clamp_min(tiny)
     return c.masked_fill(c.abs() > bound, 0.0)
 
 
