@@ -368,6 +368,49 @@ def test_a_module_shared_by_true_parents_of_two_dtypes_hands_each_its_own(shared
         assert torch.equal(from_b, plain(x)[1])
 
 
+class Embedded(nn.Module):
+    """A block adding a position vector to an embedding it may share with another block."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.s, self.pos = embedding, nn.Parameter(torch.randn(8))
+
+    def forward(self, ids):
+        return self.s(ids) + self.pos
+
+
+class SharedEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        shared = nn.Embedding(10, 8)
+        self.a, self.b = Embedded(shared), Embedded(shared)
+
+    def forward(self, ids):
+        return self.a(ids), self.b(ids)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "wanted"),
+    [("bf16-true", "32-true", [bf16, f32]), ("bf16-mixed", "bf16-true", [f32, bf16])],
+)
+def test_a_module_shared_by_parents_of_two_dtypes_without_a_floating_input_hands_each_its_own(
+    a, b, wanted
+):
+    """Given token ids, a shared embedding has no input dtype to follow: it took the first
+    path's, so the float32 block added a bfloat16 embedding (off by 2e-3, no error). Each
+    caller now gets the dtype it computes in (a mixed one what autocast casts from)."""
+    model, plain = SharedEmbedding(), SharedEmbedding()
+    mixprec.apply(model, PolicyMap("32-true", {"a": a, "b": b, r"[ab]\.s": "32-true"}))
+    seen = []
+    model.a.s.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    ids = torch.randint(0, 10, (4, 3))
+    out_a, out_b = model(ids)
+    assert seen == wanted
+    if b == "32-true":  # the float32 block computes exactly as the plain model
+        assert torch.equal(out_b, plain(ids)[1])
+
+
 @pytest.mark.parametrize("default", ["bf16-mixed", "bf16-true"])
 def test_a_rule_on_multihead_attention_out_proj_is_refused(default):
     # the attention reads out_proj.weight itself: out_proj's own forward never runs

@@ -236,8 +236,12 @@ class _Region:
             else None
         )
         # a module shared by parents that want its result in different dtypes hands it back
-        # in its caller's: the dtype of its first floating input (None: `output_dtype`)
+        # in its caller's: the dtype of its first floating input, or with none (an
+        # embedding's ids) the dtype its caller computes in (`_caller_dtype`)
         self.follow_input = follow_input
+        self.mixed_output = (  # (`_output_dtype` inside a mixed parent)
+            torch.float32 if policy.output_dtype == torch.float64 else policy.output_dtype
+        )
         self.original = original
         self.probe = _weight_probe(module)
 
@@ -251,8 +255,8 @@ class _Region:
         if self.follow_input:
             output_dtype = next(
                 (t.dtype for t in iter_tensors((args, kwargs)) if t.is_floating_point()),
-                output_dtype,
-            )
+                None,
+            ) or _caller_dtype(self.mixed_output)
         # the common case, one plain tensor, tested without a call
         one = not kwargs and args and not args[1:] and type(args[0]) is Tensor
         if self.autocast:
@@ -746,6 +750,16 @@ def _output_dtype(policy: Policy, parent: Policy | None) -> torch.dtype:
     if parent is not None and policy.output_dtype == torch.float64:
         return torch.float32
     return policy.output_dtype
+
+
+def _caller_dtype(mixed_output: torch.dtype) -> torch.dtype:
+    """The dtype the caller of a shared region given no floating input wants its result
+    in, read from where the call runs: under autocast (a mixed parent's, or the caller's),
+    ``mixed_output``, as for any child of a mixed parent (`_output_dtype`); else the
+    caller's "true" compute dtype, which its region made torch's default."""
+    if torch._C._is_any_autocast_enabled():
+        return mixed_output
+    return torch.get_default_dtype()
 
 
 def _regions(
