@@ -1457,3 +1457,44 @@ def test_a_state_reshaped_between_steps_still_steps():
         return [p.detach().clone() for p in model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(True), run(False), strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_parameters_on_one_memory_each_take_their_update(dtype):
+    """A tied weight and its transpose, each a parameter (``dec.weight =
+    nn.Parameter(enc.weight.data.t())``): stepped from one packed copy, the second copy back
+    overwrote the first's update (a weight in both moved by one update where torch moves
+    it by two). They step in turn, each from a pack of its own, as torch steps them."""
+
+    def tied() -> tuple[torch.Tensor, torch.optim.Optimizer]:
+        base = (torch.arange(24, dtype=torch.float32) / 10).to(dtype).view(4, 6)
+        enc, dec = nn.Parameter(base), nn.Parameter(base.t())  # (dec not contiguous)
+        loose = nn.Parameter(torch.zeros(3, dtype=dtype))  # packed beside them
+        for p in (enc, dec, loose):
+            p.grad = torch.ones_like(p)
+        return base, torch.optim.SGD([enc, dec, loose], lr=0.1)
+
+    ours, optimizer = tied()
+    start = ours.float()
+    Compensator("kahan", seed=0, compile=False).step(optimizer)
+    assert torch.equal(optimizer.param_groups[0]["params"][2], torch.full((3,), -0.1).to(dtype))
+    if dtype == torch.float32:  # torch's steps, bit for bit
+        theirs, reference = tied()
+        reference.step()
+        assert torch.equal(ours, theirs)
+    else:  # each update rounded to nearest once: within a spacing of the exact result
+        exact = start - 0.2
+        assert not torch.equal(ours.float(), start - 0.1)
+        assert ((ours.float() - exact).abs() <= _ulp_bf16(start.abs().clamp_min(0.2))).all()
+
+
+def test_a_parameter_listed_twice_in_a_group_is_refused_by_the_compensated_step():
+    """torch's optimizers step such a parameter twice; the packed step took it once."""
+    p = nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's own warning about duplicates)
+        optimizer = torch.optim.SGD([p, p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="positions 0 and 1 .* same tensor"):
+        Compensator("kahan", seed=0, compile=False).step(optimizer)
+    assert torch.equal(p, torch.zeros_like(p))

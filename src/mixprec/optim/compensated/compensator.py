@@ -23,6 +23,7 @@ from mixprec.optim.engine import (
     StepCounts,
     call_key,
     check_compensation,
+    overlapping,
 )
 
 __all__ = ["COMPILE_MIN_ELEMENTS", "SMALL", "Compensator"]
@@ -104,6 +105,31 @@ class _Pack:
         self.lanes = [
             None if flat is None else on_memory(flat, 0, (total // width,), pairs) for flat in flats
         ]
+        # where the weights lay when `overlaps` last looked (and what it found)
+        self.places: list[tuple[int, tuple[int, ...]]] = []
+        self.overlap = False
+
+    def overlaps(self, weights: tuple[torch.Tensor, ...]) -> bool:
+        """Whether two of ``weights`` (the rows' first column) share memory; read again
+        only where a weight moved (its address or strides) since the last step asked."""
+        places = [(t.data_ptr(), t.stride()) for t in weights]
+        if places != self.places:
+            self.places, self.overlap = places, bool(overlapping(list(weights)))
+        return self.overlap
+
+
+def _twice(work: list[tuple]) -> str:
+    """What a step refuses when a parameter is listed twice in a group."""
+    seen: dict[int, int] = {}
+    for _, i, p, _ in work:
+        if id(p) in seen:
+            return (
+                f"the parameter at positions {seen[id(p)]} and {i} of the optimizer's groups "
+                "is the same tensor: torch's optimizer steps it twice (and warns that this "
+                "will become an error); a compensated step refuses it: list each parameter once"
+            )
+        seen[id(p)] = i
+    raise AssertionError("no parameter is listed twice")
 
 
 def _drawn_seed() -> int:
@@ -265,6 +291,8 @@ class Compensator:
                     raise ValueError("compensated updates do not support sparse gradients")
                 work.append((group, i, p, self._prepared(optimizer.state[p], p, adam)))
             index += len(params)
+        if len({id(p) for _, _, p, _ in work}) < len(work):
+            raise ValueError(_twice(work))
         steps: list[int] = []
         if work:
             # every step count on by one and read back in a fixed number of calls, whatever
@@ -469,6 +497,18 @@ class Compensator:
             return
         columns = list(zip(*rows, strict=True))
         pack = self._pack(call, columns)
+        if len(rows) > 1 and pack.overlaps(columns[0]):
+            # distinct parameters on one memory (a tied weight and its transpose): a packed
+            # copy reads them all before writing any, so one's update would overwrite the
+            # other's; each steps from a pack of its own, in turn, as torch steps them
+            for index, row in call.rows:
+                one = _Call(
+                    call.algorithm, call.kind, call.scalars, call.step, call.decay, True, call.pairs
+                )
+                one.rows.append((index, row))
+                one.numel = row[0].numel()  # type: ignore[union-attr]
+                self._run(one, compensated, scalars)
+            return
         # in: every column's tensors onto the pack's pieces, one copy for all
         src = [t for col in columns if col[0] is not None for t in col]
         try:

@@ -39,6 +39,7 @@ from mixprec.optim.engine import (
     StepCounts,
     call_key,
     check_compensation,
+    overlapping,
     wrap32,
 )
 from mixprec.optim.states import buckets as buckets_
@@ -626,7 +627,7 @@ class LowBitOptimizer(StateCheckpoint):
         # distinct parameters over the same memory: a flat run reads them all before writing
         # any, so one's update would overwrite the other's; each steps on its own, in turn,
         # as torch's optimizers step them
-        overlapping = _overlapping([p for _, p in work])
+        shared = {id(work[i][1]) for i in overlapping([local_part(p) for _, p in work])}
         for (group, p), index, state, step in zip(work, indices, states, steps, strict=True):
             planned = self._plan(p, group, state, step, scalars)
             planned.index, planned.step = index, step
@@ -645,7 +646,7 @@ class LowBitOptimizer(StateCheckpoint):
             own = (
                 local_part(p) is not p
                 or not real.is_contiguous()  # (a copy to step)
-                or (way == "flat" and id(p) in overlapping)
+                or (way == "flat" and id(p) in shared)
             )
             # float32 moments of a float32 parameter step in the fused call on a CPU, where
             # torch's fused kernel outruns a call of our own at any size; elsewhere, as the
@@ -974,30 +975,6 @@ class LowBitOptimizer(StateCheckpoint):
         then on, if ``compile=None`` chose to compile and the build failed (the engine's
         `CompileGate`)."""
         return self._gate.run(kernels.run_compiled, self.algorithm, args, stacklevel=5)[1]
-
-
-def _overlapping(params: list[torch.Tensor]) -> set[int]:
-    """The ids of the parameters whose memory (their local shard's, from its first to its
-    last element) overlaps another's: views of one tensor, not views of disjoint parts of
-    one buffer."""
-    spans: dict[int, list[tuple[int, int, int]]] = collections.defaultdict(list)
-    for p in params:
-        local = local_part(p)
-        if local.numel():
-            start = local.storage_offset() * local.element_size()
-            last = sum((n - 1) * s for n, s in zip(local.shape, local.stride(), strict=True))
-            end = start + (last + 1) * local.element_size()
-            spans[local.untyped_storage().data_ptr()].append((start, end, id(p)))
-    found: set[int] = set()
-    for ranges in spans.values():
-        ranges.sort()
-        reach, holder = -1, None
-        for start, end, pid in ranges:
-            if start < reach:
-                found.update((pid, holder))
-            if end > reach:
-                reach, holder = end, pid
-    return found
 
 
 class LowBitAdamW(LowBitOptimizer):
