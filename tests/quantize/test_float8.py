@@ -659,6 +659,41 @@ def test_a_linear_with_a_region_of_its_own_is_skipped():
     }
 
 
+def test_converting_back_a_model_apply_converted_is_refused():
+    """It swapped the float8 layer for a plain Linear without its policy region (a float32
+    result where the policy computes in bfloat16, off by 6e-3) while `explain` still
+    listed float8."""
+    from mixprec.convert import apply
+    from mixprec.policy.map import PolicyMap
+
+    net = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    apply(net, PolicyMap("32-true", {"0": "float8/rowwise_from_bf16-mixed"}), warn=False)
+    assert isinstance(net[0], Float8Linear)
+    with pytest.raises(ValueError, match="convert_from_float8 swaps layers, and the model"):
+        convert_from_float8(net)
+    assert isinstance(net[0], Float8Linear)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_float8_layer_of_float64_weights_runs(recipe):
+    """Accepted by `apply`, then every forward raised (the amax was asked for in float32
+    from a float64 tensor, which torch refuses as a narrowing)."""
+    import mixprec
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 32))
+    reference = nn.Sequential(nn.Linear(32, 32))
+    reference.load_state_dict(net.state_dict())
+    mixprec.apply(net, f"float8/{recipe}_from_64-true", warn=False)
+    x = torch.randn(4, 32, dtype=torch.float64, requires_grad=True)
+    out = net(x)
+    out.sum().backward()
+    expected = reference.double()(x.detach())
+    assert out.dtype == x.grad.dtype == net[0].weight.grad.dtype == torch.float64
+    # e4m3 keeps 3 mantissa bits: within a few percent of the float64 result
+    assert (out - expected).abs().max() <= 0.1 * expected.abs().max()
+
+
 def test_errors_say_what_is_accepted():
     with pytest.raises(PolicySpecError, match="accepted: 'tensorwise', 'rowwise'"):
         convert_to_float8(TiedNet(), recipe="axiswise")

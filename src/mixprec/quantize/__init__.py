@@ -43,7 +43,7 @@ from torch import nn
 
 from mixprec.errors import PolicySpecError, caller_level
 from mixprec.formats.registry import format_named, formats
-from mixprec.policy import APPLIED_STATE, REGION_MARK, QuantizedPolicy, as_policy, is_quantized
+from mixprec.policy import QuantizedPolicy, as_policy, is_quantized
 from mixprec.quantize.float8 import FLOAT8
 from mixprec.quantize.int4 import INT4, Int4Embedding, Int4Linear
 from mixprec.quantize.int8 import INT8, Int8Embedding, Int8Linear
@@ -56,6 +56,7 @@ from mixprec.quantize.rules import (
     hugging_face_conv1d,
     linear_view,
     path_filter,
+    refuse_applied,
     skip_reason,
     swap_modules,
     weights_read_by_parents,
@@ -250,7 +251,7 @@ def quantize(
             f"quantize() got unknown option(s) {', '.join(unknown)}; the formats take {taken}"
         )
     policy = _as_policy(mode, options)
-    _refuse_applied(model, "quantize")
+    refuse_applied(model, "quantize")
     keep = path_filter(filter)
     chosen: dict[str, QuantizedPolicy] = {}
     excluded: dict[str, str] = {}
@@ -270,28 +271,13 @@ def quantize(
     return result
 
 
-def _refuse_applied(model: nn.Module, what: str) -> None:
-    """Refuse to swap layers of a model `mixprec.apply` converted: a swapped layer would
-    leave its policy region behind (a float32 rule's layer computing in bfloat16 while
-    `explain` still lists float32) and the applied map would not describe it."""
-    for path, m in model.named_modules():
-        if APPLIED_STATE in m.__dict__ or getattr(m.__dict__.get("forward"), REGION_MARK, False):
-            where = f"module {path!r}" if path else "the model"
-            raise ValueError(
-                f"{what} swaps layers, and {where} carries a precision policy mixprec.apply "
-                f"gave it (its layers' regions would be dropped): {what} before apply, or "
-                "mixprec.remove(model) first and apply again after; a quantized rule in the "
-                "policy map ('int8_from_bf16-mixed') quantizes as it applies"
-            )
-
-
 def dequantize(model: nn.Module) -> nn.Module:
     """Swap every quantized layer of `model` back to the float layer its format gives
     (`mixprec.formats.Format.to_float`); returns `model`. An int8/int4 layer becomes a
     Linear/Embedding holding its dequantized weight (LoRA adapters folded in; tied weights
     tied again), a float8 or block-scaled layer the Linear holding its own (float)
     parameters."""
-    _refuse_applied(model, "dequantize")
+    refuse_applied(model, "dequantize")
     _refuse_sharded_adapters(_lora_layers(model), "dequantize")
     memo: dict[int, Any] = {}
     new: dict[int, nn.Module] = {}

@@ -44,7 +44,13 @@ from mixprec.formats.registry import Format, Status, Support, agree
 from mixprec.policy.names import accepted_quantized, spelled_int
 from mixprec.quantize.first_order import first_order
 from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_casts
-from mixprec.quantize.rules import Filter, SwappedLinear, path_filter, swap_modules
+from mixprec.quantize.rules import (
+    Filter,
+    SwappedLinear,
+    path_filter,
+    refuse_applied,
+    swap_modules,
+)
 
 if TYPE_CHECKING:
     from mixprec.device import DeviceInfo
@@ -588,9 +594,12 @@ def convert_to_float8(
 def convert_from_float8(model: nn.Module) -> nn.Module:
     """Swap every `Float8Linear` back to an `nn.Linear` holding the same parameters, in
     place, and return the model (the delayed-scaling buffers are dropped); a bare
-    `Float8Linear` gives its `to_float()`."""
+    `Float8Linear` gives its `to_float()`. A model `mixprec.apply` converted is refused, as
+    `mixprec.quantize.dequantize` refuses it: the layers would leave their policy regions
+    behind while `explain` still listed float8."""
     if isinstance(model, Float8Linear):
         return model.to_float()
+    refuse_applied(model, "convert_from_float8")
 
     def make(path: str, child: nn.Module) -> nn.Module | None:
         return child.to_float() if isinstance(child, Float8Linear) else None

@@ -139,11 +139,16 @@ def _canonical_nan(amax: Tensor) -> Tensor:
 
 
 def _abs_max_whole(x: Tensor) -> Tensor:
+    if x.dtype == torch.float64:  # (the max is exact in float64; narrowed after)
+        return _canonical_nan(torch.linalg.vector_norm(x, math.inf).float())
     return _canonical_nan(torch.linalg.vector_norm(x, math.inf, dtype=torch.float32))
 
 
 def _abs_max_along(x: Tensor, dim: int) -> Tensor:
-    amax = torch.linalg.vector_norm(x, math.inf, dim=dim, keepdim=True, dtype=torch.float32)
+    if x.dtype == torch.float64:
+        amax = torch.linalg.vector_norm(x, math.inf, dim=dim, keepdim=True).float()
+    else:
+        amax = torch.linalg.vector_norm(x, math.inf, dim=dim, keepdim=True, dtype=torch.float32)
     return _canonical_nan(amax)
 
 

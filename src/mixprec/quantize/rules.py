@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from mixprec.errors import PolicySpecError
-from mixprec.policy import QuantizedPolicy
+from mixprec.policy import APPLIED_STATE, REGION_MARK, QuantizedPolicy
 
 __all__ = [
     "hugging_face_conv1d",
@@ -364,3 +364,18 @@ class SwappedLinear(nn.Linear):
     def to_float(self) -> nn.Linear:
         """A plain nn.Linear holding this layer's parameters (its own buffers dropped)."""
         return linear_like(nn.Linear, self)
+
+
+def refuse_applied(model: nn.Module, what: str) -> None:
+    """Refuse to swap layers of a model `mixprec.apply` converted: a swapped layer would
+    leave its policy region behind (a float32 rule's layer computing in bfloat16 while
+    `explain` still lists float32) and the applied map would not describe it."""
+    for path, m in model.named_modules():
+        if APPLIED_STATE in m.__dict__ or getattr(m.__dict__.get("forward"), REGION_MARK, False):
+            where = f"module {path!r}" if path else "the model"
+            raise ValueError(
+                f"{what} swaps layers, and {where} carries a precision policy mixprec.apply "
+                f"gave it (its layers' regions would be dropped): {what} before apply, or "
+                "mixprec.remove(model) first and apply again after; a quantized rule in the "
+                "policy map ('int8_from_bf16-mixed') quantizes as it applies"
+            )
