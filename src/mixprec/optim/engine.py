@@ -55,6 +55,7 @@ __all__ = [
     "can_compile",
     "check_compensation",
     "difference",
+    "overlapping",
     "settled",
     "stochastic_round_",
     "wrap32",
