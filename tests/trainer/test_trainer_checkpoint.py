@@ -3,12 +3,14 @@ half-way leaves the previous checkpoint loadable, and resuming in another precis
 
 from __future__ import annotations
 
+import csv
 import logging
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -138,7 +140,9 @@ def test_a_checkpoint_its_resumed_record_does_not_name_is_removed_not_kept_for_e
     (first,) = [p for p in ck.iterdir() if p.name != "last.ckpt"]
     # the next epoch's save, killed before last.ckpt and the record moved on to it
     orphan = ck / "epoch=1-step=12.ckpt"
-    orphan.write_bytes(first.read_bytes())
+    state = torch.load(first, weights_only=True)
+    state["loop"].update(epoch=2, global_step=12)
+    torch.save(state, orphan)
     os.utime(orphan, (first.stat().st_mtime + 5, first.stat().st_mtime + 5))
     mine = ck / "notes.txt"  # not a checkpoint: never touched
     mine.write_text("kept")
@@ -640,3 +644,147 @@ def test_a_new_trainer_resumes_from_last_on_disk_and_says_what_it_lacks_for_best
     fresh = Trainer(max_epochs=1, **kwargs)
     with pytest.raises(ValueError, match="saved no best checkpoint .a new Trainer.*pass the"):
         fresh.fit(DropoutNet(0), train, ckpt_path="best")
+
+
+class Flat(TrainingModule):
+    """A loss that never improves (lr 0): early stopping counts every check."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self.layer(batch[0]), batch[1])
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self.layer(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _flat_data(n: int) -> DataLoader:
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
+def test_early_stopping_resumed_from_a_save_on_an_epochs_last_batch_counts_its_check_once(
+    tmp_path,
+):
+    """The save (every 4 steps, the epoch's 4 batches) came after the epoch's validation;
+    the resumed fit, with only the epoch's end left, checked the epoch again at its end (a
+    fit "without validation" to a flag reset at the start of each fit): it stopped an
+    epoch early."""
+    train, val = _flat_data(32), _flat_data(16)
+    kwargs = dict(max_epochs=6, **SILENT)
+    whole = EarlyStopping("val_loss", patience=2)
+    straight = Trainer(default_root_dir=tmp_path / "a", callbacks=[whole], **kwargs)
+    straight.fit(Flat(), train, val)
+    saves = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=-1)
+    first = Trainer(
+        default_root_dir=tmp_path / "b",
+        callbacks=[saves, EarlyStopping("val_loss", patience=2)],
+        **{**kwargs, "max_epochs": 1},
+    )
+    first.fit(Flat(), train, val)
+    resumed_stopping = EarlyStopping("val_loss", patience=2)
+    resumed = Trainer(default_root_dir=tmp_path / "c", callbacks=[resumed_stopping], **kwargs)
+    resumed.fit(Flat(), train, val, ckpt_path=tmp_path / "ck" / "epoch=0-step=4.ckpt")
+    assert (resumed.global_step, resumed_stopping.stopped_epoch) == (12, 2)
+    assert (straight.global_step, whole.stopped_epoch) == (12, 2)
+
+
+def test_a_callback_listed_after_model_checkpoint_is_saved_as_it_left_the_epoch(tmp_path):
+    """The epoch-end checkpoint was written before the callbacks listed after the
+    ModelCheckpoint had their epoch's end: an EarlyStopping there counted an epoch the
+    checkpoint missed, and the resumed fit stopped an epoch later. The checkpoints run last."""
+    data = _flat_data(16)
+    kwargs = dict(default_root_dir=tmp_path, **SILENT)
+
+    def fit(epochs: int, directory: str, resume: bool = False) -> tuple[Trainer, EarlyStopping]:
+        stopping = EarlyStopping("train_loss", patience=2)
+        saves = ModelCheckpoint(dirpath=tmp_path / directory, save_last=True)
+        trainer = Trainer(max_epochs=epochs, callbacks=[saves, stopping], **kwargs)
+        assert trainer.callbacks[-1] is saves
+        path = tmp_path / directory / "last.ckpt" if resume else None
+        trainer.fit(Flat(), data, ckpt_path=path)
+        return trainer, stopping
+
+    straight, _ = fit(10, "a")
+    _, first = fit(2, "b")
+    saved = torch.load(tmp_path / "b" / "last.ckpt", weights_only=True)["callbacks"]
+    assert saved["EarlyStopping[monitor=train_loss]"]["wait_count"] == first.wait_count == 1
+    resumed, _ = fit(10, "b", resume=True)
+    assert resumed.current_epoch == straight.current_epoch == 3
+
+
+class EpochTag(Callback):
+    """Logs a value through the module at each training epoch's end, as Lightning's
+    callbacks may."""
+
+    def on_train_epoch_end(self, trainer, model):
+        model.log("tag", float(trainer.current_epoch))
+
+
+def test_a_value_a_callback_logs_at_an_epochs_end_is_not_carried_past_a_resume(tmp_path):
+    """The epoch-end checkpoint kept it among the training epoch's sums (it is logged right
+    after the save): the resumed fit logged it again for the next epoch, a stale row."""
+    data = _flat_data(16)
+
+    def tags(logger, epochs: int, name: str, resume: bool = False) -> list[tuple[str, str]]:
+        saves = ModelCheckpoint(dirpath=tmp_path / f"{name}-ck", save_last=True)
+        path = tmp_path / f"{name}-ck" / "last.ckpt" if resume else None
+        Trainer(
+            max_epochs=epochs,
+            logger=logger,
+            callbacks=[EpochTag(), saves],
+            seed=0,
+            enable_progress_bar=False,
+        ).fit(Flat(), data, ckpt_path=path)
+        with open(logger.path) as f:
+            return [(r["step"], r["tag"]) for r in csv.DictReader(f) if r.get("tag")]
+
+    straight = tags(mixprec.trainer.CSVLogger(tmp_path / "a"), 3, "a")
+    logger = mixprec.trainer.CSVLogger(tmp_path / "b")  # (one run's rows, resumed)
+    tags(logger, 1, "b")
+    resumed = tags(logger, 3, "b", resume=True)
+    assert resumed == straight == [("2", "0.0"), ("4", "1.0"), ("6", "2.0")]
+
+
+class Scored(Flat):
+    """Validation logs a set score per epoch: epoch 2's is the best."""
+
+    SCORES = (3.0, 2.0, 1.0, 5.0, 6.0)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("m", self.SCORES[self.trainer.current_epoch])
+
+
+def test_two_model_checkpoints_in_one_directory_keep_their_files_across_a_resume(tmp_path):
+    """The first one's last.ckpt holds the second one's record from before its save of the
+    same step: resumed from it, the second removed its own newest file as "written after
+    the checkpoint" (its best, score 1.0) and named a file it had removed as its best. It
+    takes the record its own file of that step holds; neither removes the other's files."""
+    data, directory = _flat_data(8), tmp_path / "ck"
+
+    def fit(epochs: int, resume: bool = False) -> ModelCheckpoint:
+        best = ModelCheckpoint(dirpath=directory, monitor="m", filename="best-{epoch}")
+        latest = ModelCheckpoint(dirpath=directory, save_last=True)
+        Trainer(
+            max_epochs=epochs, callbacks=[latest, best], default_root_dir=tmp_path, **SILENT
+        ).fit(Scored(), data, data, ckpt_path=directory / "last.ckpt" if resume else None)
+        return best
+
+    assert Path(fit(3).best_model_path).name == "best-2.ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing to remove)
+        best = fit(5, resume=True)
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "best-2.ckpt",
+        "epoch=4-step=5.ckpt",
+        "last.ckpt",
+    ]
+    assert (Path(best.best_model_path).name, best.best_model_score) == ("best-2.ckpt", 1.0)

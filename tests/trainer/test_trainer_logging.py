@@ -267,3 +267,38 @@ def test_run_estimate_says_early_how_long_the_training_will_take(limits, left, c
     assert "estimate: " in capsys.readouterr().err
     with pytest.raises(ValueError, match="batches must be an int >= 1"):
         RunEstimate(batches=0)
+
+
+def test_a_fit_resumed_into_its_logs_holds_each_step_once(tmp_path):
+    """A run killed at step 6 after its checkpoint at step 4, resumed into the same
+    version: the CSV file held steps 5 and 6 twice (its step column went back), and the
+    event file did too. The rows past the resumed step are dropped (TensorBoard's purge for
+    the event file): each step once, with the resumed run's values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)
+
+    def fit(steps: int, callbacks: list, resume=None) -> None:
+        torch.manual_seed(0)
+        loggers = [CSVLogger(tmp_path, version=0), TensorBoardLogger(tmp_path, version=0)]
+        Trainer(
+            max_steps=steps,
+            logger=loggers,
+            callbacks=callbacks,
+            log_every_n_steps=1,
+            seed=0,
+            enable_progress_bar=False,
+        ).fit(nn.Linear(4, 1), loader, loss_fn=F.mse_loss, ckpt_path=resume)
+
+    saves = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=-1)
+    fit(6, [saves])  # killed after step 6
+    fit(8, [ModelCheckpoint(dirpath=tmp_path / "ck2")], tmp_path / "ck" / "epoch=0-step=4.ckpt")
+    run = tmp_path / "logs" / "version_0"
+    rows = [r for r in csv.DictReader(open(run / "metrics.csv")) if r["loss"]]
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert [e.step for e in events.Scalars("loss")] == list(range(1, 9))
+    logged = {e.step: e.value for e in events.Scalars("loss")}
+    assert all(float(r["loss"]) == pytest.approx(logged[int(r["step"])]) for r in rows)

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from mixprec.trainer.interrupt import ctrl_c_deferred
@@ -427,23 +428,43 @@ class ModelCheckpoint(Callback):
             self._remove(trainer, old)
 
     def _remove_unrecorded(self, trainer: Trainer) -> None:
-        """Remove the checkpoints of this directory written after the one this fit resumes
-        from that its record does not name: a process killed between a save's file and the
+        """Settle this directory for a resumed fit. A checkpoint written after the one this
+        fit resumes from, at the step it resumes from, whose record of this callback names
+        it, is this callback's own save of that step (another ModelCheckpoint's file, such as
+        ``last.ckpt``'s, was written first and holds this callback's record from before it):
+        its record is taken. Then the checkpoints written later, at later steps, that the
+        record does not name are removed: a process killed between a save's file and the
         save after it (``last.ckpt``'s link, the record in the next checkpoint) left them.
         They hold steps this fit takes again; kept, ``save_top_k`` would never remove them
-        and their names would push new saves to ``-v1``."""
+        and their names would push new saves to ``-v1``. Another callback's file of the
+        resumed step is left alone."""
         resumed = trainer.ckpt_path
         if resumed is None or not Path(resumed).exists() or self.dirpath is None:
             return
-        since = Path(resumed).stat().st_mtime
+        since, step = Path(resumed).stat().st_mtime, trainer.global_step
+        newer = sorted(
+            (
+                entry
+                for entry in self.dirpath.glob("*.ckpt")
+                if entry.name != "last.ckpt"
+                and not _same_file(entry, Path(resumed))
+                and entry.stat().st_mtime > since
+            ),
+            key=lambda entry: entry.stat().st_mtime,
+        )
+        saved = {entry: _saved_at(entry) for entry in newer}
+        for entry, found in saved.items():
+            if found is not None and found[0] <= step:
+                state = found[1].get(self.state_key)
+                names = [*state["saved"], *state["best_k_models"]] if state else []
+                if entry.resolve() in {Path(name).resolve() for name in names}:
+                    self.load_state_dict(state)  # (the latest such save's, last)
         recorded = {str(Path(p).resolve()) for p in [*self._saved, *self.best_k_models] if p}
         unknown = [
             entry
-            for entry in sorted(self.dirpath.glob("*.ckpt"))
-            if entry.name != "last.ckpt"
-            and str(entry.resolve()) not in recorded
-            and not _same_file(entry, Path(resumed))
-            and entry.stat().st_mtime > since
+            for entry in newer
+            if str(entry.resolve()) not in recorded
+            and (saved[entry] is None or saved[entry][0] > step)
         ]
         if unknown and trainer.is_global_zero:
             warnings.warn(
@@ -591,13 +612,16 @@ class EarlyStopping(Callback):
         self.stopped_epoch: int | None = None
         self.reason = ""
         self._validated = False  # whether this fit has validated yet
+        self._restored_validated = False  # what a checkpoint this fit resumes from says
 
     @property
     def state_key(self) -> str:
         return f"EarlyStopping[monitor={self.monitor}]"
 
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
-        self._validated = False
+        # a resumed fit goes on as the saved one: saved after a validation (the epoch's
+        # last batch's), its epoch's end is not checked again
+        self._validated, self._restored_validated = self._restored_validated, False
 
     def on_validation_end(self, trainer: Trainer, model: nn.Module) -> None:
         if trainer.stage != "fit":
@@ -645,11 +669,28 @@ class EarlyStopping(Callback):
             )
 
     def state_dict(self) -> dict[str, Any]:
-        return {"best_score": self.best_score, "wait_count": self.wait_count}
+        return {
+            "best_score": self.best_score,
+            "wait_count": self.wait_count,
+            "validated": self._validated,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_score = state["best_score"]
         self.wait_count = state["wait_count"]
+        self._restored_validated = state.get("validated", False)
+
+
+def _saved_at(path: Path) -> tuple[int, dict[str, Any]] | None:
+    """The step a checkpoint file was saved at and its callbacks' states; None for a
+    sharded checkpoint (a directory) or a file that does not read as one."""
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return int(state["loop"]["global_step"]), dict(state.get("callbacks", {}))
+    except Exception:  # (anything unreadable is judged by its time alone, as before)
+        return None
 
 
 def _same_file(a: Path, b: Path) -> bool:

@@ -328,7 +328,7 @@ def choose_precision(
 
 def make_callbacks(callbacks: Any, progress: bool, checkpointing: bool) -> list[Callback]:
     """The run's callbacks: the given ones, plus the progress bar and a ModelCheckpoint
-    when enabled and not given."""
+    when enabled and not given; the ModelCheckpoints last."""
     items = (
         []
         if callbacks is None
@@ -344,6 +344,12 @@ def make_callbacks(callbacks: Any, progress: bool, checkpointing: bool) -> list[
         items.append(ModelCheckpoint())
     if not checkpointing and any(isinstance(c, ModelCheckpoint) for c in items):
         raise ValueError("enable_checkpointing=False but a ModelCheckpoint callback was given")
+    # the checkpoints last, in their given order: each hook's checkpoint then holds the
+    # states the other callbacks reached in that hook (an EarlyStopping after it counted an
+    # epoch the checkpoint missed, and a resumed fit stopped an epoch later)
+    items = [c for c in items if not isinstance(c, ModelCheckpoint)] + [
+        c for c in items if isinstance(c, ModelCheckpoint)
+    ]
     # a checkpoint keeps each callback's state under its key: two with one key would mix up
     keys: dict[str, Callback] = {}
     for cb in items:

@@ -44,6 +44,8 @@ def next_version(root: str | os.PathLike[str]) -> int:
 class Logger(ABC):
     """Receives metrics ``{name: float}`` tagged with the optimizer step they belong to."""
 
+    _resumed_at: int | None = None  # the step a resumed fit goes on from (`resume_at`)
+
     def __init__(
         self, save_dir: str | os.PathLike[str], name: str = "logs", version: int | None = None
     ) -> None:
@@ -77,6 +79,12 @@ class Logger(ABC):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Record ``metrics`` at optimizer step ``step``."""
 
+    def resume_at(self, step: int) -> None:
+        """A fit resumes from a checkpoint at optimizer step ``step``: it logs the steps after
+        it again, so a log this logger continues drops what an earlier run (killed later)
+        logged past it, rather than holding those steps twice."""
+        self._resumed_at = step
+
     def flush(self) -> None:  # noqa: B027 (optional for loggers that write through)
         """Push buffered records to disk."""
 
@@ -92,7 +100,9 @@ class CSVLogger(Logger):
     up the file is rewritten once with the wider header (rows are kept in memory for that;
     the rewrite replaces the file atomically); otherwise rows are appended, and the file is
     flushed every ``flush_every`` rows. A file already there (a run resumed with its version)
-    is continued: its rows are kept and new ones follow.
+    is continued: its rows are kept, but those past the step the fit resumes from (a run
+    killed after its checkpoint logged them; the resumed fit logs them again), and new
+    ones follow.
     """
 
     def __init__(
@@ -148,6 +158,8 @@ class CSVLogger(Logger):
                 f"{self.path} exists but is not a metrics file this logger wrote (its header "
                 f"is {columns[:5]}); give the CSVLogger another version or save_dir"
             )
+        if self._resumed_at is not None:  # (rewritten without them at the first write)
+            rows = [r for r in rows if not _past(r.get("step"), self._resumed_at)]
         self._columns, self._rows = columns, rows
         log.info("CSVLogger: continuing %s after its %d rows", self.path, len(rows))
 
@@ -206,9 +218,17 @@ class TensorBoardLogger(Logger):
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         if self._writer is None:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
             from torch.utils.tensorboard.writer import FileWriter
 
             self._writer = FileWriter(str(self.log_dir))
+            if self._resumed_at is not None:
+                # TensorBoard's purge: events of earlier files from this step on are
+                # dropped when read (a resumed fit logs them again)
+                purge = self._resumed_at + 1
+                self._writer.add_event(Event(step=purge, file_version="brain.Event:2"))
+                start = SessionLog(status=SessionLog.START)
+                self._writer.add_event(Event(step=purge, session_log=start))
         values = [Summary.Value(tag=k, simple_value=v) for k, v in metrics.items()]
         self._writer.add_summary(Summary(value=values), global_step=step)
 
@@ -220,6 +240,14 @@ class TensorBoardLogger(Logger):
         if self._writer is not None:
             self._writer.close()
         self._writer = None
+
+
+def _past(step: Any, resumed: int) -> bool:
+    """Whether a CSV row's ``step`` lies after the step a fit resumed from."""
+    try:
+        return float(step) > resumed
+    except (TypeError, ValueError):
+        return False
 
 
 def make_loggers(logger: Any, root: Path) -> list[Logger]:

@@ -80,7 +80,9 @@ def run_state(run: FitRun) -> dict[str, Any]:
         "world_size": strategy.world_size,
         "metrics": {
             "callback": dict(run.log.read()),
-            "training_epoch": run.metrics.training_epoch_sums() if own else {},
+            # (at an epoch's end, what is left there, values callbacks logged, is that
+            # epoch's, logged right after the save: the next epoch starts with none)
+            "training_epoch": run.metrics.training_epoch_sums() if own and not at_epoch_end else {},
         },
     }
 
@@ -372,6 +374,8 @@ def restore_progress(run: FitRun, state: dict[str, Any], path: Path) -> None:
     metrics = state.get("metrics", {})  # absent from checkpoints written before it was kept
     run.log.callback_metrics.update(metrics.get("callback", {}))
     run.metrics.load_training_epoch_sums(metrics.get("training_epoch", {}), run.strategy.device)
+    for lg in run.trainer.loggers:
+        lg.resume_at(progress.global_step)
     log.info(
         "resumed from %s at epoch %d, batch %d, step %d",
         path,
