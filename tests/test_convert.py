@@ -409,6 +409,16 @@ def test_a_module_shared_by_parents_of_two_dtypes_without_a_floating_input_hands
     assert seen == wanted
     if b == "32-true":  # the float32 block computes exactly as the plain model
         assert torch.equal(out_b, plain(ids)[1])
+    # autocast on another device type than the model's is not the caller's
+    seen.clear()
+    other = "cuda" if next(model.parameters()).device.type == "cpu" else "cpu"
+    before = torch.is_autocast_enabled(other)
+    torch.set_autocast_enabled(other, True)
+    try:
+        model(ids)
+    finally:
+        torch.set_autocast_enabled(other, before)
+    assert seen == wanted
 
 
 @pytest.mark.parametrize("default", ["bf16-mixed", "bf16-true"])
@@ -824,3 +834,47 @@ def test_explain_names_the_type_at_every_path_of_a_shared_module():
     lin = nn.Linear(4, 4)
     model = nn.ModuleDict({"a": nn.Sequential(nn.ReLU(), lin), "b": nn.Sequential(nn.ReLU(), lin)})
     assert mixprec.explain(model, "bf16-mixed").types["b.1"] == "Linear"
+
+
+class Listed(nn.Module):
+    """Layers in an `nn.ModuleList` (never called: the model calls each layer), a head;
+    each layer records the dtype its own forward computed in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.computed: list[torch.dtype] = []
+
+        class Layer(nn.Linear):
+            def forward(layer, x):
+                out = super().forward(x)
+                self.computed.append(out.dtype)
+                return out
+
+        self.layers = nn.ModuleList([Layer(8, 8) for _ in range(2)])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    ("default", "rule", "computed"),
+    [
+        ("bf16-mixed", "32-true", f32),
+        ("32-true", "bf16-mixed", bf16),
+        ("32-true", "bf16-true", bf16),
+    ],
+)
+def test_a_rule_on_a_list_of_layers_is_carried_out_by_each_layer(default, rule, computed):
+    """`resolve` gave each layer the list's policy, but a layer computing as its parent (the
+    list) got no region, and the list's own region never ran (nothing calls a ModuleList):
+    the layers computed in the model's dtype (bf16-true: a dtype error further on)."""
+    model = Listed()
+    pmap = PolicyMap(default, {"layers": rule})
+    assert pmap.resolve(model)["layers.0"].policy == Policy(rule)
+    mixprec.apply(model, pmap)
+    assert model(torch.randn(4, 8)).dtype == f32
+    assert model.computed == [computed, computed]

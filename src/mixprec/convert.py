@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from mixprec.activations import ActivationForward, saved_bytes
 from mixprec.activations import check as check_activations
 from mixprec.activations import install as install_activations
+from mixprec.activations.rules import never_called
 from mixprec.device import detect, device_of, parse_device
 from mixprec.dtypes import default_dtype, dtype_name, needs_default_dtype
 from mixprec.errors import PolicySpecError, PrecisionError
@@ -256,7 +257,7 @@ class _Region:
             output_dtype = next(
                 (t.dtype for t in iter_tensors((args, kwargs)) if t.is_floating_point()),
                 None,
-            ) or _caller_dtype(self.mixed_output)
+            ) or _caller_dtype(self.mixed_output, _device_type(args, kwargs, module, self.probe))
         # the common case, one plain tensor, tested without a call
         one = not kwargs and args and not args[1:] and type(args[0]) is Tensor
         if self.autocast:
@@ -752,12 +753,13 @@ def _output_dtype(policy: Policy, parent: Policy | None) -> torch.dtype:
     return policy.output_dtype
 
 
-def _caller_dtype(mixed_output: torch.dtype) -> torch.dtype:
+def _caller_dtype(mixed_output: torch.dtype, device_type: str) -> torch.dtype:
     """The dtype the caller of a shared region given no floating input wants its result
-    in, read from where the call runs: under autocast (a mixed parent's, or the caller's),
-    ``mixed_output``, as for any child of a mixed parent (`_output_dtype`); else the
-    caller's "true" compute dtype, which its region made torch's default."""
-    if torch._C._is_any_autocast_enabled():
+    in, read from where the call runs: under autocast on the region's device (a mixed
+    parent's, or the caller's), ``mixed_output``, as for any child of a mixed parent
+    (`_output_dtype`); else the caller's "true" compute dtype, which its region made
+    torch's default."""
+    if torch.is_autocast_enabled(device_type):
         return mixed_output
     return torch.get_default_dtype()
 
@@ -772,14 +774,29 @@ def _regions(
     (so a training step calling it directly, not through the root, casts them too)."""
     found: dict[int, tuple[nn.Module, Policy, Policy | None]] = {}
     outputs: dict[int, set[torch.dtype]] = {}  # what each path's parent wants back
+    paths: dict[str, nn.Module] = {}
     for name, module in model.named_modules(remove_duplicate=False):
+        paths[name] = module
+        if name and never_called(module):
+            continue  # (a list's children: its parent calls them, in its own region)
         here = resolved[name].policy
-        parent = resolved[name.rpartition(".")[0]].policy if name else None
+        parent = resolved[_caller(name, paths)].policy if name else None
         outputs.setdefault(id(module), set()).add(_output_dtype(here, parent))
         if parent is None or _region_key(parent) != _region_key(here) or _casts_own(module, here):
             found.setdefault(id(module), (module, here, parent))
     # (a module shared by parents wanting its result in different dtypes: its caller's)
     return [(*entry, len(outputs[key]) > 1) for key, entry in found.items()]
+
+
+def _caller(name: str, paths: dict[str, nn.Module]) -> str:
+    """The path of the module whose forward calls the one at ``name``: its parent, or past a
+    container never called (`nn.ModuleList`, `nn.ModuleDict`), the container's. A rule on
+    such a container (a Hugging Face model's ``model.layers``) is carried out by each child,
+    which computes differently from its caller, not from the container."""
+    parent = name.rpartition(".")[0]
+    while parent and never_called(paths[parent]):
+        parent = parent.rpartition(".")[0]
+    return parent
 
 
 def remove(model: nn.Module) -> nn.Module:

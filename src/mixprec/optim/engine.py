@@ -685,7 +685,10 @@ def settled(w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     half = binade * 2.0 ** -(bits + 1)
     # a step of the buffer's grid above half a spacing. Where half a spacing is under the
     # smallest subnormal the bound is that subnormal: half + tiny lies below the next grid
-    # point, and ``c`` is on the grid (stored in ``dtype``), so the test is the same
+    # point, and ``c`` is on the grid (every buffer a step writes is stored in ``dtype``),
+    # so the test is the same. (A buffer kept from a state saved in another dtype may lie
+    # off the grid: there an entry a little over the smallest subnormal, beside a weight
+    # in the lowest binades, is kept.)
     bound = half + (half * 2.0**-bits).clamp_min(tiny)
     return c.masked_fill(c.abs() > bound, 0.0)
 
