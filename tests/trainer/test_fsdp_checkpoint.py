@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -547,3 +548,46 @@ def test_a_resume_with_other_parameter_groups_is_refused_before_loading(tmp_path
         tmp_path, Grouped(split=False), Grouped(split=True), sharded,
         r"optimizer 0's parameter groups were \[3: blocks\.0\.0\.weight.*Nothing was loaded",
     )  # fmt: skip
+
+
+class LoggedLoss(ShardedDropoutNet):
+    """Logs its training loss each step (what a second ModelCheckpoint can rank by)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def test_two_model_checkpoints_in_one_directory_keep_their_sharded_files_on_resume(tmp_path):
+    """As with files: the second callback's checkpoint of the resumed step was written after
+    last.ckpt, which holds its record from before that save; read from rank 0's run state
+    inside the directory, it is that callback's own save, kept and recorded."""
+
+    def fit(steps: int, resume: bool = False) -> ModelCheckpoint:
+        latest = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+        ranked = ModelCheckpoint(
+            dirpath=tmp_path, every_n_train_steps=2, filename="ranked-{step}", save_top_k=-1,
+            monitor="train_loss",
+        )  # fmt: skip
+        Trainer(
+            precision="32-true",
+            strategy="fsdp",
+            devices=1,
+            max_steps=steps,
+            callbacks=[latest, ranked],
+            **RUN,
+        ).fit(  # fmt: skip
+            LoggedLoss(32),
+            one_rank_loader(),
+            ckpt_path=tmp_path / "last.ckpt" if resume else None,
+        )
+        return ranked
+
+    fit(2)
+    assert (tmp_path / "ranked-2.ckpt").is_dir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (nothing to remove)
+        ranked = fit(4, resume=True)
+    assert sorted(Path(p).name for p in ranked.best_k_models) == ["ranked-2.ckpt", "ranked-4.ckpt"]
+    assert (tmp_path / "ranked-2.ckpt").is_dir() and (tmp_path / "ranked-4.ckpt").is_dir()

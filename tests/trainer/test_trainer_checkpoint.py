@@ -788,3 +788,21 @@ def test_two_model_checkpoints_in_one_directory_keep_their_files_across_a_resume
         "last.ckpt",
     ]
     assert (Path(best.best_model_path).name, best.best_model_score) == ("best-2.ckpt", 1.0)
+
+
+def test_early_stopping_resumed_into_a_fit_without_validation_checks_each_epoch_end(tmp_path):
+    """Restored from a fit that validated, its "validated" flag stayed set for the whole
+    resumed fit, which had no validation: no epoch's end was ever checked and the fit ran
+    all its epochs. Only the resumed save's own epoch end is covered by its validation."""
+    train, val = _flat_data(32), _flat_data(16)
+    saves = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=-1)
+    first = [saves, EarlyStopping("val_loss", patience=1)]
+    Trainer(max_epochs=1, callbacks=first, default_root_dir=tmp_path, **SILENT).fit(
+        Flat(), train, val
+    )
+    # (the fit without validation reads the val_loss the checkpoint holds, which never
+    # improves: each epoch's end it checks counts)
+    stopping = EarlyStopping("val_loss", patience=1)
+    resumed = Trainer(max_epochs=5, callbacks=[stopping], default_root_dir=tmp_path / "b", **SILENT)
+    resumed.fit(Flat(), train, ckpt_path=tmp_path / "ck" / "epoch=0-step=4.ckpt")
+    assert stopping.stopped_epoch == 1  # (epoch 0's end was checked at its validation)

@@ -269,31 +269,38 @@ def test_run_estimate_says_early_how_long_the_training_will_take(limits, left, c
         RunEstimate(batches=0)
 
 
-def test_a_fit_resumed_into_its_logs_holds_each_step_once(tmp_path):
+@pytest.mark.parametrize("same_loggers", [False, True])
+def test_a_fit_resumed_into_its_logs_holds_each_step_once(tmp_path, same_loggers):
     """A run killed at step 6 after its checkpoint at step 4, resumed into the same
     version: the CSV file held steps 5 and 6 twice (its step column went back), and the
     event file did too. The rows past the resumed step are dropped (TensorBoard's purge for
-    the event file): each step once, with the resumed run's values."""
+    the event file): each step once, with the resumed run's values; also when the same
+    logger objects go on in one process (rows held in memory), and a later stage's events
+    purge nothing (the purge is written once)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)
+    kept = [CSVLogger(tmp_path, version=0), TensorBoardLogger(tmp_path, version=0)]
 
-    def fit(steps: int, callbacks: list, resume=None) -> None:
+    def trainer(steps: int, callbacks: list) -> Trainer:
         torch.manual_seed(0)
-        loggers = [CSVLogger(tmp_path, version=0), TensorBoardLogger(tmp_path, version=0)]
-        Trainer(
+        loggers = kept if same_loggers else [type(lg)(tmp_path, version=0) for lg in kept]
+        return Trainer(
             max_steps=steps,
             logger=loggers,
             callbacks=callbacks,
             log_every_n_steps=1,
             seed=0,
             enable_progress_bar=False,
-        ).fit(nn.Linear(4, 1), loader, loss_fn=F.mse_loss, ckpt_path=resume)
+        )
 
     saves = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=-1)
-    fit(6, [saves])  # killed after step 6
-    fit(8, [ModelCheckpoint(dirpath=tmp_path / "ck2")], tmp_path / "ck" / "epoch=0-step=4.ckpt")
+    trainer(6, [saves]).fit(nn.Linear(4, 1), loader, loss_fn=F.mse_loss)  # killed after 6
+    resumed = trainer(8, [ModelCheckpoint(dirpath=tmp_path / "ck2")])
+    resume = tmp_path / "ck" / "epoch=0-step=4.ckpt"
+    resumed.fit(nn.Linear(4, 1), loader, loss_fn=F.mse_loss, ckpt_path=resume)
+    resumed.validate(nn.Linear(4, 1), loader, loss_fn=F.mse_loss)  # (a writer after the fit's)
     run = tmp_path / "logs" / "version_0"
     rows = [r for r in csv.DictReader(open(run / "metrics.csv")) if r["loss"]]
     assert [int(r["step"]) for r in rows] == list(range(1, 9))

@@ -55,11 +55,15 @@ if TYPE_CHECKING:
 __all__ = [
     "Callback",
     "EarlyStopping",
+    "RUN_STATE",
     "ModelCheckpoint",
     "RunEstimate",
 ]
 
 log = logging.getLogger("mixprec")
+
+# the run state of rank r in a sharded checkpoint (a directory: `mixprec.trainer.sharded`)
+RUN_STATE = "trainer-rank{}.pt"
 
 
 class Callback:
@@ -612,26 +616,32 @@ class EarlyStopping(Callback):
         self.stopped_epoch: int | None = None
         self.reason = ""
         self._validated = False  # whether this fit has validated yet
-        self._restored_validated = False  # what a checkpoint this fit resumes from says
+        self._validated_at: int | None = None  # the step of the fit's last validation
+        self._restored_validation: int | None = None  # that step, as a loaded state gave it
+        self._resumed_validation: int | None = None  # a resumed fit's, until its epoch end
 
     @property
     def state_key(self) -> str:
         return f"EarlyStopping[monitor={self.monitor}]"
 
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
-        # a resumed fit goes on as the saved one: saved after a validation (the epoch's
-        # last batch's), its epoch's end is not checked again
-        self._validated, self._restored_validated = self._restored_validated, False
+        # a fit resumed from a checkpoint holding this state goes on as the saved one did
+        resumed = self._restored_validation if trainer.ckpt_path is not None else None
+        self._validated, self._validated_at = False, resumed
+        self._resumed_validation, self._restored_validation = resumed, None
 
     def on_validation_end(self, trainer: Trainer, model: nn.Module) -> None:
         if trainer.stage != "fit":
             return
-        self._validated = True
+        self._validated, self._validated_at = True, trainer.global_step
         self._check(trainer, "validation passes")
 
     def on_train_epoch_end(self, trainer: Trainer, model: nn.Module) -> None:
-        # (validation, where the fit has some, ran before: the epoch's last batch's)
-        if not self._validated:
+        # Validation, where the fit has some, ran before: the epoch's last batch's. A fit
+        # resumed from a save on that batch, made after its validation, has only the
+        # epoch's end left: that validation checked it (no step taken since)
+        resumed, self._resumed_validation = self._resumed_validation, None
+        if not self._validated and resumed != trainer.global_step:
             self._check(trainer, "epochs")
 
     def _check(self, trainer: Trainer, passes: str) -> None:
@@ -672,18 +682,20 @@ class EarlyStopping(Callback):
         return {
             "best_score": self.best_score,
             "wait_count": self.wait_count,
-            "validated": self._validated,
+            "validated_at": self._validated_at,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best_score = state["best_score"]
         self.wait_count = state["wait_count"]
-        self._restored_validated = state.get("validated", False)
+        self._restored_validation = state.get("validated_at")
 
 
 def _saved_at(path: Path) -> tuple[int, dict[str, Any]] | None:
-    """The step a checkpoint file was saved at and its callbacks' states; None for a
-    sharded checkpoint (a directory) or a file that does not read as one."""
+    """The step a checkpoint was saved at and its callbacks' states (a sharded one's from
+    rank 0's run state); None for what does not read as a checkpoint."""
+    if path.is_dir():
+        path = path / RUN_STATE.format(0)
     if not path.is_file():
         return None
     try:

@@ -146,8 +146,20 @@ class CSVLogger(Logger):
         if self._pending >= self.flush_every:
             self.flush()
 
+    def resume_at(self, step: int) -> None:
+        if not self._read_existing:  # the file is read at the first write, and cut then
+            super().resume_at(step)
+            return
+        # (this logger's rows are held already, an earlier fit's in this process: cut now;
+        # the next write rewrites the file)
+        kept = [r for r in self._rows if not _past(r.get("step"), step)]
+        if len(kept) < len(self._rows):
+            self._rows = kept
+            self.finalize()
+
     def _continue_existing(self) -> None:
         self._read_existing = True
+        resumed, self._resumed_at = self._resumed_at, None
         if self._rows or not self.path.is_file():
             return
         with open(self.path, newline="") as f:
@@ -158,8 +170,8 @@ class CSVLogger(Logger):
                 f"{self.path} exists but is not a metrics file this logger wrote (its header "
                 f"is {columns[:5]}); give the CSVLogger another version or save_dir"
             )
-        if self._resumed_at is not None:  # (rewritten without them at the first write)
-            rows = [r for r in rows if not _past(r.get("step"), self._resumed_at)]
+        if resumed is not None:  # (rewritten without them at the first write)
+            rows = [r for r in rows if not _past(r.get("step"), resumed)]
         self._columns, self._rows = columns, rows
         log.info("CSVLogger: continuing %s after its %d rows", self.path, len(rows))
 
@@ -224,8 +236,9 @@ class TensorBoardLogger(Logger):
             self._writer = FileWriter(str(self.log_dir))
             if self._resumed_at is not None:
                 # TensorBoard's purge: events of earlier files from this step on are
-                # dropped when read (a resumed fit logs them again)
-                purge = self._resumed_at + 1
+                # dropped when read (a resumed fit logs them again); once, by the first
+                # writer after the resume (a later stage's writer must not purge its events)
+                purge, self._resumed_at = self._resumed_at + 1, None
                 self._writer.add_event(Event(step=purge, file_version="brain.Event:2"))
                 start = SessionLog(status=SessionLog.START)
                 self._writer.add_event(Event(step=purge, session_log=start))

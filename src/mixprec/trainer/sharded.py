@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from mixprec.policy.map import resumable_config
 from mixprec.trainer import checkpoint as ckpt_io
-from mixprec.trainer.callbacks import load_callback_states
+from mixprec.trainer.callbacks import RUN_STATE, load_callback_states
 from mixprec.trainer.interrupt import ctrl_c_deferred
 from mixprec.trainer.optimizers import (
     holds_low_bit_states,
@@ -55,8 +55,6 @@ if TYPE_CHECKING:
 __all__: list[str] = []
 
 log = logging.getLogger("mixprec")
-
-_RUN_STATE = "trainer-rank{}.pt"
 
 
 def _distributed() -> bool:
@@ -129,7 +127,7 @@ def save(run: FitRun, path: str | os.PathLike[str]) -> Path:
     state["optimizers_unstepped"] = unstepped  # (their saved state is torch's placeholder)
     with ctrl_c_deferred():
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp)
-        ckpt_io.atomic_save(state, tmp / _RUN_STATE.format(rank))
+        ckpt_io.atomic_save(state, tmp / RUN_STATE.format(rank))
         if _distributed():
             dist.barrier()  # every rank's files are in
         if rank == 0:
@@ -154,8 +152,8 @@ def _read_run_state(path: Path, rank: int, world: int) -> tuple[dict[str, Any], 
     """This rank's run state (rank 0's when the world size changed) and the saved world size."""
     if not path.is_dir() or not (path / ".metadata").is_file():
         raise FileNotFoundError(f"no sharded checkpoint at {path} (a directory with .metadata)")
-    saved_world = len(list(path.glob(_RUN_STATE.format("*"))))
-    own = path / _RUN_STATE.format(rank if saved_world == world else 0)
+    saved_world = len(list(path.glob(RUN_STATE.format("*"))))
+    own = path / RUN_STATE.format(rank if saved_world == world else 0)
     return ckpt_io.load(own, required=ckpt_io.RUN_KEYS), saved_world
 
 
