@@ -38,12 +38,13 @@ import torch
 from torch import Tensor, nn
 
 from mixprec.precision import Precision
-from mixprec.tree import iter_tensors
+from mixprec.tree import iter_tensors, map_tensors
 
 __all__ = [
     "as_loss",
     "backward",
     "batch_loss",
+    "fresh",
     "plain_loss",
     "seeded",
     "split_batch",
@@ -128,6 +129,14 @@ def batch_loss(
         batch = precision.convert_input(batch)
     with step_context(precision, model, user_code=True):
         return own_loss(model, batch)
+
+
+def fresh(batch: Any) -> Any:
+    """``batch`` with every tensor cloned, for a run repeated on one batch (the doctor's
+    precisions, the search's plans): a model writing into its inputs (an in-place first
+    activation, ``x.div_(255)``) would give each later run another batch, and change the
+    caller's."""
+    return map_tensors(lambda t: t.clone(), batch)
 
 
 def check_outputs(outputs: Any) -> None:

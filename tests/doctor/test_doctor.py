@@ -1242,3 +1242,24 @@ def test_recommend_keeps_an_exact_path_rule_beside_the_users_regex_rules():
     fix = diagnosis.recommend()
     assert fix.policy.rules["blocks.big+1"] != fix.policy.rules[r"blocks\..*"]
     assert fix.verified.passes(fix.tolerance)
+
+
+class ScaledInPlace(nn.Module):
+    """Scales its input in place (``x.div_(255)``, as image pipelines do)."""
+
+    def forward(self, x):
+        return x.div_(255.0)
+
+
+def test_a_model_writing_into_its_batch_is_diagnosed_on_the_batch_as_given():
+    """Each precision's run took the caller's batch itself: the in-place scale divided it
+    again for every run, so 32-true against 32-true differed (gradients 0.7 apart, "not
+    within tolerance... the error builds up over many layers") and the caller's batch
+    ended divided by 255 twice. Each run now takes a copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledInPlace(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x, y = torch.rand(16, 8) * 255, torch.randint(0, 2, (16,))
+    given = x.clone()
+    report = diagnose(model, (x, y), F.cross_entropy, precision="32-true")
+    assert report.passes() and not report.findings
+    assert torch.equal(x, given)

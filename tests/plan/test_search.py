@@ -1047,3 +1047,23 @@ def test_two_budgets_met_exactly_by_the_baseline_find_it():
     speed = [[1.0, 1.0, 1.3]] * 3
     assert solve(damages, [memory, speed], budgets) == [1, 1, 1]
     assert solve(damages, [memory, speed], [5999.0, 3.0]) is None
+
+
+def test_plans_are_measured_on_the_batch_as_given_when_the_model_writes_into_it():
+    """Every plan's run took the caller's batch itself: a model scaling its input in place
+    gave each later plan another batch ("float32" and "baseline", the same precision,
+    measured different losses) and left the caller's batch at 0."""
+
+    class ScaledInPlace(nn.Module):
+        def forward(self, x):
+            return x.div_(255.0)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledInPlace(), nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    x, y = torch.rand(32, 16) * 255, torch.randint(0, 4, (32,))
+    given = x.clone()
+    report = search(
+        model, [(x, y)], F.cross_entropy, budget="memory=0.5", baseline="32-true", reps=1
+    )
+    assert report.measured["float32"].loss == report.measured["baseline"].loss
+    assert torch.equal(x, given)

@@ -18,7 +18,7 @@ from mixprec.doctor.verdicts import UpdateModel
 from mixprec.optim.scaling import StaticLossScaler
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
-from mixprec.step import backward, batch_loss, seeded
+from mixprec.step import backward, batch_loss, fresh, seeded
 
 __all__: list[str] = []
 
@@ -79,7 +79,7 @@ class Session:
         }
         probe = Probe(model, reference, grad_scale=scale)
         with seeded(self.seed, self.device), probe as rec:
-            loss = batch_loss(precision, model, self.batch, self.loss_fn)
+            loss = batch_loss(precision, model, fresh(self.batch), self.loss_fn)
             if not loss.requires_grad:
                 raise ValueError(
                     "the loss does not require grad: is the model frozen or run under no_grad?"

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from mixprec.optim.states import StateFormat, dequantize, moment_error, parse_state_format, quantize
 from mixprec.policy.map import PolicyMap, as_map
 from mixprec.precision import Precision
-from mixprec.step import batch_loss, seeded
+from mixprec.step import batch_loss, fresh, seeded
 
 __all__ = ["StateError", "StateErrors", "moment_errors", "state_errors", "update_error"]
 
@@ -172,7 +172,7 @@ def moment_errors(
     with seeded(seed, torch.device("cpu") if first is None else first.device):
         for i in range(steps):
             optimizer.zero_grad(set_to_none=True)
-            batch_loss(precision, copied, batches[i % len(batches)], loss_fn).backward()
+            batch_loss(precision, copied, fresh(batches[i % len(batches)]), loss_fn).backward()
             optimizer.step()
     group = optimizer.param_groups[0]
     eps, beta2 = group["eps"], group["betas"][1]

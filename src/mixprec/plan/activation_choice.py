@@ -49,7 +49,7 @@ from mixprec.plan.units import path_rule
 from mixprec.policy import Policy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
-from mixprec.step import backward, batch_loss, seeded
+from mixprec.step import backward, batch_loss, fresh, seeded
 
 __all__: list[str] = []
 
@@ -205,13 +205,13 @@ def _saved(
     precision = Precision(policy, device=device, allow_slow=True)
     with seeded(seed, device):
         return saved_bytes_of(
-            converted, lambda: batch_loss(precision, converted, batch, loss_fn), batch
+            converted, lambda: batch_loss(precision, converted, fresh(batch), loss_fn), batch
         )
 
 
 def _grads(model: nn.Module, precision: Precision, batch: Any, loss_fn: Any) -> Tensor:
     """The gradients of every trainable parameter, flat, float64."""
-    loss = batch_loss(precision, model, batch, loss_fn)
+    loss = batch_loss(precision, model, fresh(batch), loss_fn)
     backward(precision, loss)
     flat = [
         (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).double()
@@ -344,7 +344,7 @@ def _times(
         inputs = _inputs(
             reference,
             [r.path for r in rows],
-            lambda: batch_loss(precision, reference, batch, loss_fn),
+            lambda: batch_loss(precision, reference, fresh(batch), loss_fn),
         )
     modules = dict(reference.named_modules())
     for row in rows:

@@ -42,7 +42,7 @@ from mixprec.plan.units import describe_bytes, state_bytes
 from mixprec.plan.verify import plan_map
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
-from mixprec.step import backward, batch_loss, seeded
+from mixprec.step import backward, batch_loss, fresh, seeded
 from mixprec.tree import iter_tensors
 
 __all__ = [
@@ -339,7 +339,7 @@ def step_peaks(
                 optimizer = torch.optim.AdamW(params, lr=lr)
                 model_, optimizer = precision.setup(trained, optimizer, convert=False)
                 for _ in range(steps):
-                    loss = batch_loss(precision, model_, batch, loss_fn)
+                    loss = batch_loss(precision, model_, fresh(batch), loss_fn)
                     backward(precision, loss)
                     precision.step(optimizer)
                     optimizer.zero_grad(set_to_none=True)
@@ -347,6 +347,6 @@ def step_peaks(
             _, peak = _without_collector(lambda: measured(dev, work))
             trained.eval()
             with torch.no_grad():
-                loss = float(batch_loss(precision, trained, batch, loss_fn))
+                loss = float(batch_loss(precision, trained, fresh(batch), loss_fn))
         out.append(Peak(bytes=held + batch_bytes + peak, loss=loss))
     return out

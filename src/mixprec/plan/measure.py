@@ -18,7 +18,7 @@ from mixprec.optim.states import StateFormat
 from mixprec.plan.units import Unit, state_bytes
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
-from mixprec.step import backward, batch_loss, seeded
+from mixprec.step import backward, batch_loss, fresh, seeded
 
 __all__: list[str] = []
 
@@ -69,7 +69,7 @@ def eval_loss(
     with torch.no_grad():
         for b in batches:
             with seeded(seed, device):
-                losses.append(float(batch_loss(precision, model, b, loss_fn).detach()))
+                losses.append(float(batch_loss(precision, model, fresh(b), loss_fn).detach()))
     return sum(losses) / len(losses)
 
 
@@ -78,13 +78,13 @@ def _step(
 ) -> Callable[[], None]:
     def run() -> None:
         if training:
-            loss = batch_loss(precision, model, batch, loss_fn)
+            loss = batch_loss(precision, model, fresh(batch), loss_fn)
             if loss.requires_grad:  # a plan may freeze every layer (all quantized)
                 backward(precision, loss)
             model.zero_grad(set_to_none=True)
         else:
             with torch.no_grad():
-                batch_loss(precision, model, batch, loss_fn)
+                batch_loss(precision, model, fresh(batch), loss_fn)
 
     return run
 
@@ -187,7 +187,7 @@ def train(
         trained, optimizer = precision.setup(trained, optimizer, convert=False)
         losses = []
         for i in range(steps):
-            loss = batch_loss(precision, trained, batches[i % len(batches)], loss_fn)
+            loss = batch_loss(precision, trained, fresh(batches[i % len(batches)]), loss_fn)
             backward(precision, loss)
             precision.step(optimizer)
             optimizer.zero_grad(set_to_none=True)

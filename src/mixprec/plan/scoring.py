@@ -19,7 +19,7 @@ from mixprec.policy import QuantizedPolicy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.quantize.rules import weights_read_by_parents
-from mixprec.step import batch_loss, seeded
+from mixprec.step import batch_loss, fresh, seeded
 
 __all__: list[str] = []
 
@@ -89,7 +89,7 @@ def score(
             loss, calls, read_outside = sensitivity.record(
                 reference,
                 paths,
-                lambda batch=batch: batch_loss(precision, reference, batch, s.loss_fn),
+                lambda batch=batch: batch_loss(precision, reference, fresh(batch), s.loss_fn),
             )
         reference.zero_grad(set_to_none=True)
         check_finite(loss, f"batches[{b}]")
