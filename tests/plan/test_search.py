@@ -1067,3 +1067,27 @@ def test_plans_are_measured_on_the_batch_as_given_when_the_model_writes_into_it(
     )
     assert report.measured["float32"].loss == report.measured["baseline"].loss
     assert torch.equal(x, given)
+
+
+def test_a_uniform_plan_equal_to_the_chosen_one_is_not_called_better():
+    """int4 in groups of 32 and of 128 quantize these small layers alike (the group is cut
+    to the layer): the summary said the plan was "NOT better than" the one it equals."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 4)
+    )
+    x, y = torch.randn(32, 16), torch.randint(0, 4, (32,))
+    report = search(
+        model, [(x, y)], F.cross_entropy, budget="memory=0.5", baseline="32-true", reps=1
+    )
+    summary = report.summary()
+    equal = [
+        n
+        for n in report.uniform
+        if (report.measured[n].loss, report.measured[n].unit_bytes)
+        == (report.measured["plan"].loss, report.measured["plan"].unit_bytes)
+    ]
+    assert equal  # (int4 in groups of 32 and of 128)
+    for n in equal:
+        assert f"NOT better than {n}," not in summary
+        assert f"the same loss and bytes as {n}" in summary

@@ -294,11 +294,16 @@ class SearchReport:
         if beaten:
             lines.append(f"better than the uniform plans that fit: {', '.join(beaten)}")
         for n in fitting:
-            if n not in beaten:
-                lines.append(
-                    f"NOT better than {n}, which fits: loss {self.measured[n].loss:.6g} "
-                    f"({self.measured[n].unit_bytes / b.unit_bytes:.3f}x the bytes)"
-                )
+            if n in beaten:
+                continue
+            m = self.measured[n]
+            if (m.loss, m.unit_bytes) == (p.loss, p.unit_bytes):  # (another name, one plan)
+                lines.append(f"the same loss and bytes as {n}")
+                continue
+            lines.append(
+                f"NOT better than {n}, which fits: loss {m.loss:.6g} "
+                f"({m.unit_bytes / b.unit_bytes:.3f}x the bytes)"
+            )
         if not fitting and not same:
             lines.append("no uniform plan fits the budget")
         if self.fits("plan") is False:
