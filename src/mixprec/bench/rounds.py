@@ -5,7 +5,12 @@ machine falls on all of them alike and each round gives one ratio per pair
 
 At least `RoundPolicy.min_rounds` rounds run; then more while some pair's interval is wider
 than `target_width`, until `budget_s` seconds of rounds have passed or `max_rounds`. The
-steps and the clock are arguments, so the schedule is tested with injected timing streams.
+width that decides is the `STOP_CONFIDENCE` interval's, not the reported `CONFIDENCE` one's:
+stopping as soon as the reported interval looks narrow stops most often where the rounds
+happen to agree, and such intervals hold the true ratio less often than they claim; deciding
+on the wider one keeps the claim, for more rounds (benchmarks/results/bench_stop_rule.md).
+The steps and the clock are arguments, so the schedule is tested with injected timing
+streams.
 """
 
 from __future__ import annotations
@@ -26,11 +31,14 @@ __all__ = [
     "RoundPolicy",
     "Rounds",
     "STEPS",
+    "STOP_CONFIDENCE",
     "run_rounds",
 ]
 
 K = TypeVar("K", bound=Hashable)
 MAX_ROUNDS = 200
+# the confidence of the interval whose width decides whether to add rounds (see above)
+STOP_CONFIDENCE = 0.99
 # why the rounds ended
 STEPS, NARROW, BUDGET, CAPPED = "steps", "narrow", "budget", "max rounds"
 
@@ -61,7 +69,7 @@ def _widest(times: Mapping[K, list[float]], pairs: Sequence[tuple[K, K]]) -> flo
         interval.width
         for base, other in pairs
         if base in times and other in times
-        if (interval := ratio_interval(times[base], times[other])) is not None
+        if (interval := ratio_interval(times[base], times[other], STOP_CONFIDENCE)) is not None
     ]
     return max(widths, default=0.0)
 

@@ -33,7 +33,7 @@ from mixprec.bench.models import (
     check_workload,
     load_workload,
 )
-from mixprec.bench.rounds import MAX_ROUNDS
+from mixprec.bench.rounds import MAX_ROUNDS, STOP_CONFIDENCE
 from mixprec.bench.runner import (
     OK,
     OOM,
@@ -44,7 +44,7 @@ from mixprec.bench.runner import (
     run_isolated,
     run_side_by_side,
 )
-from mixprec.bench.verdict import CONFIDENCE, TARGET_WIDTH
+from mixprec.bench.verdict import TARGET_WIDTH
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
 from mixprec.hardware import (
@@ -600,7 +600,7 @@ def metadata(p: Plan) -> dict[str, Any]:
             + "; the configurations of a batch size (float32, each mixed precision and its raw "
             "torch.autocast twin) take one step each per round in one process, in an order "
             f"rotating by round; at least {o.steps} rounds, then more while a speedup's "
-            f"{CONFIDENCE:.0%} interval is wider than {TARGET_WIDTH:.2f}x (high/low), within "
+            f"{STOP_CONFIDENCE:.0%} interval is wider than {TARGET_WIDTH:.2f}x (high/low), within "
             f"{o.time_budget:g} s of rounds per batch size and {MAX_ROUNDS} rounds; warm-up "
             "excluded, GC disabled; ms/step is the median of the rounds, a speedup the median "
             "of the rounds' paired ratios"

@@ -97,9 +97,12 @@ def median_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> 
     return Interval(statistics.median(xs), xs[k - 1], xs[n - k], n, round(covered, 4))
 
 
-def ratio_interval(base_ms: Sequence[float], other_ms: Sequence[float]) -> Interval | None:
+def ratio_interval(
+    base_ms: Sequence[float], other_ms: Sequence[float], confidence: float = CONFIDENCE
+) -> Interval | None:
     """How many times as fast `other` ran as `base`: the median of ``base[i] / other[i]``
-    over the rounds both have, with its interval; None when they share no round."""
+    over the rounds both have, with its interval at `confidence`; None when they share no
+    round."""
     n = min(len(base_ms), len(other_ms))
     if n == 0:
         return None
@@ -109,7 +112,8 @@ def ratio_interval(base_ms: Sequence[float], other_ms: Sequence[float]) -> Inter
             f"step times are finite milliseconds above 0, got {bad[0]!r} among the rounds' "
             f"times (a step that failed leaves its loop instead: its time is None)"
         )
-    return median_interval([b / o for b, o in zip(base_ms[:n], other_ms[:n], strict=True)])
+    ratios = [b / o for b, o in zip(base_ms[:n], other_ms[:n], strict=True)]
+    return median_interval(ratios, confidence)
 
 
 @dataclass(frozen=True)

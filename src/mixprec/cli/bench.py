@@ -47,6 +47,7 @@ from mixprec.bench.report import (
     summarize,
     write_outputs,
 )
+from mixprec.bench.rounds import STOP_CONFIDENCE
 from mixprec.bench.runner import OK, OOM
 from mixprec.bench.suite import (
     DEFAULT_TIME_BUDGET,
@@ -59,7 +60,7 @@ from mixprec.bench.suite import (
     plan,
     run_bench,
 )
-from mixprec.bench.verdict import CONFIDENCE, TARGET_WIDTH
+from mixprec.bench.verdict import TARGET_WIDTH
 from mixprec.cli.outputs import check_output_dir, new_output_dir
 from mixprec.hardware import detect, parse_device, resolve_auto
 from mixprec.version import __version__
@@ -159,7 +160,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # a flat list of op
         "--time-budget",
         type=float,
         metavar="SECONDS",
-        help=f"after --steps rounds, more rounds while a speedup's {CONFIDENCE * 100:.0f}%% "
+        help=f"after --steps rounds, more rounds while a speedup's {STOP_CONFIDENCE * 100:.0f}%% "
         f"interval is wider than {TARGET_WIDTH:.2f}x (high/low), until this many seconds of "
         f"rounds per batch size (default {DEFAULT_TIME_BUDGET:g}, or 0 when --steps is given)",
     )
