@@ -464,3 +464,32 @@ def test_rounds_stop_on_the_wider_interval_not_the_one_reported():
     first = ratio_interval(rounds.times["a"][:10], rounds.times["b"][:10])
     assert first.width < 1.10  # (the rule that stopped here before)
     assert len(rounds.times["a"]) > 10 and rounds.stop == NARROW
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_sentence_judges_the_recommended_precision_under_compile_too(compiled):
+    """With --compile every label ends in " (compiled)": the recommended name matched none,
+    and the sentence judged the first mixed row (16-mixed's 0.11x: "train in float32 here")
+    where bf16-mixed ran 3.3x as fast."""
+    rng = random.Random(0)
+    ms = {"32-true": 100.0, "16-mixed": 900.0, "bf16-mixed": 30.0}
+    rows = []
+    for name in ms:
+        label = name + (" (compiled)" if compiled else "")
+        times = [ms[name] * (1 + rng.uniform(0, 0.02)) for _ in range(10)]
+        rows.append(
+            Row(
+                Config(label, name, 8, None, name != "32-true", compiled=compiled),
+                RunResult(OK, LoopResult(step_ms=times, peak_memory=100), paired=True),
+            )
+        )
+    meta = {
+        "model": "cnn",
+        "threads": 1,
+        "device_type": "cpu",
+        "load_average_before": [0, 0, 0],
+        "support": {"32-true": "fast", "16-mixed": "slow: ...", "bf16-mixed": "fast"},
+    }
+    report = BenchReport(meta, rows)
+    sentence = conclusion(report, summarize(report))
+    assert sentence.startswith("On this machine bf16-mixed") and "3.3x as fast" in sentence

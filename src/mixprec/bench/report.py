@@ -638,7 +638,11 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         return f"No mixed precision and float32 ran side by side here to compare; {seed}."
     fast = [n for n in MIXED_CANDIDATES if meta["support"].get(n) == "fast"]
     labels = list(dict.fromkeys(s.label for s in ok))
-    label = next((n for n in fast if n in labels), labels[0])
+    # the recommended precision's own row, else a row of it under another label ("bf16-mixed
+    # (compiled)": without it the first mixed row was judged, 16-mixed's where it came first)
+    label = next((n for n in fast if n in labels), None) or next(
+        (s.label for n in fast for s in ok if s.precision == n), labels[0]
+    )
     rows = [s for s in ok if s.label == label]
     verdict = speed_verdict([_interval(s) for s in rows])
     noisy_tail = ""

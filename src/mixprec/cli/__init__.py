@@ -28,6 +28,7 @@ from mixprec.hardware import (
     policy_support,
     resolve_auto,
     support_matrix,
+    times_text,
 )
 from mixprec.hardware.measuring import measure_notice, measure_rates
 from mixprec.policy import Policy
@@ -117,7 +118,7 @@ def _ratings_source(info: DeviceInfo) -> str:
     if not info.gemm_ratios:
         why = info.gemm_note or "no GEMM speed measured"
         return f"bfloat16 and float16 rated by this CPU's flags alone ({why})"
-    ratios = ", ".join(f"{name} {r:.2g}x" for name, r in sorted(info.gemm_ratios.items()))
+    ratios = ", ".join(f"{name} {times_text(r)}" for name, r in sorted(info.gemm_ratios.items()))
     return (
         f"bfloat16 and float16 rated by their GEMM (matrix multiply, most of a training "
         f"step's work) speed against float32 ({ratios}; below "

@@ -64,6 +64,7 @@ __all__ = [
     "resolve_policy",
     "slow_attention",
     "support_matrix",
+    "times_text",
     "warn_if_unsupported",
 ]
 
@@ -86,8 +87,15 @@ SLOW_BELOW = 0.8
 FAST_FROM = 1.25
 
 
-def _times(ratio: float) -> str:
-    return f"{ratio:.2g}x"
+def times_text(ratio: float) -> str:
+    """A GEMM ratio as "0.79x": with the digits it needs to lie on the same side of
+    `SLOW_BELOW` and `FAST_FROM` as the value it stands for (0.7951, rated slow, is 0.795x,
+    not 0.8x; 1.25, rated fast, is not 1.2x)."""
+    for digits in (2, 3, 4):
+        shown = float(f"{ratio:.{digits}g}")
+        if all((shown < t) == (ratio < t) for t in (SLOW_BELOW, FAST_FROM)):
+            return f"{ratio:.{digits}g}x"
+    return f"{ratio}x"
 
 
 def _rated(prior: Support, ratio: float | None, dtype: torch.dtype) -> Support:
@@ -99,7 +107,7 @@ def _rated(prior: Support, ratio: float | None, dtype: torch.dtype) -> Support:
     contradicts."""
     if ratio is None:
         return prior
-    measured = f"its GEMMs measured {_times(ratio)} float32's speed here"
+    measured = f"its GEMMs measured {times_text(ratio)} float32's speed here"
     if ratio < SLOW_BELOW:
         if prior.status == SLOW:
             return Support(SLOW, f"{measured}; {prior.reason}")
