@@ -88,9 +88,9 @@ FAST_FROM = 1.25
 
 
 def times_text(ratio: float) -> str:
-    """A GEMM ratio as "0.79x": with the digits it needs to lie on the same side of
-    `SLOW_BELOW` and `FAST_FROM` as the value it stands for (0.7951, rated slow, is 0.795x,
-    not 0.8x; 1.25, rated fast, is not 1.2x)."""
+    """A GEMM ratio in two significant digits, or more where two would put it on the other
+    side of `SLOW_BELOW` or `FAST_FROM` than the value it stands for (a ratio just under
+    the slow threshold, rated slow, must not read as the threshold itself)."""
     for digits in (2, 3, 4):
         shown = float(f"{ratio:.{digits}g}")
         if all((shown < t) == (ratio < t) for t in (SLOW_BELOW, FAST_FROM)):
