@@ -211,6 +211,30 @@ def test_on_a_cpu_without_fast_bf16_the_default_run_says_why_it_timed_float32_on
     assert "peak memory" in header and "ms/step median" in header
 
 
+def test_matmul_rates_measured_on_a_busy_machine_are_doubted_not_used(
+    tmp_path, capsys, monkeypatch
+):
+    """float16 measured 20x faster than float32 on a busy 2-core host (float32's rounds
+    slowed) and was printed without a word, and the estimate of what timing it would cost
+    left out silently. The doubts `info --measure` gives are said, and no time is estimated
+    from such rates."""
+    from mixprec.bench import suite
+
+    doubt = "float16, slow on this hardware, measured 20.2x faster than float32"
+    monkeypatch.setattr(suite, "rate_doubts", lambda rates, info, load: [doubt])
+    with hardware.assume(AVX2_CPU):
+        code, results, _, md = _bench(
+            tmp_path, "--image-size", "16", "--batch-sizes", "2", "--steps", "1", *TINY
+        )
+    assert code == 0
+    assert results["metadata"]["comparison_gap"]["matmul_doubts"] == [doubt]
+    section = md.split("## Why no mixed precision was timed")[1].split("##")[0]
+    flat = " ".join(section.split())
+    said = "matmul rates not to be trusted (other work used the cores while they were measured)"
+    assert f"{said}: {doubt}; no time is estimated from them" in flat
+    assert not any(line.startswith("- estimate") for line in section.splitlines())
+
+
 def test_asking_for_float32_only_says_what_was_left_out(tmp_path, capsys):
     with hardware.assume(ZEN4):
         code, results, _, md = _bench(

@@ -492,12 +492,20 @@ def comparison_gap_lines(report: BenchReport, summaries: list[Summary]) -> list[
             rel = f"{factor:,.0f}x slower" if factor >= 1.5 else f"{1 / factor:.1f}x float32"
             shown.append(f"{dtype} {rate:,.1f} ({rel})")
         lines.append("matmul rates measured now: " + ", ".join(shown))
+    doubts = gap.get("matmul_doubts") or []
+    if doubts:
+        lines.append(
+            "matmul rates not to be trusted (other work used the cores while they were "
+            "measured): " + "; ".join(doubts) + "; no time is estimated from them"
+        )
     fp32 = [s for s in summaries if _is_baseline(s) and s.median_ms is not None]
     steps = meta["steps"] + meta["warmup"] + 1
     per_step, timing = [], []
     for name, why in gap["left_out"].items():
         rate = rates.get(why["dtype"])
-        if why["status"] == "refused" or not (fp32 and base and rate) or base / rate < 1.5:
+        if why["status"] == "refused" or doubts or not (fp32 and base and rate):
+            continue
+        if base / rate < 1.5:
             continue
         largest = max(fp32, key=lambda s: s.batch_size)
         per_step.append(f"{_duration(largest.median_ms * base / rate)} in {name}")

@@ -62,7 +62,7 @@ from mixprec.hardware import (
     resolve_auto,
     resolve_policy,
 )
-from mixprec.hardware.measuring import measure
+from mixprec.hardware.measuring import measure_rates, rate_doubts
 from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy.map import PolicyMap, is_policy_file
 from mixprec.timing import busy_cores, free_threads
@@ -488,9 +488,12 @@ def comparison_gap(p: Plan) -> dict[str, Any] | None:
     before = torch.get_num_threads()
     torch.set_num_threads(p.options.threads or before)
     try:
-        rates = measure(device=p.device, seconds=0.2)
+        measured = measure_rates(device=p.device, seconds=0.2)
     finally:
         torch.set_num_threads(before)
+    rates = {name: r.median for name, r in measured.items()}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    doubts = rate_doubts(measured, detect(p.device), load)
     fast = [n for n, s in p.left_out.items() if s.status == FAST]
     others = [n for n, s in p.left_out.items() if s.status not in (FAST, REFUSED)]
 
@@ -520,6 +523,8 @@ def comparison_gap(p: Plan) -> dict[str, Any] | None:
             for name, s in p.left_out.items()
         },
         "matmul_gflops": {k: round(v, 2) for k, v in rates.items()},
+        # why those rates may not be trusted (a busy machine): no estimate is made from them
+        "matmul_doubts": doubts,
         "runnable": runnable,
         "command": timing(runnable),
         "slow_runnable": others if fast else [],

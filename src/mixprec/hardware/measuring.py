@@ -18,7 +18,7 @@ from mixprec.dtypes import dtype_name
 from mixprec.hardware import FAST, REFUSED, SLOW, _cpu_prior, dtype_support
 from mixprec.timing import WIDE, paired_rounds
 
-__all__ = ["Rate", "measure", "measure_notice", "measure_rates"]
+__all__ = ["Rate", "measure", "measure_notice", "measure_rates", "rate_doubts"]
 
 
 @dataclass(frozen=True)
@@ -148,12 +148,29 @@ def measure_notice(
     load: float | None = None,
     seconds: float | None = None,
 ) -> str | None:
-    """Why the rates just measured may not be trusted, or None: rounds that disagree by
-    more than `BUSY_SPREAD`, paired ratios against float32 spread wider than `timing.WIDE`, a
-    load average above the cores, or a dtype the hardware's flags make fast measuring slower
-    than float32, or one they make slow measuring faster (other work took the cores while
-    one of them ran). The
-    advice to measure longer names more than the `seconds` the rates were measured in."""
+    """Why the rates just measured may not be trusted (`rate_doubts`), or None, with advice:
+    to measure longer names more than the `seconds` the rates were measured in."""
+    reasons = rate_doubts(rates, info, load)
+    if not reasons:
+        return None
+    longer = max(2.0, 4 * seconds) if seconds is not None else 2.0
+    return (
+        "these rates are not to be trusted: "
+        + "; ".join(reasons)
+        + ". Other work is probably using the device; rerun when it is idle, or longer "
+        f"(--seconds {longer:g}). The ratings above read their own measurement, on one "
+        "thread, which a busy core disturbs less."
+    )
+
+
+def rate_doubts(
+    rates: Mapping[str, Rate], info: DeviceInfo, load: float | None = None
+) -> list[str]:
+    """Why the rates just measured may not be trusted: rounds that disagree by more than
+    `BUSY_SPREAD`, paired ratios against float32 spread wider than `timing.WIDE`, a load
+    average above the cores, or a dtype the hardware's flags make fast measuring slower than
+    float32, or one they make slow measuring faster (other work took the cores while one of
+    them ran); none where they can be."""
     reasons = []
     wide = [
         f"{name} {r.low:,.1f}-{r.high:,.1f}" for name, r in rates.items() if r.spread > BUSY_SPREAD
@@ -195,13 +212,4 @@ def measure_notice(
                 f"{name}, slow on this hardware, measured {speed:.1f}x faster than float32 "
                 f"(float32's own rounds were slowed)"
             )
-    if not reasons:
-        return None
-    longer = max(2.0, 4 * seconds) if seconds is not None else 2.0
-    return (
-        "these rates are not to be trusted: "
-        + "; ".join(reasons)
-        + ". Other work is probably using the device; rerun when it is idle, or longer "
-        f"(--seconds {longer:g}). The ratings above read their own measurement, on one "
-        "thread, which a busy core disturbs less."
-    )
+    return reasons
