@@ -161,6 +161,54 @@ def test_a_failing_row_leaves_its_batch_sizes_other_rows_measured(factories):
     assert failed.status == "error" and "nope" in failed.error and not failed.paired
 
 
+def test_a_raw_twin_failing_leaves_mixprecs_row_measured(factories, monkeypatch):
+    """The raw torch.autocast twin's error marked the whole configuration failed: mixprec's
+    loop had run, its timings were dropped and its row showed the twin's error as its own.
+    The twin leaves the rounds; the row is mixprec's, and report.md names the twin."""
+    from mixprec.bench import runner
+    from mixprec.bench.report import markdown, summarize
+    from mixprec.bench.suite import BenchReport
+
+    built = runner._build_raw
+
+    def failing(spec, device):
+        loop = built(spec, device)
+        taken = loop.train_step
+        calls = [0]
+
+        def step():
+            calls[0] += 1
+            if calls[0] > 2:  # (after the warm-up round and one timed round)
+                raise RuntimeError("expected scalar type BFloat16 but found Float")
+            return taken()
+
+        loop.train_step = step
+        return loop
+
+    monkeypatch.setattr(runner, "_build_raw", failing)
+    specs = [
+        replace(_spec("make", p, raw=p != "32-true"), steps=4) for p in ("32-true", "bf16-mixed")
+    ]
+    base, mixed = run_side_by_side(specs, base=0, budget_s=0.0)
+    assert mixed.status == OK and mixed.error is None and len(mixed.mixprec.step_ms) == 4
+    assert mixed.raw.status == "error" and "BFloat16" in mixed.raw.error
+    rows = [
+        Row(Config(s.precision, s.precision, 4, None, s.raw), r)
+        for s, r in zip(specs, (base, mixed), strict=True)
+    ]
+    meta = {
+        "model": "make", "threads": 1, "device_type": "cpu", "device": "cpu",
+        "support": {"32-true": "fast", "bf16-mixed": "fast"}, "load_average_before": [0, 0, 0],
+        "timing": "", "warmup": 1, "memory_method": "", "torch_version": "",
+        "mixprec_version": "", "started": "", "command": "", "steps": 4,
+        "precisions": ["32-true", "bf16-mixed"],
+    }  # fmt: skip
+    report = BenchReport(meta, rows)
+    md = markdown(report, summarize(report))
+    assert "- the raw torch.autocast twin of bf16-mixed at batch 4: error (RuntimeError" in md
+    assert "| 4 | bf16-mixed | error" not in md
+
+
 def test_what_needs_a_fresh_process_says_why():
     spec = _spec("make", "32-true")
     assert "memory limit" in fresh_process_reason(replace(spec, memory_limit=2**30))

@@ -120,6 +120,7 @@ class Summary:
     vs_keep: float | None = None
     vs_keep_low: float | None = None
     vs_keep_high: float | None = None
+    raw_error: str | None = None  # why the raw twin did not run, where mixprec's loop did
 
 
 def _baseline(rows: list[Row], batch: int) -> Row | None:
@@ -194,6 +195,11 @@ def summarize(report: BenchReport) -> list[Summary]:
                 vs_keep=vs_keep.median if vs_keep else None,
                 vs_keep_low=vs_keep.low if vs_keep and c.activations != "keep" else None,
                 vs_keep_high=vs_keep.high if vs_keep and c.activations != "keep" else None,
+                raw_error=(
+                    f"{raw.status} ({raw.error})"
+                    if ok and raw is not None and raw.status != OK and raw.error
+                    else None
+                ),
             )
         )
     return out
@@ -767,9 +773,15 @@ def markdown(report: BenchReport, summaries: list[Summary]) -> str:
         lines += ["", "## Why no mixed precision was timed", "", *[f"- {line}" for line in gap]]
     lines += ["", "## In one sentence", "", conclusion(report, summaries)]
     failed = [s for s in summaries if s.status != OK and s.error]
-    if failed:
+    twins = [s for s in summaries if s.raw_error]
+    if failed or twins:
         lines += ["", "## Configurations that did not run", ""]
         lines += [f"- {s.label} at batch {s.batch_size}: {s.status} ({s.error})" for s in failed]
+        lines += [
+            f"- the raw torch.autocast twin of {s.label} at batch {s.batch_size}: "
+            f"{s.raw_error}; mixprec's loop ran (its row above)"
+            for s in twins
+        ]
     if meta.get("preset") == "blog":
         lines += [
             "",
