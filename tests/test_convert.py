@@ -878,3 +878,13 @@ def test_a_rule_on_a_list_of_layers_is_carried_out_by_each_layer(default, rule, 
     mixprec.apply(model, pmap)
     assert model(torch.randn(4, 8)).dtype == f32
     assert model.computed == [computed, computed]
+
+
+def test_a_shared_module_given_no_floating_input_runs_on_the_meta_device():
+    """Its caller's dtype asked autocast about "meta", which torch refuses: a model sized on
+    the meta device raised in the forward."""
+    model = SharedEmbedding().to("meta")
+    rules = {"a": "bf16-true", "b": "32-true", r"[ab]\.s": "32-true"}
+    mixprec.apply(model, PolicyMap("32-true", rules), warn=False)  # (no device to warn of)
+    out_a, out_b = model(torch.zeros(4, 3, dtype=torch.long, device="meta"))
+    assert (out_a.device.type, out_b.device.type) == ("meta", "meta")

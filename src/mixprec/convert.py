@@ -759,7 +759,7 @@ def _caller_dtype(mixed_output: torch.dtype, device_type: str) -> torch.dtype:
     parent's, or the caller's), ``mixed_output``, as for any child of a mixed parent
     (`_output_dtype`); else the caller's "true" compute dtype, which its region made
     torch's default."""
-    if torch.is_autocast_enabled(device_type):
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return mixed_output
     return torch.get_default_dtype()
 

@@ -161,7 +161,8 @@ def test_a_failing_row_leaves_its_batch_sizes_other_rows_measured(factories):
     assert failed.status == "error" and "nope" in failed.error and not failed.paired
 
 
-def test_a_raw_twin_failing_leaves_mixprecs_row_measured(factories, monkeypatch):
+@pytest.mark.parametrize("failing_call", [4, 6])  # (after 3 in setup: warm-up, timed)
+def test_a_raw_twin_failing_leaves_mixprecs_row_measured(factories, monkeypatch, failing_call):
     """The raw torch.autocast twin's error marked the whole configuration failed: mixprec's
     loop had run, its timings were dropped and its row showed the twin's error as its own.
     The twin leaves the rounds; the row is mixprec's, and report.md names the twin."""
@@ -178,7 +179,7 @@ def test_a_raw_twin_failing_leaves_mixprecs_row_measured(factories, monkeypatch)
 
         def step():
             calls[0] += 1
-            if calls[0] > 2:  # (after the warm-up round and one timed round)
+            if calls[0] == failing_call:  # (once: a twin that failed is not stepped again)
                 raise RuntimeError("expected scalar type BFloat16 but found Float")
             return taken()
 
@@ -187,11 +188,13 @@ def test_a_raw_twin_failing_leaves_mixprecs_row_measured(factories, monkeypatch)
 
     monkeypatch.setattr(runner, "_build_raw", failing)
     specs = [
-        replace(_spec("make", p, raw=p != "32-true"), steps=4) for p in ("32-true", "bf16-mixed")
+        replace(_spec("make", p, raw=p != "32-true"), steps=4, warmup=2)
+        for p in ("32-true", "bf16-mixed")
     ]
     base, mixed = run_side_by_side(specs, base=0, budget_s=0.0)
     assert mixed.status == OK and mixed.error is None and len(mixed.mixprec.step_ms) == 4
     assert mixed.raw.status == "error" and "BFloat16" in mixed.raw.error
+    assert not mixed.raw.step_ms
     rows = [
         Row(Config(s.precision, s.precision, 4, None, s.raw), r)
         for s, r in zip(specs, (base, mixed), strict=True)

@@ -475,7 +475,7 @@ def run_group(
         spec, res = specs[key[0]], results[key[0]][key[1]]
 
         def step() -> float | None:
-            if key[0] in failed:
+            if key[0] in failed or res.status != OK:  # (a twin that failed stays out)
                 return None
             _use_tf32(spec, device)
             sync()

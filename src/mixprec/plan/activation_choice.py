@@ -203,9 +203,10 @@ def _saved(
     converted = copy.deepcopy(model).train()
     apply(converted, policy, warn=False)
     precision = Precision(policy, device=device, allow_slow=True)
+    given = fresh(batch)  # (alive outside the forward, as the batch is: not counted)
     with seeded(seed, device):
         return saved_bytes_of(
-            converted, lambda: batch_loss(precision, converted, fresh(batch), loss_fn), batch
+            converted, lambda: batch_loss(precision, converted, given, loss_fn), given
         )
 
 

@@ -334,12 +334,18 @@ def step_peaks(
                 compensation="kahan" if sixteen else None,
             )
 
-            def work(trained: nn.Module = trained, precision: Precision = precision) -> None:
+            # each step's copy of the batch made before the measured window, as the batch
+            # itself was (counted apart: ``batch_bytes``)
+            copies = [fresh(batch) for _ in range(steps)]
+
+            def work(
+                trained: nn.Module = trained, precision: Precision = precision, copies=copies
+            ) -> None:
                 params = [p for p in trained.parameters() if p.requires_grad]
                 optimizer = torch.optim.AdamW(params, lr=lr)
                 model_, optimizer = precision.setup(trained, optimizer, convert=False)
-                for _ in range(steps):
-                    loss = batch_loss(precision, model_, fresh(batch), loss_fn)
+                for copy in copies:
+                    loss = batch_loss(precision, model_, copy, loss_fn)
                     backward(precision, loss)
                     precision.step(optimizer)
                     optimizer.zero_grad(set_to_none=True)
