@@ -76,15 +76,19 @@ def eval_loss(
 def _step(
     model: nn.Module, precision: Precision, batch: Any, loss_fn: Any, training: bool
 ) -> Callable[[], None]:
+    # one copy for the plan's timed steps, made outside them: a model writing into its input
+    # changes this copy alone (the values a timed step sees do not matter, the caller's do)
+    own = fresh(batch)
+
     def run() -> None:
         if training:
-            loss = batch_loss(precision, model, fresh(batch), loss_fn)
+            loss = batch_loss(precision, model, own, loss_fn)
             if loss.requires_grad:  # a plan may freeze every layer (all quantized)
                 backward(precision, loss)
             model.zero_grad(set_to_none=True)
         else:
             with torch.no_grad():
-                batch_loss(precision, model, fresh(batch), loss_fn)
+                batch_loss(precision, model, own, loss_fn)
 
     return run
 
