@@ -20,6 +20,7 @@ from mixprec import Policy, PolicyMap, PolicySpecError, PrecisionError, hardware
 from mixprec.cli import main
 from mixprec.doctor import AT_RISK, BROKEN, OK, diagnose
 from mixprec.doctor.probe import Comparisons, RefTensor, Scratch
+from mixprec.doctor.verdicts import FindingKind
 from mixprec.optim.scaling import LossScaleDivergedError
 from mixprec.precision import Precision
 from mixprec.trainer import TrainingModule
@@ -357,6 +358,29 @@ def test_a_loss_overflowing_outside_every_module_is_the_models_finding():
     assert "1 broken" in d.summary() and not d.passes()
     with pytest.raises(PrecisionError, match="no per-module policy changes what happens outside"):
         d.recommend()
+
+
+def test_a_loss_underflowing_float16_is_the_models_finding():
+    """Under 16-true a loss of 1e-9 reads 0 in float16: the report named two layers at risk
+    and the model ok, and `recommend` then said no module was at risk or broken."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    batch = (torch.randn(32, 8), torch.randn(32, 4))
+
+    def tiny(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, y) * 1e-9
+
+    d = diagnose(model, batch, tiny, precision="16-true")
+    assert d.target_loss == 0 and d.loss > 0
+    root = d.modules[""]
+    assert (root.verdict, root.kind) == (BROKEN, FindingKind.LOSS)
+    assert root.reason.startswith("the loss is 0 where the reference's is 1.1e-9")
+    assert "loss_fn(output.float(), target)" in root.reason
+    with pytest.raises(PrecisionError, match="the loss is 0 .*no per-module policy changes"):
+        d.recommend()
+    # the fix the finding names: the same loss from float32 outputs
+    fixed = diagnose(model, batch, lambda out, y: tiny(out.float(), y), precision="16-true")
+    assert fixed.modules[""].verdict == OK and fixed.target_loss > 0
 
 
 def test_a_sparse_embedding_gradient_is_compared_like_a_dense_one():

@@ -88,6 +88,34 @@ def test_a_loss_overflowing_outside_the_modules_is_the_roots_finding():
     assert root.reason.startswith("the loss is inf/NaN although every module's output is finite")
 
 
+def test_a_finite_loss_underflowing_outside_the_modules_is_the_roots_finding():
+    def root(**kwargs: Any) -> ModuleReport:
+        return judged(report(""), report("0"), **kwargs)[""]
+
+    # a float16 loss below its smallest subnormal reads 0
+    gone = root(loss=0.0, reference_loss=1e-9, loss_dtype=torch.float16)
+    assert (gone.verdict, gone.kind) == (BROKEN, FindingKind.LOSS)
+    assert gone.reason.startswith(
+        "the loss is 0 where the reference's is 1.0e-9: it underflows outside the modules, "
+        "below float16's smallest subnormal 5.96e-08: the loss is computed in float16"
+    )
+    # a float32 loss of 0 whose value is far from float32's range: a 16-bit value inside it
+    inside = root(loss=0.0, reference_loss=1e-4)
+    assert inside.verdict == BROKEN and "in the loss's own computation" in inside.reason
+    # a float16 loss among the subnormals keeps fewer digits
+    few = root(loss=1.02e-6, reference_loss=1e-6, loss_dtype=torch.float16)
+    assert (few.verdict, few.kind) == (AT_RISK, FindingKind.LOSS)
+    assert "below float16's smallest normal 6.1e-05" in few.reason and "0.02" in few.reason
+    # none: a normal float16 loss, a float32 or bfloat16 loss that small, a reference of 0
+    assert root(loss=1e-4, reference_loss=1e-4, loss_dtype=torch.float16).verdict == OK
+    assert root(loss=1.02e-6, reference_loss=1e-6).verdict == OK
+    assert root(loss=1.02e-6, reference_loss=1e-6, loss_dtype=torch.bfloat16).verdict == OK
+    assert root(loss=0.0, reference_loss=0.0, loss_dtype=torch.float16).verdict == OK
+    # a broken module explains the run: the loss is not blamed besides
+    modules = judged(report(""), report("0", rel_error=0.6), loss=0.0, reference_loss=1e-9)
+    assert modules[""].verdict == OK and modules["0"].verdict == BROKEN
+
+
 def test_finding_kinds_are_the_strings_reports_carry():
     assert [k.value for k in FindingKind] == [
         "",

@@ -111,6 +111,8 @@ class Diagnosis:
             loss_finite=math.isfinite(self.target_loss),
             grads_finite=self.finite,
             loss_dtype=target.loss_dtype,
+            loss=self.target_loss,
+            reference_loss=self.loss,
         )
         ref_sq = sum(row.ref_sq for row in params.values())
         err_sq = sum(row.err_sq for row in params.values())
@@ -289,7 +291,9 @@ class Diagnosis:
         for _ in range(2 * len(self.modules) + 2):
             if trial.passes(tolerance):
                 break
-            pick = next((m for m in trial.findings if m.name not in exhausted), None)
+            pick = next(
+                (m for m in trial.findings if _to_fix(m, trial, tolerance, exhausted)), None
+            )
             if pick is not None and pick.kind == FindingKind.LOSS:
                 raise PrecisionError(
                     f"{pick.reason}: no per-module policy changes what happens outside the modules"
@@ -308,7 +312,7 @@ class Diagnosis:
                 )
                 continue
             if pick is None:
-                raise self._stuck(trial, tolerance, exhausted)
+                raise self._stuck(trial, tolerance, exhausted, chosen)
             # a module that never runs (a root whose training_step calls its children) has
             # no region a rule could change
             safer = self._safer(pick, chosen.get(pick.name)) if pick.calls else None
@@ -328,16 +332,26 @@ class Diagnosis:
         changed = scale if scale != self.loss_scale else None
         return Recommendation(self._map(chosen), trial, tuple(log), tolerance, changed)
 
-    def _stuck(self, trial: Diagnosis, tolerance: float, exhausted: set[str]) -> PrecisionError:
+    def _stuck(
+        self,
+        trial: Diagnosis,
+        tolerance: float,
+        exhausted: set[str],
+        chosen: dict[str, Policy],
+    ) -> PrecisionError:
         """Why `recommend` found no module left to move while `trial` still fails: no module
-        was at risk (the error builds up over many layers), or every one was tried."""
+        was (or, after the moves in `chosen`, is still) at risk, so the error builds up over
+        many layers; or every one was tried."""
         if not exhausted:
+            moved = ", ".join(f"{n or '<root>'} to {p.name}" for n, p in sorted(chosen.items()))
+            after = f" after moving {moved}" if chosen else ""
             return PrecisionError(
-                f"{self.precision.default.name} is not within tolerance {tolerance:g} of "
-                f"{self.reference.default.name} (loss error {trial.loss_rel_error:.3g}, "
-                f"gradient error {trial.grad_rel_error:.3g}) although no module is at risk "
-                "or broken, so there is no layer to move: the error builds up over many "
-                "layers. Use a larger tolerance or train in the reference precision."
+                f"{self.precision.default.name}{after} is not within tolerance {tolerance:g} "
+                f"of {self.reference.default.name} (loss error {trial.loss_rel_error:.3g}, "
+                f"gradient error {trial.grad_rel_error:.3g}) although no module is "
+                f"{'left ' if chosen else ''}at risk or broken, so there is no layer to move: "
+                "the error builds up over many layers. Use a larger tolerance or train in the "
+                "reference precision."
             )
         hint = (
             " Under a 'true' policy a layer's output is cast back to the policy's "
@@ -455,6 +469,16 @@ class Recommendation:
             "its scale on an overflow by itself, skipping that step, but doubles it only after "
             "growth_interval clean steps)"
         )
+
+
+def _to_fix(m: ModuleReport, trial: Diagnosis, tolerance: float, exhausted: set[str]) -> bool:
+    """Whether `recommend` acts on a finding: not a module tried in every precision, nor a
+    loss at risk whose error is within the tolerance (nothing outside the modules needs a
+    fix then, and a module's finding may)."""
+    if m.name in exhausted:
+        return False
+    quiet_loss = m.kind == FindingKind.LOSS and m.verdict != BROKEN
+    return not (quiet_loss and trial.loss_rel_error <= tolerance)
 
 
 def _drop_shadowing(chosen: dict[str, Policy], name: str, policy: Policy) -> None:

@@ -17,8 +17,8 @@ rule in `MODULE_RULES` that has one, so it is judged by the problem closest to i
 Then, over the whole run: `blame_innermost` clears the blocks whose child is flagged, so a
 problem is blamed where it starts, never on the blocks that merely contain it;
 `loss_outside_modules` gives the root a finding when the loss or the gradients are not finite
-and no module is broken; `mark_origins` marks the broken modules and notes where inf/NaN only
-pass through.
+and no module is broken, `loss_underflows` when a finite loss underflows; `mark_origins`
+marks the broken modules and notes where inf/NaN only pass through.
 
 The thresholds live in `mixprec.doctor.verdicts` (the live `PrecisionMonitor` shares two):
 they are set so that healthy float16/bfloat16 runs of common layers (linear, conv, norms,
@@ -85,6 +85,8 @@ class RunFacts:
     loss_dtype: torch.dtype
     finite: bool  # the loss and every parameter gradient are finite
     forward_broken: bool  # the loss or some module's output is inf/NaN
+    loss: float = math.nan  # the target run's loss; nan: not known
+    reference_loss: float = math.nan  # the reference run's
 
     @property
     def limit(self) -> FormatInfo:
@@ -381,6 +383,46 @@ def loss_outside_modules(modules: dict[str, ModuleReport], run: RunFacts) -> Fin
     return Finding(BROKEN, run.too_high, reason)
 
 
+def loss_underflows(modules: dict[str, ModuleReport], run: RunFacts) -> Finding | None:
+    """The root's finding for a finite loss that underflows outside the modules, with no
+    module broken: a loss of 0 where the reference's is not is broken (nothing is learned
+    from it, whatever the loss scale); a 16-bit loss below its dtype's smallest normal keeps
+    fewer digits and is at risk. No layer's dtype fixes either (kind loss): the loss is
+    computed from the model's outputs, outside every module. (Its gradients may still be
+    right: the backward of a scaled-down loss multiplies by the factor, not by the loss.)"""
+    ref, loss = run.reference_loss, run.loss
+    if not (math.isfinite(ref) and math.isfinite(loss)) or ref == 0:
+        return None
+    if any(m.verdict == BROKEN for m in modules.values()):
+        return None
+    info = format_info(run.loss_dtype)
+    fix = (
+        f"compute the loss from float32 outputs (e.g. `loss_fn(output.float(), target)`), or "
+        f"scale it up to the {info.name} range"
+    )
+    if loss == 0:
+        where = (
+            f"below {info.name}'s smallest subnormal {info.smallest_subnormal:.3g}: the loss "
+            f"is computed in {info.name}"
+            if abs(ref) < info.smallest_subnormal / 2
+            else "in the loss's own computation (a 16-bit value inside it rounds to 0)"
+        )
+        reason = (
+            f"the loss is 0 where the reference's is {_fmt(ref)}: it underflows outside the "
+            f"modules, {where}; the loss you log, and whatever watches it (early stopping, a "
+            f"scheduler on plateau), reads 0; {fix}"
+        )
+        return Finding(BROKEN, FindingKind.LOSS, reason)
+    if info.name in _LOW and abs(ref) < info.smallest_normal:
+        reason = (
+            f"the loss {_fmt(ref)} is below {info.name}'s smallest normal "
+            f"{info.smallest_normal:.3g} and keeps fewer digits (relative error "
+            f"{abs(loss - ref) / abs(ref):.3g}); {fix}"
+        )
+        return Finding(AT_RISK, FindingKind.LOSS, reason)
+    return None
+
+
 def _entry_of_nonfinite(modules: dict[str, ModuleReport]) -> ModuleReport | None:
     """Where inf/NaN that no module made enter the modules: the root when the model's own
     inputs hold them, else the first module (in execution order) whose inputs do; None when
@@ -411,6 +453,8 @@ def judge(
     loss_finite: bool = True,
     grads_finite: bool = True,
     loss_dtype: torch.dtype = torch.float32,
+    loss: float = math.nan,
+    reference_loss: float = math.nan,
 ) -> None:
     """Give every module (fresh from `module_reports`) a verdict, a kind and a reason: the
     first rule's finding, then the blame moved to the innermost module, then the root's
@@ -424,11 +468,13 @@ def judge(
         loss_dtype=loss_dtype,
         finite=loss_finite and grads_finite,
         forward_broken=not loss_finite or any(m.nonfinite for m in modules.values()),
+        loss=loss,
+        reference_loss=reference_loss,
     )
     for m in modules.values():
         _record(m, first_finding(m, run))
     blame_innermost(modules)
-    root = loss_outside_modules(modules, run)
+    root = loss_outside_modules(modules, run) or loss_underflows(modules, run)
     if root is not None:
         _record(modules[""], root)
     mark_origins(modules)

@@ -64,7 +64,7 @@ class FindingKind(str, Enum):
     PRECISION = "precision"  # more mantissa bits fix it: float32
     QUANTIZATION = "quantization"  # a quantized layer: its source float policy fixes it
     SCALE = "scale"  # the loss scale causes it: the recommended loss scale fixes it
-    LOSS = "loss"  # the root's: the loss overflows outside every module; no layer's dtype fixes it
+    LOSS = "loss"  # the root's: the loss breaks outside every module; no layer's dtype fixes it
 
     def __str__(self) -> str:
         return self.value
