@@ -383,13 +383,6 @@ def test_a_loss_underflowing_float16_is_the_models_finding():
     assert fixed.modules[""].verdict == OK and fixed.target_loss > 0
 
 
-class Shift(nn.Module):
-    """Adds and takes away 32: in bfloat16 the outputs keep steps of 0.25 (at risk)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x + 32.0) - 32.0
-
-
 def test_recommend_stopping_with_no_module_left_at_risk_names_its_moves():
     """It said "no module is at risk or broken" beside a report naming one, which it had
     moved already."""
@@ -397,7 +390,7 @@ def test_recommend_stopping_with_no_module_left_at_risk_names_its_moves():
     layers: list[nn.Module] = []
     for _ in range(4):
         layers += [nn.Linear(16, 16), nn.Tanh()]
-    model = nn.Sequential(*layers, Shift(), nn.Linear(16, 4))
+    model = nn.Sequential(*layers, Shift(32.0), nn.Linear(16, 4))  # bfloat16: steps of 0.25
     batch = (torch.randn(32, 16), torch.randint(0, 4, (32,)))
     d = diagnose(model, batch, F.cross_entropy, precision="bf16-true")
     assert names(d) == ["8"] and d.modules["8"].verdict == AT_RISK
