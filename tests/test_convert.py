@@ -630,6 +630,21 @@ def test_a_path_rule_matching_no_module_warns_with_the_closest_paths():
         mixprec.apply(model, PolicyMap("32-true", {"encodr": "64-true"}))
 
 
+def test_explain_warns_of_a_path_rule_matching_no_module_as_apply_does():
+    """`explain`, where a map is checked before a run, said nothing of a path rule with a
+    typo (its table showed the layer in the default policy) while warning of a state rule's;
+    each warning points at the line calling it."""
+    model = nn.Sequential()
+    model.add_module("encoder", nn.Linear(2, 2))
+    pmap = PolicyMap("32-true", {"encodr": "64-true"}, states={"encodr": "int8"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        table = mixprec.explain(model, pmap)
+    said = {str(w.message).split(" matches")[0]: w.filename for w in caught}
+    assert said == {"policy rule 'encodr'": __file__, "state rule 'encodr'": __file__}
+    assert table["encoder"] == Policy("32-true")
+
+
 def test_many_unmatched_path_rules_are_one_warning_and_warn_false_silences_it():
     """20,000 unmatched rules gave 20,000 warnings, with ``warn=False`` too. Now one names the
     first five and counts the rest; ``warn=False`` gives none; `Precision.setup` (which

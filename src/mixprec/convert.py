@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import difflib
 import functools
 import inspect
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -461,42 +459,13 @@ def sharded_units(model: nn.Module) -> list[str]:
     return [name or "<root>" for name, m in model.named_modules() if isinstance(m, fsdp.FSDPModule)]
 
 
-# unmatched path rules named (with the closest paths) in the one warning; the rest counted
-_UNMATCHED_NAMED = 5
-
-
 def warn_unmatched(pmap: PolicyMap, model: nn.Module) -> None:
     """A path rule that matches no module is a typo far more often than intent: say so, in
     one warning for all of them (a generated map may hold thousands); activation rules
     likewise, in a warning of their own."""
     if pmap.activations is not None:
         pmap.activations.warn_unmatched(model, stacklevel=3)
-    names = [name for name, _ in model.named_modules(remove_duplicate=False)]
-    unmatched = pmap.unmatched_paths(names)
-    if not unmatched:
-        return
-
-    def closest(key: str) -> str:
-        close = difflib.get_close_matches(key, [n for n in names if n], n=3, cutoff=0.5)
-        return ", ".join(map(repr, close))
-
-    how = "rules are re.fullmatch'ed against named_modules() paths"
-    if len(unmatched) == 1:
-        (key,) = unmatched
-        hint = f"; closest paths: {closest(key)}" if closest(key) else ""
-        message = f"policy rule {key!r} matches no module of {type(model).__name__} ({how}){hint}"
-    else:
-        said = [
-            f"{key!r}" + (f" (closest paths: {closest(key)})" if closest(key) else "")
-            for key in unmatched[:_UNMATCHED_NAMED]
-        ]
-        more = len(unmatched) - len(said)
-        message = (
-            f"{len(unmatched)} policy rules match no module of {type(model).__name__} ({how}): "
-            + ", ".join(said)
-            + (f" and {more} more" if more else "")
-        )
-    warnings.warn(message, stacklevel=3)
+    pmap.warn_unmatched_paths(model, stacklevel=3)
 
 
 def _floating_dtypes(model: nn.Module) -> dict[tuple[str, str], torch.dtype]:

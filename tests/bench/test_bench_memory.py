@@ -147,8 +147,10 @@ def test_what_the_memory_run_cannot_do_is_refused_before_any_process_starts(
 
 def test_auto_is_the_fastest_stable_precision_of_the_measured_device(tmp_path, capsys):
     (tmp_path / "file").write_text("")  # an --out that is a file: checked after the precisions
-    code = main(["bench", "--strategy", "ddp", "--precision", "auto", "--out", f"{tmp_path}/file"])
-    assert code == 2 and "is a file: give a directory path" in capsys.readouterr().err
+    for auto in ("auto", " AUTO"):  # (spelled as Precision takes it; "AUTO" was refused)
+        args = ["bench", "--strategy", "ddp", "--precision", auto, "--out", f"{tmp_path}/file"]
+        assert main(args) == 2
+        assert "is a file: give a directory path" in capsys.readouterr().err
 
 
 def test_the_default_precisions_leave_out_what_is_slow_here_and_say_why(monkeypatch):

@@ -445,6 +445,33 @@ def test_a_batch_beyond_float16_under_a_true_policy_is_named_as_the_inputs():
     assert names(mixed) == ["0"] and "its input reaches 1.0e5" in mixed.modules["0"].reason
 
 
+class ScaledBetween(nn.Module):
+    """Multiplies a float16 output by 30 in its own forward, between two modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.big, self.ln = nn.Linear(16, 32), nn.Linear(32, 32), nn.LayerNorm(32)
+        self.head = nn.Linear(32, 4)
+        with torch.no_grad():
+            self.big.weight.mul_(3000.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(self.big(self.a(x)) * 30))
+
+
+def test_an_overflow_in_code_between_modules_is_not_blamed_on_the_batch():
+    """Under 16-mixed, `x * 30` in the model's own forward overflowed float16 before `ln`:
+    the model's finding said the policy converts the batch to float16 and advised a mixed
+    policy, which it was."""
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 16) * 10, torch.randint(0, 4, (8,)))
+    d = diagnose(ScaledBetween(), batch, F.cross_entropy, precision="16-mixed")
+    reason = d.modules[""].reason
+    assert reason.startswith("ln's inputs already hold")
+    assert "in code between them (the forward that computes ln's inputs" in reason
+    assert "converts the batch" not in reason and "use a mixed policy" not in reason
+
+
 def test_float64_target_and_reference():
     model, batch, loss_fn = _tanh_stack(1.0)
     for precision, reference in (("64-true", "32-true"), ("32-true", "64-true")):

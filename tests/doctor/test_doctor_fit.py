@@ -120,5 +120,7 @@ def test_doctor_fit_refuses_bad_sizes_and_flags_it_does_not_take(tmp_path, capsy
         assert ("not a size" in err and "GiB" in err) or "at least one byte" in err
     assert main(["doctor", spec, "--fit", "4GiB", "--memory", "0.5", "--no-report"]) == 2
     assert "--memory does not go with --fit" in capsys.readouterr().err
+    assert main(["doctor", spec, "--fit", "4GiB", "--count", "weights", "--no-report"]) == 2
+    assert "--count does not go with --fit" in capsys.readouterr().err
     assert main(["doctor", spec, "--fit", "4GiB", "--precision", "bf16-mixed"]) == 2
     assert "--precision is not an option of --fit" in capsys.readouterr().err

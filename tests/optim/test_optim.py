@@ -284,6 +284,30 @@ def test_a_parameter_unused_this_step_is_not_updated_by_last_steps_master_gradie
     assert torch.equal(opt.master_params[b.weight].grad, torch.zeros(2, 2))
 
 
+def test_a_new_wrapper_of_the_same_optimizer_keeps_what_the_last_one_knew():
+    """A second wrapper (`Precision.reset()` then `setup`, as the Trainer does per fit, or a
+    notebook cell run again) takes over the masters but forgot the model's weights loaded
+    since the last step (its first step wrote the old masters over them) and that the
+    masters' gradients were the last step's (a parameter unused in its first step moved)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(2, 2).to(f16), nn.Linear(2, 2).to(f16)
+    sgd = torch.optim.SGD([{"params": a.parameters()}, {"params": b.parameters()}], lr=0.1)
+    first = LossScaleOptimizer(sgd, 8.0)
+    x = torch.ones(1, 2, dtype=f16)
+    first.backward(b(a(x)).float().sum())
+    first.step()
+    a.zero_grad(), b.zero_grad()  # the modules' own: the masters keep the step's gradients
+    with torch.no_grad():
+        a.weight.fill_(0.5)  # e.g. the best checkpoint loaded between two fits
+    second = LossScaleOptimizer(sgd, 8.0)
+    before = b.weight.detach().clone()
+    sgd.param_groups[0]["lr"] = 0.0  # a keeps what was loaded
+    second.backward(a(x).float().sum())  # b unused
+    assert second.step()
+    assert torch.equal(a.weight, torch.full((2, 2), 0.5, dtype=f16))
+    assert torch.equal(b.weight, before)
+
+
 def test_pure_float16_with_master_weights_trains_like_float32():
     *data, (x_eval, y_eval) = _batches(151, seed=3)
     ref = mlp(8, 16, 1, seed=1)

@@ -608,6 +608,15 @@ def test_doctor_search_refuses_bad_flags(tmp_path, capsys) -> None:
     assert "--search needs a budget" in capsys.readouterr().err
     assert main(["doctor", f"{factory}:make", "--memory", "0.5", "--no-report"]) == 2
     assert "--memory is an option of --search" in capsys.readouterr().err
+    # options a diagnosis would have taken and ignored, without a word
+    for flags, said in (
+        (["--baseline", "32-true"], "--baseline is an option of --search and --fit (the "),
+        (["--count", "training"], "--count is an option of --search"),
+        (["--allow-slow"], "--allow-slow is an option of --search and --fit"),
+        (["--optimizer", "sgd"], "--optimizer says how --lr sizes a step; give --lr too"),
+    ):
+        assert main(["doctor", f"{factory}:make", *flags, "--no-report"]) == 2
+        assert said in capsys.readouterr().err
     assert (
         main(
             [

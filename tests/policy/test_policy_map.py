@@ -1,6 +1,8 @@
 """PolicyMap precedence, ambiguity, inheritance, islands, config and explain."""
 
 import json
+import stat
+import threading
 
 import pytest
 import torch
@@ -122,6 +124,38 @@ def test_saving_a_policy_file_where_it_cannot_go_names_the_file_asked_for(tmp_pa
     assert f"cannot save the policy file {str(target)!r}" in str(e.value)
     assert f"its folder {str(target.parent)!r} does not exist" in str(e.value)
     assert ".tmp" not in str(e.value) and list(tmp_path.iterdir()) == []
+
+
+def test_saving_one_policy_file_from_several_threads_and_over_a_file_or_a_link(tmp_path):
+    """Every save took the same temporary name in one process, so one thread's rename took
+    another's temporary file ("cannot save ... No such file or directory", 7 of 30 saves);
+    a save over a file reset its permissions, and one through a symbolic link replaced the
+    link, leaving the file it named stale."""
+    maps = [PolicyMap("bf16-mixed", {"head": p}) for p in ("32-true", "bf16-true", "16-mixed")]
+    target = tmp_path / "policy.json"
+    failed: list[BaseException] = []
+
+    def save(pmap: PolicyMap) -> None:
+        for _ in range(10):
+            try:
+                pmap.save(target)
+            except BaseException as error:  # noqa: BLE001 (any failure fails the test)
+                failed.append(error)
+
+    threads = [threading.Thread(target=save, args=(m,)) for m in maps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failed == [] and PolicyMap.load(target) in maps
+    assert [p.name for p in tmp_path.iterdir()] == ["policy.json"]  # no temporary file left
+    target.chmod(0o600)
+    maps[0].save(target)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+    link = tmp_path / "current.json"
+    link.symlink_to(target)
+    maps[1].save(link)
+    assert link.is_symlink() and PolicyMap.load(target) == maps[1]
 
 
 def test_a_type_rule_of_a_local_class_is_refused_at_save_not_at_load(tmp_path):

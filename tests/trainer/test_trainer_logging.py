@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import pickle
+import time
 
 import pytest
 import torch
@@ -309,3 +310,21 @@ def test_a_fit_resumed_into_its_logs_holds_each_step_once(tmp_path, same_loggers
     assert [e.step for e in events.Scalars("loss")] == list(range(1, 9))
     logged = {e.step: e.value for e in events.Scalars("loss")}
     assert all(float(r["loss"]) == pytest.approx(logged[int(r["step"])]) for r in rows)
+
+
+def test_a_new_event_file_sorts_after_those_already_in_its_directory(tmp_path):
+    """TensorBoard reads a directory's event files in name order; a name holds the second
+    and a per-process count, so a writer made in the same second as an earlier one, after
+    the count went from 9 to 10, sorted first and a resumed fit's purge was read before the
+    events it drops (seen when the resume test ran after ten other writers)."""
+    import socket
+
+    logger = TensorBoardLogger(tmp_path, version=0)
+    logger.log_dir.mkdir(parents=True)
+    # an earlier writer's file of this second whose name sorts after any this host makes
+    planted = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}~.0"
+    (logger.log_dir / planted).write_bytes(b"")
+    logger.log_metrics({"loss": 1.0}, step=1)
+    logger.finalize()
+    names = sorted(p.name for p in logger.log_dir.iterdir())
+    assert len(names) == 2 and names[0] == planted

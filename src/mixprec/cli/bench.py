@@ -63,6 +63,7 @@ from mixprec.bench.suite import (
 from mixprec.bench.verdict import TARGET_WIDTH
 from mixprec.cli.outputs import check_output_dir, new_output_dir
 from mixprec.hardware import detect, parse_device, resolve_auto
+from mixprec.policy import is_auto
 from mixprec.version import __version__
 
 __all__ = [
@@ -432,7 +433,7 @@ def _checked_memory_args(
             )
     # "auto" means the fastest stable precision of the measured device
     auto = resolve_auto(detect(torch.device(device))).name
-    precisions = list(dict.fromkeys(auto if p == "auto" else p for p in precisions))
+    precisions = list(dict.fromkeys(auto if is_auto(p) else p for p in precisions))
     distributed.check_precisions(precisions, device, args.allow_slow)
     out = _output_dir(out, distributed.OUTPUT_FILES)
     check_workload(model)  # last: it calls a user's factory

@@ -128,7 +128,7 @@ def _planned(
             inputs = _search_inputs(call_factory(load_factory(args.factory), args.factory))
             options = {
                 "formats": [f.strip() for f in args.formats.split(",")] if args.formats else None,
-                "baseline": args.baseline,
+                "baseline": args.baseline or "bf16-mixed",
                 "eval_batches": inputs[3],
                 "tolerance": args.tolerance if args.tolerance is not None else 0.01,
                 "lr": args.lr or 1e-3,
@@ -161,7 +161,7 @@ def _search(args: argparse.Namespace) -> int:
             batches,
             loss_fn,
             budget=budget,
-            count=args.count,
+            count=args.count or "weights",
             train_steps=args.train_steps,
             train_batches=train_batches,
             **options,
@@ -305,7 +305,7 @@ _DIAGNOSIS_ONLY = (
     ("--precision", "precision", "16-mixed"),
     ("--reference", "reference", "32-true"),
     ("--loss-scale", "loss_scale", None),
-    ("--optimizer", "optimizer", "adam"),
+    ("--optimizer", "optimizer", None),
     ("--no-recommend", "no_recommend", False),
     ("--states", "states", None),
 )
@@ -326,6 +326,7 @@ def _check_args(args: argparse.Namespace) -> int | None:
             ("--memory", args.memory),
             ("--speed", args.speed),
             ("--train-steps", args.train_steps),
+            ("--count", args.count),
         ):
             if given:
                 print(
@@ -355,10 +356,21 @@ def _check_args(args: argparse.Namespace) -> int | None:
         ("--speed", args.speed),
         ("--formats", args.formats),
         ("--train-steps", args.train_steps),
+        ("--count", args.count),
+        ("--baseline", args.baseline),
+        ("--allow-slow", args.allow_slow),
     ):
         if given:
-            print(f"mixprec doctor: {flag} is an option of --search", file=sys.stderr)
+            also = " and --fit" if flag in ("--baseline", "--allow-slow") else ""
+            hint = " (the diagnosis's precision is --precision)" if flag == "--baseline" else ""
+            print(f"mixprec doctor: {flag} is an option of --search{also}{hint}", file=sys.stderr)
             return 2
+    if args.optimizer is not None and args.lr is None:
+        print(
+            "mixprec doctor: --optimizer says how --lr sizes a step; give --lr too",
+            file=sys.stderr,
+        )
+        return 2
     return None
 
 
@@ -399,7 +411,7 @@ def _run(args: argparse.Namespace) -> int:
                 device=args.device,
                 seed=args.seed,
                 lr=args.lr,
-                optimizer=args.optimizer,
+                optimizer=args.optimizer or "adam",
             )
         except (FactoryError, PolicySpecError, PrecisionError, TypeError, ValueError) as error:
             err.print(f"[red]mixprec doctor: {error}[/]")
@@ -556,8 +568,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument(
         "--optimizer",
         choices=("adam", "sgd"),
-        default="adam",
-        help="how --lr sizes a step: adam (about lr per weight) or sgd (lr x gradient)",
+        help="how --lr sizes a step: adam (about lr per weight, the default) or sgd "
+        "(lr x gradient)",
     )
     p.add_argument(
         "--out",
@@ -608,14 +620,12 @@ def _add_search_arguments(p: argparse.ArgumentParser) -> None:
         help="comma-separated formats to try (default: those fast on the device: 32-true, "
         "the baseline, bf16-true, int8 and int4 on the baseline...)",
     )
-    search.add_argument(
-        "--baseline", default="bf16-mixed", help="the precision plans depart from (bf16-mixed)"
-    )
+    search.add_argument("--baseline", help="the precision plans depart from (default bf16-mixed)")
     search.add_argument(
         "--count",
         choices=("weights", "training"),
-        default="weights",
-        help="bytes of weights, or also gradients and optimizer state (training)",
+        help="bytes of weights (the default), or also gradients and optimizer state "
+        "(training); --search only",
     )
     search.add_argument(
         "--train-steps",

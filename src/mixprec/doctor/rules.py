@@ -355,16 +355,29 @@ def loss_outside_modules(modules: dict[str, ModuleReport], run: RunFacts) -> Fin
         held = (
             f"{where} already hold {entry.input_nonfinite} inf/NaN values, finite in the reference"
         )
-        reason = (
-            f"{held}, where they reach {_fmt(entry.input_amax)} > {limit.name} max "
-            f"{limit.max:g}: the policy converts the batch to {limit.name} before the model "
-            "runs. Scale the inputs down, or use a mixed policy, which keeps them float32 and "
-            "casts inside each layer"
-        )
-        if entry.input_amax <= limit.max:  # not the batch's range: code outside the modules
+        beyond = entry.input_amax > limit.max
+        if entry.name == "" and beyond:  # the batch itself: a "true" policy converts it
+            reason = (
+                f"{held}, where they reach {_fmt(entry.input_amax)} > {limit.name} max "
+                f"{limit.max:g}: the policy converts the batch to {limit.name} before the "
+                "model runs. Scale the inputs down, or use a mixed policy, which keeps them "
+                "float32 and casts inside each layer"
+            )
+        elif entry.name == "":
             reason = (
                 f"{held}: they overflow {limit.name} outside the modules (in the batch's "
                 "conversion or in code between the modules)"
+            )
+        else:  # made by code between the modules (a parent's forward), in 16 bits
+            reach = (
+                f", where they reach {_fmt(entry.input_amax)} > {limit.name} max {limit.max:g}"
+                if beyond
+                else ""
+            )
+            reason = (
+                f"{held}{reach}: they overflow {limit.name} outside the modules, in code "
+                f"between them (the forward that computes {entry.display_name}'s inputs from "
+                f"16-bit outputs): compute that in float32, or scale it down"
             )
         return Finding(BROKEN, FindingKind.LOSS, reason)
     if run.forward_broken:

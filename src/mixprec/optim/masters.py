@@ -55,9 +55,13 @@ class MasterWeights:
 
     def take_over(self, other: MasterWeights) -> None:
         """Keep the masters of an earlier wrapper of the same optimizer (its groups already
-        hold them)."""
+        hold them), with what it knew of them: which parameter writes the masters have seen
+        (a model state loaded since is taken at the next step, not overwritten by it) and
+        whether their gradients are the last step's."""
         for p, master in other.master_of.items():
             self._link(p, master)
+            self._seen[p] = other._seen[p]
+        self._grads_stale = other._grads_stale
 
     def add(self, optimizer: torch.optim.Optimizer, saved: Iterable[int] = ()) -> None:
         """Give every trainable parameter of a master dtype in ``optimizer``'s groups its

@@ -197,7 +197,9 @@ def explain(
     resolved = pmap.resolve(model, slow_attention=slow_attention, device_type=device_type)
     check_bypassed(model, resolved)  # (refuses what apply refuses)
     dtype_plan(model, resolved, replaced=True)
-    pmap.warn_unmatched_states(model, stacklevel=2)
+    # (warnings point at the caller of mixprec.explain, which calls this)
+    pmap.warn_unmatched_paths(model, stacklevel=3)
+    pmap.warn_unmatched_states(model, stacklevel=3)
     has_states = pmap.states is not None or default is not None
     states = pmap.state_formats(model, default) if has_states else None
     if states is not None:  # (a block larger than a parameter is cut, as the run cuts it)
@@ -205,6 +207,6 @@ def explain(
         states = {n: (fitted_format(fmt, named[n]), why) for n, (fmt, why) in states.items()}
     activations = None
     if pmap.activations is not None:
-        pmap.activations.warn_unmatched(model, stacklevel=2)
+        pmap.activations.warn_unmatched(model, stacklevel=3)
         activations = pmap.activation_choices(model)
     return Explanation(model, resolved, device_type, states, activations)

@@ -29,12 +29,14 @@ as `PolicyMap` tells; `explain` shows both.
 
 from __future__ import annotations
 
+import difflib
 import errno
 import inspect
 import json
 import os
 import re
 import types
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -47,6 +49,7 @@ from torch import nn
 
 from mixprec.activations.rules import ActivationRules, ActivationsSpec, Choice, as_rules
 from mixprec.errors import PolicySpecError
+from mixprec.files import write_atomically
 from mixprec.optim.states.assign import Assignment, assign_formats, closest, warn_unmatched_rules
 from mixprec.optim.states.formats import StateFormat, parse_state_format
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
@@ -110,6 +113,9 @@ AUTOCAST_FLOAT32: dict[str, tuple[type[nn.Module], ...]] = {
 StatesSpec = str | Mapping[str, str]
 
 _SDPA = F.scaled_dot_product_attention
+
+# unmatched path rules named (with the closest paths) in the one warning; the rest counted
+_UNMATCHED_NAMED = 5
 
 
 def _code_calls_attention(code: types.CodeType, names: Mapping[str, Any]) -> bool:
@@ -286,6 +292,39 @@ class PolicyMap:
             for key, (rx, _) in self._paths.items()
             if key not in names and not any(rx.fullmatch(n) for n in names)
         ]
+
+    def warn_unmatched_paths(self, model: nn.Module, *, stacklevel: int = 2) -> None:
+        """Warn about the path rules that match no module of ``model``, a typo far more often
+        than intent, in one warning for all of them (a generated map may hold thousands),
+        each named with the closest paths. ``stacklevel`` counts from the caller, as
+        `warnings.warn`'s."""
+        names = [name for name, _ in model.named_modules(remove_duplicate=False)]
+        unmatched = self.unmatched_paths(names)
+        if not unmatched:
+            return
+
+        def closest(key: str) -> str:
+            close = difflib.get_close_matches(key, [n for n in names if n], n=3, cutoff=0.5)
+            return ", ".join(map(repr, close))
+
+        how = "rules are re.fullmatch'ed against named_modules() paths"
+        if len(unmatched) == 1:
+            (key,) = unmatched
+            hint = f"; closest paths: {closest(key)}" if closest(key) else ""
+            message = (
+                f"policy rule {key!r} matches no module of {type(model).__name__} ({how}){hint}"
+            )
+        else:
+            said = [
+                f"{key!r}" + (f" (closest paths: {closest(key)})" if closest(key) else "")
+                for key in unmatched[:_UNMATCHED_NAMED]
+            ]
+            more = len(unmatched) - len(said)
+            message = (
+                f"{len(unmatched)} policy rules match no module of {type(model).__name__} "
+                f"({how}): " + ", ".join(said) + (f" and {more} more" if more else "")
+            )
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
     def resolve(
         self,
@@ -630,21 +669,15 @@ class PolicyMap:
                 f"cannot save a policy file at {str(path)!r}: it is a directory; give a file "
                 f"path, e.g. {str(path / 'policy.json')!r}",
             )
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # created with the umask's mode
         try:
-            tmp.write_text(json.dumps(self.to_config(), indent=2) + "\n")
-            os.replace(tmp, path)
+            write_atomically(path, json.dumps(self.to_config(), indent=2) + "\n")
         except OSError as error:  # said of the file asked for, not of the temporary one
-            tmp.unlink(missing_ok=True)
             missing = (
                 "" if path.parent.is_dir() else f" (its folder {str(path.parent)!r} does not exist)"
             )
             raise type(error)(
                 error.errno, f"cannot save the policy file {str(path)!r}: {error.strerror}{missing}"
             ) from None
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
         return path
 
     @classmethod

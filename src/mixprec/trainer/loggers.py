@@ -14,12 +14,16 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import io
 import logging
 import os
 import re
+import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import IO, Any
+
+from mixprec.files import write_atomically
 
 __all__ = [
     "CSVLogger",
@@ -179,12 +183,11 @@ class CSVLogger(Logger):
         if self._file is not None:
             self._file.close()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self._columns, restval="")
-            writer.writeheader()
-            writer.writerows(self._rows)
-        os.replace(tmp, self.path)  # the rows written before are never half-overwritten
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self._columns, restval="")
+        writer.writeheader()
+        writer.writerows(self._rows)
+        write_atomically(self.path, text.getvalue())  # the rows before are never half-lost
         self._file = open(self.path, "a", newline="")  # noqa: SIM115 (kept open for appends)
         self._writer = csv.DictWriter(self._file, fieldnames=self._columns, restval="")
         self.flush()
@@ -199,6 +202,25 @@ class CSVLogger(Logger):
             self._file.close()
         self._file = self._writer = None
         self._pending = 0
+
+
+def _read_last(open_writer: Any, log_dir: Path) -> Any:
+    """A TensorBoard writer of ``log_dir`` whose event file sorts after those already there.
+    TensorBoard reads a directory's files in name order, and a name holds the second it was
+    made and a per-process count: a writer made in the same second as an earlier one of its
+    process, after the count passed 9 (or 99...), sorted first, so a resumed fit's purge was
+    read before the events it drops. Such a writer is made again in the next second."""
+    made_before = {p.name for p in log_dir.glob("events.out.tfevents.*")}
+    for _ in range(3):
+        writer = open_writer(str(log_dir))
+        writer.flush()
+        mine = [p for p in log_dir.glob("events.out.tfevents.*") if p.name not in made_before]
+        if len(mine) != 1 or all(old < mine[0].name for old in made_before):
+            return writer
+        writer.close()
+        mine[0].unlink()
+        time.sleep(1.0 - time.time() % 1.0)
+    return open_writer(str(log_dir))
 
 
 def tensorboard_available() -> bool:
@@ -233,7 +255,7 @@ class TensorBoardLogger(Logger):
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
             from torch.utils.tensorboard.writer import FileWriter
 
-            self._writer = FileWriter(str(self.log_dir))
+            self._writer = _read_last(FileWriter, self.log_dir)
             if self._resumed_at is not None:
                 # TensorBoard's purge: events of earlier files from this step on are
                 # dropped when read (a resumed fit logs them again); once, by the first
