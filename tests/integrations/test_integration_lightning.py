@@ -304,6 +304,27 @@ def test_manual_optimization_skips_the_overflow_and_its_scheduler_step():
     assert model.lr_schedulers().last_epoch == 2
 
 
+class ManualPlainForm(ManualRegressor):
+    """`ManualRegressor` with configure_optimizers in the form Lightning's manual
+    optimization documents: lists, the scheduler's interval left at "epoch"."""
+
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        return [config["optimizer"]], [config["lr_scheduler"]["scheduler"]]
+
+
+def test_manual_optimization_holds_a_scheduler_returned_without_an_interval():
+    """Lightning ignores the interval under manual optimization, and the plugin wrapped only
+    step-interval schedulers: one returned as `[opt], [sched]` advanced on a skipped step."""
+    model = ManualPlainForm(poison_step=1)
+    plugin = MixprecPrecision(
+        "16-mixed", allow_slow=True, scaler=DynamicLossScaler(init_scale=2.0**8)
+    )
+    _trainer(plugin, max_steps=3).fit(model, _loader())
+    assert plugin.scaler.stats().skipped_steps == 1
+    assert model.lr_schedulers().last_epoch == 2
+
+
 class SkipsABatch(Regressor):
     """Returns None from training_step on batch 1: Lightning skips that batch."""
 

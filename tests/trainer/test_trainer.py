@@ -324,6 +324,28 @@ def test_scheduler_does_not_advance_on_a_step_skipped_for_overflow():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+class InfAtEveryOther(InfAt):
+    """`InfAt` whose scheduler steps every second optimizer step."""
+
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        config["lr_scheduler"]["frequency"] = 2
+        return config
+
+
+@pytest.mark.parametrize(("bad", "lrs"), [({1}, [0.05, 0.025]), ({0, 1}, [0.1, 0.05])])
+def test_a_scheduler_stepped_every_few_steps_holds_only_when_its_whole_window_skipped(bad, lrs):
+    """Only the window's last step was asked about: a skip there cost the scheduler the
+    whole window's advance, a skip on its first step nothing."""
+    rec = Recorder()
+    trainer = Trainer(
+        precision="16-mixed", max_steps=4, callbacks=[rec], allow_slow_precision=True, **QUIET
+    )
+    trainer.fit(InfAtEveryOther(bad_batches=bad), DataLoader(small_targets(64), batch_size=16))
+    assert trainer.precision.scaler.stats().skipped_steps == len(bad)
+    assert rec.lrs[1::2] == lrs  # after each window's last step
+
+
 class InfAtEpochEnd(InfAt):
     """`InfAt` with a scheduler halving the learning rate every epoch."""
 

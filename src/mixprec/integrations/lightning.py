@@ -264,8 +264,16 @@ class MixprecPrecision(LightningPrecision):
         if isinstance(scheduler, SkipAwareScheduler):
             scheduler = scheduler.scheduler
         lso = self._wrappers.get(getattr(scheduler, "optimizer", None))  # type: ignore[arg-type]
-        # (an epoch's scheduler step follows the epoch's steps, not its last one: it stays)
-        if lso is None or not isinstance(config, LRSchedulerConfig) or config.interval != "step":
+        # Under automatic optimization an epoch-interval scheduler stays as it is (it steps
+        # once per epoch trained, as mixprec's Trainer steps it). Under manual optimization
+        # Lightning ignores the interval: the user steps the scheduler, usually after each
+        # step, and a wrapped one advances when a step was taken since its last
+        manual = self._module is not None and not getattr(
+            self._module, "automatic_optimization", True
+        )
+        if lso is None or not isinstance(config, LRSchedulerConfig):
+            return config
+        if config.interval != "step" and not manual:
             return config
         return dataclasses.replace(config, scheduler=SkipAwareScheduler(scheduler, lso))
 

@@ -61,6 +61,7 @@ __all__ = [
     "backward_context",
     "backward_dtype",
     "check_sharded_masters",
+    "follow_steps",
     "joint_step",
     "master_weights_by_name",
     "scale_for_backward",
@@ -162,6 +163,7 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         # the scale a fused optimizer divides by in its kernel, while CHECKED
         self._grad_scale: torch.Tensor | None = None
         self.step_was_skipped = False
+        self.steps_taken = 0  # steps taken (not skipped) by this wrapper, for schedulers
         first = next(iter(self._all_params()), None)
         if first is not None and self.scaler.device != first.device:
             self.scaler.to(first.device)
@@ -452,6 +454,7 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         skipped (``step_was_skipped``)."""
         self._masters.end_step(stepped)
         self.step_was_skipped = not stepped
+        self.steps_taken += stepped
         self._stage = OptState.STEPPED
         self._found_inf = None
         self._grad_scale = None
@@ -834,30 +837,67 @@ class MasterKeyedState(MutableMapping):
         return len(self._state)
 
 
+# each scheduler gated so far: the wrapper it followed, and its count of steps taken then
+_GATED: weakref.WeakKeyDictionary[Any, tuple[weakref.ref[LossScaleOptimizer], int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _live_wrapper(optimizer: Any) -> Any:
+    """The LossScaleOptimizer stepping ``optimizer`` (itself when it is one), else it."""
+    if isinstance(optimizer, LossScaleOptimizer):
+        return optimizer
+    # the plain optimizer a wrapper steps (Precision.step accepts either); a torch optimizer
+    # converted into a low-bit one (optimizer_states=) stands for that one
+    optimizer = getattr(optimizer, "_converted_into", optimizer)
+    live = _WRAPPERS.get(optimizer)
+    return live[0]() if live is not None else optimizer
+
+
+def follow_steps(scheduler: Any, optimizer: Any) -> None:
+    """Count ``optimizer``'s taken steps for ``scheduler`` from now on: its next gated step
+    advances if one was taken since (`scheduler_step`). For a scheduler made before the
+    steps it follows; without this its first gated step asks only about the last step."""
+    lso = _live_wrapper(optimizer)
+    if isinstance(lso, LossScaleOptimizer):
+        with contextlib.suppress(TypeError):  # (a scheduler that takes no weak reference)
+            _GATED[scheduler] = (weakref.ref(lso), lso.steps_taken)
+
+
 def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> bool:
-    """Advance ``scheduler`` unless ``optimizer`` (a LossScaleOptimizer, or the optimizer one
-    wraps) skipped its last step.
+    """Advance ``scheduler`` unless every step ``optimizer`` (a LossScaleOptimizer, or the
+    optimizer one wraps) made since the scheduler's last gated step was skipped: once per
+    taken step for a scheduler stepped after each, and also for one stepped every few
+    steps or once an epoch (a skip in the window does not cost it the window's advance).
+    At its first gated step (unless `follow_steps` started its count) and after a new
+    wrapper took over the optimizer, only the last step counts.
 
     torch's schedulers cannot tell a skipped step from a taken one; without this gate a run
     with many overflows moves through its learning-rate schedule too fast. ``args`` and
     ``kwargs`` go to ``scheduler.step`` (e.g. a metric for ReduceLROnPlateau). Returns whether
     the scheduler advanced.
     """
-    if not isinstance(optimizer, LossScaleOptimizer):
-        # the plain optimizer a wrapper steps (Precision.step accepts either); a torch
-        # optimizer converted into a low-bit one (optimizer_states=) stands for that one
-        optimizer = getattr(optimizer, "_converted_into", optimizer)
-        live = _WRAPPERS.get(optimizer)
-        optimizer = live[0]() if live is not None else optimizer
-    if isinstance(optimizer, LossScaleOptimizer) and optimizer.step_was_skipped:
-        return False
+    lso = _live_wrapper(optimizer)
+    if isinstance(lso, LossScaleOptimizer):
+        try:
+            seen = _GATED.get(scheduler)
+        except TypeError:  # (a scheduler that takes no weak reference)
+            seen = None
+        if seen is not None and seen[0]() is lso:
+            taken = lso.steps_taken > seen[1]
+        else:
+            taken = not lso.step_was_skipped
+        follow_steps(scheduler, lso)
+        if not taken:
+            return False
     scheduler.step(*args, **kwargs)
     return True
 
 
 class SkipAwareScheduler:
-    """An LR scheduler that does not advance when its ``LossScaleOptimizer`` skipped its last
-    step, for trainers that step schedulers themselves (Lightning, Hugging Face).
+    """An LR scheduler that does not advance when its ``LossScaleOptimizer`` skipped every
+    step since its last step (`scheduler_step`, counting from when it is wrapped), for
+    trainers that step schedulers themselves (Lightning, Hugging Face).
 
     Attributes (``optimizer``, ``get_last_lr``, ``last_epoch``) are the wrapped scheduler's,
     and so is the state saved in checkpoints (they load without mixprec); the scheduler itself
@@ -867,9 +907,11 @@ class SkipAwareScheduler:
     def __init__(self, scheduler: Any, optimizer: LossScaleOptimizer) -> None:
         self.scheduler = scheduler
         self.loss_scale_optimizer = optimizer
+        follow_steps(scheduler, optimizer)
 
     def step(self, *args: Any, **kwargs: Any) -> bool:
-        """Advance unless the optimizer's last step was skipped; returns whether it did."""
+        """Advance unless the optimizer skipped every step since the last (`scheduler_step`);
+        returns whether it did."""
         return scheduler_step(self.scheduler, self.loss_scale_optimizer, *args, **kwargs)
 
     def state_dict(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.optim import LossScaleOptimizer
+from mixprec.optim import LossScaleOptimizer, follow_steps
 from mixprec.optim.states import (
     LowBitAdam,
     LowBitAdamW,
@@ -119,6 +119,8 @@ def scheduler_entry(config: dict[str, Any], optimizers: list[LossScaleOptimizer]
         raise ValueError(f"scheduler strict must be True or False, got {strict!r}")
     if name is not None and not isinstance(name, str):
         raise ValueError(f"scheduler name must be a string or None, got {name!r}")
+    if interval == "step":  # (counts the steps of its first window too)
+        follow_steps(sched, owner)
     return Scheduler(sched, owner, interval, int(frequency), monitor, strict, name)
 
 
