@@ -12,6 +12,7 @@ import json
 import math
 import os
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -544,6 +545,22 @@ def test_repeated_batch_sizes_add_up_and_a_preset_and_timeout_are_reproduced():
     assert p.command.endswith(" --timeout 6")
 
 
+def test_the_recorded_timing_says_how_the_steps_were_taken():
+    """A --memory-limit (or --compile) run times each configuration in a fresh process of
+    its own, one after another, but its report said they took paired rounds in one."""
+    from mixprec.bench.suite import metadata
+
+    def timing(**options) -> str:
+        with hardware.assume(ZEN4):
+            p = plan(BenchOptions(precisions=["32-true"], batch_sizes=[2], device="cpu", **options))
+            return metadata(p)["timing"]
+
+    assert "take one step each per round in one process" in timing()
+    fresh = timing(memory_limit=2**34)
+    assert "each configuration in a fresh process of its own, one after another (a memory " in fresh
+    assert "unpaired" in fresh and "per round" not in fresh and "paired ratios" not in fresh
+
+
 def test_a_float64_only_run_says_float64_was_timed():
     from mixprec.bench.report import comparison_gap_lines
     from mixprec.bench.suite import comparison_gap, metadata
@@ -602,8 +619,14 @@ def test_summaries_speedup_overhead_and_oom_rows():
     assert s[3].speedup is None  # no float32 result at batch 16 to compare with
     assert s[3].overhead == pytest.approx(0.25)
     md = markdown(_report(rows), s)
-    row = "| 8 | bf16-mixed | 20.0 | 5.0-99.0 | 400.0 | 2.00x (0.30-2.00) | 0.0 MiB | 16.0 |"
-    assert row + " +25.0% |" in md
+    # (3 rounds: the interval is the lowest and highest ratio, and says how few they are)
+    row = "| 8 | bf16-mixed | 20.0 | 5.0-99.0 | 400.0 | 2.00x (0.30-2.00, 3 rounds) | 0.0 MiB |"
+    assert row + " 16.0 | +25.0% |" in md
+    one = [
+        Row(r.config, replace(r.result, mixprec=replace(r.result.mixprec, step_ms=[ms])))
+        for r, ms in zip(rows[:2], (40.0, 20.0), strict=True)
+    ]
+    assert "| 2.00x (1 round) |" in markdown(_report(one), summarize(_report(one)))
     assert "| 16 | 32-true | OOM | - | - | - | - | - | - |" in md
 
 

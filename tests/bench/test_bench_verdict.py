@@ -272,6 +272,15 @@ def test_a_finding_comes_from_the_batch_sizes_that_allow_one_and_names_the_noisy
         f"{interval.high:.2f}x from {interval.n} rounds;"
     ) in sentence
     assert sentence.endswith("rerun on a quieter machine.")
+    # a batch size set aside between two others is not taken into a span ("batch 8-128")
+    wide = rows + [
+        Row(Config(r.config.spec, r.config.label, 128, None, r.config.raw), r.result)
+        for r in rows
+        if r.config.batch_size == 8
+    ]
+    wide_meta = {**meta, "batch_sizes": [8, 32, 128]}
+    wide_report = BenchReport(wide_meta, wide)
+    assert "(batch 8 and 128; 95% intervals" in conclusion(wide_report, summarize(wide_report))
     # every batch size noisy: no finding at all, as before
     both = BenchReport(meta, [Row(r.config, r.result) for r in rows if r.config.batch_size == 32])
     assert conclusion(both, summarize(both)).startswith("Too noisy to conclude")

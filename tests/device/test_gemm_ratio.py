@@ -418,12 +418,19 @@ def test_a_late_cap_reads_what_a_process_under_it_measured(tmp_path, monkeypatch
         "seconds": 0.1,
         "measured_at": "2026-01-01 00:00 UTC",
     }
-    entry = {"key": {**key, "torch": torch.__version__}, "measured": measured}
+    key = {**key, "torch": torch.__version__, "method": gemm_ratio.METHOD}
+    entry = {"key": key, "measured": measured}
     (tmp_path / gemm_ratio.CACHE_FILE).write_text(json.dumps({"entries": [entry]}))
     info = device.detect("cpu")
     assert info.gemm_ratios == {"bfloat16": 0.02, "float16": 0.03}
     assert "read from" in info.gemm_note and "not measured in this process" in info.gemm_note
     assert len(json.loads((tmp_path / gemm_ratio.CACHE_FILE).read_text())["entries"]) == 1
+    # an entry an older measurement wrote (no method, or another) is not read
+    for old in ({k: v for k, v in key.items() if k != "method"}, {**key, "method": 1}):
+        entry = {"key": old, "measured": measured}
+        (tmp_path / gemm_ratio.CACHE_FILE).write_text(json.dumps({"entries": [entry]}))
+        device._detect.cache_clear()
+        assert device.detect("cpu").gemm_ratios is None
 
 
 def test_the_measure_notice_never_advises_the_option_already_given():

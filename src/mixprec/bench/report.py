@@ -215,12 +215,18 @@ def _is_baseline(s: Summary) -> bool:
 
 
 def _speedup_cell(s: Summary) -> str:
-    """ "4.58x (4.41-4.80)": the median ratio and its interval (float32 itself: "1.00x")."""
+    """ "4.58x (4.41-4.80)": the median ratio and its interval (float32 itself: "1.00x"); a
+    row with too few rounds for the stated confidence says how many after its interval, one
+    of one round gives no interval."""
     if s.speedup is None:
         return "-"
     if _is_baseline(s) or s.speedup_low is None or s.speedup_high is None:
         return f"{s.speedup:.2f}x"
-    return f"{s.speedup:.2f}x ({s.speedup_low:.2f}-{s.speedup_high:.2f})"
+    if s.rounds == 1:  # (one ratio: no interval to give, "1.00-1.00" would read as certain)
+        return f"{s.speedup:.2f}x (1 round)"
+    few = s.speedup_confidence is not None and s.speedup_confidence < CONFIDENCE
+    rounds = f", {s.rounds} rounds" if few and s.rounds else ""
+    return f"{s.speedup:.2f}x ({s.speedup_low:.2f}-{s.speedup_high:.2f}{rounds})"
 
 
 def _vs_keep_cell(s: Summary) -> str:
@@ -542,6 +548,16 @@ def _span(values: list[float], fmt: str) -> str:
     )
 
 
+def _batches(named: list[int], run: list[int]) -> str:
+    """The batch sizes a finding covers: a span ("8-128") when it covers every batch size
+    of the run between them, else each one ("8 and 128": a span would take in the ones set
+    aside, too noisy or failed)."""
+    inside = sorted(b for b in set(run) if named[0] <= b <= named[-1])
+    if named == inside or len(named) == 1 or not run:
+        return _span([float(b) for b in named], "{:.0f}")
+    return ", ".join(map(str, named[:-1])) + f" and {named[-1]}"
+
+
 def _interval(s: Summary) -> Interval:
     speed = s.speedup or 0.0
     low = s.speedup_low if s.speedup_low is not None else speed
@@ -685,7 +701,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         buys = f"runs the {meta['model']} model at {_span(speed, digits)}x the speed of float32"
     if memory:
         buys += f" with {memory}"
-    batches = _span([float(s.batch_size) for s in rows], "{:.0f}")
+    batches = _batches(sorted(s.batch_size for s in rows), meta.get("batch_sizes") or [])
     low = min(i.low for i in verdict.intervals)
     high = max(i.high for i in verdict.intervals)
     rounds = _span([float(i.n) for i in verdict.intervals], "{:.0f}")

@@ -599,18 +599,35 @@ def metadata(p: Plan) -> dict[str, Any]:
         "command": p.command,
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
         "load_average_before": _load_average(),
-        "timing": (
-            "per step: zero_grad, forward, loss, backward, optimizer step"
-            + (" (CUDA synchronised)" if p.device.type == "cuda" else "")
-            + "; the configurations of a batch size (float32, each mixed precision and its raw "
-            "torch.autocast twin) take one step each per round in one process, in an order "
-            f"rotating by round; at least {o.steps} rounds, then more while a speedup's "
-            f"{STOP_CONFIDENCE:.0%} interval is wider than {TARGET_WIDTH:.2f}x (high/low), within "
-            f"{o.time_budget:g} s of rounds per batch size and {MAX_ROUNDS} rounds; warm-up "
-            "excluded, GC disabled; ms/step is the median of the rounds, a speedup the median "
-            "of the rounds' paired ratios"
-        ),
+        "timing": _timing(p),
     }
+
+
+def _timing(p: Plan) -> str:
+    """How the step times were taken: paired rounds in one process, or (where a fresh
+    process changes a figure) each configuration in its own, unpaired."""
+    o = p.options
+    step = "per step: zero_grad, forward, loss, backward, optimizer step" + (
+        " (CUDA synchronised)" if p.device.type == "cuda" else ""
+    )
+    fresh = next((r for c in p.configs if (r := fresh_process_reason(_spec(p, c)))), None)
+    if fresh is not None:
+        return (
+            f"{step}; each configuration in a fresh process of its own, one after another "
+            f"({fresh}): {o.steps} steps, unpaired; warm-up excluded, GC disabled; ms/step "
+            "is the median of the steps, a speedup the median of float32's step i over the "
+            "other's step i (runs apart in time: a neighbour's load shifts one run and not "
+            "the other, which paired rounds do not suffer)"
+        )
+    return (
+        f"{step}; the configurations of a batch size (float32, each mixed precision and its "
+        "raw torch.autocast twin) take one step each per round in one process, in an order "
+        f"rotating by round; at least {o.steps} rounds, then more while a speedup's "
+        f"{STOP_CONFIDENCE:.0%} interval is wider than {TARGET_WIDTH:.2f}x (high/low), within "
+        f"{o.time_budget:g} s of rounds per batch size and {MAX_ROUNDS} rounds; warm-up "
+        "excluded, GC disabled; ms/step is the median of the rounds, a speedup the median "
+        "of the rounds' paired ratios"
+    )
 
 
 def run_spec(spec: RunSpec, workdir: Path, timeout: float | None) -> RunResult:

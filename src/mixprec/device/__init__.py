@@ -313,7 +313,7 @@ def _detect(type_: str, index: int | None, caps: tuple[str | None, ...]) -> Devi
 
 def _host_cpu(caps: tuple[str | None, ...], refresh: bool) -> DeviceInfo:
     """The host CPU under the ISA caps `caps`, rated by its measured GEMM ratios: cached per
-    CPU model and flags, cap and torch version."""
+    CPU model and flags, cap, torch version and the measurement's method."""
     env = {var: value for var, value in zip(_ISA_VARS, caps, strict=True) if value}
     flags, cap = cap_cpu_flags(_cpu_flags(), env)
     name = _cpu_name()
@@ -322,6 +322,7 @@ def _host_cpu(caps: tuple[str | None, ...], refresh: bool) -> DeviceInfo:
         "flags": sorted(flags),
         "isa_cap": cap,
         "torch": torch.__version__,
+        "method": gemm_ratio.METHOD,
     }
     path = gemm_ratio.cache_path()
     in_effect, _ = cap_cpu_flags(_cpu_flags(), caps_in_effect(env))

@@ -10,8 +10,8 @@ while the next size's rounds still fit the time budget, and a dtype more than `D
 slower than float32 at a size is rated there (no larger matrix makes it fast, and its larger
 multiplies are the slow ones). float32 and the dtypes take turns within each round, and the
 ratio is the paired ratios' lower quartile (`mixprec.timing`). One measurement stays within
-`BUDGET_S` and is kept in a small JSON file, one entry per CPU model and flags, ISA cap and
-torch version, so a machine pays for it once per configuration.
+`BUDGET_S` and is kept in a small JSON file, one entry per CPU model and flags, ISA cap,
+torch version and measurement (`METHOD`), so a machine pays for it once per configuration.
 
 The GEMMs run on one thread. A multi-threaded multiply waits for its slowest thread, and on a
 host where other processes hold the cores every float32 multiply can wait a scheduler slice
@@ -49,6 +49,9 @@ __all__ = [
 
 CACHE_ENV = "MIXPREC_CACHE_DIR"
 CACHE_FILE = "gemm-ratios.json"
+# part of every cache key: raised when the measurement changes, so that a newer mixprec does
+# not read what an older one measured another way
+METHOD = 2
 # the dtypes rated against float32
 DTYPES: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 # the square sizes tried, smallest first; the last is a training step's GEMM size
