@@ -374,7 +374,7 @@ def test_a_loss_underflowing_float16_is_the_models_finding():
     assert d.target_loss == 0 and d.loss > 0
     root = d.modules[""]
     assert (root.verdict, root.kind) == (BROKEN, FindingKind.LOSS)
-    assert root.reason.startswith("the loss is 0 where the reference's is 1.1e-9")
+    assert root.reason.startswith("the loss is 0 where the reference's is 1.1e-9, which float16")
     assert "loss_fn(output.float(), target)" in root.reason
     with pytest.raises(PrecisionError, match="the loss is 0 .*no per-module policy changes"):
         d.recommend()

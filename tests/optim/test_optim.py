@@ -16,11 +16,14 @@ import mixprec
 from mixprec.optim import (
     LossScaleOptimizer,
     OptState,
+    SkipAwareScheduler,
+    follow_steps,
     joint_step,
     master_weights_by_name,
     scheduler_step,
 )
 from mixprec.optim.scaling import DynamicLossScaler, NoLossScaler, StaticLossScaler
+from mixprec.optim.wrapper import TAKEN_SINCE
 
 f16, bf16, f32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -260,6 +263,31 @@ def test_scheduler_gate_also_takes_the_plain_optimizer_a_wrapper_steps():
         opt.zero_grad()
     assert advanced == [True, False, True]
     assert inner.param_groups[0]["lr"] == 0.25
+
+
+def test_a_gated_scheduler_counts_the_taken_steps_since_its_last_step():
+    """Stepped once a window, it advances when a step of the window was taken (it asked
+    only about the window's last step); stepped before any optimizer step, it advances as
+    torch's does; `follow_steps` on the plain optimizer before the wrapper exists counts."""
+    model = mlp(8, 16, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=1.0)
+    window = torch.optim.lr_scheduler.StepLR(sgd, step_size=1, gamma=0.5)
+    follow_steps(window, sgd)  # before setup, on the plain optimizer
+    opt = LossScaleOptimizer(sgd, StaticLossScaler(8.0))
+    at_start = SkipAwareScheduler(torch.optim.lr_scheduler.LambdaLR(sgd, lambda s: 1.0), opt)
+    assert at_start.step()  # before any optimizer step: nothing was skipped
+    advanced = []
+    for i, (x, y) in enumerate(_batches(6)):
+        opt.backward(F.mse_loss(model(x), y))
+        if i in (1, 4, 5):  # the first window's last step; the whole second window
+            model[0].weight.grad.fill_(math.inf)
+        opt.step()
+        opt.zero_grad()
+        if i % 3 == 1 or i == 5:
+            advanced.append(scheduler_step(window, opt))
+    assert advanced == [True, True, False]  # steps (0, 1), (2, 3), (4, 5)
+    state = window.state_dict()  # the count goes with the scheduler's state
+    assert state[TAKEN_SINCE] == 0
 
 
 def test_a_parameter_unused_this_step_is_not_updated_by_last_steps_master_gradient():

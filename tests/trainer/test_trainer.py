@@ -14,7 +14,7 @@ from devices import AVX2_CPU, ZEN4
 from launch_bound import autocast_loop, calls_per_step, tiny_mlp
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
-from trainers import QUIET
+from trainers import QUIET, SILENT
 
 import mixprec
 from mixprec import hardware
@@ -344,6 +344,35 @@ def test_a_scheduler_stepped_every_few_steps_holds_only_when_its_whole_window_sk
     trainer.fit(InfAtEveryOther(bad_batches=bad), DataLoader(small_targets(64), batch_size=16))
     assert trainer.precision.scaler.stats().skipped_steps == len(bad)
     assert rec.lrs[1::2] == lrs  # after each window's last step
+
+
+class InfAtWindow(InfAt):
+    """`InfAt` whose scheduler steps every fourth optimizer step."""
+
+    def configure_optimizers(self):
+        config = super().configure_optimizers()
+        config["lr_scheduler"]["frequency"] = 4
+        return config
+
+
+def test_a_resume_inside_a_schedulers_window_keeps_its_count_of_taken_steps(tmp_path):
+    """Steps 1-2 taken, a checkpoint at step 2, steps 3-4 skipped: the window's scheduler
+    step at 4 advances (steps were taken in it). The count of taken steps lived in memory
+    only, so the resumed fit held at step 4 and trained on at another learning rate."""
+    loader = DataLoader(small_targets(160), batch_size=16)
+    quiet = dict(precision="16-mixed", allow_slow_precision=True, **SILENT)
+    rec, straight = Recorder(), InfAtWindow(bad_batches={2, 3})
+    Trainer(max_steps=8, callbacks=[rec], enable_checkpointing=False, **quiet).fit(straight, loader)
+    assert rec.lrs == [0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05, 0.025]
+    saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    Trainer(max_steps=2, callbacks=[saves], **quiet).fit(InfAtWindow({2, 3}), loader)
+    resumed, again = Recorder(), InfAtWindow(bad_batches={2, 3})
+    Trainer(max_steps=8, callbacks=[resumed], enable_checkpointing=False, **quiet).fit(
+        again, loader, ckpt_path=tmp_path / "epoch=0-step=2.ckpt"
+    )
+    assert resumed.lrs == rec.lrs[2:]
+    pairs = zip(straight.parameters(), again.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
 
 
 class InfAtEpochEnd(InfAt):

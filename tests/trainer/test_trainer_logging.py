@@ -328,3 +328,27 @@ def test_a_new_event_file_sorts_after_those_already_in_its_directory(tmp_path):
     logger.finalize()
     names = sorted(p.name for p in logger.log_dir.iterdir())
     assert len(names) == 2 and names[0] == planted
+
+
+def test_metrics_csv_is_utf8_whatever_the_locale(tmp_path, monkeypatch):
+    """The rewrite wrote UTF-8 while the appends and a resumed run's read took the locale's
+    encoding: under a Latin-1 locale (as Windows' cp1252) a resumed run read "loss_µ" as
+    another column and added it to the header at every resume."""
+    import builtins
+
+    from mixprec.trainer import loggers
+
+    def latin_open(*args, **kwargs):  # open() as a Latin-1 locale has it
+        if "b" not in (args[1] if len(args) > 1 else kwargs.get("mode", "r")):
+            kwargs.setdefault("encoding", "latin-1")
+        return builtins.open(*args, **kwargs)
+
+    monkeypatch.setattr(loggers, "open", latin_open, raising=False)
+    first = CSVLogger(tmp_path, version=0, flush_every=1)
+    first.log_metrics({"loss_µ": 0.5}, 1)
+    first.log_metrics({"loss_µ": 0.25}, 2)
+    first.finalize()
+    again = CSVLogger(tmp_path, version=0, flush_every=1)  # a resumed fit continues the file
+    again.log_metrics({"loss_µ": 0.125}, 3)
+    again.finalize()
+    assert again.path.read_bytes() == "step,loss_µ\r\n1,0.5\r\n2,0.25\r\n3,0.125\r\n".encode()

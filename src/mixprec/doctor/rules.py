@@ -17,7 +17,7 @@ rule in `MODULE_RULES` that has one, so it is judged by the problem closest to i
 Then, over the whole run: `blame_innermost` clears the blocks whose child is flagged, so a
 problem is blamed where it starts, never on the blocks that merely contain it;
 `loss_outside_modules` gives the root a finding when the loss or the gradients are not finite
-and no module is broken, `loss_underflows` when a finite loss underflows; `mark_origins`
+and no module is broken, `loss_underflows` when a finite 16-bit loss underflows; `mark_origins`
 marks the broken modules and notes where inf/NaN only pass through.
 
 The thresholds live in `mixprec.doctor.verdicts` (the live `PrecisionMonitor` shares two):
@@ -397,36 +397,32 @@ def loss_outside_modules(modules: dict[str, ModuleReport], run: RunFacts) -> Fin
 
 
 def loss_underflows(modules: dict[str, ModuleReport], run: RunFacts) -> Finding | None:
-    """The root's finding for a finite loss that underflows outside the modules, with no
-    module broken: a loss of 0 where the reference's is not is broken (nothing is learned
-    from it, whatever the loss scale); a 16-bit loss below its dtype's smallest normal keeps
-    fewer digits and is at risk. No layer's dtype fixes either (kind loss): the loss is
-    computed from the model's outputs, outside every module. (Its gradients may still be
-    right: the backward of a scaled-down loss multiplies by the factor, not by the loss.)"""
+    """The root's finding for a 16-bit loss (computed in the model's 16-bit outputs' dtype)
+    that underflows, with no module broken: one whose reference value that dtype cannot
+    hold (it rounds to 0) is broken, one below the dtype's smallest normal keeps fewer
+    digits and is at risk. The cure is outside the modules (kind loss): computing the loss
+    in float32. (A float32 loss that is 0 where the reference's is not is no finding here:
+    the outputs it reads lost that, and the module findings say where.) Its gradients may
+    still be right: the backward of a scaled-down loss multiplies by the factor."""
     ref, loss = run.reference_loss, run.loss
     if not (math.isfinite(ref) and math.isfinite(loss)) or ref == 0:
         return None
-    if any(m.verdict == BROKEN for m in modules.values()):
-        return None
     info = format_info(run.loss_dtype)
+    if info.name not in _LOW or any(m.verdict == BROKEN for m in modules.values()):
+        return None
     fix = (
         f"compute the loss from float32 outputs (e.g. `loss_fn(output.float(), target)`), or "
-        f"scale it up to the {info.name} range"
+        f"scale it up into the {info.name} range"
     )
-    if loss == 0:
-        where = (
-            f"below {info.name}'s smallest subnormal {info.smallest_subnormal:.3g}: the loss "
-            f"is computed in {info.name}"
-            if abs(ref) < info.smallest_subnormal / 2
-            else "in the loss's own computation (a 16-bit value inside it rounds to 0)"
-        )
+    if abs(ref) < info.smallest_subnormal / 2:  # rounds to 0 in the loss's dtype
         reason = (
-            f"the loss is 0 where the reference's is {_fmt(ref)}: it underflows outside the "
-            f"modules, {where}; the loss you log, and whatever watches it (early stopping, a "
-            f"scheduler on plateau), reads 0; {fix}"
+            f"the loss is {_fmt(loss)} where the reference's is {_fmt(ref)}, which "
+            f"{info.name} cannot hold (it rounds to 0 below {info.smallest_subnormal / 2:.3g}): "
+            f"the loss is computed in {info.name}, outside the modules; the loss you log, and "
+            f"whatever watches it (early stopping, a scheduler on plateau), reads it; {fix}"
         )
         return Finding(BROKEN, FindingKind.LOSS, reason)
-    if info.name in _LOW and abs(ref) < info.smallest_normal:
+    if abs(ref) < info.smallest_normal:
         reason = (
             f"the loss {_fmt(ref)} is below {info.name}'s smallest normal "
             f"{info.smallest_normal:.3g} and keeps fewer digits (relative error "

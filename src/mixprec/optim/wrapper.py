@@ -163,10 +163,17 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         # the scale a fused optimizer divides by in its kernel, while CHECKED
         self._grad_scale: torch.Tensor | None = None
         self.step_was_skipped = False
-        self.steps_taken = 0  # steps taken (not skipped) by this wrapper, for schedulers
+        # the schedulers counting this optimizer's steps, as of `_FOLLOWERS_VERSION`
+        self._followers_at, self._followers = _FOLLOWERS_VERSION, _followers(self.optimizer)
         first = next(iter(self._all_params()), None)
         if first is not None and self.scaler.device != first.device:
             self.scaler.to(first.device)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy or a pickle looks its schedulers up again (they are not its to carry)."""
+        state = dict(self.__dict__)
+        state["_followers_at"], state["_followers"] = -1, ()
+        return state
 
     def _take_over_from_previous_wrapper(self) -> None:
         """Become the optimizer's one live wrapper: an earlier wrapper of it is retired and
@@ -454,7 +461,11 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         skipped (``step_was_skipped``)."""
         self._masters.end_step(stepped)
         self.step_was_skipped = not stepped
-        self.steps_taken += stepped
+        if self._followers_at != _FOLLOWERS_VERSION:  # (no call in a step otherwise)
+            self._followers_at, self._followers = _FOLLOWERS_VERSION, _followers(self.optimizer)
+        for scheduler in self._followers:  # each counts the step, taken or skipped
+            state = scheduler.__dict__
+            state[TAKEN_SINCE] = (state.get(TAKEN_SINCE) or 0) + stepped
         self._stage = OptState.STEPPED
         self._found_inf = None
         self._grad_scale = None
@@ -837,10 +848,13 @@ class MasterKeyedState(MutableMapping):
         return len(self._state)
 
 
-# each scheduler gated so far: the wrapper it followed, and its count of steps taken then
-_GATED: weakref.WeakKeyDictionary[Any, tuple[weakref.ref[LossScaleOptimizer], int]] = (
-    weakref.WeakKeyDictionary()
-)
+# where a followed scheduler counts the steps its optimizer took since its last gated step
+# (None: since before it was followed, unknown): in the scheduler's own __dict__, which a
+# torch scheduler's state_dict holds, so a checkpoint resumes the count with the scheduler
+TAKEN_SINCE = "_mixprec_taken_since"
+# the schedulers following each optimizer, keyed by the torch optimizer they were given
+_FOLLOWERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+_FOLLOWERS_VERSION = 0  # raised at each new follower: wrappers then look theirs up again
 
 
 def _live_wrapper(optimizer: Any) -> Any:
@@ -855,13 +869,33 @@ def _live_wrapper(optimizer: Any) -> Any:
 
 
 def follow_steps(scheduler: Any, optimizer: Any) -> None:
-    """Count ``optimizer``'s taken steps for ``scheduler`` from now on: its next gated step
-    advances if one was taken since (`scheduler_step`). For a scheduler made before the
-    steps it follows; without this its first gated step asks only about the last step."""
-    lso = _live_wrapper(optimizer)
-    if isinstance(lso, LossScaleOptimizer):
-        with contextlib.suppress(TypeError):  # (a scheduler that takes no weak reference)
-            _GATED[scheduler] = (weakref.ref(lso), lso.steps_taken)
+    """Count the steps ``optimizer`` (a LossScaleOptimizer, or the torch optimizer one wraps
+    or will wrap) takes for ``scheduler`` from now on, so that its next gated step advances
+    if one was taken since (`scheduler_step`), also for a scheduler stepped every few steps
+    whose first window ends on a skip. `scheduler_step` starts following at its first call,
+    which itself asks only about the last step."""
+    state = getattr(scheduler, "__dict__", None)
+    if state is None:  # (a scheduler without one: gated by the last step only)
+        return
+    state.setdefault(TAKEN_SINCE, None)
+    global _FOLLOWERS_VERSION
+    key = optimizer.optimizer if isinstance(optimizer, LossScaleOptimizer) else optimizer
+    with contextlib.suppress(TypeError):  # (an optimizer that takes no weak reference)
+        followers = _FOLLOWERS.setdefault(key, weakref.WeakSet())
+        if scheduler not in followers:
+            followers.add(scheduler)
+            _FOLLOWERS_VERSION += 1
+
+
+def _followers(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+    """The schedulers following ``optimizer`` (the one a wrapper steps): given it, or the
+    torch optimizer converted into it."""
+    return tuple(
+        scheduler
+        for key, schedulers in list(_FOLLOWERS.items())
+        if key is optimizer or getattr(key, "_converted_into", None) is optimizer
+        for scheduler in schedulers
+    )
 
 
 def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> bool:
@@ -869,8 +903,9 @@ def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) ->
     optimizer one wraps) made since the scheduler's last gated step was skipped: once per
     taken step for a scheduler stepped after each, and also for one stepped every few
     steps or once an epoch (a skip in the window does not cost it the window's advance).
-    At its first gated step (unless `follow_steps` started its count) and after a new
-    wrapper took over the optimizer, only the last step counts.
+    Where the steps since are unknown (its first gated step, unless `follow_steps` started
+    the count earlier), the last step decides, as it does before any step (not skipped).
+    The count is kept in the scheduler's state, so a checkpoint resumes it.
 
     torch's schedulers cannot tell a skipped step from a taken one; without this gate a run
     with many overflows moves through its learning-rate schedule too fast. ``args`` and
@@ -879,16 +914,13 @@ def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) ->
     """
     lso = _live_wrapper(optimizer)
     if isinstance(lso, LossScaleOptimizer):
-        try:
-            seen = _GATED.get(scheduler)
-        except TypeError:  # (a scheduler that takes no weak reference)
-            seen = None
-        if seen is not None and seen[0]() is lso:
-            taken = lso.steps_taken > seen[1]
-        else:
-            taken = not lso.step_was_skipped
         follow_steps(scheduler, lso)
-        if not taken:
+        state = getattr(scheduler, "__dict__", {})
+        taken = state.get(TAKEN_SINCE)
+        advance = not lso.step_was_skipped if taken is None else taken > 0
+        if TAKEN_SINCE in state:
+            state[TAKEN_SINCE] = 0
+        if not advance:
             return False
     scheduler.step(*args, **kwargs)
     return True
@@ -896,8 +928,9 @@ def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) ->
 
 class SkipAwareScheduler:
     """An LR scheduler that does not advance when its ``LossScaleOptimizer`` skipped every
-    step since its last step (`scheduler_step`, counting from when it is wrapped), for
-    trainers that step schedulers themselves (Lightning, Hugging Face).
+    step since its last step (`scheduler_step`, counting from when it is wrapped: its first
+    step before any optimizer step advances, as torch's does), for trainers that step
+    schedulers themselves (Lightning, Hugging Face).
 
     Attributes (``optimizer``, ``get_last_lr``, ``last_epoch``) are the wrapped scheduler's,
     and so is the state saved in checkpoints (they load without mixprec); the scheduler itself

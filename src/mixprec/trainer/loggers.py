@@ -98,7 +98,7 @@ class Logger(ABC):
 
 
 class CSVLogger(Logger):
-    """Append one row per ``log_metrics`` call to ``<log_dir>/metrics.csv``.
+    """Append one row per ``log_metrics`` call to ``<log_dir>/metrics.csv`` (UTF-8).
 
     Columns are ``step`` then metric names in order of first appearance. When a new name shows
     up the file is rewritten once with the wider header (rows are kept in memory for that;
@@ -166,7 +166,7 @@ class CSVLogger(Logger):
         resumed, self._resumed_at = self._resumed_at, None
         if self._rows or not self.path.is_file():
             return
-        with open(self.path, newline="") as f:
+        with open(self.path, newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
             columns, rows = list(reader.fieldnames or []), list(reader)
         if columns[:1] != ["step"]:
@@ -188,7 +188,7 @@ class CSVLogger(Logger):
         writer.writeheader()
         writer.writerows(self._rows)
         write_atomically(self.path, text.getvalue())  # the rows before are never half-lost
-        self._file = open(self.path, "a", newline="")  # noqa: SIM115 (kept open for appends)
+        self._file = open(self.path, "a", newline="", encoding="utf-8")  # noqa: SIM115 (kept open)
         self._writer = csv.DictWriter(self._file, fieldnames=self._columns, restval="")
         self.flush()
 
