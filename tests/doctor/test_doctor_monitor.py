@@ -2,6 +2,7 @@
 float16 overflows and when the loss scaler keeps skipping."""
 
 import math
+import pickle
 
 import pytest
 import torch
@@ -245,7 +246,10 @@ def test_the_trainer_calls_the_hooks_an_object_has_and_refuses_others(tmp_path):
     monitor, saved = fit(1)  # two steps, checkpointed
     assert [s.step for s in monitor.history["0"]] == [0, 1] and saved
     monitor, _ = fit(2, ckpt_path=saved)
-    assert [s.step for s in monitor.history["0"]] == [2, 3]
+    # its history is part of the run's state: the resumed fit goes on from the checkpoint's
+    # (so does a ddp_fork run's, handed back to this object from rank 0)
+    assert [s.step for s in monitor.history["0"]] == [0, 1, 2, 3]
+    assert pickle.loads(pickle.dumps(monitor)).history == monitor.history  # (a ddp run's copy)
 
     class Fails(nn.Sequential):
         def forward(self, x):
@@ -253,6 +257,38 @@ def test_the_trainer_calls_the_hooks_an_object_has_and_refuses_others(tmp_path):
 
     with pytest.raises(RuntimeError, match="planted"):
         fit(1, model=Fails(nn.Linear(4, 2)))
+
+
+def test_a_validation_inside_an_accumulation_window_does_not_count(tmp_path):
+    """The hooks stay on from the step's first micro-batch to its optimizer step, and a
+    validation due between two micro-batches ran under them: its forwards (inputs 3e4
+    times the training ones) made every monitored step read inf in float16."""
+
+    def amax(validate: bool):
+        monitor = PrecisionMonitor(every_n_steps=1)
+        trainer = Trainer(
+            precision="16-mixed",
+            allow_slow_precision=True,
+            max_steps=2,
+            accumulate_grad_batches=2,
+            val_check_interval=1,  # after every training batch
+            callbacks=[monitor],
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+        )
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 2))
+        x = torch.randn(16, 4)
+        train = DataLoader(TensorDataset(x, torch.randint(0, 2, (16,))), 4)
+        val = DataLoader(TensorDataset(x * 3e4, torch.randint(0, 2, (16,))), 4)
+        trainer.fit(model, train, val if validate else None, loss_fn=F.cross_entropy)
+        return [s.amax for s in monitor.history["0"]], monitor.warnings
+
+    alone, _ = amax(False)
+    with_validation, warned = amax(True)
+    assert with_validation == alone and all(math.isfinite(a) for a in alone)
+    assert warned == []
 
 
 def test_a_failing_fit_leaves_no_hook_on_the_model(tmp_path):

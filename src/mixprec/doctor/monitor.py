@@ -23,6 +23,7 @@ import the Trainer: the Trainer calls the hooks an object has), or use it in any
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -69,6 +70,11 @@ class LayerSample:
 
 class PrecisionMonitor:
     """Track per-layer amax and underflow every `every_n_steps` steps and warn early.
+
+    Only forwards that record gradients count (validation inside a step's accumulation
+    window does not). As a Trainer callback its history and warnings are part of the run's
+    state: a checkpoint keeps them, and a run in other processes (``ddp_fork``) hands rank
+    0's back to this object.
 
     Args:
         every_n_steps: monitor one step in this many (step 0 included).
@@ -132,6 +138,39 @@ class PrecisionMonitor:
         self._done_step: int | None = None
         self._warned: set[tuple[str, str]] = set()
         self._last_scaler: tuple[int, int] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a ``ddp`` run's processes get a copy) without the step in progress."""
+        state = dict(self.__dict__)
+        state["_seen"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._seen = weakref.WeakValueDictionary()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The history and the warnings given, in plain values (a checkpoint's)."""
+        return {
+            "history": {
+                name: [dataclasses.astuple(s) for s in samples]
+                for name, samples in self.history.items()
+            },
+            "warnings": list(self.warnings),
+            "warned": sorted(self._warned),
+            "last_scaler": self._last_scaler,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict`'s values."""
+        self.history = {
+            name: deque((LayerSample(*row) for row in rows), maxlen=self._maxlen)
+            for name, rows in state["history"].items()
+        }
+        self.warnings = list(state["warnings"])
+        self._warned = {tuple(w) for w in state["warned"]}  # type: ignore[misc]
+        last = state["last_scaler"]
+        self._last_scaler = tuple(last) if last is not None else None  # type: ignore[assignment]
 
     # -- the standalone interface ------------------------------------------------------------
 
@@ -220,6 +259,8 @@ class PrecisionMonitor:
     # -- hooks -------------------------------------------------------------------------------
 
     def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():  # (validation inside the step's window, an eval)
+            return
         name = self._names.get(id(module), "?") or "<root>"
         sizes = [t.detach().abs().amax().float() for t in floating_tensors(args) if t.numel()]
         if sizes:  # (combined over several calls: one bad call makes its inputs bad)

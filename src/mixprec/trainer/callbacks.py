@@ -147,9 +147,9 @@ def check_callback(obj: Any) -> None:
     """Refuse what the Trainer cannot call back. It takes a `Callback`, or any object whose
     ``on_*`` methods are all Callback hooks (at least one), such as the doctor's
     `PrecisionMonitor`, which does not import the Trainer; it calls the hooks an object has
-    and keeps the state of `Callback` instances only. A `Callback` defining ``on_*`` methods
-    that are no hooks of this Trainer (Lightning's ``on_after_backward``...) is warned: their
-    code would never run."""
+    and keeps the state of those that have one (`keeps_state`). A `Callback` defining
+    ``on_*`` methods that are no hooks of this Trainer (Lightning's ``on_after_backward``...)
+    is warned: their code would never run."""
     kind = type(obj)
     hooks = {n for n in dir(kind) if n.startswith("on_") and callable(getattr(kind, n))}
     if isinstance(obj, Callback):
@@ -178,8 +178,20 @@ def listens(cb: Any, name: str) -> bool:
 
 
 def keeps_state(cb: Any) -> bool:
-    """Whether a checkpoint keeps `cb`'s state: a Callback with its own `state_dict`."""
-    return isinstance(cb, Callback) and type(cb).state_dict is not Callback.state_dict
+    """Whether a checkpoint keeps `cb`'s state: a Callback with its own `state_dict`, or
+    another hook object with both ``state_dict`` and ``load_state_dict`` (the doctor's
+    `PrecisionMonitor`)."""
+    if isinstance(cb, Callback):
+        return type(cb).state_dict is not Callback.state_dict
+    return callable(getattr(cb, "state_dict", None)) and callable(
+        getattr(cb, "load_state_dict", None)
+    )
+
+
+def state_key(cb: Any) -> str:
+    """Where a checkpoint keeps `cb`'s state: its `Callback.state_key`, or for another hook
+    object its own ``state_key`` if it has one, else its class name."""
+    return getattr(cb, "state_key", None) or type(cb).__qualname__
 
 
 _MODES = ("min", "max")
@@ -713,13 +725,13 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def callback_states(callbacks: list[Callback]) -> dict[str, Any]:
-    """The non-empty states of ``callbacks`` keyed by `Callback.state_key` (unique)."""
+    """The non-empty states of ``callbacks`` keyed by `state_key` (unique)."""
     out: dict[str, Any] = {}
     for cb in callbacks:
         state = cb.state_dict() if keeps_state(cb) else {}
         if not state:
             continue
-        key = cb.state_key
+        key = state_key(cb)
         if key in out:
             raise ValueError(
                 f"two callbacks share the state key {key!r}; give them distinct settings "
@@ -732,5 +744,5 @@ def callback_states(callbacks: list[Callback]) -> dict[str, Any]:
 def load_callback_states(callbacks: list[Callback], states: dict[str, Any]) -> None:
     """Give each of ``callbacks`` its state from what `callback_states` returned."""
     for cb in callbacks:
-        if keeps_state(cb) and cb.state_key in states:
-            cb.load_state_dict(states[cb.state_key])
+        if keeps_state(cb) and state_key(cb) in states:
+            cb.load_state_dict(states[state_key(cb)])

@@ -29,7 +29,13 @@ from mixprec.hardware import DeviceInfo, Support
 from mixprec.optim.states import parse_state_format
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
-from mixprec.trainer.callbacks import Callback, ModelCheckpoint, check_callback, keeps_state
+from mixprec.trainer.callbacks import (
+    Callback,
+    ModelCheckpoint,
+    check_callback,
+    keeps_state,
+    state_key,
+)
 from mixprec.trainer.module import TrainingModule, hooks_not_called
 from mixprec.trainer.progress import RichProgressBar
 
@@ -355,13 +361,14 @@ def make_callbacks(callbacks: Any, progress: bool, checkpointing: bool) -> list[
     for cb in items:
         if not keeps_state(cb):
             continue
-        if cb.state_key in keys:
+        key = state_key(cb)
+        if key in keys:
             raise ValueError(
-                f"two callbacks have the same state key {cb.state_key!r} (a checkpoint could "
+                f"two callbacks have the same state key {key!r} (a checkpoint could "
                 "not tell their states apart); give them distinct settings (another dirpath, "
                 "monitor...) or drop the duplicate"
             )
-        keys[cb.state_key] = cb
+        keys[key] = cb
     return items
 
 
