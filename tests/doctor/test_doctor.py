@@ -383,6 +383,21 @@ def test_a_loss_underflowing_float16_is_the_models_finding():
     assert fixed.modules[""].verdict == OK and fixed.target_loss > 0
 
 
+def test_recommend_tries_the_module_the_loss_reads_when_none_is_at_risk():
+    """A confident classifier: float32's cross-entropy is 1.2e-7, bf16-mixed's is 0 from
+    bfloat16 logits, and no module is at risk. `recommend` said the error builds up over
+    many layers; the last layer in float32 fixes it."""
+    model = nn.Sequential(nn.Linear(2, 2, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(2))
+    batch = (torch.tensor([[13.234081268310547, -3.3967647552490234]]), torch.tensor([0]))
+    d = diagnose(model, batch, F.cross_entropy, precision="bf16-mixed")
+    assert d.target_loss == 0 and d.loss > 0 and not d.findings
+    fix = d.recommend()
+    assert fix.policy.rules == {"0": Policy("32-true")} and fix.verified.passes()
+    assert fix.log[0].startswith("no module at risk, but not within tolerance: 0, whose")
+
+
 def test_recommend_stopping_with_no_module_left_at_risk_names_its_moves():
     """It said "no module is at risk or broken" beside a report naming one, which it had
     moved already."""

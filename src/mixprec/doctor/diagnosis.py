@@ -288,7 +288,8 @@ class Diagnosis:
         log: list[str] = []
         trial: Diagnosis = self
         scale = self.loss_scale
-        for _ in range(2 * len(self.modules) + 2):
+        output_tried = False
+        for _ in range(2 * len(self.modules) + 3):
             if trial.passes(tolerance):
                 break
             pick = next(
@@ -311,6 +312,16 @@ class Diagnosis:
                     + ("the run passes" if trial.passes(tolerance) else _why_not(trial, tolerance))
                 )
                 continue
+            if pick is None and not output_tried:
+                # no module at risk, yet the run misses: the loss reads the last module's
+                # output (a classifier's 16-bit logits round a near-certain loss to 0)
+                pick = _last_to_run(trial, exhausted)
+                output_tried = True
+                if pick is not None:
+                    log.append(
+                        f"no module at risk, but not within tolerance: {pick.display_name}, "
+                        "whose output the loss reads, is tried in a safer precision"
+                    )
             if pick is None:
                 raise self._stuck(trial, tolerance, exhausted, chosen)
             # a module that never runs (a root whose training_step calls its children) has
@@ -469,6 +480,13 @@ class Recommendation:
             "its scale on an overflow by itself, skipping that step, but doubles it only after "
             "growth_interval clean steps)"
         )
+
+
+def _last_to_run(trial: Diagnosis, exhausted: set[str]) -> ModuleReport | None:
+    """The module that ran last (in execution order, the root aside): the one whose output
+    the loss most likely reads."""
+    ran = [m for m in trial.modules.values() if m.name and m.calls and m.name not in exhausted]
+    return max(ran, key=lambda m: m.order, default=None)
 
 
 def _to_fix(m: ModuleReport, trial: Diagnosis, tolerance: float, exhausted: set[str]) -> bool:
