@@ -291,6 +291,62 @@ def test_a_validation_inside_an_accumulation_window_does_not_count(tmp_path):
     assert warned == []
 
 
+class Distilled(nn.Module):
+    """A student and a teacher whose float16 logits overflow (its last weight is 1e4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.teacher = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        self.student = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+        with torch.no_grad():
+            self.teacher[1].weight.fill_(1e4)
+
+
+def test_a_teacher_run_without_gradients_inside_the_step_counts_and_pause_leaves_out():
+    """Forwards without gradients inside the step (a distillation's teacher) feed its loss:
+    an overflow there is the monitor's to name. An evaluation between `pause` and
+    `unpause` is not the step's."""
+    model = Distilled()
+    precision = mixprec.Precision("16-mixed", device="cpu", allow_slow=True)
+    model, opt = precision.setup(model, torch.optim.SGD(model.student.parameters(), lr=0.1))
+    monitor = PrecisionMonitor(every_n_steps=1).attach(model)
+    x = torch.randn(16, 4) * 10
+    monitor.start_step(0)
+    with precision.forward_context():
+        monitor.pause()
+        model.student(x * 1e4)  # an evaluation: left out
+        monitor.unpause()
+        with torch.no_grad():
+            taught = model.teacher(x)
+        loss = F.mse_loss(model.student(x).float(), taught.float())
+    precision.backward(loss)
+    precision.step(opt)
+    with pytest.warns(PrecisionWarning, match="layer teacher.1 produced inf/NaN in float16"):
+        monitor.end_step(0, scaler=precision.scaler)
+    assert sorted(monitor.history) == ["student.0", "student.1", "teacher.0", "teacher.1"]
+    assert monitor.history["student.0"][0].amax < 1e3  # (the paused forward's is 1e4 times)
+
+
+def test_two_monitors_of_one_run_keep_their_states_apart():
+    """Each is kept under a key of its settings: two in one Trainer were refused as sharing
+    the key "PrecisionMonitor"."""
+    monitors = [PrecisionMonitor(every_n_steps=1), PrecisionMonitor(every_n_steps=2)]
+    trainer = mixprec.Trainer(
+        precision="bf16-mixed",
+        allow_slow_precision=True,
+        max_steps=2,
+        callbacks=monitors,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), 4)
+    trainer.fit(nn.Sequential(nn.Linear(4, 2)), data, loss_fn=F.cross_entropy)
+    assert [len(m.history["0"]) for m in monitors] == [2, 1]
+    assert monitors[0].state_key != monitors[1].state_key
+
+
 def test_a_failing_fit_leaves_no_hook_on_the_model(tmp_path):
     """The forward ran (hooks armed), then the loss raised: on_fit_end never comes, and the
     hooks must not stay on the model, keeping statistics of each later forward."""

@@ -71,10 +71,10 @@ class LayerSample:
 class PrecisionMonitor:
     """Track per-layer amax and underflow every `every_n_steps` steps and warn early.
 
-    Only forwards that record gradients count (validation inside a step's accumulation
-    window does not). As a Trainer callback its history and warnings are part of the run's
-    state: a checkpoint keeps them, and a run in other processes (``ddp_fork``) hands rank
-    0's back to this object.
+    Forwards between `pause` and `unpause` do not count (as a Trainer callback: a
+    validation inside a step's accumulation window). As a Trainer callback its history and
+    warnings are part of the run's state: a checkpoint keeps them, and a run in other
+    processes (``ddp_fork``, ``ddp``) hands rank 0's back to this object.
 
     Args:
         every_n_steps: monitor one step in this many (step 0 included).
@@ -138,6 +138,7 @@ class PrecisionMonitor:
         self._done_step: int | None = None
         self._warned: set[tuple[str, str]] = set()
         self._last_scaler: tuple[int, int] | None = None
+        self._paused = False
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (a ``ddp`` run's processes get a copy) without the step in progress."""
@@ -148,6 +149,16 @@ class PrecisionMonitor:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._seen = weakref.WeakValueDictionary()
+
+    @property
+    def state_key(self) -> str:
+        """Where a Trainer checkpoint keeps this monitor's state: its settings tell two
+        monitors of one run apart."""
+        return (
+            f"PrecisionMonitor{{every_n_steps={self.every_n_steps}, headroom={self.headroom}, "
+            f"horizon_steps={self.horizon_steps}, skip_patience={self.skip_patience}, "
+            f"underflow_warn={self.underflow_warn}}}"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The history and the warnings given, in plain values (a checkpoint's)."""
@@ -185,6 +196,15 @@ class PrecisionMonitor:
         """Stop watching: remove any installed hook."""
         self._disarm()
         self._model = None
+
+    def pause(self) -> None:
+        """Leave out the forwards from here to `unpause` (an evaluation run between the
+        micro-batches of a monitored step: its values are not the step's)."""
+        self._paused = True
+
+    def unpause(self) -> None:
+        """Count forwards again (after `pause`)."""
+        self._paused = False
 
     def should_monitor(self, step: int) -> bool:
         """Whether `step` is one of the monitored steps."""
@@ -259,7 +279,7 @@ class PrecisionMonitor:
     # -- hooks -------------------------------------------------------------------------------
 
     def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():  # (validation inside the step's window, an eval)
+        if self._paused:  # (a validation inside the step's accumulation window)
             return
         name = self._names.get(id(module), "?") or "<root>"
         sizes = [t.detach().abs().amax().float() for t in floating_tensors(args) if t.numel()]
@@ -471,6 +491,12 @@ class PrecisionMonitor:
         if metrics and self.log_fn is None and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step + 1)  # the trainer logs step s as s + 1
+
+    def on_validation_start(self, trainer: Trainer, model: nn.Module) -> None:
+        self.pause()  # (a validation may fall between a monitored step's micro-batches)
+
+    def on_validation_end(self, trainer: Trainer, model: nn.Module) -> None:
+        self.unpause()
 
     def on_fit_end(self, trainer: Trainer, model: nn.Module) -> None:
         self.detach()

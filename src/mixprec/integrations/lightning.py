@@ -517,5 +517,11 @@ class PrecisionMonitorCallback(pl.Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step)
 
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.monitor.pause()  # (a validation may fall between a step's micro-batches)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.monitor.unpause()
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.monitor.detach()
