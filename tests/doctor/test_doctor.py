@@ -395,7 +395,36 @@ def test_recommend_tries_the_module_the_loss_reads_when_none_is_at_risk():
     assert d.target_loss == 0 and d.loss > 0 and not d.findings
     fix = d.recommend()
     assert fix.policy.rules == {"0": Policy("32-true")} and fix.verified.passes()
-    assert fix.log[0].startswith("no module at risk, but not within tolerance: 0, whose")
+    assert fix.log[0].startswith("no module at risk, yet not within tolerance: 0 (a last layer")
+
+
+class AuxAfter(nn.Module):
+    """A classifier whose auxiliary head, unused by the loss, runs after it; then dropout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls, self.aux = nn.Linear(2, 2, bias=False), nn.Linear(2, 2, bias=False)
+        self.drop = nn.Dropout(0.0)
+        with torch.no_grad():
+            self.cls.weight.copy_(torch.eye(2))
+            self.aux.weight.copy_(torch.eye(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.cls(x)
+        self.aux(x)
+        return self.drop(logits)
+
+
+def test_recommends_fallback_skips_layers_without_parameters_and_tries_the_last_few():
+    """It tried only the module that ran last: a trailing Dropout (no fix there) or an
+    auxiliary head the loss does not read, and then gave up; layers without parameters
+    are passed over now, and the last few layers are tried in turn."""
+    batch = (torch.tensor([[13.234081268310547, -3.3967647552490234]]), torch.tensor([0]))
+    d = diagnose(AuxAfter(), batch, F.cross_entropy, precision="bf16-mixed")
+    assert d.target_loss == 0 and not d.findings
+    fix = d.recommend()
+    assert fix.policy.rules == {"cls": Policy("32-true")}
+    assert [line.split(" (a last layer")[0][-3:] for line in fix.log] == ["aux", "cls"]
 
 
 def test_recommend_stopping_with_no_module_left_at_risk_names_its_moves():

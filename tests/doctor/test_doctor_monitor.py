@@ -328,6 +328,42 @@ def test_a_teacher_run_without_gradients_inside_the_step_counts_and_pause_leaves
     assert monitor.history["student.0"][0].amax < 1e3  # (the paused forward's is 1e4 times)
 
 
+class BrokenLoader:
+    """A validation loader that raises when iterated."""
+
+    def __iter__(self):
+        raise RuntimeError("validation data broken")
+
+    def __len__(self) -> int:
+        return 2
+
+
+def test_a_validation_that_raised_leaves_the_monitor_counting_in_the_next_fit():
+    """The pause of a validation that raised stayed: the next fit recorded nothing, and a
+    step monitored in an earlier fit was left out of the next fit."""
+    monitor = PrecisionMonitor(every_n_steps=1)
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), 4)
+
+    def trainer():
+        return mixprec.Trainer(
+            precision="bf16-mixed",
+            allow_slow_precision=True,
+            max_steps=2,
+            callbacks=[monitor],
+            logger=False,
+            enable_progress_bar=False,
+            enable_checkpointing=False,
+        )
+
+    with pytest.raises(RuntimeError, match="validation data broken"):
+        trainer().validate(nn.Sequential(nn.Linear(4, 2)), BrokenLoader(), loss_fn=F.cross_entropy)
+    trainer().fit(nn.Sequential(nn.Linear(4, 2)), data, loss_fn=F.cross_entropy)
+    trainer().fit(nn.Sequential(nn.Linear(4, 2)), data, loss_fn=F.cross_entropy)
+    assert [s.step for s in monitor.history["0"]] == [0, 1, 0, 1]
+    # one key for one setting, however it is written
+    assert PrecisionMonitor(headroom=4).state_key == PrecisionMonitor(headroom=4.0).state_key
+
+
 def test_two_monitors_of_one_run_keep_their_states_apart():
     """Each is kept under a key of its settings: two in one Trainer were refused as sharing
     the key "PrecisionMonitor"."""

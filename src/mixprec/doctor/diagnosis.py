@@ -60,6 +60,9 @@ from mixprec.tree import map_tensors
 
 __all__ = ["Diagnosis", "Recommendation", "diagnose"]
 
+# how many last layers `recommend` tries when no module is at risk and the run misses
+_OUTPUT_TRIES = 3
+
 
 class Diagnosis:
     """What changed between the reference run and the target run, module by module.
@@ -313,15 +316,13 @@ class Diagnosis:
                 )
                 continue
             if pick is None and not output_tried:
-                # no module at risk, yet the run misses: the loss reads the last module's
-                # output (a classifier's 16-bit logits round a near-certain loss to 0)
-                pick = _last_to_run(trial, exhausted)
+                # no module at risk, yet the run misses: the loss reads a last layer's output
+                # (a classifier's 16-bit logits round a near-certain loss to 0)
                 output_tried = True
-                if pick is not None:
-                    log.append(
-                        f"no module at risk, but not within tolerance: {pick.display_name}, "
-                        "whose output the loss reads, is tried in a safer precision"
-                    )
+                found = self._fix_output(trial, chosen, scale, tolerance, exhausted, log)
+                if found is not None:
+                    chosen, trial = found
+                    continue
             if pick is None:
                 raise self._stuck(trial, tolerance, exhausted, chosen)
             # a module that never runs (a root whose training_step calls its children) has
@@ -342,6 +343,46 @@ class Diagnosis:
         chosen, trial = self._drop_unneeded(chosen, trial, scale, tolerance, log)
         changed = scale if scale != self.loss_scale else None
         return Recommendation(self._map(chosen), trial, tuple(log), tolerance, changed)
+
+    def _fix_output(
+        self,
+        trial: Diagnosis,
+        chosen: dict[str, Policy],
+        scale: float,
+        tolerance: float,
+        exhausted: set[str],
+        log: list[str],
+    ) -> tuple[dict[str, Policy], Diagnosis] | None:
+        """For a run that misses the tolerance with no module at risk: the last layers to
+        run that own parameters (the loss most likely reads one of their outputs), latest
+        first, each in every safer precision in turn until the run passes; the moves and
+        that run, or None (nothing kept) when none passes."""
+        modules = dict(self._session.model.named_modules())
+        owning = [
+            m
+            for m in trial.modules.values()
+            if m.name
+            and m.calls
+            and m.name not in exhausted
+            and m.name in modules
+            and next(modules[m.name].parameters(recurse=False), None) is not None
+        ]
+        for m in sorted(owning, key=lambda m: -m.order)[:_OUTPUT_TRIES]:
+            policy = self._safer(m, chosen.get(m.name))
+            while policy is not None:
+                moved = {**chosen, m.name: policy}
+                _drop_shadowing(moved, m.name, policy)
+                found = self._trial(moved, scale)
+                passes = found.passes(tolerance)
+                log.append(
+                    f"no module at risk, yet not within tolerance: {m.display_name} (a last "
+                    f"layer, whose output the loss may read) -> {policy.name}: "
+                    + ("the run passes" if passes else _why_not(found, tolerance))
+                )
+                if passes:
+                    return moved, found
+                policy = self._safer(m, policy)
+        return None
 
     def _stuck(
         self,
@@ -480,13 +521,6 @@ class Recommendation:
             "its scale on an overflow by itself, skipping that step, but doubles it only after "
             "growth_interval clean steps)"
         )
-
-
-def _last_to_run(trial: Diagnosis, exhausted: set[str]) -> ModuleReport | None:
-    """The module that ran last (in execution order, the root aside): the one whose output
-    the loss most likely reads."""
-    ran = [m for m in trial.modules.values() if m.name and m.calls and m.name not in exhausted]
-    return max(ran, key=lambda m: m.order, default=None)
 
 
 def _to_fix(m: ModuleReport, trial: Diagnosis, tolerance: float, exhausted: set[str]) -> bool:

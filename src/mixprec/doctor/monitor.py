@@ -154,10 +154,11 @@ class PrecisionMonitor:
     def state_key(self) -> str:
         """Where a Trainer checkpoint keeps this monitor's state: its settings tell two
         monitors of one run apart."""
-        return (
-            f"PrecisionMonitor{{every_n_steps={self.every_n_steps}, headroom={self.headroom}, "
-            f"horizon_steps={self.horizon_steps}, skip_patience={self.skip_patience}, "
-            f"underflow_warn={self.underflow_warn}}}"
+        return (  # (numbers as numbers: headroom=4 and 4.0 are one key)
+            f"PrecisionMonitor{{every_n_steps={self.every_n_steps}, "
+            f"headroom={float(self.headroom):g}, horizon_steps={self.horizon_steps}, "
+            f"skip_patience={self.skip_patience}, "
+            f"underflow_warn={float(self.underflow_warn):g}}}"
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -190,6 +191,8 @@ class PrecisionMonitor:
         self.detach()
         self._model = model
         self._names = {id(m): name for name, m in model.named_modules()}
+        self._paused = False  # (a validation that raised never unpaused)
+        self._done_step = None  # (a new fit counts from its own steps)
         return self
 
     def detach(self) -> None:
@@ -502,8 +505,10 @@ class PrecisionMonitor:
         self.detach()
 
     def on_exception(self, trainer: Trainer, model: nn.Module, exception: BaseException) -> None:
-        # a failed fit never reaches on_fit_end: the hooks must not stay on the user's model
+        # a failed fit never reaches on_fit_end: the hooks must not stay on the user's model,
+        # nor the pause of a validation that raised on the monitor
         self.detach()
+        self.unpause()
 
 
 def _range_stats(t: Tensor, info: Any) -> tuple[Tensor, Tensor, Tensor]:

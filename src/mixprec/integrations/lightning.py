@@ -525,3 +525,9 @@ class PrecisionMonitorCallback(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.monitor.detach()
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self.monitor.detach()  # (and no pause left by a validation that raised)
+        self.monitor.unpause()
