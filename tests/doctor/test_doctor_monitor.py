@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from trainers import QUIET
 
 import mixprec
 from mixprec.doctor.monitor import PrecisionMonitor, PrecisionWarning
@@ -273,9 +274,7 @@ def test_a_validation_inside_an_accumulation_window_does_not_count(tmp_path):
             accumulate_grad_batches=2,
             val_check_interval=1,  # after every training batch
             callbacks=[monitor],
-            logger=False,
-            enable_progress_bar=False,
-            enable_checkpointing=False,
+            **QUIET,
         )
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 2))
@@ -328,6 +327,10 @@ def test_a_teacher_run_without_gradients_inside_the_step_counts_and_pause_leaves
     assert monitor.history["student.0"][0].amax < 1e3  # (the paused forward's is 1e4 times)
 
 
+# a quiet bf16-mixed Trainer's flags (allowed where bfloat16 is slow: tiny models here)
+BF16 = dict(precision="bf16-mixed", allow_slow_precision=True, **QUIET)
+
+
 class BrokenLoader:
     """A validation loader that raises when iterated."""
 
@@ -345,15 +348,7 @@ def test_a_validation_that_raised_leaves_the_monitor_counting_in_the_next_fit():
     data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), 4)
 
     def trainer():
-        return mixprec.Trainer(
-            precision="bf16-mixed",
-            allow_slow_precision=True,
-            max_steps=2,
-            callbacks=[monitor],
-            logger=False,
-            enable_progress_bar=False,
-            enable_checkpointing=False,
-        )
+        return mixprec.Trainer(max_steps=2, callbacks=[monitor], **BF16)
 
     with pytest.raises(RuntimeError, match="validation data broken"):
         trainer().validate(nn.Sequential(nn.Linear(4, 2)), BrokenLoader(), loss_fn=F.cross_entropy)
@@ -368,15 +363,7 @@ def test_two_monitors_of_one_run_keep_their_states_apart():
     """Each is kept under a key of its settings: two in one Trainer were refused as sharing
     the key "PrecisionMonitor"."""
     monitors = [PrecisionMonitor(every_n_steps=1), PrecisionMonitor(every_n_steps=2)]
-    trainer = mixprec.Trainer(
-        precision="bf16-mixed",
-        allow_slow_precision=True,
-        max_steps=2,
-        callbacks=monitors,
-        logger=False,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-    )
+    trainer = mixprec.Trainer(max_steps=2, callbacks=monitors, **BF16)
     data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randint(0, 2, (8,))), 4)
     trainer.fit(nn.Sequential(nn.Linear(4, 2)), data, loss_fn=F.cross_entropy)
     assert [len(m.history["0"]) for m in monitors] == [2, 1]

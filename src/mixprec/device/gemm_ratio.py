@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import threading
 import time
 import warnings
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 
 from mixprec.dtypes import dtype_name
+from mixprec.files import write_atomically
 from mixprec.timing import WIDE, Paired, paired_rounds
 
 __all__ = [
@@ -293,16 +293,7 @@ def _from_entry(entry: dict[str, Any]) -> GemmRatios | None:
 def _write(path: Path, entries: list[dict[str, Any]]) -> None:
     """Replace the cache file in one step: a reader sees the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"entries": entries[-KEEP:]}, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, json.dumps({"entries": entries[-KEEP:]}, indent=1))
 
 
 def lookup(key: Mapping[str, Any]) -> GemmRatios | None:

@@ -889,12 +889,14 @@ def follow_steps(scheduler: Any, optimizer: Any) -> None:
 
 def _followers(optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
     """The schedulers following ``optimizer`` (the one a wrapper steps): given it, or the
-    torch optimizer converted into it."""
+    torch optimizer converted into it (one followed under both is counted once)."""
     return tuple(
-        scheduler
-        for key, schedulers in list(_FOLLOWERS.items())
-        if key is optimizer or getattr(key, "_converted_into", None) is optimizer
-        for scheduler in schedulers
+        dict.fromkeys(
+            scheduler
+            for key, schedulers in list(_FOLLOWERS.items())
+            if key is optimizer or getattr(key, "_converted_into", None) is optimizer
+            for scheduler in schedulers
+        )
     )
 
 
