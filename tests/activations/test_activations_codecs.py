@@ -163,6 +163,40 @@ def test_bf16_stores_float32_activations_and_reads_them_back_as_float32():
     assert torch.equal(read, original.to(torch.bfloat16).float())
 
 
+def test_bf16_keeps_a_finite_activation_past_its_range_finite():
+    """A float32 value past bfloat16's largest (a mask's ``finfo(float32).min``) was stored
+    as infinity: its zero gradient times it gave NaN weight gradients where keep's were
+    finite. It is stored as bfloat16's largest of its sign; infinities and NaN stay, and
+    every other value is the plain cast's."""
+    big, top = torch.finfo(torch.float32).max, torch.finfo(torch.bfloat16).max
+    inf, nan = float("inf"), float("nan")
+    values = torch.tensor([big, -big, 3.39e38, top, -top, inf, -inf, nan, 1.5, -0.0, 1e-40])
+    read = ToBfloat16().decode(ToBfloat16().encode(values))
+    expected = torch.tensor([top, -top, top, top, -top, inf, -inf, nan, 1.5, -0.0, 1e-40])
+    assert torch.equal(read.view(torch.int32), expected.bfloat16().float().view(torch.int32))
+    inside = values[8:]  # (no value past the range: the plain cast, signed zero included)
+    assert torch.equal(
+        ToBfloat16().encode(inside)[0].view(torch.int16), inside.bfloat16().view(torch.int16)
+    )
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+
+        def forward(self, x):
+            filled = self.layer(x).masked_fill(x > 0, -big)  # saved by the product below
+            return (filled * self.layer(2 * x)).masked_fill(x > 0, 0.0)
+
+    x = torch.tensor([[1.0, -1.0, -2.0, 3.0]] * 64)
+    for option in (None, "bf16"):
+        torch.manual_seed(0)
+        precision = mixprec.Precision("32-true", activations=option)
+        model = precision.setup(Masked())
+        precision.backward(model(x).sum() * 1e-30)
+        assert all(p.grad.isfinite().all() for p in model.parameters()), option
+
+
 def test_parameters_inputs_and_casts_of_parameters_are_kept_as_they_are():
     torch.manual_seed(0)
     layer = nn.Linear(300, 300)

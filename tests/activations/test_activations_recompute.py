@@ -50,12 +50,28 @@ def gradients(policy, activations, x: torch.Tensor) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
 
-POLICIES = ["bf16-mixed", "16-mixed", "bf16-true", "int8_from_mixed_bfloat16", "32-true"]
+# (the last two store parameters in one dtype and compute in another: the model's region
+# casts them for the whole forward, and a block's own casts again in its recomputation)
+POLICIES = [
+    "bf16-mixed",
+    "16-mixed",
+    "bf16-true",
+    "int8_from_mixed_bfloat16",
+    "32-true",
+    "p=bf16,c=f32",
+    "p=f16,c=bf16",
+]
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("activations", [{r"[12]": "checkpoint"}, "checkpoint", "selective"])
+@pytest.mark.parametrize(
+    "activations",
+    [{r"[12]": "checkpoint"}, {r"[12]": "selective"}, "checkpoint", "selective"],
+)
 def test_recomputed_gradients_equal_kept_ones_bit_for_bit(policy, activations):
+    """Under a policy casting its stored parameters (p=bf16,c=f32), a block recomputed
+    selectively failed the backward: its recomputation cast the weights, which the model's
+    region had cast in the forward, outside the block's record."""
     x = torch.randn(8, 16)
     kept = gradients(policy, None, x)
     again = gradients(policy, activations, x)

@@ -841,6 +841,16 @@ def test_flags_the_step_cannot_honour_are_refused(flag):
         wrapped.step()
 
 
+def test_a_low_bit_optimizer_given_a_compensation_is_told_to_take_it_itself():
+    """A LowBitAdamW under Precision(compensation=...) was refused as if it were no AdamW
+    ("use master_weights=True for other optimizers"): it compensates its own updates."""
+    model = nn.Linear(8, 8)
+    low = mixprec.LowBitAdamW(model.parameters(), states="int8", min_size=0)
+    precision = mixprec.Precision("bf16-true", compensation="kahan")
+    with pytest.raises(TypeError, match=r"LowBitAdamW\(\.\.\., compensation='kahan'\)"):
+        precision.setup(model, low)
+
+
 def test_a_subclass_that_overrides_step_is_refused():
     """The compensated step would silently stand in for the subclass's own step."""
 

@@ -273,8 +273,15 @@ class Keep(Codec):
     storing otherwise (the innermost hooks are the ones torch calls)."""
 
 
+# bfloat16's largest finite value: float32 values past it (to float32's largest, a mask's
+# ``finfo(float32).min``) would round to infinity, and a zero gradient times it to NaN
+_BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
 class ToBfloat16(Codec):
-    """Saved float32 activations stored as bfloat16, cast back to float32 when read."""
+    """Saved float32 activations stored as bfloat16, cast back to float32 when read; a finite
+    value past bfloat16's range is stored as its largest value of that sign (infinities and
+    NaN as they are), so that a finite activation stays finite."""
 
     name = "bf16"
 
@@ -282,7 +289,15 @@ class ToBfloat16(Codec):
         return t.dtype == torch.float32 and is_activation(t)
 
     def encode(self, t: Tensor) -> Any:
-        return (t.to(torch.bfloat16),)
+        if t.device.type == "cpu" and t.numel():
+            # (a CPU's `isinf` takes several casts' time: its range, read in one pass and
+            # without a cost to sync there, spares the common activation the clamp)
+            low, high = torch.aminmax(t)
+            if -_BF16_MAX <= low and high <= _BF16_MAX:
+                return (t.to(torch.bfloat16),)
+        # (clamp takes infinities to the bound too: `where` puts them back)
+        kept = t.clamp(-_BF16_MAX, _BF16_MAX)
+        return (torch.where(t.isinf(), t, kept).to(torch.bfloat16),)
 
     def decode(self, packed: Any) -> Tensor:
         return packed[0].to(torch.float32)

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -63,10 +65,14 @@ def _selective_contexts() -> Any:
 
 
 def recomputed(
-    forward: Callable[..., Any], mode: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    forward: Callable[..., Any],
+    mode: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    module: nn.Module | None = None,
 ) -> Any:
-    """``forward(*args, **kwargs)`` with its saved tensors dropped and recomputed in the
-    backward; `mode` is ``"checkpoint"`` or ``"selective"``."""
+    """``forward(*args, **kwargs)`` (of `module`, where given) with its saved tensors
+    dropped and recomputed in the backward; `mode` is ``"checkpoint"`` or ``"selective"``."""
     # every tensor of the arguments, given by keyword or nested in a tuple, list or dict (a
     # Hugging Face layer's ``position_embeddings=(cos, sin)``), goes to the checkpoint as a
     # positional argument, which it saves and checks: bound in a closure, one written in
@@ -93,6 +99,9 @@ def recomputed(
     )
     if mode == "selective":
         run = functools.partial(_with_fresh_cast_cache, run)
+        swapped = _swapped_parameters(module) if module is not None else {}
+        if swapped:
+            run = functools.partial(_with_swapped, module, swapped, run)
     extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
     return checkpoint(run, *run_leaves.originals, use_reentrant=False, **extra)
 
@@ -165,3 +174,32 @@ def _with_fresh_cast_cache(run: Callable[..., Any], *args: Any) -> Any:
     the cache serves as before, in the forward and in the recomputation alike."""
     torch.clear_autocast_cache()
     return run(*args)
+
+
+def _swapped_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters of `module` and below that an enclosing "true" region swapped for
+    copies in its compute dtype for this forward (plain tensors where parameters were: a
+    policy storing bfloat16 and computing in float32), by path."""
+    return {
+        f"{prefix}.{key}" if prefix else key: t
+        for prefix, m in module.named_modules()
+        for key, t in m._parameters.items()
+        if t is not None and not isinstance(t, nn.Parameter)
+    }
+
+
+def _with_swapped(
+    module: nn.Module, swapped: dict[str, torch.Tensor], run: Callable[..., Any], *args: Any
+) -> Any:
+    """``run(*args)`` with the copies an enclosing region had swapped in at the forward
+    (`_swapped_parameters`) in place again: the recomputation in the backward runs outside
+    that region, and the layer's own region would cast the stored parameters anew, an op
+    the selective record of the forward lacks (torch fails the backward on it). The same
+    copies give the same values, as recomputing the casts would."""
+    owner, _, key = next(iter(swapped)).rpartition(".")
+    if (module.get_submodule(owner) if owner else module)._parameters[key] is swapped[
+        next(iter(swapped))
+    ]:
+        return run(*args)  # (the forward: the region's copies are there)
+    with _reparametrize_module(module, swapped):
+        return run(*args)

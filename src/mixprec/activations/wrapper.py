@@ -110,7 +110,7 @@ class ActivationForward:
         buffers = list(module.named_buffers())
         versions = [b._version for _, b in buffers]
         with _exact_inputs():
-            out = recomputed(forward, self.option, args, kwargs)
+            out = recomputed(forward, self.option, args, kwargs, module)
         # (a buffer written in place, or assigned anew, as ``self.ema = 0.9 * self.ema + x``)
         now = dict(module.named_buffers()) if buffers else {}
         for (name, b), version in zip(buffers, versions, strict=True):

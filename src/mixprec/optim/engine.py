@@ -677,8 +677,12 @@ def settled(w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     down. An entry past that was left beside another weight: its weight was written since
     by something else (pruned to zero, loaded, written in place through ``.data``, which no
     version counter sees), and the old weight's error would move the new one. Each step
-    applies it, so no write goes unseen; an entry whose weight kept its value (a clamp that
-    clipped nothing, an EMA swapped in and back) keeps its error."""
+    applies it, so no write that moves a weight by more than the rounding error of its
+    binade keeps its old entry; an entry whose weight kept its value (a clamp that clipped
+    nothing, an EMA swapped in and back) keeps its error. A write to a nearby value (a
+    state loaded whose weight lies in the old one's binade) cannot be told from a step's
+    own, by value: its old entry, at most the half spacing a rounding of the write could
+    add, is added once."""
     bits, tiny = (7, 2.0**-133) if dtype == torch.bfloat16 else (10, 2.0**-24)
     # the binade of |w + c| (the mask drops the sign; 0 where the sum is subnormal)
     binade = ((w + c).view(torch.int32) & 0x7F800000).view(torch.float32)

@@ -587,6 +587,14 @@ def _compensator_for(
             "compensation and master_weights=True are two answers to one problem: "
             "float32 masters already keep small updates; choose one"
         )
+    if isinstance(optimizer, LowBitOptimizer):
+        raise TypeError(
+            f"{type(optimizer).__name__} compensates its own 16-bit updates: build it with "
+            f"compensation={compensation!r} ({type(optimizer).__name__}(..., "
+            f"compensation={compensation!r})) and leave compensation out here, or pass a "
+            "torch AdamW, Adam or SGD with optimizer_states=... (converted with this "
+            "compensation)"
+        )
     Compensator.check_optimizer(optimizer)
     if not any(p.dtype in COMPENSATED_DTYPES for p in _trainable(optimizer)):
         dtypes = sorted({str(p.dtype) for p in _trainable(optimizer)})

@@ -54,7 +54,9 @@ class StateCheckpoint(torch.optim.Optimizer):
         parameter's processes), and ``"shape"``, its parameter's, both of which a load
         checks: codes cut in 2 shards, read as one parameter's, have the right length and
         the wrong blocks, and so do the flat codes of a (32, 8) weight loaded into a (8, 32)
-        one (a model whose parameters came in another order)."""
+        one (a model whose parameters came in another order). As torch's, it holds the live
+        state's tensors; a step may put new step counts in a state, so save it (or
+        deepcopy it) before the next step."""
         out = super().state_dict()
         out["seed"] = self.seed
         params = [p for g in self.param_groups for p in g["params"]]
