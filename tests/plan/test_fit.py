@@ -16,6 +16,7 @@ from torch import nn
 
 from mixprec.activations import saved_bytes
 from mixprec.plan import Budget, BudgetError, search
+from mixprec.plan.activation_choice import batch_at, saved_under, split_saved
 from mixprec.plan.budget import parse_bytes
 from mixprec.plan.fitting import Peak, fit, step_peaks
 from mixprec.policy.map import PolicyMap
@@ -333,3 +334,82 @@ def test_a_plans_peak_counts_the_batch_the_step_holds() -> None:
 
     (peak,) = step_peaks(FirstColumns(), (wide, torch.zeros(64, 4)), loss, [PolicyMap("32-true")])
     assert peak.bytes >= wide.nbytes
+
+
+# --- each measured plan counted in its own dtypes ---------------------------------------------
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4)
+    )
+
+
+def test_a_plans_activations_are_counted_in_the_dtypes_its_layers_compute_in() -> None:
+    """The blocks' bytes were counted in the baseline's dtypes only: under a bfloat16
+    baseline a plan with layers in float32 (no damage, so preferred where bytes allow) saves
+    float32 activations, twice the count, and was returned under a byte budget it passed by
+    half its activations. Every measured plan's are now its own."""
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    model, cpu = mlp(), torch.device("cpu")
+    kw = dict(
+        baseline="bf16-mixed",
+        formats=["32-true", "bf16-mixed"],
+        count="training",
+        batch_size=64,
+        reps=1,
+        allow_slow=True,
+    )
+    roomy = search(model, [batch], F.cross_entropy, budget="memory=1GiB", **kw)
+    paths = [b.path for b in roomy.blocks]
+    big = batch_at(batch, 64)
+    for name, policy in (("float32", PolicyMap("32-true")), ("plan", roomy.policy)):
+        inside, _ = split_saved(saved_under(model, policy, big, F.cross_entropy, cpu, 0), paths)
+        assert roomy.measured[name].activation_bytes == inside, name
+    counted = sum(b.options["keep"].bytes for b in roomy.blocks)  # (in the baseline's dtypes)
+    assert roomy.measured["float32"].activation_bytes > counted
+    assert roomy.measured["baseline"].activation_bytes == counted
+    f32 = roomy.measured["float32"]
+    budget = f32.unit_bytes + f32.activation_bytes + f32.extra_bytes + roomy.fixed_bytes - 1
+    tight = search(model, [batch], F.cross_entropy, budget=f"memory={budget}B", **kw)
+    assert tight.total_bytes <= budget and tight.fits("float32") is False
+    inside, _ = split_saved(saved_under(model, tight.policy, big, F.cross_entropy, cpu, 0), paths)
+    assert tight.measured["plan"].activation_bytes == inside
+
+
+class Scaled(nn.Module):
+    """Searched layers beside a parameter no layer holds (fixed bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4096))
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) * self.scale[:4]
+
+
+def test_the_float32_plan_counts_its_own_unsearched_parameters_against_bytes() -> None:
+    """The float32 plan converts the unsearched parameters too, but its bytes were the
+    searched layers' plus the baseline's fixed bytes: it was said to fit a budget its whole
+    model passed, and could be returned."""
+    torch.manual_seed(0)
+    model, batch = Scaled(), (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    kw = dict(baseline="bf16-true", formats=["32-true", "bf16-true"], reps=1, allow_slow=True)
+    roomy = search(model, [batch], F.cross_entropy, budget="memory=1GiB", **kw)
+    f32 = roomy.measured["float32"]
+    assert f32.extra_bytes == 4096 * 2  # its scale in float32, not bfloat16
+    old_count = f32.unit_bytes + roomy.fixed_bytes  # (what it was held to before)
+    tight = search(model, [batch], F.cross_entropy, budget=f"memory={old_count}B", **kw)
+    assert tight.fits("float32") is False
+    assert tight.measured["plan"].model_bytes <= tight.total_bytes <= old_count
+
+
+def test_sizes_are_read_exactly_and_a_size_given_twice_is_refused() -> None:
+    assert parse_bytes("4.1MB") == 4_100_000  # (a float product was a byte short)
+    assert parse_bytes("1.005KB") == 1005
+    with pytest.raises(ValueError, match="given twice"):
+        Budget.of("memory=1GiB,memory=2GiB")

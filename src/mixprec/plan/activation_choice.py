@@ -200,6 +200,20 @@ def _saved(
     """Bytes saved per module path in one training forward (and loss) of `model` in the
     baseline policy with `options` on its blocks."""
     policy = PolicyMap(base, activations=_rules(options) or None)
+    return saved_under(model, policy, batch, loss_fn, device, seed)
+
+
+def saved_under(
+    model: nn.Module,
+    policy: PolicyMap,
+    batch: Any,
+    loss_fn: Any,
+    device: torch.device,
+    seed: int,
+) -> dict[str, int]:
+    """Bytes saved per module path in one training forward (and loss) of `model` converted
+    to `policy` (its formats and activation options): a plan's own count, in the dtypes its
+    layers compute in."""
     converted = copy.deepcopy(model).train()
     apply(converted, policy, warn=False)
     precision = Precision(policy, device=device, allow_slow=True)
@@ -208,6 +222,12 @@ def _saved(
         return saved_bytes_of(
             converted, lambda: batch_loss(precision, converted, given, loss_fn), given
         )
+
+
+def split_saved(saved: Mapping[str, int], blocks: Sequence[str]) -> tuple[int, int]:
+    """The bytes of `saved` (per module path) under the `blocks`' paths, and outside them."""
+    inside = sum(n for p, n in saved.items() if any(_under(p, b) for b in blocks))
+    return inside, sum(saved.values()) - inside
 
 
 def _grads(model: nn.Module, precision: Precision, batch: Any, loss_fn: Any) -> Tensor:

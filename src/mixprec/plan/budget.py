@@ -9,6 +9,7 @@ import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 __all__ = [
@@ -44,7 +45,8 @@ def parse_bytes(text: str) -> int:
             f"not a size: {text!r}; write a number and a unit, one of "
             f"{', '.join(SIZE_UNITS)} (e.g. 4GiB, 512MB, 100000B)"
         )
-    value = int(float(match.group(1)) * units[match.group(2).lower()])
+    # (exact decimal arithmetic: a float's 4.1 * 10**6 is 4099999.99..., a byte short)
+    value = int(Fraction(match.group(1)) * units[match.group(2).lower()])
     if value <= 0:
         raise ValueError(f"a size must be at least one byte, got {text!r}")
     return value
@@ -125,7 +127,8 @@ class Budget:
             items: dict[str, Any] = {}
             for part in filter(None, (p.strip() for p in value.split(","))):
                 key, sep, number = part.partition("=")
-                if key.strip() in items:
+                # (a size is kept as memory_bytes: "memory=1GiB,memory=2GiB" is twice too)
+                if key.strip() in items or (key.strip() == "memory" and "memory_bytes" in items):
                     raise ValueError(f"budget {key.strip()!r} given twice in {value!r}")
                 try:
                     items[key.strip()] = float(number) if sep else None

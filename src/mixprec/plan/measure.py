@@ -27,7 +27,8 @@ __all__: list[str] = []
 class Measured:
     """A plan as it ran: mean loss over the evaluation batches, bytes of the searched layers
     and of the whole model, median seconds of one step; under a search's ``batch_size``, the
-    activation bytes and seconds its blocks' options count (`activation_choice`)."""
+    bytes its blocks save at that batch, measured in the plan's own dtypes and options, and
+    the seconds its blocks' options count (`activation_choice`)."""
 
     loss: float
     unit_bytes: int
@@ -35,6 +36,10 @@ class Measured:
     seconds: float | None  # None: not timed
     activation_bytes: int = 0
     activation_seconds: float = 0.0
+    # under a budget in bytes, what the plan holds beyond the fixed bytes the baseline
+    # counted: its unsearched layers and the activations saved outside its blocks, in the
+    # plan's own dtypes (float32's are larger), less the baseline's
+    extra_bytes: int = 0
 
 
 @dataclass

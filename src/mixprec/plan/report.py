@@ -110,7 +110,9 @@ def costs_of(
     """A measured plan's cost per budget kind, as the budget counts it: bytes of the
     searched layers; the summed step time of its layers' `formats` (when known); each with
     its blocks' activations, when counted."""
-    out: dict[str, float] = {"memory": measured.unit_bytes + measured.activation_bytes}
+    out: dict[str, float] = {
+        "memory": measured.unit_bytes + measured.activation_bytes + measured.extra_bytes
+    }
     if formats is not None:
         out["speed"] = measured.activation_seconds + sum(
             r.options[f].seconds for r, f in zip(rows, formats, strict=True)
@@ -151,7 +153,8 @@ class SearchReport:
         tolerance: how far (a fraction) the plan's loss may exceed the baseline's.
         held_out: whether the losses were measured on held-out evaluation batches.
         trained: the short training runs of the plan and the baseline, if asked for.
-        reference_loss: the float32 model's mean loss on the evaluation batches.
+        reference_loss: the float32 model's mean loss on the search batches (those the layers
+            are scored on; the measured plans' losses are on the evaluation batches).
         device: the device searched on, as `mixprec info` describes it.
         seconds: how long the search took.
         phases: seconds per step of the search.
@@ -196,9 +199,10 @@ class SearchReport:
     @property
     def total_bytes(self) -> int:
         """The whole model's bytes the search counted for the plan: its searched layers, its
-        blocks' activations and the fixed bytes (what a budget in bytes is held to)."""
+        blocks' activations, the fixed bytes and what the plan holds beyond them in its own
+        dtypes (what a budget in bytes is held to)."""
         p = self.measured["plan"]
-        return int(p.unit_bytes + p.activation_bytes + self.fixed_bytes)
+        return int(p.unit_bytes + p.activation_bytes + p.extra_bytes + self.fixed_bytes)
 
     @property
     def activations(self) -> dict[str, str]:

@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 
 from mixprec.optim.states import StateFormat
 from mixprec.plan import solver
-from mixprec.plan.activation_choice import plan_activations, tie_costs, tie_weight
+from mixprec.plan.activation_choice import (
+    batch_at,
+    plan_activations,
+    saved_under,
+    split_saved,
+    tie_costs,
+    tie_weight,
+)
 from mixprec.plan.budget import Budget, BudgetError
 from mixprec.plan.inputs import SearchInputs, check_finite
 from mixprec.plan.measure import Measured, convert, eval_loss, measure_plans
@@ -70,9 +77,13 @@ def verify(
     Adds seconds to ``phases["solve"]`` and ``phases["verify"]``."""
     blocks = blocks or []
     limits = list(limits_of(s.budget, base_costs, fixed).values())
+    kinds = list(limits_of(s.budget, base_costs, fixed))
+    memory_at = (
+        kinds.index("memory") if "memory" in kinds and s.budget.memory_bytes is not None else None
+    )
     v = Verified(plans=_uniform_plans(s, rows, states))
     tried: dict[tuple[str, ...], int] = {}  # plan -> its attempt
-    best: tuple[Attempt, Measured, PolicyMap, tuple[str, ...]] | None = None
+    best: tuple[Attempt, Measured, PolicyMap, tuple[str, ...], int] | None = None
     clock = time.perf_counter()
     for attempt in range(s.retries + 1):
         chosen, options = _solve(
@@ -97,7 +108,7 @@ def verify(
         # uniform plans are timed only when time is budgeted (each is a whole model)
         timed = set(todo) if s.budget.speed is not None else {"plan", "baseline", "float32"}
         v.measured.update(_measure(s, todo, timed & set(todo)))
-        _add_activations(v.measured, blocks, options)
+        _count(s, v, list(todo), blocks, options, fixed)
         check_finite(v.measured["float32"].loss, "eval_batches" if s.held_out else "batches")
         plan_loss, base_loss = v.measured["plan"].loss, v.measured["baseline"].loss
         gap = (plan_loss - base_loss) / max(abs(base_loss), 1e-12)
@@ -107,8 +118,20 @@ def verify(
         v.attempts.append(
             Attempt(chosen=list(chosen), loss=plan_loss, gap=gap, predicted=predicted)
         )
-        if best is None or plan_loss < best[0].loss:
-            best = (v.attempts[-1], v.measured["plan"], v.plans["plan"], options)
+        over = _bytes_over(v.measured["plan"], limits, memory_at)
+        # the lowest measured loss, a plan within the byte limit before any over it
+        if best is None or (over, plan_loss) < (best[4], best[0].loss):
+            best = (v.attempts[-1], v.measured["plan"], v.plans["plan"], options, over)
+        if over and attempt < s.retries:
+            # the blocks' bytes were counted in the baseline's dtypes: this plan's own (a
+            # layer in float32 saves float32 activations) came to more; solved again with
+            # the limit less the overshoot
+            limits[memory_at] -= over
+            v.attempts[-1].note = (
+                f"measured {over} bytes over the byte limit (its layers' activations in "
+                "their own dtypes); solved again within that much less"
+            )
+            continue
         if gap <= s.tolerance or attempt == s.retries:
             break
         found = _measure_alone(s, rows, chosen, v)
@@ -118,21 +141,50 @@ def verify(
             break
     phases["verify"] += time.perf_counter() - clock - phases["solve"]
     assert best is not None
-    v.best, v.measured["plan"], v.plans["plan"], v.activations = best
+    v.best, v.measured["plan"], v.plans["plan"], v.activations, _ = best
     return v
 
 
-def _add_activations(
-    measured: dict[str, Measured], blocks: list[BlockRow], options: tuple[str, ...]
+def _bytes_over(measured: Measured, limits: list[float], memory_at: int | None) -> int:
+    """How many bytes the measured plan's count passes the byte limit by (0: within it, or
+    no limit in bytes)."""
+    if memory_at is None:
+        return 0
+    spent = measured.unit_bytes + measured.activation_bytes + measured.extra_bytes
+    return max(0, math.ceil(spent - limits[memory_at] * (1 + 1e-9)))
+
+
+def _count(
+    s: SearchInputs,
+    v: Verified,
+    names: list[str],
+    blocks: list[BlockRow],
+    options: tuple[str, ...],
+    fixed: float,
 ) -> None:
-    """Each measured plan's counted activation bytes and seconds: the plan's options, and
-    ``keep`` in every other plan (theirs keep every activation)."""
-    for name, m in measured.items():
+    """The bytes and seconds of the measured plans `names` that the solver's counts leave
+    out: the activations their blocks save at the search's ``batch_size``, measured in each
+    plan's own dtypes and options (the blocks' rows count them in the baseline's: a layer
+    in float32 saves twice a bfloat16 one's), and each option's counted seconds (the plan's
+    options; ``keep`` in every other plan). Under a budget in bytes, ``extra_bytes``: what
+    the plan holds outside its searched layers and blocks (its unsearched parameters, the
+    activations saved outside the blocks, in its own dtypes) beyond the `fixed` bytes,
+    which count them in the baseline's (a float32 plan's are larger)."""
+    in_bytes = s.budget.memory_bytes is not None
+    paths = [b.path for b in blocks]
+    big = batch_at(s.batches[0], s.batch_size) if blocks and s.batch_size else None
+    for name in names:
+        m = v.measured[name]
         chosen = options if name == "plan" else tuple("keep" for _ in blocks)
-        m.activation_bytes = sum(b.options[o].bytes for b, o in zip(blocks, chosen, strict=True))
         m.activation_seconds = sum(
             b.options[o].seconds for b, o in zip(blocks, chosen, strict=True)
         )
+        outside = 0
+        if big is not None:
+            saved = saved_under(s.model, v.plans[name], big, s.loss_fn, s.device, s.seed)
+            m.activation_bytes, outside = split_saved(saved, paths)
+        if in_bytes:
+            m.extra_bytes = max(0, math.ceil(m.model_bytes - m.unit_bytes + outside - fixed))
 
 
 def keep(
@@ -165,13 +217,14 @@ def keep(
         v.activations = tuple("keep" for _ in v.activations)
         if v.measured[v.winner].seconds is None:  # uniform plans are timed under speed only
             clock = time.perf_counter()
-            won_costs = v.measured[v.winner]
+            counted = {"plan": v.measured[v.winner], "baseline": v.measured["baseline"]}
             v.measured.update(
                 _measure(s, {k: v.plans[k] for k in ("plan", "baseline")}, {"plan", "baseline"})
             )
-            for name in ("plan", "baseline"):  # both keep every activation, as the winner
-                v.measured[name].activation_bytes = won_costs.activation_bytes
-                v.measured[name].activation_seconds = won_costs.activation_seconds
+            for name, was in counted.items():  # timed now; their bytes as counted before
+                v.measured[name].activation_bytes = was.activation_bytes
+                v.measured[name].activation_seconds = was.activation_seconds
+                v.measured[name].extra_bytes = was.extra_bytes
             phases["verify"] += time.perf_counter() - clock
         else:
             v.measured["plan"] = v.measured[v.winner]
