@@ -120,18 +120,8 @@ def verify(
         )
         over = _bytes_over(v.measured["plan"], limits, memory_at)
         # the lowest measured loss, a plan within the byte limit before any over it
-        if best is None or (over, plan_loss) < (best[4], best[0].loss):
+        if best is None or (over > 0, plan_loss) < (best[4] > 0, best[0].loss):
             best = (v.attempts[-1], v.measured["plan"], v.plans["plan"], options, over)
-        if over and attempt < s.retries:
-            # the blocks' bytes were counted in the baseline's dtypes: this plan's own (a
-            # layer in float32 saves float32 activations) came to more; solved again with
-            # the limit less the overshoot
-            limits[memory_at] -= over
-            v.attempts[-1].note = (
-                f"measured {over} bytes over the byte limit (its layers' activations in "
-                "their own dtypes); solved again within that much less"
-            )
-            continue
         if gap <= s.tolerance or attempt == s.retries:
             break
         found = _measure_alone(s, rows, chosen, v)
