@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
 
-from mixprec.activations import ActivationForward, saved_bytes
+from mixprec.activations import ActivationForward, mark_region_cast, saved_bytes
 from mixprec.activations import check as check_activations
 from mixprec.activations import install as install_activations
 from mixprec.activations.rules import never_called
@@ -353,6 +353,7 @@ def _compute_copies(
         copy = copies.get(id(param))
         if copy is None:
             copy = copies[id(param)] = param.to(dtype)
+            mark_region_cast(copy)
         out[name] = copy
     return out
 

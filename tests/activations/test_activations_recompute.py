@@ -584,3 +584,47 @@ def test_a_size_argument_reaches_the_recomputation_as_a_size(mode):
         model(torch.ones(3, 4)).backward()
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+@pytest.mark.parametrize("option", ["checkpoint", "selective"])
+def test_a_block_run_through_functional_call_recomputes_with_the_weights_it_was_given(option):
+    """``torch.func.functional_call`` swaps tensors in for the parameters for one call; the
+    recomputation in the backward ran outside that swap, on the module's own weights, and
+    the gradients were another model's (0.28 off under checkpoint)."""
+
+    def gradients(activations):
+        precision = Precision("32-true", activations=activations)
+        model = precision.setup(net())
+        given = {n: (p.detach() * 1.5).requires_grad_() for n, p in model.named_parameters()}
+        torch.manual_seed(1)  # dropout's masks
+        x = torch.randn(8, 16)
+        torch.func.functional_call(model, given, (x,)).pow(2).mean().backward()
+        return [given[n].grad for n in given]
+
+    for kept, again in zip(gradients(None), gradients({r"[12]": option}), strict=True):
+        assert torch.equal(kept, again)
+
+
+def test_a_checkpoint_recasts_a_regions_weights_rather_than_keeping_its_copies():
+    """A region's compute-dtype copies are made again alike in the recomputation, so a
+    checkpointed block keeps none of them to the backward (selective does: its record must
+    see the same ops)."""
+    from mixprec.activations import recompute
+
+    model = net()
+    precision = Precision("p=bf16,c=f32", activations={r"[12]": "checkpoint"})
+    model = precision.setup(model)
+    seen = []
+    real = recompute._swapped_parameters
+
+    def spy(module, casts):
+        found = real(module, casts)
+        seen.append((casts, len(found), len(real(module, True))))
+        return found
+
+    recompute._swapped_parameters = spy
+    try:
+        model(torch.randn(8, 16)).float().sum().backward()
+    finally:
+        recompute._swapped_parameters = real
+    assert seen and all(not casts and n == 0 and everything > 0 for casts, n, everything in seen)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from mixprec.activations.codecs import Fp8Saved
 from mixprec.activations.measure import saved_bytes
 from mixprec.activations.options import OPTIONS, RECOMPUTE, refusal
+from mixprec.activations.recompute import mark_region_cast
 from mixprec.activations.rules import ActivationRules, ActivationsSpec, as_rules
 from mixprec.activations.wrapper import (
     ActivationForward,
@@ -42,6 +43,7 @@ __all__ = [
     "check_device",
     "install",
     "installed",
+    "mark_region_cast",
     "refusal",
     "saved_bytes",
     "warn_if_root_unused",

@@ -14,6 +14,10 @@ the states' own `quantize` and `dequantize` run as one torch.compile'd kernel ea
 dynamic: one build per dtype), reading the tensor once and writing codes and scales, or
 writing the decoded tensor in its dtype; elsewhere, or after a failed build (warned once),
 eagerly, a chunk of blocks at a time. Both give the same codes and values.
+
+``bf16`` stores a finite float32 value past bfloat16's range as its largest of that sign, so
+a finite activation stays finite: on a CPU after one read of the tensor's range (no clamp
+where none is needed), elsewhere in one compiled kernel under the same gate (no sync).
 """
 
 from __future__ import annotations
@@ -63,10 +67,11 @@ CHUNK_ACCELERATOR = 1 << 24
 # elements from which `ToFp8` encodes and decodes with its compiled kernels: below, a call's
 # fixed cost (guards, launch) is more than the eager passes it saves
 COMPILE_MIN = 1 << 14
-# whether `ToFp8` compiles, and its eager fallback (one gate for the process: warned once)
+# whether `ToFp8` (and `ToBfloat16` off the CPU) compiles, and its eager fallback (one gate
+# for the process: warned once)
 GATE = CompileGate(
     None,
-    "fp8 activation codec",
+    "fp8 and bf16 activation codecs",
     "mixprec.activations.codecs.GATE.compile = False skips the attempt",
     COMPILE_MIN,
 )
@@ -289,15 +294,21 @@ class ToBfloat16(Codec):
         return t.dtype == torch.float32 and is_activation(t)
 
     def encode(self, t: Tensor) -> Any:
-        if t.device.type == "cpu" and t.numel():
+        if not t.numel():
+            return (t.to(torch.bfloat16),)
+        if t.device.type == "cpu":
             # (a CPU's `isinf` takes several casts' time: its range, read in one pass and
             # without a cost to sync there, spares the common activation the clamp)
             low, high = torch.aminmax(t)
             if -_BF16_MAX <= low and high <= _BF16_MAX:
                 return (t.to(torch.bfloat16),)
-        # (clamp takes infinities to the bound too: `where` puts them back)
-        kept = t.clamp(-_BF16_MAX, _BF16_MAX)
-        return (torch.where(t.isinf(), t, kept).to(torch.bfloat16),)
+        elif GATE.wants(t.device, t.numel()):
+            # (no sync on an accelerator: the clamp, fused into the cast, reads the tensor once)
+            flat, stride = _in_memory_order(t)
+            out, ran = _run("to_bfloat16", _fresh(flat))
+            if ran:
+                return (out.view(t.shape) if stride is None else out.as_strided(t.shape, stride),)
+        return (_to_bfloat16(t),)
 
     def decode(self, packed: Any) -> Tensor:
         return packed[0].to(torch.float32)
@@ -451,7 +462,15 @@ def _fresh(flat: Tensor) -> Tensor:
     return out.set_(flat.untyped_storage(), flat.storage_offset(), flat.shape, flat.stride())
 
 
+def _to_bfloat16(t: Tensor) -> Tensor:
+    """`ToBfloat16`'s stored tensor: `t` in bfloat16, a finite value past its range at its
+    largest of that sign, infinities and NaN as they are (clamp takes infinities to the
+    bound too: `where` puts them back)."""
+    return torch.where(t.isinf(), t, t.clamp(-_BF16_MAX, _BF16_MAX)).to(torch.bfloat16)
+
+
 _KERNELS: dict[str, Callable[..., Any]] = {
+    "to_bfloat16": _to_bfloat16,
     "encode": _encode,
     "encode_blocks": _encode_blocks,
     "decode": _decode,

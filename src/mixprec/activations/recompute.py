@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch.utils.checkpoint import (
 from mixprec.dtypes import default_dtype, needs_default_dtype
 from mixprec.tree import iter_tensors, map_tensors, shallow_copy
 
-__all__ = ["SAVED_OPS", "recomputed", "selective_policy"]
+__all__ = ["SAVED_OPS", "mark_region_cast", "recomputed", "selective_policy"]
 
 _aten = torch.ops.aten
 # the ops (overload packets) whose outputs `selective` saves: the expensive ones
@@ -99,9 +100,11 @@ def recomputed(
     )
     if mode == "selective":
         run = functools.partial(_with_fresh_cast_cache, run)
-        swapped = _swapped_parameters(module) if module is not None else {}
-        if swapped:
-            run = functools.partial(_with_swapped, module, swapped, run)
+    # (a region's casts are made again alike in a checkpoint's recomputation, which keeps
+    # only the layer's inputs: only selective, whose record must see the same ops, keeps them)
+    swapped = _swapped_parameters(module, mode == "selective") if module is not None else {}
+    if swapped:
+        run = functools.partial(_with_swapped, module, swapped, run)
     extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
     return checkpoint(run, *run_leaves.originals, use_reentrant=False, **extra)
 
@@ -176,26 +179,42 @@ def _with_fresh_cast_cache(run: Callable[..., Any], *args: Any) -> Any:
     return run(*args)
 
 
-def _swapped_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The parameters of `module` and below that an enclosing "true" region swapped for
-    copies in its compute dtype for this forward (plain tensors where parameters were: a
-    policy storing bfloat16 and computing in float32), by path."""
+# the compute-dtype copies of parameters a "true" region swapped in for one forward (weak:
+# gone with their forward's graph); a checkpoint's recomputation makes them again alike
+# (by id: a weak set compares its members with ==, which a tensor answers elementwise)
+_REGION_CASTS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def mark_region_cast(t: torch.Tensor) -> None:
+    """Mark `t` as a region's compute-dtype copy of a parameter (`mixprec.convert` makes
+    them), which a checkpoint's recomputation need not be handed: it casts alike."""
+    _REGION_CASTS[id(t)] = t
+
+
+def _swapped_parameters(module: nn.Module, casts: bool) -> dict[str, torch.Tensor]:
+    """The tensors in place of the parameters of `module` and below for this forward, by
+    path: plain tensors where parameters were, put there by ``torch.func.functional_call``
+    (the recomputation in the backward runs outside its swap, on the module's own weights)
+    or, with `casts`, by an enclosing "true" region (copies in its compute dtype: a policy
+    storing bfloat16 and computing in float32; `mark_region_cast`)."""
     return {
         f"{prefix}.{key}" if prefix else key: t
         for prefix, m in module.named_modules()
         for key, t in m._parameters.items()
-        if t is not None and not isinstance(t, nn.Parameter)
+        if t is not None
+        and not isinstance(t, nn.Parameter)
+        and (casts or _REGION_CASTS.get(id(t)) is not t)
     }
 
 
 def _with_swapped(
     module: nn.Module, swapped: dict[str, torch.Tensor], run: Callable[..., Any], *args: Any
 ) -> Any:
-    """``run(*args)`` with the copies an enclosing region had swapped in at the forward
+    """``run(*args)`` with the tensors swapped in for parameters at the forward
     (`_swapped_parameters`) in place again: the recomputation in the backward runs outside
-    that region, and the layer's own region would cast the stored parameters anew, an op
-    the selective record of the forward lacks (torch fails the backward on it). The same
-    copies give the same values, as recomputing the casts would."""
+    that swap. Without it a ``functional_call``'s block recomputed from the module's own
+    weights, and the layer's own region cast the stored parameters anew, an op the
+    selective record of the forward lacks (torch fails the backward on it)."""
     owner, _, key = next(iter(swapped)).rpartition(".")
     if (module.get_submodule(owner) if owner else module)._parameters[key] is swapped[
         next(iter(swapped))

@@ -153,8 +153,7 @@ class SearchReport:
         tolerance: how far (a fraction) the plan's loss may exceed the baseline's.
         held_out: whether the losses were measured on held-out evaluation batches.
         trained: the short training runs of the plan and the baseline, if asked for.
-        reference_loss: the float32 model's mean loss on the search batches (those the layers
-            are scored on; the measured plans' losses are on the evaluation batches).
+        reference_loss: the float32 model's mean loss on the search batches (not held out).
         device: the device searched on, as `mixprec info` describes it.
         seconds: how long the search took.
         phases: seconds per step of the search.
