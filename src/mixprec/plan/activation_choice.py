@@ -44,7 +44,7 @@ from mixprec.activations import ActivationForward, ActivationRules, install, ref
 from mixprec.activations.measure import saved_bytes_of
 from mixprec.convert import apply
 from mixprec.plan.inputs import SearchInputs
-from mixprec.plan.report import BlockRow, Option
+from mixprec.plan.report import BlockRow, Option, UnitRow
 from mixprec.plan.units import path_rule
 from mixprec.policy import Policy
 from mixprec.policy.map import PolicyMap
@@ -186,6 +186,71 @@ def block_rows(s: SearchInputs, reference: nn.Module) -> tuple[list[BlockRow], i
     _damages(reference, rows, batches, loss_fn, lr=lr, device=device, seed=seed)
     _times(reference, rows, batches[0], loss_fn, reps=reps, device=device, seed=seed)
     return rows, outside
+
+
+def layer_activations(s: SearchInputs, rows: list[UnitRow], blocks: list[BlockRow]) -> None:
+    """Each layer's `Option.activation_bytes` in each format (see `Option`): how much more
+    the model saves at the search's batch with every layer that takes the format in it than
+    in the baseline, each module's growth given to the layer it is or follows (a GELU after
+    a Linear saves its input in the Linear's output dtype), from the modules' first calls in
+    order; a layer's share is never below 0. The blocks' rows count in the baseline's
+    dtypes, so a plan keeping a block whose layers moved to float32 is counted at about what
+    it saves (exactly, for every layer in one format); a recomputed block's layers count
+    their growth too, over what the block saves (never under)."""
+    if s.batch_size is None or not blocks:
+        return
+    big = batch_at(s.batches[0], s.batch_size)
+    order = _first_calls(
+        s.model, lambda m: batch_loss(Precision("32-true"), m, fresh(big), s.loss_fn)
+    )
+    paths = [r.unit.paths + r.unit.aliases for r in rows]
+    owner: dict[str, int] = {}  # module path -> the row its saved bytes are given to
+    last = None
+    for path in order:
+        own = next((i for i, ps in enumerate(paths) if any(_under(path, p) for p in ps)), None)
+        last = own if own is not None else last
+        if last is not None:
+            owner[path] = last
+
+    def saved(policy: PolicyMap) -> dict[str, int]:
+        return saved_under(s.model, policy, big, s.loss_fn, s.device, s.seed)
+
+    base = saved(PolicyMap(s.base))
+    for name in s.names:
+        if name == s.base.name or not any(name in r.options for r in rows):
+            continue
+        rules = {
+            path_rule(p): name
+            for r, ps in zip(rows, paths, strict=True)
+            if name in r.options
+            for p in ps
+        }
+        grown = [0] * len(rows)
+        for path, n in saved(PolicyMap(s.base, rules)).items():
+            if path in owner:  # (a module saving less gives nothing back: a block's option
+                # may already count that saving, as a checkpoint's does)
+                grown[owner[path]] += max(0, n - base.get(path, 0))
+        for r, more in zip(rows, grown, strict=True):
+            if name in r.options:
+                r.options[name].activation_bytes = more
+
+
+def _first_calls(model: nn.Module, run: Any) -> list[str]:
+    """The paths of `model`'s modules in the order of their first call in ``run(model)``
+    (a copy of it, without gradients)."""
+    model = copy.deepcopy(model).train()
+    order: list[str] = []
+    handles = [
+        m.register_forward_pre_hook(lambda *_, path=path: order.append(path))
+        for path, m in model.named_modules()
+    ]
+    try:
+        with torch.no_grad():
+            run(model)
+    finally:
+        for h in handles:
+            h.remove()
+    return list(dict.fromkeys(order))
 
 
 def _saved(

@@ -31,13 +31,22 @@ REPORT_FILES = ("policy.json", "search.md", "search.json")
 @dataclass
 class Option:
     """One format for one layer: bytes, median seconds of its step, damage (the Fisher
-    term), first-order term, and the damage measured alone when a retry needed it."""
+    term), first-order term, the damage measured alone when a retry needed it, and under a
+    search's ``batch_size`` what the layer's saved activations grow by in this format over
+    the baseline's (a float32 layer under a bfloat16 baseline saves float32 ones), which a
+    budget's count of the layer adds (`counted_bytes`)."""
 
     bytes: int
     seconds: float = 0.0
     damage: float = 0.0
     taylor: float = 0.0
     measured_damage: float | None = None
+    activation_bytes: int = 0
+
+    @property
+    def counted_bytes(self) -> int:
+        """What a memory budget counts for the layer in this format."""
+        return self.bytes + self.activation_bytes
 
 
 @dataclass

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from mixprec.hardware import DeviceInfo
 from mixprec.optim.states import StateFormat
-from mixprec.plan.activation_choice import block_rows
+from mixprec.plan.activation_choice import block_rows, layer_activations
 from mixprec.plan.budget import Budget
 from mixprec.plan.inputs import SearchInputs, search_inputs
 from mixprec.plan.measure import Trained, convert, train
@@ -169,6 +169,7 @@ def scored(s: SearchInputs) -> Scored:
     # the blocks' activation options, measured at the batch
     clock = time.perf_counter()
     blocks, outside = block_rows(s, reference)
+    layer_activations(s, rows, blocks)
     if s.batch_size is not None:
         phases["activations"] = time.perf_counter() - clock
     base_costs = {

@@ -272,7 +272,7 @@ def _solve(
     costs = [
         [
             [
-                (r.options[n].bytes if k == "memory" else r.options[n].seconds)
+                (r.options[n].counted_bytes if k == "memory" else r.options[n].seconds)
                 if n in r.options
                 else math.inf
                 for n in names
@@ -407,12 +407,14 @@ def _too_small(
     own, and the formats and activation options that reach it."""
     parts, reachable = [], []
     for k in budget.kinds:
-        key = "bytes" if k == "memory" else "seconds"
         least, fmts = 0.0, set()
         for r in [*rows, *(blocks or [])]:
-            lowest = min(getattr(o, key) for o in r.options.values())
+            cost = {
+                n: o.counted_bytes if k == "memory" else o.seconds for n, o in r.options.items()
+            }
+            lowest = min(cost.values())
             least += lowest
-            fmts |= {n for n, o in r.options.items() if getattr(o, key) == lowest}
+            fmts |= {n for n, c in cost.items() if c == lowest}
         if k == "memory" and budget.memory_bytes is not None:
             smallest = int(least + fixed)
             reachable.append(smallest <= budget.memory_bytes)
