@@ -13,7 +13,7 @@ import pytest
 
 from mixprec.bench.report import conclusion, summarize
 from mixprec.bench.rounds import BUDGET, NARROW, STEPS, RoundPolicy, run_rounds
-from mixprec.bench.runner import OK, LoopResult, RunResult
+from mixprec.bench.runner import OK, OOM, LoopResult, RunResult
 from mixprec.bench.suite import BenchReport, Config, Row
 from mixprec.bench.verdict import (
     FASTER,
@@ -162,7 +162,7 @@ def test_a_swamped_stream_is_too_noisy_to_conclude_and_says_why():
         assert sentence.startswith(
             "Too noisy to conclude how fast bf16-mixed trains the cnn model against float32"
         )
-        assert f"{interval.n} rounds is {interval.width:.1f}x wide" in sentence
+        assert f"{interval.n} rounds is {interval.width:.2f}x wide" in sentence
         assert "under a 1-minute load of 9.0" in sentence
         if advice is not None:
             assert advice in sentence
@@ -351,7 +351,9 @@ def test_a_slower_run_saving_no_memory_does_not_point_at_memory(monkeypatch, pea
     # before: "train in float32 unless memory is what you need" with equal or larger peaks
     monkeypatch.setitem(PEAKS, "bf16-mixed", peak)
     sentence = conclusion(*_with_interval(0.80, 0.85, 0.90))
-    assert sentence.endswith("so here it pays less than there: train in float32 here."), sentence
+    assert sentence.endswith("while here it is slower than float32: train in float32 here."), (
+        sentence
+    )
 
 
 def test_intervals_on_both_sides_of_the_seeds_figure_say_so():
@@ -502,3 +504,79 @@ def test_the_sentence_judges_the_recommended_precision_under_compile_too(compile
     report = BenchReport(meta, rows)
     sentence = conclusion(report, summarize(report))
     assert sentence.startswith("On this machine bf16-mixed") and "3.3x as fast" in sentence
+
+
+@pytest.mark.parametrize(
+    ("low", "median", "high", "than"),
+    [
+        # before: "so here it pays less than there: train in float32 ..." for a run that does
+        # not pay at all, and "about what it pays here" for one slower by its median
+        (0.38, 0.42, 0.46, "while here it is slower than float32: train in float32 unless"),
+        (0.80, 0.92, 1.17, "while here it is no faster than float32."),
+    ],
+)
+def test_a_mixed_precision_slower_than_float32_is_called_slower(low, median, high, than):
+    sentence = conclusion(*_with_interval(low, median, high))
+    assert than in sentence, sentence
+
+
+def test_a_speedup_printed_as_the_seeds_is_printed_finer_than_a_contradiction():
+    """1.11-1.13x printed "1.1x ... the seed experiment got 1.1x ..., so mixed precision
+    pays more here": both now take two digits."""
+    sentence = conclusion(*_with_interval(1.11, 1.12, 1.13))
+    assert "1.12x as fast" in sentence and "got 1.09-1.10x" in sentence, sentence
+
+
+def test_on_cuda_speed_and_memory_are_against_the_same_float32_row_and_the_other_is_said():
+    """CUDA times float32 twice, TF32 off then on: the speedup was against the first row and
+    the memory against the second (5.7x and 47% less, where against TF32 off it was 24%)."""
+    rows = [
+        Row(
+            Config(label, spec, 256, tf32, raw=False),
+            RunResult(OK, LoopResult(step_ms=[ms] * 12, peak_memory=peak), paired=True),
+        )
+        for label, spec, tf32, ms, peak in (
+            ("32-true (TF32 off)", "32-true", False, 296.8, 3848),
+            ("32-true (TF32 on)", "32-true", True, 58.5, 5486),
+            ("bf16-mixed", "bf16-mixed", None, 52.3, 2922),
+        )
+    ]
+    meta = {**_report({k: [1.0] * 10 for k in KEYS}).metadata, "batch_sizes": [256]}
+    report = BenchReport(meta, rows)
+    sentence = conclusion(report, summarize(report))
+    assert "as fast as float32 (TF32 off) with 24% less peak memory" in sentence, sentence
+    assert (
+        "Against float32 (TF32 on) it runs at 1.12x its speed (medians), with 47% less" in sentence
+    )
+
+
+def test_float32_out_of_memory_where_mixed_precision_fits_is_the_finding():
+    """The blog's "-" rows: float32 out of memory at a batch size where bf16-mixed fit read
+    "No mixed precision and float32 ran side by side here to compare", and beside a batch
+    size both ran, the other was left out unsaid."""
+    meta = {**_report({k: [1.0] * 10 for k in KEYS}).metadata, "precisions": list(KEYS)}
+
+    def row(label: str, batch: int, ms: float | None) -> Row:
+        config = Config(label, label, batch, None, raw=False)
+        if ms is None:
+            return Row(config, RunResult(OOM, LoopResult(status=OOM, error="out of memory")))
+        loop = LoopResult(step_ms=[ms] * 12, peak_memory=PEAKS[label])
+        return Row(config, RunResult(OK, loop, paired=True))
+
+    alone = BenchReport(
+        {**meta, "batch_sizes": [512]}, [row("32-true", 512, None), row("bf16-mixed", 512, 5.0)]
+    )
+    sentence = conclusion(alone, summarize(alone))
+    assert sentence.startswith(
+        "On this machine float32 ran out of memory where mixed precision fit: bf16-mixed at "
+        "batch 512 (5.0 ms/step)"
+    ), sentence
+    rows = [row("32-true", 16, 10.0), row("bf16-mixed", 16, 5.0)]
+    both = BenchReport({**meta, "batch_sizes": [16, 512]}, [*rows, *alone.rows])
+    sentence = conclusion(both, summarize(both))
+    assert "2.0x as fast as float32" in sentence and "(batch 16;" in sentence
+    assert sentence.endswith(
+        "Also, float32 ran out of memory where mixed precision fit: "
+        "bf16-mixed at batch 512 (5.0 ms/step), so there is no speed to compare there, and "
+        "memory is what it buys."
+    ), sentence

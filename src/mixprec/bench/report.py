@@ -592,6 +592,50 @@ def _memory_clause(rows: list[Summary], fp32: dict[int, Summary]) -> str | None:
     return f"{less}% less peak memory at {where_less} and {more}% more at {where_more}"
 
 
+def _float32_name(rows: list[Summary], fp32: dict[int, Summary]) -> str:
+    """What the speedups of `rows` are against: "float32", or with its row's setting where
+    the row says one ("float32 (TF32 off)")."""
+    labels = {fp32[s.batch_size].label for s in rows}
+    if len(labels) == 1 and (label := labels.pop()) != BASELINE:
+        return "float32 " + label.removeprefix(BASELINE).strip()
+    return "float32"
+
+
+def _other_float32(rows: list[Summary], summaries: list[Summary], fp32: dict[int, Summary]) -> str:
+    """The finding against float32's second row at the same batch sizes (on CUDA, "TF32
+    on" beside "TF32 off"): its speed ratio (medians) and memory, as a sentence; '' with
+    none."""
+    others: dict[int, Summary] = {}
+    for s in summaries:
+        if _is_baseline(s) and s.median_ms and s is not fp32.get(s.batch_size):
+            others.setdefault(s.batch_size, s)
+    paired = [s for s in rows if s.batch_size in others and s.median_ms]
+    if not paired:
+        return ""
+    name = _float32_name(paired, others)
+    ratios = [others[s.batch_size].median_ms / s.median_ms for s in paired]  # type: ignore[operator]
+    memory = _memory_clause(paired, others)
+    return (
+        f" Against {name} it runs at {_span(ratios, '{:.2f}')}x its speed (medians)"
+        + (f", with {memory}" if memory else "")
+        + "."
+    )
+
+
+def _fits_where_float32_did_not(summaries: list[Summary]) -> str:
+    """The memory finding when float32 ran out of memory at a batch size where a mixed
+    precision fit (the seed's "-" rows), else ''."""
+    oom = {s.batch_size for s in summaries if _is_baseline(s) and s.status == OOM}
+    fit = [s for s in summaries if s.precision != BASELINE and s.batch_size in oom and s.median_ms]
+    if not fit:
+        return ""
+    parts = ", ".join(f"{s.label} at batch {s.batch_size} ({s.median_ms:.1f} ms/step)" for s in fit)
+    return (
+        f"float32 ran out of memory where mixed precision fit: {parts}, so there is no "
+        "speed to compare there, and memory is what it buys"
+    )
+
+
 def _withheld(meta: dict[str, Any], label: str, kind: str, decisive: Interval, batch: int) -> str:
     """The sentence of a verdict withheld: why, and what to do."""
     model, threads = meta["model"], meta.get("threads") or 1
@@ -606,7 +650,7 @@ def _withheld(meta: dict[str, Any], label: str, kind: str, decisive: Interval, b
     return (
         f"Too noisy to conclude {how}: at batch {batch} its speedup lies anywhere in "
         f"{decisive.low:.2f}-{decisive.high:.2f}x (the {CONFIDENCE:.0%} interval of "
-        f"{decisive.n} rounds is {decisive.width:.1f}x wide and holds 1, a verdict needs at "
+        f"{decisive.n} rounds is {decisive.width:.2f}x wide and holds 1, a verdict needs at "
         f"most {MAX_WIDTH:.1f}x or one side of 1){', ' + under if under else ''}; "
         f"{_rerun_advice(threads)}."
     )
@@ -647,8 +691,15 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     meta = report.metadata
     blog = [fp32 / mixed for mixed, fp32 in BLOG_V100_MS.values()]
     seed = f"the seed experiment got {_span(blog, '{:.1f}')}x from mixed precision on its V100 GPU"
-    fp32 = {s.batch_size: s for s in summaries if _is_baseline(s) and s.median_ms}
+    # float32's first row at each batch size, as the speedups take it (`_baseline`): on CUDA
+    # "TF32 off", before "TF32 on", which `_other_float32` states beside it
+    fp32: dict[int, Summary] = {}
+    for s in summaries:
+        if _is_baseline(s) and s.median_ms:
+            fp32.setdefault(s.batch_size, s)
     ok = [s for s in summaries if s.precision != BASELINE and s.speedup and s.batch_size in fp32]
+    if not ok and (fits := _fits_where_float32_did_not(summaries)):
+        return f"On this machine {fits}; {seed}."
     if not fp32 or not ok:
         gap = meta.get("comparison_gap")
         left_out = (gap or {}).get("left_out", {})
@@ -695,10 +746,15 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     digits = "{:.1f}" if verdict.kind == FASTER else "{:.2f}"
     if verdict.kind == FASTER and min(float(f"{x:.1f}") for x in speed) <= 1.0:
         digits = "{:.2f}"  # ("1.0x as fast" reads as no faster)
+    if verdict.kind == FASTER and _span(speed, digits) == _span(blog, digits):
+        # ("1.1x ... the seed got 1.1x ..., so it pays more here" reads as a contradiction)
+        digits = "{:.2f}"
+        seed = seed.replace(f"{_span(blog, '{:.1f}')}x", f"{_span(blog, digits)}x")
+    base = _float32_name(rows, fp32)
     if verdict.kind == FASTER:
-        buys = f"trains the {meta['model']} model {_span(speed, digits)}x as fast as float32"
+        buys = f"trains the {meta['model']} model {_span(speed, digits)}x as fast as {base}"
     else:
-        buys = f"runs the {meta['model']} model at {_span(speed, digits)}x the speed of float32"
+        buys = f"runs the {meta['model']} model at {_span(speed, digits)}x the speed of {base}"
     if memory:
         buys += f" with {memory}"
     batches = _batches(sorted(s.batch_size for s in rows), meta.get("batch_sizes") or [])
@@ -713,21 +769,38 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     # against the seed's figure only what the intervals carry: more or less when every
     # interval lies above or below it, about the same when every one holds it
     intervals = verdict.intervals
-    if all(i.low > max(blog) for i in intervals):
+    # (plain words where it does not pay at all: slower than float32 at every batch size, or
+    # no faster and slower by the median)
+    slower = all(i.high < 1 for i in intervals)
+    if slower or (verdict.kind != FASTER and statistics.median(speed) < 1):
+        than = (
+            "while here it is slower than float32"
+            if slower
+            else "while here it is no faster than float32"
+        )
+    elif all(i.low > max(blog) for i in intervals):
         than = "so mixed precision pays more here than it did there"
     elif all(i.high < min(blog) for i in intervals):
         than = "so here it pays less than there"
-        if statistics.median(speed) < 0.9 * min(blog):
-            if memory and memory.endswith("less peak memory"):
-                than += ": train in float32 unless memory is what you need"
-            else:  # (no memory saved at every batch size: nothing to weigh the speed against)
-                than += ": train in float32 here"
     elif all(i.low <= max(blog) and i.high >= min(blog) for i in intervals):
         than = "about what it pays here"
     else:
         than = "more than that at some batch sizes here and less at others"
+    if (slower or all(i.high < min(blog) for i in intervals)) and statistics.median(
+        speed
+    ) < 0.9 * min(blog):
+        if memory and memory.endswith("less peak memory"):
+            than += ": train in float32 unless memory is what you need"
+        else:  # (no memory saved at every batch size: nothing to weigh the speed against)
+            than += ": train in float32 here"
     sentence = f"On this machine {label} {buys} (batch {batches}; {certainty}); {seed}, {than}."
+    sentence += _other_float32(rows, summaries, fp32)
     sentence += noisy_tail
+    fits = _fits_where_float32_did_not(
+        [s for s in summaries if s.label == label or _is_baseline(s)]
+    )
+    if fits:  # (a batch size float32 could not run is in no interval: said apart)
+        sentence += f" Also, {fits}."
     threads = meta.get("threads") or 1
     load = _other_load(meta)
     if threads > 1 and _is_busy(load, threads, meta.get("device_type", "")):
