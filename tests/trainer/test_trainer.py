@@ -313,8 +313,10 @@ def test_scheduler_does_not_advance_on_a_step_skipped_for_overflow():
     trainer.fit(model, DataLoader(small_targets(96), batch_size=16))
     stats = trainer.precision.scaler.stats()
     assert stats.skipped_steps == 1 and stats.scale == 32768.0
-    # lr after each step: halves per taken step, stays put on the skipped third step
-    assert rec.lrs == [0.05, 0.025, 0.025, 0.0125, 0.00625, 0.003125]
+    # the lr each step used (its row's): halves after each taken step, not after the
+    # skipped third one
+    assert rec.lrs == [0.1, 0.05, 0.025, 0.025, 0.0125, 0.00625]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.003125
     # the skipped step left every parameter exactly as it was
     before, after = model.snapshots[2], model.snapshots[3]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
@@ -333,8 +335,13 @@ class InfAtEveryOther(InfAt):
         return config
 
 
-@pytest.mark.parametrize(("bad", "lrs"), [({1}, [0.05, 0.025]), ({0, 1}, [0.1, 0.05])])
-def test_a_scheduler_stepped_every_few_steps_holds_only_when_its_whole_window_skipped(bad, lrs):
+@pytest.mark.parametrize(
+    ("bad", "lrs", "last"),
+    [({1}, [0.1, 0.1, 0.05, 0.05], 0.025), ({0, 1}, [0.1, 0.1, 0.1, 0.1], 0.05)],
+)
+def test_a_scheduler_stepped_every_few_steps_holds_only_when_its_whole_window_skipped(
+    bad, lrs, last
+):
     """Only the window's last step was asked about: a skip there cost the scheduler the
     whole window's advance, a skip on its first step nothing."""
     rec = Recorder()
@@ -343,7 +350,8 @@ def test_a_scheduler_stepped_every_few_steps_holds_only_when_its_whole_window_sk
     )
     trainer.fit(InfAtEveryOther(bad_batches=bad), DataLoader(small_targets(64), batch_size=16))
     assert trainer.precision.scaler.stats().skipped_steps == len(bad)
-    assert rec.lrs[1::2] == lrs  # after each window's last step
+    assert rec.lrs == lrs  # each step's, the next window's from the step after a window
+    assert trainer.optimizers[0].param_groups[0]["lr"] == last
 
 
 class InfAtWindow(InfAt):
@@ -363,7 +371,7 @@ def test_a_resume_inside_a_schedulers_window_keeps_its_count_of_taken_steps(tmp_
     quiet = dict(precision="16-mixed", allow_slow_precision=True, **SILENT)
     rec, straight = Recorder(), InfAtWindow(bad_batches={2, 3})
     Trainer(max_steps=8, callbacks=[rec], enable_checkpointing=False, **quiet).fit(straight, loader)
-    assert rec.lrs == [0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05, 0.025]
+    assert rec.lrs == [0.1, 0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05]  # each step's own
     saves = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
     Trainer(max_steps=2, callbacks=[saves], **quiet).fit(InfAtWindow({2, 3}), loader)
     resumed, again = Recorder(), InfAtWindow(bad_batches={2, 3})

@@ -806,3 +806,35 @@ def test_early_stopping_resumed_into_a_fit_without_validation_checks_each_epoch_
     resumed = Trainer(max_epochs=5, callbacks=[stopping], default_root_dir=tmp_path / "b", **SILENT)
     resumed.fit(Flat(), train, ckpt_path=tmp_path / "ck" / "epoch=0-step=4.ckpt")
     assert stopping.stopped_epoch == 1  # (epoch 0's end was checked at its validation)
+
+
+def test_a_stop_inside_an_epoch_is_not_ranked_by_a_validation_of_older_weights(tmp_path):
+    """The save a max_steps stop adds was ranked into top-k with the last validation's
+    score, which measured the weights of steps before: it pushed out a validated file,
+    and a resumed run ended with another top-k than an uninterrupted one."""
+    scores = [0.7, 0.6, 0.9, 0.8]
+
+    class Scripted(DropoutNet):
+        def validation_step(self, batch, batch_idx):
+            self.log("score", scores[self.current_epoch])
+
+    def fit(root: Path, **kwargs) -> ModelCheckpoint:
+        check = ModelCheckpoint(monitor="score", save_top_k=2, save_last=True)
+        t = Trainer(default_root_dir=root, seed=0, callbacks=[check], **SILENT, **kwargs)
+        t.fit(Scripted(0), *loaders())
+        return check
+
+    straight = fit(tmp_path / "a", max_epochs=4)
+    cut = fit(tmp_path / "b", max_epochs=4, max_steps=26)  # 12 batches an epoch
+    assert sorted(map(Path, cut.best_k_models)) == [
+        tmp_path / "b" / "checkpoints" / "epoch=0-step=12.ckpt",
+        tmp_path / "b" / "checkpoints" / "epoch=1-step=24.ckpt",
+    ]
+    check = ModelCheckpoint(monitor="score", save_top_k=2, save_last=True)
+    resumed = Trainer(
+        default_root_dir=tmp_path / "b", seed=0, max_epochs=4, callbacks=[check], **SILENT
+    )
+    resumed.fit(Scripted(0), *loaders(), ckpt_path="last")
+    assert sorted(Path(p).name for p in check.best_k_models) == sorted(
+        Path(p).name for p in straight.best_k_models
+    )

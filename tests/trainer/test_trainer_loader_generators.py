@@ -1,17 +1,20 @@
-"""A DataLoader ordered by a generator of its own (``generator=``, or a ``RandomSampler``'s):
+"""A DataLoader ordered by a generator of its own (``generator=``, or a ``RandomSampler``'s)
+or by numpy's or Python's global one (a hand-written sampler):
 a checkpoint keeps that generator's state, so a resumed fit draws the next epochs' orders as
 a fit that never stopped does, at an epoch's end as in its middle."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, Sampler, TensorDataset
 from trainers import SILENT
 
 from mixprec.trainer import Trainer, TrainingModule
@@ -51,9 +54,32 @@ def _sampler_generator() -> DataLoader:
     )
 
 
+class _GlobalShuffle(Sampler):
+    """A sampler shuffling with numpy's or Python's global generator, as hand-written ones
+    often do: a resume inside an epoch replayed torch's generators alone, so the rest of
+    the epoch came in another order (samples seen twice, others skipped)."""
+
+    def __init__(self, n: int, lib: str) -> None:
+        self.n, self.lib = n, lib
+
+    def __iter__(self):
+        if self.lib == "numpy":
+            return iter(np.random.permutation(self.n).tolist())
+        order = list(range(self.n))
+        random.shuffle(order)
+        return iter(order)
+
+    def __len__(self) -> int:
+        return self.n
+
+
 LOADERS = {
     "DataLoader(generator=)": _own_generator,
     "RandomSampler(generator=)": _sampler_generator,
+    "numpy sampler": lambda: DataLoader(_data(), batch_size=8, sampler=_GlobalShuffle(48, "numpy")),
+    "random sampler": lambda: DataLoader(
+        _data(), batch_size=8, sampler=_GlobalShuffle(48, "python")
+    ),
 }
 
 

@@ -273,6 +273,7 @@ class ModelCheckpoint(Callback):
         self._restored_from: Path | None = None  # the directory a restored state describes
         self._step_saved = -1  # the step last saved, or the one this fit started from
         self._validated = False  # a validation ran in this fit
+        self._validated_at: int | None = None  # the step whose weights it last measured
         self._warned = False  # about a monitor not logged yet
 
     @property
@@ -297,10 +298,12 @@ class ModelCheckpoint(Callback):
         self._restored_from = None
         self._step_saved = trainer.global_step  # a resumed state needs no new save
         self._validated = self._warned = False
+        self._validated_at = None
 
     def on_validation_end(self, trainer: Trainer, model: nn.Module) -> None:
         if trainer.stage == "fit":
             self._validated = True
+            self._validated_at = trainer.global_step
 
     def on_train_batch_end(
         self, trainer: Trainer, model: nn.Module, outputs: Any, batch: Any, batch_idx: int
@@ -319,9 +322,17 @@ class ModelCheckpoint(Callback):
             self._save(trainer)
 
     def on_train_end(self, trainer: Trainer, model: nn.Module) -> None:
-        # stopped inside an epoch: its end, and the save there, never come
-        if trainer.batches_done and trainer.global_step != self._step_saved:
-            self._save(trainer)
+        # stopped inside an epoch: its end, and the save there, never come. With a monitor
+        # ranked only when a validation measured these weights (an early stop right after
+        # it); else only last.ckpt is written, for a resume: the last validation's value
+        # belongs to weights steps older
+        if trainer.global_step == self._step_saved:
+            return
+        if trainer.batches_done:
+            measured = self._validated_at == trainer.global_step
+            self._save(trainer, ranked=self.monitor is None or measured)
+        elif self.save_last:  # (an epoch's end off the every_n_train_steps schedule)
+            self._save(trainer, ranked=False)
 
     def _directory(self) -> Path:
         if self.dirpath is None:
@@ -372,16 +383,18 @@ class ModelCheckpoint(Callback):
             score = math.inf if self.mode == "min" else -math.inf
         return score
 
-    def _save(self, trainer: Trainer) -> None:
+    def _save(self, trainer: Trainer, ranked: bool = True) -> None:
         # A Ctrl-C waits until the new file is written, last.ckpt points at it and the
         # checkpoints it displaced are gone: interrupted after the write alone, the directory
         # would keep a file no record names (beyond save_top_k) and a last.ckpt a step behind
         with ctrl_c_deferred():
-            self._write(trainer)
+            self._write(trainer, ranked)
 
-    def _write(self, trainer: Trainer) -> None:
-        score = self._score(trainer, self.monitor) if self.monitor is not None else None
-        keep = 0 if self.monitor is not None and score is None else self.save_top_k
+    def _write(self, trainer: Trainer, ranked: bool = True) -> None:
+        """Save this step: a top-k file when `ranked` and its score (or, unmonitored, its
+        recency) earns one, and last.ckpt with ``save_last``."""
+        score = self._score(trainer, self.monitor) if self.monitor is not None and ranked else None
+        keep = 0 if (self.monitor is not None and score is None) or not ranked else self.save_top_k
         worst = None
         if keep != 0 and score is not None and 0 < keep <= len(self.best_k_models):
             worst = max(

@@ -263,11 +263,16 @@ def train_epoch(run: FitRun) -> None:
     # skips the batches already done, and goes on with the generators as they were at the save.
     if progress.batches_done == 0:
         run.epoch_rng = {
+            # every generator a sampler may draw the order from: torch's, and numpy's and
+            # Python's (a sampler shuffling with np.random or random.shuffle)
+            "all": rng_states(),
             "torch": torch.get_rng_state(),
             "loader": [g.get_state() for g in generators(loader)],
         }
         batches = iter(loader)
     else:
+        if "all" in run.epoch_rng:  # (checkpoints before it kept torch's alone)
+            set_rng_states(run.epoch_rng["all"])
         torch.set_rng_state(run.epoch_rng["torch"])
         for g, s in zip(generators(loader), run.epoch_rng["loader"], strict=True):
             g.set_state(s)
@@ -354,6 +359,10 @@ def train_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
     if run.val_loader is not None and val_due(run, batch_idx):
         validate_during_fit(run, run.val_loader)
     run.hook("on_train_batch_end", output, batch, batch_idx)
+    if run.progress.stepped_this_batch:  # what that hook logged is this step's, as in Lightning
+        late = run.metrics.take_step(run.strategy.mean)
+        if late:
+            run.log.amend_step(run.progress.global_step, late)
 
 
 def measured_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
@@ -507,6 +516,11 @@ def after_step(run: FitRun) -> None:
         for s in run.schedulers
         if s.interval == "step" and run.progress.global_step % s.frequency == 0
     ]
+    # the step's row carries the lr this step used, read before a scheduler moves it (a
+    # tensor lr is set in place: copied first)
+    lr = run.optimizers[0].param_groups[0]["lr"] if run.optimizers else 0.0
+    if due and isinstance(lr, Tensor):
+        lr = lr.clone()
     for s in due:
         if not s.monitor:
             scheduler_step(s.scheduler, s.optimizer)  # does not advance on a skipped step
@@ -516,7 +530,7 @@ def after_step(run: FitRun) -> None:
     else:
         with torch.no_grad():
             loss = torch.stack(losses).mean()
-    log_step(run, loss)
+    log_step(run, loss, lr)
     for s in due:  # a monitored one reads this step's values, once they are logged
         if s.monitor:
             value = monitored_value(run, s)
@@ -542,13 +556,14 @@ def rescale_grads(optimizers: list[LossScaleOptimizer], factor: float) -> None:
                 p.grad.mul_(factor)
 
 
-def log_step(run: FitRun, loss: Tensor) -> None:
-    """This step's values: what self.log recorded, the loss, lr, loss scale and skipped
-    steps. They stay tensors; every ``log_every_n_steps``-th step (and a step a stop request
-    ends) reads them back and logs them, the others only keep them as the latest values."""
+def log_step(run: FitRun, loss: Tensor, lr: Tensor | float) -> None:
+    """This step's values: what self.log recorded, the loss, the `lr` it used, loss scale and
+    skipped steps. They stay tensors; every ``log_every_n_steps``-th step (and a step a stop
+    request ends) reads them back and logs them, the others only keep them as the latest
+    values."""
     row: dict[str, Tensor | float] = run.metrics.take_step(run.strategy.mean)
     row["loss"] = loss
-    row["lr"] = run.optimizers[0].param_groups[0]["lr"] if run.optimizers else 0.0
+    row["lr"] = lr
     scaler = run.precision.scaler
     if scaler.enabled:
         # read before the next step updates it: the row is logged now or replaced by then

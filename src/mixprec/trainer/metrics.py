@@ -323,7 +323,10 @@ class StepLog:
             self._since = None
 
     def reset_run(self) -> None:
-        """Forget the rows and the throughput of the previous run."""
+        """Forget the rows, the throughput and the metrics of the previous run (a monitor
+        in this one ranks only what this one logged, or its checkpoint held)."""
+        self.callback_metrics.clear()
+        self.logged_metrics.clear()
         self.pending.clear()
         self.latest = None
         self.samples, self.fit_samples, self.fit_seconds, self._seconds = 0, 0, 0.0, 0.0
@@ -351,6 +354,15 @@ class StepLog:
                 self._since = now
         self.pending.append((step, row))
         self.flush()
+
+    def amend_step(self, step: int, values: dict[str, Tensor | float]) -> None:
+        """Add `values` (logged after step ``step``'s row was taken: in ``on_train_batch_end``)
+        to that step's row: the latest values while it is kept unread, else a row of their
+        own at that step, logged now."""
+        if self.latest is not None:
+            self.latest.update(values)
+        else:
+            self.add(step, values, flush=True)
 
     def add(self, step: int, row: dict[str, Tensor | float], flush: bool = False) -> None:
         """Queue ``row`` for ``step`` for the loggers; read back now if asked, else with the
