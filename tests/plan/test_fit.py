@@ -417,3 +417,24 @@ def test_sizes_are_read_exactly_and_a_size_given_twice_is_refused() -> None:
     assert parse_bytes("1.005KB") == 1005
     with pytest.raises(ValueError, match="given twice"):
         Budget.of("memory=1GiB,memory=2GiB")
+
+
+def test_a_search_counting_activations_leaves_the_callers_generators_as_they_were() -> None:
+    """The modules' order was read from a forward in training mode outside the seeded
+    runs: a Dropout drew from the caller's generator."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.5), nn.Linear(32, 4))
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    search(
+        model,
+        [batch],
+        F.cross_entropy,
+        budget="memory=1GiB",
+        count="training",
+        batch_size=16,
+        **FAST,
+    )
+    assert torch.equal(torch.rand(4), expected)

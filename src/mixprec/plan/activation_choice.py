@@ -193,16 +193,17 @@ def layer_activations(s: SearchInputs, rows: list[UnitRow], blocks: list[BlockRo
     the model saves at the search's batch with every layer that takes the format in it than
     in the baseline, each module's growth given to the layer it is or follows (a GELU after
     a Linear saves its input in the Linear's output dtype), from the modules' first calls in
-    order; a layer's share is never below 0. The blocks' rows count in the baseline's
+    order, and a module holding layers (a block's own ops, the model's loss) to the last
+    layer in it; a module saving less counts 0. The blocks' rows count in the baseline's
     dtypes, so a plan keeping a block whose layers moved to float32 is counted at about what
     it saves (exactly, for every layer in one format); a recomputed block's layers count
     their growth too, over what the block saves (never under)."""
-    if s.batch_size is None or not blocks:
+    if s.batch_size is None or not rows:
         return
     big = batch_at(s.batches[0], s.batch_size)
-    order = _first_calls(
-        s.model, lambda m: batch_loss(Precision("32-true"), m, fresh(big), s.loss_fn)
-    )
+    precision = Precision("32-true", device=s.device)
+    with seeded(s.seed, s.device):  # (the caller's generators as they were)
+        order = _first_calls(s.model, lambda m: batch_loss(precision, m, fresh(big), s.loss_fn))
     paths = [r.unit.paths + r.unit.aliases for r in rows]
     owner: dict[str, int] = {}  # module path -> the row its saved bytes are given to
     last = None
@@ -211,6 +212,15 @@ def layer_activations(s: SearchInputs, rows: list[UnitRow], blocks: list[BlockRo
         last = own if own is not None else last
         if last is not None:
             owner[path] = last
+    # a module holding layers (a block, the model itself) saves what its own forward
+    # computes around them, mostly after them: its growth goes to the last layer in it
+    for path in order:
+        inside = [
+            owner[p] for p in order if p in owner and p != path and (not path or _under(p, path))
+        ]
+        mine = path in owner and any(_under(path, q) for q in paths[owner[path]])
+        if inside and not mine:
+            owner[path] = inside[-1]
 
     def saved(policy: PolicyMap) -> dict[str, int]:
         return saved_under(s.model, policy, big, s.loss_fn, s.device, s.seed)

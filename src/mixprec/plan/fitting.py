@@ -239,10 +239,10 @@ def _batch_size(batches: Sequence[Any]) -> int:
 
 def _smallest(base: Any, units: list[Any], m: Scored) -> tuple[PolicyMap, int]:
     """Each layer and block in its cheapest option by bytes, and the bytes counted so."""
-    formats = [min(r.options, key=lambda n, r=r: r.options[n].bytes) for r in m.rows]
+    formats = [min(r.options, key=lambda n, r=r: r.options[n].counted_bytes) for r in m.rows]
     options = {b.path: min(b.options, key=lambda o, b=b: b.options[o].bytes) for b in m.blocks}
     counted = (
-        sum(r.options[f].bytes for r, f in zip(m.rows, formats, strict=True))
+        sum(r.options[f].counted_bytes for r, f in zip(m.rows, formats, strict=True))
         + sum(b.options[options[b.path]].bytes for b in m.blocks)
         + m.fixed
     )

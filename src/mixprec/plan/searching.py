@@ -286,7 +286,7 @@ def _why_kept(rows: list[UnitRow], formats: list[str], kind: str) -> None:
     seconds), note how much more that format would hurt it than the median layer, when
     clearly more (`WHY_RATIO`): the reason the search paid for it. A layer without such a note was
     kept because the budget had room, not because it is sensitive."""
-    cost = "bytes" if kind == "memory" else "seconds"
+    cost = "counted_bytes" if kind == "memory" else "seconds"
     for fmt in formats:
         damages = sorted(r.options[fmt].damage for r in rows if fmt in r.options)
         if not damages:

@@ -122,6 +122,14 @@ def verify(
         # the lowest measured loss, a plan within the byte limit before any over it
         if best is None or (over > 0, plan_loss) < (best[4] > 0, best[0].loss):
             best = (v.attempts[-1], v.measured["plan"], v.plans["plan"], options, over)
+        if over and attempt < s.retries:
+            missed = _learn_miss(rows, chosen, blocks, options, v.measured["plan"], s.base.name)
+            v.attempts[-1].note = (
+                f"measured {over} bytes over the byte limit: its layers' activations came to "
+                f"{missed} bytes more than counted, now counted on the layers it moved; "
+                "solved again"
+            )
+            continue
         if gap <= s.tolerance or attempt == s.retries:
             break
         found = _measure_alone(s, rows, chosen, v)
@@ -133,6 +141,30 @@ def verify(
     assert best is not None
     v.best, v.measured["plan"], v.plans["plan"], v.activations, _ = best
     return v
+
+
+def _learn_miss(
+    rows: list[UnitRow],
+    chosen: tuple[str, ...],
+    blocks: list[BlockRow],
+    options: tuple[str, ...],
+    measured: Measured,
+    base: str,
+) -> int:
+    """A plan measured over the byte limit: what its count missed (its measured bytes less
+    the solver's), spread over the layers it moved from the baseline, in the formats it gave
+    them (`Option.activation_bytes`: the growth is theirs, given to the wrong layer or
+    none); the baseline's counts stay, so a plan keeps fitting. Returns the bytes missed."""
+    counted = sum(r.options[c].counted_bytes for r, c in zip(rows, chosen, strict=True)) + sum(
+        b.options[o].bytes for b, o in zip(blocks, options, strict=True)
+    )
+    missed = measured.unit_bytes + measured.activation_bytes + measured.extra_bytes - counted
+    moved = [r.options[c] for r, c in zip(rows, chosen, strict=True) if c != base]
+    if missed > 0 and moved:
+        share = math.ceil(missed / len(moved))
+        for option in moved:
+            option.activation_bytes += share
+    return max(0, missed)
 
 
 def _bytes_over(measured: Measured, limits: list[float], memory_at: int | None) -> int:
@@ -162,7 +194,7 @@ def _count(
     which count them in the baseline's (a float32 plan's are larger)."""
     in_bytes = s.budget.memory_bytes is not None
     paths = [b.path for b in blocks]
-    big = batch_at(s.batches[0], s.batch_size) if blocks and s.batch_size else None
+    big = batch_at(s.batches[0], s.batch_size) if s.batch_size else None
     for name in names:
         m = v.measured[name]
         chosen = options if name == "plan" else tuple("keep" for _ in blocks)
