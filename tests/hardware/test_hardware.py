@@ -438,3 +438,41 @@ def test_a_gemm_ratio_is_shown_on_the_side_of_the_thresholds_it_is_rated_by(rati
     from mixprec.hardware import times_text
 
     assert times_text(ratio) == text
+
+
+ARM_CPUINFO = {
+    # Graviton2 (Neoverse N1) and Graviton3 (Neoverse V1): "Features", no "model name"
+    "0xd0c": "processor\t: 0\nFeatures\t: fp asimd aes crc32 atomics fphp asimdhp asimddp\n"
+    "CPU implementer\t: 0x41\nCPU part\t: 0xd0c\n",
+    "0xd40": "processor\t: 0\nFeatures\t: fp asimd fphp asimdhp sve i8mm bf16 svebf16\n"
+    "CPU implementer\t: 0x41\nCPU part\t: 0xd40\n",
+}
+
+
+def test_arm_cpus_are_told_apart_and_their_bf16_instructions_read(monkeypatch):
+    """Arm's /proc/cpuinfo names its flags "Features" and has no model name: every Arm CPU
+    got the key ('aarch64', no flags), so one's cached GEMM ratios served another, and a
+    CPU with bf16 instructions was "emulated" by its flags."""
+    import builtins
+    import io
+    import platform
+
+    import mixprec.device as device
+
+    real_open = builtins.open
+    found = {}
+    for part, text in ARM_CPUINFO.items():
+
+        def fake_open(path, *args, text=text, **kwargs):
+            if path == "/proc/cpuinfo":
+                return io.StringIO(text)
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", fake_open)
+        monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+        found[part] = (device._cpu_name(), device._cpu_flags())
+    monkeypatch.setattr(builtins, "open", real_open)
+    assert found["0xd0c"][0] == "aarch64 0x41:0xd0c" != found["0xd40"][0]
+    assert "bf16" in found["0xd40"][1] and "bf16" not in found["0xd0c"][1]
+    v1 = support_matrix(DeviceInfo("cpu", found["0xd40"][0], cpu_flags=found["0xd40"][1]))
+    assert v1["bf16-mixed"].status == "supported" and "Arm bfloat16" in v1["bf16-mixed"].reason

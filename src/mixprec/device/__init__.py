@@ -152,7 +152,8 @@ def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                # (x86 names them "flags", Arm "Features": bf16, i8mm, sve...)
+                if line.startswith(("flags", "Features")):
                     return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
@@ -162,13 +163,23 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def _cpu_name() -> str:
+    """The CPU's model name (x86), or its implementer and part numbers (Arm, whose
+    /proc/cpuinfo has no model name: "arm 0x41:0xd40", a Neoverse V1): part of the key the
+    GEMM ratios are cached under, so two CPUs must not share one."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name":
+                    return value.strip()
+                if key in ("CPU implementer", "CPU part") and key not in fields:
+                    fields[key] = value.strip()
     except OSError:
         pass
+    if len(fields) == 2:
+        return f"{platform.machine()} {fields['CPU implementer']}:{fields['CPU part']}"
     return platform.processor() or platform.machine()
 
 
