@@ -580,3 +580,40 @@ def test_float32_out_of_memory_where_mixed_precision_fits_is_the_finding():
         "bf16-mixed at batch 512 (5.0 ms/step), so there is no speed to compare there, and "
         "memory is what it buys."
     ), sentence
+
+
+def _rows(*specs: tuple[str, str, int, bool | None, float | None]) -> BenchReport:
+    """A report of (label, precision, batch, tf32, ms: None for out of memory) rows, 12
+    paired rounds each."""
+    rows = []
+    for label, spec, batch, tf32, ms in specs:
+        config = Config(label, spec, batch, tf32, raw=False)
+        if ms is None:
+            rows.append(Row(config, RunResult(OOM, LoopResult(status=OOM, error="oom"))))
+            continue
+        loop = LoopResult(step_ms=[ms] * 12, peak_memory=PEAKS[spec])
+        rows.append(Row(config, RunResult(OK, loop, paired=True)))
+    batches = sorted({s[2] for s in specs})
+    meta = {**_report({k: [1.0] * 10 for k in KEYS}).metadata, "batch_sizes": batches}
+    return BenchReport(meta, rows)
+
+
+def test_one_batch_size_clearly_faster_is_not_summed_up_as_no_faster():
+    report = _rows(
+        ("32-true", "32-true", 32, None, 12.5),
+        ("bf16-mixed", "bf16-mixed", 32, None, 10.0),
+        ("32-true", "32-true", 64, None, 7.0),
+        ("bf16-mixed", "bf16-mixed", 64, None, 10.0),
+    )
+    sentence = conclusion(report, summarize(report))
+    assert "no faster" not in sentence and "more than that at some batch sizes" in sentence
+
+
+def test_a_batch_size_one_float32_row_ran_at_is_not_said_to_be_out_of_memory():
+    report = _rows(
+        ("32-true (TF32 off)", "32-true", 512, False, 20.0),
+        ("32-true (TF32 on)", "32-true", 512, True, None),
+        ("bf16-mixed", "bf16-mixed", 512, None, 5.0),
+    )
+    sentence = conclusion(report, summarize(report))
+    assert "ran out of memory" not in sentence and "float32 (TF32 off)" in sentence

@@ -597,7 +597,8 @@ def _float32_name(rows: list[Summary], fp32: dict[int, Summary]) -> str:
     the row says one ("float32 (TF32 off)")."""
     labels = {fp32[s.batch_size].label for s in rows}
     if len(labels) == 1 and (label := labels.pop()) != BASELINE:
-        return "float32 " + label.removeprefix(BASELINE).strip()
+        setting = label.removeprefix(BASELINE).strip(" ,()")  # "(TF32 off)", ", activations keep"
+        return f"float32 ({setting})"
     return "float32"
 
 
@@ -615,8 +616,13 @@ def _other_float32(rows: list[Summary], summaries: list[Summary], fp32: dict[int
     name = _float32_name(paired, others)
     ratios = [others[s.batch_size].median_ms / s.median_ms for s in paired]  # type: ignore[operator]
     memory = _memory_clause(paired, others)
+    where = (
+        ""
+        if len(paired) == len(rows)
+        else f" at batch {', '.join(str(s.batch_size) for s in paired)}"
+    )
     return (
-        f" Against {name} it runs at {_span(ratios, '{:.2f}')}x its speed (medians)"
+        f" Against {name}{where} it runs at {_span(ratios, '{:.2f}')}x its speed (medians)"
         + (f", with {memory}" if memory else "")
         + "."
     )
@@ -625,7 +631,8 @@ def _other_float32(rows: list[Summary], summaries: list[Summary], fp32: dict[int
 def _fits_where_float32_did_not(summaries: list[Summary]) -> str:
     """The memory finding when float32 ran out of memory at a batch size where a mixed
     precision fit (the seed's "-" rows), else ''."""
-    oom = {s.batch_size for s in summaries if _is_baseline(s) and s.status == OOM}
+    ran = {s.batch_size for s in summaries if _is_baseline(s) and s.median_ms}
+    oom = {s.batch_size for s in summaries if _is_baseline(s) and s.status == OOM} - ran
     fit = [s for s in summaries if s.precision != BASELINE and s.batch_size in oom and s.median_ms]
     if not fit:
         return ""
@@ -772,7 +779,11 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     # (plain words where it does not pay at all: slower than float32 at every batch size, or
     # no faster and slower by the median)
     slower = all(i.high < 1 for i in intervals)
-    if slower or (verdict.kind != FASTER and statistics.median(speed) < 1):
+    if slower or (
+        verdict.kind != FASTER
+        and statistics.median(speed) < 1
+        and not any(i.low > 1 for i in intervals)
+    ):
         than = (
             "while here it is slower than float32"
             if slower

@@ -329,7 +329,8 @@ class ModelCheckpoint(Callback):
         if trainer.global_step == self._step_saved:
             return
         if trainer.batches_done:
-            measured = self._validated_at == trainer.global_step
+            # (no validation in this fit: the monitor is a training value of this step)
+            measured = self._validated_at in (None, trainer.global_step)
             self._save(trainer, ranked=self.monitor is None or measured)
         elif self.save_last:  # (an epoch's end off the every_n_train_steps schedule)
             self._save(trainer, ranked=False)

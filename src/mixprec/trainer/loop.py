@@ -271,7 +271,9 @@ def train_epoch(run: FitRun) -> None:
         }
         batches = iter(loader)
     else:
-        if "all" in run.epoch_rng:  # (checkpoints before it kept torch's alone)
+        # (checkpoints before it kept torch's alone; several processes save rank 0's only,
+        # and a rank's own numpy or Python order is its own: those replay torch's, as before)
+        if "all" in run.epoch_rng and run.strategy.world_size == 1:
             set_rng_states(run.epoch_rng["all"])
         torch.set_rng_state(run.epoch_rng["torch"])
         for g, s in zip(generators(loader), run.epoch_rng["loader"], strict=True):
@@ -359,10 +361,6 @@ def train_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
     if run.val_loader is not None and val_due(run, batch_idx):
         validate_during_fit(run, run.val_loader)
     run.hook("on_train_batch_end", output, batch, batch_idx)
-    if run.progress.stepped_this_batch:  # what that hook logged is this step's, as in Lightning
-        late = run.metrics.take_step(run.strategy.mean)
-        if late:
-            run.log.amend_step(run.progress.global_step, late)
 
 
 def measured_batch(run: FitRun, batch: Any, batch_idx: int) -> None:

@@ -355,15 +355,6 @@ class StepLog:
         self.pending.append((step, row))
         self.flush()
 
-    def amend_step(self, step: int, values: dict[str, Tensor | float]) -> None:
-        """Add `values` (logged after step ``step``'s row was taken: in ``on_train_batch_end``)
-        to that step's row: the latest values while it is kept unread, else a row of their
-        own at that step, logged now."""
-        if self.latest is not None:
-            self.latest.update(values)
-        else:
-            self.add(step, values, flush=True)
-
     def add(self, step: int, row: dict[str, Tensor | float], flush: bool = False) -> None:
         """Queue ``row`` for ``step`` for the loggers; read back now if asked, else with the
         next flush (at the latest ``every_n_steps`` rows later)."""
