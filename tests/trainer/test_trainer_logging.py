@@ -391,3 +391,19 @@ def test_a_new_run_of_the_trainer_starts_without_the_last_runs_metrics(tmp_path)
     with pytest.warns(UserWarning, match="not logged yet"):
         trainer.fit(model, DataLoader(data(), batch_size=16))  # (no validation)
     assert check.best_k_models == {}
+
+
+@pytest.mark.parametrize("hook", ["on_validation_end", "on_train_end"])
+def test_a_value_logged_after_its_run_took_the_values_is_refused(tmp_path, hook):
+    """A value logged in on_validation_end landed in the next validation's row, one in
+    on_train_end nowhere: both are refused, naming the hook to log in instead."""
+
+    class Late(Model):
+        pass
+
+    setattr(Late, hook, lambda self: self.log("late", 1.0))
+    trainer = Trainer(max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False)
+    with pytest.raises(
+        ValueError, match=f"in {hook}: .* log it in on_(train|validation)_epoch_end"
+    ):
+        trainer.fit(Late(), DataLoader(data(), batch_size=16), DataLoader(data(32), batch_size=16))

@@ -223,7 +223,8 @@ def fit_loop(run: FitRun) -> None:
         train_epoch(run)
         if run.epoch_finished:
             end_epoch(run)
-    run.hook("on_train_end")
+    with run.metrics.refusing("on_train_end"):
+        run.hook("on_train_end")
 
 
 def fit_done(run: FitRun) -> bool:
@@ -711,7 +712,8 @@ def run_eval(
                 getattr(model, f"on_{kind}_epoch_end")()
         metrics = metrics_store.take_epoch(run.strategy.mean)
         run.log.add(run.progress.global_step, dict(metrics), flush=True)
-        run.hook(f"on_{kind}_end")
+        with metrics_store.refusing(f"on_{kind}_end"):
+            run.hook(f"on_{kind}_end")
     metrics_store.training = True
     return metrics
 

@@ -59,6 +59,7 @@ class MetricStore:
         self.training = True
         self.prog_bar: set[str] = set()
         self._hook: str | None = None  # the epoch-level hook running now, if any
+        self._refusing: str | None = None  # a hook running now in which nothing is logged
         self._step: dict[bool, _Sums] = {True: {}, False: {}}
         self._epoch: dict[bool, _Sums] = {True: {}, False: {}}
         self._synced: set[str] = set()
@@ -73,6 +74,17 @@ class MetricStore:
         finally:
             self._hook = None
 
+    @contextlib.contextmanager
+    def refusing(self, name: str) -> Iterator[None]:
+        """While hook ``name`` (``on_train_end``, ``on_validation_end``...) runs, `log`
+        raises: its values would land in a later run's row, or nowhere (Lightning refuses
+        them too)."""
+        self._refusing = name
+        try:
+            yield
+        finally:
+            self._refusing = None
+
     def log(
         self,
         name: str,
@@ -85,6 +97,16 @@ class MetricStore:
         batch_size: int | None = None,
     ) -> None:
         """Record ``value``; see `TrainingModule.log` for the meaning of the options."""
+        if self._refusing is not None:
+            where = (
+                "on_train_epoch_end"
+                if self._refusing == "on_train_end"
+                else (self._refusing.replace("_end", "_epoch_end"))
+            )
+            raise ValueError(
+                f"self.log({name!r}, ...) in {self._refusing}: its values were taken already "
+                f"(they would land in a later row, or nowhere); log it in {where}"
+            )
         if self._hook is not None:
             if on_step or on_epoch is False:
                 raise ValueError(
