@@ -686,6 +686,9 @@ def test_parse_size():
     for tiny in ("0.5", "0", "0k"):  # '0.5' was read as 0 bytes, then refused as 'got 0'
         with pytest.raises(argparse.ArgumentTypeError, match="less than one byte"):
             parse_size(tiny)
+    assert parse_size("4.1MB") == 4_100_000  # (a float product was a byte short)
+    with pytest.raises(argparse.ArgumentTypeError, match="larger than any machine's memory"):
+        parse_size("9000000T")  # (each row failed with an OverflowError in setrlimit)
 
 
 @pytest.mark.cuda

@@ -617,3 +617,36 @@ def test_a_batch_size_one_float32_row_ran_at_is_not_said_to_be_out_of_memory():
     )
     sentence = conclusion(report, summarize(report))
     assert "ran out of memory" not in sentence and "float32 (TF32 off)" in sentence
+
+
+def test_a_withheld_verdict_still_says_float32_ran_out_of_memory_where_mixed_fit():
+    report = _rows(
+        ("32-true", "32-true", 128, None, 10.0),
+        ("bf16-mixed", "bf16-mixed", 128, None, 5.0),
+        ("32-true", "32-true", 256, None, None),
+        ("bf16-mixed", "bf16-mixed", 256, None, 9.0),
+    )
+    for row in report.rows:  # (3 rounds: too few for a verdict)
+        if row.result.status == OK:
+            row.result.mixprec.step_ms = row.result.mixprec.step_ms[:3]
+    sentence = conclusion(report, summarize(report))
+    assert sentence.startswith("Too few rounds"), sentence
+    assert sentence.endswith(
+        "Also, float32 ran out of memory where mixed precision fit: "
+        "bf16-mixed at batch 256 (9.0 ms/step), so there is no speed to compare there, and "
+        "memory is what it buys."
+    ), sentence
+
+
+def test_a_step_vs_keep_cell_of_too_few_rounds_says_how_many():
+    """The cell read "0.80x (0.80-0.80)" from one round, and a 3-round min-max as a 95%
+    interval, where the speedup cell beside it said so."""
+    from mixprec.bench.report import _vs_keep_cell
+
+    report = _rows(("bf16-mixed", "bf16-mixed", 16, None, 5.0))
+    (s,) = summarize(report)
+    s.vs_keep, s.vs_keep_low, s.vs_keep_high = 0.8, 0.8, 0.8
+    s.vs_keep_rounds, s.vs_keep_confidence = 1, 0.0
+    assert _vs_keep_cell(s) == "0.80x (1 round)"
+    s.vs_keep_high, s.vs_keep_rounds, s.vs_keep_confidence = 1.2, 3, 0.75
+    assert _vs_keep_cell(s) == "0.80x (0.80-1.20, 3 rounds)"

@@ -120,6 +120,8 @@ class Summary:
     vs_keep: float | None = None
     vs_keep_low: float | None = None
     vs_keep_high: float | None = None
+    vs_keep_rounds: int | None = None
+    vs_keep_confidence: float | None = None
     raw_error: str | None = None  # why the raw twin did not run, where mixprec's loop did
 
 
@@ -195,6 +197,8 @@ def summarize(report: BenchReport) -> list[Summary]:
                 vs_keep=vs_keep.median if vs_keep else None,
                 vs_keep_low=vs_keep.low if vs_keep and c.activations != "keep" else None,
                 vs_keep_high=vs_keep.high if vs_keep and c.activations != "keep" else None,
+                vs_keep_rounds=vs_keep.n if vs_keep else None,
+                vs_keep_confidence=vs_keep.confidence if vs_keep else None,
                 raw_error=(
                     f"{raw.status} ({raw.error})"
                     if ok and raw is not None and raw.status != OK and raw.error
@@ -235,7 +239,11 @@ def _vs_keep_cell(s: Summary) -> str:
         return "-"
     if s.vs_keep_low is None or s.vs_keep_high is None:
         return f"{s.vs_keep:.2f}x"
-    return f"{s.vs_keep:.2f}x ({s.vs_keep_low:.2f}-{s.vs_keep_high:.2f})"
+    if s.vs_keep_rounds == 1:  # (as `_speedup_cell`: one ratio gives no interval)
+        return f"{s.vs_keep:.2f}x (1 round)"
+    few = s.vs_keep_confidence is not None and s.vs_keep_confidence < CONFIDENCE
+    rounds = f", {s.vs_keep_rounds} rounds" if few and s.vs_keep_rounds else ""
+    return f"{s.vs_keep:.2f}x ({s.vs_keep_low:.2f}-{s.vs_keep_high:.2f}{rounds})"
 
 
 def _cells(s: Summary) -> list[str]:
@@ -422,7 +430,8 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
         out.append(
             "step vs keep: the median over rounds of this row's step time / the same "
             "precision's with every activation kept (--activations keep) at the same batch "
-            f"size, and its {CONFIDENCE:.0%} interval; above 1: slower. checkpoint and "
+            f"size, and its {CONFIDENCE:.0%} interval (with too few rounds for that, the "
+            "interval their number gives, which the cell names); above 1: slower. checkpoint and "
             "selective recompute each block of the model, the other options apply to all of it"
         )
     if any(s.overhead is not None for s in summaries):  # else its column is left out
@@ -748,6 +757,11 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         sentence = _withheld(meta, label, verdict.kind, verdict.decisive, batch)
         if memory:
             sentence += f" It uses {memory} than float32 (memory does not depend on the load)."
+        fits = _fits_where_float32_did_not(
+            [s for s in summaries if s.label == label or _is_baseline(s)]
+        )
+        if fits:
+            sentence += f" Also, {fits}."
         return sentence
     speed = [s.speedup or 0.0 for s in rows]
     digits = "{:.1f}" if verdict.kind == FASTER else "{:.2f}"
