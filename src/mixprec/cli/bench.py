@@ -89,7 +89,7 @@ def parse_size(text: str) -> int:
         )
     prefix, suffix = m.group(2) or "", m.group(3)
     base = 1000 if suffix == "b" else 1024
-    size = int(Fraction(m.group(1)) * base ** _POWERS[prefix])  # (exact: 4.1MB is 4100000)
+    size = int(Fraction(m.group(1)) * base ** _POWERS[prefix])  # (exact decimal arithmetic)
     if size >= 1 << 62:  # (the OS's limits take 64-bit sizes: a larger one failed each row)
         raise argparse.ArgumentTypeError(f"{text!r} is larger than any machine's memory")
     if size < 1:  # '0.5' read as bytes rounded to 0, refused as 'got 0'
