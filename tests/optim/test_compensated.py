@@ -846,7 +846,7 @@ def test_a_low_bit_optimizer_given_a_compensation_is_told_to_take_it_itself():
     ("use master_weights=True for other optimizers"): it compensates its own updates."""
     model = nn.Linear(8, 8)
     low = mixprec.LowBitAdamW(model.parameters(), states="int8", min_size=0)
-    precision = mixprec.Precision("bf16-true", compensation="kahan")
+    precision = mixprec.Precision("bf16-true", compensation="kahan", allow_slow=True)
     with pytest.raises(TypeError, match=r"LowBitAdamW\(\.\.\., compensation='kahan'\)"):
         precision.setup(model, low)
 
