@@ -357,3 +357,40 @@ def test_the_peak_is_a_steps_with_the_optimizers_state_alive(factories):
 
     for method in (CPU_MEMORY_METHOD, CUDA_MEMORY_METHOD):
         assert "one step past the first optimizer update" in method
+
+
+def test_a_run_stopped_during_the_max_batch_search_keeps_its_probes(factories):
+    """SIGTERM in the search (its probe of batch 4, in a process of its own): the probe of
+    batch 2 that fitted was lost and the report did not say the search had been cut. It
+    now keeps the probes made and says how far the search went."""
+    out = factories / "out"
+    args = _bench_args("sleepy", out)
+    args.remove("4")  # (one configuration: batch 2; the search then probes 4)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mixprec.cli", *args, "--max-batch", "--memory-limit", "4GiB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, COLUMNS="200"),
+    )
+    watchdog = threading.Timer(300, proc.kill)  # a run that never prints ends the test
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            if line.startswith("max batch 32-true: 2 fits"):
+                break
+        time.sleep(1.0)  # inside the probe of batch 4's 120 s step
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "max-batch search not finished: 32-true" in " ".join(err.split())
+    kinds = [json.loads(x)["kind"] for x in (out / JOURNAL).read_text().splitlines()]
+    assert kinds == ["start", "row", "probe"]
+    found = json.loads((out / "results.json").read_text())["max_batch"]["32-true"]
+    assert (found["max_batch"], found["first_oom"], found["cut"]) == (2, None, True)
+    assert [p["batch_size"] for p in found["probes"]] == [2]
+    line = "32-true: search cut short when the run was stopped (the largest that fitted: 2)"
+    assert line in (out / "report.md").read_text()

@@ -176,6 +176,7 @@ def test_checkpoint_contents(tmp_path):
         "batch_size": 8,
         "order": {"sampler": "RandomSampler", "batch_sampler": "BatchSampler", "generators": []},
         "loader_rng": [],
+        "step_rows": None,  # (saved mid-epoch, not on its last batch)
     }
     assert state["optimizer_types"] == ["AdamW"]
     assert set(state["rng"]) >= {"python", "torch", "numpy"}

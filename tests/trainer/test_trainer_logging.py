@@ -407,3 +407,72 @@ def test_a_value_logged_after_its_run_took_the_values_is_refused(tmp_path, hook)
         ValueError, match=f"in {hook}: .* log it in on_(train|validation)_epoch_end"
     ):
         trainer.fit(Late(), DataLoader(data(), batch_size=16), DataLoader(data(32), batch_size=16))
+
+
+class EpochRows(TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        self.log("seen", float(len(batch[1])), on_step=True, on_epoch=True)
+        return F.mse_loss(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("same_loggers", [False, True])
+def test_a_fit_resumed_from_an_epochs_last_batch_logs_its_epoch_row_once(tmp_path, same_loggers):
+    """A save on an epoch's last batch (step 8 of 8) comes before the epoch's end, which a
+    resume runs again: the epoch row of step 8 (``seen_epoch``), which the killed run had
+    logged after the save, was kept and logged again, twice in the CSV file and the event
+    file. The rows are now those of a run never stopped, each once, with the same values."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)  # 8 batches an epoch
+
+    def fit(root, callbacks, loggers=None, **kwargs) -> None:
+        torch.manual_seed(0)
+        loggers = loggers or [CSVLogger(root, version=0), TensorBoardLogger(root, version=0)]
+        trainer = Trainer(
+            max_epochs=2,
+            logger=loggers,
+            callbacks=callbacks,
+            log_every_n_steps=1,
+            seed=0,
+            enable_progress_bar=False,
+        )
+        trainer.fit(EpochRows(), loader, loader, **kwargs)
+
+    def saves(root):
+        return [ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=8, save_top_k=-1)]
+
+    def logged(root):
+        run = root / "logs" / "version_0"
+        timed = ("samples_per_sec", "peak_memory_mib")
+        rows = [
+            {k: float(v) for k, v in r.items() if v and k not in timed}
+            for r in csv.DictReader(open(run / "metrics.csv"))
+        ]
+        events = EventAccumulator(str(run))
+        events.Reload()
+        tags = ("loss", "seen_epoch", "val_loss")
+        return rows, {t: [(e.step, e.value) for e in events.Scalars(t)] for t in tags}
+
+    kept = [CSVLogger(tmp_path / "a", version=0), TensorBoardLogger(tmp_path / "a", version=0)]
+    fit(tmp_path / "a", saves(tmp_path / "a"), kept if same_loggers else None)  # killed after
+    resume = tmp_path / "a" / "ck" / "epoch=0-step=8.ckpt"
+    fit(tmp_path / "a", [], kept if same_loggers else None, ckpt_path=resume)
+    fit(tmp_path / "b", saves(tmp_path / "b"))  # never stopped
+    rows, events = logged(tmp_path / "a")
+    assert [r["step"] for r in rows if "seen_epoch" in r] == [8.0, 16.0]
+    assert (rows, events) == logged(tmp_path / "b")

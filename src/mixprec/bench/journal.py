@@ -2,8 +2,9 @@
 
 `Journal` is a `suite.Listener` that appends one JSON line per event to ``rows.jsonl`` (the
 run's metadata and plan, each configuration's row as soon as it is measured, each max-batch
-search, the end), each line flushed and fsynced before the run goes on. A run stopped at any
-point (Ctrl-C, SIGTERM, a crash, a machine taken away) leaves every row it finished;
+probe and search, the end), each line flushed and fsynced before the run goes on. A run
+stopped at any point (Ctrl-C, SIGTERM, a crash, a machine taken away) leaves every row it
+finished;
 `load` turns the file back into a `BenchReport`, marked as stopped when the end is missing,
 from which the report files are written, at the end of a run as after a stop.
 """
@@ -59,6 +60,9 @@ class Journal(Listener):
             }
         )
 
+    def probed(self, name: str, probe: dict[str, Any]) -> None:
+        self._append({"kind": "probe", "precision": name, "probe": probe})
+
     def searched(self, name: str, found: dict[str, Any]) -> None:
         self._append({"kind": "max_batch", "precision": name, "found": found})
 
@@ -99,6 +103,7 @@ def load(path: Path) -> BenchReport | None:
     meta = dict(start["metadata"])
     rows: list[Row] = []
     max_batch: dict[str, dict[str, Any]] = {}
+    probes: dict[str, list[dict[str, Any]]] = {}
     end = None
     elapsed = 0.0
     for record in records[1:]:
@@ -106,12 +111,17 @@ def load(path: Path) -> BenchReport | None:
         if kind == "row":
             rows.append(Row(Config(**record["config"]), RunResult.from_dict(record["result"])))
             elapsed = record["elapsed_s"]
+        elif kind == "probe":
+            probes.setdefault(record["precision"], []).append(record["probe"])
         elif kind == "max_batch":
             max_batch[record["precision"]] = record["found"]
         elif kind == "end":
             end = record["metadata"]
         else:
             raise ValueError(f"{path}: unknown record kind {kind!r}")
+    for name, made in probes.items():  # a search the stop cut short: what its probes found
+        if name not in max_batch:
+            max_batch[name] = _cut_search(made)
     if end is not None:
         meta.update(end)
     else:
@@ -123,3 +133,20 @@ def load(path: Path) -> BenchReport | None:
             "not_run": [f"{c['label']} @ {c['batch_size']}" for c in planned[len(rows) :]],
         }
     return BenchReport(meta, rows, max_batch)
+
+
+def _cut_search(probes: list[dict[str, Any]]) -> dict[str, Any]:
+    """A max-batch search stopped by the run's stop, as far as its probes went: the largest
+    batch that fitted below the smallest that ran out of memory, marked ``cut``."""
+    ooms = [p["batch_size"] for p in probes if not p["fits"]]
+    first_oom = min(ooms, default=None)
+    fitted = [p["batch_size"] for p in probes if p["fits"]]
+    below = [b for b in fitted if first_oom is None or b < first_oom]
+    return {
+        "max_batch": max(below, default=0),
+        "first_oom": first_oom,
+        "capped": False,
+        "error": None,
+        "cut": True,
+        "probes": probes,
+    }

@@ -296,6 +296,13 @@ def stopped_line(report: BenchReport) -> str | None:
     line = f"stopped{by} after {stopped['finished']} of {stopped['planned']} configurations"
     if stopped["not_run"]:
         line += f"; not run: {', '.join(stopped['not_run'])}"
+    unsearched = [
+        label
+        for label in report.metadata.get("max_batch_searches", [])
+        if label not in report.max_batch or report.max_batch[label].get("cut")
+    ]
+    if unsearched:
+        line += f"; max-batch search not finished: {', '.join(unsearched)}"
     return line
 
 
@@ -325,10 +332,18 @@ def rich_table(report: BenchReport, summaries: list[Summary]) -> FittedTable:
 
 def max_batch_lines(report: BenchReport) -> list[str]:
     """One line per precision: the largest batch that fit and the first that did not, or
-    where a failed probe stopped the search."""
+    where a failed probe or the run's stop cut the search short."""
     lines = []
     for name, found in report.max_batch.items():
-        if found["error"]:
+        if found.get("cut"):
+            fitted = (
+                f"the largest that fitted: {found['max_batch']}"
+                if found["max_batch"]
+                else "no batch fitted yet"
+            )
+            oom = f", {found['first_oom']} ran out of memory" if found["first_oom"] else ""
+            lines.append(f"{name}: search cut short when the run was stopped ({fitted}{oom})")
+        elif found["error"]:
             fitted = (
                 f"the largest that fitted before it: {found['max_batch']}"
                 if found["max_batch"]

@@ -692,7 +692,7 @@ def search_max_batch(
     p: Plan,
     name: str,
     workdir: Path,
-    on_probe: Callable[[int, str], None] | None = None,
+    on_probe: Callable[[dict[str, Any]], None] | None = None,
     activations: str | None = None,
 ) -> dict[str, Any]:
     """Largest batch of precision `name` (with activation option `activations`) that fits:
@@ -701,7 +701,8 @@ def search_max_batch(
 
     A probe that errors or times out stops the search: `error` then says which batch and
     why, `max_batch` is the largest batch that fitted before it (0: none) and `first_oom`
-    the smallest that ran out of memory (None: none). `on_probe(batch, status)` follows it.
+    the smallest that ran out of memory (None: none). `on_probe` gets each probe's record
+    (``batch_size``, ``fits``, ``status``, ``peak_memory``) as it ends.
     """
     probes: list[dict[str, Any]] = []
 
@@ -717,7 +718,7 @@ def search_max_batch(
             }
         )
         if on_probe is not None:
-            on_probe(batch, result.status)
+            on_probe(probes[-1])
         if result.status not in (OK, OOM):
             raise _ProbeFailed(f"batch {batch}: {result.status}: {result.error}")
         return fits
@@ -765,8 +766,9 @@ class Listener:
     def measured(self, row: Row, index: int, seconds: float) -> None:
         """Configuration number `index` (from 1) gave `row`; its batch size took `seconds`."""
 
-    def probed(self, name: str, batch: int, status: str) -> None:
-        """A max-batch probe of precision `name` at `batch` ended with `status`."""
+    def probed(self, name: str, probe: dict[str, Any]) -> None:
+        """A max-batch probe of precision `name` ended: its batch size, whether it fitted,
+        its status and peak memory (`search_max_batch`)."""
 
     def searched(self, name: str, found: dict[str, Any]) -> None:
         """The max-batch search of precision `name` found `found`."""
@@ -780,6 +782,12 @@ def run_bench(p: Plan, listeners: Sequence[Listener] = ()) -> BenchReport:
     the max-batch search if asked, telling `listeners` of each row as its batch size ends."""
     meta = metadata(p)
     meta["comparison_gap"] = comparison_gap(p)
+    searches = [
+        (name, option, activation_label(name, option))
+        for name in (p.precisions if p.options.max_batch else [])
+        for option in p.options.activations or [None]
+    ]
+    meta["max_batch_searches"] = [label for _, _, label in searches]
     for listener in listeners:
         listener.started(meta, p.configs)
     t0 = time.perf_counter()
@@ -796,19 +804,16 @@ def run_bench(p: Plan, listeners: Sequence[Listener] = ()) -> BenchReport:
                 for listener in listeners:
                     listener.measured(row, index + 1, seconds)
         max_batch = {}
-        if p.options.max_batch:
-            for name in p.precisions:
-                for option in p.options.activations or [None]:
-                    label = activation_label(name, option)
+        for name, option, label in searches:
 
-                    def on_probe(batch: int, status: str, label: str = label) -> None:
-                        for listener in listeners:
-                            listener.probed(label, batch, status)
+            def on_probe(probe: dict[str, Any], label: str = label) -> None:
+                for listener in listeners:
+                    listener.probed(label, probe)
 
-                    found = search_max_batch(p, name, Path(tmp), on_probe, option)
-                    max_batch[label] = found
-                    for listener in listeners:
-                        listener.searched(label, found)
+            found = search_max_batch(p, name, Path(tmp), on_probe, option)
+            max_batch[label] = found
+            for listener in listeners:
+                listener.searched(label, found)
     end = {
         "elapsed_s": round(time.perf_counter() - t0, 1),
         "load_average_after": _load_average(),

@@ -292,6 +292,8 @@ def peak_memory_mib(device: torch.device) -> float:
 class _Sink(Protocol):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 
+    def resume_at(self, step: int) -> None: ...
+
 
 class _Where(Protocol):
     device: torch.device
@@ -333,6 +335,7 @@ class StepLog:
         self.memory: MemoryReadout | None = None  # the last measured optimizer step's
         self.measured_steps = 0  # optimizer steps of this fit measured so far
         self.step_peak = 0  # tensor bytes at the peak so far of the step being measured
+        self.step_rows: tuple[int, list[dict[str, float]]] = (-1, [])  # the last step's rows
 
     def start_timing(self) -> None:
         """Training time counts from now (an epoch's start, after a validation)."""
@@ -354,6 +357,7 @@ class StepLog:
         self.samples, self.fit_samples, self.fit_seconds, self._seconds = 0, 0, 0.0, 0.0
         self._since = None
         self.memory, self.measured_steps, self.step_peak = None, 0, 0
+        self.step_rows = (-1, [])
 
     def step_row(self, step: int, row: dict[str, Tensor | float], force: bool = False) -> None:
         """The row of training step ``step``: logged now, with the throughput since the last
@@ -397,12 +401,36 @@ class StepLog:
         pending, self.pending, self.latest = self.pending, [], None
         for (step, _), values in zip(pending, numbers, strict=True):
             self.callback_metrics.update(values)
-            self.logged_metrics.update(values)
+            self._hand(step, values)
+        if latest is not None:
+            self.callback_metrics.update(latest)
+
+    def rows_at(self, step: int) -> list[dict[str, float]]:
+        """The rows handed to the loggers at ``step`` so far, where it is the last step
+        logged (a checkpoint on an epoch's last batch keeps them: see `replay`)."""
+        self.flush()
+        return list(self.step_rows[1]) if self.step_rows[0] == step else []
+
+    def replay(self, step: int, rows: list[dict[str, float]]) -> None:
+        """A fit resumes from a save on an epoch's last batch, at ``step``: it runs the
+        epoch's end again, whose rows (epoch values, callbacks') a killed run may have logged
+        after the save. The loggers drop their rows from ``step`` on and are handed again
+        the ones logged before the save, so that each row is held once."""
+        for lg in self.loggers:
+            lg.resume_at(step - 1)
+        for values in rows:
+            self._hand(step, values)
+
+    def _hand(self, step: int, values: dict[str, float]) -> None:
+        """Give a row read back to the loggers (rank 0's), noting it as logged."""
+        self.logged_metrics.update(values)
+        if self.loggers:
+            if step != self.step_rows[0]:
+                self.step_rows = (step, [])
+            self.step_rows[1].append(values)
             if self.where.is_global_zero:
                 for lg in self.loggers:
                     lg.log_metrics(values, step)
-        if latest is not None:
-            self.callback_metrics.update(latest)
 
     def read(self) -> dict[str, float]:
         """``callback_metrics``, the queued rows and the latest step row read back first

@@ -44,6 +44,7 @@ def run_state(run: FitRun) -> dict[str, Any]:
     policy, loop position, schedulers, scaler, callbacks, this process's RNG states, and
     the metrics monitors read (the latest values, the training epoch's sums so far)."""
     at_epoch_end, progress, strategy = run.epoch_finished, run.progress, run.strategy
+    last_batch = not at_epoch_end and progress.batches_done == run.num_training_batches
     # a process's own epoch sums: one file written by rank 0 of several would give every
     # rank rank 0's
     own = strategy.world_size == 1 or strategy.sharded
@@ -63,6 +64,9 @@ def run_state(run: FitRun) -> dict[str, Any]:
             "order": order_of(run.train_loader),
             # the loader's own generators now: the next epochs' orders are drawn from them
             "loader_rng": [g.get_state() for g in generators(run.train_loader)],
+            # saved on an epoch's last batch, the rows logged at this step before the save:
+            # a resume runs the epoch's end again and logs its rows anew (`StepLog.replay`)
+            "step_rows": run.log.rows_at(progress.global_step) if last_batch else None,
         },
         "optimizer_types": [type(opt.optimizer).__name__ for opt in run.optimizers],
         # each optimizer's parameter groups by parameter name: a resume holds them the same
@@ -374,8 +378,12 @@ def restore_progress(run: FitRun, state: dict[str, Any], path: Path) -> None:
     metrics = state.get("metrics", {})  # absent from checkpoints written before it was kept
     run.log.callback_metrics.update(metrics.get("callback", {}))
     run.metrics.load_training_epoch_sums(metrics.get("training_epoch", {}), run.strategy.device)
-    for lg in run.trainer.loggers:
-        lg.resume_at(progress.global_step)
+    rows = loop.get("step_rows")  # (absent from checkpoints written before it was kept)
+    if rows is not None:
+        run.log.replay(progress.global_step, rows)
+    else:
+        for lg in run.trainer.loggers:
+            lg.resume_at(progress.global_step)
     log.info(
         "resumed from %s at epoch %d, batch %d, step %d",
         path,
