@@ -422,6 +422,35 @@ def test_joint_step_with_a_nan_in_one_of_two_16_true_optimizers_keeps_the_other_
     assert not torch.equal(model[0].weight, before["0.weight"])
 
 
+def test_joint_step_waits_for_the_end_of_an_accumulation_window():
+    """Two optimizers whose host holds them inside an accumulation window (`step_gate`,
+    Accelerate's ``sync_gradients``): `precision.step(a, b)` stepped them and updated the
+    scale at every micro-batch, where each one's own `step` waits. It now waits too, and
+    optimizers held and free at once are refused."""
+    precision = _fp16_precision()
+    model = mlp()
+    model, a, b = precision.setup(
+        model,
+        torch.optim.SGD(model[0].parameters(), lr=0.1),
+        torch.optim.SGD(model[2].parameters(), lr=0.1),
+    )
+    window = {"ends": False}
+    a.step_gate = b.step_gate = lambda: window["ends"]
+    before = copy.deepcopy(model.state_dict())
+    precision.backward(_loss(model))
+    assert precision.step(a, b) is False and precision.step() is False
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert precision.scaler.stats().steps == 0
+    precision.backward(_loss(model))
+    window["ends"] = True
+    assert precision.step(a, b) is True and precision.scaler.stats().steps == 1
+    assert not torch.equal(model[0].weight, before["0.weight"])
+    b.step_gate = None
+    window["ends"] = False
+    with pytest.raises(ValueError, match="some are inside an accumulation window"):
+        precision.step(a, b)
+
+
 def test_a_bad_scaler_state_leaves_the_optimizer_untouched():
     model = mlp()
     opt = LossScaleOptimizer(torch.optim.Adam(model.parameters()), DynamicLossScaler(2.0**8))

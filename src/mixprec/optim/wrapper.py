@@ -757,7 +757,9 @@ def joint_step(*optimizers: LossScaleOptimizer) -> bool:
     As ``torch.amp.GradScaler`` does: every optimizer's gradients are unscaled and checked
     on their own (the flags are all-reduced across ranks), each optimizer steps unless its
     own gradients overflowed, and the scale is updated once, backing off if any overflowed.
-    Returns True when every optimizer stepped; ``step_was_skipped`` tells each one.
+    Returns True when every optimizer stepped; ``step_was_skipped`` tells each one. Inside
+    an accumulation window their ``step_gate`` keeps (Accelerate's), nothing is stepped
+    and False is returned, as each one's ``step`` does.
     """
     if not optimizers:
         raise ValueError("joint_step() needs at least one LossScaleOptimizer")
@@ -773,6 +775,16 @@ def joint_step(*optimizers: LossScaleOptimizer) -> bool:
     scaler = optimizers[0].scaler
     if any(opt.scaler is not scaler for opt in optimizers):
         raise ValueError("joint_step() needs optimizers that share one scaler")
+    # inside a host's accumulation window (`step_gate`), as one optimizer's `step`: no step
+    held = [opt.step_gate is not None and not opt.step_gate() for opt in optimizers]
+    if any(held):
+        if not all(held):
+            raise ValueError(
+                "joint_step() got optimizers of which some are inside an accumulation window "
+                "(their step_gate holds them: Accelerate's sync_gradients is False) and some "
+                "are not: step them together at the end of one window, or step each on its own"
+            )
+        return False
     return _step_together(optimizers)
 
 
