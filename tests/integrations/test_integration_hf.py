@@ -267,15 +267,36 @@ def test_mixprec_trainer_with_a_given_optimizer_and_16_bit_weights(tmp_path):
             precision=Precision("16-true", allow_slow=True, scaler=1024.0),
         )
 
-    with pytest.raises(ValueError, match="float32 master weights.*max_grad_norm=0"):
-        trainer(1.0).train()
     before = model.transformer.h[0].mlp.c_fc.weight.detach().clone()
-    run = trainer(0.0)
+    run = trainer(1e-3)  # (the masters were refused with max_grad_norm > 0: out of HF's reach)
     run.train()
     assert run.optimizer.optimizer is optimizer and len(run.optimizer.master_params) > 0
     weight = model.transformer.h[0].mlp.c_fc.weight
     assert weight.dtype == torch.float16 and not torch.equal(weight, before)
     assert scheduler.last_epoch == 2
+    # HF's clip and logged norm are the masters' (HF logged 0 when it could not see them)
+    norms = [r["grad_norm"] for r in run.state.log_history if "grad_norm" in r]
+    assert len(norms) == 2 and all(n > 1e-3 for n in norms)
+    masters = list(run.optimizer.master_params.values())
+    assert sum(float(m.grad.norm()) ** 2 for m in masters) ** 0.5 == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_mixprec_trainer_refuses_to_clip_gradients_its_optimizer_leaves_scaled(tmp_path):
+    """An optimizer given over part of the model while the rest still trains: HF clipped
+    model.parameters(), whose other gradients no optimizer unscales (still multiplied by
+    the loss scale), so the norm was 65536 times too large and the stepped parameters
+    were clipped to nothing, silently. Now refused, naming them."""
+    model = tiny_gpt2()
+    optimizer = torch.optim.SGD(model.transformer.ln_f.parameters(), lr=0.1)
+    trainer = MixprecTrainer(
+        model=model,
+        args=hf_args(tmp_path, max_steps=1, max_grad_norm=1.0),
+        train_dataset=token_rows(),
+        optimizers=(optimizer, None),
+        precision=Precision("16-mixed", allow_slow=True),
+    )
+    with pytest.raises(ValueError, match="hold gradients that no optimizer set up"):
+        trainer.train()
 
 
 def test_mixprec_trainer_resumes_an_hf_checkpoint_bit_for_bit(tmp_path):
@@ -740,3 +761,55 @@ def test_mixprec_trainer_says_how_to_allow_a_slow_precision(tmp_path, monkeypatc
     message = str(caught.value)
     assert "allow_slow_precision" not in message
     assert "Precision('16-mixed', allow_slow=True)" in message
+
+
+def test_a_trained_model_prepared_past_mixprec_on_a_routed_accelerator_is_refused():
+    """A second model (a critic) given to `accelerator.prepare` directly after `prepare`
+    routed the accelerator's backward: its loss was multiplied by the loss scale and its
+    AcceleratedOptimizer stepped gradients 65536 times too large, silently. A model with
+    trainable parameters or an optimizer is now refused there; a frozen one goes through,
+    and under a policy without loss scaling everything does."""
+    accelerator = accelerate.Accelerator(mixed_precision="no", cpu=True)
+    precision = Precision("16-mixed", allow_slow=True)
+    a, opt_a, b, opt_b = two_models()
+    prepare(accelerator, precision, a, opt_a)
+    critic = torch.nn.Linear(4, 1)
+    with pytest.raises(ValueError, match="Linear given to accelerator.prepare directly"):
+        accelerator.prepare(critic)
+    with pytest.raises(ValueError, match="SGD given to accelerator.prepare directly"):
+        accelerator.prepare(torch.optim.SGD(critic.parameters(), lr=0.1))
+    teacher = torch.nn.Linear(4, 1).requires_grad_(False)
+    assert accelerator.prepare(teacher) is teacher
+    prepare(accelerator, precision, b, opt_b)  # a second mixprec model still goes through
+
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    unscaled = accelerate.Accelerator(mixed_precision="no", cpu=True)
+    a, opt_a, _, _ = two_models()
+    prepare(unscaled, Precision("bf16-mixed", allow_slow=True), a, opt_a)
+    assert unscaled.prepare(critic) is critic  # nothing scales its loss
+
+
+def test_mixprec_trainer_refuses_to_resume_a_checkpoint_of_another_precision(tmp_path):
+    """HF's resume took a bf16-mixed checkpoint into bf16-true silently (the optimizer
+    state cast, the masters gone) and a 16-mixed one into bf16-mixed with a message about
+    loss scaler kinds; the Lightning door names both precisions. So does this one now,
+    before anything is loaded; the same precision resumes."""
+
+    def trainer(root, precision: str, steps: int) -> MixprecTrainer:
+        args = hf_args(root, max_steps=steps, save_strategy="steps", save_steps=2)
+        return MixprecTrainer(
+            model=tiny_gpt2(),
+            args=args,
+            train_dataset=token_rows(),
+            precision=Precision(precision, allow_slow=True),
+        )
+
+    trainer(tmp_path / "a", "bf16-mixed", 2).train()
+    saved = tmp_path / "a" / "checkpoint-2"
+    assert json.loads((saved / "mixprec_precision.json").read_text())["policy"]
+    other = trainer(tmp_path / "b", "bf16-true", 3)
+    before = {n: p.detach().clone() for n, p in other.model.named_parameters()}
+    with pytest.raises(ValueError, match=r"saved under PolicyMap\('bf16-mixed'.*bf16-true"):
+        other.train(resume_from_checkpoint=str(saved))
+    assert all(torch.equal(p, before[n]) for n, p in other.model.named_parameters())
+    trainer(tmp_path / "c", "bf16-mixed", 3).train(resume_from_checkpoint=str(saved))

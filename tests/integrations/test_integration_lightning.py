@@ -558,6 +558,29 @@ def test_a_checkpoint_of_another_precision_is_refused_naming_both():
     MixprecPrecision("16-true", allow_slow=True).load_state_dict(saved)  # the same: loads
 
 
+def test_a_checkpoint_another_plugin_saved_is_refused_on_resume(tmp_path):
+    """Lightning restores a plugin's state only where the checkpoint holds it: a run saved
+    under Lightning's own precision resumed under MixprecPrecision('16-mixed') silently,
+    its loss scaler fresh. Refused now; a checkpoint without plugin state (Lightning's
+    32-true) still resumes under a 32-true policy."""
+    trainer = _trainer(max_steps=2)
+    trainer.fit(_model(), _loader())
+    path = tmp_path / "plain.ckpt"
+    trainer.save_checkpoint(path)
+    with pytest.raises(ValueError, match=r"saved by Lightning's default precision .*16-mixed"):
+        resumed = _trainer(MixprecPrecision("16-mixed", allow_slow=True), max_steps=3)
+        resumed.fit(_model(), _loader(), ckpt_path=path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["MixedPrecision"] = {"scale": 512.0, "_growth_tracker": 0}
+    torch.save(checkpoint, tmp_path / "amp.ckpt")
+    with pytest.raises(ValueError, match=r"another precision plugin \(MixedPrecision\)"):
+        resumed = _trainer(MixprecPrecision("32-true"), max_steps=3)
+        resumed.fit(_model(), _loader(), ckpt_path=tmp_path / "amp.ckpt")
+    resumed = _trainer(MixprecPrecision("32-true"), max_steps=3)
+    resumed.fit(_model(), _loader(), ckpt_path=path)
+    assert resumed.global_step == 3
+
+
 def test_loading_another_plugins_state_is_refused():
     with pytest.raises(ValueError, match="not a MixprecPrecision state"):
         MixprecPrecision("bf16-mixed").load_state_dict({"scale": 65536.0})

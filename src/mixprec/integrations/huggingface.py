@@ -43,8 +43,10 @@ from torch import nn
 
 from mixprec.doctor.monitor import PrecisionMonitor
 from mixprec.errors import SlowPrecisionError
+from mixprec.files import write_atomically
 from mixprec.optim import LossScaleOptimizer, SkipAwareScheduler
 from mixprec.optim.scaling import LossScaler
+from mixprec.policy.map import config_in_words, resumable_config
 from mixprec.precision import Precision
 
 __all__ = [
@@ -184,6 +186,7 @@ def _json_safe(row: dict[str, float]) -> dict[str, float | str]:
 
 
 _ROUTE = "_mixprec_route"
+PRECISION_FILE = "mixprec_precision.json"  # a MixprecTrainer checkpoint's policy
 
 
 class _Route:
@@ -193,6 +196,7 @@ class _Route:
     def __init__(self, precision: Callable[[], Precision]) -> None:
         self.precision = precision
         self.optimizers: list[LossScaleOptimizer] = []
+        self.prepare: Callable[..., Any] | None = None  # Accelerate's own, where guarded
 
     def live(self) -> list[LossScaleOptimizer]:
         """The wrappers still set up (not retired by a later ``setup``)."""
@@ -352,9 +356,10 @@ class MixprecTrainer(transformers.Trainer):
     ``optimizers=(optimizer, scheduler)`` is wrapped too; build its scheduler on the plain
     optimizer. To combine with another Trainer subclass: ``class T(MixprecTrainer, SFTTrainer)``.
 
-    HF clips ``model.parameters()``. Under a "true" 16-bit policy with float32 master
-    weights the gradients live in the masters, out of its reach: that case is refused with
-    ``max_grad_norm > 0`` (set ``max_grad_norm=0``, or use a mixed policy).
+    HF clips ``model.parameters()`` through the accelerator, whose clipping is the
+    precision's here: float32 master weights are clipped where they hold the gradients,
+    and gradients no optimizer set up here steps (still multiplied by the loss scale) are
+    refused by name.
     """
 
     def __init__(self, *args: Any, precision: Precision | Any, **kwargs: Any) -> None:
@@ -382,13 +387,6 @@ class MixprecTrainer(transformers.Trainer):
         if not isinstance(optimizer, LossScaleOptimizer):
             _, optimizer = self.precision.setup(self.model, optimizer)
             self.optimizer = optimizer
-        if self.args.max_grad_norm > 0 and optimizer.master_params:
-            raise ValueError(
-                f"{len(optimizer.master_params)} parameters keep float32 master weights "
-                f"(policy {self.precision.policy.name}): their gradients live in the masters, "
-                "which HF's clipping over model.parameters() does not see. Set "
-                "TrainingArguments(max_grad_norm=0), or train with a mixed policy"
-            )
         return optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
@@ -408,6 +406,44 @@ class MixprecTrainer(transformers.Trainer):
         as torch's default."""
         super().create_accelerator_and_postprocess()
         _route_backward(self.accelerator, lambda: self.precision)
+        # HF clips (and measures the norm it logs) with the accelerator's clip over
+        # model.parameters(): the precision's, which clips float32 masters where they hold
+        # the gradients and refuses gradients no optimizer here unscales (still multiplied
+        # by the loss scale, they would dominate the norm and clip the others to nothing)
+        self.accelerator.clip_grad_norm_ = self._clip_grad_norm_
+        self.accelerator.clip_grad_value_ = self._clip_grad_value_
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """HF's optimizer and scheduler files, and the policy they belong to (a resume
+        checks it: the loss scaler, masters and optimizer state are that policy's)."""
+        super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            policy = {"policy": self.precision.policy.to_config()}
+            write_atomically(Path(output_dir) / PRECISION_FILE, json.dumps(policy, indent=1))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """HF's resume, refused first where the checkpoint was saved under another policy
+        (checkpoints written before the policy was kept are taken as they are)."""
+        path = Path(resume_from_checkpoint) / PRECISION_FILE
+        if path.is_file():
+            saved = json.loads(path.read_text())["policy"]
+            if resumable_config(saved) != resumable_config(self.precision.policy.to_config()):
+                raise ValueError(
+                    f"{resume_from_checkpoint} was saved under {config_in_words(saved)}, "
+                    f"this run's precision is {self.precision.policy!r}: MixprecTrainer "
+                    "resumes a run in the precision that saved it (its loss scaler, masters "
+                    "and optimizer state are that precision's). To go on in another "
+                    "precision, load the checkpoint's weights "
+                    "(AutoModel.from_pretrained(checkpoint)) and train without "
+                    "resume_from_checkpoint"
+                )
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _clip_grad_norm_(self, params: Any, max_norm: float, norm_type: float = 2.0) -> Any:
+        return self.precision.clip_grad_norm_(params, max_norm, norm_type)
+
+    def _clip_grad_value_(self, params: Any, clip_value: float) -> None:
+        self.precision.clip_grad_value_(params, clip_value)
 
     def training_step(self, model: nn.Module, inputs: Any, num_items_in_batch: Any = None) -> Any:
         """HF's step; after the last micro-batch of an optimizer step, the gradients are
@@ -511,7 +547,8 @@ def prepare(
         )
     model = model.to(accelerator.device)  # masters are made on the parameters' device
     model, wrapped = precision.setup(model, optimizer)
-    prepared = accelerator.prepare(model, wrapped, *objects)
+    own = route.prepare if route is not None and route.prepare is not None else None
+    prepared = (own or accelerator.prepare)(model, wrapped, *objects)
     for scheduler in prepared[2:]:
         if isinstance(scheduler, AcceleratedScheduler):
             if getattr(scheduler.scheduler, "optimizer", None) is not optimizer:
@@ -540,6 +577,26 @@ def _route_accelerator(accelerator: Any, precision: Precision, route: _Route) ->
 
     accelerator.clip_grad_norm_ = precision.clip_grad_norm_
     accelerator.clip_grad_value_ = precision.clip_grad_value_
+    route.prepare = own = accelerator.prepare
+
+    def guarded_prepare(*args: Any, **kwargs: Any) -> Any:
+        # this accelerator's backward scales every loss: a model trained or an optimizer
+        # stepped past the precision would step gradients multiplied by the loss scale
+        for obj in args:
+            trained = isinstance(obj, nn.Module) and any(p.requires_grad for p in obj.parameters())
+            if precision.scaler.enabled and (trained or isinstance(obj, torch.optim.Optimizer)):
+                raise ValueError(
+                    f"this accelerator's backward multiplies every loss by mixprec's loss "
+                    f"scale (prepare() set it up with a {precision.policy.name} Precision): a "
+                    f"{type(obj).__name__} given to accelerator.prepare directly would "
+                    "train on gradients still multiplied by it. Set up each trained model "
+                    "with its optimizer through mixprec's prepare(accelerator, precision, "
+                    "model, optimizer), with the same Precision (a frozen model, without "
+                    "trainable parameters, may go through accelerator.prepare)"
+                )
+        return own(*args, **kwargs)
+
+    accelerator.prepare = guarded_prepare
 
     def unscale_gradients(optimizer: Any = None) -> None:
         if optimizer is None:

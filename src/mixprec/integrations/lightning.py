@@ -52,11 +52,10 @@ except ImportError as err:  # pragma: no cover - the extra is installed wherever
     ) from err
 
 from mixprec.doctor.monitor import PrecisionMonitor
-from mixprec.errors import PolicySpecError
 from mixprec.hardware import DeviceInfo, device_of
 from mixprec.optim import LossScaleOptimizer, SkipAwareScheduler
 from mixprec.optim.scaling import LossScaler
-from mixprec.policy.map import PolicyMap, resumable_config
+from mixprec.policy.map import PolicyMap, config_in_words, resumable_config
 from mixprec.precision import Precision
 
 __all__ = [
@@ -127,15 +126,6 @@ def _calling(zero_grad: Any) -> Any:
         zero_grad(set_to_none=set_to_none)
 
     return method
-
-
-def _described(config: Any) -> str:
-    """A saved policy map's config in words: the map, or its config where its type rules'
-    classes cannot be imported here."""
-    try:
-        return repr(PolicyMap.from_config(config))
-    except PolicySpecError:
-        return repr(config)
 
 
 class MixprecPrecision(LightningPrecision):
@@ -398,6 +388,35 @@ class MixprecPrecision(LightningPrecision):
             optimizers.append(state)
         return {"precision": self.mixprec.state_dict(), "optimizers": optimizers}
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a checkpoint another precision plugin saved (Lightning restores this
+        plugin's state only where the checkpoint holds it, so a foreign one went on
+        silently, its scaler fresh). One without any plugin state, as Lightning's default
+        32-true writes, resumes under a 32-true policy."""
+        if type(self).__qualname__ in checkpoint:
+            return
+        others = sorted(
+            k
+            for k in checkpoint
+            if isinstance(k, str) and (k.endswith("Precision") or k == "native_amp_scaling_state")
+        )
+        plain = resumable_config(PolicyMap("32-true").to_config())
+        if not others and resumable_config(self.mixprec.policy.to_config()) == plain:
+            return
+        saved_by = (
+            f"another precision plugin ({', '.join(others)})"
+            if others
+            else "Lightning's default precision (32-true) or another plugin"
+        )
+        raise ValueError(
+            f"the checkpoint holds no {type(self).__qualname__} state: it was saved by "
+            f"{saved_by}, and this run's precision is {self.mixprec.policy!r}. "
+            "MixprecPrecision resumes the runs it saved (its loss scaler, masters and "
+            "optimizer state are that precision's). To go on under it, load the checkpoint's "
+            "weights into the model (model.load_state_dict(torch.load(path)['state_dict'])) "
+            "and fit without ckpt_path"
+        )
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the scaler, each optimizer's masters and a converted optimizer's state;
         Lightning restores the optimizers it holds afterwards."""
@@ -416,7 +435,7 @@ class MixprecPrecision(LightningPrecision):
             self.mixprec.policy.to_config()
         ):
             raise ValueError(
-                f"the checkpoint was saved under {_described(saved_policy)}, this run's "
+                f"the checkpoint was saved under {config_in_words(saved_policy)}, this run's "
                 f"precision is {self.mixprec.policy!r}: MixprecPrecision resumes a run in the "
                 "precision that saved it (its loss scaler, masters and optimizer state are "
                 "that precision's). To go on in another precision, load the checkpoint's "

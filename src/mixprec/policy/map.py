@@ -81,6 +81,7 @@ __all__ = [
     "float_dtypes",
     "is_policy_file",
     "island_policy",
+    "config_in_words",
     "resumable_config",
 ]
 
@@ -817,3 +818,12 @@ def resumable_config(config: Any) -> Any:
     if isinstance(config, Mapping):
         return {k: v for k, v in config.items() if k != "activations"}
     return config
+
+
+def config_in_words(config: Any) -> str:
+    """A saved map's ``to_config()`` in words: the map it builds, or the config itself where
+    its type rules' classes cannot be imported here (a class defined in a script)."""
+    try:
+        return repr(PolicyMap.from_config(config))
+    except PolicySpecError:
+        return repr(config)
