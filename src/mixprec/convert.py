@@ -63,8 +63,14 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     """Cast every floating tensor in a nested structure (see `mixprec.tree`) to `dtype`."""
     if isinstance(obj, Tensor):  # the common cases, without the walker's bookkeeping
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
-    if type(obj) is tuple and all(isinstance(t, Tensor) for t in obj):
-        return tuple(cast_floating(t, dtype) for t in obj)
+    if type(obj) in (tuple, list):
+        for t in obj:  # (a batch with nothing to cast, the usual one, is kept as it is)
+            if type(t) is not Tensor or (t.dtype != dtype and t.dtype.is_floating_point):
+                break
+        else:
+            return obj
+        if type(obj) is tuple and all(isinstance(t, Tensor) for t in obj):
+            return tuple(cast_floating(t, dtype) for t in obj)
     if type(obj) is dict and not obj:
         return obj
     return map_tensors(

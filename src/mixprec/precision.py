@@ -154,7 +154,10 @@ class Precision:
         self._scaler: LossScaler | None = None
         self._configured_scaler: dict[str, Any] = {}  # the scaler's state as built
         self._resolved: tuple[DeviceInfo, Support] | None = None  # the device checked
-        self._mixed = False  # the policy's default is mixed (set with the policy)
+        # whether the default policy autocasts, and its compute dtype: set with the policy,
+        # read by every step (attributes, where the policy's properties are calls)
+        self.mixed = False
+        self._compute_dtype = torch.float32
         if not is_auto(spec):
             self._choose(None)
         elif device_info is not None or self.device is not None:
@@ -175,7 +178,8 @@ class Precision:
             self._scaler_spec, needs_scaling=self._policy.needs_loss_scaling
         )
         self._configured_scaler = self._scaler.state_dict()
-        self._mixed = self._policy.default.is_mixed  # read by every `backward`
+        self.mixed = self._policy.default.is_mixed
+        self._compute_dtype = self._policy.default.compute_dtype
 
     def resolve(self, device: torch.device | str | None = None) -> Support:
         """Settle this precision for the device it runs on, once: ``"auto"`` becomes the
@@ -437,7 +441,7 @@ class Precision:
         if scaler is None:
             raise self._unresolved()
         scaled = scale_for_backward(loss, scaler, self.optimizers)
-        dtype = None if self._mixed else backward_dtype(self.policy.default)
+        dtype = None if self.mixed else backward_dtype(self.policy.default)
         if dtype is None:
             scaled.backward(**kwargs)
         else:
@@ -503,6 +507,8 @@ class Precision:
                 self.before_step()
             else:
                 closure = self._then_before_step(closure)
+        if closure is None and not optimizers and len(self.optimizers) == 1:
+            return self.optimizers[0].step()  # the Trainer's call, `precision.step()`
         if (
             closure is None
             and len(optimizers) == 1
@@ -576,12 +582,12 @@ class Precision:
         of a mixed policy; does nothing for a "true" policy. ``cache_enabled=False`` drops
         autocast's cache of weight casts, for a context that an optimizer step runs inside
         (the cached copies would serve the old weights to a later forward)."""
-        policy = self.policy.default
-        device = self.device or default_device()
+        if self._policy is None:
+            raise self._unresolved()
         return torch.autocast(
-            device.type,
-            dtype=policy.compute_dtype,
-            enabled=self._mixed,
+            (self.device or default_device()).type,
+            dtype=self._compute_dtype,
+            enabled=self.mixed,
             cache_enabled=cache_enabled,
         )
 
@@ -591,21 +597,19 @@ class Precision:
         takes it); for a "true" policy torch's default dtype set to the compute dtype
         (restored on exit), so tensors created without a dtype (``torch.ones(n, 3)``) match
         the weights."""
-        policy = self.policy.default
-        if self._mixed:  # (the policy's, read once: every step enters this)
+        if self.mixed:  # (every step enters this)
             return self.autocast(cache_enabled=cache_enabled)
-        if needs_default_dtype(policy.compute_dtype):
-            return default_dtype(policy.compute_dtype)
+        if needs_default_dtype(self.policy.default.compute_dtype):
+            return default_dtype(self._compute_dtype)
         return contextlib.nullcontext()
 
     def convert_input(self, batch: Any) -> Any:
         """Cast the floating tensors of ``batch`` (any nesting `mixprec.tree` walks) to the
         compute dtype of a "true" policy; under a mixed policy autocast does the casting, so
         the batch is returned unchanged."""
-        policy = self.policy.default
-        if policy.is_mixed:
-            return batch
-        return cast_floating(batch, policy.compute_dtype)
+        if self._policy is None:
+            raise self._unresolved()
+        return batch if self.mixed else cast_floating(batch, self._compute_dtype)
 
     # -- state ------------------------------------------------------------------------------
 

@@ -64,7 +64,9 @@ def step_context(
     precision's forward context under a mixed policy, when `user_code` calls into the model
     (a training step) or when the model is compiled in place under a "true" policy; else
     none, the model's region doing it all."""
-    if user_code or precision.policy.default.is_mixed or compiled_in_place(model):
+    if precision.mixed:
+        return precision.autocast()  # (`forward_context` of a mixed policy, one call less)
+    if user_code or compiled_in_place(model):
         return precision.forward_context()
     return contextlib.nullcontext()
 
@@ -141,8 +143,8 @@ def fresh(batch: Any) -> Any:
 
 def check_outputs(outputs: Any) -> None:
     """Refuse outputs no loss can reach the weights through (no floating tensor in them)."""
-    if isinstance(outputs, Tensor) and outputs.is_floating_point():
-        return  # the common case, without a walk
+    if type(outputs) is Tensor and outputs.dtype.is_floating_point:
+        return  # the common case, without a walk (attributes: no call)
     if not any(t.is_floating_point() for t in iter_tensors(outputs)):
         got = (
             f"a {str(outputs.dtype).removeprefix('torch.')} tensor"
@@ -217,8 +219,8 @@ def as_loss(result: Any, where: str) -> Tensor:
     naming `where` (who returned it), what it gave and the fix otherwise. The one check of a
     loss in mixprec: `batch_loss`'s, and the Trainer's of what a training step returned
     (after reading None as "skip the batch")."""
-    if type(result) is Tensor and result.dim() == 0 and result.is_floating_point():
-        return result  # the common case, in the fewest calls (a step's time on a small model)
+    if type(result) is Tensor and result.ndim == 0 and result.dtype.is_floating_point:
+        return result  # the common case, without a call (a step's time on a small model)
     loss = result
     if isinstance(result, dict):
         if "loss" not in result:

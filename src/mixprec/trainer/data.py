@@ -51,7 +51,7 @@ def batch_size_of(batch: Any) -> int:
         first = next(iter_tensors(batch), None)
     if first is None:
         return 1
-    return first.shape[0] if first.dim() else 1
+    return first.shape[0] if first.ndim else 1
 
 
 def num_batches(loader: Iterable[Any], limit: int | float | None, what: str) -> int | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -86,6 +87,20 @@ class EmptyEpochError(ValueError):
     """A training epoch had no batch to train on (the loop would never end)."""
 
 
+class HookCalls(dict[tuple[str, bool, bool], list[Callable[..., None]]]):
+    """What each hook of a run calls, by (name, module's, callbacks'): a hook's list is
+    found by `find` at its first use and kept, so each later call is a dictionary lookup
+    (hooks run per batch)."""
+
+    def __init__(self, find: Callable[[str, bool, bool], list[Callable[..., None]]]) -> None:
+        super().__init__()
+        self.find = find
+
+    def __missing__(self, key: tuple[str, bool, bool]) -> list[Callable[..., None]]:
+        calls = self[key] = self.find(*key)
+        return calls
+
+
 @dataclass
 class Progress:
     """Where the Trainer is (read as ``trainer.global_step``...): kept across its runs,
@@ -115,10 +130,11 @@ class Run:
     log: StepLog  # the rows for the loggers, and the latest value of every metric
     device: torch.device  # the strategy's, where batches go
     cast_batches: bool  # whether the precision converts batches (a "true" policy)
-    # what each hook calls, found once per run (hooks run per batch)
-    calls: dict[tuple[str, bool, bool], list[Callable[..., None]]] = field(
-        default_factory=dict, init=False
-    )
+    # what each hook calls, found once per run at its first use (hooks run per batch)
+    calls: HookCalls = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.calls = HookCalls(self.listeners)
 
     @property
     def callbacks(self) -> list[Callback]:
@@ -132,8 +148,7 @@ class Run:
 
     def hook(self, name: str, *args: Any) -> None:
         """Call hook ``name``: the module's, then the callbacks'."""
-        calls = self.calls.get((name, True, True))
-        for call in self.listening(name) if calls is None else calls:
+        for call in self.calls[name, True, True]:
             call(*args)
 
     def module_hook(self, name: str, *args: Any) -> None:
@@ -152,22 +167,22 @@ class Run:
         """What hook ``name`` calls: a TrainingModule's own hook (not the no-op it
         inherits), then those of the callbacks that override it, bound to the trainer and
         model; found once per run, so that an absent hook costs a lookup."""
-        key = (name, module, callbacks)
-        calls = self.calls.get(key)
-        if calls is None:
-            calls = []
-            model = self.model
-            if module and isinstance(model, TrainingModule) and name in MODULE_HOOKS:
-                own = getattr(model, name)
-                if getattr(own, "__func__", None) is not getattr(TrainingModule, name):
-                    calls.append(own)
-            if callbacks:
-                calls += [
-                    functools.partial(getattr(cb, name), self.trainer, model)
-                    for cb in self.callbacks
-                    if listens(cb, name)
-                ]
-            self.calls[key] = calls
+        return self.calls[name, module, callbacks]
+
+    def listeners(self, name: str, module: bool, callbacks: bool) -> list[Callable[..., None]]:
+        """`listening`'s list, found (once per run: `HookCalls`)."""
+        calls = []
+        model = self.model
+        if module and isinstance(model, TrainingModule) and name in MODULE_HOOKS:
+            own = getattr(model, name)
+            if getattr(own, "__func__", None) is not getattr(TrainingModule, name):
+                calls.append(own)
+        if callbacks:
+            calls += [
+                functools.partial(getattr(cb, name), self.trainer, model)
+                for cb in self.callbacks
+                if listens(cb, name)
+            ]
         return calls
 
 
@@ -285,23 +300,27 @@ def train_epoch(run: FitRun) -> None:
     first = batch_idx = progress.batches_done
     run.trained_batches = 0
     strategy = run.strategy
-    while n is None or batch_idx < n:
-        try:
-            batch = next(batches)
-        except StopIteration:
-            exhausted = True
-            break
+    several = strategy.world_size > 1
+    # (the epoch's count cannot reach max_epochs inside it: `fit_done` is the steps' and a
+    # stop request's, read here as attributes, every batch)
+    max_steps = run.config.max_steps if run.config.max_steps is not None else math.inf
+    for batch in batches:  # (never fetched past n: the generators would move)
         if run.log.measured_steps < MEASURED_STEPS:
             measured_batch(run, batch, batch_idx)
         else:
             train_batch(run, batch, batch_idx)
         batch_idx += 1
-        progress.should_stop = strategy.any(progress.should_stop)  # all ranks together
-        if not run.window_batches and fit_done(run):
+        if several:
+            progress.should_stop = strategy.any(progress.should_stop)  # all ranks together
+        if not run.window_batches and (progress.should_stop or progress.global_step >= max_steps):
             # data without len() may have ended with this batch: then the epoch is over, as
             # it would be for sized data (its end validates and counts the epoch)
             exhausted = n is None and not run.strategy.any(not ran_out(batches))
             break
+        if batch_idx == n:
+            break
+    else:
+        exhausted = True
     if first == 0 and batch_idx == 0:  # an epoch without batches would repeat forever
         raise EmptyEpochError(
             f"the training data gave no batch in epoch {progress.current_epoch}: "
@@ -352,7 +371,8 @@ def train_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
     batch = to_device(batch, run.device)
     if run.cast_batches:
         batch = run.precision.convert_input(batch)
-    run.hook("on_train_batch_start", batch, batch_idx)
+    for call in run.calls["on_train_batch_start", True, True]:
+        call(batch, batch_idx)
     run.progress.stepped_this_batch = False
     if run.closure:
         output = closure_step(run, batch, batch_idx)
@@ -361,7 +381,8 @@ def train_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
     run.progress.batches_done = batch_idx + 1
     if run.val_loader is not None and val_due(run, batch_idx):
         validate_during_fit(run, run.val_loader)
-    run.hook("on_train_batch_end", output, batch, batch_idx)
+    for call in run.calls["on_train_batch_end", True, True]:
+        call(output, batch, batch_idx)
 
 
 def measured_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
@@ -395,7 +416,7 @@ def micro_batch(run: FitRun, batch: Any, batch_idx: int) -> Any:
     # forward and scaled backward; DDP all-reduces only on the window's last micro-batch
     k, n = run.config.accumulate_grad_batches, run.num_training_batches
     window_start = batch_idx - batch_idx % k
-    window = k if n is None else min(k, n - window_start)
+    window = k if n is None or n - window_start >= k else n - window_start
     last_in_window = batch_idx - window_start == window - 1
     run.window_batches += 1
     run.window_size = window
@@ -454,10 +475,17 @@ def forward_backward(
     """The training step and the scaled backward of its loss (divided by the ``window``'s
     micro-batches); returns what the step returned and the loss (None: skip the batch)."""
     output = run.step("training", batch, batch_idx)
-    # a plain module's loss comes checked (`batch_loss`); a training step's None skips
-    loss = None if output is None else as_loss(output, "training_step")
+    # a plain module's loss comes checked (`batch_loss`); a training step's None skips; a
+    # 0-dim floating tensor, the common loss, is taken without a call
+    if type(output) is Tensor and output.ndim == 0 and output.dtype.is_floating_point:
+        loss: Tensor | None = output
+    else:
+        loss = None if output is None else as_loss(output, "training_step")
     if loss is not None:
-        backward(run.precision, loss, accumulate=window)
+        if window > 1:
+            backward(run.precision, loss, accumulate=window)
+        else:
+            run.precision.backward(loss)
     elif run.strategy.world_size > 1:
         raise RuntimeError(
             f"training_step returned None for batch {batch_idx} on rank "
@@ -478,7 +506,9 @@ def optimizer_step(run: FitRun) -> None:
         return
     if batches != run.window_size:  # cut short: the data ended, or the run resumed inside it
         rescale_grads(run.optimizers, run.window_size / batches)
-    before_step(run)
+    clip = run.config.gradient_clip_val is not None
+    if clip or run.calls["on_before_optimizer_step", True, True]:
+        before_step(run)  # (else nothing reads the gradients before the step unscales them)
     if not precision.step():
         run.skipped_steps += 1
     after_step(run)
@@ -510,14 +540,18 @@ def after_step(run: FitRun) -> None:
         opt.zero_grad(set_to_none=True)
     run.progress.global_step += 1
     run.progress.stepped_this_batch = True
-    due = [
-        s
-        for s in run.schedulers
-        if s.interval == "step" and run.progress.global_step % s.frequency == 0
-    ]
+    due = (
+        [
+            s
+            for s in run.schedulers
+            if s.interval == "step" and run.progress.global_step % s.frequency == 0
+        ]
+        if run.schedulers
+        else ()
+    )
     # the step's row carries the lr this step used, read before a scheduler moves it (a
     # tensor lr is set in place: copied first)
-    lr = run.optimizers[0].param_groups[0]["lr"] if run.optimizers else 0.0
+    lr = run.optimizers[0].optimizer.param_groups[0]["lr"] if run.optimizers else 0.0
     if due and isinstance(lr, Tensor):
         lr = lr.clone()
     for s in due:
