@@ -394,3 +394,20 @@ def test_a_run_stopped_during_the_max_batch_search_keeps_its_probes(factories):
     assert [p["batch_size"] for p in found["probes"]] == [2]
     line = "32-true: search cut short when the run was stopped (the largest that fitted: 2)"
     assert line in (out / "report.md").read_text()
+
+
+def test_a_cut_search_counts_only_probes_that_ran_out_of_memory(tmp_path):
+    """A probe the stop itself ended (an error, a timeout) neither fitted nor ran out of
+    memory: a cut search rebuilt from the journal read it as the first batch out of memory."""
+    journal = Journal(tmp_path / JOURNAL)
+    config = Config("32-true", "32-true", 2, None, False)
+    result = RunResult(OK, LoopResult(step_ms=[1.0], peak_memory=10, final_loss=0.5), None, "m")
+    journal.started({"model": "m", "max_batch_searches": ["32-true"]}, [config])
+    journal.measured(Row(config, result), 1, 0.1)
+    for batch, status in ((2, OK), (4, OK), (8, "oom"), (6, "error")):
+        journal.probed("32-true", batch, status)
+    found = load(journal.path).max_batch["32-true"]
+    assert (found["max_batch"], found["first_oom"], found["cut"]) == (4, 8, True)
+    journal.path.write_text("\n".join(journal.path.read_text().splitlines()[:-2]) + "\n")
+    found = load(journal.path).max_batch["32-true"]
+    assert (found["max_batch"], found["first_oom"]) == (4, None)

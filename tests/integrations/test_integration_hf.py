@@ -286,17 +286,25 @@ def test_mixprec_trainer_refuses_to_clip_gradients_its_optimizer_leaves_scaled(t
     model.parameters(), whose other gradients no optimizer unscales (still multiplied by
     the loss scale), so the norm was 65536 times too large and the stepped parameters
     were clipped to nothing, silently. Now refused, naming them."""
-    model = tiny_gpt2()
-    optimizer = torch.optim.SGD(model.transformer.ln_f.parameters(), lr=0.1)
-    trainer = MixprecTrainer(
-        model=model,
-        args=hf_args(tmp_path, max_steps=1, max_grad_norm=1.0),
-        train_dataset=token_rows(),
-        optimizers=(optimizer, None),
-        precision=Precision("16-mixed", allow_slow=True),
-    )
-    with pytest.raises(ValueError, match="hold gradients that no optimizer set up"):
-        trainer.train()
+
+    def trainer(max_grad_norm: float) -> MixprecTrainer:
+        model = tiny_gpt2()
+        optimizer = torch.optim.SGD(model.transformer.ln_f.parameters(), lr=0.1)
+        return MixprecTrainer(
+            model=model,
+            args=hf_args(tmp_path, max_steps=1, max_grad_norm=max_grad_norm),
+            train_dataset=token_rows(),
+            optimizers=(optimizer, None),
+            precision=Precision("16-mixed", allow_slow=True),
+        )
+
+    with pytest.raises(ValueError, match=r"transformer\.wte\.weight.*optimizer does not step"):
+        trainer(1.0).train()
+    # without clipping HF still measures the norm it logs: the optimizer's gradients'
+    unclipped = trainer(0.0)
+    unclipped.train()
+    [norm] = [r["grad_norm"] for r in unclipped.state.log_history if "grad_norm" in r]
+    assert 0 < norm < 100  # (the still-scaled gradients' norm was about 1e5)
 
 
 def test_mixprec_trainer_resumes_an_hf_checkpoint_bit_for_bit(tmp_path):
@@ -780,7 +788,21 @@ def test_a_trained_model_prepared_past_mixprec_on_a_routed_accelerator_is_refuse
         accelerator.prepare(torch.optim.SGD(critic.parameters(), lr=0.1))
     teacher = torch.nn.Linear(4, 1).requires_grad_(False)
     assert accelerator.prepare(teacher) is teacher
-    prepare(accelerator, precision, b, opt_b)  # a second mixprec model still goes through
+    b, _ = prepare(accelerator, precision, b, opt_b)  # a second mixprec model goes through
+    assert accelerator.prepare(b) is b  # (and may be given again)
+    # nor past Accelerate's other doors (a review found them open)
+    with pytest.raises(ValueError, match="Linear given to accelerator.prepare directly"):
+        accelerator.prepare_model(critic)
+    with pytest.raises(ValueError, match="SGD given to accelerator.prepare directly"):
+        accelerator.prepare_optimizer(torch.optim.SGD(critic.parameters(), lr=0.1))
+    # and a model prepared before mixprec's prepare() is refused there
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    early = accelerate.Accelerator(mixed_precision="no", cpu=True)
+    early.prepare(torch.nn.Linear(4, 1))
+    a, opt_a, _, _ = two_models()
+    with pytest.raises(ValueError, match="Linear given to accelerator.prepare directly, before"):
+        prepare(early, Precision("16-mixed", allow_slow=True), a, opt_a)
+    assert a.transformer.h[0].mlp.c_fc.weight.dtype == torch.float32  # (nothing converted)
 
     accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
     unscaled = accelerate.Accelerator(mixed_precision="no", cpu=True)

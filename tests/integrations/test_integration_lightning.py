@@ -580,6 +580,23 @@ def test_a_checkpoint_another_plugin_saved_is_refused_on_resume(tmp_path):
     resumed.fit(_model(), _loader(), ckpt_path=path)
     assert resumed.global_step == 3
 
+    # an evaluation takes the weights only: any checkpoint, any precision (a review found
+    # validate/test with ckpt_path refused)
+    class Validated(Regressor):
+        def validation_step(self, batch, batch_idx):
+            self.log("val_loss", nn.functional.mse_loss(self(batch[0]).float(), batch[1]))
+
+    evaluating = _trainer(MixprecPrecision("bf16-mixed", allow_slow=True))
+    torch.manual_seed(0)
+    [scores] = evaluating.validate(Validated(), _loader(), ckpt_path=tmp_path / "amp.ckpt")
+    assert math.isfinite(scores["val_loss"])
+    # a key that merely ends in "Precision" (a datamodule's, a user's) is no plugin's state
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["ModelPrecision"] = {"notes": 1}
+    torch.save(checkpoint, tmp_path / "keyed.ckpt")
+    resumed = _trainer(MixprecPrecision("32-true"), max_steps=3)
+    resumed.fit(_model(), _loader(), ckpt_path=tmp_path / "keyed.ckpt")
+
 
 def test_loading_another_plugins_state_is_refused():
     with pytest.raises(ValueError, match="not a MixprecPrecision state"):

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from mixprec.trainer import (
     Callback,
     CSVLogger,
+    Logger,
     ModelCheckpoint,
     RichProgressBar,
     RunEstimate,
@@ -476,3 +477,61 @@ def test_a_fit_resumed_from_an_epochs_last_batch_logs_its_epoch_row_once(tmp_pat
     rows, events = logged(tmp_path / "a")
     assert [r["step"] for r in rows if "seen_epoch" in r] == [8.0, 16.0]
     assert (rows, events) == logged(tmp_path / "b")
+
+
+class EpochNumbers(Callback):
+    """Logs the epoch at a step of its own choosing (the epoch's number) after each
+    validation: rows at other steps than the training step's."""
+
+    def on_validation_end(self, trainer, model):
+        trainer.log_metrics({"epoch_number": float(trainer.current_epoch)}, step=0)
+
+
+class Held(Logger):
+    """A user's logger keeping what it is given; its resume_at is the base one, which drops
+    nothing."""
+
+    def __init__(self, save_dir) -> None:
+        super().__init__(save_dir, version=0)
+        self.rows: list[tuple[int, tuple[str, ...]]] = []
+
+    def log_metrics(self, metrics, step):
+        self.rows.append((step, tuple(sorted(metrics))))
+
+
+def test_a_resume_from_an_epochs_last_batch_keeps_rows_at_other_steps_and_other_loggers(
+    tmp_path,
+):
+    """Found by a review of the fix above: a row a callback logged at a step of its own
+    between the step's rows and the save made the checkpoint keep no row of the step, and
+    the resume dropped the step's loss and val_loss rows; a logger of the user's, whose
+    resume_at drops nothing, was handed the step's rows again (held twice). Now the rows are
+    kept by step, and only loggers that drop rows past a resume are handed them again."""
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)  # 8 batches an epoch
+    held = Held(tmp_path)
+
+    def fit(root, callbacks, **kwargs) -> None:
+        torch.manual_seed(0)
+        trainer = Trainer(
+            max_epochs=2,
+            logger=[CSVLogger(root, version=0), held],
+            callbacks=[EpochNumbers(), *callbacks],
+            log_every_n_steps=1,
+            seed=0,
+            enable_progress_bar=False,
+        )
+        trainer.fit(EpochRows(), loader, loader, **kwargs)
+
+    saves = [ModelCheckpoint(dirpath=tmp_path / "a" / "ck", every_n_train_steps=8, save_top_k=-1)]
+    fit(tmp_path / "a", saves)
+    first = list(held.rows)
+    fit(tmp_path / "a", [], ckpt_path=tmp_path / "a" / "ck" / "epoch=0-step=8.ckpt")
+    rows = list(csv.DictReader(open(tmp_path / "a" / "logs" / "version_0" / "metrics.csv")))
+    assert [int(r["step"]) for r in rows if r["loss"]] == list(range(1, 17))
+    assert [int(r["step"]) for r in rows if r["val_loss"]] == [8, 16]
+    assert [int(r["step"]) for r in rows if r["seen_epoch"]] == [8, 16]
+    # the user's logger: what the killed run gave it, then the resumed run's own rows only
+    # (the epoch's end at step 8 again, as from any save before an epoch's end)
+    again = held.rows[len(first) :]
+    assert again[0] == (8, ("seen_epoch",)) and all(step > 8 or step == 0 for step, _ in again[1:])

@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mixprec.bench.runner import RunResult
+from mixprec.bench.runner import OK, OOM, RunResult
 from mixprec.bench.suite import BenchReport, Config, Listener, Row, memory_method
 
 __all__ = ["JOURNAL", "Journal", "load"]
@@ -60,7 +60,8 @@ class Journal(Listener):
             }
         )
 
-    def probed(self, name: str, probe: dict[str, Any]) -> None:
+    def probed(self, name: str, batch: int, status: str) -> None:
+        probe = {"batch_size": batch, "fits": status == OK, "status": status}
         self._append({"kind": "probe", "precision": name, "probe": probe})
 
     def searched(self, name: str, found: dict[str, Any]) -> None:
@@ -137,8 +138,9 @@ def load(path: Path) -> BenchReport | None:
 
 def _cut_search(probes: list[dict[str, Any]]) -> dict[str, Any]:
     """A max-batch search stopped by the run's stop, as far as its probes went: the largest
-    batch that fitted below the smallest that ran out of memory, marked ``cut``."""
-    ooms = [p["batch_size"] for p in probes if not p["fits"]]
+    batch that fitted below the smallest that ran out of memory, marked ``cut`` (a probe
+    the stop itself ended, which neither fitted nor ran out of memory, says nothing)."""
+    ooms = [p["batch_size"] for p in probes if p["status"] == OOM]
     first_oom = min(ooms, default=None)
     fitted = [p["batch_size"] for p in probes if p["fits"]]
     below = [b for b in fitted if first_oom is None or b < first_oom]

@@ -692,7 +692,7 @@ def search_max_batch(
     p: Plan,
     name: str,
     workdir: Path,
-    on_probe: Callable[[dict[str, Any]], None] | None = None,
+    on_probe: Callable[[int, str], None] | None = None,
     activations: str | None = None,
 ) -> dict[str, Any]:
     """Largest batch of precision `name` (with activation option `activations`) that fits:
@@ -701,8 +701,7 @@ def search_max_batch(
 
     A probe that errors or times out stops the search: `error` then says which batch and
     why, `max_batch` is the largest batch that fitted before it (0: none) and `first_oom`
-    the smallest that ran out of memory (None: none). `on_probe` gets each probe's record
-    (``batch_size``, ``fits``, ``status``, ``peak_memory``) as it ends.
+    the smallest that ran out of memory (None: none). `on_probe(batch, status)` follows it.
     """
     probes: list[dict[str, Any]] = []
 
@@ -718,7 +717,7 @@ def search_max_batch(
             }
         )
         if on_probe is not None:
-            on_probe(probes[-1])
+            on_probe(batch, result.status)
         if result.status not in (OK, OOM):
             raise _ProbeFailed(f"batch {batch}: {result.status}: {result.error}")
         return fits
@@ -766,9 +765,8 @@ class Listener:
     def measured(self, row: Row, index: int, seconds: float) -> None:
         """Configuration number `index` (from 1) gave `row`; its batch size took `seconds`."""
 
-    def probed(self, name: str, probe: dict[str, Any]) -> None:
-        """A max-batch probe of precision `name` ended: its batch size, whether it fitted,
-        its status and peak memory (`search_max_batch`)."""
+    def probed(self, name: str, batch: int, status: str) -> None:
+        """A max-batch probe of precision `name` at `batch` ended with `status`."""
 
     def searched(self, name: str, found: dict[str, Any]) -> None:
         """The max-batch search of precision `name` found `found`."""
@@ -806,9 +804,9 @@ def run_bench(p: Plan, listeners: Sequence[Listener] = ()) -> BenchReport:
         max_batch = {}
         for name, option, label in searches:
 
-            def on_probe(probe: dict[str, Any], label: str = label) -> None:
+            def on_probe(batch: int, status: str, label: str = label) -> None:
                 for listener in listeners:
-                    listener.probed(label, probe)
+                    listener.probed(label, batch, status)
 
             found = search_max_batch(p, name, Path(tmp), on_probe, option)
             max_batch[label] = found

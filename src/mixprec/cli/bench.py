@@ -505,8 +505,7 @@ class _Printer(Listener):
             self.task, advance=1, description=f"{c.label} @ {c.batch_size}: {shown}"
         )
 
-    def probed(self, name: str, probe: dict[str, Any]) -> None:
-        batch, status = probe["batch_size"], probe["status"]
+    def probed(self, name: str, batch: int, status: str) -> None:
         shown = {OK: "fits", OOM: "OOM"}.get(status, status)
         self.console.print(f"max batch {name}: {batch} {shown}", highlight=False)
         self.progress.update(self.task, description=f"max batch {name}: {batch} {shown}")

@@ -196,6 +196,7 @@ class _Route:
     def __init__(self, precision: Callable[[], Precision]) -> None:
         self.precision = precision
         self.optimizers: list[LossScaleOptimizer] = []
+        self.models: list[nn.Module] = []  # set up by `prepare` (also as Accelerate returned)
         self.prepare: Callable[..., Any] | None = None  # Accelerate's own, where guarded
 
     def live(self) -> list[LossScaleOptimizer]:
@@ -387,6 +388,23 @@ class MixprecTrainer(transformers.Trainer):
         if not isinstance(optimizer, LossScaleOptimizer):
             _, optimizer = self.precision.setup(self.model, optimizer)
             self.optimizer = optimizer
+        if self.args.max_grad_norm > 0 and self.precision.scaler.enabled:
+            stepped = {
+                id(optimizer.model_param(p)) for g in optimizer.param_groups for p in g["params"]
+            }
+            left = [
+                name
+                for name, p in self.model.named_parameters()
+                if p.requires_grad and id(p) not in stepped
+            ]
+            if left:
+                raise ValueError(
+                    f"{', '.join(left[:5])}{' ...' if len(left) > 5 else ''} require gradients "
+                    "that the optimizer does not step: HF clips model.parameters(), where "
+                    "their gradients stay multiplied by the loss scale and would clip the "
+                    "others to nothing. Freeze them (requires_grad_(False)), give the "
+                    "optimizer all trained parameters, or set max_grad_norm=0"
+                )
         return optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
@@ -440,7 +458,12 @@ class MixprecTrainer(transformers.Trainer):
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _clip_grad_norm_(self, params: Any, max_norm: float, norm_type: float = 2.0) -> Any:
-        return self.precision.clip_grad_norm_(params, max_norm, norm_type)
+        # HF gives model.parameters() (its names lost: the model's are said in errors); with
+        # max_grad_norm=0 it still measures the norm it logs (max_norm inf): the gradients
+        # the optimizer steps
+        if math.isinf(max_norm):
+            return self.precision.clip_grad_norm_(self.optimizer, max_norm, norm_type)
+        return self.precision.clip_grad_norm_(self.model, max_norm, norm_type)
 
     def _clip_grad_value_(self, params: Any, clip_value: float) -> None:
         self.precision.clip_grad_value_(params, clip_value)
@@ -545,9 +568,17 @@ def prepare(
             "Prepare every model on an accelerator through one Precision (pass the same "
             "Precision to each prepare() call, one per model and its optimizer)"
         )
+    precision.resolve(accelerator.device)
+    if route is None and precision.scaler.enabled:
+        # prepared before: their gradients would be multiplied by the scale from now on
+        earlier = [*getattr(accelerator, "_models", []), *getattr(accelerator, "_optimizers", [])]
+        for obj in earlier:
+            _refuse_unscaled(obj, precision, "before")
     model = model.to(accelerator.device)  # masters are made on the parameters' device
     model, wrapped = precision.setup(model, optimizer)
     own = route.prepare if route is not None and route.prepare is not None else None
+    if route is not None:
+        route.models.append(model)  # (Accelerate's prepare calls the guarded prepare_model)
     prepared = (own or accelerator.prepare)(model, wrapped, *objects)
     for scheduler in prepared[2:]:
         if isinstance(scheduler, AcceleratedScheduler):
@@ -565,6 +596,7 @@ def prepare(
         _route_accelerator(accelerator, precision, route)
     if not any(wrapped is o for o in route.optimizers):
         route.optimizers.append(wrapped)
+    route.models += [model, prepared[0]]  # (given again: the model is not refused)
     return tuple(prepared)
 
 
@@ -577,26 +609,11 @@ def _route_accelerator(accelerator: Any, precision: Precision, route: _Route) ->
 
     accelerator.clip_grad_norm_ = precision.clip_grad_norm_
     accelerator.clip_grad_value_ = precision.clip_grad_value_
-    route.prepare = own = accelerator.prepare
-
-    def guarded_prepare(*args: Any, **kwargs: Any) -> Any:
-        # this accelerator's backward scales every loss: a model trained or an optimizer
-        # stepped past the precision would step gradients multiplied by the loss scale
-        for obj in args:
-            trained = isinstance(obj, nn.Module) and any(p.requires_grad for p in obj.parameters())
-            if precision.scaler.enabled and (trained or isinstance(obj, torch.optim.Optimizer)):
-                raise ValueError(
-                    f"this accelerator's backward multiplies every loss by mixprec's loss "
-                    f"scale (prepare() set it up with a {precision.policy.name} Precision): a "
-                    f"{type(obj).__name__} given to accelerator.prepare directly would "
-                    "train on gradients still multiplied by it. Set up each trained model "
-                    "with its optimizer through mixprec's prepare(accelerator, precision, "
-                    "model, optimizer), with the same Precision (a frozen model, without "
-                    "trainable parameters, may go through accelerator.prepare)"
-                )
-        return own(*args, **kwargs)
-
-    accelerator.prepare = guarded_prepare
+    route.prepare = accelerator.prepare
+    # this accelerator's backward scales every loss: a model trained or an optimizer stepped
+    # past the precision would step gradients multiplied by the loss scale
+    for name in ("prepare", "prepare_model", "prepare_optimizer"):
+        setattr(accelerator, name, _guarded(getattr(accelerator, name), precision, route))
 
     def unscale_gradients(optimizer: Any = None) -> None:
         if optimizer is None:
@@ -611,6 +628,41 @@ def _route_accelerator(accelerator: Any, precision: Precision, route: _Route) ->
 
     accelerator.unscale_gradients = unscale_gradients
     accelerator.__class__ = _skip_aware(type(accelerator))
+
+
+def _guarded(prepare: Callable[..., Any], precision: Precision, route: _Route) -> Callable:
+    """Accelerate's ``prepare`` (or ``prepare_model``, ``prepare_optimizer``) refusing what
+    would train on gradients the routed backward scaled (`_refuse_unscaled`)."""
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        for obj in (*args, *kwargs.values()):
+            if not any(obj is m for m in route.models):
+                _refuse_unscaled(obj, precision, "after")
+        return prepare(*args, **kwargs)
+
+    return guarded
+
+
+def _refuse_unscaled(obj: Any, precision: Precision, when: str) -> None:
+    """Refuse ``obj`` given to Accelerate directly, ``when`` ("before", "after") mixprec's
+    ``prepare`` routed the accelerator's backward through a loss-scaling ``precision``: a
+    model with trainable parameters or a torch optimizer would train on gradients still
+    multiplied by the scale."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    inner = obj.optimizer if isinstance(obj, AcceleratedOptimizer) else obj
+    trained = isinstance(obj, nn.Module) and any(p.requires_grad for p in obj.parameters())
+    if not precision.scaler.enabled or not (trained or isinstance(inner, torch.optim.Optimizer)):
+        return
+    raise ValueError(
+        f"a {type(inner).__name__} given to accelerator.prepare directly, {when} mixprec's "
+        f"prepare() made this accelerator's backward multiply every loss by the loss scale "
+        f"(a {precision.policy.name} Precision), would train on gradients still multiplied "
+        "by it. Set up each trained model with its optimizer through mixprec's "
+        "prepare(accelerator, precision, model, optimizer), with the same Precision; a "
+        "model that is not trained (a teacher, a reference) goes through accelerator.prepare "
+        "once its parameters are frozen (model.requires_grad_(False))"
+    )
 
 
 _SKIP_AWARE: dict[type, type] = {}

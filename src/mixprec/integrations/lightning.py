@@ -393,13 +393,11 @@ class MixprecPrecision(LightningPrecision):
         plugin's state only where the checkpoint holds it, so a foreign one went on
         silently, its scaler fresh). One without any plugin state, as Lightning's default
         32-true writes, resumes under a 32-true policy."""
-        if type(self).__qualname__ in checkpoint:
-            return
-        others = sorted(
-            k
-            for k in checkpoint
-            if isinstance(k, str) and (k.endswith("Precision") or k == "native_amp_scaling_state")
-        )
+        trainer = getattr(getattr(self, "_module", None), "_trainer", None)
+        fitting = trainer is None or trainer.state.fn == "fit"
+        if type(self).__qualname__ in checkpoint or not fitting:
+            return  # (an evaluation takes the weights only: any precision may evaluate them)
+        others = sorted(k for k in checkpoint if k in _plugin_state_keys())
         plain = resumable_config(PolicyMap("32-true").to_config())
         if not others and resumable_config(self.mixprec.policy.to_config()) == plain:
             return
@@ -455,6 +453,16 @@ class MixprecPrecision(LightningPrecision):
 
     def __repr__(self) -> str:
         return f"MixprecPrecision({self.mixprec!r})"
+
+
+def _plugin_state_keys() -> set[str]:
+    """The keys under which Lightning's own precision plugins save their state (their class
+    names), and its older checkpoints' scaler key."""
+    return {
+        cls.__qualname__
+        for cls in vars(pl.plugins.precision).values()
+        if isinstance(cls, type) and issubclass(cls, LightningPrecision)
+    } | {"native_amp_scaling_state"}
 
 
 def _strategy_device(module: nn.Module) -> torch.device:

@@ -36,6 +36,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Callable
+from operator import is_
 from typing import Any
 
 import torch
@@ -623,7 +624,7 @@ class StepCounts:
         held = self.held
         if (
             len(held) != len(counts)
-            or any(c is not h for c, h in zip(counts, held, strict=True))
+            or not all(map(is_, counts, held))
             or list(map(torch.Tensor.data_ptr, counts)) != self.addresses
         ):
             if not all(_joinable(c) for c in counts):

@@ -49,6 +49,9 @@ class Logger(ABC):
     """Receives metrics ``{name: float}`` tagged with the optimizer step they belong to."""
 
     _resumed_at: int | None = None  # the step a resumed fit goes on from (`resume_at`)
+    # whether `resume_at` drops what the logger held past the step (a resume from an
+    # epoch's last batch then hands it that step's rows again: `StepLog.replay`)
+    drops_resumed_rows = False
 
     def __init__(
         self, save_dir: str | os.PathLike[str], name: str = "logs", version: int | None = None
@@ -108,6 +111,8 @@ class CSVLogger(Logger):
     killed after its checkpoint logged them; the resumed fit logs them again), and new
     ones follow.
     """
+
+    drops_resumed_rows = True
 
     def __init__(
         self,
@@ -231,6 +236,8 @@ def tensorboard_available() -> bool:
 class TensorBoardLogger(Logger):
     """Write scalars to a TensorBoard event file in the run directory, one event per call
     (all of a step's values together: a third of the cost of one event per value)."""
+
+    drops_resumed_rows = True
 
     def __init__(
         self, save_dir: str | os.PathLike[str], name: str = "logs", version: int | None = None

@@ -335,7 +335,8 @@ class StepLog:
         self.memory: MemoryReadout | None = None  # the last measured optimizer step's
         self.measured_steps = 0  # optimizer steps of this fit measured so far
         self.step_peak = 0  # tensor bytes at the peak so far of the step being measured
-        self.step_rows: tuple[int, list[dict[str, float]]] = (-1, [])  # the last step's rows
+        # the rows handed to the loggers since the last training step's row, by step
+        self.step_rows: dict[int, list[dict[str, float]]] = {}
 
     def start_timing(self) -> None:
         """Training time counts from now (an epoch's start, after a validation)."""
@@ -357,12 +358,14 @@ class StepLog:
         self.samples, self.fit_samples, self.fit_seconds, self._seconds = 0, 0, 0.0, 0.0
         self._since = None
         self.memory, self.measured_steps, self.step_peak = None, 0, 0
-        self.step_rows = (-1, [])
+        self.step_rows = {}
 
     def step_row(self, step: int, row: dict[str, Tensor | float], force: bool = False) -> None:
         """The row of training step ``step``: logged now, with the throughput since the last
         logged row, if ``step`` is a multiple of ``every_n_steps`` or ``force``; else kept
         unread as the latest values."""
+        if self.step_rows and step not in self.step_rows:
+            self.step_rows = {}  # (a new step: the rows of earlier ones are not kept)
         if step % self.every_n_steps and not force:
             self.latest = row
             return
@@ -406,28 +409,33 @@ class StepLog:
             self.callback_metrics.update(latest)
 
     def rows_at(self, step: int) -> list[dict[str, float]]:
-        """The rows handed to the loggers at ``step`` so far, where it is the last step
-        logged (a checkpoint on an epoch's last batch keeps them: see `replay`)."""
+        """The rows handed to the loggers at training step ``step`` so far (a checkpoint on
+        an epoch's last batch keeps them: see `replay`)."""
         self.flush()
-        return list(self.step_rows[1]) if self.step_rows[0] == step else []
+        return list(self.step_rows.get(step, []))
 
     def replay(self, step: int, rows: list[dict[str, float]]) -> None:
         """A fit resumes from a save on an epoch's last batch, at ``step``: it runs the
         epoch's end again, whose rows (epoch values, callbacks') a killed run may have logged
-        after the save. The loggers drop their rows from ``step`` on and are handed again
-        the ones logged before the save, so that each row is held once."""
+        after the save. The loggers that drop what they held past a resumed step
+        (``drops_resumed_rows``) drop their rows from ``step`` on and are handed again the
+        ones logged before the save, so that each row is held once; the others resume at
+        ``step``, as from any other save."""
+        dropping = [lg for lg in self.loggers if getattr(lg, "drops_resumed_rows", False)]
         for lg in self.loggers:
-            lg.resume_at(step - 1)
+            lg.resume_at(step - 1 if lg in dropping else step)
         for values in rows:
-            self._hand(step, values)
+            self.logged_metrics.update(values)
+            self.step_rows.setdefault(step, []).append(values)
+            if self.where.is_global_zero:
+                for lg in dropping:
+                    lg.log_metrics(values, step)
 
     def _hand(self, step: int, values: dict[str, float]) -> None:
         """Give a row read back to the loggers (rank 0's), noting it as logged."""
         self.logged_metrics.update(values)
         if self.loggers:
-            if step != self.step_rows[0]:
-                self.step_rows = (step, [])
-            self.step_rows[1].append(values)
+            self.step_rows.setdefault(step, []).append(values)
             if self.where.is_global_zero:
                 for lg in self.loggers:
                     lg.log_metrics(values, step)

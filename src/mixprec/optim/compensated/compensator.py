@@ -10,6 +10,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
+from operator import is_
 from typing import Any
 
 import torch
@@ -118,6 +119,103 @@ class _Pack:
         return self.overlap
 
 
+# the state tensors of an Adam row, in the order a plan checks them
+_ADAM_STATE = ("exp_avg", "exp_avg_sq", "compensation")
+
+
+class _Planned:
+    """One call of a `_Plan`: the call (its step and scalars renewed at each step), the
+    groups its rows come from (their scalars must still agree), and what a step hands the
+    kernel besides the gradients, which are new at every step (the step's own are let go:
+    a plan keeps no gradient alive)."""
+
+    def __init__(self, call: _Call, groups: list[dict], pack: _Pack | None) -> None:
+        self.call = call
+        self.groups = groups
+        for _, tensors in call.rows:
+            tensors[1] = None
+        rows = [tensors for _, tensors in call.rows]
+        columns = list(zip(*rows, strict=True))
+        self.columns = columns  # (a fresh pack's shapes: the gradients' column is None)
+        self.pack = pack  # packed: the kept pack (None: one made at each step, as `_pack`)
+        # packed: the copy in is the weights, the gradients, the states; the copy out all
+        # but the gradients
+        self.weights = list(columns[0])
+        self.states = [t for col in columns[2:] if col[0] is not None for t in col]
+        self.out = [
+            t for j, col in enumerate(columns) if j != 1 and col[0] is not None for t in col
+        ]
+        width = 2 if call.pairs else 1
+        self.flat = (
+            None
+            if call.packed
+            else [
+                None if t is None else on_memory(t, 0, (t.numel() // width,), call.pairs)
+                for t in rows[0]
+            ]
+        )
+
+
+class _Plan:
+    """A step's filing (`Compensator._update`) kept for the next steps of the same
+    optimizer while what it was made from holds: the same groups holding the same
+    parameters, a gradient where there was one (of the same dtype, dense), the same state
+    dicts and state tensors on the same memory, the weights on the same memory in the same
+    dtypes, shapes and strides, and one step count for all. A step then renews the
+    gradients and the scalars, copies, runs and copies back, without filing again: a small
+    model's step is its Python, and filing costs about thirty calls a parameter. Anything
+    else (a load, a parameter added or unfrozen, a weight moved, a state replaced, counts
+    apart, groups whose scalars parted) files afresh. Adam and AdamW only, without complex
+    parameters or weights sharing memory."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, work: list[tuple], calls: list) -> None:
+        self.state = optimizer.state
+        self.groups = [(g, list(g["params"])) for g in optimizer.param_groups]
+        self.all = [p for _, params in self.groups for p in params]
+        self.without = [p.grad is None for p in self.all]
+        self.params = [p for _, _, p, _ in work]
+        self.states = [state for *_, state in work]
+        # the optimizer's state dict, keys and values (compared by identity: a lookup by
+        # tensor costs a Python call a parameter)
+        self.keys, self.values = list(self.state), list(self.state.values())
+        self.grads = [(p.grad.dtype, p.grad.is_sparse) for p in self.params]
+        self.places = _places(self.params)
+        self.held = [state.get(name) for state in self.states for name in _ADAM_STATE]
+        self.addresses = [None if t is None else t.data_ptr() for t in self.held]
+        self.calls = calls
+        self.compensated = sum(planned.call.numel for planned in calls if planned.call.kind)
+
+    def gradients(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor] | None:
+        """The parameters' gradients where the plan still describes ``optimizer``, else None."""
+        if optimizer.state is not self.state or len(optimizer.param_groups) != len(self.groups):
+            return None
+        for group, (planned, params) in zip(optimizer.param_groups, self.groups, strict=True):
+            now = group["params"]
+            if group is not planned or len(now) != len(params) or not all(map(is_, now, params)):
+                return None
+        if [p.grad is None for p in self.all] != self.without:
+            return None
+        grads = [p.grad for p in self.params]
+        if [(g.dtype, g.is_sparse) for g in grads] != self.grads:
+            return None
+        state = self.state
+        if len(state) != len(self.keys) or not (
+            all(map(is_, state, self.keys)) and all(map(is_, state.values(), self.values))
+        ):
+            return None
+        held = [state.get(name) for state in self.states for name in _ADAM_STATE]
+        if not all(map(is_, held, self.held)):
+            return None
+        if [None if t is None else t.data_ptr() for t in held] != self.addresses:
+            return None
+        return grads if _places(self.params) == self.places else None
+
+
+def _places(params: list[torch.Tensor]) -> list[tuple]:
+    """Where and how each weight lies: what a call's filing read of it."""
+    return [(p.data_ptr(), p.dtype, p.shape, p.stride(), p.device) for p in params]
+
+
 def _twice(work: list[tuple]) -> str:
     """What a step refuses when a parameter is listed twice in a group."""
     seen: dict[int, int] = {}
@@ -188,11 +286,15 @@ class Compensator:
         self._packs: dict[tuple, _Pack] = {}
         # the optimizers whose loads keep float32 moments (`attach`)
         self._attached: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        # each optimizer's last filing, for the next steps (`_Plan`)
+        self._plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Plan] = (
+            weakref.WeakKeyDictionary()
+        )
         self._warned_narrow = False
 
     def __getstate__(self) -> dict[str, Any]:
-        """Without the packed copies (scratch of the original's tensors)."""
-        return {**self.__dict__, "_packs": {}, "_attached": None}
+        """Without the packed copies (scratch of the original's tensors) and plans."""
+        return {**self.__dict__, "_packs": {}, "_attached": None, "_plans": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -200,6 +302,7 @@ class Compensator:
         self._packs = {}
         # (a copy's optimizers are others; torch's pickle drops their hooks)
         self._attached = weakref.WeakSet()
+        self._plans = weakref.WeakKeyDictionary()
         self.__dict__.setdefault("_warned_narrow", False)
         if getattr(self, "_counts", None) is None:  # (one pickled before counts were kept)
             self._counts = StepCounts()
@@ -276,7 +379,13 @@ class Compensator:
         return loss
 
     def _update(self, optimizer: torch.optim.Optimizer) -> None:
-        """Update every parameter with a gradient (under no_grad)."""
+        """Update every parameter with a gradient (under no_grad): as the last step's
+        plan has it where it still holds (`_Plan`), else filed afresh (and planned)."""
+        plan = self._plans.get(optimizer)
+        if plan is not None and self._replay(plan, optimizer):
+            optimizer._opt_called = True  # type: ignore[attr-defined]
+            return
+        self._plans.pop(optimizer, None)
         calls: dict[tuple, _Call] = {}
         adam = isinstance(optimizer, torch.optim.Adam)
         decoupled = isinstance(optimizer, torch.optim.AdamW)
@@ -313,10 +422,95 @@ class Compensator:
         compensated = sum(call.numel for call in calls.values() if call.kind)
         scalars: dict[tuple, torch.Tensor] = {}
         # the largest first: a compiled step's first call sets its threading by its size
-        for call in sorted(calls.values(), key=lambda call: -call.numel):
+        ordered = sorted(calls.values(), key=lambda call: -call.numel)
+        for call in ordered:
             self._run(call, compensated, scalars)
         # lr schedulers check that the optimizer stepped before them
         optimizer._opt_called = True  # type: ignore[attr-defined]
+        plan = self._plan(optimizer, work, ordered, steps)
+        if plan is not None:
+            self._plans[optimizer] = plan
+
+    def _plan(
+        self,
+        optimizer: torch.optim.Optimizer,
+        work: list[tuple],
+        calls: list[_Call],
+        steps: list[int],
+    ) -> _Plan | None:
+        """The plan of a step filed as ``calls`` (`_Plan`), where it can have one."""
+        if not work or not isinstance(optimizer, torch.optim.Adam) or len(set(steps)) != 1:
+            return None
+        if any(p.is_complex() for _, _, p, _ in work):
+            return None  # (stepped as real views, made afresh at each step)
+        group_of = {index: group for group, index, _, _ in work}
+        planned = []
+        for call in calls:
+            rows = [tensors for _, tensors in call.rows]
+            pack = None
+            if call.packed:
+                columns = list(zip(*rows, strict=True))
+                if len(rows) > 1 and overlapping(list(columns[0])):
+                    return None  # (stepped one by one: `_run`)
+                if call.numel <= PACK_KEPT:
+                    pack = self._pack(call, columns)
+            groups = list({id(g): g for g in (group_of[i] for i, _ in call.rows)}.values())
+            planned.append(_Planned(call, groups, pack))
+        return _Plan(optimizer, work, planned)
+
+    def _replay(self, plan: _Plan, optimizer: torch.optim.Optimizer) -> bool:
+        """Step ``optimizer`` as ``plan`` has it; False (nothing done) where the plan no
+        longer describes it."""
+        grads = plan.gradients(optimizer)
+        if grads is None:
+            return False
+        of = dict(zip(map(id, plan.params), grads, strict=True))
+        mine = [[of[id(w)] for w in planned.weights] for planned in plan.calls]
+        for planned, (g, *_) in zip(plan.calls, mine, strict=True):
+            if not planned.call.packed:  # (a large gradient stepped in place: as `_add`)
+                if not g.is_contiguous() or (planned.call.pairs and g.storage_offset() % 2):
+                    return False
+        steps = self._counts.advance(plan.states)
+        step = steps[0]
+        decoupled = isinstance(optimizer, torch.optim.AdamW)
+        made: dict[int, tuple[list[float], str | None]] = {}
+        for planned in plan.calls:
+            for g in planned.groups:
+                if id(g) not in made:
+                    made[id(g)] = self._adam_scalars(g, step, decoupled)
+        for planned in plan.calls:
+            ours = [made[id(g)] for g in planned.groups]
+            if (
+                steps.count(step) != len(steps)
+                or any(other != ours[0] for other in ours)
+                or ours[0][1] != planned.call.decay
+            ):  # (counts apart, or groups filed together whose scalars parted)
+                self._counts.undo(plan.states)
+                return False
+        scalars: dict[tuple, torch.Tensor] = {}
+        for planned, grads_in in zip(plan.calls, mine, strict=True):
+            call = planned.call
+            call.step, call.scalars = step, made[id(planned.groups[0])][0]
+            p = planned.weights[0]
+            dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+            known = (tuple(call.scalars), dtype, p.device)
+            if known not in scalars:
+                scalars[known] = torch.tensor(call.scalars, dtype=dtype, device=p.device)
+            if call.packed:
+                pack = planned.pack
+                if pack is None:
+                    first, _, *rest = planned.columns
+                    pack = _Pack([first, tuple(grads_in), *rest], call.pairs)
+                torch._foreach_copy_(pack.into, planned.weights + grads_in + planned.states)
+                self._kernel(call, pack.lanes, scalars[known], call.rows[0][0], plan.compensated)
+                torch._foreach_copy_(planned.out, pack.out)
+            else:
+                flat = list(planned.flat)
+                g = grads_in[0]
+                flat[1] = on_memory(g, 0, (g.numel() // (2 if call.pairs else 1),), call.pairs)
+                self._kernel(call, flat, scalars[known], call.rows[0][0], plan.compensated)
+                torch.autograd.graph.increment_version(planned.out)
+        return True
 
     def _kind(self, p: torch.Tensor) -> str | None:
         return self.kind if p.dtype in COMPENSATED_DTYPES else None
