@@ -79,3 +79,27 @@ def test_reset_begins_another_run_from_the_configured_scaler():
     assert precision.resolved_for is judged  # the device is not judged again
     with pytest.raises(ValueError, match="no optimizer to step"):
         precision.step()  # the last run's optimizers are forgotten
+
+
+def test_a_step_context_of_an_unresolved_auto_precision_is_refused():
+    """Found by a review: with the policy's mixed flag read as an attribute, an "auto"
+    Precision not yet resolved entered a plain module's step context silently, autocast off
+    (the policy's property had refused it)."""
+    from mixprec.step import step_context
+
+    precision = Precision("auto")
+    with pytest.raises(RuntimeError, match="auto"):
+        step_context(precision, torch.nn.Linear(2, 2))
+
+
+def test_a_precision_pickled_before_its_flags_were_attributes_steps_after_loading():
+    """One pickled before `mixed` was an attribute (it held `_mixed`) lacked it when loaded."""
+    import pickle
+
+    precision = Precision("bf16-mixed", allow_slow=True)
+    old = precision.__getstate__()
+    old["_mixed"] = old.pop("mixed")
+    del old["_compute_dtype"]
+    loaded = Precision.__new__(Precision)
+    loaded.__setstate__(pickle.loads(pickle.dumps(old)))
+    assert loaded.mixed is True and loaded.forward_context() is not None

@@ -154,9 +154,10 @@ class Precision:
         self._scaler: LossScaler | None = None
         self._configured_scaler: dict[str, Any] = {}  # the scaler's state as built
         self._resolved: tuple[DeviceInfo, Support] | None = None  # the device checked
-        # whether the default policy autocasts, and its compute dtype: set with the policy,
-        # read by every step (attributes, where the policy's properties are calls)
-        self.mixed = False
+        # whether the default policy autocasts (None: no policy chosen yet), and its compute
+        # dtype: set with the policy, read by every step (attributes, where the policy's
+        # properties are calls)
+        self.mixed: bool | None = None
         self._compute_dtype = torch.float32
         if not is_auto(spec):
             self._choose(None)
@@ -638,6 +639,12 @@ class Precision:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._step_work = weakref.WeakKeyDictionary()
+        # (one pickled before the policy's flags were attributes of their own)
+        self.__dict__.pop("_mixed", None)
+        policy = self.__dict__.get("_policy")
+        if "mixed" not in self.__dict__:
+            self.mixed = None if policy is None else policy.default.is_mixed
+            self._compute_dtype = torch.float32 if policy is None else policy.default.compute_dtype
 
     def __repr__(self) -> str:
         if self._policy is None:

@@ -64,10 +64,11 @@ def step_context(
     precision's forward context under a mixed policy, when `user_code` calls into the model
     (a training step) or when the model is compiled in place under a "true" policy; else
     none, the model's region doing it all."""
-    if precision.mixed:
+    mixed = precision.mixed
+    if mixed:
         return precision.autocast()  # (`forward_context` of a mixed policy, one call less)
-    if user_code or compiled_in_place(model):
-        return precision.forward_context()
+    if user_code or mixed is None or compiled_in_place(model):
+        return precision.forward_context()  # (None: no policy yet, which it refuses)
     return contextlib.nullcontext()
 
 

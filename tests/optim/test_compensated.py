@@ -1591,10 +1591,36 @@ def _written_in_place(i, model, opt):  # a weight written in place between steps
             model[1].weight.mul_(0.5)
 
 
+def _lr_meet(i, model, opt):  # groups filed apart whose scalars meet (a review found them
+    opt.param_groups[1]["weight_decay"] = 0.1  # kept apart: other random keys)
+    opt.param_groups[1]["lr"] = 3e-3 if i < 3 else 1e-2
+
+
+def _grad_laid_out(i, model, opt):  # a large weight's gradient transposed, then at an odd
+    g = model[0].weight.grad  # offset (a bucket view): packed, then alone again
+    if i in (1, 2):
+        model[0].weight.grad = g.t().contiguous().t()
+    if i == 4:
+        flat = torch.empty(g.numel() + 1, dtype=g.dtype)
+        flat[1:].copy_(g.flatten())
+        model[0].weight.grad = flat[1:].view(g.shape)
+
+
+def _state_viewed(i, model, opt):  # a state seen in another shape on its memory (`.data`)
+    if i == 3:
+        small = opt.state[model[1].bias]
+        small["exp_avg"].data = small["exp_avg"].data.view(1, -1)
+        large = opt.state[model[0].weight]
+        large["exp_avg_sq"].data = large["exp_avg_sq"].data.t()
+
+
 @pytest.mark.parametrize("kind", ["kahan", "stochastic"])
 @pytest.mark.parametrize(
     "events",
     [
+        _lr_meet,
+        _grad_laid_out,
+        _state_viewed,
         _lr_parts,
         _decay_changes,
         _grad_dropped,

@@ -132,6 +132,17 @@ class _Planned:
     def __init__(self, call: _Call, groups: list[dict], pack: _Pack | None) -> None:
         self.call = call
         self.groups = groups
+        first = call.rows[0][1]
+        # what `_add` files a packed call by, besides its scalars: a fresh filing joins two
+        # packed calls whose scalars became equal
+        self.key = (tuple(None if t is None else t.dtype for t in first), first[0].device)
+        # packed rows large enough to step alone, held back by their gradient's layout only
+        # (`_add`): a gradient laid out otherwise at a later step sends them alone
+        self.large = [
+            i
+            for i, (_, row) in enumerate(call.rows)
+            if call.packed and _alone(row[:1] + row[2:], call.pairs)
+        ]
         for _, tensors in call.rows:
             tensors[1] = None
         rows = [tensors for _, tensors in call.rows]
@@ -178,10 +189,11 @@ class _Plan:
         # the optimizer's state dict, keys and values (compared by identity: a lookup by
         # tensor costs a Python call a parameter)
         self.keys, self.values = list(self.state), list(self.state.values())
-        self.grads = [(p.grad.dtype, p.grad.is_sparse) for p in self.params]
-        self.places = _places(self.params)
+        self.grads = [p.grad.dtype for p in self.params]
         self.held = [state.get(name) for state in self.states for name in _ADAM_STATE]
-        self.addresses = [None if t is None else t.data_ptr() for t in self.held]
+        # the weights and states: where and how they lie (a state given a transposed view
+        # of its memory through `.data` keeps its address)
+        self.places = _places(self.params + [t for t in self.held if t is not None])
         self.calls = calls
         self.compensated = sum(planned.call.numel for planned in calls if planned.call.kind)
 
@@ -196,7 +208,7 @@ class _Plan:
         if [p.grad is None for p in self.all] != self.without:
             return None
         grads = [p.grad for p in self.params]
-        if [(g.dtype, g.is_sparse) for g in grads] != self.grads:
+        if [g.dtype for g in grads] != self.grads or any([g.is_sparse for g in grads]):
             return None
         state = self.state
         if len(state) != len(self.keys) or not (
@@ -206,14 +218,31 @@ class _Plan:
         held = [state.get(name) for state in self.states for name in _ADAM_STATE]
         if not all(map(is_, held, self.held)):
             return None
-        if [None if t is None else t.data_ptr() for t in held] != self.addresses:
-            return None
-        return grads if _places(self.params) == self.places else None
+        watched = self.params + [t for t in held if t is not None]
+        return grads if _places(watched) == self.places else None
 
 
-def _places(params: list[torch.Tensor]) -> list[tuple]:
-    """Where and how each weight lies: what a call's filing read of it."""
-    return [(p.data_ptr(), p.dtype, p.shape, p.stride(), p.device) for p in params]
+def _places(tensors: list[torch.Tensor]) -> tuple[list, ...]:
+    """Where and how each tensor lies, as a filing reads it: its address, dtype, size and
+    strides (which with the size give the shape; cheaper to read than ``shape``)."""
+    return (
+        [t.data_ptr() for t in tensors],
+        [t.dtype for t in tensors],
+        [t.numel() for t in tensors],
+        [t.stride() for t in tensors],
+    )
+
+
+def _alone(row: list[torch.Tensor | None], pairs: bool) -> bool:
+    """Whether `_add` steps a row of these tensors alone, in place (large, contiguous,
+    and as bfloat16 pairs of an even size from even offsets)."""
+    first = row[0]
+    assert first is not None
+    if first.numel() < SMALL or (pairs and first.numel() % 2):
+        return False
+    return all(
+        t is None or (t.is_contiguous() and not (pairs and t.storage_offset() % 2)) for t in row
+    )
 
 
 def _twice(work: list[tuple]) -> str:
@@ -447,6 +476,8 @@ class Compensator:
         planned = []
         for call in calls:
             rows = [tensors for _, tensors in call.rows]
+            if any(t is not None and t.shape != row[0].shape for row in rows for t in row):
+                return None  # (a state in another shape than its weight: `_run`'s own pack)
             pack = None
             if call.packed:
                 columns = list(zip(*rows, strict=True))
@@ -466,10 +497,14 @@ class Compensator:
             return False
         of = dict(zip(map(id, plan.params), grads, strict=True))
         mine = [[of[id(w)] for w in planned.weights] for planned in plan.calls]
-        for planned, (g, *_) in zip(plan.calls, mine, strict=True):
-            if not planned.call.packed:  # (a large gradient stepped in place: as `_add`)
-                if not g.is_contiguous() or (planned.call.pairs and g.storage_offset() % 2):
-                    return False
+        for planned, grads_in in zip(plan.calls, mine, strict=True):
+            # as `_add` files them: a large row alone (in place) where all its tensors,
+            # gradient included, are laid out for it, else packed
+            pairs = planned.call.pairs
+            if not planned.call.packed and not _alone(grads_in[:1], pairs):
+                return False
+            if any(_alone(grads_in[i : i + 1], pairs) for i in planned.large):
+                return False
         steps = self._counts.advance(plan.states)
         step = steps[0]
         decoupled = isinstance(optimizer, torch.optim.AdamW)
@@ -478,10 +513,17 @@ class Compensator:
             for g in planned.groups:
                 if id(g) not in made:
                     made[id(g)] = self._adam_scalars(g, step, decoupled)
+        packed = [
+            (tuple(made[id(planned.groups[0])][0]), made[id(planned.groups[0])][1], planned.key)
+            for planned in plan.calls
+            if planned.call.packed
+        ]
+        apart = len(set(packed)) < len(packed)  # (calls filed apart whose scalars met)
         for planned in plan.calls:
             ours = [made[id(g)] for g in planned.groups]
             if (
-                steps.count(step) != len(steps)
+                apart
+                or steps.count(step) != len(steps)
                 or any(other != ours[0] for other in ours)
                 or ours[0][1] != planned.call.decay
             ):  # (counts apart, or groups filed together whose scalars parted)
@@ -653,10 +695,7 @@ class Compensator:
             row = [t if t is None or not t.is_complex() else torch.view_as_real(t) for t in row]
             layout = tuple([None if t is None else t.dtype for t in row])
         pairs = kind is not None and layout.count(torch.bfloat16) + layout.count(None) == len(row)
-        alone = row[0].numel() >= SMALL and all(
-            t is None or (t.is_contiguous() and not (pairs and t.storage_offset() % 2)) for t in row
-        )
-        alone = alone and not (pairs and row[0].numel() % 2)
+        alone = _alone(row, pairs)
         # (the decay's form too: a decoupled decay's scalar may equal another group's L2 one)
         key = (index if alone else None, algorithm, kind, step, tuple(scalars), decay, layout)
         key += (row[0].device,)
