@@ -472,7 +472,7 @@ def warn_unmatched(pmap: PolicyMap, model: nn.Module) -> None:
     likewise, in a warning of their own."""
     if pmap.activations is not None:
         pmap.activations.warn_unmatched(model, stacklevel=3)
-    pmap.warn_unmatched_paths(model, stacklevel=3)
+    pmap.warn_unmatched_rules(model, stacklevel=3)
 
 
 def _floating_dtypes(model: nn.Module) -> dict[tuple[str, str], torch.dtype]:

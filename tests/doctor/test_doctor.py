@@ -1375,3 +1375,120 @@ def test_a_model_writing_into_its_batch_is_diagnosed_on_the_batch_as_given():
     report = diagnose(model, (x, y), F.cross_entropy, precision="32-true")
     assert report.passes() and not report.findings
     assert torch.equal(x, given)
+
+
+class _Magnitude(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x * x)  # NaN gradient at 0, in any dtype
+
+
+def test_gradients_already_not_finite_in_the_reference_are_refused_not_blamed():
+    """Found by a review: a model whose float32 gradients are NaN with a finite loss (sqrt
+    at 0) had the module reported broken in bf16-mixed, and in 32-true against 32-true too,
+    and the recommendation said to train in the reference precision, which has them too.
+    Refused now, as a non-finite reference loss is."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), _Magnitude(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight[0].zero_()
+        model[0].bias[0] = 0.0
+    batch = (torch.randn(16, 4), torch.randint(0, 2, (16,)))
+    for precision in ("bf16-mixed", "32-true"):
+        with pytest.raises(ValueError, match=r"reference run .* inf/NaN gradients .*0\.weight"):
+            diagnose(model, batch, F.cross_entropy, precision=precision)
+
+
+class _ScaledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * 8.0  # the block's own multiply overflows float16
+
+
+def test_a_block_broken_by_its_own_code_is_blamed_over_a_child_only_at_risk():
+    """Found by a review: a block whose own multiply overflowed float16 was cleared because
+    its child was at risk ("contains 1.fc (at risk)"); the blame went outside the modules and
+    the recommendation said no per-module policy helps. The block stays broken now, and
+    moving it fixes the run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _ScaledBlock(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[1].fc.weight.mul_(20000.0)  # its output about 2e4: at risk in float16, finite
+    batch = (torch.randn(32, 8), torch.randint(0, 2, (32,)))
+    found = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    assert found.modules["1.fc"].verdict == "at risk"
+    assert found.modules["1"].verdict == "broken"
+    fix = found.recommend()
+    assert [r["path"] for r in fix.policy.to_config()["rules"]][0] == "1"
+    assert fix.verified.passes()
+
+
+def test_float16_weights_with_masters_are_not_said_to_lose_their_updates():
+    """Found by a review: under 16-true the vanishing check counted float16 weights' updates
+    as rounding away, where `Precision("16-true")` steps them through float32 masters (which
+    keep every update); the recommendation moved layers to float32 for nothing. The check
+    follows `master_weights` as Precision takes it: None and True keep float16's updates,
+    False loses them (as bfloat16 without masters, unless True)."""
+    model, batch = _big_first_layer()
+    f16 = diagnose(model, batch, F.cross_entropy, precision="16-true", lr=1e-2)
+    assert f16.modules["0"].vanishing == 0.0 and f16.modules["0"].verdict == OK
+    bare = diagnose(model, batch, F.cross_entropy, "16-true", lr=1e-2, master_weights=False)
+    assert bare.modules["0"].vanishing > 0.9 and bare.modules["0"].verdict == BROKEN
+    kept = diagnose(model, batch, F.cross_entropy, "bf16-true", lr=1e-2, master_weights=True)
+    assert kept.modules["0"].vanishing == 0.0
+
+
+class _SharedActBlock(nn.Module):
+    def __init__(self, act: nn.Module, k: float) -> None:
+        super().__init__()
+        self.fc, self.act, self.k = nn.Linear(8, 8), act, k
+
+    def forward(self, x):
+        return self.act(self.fc(x) * self.k)
+
+
+class _SharedAct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        act = nn.ReLU()  # one instance, in both blocks
+        self.b0, self.b1 = _SharedActBlock(act, 1e5), _SharedActBlock(act, 1e-5)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.b1(self.b0(x)))
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(16, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.mid(self.emb(ids)))
+
+
+def test_recommend_moves_what_shares_a_submodule_or_a_weight_with_a_moved_module():
+    """Found by a review: moving a block whose activation module another block shares, or a
+    head whose weight is tied to the embedding, built a map the policy itself refuses
+    (PolicySpecError: one module, or one weight, in two policies), and the CLI crashed. The
+    rule now goes to the shared paths and the tied weight's module too."""
+    torch.manual_seed(0)
+    batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
+    fix = diagnose(_SharedAct(), batch, F.cross_entropy, precision="16-mixed").recommend()
+    assert fix.verified.passes()
+    torch.manual_seed(0)
+    model = _TiedLM()
+    with torch.no_grad():
+        model.mid.weight.mul_(12000.0)
+    ids = torch.randint(0, 16, (4, 6))
+
+    def loss(out, y):
+        return F.cross_entropy(out.float().reshape(-1, 16), y.reshape(-1))
+
+    found = diagnose(model, (ids, ids), loss, precision="16-true")
+    with pytest.raises(mixprec.PrecisionError, match="try a mixed policy"):
+        found.recommend()  # (not a PolicySpecError about the tied weight)

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from nets import Overflow, overflow_model
 
+import mixprec
 from mixprec.cli import main
 from mixprec.doctor import BROKEN, diagnose
 from mixprec.step import is_hugging_face_model
@@ -128,3 +129,48 @@ def test_lightning_manual_optimization_is_refused_with_the_way_out():
     # the network inside it can still be diagnosed
     d = diagnose(Manual().net, batch, F.cross_entropy, precision="16-mixed")
     assert names(d) == ["proj"]
+
+
+NAIVE_SOFTMAX = """
+import torch, torch.nn.functional as F
+from torch import nn
+
+
+class NaiveSoftmax(nn.Module):
+    def forward(self, x):
+        return x.exp() / x.exp().sum(-1, keepdim=True)  # overflows float16 past 11
+
+
+def make():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8), NaiveSoftmax(), nn.Linear(8, 2)
+    )
+    with torch.no_grad():
+        model[2].weight.mul_(20.0)
+    return model, (torch.randn(64, 8), torch.randint(0, 2, (64,))), F.cross_entropy
+"""
+
+
+def test_cli_doctor_honours_a_type_rule_for_a_class_of_the_factory_file(tmp_path, capsys):
+    """Found by a review: the CLI imported the factory file under a name of its own, and a
+    policy file's type rule "softmaxes.NaiveSoftmax" imported it again: another class, which
+    no module of the model is, so the float32 rule was silently ignored (broken, exit 1). The
+    file is now the module its name imports, and a type rule of the user's matching nothing
+    is warned of."""
+    import sys
+
+    (tmp_path / "softmaxes.py").write_text(NAIVE_SOFTMAX)
+    policy = tmp_path / "policy.json"
+    rule = '{"type": "softmaxes.NaiveSoftmax", "policy": "32-true"}'
+    policy.write_text('{"default": "16-mixed", "rules": [' + rule + "]}")
+    try:
+        args = ["doctor", f"{tmp_path / 'softmaxes.py'}:make", "--precision", str(policy)]
+        assert main([*args, "--no-report", "--no-recommend"]) == 0
+        assert "0 broken" in capsys.readouterr().out
+    finally:
+        sys.modules.pop("softmaxes", None)
+    other = type("NaiveSoftmax", (torch.nn.Module,), {"__module__": "elsewhere"})
+    policy_map = mixprec.PolicyMap("32-true", {other: "bf16-mixed"})
+    with pytest.warns(UserWarning, match=r"type rules match no module of Sequential: .*elsewhere"):
+        mixprec.apply(torch.nn.Sequential(torch.nn.Linear(2, 2)), policy_map)

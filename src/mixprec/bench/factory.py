@@ -54,18 +54,34 @@ def _where(err: BaseException) -> str:
 
 
 def _import_file(path: Path) -> ModuleType:
+    """The file imported (afresh) as a module. Where its stem is a module name that
+    imports this file or nothing, the module is that one too: a policy file's type rule
+    naming ``stem.Class`` then names the class the model's instances have, where a second
+    import would make another class of the same name, matching none of them."""
     if not path.is_file():
         raise FactoryError(f"no such file: {path}")
+    stem = path.stem
+    known = sys.modules.get(stem) if stem.isidentifier() else None
+    if known is not None:  # (imported before: only from this very file is it replaced)
+        own = Path(getattr(known, "__file__", "") or "").resolve() == path.resolve()
+    else:
+        own = stem.isidentifier() and _names_this_file(stem, path)
     name = "_mixprec_factory_" + re.sub(r"\W", "_", str(path.resolve().with_suffix("")))
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise FactoryError(f"cannot import {path} as a Python module (is it a .py file?)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    if own:
+        sys.modules[stem] = module
     try:
         spec.loader.exec_module(module)
     except Exception as err:
         del sys.modules[name]
+        if own:
+            sys.modules.pop(stem)
+            if known is not None:
+                sys.modules[stem] = known
         raise FactoryError(
             f"importing {path} failed: {type(err).__name__}: {err} ({_where(err)})"
         ) from err
@@ -83,6 +99,18 @@ def _import_module(target: str) -> ModuleType:
         raise FactoryError(
             f"importing module {target!r} failed: {type(err).__name__}: {err} ({_where(err)})"
         ) from err
+
+
+def _names_this_file(stem: str, path: Path) -> bool:
+    """Whether importing `stem` would import `path` or nothing (never a standard or
+    installed module of that name: registering the file under it would shadow that one)."""
+    try:
+        spec = importlib.util.find_spec(stem)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return stem not in sys.builtin_module_names
+    return spec.origin is not None and Path(spec.origin).resolve() == path.resolve()
 
 
 def load_factory(reference: str) -> Callable[..., Any]:

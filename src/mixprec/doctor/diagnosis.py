@@ -242,16 +242,29 @@ class Diagnosis:
 
     def _map(self, chosen: dict[str, Policy]) -> PolicyMap:
         rules: dict[Any, Any] = dict(self.precision.rules)
-        # a module reachable at several paths (``self.b = self.a``) runs in one policy: its
-        # rule goes to every path (the probe names it at its first)
-        modules = self._session.model.named_modules(remove_duplicate=False)
+        # a module reachable at several paths (``self.b = self.a``), a submodule shared with
+        # another block, a weight tied to another module's: each runs in one policy, so the
+        # rule of a module moved goes to every path of it and of its submodules, and to the
+        # modules holding its parameters elsewhere (the probe names a module at its first)
+        modules = list(self._session.model.named_modules(remove_duplicate=False))
         paths: dict[int, list[str]] = {}
-        by_name: dict[str, int] = {}
+        owners: dict[int, list[str]] = {}
         for n, module in modules:
             paths.setdefault(id(module), []).append(n)
-            by_name[n] = id(module)
+            for param in module.parameters(recurse=False):
+                owners.setdefault(id(param), []).append(n)
+        by_name = dict(modules)
         for name, p in chosen.items():
-            for path in paths.get(by_name.get(name, -1), [name]):
+            module = by_name.get(name)
+            targets = {name}
+            if module is not None:
+                # (paths inside the module inherit its rule: only those elsewhere take it)
+                for _, sub in module.named_modules(remove_duplicate=False):
+                    elsewhere = [*paths[id(sub)]]
+                    for param in sub.parameters(recurse=False):
+                        elsewhere += owners[id(param)]
+                    targets.update(o for o in elsewhere if not _is_within(o, name))
+            for path in sorted(targets):
                 rules[self._rule_key(path)] = p
         # (the user's activation and optimizer-state rules stay, verified with the fix)
         return self.precision.replace(rules=rules)
@@ -586,6 +599,7 @@ def diagnose(
     seed: int = 0,
     lr: float | None = None,
     optimizer: str = "adam",
+    master_weights: bool | None = None,
 ) -> Diagnosis:
     """Run `model` forward and backward once in `reference` and once in `precision` on
     copies of the same weights, and compare them module by module.
@@ -606,7 +620,9 @@ def diagnose(
     updates: the share of one optimizer step (`optimizer="adam"`: about `lr` per weight;
     `"sgd"`: `lr` x gradient) that rounds away because it is below half a unit in the last
     place of the weight. A module losing most of its updates is flagged (it stops learning):
-    the fix is compensated updates, float32 master weights, or a float32 rule.
+    the fix is compensated updates, float32 master weights, or a float32 rule. Weights with
+    float32 masters lose none: `master_weights` as `Precision` takes it (None: float16
+    weights have masters, bfloat16 ones not; True: both; False: neither).
 
     Dropout is off in both runs so they see the same network, and both start from the same
     RNG seed; the caller's RNG state is restored afterwards. The model itself is not
@@ -627,7 +643,7 @@ def diagnose(
         model = copy.deepcopy(model).to(where)  # the runs copy this one, not the caller's
     if device is not None:
         batch = map_tensors(lambda t: t.to(where), batch)
-    update = UpdateModel(lr, optimizer) if lr is not None else None
+    update = UpdateModel(lr, optimizer, master_weights) if lr is not None else None
     session = Session(model, batch, loss_fn, where, seed, update)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reference may be slow here too: it is a probe
@@ -636,6 +652,18 @@ def diagnose(
         raise ValueError(
             f"the reference run ({ref_map.name}) already gives a non-finite loss "
             f"({ref.loss}): the problem is not the precision; check the data and the model"
+        )
+    bad = [
+        name
+        for name, g in ref.param_grads.items()
+        if g is not None and not bool(torch.isfinite(g.value).all())
+    ]
+    if bad:  # (a low precision would be blamed for what float32 does too)
+        raise ValueError(
+            f"the reference run ({ref_map.name}) already gives inf/NaN gradients (of "
+            f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}) with a finite loss: the "
+            "problem is not the precision; check the model's ops (sqrt or a division at 0, "
+            "log of 0) and the data"
         )
     target, scale, recommended = _target_run(session, target_map, ref, given, loss_scale is None)
     return Diagnosis(session, target_map, ref_map, ref, target, scale, recommended)
@@ -685,3 +713,8 @@ def _target_run(
         scale = held  # where a dynamic scaler backs off to after one overflow
         target = session.run(target_map, ref, scale)
     return target, scale, recommended
+
+
+def _is_within(path: str, name: str) -> bool:
+    """Whether module path `path` is `name` or lies inside it (the root holds every path)."""
+    return name == "" or path == name or path.startswith(name + ".")

@@ -331,11 +331,21 @@ def first_finding(m: ModuleReport, run: RunFacts) -> Finding | None:
 
 
 def blame_innermost(modules: dict[str, ModuleReport]) -> None:
-    """Clear every flagged block that contains another flagged module, noting which: the
-    problem is blamed where it starts."""
+    """Clear every flagged block that contains a module flagged at least as gravely,
+    noting which: the problem is blamed where it starts. A broken block holding a module only
+    at risk keeps its verdict: its own code (an op between its children) broke, and moving
+    the block fixes it. The model itself is cleared whatever its modules' verdicts: code
+    between its modules is no module's (`loss_outside_modules` says where)."""
     flagged = [m for m in modules.values() if m.verdict != OK]
+    grave = {AT_RISK: 1, BROKEN: 2}
     for m in flagged:
-        inner = [c for c in flagged if c is not m and _is_inside(c.name, m.name)]
+        inner = [
+            c
+            for c in flagged
+            if c is not m
+            and _is_inside(c.name, m.name)
+            and (m.name == "" or grave.get(c.verdict, 0) >= grave.get(m.verdict, 0))
+        ]
         if inner:
             m.verdict, m.kind, m.reason = OK, FindingKind.NONE, ""
             m.note = f"contains {inner[0].display_name} ({inner[0].verdict})"

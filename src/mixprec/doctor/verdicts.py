@@ -99,6 +99,8 @@ class UpdateModel:
 
     lr: float
     rule: str = "adam"
+    master_weights: bool | None = None  # as `Precision` takes it: which 16-bit weights step
+    # through float32 masters (None: float16's), whose updates never round away
 
     def __post_init__(self) -> None:
         lr = self.lr
@@ -110,6 +112,12 @@ class UpdateModel:
                 f"optimizer must be one of {', '.join(UPDATE_RULES)} (how the update is "
                 f"sized), got {self.rule!r}"
             )
+
+    def stored_in(self, dtype: torch.dtype) -> bool:
+        """Whether weights of `dtype` take their updates in `dtype` itself (no masters)."""
+        if format_info(dtype).bits > 16 or self.master_weights:
+            return False
+        return self.master_weights is False or dtype != torch.float16
 
     def delta(self, grad: torch.Tensor) -> torch.Tensor:
         """The step a parameter with gradient `grad` takes (float32)."""
@@ -414,8 +422,8 @@ def vanishing_by_module(
     model: nn.Module, policy: PolicyMap, grads: dict[str, torch.Tensor], update: UpdateModel
 ) -> dict[str, float]:
     """Per module, the share of its own parameters' updates that round away in the dtype the
-    policy stores them in (16-bit only; float32 and float64 weights lose none), with the
-    reference run's gradients sizing the steps."""
+    policy stores them in (16-bit weights without float32 masters only: `UpdateModel.stored_in`;
+    the others lose none), with the reference run's gradients sizing the steps."""
     resolved = policy.resolve(model)
     lost: dict[str, float] = {}
     sizes: dict[str, int] = {}
@@ -423,7 +431,7 @@ def vanishing_by_module(
         module = name.rpartition(".")[0]
         dtype = resolved[module].policy.param_dtype
         grad = grads.get(name)
-        if grad is None or format_info(dtype).bits > 16:
+        if grad is None or not update.stored_in(dtype):
             continue
         delta = update.delta(grad.to(param.device))
         n = int((delta != 0).sum())

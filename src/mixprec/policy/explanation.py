@@ -198,7 +198,7 @@ def explain(
     check_bypassed(model, resolved)  # (refuses what apply refuses)
     dtype_plan(model, resolved, replaced=True)
     # (warnings point at the caller of mixprec.explain, which calls this)
-    pmap.warn_unmatched_paths(model, stacklevel=3)
+    pmap.warn_unmatched_rules(model, stacklevel=3)
     pmap.warn_unmatched_states(model, stacklevel=3)
     has_states = pmap.states is not None or default is not None
     states = pmap.state_formats(model, default) if has_states else None

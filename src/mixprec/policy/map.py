@@ -294,11 +294,28 @@ class PolicyMap:
             if key not in names and not any(rx.fullmatch(n) for n in names)
         ]
 
-    def warn_unmatched_paths(self, model: nn.Module, *, stacklevel: int = 2) -> None:
-        """Warn about the path rules that match no module of ``model``, a typo far more often
-        than intent, in one warning for all of them (a generated map may hold thousands),
-        each named with the closest paths. ``stacklevel`` counts from the caller, as
-        `warnings.warn`'s."""
+    def warn_unmatched_rules(self, model: nn.Module, *, stacklevel: int = 2) -> None:
+        """Warn about the rules that match no module of ``model``: path rules (a typo far
+        more often than intent), in one warning for all of them (a generated map may hold
+        thousands), each named with the closest paths; and rules for a type of the user's
+        own, in another (a class imported twice is two classes: a script loaded under another
+        module name holds classes no instance of the first import is; a rule for a torch
+        type, as a map shared by models with and without LayerNorm holds, is not warned of).
+        ``stacklevel`` counts from the caller, as `warnings.warn`'s."""
+        modules = [m for _, m in model.named_modules()]
+        missing = [
+            t
+            for t in self._types
+            if not t.__module__.startswith("torch.") and not any(isinstance(m, t) for m in modules)
+        ]
+        if missing:
+            named = ", ".join(type_name(t) for t in missing)
+            warnings.warn(
+                f"policy type rules match no module of {type(model).__name__}: {named} (no "
+                "module is an instance; a class imported twice, as a script loaded under "
+                "another module name, is another class)",
+                stacklevel=stacklevel + 1,
+            )
         names = [name for name, _ in model.named_modules(remove_duplicate=False)]
         unmatched = self.unmatched_paths(names)
         if not unmatched:
