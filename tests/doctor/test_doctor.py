@@ -1438,6 +1438,8 @@ def test_float16_weights_with_masters_are_not_said_to_lose_their_updates():
     assert bare.modules["0"].vanishing > 0.9 and bare.modules["0"].verdict == BROKEN
     kept = diagnose(model, batch, F.cross_entropy, "bf16-true", lr=1e-2, master_weights=True)
     assert kept.modules["0"].vanishing == 0.0
+    with pytest.raises(TypeError, match="master_weights must be None, True or False, got 0"):
+        diagnose(model, batch, F.cross_entropy, "16-true", lr=1e-2, master_weights=0)
 
 
 class _SharedActBlock(nn.Module):
@@ -1471,15 +1473,17 @@ class _TiedLM(nn.Module):
         return self.head(self.mid(self.emb(ids)))
 
 
-def test_recommend_moves_what_shares_a_submodule_or_a_weight_with_a_moved_module():
+def test_recommend_says_a_module_sharing_a_submodule_or_a_weight_cannot_move_alone():
     """Found by a review: moving a block whose activation module another block shares, or a
     head whose weight is tied to the embedding, built a map the policy itself refuses
-    (PolicySpecError: one module, or one weight, in two policies), and the CLI crashed. The
-    rule now goes to the shared paths and the tied weight's module too."""
+    (PolicySpecError: one module, or one weight, in two policies), and the CLI crashed. Such
+    a move is now left out, and recommend says why when nothing else fixes the run (giving
+    the rule to the sharing modules too overwrote the user's rules and moved whole models)."""
     torch.manual_seed(0)
     batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
-    fix = diagnose(_SharedAct(), batch, F.cross_entropy, precision="16-mixed").recommend()
-    assert fix.verified.passes()
+    found = diagnose(_SharedAct(), batch, F.cross_entropy, precision="16-mixed")
+    with pytest.raises(mixprec.PrecisionError, match=r"b0 .*cannot move alone .*reachable at"):
+        found.recommend()
     torch.manual_seed(0)
     model = _TiedLM()
     with torch.no_grad():

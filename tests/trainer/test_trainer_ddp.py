@@ -248,3 +248,114 @@ def test_a_spawned_16_true_fit_exports_its_float32_masters(tmp_path):
     for name, master in masters.items():
         assert master.dtype == torch.float32 and torch.equal(exported[name], master), name
     assert not all(torch.equal(m, m.half().float()) for m in masters.values())
+
+
+class PerRankLoss(TrainingModule):
+    """Logs its loss without sync_dist: each rank's own value."""
+
+    def __init__(self, interval: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.interval = interval
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self(batch[0]), batch[1])
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.2)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        monitor = "train_loss_step" if self.interval == "step" else "train_loss_epoch"
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": plateau, "interval": self.interval, "monitor": monitor},
+        }
+
+
+def test_ranks_take_monitored_decisions_on_one_value(tmp_path):
+    """Found by a review: a plateau scheduler stepped on each rank's own train_loss gave
+    the ranks other learning rates, and their weights drifted apart; an EarlyStopping on it,
+    checked at an epoch's end, stopped one rank and left the other waiting. Monitored values
+    are now averaged over the ranks, and a stop decided at an epoch's end is agreed."""
+    from mixprec.trainer import EarlyStopping
+
+    for interval in ("step", "epoch"):
+        stop = EarlyStopping("train_loss_epoch", patience=1, min_delta=0.5)
+        trainer = Trainer(
+            devices=2,
+            strategy="ddp",
+            max_epochs=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            seed=0,
+            callbacks=[DumpParams(tmp_path), stop],
+        )
+        trainer.fit(PerRankLoss(interval), DataLoader(data(), batch_size=4, shuffle=True))
+        r0, r1 = ranks(tmp_path)
+        assert all(torch.equal(p, r1["params"][k]) for k, p in r0["params"].items()), interval
+
+
+class NamesApart(TrainingModule):
+    """Each rank logs a validation value of its own name (per-class metrics of the classes
+    in its batches), and one more name on rank 1; both log a shared one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self(batch[0]), batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        rank = self.trainer.strategy.global_rank
+        self.log("acc_cat" if rank == 0 else "acc_dog", float(1 - rank))
+        if rank == 1:
+            self.log("acc_eel", 0.25)
+        self.log("shared", 5.0)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class SaveMetrics(Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_validation_end(self, trainer, model):
+        torch.save(
+            dict(trainer.callback_metrics),
+            self.directory / f"metrics{trainer.strategy.global_rank}.pt",
+        )
+
+
+def test_epoch_means_of_names_the_ranks_logged_apart(tmp_path):
+    """Found by a review: the epoch's values were reduced across ranks by position in each
+    rank's own sorted names, so rank 0's acc_cat was averaged with rank 1's acc_dog (both
+    read 0.5); with as many names on each rank in a different count, a process died. The
+    names are agreed first: each value is the mean over the ranks that logged it."""
+    trainer = Trainer(
+        devices=2,
+        strategy="ddp",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        seed=0,
+        callbacks=[SaveMetrics(tmp_path)],
+    )
+    val = DataLoader(data(), batch_size=8)
+    trainer.fit(NamesApart(), DataLoader(data(), batch_size=8), val)
+    for rank in range(2):
+        metrics = torch.load(tmp_path / f"metrics{rank}.pt")
+        picked = {k: metrics[k] for k in ("acc_cat", "acc_dog", "acc_eel", "shared")}
+        assert picked == {"acc_cat": 1.0, "acc_dog": 0.0, "acc_eel": 0.25, "shared": 5.0}

@@ -54,38 +54,49 @@ def _where(err: BaseException) -> str:
 
 
 def _import_file(path: Path) -> ModuleType:
-    """The file imported (afresh) as a module. Where its stem is a module name that
-    imports this file or nothing, the module is that one too: a policy file's type rule
-    naming ``stem.Class`` then names the class the model's instances have, where a second
-    import would make another class of the same name, matching none of them."""
+    """The file imported (afresh) as a module. Where its stem is a module name that imports
+    this file or nothing (or a file imported here before), the module is imported under that
+    name: a policy file's type rule naming ``stem.Class`` then names the class the model's
+    instances have (a second import would make another class of the same name, matching
+    none of them), and policies written from it name ``stem.Class`` too."""
     if not path.is_file():
         raise FactoryError(f"no such file: {path}")
     stem = path.stem
     known = sys.modules.get(stem) if stem.isidentifier() else None
-    if known is not None:  # (imported before: only from this very file is it replaced)
-        own = Path(getattr(known, "__file__", "") or "").resolve() == path.resolve()
+    if known is not None:  # (imported before: replaced where it is this file, or one of ours)
+        own = _ALIASED.get(stem) is known or (
+            Path(getattr(known, "__file__", "") or "").resolve() == path.resolve()
+        )
     else:
         own = stem.isidentifier() and _names_this_file(stem, path)
-    name = "_mixprec_factory_" + re.sub(r"\W", "_", str(path.resolve().with_suffix("")))
+    name = (
+        stem
+        if own
+        else "_mixprec_factory_" + re.sub(r"\W", "_", str(path.resolve().with_suffix("")))
+    )
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise FactoryError(f"cannot import {path} as a Python module (is it a .py file?)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    if own:
-        sys.modules[stem] = module
     try:
         spec.loader.exec_module(module)
     except Exception as err:
-        del sys.modules[name]
-        if own:
-            sys.modules.pop(stem)
-            if known is not None:
-                sys.modules[stem] = known
+        if known is not None and own:
+            sys.modules[name] = known
+        else:
+            del sys.modules[name]
         raise FactoryError(
             f"importing {path} failed: {type(err).__name__}: {err} ({_where(err)})"
         ) from err
+    if own:
+        _ALIASED[stem] = module
     return module
+
+
+# the factory files imported under their own names (a later file of the same name replaces
+# one of them: in one process, as a notebook or the tests run several)
+_ALIASED: dict[str, ModuleType] = {}
 
 
 def _import_module(target: str) -> ModuleType:

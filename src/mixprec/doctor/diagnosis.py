@@ -43,7 +43,7 @@ from mixprec.doctor.verdicts import (
     vanishing_by_module,
 )
 from mixprec.dtypes import format_info
-from mixprec.errors import PrecisionError
+from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import (
     FAST,
     SUPPORTED,
@@ -242,32 +242,28 @@ class Diagnosis:
 
     def _map(self, chosen: dict[str, Policy]) -> PolicyMap:
         rules: dict[Any, Any] = dict(self.precision.rules)
-        # a module reachable at several paths (``self.b = self.a``), a submodule shared with
-        # another block, a weight tied to another module's: each runs in one policy, so the
-        # rule of a module moved goes to every path of it and of its submodules, and to the
-        # modules holding its parameters elsewhere (the probe names a module at its first)
-        modules = list(self._session.model.named_modules(remove_duplicate=False))
+        # a module reachable at several paths (``self.b = self.a``) runs in one policy: its
+        # rule goes to every path (the probe names it at its first)
+        modules = self._session.model.named_modules(remove_duplicate=False)
         paths: dict[int, list[str]] = {}
-        owners: dict[int, list[str]] = {}
+        by_name: dict[str, int] = {}
         for n, module in modules:
             paths.setdefault(id(module), []).append(n)
-            for param in module.parameters(recurse=False):
-                owners.setdefault(id(param), []).append(n)
-        by_name = dict(modules)
+            by_name[n] = id(module)
         for name, p in chosen.items():
-            module = by_name.get(name)
-            targets = {name}
-            if module is not None:
-                # (paths inside the module inherit its rule: only those elsewhere take it)
-                for _, sub in module.named_modules(remove_duplicate=False):
-                    elsewhere = [*paths[id(sub)]]
-                    for param in sub.parameters(recurse=False):
-                        elsewhere += owners[id(param)]
-                    targets.update(o for o in elsewhere if not _is_within(o, name))
-            for path in sorted(targets):
+            for path in paths.get(by_name.get(name, -1), [name]):
                 rules[self._rule_key(path)] = p
         # (the user's activation and optimizer-state rules stay, verified with the fix)
         return self.precision.replace(rules=rules)
+
+    def _tried(self, chosen: dict[str, Policy], loss_scale: float) -> Diagnosis | str:
+        """`_trial`, or why the map of `chosen` cannot run: a module moved alone that shares
+        a submodule or a weight with a module elsewhere (one module, one weight, one policy;
+        refused before anything runs)."""
+        try:
+            return self._trial(chosen, loss_scale)
+        except PolicySpecError as error:
+            return str(error)
 
     def _trial(self, chosen: dict[str, Policy], loss_scale: float) -> Diagnosis:
         policy = self._map(chosen)
@@ -302,6 +298,7 @@ class Diagnosis:
         chosen: dict[str, Policy] = {}
         exhausted: set[str] = set()
         log: list[str] = []
+        alone: list[str] = []  # the moves the policy refused (a shared module or weight)
         trial: Diagnosis = self
         scale = self.loss_scale
         output_tried = False
@@ -337,16 +334,24 @@ class Diagnosis:
                     chosen, trial = found
                     continue
             if pick is None:
-                raise self._stuck(trial, tolerance, exhausted, chosen)
+                raise self._stuck(trial, tolerance, exhausted, chosen, alone)
             # a module that never runs (a root whose training_step calls its children) has
             # no region a rule could change
             safer = self._safer(pick, chosen.get(pick.name)) if pick.calls else None
             if safer is None:
                 exhausted.add(pick.name)
                 continue
+            before = dict(chosen)
             chosen[pick.name] = safer
             _drop_shadowing(chosen, pick.name, safer)
-            trial = self._trial(chosen, scale)
+            tried = self._tried(chosen, scale)
+            if isinstance(tried, str):  # (it cannot move alone: on to the next finding)
+                chosen = before
+                exhausted.add(pick.name)
+                alone.append(f"{pick.display_name} cannot move alone ({tried})")
+                log.append(f"{pick.display_name} -> {safer.name}: {alone[-1]}")
+                continue
+            trial = tried
             log.append(
                 f"{pick.display_name} -> {safer.name}: "
                 + ("the run passes" if trial.passes(tolerance) else _why_not(trial, tolerance))
@@ -385,7 +390,9 @@ class Diagnosis:
             while policy is not None:
                 moved = {**chosen, m.name: policy}
                 _drop_shadowing(moved, m.name, policy)
-                found = self._trial(moved, scale)
+                found = self._tried(moved, scale)
+                if isinstance(found, str):
+                    break  # (it shares a weight or a submodule: it cannot move alone)
                 passes = found.passes(tolerance)
                 log.append(
                     f"no module at risk, yet not within tolerance: {m.display_name} (a last "
@@ -403,6 +410,7 @@ class Diagnosis:
         tolerance: float,
         exhausted: set[str],
         chosen: dict[str, Policy],
+        alone: list[str] = (),  # type: ignore[assignment]
     ) -> PrecisionError:
         """Why `recommend` found no module left to move while `trial` still fails: no module
         was (or, after the moves in `chosen`, is still) at risk, so the error builds up over
@@ -429,12 +437,13 @@ class Diagnosis:
         if "loss error" not in why:  # (a broken module or a non-finite run: the errors too)
             why += f" (loss error {trial.loss_rel_error:.3g}, gradient error "
             why += f"{trial.grad_rel_error:.3g})"
+        refused = f" ({'; '.join(alone)}: give the modules sharing it one rule)" if alone else ""
         return PrecisionError(
             f"no per-module policy brings {self.precision.default.name} within "
             f"tolerance {tolerance:g} of {self.reference.default.name}: after trying "
             f"{', '.join(sorted(n or '<root>' for n in exhausted))} in every safer "
-            f"precision, {why}.{hint} Use a larger tolerance or train in the reference "
-            "precision."
+            f"precision{refused}, {why}.{hint} Use a larger tolerance or train in the "
+            "reference precision."
         )
 
     def _drop_unneeded(
@@ -449,7 +458,9 @@ class Diagnosis:
         passing trial. Each drop is logged."""
         for name in reversed(list(chosen)):
             fewer = {k: v for k, v in chosen.items() if k != name}
-            without = self._trial(fewer, scale)
+            without = self._tried(fewer, scale)
+            if isinstance(without, str):
+                continue
             if without.passes(tolerance):
                 chosen, trial = fewer, without
                 log.append(f"{name or '<root>'}: not needed after all, dropped")
@@ -653,10 +664,11 @@ def diagnose(
             f"the reference run ({ref_map.name}) already gives a non-finite loss "
             f"({ref.loss}): the problem is not the precision; check the data and the model"
         )
+    wide = ref_map.default.param_dtype == torch.float64  # (its gradients kept in float32)
     bad = [
         name
         for name, g in ref.param_grads.items()
-        if g is not None and not bool(torch.isfinite(g.value).all())
+        if not wide and g is not None and not bool(torch.isfinite(g.value).all())
     ]
     if bad:  # (a low precision would be blamed for what float32 does too)
         raise ValueError(
@@ -713,8 +725,3 @@ def _target_run(
         scale = held  # where a dynamic scaler backs off to after one overflow
         target = session.run(target_map, ref, scale)
     return target, scale, recommended
-
-
-def _is_within(path: str, name: str) -> bool:
-    """Whether module path `path` is `name` or lies inside it (the root holds every path)."""
-    return name == "" or path == name or path.startswith(name + ".")

@@ -331,20 +331,19 @@ def first_finding(m: ModuleReport, run: RunFacts) -> Finding | None:
 
 
 def blame_innermost(modules: dict[str, ModuleReport]) -> None:
-    """Clear every flagged block that contains a module flagged at least as gravely,
-    noting which: the problem is blamed where it starts. A broken block holding a module only
-    at risk keeps its verdict: its own code (an op between its children) broke, and moving
-    the block fixes it. The model itself is cleared whatever its modules' verdicts: code
-    between its modules is no module's (`loss_outside_modules` says where)."""
+    """Clear every flagged block that contains another flagged module, noting which: the
+    problem is blamed where it starts. One exception: a block broken by an overflow (kind
+    range) holding modules only at risk keeps its verdict, as its own code (an op between
+    its children) overflowed, and moving the block fixes it; an error that grows over its
+    children is theirs to fix first. The model itself is always cleared: code between its
+    modules is no module's (`loss_outside_modules` says where)."""
     flagged = [m for m in modules.values() if m.verdict != OK]
-    grave = {AT_RISK: 1, BROKEN: 2}
     for m in flagged:
+        own = m.name != "" and m.verdict == BROKEN and m.kind == FindingKind.RANGE
         inner = [
             c
             for c in flagged
-            if c is not m
-            and _is_inside(c.name, m.name)
-            and (m.name == "" or grave.get(c.verdict, 0) >= grave.get(m.verdict, 0))
+            if c is not m and _is_inside(c.name, m.name) and not (own and c.verdict == AT_RISK)
         ]
         if inner:
             m.verdict, m.kind, m.reason = OK, FindingKind.NONE, ""

@@ -107,6 +107,10 @@ class UpdateModel:
         if isinstance(lr, bool) or not (isinstance(lr, Real) and math.isfinite(lr) and lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {lr!r}")
         object.__setattr__(self, "lr", float(lr))  # numpy's numbers are held as a float
+        if not (self.master_weights is None or isinstance(self.master_weights, bool)):
+            raise TypeError(
+                f"master_weights must be None, True or False, got {self.master_weights!r}"
+            )
         if self.rule not in UPDATE_RULES:
             raise ValueError(
                 f"optimizer must be one of {', '.join(UPDATE_RULES)} (how the update is "

@@ -297,23 +297,25 @@ class PolicyMap:
     def warn_unmatched_rules(self, model: nn.Module, *, stacklevel: int = 2) -> None:
         """Warn about the rules that match no module of ``model``: path rules (a typo far
         more often than intent), in one warning for all of them (a generated map may hold
-        thousands), each named with the closest paths; and rules for a type of the user's
-        own, in another (a class imported twice is two classes: a script loaded under another
-        module name holds classes no instance of the first import is; a rule for a torch
-        type, as a map shared by models with and without LayerNorm holds, is not warned of).
-        ``stacklevel`` counts from the caller, as `warnings.warn`'s."""
+        thousands), each named with the closest paths; and, in another, type rules that
+        match no module while a module of a class of the same name is there: a class imported
+        twice (a script loaded under another module name) is two classes, and the rule names
+        the one the model's instances are not (a rule for a type the model lacks, as a map
+        shared by several models holds, is not warned of). ``stacklevel`` counts from the
+        caller, as `warnings.warn`'s."""
         modules = [m for _, m in model.named_modules()]
+        names_here = {type(m).__qualname__ for m in modules}
         missing = [
             t
             for t in self._types
-            if not t.__module__.startswith("torch.") and not any(isinstance(m, t) for m in modules)
+            if t.__qualname__ in names_here and not any(isinstance(m, t) for m in modules)
         ]
         if missing:
             named = ", ".join(type_name(t) for t in missing)
             warnings.warn(
-                f"policy type rules match no module of {type(model).__name__}: {named} (no "
-                "module is an instance; a class imported twice, as a script loaded under "
-                "another module name, is another class)",
+                f"policy type rules match no module of {type(model).__name__}: {named}, whose "
+                "name its modules' classes have (a class imported twice, as a script loaded "
+                "under another module name, is another class: import it once)",
                 stacklevel=stacklevel + 1,
             )
         names = [name for name, _ in model.named_modules(remove_duplicate=False)]

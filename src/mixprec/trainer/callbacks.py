@@ -203,6 +203,9 @@ def _check_mode(mode: str) -> None:
 
 
 def _monitored(trainer: Trainer, monitor: str, who: str) -> float:
+    """The value of ``monitor``, averaged over the processes (every callback hook runs on
+    every rank): a value logged without ``sync_dist`` is each rank's own, and decisions taken
+    on it (a stop, a checkpoint ranked, a collective sharded save) must agree."""
     metrics = trainer.callback_metrics
     if monitor not in metrics:
         shown = ", ".join(sorted(metrics)) or "none yet"
@@ -210,7 +213,14 @@ def _monitored(trainer: Trainer, monitor: str, who: str) -> float:
             f"{who} monitors {monitor!r}, which was not logged; logged metrics: {shown}. "
             "Log it with self.log(...) in training_step/validation_step, or fix the name"
         )
-    return float(metrics[monitor])
+    return agreed(trainer.strategy, float(metrics[monitor]))
+
+
+def agreed(strategy: Any, value: float) -> float:
+    """``value`` averaged over the processes of ``strategy`` (itself for one)."""
+    if strategy.world_size == 1:
+        return value
+    return float(strategy.mean(torch.tensor([value], dtype=torch.float64)).item())
 
 
 class ModelCheckpoint(Callback):

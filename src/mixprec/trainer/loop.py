@@ -26,7 +26,7 @@ from mixprec.memory import measured
 from mixprec.optim import LossScaleOptimizer, scheduler_step
 from mixprec.precision import Precision
 from mixprec.step import as_loss, backward, batch_loss, split_batch, step_context
-from mixprec.trainer.callbacks import Callback, listens
+from mixprec.trainer.callbacks import Callback, agreed, listens
 from mixprec.trainer.checkpoint import rng_states, set_rng_states
 from mixprec.trainer.data import (
     batch_size_of,
@@ -238,6 +238,8 @@ def fit_loop(run: FitRun) -> None:
         train_epoch(run)
         if run.epoch_finished:
             end_epoch(run)
+            if run.strategy.world_size > 1:  # (a stop decided at the epoch's end, all together)
+                run.progress.should_stop = run.strategy.any(run.progress.should_stop)
     with run.metrics.refusing("on_train_end"):
         run.hook("on_train_end")
 
@@ -665,7 +667,7 @@ def step_epoch_schedulers(run: FitRun, monitored: bool) -> None:
 
 def log_training_epoch(run: Run) -> None:
     """Reduce the values logged for the training epoch and log them (callbacks see them)."""
-    metrics = run.metrics.take_epoch(run.strategy.mean)
+    metrics = run.metrics.take_epoch(run.strategy.mean, run.strategy.union)
     if metrics:
         run.log.add(run.progress.global_step, dict(metrics), flush=True)
 
@@ -684,7 +686,9 @@ def monitored_value(run: Run, s: Scheduler) -> float | None:
             raise KeyError(message)
         warnings.warn(f"{message}: its step is left out ('strict': False)", stacklevel=2)
         return None
-    return metrics[s.monitor]
+    # (each rank's own value, unless logged with sync_dist: the ranks' schedules must agree,
+    # or their learning rates, and then their weights, drift apart)
+    return agreed(run.strategy, metrics[s.monitor])
 
 
 # -- evaluation and prediction ------------------------------------------------------------------
@@ -744,7 +748,7 @@ def run_eval(
         if isinstance(model, TrainingModule):
             with metrics_store.epoch_hook(f"on_{kind}_epoch_end"):
                 getattr(model, f"on_{kind}_epoch_end")()
-        metrics = metrics_store.take_epoch(run.strategy.mean)
+        metrics = metrics_store.take_epoch(run.strategy.mean, run.strategy.union)
         run.log.add(run.progress.global_step, dict(metrics), flush=True)
         with metrics_store.refusing(f"on_{kind}_end"):
             run.hook(f"on_{kind}_end")

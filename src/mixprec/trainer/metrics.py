@@ -155,19 +155,28 @@ class MetricStore:
         store.clear()
         return out
 
-    def take_epoch(self, mean: Callable[[Tensor], Tensor]) -> dict[str, float]:
+    def take_epoch(
+        self,
+        mean: Callable[[Tensor], Tensor],
+        union: Callable[[list[str]], list[str]] = sorted,
+    ) -> dict[str, float]:
         """Weighted means of the epoch values (of training, or of evaluation), averaged over
-        processes, then forget them."""
+        processes, then forget them. Under several processes the names are first agreed
+        (`union`): a name a process did not log weighs nothing there, so each value is the
+        mean over the processes that logged it."""
         store = self._epoch[self.training]
-        if not store:
+        names = union(list(store))
+        if not names:
             return {}
-        names = sorted(store)
-        totals = torch.stack([torch.as_tensor(store[n][0]).double().cpu() for n in names])
-        weights = torch.tensor([float(store[n][1]) for n in names], dtype=torch.float64)
+        zero = (torch.zeros((), dtype=torch.float64), 0.0)
+        totals = torch.stack([torch.as_tensor(store.get(n, zero)[0]).double().cpu() for n in names])
+        weights = torch.tensor([float(store.get(n, zero)[1]) for n in names], dtype=torch.float64)
         # a ratio of means over processes is the ratio of sums: the weighted mean of all
         reduced = mean(torch.stack([totals, weights]))
         store.clear()
-        return {n: float(t / w) for n, t, w in zip(names, reduced[0], reduced[1], strict=True)}
+        return {
+            n: float(t / w) for n, t, w in zip(names, reduced[0], reduced[1], strict=True) if w > 0
+        }
 
     def training_epoch_sums(self) -> dict[str, list[Any]]:
         """The training epoch's sums so far (name -> [weighted sum, weight]), for a checkpoint."""

@@ -228,6 +228,10 @@ class Strategy(abc.ABC):
         """True if ``flag`` is true in any process."""
 
     @abc.abstractmethod
+    def union(self, names: list[str]) -> list[str]:
+        """The sorted union of ``names`` over processes (what each logged may differ)."""
+
+    @abc.abstractmethod
     def agree_on_version(self, loggers: list[Logger]) -> None:
         """Make every process's loggers write to rank 0's run directory."""
 
@@ -274,6 +278,9 @@ class SingleDeviceStrategy(Strategy):
 
     def any(self, flag: bool) -> bool:
         return flag
+
+    def union(self, names: list[str]) -> list[str]:
+        return sorted(names)
 
     def agree_on_version(self, loggers: list[Logger]) -> None:
         pass  # one process, one directory
@@ -338,6 +345,11 @@ class ProcessGroupStrategy(Strategy):
         t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
+
+    def union(self, names: list[str]) -> list[str]:
+        gathered: list[list[str] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, names)
+        return sorted({n for ranks in gathered for n in ranks or []})
 
     def agree_on_version(self, loggers: list[Logger]) -> None:
         if self.world_size > 1 and loggers:

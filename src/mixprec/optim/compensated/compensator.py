@@ -136,13 +136,6 @@ class _Planned:
         # what `_add` files a packed call by, besides its scalars: a fresh filing joins two
         # packed calls whose scalars became equal
         self.key = (tuple(None if t is None else t.dtype for t in first), first[0].device)
-        # packed rows large enough to step alone, held back by their gradient's layout only
-        # (`_add`): a gradient laid out otherwise at a later step sends them alone
-        self.large = [
-            i
-            for i, (_, row) in enumerate(call.rows)
-            if call.packed and _alone(row[:1] + row[2:], call.pairs)
-        ]
         for _, tensors in call.rows:
             tensors[1] = None
         rows = [tensors for _, tensors in call.rows]
@@ -233,16 +226,23 @@ def _places(tensors: list[torch.Tensor]) -> tuple[list, ...]:
     )
 
 
-def _alone(row: list[torch.Tensor | None], pairs: bool) -> bool:
-    """Whether `_add` steps a row of these tensors alone, in place (large, contiguous,
-    and as bfloat16 pairs of an even size from even offsets)."""
+def _alone(row: list[torch.Tensor | None], pairs: bool, any_size: bool = False) -> bool:
+    """Whether these tensors (a weight and its states) can be stepped alone, in place:
+    large (unless `any_size`), contiguous, and as bfloat16 pairs of an even size from even
+    offsets."""
     first = row[0]
     assert first is not None
-    if first.numel() < SMALL or (pairs and first.numel() % 2):
+    if not any_size and (first.numel() < SMALL or (pairs and first.numel() % 2)):
         return False
     return all(
         t is None or (t.is_contiguous() and not (pairs and t.storage_offset() % 2)) for t in row
     )
+
+
+def _in_line(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient as a weight stepped alone reads it: contiguous from an even offset (a
+    copy of it where it is not; the step only reads it)."""
+    return None if grad is None else grad.clone(memory_format=torch.contiguous_format)
 
 
 def _twice(work: list[tuple]) -> str:
@@ -497,14 +497,6 @@ class Compensator:
             return False
         of = dict(zip(map(id, plan.params), grads, strict=True))
         mine = [[of[id(w)] for w in planned.weights] for planned in plan.calls]
-        for planned, grads_in in zip(plan.calls, mine, strict=True):
-            # as `_add` files them: a large row alone (in place) where all its tensors,
-            # gradient included, are laid out for it, else packed
-            pairs = planned.call.pairs
-            if not planned.call.packed and not _alone(grads_in[:1], pairs):
-                return False
-            if any(_alone(grads_in[i : i + 1], pairs) for i in planned.large):
-                return False
         steps = self._counts.advance(plan.states)
         step = steps[0]
         decoupled = isinstance(optimizer, torch.optim.AdamW)
@@ -549,6 +541,8 @@ class Compensator:
             else:
                 flat = list(planned.flat)
                 g = grads_in[0]
+                if not _alone([g], call.pairs, any_size=True):  # (as `_add`: a copy in line)
+                    g = _in_line(g)
                 flat[1] = on_memory(g, 0, (g.numel() // (2 if call.pairs else 1),), call.pairs)
                 self._kernel(call, flat, scalars[known], call.rows[0][0], plan.compensated)
                 torch.autograd.graph.increment_version(planned.out)
@@ -695,7 +689,12 @@ class Compensator:
             row = [t if t is None or not t.is_complex() else torch.view_as_real(t) for t in row]
             layout = tuple([None if t is None else t.dtype for t in row])
         pairs = kind is not None and layout.count(torch.bfloat16) + layout.count(None) == len(row)
-        alone = _alone(row, pairs)
+        # stepped alone or packed by the weight and its states: never by the gradient's
+        # layout (DDP's bucket views give it other offsets from one step to the next, and the
+        # random keys would follow); a gradient out of line for it steps from a copy
+        alone = _alone([row[0], *row[2:]], pairs)
+        if alone and not _alone(row[1:2], pairs, any_size=True):
+            row = [row[0], _in_line(row[1]), *row[2:]]
         # (the decay's form too: a decoupled decay's scalar may equal another group's L2 one)
         key = (index if alone else None, algorithm, kind, step, tuple(scalars), decay, layout)
         key += (row[0].device,)
