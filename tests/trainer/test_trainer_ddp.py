@@ -277,6 +277,20 @@ class PerRankLoss(TrainingModule):
         }
 
 
+def quiet_ddp(max_epochs: int, callbacks: list) -> Trainer:
+    """Two spawned DDP ranks, nothing written but what `callbacks` save."""
+    return Trainer(
+        devices=2,
+        strategy="ddp",
+        max_epochs=max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        seed=0,
+        callbacks=callbacks,
+    )
+
+
 def test_ranks_take_monitored_decisions_on_one_value(tmp_path):
     """Found by a review: a plateau scheduler stepped on each rank's own train_loss gave
     the ranks other learning rates, and their weights drifted apart; an EarlyStopping on it,
@@ -286,16 +300,7 @@ def test_ranks_take_monitored_decisions_on_one_value(tmp_path):
 
     for interval in ("step", "epoch"):
         stop = EarlyStopping("train_loss_epoch", patience=1, min_delta=0.5)
-        trainer = Trainer(
-            devices=2,
-            strategy="ddp",
-            max_epochs=4,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            seed=0,
-            callbacks=[DumpParams(tmp_path), stop],
-        )
+        trainer = quiet_ddp(4, [DumpParams(tmp_path), stop])
         trainer.fit(PerRankLoss(interval), DataLoader(data(), batch_size=4, shuffle=True))
         r0, r1 = ranks(tmp_path)
         assert all(torch.equal(p, r1["params"][k]) for k, p in r0["params"].items()), interval
@@ -343,16 +348,7 @@ def test_epoch_means_of_names_the_ranks_logged_apart(tmp_path):
     rank's own sorted names, so rank 0's acc_cat was averaged with rank 1's acc_dog (both
     read 0.5); with as many names on each rank in a different count, a process died. The
     names are agreed first: each value is the mean over the ranks that logged it."""
-    trainer = Trainer(
-        devices=2,
-        strategy="ddp",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        seed=0,
-        callbacks=[SaveMetrics(tmp_path)],
-    )
+    trainer = quiet_ddp(1, [SaveMetrics(tmp_path)])
     val = DataLoader(data(), batch_size=8)
     trainer.fit(NamesApart(), DataLoader(data(), batch_size=8), val)
     for rank in range(2):

@@ -336,21 +336,11 @@ def max_batch_lines(report: BenchReport) -> list[str]:
     lines = []
     for name, found in report.max_batch.items():
         if found.get("cut"):
-            fitted = (
-                f"the largest that fitted: {found['max_batch']}"
-                if found["max_batch"]
-                else "no batch fitted yet"
-            )
-            oom = f", {found['first_oom']} ran out of memory" if found["first_oom"] else ""
-            lines.append(f"{name}: search cut short when the run was stopped ({fitted}{oom})")
+            so_far = _so_far(found, ":", "yet")
+            lines.append(f"{name}: search cut short when the run was stopped ({so_far})")
         elif found["error"]:
-            fitted = (
-                f"the largest that fitted before it: {found['max_batch']}"
-                if found["max_batch"]
-                else "no batch fitted before it"
-            )
-            oom = f", {found['first_oom']} ran out of memory" if found["first_oom"] else ""
-            lines.append(f"{name}: search stopped at {found['error']} ({fitted}{oom})")
+            so_far = _so_far(found, " before it:", "before it")
+            lines.append(f"{name}: search stopped at {found['error']} ({so_far})")
         elif found["capped"]:
             lines.append(f"{name}: >= {found['max_batch']} (search stopped at the cap)")
         elif found["max_batch"] == 0:
@@ -361,6 +351,17 @@ def max_batch_lines(report: BenchReport) -> list[str]:
                 + _vs_kept(report, found)
             )
     return lines
+
+
+def _so_far(found: dict[str, Any], then: str, none: str) -> str:
+    """How far a search stopped short went: "the largest that fitted{then} 256, 512 ran
+    out of memory", or "no batch fitted {none}"."""
+    fitted = (
+        f"the largest that fitted{then} {found['max_batch']}"
+        if found["max_batch"]
+        else f"no batch fitted {none}"
+    )
+    return fitted + (f", {found['first_oom']} ran out of memory" if found["first_oom"] else "")
 
 
 def _vs_kept(report: BenchReport, found: dict[str, Any]) -> str:
