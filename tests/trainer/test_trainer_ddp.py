@@ -284,7 +284,7 @@ def quiet_ddp(max_epochs: int, callbacks: list) -> Trainer:
         strategy="ddp",
         max_epochs=max_epochs,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(type(c).__name__ == "ModelCheckpoint" for c in callbacks),
         enable_progress_bar=False,
         seed=0,
         callbacks=callbacks,
@@ -355,3 +355,41 @@ def test_epoch_means_of_names_the_ranks_logged_apart(tmp_path):
         metrics = torch.load(tmp_path / f"metrics{rank}.pt")
         picked = {k: metrics[k] for k in ("acc_cat", "acc_dog", "acc_eel", "shared")}
         assert picked == {"acc_cat": 1.0, "acc_dog": 0.0, "acc_eel": 0.25, "shared": 5.0}
+
+
+class OnRankZero(TrainingModule):
+    """Logs a value on rank 0 only (a metric logged under a condition)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.mse_loss(self(batch[0]), batch[1])
+        if self.trainer.strategy.global_rank == 0:
+            self.log("only0", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0)
+        config = {"scheduler": plateau, "monitor": "only0", "strict": False}
+        return {"optimizer": opt, "lr_scheduler": config}
+
+
+def test_a_value_only_some_ranks_logged_is_agreed_on_not_waited_for(tmp_path):
+    """Found by a review of the agreement above: a monitored value logged on rank 0 only had
+    rank 1 skip the decision while rank 0 waited for it in the average: the fit hung. The
+    ranks first agree on whether any logged it; the mean is over those that did."""
+    from mixprec.trainer import ModelCheckpoint
+
+    saves = ModelCheckpoint(dirpath=tmp_path / "ck", monitor="only0", every_n_train_steps=2)
+    trainer = quiet_ddp(2, [DumpParams(tmp_path), saves])
+    trainer.fit(OnRankZero(), DataLoader(data(), batch_size=8))
+    r0, r1 = ranks(tmp_path)
+    assert all(torch.equal(p, r1["params"][k]) for k, p in r0["params"].items())
+    assert list((tmp_path / "ck").glob("*.ckpt"))

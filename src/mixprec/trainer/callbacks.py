@@ -205,22 +205,27 @@ def _check_mode(mode: str) -> None:
 def _monitored(trainer: Trainer, monitor: str, who: str) -> float:
     """The value of ``monitor``, averaged over the processes (every callback hook runs on
     every rank): a value logged without ``sync_dist`` is each rank's own, and decisions taken
-    on it (a stop, a checkpoint ranked, a collective sharded save) must agree."""
-    metrics = trainer.callback_metrics
-    if monitor not in metrics:
-        shown = ", ".join(sorted(metrics)) or "none yet"
+    on it (a stop, a checkpoint ranked, a collective sharded save) must agree. A KeyError on
+    every rank where no rank logged it."""
+    value = agreed(trainer.strategy, trainer.callback_metrics.get(monitor))
+    if value is None:
+        shown = ", ".join(sorted(trainer.callback_metrics)) or "none yet"
         raise KeyError(
             f"{who} monitors {monitor!r}, which was not logged; logged metrics: {shown}. "
             "Log it with self.log(...) in training_step/validation_step, or fix the name"
         )
-    return agreed(trainer.strategy, float(metrics[monitor]))
+    return value
 
 
-def agreed(strategy: Any, value: float) -> float:
-    """``value`` averaged over the processes of ``strategy`` (itself for one)."""
+def agreed(strategy: Any, value: float | None) -> float | None:
+    """``value`` averaged over the processes of ``strategy`` that have one (None: a process
+    that did not log it), None where none has: every rank gets the same answer, and takes
+    the same branch after it (a rank branching alone would leave the others waiting)."""
     if strategy.world_size == 1:
         return value
-    return float(strategy.mean(torch.tensor([value], dtype=torch.float64)).item())
+    here = torch.tensor([0.0 if value is None else float(value), float(value is not None)])
+    total, count = (strategy.mean(here.double()) * strategy.world_size).tolist()
+    return None if count == 0 else total / count
 
 
 class ModelCheckpoint(Callback):
@@ -378,7 +383,8 @@ class ModelCheckpoint(Callback):
         """The value of ``monitor``; None (warned once) while it was never logged in this
         fit and no validation ran."""
         metrics = trainer.callback_metrics
-        if monitor not in metrics and not self._validated:
+        value = agreed(trainer.strategy, metrics.get(monitor))  # (on every rank: a collective)
+        if value is None and not self._validated:
             if not self._warned and trainer.is_global_zero:
                 warnings.warn(
                     f"ModelCheckpoint monitors {monitor!r}, which was not logged yet in "
@@ -389,7 +395,7 @@ class ModelCheckpoint(Callback):
                 )
             self._warned = True
             return None
-        score = _monitored(trainer, monitor, "ModelCheckpoint")
+        score = value if value is not None else _monitored(trainer, monitor, "ModelCheckpoint")
         if math.isnan(score):
             score = math.inf if self.mode == "min" else -math.inf
         return score

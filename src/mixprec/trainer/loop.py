@@ -676,7 +676,11 @@ def monitored_value(run: Run, s: Scheduler) -> float | None:
     """The value of the metric a plateau-type scheduler watches; None (warned) where it was
     not logged and the scheduler's config says ``strict: False``, as Lightning does."""
     metrics = run.log.read()
-    if s.monitor not in metrics:
+    # (each rank's own value, unless logged with sync_dist: the ranks' schedules must agree,
+    # or their learning rates, and then their weights, drift apart; averaged over the ranks
+    # that logged it, all ranks asking)
+    value = agreed(run.strategy, metrics.get(s.monitor))
+    if value is None:
         which = f"scheduler {s.name!r}" if s.name else "the scheduler"
         message = (
             f"{which} monitors {s.monitor!r}, which was not logged; logged: "
@@ -685,10 +689,7 @@ def monitored_value(run: Run, s: Scheduler) -> float | None:
         if s.strict:
             raise KeyError(message)
         warnings.warn(f"{message}: its step is left out ('strict': False)", stacklevel=2)
-        return None
-    # (each rank's own value, unless logged with sync_dist: the ranks' schedules must agree,
-    # or their learning rates, and then their weights, drift apart)
-    return agreed(run.strategy, metrics[s.monitor])
+    return value
 
 
 # -- evaluation and prediction ------------------------------------------------------------------
