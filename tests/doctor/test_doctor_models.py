@@ -179,9 +179,10 @@ def test_cli_doctor_honours_a_type_rule_for_a_class_of_the_factory_file(tmp_path
         mixprec.apply(torch.nn.Sequential(torch.nn.Linear(2, 2)), policy_map)
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    with warnings.catch_warnings(record=True) as caught:  # (a slow-precision note may come)
+        warnings.simplefilter("always")
         mixprec.apply(
             torch.nn.Sequential(torch.nn.Linear(2, 2)),
             mixprec.PolicyMap("32-true", {lacking: "bf16-mixed"}),
         )
+    assert not [w for w in caught if "type rules" in str(w.message)]
