@@ -393,3 +393,43 @@ def test_a_value_only_some_ranks_logged_is_agreed_on_not_waited_for(tmp_path):
     r0, r1 = ranks(tmp_path)
     assert all(torch.equal(p, r1["params"][k]) for k, p in r0["params"].items())
     assert list((tmp_path / "ck").glob("*.ckpt"))
+
+
+class DumpCheckpointRecords(Callback):
+    """Each rank saves what its ModelCheckpoint recorded (its best and its files)."""
+
+    def __init__(self, directory: Path, saves) -> None:
+        self.directory, self.saves = directory, saves
+
+    def on_fit_end(self, trainer, model):
+        records = {
+            "best": self.saves.best_model_path,
+            "best_k": dict(self.saves.best_k_models),
+            "last": self.saves.last_model_path,
+        }
+        torch.save(records, self.directory / f"records{trainer.strategy.global_rank}.pt")
+
+
+def test_checkpoint_names_filled_with_per_rank_values_are_rank_zeros_on_every_rank(tmp_path):
+    """Found by a review: a file-name template filled with a value each rank logged for
+    itself (``train_loss`` without sync_dist) named the checkpoint differently on each rank.
+    Rank 0 wrote its name while the others recorded files that were never written, so
+    ``best_model_path`` (what ``ckpt_path="best"`` loads on every rank) named a missing file
+    on rank 1, and a sharded save, which every rank writes, would have split its shards
+    over two directories. The name is rank 0's on every rank."""
+    from mixprec.trainer import ModelCheckpoint
+
+    saves = ModelCheckpoint(
+        dirpath=tmp_path / "ck",
+        filename="{epoch}-{train_loss_step:.6f}",
+        monitor="train_loss_epoch",
+        save_top_k=2,
+        save_last=True,
+    )
+    trainer = quiet_ddp(3, [saves, DumpCheckpointRecords(tmp_path, saves)])
+    trainer.fit(PerRankLoss("epoch"), DataLoader(data(), batch_size=4, shuffle=True))
+    r0, r1 = (torch.load(tmp_path / f"records{r}.pt") for r in range(2))
+    assert r0 == r1
+    written = sorted(str(p) for p in (tmp_path / "ck").glob("*.ckpt") if p.name != "last.ckpt")
+    assert written == sorted(r0["best_k"]) and len(written) == 2
+    assert Path(r0["best"]).exists() and Path(r0["last"]).exists()

@@ -374,7 +374,10 @@ class ModelCheckpoint(Callback):
         while str(path) in self._saved or (path.exists() and str(path) not in self.best_k_models):
             path = directory / f"{name}-v{version}.ckpt"
             version += 1
-        return path
+        # rank 0's name on every rank: a value each logged for itself (without sync_dist)
+        # fills the template otherwise on each, and every rank records the file (the best,
+        # the top k) or writes its shards into it (a sharded save)
+        return trainer.strategy.broadcast(path)
 
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.mode == "min" else a > b

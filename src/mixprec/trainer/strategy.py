@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,8 @@ from mixprec.precision import Precision
 from mixprec.trainer.data import distributed
 from mixprec.trainer.interrupt import ctrl_c_deferred
 from mixprec.trainer.loggers import Logger
+
+T = TypeVar("T")
 
 __all__ = [
     "FSDP",
@@ -235,6 +237,11 @@ class Strategy(abc.ABC):
     def agree_on_version(self, loggers: list[Logger]) -> None:
         """Make every process's loggers write to rank 0's run directory."""
 
+    def broadcast(self, value: T) -> T:
+        """Rank 0's ``value`` (picklable) on every process: what all must name alike, such
+        as a checkpoint's path (a collective: every process calls it)."""
+        return value
+
     def shard(self, model: nn.Module, precision: Precision) -> bool:
         """Shard ``model`` in place under ``precision``'s policy; False when this strategy
         keeps whole models (the precision then converts the model itself)."""
@@ -350,6 +357,13 @@ class ProcessGroupStrategy(Strategy):
         gathered: list[list[str] | None] = [None] * self.world_size
         dist.all_gather_object(gathered, names)
         return sorted({n for ranks in gathered for n in ranks or []})
+
+    def broadcast(self, value: T) -> T:
+        if self.world_size == 1:
+            return value
+        held = [value]
+        dist.broadcast_object_list(held, src=0)
+        return held[0]
 
     def agree_on_version(self, loggers: list[Logger]) -> None:
         if self.world_size > 1 and loggers:
