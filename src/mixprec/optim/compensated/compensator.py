@@ -25,6 +25,7 @@ from mixprec.optim.engine import (
     call_key,
     check_compensation,
     overlapping,
+    watched,
 )
 
 __all__ = ["COMPILE_MIN_ELEMENTS", "SMALL", "Compensator"]
@@ -391,6 +392,12 @@ class Compensator:
         self.check_optimizer(optimizer)
         if attach and optimizer not in self._attached:
             self.attach(optimizer)
+        if closure is None and not watched(optimizer):
+            # (torch's wrapper is the hooks and a profiler record: neither is there)
+            with torch.no_grad():
+                self._update(optimizer)
+            optimizer._optimizer_step_code()  # type: ignore[attr-defined]
+            return None
         hooked = torch.optim.Optimizer.profile_hook_step(self._step)
         return hooked(optimizer) if closure is None else hooked(optimizer, closure)
 
