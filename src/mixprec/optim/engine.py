@@ -26,8 +26,7 @@ compile and name the optimizers they stand in for here, once.
 - **The optimizers stood in for** (`SUPPORTED_OPTIMIZERS`, `algorithm_of`): torch's
   AdamW, Adam and SGD.
 - **The compensations** (`COMPENSATIONS`, `COMPENSATED_DTYPES`, `check_compensation`).
-- **Torch's step wrapper** (`watched`): the hooks and the profiler record torch wraps
-  every step in, run where there are hooks or a profiler, skipped where neither is.
+- **Torch's step wrapper** (`watched`): run where there are hooks or a profiler only.
 """
 
 from __future__ import annotations
