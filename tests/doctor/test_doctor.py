@@ -1442,6 +1442,76 @@ def test_float16_weights_with_masters_are_not_said_to_lose_their_updates():
         diagnose(model, batch, F.cross_entropy, "16-true", lr=1e-2, master_weights=0)
 
 
+def test_compensated_16_bit_weights_are_not_said_to_lose_their_updates(tmp_path, capsys):
+    """bfloat16 weights stepped with Kahan or stochastic rounding (Precision's
+    ``compensation=``) keep what rounds away: the vanishing check flagged them as it flags
+    plain bfloat16 weights, and the recommendation moved layers to float32 for nothing.
+    ``diagnose(compensation=...)`` and the CLI's ``--compensation`` and
+    ``--master-weights`` follow Precision's flags."""
+    model, batch = _big_first_layer()
+    plain = diagnose(model, batch, F.cross_entropy, "bf16-true", lr=1e-2)
+    assert plain.modules["0"].vanishing > 0.9 and plain.modules["0"].verdict == BROKEN
+    for kind in ("kahan", "stochastic"):
+        kept = diagnose(model, batch, F.cross_entropy, "bf16-true", lr=1e-2, compensation=kind)
+        assert kept.modules["0"].vanishing == 0.0 and kept.modules["0"].verdict == OK
+    with pytest.raises(ValueError, match="compensation must be 'kahan', 'stochastic' or None"):
+        diagnose(model, batch, F.cross_entropy, "bf16-true", compensation="Kahan")
+
+    factory = tmp_path / "big.py"
+    factory.write_text(
+        "import torch, torch.nn.functional as F\n"
+        "from torch import nn\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))\n"
+        "    with torch.no_grad():\n"
+        "        model[0].weight.mul_(1000.0)\n"
+        "        model[0].bias.mul_(1000.0)\n"
+        "    g = torch.Generator().manual_seed(1)\n"
+        "    batch = (torch.randn(16, 8, generator=g), torch.randint(0, 2, (16,), generator=g))\n"
+        "    return model, batch, F.cross_entropy\n"
+    )
+    args = ["doctor", f"{factory}:make", "--precision", "bf16-true", "--lr", "0.01"]
+    args += ["--no-report", "--no-recommend"]
+    assert main(args) == 1
+    assert "round away" in capsys.readouterr().out
+    assert main([*args, "--compensation", "kahan"]) == 0
+    assert "round away" not in capsys.readouterr().out
+    assert main([*args, "--master-weights", "true"]) == 0
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--master-weights", "maybe"])
+    assert exc.value.code == 2 and "invalid choice: 'maybe'" in capsys.readouterr().err
+
+
+def test_why_no_policy_was_recommended_is_in_the_report(tmp_path, capsys):
+    """When `recommend` finds no policy (a loss overflowing float16 outside every module),
+    the CLI said why on the terminal only: report.md, what a user keeps and shares, had no
+    word of it. Its "Recommended policy" section now says why."""
+    factory = tmp_path / "overflowing.py"
+    factory.write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from mixprec.trainer import TrainingModule\n"
+        "class Overflowing(TrainingModule):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        torch.manual_seed(0)\n"
+        "        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))\n"
+        "    def training_step(self, batch, batch_idx):\n"
+        "        return (self.net(batch[0]) * 1e5).square().mean()\n"
+        "def make():\n"
+        "    return Overflowing(), (torch.randn(32, 8), torch.randn(32, 4))\n"
+    )
+    out = tmp_path / "report"
+    assert main(["doctor", f"{factory}:make", "--precision", "16-mixed", "--out", str(out)]) == 1
+    assert "no recommendation:" in capsys.readouterr().err
+    report = (out / "report.md").read_text()
+    section = report.split("## Recommended policy", 1)[1]
+    assert section.lstrip().startswith("No recommendation: ")
+    assert "no per-module policy changes what happens outside" in section
+    assert not (out / "policy.json").exists()
+
+
 class _SharedActBlock(nn.Module):
     def __init__(self, act: nn.Module, k: float) -> None:
         super().__init__()

@@ -412,23 +412,25 @@ def _run(args: argparse.Namespace) -> int:
                 seed=args.seed,
                 lr=args.lr,
                 optimizer=args.optimizer or "adam",
+                master_weights={"true": True, "false": False}.get(args.master_weights),
+                compensation=args.compensation,
             )
         except (FactoryError, PolicySpecError, PrecisionError, TypeError, ValueError) as error:
             err.print(f"[red]mixprec doctor: {error}[/]")
             return 2
         console.print(diagnosis.__rich__())
-        found = None
+        found, unrecommended = None, None
         # (also with no finding: an error built up across layers misses the tolerance,
         # and the recommendation says what fixes it or why nothing does)
         if not args.no_recommend and (diagnosis.findings or not diagnosis.passes(args.tolerance)):
-            found = _recommend(diagnosis, args.tolerance, console, err)
+            found, unrecommended = _recommend(diagnosis, args.tolerance, console, err)
         hurt = _state_check(args, model, batch, loss_fn, console, err)
         if hurt is None:
             return 2
     for note in _once(str(w.message) for w in caught):
         err.print(f"[dim]note: {note}[/]")
     if not args.no_report:
-        path = diagnosis.save(out, found)
+        path = diagnosis.save(out, found, unrecommended=unrecommended)
         policy_file = path.parent / "policy.json"
         written = f"; policy: {policy_file}" if policy_file.exists() else ""
         console.print(
@@ -475,18 +477,21 @@ def _once(messages: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(messages))
 
 
-def _recommend(diagnosis: Diagnosis, tolerance: float | None, console: Any, err: Any) -> Any:
+def _recommend(
+    diagnosis: Diagnosis, tolerance: float | None, console: Any, err: Any
+) -> tuple[Any, str | None]:
+    """(the recommendation, printed, or None; why there is none: `recommend`'s error)."""
     try:
         found = diagnosis.recommend(tolerance=tolerance)
     except PrecisionError as error:
         err.print(f"[red]no recommendation: {error}[/]")
-        return None
+        return None, str(error)
     if not found.log:
         console.print(
             f"\nno rule needed: the run is within tolerance {found.tolerance:g} as it is "
             "(the findings above are risks to watch, e.g. with PrecisionMonitor)"
         )
-        return found
+        return found, None
     console.print("\n[bold]fixing, one step at a time:[/]")
     for line in found.log:
         console.print(f"  {line}")
@@ -499,7 +504,7 @@ def _recommend(diagnosis: Diagnosis, tolerance: float | None, console: Any, err:
     if advice:
         console.print(advice, markup=False, highlight=False)
     console.print("with it: " + found.verified.summary().splitlines()[0])
-    return found
+    return found, None
 
 
 def _add_positive(group: Any, flag: str, help: str) -> None:
@@ -570,6 +575,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=("adam", "sgd"),
         help="how --lr sizes a step: adam (about lr per weight, the default) or sgd "
         "(lr x gradient)",
+    )
+    p.add_argument(
+        "--master-weights",
+        choices=("true", "false"),
+        type=str.lower,
+        help="with --lr: whether 16-bit weights step through float32 masters, as "
+        "Precision(master_weights=) takes it (default: float16 weights do, bfloat16 not)",
+    )
+    p.add_argument(
+        "--compensation",
+        choices=("kahan", "stochastic"),
+        help="with --lr: the 16-bit weights' updates are compensated, as "
+        "Precision(compensation=) takes it: none round away",
     )
     p.add_argument(
         "--out",

@@ -53,6 +53,7 @@ from mixprec.hardware import (
     parse_device,
     resolve_policy,
 )
+from mixprec.optim.engine import check_compensation
 from mixprec.optim.scaling import LossScaler
 from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy.map import PolicyMap
@@ -485,13 +486,20 @@ class Diagnosis:
 
         return to_markdown(self, plots, recommendation)
 
-    def save(self, directory: str | Path, recommendation: Recommendation | None = None) -> Path:
+    def save(
+        self,
+        directory: str | Path,
+        recommendation: Recommendation | None = None,
+        *,
+        unrecommended: str | None = None,
+    ) -> Path:
         """Write report.md and PNG plots (per-layer error, per-layer range) to `directory`;
         returns the report's path. With a `recommendation` they include the recommended
-        policy and its verified run. Needs matplotlib."""
+        policy and its verified run; without one, `unrecommended` (why `recommend` found
+        none: its error) is said there. Needs matplotlib."""
         from mixprec.doctor.report import save
 
-        return save(self, directory, recommendation)
+        return save(self, directory, recommendation, unrecommended)
 
     def __rich__(self) -> Any:
         from mixprec.doctor.report import rich_view
@@ -611,6 +619,7 @@ def diagnose(
     lr: float | None = None,
     optimizer: str = "adam",
     master_weights: bool | None = None,
+    compensation: str | None = None,
 ) -> Diagnosis:
     """Run `model` forward and backward once in `reference` and once in `precision` on
     copies of the same weights, and compare them module by module.
@@ -633,7 +642,8 @@ def diagnose(
     place of the weight. A module losing most of its updates is flagged (it stops learning):
     the fix is compensated updates, float32 master weights, or a float32 rule. Weights with
     float32 masters lose none: `master_weights` as `Precision` takes it (None: float16
-    weights have masters, bfloat16 ones not; True: both; False: neither).
+    weights have masters, bfloat16 ones not; True: both; False: neither), nor do
+    compensated ones (`compensation="kahan"` or `"stochastic"`, as `Precision` takes it).
 
     Dropout is off in both runs so they see the same network, and both start from the same
     RNG seed; the caller's RNG state is restored afterwards. The model itself is not
@@ -654,7 +664,8 @@ def diagnose(
         model = copy.deepcopy(model).to(where)  # the runs copy this one, not the caller's
     if device is not None:
         batch = map_tensors(lambda t: t.to(where), batch)
-    update = UpdateModel(lr, optimizer, master_weights) if lr is not None else None
+    check_compensation(compensation)  # (a bad one refused without --lr too)
+    update = UpdateModel(lr, optimizer, master_weights, compensation) if lr is not None else None
     session = Session(model, batch, loss_fn, where, seed, update)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the reference may be slow here too: it is a probe

@@ -180,9 +180,11 @@ def to_markdown(
     d: Diagnosis,
     plots: dict[str, str] | None = None,
     recommendation: Recommendation | None = None,
+    unrecommended: str | None = None,
 ) -> str:
     """The report as markdown: summary, findings, the recommended policy and how its run
-    compares, the plots, every module's and parameter's statistics."""
+    compares (or, ``unrecommended``, why no policy was recommended), the plots, every
+    module's and parameter's statistics."""
     lines = ["# mixprec doctor report", ""]
     for line in summary(d).splitlines():
         lines += [line, ""]
@@ -196,6 +198,8 @@ def to_markdown(
     hidden = hidden_downstream(d)
     if hidden:
         lines += ["", hidden[0].upper() + hidden[1:] + "."]
+    if recommendation is None and unrecommended:
+        lines += ["", "## Recommended policy", "", f"No recommendation: {unrecommended}"]
     if recommendation is not None and not recommendation.log:
         lines += ["", "## Recommended policy", ""]
         lines.append(
@@ -327,11 +331,13 @@ def save(
     d: Diagnosis,
     directory: str | Path,
     recommendation: Recommendation | None = None,
+    unrecommended: str | None = None,
 ) -> Path:
     """Write report.md, error.png and range.png into `directory`; return report.md's path.
     With a recommendation, the report shows the policy and its verified run next to the
     target, and policy.json holds the policy (`PolicyMap.save`: `PolicyMap.load`, `Precision`,
-    the Trainer's ``precision=`` and ``--precision policy.json`` read it back)."""
+    the Trainer's ``precision=`` and ``--precision policy.json`` read it back); without
+    one, ``unrecommended`` says why (what `Diagnosis.recommend` raised)."""
     fixed = recommendation.verified if recommendation is not None else None
     try:
         import matplotlib
@@ -348,7 +354,7 @@ def save(
     _plot_range(d, out / "range.png")
     plots = {"per-layer relative error": "error.png", "per-layer range": "range.png"}
     report = out / "report.md"
-    report.write_text(to_markdown(d, plots, recommendation))
+    report.write_text(to_markdown(d, plots, recommendation, unrecommended))
     policy = out / "policy.json"
     if recommendation is not None:
         recommendation.policy.save(policy)

@@ -20,6 +20,7 @@ from torch import nn
 from mixprec.doctor.probe import Key, Recording, Stats, combine, lowest_float
 from mixprec.dtypes import dtype_name, format_info
 from mixprec.formats.registry import Ranked
+from mixprec.optim.engine import check_compensation
 from mixprec.policy.map import PolicyMap
 
 __all__ = [
@@ -101,6 +102,9 @@ class UpdateModel:
     rule: str = "adam"
     master_weights: bool | None = None  # as `Precision` takes it: which 16-bit weights step
     # through float32 masters (None: float16's), whose updates never round away
+    # as `Precision` takes it: 16-bit weights without masters compensated ("kahan" carries
+    # what rounds away into the next steps, "stochastic" keeps it on average), which lose none
+    compensation: str | None = None
 
     def __post_init__(self) -> None:
         lr = self.lr
@@ -111,6 +115,7 @@ class UpdateModel:
             raise TypeError(
                 f"master_weights must be None, True or False, got {self.master_weights!r}"
             )
+        check_compensation(self.compensation)
         if self.rule not in UPDATE_RULES:
             raise ValueError(
                 f"optimizer must be one of {', '.join(UPDATE_RULES)} (how the update is "
@@ -118,8 +123,9 @@ class UpdateModel:
             )
 
     def stored_in(self, dtype: torch.dtype) -> bool:
-        """Whether weights of `dtype` take their updates in `dtype` itself (no masters)."""
-        if format_info(dtype).bits > 16 or self.master_weights:
+        """Whether weights of `dtype` take their updates in `dtype` itself (no masters, no
+        compensation), where a step below half a unit in the last place rounds away."""
+        if format_info(dtype).bits > 16 or self.master_weights or self.compensation:
             return False
         return self.master_weights is False or dtype != torch.float16
 
