@@ -641,9 +641,8 @@ def diagnose(
     `"sgd"`: `lr` x gradient) that rounds away because it is below half a unit in the last
     place of the weight. A module losing most of its updates is flagged (it stops learning):
     the fix is compensated updates, float32 master weights, or a float32 rule. Weights with
-    float32 masters lose none: `master_weights` as `Precision` takes it (None: float16
-    weights have masters, bfloat16 ones not; True: both; False: neither), nor do
-    compensated ones (`compensation="kahan"` or `"stochastic"`, as `Precision` takes it).
+    masters or compensated lose none: `master_weights` and `compensation` as `Precision`
+    takes them (docs/doctor.md).
 
     Dropout is off in both runs so they see the same network, and both start from the same
     RNG seed; the caller's RNG state is restored afterwards. The model itself is not
