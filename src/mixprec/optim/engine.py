@@ -26,7 +26,6 @@ compile and name the optimizers they stand in for here, once.
 - **The optimizers stood in for** (`SUPPORTED_OPTIMIZERS`, `algorithm_of`): torch's
   AdamW, Adam and SGD.
 - **The compensations** (`COMPENSATIONS`, `COMPENSATED_DTYPES`, `check_compensation`).
-- **Torch's step wrapper** (`watched`): run where there are hooks or a profiler only.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from operator import is_
 from typing import Any
 
 import torch
-from torch.optim import optimizer as torch_optimizer
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = [
@@ -61,7 +59,6 @@ __all__ = [
     "overlapping",
     "settled",
     "stochastic_round_",
-    "watched",
     "wrap32",
     "write_back",
     "written_mark",
@@ -581,20 +578,6 @@ def _copies(leaves: list[Any]) -> list[Any]:
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` (NaN payloads and signed zeros compared as they are)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def watched(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether a step of ``optimizer`` has hooks to run (its own or torch's global ones)
-    or a profiler to record it: what torch's step wrapper (`profile_hook_step`) is for. A
-    step neither needs skips it (about a tenth of a small model's step)."""
-    hooks = (
-        getattr(torch_optimizer, "_global_optimizer_pre_hooks", None),
-        getattr(torch_optimizer, "_global_optimizer_post_hooks", None),
-        getattr(optimizer, "_optimizer_step_pre_hooks", None),
-        getattr(optimizer, "_optimizer_step_post_hooks", None),
-    )
-    # (a torch without one of them: taken as hooked, so the wrapper runs)
-    return any(h is None or len(h) for h in hooks) or torch.autograd._profiler_enabled()
 
 
 @functools.cache

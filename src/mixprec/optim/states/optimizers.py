@@ -40,7 +40,6 @@ from mixprec.optim.engine import (
     call_key,
     check_compensation,
     overlapping,
-    watched,
     wrap32,
 )
 from mixprec.optim.states import buckets as buckets_
@@ -535,29 +534,12 @@ class LowBitOptimizer(StateCheckpoint):
     # -- the step ----------------------------------------------------------------------------
 
     @torch.compiler.disable
+    @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter with a gradient; ``closure`` re-evaluates the loss
         first (its value is returned). Every gradient is checked before any parameter is
         updated. Runs outside any enclosing ``torch.compile`` (a compiled training step):
-        the step compiles its own kernels, and its planning reads tensors' addresses.
-
-        The step hooks and a profiler's record run around it as torch's wrapper runs them
-        around torch's steps; where there are neither, the wrapper is skipped (a subclass
-        overriding ``step`` has torch's wrapper around its own)."""
-        if type(self).step is not LowBitOptimizer.step:
-            return self._step(closure)
-        if closure is None and not watched(self):
-            loss = self._step()
-            self._optimizer_step_code()
-            return loss
-        return _HOOKED(self) if closure is None else _HOOKED(self, closure)
-
-    # (torch wraps a step not marked so in its hooks at the first instance: `step` runs them)
-    step.hooked = True  # type: ignore[attr-defined]
-
-    @torch.no_grad()
-    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """`step` inside torch's hooks (arguments as torch's ``step`` takes them)."""
+        the step compiles its own kernels, and its planning reads tensors' addresses."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -993,10 +975,6 @@ class LowBitOptimizer(StateCheckpoint):
         then on, if ``compile=None`` chose to compile and the build failed (the engine's
         `CompileGate`)."""
         return self._gate.run(kernels.run_compiled, self.algorithm, args, stacklevel=5)[1]
-
-
-# torch's step wrapper around the low-bit step: its hooks and profiler record (`step`)
-_HOOKED = torch.optim.Optimizer.profile_hook_step(LowBitOptimizer._step)
 
 
 class LowBitAdamW(LowBitOptimizer):
