@@ -459,7 +459,7 @@ class ModelCheckpoint(Callback):
         target = path if path is not None else last if self.save_last else None
         try:
             if target is not None:
-                trainer.save_checkpoint(target)
+                trainer.save_checkpoint(target, every_rank=True)
         except BaseException:
             (
                 self._saved,

@@ -286,12 +286,15 @@ def train_epoch(run: FitRun) -> None:
             "all": rng_states(),
             "torch": torch.get_rng_state(),
             "loader": [g.get_state() for g in generators(loader)],
+            "rank": run.strategy.global_rank,  # (whose they are: a checkpoint may carry them)
         }
         batches = iter(loader)
     else:
-        # (checkpoints before it kept torch's alone; several processes save rank 0's only,
-        # and a rank's own numpy or Python order is its own: those replay torch's, as before)
-        if "all" in run.epoch_rng and run.strategy.world_size == 1:
+        # (checkpoints before it kept torch's alone; a file saved by rank 0 alone holds its
+        # states only, and a rank's own numpy or Python order is its own: those replay
+        # torch's, as before)
+        own = run.strategy.world_size == 1 or run.epoch_rng.get("rank") == run.strategy.global_rank
+        if "all" in run.epoch_rng and own:
             set_rng_states(run.epoch_rng["all"])
         torch.set_rng_state(run.epoch_rng["torch"])
         for g, s in zip(generators(loader), run.epoch_rng["loader"], strict=True):

@@ -30,12 +30,31 @@ __all__: list[str] = []
 log = logging.getLogger("mixprec")
 
 
-def checkpoint_state(run: FitRun) -> dict[str, Any]:
-    """Everything needed to resume ``run`` exactly where it is now."""
-    return {
+def checkpoint_state(run: FitRun, ranks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Everything needed to resume ``run`` exactly where it is now; ``ranks``: every
+    process's `rank_state`, in rank order, where they were gathered (each resumes its own)."""
+    state = {
         **run_state(run),
         "model": run.model.state_dict(),
         "optimizers": [opt.state_dict() for opt in run.optimizers],
+    }
+    if ranks is not None:
+        state["ranks"] = ranks
+    return state
+
+
+def rank_state(run: FitRun) -> dict[str, Any]:
+    """What is each process's own in a run state: its random generators (now, and at the
+    epoch's start, which a mid-epoch resume replays from), its training loader's
+    generators, and its training epoch's sums so far. A one-file checkpoint of several
+    processes holds rank 0's in its run state and, where every process saved it, each
+    one's here (`checkpoint_state`)."""
+    at_epoch_end = run.epoch_finished
+    return {
+        "rng": rng_states(),
+        "epoch_rng": None if at_epoch_end else run.epoch_rng,
+        "loader_rng": [g.get_state() for g in generators(run.train_loader)],
+        "training_epoch": {} if at_epoch_end else run.metrics.training_epoch_sums(),
     }
 
 
@@ -369,15 +388,21 @@ def restore_progress(run: FitRun, state: dict[str, Any], path: Path) -> None:
     loop, progress = state["loop"], run.progress
     progress.current_epoch, progress.batches_done = loop["epoch"], loop["batch"]
     progress.global_step = loop["global_step"]
+    metrics = state.get("metrics", {})  # absent from checkpoints written before it was kept
+    sums, rng = metrics.get("training_epoch", {}), state["rng"]
+    ranks = state.get("ranks")  # every process's own, where each saved (`rank_state`)
+    if ranks is not None and len(ranks) == run.strategy.world_size:
+        own = ranks[run.strategy.global_rank]
+        loop = {**loop, "epoch_rng": own["epoch_rng"], "loader_rng": own["loader_rng"]}
+        sums, rng = own["training_epoch"], own["rng"]
     if loop["epoch_rng"] is not None:
         run.epoch_rng = loop["epoch_rng"]
     _restore_loader_rng(run, loop)
-    run.resume_rng = state["rng"]
+    run.resume_rng = rng
     for opt, skipped in zip(run.optimizers, state.get("last_step_skipped", []), strict=False):
         opt.step_was_skipped = skipped
-    metrics = state.get("metrics", {})  # absent from checkpoints written before it was kept
     run.log.callback_metrics.update(metrics.get("callback", {}))
-    run.metrics.load_training_epoch_sums(metrics.get("training_epoch", {}), run.strategy.device)
+    run.metrics.load_training_epoch_sums(sums, run.strategy.device)
     rows = loop.get("step_rows")  # (absent from checkpoints written before it was kept)
     if rows is not None:
         run.log.replay(progress.global_step, rows)

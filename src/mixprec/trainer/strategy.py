@@ -242,6 +242,11 @@ class Strategy(abc.ABC):
         as a checkpoint's path (a collective: every process calls it)."""
         return value
 
+    def gather(self, value: T) -> list[T]:
+        """Every process's ``value`` (picklable, on the CPU), in rank order, on every
+        process (a collective: every process calls it)."""
+        return [value]
+
     def shard(self, model: nn.Module, precision: Precision) -> bool:
         """Shard ``model`` in place under ``precision``'s policy; False when this strategy
         keeps whole models (the precision then converts the model itself)."""
@@ -364,6 +369,13 @@ class ProcessGroupStrategy(Strategy):
         held = [value]
         dist.broadcast_object_list(held, src=0)
         return held[0]
+
+    def gather(self, value: T) -> list[T]:
+        if self.world_size == 1:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
 
     def agree_on_version(self, loggers: list[Logger]) -> None:
         if self.world_size > 1 and loggers:

@@ -241,6 +241,16 @@ class Trainer:
         return self.strategy.world_size
 
     @property
+    def global_rank(self) -> int:
+        """This process's rank among all (0 in a one-process run), as Lightning names it."""
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (its device index under ``"cuda"``)."""
+        return self.strategy.local_rank
+
+    @property
     def run_dir(self) -> Path:
         """This run's directory: the first logger's, else ``default_root_dir``."""
         return self.loggers[0].log_dir if self.loggers else self.config.default_root_dir
@@ -388,11 +398,15 @@ class Trainer:
         model = _model_for(model, self.model, dataloaders, "predict")
         return self._launch("predict", model, dict(loader=dataloaders, ckpt_path=ckpt_path))
 
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+    def save_checkpoint(self, path: str | os.PathLike[str], *, every_rank: bool = False) -> Path:
         """Write everything needed to resume at this point (rank 0 writes; atomic).
 
         Under ``strategy="fsdp"`` every process calls it (ModelCheckpoint does) and the
-        checkpoint is a directory of shards (`mixprec.trainer.sharded`), atomic as a whole."""
+        checkpoint is a directory of shards (`mixprec.trainer.sharded`), atomic as a whole.
+        Under ``"ddp"``, ``every_rank=True`` says every process calls it (a collective, as
+        ModelCheckpoint's saves are): each one's random generators and training-epoch sums
+        go into the file, so that a mid-epoch resume is the run that never stopped on every
+        rank; called on rank 0 alone (the default), the file holds rank 0's."""
         run = self._current
         if not isinstance(run, FitRun):
             raise RuntimeError(
@@ -407,8 +421,12 @@ class Trainer:
         path = Path(path)
         if self.strategy.sharded:
             sharded.save(run, path)
-        elif self.is_global_zero:
-            ckpt_io.atomic_save(resume.checkpoint_state(run), path)
+        else:
+            ranks = None
+            if every_rank and self.world_size > 1:
+                ranks = self.strategy.gather(resume.rank_state(run))
+            if self.is_global_zero:
+                ckpt_io.atomic_save(resume.checkpoint_state(run, ranks), path)
         return path
 
     def link_checkpoint(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
