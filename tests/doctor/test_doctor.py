@@ -1456,6 +1456,10 @@ def test_compensated_16_bit_weights_are_not_said_to_lose_their_updates(tmp_path,
         assert kept.modules["0"].vanishing == 0.0 and kept.modules["0"].verdict == OK
     with pytest.raises(ValueError, match="compensation must be 'kahan', 'stochastic' or None"):
         diagnose(model, batch, F.cross_entropy, "bf16-true", compensation="Kahan")
+    with pytest.raises(ValueError, match="two answers to one problem"):  # (as Precision says)
+        diagnose(
+            model, batch, F.cross_entropy, "bf16-true", master_weights=True, compensation="kahan"
+        )
 
     factory = tmp_path / "big.py"
     factory.write_text(
@@ -1481,6 +1485,14 @@ def test_compensated_16_bit_weights_are_not_said_to_lose_their_updates(tmp_path,
     with pytest.raises(SystemExit) as exc:
         main([*args, "--master-weights", "maybe"])
     assert exc.value.code == 2 and "invalid choice: 'maybe'" in capsys.readouterr().err
+    # (a review: accepted where nothing reads them, or where Precision refuses them)
+    bare = ["doctor", f"{factory}:make", "--no-report"]
+    assert main([*bare, "--compensation", "kahan"]) == 2
+    assert "--compensation says how --lr's steps are kept; give --lr too" in capsys.readouterr().err
+    assert main([*bare, "--search", "--master-weights", "false"]) == 2
+    assert "--master-weights is not an option of --search" in capsys.readouterr().err
+    assert main([*args, "--master-weights", "true", "--compensation", "kahan"]) == 2
+    assert "two answers to one problem" in capsys.readouterr().err
 
 
 def test_why_no_policy_was_recommended_is_in_the_report(tmp_path, capsys):
@@ -1509,6 +1521,8 @@ def test_why_no_policy_was_recommended_is_in_the_report(tmp_path, capsys):
     section = report.split("## Recommended policy", 1)[1]
     assert section.lstrip().startswith("No recommendation: ")
     assert "no per-module policy changes what happens outside" in section
+    # ("<root>" outside backticks is an HTML tag to markdown: written "(root)")
+    assert "<root>" not in section.split("\n## ")[0]
     assert not (out / "policy.json").exists()
 
 

@@ -70,22 +70,22 @@ class Record(Callback):
         torch.save({"weights": weights, "means": self.means, "ranks": ranks}, self.path)
 
 
-def _fit(max_steps: int, callbacks: list, **fit: Any) -> None:
+def _fit(root: Path, max_steps: int, callbacks: list, **fit: Any) -> None:
     trainer = Trainer(strategy="ddp", devices=WORLD, max_steps=max_steps, callbacks=callbacks,
-                      seed=0, **SILENT)  # fmt: skip
+                      seed=0, default_root_dir=root, **SILENT)  # fmt: skip
     trainer.fit(ApartDropoutNet(), DataLoader(data(), batch_size=8, shuffle=True), **fit)
 
 
 def _worker(rank: int, out: str) -> None:
     d = Path(out)
-    _fit(8, [Record(d / f"straight{rank}.pt")])  # two epochs of 4 batches per rank
+    _fit(d, 8, [Record(d / f"straight{rank}.pt")])  # two epochs of 4 batches per rank
 
     def every_3() -> ModelCheckpoint:
         return ModelCheckpoint(dirpath=d / "half", every_n_train_steps=3, save_top_k=-1)
 
-    _fit(3, [every_3()])  # saved mid-epoch 0, after batch 3 of 4
+    _fit(d, 3, [every_3()])  # saved mid-epoch 0, after batch 3 of 4
     resumed = Record(d / f"resumed{rank}.pt")
-    _fit(8, [every_3(), resumed], ckpt_path=d / "half" / "epoch=0-step=3.ckpt")
+    _fit(d, 8, [every_3(), resumed], ckpt_path=d / "half" / "epoch=0-step=3.ckpt")
 
 
 def test_a_mid_epoch_resume_restores_each_ranks_generators_and_epoch_sums(tmp_path):
@@ -104,3 +104,37 @@ def test_a_mid_epoch_resume_restores_each_ranks_generators_and_epoch_sums(tmp_pa
     # (the ranks' replicas are one model: DDP averages their gradients)
     zero, one = (torch.load(tmp_path / f"straight{r}.pt")["weights"] for r in range(WORLD))
     assert all(torch.equal(v, one[k]) for k, v in zero.items())
+
+
+def _after_fit(rank: int, port: int, out: str) -> None:
+    """A rank of a torchrun-style launch whose process group the Trainer makes (and ends
+    with its fit), saving with every_rank=True after the fit."""
+    import os
+    import warnings
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")  # fmt: skip
+    torch.set_num_threads(1)
+    trainer = Trainer(strategy="ddp", devices=2, max_steps=2, enable_checkpointing=False,
+                      default_root_dir=out, **SILENT)  # fmt: skip
+    trainer.fit(ApartDropoutNet(), DataLoader(data(), batch_size=8))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.save_checkpoint(Path(out) / "after.ckpt", every_rank=True)
+    said = [str(w.message) for w in caught if "every_rank=True) after the fit" in str(w.message)]
+    Path(out, f"said{rank}").write_text("\n".join(said))
+
+
+def test_every_rank_after_a_fit_whose_group_is_gone_writes_rank_zeros_and_says_so(tmp_path):
+    """Found by a review: after a fit that made its own process group (ended with the fit),
+    ``save_checkpoint(path, every_rank=True)`` failed in the gather; rank 0 now writes its
+    own states, with a warning saying so."""
+    import torch.multiprocessing as mp
+
+    from mixprec.trainer.strategy import free_port
+
+    mp.start_processes(_after_fit, args=(free_port(), str(tmp_path)), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    saved = torch.load(tmp_path / "after.ckpt", weights_only=True)
+    assert "ranks" not in saved and saved["loop"]["global_step"] == 2
+    assert all((tmp_path / f"said{r}").read_text() for r in range(2))

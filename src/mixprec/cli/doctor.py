@@ -306,6 +306,8 @@ _DIAGNOSIS_ONLY = (
     ("--reference", "reference", "32-true"),
     ("--loss-scale", "loss_scale", None),
     ("--optimizer", "optimizer", None),
+    ("--master-weights", "master_weights", None),
+    ("--compensation", "compensation", None),
     ("--no-recommend", "no_recommend", False),
     ("--states", "states", None),
 )
@@ -365,12 +367,14 @@ def _check_args(args: argparse.Namespace) -> int | None:
             hint = " (the diagnosis's precision is --precision)" if flag == "--baseline" else ""
             print(f"mixprec doctor: {flag} is an option of --search{also}{hint}", file=sys.stderr)
             return 2
-    if args.optimizer is not None and args.lr is None:
-        print(
-            "mixprec doctor: --optimizer says how --lr sizes a step; give --lr too",
-            file=sys.stderr,
-        )
-        return 2
+    for flag, given, what in (
+        ("--optimizer", args.optimizer, "how --lr sizes a step"),
+        ("--master-weights", args.master_weights, "where --lr's steps are taken"),
+        ("--compensation", args.compensation, "how --lr's steps are kept"),
+    ):
+        if given is not None and args.lr is None:
+            print(f"mixprec doctor: {flag} says {what}; give --lr too", file=sys.stderr)
+            return 2
     return None
 
 

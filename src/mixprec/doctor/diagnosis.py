@@ -53,7 +53,6 @@ from mixprec.hardware import (
     parse_device,
     resolve_policy,
 )
-from mixprec.optim.engine import check_compensation
 from mixprec.optim.scaling import LossScaler
 from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy.map import PolicyMap
@@ -479,12 +478,15 @@ class Diagnosis:
         self,
         plots: dict[str, str] | None = None,
         recommendation: Recommendation | None = None,
+        *,
+        unrecommended: str | None = None,
     ) -> str:
         """The report as markdown; `plots` maps a caption to an image path to link; with a
-        `recommendation` (from `recommend`) it shows the policy and its verified run."""
+        `recommendation` (from `recommend`) it shows the policy and its verified run, and
+        without one `unrecommended` (why `recommend` found none) is said."""
         from mixprec.doctor.report import to_markdown
 
-        return to_markdown(self, plots, recommendation)
+        return to_markdown(self, plots, recommendation, unrecommended)
 
     def save(
         self,
@@ -663,7 +665,7 @@ def diagnose(
         model = copy.deepcopy(model).to(where)  # the runs copy this one, not the caller's
     if device is not None:
         batch = map_tensors(lambda t: t.to(where), batch)
-    check_compensation(compensation)  # (a bad one refused without --lr too)
+    UpdateModel.check_flags(master_weights, compensation)  # (refused without lr too)
     update = UpdateModel(lr, optimizer, master_weights, compensation) if lr is not None else None
     session = Session(model, batch, loss_fn, where, seed, update)
     with warnings.catch_warnings():

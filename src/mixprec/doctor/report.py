@@ -199,7 +199,9 @@ def to_markdown(
     if hidden:
         lines += ["", hidden[0].upper() + hidden[1:] + "."]
     if recommendation is None and unrecommended:
-        lines += ["", "## Recommended policy", "", f"No recommendation: {unrecommended}"]
+        # ("<root>" reads as an HTML tag in markdown: the table writes "(root)" too)
+        said = unrecommended.replace("<root>", "(root)")
+        lines += ["", "## Recommended policy", "", f"No recommendation: {said}"]
     if recommendation is not None and not recommendation.log:
         lines += ["", "## Recommended policy", ""]
         lines.append(
@@ -215,7 +217,7 @@ def to_markdown(
         if advice:
             lines += [advice[0].upper() + advice[1:] + ".", ""]
         lines += ["Found by fixing one thing at a time and running again after each fix:", ""]
-        lines += [f"- {line}" for line in recommendation.log]
+        lines += [f"- {line}".replace("<root>", "(root)") for line in recommendation.log]
         lines += ["", "With the recommended policy:", ""]
         for line in summary(recommendation.verified).splitlines():
             lines += [line, ""]

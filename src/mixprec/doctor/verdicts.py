@@ -111,15 +111,24 @@ class UpdateModel:
         if isinstance(lr, bool) or not (isinstance(lr, Real) and math.isfinite(lr) and lr > 0):
             raise ValueError(f"lr must be a positive finite number, got {lr!r}")
         object.__setattr__(self, "lr", float(lr))  # numpy's numbers are held as a float
-        if not (self.master_weights is None or isinstance(self.master_weights, bool)):
-            raise TypeError(
-                f"master_weights must be None, True or False, got {self.master_weights!r}"
-            )
-        check_compensation(self.compensation)
+        self.check_flags(self.master_weights, self.compensation)
         if self.rule not in UPDATE_RULES:
             raise ValueError(
                 f"optimizer must be one of {', '.join(UPDATE_RULES)} (how the update is "
                 f"sized), got {self.rule!r}"
+            )
+
+    @staticmethod
+    def check_flags(master_weights: Any, compensation: Any) -> None:
+        """Refuse what `Precision` refuses of the two: a `master_weights` other than None,
+        True or False, an unknown compensation, or both masters and a compensation."""
+        if not (master_weights is None or isinstance(master_weights, bool)):
+            raise TypeError(f"master_weights must be None, True or False, got {master_weights!r}")
+        check_compensation(compensation)
+        if compensation is not None and master_weights:
+            raise ValueError(
+                "compensation and master_weights=True are two answers to one problem (as "
+                "Precision says): float32 masters already keep small updates; choose one"
             )
 
     def stored_in(self, dtype: torch.dtype) -> bool:

@@ -11,11 +11,13 @@ DDP (`strategy`), the checked settings (`config`).
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from mixprec.convert import apply
@@ -247,7 +249,8 @@ class Trainer:
 
     @property
     def local_rank(self) -> int:
-        """This process's rank on its machine (its device index under ``"cuda"``)."""
+        """This process's rank on its machine (under ``"cuda"``, its device is the
+        ``devices`` entry at this position)."""
         return self.strategy.local_rank
 
     @property
@@ -424,7 +427,15 @@ class Trainer:
         else:
             ranks = None
             if every_rank and self.world_size > 1:
-                ranks = self.strategy.gather(resume.rank_state(run))
+                if not dist.is_initialized():  # (after a fit whose process group is gone)
+                    warnings.warn(
+                        "save_checkpoint(every_rank=True) after the fit: its process group "
+                        "is gone, so the file holds rank 0's generators and no epoch sums "
+                        "(save during the fit, as ModelCheckpoint does, for every rank's)",
+                        stacklevel=2,
+                    )
+                else:
+                    ranks = self.strategy.gather(resume.rank_state(run))
             if self.is_global_zero:
                 ckpt_io.atomic_save(resume.checkpoint_state(run, ranks), path)
         return path
