@@ -341,6 +341,27 @@ def test_nvfp4_tensor_scale_is_one_float32_division():
     assert fake_quantize(x, MicroscalingConfig("nvfp4"))[0].item() == x[0].item()
 
 
+@pytest.mark.parametrize("amax", [1e-30, 1e-35, 1e-37, 1e-38, 1e-39, 1e-40])
+@pytest.mark.parametrize("two_d", [False, True])
+def test_nvfp4_of_a_tiny_tensor_is_the_tensor_scaled_up_then_down(amax, two_d):
+    """Found by a review: below an amax of about 1e-38, s_enc and the blocks' encode factors
+    overflowed float32 and were clamped apart, so elements encoded with one factor decoded
+    with another: 50-100% off, or all zeros. NVFP4's codes do not depend on the tensor's
+    scale, so a tiny tensor decodes as the same tensor scaled up by an exact power of two
+    does, scaled back (within float32's subnormal grid, where the values lie)."""
+    torch.manual_seed(0)
+    base = torch.randn(32, 32)
+    x = base / base.abs().max() * amax
+    config = MicroscalingConfig("nvfp4")
+    got = fake_quantize(x, config, two_d=two_d).double()
+    ref = fake_quantize(x * 2.0**100, config, two_d=two_d).double() * 2.0**-100
+    assert (got - ref).abs().max() <= 0.02 * amax
+    # (E2M1's largest half step is 1/6 of a block's largest value, its scale rounded in e4m3)
+    assert (got - x.double()).abs().max() <= 0.25 * amax
+    packed = quantize_nvfp4(x, two_d=two_d).dequantize().double()
+    assert (packed - ref).abs().max() <= 0.02 * amax
+
+
 @pytest.mark.parametrize(
     "value", [1e-40, 2.0**-149, -3e-39, 1e-38, 1e-37, 0.0, -0.0], ids=lambda v: f"{v:g}"
 )

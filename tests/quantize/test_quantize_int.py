@@ -1474,6 +1474,27 @@ def test_int8_rows_of_subnormal_weights_keep_their_values():
     assert torch.equal(q.float() * scale[:, None], w)
 
 
+def test_int8_weights_whose_sums_times_scale_pass_float32_are_refused():
+    """Found by a review: a forward multiplies the codes' sums by the weight's scale before
+    the input's (the order every kernel path shares), so weights around 1e36 gave outputs of
+    inf where the true ones are 4e6, silently. Such a weight is refused when quantized;
+    weights just inside the bound give the float layer's outputs."""
+    from mixprec.quantize.int8 import ScaleRangeError
+
+    g = torch.Generator().manual_seed(0)
+    signs = torch.randint(0, 2, (4, 64), generator=g).float() * 2 - 1
+    with pytest.raises(ScaleRangeError, match="sum of 64 products of codes .* exceeds float32"):
+        quantize_rows(signs * 1e36, "huge.weight")
+    layer = nn.Linear(64, 4, bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(signs * 1e30)
+    x = torch.full((2, 64), 1e-30)
+    q, scale = quantize_rows(layer.weight)
+    out = int8_linear(x, q, scale)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, layer(x), rtol=1e-2)
+
+
 @pytest.mark.parametrize("k", [512, 2 * F32_EXACT_K + 21])
 def test_float_sums_stay_exact_inside_autocast(monkeypatch, k):
     """The float32 matmuls of the codes run with autocast off: inside bfloat16 autocast (an

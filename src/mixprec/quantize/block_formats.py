@@ -447,28 +447,42 @@ def _nv_unblock(blocks: Tensor, shape: torch.Size, two_d: bool) -> Tensor:
     return tiles.reshape(n, k)
 
 
+# a tensor's largest magnitude below which NVFP4's scales are taken on the tensor scaled up
+# (`_nvfp4`): s_enc = 2688 / amax and the encode factors stay far inside float32's range
+_TINY_AMAX = 2.0**-64
+
+
 def _nvfp4(x: Tensor, two_d: bool, noise: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(element values, block scale values, s_dec, non-finite-block mask), blocked."""
     x32 = x.float()
     finite = torch.where(torch.isfinite(x32), x32.abs(), 0.0)
     amax = finite.amax() if finite.numel() else finite.new_zeros(())  # amax() refuses empty
+    # A tensor whose largest magnitude is tiny is scaled up by 2^64 (twice at most: exact)
+    # first, its s_dec down by as much at the end: its s_enc, and the blocks' encode factors
+    # beside a subnormal s_dec, overflow float32 (they were clamped apart, and the elements
+    # decoded 50-100% off, or as zeros, below an amax of about 1e-38). NVFP4's codes do not
+    # depend on the tensor's scale: elsewhere nothing changes, bit for bit.
+    ups = []
+    for _ in range(2):
+        ups.append(torch.where((amax > 0) & (amax < _TINY_AMAX), 2.0**64, 1.0))
+        x32, amax = x32 * ups[-1], amax * ups[-1]
     # (a division: a number over a tensor is its reciprocal times the number in torch, two
     # roundings, a float32 ulp off s_enc for a quarter of amaxes)
     s_enc = torch.where(amax > 0, torch.full_like(amax, NVFP4_TENSOR_MAX) / amax, 1.0)
-    s_enc = s_enc.clamp(max=_FLOAT32_MAX)  # a subnormal amax
     s_dec = 1.0 / s_enc
     blocks = _nv_blocks(x32, two_d)
     amax_b = blocks.abs().amax(dim=-1, keepdim=True)
     bad = ~torch.isfinite(amax_b)
     scale_b = round_to_element((amax_b / 6.0) * s_enc, E4M3)
-    # 1 / (scale_b * s_dec) overflows for a block scale of 0 and for blocks of float32
-    # subnormals in a tiny tensor (s_dec itself subnormal): inf * 0 was NaN
+    # 1 / (scale_b * s_dec) overflows for a block scale of 0: inf * 0 was NaN
     encode = (1.0 / (scale_b * s_dec)).clamp(max=_FLOAT32_MAX)
     if noise is not None:
         noise = _nv_blocks(noise, two_d)
     elements = _round_to_element(blocks * encode, E2M1, noise)
     # zero-scale blocks hold zeros of x's signs (+0 lost a -0.0 the format holds)
     elements = torch.where(bad, 0.0, torch.where(scale_b == 0, blocks * 0.0, elements))
+    for up in ups:  # (one factor at a time: 2^128 is past float32)
+        s_dec = s_dec / up
     return elements, torch.where(bad, torch.nan, scale_b), s_dec, bad
 
 

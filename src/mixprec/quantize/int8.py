@@ -191,9 +191,31 @@ def quantize_rows(
     # read as rows gave other sums)
     # (scales at least float32's smallest subnormal: a row of weights under 127 times it
     # would take scale 0 and come back as zeros)
-    return _quantize_rows(
+    q, scale = _quantize_rows(
         w.contiguous(), w.dtype if dtype is None else dtype, name, _SMALLEST_SUBNORMAL
     )
+    _check_sums_fit(scale, w.shape[-1] if w.dim() else 1, name)
+    return q, scale
+
+
+def _check_sums_fit(scale: Tensor, features: int, name: str) -> None:
+    """Refuse weight scales whose product with the largest sum of `features` code products
+    (127 x 127 each) is past float32: a forward multiplies the sums by the weight's scale
+    before the input's (the order every kernel path shares), so such a layer's outputs could
+    be inf where the true ones are finite (weights above about 6e32 at 4096 features)."""
+    if scale.is_meta or not scale.numel():
+        return
+    largest = float(scale.max()) * QMAX * QMAX * features
+    if largest > torch.finfo(torch.float32).max:
+        detail = (
+            f"its largest scale {float(scale.max()):.3g} times a sum of {features} products of "
+            f"codes (up to {QMAX * QMAX} each) exceeds float32's range"
+        )
+        raise ScaleRangeError(
+            f"cannot quantize {name} to int8: {detail}, so its outputs could overflow to inf; "
+            "scale the layer's weights down (and its input up) or keep it in floating point",
+            detail,
+        )
 
 
 # The longest reduction whose int32 sums cannot overflow: each product of two codes is at
