@@ -459,9 +459,9 @@ def _nvfp4(x: Tensor, two_d: bool, noise: Tensor | None) -> tuple[Tensor, Tensor
     amax = finite.amax() if finite.numel() else finite.new_zeros(())  # amax() refuses empty
     # A tensor whose largest magnitude is tiny is scaled up by 2^64 (twice at most: exact)
     # first, its s_dec down by as much at the end: its s_enc, and the blocks' encode factors
-    # beside a subnormal s_dec, overflow float32 (they were clamped apart, and the elements
-    # decoded 50-100% off, or as zeros, below an amax of about 1e-38). NVFP4's codes do not
-    # depend on the tensor's scale: elsewhere nothing changes, bit for bit.
+    # beside a subnormal s_dec, overflow float32 (clamped apart, elements encoded with one
+    # factor decoded with another). NVFP4's codes do not depend on the tensor's scale:
+    # elsewhere nothing changes, bit for bit.
     ups = []
     for _ in range(2):
         ups.append(torch.where((amax > 0) & (amax < _TINY_AMAX), 2.0**64, 1.0))
