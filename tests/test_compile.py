@@ -207,6 +207,25 @@ def test_compiled_training_compiles_once_and_matches_eager(spec):
     assert losses[-1] < losses[0]
 
 
+def test_a_compiled_float32_region_inside_autocast_backpropagates_as_eager():
+    """Found by a review: under an outer autocast (Precision's forward_context, the
+    Trainer's step), torch's default traced a compiled model's backward in that autocast,
+    so the float32 head's backward ran in bfloat16: gradients 1e-3 to 6e-3 apart from
+    eager's. `apply` has torch.compile trace the backward outside autocast, as eager runs
+    it: every gradient equal, bit for bit."""
+    precision = mixprec.Precision(with_rule("bf16-mixed"), allow_slow=True)
+    target = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for compiled in (False, True):
+        model = precision.setup(net())
+        run = torch.compile(model, backend=BACKEND) if compiled else model
+        with precision.forward_context():
+            loss = F.mse_loss(run(X), target)
+        loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
 @pytest.mark.slow
 def test_inductor_build_of_a_mixed_model_with_islands():
     """The default backend, as users get it: one compile, float32 outputs, bf16 numerics."""

@@ -477,6 +477,35 @@ def test_explain_defaults_to_the_policy_the_model_was_given():
     assert mixprec.explain(model)["1"] == Policy("bf16-mixed")
     assert mixprec.explain(model, "32-true")["1"] == Policy("32-true")
     assert mixprec.explain(nn.Linear(2, 2))[""] == mixprec.global_policy()
+    assert mixprec.explain(nn.Linear(2, 2))[""] == mixprec.global_policy()
+
+
+def test_explain_shows_the_dtype_a_region_inside_a_true_parent_hands_back():
+    """Found by a review: a float32 head inside ``float16`` weights and compute hands its
+    result back in float16 (its caller's compute dtype: 70000 became inf), while `explain`
+    listed its output as float32. The table and `Explanation.handed_back` now say float16;
+    a caller computing in float32 keeps the head's float32 result."""
+    from rich.console import Console
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[1].bias.copy_(torch.tensor([70000.0, 1.2345678]))
+    pmap = PolicyMap("p=f16,c=f16,o=f32", {"1": "float32"})
+    found = mixprec.explain(model, pmap)
+    assert found["1"].output_dtype == torch.float32  # (the policy's own)
+    # (layer 0's policy, inherited, says float32 too; it returns what it computes, float16)
+    assert found.handed_back == {"0": torch.float16, "1": torch.float16}
+    console = Console(width=200, record=True)
+    console.print(found)
+    row = next(line for line in console.export_text().splitlines() if "path rule '1'" in line)
+    assert "float16" in row.split("│")[6] and "hands back float16" in row
+    out = mixprec.apply(model, pmap)(torch.zeros(1, 4))
+    assert out.dtype == torch.float32 and torch.isinf(out[0, 0])  # (as explained)
+    kept = mixprec.PolicyMap("32-true", {"0": "p=f16,c=f16,o=f16"})
+    assert mixprec.explain(model, kept).handed_back == {"0": torch.float32}
+    out = mixprec.apply(model, kept)(torch.zeros(1, 4))  # (a float32 head: finite)
+    assert abs(float(out[0, 0]) - 70000.0) < 1.0
 
 
 def test_apply_uses_the_global_policy_by_default():

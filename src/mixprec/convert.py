@@ -15,6 +15,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import logging
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,8 @@ from mixprec.quantize import quantize_modules
 from mixprec.quantize.int8 import CodeCasts, ScaledCodes
 from mixprec.quantize.rules import set_fast_paths
 from mixprec.tree import iter_tensors, map_tensors
+
+log = logging.getLogger("mixprec")
 
 __all__ = [
     "applied_policy",
@@ -553,7 +556,25 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
         install_activations(model, pmap.activation_choices(model))
     set_fast_paths(model)  # torch's fused transformer layers would pass regions over
     model.__dict__[_STATE] = AppliedState(pmap, original)
+    _compiled_backward_as_eager()
     return model
+
+
+def _compiled_backward_as_eager() -> None:
+    """Have torch.compile trace a model's backward as eager runs it after a forward under
+    autocast: outside autocast. A region (a float32 layer, another rule) nests its own
+    autocast in the forward's; under torch's default (``backward_pass_autocast`` ==
+    "same_as_forward") a compiled backward is traced in the forward's outer autocast, so a
+    float32 region's backward ran in bfloat16, its gradients other than eager's. Set where
+    torch's default holds (a setting of the user's own is left alone), for the process."""
+    from torch._functorch import config
+
+    if getattr(config, "backward_pass_autocast", None) == "same_as_forward":
+        config.backward_pass_autocast = "off"
+        log.info(
+            "torch._functorch.config.backward_pass_autocast set to 'off': a compiled model's "
+            "backward runs outside autocast, as an eager one's does"
+        )
 
 
 def _check_scales(model: nn.Module, resolved: dict[str, Resolution]) -> None:
@@ -661,7 +682,9 @@ def explain(
     or with ``optimizer_states`` (`Precision`'s); each module's activation option under a map
     with ``activations``, and with ``batch`` (a tensor, or a tuple of the forward's
     arguments) the bytes each module's own ops save for the backward in one forward of a
-    converted copy of `model` on it (`Explanation.saved_bytes`)."""
+    converted copy of `model` on it (`Explanation.saved_bytes`). A module whose region hands
+    its result back in another dtype than its policy's output dtype (inside a "true"
+    parent: the parent's compute dtype) shows that dtype (`Explanation.handed_back`)."""
     where = parse_device(device) if device is not None else device_of(model)
     found = explanation.explain(
         model,
@@ -670,6 +693,15 @@ def explain(
         device_type=where.type,
         optimizer_states=optimizer_states,
     )
+    paths: dict[str, nn.Module] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        paths[name] = module
+        if not name or never_called(module):
+            continue
+        here, parent = found[name], found[_caller(name, paths)]
+        own = _region_key(parent) != _region_key(here) or _casts_own(module, here)
+        if own and _output_dtype(here, parent) != here.output_dtype:
+            found.handed_back[name] = _output_dtype(here, parent)
     if batch is not None:
         converted = apply(copy.deepcopy(model), policy or applied_policy(model), warn=False)
         inputs = batch if isinstance(batch, tuple) else (batch,)

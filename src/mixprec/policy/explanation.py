@@ -73,6 +73,10 @@ class Explanation(dict):
         }
         self.device_type = device_type
         self.autocast_differences = _autocast_differences(resolved, self.types, device_type)
+        # the dtype a module's region hands its result back in where that is not its
+        # policy's output dtype: inside a "true" parent, the parent's compute dtype
+        # (`mixprec.explain` fills it in, as `apply` installs the regions)
+        self.handed_back: dict[str, torch.dtype] = {}
         # under a quantized policy: "int8" etc. for a quantized layer, "skipped: why" for a
         # layer it leaves in its source float policy; layers quantized before, their mode
         self.quantization: dict[str, str] = {}
@@ -131,9 +135,15 @@ class Explanation(dict):
                 p.name,
                 str(p.param_dtype).removeprefix("torch."),
                 str(p.compute_dtype).removeprefix("torch."),
-                str(p.output_dtype).removeprefix("torch."),
+                str(self.handed_back.get(name, p.output_dtype)).removeprefix("torch."),
                 *quantized,
                 self.sources[name]
+                + (
+                    f"; hands back {str(self.handed_back[name]).removeprefix('torch.')}, its "
+                    "caller's compute dtype"
+                    if name in self.handed_back
+                    else ""
+                )
                 + (
                     f"; attention in float32 ({self.float32_attention[name]})"
                     if name in self.float32_attention
