@@ -211,8 +211,8 @@ def test_a_compiled_float32_region_inside_autocast_backpropagates_as_eager():
     """Found by a review: under an outer autocast (Precision's forward_context, the
     Trainer's step), torch's default traced a compiled model's backward in that autocast,
     so the float32 head's backward ran in bfloat16: gradients 1e-3 to 6e-3 apart from
-    eager's. `apply` has torch.compile trace the backward outside autocast, as eager runs
-    it: every gradient equal, bit for bit."""
+    eager's. While the context is entered, torch.compile traces the backward outside
+    autocast, as eager runs it after the context: every gradient equal, bit for bit."""
     precision = mixprec.Precision(with_rule("bf16-mixed"), allow_slow=True)
     target = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
     grads = []
@@ -222,6 +222,26 @@ def test_a_compiled_float32_region_inside_autocast_backpropagates_as_eager():
         with precision.forward_context():
             loss = F.mse_loss(run(X), target)
         loss.backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    # (set while the context is entered only: the process's setting is the user's)
+    from torch._functorch import config
+
+    assert config.backward_pass_autocast == "same_as_forward"
+
+
+def test_a_backward_inside_the_context_keeps_torchs_tracing():
+    """A backward run inside the context (Lightning's manual optimization: the plugin asks
+    `forward_context(backward_after=False)`) runs under autocast eagerly, and torch's own
+    tracing matches it there: compiled and eager gradients equal, bit for bit."""
+    precision = mixprec.Precision(with_rule("bf16-mixed"), allow_slow=True)
+    target = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    grads = []
+    for compiled in (False, True):
+        model = precision.setup(net())
+        run = torch.compile(model, backend=BACKEND) if compiled else model
+        with precision.forward_context(backward_after=False):
+            F.mse_loss(run(X), target).backward()
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
 

@@ -500,6 +500,9 @@ def test_explain_shows_the_dtype_a_region_inside_a_true_parent_hands_back():
     console.print(found)
     row = next(line for line in console.export_text().splitlines() if "path rule '1'" in line)
     assert "float16" in row.split("│")[6] and "hands back float16" in row
+    # (the same answer about the model once applied: its parameters' dtypes changed)
+    applied = mixprec.apply(copy.deepcopy(model), pmap)
+    assert mixprec.explain(applied).handed_back == found.handed_back
     out = mixprec.apply(model, pmap)(torch.zeros(1, 4))
     assert out.dtype == torch.float32 and torch.isinf(out[0, 0])  # (as explained)
     kept = mixprec.PolicyMap("32-true", {"0": "p=f16,c=f16,o=f16"})

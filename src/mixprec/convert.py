@@ -15,8 +15,8 @@ import contextlib
 import copy
 import functools
 import inspect
-import logging
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +47,6 @@ from mixprec.quantize import quantize_modules
 from mixprec.quantize.int8 import CodeCasts, ScaledCodes
 from mixprec.quantize.rules import set_fast_paths
 from mixprec.tree import iter_tensors, map_tensors
-
-log = logging.getLogger("mixprec")
 
 __all__ = [
     "applied_policy",
@@ -556,25 +554,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
         install_activations(model, pmap.activation_choices(model))
     set_fast_paths(model)  # torch's fused transformer layers would pass regions over
     model.__dict__[_STATE] = AppliedState(pmap, original)
-    _compiled_backward_as_eager()
     return model
-
-
-def _compiled_backward_as_eager() -> None:
-    """Have torch.compile trace a model's backward as eager runs it after a forward under
-    autocast: outside autocast. A region (a float32 layer, another rule) nests its own
-    autocast in the forward's; under torch's default (``backward_pass_autocast`` ==
-    "same_as_forward") a compiled backward is traced in the forward's outer autocast, so a
-    float32 region's backward ran in bfloat16, its gradients other than eager's. Set where
-    torch's default holds (a setting of the user's own is left alone), for the process."""
-    from torch._functorch import config
-
-    if getattr(config, "backward_pass_autocast", None) == "same_as_forward":
-        config.backward_pass_autocast = "off"
-        log.info(
-            "torch._functorch.config.backward_pass_autocast set to 'off': a compiled model's "
-            "backward runs outside autocast, as an eager one's does"
-        )
 
 
 def _check_scales(model: nn.Module, resolved: dict[str, Resolution]) -> None:
@@ -693,15 +673,7 @@ def explain(
         device_type=where.type,
         optimizer_states=optimizer_states,
     )
-    paths: dict[str, nn.Module] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        paths[name] = module
-        if not name or never_called(module):
-            continue
-        here, parent = found[name], found[_caller(name, paths)]
-        own = _region_key(parent) != _region_key(here) or _casts_own(module, here)
-        if own and _output_dtype(here, parent) != here.output_dtype:
-            found.handed_back[name] = _output_dtype(here, parent)
+    found.handed_back = _handed_back(model, found)
     if batch is not None:
         converted = apply(copy.deepcopy(model), policy or applied_policy(model), warn=False)
         inputs = batch if isinstance(batch, tuple) else (batch,)
@@ -711,6 +683,36 @@ def explain(
         if not default.is_mixed:
             inputs = cast_floating(inputs, default.compute_dtype)
         found.saved_bytes = saved_bytes(converted, *inputs)
+    return found
+
+
+def _handed_back(model: nn.Module, policies: Mapping[str, Policy]) -> dict[str, torch.dtype]:
+    """The dtype each module of `model` hands its result back in where that is not its
+    policy's output dtype, as `apply` runs it: inside a "true" parent its parent's compute
+    dtype (a region's cast, or what it computed in that very dtype); inside a mixed parent,
+    a region's output dtype (float32 for a float64 one). A module shared by callers wanting
+    other dtypes follows its input's (nothing is claimed for it)."""
+    paths: dict[str, nn.Module] = {}
+    claims: dict[int, dict[str, torch.dtype | None]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        paths[name] = module
+        if not name or never_called(module):
+            continue
+        here, parent = policies[name], policies[_caller(name, paths)]
+        if not parent.is_mixed:
+            out: torch.dtype | None = parent.compute_dtype
+        elif _region_key(parent) != _region_key(here):
+            out = _output_dtype(here, parent)
+        else:
+            out = None  # (what autocast computed it in: each op's own)
+        claims.setdefault(id(module), {})[name] = out
+    found: dict[str, torch.dtype] = {}
+    for at in claims.values():
+        if len(set(at.values())) > 1:
+            continue
+        for name, out in at.items():
+            if out is not None and out != policies[name].output_dtype:
+                found[name] = out
     return found
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._functorch import config as functorch_config
 
 from mixprec.activations import ActivationsSpec, as_rules, check_device, installed
 from mixprec.activations import wrapped as wrapped_activations
@@ -70,6 +71,47 @@ ParamsLike = nn.Module | LossScaleOptimizer | torch.Tensor | Iterable[torch.Tens
 
 # the parameter names of mixprec's LoRA adapters (`mixprec.quantize.enable_lora`)
 _ADAPTERS = frozenset({"lora_A", "lora_B"})
+
+
+# sets torch's tracing of a compiled model's backward to "outside autocast", and returns
+# the function that puts the setting back (dynamo's low-overhead patcher where torch has it)
+if hasattr(functorch_config, "_make_closure_patcher") and hasattr(
+    functorch_config, "backward_pass_autocast"
+):
+    _backward_outside = functorch_config._make_closure_patcher(backward_pass_autocast="off")
+else:  # pragma: no cover - a torch without the setting traces its backward as it does
+
+    def _backward_outside() -> Callable[[], None]:
+        return lambda: None
+
+
+class ForwardAutocast:
+    """`Precision.forward_context`'s autocast for a forward whose backward runs after it,
+    outside autocast: while it is entered (outside compiled code), torch.compile traces a
+    compiled model's backward outside autocast, as eager runs it. Under torch's default
+    (``torch._functorch.config.backward_pass_autocast`` "same_as_forward") the backward was
+    traced in this autocast, and a float32 region's backward ran in bfloat16: gradients
+    other than eager's. Code compiled whole, context included, traces it inside its graph,
+    where nothing surrounds it; the setting is the user's again on exit."""
+
+    __slots__ = ("autocast", "restore")
+
+    def __init__(self, autocast: torch.autocast) -> None:
+        self.autocast = autocast
+        self.restore: Callable[[], None] | None = None
+
+    def __enter__(self) -> Any:
+        if not torch.compiler.is_compiling():
+            self.restore = _backward_outside()
+        return self.autocast.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self.autocast.__exit__(*exc)
+        finally:
+            if self.restore is not None:
+                self.restore()
+                self.restore = None
 
 
 class Precision:
@@ -592,14 +634,21 @@ class Precision:
             cache_enabled=cache_enabled,
         )
 
-    def forward_context(self, *, cache_enabled: bool = True) -> AbstractContextManager[Any]:
-        """The context a forward and its loss run in: ``autocast`` for a mixed policy (the
-        very ``torch.autocast`` object, nothing around it; ``cache_enabled`` as `autocast`
-        takes it); for a "true" policy torch's default dtype set to the compute dtype
-        (restored on exit), so tensors created without a dtype (``torch.ones(n, 3)``) match
-        the weights."""
+    def forward_context(
+        self, *, cache_enabled: bool = True, backward_after: bool = True
+    ) -> AbstractContextManager[Any]:
+        """The context a forward and its loss run in: ``autocast`` for a mixed policy
+        (``cache_enabled`` as `autocast` takes it); for a "true" policy torch's default dtype
+        set to the compute dtype (restored on exit), so tensors created without a dtype
+        (``torch.ones(n, 3)``) match the weights.
+
+        ``backward_after``: the backward runs after the context, outside autocast (as
+        `backward` and the Trainer run it): a model compiled under the context then traces
+        its backward outside autocast too, as eager runs it (`ForwardAutocast`). False for a
+        backward run inside it (Lightning's manual optimization): torch's own tracing."""
         if self.mixed:  # (every step enters this)
-            return self.autocast(cache_enabled=cache_enabled)
+            autocast = self.autocast(cache_enabled=cache_enabled)
+            return ForwardAutocast(autocast) if backward_after else autocast
         if needs_default_dtype(self.policy.default.compute_dtype):
             return default_dtype(self._compute_dtype)
         return contextlib.nullcontext()

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from mixprec.precision import Precision
+from mixprec.precision import ForwardAutocast, Precision
 from mixprec.tree import iter_tensors, map_tensors
 
 __all__ = [
@@ -65,8 +65,9 @@ def step_context(
     (a training step) or when the model is compiled in place under a "true" policy; else
     none, the model's region doing it all."""
     mixed = precision.mixed
-    if mixed:
-        return precision.autocast()  # (`forward_context` of a mixed policy, one call less)
+    if mixed:  # (`forward_context` of a mixed policy, fewer calls: a compiled model's only)
+        autocast = precision.autocast()
+        return ForwardAutocast(autocast) if compiled_in_place(model) else autocast
     if user_code or mixed is None or compiled_in_place(model):
         return precision.forward_context()  # (None: no policy yet, which it refuses)
     return contextlib.nullcontext()

@@ -1479,12 +1479,24 @@ def test_int8_weights_whose_sums_times_scale_pass_float32_are_refused():
     the input's (the order every kernel path shares), so weights around 1e36 gave outputs of
     inf where the true ones are 4e6, silently. Such a weight is refused when quantized;
     weights just inside the bound give the float layer's outputs."""
-    from mixprec.quantize.int8 import ScaleRangeError
+    from mixprec.quantize.int8 import Int8Linear, ScaleRangeError
 
     g = torch.Generator().manual_seed(0)
     signs = torch.randint(0, 2, (4, 64), generator=g).float() * 2 - 1
-    with pytest.raises(ScaleRangeError, match="sum of 64 products of codes .* exceeds float32"):
-        quantize_rows(signs * 1e36, "huge.weight")
+    huge = nn.Sequential(nn.Linear(64, 4))
+    with torch.no_grad():
+        huge[0].weight.copy_(signs * 1e36)
+    with pytest.raises(ScaleRangeError, match="0.weight to int8: .* sum of 64 products of codes"):
+        mixprec.apply(huge, "int8_from_32-true")
+    assert isinstance(huge[0], nn.Linear)  # (refused before any layer was swapped)
+    with pytest.raises(ScaleRangeError, match="the weight to int8"):
+        Int8Linear.from_float(huge[0])
+    # an Embedding's lookups sum nothing: a second review found it refused too
+    table = nn.Sequential(nn.Embedding(8, 4096))
+    with torch.no_grad():
+        table[0].weight.fill_(1e33)
+    mixprec.apply(table, "int8_from_32-true")
+    assert torch.isfinite(table(torch.tensor([3]))).all()
     layer = nn.Linear(64, 4, bias=False)
     with torch.no_grad():
         layer.weight.copy_(signs * 1e30)

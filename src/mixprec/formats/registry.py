@@ -174,13 +174,30 @@ class Format:
         `tie`) can share one quantized copy of it. The default: `build` the layer, from the
         codes `quantize_weight` makes once per tie for a format whose layers hold codes
         (not `keeps_weight`)."""
-        codes = None
-        if not self.keeps_weight:
-            key = (tie, self.name, config, storage)
-            if key not in memo:
-                memo[key] = self.quantize_weight(module.weight, config, f"{path}.weight", storage)
-            codes = memo[key]
-        return self.build(module, config, codes)
+        return self.build(
+            module,
+            config,
+            self._codes(module, config, path=path, storage=storage, tie=tie, memo=memo),
+        )
+
+    def _codes(
+        self,
+        module: nn.Module,
+        config: Any,
+        *,
+        path: str,
+        storage: torch.dtype,
+        tie: tuple[Any, ...],
+        memo: dict[Any, Any],
+    ) -> Any:
+        """`swap`'s codes of `module`'s weight: made once per tie (None where the format
+        `keeps_weight`)."""
+        if self.keeps_weight:
+            return None
+        key = (tie, self.name, config, storage)
+        if key not in memo:
+            memo[key] = self.quantize_weight(module.weight, config, f"{path}.weight", storage)
+        return memo[key]
 
     def quantize_weight(
         self, weight: torch.Tensor, config: Any, name: str, storage: torch.dtype

@@ -139,8 +139,7 @@ class Explanation(dict):
                 *quantized,
                 self.sources[name]
                 + (
-                    f"; hands back {str(self.handed_back[name]).removeprefix('torch.')}, its "
-                    "caller's compute dtype"
+                    f"; hands back {str(self.handed_back[name]).removeprefix('torch.')}"
                     if name in self.handed_back
                     else ""
                 )

@@ -191,18 +191,17 @@ def quantize_rows(
     # read as rows gave other sums)
     # (scales at least float32's smallest subnormal: a row of weights under 127 times it
     # would take scale 0 and come back as zeros)
-    q, scale = _quantize_rows(
+    return _quantize_rows(
         w.contiguous(), w.dtype if dtype is None else dtype, name, _SMALLEST_SUBNORMAL
     )
-    _check_sums_fit(scale, w.shape[-1] if w.dim() else 1, name)
-    return q, scale
 
 
-def _check_sums_fit(scale: Tensor, features: int, name: str) -> None:
-    """Refuse weight scales whose product with the largest sum of `features` code products
-    (127 x 127 each) is past float32: a forward multiplies the sums by the weight's scale
-    before the input's (the order every kernel path shares), so such a layer's outputs could
-    be inf where the true ones are finite (weights above about 6e32 at 4096 features)."""
+def check_sums_fit(scale: Tensor, features: int, name: str) -> None:
+    """Refuse an int8 Linear's weight scales whose product with the largest sum of
+    `features` code products (127 x 127 each) is past float32: a forward multiplies the sums
+    by the weight's scale before the input's (the order every kernel path shares), so such a
+    layer's outputs could be inf where the true ones are finite (weights above about 6e32 at
+    4096 features). An Embedding's lookups sum nothing: it takes any finite weight."""
     if scale.is_meta or not scale.numel():
         return
     largest = float(scale.max()) * QMAX * QMAX * features
@@ -801,12 +800,16 @@ class Int8Linear(_Int8Rows, Prepacked, LoraMixin, nn.Module):
 
     @classmethod
     def from_float(
-        cls, linear: nn.Linear, quantized: tuple[Tensor, ...] | None = None
+        cls,
+        linear: nn.Linear,
+        quantized: tuple[Tensor, ...] | None = None,
+        name: str = "the weight",
     ) -> Int8Linear:
         """Quantize `linear` (or take ``(qweight, weight_scale)`` already made from its
-        weight, so tied weights share one int8 copy)."""
+        weight, so tied weights share one int8 copy); `name` says which in an error."""
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
         layer.take_rows(linear.weight, quantized)
+        check_sums_fit(layer.weight_scale.float(), linear.in_features, name)
         layer.bias = linear.bias  # the same Parameter: an optimizer holding it keeps working
         return swapped_in(linear, layer.to(linear.weight.device))
 
@@ -982,6 +985,12 @@ class Int8Format(Format):
     ) -> tuple[Tensor, ...]:
         q, scale = quantize_rows(weight, name, storage)
         return q, scale.to(storage)
+
+    def swap(self, module: nn.Module, config: None, *, path: str, **kwargs: Any) -> nn.Module:
+        if isinstance(module, nn.Linear):  # (named in a refusal: `check_sums_fit`)
+            codes = super()._codes(module, config, path=path, **kwargs)
+            return Int8Linear.from_float(module, codes, f"{path}.weight")
+        return super().swap(module, config, path=path, **kwargs)
 
     def build(self, module: nn.Module, config: None, codes: tuple[Tensor, ...]) -> nn.Module:
         layer = Int8Linear if isinstance(module, nn.Linear) else Int8Embedding
