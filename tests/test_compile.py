@@ -207,23 +207,34 @@ def test_compiled_training_compiles_once_and_matches_eager(spec):
     assert losses[-1] < losses[0]
 
 
-def test_a_compiled_float32_region_inside_autocast_backpropagates_as_eager():
-    """Found by a review: under an outer autocast (Precision's forward_context, the
-    Trainer's step), torch's default traced a compiled model's backward in that autocast,
-    so the float32 head's backward ran in bfloat16: gradients 1e-3 to 6e-3 apart from
-    eager's. While the context is entered, torch.compile traces the backward outside
-    autocast, as eager runs it after the context: every gradient equal, bit for bit."""
+def _eager_and_compiled_grads(backward_after: bool) -> list[list[torch.Tensor]]:
+    """The gradients of one step of the float32-head model under `bf16-mixed`, eager then
+    compiled, the forward in `forward_context(backward_after=...)` and the backward after it
+    (``backward_after``) or inside it."""
     precision = mixprec.Precision(with_rule("bf16-mixed"), allow_slow=True)
     target = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
     grads = []
     for compiled in (False, True):
         model = precision.setup(net())
         run = torch.compile(model, backend=BACKEND) if compiled else model
-        with precision.forward_context():
+        with precision.forward_context(backward_after=backward_after):
             loss = F.mse_loss(run(X), target)
-        loss.backward()
+            if not backward_after:
+                loss.backward()
+        if backward_after:
+            loss.backward()
         grads.append([p.grad for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    return grads
+
+
+def test_a_compiled_float32_region_inside_autocast_backpropagates_as_eager():
+    """Found by a review: under an outer autocast (Precision's forward_context, the
+    Trainer's step), torch's default traced a compiled model's backward in that autocast,
+    so the float32 head's backward ran in bfloat16: gradients 1e-3 to 6e-3 apart from
+    eager's. While the context is entered, torch.compile traces the backward outside
+    autocast, as eager runs it after the context: every gradient equal, bit for bit."""
+    eager, compiled = _eager_and_compiled_grads(backward_after=True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
     # (set while the context is entered only: the process's setting is the user's)
     from torch._functorch import config
 
@@ -234,16 +245,8 @@ def test_a_backward_inside_the_context_keeps_torchs_tracing():
     """A backward run inside the context (Lightning's manual optimization: the plugin asks
     `forward_context(backward_after=False)`) runs under autocast eagerly, and torch's own
     tracing matches it there: compiled and eager gradients equal, bit for bit."""
-    precision = mixprec.Precision(with_rule("bf16-mixed"), allow_slow=True)
-    target = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
-    grads = []
-    for compiled in (False, True):
-        model = precision.setup(net())
-        run = torch.compile(model, backend=BACKEND) if compiled else model
-        with precision.forward_context(backward_after=False):
-            F.mse_loss(run(X), target).backward()
-        grads.append([p.grad for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    eager, compiled = _eager_and_compiled_grads(backward_after=False)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
 
 
 @pytest.mark.slow

@@ -477,7 +477,6 @@ def test_explain_defaults_to_the_policy_the_model_was_given():
     assert mixprec.explain(model)["1"] == Policy("bf16-mixed")
     assert mixprec.explain(model, "32-true")["1"] == Policy("32-true")
     assert mixprec.explain(nn.Linear(2, 2))[""] == mixprec.global_policy()
-    assert mixprec.explain(nn.Linear(2, 2))[""] == mixprec.global_policy()
 
 
 def test_explain_shows_the_dtype_a_region_inside_a_true_parent_hands_back():
