@@ -178,6 +178,16 @@ def test_bf16_keeps_a_finite_activation_past_its_range_finite():
     assert torch.equal(
         ToBfloat16().encode(inside)[0].view(torch.int16), inside.bfloat16().view(torch.int16)
     )
+    # a view out of memory order (attention's heads of a joined projection), read in memory
+    # order for its range: the same codes, its layout kept, past the range too
+    joined = torch.cat([values, values.flip(0), values[:2]]).view(4, 6).t()[:, :3]
+    stored = ToBfloat16().encode(joined)[0]
+    assert stored.shape == joined.shape
+    assert torch.equal(stored.view(torch.int16), codecs._to_bfloat16(joined).view(torch.int16))
+    spread = torch.randn(3, 8, 5).transpose(0, 2)
+    stored = ToBfloat16().encode(spread)[0]
+    assert stored.stride() == spread.stride()
+    assert torch.equal(stored.view(torch.int16), spread.bfloat16().view(torch.int16))
 
     # off the CPU the clamp is one compiled kernel (eager where it cannot build): the same
     if can_compile("cpu"):

@@ -297,11 +297,15 @@ class ToBfloat16(Codec):
         if not t.numel():
             return (t.to(torch.bfloat16),)
         if t.device.type == "cpu":
-            # (a CPU's `isinf` takes several casts' time: its range, read in one pass and
-            # without a cost to sync there, spares the common activation the clamp)
-            low, high = torch.aminmax(t)
-            if -_BF16_MAX <= low and high <= _BF16_MAX:
-                return (t.to(torch.bfloat16),)
+            # (a CPU's `isinf` takes several casts' time: the cast's range, read in one pass
+            # in memory order and without a cost to sync there, spares the common activation
+            # the clamp: a finite float32 value rounds to an infinity only past bfloat16's
+            # largest, which the clamp would have taken there, so no infinity is the clamp's
+            # result bit for bit)
+            out = t.to(torch.bfloat16)  # (dense, in `t`'s order where `t` is dense)
+            low, high = torch.aminmax(_in_memory_order(out)[0])
+            if -_BF16_MAX <= float(low) and float(high) <= _BF16_MAX:
+                return (out,)
         elif GATE.wants(t.device, t.numel()):
             # (no sync on an accelerator: the clamp, fused into the cast, reads the tensor once)
             flat, stride = _in_memory_order(t)
