@@ -290,6 +290,34 @@ def test_a_gated_scheduler_counts_the_taken_steps_since_its_last_step():
     assert state[TAKEN_SINCE] == 0
 
 
+def test_a_loaded_scheduler_counts_the_step_before_its_first_gated_step():
+    """A scheduler loaded from a checkpoint (its count 0) is followed from its first gated
+    step on: the step just before it, taken, counts (it held, one step behind for the rest
+    of a resumed run); skipped, it does not."""
+
+    def run(skip: set[int], resume_at: int | None) -> tuple[list[bool], float]:
+        model = mlp(8, 16, 1)
+        opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), StaticLossScaler(8.0))
+        sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+        advanced = []
+        for i, (x, y) in enumerate(_batches(5)):
+            if i == resume_at:
+                saved = sched.state_dict()
+                sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+                sched.load_state_dict(saved)
+            opt.backward(F.mse_loss(model(x), y))
+            if i in skip:
+                model[0].weight.grad.fill_(math.inf)
+            opt.step()
+            advanced.append(scheduler_step(sched, opt))
+            opt.zero_grad()
+        return advanced, opt.param_groups[0]["lr"]
+
+    for skip in (set(), {2}, {3}):
+        assert run(skip, 2) == run(skip, None)
+    assert run({2}, 2)[0] == [True, True, False, True, True]
+
+
 def test_a_parameter_unused_this_step_is_not_updated_by_last_steps_master_gradient():
     # the model's own zero_grad clears the float16 gradients, not the float32 masters'
     torch.manual_seed(0)

@@ -927,7 +927,9 @@ def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) ->
     steps or once an epoch (a skip in the window does not cost it the window's advance).
     Where the steps since are unknown (its first gated step, unless `follow_steps` started
     the count earlier), the last step decides, as it does before any step (not skipped).
-    The count is kept in the scheduler's state, so a checkpoint resumes it.
+    The count is kept in the scheduler's state, so a checkpoint resumes it; a scheduler
+    loaded so adds the last step to it at its first gated step (`follow_steps` after the
+    load counts every step since instead).
 
     torch's schedulers cannot tell a skipped step from a taken one; without this gate a run
     with many overflows moves through its learning-rate schedule too fast. ``args`` and
@@ -936,9 +938,13 @@ def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) ->
     """
     lso = _live_wrapper(optimizer)
     if isinstance(lso, LossScaleOptimizer):
-        follow_steps(scheduler, lso)
         state = getattr(scheduler, "__dict__", {})
         taken = state.get(TAKEN_SINCE)
+        if taken is not None and scheduler not in _followers(lso.optimizer):
+            # a count loaded (a resumed or copied scheduler) that no step since has added to:
+            # the last step is the one known since
+            taken += not lso.step_was_skipped
+        follow_steps(scheduler, lso)
         advance = not lso.step_was_skipped if taken is None else taken > 0
         if TAKEN_SINCE in state:
             state[TAKEN_SINCE] = 0
