@@ -194,6 +194,26 @@ def test_reapply_does_not_stack_and_remove_restores_the_plain_module():
             torch.testing.assert_close(after[k], before[k], rtol=1e-2, atol=1e-2)
 
 
+def test_remove_restores_what_was_added_between_two_applies():
+    """A layer and a buffer added after `apply` and converted by a second `apply` come back
+    float32 from `remove`, as the first apply's do (they stayed in bfloat16); one added
+    in bfloat16 stays so."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    mixprec.apply(model, "bf16-true")
+    model.add_module("head", nn.Linear(4, 4))
+    model.register_buffer("scale", torch.ones(4))
+    model.register_buffer("low", torch.ones(4, dtype=torch.bfloat16))
+    mixprec.apply(model, "bf16-true")
+    assert model.head.weight.dtype == model.scale.dtype == torch.bfloat16
+    mixprec.remove(model)
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    assert dtypes == {
+        **dict.fromkeys(["0.weight", "0.bias", "head.weight", "head.bias"], f32),
+        "scale": f32,
+        "low": torch.bfloat16,
+    }
+
+
 @pytest.mark.parametrize(
     "saved, loaded", [("bf16-true", "32-true"), ("32-true", "16-true"), ("bf16-mixed", "64-true")]
 )

@@ -530,7 +530,8 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     if state is None:
         original = _floating_dtypes(model)
     else:
-        original = state.original_dtypes
+        # (the dtypes the first apply found; a tensor added since is recorded as it is now)
+        original = {**_floating_dtypes(model), **state.original_dtypes}
         _strip_regions(model)
     to_quantize = {name: r.policy for name, r in resolved.items() if r.quantized}
     if to_quantize:  # on plain forwards: layers with a region are not swapped

@@ -84,6 +84,12 @@ def test_bad_rules():
         PolicyMap("32-true", {3: "16-mixed"})
     with pytest.raises(PolicySpecError, match="unknown precision 'fp17'"):
         PolicyMap("32-true", {"head": "fp17"})
+    # None reads as "no rule" and was the global policy of the moment, silently
+    with mixprec.policy_scope("32-true"):
+        with pytest.raises(PolicySpecError, match="rule '1' has no policy"):
+            PolicyMap("bf16-true", {"1": None})
+        with pytest.raises(PolicySpecError, match="rule LayerNorm has no policy"):
+            PolicyMap("bf16-true", {nn.LayerNorm: None})
 
 
 def test_config_round_trip_and_code():

@@ -219,6 +219,18 @@ def island_policy(inherited: Policy) -> Policy:
     )
 
 
+def _rule_policy(key: Any, policy: Any) -> Policy:
+    """The policy of the rule ``key``; None is refused (it would read as "no rule here", while
+    `as_policy` takes it as the global policy of the moment)."""
+    if policy is None:
+        name = key.__name__ if isinstance(key, type) else repr(key)
+        raise PolicySpecError(
+            f"the rule {name} has no policy (None); give a policy such as '32-true' or "
+            "'bf16-mixed', or leave the rule out to have the layer follow its parent"
+        )
+    return as_policy(policy)
+
+
 class PolicyMap:
     """A default policy plus ordered rules (path regex or module type -> policy).
 
@@ -275,7 +287,9 @@ class PolicyMap:
         # path rules (compiled) and type rules, each in the order given
         self._paths: PathRules[Policy]
         self._types: TypeRules[Policy]
-        self._paths, self._types = split_rules({k: as_policy(p) for k, p in (rules or {}).items()})
+        self._paths, self._types = split_rules(
+            {k: _rule_policy(k, p) for k, p in (rules or {}).items()}
+        )
 
     @property
     def rules(self) -> dict[RuleKey, Policy]:
