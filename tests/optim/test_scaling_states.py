@@ -58,6 +58,19 @@ def test_resume_from_a_torch_grad_scaler_checkpoint():
     assert ours.state_dict()["growth_tracker"] == ref.state_dict()["_growth_tracker"]
 
 
+def test_a_grad_scaler_scale_past_the_bounds_loads_at_the_nearest_bound():
+    """GradScaler grows without bound: a scale past max_scale loaded as it was, its first
+    step ran past the bound and a checkpoint saved then was refused by the same loader."""
+    grown = torch.amp.GradScaler("cpu", init_scale=2.0**26).state_dict()
+    ours = DynamicLossScaler()  # (max_scale 2**24)
+    ours.load_state_dict(grown)
+    assert ours.loss_scale == ours.max_scale == 2.0**24
+    DynamicLossScaler().load_state_dict(ours.state_dict())
+    low = DynamicLossScaler(min_scale=4.0)
+    low.load_state_dict(torch.amp.GradScaler("cpu", init_scale=0.5).state_dict())
+    assert low.loss_scale == 4.0
+
+
 def test_states_from_a_disabled_or_foreign_scaler_are_refused_clearly():
     disabled = torch.amp.GradScaler("cpu", enabled=False).state_dict()
     assert disabled == {}

@@ -714,7 +714,9 @@ class DynamicLossScaler(LossScaler):
     def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
         """Resume from ``torch.amp.GradScaler.state_dict()``: its scale, growth tracker,
         factors and interval. It has no hysteresis, bounds or counters: this scaler keeps its
-        own hysteresis and bounds, refills its credits and starts its counters at zero."""
+        own hysteresis and bounds (a scale outside them, which GradScaler's unbounded growth
+        reaches, is taken to the nearest, as an update would: its own state then saves and
+        loads again), refills its credits and starts its counters at zero."""
         if not (state and _TORCH_GRAD_SCALER_KEYS <= state.keys()):
             super()._load_foreign_state(state)
             return
@@ -729,6 +731,7 @@ class DynamicLossScaler(LossScaler):
             or not 0.0 < backoff_factor < 1.0
         ):
             raise ValueError(f"invalid torch.amp.GradScaler state: {dict(state)}")
+        scale = min(max(_float32(scale), _float32(self.min_scale)), _float32(self.max_scale))
         self._scale.fill_(scale)
         self._growth_tracker.fill_(int(tracker))
         self._host = (_float32(scale), int(tracker))
