@@ -318,6 +318,22 @@ def test_a_loaded_scheduler_counts_the_step_before_its_first_gated_step():
     assert run({2}, 2)[0] == [True, True, False, True, True]
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_step_without_any_gradient_after_a_scaled_backward_is_refused(fused):
+    """zero_grad() between backward and step: the step returned True, grew the scale and
+    advanced gated schedulers with no weight moved; torch.amp.GradScaler refuses it too."""
+    model = mlp(8, 16, 1)
+    opt = LossScaleOptimizer(
+        torch.optim.AdamW(model.parameters(), fused=fused), DynamicLossScaler(growth_interval=1)
+    )
+    x, y = _batches(1)[0]
+    opt.backward(F.mse_loss(model(x), y))
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="AdamW has no gradient to step.*zero_grad"):
+        opt.step()
+    assert opt.scaler.loss_scale == 2.0**16
+
+
 def test_a_parameter_unused_this_step_is_not_updated_by_last_steps_master_gradient():
     # the model's own zero_grad clears the float16 gradients, not the float32 masters'
     torch.manual_seed(0)

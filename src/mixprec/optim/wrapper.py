@@ -157,6 +157,7 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         self._needs_closure = closure is not None and closure.default is inspect.Parameter.empty
         self._stage = OptState.READY
         self._found_inf: torch.Tensor | None = None  # set while UNSCALED or CHECKED
+        self._gradless = False  # whether the gradients unscaled or checked were none at all
         # the scaler's update count when it was set: another optimizer's step() updating the
         # shared scaler since means this one's gradients were unscaled by an older scale
         self._found_at = 0
@@ -514,6 +515,7 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         return self.scaler.unscale_(grads)
 
     def _check_scaled_since_update(self, grads: list[torch.Tensor]) -> None:
+        self._gradless = not grads
         if grads and self.scaler.enabled and not self.scaler.scaled_since_update:
             raise RuntimeError(
                 "these gradients were not produced through this scaler since its last update: "
@@ -806,6 +808,8 @@ def _step_together(optimizers: tuple[LossScaleOptimizer, ...]) -> bool:
             opt.check_()
         else:
             opt.unscale_()
+    if scaler.scaled_since_update:
+        _refuse_gradless(optimizers)
     flags: list[torch.Tensor] = [opt.found_inf for opt in optimizers]  # type: ignore[misc]
     # one optimizer: its 0-dim flag as it is, so a step dispatches what GradScaler's does
     found = scaler.synchronize(flags[0] if len(flags) == 1 else torch.stack(flags))
@@ -828,6 +832,22 @@ def _step_together(optimizers: tuple[LossScaleOptimizer, ...]) -> bool:
         combined = found.amax() if len(flags) > 1 else flags[0]
         scaler.update(combined, any(overflow))  # type: ignore[arg-type]
     return not any(overflow)
+
+
+def _refuse_gradless(optimizers: tuple[LossScaleOptimizer, ...]) -> None:
+    """Refuse a step of an optimizer without a single gradient after a backward through the
+    scaler (a ``zero_grad`` between backward and step, a loss that reaches none of its
+    parameters): it would count as a clean step, grow the scale and advance gated schedulers
+    with no weight moved. torch.amp.GradScaler refuses it too."""
+    for opt in optimizers:
+        if opt._gradless:
+            raise RuntimeError(
+                f"{type(opt.optimizer).__name__} has no gradient to step, though a backward "
+                "ran through the loss scaler since its last update: was zero_grad() called "
+                "between backward and step, or does the loss reach none of its parameters? "
+                "(torch.amp.GradScaler refuses such a step too: it would count as a clean "
+                "step and grow the scale with no weight moved)"
+            )
 
 
 def _read_flags(found: torch.Tensor) -> list[bool]:
