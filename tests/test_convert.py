@@ -194,6 +194,53 @@ def test_reapply_does_not_stack_and_remove_restores_the_plain_module():
             torch.testing.assert_close(after[k], before[k], rtol=1e-2, atol=1e-2)
 
 
+class _MaskedAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return ((self.q(x) @ x.transpose(-1, -2) + mask).softmax(-1)) @ x
+
+
+class _MasksInItsDtype(nn.Module):
+    """Fills its mask with its own dtype's lowest value, as Hugging Face models do; the first
+    query's row is masked whole (left padding under a causal mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.attn, self.out = nn.Linear(4, 4), _MaskedAttention(), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        low = torch.finfo(x.dtype).min
+        mask = torch.full((x.shape[1], x.shape[1]), low).triu(1)
+        mask[0, :] = low
+        return self.out(self.attn(self.inp(x), mask))
+
+
+@pytest.mark.parametrize("rule", ["bf16-true", "16-true"])
+def test_a_mask_in_the_parents_lowest_value_stays_finite_in_a_16_bit_region(rule):
+    """A float32 model's mask (float32's lowest value) cast into a 16-bit rule's region was
+    -inf there: the fully masked row's softmax gave NaN, the loss NaN. It takes the region
+    dtype's lowest value; a tensor with grad still overflows to an infinity (a loss
+    scaler's signal), and so does every other value past the range."""
+    torch.manual_seed(0)
+    model = _MasksInItsDtype()
+    mixprec.apply(model, PolicyMap("32-true", {"attn": rule}), warn=False)
+    x = torch.randn(2, 5, 4)
+    assert model(x).isfinite().all()
+    dtype = torch.bfloat16 if rule == "bf16-true" else torch.float16
+    low, narrow = torch.finfo(f32).min, torch.finfo(dtype).min
+    mask = torch.tensor([low, -low, 3.4e38 if dtype == torch.bfloat16 else 7e4, 1.0, -0.0])
+    cast = mixprec.convert.cast_floating(mask, dtype)
+    assert cast.tolist()[:2] == [narrow, -narrow] and cast[2] == torch.inf
+    assert torch.equal(cast[3:], mask[3:].to(dtype))
+    grad = mask.clone().requires_grad_()
+    assert mixprec.convert.cast_floating(grad, dtype)[0] == -torch.inf
+    wide = torch.tensor([torch.finfo(torch.float64).min, 2.0], dtype=torch.float64)
+    assert mixprec.convert.cast_floating(wide, f32).tolist() == [low, 2.0]
+
+
 def test_remove_restores_what_was_added_between_two_applies():
     """A layer and a buffer added after `apply` and converted by a second `apply` come back
     float32 from `remove`, as the first apply's do (they stayed in bfloat16); one added

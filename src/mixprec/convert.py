@@ -60,10 +60,41 @@ __all__ = [
 _STATE = APPLIED_STATE
 
 
+_F64 = torch.float64
+
+
+@functools.cache
+def _sentinels(source: torch.dtype, target: torch.dtype) -> tuple[float, float] | None:
+    """(the largest finite value of ``source``, of ``target``) where the first casts to an
+    infinity in ``target`` (float32 to bfloat16 or float16...), else None."""
+    top, narrow = torch.finfo(source).max, torch.finfo(target).max
+    return (top, narrow) if narrow < top else None
+
+
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t.to(dtype)``; in a tensor without grad (an attention mask, data), a value at its
+    dtype's lowest or largest finite value (the fill a model picks for its own dtype:
+    ``torch.finfo(dtype).min``) takes ``dtype``'s, where the cast would make it an infinity
+    (a fully masked row's softmax then gave NaN, and the next layer spread it); every other
+    value casts as it is, an overflow to infinity included (a loss scaler's signal)."""
+    out = t.to(dtype)
+    sentinels = None if t.requires_grad else _sentinels(t.dtype, dtype)
+    if sentinels is None or not t.numel():
+        return out
+    top, narrow = sentinels
+    if t.device.type == "cpu" and not torch.compiler.is_compiling():
+        low, high = torch.aminmax(t)  # (no sync on a CPU: the common tensor holds neither)
+        low, high = float(low), float(high)
+        if -top < low and high < top:
+            return out
+    return out.masked_fill_(t == -top, -narrow).masked_fill_(t == top, narrow)
+
+
 def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating tensor in a nested structure (see `mixprec.tree`) to `dtype`."""
+    """Cast every floating tensor in a nested structure (see `mixprec.tree`) to `dtype`
+    (`_cast`: a mask's lowest value stays finite)."""
     if isinstance(obj, Tensor):  # the common cases, without the walker's bookkeeping
-        return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+        return _cast(obj, dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
     if type(obj) in (tuple, list):
         for t in obj:  # (a batch with nothing to cast, the usual one, is kept as it is)
             if type(t) is not Tensor or (t.dtype != dtype and t.dtype.is_floating_point):
@@ -75,17 +106,17 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     if type(obj) is dict and not obj:
         return obj
     return map_tensors(
-        lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t, obj
+        lambda t: _cast(t, dtype) if t.is_floating_point() and t.dtype != dtype else t, obj
     )
 
 
 def _without_float64(obj: Any) -> Any:
-    """``obj`` with its float64 tensors as float32, for a mixed region: autocast leaves
-    float64 alone, so a float64 neighbour's output would reach float32 weights uncast (an
-    error); every other tensor as it is, autocast's to cast."""
+    """``obj`` with its float64 tensors as float32 (`_cast`), for a mixed region: autocast
+    leaves float64 alone, so a float64 neighbour's output would reach float32 weights uncast
+    (an error); every other tensor as it is, autocast's to cast."""
     if type(obj) is dict and not obj:
         return obj
-    return map_tensors(lambda t: t.float() if t.dtype == torch.float64 else t, obj)
+    return map_tensors(lambda t: _cast(t, torch.float32) if t.dtype == torch.float64 else t, obj)
 
 
 def _device_type(
@@ -273,7 +304,7 @@ class _Region:
             args = cast_floating(args, self.compute_dtype)
             kwargs = cast_floating(kwargs, self.compute_dtype)
         elif args[0].dtype != self.compute_dtype and args[0].is_floating_point():
-            args = (args[0].to(self.compute_dtype),)
+            args = (_cast(args[0], self.compute_dtype),)
         if self.original is None:
             # the class's function with the module as an argument, never a bound method:
             # torch.compile rebuilds bound methods as `module.forward`, which is this region
@@ -329,9 +360,9 @@ class _Region:
         if isinstance(out, Tensor):  # `cast_floating`'s first case, without its call
             if not out.is_floating_point() or out.dtype == output_dtype:
                 return out
-            if type(out) is Tensor and output_dtype == torch.float32:
+            if type(out) is Tensor and output_dtype == torch.float32 and out.dtype != _F64:
                 return out.float()  # a plain tensor's `to(torch.float32)`, parsed faster
-            return out.to(output_dtype)
+            return _cast(out, output_dtype)
         return cast_floating(out, output_dtype)
 
 
