@@ -241,6 +241,24 @@ def test_a_mask_in_the_parents_lowest_value_stays_finite_in_a_16_bit_region(rule
     assert mixprec.convert.cast_floating(wide, f32).tolist() == [low, 2.0]
 
 
+def test_two_parameters_over_one_memory_are_refused_a_dtype_change():
+    """``b.weight = nn.Parameter(a.weight.data)`` ties two layers in float32; each was cast
+    apart, so after apply they no longer shared memory and trained apart. A policy keeping
+    their dtype takes them; one Parameter shared by two layers is cast once."""
+    a, b = nn.Linear(3, 3), nn.Linear(3, 3)
+    b.weight = nn.Parameter(a.weight.data)
+    model = nn.ModuleDict({"a": a, "b": b})
+    with pytest.raises(mixprec.PolicySpecError, match="a.weight and b.weight are two Parameters"):
+        mixprec.apply(model, "bf16-true")
+    assert a.weight.dtype == f32  # refused before the model changed
+    mixprec.apply(model, "bf16-mixed")
+    assert a.weight.data_ptr() == b.weight.data_ptr()
+    tied = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+    tied["b"].weight = tied["a"].weight
+    mixprec.apply(tied, "bf16-true")
+    assert tied["a"].weight is tied["b"].weight and tied["a"].weight.dtype == torch.bfloat16
+
+
 def test_remove_restores_what_was_added_between_two_applies():
     """A layer and a buffer added after `apply` and converted by a second `apply` come back
     float32 from `remove`, as the first apply's do (they stayed in bfloat16); one added

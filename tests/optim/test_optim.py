@@ -334,6 +334,18 @@ def test_a_step_without_any_gradient_after_a_scaled_backward_is_refused(fused):
     assert opt.scaler.loss_scale == 2.0**16
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_two_parameters_over_one_memory_are_refused_masters(dtype):
+    """Two Parameters over one memory each had a float32 master, written back in turn: one
+    update was lost (the weights moved by one parameter's step, not both)."""
+    flat = torch.zeros(8, dtype=dtype)
+    a, b = nn.Parameter(flat[:4]), nn.Parameter(flat.view(2, 4)[0])
+    with pytest.raises(ValueError, match=r"over the same memory .* one update lost"):
+        LossScaleOptimizer(torch.optim.SGD([a, b], lr=1.0), "none", master_weights=True)
+    apart = nn.Parameter(flat[4:])  # (another part of the same buffer: its own memory)
+    LossScaleOptimizer(torch.optim.SGD([a, apart], lr=1.0), "none", master_weights=True)
+
+
 def test_a_parameter_unused_this_step_is_not_updated_by_last_steps_master_gradient():
     # the model's own zero_grad clears the float16 gradients, not the float32 masters'
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.optim.engine import written_mark
+from mixprec.optim.engine import overlapping, written_mark
 from mixprec.optim.states import LowBitOptimizer
 
 __all__ = []
@@ -28,6 +28,20 @@ MASTER_DTYPES: dict[bool | None, tuple[torch.dtype, ...]] = {
     True: (torch.float16, torch.bfloat16),
     False: (),
 }
+
+
+def _refuse_aliases(params: list[torch.Tensor]) -> None:
+    """Refuse parameters (distinct objects) over overlapping memory: each would get a float32
+    master of its own, written back in turn, so one's update would overwrite the other's."""
+    found = sorted(overlapping(params))
+    if found:
+        shapes = ", ".join(f"{tuple(params[i].shape)} {params[i].dtype}" for i in found)
+        raise ValueError(
+            f"parameters over the same memory ({shapes}; as b.weight = nn.Parameter("
+            "a.weight.data) ties them) cannot each have a float32 master: the masters would "
+            "be written back in turn and one update lost. Tie them as one Parameter "
+            "(b.weight = a.weight), or step them without masters (master_weights=False)"
+        )
 
 
 class MasterWeights:
@@ -73,24 +87,28 @@ class MasterWeights:
         (a layer frozen at setup and unfrozen before the checkpoint was saved)."""
         saved = set(saved)
         index = -1
+        taken = []  # (group, position, parameter) of each one given a master now
         for group in optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
                 index += 1
                 trainable = p.requires_grad or p.grad is not None or index in saved
-                if not (trainable and p.dtype in self.dtypes):
-                    continue
-                master = nn.Parameter(p.detach().to(torch.float32))
-                params[i] = master
-                if isinstance(optimizer, LowBitOptimizer) and p in optimizer.formats:
-                    # a state format given to the parameter is its master's: the one stepped
-                    optimizer.formats[master] = optimizer.formats.pop(p)
-                if p in optimizer.state:
-                    optimizer.state[master] = {
-                        k: v.to(torch.float32) if torch.is_tensor(v) and v.dtype == p.dtype else v
-                        for k, v in optimizer.state.pop(p).items()
-                    }
-                self._link(p, master)
+                if trainable and p.dtype in self.dtypes:
+                    taken.append((params, i, p))
+        if taken:
+            _refuse_aliases([p for *_, p in taken] + self.params)
+        for params, i, p in taken:
+            master = nn.Parameter(p.detach().to(torch.float32))
+            params[i] = master
+            if isinstance(optimizer, LowBitOptimizer) and p in optimizer.formats:
+                # a state format given to the parameter is its master's: the one stepped
+                optimizer.formats[master] = optimizer.formats.pop(p)
+            if p in optimizer.state:
+                optimizer.state[master] = {
+                    k: v.to(torch.float32) if torch.is_tensor(v) and v.dtype == p.dtype else v
+                    for k, v in optimizer.state.pop(p).items()
+                }
+            self._link(p, master)
 
     def _link(self, p: torch.Tensor, master: torch.Tensor) -> None:
         self.params.append(p)

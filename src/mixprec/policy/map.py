@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from mixprec.activations.rules import ActivationRules, ActivationsSpec, Choice, as_rules
 from mixprec.errors import PolicySpecError
@@ -819,6 +820,7 @@ def dtype_plan(
     apart from the embedding it shares a weight with shares nothing afterwards)."""
     owners: dict[int, tuple[str, torch.dtype]] = {}
     plan = []
+    params: list[tuple[str, nn.Parameter, torch.dtype]] = []  # each Parameter once
     for name, module in model.named_modules():
         if replaced and resolved[name].quantized:
             continue
@@ -841,7 +843,40 @@ def dtype_plan(
                     )
                 if t.dtype != dtype:
                     plan.append((module, kind, key, dtype))
+                if kind == "parameter" and seen[0] == path:
+                    params.append((path, t, dtype))
+    _refuse_aliases(params)
     return plan
+
+
+def _refuse_aliases(params: list[tuple[str, nn.Parameter, torch.dtype]]) -> None:
+    """Refuse two parameters (distinct objects) over overlapping memory, as
+    ``b.weight = nn.Parameter(a.weight.data)`` ties them, where the policy changes the dtype
+    of either: each is cast apart, so they would no longer share memory, and training would
+    move them apart silently."""
+    spans = []
+    for path, t, dtype in params:
+        if is_lazy(t) or not t.numel() or t.device.type == "meta":
+            continue
+        try:
+            start = t.data_ptr()
+        except RuntimeError:  # (a tensor subclass without memory of its own: a DTensor's)
+            continue
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+        spans.append((start, start + (last + 1) * t.element_size(), path, t.dtype != dtype))
+    spans.sort(key=lambda span: span[0])
+    reach, holder = -1, None
+    for start, end, path, cast in spans:
+        if holder is not None and start < reach and (cast or holder[1]):
+            raise PolicySpecError(
+                f"parameters {holder[0]} and {path} are two Parameters over the same memory "
+                "(as b.weight = nn.Parameter(a.weight.data) ties them), and the policy changes "
+                "their dtype: each would be cast apart and they would train apart. Tie them as "
+                "one Parameter (b.weight = a.weight), or give both a policy that keeps their "
+                "dtype"
+            )
+        if end > reach:
+            reach, holder = end, (path, cast)
 
 
 def resumable_config(config: Any) -> Any:
