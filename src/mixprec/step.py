@@ -61,27 +61,16 @@ def step_context(
     precision: Precision, model: nn.Module, *, user_code: bool = False
 ) -> AbstractContextManager[Any]:
     """The context a step of `model` and its loss run in (see the module's docstring): the
-    precision's forward context under a mixed policy (none for a model FSDP2 shards: it
-    casts unit by unit), when `user_code` calls into the model (a training step) or when the
-    model is compiled in place under a "true" policy; else none, the model's region doing it
-    all."""
+    precision's forward context under a mixed policy, when `user_code` calls into the model
+    (a training step) or when the model is compiled in place under a "true" policy; else
+    none, the model's region doing it all."""
     mixed = precision.mixed
-    if mixed and _sharded(model):
-        # FSDP2 casts unit by unit (`mixprec.sharding.shard`): autocast would run its float32
-        # units (islands, rules, float32 attention) in 16 bits, over their casting
-        return contextlib.nullcontext()
     if mixed:  # (`forward_context` of a mixed policy, fewer calls: a compiled model's only)
         autocast = precision.autocast()
         return ForwardAutocast(autocast) if compiled_in_place(model) else autocast
     if user_code or mixed is None or compiled_in_place(model):
         return precision.forward_context()  # (None: no policy yet, which it refuses)
     return contextlib.nullcontext()
-
-
-def _sharded(model: nn.Module) -> bool:
-    """Whether `model` is sharded by FSDP2 (which can be only once its package is loaded)."""
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def split_batch(batch: Any, who: str = "a plain module") -> tuple[list[Any], Any]:
