@@ -179,12 +179,13 @@ _SDPA = F.scaled_dot_product_attention
 class _Float32Attention(TorchFunctionMode):
     """While on, `scaled_dot_product_attention` computing in `dtype` runs in float32: under
     a mixed policy (`mixed`) where autocast computes in `dtype` on the query's device, under
-    a "true" one where autocast is off and the query is in `dtype`. Autocast off, every
-    floating argument (query, key, value, a float mask) cast to float32, the result cast
-    back to `dtype`, the dtype the call would have given. Float32 inputs are used as they
-    are, not rounded to `dtype` first. Every other call runs as it is."""
+    a "true" one where autocast is off and the query is in `dtype`; `mixed` None, either
+    (an FSDP2 unit: its caller may run autocast or not). Autocast off, every floating
+    argument (query, key, value, a float mask) cast to float32, the result cast back to
+    `dtype`, the dtype the call would have given. Float32 inputs are used as they are, not
+    rounded to `dtype` first. Every other call runs as it is."""
 
-    def __init__(self, dtype: torch.dtype, mixed: bool) -> None:
+    def __init__(self, dtype: torch.dtype, mixed: bool | None) -> None:
         super().__init__()
         self.dtype = dtype
         self.mixed = mixed
@@ -198,10 +199,10 @@ class _Float32Attention(TorchFunctionMode):
         query = args[0] if args else kwargs["query"]
         device = query.device.type
         autocast = torch.is_autocast_enabled(device)
-        if self.mixed:
-            here = autocast and torch.get_autocast_dtype(device) == self.dtype
+        if autocast and self.mixed is not False:
+            here = torch.get_autocast_dtype(device) == self.dtype
         else:
-            here = not autocast and query.dtype == self.dtype
+            here = not (autocast or self.mixed) and query.dtype == self.dtype
         if not here:
             return func(*args, **kwargs)
         with torch.autocast(device, enabled=False):
@@ -218,11 +219,12 @@ class _AttentionIsland:
     microseconds on every torch call it sees."""
 
     def __init__(
-        self, module: nn.Module, policy: Policy, original: Any, mixed: bool | None = None
+        self, module: nn.Module, policy: Policy, original: Any, *, either: bool = False
     ) -> None:
         self.module = module
         self.dtype = policy.compute_dtype
-        self.mixed = policy.is_mixed if mixed is None else mixed
+        # (`either`: an FSDP2 unit's, whose caller may run autocast or not)
+        self.mixed = None if either else policy.is_mixed
         self.original = original
 
     @property
@@ -650,12 +652,12 @@ def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
 
 
 def install_attention_islands(
-    model: nn.Module, resolved: dict[str, Resolution], *, autocast: bool = True
+    model: nn.Module, resolved: dict[str, Resolution], *, either: bool = False
 ) -> None:
     """Run attention in float32 in the modules `resolved` says so of
-    (`Resolution.float32_attention`). `autocast`: whether a mixed policy computes under
-    autocast (`apply`), or, as under FSDP2's casts (`mixprec.sharding.shard`), in its compute
-    dtype with autocast off, as a "true" policy does."""
+    (`Resolution.float32_attention`). `either`: under autocast or without it, as FSDP2's
+    units run (`mixprec.sharding.shard`: FSDP2 casts, and the caller may add autocast), in
+    place of the policy's way (autocast for a mixed policy, `apply`)."""
     islands: set[int] = set()  # a module at two paths resolves alike at both: one island
     for name, module in model.named_modules(remove_duplicate=False):
         res = resolved[name]
@@ -663,10 +665,7 @@ def install_attention_islands(
             continue
         islands.add(id(module))
         module.__dict__["forward"] = _AttentionIsland(
-            module,
-            res.policy,
-            module.__dict__.get("forward"),
-            mixed=None if autocast else False,
+            module, res.policy, module.__dict__.get("forward"), either=either
         )
 
 

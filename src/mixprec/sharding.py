@@ -11,6 +11,7 @@ It also refuses the set-ups that would fail late or silently (see `shard`).
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -143,6 +144,46 @@ def units(model: nn.Module, policy: Any, wrap: WrapFn | None = None) -> dict[str
     in_model_order = [name for name in resolved if name in chosen]
     ordered = sorted(in_model_order, key=lambda n: -n.count("."))  # stable: deepest first
     return {name: policies[name] for name in [*ordered, ""]}
+
+
+class _UnitAutocast:
+    """Stands in for an FSDP2 unit's `forward`. FSDP2 casts the unit's parameters and inputs
+    to its compute dtype, with no autocast of its own; but a caller may run the model under
+    autocast (the Trainer's step, a loop written for one device), which would compute a
+    float32 unit's matmuls (a rule's head, an island) in 16 bits over FSDP2's casts. Under
+    such an autocast the unit runs in its own compute dtype: autocast off for a float32
+    unit, autocast in its dtype for a 16-bit one (whose float32 buffers it still casts);
+    without one, as it is."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, device_type: str, original: Any):
+        self.module = module
+        self.dtype = dtype
+        self.low = dtype in (torch.bfloat16, torch.float16)
+        self.device_type = device_type
+        self.original = original
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        if self.original is not None:
+            return inspect.signature(self.original)
+        return inspect.signature(type(self.module).forward.__get__(self.module))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.original is None:  # the class's function, as mixprec's regions call it
+            args = (self.module, *args)
+            forward = type(self.module).forward
+        else:
+            forward = self.original
+        device = self.device_type
+        if not torch.is_autocast_enabled(device) or (
+            self.low and torch.get_autocast_dtype(device) == self.dtype
+        ):
+            return forward(*args, **kwargs)
+        if self.low:
+            with torch.autocast(device, dtype=self.dtype):
+                return forward(*args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return forward(*args, **kwargs)
 
 
 def mixed_precision_policy(
@@ -385,12 +426,18 @@ def shard(
                     continue
                 if b.dtype != stored:
                     module._buffers[key] = b.to(stored)
+    # each unit in its own compute dtype under an autocast its caller enters (innermost)
+    modules = dict(model.named_modules())
+    for name, unit_policy in plan.items():
+        unit = modules[name]
+        unit.__dict__["forward"] = _UnitAutocast(
+            unit, unit_policy.compute_dtype, device.type, unit.__dict__.get("forward")
+        )
     # attention in float32 where the map (or, left to it, the device) asks: FSDP2 casts
-    # parameters and inputs, no autocast, so as a "true" policy's
-    install_attention_islands(model, resolved, autocast=False)
+    # parameters and inputs, and the caller may run autocast or not
+    install_attention_islands(model, resolved, either=True)
     if pmap.activations is not None:  # inside FSDP2's hooks, which gather a recomputed unit
         install_activations(model, pmap.activation_choices(model))
-    modules = dict(model.named_modules())
     for name, unit_policy in plan.items():
         enclosing = None
         if name:

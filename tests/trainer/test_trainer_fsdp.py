@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from trainers import QUIET
 
-from mixprec import Precision
+from mixprec import PolicyMap, Precision
 from mixprec.errors import PrecisionError
 from mixprec.optim.scaling import DynamicLossScaler
 from mixprec.trainer import Callback, Trainer, TrainingModule
@@ -124,6 +124,43 @@ def _overflow() -> dict[str, Any]:
     return {**seen.seen, "val_loss": metrics["val_loss"], "refusal": refusal}
 
 
+class _Shifted(BlockNet):
+    """BlockNet whose input layer's output is shifted by a float32 buffer (a position
+    table), which a mixed policy keeps in float32."""
+
+    def __init__(self) -> None:
+        super().__init__(tanh=True)
+        self.register_buffer("shift", torch.linspace(-1, 1, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x) + self.shift
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _island() -> dict[str, Any]:
+    """A bf16-mixed fit with a float32 rule on the head and a float32 buffer: the head's
+    largest error against its float64 product (float32's ~1e-7, bfloat16's ~1e-3), and
+    the final weights' dtypes."""
+    errors: list[float] = []
+
+    def check(module: nn.Module, args: tuple, out: torch.Tensor) -> None:
+        with torch.no_grad():
+            exact = F.linear(args[0].double(), module.weight.double(), module.bias.double())
+            errors.append(((out.double() - exact).abs().max() / exact.abs().max()).item())
+
+    model = _Shifted()
+    model.head.register_forward_hook(check)
+    precision = PolicyMap("bf16-mixed", {"head": "32-true"})
+    trainer = Trainer(
+        precision=precision, strategy="fsdp", devices=WORLD, max_steps=2, seed=0,
+        allow_slow_precision=True, **QUIET,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(data(), batch_size=8), loss_fn=F.mse_loss, optimizer=adamw)
+    return {"head_error": max(errors), "calls": len(errors)}
+
+
 def _worker(rank: int, out: str) -> None:
     directory = Path(out)
     step = dict(accumulate_grad_batches=2, gradient_clip_val=0.5)
@@ -138,6 +175,7 @@ def _worker(rank: int, out: str) -> None:
         "overflow": _overflow(),
         "int8": _fit("fsdp", "int8_from_bf16-mixed", directory / "int8.pt"),
         "int8_ddp": _fit("ddp", "int8_from_bf16-mixed", directory / "int8_ddp.pt"),
+        "island": _island(),
     }
     torch.save(results, directory / f"rank{rank}.pt")
 
@@ -172,6 +210,15 @@ def test_fsdp_bf16_mixed_shards_float32_masters_and_ends_near_ddp(runs):
     for k in start:
         assert fsdp[k].dtype == torch.float32
         torch.testing.assert_close(fsdp[k], ddp[k], atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.slow
+def test_a_float32_rule_computes_in_float32_under_the_trainers_fsdp(runs):
+    """The Trainer runs a step under autocast, which computed a float32 unit (a rule's
+    Linear, float32 attention) in bfloat16 over FSDP2's casts; each unit now runs in its
+    own compute dtype under it, and a 16-bit unit adding a float32 buffer still casts."""
+    for r in runs[1]:
+        assert r["island"]["calls"] >= 2 and r["island"]["head_error"] < 1e-5
 
 
 @pytest.mark.slow
