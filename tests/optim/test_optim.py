@@ -334,6 +334,26 @@ def test_a_step_without_any_gradient_after_a_scaled_backward_is_refused(fused):
     assert opt.scaler.loss_scale == 2.0**16
 
 
+def test_a_joint_step_takes_an_optimizer_without_gradients_beside_one_with_them():
+    """A GAN's alternating losses stepped together (the Trainer steps every optimizer so):
+    the optimizer the loss reached steps, the other is taken as before; none reached is
+    refused."""
+    a, b = mlp(8, 16, 1), mlp(8, 16, 1)
+    scaler = DynamicLossScaler(growth_interval=1)
+    opt_a = LossScaleOptimizer(torch.optim.SGD(a.parameters(), lr=0.1), scaler)
+    opt_b = LossScaleOptimizer(torch.optim.SGD(b.parameters(), lr=0.1), scaler)
+    x, y = _batches(1)[0]
+    before = [p.detach().clone() for p in b.parameters()]
+    opt_a.backward(F.mse_loss(a(x), y))
+    assert joint_step(opt_a, opt_b)
+    assert all(torch.equal(p, q) for p, q in zip(b.parameters(), before, strict=True))
+    assert scaler.loss_scale == 2.0**17
+    opt_a.backward(F.mse_loss(a(x), y))
+    opt_a.zero_grad()
+    with pytest.raises(RuntimeError, match="SGD, SGD have no gradient to step"):
+        joint_step(opt_a, opt_b)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_two_parameters_over_one_memory_are_refused_masters(dtype):
     """Two Parameters over one memory each had a float32 master, written back in turn: one

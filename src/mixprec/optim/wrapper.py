@@ -835,19 +835,21 @@ def _step_together(optimizers: tuple[LossScaleOptimizer, ...]) -> bool:
 
 
 def _refuse_gradless(optimizers: tuple[LossScaleOptimizer, ...]) -> None:
-    """Refuse a step of an optimizer without a single gradient after a backward through the
-    scaler (a ``zero_grad`` between backward and step, a loss that reaches none of its
+    """Refuse a step in which no optimizer has a single gradient after a backward through
+    the scaler (a ``zero_grad`` between backward and step, a loss that reaches none of their
     parameters): it would count as a clean step, grow the scale and advance gated schedulers
-    with no weight moved. torch.amp.GradScaler refuses it too."""
-    for opt in optimizers:
-        if opt._gradless:
-            raise RuntimeError(
-                f"{type(opt.optimizer).__name__} has no gradient to step, though a backward "
-                "ran through the loss scaler since its last update: was zero_grad() called "
-                "between backward and step, or does the loss reach none of its parameters? "
-                "(torch.amp.GradScaler refuses such a step too: it would count as a clean "
-                "step and grow the scale with no weight moved)"
-            )
+    with no weight moved. torch.amp.GradScaler refuses a step of such an optimizer too; in a
+    step together, one without gradients beside one with them is taken (a GAN's
+    alternating losses, the Trainer stepping every optimizer), as before."""
+    if all(opt._gradless for opt in optimizers):
+        names = ", ".join(type(opt.optimizer).__name__ for opt in optimizers)
+        raise RuntimeError(
+            f"{names} {'has' if len(optimizers) == 1 else 'have'} no gradient to step, "
+            "though a backward ran through the loss scaler since its last update: was "
+            "zero_grad() called between backward and step, or does the loss reach none of "
+            "the parameters? (torch.amp.GradScaler refuses such a step too: it would count "
+            "as a clean step and grow the scale with no weight moved)"
+        )
 
 
 def _read_flags(found: torch.Tensor) -> list[bool]:
