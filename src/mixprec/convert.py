@@ -61,14 +61,15 @@ _STATE = APPLIED_STATE
 
 
 _F64 = torch.float64
-
-
-@functools.cache
-def _sentinels(source: torch.dtype, target: torch.dtype) -> tuple[float, float] | None:
-    """(the largest finite value of ``source``, of ``target``) where the first casts to an
-    infinity in ``target`` (float32 to bfloat16 or float16...), else None."""
-    top, narrow = torch.finfo(source).max, torch.finfo(target).max
-    return (top, narrow) if narrow < top else None
+_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+# (source, target) -> (the largest finite value of source, of target), for each cast that
+# turns the first into an infinity (float32 to bfloat16 or float16...)
+_SENTINELS = {
+    (a, b): (torch.finfo(a).max, torch.finfo(b).max)
+    for a in _FLOATS
+    for b in _FLOATS
+    if torch.finfo(b).max < torch.finfo(a).max
+}
 
 
 def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -78,14 +79,15 @@ def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     (a fully masked row's softmax then gave NaN, and the next layer spread it); every other
     value casts as it is, an overflow to infinity included (a loss scaler's signal)."""
     out = t.to(dtype)
-    sentinels = None if t.requires_grad else _sentinels(t.dtype, dtype)
+    sentinels = None if t.requires_grad else _SENTINELS.get((t.dtype, dtype))
     if sentinels is None or not t.numel():
         return out
     top, narrow = sentinels
-    if t.device.type == "cpu" and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # (out of place, no branch on values: one graph)
+        return torch.where(t == -top, -narrow, torch.where(t == top, narrow, out))
+    if t.device.type == "cpu":
         low, high = torch.aminmax(t)  # (no sync on a CPU: the common tensor holds neither)
-        low, high = float(low), float(high)
-        if -top < low and high < top:
+        if -top < float(low) and float(high) < top:
             return out
     return out.masked_fill_(t == -top, -narrow).masked_fill_(t == top, narrow)
 
@@ -306,7 +308,11 @@ class _Region:
             args = cast_floating(args, self.compute_dtype)
             kwargs = cast_floating(kwargs, self.compute_dtype)
         elif args[0].dtype != self.compute_dtype and args[0].is_floating_point():
-            args = (_cast(args[0], self.compute_dtype),)
+            t, dtype = args[0], self.compute_dtype
+            # (`_cast`, called only where it may change a value: a call here cost torch.compile
+            # a graph of its own before the region's break)
+            narrows = not t.requires_grad and (t.dtype, dtype) in _SENTINELS
+            args = (_cast(t, dtype) if narrows else t.to(dtype),)
         if self.original is None:
             # the class's function with the module as an argument, never a bound method:
             # torch.compile rebuilds bound methods as `module.forward`, which is this region
