@@ -665,6 +665,9 @@ def _advance_apart(states: list[dict[str, Any]]) -> list[int]:
     return [v + 1 for v in last]
 
 
+_F32_MAX = torch.finfo(torch.float32).max
+
+
 def settled(w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The Kahan buffer ``c`` beside the weights ``w`` (both in the math dtype; ``dtype``
     the weights' 16-bit one) with 0 in the entries that cannot be the rounding error a step
@@ -695,7 +698,10 @@ def settled(w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     # off the grid: there an entry a little over the smallest subnormal, beside a weight
     # in the lowest binades, is kept.)
     bound = half + (half * 2.0**-bits).clamp_min(tiny)
-    return c.masked_fill(c.abs() > bound, 0.0)
+    # (written as what is kept: an entry of NaN, or of an infinity beside a weight whose
+    # binade it makes infinite, is never a rounding error; a non-finite gradient applied
+    # leaves one, and a weight loaded since would take it)
+    return c.masked_fill(~(c.abs() <= bound.clamp_max(_F32_MAX)), 0.0)
 
 
 def overlapping(tensors: list[torch.Tensor]) -> set[int]:
