@@ -170,6 +170,33 @@ def test_branch_gradients_underflow_without_loss_scaling():
     assert scaled.findings == [] and scaled.params["aux.weight"].underflow < 0.05
 
 
+class _KeyBias(nn.Module):
+    """Attention's scores from a query and a key with a bias: the bias adds the same value
+    to a query's every score, which softmax drops, so its true gradient is zero and
+    float32's is rounding noise (about 1e-9 here, against the weight's 1e-1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.key, self.head = nn.Linear(8, 8), nn.Linear(2, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ self.key(x[..., :2]).transpose(-1, -2)
+        return self.head(scores.softmax(-1) @ x).mean(1)
+
+
+def test_a_gradient_at_float32_noise_is_not_counted_as_underflowing():
+    """A clean BERT was 'at risk' in 16-mixed: its key bias's noise (its true gradient is
+    zero) underflows float16 and lifted the key's share of underflowing gradients past
+    10%. Noise beside the module's largest gradient is left out; the parameter's own
+    report still shows it."""
+    torch.manual_seed(0)
+    batch = (torch.randn(4, 6, 8), torch.randint(0, 4, (4,)))
+    d = diagnose(_KeyBias(), batch, F.cross_entropy, precision="16-mixed")
+    assert d.params["key.bias"].underflow > 0.5
+    assert d.params["key.bias"].grad_amax < 1e-6 * d.params["key.weight"].grad_amax
+    assert d.modules["key"].param_grad_underflow == 0.0 and d.findings == []
+
+
 class _Amplify(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.float() * 1e9

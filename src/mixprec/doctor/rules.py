@@ -247,7 +247,9 @@ def outputs_underflow(m: ModuleReport, run: RunFacts) -> Finding | None:
 
 def gradients_underflow(m: ModuleReport, run: RunFacts) -> Finding | None:
     """`GRAD_UNDERFLOW_AT_RISK` (10%) of the module's nonzero parameter gradients below the
-    smallest normal, or `GRAD_FLUSH_AT_RISK` (5%) flushed to zero: part of its gradient is
+    smallest normal (a parameter's at float32 noise beside the module's largest, whose true
+    gradient is zero, left out: `verdicts.GRAD_NOISE`), or `GRAD_FLUSH_AT_RISK` (5%)
+    flushed to zero: part of its gradient is
     lost, short of the half `gradients_flush` breaks on (flushed values are gone, so their
     threshold is lower). At risk; under float16 a higher loss scale may keep them."""
     if not (

@@ -73,6 +73,9 @@ class FindingKind(str, Enum):
 
 # When a finding is raised. Chosen so that healthy float16/bfloat16 runs of common layers
 # (linear, conv, norms, attention, activations) raise none; see tests/test_doctor*.py.
+# a parameter's reference gradients at most this fraction of its module's largest are
+# float32 rounding noise (a few units in the last place), not signal a low precision loses
+GRAD_NOISE = 2.0**-20
 HEADROOM = 4.0  # "at risk" when a layer's amax comes within this factor of the dtype's max
 UNDERFLOW_AT_RISK = 0.5  # fraction of nonzero outputs below the smallest normal
 GRAD_UNDERFLOW_AT_RISK = 0.1  # fraction of nonzero parameter gradients that underflow
@@ -369,7 +372,12 @@ def _module_report(
     out, inp = _rows(values, out_keys), _rows(values, in_keys)
     if not out:
         return None
-    nonzero = sum(p.nonzero for p in own)
+    # (a parameter whose reference gradients are all at float32's rounding noise beside the
+    # module's largest, such as attention's key bias, whose true gradient is zero: its
+    # values are no signal to lose, and would count as underflowing)
+    top = max((p.grad_amax for p in own), default=0.0)
+    signal = [p for p in own if not p.grad_amax <= GRAD_NOISE * top]
+    nonzero = sum(p.nonzero for p in signal)
     return ModuleReport(
         name=name,
         type=target.types.get(name, ""),
@@ -388,10 +396,10 @@ def _module_report(
         grad_nonfinite=_bad_grads(target, out_keys),
         input_grad_nonfinite=_bad_grads(target, in_keys),
         param_grad_amax=max((p.grad_amax for p in own), default=math.nan),
-        param_grad_underflow=sum(p.underflow * p.nonzero for p in own) / nonzero
+        param_grad_underflow=sum(p.underflow * p.nonzero for p in signal) / nonzero
         if nonzero
         else 0.0,
-        param_grad_flushed=sum(p.flushed * p.nonzero for p in own) / nonzero if nonzero else 0.0,
+        param_grad_flushed=sum(p.flushed * p.nonzero for p in signal) / nonzero if nonzero else 0.0,
         param_grad_nonfinite=sum(p.nonfinite for p in own),
     )
 
