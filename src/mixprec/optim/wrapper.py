@@ -311,6 +311,12 @@ class LossScaleOptimizer(OptimizerCheckpoint):
             self._grad_scale = None
             self._stage = OptState.UNSCALED
 
+    @property
+    def found_no_gradient(self) -> bool:
+        """Whether this step's gradients, as ``unscale_`` or ``check_`` found them, were none
+        at all (a ``zero_grad`` between backward and step, a loss reaching none of them)."""
+        return self._gradless
+
     def check_unscaled_since_update(self) -> None:
         """Refuse a step whose gradients were unscaled (or checked) before another
         optimizer's step updated the scaler they share: one backward fed both, so they must
@@ -841,7 +847,7 @@ def _refuse_gradless(optimizers: tuple[LossScaleOptimizer, ...]) -> None:
     with no weight moved. torch.amp.GradScaler refuses a step of such an optimizer too; in a
     step together, one without gradients beside one with them is taken (a GAN's
     alternating losses, the Trainer stepping every optimizer), as before."""
-    if all(opt._gradless for opt in optimizers):
+    if all(opt.found_no_gradient for opt in optimizers):
         names = ", ".join(type(opt.optimizer).__name__ for opt in optimizers)
         raise RuntimeError(
             f"{names} {'has' if len(optimizers) == 1 else 'have'} no gradient to step, "
