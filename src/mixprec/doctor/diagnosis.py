@@ -127,6 +127,15 @@ class Diagnosis:
         )
         self._session = session
         self._ref = ref
+        # the modules whose output each module took as an input, in the order it took them
+        # (a tensor is keyed by where it was first seen: a child's output its parent hands
+        # on is the child's)
+        self._producers: dict[str, list[str]] = {}
+        for call in target.calls:
+            found = self._producers.setdefault(call.name, [])
+            for name, _, kind, _ in call.inputs:
+                if kind == "out" and name != call.name and name not in found:
+                    found.append(name)
 
     # -- summaries ---------------------------------------------------------------------------
 
@@ -340,6 +349,11 @@ class Diagnosis:
             safer = self._safer(pick, chosen.get(pick.name)) if pick.calls else None
             if safer is None:
                 exhausted.add(pick.name)
+                # broken in its safest precision: its input came rounded from the module
+                # that made it (an offset the next layer cancels), which moves next
+                found = self._upstream(pick, trial, chosen, scale, tolerance, exhausted, log)
+                if found is not None:
+                    chosen, trial = found
                 continue
             before = dict(chosen)
             chosen[pick.name] = safer
@@ -361,6 +375,42 @@ class Diagnosis:
         chosen, trial = self._drop_unneeded(chosen, trial, scale, tolerance, log)
         changed = scale if scale != self.loss_scale else None
         return Recommendation(self._map(chosen), trial, tuple(log), tolerance, changed)
+
+    def _upstream(
+        self,
+        pick: ModuleReport,
+        trial: Diagnosis,
+        chosen: dict[str, Policy],
+        scale: float,
+        tolerance: float,
+        exhausted: set[str],
+        log: list[str],
+    ) -> tuple[dict[str, Policy], Diagnosis] | None:
+        """For a module still broken in its safest precision: the first module whose output
+        it takes, not moved yet, moved to its next safer precision; the moves and that run,
+        or None where there is none to move (`_drop_unneeded` drops it later where the run
+        passes without it)."""
+        if pick.verdict != BROKEN or pick.name not in chosen:
+            return None
+        for name in trial._producers.get(pick.name, []):
+            m = trial.modules.get(name)
+            if m is None or name in chosen or name in exhausted or not m.calls:
+                continue
+            policy = self._safer(m, None)
+            if policy is None:
+                continue
+            moved = {**chosen, name: policy}
+            _drop_shadowing(moved, name, policy)
+            found = self._tried(moved, scale)
+            if isinstance(found, str):
+                continue  # (it shares a weight or a submodule: it cannot move alone)
+            log.append(
+                f"{pick.display_name} is still broken in {chosen[pick.name].name}: its input "
+                f"comes from {m.display_name} -> {policy.name}: "
+                + ("the run passes" if found.passes(tolerance) else _why_not(found, tolerance))
+            )
+            return moved, found
+        return None
 
     def _fix_output(
         self,
