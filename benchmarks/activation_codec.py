@@ -1,5 +1,7 @@
 """The fp8 activation codec's compiled kernels alone: encode and decode time of one saved
-tensor by dtype and size, beside a plain copy of it.
+tensor by dtype and size, beside a plain copy of it; then the ``bf16`` storage's encode (what
+``fp8`` gives attention's float32 saves) of a contiguous tensor and of attention's heads cut
+from a joined projection (a strided view), as on a CPU.
 
 Each kernel runs on the same tensor (in cache after the first call) 50 times after 3 warm-up
 calls, one thread; the lower quartile, in microseconds. What a step pays is more (the
@@ -46,6 +48,16 @@ def main() -> None:
             copy = lower_quartile_us(lambda t=x: t.clone())
             name = str(dtype).removeprefix("torch.")
             print(f"| {numel} | {name} | {enc:.0f} | {dec:.0f} | {copy:.0f} |")
+    print()
+    print("| float32 saved tensor [8, 4, 128, 64] | bf16 encode us |")
+    print("|---|---:|")
+    joined = torch.randn(8, 128, 3, 4, 64)
+    for name, t in (
+        ("contiguous", torch.randn(8, 4, 128, 64)),
+        ("a head view of a joined projection", joined[:, :, 0].transpose(1, 2)),
+    ):
+        us = lower_quartile_us(lambda t=t: codecs.ToBfloat16().encode(t), calls=300)
+        print(f"| {name} | {us:.0f} |")
 
 
 if __name__ == "__main__":
