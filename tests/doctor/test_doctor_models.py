@@ -13,6 +13,7 @@ from nets import Overflow, overflow_model
 import mixprec
 from mixprec.cli import main
 from mixprec.doctor import BROKEN, diagnose
+from mixprec.errors import PrecisionError
 from mixprec.step import is_hugging_face_model
 
 transformers = pytest.importorskip("transformers")
@@ -48,6 +49,21 @@ def test_healthy_gpt2_has_no_finding_in_bfloat16():
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(3))
     d = diagnose(model, {"input_ids": ids, "labels": ids}, precision="bf16-mixed")
     assert d.findings == [] and d.passes()
+
+
+def test_a_noisy_float32_reference_is_said_when_no_layer_can_be_moved():
+    """GPT-2 whose first attention's query and key saturate the softmax: bf16-mixed's
+    gradients are 0.5 off float32's with no module at risk, and float32's are as far off
+    float64's. recommend said only that the error builds up over many layers; it now says
+    the reference itself is that noisy."""
+    model = tiny_gpt2()
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight.mul_(3e4)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    d = diagnose(model, {"input_ids": ids, "labels": ids}, precision="bf16-mixed")
+    assert d.findings == [] and not d.passes()
+    with pytest.raises(PrecisionError, match=r"32-true against 64-true gives .* gradient error"):
+        d.recommend()
 
 
 def test_hugging_face_model_errors_say_what_is_accepted():

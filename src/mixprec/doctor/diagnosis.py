@@ -55,7 +55,7 @@ from mixprec.hardware import (
 )
 from mixprec.optim.scaling import LossScaler
 from mixprec.policy import Policy, QuantizedPolicy
-from mixprec.policy.map import PolicyMap
+from mixprec.policy.map import PolicyMap, as_map
 from mixprec.tree import map_tensors
 
 __all__ = ["Diagnosis", "Recommendation", "diagnose"]
@@ -474,7 +474,7 @@ class Diagnosis:
                 f"gradient error {trial.grad_rel_error:.3g}) although no module is "
                 f"{'left ' if chosen else ''}at risk or broken, so there is no layer to move: "
                 "the error builds up over many layers. Use a larger tolerance or train in the "
-                "reference precision."
+                f"reference precision.{self._reference_noise(tolerance)}"
             )
         hint = (
             " Under a 'true' policy a layer's output is cast back to the policy's "
@@ -494,6 +494,29 @@ class Diagnosis:
             f"{', '.join(sorted(n or '<root>' for n in exhausted))} in every safer "
             f"precision{refused}, {why}.{hint} Use a larger tolerance or train in the "
             "reference precision."
+        )
+
+    def _reference_noise(self, tolerance: float) -> str:
+        """Where the reference is float32: how far float32 itself is from float64 on this
+        batch, said when it is near the tolerance (an ill-conditioned model, a saturated
+        softmax: then no precision can be judged against float32); '' otherwise, or where
+        float64 cannot run (a device without it, a model refusing it)."""
+        if self.reference.default.name != "32-true" or self.device.type == "mps":
+            return ""
+        wide = as_map("64-true")
+        try:
+            ref64 = self._session.run(wide, None, 1.0)
+            run32 = self._session.run(self.reference, ref64, 1.0)
+        except Exception:  # (a hint only: the error it joins is raised either way)
+            return ""
+        own = Diagnosis(self._session, self.reference, wide, ref64, run32, 1.0, 1.0)
+        if max(own.loss_rel_error, own.grad_rel_error) < tolerance / 2:
+            return ""
+        return (
+            f" The reference itself is noisy here: 32-true against 64-true gives loss error "
+            f"{own.loss_rel_error:.3g}, gradient error {own.grad_rel_error:.3g}, so no "
+            "precision can be judged against it within this tolerance (an ill-conditioned "
+            "model or batch, such as a saturated softmax)."
         )
 
     def _drop_unneeded(
