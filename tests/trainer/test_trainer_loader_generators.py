@@ -73,12 +73,34 @@ class _GlobalShuffle(Sampler):
         return self.n
 
 
+class _Buckets(Sampler):
+    """A batch sampler drawing its batches with a generator of its own (a bucketing one):
+    the checkpoint kept no state of it, so a resumed fit replayed the first epoch's order."""
+
+    def __init__(self, n: int, size: int) -> None:
+        self.n, self.size = n, size
+        self.generator = torch.Generator().manual_seed(7)
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=self.generator).tolist()
+        return iter([order[i : i + self.size] for i in range(0, self.n, self.size)])
+
+    def __len__(self) -> int:
+        return -(-self.n // self.size)
+
+
 LOADERS = {
     "DataLoader(generator=)": _own_generator,
     "RandomSampler(generator=)": _sampler_generator,
     "numpy sampler": lambda: DataLoader(_data(), batch_size=8, sampler=_GlobalShuffle(48, "numpy")),
     "random sampler": lambda: DataLoader(
         _data(), batch_size=8, sampler=_GlobalShuffle(48, "python")
+    ),
+    "batch sampler(generator)": lambda: DataLoader(_data(), batch_sampler=_Buckets(48, 8)),
+    # (a resumed process's new loader drew its workers' seed before its first order: every
+    # order after the resume was shifted by one draw)
+    "persistent workers": lambda: DataLoader(
+        _data(), batch_size=8, shuffle=True, num_workers=1, persistent_workers=True
     ),
 }
 

@@ -195,6 +195,8 @@ def _generators_by_owner(loader: Any) -> dict[str, torch.Generator]:
     owners = (
         ("generator= on the DataLoader", loader),
         ("a generator on its sampler", _sampler_of(loader)),
+        # (a batch sampler drawing its batches itself, as a bucketing one does)
+        ("a generator on its batch sampler", getattr(loader, "batch_sampler", None)),
     )
     for name, owner in owners:
         gen = getattr(owner, "generator", None)
@@ -239,17 +241,28 @@ def describe_order(order: dict[str, Any]) -> str:
 
 
 def iterate_from(
-    loader: Iterable[Any], skip: int, then: Callable[[], None] | None = None
+    loader: Iterable[Any],
+    skip: int,
+    then: Callable[[], None] | None = None,
+    start: Callable[[Any], None] | None = None,
 ) -> Iterator[Any]:
     """An iterator over ``loader`` starting at batch ``skip``; ``then`` runs after the
-    skipped batches and before the first kept one is loaded (see `SkipBatches`).
+    skipped batches and before the first kept one is loaded (see `SkipBatches`); ``start``
+    is given the loader iterated before it is (`then` not run yet), to start its workers.
 
     A DataLoader over a map-style dataset skips on its batch sampler (nothing is loaded);
     anything else is iterated and the first ``skip`` batches are dropped.
     """
     if isinstance(loader, DataLoader) and loader.batch_sampler is not None:
         if not isinstance(loader.dataset, IterableDataset):
-            return iter(_rebuild(loader, SkipBatches(loader.batch_sampler, skip, then)))
+            skipping = SkipBatches(loader.batch_sampler, skip)
+            rebuilt = _rebuild(loader, skipping)
+            if start is not None:
+                start(rebuilt)
+            skipping.then = then
+            return iter(rebuilt)
+    if start is not None:
+        start(loader)
     it = iter(loader)
     for _ in range(skip):
         next(it, None)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
 from mixprec.memory import measured
 from mixprec.optim import LossScaleOptimizer, scheduler_step
@@ -254,6 +255,31 @@ def fit_done(run: FitRun) -> bool:
     return config.max_epochs is not None and run.progress.current_epoch >= config.max_epochs
 
 
+def start_workers(loader: Any) -> None:
+    """Start the workers of a DataLoader that keeps them (``persistent_workers``) without
+    moving a random generator. Starting them draws their seed, once for the loader's life;
+    each epoch after draws only its order. A resumed process starts a new loader, whose
+    first epoch would draw the workers' seed before its order, and every order after the
+    resume would differ from the run that never stopped: started here in both runs, every
+    epoch draws only its order, from the same states. (The workers' own seed, which their
+    random augmentations draw from, still differs after a resume.)"""
+    if not (
+        isinstance(loader, DataLoader)
+        and loader.persistent_workers
+        and loader.num_workers > 0
+        and loader._iterator is None
+    ):
+        return
+    states = rng_states()
+    own = [(g, g.get_state()) for g in generators(loader)]
+    try:
+        iter(loader)
+    finally:
+        set_rng_states(states)
+        for g, state in own:
+            g.set_state(state)
+
+
 def restore_resume_rng(run: FitRun) -> None:
     """Put back the generator states saved with a checkpoint (once)."""
     if run.resume_rng is not None:
@@ -280,6 +306,7 @@ def train_epoch(run: FitRun) -> None:
     # then is kept (and checkpointed) so that a run resumed mid-epoch replays the same order,
     # skips the batches already done, and goes on with the generators as they were at the save.
     if progress.batches_done == 0:
+        start_workers(loader)
         run.epoch_rng = {
             # every generator a sampler may draw the order from: torch's, and numpy's and
             # Python's (a sampler shuffling with np.random or random.shuffle)
@@ -299,7 +326,9 @@ def train_epoch(run: FitRun) -> None:
         torch.set_rng_state(run.epoch_rng["torch"])
         for g, s in zip(generators(loader), run.epoch_rng["loader"], strict=True):
             g.set_state(s)
-        batches = iterate_from(loader, progress.batches_done, lambda: restore_resume_rng(run))
+        batches = iterate_from(
+            loader, progress.batches_done, lambda: restore_resume_rng(run), start_workers
+        )
     exhausted = run.epoch_finished = False
     run.log.start_timing()
     first = batch_idx = progress.batches_done
