@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import statistics
 from dataclasses import asdict, dataclass, replace
@@ -590,6 +591,14 @@ def _interval(s: Summary) -> Interval:
     return Interval(speed, low, high, s.rounds or 0, s.speedup_confidence or 0.0)
 
 
+def _outward(low: float, high: float, places: int) -> tuple[float, float]:
+    """``low`` rounded down and ``high`` up to ``places`` decimals (a printed interval is
+    never tighter than the measured one; a number already at that many decimals, up to
+    binary rounding, stays)."""
+    scale = 10**places
+    return math.floor(low * scale + 1e-9) / scale, math.ceil(high * scale - 1e-9) / scale
+
+
 def _memory_clause(rows: list[Summary], fp32: dict[int, Summary]) -> str | None:
     """ "29-45% less peak memory" over the rows, against float32 at each batch size (where
     it is less at some and more at others, each side with its batch sizes)."""
@@ -799,9 +808,12 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     high = max(i.high for i in verdict.intervals)
     rounds = _span([float(i.n) for i in verdict.intervals], "{:.0f}")
     kind = "paired rounds" if all(s.paired for s in rows) else "unpaired runs"
-    bounds = f"{digits.format(low)}-{digits.format(high)}"
-    if verdict.kind == FASTER and float(digits.format(low)) <= 1.0:  # ("1.0-1.1x" reads as
-        bounds = f"{low:.2f}-{high:.2f}"  # an interval reaching 1)
+    # (rounded outward: an interval reaching 1.07 read '1.1-...', tighter than it is)
+    places = 1 if digits == "{:.1f}" else 2
+    low_out, high_out = _outward(low, high, places)
+    bounds = f"{digits.format(low_out)}-{digits.format(high_out)}"
+    if verdict.kind == FASTER and (low_out <= 1.0 or low_out != round(low, places)):
+        bounds = "{:.2f}-{:.2f}".format(*_outward(low, high, 2))
     certainty = f"{CONFIDENCE:.0%} intervals within {bounds}x from {rounds} {kind}"
     # against the seed's figure only what the intervals carry: more or less when every
     # interval lies above or below it, about the same when every one holds it
@@ -825,8 +837,19 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         than = "so here it pays less than there"
     elif all(i.low <= max(blog) and i.high >= min(blog) for i in intervals):
         than = "about what it pays here"
-    else:
-        than = "more than that at some batch sizes here and less at others"
+    else:  # (each class the intervals fall in, named only where one does)
+        above = any(i.low > max(blog) for i in intervals)
+        below = any(i.high < min(blog) for i in intervals)
+        about = any(i.low <= max(blog) and i.high >= min(blog) for i in intervals)
+        parts = [
+            word
+            for word, found in (("more than that", above), ("about that", about), ("less", below))
+            if found
+        ]
+        if len(parts) == 2:
+            than = f"{parts[0]} at some batch sizes here and {parts[1]} at others"
+        else:
+            than = f"{parts[0]} at some batch sizes here, {parts[1]} at some and less at others"
     if (slower or all(i.high < min(blog) for i in intervals)) and statistics.median(
         speed
     ) < 0.9 * min(blog):
