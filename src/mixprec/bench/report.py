@@ -124,6 +124,10 @@ class Summary:
     vs_keep_rounds: int | None = None
     vs_keep_confidence: float | None = None
     raw_error: str | None = None  # why the raw twin did not run, where mixprec's loop did
+    overhead_low: float | None = None  # `overhead`'s interval, as the speedup's
+    overhead_high: float | None = None
+    overhead_rounds: int | None = None
+    overhead_confidence: float | None = None
 
 
 def _baseline(rows: list[Row], batch: int) -> Row | None:
@@ -183,6 +187,10 @@ def summarize(report: BenchReport) -> list[Summary]:
                 raw_median_ms=raw_med,
                 raw_peak_memory=raw.peak_memory if raw is not None else None,
                 overhead=overhead.median - 1 if overhead else None,
+                overhead_low=overhead.low - 1 if overhead else None,
+                overhead_high=overhead.high - 1 if overhead else None,
+                overhead_rounds=overhead.n if overhead else None,
+                overhead_confidence=overhead.confidence if overhead else None,
                 skipped_steps=ours.skipped_steps,
                 raw_skipped_steps=raw.skipped_steps if raw is not None else None,
                 error=r.error or ours.error,
@@ -261,8 +269,21 @@ def _cells(s: Summary) -> list[str]:
         _vs_keep_cell(s),
         _mib(s.peak_memory),
         f"{s.raw_median_ms:,.1f}" if s.raw_median_ms is not None else "-",
-        f"{s.overhead * 100:+.1f}%" if s.overhead is not None else "-",
+        _overhead_cell(s),
     ]
+
+
+def _overhead_cell(s: Summary) -> str:
+    """ "+1.9% (-3.0 to +6.0)": the overhead with its interval (a median alone read as a
+    finding where the interval held 0, on a busy machine)."""
+    if s.overhead is None:
+        return "-"
+    if s.overhead_low is None or s.overhead_high is None or s.overhead_rounds == 1:
+        return f"{s.overhead * 100:+.1f}%"
+    few = s.overhead_confidence is not None and s.overhead_confidence < CONFIDENCE
+    rounds = f", {s.overhead_rounds} rounds" if few and s.overhead_rounds else ""
+    low, high = s.overhead_low * 100, s.overhead_high * 100
+    return f"{s.overhead * 100:+.1f}% ({low:+.1f} to {high:+.1f}{rounds})"
 
 
 def progress_line(row: Row, index: int, total: int, seconds: float) -> str:
@@ -454,7 +475,7 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
     if any(s.overhead is not None for s in summaries):  # else its column is left out
         out.append(
             "mixprec overhead: the median over rounds of our step time / the raw "
-            "torch.autocast loop's - 1 (mixed "
+            f"torch.autocast loop's - 1, with its {CONFIDENCE:.0%} interval (mixed "
             "precisions only); mixprec computes layer-norm-type and softmax layers in float32 "
             "islands where the device's autocast does not (rows marked 'no f32 islands' leave "
             "them to autocast, as the raw loop does)"
