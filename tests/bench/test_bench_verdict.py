@@ -589,6 +589,32 @@ def test_float32_out_of_memory_where_mixed_precision_fits_is_the_finding():
     ), sentence
 
 
+def test_the_closing_sentence_says_why_nothing_was_compared():
+    """One catch-all, "No mixed precision and float32 ran side by side here", stood where
+    float32 was not asked for, where nothing fit under the limit, and where every
+    configuration failed."""
+    meta = {**_report({k: [1.0] * 10 for k in KEYS}).metadata, "precisions": list(KEYS)}
+
+    def row(label: str, status: str) -> Row:
+        config = Config(label, label, 8, None, raw=False)
+        if status == OK:
+            loop = LoopResult(step_ms=[5.0] * 12, peak_memory=PEAKS[label])
+            return Row(config, RunResult(OK, loop, paired=True))
+        return Row(config, RunResult(status, LoopResult(status=status, error="x")))
+
+    cases = {
+        ("bf16-mixed", OK): "bf16-mixed ran without float32 to compare it with (add 32-true",
+        ("32-true", OOM, "bf16-mixed", OOM): "No configuration fit under the memory limit",
+        ("32-true", "error", "bf16-mixed", "error"): "Every configuration failed",
+        ("32-true", OK, "bf16-mixed", "error"): "Every mixed precision configuration failed",
+    }
+    for spec, start in cases.items():
+        rows = [row(spec[i], spec[i + 1]) for i in range(0, len(spec), 2)]
+        report = BenchReport({**meta, "comparison_gap": None}, rows)
+        sentence = conclusion(report, summarize(report))
+        assert sentence.startswith(start), (spec, sentence)
+
+
 def _rows(*specs: tuple[str, str, int, bool | None, float | None]) -> BenchReport:
     """A report of (label, precision, batch, tf32, ms: None for out of memory) rows, 12
     paired rounds each."""

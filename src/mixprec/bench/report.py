@@ -744,6 +744,27 @@ def _noisy_clause(meta: dict[str, Any], noisy: list[tuple[Summary, Interval]]) -
     )
 
 
+def _nothing_compared(summaries: list[Summary]) -> str:
+    """Why no mixed precision was compared with float32, from what ran: float32 not asked
+    for, nothing fitting under the memory limit, every configuration failing, or float32
+    and mixed precision at no common batch size."""
+    mixed = [s for s in summaries if not _is_baseline(s)]
+    float32 = [s for s in summaries if _is_baseline(s)]
+    if not summaries:
+        return "Nothing ran"
+    if all(s.status == OOM for s in summaries):
+        return "No configuration fit under the memory limit (see the table)"
+    if all(s.status != OK for s in summaries):
+        return "Every configuration failed (see the errors above)"
+    if mixed and not float32:
+        ran = ", ".join(dict.fromkeys(s.label for s in mixed if s.status == OK))
+        return f"{ran} ran without float32 to compare it with (add 32-true to --precision)"
+    if mixed and all(s.status != OK for s in mixed):
+        how = "ran out of memory" if all(s.status == OOM for s in mixed) else "failed"
+        return f"Every mixed precision configuration {how} (see the table)"
+    return "No mixed precision and float32 ran side by side here to compare"
+
+
 def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     """What the recommended mixed precision buys on this machine against float32 (speed,
     with its interval, and peak memory, over the batch sizes both ran at), and how that
@@ -778,7 +799,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
                 "No mixed precision is fast on this machine, so float32 is the one to train "
                 f"in here (as said above); {seed}."
             )
-        return f"No mixed precision and float32 ran side by side here to compare; {seed}."
+        return f"{_nothing_compared(summaries)}; {seed}."
     fast = [n for n in MIXED_CANDIDATES if meta["support"].get(n) == "fast"]
     labels = list(dict.fromkeys(s.label for s in ok))
     # the recommended precision's own row, else a row of it under another label ("bf16-mixed
@@ -833,7 +854,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     places = 1 if digits == "{:.1f}" else 2
     low_out, high_out = _outward(low, high, places)
     bounds = f"{digits.format(low_out)}-{digits.format(high_out)}"
-    if verdict.kind == FASTER and (low_out <= 1.0 or low_out != round(low, places)):
+    if verdict.kind == FASTER and low_out <= 1.0:  # ("1.0-1.8x" reads as reaching 1)
         bounds = "{:.2f}-{:.2f}".format(*_outward(low, high, 2))
     certainty = f"{CONFIDENCE:.0%} intervals within {bounds}x from {rounds} {kind}"
     # against the seed's figure only what the intervals carry: more or less when every
