@@ -170,29 +170,34 @@ def test_branch_gradients_underflow_without_loss_scaling():
     assert scaled.findings == [] and scaled.params["aux.weight"].underflow < 0.05
 
 
-def _cancelling() -> nn.Sequential:
-    """Layer 0 adds an offset of 300 that layer 1 cancels: in bfloat16 layer 0's output is
-    rounded in steps of 2 around 300, which becomes layer 1's whole signal."""
+def _cancelling(between: list[nn.Module]) -> nn.Sequential:
+    """Layer 0 adds an offset of 300 that the next Linear cancels (``between`` them, modules
+    passing it on): in bfloat16 layer 0's output is rounded in steps of 2 around 300, which
+    becomes the next Linear's whole signal."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 32), *between, nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
     with torch.no_grad():
         model[0].bias.add_(300.0)
-        model[1].bias.sub_(300.0 * model[1].weight.sum(1))
+        model[1 + len(between)].bias.sub_(300.0 * model[1 + len(between)].weight.sum(1))
     return model
 
 
-def test_recommend_moves_the_layer_feeding_one_broken_in_float32():
-    """Layer 1 broken in bf16-mixed stays broken in float32, its input rounded by layer 0:
-    recommend gave up ('no per-module policy'); it moves the module whose output the
-    broken one takes."""
+@pytest.mark.parametrize("between", [[], [nn.ReLU()]], ids=["linear", "through a ReLU"])
+def test_recommend_moves_the_layer_feeding_one_broken_in_float32(between):
+    """The second Linear broken in bf16-mixed stays broken in float32, its input rounded by
+    layer 0: recommend gave up ('no per-module policy'); it moves the module its input came
+    from (through a ReLU, which passes the rounding on: moving it does nothing)."""
     g = torch.Generator().manual_seed(1)
     batch = (torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g))
-    d = diagnose(_cancelling(), batch, F.cross_entropy, precision="bf16-mixed")
-    assert names(d) == ["1"]
+    d = diagnose(_cancelling(between), batch, F.cross_entropy, precision="bf16-mixed")
+    broken = str(1 + len(between))
+    assert names(d) == [broken]
     fix = d.recommend()
-    assert fix.policy == PolicyMap("bf16-mixed", {"1": "32-true", "0": "32-true"})
-    assert any("its input comes from 0 -> 32-true" in line for line in fix.log)
-    assert fix.verified.passes(fix.tolerance)
+    assert fix.policy == PolicyMap("bf16-mixed", {broken: "32-true", "0": "32-true"})
+    assert any("its input comes from 0 -> 32-true: the run passes" in line for line in fix.log)
+    assert len(fix.log) == 2 and fix.verified.passes(fix.tolerance)
 
 
 class _KeyBias(nn.Module):

@@ -120,6 +120,16 @@ def test_resuming_mid_epoch_with_another_batch_size_is_refused(tmp_path):
         trainer.fit(mlp(4, 8, 1, seed=1), loader, loss_fn=F.mse_loss, ckpt_path=path)
 
 
+def test_resuming_mid_epoch_with_another_number_of_samples_is_refused(tmp_path):
+    """15 samples in batches of 4 are 4 batches, as 16 are: the batch count and size held,
+    and a shuffled order over other samples repeated some and skipped others."""
+    path = checkpoint_at_step_3(tmp_path)
+    trainer = Trainer(max_steps=6, seed=0, **QUIET)
+    loader = DataLoader(data(15), batch_size=4)
+    with pytest.raises(CheckpointError, match="data of 16 samples; this run's has 15 samples"):
+        trainer.fit(mlp(4, 8, 1, seed=1), loader, loss_fn=F.mse_loss, ckpt_path=path)
+
+
 def seeded(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 

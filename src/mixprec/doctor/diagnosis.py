@@ -62,6 +62,8 @@ __all__ = ["Diagnosis", "Recommendation", "diagnose"]
 
 # how many last layers `recommend` tries when no module is at risk and the run misses
 _OUTPUT_TRIES = 3
+# modules `_upstream` looks at above a module broken in float32 (moving at most one)
+_UPSTREAM_TRIES = 8
 
 
 class Diagnosis:
@@ -386,30 +388,41 @@ class Diagnosis:
         exhausted: set[str],
         log: list[str],
     ) -> tuple[dict[str, Policy], Diagnosis] | None:
-        """For a module still broken in its safest precision: the first module whose output
-        it takes, not moved yet, moved to its next safer precision; the moves and that run,
-        or None where there is none to move (`_drop_unneeded` drops it later where the run
-        passes without it)."""
+        """For a module still broken in its safest precision: the modules its input came
+        from, nearest first, through those without parameters of their own (an activation
+        passes its input's rounding on), each moved to its next safer precision in turn
+        until one leaves ``pick`` no longer broken; the moves and that run, or None."""
         if pick.verdict != BROKEN or pick.name not in chosen:
             return None
-        for name in trial._producers.get(pick.name, []):
-            m = trial.modules.get(name)
-            if m is None or name in chosen or name in exhausted or not m.calls:
+        modules = dict(self._session.model.named_modules())
+        seen, queue = {pick.name}, list(trial._producers.get(pick.name, []))
+        while queue and len(seen) < _UPSTREAM_TRIES:
+            name = queue.pop(0)
+            if name in seen:
                 continue
-            policy = self._safer(m, None)
-            if policy is None:
+            seen.add(name)
+            m, module = trial.modules.get(name), modules.get(name)
+            if m is None or module is None or not m.calls:
+                continue
+            if next(module.parameters(recurse=False), None) is None:
+                queue.extend(trial._producers.get(name, []))  # (it passes its input on)
+                continue
+            policy = self._safer(m, chosen.get(name))
+            if policy is None or name in exhausted:
                 continue
             moved = {**chosen, name: policy}
             _drop_shadowing(moved, name, policy)
             found = self._tried(moved, scale)
             if isinstance(found, str):
                 continue  # (it shares a weight or a submodule: it cannot move alone)
-            log.append(
-                f"{pick.display_name} is still broken in {chosen[pick.name].name}: its input "
-                f"comes from {m.display_name} -> {policy.name}: "
-                + ("the run passes" if found.passes(tolerance) else _why_not(found, tolerance))
-            )
-            return moved, found
+            still = found.modules.get(pick.name)
+            if found.passes(tolerance) or still is None or still.verdict != BROKEN:
+                log.append(
+                    f"{pick.display_name} is still broken in {chosen[pick.name].name}: its "
+                    f"input comes from {m.display_name} -> {policy.name}: "
+                    + ("the run passes" if found.passes(tolerance) else _why_not(found, tolerance))
+                )
+                return moved, found
         return None
 
     def _fix_output(

@@ -278,6 +278,18 @@ def loader_batch_size(loader: Any) -> int | None:
     return size if isinstance(size, int) else None
 
 
+def loader_samples(loader: Any) -> list[int] | None:
+    """How many samples a map-style DataLoader's order is drawn over: its dataset's length
+    and its sampler's (a permutation of the one, as many draws as the other); None where it
+    has no such length (not a DataLoader, an IterableDataset, a dataset without len)."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return None
+    try:
+        return [len(loader.dataset), len(_sampler_of(loader))]  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def why_empty(data: Any, epoch: int = 0) -> str:
     """Why ``data`` gives no batch, and what to do about it (for an error message)."""
     if iter(data) is data:  # an iterator (a generator, map(...)): one pass only

@@ -20,7 +20,13 @@ from mixprec.optim import LossScaleOptimizer, master_weights_by_name
 from mixprec.policy.map import resumable_config
 from mixprec.trainer.callbacks import callback_states, load_callback_states
 from mixprec.trainer.checkpoint import FORMAT, FORMAT_VERSION, CheckpointError, rng_states
-from mixprec.trainer.data import describe_order, generators, loader_batch_size, order_of
+from mixprec.trainer.data import (
+    describe_order,
+    generators,
+    loader_batch_size,
+    loader_samples,
+    order_of,
+)
 from mixprec.trainer.loop import FitRun, Run
 from mixprec.trainer.optimizers import across_state_formats, state_formats, state_shards
 from mixprec.version import __version__
@@ -80,6 +86,7 @@ def run_state(run: FitRun) -> dict[str, Any]:
             "epoch_rng": None if at_epoch_end else run.epoch_rng,
             "epoch_batches": run.num_training_batches,
             "batch_size": loader_batch_size(run.train_loader),
+            "samples": loader_samples(run.train_loader),
             "order": order_of(run.train_loader),
             # the loader's own generators now: the next epochs' orders are drawn from them
             "loader_rng": [g.get_state() for g in generators(run.train_loader)],
@@ -231,8 +238,22 @@ def check_resume_point(run: FitRun, loop: dict[str, Any], path: Path) -> None:
             f"{path} was saved at batch {loop['batch']}{of} of epoch {loop['epoch']}, but "
             f"this run's epoch has {n} batches: {fix}"
         )
-    if loop["batch"] != n:  # else nothing of the epoch is left to replay
-        _check_order(run, loop, path)
+    if loop["batch"] == n:  # nothing of the epoch is left to replay
+        return
+    saved_samples, samples = loop.get("samples"), loader_samples(run.train_loader)
+    if saved_samples is not None and samples is not None and saved_samples != samples:
+        # (the same batches from another number of samples: another order, whose first
+        # batches skipped are not the ones trained)
+        def told(counts: list[int]) -> str:
+            data, drawn = counts
+            return f"{data} samples" + (f" ({drawn} drawn an epoch)" if drawn != data else "")
+
+        raise CheckpointError(
+            f"{path} was saved in epoch {loop['epoch']} of data of {told(saved_samples)}; "
+            f"this run's has {told(samples)}, so its order differs and skipping "
+            f"{loop['batch']} batches would repeat or skip samples: {fix}"
+        )
+    _check_order(run, loop, path)
 
 
 def _check_order(run: FitRun, loop: dict[str, Any], path: Path) -> None:
