@@ -109,7 +109,13 @@ def _fit(loader: Callable[[], DataLoader], ckpt_path: Path | None = None, **stop
     """A fit of a fresh loader built as the first was (its generator seeded anew, as a
     resumed script builds it), 6 batches an epoch."""
     t = Trainer(seed=0, deterministic=True, enable_checkpointing=False, **SILENT, **stop)
-    t.fit(Net(0 if ckpt_path is None else 1), loader(), ckpt_path=ckpt_path)
+    data = loader()
+    t.fit(Net(0 if ckpt_path is None else 1), data, ckpt_path=ckpt_path)
+    # (persistent workers collected with the Trainer in one cycle wait 5 s each to join:
+    # stopped here, while the loader is whole)
+    workers = getattr(data, "_iterator", None)
+    if workers is not None:
+        workers._shutdown_workers()
     return t
 
 
