@@ -174,6 +174,7 @@ def test_checkpoint_contents(tmp_path):
         "epoch_rng": state["loop"]["epoch_rng"],
         "epoch_batches": 12,
         "batch_size": 8,
+        "first_batch_size": 8,
         "samples": [96, 96],  # (the dataset's and the sampler's: the order is drawn over them)
         "order": {"sampler": "RandomSampler", "batch_sampler": "BatchSampler", "generators": []},
         "loader_rng": [],

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from nets import mlp
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
 from trainers import QUIET
 
@@ -118,6 +118,29 @@ def test_resuming_mid_epoch_with_another_batch_size_is_refused(tmp_path):
     loader = DataLoader(data(32), batch_size=8)  # 4 batches again, but of 8 samples
     with pytest.raises(CheckpointError, match="3 batches of 4 samples.*hold 8.*repeat or skip"):
         trainer.fit(mlp(4, 8, 1, seed=1), loader, loss_fn=F.mse_loss, ckpt_path=path)
+
+
+def test_resuming_mid_epoch_over_a_list_of_batches_of_another_size_is_refused(tmp_path):
+    """A list of batches has no batch size of its own: the checkpoint keeps its epoch's
+    first batch's, and a resume whose batches hold more samples is refused (skipping 3 of
+    them would skip samples never trained) before any step; the same list resumes."""
+
+    def batches(size: int) -> list[tuple[Tensor, Tensor]]:
+        return [(x, y) for x, y in DataLoader(data(4 * size), batch_size=size)]
+
+    trainer, saved = Trainer(max_steps=3, seed=0, **QUIET), mlp(4, 8, 1)
+    trainer.fit(saved, batches(4), loss_fn=F.mse_loss)
+    path = trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    model = mlp(4, 8, 1, seed=1)
+    resumed = Trainer(max_steps=6, seed=0, **QUIET)
+    with pytest.raises(CheckpointError, match="first held 4 samples.*holds 8.*repeat or skip"):
+        resumed.fit(model, batches(8), loss_fn=F.mse_loss, ckpt_path=path)
+    assert resumed.global_step == 3  # no step taken: the weights are the checkpoint's
+    pairs = zip(saved.parameters(), model.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    again = Trainer(max_steps=6, seed=0, **QUIET)
+    again.fit(mlp(4, 8, 1, seed=1), batches(4), loss_fn=F.mse_loss, ckpt_path=path)
+    assert again.global_step == 6
 
 
 def test_resuming_mid_epoch_with_another_number_of_samples_is_refused(tmp_path):

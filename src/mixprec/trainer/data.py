@@ -245,13 +245,15 @@ def iterate_from(
     skip: int,
     then: Callable[[], None] | None = None,
     start: Callable[[Any], None] | None = None,
+    first: Callable[[Any], None] | None = None,
 ) -> Iterator[Any]:
     """An iterator over ``loader`` starting at batch ``skip``; ``then`` runs after the
     skipped batches and before the first kept one is loaded (see `SkipBatches`); ``start``
     is given the loader iterated before it is (`then` not run yet), to start its workers.
 
     A DataLoader over a map-style dataset skips on its batch sampler (nothing is loaded);
-    anything else is iterated and the first ``skip`` batches are dropped.
+    anything else is iterated and the first ``skip`` batches are dropped, the first of them
+    given to ``first`` (to check it is the batch expected).
     """
     if isinstance(loader, DataLoader) and loader.batch_sampler is not None:
         if not isinstance(loader.dataset, IterableDataset):
@@ -264,8 +266,10 @@ def iterate_from(
     if start is not None:
         start(loader)
     it = iter(loader)
-    for _ in range(skip):
-        next(it, None)
+    for i in range(skip):
+        batch = next(it, None)
+        if i == 0 and first is not None and batch is not None:
+            first(batch)
     if then is not None:
         then()
     return it

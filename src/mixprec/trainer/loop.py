@@ -28,11 +28,12 @@ from mixprec.optim import LossScaleOptimizer, scheduler_step
 from mixprec.precision import Precision
 from mixprec.step import as_loss, backward, batch_loss, split_batch, step_context
 from mixprec.trainer.callbacks import Callback, agreed, listens
-from mixprec.trainer.checkpoint import rng_states, set_rng_states
+from mixprec.trainer.checkpoint import CheckpointError, rng_states, set_rng_states
 from mixprec.trainer.data import (
     batch_size_of,
     generators,
     iterate_from,
+    loader_batch_size,
     num_batches,
     set_epoch,
     to_device,
@@ -202,6 +203,9 @@ class FitRun(Run):
     # generator states when this epoch's order was drawn (set by the epoch or a checkpoint)
     epoch_rng: dict[str, Any] = field(default_factory=dict)
     resume_rng: dict[str, Any] | None = None  # states to restore once resumed batches are skipped
+    # the size of this epoch's first batch, for loaders that do not say theirs (a list, a
+    # generator): a mid-epoch resume skips batches, and checks that it skips as many samples
+    first_batch_size: int | None = None
     window_batches: int = 0  # micro-batches whose gradients are accumulated, not yet stepped
     window_size: int = 1  # what their losses were divided by (the window's planned length)
     skipped_steps: int = 0  # counted here: reading the scaler's stats is a host sync
@@ -287,6 +291,21 @@ def restore_resume_rng(run: FitRun) -> None:
         run.resume_rng = None
 
 
+def _check_first_batch(run: FitRun, batch: Any) -> None:
+    """A mid-epoch resume over a loader without a batch size of its own (a list, a
+    generator) skips the batches done: refuse it where its batches now hold another number
+    of samples than at the save (skipping as many batches would repeat or skip samples)."""
+    saved, size = run.first_batch_size, batch_size_of(batch)
+    if saved is not None and loader_batch_size(run.train_loader) is None and size != saved:
+        raise CheckpointError(
+            f"the checkpoint resumed was saved after {run.progress.batches_done} batches of "
+            f"epoch {run.progress.current_epoch} whose first held {saved} samples; this run's "
+            f"first batch holds {size}, so skipping {run.progress.batches_done} batches would "
+            "repeat or skip samples: resume with the same data and batch size, or from a "
+            "checkpoint saved at the end of an epoch"
+        )
+
+
 def train_epoch(run: FitRun) -> None:
     """One epoch, or its rest when resumed mid-epoch, or until a stop condition (taking effect
     at the end of an accumulation window)."""
@@ -327,7 +346,11 @@ def train_epoch(run: FitRun) -> None:
         for g, s in zip(generators(loader), run.epoch_rng["loader"], strict=True):
             g.set_state(s)
         batches = iterate_from(
-            loader, progress.batches_done, lambda: restore_resume_rng(run), start_workers
+            loader,
+            progress.batches_done,
+            lambda: restore_resume_rng(run),
+            start_workers,
+            first=functools.partial(_check_first_batch, run),
         )
     exhausted = run.epoch_finished = False
     run.log.start_timing()
@@ -339,6 +362,8 @@ def train_epoch(run: FitRun) -> None:
     # stop request's, read here as attributes, every batch)
     max_steps = run.config.max_steps if run.config.max_steps is not None else math.inf
     for batch in batches:  # (never fetched past n: the generators would move)
+        if batch_idx == 0:
+            run.first_batch_size = batch_size_of(batch)
         if run.log.measured_steps < MEASURED_STEPS:
             measured_batch(run, batch, batch_idx)
         else:

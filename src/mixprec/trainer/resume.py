@@ -86,6 +86,7 @@ def run_state(run: FitRun) -> dict[str, Any]:
             "epoch_rng": None if at_epoch_end else run.epoch_rng,
             "epoch_batches": run.num_training_batches,
             "batch_size": loader_batch_size(run.train_loader),
+            "first_batch_size": None if at_epoch_end else run.first_batch_size,
             "samples": loader_samples(run.train_loader),
             "order": order_of(run.train_loader),
             # the loader's own generators now: the next epochs' orders are drawn from them
@@ -418,6 +419,7 @@ def restore_progress(run: FitRun, state: dict[str, Any], path: Path) -> None:
         sums, rng = own["training_epoch"], own["rng"]
     if loop["epoch_rng"] is not None:
         run.epoch_rng = loop["epoch_rng"]
+    run.first_batch_size = loop.get("first_batch_size")  # (absent before it was kept)
     _restore_loader_rng(run, loop)
     run.resume_rng = rng
     for opt, skipped in zip(run.optimizers, state.get("last_step_skipped", []), strict=False):
