@@ -56,7 +56,6 @@ __all__ = [
     "can_compile",
     "check_compensation",
     "difference",
-    "overlapping",
     "settled",
     "stochastic_round_",
     "wrap32",
@@ -702,29 +701,6 @@ def settled(w: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     # binade it makes infinite, is never a rounding error; a non-finite gradient applied
     # leaves one, and a weight loaded since would take it)
     return c.masked_fill(~(c.abs() <= bound.clamp_max(_F32_MAX)), 0.0)
-
-
-def overlapping(tensors: list[torch.Tensor]) -> set[int]:
-    """The positions in ``tensors`` of those whose memory (from first to last element)
-    overlaps another's: views of one tensor (a tied weight and its transpose), not views of
-    disjoint parts of one buffer. A step reading several before writing any would let one's
-    update overwrite the other's: such tensors step in turn, as torch's optimizers step
-    them."""
-    spans = []
-    for i, t in enumerate(tensors):
-        if t.numel():
-            last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-            start = t.data_ptr()
-            spans.append((start, start + (last + 1) * t.element_size(), i))
-    spans.sort()
-    found: set[int] = set()
-    reach, holder = -1, -1
-    for start, end, i in spans:
-        if start < reach:
-            found.update((i, holder))
-        if end > reach:
-            reach, holder = end, i
-    return found
 
 
 def written_mark(p: torch.Tensor) -> tuple[int, int | None]:

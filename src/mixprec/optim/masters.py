@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mixprec.optim.engine import overlapping, written_mark
+from mixprec.aliasing import overlapping
+from mixprec.optim.engine import written_mark
 from mixprec.optim.states import LowBitOptimizer
 
 __all__ = []

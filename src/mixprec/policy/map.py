@@ -49,6 +49,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from mixprec.activations.rules import ActivationRules, ActivationsSpec, Choice, as_rules
+from mixprec.aliasing import overlapping_pairs
 from mixprec.errors import PolicySpecError
 from mixprec.files import write_atomically
 from mixprec.optim.states.assign import Assignment, assign_formats, closest, warn_unmatched_rules
@@ -854,29 +855,24 @@ def _refuse_aliases(params: list[tuple[str, nn.Parameter, torch.dtype]]) -> None
     ``b.weight = nn.Parameter(a.weight.data)`` ties them, where the policy changes the dtype
     of either: each is cast apart, so they would no longer share memory, and training would
     move them apart silently."""
-    spans = []
+    held = []
     for path, t, dtype in params:
         if is_lazy(t) or not t.numel() or t.device.type == "meta":
             continue
         try:
-            start = t.data_ptr()
+            t.data_ptr()
         except RuntimeError:  # (a tensor subclass without memory of its own: a DTensor's)
             continue
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-        spans.append((start, start + (last + 1) * t.element_size(), path, t.dtype != dtype))
-    spans.sort(key=lambda span: span[0])
-    reach, holder = -1, None
-    for start, end, path, cast in spans:
-        if holder is not None and start < reach and (cast or holder[1]):
+        held.append((path, t, t.dtype != dtype))
+    for i, j in overlapping_pairs([t for _, t, _ in held]):
+        if held[i][2] or held[j][2]:
             raise PolicySpecError(
-                f"parameters {holder[0]} and {path} are two Parameters over the same memory "
-                "(as b.weight = nn.Parameter(a.weight.data) ties them), and the policy changes "
-                "their dtype: each would be cast apart and they would train apart. Tie them as "
-                "one Parameter (b.weight = a.weight), or give both a policy that keeps their "
-                "dtype"
+                f"parameters {held[i][0]} and {held[j][0]} are two Parameters over the same "
+                "memory (as b.weight = nn.Parameter(a.weight.data) ties them), and the policy "
+                "changes their dtype: each would be cast apart and they would train apart. Tie "
+                "them as one Parameter (b.weight = a.weight), or give both a policy that keeps "
+                "their dtype"
             )
-        if end > reach:
-            reach, holder = end, (path, cast)
 
 
 def resumable_config(config: Any) -> Any:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from mixprec.aliasing import overlapping
 from mixprec.optim.compensated.kernels import KERNELS, compiled_step, on_memory
 from mixprec.optim.compensated.rules import check_optimizer
 from mixprec.optim.engine import (
@@ -25,7 +26,6 @@ from mixprec.optim.engine import (
     StepCounts,
     call_key,
     check_compensation,
-    overlapping,
 )
 
 __all__ = ["COMPILE_MIN_ELEMENTS", "SMALL", "Compensator"]

@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from mixprec.aliasing import overlapping
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
     COMPILE_MIN_ELEMENTS,
@@ -39,7 +40,6 @@ from mixprec.optim.engine import (
     StepCounts,
     call_key,
     check_compensation,
-    overlapping,
     wrap32,
 )
 from mixprec.optim.states import buckets as buckets_
