@@ -812,3 +812,23 @@ def test_lora_on_a_sharded_model_is_refused_where_it_would_go_wrong():
     0.08 apart after 3 steps, no warning); merging or dequantizing sharded adapters failed
     in torch's mixed Tensor/DTensor arithmetic. Both refused, saying what works."""
     run_ranks(_lora_worker, nprocs=WORLD)
+
+
+def test_int8_scales_cast_to_float16_by_a_true_policy_are_rounded_to_keep_their_rows(one_rank):
+    """A row of weights below 2^-14: its float32 scale, rounded to the nearest float16, fell
+    below what its codes need or to 0 (the row came back zero after sharding under 16-true).
+    The storage cast requantizes as ``.half()`` does."""
+    from mixprec.optim.scaling import DynamicLossScaler
+    from mixprec.quantize import quantize
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 4))
+    with torch.no_grad():
+        model[0].weight[0] = torch.randn(32) * 1e-6
+    quantize(model, "int8")
+    expected = copy.deepcopy(model[0]).half()
+    shard(model, "16-true", scaler=DynamicLossScaler(), master_weights=False, allow_slow=True)
+    assert model[0].weight_scale.dtype == torch.float16
+    got = model[0].dequantized_weight()[0]
+    assert torch.equal(got, expected.dequantized_weight()[0])
+    assert got.abs().max() > 1e-6

@@ -51,6 +51,8 @@ from mixprec.tree import iter_tensors, map_tensors
 __all__ = [
     "applied_policy",
     "apply",
+    "cast_buffer",
+    "check_scales",
     "default_dtype",
     "explain",
     "needs_default_dtype",
@@ -460,15 +462,24 @@ def _convert(plan: list[tuple[nn.Module, str, str, torch.dtype]]) -> None:
                 t.data = t.data.to(dtype)
                 if t.grad is not None:
                     t.grad = t.grad.to(dtype)
-            elif key == "weight_scale" and isinstance(module, ScaledCodes):
-                # codes and scales change together where the scales do not fit `dtype`
-                # (`_check_scales` made sure they can be stored in it)
-                t = module._buffers[key]
-                module.cast_scales(dtype, casts)
-                converted[id(t)] = module.weight_scale
             else:
-                t = module._buffers[key]
-                module._buffers[key] = converted.setdefault(id(t), t.to(dtype))
+                cast_buffer(module, key, dtype, casts, converted)
+
+
+def cast_buffer(
+    module: nn.Module, key: str, dtype: torch.dtype, casts: CodeCasts, done: dict[int, Tensor]
+) -> None:
+    """Store ``module``'s buffer ``key`` in ``dtype``. A quantized layer's scales change with
+    its codes (`ScaledCodes.cast_scales`: requantized where a rounded scale would no longer
+    cover its row; `check_scales` makes sure the dtype can hold them), the codes of layers
+    sharing them once (``casts``); any other buffer is cast once (``done``, by the old
+    tensor's id), so one shared by two modules stays shared."""
+    t = module._buffers[key]
+    if key == "weight_scale" and isinstance(module, ScaledCodes):
+        module.cast_scales(dtype, casts)
+        done[id(t)] = module.weight_scale
+    else:
+        module._buffers[key] = done.setdefault(id(t), t.to(dtype))
 
 
 def _check_model(model: Any) -> None:
@@ -565,7 +576,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     # re-apply leaves the previous policy in place, weights unrounded
     check_bypassed(model, resolved)
     dtype_plan(model, resolved, replaced=True)
-    _check_scales(model, resolved)
+    check_scales(model, resolved)
     if state is None:
         original = _floating_dtypes(model)
     else:
@@ -597,7 +608,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     return model
 
 
-def _check_scales(model: nn.Module, resolved: dict[str, Resolution]) -> None:
+def check_scales(model: nn.Module, resolved: dict[str, Resolution]) -> None:
     """Refuse, before anything changes, a policy storing a quantized layer's scales in a
     dtype that cannot hold them (`ScaledCodes.scales_refused`: a float16 scale whose product
     with the largest code is past its range), naming the layer and what is accepted."""
@@ -857,6 +868,7 @@ def remove(model: nn.Module) -> nn.Module:
     set_fast_paths(model)
     modules = dict(model.named_modules())
     restored: dict[int, Tensor] = {}  # a buffer shared by two modules stays shared
+    casts = CodeCasts()
     with torch.inference_mode(False):
         for (owner_name, key), dtype in state.original_dtypes.items():
             owner = modules.get(owner_name)
@@ -869,10 +881,7 @@ def remove(model: nn.Module) -> nn.Module:
                     if t.grad is not None:
                         t.grad = t.grad.to(dtype)
             elif owner._buffers.get(key) is not None and owner._buffers[key].dtype != dtype:
-                buffer = owner._buffers[key]
-                if id(buffer) not in restored:
-                    restored[id(buffer)] = buffer.to(dtype)
-                owner._buffers[key] = restored[id(buffer)]
+                cast_buffer(owner, key, dtype, casts, restored)
     return model
 
 

@@ -28,6 +28,8 @@ from mixprec.activations import install as install_activations
 from mixprec.activations import wrapped as wrapped_activations
 from mixprec.convert import (
     applied_policy,
+    cast_buffer,
+    check_scales,
     device_slow_attention,
     install_attention_islands,
     sharded_units,
@@ -40,6 +42,7 @@ from mixprec.optim.scaling import LossScaler
 from mixprec.policy import Policy
 from mixprec.policy.map import as_map, check_bypassed, island_policy
 from mixprec.quantize import QuantizeResult, quantize_modules
+from mixprec.quantize.int8 import CodeCasts
 from mixprec.quantize.rules import weights_read_by_parents
 
 __all__ = [
@@ -404,7 +407,9 @@ def shard(
             "mixprec.activations.install); shard puts on those of its policy: give it a "
             "model without them, and the options as the policy map's activations"
         )
-    check_bypassed(model, pmap.resolve(model))  # (MultiheadAttention's out_proj, as apply)
+    before = pmap.resolve(model)
+    check_bypassed(model, before)  # (MultiheadAttention's out_proj, as apply)
+    check_scales(model, before)  # (scales of layers quantized already: as apply)
     _check_units_apart(model, units(model, pmap, wrap))
     quantize_for(model, pmap)
     plan = units(model, pmap, wrap)
@@ -413,6 +418,7 @@ def shard(
     resolved = pmap.resolve(
         model, slow_attention=device_slow_attention(device), device_type=device.type
     )
+    casts, done = CodeCasts(), {}  # (codes and buffers shared by two layers stay shared)
     with torch.no_grad():  # FSDP2 keeps the storage dtype it finds: cast it first
         for name, module in model.named_modules():
             stored = resolved[name].policy.param_dtype
@@ -425,7 +431,7 @@ def shard(
                 if b is None or not b.is_floating_point() or key in fixed:
                     continue
                 if b.dtype != stored:
-                    module._buffers[key] = b.to(stored)
+                    cast_buffer(module, key, stored, casts, done)
     # each unit in its own compute dtype under an autocast its caller enters (innermost)
     modules = dict(model.named_modules())
     for name, unit_policy in plan.items():

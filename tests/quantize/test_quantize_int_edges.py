@@ -226,3 +226,23 @@ def test_a_cast_of_a_model_of_many_quantized_layers_keeps_every_layer():
     codes = [layer.qweight for layer in model]
     model.cpu().float()
     assert all(layer.qweight is code for layer, code in zip(model, codes, strict=True))
+
+
+def test_remove_casts_int8_scales_back_as_half_does_not_to_the_nearest():
+    """`remove` restored a float16 model's scales with a plain cast: a row of weights below
+    float16's normal range lost its scale to rounding (the row read as zeros)."""
+    from mixprec.quantize import merge_lora
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 4)).half()
+    with torch.no_grad():
+        model[0].weight[0] = torch.randn(32).half() * 1e-6
+    quantize(model, "int8")
+    mixprec.apply(model, "bf16-mixed", warn=False)  # float32 scales
+    enable_lora(model, rank=2)
+    merge_lora(model)  # a no-op merge requantized in float32: scales no float16 holds
+    expected = copy.deepcopy(model[0]).half()
+    mixprec.remove(model)
+    assert model[0].weight_scale.dtype == torch.float16
+    assert torch.equal(model[0].dequantized_weight(), expected.dequantized_weight())
+    assert model[0].dequantized_weight()[0].abs().max() > 1e-6
