@@ -222,6 +222,8 @@ class _AttentionIsland:
     Confined to that module's forward because a torch function mode costs a few
     microseconds on every torch call it sees."""
 
+    mixprec_wrapper = True  # (keeps the forward it replaced as `original`)
+
     def __init__(
         self, module: nn.Module, policy: Policy, original: Any, *, either: bool = False
     ) -> None:
@@ -248,6 +250,8 @@ class _Region:
     Stored in the module's `__dict__` under "forward", so `module(...)` and hooks behave
     as before; holds the module itself (not a bound method) so pickling and deepcopy work.
     """
+
+    mixprec_wrapper = True  # (keeps the forward it replaced as `original`)
 
     def __init__(
         self,

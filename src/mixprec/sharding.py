@@ -158,6 +158,8 @@ class _UnitAutocast:
     unit, autocast in its dtype for a 16-bit one (whose float32 buffers it still casts);
     without one, as it is."""
 
+    mixprec_wrapper = True  # (keeps the forward it replaced as `original`)
+
     def __init__(self, module: nn.Module, dtype: torch.dtype, device_type: str, original: Any):
         self.module = module
         self.dtype = dtype

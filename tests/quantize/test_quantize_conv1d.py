@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import mixprec
@@ -105,3 +106,34 @@ def test_a_layer_whose_parent_reads_its_weight_stays_float_and_explain_says_why(
     assert type(model.get_submodule(wo.replace("wo", "wi"))) in (Int8Linear, Int4Linear)
     ids = torch.randint(0, 64, (2, 5))
     model(input_ids=ids, labels=ids).loss.backward()  # (raised AttributeError before)
+
+
+class _ComputesWithChildWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.proj.weight, self.proj.bias)
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4", "float8"])
+def test_a_format_keeping_the_weight_skips_a_layer_whose_parent_computes_with_it(mode):
+    """mxfp8, nvfp4 and float8 keep the float weight beside their own matmul: a parent
+    computing with ``self.proj.weight`` passed the swapped layer by, reported quantized while
+    the model computed in float. Such a layer is skipped with the reason; T5's reads of
+    ``self.wo.weight``'s dtype (and ``isinstance``) do not compute with it, and its ``wo`` is
+    quantized."""
+    model = nn.Sequential(_ComputesWithChildWeight())
+    result = mixprec.quantize(model, mode)
+    assert "computes with its weight" in result.skipped["0.proj"]
+    assert type(model[0].proj) is nn.Linear
+    if mode == "float8":  # (T5's layers are too small to gain from float8)
+        return
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    t5 = transformers.T5ForConditionalGeneration(config)
+    wo = "encoder.block.0.layer.1.DenseReluDense.wo"
+    assert wo in mixprec.quantize(t5, mode).quantized

@@ -246,3 +246,36 @@ def test_remove_casts_int8_scales_back_as_half_does_not_to_the_nearest():
     assert model[0].weight_scale.dtype == torch.float16
     assert torch.equal(model[0].dequantized_weight(), expected.dequantized_weight())
     assert model[0].dequantized_weight()[0].abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("mode", ["int8", "mxfp8"])
+def test_a_layer_whose_forward_is_replaced_on_the_instance_stays_float_with_the_reason(mode):
+    """A swapped layer dropped a forward replaced on the instance (as accelerate's hooks
+    replace it): the model computed without it, silently. Such a layer is skipped, in
+    quantize and in apply's explanation; mixprec's own regions do not count."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    plain = model[0].forward
+    model[0].forward = lambda x: plain(x) * 0.5
+    x = torch.randn(4, 64)
+    expected = model(x)
+    result = quantize(model, mode)
+    assert "forward is replaced on the instance" in result.skipped["0"]
+    assert list(result.quantized) == ["1"] and type(model[0]) is nn.Linear
+    assert torch.allclose(model(x), expected, rtol=0.1, atol=0.05)
+    applied = mixprec.apply(nn.Sequential(nn.Linear(64, 64)), "bf16-mixed", warn=False)
+    assert "0" in mixprec.explain(applied, f"{mode}_from_bf16-mixed").quantization
+    assert "replaced" not in mixprec.explain(applied, f"{mode}_from_bf16-mixed").quantization["0"]
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "mxfp8"])
+def test_dequantize_of_a_bare_quantized_layer_returns_its_float_layer(mode):
+    """A quantized layer given alone came back still quantized (only children were
+    swapped); it gives its float layer now, with the weight it held."""
+    layer = nn.Linear(64, 32)
+    wrapper = nn.Sequential(layer)
+    quantize(wrapper, mode)
+    quantized = wrapper[0]
+    expected = dequantize(copy.deepcopy(wrapper))[0]
+    back = dequantize(quantized)
+    assert type(back) is nn.Linear
+    assert torch.equal(back.weight, expected.weight) and torch.equal(back.bias, expected.bias)

@@ -75,6 +75,8 @@ class ActivationForward:
     the forward with its saved tensors stored, offloaded or recomputed as `option` says.
     Without autograd recording (``no_grad``, inference) it only calls the forward."""
 
+    mixprec_wrapper = True  # (keeps the forward it replaced as `original`)
+
     def __init__(self, module: nn.Module, option: str, original: Any) -> None:
         self.module = module
         self.option = option

@@ -276,7 +276,7 @@ def dequantize(model: nn.Module) -> nn.Module:
     (`mixprec.formats.Format.to_float`); returns `model`. An int8/int4 layer becomes a
     Linear/Embedding holding its dequantized weight (LoRA adapters folded in; tied weights
     tied again), a float8 or block-scaled layer the Linear holding its own (float)
-    parameters."""
+    parameters. A bare quantized layer gives its float layer back (use the result)."""
     refuse_applied(model, "dequantize")
     _refuse_sharded_adapters(_lora_layers(model), "dequantize")
     memo: dict[int, Any] = {}
@@ -287,7 +287,7 @@ def dequantize(model: nn.Module) -> nn.Module:
         if fmt is not None:
             new[id(m)] = fmt.to_float(m, memo)
     swap_modules(model, lambda path, child: new.get(id(child)))
-    return model
+    return new.get(id(model), model)
 
 
 def _lora_layers(module: nn.Module) -> list[LoraMixin]:

@@ -61,34 +61,53 @@ def linear_view(module: nn.Module) -> nn.Module:
     return linear.train(module.training)
 
 
+# what a forward may read of a child's weight without computing with it (T5's feed-forward
+# casts its input to ``self.wo.weight.dtype`` after ``isinstance(self.wo.weight, Tensor)``)
+_METADATA = re.compile(r"\s*\.\s*(dtype|device|shape|size|ndim|dim|is_floating_point)\b")
+
+
+class MetadataRead(str):
+    """A parent's class name (a `weights_read_by_parents` value) whose forward reads only its
+    child's weight's dtype, device or shape: harmless where the format keeps the weight."""
+
+
 @functools.cache
-def _weights_read(cls: type) -> frozenset[str]:
+def _weights_read(cls: type) -> dict[str, bool]:
     """The children whose weight ``cls.forward`` reads itself (``self.wo.weight``, as
-    Hugging Face's T5 feed-forward does to pick its input's dtype), from its source; none
+    Hugging Face's T5 feed-forward does to pick its input's dtype), from its source, each
+    with whether it computes with it (a read other than of its dtype, device or shape); none
     when the source cannot be read, or the reads are in torch's inference fast path of an
     encoder layer, which `set_fast_paths` turns off around quantized layers."""
     forward = inspect.getattr_static(cls, "forward", None)  # (a TorchScript module's is not
     if issubclass(cls, nn.TransformerEncoderLayer) or not inspect.isfunction(forward):  # one)
-        return frozenset()
+        return {}
     try:
         source = inspect.getsource(forward)
     except (OSError, TypeError):
-        return frozenset()
+        return {}
     # (the module as forward names it: ``self`` by convention, not always)
     me = next(iter(inspect.signature(forward).parameters), "self")
-    return frozenset(re.findall(rf"\b{re.escape(me)}\.(\w+)\.weight\b", source))
+    out: dict[str, bool] = {}
+    for read in re.finditer(rf"\b{re.escape(me)}\.(\w+)\.weight\b", source):
+        metadata = _METADATA.match(source, read.end()) or re.search(
+            r"isinstance\(\s*$", source[: read.start()]
+        )
+        out[read[1]] = out.get(read[1], False) or not metadata
+    return out
 
 
 def weights_read_by_parents(model: nn.Module) -> dict[int, str]:
     """The modules of ``model`` whose weight their parent's forward reads itself, by id,
-    with that parent's class name: a layer holding codes in place of its weight would
-    break that forward (`skip_reason`'s ``read_by``)."""
+    with that parent's class name (a `MetadataRead` where it reads only the weight's dtype,
+    device or shape): a layer holding codes in place of its weight would break that forward,
+    and one computing in another format would be passed by (`skip_reason`'s ``read_by``)."""
     out: dict[int, str] = {}
     for parent in model.modules():
-        for name in _weights_read(type(parent)):
+        for name, computes in _weights_read(type(parent)).items():
             child = parent._modules.get(name)
             if child is not None:
-                out[id(child)] = type(parent).__name__
+                kind = str if computes else MetadataRead
+                out[id(child)] = kind(type(parent).__name__)
         if type(parent).__module__.startswith("peft."):
             for child in parent._modules.values():
                 weight = getattr(child, "_parameters", {}).get("weight")
@@ -115,6 +134,16 @@ _PEFT_KEPT = {
 }
 
 
+def replaced_forward(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is replaced on the instance by something other than
+    mixprec's own wrappers (regions, activation options: they keep what they replaced as
+    ``original``, and come off before a layer is swapped)."""
+    forward = module.__dict__.get("forward")
+    while getattr(type(forward), "mixprec_wrapper", False):
+        forward = forward.original  # type: ignore[union-attr]
+    return forward is not None
+
+
 def skip_reason(
     policy: QuantizedPolicy, module: nn.Module, read_by: str | None = None
 ) -> str | None:
@@ -127,6 +156,11 @@ def skip_reason(
     done = getattr(module, "quantization_mode", None)
     if isinstance(done, str):
         return None if done == fmt.name else f"already quantized to {done}"
+    if replaced_forward(module):
+        return (
+            "its forward is replaced on the instance (an accelerate hook, an adapter's patch), "
+            "which a quantized layer would drop: quantize before replacing it"
+        )
     linear_only = not fmt.embeddings
     kinds = "Linear" if linear_only else "Linear, Embedding and Hugging Face's Conv1D"
     if read_by == PEFT_ADAPTER:
@@ -149,6 +183,12 @@ def skip_reason(
         return (
             f"unsupported: its parent {read_by} reads its weight in its own forward, where "
             f"a layer in {fmt.name} holds codes"
+        )
+    peft = read_by in (PEFT_SAVED, PEFT_TRAINED)
+    if read_by is not None and not peft and not isinstance(read_by, MetadataRead):
+        return (
+            f"unsupported: its parent {read_by} computes with its weight in its own forward, "
+            f"which would pass the {fmt.name} layer by (the model would compute in float)"
         )
     embedding = not linear_only and type(module) is nn.Embedding
     if embedding and (module.max_norm is not None or module.sparse or module.scale_grad_by_freq):
