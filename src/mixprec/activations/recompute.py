@@ -31,7 +31,7 @@ from torch.utils.checkpoint import (
 from mixprec.dtypes import default_dtype, needs_default_dtype
 from mixprec.tree import iter_tensors, map_tensors, shallow_copy
 
-__all__ = ["SAVED_OPS", "mark_region_cast", "recomputed", "selective_policy"]
+__all__ = ["SAVED_OPS", "SelectivePolicy", "mark_region_cast", "recomputed"]
 
 _aten = torch.ops.aten
 # the ops (overload packets) whose outputs `selective` saves: the expensive ones
@@ -54,15 +54,29 @@ SAVED_OPS: frozenset[Any] = frozenset(
 )
 
 
-def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Save the output of a matmul, convolution or attention op; recompute the rest."""
-    if getattr(op, "overloadpacket", op) in SAVED_OPS:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+class SelectivePolicy:
+    """Save the output of a matmul, convolution or attention op; recompute the rest.
+
+    Also saves the ``_unsafe_view`` that ``torch.matmul`` returns right over a saved
+    product: it has a version counter of its own, so a write into it (``scores += bias``,
+    as T5's attention does) escaped torch's mutation check, and the recomputation added the
+    bias again on top of the kept product, silently. Saved, the write is caught. One policy
+    serves one checkpointed call; the forward and its recomputation see the same op order."""
+
+    def __init__(self) -> None:
+        self._after_saved = {False: False, True: False}  # (by ctx.is_recompute)
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        packet = getattr(op, "overloadpacket", op)
+        phase = bool(getattr(ctx, "is_recompute", False))
+        follows, self._after_saved[phase] = self._after_saved[phase], packet in SAVED_OPS
+        if packet in SAVED_OPS or (follows and packet is _aten._unsafe_view):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_contexts() -> Any:
-    return create_selective_checkpoint_contexts(selective_policy)
+    return create_selective_checkpoint_contexts(SelectivePolicy())
 
 
 def recomputed(
