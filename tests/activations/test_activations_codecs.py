@@ -764,3 +764,46 @@ def test_unbound_diagonal_and_strided_views_of_parameters_are_kept_and_not_count
     # no copy of the weight counted: the batch's bfloat16 copy, the two Linears' outputs,
     # the bfloat16 copy of the product (8 x 64 each)
     assert counted["keep"] == {"": 4 * 8 * 64 * 2}
+
+
+class _Picks(nn.Module):
+    """Functions whose backward compares its saved input and result, or divides by a saved
+    value, after a Linear (a hand-written stable softmax, cross-entropy, an inf norm)."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.lin, self.op = nn.Linear(8, 64), op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(self.lin(x))
+
+
+@pytest.mark.parametrize("option", ["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda h: h - h.amax(-1, keepdim=True),
+        lambda h: torch.amin(h, 1),
+        lambda h: h.median().expand(4),
+        lambda h: torch.linalg.vector_norm(h, float("inf"), dim=1),
+        lambda h: torch.log(h.square() * 1e-6).mean(-1),
+        lambda h: (torch.ones(4, 1) / torch.cat([h, h[:, :1] * 1e-9], 1)).sum(-1),
+    ],
+    ids=["amax", "amin", "median", "inf-norm", "log", "division"],
+)
+def test_functions_picking_by_equality_or_dividing_by_a_save_keep_it_exact(option, op):
+    """Stored apart, a rounded input and result matched no element (gradients NaN or 0), and
+    fp8 rounded small values to exactly 0 (log's and a division's gradients infinite). Those
+    saves are kept exact: the gradient is close to keep's."""
+    x = torch.randn(4, 8)
+    grads = {}
+    for activations in (None, option):
+        torch.manual_seed(0)
+        model = mixprec.apply(_Picks(op), mixprec.PolicyMap("32-true", activations=activations))
+        with torch.no_grad():
+            model.lin.weight.mul_(8)  # (logits spread wide: softmax values below 2^-30)
+        model(x).square().sum().backward()
+        grads[activations] = model.lin.weight.grad
+    assert grads[option].isfinite().all()
+    error = (grads[option] - grads[None]).norm() / grads[None].norm()
+    assert error < 0.1

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
-from mixprec.activations.codecs import CODECS, Codec, Keep, ToBfloat16, ToFp8
+from mixprec.activations.codecs import CODECS, Codec, Keep, ToBfloat16
 from mixprec.activations.options import OPTIONS, accepted, refusal
 from mixprec.activations.recompute import recomputed
 from mixprec.activations.rules import Choice, never_called
@@ -148,30 +148,66 @@ def warn_if_root_unused(model: nn.Module) -> None:
 
 
 _SDPA = F.scaled_dot_product_attention
-# the functions whose saves `_AttentionInBfloat16` stores as bf16 stores them: attention, and
-# nn.MultiheadAttention's functional form, which calls it where a torch function mode cannot
-# see (a mode sees the outermost torch function of a call only), so all it saves goes so
+# the functions whose saves `_SavesByFunction` stores as bf16 stores them under fp8:
+# attention, and nn.MultiheadAttention's functional form, which calls it where a torch
+# function mode cannot see (a mode sees the outermost torch function of a call only), so
+# all it saves goes so
 _ATTENTION_FUNCTIONS = (_SDPA, F.multi_head_attention_forward)
+_T = torch.Tensor
+# functions whose backward finds the elements it picked by comparing its saved input with
+# its saved result (``result == self``): stored apart, a rounded one matches no element and
+# the gradient is NaN (divided by a count of 0) or zero. Their saves are kept exact.
+_PICKING = frozenset(
+    [torch.amax, _T.amax, torch.amin, _T.amin, torch.max, _T.max, torch.min, _T.min]
+    + [torch.median, _T.median, torch.nanmedian, _T.nanmedian, torch.norm, _T.norm]
+    + [torch.linalg.vector_norm, torch.linalg.norm]
+)
+# functions whose backward divides by a saved value, or grows without bound near one
+# (asin at 1): fp8's block scales round a small value to exactly 0 (or 0.97 to 1), and
+# their gradient is infinite. Kept exact under fp8 (bfloat16 keeps float32's range).
+_DIVIDING = frozenset(
+    [torch.log, _T.log, torch.log2, _T.log2, torch.log10, _T.log10, torch.sqrt, _T.sqrt]
+    + [torch.div, _T.div, torch.true_divide, _T.true_divide, _T.__truediv__]
+    + [_T.__rtruediv__, torch.pow, _T.pow, _T.__pow__, _T.__rpow__, torch.std, _T.std]
+    + [torch.asin, _T.asin, torch.acos, _T.acos, torch.atanh, _T.atanh, F.normalize]
+)
 
 
-class _AttentionInBfloat16(TorchFunctionMode):
-    """While on, what `scaled_dot_product_attention` saves is stored as ``bf16`` stores it
-    (float32 as bfloat16, the rest as it is), whatever codec is around it: its backward
-    computes the attention weights again from the saved query and key against the saved
-    log-sum-exp of the exact ones, and fp8's query and key no longer match it (the weights
-    come out unnormalized: docs/activations.md says what that does to training).
-    nn.MultiheadAttention's functional form is stored so whole, its projections' inputs too
-    (`_ATTENTION_FUNCTIONS`). Only where the innermost saved-tensor hooks are an fp8 codec's
-    (a module inside keeping, recomputing or offloading has its way). Every other call runs
-    as it is."""
+class _SavesByFunction(TorchFunctionMode):
+    """While on (around a ``bf16`` or ``fp8`` module's forward), the saves of a few
+    functions are stored otherwise than the module's codec stores them:
+
+    - under fp8, what attention saves is stored as ``bf16`` stores it (float32 as bfloat16,
+      the rest as it is): its backward computes the attention weights again from the saved
+      query and key against the saved log-sum-exp of the exact ones, and fp8's query and key
+      no longer match it (docs/activations.md). nn.MultiheadAttention's functional form is
+      stored so whole, its projections' inputs too;
+    - the saves of functions picking elements by equality (`_PICKING`: amax, median, an inf
+      norm), and under fp8 of those dividing by a saved value (`_DIVIDING`: log, division,
+      sqrt), are kept exact.
+
+    Only where the innermost saved-tensor hooks are a storing codec's (a module inside
+    keeping, recomputing or offloading has its way). Every other call runs as it is."""
+
+    def __init__(self, fp8: bool) -> None:
+        super().__init__()
+        self.fp8 = fp8
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        if func not in _ATTENTION_FUNCTIONS or not _fp8_innermost():
-            return func(*args, **(kwargs or {}))
-        with saved_tensors_hooks(_ATTENTION.pack, _ATTENTION.unpack):
-            return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func in _PICKING or (self.fp8 and func in _DIVIDING):
+            hooks = _EXACT
+        elif self.fp8 and func in _ATTENTION_FUNCTIONS:
+            hooks = _ATTENTION
+        else:
+            return func(*args, **kwargs)
+        codec = _innermost_codec()
+        if codec is None or codec.name not in ("bf16", "fp8"):
+            return func(*args, **kwargs)
+        with saved_tensors_hooks(hooks.pack, hooks.unpack):
+            return func(*args, **kwargs)
 
 
 _ATTENTION = ToBfloat16()
@@ -182,11 +218,6 @@ def _innermost_codec() -> Codec | None:
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     codec = getattr(top[0], "__self__", None) if top is not None else None
     return codec if isinstance(codec, Codec) else None
-
-
-def _fp8_innermost() -> bool:
-    """Whether the saved-tensor hooks torch calls now are an fp8 codec's."""
-    return isinstance(_innermost_codec(), ToFp8)
 
 
 _EXACT = Keep()
@@ -209,14 +240,18 @@ def _exact_inputs() -> Any:
 def _stored(
     wrapper: ActivationForward, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """`forward` under `wrapper`'s codec hooks (for fp8, attention's saves in bfloat16:
-    `_AttentionInBfloat16`) or ``save_on_cpu``. Never traced: the graphs of torch.compile do
+    """`forward` under `wrapper`'s codec hooks (a few functions' saves stored otherwise:
+    `_SavesByFunction`) or ``save_on_cpu``. Never traced: the graphs of torch.compile do
     not run saved_tensors_hooks, so under it this module's forward runs eagerly (the modules
     around it still compile)."""
     codec = wrapper.codec
     if codec is not None:
-        attention = _AttentionInBfloat16() if codec.name == "fp8" else contextlib.nullcontext()
-        with saved_tensors_hooks(codec.pack, codec.unpack), attention:
+        by_function = (
+            _SavesByFunction(codec.name == "fp8")
+            if codec.name in ("bf16", "fp8")
+            else contextlib.nullcontext()
+        )
+        with saved_tensors_hooks(codec.pack, codec.unpack), by_function:
             return forward(*args, **kwargs)
     device = _device_of(args, kwargs, wrapper.module)
     if device is not None and device.type != "cuda":
