@@ -669,3 +669,33 @@ def test_a_checkpoint_recasts_a_regions_weights_rather_than_keeping_its_copies()
     finally:
         recompute._swapped_parameters = real
     assert seen and all(not casts and n == 0 and everything > 0 for casts, n, everything in seen)
+
+
+class _HandsItsNormIn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block, self.norm = _TakesANorm(), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x, self.norm)
+
+
+class _TakesANorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        return torch.relu(norm(self.lin(x)))
+
+
+@pytest.mark.parametrize("option", ["checkpoint", "selective"])
+def test_a_batchnorm_called_inside_a_recomputed_module_but_held_elsewhere_is_refused(option):
+    """Only the recomputed module's own buffers were watched: a BatchNorm its parent hands
+    in took every batch twice (forward and recomputation), silently. Every module the
+    forward calls is watched."""
+    model = mixprec.apply(_HandsItsNormIn(), PolicyMap("32-true", activations={"block": option}))
+    with pytest.raises(PolicySpecError, match="BatchNorm1d updated its buffer.*of _TakesANorm"):
+        model(torch.randn(16, 8))
+    model.eval()
+    model(torch.randn(16, 8)).sum().backward()  # (no statistics updated in eval mode)

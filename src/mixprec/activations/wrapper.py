@@ -109,21 +109,38 @@ class ActivationForward:
         if self.codec is not None or self.option == "offload":
             return _stored(self, forward, args, kwargs)
         # (in eval mode too: a forward may update a buffer there, a count or a scale)
-        buffers = list(module.named_buffers())
-        versions = [b._version for _, b in buffers]
-        with _exact_inputs():
-            out = recomputed(forward, self.option, args, kwargs, module)
-        # (a buffer written in place, or assigned anew, as ``self.ema = 0.9 * self.ema + x``)
-        now = dict(module.named_buffers()) if buffers else {}
-        for (name, b), version in zip(buffers, versions, strict=True):
-            if now.get(name) is not b or b._version != version:
-                raise PolicySpecError(
-                    f"{type(module).__name__} updated its buffer {name!r} in a forward that "
-                    f"{self.option!r} recomputes, so the backward updates it again; give "
-                    "this module 'keep', 'bf16', 'fp8' or 'offload', or recompute the "
-                    "modules around the one updating it"
-                )
+        seen = {id(module): _buffer_marks(module, recurse=True)}
+
+        def note(called: nn.Module, _: Any) -> None:  # (a module it calls from elsewhere:
+            if id(called) not in seen:  # a BatchNorm its parent hands in)
+                seen[id(called)] = _buffer_marks(called, recurse=False)
+
+        hook = nn.modules.module.register_module_forward_pre_hook(note)
+        try:
+            with _exact_inputs():
+                out = recomputed(forward, self.option, args, kwargs, module)
+        finally:
+            hook.remove()
+        for owner, marks in seen.values():
+            now = dict(owner.named_buffers()) if marks else {}
+            for name, b, version in marks:
+                if now.get(name) is not b or b._version != version:
+                    raise PolicySpecError(
+                        f"{type(owner).__name__} updated its buffer {name!r} in a forward "
+                        f"that {self.option!r} recomputes (of {type(module).__name__}), so "
+                        "the backward updates it again; give this module 'keep', 'bf16', "
+                        "'fp8' or 'offload', or recompute the modules around the one "
+                        "updating it"
+                    )
         return out
+
+
+def _buffer_marks(
+    module: nn.Module, recurse: bool
+) -> tuple[nn.Module, list[tuple[str, Tensor, int]]]:
+    """``module`` with each of its buffers' name, tensor and version counter: a buffer
+    written in place, or assigned anew (``self.ema = 0.9 * self.ema + x``), changes one."""
+    return module, [(n, b, b._version) for n, b in module.named_buffers(recurse=recurse)]
 
 
 def warn_if_root_unused(model: nn.Module) -> None:
