@@ -182,3 +182,14 @@ def test_a_refused_re_apply_leaves_the_previous_activation_options_in_place():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
         model(x).sum()
     assert not [t for t in seen if t.dtype == torch.float32 and t.numel() == x.numel()]
+
+
+def test_an_activation_type_rule_for_a_class_imported_twice_is_warned_of():
+    """A type rule naming another class of the same name as the model's modules' (a script
+    loaded under two module names) matched nothing and no option was put on, silently; it
+    is warned of, as a policy type rule is. A type the model lacks is not."""
+    twin = type("Linear", (nn.Module,), {"__module__": "elsewhere"})
+    lacking = type("Gone", (nn.Module,), {"__module__": "elsewhere"})
+    pmap = mixprec.PolicyMap("32-true", activations={twin: "checkpoint", lacking: "bf16"})
+    with pytest.warns(UserWarning, match=r"activation type rules match no module.*elsewhere\.Lin"):
+        mixprec.apply(nn.Sequential(nn.Linear(2, 2)), pmap)

@@ -187,8 +187,11 @@ class Codec:
         # history): a saved output (relu's, softmax's) held with its grad_fn made a cycle,
         # grad_fn -> saved tensor -> it -> grad_fn, which the garbage collector cannot see,
         # so a graph dropped without a backward was never freed
-        if not _plain_layout(t):  # (sparse, nested: kept as they are, their bytes unknown)
-            return AsIs(t.detach(), t._version)
+        if not _plain_layout(t):
+            if has_storage(t):  # (an expanded view: its storage is held, counted once)
+                storage = t.untyped_storage()
+                _record(t, storage.nbytes(), storage.data_ptr())
+            return AsIs(t.detach(), t._version)  # (sparse, nested: their bytes unknown)
         storage = t.untyped_storage()
         if not self.stores(t):
             _record(t, storage.nbytes(), storage.data_ptr())

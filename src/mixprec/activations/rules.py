@@ -24,7 +24,7 @@ from torch import nn
 
 from mixprec.activations.options import RECOMPUTE, check_option
 from mixprec.errors import PolicySpecError
-from mixprec.policy.matching import match_rule, split_rules
+from mixprec.policy.matching import match_rule, split_rules, warn_types_imported_twice
 
 __all__ = ["ActivationRules", "ActivationsSpec", "Choice", "as_rules", "never_called"]
 
@@ -132,7 +132,9 @@ class ActivationRules:
 
     def warn_unmatched(self, model: nn.Module, *, stacklevel: int = 2) -> None:
         """One warning naming the path rules that match no module of `model` (with the
-        closest paths), as for policy rules: a typo far more often than intent."""
+        closest paths), as for policy rules: a typo far more often than intent; and one
+        naming type rules for a class imported twice (`warn_types_imported_twice`)."""
+        warn_types_imported_twice(self._types, model, "activation", stacklevel + 1)
         names = [name for name, _ in model.named_modules(remove_duplicate=False)]
         said = []
         for key in self.unmatched_paths(names):

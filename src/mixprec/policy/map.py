@@ -71,7 +71,13 @@ from mixprec.policy.files import (
     type_name,
     unique_keys,
 )
-from mixprec.policy.matching import PathRules, TypeRules, match_rule, split_rules
+from mixprec.policy.matching import (
+    PathRules,
+    TypeRules,
+    match_rule,
+    split_rules,
+    warn_types_imported_twice,
+)
 from mixprec.quantize.rules import skip_reason, weights_read_by_parents
 
 __all__ = [
@@ -319,21 +325,7 @@ class PolicyMap:
         the one the model's instances are not (a rule for a type the model lacks, as a map
         shared by several models holds, is not warned of). ``stacklevel`` counts from the
         caller, as `warnings.warn`'s."""
-        modules = [m for _, m in model.named_modules()]
-        names_here = {type(m).__qualname__ for m in modules}
-        missing = [
-            t
-            for t in self._types
-            if t.__qualname__ in names_here and not any(isinstance(m, t) for m in modules)
-        ]
-        if missing:
-            named = ", ".join(type_name(t) for t in missing)
-            warnings.warn(
-                f"policy type rules match no module of {type(model).__name__}: {named}, whose "
-                "name its modules' classes have (a class imported twice, as a script loaded "
-                "under another module name, is another class: import it once)",
-                stacklevel=stacklevel + 1,
-            )
+        warn_types_imported_twice(self._types, model, "policy", stacklevel + 1)
         names = [name for name, _ in model.named_modules(remove_duplicate=False)]
         unmatched = self.unmatched_paths(names)
         if not unmatched:

@@ -10,6 +10,7 @@ two rules of the same rank matching one module is an error, not a silent pick.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from mixprec.errors import PolicySpecError
 
-__all__ = ["is_a", "match_rule", "split_rules"]
+__all__ = ["is_a", "match_rule", "split_rules", "warn_types_imported_twice"]
 
 V = TypeVar("V")
 PathRules = dict[str, tuple[re.Pattern[str], V]]  # path regex -> (compiled, value)
@@ -74,3 +75,28 @@ def match_rule(
                 return paths[hit][1], f"regex rule {hit!r}"
             return types[hit], f"type rule {hit.__name__}"
     return None
+
+
+def warn_types_imported_twice(
+    types: Mapping[type, Any], model: nn.Module, kind: str, stacklevel: int
+) -> None:
+    """Warn of the type rules (``kind``: "policy", "activation") that match no module of
+    ``model`` while a module of a class of the same name is there: a class imported twice
+    (a script loaded under another module name) is two classes, and the rule names the one
+    the model's instances are not. A rule for a type the model lacks (a map shared by
+    several models) is not warned of."""
+    modules = [m for _, m in model.named_modules()]
+    names_here = {type(m).__qualname__ for m in modules}
+    missing = [
+        t
+        for t in types
+        if t.__qualname__ in names_here and not any(isinstance(m, t) for m in modules)
+    ]
+    if missing:
+        named = ", ".join(f"{t.__module__}.{t.__qualname__}" for t in missing)
+        warnings.warn(
+            f"{kind} type rules match no module of {type(model).__name__}: {named}, whose "
+            "name its modules' classes have (a class imported twice, as a script loaded "
+            "under another module name, is another class: import it once)",
+            stacklevel=stacklevel + 1,
+        )
