@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import mixprec
@@ -699,3 +700,31 @@ def test_a_batchnorm_called_inside_a_recomputed_module_but_held_elsewhere_is_ref
         model(torch.randn(16, 8))
     model.eval()
     model(torch.randn(16, 8)).sum().backward()  # (no statistics updated in eval mode)
+
+
+class _ReadsItsChildsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(F.linear(x, self.proj.weight, self.proj.bias))
+
+
+@pytest.mark.parametrize("policy", ["p=bf16,c=f32", "p=f16,c=bf16", "bf16-true"])
+def test_checkpoint_recomputes_a_module_reading_its_childs_weight_bit_for_bit(policy):
+    """A module computing with its child's weight itself got the enclosing region's compute
+    copy in the forward and the stored weight in the recomputation (the backward failed on
+    mixed dtypes). The copies are cast again, fresh, for the recomputation."""
+    grads = {}
+    for option in (None, "checkpoint"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), _ReadsItsChildsWeight(), nn.Linear(16, 2))
+        precision = Precision(
+            policy, allow_slow=True, activations={"1": option} if option else None
+        )
+        model = precision.setup(model)
+        x = precision.convert_input(torch.randn(4, 8, generator=torch.Generator().manual_seed(1)))
+        precision.backward(model(x).float().square().mean())
+        grads[option] = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(grads[None], grads["checkpoint"], strict=True))

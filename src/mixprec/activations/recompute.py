@@ -119,6 +119,9 @@ def recomputed(
     swapped = _swapped_parameters(module, mode == "selective") if module is not None else {}
     if swapped:
         run = functools.partial(_with_swapped, module, swapped, run)
+    recast = _region_recasts(module) if module is not None and mode == "checkpoint" else {}
+    if recast:
+        run = functools.partial(_with_recast, module, recast, run)
     extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
     return checkpoint(run, *run_leaves.originals, use_reentrant=False, **extra)
 
@@ -219,6 +222,44 @@ def _swapped_parameters(module: nn.Module, casts: bool) -> dict[str, torch.Tenso
         and not isinstance(t, nn.Parameter)
         and (casts or _REGION_CASTS.get(id(t)) is not t)
     }
+
+
+def _region_recasts(module: nn.Module) -> dict[str, torch.dtype]:
+    """The parameters of `module` and below an enclosing "true" region swapped for compute
+    copies this forward (`mark_region_cast`), by path, with the copies' dtype: a checkpoint
+    keeps no copy, and a module reading a child's weight itself (``F.linear(x,
+    self.proj.weight)``) is recomputed outside that region, where the stored weight is."""
+    return {
+        f"{prefix}.{key}" if prefix else key: t.dtype
+        for prefix, m in module.named_modules()
+        for key, t in m._parameters.items()
+        if t is not None and _REGION_CASTS.get(id(t)) is t
+    }
+
+
+def _with_recast(
+    module: nn.Module, recast: dict[str, torch.dtype], run: Callable[..., Any], *args: Any
+) -> Any:
+    """``run(*args)`` with the parameters an enclosing region cast at the forward
+    (`_region_recasts`) cast alike again, fresh, where they are the stored ones (the
+    recomputation in the backward); in the forward the region's copies are there. A region
+    inside casts nothing already in its dtype, so each weight is cast once, as before."""
+    first = next(iter(recast))
+    owner, _, key = first.rpartition(".")
+    if not isinstance(
+        (module.get_submodule(owner) if owner else module)._parameters[key], nn.Parameter
+    ):
+        return run(*args)
+    fresh: dict[int, torch.Tensor] = {}  # (a weight tied under two paths: one copy)
+    copies = {}
+    for path, dtype in recast.items():
+        owner, _, key = path.rpartition(".")
+        param = (module.get_submodule(owner) if owner else module)._parameters[key]
+        if id(param) not in fresh:
+            fresh[id(param)] = param.to(dtype)
+        copies[path] = fresh[id(param)]
+    with _reparametrize_module(module, copies):
+        return run(*args)
 
 
 def _with_swapped(
