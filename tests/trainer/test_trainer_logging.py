@@ -535,3 +535,22 @@ def test_a_resume_from_an_epochs_last_batch_keeps_rows_at_other_steps_and_other_
     # (the epoch's end at step 8 again, as from any save before an epoch's end)
     again = held.rows[len(first) :]
     assert again[0] == (8, ("seen_epoch",)) and all(step > 8 or step == 0 for step, _ in again[1:])
+
+
+def test_epoch_means_weigh_each_batch_by_its_size_when_no_batch_size_is_given(tmp_path):
+    """A short last batch weighed as much as a full one in every epoch mean (val_loss here:
+    batches of 4, 4 and 2, the last two outliers), unlike the plain-module path; now each
+    value logged in a step weighs its batch's size, as in Lightning."""
+    x = torch.zeros(10, 4)
+    y = torch.zeros(10, 2)
+    y[8:] = 10.0  # (the short last batch)
+    trainer = Trainer(max_steps=1, default_root_dir=tmp_path, logger=False, seed=0)
+    model = Model()
+    model.validation_step = lambda batch, i: model.log(
+        "val_loss", F.mse_loss(model(batch[0]), batch[1])
+    )
+    val = DataLoader(TensorDataset(x, y), batch_size=4)
+    trainer.fit(model, DataLoader(data(8), batch_size=8), val)
+    with torch.no_grad():
+        expected = F.mse_loss(model(x), y).item()
+    assert trainer.callback_metrics["val_loss"] == pytest.approx(expected, rel=1e-6)

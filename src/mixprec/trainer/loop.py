@@ -362,8 +362,9 @@ def train_epoch(run: FitRun) -> None:
     # stop request's, read here as attributes, every batch)
     max_steps = run.config.max_steps if run.config.max_steps is not None else math.inf
     for batch in batches:  # (never fetched past n: the generators would move)
+        run.metrics.batch_size = batch_size_of(batch)  # (what a logged value weighs)
         if batch_idx == 0:
-            run.first_batch_size = batch_size_of(batch)
+            run.first_batch_size = run.metrics.batch_size
         if run.log.measured_steps < MEASURED_STEPS:
             measured_batch(run, batch, batch_idx)
         else:
@@ -796,9 +797,10 @@ def run_eval(
             if n is not None and batch_idx >= n:
                 break
             batch = run.precision.convert_input(to_device(batch, run.strategy.device))
+            metrics_store.batch_size = batch_size_of(batch)  # (what a logged value weighs)
             output = run.runner(kind, batch, batch_idx)
             if plain:
-                metrics_store.log(f"{what}_loss", output, batch_size=batch_size_of(batch))
+                metrics_store.log(f"{what}_loss", output)
             step_metrics = metrics_store.take_step(run.strategy.mean)
             if step_metrics:
                 run.log.add(run.progress.global_step, dict(step_metrics), flush=True)
@@ -806,6 +808,7 @@ def run_eval(
         if isinstance(model, TrainingModule):
             with metrics_store.epoch_hook(f"on_{kind}_epoch_end"):
                 getattr(model, f"on_{kind}_epoch_end")()
+        metrics_store.batch_size = None
         metrics = metrics_store.take_epoch(run.strategy.mean, run.strategy.union)
         run.log.add(run.progress.global_step, dict(metrics), flush=True)
         with metrics_store.refusing(f"on_{kind}_end"):

@@ -63,6 +63,10 @@ class MetricStore:
         self._step: dict[bool, _Sums] = {True: {}, False: {}}
         self._epoch: dict[bool, _Sums] = {True: {}, False: {}}
         self._synced: set[str] = set()
+        # the size of the batch being stepped (`batch_size_of`, set by the loops): a value
+        # logged in its step without a batch_size weighs it in the epoch's mean, as
+        # Lightning infers it (a short last batch weighs less)
+        self.batch_size: int | None = None
 
     @contextlib.contextmanager
     def epoch_hook(self, name: str) -> Iterator[None]:
@@ -127,7 +131,8 @@ class MetricStore:
             if sync_dist:
                 self._synced.add(step_name)
         if on_epoch:
-            weight = batch_size or 1
+            inferred = self.batch_size if self._hook is None else None
+            weight = batch_size or inferred or 1
             self._add(self._epoch[self.training], epoch_name, v * weight, weight)
         if prog_bar:
             self.prog_bar.update({step_name, epoch_name} if both else {name})

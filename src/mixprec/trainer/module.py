@@ -158,10 +158,11 @@ class TrainingModule(nn.Module):
         """Record a metric for the loggers, the progress bar (``prog_bar``) and callbacks.
 
         Defaults as in Lightning: in ``training_step`` a value is logged per step; in
-        validation/test steps its mean over the epoch (weighted by ``batch_size`` when
-        given) is logged once. With both ``on_step`` and ``on_epoch`` the names get
-        ``_step`` and ``_epoch`` suffixes. Epoch means are averaged over processes under
-        ddp; ``sync_dist`` also averages per-step values (a collective on every step).
+        validation/test steps its mean over the epoch is logged once, weighted by
+        ``batch_size`` (by default the batch's: the leading size of its first tensor).
+        With both ``on_step`` and ``on_epoch`` the names get ``_step`` and ``_epoch``
+        suffixes. Epoch means are averaged over processes under ddp; ``sync_dist`` also
+        averages per-step values (a collective on every step).
         """
         _attached(self, _METRICS).log(
             name,
