@@ -9,6 +9,9 @@ from a first count or measurement in the test, never written as machine figures.
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +21,8 @@ from mixprec.activations import saved_bytes
 from mixprec.plan import Budget, BudgetError, search
 from mixprec.plan.activation_choice import batch_at, saved_under, split_saved
 from mixprec.plan.budget import parse_bytes
-from mixprec.plan.fitting import Peak, fit, step_peaks
+from mixprec.plan.fitting import FitReport, Peak, Tried, _against_uniform, fit, step_peaks
+from mixprec.plan.report import BlockRow, Option
 from mixprec.policy.map import PolicyMap
 
 FORMATS = ["32-true", "int8_from_32-true"]
@@ -334,6 +338,54 @@ def test_a_plans_peak_counts_the_batch_the_step_holds() -> None:
 
     (peak,) = step_peaks(FirstColumns(), (wide, torch.zeros(64, 4)), loss, [PolicyMap("32-true")])
     assert peak.bytes >= wide.nbytes
+
+
+def test_a_batch_sliced_from_a_larger_tensor_counts_its_rows_not_the_whole_storage() -> None:
+    """The batch's bytes were its tensors' storages: a batch sliced from a dataset held in
+    memory (``data[:16]``) added the whole dataset to every plan's peak, though the step
+    holds its own compact copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4))
+    data, targets = torch.randn(20_000, 8), torch.randn(20_000, 4)  # 720 KB in all
+    plans = [PolicyMap("32-true")]
+    (sliced,) = step_peaks(model, (data[:16], targets[:16]), F.mse_loss, plans)
+    (compact,) = step_peaks(model, (data[:16].clone(), targets[:16].clone()), F.mse_loss, plans)
+    assert sliced.bytes == compact.bytes < data.nbytes
+
+
+def test_a_fit_never_chooses_a_plan_whose_loss_is_not_finite_over_one_that_is() -> None:
+    """A plan whose loss is NaN was kept chosen: ``loss < nan`` is false for every loss,
+    so neither a uniform activation plan nor the smallest plan that fits at a finite loss
+    replaced it."""
+    # a uniform activation plan measured after a NaN one that was chosen
+    blocks = [BlockRow("0", "Linear", {"keep": Option(100), "checkpoint": Option(10)})]
+    nan = Tried("plan 1", PolicyMap("32-true"), 100, 90, math.nan, True)
+    report = FitReport(budget=100, batch_size=4, tried=[nan], chosen=nan)
+    found = SimpleNamespace(total_bytes=100, activations={})
+
+    def finite_after_nan(plans):
+        return [Peak(bytes=90, loss=math.nan if i == 0 else 1.0) for i in range(len(plans))]
+
+    _against_uniform(report, SimpleNamespace(blocks=blocks), finite_after_nan, nan, found)
+    assert [t.name for t in report.tried] == ["plan 1", "all keep", "all checkpoint"]
+    assert report.chosen is not None and report.chosen.name == "all checkpoint"
+    # nothing solved fits, its uniform activation plans fit at NaN, the smallest finitely
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    batches = [(torch.randn(4, 8), torch.randn(4, 4))]
+    budget, calls = 10**9, []
+
+    def measure(plans):
+        calls.append(len(plans))
+        if len(plans) > 1:  # the uniform activation plans
+            return [Peak(bytes=budget, loss=math.nan) for _ in plans]
+        if len(calls) == 1:  # the first solved plan: far over, nothing cheaper tried
+            return [Peak(bytes=10**12, loss=1.0)]
+        return [Peak(bytes=budget, loss=1.0)]  # the smallest plan
+
+    fitted = fit(model, batches, F.mse_loss, budget=budget, measure=measure, **FAST)
+    assert any(t.name.startswith("all ") and t.fits for t in fitted.tried)
+    assert fitted.tried[-1].name == "smallest" and fitted.chosen is fitted.tried[-1]
 
 
 # --- each measured plan counted in its own dtypes ---------------------------------------------

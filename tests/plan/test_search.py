@@ -463,6 +463,8 @@ def test_the_baseline_is_checked_against_the_device() -> None:
         ({"budget": {"memry": 0.5}}, ValueError, "unknown budget 'memry'"),
         ({"budget": "memory=lots"}, TypeError, "must be a number"),
         ({"budget": "memory=0.5,memory=0.3"}, ValueError, "budget 'memory' given twice"),
+        ({"budget": "memory,speed=0.8"}, ValueError, "budget 'memory' has no value"),
+        ({"budget": "memory=0.5,speed"}, ValueError, "write it as speed=<value>"),
         ({"budget": 0.5}, TypeError, "budget must be a Budget"),
         ({"formats": ["int9"]}, PolicySpecError, "int9"),
         ({"baseline": INT8}, ValueError, "the baseline is the float precision"),
@@ -500,6 +502,38 @@ def test_a_float32_loss_that_is_not_finite_is_refused() -> None:
         search(model, [batches[0], bad], F.mse_loss, **args)
     with pytest.raises(ValueError, match="float32 loss on eval_batches is nan"):
         search(model, batches, F.mse_loss, eval_batches=[bad], **args)
+
+
+def test_a_plan_whose_loss_is_not_finite_is_solved_again_and_never_kept() -> None:
+    """A plan whose held-out loss is NaN was kept: ``nan < loss`` is false, so a later
+    attempt with a finite loss never replaced it, and the layer making it NaN alone (a NaN
+    damage, never above the predicted one) was not learned from. Here the first layer's
+    float16 damage is exactly zero on the search batch (integers) and it overflows on the
+    held-out one; nothing but a solved plan fits."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)
+    )
+    with torch.no_grad():
+        model[0].weight.copy_(torch.randint(-1, 2, (32, 32)))
+        model[0].bias.zero_()
+    x, target = torch.randint(-2, 3, (16, 32)).float(), torch.randn(16, 32)
+    report = search(
+        model,
+        [(x, target)],
+        F.mse_loss,
+        budget="memory=0.67",  # two of the three layers in float16
+        baseline="32-true",
+        formats=["32-true", "16-true"],
+        eval_batches=[(x * 1e4, target)],
+        allow_slow=True,
+        reps=1,
+    )
+    assert math.isnan(report.attempts[0].loss) and report.attempts[0].chosen[0] == "16-true"
+    assert report.rows[0].options["16-true"].measured_damage == math.inf
+    assert report.plan == {"0": "32-true", "2": "16-true", "4": "16-true"}
+    assert math.isfinite(report.measured["plan"].loss) and report.fits("plan")
+    assert report.uniform_won is None and report.beats_uniform
 
 
 def test_a_weight_holding_nan_is_refused_naming_its_path_in_the_model() -> None:
@@ -771,6 +805,28 @@ def test_the_callers_model_and_rng_state_are_left_as_they_were() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_stochastic_rounding_format_leaves_the_callers_rng_state_as_it_was() -> None:
+    """The candidates' timed backward ran outside the seeded runs: a stochastic-rounding
+    format drew from the caller's generator."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16))
+    batch = (torch.randn(8, 32), torch.randn(8, 16))
+    rng = torch.get_rng_state()
+    report = search(
+        model,
+        [batch],
+        F.mse_loss,
+        budget="memory=1.0",
+        baseline="32-true",
+        formats=["32-true", "nvfp4/sr_from_32-true"],
+        count="training",
+        allow_slow=True,
+        reps=1,
+    )
+    assert all("nvfp4/sr_from_float32" in r.options for r in report.rows)
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
 class Aliased(nn.Module):
     """One Linear registered at two paths (``first`` and ``blocks.0``) and called once."""
 
@@ -863,6 +919,31 @@ def test_a_weight_read_outside_its_layer_keeps_the_baselines_dtype() -> None:
         "bf16-true": "emb's weight is read by linear outside any layer"
     }
     assert report.plan == {"emb": "32-true", "fc": "bf16-true"}
+
+
+def test_float32_winning_over_a_layer_whose_weight_is_read_outside_is_reported() -> None:
+    """Under a bfloat16 baseline the embedding the head reads has no float32 option, but
+    the float32 plan puts it in float32: its speed cost read that option (KeyError), and
+    so did the report's row of a layer float32 won."""
+    torch.manual_seed(0)
+    model = ReadOutside()
+    idx = torch.randint(0, 40, (4, 8))
+    with torch.no_grad():
+        batch = (idx, model(idx))  # float32's own outputs: its loss is 0, the lowest
+
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out.float(), target)
+
+    kw = dict(baseline="bf16-true", formats=["32-true", "bf16-true"], device_info=ZEN4, reps=1)
+    report = search(model, [batch], loss, budget="memory=1GiB", **kw)
+    emb = next(r for r in report.rows if r.unit.paths == ("emb",))
+    assert "32-true" not in emb.options and "32-true" in emb.not_applicable
+    assert report.uniform_won == "float32"
+    assert report.plan == {"emb": "32-true", "fc": "32-true"}
+    assert report._layer_rows()[0][3:7] == ["32-true", "-", "-", "-"]
+    assert "not searched in 32-true" in report.to_markdown()
+    timed = search(model, [batch], loss, budget="speed=2.0", **kw)
+    assert timed.fits("float32") is None  # the embedding never timed in float32
 
 
 class TwoTables(nn.Module):

@@ -3,6 +3,7 @@ call, and bytes counted as the plan's optimizer keeps them."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -124,3 +125,20 @@ def test_a_plan_measured_over_the_byte_limit_is_not_returned_as_fitting() -> Non
     v.winner, v.best.note = None, ""
     keep(s, rows, v, {"memory": 80.0}, {"verify": 0.0})
     assert v.winner is None and "no measured plan fits" in v.best.note
+
+
+def test_a_uniform_plan_with_a_finite_loss_is_returned_over_a_solved_one_at_nan() -> None:
+    """The solved plan measured NaN: a uniform plan that fits compared ``loss < nan``,
+    false, and the NaN plan was returned."""
+    unit = Unit(paths=("0",), kinds=("Linear",), params=10)
+    rows = [UnitRow(unit=unit, options={"32-true": Option(100), "bf16-true": Option(60)})]
+    s = SimpleNamespace(base=as_policy("32-true"), names=["32-true", "bf16-true"])
+    v = Verified(plans={n: PolicyMap("32-true") for n in ("plan", "baseline", "all bf16-true")})
+    v.measured = {
+        "plan": Measured(loss=math.nan, unit_bytes=60, model_bytes=60, seconds=1.0),
+        "baseline": Measured(loss=1.0, unit_bytes=100, model_bytes=100, seconds=1.0),
+        "all bf16-true": Measured(loss=1.5, unit_bytes=60, model_bytes=60, seconds=1.0),
+    }
+    v.best = Attempt(chosen=["bf16-true"], loss=math.nan, gap=math.nan, predicted=0.0)
+    keep(s, rows, v, {"memory": 80.0}, {"verify": 0.0})
+    assert v.winner == "all bf16-true" and v.measured["plan"].loss == 1.5

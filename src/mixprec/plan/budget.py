@@ -127,11 +127,16 @@ class Budget:
             items: dict[str, Any] = {}
             for part in filter(None, (p.strip() for p in value.split(","))):
                 key, sep, number = part.partition("=")
+                if not sep:
+                    raise ValueError(
+                        f"budget {key.strip()!r} has no value in {value!r}: write it as "
+                        f"{key.strip()}=<value> (e.g. memory=0.5, memory=2GiB, speed=0.8)"
+                    )
                 # (a size is kept as memory_bytes: "memory=1GiB,memory=2GiB" is twice too)
                 if key.strip() in items or (key.strip() == "memory" and "memory_bytes" in items):
                     raise ValueError(f"budget {key.strip()!r} given twice in {value!r}")
                 try:
-                    items[key.strip()] = float(number) if sep else None
+                    items[key.strip()] = float(number)
                 except ValueError:
                     if key.strip() == "memory" and re.search(r"\d\s*[A-Za-z]+\s*$", number):
                         items["memory_bytes"] = parse_bytes(number)

@@ -36,7 +36,7 @@ from mixprec.memory import measured
 from mixprec.plan.activation_choice import batch_rows, plan_activations
 from mixprec.plan.budget import Budget, BudgetError, parse_bytes
 from mixprec.plan.inputs import search_inputs
-from mixprec.plan.report import SearchReport
+from mixprec.plan.report import SearchReport, ranked
 from mixprec.plan.searching import Scored, planned, scored
 from mixprec.plan.units import describe_bytes, state_bytes
 from mixprec.plan.verify import plan_map
@@ -198,7 +198,9 @@ def fit(
         smallest = Tried("smallest", policy, counted, peak.bytes, peak.loss, False)
         smallest.fits = peak.bytes <= report.budget
         report.tried.append(smallest)
-        if smallest.fits and (report.chosen is None or smallest.loss < report.chosen.loss):
+        if smallest.fits and (
+            report.chosen is None or ranked(smallest.loss) < ranked(report.chosen.loss)
+        ):
             report.chosen, report.search = smallest, None
         return report
     assert report.search is not None
@@ -269,7 +271,7 @@ def _against_uniform(
         t = Tried(f"all {option}", policy, counted, peak.bytes, peak.loss, False)
         t.fits = peak.bytes <= report.budget
         report.tried.append(t)
-        if t.fits and (report.chosen is None or t.loss < report.chosen.loss):
+        if t.fits and (report.chosen is None or ranked(t.loss) < ranked(report.chosen.loss)):
             report.chosen, report.search = t, found
 
 
@@ -297,6 +299,14 @@ def _without_collector(run: Callable[[], Any]) -> Any:
             gc.enable()
 
 
+def _held_bytes(batch: Any) -> int:
+    """Bytes of `batch`'s tensors, each storage once. Given the step's own copy (`fresh`):
+    a batch sliced from a larger tensor (``data[:128]``) is held as its rows, not as the
+    whole storage it views."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in iter_tensors(batch)}
+    return sum(s.nbytes() for s in storages.values())
+
+
 def step_peaks(
     model: nn.Module,
     batch: Any,
@@ -313,8 +323,7 @@ def step_peaks(
     it), then the tensor peak of AdamW built and `steps` training steps on `batch` (16-bit
     weights with Kahan compensation, as the search's training run), and the loss after."""
     dev = torch.device(device) if device is not None else next(model.parameters()).device
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in iter_tensors(batch)}
-    batch_bytes = sum(s.nbytes() for s in storages.values())
+    batch_bytes = _held_bytes(fresh(batch))
     out = []
     for plan in plans:
         with seeded(seed, dev):

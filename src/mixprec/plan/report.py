@@ -117,16 +117,23 @@ def costs_of(
     measured: Measured, rows: list[UnitRow], formats: list[str] | None
 ) -> dict[str, float]:
     """A measured plan's cost per budget kind, as the budget counts it: bytes of the
-    searched layers; the summed step time of its layers' `formats` (when known); each with
-    its blocks' activations, when counted."""
+    searched layers; the summed step time of its layers' `formats`, when each was timed
+    (float32 puts a layer whose weight is read outside it in float32, an option its row
+    lacks); each with its blocks' activations, when counted."""
     out: dict[str, float] = {
         "memory": measured.unit_bytes + measured.activation_bytes + measured.extra_bytes
     }
-    if formats is not None:
+    if formats is not None and all(f in r.options for r, f in zip(rows, formats, strict=True)):
         out["speed"] = measured.activation_seconds + sum(
             r.options[f].seconds for r, f in zip(rows, formats, strict=True)
         )
     return out
+
+
+def ranked(loss: float) -> float:
+    """`loss` as plans are compared by it: a non-finite one (a plan that overflowed) is
+    +inf, above every finite loss; a NaN would lose no comparison, and stay chosen."""
+    return loss if math.isfinite(loss) else math.inf
 
 
 def within(costs: dict[str, float], limits: dict[str, float]) -> bool | None:
@@ -246,8 +253,8 @@ class SearchReport:
     @property
     def beats_uniform(self) -> bool:
         """Whether the plan's loss is strictly below every uniform plan that fits."""
-        plan = self.measured["plan"].loss
-        return all(plan < self.measured[n].loss for n in self.uniform if self.fits(n))
+        plan = ranked(self.measured["plan"].loss)
+        return all(plan < ranked(self.measured[n].loss) for n in self.uniform if self.fits(n))
 
     # --- views ----------------------------------------------------------------------
     def _budget_line(self) -> str:
@@ -288,8 +295,12 @@ class SearchReport:
             f"{b.seconds * 1e3:.3g} ms ({p.seconds / b.seconds:.2f}x)",
         ]
         same = [n for n in self.uniform if self._formats_of(n) == self._formats_of("plan")]
-        solved = min(self.attempts, key=lambda a: a.loss) if self.attempts else None
-        if self.uniform_won is not None and solved is not None and p.loss >= solved.loss:
+        solved = min(self.attempts, key=lambda a: ranked(a.loss)) if self.attempts else None
+        if (
+            self.uniform_won is not None
+            and solved is not None
+            and ranked(p.loss) >= ranked(solved.loss)
+        ):
             lines.append(
                 f"a uniform plan won: the plan is {self.uniform_won}, which fits where the "
                 f"plan the solver chose (loss {solved.loss:.6g}) measured over the byte limit"
@@ -302,7 +313,7 @@ class SearchReport:
         elif same:
             lines.append(f"the plan is {same[0]}: every layer the format takes is in it")
         fitting = [n for n in self.uniform if self.fits(n) and n not in same]
-        beaten = [n for n in fitting if p.loss < self.measured[n].loss]
+        beaten = [n for n in fitting if ranked(p.loss) < ranked(self.measured[n].loss)]
         if beaten:
             lines.append(f"better than the uniform plans that fit: {', '.join(beaten)}")
         for n in fitting:
@@ -383,19 +394,28 @@ class SearchReport:
     _LAYER_HEADERS = ("layer", "type", "params", "format", "bytes", "ms", "damage", "why")
 
     def _layer_rows(self) -> list[list[str]]:
+        """A row per layer. A layer in a format its row has no option for (float32 won,
+        putting there a layer whose weight is read outside it) has no bytes, time or damage
+        of its own to show, and says why."""
         rows = []
         for r in self.rows:
-            o = r.options[r.chosen]
+            o = r.options.get(r.chosen)
+            costs = (
+                ["-", "-", "-"]
+                if o is None
+                else [describe_bytes(o.bytes), f"{o.seconds * 1e3:.3g}", _num(o.damage)]
+            )
+            why = r.reason()
+            if o is None and r.chosen in r.not_applicable:
+                why = f"not searched in {r.chosen}: {r.not_applicable[r.chosen]}"
             rows.append(
                 [
                     r.unit.name,
                     "+".join(dict.fromkeys(r.unit.kinds)),
                     str(r.unit.params),
                     r.chosen,
-                    describe_bytes(o.bytes),
-                    f"{o.seconds * 1e3:.3g}",
-                    _num(o.damage),
-                    r.reason(),
+                    *costs,
+                    why,
                 ]
             )
         return rows

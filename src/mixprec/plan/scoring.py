@@ -140,12 +140,17 @@ def _drop_read_outside(
 def _time_candidates(
     s: SearchInputs, holders: Holders, rows: list[UnitRow], calls: dict[str, sensitivity.Calls]
 ) -> None:
-    """Each live candidate's median step time, written into its row's option."""
-    for u, unit in enumerate(s.units):
-        live = [(n, h) for n, h in zip(s.names, holders[u], strict=True) if h is not None]
-        seconds = sensitivity.time_candidates([h for _, h in live], unit, calls, s.training, s.reps)
-        for (name, _), sec in zip(live, seconds, strict=True):
-            rows[u].options[name].seconds = sec
+    """Each live candidate's median step time, written into its row's option; seeded, as
+    every run of the search: a stochastic-rounding backward draws from the generator, and
+    the caller's RNG state is theirs."""
+    with seeded(s.seed, s.device):
+        for u, unit in enumerate(s.units):
+            live = [(n, h) for n, h in zip(s.names, holders[u], strict=True) if h is not None]
+            seconds = sensitivity.time_candidates(
+                [h for _, h in live], unit, calls, s.training, s.reps
+            )
+            for (name, _), sec in zip(live, seconds, strict=True):
+                rows[u].options[name].seconds = sec
 
 
 def _weight_dtype(holder: nn.ModuleList) -> torch.dtype | None:

@@ -293,7 +293,9 @@ def _why_kept(rows: list[UnitRow], formats: list[str], kind: str) -> None:
             continue
         median = damages[len(damages) // 2]
         for r in rows:
-            if fmt not in r.options or r.chosen == fmt:
+            # (float32 won and put a layer whose weight is read outside it in float32, an
+            # option its row lacks: no cost to weigh a cheaper format against)
+            if fmt not in r.options or r.chosen == fmt or r.chosen not in r.options:
                 continue
             cheaper = getattr(r.options[fmt], cost) < getattr(r.options[r.chosen], cost)
             damage = r.options[fmt].damage

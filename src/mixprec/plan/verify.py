@@ -24,7 +24,15 @@ from mixprec.plan.activation_choice import (
 from mixprec.plan.budget import Budget, BudgetError
 from mixprec.plan.inputs import SearchInputs, check_finite
 from mixprec.plan.measure import Measured, convert, eval_loss, measure_plans
-from mixprec.plan.report import Attempt, BlockRow, UnitRow, costs_of, formats_of, within
+from mixprec.plan.report import (
+    Attempt,
+    BlockRow,
+    UnitRow,
+    costs_of,
+    formats_of,
+    ranked,
+    within,
+)
 from mixprec.plan.state_choice import with_states
 from mixprec.plan.units import Unit, path_rule
 from mixprec.policy import Policy
@@ -120,7 +128,7 @@ def verify(
         )
         over = _bytes_over(v.measured["plan"], limits, memory_at)
         # the lowest measured loss, a plan within the byte limit before any over it
-        if best is None or (over > 0, plan_loss) < (best[4] > 0, best[0].loss):
+        if best is None or (over > 0, ranked(plan_loss)) < (best[4] > 0, ranked(best[0].loss)):
             best = (v.attempts[-1], v.measured["plan"], v.plans["plan"], options, over)
         if over and attempt < s.retries:
             missed = _learn_miss(rows, chosen, blocks, options, v.measured["plan"], s.base.name)
@@ -367,7 +375,8 @@ def _measure_alone(
     for u, (unit, fmt) in enumerate(zip(s.units, chosen, strict=True)):
         if fmt in ("32-true", s.base.name) or (u, fmt) in v.measured_damage:
             continue
-        alone = _alone_damage(s, unit, fmt, v.measured["float32"].loss)
+        # (a loss gone non-finite is the worst damage there is, not one to pass over)
+        alone = ranked(_alone_damage(s, unit, fmt, v.measured["float32"].loss))
         if alone > rows[u].options[fmt].damage:
             v.measured_damage[(u, fmt)] = alone
             found += 1
@@ -417,13 +426,13 @@ def _uniform_winner(
     when it is one of the formats) that fits the budget with the lowest loss, if that loss
     is below the solved plan's (with `any_loss`, whatever it is): the damages the solver
     adds up are predictions, the losses measured. Returned with the format of each layer."""
-    winner, lowest = None, math.inf if any_loss else verified["plan"].loss
+    winner, lowest = None, math.inf if any_loss else ranked(verified["plan"].loss)
     for name, measured in verified.items():
         formats = formats_of(name, rows, baseline, names) if name != "plan" else None
         if formats is None or within(costs_of(measured, rows, formats), limits) is not True:
             continue
-        if measured.loss < lowest:
-            winner, lowest = (name, formats), measured.loss
+        if ranked(measured.loss) < lowest:
+            winner, lowest = (name, formats), ranked(measured.loss)
     return winner
 
 
