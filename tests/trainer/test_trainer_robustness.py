@@ -749,3 +749,22 @@ def test_a_checkpoint_that_fails_to_write_leaves_the_records_naming_files_that_e
     assert ckpt_io.load(tmp_path / "last.ckpt")["loop"]["global_step"] == 6
     assert ckpt_io.load(second)["loop"]["global_step"] == 6
     assert not (tmp_path / "epoch=0-step=9.ckpt").exists()
+
+
+def test_gradients_the_model_holds_when_the_fit_starts_are_not_added_to_its_first_step():
+    """A plain loop's last backward left .grad on the model, and the fit's first window
+    added it to its own: the first step moved by both. The fit clears them first, as a
+    window's start does in Lightning."""
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    stale, clean = mlp(4, 8, 1), mlp(4, 8, 1)
+    F.mse_loss(stale(x * 3), y * 5).backward()  # (an earlier stage's last backward)
+    for model in (stale, clean):
+        trainer = Trainer(max_steps=1, **QUIET)
+        trainer.fit(
+            model,
+            DataLoader(TensorDataset(x, y), batch_size=4),
+            loss_fn=F.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        )
+    pairs = zip(stale.parameters(), clean.parameters(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)

@@ -235,7 +235,11 @@ MEASURED_STEPS = 2
 def fit_loop(run: FitRun) -> None:
     """Epochs until a stop condition; an epoch cut by ``max_steps`` or a stop request is left
     unfinished (a checkpoint of it resumes mid-epoch). A run resumed from a save on an epoch's
-    last batch first ends that epoch, as the run that saved it did."""
+    last batch first ends that epoch, as the run that saved it did. Gradients the model
+    holds when the fit starts (a loop's last backward, an earlier stage) are cleared: the
+    first window would add them to its own."""
+    for opt in run.optimizers:
+        opt.zero_grad(set_to_none=True)
     run.hook("on_train_start")
     if run.progress.batches_done == 0:  # resuming at an epoch boundary, or starting
         restore_resume_rng(run)
