@@ -554,3 +554,22 @@ def test_epoch_means_weigh_each_batch_by_its_size_when_no_batch_size_is_given(tm
     with torch.no_grad():
         expected = F.mse_loss(model(x), y).item()
     assert trainer.callback_metrics["val_loss"] == pytest.approx(expected, rel=1e-6)
+
+
+class LogsItsOwnLoss(Model):
+    def training_step(self, batch, batch_idx):
+        data_term = F.cross_entropy(self(batch[0]), batch[1])
+        self.log("loss", data_term)
+        self.log("lr", 123.0)
+        return data_term + 10.0  # (a regulariser the logged loss leaves out)
+
+
+def test_a_loss_or_lr_the_step_logs_itself_keeps_its_value(tmp_path):
+    """The Trainer's own loss and lr overwrote the names training_step logged: the loggers
+    and monitors read the returned loss (data term + 10) where the data term was logged."""
+    trainer = Trainer(max_steps=1, default_root_dir=tmp_path, log_every_n_steps=1, seed=0)
+    trainer.fit(LogsItsOwnLoss(), DataLoader(data(16), batch_size=16))
+    assert float(trainer.callback_metrics["loss"]) < 5.0
+    assert float(trainer.callback_metrics["lr"]) == 123.0
+    rows = list(csv.DictReader(io.StringIO(next(tmp_path.rglob("metrics.csv")).read_text())))
+    assert float(rows[0]["loss"]) < 5.0 and float(rows[0]["lr"]) == 123.0

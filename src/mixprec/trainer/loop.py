@@ -659,13 +659,14 @@ def log_step(run: FitRun, loss: Tensor, lr: Tensor | float) -> None:
     request ends) reads them back and logs them, the others only keep them as the latest
     values."""
     row: dict[str, Tensor | float] = run.metrics.take_step(run.strategy.mean)
-    row["loss"] = loss
-    row["lr"] = lr
+    # (a name the step logged itself keeps the step's value: self.log("loss", data_term))
+    row.setdefault("loss", loss)
+    row.setdefault("lr", lr)
     scaler = run.precision.scaler
     if scaler.enabled:
         # read before the next step updates it: the row is logged now or replaced by then
-        row["loss_scale"] = scaler.scale_tensor
-        row["skipped_steps"] = float(run.skipped_steps)
+        row.setdefault("loss_scale", scaler.scale_tensor)
+        row.setdefault("skipped_steps", float(run.skipped_steps))
     run.log.step_row(run.progress.global_step, row, force=run.progress.should_stop)
 
 
