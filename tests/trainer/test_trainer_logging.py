@@ -7,6 +7,7 @@ import csv
 import io
 import pickle
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from mixprec.trainer import (
     Callback,
     CSVLogger,
+    EarlyStopping,
     Logger,
     ModelCheckpoint,
     RichProgressBar,
@@ -573,3 +575,31 @@ def test_a_loss_or_lr_the_step_logs_itself_keeps_its_value(tmp_path):
     assert float(trainer.callback_metrics["lr"]) == 123.0
     rows = list(csv.DictReader(io.StringIO(next(tmp_path.rglob("metrics.csv")).read_text())))
     assert float(rows[0]["loss"]) < 5.0 and float(rows[0]["lr"]) == 123.0
+
+
+class Scored(Model):
+    def __init__(self, scores: list[float]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def validation_step(self, batch, batch_idx):
+        self.log("v", self.scores[self.current_epoch])
+
+
+def test_a_trainers_second_fit_ranks_and_waits_on_its_own_scores(tmp_path):
+    """A second fit on the same Trainer (a new model, not resumed) kept the first fit's
+    best score and patience: early stopping ended it after one epoch though every epoch
+    improved, and the checkpoint callback kept the first fit's file as the best."""
+    checkpoint = ModelCheckpoint(monitor="v", save_top_k=1)
+    stopping = EarlyStopping("v", patience=2)
+    trainer = Trainer(
+        max_epochs=4, default_root_dir=tmp_path, logger=False, callbacks=[stopping, checkpoint]
+    )
+    loader = DataLoader(data(8), batch_size=4)
+    trainer.fit(Scored([0.5, 0.1, 0.2, 0.3]), loader, loader)
+    first = checkpoint.best_model_path
+    trainer.fit(Scored([0.9, 0.8, 0.7, 0.6]), loader, loader)
+    assert trainer.current_epoch == 4 and not stopping.reason
+    assert checkpoint.best_model_score == pytest.approx(0.6)
+    assert checkpoint.best_model_path != first and first.endswith("epoch=1-step=4.ckpt")
+    assert Path(first).is_file()  # (the first fit's file is left alone)

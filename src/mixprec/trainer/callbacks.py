@@ -310,6 +310,11 @@ class ModelCheckpoint(Callback):
             self.best_k_models, self._saved, self.last_model_path = {}, [], ""
         elif self._restored_from is not None:
             self._remove_unrecorded(trainer)
+        elif trainer.ckpt_path is None:
+            # a new fit (a Trainer's second, not resumed): the files an earlier fit ranked
+            # are that fit's, its weights not these; never rank or delete them
+            self.best_k_models, self._saved, self.last_model_path = {}, [], ""
+            self.best_model_path, self.best_model_score = "", None
         self._restored_from = None
         self._step_saved = trainer.global_step  # a resumed state needs no new save
         self._validated = self._warned = False
@@ -672,6 +677,9 @@ class EarlyStopping(Callback):
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
         # a fit resumed from a checkpoint holding this state goes on as the saved one did
         resumed = self._restored_validation if trainer.ckpt_path is not None else None
+        if trainer.ckpt_path is None:  # a new fit (a Trainer's second): its own patience
+            self.best_score, self.wait_count = (math.inf if self.mode == "min" else -math.inf), 0
+            self.stopped_epoch, self.reason = None, ""
         self._validated, self._validated_at = False, resumed
         self._resumed_validation, self._restored_validation = resumed, None
 
