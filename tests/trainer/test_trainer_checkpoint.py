@@ -841,3 +841,23 @@ def test_a_stop_inside_an_epoch_is_not_ranked_by_a_validation_of_older_weights(t
     assert sorted(Path(p).name for p in check.best_k_models) == sorted(
         Path(p).name for p in straight.best_k_models
     )
+
+
+def test_a_resumed_fit_ranks_no_weights_its_last_validation_did_not_measure(tmp_path):
+    """A fit resumed after its last validation and stopped before the next one ranked its
+    final weights by that validation's score (of weights steps older): the resumed run kept
+    a file the uninterrupted one did not. The step a validation measured is resumed too."""
+    train, val = loaders()  # (12 batches an epoch, windows of 2: a validation every 2 steps)
+
+    def run(where: str, steps: int, ckpt: str | None = None) -> ModelCheckpoint:
+        cb = ModelCheckpoint(dirpath=tmp_path / where, monitor="val_loss", save_top_k=3)
+        cb.save_last = True
+        t = trainer(tmp_path / where, "32-true", max_steps=steps, callbacks=[cb])
+        t.fit(DropoutNet(0), train, val, ckpt_path=ckpt)
+        return cb
+
+    straight = run("straight", 3)
+    assert not straight.best_k_models  # (step 3's weights: never validated)
+    run("resumed", 2)  # (ends on a validated step: ranked)
+    resumed = run("resumed", 3, str(tmp_path / "resumed" / "last.ckpt"))
+    assert {Path(p).name for p in resumed.best_k_models} == {"epoch=0-step=2.ckpt"}

@@ -289,6 +289,7 @@ class ModelCheckpoint(Callback):
         self._step_saved = -1  # the step last saved, or the one this fit started from
         self._validated = False  # a validation ran in this fit
         self._validated_at: int | None = None  # the step whose weights it last measured
+        self._restored_validation: int | None = None  # that step, as a loaded state gave it
         self._warned = False  # about a monitor not logged yet
 
     @property
@@ -318,7 +319,9 @@ class ModelCheckpoint(Callback):
         self._restored_from = None
         self._step_saved = trainer.global_step  # a resumed state needs no new save
         self._validated = self._warned = False
-        self._validated_at = None
+        resumed = trainer.ckpt_path is not None
+        self._validated_at = self._restored_validation if resumed else None
+        self._restored_validation = None
 
     def on_validation_end(self, trainer: Trainer, model: nn.Module) -> None:
         if trainer.stage == "fit":
@@ -557,6 +560,7 @@ class ModelCheckpoint(Callback):
             "last_model_path": self.last_model_path,
             "saved": list(self._saved),
             "dirpath": str(self.dirpath) if self.dirpath is not None else None,
+            "validated_at": self._validated_at,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -568,6 +572,8 @@ class ModelCheckpoint(Callback):
         recorded = [*self._saved, *self.best_k_models, self.best_model_path]
         known = state.get("dirpath") or next((str(Path(p).parent) for p in recorded if p), None)
         self._restored_from = Path(known) if known else None
+        # (the step a validation last measured: a resumed fit's monitor value is that one's)
+        self._restored_validation = state.get("validated_at")
 
 
 def _duration(seconds: float) -> str:
