@@ -643,6 +643,36 @@ def test_accelerates_usual_accumulation_loop_steps_once_per_window():
     assert all(torch.equal(usual[n], checked[n]) for n in usual)
 
 
+@pytest.mark.parametrize("how", ["prepare before", "prepare after", "prepare_scheduler after"])
+def test_a_scheduler_prepared_on_its_own_holds_on_a_skipped_step(how):
+    """Found by a review: a scheduler given to Accelerate itself, before or after `prepare`
+    (built once the loader's length is known), read no optimizer's skip (Accelerate knows
+    no LossScaleOptimizer) and advanced on the overflow; it now follows the wrapper."""
+    accelerator = accelerate.Accelerator(mixed_precision="no", cpu=True)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = schedule(optimizer)
+    if how == "prepare before":
+        scheduler = accelerator.prepare(scheduler)
+    precision = Precision("16-mixed", allow_slow=True)
+    model, wrapped, data = prepare(accelerator, precision, model, optimizer, loader())
+    if how == "prepare after":
+        scheduler = accelerator.prepare(scheduler)
+    elif how == "prepare_scheduler after":
+        scheduler = accelerator.prepare_scheduler(scheduler)
+    assert scheduler.optimizers == [wrapped]
+    for i, batch in enumerate(data):
+        handle = inject(model) if i == 1 else None
+        wrapped.zero_grad()
+        accelerator.backward(model(**batch).loss)
+        wrapped.step()
+        scheduler.step()
+        if handle is not None:
+            handle.remove()
+    assert precision.scaler.stats().skipped_steps == 1
+    assert scheduler.scheduler.last_epoch == 2
+
+
 def two_models() -> tuple[
     torch.nn.Module, torch.optim.Optimizer, torch.nn.Module, torch.optim.Optimizer
 ]:
@@ -835,3 +865,114 @@ def test_mixprec_trainer_refuses_to_resume_a_checkpoint_of_another_precision(tmp
         other.train(resume_from_checkpoint=str(saved))
     assert all(torch.equal(p, before[n]) for n, p in other.model.named_parameters())
     trainer(tmp_path / "c", "bf16-mixed", 3).train(resume_from_checkpoint=str(saved))
+
+
+def test_mixprec_trainer_trains_and_evaluates_with_a_schedule_free_optimizer(tmp_path):
+    """Found by a review: HF switches a schedule-free optimizer with ``optimizer.train()``
+    and ``eval()`` where it has them, and the LossScaleOptimizer had none: the first step
+    was refused. Now the run matches HF's own, bit for bit (a power-of-two static scale)."""
+    pytest.importorskip("schedulefree")
+    options = dict(optim="schedule_free_adamw", learning_rate=1e-2, max_steps=3)
+    options.update(lr_scheduler_type="constant", eval_strategy="steps", eval_steps=3)
+    losses, models = [], []
+    for mixprec_trainer in (False, True):
+        model = tiny_gpt2()
+        kwargs = dict(model=model, train_dataset=token_rows(n=12))
+        kwargs.update(args=hf_args(tmp_path, **options), eval_dataset=token_rows(n=4, seed=1))
+        if mixprec_trainer:
+            trainer = MixprecTrainer(**kwargs, precision=Precision("32-true", scaler=1024.0))
+        else:
+            trainer = transformers.Trainer(**kwargs)
+        trainer.train()
+        losses.append(trainer.evaluate()["eval_loss"])
+        models.append(model)
+    assert losses[0] == losses[1]
+    ours, theirs = (list(m.parameters()) for m in models)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+# -- compiled models --------------------------------------------------------------------------
+
+
+class Broken(torch.nn.Module):
+    """A tiny model computing its own loss, with a graph break before its head: torch.compile
+    resumes after it inside the model's region, its autocast on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(8, 16)
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = self.body(x).relu()
+        torch._dynamo.graph_break()
+        return {"loss": torch.nn.functional.mse_loss(self.head(hidden).float(), labels)}
+
+
+def broken_rows() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [{"x": torch.randn(8, generator=g), "labels": torch.randn(4, generator=g)}] * 4
+
+
+def head_rule() -> Precision:
+    return Precision(mixprec.PolicyMap("bf16-mixed", {"head": "32-true"}), allow_slow=True)
+
+
+class FirstGradients(transformers.TrainerCallback):
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.grads: list[torch.Tensor] = []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.grads = self.grads or [p.grad.clone() for p in self.model.parameters()]
+
+
+def test_mixprec_trainer_backpropagates_a_compiled_models_float32_rule_as_eager(tmp_path):
+    """Found by a review: after a graph break the compiled model ran on inside its region's
+    bfloat16 autocast, and torch traced the backward there, so the float32 head's backward
+    ran in bfloat16 (gradients ~1e-3 apart from eager's). HF's loss context is now the
+    precision's forward context, which traces it outside autocast: bit for bit."""
+    grads = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = Broken()
+        seen = FirstGradients(model)
+        options = dict(max_steps=1, optim="sgd", max_grad_norm=0)
+        if compiled:
+            options.update(torch_compile=True, torch_compile_backend="aot_eager")
+        MixprecTrainer(
+            model=model,
+            args=hf_args(tmp_path, **options),
+            train_dataset=broken_rows(),
+            precision=head_rule(),
+            callbacks=[seen],
+        ).train()
+        grads.append(seen.grads)
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_prepare_backpropagates_a_compiled_models_float32_rule_as_eager():
+    """As for MixprecTrainer, with Accelerate's dynamo plugin: an Accelerate loop computes
+    the loss outside any context, so the compiled model prepared here traces its backward
+    outside autocast while its forward runs: bit for bit, and the setting is left as it
+    was."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import TorchDynamoPlugin
+    from torch._functorch import config
+
+    grads = []
+    for plugin in (None, TorchDynamoPlugin(backend="aot_eager")):
+        torch._dynamo.reset()
+        AcceleratorState._reset_state(reset_partial_state=True)  # (it keeps the plugin)
+        accelerator = accelerate.Accelerator(mixed_precision="no", cpu=True, dynamo_plugin=plugin)
+        model = Broken()
+        prepared, _ = prepare(
+            accelerator, head_rule(), model, torch.optim.SGD(model.parameters(), lr=0.1)
+        )
+        batch = broken_rows()[0]
+        accelerator.backward(prepared(batch["x"][None], batch["labels"][None])["loss"])
+        grads.append([p.grad for p in model.parameters()])
+    assert isinstance(prepared, torch._dynamo.eval_frame.OptimizedModule)
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert config.backward_pass_autocast == "same_as_forward"

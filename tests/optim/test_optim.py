@@ -666,6 +666,31 @@ def test_zero_grad_clears_model_grads_and_add_param_group_makes_masters():
     assert "master_weights=5" in repr(opt)
 
 
+def test_a_schedule_free_optimizers_train_and_eval_switch_the_model_through_its_masters():
+    """Found by a review: trainers call ``optimizer.train()`` / ``eval()`` where the
+    optimizer has them (Hugging Face's, for schedule-free optimizers), and the wrapper had
+    none, so the optimizer stayed in eval mode and refused to step. They are forwarded now,
+    and the model's bfloat16 parameters take the switched float32 masters."""
+    schedulefree = pytest.importorskip("schedulefree")
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1).to(bf16)
+    inner = schedulefree.SGDScheduleFree(model.parameters(), lr=0.1, warmup_steps=0)
+    opt = LossScaleOptimizer(inner, scaler=1024.0, master_weights=True)
+    opt.train()
+    for x, y in _batches(3):
+        opt.zero_grad()
+        opt.backward(F.mse_loss(model(x.to(bf16)).float(), y))
+        assert opt.step()
+    trained = [p.detach().clone() for p in model.parameters()]
+    for switch in (opt.eval, opt.train):
+        switch()
+        for p in model.parameters():
+            assert torch.equal(p, opt.master_params[p].to(bf16))
+    opt.eval()
+    assert not any(torch.equal(p, t) for p, t in zip(model.parameters(), trained, strict=True))
+    assert not hasattr(LossScaleOptimizer(torch.optim.SGD(nn.Linear(2, 1).parameters())), "eval")
+
+
 def test_complex_parameters_are_unscaled_and_checked_through_their_real_and_imaginary_parts():
     """torch's fused unscale kernel (torch.amp.GradScaler's too) refuses complex dtypes: the
     step raised NotImplementedError from deep inside. Scaled by a power of two, the steps

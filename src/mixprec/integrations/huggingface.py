@@ -4,7 +4,7 @@
   per-layer amax/underflow of every n-th step go to the Trainer's log history (and, given
   the trainer, through ``trainer.log`` to its reporting integrations) and to a JSON-lines file.
 - ``MixprecTrainer``: ``transformers.Trainer`` training under a mixprec policy or
-  ``PolicyMap`` with mixprec's loss scaling. The HF loop stays as it is; four methods adapt it.
+  ``PolicyMap`` with mixprec's loss scaling. The HF loop stays as it is; five methods adapt it.
 - ``prepare``: set a model and optimizer up once for a hand-written Accelerate loop, which
   then stays as it is: its ``accelerator.backward(loss)`` is the precision's backward.
 
@@ -29,6 +29,7 @@ Importing this module imports ``transformers`` (and ``accelerate`` on first use 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -431,6 +432,17 @@ class MixprecTrainer(transformers.Trainer):
         self.accelerator.clip_grad_norm_ = self._clip_grad_norm_
         self.accelerator.clip_grad_value_ = self._clip_grad_value_
 
+    def compute_loss_context_manager(self) -> contextlib.ExitStack:
+        """HF's context, in the precision's forward context (``Precision.forward_context``),
+        as mixprec's Trainer runs a step: the forward and the loss under the policy's
+        autocast (or default dtype), and a compiled model's backward traced outside
+        autocast, where ``training_step`` runs it, so a float32 rule's backward runs in
+        float32 as in eager (graph breaks had left it the model's bfloat16 autocast)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().compute_loss_context_manager())
+        stack.enter_context(self.precision.forward_context())
+        return stack
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """HF's optimizer and scheduler files, and the policy they belong to (a resume
         checks it: the loss scaler, masters and optimizer state are that policy's)."""
@@ -519,12 +531,13 @@ def prepare(
     The model is moved to the accelerator's device, converted by the policy and the
     optimizer wrapped (``precision.setup``), then everything goes through
     ``accelerator.prepare``. Schedulers built on the plain optimizer come back as
-    Accelerate's schedulers that do not advance on a skipped step, and the wrapped
-    optimizer (its state, scaler and master weights) is registered for
-    ``accelerator.save_state``. The accelerator's ``backward`` becomes the precision's
-    (``Precision.backward_context`` around Accelerate's own: the loss scaled, the compute
-    dtype of a "true" policy as torch's default), so the loop keeps its
-    ``accelerator.backward(loss)``; it clips with
+    Accelerate's schedulers that do not advance on a skipped step (so do those given to
+    Accelerate itself, before or after), and the wrapped optimizer (its state, scaler and
+    master weights) is registered for ``accelerator.save_state``. A model the accelerator
+    compiled traces its backward outside autocast, as eager runs it. The accelerator's
+    ``backward`` becomes the precision's (``Precision.backward_context`` around
+    Accelerate's own: the loss scaled, the compute dtype of a "true" policy as torch's
+    default), so the loop keeps its ``accelerator.backward(loss)``; it clips with
     ``precision.clip_grad_norm_`` or the accelerator's ``clip_grad_norm_`` /
     ``clip_grad_value_`` (which, for this accelerator, are the precision's: they unscale
     first); ``accelerator.unscale_gradients`` is the precision's ``unscale_``, and
@@ -587,7 +600,8 @@ def prepare(
                     "a scheduler passed to prepare() was built on another optimizer: build it "
                     "on the optimizer given here (before wrapping)"
                 )
-            scheduler.optimizers = [wrapped]  # its skip check reads step_was_skipped
+    if _compiled(prepared[0]):
+        _BackwardOutsideAutocast().register(prepared[0])
     accelerator.register_for_checkpointing(wrapped)
     # as Accelerate's own optimizer: step and zero_grad wait for the window's last backward
     wrapped.step_gate = lambda: accelerator.sync_gradients
@@ -597,7 +611,68 @@ def prepare(
     if not any(wrapped is o for o in route.optimizers):
         route.optimizers.append(wrapped)
     route.models += [model, prepared[0]]  # (given again: the model is not refused)
+    _follow_wrappers(accelerator, precision, route)
     return tuple(prepared)
+
+
+def _follow_wrappers(accelerator: Any, precision: Precision, route: _Route) -> None:
+    """Point each of the accelerator's schedulers built on an optimizer wrapped here (the
+    one given to `prepare`, or what ``setup`` converted it into), prepared with it or on
+    its own, before or after, at its wrapper: Accelerate knows no ``LossScaleOptimizer``,
+    so a scheduler prepared alone read no optimizer's skip and advanced on skipped steps."""
+    from accelerate.scheduler import AcceleratedScheduler
+
+    for scheduler in getattr(accelerator, "_schedulers", ()):
+        if not isinstance(scheduler, AcceleratedScheduler):
+            continue
+        optimizer = getattr(scheduler.scheduler, "optimizer", None)
+        wrapper = precision._wrapper_of(optimizer) if optimizer is not None else None
+        if wrapper is not None and any(wrapper is o for o in route.live()):
+            scheduler.optimizers = [wrapper]  # its skip check reads step_was_skipped
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether `model` or a module in it is compiled (``torch.compile``, as Accelerate's
+    dynamo plugin compiles, or ``Module.compile``)."""
+    return any(
+        isinstance(m, torch._dynamo.eval_frame.OptimizedModule) or "_compiled_call_impl" in vars(m)
+        for m in model.modules()
+    )
+
+
+class _BackwardOutsideAutocast:
+    """Forward hooks that make torch.compile trace a compiled model's backward outside
+    autocast while the model's forward runs, as eager runs it: an Accelerate loop calls
+    ``accelerator.backward`` after the forward, outside autocast. Torch's default traces
+    it in the autocast around each compiled graph, which after a graph break inside the
+    model is its region's, so a float32 rule's backward ran in bfloat16. Hooks on the model
+    the loop calls run outside its compiled code (`Precision.forward_context` does the same
+    around a forward and its loss)."""
+
+    def __init__(self) -> None:
+        self.patches: list[Any] = []
+
+    def register(self, model: nn.Module) -> None:
+        """Hook `model` (a torch without the setting traces its backward as it does)."""
+        from torch._functorch import config
+
+        if hasattr(config, "backward_pass_autocast"):
+            model.register_forward_pre_hook(self.enter)
+            model.register_forward_hook(self.leave, always_call=True)
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        """Before the forward: torch traces backwards outside autocast until `leave`."""
+        from torch._functorch import config
+
+        if not torch.compiler.is_compiling():
+            patch = config.patch(backward_pass_autocast="off")
+            patch.__enter__()
+            self.patches.append(patch)
+
+    def leave(self, module: nn.Module, args: Any, output: Any) -> None:
+        """After the forward (also one that raised): the setting as it was before."""
+        if not torch.compiler.is_compiling() and self.patches:
+            self.patches.pop().__exit__(None, None, None)
 
 
 def _route_accelerator(accelerator: Any, precision: Precision, route: _Route) -> None:
@@ -612,8 +687,9 @@ def _route_accelerator(accelerator: Any, precision: Precision, route: _Route) ->
     route.prepare = accelerator.prepare
     # this accelerator's backward scales every loss: a model trained or an optimizer stepped
     # past the precision would step gradients multiplied by the loss scale
-    for name in ("prepare", "prepare_model", "prepare_optimizer"):
-        setattr(accelerator, name, _guarded(getattr(accelerator, name), precision, route))
+    for name in ("prepare", "prepare_model", "prepare_optimizer", "prepare_scheduler"):
+        method = getattr(accelerator, name)
+        setattr(accelerator, name, _guarded(method, accelerator, precision, route))
 
     def unscale_gradients(optimizer: Any = None) -> None:
         if optimizer is None:
@@ -630,15 +706,21 @@ def _route_accelerator(accelerator: Any, precision: Precision, route: _Route) ->
     accelerator.__class__ = _skip_aware(type(accelerator))
 
 
-def _guarded(prepare: Callable[..., Any], precision: Precision, route: _Route) -> Callable:
-    """Accelerate's ``prepare`` (or ``prepare_model``, ``prepare_optimizer``) refusing what
-    would train on gradients the routed backward scaled (`_refuse_unscaled`)."""
+def _guarded(
+    prepare: Callable[..., Any], accelerator: Any, precision: Precision, route: _Route
+) -> Callable:
+    """Accelerate's ``prepare`` (or ``prepare_model``, ``prepare_optimizer``,
+    ``prepare_scheduler``) refusing what would train on gradients the routed backward scaled
+    (`_refuse_unscaled`), and pointing the schedulers of wrapped optimizers at their wrappers
+    (`_follow_wrappers`)."""
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         for obj in (*args, *kwargs.values()):
             if not any(obj is m for m in route.models):
                 _refuse_unscaled(obj, precision, "after")
-        return prepare(*args, **kwargs)
+        prepared = prepare(*args, **kwargs)
+        _follow_wrappers(accelerator, precision, route)
+        return prepared
 
     return guarded
 

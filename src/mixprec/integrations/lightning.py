@@ -285,10 +285,13 @@ class MixprecPrecision(LightningPrecision):
         torch's default for "true" ones. Lightning's train/val/test/predict step contexts
         all enter it. Its autocast keeps no cache of weight casts, as Lightning's own
         plugin's: under manual optimization the optimizer steps inside it, and a forward
-        after the step would read the cached casts of the old weights. Torch traces a
-        compiled model's backward as its setting says (a manual optimization's backward runs
-        inside the context)."""
-        return self.mixprec.forward_context(cache_enabled=False, backward_after=False)
+        after the step would read the cached casts of the old weights. Under automatic
+        optimization Lightning runs the backward after the context, outside autocast, and a
+        compiled model traces its backward there too, as eager runs it (a float32 rule's
+        backward in float32); a manual optimization's backward runs inside the context, and
+        torch traces it as its setting says."""
+        automatic = getattr(self._module, "automatic_optimization", True)
+        return self.mixprec.forward_context(cache_enabled=False, backward_after=automatic)
 
     def module_init_context(self) -> AbstractContextManager[Any]:
         """Parameters created inside get the policy's param dtype (``Trainer.init_module``)."""

@@ -259,6 +259,37 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         low-precision parameters): what to clip or inspect after ``unscale_``."""
         return [p for p in self._all_params() if p.grad is not None]
 
+    @property
+    def train(self) -> Callable[[], None]:
+        """The wrapped optimizer's ``train()``: a schedule-free optimizer (``schedulefree``)
+        moves the weights it steps to its training point. Absent where the wrapped optimizer
+        has none (``hasattr`` says so, as trainers check); see `_mode_switch`."""
+        return self._mode_switch("train")
+
+    @property
+    def eval(self) -> Callable[[], None]:
+        """The wrapped optimizer's ``eval()``: a schedule-free optimizer moves the weights it
+        steps to its evaluation point. Absent where the wrapped optimizer has none."""
+        return self._mode_switch("eval")
+
+    def _mode_switch(self, name: str) -> Callable[[], None]:
+        """The wrapped optimizer's `name` method, run on the float32 masters where they are
+        kept (first taking writes into the model, as a step does), then copied into the
+        model's parameters: the model computes with the switched weights."""
+        switch = getattr(self.optimizer, name, None)
+        if not callable(switch):
+            raise AttributeError(
+                f"{type(self.optimizer).__name__} has no {name}() for LossScaleOptimizer to "
+                "forward (a schedule-free optimizer has)"
+            )
+
+        def call() -> None:
+            self._masters.follow_edits()
+            switch()
+            self._masters.copy_to_model()
+
+        return call
+
     # -- the step ---------------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
