@@ -230,6 +230,27 @@ def test_fused_adamw_matches_grad_scaler_exactly(explicit_unscale):
     assert steps == {40 - 4}  # the 4 skipped steps do not count in Adam's bias correction
 
 
+def test_fused_sgd_with_momentum_skipping_its_first_step_trains_as_unfused_sgd():
+    """Fused SGD makes its momentum buffers (uninitialised) before its kernel, which a skip
+    leaves unwritten: a skipped first step (16-mixed's usual overflow) left garbage that
+    every later step read, and the weights went to inf. It is skipped on the host."""
+    models = [mlp(8, 16, 1), mlp(8, 16, 1)]
+    opts = [
+        LossScaleOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, fused=f))
+        for m, f in zip(models, (False, True), strict=True)
+    ]
+    for step, (x, y) in enumerate(_batches(6)):
+        for model, opt in zip(models, opts, strict=True):
+            opt.backward(F.mse_loss(model(x), y))
+            if step == 0:
+                model[0].weight.grad[0, 0] = math.inf  # (the first step overflows)
+            assert opt.step() is (step != 0)
+            opt.zero_grad()
+    for a, b in zip(*(m.parameters() for m in models), strict=True):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(a, b)
+
+
 def test_scheduler_does_not_advance_on_skipped_steps():
     model = mlp(8, 16, 1)
     opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), StaticLossScaler(8.0))

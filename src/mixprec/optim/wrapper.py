@@ -148,9 +148,14 @@ class LossScaleOptimizer(OptimizerCheckpoint):
             _warn_uncompensated(optimizer, self._masters.dtypes)
         else:
             self._keep_saved_dtypes_on_direct_loads()
-        # a compensated step runs our code, not a fused kernel that could skip by itself
-        self._fused = self._compensator is None and bool(
-            getattr(optimizer, "_step_supports_amp_scaling", False)
+        # a compensated step runs our code, not a fused kernel that could skip by itself.
+        # Fused SGD is skipped on the host: its first step makes the momentum buffers
+        # (torch.empty_like) before the kernel, which a skip leaves unwritten, and every later
+        # step read that garbage (16-mixed's first steps overflow at the initial scale)
+        self._fused = (
+            self._compensator is None
+            and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+            and not isinstance(optimizer, torch.optim.SGD)
         )
         step_args = inspect.signature(optimizer.step).parameters
         closure = step_args.get("closure")
