@@ -831,3 +831,43 @@ def test_an_activation_held_only_through_an_expanded_view_is_counted(option):
     held = 2 * 8 * 16 * 4  # lin's output and gelu's, float32
     bf16 = held // 2 if option == "bf16" else held  # (lin's output, stored)
     assert sum(saved_bytes(model, x).values()) == bf16 + held
+
+
+@pytest.mark.parametrize(
+    "op, fp8",
+    [
+        (lambda h: h / torch.linalg.vector_norm(h, dim=-1, keepdim=True), False),
+        (lambda h: h.pow(2) + h**2, True),
+    ],
+    ids=["l2-norm-bf16", "square-fp8"],
+)
+def test_functions_neither_picking_nor_dividing_are_stored_as_the_codec_stores(op, fp8):
+    """An L2 norm picks no element (under bf16 it was kept exact, three times the bytes), and
+    a square divides by nothing (under fp8 it was kept exact, four times the bytes)."""
+    option = "fp8" if fp8 else "bf16"
+    x = torch.randn(4, 8)
+    held = {}
+    for activations in ("keep", option):
+        model = mixprec.apply(_Picks(op), mixprec.PolicyMap("32-true", activations=activations))
+        held[activations] = sum(saved_bytes(model, x).values())
+    assert held[option] < held["keep"] / (3 if fp8 else 1.5)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda h: torch.divide(torch.ones(4, 1), torch.cat([h, h[:, :1] * 1e-9], 1)).sum(-1),
+        lambda h: torch.xlogy(h.square(), h.square() * 1e-6).sum(-1),
+    ],
+    ids=["torch.divide", "xlogy"],
+)
+def test_aliases_of_dividing_functions_keep_their_saves_exact_under_fp8(op):
+    """torch.divide and xlogy were not known as dividing: fp8's zeros made their gradients
+    infinite."""
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    model = mixprec.apply(_Picks(op), mixprec.PolicyMap("32-true", activations="fp8"))
+    with torch.no_grad():
+        model.lin.weight.mul_(8)
+    model(x).square().sum().backward()
+    assert model.lin.weight.grad.isfinite().all()

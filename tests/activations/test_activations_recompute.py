@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -266,7 +268,8 @@ def test_compiled_models_recompute_and_store_as_eager_ones_do():
     eager = Precision("32-true", activations={"[12]": "checkpoint"}).setup(net().eval())
     eager(x).sum().backward()  # eval: no dropout, whose compiled masks differ
     compiled = Precision("32-true", activations={"[12]": "checkpoint"}).setup(net().eval())
-    torch.compile(compiled)(x).sum().backward()
+    # one graph: the watch on modules called inside a recomputed forward stays out of it
+    torch.compile(compiled, backend="aot_eager", fullgraph=True)(x).sum().backward()
     for a, b in zip(eager.parameters(), compiled.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6)
     grads = []
@@ -728,3 +731,36 @@ def test_checkpoint_recomputes_a_module_reading_its_childs_weight_bit_for_bit(po
         precision.backward(model(x).float().square().mean())
         grads[option] = [p.grad for p in model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(grads[None], grads["checkpoint"], strict=True))
+
+
+class _Sleeps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)  # (long enough for the other thread to run forwards meanwhile)
+        return self.lin(x)
+
+
+def test_a_batchnorm_training_in_another_thread_is_not_taken_for_one_called_inside():
+    """The watch on modules a recomputed forward calls saw every thread's: a BatchNorm
+    training in another thread was refused as if called inside."""
+    model = mixprec.apply(
+        nn.Sequential(_Sleeps(), nn.Linear(8, 1)),
+        PolicyMap("32-true", activations={"0": "checkpoint"}),
+    )
+    other, stop = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), threading.Event()
+
+    def train_other() -> None:
+        while not stop.is_set():
+            other(torch.randn(16, 8)).sum().backward()
+
+    worker = threading.Thread(target=train_other)
+    worker.start()
+    try:
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+    finally:
+        stop.set()
+        worker.join()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
+import threading
 import warnings
 from typing import Any
 
@@ -110,17 +112,22 @@ class ActivationForward:
             return _stored(self, forward, args, kwargs)
         # (in eval mode too: a forward may update a buffer there, a count or a scale)
         seen = {id(module): _buffer_marks(module, recurse=True)}
-
-        def note(called: nn.Module, _: Any) -> None:  # (a module it calls from elsewhere:
-            if id(called) not in seen:  # a BatchNorm its parent hands in)
-                seen[id(called)] = _buffer_marks(called, recurse=False)
-
-        hook = nn.modules.module.register_module_forward_pre_hook(note)
-        try:
+        if torch.compiler.is_compiling():  # (a hook would break the graph: its own only)
             with _exact_inputs():
                 out = recomputed(forward, self.option, args, kwargs, module)
-        finally:
-            hook.remove()
+        else:
+            thread = threading.get_ident()
+
+            def note(called: nn.Module, _: Any) -> None:  # (a module it calls from elsewhere,
+                if id(called) not in seen and threading.get_ident() == thread:  # a BatchNorm
+                    seen[id(called)] = _buffer_marks(called, recurse=False)  # handed in)
+
+            hook = nn.modules.module.register_module_forward_pre_hook(note)
+            try:
+                with _exact_inputs():
+                    out = recomputed(forward, self.option, args, kwargs, module)
+            finally:
+                hook.remove()
         for owner, marks in seen.values():
             now = dict(owner.named_buffers()) if marks else {}
             for name, b, version in marks:
@@ -173,21 +180,44 @@ _ATTENTION_FUNCTIONS = (_SDPA, F.multi_head_attention_forward)
 _T = torch.Tensor
 # functions whose backward finds the elements it picked by comparing its saved input with
 # its saved result (``result == self``): stored apart, a rounded one matches no element and
-# the gradient is NaN (divided by a count of 0) or zero. Their saves are kept exact.
+# the gradient is NaN (divided by a count of 0) or zero. Their saves are kept exact; a norm's
+# only for an infinite order (`_kept_exact`).
 _PICKING = frozenset(
     [torch.amax, _T.amax, torch.amin, _T.amin, torch.max, _T.max, torch.min, _T.min]
-    + [torch.median, _T.median, torch.nanmedian, _T.nanmedian, torch.norm, _T.norm]
-    + [torch.linalg.vector_norm, torch.linalg.norm]
+    + [torch.median, _T.median, torch.nanmedian, _T.nanmedian]
 )
+_NORMS = frozenset([torch.norm, _T.norm, torch.linalg.vector_norm, torch.linalg.norm])
 # functions whose backward divides by a saved value, or grows without bound near one
 # (asin at 1): fp8's block scales round a small value to exactly 0 (or 0.97 to 1), and
-# their gradient is infinite. Kept exact under fp8 (bfloat16 keeps float32's range).
+# their gradient is infinite. Kept exact under fp8 (bfloat16 keeps float32's range); a
+# power's only for an exponent below 1 (`_kept_exact`).
 _DIVIDING = frozenset(
-    [torch.log, _T.log, torch.log2, _T.log2, torch.log10, _T.log10, torch.sqrt, _T.sqrt]
-    + [torch.div, _T.div, torch.true_divide, _T.true_divide, _T.__truediv__]
-    + [_T.__rtruediv__, torch.pow, _T.pow, _T.__pow__, _T.__rpow__, torch.std, _T.std]
-    + [torch.asin, _T.asin, torch.acos, _T.acos, torch.atanh, _T.atanh, F.normalize]
+    [torch.log, _T.log, _T.log_, torch.log2, _T.log2, _T.log2_, torch.log10, _T.log10]
+    + [_T.log10_, torch.sqrt, _T.sqrt, _T.sqrt_, torch.std, _T.std, F.normalize]
+    + [torch.div, _T.div, _T.div_, torch.divide, _T.divide, _T.divide_, torch.true_divide]
+    + [_T.true_divide, _T.true_divide_, _T.__truediv__, _T.__itruediv__, _T.__rtruediv__]
+    + [torch.xlogy, _T.xlogy, _T.xlogy_, torch.special.xlogy]
+    + [torch.asin, _T.asin, _T.asin_, torch.acos, _T.acos, _T.acos_, torch.atanh, _T.atanh]
+    + [_T.atanh_]
 )
+_POWERS = frozenset([torch.pow, _T.pow, _T.pow_, _T.__pow__, _T.__ipow__])
+
+
+def _kept_exact(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fp8: bool) -> bool:
+    """Whether ``func(*args, **kwargs)``'s saves are kept exact (`_PICKING`, `_DIVIDING`): a
+    norm of an infinite order (which picks its largest element) and, under fp8, any other
+    (divided by); a power of an exponent below 1 (or of a tensor exponent) under fp8."""
+    if func in _PICKING:
+        return True
+    if func in _NORMS:
+        order = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else None))
+        return fp8 or (isinstance(order, (int, float)) and math.isinf(order))
+    if not fp8:
+        return False
+    if func in _POWERS:
+        exponent = kwargs.get("exponent", args[1] if len(args) > 1 else None)
+        return not isinstance(exponent, (int, float)) or exponent < 1
+    return func in _DIVIDING
 
 
 class _SavesByFunction(TorchFunctionMode):
@@ -214,7 +244,7 @@ class _SavesByFunction(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _PICKING or (self.fp8 and func in _DIVIDING):
+        if _kept_exact(func, args, kwargs, self.fp8):
             hooks = _EXACT
         elif self.fp8 and func in _ATTENTION_FUNCTIONS:
             hooks = _ATTENTION
