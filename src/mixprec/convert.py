@@ -405,7 +405,7 @@ def _compute_copies(
         copy = copies.get(id(param))
         if copy is None:
             copy = copies[id(param)] = param.to(dtype)
-            mark_region_cast(copy)
+            mark_region_cast(copy, param)
         out[name] = copy
     return out
 

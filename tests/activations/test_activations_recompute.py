@@ -764,3 +764,24 @@ def test_a_batchnorm_training_in_another_thread_is_not_taken_for_one_called_insi
     finally:
         stop.set()
         worker.join()
+
+
+@pytest.mark.parametrize("block", [_ReadsItsChildsWeight, lambda: Block(16)])
+def test_checkpoint_under_functional_call_recomputes_from_the_tensors_given(block):
+    """Under a policy storing bfloat16 and computing in float32, a checkpointed module run
+    through ``torch.func.functional_call`` was recomputed from the model's own weights (the
+    call's swap is gone in the backward): gradients of the tensors given 32% off. The
+    region's copies are cast again from what they were cast from."""
+    grads = {}
+    for option in (None, "checkpoint"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), block(), nn.Linear(16, 2))
+        acts = {"1": option} if option else None
+        precision = Precision("p=bf16,c=f32", allow_slow=True, activations=acts)
+        model = precision.setup(model)
+        given = {n: (p.detach() * 1.5).requires_grad_() for n, p in model.named_parameters()}
+        x = precision.convert_input(torch.randn(4, 8, generator=torch.Generator().manual_seed(1)))
+        out = torch.func.functional_call(model, given, (x,))
+        precision.backward(out.float().square().mean())
+        grads[option] = [t.grad for t in given.values()]
+    assert all(torch.equal(a, b) for a, b in zip(grads[None], grads["checkpoint"], strict=True))

@@ -202,10 +202,17 @@ def _with_fresh_cast_cache(run: Callable[..., Any], *args: Any) -> Any:
 _REGION_CASTS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
 
-def mark_region_cast(t: torch.Tensor) -> None:
-    """Mark `t` as a region's compute-dtype copy of a parameter (`mixprec.convert` makes
-    them), which a checkpoint's recomputation need not be handed: it casts alike."""
+# what each of them was cast from (the parameter, or the tensor ``functional_call`` put in
+# its place), by the copy's id: a checkpoint's recomputation casts that again
+_CAST_SOURCES: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def mark_region_cast(t: torch.Tensor, source: torch.Tensor) -> None:
+    """Mark `t` as a region's compute-dtype copy of `source`, a parameter or the tensor in
+    its place (`mixprec.convert` makes them), which a checkpoint's recomputation need not be
+    handed: it casts `source` alike (`_with_recast`)."""
     _REGION_CASTS[id(t)] = t
+    _CAST_SOURCES[id(t)] = source
 
 
 def _swapped_parameters(module: nn.Module, casts: bool) -> dict[str, torch.Tensor]:
@@ -224,40 +231,43 @@ def _swapped_parameters(module: nn.Module, casts: bool) -> dict[str, torch.Tenso
     }
 
 
-def _region_recasts(module: nn.Module) -> dict[str, torch.dtype]:
+def _region_recasts(module: nn.Module) -> dict[str, tuple[torch.dtype, torch.Tensor]]:
     """The parameters of `module` and below an enclosing "true" region swapped for compute
-    copies this forward (`mark_region_cast`), by path, with the copies' dtype: a checkpoint
-    keeps no copy, and a module reading a child's weight itself (``F.linear(x,
-    self.proj.weight)``) is recomputed outside that region, where the stored weight is."""
-    return {
-        f"{prefix}.{key}" if prefix else key: t.dtype
-        for prefix, m in module.named_modules()
-        for key, t in m._parameters.items()
-        if t is not None and _REGION_CASTS.get(id(t)) is t
-    }
+    copies this forward (`mark_region_cast`), by path, with the copies' dtype and what they
+    were cast from: a checkpoint keeps no copy, and a module reading a child's weight itself
+    (``F.linear(x, self.proj.weight)``) is recomputed outside that region (and outside a
+    ``functional_call``'s swap), where the module's stored weight is."""
+    out = {}
+    for prefix, m in module.named_modules():
+        for key, t in m._parameters.items():
+            source = _CAST_SOURCES.get(id(t)) if t is not None else None
+            if source is not None and _REGION_CASTS.get(id(t)) is t:
+                out[f"{prefix}.{key}" if prefix else key] = (t.dtype, source)
+    return out
 
 
 def _with_recast(
-    module: nn.Module, recast: dict[str, torch.dtype], run: Callable[..., Any], *args: Any
+    module: nn.Module,
+    recast: dict[str, tuple[torch.dtype, torch.Tensor]],
+    run: Callable[..., Any],
+    *args: Any,
 ) -> Any:
     """``run(*args)`` with the parameters an enclosing region cast at the forward
-    (`_region_recasts`) cast alike again, fresh, where they are the stored ones (the
-    recomputation in the backward); in the forward the region's copies are there. A region
-    inside casts nothing already in its dtype, so each weight is cast once, as before."""
-    first = next(iter(recast))
-    owner, _, key = first.rpartition(".")
+    (`_region_recasts`) cast alike again, fresh, from what they were cast from, where the
+    stored parameters are back (the recomputation in the backward); in the forward the
+    region's copies are there. A region inside casts nothing already in its dtype, so each
+    weight is cast once, as before."""
+    owner, _, key = next(iter(recast)).rpartition(".")
     if not isinstance(
         (module.get_submodule(owner) if owner else module)._parameters[key], nn.Parameter
     ):
         return run(*args)
     fresh: dict[int, torch.Tensor] = {}  # (a weight tied under two paths: one copy)
     copies = {}
-    for path, dtype in recast.items():
-        owner, _, key = path.rpartition(".")
-        param = (module.get_submodule(owner) if owner else module)._parameters[key]
-        if id(param) not in fresh:
-            fresh[id(param)] = param.to(dtype)
-        copies[path] = fresh[id(param)]
+    for path, (dtype, source) in recast.items():
+        if id(source) not in fresh:
+            fresh[id(source)] = source.to(dtype)
+        copies[path] = fresh[id(source)]
     with _reparametrize_module(module, copies):
         return run(*args)
 
