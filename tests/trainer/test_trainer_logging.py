@@ -603,3 +603,27 @@ def test_a_trainers_second_fit_ranks_and_waits_on_its_own_scores(tmp_path):
     assert checkpoint.best_model_score == pytest.approx(0.6)
     assert checkpoint.best_model_path != first and first.endswith("epoch=1-step=4.ckpt")
     assert Path(first).is_file()  # (the first fit's file is left alone)
+
+
+class TensorLr(Model):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=torch.tensor(1.0))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5**k)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+
+class LrAtEpochEnd(Callback):
+    def __init__(self) -> None:
+        self.seen: list[float] = []
+
+    def on_train_epoch_end(self, trainer, model) -> None:
+        self.seen.append(float(trainer.callback_metrics["lr"]))
+
+
+def test_a_tensor_lr_reads_as_the_steps_used_it_after_an_epoch_scheduler_moved_it(tmp_path):
+    """The latest step's row held the optimizer's lr tensor itself, which an epoch-interval
+    scheduler then set in place: callbacks and the progress bar read the next epoch's lr."""
+    seen = LrAtEpochEnd()
+    trainer = Trainer(max_epochs=2, default_root_dir=tmp_path, logger=False, callbacks=[seen])
+    trainer.fit(TensorLr(), DataLoader(data(8), batch_size=4))
+    assert seen.seen == [1.0, 0.5]

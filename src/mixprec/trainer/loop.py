@@ -614,9 +614,9 @@ def after_step(run: FitRun) -> None:
         else ()
     )
     # the step's row carries the lr this step used, read before a scheduler moves it (a
-    # tensor lr is set in place: copied first)
+    # tensor lr is set in place, by this step's schedulers or an epoch's: copied first)
     lr = run.optimizers[0].optimizer.param_groups[0]["lr"] if run.optimizers else 0.0
-    if due and isinstance(lr, Tensor):
+    if isinstance(lr, Tensor):
         lr = lr.clone()
     for s in due:
         if not s.monitor:
