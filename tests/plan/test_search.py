@@ -1181,3 +1181,41 @@ def test_a_uniform_plan_equal_to_the_chosen_one_is_not_called_better():
     for n in equal:
         assert f"NOT better than {n}," not in summary
         assert f"the plan is {n}" in summary or f"the same loss and bytes as {n}" in summary
+
+
+class _SharedNormBlock(nn.Module):
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.shared, self.lin = shared, nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin(self.shared(x))
+
+
+class _SharedNormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.LayerNorm(32)
+        self.inp, self.head = nn.Linear(8, 32), nn.Linear(32, 4)
+        self.blocks = nn.ModuleList([_SharedNormBlock(shared), _SharedNormBlock(shared)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_blocks_sharing_a_module_take_no_activation_option_but_keep():
+    """Blocks holding one LayerNorm between them were offered options that resolving the
+    plan then refused (the shared norm would take two): the search failed. They keep."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(8, 8), torch.randint(0, 4, (8,)))]
+    report = mixprec.search(
+        _SharedNormNet(), batches, F.cross_entropy, budget=Budget(memory_bytes=10**12),
+        count="training", batch_size=16, formats=["32-true"], baseline="32-true", reps=1,
+        retries=0,
+    )  # fmt: skip
+    assert report.activations["blocks.0"] == report.activations["blocks.1"] == "keep"
+    row = next(r for r in report.blocks if r.path == "blocks.0")
+    assert "also reachable at blocks.1.shared" in row.not_applicable["checkpoint"]

@@ -164,9 +164,12 @@ def block_rows(s: SearchInputs, reference: nn.Module) -> tuple[list[BlockRow], i
     blocks = find_blocks(model)
     rows = [BlockRow(path=b, kind=type(modules[b]).__name__) for b in blocks]
     options = searched_options(device)
+    shared = _shared_with_outside(model, blocks)
     for row in rows:
         for option in options:
             reason = refusal(modules[row.path], option)
+            if reason is None and option != "keep" and row.path in shared:
+                reason = shared[row.path]
             if reason is not None:
                 row.not_applicable[option] = reason
         row.not_applicable.update(NOT_SEARCHED)
@@ -186,6 +189,27 @@ def block_rows(s: SearchInputs, reference: nn.Module) -> tuple[list[BlockRow], i
     _damages(reference, rows, batches, loss_fn, lr=lr, device=device, seed=seed)
     _times(reference, rows, batches[0], loss_fn, reps=reps, device=device, seed=seed)
     return rows, outside
+
+
+def _shared_with_outside(model: nn.Module, blocks: list[str]) -> dict[str, str]:
+    """Why each block holding a module also reachable outside it (a norm or a rotary table
+    shared by all blocks) takes no option but keep: an option follows the module tree, and
+    the shared module would take two."""
+    paths: dict[int, list[str]] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(m), []).append(path)
+    out = {}
+    for block in blocks:
+        for where in paths.values():
+            inside = [p for p in where if _under(p, block)]
+            outside = [p for p in where if not _under(p, block)]
+            if inside and outside:
+                out[block] = (
+                    f"holds {inside[0]}, also reachable at {outside[0]}: a shared module "
+                    "would take two options"
+                )
+                break
+    return out
 
 
 def layer_activations(s: SearchInputs, rows: list[UnitRow], blocks: list[BlockRow]) -> None:
