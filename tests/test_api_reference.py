@@ -79,7 +79,7 @@ def test_every_class_and_function_the_examples_use_has_a_reference_entry():
 
 FIELDS = [
     ("mixprec.bench.BenchOptions", 18),
-    ("mixprec.hardware.DeviceInfo", 11),
+    ("mixprec.hardware.DeviceInfo", 12),
     ("mixprec.plan.SearchReport", None),
     ("mixprec.doctor.diagnosis.Recommendation", None),
 ]

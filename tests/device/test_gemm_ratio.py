@@ -408,7 +408,7 @@ def test_a_late_cap_reads_what_a_process_under_it_measured(tmp_path, monkeypatch
     monkeypatch.setitem(device._ONEDNN_AT_IMPORT, "ONEDNN_MAX_CPU_ISA", None)
     monkeypatch.setitem(device._ONEDNN_AT_IMPORT, "DNNL_MAX_CPU_ISA", None)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    flags, cap = device.cap_cpu_flags(device._cpu_flags(), {"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    flags, cap = device.cap_cpu_flags(device._cpu_flags()[0], {"ONEDNN_MAX_CPU_ISA": "AVX2"})
     key = {"cpu": device._cpu_name(), "flags": sorted(flags), "isa_cap": cap}
     measured = {
         "ratios": {"bfloat16": 0.02, "float16": 0.03},
@@ -517,3 +517,68 @@ def test_a_cached_ratio_that_no_measurement_gives_is_measured_again(bad):
     assert gemm_ratio._from_entry(entry) is not None
     entry["measured"]["ratios"]["bfloat16"] = bad
     assert gemm_ratio._from_entry(entry) is None
+
+
+_MEASURED = {
+    "ratios": {"bfloat16": 4.0, "float16": 0.06},
+    "spread": {"bfloat16": 1.0, "float16": 1.0},
+    "sizes": {"bfloat16": 1024, "float16": 128},
+    "rounds": {"bfloat16": 3, "float16": 3},
+    "seconds": 0.5,
+    "measured_at": "2026-12-02 17:00 UTC",
+}
+
+
+def _measured_at_fixed_ratios(monkeypatch) -> gemm_ratio.GemmRatios:
+    """The host's GEMMs "measured" at set ratios, at once: what is cached, not how fast the
+    host is, is under test."""
+    fixed = gemm_ratio.GemmRatios(**{**_MEASURED, "ratios": {"bfloat16": 0.5, "float16": 0.05}})
+    monkeypatch.setattr(gemm_ratio, "measure", lambda *args: fixed)
+    return fixed
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [("seconds", None), ("seconds", -1.0), ("seconds", math.nan), ("seconds", math.inf),
+     ("seconds", "0.5"), ("seconds", True), ("measured_at", None), ("measured_at", 5)],
+)  # fmt: skip
+def test_a_cache_entry_with_a_bad_time_is_measured_again(field, bad):
+    entry = {"measured": {**_MEASURED, field: bad}}
+    assert gemm_ratio._from_entry({"measured": _MEASURED}) is not None
+    assert gemm_ratio._from_entry(entry) is None
+
+
+@pytest.mark.usefixtures("_clean_detect")
+def test_a_cache_entry_without_its_time_does_not_stop_detect_or_info(tmp_path, monkeypatch):
+    """A hand-edited "seconds": null passed the cache's check, then failed every CPU detect(),
+    Precision and `mixprec info` (exit 3) until the file was deleted."""
+    _fresh(monkeypatch, tmp_path)
+    fixed = _measured_at_fixed_ratios(monkeypatch)
+    device.detect("cpu")
+    path = tmp_path / gemm_ratio.CACHE_FILE
+    data = json.loads(path.read_text())
+    data["entries"][0]["measured"]["seconds"] = None
+    path.write_text(json.dumps(data))
+    device._detect.cache_clear()
+    assert device.detect("cpu").gemm_ratios == fixed.ratios
+    assert json.loads(path.read_text())["entries"][0]["measured"]["seconds"] == fixed.seconds
+    path.write_text(json.dumps(data))
+    device._detect.cache_clear()
+    assert main(["info", "--device", "cpu"]) == 0
+
+
+@pytest.mark.usefixtures("_clean_detect")
+def test_ratios_that_could_not_be_cached_are_not_said_to_be(tmp_path, monkeypatch, capsys):
+    """`mixprec info` said "cached in <path>" right after warning it could not cache there."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _fresh(monkeypatch, blocker / "cache")
+    _measured_at_fixed_ratios(monkeypatch)
+    monkeypatch.setenv("COLUMNS", "400")
+    with pytest.warns(RuntimeWarning, match="could not cache"):
+        assert main(["info", "--device", "cpu"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"not cached ({blocker / 'cache' / gemm_ratio.CACHE_FILE} could not be written" in out
+    assert "cached in" not in out
+    _fresh(monkeypatch, tmp_path / "writable")
+    assert f"; cached in {tmp_path / 'writable'}" in device.detect("cpu").gemm_note

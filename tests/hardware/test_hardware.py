@@ -470,9 +470,199 @@ def test_arm_cpus_are_told_apart_and_their_bf16_instructions_read(monkeypatch):
 
         monkeypatch.setattr(builtins, "open", fake_open)
         monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-        found[part] = (device._cpu_name(), device._cpu_flags())
+        found[part] = (device._cpu_name(), device._cpu_flags()[0])
     monkeypatch.setattr(builtins, "open", real_open)
     assert found["0xd0c"][0] == "aarch64 0x41:0xd0c" != found["0xd40"][0]
     assert "bf16" in found["0xd40"][1] and "bf16" not in found["0xd0c"][1]
     v1 = support_matrix(DeviceInfo("cpu", found["0xd40"][0], cpu_flags=found["0xd40"][1]))
     assert v1["bf16-mixed"].status == "supported" and "Arm bfloat16" in v1["bf16-mixed"].reason
+
+
+# a Skylake-SP Xeon as torch's cpuinfo names it: AVX-512 without VNNI or bf16
+SKYLAKE_CAPABILITIES = {
+    "architecture": "x86_64",
+    "sse2": True,
+    "avx2": True,
+    "avx512_f": True,
+    "avx512_bw": True,
+    "avx512_vnni": False,
+    "avx_vnni": False,
+    "avx512_bf16": False,
+    "amx_tile": False,
+    "num_logical_cores": 8,
+}
+
+
+def _without_cpuinfo_flags(monkeypatch, machine: str) -> None:
+    """A host whose /proc/cpuinfo has no flags line (a sandbox; Windows and Intel Macs have
+    no /proc/cpuinfo), its CPU `machine`."""
+    import builtins
+    import io
+    import platform
+
+    real_open = builtins.open
+
+    def fake_open(path, *args, **kwargs):
+        if path == "/proc/cpuinfo":
+            return io.StringIO("processor\t: 0\nmodel name\t: Described CPU\n")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setattr(platform, "system", lambda: "Windows")
+
+
+def test_a_cpu_without_a_flags_line_is_read_by_torch(monkeypatch):
+    """With no flags line the CPU had no flags: int8 was rated fast on x86 CPUs without VNNI,
+    where it runs slower than float32, and bfloat16 "emulated" on CPUs with avx512_bf16."""
+    import mixprec.device as device
+
+    _without_cpuinfo_flags(monkeypatch, "AMD64")
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: SKYLAKE_CAPABILITIES, raising=False)
+    flags, unknown = device._cpu_flags()
+    assert {"sse2", "avx2", "avx512f", "avx512bw"} <= flags and not unknown
+    assert not flags & {"avx512_vnni", "avx_vnni", "architecture", "num_logical_cores"}
+    info = DeviceInfo("cpu", "Skylake", cpu_flags=flags)
+    assert policy_support("int8_from_float32", info).status == "supported"
+    assert "no avx512_bf16/amx_bf16" in support_matrix(info)["bf16-mixed"].reason
+    zen4 = dict(SKYLAKE_CAPABILITIES, avx512_vnni=True, avx512_bf16=True)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: zen4)
+    info = DeviceInfo("cpu", "Zen 4", cpu_flags=device._cpu_flags()[0])
+    assert support_matrix(info)["bf16-mixed"].status == "fast"
+    assert "avx512_bf16, avx512_vnni, avx512bw" in info.describe()
+
+
+def _fixed_gemm_ratios(monkeypatch, tmp_path) -> None:
+    """The host's GEMMs "measured" at set ratios, into a cache of the test's own."""
+    from mixprec.device import gemm_ratio
+
+    fixed = gemm_ratio.GemmRatios(
+        ratios={"bfloat16": 0.5, "float16": 0.05},
+        spread={"bfloat16": 1.0, "float16": 1.0},
+        sizes={"bfloat16": 1024, "float16": 128},
+        rounds={"bfloat16": 3, "float16": 3},
+        seconds=0.4,
+        measured_at="2026-01-01 00:00 UTC",
+    )
+    monkeypatch.setattr(gemm_ratio, "measure", lambda *args: fixed)
+    monkeypatch.setenv(gemm_ratio.CACHE_ENV, str(tmp_path))
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def _fresh_detect():
+    import mixprec.device as device
+
+    device._detect.cache_clear()
+    yield
+    device._detect.cache_clear()
+
+
+@pytest.mark.usefixtures("_fresh_detect")
+def test_flags_a_torch_without_capabilities_cannot_read_are_said_to_be_unknown(
+    monkeypatch, tmp_path
+):
+    """torch's older probes read avx512_vnni but not avx_vnni, avx512f but not avx512bw or
+    avx512_fp16: those are unknown, and the ratings say so rather than call them absent."""
+    _without_cpuinfo_flags(monkeypatch, "AMD64")
+    _fixed_gemm_ratios(monkeypatch, tmp_path)
+    monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
+    probes = {"avx2": True, "avx512": True, "vnni": False, "avx512_bf16": False}
+    for name in ("avx2", "avx512", "vnni", "avx512_bf16", "amx_tile", "amx_fp16"):
+        monkeypatch.setattr(torch.cpu, f"_is_{name}_supported", lambda n=name: probes.get(n, False))
+    info = detect("cpu")
+    assert {"sse2", "avx2", "avx512f"} <= info.cpu_flags
+    assert info.unknown_flags == {"avx_vnni", "avx512bw", "avx512_fp16"}
+    assert "flags unknown: avx512_fp16, avx512bw, avx_vnni" in info.describe()
+    int8 = policy_support("int8_from_float32", info)
+    assert int8.status == "supported" and "flags unknown (avx_vnni)" in int8.reason
+    matrix = support_matrix(info)
+    assert "flags unknown: avx512bw" in matrix["bf16-mixed"].reason
+    assert "no bf16 or avx512" not in matrix["bf16-mixed"].reason
+    assert "flags unknown (avx512_fp16)" in matrix["16-mixed"].reason
+    assert "no float16 hardware" not in matrix["16-mixed"].reason
+    # an ISA cap keeps torch from the unknown flags' kernels: they are as good as absent
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2_VNNI")
+    assert detect("cpu").unknown_flags == {"avx_vnni"}
+
+
+@pytest.mark.usefixtures("_fresh_detect")
+def test_an_arm_cpu_whose_flags_cannot_be_read_has_bfloat16_unknown(monkeypatch, tmp_path):
+    _without_cpuinfo_flags(monkeypatch, "ARM64")
+    _fixed_gemm_ratios(monkeypatch, tmp_path)
+    monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
+    info = detect("cpu")
+    assert info.cpu_flags == frozenset() and info.unknown_flags == {"bf16"}
+    bf16 = support_matrix(info)["bf16-mixed"]
+    assert "flags unknown (bf16)" in bf16.reason and "no bf16" not in bf16.reason
+    assert "flags unknown: bf16" in info.describe()
+
+
+@pytest.mark.parametrize("flag", ["AVX512_BF16", "avx512-bf16", " avx512_bf16", "avx512 bf16"])
+def test_a_cpu_flag_spelled_otherwise_than_proc_cpuinfo_is_refused(flag):
+    """ "AVX512_BF16" and the like matched no flag mixprec reads: the CPU was silently rated
+    as lacking avx512_bf16 (bf16-mixed slow, "auto" 32-true)."""
+    with pytest.raises(ValueError, match=re.escape(f"{flag!r} is not spelled") + ".*'avx512_bf16'"):
+        DeviceInfo("cpu", "Zen 4", cpu_flags=frozenset({"avx512bw", flag}))
+    with pytest.raises(ValueError, match="unknown_flags"):
+        DeviceInfo("cpu", "Zen 4", unknown_flags=frozenset({flag}))
+    with pytest.raises(ValueError, match="both in cpu_flags and unknown"):
+        DeviceInfo("cpu", "x", cpu_flags=frozenset({"bf16"}), unknown_flags=frozenset({"bf16"}))
+
+
+def _one_gpu(monkeypatch) -> None:
+    """A host with one CUDA GPU, as torch.cuda answers: an index past it fails torch's
+    assertion, as torch's own `get_device_properties` does."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "H100")
+
+    def properties(device=None):
+        raise AssertionError("Invalid device id")
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+
+
+def test_a_gpu_index_past_the_visible_gpus_is_a_clear_error(monkeypatch, capsys):
+    """`mixprec info --device cuda:1` on a one-GPU host printed torch's AssertionError with
+    a traceback (exit 3)."""
+    _one_gpu(monkeypatch)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(PrecisionError, match=r"'cuda:1'.* sees 1 CUDA GPU\(s\), cuda:0 \(H100\)"):
+        detect("cuda:1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert main(["info", "--device", "cuda:2"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "'cuda:2'" in err and "CUDA_VISIBLE_DEVICES='3'" in err and "Traceback" not in err
+
+
+RTX4090 = DeviceInfo("cuda", "NVIDIA GeForce RTX 4090", 0, capability=(8, 9))
+
+
+@pytest.mark.parametrize(
+    ("capability", "status"),
+    [((8, 9), "slow"), ((8, 6), "slow"), ((7, 5), "slow"), ((12, 0), "slow"),
+     ((6, 0), "supported"), ((7, 0), "supported"), ((8, 0), "supported"),
+     ((9, 0), "supported"), ((10, 0), "supported")],
+)  # fmt: skip
+def test_float64_is_slow_on_gpus_without_float64_units(capability, status):
+    """An RTX 4090, A10 or L4 (1/64 of the float32 rate) was rated as an H100 for 64-true."""
+    gpu = DeviceInfo("cuda", "described", 0, capability=capability)
+    assert support_matrix(gpu)["64-true"].status == status
+
+
+def test_64_true_on_a_gpu_with_slow_float64_is_treated_as_any_slow_precision(monkeypatch):
+    with pytest.raises(SlowPrecisionError, match=r"'64-true'.*It is fast on NVIDIA GPUs of comp"):
+        check("64-true", info=RTX4090)
+    assert check("64-true", info=RTX4090, allow_slow=True).status == "slow"
+    with hardware.assume(RTX4090):
+        with pytest.raises(SlowPrecisionError):
+            mixprec.Precision("64-true", device="cuda").resolve()
+        assert mixprec.Precision("64-true", device="cuda", allow_slow=True).resolve().status == (
+            "slow"
+        )
+        monkeypatch.setenv(hardware.ALLOW_SLOW_ENV, "1")
+        assert mixprec.Precision("64-true", device="cuda").resolve().status == "slow"
+    assert check("64-true", info=H100).status == "supported"

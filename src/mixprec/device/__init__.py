@@ -42,7 +42,8 @@ class DeviceInfo:
         type: "cpu", "cuda" or "mps".
         name: the CPU model or GPU name.
         index: the CUDA device index (None elsewhere).
-        cpu_flags: the CPU's instruction flags that matter here, after any ISA cap.
+        cpu_flags: the CPU's instruction flags that matter here, after any ISA cap, spelled
+            as /proc/cpuinfo spells them (lower case, e.g. "avx512_bf16").
         capability: a CUDA GPU's compute capability, (major, minor).
         total_memory: a GPU's memory in bytes.
         torch_version: the torch the facts were gathered with.
@@ -54,6 +55,9 @@ class DeviceInfo:
         gemm_note: how and when `gemm_ratios` were measured, shown by `mixprec info`.
         macos: on an Apple GPU ("mps"), the macOS version, (major, minor): `detect` reads
             the host's; a described one left None is taken as a current macOS (14+).
+        unknown_flags: the flags of interest whose presence could not be read (a host whose
+            /proc/cpuinfo lists no flags and whose torch cannot name them all): the ratings
+            say "flags unknown" for them instead of claiming they are absent.
     """
 
     type: str
@@ -67,6 +71,7 @@ class DeviceInfo:
     gemm_ratios: Mapping[str, float] | None = field(default=None, hash=False)
     gemm_note: str | None = field(default=None, hash=False, compare=False)
     macos: tuple[int, int] | None = None
+    unknown_flags: frozenset[str] = field(default_factory=frozenset)
 
     def __post_init__(self) -> None:
         if self.type not in ("cpu", "cuda", "mps"):
@@ -84,13 +89,10 @@ class DeviceInfo:
                 )
         if self.type == "cuda" and self.capability is None:
             raise ValueError("a cuda DeviceInfo needs its capability, e.g. (9, 0) for an H100")
-        if not isinstance(self.cpu_flags, frozenset) or not all(
-            isinstance(f, str) for f in self.cpu_flags
-        ):
-            raise ValueError(
-                f"DeviceInfo.cpu_flags is a frozenset of flag names as /proc/cpuinfo spells "
-                f"them (lower case, e.g. frozenset({{'avx512_bf16'}})), got {self.cpu_flags!r}"
-            )
+        for name in ("cpu_flags", "unknown_flags"):
+            _check_flags(name, getattr(self, name))
+        if both := self.cpu_flags & self.unknown_flags:
+            raise ValueError(f"DeviceInfo: {sorted(both)} cannot be both in cpu_flags and unknown")
         if self.gemm_ratios is None:
             return
         names = {dtype_name(d) for d in gemm_ratio.DTYPES}
@@ -125,11 +127,31 @@ class DeviceInfo:
             mem = f", {self.total_memory / 2**30:.0f} GiB" if self.total_memory else ""
             return f"{self.device} ({self.name}, {cc}{mem})"
         if self.type == "cpu":
-            shown = sorted(self.cpu_flags & set(_CPU_FLAGS_OF_INTEREST))
-            flags = ", ".join(shown) if shown else "no bf16/fp16 matrix extensions"
+            shown = ", ".join(sorted(self.cpu_flags & set(_CPU_FLAGS_OF_INTEREST)))
+            flags = shown or "no bf16/fp16 matrix extensions"
+            if self.unknown_flags:
+                unknown = f"flags unknown: {', '.join(sorted(self.unknown_flags))}"
+                flags = f"{shown}; {unknown}" if shown else unknown
             cap = f"; {self.isa_cap}" if self.isa_cap else ""
             return f"cpu ({self.name}; {flags}{cap}; {_threads(torch.get_num_threads())})"
         return f"{self.device} ({self.name})"
+
+
+def _check_flags(name: str, flags: object) -> None:
+    """Refuse CPU flags not spelled as /proc/cpuinfo spells them: a described "AVX512_BF16"
+    or "avx512-bf16" matched no flag mixprec reads, and the CPU was rated as lacking it."""
+    if not isinstance(flags, frozenset) or not all(isinstance(f, str) for f in flags):
+        raise ValueError(
+            f"DeviceInfo.{name} is a frozenset of flag names as /proc/cpuinfo spells "
+            f"them (lower case, e.g. frozenset({{'avx512_bf16'}})), got {flags!r}"
+        )
+    for flag in sorted(flags):
+        expected = "_".join(flag.lower().replace("-", "_").split())
+        if not flag or flag != expected:
+            raise ValueError(
+                f"DeviceInfo.{name}: {flag!r} is not spelled as /proc/cpuinfo spells flags "
+                f"(lower case, '_' between words, no blanks or '-'): {expected!r}?"
+            )
 
 
 def _threads(n: int) -> str:
@@ -148,18 +170,53 @@ _CPU_FLAGS_OF_INTEREST = (
 )
 
 
-def _cpu_flags() -> frozenset[str]:
+# the names platform.machine() gives an x86-64 CPU (Linux and macOS, Windows)
+_X86_64_MACHINES = frozenset({"x86_64", "amd64"})
+# torch's names (`torch.cpu.get_capabilities`) of the flags /proc/cpuinfo spells otherwise
+_PROC_NAMES = {
+    f"avx512_{part}": f"avx512{part}" for part in ("f", "cd", "dq", "bw", "vl", "ifma", "vbmi")
+}
+
+
+def _cpu_flags() -> tuple[frozenset[str], frozenset[str]]:
+    """The host CPU's instruction flags, spelled as /proc/cpuinfo spells them, and the flags of
+    interest whose presence could not be read."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 # (x86 names them "flags", Arm "Features": bf16, i8mm, sve...)
                 if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
+                    return frozenset(line.split(":", 1)[1].split()), frozenset()
     except OSError:
         pass
     if platform.machine() == "arm64" and platform.system() == "Darwin":
-        return frozenset({"apple_silicon"})
-    return frozenset()
+        return frozenset({"apple_silicon"}), frozenset()
+    return _torch_cpu_flags()
+
+
+def _torch_cpu_flags() -> tuple[frozenset[str], frozenset[str]]:
+    """The flags torch reads with CPUID where /proc/cpuinfo lists none (Windows, Intel Macs,
+    sandboxes): all of them from `torch.cpu.get_capabilities`, or, from a torch without it,
+    the few x86 flags its older probes read, the others of interest unknown. Taking "no
+    flags read" for "none there" rated int8 fast on CPUs where it is slower than float32."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is not None:
+        found = {_PROC_NAMES.get(k, k) for k, v in capabilities().items() if v is True}
+        return frozenset(found), frozenset()
+    if platform.machine().lower() not in _X86_64_MACHINES:
+        return frozenset(), frozenset({"bf16"})  # (Arm's, which the probes do not read)
+    probes = {
+        "avx2": torch.cpu._is_avx2_supported,
+        "avx512f": torch.cpu._is_avx512_supported,
+        "avx512_vnni": torch.cpu._is_vnni_supported,
+        "avx512_bf16": torch.cpu._is_avx512_bf16_supported,
+        "amx_fp16": torch.cpu._is_amx_fp16_supported,
+    }
+    found = {"sse2"} | {flag for flag, probe in probes.items() if probe()}  # (x86-64's baseline)
+    if torch.cpu._is_amx_tile_supported():
+        found |= {"amx_bf16", "amx_int8"}  # (every CPU with AMX tiles has both)
+    unknown = {"avx_vnni"} | ({"avx512bw", "avx512_fp16"} if "avx512f" in found else set())
+    return frozenset(found), frozenset(unknown)
 
 
 def _cpu_name() -> str:
@@ -326,7 +383,9 @@ def _host_cpu(caps: tuple[str | None, ...], refresh: bool) -> DeviceInfo:
     """The host CPU under the ISA caps `caps`, rated by its measured GEMM ratios: cached per
     CPU model and flags, cap, torch version and the measurement's method."""
     env = {var: value for var, value in zip(_ISA_VARS, caps, strict=True) if value}
-    flags, cap = cap_cpu_flags(_cpu_flags(), env)
+    found, unknown = _cpu_flags()
+    flags, cap = cap_cpu_flags(found, env)
+    unknown, _ = cap_cpu_flags(unknown, env)  # (one the cap keeps kernels from is not there)
     name = _cpu_name()
     key = {
         "cpu": name,
@@ -336,10 +395,11 @@ def _host_cpu(caps: tuple[str | None, ...], refresh: bool) -> DeviceInfo:
         "method": gemm_ratio.METHOD,
     }
     path = gemm_ratio.cache_path()
-    in_effect, _ = cap_cpu_flags(_cpu_flags(), caps_in_effect(env))
+    in_effect, _ = cap_cpu_flags(found, caps_in_effect(env))
     if in_effect == flags:
-        measured = gemm_ratio.cached(key, refresh=refresh)
-        note = f"{measured.note()}; cached in {path}"
+        measured, unstored = gemm_ratio.cached(key, refresh=refresh)
+        where = f"cached in {path}" if unstored is None else f"not cached ({unstored})"
+        note = f"{measured.note()}; {where}"
     else:
         # this process's GEMMs run under another cap than the one asked for: measuring them
         # would store one cap's speed under the other's key
@@ -357,6 +417,7 @@ def _host_cpu(caps: tuple[str | None, ...], refresh: bool) -> DeviceInfo:
         isa_cap=cap,
         gemm_ratios=measured.ratios if measured else None,
         gemm_note=note,
+        unknown_flags=unknown,
     )
 
 
@@ -392,6 +453,8 @@ def detect(device: torch.device | str | None = None) -> DeviceInfo:
             + ("" if torch.version.cuda else " (it is a CPU-only build)")
             + "; use device='cpu', or install a CUDA build of torch on a machine with a GPU"
         )
+    if device.type == "cuda" and device.index is not None:
+        _check_cuda_index(device.index)
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise PrecisionError(
             f"device 'mps': this torch ({torch.__version__}) sees no Apple GPU"
@@ -399,6 +462,23 @@ def detect(device: torch.device | str | None = None) -> DeviceInfo:
             + "; MPS needs Apple silicon and macOS 12.3+; use device='cpu'"
         )
     return _detect(device.type, device.index, tuple(os.environ.get(v) for v in _ISA_VARS))
+
+
+def _check_cuda_index(index: int) -> None:
+    """Refuse a GPU index this process does not see: torch's own check is an assertion, which
+    `mixprec info --device cuda:1` on a one-GPU machine printed as a traceback."""
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:
+        visible = ", ".join(f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(count))
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        which = (
+            "CUDA_VISIBLE_DEVICES is not set"
+            if shown is None
+            else f"CUDA_VISIBLE_DEVICES={shown!r} shows it only those, numbered from 0"
+        )
+        raise PrecisionError(
+            f"device 'cuda:{index}': this process sees {count} CUDA GPU(s), {visible}; {which}"
+        )
 
 
 @contextmanager

@@ -272,6 +272,8 @@ def _entries(path: Path) -> list[dict[str, Any]]:
 
 
 def _from_entry(entry: dict[str, Any]) -> GemmRatios | None:
+    """The entry's ratios, or None where a field is not what `measure` writes: a hand-edited
+    "seconds": null passed, then failed every CPU `detect` in `GemmRatios.note`."""
     try:
         found = GemmRatios(**entry["measured"])
     except (KeyError, TypeError):
@@ -287,7 +289,14 @@ def _from_entry(entry: dict[str, Any]) -> GemmRatios | None:
         )
         for f in fields
     )
-    return found if valid else None
+    seconds = found.seconds
+    timed = (
+        isinstance(seconds, float | int)
+        and not isinstance(seconds, bool)
+        and 0 <= seconds < math.inf
+        and isinstance(found.measured_at, str)
+    )
+    return found if valid and timed else None
 
 
 def _write(path: Path, entries: list[dict[str, Any]]) -> None:
@@ -305,16 +314,17 @@ def lookup(key: Mapping[str, Any]) -> GemmRatios | None:
     return None
 
 
-def cached(key: Mapping[str, Any], refresh: bool = False) -> GemmRatios:
+def cached(key: Mapping[str, Any], refresh: bool = False) -> tuple[GemmRatios, str | None]:
     """The ratios measured for `key` (what decides them: CPU model and flags, the ISA cap this
     process's kernels run under, torch version), from the cache file, or measured now and
-    stored there when the file has none for `key` or `refresh` asks. The caller vouches that
-    `key` describes this process: its GEMMs are what is measured. A cache that cannot be
-    written is warned about, and the measurement is then only the caller's."""
+    stored there when the file has none for `key` or `refresh` asks; and why they are not in
+    the cache file (None when they are), so that no one says they were cached. The caller
+    vouches that `key` describes this process: its GEMMs are what is measured. A cache that
+    cannot be written is warned about, and the measurement is then only the caller's."""
     key = dict(key)
     path = cache_path()
     if not refresh and (found := lookup(key)) is not None:
-        return found
+        return found, None
     entries = _entries(path)
     found = measure()
     kept = [e for e in entries if e.get("key") != key]
@@ -327,4 +337,5 @@ def cached(key: Mapping[str, Any], refresh: bool = False) -> GemmRatios:
             RuntimeWarning,
             stacklevel=3,
         )
-    return found
+        return found, f"{path} could not be written: {err.strerror or err}"
+    return found, None

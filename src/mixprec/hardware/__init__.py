@@ -124,8 +124,11 @@ def _rated(prior: Support, ratio: float | None, dtype: torch.dtype) -> Support:
     return Support(status, f"{measured}{speed}; {prior.reason}")
 
 
-def _cpu_prior(dtype: torch.dtype, flags: frozenset[str]) -> Support:
-    """What a CPU's flags predict for bfloat16 or float16, before any measurement."""
+def _cpu_prior(
+    dtype: torch.dtype, flags: frozenset[str], unknown: frozenset[str] = frozenset()
+) -> Support:
+    """What a CPU's flags predict for bfloat16 or float16, before any measurement; a flag in
+    `unknown` (`DeviceInfo.unknown_flags`) is said to be unknown, never absent."""
     if dtype == torch.bfloat16:
         if flags & {"amx_bf16", "avx512_bf16"}:
             have = "/".join(sorted(flags & {"amx_bf16", "avx512_bf16"}))
@@ -138,11 +141,23 @@ def _cpu_prior(dtype: torch.dtype, flags: frozenset[str]) -> Support:
                 "Arm bfloat16 instructions (bf16): as fast as torch's kernels use them, "
                 "which the measured ratio tells",
             )
+        if unread := sorted(unknown & {"amx_bf16", "avx512_bf16", "bf16"}):
+            return Support(
+                SUPPORTED,
+                f"flags unknown ({', '.join(unread)}): whether it has bfloat16 instructions "
+                "could not be read; the measured ratio tells its speed",
+            )
         if "avx512bw" in flags:
             return Support(
                 SLOW,
                 "no avx512_bf16/amx_bf16: converted to float32 in software with AVX-512, "
                 "slower than float32",
+            )
+        if "avx512bw" in unknown:
+            return Support(
+                SLOW,
+                "no avx512_bf16/amx_bf16 (flags unknown: avx512bw): converted to float32 in "
+                "software, slower than float32",
             )
         return Support(SLOW, "no bf16 or avx512 instructions: emulated, slower than float32")
     if "amx_fp16" in flags:
@@ -159,11 +174,22 @@ def _cpu_prior(dtype: torch.dtype, flags: frozenset[str]) -> Support:
             "convolutions and most other float16 ops fall back to slow "
             "kernels (a CNN step measured ~100x slower than float32)",
         )
+    if unread := sorted(unknown & {"amx_fp16", "avx512_fp16"}):
+        return Support(
+            SLOW,
+            f"flags unknown ({', '.join(unread)}): float16 convolutions and most other float16 "
+            "ops fall back to slow kernels on CPUs without amx_fp16",
+        )
     return Support(
         SLOW,
         "no float16 hardware (no avx512_fp16/amx_fp16): converted in software, and float16 "
         "convolutions fall back to slow kernels",
     )
+
+
+# the compute capabilities of NVIDIA's GPUs with float64 at half the float32 rate (P100, V100,
+# A100, H100, B200); the others have few float64 units
+_FAST_FLOAT64 = frozenset({(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)})
 
 
 def dtype_support(dtype: torch.dtype, info: DeviceInfo) -> Support:
@@ -177,7 +203,8 @@ def dtype_support(dtype: torch.dtype, info: DeviceInfo) -> Support:
             return Support(SUPPORTED, "runs at about half the float32 rate")
         if dtype in (torch.bfloat16, torch.float16):
             ratios = info.gemm_ratios or {}
-            return _rated(_cpu_prior(dtype, info.cpu_flags), ratios.get(dtype_name(dtype)), dtype)
+            prior = _cpu_prior(dtype, info.cpu_flags, info.unknown_flags)
+            return _rated(prior, ratios.get(dtype_name(dtype)), dtype)
     if info.type == "cuda":
         major, minor = info.capability or (0, 0)
         cc = f"compute capability {major}.{minor}"
@@ -186,7 +213,14 @@ def dtype_support(dtype: torch.dtype, info: DeviceInfo) -> Support:
                 return Support(FAST, f"baseline ({cc}; TF32 tensor cores if enabled)")
             return Support(FAST, "baseline")
         if dtype == torch.float64:
-            return Support(SUPPORTED, "runs; most GPUs have a low float64 rate")
+            if info.capability in _FAST_FLOAT64:
+                return Support(SUPPORTED, f"float64 units at half the float32 rate ({cc})")
+            return Support(
+                SLOW,
+                f"runs at a small fraction of the float32 rate on {cc} (1/32 to 1/64 on "
+                "GeForce/RTX, T4, A10, L4 GPUs); at half of it only on compute capability 6.0, "
+                "7.0, 8.0, 9.0 and 10.0",
+            )
         if dtype == torch.float16:
             if major >= 7:
                 return Support(FAST, f"tensor cores ({cc} >= 7.0)")
@@ -218,7 +252,8 @@ def slow_attention(info: DeviceInfo) -> frozenset[torch.dtype]:
     float32 on an AMD Zen 4 with avx512_bf16 (benchmarks/attention_dtype.py; docs/policies.md
     gives the figures). CPUs with AMX tiles for the dtype (amx_bf16, amx_fp16) are left to
     the 16-bit kernel (not measured), as are GPUs, whose fused attention kernels are made for
-    16 bits."""
+    16 bits. A tile whose flag is unknown (`DeviceInfo.unknown_flags`) counts as absent:
+    float32 attention is slower there at worst, never less accurate."""
     if info.type != "cpu":
         return frozenset()
     tiles = {torch.bfloat16: "amx_bf16", torch.float16: "amx_fp16"}
@@ -300,11 +335,15 @@ _FAST_ON: dict[torch.dtype, str] = {
         "no CPU (those with amx_fp16, Intel Granite Rapids+, run its matmuls at speed, "
         "its convolutions still slowly: supported, not fast)"
     ),
+    torch.float64: (
+        "NVIDIA GPUs of compute capability 6.0, 7.0, 8.0, 9.0 or 10.0 (P100, V100, A100, "
+        "H100, B200), at half their float32 rate"
+    ),
 }
 
 
 def fast_on(dtype: torch.dtype) -> str | None:
-    """The hardware on which `dtype` training is fast (None for float32/float64)."""
+    """The hardware on which `dtype` training is fast (None for float32)."""
     return _FAST_ON.get(dtype)
 
 

@@ -198,7 +198,7 @@ def rate_doubts(
         if base is None or name == "float32" or not isinstance(dtype, torch.dtype):
             continue
         predicted = (
-            _cpu_prior(dtype, info.cpu_flags)
+            _cpu_prior(dtype, info.cpu_flags, info.unknown_flags)
             if info.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
             else dtype_support(dtype, info)
         )

@@ -942,14 +942,21 @@ def int8_support(info: DeviceInfo) -> Support:
         )
     x86 = info.type == "cpu" and bool(info.cpu_flags & _X86_FLAGS)
     vnni = sorted(info.cpu_flags & _VNNI_FLAGS)
-    if x86 and not vnni:
+    if vnni:
+        return Support(Status.FAST, f"VNNI dot products ({', '.join(vnni)})")
+    # (VNNI flags are x86's: one that could not be read may be missing, so int8 is not fast)
+    if unread := sorted(info.unknown_flags & _VNNI_FLAGS):
+        return Support(
+            Status.SUPPORTED,
+            f"flags unknown ({', '.join(unread)}): without VNNI, int8 sums run as float32 "
+            "matmuls of the codes, slower than float32; saves memory, maybe not time",
+        )
+    if x86:
         return Support(
             Status.SUPPORTED,
             "no VNNI (avx512_vnni/avx_vnni/amx_int8): int8 sums run as float32 matmuls of the "
             "codes, slower than float32; saves memory, not time",
         )
-    if vnni:
-        return Support(Status.FAST, f"VNNI dot products ({', '.join(vnni)})")
     return Support(Status.FAST, f"integer matmuls on {info.type}")
 
 
