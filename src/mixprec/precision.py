@@ -64,7 +64,7 @@ from mixprec.optim.states import LowBitOptimizer, parse_state_format
 from mixprec.policy import is_auto
 from mixprec.policy.map import PolicyMap, as_map
 
-__all__ = ["Precision"]
+__all__ = ["BackwardOutsideAutocast", "Precision"]
 
 ParamsLike = nn.Module | LossScaleOptimizer | torch.Tensor | Iterable[torch.Tensor]
 
@@ -83,6 +83,27 @@ else:  # pragma: no cover - a torch without the setting traces its backward as i
 
     def _backward_outside() -> Callable[[], None]:
         return lambda: None
+
+
+class BackwardOutsideAutocast:
+    """While entered (outside compiled code), torch.compile traces a compiled model's
+    backward outside autocast, as eager runs it: for a forward whose backward runs after it
+    (`ForwardAutocast` adds the autocast; a caller whose model's own region runs it, as a
+    converted model's root does, enters this alone). Restored on exit, whatever raised."""
+
+    __slots__ = ("restore",)
+
+    def __init__(self) -> None:
+        self.restore: Callable[[], None] | None = None
+
+    def __enter__(self) -> None:
+        if not torch.compiler.is_compiling():
+            self.restore = _backward_outside()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.restore is not None:
+            self.restore()
+            self.restore = None
 
 
 class ForwardAutocast:

@@ -931,8 +931,8 @@ class FirstGradients(transformers.TrainerCallback):
 def test_mixprec_trainer_backpropagates_a_compiled_models_float32_rule_as_eager(tmp_path):
     """Found by a review: after a graph break the compiled model ran on inside its region's
     bfloat16 autocast, and torch traced the backward there, so the float32 head's backward
-    ran in bfloat16 (gradients ~1e-3 apart from eager's). HF's loss context is now the
-    precision's forward context, which traces it outside autocast: bit for bit."""
+    ran in bfloat16 (gradients ~1e-3 apart from eager's). HF's loss context now traces it
+    outside autocast: bit for bit."""
     grads = []
     for compiled in (False, True):
         torch._dynamo.reset()
@@ -976,3 +976,37 @@ def test_prepare_backpropagates_a_compiled_models_float32_rule_as_eager():
     assert isinstance(prepared, torch._dynamo.eval_frame.OptimizedModule)
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
     assert config.backward_pass_autocast == "same_as_forward"
+
+
+class Logits(torch.nn.Module):
+    """A tiny model handing back logits, its loss computed by the trainer's loss function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.body(x)}
+
+
+def test_a_custom_loss_sees_the_models_float32_outputs_outside_autocast(tmp_path):
+    """Found by a review of a fix: HF's loss context had become the precision's autocast,
+    so a custom loss (compute_loss_func) ran in bfloat16 on the outputs the model's region
+    had left in bfloat16: the training loss moved. It runs as before, on float32 outputs."""
+    seen = []
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        seen.append((outputs["logits"].dtype, torch.is_autocast_enabled("cpu")))
+        return torch.nn.functional.cross_entropy(outputs["logits"], labels)
+
+    g = torch.Generator().manual_seed(0)
+    rows = [{"x": torch.randn(8, generator=g), "labels": torch.tensor(i % 4)} for i in range(4)]
+    MixprecTrainer(
+        model=Logits(),
+        args=hf_args(tmp_path, max_steps=1, remove_unused_columns=False),
+        train_dataset=rows,
+        precision=Precision("bf16-mixed", allow_slow=True),
+        compute_loss_func=loss_func,
+    ).train()
+    assert seen == [(torch.float32, False)]

@@ -861,3 +861,25 @@ def test_a_resumed_fit_ranks_no_weights_its_last_validation_did_not_measure(tmp_
     run("resumed", 2)  # (ends on a validated step: ranked)
     resumed = run("resumed", 3, str(tmp_path / "resumed" / "last.ckpt"))
     assert {Path(p).name for p in resumed.best_k_models} == {"epoch=0-step=2.ckpt"}
+
+
+def test_a_checkpoint_from_before_the_validated_step_was_kept_ranks_no_unmeasured_weights(
+    tmp_path,
+):
+    """A state saved before ModelCheckpoint kept the step a validation measured read as
+    'no validation in this fit', and the final, never validated weights were ranked."""
+    train, val = loaders()
+
+    def run(steps: int, ckpt: str | None = None) -> ModelCheckpoint:
+        cb = ModelCheckpoint(dirpath=tmp_path, monitor="val_loss", save_top_k=3, save_last=True)
+        trainer(tmp_path, "32-true", max_steps=steps, callbacks=[cb]).fit(
+            DropoutNet(0), train, val, ckpt_path=ckpt
+        )
+        return cb
+
+    first = run(2)
+    state = torch.load(first.last_model_path, weights_only=False)
+    del state["callbacks"][first.state_key]["validated_at"]  # (as written before it was kept)
+    torch.save(state, tmp_path / "old.ckpt")
+    resumed = run(3, str(tmp_path / "old.ckpt"))
+    assert {Path(p).name for p in resumed.best_k_models} == {"epoch=0-step=2.ckpt"}

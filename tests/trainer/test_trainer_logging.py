@@ -627,3 +627,23 @@ def test_a_tensor_lr_reads_as_the_steps_used_it_after_an_epoch_scheduler_moved_i
     trainer = Trainer(max_epochs=2, default_root_dir=tmp_path, logger=False, callbacks=[seen])
     trainer.fit(TensorLr(), DataLoader(data(8), batch_size=4))
     assert seen.seen == [1.0, 0.5]
+
+
+class LogsAtBatchEnd(Model):
+    def training_step(self, batch, batch_idx):
+        self.log("in_step", float(batch_idx), on_step=False, on_epoch=True)
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("in_batch_end", float(batch_idx), on_step=False, on_epoch=True)
+
+
+def test_a_value_logged_at_a_batch_end_after_a_validation_weighs_that_batch(tmp_path):
+    """A validation inside a training batch left the batch size unset, so that batch's
+    on_train_batch_end value weighed 1 sample where the others weighed 8."""
+    trainer = Trainer(
+        max_epochs=1, default_root_dir=tmp_path, logger=False, seed=0, val_check_interval=2
+    )
+    trainer.fit(LogsAtBatchEnd(), DataLoader(data(32), batch_size=8), DataLoader(data(8)))
+    assert float(trainer.callback_metrics["in_step"]) == 1.5
+    assert float(trainer.callback_metrics["in_batch_end"]) == 1.5

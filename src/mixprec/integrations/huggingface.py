@@ -33,6 +33,7 @@ import contextlib
 import json
 import math
 import os
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +49,7 @@ from mixprec.files import write_atomically
 from mixprec.optim import LossScaleOptimizer, SkipAwareScheduler
 from mixprec.optim.scaling import LossScaler
 from mixprec.policy.map import config_in_words, resumable_config
-from mixprec.precision import Precision
+from mixprec.precision import BackwardOutsideAutocast, Precision
 
 __all__ = [
     "MixprecTrainer",
@@ -433,14 +434,14 @@ class MixprecTrainer(transformers.Trainer):
         self.accelerator.clip_grad_value_ = self._clip_grad_value_
 
     def compute_loss_context_manager(self) -> contextlib.ExitStack:
-        """HF's context, in the precision's forward context (``Precision.forward_context``),
-        as mixprec's Trainer runs a step: the forward and the loss under the policy's
-        autocast (or default dtype), and a compiled model's backward traced outside
-        autocast, where ``training_step`` runs it, so a float32 rule's backward runs in
-        float32 as in eager (graph breaks had left it the model's bfloat16 autocast)."""
+        """HF's context, with a compiled model's backward traced outside autocast
+        (`BackwardOutsideAutocast`), where ``training_step`` runs it, so a float32 rule's
+        backward runs in float32 as in eager (graph breaks had left it the model's bfloat16
+        autocast). No autocast is added: the converted model's own region runs it and hands
+        its outputs back in float32, so a custom loss and evaluation see what they did."""
         stack = contextlib.ExitStack()
         stack.enter_context(super().compute_loss_context_manager())
-        stack.enter_context(self.precision.forward_context())
+        stack.enter_context(BackwardOutsideAutocast())
         return stack
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
@@ -646,11 +647,12 @@ class _BackwardOutsideAutocast:
     ``accelerator.backward`` after the forward, outside autocast. Torch's default traces
     it in the autocast around each compiled graph, which after a graph break inside the
     model is its region's, so a float32 rule's backward ran in bfloat16. Hooks on the model
-    the loop calls run outside its compiled code (`Precision.forward_context` does the same
-    around a forward and its loss)."""
+    the loop calls run outside its compiled code. Each thread keeps its own (a forward is
+    not re-entered: one left open by an interrupt, which runs no hook, is closed at the
+    thread's next forward)."""
 
     def __init__(self) -> None:
-        self.patches: list[Any] = []
+        self.open = threading.local()
 
     def register(self, model: nn.Module) -> None:
         """Hook `model` (a torch without the setting traces its backward as it does)."""
@@ -662,17 +664,18 @@ class _BackwardOutsideAutocast:
 
     def enter(self, module: nn.Module, args: Any) -> None:
         """Before the forward: torch traces backwards outside autocast until `leave`."""
-        from torch._functorch import config
-
-        if not torch.compiler.is_compiling():
-            patch = config.patch(backward_pass_autocast="off")
-            patch.__enter__()
-            self.patches.append(patch)
+        if torch.compiler.is_compiling():
+            return
+        self.leave(module, args, None)
+        self.open.context = BackwardOutsideAutocast()
+        self.open.context.__enter__()
 
     def leave(self, module: nn.Module, args: Any, output: Any) -> None:
         """After the forward (also one that raised): the setting as it was before."""
-        if not torch.compiler.is_compiling() and self.patches:
-            self.patches.pop().__exit__(None, None, None)
+        context = getattr(self.open, "context", None)
+        if context is not None and not torch.compiler.is_compiling():
+            self.open.context = None
+            context.__exit__(None, None, None)
 
 
 def _route_accelerator(accelerator: Any, precision: Precision, route: _Route) -> None:

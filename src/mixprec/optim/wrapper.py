@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import inspect
+import math
 import sys
 import warnings
 import weakref
@@ -148,15 +149,12 @@ class LossScaleOptimizer(OptimizerCheckpoint):
             _warn_uncompensated(optimizer, self._masters.dtypes)
         else:
             self._keep_saved_dtypes_on_direct_loads()
-        # a compensated step runs our code, not a fused kernel that could skip by itself.
-        # Fused SGD is skipped on the host: its first step makes the momentum buffers
-        # (torch.empty_like) before the kernel, which a skip leaves unwritten, and every later
-        # step read that garbage (16-mixed's first steps overflow at the initial scale)
-        self._fused = (
-            self._compensator is None
-            and bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-            and not isinstance(optimizer, torch.optim.SGD)
+        # a compensated step runs our code, not a fused kernel that could skip by itself
+        self._fused_kernel = self._compensator is None and bool(
+            getattr(optimizer, "_step_supports_amp_scaling", False)
         )
+        # (`_fused`: for fused SGD, the number of groups whose momentum buffers all exist)
+        self._buffers_made = math.inf if not isinstance(optimizer, torch.optim.SGD) else -1
         step_args = inspect.signature(optimizer.step).parameters
         closure = step_args.get("closure")
         self._needs_closure = closure is not None and closure.default is inspect.Parameter.empty
@@ -289,6 +287,11 @@ class LossScaleOptimizer(OptimizerCheckpoint):
             )
 
         def call() -> None:
+            # (HF calls train() every micro-batch: in that mode already, a schedule-free
+            # optimizer's groups say so, and nothing moves or is copied)
+            modes = [g.get("train_mode") for g in self.optimizer.param_groups]
+            if modes and all(m is (name == "train") for m in modes):
+                return
             self._masters.follow_edits()
             switch()
             self._masters.copy_to_model()
@@ -451,6 +454,25 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         kernel (flagged ``_step_supports_amp_scaling``): its step may be queued before the
         overflow flag is read."""
         return self._fused
+
+    @property
+    def _fused(self) -> bool:
+        """Whether this step may skip inside the fused kernel. Not fused SGD's first step
+        with momentum: it makes the momentum buffers (``torch.empty_like``) before its
+        kernel, which a skip leaves unwritten, and every later step read that garbage
+        (16-mixed's first steps overflow at the initial scale). Once every buffer is made,
+        or without momentum, the kernel skips as the others do."""
+        groups = self.optimizer.param_groups
+        if not self._fused_kernel or self._buffers_made >= len(groups):  # (a group added:
+            return self._fused_kernel  # its buffers are made at its first step)
+        state = self.optimizer.state
+        made = all(
+            not g["momentum"]
+            or all(state.get(p, {}).get("momentum_buffer") is not None for p in g["params"])
+            for g in groups
+        )
+        self._buffers_made = len(groups) if made else -1
+        return made
 
     @property
     def needs_closure(self) -> bool:

@@ -290,6 +290,7 @@ class ModelCheckpoint(Callback):
         self._validated = False  # a validation ran in this fit
         self._validated_at: int | None = None  # the step whose weights it last measured
         self._restored_validation: int | None = None  # that step, as a loaded state gave it
+        self._loaded = False  # a state was loaded for the fit about to start (a resume)
         self._warned = False  # about a monitor not logged yet
 
     @property
@@ -311,17 +312,16 @@ class ModelCheckpoint(Callback):
             self.best_k_models, self._saved, self.last_model_path = {}, [], ""
         elif self._restored_from is not None:
             self._remove_unrecorded(trainer)
-        elif trainer.ckpt_path is None:
-            # a new fit (a Trainer's second, not resumed): the files an earlier fit ranked
-            # are that fit's, its weights not these; never rank or delete them
+        elif not self._loaded:
+            # a new fit (a Trainer's second, or one resumed from a checkpoint without this
+            # state): the files an earlier fit ranked are its own; never rank or delete them
             self.best_k_models, self._saved, self.last_model_path = {}, [], ""
             self.best_model_path, self.best_model_score = "", None
         self._restored_from = None
         self._step_saved = trainer.global_step  # a resumed state needs no new save
         self._validated = self._warned = False
-        resumed = trainer.ckpt_path is not None
-        self._validated_at = self._restored_validation if resumed else None
-        self._restored_validation = None
+        self._validated_at = self._restored_validation if self._loaded else None
+        self._restored_validation, self._loaded = None, False
 
     def on_validation_end(self, trainer: Trainer, model: nn.Module) -> None:
         if trainer.stage == "fit":
@@ -572,8 +572,10 @@ class ModelCheckpoint(Callback):
         recorded = [*self._saved, *self.best_k_models, self.best_model_path]
         known = state.get("dirpath") or next((str(Path(p).parent) for p in recorded if p), None)
         self._restored_from = Path(known) if known else None
-        # (the step a validation last measured: a resumed fit's monitor value is that one's)
-        self._restored_validation = state.get("validated_at")
+        # (the step a validation last measured: a resumed fit's monitor value is that one's;
+        # a state saved before it was kept measured none that can be told: -1, no step)
+        self._restored_validation = state.get("validated_at", -1)
+        self._loaded = True
 
 
 def _duration(seconds: float) -> str:
@@ -675,6 +677,7 @@ class EarlyStopping(Callback):
         self._validated_at: int | None = None  # the step of the fit's last validation
         self._restored_validation: int | None = None  # that step, as a loaded state gave it
         self._resumed_validation: int | None = None  # a resumed fit's, until its epoch end
+        self._loaded = False  # a state was loaded for the fit about to start (a resume)
 
     @property
     def state_key(self) -> str:
@@ -682,10 +685,11 @@ class EarlyStopping(Callback):
 
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
         # a fit resumed from a checkpoint holding this state goes on as the saved one did
-        resumed = self._restored_validation if trainer.ckpt_path is not None else None
-        if trainer.ckpt_path is None:  # a new fit (a Trainer's second): its own patience
+        resumed = self._restored_validation if self._loaded else None
+        if not self._loaded:  # a new fit (a Trainer's second, or resumed without this state)
             self.best_score, self.wait_count = (math.inf if self.mode == "min" else -math.inf), 0
             self.stopped_epoch, self.reason = None, ""
+        self._loaded = False
         self._validated, self._validated_at = False, resumed
         self._resumed_validation, self._restored_validation = resumed, None
 
@@ -748,6 +752,7 @@ class EarlyStopping(Callback):
         self.best_score = state["best_score"]
         self.wait_count = state["wait_count"]
         self._restored_validation = state.get("validated_at")
+        self._loaded = True
 
 
 def _saved_at(path: Path) -> tuple[int, dict[str, Any]] | None:

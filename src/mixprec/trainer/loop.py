@@ -492,7 +492,7 @@ def micro_batch(run: FitRun, batch: Any, batch_idx: int) -> Any:
     if loss is not None:  # None: the batch is skipped, as in Lightning
         run.window_losses.append(loss)  # detached when read: no op per step
         run.trained_batches += 1
-    run.log.samples += batch_size_of(batch)
+    run.log.samples += run.metrics.batch_size or 0  # (the batch's: `train_epoch`)
 
     if last_in_window:
         optimizer_step(run)
@@ -524,7 +524,7 @@ def closure_step(run: FitRun, batch: Any, batch_idx: int) -> Any:
             first.append(output)
             run.window_losses.append(loss.detach())
             run.trained_batches += 1
-            run.log.samples += batch_size_of(batch)
+            run.log.samples += run.metrics.batch_size or 0  # (the batch's: `train_epoch`)
         before_step(run)
         return run.strategy.mean(loss) if run.strategy.world_size > 1 else loss.detach()
 
@@ -660,13 +660,17 @@ def log_step(run: FitRun, loss: Tensor, lr: Tensor | float) -> None:
     values."""
     row: dict[str, Tensor | float] = run.metrics.take_step(run.strategy.mean)
     # (a name the step logged itself keeps the step's value: self.log("loss", data_term))
-    row.setdefault("loss", loss)
-    row.setdefault("lr", lr)
+    if "loss" not in row:
+        row["loss"] = loss
+    if "lr" not in row:
+        row["lr"] = lr
     scaler = run.precision.scaler
     if scaler.enabled:
         # read before the next step updates it: the row is logged now or replaced by then
-        row.setdefault("loss_scale", scaler.scale_tensor)
-        row.setdefault("skipped_steps", float(run.skipped_steps))
+        if "loss_scale" not in row:
+            row["loss_scale"] = scaler.scale_tensor
+        if "skipped_steps" not in row:
+            row["skipped_steps"] = float(run.skipped_steps)
     run.log.step_row(run.progress.global_step, row, force=run.progress.should_stop)
 
 
@@ -792,6 +796,8 @@ def run_eval(
     model, metrics_store = run.model, run.metrics
     plain = not isinstance(model, TrainingModule)
     metrics_store.training = False
+    # (a validation inside a training batch: its on_train_batch_end logs weigh that batch)
+    training_batch = metrics_store.batch_size
     with modes_kept(run.runner), rng_unchanged(), torch.no_grad():
         run.runner.eval()
         run.hook(f"on_{kind}_start")
@@ -818,7 +824,7 @@ def run_eval(
         run.log.add(run.progress.global_step, dict(metrics), flush=True)
         with metrics_store.refusing(f"on_{kind}_end"):
             run.hook(f"on_{kind}_end")
-    metrics_store.training = True
+    metrics_store.training, metrics_store.batch_size = True, training_batch
     return metrics
 
 
