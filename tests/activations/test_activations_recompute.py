@@ -660,19 +660,22 @@ def test_a_checkpoint_recasts_a_regions_weights_rather_than_keeping_its_copies()
     precision = Precision("p=bf16,c=f32", activations={r"[12]": "checkpoint"})
     model = precision.setup(model)
     seen = []
-    real = recompute._swapped_parameters
+    real = recompute._replaced_parameters
 
-    def spy(module, casts):
-        found = real(module, casts)
-        seen.append((casts, len(found), len(real(module, True))))
-        return found
+    def spy(module, selective):
+        swapped, recast = real(module, selective)
+        seen.append((selective, len(swapped), len(recast), len(real(module, True)[0])))
+        return swapped, recast
 
-    recompute._swapped_parameters = spy
+    recompute._replaced_parameters = spy
     try:
         model(torch.randn(8, 16)).float().sum().backward()
     finally:
-        recompute._swapped_parameters = real
-    assert seen and all(not casts and n == 0 and everything > 0 for casts, n, everything in seen)
+        recompute._replaced_parameters = real
+    assert seen and all(
+        not selective and kept == 0 and recast == everything > 0
+        for selective, kept, recast, everything in seen
+    )
 
 
 class _HandsItsNormIn(nn.Module):

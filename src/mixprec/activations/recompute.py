@@ -116,10 +116,11 @@ def recomputed(
         run = functools.partial(_with_fresh_cast_cache, run)
     # (a region's casts are made again alike in a checkpoint's recomputation, which keeps
     # only the layer's inputs: only selective, whose record must see the same ops, keeps them)
-    swapped = _swapped_parameters(module, mode == "selective") if module is not None else {}
+    swapped, recast = {}, {}
+    if module is not None:
+        swapped, recast = _replaced_parameters(module, mode == "selective")
     if swapped:
         run = functools.partial(_with_swapped, module, swapped, run)
-    recast = _region_recasts(module) if module is not None and mode == "checkpoint" else {}
     if recast:
         run = functools.partial(_with_recast, module, recast, run)
     extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
@@ -215,35 +216,34 @@ def mark_region_cast(t: torch.Tensor, source: torch.Tensor) -> None:
     _CAST_SOURCES[id(t)] = source
 
 
-def _swapped_parameters(module: nn.Module, casts: bool) -> dict[str, torch.Tensor]:
+def _replaced_parameters(
+    module: nn.Module, selective: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.dtype, torch.Tensor]]]:
     """The tensors in place of the parameters of `module` and below for this forward, by
-    path: plain tensors where parameters were, put there by ``torch.func.functional_call``
-    (the recomputation in the backward runs outside its swap, on the module's own weights)
-    or, with `casts`, by an enclosing "true" region (copies in its compute dtype: a policy
-    storing bfloat16 and computing in float32; `mark_region_cast`)."""
-    return {
-        f"{prefix}.{key}" if prefix else key: t
-        for prefix, m in module.named_modules()
-        for key, t in m._parameters.items()
-        if t is not None
-        and not isinstance(t, nn.Parameter)
-        and (casts or _REGION_CASTS.get(id(t)) is not t)
-    }
+    path, in one walk of its parameters: (those `_with_swapped` puts back, those
+    `_with_recast` casts again).
 
-
-def _region_recasts(module: nn.Module) -> dict[str, tuple[torch.dtype, torch.Tensor]]:
-    """The parameters of `module` and below an enclosing "true" region swapped for compute
-    copies this forward (`mark_region_cast`), by path, with the copies' dtype and what they
-    were cast from: a checkpoint keeps no copy, and a module reading a child's weight itself
-    (``F.linear(x, self.proj.weight)``) is recomputed outside that region (and outside a
-    ``functional_call``'s swap), where the module's stored weight is."""
-    out = {}
+    Put back: plain tensors where parameters were, put there by
+    ``torch.func.functional_call`` (the recomputation in the backward runs outside its swap,
+    on the module's own weights) and, for `selective`, by an enclosing "true" region (copies
+    in its compute dtype: a policy storing bfloat16 and computing in float32;
+    `mark_region_cast`). Cast again (a checkpoint, not `selective`): the region's copies,
+    with their dtype and what they were cast from. A checkpoint keeps no copy, and a module
+    reading a child's weight itself (``F.linear(x, self.proj.weight)``) is recomputed
+    outside that region (and outside a ``functional_call``'s swap), where the module's
+    stored weight is."""
+    swapped: dict[str, torch.Tensor] = {}
+    recast: dict[str, tuple[torch.dtype, torch.Tensor]] = {}
     for prefix, m in module.named_modules():
         for key, t in m._parameters.items():
-            source = _CAST_SOURCES.get(id(t)) if t is not None else None
-            if source is not None and _REGION_CASTS.get(id(t)) is t:
-                out[f"{prefix}.{key}" if prefix else key] = (t.dtype, source)
-    return out
+            if t is None or isinstance(t, nn.Parameter):
+                continue
+            path = f"{prefix}.{key}" if prefix else key
+            if _REGION_CASTS.get(id(t)) is not t or selective:
+                swapped[path] = t
+            elif (source := _CAST_SOURCES.get(id(t))) is not None:
+                recast[path] = (t.dtype, source)
+    return swapped, recast
 
 
 def _with_recast(
@@ -253,7 +253,7 @@ def _with_recast(
     *args: Any,
 ) -> Any:
     """``run(*args)`` with the parameters an enclosing region cast at the forward
-    (`_region_recasts`) cast alike again, fresh, from what they were cast from, where the
+    (`_replaced_parameters`) cast alike again, fresh, from what they were cast from, where the
     stored parameters are back (the recomputation in the backward); in the forward the
     region's copies are there. A region inside casts nothing already in its dtype, so each
     weight is cast once, as before."""
@@ -276,7 +276,7 @@ def _with_swapped(
     module: nn.Module, swapped: dict[str, torch.Tensor], run: Callable[..., Any], *args: Any
 ) -> Any:
     """``run(*args)`` with the tensors swapped in for parameters at the forward
-    (`_swapped_parameters`) in place again: the recomputation in the backward runs outside
+    (`_replaced_parameters`) in place again: the recomputation in the backward runs outside
     that swap. Without it a ``functional_call``'s block recomputed from the module's own
     weights, and the layer's own region cast the stored parameters anew, an op the
     selective record of the forward lacks (torch fails the backward on it)."""
