@@ -647,3 +647,26 @@ def test_a_value_logged_at_a_batch_end_after_a_validation_weighs_that_batch(tmp_
     trainer.fit(LogsAtBatchEnd(), DataLoader(data(32), batch_size=8), DataLoader(data(8)))
     assert float(trainer.callback_metrics["in_step"]) == 1.5
     assert float(trainer.callback_metrics["in_batch_end"]) == 1.5
+
+
+class LogsAtValidationBatchEnd(Model):
+    def validation_step(self, batch, batch_idx):
+        self.log("in_step", float(batch_idx), on_step=True, on_epoch=False)
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx):
+        self.log("in_batch_end", float(batch_idx), on_step=True, on_epoch=False)
+
+
+def test_a_value_logged_at_a_validation_batch_end_lands_in_that_batchs_row(tmp_path):
+    """A validation batch's step values were taken before its on_validation_batch_end ran,
+    so what that hook logged went out with the next batch's row (the last one's with the
+    next validation's first)."""
+    trainer = Trainer(max_epochs=2, default_root_dir=tmp_path, logger=CSVLogger(tmp_path))
+    trainer.fit(
+        LogsAtValidationBatchEnd(),
+        DataLoader(data(8), batch_size=4),
+        DataLoader(data(6), batch_size=2),
+    )
+    rows = list(csv.DictReader(open(trainer.run_dir / "metrics.csv")))
+    pairs = [(r["in_step"], r["in_batch_end"]) for r in rows if r["in_step"] or r["in_batch_end"]]
+    assert pairs == [("0.0", "0.0"), ("1.0", "1.0"), ("2.0", "2.0")] * 2

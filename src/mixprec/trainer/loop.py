@@ -812,10 +812,11 @@ def run_eval(
             output = run.runner(kind, batch, batch_idx)
             if plain:
                 metrics_store.log(f"{what}_loss", output)
+            run.hook(f"on_{kind}_batch_end", output, batch, batch_idx)
+            # (after the hook: what it logs is this batch's)
             step_metrics = metrics_store.take_step(run.strategy.mean)
             if step_metrics:
                 run.log.add(run.progress.global_step, dict(step_metrics), flush=True)
-            run.hook(f"on_{kind}_batch_end", output, batch, batch_idx)
         if isinstance(model, TrainingModule):
             with metrics_store.epoch_hook(f"on_{kind}_epoch_end"):
                 getattr(model, f"on_{kind}_epoch_end")()
