@@ -874,3 +874,34 @@ def test_step_hooks_and_the_profiler_see_a_low_bit_step_as_torchs():
     profiled, records = run("profiler")
     assert torch.equal(profiled, bare)
     assert records == ["Optimizer.step#AdamW8bit.step"] * 3
+
+
+@pytest.mark.parametrize("cls", ["LowBitAdamW", "LowBitAdam"])
+def test_the_float32_state_dict_says_which_decay_its_steps_took(cls):
+    """torch's Adam reads a group without ``decoupled_weight_decay`` as L2 decay: a
+    LowBitAdamW run handed to ``Adam(decoupled_weight_decay=True)`` went on with L2 decay
+    (0.036 off the uninterrupted run after 3 more steps)."""
+    import mixprec.optim.states as states
+
+    decoupled = cls == "LowBitAdamW"
+    w0 = torch.randn(16, 16, generator=torch.Generator().manual_seed(0))
+    grads = [torch.randn(16, 16, generator=torch.Generator().manual_seed(s)) for s in range(6)]
+    kw = dict(lr=1e-2, weight_decay=0.5)
+    ref = nn.Parameter(w0.clone())
+    whole = torch.optim.Adam([ref], decoupled_weight_decay=decoupled, **kw)
+    p = nn.Parameter(w0.clone())
+    low = getattr(states, cls)([p], states="float32", compile=False, **kw)
+    for s in range(6):
+        ref.grad = grads[s]
+        whole.step()
+        if s < 3:
+            p.grad = grads[s]
+            low.step()
+    handed = low.to_float32_state_dict()
+    assert handed["param_groups"][0]["decoupled_weight_decay"] is decoupled
+    torch_opt = torch.optim.Adam([p], decoupled_weight_decay=decoupled, **kw)
+    torch_opt.load_state_dict(handed)
+    for s in range(3, 6):
+        p.grad = grads[s]
+        torch_opt.step()
+    torch.testing.assert_close(p, ref, rtol=0, atol=1e-6)

@@ -331,7 +331,8 @@ class StateCheckpoint(torch.optim.Optimizer):
         """This optimizer's state as torch's optimizer of the same algorithm saves it
         (float32 ``exp_avg``/``exp_avg_sq`` or ``momentum_buffer`` of each parameter's shape,
         ``step``; no formats, codes or Kahan buffers): loadable into ``torch.optim.AdamW``
-        (``Adam``, ``SGD``) of the same parameters."""
+        (``Adam``, ``SGD``) of the same parameters. An Adam group says which weight decay
+        its steps took (``decoupled_weight_decay``), as torch's own groups do."""
         out = super().state_dict()
         params = [p for g in self.param_groups for p in g["params"]]
         for key, p in enumerate(params):
@@ -346,6 +347,11 @@ class StateCheckpoint(torch.optim.Optimizer):
             out["state"][key] = plain
         for group in out["param_groups"]:
             group.pop("states", None)
+            if self.algorithm == "adam":
+                # the decay the steps took, written down: torch's Adam reads a missing key as
+                # L2, so ``Adam(decoupled_weight_decay=True)`` would go on with another decay
+                decoupled = group.get("decoupled_weight_decay", getattr(self, "decoupled", True))
+                group["decoupled_weight_decay"] = bool(decoupled)
         return out
 
 
