@@ -256,7 +256,15 @@ def test_avx2_vnni_is_a_side_branch_of_onednns_levels():
         ({"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}, AMX_FLAGS - {"amx_fp16"}, "AMX"),
         ({"ONEDNN_MAX_CPU_ISA": "ALL"}, AMX_FLAGS, None),
         ({"DNNL_MAX_CPU_ISA": "AVX2"}, {"avx2"}, "DNNL_MAX_CPU_ISA=AVX2"),
-        ({"ATEN_CPU_CAPABILITY": "avx2"}, {"avx2"}, "capped by ATEN_CPU_CAPABILITY=avx2"),
+        # (ATen's capability caps its own kernels, not oneDNN's GEMMs: bfloat16's ran 2.4x
+        # float32 under it on a Zen 5, and was rated slow by its capped flags)
+        ({"ATEN_CPU_CAPABILITY": "avx2"}, AMX_FLAGS, "ATEN_CPU_CAPABILITY=avx2 caps torch's own"),
+        ({"ATEN_CPU_CAPABILITY": "default"}, AMX_FLAGS, "no flag capped"),
+        (
+            {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+            {"avx2"},
+            "capped by ONEDNN_MAX_CPU_ISA=AVX2; ATEN_CPU_CAPABILITY=avx2 caps",
+        ),
         ({"ATEN_CPU_CAPABILITY": "avx512"}, AMX_FLAGS, None),
         ({"ONEDNN_MAX_CPU_ISA": "pentium"}, AMX_FLAGS, "ONEDNN_MAX_CPU_ISA='pentium' not under"),
         # read as the libraries read them: oneDNN's own variable over its old name, no
@@ -666,3 +674,19 @@ def test_64_true_on_a_gpu_with_slow_float64_is_treated_as_any_slow_precision(mon
         monkeypatch.setenv(hardware.ALLOW_SLOW_ENV, "1")
         assert mixprec.Precision("64-true", device="cuda").resolve().status == "slow"
     assert check("64-true", info=H100).status == "supported"
+
+
+@pytest.mark.parametrize(
+    ("flags", "ratio", "status"),
+    [(AMX_FLAGS, 0.85, "supported"), (AMX_FLAGS, 1.1, "fast"), (AMX_FLAGS, 0.5, "slow"),
+     ({"avx512_bf16", "avx512bw"}, 0.95, "supported"), ({"avx512bw"}, 0.85, "supported")],
+)  # fmt: skip
+def test_a_bf16_gemm_measured_slower_than_float32_is_not_rated_fast(flags, ratio, status):
+    """An AMX or Zen 4 CPU whose bfloat16 GEMMs measured 0.85x float32 was rated fast by
+    its flags, the reason quoting the 0.85x beside "fast"."""
+    info = DeviceInfo(
+        type="cpu", name="described", cpu_flags=frozenset(flags), gemm_ratios={"bfloat16": ratio}
+    )
+    rated = support_matrix(info)["bf16-mixed"]
+    assert rated.status == status
+    assert f"{ratio}x" in rated.reason

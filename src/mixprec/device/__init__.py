@@ -254,12 +254,10 @@ _ONEDNN_LEVELS: tuple[tuple[tuple[str, ...], frozenset[str]], ...] = (
 )
 # the oneDNN levels that take avx_vnni's kernels
 _AVX_VNNI_LEVELS = frozenset({"AVX2_VNNI", "AVX2_VNNI_2", "ALL", "DEFAULT"})
-# ATen's CPU capability levels and the flags its vectorised kernels may use at each
-_ATEN_LEVELS: dict[str, frozenset[str]] = {
-    "DEFAULT": frozenset(),
-    "AVX2": frozenset(),
-    "AVX512": frozenset(_CPU_FLAGS_OF_INTEREST),
-}
+# ATen's CPU capability levels: they cap torch's own vectorised kernels (elementwise ops,
+# reductions), not oneDNN's matrix multiplications and convolutions or the int8 kernels,
+# which read the CPU themselves and which the flags above rate: no flag is taken away
+_ATEN_LEVELS = ("default", "avx2", "avx512")
 
 
 def _onednn_allowed(level: str) -> frozenset[str] | None:
@@ -279,7 +277,7 @@ def _onednn_allowed(level: str) -> frozenset[str] | None:
 
 def _aten_allowed(level: str) -> frozenset[str] | None:
     # (ATen warns "ignoring invalid value" for any other spelling, "AVX2" included)
-    return _ATEN_LEVELS[level.upper()] if level in ("default", "avx2", "avx512") else None
+    return frozenset(_CPU_FLAGS_OF_INTEREST) if level in _ATEN_LEVELS else None
 
 
 def cap_cpu_flags(
@@ -288,11 +286,15 @@ def cap_cpu_flags(
     """The CPU flags left usable under the ISA caps users already set for torch's kernels
     (``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``), and a note saying which cap applied.
 
-    Capping to AVX2 on a CPU with AMX makes its bf16 kernels as slow as an AVX2 CPU's, so the
-    support matrix follows the cap. Each variable is read as its library reads it: oneDNN
-    takes ``ONEDNN_MAX_CPU_ISA`` over ``DNNL_MAX_CPU_ISA`` and ignores a value with blanks
-    around it; ATen takes only its lowercase names (``avx2``, ``avx512``, ``default``). A
-    value its library ignores caps nothing here either, and the note says so.
+    Capping oneDNN to AVX2 on a CPU with AMX makes its bf16 kernels as slow as an AVX2 CPU's,
+    so the support matrix follows the cap. ATen's capability caps torch's own elementwise
+    kernels, not oneDNN's matrix multiplications (bfloat16 GEMMs run as fast under
+    ``ATEN_CPU_CAPABILITY=avx2``): it takes no flag away, and the note says so.
+
+    Each variable is read as its library reads it: oneDNN takes ``ONEDNN_MAX_CPU_ISA`` over
+    ``DNNL_MAX_CPU_ISA`` and ignores a value with blanks around it; ATen takes only its
+    lowercase names (``avx2``, ``avx512``, ``default``). A value its library ignores caps
+    nothing here either, and the note says so.
     """
     kept = set(flags)
     notes = []
@@ -315,6 +317,11 @@ def cap_cpu_flags(
         if removed:
             kept -= removed
             notes.append(f"capped by {var}={value}")
+        elif var == "ATEN_CPU_CAPABILITY" and value != "avx512":
+            notes.append(
+                f"{var}={value} caps torch's own kernels, not oneDNN's matrix "
+                f"multiplications: no flag capped"
+            )
     return frozenset(kept), "; ".join(notes) or None
 
 

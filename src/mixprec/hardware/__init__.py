@@ -101,7 +101,8 @@ def times_text(ratio: float) -> str:
 def _rated(prior: Support, ratio: float | None, dtype: torch.dtype) -> Support:
     """A CPU dtype's support from its flags (`prior`) and its measured GEMM ratio: below
     `SLOW_BELOW` slow, whatever the flags; else the flags' rating, which for bfloat16 a ratio
-    of `FAST_FROM` raises to fast and one of `SLOW_BELOW` raises to supported. float16 is never
+    of `FAST_FROM` raises to fast and one of `SLOW_BELOW` raises to supported (and one below
+    1 lowers from fast to supported). float16 is never
     raised: its convolutions are slow on CPUs without amx_fp16 however fast its GEMM is. Where
     the measurement and the flags disagree the reason says so, never a speed its rating
     contradicts."""
@@ -117,7 +118,9 @@ def _rated(prior: Support, ratio: float | None, dtype: torch.dtype) -> Support:
             return Support(SLOW, f"{measured}, but rated by its convolutions: {prior.reason}")
         return Support(prior.status, f"{prior.reason}; {measured}")
     if prior.status == FAST:
-        return Support(FAST, f"{prior.reason}; {measured}")
+        if ratio >= 1.0:
+            return Support(FAST, f"{prior.reason}; {measured}")
+        return Support(SUPPORTED, f"{measured}, not faster as its flags predict ({prior.reason})")
     status, speed = (FAST, "") if ratio >= FAST_FROM else (SUPPORTED, ", about float32's")
     if prior.status == SLOW:
         return Support(status, f"{measured}{speed}, not what its flags predict ({prior.reason})")
