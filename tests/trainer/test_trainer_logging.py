@@ -670,3 +670,31 @@ def test_a_value_logged_at_a_validation_batch_end_lands_in_that_batchs_row(tmp_p
     rows = list(csv.DictReader(open(trainer.run_dir / "metrics.csv")))
     pairs = [(r["in_step"], r["in_batch_end"]) for r in rows if r["in_step"] or r["in_batch_end"]]
     assert pairs == [("0.0", "0.0"), ("1.0", "1.0"), ("2.0", "2.0")] * 2
+
+
+def test_a_trainers_second_fit_is_a_run_of_its_own(tmp_path):
+    """A second fit starts again from step 1: it logged into the first fit's version, over
+    its steps (two rows of step 2 in one file, two curves in one TensorBoard run), and its
+    checkpoints went beside the first fit's. A version chosen for the run moves on with
+    the checkpoint directory; one given keeps its log; a resume stays in its run."""
+    checkpoint = ModelCheckpoint()
+    trainer = Trainer(max_epochs=1, default_root_dir=tmp_path, callbacks=[checkpoint])
+    loader = DataLoader(data(8), batch_size=4)
+    trainer.fit(Model(), loader)
+    first, first_dir = trainer.run_dir, checkpoint.dirpath
+    trainer.fit(Model(), loader)
+    second = trainer.run_dir
+    assert (first.name, second.name) == ("version_0", "version_1")
+    assert checkpoint.dirpath == second / "checkpoints" != first_dir
+    assert sorted(p.name for p in first_dir.iterdir()) == ["epoch=0-step=2.ckpt"]
+    for run in (first, second):
+        steps = [r["step"] for r in csv.DictReader(open(run / "metrics.csv"))]
+        assert steps == sorted(steps, key=int) and len(set(steps)) == len(steps)
+    trainer.fit(Model(), loader, ckpt_path=checkpoint.best_model_path)  # (a resume: same run)
+    assert trainer.run_dir == second
+    given = CSVLogger(tmp_path / "given", version=3)
+    trainer = Trainer(max_epochs=1, default_root_dir=tmp_path, logger=given)
+    trainer.fit(Model(), loader)
+    trainer.fit(Model(), loader)
+    assert trainer.run_dir.name == "version_3"
+    assert [r["step"] for r in csv.DictReader(open(given.path))].count("2") == 2

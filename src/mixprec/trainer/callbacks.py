@@ -253,6 +253,8 @@ class ModelCheckpoint(Callback):
         every_n_train_steps: save every N optimizer steps instead of at epoch ends.
     """
 
+    _default_dir = False  # dirpath is the run directory's, taken at each fit's start
+
     def __init__(
         self,
         dirpath: str | os.PathLike[str] | None = None,
@@ -298,8 +300,9 @@ class ModelCheckpoint(Callback):
         return self._key
 
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
-        if self.dirpath is None:
+        if self.dirpath is None or self._default_dir:  # (a new fit's run directory is new)
             self.dirpath = trainer.run_dir / "checkpoints"
+            self._default_dir = True
         if self._restored_from is not None and self._restored_from != self.dirpath:
             # the files a resumed run recorded belong to that run: never rank or delete them
             log.info(

@@ -60,6 +60,7 @@ class Logger(ABC):
         self.name = name
         self._version = version
         self._version_of: Logger | None = None  # share another logger's version (defaults)
+        self._chosen = False  # the version was chosen here, not given
 
     @property
     def version(self) -> int:
@@ -71,11 +72,20 @@ class Logger(ABC):
             else:
                 self._version = next_version(self.save_dir / self.name)
                 self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._chosen = True
         return self._version
 
     @version.setter
     def version(self, version: int) -> None:
         self._version = version
+
+    def new_run(self) -> None:
+        """A new fit begins (a Trainer's second, not a resume): a version this logger chose
+        is let go, so that the fit logs into the next free one, as a fresh process would,
+        rather than over the last fit's steps; a version given is kept (its log goes on)."""
+        self.finalize()
+        if self._chosen:
+            self._version, self._chosen, self._resumed_at = None, False, None
 
     @property
     def log_dir(self) -> Path:
@@ -154,6 +164,12 @@ class CSVLogger(Logger):
         self._pending += 1
         if self._pending >= self.flush_every:
             self.flush()
+
+    def new_run(self) -> None:
+        chosen = self._chosen
+        super().new_run()
+        if chosen:  # (the rows held are the last run's file's)
+            self._columns, self._rows, self._read_existing = ["step"], [], False
 
     def resume_at(self, step: int) -> None:
         if not self._read_existing:  # the file is read at the first write, and cut then

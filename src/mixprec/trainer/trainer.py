@@ -173,6 +173,7 @@ class Trainer:
         # the float32 masters of the last fit in processes the Trainer launched, by name
         self._launched_masters: dict[str, Tensor] = {}
         self._fit_loss_fn: Any = None
+        self._fitted = False  # a fit was started (the next, unless it resumes, is a new run)
         self._uncompile: Callable[[], None] | None = None  # hands the run's model back eager
 
     def __getattr__(self, name: str) -> Any:
@@ -495,6 +496,11 @@ class Trainer:
         )
         if kwargs["ckpt_path"] is not None:  # one a killed save left aside
             ckpt_io.recover_aside(kwargs["ckpt_path"])
+        if stage == "fit":
+            if self._fitted and kwargs["ckpt_path"] is None:  # a new run, not a resume
+                for lg in self.loggers:
+                    lg.new_run()
+            self._fitted = True
         if isinstance(self.strategy, ProcessGroupStrategy) and self.strategy.launches_processes:
             return self._launch_processes(self.strategy, stage, model, kwargs)
         return self._run(stage, model, kwargs)
