@@ -433,3 +433,33 @@ def test_checkpoint_names_filled_with_per_rank_values_are_rank_zeros_on_every_ra
     written = sorted(str(p) for p in (tmp_path / "ck").glob("*.ckpt") if p.name != "last.ckpt")
     assert written == sorted(r0["best_k"]) and len(written) == 2
     assert Path(r0["best"]).exists() and Path(r0["last"]).exists()
+
+
+class ScoredByEpoch(NamesApart):
+    """Logs a given score per epoch at validation, the same on both ranks."""
+
+    def __init__(self, scores: list[float]) -> None:
+        super().__init__()
+        self.scores = scores
+
+    def validation_step(self, batch, batch_idx):
+        self.log("v", self.scores[self.current_epoch])
+
+
+def test_a_launched_fits_callbacks_start_the_next_fit_afresh(tmp_path):
+    """The states a spawned fit's callbacks ended with were handed back as states to resume
+    from: the Trainer's next fit kept the first fit's best score and patience, so early
+    stopping ended an improving fit after two epochs (as a fit in one process no longer
+    does), and the first fit's file stayed the best checkpoint."""
+    from mixprec.trainer import EarlyStopping, ModelCheckpoint
+
+    stopping = EarlyStopping("v", patience=2)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="v", save_top_k=1)
+    trainer = quiet_ddp(4, [stopping, checkpoint])
+    loader = DataLoader(data(), batch_size=16)
+    trainer.fit(ScoredByEpoch([0.5, 0.1, 0.2, 0.3]), loader, loader)
+    first = checkpoint.best_model_path
+    assert first.endswith("epoch=1-step=4.ckpt") and stopping.best_score == pytest.approx(0.1)
+    trainer.fit(ScoredByEpoch([0.9, 0.8, 0.7, 0.6]), loader, loader)
+    assert trainer.current_epoch == 4
+    assert checkpoint.best_model_score == pytest.approx(0.6) and checkpoint.best_model_path != first

@@ -796,8 +796,21 @@ def callback_states(callbacks: list[Callback]) -> dict[str, Any]:
     return out
 
 
-def load_callback_states(callbacks: list[Callback], states: dict[str, Any]) -> None:
-    """Give each of ``callbacks`` its state from what `callback_states` returned."""
+def load_callback_states(
+    callbacks: list[Callback], states: dict[str, Any], *, resume: bool = True
+) -> None:
+    """Give each of ``callbacks`` its state from what `callback_states` returned.
+    ``resume=False``: the states a fit in launched processes ended with, handed back to the
+    callbacks the caller holds to be read (``best_model_path``...), not resumed from: the
+    Trainer's next fit starts them afresh, as after a fit in this process."""
     for cb in callbacks:
         if keeps_state(cb) and state_key(cb) in states:
             cb.load_state_dict(states[state_key(cb)])
+            if resume:
+                continue
+            if isinstance(cb, ModelCheckpoint):
+                if cb.dirpath is None:  # (the run directory's: the next fit takes its own)
+                    cb.dirpath, cb._default_dir = cb._restored_from, True
+                cb._restored_from = None
+            if isinstance(cb, (ModelCheckpoint, EarlyStopping)):
+                cb._loaded, cb._restored_validation = False, None

@@ -526,7 +526,7 @@ class Trainer:
         self._progress = out["progress"]
         self._log.callback_metrics = out["callback_metrics"]
         self._log.logged_metrics = out["logged_metrics"]
-        load_callback_states(self.callbacks, out["callbacks"])
+        load_callback_states(self.callbacks, out["callbacks"], resume=False)
         self.model, self._current = model, None
         self._summary = out["summary"]
         return out["result"]
