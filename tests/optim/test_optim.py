@@ -251,6 +251,39 @@ def test_fused_sgd_with_momentum_skipping_its_first_step_trains_as_unfused_sgd()
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("reset", ["load", "clear", "momentum set"])
+def test_fused_sgd_skipping_after_its_momentum_buffers_went_trains_as_unfused_sgd(reset):
+    """Once every momentum buffer existed, fused SGD's skips went to its kernel for good:
+    after a load of a state saved before the first step, a ``state.clear()``, or momentum
+    set on a group that had none, the buffers were made again uninitialised by a skipped
+    step (weights about 1e36 off)."""
+    models = [mlp(8, 16, 1), mlp(8, 16, 1)]
+    momentum = 0.0 if reset == "momentum set" else 0.9
+    opts = [
+        LossScaleOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum, fused=f))
+        for m, f in zip(models, (False, True), strict=True)
+    ]
+    saved = [copy.deepcopy(opt.state_dict()) for opt in opts]
+    for step, (x, y) in enumerate(_batches(8)):
+        for model, opt, state in zip(models, opts, saved, strict=True):
+            if step == 3:  # (two clean steps first: every buffer made)
+                if reset == "load":
+                    opt.load_state_dict(copy.deepcopy(state))
+                elif reset == "clear":
+                    opt.optimizer.state.clear()
+                else:
+                    opt.param_groups[0]["momentum"] = 0.9
+                junk = [torch.full((16, 8), 1e30) for _ in range(20)]  # (freed memory dirty)
+                del junk
+            opt.backward(F.mse_loss(model(x), y))
+            if step == 3:
+                model[0].weight.grad[0, 0] = math.inf
+            assert opt.step() is (step != 3)
+            opt.zero_grad()
+    for a, b in zip(*(m.parameters() for m in models), strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_scheduler_does_not_advance_on_skipped_steps():
     model = mlp(8, 16, 1)
     opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), StaticLossScaler(8.0))

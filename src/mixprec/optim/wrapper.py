@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import inspect
-import math
 import sys
 import warnings
 import weakref
@@ -116,6 +115,9 @@ class LossScaleOptimizer(OptimizerCheckpoint):
     that would give them some is refused up front (`check_sharded_masters`).
     """
 
+    _checks_buffers = True  # (a wrapper pickled before the attribute: checked, `_fused`)
+    _buffers_made: tuple | None = None
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -153,8 +155,10 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         self._fused_kernel = self._compensator is None and bool(
             getattr(optimizer, "_step_supports_amp_scaling", False)
         )
-        # (`_fused`: for fused SGD, the number of groups whose momentum buffers all exist)
-        self._buffers_made = math.inf if not isinstance(optimizer, torch.optim.SGD) else -1
+        # (`_fused`: for fused SGD, what the state and groups were when every momentum buffer
+        # was last found made; None: not found, or not checked since)
+        self._checks_buffers = isinstance(optimizer, torch.optim.SGD)
+        self._buffers_made: tuple | None = None
         step_args = inspect.signature(optimizer.step).parameters
         closure = step_args.get("closure")
         self._needs_closure = closure is not None and closure.default is inspect.Parameter.empty
@@ -461,17 +465,21 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         with momentum: it makes the momentum buffers (``torch.empty_like``) before its
         kernel, which a skip leaves unwritten, and every later step read that garbage
         (16-mixed's first steps overflow at the initial scale). Once every buffer is made,
-        or without momentum, the kernel skips as the others do."""
+        or without momentum, the kernel skips as the others do. Checked again when the state
+        was replaced or emptied (a load, ``state.clear()``), a group added, or a momentum set."""
+        if not self._fused_kernel or not self._checks_buffers:
+            return self._fused_kernel
         groups = self.optimizer.param_groups
-        if not self._fused_kernel or self._buffers_made >= len(groups):  # (a group added:
-            return self._fused_kernel  # its buffers are made at its first step)
         state = self.optimizer.state
+        seen = (id(state), len(state), [g.get("momentum") for g in groups])
+        if seen == self._buffers_made:
+            return True
         made = all(
-            not g["momentum"]
+            not g.get("momentum")
             or all(state.get(p, {}).get("momentum_buffer") is not None for p in g["params"])
             for g in groups
         )
-        self._buffers_made = len(groups) if made else -1
+        self._buffers_made = seen if made else None
         return made
 
     @property
