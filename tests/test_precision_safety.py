@@ -525,3 +525,18 @@ def test_setup_warns_about_an_optimizer_of_another_model():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         mixprec.Precision("32-true").setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_setting_up_again_under_masters_does_not_call_the_optimizer_foreign():
+    """A second setup (a re-run cell) of a model whose optimizer holds its float32 masters
+    warned that the optimizer held none of the model's parameters."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    precision = mixprec.Precision("16-true", allow_slow=True)
+    model, wrapped = precision.setup(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert precision.setup(model, wrapped)[1] is wrapped
+        assert precision.setup(model, opt)[1] is wrapped
+    with pytest.warns(UserWarning, match="holds none of the parameters"):
+        precision.setup(nn.Linear(4, 2).half(), wrapped)

@@ -21,7 +21,7 @@ from torch import nn
 
 from mixprec.optim.engine import SUPPORTED_OPTIMIZERS
 from mixprec.optim.states import LowBitOptimizer, StateFormat, from_optimizer
-from mixprec.optim.wrapper import LossScaleOptimizer
+from mixprec.optim.wrapper import LossScaleOptimizer, trained_params
 from mixprec.policy.map import PolicyMap
 
 __all__ = ["convert_for", "warn_if_foreign"]
@@ -225,10 +225,10 @@ def hand_over(old: torch.optim.Optimizer, new: LowBitOptimizer) -> None:
 
 def warn_if_foreign(model: nn.Module, optimizers: Collection[Any], stacklevel: int = 3) -> None:
     """Warn about an optimizer (torch's, or one wrapped) holding none of ``model``'s
-    parameters: its steps would never change the model."""
+    parameters, nor masters of them: its steps would never change the model."""
     mine = {id(p) for p in model.parameters()}
     for i, opt in enumerate(optimizers):
-        if not any(id(p) in mine for group in opt.param_groups for p in group["params"]):
+        if not any(id(p) in mine for p in trained_params(opt)):
             warnings.warn(
                 f"optimizer {i} ({type(opt).__name__}) holds none of the parameters of the "
                 f"{type(model).__name__} being trained, so its steps will not change it: build "

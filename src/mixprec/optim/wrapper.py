@@ -66,6 +66,7 @@ __all__ = [
     "master_weights_by_name",
     "scale_for_backward",
     "scheduler_step",
+    "trained_params",
 ]
 
 # optimizer -> (its latest wrapper, that wrapper's masters): a new wrapper of the same
@@ -969,6 +970,15 @@ TAKEN_SINCE = "_mixprec_taken_since"
 # the schedulers following each optimizer, keyed by the torch optimizer they were given
 _FOLLOWERS: weakref.WeakKeyDictionary[Any, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
 _FOLLOWERS_VERSION = 0  # raised at each new follower: wrappers then look theirs up again
+
+
+def trained_params(optimizer: Any) -> list[torch.Tensor]:
+    """The model parameters ``optimizer`` (torch's, or a wrapper) trains: those its groups
+    hold, each master weight mapped back to its parameter (a wrapper keeping float32
+    masters puts them in the groups)."""
+    live = _live_wrapper(optimizer)
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    return [live.model_param(p) for p in held] if isinstance(live, LossScaleOptimizer) else held
 
 
 def _live_wrapper(optimizer: Any) -> Any:
