@@ -156,6 +156,35 @@ def test_float64_layers_beside_mixed_ones_hand_over_through_float32(mixed):
     assert outer[0].weight.grad.dtype == f64 and outer[2].weight.grad.dtype == f32
 
 
+class _Exp(nn.Module):
+    def forward(self, x):
+        self.seen = x.dtype
+        return x.exp()
+
+
+@pytest.mark.parametrize(
+    ("outer", "inner"), [("16-mixed", "bf16-mixed"), ("bf16-mixed", "16-mixed")]
+)
+def test_a_mixed_layer_takes_the_other_16_bit_dtype_as_float32(outer, inner):
+    """A bf16-mixed rule inside a 16-mixed model ran the ops autocast does not list (exp)
+    in its float16 input: explain said bfloat16 and the exp overflowed float16 as before.
+    A mixed region takes the other 16-bit dtype's inputs as float32 (exactly), as a mixed
+    model's own layers run such ops."""
+    model = nn.Sequential(nn.Linear(4, 4), _Exp())
+    with torch.no_grad():
+        model[0].weight.fill_(3.0)
+        model[0].bias.zero_()
+    mixprec.apply(model, PolicyMap(outer, {"1": inner}))
+    out = model(torch.ones(2, 4))
+    assert model[1].seen == f32
+    assert torch.isfinite(out).all() and out.dtype == f32
+    alone = nn.Sequential(nn.Linear(4, 4), _Exp())
+    alone.load_state_dict(model.state_dict())
+    with torch.autocast("cpu", dtype=Policy(outer).compute_dtype):
+        h = alone[0](torch.ones(2, 4))
+    torch.testing.assert_close(out, h.float().exp(), rtol=0, atol=0)
+
+
 def test_islands_keep_norms_in_float32_inside_16_bit_layers():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Softmax(-1))
     mixprec.apply(model, "bf16-mixed")

@@ -114,13 +114,20 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     )
 
 
-def _without_float64(obj: Any) -> Any:
-    """``obj`` with its float64 tensors as float32 (`_cast`), for a mixed region: autocast
-    leaves float64 alone, so a float64 neighbour's output would reach float32 weights uncast
-    (an error); every other tensor as it is, autocast's to cast."""
+# a 16-bit dtype's other: its tensors reach a mixed region of the first from outside it
+_OTHER_16_BIT = {torch.bfloat16: torch.float16, torch.float16: torch.bfloat16}
+
+
+def _as_float32(obj: Any, dtypes: tuple[torch.dtype, ...]) -> Any:
+    """``obj`` with its tensors of `dtypes` as float32 (`_cast`), for a mixed region:
+    autocast leaves float64 alone, so a float64 neighbour's output would reach float32
+    weights uncast (an error), and the other 16-bit dtype's tensors (a float16 neighbour's
+    output in a bfloat16 region) would run the ops autocast does not list in that dtype,
+    not float32 (an ``exp`` overflowing float16 in a region meant to keep it in range);
+    every other tensor as it is, autocast's to cast."""
     if type(obj) is dict and not obj:
         return obj
-    return map_tensors(lambda t: _cast(t, torch.float32) if t.dtype == torch.float64 else t, obj)
+    return map_tensors(lambda t: _cast(t, torch.float32) if t.dtype in dtypes else t, obj)
 
 
 def _device_type(
@@ -223,6 +230,7 @@ class _AttentionIsland:
     microseconds on every torch call it sees."""
 
     mixprec_wrapper = True  # (keeps the forward it replaced as `original`)
+    uncast: tuple[torch.dtype, ...] = (torch.float64,)  # (a region pickled before it was kept)
 
     def __init__(
         self, module: nn.Module, policy: Policy, original: Any, *, either: bool = False
@@ -266,6 +274,8 @@ class _Region:
         self.module = module
         self.autocast = policy.is_mixed
         self.compute_dtype = policy.compute_dtype
+        # (a mixed region's inputs taken to float32 first, `_as_float32`)
+        self.uncast = (torch.float64, _OTHER_16_BIT.get(policy.compute_dtype, torch.float64))
         # parameters (paths below `module`) the region computes on as compute-dtype copies:
         # those of a policy that `casts_params` (float16 params computing in bfloat16...)
         self.cast = cast
@@ -307,9 +317,11 @@ class _Region:
         # the common case, one plain tensor, tested without a call
         one = not kwargs and args and not args[1:] and type(args[0]) is Tensor
         if self.autocast:
-            # a float64 input (a float64 neighbour's output) computes as float32 here
-            if not one or args[0].dtype == torch.float64:
-                args, kwargs = _without_float64(args), _without_float64(kwargs)
+            # a float64 input (a float64 neighbour's output), or one of the other 16-bit
+            # dtype, computes as float32 here (`_as_float32`)
+            uncast = self.uncast
+            if not one or args[0].dtype in uncast:
+                args, kwargs = _as_float32(args, uncast), _as_float32(kwargs, uncast)
         elif not one:  # a "true" region computes on its inputs in its own dtype
             args = cast_floating(args, self.compute_dtype)
             kwargs = cast_floating(kwargs, self.compute_dtype)

@@ -149,8 +149,9 @@ def test_exp_without_max_subtraction_is_blamed():
     assert attn.amax <= 1.0  # the reference output is a softmax: the overflow is inside
     assert d.modules["scores"].verdict == OK and d.modules["scores"].amax < 65504 / 4
     fix = d.recommend()
-    # autocast does not change exp's dtype, so only float32 repairs it
-    assert fix.policy == PolicyMap("16-mixed", {"attn": "32-true"})
+    # a bf16-mixed region takes its float16 input as float32, where exp runs: it repairs
+    # it, keeping bfloat16 matmuls (autocast alone leaves exp in its input's dtype)
+    assert fix.policy == PolicyMap("16-mixed", {"attn": "bf16-mixed"})
 
 
 def test_branch_gradients_underflow_without_loss_scaling():
@@ -642,7 +643,8 @@ def test_two_faults_are_fixed_one_after_the_other():
     fix = d.recommend()
     rules = fix.policy.rules
     assert set(rules) == {"inp", "pool.softmax"}
-    assert rules["pool.softmax"] == mixprec.Policy("32-true")
+    # (bf16-mixed: its region takes the float16 input as float32, where the exp runs)
+    assert rules["pool.softmax"] == mixprec.Policy("bf16-mixed")
     assert fix.verified.passes()
     assert any("pool.softmax" in line for line in fix.log)
 
@@ -1054,11 +1056,11 @@ def test_cli_doctor_on_the_example(tmp_path, capsys):
     text = capsys.readouterr().out
     assert code == 1  # broken layers found
     assert "inp" in text and "output reaches" in text and "mixprec.PolicyMap(" in text
-    assert "'pool.softmax': '32-true'" in text
+    assert "'pool.softmax': 'bf16-mixed'" in text
     assert (out / "report.md").is_file() and (out / "error.png").is_file()
     # the recommended policy, written as policy.json, passes when checked again
     policy = json.loads((out / "policy.json").read_text())
-    assert {"path": "pool.softmax", "policy": Policy("32-true").to_config()} in policy["rules"]
+    assert {"path": "pool.softmax", "policy": Policy("bf16-mixed").to_config()} in policy["rules"]
     again = ["doctor", str(ROOT / "examples/doctor_demo.py:make"), "--no-report"]
     assert main([*again, "--precision", str(out / "policy.json")]) == 0
     assert "0 broken" in capsys.readouterr().out
