@@ -15,6 +15,7 @@ stayed wide.
 from __future__ import annotations
 
 import os
+import resource
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ __all__ = [
     "WIDE",
     "Paired",
     "busy_cores",
+    "cpu_sample",
     "free_threads",
+    "other_busy_cores",
     "paired_rounds",
     "take_turns",
 ]
@@ -188,6 +191,40 @@ def busy_cores(
     if hasattr(os, "getloadavg"):
         return min(float(cores), os.getloadavg()[0])
     return None
+
+
+CpuSample = tuple[int, int, float, float]
+
+
+def cpu_sample(stat: str | None = None) -> CpuSample | None:
+    """(busy and all jiffies of every CPU (`_cpu_ticks` of /proc/stat, or of `stat`, its
+    text); this process's CPU seconds with its finished children's; `time.monotonic()`),
+    for `other_busy_cores`; None without /proc/stat."""
+    if stat is None:
+        try:
+            with open("/proc/stat") as f:
+                stat = f.read()
+        except OSError:
+            return None
+    busy, total = _cpu_ticks(stat)
+    own = sum(
+        r.ru_utime + r.ru_stime
+        for r in (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN),
+        )
+    )
+    return busy, total, own, time.monotonic()
+
+
+def other_busy_cores(start: CpuSample | None, end: CpuSample | None, cores: int) -> float | None:
+    """How many of `cores` other work kept busy between two `cpu_sample`s: the CPUs' busy
+    share times the cores, less the cores this process (and the children it ran) used."""
+    if start is None or end is None or end[1] <= start[1] or end[3] <= start[3]:
+        return None
+    busy = cores * (end[0] - start[0]) / (end[1] - start[1])
+    own = (end[2] - start[2]) / (end[3] - start[3])
+    return round(max(0.0, busy - own), 2)
 
 
 def free_threads(default: int, busy: float | None, cores: int) -> tuple[int, str | None]:

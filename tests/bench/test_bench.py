@@ -131,6 +131,11 @@ def test_default_experiment_end_to_end_writes_all_four_outputs(tmp_path, capsys,
     assert meta["torch_version"] == torch.__version__
     assert meta["command"].startswith("mixprec bench --model cnn --image-size 16")
     assert "profiler" in meta["memory_method"]
+    # other work through the run: /proc/stat's busy share less this process's CPU time
+    assert meta["cores"] == (os.cpu_count() or 1)
+    assert meta["other_busy_cores"] is None or 0 <= meta["other_busy_cores"] <= meta["cores"]
+    if os.path.exists("/proc/stat"):
+        assert meta["other_busy_cores"] is not None
 
     entries = results["results"]
     assert [(e["config"]["spec"], e["config"]["batch_size"]) for e in entries] == [
@@ -172,8 +177,12 @@ def test_default_experiment_end_to_end_writes_all_four_outputs(tmp_path, capsys,
 
 
 def test_on_a_cpu_without_fast_bf16_the_default_run_says_why_it_timed_float32_only(
-    tmp_path, capsys
+    tmp_path, capsys, monkeypatch
 ):
+    from mixprec.bench import suite
+
+    # (rates measured on a quiet machine: doubted ones are not shown, tested below)
+    monkeypatch.setattr(suite, "rate_doubts", lambda rates, info, load: [])
     with hardware.assume(AVX2_CPU):
         code, results, _, md = _bench(
             tmp_path, "--image-size", "16", "--batch-sizes", "2", "--steps", "1", *TINY
@@ -231,8 +240,10 @@ def test_matmul_rates_measured_on_a_busy_machine_are_doubted_not_used(
     assert results["metadata"]["comparison_gap"]["matmul_doubts"] == [doubt]
     section = md.split("## Why no mixed precision was timed")[1].split("##")[0]
     flat = " ".join(section.split())
-    said = "matmul rates not to be trusted (other work used the cores while they were measured)"
-    assert f"{said}: {doubt}; no time is estimated from them" in flat
+    said = "matmul rates measured now: not shown, as other work used the cores while they were"
+    doubted = "float16, slow on this hardware, measured faster than float32"  # (no figure)
+    assert f"{said} measured ({doubted}); no rate or time is estimated from them" in flat
+    assert "GFLOP/s" not in flat and "20.2x" not in flat
     assert not any(line.startswith("- estimate") for line in section.splitlines())
 
 
@@ -548,17 +559,90 @@ def test_repeated_batch_sizes_add_up_and_a_preset_and_timeout_are_reproduced():
 def test_the_recorded_timing_says_how_the_steps_were_taken():
     """A --memory-limit (or --compile) run times each configuration in a fresh process of
     its own, one after another, but its report said they took paired rounds in one."""
-    from mixprec.bench.suite import metadata
+    from mixprec.bench.suite import metadata, times_paired
 
     def timing(**options) -> str:
         with hardware.assume(ZEN4):
             p = plan(BenchOptions(precisions=["32-true"], batch_sizes=[2], device="cpu", **options))
+            # (what the terminal's busy-machine warning is told)
+            assert times_paired(p) is not bool(options)
             return metadata(p)["timing"]
 
     assert "take one step each per round in one process" in timing()
     fresh = timing(memory_limit=2**34)
     assert "each configuration in a fresh process of its own, one after another (a memory " in fresh
     assert "unpaired" in fresh and "per round" not in fresh and "paired ratios" not in fresh
+    # (step i of one run over step i of the other is no paired ratio: the medians' ratio)
+    assert "float32's step i" not in fresh and "ratio of float32's median to the other's" in fresh
+
+
+def test_the_comparison_gap_measures_matmul_rates_on_one_thread(monkeypatch):
+    """Measured on the run's threads, float32's multiply waited for threads on cores other
+    work held, and an AVX2 CPU under load printed bfloat16 as 18x faster than float32;
+    `hardware.gemm_ratio` measures on one thread."""
+    from mixprec.bench import suite
+
+    seen = []
+
+    class Measured(Exception):
+        pass
+
+    def measure_rates(**kwargs):
+        seen.append(torch.get_num_threads())
+        raise Measured
+
+    monkeypatch.setattr(suite, "measure_rates", measure_rates)
+    before = torch.get_num_threads()
+    with hardware.assume(ZEN4):
+        p = plan(BenchOptions(precisions=["32-true"], batch_sizes=[2], device="cpu", threads=2))
+        with pytest.raises(Measured):
+            suite.comparison_gap(p)
+    assert seen == [1] and torch.get_num_threads() == before
+
+
+def test_doubted_matmul_rates_are_not_printed():
+    """float32 0.3 GFLOP/s and "bfloat16 3.5 (10.9x float32)" were printed beside the
+    doubts, where only the time estimate was dropped."""
+    from mixprec.bench.report import comparison_gap_lines
+
+    gap = {
+        "asked": True,
+        "timed": ["float32"],
+        "left_out": {},
+        "matmul_gflops": {"float32": 0.3, "bfloat16": 3.5},
+        "matmul_doubts": [
+            "the rounds disagreed by more than 1.5x (float32 0.1-157.6 GFLOP/s)",
+            "the paired rounds' ratios against float32 spread wider than 1.25x (quartiles: "
+            "bfloat16 2.52x-19.1x)",
+            "bfloat16, slow on this hardware, measured 10.9x faster than float32 (float32's "
+            "own rounds were slowed)",
+        ],
+        "command": None,
+    }
+    meta = {"precisions": ["32-true"], "comparison_gap": gap, "steps": 1, "warmup": 0}
+    flat = " ".join(comparison_gap_lines(BenchReport(meta, []), []))
+    for figure in ("0.3", "3.5", "10.9x", "GFLOP/s", "19.1x", "157.6"):
+        assert figure not in flat, (figure, flat)
+    assert "the rounds disagreed by more than 1.5x;" in flat
+    assert "measured faster than float32 (float32's own rounds were slowed)" in flat
+
+
+def test_the_metadata_records_what_the_pre_run_checks_found(monkeypatch):
+    """The conclusion's busy-machine caveat read os.cpu_count() when the report was made and
+    guessed other work from load averages; the run now records its core count, the busy
+    cores the pre-run check sampled, and whether the warning was due."""
+    from mixprec.bench import suite
+
+    monkeypatch.setattr(suite, "busy_cores", lambda: 1.3)
+    monkeypatch.setattr(suite, "_load_average", lambda: [9.0, 9.0, 9.0])
+    with hardware.assume(ZEN4):
+        sampled = suite.metadata(plan(BenchOptions(precisions=["32-true"], batch_sizes=[2])))
+        given = suite.metadata(
+            plan(BenchOptions(precisions=["32-true"], batch_sizes=[2], threads=1))
+        )
+    assert sampled["cores"] == (os.cpu_count() or 1) and sampled["busy_cores_before"] == 1.3
+    assert given["busy_cores_before"] is None  # (--threads given: not sampled)
+    assert sampled["busy_warning"] is True  # (a load of 9 on this machine's cores)
 
 
 def test_a_float64_only_run_says_float64_was_timed():
@@ -593,9 +677,9 @@ def _report(rows: list[Row]) -> BenchReport:
 
 
 def test_summaries_speedup_overhead_and_oom_rows():
-    def ok(ms, raw_ms=None, peak=100):
+    def ok(ms, raw_ms=None, peak=100, paired=True):
         raw = LoopResult(step_ms=raw_ms, peak_memory=peak) if raw_ms else None
-        return RunResult(OK, LoopResult(step_ms=ms, peak_memory=peak), raw)
+        return RunResult(OK, LoopResult(step_ms=ms, peak_memory=peak), raw, paired=paired)
 
     rows = [
         Row(Config("32-true", "32-true", 8, None, False), ok([40.0, 10.0, 30.0])),
@@ -613,7 +697,7 @@ def test_summaries_speedup_overhead_and_oom_rows():
     # the round that was slow for bf16 alone does not move it
     assert s[1].speedup == pytest.approx(2.0)
     assert (s[1].speedup_low, s[1].speedup_high, s[1].rounds) == (pytest.approx(30 / 99), 2.0, 3)
-    assert not s[1].paired  # the rows were not timed side by side
+    assert s[1].paired  # the rows were timed side by side
     assert s[1].overhead == pytest.approx(20.0 / 16.0 - 1)  # median of 20/16, 5/50, 99/4
     assert s[2].status == OOM and s[2].median_ms is None
     assert s[3].speedup is None  # no float32 result at batch 16 to compare with
@@ -629,6 +713,13 @@ def test_summaries_speedup_overhead_and_oom_rows():
     ]
     assert "| 2.00x (1 round) |" in markdown(_report(one), summarize(_report(one)))
     assert "| 16 | 32-true | OOM | - | - | - | - | - | - |" in md
+    # rows run apart (each in a process of its own) share no rounds: the ratio of their
+    # medians (30/20), with no interval (it paired step i of one run with step i of the other)
+    apart = [Row(r.config, replace(r.result, paired=False)) for r in rows]
+    s = summarize(_report(apart))
+    assert not s[1].paired and s[1].speedup == pytest.approx(1.5)
+    assert (s[1].speedup_low, s[1].speedup_high, s[1].rounds) == (None, None, None)
+    assert "| 1.50x (medians) |" in markdown(_report(apart), s)
 
 
 def test_blog_preset_report_shows_the_blogs_v100_numbers():

@@ -8,6 +8,7 @@ import csv
 import json
 import math
 import os
+import re
 import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from mixprec.bench.suite import (
     BenchReport,
     Row,
     activation_label,
+    cores_shared,
 )
 from mixprec.bench.verdict import (
     CONFIDENCE,
@@ -84,8 +86,10 @@ class Summary:
 
     `speedup` is the median over rounds of float32's step time / this one's at the same
     batch size, `speedup_low`-`speedup_high` its interval at `speedup_confidence`
-    (`verdict.ratio_interval`), from `rounds` ratios; `paired`: those ratios pair steps of
-    the same round (rows timed side by side), else step i of two separate runs. `overhead`
+    (`verdict.ratio_interval`), from `rounds` ratios, where `paired` (rows timed side by
+    side, step i of each from round i); rows run one after another in separate processes
+    share no rounds, so their `speedup` is the ratio of the medians, with no interval or
+    rounds (a neighbour's load between the runs moves it). `overhead`
     is the median over rounds of our step time / the raw torch loop's, minus 1.
     `vs_keep` (`vs_keep_low`-`vs_keep_high`) is, for a row of ``--activations`` option
     `activations`, the median over rounds of its step time / the same precision's with
@@ -123,6 +127,7 @@ class Summary:
     vs_keep_high: float | None = None
     vs_keep_rounds: int | None = None
     vs_keep_confidence: float | None = None
+    vs_keep_paired: bool = True  # `vs_keep` from shared rounds (False: the medians' ratio)
     raw_error: str | None = None  # why the raw twin did not run, where mixprec's loop did
     overhead_low: float | None = None  # `overhead`'s interval, as the speedup's
     overhead_high: float | None = None
@@ -165,12 +170,20 @@ def summarize(report: BenchReport) -> list[Summary]:
         med = statistics.median(ours.step_ms) if ok else None
         base = _baseline(report.rows, c.batch_size)
         speed = ratio_interval(base.result.mixprec.step_ms, ours.step_ms) if ok and base else None
+        paired = bool(speed and base and r.paired and base.result.paired)
+        if speed and base and med and not paired:  # (no rounds to pair: the medians' ratio)
+            speed = _medians_ratio(base.result.mixprec.step_ms, ours.step_ms)
         raw = r.raw
         raw_ok = ok and raw is not None and raw.status == OK and bool(raw.step_ms)
         raw_med = statistics.median(raw.step_ms) if raw_ok and raw is not None else None
         overhead = ratio_interval(ours.step_ms, raw.step_ms) if raw_ok and raw is not None else None
         kept = _kept(report.rows, row)
         vs_keep = ratio_interval(ours.step_ms, kept.result.mixprec.step_ms) if ok and kept else None
+        keep_paired = bool(vs_keep and kept and r.paired and kept.result.paired)
+        if vs_keep and kept and not keep_paired:
+            vs_keep = _medians_ratio(ours.step_ms, kept.result.mixprec.step_ms)
+        # (keep's own row is 1 against itself: no interval to give)
+        keep_interval = vs_keep if vs_keep and keep_paired and c.activations != "keep" else None
         out.append(
             Summary(
                 label=c.label,
@@ -197,17 +210,18 @@ def summarize(report: BenchReport) -> list[Summary]:
                 compiled=c.compiled,
                 first_step_s=ours.first_step_s,
                 raw_first_step_s=raw.first_step_s if raw is not None else None,
-                speedup_low=speed.low if speed else None,
-                speedup_high=speed.high if speed else None,
-                speedup_confidence=speed.confidence if speed else None,
-                rounds=speed.n if speed else None,
-                paired=bool(speed and base and r.paired and base.result.paired),
+                speedup_low=speed.low if speed and paired else None,
+                speedup_high=speed.high if speed and paired else None,
+                speedup_confidence=speed.confidence if speed and paired else None,
+                rounds=speed.n if speed and paired else None,
+                paired=paired,
                 activations=c.activations,
                 vs_keep=vs_keep.median if vs_keep else None,
-                vs_keep_low=vs_keep.low if vs_keep and c.activations != "keep" else None,
-                vs_keep_high=vs_keep.high if vs_keep and c.activations != "keep" else None,
-                vs_keep_rounds=vs_keep.n if vs_keep else None,
-                vs_keep_confidence=vs_keep.confidence if vs_keep else None,
+                vs_keep_low=keep_interval.low if keep_interval else None,
+                vs_keep_high=keep_interval.high if keep_interval else None,
+                vs_keep_rounds=vs_keep.n if vs_keep and keep_paired else None,
+                vs_keep_confidence=vs_keep.confidence if vs_keep and keep_paired else None,
+                vs_keep_paired=keep_paired or vs_keep is None,
                 raw_error=(
                     f"{raw.status} ({raw.error})"
                     if ok and raw is not None and raw.status != OK and raw.error
@@ -216,6 +230,13 @@ def summarize(report: BenchReport) -> list[Summary]:
             )
         )
     return out
+
+
+def _medians_ratio(base_ms: list[float], other_ms: list[float]) -> Interval:
+    """``median(base) / median(other)`` for rows not timed in shared rounds: the ratio of
+    their medians, with no interval (``confidence`` 0: see `Summary`)."""
+    ratio = statistics.median(base_ms) / statistics.median(other_ms)
+    return Interval(ratio, ratio, ratio, min(len(base_ms), len(other_ms)), 0.0)
 
 
 def _mib(n: int | None) -> str:
@@ -227,32 +248,65 @@ def _is_baseline(s: Summary) -> bool:
     return s.precision == BASELINE and s.activations in (None, "keep")
 
 
+def _places(value: float, low: float | None = None, high: float | None = None) -> int:
+    """Decimals (2 to 4) that keep a ratio off "1.00" when it is not 1, and an interval
+    wholly on one side of 1 from reaching it once rounded outward (`_outward`): a slowdown
+    under half a percent read "1.00x (1.00-1.00)"."""
+    places = 2
+    while places < 4:
+        near = value != 1 and f"{value:.{places}f}" == f"{1:.{places}f}"
+        if low is not None and high is not None:
+            lo, hi = _outward(low, high, places)
+            near = near or (low > 1 and lo <= 1) or (high < 1 and hi >= 1)
+        if not near:
+            break
+        places += 1
+    return places
+
+
+def _ratio_cell(value: float, low: float | None, high: float | None, rounds: int | None,
+                confidence: float | None, paired: bool) -> str:  # fmt: skip
+    """ "4.58x (4.41-4.80)": a median ratio and its interval, rounded outward; "(medians)"
+    after a ratio of medians (rows that shared no rounds); "(1 round)" after one ratio; the
+    rounds after an interval of too few of them for the stated confidence."""
+    if not paired:
+        return f"{value:.{_places(value)}f}x (medians)"
+    if low is None or high is None:
+        return f"{value:.{_places(value)}f}x"
+    if rounds == 1:  # (one ratio: no interval to give, "1.00-1.00" would read as certain)
+        return f"{value:.{_places(value)}f}x (1 round)"
+    few = confidence is not None and confidence < CONFIDENCE
+    shown = f", {rounds} rounds" if few and rounds else ""
+    places = _places(value, low, high)
+    lo, hi = _outward(low, high, places)
+    return f"{value:.{places}f}x ({lo:.{places}f}-{hi:.{places}f}{shown})"
+
+
 def _speedup_cell(s: Summary) -> str:
-    """ "4.58x (4.41-4.80)": the median ratio and its interval (float32 itself: "1.00x"); a
-    row with too few rounds for the stated confidence says how many after its interval, one
-    of one round gives no interval."""
+    """The speedup against float32 (`_ratio_cell`; float32 itself: "1.00x")."""
     if s.speedup is None:
         return "-"
-    if _is_baseline(s) or s.speedup_low is None or s.speedup_high is None:
+    if _is_baseline(s):
         return f"{s.speedup:.2f}x"
-    if s.rounds == 1:  # (one ratio: no interval to give, "1.00-1.00" would read as certain)
-        return f"{s.speedup:.2f}x (1 round)"
-    few = s.speedup_confidence is not None and s.speedup_confidence < CONFIDENCE
-    rounds = f", {s.rounds} rounds" if few and s.rounds else ""
-    return f"{s.speedup:.2f}x ({s.speedup_low:.2f}-{s.speedup_high:.2f}{rounds})"
+    return _ratio_cell(
+        s.speedup, s.speedup_low, s.speedup_high, s.rounds, s.speedup_confidence, s.paired
+    )
 
 
 def _vs_keep_cell(s: Summary) -> str:
     """ "1.18x (1.12-1.25)": this row's step time over keep's (keep itself: "1.00x")."""
     if s.vs_keep is None:
         return "-"
-    if s.vs_keep_low is None or s.vs_keep_high is None:
+    if s.activations == "keep":
         return f"{s.vs_keep:.2f}x"
-    if s.vs_keep_rounds == 1:  # (as `_speedup_cell`: one ratio gives no interval)
-        return f"{s.vs_keep:.2f}x (1 round)"
-    few = s.vs_keep_confidence is not None and s.vs_keep_confidence < CONFIDENCE
-    rounds = f", {s.vs_keep_rounds} rounds" if few and s.vs_keep_rounds else ""
-    return f"{s.vs_keep:.2f}x ({s.vs_keep_low:.2f}-{s.vs_keep_high:.2f}{rounds})"
+    return _ratio_cell(
+        s.vs_keep,
+        s.vs_keep_low,
+        s.vs_keep_high,
+        s.vs_keep_rounds,
+        s.vs_keep_confidence,
+        s.vs_keep_paired,
+    )
 
 
 def _cells(s: Summary) -> list[str]:
@@ -398,39 +452,76 @@ def _vs_kept(report: BenchReport, found: dict[str, Any]) -> str:
     return f" ({found['max_batch'] / kept['max_batch']:.2f}x keep's)"
 
 
-def _other_load(meta: dict[str, Any]) -> float | None:
-    """The 1-minute load of other work through the run: the smaller of the load before it
-    and the load after it less the run's own threads (the load before alone may be the tail
-    of work that just ended)."""
-    before, after = meta.get("load_average_before"), meta.get("load_average_after")
-    loads = [before[0]] if before else []
-    if after:
-        loads.append(after[0] - (meta.get("threads") or 1))
-    return min(loads) if loads else None
+def _cores(meta: dict[str, Any]) -> int:
+    """The run's core count, as recorded (a run recorded before it was: this machine's)."""
+    return meta.get("cores") or os.cpu_count() or 1
 
 
-def _is_busy(load: float | None, threads: int, device_type: str) -> bool:
-    """Whether other work keeps the CPUs busy: with every core in use, threads wait for
-    each other at each parallel op and single steps slow down at random."""
-    cores = os.cpu_count() or 1
-    return device_type == "cpu" and load is not None and load > cores - threads + 0.5
+def _other_load(meta: dict[str, Any]) -> tuple[float, str] | None:
+    """How many cores other work kept busy, and in words: measured through the run
+    (``other_busy_cores``: the CPUs' busy ticks less this process's CPU time), else as the
+    run began (``busy_cores_before``), else the 1-minute load before it, which the pre-run
+    warning reads (the load after it cannot be charged the run's threads: the average lags,
+    and a short run moves it by a fraction of them); None when nothing was recorded."""
+    cores = _cores(meta)
+    for key, when in (("other_busy_cores", "through"), ("busy_cores_before", "as")):
+        if (busy := meta.get(key)) is not None:
+            began = "through the run" if when == "through" else "as the run began"
+            return busy, f"other work kept {busy:.1f} of {cores} cores busy {began}"
+    before = meta.get("load_average_before")
+    if before:
+        return before[0], f"1-minute load {before[0]:.1f} on {cores} cores"
+    return None
+
+
+def _is_busy(load: float | None, threads: int, device_type: str, cores: int | None = None) -> bool:
+    """Whether other work keeps the CPUs busy (`suite.cores_shared`)."""
+    return cores_shared(load, threads, cores or os.cpu_count() or 1, device_type)
 
 
 def _rerun_advice(threads: int) -> str:
     return "rerun on a quieter machine" + (" or with --threads 1" if threads > 1 else "")
 
 
-def busy_machine_warning(load: list[float] | None, threads: int, device_type: str) -> str | None:
-    """A warning, before the run, when other work keeps the CPUs busy: the verdict then
-    rests on paired rounds, and may be withheld as too noisy."""
-    if not load or not _is_busy(load[0], threads, device_type):
+def busy_machine_warning(
+    load: list[float] | None,
+    threads: int,
+    device_type: str,
+    cores: int | None = None,
+    paired: bool | None = None,
+) -> str | None:
+    """A warning, before the run, when other work keeps the CPUs busy: what the verdict
+    then rests on, by how the steps are timed (`paired`: side by side in rounds; False:
+    each configuration in a process of its own, one after another; None: not known, both
+    said)."""
+    if not load or not _is_busy(load[0], threads, device_type, cores):
         return None
-    cores = os.cpu_count() or 1
+    cores = cores or os.cpu_count() or 1
+    if paired:
+        how = (
+            "the speedup is taken from paired rounds with its interval, and withheld if still "
+            "too noisy"
+        )
+    elif paired is None:
+        how = (
+            "configurations timed side by side take the speedup from paired rounds with its "
+            "interval, withheld if still too noisy; those in separate processes (--memory-limit, "
+            "--compile) get the ratio of medians and no verdict"
+        )
+    else:
+        how = (
+            "the configurations run one after another in separate processes here, so the "
+            "speedup is the ratio of their medians, which a neighbour's load between them "
+            "moves: no interval and no verdict"
+        )
+    then = (
+        "for a verdict, rerun without --memory-limit and --compile"
+        if paired is False
+        else f"for tighter figures, {_rerun_advice(threads)}"
+    )
     return (
         f"WARNING: other work was using the CPUs (1-minute load {load[0]} on {cores} cores, "
-        f"{threads} thread(s) timing): single steps are slowed at random; the speedup "
-        "is taken from paired rounds with its interval, and withheld if still too noisy; "
-        f"for tighter figures, {_rerun_advice(threads)}"
+        f"{threads} thread(s) timing): single steps are slowed at random; {how}; {then}"
     )
 
 
@@ -455,14 +546,22 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
     """How the numbers were taken, shown under the table and in report.md (`busy=False`
     leaves out the busy-machine warning, for a terminal that was already warned)."""
     meta = report.metadata
+    paired = all(s.paired for s in summaries if s.speedup is not None)
     out = [
         f"timing: {meta['timing']}; {meta['warmup']} warm-up round(s) after the memory "
         f"step, {meta['threads']} thread(s)"
         + (f" ({meta['threads_note']})" if meta.get("threads_note") else ""),
         f"peak memory: {meta['memory_method']}",
-        f"speedup: the median over rounds of float32's (32-true) step time / this row's at "
-        f"the same batch size, and its {CONFIDENCE:.0%} interval (order statistics of the "
-        "rounds' ratios)" + _low_confidence(summaries),
+        (
+            f"speedup: the median over rounds of float32's (32-true) step time / this row's at "
+            f"the same batch size, and its {CONFIDENCE:.0%} interval (order statistics of the "
+            "rounds' ratios)" + _low_confidence(summaries)
+            if paired
+            else "speedup: float32's (32-true) median step time / this row's at the same batch "
+            "size, marked (medians): the configurations ran one after another in separate "
+            "processes, so no rounds pair their steps, a neighbour's load between them moves "
+            "the ratio, and no interval or verdict is given"
+        ),
     ]
     if any(s.vs_keep is not None for s in summaries):
         out.append(
@@ -481,7 +580,11 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
             "them to autocast, as the raw loop does)"
         )
     warning = busy_machine_warning(
-        meta.get("load_average_before"), meta["threads"], meta.get("device_type", "")
+        meta.get("load_average_before"),
+        meta["threads"],
+        meta.get("device_type", ""),
+        _cores(meta),
+        paired,
     )
     if busy and warning:
         out.append(warning)
@@ -542,7 +645,8 @@ def comparison_gap_lines(report: BenchReport, summaries: list[Summary]) -> list[
     lines = ["timed: " + first + f"only {' and '.join(gap['timed'])} was timed"]
     for name, why in gap["left_out"].items():
         lines.append(f"left out: {name}, {why['status']} here ({why['reason']})")
-    if base:
+    doubts = gap.get("matmul_doubts") or []
+    if base and not doubts:
         shown = [f"float32 {base:,.1f} GFLOP/s"]
         for dtype, rate in rates.items():
             if dtype == "float32" or not rate:
@@ -551,11 +655,14 @@ def comparison_gap_lines(report: BenchReport, summaries: list[Summary]) -> list[
             rel = f"{factor:,.0f}x slower" if factor >= 1.5 else f"{1 / factor:.1f}x float32"
             shown.append(f"{dtype} {rate:,.1f} ({rel})")
         lines.append("matmul rates measured now: " + ", ".join(shown))
-    doubts = gap.get("matmul_doubts") or []
-    if doubts:
+    if doubts:  # (their figures left out too: docs/bench.md, "On a machine where ...")
+        why = [
+            re.sub(r"measured [\d.,]+x ", "measured ", re.sub(r" \([^()]*\d\.\d[^()]*\)", "", d))
+            for d in doubts
+        ]
         lines.append(
-            "matmul rates not to be trusted (other work used the cores while they were "
-            "measured): " + "; ".join(doubts) + "; no time is estimated from them"
+            "matmul rates measured now: not shown, as other work used the cores while they "
+            "were measured (" + "; ".join(why) + "); no rate or time is estimated from them"
         )
     fp32 = [s for s in summaries if _is_baseline(s) and s.median_ms is not None]
     steps = meta["steps"] + meta["warmup"] + 1
@@ -718,13 +825,68 @@ def _withheld(meta: dict[str, Any], label: str, kind: str, decisive: Interval, b
     )
 
 
+def _apart_why(meta: dict[str, Any]) -> tuple[str, str]:
+    """Why a run's configurations ran in separate processes, and how to get paired rounds."""
+    options = [o for o, on in (("--memory-limit", "memory_limit"), ("--compile", "compile"))
+               if meta.get(on)]  # fmt: skip
+    if options:
+        given = " and ".join(options)
+        return (
+            f"{given}: a fresh process each",
+            f"rerun without {given}, which times them side by side in paired rounds in one process",
+        )
+    return (
+        "as the mixprec version of this run timed every configuration",
+        "rerun with this version, which times them side by side in paired rounds",
+    )
+
+
+def _unpaired(
+    report: BenchReport,
+    label: str,
+    rows: list[Summary],
+    fp32: dict[int, Summary],
+    summaries: list[Summary],
+) -> str:
+    """The sentence where the rows shared no rounds: the ratio of the medians, no interval
+    and no verdict, why, and how to get one; then the memory finding."""
+    meta = report.metadata
+    why, how = _apart_why(meta)
+    speed = [s.speedup or 0.0 for s in rows]
+    digits = f"{{:.{max(_places(x) for x in speed)}f}}"
+    batches = _batches(sorted(s.batch_size for s in rows), meta.get("batch_sizes") or [])
+    sentence = (
+        f"No verdict on how fast {label} trains the {meta['model']} model against float32 "
+        f"here: the configurations ran one after another in separate processes ({why}), so "
+        "a neighbour's load between them moves the ratio, and no interval can hold it; the "
+        f"ratio of their median step times is {_span(speed, digits)}x (batch {batches}). For "
+        f"a verdict, {how}."
+    )
+    return sentence + _memory_tail(_memory_clause(rows, fp32), label, summaries)
+
+
+def _memory_tail(memory: str | None, label: str, summaries: list[Summary]) -> str:
+    """What a sentence without a speed verdict still says: the memory `label` saves (its
+    `_memory_clause`), and the batch sizes it fits where float32 did not."""
+    tail = f" It uses {memory} than float32 (memory does not depend on the load)." if memory else ""
+    fits = _fits_where_float32_did_not(
+        [s for s in summaries if s.label == label or _is_baseline(s)]
+    )
+    return tail + (f" Also, {fits}." if fits else "")
+
+
 def _under_load(meta: dict[str, Any]) -> str:
     """ "under a 1-minute load of 7.2 on 2 cores" when other work kept the CPUs busy, else
     nothing."""
-    load = _other_load(meta)
-    if not _is_busy(load, meta.get("threads") or 1, meta.get("device_type", "")):
+    other = _other_load(meta)
+    busy = other and _is_busy(
+        other[0], meta.get("threads") or 1, meta.get("device_type", ""), _cores(meta)
+    )
+    if not other or not busy:
         return ""
-    return f"under a 1-minute load of {load:.1f} on {os.cpu_count() or 1} cores"
+    if other[1].startswith("1-minute"):
+        return f"under a 1-minute load of {other[0]:.1f} on {_cores(meta)} cores"
+    return f"while {other[1]}"
 
 
 def _noisy_clause(meta: dict[str, Any], noisy: list[tuple[Summary, Interval]]) -> str:
@@ -808,6 +970,8 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         (s.label for n in fast for s in ok if s.precision == n), labels[0]
     )
     rows = [s for s in ok if s.label == label]
+    if not all(s.paired for s in rows):  # (no rounds shared: no interval, no verdict)
+        return _unpaired(report, label, rows, fp32, summaries)
     verdict = speed_verdict([_interval(s) for s in rows])
     noisy_tail = ""
     if verdict.kind == NOISY:  # a finding from the batch sizes that allow one, if any
@@ -822,18 +986,13 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     if verdict.withheld:
         batch = rows[verdict.intervals.index(verdict.decisive)].batch_size
         sentence = _withheld(meta, label, verdict.kind, verdict.decisive, batch)
-        if memory:
-            sentence += f" It uses {memory} than float32 (memory does not depend on the load)."
-        fits = _fits_where_float32_did_not(
-            [s for s in summaries if s.label == label or _is_baseline(s)]
-        )
-        if fits:
-            sentence += f" Also, {fits}."
-        return sentence
+        return sentence + _memory_tail(memory, label, summaries)
     speed = [s.speedup or 0.0 for s in rows]
     digits = "{:.1f}" if verdict.kind == FASTER else "{:.2f}"
     if verdict.kind == FASTER and min(float(f"{x:.1f}") for x in speed) <= 1.0:
         digits = "{:.2f}"  # ("1.0x as fast" reads as no faster)
+    if digits == "{:.2f}":  # ("1.00x the speed of float32 ... slower than float32")
+        digits = f"{{:.{max(_places(x) for x in speed)}f}}"
     if verdict.kind == FASTER and _span(speed, digits) == _span(blog, digits):
         # ("1.1x ... the seed got 1.1x ..., so it pays more here" reads as a contradiction)
         digits = "{:.2f}"
@@ -849,20 +1008,27 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     low = min(i.low for i in verdict.intervals)
     high = max(i.high for i in verdict.intervals)
     rounds = _span([float(i.n) for i in verdict.intervals], "{:.0f}")
-    kind = "paired rounds" if all(s.paired for s in rows) else "unpaired runs"
     # (rounded outward: an interval reaching 1.07 read '1.1-...', tighter than it is)
-    places = 1 if digits == "{:.1f}" else 2
+    places = 1 if digits == "{:.1f}" else int(digits[3])
     low_out, high_out = _outward(low, high, places)
     bounds = f"{digits.format(low_out)}-{digits.format(high_out)}"
-    if verdict.kind == FASTER and low_out <= 1.0:  # ("1.0-1.8x" reads as reaching 1)
-        bounds = "{:.2f}-{:.2f}".format(*_outward(low, high, 2))
-    certainty = f"{CONFIDENCE:.0%} intervals within {bounds}x from {rounds} {kind}"
+    if (low > 1 and low_out <= 1.0) or (high < 1 and high_out >= 1.0):
+        # ("1.0-1.8x" reads as reaching 1)
+        places = max(places, _places(1.0, low, high))
+        bounds = "{0:.{2}f}-{1:.{2}f}".format(*_outward(low, high, places), places)
+    certainty = f"{CONFIDENCE:.0%} intervals within {bounds}x from {rounds} paired rounds"
     # against the seed's figure only what the intervals carry: more or less when every
     # interval lies above or below it, about the same when every one holds it
     intervals = verdict.intervals
     # (plain words where it does not pay at all: slower than float32 at every batch size, or
-    # no faster and slower by the median)
-    slower = all(i.high < 1 for i in intervals)
+    # no faster and slower by the median; and the batch sizes where it is slower, named)
+    slower_at = [s.batch_size for s, i in zip(rows, intervals, strict=True) if i.high < 1]
+    slower = len(slower_at) == len(intervals)
+    named = "batch " + (
+        ", ".join(map(str, slower_at[:-1])) + f" and {slower_at[-1]}"
+        if len(slower_at) > 1
+        else "".join(map(str, slower_at))
+    )
     if slower or (
         verdict.kind != FASTER
         and statistics.median(speed) < 1
@@ -872,6 +1038,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
             "while here it is slower than float32"
             if slower
             else "while here it is no faster than float32"
+            + (f", and slower at {named}" if slower_at else "")
         )
     elif all(i.low > max(blog) for i in intervals):
         than = "so mixed precision pays more here than it did there"
@@ -892,6 +1059,8 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
             than = f"{parts[0]} at some batch sizes here and {parts[1]} at others"
         else:
             than = f"{parts[0]} at some batch sizes here, {parts[1]} at some and less at others"
+    if slower_at and not slower and "slower" not in than:
+        than += f"; at {named} it is slower than float32"
     if (slower or all(i.high < min(blog) for i in intervals)) and statistics.median(
         speed
     ) < 0.9 * min(blog):
@@ -908,13 +1077,17 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     if fits:  # (a batch size float32 could not run is in no interval: said apart)
         sentence += f" Also, {fits}."
     threads = meta.get("threads") or 1
-    load = _other_load(meta)
-    if threads > 1 and _is_busy(load, threads, meta.get("device_type", "")):
+    other = _other_load(meta)
+    if (
+        other
+        and threads > 1
+        and _is_busy(other[0], threads, meta.get("device_type", ""), _cores(meta))
+    ):
         sentence += (
-            f" Measured with {threads} threads on cores other work was using (1-minute load "
-            f"{load:.1f} on {os.cpu_count() or 1} cores): threads then wait for each other at "
-            "every op, which may cost the shorter low-precision step more, so this ratio can "
-            f"be lower than free cores give; --threads 1 measures what {label} itself buys."
+            f" Measured with {threads} threads on cores other work was using ({other[1]}): "
+            "threads then wait for each other at every op, which may cost the shorter "
+            "low-precision step more, so this ratio can be lower than free cores give; "
+            f"--threads 1 measures what {label} itself buys."
         )
     return sentence
 

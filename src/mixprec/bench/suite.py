@@ -65,7 +65,7 @@ from mixprec.hardware import (
 from mixprec.hardware.measuring import measure_rates, rate_doubts
 from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy.map import PolicyMap, is_policy_file
-from mixprec.timing import busy_cores, free_threads
+from mixprec.timing import busy_cores, cpu_sample, free_threads, other_busy_cores
 from mixprec.version import __version__
 
 __all__ = [
@@ -79,10 +79,12 @@ __all__ = [
     "Plan",
     "Row",
     "comparison_gap",
+    "cores_shared",
     "memory_method",
     "metadata",
     "plan",
     "run_bench",
+    "times_paired",
 ]
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -191,6 +193,9 @@ class Plan:
     left_out: dict[str, Support] = field(default_factory=dict)
     # why fewer threads than torch's default were chosen (other work on the cores), or None
     threads_note: str | None = None
+    # how many cores other work kept busy as the plan was made (`timing.busy_cores`), where
+    # it was sampled (a CPU run without --threads); None elsewhere
+    busy_cores: float | None = None
 
     @property
     def times_low_precision(self) -> bool:
@@ -376,12 +381,13 @@ def plan(options: BenchOptions) -> Plan:
     if not opts.timeout > 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {opts.timeout}")
     device = _device(opts.device)
-    threads_note = None
+    threads_note, busy = None, None
     if opts.threads is None:
         threads = torch.get_num_threads()
         if device.type == "cpu":  # a GPU's timing does not wait for busy CPU cores
             cores = os.cpu_count() or 1
-            threads, threads_note = free_threads(threads, busy_cores(), cores)
+            busy = busy_cores()
+            threads, threads_note = free_threads(threads, busy, cores)
         opts = replace(opts, threads=threads)
     if opts.max_batch and device.type == "cpu" and opts.memory_limit is None:
         raise ValueError(
@@ -434,7 +440,18 @@ def plan(options: BenchOptions) -> Plan:
                             Config(label, name, batch, tf32, raw, island, opts.compile, option)
                         )
     command = reproduce_command(opts, device)
-    return Plan(opts, device, policies, support, configs, command, asked, left_out, threads_note)
+    return Plan(
+        opts,
+        device,
+        policies,
+        support,
+        configs,
+        command,
+        asked,
+        left_out,
+        threads_note,
+        None if busy is None else round(busy, 2),
+    )
 
 
 def activation_label(name: str, option: str | None) -> str:
@@ -485,8 +502,10 @@ def comparison_gap(p: Plan) -> dict[str, Any] | None:
     would be fast, and the command that times them anyway. None when the plan has one."""
     if p.times_low_precision:
         return None
+    # on one thread, as `hardware.gemm_ratio`: threads of one multiply wait for each other
+    # on cores other work holds, which slows the faster dtype's multiply most (docs/bench.md)
     before = torch.get_num_threads()
-    torch.set_num_threads(p.options.threads or before)
+    torch.set_num_threads(1)
     try:
         measured = measure_rates(device=p.device, seconds=0.2)
     finally:
@@ -575,6 +594,7 @@ def metadata(p: Plan) -> dict[str, Any]:
     """Environment and settings recorded with the results."""
     info = detect(p.device)
     o = p.options
+    load, cores = _load_average(), os.cpu_count() or 1
     return {
         "mixprec_version": __version__,
         "torch_version": torch.__version__,
@@ -598,9 +618,27 @@ def metadata(p: Plan) -> dict[str, Any]:
         "preset": o.preset,
         "command": p.command,
         "started": datetime.datetime.now().isoformat(timespec="seconds"),
-        "load_average_before": _load_average(),
+        "load_average_before": load,
+        "cores": cores,
+        # what the pre-run checks found: other work's busy cores (sampled where the threads
+        # were chosen), and whether the busy-machine warning was due
+        "busy_cores_before": p.busy_cores,
+        "busy_warning": bool(load and cores_shared(load[0], o.threads or 1, cores, p.device.type)),
         "timing": _timing(p),
     }
+
+
+def cores_shared(load: float | None, threads: int, cores: int, device_type: str) -> bool:
+    """Whether other work keeping `load` of `cores` CPU cores busy leaves fewer free than a
+    run's `threads` (with half a core to spare): its threads then wait for each other at
+    each parallel op, and single steps slow down at random. Never on a GPU."""
+    return device_type == "cpu" and load is not None and load > cores - threads + 0.5
+
+
+def times_paired(p: Plan) -> bool:
+    """Whether the plan's configurations take their steps side by side in rounds (paired),
+    not each in a fresh process of its own (`runner.fresh_process_reason`)."""
+    return not any(fresh_process_reason(_spec(p, c)) for c in p.configs)
 
 
 def _timing(p: Plan) -> str:
@@ -611,13 +649,13 @@ def _timing(p: Plan) -> str:
         " (CUDA synchronised)" if p.device.type == "cuda" else ""
     )
     fresh = next((r for c in p.configs if (r := fresh_process_reason(_spec(p, c)))), None)
-    if fresh is not None:
+    if fresh is not None:  # (not `times_paired`: the reason is said)
         return (
             f"{step}; each configuration in a fresh process of its own, one after another "
             f"({fresh}): {o.steps} steps, unpaired; warm-up excluded, GC disabled; ms/step "
-            "is the median of the steps, a speedup the median of float32's step i over the "
-            "other's step i (runs apart in time: a neighbour's load shifts one run and not "
-            "the other, which paired rounds do not suffer)"
+            "is the median of the steps, a speedup the ratio of float32's median to the "
+            "other's, with no interval and no verdict (runs apart in time: a neighbour's load "
+            "shifts one run and not the other, which paired rounds do not suffer)"
         )
     return (
         f"{step}; the configurations of a batch size (float32, each mixed precision and its "
@@ -789,6 +827,7 @@ def run_bench(p: Plan, listeners: Sequence[Listener] = ()) -> BenchReport:
     for listener in listeners:
         listener.started(meta, p.configs)
     t0 = time.perf_counter()
+    cpu0 = cpu_sample() if p.device.type == "cpu" else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="mixprec-bench-") as tmp:
         for group in _groups(p.configs):
@@ -815,6 +854,8 @@ def run_bench(p: Plan, listeners: Sequence[Listener] = ()) -> BenchReport:
     end = {
         "elapsed_s": round(time.perf_counter() - t0, 1),
         "load_average_after": _load_average(),
+        # other work through the run, which the load averages give too late and too smoothly
+        "other_busy_cores": other_busy_cores(cpu0, cpu_sample() if cpu0 else None, meta["cores"]),
         "memory_method": memory_method(rows),
     }
     meta.update(end)

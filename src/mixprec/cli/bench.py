@@ -60,6 +60,7 @@ from mixprec.bench.suite import (
     Row,
     plan,
     run_bench,
+    times_paired,
 )
 from mixprec.bench.verdict import TARGET_WIDTH
 from mixprec.cli.outputs import check_output_dir, new_output_dir
@@ -542,7 +543,7 @@ def run_command(args: argparse.Namespace) -> int:
     if p.threads_note:
         err.print(f"[yellow]{p.threads_note}[/]", highlight=False, soft_wrap=True)
     load = [round(x, 2) for x in os.getloadavg()]
-    busy = busy_machine_warning(load, o.threads or 1, p.device.type)
+    busy = busy_machine_warning(load, o.threads or 1, p.device.type, paired=times_paired(p))
     if busy:
         err.print(f"[yellow]{busy}[/]", highlight=False, soft_wrap=True)
 
