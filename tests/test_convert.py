@@ -185,6 +185,16 @@ def test_a_mixed_layer_takes_the_other_16_bit_dtype_as_float32(outer, inner):
     torch.testing.assert_close(out, h.float().exp(), rtol=0, atol=0)
 
 
+def test_a_region_pickled_before_it_kept_its_input_casts_still_runs():
+    model = mixprec.apply(
+        nn.Sequential(nn.Linear(4, 4)), PolicyMap("16-mixed", {"0": "bf16-mixed"})
+    )
+    for m in model.modules():
+        m.__dict__.get("forward", nn.Module()).__dict__.pop("uncast", None)
+    model = pickle.loads(pickle.dumps(model))
+    assert model(torch.ones(2, 4)).dtype == f32
+
+
 def test_islands_keep_norms_in_float32_inside_16_bit_layers():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Softmax(-1))
     mixprec.apply(model, "bf16-mixed")

@@ -230,7 +230,6 @@ class _AttentionIsland:
     microseconds on every torch call it sees."""
 
     mixprec_wrapper = True  # (keeps the forward it replaced as `original`)
-    uncast: tuple[torch.dtype, ...] = (torch.float64,)  # (a region pickled before it was kept)
 
     def __init__(
         self, module: nn.Module, policy: Policy, original: Any, *, either: bool = False
@@ -260,6 +259,7 @@ class _Region:
     """
 
     mixprec_wrapper = True  # (keeps the forward it replaced as `original`)
+    uncast: tuple[torch.dtype, ...] = (torch.float64,)  # (a region pickled before it was kept)
 
     def __init__(
         self,

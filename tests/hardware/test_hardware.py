@@ -438,7 +438,8 @@ def test_a_device_description_that_does_not_hold_together_is_refused(fields, mes
 @pytest.mark.parametrize(
     ("ratio", "text"),
     [(0.7951, "0.795x"), (0.8, "0.8x"), (1.25, "1.25x"), (1.249, "1.2x"), (4.6, "4.6x"),
-     (0.061, "0.061x"), (1.2499, "1.2x"), (0.7999, "0.7999x")],
+     (0.061, "0.061x"), (1.2499, "1.2x"), (0.7999, "0.7999x"), (0.996, "0.996x"),
+     (1.004, "1x")],
 )  # fmt: skip
 def test_a_gemm_ratio_is_shown_on_the_side_of_the_thresholds_it_is_rated_by(ratio, text):
     """A Zen 4 measured at 0.7951 was rated slow while the text read "0.8x ... below 0.8x

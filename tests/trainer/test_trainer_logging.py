@@ -670,6 +670,14 @@ def test_a_value_logged_at_a_validation_batch_end_lands_in_that_batchs_row(tmp_p
     rows = list(csv.DictReader(open(trainer.run_dir / "metrics.csv")))
     pairs = [(r["in_step"], r["in_batch_end"]) for r in rows if r["in_step"] or r["in_batch_end"]]
     assert pairs == [("0.0", "0.0"), ("1.0", "1.0"), ("2.0", "2.0")] * 2
+    # and the hook reads its own batch's values (Lightning's order), as before the fix
+    model = LogsAtValidationBatchEnd()
+    seen = []
+    model.on_validation_batch_end = lambda outputs, batch, batch_idx: seen.append(
+        (batch_idx, trainer.callback_metrics["in_step"], trainer.logged_metrics["in_step"])
+    )
+    trainer.validate(model, DataLoader(data(6), batch_size=2))
+    assert seen == [(i, float(i), float(i)) for i in range(3)]
 
 
 def test_a_trainers_second_fit_is_a_run_of_its_own(tmp_path):
@@ -698,3 +706,43 @@ def test_a_trainers_second_fit_is_a_run_of_its_own(tmp_path):
     trainer.fit(Model(), loader)
     assert trainer.run_dir.name == "version_3"
     assert [r["step"] for r in csv.DictReader(open(given.path))].count("2") == 2
+
+
+def test_a_launched_fits_checkpoint_directory_is_the_run_it_saved_into(tmp_path):
+    """Handed back from a second launched fit, a default directory kept the first fit's."""
+    from mixprec.trainer.callbacks import callback_states, load_callback_states
+
+    theirs = ModelCheckpoint()
+    theirs.dirpath = tmp_path / "logs" / "version_1" / "checkpoints"
+    mine = ModelCheckpoint()
+    mine.dirpath, mine._default_dir = tmp_path / "logs" / "version_0" / "checkpoints", True
+    load_callback_states([mine], callback_states([theirs]), resume=False)
+    assert mine.dirpath == theirs.dirpath and mine._default_dir and not mine._loaded
+    given = ModelCheckpoint(dirpath=tmp_path / "mine")
+    load_callback_states([given], callback_states([theirs]), resume=False)
+    assert given.dirpath == tmp_path / "mine"
+
+
+def test_a_new_run_drops_the_rows_of_a_version_the_processes_agreed_on(tmp_path):
+    """Under torchrun a logger's version is set by the processes' agreement, not chosen by
+    it: a second fit's file got the first fit's rows written again."""
+    logger = CSVLogger(tmp_path)
+    logger.version = 0  # (as `agree_on_version` sets it)
+    logger.log_metrics({"a": 1.0}, step=2)
+    logger.new_run()
+    logger.version = 1
+    logger.log_metrics({"a": 2.0}, step=2)
+    logger.finalize()
+    rows = list(csv.DictReader(open(logger.path)))
+    assert [r["a"] for r in rows] == ["2.0"]
+
+
+def test_trainers_and_loggers_pickled_before_new_runs_were_kept_fit_again(tmp_path):
+    trainer = Trainer(max_epochs=1, default_root_dir=tmp_path, enable_progress_bar=False)
+    del trainer.__dict__["_fitted"]
+    for lg in trainer.loggers:
+        del lg.__dict__["_chosen"]
+    trainer = pickle.loads(pickle.dumps(trainer))
+    loader = DataLoader(data(8), batch_size=4)
+    trainer.fit(Model(), loader)
+    trainer.fit(Model(), loader)

@@ -89,11 +89,12 @@ FAST_FROM = 1.25
 
 def times_text(ratio: float) -> str:
     """A GEMM ratio in two significant digits, or more where two would put it on the other
-    side of `SLOW_BELOW` or `FAST_FROM` than the value it stands for (a ratio just under
-    the slow threshold, rated slow, must not read as the threshold itself)."""
+    side of a threshold of the ratings (`SLOW_BELOW`, 1, `FAST_FROM`) than the value it
+    stands for (a ratio just under the slow threshold, rated slow, must not read as the
+    threshold itself)."""
     for digits in (2, 3, 4):
         shown = float(f"{ratio:.{digits}g}")
-        if all((shown < t) == (ratio < t) for t in (SLOW_BELOW, FAST_FROM)):
+        if all((shown < t) == (ratio < t) for t in (SLOW_BELOW, 1.0, FAST_FROM)):
             return f"{ratio:.{digits}g}x"
     return f"{ratio}x"
 
@@ -102,10 +103,9 @@ def _rated(prior: Support, ratio: float | None, dtype: torch.dtype) -> Support:
     """A CPU dtype's support from its flags (`prior`) and its measured GEMM ratio: below
     `SLOW_BELOW` slow, whatever the flags; else the flags' rating, which for bfloat16 a ratio
     of `FAST_FROM` raises to fast and one of `SLOW_BELOW` raises to supported (and one below
-    1 lowers from fast to supported). float16 is never
-    raised: its convolutions are slow on CPUs without amx_fp16 however fast its GEMM is. Where
-    the measurement and the flags disagree the reason says so, never a speed its rating
-    contradicts."""
+    1 lowers from fast to supported). float16 is never raised: its convolutions are slow on
+    CPUs without amx_fp16 however fast its GEMM is. Where the measurement and the flags
+    disagree the reason says so, never a speed its rating contradicts."""
     if ratio is None:
         return prior
     measured = f"its GEMMs measured {times_text(ratio)} float32's speed here"

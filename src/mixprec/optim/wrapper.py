@@ -467,7 +467,9 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         kernel, which a skip leaves unwritten, and every later step read that garbage
         (16-mixed's first steps overflow at the initial scale). Once every buffer is made,
         or without momentum, the kernel skips as the others do. Checked again when the state
-        was replaced or emptied (a load, ``state.clear()``), a group added, or a momentum set."""
+        was replaced or emptied (a load, ``state.clear()``), a group added, or a momentum set
+        (not per entry, which would cost a look-up per parameter a step: a parameter's entry
+        emptied by hand, ``state[p] = {}``, goes unseen)."""
         if not self._fused_kernel or not self._checks_buffers:
             return self._fused_kernel
         groups = self.optimizer.param_groups

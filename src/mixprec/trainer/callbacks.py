@@ -809,7 +809,7 @@ def load_callback_states(
             if resume:
                 continue
             if isinstance(cb, ModelCheckpoint):
-                if cb.dirpath is None:  # (the run directory's: the next fit takes its own)
+                if cb.dirpath is None or cb._default_dir:  # (the run's: a next fit, its own)
                     cb.dirpath, cb._default_dir = cb._restored_from, True
                 cb._restored_from = None
             if isinstance(cb, (ModelCheckpoint, EarlyStopping)):

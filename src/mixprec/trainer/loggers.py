@@ -49,6 +49,7 @@ class Logger(ABC):
     """Receives metrics ``{name: float}`` tagged with the optimizer step they belong to."""
 
     _resumed_at: int | None = None  # the step a resumed fit goes on from (`resume_at`)
+    _chosen = False  # the version was chosen here, not given (`new_run`)
     # whether `resume_at` drops what the logger held past the step (a resume from an
     # epoch's last batch then hands it that step's rows again: `StepLog.replay`)
     drops_resumed_rows = False
@@ -166,10 +167,10 @@ class CSVLogger(Logger):
             self.flush()
 
     def new_run(self) -> None:
-        chosen = self._chosen
         super().new_run()
-        if chosen:  # (the rows held are the last run's file's)
-            self._columns, self._rows, self._read_existing = ["step"], [], False
+        # (the rows held are the last run's file's: a version kept is read again at the
+        # next write, one set by the processes' agreement is another run's)
+        self._columns, self._rows, self._read_existing = ["step"], [], False
 
     def resume_at(self, step: int) -> None:
         if not self._read_existing:  # the file is read at the first write, and cut then

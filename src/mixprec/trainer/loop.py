@@ -812,11 +812,13 @@ def run_eval(
             output = run.runner(kind, batch, batch_idx)
             if plain:
                 metrics_store.log(f"{what}_loss", output)
+            # the batch's values, shown to its batch-end hook, then handed to the loggers
+            # in one row with what the hook logs
+            shown = run.log.show(dict(metrics_store.take_step(run.strategy.mean)))
             run.hook(f"on_{kind}_batch_end", output, batch, batch_idx)
-            # (after the hook: what it logs is this batch's)
-            step_metrics = metrics_store.take_step(run.strategy.mean)
-            if step_metrics:
-                run.log.add(run.progress.global_step, dict(step_metrics), flush=True)
+            row = {**shown, **metrics_store.take_step(run.strategy.mean)}
+            if row:
+                run.log.add(run.progress.global_step, row, flush=True)
         if isinstance(model, TrainingModule):
             with metrics_store.epoch_hook(f"on_{kind}_epoch_end"):
                 getattr(model, f"on_{kind}_epoch_end")()

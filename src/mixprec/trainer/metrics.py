@@ -405,6 +405,15 @@ class StepLog:
         if flush or len(self.pending) >= self.every_n_steps:
             self.flush()
 
+    def show(self, row: dict[str, Tensor | float]) -> dict[str, float]:
+        """``row`` read back and shown (``callback_metrics``, ``logged_metrics``) before it
+        is handed to the loggers: an evaluation batch's values, which its batch-end hook
+        reads and may add to before the row goes out (`add`)."""
+        numbers = _read_back([row])[0]
+        self.callback_metrics.update(numbers)
+        self.logged_metrics.update(numbers)
+        return numbers
+
     def flush(self) -> None:
         """Read back the queued rows and the latest step row, all values on a device in one
         copy, and hand the queued rows to the loggers."""

@@ -107,6 +107,8 @@ class Trainer:
     ``allow_slow_precision``). The checked settings are in ``trainer.config``.
     """
 
+    _fitted = False  # (a Trainer pickled before it was kept: `_launch`)
+
     def __init__(
         self,
         precision: Any = "32-true",
