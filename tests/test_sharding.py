@@ -832,3 +832,26 @@ def test_int8_scales_cast_to_float16_by_a_true_policy_are_rounded_to_keep_their_
     got = model[0].dequantized_weight()[0]
     assert torch.equal(got, expected.dequantized_weight()[0])
     assert got.abs().max() > 1e-6
+
+
+class _TiedAcrossBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.out = nn.Linear(4, 4, bias=False)
+        self.out.weight = self.blocks[0].weight
+
+
+def test_a_tie_split_by_the_units_not_the_rules_is_told_so():
+    """A weight tied between a default unit (a block) and a root-level layer, under one
+    policy, was refused as "their rules differ", with advice (the same rule) that fixes
+    nothing."""
+    from mixprec.sharding import _check_units_apart, units
+
+    model = _TiedAcrossBlocks()
+    with pytest.raises(PolicySpecError, match=r"of one policy: the units chosen.*Give `wrap=`"):
+        _check_units_apart(model, units(model, "32-true"))
+    ruled = PolicyMap("32-true", {"out": "bf16-true"})
+    with pytest.raises(PolicySpecError, match="their rules differ"):
+        _check_units_apart(model, units(model, ruled, wrap=lambda name, m: False))
+    _check_units_apart(model, units(model, "32-true", wrap=lambda name, m: False))

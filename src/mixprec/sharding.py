@@ -317,11 +317,22 @@ def _check_units_apart(model: nn.Module, plan: dict[str, Policy]) -> None:
             where = (_unit_of(name, plan), f"{name}.{key}" if name else key)
             first = owners.setdefault(id(param), where)
             if first[0] != where[0]:
+                units = f"{first[0] or '<root>'!r} and {where[0] or '<root>'!r}"
+                if plan[first[0]] == plan[where[0]]:  # (units, not rules, split them)
+                    why = (
+                        f"{units}, of one policy: the units chosen, by `wrap=` or by default "
+                        "the blocks of top-level ModuleLists and Sequentials); FSDP2 keeps a "
+                        "parameter in one unit. Give `wrap=` units that hold both modules (or "
+                        "neither: they then shard with their common parent)"
+                    )
+                else:
+                    why = (
+                        f"{units}: their rules differ); FSDP2 keeps a parameter in one unit. "
+                        "Give both modules the same rule, or rule the module holding both"
+                    )
                 raise PolicySpecError(
                     f"{first[1]!r} and {where[1]!r} are one parameter (tied), but shard in "
-                    f"different units ({first[0] or '<root>'!r} and {where[0] or '<root>'!r}: "
-                    "their rules differ); FSDP2 keeps a parameter in one unit. Give both "
-                    "modules the same rule, or rule the module holding both"
+                    f"different units ({why}"
                 )
     read = weights_read_by_parents(model)
     for name, module in model.named_modules():
