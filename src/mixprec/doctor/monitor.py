@@ -35,6 +35,7 @@ from numbers import Integral
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from mixprec.doctor.probe import floating_tensors
@@ -88,7 +89,14 @@ class PrecisionMonitor:
         history: samples kept per layer.
         log_fn: called with ``({name: value}, step)`` on each monitored step; as a Trainer
             callback the default sends them to the trainer's loggers.
+        across_ranks: combine every process's numbers at each monitored step (the largest
+            amax, the underflow over all ranks' values), so each rank judges the step the
+            model took rather than its own share of the batch; a collective of the default
+            process group, so every rank must monitor the same steps. A Trainer running
+            several processes sets it.
     """
+
+    across_ranks = False  # (a monitor pickled before it was kept)
 
     def __init__(
         self,
@@ -100,6 +108,7 @@ class PrecisionMonitor:
         underflow_warn: float = UNDERFLOW_AT_RISK,
         history: int = 32,
         log_fn: Callable[[dict[str, float], int], None] | None = None,
+        across_ranks: bool = False,
     ) -> None:
         for name, value, least in (
             ("every_n_steps", every_n_steps, 1),
@@ -119,6 +128,7 @@ class PrecisionMonitor:
         self.skip_patience = skip_patience
         self.underflow_warn = underflow_warn
         self.log_fn = log_fn
+        self.across_ranks = across_ranks
         self.history: dict[str, deque[LayerSample]] = {}
         self.warnings: list[str] = []
         self._maxlen = history
@@ -233,21 +243,21 @@ class PrecisionMonitor:
         warn, log; returns the logged metrics (empty on unmonitored steps)."""
         if self._armed_step is None or self._armed_step != step:
             return {}
-        names: list[tuple[str, torch.dtype]] = []
-        tensors: list[Tensor] = []
-        for name, entries in self._pending.items():
-            for dtype, stats in entries:
-                names.append((name, dtype))
-                tensors += stats
-        grad_names = list(self._grads)
-        for name in grad_names:
-            tensors += self._grads[name]
-        input_names = list(self._inputs)
-        tensors += [self._inputs[name] for name in input_names]
+        forward = [(n, d, stats) for n, entries in self._pending.items() for d, stats in entries]
+        grads, inputs = list(self._grads.items()), list(self._inputs.items())
         finished = list(self._finished)
         self._disarm()
         self._done_step = step
-        values = torch.stack([t.float().cpu() for t in tensors]).tolist() if tensors else []
+        if self.across_ranks and dist.is_initialized() and dist.get_world_size() > 1:
+            names, grad_names, input_names, values, finished = _across_ranks(
+                forward, grads, inputs, finished
+            )
+        else:
+            names = [(name, d) for name, d, _ in forward]
+            grad_names, input_names = [n for n, _ in grads], [n for n, _ in inputs]
+            tensors = [t for *_, stats in forward for t in stats]
+            tensors += [t for _, stats in grads for t in stats] + [t for _, t in inputs]
+            values = torch.stack([t.float().cpu() for t in tensors]).tolist() if tensors else []
         inputs = dict(zip(input_names, values[len(values) - len(input_names) :], strict=True))
         samples = self._samples(step, names, grad_names, values[: len(values) - len(input_names)])
         metrics: dict[str, float] = {}
@@ -476,6 +486,7 @@ class PrecisionMonitor:
     # -- Trainer hooks (as mixprec.trainer.Callback names them) ------------------------------
 
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
+        self.across_ranks = trainer.world_size > 1  # (every rank runs this callback)
         self.attach(model)
 
     def on_train_batch_start(
@@ -509,6 +520,59 @@ class PrecisionMonitor:
         # nor the pause of a validation that raised on the monitor
         self.detach()
         self.unpause()
+
+
+def _across_ranks(
+    forward: list[tuple[str, torch.dtype, list[Tensor]]],
+    grads: list[tuple[str, list[Tensor]]],
+    inputs: list[tuple[str, Tensor]],
+    finished: list[tuple[str, str]],
+) -> tuple[list[tuple[str, torch.dtype]], list[str], list[str], list[float], list[tuple[str, str]]]:
+    """A monitored step's numbers over every rank of the default group, laid out as one
+    rank's are (`PrecisionMonitor.end_step`): the names each rank recorded, in rank order;
+    for each, the largest amax (NaN where a rank's was) and the summed counts; one object
+    gather and two all-reduces on the stats' device."""
+    mine = ([(n, d) for n, d, _ in forward], [n for n, _ in grads], [n for n, _ in inputs])
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (*mine, finished))
+    keys = [list(dict.fromkeys(k for rank in everyone for k in rank[i])) for i in range(4)]
+    device = next((t.device for *_, stats in forward for t in stats), torch.device("cpu"))
+    if dist.get_backend() == "gloo":  # (gloo reduces host tensors)
+        device = torch.device("cpu")
+    # per entry: amax (NaN as -inf, flagged), then the counts; absent entries add nothing
+    sizes = (3, 3, 1)
+    rows = [torch.zeros(len(k), n, device=device) for k, n in zip(keys, sizes, strict=False)]
+    for row in rows:
+        row[:, 0] = -math.inf
+    local = (
+        [((n, d), stats) for n, d, stats in forward],
+        grads,
+        [(n, [t]) for n, t in inputs],
+    )
+    for row, key_list, entries in zip(rows, keys, local, strict=False):
+        at = {k: i for i, k in enumerate(key_list)}
+        for key, stats in entries:
+            i = at[key]
+            amax = stats[0].float().to(device)
+            row[i, 0] = torch.maximum(row[i, 0], amax)  # (NaN kept: several calls)
+            for j, t in enumerate(stats[1:], start=1):
+                row[i, j] += t.float().to(device)
+    amaxes = torch.cat([row[:, 0] for row in rows])
+    nan = amaxes.isnan().float()
+    counts = torch.cat([nan, *(row[:, 1:].reshape(-1) for row in rows)])
+    dist.all_reduce(torch.nan_to_num_(amaxes, nan=-math.inf), op=dist.ReduceOp.MAX)
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    flagged = amaxes.numel()
+    amaxes = torch.where(counts[:flagged] > 0, math.nan, amaxes).cpu().tolist()
+    rest = counts[flagged:].cpu().tolist()
+    values: list[float] = []
+    k = j = 0
+    for row in rows:
+        for _ in range(row.shape[0]):
+            extra = row.shape[1] - 1
+            values += [amaxes[k], *rest[j : j + extra]]
+            k, j = k + 1, j + extra
+    return keys[0], keys[1], keys[2], values, keys[3]
 
 
 def _range_stats(t: Tensor, info: Any) -> tuple[Tensor, Tensor, Tensor]:
