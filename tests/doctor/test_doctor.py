@@ -502,6 +502,37 @@ def test_recommend_stopping_with_no_module_left_at_risk_names_its_moves():
     assert "although no module is left at risk or broken" in str(stopped.value)
 
 
+def test_error_built_up_over_the_layers_is_no_finding_of_the_model_itself(monkeypatch):
+    """Found by a review: the model itself (whose inputs, the batch, hold no error) was
+    flagged at risk for the error its layers built up, and recommend "fixed" it with
+    {'': '32-true'}: the whole model in float32, no layer quantized. Now nothing is flagged,
+    the last three layers with parameters are tried, and recommend says the error builds
+    up over many layers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8)
+    )
+    x = torch.randn(64, 64)
+    with torch.no_grad():
+        model[2].weight[:, :3] *= 1e4  # a few huge input channels set layer 2's int4 scale
+    batch = (x, torch.randint(0, 8, (64,)))
+    d = diagnose(model, batch, F.cross_entropy, precision="int4_from_float32")
+    root = d.modules[""]
+    assert root.rel_error > 0.1 and root.input_rel_error == 0 and root.verdict == OK
+    assert not d.findings
+    tried: list[list[str]] = []
+    real = mixprec.doctor.diagnosis.Diagnosis._tried
+
+    def spy(self, chosen, scale):
+        tried.append(list(chosen))
+        return real(self, chosen, scale)
+
+    monkeypatch.setattr(mixprec.doctor.diagnosis.Diagnosis, "_tried", spy)
+    with pytest.raises(PrecisionError, match="so there is no layer to move: the error builds up"):
+        d.recommend(tolerance=0.05)
+    assert tried == [["4"], ["2"], ["0"]]  # the last layers, latest first; never the model
+
+
 def test_a_sparse_embedding_gradient_is_compared_like_a_dense_one():
     """Embedding(sparse=True) gives a sparse gradient: diagnose stopped with 'reshape is not
     implemented for sparse tensors'."""
@@ -913,6 +944,81 @@ def test_inf_the_reference_holds_too_is_no_finding(monkeypatch, small):
     assert rows["finite"].nonfinite == 0 and rows["finite"].err_sq == 25.0
 
 
+class _MinMaskedScores(nn.Module):
+    """Causal scores masked with their own dtype's lowest value, as Hugging Face writes it:
+    float32's in the reference, float16's in the target."""
+
+    def forward(self, q, k):
+        s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        causal = torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
+        return s.masked_fill(causal, torch.finfo(s.dtype).min)
+
+
+class _MinMaskedAttention(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.scores = _MinMaskedScores()
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        p = torch.softmax(self.scores(self.q(x), self.k(x)), -1)
+        return self.head((p @ self.v(x)).mean(1))
+
+
+@pytest.mark.parametrize("small", [1 << 20, 0])
+def test_a_mask_filled_with_its_dtypes_lowest_value_is_no_finding(monkeypatch, small):
+    """Found by a review: a mask of torch.finfo(dtype).min was 'at risk: output reaches
+    3.4e38, past float16 max 65504 (its inputs are inf/NaN from upstream already...)' beside
+    finite inputs and no inf/NaN, and its error went unmeasured: float32's squares of 3.4e38
+    overflowed (rel err and SQNR NaN). The fill stands for an infinity, in either dtype."""
+    monkeypatch.setattr(Comparisons, "SMALL", small)  # batched, then one by one
+    torch.manual_seed(0)
+    batch = (torch.randn(4, 24, 16), torch.randint(0, 4, (4,)))
+    d = diagnose(_MinMaskedAttention(), batch, F.cross_entropy, precision="16-mixed")
+    scores = d.modules["scores"]
+    assert scores.amax < 100 and scores.nonfinite == 0  # the scores', not the fill's
+    assert 0 < scores.rel_error < 1e-2 and 40 < scores.sqnr_db < math.inf
+    assert not d.findings and d.passes()
+
+
+def test_values_at_a_dtypes_largest_finite_magnitude_are_compared_as_mask_fills():
+    """A reference value at its dtype's finite extreme agrees with the target's own dtype's
+    extreme of the same sign (float64's too, which a float32 snapshot cannot hold), not
+    with anything else; and finite values too large for float32's sum of squares are
+    measured (in float64), not NaN."""
+    lo32, lo16 = torch.finfo(torch.float32).min, torch.finfo(torch.float16).min
+    r = torch.tensor([1.0, lo32, -lo32, 2.0] * 1024)
+    same, other, inf, flipped = (r.to(torch.float16) if i == 2 else r.clone() for i in range(4))
+    same[1::4], same[2::4] = lo16, -lo16
+    other[1::4], other[2::4] = lo16, -lo16
+    other[0] = 3.0
+    flipped[1::4], flipped[2::4] = -lo16, lo16
+    r64 = r.double()
+    r64[1::4], r64[2::4] = torch.finfo(torch.float64).min, torch.finfo(torch.float64).max
+    for small in (1 << 20, 0):
+        c = Comparisons()
+        c.SMALL = small
+        for tag, target in (("same", same.half()), ("other", other.half()), ("inf", inf)):
+            c.add(tag, target, RefTensor(r, Scratch()), torch.float16)
+        c.add("flipped", flipped.half(), RefTensor(r, Scratch()), torch.float16)
+        c.add("float64", same.half(), RefTensor(r64, Scratch()), torch.float16)
+        c.add("itself", r, RefTensor(r, Scratch()), torch.float16)
+        rows = c.compute()
+        for tag in ("same", "float64", "itself"):
+            assert rows[tag].err_sq == 0 and rows[tag].nonfinite == 0, tag
+            assert rows[tag].amax == 2 and rows[tag].ref_sq == pytest.approx(5 * 1024)
+        assert rows["other"].err_sq == 4.0 and rows["other"].nonfinite == 0
+        assert rows["inf"].nonfinite == 2048  # (float32's fill cast to float16: infinities)
+        assert math.isinf(rows["flipped"].err_sq) or rows["flipped"].err_sq > 1e9
+        big = torch.full((5000 if small == 0 else 100,), 1e20)
+        c.add("big", big * (1 + 1e-3), RefTensor(big, Scratch()), torch.float32)
+        row = c.compute()["big"]
+        assert row.rel_error == pytest.approx(1e-3, rel=1e-3) and row.sqnr_db == pytest.approx(
+            60, rel=1e-3
+        )
+
+
 # -- the user's model and inputs -------------------------------------------------------------
 
 
@@ -1050,6 +1156,22 @@ def test_report_is_written_with_plots(tmp_path):
         assert f"]({png})" in text
 
 
+def test_the_report_is_written_atomically(tmp_path, monkeypatch):
+    """report.md was written with write_text, where policy.json is written whole or not at
+    all (a reader, or a run stopped halfway, could see half of it)."""
+    model, batch = overflow_model(1e5)
+    d = diagnose(model, batch, F.cross_entropy)
+    fix = d.recommend()
+
+    def not_atomic(self, *args, **kwargs):
+        raise AssertionError(f"{self} written with write_text, not atomically")
+
+    monkeypatch.setattr(Path, "write_text", not_atomic)
+    path = d.save(tmp_path / "report", fix)
+    assert path.read_text().startswith("# mixprec doctor report")
+    assert (tmp_path / "report" / "policy.json").exists()
+
+
 def test_cli_doctor_on_the_example(tmp_path, capsys):
     out = tmp_path / "rep"
     code = main(["doctor", str(ROOT / "examples/doctor_demo.py:make"), "--out", str(out)])
@@ -1146,6 +1268,38 @@ class Fails(nn.Module):
 
 def fails():
     return Fails(), (torch.randn(2, 2), torch.zeros(2)), F.mse_loss
+
+
+class TypeBug(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.l(x) + len(x, 1)  # a TypeError in the user's own forward
+
+
+def type_bug():
+    return TypeBug(), (torch.randn(8, 4), torch.randint(0, 3, (8,))), F.cross_entropy
+
+
+def loss_bug():  # 8 outputs, 5 targets: a ValueError in the loss
+    model = nn.Sequential(nn.Linear(4, 3))
+    return model, (torch.randn(8, 4), torch.randint(0, 3, (5,))), F.cross_entropy
+
+
+def inf_loss():
+    batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    return nn.Linear(4, 3), batch, lambda out, y: F.cross_entropy(out, y) * float("inf")
+
+
+def flush():  # a loss of 1e-11: float16 gradients flush to zero below loss scale 2**24
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1)
+    )
+    batch = (torch.randn(64, 8), torch.randn(64, 1))
+    return model, batch, lambda out, y: ((out.float() - y) ** 2).mean() * 1e-11
 """
 
 
@@ -1198,6 +1352,64 @@ def test_cli_an_error_inside_the_run_exits_3_with_its_traceback(cli_faults, caps
     assert code == 3
     assert "Traceback (most recent call last)" in err
     assert err.endswith("mixprec doctor: stopped by an error: RuntimeError: the model's own bug")
+
+
+@pytest.mark.parametrize("factory", ["type_bug", "loss_bug"])
+def test_cli_a_type_or_value_error_of_the_users_model_or_loss_exits_3(cli_faults, capsys, factory):
+    """Found by a review: a TypeError in the user's forward or a ValueError from their loss
+    was "bad arguments" (exit 2), one line and no traceback, where docs/doctor.md says 3 and
+    the traceback; the diagnosis and the search alike. Bad arguments are still 2."""
+    expected = {
+        "type_bug": "TypeError: len() takes exactly one argument (2 given)",
+        "loss_bug": "ValueError: Expected input batch_size (8) to match target batch_size (5).",
+    }[factory]
+    for extra in ((), ("--search", "--memory", "0.5", "--baseline", "32-true")):
+        code, _, err = _doctor(capsys, f"{cli_faults}:{factory}", *extra)
+        assert code == 3 and "Traceback (most recent call last)" in err, extra
+        assert err.endswith(f"stopped by an error: {expected}"), extra
+    # mixprec's own checks of what it is given, before the model runs: 2, one line
+    for args in (("--precision", "no-such-precision"), ("--search", "--baseline", "32-true")):
+        code, _, err = _doctor(capsys, f"{cli_faults}:type_bug", *args)
+        assert code == 2 and "Traceback" not in err, args
+    # mixprec's refusal of a reference run whose float32 loss is not finite: 2, as before
+    code, _, err = _doctor(capsys, f"{cli_faults}:inf_loss")
+    assert code == 2 and "already gives a non-finite loss" in err and "Traceback" not in err
+
+
+def test_cli_a_loss_scale_fix_is_said_and_checked_with_its_scale(cli_faults, tmp_path, capsys):
+    """Found by a review: with a loss scale as the whole fix, policy.json held the diagnosed
+    policy unchanged (diagnosing again with it failed as before), the CLI pointed at it as
+    the fix, and the scale was printed as 1.67772e+07 and as 16777216."""
+    out = tmp_path / "rep"
+    code = main(["doctor", f"{cli_faults}:flush", "--out", str(out)])
+    printed = " ".join(capsys.readouterr().out.split())
+    assert code == 1 and "1.67772e+07" not in printed
+    assert not (out / "policy.json").exists()  # (it would only repeat 16-mixed)
+    assert "The fix is loss scale 16777216 alone, with 16-mixed as it is" in printed
+    assert "no policy.json: the fix is --loss-scale 16777216 alone)" in printed
+    check = f"mixprec doctor {cli_faults}:flush --precision 16-mixed --loss-scale 16777216"
+    assert f"check the fix again: {check} --no-report" in printed
+    report = (out / "report.md").read_text()
+    assert "**The fix is loss scale 16777216 alone" in report and f"{check} --no-report" in report
+    assert "1.67772e+07" not in report and "loss scale 16777216 (recommended" in report
+    assert main(check.split()[1:] + ["--no-report"]) == 0  # the command shown passes
+    capsys.readouterr()
+
+
+def test_a_report_says_a_policy_fix_needs_its_loss_scale_too():
+    """With rules and a loss scale, policy.json holds the rules only: the report says the
+    scale is needed too, and shows the check command it is given."""
+    model, batch, loss_fn = _tanh_stack(1.0)
+    d = diagnose(model, batch, loss_fn, precision="16-mixed")
+    policy = PolicyMap("16-mixed", {"0": "32-true"})
+    fix = mixprec.doctor.Recommendation(policy, d, ("0 -> 32-true: ...",), 0.1, 2.0**20)
+    check = "mixprec doctor f.py:make --precision out/policy.json --loss-scale 1048576"
+    report = d.to_markdown(recommendation=fix, check=check)
+    assert (
+        "**The fix also needs loss scale 1048576, which policy.json (a policy) does not hold; "
+        "check it with --loss-scale 1048576, and train at that scale.**"
+    ) in report
+    assert f"```bash\n{check}\n```" in report
 
 
 @pytest.mark.cuda
@@ -1616,26 +1828,84 @@ class _TiedLM(nn.Module):
         return self.head(self.mid(self.emb(ids)))
 
 
-def test_recommend_says_a_module_sharing_a_submodule_or_a_weight_cannot_move_alone():
-    """Found by a review: moving a block whose activation module another block shares, or a
-    head whose weight is tied to the embedding, built a map the policy itself refuses
-    (PolicySpecError: one module, or one weight, in two policies), and the CLI crashed. Such
-    a move is now left out, and recommend says why when nothing else fixes the run (giving
-    the rule to the sharing modules too overwrote the user's rules and moved whole models)."""
+class _TiedHead(nn.Module):
+    """Reads its (tied) weight and overflows float16 inside its own forward, its output (a
+    softmax) in range."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, dim))
+
+    def forward(self, x):
+        return torch.softmax((x @ self.weight.t()) * 5e4, -1)
+
+
+class _TiedSoftmaxLM(nn.Module):
+    def __init__(self, held_by_root: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.body = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32))
+        self.head = _TiedHead(64, 32)
+        if held_by_root:  # the model itself holds the weight: moving it is moving everything
+            self.weight = self.emb.weight
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.body(self.emb(ids)))
+
+
+def _tied_nll(p, y):
+    return F.nll_loss(torch.log(p.float() + 1e-4).flatten(0, 1), y.flatten())
+
+
+def test_recommend_moves_a_module_with_its_shared_submodules_and_tied_weights():
+    """Found by a review: docs/doctor.md says a moved module takes its submodules' other
+    paths and the modules holding its tied weights with it, but recommend refused ("b0
+    cannot move alone ... reachable at", "head cannot move alone ... try a mixed policy")
+    where moving them together passes."""
     torch.manual_seed(0)
     batch = (torch.randn(16, 8), torch.randint(0, 2, (16,)))
-    found = diagnose(_SharedAct(), batch, F.cross_entropy, precision="16-mixed")
-    with pytest.raises(mixprec.PrecisionError, match=r"b0 .*cannot move alone .*reachable at"):
-        found.recommend()
+    model = _SharedAct()
+    with hardware.assume(ZEN4):
+        fix = diagnose(model, batch, F.cross_entropy, precision="16-mixed").recommend()
+    # b0's ReLU is b1's too: its other path moves with b0 (b1's own layer is a fix of its own)
+    assert fix.policy.rules["b0"] == fix.policy.rules["b1.act"] == Policy("bf16-mixed")
+    assert fix.log[0].startswith("b0 -> bf16-mixed (with b1.act, the same module as b0.act): ")
+    assert fix.verified.passes(fix.tolerance)
+    resolved = fix.policy.resolve(model)  # (one module, one policy: explain takes it too)
+    assert resolved["b0.act"].policy == resolved["b1.act"].policy == Policy("bf16-mixed")
+    assert "b1.act" in str(mixprec.explain(model, fix.policy))
+    # a head tied to the embedding, moved to float32 weights under 16-true: the embedding
+    # stores the same weight, so it moves with the head
     torch.manual_seed(0)
-    model = _TiedLM()
-    with torch.no_grad():
-        model.mid.weight.mul_(12000.0)
-    ids = torch.randint(0, 16, (4, 6))
+    model, ids = _TiedSoftmaxLM(), torch.randint(0, 64, (8, 12))
+    with hardware.assume(ZEN4):
+        found = diagnose(model, (ids, ids), _tied_nll, precision="16-true")
+        assert [f.name for f in found.findings] == ["head"]
+        fix = found.recommend()
+    moved = Policy(param_dtype="float32", compute_dtype="bfloat16", output_dtype="float16")
+    assert fix.policy == PolicyMap("16-true", {"head": moved, "emb": moved})
+    assert fix.log == (
+        f"head -> {moved.name} (with emb, whose emb.weight is head.weight): the run passes",
+    )
+    assert diagnose(model, (ids, ids), _tied_nll, precision=fix.policy).passes()
+    mixprec.explain(model, fix.policy)  # (refused a map storing the weight two ways)
+    # under a mixed policy the head's weight stays float32 either way: it moves alone
+    with hardware.assume(ZEN4):
+        fix = diagnose(model, (ids, ids), _tied_nll, precision="16-mixed").recommend()
+    assert fix.policy == PolicyMap("16-mixed", {"head": "bf16-mixed"})
 
-    def loss(out, y):
-        return F.cross_entropy(out.float().reshape(-1, 16), y.reshape(-1))
 
-    found = diagnose(model, (ids, ids), loss, precision="16-true")
-    with pytest.raises(mixprec.PrecisionError, match="try a mixed policy"):
-        found.recommend()  # (not a PolicySpecError about the tied weight)
+def test_a_weight_the_model_itself_holds_keeps_the_module_from_moving_alone():
+    """Moving the model itself with a head whose weight it holds would move everything: the
+    move is refused and said so, without the 'true' policy's hint (a mixed policy would not
+    share the weight any less)."""
+    torch.manual_seed(0)
+    model, ids = _TiedSoftmaxLM(held_by_root=True), torch.randint(0, 64, (8, 12))
+    found = diagnose(model, (ids, ids), _tied_nll, precision="16-true")
+    with pytest.raises(PrecisionError) as refused:
+        found.recommend()
+    said = str(refused.value)
+    # (the embedding, holding it too, moves with the head; the model itself does not)
+    assert "head cannot move alone (parameter emb.weight is shared with 'weight'" in said
+    assert "try a mixed policy" not in said

@@ -124,3 +124,29 @@ def test_doctor_fit_refuses_bad_sizes_and_flags_it_does_not_take(tmp_path, capsy
     assert "--count does not go with --fit" in capsys.readouterr().err
     assert main(["doctor", spec, "--fit", "4GiB", "--precision", "bf16-mixed"]) == 2
     assert "--precision is not an option of --fit" in capsys.readouterr().err
+
+
+def test_doctor_fit_writes_its_report_atomically(tmp_path, capsys, monkeypatch) -> None:
+    """fit.md was written with write_text, where policy.json is written whole or not at all
+    (a reader, or a run stopped halfway, could see half of it): it is written atomically
+    now. The plans' peaks are stood in for here (no fresh processes)."""
+    from pathlib import Path
+
+    from mixprec.cli import doctor as cli_doctor
+    from mixprec.plan.fitting import Peak
+
+    factory = tmp_path / "lm.py"
+    factory.write_text(FACTORY)
+    monkeypatch.setattr(
+        cli_doctor, "_fresh_measure", lambda args: lambda plans: [Peak(1, 1.0) for _ in plans]
+    )
+
+    def not_atomic(self, *args, **kwargs):
+        raise AssertionError(f"{self} written with write_text, not atomically")
+
+    monkeypatch.setattr(Path, "write_text", not_atomic)
+    out_dir = tmp_path / "plan"
+    assert main(["doctor", f"{factory}:make", "--fit", "4GiB", *FLAGS, "--out", str(out_dir)]) == 0
+    assert (out_dir / "fit.md").read_text().startswith("# Plan fitting 4GiB")
+    assert (out_dir / "policy.json").exists()
+    capsys.readouterr()

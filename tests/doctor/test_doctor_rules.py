@@ -73,6 +73,47 @@ def test_a_block_containing_a_flagged_module_is_not_blamed():
     assert (root.verdict, root.note) == (OK, "")
 
 
+def test_the_model_itself_is_not_blamed_for_error_its_layers_built_up():
+    """Found by a review: the root's inputs are the batch, which holds no error, so error
+    built up over its layers read as made in it ('inputs 0'), and recommend moved the whole
+    model to float32; its last layer, with the same error from inputs of 0.078, was ok."""
+    modules = judged(
+        report("", rel_error=0.104, input_rel_error=0.0, sqnr_db=19.7),
+        report("4", rel_error=0.104, input_rel_error=0.078, sqnr_db=19.7),
+    )
+    assert modules[""].verdict == modules["4"].verdict == OK
+    assert rules.error_grows(modules[""], _facts()) is None
+    # a block is still judged against its inputs
+    block = report("1", rel_error=0.2, input_rel_error=0.001)
+    assert rules.error_grows(block, _facts()).verdict == AT_RISK
+
+
+def _facts() -> rules.RunFacts:
+    return rules.RunFacts(
+        origins=Origins(),
+        loss_scale=1.0,
+        recommended_scale=1.0,
+        range_dtype=torch.float16,
+        update=None,
+        loss_dtype=torch.float32,
+        finite=True,
+        forward_broken=False,
+    )
+
+
+def test_a_reference_output_past_the_max_with_a_finite_target_output_says_so():
+    """The reason of an output past the max said its inputs were inf/NaN from upstream
+    already, beside a table showing finite inputs and no inf/NaN."""
+    finite = judged(report("0", amax=3.4e38, input_amax=2.0))["0"]
+    assert finite.verdict == AT_RISK
+    assert finite.reason == (
+        "output reaches 3.4e38 in the reference, past float16 max 65504, where its float16 "
+        "output is finite: those values are not the reference's (saturated or replaced)"
+    )
+    upstream = judged(report("0", amax=1e5, nonfinite=3, input_nonfinite=3))["0"]
+    assert "its inputs are inf/NaN from upstream already" in upstream.reason
+
+
 def test_quantized_layers_losing_precision_are_the_quantizations_finding():
     m = judged(report("0", rel_error=0.6, quantized="int8_from_mixed_bfloat16"))["0"]
     assert (m.verdict, m.kind) == (BROKEN, FindingKind.QUANTIZATION)

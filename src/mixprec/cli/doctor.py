@@ -4,8 +4,10 @@ The factory takes no arguments and returns `(model, batch, loss_fn)`, or `(model
 for a model that gives its own loss: a TrainingModule or LightningModule (`training_step`),
 a Hugging Face model (a dict batch with labels), or a model whose forward returns the loss.
 Exit status: 0 when the target run passes (finite, no broken module, loss and gradient within
---tolerance of the reference), 1 when it does not, 2 for bad arguments (3: an unexpected
-error, from `mixprec.cli`).
+--tolerance of the reference), 1 when it does not, 2 for bad arguments (what mixprec
+refuses before the model runs; a reference run that is not finite itself) (3: an error
+that stops it, the model's or its loss's own included, from `mixprec.cli`, with its
+traceback).
 
 ``--search --memory 0.5`` (or ``--speed``) chooses a format per layer instead
 (`mixprec.plan.search`): the factory may then return a dict with ``batches`` (a list) and
@@ -41,10 +43,11 @@ from typing import Any
 
 from mixprec.bench.factory import FactoryError, call_factory, load_factory
 from mixprec.cli.outputs import check_output_dir
-from mixprec.doctor.diagnosis import Diagnosis, diagnose
-from mixprec.doctor.report import REPORT_FILES
-from mixprec.doctor.verdicts import DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE
+from mixprec.doctor.diagnosis import Diagnosis, ReferenceRunError, diagnose
+from mixprec.doctor.report import REPORT_FILES, scale_needed, writes_policy
+from mixprec.doctor.verdicts import DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE, scale_text
 from mixprec.errors import PolicySpecError, PrecisionError
+from mixprec.files import write_atomically
 
 __all__ = [
     "fit_child",
@@ -101,6 +104,35 @@ def _search_inputs(made: Any) -> tuple[Any, list[Any], Any, list[Any] | None, An
     return model, [batch], loss_fn, None, None
 
 
+class _ModelRuns:
+    """Within it, whether a module's forward has begun (any module's: a run copies the
+    model). An error the model or its loss raises comes after that, and goes on to the
+    exit-3 path with its traceback; mixprec's own checks of its arguments come before."""
+
+    def __init__(self) -> None:
+        self.began = False
+        self._handle: Any = None
+
+    def __enter__(self) -> _ModelRuns:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+
+        def began(module: Any, args: Any) -> None:
+            self.began = True
+            self._handle.remove()  # (once: a global hook slows every module call, timed too)
+
+        self._handle = register_module_forward_pre_hook(began)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._handle.remove()  # (removing twice is nothing)
+
+    def bad_input(self, error: Exception) -> bool:
+        """Whether `error` says the input is bad (exit 2): mixprec's own refusals, or a
+        TypeError / ValueError raised before the model ran (an argument check)."""
+        own = (FactoryError, PolicySpecError, PrecisionError, ReferenceRunError)
+        return isinstance(error, own) or not self.began
+
+
 def _planned(
     args: argparse.Namespace,
     flag: str,
@@ -119,6 +151,7 @@ def _planned(
     err = Console(stderr=True, soft_wrap=True)
     out = None
     bad = (BudgetError, FactoryError, PolicySpecError, PrecisionError, TypeError, ValueError)
+    runs = _ModelRuns()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -136,8 +169,11 @@ def _planned(
                 "allow_slow": args.allow_slow,
                 "seed": args.seed,
             }
-            report = run(inputs, options)
+            with runs:
+                report = run(inputs, options)
         except (*bad, *refused) as error:
+            if not (runs.bad_input(error) or isinstance(error, (BudgetError, *refused))):
+                raise  # (the model's or its loss's own error: exit 3, with its traceback)
             err.print(f"[red]mixprec doctor {flag}: {error}[/]")
             return 2
     for note in _once(str(w.message) for w in caught):
@@ -269,8 +305,9 @@ def _fit(args: argparse.Namespace) -> int:
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         command = _search_command(args)
-        (out / "fit.md").write_text(
-            f"# Plan fitting {args.fit}\n\nCommand: `{command}`\n\n```\n{report.summary()}\n```\n"
+        write_atomically(
+            out / "fit.md",
+            f"# Plan fitting {args.fit}\n\nCommand: `{command}`\n\n```\n{report.summary()}\n```\n",
         )
         policy = report.chosen.policy.save(out / "policy.json")
         console.print(f"\nplan: {policy} (report: {out / 'fit.md'})")
@@ -392,6 +429,7 @@ def _run(args: argparse.Namespace) -> int:
 
     console = textout.console()
     err = Console(stderr=True, soft_wrap=True)
+    runs = _ModelRuns()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -405,21 +443,11 @@ def _run(args: argparse.Namespace) -> int:
                         "--no-report"
                     )
             model, batch, loss_fn = _unpack(call_factory(load_factory(args.factory), args.factory))
-            diagnosis = diagnose(
-                model,
-                batch,
-                loss_fn,
-                precision=args.precision,
-                reference=args.reference,
-                loss_scale=args.loss_scale,
-                device=args.device,
-                seed=args.seed,
-                lr=args.lr,
-                optimizer=args.optimizer or "adam",
-                master_weights={"true": True, "false": False}.get(args.master_weights),
-                compensation=args.compensation,
-            )
+            with runs:
+                diagnosis = _diagnose(args, model, batch, loss_fn)
         except (FactoryError, PolicySpecError, PrecisionError, TypeError, ValueError) as error:
+            if not runs.bad_input(error):
+                raise  # (the model's or its loss's own error: exit 3, with its traceback)
             err.print(f"[red]mixprec doctor: {error}[/]")
             return 2
         console.print(diagnosis.__rich__())
@@ -433,15 +461,75 @@ def _run(args: argparse.Namespace) -> int:
             return 2
     for note in _once(str(w.message) for w in caught):
         err.print(f"[dim]note: {note}[/]")
+    check = _check_command(args, diagnosis, found, None if args.no_report else out)
     if not args.no_report:
-        path = diagnosis.save(out, found, unrecommended=unrecommended)
+        path = diagnosis.save(out, found, unrecommended=unrecommended, check=check)
         policy_file = path.parent / "policy.json"
         written = f"; policy: {policy_file}" if policy_file.exists() else ""
+        if found is not None and found.loss_scale is not None:
+            scale = scale_text(found.loss_scale)
+            written += (
+                f"; the fix also needs --loss-scale {scale}"
+                if policy_file.exists()
+                else f"; no policy.json: the fix is --loss-scale {scale} alone"
+            )
         console.print(
             f"\nreport: {path} (plots: {path.parent / 'error.png'}, {path.parent / 'range.png'}"
             f"{written})"
         )
+    if check is not None:
+        console.print(f"check the fix again: {check}", markup=False, highlight=False)
     return 0 if diagnosis.passes(args.tolerance) and not hurt else 1
+
+
+def _diagnose(args: argparse.Namespace, model: Any, batch: Any, loss_fn: Any) -> Diagnosis:
+    """`diagnose` with the command line's options."""
+    return diagnose(
+        model,
+        batch,
+        loss_fn,
+        precision=args.precision,
+        reference=args.reference,
+        loss_scale=args.loss_scale,
+        device=args.device,
+        seed=args.seed,
+        lr=args.lr,
+        optimizer=args.optimizer or "adam",
+        master_weights={"true": True, "false": False}.get(args.master_weights),
+        compensation=args.compensation,
+    )
+
+
+def _check_command(
+    args: argparse.Namespace, diagnosis: Diagnosis, found: Any, out: Path | None
+) -> str | None:
+    """The command that diagnoses the recommended fix again: its policy.json (in `out`, the
+    report's directory; None: none is written) and its loss scale; None when there is no
+    fix to check (no recommendation, or none needed), or its policy is in no file."""
+    if found is None or not found.log:
+        return None
+    if writes_policy(diagnosis, found):
+        if out is None:
+            return None
+        precision = str(out / "policy.json")
+    else:
+        precision = args.precision
+    words = ["mixprec", "doctor", args.factory, "--precision", precision]
+    scale = found.loss_scale if found.loss_scale is not None else args.loss_scale
+    for flag, value in (
+        ("--reference", args.reference if args.reference != "32-true" else None),
+        ("--loss-scale", scale_text(scale) if scale is not None else None),
+        ("--tolerance", f"{args.tolerance:g}" if args.tolerance is not None else None),
+        ("--device", args.device),
+        ("--seed", str(args.seed) if args.seed else None),
+        ("--lr", f"{args.lr:g}" if args.lr is not None else None),
+        ("--optimizer", args.optimizer),
+        ("--master-weights", args.master_weights),
+        ("--compensation", args.compensation),
+    ):
+        if value is not None:
+            words += [flag, value]
+    return " ".join(shlex.quote(w) for w in [*words, "--no-report"])
 
 
 def _state_check(
@@ -504,6 +592,9 @@ def _recommend(
         console.print(f"{found.policy.name} as it is (no rule needed)", highlight=False)
     else:
         console.print(found.to_code(), markup=False, highlight=False)
+    needed = scale_needed(diagnosis, found)
+    if needed:
+        console.print(needed[0].upper() + needed[1:], markup=False, highlight=False)
     advice = found.scaler_advice()
     if advice:
         console.print(advice, markup=False, highlight=False)
@@ -537,9 +628,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
             "every layer, and recommend a per-layer policy (and a loss scale where the scale "
             "is the problem). Exit status 0: the target run passes (finite, no broken layer, "
             "loss and gradient within --tolerance of the reference); 1: it does not; 2: bad "
-            "arguments; 3: an unexpected error (traceback on stderr). With --search: 0 when the "
-            "verified plan's loss is within --tolerance of the baseline's, 1 when not, 2 for "
-            "bad arguments or a budget nothing fits."
+            "arguments; 3: an error stops it, the model's or its loss's own included "
+            "(traceback on stderr). With --search: 0 when the verified plan's loss is within "
+            "--tolerance of the baseline's, 1 when not, 2 for bad arguments or a budget "
+            "nothing fits."
         ),
     )
     p.add_argument(

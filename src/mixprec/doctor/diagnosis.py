@@ -58,7 +58,14 @@ from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy.map import PolicyMap, as_map
 from mixprec.tree import map_tensors
 
-__all__ = ["Diagnosis", "Recommendation", "diagnose"]
+__all__ = ["Diagnosis", "Recommendation", "ReferenceRunError", "diagnose"]
+
+
+class ReferenceRunError(ValueError):
+    """The reference run itself gives a non-finite loss, or inf/NaN gradients with a finite
+    loss: the problem is the model's or the data's, not the precision's, and `diagnose`
+    refuses to blame the target for it."""
+
 
 # how many last layers `recommend` tries when no module is at risk and the run misses
 _OUTPUT_TRIES = 3
@@ -129,6 +136,8 @@ class Diagnosis:
         )
         self._session = session
         self._ref = ref
+        self._shared: list[list[str]] | None = None  # (`_sharing`)
+        self._tied: list[tuple[list[tuple[str, str]], bool]] = []
         # the modules whose output each module took as an input, in the order it took them
         # (a tensor is keyed by where it was first seen: a child's output its parent hands
         # on is the child's)
@@ -252,20 +261,101 @@ class Diagnosis:
         return name
 
     def _map(self, chosen: dict[str, Policy]) -> PolicyMap:
-        rules: dict[Any, Any] = dict(self.precision.rules)
-        # a module reachable at several paths (``self.b = self.a``) runs in one policy: its
-        # rule goes to every path (the probe names it at its first)
-        modules = self._session.model.named_modules(remove_duplicate=False)
-        paths: dict[int, list[str]] = {}
-        by_name: dict[str, int] = {}
-        for n, module in modules:
-            paths.setdefault(id(module), []).append(n)
-            by_name[n] = id(module)
-        for name, p in chosen.items():
-            for path in paths.get(by_name.get(name, -1), [name]):
-                rules[self._rule_key(path)] = p
-        # (the user's activation and optimizer-state rules stay, verified with the fix)
-        return self.precision.replace(rules=rules)
+        """The target map with each module of `chosen` moved to its policy, and the modules
+        that move with it (`_moves`)."""
+        return self._moves(chosen)[0]
+
+    def _moves(self, chosen: dict[str, Policy]) -> tuple[PolicyMap, dict[str, list[str]]]:
+        """The map of `chosen` and, for each of its modules, the other paths given its rule
+        with it, each said with why: one module runs in one policy and one weight is stored
+        in one dtype, so a moved module takes its own other paths (``self.b = self.a``, which
+        the probe names at its first), its submodules' other paths (an activation module
+        another block shares too) and, where the move changes the dtype its tied weights are
+        stored in, the modules holding them (a head tied to the embedding). A module
+        containing the moved one (the model itself holding the weight) is never taken: that
+        map is refused as it is, a move that cannot be made alone."""
+        shared, tied = self._sharing()
+        roots: dict[str, list[str]] = {name: [name] for name in chosen}
+        why: dict[str, list[str]] = {name: [] for name in chosen}
+
+        def inside(path: str, name: str) -> bool:
+            return any(path == r or path.startswith(r + ".") for r in roots[name])
+
+        def take(name: str, path: str, reason: str) -> bool:
+            if path == "" or any(r.startswith(path + ".") for r in roots[name]):
+                return False  # (a module containing the moved one)
+            roots[name].append(path)
+            why[name].append(f"{path}, {reason}")
+            return True
+
+        def build() -> PolicyMap:
+            rules: dict[Any, Any] = dict(self.precision.rules)
+            for name, policy in chosen.items():
+                for path in roots[name]:
+                    rules[self._rule_key(path)] = policy
+            # (the user's activation and optimizer-state rules stay, verified with the fix)
+            return self.precision.replace(rules=rules)
+
+        for _ in range(len(shared) + len(tied) + 1):
+            grown = False
+            for name in chosen:
+                for paths in shared:  # a module at several paths: one policy at each
+                    inner = next((q for q in paths if inside(q, name)), None)
+                    if inner is None:
+                        continue
+                    for path in paths:
+                        if not inside(path, name):
+                            grown |= take(name, path, f"the same module as {inner}")
+            policy = build()
+            if not tied:
+                return policy, why
+            try:
+                resolved = policy.resolve(self._session.model)
+            except PolicySpecError:
+                return policy, why  # (refused when it runs, with the reason)
+            for owners, param in tied:  # a weight held by several modules: one dtype
+                stored = {
+                    (resolved[q].policy.param_dtype if param else resolved[q].policy.buffer_dtype)
+                    for q, _ in owners
+                    if not resolved[q].quantized  # (quantization replaces the module)
+                }
+                if len(stored) < 2:
+                    continue
+                for name in chosen:
+                    held = next((t for q, t in owners if inside(q, name)), None)
+                    if held is None:
+                        continue
+                    for q, theirs in owners:
+                        if not inside(q, name):
+                            grown |= take(name, q, f"whose {theirs} is {held}")
+            if not grown:
+                return policy, why
+        return build(), why
+
+    def _with(self, chosen: dict[str, Policy], name: str) -> str:
+        """The modules moving with `name` in the map of `chosen`, as the log says them."""
+        taken = self._moves(chosen)[1].get(name)
+        return f" (with {'; '.join(taken)})" if taken else ""
+
+    def _sharing(self) -> tuple[list[list[str]], list[tuple[list[tuple[str, str]], bool]]]:
+        """The model's modules reachable at several paths (each one's paths), and its
+        floating tensors held by several modules (each one's holders as (path, the tensor's
+        name there), and whether it is a parameter); computed once."""
+        if self._shared is None:
+            paths: dict[int, list[str]] = {}
+            holders: dict[int, tuple[list[tuple[str, str]], set[int], bool]] = {}
+            for path, module in self._session.model.named_modules(remove_duplicate=False):
+                paths.setdefault(id(module), []).append(path)
+                for param, store in ((True, module._parameters), (False, module._buffers)):
+                    for key, t in store.items():
+                        if t is None or not t.is_floating_point():
+                            continue
+                        found = holders.setdefault(id(t), ([], set(), param))
+                        found[0].append((path, f"{path}.{key}" if path else key))
+                        found[1].add(id(module))
+            self._shared = [p for p in paths.values() if len(p) > 1]
+            self._tied = [(h, param) for h, ids, param in holders.values() if len(ids) > 1]
+        return self._shared, self._tied
 
     def _tried(self, chosen: dict[str, Policy], loss_scale: float) -> Diagnosis | str:
         """`_trial`, or why the map of `chosen` cannot run: a module moved alone that shares
@@ -316,18 +406,16 @@ class Diagnosis:
         for _ in range(2 * len(self.modules) + 3):
             if trial.passes(tolerance):
                 break
+            rescale = scale != self.recommended_loss_scale
             pick = next(
-                (m for m in trial.findings if _to_fix(m, trial, tolerance, exhausted)), None
+                (m for m in trial.findings if _to_fix(m, trial, tolerance, exhausted, rescale)),
+                None,
             )
             if pick is not None and pick.kind == FindingKind.LOSS:
                 raise PrecisionError(
                     f"{pick.reason}: no per-module policy changes what happens outside the modules"
                 )
-            if (
-                pick is not None
-                and pick.kind == FindingKind.SCALE
-                and scale != self.recommended_loss_scale
-            ):
+            if pick is not None and pick.kind == FindingKind.SCALE and rescale:
                 before, scale = scale, self.recommended_loss_scale
                 trial = self._trial(chosen, scale)
                 log.append(
@@ -369,7 +457,7 @@ class Diagnosis:
                 continue
             trial = tried
             log.append(
-                f"{pick.display_name} -> {safer.name}: "
+                f"{pick.display_name} -> {safer.name}{self._with(chosen, pick.name)}: "
                 + ("the run passes" if trial.passes(tolerance) else _why_not(trial, tolerance))
             )
         else:
@@ -398,7 +486,7 @@ class Diagnosis:
         seen, queue = {pick.name}, list(trial._producers.get(pick.name, []))
         while queue and len(seen) < _UPSTREAM_TRIES:
             name = queue.pop(0)
-            if name in seen:
+            if name in seen or not name:  # (never the model itself: that is every module)
                 continue
             seen.add(name)
             m, module = trial.modules.get(name), modules.get(name)
@@ -419,7 +507,8 @@ class Diagnosis:
             if found.passes(tolerance) or still is None or still.verdict != BROKEN:
                 log.append(
                     f"{pick.display_name} is still broken in {chosen[pick.name].name}: its "
-                    f"input comes from {m.display_name} -> {policy.name}: "
+                    f"input comes from {m.display_name} -> {policy.name}"
+                    f"{self._with(moved, name)}: "
                     + ("the run passes" if found.passes(tolerance) else _why_not(found, tolerance))
                 )
                 return moved, found
@@ -459,7 +548,8 @@ class Diagnosis:
                 passes = found.passes(tolerance)
                 log.append(
                     f"no module at risk, yet not within tolerance: {m.display_name} (a last "
-                    f"layer, whose output the loss may read) -> {policy.name}: "
+                    f"layer, whose output the loss may read) -> {policy.name}"
+                    f"{self._with(moved, m.name)}: "
                     + ("the run passes" if passes else _why_not(found, tolerance))
                 )
                 if passes:
@@ -479,21 +569,29 @@ class Diagnosis:
         was (or, after the moves in `chosen`, is still) at risk, so the error builds up over
         many layers; or every one was tried."""
         if not exhausted:
-            moved = ", ".join(f"{n or '<root>'} to {p.name}" for n, p in sorted(chosen.items()))
+            moved = ", ".join(f"{n} to {p.name}" for n, p in sorted(chosen.items()))
             after = f" after moving {moved}" if chosen else ""
+            root = trial.modules.get("")
+            if root is not None and root.verdict != OK:  # (its own code or parameters)
+                own = (
+                    f" but the model itself ({root.verdict}: {root.reason}), so there is no "
+                    "layer to move: a rule for the model itself would put the whole model in "
+                    "another precision"
+                )
+            else:
+                own = ", so there is no layer to move: the error builds up over many layers"
             return PrecisionError(
                 f"{self.precision.default.name}{after} is not within tolerance {tolerance:g} "
                 f"of {self.reference.default.name} (loss error {trial.loss_rel_error:.3g}, "
                 f"gradient error {trial.grad_rel_error:.3g}) although no module is "
-                f"{'left ' if chosen else ''}at risk or broken, so there is no layer to move: "
-                "the error builds up over many layers. Use a larger tolerance or train in the "
-                f"reference precision.{self._reference_noise(tolerance)}"
+                f"{'left ' if chosen else ''}at risk or broken{own}. Use a larger tolerance or "
+                f"train in the reference precision.{self._reference_noise(tolerance)}"
             )
-        hint = (
+        hint = (  # (not where a move was refused: a mixed policy shares modules alike)
             " Under a 'true' policy a layer's output is cast back to the policy's "
             "output dtype, so an activation beyond its range cannot be kept per layer: "
             "try a mixed policy."
-            if not self.precision.default.is_mixed
+            if not self.precision.default.is_mixed and not alone
             else ""
         )
         why = _why_not(trial, tolerance)
@@ -566,13 +664,15 @@ class Diagnosis:
         recommendation: Recommendation | None = None,
         *,
         unrecommended: str | None = None,
+        check: str | None = None,
     ) -> str:
         """The report as markdown; `plots` maps a caption to an image path to link; with a
-        `recommendation` (from `recommend`) it shows the policy and its verified run, and
-        without one `unrecommended` (why `recommend` found none) is said."""
+        `recommendation` (from `recommend`) it shows the policy and its verified run (and
+        `check`, a command checking it again), and without one `unrecommended` (why
+        `recommend` found none) is said."""
         from mixprec.doctor.report import to_markdown
 
-        return to_markdown(self, plots, recommendation, unrecommended)
+        return to_markdown(self, plots, recommendation, unrecommended, check)
 
     def save(
         self,
@@ -580,14 +680,17 @@ class Diagnosis:
         recommendation: Recommendation | None = None,
         *,
         unrecommended: str | None = None,
+        check: str | None = None,
     ) -> Path:
         """Write report.md and PNG plots (per-layer error, per-layer range) to `directory`;
         returns the report's path. With a `recommendation` they include the recommended
-        policy and its verified run; without one, `unrecommended` (why `recommend` found
-        none: its error) is said there. Needs matplotlib."""
+        policy and its verified run, and policy.json holds the policy unless the fix is a
+        loss scale alone (the report then says the scale it needs); `check`: the command
+        that checks the fix again, shown there. Without one, `unrecommended` (why
+        `recommend` found none: its error) is said there. Needs matplotlib."""
         from mixprec.doctor.report import save
 
-        return save(self, directory, recommendation, unrecommended)
+        return save(self, directory, recommendation, unrecommended, check)
 
     def __rich__(self) -> Any:
         from mixprec.doctor.report import rich_view
@@ -643,11 +746,20 @@ class Recommendation:
         )
 
 
-def _to_fix(m: ModuleReport, trial: Diagnosis, tolerance: float, exhausted: set[str]) -> bool:
+def _to_fix(
+    m: ModuleReport, trial: Diagnosis, tolerance: float, exhausted: set[str], rescale: bool
+) -> bool:
     """Whether `recommend` acts on a finding: not a module tried in every precision, nor a
     loss at risk whose error is within the tolerance (nothing outside the modules needs a
-    fix then, and a module's finding may)."""
+    fix then, and a module's finding may), nor one of the model itself ("") that a rule
+    would fix: a rule for it puts the whole model in another precision (its loss finding
+    is said as it is, its loss scale changed where `rescale`: the scale is not the
+    recommended one yet)."""
     if m.name in exhausted:
+        return False
+    if m.name == "" and not (
+        m.kind == FindingKind.LOSS or (m.kind == FindingKind.SCALE and rescale)
+    ):
         return False
     quiet_loss = m.kind == FindingKind.LOSS and m.verdict != BROKEN
     return not (quiet_loss and trial.loss_rel_error <= tolerance)
@@ -758,7 +870,7 @@ def diagnose(
         warnings.simplefilter("ignore")  # the reference may be slow here too: it is a probe
         ref = session.run(ref_map, None, 1.0)
     if not math.isfinite(ref.loss):
-        raise ValueError(
+        raise ReferenceRunError(
             f"the reference run ({ref_map.name}) already gives a non-finite loss "
             f"({ref.loss}): the problem is not the precision; check the data and the model"
         )
@@ -769,7 +881,7 @@ def diagnose(
         if not wide and g is not None and not bool(torch.isfinite(g.value).all())
     ]
     if bad:  # (a low precision would be blamed for what float32 does too)
-        raise ValueError(
+        raise ReferenceRunError(
             f"the reference run ({ref_map.name}) already gives inf/NaN gradients (of "
             f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}) with a finite loss: the "
             "problem is not the precision; check the model's ops (sqrt or a division at 0, "

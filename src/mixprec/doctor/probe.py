@@ -86,6 +86,12 @@ Key = tuple[str, int, str, int]  # (module name, call index, "in"/"out", positio
 
 _info = functools.cache(format_info)
 _NO_ZERO = 1e30  # added to exact zeros so that the smallest nonzero magnitude is a plain min
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+@functools.cache
+def _finfo_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
 
 
 def floating_tensors(obj: Any) -> list[Tensor]:
@@ -93,9 +99,30 @@ def floating_tensors(obj: Any) -> list[Tensor]:
     return [t for t in iter_tensors(obj) if t.is_floating_point()]
 
 
+def extreme(dtype: torch.dtype) -> float:
+    """The largest finite value of a floating `dtype` as a float32 snapshot holds it: its
+    own, or float32's for float64 (`snapshot` maps float64's there)."""
+    return min(_finfo_max(dtype), _F32_MAX)
+
+
 def snapshot(t: Tensor) -> Tensor:
-    """A detached float32 copy of `t` (later in-place ops on `t` do not reach it)."""
-    return t.detach().to(torch.float32, copy=True)
+    """A detached float32 copy of `t` (later in-place ops on `t` do not reach it); float64's
+    largest finite values (an attention mask's ``finfo(float64).min``) become float32's, as
+    `mixprec.convert` casts them, where they would be infinities."""
+    out = t.detach().to(torch.float32, copy=True)
+    if _finfo_max(t.dtype) > _F32_MAX and out.numel():
+        top = _finfo_max(t.dtype)
+        out.masked_fill_(t == top, _F32_MAX).masked_fill_(t == -top, -_F32_MAX)
+    return out
+
+
+def _norm(x: Tensor) -> float:
+    """||x|| in float32, or summed in float64 where float32's sum of squares overflows
+    (values beyond about 1.8e19) with `x` finite."""
+    norm = torch.linalg.vector_norm(x).item()
+    if math.isinf(norm) and bool(torch.isfinite(x).all()):
+        norm = torch.linalg.vector_norm(x, dtype=torch.float64).item()
+    return norm
 
 
 class Scratch:
@@ -119,10 +146,15 @@ class RefTensor:
 
     inf/NaN the reference holds itself (a mask's -inf before a softmax) are no error of the
     target: `base` moves them out of `value` (set to 0, kept in `bad` / `bad_values`), and a
-    target holding the same value there is compared as 0 too (`agreeing_zeroed`)."""
+    target holding the same value there is compared as 0 too (`agreeing_zeroed`). So are the
+    values at its dtype's largest finite magnitude (`extreme`), the fill a mask written
+    ``torch.finfo(dtype).min`` gives: they stand for an infinity, and a target holding its
+    own dtype's extreme of the same sign there holds the same mask (`mixprec.convert` maps
+    one dtype's to another's as it casts)."""
 
     def __init__(self, t: Tensor, scratch: Scratch) -> None:
         self.value = snapshot(t)
+        self.extreme = extreme(t.dtype)
         self.bad: Tensor | None = None
         self.bad_values: Tensor | None = None
         self._scratch = scratch
@@ -142,11 +174,13 @@ class RefTensor:
             amax, amin, norm = torch.stack(
                 [torch.maximum(lo.abs(), hi.abs()), a.amin(), torch.linalg.vector_norm(r)]
             ).tolist()
-            if not math.isfinite(amax):  # the reference's own inf/NaN: measure the rest
-                self.bad = ~torch.isfinite(r)
+            if not amax < self.extreme:  # its own inf/NaN or mask fills: measure the rest
+                self.bad = ~torch.isfinite(r) | (a == self.extreme)
                 self.bad_values = r[self.bad]
                 self.value = torch.where(self.bad, 0.0, r)
                 return self.base()
+            if math.isinf(norm):  # its squares overflow float32's sum: sum them in float64
+                norm = _norm(r)
             nonzero = float(r.numel())
             if amin == 0:  # zeros: count them, and find the smallest nonzero magnitude
                 # in float passes (boolean ones are several times slower on CPUs): with
@@ -182,12 +216,15 @@ class RefTensor:
 
     def agreeing_zeroed(self, t: Tensor) -> Tensor:
         """`t` (after `base`), as a float32 copy with 0 where it holds the same inf/NaN as the
-        reference; `t` itself when the reference is finite."""
+        reference, or its own dtype's extreme where the reference holds its own (a mask's
+        fill); `t` itself when the reference holds neither."""
         if self.bad is None or self.bad_values is None:
             return t
-        t = t.to(torch.float32, copy=True)
-        got = t[self.bad]
-        same = (got == self.bad_values) | (got.isnan() & self.bad_values.isnan())
+        mine = extreme(t.dtype)
+        t = snapshot(t)
+        got, ref = t[self.bad], self.bad_values
+        same = (got == ref) | (got.isnan() & ref.isnan())
+        same |= (ref.abs() == self.extreme) & (got == torch.sign(ref) * mine)
         t[self.bad] = torch.where(same, 0.0, got)
         return t
 
@@ -212,6 +249,8 @@ def _target_stats(
     err = torch.linalg.vector_norm(torch.add(r, t, alpha=-1.0 / scale, out=scratch.like(r)))
     err = err.item()
     nonfinite = 0 if math.isfinite(err) else count_nonfinite(t)
+    if not (nonfinite or math.isfinite(err)):  # finite values past float32 in r - t or its
+        err = torch.linalg.vector_norm(r.double() - t.double() / scale).item()  # squares
     return Stats(*head, float(lost), float(nonfinite), err * err)
 
 
@@ -230,7 +269,7 @@ class Comparisons:
 
     def __init__(self, scratch: Scratch | None = None) -> None:
         self._rows: dict[Any, Stats] = {}
-        self._small: dict[torch.device, list[tuple[Any, Tensor, Tensor, float, float]]] = {}
+        self._small: dict[torch.device, list[tuple[Any, Tensor, Tensor, float, ...]]] = {}
         self._scratch = scratch or Scratch()
 
     def add(
@@ -252,9 +291,11 @@ class Comparisons:
             self._rows[tag] = _target_stats(target, reference, limit, scale, flushed, self._scratch)
             return
         info = _info(limit)
-        unscaled = target.reshape(-1).to(torch.float32, copy=True)
+        unscaled = snapshot(target.reshape(-1))
+        mine = torch.tensor(extreme(target.dtype), dtype=torch.float32)  # (its mask fill)
         if scale != 1.0:
             unscaled.div_(scale)
+            mine.div_(scale)
         self._small.setdefault(target.device, []).append(
             (
                 tag,
@@ -262,6 +303,8 @@ class Comparisons:
                 reference.value.reshape(-1),
                 info.max / scale,
                 info.smallest_normal / scale,
+                reference.extreme,
+                mine.item(),
             )
         )
 
@@ -269,30 +312,52 @@ class Comparisons:
         """The statistics of each tag."""
         for device, items in self._small.items():
             lengths = torch.tensor([item[1].numel() for item in items], device=device)
+            columns = [torch.tensor([item[i] for item in items], device=device) for i in (3, 4)]
+            extremes = [
+                torch.tensor([item[i] for item in items], device=device, dtype=torch.float32)
+                for i in (5, 6)
+            ]
             rows = _segment_stats(
                 torch.cat([item[1] for item in items]),
                 torch.cat([item[2] for item in items]),
                 lengths,
-                torch.tensor([item[3] for item in items], device=device),
-                torch.tensor([item[4] for item in items], device=device),
+                *columns,
+                *extremes,
             )
             self._rows.update(zip((item[0] for item in items), rows, strict=True))
         self._small.clear()
         return self._rows
 
 
-def _segment_stats(t: Tensor, r: Tensor, lengths: Tensor, high: Tensor, low: Tensor) -> list[Stats]:
+def _segment_stats(
+    t: Tensor,
+    r: Tensor,
+    lengths: Tensor,
+    high: Tensor,
+    low: Tensor,
+    ref_extreme: Tensor | None = None,
+    extreme: Tensor | None = None,
+) -> list[Stats]:
     """Statistics of each segment (consecutive `lengths` elements) of the unscaled target `t`
     against `r`, where segment i's reference is checked against `high[i]` and `low[i]`
     (the dtype's max and smallest normal divided by the scale); three segment reductions.
-    Where `r` holds inf/NaN itself, both count as 0 if `t` holds the same (see RefTensor)."""
+    Where `r` holds inf/NaN itself, or its dtype's largest finite magnitude
+    (`ref_extreme[i]`, a mask's fill), both count as 0 if `t` holds the same, or its own
+    dtype's (`extreme[i]`, unscaled) of that sign (see RefTensor). Squares are summed in
+    float64 (a float32 sum overflows past 1.8e19)."""
     bad = ~torch.isfinite(r)
-    t = torch.where(bad & ((t == r) | (t.isnan() & r.isnan())), 0.0, t)
+    same = (t == r) | (t.isnan() & r.isnan())
+    if ref_extreme is not None and extreme is not None:
+        fill = r.abs() == torch.repeat_interleave(ref_extreme, lengths)
+        bad |= fill
+        same |= fill & (t == torch.sign(r) * torch.repeat_interleave(extreme, lengths))
+    t = torch.where(bad & same, 0.0, t)
     r = torch.where(bad, 0.0, r)
     ra = r.abs()
     nonzero = r != 0
     tiny = nonzero & (ra < torch.repeat_interleave(low, lengths))
-    diff = t - r
+    wide = r.double()
+    diff = t.double() - wide
     counts = torch.stack(
         [
             nonzero,
@@ -302,9 +367,9 @@ def _segment_stats(t: Tensor, r: Tensor, lengths: Tensor, high: Tensor, low: Ten
             ~torch.isfinite(t),
         ],
         dim=1,
-    ).to(torch.float32)
+    ).to(torch.float64)
     sums = torch.segment_reduce(
-        torch.cat([counts, (r * r)[:, None], (diff * diff)[:, None]], dim=1),
+        torch.cat([counts, (wide * wide)[:, None], (diff * diff)[:, None]], dim=1),
         "sum",
         lengths=lengths,
         axis=0,
@@ -312,8 +377,8 @@ def _segment_stats(t: Tensor, r: Tensor, lengths: Tensor, high: Tensor, low: Ten
     amax = torch.segment_reduce(ra, "max", lengths=lengths)
     amin = torch.segment_reduce(torch.where(nonzero, ra, math.inf), "min", lengths=lengths)
     nonzero_n, overflow, underflow, flushed, nonfinite, ref_sq, err_sq = sums.unbind(1)
-    columns = [lengths.to(torch.float32), nonzero_n, amax, amin, overflow, underflow, ref_sq]
-    columns += [flushed, nonfinite, err_sq]
+    columns = [lengths.double(), nonzero_n, amax.double(), amin.double(), overflow, underflow]
+    columns += [ref_sq, flushed, nonfinite, err_sq]
     return [Stats(*row) for row in torch.stack(columns, dim=1).tolist()]
 
 

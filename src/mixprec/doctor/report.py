@@ -7,8 +7,9 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixprec.doctor.verdicts import AT_RISK, BROKEN, DOWNSTREAM, OK, UPSTREAM
+from mixprec.doctor.verdicts import AT_RISK, BROKEN, DOWNSTREAM, OK, UPSTREAM, scale_text
 from mixprec.dtypes import format_info
+from mixprec.files import write_atomically
 
 if TYPE_CHECKING:
     from mixprec.doctor.diagnosis import Diagnosis, Recommendation
@@ -16,6 +17,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REPORT_FILES",
+    "scale_needed",
+    "writes_policy",
 ]
 
 # what `save` writes (policy.json only with a recommendation); a run never overwrites them
@@ -120,8 +123,8 @@ def summary(d: Diagnosis) -> str:
     scale = ""
     if d.precision.needs_loss_scaling:
         scale = (
-            f"; loss scale {d.loss_scale:g} (recommended initial scale "
-            f"{d.recommended_loss_scale:g})"
+            f"; loss scale {scale_text(d.loss_scale)} (recommended initial scale "
+            f"{scale_text(d.recommended_loss_scale)})"
         )
     return (
         f"{d.precision.name} vs {d.reference.name} on {d.device}: loss {d.target_loss:.6g} vs "
@@ -176,15 +179,41 @@ def as_text(d: Diagnosis) -> str:
     return console.export_text()
 
 
+def writes_policy(d: Diagnosis, recommendation: Recommendation | None) -> bool:
+    """Whether `save` writes policy.json: with a recommendation, unless its fix is a loss
+    scale alone (its policy is the diagnosed one, which would fail again as it is)."""
+    if recommendation is None:
+        return False
+    return recommendation.loss_scale is None or recommendation.policy != d.precision
+
+
+def scale_needed(d: Diagnosis, recommendation: Recommendation | None) -> str | None:
+    """Where the fix changes the loss scale, that in a sentence: a policy (policy.json)
+    holds no loss scale, so a check or a training run must be given it; None otherwise."""
+    if recommendation is None or recommendation.loss_scale is None:
+        return None
+    scale = scale_text(recommendation.loss_scale)
+    if writes_policy(d, recommendation):
+        what = f"the fix also needs loss scale {scale}, which policy.json (a policy) does not hold"
+    else:
+        what = (
+            f"the fix is loss scale {scale} alone, with {d.precision.name} as it is: a policy "
+            "file cannot hold a loss scale, so no policy.json is written"
+        )
+    return f"{what}; check it with --loss-scale {scale}, and train at that scale"
+
+
 def to_markdown(
     d: Diagnosis,
     plots: dict[str, str] | None = None,
     recommendation: Recommendation | None = None,
     unrecommended: str | None = None,
+    check: str | None = None,
 ) -> str:
     """The report as markdown: summary, findings, the recommended policy and how its run
-    compares (or, ``unrecommended``, why no policy was recommended), the plots, every
-    module's and parameter's statistics."""
+    compares (or, ``unrecommended``, why no policy was recommended), the command that
+    checks the fix again (``check``), the plots, every module's and parameter's
+    statistics."""
     lines = ["# mixprec doctor report", ""]
     for line in summary(d).splitlines():
         lines += [line, ""]
@@ -213,9 +242,14 @@ def to_markdown(
             lines += [f"{d.precision.name} as it is (no rule needed).", ""]
         else:
             lines += ["```python", recommendation.to_code(), "```", ""]
+        needed = scale_needed(d, recommendation)
+        if needed:
+            lines += [f"**{needed[0].upper() + needed[1:]}.**", ""]
         advice = recommendation.scaler_advice()
         if advice:
             lines += [advice[0].upper() + advice[1:] + ".", ""]
+        if check:
+            lines += ["Check it again:", "", "```bash", check, "```", ""]
         lines += ["Found by fixing one thing at a time and running again after each fix:", ""]
         lines += [f"- {line}".replace("<root>", "(root)") for line in recommendation.log]
         lines += ["", "With the recommended policy:", ""]
@@ -334,12 +368,16 @@ def save(
     directory: str | Path,
     recommendation: Recommendation | None = None,
     unrecommended: str | None = None,
+    check: str | None = None,
 ) -> Path:
     """Write report.md, error.png and range.png into `directory`; return report.md's path.
     With a recommendation, the report shows the policy and its verified run next to the
     target, and policy.json holds the policy (`PolicyMap.save`: `PolicyMap.load`, `Precision`,
-    the Trainer's ``precision=`` and ``--precision policy.json`` read it back); without
-    one, ``unrecommended`` says why (what `Diagnosis.recommend` raised)."""
+    the Trainer's ``precision=`` and ``--precision policy.json`` read it back), unless the
+    fix is a loss scale alone (`writes_policy`; the report says the scale it needs); without
+    one, ``unrecommended`` says why (what `Diagnosis.recommend` raised). ``check``: the
+    command that checks the fix again, shown in the report. Each file is written whole or
+    not at all (`mixprec.files.write_atomically`)."""
     fixed = recommendation.verified if recommendation is not None else None
     try:
         import matplotlib
@@ -356,9 +394,9 @@ def save(
     _plot_range(d, out / "range.png")
     plots = {"per-layer relative error": "error.png", "per-layer range": "range.png"}
     report = out / "report.md"
-    report.write_text(to_markdown(d, plots, recommendation, unrecommended))
+    write_atomically(report, to_markdown(d, plots, recommendation, unrecommended, check))
     policy = out / "policy.json"
-    if recommendation is not None:
+    if recommendation is not None and writes_policy(d, recommendation):
         recommendation.policy.save(policy)
     else:  # an earlier run's recommendation would read as this run's
         policy.unlink(missing_ok=True)

@@ -196,15 +196,23 @@ def output_near_max(m: ModuleReport, run: RunFacts) -> Finding | None:
     """A low-precision output within `HEADROOM` (4x) of its dtype's max: two doublings of
     its activations, which training can bring, and it overflows. At risk, and a wider range
     fixes it. Not blamed when the module's low-precision inputs are as close already (the
-    range problem starts upstream)."""
+    range problem starts upstream). A reference output past the max is said as what the
+    target made of it: inf/NaN after inputs that held them already (it overflows too once
+    those are fixed), or finite values, which cannot be the reference's there."""
     info = run.info(m)
     near = info.max / HEADROOM
     if not (_low(m) and m.amax > near and not (_inherited(m) and m.input_amax > near)):
         return None
-    if m.amax > info.max:  # (not blamed as an overflow: its inputs held inf/NaN already)
+    if m.amax > info.max and m.nonfinite:  # (not `forward_overflow`'s: inputs held them)
         reason = (
             f"output reaches {_fmt(m.amax)}, past {info.name} max {info.max:g} (its inputs are "
             "inf/NaN from upstream already: it overflows too once those are fixed)"
+        )
+    elif m.amax > info.max:
+        reason = (
+            f"output reaches {_fmt(m.amax)} in the reference, past {info.name} max "
+            f"{info.max:g}, where its {info.name} output is finite: those values are not the "
+            "reference's (saturated or replaced)"
         )
     else:
         reason = (
@@ -270,9 +278,12 @@ def error_grows(m: ModuleReport, run: RunFacts) -> Finding | None:
     SQNR below 20 dB) and `ERROR_GROWTH` (10) times its inputs' error: the precision is
     lost here, not upstream. Broken at `ERROR_BROKEN` (0.5, SQNR 6 dB or less), where the
     output carries little signal. A quantized layer's finding is the quantization's (its
-    source float policy fixes it), any other layer's needs float32."""
+    source float policy fixes it), any other layer's needs float32. Never the model itself
+    (""): its inputs are the batch, which holds no error, so an error built up over its
+    layers would read as made in it, and its fix would be the whole model in float32."""
     if not (
-        math.isfinite(m.rel_error)
+        m.name != ""
+        and math.isfinite(m.rel_error)
         and m.rel_error > ERROR_AT_RISK
         and m.rel_error > ERROR_GROWTH * m.input_rel_error
     ):
@@ -337,8 +348,11 @@ def blame_innermost(modules: dict[str, ModuleReport]) -> None:
     problem is blamed where it starts. One exception: a block broken by an overflow (kind
     range) holding modules only at risk keeps its verdict, as its own code (an op between
     its children) overflowed, and moving the block fixes it; an error that grows over its
-    children is theirs to fix first. The model itself is always cleared: code between its
-    modules is no module's (`loss_outside_modules` says where)."""
+    children is theirs to fix first. The model itself is cleared whenever it holds a
+    flagged module, whatever its own finding: code between its modules is no module's
+    (`loss_outside_modules` says where); a finding of its own (its own parameters, its own
+    code's range) stays, and `recommend` never moves it, as that would put the whole model
+    in another precision."""
     flagged = [m for m in modules.values() if m.verdict != OK]
     for m in flagged:
         own = m.name != "" and m.verdict == BROKEN and m.kind == FindingKind.RANGE

@@ -33,6 +33,7 @@ __all__ = [
     "ModuleReport",
     "ParamReport",
     "Verdict",
+    "scale_text",
 ]
 
 
