@@ -9,6 +9,7 @@ from pathlib import Path
 
 __all__ = [
     "FactoryError",
+    "LossTypeError",
     "PolicySpecError",
     "PrecisionError",
     "SlowPrecisionError",
@@ -39,6 +40,11 @@ class SlowPrecisionWarning(UserWarning):
 class FactoryError(ValueError):
     """A ``file.py:factory`` / ``module:factory`` reference could not be loaded or called,
     or gave something unusable."""
+
+
+class LossTypeError(TypeError):
+    """A loss function or training step returned something that is not a loss (not one
+    floating number): the caller's code to change, said before anything is stepped."""
 
 
 # the mixprec package's folder: frames in it are not the caller a warning points at

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from mixprec.errors import LossTypeError
 from mixprec.precision import ForwardAutocast, Precision
 from mixprec.tree import iter_tensors, map_tensors
 
@@ -153,7 +154,7 @@ def check_outputs(outputs: Any) -> None:
             if isinstance(outputs, Tensor)
             else type(outputs).__name__
         )
-        raise TypeError(
+        raise LossTypeError(
             f"the model's output holds no floating tensor ({got}): no loss computed from it "
             "can reach the weights; return logits or scores, not argmax/indices"
         )
@@ -171,7 +172,7 @@ def own_loss(model: nn.Module, batch: Any) -> Tensor:
         except TypeError as err:  # (inputs, target) given to a model that takes inputs
             if not isinstance(batch, tuple | list):
                 raise
-            raise TypeError(
+            raise LossTypeError(
                 f"no loss_fn was given, so {type(model).__name__} was called on the whole "
                 f"batch (a {type(batch).__name__} of {len(batch)}) to return its own loss, "
                 f"and failed: {err}. For a model that returns outputs, pass loss_fn=... "
@@ -209,7 +210,7 @@ def _hugging_face_loss(model: nn.Module, batch: Any) -> Tensor:
     outputs = model(**batch)
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
     if loss is None:
-        raise TypeError(
+        raise LossTypeError(
             f"{name} returned no loss for a batch with keys {sorted(batch)}: put the targets "
             "in the batch under 'labels' (for a causal LM, labels=input_ids)"
         )
@@ -217,25 +218,25 @@ def _hugging_face_loss(model: nn.Module, batch: Any) -> Tensor:
 
 
 def as_loss(result: Any, where: str) -> Tensor:
-    """`result` (a tensor, or a dict with "loss") as a 0-dim floating loss; a TypeError
-    naming `where` (who returned it), what it gave and the fix otherwise. The one check of a
-    loss in mixprec: `batch_loss`'s, and the Trainer's of what a training step returned
-    (after reading None as "skip the batch")."""
+    """`result` (a tensor, or a dict with "loss") as a 0-dim floating loss; a
+    `LossTypeError` (a TypeError) naming `where` (who returned it), what it gave and the
+    fix otherwise. The one check of a loss in mixprec: `batch_loss`'s, and the Trainer's of
+    what a training step returned (after reading None as "skip the batch")."""
     if type(result) is Tensor and result.ndim == 0 and result.dtype.is_floating_point:
         return result  # the common case, without a call (a step's time on a small model)
     loss = result
     if isinstance(result, dict):
         if "loss" not in result:
-            raise TypeError(f"{where} returned a dict without a 'loss' key: {sorted(result)}")
+            raise LossTypeError(f"{where} returned a dict without a 'loss' key: {sorted(result)}")
         loss = result["loss"]
     if not isinstance(loss, Tensor) or not loss.is_floating_point():
         got = f"a {loss.dtype} tensor" if isinstance(loss, Tensor) else type(loss).__name__
-        raise TypeError(
+        raise LossTypeError(
             f"{where} must return the loss as a one-element floating tensor (or a dict with "
             f"'loss'), got {got}"
         )
     if loss.numel() != 1:
-        raise TypeError(
+        raise LossTypeError(
             f"{where} must return the loss as a single number, got a tensor of shape "
             f"{tuple(loss.shape)}: reduce it (e.g. .mean() or reduction='mean')"
         )

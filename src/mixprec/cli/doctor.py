@@ -46,7 +46,7 @@ from mixprec.cli.outputs import check_output_dir
 from mixprec.doctor.diagnosis import Diagnosis, ReferenceRunError, diagnose
 from mixprec.doctor.report import REPORT_FILES, scale_needed, writes_policy
 from mixprec.doctor.verdicts import DEFAULT_TOLERANCE, QUANTIZED_TOLERANCE, scale_text
-from mixprec.errors import PolicySpecError, PrecisionError
+from mixprec.errors import LossTypeError, PolicySpecError, PrecisionError
 from mixprec.files import write_atomically
 
 __all__ = [
@@ -129,7 +129,7 @@ class _ModelRuns:
     def bad_input(self, error: Exception) -> bool:
         """Whether `error` says the input is bad (exit 2): mixprec's own refusals, or a
         TypeError / ValueError raised before the model ran (an argument check)."""
-        own = (FactoryError, PolicySpecError, PrecisionError, ReferenceRunError)
+        own = (FactoryError, LossTypeError, PolicySpecError, PrecisionError, ReferenceRunError)
         return isinstance(error, own) or not self.began
 
 

@@ -91,12 +91,14 @@ class PrecisionMonitor:
             callback the default sends them to the trainer's loggers.
         across_ranks: combine every process's numbers at each monitored step (the largest
             amax, the underflow over all ranks' values), so each rank judges the step the
-            model took rather than its own share of the batch; a collective of the default
-            process group, so every rank must monitor the same steps. A Trainer running
-            several processes sets it.
+            model took rather than its own share of the batch. A collective of the default
+            process group: give the monitor to every rank, monitoring the same steps (a
+            monitor on rank 0 alone would wait for the others for ever). None (the default):
+            each rank's own numbers, except in the processes a mixprec Trainer starts itself
+            (``ddp``, ``ddp_fork``), which all hold it and combine theirs.
     """
 
-    across_ranks = False  # (a monitor pickled before it was kept)
+    across_ranks: bool | None = None  # (a monitor pickled before it was kept)
 
     def __init__(
         self,
@@ -108,7 +110,7 @@ class PrecisionMonitor:
         underflow_warn: float = UNDERFLOW_AT_RISK,
         history: int = 32,
         log_fn: Callable[[dict[str, float], int], None] | None = None,
-        across_ranks: bool = False,
+        across_ranks: bool | None = None,
     ) -> None:
         for name, value, least in (
             ("every_n_steps", every_n_steps, 1),
@@ -486,7 +488,6 @@ class PrecisionMonitor:
     # -- Trainer hooks (as mixprec.trainer.Callback names them) ------------------------------
 
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
-        self.across_ranks = trainer.world_size > 1  # (every rank runs this callback)
         self.attach(model)
 
     def on_train_batch_start(
@@ -536,9 +537,11 @@ def _across_ranks(
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (*mine, finished))
     keys = [list(dict.fromkeys(k for rank in everyone for k in rank[i])) for i in range(4)]
-    device = next((t.device for *_, stats in forward for t in stats), torch.device("cpu"))
-    if dist.get_backend() == "gloo":  # (gloo reduces host tensors)
-        device = torch.device("cpu")
+    if not any(keys[:3]):  # (nothing recorded anywhere: every rank knows, none reduces)
+        return [], [], [], [], keys[3]
+    device = torch.device("cpu")  # (gloo reduces host tensors; NCCL the current GPU's)
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
     # per entry: amax (NaN as -inf, flagged), then the counts; absent entries add nothing
     sizes = (3, 3, 1)
     rows = [torch.zeros(len(k), n, device=device) for k, n in zip(keys, sizes, strict=False)]
@@ -560,7 +563,7 @@ def _across_ranks(
     amaxes = torch.cat([row[:, 0] for row in rows])
     nan = amaxes.isnan().float()
     counts = torch.cat([nan, *(row[:, 1:].reshape(-1) for row in rows)])
-    dist.all_reduce(torch.nan_to_num_(amaxes, nan=-math.inf), op=dist.ReduceOp.MAX)
+    dist.all_reduce(amaxes.masked_fill_(amaxes.isnan(), -math.inf), op=dist.ReduceOp.MAX)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM)
     flagged = amaxes.numel()
     amaxes = torch.where(counts[:flagged] > 0, math.nan, amaxes).cpu().tolist()

@@ -128,8 +128,6 @@ class PrecisionMonitorCallback(transformers.TrainerCallback):
         model = kwargs.get("model")
         if not isinstance(model, nn.Module):
             raise TypeError("PrecisionMonitorCallback needs the Trainer's model (got none)")
-        # (every process runs the callback: each monitored step combines their numbers)
-        self.monitor.across_ranks = args.world_size > 1
         self.monitor.attach(model)
         if self._path is False:
             self.path = None

@@ -530,8 +530,6 @@ class PrecisionMonitorCallback(pl.Callback):
         return self.monitor.warnings
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # (every process runs the callback: each monitored step combines their numbers)
-        self.monitor.across_ranks = trainer.world_size > 1
         self.monitor.attach(pl_module)
 
     def on_train_batch_start(
