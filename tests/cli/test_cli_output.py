@@ -196,6 +196,9 @@ def test_the_bench_closes_with_one_sentence_against_float32_and_the_seed_experim
     )
     report, summaries = _committed("bench_default_cpu")
     assert "## In one sentence" in markdown(report, summaries)
+    # (a gap recorded before it said what was timed: read from the rows; it raised KeyError)
+    report, summaries = _committed("bench_default_cpu_avx2")
+    assert "only 32-true was timed" in markdown(report, summaries)
 
 
 def test_a_terminal_warned_of_a_busy_machine_is_not_warned_again_under_the_table():

@@ -642,7 +642,9 @@ def comparison_gap_lines(report: BenchReport, summaries: list[Summary]) -> list[
         first = f"only {', '.join(asked)} {were} asked for (--precision), so "
     else:
         first = "no mixed precision is fast on this device, so "
-    lines = ["timed: " + first + f"only {' and '.join(gap['timed'])} was timed"]
+    # (results written before the gap said what was timed: the rows' precisions)
+    timed = gap.get("timed") or sorted({s.label for s in summaries})
+    lines = ["timed: " + first + f"only {' and '.join(timed)} was timed"]
     for name, why in gap["left_out"].items():
         lines.append(f"left out: {name}, {why['status']} here ({why['reason']})")
     doubts = gap.get("matmul_doubts") or []
