@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mixprec import PrecisionMonitor
-from mixprec.trainer import Trainer, TrainingModule
+from mixprec.trainer import Callback, Trainer, TrainingModule
 
 pytestmark = pytest.mark.slow
 
@@ -89,12 +89,23 @@ class _Rank1Underflows(TrainingModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+class _OwnAcrossRanks(Callback):
+    """A callback of the user's with an ``across_ranks`` of its own, read-only."""
+
+    @property
+    def across_ranks(self) -> None:
+        return None
+
+
 def test_a_trainer_starting_its_processes_combines_its_monitors_ranks(tmp_path):
+    """(And leaves other callbacks' attributes alone: one with a read-only ``across_ranks``
+    failed the fit.)"""
     monitor = PrecisionMonitor(every_n_steps=1)
     trainer = Trainer(
         precision="bf16-mixed", strategy="ddp_fork", devices=2, max_steps=1, seed=0,
         allow_slow_precision=True, logger=False, enable_progress_bar=False,
-        enable_checkpointing=False, default_root_dir=tmp_path, callbacks=[monitor],
+        enable_checkpointing=False, default_root_dir=tmp_path,
+        callbacks=[monitor, _OwnAcrossRanks()],
     )  # fmt: skip
     data = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
     with warnings.catch_warnings():

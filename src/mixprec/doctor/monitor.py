@@ -95,7 +95,7 @@ class PrecisionMonitor:
             process group: give the monitor to every rank, monitoring the same steps (a
             monitor on rank 0 alone would wait for the others for ever). None (the default):
             each rank's own numbers, except in the processes a mixprec Trainer starts itself
-            (``ddp``, ``ddp_fork``), which all hold it and combine theirs.
+            (``ddp``, ``ddp_fork``, ``fsdp``), which all hold it and combine theirs.
     """
 
     across_ranks: bool | None = None  # (a monitor pickled before it was kept)
@@ -486,6 +486,13 @@ class PrecisionMonitor:
         }
 
     # -- Trainer hooks (as mixprec.trainer.Callback names them) ------------------------------
+
+    def in_launched_processes(self) -> None:
+        """Called by a mixprec Trainer in each process it starts (``ddp``, ``ddp_fork``,
+        ``fsdp``), every one holding a copy of this monitor: left to choose (None), it
+        combines the ranks' numbers."""
+        if self.across_ranks is None:
+            self.across_ranks = True
 
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
         self.attach(model)

@@ -702,10 +702,11 @@ def _run_launched(
     """A launched process's whole job: run, and report what the parent needs (rank 0's is
     kept): the result, the summary, the model's weights, progress and callback states."""
     for cb in trainer.callbacks:
-        # (every process holds the callbacks, copies of the caller's: a callback that can
-        # combine the ranks' numbers at its steps, left to choose, does: a PrecisionMonitor)
-        if getattr(cb, "across_ranks", False) is None:
-            cb.across_ranks = True
+        # (every process holds a copy of each callback: one that can combine the ranks'
+        # numbers, a PrecisionMonitor, is told so)
+        told = getattr(cb, "in_launched_processes", None)
+        if callable(told):
+            told()
     result = trainer._run(stage, model, kwargs)
     weights = trainer._gathered  # a sharded model's whole state, gathered before teardown
     masters = {}
