@@ -35,3 +35,13 @@ def _isolated(monkeypatch):
     yield
     mixprec.set_global_policy(before)
     signal.signal(signal.SIGINT, sigint)
+
+
+@pytest.fixture
+def fresh_detect():
+    """Device detection (remembered per process) made afresh before and after the test."""
+    from mixprec.device import _detect
+
+    _detect.cache_clear()
+    yield
+    _detect.cache_clear()

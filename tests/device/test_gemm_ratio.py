@@ -140,14 +140,7 @@ def _fresh(monkeypatch, folder):
     device._detect.cache_clear()
 
 
-@pytest.fixture
-def _clean_detect():
-    device._detect.cache_clear()
-    yield
-    device._detect.cache_clear()
-
-
-@pytest.mark.usefixtures("_clean_detect")
+@pytest.mark.usefixtures("fresh_detect")
 def test_the_host_is_measured_once_per_machine_and_torch(tmp_path, monkeypatch):
     _fresh(monkeypatch, tmp_path)
     first = device.detect("cpu")
@@ -175,7 +168,7 @@ def test_the_host_is_measured_once_per_machine_and_torch(tmp_path, monkeypatch):
     assert not list(tmp_path.glob(".*"))  # written by replacing, no temporary left
 
 
-@pytest.mark.usefixtures("_clean_detect")
+@pytest.mark.usefixtures("fresh_detect")
 def test_remeasure_replaces_the_cached_ratios(tmp_path, monkeypatch):
     _fresh(monkeypatch, tmp_path)
     device.detect("cpu")
@@ -191,7 +184,7 @@ def test_remeasure_replaces_the_cached_ratios(tmp_path, monkeypatch):
     assert len(json.loads(path.read_text())["entries"]) == 1
 
 
-@pytest.mark.usefixtures("_clean_detect")
+@pytest.mark.usefixtures("fresh_detect")
 def test_a_cache_that_is_not_ours_is_measured_again(tmp_path, monkeypatch):
     _fresh(monkeypatch, tmp_path)
     (tmp_path / gemm_ratio.CACHE_FILE).write_text("not json")
@@ -200,7 +193,7 @@ def test_a_cache_that_is_not_ours_is_measured_again(tmp_path, monkeypatch):
     assert json.loads((tmp_path / gemm_ratio.CACHE_FILE).read_text())["entries"]
 
 
-@pytest.mark.usefixtures("_clean_detect")
+@pytest.mark.usefixtures("fresh_detect")
 def test_a_cache_that_cannot_be_written_is_said_and_the_host_still_rated(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -397,7 +390,7 @@ def test_a_cap_set_after_the_process_multiplied_is_not_measured_under_its_key(tm
     assert not [e for e in entries if e["key"]["isa_cap"]]
 
 
-@pytest.mark.usefixtures("_clean_detect")
+@pytest.mark.usefixtures("fresh_detect")
 def test_a_late_cap_reads_what_a_process_under_it_measured(tmp_path, monkeypatch):
     """In a process whose kernels are not under the cap asked for, the capped CPU is rated by
     what a process under that cap cached, and the note says where it comes from."""
@@ -410,14 +403,7 @@ def test_a_late_cap_reads_what_a_process_under_it_measured(tmp_path, monkeypatch
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     flags, cap = device.cap_cpu_flags(device._cpu_flags()[0], {"ONEDNN_MAX_CPU_ISA": "AVX2"})
     key = {"cpu": device._cpu_name(), "flags": sorted(flags), "isa_cap": cap}
-    measured = {
-        "ratios": {"bfloat16": 0.02, "float16": 0.03},
-        "spread": {"bfloat16": 1.0, "float16": 1.0},
-        "sizes": {"bfloat16": 128, "float16": 128},
-        "rounds": {"bfloat16": 3, "float16": 3},
-        "seconds": 0.1,
-        "measured_at": "2026-01-01 00:00 UTC",
-    }
+    measured = {**_MEASURED, "ratios": {"bfloat16": 0.02, "float16": 0.03}}
     key = {**key, "torch": torch.__version__, "method": gemm_ratio.METHOD}
     entry = {"key": key, "measured": measured}
     (tmp_path / gemm_ratio.CACHE_FILE).write_text(json.dumps({"entries": [entry]}))
@@ -548,7 +534,7 @@ def test_a_cache_entry_with_a_bad_time_is_measured_again(field, bad):
     assert gemm_ratio._from_entry(entry) is None
 
 
-@pytest.mark.usefixtures("_clean_detect")
+@pytest.mark.usefixtures("fresh_detect")
 def test_a_cache_entry_without_its_time_does_not_stop_detect_or_info(tmp_path, monkeypatch):
     """A hand-edited "seconds": null passed the cache's check, then failed every CPU detect(),
     Precision and `mixprec info` (exit 3) until the file was deleted."""
@@ -567,7 +553,7 @@ def test_a_cache_entry_without_its_time_does_not_stop_detect_or_info(tmp_path, m
     assert main(["info", "--device", "cpu"]) == 0
 
 
-@pytest.mark.usefixtures("_clean_detect")
+@pytest.mark.usefixtures("fresh_detect")
 def test_ratios_that_could_not_be_cached_are_not_said_to_be(tmp_path, monkeypatch, capsys):
     """`mixprec info` said "cached in <path>" right after warning it could not cache there."""
     blocker = tmp_path / "a-file"

@@ -559,16 +559,7 @@ def _fixed_gemm_ratios(monkeypatch, tmp_path) -> None:
         monkeypatch.delenv(var, raising=False)
 
 
-@pytest.fixture
-def _fresh_detect():
-    import mixprec.device as device
-
-    device._detect.cache_clear()
-    yield
-    device._detect.cache_clear()
-
-
-@pytest.mark.usefixtures("_fresh_detect")
+@pytest.mark.usefixtures("fresh_detect")
 def test_flags_a_torch_without_capabilities_cannot_read_are_said_to_be_unknown(
     monkeypatch, tmp_path
 ):
@@ -596,7 +587,7 @@ def test_flags_a_torch_without_capabilities_cannot_read_are_said_to_be_unknown(
     assert detect("cpu").unknown_flags == {"avx_vnni"}
 
 
-@pytest.mark.usefixtures("_fresh_detect")
+@pytest.mark.usefixtures("fresh_detect")
 def test_an_arm_cpu_whose_flags_cannot_be_read_has_bfloat16_unknown(monkeypatch, tmp_path):
     _without_cpuinfo_flags(monkeypatch, "ARM64")
     _fixed_gemm_ratios(monkeypatch, tmp_path)
