@@ -701,6 +701,26 @@ def test_float64_weights_step_in_float64(states, dtype):
     assert torch.equal(sgd[0], kept)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_float64_weights_take_their_hyperparameters_in_double(dtype):
+    """A float64 update read its learning rate, betas and decay as float32 values (lr 0.1
+    became 0.10000000149), so it left torch's float64 step by about 5e-8 of the update.
+    Where the moments' storage rounds nothing (SGD without momentum; Adam's first step,
+    from zero moments) the two now agree to float64's own rounding: a few units in the last
+    place where they were about 1e-8 apart."""
+    ours, theirs = _params(((48, 64),), dtype=dtype), _params(((48, 64),), dtype=dtype)
+    sgd = dict(lr=0.1, weight_decay=0.1)
+    _run(LowBitSGD(ours, states="float32", min_size=0, **sgd, **KW), ours, range(3))
+    _run(torch.optim.SGD(theirs, **sgd), theirs, range(3))
+    real = torch.view_as_real if dtype.is_complex else (lambda t: t)
+    assert _gap(real(ours[0]), real(theirs[0])) < 1e-14  # (torch's step fuses a multiply-add)
+    ours, theirs = _params(((48, 64),), dtype=dtype), _params(((48, 64),), dtype=dtype)
+    adam = dict(lr=0.1, betas=(0.7, 0.9), weight_decay=0.3)
+    _run(LowBitAdamW(ours, states="int8", min_size=0, **adam, **KW), ours, range(1))
+    _run(torch.optim.AdamW(theirs, foreach=False, **adam), theirs, range(1))
+    assert _gap(real(ours[0]), real(theirs[0])) < 1e-14
+
+
 @pytest.mark.parametrize("flag", ["maximize", "amsgrad", "capturable", "differentiable"])
 @pytest.mark.parametrize("cls", [LowBitAdamW, LowBitSGD])
 def test_a_group_asking_for_a_flag_the_step_ignores_is_refused(cls, flag):

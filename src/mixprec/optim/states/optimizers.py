@@ -104,6 +104,14 @@ def _fit(fmt: StateFormat, elements: int, generation: int) -> StateFormat:
     return fmt if fmt.block <= most else StateFormat(fmt.kind, most)  # type: ignore[operator]
 
 
+def _scalar_dtype(p: torch.Tensor) -> torch.dtype:
+    """The dtype of the hyperparameters ``p``'s update reads: its working dtype (float64
+    for a float64 parameter or a complex128 one's real pairs, whose update computes in
+    float64: float32 values would round the learning rate and the betas, about 5e-8 of
+    each, where torch's optimizers take them in double), else float32."""
+    return torch.float64 if real_view(p).dtype == torch.float64 else torch.float32
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements in their logical order as one flat tensor: a view of a contiguous
     ``t``, else a copy (to be copied back)."""
@@ -678,14 +686,15 @@ class LowBitOptimizer(StateCheckpoint):
         for planned, (group, _), state, step in zip(
             layout.planned, layout.work, states, steps, strict=True
         ):
-            shared = None if self.hyper_reads_state else (id(group), step, planned.device)
+            where = (planned.device, planned.hp.dtype)
+            shared = None if self.hyper_reads_state else (id(group), step, *where)
             answer = answers.get(shared) if shared is not None else None
             if answer is None:
                 got = self._hyper(group, state, step)
                 if got is None:
                     return False
-                key = (id(group), *got.tag, planned.device)
-                made = self._hyperparameters(scalars, key, got.values, planned.device, got.floats)
+                key = (id(group), *got.tag, *where)
+                made = self._hyperparameters(scalars, key, got.values, *where, got.floats)
                 answer = (got, made)
                 if shared is not None:
                     answers[shared] = answer
@@ -748,12 +757,13 @@ class LowBitOptimizer(StateCheckpoint):
         key: tuple,
         values: list[float],
         device: torch.device,
+        dtype: torch.dtype,
         floats: list[float] | None = None,
     ) -> tuple[torch.Tensor, tuple[float, ...]]:
-        """(``values`` as the update's float32 tensor, ``floats`` (``values`` by default)
-        for the fused step), made once per ``key`` in a step."""
+        """(``values`` as the update's tensor of ``dtype`` (`_scalar_dtype`), ``floats``
+        (``values`` by default) for the fused step), made once per ``key`` in a step."""
         if key not in scalars:
-            tensor = torch.tensor(values, dtype=torch.float32, device=device)
+            tensor = torch.tensor(values, dtype=dtype, device=device)
             scalars[key] = (tensor, tuple(values if floats is None else floats))
         return scalars[key]
 
@@ -1067,8 +1077,9 @@ class LowBitAdamW(LowBitOptimizer):
         fmt = parse_state_format(state["format"])
         local = local_part(p)
         got = self._hyper(group, state, step)
-        key = (id(group), *got.tag, local.device)
-        hp, floats = self._hyperparameters(scalars, key, got.values, local.device)
+        where = (local.device, _scalar_dtype(p))
+        key = (id(group), *got.tag, *where)
+        hp, floats = self._hyperparameters(scalars, key, got.values, *where)
         moments: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
         tables: tuple[torch.Tensor, ...] = ()
         for name, signed in MOMENTS["adam"]:
@@ -1179,8 +1190,9 @@ class LowBitSGD(LowBitOptimizer):
         if got.tag[0]:  # (first: the buffer starts as the gradient)
             state.update(zero_moment("momentum_buffer", p, fmt))
         local = local_part(p)
-        key = (id(group), *got.tag, local.device)
-        hp, floats = self._hyperparameters(scalars, key, got.values, local.device, got.floats)
+        where = (local.device, _scalar_dtype(p))
+        key = (id(group), *got.tag, *where)
+        hp, floats = self._hyperparameters(scalars, key, got.values, *where, got.floats)
         tables: tuple[torch.Tensor, ...] = ()
         if not group["momentum"]:
             moment: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
