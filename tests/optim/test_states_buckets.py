@@ -279,6 +279,8 @@ _PLAN_EVENTS = st.lists(
                 "replace",
                 "reload",
                 "compensation",
+                "min_size",
+                "keep",
             ]
         ),  # fmt: skip
     ),
@@ -315,6 +317,10 @@ def _event(opt: torch.optim.Optimizer, params: list[nn.Parameter], event: str, i
         opt.compensation = {None: "kahan", "kahan": "stochastic", "stochastic": None}[
             opt.compensation
         ]
+    elif event == "min_size":  # (the 300- and 17-element parameters in float32, or not)
+        opt.min_size = 500 if opt.min_size == 0 else 0
+    elif event == "keep":
+        opt.keep_float32 = (lambda p: p.dim() == 1) if opt.keep_float32 is None else None
 
 
 @settings(max_examples=40, deadline=None)
@@ -328,8 +334,9 @@ def test_a_step_taking_its_last_plan_again_steps_as_one_planned_afresh(events, k
     """Differential: an optimizer that takes the last step's plan again when its parameters
     and states are unchanged steps as one that plans every step, bit for bit, while the
     learning rate, the group's state format, its flags (decoupled decay, nesterov), SGD's
-    momentum, a parameter's data, the states (replaced, reloaded), the compensation and
-    the set of parameters with a gradient change between steps."""
+    momentum, a parameter's data, the states (replaced, reloaded), the compensation, the
+    optimizer's ``min_size`` and ``keep_float32`` and the set of parameters with a gradient
+    change between steps."""
 
     def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         kw = dict(states=kind, min_size=0, compile=False)
@@ -399,6 +406,33 @@ def test_a_step_of_the_same_parameters_plans_nothing_and_a_change_plans_again():
     opt.param_groups[0]["states"] = "int4"
     fourth = settled()
     assert fourth is not third and opt.state[params[0]]["format"] == "int4"
+
+
+@pytest.mark.parametrize("change", ["min_size", "keep_float32", "group"])
+def test_a_replayed_step_still_converts_states_whose_format_changed(change):
+    """A step the last plan fits skips preparing the states (their formats checked
+    against `format_of`) while what the formats are chosen from is unchanged; a change
+    of ``min_size``, of ``keep_float32`` or of a group's format between replayed steps
+    still converts the states at the next step."""
+    params = [nn.Parameter(torch.randn(300)), nn.Parameter(torch.randn(64, 64))]
+    opt = LowBitAdamW(params, min_size=0, compile=False)
+
+    def step() -> None:
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+
+    for _ in range(3):
+        step()
+    assert opt._layout is not None and opt.state[params[0]]["format"] == "int8"
+    if change == "min_size":
+        opt.min_size = 500
+    elif change == "keep_float32":
+        opt.keep_float32 = lambda p: p.dim() == 1
+    else:
+        opt.param_groups[0]["states"] = "float32"
+    step()
+    assert opt.state[params[0]]["format"] == "float32"
 
 
 def test_a_joined_state_saves_once_and_resumes_bit_for_bit(tmp_path):

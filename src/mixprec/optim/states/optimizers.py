@@ -322,6 +322,8 @@ class _Layout:
     # None for a parameter stepped on its own
     origins: list[tuple | None] = dataclasses.field(default_factory=list)
     marks: list[tuple] = dataclasses.field(default_factory=list)
+    # what the states' formats were chosen from (`LowBitOptimizer._format_settings`)
+    settings: tuple | None = None
 
     def fits(
         self,
@@ -470,6 +472,16 @@ class LowBitOptimizer(StateCheckpoint):
         own = self.formats.get(p) if self.formats else None
         return fitted_format(own or parse_state_format(group["states"]), p)
 
+    def _format_settings(self) -> tuple | None:
+        """What `format_of` reads beyond a parameter's shape, to be compared from step to
+        step: the groups' formats, ``min_size`` and the formats' registry; None where it
+        calls on more (a ``keep_float32`` function, formats of single parameters), whose
+        answers only asking again can tell."""
+        if self.keep_float32 is not None or self.formats:
+            return None
+        groups = tuple(group.get("states") for group in self.param_groups)
+        return groups, self.min_size, codecs.generation()
+
     def compiles(self, device: torch.device | str) -> bool:
         """Whether a step of every parameter on ``device`` runs its update compiled (its
         first such step builds it: seconds, once per process and signature): the gate's
@@ -578,20 +590,29 @@ class LowBitOptimizer(StateCheckpoint):
                     f"nothing was updated: set it back to False, or step these parameters "
                     f"with the torch optimizer"
                 )
-        states = [self._prepared(p, group) for group, p in work]
+        layout = getattr(self, "_layout", None)
+        settings = self._format_settings()
+        # a step the last plan fits, with the settings formats are chosen from unchanged,
+        # finds every state prepared (`_prepared` would change nothing): it is not asked
+        fitted = False
+        if layout is not None and settings is not None and layout.settings == settings:
+            states = [self.state[p] for _, p in work]
+            fitted = layout.fits(work, indices, states, self.compensation)
+        if not fitted:
+            states = [self._prepared(p, group) for group, p in work]
         # every step count on by one and read back in a fixed number of calls
         if getattr(self, "_counts", None) is None:  # (an optimizer pickled before counts)
             self._counts = StepCounts()
         steps = self._counts.advance(states)
-        layout = getattr(self, "_layout", None)
         try:
             reused = (
                 layout is not None
-                and layout.fits(work, indices, states, self.compensation)
+                and (fitted or layout.fits(work, indices, states, self.compensation))
                 and self._refresh(layout, states, steps)
             )
             if not reused:
                 layout = self._lay_out(work, indices, states, steps)
+                layout.settings = settings
                 # what the plan was made from (for plain tensors: a DTensor's local parts
                 # are read again every step)
                 if all(type(p) in PLAIN for _, p in work):
