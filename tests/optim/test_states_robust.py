@@ -1094,6 +1094,54 @@ def test_parameters_over_the_same_memory_take_both_updates_as_torchs(states):
     assert float(buffer[0]) == pytest.approx(-0.1, rel=1e-2) == float(buffer[-1])
 
 
+def test_parameters_over_the_same_memory_step_in_torchs_order_whatever_their_runs():
+    """Two Parameters over one tensor, the first with float32 states (torch's fused
+    kernel's bucket), the second with int8 ones (stepped alone): the second stepped first,
+    as runs of single parameters went before the buckets', so the first's decay read the
+    second's update."""
+    from mixprec.optim.states import LowBitSGD
+
+    def run(make) -> float:
+        w = torch.ones(8)
+        a, b = nn.Parameter(w), nn.Parameter(w)
+        opt = make([a, b])
+        a.grad, b.grad = torch.zeros(8), torch.ones(8)
+        opt.step()
+        return float(a.detach()[0])
+
+    theirs = run(lambda ps: torch.optim.SGD(ps, lr=0.5, weight_decay=1.0))
+    ours = run(
+        lambda ps: LowBitSGD(
+            ps, lr=0.5, weight_decay=1.0, states="float32", min_size=0, compile=False,
+            formats={ps[1]: "int8"},
+        )
+    )  # fmt: skip
+    assert ours == theirs == -0.25
+
+
+@pytest.mark.parametrize("cls", ["LowBitSGD", "LowBitAdamW"])
+def test_a_data_swap_onto_another_parameters_memory_plans_the_step_again(cls):
+    """A ``.data`` swap that puts a parameter over another's memory between steps left the
+    last plan standing (dtype, shape and layout unchanged): their flat run read both before
+    writing either, and one update was lost."""
+    from mixprec.optim import states as mod
+
+    def run(replan: bool) -> torch.Tensor:
+        a, b = nn.Parameter(torch.zeros(8)), nn.Parameter(torch.zeros(8))
+        opt = getattr(mod, cls)([a, b], lr=1.0, states="int8", min_size=0, compile=False)
+        for _ in range(2):
+            a.grad, b.grad = torch.ones(8), torch.ones(8)
+            opt.step()
+        b.data = a.data
+        a.grad, b.grad = torch.ones(8), torch.ones(8)
+        if replan:
+            opt._layout = None
+        opt.step()
+        return a.detach().clone()
+
+    assert torch.equal(run(replan=False), run(replan=True))
+
+
 def test_an_empty_saved_entry_is_no_state_as_torch_loads_it():
     """Reading ``optimizer.state[p]`` of a parameter not stepped yet makes an empty entry,
     which its state dict carries; torch's loader takes it, ours refused it as lacking moments."""

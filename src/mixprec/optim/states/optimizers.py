@@ -297,8 +297,11 @@ def _mark(p: torch.Tensor, state: dict[str, Any], viewed: bool) -> tuple:
 
 
 def _facts(p: torch.Tensor, state: dict[str, Any]) -> tuple:
-    """`_mark`'s facts of ``p`` (with a gradient) and its ``state``."""
-    return (p.dtype, p.grad.dtype, p.shape, p.is_contiguous(), p.device, type(p), tuple(state))  # type: ignore[union-attr]
+    """`_mark`'s facts of ``p`` (with a gradient) and its ``state``; ``p``'s memory among
+    them: a ``.data`` swap that puts it over another parameter's memory changes which
+    parameters a plan must step apart (`LowBitOptimizer._lay_out`)."""
+    g = p.grad.dtype  # type: ignore[union-attr]
+    return (p.dtype, g, p.shape, p.is_contiguous(), p.device, type(p), tuple(state), p.data_ptr())
 
 
 @dataclasses.dataclass
@@ -655,7 +658,8 @@ class LowBitOptimizer(StateCheckpoint):
             self._refuse_resized(p, state, index)
         # distinct parameters over the same memory: a flat run reads them all before writing
         # any, so one's update would overwrite the other's; each steps on its own, in turn,
-        # as torch's optimizers step them
+        # as torch's optimizers step them (whatever its way: the runs of buckets go after
+        # those of single parameters, which would step a later one first)
         shared = {id(work[i][1]) for i in overlapping([local_part(p) for _, p in work])}
         for (group, p), index, state, step in zip(work, indices, states, steps, strict=True):
             planned = self._plan(p, group, state, step, scalars)
@@ -675,7 +679,7 @@ class LowBitOptimizer(StateCheckpoint):
             own = (
                 local_part(p) is not p
                 or not real.is_contiguous()  # (a copy to step)
-                or (way == "flat" and id(p) in shared)
+                or id(p) in shared
             )
             # float32 moments of a float32 parameter step in the fused call on a CPU, where
             # torch's fused kernel outruns a call of our own at any size; elsewhere, as the
