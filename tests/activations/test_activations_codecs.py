@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
@@ -871,3 +872,59 @@ def test_aliases_of_dividing_functions_keep_their_saves_exact_under_fp8(op):
         model.lin.weight.mul_(8)
     model(x).square().sum().backward()
     assert model.lin.weight.grad.isfinite().all()
+
+
+class _NearOne(nn.Module):
+    def __init__(self, f) -> None:
+        super().__init__()
+        self.a, self.f = nn.Linear(8, 8), f
+
+    def forward(self, x):
+        return self.f(0.999 - 1e-3 * torch.sigmoid(self.a(x)))
+
+
+@pytest.mark.parametrize("option", ["bf16", "fp8"])
+@pytest.mark.parametrize(
+    "f",
+    [torch.atanh, torch.asin, torch.Tensor.arccos, torch.logit, lambda t: torch.log1p(-t)],
+    ids=["atanh", "asin", "arccos", "logit", "log1p"],
+)
+def test_saves_of_functions_unbounded_near_one_are_kept_exact(option, f):
+    """bfloat16 rounds 0.998 to 1.0, where atanh's (asin's, logit's...) derivative is
+    infinite: under bf16 the weights' gradients were inf. Those saves are kept exact under
+    bf16 as under fp8."""
+
+    def grads(activations):
+        torch.manual_seed(0)
+        model = mixprec.apply(_NearOne(f), mixprec.PolicyMap("32-true", activations=activations))
+        model(torch.full((4, 8), 3.0)).sum().backward()
+        return model.a.weight.grad
+
+    kept, stored = grads(None), grads(option)
+    assert stored.isfinite().all() and torch.allclose(stored, kept, rtol=0.05)
+
+
+class _Pieces(nn.Module):
+    def __init__(self, split: str) -> None:
+        super().__init__()
+        self.w, self.split = nn.Parameter(torch.randn(48, 16)), split
+
+    def forward(self, x):
+        q, k, v = getattr(self.w, self.split)(3)
+        return F.linear(x, q) + F.linear(x, k) + F.linear(x, v)
+
+
+@pytest.mark.parametrize("split", ["chunk", "unsafe_chunk"])
+def test_unsafe_pieces_of_a_weight_are_kept_exact_as_its_views_are(split):
+    """A weight's ``unsafe_chunk`` pieces (not views: no view's grad_fn) were stored as
+    bfloat16 where its ``chunk`` pieces are kept as the weight: the input's gradient
+    changed with the split."""
+
+    def grad(activations):
+        torch.manual_seed(0)
+        model = mixprec.apply(_Pieces(split), mixprec.PolicyMap("32-true", activations=activations))
+        x = torch.randn(8, 16, requires_grad=True)
+        model(x).sum().backward()
+        return x.grad
+
+    assert torch.equal(grad(None), grad("bf16"))

@@ -240,6 +240,77 @@ def test_a_buffer_assigned_anew_in_a_recomputed_forward_is_refused(option):
         model(torch.randn(4, 8))
 
 
+class _FrozenScale(nn.Module):
+    """A running statistic kept in a frozen parameter, updated in place in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8), requires_grad=False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scale.mul_(0.5).add_(x.abs().mean(0))
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("option", ["checkpoint", "selective"])
+def test_a_frozen_parameter_updated_in_a_recomputed_forward_is_refused_as_a_buffer_is(option):
+    """Only buffers were watched: a frozen parameter updated in place was updated again by
+    the recomputation, and the backward read the twice-updated value (gradients 0.8 off)."""
+    model = mixprec.apply(_FrozenScale(), PolicyMap("32-true", activations=option))
+    with pytest.raises(PolicySpecError, match="updated its parameter 'scale' in a forward"):
+        model(torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("policy", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("option", ["checkpoint", "selective"])
+def test_a_weight_written_between_the_forward_and_the_backward_fails_a_recomputation(
+    policy, option
+):
+    """An optimizer step taken before the backward: a stored layer's backward fails on
+    its saved weight (torch's error), a recomputed one read the new weight, silently."""
+    torch.manual_seed(0)
+    model = mixprec.apply(
+        nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1)),
+        PolicyMap(policy, activations=option),
+    )
+    loss = model(torch.randn(8, 16)).float().sum()
+    with torch.no_grad():
+        model[2].weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+class _FunctionalGRU(nn.Module):
+    """A GRU cell run by ``torch.gru_cell`` on the module's own weights (no GRU layer)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.w_ih = nn.Parameter(torch.randn(3 * d, d) * 0.3)
+        self.w_hh = nn.Parameter(torch.randn(3 * d, d) * 0.3)
+        self.b_ih = nn.Parameter(torch.randn(3 * d) * 0.1)
+        self.b_hh = nn.Parameter(torch.randn(3 * d) * 0.1)
+
+    def forward(self, xs):
+        h = xs.new_zeros(xs.shape[1:])
+        for x in xs:
+            h = torch.gru_cell(x, h, self.w_ih, self.w_hh, self.b_ih, self.b_hh)
+        return h
+
+
+def test_selective_fails_a_write_into_an_unsafe_chunk_of_a_kept_product():
+    """``torch.gru_cell`` on a CPU adds in place into ``unsafe_chunk`` pieces of the
+    matmul outputs selective keeps (pieces with version counters of their own): the
+    recomputation read the changed products, and the gradients were 20-40% off, silently.
+    The pieces are kept too, so the write fails the backward."""
+    torch.manual_seed(0)
+    model = mixprec.apply(_FunctionalGRU(), PolicyMap("32-true", activations="selective"))
+    out = model(torch.randn(3, 2, 8)).square().sum()
+    with pytest.raises(RuntimeError, match="mutated"):
+        out.backward()
+
+
 def test_offload_is_refused_off_cuda_naming_the_options_accepted():
     accepted = "'keep', 'bf16', 'fp8', 'checkpoint' or 'selective'"
     with pytest.raises(PolicySpecError, match=f"'offload' .* CUDA only; .* {accepted}"):
@@ -663,9 +734,9 @@ def test_a_checkpoint_recasts_a_regions_weights_rather_than_keeping_its_copies()
     real = recompute._replaced_parameters
 
     def spy(module, selective):
-        swapped, recast = real(module, selective)
+        swapped, recast, weights = real(module, selective)
         seen.append((selective, len(swapped), len(recast), len(real(module, True)[0])))
-        return swapped, recast
+        return swapped, recast, weights
 
     recompute._replaced_parameters = spy
     try:

@@ -91,6 +91,8 @@ _CAST_OR_VIEW = frozenset(
         "AliasBackward0",
         "SplitBackward0",
         "SplitWithSizesBackward0",
+        "UnsafeSplitBackward0",
+        "UnsafeSplitWithSizesBackward0",
         "UnbindBackward0",
         "SliceBackward0",
         "SelectBackward0",

@@ -53,6 +53,10 @@ SAVED_OPS: frozenset[Any] = frozenset(
     if hasattr(_aten, name)
 )
 
+# ops whose outputs share their input's memory without being views of it (no shared version
+# counter): `SelectivePolicy` saves them, so that a write into one is caught
+_UNSAFE_SPLITS = frozenset([_aten.unsafe_split, _aten.unsafe_split_with_sizes])
+
 
 class SelectivePolicy:
     """Save the output of a matmul, convolution or attention op; recompute the rest.
@@ -60,7 +64,9 @@ class SelectivePolicy:
     Also saves the ``_unsafe_view`` that ``torch.matmul`` returns right over a saved
     product: it has a version counter of its own, so a write into it (``scores += bias``,
     as T5's attention does) escaped torch's mutation check, and the recomputation added the
-    bias again on top of the kept product, silently. Saved, the write is caught. One policy
+    bias again on top of the kept product, silently. Saved, the write is caught. So are the
+    pieces of an ``unsafe_split`` (``unsafe_chunk``), which share a product's memory under
+    counters of their own: ``torch.gru_cell`` on a CPU adds into them in place. One policy
     serves one checkpointed call; the forward and its recomputation see the same op order."""
 
     def __init__(self) -> None:
@@ -70,7 +76,11 @@ class SelectivePolicy:
         packet = getattr(op, "overloadpacket", op)
         phase = bool(getattr(ctx, "is_recompute", False))
         follows, self._after_saved[phase] = self._after_saved[phase], packet in SAVED_OPS
-        if packet in SAVED_OPS or (follows and packet is _aten._unsafe_view):
+        if (
+            packet in SAVED_OPS
+            or packet in _UNSAFE_SPLITS
+            or (follows and packet is _aten._unsafe_view)
+        ):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -116,15 +126,28 @@ def recomputed(
         run = functools.partial(_with_fresh_cast_cache, run)
     # (a region's casts are made again alike in a checkpoint's recomputation, which keeps
     # only the layer's inputs: only selective, whose record must see the same ops, keeps them)
-    swapped, recast = {}, {}
+    swapped, recast, weights = {}, {}, []
     if module is not None:
-        swapped, recast = _replaced_parameters(module, mode == "selective")
+        swapped, recast, weights = _replaced_parameters(module, mode == "selective")
     if swapped:
         run = functools.partial(_with_swapped, module, swapped, run)
     if recast:
         run = functools.partial(_with_recast, module, recast, run)
     extra = {"context_fn": _selective_contexts} if mode == "selective" else {}
-    return checkpoint(run, *run_leaves.originals, use_reentrant=False, **extra)
+    # the weights go to the checkpoint after the arguments, unused, so that it saves them
+    # and checks them as it checks the arguments: a weight written in place between the
+    # forward and the backward (an optimizer step taken before it) fails the backward with
+    # torch's error, as a stored layer's saved weight does, where the recomputation would
+    # read the new values
+    if weights:
+        run = functools.partial(_without_last, len(weights), run)
+    return checkpoint(run, *run_leaves.originals, *weights, use_reentrant=False, **extra)
+
+
+def _without_last(count: int, run: Callable[..., Any], *tensors: Any) -> Any:
+    """``run`` on ``tensors`` but the last ``count`` (the weights `recomputed` hands the
+    checkpoint to be checked)."""
+    return run(*tensors[: len(tensors) - count])
 
 
 def _may_hold_tensors(obj: Any) -> bool:
@@ -218,10 +241,13 @@ def mark_region_cast(t: torch.Tensor, source: torch.Tensor) -> None:
 
 def _replaced_parameters(
     module: nn.Module, selective: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.dtype, torch.Tensor]]]:
+) -> tuple[
+    dict[str, torch.Tensor], dict[str, tuple[torch.dtype, torch.Tensor]], list[torch.Tensor]
+]:
     """The tensors in place of the parameters of `module` and below for this forward, by
     path, in one walk of its parameters: (those `_with_swapped` puts back, those
-    `_with_recast` casts again).
+    `_with_recast` casts again, and every weight the recomputation reads, each once: a
+    parameter, the tensor in its place, or what a region's copy was cast from).
 
     Put back: plain tensors where parameters were, put there by
     ``torch.func.functional_call`` (the recomputation in the backward runs outside its swap,
@@ -234,16 +260,24 @@ def _replaced_parameters(
     stored weight is."""
     swapped: dict[str, torch.Tensor] = {}
     recast: dict[str, tuple[torch.dtype, torch.Tensor]] = {}
+    weights: dict[int, torch.Tensor] = {}
     for prefix, m in module.named_modules():
         for key, t in m._parameters.items():
-            if t is None or isinstance(t, nn.Parameter):
+            if t is None:
+                continue
+            if isinstance(t, nn.Parameter):
+                weights[id(t)] = t
                 continue
             path = f"{prefix}.{key}" if prefix else key
-            if _REGION_CASTS.get(id(t)) is not t or selective:
+            region = _REGION_CASTS.get(id(t)) is t
+            source = _CAST_SOURCES.get(id(t)) if region else None
+            read = t if source is None else source
+            weights[id(read)] = read
+            if not region or selective:
                 swapped[path] = t
-            elif (source := _CAST_SOURCES.get(id(t))) is not None:
+            elif source is not None:
                 recast[path] = (t.dtype, source)
-    return swapped, recast
+    return swapped, recast, list(weights.values())
 
 
 def _with_recast(

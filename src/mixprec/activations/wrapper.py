@@ -131,9 +131,11 @@ class ActivationForward:
         for owner, marks in seen.values():
             now = dict(owner.named_buffers()) if marks else {}
             for name, b, version in marks:
-                if now.get(name) is not b or b._version != version:
+                parameter = isinstance(b, nn.Parameter)  # (its place may hold a stand-in)
+                if (not parameter and now.get(name) is not b) or b._version != version:
+                    what = "parameter" if parameter else "buffer"
                     raise PolicySpecError(
-                        f"{type(owner).__name__} updated its buffer {name!r} in a forward "
+                        f"{type(owner).__name__} updated its {what} {name!r} in a forward "
                         f"that {self.option!r} recomputes (of {type(module).__name__}), so "
                         "the backward updates it again; give this module 'keep', 'bf16', "
                         "'fp8' or 'offload', or recompute the modules around the one "
@@ -145,9 +147,20 @@ class ActivationForward:
 def _buffer_marks(
     module: nn.Module, recurse: bool
 ) -> tuple[nn.Module, list[tuple[str, Tensor, int]]]:
-    """``module`` with each of its buffers' name, tensor and version counter: a buffer
-    written in place, or assigned anew (``self.ema = 0.9 * self.ema + x``), changes one."""
-    return module, [(n, b, b._version) for n, b in module.named_buffers(recurse=recurse)]
+    """``module`` with each of its buffers' and parameters' name, tensor and version
+    counter: one written in place (a running statistic kept in a frozen parameter too), or a
+    buffer assigned anew (``self.ema = 0.9 * self.ema + x``), changes one. Parameters only
+    as `nn.Parameter` objects (not the stand-ins a region or ``functional_call`` puts in
+    their place for a forward), and not while torch.compile traces (their version counters
+    are not known to it; buffers are)."""
+    marks = [(n, b, b._version) for n, b in module.named_buffers(recurse=recurse)]
+    if not torch.compiler.is_compiling():
+        marks += [
+            (n, p, p._version)
+            for n, p in module.named_parameters(recurse=recurse)
+            if isinstance(p, nn.Parameter)
+        ]
+    return module, marks
 
 
 def warn_if_root_unused(model: nn.Module) -> None:
@@ -187,27 +200,39 @@ _PICKING = frozenset(
     + [torch.median, _T.median, torch.nanmedian, _T.nanmedian]
 )
 _NORMS = frozenset([torch.norm, _T.norm, torch.linalg.vector_norm, torch.linalg.norm])
-# functions whose backward divides by a saved value, or grows without bound near one
-# (asin at 1): fp8's block scales round a small value to exactly 0 (or 0.97 to 1), and
-# their gradient is infinite. Kept exact under fp8 (bfloat16 keeps float32's range); a
-# power's only for an exponent below 1 (`_kept_exact`).
+# functions whose backward divides by a saved value: fp8's block scales round a small
+# value to exactly 0, and their gradient is infinite. Kept exact under fp8 (bfloat16 keeps
+# float32's range); a power's only for an exponent below 1 (`_kept_exact`).
 _DIVIDING = frozenset(
     [torch.log, _T.log, _T.log_, torch.log2, _T.log2, _T.log2_, torch.log10, _T.log10]
     + [_T.log10_, torch.sqrt, _T.sqrt, _T.sqrt_, torch.std, _T.std, F.normalize]
     + [torch.div, _T.div, _T.div_, torch.divide, _T.divide, _T.divide_, torch.true_divide]
     + [_T.true_divide, _T.true_divide_, _T.__truediv__, _T.__itruediv__, _T.__rtruediv__]
     + [torch.xlogy, _T.xlogy, _T.xlogy_, torch.special.xlogy]
-    + [torch.asin, _T.asin, _T.asin_, torch.acos, _T.acos, _T.acos_, torch.atanh, _T.atanh]
-    + [_T.atanh_]
+)
+# functions whose backward grows without bound as the saved value nears a point of
+# magnitude one (asin at 1, log1p at -1, logit at 1, a binary cross-entropy's
+# probability at 1): rounded to bfloat16 (8 bits: 0.998 is 1.0) or fp8, a value next to it
+# lands on it and the gradient is infinite. Kept exact under both (`_kept_exact`).
+_NEAR_ONE = frozenset(
+    [torch.asin, _T.asin, _T.asin_, torch.arcsin, _T.arcsin, _T.arcsin_]
+    + [torch.acos, _T.acos, _T.acos_, torch.arccos, _T.arccos, _T.arccos_]
+    + [torch.atanh, _T.atanh, _T.atanh_, torch.arctanh, _T.arctanh, _T.arctanh_]
+    + [torch.acosh, _T.acosh, _T.acosh_, torch.arccosh, _T.arccosh, _T.arccosh_]
+    + [torch.logit, _T.logit, _T.logit_, torch.special.logit]
+    + [torch.log1p, _T.log1p, _T.log1p_, torch.special.log1p]
+    + [torch.erfinv, _T.erfinv, _T.erfinv_, torch.special.erfinv]
+    + [F.binary_cross_entropy]
 )
 _POWERS = frozenset([torch.pow, _T.pow, _T.pow_, _T.__pow__, _T.__ipow__])
 
 
 def _kept_exact(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fp8: bool) -> bool:
-    """Whether ``func(*args, **kwargs)``'s saves are kept exact (`_PICKING`, `_DIVIDING`): a
-    norm of an infinite order (which picks its largest element) and, under fp8, any other
-    (divided by); a power of an exponent below 1 (or of a tensor exponent) under fp8."""
-    if func in _PICKING:
+    """Whether ``func(*args, **kwargs)``'s saves are kept exact (`_PICKING`, `_NEAR_ONE`,
+    `_DIVIDING`): a norm of an infinite order (which picks its largest element) and, under
+    fp8, any other (divided by); a power of an exponent below 1 (or of a tensor exponent)
+    under fp8."""
+    if func in _PICKING or func in _NEAR_ONE:
         return True
     if func in _NORMS:
         order = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else None))
@@ -230,8 +255,9 @@ class _SavesByFunction(TorchFunctionMode):
       no longer match it (docs/activations.md). nn.MultiheadAttention's functional form is
       stored so whole, its projections' inputs too;
     - the saves of functions picking elements by equality (`_PICKING`: amax, median, an inf
-      norm), and under fp8 of those dividing by a saved value (`_DIVIDING`: log, division,
-      sqrt), are kept exact.
+      norm) or growing without bound near magnitude one (`_NEAR_ONE`: asin, atanh, logit,
+      log1p, binary cross-entropy), and under fp8 of those dividing by a saved value
+      (`_DIVIDING`: log, division, sqrt), are kept exact.
 
     Only where the innermost saved-tensor hooks are a storing codec's (a module inside
     keeping, recomputing or offloading has its way). Every other call runs as it is."""
