@@ -1776,3 +1776,29 @@ def test_weights_reloaded_after_a_non_finite_step_train_on_with_kahan():
     for _ in range(3):
         step()
     assert all(p.isfinite().all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("kind", ["kahan", "stochastic"])
+def test_step_counts_are_float32_whatever_the_default_dtype(kind):
+    """The compensated step made its counts in torch's default dtype: under a bfloat16 one
+    (a model built so, or a step inside a bf16-true region) they stopped at 256, and every
+    later step took the same random bits and bias correction. A 16-bit count already saved
+    so goes on in float32."""
+    p = torch.nn.Parameter(torch.zeros(64, dtype=torch.bfloat16))
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    comp = Compensator(kind, seed=0, compile=False)
+    kept = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        for _ in range(300):
+            p.grad = -torch.ones_like(p)
+            comp.step(opt)
+    finally:
+        torch.set_default_dtype(kept)
+    count = opt.state[p]["step"]
+    assert count.dtype == torch.float32 and count.item() == 300
+    opt.state[p]["step"] = torch.tensor(256.0, dtype=torch.bfloat16)  # (as saved before)
+    for _ in range(2):
+        p.grad = -torch.ones_like(p)
+        comp.step(opt)
+    assert opt.state[p]["step"].dtype == torch.float32 and opt.state[p]["step"].item() == 258

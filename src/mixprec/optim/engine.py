@@ -654,12 +654,17 @@ def _advance_apart(states: list[dict[str, Any]]) -> list[int]:
     """`StepCounts.advance` of counts not joined, in a fixed number of calls; a float32
     count about to pass 2^24 goes on in float64 first (from there adding one to a float32
     rounds back: every later step would take the same count, so the same random bits, and
-    stochastic rounding would no longer be random); float64 counts are exact to 2^53."""
+    stochastic rounding would no longer be random); float64 counts are exact to 2^53; a
+    16-bit count goes on in float32."""
     counts = torch.stack([state["step"].to("cpu", torch.float64) for state in states])
     last = [int(v) for v in counts.tolist()]
     for state, count in zip(states, last, strict=True):
         if count + 1 >= _FLOAT32_EXACT and state["step"].dtype != torch.float64:
             state["step"] = state["step"].to(torch.float64)
+        elif state["step"].dtype not in (torch.float32, torch.float64):
+            # (a 16-bit count, made in a 16-bit default dtype or loaded so, stops at 256:
+            # 256 + 1 rounds back in bfloat16)
+            state["step"] = state["step"].to(torch.float32)
     torch._foreach_add_([state["step"] for state in states], 1.0)
     return [v + 1 for v in last]
 

@@ -592,7 +592,7 @@ class Compensator:
         float16 could not hold is lost."""
         if adam and "step" not in state:
             wide = torch.float32 if p.dtype == torch.float16 else p.dtype
-            state["step"] = torch.tensor(0.0)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)  # (not the default dtype)
             for name in ("exp_avg", "exp_avg_sq"):
                 state[name] = torch.zeros_like(p, dtype=wide, memory_format=torch.preserve_format)
         elif (
@@ -617,7 +617,7 @@ class Compensator:
                     stacklevel=5,
                 )
         if "step" not in state:
-            state["step"] = torch.tensor(0.0)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)  # (not the default dtype)
         return state
 
     @staticmethod
