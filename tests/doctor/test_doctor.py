@@ -1166,8 +1166,11 @@ def test_report_is_written_with_plots(tmp_path):
 
 
 def test_the_report_is_written_atomically(tmp_path, monkeypatch):
-    """report.md was written with write_text, where policy.json is written whole or not at
-    all (a reader, or a run stopped halfway, could see half of it)."""
+    """report.md was written with write_text, and the plots by matplotlib straight to their
+    paths, where policy.json is written whole or not at all (a reader, or a run stopped
+    halfway, could see half of one)."""
+    from matplotlib.figure import Figure
+
     model, batch = overflow_model(1e5)
     d = diagnose(model, batch, F.cross_entropy)
     fix = d.recommend()
@@ -1175,10 +1178,19 @@ def test_the_report_is_written_atomically(tmp_path, monkeypatch):
     def not_atomic(self, *args, **kwargs):
         raise AssertionError(f"{self} written with write_text, not atomically")
 
+    savefig = Figure.savefig
+
+    def to_memory_only(self, where, *args, **kwargs):
+        assert not isinstance(where, str | Path), f"{where} written by savefig, not atomically"
+        return savefig(self, where, *args, **kwargs)
+
     monkeypatch.setattr(Path, "write_text", not_atomic)
+    monkeypatch.setattr(Figure, "savefig", to_memory_only)
     path = d.save(tmp_path / "report", fix)
     assert path.read_text().startswith("# mixprec doctor report")
     assert (tmp_path / "report" / "policy.json").exists()
+    for png in ("error.png", "range.png"):
+        assert (tmp_path / "report" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_doctor_on_the_example(tmp_path, capsys):
