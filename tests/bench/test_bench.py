@@ -247,6 +247,29 @@ def test_matmul_rates_measured_on_a_busy_machine_are_doubted_not_used(
     assert not any(line.startswith("- estimate") for line in section.splitlines())
 
 
+def test_the_time_estimate_counts_every_untimed_step_of_a_loop():
+    """Each loop runs `runner.UNTIMED_STEPS` steps before its warm-up rounds (a warm-up up
+    to its first update, then that update and one step more while its memory is measured);
+    the estimate of what timing a precision left out costs counted one."""
+    from mixprec.bench.report import comparison_gap_lines
+
+    fp32 = Row(
+        Config("32-true", "32-true", 8, None, False), RunResult(OK, LoopResult(step_ms=[100.0]))
+    )
+    report = _report([fp32])  # 3 steps, 1 warm-up round
+    left_out = {"status": "slow", "reason": "r", "dtype": "bfloat16", "fast_on": "GPUs"}
+    report.metadata["comparison_gap"] = {
+        "asked": False, "timed": ["32-true"], "left_out": {"bf16-mixed": left_out},
+        "matmul_gflops": {"float32": 100.0, "bfloat16": 10.0}, "command": "",
+    }  # fmt: skip
+    lines = comparison_gap_lines(report, summarize(report))
+    # a step 10x float32's 100 ms: 1 s, ours and the raw loop 3 + 1 + 3 steps each: 14 s
+    assert (
+        "estimate: a step at batch 8 (float32 100.0 ms) about 1.0 s in bf16-mixed; timing it "
+        "about 14.0 s"
+    ) in lines, lines
+
+
 def test_asking_for_float32_only_says_what_was_left_out(tmp_path, capsys):
     with hardware.assume(ZEN4):
         code, results, _, md = _bench(
@@ -543,6 +566,34 @@ def test_a_failing_configuration_is_a_recorded_row_and_the_others_are_written(
         capsys.readouterr().err.split()
     )
     assert (tmp_path / "out" / "bench.png").is_file()
+
+
+def test_a_failing_raw_twin_is_printed_and_fails_the_run(
+    tmp_path, factory_dir, capsys, monkeypatch
+):
+    """A raw torch.autocast twin that failed where mixprec's loop ran was named in report.md
+    alone: nothing on the terminal, and exit status 0."""
+    from mixprec.bench import runner
+
+    def failing(spec, device):
+        raise RuntimeError("the twin refuses")
+
+    monkeypatch.setattr(runner, "_build_raw", failing)
+    code, results, rows, md = _bench(
+        tmp_path,
+        *("--model", f"{factory_dir / 'benchfactory.py'}:make", "--batch-sizes", "2"),
+        *("--precision", "32-true", "bf16-mixed", "--allow-slow", "--steps", "1"),
+        *TINY,
+    )
+    assert code == 1
+    assert [(r["precision"], r["status"]) for r in rows] == [("32-true", OK), ("bf16-mixed", OK)]
+    assert results["results"][1]["result"]["raw"]["status"] == "error"
+    assert "twin of bf16-mixed at batch 2: error (RuntimeError: the twin refuses)" in md
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        "bf16-mixed @ 2, its raw torch.autocast twin: error (RuntimeError: the twin refuses); "
+        "mixprec's loop ran (its row above)"
+    ) in err
 
 
 def test_repeated_batch_sizes_add_up_and_a_preset_and_timeout_are_reproduced():

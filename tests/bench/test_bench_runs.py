@@ -212,6 +212,24 @@ def test_a_raw_twin_failing_leaves_mixprecs_row_measured(factories, monkeypatch,
     assert "| 4 | bf16-mixed | error" not in md
 
 
+def test_each_loop_runs_the_untimed_steps_the_time_estimate_counts(factories, monkeypatch):
+    """`runner.UNTIMED_STEPS` steps per loop before its warm-up and timed rounds, which the
+    estimate of what timing a precision left out costs counts (it counted 1 where 3 ran)."""
+    from mixprec.bench import runner
+
+    steps = []
+    step = runner.Loop.step
+
+    def counted(loop: runner.Loop) -> torch.Tensor:
+        steps.append(loop)
+        return step(loop)
+
+    monkeypatch.setattr(runner.Loop, "step", counted)
+    result = run_in_process(replace(_spec("make", "32-true"), steps=4, warmup=2))
+    assert result.status == OK and len(result.mixprec.step_ms) == 4
+    assert len(steps) == runner.UNTIMED_STEPS + 2 + 4
+
+
 def test_what_needs_a_fresh_process_says_why():
     spec = _spec("make", "32-true")
     assert "memory limit" in fresh_process_reason(replace(spec, memory_limit=2**30))

@@ -163,13 +163,43 @@ def test_a_swamped_stream_is_too_noisy_to_conclude_and_says_why():
         assert sentence.startswith(
             "Too noisy to conclude how fast bf16-mixed trains the cnn model against float32"
         )
-        assert f"{interval.n} rounds is {interval.width:.2f}x wide" in sentence
+        assert (
+            f"{interval.n} rounds is {math.ceil(interval.width * 100) / 100:.2f}x wide" in sentence
+        )
         assert "under a 1-minute load of 9.0" in sentence
         if advice is not None:
             assert advice in sentence
         else:  # at one thread already: no advice to use fewer
             assert "--threads" not in sentence and "rerun on a quieter machine." in sentence
         assert "It uses 40% less peak memory than float32" in sentence
+
+
+def test_a_withheld_verdict_rounds_its_interval_as_the_table_does():
+    """The sentence rounded the interval to nearest where the table rounds it outward:
+    "anywhere in 1.00-1.50x" beside the cell's "(0.99-1.50)", and "1.50x wide" for an
+    interval 1.503x wide, over the 1.5x a verdict needs; the batch sizes named too noisy
+    beside a finding read the same."""
+    from mixprec.bench.report import _speedup_cell
+
+    fp32 = [99.0, 99.78, 110, 120, 125, 130, 140, 145, 150, 170]  # ratios 0.99-1.7 over 100 ms
+    interval = ratio_interval(fp32, [FP32_MS] * 10)
+    assert interval.low < 1 < 1.5 < interval.width < 1.505
+    report = _report({"32-true": fp32, "bf16-mixed": [FP32_MS] * 10})
+    summaries = summarize(report)
+    assert _speedup_cell(summaries[1]) == "1.27x (0.99-1.50)"
+    sentence = conclusion(report, summaries)
+    assert "anywhere in 0.99-1.50x (the 95% interval of 10 rounds is 1.51x wide" in sentence
+    rows = [
+        Row(
+            Config(key, key, batch, None, key != "32-true"),
+            RunResult(OK, LoopResult(step_ms=ms, peak_memory=PEAKS[key]), paired=True),
+        )
+        for batch, fp32_ms in ((8, [2 * FP32_MS] * 10), (16, fp32))
+        for key, ms in zip(KEYS, (fp32_ms, [FP32_MS] * 10), strict=True)
+    ]
+    report = BenchReport({**report.metadata, "batch_sizes": [8, 16]}, rows)
+    sentence = conclusion(report, summarize(report))
+    assert "(batch 16: anywhere in 0.99-1.50x from 10 rounds;" in sentence, sentence
 
 
 def test_too_few_rounds_withhold_the_verdict():
@@ -269,8 +299,9 @@ def test_a_finding_comes_from_the_batch_sizes_that_allow_one_and_names_the_noisy
     assert "(batch 8; 95% intervals within" in sentence
     assert (
         f"Too noisy under a 1-minute load of 9.0 on {os.cpu_count() or 1} cores to state the "
-        f"speedup at the other batch size(s) (batch 32: anywhere in {interval.low:.2f}-"
-        f"{interval.high:.2f}x from {interval.n} rounds;"
+        f"speedup at the other batch size(s) (batch 32: anywhere in "
+        f"{math.floor(interval.low * 100) / 100:.2f}-{math.ceil(interval.high * 100) / 100:.2f}x "
+        f"from {interval.n} rounds;"  # (rounded outward, as the table)
     ) in sentence
     assert sentence.endswith("rerun on a quieter machine.")
     # a batch size set aside between two others is not taken into a span ("batch 8-128")
@@ -425,6 +456,21 @@ def test_a_small_speedup_is_not_printed_as_one_and_memory_both_ways_names_each_b
         "2.0x as fast as float32 with 30% less peak memory at batch 8 and 10% more at "
         "batch 16 (" in sentence
     )
+
+
+def test_a_memory_change_that_rounds_to_nothing_is_not_said():
+    """0.3% less at batch 8 and 20% more at batch 16 read "0% less peak memory at batch 8
+    and 20% more at batch 16"; the sides are taken as printed, to the percent."""
+    even = dict.fromkeys([(k, b) for k in KEYS for b in (8, 16)], 1000)
+    for (at_8, at_16), said in (
+        ((997, 1200), "with 20% more peak memory at batch 16 ("),
+        ((1004, 700), "with 30% less peak memory at batch 16 ("),
+        ((700, 800), "with 20-30% less peak memory ("),
+    ):
+        peaks = {**even, ("bf16-mixed", 8): at_8, ("bf16-mixed", 16): at_16}
+        report = _two_batches(FP32_MS / 2, peaks)
+        sentence = conclusion(report, summarize(report))
+        assert said in sentence and " 0%" not in sentence, sentence
 
 
 def test_float32_alone_asked_for_does_not_read_as_no_mixed_precision_being_fast():
@@ -609,6 +655,8 @@ def test_the_closing_sentence_says_why_nothing_was_compared():
         ("32-true", OOM, "bf16-mixed", OOM): "No configuration fit under the memory limit",
         ("32-true", "error", "bf16-mixed", "error"): "Every configuration failed",
         ("32-true", OK, "bf16-mixed", "error"): "Every mixed precision configuration failed",
+        ("32-true", "error", "bf16-mixed", OK): "Every float32 configuration failed (see the "
+        "table), so nothing was compared with it",
     }
     for spec, start in cases.items():
         rows = [row(spec[i], spec[i + 1]) for i in range(0, len(spec), 2)]
@@ -735,6 +783,30 @@ def test_rows_run_one_after_another_get_the_medians_ratio_and_no_verdict():
     # and under --compile, that one is named
     sentence = conclusion(*(lambda r: (r, summarize(r)))(_apart(fp32, bf16, compile=True)))
     assert "(--compile: a fresh process each)" in sentence and "without --compile" in sentence
+
+
+def test_a_float32_only_run_is_not_said_to_have_run_in_separate_processes():
+    """A float32-only run (--precision 32-true, or the default on an AVX2 CPU) has one row
+    per batch size, which shares no rounds: its notes said the configurations ran one after
+    another in separate processes, and under load advised rerunning "without --memory-limit
+    and --compile", neither of them given. The run's options decide, as for the plan."""
+    from mixprec.bench.report import notes
+
+    alone = RunResult(OK, LoopResult(step_ms=[FP32_MS] * 10, peak_memory=100))  # not paired
+    meta = _apart([FP32_MS], [BF16_MS], load_average_before=[9.0, 9.0, 9.0]).metadata
+    for options, apart in (({}, False), ({"memory_limit": 2**30}, True), ({"compile": True}, True)):
+        row = Row(Config("32-true", "32-true", 8, None, False), alone)
+        report = BenchReport({**meta, **options}, [row])
+        said = notes(report, summarize(report))
+        speedup = next(n for n in said if n.startswith("speedup:"))
+        warning = next(n for n in said if n.startswith("WARNING"))
+        assert ("separate processes" in speedup) is apart, (options, speedup)
+        assert ("paired rounds" in warning) is not apart, (options, warning)
+        assert ("--memory-limit" in warning) is apart, (options, warning)
+    # results of a version that ran every configuration apart: its mixed rows say so
+    report = _apart([FP32_MS] * 8, [BF16_MS] * 8)
+    speedup = next(n for n in notes(report, summarize(report)) if n.startswith("speedup:"))
+    assert "separate processes" in speedup
 
 
 def test_the_busy_machine_warning_says_how_this_run_times_its_steps():

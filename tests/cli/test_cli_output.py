@@ -72,6 +72,16 @@ def test_info_at_80_columns_cuts_nothing_and_says_why_bf16_mixed_is_fast(capsys,
     assert len(named) >= 5 and all(term in terms for term in named), named
 
 
+def test_infos_speed_against_float32_keeps_a_ratio_that_is_not_1_off_1_00x():
+    """`info --measure` printed 0.996 and 1.004 both as "1.00x"; more decimals, as the
+    bench's cells."""
+    from mixprec.cli import _relative
+
+    assert [_relative(r) for r in (0.996, 1.004, 1.0, 3.1, 0.0081)] == [
+        "0.996x", "1.004x", "1.00x", "3.10x", "0.0081x (123x slower)",
+    ]  # fmt: skip
+
+
 def test_the_bench_table_at_80_columns_leaves_out_columns_and_names_them():
     report, summaries = _committed("bench_default_cpu")
     text = _render(rich_table(report, summaries), 80)

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mixprec.bench.runner import OK, OOM
+from mixprec.bench.runner import OK, OOM, UNTIMED_STEPS
 from mixprec.bench.suite import (
     BASELINE,
     BLOG_V100_MS,
@@ -51,6 +51,7 @@ __all__ = [
     "notes",
     "plot",
     "progress_line",
+    "ratio_places",
     "rich_table",
     "stopped_line",
     "summarize",
@@ -248,7 +249,7 @@ def _is_baseline(s: Summary) -> bool:
     return s.precision == BASELINE and s.activations in (None, "keep")
 
 
-def _places(value: float, low: float | None = None, high: float | None = None) -> int:
+def ratio_places(value: float, low: float | None = None, high: float | None = None) -> int:
     """Decimals (2 to 4) that keep a ratio off "1.00" when it is not 1, and an interval
     wholly on one side of 1 from reaching it once rounded outward (`_outward`): a slowdown
     under half a percent read "1.00x (1.00-1.00)"."""
@@ -270,16 +271,22 @@ def _ratio_cell(value: float, low: float | None, high: float | None, rounds: int
     after a ratio of medians (rows that shared no rounds); "(1 round)" after one ratio; the
     rounds after an interval of too few of them for the stated confidence."""
     if not paired:
-        return f"{value:.{_places(value)}f}x (medians)"
+        return f"{value:.{ratio_places(value)}f}x (medians)"
     if low is None or high is None:
-        return f"{value:.{_places(value)}f}x"
+        return f"{value:.{ratio_places(value)}f}x"
     if rounds == 1:  # (one ratio: no interval to give, "1.00-1.00" would read as certain)
-        return f"{value:.{_places(value)}f}x (1 round)"
+        return f"{value:.{ratio_places(value)}f}x (1 round)"
     few = confidence is not None and confidence < CONFIDENCE
     shown = f", {rounds} rounds" if few and rounds else ""
-    places = _places(value, low, high)
+    return f"{value:.{ratio_places(value, low, high)}f}x ({_bounds(value, low, high)}{shown})"
+
+
+def _bounds(value: float, low: float, high: float) -> str:
+    """ "4.41-4.80": the ends of the interval of ratio `value`, rounded outward to its
+    decimals (`ratio_places`), as its table cell and the sentence print them."""
+    places = ratio_places(value, low, high)
     lo, hi = _outward(low, high, places)
-    return f"{value:.{places}f}x ({lo:.{places}f}-{hi:.{places}f}{shown})"
+    return f"{lo:.{places}f}-{hi:.{places}f}"
 
 
 def _speedup_cell(s: Summary) -> str:
@@ -546,7 +553,7 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
     """How the numbers were taken, shown under the table and in report.md (`busy=False`
     leaves out the busy-machine warning, for a terminal that was already warned)."""
     meta = report.metadata
-    paired = all(s.paired for s in summaries if s.speedup is not None)
+    paired = not _timed_apart(meta, summaries)
     out = [
         f"timing: {meta['timing']}; {meta['warmup']} warm-up round(s) after the memory "
         f"step, {meta['threads']} thread(s)"
@@ -667,7 +674,7 @@ def comparison_gap_lines(report: BenchReport, summaries: list[Summary]) -> list[
             "were measured (" + "; ".join(why) + "); no rate or time is estimated from them"
         )
     fp32 = [s for s in summaries if _is_baseline(s) and s.median_ms is not None]
-    steps = meta["steps"] + meta["warmup"] + 1
+    steps = meta["steps"] + meta["warmup"] + UNTIMED_STEPS
     per_step, timing = [], []
     for name, why in gap["left_out"].items():
         rate = rates.get(why["dtype"])
@@ -731,29 +738,30 @@ def _outward(low: float, high: float, places: int) -> tuple[float, float]:
 
 def _memory_clause(rows: list[Summary], fp32: dict[int, Summary]) -> str | None:
     """ "29-45% less peak memory" over the rows, against float32 at each batch size (where
-    it is less at some and more at others, each side with its batch sizes)."""
+    it is less at some and more at others, or the same at some, each side with its batch
+    sizes). A change that rounds to no whole percent is on neither side: "none less at
+    batch 8" read as a saving."""
     memory = {
         s.batch_size: 1 - s.peak_memory / fp32[s.batch_size].peak_memory
         for s in rows
         if s.peak_memory and fp32[s.batch_size].peak_memory
     }
-    if not memory:
+    changed = {b: m for b, m in memory.items() if f"{abs(m) * 100:.0f}" != "0"}
+    if not changed:  # (equal peaks, to the percent: no finding to state)
         return None
-    saved = _span([abs(m) * 100 for m in memory.values()], "{:.0f}")
-    if saved == "0":  # (equal peaks, to the percent: no finding to state)
-        return None
-    if min(memory.values()) >= 0:
-        return f"{saved}% less peak memory"
-    if max(memory.values()) <= 0:
-        return f"{saved}% more peak memory"
 
     def at(sign: int) -> tuple[str, str]:
-        batches = sorted(b for b, m in memory.items() if m * sign > 0)
-        share = _span([abs(memory[b]) * 100 for b in batches], "{:.0f}")
-        return share, f"batch {', '.join(str(b) for b in batches)}"
+        batches = sorted(b for b, m in changed.items() if m * sign > 0)
+        share = _span([abs(memory[b]) * 100 for b in batches], "{:.0f}") if batches else ""
+        where = f" at batch {', '.join(map(str, batches))}" if len(batches) < len(memory) else ""
+        return share, where
 
     (less, where_less), (more, where_more) = at(1), at(-1)
-    return f"{less}% less peak memory at {where_less} and {more}% more at {where_more}"
+    if not more:
+        return f"{less}% less peak memory{where_less}"
+    if not less:
+        return f"{more}% more peak memory{where_more}"
+    return f"{less}% less peak memory{where_less} and {more}% more{where_more}"
 
 
 def _float32_name(rows: list[Summary], fp32: dict[int, Summary]) -> str:
@@ -818,19 +826,39 @@ def _withheld(meta: dict[str, Any], label: str, kind: str, decisive: Interval, b
             f"{decisive.median:.2f}x); rerun with --steps {MIN_ROUNDS} or more."
         )
     under = _under_load(meta)
+    # (as the table rounds it, and the width up: "1.50x wide" read as within the limit)
+    places = ratio_places(decisive.median, decisive.low, decisive.high)
+    width = math.ceil(decisive.width * 10**places) / 10**places
+    bounds = _bounds(decisive.median, decisive.low, decisive.high)
     return (
         f"Too noisy to conclude {how}: at batch {batch} its speedup lies anywhere in "
-        f"{decisive.low:.2f}-{decisive.high:.2f}x (the {CONFIDENCE:.0%} interval of "
-        f"{decisive.n} rounds is {decisive.width:.2f}x wide and holds 1, a verdict needs at "
-        f"most {MAX_WIDTH:.1f}x or one side of 1){', ' + under if under else ''}; "
-        f"{_rerun_advice(threads)}."
+        f"{bounds}x (the {CONFIDENCE:.0%} interval of {decisive.n} rounds is "
+        f"{width:.{places}f}x wide and holds 1, a verdict needs at most {MAX_WIDTH:.1f}x or one "
+        f"side of 1){', ' + under if under else ''}; {_rerun_advice(threads)}."
+    )
+
+
+def _fresh_process_options(meta: dict[str, Any]) -> list[str]:
+    """The options of a run that put each configuration in a fresh process of its own
+    (`runner.fresh_process_reason`): ``--memory-limit``, ``--compile``."""
+    return [o for o, on in (("--memory-limit", "memory_limit"), ("--compile", "compile"))
+            if meta.get(on)]  # fmt: skip
+
+
+def _timed_apart(meta: dict[str, Any], summaries: list[Summary]) -> bool:
+    """Whether a run's configurations ran one after another in separate processes: by its
+    options, as `suite.times_paired` decides, or, recorded by a mixprec version that ran
+    every configuration so, by a row that shares no rounds with float32. float32's own rows
+    decide nothing: alone at its batch size (a float32-only run) a row shares no rounds
+    either, yet ran in this process."""
+    return bool(_fresh_process_options(meta)) or any(
+        not s.paired for s in summaries if s.speedup is not None and not _is_baseline(s)
     )
 
 
 def _apart_why(meta: dict[str, Any]) -> tuple[str, str]:
     """Why a run's configurations ran in separate processes, and how to get paired rounds."""
-    options = [o for o, on in (("--memory-limit", "memory_limit"), ("--compile", "compile"))
-               if meta.get(on)]  # fmt: skip
+    options = _fresh_process_options(meta)
     if options:
         given = " and ".join(options)
         return (
@@ -855,7 +883,7 @@ def _unpaired(
     meta = report.metadata
     why, how = _apart_why(meta)
     speed = [s.speedup or 0.0 for s in rows]
-    digits = f"{{:.{max(_places(x) for x in speed)}f}}"
+    digits = f"{{:.{max(ratio_places(x) for x in speed)}f}}"
     batches = _batches(sorted(s.batch_size for s in rows), meta.get("batch_sizes") or [])
     sentence = (
         f"No verdict on how fast {label} trains the {meta['model']} model against float32 "
@@ -895,7 +923,7 @@ def _noisy_clause(meta: dict[str, Any], noisy: list[tuple[Summary, Interval]]) -
     """The batch sizes left out of a finding as too noisy, with their intervals."""
     threads = meta.get("threads") or 1
     parts = ", ".join(
-        f"batch {s.batch_size}: anywhere in {i.low:.2f}-{i.high:.2f}x from {i.n} rounds"
+        f"batch {s.batch_size}: anywhere in {_bounds(i.median, i.low, i.high)}x from {i.n} rounds"
         for s, i in noisy
     )
     under = _under_load(meta)
@@ -910,8 +938,9 @@ def _noisy_clause(meta: dict[str, Any], noisy: list[tuple[Summary, Interval]]) -
 
 def _nothing_compared(summaries: list[Summary]) -> str:
     """Why no mixed precision was compared with float32, from what ran: float32 not asked
-    for, nothing fitting under the memory limit, every configuration failing, or float32
-    and mixed precision at no common batch size."""
+    for, nothing fitting under the memory limit, every configuration (or every one of
+    mixed precision, or of float32) failing, or float32 and mixed precision at no common
+    batch size."""
     mixed = [s for s in summaries if not _is_baseline(s)]
     float32 = [s for s in summaries if _is_baseline(s)]
     if not summaries:
@@ -926,6 +955,9 @@ def _nothing_compared(summaries: list[Summary]) -> str:
     if mixed and all(s.status != OK for s in mixed):
         how = "ran out of memory" if all(s.status == OOM for s in mixed) else "failed"
         return f"Every mixed precision configuration {how} (see the table)"
+    if float32 and all(s.status != OK for s in float32):
+        how = "ran out of memory" if all(s.status == OOM for s in float32) else "failed"
+        return f"Every float32 configuration {how} (see the table), so nothing was compared with it"
     return "No mixed precision and float32 ran side by side here to compare"
 
 
@@ -994,7 +1026,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     if verdict.kind == FASTER and min(float(f"{x:.1f}") for x in speed) <= 1.0:
         digits = "{:.2f}"  # ("1.0x as fast" reads as no faster)
     if digits == "{:.2f}":  # ("1.00x the speed of float32 ... slower than float32")
-        digits = f"{{:.{max(_places(x) for x in speed)}f}}"
+        digits = f"{{:.{max(ratio_places(x) for x in speed)}f}}"
     if verdict.kind == FASTER and _span(speed, digits) == _span(blog, digits):
         # ("1.1x ... the seed got 1.1x ..., so it pays more here" reads as a contradiction)
         digits = "{:.2f}"
@@ -1016,7 +1048,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     bounds = f"{digits.format(low_out)}-{digits.format(high_out)}"
     if (low > 1 and low_out <= 1.0) or (high < 1 and high_out >= 1.0):
         # ("1.0-1.8x" reads as reaching 1)
-        places = max(places, _places(1.0, low, high))
+        places = max(places, ratio_places(1.0, low, high))
         bounds = "{0:.{2}f}-{1:.{2}f}".format(*_outward(low, high, places), places)
     certainty = f"{CONFIDENCE:.0%} intervals within {bounds}x from {rounds} paired rounds"
     # against the seed's figure only what the intervals carry: more or less when every

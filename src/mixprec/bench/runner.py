@@ -61,6 +61,7 @@ __all__ = [
     "RunResult",
     "RunSpec",
     "RunStatus",
+    "UNTIMED_STEPS",
     "fresh_process_reason",
     "is_oom",
     "main",
@@ -97,6 +98,12 @@ CPU_MEMORY_METHOD = (
 CUDA_MEMORY_METHOD = f"torch.cuda.max_memory_allocated, {_AFTER_WARM_UP}"
 _ADDRESS_SPACE_SLACK = 512 * 2**20
 MAX_STEPS_TO_FIRST_UPDATE = 32
+# steps past the first optimizer update while the peak memory is measured (its state alive)
+STEPS_PAST_UPDATE = 1
+# the untimed steps each loop runs before its warm-up rounds (float16's skipped ones aside):
+# the dropped warm-up up to its first update, then that update again and `STEPS_PAST_UPDATE`
+# more while its memory is measured (`_ready_loop`)
+UNTIMED_STEPS = 1 + 1 + STEPS_PAST_UPDATE
 
 
 @dataclass
@@ -406,7 +413,7 @@ def _ready_loop(
         _warm_up(build, spec, deadline)
         warmed()
         (loop, res.first_step_s), res.peak_memory = measured(
-            device, lambda: _first_update(build, spec, deadline, then=1)
+            device, lambda: _first_update(build, spec, deadline, then=STEPS_PAST_UPDATE)
         )
     except _TimedOut:
         raise

@@ -14,6 +14,7 @@ import torch
 from rich.console import Console
 
 from mixprec import textout
+from mixprec.bench.report import ratio_places
 from mixprec.cli.bench import add_parser as add_bench_parser
 from mixprec.cli.doctor import add_parser as add_doctor_parser
 from mixprec.device import DeviceInfo, detect, remeasure
@@ -141,11 +142,12 @@ _STRATEGIES = (
 
 
 def _relative(ratio: float | None) -> str:
-    """A speed against float32's: "1.00x", "3.10x", or "0.0081x (124x slower)"."""
+    """A speed against float32's: "1.00x", "3.10x", or "0.0081x (124x slower)"; more
+    decimals where two would print a ratio that is not 1 as one, as the bench's cells."""
     if not ratio:
         return "-"
     if ratio >= 0.5:
-        return f"{ratio:.2f}x"
+        return f"{ratio:.{ratio_places(ratio)}f}x"
     return f"{ratio:.2g}x ({1 / ratio:,.0f}x slower)"
 
 
@@ -170,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mixprec",
         description="Mixed-precision training tools for PyTorch. Exit status: 0 success; 1 the "
         "run did not pass (doctor: the target precision fails its tolerance; bench: a "
-        "configuration or max-batch probe failed); 2 bad arguments; 3 an error stopped the "
-        "command (traceback on stderr).",
+        "configuration, its raw torch.autocast twin or a max-batch probe failed); 2 bad "
+        "arguments; 3 an error stopped the command (traceback on stderr).",
     )
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -125,7 +125,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:  # a flat list of op
             "rows.jsonl in --out as soon as it is measured, and the outputs are written from it "
             "whatever happens to a configuration, also when Ctrl-C or SIGTERM stops the run. "
             "Exit status 0: every configuration and max-batch probe ran (out of memory is a "
-            "result); 1: one failed (an error or --timeout); 2: bad arguments; 3: an error "
+            "result); 1: one failed (an error or --timeout), or a configuration's raw "
+            "torch.autocast twin failed; 2: bad arguments; 3: an error "
             "stopped the command; 130 / 143: Ctrl-C / SIGTERM stopped it (what finished is "
             "written)."
         ),
@@ -326,14 +327,20 @@ def _print_results(
     err: Console,
     busy: bool,
 ) -> None:
-    """The table, its notes (`busy`: whether to warn of a busy machine), the failed rows,
-    why no mixed precision was timed, the largest batches."""
+    """The table, its notes (`busy`: whether to warn of a busy machine), the failed rows
+    and raw torch.autocast twins, why no mixed precision was timed, the largest batches."""
     console.print(rich_table(report, summaries))
     for line in notes(report, summaries, busy=busy):
         console.print(f"  {line}", highlight=False)
     for s in summaries:
         if s.status not in (OK, OOM):
             err.print(f"[red]{s.label} @ {s.batch_size}: {s.status}[/] {s.error}", highlight=False)
+        if s.raw_error:  # (its table row ran: the raw column's "-" says nothing more)
+            err.print(
+                f"[red]{s.label} @ {s.batch_size}, its raw torch.autocast twin:[/] "
+                f"{s.raw_error}; mixprec's loop ran (its row above)",
+                highlight=False,
+            )
     gap = comparison_gap_lines(report, summaries)
     if gap:
         console.print("[yellow bold]why no mixed precision was timed[/]")
@@ -512,6 +519,13 @@ class _Printer(Listener):
         self.progress.update(self.task, description=f"max batch {name}: {batch} {shown}")
 
 
+def _twin_failed(row: Row) -> bool:
+    """Whether the raw torch.autocast twin of a configuration that ran failed, which fails
+    the run as a configuration's failure does (out of memory is a result for it too)."""
+    raw = row.result.raw
+    return row.result.status == OK and raw is not None and raw.status not in (OK, OOM)
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed `args`; returns the exit code."""
     console = textout.console()
@@ -564,7 +578,9 @@ def run_command(args: argparse.Namespace) -> int:
     if stopped_by is not None and stopped is not None:
         err.print(f"[yellow bold]{stopped}[/]", highlight=False, soft_wrap=True)
         return _STOPPED_EXIT[stopped_by]
-    failed = any(s.status not in (OK, OOM) for s in summaries) or any(
-        found["error"] for found in report.max_batch.values()
+    failed = (
+        any(s.status not in (OK, OOM) for s in summaries)
+        or any(_twin_failed(row) for row in report.rows)
+        or any(found["error"] for found in report.max_batch.values())
     )
     return 1 if failed else 0
