@@ -727,6 +727,45 @@ def _report(rows: list[Row]) -> BenchReport:
     return BenchReport(meta, rows)
 
 
+def test_the_outputs_are_written_whole(tmp_path, monkeypatch):
+    """results.json and report.md were written with write_text, results.csv line by line
+    and bench.png by matplotlib straight to its path: a run stopped while writing (or a
+    reader) found half a file, or the last run's results half overwritten."""
+    from matplotlib.figure import Figure
+
+    from mixprec.bench.report import OUTPUT_FILES, write_outputs
+
+    def ok(ms):
+        return RunResult(OK, LoopResult(step_ms=ms, peak_memory=100), paired=True)
+
+    rows = [
+        Row(Config("32-true", "32-true", 8, None, False), ok([40.0, 10.0, 30.0])),
+        Row(Config("bf16-mixed", "bf16-mixed", 8, None, True), ok([20.0, 5.0, 15.0])),
+    ]
+    savefig, opened = Figure.savefig, Path.open
+
+    def to_memory_only(self, where, *args, **kwargs):
+        assert not isinstance(where, str | Path), f"{where} written by savefig in place"
+        return savefig(self, where, *args, **kwargs)
+
+    def read_only(self, mode="r", *args, **kwargs):
+        assert "w" not in mode, f"{self} opened to write in place"
+        return opened(self, mode, *args, **kwargs)
+
+    def not_whole(self, *args, **kwargs):
+        raise AssertionError(f"{self} written with write_text, not whole")
+
+    monkeypatch.setattr(Figure, "savefig", to_memory_only)
+    monkeypatch.setattr(Path, "open", read_only)
+    monkeypatch.setattr(Path, "write_text", not_whole)
+    paths = write_outputs(tmp_path / "out", _report(rows))
+    assert [p.name for p in paths] == list(OUTPUT_FILES)
+    assert json.loads(paths[0].read_text())
+    assert paths[1].read_text().startswith("batch_size,") or "," in paths[1].read_text()
+    assert paths[2].read_text().startswith("# mixprec bench")
+    assert paths[3].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_summaries_speedup_overhead_and_oom_rows():
     def ok(ms, raw_ms=None, peak=100, paired=True):
         raw = LoopResult(step_ms=raw_ms, peak_memory=peak) if raw_ms else None

@@ -5,6 +5,7 @@ report.md and bench.png (ms/step and peak memory against batch size, one line pe
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -36,6 +37,7 @@ from mixprec.bench.verdict import (
     ratio_interval,
     speed_verdict,
 )
+from mixprec.files import write_atomically
 from mixprec.textout import Column, FittedTable
 
 __all__ = [
@@ -1139,13 +1141,13 @@ def to_json(report: BenchReport, summaries: list[Summary]) -> dict[str, Any]:
 
 
 def write_csv(path: Path, summaries: list[Summary]) -> None:
-    """results.csv: one row per configuration."""
-    fields = list(Summary.__dataclass_fields__)
-    with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        for s in summaries:
-            writer.writerow(asdict(s))
+    """results.csv: one row per configuration (written whole)."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=list(Summary.__dataclass_fields__))
+    writer.writeheader()
+    for s in summaries:
+        writer.writerow(asdict(s))
+    write_atomically(path, text.getvalue())
 
 
 def markdown(report: BenchReport, summaries: list[Summary]) -> str:
@@ -1234,19 +1236,25 @@ def plot(path: Path, report: BenchReport, summaries: list[Summary]) -> None:
             ax.legend()
     fig.suptitle(f"{report.metadata['model']} on {report.metadata['device']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, format="png", dpi=120)
+    finally:
+        plt.close(fig)
+    write_atomically(path, image.getvalue())
 
 
 def write_outputs(out: Path, report: BenchReport, png: bool = True) -> list[Path]:
     """Write results.json, results.csv, report.md and (with `png`, which needs matplotlib)
-    bench.png into `out`; returns the paths written."""
+    bench.png into `out`, each whole (`write_atomically`: a run stopped while writing, or a
+    reader, never finds half of one, nor the last run's results half overwritten); returns
+    the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     summaries = summarize(report)
     paths = [out / n for n in OUTPUT_FILES]
-    paths[0].write_text(json.dumps(to_json(report, summaries), indent=1))
+    write_atomically(paths[0], json.dumps(to_json(report, summaries), indent=1))
     write_csv(paths[1], summaries)
-    paths[2].write_text(markdown(report, summaries))
+    write_atomically(paths[2], markdown(report, summaries))
     if not png:
         return paths[:3]
     plot(paths[3], report, summaries)
