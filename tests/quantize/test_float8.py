@@ -659,6 +659,29 @@ def test_a_linear_with_a_region_of_its_own_is_skipped():
     }
 
 
+class _ComputesWithChildWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+        self.out = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.linear(x, self.proj.weight, self.proj.bias))
+
+
+def test_a_linear_whose_parent_computes_with_its_weight_is_skipped():
+    """convert_to_float8 swapped a Linear whose parent computes with its weight itself: the
+    parent passed the Float8Linear by and the model computed in float, with nothing in
+    `skipped`. It is skipped now, with the reason `explain` gives."""
+    model = nn.Sequential(_ComputesWithChildWeight())
+    said = mixprec.explain(model, "float8/rowwise_from_float32").skipped["0.proj"]
+    skipped = {}
+    convert_to_float8(model, recipe="rowwise", skip_small=False, skipped=skipped)
+    assert type(model[0].proj) is nn.Linear and isinstance(model[0].out, Float8Linear)
+    assert skipped == {"0.proj": said}
+    assert "its parent _ComputesWithChildWeight computes with its weight" in said
+
+
 def test_converting_back_a_model_apply_converted_is_refused():
     """It swapped the float8 layer for a plain Linear without its policy region (a float32
     result where the policy computes in bfloat16, off by 6e-3) while `explain` still

@@ -137,3 +137,88 @@ def test_a_format_keeping_the_weight_skips_a_layer_whose_parent_computes_with_it
     t5 = transformers.T5ForConditionalGeneration(config)
     wo = "encoder.block.0.layer.1.DenseReluDense.wo"
     assert wo in mixprec.quantize(t5, mode).quantized
+
+
+class _ComputesInAHelper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    def _mix(me, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, me.proj.weight, me.proj.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mix(x)
+
+
+class _ComputesWithAGrandchildWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(64, 64))
+        self.heads = nn.ModuleDict({"a": nn.Sequential(nn.ReLU(), nn.Linear(64, 64))})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(x, self.block[0].weight), self.heads["a"][-1].weight)
+
+
+class _WeightProperty(_ComputesWithChildWeight):
+    @property
+    def _weight(self) -> torch.Tensor:
+        return self.proj.weight
+
+
+class _ComputesInABaseClassProperty(_WeightProperty):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self._weight)
+
+
+READERS = {
+    _ComputesInAHelper: ["0.proj"],
+    _ComputesWithAGrandchildWeight: ["0.block.0", "0.heads.a.1"],
+    _ComputesInABaseClassProperty: ["0.proj"],
+}
+
+
+@pytest.mark.parametrize("reader", list(READERS), ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("mode", ["mxfp8", "int8"])
+def test_a_weight_read_in_a_helper_or_below_a_child_is_a_parent_read_too(reader, mode):
+    """Only ``self.<child>.weight`` in the parent's own forward counted: a read in a method
+    forward calls (or a property), or of a grandchild's weight (``self.block[0].weight``),
+    was missed. mxfp8 reported the layer quantized while the model computed in float
+    (bit-identical output); int8 raised AttributeError at the forward. Such a layer is
+    skipped now, with the reason, in explain, apply and quantize."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(reader()), torch.randn(4, 64)
+    expected = model(x)
+    what = "computes with its weight" if mode == "mxfp8" else "reads its weight"
+    said = mixprec.explain(model, f"{mode}_from_float32")
+    assert said.quantized == []
+    for path in READERS[reader]:
+        assert f"its parent {reader.__name__} {what}" in said.skipped[path]
+    mixprec.apply(model, f"{mode}_from_float32", warn=False)
+    assert all(type(model.get_submodule(path)) is nn.Linear for path in READERS[reader])
+    assert torch.equal(model(x), expected)  # (int8 raised AttributeError here)
+    result = mixprec.quantize(nn.Sequential(reader()), mode)
+    assert sorted(result.skipped) == READERS[reader] and not result.quantized
+
+
+class _TiesAndInitsOutsideForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 64)
+        self.head = nn.Linear(64, 64, bias=False)
+        self.head.weight = self.emb.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.head.weight, std=0.02)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+
+def test_a_weight_tied_or_initialised_outside_forward_is_no_parent_read():
+    """Methods forward does not reach (``__init__`` tying a head to its embedding, an
+    initialiser) do not make the layers read by their parent: both quantize."""
+    result = mixprec.quantize(nn.Sequential(_TiesAndInitsOutsideForward()), "int8")
+    assert sorted(result.quantized) == ["0.emb", "0.head"] and not result.skipped

@@ -5,17 +5,20 @@ checkpointing of `torch._int_mm`, and LoRA under DDP."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 from spawning import WORLD, run_ranks
 from torch import nn
+from torch.nn.utils import prune
 
 import mixprec
 import mixprec.quantize.int8 as int8
 from mixprec.activations.recompute import recomputed
 from mixprec.convert import applied_policy
 from mixprec.quantize import dequantize, enable_lora, quantize
+from mixprec.quantize.float8 import convert_to_float8
 
 SPECS = ["int8", "int4/16"]
 CAST_POLICY = {torch.float16: "16-true", torch.bfloat16: "bf16-true"}
@@ -265,6 +268,49 @@ def test_a_layer_whose_forward_is_replaced_on_the_instance_stays_float_with_the_
     applied = mixprec.apply(nn.Sequential(nn.Linear(64, 64)), "bf16-mixed", warn=False)
     assert "0" in mixprec.explain(applied, f"{mode}_from_bf16-mixed").quantization
     assert "replaced" not in mixprec.explain(applied, f"{mode}_from_bf16-mixed").quantization["0"]
+
+
+def _reparametrized(how: str, tensor: str) -> nn.Linear:
+    layer = nn.Linear(64, 64)
+    if how == "weight_norm":
+        with warnings.catch_warnings():  # (deprecated for torch.nn.utils.parametrizations')
+            warnings.simplefilter("ignore", FutureWarning)
+            return nn.utils.weight_norm(layer)
+    if how == "spectral_norm":
+        return nn.utils.spectral_norm(layer)
+    prune.l1_unstructured(layer, tensor, amount=0.3)
+    return layer
+
+
+@pytest.mark.parametrize(
+    ("how", "tensor"),
+    [
+        ("weight_norm", "weight"),
+        ("spectral_norm", "weight"),
+        ("pruning", "weight"),
+        ("pruning", "bias"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["int8", "mxfp8", "float8"])
+def test_a_layer_reparametrized_by_torch_nn_utils_stays_float_with_the_reason(how, tensor, mode):
+    """torch.nn.utils's weight_norm, spectral_norm and pruning recompute the weight (or bias)
+    in a forward pre-hook from parameters of the layer's own (weight_g, weight_orig): the
+    swapped layer carried the hook without them, and its forward raised AttributeError.
+    Such a layer is skipped, saying what to remove, in explain, quantize and
+    convert_to_float8."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_reparametrized(how, tensor), nn.Linear(64, 64))
+    reason = f"torch.nn.utils's {how} recomputes its {tensor} before each forward"
+    if mode == "float8":
+        skipped: dict[str, str] = {}
+        convert_to_float8(model, skip_small=False, skipped=skipped)
+    else:
+        said = mixprec.explain(model, f"{mode}_from_float32")
+        assert said.quantized == ["1"] and reason in said.skipped["0"]
+        skipped = quantize(model, mode).skipped
+    assert list(skipped) == ["0"] and reason in skipped["0"]
+    assert type(model[0]) is nn.Linear and type(model[1]) is not nn.Linear
+    model(torch.randn(4, 64))  # (raised AttributeError)
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4", "mxfp8"])

@@ -52,6 +52,41 @@ def test_an_encoder_in_eval_without_gradients_runs_its_swapped_layers(swap, padd
     torch.testing.assert_close(fused, slow.detach())
 
 
+LATER_LAYER = r"0\.layers\.1\..*"
+LATER_SWAPS: dict[str, Callable[[nn.Module], object]] = {
+    "int8": lambda m: quantize(m, "int8", filter=LATER_LAYER),
+    "float8": lambda m: convert_to_float8(m, skip_small=False, filter=LATER_LAYER),
+    "apply": lambda m: apply(
+        m, PolicyMap("32-true", {r"0\.layers\.1\.linear\d": "int8_from_float32"}), warn=False
+    ),
+}
+
+
+@pytest.mark.parametrize("swap", list(LATER_SWAPS))
+def test_an_encoder_whose_later_layer_is_swapped_runs_a_padded_batch(swap):
+    """The encoder's nested-tensor path was turned off only when its first layer changed:
+    with a later layer quantized, a padded batch in eval mode without gradients was nested
+    by the untouched first layer and the swapped one, off its fused path, failed on it
+    (RuntimeError: NestedTensorImpl doesn't support sizes). Now any changed layer turns it
+    off, and turning the layer back into float turns it back on."""
+    model = encoder()
+    LATER_SWAPS[swap](model)
+    stack = model[0]
+    assert type(stack.layers[0].linear1) is nn.Linear
+    assert type(stack.layers[1].linear1) is not nn.Linear
+    assert not stack.use_nested_tensor
+    model.eval()
+    x = torch.randn(2, 5, 64)
+    mask = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    with torch.no_grad():
+        fused = stack(x, src_key_padding_mask=mask)
+    torch.testing.assert_close(fused[0], stack(x, src_key_padding_mask=mask)[0].detach())
+    if swap == "apply":
+        remove(model)  # (its int8 layers stay)
+    (convert_from_float8 if swap == "float8" else dequantize)(model)
+    assert stack.use_nested_tensor and not hasattr(stack, "_mixprec_fast_path")
+
+
 @pytest.mark.parametrize(
     ("swap", "undo"),
     [("int8", dequantize), ("mxfp8", dequantize), ("float8", convert_from_float8)],

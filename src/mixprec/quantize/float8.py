@@ -47,9 +47,12 @@ from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_
 from mixprec.quantize.rules import (
     Filter,
     SwappedLinear,
+    parent_computes_reason,
     path_filter,
     refuse_applied,
+    reparametrized_reason,
     swap_modules,
+    weights_read_by_parents,
 )
 
 if TYPE_CHECKING:
@@ -499,7 +502,9 @@ def skip_reason(
     """Why `convert_to_float8` leaves this module alone, or None if it converts it.
 
     Only plain `nn.Linear` converts (a subclass may have a forward of its own, such as
-    MultiheadAttention's out_proj, which never calls it). With `skip_small` (the default)
+    MultiheadAttention's out_proj, which never calls it), and not one reparametrized by
+    torch.nn.utils's weight_norm, spectral_norm or pruning (whose hook the Float8Linear would
+    break). With `skip_small` (the default)
     torchao's rule also applies: dims that are not multiples of 16 cannot run a real float8
     matmul, and a tensorwise/delayed layer with in_features <= 4096 and out_features <= 1024
     is too small to win back its casts (`Float8Config`'s rule, which quantized policies
@@ -513,6 +518,9 @@ def skip_reason(
     if type(linear) is not nn.Linear:
         kind = "a subclass of nn.Linear" if isinstance(linear, nn.Linear) else "not an nn.Linear"
         return f"{type(linear).__name__} is {kind}; only plain nn.Linear is converted"
+    reparametrized = reparametrized_reason(linear)
+    if reparametrized is not None:
+        return reparametrized
     if not linear.weight.is_floating_point():
         return f"weight dtype {linear.weight.dtype} is not floating"
     if "forward" in linear.__dict__:
@@ -547,7 +555,9 @@ def convert_to_float8(
     `filter` picks layers: a callable(path, module) -> bool or a regex that must fullmatch
     the path (the model's own path is ""). `skip_small` applies torchao's size rule (see
     `skip_reason`); pass False for small layers. `skipped`, a dict you pass, gets {path:
-    reason} for each Linear-like module left alone (`skip_reason` says it for one module).
+    reason} for each Linear-like module left alone (`skip_reason` says it for one module, and
+    a Linear whose weight a module above it computes with itself is left too: it would pass
+    the Float8Linear by, as `mixprec.explain` says).
     Parameters are shared with the new modules, so an optimizer built before keeps working.
     Convert before `mixprec.apply` (a Linear with a region is skipped). `emulate=True` makes
     the new modules emulate float8 even where real kernels run.
@@ -563,11 +573,14 @@ def convert_to_float8(
             f"skipped must be a dict for convert_to_float8 to fill with {{path: reason}}, "
             f"got {type(skipped).__name__}"
         )
+    read = weights_read_by_parents(model)
 
     def make(path: str, child: nn.Module) -> nn.Module | None:
         if not isinstance(child, nn.Linear):
             return None
         reason = skip_reason(child, recipe, skip_small=skip_small)
+        if reason is None:
+            reason = parent_computes_reason(Float8Format.name, read.get(id(child)))
         if reason is None and not keep(path, child):
             reason = "excluded by filter"
         if reason is not None:

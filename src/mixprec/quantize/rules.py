@@ -19,12 +19,17 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from mixprec.errors import PolicySpecError
 from mixprec.policy import APPLIED_STATE, REGION_MARK, QuantizedPolicy
 
 __all__ = [
     "hugging_face_conv1d",
+    "parent_computes_reason",
+    "reparametrized_reason",
     "set_fast_paths",
     "skip_reason",
     "weights_read_by_parents",
@@ -71,41 +76,94 @@ class MetadataRead(str):
     child's weight's dtype, device or shape: harmless where the format keeps the weight."""
 
 
+# a read of a descendant's weight after the module's own name: ``.wo.weight``,
+# ``.block[0].weight``, ``.a.b.weight``, ``.heads["q"].weight`` (literal indices and keys)
+_CHAIN = r"((?:\.\w+|\[\s*(?:-?\d+|'\w+'|\"\w+\")\s*\])+)\.weight\b"
+_STEP = re.compile(r"\.(\w+)|\[\s*(?:(-?\d+)|'(\w+)'|\"(\w+)\")\s*\]")
+
+
 @functools.cache
-def _weights_read(cls: type) -> dict[str, bool]:
-    """The children whose weight ``cls.forward`` reads itself (``self.wo.weight``, as
-    Hugging Face's T5 feed-forward does to pick its input's dtype), from its source, each
-    with whether it computes with it (a read other than of its dtype, device or shape); none
-    when the source cannot be read, or the reads are in torch's inference fast path of an
-    encoder layer, which `set_fast_paths` turns off around quantized layers."""
-    forward = inspect.getattr_static(cls, "forward", None)  # (a TorchScript module's is not
-    if issubclass(cls, nn.TransformerEncoderLayer) or not inspect.isfunction(forward):  # one)
+def _weights_read(cls: type) -> dict[tuple[str | int, ...], bool]:
+    """The descendants whose weight ``cls``'s forward reads itself (``self.wo.weight``, as
+    Hugging Face's T5 feed-forward does to pick its input's dtype), as the chain of names
+    and indices down to each, from the source of forward and of the methods and properties
+    it reaches through ``self`` (`_own_function`), each with whether it computes with it (a
+    read other than of its dtype, device or shape); none where the source cannot be read,
+    or the reads are in torch's inference fast path of an encoder layer, which
+    `set_fast_paths` turns off around quantized layers."""
+    if issubclass(cls, nn.TransformerEncoderLayer):
         return {}
-    try:
-        source = inspect.getsource(forward)
-    except (OSError, TypeError):
-        return {}
-    # (the module as forward names it: ``self`` by convention, not always)
-    me = next(iter(inspect.signature(forward).parameters), "self")
-    out: dict[str, bool] = {}
-    for read in re.finditer(rf"\b{re.escape(me)}\.(\w+)\.weight\b", source):
-        metadata = _METADATA.match(source, read.end()) or re.search(
-            r"isinstance\(\s*$", source[: read.start()]
-        )
-        out[read[1]] = out.get(read[1], False) or not metadata
+    out: dict[tuple[str | int, ...], bool] = {}
+    todo, seen = ["forward"], {"forward"}
+    while todo:
+        function = _own_function(cls, todo.pop())
+        if function is None:
+            continue
+        try:
+            source = inspect.getsource(function)
+        except (OSError, TypeError):
+            continue
+        # (the module as the method names it: ``self`` by convention, not always)
+        me = re.escape(next(iter(inspect.signature(function).parameters), "self"))
+        for name in re.findall(rf"\b{me}\.(\w+)", source):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+        for read in re.finditer(rf"\b{me}{_CHAIN}", source):
+            chain = tuple(
+                int(step[2]) if step[2] else step[1] or step[3] or step[4]
+                for step in _STEP.finditer(read[1])
+            )
+            metadata = _METADATA.match(source, read.end()) or re.search(
+                r"isinstance\(\s*$", source[: read.start()]
+            )
+            out[chain] = out.get(chain, False) or not metadata
     return out
 
 
+def _own_function(cls: type, name: str) -> Callable[..., Any] | None:
+    """The function of method or property ``name`` of ``cls``, where ``cls`` or a base
+    class below nn.Module defines it (not nn.Module's own methods); None for anything else
+    (a submodule, a TorchScript module's forward, a staticmethod)."""
+    for klass in cls.__mro__:
+        if klass is nn.Module:
+            return None
+        found = klass.__dict__.get(name)
+        if found is not None:
+            found = found.fget if isinstance(found, property) else found
+            return found if inspect.isfunction(found) else None
+    return None
+
+
+def _descendant(module: nn.Module, chain: tuple[str | int, ...]) -> nn.Module | None:
+    """The submodule of ``module`` a `_weights_read` chain names: attribute names and
+    ModuleDict keys, positions in a Sequential or ModuleList; None where it names none."""
+    for step in chain:
+        positional = isinstance(module, (nn.Sequential, nn.ModuleList))
+        if isinstance(step, str):
+            found = module._modules.get(step)
+        elif positional and -len(module) <= step < len(module):
+            found = module[step]
+        else:
+            return None
+        if not isinstance(found, nn.Module):
+            return None
+        module = found
+    return module
+
+
 def weights_read_by_parents(model: nn.Module) -> dict[int, str]:
-    """The modules of ``model`` whose weight their parent's forward reads itself, by id,
-    with that parent's class name (a `MetadataRead` where it reads only the weight's dtype,
-    device or shape): a layer holding codes in place of its weight would break that forward,
-    and one computing in another format would be passed by (`skip_reason`'s ``read_by``)."""
+    """The modules of ``model`` whose weight a module above them reads itself (its forward or
+    a method forward calls: ``self.proj.weight``, ``self.block[0].weight``), by id, with the
+    reader's class name (a `MetadataRead` where all it reads is the weight's dtype, device or
+    shape): a layer holding codes in place of its weight would break that forward, and one
+    computing in another format would be passed by (`skip_reason`'s ``read_by``)."""
     out: dict[int, str] = {}
     for parent in model.modules():
-        for name, computes in _weights_read(type(parent)).items():
-            child = parent._modules.get(name)
-            if child is not None:
+        for chain, computes in _weights_read(type(parent)).items():
+            child = _descendant(parent, chain)
+            # (a reader computing with the weight outranks one reading its dtype)
+            if child is not None and (computes or id(child) not in out):
                 kind = str if computes else MetadataRead
                 out[id(child)] = kind(type(parent).__name__)
         if type(parent).__module__.startswith("peft."):
@@ -150,8 +208,8 @@ def skip_reason(
     """Why `policy` leaves `module` in its source float policy (None: it quantizes it, or
     it is already quantized in this mode). The rules every format shares (the layer types
     it takes, enough input features, a weight its parent reads: ``read_by``, the parent's
-    class from `weights_read_by_parents`) come first, then the format's own
-    (`Format.skip`)."""
+    class from `weights_read_by_parents`; no torch.nn.utils reparametrization) come first,
+    then the format's own (`Format.skip`)."""
     fmt = policy.format
     done = getattr(module, "quantization_mode", None)
     if isinstance(done, str):
@@ -184,12 +242,9 @@ def skip_reason(
             f"unsupported: its parent {read_by} reads its weight in its own forward, where "
             f"a layer in {fmt.name} holds codes"
         )
-    peft = read_by in (PEFT_SAVED, PEFT_TRAINED)
-    if read_by is not None and not peft and not isinstance(read_by, MetadataRead):
-        return (
-            f"unsupported: its parent {read_by} computes with its weight in its own forward, "
-            f"which would pass the {fmt.name} layer by (the model would compute in float)"
-        )
+    computes = parent_computes_reason(fmt.name, read_by)
+    if computes is not None:
+        return computes
     embedding = not linear_only and type(module) is nn.Embedding
     if embedding and (module.max_norm is not None or module.sparse or module.scale_grad_by_freq):
         return (
@@ -200,6 +255,9 @@ def skip_reason(
     conv1d = not linear_only and hugging_face_conv1d(module)
     if type(module) is not nn.Linear and not embedding and not conv1d:
         return f"unsupported type {type(module).__name__}: {fmt.name} quantizes {kinds}"
+    reparametrized = reparametrized_reason(module)
+    if reparametrized is not None:
+        return reparametrized
     if conv1d:
         features = module.weight.shape[0]
     else:
@@ -210,6 +268,45 @@ def skip_reason(
             f"{MIN_QUANTIZED_FEATURES} save little and lose the most accuracy)"
         )
     return fmt.skip(policy.config, module)
+
+
+def parent_computes_reason(name: str, read_by: str | None) -> str | None:
+    """Why a layer in format `name` that keeps its float weight is skipped where a module
+    above it computes with that weight itself (``read_by``, from `weights_read_by_parents`:
+    not a peft module, not a `MetadataRead`), or None: that module would pass the layer by."""
+    peft = read_by in (PEFT_ADAPTER, PEFT_SAVED, PEFT_TRAINED)
+    if read_by is None or peft or isinstance(read_by, MetadataRead):
+        return None
+    return (
+        f"unsupported: its parent {read_by} computes with its weight in its own forward, "
+        f"which would pass the {name} layer by (the model would compute in float)"
+    )
+
+
+# torch.nn.utils's reparametrizations by a forward pre-hook, which recomputes a tensor of the
+# module before each forward from parameters of its own (weight_norm's weight_g and weight_v,
+# spectral_norm's and pruning's weight_orig), with what takes each off
+_REPARAMETRIZATIONS: dict[type, tuple[str, str]] = {
+    WeightNorm: ("weight_norm", "torch.nn.utils.remove_weight_norm"),
+    SpectralNorm: ("spectral_norm", "torch.nn.utils.remove_spectral_norm"),
+    BasePruningMethod: ("pruning", "torch.nn.utils.prune.remove"),
+}
+
+
+def reparametrized_reason(module: nn.Module) -> str | None:
+    """Why a layer reparametrized by torch.nn.utils (`_REPARAMETRIZATIONS`) is not swapped
+    (None: it is not): the swapped layer would carry the hook without the parameters it
+    reads (``weight_g``, ``weight_orig``, ``bias_mask``: AttributeError at its forward)."""
+    for hook in module._forward_pre_hooks.values():
+        for kind, (what, undo) in _REPARAMETRIZATIONS.items():
+            if isinstance(hook, kind):
+                tensor = getattr(hook, "name", None) or getattr(hook, "_tensor_name", "weight")
+                return (
+                    f"unsupported: torch.nn.utils's {what} recomputes its {tensor} before each "
+                    f"forward (a forward pre-hook), which a swapped layer would break: "
+                    f"{undo} first"
+                )
+    return None
 
 
 def describe(policy: QuantizedPolicy) -> str:
@@ -277,7 +374,8 @@ _FAST_PATH_KEPT = "_mixprec_fast_path"
 def set_fast_paths(model: nn.Module) -> None:
     """Turn off torch's inference fast path in each ``nn.TransformerEncoderLayer`` one of
     whose submodules a swap replaced or a mixprec region wraps, and the nested-tensor path
-    of an ``nn.TransformerEncoder`` whose first layer is one; turn them back on once the
+    of an ``nn.TransformerEncoder`` any of whose layers is one (it nests the batch for them
+    all, and a layer off its fused path fails on a nested tensor); turn them back on once the
     layer is plain torch again.
 
     In eval mode without gradients those paths compute the layer in one fused call that
@@ -288,14 +386,14 @@ def set_fast_paths(model: nn.Module) -> None:
     are the layer's ``activation_relu_or_gelu`` (0: not fused) and the encoder's
     ``use_nested_tensor``; the values they had are kept on the module and put back."""
     modules = list(model.modules())
-    for module in modules:  # the layers first: an encoder asks its first layer
+    for module in modules:  # the layers first: an encoder asks its layers
         if isinstance(module, nn.TransformerEncoderLayer):
             changed = any(_changed(m) for m in module.modules() if m is not module)
             _switch(module, "activation_relu_or_gelu", 0, off=changed)
     for module in modules:
-        if isinstance(module, nn.TransformerEncoder) and len(module.layers):
-            first = module.layers[0]
-            _switch(module, "use_nested_tensor", False, off=hasattr(first, _FAST_PATH_KEPT))
+        if isinstance(module, nn.TransformerEncoder):
+            changed = any(hasattr(layer, _FAST_PATH_KEPT) for layer in module.layers)
+            _switch(module, "use_nested_tensor", False, off=changed)
 
 
 def _changed(module: nn.Module) -> bool:
