@@ -755,6 +755,76 @@ def test_plain_module_with_optimizer_instance_validate_test_predict():
     assert torch.allclose(trainer.predict(model, [x])[0], model(x).detach())
 
 
+def test_a_fits_masters_are_exported_after_a_validate_test_or_predict_of_its_model(tmp_path):
+    """Each run replaced the one the export took the masters from: after a validate, test or
+    predict, save_full_state_dict wrote the float16 weights cast to float32, 11 bits short
+    of the masters the fit ended with. A checkpoint an evaluation loads replaces the fit's
+    weights: the export is then the weights loaded."""
+    data = DataLoader(small_targets(), batch_size=16)
+    model = mlp()
+    saves = ModelCheckpoint(tmp_path / "ck", "{epoch}", save_top_k=-1)
+    trainer = Trainer(
+        precision="16-true",
+        allow_slow_precision=True,
+        max_epochs=2,
+        callbacks=[saves],
+        **SILENT,
+    )
+
+    def exported() -> dict[str, torch.Tensor]:
+        return torch.load(trainer.save_full_state_dict(tmp_path / "full.pt"), weights_only=True)
+
+    trainer.fit(model, data, loss_fn=F.mse_loss)
+    masters = exported()
+    assert not all(torch.equal(m, m.half().float()) for m in masters.values())
+    for evaluate in (trainer.validate, trainer.test, trainer.predict):
+        evaluate(model, data)
+        after = exported()
+        assert after.keys() == masters.keys()
+        assert all(torch.equal(after[k], m) for k, m in masters.items()), evaluate.__name__
+    trainer.validate(model, data, ckpt_path=tmp_path / "ck" / "0.ckpt")
+    loaded = exported()
+    assert all(torch.equal(loaded[k], v.float()) for k, v in model.state_dict().items())
+    assert not all(torch.equal(loaded[k], m) for k, m in masters.items())
+
+
+class InfAtValidated(TrainingModule):
+    """A regressor whose second batch's gradients overflow float16, with a validation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        out = self.net(batch[0])
+        if batch_idx == 1:
+            out.register_hook(lambda g: g * float("inf"))
+        return F.mse_loss(out, batch[1])
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.mse_loss(self.net(batch[0]), batch[1]))
+
+
+def test_the_summary_after_an_evaluation_is_the_last_fits(tmp_path):
+    """Each run reset the precision's loss scaler to its configured state: after a
+    validate, summary() said "256 (0 skipped steps)" for a fit that ended at 128 with one
+    skipped step (and had no throughput, memory or loss of it)."""
+    from mixprec.optim.scaling import DynamicLossScaler
+
+    data = DataLoader(small_targets(), batch_size=16)
+    scaled = Precision("16-mixed", scaler=DynamicLossScaler(init_scale=256.0), allow_slow=True)
+    trainer = Trainer(precision=scaled, max_epochs=1, **QUIET)
+    model = InfAtValidated()
+    trainer.fit(model, data)
+    after_fit = trainer.summary()
+    assert after_fit["loss scale"] == "128 (1 skipped steps)"
+    trainer.validate(model, data)
+    after = trainer.summary()
+    assert after.keys() == after_fit.keys()
+    assert all(after[k] == v for k, v in after_fit.items() if k != "peak memory"), after
+
+
 def test_plain_module_misuse_raises_clear_errors():
     trainer = Trainer(max_epochs=1, **QUIET)
     with pytest.raises(ValueError, match="pass loss_fn="):

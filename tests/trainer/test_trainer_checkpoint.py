@@ -178,7 +178,7 @@ def test_checkpoint_contents(tmp_path):
         "samples": [96, 96],  # (the dataset's and the sampler's: the order is drawn over them)
         "order": {"sampler": "RandomSampler", "batch_sampler": "BatchSampler", "generators": []},
         "loader_rng": [],
-        "step_rows": None,  # (saved mid-epoch, not on its last batch)
+        "step_rows": [],  # (no logger: no row was logged)
     }
     assert state["optimizer_types"] == ["AdamW"]
     assert set(state["rng"]) >= {"python", "torch", "numpy"}
@@ -203,6 +203,41 @@ def test_saving_inside_an_accumulation_window_is_refused(tmp_path):
     t = trainer(tmp_path, "32-true", max_steps=2, callbacks=[SaveEarly()])
     with pytest.raises(RuntimeError, match="middle of a gradient accumulation window"):
         t.fit(DropoutNet(0), train)
+
+
+class SaveBeforeStep(Callback):
+    """Saves in on_before_optimizer_step, between the backward and the step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_before_optimizer_step(self, trainer, model, optimizer):
+        trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("accumulate, optimizer", [(1, "SGD"), (2, "SGD"), (1, "LBFGS")])
+def test_saving_while_an_optimizer_step_is_taken_is_refused(tmp_path, accumulate, optimizer):
+    """The window's count was reset before on_before_optimizer_step ran, so a save there
+    was accepted and resumed wrong: the window's gradients were lost and taken again, and
+    with one micro-batch a window the generators were saved after the forward (another
+    dropout mask). It is refused, saying where to save instead."""
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)
+    t = Trainer(
+        max_epochs=1,
+        accumulate_grad_batches=accumulate,
+        callbacks=[SaveBeforeStep(tmp_path / "x.ckpt")],
+        default_root_dir=tmp_path,
+        **SILENT,
+    )
+    with pytest.raises(RuntimeError, match="while an optimizer step is taken.*on_train_batch_end"):
+        t.fit(
+            nn.Linear(4, 1),
+            loader,
+            loss_fn=F.mse_loss,
+            optimizer=lambda ps: getattr(torch.optim, optimizer)(ps, lr=0.1),
+        )
+    assert not (tmp_path / "x.ckpt").exists()
 
 
 KILLED_SAVE = """

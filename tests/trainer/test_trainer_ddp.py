@@ -228,7 +228,7 @@ class DumpMasters(Callback):
 def test_a_spawned_16_true_fit_exports_its_float32_masters(tmp_path):
     """The launched processes sent back only the float16 parameters: the export after the
     fit held them cast to float32, 11 bits short of the masters the run kept (as one
-    process's export holds)."""
+    process's export holds); so did it after a validate, whose processes have none."""
     trainer = Trainer(
         precision="16-true",
         allow_slow_precision=True,
@@ -248,6 +248,10 @@ def test_a_spawned_16_true_fit_exports_its_float32_masters(tmp_path):
     for name, master in masters.items():
         assert master.dtype == torch.float32 and torch.equal(exported[name], master), name
     assert not all(torch.equal(m, m.half().float()) for m in masters.values())
+    # a validation's processes send back no masters: the export is still the fit's
+    trainer.validate(dataloaders=DataLoader(data(), batch_size=8))
+    again = torch.load(trainer.save_full_state_dict(tmp_path / "full.pt"), weights_only=True)
+    assert all(torch.equal(again[name], master) for name, master in masters.items())
 
 
 class PerRankLoss(TrainingModule):

@@ -481,6 +481,59 @@ def test_a_fit_resumed_from_an_epochs_last_batch_logs_its_epoch_row_once(tmp_pat
     assert (rows, events) == logged(tmp_path / "b")
 
 
+@pytest.mark.parametrize("resume", ["step=1", "step=2", "epoch=0"])
+def test_a_fit_resumed_inside_an_accumulation_window_logs_its_validations_once(tmp_path, resume):
+    """With 2 micro-batches a step and a validation after each batch, the validation after
+    a window's first batch is logged at the step before, after that step's checkpoint (one
+    saved in on_train_batch_end, or at the epoch's end before the next epoch's first
+    batch): resumed from it, the loggers kept that row and the resumed run logged it again,
+    twice in the CSV file and the event file. The rows are now those of a run never
+    stopped, from a save inside an epoch, on its last batch or at its end."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)  # 4 batches, 2 steps
+
+    def fit(root, saves_to, ckpt_path=None) -> None:
+        torch.manual_seed(0)
+        saves = [
+            ModelCheckpoint(
+                saves_to / "steps", "step={step}", every_n_train_steps=1, save_top_k=-1
+            ),
+            ModelCheckpoint(saves_to / "epochs", "epoch={epoch}", save_top_k=-1),
+        ]
+        Trainer(
+            max_epochs=2,
+            accumulate_grad_batches=2,
+            val_check_interval=1,
+            logger=[CSVLogger(root, version=0), TensorBoardLogger(root, version=0)],
+            callbacks=saves,
+            log_every_n_steps=1,
+            seed=0,
+            enable_progress_bar=False,
+        ).fit(EpochRows(), loader, loader, ckpt_path=ckpt_path)
+
+    def logged(root):
+        run = root / "logs" / "version_0"
+        timed = ("samples_per_sec", "peak_memory_mib")
+        rows = [
+            {k: float(v) for k, v in r.items() if v and k not in timed}
+            for r in csv.DictReader(open(run / "metrics.csv"))
+        ]
+        events = EventAccumulator(str(run))
+        events.Reload()
+        tags = ("loss", "seen_epoch", "val_loss")
+        return rows, {t: [(e.step, e.value) for e in events.Scalars(t)] for t in tags}
+
+    fit(tmp_path / "a", tmp_path / "ck")  # killed after its last step
+    saved = tmp_path / "ck" / ("epochs" if resume.startswith("epoch") else "steps")
+    fit(tmp_path / "a", tmp_path / "ck2", saved / f"{resume}.ckpt")
+    fit(tmp_path / "b", tmp_path / "ck3")  # never stopped
+    rows, events = logged(tmp_path / "a")
+    assert [r["step"] for r in rows if "val_loss" in r] == [0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0]
+    assert (rows, events) == logged(tmp_path / "b")
+
+
 class EpochNumbers(Callback):
     """Logs the epoch at a step of its own choosing (the epoch's number) after each
     validation: rows at other steps than the training step's."""
@@ -678,6 +731,50 @@ def test_a_value_logged_at_a_validation_batch_end_lands_in_that_batchs_row(tmp_p
     )
     trainer.validate(model, DataLoader(data(6), batch_size=2))
     assert seen == [(i, float(i), float(i)) for i in range(3)]
+
+
+class LogsAtTrainBatchEnd(EpochRows):
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.log("seen_batch", float(batch_idx))
+
+
+class LossAtBatchEnd(Callback):
+    """What callbacks read at each step's batch end: the step's loss."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+        self.losses.append(trainer.callback_metrics["loss"])
+
+
+def test_a_value_logged_at_a_training_batch_end_lands_in_that_steps_row(tmp_path):
+    """The step's row was taken before on_train_batch_end ran: what the hook logged went
+    out with the next step's row, the fit's last batch's never, and a checkpoint saved in
+    that hook kept none of it (resumed from it, the value was gone). The row is now taken
+    after the hook, as in Lightning (callbacks there still read the step's values), and a
+    save in the hook keeps the row for the resumed run to log."""
+    x = torch.randn(12, 4, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)  # 3 batches, 3 steps
+
+    def fit(root, saves_to, ckpt_path=None) -> list[tuple[str, str]]:
+        seen = LossAtBatchEnd()
+        saves = ModelCheckpoint(saves_to, "{step}", every_n_train_steps=1, save_top_k=-1)
+        trainer = Trainer(
+            max_epochs=1,
+            logger=CSVLogger(root, version=0),
+            callbacks=[seen, saves],
+            log_every_n_steps=1,
+            enable_progress_bar=False,
+        )
+        trainer.fit(LogsAtTrainBatchEnd(), loader, ckpt_path=ckpt_path)
+        rows = [r for r in csv.DictReader(open(trainer.run_dir / "metrics.csv")) if r["loss"]]
+        assert seen.losses == [float(r["loss"]) for r in rows[-len(seen.losses) :]]
+        return [(r["step"], r["seen_batch"]) for r in rows]
+
+    rows = fit(tmp_path / "a", tmp_path / "ck")
+    assert rows == [("1", "0.0"), ("2", "1.0"), ("3", "2.0")]
+    assert fit(tmp_path / "a", tmp_path / "ck2", tmp_path / "ck" / "1.ckpt") == rows
 
 
 def test_a_trainers_second_fit_is_a_run_of_its_own(tmp_path):

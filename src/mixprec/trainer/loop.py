@@ -213,6 +213,12 @@ class FitRun(Run):
     window_losses: list[Tensor] = field(default_factory=list)
     trained_batches: int = 0  # batches of this epoch that returned a loss
     closure: bool = False  # its one optimizer evaluates the loss inside step (LBFGS)
+    # from a window's last backward to the end of its step: no checkpoint then (its
+    # gradients and generator states are not saved: `Trainer.save_checkpoint`)
+    stepping: bool = False
+    # the step's own values (loss, lr, scaler's) from its optimizer step until the end of
+    # its batch, which takes its row (`log_step`)
+    step_values: dict[str, Tensor | float] | None = None
 
     @property
     def in_window(self) -> bool:
@@ -421,6 +427,7 @@ def end_of_data(run: FitRun, batches: int) -> None:
     stepped = run.in_window
     if stepped:
         optimizer_step(run)
+        log_step(run)  # (no batch's end follows)
     if (
         run.val_loader is not None
         and run.config.limit_val_batches != 0
@@ -431,7 +438,8 @@ def end_of_data(run: FitRun, batches: int) -> None:
 
 def train_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
     """One batch: forward, scaled backward and, at the end of its accumulation window, the
-    optimizer step (or the whole step of a closure optimizer); validation when due."""
+    optimizer step (or the whole step of a closure optimizer); validation when due;
+    ``on_train_batch_end``, then the step's row (`log_step`)."""
     batch = to_device(batch, run.device)
     if run.cast_batches:
         batch = run.precision.convert_input(batch)
@@ -447,6 +455,7 @@ def train_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
         validate_during_fit(run, run.val_loader)
     for call in run.calls["on_train_batch_end", True, True]:
         call(output, batch, batch_idx)
+    log_step(run)
 
 
 def measured_batch(run: FitRun, batch: Any, batch_idx: int) -> None:
@@ -528,8 +537,10 @@ def closure_step(run: FitRun, batch: Any, batch_idx: int) -> Any:
         before_step(run)
         return run.strategy.mean(loss) if run.strategy.world_size > 1 else loss.detach()
 
+    run.stepping = True
     run.precision.step(opt, closure=closure)
     after_step(run)
+    run.stepping = False
     return first[0]
 
 
@@ -568,6 +579,7 @@ def optimizer_step(run: FitRun) -> None:
         for opt in run.optimizers:
             opt.zero_grad(set_to_none=True)
         return
+    run.stepping = True
     if batches != run.window_size:  # cut short: the data ended, or the run resumed inside it
         rescale_grads(run.optimizers, run.window_size / batches)
     clip = run.config.gradient_clip_val is not None
@@ -576,6 +588,7 @@ def optimizer_step(run: FitRun) -> None:
     if not precision.step():
         run.skipped_steps += 1
     after_step(run)
+    run.stepping = False
 
 
 def before_step(run: FitRun) -> None:
@@ -599,7 +612,7 @@ def before_step(run: FitRun) -> None:
 
 
 def after_step(run: FitRun) -> None:
-    """Gradients cleared, the step counted, step-interval schedulers, the step's log row."""
+    """Gradients cleared, the step counted, step-interval schedulers, the step's values."""
     for opt in run.optimizers:
         opt.zero_grad(set_to_none=True)
     run.progress.global_step += 1
@@ -627,8 +640,19 @@ def after_step(run: FitRun) -> None:
     else:
         with torch.no_grad():
             loss = torch.stack(losses).mean()
-    log_step(run, loss, lr)
-    for s in due:  # a monitored one reads this step's values, once they are logged
+    # the step's own values: with what self.log recorded so far, the latest values (what
+    # callbacks and monitors read) until the batch's end hooks have run and `log_step`
+    # takes its row
+    own: dict[str, Tensor | float] = {"loss": loss, "lr": lr}
+    scaler = run.precision.scaler
+    if scaler.enabled:
+        # read before the next step updates it: the row is logged or replaced by then
+        own["loss_scale"] = scaler.scale_tensor
+        own["skipped_steps"] = float(run.skipped_steps)
+    run.step_values = own
+    # (a name the step logged itself keeps the step's value: self.log("loss", data_term))
+    run.log.latest = {**own, **run.metrics.take_step(run.strategy.mean, keep=True)}
+    for s in due:  # a monitored one reads this step's values, once they are shown
         if s.monitor:
             value = monitored_value(run, s)
             if value is not None:
@@ -653,25 +677,37 @@ def rescale_grads(optimizers: list[LossScaleOptimizer], factor: float) -> None:
                 p.grad.mul_(factor)
 
 
-def log_step(run: FitRun, loss: Tensor, lr: Tensor | float) -> None:
-    """This step's values: what self.log recorded, the loss, the `lr` it used, loss scale and
-    skipped steps. They stay tensors; every ``log_every_n_steps``-th step (and a step a stop
-    request ends) reads them back and logs them, the others only keep them as the latest
-    values."""
-    row: dict[str, Tensor | float] = run.metrics.take_step(run.strategy.mean)
-    # (a name the step logged itself keeps the step's value: self.log("loss", data_term))
-    if "loss" not in row:
-        row["loss"] = loss
-    if "lr" not in row:
-        row["lr"] = lr
-    scaler = run.precision.scaler
-    if scaler.enabled:
-        # read before the next step updates it: the row is logged now or replaced by then
-        if "loss_scale" not in row:
-            row["loss_scale"] = scaler.scale_tensor
-        if "skipped_steps" not in row:
-            row["skipped_steps"] = float(run.skipped_steps)
-    run.log.step_row(run.progress.global_step, row, force=run.progress.should_stop)
+def log_step(run: FitRun) -> None:
+    """The row of the step this batch took, with what its end hooks logged (as in
+    Lightning): every ``log_every_n_steps``-th step (and a step a stop request ends) reads
+    it back and logs it, the others only keep it as the latest values. Its values stay
+    tensors until then."""
+    own, run.step_values = run.step_values, None
+    if own is not None:
+        row = {**own, **run.metrics.take_step(run.strategy.mean)}
+        run.log.step_row(run.progress.global_step, row, force=run.progress.should_stop)
+
+
+def rows_after_save(run: FitRun) -> list[dict[str, float]]:
+    """The rows the run logs at its step right after a save now, which a run resumed from
+    that save does not log: the step's row where its batch has not ended (a save in its
+    validation or ``on_train_batch_end``) and the row is due (`StepLog.step_row`); at an
+    epoch's end, the values still to be logged for it (those callbacks log in
+    ``on_train_epoch_end``, which a checkpoint callback, the last, saves before). Read
+    back, with this process's own values (no collective: a save may be rank 0's alone)."""
+    rows: list[dict[str, Tensor | float]] = []
+    progress = run.progress
+    due = progress.global_step % run.log.every_n_steps == 0 or progress.should_stop
+    if run.step_values is not None and due:
+        rows.append({**run.step_values, **run.metrics.training_step_values()})
+    if run.epoch_finished:
+        sums = run.metrics.training_epoch_sums()
+        rows.append({name: total / weight for name, (total, weight) in sums.items() if weight})
+    return [
+        {k: float(v.detach() if isinstance(v, Tensor) else v) for k, v in row.items()}
+        for row in rows
+        if row
+    ]
 
 
 def val_due(run: FitRun, batch_idx: int) -> bool:

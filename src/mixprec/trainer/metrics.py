@@ -63,6 +63,9 @@ class MetricStore:
         self._step: dict[bool, _Sums] = {True: {}, False: {}}
         self._epoch: dict[bool, _Sums] = {True: {}, False: {}}
         self._synced: set[str] = set()
+        # training step means handed out by `take_step(keep=True)`, by name, while nothing
+        # more was logged under that name (handed out again without computing or syncing)
+        self._shown: dict[str, Tensor] = {}
         # the size of the batch being stepped (`batch_size_of`, set by the loops): a value
         # logged in its step without a batch_size weighs it in the epoch's mean, as
         # Lightning infers it (a short last batch weighs less)
@@ -128,6 +131,8 @@ class MetricStore:
         epoch_name = f"{name}_epoch" if both else name
         if on_step:
             self._add(self._step[self.training], step_name, v, 1)
+            if self.training:
+                self._shown.pop(step_name, None)
             if sync_dist:
                 self._synced.add(step_name)
         if on_epoch:
@@ -146,19 +151,38 @@ class MetricStore:
             slot[0] = slot[0] + value.to(slot[0].device)
             slot[1] += weight
 
-    def take_step(self, mean: Callable[[Tensor], Tensor]) -> dict[str, Tensor]:
+    def take_step(self, mean: Callable[[Tensor], Tensor], keep: bool = False) -> dict[str, Tensor]:
         """Means of the values logged (in training, or in evaluation) since the last call
         (``sync_dist`` ones averaged over processes by ``mean``), as tensors (reading them is
-        left to whoever needs numbers), then forget them."""
+        left to whoever needs numbers), then forget them; with ``keep`` (training), keep
+        them for the next call, which hands them out with what is logged meanwhile (a
+        training step's values, shown before its batch's end hooks log more)."""
         out: dict[str, Tensor] = {}
         store = self._step[self.training]
         if not store:
             return out
+        shown = self._shown if self.training else {}
         for name, (total, count) in store.items():
-            value = total / count  # type: ignore[operator]
-            out[name] = mean(value) if name in self._synced else value
-        store.clear()
+            value = shown.get(name)
+            if value is None:
+                value = total / count  # type: ignore[operator]
+                value = mean(value) if name in self._synced else value
+            out[name] = value
+        if keep and self.training:
+            self._shown = dict(out)
+        else:
+            store.clear()
+            shown.clear()
         return out
+
+    def training_step_values(self) -> dict[str, Tensor]:
+        """The means of the training step values logged and not taken yet, as
+        `take_step(keep=True)` last handed them out, else this process's own (no collective:
+        for a checkpoint, which rank 0 may save alone)."""
+        return {
+            name: self._shown.get(name, total / count)  # type: ignore[operator]
+            for name, (total, count) in self._step[True].items()
+        }
 
     def take_epoch(
         self,
@@ -201,6 +225,7 @@ class MetricStore:
         for store in (*self._step.values(), *self._epoch.values()):
             store.clear()
         self._synced.clear()
+        self._shown.clear()
         self.prog_bar.clear()
 
 
@@ -378,8 +403,9 @@ class StepLog:
         """The row of training step ``step``: logged now, with the throughput since the last
         logged row, if ``step`` is a multiple of ``every_n_steps`` or ``force``; else kept
         unread as the latest values."""
-        if self.step_rows and step not in self.step_rows:
-            self.step_rows = {}  # (a new step: the rows of earlier ones are not kept)
+        if self.step_rows and (len(self.step_rows) > 1 or step not in self.step_rows):
+            # (the rows of earlier steps are not kept)
+            self.step_rows = {step: self.step_rows[step]} if step in self.step_rows else {}
         if step % self.every_n_steps and not force:
             self.latest = row
             return
@@ -432,18 +458,19 @@ class StepLog:
             self.callback_metrics.update(latest)
 
     def rows_at(self, step: int) -> list[dict[str, float]]:
-        """The rows handed to the loggers at training step ``step`` so far (a checkpoint on
-        an epoch's last batch keeps them: see `replay`)."""
+        """The rows handed to the loggers at training step ``step`` so far (a checkpoint
+        keeps them: see `replay`)."""
         self.flush()
         return list(self.step_rows.get(step, []))
 
     def replay(self, step: int, rows: list[dict[str, float]]) -> None:
-        """A fit resumes from a save on an epoch's last batch, at ``step``: it runs the
-        epoch's end again, whose rows (epoch values, callbacks') a killed run may have logged
-        after the save. The loggers that drop what they held past a resumed step
-        (``drops_resumed_rows``) drop their rows from ``step`` on and are handed again the
-        ones logged before the save, so that each row is held once; the others resume at
-        ``step``, as from any other save."""
+        """A fit resumes from a save at ``step``. A killed run may have logged rows at
+        ``step`` after the save, most of which the resumed run logs again (a validation later
+        in an accumulation window, an epoch's end run again). The loggers that drop what
+        they held past a resumed step (``drops_resumed_rows``) drop their rows from ``step``
+        on and are handed again the checkpoint's ``rows`` (those logged before the save, and
+        after it those the resumed run does not log), so that each row is held once; the
+        others resume at ``step``."""
         dropping = [lg for lg in self.loggers if getattr(lg, "drops_resumed_rows", False)]
         for lg in self.loggers:
             lg.resume_at(step - 1 if lg in dropping else step)

@@ -27,7 +27,7 @@ from mixprec.trainer.data import (
     loader_samples,
     order_of,
 )
-from mixprec.trainer.loop import FitRun, Run
+from mixprec.trainer.loop import FitRun, Run, rows_after_save
 from mixprec.trainer.optimizers import across_state_formats, state_formats, state_shards
 from mixprec.version import __version__
 
@@ -69,7 +69,6 @@ def run_state(run: FitRun) -> dict[str, Any]:
     policy, loop position, schedulers, scaler, callbacks, this process's RNG states, and
     the metrics monitors read (the latest values, the training epoch's sums so far)."""
     at_epoch_end, progress, strategy = run.epoch_finished, run.progress, run.strategy
-    last_batch = not at_epoch_end and progress.batches_done == run.num_training_batches
     # a process's own epoch sums: one file written by rank 0 of several would give every
     # rank rank 0's
     own = strategy.world_size == 1 or strategy.sharded
@@ -91,9 +90,10 @@ def run_state(run: FitRun) -> dict[str, Any]:
             "order": order_of(run.train_loader),
             # the loader's own generators now: the next epochs' orders are drawn from them
             "loader_rng": [g.get_state() for g in generators(run.train_loader)],
-            # saved on an epoch's last batch, the rows logged at this step before the save:
-            # a resume runs the epoch's end again and logs its rows anew (`StepLog.replay`)
-            "step_rows": run.log.rows_at(progress.global_step) if last_batch else None,
+            # the rows at this step logged before the save, and those logged right after
+            # it that a resume does not log again: a resume drops the rows from this step
+            # on (the others it logs again) and hands these back (`StepLog.replay`)
+            "step_rows": run.log.rows_at(progress.global_step) + rows_after_save(run),
         },
         "optimizer_types": [type(opt.optimizer).__name__ for opt in run.optimizers],
         # each optimizer's parameter groups by parameter name: a resume holds them the same
@@ -426,7 +426,9 @@ def restore_progress(run: FitRun, state: dict[str, Any], path: Path) -> None:
         opt.step_was_skipped = skipped
     run.log.callback_metrics.update(metrics.get("callback", {}))
     run.metrics.load_training_epoch_sums(sums, run.strategy.device)
-    rows = loop.get("step_rows")  # (absent from checkpoints written before it was kept)
+    # (None in checkpoints written before they were kept at every save, but on an
+    # epoch's last batch: their loggers resume at the step, keeping its rows)
+    rows = loop.get("step_rows")
     if rows is not None:
         run.log.replay(progress.global_step, rows)
     else:

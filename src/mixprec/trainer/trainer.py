@@ -108,6 +108,7 @@ class Trainer:
     """
 
     _fitted = False  # (a Trainer pickled before it was kept: `_launch`)
+    _fit_masters: tuple[nn.Module, dict[str, Tensor]] | None = None  # (likewise)
 
     def __init__(
         self,
@@ -170,10 +171,13 @@ class Trainer:
         self._metrics = MetricStore()
         self._log = StepLog(self.loggers, self.strategy, self.config.log_every_n_steps)
         self._current: Run | None = None  # the current or last run in this process
-        self._summary: dict[str, str] = {}  # from the processes a DDP launch started
+        # the last fit's, as it ended (here, or in the processes a DDP launch started)
+        self._summary: dict[str, str] = {}
         self._gathered: dict[str, Tensor] | None = None  # a sharded run's weights, on rank 0
-        # the float32 masters of the last fit in processes the Trainer launched, by name
-        self._launched_masters: dict[str, Tensor] = {}
+        # the last fit's model and float32 masters by name (in this process or those the
+        # Trainer launched): a later validate, test or predict of that model keeps them,
+        # unless it loads a checkpoint into it
+        self._fit_masters = None
         self._fit_loss_fn: Any = None
         self._fitted = False  # a fit was started (the next, unless it resumes, is a new run)
         self._uncompile: Callable[[], None] | None = None  # hands the run's model back eager
@@ -192,7 +196,7 @@ class Trainer:
             _current=None,
             _fit_loss_fn=None,
             _gathered=None,
-            _launched_masters={},
+            _fit_masters=None,
             _uncompile=None,
         )
         return state
@@ -310,9 +314,12 @@ class Trainer:
         return shown_in_progress(self._log.callback_metrics, self._metrics.prog_bar)
 
     def summary(self) -> dict[str, str]:
-        """A one-screen account of the last fit: precision, progress, scaler, speed, memory."""
+        """A one-screen account of the last fit: precision, progress, scaler, speed, memory
+        (after a later validate, test or predict, as the fit ended; before any fit, the
+        last run's)."""
         run = self._current
-        if run is None:  # the run happened in launched processes (or has not happened)
+        if not isinstance(run, FitRun) and (run is None or self._summary):
+            # the run happened in launched processes, or was an evaluation after a fit
             return dict(self._summary)
         head = {
             "precision": f"{self.policy.name} ({self.support.status}: {self.support.reason})",
@@ -419,6 +426,13 @@ class Trainer:
                 "save_checkpoint needs a model being trained: call it during or after "
                 "Trainer.fit (in this process)"
             )
+        if run.stepping:
+            raise RuntimeError(
+                "cannot checkpoint while an optimizer step is taken (from its backward to its "
+                "end: in on_before_optimizer_step, or an LBFGS closure's training_step): its "
+                "gradients and random generator states are not saved, so a resume would take "
+                "another step; save once the step is done, e.g. in on_train_batch_end"
+            )
         if run.in_window:
             raise RuntimeError(
                 "cannot checkpoint in the middle of a gradient accumulation window: the "
@@ -458,18 +472,20 @@ class Trainer:
 
         Inside a run (a callback) every process calls it: a sharded model is gathered and
         rank 0 writes. After a fit it writes the weights the fit ended with (under torchrun
-        with ``"fsdp"``, those gathered on rank 0 when the fit ended). Float32 masters are
-        used where the run kept them; "true" 16-bit weights are cast (exact)."""
+        with ``"fsdp"``, those gathered on rank 0 when the fit ended), also after a validate,
+        test or predict of its model that loaded no checkpoint. Float32 masters are used
+        where the fit kept them; "true" 16-bit weights are cast (exact)."""
         path = Path(path)
         run = self._current
         if self.stage is None and self._gathered is not None:
             weights = self._gathered  # the process group is gone
         elif run is not None:  # in this process, during or after a run
             weights = self.strategy.full_state_dict(run.model)
-            weights.update(_masters(run))
+            own = isinstance(run, FitRun)  # (a later run: the fit's, while its model)
+            weights.update(_masters(run) if own else self._masters_of(run.model))
         elif self.model is not None:  # trained in processes the Trainer launched
             weights = dict(self.model.state_dict())
-            weights.update(self._launched_masters)
+            weights.update(self._masters_of(self.model))
         else:
             raise RuntimeError("save_full_state_dict needs a model: call it during or after fit")
         if self.is_global_zero:
@@ -479,6 +495,11 @@ class Trainer:
             }
             ckpt_io.atomic_save(full, path)
         return path
+
+    def _masters_of(self, model: nn.Module) -> dict[str, Tensor]:
+        """The last fit's float32 masters by name, where ``model`` is that fit's."""
+        kept = self._fit_masters
+        return kept[1] if kept is not None and kept[0] is model else {}
 
     # -- launching ----------------------------------------------------------------------------
 
@@ -503,6 +524,8 @@ class Trainer:
                 for lg in self.loggers:
                     lg.new_run()
             self._fitted = True
+        elif kwargs["ckpt_path"] is not None and self._masters_of(model):
+            self._fit_masters = None  # the checkpoint's weights replace the fit's
         if isinstance(self.strategy, ProcessGroupStrategy) and self.strategy.launches_processes:
             return self._launch_processes(self.strategy, stage, model, kwargs)
         return self._run(stage, model, kwargs)
@@ -524,13 +547,15 @@ class Trainer:
 
             quantize_for(model, self.policy)
         model.load_state_dict(out["model"])
-        self._launched_masters = out["masters"]
+        if stage == "fit":  # (an evaluation's processes have no masters)
+            self._fit_masters = (model, out["masters"])
         self._progress = out["progress"]
         self._log.callback_metrics = out["callback_metrics"]
         self._log.logged_metrics = out["logged_metrics"]
         load_callback_states(self.callbacks, out["callbacks"], resume=False)
         self.model, self._current = model, None
-        self._summary = out["summary"]
+        if stage == "fit" or not self._fitted:  # (an evaluation's, before any fit)
+            self._summary = out["summary"]
         return out["result"]
 
     def _run(self, stage: str, model: nn.Module, kwargs: dict[str, Any]) -> Any:
@@ -572,6 +597,9 @@ class Trainer:
                 self.stage = None
                 if isinstance(self._current, FitRun):
                     self._current.release_wrapper()  # it holds the process group
+                    # (its masters, not the run: later runs replace it, and the optimizers'
+                    # states need not stay alive)
+                    self._fit_masters = (self._current.model, _masters(self._current))
                 self.strategy.teardown(failed)  # no waiting for the others after an error
 
     def _setup(
@@ -652,7 +680,8 @@ class Trainer:
         run.hook("on_fit_start")
         fit_loop(run)
         run.hook("on_fit_end")
-        return {"summary": self.summary()}
+        self._summary = self.summary()
+        return {"summary": self._summary}
 
     def _run_eval_stage(
         self,
@@ -730,11 +759,14 @@ def _run_launched(
 
 
 def _masters(run: Run | None) -> dict[str, Tensor]:
-    """The float32 masters a fit kept (16-true), by parameter name; none for another run."""
+    """The float32 masters a fit kept (16-true), by parameter name (of the model's
+    parameters: an optimizer may step others); none for another run."""
     if not isinstance(run, FitRun):
         return {}
     names = {p: n for n, p in run.model.named_parameters()}
-    return {names[p]: m for opt in run.optimizers for p, m in opt.master_params.items()}
+    return {
+        names[p]: m for opt in run.optimizers for p, m in opt.master_params.items() if p in names
+    }
 
 
 def _model_for(model: nn.Module | None, last: nn.Module | None, data: Any, stage: str) -> nn.Module:
