@@ -3,12 +3,14 @@ sees the old file or a new one, never half of one."""
 
 from __future__ import annotations
 
+import io
 import os
 import secrets
 import stat
 from pathlib import Path
+from typing import Any
 
-__all__ = ["write_atomically"]
+__all__ = ["write_atomically", "write_figure"]
 
 
 def write_atomically(path: str | os.PathLike[str], text: str | bytes) -> Path:
@@ -37,3 +39,16 @@ def write_atomically(path: str | os.PathLike[str], text: str | bytes) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return target
+
+
+def write_figure(path: str | os.PathLike[str], fig: Any, dpi: int) -> Path:
+    """Write the matplotlib figure ``fig`` as the PNG at ``path`` whole (`write_atomically`:
+    rendered in memory first, never half an image on disk) and close it."""
+    import matplotlib.pyplot as plt
+
+    image = io.BytesIO()
+    try:
+        fig.savefig(image, format="png", dpi=dpi)
+    finally:
+        plt.close(fig)
+    return write_atomically(path, image.getvalue())

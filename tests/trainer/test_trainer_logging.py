@@ -432,14 +432,29 @@ class EpochRows(TrainingModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def _logged(root: Path) -> tuple[list[dict[str, float]], dict[str, list]]:
+    """A run's CSV rows (timings left out) and its event file's loss, seen_epoch and
+    val_loss scalars, as (step, value)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = root / "logs" / "version_0"
+    timed = ("samples_per_sec", "peak_memory_mib")
+    rows = [
+        {k: float(v) for k, v in r.items() if v and k not in timed}
+        for r in csv.DictReader(open(run / "metrics.csv"))
+    ]
+    events = EventAccumulator(str(run))
+    events.Reload()
+    tags = ("loss", "seen_epoch", "val_loss")
+    return rows, {t: [(e.step, e.value) for e in events.Scalars(t)] for t in tags}
+
+
 @pytest.mark.parametrize("same_loggers", [False, True])
 def test_a_fit_resumed_from_an_epochs_last_batch_logs_its_epoch_row_once(tmp_path, same_loggers):
     """A save on an epoch's last batch (step 8 of 8) comes before the epoch's end, which a
     resume runs again: the epoch row of step 8 (``seen_epoch``), which the killed run had
     logged after the save, was kept and logged again, twice in the CSV file and the event
     file. The rows are now those of a run never stopped, each once, with the same values."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)  # 8 batches an epoch
 
@@ -459,26 +474,14 @@ def test_a_fit_resumed_from_an_epochs_last_batch_logs_its_epoch_row_once(tmp_pat
     def saves(root):
         return [ModelCheckpoint(dirpath=root / "ck", every_n_train_steps=8, save_top_k=-1)]
 
-    def logged(root):
-        run = root / "logs" / "version_0"
-        timed = ("samples_per_sec", "peak_memory_mib")
-        rows = [
-            {k: float(v) for k, v in r.items() if v and k not in timed}
-            for r in csv.DictReader(open(run / "metrics.csv"))
-        ]
-        events = EventAccumulator(str(run))
-        events.Reload()
-        tags = ("loss", "seen_epoch", "val_loss")
-        return rows, {t: [(e.step, e.value) for e in events.Scalars(t)] for t in tags}
-
     kept = [CSVLogger(tmp_path / "a", version=0), TensorBoardLogger(tmp_path / "a", version=0)]
     fit(tmp_path / "a", saves(tmp_path / "a"), kept if same_loggers else None)  # killed after
     resume = tmp_path / "a" / "ck" / "epoch=0-step=8.ckpt"
     fit(tmp_path / "a", [], kept if same_loggers else None, ckpt_path=resume)
     fit(tmp_path / "b", saves(tmp_path / "b"))  # never stopped
-    rows, events = logged(tmp_path / "a")
+    rows, events = _logged(tmp_path / "a")
     assert [r["step"] for r in rows if "seen_epoch" in r] == [8.0, 16.0]
-    assert (rows, events) == logged(tmp_path / "b")
+    assert (rows, events) == _logged(tmp_path / "b")
 
 
 @pytest.mark.parametrize("resume", ["step=1", "step=2", "epoch=0"])
@@ -489,8 +492,6 @@ def test_a_fit_resumed_inside_an_accumulation_window_logs_its_validations_once(t
     batch): resumed from it, the loggers kept that row and the resumed run logged it again,
     twice in the CSV file and the event file. The rows are now those of a run never
     stopped, from a save inside an epoch, on its last batch or at its end."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)  # 4 batches, 2 steps
 
@@ -513,25 +514,13 @@ def test_a_fit_resumed_inside_an_accumulation_window_logs_its_validations_once(t
             enable_progress_bar=False,
         ).fit(EpochRows(), loader, loader, ckpt_path=ckpt_path)
 
-    def logged(root):
-        run = root / "logs" / "version_0"
-        timed = ("samples_per_sec", "peak_memory_mib")
-        rows = [
-            {k: float(v) for k, v in r.items() if v and k not in timed}
-            for r in csv.DictReader(open(run / "metrics.csv"))
-        ]
-        events = EventAccumulator(str(run))
-        events.Reload()
-        tags = ("loss", "seen_epoch", "val_loss")
-        return rows, {t: [(e.step, e.value) for e in events.Scalars(t)] for t in tags}
-
     fit(tmp_path / "a", tmp_path / "ck")  # killed after its last step
     saved = tmp_path / "ck" / ("epochs" if resume.startswith("epoch") else "steps")
     fit(tmp_path / "a", tmp_path / "ck2", saved / f"{resume}.ckpt")
     fit(tmp_path / "b", tmp_path / "ck3")  # never stopped
-    rows, events = logged(tmp_path / "a")
+    rows, events = _logged(tmp_path / "a")
     assert [r["step"] for r in rows if "val_loss" in r] == [0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0, 4.0]
-    assert (rows, events) == logged(tmp_path / "b")
+    assert (rows, events) == _logged(tmp_path / "b")
 
 
 class EpochNumbers(Callback):

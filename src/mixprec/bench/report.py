@@ -37,7 +37,7 @@ from mixprec.bench.verdict import (
     ratio_interval,
     speed_verdict,
 )
-from mixprec.files import write_atomically
+from mixprec.files import write_atomically, write_figure
 from mixprec.textout import Column, FittedTable
 
 __all__ = [
@@ -1236,12 +1236,7 @@ def plot(path: Path, report: BenchReport, summaries: list[Summary]) -> None:
             ax.legend()
     fig.suptitle(f"{report.metadata['model']} on {report.metadata['device']}", fontsize=9)
     fig.tight_layout()
-    image = io.BytesIO()
-    try:
-        fig.savefig(image, format="png", dpi=120)
-    finally:
-        plt.close(fig)
-    write_atomically(path, image.getvalue())
+    write_figure(path, fig, dpi=120)
 
 
 def write_outputs(out: Path, report: BenchReport, png: bool = True) -> list[Path]:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from mixprec.doctor.verdicts import AT_RISK, BROKEN, DOWNSTREAM, OK, UPSTREAM, scale_text
 from mixprec.dtypes import format_info
-from mixprec.files import write_atomically
+from mixprec.files import write_atomically, write_figure
 
 if TYPE_CHECKING:
     from mixprec.doctor.diagnosis import Diagnosis, Recommendation
@@ -317,7 +317,7 @@ def _plot_error(d: Diagnosis, path: Path, fixed: Diagnosis | None) -> None:
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
-    _save_figure(fig, path)
+    write_figure(path, fig, dpi=110)
 
 
 def _plot_range(d: Diagnosis, path: Path) -> None:
@@ -354,20 +354,7 @@ def _plot_range(d: Diagnosis, path: Path) -> None:
     ax.set_title(f"per-layer output range against {info.name}'s limits", fontsize=10)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    _save_figure(fig, path)
-
-
-def _save_figure(fig: Any, path: Path) -> None:
-    """Write ``fig`` as the PNG at ``path`` whole (`write_atomically`), as the report's text
-    is: a reader, or a run stopped halfway, never sees half an image."""
-    import matplotlib.pyplot as plt
-
-    buffer = io.BytesIO()
-    try:
-        fig.savefig(buffer, format="png", dpi=110)
-    finally:
-        plt.close(fig)
-    write_atomically(path, buffer.getvalue())
+    write_figure(path, fig, dpi=110)
 
 
 _COLOR = {OK: "tab:green", AT_RISK: "tab:orange", BROKEN: "tab:red"}
