@@ -1802,3 +1802,17 @@ def test_step_counts_are_float32_whatever_the_default_dtype(kind):
         p.grad = -torch.ones_like(p)
         comp.step(opt)
     assert opt.state[p]["step"].dtype == torch.float32 and opt.state[p]["step"].item() == 258
+
+
+@pytest.mark.parametrize("seed", ["a", 1.5, True])
+def test_a_seed_that_is_not_an_int_is_refused_where_it_is_given(seed):
+    """A str or float seed was taken and failed at the first step with a TypeError about
+    ``&``; a saved state without its seed raised a bare KeyError."""
+    with pytest.raises(TypeError, match="seed must be an int"):
+        Compensator("stochastic", seed=seed)
+    comp = Compensator("kahan", seed=3)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        comp.load_state_dict({"kind": "kahan", "seed": seed})
+    with pytest.raises(ValueError, match="has no 'seed'"):
+        comp.load_state_dict({"kind": "kahan"})
+    assert comp.seed == 3

@@ -902,3 +902,22 @@ def test_a_checkpoint_saved_with_a_layer_frozen_loads_with_it_trainable():
     stepped["optimizer"]["state"][0] = {"step": torch.tensor(1.0), **moments}
     with pytest.raises(ValueError, match="master weights for parameters"):
         make(frozen=False)[1].load_state_dict(stepped)
+
+
+def test_a_step_with_no_backward_since_the_last_update_is_a_skipped_step():
+    """zero_grad() then step() with no backward at all: the step returned True, so a gated
+    scheduler advanced with no weight moved (torch.amp.GradScaler refuses such a step). It is
+    now skipped: False, step_was_skipped, the scheduler and the scale hold."""
+    model = mlp(8, 16, 1)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), "dynamic")
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, step_size=1, gamma=0.5)
+    x, y = _batches(1)[0]
+    opt.backward(F.mse_loss(model(x), y))
+    assert opt.step() and scheduler_step(sched, opt)
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    assert opt.step() is False and opt.step_was_skipped
+    assert not scheduler_step(sched, opt)
+    assert opt.optimizer.param_groups[0]["lr"] == 0.25
+    assert opt.scaler.state_dict()["steps"] == 1 and opt.scaler.loss_scale == 2.0**16
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))

@@ -189,3 +189,49 @@ def test_a_torch_grad_scaler_state_with_an_infinite_scale_is_refused():
     state = torch.amp.GradScaler("cpu").state_dict()
     with pytest.raises(ValueError, match="invalid torch.amp.GradScaler state"):
         DynamicLossScaler().load_state_dict({**state, "scale": math.inf})
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("growth_tracker", -5, "growth_tracker must be an int >= 0"),
+        ("growth_tracker", 4, "growth_tracker must be below 4"),
+        ("credits", 1.5, "credits must be an int >= 0"),
+        ("credits", 3, r"credits must be at most hysteresis \(2\)"),
+        ("last_overflow_step", "a", "last_overflow_step must be None or an int >= 0"),
+    ],
+)
+def test_a_saved_state_with_a_bad_counter_is_refused_and_changes_nothing(key, value, message):
+    """A negative or past-the-interval growth tracker, a fractional credit count or a
+    non-int overflow step loaded silently (the tracker past the interval froze growth)."""
+    saved = DynamicLossScaler(8.0, growth_interval=4, hysteresis=2).state_dict()
+    scaler = DynamicLossScaler(2.0)
+    with pytest.raises(ValueError, match=message):
+        scaler.load_state_dict({**saved, key: value})
+    assert scaler.state_dict() == DynamicLossScaler(2.0).state_dict()
+
+
+def test_a_grad_scaler_state_past_its_interval_is_refused():
+    """GradScaler grows only when its tracker reaches the interval exactly: a tracker past it
+    (its interval lowered mid-run) never grows there, and was taken here as it was."""
+    state = torch.amp.GradScaler("cpu", growth_interval=3).state_dict()
+    with pytest.raises(ValueError, match="_growth_tracker must be below 3, got 7"):
+        DynamicLossScaler().load_state_dict({**state, "_growth_tracker": 7})
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_lowering_the_growth_interval_past_the_clean_run_grows_at_the_next_clean_step(hysteresis):
+    """With the interval lowered below the clean steps already counted, torch's update never
+    grew again while the host's copy grew every step, and the clamps and the divergence check
+    read that copy: the scale fell below min_scale. Now both grow at the next clean step."""
+    scaler = DynamicLossScaler(8.0, growth_interval=10, hysteresis=hysteresis, min_scale=4.0)
+    clean, bad = torch.tensor(0.0), torch.tensor(1.0)
+    for _ in range(6):
+        scaler.update(clean, False)
+    scaler.growth_interval = 3
+    assert scaler.state_dict()["growth_tracker"] == 2
+    scaler.update(clean, False)
+    assert scaler.loss_scale == 16.0 and scaler.state_dict()["growth_tracker"] == 0
+    for _ in range(4 * hysteresis):
+        scaler.update(bad, True)
+    assert scaler.loss_scale == 4.0 and scaler._at_floor()

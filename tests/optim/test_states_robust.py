@@ -1183,3 +1183,67 @@ def test_a_quantized_state_is_refused_by_a_parameter_of_another_shape_and_the_sa
     again = AdamW8bit(params, lr=1e-2, min_size=1000, **KW)
     again.load_state_dict(copy.deepcopy(source.state_dict()))
     _run(again, params, range(2, 3))
+
+
+@pytest.mark.parametrize("seed", ["a", 1.5])
+def test_a_seed_that_is_not_an_int_is_refused_at_construction_and_load(seed):
+    """A str or float seed was taken and failed at the first compensated step."""
+    with pytest.raises(TypeError, match="seed must be an int"):
+        AdamW8bit([nn.Parameter(torch.zeros(4))], seed=seed)
+    opt = AdamW8bit([nn.Parameter(torch.zeros(4))], seed=5)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        opt.load_state_dict({**opt.state_dict(), "seed": seed})
+    assert opt.seed == 5
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "float8"])
+def test_a_finite_gradient_whose_square_overflows_spoils_its_block_visibly(name):
+    """A gradient of 1e30 (finite, so no loss scaler skips it) overflows its block's second
+    moment: int8's and float8's weights turned NaN, int4's block froze silently (its updates
+    all 0, its weights finite)."""
+    p = nn.Parameter(torch.ones(512))
+    opt = LowBitAdamW([p], lr=0.1, states=name, min_size=0, compile=False)
+    for step in range(3):
+        p.grad = torch.full((512,), 1e-3)
+        p.grad[0] = 1e30 if step == 0 else 1e-3
+        opt.step()
+    block = StateFormat(name).block
+    assert p[:block].isnan().all() and p[block:].isfinite().all()
+
+
+def test_torch_flags_are_taken_or_refused_as_torch_code_passes_them():
+    """Code written for torch's AdamW crashed on foreach/fused with a TypeError about an
+    unexpected argument; maximize/capturable/differentiable, betas of one number and a block
+    given twice are refused, naming what is wrong."""
+    p = nn.Parameter(torch.zeros(4))
+    LowBitAdamW([p], foreach=True, fused=False)
+    LowBitSGD([p], foreach=False, fused=True)
+    with pytest.raises(ValueError, match=r"does not support maximize=True \(.*minimizes\)"):
+        LowBitAdamW([p], maximize=True)
+    with pytest.raises(ValueError, match="does not support capturable=True"):
+        AdamW8bit([p], capturable=True)
+    with pytest.raises(ValueError, match="does not support differentiable=True"):
+        LowBitSGD([p], differentiable=True)
+    with pytest.raises(ValueError, match=r"invalid betas \(0.9,\): two numbers"):
+        LowBitAdamW([p], betas=(0.9,))
+    with pytest.raises(ValueError, match="invalid eps None"):
+        LowBitAdamW([p], eps=None)
+    with pytest.raises(ValueError, match="name two block sizes"):
+        LowBitAdamW([p], states="int8/block=100", block_size=128)
+    LowBitAdamW([p], betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    assert LowBitAdamW([p], states="int8/block=128", block_size=128).param_groups
+
+
+def test_low_bit_adam_takes_torch_adams_decoupled_weight_decay():
+    """``LowBitAdam(decoupled_weight_decay=True)``, as torch's Adam takes it, was a
+    TypeError; it now steps as torch's Adam does with it (float32 states: to rounding)."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(16, 16))
+    ref = nn.Parameter(w.detach().clone())
+    ours = LowBitAdam([w], lr=0.1, weight_decay=0.5, decoupled_weight_decay=True, states="float32")
+    theirs = torch.optim.Adam([ref], lr=0.1, weight_decay=0.5, decoupled_weight_decay=True)
+    for _ in range(3):
+        w.grad, ref.grad = torch.ones_like(w), torch.ones_like(ref)
+        ours.step()
+        theirs.step()
+    torch.testing.assert_close(w, ref, rtol=0, atol=1e-6)

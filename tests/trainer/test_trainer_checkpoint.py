@@ -128,11 +128,12 @@ def test_resume_from_the_last_epoch_checkpoint_written_by_model_checkpoint(tmp_p
     )
 
 
-def test_a_checkpoint_its_resumed_record_does_not_name_is_removed_not_kept_for_ever(tmp_path):
-    """A SIGKILL between a save's file and its record (last.ckpt still at the save before)
-    left a complete epoch=... file that the resumed run's save_top_k never removed, and whose
-    name pushed the run's own save of that epoch to -v1. The resumed run removes what it
-    does not know, written after the checkpoint it resumes from, and says so."""
+def test_a_checkpoint_its_resumed_record_does_not_name_is_moved_aside_not_deleted(tmp_path):
+    """A SIGKILL between a save's file and its record (last.ckpt still at the save before),
+    or a resume from an earlier checkpoint, left a complete epoch=... file that the resumed
+    run's save_top_k never removed, and whose name pushed the run's own save of that epoch
+    to -v1. The resumed run moves what it does not know, written after the checkpoint it
+    resumes from, into superseded/ (it was deleted: a checkpoint lost), and says so."""
     train, val = loaders()
     ck = tmp_path / "ck"
     cb = ModelCheckpoint(dirpath=ck, save_last=True, save_top_k=1)
@@ -148,13 +149,17 @@ def test_a_checkpoint_its_resumed_record_does_not_name_is_removed_not_kept_for_e
     mine.write_text("kept")
     cb = ModelCheckpoint(dirpath=ck, save_last=True, save_top_k=1)
     t = trainer(tmp_path / "b", "32-true", max_epochs=3, callbacks=[cb])
-    with pytest.warns(UserWarning, match=r"removing epoch=1-step=12.ckpt from .*: written after"):
+    aside = r"moving epoch=1-step=12.ckpt from .* to .*superseded: written after"
+    with pytest.warns(UserWarning, match=aside):
         t.fit(DropoutNet(0), train, val, ckpt_path=ck / "last.ckpt")
     assert sorted(p.name for p in ck.iterdir()) == [
         "epoch=2-step=18.ckpt",
         "last.ckpt",
         "notes.txt",
+        "superseded",
     ]
+    kept = ck / "superseded" / "epoch=1-step=12.ckpt"
+    assert torch.load(kept, weights_only=True)["loop"]["global_step"] == 12
 
 
 def test_checkpoint_contents(tmp_path):

@@ -55,6 +55,7 @@ __all__ = [
     "call_key",
     "can_compile",
     "check_compensation",
+    "check_seed",
     "difference",
     "settled",
     "stochastic_round_",
@@ -106,6 +107,14 @@ def check_compensation(value: Any) -> str | None:
         f"compensation must be 'kahan', 'stochastic' or None, got {value!r}: 'kahan' keeps a "
         f"16-bit buffer of the rounding error per parameter, 'stochastic' rounds at random"
     )
+
+
+def check_seed(seed: Any) -> int:
+    """``seed`` if it is an int (what keys the random bits, `call_key`); a ``TypeError``
+    naming what was given otherwise, rather than one at the first compensated step."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
+    return seed
 
 
 def algorithm_of(optimizer: torch.optim.Optimizer | type) -> str | None:

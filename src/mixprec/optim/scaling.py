@@ -91,6 +91,16 @@ def _float32(value: float) -> float:
         return math.copysign(math.inf, value)
 
 
+def _count(name: str, value: Any, accepted: str = "", below: int | None = None) -> int:
+    """``value`` if it is an int >= 0 (and < ``below``); a ValueError naming ``accepted``
+    (what else the key may hold) otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be {accepted}an int >= 0, got {value!r}")
+    if below is not None and value >= below:
+        raise ValueError(f"{name} must be below {below}, got {value}")
+    return value
+
+
 def _positive_int(name: str, value: Any) -> int:
     """``value`` as an int >= 1; a float such as 1.5 is refused rather than truncated."""
     if isinstance(value, bool) or not isinstance(value, Integral):
@@ -412,9 +422,9 @@ class LossScaler:
         _initial_scale("scale", state["scale"])
         _positive_int("max_skips_at_min_scale", state["max_skips_at_min_scale"])
         for key in ("steps", "skipped_steps", "consecutive_skips", "skips_at_min_scale"):
-            value = state[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{key} must be an int >= 0, got {value!r}")
+            _count(key, state[key])
+        if state["last_overflow_step"] is not None:
+            _count("last_overflow_step", state["last_overflow_step"], "None or ")
 
     def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
         """A state without a ``kind``: from torch.amp.GradScaler, or not a scaler's at all."""
@@ -611,15 +621,31 @@ class DynamicLossScaler(LossScaler):
         self.init_scale = init
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
-        self.growth_interval = _positive_int("growth_interval", growth_interval)
+        device = self._scale.device
+        self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
+        self.growth_interval = growth_interval
         self.hysteresis = _positive_int("hysteresis", hysteresis)
         self.min_scale = min_scale
         self.max_scale = max_scale
-        device = self._scale.device
-        self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
         self._credits = torch.full((), self.hysteresis, dtype=torch.int32, device=device)
         # (scale, growth tracker) as the host knows them; None: to be read from the device
         self._host: tuple[float, int] | None = (_float32(init), 0)
+
+    @property
+    def growth_interval(self) -> int:
+        """Clean steps in a row needed to grow. Set lower than the clean steps already
+        counted, the scale grows at the next clean step (the count is kept below the
+        interval: torch's update grows only when it reaches the interval exactly, so a count
+        past it would never grow again)."""
+        return self._growth_interval
+
+    @growth_interval.setter
+    def growth_interval(self, value: int) -> None:
+        self._growth_interval = _positive_int("growth_interval", value)
+        self._growth_tracker.clamp_(max=self._growth_interval - 1)
+        host = getattr(self, "_host", None)
+        if host is not None:
+            self._host = (host[0], min(host[1], self._growth_interval - 1))
 
     def _update_scale(self, found_inf: torch.Tensor, overflow: bool) -> None:
         if self.hysteresis > 1:
@@ -641,7 +667,7 @@ class DynamicLossScaler(LossScaler):
         # plus a clamp on the rare step that crosses a bound.
         if overflow:
             scale, clean_run = _float32(scale * self.backoff_factor), 0
-        elif clean_run + 1 >= self.growth_interval:
+        elif clean_run + 1 == self.growth_interval:  # (the count stays below it)
             grown = _float32(scale * self.growth_factor)
             scale, clean_run = (grown if math.isfinite(grown) else scale), 0
         else:
@@ -704,6 +730,13 @@ class DynamicLossScaler(LossScaler):
         keys = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
         keys += ("hysteresis", "min_scale", "max_scale", "max_skips_at_min_scale")
         DynamicLossScaler(**{k: state[k] for k in keys})  # (the constructor's checks)
+        _count("growth_tracker", state["growth_tracker"], below=state["growth_interval"])
+        _count("credits", state["credits"])
+        if state["credits"] > state["hysteresis"]:
+            raise ValueError(
+                f"credits must be at most hysteresis ({state['hysteresis']}), "
+                f"got {state['credits']}"
+            )
         scale = _float32(float(state["scale"]))
         if not _float32(state["min_scale"]) <= scale <= _float32(state["max_scale"]):
             raise ValueError(
@@ -731,14 +764,18 @@ class DynamicLossScaler(LossScaler):
             or not 0.0 < backoff_factor < 1.0
         ):
             raise ValueError(f"invalid torch.amp.GradScaler state: {dict(state)}")
+        try:  # (past the interval, GradScaler's own update would never grow it again)
+            tracker = _count("_growth_tracker", tracker, below=growth_interval)
+        except ValueError as err:
+            raise ValueError(f"invalid torch.amp.GradScaler state: {err}") from None
         scale = min(max(_float32(scale), _float32(self.min_scale)), _float32(self.max_scale))
         self._scale.fill_(scale)
-        self._growth_tracker.fill_(int(tracker))
-        self._host = (_float32(scale), int(tracker))
+        self.growth_interval = growth_interval
+        self._growth_tracker.fill_(tracker)
+        self._host = (_float32(scale), tracker)
         self._credits.fill_(self.hysteresis)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
-        self.growth_interval = growth_interval
         self._steps = self._skipped = self._consecutive = self._skips_at_floor = 0
         self._last_overflow = None
 

@@ -883,8 +883,14 @@ def _step_together(optimizers: tuple[LossScaleOptimizer, ...]) -> bool:
             opt.check_()
         else:
             opt.unscale_()
-    if scaler.scaled_since_update:
-        _refuse_gradless(optimizers)
+    if not scaler.scaled_since_update:
+        # no backward through the scaler since its update, so no gradient (one would have
+        # been refused above): a step of nothing, skipped, so that neither the scale nor a
+        # gated scheduler moves (torch's GradScaler refuses it)
+        for opt in optimizers:
+            opt.end_step(False)
+        return False
+    _refuse_gradless(optimizers)
     flags: list[torch.Tensor] = [opt.found_inf for opt in optimizers]  # type: ignore[misc]
     # one optimizer: its 0-dim flag as it is, so a step dispatches what GradScaler's does
     found = scaler.synchronize(flags[0] if len(flags) == 1 else torch.stack(flags))
@@ -900,12 +906,8 @@ def _step_together(optimizers: tuple[LossScaleOptimizer, ...]) -> bool:
         overflow = _read_flags(found)
     for opt, bad in zip(optimizers, overflow, strict=True):
         opt.end_step(not bad)
-    # no backward through the scaler since its update, so no gradient (one would have been
-    # refused above): a step of nothing, which neither counts nor grows the scale (torch's
-    # GradScaler refuses it)
-    if scaler.scaled_since_update:
-        combined = found.amax() if len(flags) > 1 else flags[0]
-        scaler.update(combined, any(overflow))  # type: ignore[arg-type]
+    combined = found.amax() if len(flags) > 1 else flags[0]
+    scaler.update(combined, any(overflow))  # type: ignore[arg-type]
     return not any(overflow)
 
 

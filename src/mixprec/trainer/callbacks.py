@@ -228,6 +228,19 @@ def agreed(strategy: Any, value: float | None) -> float | None:
     return None if count == 0 else total / count
 
 
+# the folder of a checkpoint directory that takes the checkpoints a resumed fit supersedes
+SUPERSEDED = "superseded"
+
+
+def _free_name(path: Path) -> Path:
+    """``path``, or with ``-1``, ``-2``... before its suffix where that name is taken."""
+    candidate, n = path, 0
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return candidate
+
+
 class ModelCheckpoint(Callback):
     """Save checkpoints: every epoch (or every N optimizer steps), the best ``save_top_k`` by
     a monitored metric, and optionally ``last.ckpt``; and once more when a fit stops inside
@@ -493,11 +506,11 @@ class ModelCheckpoint(Callback):
         it, is this callback's own save of that step (another ModelCheckpoint's file, such as
         ``last.ckpt``'s, was written first and holds this callback's record from before it):
         its record is taken. Then the checkpoints written later, at later steps, that the
-        record does not name are removed: a process killed between a save's file and the
-        save after it (``last.ckpt``'s link, the record in the next checkpoint) left them.
-        They hold steps this fit takes again; kept, ``save_top_k`` would never remove them
-        and their names would push new saves to ``-v1``. Another callback's file of the
-        resumed step is left alone."""
+        record does not name are moved into ``SUPERSEDED`` (never deleted: a run resumed
+        from an earlier checkpoint on purpose, or a process killed between a save's file and
+        its record, left them). They hold steps this fit takes again; left in place,
+        ``save_top_k`` would never remove them and their names would push new saves to
+        ``-v1``. Another callback's file of the resumed step is left alone."""
         resumed = trainer.ckpt_path
         if resumed is None or not Path(resumed).exists() or self.dirpath is None:
             return
@@ -526,16 +539,19 @@ class ModelCheckpoint(Callback):
             if str(entry.resolve()) not in recorded
             and (saved[entry] is None or saved[entry][0] > step)
         ]
-        if unknown and trainer.is_global_zero:
-            warnings.warn(
-                f"ModelCheckpoint: removing {', '.join(e.name for e in unknown)} from "
-                f"{self.dirpath}: written after the checkpoint this fit resumes from, which "
-                "does not record them (a run killed mid-save); this fit takes those steps "
-                "again",
-                stacklevel=2,
-            )
+        if not unknown or not trainer.is_global_zero:
+            return
+        aside = self.dirpath / SUPERSEDED
+        warnings.warn(
+            f"ModelCheckpoint: moving {', '.join(e.name for e in unknown)} from "
+            f"{self.dirpath} to {aside}: written after the checkpoint this fit resumes from, "
+            "which does not record them (a run resumed from an earlier checkpoint, or killed "
+            "mid-save); this fit takes those steps again",
+            stacklevel=2,
+        )
+        aside.mkdir(exist_ok=True)
         for entry in unknown:
-            self._remove(trainer, str(entry))
+            os.replace(entry, _free_name(aside / entry.name))
 
     def _remove(self, trainer: Trainer, path: str) -> None:
         if path in self._saved:

@@ -26,6 +26,7 @@ from mixprec.optim.engine import (
     StepCounts,
     call_key,
     check_compensation,
+    check_seed,
 )
 
 __all__ = ["COMPILE_MIN_ELEMENTS", "SMALL", "Compensator"]
@@ -327,9 +328,7 @@ class Compensator:
             COMPILE_MIN_ELEMENTS,
         )
         self.kind = kind
-        if seed is None:
-            seed = _drawn_seed()
-        self.seed = seed
+        self.seed = _drawn_seed() if seed is None else check_seed(seed)
         self.compile = compile
         # the step counts of the states it steps, advanced together (the engine's)
         self._counts = StepCounts()
@@ -869,7 +868,12 @@ class Compensator:
                 f"the checkpoint was trained with compensation {state.get('kind')!r}, this "
                 f"optimizer uses {self.kind!r}"
             )
-        self.seed = int(state["seed"])
+        if "seed" not in state:
+            raise ValueError(
+                f"this compensation state has no 'seed' (keys {sorted(state)}): pass the "
+                f"dict Compensator.state_dict() returned"
+            )
+        self.seed = check_seed(state["seed"])
 
 
 def _keep_float32_moments(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mixprec.optim.engine import COMPENSATED_DTYPES
+from mixprec.optim.engine import COMPENSATED_DTYPES, check_seed
 from mixprec.optim.states.formats import StateFormat, parse_state_format
 from mixprec.optim.states.moments import (
     MOMENTS,
@@ -35,6 +35,17 @@ UNSUPPORTED_FLAGS = {
     "capturable": "the low-bit step is not CUDA-graph capturable",
     "differentiable": "the low-bit step is not differentiable",
 }
+
+
+def refuse_flags(name: str, flags: Mapping[str, Any]) -> None:
+    """Refuse the `UNSUPPORTED_FLAGS` set among ``flags`` (torch's optimizer arguments a
+    low-bit step cannot honour), naming why; those left False change nothing."""
+    refused = [f"{k}=True ({UNSUPPORTED_FLAGS[k]})" for k, v in flags.items() if v]
+    if refused:
+        raise ValueError(
+            f"{name} does not support {', '.join(refused)}: use torch.optim's optimizer for it"
+        )
+
 
 # a group's form of Adam's weight decay (torch's key): the optimizer's own, never a state's
 _DECAY_FORM = "decoupled_weight_decay"
@@ -97,6 +108,8 @@ class StateCheckpoint(torch.optim.Optimizer):
         # the seed: checked and set aside, the rounding draws from no generator now)
         generator = saved.pop("generator", None)
         seed = saved.pop("seed", None)
+        if seed is not None:  # (checked before anything is loaded)
+            check_seed(seed)
         self._check_groups(saved["param_groups"])
         params = [p for g in self.param_groups for p in g["params"]]
         index = [i for g in saved["param_groups"] for i in g["params"]]

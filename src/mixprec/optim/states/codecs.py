@@ -26,6 +26,7 @@ The builtin codecs (see `mixprec.optim.states.formats` for the maps and why):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import torch
@@ -503,7 +504,11 @@ class Int4Codec(StateCodec):
             values = (unpack4(codes).to(torch.float32) + 1.0).reshape(-1, block) * 0.0625
         if signed:
             return values * scales[:, None]
-        magnitude = scales.abs()[:, None]
+        # an infinite scale (a second moment past float32's range: a huge finite gradient)
+        # decodes as NaN, so that the step's weights show it as int8's and float8's do: as
+        # infinities, with no code below 1/16, the whole block's updates would be 0, frozen
+        magnitude = scales.abs()
+        magnitude = torch.where(magnitude == math.inf, math.nan, magnitude)[:, None]
         return _at_least_tiny(values * magnitude, values, magnitude)
 
 

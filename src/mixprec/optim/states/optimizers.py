@@ -26,7 +26,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from numbers import Real
 from operator import is_
 from typing import Any, NamedTuple
 
@@ -40,11 +41,12 @@ from mixprec.optim.engine import (
     StepCounts,
     call_key,
     check_compensation,
+    check_seed,
     wrap32,
 )
 from mixprec.optim.states import buckets as buckets_
 from mixprec.optim.states import codecs, kernels
-from mixprec.optim.states.checkpoint import UNSUPPORTED_FLAGS, StateCheckpoint
+from mixprec.optim.states.checkpoint import UNSUPPORTED_FLAGS, StateCheckpoint, refuse_flags
 from mixprec.optim.states.formats import (
     StateFormat,
     code_tables,
@@ -84,6 +86,14 @@ MIN_SIZE = 4096
 CHUNK = 1 << 22
 CPU_CHUNK = 1 << 18
 _FLOAT32 = StateFormat("float32")
+
+
+def _is_real(x: Any) -> bool:
+    """Whether ``x`` is a real number (not a bool) or a one-element tensor of one, as a
+    hyperparameter must be."""
+    if torch.is_tensor(x):
+        return x.numel() == 1 and not x.is_complex() and x.dtype != torch.bool
+    return isinstance(x, Real) and not isinstance(x, bool)
 
 
 def fitted_format(fmt: StateFormat, p: torch.Tensor) -> StateFormat:
@@ -388,6 +398,11 @@ class LowBitOptimizer(StateCheckpoint):
         if block_size is not None:
             if not fmt.quantized:
                 raise ValueError("block_size is for low-bit states; float32 states have none")
+            if fmt.block not in (block_size, fmt.codec.default_block):
+                raise ValueError(
+                    f"states={str(fmt)!r} and block_size={block_size} name two block sizes: "
+                    f"give the block in one of them"
+                )
             fmt = StateFormat(fmt.kind, block_size)
         if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
             raise ValueError(f"min_size must be an integer >= 0, got {min_size!r}")
@@ -411,7 +426,7 @@ class LowBitOptimizer(StateCheckpoint):
         self.compile = compile
         # the random bits of stochastic rounding and of the Kahan buffer's rounding: the
         # engine's, keyed by the seed, each parameter's step count and index
-        self.seed = seed
+        self.seed = check_seed(seed)
         # the low-bit moments of each bucket of parameters stepped together, as flat
         # tensors whose slices are those parameters' states (`_joined`)
         self._flats: dict[tuple[int, ...], _Joined] = {}
@@ -1035,12 +1050,12 @@ class LowBitAdamW(LowBitOptimizer):
             elements on a device that can build (a Linux CPU with a C++ compiler, CUDA with
             Triton), and falls back to eager, warning once, if the build fails.
         seed: keys the random bits of stochastic rounding and of the Kahan buffer's
-            rounding (the engine's, `mixprec.optim.engine`: a hash of the seed, each
-            parameter's step count and index and the element's position; saved in
-            `state_dict`).
-        amsgrad: not supported (refused).
+            rounding (the engine's, `mixprec.optim.engine`; saved in `state_dict`).
         formats: single parameters' formats (parameter -> spec), before their group's;
             ``min_size`` and ``keep_float32`` still keep theirs float32.
+        foreach, fused: taken and ignored, so that code written for torch's AdamW runs
+            (the step is one call per group and format); ``amsgrad``, ``maximize``,
+            ``capturable``, ``differentiable``: refused.
     """
 
     decoupled = True
@@ -1063,7 +1078,14 @@ class LowBitAdamW(LowBitOptimizer):
         compile: bool | None = None,
         seed: int = 0,
         formats: Mapping[torch.Tensor, str | StateFormat] | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
     ) -> None:
+        flags = dict(maximize=maximize, capturable=capturable, differentiable=differentiable)
+        refuse_flags(type(self).__name__, flags)
         if amsgrad:
             raise ValueError(
                 f"{type(self).__name__} does not support amsgrad (it keeps no maximum of the "
@@ -1071,10 +1093,14 @@ class LowBitAdamW(LowBitOptimizer):
             )
         if not 0.0 <= float(lr):
             raise ValueError(f"invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"invalid eps: {eps}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas {betas}: each in [0, 1)")
+        if not (_is_real(eps) and 0.0 <= eps):
+            raise ValueError(f"invalid eps {eps!r}: a number >= 0")
+        if not (
+            isinstance(betas, Sequence)
+            and len(betas) == 2
+            and all(_is_real(b) and 0.0 <= b < 1.0 for b in betas)
+        ):
+            raise ValueError(f"invalid betas {betas!r}: two numbers, each in [0, 1)")
         if not 0.0 <= weight_decay:
             raise ValueError(f"invalid weight_decay: {weight_decay}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -1134,7 +1160,8 @@ class LowBitAdamW(LowBitOptimizer):
 
 class LowBitAdam(LowBitAdamW):
     """Adam (weight decay as L2: added to the gradient) with low-bit moments; the arguments
-    of `LowBitAdamW`, ``weight_decay`` defaulting to 0."""
+    of `LowBitAdamW`, ``weight_decay`` defaulting to 0, and torch's Adam's
+    ``decoupled_weight_decay`` (True: AdamW's decay)."""
 
     decoupled = False
 
@@ -1146,16 +1173,22 @@ class LowBitAdam(LowBitAdamW):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         amsgrad: bool = False,
+        *,
+        decoupled_weight_decay: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+        if decoupled_weight_decay:  # (as torch's Adam takes it: AdamW's decay, in every group)
+            self.defaults["decoupled_weight_decay"] = True
+            for group in self.param_groups:
+                group.setdefault("decoupled_weight_decay", True)
 
 
 class LowBitSGD(LowBitOptimizer):
     """SGD with momentum (dampening, nesterov, L2 weight decay as torch's SGD) with its
     momentum buffer in a low-bit format; ``states``, ``block_size``, ``min_size``,
-    ``keep_float32``, ``compensation``, ``compile``, ``seed`` and ``formats`` as
-    `LowBitAdamW`'s."""
+    ``keep_float32``, ``compensation``, ``compile``, ``seed``, ``formats`` and torch's flags
+    (``foreach``, ``fused``, ``maximize``, ``differentiable``) as `LowBitAdamW`'s."""
 
     algorithm = "sgd"
 
@@ -1176,7 +1209,12 @@ class LowBitSGD(LowBitOptimizer):
         compile: bool | None = None,
         seed: int = 0,
         formats: Mapping[torch.Tensor, str | StateFormat] | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        maximize: bool = False,
+        differentiable: bool = False,
     ) -> None:
+        refuse_flags(type(self).__name__, dict(maximize=maximize, differentiable=differentiable))
         if not 0.0 <= float(lr):
             raise ValueError(f"invalid learning rate: {lr}")
         if not 0.0 <= momentum:
