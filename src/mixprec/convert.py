@@ -724,9 +724,10 @@ def explain(
     decides it on `device` (default: the model's; "cuda" on a CPU-only machine shows what a
     GPU run would do); each parameter's optimizer-state format under a map with ``states``
     or with ``optimizer_states`` (`Precision`'s); each module's activation option under a map
-    with ``activations``, and with ``batch`` (a tensor, or a tuple of the forward's
-    arguments) the bytes each module's own ops save for the backward in one forward of a
-    converted copy of `model` on it (`Explanation.saved_bytes`). A module whose region hands
+    with ``activations``, and with ``batch`` (a tensor, a tuple of the forward's arguments,
+    or a mapping of its keyword arguments) the bytes each module's own ops save for the
+    backward in one training-mode forward of a converted copy of `model` on it
+    (`Explanation.saved_bytes`). A module whose region hands
     its result back in another dtype than its policy's output dtype (inside a "true"
     parent: the parent's compute dtype) shows that dtype (`Explanation.handed_back`)."""
     where = parse_device(device) if device is not None else device_of(model)
@@ -739,15 +740,26 @@ def explain(
     )
     found.handed_back = _handed_back(model, found)
     if batch is not None:
-        converted = apply(copy.deepcopy(model), policy or applied_policy(model), warn=False)
-        inputs = batch if isinstance(batch, tuple) else (batch,)
-        # (the batch as a step hands it over: cast to a "true" policy's compute dtype, as
-        # `Precision.convert_input` does, not saved beside a 16-bit copy the step never makes)
-        default = as_map(policy or applied_policy(model)).default
-        if not default.is_mixed:
-            inputs = cast_floating(inputs, default.compute_dtype)
-        found.saved_bytes = saved_bytes(converted, *inputs)
+        found.saved_bytes = _saved_in_training(model, policy or applied_policy(model), batch)
     return found
+
+
+def _saved_in_training(model: nn.Module, policy: Any, batch: Any) -> dict[str, int]:
+    """`saved_bytes` of one forward on `batch` (a tensor, a tuple of positional arguments, or
+    a mapping of keyword arguments, as a Hugging Face batch) of a copy of `model` converted
+    to `policy`, in training mode as a step runs it (dropout, a BatchNorm's batch
+    statistics), whatever mode `model` is in: `model` itself is left as it is."""
+    converted = apply(copy.deepcopy(model).train(), policy, warn=False)
+    if isinstance(batch, Mapping):
+        args, kwargs = (), dict(batch)
+    else:
+        args, kwargs = (batch if isinstance(batch, tuple) else (batch,)), {}
+    # (the batch as a step hands it over: cast to a "true" policy's compute dtype, as
+    # `Precision.convert_input` does, not saved beside a 16-bit copy the step never makes)
+    default = as_map(policy).default
+    if not default.is_mixed:
+        args, kwargs = cast_floating((args, kwargs), default.compute_dtype)
+    return saved_bytes(converted, *args, **kwargs)
 
 
 def _handed_back(model: nn.Module, policies: Mapping[str, Policy]) -> dict[str, torch.dtype]:

@@ -187,9 +187,67 @@ def test_a_refused_re_apply_leaves_the_previous_activation_options_in_place():
 def test_an_activation_type_rule_for_a_class_imported_twice_is_warned_of():
     """A type rule naming another class of the same name as the model's modules' (a script
     loaded under two module names) matched nothing and no option was put on, silently; it
-    is warned of, as a policy type rule is. A type the model lacks is not."""
+    is warned of, as a policy type rule is; a type the model lacks, in a warning of its own."""
     twin = type("Linear", (nn.Module,), {"__module__": "elsewhere"})
     lacking = type("Gone", (nn.Module,), {"__module__": "elsewhere"})
     pmap = mixprec.PolicyMap("32-true", activations={twin: "checkpoint", lacking: "bf16"})
     with pytest.warns(UserWarning, match=r"activation type rules match no module.*elsewhere\.Lin"):
-        mixprec.apply(nn.Sequential(nn.Linear(2, 2)), pmap)
+        with pytest.warns(UserWarning, match=r"activation rule\(s\) Gone match no module"):
+            mixprec.apply(nn.Sequential(nn.Linear(2, 2)), pmap)
+
+
+class _Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(8, 64), nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.drop(self.fc(x))
+        return h if scale is None else h * scale
+
+
+def test_explain_measures_in_training_mode_and_leaves_the_models_mode():
+    """`explain(batch=...)` measured in the model's own mode: a model in eval mode (as
+    `from_pretrained` leaves it) saved no dropout mask, so the bytes a step holds were
+    under-counted. It measures a training forward, and the model stays in eval mode."""
+    x = torch.randn(4, 8)
+    model = _Dropped().eval()
+    shown = mixprec.explain(model, "32-true", batch=x)
+    trained = mixprec.explain(_Dropped().train(), "32-true", batch=x)
+    assert shown.saved_bytes == trained.saved_bytes
+    assert shown.saved_bytes["drop"] > 0  # (dropout's mask)
+    assert not model.training and not any(m.training for m in model.modules())
+
+
+def test_explain_passes_a_mapping_batch_as_keyword_arguments():
+    """A mapping batch (a Hugging Face batch) went in as one positional argument and failed
+    deep in the model; it is passed as keyword arguments, cast under a "true" policy as a
+    tuple batch is."""
+    x, scale = torch.randn(4, 8), torch.full((4, 64), 2.0)
+    for policy in ("32-true", "bf16-true"):
+        by_name = mixprec.explain(_Dropped(), policy, batch={"x": x, "scale": scale})
+        by_place = mixprec.explain(_Dropped(), policy, batch=(x, scale))
+        assert by_name.saved_bytes == by_place.saved_bytes
+        assert sum(by_name.saved_bytes.values()) > 0
+
+
+def test_a_type_rule_matching_no_module_warns():
+    """A type rule for a class the model lacks was dropped silently (a path rule warns)."""
+    pmap = PolicyMap("32-true", activations={nn.Conv2d: "fp8"})
+    with pytest.warns(UserWarning, match=r"activation rule\(s\) Conv2d match no module"):
+        mixprec.apply(net(), pmap)
+
+
+def test_a_rule_inside_a_recomputed_module_warns():
+    """A rule whose every module runs inside a recomputed module was dropped silently: its
+    modules are recomputed with the parent."""
+    pmap = PolicyMap("32-true", activations={"1": "checkpoint", r"1\.fc": "fp8"})
+    said = r"rule\(s\) '1\\\\.fc': 'fp8' \(recomputed with '1'\) take no effect"
+    with pytest.warns(UserWarning, match=said):
+        mixprec.apply(net(), pmap)
+
+
+def test_a_type_rule_taking_effect_somewhere_does_not_warn(recwarn):
+    """A type rule matching modules inside and outside a recomputed module takes effect."""
+    mixprec.apply(net(), PolicyMap("32-true", activations={"1": "checkpoint", nn.Linear: "fp8"}))
+    assert not [w for w in recwarn if "activation rule" in str(w.message)]

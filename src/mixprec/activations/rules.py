@@ -24,7 +24,7 @@ from torch import nn
 
 from mixprec.activations.options import RECOMPUTE, check_option
 from mixprec.errors import PolicySpecError
-from mixprec.policy.matching import match_rule, split_rules, warn_types_imported_twice
+from mixprec.policy.matching import is_a, match_rule, split_rules, warn_types_imported_twice
 
 __all__ = ["ActivationRules", "ActivationsSpec", "Choice", "as_rules", "never_called"]
 
@@ -130,23 +130,68 @@ class ActivationRules:
             if key not in names and not any(rx.fullmatch(n) for n in names)
         ]
 
+    def _matched(self, key: str | type, modules: list[tuple[str, nn.Module]]) -> list[str]:
+        """The paths of `modules` that the rule `key` matches (of any rank)."""
+        if isinstance(key, type):
+            return [name for name, module in modules if is_a(module, key)]
+        rx = self._paths[key][0]
+        return [name for name, _ in modules if name == key or rx.fullmatch(name)]
+
+    def _unmatched_types(self, modules: list[tuple[str, nn.Module]]) -> list[str]:
+        """The type rules that match no module, but for a class imported twice (warned of
+        by `warn_types_imported_twice`)."""
+        names = {type(m).__qualname__ for _, m in modules}
+        return [
+            t.__name__
+            for t in self._types
+            if t.__qualname__ not in names and not self._matched(t, modules)
+        ]
+
+    def _shadowed(self, model: nn.Module, modules: list[tuple[str, nn.Module]]) -> list[str]:
+        """The rules whose every module runs inside a recomputed one that gives it another
+        option, with why: the rule takes no effect."""
+        if not self.rules:
+            return []
+        choices = self.resolve(model)
+        said = []
+        for key, option in self.rules.items():
+            hits = self._matched(key, modules)
+            if hits and all(
+                choices[n][1].startswith("recomputed with") and choices[n][0] != option
+                for n in hits
+            ):
+                said.append(f"{_key_name(key)}: {option!r} ({choices[hits[0]][1]})")
+        return said
+
     def warn_unmatched(self, model: nn.Module, *, stacklevel: int = 2) -> None:
-        """One warning naming the path rules that match no module of `model` (with the
-        closest paths), as for policy rules: a typo far more often than intent; and one
-        naming type rules for a class imported twice (`warn_types_imported_twice`)."""
+        """One warning naming the rules that match no module of `model` (path rules with
+        the closest paths; type rules), as for policy path rules: a typo or a wrong class far
+        more often than intent; one naming type rules for a class imported twice
+        (`warn_types_imported_twice`); and one naming the rules whose modules all run inside
+        a recomputed module, whose option they take instead."""
         warn_types_imported_twice(self._types, model, "activation", stacklevel + 1)
-        names = [name for name, _ in model.named_modules(remove_duplicate=False)]
+        modules = list(model.named_modules(remove_duplicate=False))
+        names = [name for name, _ in modules]
         said = []
         for key in self.unmatched_paths(names):
             close = difflib.get_close_matches(key, [n for n in names if n], n=3, cutoff=0.5)
             said.append(
                 f"{key!r}" + (f" (closest: {', '.join(map(repr, close))})" if close else "")
             )
+        said += self._unmatched_types(modules)
         if said:
             warnings.warn(
                 f"activation rule(s) {', '.join(said)} match no module of "
-                f"{type(model).__name__} (rules are re.fullmatch'ed against named_modules() "
-                "paths)",
+                f"{type(model).__name__} (path rules are re.fullmatch'ed against "
+                "named_modules() paths, type rules matched by isinstance)",
+                stacklevel=stacklevel + 1,
+            )
+        shadowed = self._shadowed(model, modules)
+        if shadowed:
+            warnings.warn(
+                f"activation rule(s) {'; '.join(shadowed)} take no effect: every module they "
+                "match runs inside a recomputed module, which recomputes it whatever its own "
+                "option; give the option to modules outside it, or do not recompute it",
                 stacklevel=stacklevel + 1,
             )
 

@@ -205,7 +205,7 @@ _NORMS = frozenset([torch.norm, _T.norm, torch.linalg.vector_norm, torch.linalg.
 # float32's range); a power's only for an exponent below 1 (`_kept_exact`).
 _DIVIDING = frozenset(
     [torch.log, _T.log, _T.log_, torch.log2, _T.log2, _T.log2_, torch.log10, _T.log10]
-    + [_T.log10_, torch.sqrt, _T.sqrt, _T.sqrt_, torch.std, _T.std, F.normalize]
+    + [_T.log10_, torch.sqrt, _T.sqrt, _T.sqrt_, F.normalize]
     + [torch.div, _T.div, _T.div_, torch.divide, _T.divide, _T.divide_, torch.true_divide]
     + [_T.true_divide, _T.true_divide_, _T.__truediv__, _T.__itruediv__, _T.__rtruediv__]
     + [torch.xlogy, _T.xlogy, _T.xlogy_, torch.special.xlogy]
@@ -224,15 +224,37 @@ _NEAR_ONE = frozenset(
     + [torch.erfinv, _T.erfinv, _T.erfinv_, torch.special.erfinv]
     + [F.binary_cross_entropy]
 )
+_A = torch.ops.aten
+# functions whose backward subtracts saved values of about the same size, each rounded on
+# its own: a log-sum-exp's exp(input - result), a layer norm's or a variance's
+# input - mean, a distance's or a regression loss's input - other, a cosine's part of one
+# input along the other. Where the inputs' spread is small against their size (confident
+# logits, a residual stream with an offset), what is left is mostly the rounding of
+# bfloat16 or fp8. Kept exact under both (`_kept_exact`), also called as aten ops. Not
+# batch, group or instance norms: their input, a convolution's output, is a CNN's largest
+# save, often saved by a ReLU too (docs/activations.md).
+_CANCELLING = frozenset(
+    [torch.logsumexp, _T.logsumexp, torch.special.logsumexp, _A.logsumexp]
+    + [torch.logaddexp, _T.logaddexp, _A.logaddexp, torch.logaddexp2, _T.logaddexp2]
+    + [_A.logaddexp2, torch.logcumsumexp, _T.logcumsumexp, _A.logcumsumexp]
+    + [F.layer_norm, torch.layer_norm, _A.layer_norm, torch.native_layer_norm]
+    + [_A.native_layer_norm, torch.var, _T.var, _A.var, torch.var_mean, _A.var_mean]
+    + [torch.std, _T.std, _A.std, torch.std_mean, _A.std_mean]
+    + [F.mse_loss, _A.mse_loss, F.huber_loss, _A.huber_loss, F.smooth_l1_loss]
+    + [_A.smooth_l1_loss, torch.cdist, _A.cdist, torch.cosine_similarity]
+    + [_A.cosine_similarity]
+)
 _POWERS = frozenset([torch.pow, _T.pow, _T.pow_, _T.__pow__, _T.__ipow__])
 
 
 def _kept_exact(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fp8: bool) -> bool:
     """Whether ``func(*args, **kwargs)``'s saves are kept exact (`_PICKING`, `_NEAR_ONE`,
-    `_DIVIDING`): a norm of an infinite order (which picks its largest element) and, under
-    fp8, any other (divided by); a power of an exponent below 1 (or of a tensor exponent)
-    under fp8."""
-    if func in _PICKING or func in _NEAR_ONE:
+    `_CANCELLING`, `_DIVIDING`; an aten op's overload as the op): a norm of an infinite order
+    (which picks its largest element) and, under fp8, any other (divided by); a power of an
+    exponent below 1 (or of a tensor exponent) under fp8."""
+    if isinstance(func, torch._ops.OpOverload):
+        func = func.overloadpacket
+    if func in _PICKING or func in _NEAR_ONE or func in _CANCELLING:
         return True
     if func in _NORMS:
         order = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else None))
@@ -255,9 +277,10 @@ class _SavesByFunction(TorchFunctionMode):
       no longer match it (docs/activations.md). nn.MultiheadAttention's functional form is
       stored so whole, its projections' inputs too;
     - the saves of functions picking elements by equality (`_PICKING`: amax, median, an inf
-      norm) or growing without bound near magnitude one (`_NEAR_ONE`: asin, atanh, logit,
-      log1p, binary cross-entropy), and under fp8 of those dividing by a saved value
-      (`_DIVIDING`: log, division, sqrt), are kept exact.
+      norm), growing without bound near magnitude one (`_NEAR_ONE`: asin, atanh, logit,
+      log1p, binary cross-entropy) or subtracting saved values of about the same size
+      (`_CANCELLING`: logsumexp, layer_norm, var, mse_loss), and under fp8 of those
+      dividing by a saved value (`_DIVIDING`: log, division, sqrt), are kept exact.
 
     Only where the innermost saved-tensor hooks are a storing codec's (a module inside
     keeping, recomputing or offloading has its way). Every other call runs as it is."""
