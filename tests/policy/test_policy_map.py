@@ -63,9 +63,35 @@ def test_two_rules_of_one_rank_are_an_error_naming_both():
     pmap = PolicyMap("bf16-mixed", {r"layers\.0\..*": "32-true", r".*\.attn": "16-mixed"})
     with pytest.raises(PolicySpecError, match=r"layers.0.attn.*2 regex rules.*'layers\\\\.0"):
         pmap.resolve(m)
-    both_types = PolicyMap("bf16-mixed", {nn.Linear: "32-true", nn.Module: "16-mixed"})
-    with pytest.raises(PolicySpecError, match="type rules of the same rank: Linear, Module"):
-        both_types.resolve(m)
+
+    class Scaled(nn.Module):
+        pass
+
+    class Both(nn.Linear, Scaled):
+        pass
+
+    both_types = PolicyMap("bf16-mixed", {nn.Linear: "32-true", Scaled: "16-mixed"})
+    with pytest.raises(PolicySpecError, match="type rules of the same rank with different values"):
+        both_types.resolve(nn.Sequential(Both(2, 2)))
+
+
+def test_a_subclass_type_rule_outranks_its_base_and_equal_values_agree():
+    """Rules for nn.Linear and a subclass of it could not coexist ("make them disjoint"),
+    even giving one policy; the subclass's rule now decides for its instances, as Python's
+    dispatch picks the most specific type, and rules that agree are no conflict."""
+
+    class Mine(nn.Linear):
+        pass
+
+    m = nn.Sequential(nn.Linear(2, 2), Mine(2, 2))
+    got = resolved(m, PolicyMap("bf16-mixed", {nn.Linear: "bf16-true", Mine: "32-true"}))
+    assert (got["0"], got["1"]) == ("bf16-true", "32-true")
+    got = resolved(m, PolicyMap("bf16-mixed", {Mine: "32-true", nn.Module: "16-mixed"}))
+    assert (got["0"], got["1"]) == ("16-mixed", "32-true")
+    layer = nn.TransformerEncoderLayer(8, 2, 16)  # (out_proj: a subclass of Linear)
+    rules = {nn.Linear: "32-true", r".*out_proj": "32-true", r".*": "32-true"}
+    same = PolicyMap("bf16-mixed", rules)
+    assert resolved(layer, same)["self_attn.out_proj"] == "32-true"
 
 
 def test_islands_only_under_mixed_policies_and_overridable():

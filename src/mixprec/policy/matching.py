@@ -3,8 +3,9 @@ of rule: a `mixprec.PolicyMap`'s policies and `mixprec.activations.ActivationRul
 
 A key is a module path regex (``re.fullmatch`` against a module's qualified name) or an
 ``nn.Module`` subclass. For each module, in order: an exact path rule, a regex path rule, a
-type rule (``isinstance``, where a quantized layer also counts as the float type it replaced);
-two rules of the same rank matching one module is an error, not a silent pick.
+type rule (``isinstance``, where a quantized layer also counts as the float type it replaced;
+a subclass's rule before its base class's); two rules of the same rank matching one module
+with different values is an error, not a silent pick.
 """
 
 from __future__ import annotations
@@ -52,22 +53,32 @@ def is_a(module: nn.Module, t: type) -> bool:
     return isinstance(module, t) or issubclass(getattr(module, "float_type", type(None)), t)
 
 
+def _most_derived(hits: list[type]) -> list[type]:
+    """The types of ``hits`` no other hit derives from: a rule for a subclass decides for
+    its instances over one for its base class, as Python's dispatch picks the most specific
+    (``{nn.Linear: ..., MyLinear: ...}`` gives MyLinear's to a MyLinear)."""
+    return [t for t in hits if not any(u is not t and issubclass(u, t) for u in hits)]
+
+
 def match_rule(
     paths: PathRules, types: TypeRules, name: str, module: nn.Module, kind: str = ""
 ) -> tuple[Any, str] | None:
     """(value, why) of the rule that decides for the module `module` at path `name`, None
-    when no rule matches it; two rules of one rank matching it raise PolicySpecError."""
+    when no rule matches it; two rules of one rank matching it with different values raise
+    PolicySpecError (a type rule for a subclass outranks its base class's)."""
     if name in paths:
         return paths[name][1], f"path rule {name!r}"
     for rank, hits in (
         ("regex rule", [k for k, (rx, _) in paths.items() if rx.fullmatch(name)]),
-        ("type rule", [t for t in types if is_a(module, t)]),
+        ("type rule", _most_derived([t for t in types if is_a(module, t)])),
     ):
-        if len(hits) > 1:
+        values = [paths[h][1] if isinstance(h, str) else types[h] for h in hits]
+        if len(hits) > 1 and any(v != values[0] for v in values[1:]):
             shown = ", ".join(repr(h) if isinstance(h, str) else h.__name__ for h in hits)
             raise PolicySpecError(
                 f"module {name or '<root>'!r} ({type(module).__name__}) is matched by "
-                f"{len(hits)} {kind}{rank}s of the same rank: {shown}; make them disjoint"
+                f"{len(hits)} {kind}{rank}s of the same rank with different values: {shown}; "
+                f"make them disjoint, or decide for it with a path rule"
             )
         if hits:
             hit = hits[0]
