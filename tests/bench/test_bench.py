@@ -681,19 +681,22 @@ def test_doubted_matmul_rates_are_not_printed():
 def test_the_metadata_records_what_the_pre_run_checks_found(monkeypatch):
     """The conclusion's busy-machine caveat read os.cpu_count() when the report was made and
     guessed other work from load averages; the run now records its core count, the busy
-    cores the pre-run check sampled, and whether the warning was due."""
+    cores the pre-run check sampled, and whether the warning was due: by those busy cores
+    where they were sampled (the threads were chosen by them), else by the load."""
     from mixprec.bench import suite
 
     monkeypatch.setattr(suite, "busy_cores", lambda: 1.3)
     monkeypatch.setattr(suite, "_load_average", lambda: [9.0, 9.0, 9.0])
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
     with hardware.assume(ZEN4):
         sampled = suite.metadata(plan(BenchOptions(precisions=["32-true"], batch_sizes=[2])))
         given = suite.metadata(
             plan(BenchOptions(precisions=["32-true"], batch_sizes=[2], threads=1))
         )
-    assert sampled["cores"] == (os.cpu_count() or 1) and sampled["busy_cores_before"] == 1.3
+    assert sampled["cores"] == 2 and sampled["busy_cores_before"] == 1.3
     assert given["busy_cores_before"] is None  # (--threads given: not sampled)
-    assert sampled["busy_warning"] is True  # (a load of 9 on this machine's cores)
+    assert sampled["threads"] == 1 and sampled["busy_warning"] is False  # (one core free)
+    assert given["busy_warning"] is True  # (a load of 9 on 2 cores)
 
 
 def test_a_float64_only_run_says_float64_was_timed():

@@ -24,6 +24,7 @@ from mixprec.bench.suite import (
     Row,
     activation_label,
     cores_shared,
+    size_text,
 )
 from mixprec.bench.verdict import (
     CONFIDENCE,
@@ -43,6 +44,7 @@ from mixprec.textout import Column, FittedTable
 __all__ = [
     "BASELINE",
     "COLUMNS",
+    "FRESH_PROCESS_OPTIONS",
     "OUTPUT_FILES",
     "Summary",
     "busy_machine_warning",
@@ -54,6 +56,7 @@ __all__ = [
     "plot",
     "progress_line",
     "ratio_places",
+    "rerun_for_verdict",
     "rich_table",
     "stopped_line",
     "summarize",
@@ -73,6 +76,9 @@ COLUMNS = (
     "raw torch ms/step",
     "mixprec overhead",
 )
+# the options that put each configuration in a fresh process of its own (flag, the
+# metadata key and BenchOptions attribute that holds it)
+FRESH_PROCESS_OPTIONS = (("--memory-limit", "memory_limit"), ("--compile", "compile"))
 # which columns a narrow terminal keeps longest (absent: always shown)
 _KEEP = {
     "peak memory": 5,
@@ -351,13 +357,17 @@ def _overhead_cell(s: Summary) -> str:
 
 def progress_line(row: Row, index: int, total: int, seconds: float) -> str:
     """The line printed as configuration `index` of `total` finishes: its median ms/step,
-    peak memory and the raw torch loop's median, or how it ended."""
+    peak memory and the raw torch loop's median, or how it ended; `seconds` are its batch
+    size's, said so where other rows ran in them (side by side, or one after another in
+    fresh processes)."""
     c, r = row.config, row.result
     head = f"[{index}/{total}] {c.label} @ {c.batch_size}:"
-    where = f"{seconds:.1f} s" + (", fresh process" if r.fresh_process else "")
     ours = r.mixprec
+    where = f"{seconds:.1f} s"  # (the batch size's: the time of this row alone where it is)
     if r.paired:
         where = f"{len(ours.step_ms)} rounds side by side, batch in {where}"
+    elif r.fresh_process:
+        where = f"in a fresh process, batch in {where}"
     if r.status != OK or not ours.step_ms:
         return f"{head} {'OOM' if r.status == OOM else r.status} ({where})"
     med = statistics.median(ours.step_ms)
@@ -498,14 +508,23 @@ def busy_machine_warning(
     device_type: str,
     cores: int | None = None,
     paired: bool | None = None,
+    rerun: str | None = None,
+    busy_cores: float | None = None,
 ) -> str | None:
     """A warning, before the run, when other work keeps the CPUs busy: what the verdict
     then rests on, by how the steps are timed (`paired`: side by side in rounds; False:
-    each configuration in a process of its own, one after another; None: not known, both
-    said)."""
-    if not load or not _is_busy(load[0], threads, device_type, cores):
+    each configuration in a process of its own, one after another, where `rerun` says how
+    to get paired rounds (`rerun_for_verdict`); None: not known, both said). `busy_cores`,
+    other work's cores sampled as the run began (`timing.busy_cores`, which chose the
+    threads), decides and is said where given; else the 1-minute `load`."""
+    measured = busy_cores if busy_cores is not None else (load[0] if load else None)
+    if measured is None or not _is_busy(measured, threads, device_type, cores):
         return None
     cores = cores or os.cpu_count() or 1
+    if busy_cores is not None:
+        what = f"other work kept {busy_cores:.1f} of {cores} cores busy as the run began"
+    else:
+        what = f"1-minute load {measured} on {cores} cores"
     if paired:
         how = (
             "the speedup is taken from paired rounds with its interval, and withheld if still "
@@ -524,13 +543,13 @@ def busy_machine_warning(
             "moves: no interval and no verdict"
         )
     then = (
-        "for a verdict, rerun without --memory-limit and --compile"
+        f"for a verdict, {rerun or 'time them side by side in paired rounds in one process'}"
         if paired is False
         else f"for tighter figures, {_rerun_advice(threads)}"
     )
     return (
-        f"WARNING: other work was using the CPUs (1-minute load {load[0]} on {cores} cores, "
-        f"{threads} thread(s) timing): single steps are slowed at random; {how}; {then}"
+        f"WARNING: other work was using the CPUs ({what}, {threads} thread(s) timing): single "
+        f"steps are slowed at random; {how}; {then}"
     )
 
 
@@ -594,6 +613,8 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
         meta.get("device_type", ""),
         _cores(meta),
         paired,
+        rerun=_apart_why(meta)[1],
+        busy_cores=meta.get("busy_cores_before"),
     )
     if busy and warning:
         out.append(warning)
@@ -608,7 +629,9 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
                 f"gradient overflow while the loss scale settled{raw}"
             )
     if meta.get("memory_limit"):
-        out.append(f"memory limit: {meta['memory_limit']} bytes per loop (OOM above it)")
+        limit = size_text(meta["memory_limit"])
+        unit = " bytes" if limit.isdigit() else ""
+        out.append(f"memory limit: {limit}{unit} per loop (OOM above it)")
     if meta.get("compile"):
         out.append(
             "compiled: every model runs under torch.compile (torch's defaults), compiled after "
@@ -623,6 +646,11 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
                 f"{s.first_step_s:.1f} s{raw}"
             )
     return out
+
+
+def _was(names: list[str]) -> str:
+    """ "was" after one name, "were" after several."""
+    return "was" if len(names) == 1 else "were"
 
 
 def _duration(ms: float) -> str:
@@ -647,13 +675,12 @@ def comparison_gap_lines(report: BenchReport, summaries: list[Summary]) -> list[
     base = rates.get("float32")
     if gap["asked"]:
         asked = meta["precisions"]
-        were = "was" if len(asked) == 1 else "were"
-        first = f"only {', '.join(asked)} {were} asked for (--precision), so "
+        first = f"only {', '.join(asked)} {_was(asked)} asked for (--precision), so "
     else:
         first = "no mixed precision is fast on this device, so "
     # (results written before the gap said what was timed: the rows' precisions)
     timed = gap.get("timed") or sorted({s.label for s in summaries})
-    lines = ["timed: " + first + f"only {' and '.join(timed)} was timed"]
+    lines = ["timed: " + first + f"only {' and '.join(timed)} {_was(timed)} timed"]
     for name, why in gap["left_out"].items():
         lines.append(f"left out: {name}, {why['status']} here ({why['reason']})")
     doubts = gap.get("matmul_doubts") or []
@@ -825,7 +852,7 @@ def _withheld(meta: dict[str, Any], label: str, kind: str, decisive: Interval, b
         return (
             f"Too few rounds to conclude {how}: {decisive.n} at batch {batch}, where a "
             f"{CONFIDENCE:.0%} interval needs at least {MIN_ROUNDS} (their median: "
-            f"{decisive.median:.2f}x); rerun with --steps {MIN_ROUNDS} or more."
+            f"{_ratio(decisive)}x); rerun with --steps {MIN_ROUNDS} or more."
         )
     under = _under_load(meta)
     # (as the table rounds it, and the width up: "1.50x wide" read as within the limit)
@@ -840,11 +867,15 @@ def _withheld(meta: dict[str, Any], label: str, kind: str, decisive: Interval, b
     )
 
 
+def _ratio(i: Interval) -> str:
+    """An interval's median as its table cell prints it (`ratio_places`)."""
+    return f"{i.median:.{ratio_places(i.median, i.low, i.high)}f}"
+
+
 def _fresh_process_options(meta: dict[str, Any]) -> list[str]:
     """The options of a run that put each configuration in a fresh process of its own
     (`runner.fresh_process_reason`): ``--memory-limit``, ``--compile``."""
-    return [o for o, on in (("--memory-limit", "memory_limit"), ("--compile", "compile"))
-            if meta.get(on)]  # fmt: skip
+    return [flag for flag, key in FRESH_PROCESS_OPTIONS if meta.get(key)]
 
 
 def _timed_apart(meta: dict[str, Any], summaries: list[Summary]) -> bool:
@@ -861,16 +892,27 @@ def _timed_apart(meta: dict[str, Any], summaries: list[Summary]) -> bool:
 def _apart_why(meta: dict[str, Any]) -> tuple[str, str]:
     """Why a run's configurations ran in separate processes, and how to get paired rounds."""
     options = _fresh_process_options(meta)
-    if options:
-        given = " and ".join(options)
-        return (
-            f"{given}: a fresh process each",
-            f"rerun without {given}, which times them side by side in paired rounds in one process",
-        )
-    return (
-        "as the mixprec version of this run timed every configuration",
-        "rerun with this version, which times them side by side in paired rounds",
+    how = rerun_for_verdict(
+        options, bool(meta.get("max_batch_searches")), meta.get("device_type", "")
     )
+    if options:
+        return f"{' and '.join(options)}: a fresh process each", how
+    return "as the mixprec version of this run timed every configuration", how
+
+
+def rerun_for_verdict(given: list[str], max_batch: bool, device_type: str) -> str:
+    """How a run timed apart gets paired rounds: without the options `given` that put each
+    configuration in a fresh process (``--memory-limit``, ``--compile``), and without
+    ``--max-batch`` where a CPU's search needs the memory limit (the command advised would
+    be refused); with none given (results of a version that timed every configuration
+    apart), with this version."""
+    if not given:
+        return "rerun with this version, which times them side by side in paired rounds"
+    drop = " and ".join(given)
+    if max_batch and device_type == "cpu" and "--memory-limit" in given:
+        search = "a CPU's search needs --memory-limit: search in a run of its own"
+        drop = f"{', '.join(given)} and --max-batch ({search})"
+    return f"rerun without {drop}, which times them side by side in paired rounds in one process"
 
 
 def _unpaired(
@@ -919,6 +961,19 @@ def _under_load(meta: dict[str, Any]) -> str:
     if other[1].startswith("1-minute"):
         return f"under a 1-minute load of {other[0]:.1f} on {_cores(meta)} cores"
     return f"while {other[1]}"
+
+
+def _untimed_auto(meta: dict[str, Any]) -> str:
+    """ "; bf16-mixed, which mixprec info rates fast here, was not timed: ..." where the
+    precision "auto" means on this device is a mixed one the run did not time (advice to
+    train in float32 would pass it by); '' otherwise, and for results recorded before it."""
+    auto = meta.get("auto_precision")
+    if not auto or auto == BASELINE or auto in (meta.get("precisions") or []):
+        return ""
+    return (
+        f"; {auto}, which mixprec info rates fast here, was not timed: add it to --precision "
+        "before settling on float32"
+    )
 
 
 def _noisy_clause(meta: dict[str, Any], noisy: list[tuple[Summary, Interval]]) -> str:
@@ -988,8 +1043,9 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         if gap and gap["asked"]:  # left out because not asked for: nothing found against them
             also = f" ({', '.join(fast)} would be fast here: see above)" if fast else ""
             beside = "beside float32 " if BASELINE in meta["precisions"] else ""
+            asked = meta["precisions"]
             return (
-                f"Only {', '.join(meta['precisions'])} was asked for, so no mixed precision "
+                f"Only {', '.join(asked)} {_was(asked)} asked for, so no mixed precision "
                 f"ran {beside}to compare{also}; {seed}."
             )
         if gap:
@@ -1027,8 +1083,9 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     digits = "{:.1f}" if verdict.kind == FASTER else "{:.2f}"
     if verdict.kind == FASTER and min(float(f"{x:.1f}") for x in speed) <= 1.0:
         digits = "{:.2f}"  # ("1.0x as fast" reads as no faster)
-    if digits == "{:.2f}":  # ("1.00x the speed of float32 ... slower than float32")
-        digits = f"{{:.{max(ratio_places(x) for x in speed)}f}}"
+    if digits == "{:.2f}":  # as the table's cells round each ratio (`ratio_places`)
+        places = max(ratio_places(i.median, i.low, i.high) for i in verdict.intervals)
+        digits = f"{{:.{places}f}}"
     if verdict.kind == FASTER and _span(speed, digits) == _span(blog, digits):
         # ("1.1x ... the seed got 1.1x ..., so it pays more here" reads as a contradiction)
         digits = "{:.2f}"
@@ -1100,10 +1157,14 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     if (slower or all(i.high < min(blog) for i in intervals)) and statistics.median(
         speed
     ) < 0.9 * min(blog):
+        untimed = _untimed_auto(meta)
         if memory and memory.endswith("less peak memory"):
             than += ": train in float32 unless memory is what you need"
+        elif untimed:  # (float32 is better than this row, not than every precision here)
+            than += f": train in float32 rather than {label}"
         else:  # (no memory saved at every batch size: nothing to weigh the speed against)
             than += ": train in float32 here"
+        than += untimed
     sentence = f"On this machine {label} {buys} (batch {batches}; {certainty}); {seed}, {than}."
     sentence += _other_float32(rows, summaries, fp32)
     sentence += noisy_tail

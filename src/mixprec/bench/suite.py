@@ -10,12 +10,13 @@ in a second with a message saying what is accepted.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import shlex
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,7 @@ __all__ = [
     "metadata",
     "plan",
     "run_bench",
+    "size_text",
     "times_paired",
 ]
 
@@ -200,7 +202,7 @@ class Plan:
     @property
     def times_low_precision(self) -> bool:
         """Whether any precision of the plan computes in a 16-bit (or narrower) dtype, or
-        quantizes its matmuls (int8, float8)."""
+        quantizes its matmuls (float8, the block-scaled formats)."""
         low = (torch.float32, torch.float64)
         return any(
             p.compute_dtype not in low or isinstance(p, QuantizedPolicy)
@@ -294,6 +296,7 @@ def _precisions(
         try:
             # "auto" means the fastest stable precision of the benchmarked device
             policy = resolve_policy(spec, info)
+            _refuse_frozen_weights(spec, policy)
             s = check(policy, device, allow_slow=allow_slow, info=info)
         except SlowPrecisionError as err:
             raise ValueError(f"{err} (mixprec bench: pass --allow-slow)") from None
@@ -303,6 +306,29 @@ def _precisions(
         policies.setdefault(label, policy)
         support[label] = f"{s.status}: {s.reason}" if s.status == SLOW else s.status
     return policies, support
+
+
+def _refuse_frozen_weights(spec: str, policy: PolicyMap) -> None:
+    """Refuse a precision whose quantized layers hold their weights as codes (int8, int4):
+    those weights never train, so its step skips their gradients and updates, and its
+    "speedup" against float32's full training step would not be a training speedup."""
+    frozen = sorted(
+        {
+            p.mode
+            for p in policy.policies()
+            if isinstance(p, QuantizedPolicy) and not p.format.keeps_weight
+        }
+    )
+    if frozen:
+        modes = "/".join(frozen)
+        raise ValueError(
+            f"--precision {spec}: mixprec bench times training steps against float32's, and "
+            f"{modes} layers hold their weights as {modes} codes that never train, so their "
+            "step skips those weights' gradients and updates and its speedup would not be a "
+            "training speedup. Time a precision that trains every weight instead (bf16-mixed, "
+            "16-mixed, or float8_from_<policy>, whose layers keep float weights); a quantized "
+            "model trains through LoRA adapters (mixprec.quantize.enable_lora), in your own loop"
+        )
 
 
 def _tf32_modes(tf32: str | None, device: torch.device) -> list[bool | None]:
@@ -332,6 +358,17 @@ def _label(name: str, fp32_compute: bool, tf32: bool | None, modes: list[bool | 
     return f"{name} (TF32 {'on' if tf32 else 'off'})"
 
 
+def size_text(size: int) -> str:
+    """`size` bytes as ``--memory-limit`` reads them back, in the largest unit it is a
+    whole number of: binary first ("64MiB" for 67108864, as typed), then decimal ("500MB");
+    else the bare bytes."""
+    for base, suffix in ((1024, "iB"), (1000, "B")):
+        for power, prefix in ((4, "T"), (3, "G"), (2, "M"), (1, "K")):
+            if size % base**power == 0:
+                return f"{size // base**power}{prefix}{suffix}"
+    return str(size)
+
+
 def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
     """The explicit command that re-runs exactly these settings on this machine."""
     parts = ["mixprec", "bench", "--model", opts.model]
@@ -349,7 +386,7 @@ def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
     if opts.allow_slow:
         parts.append("--allow-slow")
     if opts.memory_limit is not None:
-        parts += ["--memory-limit", str(opts.memory_limit)]
+        parts += ["--memory-limit", size_text(opts.memory_limit)]
     if opts.max_batch:
         parts.append("--max-batch")
     if opts.float32_islands != "on":
@@ -394,7 +431,8 @@ def plan(options: BenchOptions) -> Plan:
             "--max-batch on a CPU needs --memory-limit (e.g. 2GiB): host memory is shared "
             "and swaps long before a batch 'does not fit'"
         )
-    policies, support = _precisions(opts.precisions, device, opts.allow_slow)
+    with _torch_threads(opts.threads or 1):  # (its errors describe the device)
+        policies, support = _precisions(opts.precisions, device, opts.allow_slow)
     activations = _activation_options(opts.activations, policies, device)
     check_workload(opts.model)  # last: it calls a user's factory
     if activations:
@@ -580,14 +618,22 @@ def _load_average() -> list[float] | None:
         return None
 
 
-def _describe(info: DeviceInfo, threads: int) -> str:
-    """The device as `mixprec info` shows it, with the thread count the children use."""
+@contextlib.contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    """torch's thread count set to the run's `threads` inside (restored after): a device
+    described inside (`DeviceInfo.describe`, in messages too) names the threads that time."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return info.describe()
+        yield
     finally:
         torch.set_num_threads(before)
+
+
+def _describe(info: DeviceInfo, threads: int) -> str:
+    """The device as `mixprec info` shows it, with the thread count the children use."""
+    with _torch_threads(threads):
+        return info.describe()
 
 
 def metadata(p: Plan) -> dict[str, Any]:
@@ -606,6 +652,8 @@ def metadata(p: Plan) -> dict[str, Any]:
         "batch_sizes": o.batch_sizes,
         "precisions": o.precisions,
         "support": p.support,
+        # what "auto" (`mixprec info`'s recommendation) is here, timed or not
+        "auto_precision": resolve_auto(info).name,
         "steps": o.steps,
         "time_budget_s": o.time_budget,
         "warmup": o.warmup,
@@ -623,9 +671,17 @@ def metadata(p: Plan) -> dict[str, Any]:
         # what the pre-run checks found: other work's busy cores (sampled where the threads
         # were chosen), and whether the busy-machine warning was due
         "busy_cores_before": p.busy_cores,
-        "busy_warning": bool(load and cores_shared(load[0], o.threads or 1, cores, p.device.type)),
+        "busy_warning": cores_shared(_busy_measure(p, load), o.threads or 1, cores, p.device.type),
         "timing": _timing(p),
     }
+
+
+def _busy_measure(p: Plan, load: list[float] | None) -> float | None:
+    """Other work's busy cores as the plan sampled them, else the 1-minute load (the one
+    measure the pre-run warning reads too)."""
+    if p.busy_cores is not None:
+        return p.busy_cores
+    return load[0] if load else None
 
 
 def cores_shared(load: float | None, threads: int, cores: int, device_type: str) -> bool:
@@ -660,8 +716,9 @@ def _timing(p: Plan) -> str:
     return (
         f"{step}; the configurations of a batch size (float32, each mixed precision and its "
         "raw torch.autocast twin) take one step each per round in one process, in an order "
-        f"rotating by round; at least {o.steps} rounds, then more while a speedup's "
-        f"{STOP_CONFIDENCE:.0%} interval is wider than {TARGET_WIDTH:.2f}x (high/low), within "
+        f"rotating by round; at least {o.steps} round{'' if o.steps == 1 else 's'}, then "
+        f"more while a speedup's {STOP_CONFIDENCE:.0%} interval is wider than "
+        f"{TARGET_WIDTH:.2f}x (high/low), within "
         f"{o.time_budget:g} s of rounds per batch size and {MAX_ROUNDS} rounds; warm-up "
         "excluded, GC disabled; ms/step is the median of the rounds, a speedup the median "
         "of the rounds' paired ratios"

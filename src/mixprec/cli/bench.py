@@ -35,6 +35,7 @@ from mixprec.bench.journal import JOURNAL, Journal
 from mixprec.bench.journal import load as load_journal
 from mixprec.bench.models import BUILTIN_MODELS, check_model, check_workload
 from mixprec.bench.report import (
+    FRESH_PROCESS_OPTIONS,
     OUTPUT_FILES,
     Summary,
     busy_machine_warning,
@@ -43,6 +44,7 @@ from mixprec.bench.report import (
     max_batch_lines,
     notes,
     progress_line,
+    rerun_for_verdict,
     rich_table,
     stopped_line,
     summarize,
@@ -519,6 +521,22 @@ class _Printer(Listener):
         self.progress.update(self.task, description=f"max batch {name}: {batch} {shown}")
 
 
+def _busy_warning(p: Plan) -> str | None:
+    """The pre-run busy-machine warning (`report.busy_machine_warning`) from the plan: the
+    busy cores it sampled where it did, the options it runs with."""
+    o = p.options
+    load = [round(x, 2) for x in os.getloadavg()]
+    given = [flag for flag, key in FRESH_PROCESS_OPTIONS if getattr(o, key)]
+    return busy_machine_warning(
+        load,
+        o.threads or 1,
+        p.device.type,
+        paired=times_paired(p),
+        rerun=rerun_for_verdict(given, o.max_batch, p.device.type),
+        busy_cores=p.busy_cores,
+    )
+
+
 def _twin_failed(row: Row) -> bool:
     """Whether the raw torch.autocast twin of a configuration that ran failed, which fails
     the run as a configuration's failure does (out of memory is a result for it too)."""
@@ -556,8 +574,7 @@ def run_command(args: argparse.Namespace) -> int:
     console.print(f"reproduce: {p.command}", highlight=False, soft_wrap=True)
     if p.threads_note:
         err.print(f"[yellow]{p.threads_note}[/]", highlight=False, soft_wrap=True)
-    load = [round(x, 2) for x in os.getloadavg()]
-    busy = busy_machine_warning(load, o.threads or 1, p.device.type, paired=times_paired(p))
+    busy = _busy_warning(p)
     if busy:
         err.print(f"[yellow]{busy}[/]", highlight=False, soft_wrap=True)
 
