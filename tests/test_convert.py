@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import mixprec
@@ -204,11 +205,45 @@ def test_islands_keep_norms_in_float32_inside_16_bit_layers():
 
 
 def test_uniform_policy_costs_one_region_and_islands_one_each():
+    """One region at the root, one per float32 island, and under a mixed policy an entry
+    (`_Entry`: nothing done inside the root's autocast) on each module holding modules."""
     model = mixprec.apply(Zoo(), "bf16-mixed")
     wrapped = sorted(n for n, m in model.named_modules() if "forward" in m.__dict__)
-    assert wrapped == ["", "ln"]
+    assert wrapped == ["", "attn", "ln"]
+    assert type(model.attn.__dict__["forward"]) is mixprec.convert._Entry
     mixprec.apply(model, "bf16-true")
     assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == [""]
+
+
+class _EncoderDecoder(nn.Module):
+    """A model whose caller may run its encoder alone (as Hugging Face's generate does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.decoder = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+
+def test_a_module_called_outside_its_models_forward_computes_as_its_policy_says():
+    """`apply(model, "bf16-mixed")` then `model.encoder(x)` (T5's generate calls
+    get_encoder() so) ran the encoder's matmuls in float32; inside the model's forward its
+    entry adds nothing (the same bits as without it)."""
+    torch.manual_seed(0)
+    model = _EncoderDecoder()
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model.encoder(x).float()
+        whole = model(x).float()
+    mixprec.apply(model, "bf16-mixed")
+    seen = []
+    model.encoder[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    alone = model.encoder(x)
+    assert seen == [torch.bfloat16] and alone.dtype == f32
+    assert torch.equal(alone, expected)
+    assert torch.equal(model(x), whole)
 
 
 def test_reapply_does_not_stack_and_remove_restores_the_plain_module():
@@ -1058,3 +1093,44 @@ def test_a_shared_module_given_no_floating_input_runs_on_the_meta_device():
     mixprec.apply(model, PolicyMap("32-true", rules), warn=False)  # (no device to warn of)
     out_a, out_b = model(torch.zeros(4, 3, dtype=torch.long, device="meta"))
     assert (out_a.device.type, out_b.device.type) == ("meta", "meta")
+
+
+class _WithLoss(nn.Module):
+    """Returns its logits and a loss computed in float32, as a Hugging Face model does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(x)
+        return {"logits": logits, "loss": F.cross_entropy(logits.float(), y)}
+
+
+@pytest.mark.parametrize("name", ["bf16-true", "16-true"])
+def test_a_true_models_float32_loss_is_handed_back_in_float32(name):
+    """Under a "true" policy the root cast every floating output to 16 bits, a float32 loss
+    computed inside the forward included: rounded (bfloat16) or, scaled by 65536, overflowed
+    (float16: a first step skipped). A 0-dim float32 output now stays float32."""
+    torch.manual_seed(0)
+    model = mixprec.apply(_WithLoss(), name)
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+    out = model(x, y)
+    dtype = Policy(name).compute_dtype
+    assert out["logits"].dtype == dtype and out["loss"].dtype == f32
+    expected = F.cross_entropy(model.head(x.to(dtype)).float(), y)
+    assert torch.equal(out["loss"], expected)
+
+
+def test_a_true_rule_on_a_transformer_layer_takes_the_padded_fast_paths_nested_tensor():
+    """In eval with a padding mask, TransformerEncoder hands its layers a nested tensor:
+    casting it for a "true" rule read its range with aminmax, which nested tensors lack."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    fast = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(2, 5, 16)
+    mask = torch.tensor([[False] * 5, [False, False, True, True, True]])
+    mixprec.apply(fast, PolicyMap("32-true", {r"layers\.0": "bf16-true"}))
+    with torch.no_grad():
+        out = fast(x, src_key_padding_mask=mask)
+    assert out.dtype == f32 and out[0].isfinite().all()

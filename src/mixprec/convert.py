@@ -81,8 +81,8 @@ def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     (a fully masked row's softmax then gave NaN, and the next layer spread it); every other
     value casts as it is, an overflow to infinity included (a loss scaler's signal)."""
     out = t.to(dtype)
-    sentinels = None if t.requires_grad else _SENTINELS.get((t.dtype, dtype))
-    if sentinels is None or not t.numel():
+    sentinels = None if t.requires_grad or t.is_nested else _SENTINELS.get((t.dtype, dtype))
+    if sentinels is None or not t.numel():  # (a nested tensor: torch's padded fast path's data)
         return out
     top, narrow = sentinels
     if torch.compiler.is_compiling():  # (out of place, no branch on values: one graph)
@@ -112,6 +112,20 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
     return map_tensors(
         lambda t: _cast(t, dtype) if t.is_floating_point() and t.dtype != dtype else t, obj
     )
+
+
+def _cast_but_losses(obj: Any, dtype: torch.dtype) -> Any:
+    """`cast_floating` of ``obj``, but a floating 0-dim tensor wider than ``dtype`` (a loss
+    computed in float32 in the forward) kept as it is."""
+
+    def cast(t: Tensor) -> Tensor:
+        if not t.is_floating_point() or t.dtype == dtype:
+            return t
+        if t.dim() == 0 and t.element_size() > dtype.itemsize:
+            return t
+        return _cast(t, dtype)
+
+    return cast(obj) if isinstance(obj, Tensor) else map_tensors(cast, obj)
 
 
 # a 16-bit dtype's other: its tensors reach a mixed region of the first from outside it
@@ -281,6 +295,9 @@ class _Region:
         self.cast = cast
         self.output_dtype = _output_dtype(policy, parent)
         self.root = parent is None  # (the model's own region: its caller's autocast is kept)
+        # a "true" model's losses computed in float32 inside its forward (a Hugging Face
+        # model's) are handed back so: rounded to 16 bits, float16's scaled loss overflowed
+        self.keeps_losses = self.root and not self.autocast
         # a mixed region inside a "true" one computing in another dtype than its weights':
         # that region made its compute dtype torch's default, which this one puts back to
         # its weights' (tensors its forward makes without a dtype matched the parent's)
@@ -383,6 +400,8 @@ class _Region:
                 else:
                     with off, swap:
                         out = forward(*args, **kwargs)
+        if self.keeps_losses:
+            return _cast_but_losses(out, output_dtype)
         if isinstance(out, Tensor):  # `cast_floating`'s first case, without its call
             if not out.is_floating_point() or out.dtype == output_dtype:
                 return out
@@ -393,6 +412,25 @@ class _Region:
 
 
 setattr(_Region, REGION_MARK, True)  # (what layer-swapping tools look for)
+
+
+class _Entry(_Region):
+    """Stands in for the forward of a module inside a mixed region that computes as its
+    caller does (no region of its own, `_regions`): called inside that autocast, from its
+    parent's forward, it runs as it is, nothing cast; called from outside the model's
+    forward (a Hugging Face ``generate`` calls ``get_encoder()`` directly), it enters its
+    policy's region as the root does, where it computed in float32."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        device_type = _device_type(args, kwargs, self.module, self.probe)
+        if (
+            torch.is_autocast_enabled(device_type)
+            and torch.get_autocast_dtype(device_type) == self.compute_dtype
+        ):
+            if self.original is None:
+                return type(self.module).forward(self.module, *args, **kwargs)
+            return self.original(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
 
 
 def _with_default_dtype(dtype: torch.dtype, forward: Any, *args: Any, **kwargs: Any) -> Any:
@@ -681,7 +719,30 @@ def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
             cast=cast,
             follow_input=follow_input,
         )
+    for module, policy_here in _entries(model, resolved, policies):
+        forward = module.__dict__.get("forward")
+        module.__dict__["forward"] = _Entry(module, policy_here, parent=None, original=forward)
     install_attention_islands(model, resolved)
+
+
+def _entries(
+    model: nn.Module, resolved: dict[str, Resolution], regions: dict[int, Policy]
+) -> list[tuple[nn.Module, Policy]]:
+    """(module, policy) of each module with modules of its own that computes in a mixed
+    region without one of its own (`_Entry`): a caller may reach it directly. Leaves are
+    left out (a layer called alone computes in its inputs' dtype, as a plain one does)."""
+    found: dict[int, tuple[nn.Module, Policy]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        here = resolved[name].policy
+        if (
+            name
+            and here.is_mixed
+            and id(module) not in regions
+            and not never_called(module)
+            and next(iter(module.children()), None) is not None
+        ):
+            found.setdefault(id(module), (module, here))
+    return list(found.values())
 
 
 def install_attention_islands(
