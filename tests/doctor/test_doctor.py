@@ -202,6 +202,26 @@ def test_recommend_moves_the_layer_feeding_one_broken_in_float32(between):
     assert len(fix.log) == 2 and fix.verified.passes(fix.tolerance)
 
 
+def test_recommend_takes_a_layer_moved_to_bfloat16_on_to_float32_for_the_one_it_feeds():
+    """Layer 0 overflows float16 (bias 3000): bfloat16 fixes that range finding, yet the
+    LayerNorm after it, broken by bfloat16's rounding of 3000, stays broken in float32.
+    Moving layer 0 on to float32 fixes it, but layer 0 no longer had a range finding, so
+    the bfloat16 step it stood on was not among its steps: recommend gave up."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.LayerNorm(64), nn.Linear(64, 4))
+    with torch.no_grad():
+        model[0].bias.fill_(3000.0)
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(32, 8, generator=g), torch.randint(0, 4, (32,), generator=g))
+    with hardware.assume(ZEN4):  # (bfloat16 the first fix of a range finding)
+        d = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+        assert names(d) == ["0", "1"] and d.modules["0"].kind == FindingKind.RANGE
+        fix = d.recommend()
+    assert fix.policy == PolicyMap("16-mixed", {"0": "32-true"})
+    assert fix.log[0].startswith("0 -> bf16-mixed") and fix.verified.passes(fix.tolerance)
+    assert any("its input comes from 0 -> 32-true: the run passes" in line for line in fix.log)
+
+
 class _KeyBias(nn.Module):
     """Attention's scores from a query and a key with a bias: the bias adds the same value
     to a query's every score, which softmax drops, so its true gradient is zero and

@@ -150,3 +150,25 @@ def test_doctor_fit_writes_its_report_atomically(tmp_path, capsys, monkeypatch) 
     assert (out_dir / "fit.md").read_text().startswith("# Plan fitting 4GiB")
     assert (out_dir / "policy.json").exists()
     capsys.readouterr()
+
+
+def test_doctor_fit_writes_its_report_when_no_plan_fits(tmp_path, capsys, monkeypatch) -> None:
+    """Nothing fitting, --fit exited 1 and wrote nothing: the plans it measured and how far
+    the smallest is over were printed only. fit.md is written now, without a policy.json.
+    The plans' peaks are stood in for here (no fresh processes)."""
+    from mixprec.cli import doctor as cli_doctor
+    from mixprec.plan.fitting import Peak
+
+    factory = tmp_path / "lm.py"
+    factory.write_text(FACTORY)
+    over = 2**40  # (every plan measured far over the budget)
+    monkeypatch.setattr(
+        cli_doctor, "_fresh_measure", lambda args: lambda plans: [Peak(over, 1.0) for _ in plans]
+    )
+    out_dir = tmp_path / "plan"
+    assert main(["doctor", f"{factory}:make", "--fit", "4GiB", *FLAGS, "--out", str(out_dir)]) == 1
+    written = (out_dir / "fit.md").read_text()
+    assert written.startswith("# Plan fitting 4GiB")
+    assert f"no plan fits: the smallest measured is {over - 4 * 2**30} bytes" in written
+    assert not (out_dir / "policy.json").exists()
+    assert "no policy.json written" in " ".join(capsys.readouterr().out.split())

@@ -87,11 +87,12 @@ def test_the_bench_times_quantized_policies_without_the_no_low_precision_paragra
 
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "mixprec.cli", "bench", "--model", "mlp", "--precision"]
-    cmd += ["32-true", "int8_from_float32", "--batch-sizes", "4", "--steps", "2"]
-    cmd += ["--warmup", "0", "--threads", "1", "--out", str(out)]
+    # (float8 trains its weights, as the bench times; int8's codes never train: refused)
+    cmd += ["32-true", "float8_from_float32", "--batch-sizes", "4", "--steps", "2"]
+    cmd += ["--warmup", "0", "--threads", "1", "--allow-slow", "--out", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=300)
     rows = json.loads((out / "results.json").read_text())["results"]
-    int8 = next(r for r in rows if r["config"]["spec"] == "int8_from_float32")
-    assert int8["result"]["status"] == "ok" and len(int8["result"]["mixprec"]["step_ms"]) == 2
+    fp8 = next(r for r in rows if r["config"]["spec"] == "float8_from_float32")
+    assert fp8["result"]["status"] == "ok" and len(fp8["result"]["mixprec"]["step_ms"]) == 2
     text = (out / "report.md").read_text()
-    assert "int8_from_float32" in text and "why no mixed precision" not in text.lower()
+    assert "float8_from_float32" in text and "why no mixed precision" not in text.lower()

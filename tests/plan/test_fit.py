@@ -22,7 +22,9 @@ from mixprec.plan import Budget, BudgetError, search
 from mixprec.plan.activation_choice import batch_at, saved_under, split_saved
 from mixprec.plan.budget import parse_bytes
 from mixprec.plan.fitting import FitReport, Peak, Tried, _against_uniform, fit, step_peaks
+from mixprec.plan.measure import convert
 from mixprec.plan.report import BlockRow, Option
+from mixprec.plan.units import state_bytes
 from mixprec.policy.map import PolicyMap
 
 FORMATS = ["32-true", "int8_from_32-true"]
@@ -366,7 +368,8 @@ def test_a_fit_never_chooses_a_plan_whose_loss_is_not_finite_over_one_that_is() 
     def finite_after_nan(plans):
         return [Peak(bytes=90, loss=math.nan if i == 0 else 1.0) for i in range(len(plans))]
 
-    _against_uniform(report, SimpleNamespace(blocks=blocks), finite_after_nan, nan, found)
+    blocks_ = SimpleNamespace(blocks=blocks)
+    _against_uniform(report, blocks_, finite_after_nan, lambda policy: 100, nan, found)
     assert [t.name for t in report.tried] == ["plan 1", "all keep", "all checkpoint"]
     assert report.chosen is not None and report.chosen.name == "all checkpoint"
     # nothing solved fits, its uniform activation plans fit at NaN, the smallest finitely
@@ -433,6 +436,28 @@ def test_a_plans_activations_are_counted_in_the_dtypes_its_layers_compute_in() -
     assert tight.total_bytes <= budget and tight.fits("float32") is False
     inside, _ = split_saved(saved_under(model, tight.policy, big, F.cross_entropy, cpu, 0), paths)
     assert tight.measured["plan"].activation_bytes == inside
+
+
+def test_each_plan_a_fit_measures_is_counted_in_its_own_formats_and_options() -> None:
+    """The uniform activation plans were counted as the plan's count plus the blocks'
+    option deltas, measured in the baseline's dtypes: over a plan with int8 layers (frozen,
+    saving less) that miscounted them, below their own weights in a larger model (`--fit`
+    printed "counted -290 KB"). Each is now counted as the search counts its plans."""
+    model, batches = tiny(rows=16)
+    big, cpu = batch_at(batches[0], 16), torch.device("cpu")
+
+    def own(policy: PolicyMap) -> int:  # (no bytes outside the blocks differ here)
+        held = state_bytes(convert(model, policy), "training")
+        return held + sum(saved_under(model, policy, big, token_loss, cpu, 0).values())
+
+    def fitting(plans):  # (every plan fits: all of them measured and counted)
+        return [Peak(bytes=0, loss=1.0) for _ in plans]
+
+    budget = own(PolicyMap("32-true")) // 5  # (some layers int8)
+    report = fit(model, batches, token_loss, budget=budget, measure=fitting, **FAST)
+    assert report.tried[0].policy.rules and len(report.tried) > 2
+    for t in report.tried:
+        assert t.counted == own(t.policy), t.name
 
 
 class Scaled(nn.Module):

@@ -24,7 +24,10 @@ from torch import nn
 import mixprec
 from mixprec.cli import main
 from mixprec.errors import PolicySpecError, SlowPrecisionError
+from mixprec.optim.compensated import SMALL
 from mixprec.plan import Budget, BudgetError, search
+from mixprec.plan.fitting import step_peaks
+from mixprec.plan.measure import convert
 from mixprec.plan.solver import brute_force, solve
 from mixprec.plan.units import candidate, default_formats, find_units, state_bytes
 from mixprec.policy import as_policy
@@ -167,9 +170,11 @@ def test_bytes_of_each_format_are_counted_exactly() -> None:
     assert weigh("32-true", "weights") == 4 * n
     assert weigh("32-true", "training") == 16 * n  # weight, gradient, two AdamW moments
     assert weigh("bf16-true", "weights") == 2 * n
-    assert weigh("bf16-true", "training") == 10 * n  # and a 16-bit Kahan buffer
+    # and a 16-bit Kahan buffer; the compensated step steps a small weight from a packed
+    # copy of all of those, kept between steps: twice the bytes
+    assert weigh("bf16-true", "training") == 2 * 10 * n
     # float16: the compensated step keeps Adam's moments of a float16 weight in float32
-    assert weigh("16-true", "training") == (2 + 2 + 8 + 2) * n
+    assert weigh("16-true", "training") == 2 * (2 + 2 + 8 + 2) * n
     assert weigh("bf16-mixed", "weights") == 4 * n  # float32 storage, bf16 compute
     # int8: codes + float32 row scales + the float32 bias; only the bias trains
     assert weigh(INT8, "weights") == 64 * 32 + 32 * 4 + 32 * 4
@@ -177,6 +182,27 @@ def test_bytes_of_each_format_are_counted_exactly() -> None:
     # int4 groups of 32: packed codes (half a byte each), per group a float32 scale and a
     # uint8 zero point, and the bias
     assert weigh(INT4, "weights") == 64 * 32 // 2 + 32 * 2 * (4 + 1) + 32 * 4
+
+
+def test_a_compensated_step_counts_the_packed_copies_of_its_small_parameters() -> None:
+    """bf16-true counted 10 bytes an element against float32's 16, but a compensated step
+    steps every parameter, float32 ones too, those under SMALL elements from a packed copy
+    of their weight, gradient and states: a plan with one small bf16-true layer held more
+    than float32 everywhere, and a search said it was the cheaper one. A weight of SMALL
+    elements or more is stepped in place: bf16-true saves there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    batch = (torch.randn(8, 16), torch.randint(0, 4, (8,)))
+    plans = [PolicyMap("32-true"), PolicyMap("32-true", {"0": "bf16-true"})]
+    counted = [state_bytes(convert(model, plan), "training") for plan in plans]
+    peaks = [peak.bytes for peak in step_peaks(model, batch, F.cross_entropy, plans)]
+    assert counted[1] > counted[0] and peaks[1] > peaks[0]
+    kw = dict(baseline="32-true", formats=["32-true", "bf16-true"], count="training", reps=1)
+    with pytest.raises(BudgetError):  # (was: a plan with a bf16-true layer, said to fit)
+        search(model, [batch], F.cross_entropy, budget=f"memory={counted[0] - 1}B", **kw)
+    large = nn.Linear(SMALL, 1, bias=False)  # (one weight of SMALL elements, in place)
+    weights = [state_bytes(convert(large, PolicyMap(f)), "training") for f in kw["formats"]]
+    assert weights == [16 * SMALL, 10 * SMALL]
 
 
 def test_default_formats_are_those_the_device_runs_fast() -> None:

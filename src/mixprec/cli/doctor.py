@@ -20,9 +20,10 @@ the batch of the factory's batches (formats and each block's activation option,
 `mixprec.plan.fitting`), measures the plan's
 training step in a fresh process (the factory is called there again: it must build the same
 model each call), steps down to the next cheaper plan while the measured peak is over, and
-writes the policy file of the plan that fits with the least loss. Exit status 0 when one
-fits, 1 when none does (the message says how many bytes the smallest plan is over), 2 for
-bad arguments (a size it cannot read).
+writes the policy file of the plan that fits with the least loss, and fit.md (every plan
+measured; written when none fits too). Exit status 0 when one fits, 1 when none does (the
+message and fit.md say how many bytes the smallest plan is over), 2 for bad arguments (a
+size it cannot read).
 """
 
 from __future__ import annotations
@@ -300,18 +301,24 @@ def _fit(args: argparse.Namespace) -> int:
     report, out = done
     console = textout.console()
     console.print(report.summary(), markup=False, highlight=False)
-    if report.chosen is None:
-        return 1
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        command = _search_command(args)
-        write_atomically(
-            out / "fit.md",
-            f"# Plan fitting {args.fit}\n\nCommand: `{command}`\n\n```\n{report.summary()}\n```\n",
-        )
-        policy = report.chosen.policy.save(out / "policy.json")
-        console.print(f"\nplan: {policy} (report: {out / 'fit.md'})")
-    return 0
+        console.print(f"\n{_write_fit(args, report, out)}")
+    return 0 if report.chosen is not None else 1
+
+
+def _write_fit(args: argparse.Namespace, report: Any, out: Path) -> str:
+    """Write fit.md (every plan measured; when none fits, how far the smallest is over)
+    and, when a plan fits, its policy.json; returns the line saying where they are."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = _search_command(args)
+    write_atomically(
+        out / "fit.md",
+        f"# Plan fitting {args.fit}\n\nCommand: `{command}`\n\n```\n{report.summary()}\n```\n",
+    )
+    if report.chosen is None:
+        return f"report: {out / 'fit.md'} (no plan fits: no policy.json written)"
+    policy = report.chosen.policy.save(out / "policy.json")
+    return f"plan: {policy} (report: {out / 'fit.md'})"
 
 
 def _search_command(args: argparse.Namespace) -> str:

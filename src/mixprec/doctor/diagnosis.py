@@ -210,7 +210,9 @@ class Diagnosis:
     def _safer(self, module: ModuleReport, current: Policy | None) -> Policy | None:
         """The next, safer policy for `module`: a quantized layer first goes back to the float
         policy it was quantized from; then bfloat16 for a float16 range problem when this
-        device runs bfloat16, else float32; None when float32 was tried already."""
+        device runs bfloat16, else float32; None when float32 was tried already. A module
+        moved to bfloat16 for a range finding it no longer has (fixed by that move) still
+        escalates to float32: the step taken stays on the ladder whatever the finding now."""
         inherited = self.precision.resolve(self._session.model)[module.name].policy
         wide = (
             inherited.param_dtype
@@ -222,18 +224,15 @@ class Diagnosis:
             source = inherited.source
             steps.append(source)
             inherited = source
-        if (
+        bf16 = Policy(
+            param_dtype=wide, compute_dtype=torch.bfloat16, output_dtype=inherited.output_dtype
+        )
+        if current == bf16 or (
             module.kind == FindingKind.RANGE
             and self.dtype == torch.float16
             and dtype_support(torch.bfloat16, detect(self.device)).status in (FAST, SUPPORTED)
         ):
-            steps.append(
-                Policy(
-                    param_dtype=wide,
-                    compute_dtype=torch.bfloat16,
-                    output_dtype=inherited.output_dtype,
-                )
-            )
+            steps.append(bf16)
         steps.append(
             Policy(
                 param_dtype=wide, compute_dtype=torch.float32, output_dtype=inherited.output_dtype

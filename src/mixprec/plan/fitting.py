@@ -10,7 +10,9 @@ peak is over the budget, the search solves again within a budget lowered by the 
 The plan that fits is then measured beside the uniform activation plans (its formats, every
 block in one option) and the one of least loss after the measured steps among those that
 fit is returned. When none fits, the smallest plan (each layer and block in its cheapest
-option) is measured and the report says by how many bytes it is over.
+option) is measured and the report says by how many bytes it is over. Each plan measured
+is counted as the search counts the plans it verifies (`_counter`): in its own formats and
+activation options, never below what its parameters, gradients and states hold.
 
 `step_peaks` is the measurement: the parameters' bytes plus the tensor peak
 (`mixprec.memory.measured`) of building AdamW and running ``steps`` training steps, with
@@ -33,13 +35,20 @@ from torch import nn
 
 from mixprec.convert import apply
 from mixprec.memory import measured
-from mixprec.plan.activation_choice import batch_rows, plan_activations
+from mixprec.plan.activation_choice import (
+    batch_at,
+    batch_rows,
+    plan_activations,
+    saved_under,
+    split_saved,
+)
 from mixprec.plan.budget import Budget, BudgetError, parse_bytes
-from mixprec.plan.inputs import search_inputs
+from mixprec.plan.inputs import SearchInputs, search_inputs
+from mixprec.plan.measure import convert, held_bytes
 from mixprec.plan.report import SearchReport, ranked
 from mixprec.plan.searching import Scored, planned, scored
 from mixprec.plan.units import describe_bytes, state_bytes
-from mixprec.plan.verify import plan_map
+from mixprec.plan.verify import extra_bytes, plan_map
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.step import backward, batch_loss, fresh, seeded
@@ -137,6 +146,8 @@ class FitReport:
 
 # measures a list of plans, each on the model and batch `fit` was given, in order
 Measure = Callable[[list[PolicyMap]], list[Peak]]
+# the bytes the search counts for a plan (`_counter`)
+Count = Callable[[PolicyMap], int]
 
 
 def fit(
@@ -167,6 +178,7 @@ def fit(
     )
     assert s.batch_size is not None
     m = scored(s)
+    count = _counter(s, m)
     report = FitReport(budget=limit.memory_bytes, batch_size=s.batch_size)
     target = limit.memory_bytes
     first: tuple[Tried, SearchReport] | None = None  # the search's first (least loss)
@@ -192,10 +204,10 @@ def fit(
         # the search's plans are over: their formats with every block in one option may fit
         # (all fp8 beside the least-loss formats), at less loss than the smallest plan
         if first is not None:
-            _against_uniform(report, m, measure, *first)
-        policy, counted = _smallest(s.base, s.units, m)
+            _against_uniform(report, m, measure, count, *first)
+        policy = _smallest(s.base, s.units, m)
         peak = measure([policy])[0]
-        smallest = Tried("smallest", policy, counted, peak.bytes, peak.loss, False)
+        smallest = Tried("smallest", policy, count(policy), peak.bytes, peak.loss, False)
         smallest.fits = peak.bytes <= report.budget
         report.tried.append(smallest)
         if smallest.fits and (
@@ -204,7 +216,7 @@ def fit(
             report.chosen, report.search = smallest, None
         return report
     assert report.search is not None
-    _against_uniform(report, m, measure, report.chosen, report.search)
+    _against_uniform(report, m, measure, count, report.chosen, report.search)
     return report
 
 
@@ -239,36 +251,45 @@ def _batch_size(batches: Sequence[Any]) -> int:
     return rows
 
 
-def _smallest(base: Any, units: list[Any], m: Scored) -> tuple[PolicyMap, int]:
-    """Each layer and block in its cheapest option by bytes, and the bytes counted so."""
+def _smallest(base: Any, units: list[Any], m: Scored) -> PolicyMap:
+    """Each layer and block in its cheapest option by bytes."""
     formats = [min(r.options, key=lambda n, r=r: r.options[n].counted_bytes) for r in m.rows]
     options = {b.path: min(b.options, key=lambda o, b=b: b.options[o].bytes) for b in m.blocks}
-    counted = (
-        sum(r.options[f].counted_bytes for r, f in zip(m.rows, formats, strict=True))
-        + sum(b.options[options[b.path]].bytes for b in m.blocks)
-        + m.fixed
-    )
-    return plan_map(base, units, formats, m.unit_states, options), int(counted)
+    return plan_map(base, units, formats, m.unit_states, options)
+
+
+def _counter(s: SearchInputs, m: Scored) -> Count:
+    """The bytes the search counts for a plan it verifies (`verify`), for any plan: its
+    searched layers' and whole model's bytes in its own formats, and what its forward saves
+    at the batch in its own dtypes and options. The blocks' rows count activations in the
+    baseline's dtypes: added to a plan of other formats (int8 weights, frozen, save less)
+    they miscount it, below what its weights alone hold."""
+    assert s.batch_size is not None  # (a fit counts at the batch of its batches)
+    paths = [b.path for b in m.blocks]
+    big = batch_at(s.batches[0], s.batch_size)
+
+    def count(policy: PolicyMap) -> int:
+        unit, whole = held_bytes(convert(s.model, policy), policy, s.units, s.count)
+        saved = saved_under(s.model, policy, big, s.loss_fn, s.device, s.seed)
+        inside, outside = split_saved(saved, paths)
+        return int(unit + inside + extra_bytes(whole, unit, outside, m.fixed) + m.fixed)
+
+    return count
 
 
 def _against_uniform(
-    report: FitReport, m: Scored, measure: Measure, base: Tried, found: SearchReport
+    report: FitReport, m: Scored, measure: Measure, count: Count, base: Tried, found: SearchReport
 ) -> None:
     """Measure ``base``'s formats (a plan the search ``found``) with every block in one
-    option; one that fits with a lower loss than the plan chosen so far (or the first
-    that fits, none being chosen) is chosen instead."""
+    option, each counted by `count`; one that fits with a lower loss than the plan chosen
+    so far (or the first that fits, none being chosen) is chosen instead."""
     options = sorted({o for b in m.blocks for o in b.options}, key=_ORDER.index)
     if not options:  # no block saves anything: no activation plan to compare
         return
     policies = [_with_activations(base.policy, m, option) for option in options]
     peaks = measure(policies)
     for option, policy, peak in zip(options, policies, peaks, strict=True):
-        counted = found.total_bytes + sum(
-            b.options[option if option in b.options else "keep"].bytes
-            - b.options[found.activations.get(b.path, "keep")].bytes
-            for b in m.blocks
-        )
-        t = Tried(f"all {option}", policy, counted, peak.bytes, peak.loss, False)
+        t = Tried(f"all {option}", policy, count(policy), peak.bytes, peak.loss, False)
         t.fits = peak.bytes <= report.budget
         report.tried.append(t)
         if t.fits and (report.chosen is None or ranked(t.loss) < ranked(report.chosen.loss)):

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from mixprec.convert import apply
 from mixprec.optim.states import StateFormat
-from mixprec.plan.units import Unit, state_bytes
+from mixprec.plan.units import Unit, compensated, state_bytes
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.step import backward, batch_loss, fresh, seeded
@@ -148,16 +148,29 @@ def measure_plans(
                 run()
                 if rep:
                     times[name].append(time.perf_counter() - start)
-    formats = {name: _state_formats(m, plans[name]) for name, m in converted.items()}
+    held = {name: held_bytes(m, plans[name], units, count) for name, m in converted.items()}
     return {
         name: Measured(
             loss=losses[name],
-            unit_bytes=state_bytes(_unit_modules(m, units), count, formats[name]),
-            model_bytes=state_bytes(m, count, formats[name]),
+            unit_bytes=held[name][0],
+            model_bytes=held[name][1],
             seconds=statistics.median(times[name]) if name in times else None,
         )
-        for name, m in converted.items()
+        for name in converted
     }
+
+
+def held_bytes(
+    converted: nn.Module, plan: PolicyMap, units: Sequence[Unit], count: str
+) -> tuple[int, int]:
+    """The bytes (as `count` counts them) of the searched layers of `converted` (the model
+    converted to `plan`) and of the whole of it, with the plan's optimizer-state formats;
+    the layers' as the whole model's step (compensated or not) holds them."""
+    formats, step = _state_formats(converted, plan), compensated(converted)
+    return (
+        state_bytes(_unit_modules(converted, units), count, formats, step),
+        state_bytes(converted, count, formats, step),
+    )
 
 
 def _trainable(model: nn.Module) -> list[Tensor]:

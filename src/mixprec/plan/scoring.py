@@ -14,7 +14,7 @@ from mixprec.plan.inputs import SearchInputs, check_finite
 from mixprec.plan.measure import convert
 from mixprec.plan.report import Option, UnitRow
 from mixprec.plan.state_choice import choose_states, holder_formats
-from mixprec.plan.units import candidate, state_bytes, unit_applies
+from mixprec.plan.units import candidate, sixteen_bit, state_bytes, unit_applies
 from mixprec.policy import QuantizedPolicy
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
@@ -44,6 +44,7 @@ def candidates(
     # a plan with any low-bit state format trains with the low-bit optimizer, which keeps
     # float32 moments for every parameter given none
     low_bit = unit_states is not None and any(f is not None for f in unit_states)
+    step = True if _compensated_outside(s) else None
     base_bytes = 0
     holders: Holders = []
     rows: list[UnitRow] = []
@@ -61,12 +62,25 @@ def candidates(
             holder = candidate(reference, unit, p)
             built.append(holder)
             formats = holder_formats(holder, unit_states[len(rows)]) if low_bit else None
-            row.options[p.name] = Option(bytes=state_bytes(holder, s.count, formats))
+            row.options[p.name] = Option(bytes=state_bytes(holder, s.count, formats, step))
             if p.name == s.base.name:  # the budget's reference: torch's AdamW
-                base_bytes += state_bytes(holder, s.count)
+                base_bytes += state_bytes(holder, s.count, step=step)
         holders.append(built)
         rows.append(row)
     return reference, holders, rows, unit_states, base_bytes
+
+
+def _compensated_outside(s: SearchInputs) -> bool:
+    """Whether every plan's training step is compensated (`units.compensated`): the
+    baseline stores parameters in 16 bits and a trainable one lies outside the searched
+    layers (a norm under "bf16-true"). A float32 layer in such a plan is packed too."""
+    searched = {
+        id(p) for u in s.units for path in u.paths for p in s.model.get_submodule(path).parameters()
+    }
+    return sixteen_bit(s.base.param_dtype) and any(
+        p.requires_grad and p.is_floating_point() and id(p) not in searched
+        for p in s.model.parameters()
+    )
 
 
 def score(

@@ -42,7 +42,7 @@ from mixprec.plan.inputs import SearchInputs, search_inputs
 from mixprec.plan.measure import Trained, convert, train
 from mixprec.plan.report import BlockRow, SearchReport, UnitRow
 from mixprec.plan.scoring import candidates, score
-from mixprec.plan.units import state_bytes
+from mixprec.plan.units import compensated, state_bytes
 from mixprec.plan.verify import Verified, keep, limits_of, verify
 from mixprec.policy.map import PolicyMap
 
@@ -189,7 +189,8 @@ def _fixed_bytes(s: SearchInputs, unit_states: list[StateFormat | None] | None) 
     formats = {} if unit_states is not None and any(f is not None for f in unit_states) else None
     modules = dict(model.named_modules())
     units = nn.ModuleList(modules[p] for u in s.units for p in u.paths)
-    return state_bytes(model, s.count, formats) - state_bytes(units, s.count, formats)
+    step = compensated(model)
+    return state_bytes(model, s.count, formats, step) - state_bytes(units, s.count, formats, step)
 
 
 def planned(s: SearchInputs, m: Scored, started: float) -> SearchReport:

@@ -17,6 +17,11 @@ its gradient and AdamW's two moments in the parameter's dtype (float32 for a flo
 as the compensated step keeps them), and for a 16-bit parameter the Kahan buffer that
 ``Precision(compensation="kahan")`` keeps (the way a search's training run trains): 16
 bytes per float32 weight, 10 per bfloat16 one, 14 per float16 one, int8/int4 weights frozen.
+A compensated step (any trainable 16-bit parameter: `compensated`) steps every parameter,
+float32 ones too, and those under `mixprec.optim.compensated.SMALL` elements (or not
+contiguous) from a packed copy of the weight, gradient and states: such a parameter counts
+those bytes twice (32 per small float32 weight, 20 per small bfloat16 one), so a small layer
+in bfloat16 is no cheaper than in float32. The step's transient temporaries are not counted.
 In a plan with optimizer-state formats (`mixprec.optim.states`, whose optimizer then steps
 every parameter) a parameter given one counts its two moments as that format stores them
 (`StateFormat.bytes`: codes and block scales, the block cut to the parameter as the
@@ -37,6 +42,7 @@ from torch import nn
 from mixprec.convert import apply
 from mixprec.formats.registry import formats
 from mixprec.hardware import SUPPORTED, DeviceInfo, policy_support
+from mixprec.optim.compensated import SMALL
 from mixprec.optim.states import StateFormat, fitted_format
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
 from mixprec.policy.map import PolicyMap
@@ -169,18 +175,41 @@ def candidate(model: nn.Module, unit: Unit, policy: Policy) -> nn.ModuleList:
     return holder
 
 
+def sixteen_bit(dtype: torch.dtype) -> bool:
+    """Whether `dtype` is a 16-bit float (one a compensated step compensates)."""
+    return dtype.is_floating_point and torch.finfo(dtype).bits == 16
+
+
+def compensated(modules: nn.Module) -> bool:
+    """Whether a search's training step of `modules` is compensated: it trains with Kahan
+    compensation where a trainable parameter is 16-bit, and that step steps every parameter
+    (packing the small ones: the module's docstring)."""
+    return any(p.requires_grad and sixteen_bit(p.dtype) for p in modules.parameters())
+
+
+def _packed(p: torch.Tensor) -> bool:
+    """Whether a compensated step steps `p` from a packed copy: small, not contiguous, or
+    bfloat16 of an odd size (stepped as pairs)."""
+    odd = p.dtype == torch.bfloat16 and p.numel() % 2 == 1
+    return p.numel() < SMALL or not p.is_contiguous() or odd
+
+
 def state_bytes(
-    modules: nn.Module, count: str, formats: dict[int, StateFormat] | None = None
+    modules: nn.Module,
+    count: str,
+    formats: dict[int, StateFormat] | None = None,
+    step: bool | None = None,
 ) -> int:
     """Bytes of `modules`' parameters and buffers, each storage once; under
     ``count="training"`` also the gradient, the optimizer's two moments and (16-bit) Kahan
-    buffer of each trainable parameter (see the module's docstring). ``formats``: given (a
-    run with low-bit optimizer states), the state format of some parameters (by ``id``),
-    whose moments count as that format stores them (its block cut to the parameter, as the
-    optimizer cuts it), every other parameter's as float32 moments, which the low-bit
-    optimizer keeps for them whatever their dtype; None: torch's AdamW, moments in each
-    parameter's dtype (float32 for a float16 parameter, as the compensated step keeps
-    them)."""
+    buffer of each trainable parameter, and under a compensated step the packed copy of
+    each small one (see the module's docstring). ``formats``: given (a run with low-bit
+    optimizer states), the state format of some parameters (by ``id``), whose moments count
+    as that format stores them (its block cut to the parameter, as the optimizer cuts it),
+    every other parameter's as float32 moments, which the low-bit optimizer keeps for them
+    whatever their dtype; None: torch's AdamW, moments in each parameter's dtype (float32
+    for a float16 parameter, as the compensated step keeps them). ``step``: whether the
+    step is compensated, for `modules` part of a model (None: `compensated(modules)`)."""
     seen: dict[int, tuple[int, torch.Tensor | None]] = {}
     for t in modules.parameters():
         storage = t.untyped_storage()
@@ -188,13 +217,15 @@ def state_bytes(
     for t in modules.buffers():
         storage = t.untyped_storage()
         seen.setdefault(storage.data_ptr(), (storage.nbytes(), None))
+    training = count == "training"
+    packs = training and formats is None and (compensated(modules) if step is None else step)
     total = 0
     for nbytes, trained in seen.values():
         total += nbytes
-        if count == "training" and trained is not None:
-            dtype = trained.dtype
-            sixteen = dtype.is_floating_point and torch.finfo(dtype).bits == 16
-            total += nbytes * (1 + (1 if sixteen else 0)) + _moment_bytes(trained, nbytes, formats)
+        if training and trained is not None:
+            kept = nbytes * (2 if sixteen_bit(trained.dtype) else 1)
+            kept += _moment_bytes(trained, nbytes, formats)
+            total += kept + (nbytes + kept if packs and _packed(trained) else 0)
     return total
 
 

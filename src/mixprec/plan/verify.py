@@ -214,7 +214,15 @@ def _count(
             saved = saved_under(s.model, v.plans[name], big, s.loss_fn, s.device, s.seed)
             m.activation_bytes, outside = split_saved(saved, paths)
         if in_bytes:
-            m.extra_bytes = max(0, math.ceil(m.model_bytes - m.unit_bytes + outside - fixed))
+            m.extra_bytes = extra_bytes(m.model_bytes, m.unit_bytes, outside, fixed)
+
+
+def extra_bytes(model_bytes: int, unit_bytes: int, outside: int, fixed: float) -> int:
+    """What a plan holding `model_bytes` (`unit_bytes` of them in its searched layers) and
+    saving `outside` bytes outside its blocks holds beyond the `fixed` bytes the baseline
+    counted; never below 0 (outside its searched layers and blocks a plan counts at least
+    the fixed bytes)."""
+    return max(0, math.ceil(model_bytes - unit_bytes + outside - fixed))
 
 
 def keep(
