@@ -227,6 +227,33 @@ class _EncoderDecoder(nn.Module):
         return self.decoder(self.encoder(x))
 
 
+class _Routed(nn.Module):
+    """A model whose forward runs its router with autocast switched off, on purpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+        self.body = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            route = self.router(x.float())
+        return self.body(x) * route.softmax(-1)
+
+
+def test_a_parents_autocast_switched_off_for_a_child_is_left_off():
+    """The entry of a child holding modules read "no autocast" as a call from outside the
+    model and entered a bfloat16 region: a router its parent runs in float32 on purpose
+    computed in bfloat16 (5e-3 off). Called from a region's forward, it runs as it is."""
+    torch.manual_seed(0)
+    model = _Routed()
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x).float()
+    mixprec.apply(model, "bf16-mixed")
+    assert torch.equal(model(x), expected)
+
+
 def test_a_module_called_outside_its_models_forward_computes_as_its_policy_says():
     """`apply(model, "bf16-mixed")` then `model.encoder(x)` (T5's generate calls
     get_encoder() so) ran the encoder's matmuls in float32; inside the model's forward its

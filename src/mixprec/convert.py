@@ -16,6 +16,7 @@ import copy
 import functools
 import inspect
 import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -414,23 +415,52 @@ class _Region:
 setattr(_Region, REGION_MARK, True)  # (what layer-swapping tools look for)
 
 
-class _Entry(_Region):
-    """Stands in for the forward of a module inside a mixed region that computes as its
-    caller does (no region of its own, `_regions`): called inside that autocast, from its
-    parent's forward, it runs as it is, nothing cast; called from outside the model's
-    forward (a Hugging Face ``generate`` calls ``get_encoder()`` directly), it enters its
-    policy's region as the root does, where it computed in float32."""
+class _Inside(threading.local):
+    """How many counted regions' forwards run in this thread now (eagerly): an `_Entry`
+    called with one running is called from inside a converted model's forward."""
+
+    depth = 0
+
+
+_INSIDE = _Inside()
+
+
+class _CountedRegion(_Region):
+    """A region of a module holding entries (`_Entry`): counts itself running in `_INSIDE`
+    while it runs eagerly (a region without entries below costs no call more)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        device_type = _device_type(args, kwargs, self.module, self.probe)
-        if (
-            torch.is_autocast_enabled(device_type)
-            and torch.get_autocast_dtype(device_type) == self.compute_dtype
-        ):
+        if torch.compiler.is_compiling():  # (traced: the count is eager's, as `_Entry`'s)
+            return super().__call__(*args, **kwargs)
+        _INSIDE.depth += 1
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            _INSIDE.depth -= 1
+
+
+class _Entry(_CountedRegion):
+    """Stands in for the forward of a module inside a mixed region that computes as its
+    caller does (no region of its own, `_regions`): called from a region's forward (its
+    parent's, which may have switched autocast off or to another dtype for it on purpose),
+    or under its own autocast (torch's checkpoint recomputing it in the backward), it runs
+    as it is, nothing cast; called from outside the model's forward (a Hugging Face
+    ``generate`` calls ``get_encoder()`` directly), it enters its policy's region as the
+    root does, where it computed in float32."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _INSIDE.depth or torch.compiler.is_compiling() or self._under_own_autocast(args, kwargs):
             if self.original is None:
                 return type(self.module).forward(self.module, *args, **kwargs)
             return self.original(*args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+    def _under_own_autocast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        device_type = _device_type(args, kwargs, self.module, self.probe)
+        return (
+            torch.is_autocast_enabled(device_type)
+            and torch.get_autocast_dtype(device_type) == self.compute_dtype
+        )
 
 
 def _with_default_dtype(dtype: torch.dtype, forward: Any, *args: Any, **kwargs: Any) -> Any:
@@ -709,9 +739,12 @@ def _check_nesting(model: nn.Module) -> None:
 def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
     regions = _regions(model, resolved)
     policies = {id(module): policy for module, policy, _, _ in regions}
+    entries = _entries(model, resolved, policies)
+    above = _above(model, {id(entry) for entry, _ in entries})
     for module, policy_here, parent, follow_input in regions:
         cast = () if policy_here.is_mixed else _to_cast(module, policy_here, policies)
-        module.__dict__["forward"] = _Region(
+        kind = _CountedRegion if id(module) in above else _Region
+        module.__dict__["forward"] = kind(
             module,
             policy_here,
             parent=parent,
@@ -719,10 +752,22 @@ def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
             cast=cast,
             follow_input=follow_input,
         )
-    for module, policy_here in _entries(model, resolved, policies):
+    for module, policy_here in entries:
         forward = module.__dict__.get("forward")
         module.__dict__["forward"] = _Entry(module, policy_here, parent=None, original=forward)
     install_attention_islands(model, resolved)
+
+
+def _above(model: nn.Module, targets: set[int]) -> set[int]:
+    """The ids of the modules of `model` holding one of `targets` (ids) below them."""
+    paths: dict[str, nn.Module] = {}
+    found: set[int] = set()
+    for name, module in model.named_modules(remove_duplicate=False):
+        paths[name] = module
+        if id(module) in targets:
+            parts = name.split(".") if name else []
+            found.update(id(paths[".".join(parts[:i])]) for i in range(len(parts)))
+    return found
 
 
 def _entries(
@@ -805,13 +850,24 @@ def explain(
     return found
 
 
+def _takes_keywords(model: nn.Module, batch: Mapping[Any, Any]) -> bool:
+    """Whether `model`'s forward takes `batch`'s keys as keyword arguments (a Hugging Face
+    model's ``input_ids=``...); else the mapping is its one argument (``forward(batch)``)."""
+    try:
+        inspect.signature(model.forward).bind(**{str(k): None for k in batch})
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 def _saved_in_training(model: nn.Module, policy: Any, batch: Any) -> dict[str, int]:
-    """`saved_bytes` of one forward on `batch` (a tensor, a tuple of positional arguments, or
-    a mapping of keyword arguments, as a Hugging Face batch) of a copy of `model` converted
+    """`saved_bytes` of one forward on `batch` (a tensor, a tuple of positional arguments, a
+    mapping of keyword arguments, as a Hugging Face batch, or a mapping the forward takes
+    whole, `_takes_keywords`) of a copy of `model` converted
     to `policy`, in training mode as a step runs it (dropout, a BatchNorm's batch
     statistics), whatever mode `model` is in: `model` itself is left as it is."""
     converted = apply(copy.deepcopy(model).train(), policy, warn=False)
-    if isinstance(batch, Mapping):
+    if isinstance(batch, Mapping) and _takes_keywords(model, batch):
         args, kwargs = (), dict(batch)
     else:
         args, kwargs = (batch if isinstance(batch, tuple) else (batch,)), {}

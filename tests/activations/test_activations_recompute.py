@@ -381,8 +381,7 @@ def test_a_rule_on_a_module_list_is_carried_out_by_each_of_its_layers(option):
     ruled = mixprec.apply(_Stack(), PolicyMap("32-true", activations={"layers": option}))
     assert wrapped(ruled) == {"layers.0": option, "layers.1": option}
     kept, held = saved_bytes(plain, x), saved_bytes(ruled, x)
-    # (under fp8 each LayerNorm's input is kept exact: docs/activations.md)
-    assert sum(held.values()) < 0.6 * sum(kept.values())
+    assert sum(held.values()) < 0.5 * sum(kept.values())
     torch.manual_seed(1)
     ruled(x).pow(2).mean().backward()
     torch.manual_seed(1)

@@ -231,6 +231,25 @@ def test_explain_passes_a_mapping_batch_as_keyword_arguments():
         assert sum(by_name.saved_bytes.values()) > 0
 
 
+class _TakesABatch(nn.Module):
+    """A forward taking its batch whole: ``forward(batch)`` with a mapping."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 64)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.fc(batch["x"]).relu()
+
+
+def test_explain_passes_a_mapping_whole_to_a_forward_not_taking_its_keys():
+    """A mapping batch went in as keyword arguments to every forward: one taking the batch
+    whole (``forward(self, batch)``) failed with an unexpected keyword."""
+    x = torch.randn(4, 8)
+    by_name = mixprec.explain(_TakesABatch(), "32-true", batch={"x": x})
+    assert sum(by_name.saved_bytes.values()) > 0
+
+
 def test_a_type_rule_matching_no_module_warns():
     """A type rule for a class the model lacks was dropped silently (a path rule warns)."""
     pmap = PolicyMap("32-true", activations={nn.Conv2d: "fp8"})

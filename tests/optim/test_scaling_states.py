@@ -195,7 +195,6 @@ def test_a_torch_grad_scaler_state_with_an_infinite_scale_is_refused():
     ("key", "value", "message"),
     [
         ("growth_tracker", -5, "growth_tracker must be an int >= 0"),
-        ("growth_tracker", 4, "growth_tracker must be below 4"),
         ("credits", 1.5, "credits must be an int >= 0"),
         ("credits", 3, r"credits must be at most hysteresis \(2\)"),
         ("last_overflow_step", "a", "last_overflow_step must be None or an int >= 0"),
@@ -211,12 +210,23 @@ def test_a_saved_state_with_a_bad_counter_is_refused_and_changes_nothing(key, va
     assert scaler.state_dict() == DynamicLossScaler(2.0).state_dict()
 
 
-def test_a_grad_scaler_state_past_its_interval_is_refused():
-    """GradScaler grows only when its tracker reaches the interval exactly: a tracker past it
-    (its interval lowered mid-run) never grows there, and was taken here as it was."""
-    state = torch.amp.GradScaler("cpu", growth_interval=3).state_dict()
-    with pytest.raises(ValueError, match="_growth_tracker must be below 3, got 7"):
-        DynamicLossScaler().load_state_dict({**state, "_growth_tracker": 7})
+@pytest.mark.parametrize("ours", [True, False])
+def test_a_saved_tracker_past_its_interval_grows_at_the_next_clean_step(ours):
+    """torch's update grows only when the tracker reaches the interval exactly: a state
+    whose tracker is past it (its interval lowered mid-run, here or in a GradScaler) was
+    taken as it was, and the scale never grew again. It is taken as the interval less one,
+    with a warning: the next clean step grows."""
+    if ours:
+        state = {**DynamicLossScaler(8.0, growth_interval=3).state_dict(), "growth_tracker": 7}
+    else:
+        state = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=3).state_dict()
+        state["_growth_tracker"] = 7
+    scaler = DynamicLossScaler(growth_interval=3)
+    with pytest.warns(UserWarning, match=r"growth tracker \(7\) is past its growth_interval"):
+        scaler.load_state_dict(state)
+    assert scaler.state_dict()["growth_tracker"] == 2
+    scaler.update(torch.tensor(0.0), False)
+    assert scaler.loss_scale == 16.0
 
 
 @pytest.mark.parametrize("hysteresis", [1, 2])
@@ -235,3 +245,16 @@ def test_lowering_the_growth_interval_past_the_clean_run_grows_at_the_next_clean
     for _ in range(4 * hysteresis):
         scaler.update(bad, True)
     assert scaler.loss_scale == 4.0 and scaler._at_floor()
+
+
+def test_a_scaler_pickled_while_growth_interval_was_an_attribute_unpickles():
+    """growth_interval became a property over ``_growth_interval``: a scaler pickled before
+    (its interval in ``growth_interval``) failed at its first update with AttributeError."""
+    state = dict(DynamicLossScaler(8.0, growth_interval=5).__dict__)
+    state["growth_interval"] = state.pop("_growth_interval")
+    old = DynamicLossScaler.__new__(DynamicLossScaler)
+    old.__setstate__(state)
+    assert old.growth_interval == 5
+    for _ in range(5):
+        old.update(torch.tensor(0.0), False)
+    assert old.loss_scale == 16.0

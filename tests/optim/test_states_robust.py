@@ -1228,9 +1228,12 @@ def test_torch_flags_are_taken_or_refused_as_torch_code_passes_them():
         LowBitAdamW([p], betas=(0.9,))
     with pytest.raises(ValueError, match="invalid eps None"):
         LowBitAdamW([p], eps=None)
-    with pytest.raises(ValueError, match="name two block sizes"):
-        LowBitAdamW([p], states="int8/block=100", block_size=128)
+    for spec in ("int8/block=100", "int8/block=256"):
+        with pytest.raises(ValueError, match=f"states='{spec}' and block_size=128 name two"):
+            LowBitAdamW([p], states=spec, block_size=128)
     LowBitAdamW([p], betas=(torch.tensor(0.9), torch.tensor(0.99)))
+    LowBitAdamW([p], betas=torch.tensor([0.9, 0.99]))
+    LowBitAdamW([p], betas=[0.9, 0.99])
     assert LowBitAdamW([p], states="int8/block=128", block_size=128).param_groups
 
 
@@ -1247,3 +1250,10 @@ def test_low_bit_adam_takes_torch_adams_decoupled_weight_decay():
         ours.step()
         theirs.step()
     torch.testing.assert_close(w, ref, rtol=0, atol=1e-6)
+    # a state of either decay's form loads: the form is the loading optimizer's own
+    plain = LowBitAdam([nn.Parameter(w.detach().clone())], lr=0.1, states="float32")
+    plain.load_state_dict(ours.state_dict())
+    assert not plain.param_groups[0].get("decoupled_weight_decay")
+    again = LowBitAdam([w], decoupled_weight_decay=True, states="float32")
+    again.load_state_dict(plain.state_dict())
+    assert again.param_groups[0]["decoupled_weight_decay"]

@@ -155,9 +155,13 @@ def test_only_modules_whose_forward_calls_attention_get_an_island():
         why = mixprec.explain(model).float32_attention["blocks.0"]
         assert why == "bfloat16 attention is slower than float32 here"
         assert "; attention in float32 (bfloat16" in str(mixprec.explain(model))  # the table
-    # the root and the float32 LayerNorm island keep their regions; nothing else is wrapped
+    # the root and the float32 LayerNorm island keep their regions, the blocks their
+    # islands and the container its entry (`_Entry`); nothing else is wrapped
     wrapped = [n for n, m in model.named_modules() if "forward" in m.__dict__]
-    assert wrapped == ["", "blocks.0", "blocks.0.norm", "blocks.1", "blocks.1.norm"]
+    assert wrapped == [
+        *["", "blocks", "blocks.0", "blocks.0.norm", "blocks.0.mlp"],
+        *["blocks.1", "blocks.1.norm", "blocks.1.mlp"],
+    ]
     out = model(torch.randn(2, 5, 4))
     assert out.dtype == F32 and out.shape == (2, 5, 3)
 

@@ -44,6 +44,8 @@ __all__ = [
     "CHUNK",
     "CHUNK_ACCELERATOR",
     "AsIs",
+    "Centered",
+    "CenteredSaved",
     "FP8",
     "GATE",
     "Fp8Saved",
@@ -275,6 +277,8 @@ def _bytes(packed: Any) -> int:
         return packed.untyped_storage().nbytes()
     if isinstance(packed, Fp8Saved):
         return packed.codes.nbytes + packed.scales.nbytes
+    if isinstance(packed, CenteredSaved):
+        return _bytes(packed.inner) + packed.means.nbytes
     return sum(_bytes(p) for p in packed if isinstance(p, Tensor | Fp8Saved))
 
 
@@ -402,6 +406,70 @@ class ToFp8(Codec):
             scales = packed.scales[i // block : i // block + blocks]
             flat[i : i + n] = dequantize(codes, scales, FP8, (n,), signed=True)
         return _shaped(flat, packed)
+
+
+@dataclass(frozen=True)
+class CenteredSaved:
+    """A saved tensor as `Centered` keeps it: what the inner codec stored of its elements
+    (in memory order) less the mean of their block, those float32 means, and the shape,
+    dtype and strides to decode it back to."""
+
+    inner: Any
+    means: Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    stride: tuple[int, ...] | None
+
+
+class Centered(Codec):
+    """The input of a function that subtracts its mean (a layer norm's, a variance's), stored
+    by ``inner`` (``bf16`` or ``fp8``) as its differences from the mean of each block of
+    `FP8`'s size in memory order, beside those means in float32; every other save of the
+    call (the weight, the mean and the inverse deviation it computed) kept as it is. Stored
+    whole, an input whose elements share a large offset (a residual stream) lost to rounding
+    most of what the backward's ``input - mean`` keeps: centred, the rounding is relative to
+    the spread, as the function's own result is, for about one float32 a block more."""
+
+    def __init__(self, inner: Codec, target: Tensor) -> None:
+        super().__init__()
+        self.inner, self.name = inner, inner.name
+        self.target = (target.data_ptr(), target.numel(), target.dtype)
+
+    def stores(self, t: Tensor) -> bool:
+        return (
+            (t.data_ptr(), t.numel(), t.dtype) == self.target
+            and t.numel() >= FP8.block
+            and self.inner.stores(t)
+        )
+
+    def encode(self, t: Tensor) -> Any:
+        flat, stride = _in_memory_order(t)
+        blocks, n = _padded_blocks(flat.to(torch.float32))
+        counts = torch.full((len(blocks),), float(FP8.block), device=flat.device)
+        counts[-1] = n - (len(blocks) - 1) * FP8.block
+        means = blocks.sum(dim=1) / counts
+        rest = (blocks - means[:, None]).view(-1)[:n]
+        return CenteredSaved(self.inner.encode(rest), means, t.shape, t.dtype, stride)
+
+    def decode(self, packed: Any) -> Tensor:
+        if not isinstance(packed, CenteredSaved):
+            return packed
+        rest = self.inner.decode(packed.inner).reshape(-1).to(torch.float32)
+        blocks, n = _padded_blocks(rest)
+        flat = (blocks + packed.means[:, None]).view(-1)[:n].to(packed.dtype)
+        if packed.stride is None:
+            return flat.view(packed.shape)
+        return flat.as_strided(packed.shape, packed.stride)
+
+
+def _padded_blocks(flat: Tensor) -> tuple[Tensor, int]:
+    """The flat ``flat`` as (blocks, `FP8`'s block), its last block padded with zeros, and
+    its number of elements."""
+    n = flat.numel()
+    pad = -n % FP8.block
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(-1, FP8.block), n
 
 
 def _chunk(device: torch.device) -> int:

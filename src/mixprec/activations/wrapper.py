@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
-from mixprec.activations.codecs import CODECS, Codec, Keep, ToBfloat16
+from mixprec.activations.codecs import CODECS, Centered, Codec, Keep, ToBfloat16
 from mixprec.activations.options import OPTIONS, accepted, refusal
 from mixprec.activations.recompute import recomputed
 from mixprec.activations.rules import Choice, never_called
@@ -237,14 +237,27 @@ _CANCELLING = frozenset(
     [torch.logsumexp, _T.logsumexp, torch.special.logsumexp, _A.logsumexp]
     + [torch.logaddexp, _T.logaddexp, _A.logaddexp, torch.logaddexp2, _T.logaddexp2]
     + [_A.logaddexp2, torch.logcumsumexp, _T.logcumsumexp, _A.logcumsumexp]
-    + [F.layer_norm, torch.layer_norm, _A.layer_norm, torch.native_layer_norm]
-    + [_A.native_layer_norm, torch.var, _T.var, _A.var, torch.var_mean, _A.var_mean]
-    + [torch.std, _T.std, _A.std, torch.std_mean, _A.std_mean]
     + [F.mse_loss, _A.mse_loss, F.huber_loss, _A.huber_loss, F.smooth_l1_loss]
     + [_A.smooth_l1_loss, torch.cdist, _A.cdist, torch.cosine_similarity]
     + [_A.cosine_similarity]
 )
+# those of them subtracting their input's own mean (a layer norm, a variance): their input
+# is stored centred on the mean of each block (`Centered`: the rounding relative to the
+# spread, as the function's result is), not kept whole, as a residual stream, the largest
+# input a transformer's norms save, would be
+_CENTRED = frozenset(
+    [F.layer_norm, torch.layer_norm, _A.layer_norm, torch.native_layer_norm]
+    + [_A.native_layer_norm, torch.var, _T.var, _A.var, torch.var_mean, _A.var_mean]
+    + [torch.std, _T.std, _A.std, torch.std_mean, _A.std_mean]
+)
 _POWERS = frozenset([torch.pow, _T.pow, _T.pow_, _T.__pow__, _T.__ipow__])
+
+
+def _centred(func: Any) -> bool:
+    """Whether ``func`` (an aten overload: its op) stores its input centred (`_CENTRED`)."""
+    if isinstance(func, torch._ops.OpOverload):
+        func = func.overloadpacket
+    return func in _CENTRED
 
 
 def _kept_exact(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fp8: bool) -> bool:
@@ -279,8 +292,9 @@ class _SavesByFunction(TorchFunctionMode):
     - the saves of functions picking elements by equality (`_PICKING`: amax, median, an inf
       norm), growing without bound near magnitude one (`_NEAR_ONE`: asin, atanh, logit,
       log1p, binary cross-entropy) or subtracting saved values of about the same size
-      (`_CANCELLING`: logsumexp, layer_norm, var, mse_loss), and under fp8 of those
-      dividing by a saved value (`_DIVIDING`: log, division, sqrt), are kept exact.
+      (`_CANCELLING`: logsumexp, mse_loss), and under fp8 of those dividing by a saved
+      value (`_DIVIDING`: log, division, sqrt), are kept exact; a layer norm's or a
+      variance's input (`_CENTRED`) is stored centred on its blocks' means (`Centered`).
 
     Only where the innermost saved-tensor hooks are a storing codec's (a module inside
     keeping, recomputing or offloading has its way). Every other call runs as it is."""
@@ -297,11 +311,15 @@ class _SavesByFunction(TorchFunctionMode):
             hooks = _EXACT
         elif self.fp8 and func in _ATTENTION_FUNCTIONS:
             hooks = _ATTENTION
+        elif _centred(func) and args and isinstance(args[0], Tensor):
+            hooks = None
         else:
             return func(*args, **kwargs)
         codec = _innermost_codec()
         if codec is None or codec.name not in ("bf16", "fp8"):
             return func(*args, **kwargs)
+        if hooks is None:  # (per call: the input it centres is this call's)
+            hooks = Centered(codec, args[0])
         with saved_tensors_hooks(hooks.pack, hooks.unpack):
             return func(*args, **kwargs)
 

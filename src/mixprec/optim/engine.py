@@ -36,6 +36,7 @@ import shutil
 import sys
 import warnings
 from collections.abc import Callable
+from numbers import Integral
 from operator import is_
 from typing import Any
 
@@ -110,11 +111,12 @@ def check_compensation(value: Any) -> str | None:
 
 
 def check_seed(seed: Any) -> int:
-    """``seed`` if it is an int (what keys the random bits, `call_key`); a ``TypeError``
-    naming what was given otherwise, rather than one at the first compensated step."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    """``seed`` as an int if it is an integer (a numpy one too: what keys the random bits,
+    `call_key`); a ``TypeError`` naming what was given otherwise, rather than one at the
+    first compensated step."""
+    if isinstance(seed, bool) or not isinstance(seed, Integral):
         raise TypeError(f"seed must be an int, got {seed!r} ({type(seed).__name__})")
-    return seed
+    return int(seed)
 
 
 def algorithm_of(optimizer: torch.optim.Optimizer | type) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import struct
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -99,6 +100,22 @@ def _count(name: str, value: Any, accepted: str = "", below: int | None = None) 
     if below is not None and value >= below:
         raise ValueError(f"{name} must be below {below}, got {value}")
     return value
+
+
+def _within_interval(tracker: int, interval: int) -> int:
+    """A saved growth tracker kept below its interval, warning where it was not (a state
+    saved after the interval was lowered mid-run: torch's update grows only when the
+    tracker reaches the interval exactly, so it would never grow again): the scale then
+    grows at the next clean step, as a lowered interval does here."""
+    if tracker < interval:
+        return tracker
+    warnings.warn(
+        f"the loss scaler state's growth tracker ({tracker}) is past its growth_interval "
+        f"({interval}): taken as {interval - 1}, so the scale grows at the next clean step "
+        f"(as saved it would never grow again)",
+        stacklevel=4,
+    )
+    return interval - 1
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -631,6 +648,12 @@ class DynamicLossScaler(LossScaler):
         # (scale, growth tracker) as the host knows them; None: to be read from the device
         self._host: tuple[float, int] | None = (_float32(init), 0)
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # (a scaler pickled while growth_interval was a plain attribute)
+        if "growth_interval" in state:
+            state["_growth_interval"] = state.pop("growth_interval")
+        self.__dict__.update(state)
+
     @property
     def growth_interval(self) -> int:
         """Clean steps in a row needed to grow. Set lower than the clean steps already
@@ -730,7 +753,7 @@ class DynamicLossScaler(LossScaler):
         keys = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
         keys += ("hysteresis", "min_scale", "max_scale", "max_skips_at_min_scale")
         DynamicLossScaler(**{k: state[k] for k in keys})  # (the constructor's checks)
-        _count("growth_tracker", state["growth_tracker"], below=state["growth_interval"])
+        _count("growth_tracker", state["growth_tracker"])
         _count("credits", state["credits"])
         if state["credits"] > state["hysteresis"]:
             raise ValueError(
@@ -764,8 +787,8 @@ class DynamicLossScaler(LossScaler):
             or not 0.0 < backoff_factor < 1.0
         ):
             raise ValueError(f"invalid torch.amp.GradScaler state: {dict(state)}")
-        try:  # (past the interval, GradScaler's own update would never grow it again)
-            tracker = _count("_growth_tracker", tracker, below=growth_interval)
+        try:
+            tracker = _within_interval(_count("_growth_tracker", tracker), growth_interval)
         except ValueError as err:
             raise ValueError(f"invalid torch.amp.GradScaler state: {err}") from None
         scale = min(max(_float32(scale), _float32(self.min_scale)), _float32(self.max_scale))
@@ -786,8 +809,9 @@ class DynamicLossScaler(LossScaler):
         super().load_state_dict(state)
         if "kind" not in state:
             return
-        self._growth_tracker.fill_(state["growth_tracker"])
-        self._host = (_float32(float(state["scale"])), int(state["growth_tracker"]))
+        tracker = _within_interval(state["growth_tracker"], self.growth_interval)
+        self._growth_tracker.fill_(tracker)
+        self._host = (_float32(float(state["scale"])), tracker)
         self._credits.fill_(state["credits"])
 
 

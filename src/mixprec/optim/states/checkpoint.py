@@ -179,8 +179,9 @@ class StateCheckpoint(torch.optim.Optimizer):
                 f"{sizes}: it was saved for other parameters or other parameter groups"
             )
         name = type(self).__name__
-        # (torch's own loader adds "differentiable" to the defaults: not a saved setting)
-        ours = set(self.defaults) - {"states", "differentiable"}
+        # (torch's own loader adds "differentiable" to the defaults: not a saved setting; the
+        # decay's form is the loading optimizer's own, `load_state_dict`)
+        ours = set(self.defaults) - {"states", "differentiable", _DECAY_FORM}
         for i, group in enumerate(saved):
             missing = sorted(ours - set(group))
             if missing:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from numbers import Real
 from operator import is_
 from typing import Any, NamedTuple
@@ -86,6 +86,17 @@ MIN_SIZE = 4096
 CHUNK = 1 << 22
 CPU_CHUNK = 1 << 18
 _FLOAT32 = StateFormat("float32")
+
+
+def _items(x: Any) -> tuple[Any, ...]:
+    """The items of ``x`` (a tuple, list, array or tensor of hyperparameters); none for a
+    string or a value that is not a collection."""
+    if isinstance(x, str | bytes):
+        return ()
+    try:
+        return tuple(x)
+    except TypeError:
+        return ()
 
 
 def _is_real(x: Any) -> bool:
@@ -398,9 +409,11 @@ class LowBitOptimizer(StateCheckpoint):
         if block_size is not None:
             if not fmt.quantized:
                 raise ValueError("block_size is for low-bit states; float32 states have none")
-            if fmt.block not in (block_size, fmt.codec.default_block):
+            spelled = isinstance(states, str) and "block" in states
+            if fmt.block != block_size and (spelled or fmt.block != fmt.codec.default_block):
                 raise ValueError(
-                    f"states={str(fmt)!r} and block_size={block_size} name two block sizes: "
+                    f"states={states if spelled else str(fmt)!r} and block_size={block_size} "
+                    f"name two block sizes: "
                     f"give the block in one of them"
                 )
             fmt = StateFormat(fmt.kind, block_size)
@@ -1096,9 +1109,7 @@ class LowBitAdamW(LowBitOptimizer):
         if not (_is_real(eps) and 0.0 <= eps):
             raise ValueError(f"invalid eps {eps!r}: a number >= 0")
         if not (
-            isinstance(betas, Sequence)
-            and len(betas) == 2
-            and all(_is_real(b) and 0.0 <= b < 1.0 for b in betas)
+            len(pair := _items(betas)) == 2 and all(_is_real(b) and 0.0 <= b < 1.0 for b in pair)
         ):
             raise ValueError(f"invalid betas {betas!r}: two numbers, each in [0, 1)")
         if not 0.0 <= weight_decay:
