@@ -1161,3 +1161,47 @@ def test_a_true_rule_on_a_transformer_layer_takes_the_padded_fast_paths_nested_t
     with torch.no_grad():
         out = fast(x, src_key_padding_mask=mask)
     assert out.dtype == f32 and out[0].isfinite().all()
+
+
+class _RoutedCheckpointed(_Routed):
+    """_Routed with its float32 router recomputed in the backward (torch's checkpoint)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            route = torch.utils.checkpoint.checkpoint(self.router, x.float(), use_reentrant=False)
+        return self.body(x) * route.softmax(-1)
+
+
+def test_an_entry_recomputed_in_the_backward_runs_as_in_the_forward():
+    """In the backward's recomputation no region runs: the router's entry entered a
+    bfloat16 region there, where the forward had passed through in float32, and torch's
+    checkpoint refused the recomputed tensors. In a backward an entry passes through."""
+    torch.manual_seed(0)
+    plain, ckpt = _Routed(), _RoutedCheckpointed()
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 8)
+    grads = []
+    for model in (mixprec.apply(plain, "bf16-mixed"), mixprec.apply(ckpt, "bf16-mixed")):
+        model(x).sum().backward()
+        grads.append(model.router[0].weight.grad)
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_another_models_entry_called_inside_a_forward_keeps_its_own_policy():
+    """Entries passed through while any converted model's forward ran: a float16 teacher's
+    encoder called inside a bfloat16 student's forward computed in bfloat16. An entry
+    passes through only inside its own model's forward."""
+    teacher = mixprec.apply(_EncoderDecoder(), "p=f32,c=f16,o=f32")
+    seen = []
+    teacher.encoder[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+
+    class Student(nn.Module):  # (its blocks have entries: its region counts itself)
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(x) + teacher.encoder(x)
+
+    mixprec.apply(Student(), "bf16-mixed")(torch.randn(2, 8))
+    assert seen == [torch.float16]

@@ -416,40 +416,59 @@ setattr(_Region, REGION_MARK, True)  # (what layer-swapping tools look for)
 
 
 class _Inside(threading.local):
-    """How many counted regions' forwards run in this thread now (eagerly): an `_Entry`
-    called with one running is called from inside a converted model's forward."""
+    """The converted models (their `_Family`) whose counted regions run in this thread now,
+    eagerly, and how deep: an `_Entry` of a model running is called from its forward."""
 
-    depth = 0
+    def __init__(self) -> None:
+        self.running: dict[_Family, int] = {}
+
+
+class _Family:
+    """What the regions and entries one `apply` installed share: the model they belong to
+    (compared by identity; a deepcopy of the model copies it once, for all of them)."""
 
 
 _INSIDE = _Inside()
 
 
 class _CountedRegion(_Region):
-    """A region of a module holding entries (`_Entry`): counts itself running in `_INSIDE`
-    while it runs eagerly (a region without entries below costs no call more)."""
+    """A region of a module holding entries (`_Entry`) of its model (``family``): counts
+    that model running in `_INSIDE` while it runs eagerly (a region without entries below
+    costs no call more)."""
+
+    family: _Family | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # (traced: the count is eager's, as `_Entry`'s)
             return super().__call__(*args, **kwargs)
-        _INSIDE.depth += 1
+        running = _INSIDE.running
+        running[self.family] = running.get(self.family, 0) + 1  # type: ignore[index]
         try:
             return super().__call__(*args, **kwargs)
         finally:
-            _INSIDE.depth -= 1
+            if running[self.family] == 1:  # type: ignore[index]
+                del running[self.family]  # type: ignore[arg-type]
+            else:
+                running[self.family] -= 1  # type: ignore[index]
 
 
 class _Entry(_CountedRegion):
     """Stands in for the forward of a module inside a mixed region that computes as its
-    caller does (no region of its own, `_regions`): called from a region's forward (its
-    parent's, which may have switched autocast off or to another dtype for it on purpose),
-    or under its own autocast (torch's checkpoint recomputing it in the backward), it runs
-    as it is, nothing cast; called from outside the model's forward (a Hugging Face
-    ``generate`` calls ``get_encoder()`` directly), it enters its policy's region as the
-    root does, where it computed in float32."""
+    caller does (no region of its own, `_regions`): called while its own model's forward
+    runs (its parent's, which may have switched autocast off or to another dtype for it on
+    purpose), in a backward (torch's checkpoint recomputing the forward), or under its own
+    autocast, it runs as it is, nothing cast; called from outside its model's forward (a
+    Hugging Face ``generate`` calls ``get_encoder()`` directly; another model's forward
+    calls it), it enters its policy's region as the root does, where it computed in
+    float32 or in its caller's dtype."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if _INSIDE.depth or torch.compiler.is_compiling() or self._under_own_autocast(args, kwargs):
+        if (
+            self.family in _INSIDE.running
+            or torch.compiler.is_compiling()
+            or torch._C._current_graph_task_id() != -1
+            or self._under_own_autocast(args, kwargs)
+        ):
             if self.original is None:
                 return type(self.module).forward(self.module, *args, **kwargs)
             return self.original(*args, **kwargs)
@@ -741,10 +760,11 @@ def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
     policies = {id(module): policy for module, policy, _, _ in regions}
     entries = _entries(model, resolved, policies)
     above = _above(model, {id(entry) for entry, _ in entries})
+    family = _Family()
     for module, policy_here, parent, follow_input in regions:
         cast = () if policy_here.is_mixed else _to_cast(module, policy_here, policies)
         kind = _CountedRegion if id(module) in above else _Region
-        module.__dict__["forward"] = kind(
+        region = module.__dict__["forward"] = kind(
             module,
             policy_here,
             parent=parent,
@@ -752,9 +772,13 @@ def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
             cast=cast,
             follow_input=follow_input,
         )
+        if kind is _CountedRegion:
+            region.family = family
     for module, policy_here in entries:
         forward = module.__dict__.get("forward")
-        module.__dict__["forward"] = _Entry(module, policy_here, parent=None, original=forward)
+        entry = _Entry(module, policy_here, parent=None, original=forward)
+        entry.family = family
+        module.__dict__["forward"] = entry
     install_attention_islands(model, resolved)
 
 

@@ -940,13 +940,16 @@ def test_unsafe_pieces_of_a_weight_are_kept_exact_as_its_views_are(split):
         lambda h: torch.logaddexp(h[:, :32], h[:, 32:]),
         lambda h: torch.logaddexp2(h[:, :32], h[:, 32:]),
         lambda h: h.logcumsumexp(-1),
+        lambda h: h.var(-1),
+        lambda h: torch.std_mean(input=h, dim=-1)[0],
         lambda h: F.mse_loss(h[:, :32], h[:, 32:].detach(), reduction="none"),
         lambda h: torch.cdist(h[:8], h[8:]),
         lambda h: F.cosine_similarity(h[:8], h[8:]),
     ],
     ids=[
         *["Tensor.logsumexp", "special.logsumexp", "aten.logsumexp", "logaddexp"],
-        *["logaddexp2", "logcumsumexp", "mse_loss", "cdist", "cosine_similarity"],
+        *["logaddexp2", "logcumsumexp", "var", "std_mean", "mse_loss", "cdist"],
+        "cosine_similarity",
     ],
 )
 def test_functions_subtracting_saved_values_of_about_one_size_keep_them_exact(option, op):
@@ -982,29 +985,29 @@ class _OffsetNorm(nn.Module):
 
 @pytest.mark.parametrize("option", ["bf16", "fp8"])
 @pytest.mark.parametrize(
-    "op",
+    ("op", "row"),
     [
-        lambda h: F.layer_norm(h, (256,)),
-        lambda h: torch.ops.aten.native_layer_norm.default(h, [256], None, None, 1e-5)[0],
-        lambda h: h.var(-1),
-        lambda h: torch.std_mean(h, -1)[0],
+        (lambda h: F.layer_norm(h, (256,)), 256),
+        (lambda h: F.layer_norm(input=h.view(64, 64), normalized_shape=(64,)), 64),
+        (lambda h: torch.ops.aten.native_layer_norm.default(h, [256], None, None, 1e-5)[0], 256),
     ],
-    ids=["layer_norm", "aten.native_layer_norm", "var", "std_mean"],
+    ids=["layer_norm", "rows of 64, by keyword", "aten.native_layer_norm"],
 )
-def test_an_input_whose_mean_is_subtracted_is_stored_centred(option, op):
-    """A layer norm's or a variance's input with an offset of 30 against a spread near 1,
-    stored whole in bf16 or fp8, left its backward's input - mean mostly rounding (a layer
-    norm's weight gradient half off under fp8). Stored centred on its blocks' means, the
-    gradient is within the codec's rounding of keep's, in the codec's bytes (one float32 a
-    block more), not kept whole."""
+def test_a_layer_norms_input_is_stored_centred_on_its_rows_means(option, op, row):
+    """A layer norm's input whose rows carry offsets of 30 or so against a spread near 1,
+    stored whole in bf16 or fp8, left its backward's input - mean mostly rounding (a weight
+    gradient half off under fp8). Stored as its rows' differences from their means, the
+    gradient is within the codec's rounding of keep's, in the codec's bytes plus one float32
+    a row (rows of 64 too: centring on 256-element blocks mixed four rows' offsets)."""
     torch.manual_seed(0)
     lin = nn.Linear(8, 256)
-    with torch.no_grad():
-        lin.bias.add_(30.0)
     x = torch.randn(16, 8)
+    offsets = 30 * torch.randn(16, 256 // row, 1).expand(-1, -1, row).reshape(16, 256)
     grads, saved = {}, {}
     for activations in (None, option):
-        model = mixprec.apply(_Picks(op), mixprec.PolicyMap("32-true", activations=activations))
+        model = mixprec.apply(
+            _Picks(lambda h: op(h + offsets)), mixprec.PolicyMap("32-true", activations=activations)
+        )
         model.lin = copy.deepcopy(lin)
         saved[activations] = sum(saved_bytes(model, x).values())
         out = model(x)
@@ -1013,10 +1016,27 @@ def test_an_input_whose_mean_is_subtracted_is_stored_centred(option, op):
         grads[activations] = model.lin.weight.grad
     error = (grads[option] - grads[None]).norm() / grads[None].norm()
     assert error < (0.01 if option == "bf16" else 0.06)
-    elements, blocks = 16 * 256, 16
-    # codes (and fp8's block scales) and one float32 mean a block, for the input's float32
-    stored = (2 * elements if option == "bf16" else elements + 4 * blocks) + 4 * blocks
+    elements, rows = 16 * 256, 16 * 256 // row
+    # codes (and fp8's scales, one a 256-element block) and one float32 mean a row, in place
+    # of the input's float32
+    stored = (2 * elements if option == "bf16" else elements + 4 * 16) + 4 * rows
     assert saved[option] == saved[None] - 4 * elements + stored
+
+
+def test_a_layer_norms_row_holding_an_inf_spoils_its_own_row_only():
+    """An inf in one row of a layer norm's input: its row's gradient is NaN, as keep's is;
+    centred on a 256-element block, it spread NaN over the block's other rows too."""
+    x = torch.randn(8, 64)
+    x[0, 3] = float("inf")
+    grads = {}
+    for activations in (None, "fp8"):
+        h = x.clone().requires_grad_()
+        pmap = mixprec.PolicyMap("32-true", activations=activations)
+        model = mixprec.apply(_Picks(lambda t: F.layer_norm(t * 1.0, (64,))), pmap)
+        model.lin = nn.Identity()
+        model(h).nan_to_num(0.0).sum().backward()
+        grads[activations] = h.grad.isnan().any(dim=1)
+    assert grads["fp8"].tolist() == grads[None].tolist() == [True] + [False] * 7
 
 
 @pytest.mark.parametrize("policy", ["32-true", "bf16-mixed"])

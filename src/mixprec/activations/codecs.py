@@ -410,66 +410,54 @@ class ToFp8(Codec):
 
 @dataclass(frozen=True)
 class CenteredSaved:
-    """A saved tensor as `Centered` keeps it: what the inner codec stored of its elements
-    (in memory order) less the mean of their block, those float32 means, and the shape,
-    dtype and strides to decode it back to."""
+    """A saved tensor as `Centered` keeps it: what the inner codec stored of its rows less
+    their means, those float32 means, and the shape and dtype to decode it back to."""
 
     inner: Any
     means: Tensor
     shape: torch.Size
     dtype: torch.dtype
-    stride: tuple[int, ...] | None
 
 
 class Centered(Codec):
-    """The input of a function that subtracts its mean (a layer norm's, a variance's), stored
-    by ``inner`` (``bf16`` or ``fp8``) as its differences from the mean of each block of
-    `FP8`'s size in memory order, beside those means in float32; every other save of the
-    call (the weight, the mean and the inverse deviation it computed) kept as it is. Stored
-    whole, an input whose elements share a large offset (a residual stream) lost to rounding
-    most of what the backward's ``input - mean`` keeps: centred, the rounding is relative to
-    the spread, as the function's own result is, for about one float32 a block more."""
+    """A layer norm's input, stored by ``inner`` (``bf16`` or ``fp8``) as its rows' (the
+    normalized size's, ``row`` elements each) differences from their means, beside those
+    means in float32; every other save of the call (the weight, the mean and the inverse
+    deviation it computed) kept as it is. Stored whole, an input whose rows carry a large
+    offset (a residual stream) lost to rounding most of what the backward's ``input -
+    mean`` keeps: centred on the very means the norm subtracts, the rounding is relative to
+    each row's spread, as the norm's own result is, for one float32 a row more. A row holding
+    an inf or NaN decodes to NaN, as its norm is."""
 
-    def __init__(self, inner: Codec, target: Tensor) -> None:
+    def __init__(self, inner: Codec, target: Tensor, row: int) -> None:
         super().__init__()
-        self.inner, self.name = inner, inner.name
+        self.inner, self.name, self.row = inner, inner.name, row
         self.target = (target.data_ptr(), target.numel(), target.dtype)
 
     def stores(self, t: Tensor) -> bool:
         return (
             (t.data_ptr(), t.numel(), t.dtype) == self.target
+            and t.is_contiguous()
             and t.numel() >= FP8.block
             and self.inner.stores(t)
         )
 
     def encode(self, t: Tensor) -> Any:
-        flat, stride = _in_memory_order(t)
-        blocks, n = _padded_blocks(flat.to(torch.float32))
-        counts = torch.full((len(blocks),), float(FP8.block), device=flat.device)
-        counts[-1] = n - (len(blocks) - 1) * FP8.block
-        means = blocks.sum(dim=1) / counts
-        rest = (blocks - means[:, None]).view(-1)[:n]
-        return CenteredSaved(self.inner.encode(rest), means, t.shape, t.dtype, stride)
+        rows = t.reshape(-1, self.row)
+        means = rows.mean(dim=1, dtype=torch.float32)
+        rest = rows - means[:, None]  # (float32, the one copy of the input made)
+        # (a row holding an inf or NaN: its mean NaN and its differences 0, so that it decodes
+        # to NaN, as its norm is, without spreading over an fp8 block shared with other rows)
+        spoilt = ~means.isfinite()
+        rest.masked_fill_(spoilt[:, None], 0.0)
+        means.masked_fill_(spoilt, math.nan)
+        return CenteredSaved(self.inner.encode(rest.view(-1)), means, t.shape, t.dtype)
 
     def decode(self, packed: Any) -> Tensor:
         if not isinstance(packed, CenteredSaved):
             return packed
-        rest = self.inner.decode(packed.inner).reshape(-1).to(torch.float32)
-        blocks, n = _padded_blocks(rest)
-        flat = (blocks + packed.means[:, None]).view(-1)[:n].to(packed.dtype)
-        if packed.stride is None:
-            return flat.view(packed.shape)
-        return flat.as_strided(packed.shape, packed.stride)
-
-
-def _padded_blocks(flat: Tensor) -> tuple[Tensor, int]:
-    """The flat ``flat`` as (blocks, `FP8`'s block), its last block padded with zeros, and
-    its number of elements."""
-    n = flat.numel()
-    pad = -n % FP8.block
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad))
-    return flat.view(-1, FP8.block), n
+        rest = self.inner.decode(packed.inner).reshape(-1, self.row)  # (float32, fresh)
+        return rest.add_(packed.means[:, None]).to(packed.dtype).view(packed.shape)
 
 
 def _chunk(device: torch.device) -> int:

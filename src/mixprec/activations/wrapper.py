@@ -237,27 +237,40 @@ _CANCELLING = frozenset(
     [torch.logsumexp, _T.logsumexp, torch.special.logsumexp, _A.logsumexp]
     + [torch.logaddexp, _T.logaddexp, _A.logaddexp, torch.logaddexp2, _T.logaddexp2]
     + [_A.logaddexp2, torch.logcumsumexp, _T.logcumsumexp, _A.logcumsumexp]
+    + [torch.var, _T.var, _A.var, torch.var_mean, _A.var_mean]
+    + [torch.std, _T.std, _A.std, torch.std_mean, _A.std_mean]
     + [F.mse_loss, _A.mse_loss, F.huber_loss, _A.huber_loss, F.smooth_l1_loss]
     + [_A.smooth_l1_loss, torch.cdist, _A.cdist, torch.cosine_similarity]
     + [_A.cosine_similarity]
 )
-# those of them subtracting their input's own mean (a layer norm, a variance): their input
-# is stored centred on the mean of each block (`Centered`: the rounding relative to the
-# spread, as the function's result is), not kept whole, as a residual stream, the largest
-# input a transformer's norms save, would be
-_CENTRED = frozenset(
+# layer norms, which subtract each row's mean: their input, a transformer's residual stream
+# and the largest input its norms save, is stored centred on those means (`Centered`: the
+# rounding relative to the row's spread, as the norm's result is), not kept whole
+_LAYER_NORMS = frozenset(
     [F.layer_norm, torch.layer_norm, _A.layer_norm, torch.native_layer_norm]
-    + [_A.native_layer_norm, torch.var, _T.var, _A.var, torch.var_mean, _A.var_mean]
-    + [torch.std, _T.std, _A.std, torch.std_mean, _A.std_mean]
+    + [_A.native_layer_norm]
 )
+
+
 _POWERS = frozenset([torch.pow, _T.pow, _T.pow_, _T.__pow__, _T.__ipow__])
 
 
-def _centred(func: Any) -> bool:
-    """Whether ``func`` (an aten overload: its op) stores its input centred (`_CENTRED`)."""
-    if isinstance(func, torch._ops.OpOverload):
-        func = func.overloadpacket
-    return func in _CENTRED
+def _op(func: Any) -> Any:
+    """``func``, or an aten overload's op (``aten.add.Tensor`` -> ``aten.add``)."""
+    return func.overloadpacket if isinstance(func, torch._ops.OpOverload) else func
+
+
+def _centred(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, int] | None:
+    """(input, row size) of a layer norm call whose input is stored centred (`_LAYER_NORMS`,
+    `Centered`); None for any other call."""
+    if _op(func) not in _LAYER_NORMS:
+        return None
+    given = args[0] if args else kwargs.get("input")
+    shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
+    if not isinstance(given, Tensor) or shape is None:
+        return None
+    row = math.prod([shape] if isinstance(shape, int) else shape)
+    return (given, row) if row and given.numel() % row == 0 else None
 
 
 def _kept_exact(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fp8: bool) -> bool:
@@ -265,8 +278,7 @@ def _kept_exact(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fp8: b
     `_CANCELLING`, `_DIVIDING`; an aten op's overload as the op): a norm of an infinite order
     (which picks its largest element) and, under fp8, any other (divided by); a power of an
     exponent below 1 (or of a tensor exponent) under fp8."""
-    if isinstance(func, torch._ops.OpOverload):
-        func = func.overloadpacket
+    func = _op(func)
     if func in _PICKING or func in _NEAR_ONE or func in _CANCELLING:
         return True
     if func in _NORMS:
@@ -292,9 +304,9 @@ class _SavesByFunction(TorchFunctionMode):
     - the saves of functions picking elements by equality (`_PICKING`: amax, median, an inf
       norm), growing without bound near magnitude one (`_NEAR_ONE`: asin, atanh, logit,
       log1p, binary cross-entropy) or subtracting saved values of about the same size
-      (`_CANCELLING`: logsumexp, mse_loss), and under fp8 of those dividing by a saved
-      value (`_DIVIDING`: log, division, sqrt), are kept exact; a layer norm's or a
-      variance's input (`_CENTRED`) is stored centred on its blocks' means (`Centered`).
+      (`_CANCELLING`: logsumexp, var, mse_loss), and under fp8 of those dividing by a saved
+      value (`_DIVIDING`: log, division, sqrt), are kept exact; a layer norm's input
+      (`_LAYER_NORMS`) is stored centred on its rows' means (`Centered`).
 
     Only where the innermost saved-tensor hooks are a storing codec's (a module inside
     keeping, recomputing or offloading has its way). Every other call runs as it is."""
@@ -307,19 +319,21 @@ class _SavesByFunction(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        norm = None
         if _kept_exact(func, args, kwargs, self.fp8):
             hooks = _EXACT
         elif self.fp8 and func in _ATTENTION_FUNCTIONS:
             hooks = _ATTENTION
-        elif _centred(func) and args and isinstance(args[0], Tensor):
-            hooks = None
+        elif _op(func) in _LAYER_NORMS:
+            # (a call whose input or normalized shape is not found: kept exact)
+            norm, hooks = _centred(func, args, kwargs), _EXACT
         else:
             return func(*args, **kwargs)
         codec = _innermost_codec()
         if codec is None or codec.name not in ("bf16", "fp8"):
             return func(*args, **kwargs)
-        if hooks is None:  # (per call: the input it centres is this call's)
-            hooks = Centered(codec, args[0])
+        if norm is not None:  # (per call: the input it centres is this call's)
+            hooks = Centered(codec, *norm)
         with saved_tensors_hooks(hooks.pack, hooks.unpack):
             return func(*args, **kwargs)
 
