@@ -990,15 +990,36 @@ class _OffsetNorm(nn.Module):
         (lambda h: F.layer_norm(h, (256,)), 256),
         (lambda h: F.layer_norm(input=h.view(64, 64), normalized_shape=(64,)), 64),
         (lambda h: torch.ops.aten.native_layer_norm.default(h, [256], None, None, 1e-5)[0], 256),
+        # a group norm's rows: a sample's group of channels; an instance norm's: a channel
+        (lambda h: F.group_norm(h.view(16, 8, 32), 4).view(16, 256), 64),
+        (lambda h: F.group_norm(input=h.view(16, 8, 32), num_groups=1).view(16, 256), 256),
+        (
+            lambda h: torch.ops.aten.native_group_norm.default(
+                h.view(16, 8, 32), None, None, 16, 8, 32, 2, 1e-5
+            )[0].view(16, 256),
+            128,
+        ),
+        (lambda h: F.instance_norm(h.view(16, 8, 4, 8)).view(16, 256), 32),
+        (lambda h: nn.functional.instance_norm(input=h.view(16, 2, 128)).view(16, 256), 128),
     ],
-    ids=["layer_norm", "rows of 64, by keyword", "aten.native_layer_norm"],
+    ids=[
+        "layer_norm",
+        "rows of 64, by keyword",
+        "aten.native_layer_norm",
+        "group_norm",
+        "group_norm, one group, by keyword",
+        "aten.native_group_norm",
+        "instance_norm",
+        "instance_norm, by keyword",
+    ],
 )
-def test_a_layer_norms_input_is_stored_centred_on_its_rows_means(option, op, row):
-    """A layer norm's input whose rows carry offsets of 30 or so against a spread near 1,
-    stored whole in bf16 or fp8, left its backward's input - mean mostly rounding (a weight
-    gradient half off under fp8). Stored as its rows' differences from their means, the
-    gradient is within the codec's rounding of keep's, in the codec's bytes plus one float32
-    a row (rows of 64 too: centring on 256-element blocks mixed four rows' offsets)."""
+def test_a_norms_input_is_stored_centred_on_its_rows_means(option, op, row):
+    """A layer, group or instance norm's input whose rows carry offsets of 30 or so
+    against a spread near 1, stored whole in bf16 or fp8, left its backward's input - mean
+    mostly rounding (a weight gradient half off under fp8: 44% for an instance norm). Stored
+    as its rows' differences from their means, the gradient is within the codec's rounding
+    of keep's, in the codec's bytes plus one float32 a row (rows of 64 too: centring on
+    256-element blocks mixed four rows' offsets)."""
     torch.manual_seed(0)
     lin = nn.Linear(8, 256)
     x = torch.randn(16, 8)

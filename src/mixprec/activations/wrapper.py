@@ -231,8 +231,8 @@ _A = torch.ops.aten
 # input along the other. Where the inputs' spread is small against their size (confident
 # logits, a residual stream with an offset), what is left is mostly the rounding of
 # bfloat16 or fp8. Kept exact under both (`_kept_exact`), also called as aten ops. Not
-# batch, group or instance norms: their input, a convolution's output, is a CNN's largest
-# save, often saved by a ReLU too (docs/activations.md).
+# batch norms: their input, a convolution's output, is a CNN's largest save, often saved by
+# a ReLU too, and its means run over other samples, not along a row (docs/activations.md).
 _CANCELLING = frozenset(
     [torch.logsumexp, _T.logsumexp, torch.special.logsumexp, _A.logsumexp]
     + [torch.logaddexp, _T.logaddexp, _A.logaddexp, torch.logaddexp2, _T.logaddexp2]
@@ -243,13 +243,18 @@ _CANCELLING = frozenset(
     + [_A.smooth_l1_loss, torch.cdist, _A.cdist, torch.cosine_similarity]
     + [_A.cosine_similarity]
 )
-# layer norms, which subtract each row's mean: their input, a transformer's residual stream
-# and the largest input its norms save, is stored centred on those means (`Centered`: the
+# norms that subtract each row's mean, a row lying whole in memory: a layer norm's (the
+# normalized size), a group norm's (a sample's group of channels) and an instance norm's (a
+# sample's channel). Their input (a transformer's residual stream, the largest input its
+# norms save; a convolution's output) is stored centred on those means (`Centered`: the
 # rounding relative to the row's spread, as the norm's result is), not kept whole
 _LAYER_NORMS = frozenset(
     [F.layer_norm, torch.layer_norm, _A.layer_norm, torch.native_layer_norm]
     + [_A.native_layer_norm]
 )
+_GROUP_NORMS = frozenset([F.group_norm, torch.group_norm, _A.group_norm])
+_INSTANCE_NORMS = frozenset([F.instance_norm, torch.instance_norm, _A.instance_norm])
+_ROW_NORMS = _LAYER_NORMS | _GROUP_NORMS | _INSTANCE_NORMS | {_A.native_group_norm}
 
 
 _POWERS = frozenset([torch.pow, _T.pow, _T.pow_, _T.__pow__, _T.__ipow__])
@@ -260,16 +265,42 @@ def _op(func: Any) -> Any:
     return func.overloadpacket if isinstance(func, torch._ops.OpOverload) else func
 
 
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
+    """A call's argument, given by position ``index`` or by keyword ``name`` (else None)."""
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _row(func: Any, given: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The elements of one of ``func``'s rows (`_ROW_NORMS`) for its input ``given``, or
+    None where the call's arguments do not say it."""
+    op = _op(func)
+    if op in _LAYER_NORMS:
+        shape = _argument(args, kwargs, 1, "normalized_shape")
+        return None if shape is None else math.prod([shape] if isinstance(shape, int) else shape)
+    if op is _A.native_group_norm:  # (input, weight, bias, N, C, HxW, group, eps)
+        channels, spatial, groups = (_argument(args, kwargs, i, "") for i in (4, 5, 6))
+        if not all(isinstance(n, int) and n > 0 for n in (channels, spatial, groups)):
+            return None
+        return channels // groups * spatial if channels % groups == 0 else None
+    if given.dim() < 2 or given.shape[0] == 0:
+        return None
+    if op in _INSTANCE_NORMS:
+        return math.prod(given.shape[2:])
+    groups = _argument(args, kwargs, 1, "num_groups")
+    if not isinstance(groups, int) or groups <= 0 or given.shape[1] % groups:
+        return None
+    return given.numel() // (given.shape[0] * groups)
+
+
 def _centred(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Tensor, int] | None:
-    """(input, row size) of a layer norm call whose input is stored centred (`_LAYER_NORMS`,
+    """(input, row size) of a norm call whose input is stored centred (`_ROW_NORMS`,
     `Centered`); None for any other call."""
-    if _op(func) not in _LAYER_NORMS:
+    if _op(func) not in _ROW_NORMS:
         return None
-    given = args[0] if args else kwargs.get("input")
-    shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
-    if not isinstance(given, Tensor) or shape is None:
+    given = _argument(args, kwargs, 0, "input")
+    if not isinstance(given, Tensor):
         return None
-    row = math.prod([shape] if isinstance(shape, int) else shape)
+    row = _row(func, given, args, kwargs)
     return (given, row) if row and given.numel() % row == 0 else None
 
 
@@ -305,8 +336,8 @@ class _SavesByFunction(TorchFunctionMode):
       norm), growing without bound near magnitude one (`_NEAR_ONE`: asin, atanh, logit,
       log1p, binary cross-entropy) or subtracting saved values of about the same size
       (`_CANCELLING`: logsumexp, var, mse_loss), and under fp8 of those dividing by a saved
-      value (`_DIVIDING`: log, division, sqrt), are kept exact; a layer norm's input
-      (`_LAYER_NORMS`) is stored centred on its rows' means (`Centered`).
+      value (`_DIVIDING`: log, division, sqrt), are kept exact; a layer, group or instance
+      norm's input (`_ROW_NORMS`) is stored centred on its rows' means (`Centered`).
 
     Only where the innermost saved-tensor hooks are a storing codec's (a module inside
     keeping, recomputing or offloading has its way). Every other call runs as it is."""
@@ -324,8 +355,8 @@ class _SavesByFunction(TorchFunctionMode):
             hooks = _EXACT
         elif self.fp8 and func in _ATTENTION_FUNCTIONS:
             hooks = _ATTENTION
-        elif _op(func) in _LAYER_NORMS:
-            # (a call whose input or normalized shape is not found: kept exact)
+        elif _op(func) in _ROW_NORMS:
+            # (a call whose input or rows are not found: kept exact)
             norm, hooks = _centred(func, args, kwargs), _EXACT
         else:
             return func(*args, **kwargs)
