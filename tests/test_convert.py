@@ -273,6 +273,22 @@ def test_a_module_called_outside_its_models_forward_computes_as_its_policy_says(
     assert torch.equal(model(x), whole)
 
 
+def test_a_module_compiled_on_its_own_computes_as_its_policy_says():
+    """``torch.compile(model.encoder)`` called from outside the model's forward: traced, its
+    entry passed through (no autocast in the graph), so it computed in float32 where its
+    eager call and explain say bfloat16. Compiled whole, the model's entries still add
+    nothing inside its region."""
+    torch.manual_seed(0)
+    model = _EncoderDecoder()
+    x = torch.randn(2, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model.encoder(x).float()
+        whole = model(x).float()
+    mixprec.apply(model, "bf16-mixed")
+    assert torch.equal(torch.compile(model.encoder, backend="eager")(x), expected)
+    assert torch.equal(torch.compile(model, backend="eager")(x), whole)
+
+
 def test_reapply_does_not_stack_and_remove_restores_the_plain_module():
     model = Zoo()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -769,6 +785,45 @@ def test_true_forwards_in_two_threads_each_see_their_own_default_dtype():
     assert torch.get_default_dtype() == f32
 
 
+def test_forwards_swapping_in_compute_copies_in_two_threads_see_their_own_copies():
+    """Under "p=bf16,c=f32" a forward swaps each weight for a float32 copy, which every
+    thread calling the model sees: a thread found a weight another's forward had swapped
+    (so made no copy of its own), that forward restored the bfloat16 weight mid-way through
+    this one, and its float32 matmul met a bfloat16 weight. Such forwards take turns."""
+    import threading
+
+    class Slow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.002)  # hand the GIL to the other thread before reading the weight
+            seen.add(self.weight.dtype)
+            return F.linear(x, self.weight)
+
+    seen: set[torch.dtype] = set()
+    model = mixprec.apply(nn.Sequential(Slow(), Slow()), "p=bf16,c=f32", warn=False)
+    start, errors = threading.Barrier(3), []
+
+    def run() -> None:
+        start.wait(5)
+        for _ in range(20):
+            try:
+                with torch.no_grad():
+                    model(torch.ones(2, 4))
+            except RuntimeError as err:
+                errors.append(str(err))
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and seen == {f32}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
 def test_precision_forward_context_sets_the_default_dtype_of_a_true_policy():
     precision = mixprec.Precision("64-true", device="cpu")
     with precision.forward_context():
@@ -1185,6 +1240,24 @@ def test_an_entry_recomputed_in_the_backward_runs_as_in_the_forward():
         model(x).sum().backward()
         grads.append(model.router[0].weight.grad)
     assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_an_entry_checkpointed_from_outside_its_model_recomputes_as_in_the_forward(reentrant):
+    """``checkpoint(model.encoder, x)`` in a loop of one's own: the forward entered the
+    encoder's bfloat16 region, but in the backward its entry passed through and the
+    recomputation ran in float32 (torch's checkpoint refused it; reentrant, the gradients
+    were of a float32 recomputation). An entry recomputed does as its forward did."""
+    torch.manual_seed(0)
+    model = mixprec.apply(_EncoderDecoder(), "bf16-mixed")
+    x = torch.randn(2, 8, requires_grad=True)
+    model.encoder(x).sum().backward()
+    expected = model.encoder[0].weight.grad.clone()
+    model.zero_grad()
+    model(x)  # (inside the model's forward: the entry passes through)
+    checkpoint = torch.utils.checkpoint.checkpoint
+    checkpoint(model.encoder, x, use_reentrant=reentrant).sum().backward()
+    assert torch.equal(model.encoder[0].weight.grad, expected)
 
 
 def test_another_models_entry_called_inside_a_forward_keeps_its_own_policy():

@@ -32,7 +32,7 @@ from mixprec.activations import check as check_activations
 from mixprec.activations import install as install_activations
 from mixprec.activations.rules import never_called
 from mixprec.device import detect, device_of, parse_device
-from mixprec.dtypes import default_dtype, dtype_name, needs_default_dtype
+from mixprec.dtypes import default_dtype, dtype_name, exclusive, needs_default_dtype
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import slow_attention, warn_if_unsupported
 from mixprec.policy import APPLIED_STATE, REGION_MARK, Policy, explanation
@@ -382,25 +382,15 @@ class _Region:
         else:
             # A "true" region computes in its own dtype even inside an enclosing autocast (a
             # parent's mixed region, or the caller's): autocast is switched off for it.
-            # Plain `with` blocks, not an ExitStack: torch.compile traces them without a break.
             autocast_on = torch._C._is_any_autocast_enabled()
-            copies = _compute_copies(module, self.cast, self.compute_dtype) if self.cast else {}
-            default = needs_default_dtype(self.compute_dtype)
-            if not (autocast_on or copies or default):  # (float32 as it is: nothing to set)
-                out = forward(*args, **kwargs)
+            if self.cast:  # (copies swapped in: one thread at a time, `exclusive`)
+                with exclusive():
+                    copies = _compute_copies(module, self.cast, self.compute_dtype)
+                    out = self._swapped(forward, args, kwargs, copies, autocast_on)
+            elif not (autocast_on or needs_default_dtype(self.compute_dtype)):
+                out = forward(*args, **kwargs)  # (float32 as it is: nothing to set)
             else:
-                off = (
-                    torch.autocast(_device_type(args, kwargs, module, self.probe), enabled=False)
-                    if autocast_on
-                    else contextlib.nullcontext()
-                )
-                swap = _reparametrize_module(module, copies) if copies else contextlib.nullcontext()
-                if default:
-                    with default_dtype(self.compute_dtype), off, swap:
-                        out = forward(*args, **kwargs)
-                else:
-                    with off, swap:
-                        out = forward(*args, **kwargs)
+                out = self._swapped(forward, args, kwargs, {}, autocast_on)
         if self.keeps_losses:
             return _cast_but_losses(out, output_dtype)
         if isinstance(out, Tensor):  # `cast_floating`'s first case, without its call
@@ -410,6 +400,30 @@ class _Region:
                 return out.float()  # a plain tensor's `to(torch.float32)`, parsed faster
             return _cast(out, output_dtype)
         return cast_floating(out, output_dtype)
+
+    def _swapped(
+        self,
+        forward: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        copies: dict[str, Tensor],
+        autocast_on: bool,
+    ) -> Any:
+        """A "true" region's forward: autocast off, ``copies`` swapped in for the stored
+        parameters and torch's default dtype set where needed. Plain `with` blocks, not an
+        ExitStack: torch.compile traces them without a break."""
+        module = self.module
+        off = (
+            torch.autocast(_device_type(args, kwargs, module, self.probe), enabled=False)
+            if autocast_on
+            else contextlib.nullcontext()
+        )
+        swap = _reparametrize_module(module, copies) if copies else contextlib.nullcontext()
+        if needs_default_dtype(self.compute_dtype):
+            with default_dtype(self.compute_dtype), off, swap:
+                return forward(*args, **kwargs)
+        with off, swap:
+            return forward(*args, **kwargs)
 
 
 setattr(_Region, REGION_MARK, True)  # (what layer-swapping tools look for)
@@ -456,19 +470,34 @@ class _Entry(_CountedRegion):
     """Stands in for the forward of a module inside a mixed region that computes as its
     caller does (no region of its own, `_regions`): called while its own model's forward
     runs (its parent's, which may have switched autocast off or to another dtype for it on
-    purpose), in a backward (torch's checkpoint recomputing the forward), or under its own
-    autocast, it runs as it is, nothing cast; called from outside its model's forward (a
-    Hugging Face ``generate`` calls ``get_encoder()`` directly; another model's forward
-    calls it), it enters its policy's region as the root does, where it computed in
-    float32 or in its caller's dtype."""
+    purpose) or under its own autocast, it runs as it is, nothing cast; called from outside
+    its model's forward (a Hugging Face ``generate`` calls ``get_encoder()`` directly;
+    another model's forward calls it), it enters its policy's region as the root does,
+    where it computed in float32 or in its caller's dtype. In a backward (torch's
+    checkpoint recomputing it) it does as its last call did: checkpointed from outside its
+    model, its recomputation ran in float32. Traced by torch.compile, where the count of
+    running models is not kept, it runs as it is under its own autocast only (a compiled
+    model's region turned it on), else enters its region (compiled on its own,
+    ``torch.compile(model.get_encoder())`` ran in float32); a parent switching autocast off
+    for it is then overridden."""
+
+    # whether its last eager call outside a backward entered its region: torch's checkpoint
+    # recomputing it does as that call did (a reentrant one's forward runs without grad)
+    entered = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if (
-            self.family in _INSIDE.running
-            or torch.compiler.is_compiling()
-            or torch._C._current_graph_task_id() != -1
-            or self._under_own_autocast(args, kwargs)
-        ):
+        if torch.compiler.is_compiling():
+            through = self._under_own_autocast(args, kwargs)
+        elif self.family in _INSIDE.running:
+            through = True
+            if self.entered:
+                self.entered = False
+        elif torch._C._current_graph_task_id() != -1:
+            through = not self.entered
+        else:
+            through = self._under_own_autocast(args, kwargs)
+            self.entered = not through
+        if through:
             if self.original is None:
                 return type(self.module).forward(self.module, *args, **kwargs)
             return self.original(*args, **kwargs)

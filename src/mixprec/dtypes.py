@@ -147,6 +147,20 @@ def needs_default_dtype(dtype: torch.dtype) -> bool:
 
 
 @contextmanager
+def exclusive() -> Iterator[None]:
+    """Hold the lock `default_dtype` takes: a forward that swaps a module's parameters
+    for copies in its compute dtype (which every thread calling the module sees) runs while
+    no other thread's such forward or default change does, so none reads another's swap
+    (one thread's copies, restored by it mid-way through another's forward: a dtype
+    mismatch). Not in a backward (`default_dtype`) or while torch.compile traces."""
+    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() != -1:
+        yield
+        return
+    with _default_dtype_lock:
+        yield
+
+
+@contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Make `dtype` torch's default dtype inside the block (restored on exit, also on error),
     so tensors a forward creates without a dtype (`torch.ones(n, 3)`) match its weights.

@@ -904,6 +904,78 @@ def test_saves_of_functions_unbounded_near_one_are_kept_exact(option, f):
     assert stored.isfinite().all() and torch.allclose(stored, kept, rtol=0.05)
 
 
+@pytest.mark.parametrize("option", ["bf16", "fp8"])
+def test_a_sigmoids_output_a_binary_cross_entropy_reads_is_kept_exact(option):
+    """nn.Sigmoid then nn.BCELoss of confident predictions: the sigmoid's backward
+    multiplies by p (1 - p), which the cross-entropy's divides by; p rounded, a gradient
+    was zeroed or doubled (17% off keep's under bf16). The sigmoid's output is kept exact:
+    keep's gradient, bit for bit."""
+    x = torch.randn(64, 8)
+    grads = {}
+    for activations in (None, option):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Sigmoid())
+        with torch.no_grad():
+            model[0].bias.fill_(6.0)
+        model = mixprec.apply(model, mixprec.PolicyMap("32-true", activations=activations))
+        F.binary_cross_entropy(model(x), torch.ones(64, 16)).backward()
+        grads[activations] = model[0].weight.grad
+    assert torch.equal(grads[option], grads[None])
+
+
+class _Squares(torch.autograd.Function):
+    """x * x, saving x by ``ctx.save_for_backward``."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class _SavesFromPython(nn.Module):
+    """A LayerNorm over an input offset by 30, run inside torch's checkpoint or after an
+    autograd.Function of one's own: saves torch packs from Python, not from an op."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.n, self.b = nn.Linear(16, 256), nn.LayerNorm(256), nn.Linear(256, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x) + 30.0
+        if self.how == "function":
+            h = self.n(_Squares.apply(h) / 30.0)
+        else:
+            reentrant = self.how == "checkpoint, reentrant"
+            h = torch.utils.checkpoint.checkpoint(self.n, h, use_reentrant=reentrant)
+        return self.b(h).square().mean()
+
+
+@pytest.mark.parametrize("how", ["function", "checkpoint", "checkpoint, reentrant"])
+def test_saves_packed_from_python_are_stored_and_checkpoint_inputs_kept_exact(how):
+    """Saves torch packs from Python (an autograd.Function's, torch's checkpoint's
+    inputs) ran the codec while the function mode finding cancelling saves was on: the
+    compiled codec traced into it and failed (Hugging Face's gradient checkpointing under
+    fp8 crashed). And the inputs torch's checkpoint saves were stored rounded: the layer
+    norm recomputed from an input no longer centred, its weight's gradient 60% off keep's.
+    They are kept exact, so the gradient is within fp8's rounding of keep's."""
+    x = torch.randn(64, 16)  # (a save of 16,384 elements: the codec compiles where it can)
+    grads = {}
+    for activations in (None, "fp8"):
+        torch.manual_seed(0)
+        pmap = mixprec.PolicyMap("32-true", activations=activations)
+        model = mixprec.apply(_SavesFromPython(how), pmap)
+        model(x).backward()
+        grads[activations] = model.n.weight.grad
+    error = (grads["fp8"] - grads[None]).norm() / grads[None].norm()
+    assert error < 0.05
+
+
 class _Pieces(nn.Module):
     def __init__(self, split: str) -> None:
         super().__init__()
@@ -945,11 +1017,14 @@ def test_unsafe_pieces_of_a_weight_are_kept_exact_as_its_views_are(split):
         lambda h: F.mse_loss(h[:, :32], h[:, 32:].detach(), reduction="none"),
         lambda h: torch.cdist(h[:8], h[8:]),
         lambda h: F.cosine_similarity(h[:8], h[8:]),
+        lambda h: torch.dist(h[:8], h[8:].detach()),
+        lambda h: h[:8].dist(h[8:]),
+        lambda h: F.pdist(h),
     ],
     ids=[
         *["Tensor.logsumexp", "special.logsumexp", "aten.logsumexp", "logaddexp"],
         *["logaddexp2", "logcumsumexp", "var", "std_mean", "mse_loss", "cdist"],
-        "cosine_similarity",
+        *["cosine_similarity", "dist", "Tensor.dist", "pdist"],
     ],
 )
 def test_functions_subtracting_saved_values_of_about_one_size_keep_them_exact(option, op):

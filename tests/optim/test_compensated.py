@@ -1543,6 +1543,30 @@ def test_parameters_on_one_memory_each_take_their_update(dtype):
         assert ((ours.float() - exact).abs() <= _ulp_bf16(start.abs().clamp_min(0.2))).all()
 
 
+def test_a_view_listed_before_the_large_weight_it_shares_steps_first():
+    """A small view of a large weight listed ahead of it (each a parameter): the calls ran
+    largest first, so the weight stepped before the view, the reverse of torch's order (with
+    weight decay). Parameters sharing memory step in a call
+    each, in the parameters' order: torch's steps, to float32's rounding (its order apart,
+    the shared elements would be 5e-3 off)."""
+
+    def shared() -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        base = torch.randn(SMALL + 4)
+        params = [nn.Parameter(base[:100]), nn.Parameter(base), nn.Parameter(torch.randn(7))]
+        for i, p in enumerate(params):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+        return params, torch.optim.AdamW(params, lr=1e-2, weight_decay=10.0, foreach=False)
+
+    (ours, optimizer), (theirs, reference) = shared(), shared()
+    compensator = Compensator("kahan", seed=0, compile=False)
+    for _ in range(2):  # (filed, then replayed from the plan)
+        compensator.step(optimizer)
+        reference.step()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 def test_a_parameter_listed_twice_in_a_group_is_refused_by_the_compensated_step():
     """torch's optimizers step such a parameter twice; the packed step took it once."""
     p = nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))

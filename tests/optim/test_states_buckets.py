@@ -916,3 +916,28 @@ def test_a_refused_step_leaves_the_step_counts():
     with pytest.raises(RuntimeError, match="no longer has the size"):
         opt.step()
     assert [opt.state[p]["step"].item() for p in params] == [2.0, 2.0]
+
+
+@pytest.mark.parametrize("cls", [LowBitAdamW, LowBitSGD])
+def test_a_complex_parameter_after_an_odd_sized_float64_one_steps_with_float32_moments(cls):
+    """A float64 parameter of an odd size and a complex128 one, float32 moments (the
+    default under ``min_size``): joined in one run, the complex moment's piece began at an
+    odd offset, read back as complex it failed ("storage_offset divisible by 2") after the
+    step counts had moved. Complex parameters run apart: the step is torch's (the real
+    pairs stepped by torch's optimizer, float64 moments against our float32)."""
+    torch.manual_seed(0)
+    made = [torch.randn(5, dtype=torch.float64), torch.randn(3, dtype=torch.complex128)]
+    ours = [nn.Parameter(t.clone()) for t in made]
+    theirs = [nn.Parameter(t.clone()) for t in (made[0], torch.view_as_real(made[1]))]
+    kw = {"momentum": 0.9} if cls is LowBitSGD else {}
+    opt = cls(ours, lr=1e-2, compile=False, **kw)
+    reference = (torch.optim.SGD if cls is LowBitSGD else torch.optim.AdamW)(theirs, lr=1e-2, **kw)
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        for a, b in zip(ours, theirs, strict=True):
+            grad = torch.randn(a.shape, generator=g, dtype=a.dtype)
+            a.grad, b.grad = grad, _real(grad).clone()
+        opt.step()
+        reference.step()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(_real(a), b, rtol=1e-5, atol=1e-6)

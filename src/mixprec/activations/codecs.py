@@ -23,6 +23,7 @@ where none is needed), elsewhere in one compiled kernel under the same gate (no 
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.fx.experimental._config as fx_config
+import torch.utils.checkpoint as checkpoint
 from torch import Tensor
 
 from mixprec.optim.engine import CompileGate, difference
@@ -135,6 +137,32 @@ def _plain_layout(t: Tensor) -> bool:
     )
 
 
+# the frames in which torch's checkpoint saves its function's inputs: the non-reentrant
+# one's `save_inputs` (through a comprehension's frame before Python 3.12), the reentrant
+# one's `CheckpointFunction`, whose saves the `apply` of torch's Function packs
+_SAVE_INPUTS = getattr(getattr(checkpoint, "_CheckpointFrame", None), "save_inputs", None)
+_SAVE_INPUTS_CODE = getattr(_SAVE_INPUTS, "__code__", None)
+_APPLY_CODE = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
+
+
+def _checkpoint_input() -> bool:
+    """Whether the save `Codec.pack` packs (called from its caller's caller) is torch's
+    checkpoint saving its function's inputs, which the backward recomputes the function
+    from: stored rounded, the recomputation is another function's (a layer norm's input
+    with an offset, no longer centred: docs/activations.md)."""
+    frame = sys._getframe(2)
+    for _ in range(3):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code is _SAVE_INPUTS_CODE:
+            return True
+        if code is _APPLY_CODE:
+            return frame.f_locals.get("cls") is checkpoint.CheckpointFunction
+        frame = frame.f_back
+    return False
+
+
 def _record(original: Tensor, stored: int, key: int) -> None:
     record = getattr(_meter, "record", None)
     if record is not None:
@@ -197,7 +225,7 @@ class Codec:
                 _record(t, storage.nbytes(), storage.data_ptr())
             return AsIs(t.detach(), t._version)  # (sparse, nested: their bytes unknown)
         storage = t.untyped_storage()
-        if not self.stores(t):
+        if not self.stores(t) or _checkpoint_input():
             _record(t, storage.nbytes(), storage.data_ptr())
             return AsIs(t.detach(), t._version)
         contiguous = t.is_contiguous()
@@ -207,7 +235,11 @@ class Codec:
             if isinstance(seen[2], Fp8Saved):
                 seen[2].reads[0] += 1
             return seen[2] if seen[1] == t.shape else Reshaped(seen[2], t.shape)
-        packed = self.encode(t.detach())
+        # (torch function modes off: a save torch calls the hook for from Python, as an
+        # autograd.Function's or torch's checkpoint's, runs while `wrapper`'s mode is on, and
+        # the compiled codec traced into it and failed)
+        with torch._C.DisableTorchFunction():
+            packed = self.encode(t.detach())
         _record(t, _bytes(packed), id(packed))
         if contiguous:
             forget = self._packed.pop

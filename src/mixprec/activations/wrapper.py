@@ -213,7 +213,9 @@ _DIVIDING = frozenset(
 # functions whose backward grows without bound as the saved value nears a point of
 # magnitude one (asin at 1, log1p at -1, logit at 1, a binary cross-entropy's
 # probability at 1): rounded to bfloat16 (8 bits: 0.998 is 1.0) or fp8, a value next to it
-# lands on it and the gradient is infinite. Kept exact under both (`_kept_exact`).
+# lands on it and the gradient is infinite. Kept exact under both (`_kept_exact`). With them
+# a sigmoid's output p, whose backward's p (1 - p) a binary cross-entropy of p divides by:
+# rounded, a confident p's gradient is lost (nn.Sigmoid then nn.BCELoss).
 _NEAR_ONE = frozenset(
     [torch.asin, _T.asin, _T.asin_, torch.arcsin, _T.arcsin, _T.arcsin_]
     + [torch.acos, _T.acos, _T.acos_, torch.arccos, _T.arccos, _T.arccos_]
@@ -222,17 +224,19 @@ _NEAR_ONE = frozenset(
     + [torch.logit, _T.logit, _T.logit_, torch.special.logit]
     + [torch.log1p, _T.log1p, _T.log1p_, torch.special.log1p]
     + [torch.erfinv, _T.erfinv, _T.erfinv_, torch.special.erfinv]
-    + [F.binary_cross_entropy]
+    + [F.binary_cross_entropy, torch.sigmoid, _T.sigmoid, _T.sigmoid_, F.sigmoid]
+    + [torch.special.expit, torch.ops.aten.sigmoid]
 )
 _A = torch.ops.aten
 # functions whose backward subtracts saved values of about the same size, each rounded on
 # its own: a log-sum-exp's exp(input - result), a layer norm's or a variance's
-# input - mean, a distance's or a regression loss's input - other, a cosine's part of one
-# input along the other. Where the inputs' spread is small against their size (confident
-# logits, a residual stream with an offset), what is left is mostly the rounding of
-# bfloat16 or fp8. Kept exact under both (`_kept_exact`), also called as aten ops. Not
-# batch norms: their input, a convolution's output, is a CNN's largest save, often saved by
-# a ReLU too, and its means run over other samples, not along a row (docs/activations.md).
+# input - mean, a distance's (cdist, dist, pdist) or a regression loss's input - other, a
+# cosine's part of one input along the other. Where the inputs' spread is small against
+# their size (confident logits, a residual stream with an offset), what is left is mostly
+# the rounding of bfloat16 or fp8. Kept exact under both (`_kept_exact`), also called as
+# aten ops. Not batch norms: their input, a convolution's output, is a CNN's largest save,
+# often saved by a ReLU too, and its means run over other samples, not along a row
+# (docs/activations.md).
 _CANCELLING = frozenset(
     [torch.logsumexp, _T.logsumexp, torch.special.logsumexp, _A.logsumexp]
     + [torch.logaddexp, _T.logaddexp, _A.logaddexp, torch.logaddexp2, _T.logaddexp2]
@@ -241,7 +245,8 @@ _CANCELLING = frozenset(
     + [torch.std, _T.std, _A.std, torch.std_mean, _A.std_mean]
     + [F.mse_loss, _A.mse_loss, F.huber_loss, _A.huber_loss, F.smooth_l1_loss]
     + [_A.smooth_l1_loss, torch.cdist, _A.cdist, torch.cosine_similarity]
-    + [_A.cosine_similarity]
+    + [_A.cosine_similarity, torch.dist, _T.dist, _A.dist, torch.pdist, F.pdist, _A.pdist]
+    + [_A._pdist_forward]
 )
 # norms that subtract each row's mean, a row lying whole in memory: a layer norm's (the
 # normalized size), a group norm's (a sample's group of channels) and an instance norm's (a

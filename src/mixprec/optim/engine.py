@@ -428,8 +428,9 @@ class CompileGate:
         stacklevel: int = 3,
     ) -> tuple[Any, bool]:
         """(``call(*args)``, True), or (None, False) when the build failed under
-        ``compile=None`` (warned once; nothing ran): the compiler failed, or dynamo
-        refused another build of the function in this process (its recompile limit,
+        ``compile=None`` (warned once; nothing ran): the compiler failed, dynamo could not
+        trace the function whole (a torch function mode of the caller's it cannot run), or
+        it refused another build of the function in this process (its recompile limit,
         reached by many formats, dtypes and optimizers before this one).
 
         With ``eager`` (the same math op by op, where the compiled kernel is held to it bit
@@ -443,13 +444,13 @@ class CompileGate:
         given, judges the results (flat lists) in place of bit equality: how they differ
         beyond what the kernel allows, or '' (a lossy codec whose compiled division may be
         a last bit off eager's); the arguments are still held to eager's bit for bit."""
-        from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit
+        from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
 
         try:
             if eager is not None and _unchecked(self.checked, call, args):
                 return self._checked(call, eager, args, agree, stacklevel + 1), True
             return call(*args), True
-        except (BackendCompilerFailed, FailOnRecompileLimitHit) as error:
+        except (BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported) as error:
             if self.compile is not None:
                 raise
             self.failed = (

@@ -460,6 +460,10 @@ class Compensator:
             index += len(params)
         if len({id(p) for _, _, p, _ in work}) < len(work):
             raise ValueError(_twice(work))
+        # distinct parameters over the same memory (a view of a weight listed beside it):
+        # each steps from a call of its own, the calls in the parameters' order, as torch
+        # steps them (largest first, a large weight stepped before a view listed ahead of it)
+        shared = {id(work[i][2]) for i in overlapping([p for _, _, p, _ in work])}
         steps: list[int] = []
         if work:
             # every step count on by one and read back in a fixed number of calls, whatever
@@ -470,17 +474,22 @@ class Compensator:
         # (Adam's scalars depend on the group and the step only: made once per pair)
         made: dict[tuple[int, int], tuple[list[float], str | None]] = {}
         for (group, i, p, state), step in zip(work, steps, strict=True):
+            own = id(p) in shared
             if adam:
                 scalars = made.get((id(group), step))
                 if scalars is None:
                     scalars = made[id(group), step] = self._adam_scalars(group, step, decoupled)
-                self._add_adam(calls, i, p, state, step, scalars)
+                self._add_adam(calls, i, p, state, step, scalars, own)
             else:
-                self._add_sgd(calls, group, i, p, state, step)
+                self._add_sgd(calls, group, i, p, state, step, own)
         compensated = sum(call.numel for call in calls.values() if call.kind)
         scalars: dict[tuple, torch.Tensor] = {}
         # the largest first: a compiled step's first call sets its threading by its size
-        ordered = sorted(calls.values(), key=lambda call: -call.numel)
+        # (with parameters sharing memory, in the parameters' order)
+        if shared:
+            ordered = sorted(calls.values(), key=lambda call: call.rows[0][0])
+        else:
+            ordered = sorted(calls.values(), key=lambda call: -call.numel)
         for call in ordered:
             self._run(call, compensated, scalars)
         # lr schedulers check that the optimizer stepped before them
@@ -651,14 +660,22 @@ class Compensator:
         state: dict,
         step: int,
         scalars: tuple[list[float], str | None],
+        own: bool = False,
     ) -> None:
         kind = self._kind(p)
         buffer = self._buffer(state, p) if kind == "kahan" else None
         row = [p, p.grad, state["exp_avg"], state["exp_avg_sq"], buffer]
-        self._add(calls, "adam", kind, scalars[0], step, index, row, scalars[1])
+        self._add(calls, "adam", kind, scalars[0], step, index, row, scalars[1], own)
 
     def _add_sgd(
-        self, calls: dict, group: dict, index: int, p: torch.Tensor, state: dict, step: int
+        self,
+        calls: dict,
+        group: dict,
+        index: int,
+        p: torch.Tensor,
+        state: dict,
+        step: int,
+        own: bool = False,
     ) -> None:
         kind = self._kind(p)
         buffer = self._buffer(state, p) if kind == "kahan" else None
@@ -680,7 +697,7 @@ class Compensator:
             decay = "l2"
             scalars.append(group["weight_decay"])
         row = [p, p.grad, state["momentum_buffer"] if momentum else None, buffer]
-        self._add(calls, "sgd", kind, scalars, step, index, row, decay)
+        self._add(calls, "sgd", kind, scalars, step, index, row, decay, own)
 
     @staticmethod
     def _buffer(state: dict, p: torch.Tensor) -> torch.Tensor:
@@ -704,10 +721,12 @@ class Compensator:
         index: int,
         row: list[torch.Tensor | None],
         decay: str | None,
+        own: bool = False,
     ) -> None:
         """File the parameter's ``row`` under a call: alone if large and contiguous (and,
         stepped as bfloat16 pairs, of an even size from an even offset), else with the
-        small ones of the same scalars, decay form, step, device and dtypes."""
+        small ones of the same scalars, decay form, step, device and dtypes; ``own``: in a
+        call of its own whatever its size (its memory shared with another parameter)."""
         if kind != "kahan":
             row = row[:-1]  # no Kahan buffer
         # (set and count tests: this runs for every parameter at every step)
@@ -725,7 +744,8 @@ class Compensator:
         if alone and not _alone(row[1:2], pairs, any_size=True):
             row = [row[0], _in_line(row[1]), *row[2:]]
         # (the decay's form too: a decoupled decay's scalar may equal another group's L2 one)
-        key = (index if alone else None, algorithm, kind, step, tuple(scalars), decay, layout)
+        key = (index if alone or own else None, algorithm, kind, step, tuple(scalars), decay)
+        key += (layout,)
         key += (row[0].device,)
         if key not in calls:
             calls[key] = _Call(algorithm, kind, scalars, step, decay, not alone, pairs)

@@ -717,7 +717,11 @@ class LowBitOptimizer(StateCheckpoint):
                 runs.append(("one", [planned], compensation))
                 origins.append(None)
                 continue
-            base = (way, planned.fmt, real.dtype, real.device, compensation, *planned.statics)
+            # (complex apart: a complex moment's piece of a joined float32 run is read back
+            # as complex, which needs an even offset, where an odd-sized real one ahead of
+            # it left an odd one)
+            base = (way, planned.fmt, real.dtype, real.device, compensation, p.is_complex())
+            base += tuple(planned.statics)
             buckets.setdefault((base, id(planned.hp)), []).append(planned)
         for number, ((base, _), bucket) in enumerate(buckets.items()):
             parts = [bucket] if base[0] == "fused" else _parts(bucket)
