@@ -254,10 +254,9 @@ def test_a_parents_autocast_switched_off_for_a_child_is_left_off():
     assert torch.equal(model(x), expected)
 
 
-def test_a_module_called_outside_its_models_forward_computes_as_its_policy_says():
-    """`apply(model, "bf16-mixed")` then `model.encoder(x)` (T5's generate calls
-    get_encoder() so) ran the encoder's matmuls in float32; inside the model's forward its
-    entry adds nothing (the same bits as without it)."""
+def _applied_encoder_decoder() -> tuple[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An `_EncoderDecoder` under bf16-mixed, an input, and the encoder's and the model's
+    outputs under torch's bfloat16 autocast before it was applied."""
     torch.manual_seed(0)
     model = _EncoderDecoder()
     x = torch.randn(2, 8)
@@ -265,6 +264,14 @@ def test_a_module_called_outside_its_models_forward_computes_as_its_policy_says(
         expected = model.encoder(x).float()
         whole = model(x).float()
     mixprec.apply(model, "bf16-mixed")
+    return model, x, expected, whole
+
+
+def test_a_module_called_outside_its_models_forward_computes_as_its_policy_says():
+    """`apply(model, "bf16-mixed")` then `model.encoder(x)` (T5's generate calls
+    get_encoder() so) ran the encoder's matmuls in float32; inside the model's forward its
+    entry adds nothing (the same bits as without it)."""
+    model, x, expected, whole = _applied_encoder_decoder()
     seen = []
     model.encoder[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     alone = model.encoder(x)
@@ -278,13 +285,7 @@ def test_a_module_compiled_on_its_own_computes_as_its_policy_says():
     entry passed through (no autocast in the graph), so it computed in float32 where its
     eager call and explain say bfloat16. Compiled whole, the model's entries still add
     nothing inside its region."""
-    torch.manual_seed(0)
-    model = _EncoderDecoder()
-    x = torch.randn(2, 8)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected = model.encoder(x).float()
-        whole = model(x).float()
-    mixprec.apply(model, "bf16-mixed")
+    model, x, expected, whole = _applied_encoder_decoder()
     assert torch.equal(torch.compile(model.encoder, backend="eager")(x), expected)
     assert torch.equal(torch.compile(model, backend="eager")(x), whole)
 
