@@ -368,6 +368,31 @@ def test_bfloat16_masters_are_used_when_resuming_in_another_precision(tmp_path):
         assert p.dtype == torch.float32 and torch.equal(p, masters[name]), name
 
 
+def test_a_kahan_checkpoint_resumes_in_another_precision_with_its_compensation(tmp_path):
+    """bf16-true with Kahan compensation keeps, per weight, what the roundings lost: the
+    value its steps track is weight + compensation. Resumed in 32-true the weights were
+    the bfloat16 ones alone, and the saved buffers stayed in the optimizer's state (saved
+    again, a later Kahan resume would have added them once more). The weights are the
+    sums, and the buffers are dropped."""
+    train, _ = loaders()
+    kahan = mixprec.Precision("bf16-true", compensation="kahan", allow_slow=True)
+    model = DropoutNet(0)
+    t = trainer(tmp_path / "a", kahan, max_steps=3)
+    t.fit(model, train)
+    state = t.optimizers[0].optimizer.state
+    params = dict(model.named_parameters())
+    tracked = {n: p.float() + state[p]["compensation"].float() for n, p in params.items()}
+    assert any(not torch.equal(tracked[n], p.float()) for n, p in params.items())
+    path = t.save_checkpoint(tmp_path / "kahan.ckpt")
+
+    resumed = DropoutNet(seed=9)
+    t32 = trainer(tmp_path / "b", "32-true", max_steps=3)
+    t32.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
+    for name, p in resumed.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, tracked[name]), name
+    assert not any("compensation" in s for s in t32.optimizers[0].optimizer.state.values())
+
+
 def test_a_float32_checkpoint_resumed_in_16_true_gives_masters_its_exact_weights(tmp_path):
     # before: the masters were built from the float16 model, i.e. the float32 weights
     # rounded to float16 and back, so the resumed run had silently lost their low bits

@@ -206,7 +206,9 @@ class OptimizerCheckpoint:
         the model's state with ``master_weights_by_name(state, model_state)`` over it, so
         that the checkpoint's float32 masters, not its 16-bit weights, are used); the model's
         parameters follow their masters. The scaler and the compensation are left as they
-        are (their kinds may differ). Everything is checked before anything is changed.
+        are (their kinds may differ), and the saved Kahan buffers are dropped: ``weights``
+        holds them folded into the weights (`master_weights_by_name`), and a buffer kept
+        would add them again or go stale. Everything is checked before anything is changed.
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
@@ -215,6 +217,8 @@ class OptimizerCheckpoint:
         params = list(self._all_params())
         masters = self._masters.by_name(weights, params, self._param_names(), self._describe)
         self._load_inner(state["optimizer"])  # (cast to this run's dtypes: no dtype kept)
+        for inner in self.optimizer.state.values():
+            inner.pop("compensation", None)
         self._masters.load(masters)
 
     def _param_names(self) -> list[list[str]]:

@@ -319,10 +319,12 @@ def master_weights_by_name(
     ``optimizer_state`` is a ``LossScaleOptimizer.state_dict()`` and ``model_state`` the
     model's ``state_dict()`` saved with it. Put the result over the model state before
     loading it into the new model (``{**model_state, **masters}``): the float32 masters,
-    not the 16-bit parameters they shadow, become the new weights. Shared parameters get
-    an entry under each of their names. Raises ``ValueError`` when a master has no name
-    (saved by a wrapper built without ``model=`` from an optimizer without parameter names)
-    or does not match the model state.
+    not the 16-bit parameters they shadow, become the new weights. A 16-bit parameter
+    stepped with Kahan compensation (no master) counts its weight plus its compensation in
+    float32, the value its steps track (the weight alone loses what the last roundings
+    did). Shared parameters get an entry under each of their names. Raises ``ValueError``
+    when a master has no name (saved by a wrapper built without ``model=`` from an
+    optimizer without parameter names) or does not match the model state.
     """
     missing = [k for k in ("master_weights", "param_names") if k not in optimizer_state]
     if missing:
@@ -331,7 +333,7 @@ def master_weights_by_name(
         )
     names = optimizer_state["param_names"]
     out: dict[str, torch.Tensor] = {}
-    for index, master in optimizer_state["master_weights"].items():
+    for index, master in _full_weights(optimizer_state, model_state).items():
         if not names[index]:
             raise ValueError(
                 f"the master weight of parameter {index} has no name in this checkpoint: wrap "
@@ -347,4 +349,24 @@ def master_weights_by_name(
                     f"{list(model_state[name].shape)}"
                 )
             out[name] = master
+    return out
+
+
+def _full_weights(
+    optimizer_state: Mapping[str, Any], model_state: Mapping[str, torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Parameter index -> its full-precision weight in ``optimizer_state``: its float32
+    master, or (saved by a Kahan-compensated step) its weight plus its compensation."""
+    out = dict(optimizer_state["master_weights"])
+    compensation = optimizer_state.get("compensation")
+    if not isinstance(compensation, Mapping) or compensation.get("kind") != "kahan":
+        return out
+    names = optimizer_state["param_names"]
+    for index, state in optimizer_state["optimizer"]["state"].items():
+        buffer = state.get("compensation") if isinstance(state, Mapping) else None
+        if index in out or not isinstance(buffer, torch.Tensor) or not names[index]:
+            continue
+        weight = model_state.get(names[index][0])
+        if isinstance(weight, torch.Tensor) and weight.shape == buffer.shape:
+            out[index] = weight.float() + buffer.float()
     return out
