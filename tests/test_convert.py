@@ -288,6 +288,11 @@ def test_a_module_compiled_on_its_own_computes_as_its_policy_says():
     model, x, expected, whole = _applied_encoder_decoder()
     assert torch.equal(torch.compile(model.encoder, backend="eager")(x), expected)
     assert torch.equal(torch.compile(model, backend="eager")(x), whole)
+    # a parent switching autocast off for a child holding modules: off, compiled as eager
+    routed = mixprec.apply(_Routed(), "bf16-mixed")
+    assert torch.equal(torch.compile(routed, backend="eager")(x), routed(x))
+    explained = torch._dynamo.explain(model)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
 
 
 def test_reapply_does_not_stack_and_remove_restores_the_plain_module():
@@ -1255,9 +1260,10 @@ def test_an_entry_checkpointed_from_outside_its_model_recomputes_as_in_the_forwa
     model.encoder(x).sum().backward()
     expected = model.encoder[0].weight.grad.clone()
     model.zero_grad()
-    model(x)  # (inside the model's forward: the entry passes through)
     checkpoint = torch.utils.checkpoint.checkpoint
-    checkpoint(model.encoder, x, use_reentrant=reentrant).sum().backward()
+    out = checkpoint(model.encoder, x, use_reentrant=reentrant)
+    model(x)  # (inside the model's forward, before the backward: the entry passes through)
+    out.sum().backward()
     assert torch.equal(model.encoder[0].weight.grad, expected)
 
 

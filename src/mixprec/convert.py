@@ -17,6 +17,7 @@ import functools
 import inspect
 import sys
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -439,7 +440,10 @@ class _Inside(threading.local):
 
 class _Family:
     """What the regions and entries one `apply` installed share: the model they belong to
-    (compared by identity; a deepcopy of the model copies it once, for all of them)."""
+    (compared by identity; a deepcopy of the model copies it once, for all of them), and how
+    deep its counted regions are being traced by torch.compile now (`_CountedRegion`)."""
+
+    traced = 0
 
 
 _INSIDE = _Inside()
@@ -453,8 +457,13 @@ class _CountedRegion(_Region):
     family: _Family | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # (traced: the count is eager's, as `_Entry`'s)
-            return super().__call__(*args, **kwargs)
+        if torch.compiler.is_compiling():  # (traced: counted on the family, for the trace)
+            family = self.family
+            family.traced += 1  # type: ignore[union-attr]
+            try:
+                return super().__call__(*args, **kwargs)
+            finally:
+                family.traced -= 1  # type: ignore[union-attr]
         running = _INSIDE.running
         running[self.family] = running.get(self.family, 0) + 1  # type: ignore[index]
         try:
@@ -474,34 +483,45 @@ class _Entry(_CountedRegion):
     its model's forward (a Hugging Face ``generate`` calls ``get_encoder()`` directly;
     another model's forward calls it), it enters its policy's region as the root does,
     where it computed in float32 or in its caller's dtype. In a backward (torch's
-    checkpoint recomputing it) it does as its last call did: checkpointed from outside its
-    model, its recomputation ran in float32. Traced by torch.compile, where the count of
-    running models is not kept, it runs as it is under its own autocast only (a compiled
-    model's region turned it on), else enters its region (compiled on its own,
-    ``torch.compile(model.get_encoder())`` ran in float32); a parent switching autocast off
-    for it is then overridden."""
+    checkpoint recomputing it) it enters its region again for the inputs of a call from
+    outside that did (checkpointed from outside its model, its recomputation ran in
+    float32), else runs as it is. Traced by torch.compile, it runs as it is inside its
+    model's traced regions (counted on the family) or under its own autocast, else enters
+    its region (compiled on its own, ``torch.compile(model.get_encoder())`` ran in
+    float32)."""
 
-    # whether its last eager call outside a backward entered its region: torch's checkpoint
-    # recomputing it does as that call did (a reentrant one's forward runs without grad)
-    entered = False
+    # the inputs (`_first_input`) of its last eager calls from outside its model that
+    # entered its region, newest last: torch's checkpoint recomputing one of them in the
+    # backward enters it again; any other recomputation (inside its model) runs as it is
+    entered: OrderedDict[tuple, None] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
-            through = self._under_own_autocast(args, kwargs)
+            through = self.family.traced > 0 or self._under_own_autocast(args, kwargs)  # type: ignore[union-attr]
         elif self.family in _INSIDE.running:
             through = True
-            if self.entered:
-                self.entered = False
         elif torch._C._current_graph_task_id() != -1:
-            through = not self.entered
+            through = self.entered is None or _first_input(args, kwargs) not in self.entered
         else:
             through = self._under_own_autocast(args, kwargs)
-            self.entered = not through
+            if not through:
+                self._record(_first_input(args, kwargs))
         if through:
             if self.original is None:
                 return type(self.module).forward(self.module, *args, **kwargs)
             return self.original(*args, **kwargs)
         return super().__call__(*args, **kwargs)
+
+    def _record(self, key: tuple | None) -> None:
+        """Remember ``key``'s call entered the region (the last `_ENTERED_KEPT` of them)."""
+        if key is None:
+            return
+        if self.entered is None:
+            self.entered = OrderedDict()
+        self.entered[key] = None
+        self.entered.move_to_end(key)
+        while len(self.entered) > _ENTERED_KEPT:
+            self.entered.popitem(last=False)
 
     def _under_own_autocast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         device_type = _device_type(args, kwargs, self.module, self.probe)
@@ -509,6 +529,19 @@ class _Entry(_CountedRegion):
             torch.is_autocast_enabled(device_type)
             and torch.get_autocast_dtype(device_type) == self.compute_dtype
         )
+
+
+# the calls from outside its model an `_Entry` remembers entering its region (for torch's
+# checkpoint to recompute them alike in the backward)
+_ENTERED_KEPT = 16
+
+
+def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
+    """A call's first tensor as torch's checkpoint hands it back to the recomputation (the
+    same memory, or a detached view of it): its address, shape, dtype and version."""
+    for t in iter_tensors((args, kwargs)):
+        return (t.data_ptr(), t.shape, t.dtype, t._version)
+    return None
 
 
 def _with_default_dtype(dtype: torch.dtype, forward: Any, *args: Any, **kwargs: Any) -> Any:

@@ -27,6 +27,7 @@ from mixprec.formats import Format, Status, Support, format_named, formats, regi
 from mixprec.plan import search
 from mixprec.plan.units import candidate, default_formats, find_units, state_bytes
 from mixprec.policy import Policy, QuantizedPolicy, as_policy
+from mixprec.quantize.rules import linear_view
 
 
 @dataclass(frozen=True)
@@ -276,6 +277,21 @@ def test_the_bytes_a_format_declares_are_the_bytes_its_layer_holds(spec) -> None
     expected = fmt.weight_bytes(config, linear, torch.float32)
     layer = fmt.swap(linear, config, path="0", storage=torch.float32, tie=(), memo={})
     assert layer.quantization_mode == fmt.name
+    held = {id(t): t for t in (*layer.parameters(), *layer.buffers()) if t is not layer.bias}
+    assert sum(t.numel() * t.element_size() for t in held.values()) == expected
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4/32"])
+def test_the_bytes_declared_for_a_hugging_face_conv1d_are_the_bytes_it_holds(spec) -> None:
+    """GPT-2's Conv1D stores its weight [in, out]: the declared bytes read it as [out, in]
+    (int8 6656 bytes for 6800 held, int4 5376 for 4200)."""
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    conv = pytorch_utils.Conv1D(100, 64)  # (nf: out, nx: in)
+    policy = QuantizedPolicy(spec, "float32")
+    fmt, config = policy.format, policy.config
+    expected = fmt.weight_bytes(config, conv, torch.float32)
+    # (quantized as the Linear it stands for, as apply quantizes it)
+    layer = fmt.swap(linear_view(conv), config, path="0", storage=torch.float32, tie=(), memo={})
     held = {id(t): t for t in (*layer.parameters(), *layer.buffers()) if t is not layer.bias}
     assert sum(t.numel() * t.element_size() for t in held.values()) == expected
 

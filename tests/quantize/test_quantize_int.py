@@ -177,10 +177,23 @@ def test_a_non_finite_weight_is_refused_naming_the_layer_and_rows(mode, bad):
     with torch.no_grad():
         model[2].weight[5, 3] = bad
         model[2].weight[30, 0] = bad
-    with pytest.raises(ValueError, match=r"cannot quantize 2\.weight: .* 2 inf/NaN .* rows 5, 30"):
+    told = r"cannot quantize 2\.weight: .* 2 value\(s\) inf/NaN, in rows 5, 30"
+    with pytest.raises(ValueError, match=told):
         quantize(model, mode, **({"group_size": 8} if mode == "int4" else {}))
     with pytest.raises(ValueError, match="inf/NaN"):
         (quantize_rows if mode == "int8" else lambda w: quantize_groups(w, 8))(model[2].weight)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_float64_weight_past_float32s_range_is_refused(mode):
+    """A float64 weight is quantized through float32, where a finite 1e39 is infinite:
+    the check ran on the float64 weight and passed, and the row's scale became NaN (int8)
+    or inf (int4), its outputs NaN. Refused as an infinity is."""
+    model = nn.Sequential(nn.Linear(32, 32)).double()
+    with torch.no_grad():
+        model[0].weight[3, 1] = 1e39
+    with pytest.raises(ValueError, match=r"0\.weight: .*1 value\(s\) inf/NaN or past float32's"):
+        quantize(model, mode, **({"group_size": 8} if mode == "int4" else {}))
 
 
 def test_merging_non_finite_adapters_is_refused_and_keeps_them():

@@ -52,6 +52,8 @@ __all__ = [
     "GATE",
     "Fp8Saved",
     "Keep",
+    "NearOne",
+    "NearOneSaved",
     "Reshaped",
     "ToBfloat16",
     "ToFp8",
@@ -256,6 +258,8 @@ class Codec:
 
     def _read(self, packed: Any) -> Tensor:
         """`decode(packed)`, or what the last read decoded when it read `packed` too."""
+        if isinstance(packed, NearOneSaved):  # (a sigmoid's output, saved again by another)
+            return _from_near(self.decode(packed.inner), packed.dtype)
         if not isinstance(packed, Fp8Saved):
             return self.decode(packed)
         last, self._last = self._last, None
@@ -311,6 +315,8 @@ def _bytes(packed: Any) -> int:
         return packed.codes.nbytes + packed.scales.nbytes
     if isinstance(packed, CenteredSaved):
         return _bytes(packed.inner) + packed.means.nbytes
+    if isinstance(packed, NearOneSaved):
+        return _bytes(packed.inner)
     return sum(_bytes(p) for p in packed if isinstance(p, Tensor | Fp8Saved))
 
 
@@ -465,14 +471,35 @@ class Centered(Codec):
         super().__init__()
         self.inner, self.name, self.row = inner, inner.name, row
         self.target = (target.data_ptr(), target.numel(), target.dtype)
+        self.shape = target.shape
+
+    def _is_input(self, t: Tensor) -> bool:
+        """Whether the save `t` is the norm's input: the tensor given (or a view of it of
+        its size: an instance norm saves its input reshaped), or its copy in another dtype
+        (CUDA's autocast runs the norms in float32 on a cast copy of the input)."""
+        if (t.data_ptr(), t.numel(), t.dtype) == self.target:
+            return True
+        return t.dtype != self.target[2] and t.shape == self.shape
 
     def stores(self, t: Tensor) -> bool:
         return (
-            (t.data_ptr(), t.numel(), t.dtype) == self.target
-            and t.is_contiguous()
+            t.is_contiguous()
             and t.numel() >= FP8.block
+            and self._is_input(t)
             and self.inner.stores(t)
         )
+
+    def pack(self, t: Tensor) -> Any:
+        # (the input not contiguous, as channels_last: stored as the codec stores it, not
+        # centred, in its memory order; the call's other saves kept as they are)
+        if _plain_layout(t) and not t.is_contiguous() and self._is_input(t):
+            return _ByInner(self.inner.pack(t))
+        return super().pack(t)
+
+    def unpack(self, packed: Any) -> Tensor:
+        if isinstance(packed, _ByInner):
+            return self.inner.unpack(packed.packed)
+        return super().unpack(packed)
 
     def encode(self, t: Tensor) -> Any:
         rows = t.reshape(-1, self.row)
@@ -490,6 +517,55 @@ class Centered(Codec):
             return packed
         rest = self.inner.decode(packed.inner).reshape(-1, self.row)  # (float32, fresh)
         return rest.add_(packed.means[:, None]).to(packed.dtype).view(packed.shape)
+
+
+@dataclass(frozen=True)
+class _ByInner:
+    """A save a wrapping codec (`Centered`, `NearOne`) left to its inner codec."""
+
+    packed: Any
+
+
+@dataclass(frozen=True)
+class NearOneSaved:
+    """A saved tensor as `NearOne` keeps it: what the inner codec stored of its distances
+    from 0 or 1, and the dtype to decode it back to."""
+
+    inner: Any
+    dtype: torch.dtype
+
+
+class NearOne(Codec):
+    """A sigmoid's output ``p`` (in [0, 1]), stored by ``inner`` (``bf16`` or ``fp8``) as its
+    distance from the nearer of 0 and 1: ``p`` up to one half, ``-(1 - p)`` past it (the sign
+    says which; ``1 - p`` is exact there). Stored as it is, a confident ``p`` rounds to 1
+    and the backward's ``p (1 - p)``, which a binary cross-entropy of ``p`` divides by, is
+    lost; stored so, ``1 - p`` keeps the codec's relative precision, in its bytes."""
+
+    def __init__(self, inner: Codec) -> None:
+        super().__init__()
+        self.inner, self.name = inner, inner.name
+        # the inner codec's record of what it packed, shared: the output saved again by
+        # another function (a gate's product) is stored once, as here, and either decodes it
+        self._packed = inner._packed
+
+    def stores(self, t: Tensor) -> bool:
+        return t.numel() >= FP8.block and self.inner.stores(t)
+
+    def encode(self, t: Tensor) -> Any:
+        near = torch.where(t > 0.5, (1.0 - t).neg_(), t)  # (1 - 1 is +0: -0 marks it)
+        return NearOneSaved(self.inner.encode(near), t.dtype)
+
+    def decode(self, packed: Any) -> Tensor:
+        if isinstance(packed, NearOneSaved):
+            return _from_near(self.inner.decode(packed.inner), packed.dtype)
+        return self.inner.decode(packed)  # (the inner codec's, found in the shared record)
+
+
+def _from_near(near: Tensor, dtype: torch.dtype) -> Tensor:
+    """The values `NearOne` stored as ``near`` (their distances from 0, or from 1 where
+    negative), in ``dtype``."""
+    return torch.where(near.signbit(), near + 1.0, near).to(dtype)
 
 
 def _chunk(device: torch.device) -> int:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
-from mixprec.activations.codecs import CODECS, Centered, Codec, Keep, ToBfloat16
+from mixprec.activations.codecs import CODECS, Centered, Codec, Keep, NearOne, ToBfloat16
 from mixprec.activations.options import OPTIONS, accepted, refusal
 from mixprec.activations.recompute import recomputed
 from mixprec.activations.rules import Choice, never_called
@@ -213,9 +213,7 @@ _DIVIDING = frozenset(
 # functions whose backward grows without bound as the saved value nears a point of
 # magnitude one (asin at 1, log1p at -1, logit at 1, a binary cross-entropy's
 # probability at 1): rounded to bfloat16 (8 bits: 0.998 is 1.0) or fp8, a value next to it
-# lands on it and the gradient is infinite. Kept exact under both (`_kept_exact`). With them
-# a sigmoid's output p, whose backward's p (1 - p) a binary cross-entropy of p divides by:
-# rounded, a confident p's gradient is lost (nn.Sigmoid then nn.BCELoss).
+# lands on it and the gradient is infinite. Kept exact under both (`_kept_exact`).
 _NEAR_ONE = frozenset(
     [torch.asin, _T.asin, _T.asin_, torch.arcsin, _T.arcsin, _T.arcsin_]
     + [torch.acos, _T.acos, _T.acos_, torch.arccos, _T.arccos, _T.arccos_]
@@ -224,8 +222,14 @@ _NEAR_ONE = frozenset(
     + [torch.logit, _T.logit, _T.logit_, torch.special.logit]
     + [torch.log1p, _T.log1p, _T.log1p_, torch.special.log1p]
     + [torch.erfinv, _T.erfinv, _T.erfinv_, torch.special.erfinv]
-    + [F.binary_cross_entropy, torch.sigmoid, _T.sigmoid, _T.sigmoid_, F.sigmoid]
-    + [torch.special.expit, torch.ops.aten.sigmoid]
+    + [F.binary_cross_entropy]
+)
+# sigmoids, whose output p the backward's p (1 - p) reads, which a binary cross-entropy of p
+# divides by: rounded, a confident p's gradient is lost (nn.Sigmoid then nn.BCELoss). Their
+# output is stored as its distance from 0 or 1 (`NearOne`), at the codec's bytes.
+_SIGMOIDS = frozenset(
+    [torch.sigmoid, torch.sigmoid_, _T.sigmoid, _T.sigmoid_, F.sigmoid, torch.special.expit]
+    + [torch.ops.aten.sigmoid, torch.ops.aten.sigmoid_]
 )
 _A = torch.ops.aten
 # functions whose backward subtracts saved values of about the same size, each rounded on
@@ -342,7 +346,8 @@ class _SavesByFunction(TorchFunctionMode):
       log1p, binary cross-entropy) or subtracting saved values of about the same size
       (`_CANCELLING`: logsumexp, var, mse_loss), and under fp8 of those dividing by a saved
       value (`_DIVIDING`: log, division, sqrt), are kept exact; a layer, group or instance
-      norm's input (`_ROW_NORMS`) is stored centred on its rows' means (`Centered`).
+      norm's input (`_ROW_NORMS`) is stored centred on its rows' means (`Centered`), a
+      sigmoid's output (`_SIGMOIDS`) as its distance from 0 or 1 (`NearOne`).
 
     Only where the innermost saved-tensor hooks are a storing codec's (a module inside
     keeping, recomputing or offloading has its way). Every other call runs as it is."""
@@ -363,6 +368,8 @@ class _SavesByFunction(TorchFunctionMode):
         elif _op(func) in _ROW_NORMS:
             # (a call whose input or rows are not found: kept exact)
             norm, hooks = _centred(func, args, kwargs), _EXACT
+        elif _op(func) in _SIGMOIDS:
+            hooks = None
         else:
             return func(*args, **kwargs)
         codec = _innermost_codec()
@@ -370,6 +377,8 @@ class _SavesByFunction(TorchFunctionMode):
             return func(*args, **kwargs)
         if norm is not None:  # (per call: the input it centres is this call's)
             hooks = Centered(codec, *norm)
+        elif hooks is None:
+            hooks = NearOne(codec)
         with saved_tensors_hooks(hooks.pack, hooks.unpack):
             return func(*args, **kwargs)
 

@@ -46,7 +46,7 @@ from mixprec.quantize.int8 import (
     storable_scale,
 )
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
-from mixprec.quantize.rules import swapped_in
+from mixprec.quantize.rules import rows_and_features, swapped_in
 
 __all__ = [
     "Int4Config",
@@ -486,7 +486,7 @@ class Int4Format(Format):
         return float_layer(layer, memo)
 
     def weight_bytes(self, config: Int4Config, module: nn.Module, storage: torch.dtype) -> int:
-        rows, features = module.weight.shape
+        rows, features = rows_and_features(module)
         n, size = groups_of(features, config.group_size)
         return rows * math.ceil(n * size / 2) + rows * n * (storage.itemsize + 1)
 

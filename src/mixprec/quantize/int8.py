@@ -42,7 +42,7 @@ from mixprec.errors import PolicySpecError
 from mixprec.formats.registry import Format, Status, Support
 from mixprec.policy.names import accepted_quantized
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
-from mixprec.quantize.rules import swapped_in
+from mixprec.quantize.rules import rows_and_features, swapped_in
 
 if TYPE_CHECKING:
     from mixprec.device import DeviceInfo
@@ -66,11 +66,15 @@ def check_finite(w: Tensor, name: str) -> None:
     if w.is_meta:
         return
     bad = ~torch.isfinite(w.detach())
+    what = "inf/NaN"
+    if w.dtype == torch.float64:  # (quantized through float32, where these are infinite)
+        bad |= w.detach().abs() > torch.finfo(torch.float32).max
+        what = "inf/NaN or past float32's range"
     if bad.any():
         rows = bad.reshape(bad.shape[0], -1).any(dim=-1).nonzero().flatten().tolist()
         shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
         raise ValueError(
-            f"cannot quantize {name}: it holds {int(bad.sum())} inf/NaN value(s), in rows "
+            f"cannot quantize {name}: it holds {int(bad.sum())} value(s) {what}, in rows "
             f"{shown}. Quantized codes are finite, so they would silently stand for a "
             "broken weight; quantize finite weights (a diverged or corrupt checkpoint?)"
         )
@@ -1007,7 +1011,7 @@ class Int8Format(Format):
         return float_layer(layer, memo)
 
     def weight_bytes(self, config: None, module: nn.Module, storage: torch.dtype) -> int:
-        rows, features = module.weight.shape
+        rows, features = rows_and_features(module)
         return rows * features + rows * storage.itemsize
 
     def rate(self, info: DeviceInfo) -> Support:

@@ -50,6 +50,14 @@ def hugging_face_conv1d(module: nn.Module) -> bool:
     return conv1d is not None and type(module) is conv1d
 
 
+def rows_and_features(module: nn.Module) -> tuple[int, int]:
+    """(output rows, input features) of a quantizable layer's weight: a Hugging Face
+    ``Conv1D`` stores its weight ``[in, out]``, the others ``[out, in]`` (an Embedding's
+    rows its tokens)."""
+    rows, features = module.weight.shape
+    return (features, rows) if hugging_face_conv1d(module) else (rows, features)
+
+
 def linear_view(module: nn.Module) -> nn.Module:
     """`module` itself, or for a Hugging Face ``Conv1D`` an ``nn.Linear`` computing the same
     function: its weight a transposed view of the Conv1D's (``[in, out]`` -> ``[out, in]``;

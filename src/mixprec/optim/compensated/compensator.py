@@ -78,6 +78,8 @@ class _Call:
         self.step = step
         self.rows: list[tuple[int, list[torch.Tensor | None]]] = []  # (parameter index, tensors)
         self.numel = 0
+        # packed alone, its memory shared with another parameter's (`Compensator._add`)
+        self.own = False
 
 
 class _Pack:
@@ -138,6 +140,8 @@ class _Planned:
         # what `_add` files a packed call by, besides its scalars: a fresh filing joins two
         # packed calls whose scalars became equal
         self.key = (tuple(None if t is None else t.dtype for t in first), first[0].device)
+        if call.own:  # (never joined with another: its memory is shared)
+            self.key += (call.rows[0][0],)
         for _, tensors in call.rows:
             tensors[1] = None
         rows = [tensors for _, tensors in call.rows]
@@ -749,6 +753,7 @@ class Compensator:
         key += (row[0].device,)
         if key not in calls:
             calls[key] = _Call(algorithm, kind, scalars, step, decay, not alone, pairs)
+            calls[key].own = own and not alone
         calls[key].rows.append((index, row))
         calls[key].numel += row[0].numel()  # type: ignore[union-attr]
 
