@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.overrides import TorchFunctionMode
@@ -443,7 +444,10 @@ class _Family:
     (compared by identity; a deepcopy of the model copies it once, for all of them), and how
     deep its counted regions are being traced by torch.compile now (`_CountedRegion`)."""
 
-    traced = 0
+    def __init__(self) -> None:
+        # (on the instance from the start: dynamo's replay of the count writes it there,
+        # and a guard on its absence would recompile every model at its second call)
+        self.traced = 0
 
 
 _INSIDE = _Inside()
@@ -496,15 +500,19 @@ class _Entry(_CountedRegion):
     entered: OrderedDict[tuple, None] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            through = self.family.traced > 0 or self._under_own_autocast(args, kwargs)  # type: ignore[union-attr]
-        elif self.family in _INSIDE.running:
+        family = self.family
+        if torch.compiler.is_compiling():  # (a region traced, or one running eagerly around)
+            through = family.traced > 0 or family in _INSIDE.running  # type: ignore[union-attr]
+            through = through or self._under_own_autocast(args, kwargs)
+        elif family in _INSIDE.running:
             through = True
         elif torch._C._current_graph_task_id() != -1:
             through = self.entered is None or _first_input(args, kwargs) not in self.entered
         else:
             through = self._under_own_autocast(args, kwargs)
-            if not through:
+            # (remembered where a recomputation can follow: with gradients on, or in a
+            # reentrant checkpoint's forward, which runs without them)
+            if not through and (torch.is_grad_enabled() or _in_reentrant_checkpoint()):
                 self._record(_first_input(args, kwargs))
         if through:
             if self.original is None:
@@ -542,6 +550,22 @@ def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
     for t in iter_tensors((args, kwargs)):
         return (t.data_ptr(), t.shape, t.dtype, t._version)
     return None
+
+
+_REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+
+
+def _in_reentrant_checkpoint() -> bool:
+    """Whether the caller runs inside a reentrant checkpoint's forward (a few frames up:
+    the module's call, torch's checkpoint)."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code is _REENTRANT_FORWARD:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _with_default_dtype(dtype: torch.dtype, forward: Any, *args: Any, **kwargs: Any) -> Any:

@@ -259,7 +259,7 @@ class Codec:
     def _read(self, packed: Any) -> Tensor:
         """`decode(packed)`, or what the last read decoded when it read `packed` too."""
         if isinstance(packed, NearOneSaved):  # (a sigmoid's output, saved again by another)
-            return _from_near(self.decode(packed.inner), packed.dtype)
+            return packed.read()
         if not isinstance(packed, Fp8Saved):
             return self.decode(packed)
         last, self._last = self._last, None
@@ -526,25 +526,37 @@ class _ByInner:
     packed: Any
 
 
+_BF16 = ToBfloat16()
+
+
 @dataclass(frozen=True)
 class NearOneSaved:
-    """A saved tensor as `NearOne` keeps it: what the inner codec stored of its distances
-    from 0 or 1, and the dtype to decode it back to."""
+    """A saved tensor as `NearOne` keeps it: what ``codec`` stored of its distances from 0
+    or 1 (a tensor as it is where ``codec`` is None), and the dtype to decode it back to."""
 
     inner: Any
+    codec: Codec | None
     dtype: torch.dtype
+
+    def read(self) -> Tensor:
+        near = self.inner if self.codec is None else self.codec.decode(self.inner)
+        return torch.where(near.signbit(), near + 1.0, near).to(self.dtype)
 
 
 class NearOne(Codec):
-    """A sigmoid's output ``p`` (in [0, 1]), stored by ``inner`` (``bf16`` or ``fp8``) as its
-    distance from the nearer of 0 and 1: ``p`` up to one half, ``-(1 - p)`` past it (the sign
-    says which; ``1 - p`` is exact there). Stored as it is, a confident ``p`` rounds to 1
-    and the backward's ``p (1 - p)``, which a binary cross-entropy of ``p`` divides by, is
-    lost; stored so, ``1 - p`` keeps the codec's relative precision, in its bytes."""
+    """A sigmoid's output ``p`` (in [0, 1]) stored as its distance from the nearer of 0 and
+    1: ``p`` up to one half, ``-(1 - p)`` past it (the sign says which; ``1 - p`` is exact
+    there). Stored as it is, a confident ``p`` rounds to 1 and the backward's ``p (1 - p)``,
+    which a binary cross-entropy of ``p`` divides by, is lost; stored so, ``1 - p`` keeps
+    its relative precision. By ``inner`` under ``bf16``; under ``fp8`` as ``bf16`` stores
+    it (float32 as bfloat16, 16-bit as it is): one fp8 scale for a block holding values
+    near one half flushed a ``1 - p`` under about 2e-6 to 0, and a confidently wrong
+    prediction's gradient with it."""
 
     def __init__(self, inner: Codec) -> None:
         super().__init__()
         self.inner, self.name = inner, inner.name
+        self.store = _BF16 if inner.name == "fp8" else inner
         # the inner codec's record of what it packed, shared: the output saved again by
         # another function (a gate's product) is stored once, as here, and either decodes it
         self._packed = inner._packed
@@ -554,18 +566,14 @@ class NearOne(Codec):
 
     def encode(self, t: Tensor) -> Any:
         near = torch.where(t > 0.5, (1.0 - t).neg_(), t)  # (1 - 1 is +0: -0 marks it)
-        return NearOneSaved(self.inner.encode(near), t.dtype)
+        if self.store is _BF16 and near.dtype != torch.float32:  # (16-bit: as it is)
+            return NearOneSaved(near, None, t.dtype)
+        return NearOneSaved(self.store.encode(near), self.store, t.dtype)
 
     def decode(self, packed: Any) -> Tensor:
         if isinstance(packed, NearOneSaved):
-            return _from_near(self.inner.decode(packed.inner), packed.dtype)
+            return packed.read()
         return self.inner.decode(packed)  # (the inner codec's, found in the shared record)
-
-
-def _from_near(near: Tensor, dtype: torch.dtype) -> Tensor:
-    """The values `NearOne` stored as ``near`` (their distances from 0, or from 1 where
-    negative), in ``dtype``."""
-    return torch.where(near.signbit(), near + 1.0, near).to(dtype)
 
 
 def _chunk(device: torch.device) -> int:
