@@ -1263,22 +1263,57 @@ def test_an_entry_recomputed_in_the_backward_runs_as_in_the_forward():
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_an_entry_checkpointed_from_outside_its_model_recomputes_as_in_the_forward(reentrant):
+@pytest.mark.parametrize("depth", [0, 3])
+def test_an_entry_checkpointed_from_outside_its_model_recomputes_as_in_the_forward(
+    reentrant, depth
+):
     """``checkpoint(model.encoder, x)`` in a loop of one's own: the forward entered the
     encoder's bfloat16 region, but in the backward its entry passed through and the
     recomputation ran in float32 (torch's checkpoint refused it; reentrant, the gradients
-    were of a float32 recomputation). An entry recomputed does as its forward did."""
+    were of a float32 recomputation), also with a model forward between, and with the
+    encoder under wrapper modules inside a reentrant checkpoint. An entry recomputed does as
+    its forward did: the gradients are a twin's without checkpointing."""
     torch.manual_seed(0)
     model = mixprec.apply(_EncoderDecoder(), "bf16-mixed")
+    twin = copy.deepcopy(model)
     x = torch.randn(2, 8, requires_grad=True)
-    model.encoder(x).sum().backward()
-    expected = model.encoder[0].weight.grad.clone()
-    model.zero_grad()
+    twin.encoder(x).sum().backward()
     checkpoint = torch.utils.checkpoint.checkpoint
-    out = checkpoint(model.encoder, x, use_reentrant=reentrant)
+    wrapped = model.encoder
+    for _ in range(depth):  # (three frames a module call between checkpoint and the entry)
+        wrapped = nn.Sequential(wrapped)
+    out = checkpoint(wrapped, x.detach().requires_grad_(), use_reentrant=reentrant)
     model(x)  # (inside the model's forward, before the backward: the entry passes through)
     out.sum().backward()
-    assert torch.equal(model.encoder[0].weight.grad, expected)
+    assert torch.equal(model.encoder[0].weight.grad, twin.encoder[0].weight.grad)
+
+
+def test_a_submodule_compiled_in_place_follows_which_model_runs_around_it():
+    """A router compiled in place, traced inside its own model's forward (passing through:
+    its parent turned autocast off for it), was reused inside another model's forward,
+    where eagerly it enters its own bfloat16 region: dynamo told the running models apart
+    by their number, not by which. A traced entry reads its own model's count."""
+    torch.manual_seed(0)
+    owner = mixprec.apply(_Routed(), "bf16-mixed")
+    x, seen = torch.randn(2, 8), {}
+
+    class Host(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", enabled=False):
+                seen["router"] = owner.router(x)
+            return self.inner(x)
+
+    host = mixprec.apply(Host(), "bf16-mixed")
+    host(x)
+    expected = seen["router"].clone()
+    owner.router.compile(backend="eager")
+    owner(x)  # (traced inside its own model's forward: passes through)
+    host(x)
+    assert torch.equal(seen["router"], expected)
 
 
 def test_another_models_entry_called_inside_a_forward_keeps_its_own_policy():

@@ -448,6 +448,9 @@ class _Family:
         # (on the instance from the start: dynamo's replay of the count writes it there,
         # and a guard on its absence would recompile every model at its second call)
         self.traced = 0
+        # its counted regions running eagerly now, in any thread: what a traced entry reads
+        # (dynamo guards this by value; `_INSIDE`'s keys it does not tell apart)
+        self.eager = 0
 
 
 _INSIDE = _Inside()
@@ -468,15 +471,17 @@ class _CountedRegion(_Region):
                 return super().__call__(*args, **kwargs)
             finally:
                 family.traced -= 1  # type: ignore[union-attr]
-        running = _INSIDE.running
-        running[self.family] = running.get(self.family, 0) + 1  # type: ignore[index]
+        running, family = _INSIDE.running, self.family
+        running[family] = running.get(family, 0) + 1  # type: ignore[index]
+        family.eager += 1  # type: ignore[union-attr]
         try:
             return super().__call__(*args, **kwargs)
         finally:
-            if running[self.family] == 1:  # type: ignore[index]
-                del running[self.family]  # type: ignore[arg-type]
+            family.eager -= 1  # type: ignore[union-attr]
+            if running[family] == 1:  # type: ignore[index]
+                del running[family]  # type: ignore[arg-type]
             else:
-                running[self.family] -= 1  # type: ignore[index]
+                running[family] -= 1  # type: ignore[index]
 
 
 class _Entry(_CountedRegion):
@@ -502,7 +507,7 @@ class _Entry(_CountedRegion):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         family = self.family
         if torch.compiler.is_compiling():  # (a region traced, or one running eagerly around)
-            through = family.traced > 0 or family in _INSIDE.running  # type: ignore[union-attr]
+            through = family.traced > 0 or family.eager > 0  # type: ignore[union-attr]
             through = through or self._under_own_autocast(args, kwargs)
         elif family in _INSIDE.running:
             through = True
@@ -556,12 +561,10 @@ _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
 
 
 def _in_reentrant_checkpoint() -> bool:
-    """Whether the caller runs inside a reentrant checkpoint's forward (a few frames up:
-    the module's call, torch's checkpoint)."""
+    """Whether the caller runs inside a reentrant checkpoint's forward (any number of
+    module calls below it: three frames each)."""
     frame = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return False
+    while frame is not None:
         if frame.f_code is _REENTRANT_FORWARD:
             return True
         frame = frame.f_back
