@@ -346,6 +346,17 @@ def test_model_checkpoint_state_is_in_its_own_checkpoint_and_comes_back(tmp_path
     )
 
 
+def _resumed_in_float32_hold(tmp_path, train, path, weights: dict) -> Trainer:
+    """Resume ``path`` in 32-true (nothing left to train: only restores) and check that
+    the resumed model's weights are float32 and equal to ``weights`` (by name)."""
+    resumed = DropoutNet(seed=9)
+    t32 = trainer(tmp_path / "b", "32-true", max_steps=3)
+    t32.fit(resumed, train, ckpt_path=path)
+    for name, p in resumed.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, weights[name]), name
+    return t32
+
+
 def test_bfloat16_masters_are_used_when_resuming_in_another_precision(tmp_path):
     # before: masters were saved as a list and matched to parameters by float16 dtype, so
     # bfloat16 masters (master_weights=True) were dropped and the bf16 copies used instead
@@ -361,11 +372,7 @@ def test_bfloat16_masters_are_used_when_resuming_in_another_precision(tmp_path):
     assert any(not torch.equal(m, params[n].float()) for n, m in masters.items())
     path = t.save_checkpoint(tmp_path / "bf16.ckpt")
 
-    resumed = DropoutNet(seed=9)
-    t32 = trainer(tmp_path / "b", "32-true", max_steps=3)
-    t32.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
-    for name, p in resumed.named_parameters():
-        assert p.dtype == torch.float32 and torch.equal(p, masters[name]), name
+    _resumed_in_float32_hold(tmp_path, train, path, masters)
 
 
 def test_a_kahan_checkpoint_resumes_in_another_precision_with_its_compensation(tmp_path):
@@ -385,11 +392,7 @@ def test_a_kahan_checkpoint_resumes_in_another_precision_with_its_compensation(t
     assert any(not torch.equal(tracked[n], p.float()) for n, p in params.items())
     path = t.save_checkpoint(tmp_path / "kahan.ckpt")
 
-    resumed = DropoutNet(seed=9)
-    t32 = trainer(tmp_path / "b", "32-true", max_steps=3)
-    t32.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
-    for name, p in resumed.named_parameters():
-        assert p.dtype == torch.float32 and torch.equal(p, tracked[name]), name
+    t32 = _resumed_in_float32_hold(tmp_path, train, path, tracked)
     assert not any("compensation" in s for s in t32.optimizers[0].optimizer.state.values())
 
 

@@ -521,7 +521,7 @@ class Centered(Codec):
 
 @dataclass(frozen=True)
 class _ByInner:
-    """A save a wrapping codec (`Centered`, `NearOne`) left to its inner codec."""
+    """A save `Centered` left to its inner codec (an input not contiguous)."""
 
     packed: Any
 
