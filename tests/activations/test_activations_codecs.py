@@ -84,10 +84,10 @@ def test_an_fp8_saved_tensor_decodes_bit_for_bit_as_the_states_codec(
     assert calls == ([f"encode{kernels}", f"decode{kernels}"] if flag else [])
     (original, packed), read = packs[-1], unpacks[-1]  # sin's input, x * 2
     assert original.dtype == dtype and read.dtype == dtype
-    codes, scales = quantize(original, "fp8", signed=True)
+    codes, scales = quantize(original, FP8, signed=True)
     assert torch.equal(packed.codes.view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(packed.scales, scales)
-    expected = dequantize(codes, scales, "fp8", original.shape, signed=True).to(dtype)
+    expected = dequantize(codes, scales, FP8, original.shape, signed=True).to(dtype)
     assert torch.equal(read, expected)
     assert not torch.equal(read, original)  # lossy: e4m3 keeps 3 mantissa bits
 
@@ -104,10 +104,10 @@ def test_a_transposed_saved_tensor_is_coded_as_it_lies_in_memory_and_read_back_s
     assert not original.is_contiguous() and packed.stride == (1, 1500, 5)
     memory = original.permute(1, 2, 0)  # the same elements, in the order of their memory
     assert memory.is_contiguous()
-    codes, scales = quantize(memory, "fp8", signed=True)
+    codes, scales = quantize(memory, FP8, signed=True)
     assert torch.equal(packed.codes.view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(packed.scales, scales)
-    expected = dequantize(codes, scales, "fp8", memory.shape, signed=True).bfloat16()
+    expected = dequantize(codes, scales, FP8, memory.shape, signed=True).bfloat16()
     assert read.stride() == original.stride() and torch.equal(read, expected.permute(2, 0, 1))
 
 
@@ -150,10 +150,10 @@ def test_fp8_codes_in_chunks_are_the_whole_tensors_codes(monkeypatch, compiled):
     monkeypatch.setattr(codecs, "CHUNK", 2 * FP8.block)
     packs, unpacks = saved_by(ToFp8(), lambda: (x * 2).sin().sum())
     (original, packed), read = packs[-1], unpacks[-1]
-    codes, scales = quantize(original, "fp8", signed=True)
+    codes, scales = quantize(original, FP8, signed=True)
     assert torch.equal(packed.codes.view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(packed.scales, scales)
-    expected = dequantize(codes, scales, "fp8", original.shape, signed=True).bfloat16()
+    expected = dequantize(codes, scales, FP8, original.shape, signed=True).bfloat16()
     assert torch.equal(read, expected)
 
 
@@ -296,7 +296,7 @@ def test_a_deep_copy_of_a_stored_model_stores_too():
     assert wrapped(twin) == {"": "fp8"} and twin.__dict__["forward"].module is twin
     x = torch.randn(8, 256)
     assert sum(saved_bytes(twin, x).values()) == sum(saved_bytes(model, x).values())
-    assert FP8.block == 256
+    assert FP8.block == 64
 
 
 class Attention(nn.Module):
@@ -333,7 +333,7 @@ def test_under_fp8_attentions_saves_are_stored_in_bfloat16_at_most():
     saved = stored_bytes(fp8, x)
     assert sorted(n for s, n in saved if s == heads) == [2 * 2 * 4 * 32 * 16] * 4  # bfloat16
     tanh = [n for s, n in saved if s == (2, 32, 64)]
-    assert tanh == [2 * 32 * 64 + 4 * 16]  # fp8: a byte each, a float32 scale per block
+    assert tanh == [2 * 32 * 64 + 4 * 2 * 32 * 64 // FP8.block]  # fp8: a byte each, a scale a block
 
     def inside(option):  # attention in a module of `option` inside an fp8 model
         model = nn.Sequential(Attention(), nn.Tanh())
@@ -355,7 +355,7 @@ def test_under_fp8_multihead_attention_saves_as_bf16_stores_them():
     bf16 = 2 * 2 * 32 * 64  # bytes of a (2, 32, 64) activation in bfloat16
     assert saved == [((2, 4, 32, 16), bf16)] * 4 + [  # attention's query, key, value, output
         ((64, 64), bf16),  # the output projection's input
-        ((2, 32, 64), 2 * 32 * 64 + 4 * 16),  # tanh's output, outside it: fp8
+        ((2, 32, 64), 2 * 32 * 64 + 4 * 2 * 32 * 64 // FP8.block),  # tanh's output, outside: fp8
     ]
 
 
@@ -519,8 +519,8 @@ def test_fp8_keeps_an_inf_of_a_saved_tensor_to_its_element(compiled):
     read = next(r for r in unpacks if r.isinf().any())
     assert isinstance(packed, Fp8Saved)
     assert torch.equal(read[:, ~allowed], original[:, ~allowed])  # -inf, as saved
-    codes, scales = quantize(original.masked_fill(~allowed, 0.0), "fp8", signed=True)
-    expected = dequantize(codes, scales, "fp8", original.shape, signed=True)
+    codes, scales = quantize(original.masked_fill(~allowed, 0.0), FP8, signed=True)
+    expected = dequantize(codes, scales, FP8, original.shape, signed=True)
     assert torch.equal(read[:, allowed], expected[:, allowed])
     grads = {}
     for option in ("keep", "fp8"):
@@ -947,7 +947,7 @@ def test_a_sigmoids_output_is_stored_as_its_distance_from_one(option, sigmoid):
     assert error < 0.01
     # h, and p (saved by the sigmoid and again by the product: once), float32 under keep
     elements = 64 * 256
-    stored = 2 * elements if option == "bf16" else elements + 4 * elements // 256
+    stored = 2 * elements if option == "bf16" else elements + 4 * elements // FP8.block
     assert saved[None] == 2 * 4 * elements and saved[option] == stored + 2 * elements
 
 
@@ -1121,8 +1121,8 @@ def test_a_norms_input_is_stored_centred_on_its_rows_means(option, op, row):
     against a spread near 1, stored whole in bf16 or fp8, left its backward's input - mean
     mostly rounding (a weight gradient half off under fp8: 44% for an instance norm). Stored
     as its rows' differences from their means, the gradient is within the codec's rounding
-    of keep's, in the codec's bytes plus one float32 a row (rows of 64 too: centring on
-    256-element blocks mixed four rows' offsets)."""
+    of keep's, in the codec's bytes plus one float32 a row (rows of 32 too: centring on the
+    codec's blocks mixed rows' offsets)."""
     torch.manual_seed(0)
     lin = nn.Linear(8, 256)
     x = torch.randn(16, 8)
@@ -1141,9 +1141,9 @@ def test_a_norms_input_is_stored_centred_on_its_rows_means(option, op, row):
     error = (grads[option] - grads[None]).norm() / grads[None].norm()
     assert error < (0.01 if option == "bf16" else 0.06)
     elements, rows = 16 * 256, 16 * 256 // row
-    # codes (and fp8's scales, one a 256-element block) and one float32 mean a row, in place
-    # of the input's float32
-    stored = (2 * elements if option == "bf16" else elements + 4 * 16) + 4 * rows
+    # codes (and fp8's scales, one a block) and one float32 mean a row, in place of the
+    # input's float32
+    stored = (2 * elements if option == "bf16" else elements + 4 * elements // FP8.block) + 4 * rows
     assert saved[option] == saved[None] - 4 * elements + stored
 
 
@@ -1166,7 +1166,7 @@ def test_a_norms_input_not_contiguous_is_stored_as_the_codec_stores_it(option):
     model = mixprec.apply(ConvNorm(), mixprec.PolicyMap("32-true", activations={"norm": option}))
     assert model.conv(x).is_contiguous(memory_format=torch.channels_last)
     elements = 2 * 8 * 16 * 16
-    stored = 2 * elements if option == "bf16" else elements + 4 * elements // 256
+    stored = 2 * elements if option == "bf16" else elements + 4 * elements // FP8.block
     assert saved_bytes(model, x)["norm"] == stored + 2 * 2 * 2 * 4  # (+ the means, deviations)
     model(x).backward()
     assert model.conv.weight.grad.isfinite().all()

@@ -12,6 +12,7 @@ from torch import nn
 import mixprec
 from mixprec import PolicyMap, PolicySpecError
 from mixprec.activations import ActivationRules, wrapped
+from mixprec.activations.codecs import FP8
 
 
 class Block(nn.Module):
@@ -147,8 +148,8 @@ def test_explain_shows_each_layers_option_and_saved_bytes_at_a_batch():
     # float32 activations of 64 x 16: 4 KiB each. A recomputed block holds its input only
     assert saved["1"] == 64 * 16 * 4 and saved["1.fc"] == saved["1.act"] == 0
     assert saved["0"] == 0  # its input is the batch: alive without the graph
-    # each Linear's input and GELU's: 1024 codes and 4 float32 scales
-    assert saved["2.fc"] == saved["2.act"] == saved["2.out"] == 64 * 16 + 4 * 4
+    # each Linear's input and GELU's: 1024 codes and a float32 scale a block
+    assert saved["2.fc"] == saved["2.act"] == saved["2.out"] == 64 * 16 + 4 * 64 * 16 // FP8.block
     assert saved["3"] == 64 * 16 * 4  # the head's input, kept as it is
     text = str(shown)
     assert "checkpoint (recomputed with '1')" in text and "activations" in text

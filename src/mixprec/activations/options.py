@@ -3,9 +3,9 @@
 - ``keep``: as torch saves it (what autocast computed: float32 in a float32 island, bfloat16
   after a bfloat16 matmul);
 - ``bf16``: saved float32 tensors stored as bfloat16, cast back when the backward reads them;
-- ``fp8``: saved floating tensors stored as float8 e4m3 codes over blocks of 256 elements with
-  one float32 scale each, the optimizer states' ``fp8`` codec (attention's as ``bf16`` stores
-  them: its backward recomputes its weights against an exact log-sum-exp);
+- ``fp8``: saved floating tensors stored as float8 e4m3 codes over blocks of 64 elements with
+  one float32 scale each, the optimizer states' ``fp8`` codec at that block (attention's as
+  ``bf16`` stores them: its backward recomputes its weights against an exact log-sum-exp);
 - ``checkpoint``: nothing saved inside the layer; its forward runs again in the backward
   (torch's non-reentrant checkpointing), under the autocast and default dtype it ran in;
 - ``selective``: matmul, convolution and attention outputs saved, the cheap ops between them
