@@ -133,13 +133,31 @@ def has_storage(t: Tensor) -> bool:
 
 def _plain_layout(t: Tensor) -> bool:
     """Whether `t` has a storage (`has_storage`) in which each element has memory of its
-    own: an expanded view (a stride of 0) holds fewer bytes than its elements, which a
-    stored copy would multiply."""
+    own: an expanded view (a stride of 0) or one whose elements share memory (``unfold``'s
+    overlapping windows) holds fewer bytes than its elements, which a stored copy would
+    multiply. Shown by the dimensions in order of stride, each stepping past all the memory
+    the smaller ones span (a layout failing that is taken as shared)."""
     if not has_storage(t):
         return False
-    return t.is_contiguous() or all(
-        st or size < 2 for size, st in zip(t.shape, t.stride(), strict=True)
-    )
+    if t.is_contiguous():
+        return True
+    span = 1  # elements from the first to past the last along the dimensions so far
+    for size, stride in sorted(
+        (d for d in zip(t.shape, t.stride(), strict=True) if d[0] > 1), key=lambda d: d[1]
+    ):
+        if stride < span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
+def _row_statistic(t: Tensor) -> bool:
+    """Whether `t` is a statistic of each row, kept to broadcast over it (shape ``(..., 1)``:
+    an RMS norm's reciprocal root, a mean), which a storing codec keeps exact: an RMS norm's
+    backward reads its root in two terms that largely cancel, and rounded apart it made the
+    gradient before the norm several times the codec's rounding off keep's. It costs one
+    element a row."""
+    return t.dim() >= 2 and t.shape[-1] == 1
 
 
 # the frames in which torch's checkpoint saves its function's inputs: the non-reentrant
@@ -230,7 +248,7 @@ class Codec:
                 _record(t, storage.nbytes(), storage.data_ptr())
             return AsIs(t.detach(), t._version)  # (sparse, nested: their bytes unknown)
         storage = t.untyped_storage()
-        if not self.stores(t) or _checkpoint_input():
+        if not self.stores(t) or _row_statistic(t) or _checkpoint_input():
             _record(t, storage.nbytes(), storage.data_ptr())
             return AsIs(t.detach(), t._version)
         contiguous = t.is_contiguous()
