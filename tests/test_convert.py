@@ -1288,6 +1288,61 @@ def test_an_entry_checkpointed_from_outside_its_model_recomputes_as_in_the_forwa
     assert torch.equal(model.encoder[0].weight.grad, twin.encoder[0].weight.grad)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_each_checkpoint_recomputes_its_entries_as_its_own_forward_ran_them(reentrant):
+    """Which recomputations entered their region was decided by the address of the first
+    input among the last 16 calls from outside: 20 chunks checkpointed from outside before
+    one backward recomputed the oldest four in float32 (reentrant: silently, the chunk's
+    gradient 17% off), two children checkpointed in one function recomputed the second in
+    float32 (its input a new tensor), and an earlier outside call on the input made a
+    recomputation inside the model, where its parent had switched autocast off, enter
+    bfloat16. Each checkpoint now records the entries its forward entered."""
+    torch.manual_seed(0)
+    model = mixprec.apply(_EncoderDecoder(), "bf16-mixed")
+    checkpoint = torch.utils.checkpoint.checkpoint
+    xs = [torch.randn(2, 8, requires_grad=True) for _ in range(20)]
+    twins = [x.detach().clone().requires_grad_() for x in xs]
+    outs = [
+        checkpoint(lambda h: model.decoder(model.encoder(h)), x, use_reentrant=reentrant)
+        for x in xs
+    ]
+    torch.stack(outs).sum().backward()
+    torch.stack([model.decoder(model.encoder(x)) for x in twins]).sum().backward()
+    for x, twin in zip(xs, twins, strict=True):
+        assert torch.equal(x.grad, twin.grad)
+
+    class Parent(nn.Module):  # (runs its encoder in float32 on purpose, checkpointed)
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", enabled=False):
+                h = checkpoint(self.encoder, x, use_reentrant=reentrant)
+            return self.head(h)
+
+    parent = mixprec.apply(Parent(), "bf16-mixed")
+    x = torch.randn(2, 8, requires_grad=True)
+    twin = x.detach().clone().requires_grad_()
+    parent(twin).float().sum().backward()
+    parent.encoder(x)  # (from outside: enters its region)
+    parent(x).float().sum().backward()  # (recomputed as the forward ran it: float32)
+    assert torch.equal(x.grad, twin.grad)
+
+
+def test_an_entry_called_from_outside_under_a_function_transform_runs():
+    """The entry read its first input's address to remember the call: a tensor without
+    storage (torch.func's batched and gradient-tracking tensors, a sparse input) raised."""
+    torch.manual_seed(0)
+    model = mixprec.apply(_EncoderDecoder(), "bf16-mixed")
+    x = torch.randn(3, 2, 8)
+    out = torch.func.vmap(model.encoder)(x)
+    assert out.shape == (3, 2, 8) and out.isfinite().all()  # (torch's autocast skips vmap)
+    grad = torch.func.grad(lambda h: model.encoder(h).float().sum())(x[0])
+    assert grad.shape == (2, 8) and grad.isfinite().all()
+
+
 def test_a_submodule_compiled_in_place_follows_which_model_runs_around_it():
     """A router compiled in place, traced inside its own model's forward (passing through:
     its parent turned autocast off for it), was reused inside another model's forward,

@@ -17,7 +17,6 @@ import functools
 import inspect
 import sys
 import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -491,18 +490,13 @@ class _Entry(_CountedRegion):
     purpose) or under its own autocast, it runs as it is, nothing cast; called from outside
     its model's forward (a Hugging Face ``generate`` calls ``get_encoder()`` directly;
     another model's forward calls it), it enters its policy's region as the root does,
-    where it computed in float32 or in its caller's dtype. In a backward (torch's
-    checkpoint recomputing it) it enters its region again for the inputs of a call from
-    outside that did (checkpointed from outside its model, its recomputation ran in
-    float32), else runs as it is. Traced by torch.compile, it runs as it is inside its
+    where it computed in float32 or in its caller's dtype. Recomputed by torch's checkpoint
+    in the backward, it enters its region again where its forward in that checkpoint did
+    (checkpointed from outside its model, its recomputation ran in float32: the checkpoint
+    records it, `_checkpoint_around`), else runs as it is. Traced by torch.compile, it runs as it is inside its
     model's traced regions (counted on the family) or under its own autocast, else enters
     its region (compiled on its own, ``torch.compile(model.get_encoder())`` ran in
     float32)."""
-
-    # the inputs (`_first_input`) of its last eager calls from outside its model that
-    # entered its region, newest last: torch's checkpoint recomputing one of them in the
-    # backward enters it again; any other recomputation (inside its model) runs as it is
-    entered: OrderedDict[tuple, None] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         family = self.family
@@ -511,30 +505,24 @@ class _Entry(_CountedRegion):
             through = through or self._under_own_autocast(args, kwargs)
         elif family in _INSIDE.running:
             through = True
-        elif torch._C._current_graph_task_id() != -1:
-            through = self.entered is None or _first_input(args, kwargs) not in self.entered
         else:
-            through = self._under_own_autocast(args, kwargs)
-            # (remembered where a recomputation can follow: with gradients on, or in a
-            # reentrant checkpoint's forward, which runs without them)
-            if not through and (torch.is_grad_enabled() or _in_reentrant_checkpoint()):
-                self._record(_first_input(args, kwargs))
+            recomputing, around = _checkpoint_around()
+            if recomputing:  # (its forward entered the region where `around` ran it)
+                marked = around is not None and id(self) in getattr(around, _MARK, ())
+                through = not marked or self._under_own_autocast(args, kwargs)
+            else:
+                through = self._under_own_autocast(args, kwargs)
+                if not through and around is not None:
+                    marks = getattr(around, _MARK, None)
+                    if marks is None:
+                        marks = set()
+                        setattr(around, _MARK, marks)
+                    marks.add(id(self))
         if through:
             if self.original is None:
                 return type(self.module).forward(self.module, *args, **kwargs)
             return self.original(*args, **kwargs)
         return super().__call__(*args, **kwargs)
-
-    def _record(self, key: tuple | None) -> None:
-        """Remember ``key``'s call entered the region (the last `_ENTERED_KEPT` of them)."""
-        if key is None:
-            return
-        if self.entered is None:
-            self.entered = OrderedDict()
-        self.entered[key] = None
-        self.entered.move_to_end(key)
-        while len(self.entered) > _ENTERED_KEPT:
-            self.entered.popitem(last=False)
 
     def _under_own_autocast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         device_type = _device_type(args, kwargs, self.module, self.probe)
@@ -544,31 +532,42 @@ class _Entry(_CountedRegion):
         )
 
 
-# the calls from outside its model an `_Entry` remembers entering its region (for torch's
-# checkpoint to recompute them alike in the backward)
-_ENTERED_KEPT = 16
-
-
-def _first_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple | None:
-    """A call's first tensor as torch's checkpoint hands it back to the recomputation (the
-    same memory, or a detached view of it): its address, shape, dtype and version."""
-    for t in iter_tensors((args, kwargs)):
-        return (t.data_ptr(), t.shape, t.dtype, t._version)
-    return None
-
-
+# the attribute of a torch checkpoint's record (`_checkpoint_around`) naming the entries
+# (by id) that entered their region in its forward
+_MARK = "_mixprec_entries_entered"
+_CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
+_REENTRANT_BACKWARD = torch.utils.checkpoint.CheckpointFunction.backward.__code__
+_RECOMPUTING = frozenset(  # the non-reentrant checkpoint's unpack hooks, which recompute
+    code
+    for code in torch.utils.checkpoint._checkpoint_hook.__init__.__code__.co_consts
+    if inspect.iscode(code) and code.co_name == "unpack_hook"
+)
 
 
-def _in_reentrant_checkpoint() -> bool:
-    """Whether the caller runs inside a reentrant checkpoint's forward (any number of
-    module calls below it: three frames each)."""
+def _checkpoint_around() -> tuple[bool, Any]:
+    """(whether the caller runs in torch's checkpoint recomputing its function in the
+    backward, the record of that checkpoint, or of the one whose forward the caller runs in:
+    the innermost, found on the stack; None where there is none). The record, the same object
+    in the forward and in its recomputation, is where an entry that entered its region in
+    the forward says so, for the recomputation to enter it alike: a reentrant checkpoint's
+    ``ctx``; a non-reentrant one's frame (its generator's ``new_frame`` while the forward
+    runs; its unpack hook's ``frame`` while it recomputes)."""
     frame = sys._getframe(2)
     while frame is not None:
-        if frame.f_code is _REENTRANT_FORWARD:
-            return True
+        code = frame.f_code
+        if code in _RECOMPUTING:
+            return True, frame.f_locals.get("frame")
+        if code is _REENTRANT_BACKWARD:
+            return True, frame.f_locals.get("ctx")
+        if code is _REENTRANT_FORWARD:
+            return False, frame.f_locals.get("ctx")
+        if code is _CHECKPOINT:
+            gen = frame.f_locals.get("gen")
+            inner = getattr(gen, "gi_frame", None)
+            return False, None if inner is None else inner.f_locals.get("new_frame")
         frame = frame.f_back
-    return False
+    return False, None
 
 
 def _with_default_dtype(dtype: torch.dtype, forward: Any, *args: Any, **kwargs: Any) -> Any:
