@@ -1389,3 +1389,29 @@ def test_another_models_entry_called_inside_a_forward_keeps_its_own_policy():
 
     mixprec.apply(Student(), "bf16-mixed")(torch.randn(2, 8))
     assert seen == [torch.float16]
+
+
+def test_torch_export_traces_an_applied_model_non_strict():
+    """torch.export's non-strict trace (its default) reads the forward's ``__code__``,
+    which a converted model's region lacked: it failed on every applied model."""
+    torch.manual_seed(0)
+    model = mixprec.apply(_EncoderDecoder(), "bf16-mixed")
+    x = torch.randn(4, 8)
+    for module in (model, model.encoder):
+        exported = torch.export.export(module, (x,), strict=False).module()
+        assert torch.equal(exported(x), module(x))
+
+
+def test_a_model_built_on_the_meta_device_is_applied_then_materialized():
+    """Built on the meta device (large models are, before sharding or loading weights),
+    `apply` asked the meta device what it supports and raised; it is applied, and once
+    materialized computes as a model applied on the CPU."""
+    with torch.device("meta"):
+        model = _EncoderDecoder()
+    model = mixprec.apply(model, "bf16-mixed")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    twin = _EncoderDecoder()
+    model.load_state_dict(twin.state_dict())
+    x = torch.randn(4, 8)
+    assert torch.equal(model(x), mixprec.apply(twin, "bf16-mixed")(x))

@@ -260,6 +260,13 @@ class _AttentionIsland:
     def __signature__(self) -> inspect.Signature:
         return _signature(self.module, self.original)
 
+    @property
+    def __code__(self) -> Any:
+        """The code of the forward it stands in for: tools read a forward's (torch.export's
+        non-strict trace names its shapes after it, and failed on a converted model)."""
+        forward = type(self.module).forward if self.original is None else self.original
+        return forward.__code__
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with _Float32Attention(self.dtype, self.mixed):
             if self.original is None:  # the class's function, as `_Region` calls it
@@ -324,6 +331,13 @@ class _Region:
     @property
     def __signature__(self) -> inspect.Signature:
         return _signature(self.module, self.original)
+
+    @property
+    def __code__(self) -> Any:
+        """The code of the forward it stands in for: tools read a forward's (torch.export's
+        non-strict trace names its shapes after it, and failed on a converted model)."""
+        forward = type(self.module).forward if self.original is None else self.original
+        return forward.__code__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
@@ -493,10 +507,10 @@ class _Entry(_CountedRegion):
     where it computed in float32 or in its caller's dtype. Recomputed by torch's checkpoint
     in the backward, it enters its region again where its forward in that checkpoint did
     (checkpointed from outside its model, its recomputation ran in float32: the checkpoint
-    records it, `_checkpoint_around`), else runs as it is. Traced by torch.compile, it runs as it is inside its
-    model's traced regions (counted on the family) or under its own autocast, else enters
-    its region (compiled on its own, ``torch.compile(model.get_encoder())`` ran in
-    float32)."""
+    records it, `_checkpoint_around`), else runs as it is. Traced by torch.compile, it runs
+    as it is inside its model's traced regions (counted on the family) or under its own
+    autocast, else enters its region (compiled on its own,
+    ``torch.compile(model.get_encoder())`` ran in float32)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         family = self.family

@@ -419,7 +419,10 @@ def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -
     The warning names the policy of the map that is slow (the default one first), not the
     map: '16-mixed' with or without rules is one message, which Python's warning filters
     then show once per place. ``MIXPREC_ALLOW_SLOW=1`` silences it for a slow policy, as it
-    lifts `check`'s error: whoever set it knows; a refused one is still said."""
+    lifts `check`'s error: whoever set it knows; a refused one is still said. Nothing is said
+    for the meta device (a model built there before it is materialized where it will run)."""
+    if device is not None and torch.device(device).type == "meta":
+        return
     info = detect(device)
     pmap = as_map(policy)
     s = _map_support(pmap, info)
