@@ -1415,3 +1415,32 @@ def test_a_model_built_on_the_meta_device_is_applied_then_materialized():
     model.load_state_dict(twin.state_dict())
     x = torch.randn(4, 8)
     assert torch.equal(model(x), mixprec.apply(twin, "bf16-mixed")(x))
+
+
+def test_a_module_shared_by_two_applied_models_takes_one_policy():
+    """A Linear shared by a bf16-mixed model (no region of its own there) and a model
+    whose map gave it float32 was accepted: the first model then computed it in float32.
+    A shared module must have the same policy in both; the same one is accepted, and once
+    the first model's policy is removed, any."""
+
+    def pair(shared: nn.Module) -> nn.Module:
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+        model.shared = shared
+        return model
+
+    shared = nn.Linear(8, 8)
+    first = mixprec.apply(pair(shared), "bf16-mixed")
+    with pytest.raises(
+        mixprec.PolicySpecError, match=r"'shared' \(Linear\) is also 'shared'.*32-true"
+    ):
+        mixprec.apply(pair(shared), mixprec.PolicyMap("bf16-mixed", {"shared": "float32"}))
+    seen = []
+    shared.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    first(torch.randn(2, 8))
+    assert seen == [torch.bfloat16]  # (the first model's policy, still)
+    mixprec.apply(pair(shared), "bf16-mixed")  # the same policy: accepted
+    mixprec.remove(first)
+    second = pair(shared)
+    mixprec.apply(second, mixprec.PolicyMap("bf16-mixed", {"shared": "float32"}))
+    second(torch.randn(2, 8))
+    assert seen[-1] == torch.float32

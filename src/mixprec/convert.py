@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import inspect
 import sys
 import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -780,6 +782,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     # everything that can refuse the policy runs before the model changes: a refused
     # re-apply leaves the previous policy in place, weights unrounded
     check_bypassed(model, resolved)
+    _check_shared(model, resolved, slow)
     dtype_plan(model, resolved, replaced=True)
     check_scales(model, resolved)
     if state is None:
@@ -810,6 +813,9 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
         install_activations(model, pmap.activation_choices(model))
     set_fast_paths(model)  # torch's fused transformer layers would pass regions over
     model.__dict__[_STATE] = AppliedState(pmap, original)
+    owner = weakref.ref(model)
+    for module in model.modules():
+        _OWNERS[module] = owner
     return model
 
 
@@ -833,6 +839,60 @@ def check_scales(model: nn.Module, resolved: dict[str, Resolution]) -> None:
                 "16-mixed), or a rule keeping this layer in float32: "
                 f"PolicyMap(policy, {{{path!r}: '32-true'}})"
             )
+
+
+# each module of an applied model -> that model (weakly, both): a module shared by two models
+# is asked whether both apply it the same policy (`_check_shared`)
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
+
+
+def _check_shared(model: nn.Module, resolved: dict[str, Resolution], slow: bool) -> None:
+    """Refuse to apply a policy to a module that another applied model holds too (a layer,
+    an embedding shared between a student and a teacher) unless both models give it the
+    same policy: its region, its weights' dtype and its forward are one module's, so the
+    second policy would silently change how the first model runs it (a shared Linear of a
+    bf16-mixed model given a float32 rule in another computed in float32 in both). A layer
+    of an applied model applied a policy of its own, as the model, is an override on purpose
+    and is not asked."""
+    conflict = _shared_conflict(model, resolved, slow)
+    if conflict is not None:  # (a model dropped but not yet collected holds nothing)
+        gc.collect()
+        conflict = _shared_conflict(model, resolved, slow)
+    if conflict is not None:
+        raise PolicySpecError(conflict)
+
+
+def _shared_conflict(model: nn.Module, resolved: dict[str, Resolution], slow: bool) -> str | None:
+    """What `_check_shared` refuses, or None."""
+    others: dict[int, tuple[nn.Module, dict[int, str]]] = {}
+    for name, module in model.named_modules():
+        if not name:  # (a layer of an applied model given a policy of its own, on purpose)
+            continue
+        ref = _OWNERS.get(module)
+        other = None if ref is None else ref()
+        if other is None or other is model or _STATE not in other.__dict__:
+            continue
+        if id(other) not in others:
+            paths = {id(m): path for path, m in other.named_modules()}
+            others[id(other)] = (other, paths)
+        other, paths = others[id(other)]
+        path = paths.get(id(module))
+        if path is None:  # (no longer in that model)
+            continue
+        theirs = (
+            other.__dict__[_STATE]
+            .policy.resolve(other, slow_attention=slow, device_type=device_of(other).type)[path]
+            .policy
+        )
+        if theirs != resolved[name].policy:
+            return (
+                f"{name or '<root>'!r} ({type(module).__name__}) is also {path or '<root>'!r} "
+                f"of another model mixprec.apply converted, under {theirs.name!r}; this map "
+                f"gives it {resolved[name].policy.name!r}. A shared module runs under one "
+                "policy: give it the same rule in both maps, or remove the other model's "
+                "policy first"
+            )
+    return None
 
 
 def _check_nesting(model: nn.Module) -> None:
@@ -1135,6 +1195,10 @@ def remove(model: nn.Module) -> nn.Module:
     state: AppliedState | None = model.__dict__.pop(_STATE, None)
     if state is None:
         return model
+    for module in model.modules():
+        ref = _OWNERS.get(module)
+        if ref is not None and ref() is model:
+            del _OWNERS[module]
     _strip_regions(model)
     set_fast_paths(model)
     modules = dict(model.named_modules())
