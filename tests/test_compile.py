@@ -108,6 +108,20 @@ def test_regions_islands_and_rules_cause_no_graph_break(spec):
     assert (graphs, n_breaks) == (1, 0), reasons
 
 
+def test_a_policy_computing_on_copies_of_its_weights_compiles_to_one_graph():
+    """Under ``p=bf16,c=f32`` each layer computes on float32 copies of its bfloat16 weights,
+    marked for a checkpoint's recomputation by weak references, which dynamo does not trace:
+    the graph broke at every copy, and the frame left, guarded on the copy's id, recompiled
+    at each call until torch's limit. Traced, the copies are not marked."""
+    model = net("p=bf16,c=f32")
+    compiled = torch.compile(model, backend=BACKEND)
+    for _ in range(3):
+        out = compiled(X)
+        out.sum().backward()
+    assert torch.equal(out, model(X))
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 1
+
+
 @pytest.mark.parametrize("output", ["tuple", "dict"])
 def test_output_casts_of_nested_outputs_cause_no_graph_break(output):
     model = net("bf16-mixed", output)

@@ -234,7 +234,11 @@ _CAST_SOURCES: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValu
 def mark_region_cast(t: torch.Tensor, source: torch.Tensor) -> None:
     """Mark `t` as a region's compute-dtype copy of `source`, a parameter or the tensor in
     its place (`mixprec.convert` makes them), which a checkpoint's recomputation need not be
-    handed: it casts `source` alike (`_with_recast`)."""
+    handed: it casts `source` alike (`_with_recast`). Not while torch.compile traces: a
+    recomputation there is the compiled graph's own, and the weak references broke the graph
+    at every copy, each recompiled by the copy's id."""
+    if torch.compiler.is_compiling():
+        return
     _REGION_CASTS[id(t)] = t
     _CAST_SOURCES[id(t)] = source
 
