@@ -1444,3 +1444,22 @@ def test_a_module_shared_by_two_applied_models_takes_one_policy():
     mixprec.apply(second, mixprec.PolicyMap("bf16-mixed", {"shared": "float32"}))
     second(torch.randn(2, 8))
     assert seen[-1] == torch.float32
+
+
+def test_a_copy_taken_while_a_forward_runs_counts_no_region_running():
+    """A deepcopy or pickle taken while another thread ran the model's forward copied the
+    count of running regions, which nothing in the copy ever lowers: the copy's encoder
+    compiled on its own passed through its region (float32) for good."""
+    model = mixprec.apply(_EncoderDecoder(), "bf16-mixed")
+    family = model.__dict__["forward"].family
+    family.eager += 1  # (as while a forward runs in another thread)
+    try:
+        twin = copy.deepcopy(model)
+        loaded = pickle.loads(pickle.dumps(model))
+    finally:
+        family.eager -= 1
+    for copied in (twin, loaded):
+        assert copied.__dict__["forward"].family.eager == 0
+        compiled = torch.compile(copied.encoder, backend="eager")
+        x = torch.randn(2, 8)
+        assert torch.equal(compiled(x), copied.encoder(x))

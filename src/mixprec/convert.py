@@ -467,6 +467,12 @@ class _Family:
         # (dynamo guards this by value; `_INSIDE`'s keys it does not tell apart)
         self.eager = 0
 
+    def __getstate__(self) -> dict[str, int]:
+        """A copy (deepcopy, pickle) runs nothing: a copy taken while a forward ran (an
+        asynchronous checkpoint, an EMA snapshot) kept its count forever, and its entries
+        compiled on their own passed through, in float32."""
+        return {"traced": 0, "eager": 0}
+
 
 _INSIDE = _Inside()
 
