@@ -1331,6 +1331,59 @@ def test_each_checkpoint_recomputes_its_entries_as_its_own_forward_ran_them(reen
     assert torch.equal(x.grad, twin.grad)
 
 
+class _Recompute(torch.autograd.Function):
+    """A recomputation in the backward of one's own, as DeepSpeed's and Megatron's
+    checkpoints are written: no torch checkpoint on the stack, the forward's autocast
+    state restored."""
+
+    @staticmethod
+    def forward(ctx, fn, x):  # type: ignore[no-untyped-def]
+        ctx.fn, ctx.autocast = fn, torch.is_autocast_enabled("cpu")
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad(), torch.autocast("cpu", enabled=ctx.autocast):
+            torch.autograd.backward(ctx.fn(x), grad)
+        return None, x.grad
+
+
+class _RoutedRecomputed(_Routed):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            route = _Recompute.apply(self.router, x.float())
+        return self.body(x) * route.softmax(-1)
+
+
+def test_recomputations_other_than_torchs_checkpoint_and_its_composable_form_run_alike():
+    """A recomputation of one's own in the backward (no torch checkpoint found) entered
+    the router's bfloat16 region where its forward had run float32 (0.5% off, silently);
+    torch's composable checkpoint, which runs no function around the forward, left the
+    encoder's entry unmarked (the recomputation refused). Both give a twin's gradients."""
+    torch.manual_seed(0)
+    plain, own = _Routed(), _RoutedRecomputed()
+    own.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 8, requires_grad=True)  # (the Function's backward runs for it)
+    grads = []
+    for model in (mixprec.apply(plain, "bf16-mixed"), mixprec.apply(own, "bf16-mixed")):
+        model(x).float().sum().backward()
+        grads.append(model.router[0].weight.grad)
+    assert torch.equal(grads[0], grads[1])
+
+    from torch.distributed._composable import checkpoint as composable
+
+    model = mixprec.apply(_EncoderDecoder(), "bf16-mixed")
+    twin = copy.deepcopy(model)
+    composable(model.encoder)
+    twin.encoder(x.detach()).float().sum().backward()
+    model.encoder(x.detach()).float().sum().backward()
+    assert torch.equal(model.encoder[0].weight.grad, twin.encoder[0].weight.grad)
+
+
 def test_an_entry_called_from_outside_under_a_function_transform_runs():
     """The entry read its first input's address to remember the call: a tensor without
     storage (torch.func's batched and gradient-tracking tensors, a sparse input) raised."""

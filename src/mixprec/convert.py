@@ -532,6 +532,8 @@ class _Entry(_CountedRegion):
             if recomputing:  # (its forward entered the region where `around` ran it)
                 marked = around is not None and id(self) in getattr(around, _MARK, ())
                 through = not marked or self._under_own_autocast(args, kwargs)
+            elif around is None and torch._C._current_graph_task_id() != -1:
+                through = True  # (recomputed in a backward by another scheme: as it is)
             else:
                 through = self._under_own_autocast(args, kwargs)
                 if not through and around is not None:
@@ -560,11 +562,14 @@ _MARK = "_mixprec_entries_entered"
 _CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
 _REENTRANT_BACKWARD = torch.utils.checkpoint.CheckpointFunction.backward.__code__
-_RECOMPUTING = frozenset(  # the non-reentrant checkpoint's unpack hooks, which recompute
+_HOOKS = [
     code
     for code in torch.utils.checkpoint._checkpoint_hook.__init__.__code__.co_consts
-    if inspect.iscode(code) and code.co_name == "unpack_hook"
-)
+    if inspect.iscode(code)
+]
+# the non-reentrant checkpoint's unpack hooks, which recompute, and its pack hook
+_RECOMPUTING = frozenset(code for code in _HOOKS if code.co_name == "unpack_hook")
+_CHECKPOINT_PACK = next((code for code in _HOOKS if code.co_name == "pack_hook"), None)
 
 
 def _checkpoint_around() -> tuple[bool, Any]:
@@ -573,8 +578,9 @@ def _checkpoint_around() -> tuple[bool, Any]:
     the innermost, found on the stack; None where there is none). The record, the same object
     in the forward and in its recomputation, is where an entry that entered its region in
     the forward says so, for the recomputation to enter it alike: a reentrant checkpoint's
-    ``ctx``; a non-reentrant one's frame (its generator's ``new_frame`` while the forward
-    runs; its unpack hook's ``frame`` while it recomputes)."""
+    ``ctx``; a non-reentrant one's frame (its generator's ``new_frame``, or the composable
+    checkpoint's saved-tensor hooks' ``frame``, while the forward runs; its unpack hook's
+    ``frame`` while it recomputes)."""
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
@@ -589,6 +595,14 @@ def _checkpoint_around() -> tuple[bool, Any]:
             inner = getattr(gen, "gi_frame", None)
             return False, None if inner is None else inner.f_locals.get("new_frame")
         frame = frame.f_back
+    # (torch's composable checkpoint runs no function of its own around the forward: its
+    # saved-tensor hooks, the innermost, hold its frame)
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    pack = hooks[0] if hooks else None
+    if getattr(pack, "__code__", None) is _CHECKPOINT_PACK:
+        cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or (), strict=True))
+        if "frame" in cells:
+            return False, cells["frame"].cell_contents
     return False, None
 
 

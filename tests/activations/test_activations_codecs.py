@@ -353,9 +353,10 @@ def test_under_fp8_multihead_attention_saves_as_bf16_stores_them():
     model = mixprec.apply(Attend(mha), mixprec.PolicyMap("32-true", activations="fp8"))
     saved = stored_bytes(model, torch.randn(2, 32, 64))
     bf16 = 2 * 2 * 32 * 64  # bytes of a (2, 32, 64) activation in bfloat16
-    assert saved == [((2, 4, 32, 16), bf16)] * 4 + [  # attention's query, key, value, output
-        ((64, 64), bf16),  # the output projection's input
-        ((2, 32, 64), 2 * 32 * 64 + 4 * 2 * 32 * 64 // FP8.block),  # tanh's output, outside: fp8
+    # attention's query, key, value and output; the output projection's input, the output
+    # through a transpose, reads the output's copy; tanh's output, outside it, in fp8
+    assert saved == [((2, 4, 32, 16), bf16)] * 4 + [
+        ((2, 32, 64), 2 * 32 * 64 + 4 * 2 * 32 * 64 // FP8.block)
     ]
 
 
@@ -1223,7 +1224,7 @@ class _RmsNormed(nn.Module):
     def __init__(self, norm: str) -> None:
         super().__init__()
         self.a, self.b, self.norm = nn.Linear(16, 256), nn.Linear(256, 1), norm
-        self.rms = nn.RMSNorm(256)
+        self.rms, self.w = nn.RMSNorm(256), torch.linspace(-1.0, 1.0, 128)[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x) + 3.0
@@ -1231,7 +1232,7 @@ class _RmsNormed(nn.Module):
             h = self.rms(h)
         else:
             h = self.rms.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
-        return self.b(h).square().mean()
+        return (self.b(h) * self.w).sum()  # (the head's output, (rows, 1), is not saved)
 
 
 @pytest.mark.parametrize("norm", ["nn.RMSNorm", "written out"])
@@ -1279,3 +1280,52 @@ def test_a_view_whose_elements_overlap_is_kept_as_it_is(option):
         model(x).backward()
         assert model.w.grad.isfinite().all()
     assert saved[option] == saved[None] == 8 * 512 * 4
+
+
+@pytest.mark.parametrize("option", ["bf16", "fp8"])
+def test_a_tensor_saved_again_as_its_transpose_is_stored_once(option):
+    """``y @ y.t()`` (a Gram matrix, a similarity) saves y and its transpose: a view over
+    the same memory, which was stored a second time (fp8 twice keep's codes, bf16 as many
+    bytes as keep). The transpose reads the one stored copy, with its own strides."""
+
+    class Gram(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.lin(x)
+            return (y @ y.t()).square().sum()
+
+    x = torch.randn(64, 16)
+    grads, saved = {}, {}
+    for activations in (None, option):
+        torch.manual_seed(0)
+        model = mixprec.apply(Gram(), mixprec.PolicyMap("32-true", activations=activations))
+        saved[activations] = sum(saved_bytes(model, x).values())
+        model(x).backward()
+        grads[activations] = model.lin.weight.grad
+    # y once, and the product square() saves (64 x 64), in the codec's bytes
+    assert saved[option] == sum(
+        2 * n if option == "bf16" else n * 17 // 16 for n in (64 * 256, 64 * 64)
+    )
+    error = (grads[option] - grads[None]).norm() / grads[None].norm()
+    assert error < (0.01 if option == "bf16" else 0.1)
+
+
+def test_an_activation_whose_last_dimension_is_one_is_stored_as_any_other():
+    """Only statistics of each row (computed by a reduction) are kept exact: a text CNN's
+    convolution output, shape (N, C, L, 1), was kept whole, as keep holds it."""
+
+    class TextConv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(1, 16, (3, 32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.conv(x)).square().sum()
+
+    x = torch.randn(4, 1, 66, 32)
+    model = mixprec.apply(TextConv(), mixprec.PolicyMap("32-true", activations="fp8"))
+    elements = 4 * 16 * 64  # (N, C, L, 1): relu's output, square's input
+    assert sum(saved_bytes(model, x).values()) == elements * 17 // 16

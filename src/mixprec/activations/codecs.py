@@ -151,13 +151,71 @@ def _plain_layout(t: Tensor) -> bool:
     return True
 
 
+def _dense(t: Tensor) -> bool:
+    """Whether `t` (of a plain layout, `_plain_layout`) fills the memory it spans: a
+    permutation of a contiguous tensor's elements, none skipped."""
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return span == t.numel()
+
+
 def _row_statistic(t: Tensor) -> bool:
-    """Whether `t` is a statistic of each row, kept to broadcast over it (shape ``(..., 1)``:
-    an RMS norm's reciprocal root, a mean), which a storing codec keeps exact: an RMS norm's
-    backward reads its root in two terms that largely cancel, and rounded apart it made the
-    gradient before the norm several times the codec's rounding off keep's. It costs one
-    element a row."""
-    return t.dim() >= 2 and t.shape[-1] == 1
+    """Whether `t` is a statistic of each row, kept to broadcast over it (shape ``(..., 1)``,
+    computed by a reduction, perhaps through a few elementwise ops and views: an RMS norm's
+    reciprocal root, a mean), which a storing codec keeps exact: an RMS norm's backward reads
+    its root in two terms that largely cancel, and rounded apart it made the gradient before
+    the norm several times the codec's rounding off keep's. It costs one element a row. A
+    tensor of that shape computed otherwise (a convolution's output over a last dimension of
+    1) is an activation like any other."""
+    if t.dim() < 2 or t.shape[-1] != 1:
+        return False
+    node = t.grad_fn
+    for _ in range(4):
+        name = type(node).__name__
+        if name.startswith(_REDUCTIONS):
+            return True
+        if not name.startswith(_ELEMENTWISE):
+            return False
+        node = next((n for n, _ in node.next_functions if n is not None), None)
+    return False
+
+
+# autograd nodes of reductions along a dimension, and of what a statistic goes through on its
+# way to being saved (the root of a mean plus epsilon, a view of it)
+_REDUCTIONS = (
+    "Mean",
+    "Sum",
+    "Var",
+    "Std",
+    "Norm",
+    "LinalgVectorNorm",
+    "Amax",
+    "Amin",
+    "Max",
+    "Min",
+    "Logsumexp",
+    "NativeLayerNorm",
+    "NativeGroupNorm",
+    "NativeBatchNorm",
+)
+_ELEMENTWISE = (
+    "Rsqrt",
+    "Sqrt",
+    "Reciprocal",
+    "Add",
+    "Sub",
+    "Mul",
+    "Div",
+    "Pow",
+    "Clamp",
+    "Unsqueeze",
+    "View",
+    "Reshape",
+    "Squeeze",
+    "ToCopy",
+    "Neg",
+    "Exp",
+    "Log",
+)
 
 
 # the frames in which torch's checkpoint saves its function's inputs: the non-reentrant
@@ -220,9 +278,9 @@ class Codec:
 
     def __init__(self) -> None:
         # (storage, offset, elements, dtype, version) -> (weak reference to the tensor packed,
-        # its shape, packed): an entry lives while that tensor does, so its memory is not
-        # another tensor's
-        self._packed: dict[tuple[Any, ...], tuple[weakref.ref[Tensor], torch.Size, Any]] = {}
+        # its shape, packed, its strides where it is not contiguous): an entry lives while
+        # that tensor does, so its memory is not another tensor's
+        self._packed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
         # (weak reference to the packed object last read, what it decoded to) while more
         # reads of it are to come
         self._last: tuple[weakref.ref[Any], Tensor] | None = None
@@ -253,28 +311,38 @@ class Codec:
             return AsIs(t.detach(), t._version)
         contiguous = t.is_contiguous()
         key = (storage.data_ptr(), t.storage_offset(), t.numel(), t.dtype, t._version)
-        seen = self._packed.get(key) if contiguous else None
+        # (a tensor packed, seen again through another shape, or through a permutation of
+        # the memory it fills: ``y @ y.t()`` saves both)
+        dense = contiguous or _dense(t)
+        seen = self._packed.get(key) if dense else None
         if seen is not None and seen[0]() is not None:
             if isinstance(seen[2], Fp8Saved):
                 seen[2].reads[0] += 1
-            return seen[2] if seen[1] == t.shape else Reshaped(seen[2], t.shape)
+            if seen[1] == t.shape and seen[3] == t.stride():
+                return seen[2]
+            if contiguous and seen[3] is None:
+                return Reshaped(seen[2], t.shape)
+            return Reshaped(seen[2], t.shape, t.stride())
         # (torch function modes off: a save torch calls the hook for from Python, as an
         # autograd.Function's or torch's checkpoint's, runs while `wrapper`'s mode is on, and
         # the compiled codec traced into it and failed)
         with torch._C.DisableTorchFunction():
             packed = self.encode(t.detach())
         _record(t, _bytes(packed), id(packed))
-        if contiguous:
+        if dense:
             forget = self._packed.pop
             original = weakref.ref(t, lambda _, k=key: forget(k, None))
-            self._packed[key] = (original, t.shape, packed)
+            self._packed[key] = (original, t.shape, packed, None if contiguous else t.stride())
         return packed
 
     def unpack(self, packed: Any) -> Tensor:
         if isinstance(packed, AsIs):
             return packed.read()
         if isinstance(packed, Reshaped):
-            return self._read(packed.packed).view(packed.shape)
+            out = self._read(packed.packed)
+            if packed.stride is None:
+                return out.view(packed.shape)
+            return out.as_strided(packed.shape, packed.stride, out.storage_offset())
         return self._read(packed)
 
     def _read(self, packed: Any) -> Tensor:
@@ -323,10 +391,12 @@ class AsIs:
 
 @dataclass(frozen=True)
 class Reshaped:
-    """A save of a tensor already packed, seen through another shape (a contiguous view)."""
+    """A save of a contiguous tensor already packed, seen through another shape (a
+    contiguous view) or, with `stride`, through a permutation of its memory (a transpose)."""
 
     packed: Any
     shape: torch.Size
+    stride: tuple[int, ...] | None = None
 
 
 def _bytes(packed: Any) -> int:
