@@ -833,9 +833,8 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
         install_activations(model, pmap.activation_choices(model))
     set_fast_paths(model)  # torch's fused transformer layers would pass regions over
     model.__dict__[_STATE] = AppliedState(pmap, original)
-    owner = weakref.ref(model)
     for module in model.modules():
-        _OWNERS[module] = owner
+        _OWNERS.setdefault(module, weakref.WeakSet()).add(model)
     return model
 
 
@@ -861,9 +860,11 @@ def check_scales(model: nn.Module, resolved: dict[str, Resolution]) -> None:
             )
 
 
-# each module of an applied model -> that model (weakly, both): a module shared by two models
-# is asked whether both apply it the same policy (`_check_shared`)
-_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
+# each module of an applied model -> the applied models holding it (weakly, all): a module
+# shared by two models is asked whether both apply it the same policy (`_check_shared`)
+_OWNERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _check_shared(model: nn.Module, resolved: dict[str, Resolution], slow: bool) -> None:
@@ -884,34 +885,33 @@ def _check_shared(model: nn.Module, resolved: dict[str, Resolution], slow: bool)
 
 def _shared_conflict(model: nn.Module, resolved: dict[str, Resolution], slow: bool) -> str | None:
     """What `_check_shared` refuses, or None."""
-    others: dict[int, tuple[nn.Module, dict[int, str]]] = {}
+    # another applied model -> (its modules' paths, its policy per path), made once
+    others: dict[int, tuple[dict[int, str], dict[str, Resolution]]] = {}
     for name, module in model.named_modules():
         if not name:  # (a layer of an applied model given a policy of its own, on purpose)
             continue
-        ref = _OWNERS.get(module)
-        other = None if ref is None else ref()
-        if other is None or other is model or _STATE not in other.__dict__:
-            continue
-        if id(other) not in others:
-            paths = {id(m): path for path, m in other.named_modules()}
-            others[id(other)] = (other, paths)
-        other, paths = others[id(other)]
-        path = paths.get(id(module))
-        if path is None:  # (no longer in that model)
-            continue
-        theirs = (
-            other.__dict__[_STATE]
-            .policy.resolve(other, slow_attention=slow, device_type=device_of(other).type)[path]
-            .policy
-        )
-        if theirs != resolved[name].policy:
-            return (
-                f"{name or '<root>'!r} ({type(module).__name__}) is also {path or '<root>'!r} "
-                f"of another model mixprec.apply converted, under {theirs.name!r}; this map "
-                f"gives it {resolved[name].policy.name!r}. A shared module runs under one "
-                "policy: give it the same rule in both maps, or remove the other model's "
-                "policy first"
-            )
+        for other in list(_OWNERS.get(module, ())):
+            if other is model or _STATE not in other.__dict__:
+                continue
+            if id(other) not in others:
+                paths = {id(m): path for path, m in other.named_modules()}
+                theirs = other.__dict__[_STATE].policy.resolve(
+                    other, slow_attention=slow, device_type=device_of(other).type
+                )
+                others[id(other)] = (paths, theirs)
+            paths, theirs = others[id(other)]
+            path = paths.get(id(module))
+            if path is None:  # (no longer in that model)
+                continue
+            policy = theirs[path].policy
+            if policy != resolved[name].policy:
+                return (
+                    f"{name!r} ({type(module).__name__}) is also {path or '<root>'!r} of "
+                    f"another model mixprec.apply converted, under {policy.name!r}; this map "
+                    f"gives it {resolved[name].policy.name!r}. A shared module runs under one "
+                    "policy: give it the same rule in both maps, or remove the other model's "
+                    "policy first"
+                )
     return None
 
 
@@ -1216,9 +1216,7 @@ def remove(model: nn.Module) -> nn.Module:
     if state is None:
         return model
     for module in model.modules():
-        ref = _OWNERS.get(module)
-        if ref is not None and ref() is model:
-            del _OWNERS[module]
+        _OWNERS.get(module, weakref.WeakSet()).discard(model)
     _strip_regions(model)
     set_fast_paths(model)
     modules = dict(model.named_modules())

@@ -419,9 +419,17 @@ def warn_if_unsupported(policy: Any, device: torch.device | str | None = None) -
     The warning names the policy of the map that is slow (the default one first), not the
     map: '16-mixed' with or without rules is one message, which Python's warning filters
     then show once per place. ``MIXPREC_ALLOW_SLOW=1`` silences it for a slow policy, as it
-    lifts `check`'s error: whoever set it knows; a refused one is still said. Nothing is said
-    for the meta device (a model built there before it is materialized where it will run)."""
+    lifts `check`'s error: whoever set it knows; a refused one is still said. On the meta
+    device (a model sized before its weights exist) it says that what depends on the device
+    is decided when the policy is applied again where the model runs."""
     if device is not None and torch.device(device).type == "meta":
+        warnings.warn(
+            "applied to a model on the meta device: the float32 islands and attention paths "
+            "that depend on the device follow none; apply the policy again once the weights "
+            "are where the model runs (after model.to_empty(device=...))",
+            UserWarning,
+            stacklevel=caller_level(),
+        )
         return
     info = detect(device)
     pmap = as_map(policy)
