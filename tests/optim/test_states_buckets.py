@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mixprec.optim.states import LowBitAdam, LowBitAdamW, LowBitSGD
+from mixprec.optim.states import LowBitAdam, LowBitAdamW, LowBitSGD, state_bytes
 
 DATA = Path(__file__).parent / "data"
 
@@ -941,3 +941,24 @@ def test_a_complex_parameter_after_an_odd_sized_float64_one_steps_with_float32_m
         reference.step()
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(_real(a), b, rtol=1e-5, atol=1e-6)
+
+
+def test_state_bytes_counts_the_padding_of_joined_kahan_buffers():
+    """Parameters stepped together hold slices of one Kahan buffer padded to whole blocks:
+    `state_bytes` added the slices and missed the padding (20 parameters of 4097 elements,
+    int8: 255 elements of two bytes each a parameter). It counts each storage once, whole."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4097).bfloat16()) for _ in range(20)]
+    opt = LowBitAdamW(params, lr=1e-3, states="int8", compensation="kahan", compile=False)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    storages = {}
+    for state in opt.state.values():
+        for key, t in state.items():
+            if key != "step" and torch.is_tensor(t):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    joined = {opt.state[p]["compensation"].untyped_storage().data_ptr() for p in params}
+    assert len(joined) < len(params)  # (the case that was undercounted)
+    assert state_bytes(opt) == sum(storages.values())

@@ -1328,13 +1328,17 @@ class AdamWFp8(LowBitAdamW):
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the per-parameter state ``optimizer`` holds: every tensor in its ``state``
-    but the step counts (moments, codes, scales, Kahan buffers); a DTensor counts its local
-    part. Works for torch's optimizers too."""
-    total = 0
+    """Bytes of the per-parameter state ``optimizer`` holds: the memory of every tensor in
+    its ``state`` but the step counts (moments, codes, scales, Kahan buffers), each storage
+    once, whole: states stepped together hold slices of one joined buffer, padded to whole
+    blocks, and the padding is held too. A DTensor counts its local part. Works for torch's
+    optimizers too."""
+    total, seen = 0, set()
     for state in optimizer.state.values():
         for name, value in state.items():
             if name != "step" and torch.is_tensor(value):
-                local = local_part(value)
-                total += local.numel() * local.element_size()
+                storage = local_part(value).untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
     return total
