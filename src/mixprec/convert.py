@@ -532,9 +532,7 @@ class _Entry(_CountedRegion):
             if recomputing:  # (its forward entered the region where `around` ran it)
                 marked = around is not None and id(self) in getattr(around, _MARK, ())
                 through = not marked or self._under_own_autocast(args, kwargs)
-            elif around is None and torch._C._current_graph_task_id() != -1:
-                through = True  # (recomputed in a backward by another scheme: as it is)
-            else:
+            else:  # (a forward; or a recomputation of another scheme: as a call from outside)
                 through = self._under_own_autocast(args, kwargs)
                 if not through and around is not None:
                     marks = getattr(around, _MARK, None)

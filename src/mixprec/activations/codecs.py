@@ -164,58 +164,83 @@ def _row_statistic(t: Tensor) -> bool:
     reciprocal root, a mean), which a storing codec keeps exact: an RMS norm's backward reads
     its root in two terms that largely cancel, and rounded apart it made the gradient before
     the norm several times the codec's rounding off keep's. It costs one element a row. A
-    tensor of that shape computed otherwise (a convolution's output over a last dimension of
-    1) is an activation like any other."""
-    if t.dim() < 2 or t.shape[-1] != 1:
+    tensor of that shape computed otherwise (a convolution's or a pooling's output over a
+    last dimension of 1) is an activation like any other."""
+    if t.dim() < 2 or t.shape[-1] != 1 or t.grad_fn is None:
         return False
-    node = t.grad_fn
-    for _ in range(4):
-        name = type(node).__name__
-        if name.startswith(_REDUCTIONS):
-            return True
-        if not name.startswith(_ELEMENTWISE):
+    nodes, seen = [t.grad_fn], set()
+    for _ in range(_STATISTIC_DEPTH):
+        following = []
+        for node in nodes:
+            name = type(node).__name__.rstrip("0123456789")
+            if name in _REDUCTIONS:
+                return True
+            if name in _ELEMENTWISE and id(node) not in seen:
+                seen.add(id(node))
+                following += [n for n, _ in node.next_functions if n is not None]
+        if not following:
             return False
-        node = next((n for n, _ in node.next_functions if n is not None), None)
+        nodes = following
     return False
 
 
-# autograd nodes of reductions along a dimension, and of what a statistic goes through on its
-# way to being saved (the root of a mean plus epsilon, a view of it)
-_REDUCTIONS = (
-    "Mean",
-    "Sum",
-    "Var",
-    "Std",
-    "Norm",
-    "LinalgVectorNorm",
-    "Amax",
-    "Amin",
-    "Max",
-    "Min",
-    "Logsumexp",
-    "NativeLayerNorm",
-    "NativeGroupNorm",
-    "NativeBatchNorm",
+# autograd nodes of reductions along a dimension, of what a statistic goes through on its way
+# to being saved (the reciprocal of the root of a mean plus epsilon, a view of it), and how
+# many such steps are followed
+_REDUCTIONS = frozenset(
+    f"{name}Backward"
+    for name in (
+        "Mean",
+        "Sum",
+        "Var",
+        "Std",
+        "VarMean",
+        "StdMean",
+        "Norm",
+        "LinalgVectorNorm",
+        "Amax",
+        "Amin",
+        "Max",
+        "Min",
+        "Logsumexp",
+        "Cumsum",
+        "Bmm",
+        "Mm",
+    )
 )
-_ELEMENTWISE = (
-    "Rsqrt",
-    "Sqrt",
-    "Reciprocal",
-    "Add",
-    "Sub",
-    "Mul",
-    "Div",
-    "Pow",
-    "Clamp",
-    "Unsqueeze",
-    "View",
-    "Reshape",
-    "Squeeze",
-    "ToCopy",
-    "Neg",
-    "Exp",
-    "Log",
+_ELEMENTWISE = frozenset(
+    f"{name}Backward"
+    for name in (
+        "Rsqrt",
+        "Sqrt",
+        "Reciprocal",
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Pow",
+        "Clamp",
+        "ClampMin",
+        "ClampMax",
+        "Neg",
+        "Exp",
+        "Log",
+        "ToCopy",
+        "Unsqueeze",
+        "Squeeze",
+        "View",
+        "UnsafeView",
+        "Reshape",
+        "ReshapeAlias",
+        "Alias",
+        "Expand",
+        "Slice",
+        "Select",
+        "Transpose",
+        "Permute",
+    )
 )
+_STATISTIC_DEPTH = 8
 
 
 # the frames in which torch's checkpoint saves its function's inputs: the non-reentrant
