@@ -1388,6 +1388,12 @@ def test_recomputations_other_than_torchs_checkpoint_and_its_composable_form_run
     twin.encoder(x).float().sum().backward()
     model.encoder(x).float().sum().backward()
     assert torch.equal(model.encoder[0].weight.grad, twin.encoder[0].weight.grad)
+    for reentrant in (False, True):  # (inside torch's checkpoint: its hooks the innermost)
+        model.zero_grad()
+        given = x.clone().requires_grad_()
+        out = torch.utils.checkpoint.checkpoint(model.encoder, given, use_reentrant=reentrant)
+        out.float().sum().backward()
+        assert torch.equal(model.encoder[0].weight.grad, twin.encoder[0].weight.grad)
 
 
 def test_an_entry_called_from_outside_under_a_function_transform_runs():

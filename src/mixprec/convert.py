@@ -579,29 +579,36 @@ def _checkpoint_around() -> tuple[bool, Any]:
     ``ctx``; a non-reentrant one's frame (its generator's ``new_frame``, or the composable
     checkpoint's saved-tensor hooks' ``frame``, while the forward runs; its unpack hook's
     ``frame`` while it recomputes)."""
+    hooked = _hooked_checkpoint()
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        if code in _RECOMPUTING:
-            return True, frame.f_locals.get("frame")
-        if code is _REENTRANT_BACKWARD:
-            return True, frame.f_locals.get("ctx")
+        if code in _RECOMPUTING or code is _REENTRANT_BACKWARD:
+            if hooked is not None:  # (a checkpoint's forward inside the recomputation: in a
+                return False, hooked  # backward only hooks pushed there are active)
+            return True, frame.f_locals.get("frame" if code in _RECOMPUTING else "ctx")
         if code is _REENTRANT_FORWARD:
             return False, frame.f_locals.get("ctx")
         if code is _CHECKPOINT:
             gen = frame.f_locals.get("gen")
             inner = getattr(gen, "gi_frame", None)
-            return False, None if inner is None else inner.f_locals.get("new_frame")
+            record = None if inner is None else inner.f_locals.get("new_frame")
+            # (a composable checkpoint inside it: its hooks are the innermost)
+            return False, record if hooked is None else hooked
         frame = frame.f_back
-    # (torch's composable checkpoint runs no function of its own around the forward: its
-    # saved-tensor hooks, the innermost, hold its frame)
+    return False, hooked
+
+
+def _hooked_checkpoint() -> Any:
+    """The frame of the non-reentrant checkpoint whose saved-tensor hooks are the innermost
+    (torch's composable checkpoint runs no function of its own around the forward, only
+    them), or None."""
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     pack = hooks[0] if hooks else None
-    if getattr(pack, "__code__", None) is _CHECKPOINT_PACK:
-        cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or (), strict=True))
-        if "frame" in cells:
-            return False, cells["frame"].cell_contents
-    return False, None
+    if getattr(pack, "__code__", None) is not _CHECKPOINT_PACK:
+        return None
+    cells = dict(zip(pack.__code__.co_freevars, pack.__closure__ or (), strict=True))
+    return cells["frame"].cell_contents if "frame" in cells else None
 
 
 def _with_default_dtype(dtype: torch.dtype, forward: Any, *args: Any, **kwargs: Any) -> Any:
