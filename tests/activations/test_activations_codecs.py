@@ -1336,3 +1336,22 @@ def test_an_activation_whose_last_dimension_is_one_is_stored_as_any_other():
     conv, pooled = 4 * 16 * 64, 4 * 16 * 32
     expected = conv * 17 // 16 + 8 * pooled + 2 * (pooled * 17 // 16)
     assert sum(saved_bytes(model, x).values()) == expected
+
+
+def test_an_activation_viewed_with_a_trailing_one_after_a_statistic_is_stored():
+    """A row statistic is read from the tensor's own history, along first inputs: walked
+    through every input of an add, a residual stream plus its mean, viewed with a trailing
+    1 for an outer product, reached the mean and was kept whole (fp8 at 2x its bytes)."""
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.w = nn.Linear(16, 128, bias=False), nn.Parameter(torch.randn(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            h = h + h.mean(-1, keepdim=True)
+            return (h.unsqueeze(-1) * self.w).sum()  # (saves h[..., None] for w's gradient)
+
+    model = mixprec.apply(Outer(), mixprec.PolicyMap("32-true", activations="fp8"))
+    assert sum(saved_bytes(model, torch.randn(16, 16)).values()) == 16 * 128 * 17 // 16

@@ -166,26 +166,22 @@ def _row_statistic(t: Tensor) -> bool:
     the norm several times the codec's rounding off keep's. It costs one element a row. A
     tensor of that shape computed otherwise (a convolution's or a pooling's output over a
     last dimension of 1) is an activation like any other."""
-    if t.dim() < 2 or t.shape[-1] != 1 or t.grad_fn is None:
+    if t.dim() < 2 or t.shape[-1] != 1:
         return False
-    nodes, seen = [t.grad_fn], set()
-    for _ in range(_STATISTIC_DEPTH):
-        following = []
-        for node in nodes:
-            name = type(node).__name__.rstrip("0123456789")
-            if name in _REDUCTIONS:
-                return True
-            if name in _ELEMENTWISE and id(node) not in seen:
-                seen.add(id(node))
-                following += [n for n, _ in node.next_functions if n is not None]
-        if not following:
+    node = t.grad_fn
+    for _ in range(_STATISTIC_DEPTH):  # (along first inputs: a statistic's own history)
+        name = type(node).__name__.rstrip("0123456789")
+        if name in _REDUCTIONS:
+            return True
+        if name not in _ELEMENTWISE:
             return False
-        nodes = following
+        node = next((n for n, _ in node.next_functions if n is not None), None)
     return False
 
 
-# autograd nodes of reductions along a dimension, of what a statistic goes through on its way
-# to being saved (the reciprocal of the root of a mean plus epsilon, a view of it), and how
+# autograd nodes of reductions along a dimension (not a matrix product: a linear layer's
+# output, viewed with a trailing 1, is an activation), of what a statistic goes through on its
+# way to being saved (the reciprocal of the root of a mean plus epsilon, a view of it), and how
 # many such steps are followed
 _REDUCTIONS = frozenset(
     f"{name}Backward"
@@ -205,7 +201,6 @@ _REDUCTIONS = frozenset(
         "Logsumexp",
         "Cumsum",
         "Bmm",
-        "Mm",
     )
 )
 _ELEMENTWISE = frozenset(
