@@ -1394,6 +1394,24 @@ def test_recomputations_other_than_torchs_checkpoint_and_its_composable_form_run
         out = torch.utils.checkpoint.checkpoint(model.encoder, given, use_reentrant=reentrant)
         out.float().sum().backward()
         assert torch.equal(model.encoder[0].weight.grad, twin.encoder[0].weight.grad)
+    # a block of one's own, checkpointed, calling the encoder under other saved-tensor hooks
+    # (save_on_cpu's covered the checkpoint's: found by its module, not by the top hooks)
+    first, second = (mixprec.apply(_EncoderDecoder(), "bf16-mixed") for _ in range(2))
+    twins = copy.deepcopy((first, second))
+
+    class Block(nn.Module):
+        def __init__(self, one: nn.Module, two: nn.Module) -> None:
+            super().__init__()
+            self.one, self.two = one, two
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            with torch.autograd.graph.save_on_cpu():
+                h = self.one(h)
+            return self.two(h)  # (recomputed: the first runs again as in the forward)
+
+    composable(Block(first.encoder, second.encoder))(x).float().sum().backward()
+    Block(twins[0].encoder, twins[1].encoder)(x).float().sum().backward()
+    assert torch.equal(second.encoder[0].weight.grad, twins[1].encoder[0].weight.grad)
 
 
 def test_an_entry_called_from_outside_under_a_function_transform_runs():

@@ -595,8 +595,29 @@ def _checkpoint_around() -> tuple[bool, Any]:
             record = None if inner is None else inner.f_locals.get("new_frame")
             # (a composable checkpoint inside it: its hooks are the innermost)
             return False, record if hooked is None else hooked
+        if code is _MODULE_CALL:  # (a module torch's composable checkpoint runs)
+            record = _composable_record(frame.f_locals.get("self"))
+            if record is not None:
+                return False, record
         frame = frame.f_back
     return False, hooked
+
+
+_MODULE_CALL = nn.Module._call_impl.__code__
+
+
+def _composable_record(module: Any) -> Any:
+    """The frame of torch's composable checkpoint whose forward ``module`` runs now (its
+    hooks keep the checkpoint's generator on the module while it runs), or None: found so
+    even where other saved-tensor hooks (``save_on_cpu``, an activation option's) cover its
+    own."""
+    if not isinstance(module, nn.Module) or not torch.distributed.is_available():
+        return None
+    from torch.distributed._composable import checkpoint as composable
+
+    gen = getattr(composable.state(module), "_ac_generator", None)
+    inner = getattr(gen, "gi_frame", None)
+    return None if inner is None else inner.f_locals.get("new_frame")
 
 
 def _hooked_checkpoint() -> Any:
