@@ -239,7 +239,26 @@ class _Float32Attention(TorchFunctionMode):
         return out.to(self.dtype)
 
 
-class _AttentionIsland:
+class _StandIn:
+    """What a stand-in for a module's `forward` (its `module`, the `original` forward it
+    replaced or None for the class's) shows tools inspecting that forward."""
+
+    module: nn.Module
+    original: Any
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return _signature(self.module, self.original)
+
+    @property
+    def __code__(self) -> Any:
+        """The code of the forward it stands in for: tools read a forward's (torch.export's
+        non-strict trace names its shapes after it, and failed on a converted model)."""
+        forward = type(self.module).forward if self.original is None else self.original
+        return forward.__code__
+
+
+class _AttentionIsland(_StandIn):
     """Stands in for the `forward` of a module that calls attention under a policy computing
     in `dtype` (`Resolution.float32_attention`): runs it with `_Float32Attention` on. Outside
     the region it may wrap, so the mode sees what the region set up (autocast, the casts).
@@ -258,17 +277,6 @@ class _AttentionIsland:
         self.mixed = None if either else policy.is_mixed
         self.original = original
 
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return _signature(self.module, self.original)
-
-    @property
-    def __code__(self) -> Any:
-        """The code of the forward it stands in for: tools read a forward's (torch.export's
-        non-strict trace names its shapes after it, and failed on a converted model)."""
-        forward = type(self.module).forward if self.original is None else self.original
-        return forward.__code__
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with _Float32Attention(self.dtype, self.mixed):
             if self.original is None:  # the class's function, as `_Region` calls it
@@ -276,7 +284,7 @@ class _AttentionIsland:
             return self.original(*args, **kwargs)
 
 
-class _Region:
+class _Region(_StandIn):
     """Stands in for one module's `forward`: enters its compute region, casts outputs.
 
     Stored in the module's `__dict__` under "forward", so `module(...)` and hooks behave
@@ -329,17 +337,6 @@ class _Region:
         )
         self.original = original
         self.probe = _weight_probe(module)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return _signature(self.module, self.original)
-
-    @property
-    def __code__(self) -> Any:
-        """The code of the forward it stands in for: tools read a forward's (torch.export's
-        non-strict trace names its shapes after it, and failed on a converted model)."""
-        forward = type(self.module).forward if self.original is None else self.original
-        return forward.__code__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
