@@ -962,3 +962,24 @@ def test_state_bytes_counts_the_padding_of_joined_kahan_buffers():
     joined = {opt.state[p]["compensation"].untyped_storage().data_ptr() for p in params}
     assert len(joined) < len(params)  # (the case that was undercounted)
     assert state_bytes(opt) == sum(storages.values())
+
+
+@pytest.mark.parametrize("states", ["float32", "int8"])
+def test_state_bytes_on_the_meta_device_equal_the_cpus(states):
+    """Every storage on the meta device has the address 0: `state_bytes` counted the first
+    state tensor of a meta model and no other (torch's AdamW a quarter of its bytes), where
+    a meta model is how one sizes states without their memory. Counted as on the CPU."""
+    counts = []
+    for device in ("cpu", "meta"):
+        params = [
+            nn.Parameter(torch.zeros(64, 128, device=device)),
+            nn.Parameter(torch.zeros(8192, device=device)),
+        ]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        ours, torchs = LowBitAdamW(params, states=states), torch.optim.AdamW(params)
+        ours.step()
+        torchs.step()
+        counts.append((state_bytes(ours), state_bytes(torchs)))
+    assert counts[0] == counts[1]
+    assert counts[0][1] == 2 * 4 * (64 * 128 + 8192)

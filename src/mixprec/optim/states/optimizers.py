@@ -1332,13 +1332,17 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     its ``state`` but the step counts (moments, codes, scales, Kahan buffers), each storage
     once, whole: states stepped together hold slices of one joined buffer, padded to whole
     blocks, and the padding is held too. A DTensor counts its local part. Works for torch's
-    optimizers too."""
+    optimizers too, and on the meta device (sizing a model's states without memory)."""
     total, seen = 0, set()
     for state in optimizer.state.values():
         for name, value in state.items():
             if name != "step" and torch.is_tensor(value):
                 storage = local_part(value).untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
+                # a storage by its memory on its device; one without memory (the meta
+                # device's, where every address is 0) by the storage itself
+                ptr = storage.data_ptr()
+                key = (storage.device, ptr) if ptr else (None, storage._cdata)
+                if key not in seen:
+                    seen.add(key)
                     total += storage.nbytes()
     return total
