@@ -7,16 +7,83 @@ state format (``min_size=0``, so that every format stores the vector). The table
 summed magnitude of the weights' change against torch's and each element's ratio (median,
 5% quantile): a ratio under 1 everywhere is a bias that shrinks updates, not noise.
 
+``--candidates`` adds two int4 layouts registered here as state formats of their own (not
+mixprec's): the second moment stored as its root on int4's linear map (``int4-roots``), and
+as its root on the unsigned 4-bit dynamic map, a positive root never coded 0
+(``int4-roots-dynamic``), the ways int8 and float8 store it.
+
     python benchmarks/state_update_bias.py [--elements 4096] [--steps 100] [--seed 0]
+        [--candidates]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
 from mixprec.optim.states import LowBitAdamW
+from mixprec.optim.states.codecs import (
+    Int4Codec,
+    _at_least_tiny,
+    _decades,
+    _read,
+    _root_scaled,
+    dynamic_map,
+    dynamic_nearest,
+    pack4,
+    register_state_format,
+    unpack4,
+)
+
+
+class _Int4Roots(Int4Codec):
+    """int4 with the second moment's root on its linear map 1/16 .. 1, the scale negated."""
+
+    name = "int4-roots"
+
+    def encode(self, x, signed, table):  # type: ignore[no-untyped-def]
+        if signed:
+            return super().encode(x, signed, table)
+        y, root = _root_scaled(x)
+        return pack4(self.nearest(y, False).reshape(-1).to(torch.uint8)), -root
+
+    def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
+        if signed:
+            return super().decode(codes, scales, block, signed, table)
+        values = (unpack4(codes).to(torch.float32) + 1.0).reshape(-1, block) * 0.0625
+        magnitude = scales.abs()
+        magnitude = torch.where(magnitude == math.inf, math.nan, magnitude)[:, None]
+        stored = values * magnitude
+        return _at_least_tiny(stored * stored, values, magnitude)
+
+
+class _Int4RootsDynamic(_Int4Roots):
+    """int4 with the second moment's root on the unsigned 4-bit dynamic map (3 exponent
+    bits), a positive root coded at least as the map's smallest positive value."""
+
+    name = "int4-roots-dynamic"
+    _UNSIGNED = _decades(4, 3, False)
+
+    def code_map(self, signed: bool) -> torch.Tensor:
+        return torch.tensor(dynamic_map(4, signed, 3), dtype=torch.float32)
+
+    def encode(self, x, signed, table):  # type: ignore[no-untyped-def]
+        if signed:
+            return Int4Codec.encode(self, x, signed, table)
+        y, root = _root_scaled(x)
+        codes = dynamic_nearest(y, self._UNSIGNED, False)
+        codes = torch.where(y > 0, codes.clamp_min(1), codes)
+        return pack4(codes.reshape(-1).to(torch.uint8)), -root
+
+    def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
+        if signed:
+            return Int4Codec.decode(self, codes, scales, block, signed, table)
+        values = _read(table, unpack4(codes)).view(-1, block)
+        magnitude = scales.abs()[:, None]
+        stored = values * magnitude
+        return _at_least_tiny(stored * stored, values, magnitude)
 
 
 def measure(fmt: str, elements: int, steps: int, seed: int) -> tuple[float, float, float]:
@@ -42,11 +109,17 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--candidates", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    formats = ["int8", "float8", "int4"]
+    if args.candidates:
+        for codec in (_Int4Roots(), _Int4RootsDynamic()):
+            register_state_format(codec)
+            formats.append(codec.name)
     print("| states | summed update / torch's | median element ratio | 5% quantile |")
     print("|---|---:|---:|---:|")
-    for fmt in ("int8", "float8", "int4"):
+    for fmt in formats:
         total, median, low = measure(fmt, args.elements, args.steps, args.seed)
         print(f"| {fmt} | {total:.3f} | {median:.3f} | {low:.3f} |")
 
