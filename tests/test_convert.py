@@ -1389,6 +1389,51 @@ def test_a_child_run_with_autocast_off_inside_nested_checkpoints_recomputes_as_i
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_an_entry_entered_and_then_called_under_its_own_autocast_recomputes_both_calls(reentrant):
+    """A checkpointed function of one's own calls the encoder from outside twice: first
+    entering its bfloat16 region, then under its own bfloat16 autocast (a probe without
+    grad). A record of each call's way, the second overwriting the first, recomputed the
+    first in float32 (reentrant: silently, 0.35% off; non-reentrant: torch refused it); an
+    entry that entered once recomputes each call as it ran."""
+    torch.manual_seed(0)
+    model = mixprec.apply(_EncoderDecoder(), "bf16-mixed")
+
+    def both(h: torch.Tensor) -> torch.Tensor:
+        out = model.encoder(h)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            model.encoder(h)
+        return out.float()
+
+    x = torch.randn(2, 8, requires_grad=True)
+    twin = x.detach().clone().requires_grad_()
+    torch.utils.checkpoint.checkpoint(both, x, use_reentrant=reentrant).square().sum().backward()
+    weight = model.encoder[0].weight.grad.clone()
+    model.zero_grad()
+    both(twin).square().sum().backward()
+    assert torch.equal(x.grad, twin.grad)
+    assert torch.equal(weight, model.encoder[0].weight.grad)
+
+
+def test_a_layer_called_under_its_own_autocast_from_outside_keeps_its_float32_child():
+    """A layer called directly under the user's bfloat16 autocast runs as it is, but its
+    model was not counted as running: the router its forward runs with autocast off read a
+    call from outside and entered its bfloat16 region, where plain torch (and the whole
+    model under the same autocast) runs it in float32."""
+    torch.manual_seed(0)
+    layer = _RoutedLayer(lambda f, h: f(h))
+    plain = copy.deepcopy(layer)
+    model = mixprec.apply(_RoutedLayers(lambda f, h: f(h), lambda f, h: f(h)), "bf16-mixed")
+    model.layers[0].load_state_dict(plain.state_dict())
+    seen = []
+    model.layers[0].router[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    h = torch.randn(4, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = model.layers[0](h), plain(h)
+    assert seen == [torch.float32]
+    assert torch.equal(got, expected)
+
+
 class _Recompute(torch.autograd.Function):
     """A recomputation in the backward of one's own, as DeepSpeed's and Megatron's
     checkpoints are written: no torch checkpoint on the stack, no autocast restored."""

@@ -512,15 +512,15 @@ class _Entry(_CountedRegion):
     where it computed in float32 or in its caller's dtype. Recomputed by torch's checkpoint
     in the backward, it enters its region again where its forward in that checkpoint did
     (checkpointed from outside its model, its recomputation ran in float32: the checkpoint
-    records it, `_checkpoint_around`), else runs as it is (its model counted as running, as
-    in the forward, where it ran inside it: its children run as they did). Traced by
+    records it, `_checkpoint_around`), else runs as it is. Run as it is from outside its
+    model's forward (its own autocast, a recomputation), its model counts as running, so
+    its children run as inside it (a float32 router stays float32). Traced by
     torch.compile, it runs as it is inside its model's traced regions (counted on the
     family) or under its own autocast, else enters its region (compiled on its own,
     ``torch.compile(model.get_encoder())`` ran in float32)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         family = self.family
-        inside = False  # (run through as inside its model's forward: counted as running)
         if torch.compiler.is_compiling():  # (a region traced, or one running eagerly around)
             through = family.traced > 0 or family.eager > 0  # type: ignore[union-attr]
             through = through or self._under_own_autocast(args, kwargs)
@@ -528,31 +528,29 @@ class _Entry(_CountedRegion):
             through = True
         else:
             recomputing, around = _checkpoint_around()
-            marks = {} if around is None else getattr(around, _MARK, {})
+            marks = set() if around is None else getattr(around, _MARK, set())
             if recomputing:  # (as its forward ran where `around` ran it)
-                entered = marks.get(id(self))
-                if entered:
-                    through = self._under_own_autocast(args, kwargs)
-                else:  # (its model's forward ran it, or its own autocast did)
-                    through, inside = True, entered is None
+                through = id(self) not in marks or self._under_own_autocast(args, kwargs)
             else:  # (a forward; or a recomputation of another scheme: as a call from outside)
                 through = self._under_own_autocast(args, kwargs)
-                if around is not None:
+                if not through and around is not None:
                     if not marks:
                         setattr(around, _MARK, marks)
-                    marks[id(self)] = not through
-        if through:
-            if inside:  # (its children its forward ran with autocast off stay as they ran)
+                    marks.add(id(self))
+            if through:  # (its children its forward runs with autocast off stay so)
                 return self._inside(args, kwargs)
+        if through:
             if self.original is None:
                 return type(self.module).forward(self.module, *args, **kwargs)
             return self.original(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
     def _inside(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run the forward as it is, its model counted as running in this thread: a
-        recomputation of what ran inside the model's forward, whose entries below then run
-        as they did there (a float32 router its parent called with autocast off)."""
+        """Run the forward as it is, its model counted as running in this thread, as where
+        it ran inside its model's forward: the entries below it then run as they do there (a
+        float32 router its parent calls with autocast off stays float32). Called so from
+        outside its model under its own autocast, and recomputed where its forward did not
+        enter its region."""
         running, family = _INSIDE.running, self.family
         running[family] = running.get(family, 0) + 1  # type: ignore[index]
         family.eager += 1  # type: ignore[union-attr]
@@ -575,9 +573,9 @@ class _Entry(_CountedRegion):
         )
 
 
-# the attribute of a torch checkpoint's record (`_checkpoint_around`): the entries (by id)
-# its forward called from outside their model's forward, each with whether it entered its
-# region (else its own autocast ran it); an entry it lacks ran inside its model's forward
+# the attribute of a torch checkpoint's record (`_checkpoint_around`) naming the entries
+# (by id) that entered their region in its forward (once is enough: a call under its own
+# autocast from the same forward recomputes under it again, and passes through)
 _MARK = "_mixprec_entries_entered"
 _CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
