@@ -516,6 +516,16 @@ def test_capping_onednn_below_vnni_rates_int8_as_saving_memory_only():
     assert int8_support(arm).status == hardware.FAST
 
 
+def test_a_cpu_described_without_flags_is_not_rated_fast_at_int8():
+    """A CPU described with no flags was rated "fast" at int8 (taken for a non-x86 one)
+    while its bfloat16 was rated as an x86's without AVX-512: nothing unlisted is assumed
+    now, so int8 saves memory there, as on an x86 without VNNI."""
+    bare = hardware.DeviceInfo("cpu", "AMD EPYC 7R32 (AVX2 only)")
+    assert int8_support(bare).status == hardware.SUPPORTED
+    assert "no VNNI" in int8_support(bare).reason
+    assert hardware.policy_support("bf16-mixed", bare).status == hardware.SLOW
+
+
 def test_quantize_takes_a_modes_options_in_its_name_as_a_policy_does():
     """'mxfp8/floor' was taken but 'int4/64' and 'float8/delayed:16' were 'unknown modes':
     every mode takes its options after '/' as in a policy name, keywords beside them refused."""
