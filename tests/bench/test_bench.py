@@ -181,8 +181,10 @@ def test_on_a_cpu_without_fast_bf16_the_default_run_says_why_it_timed_float32_on
 ):
     from mixprec.bench import suite
 
-    # (rates measured on a quiet machine: doubted ones are not shown, tested below)
+    # (rates measured on a quiet machine: doubted ones are not shown, tested below; the AVX2
+    # CPU is described for its plan, the rates measured as a host's)
     monkeypatch.setattr(suite, "rate_doubts", lambda rates, info, load: [])
+    monkeypatch.setattr(suite, "assumed", lambda device_type: False)
     with hardware.assume(AVX2_CPU):
         code, results, _, md = _bench(
             tmp_path, "--image-size", "16", "--batch-sizes", "2", "--steps", "1", *TINY
@@ -232,6 +234,8 @@ def test_matmul_rates_measured_on_a_busy_machine_are_doubted_not_used(
 
     doubt = "float16, slow on this hardware, measured 20.2x faster than float32"
     monkeypatch.setattr(suite, "rate_doubts", lambda rates, info, load: [doubt])
+    # (the AVX2 CPU described for its float32-only plan, its rates measured as a host's)
+    monkeypatch.setattr(suite, "assumed", lambda device_type: False)
     with hardware.assume(AVX2_CPU):
         code, results, _, md = _bench(
             tmp_path, "--image-size", "16", "--batch-sizes", "2", "--steps", "1", *TINY
@@ -646,9 +650,27 @@ def test_the_comparison_gap_measures_matmul_rates_on_one_thread(monkeypatch):
     before = torch.get_num_threads()
     with hardware.assume(ZEN4):
         p = plan(BenchOptions(precisions=["32-true"], batch_sizes=[2], device="cpu", threads=2))
-        with pytest.raises(Measured):
-            suite.comparison_gap(p)
+    with pytest.raises(Measured):  # (the host, as run: described, nothing is measured)
+        suite.comparison_gap(p)
     assert seen == [1] and torch.get_num_threads() == before
+
+
+def test_a_described_cpu_gets_no_matmul_rates_measured_on_the_host(monkeypatch):
+    """Under `assume(AVX2_CPU)` the gap recorded the host's rates (bfloat16 2.0x float32 on
+    this Zen 4) beside "bf16-mixed, slow here (... emulated)" and printed them on an idle
+    host: rates of another machine. A described device measures none."""
+    from mixprec.bench import suite
+    from mixprec.bench.report import comparison_gap_lines
+
+    monkeypatch.setattr(suite, "measure_rates", lambda **kwargs: pytest.fail("measured"))
+    with hardware.assume(AVX2_CPU):
+        p = plan(BenchOptions(batch_sizes=[2], device="cpu", threads=1))
+        meta = suite.metadata(p)
+        meta["comparison_gap"] = gap = suite.comparison_gap(p)
+    assert gap["matmul_gflops"] == {} and gap["matmul_doubts"] == []
+    assert "bf16-mixed" in gap["left_out"]
+    lines = comparison_gap_lines(BenchReport(meta, []), [])
+    assert not any("matmul rates" in line for line in lines)
 
 
 def test_doubted_matmul_rates_are_not_printed():
@@ -681,8 +703,9 @@ def test_doubted_matmul_rates_are_not_printed():
 def test_the_metadata_records_what_the_pre_run_checks_found(monkeypatch):
     """The conclusion's busy-machine caveat read os.cpu_count() when the report was made and
     guessed other work from load averages; the run now records its core count, the busy
-    cores the pre-run check sampled, and whether the warning was due: by those busy cores
-    where they were sampled (the threads were chosen by them), else by the load."""
+    cores the pre-run check sampled, and whether the warning was due: by those busy cores,
+    sampled with --threads given too (the warning read the load average there, a minute
+    behind: a run started just after another, on a machine now idle, warned of it)."""
     from mixprec.bench import suite
 
     monkeypatch.setattr(suite, "busy_cores", lambda: 1.3)
@@ -694,9 +717,15 @@ def test_the_metadata_records_what_the_pre_run_checks_found(monkeypatch):
             plan(BenchOptions(precisions=["32-true"], batch_sizes=[2], threads=1))
         )
     assert sampled["cores"] == 2 and sampled["busy_cores_before"] == 1.3
-    assert given["busy_cores_before"] is None  # (--threads given: not sampled)
+    assert given["busy_cores_before"] == 1.3  # (--threads given: sampled all the same)
     assert sampled["threads"] == 1 and sampled["busy_warning"] is False  # (one core free)
-    assert given["busy_warning"] is True  # (a load of 9 on 2 cores)
+    assert given["busy_warning"] is False  # (one core free for its one thread; load 9 aside)
+    monkeypatch.setattr(suite, "busy_cores", lambda: 1.9)
+    with hardware.assume(ZEN4):
+        busy = suite.metadata(
+            plan(BenchOptions(precisions=["32-true"], batch_sizes=[2], threads=1))
+        )
+    assert busy["busy_warning"] is True  # (no core free)
 
 
 def test_a_float64_only_run_says_float64_was_timed():

@@ -388,6 +388,22 @@ def test_a_slower_run_saving_no_memory_does_not_point_at_memory(monkeypatch, pea
     )
 
 
+def test_a_slower_verdict_on_busy_cores_with_several_threads_gives_no_float32_advice():
+    """Several threads on cores other work used: the sentence said "train in float32 here"
+    and then that the ratio could be low for that alone (a CNN 0.84x so, 1.6-1.75x at one
+    thread). The advice waits for a run that measures bf16-mixed itself."""
+    report, summaries = _with_interval(0.80, 0.85, 0.90)
+    report.metadata.update(threads=2, load_average_before=[9.0] * 3)
+    sentence = conclusion(report, summaries)
+    assert "while here it is slower than float32" in sentence
+    assert "train in float32" not in sentence, sentence
+    assert sentence.endswith(
+        "--threads 1 measures what bf16-mixed itself buys before float32 is chosen over it."
+    ), sentence
+    report.metadata.update(threads=1)  # (one thread: the figure stands, and so the advice)
+    assert "train in float32 unless memory is what you need." in conclusion(report, summaries)
+
+
 def test_intervals_on_both_sides_of_the_seeds_figure_say_so():
     """An interval under 1.1x at one batch size and one over it at another read "about
     what it pays here" (the span of all of them held 1.1x)."""

@@ -1154,9 +1154,20 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
             than = f"{parts[0]} at some batch sizes here, {parts[1]} at some and less at others"
     if slower_at and not slower and "slower" not in than:
         than += f"; at {named} it is slower than float32"
-    if (slower or all(i.high < min(blog) for i in intervals)) and statistics.median(
-        speed
-    ) < 0.9 * min(blog):
+    threads = meta.get("threads") or 1
+    other = _other_load(meta)
+    # several threads on cores other work used: a ratio that may be low for that alone
+    # gives no advice to train in float32 (the caveat below says how to measure it)
+    contended = bool(
+        other
+        and threads > 1
+        and _is_busy(other[0], threads, meta.get("device_type", ""), _cores(meta))
+    )
+    if (
+        not contended
+        and (slower or all(i.high < min(blog) for i in intervals))
+        and statistics.median(speed) < 0.9 * min(blog)
+    ):
         untimed = _untimed_auto(meta)
         if memory and memory.endswith("less peak memory"):
             than += ": train in float32 unless memory is what you need"
@@ -1173,18 +1184,13 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
     )
     if fits:  # (a batch size float32 could not run is in no interval: said apart)
         sentence += f" Also, {fits}."
-    threads = meta.get("threads") or 1
-    other = _other_load(meta)
-    if (
-        other
-        and threads > 1
-        and _is_busy(other[0], threads, meta.get("device_type", ""), _cores(meta))
-    ):
+    if contended:
         sentence += (
             f" Measured with {threads} threads on cores other work was using ({other[1]}): "
             "threads then wait for each other at every op, which may cost the shorter "
             "low-precision step more, so this ratio can be lower than free cores give; "
-            f"--threads 1 measures what {label} itself buys."
+            f"--threads 1 measures what {label} itself buys"
+            + (" before float32 is chosen over it." if slower or slower_at else ".")
         )
     return sentence
 

@@ -46,6 +46,7 @@ from mixprec.bench.runner import (
     run_side_by_side,
 )
 from mixprec.bench.verdict import TARGET_WIDTH
+from mixprec.device import assumed
 from mixprec.dtypes import dtype_name
 from mixprec.errors import PolicySpecError, PrecisionError, SlowPrecisionError
 from mixprec.hardware import (
@@ -196,7 +197,7 @@ class Plan:
     # why fewer threads than torch's default were chosen (other work on the cores), or None
     threads_note: str | None = None
     # how many cores other work kept busy as the plan was made (`timing.busy_cores`), where
-    # it was sampled (a CPU run without --threads); None elsewhere
+    # it was sampled (a CPU run); None elsewhere
     busy_cores: float | None = None
 
     @property
@@ -419,12 +420,15 @@ def plan(options: BenchOptions) -> Plan:
         raise ValueError(f"--timeout must be > 0 seconds, got {opts.timeout}")
     device = _device(opts.device)
     threads_note, busy = None, None
+    # other work's cores as the run begins, sampled whether or not --threads chose the
+    # threads (what the busy-machine warning reads: the load average lags by a minute, and
+    # a run started just after another would warn of a neighbour gone)
+    if device.type == "cpu":  # a GPU's timing does not wait for busy CPU cores
+        busy = busy_cores()
     if opts.threads is None:
         threads = torch.get_num_threads()
-        if device.type == "cpu":  # a GPU's timing does not wait for busy CPU cores
-            cores = os.cpu_count() or 1
-            busy = busy_cores()
-            threads, threads_note = free_threads(threads, busy, cores)
+        if busy is not None:
+            threads, threads_note = free_threads(threads, busy, os.cpu_count() or 1)
         opts = replace(opts, threads=threads)
     if opts.max_batch and device.type == "cpu" and opts.memory_limit is None:
         raise ValueError(
@@ -542,15 +546,20 @@ def comparison_gap(p: Plan) -> dict[str, Any] | None:
         return None
     # on one thread, as `hardware.gemm_ratio`: threads of one multiply wait for each other
     # on cores other work holds, which slows the faster dtype's multiply most (docs/bench.md)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        measured = measure_rates(device=p.device, seconds=0.2)
-    finally:
-        torch.set_num_threads(before)
-    rates = {name: r.median for name, r in measured.items()}
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    doubts = rate_doubts(measured, detect(p.device), load)
+    # (a described device, `assume`: the host's rates would be another machine's, and
+    # contradict the ratings of the one described; none are measured)
+    rates: dict[str, float] = {}
+    doubts: list[str] = []
+    if not assumed(p.device.type):
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            measured = measure_rates(device=p.device, seconds=0.2)
+        finally:
+            torch.set_num_threads(before)
+        rates = {name: r.median for name, r in measured.items()}
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        doubts = rate_doubts(measured, detect(p.device), load)
     fast = [n for n, s in p.left_out.items() if s.status == FAST]
     others = [n for n, s in p.left_out.items() if s.status not in (FAST, REFUSED)]
 
@@ -579,6 +588,7 @@ def comparison_gap(p: Plan) -> dict[str, Any] | None:
             }
             for name, s in p.left_out.items()
         },
+        # (empty for a described device: nothing measured)
         "matmul_gflops": {k: round(v, 2) for k, v in rates.items()},
         # why those rates may not be trusted (a busy machine): no estimate is made from them
         "matmul_doubts": doubts,

@@ -26,6 +26,7 @@ from mixprec.errors import PrecisionError
 __all__ = [
     "DeviceInfo",
     "assume",
+    "assumed",
     "default_device",
     "detect",
     "device_of",
@@ -486,6 +487,12 @@ def _check_cuda_index(index: int) -> None:
         raise PrecisionError(
             f"device 'cuda:{index}': this process sees {count} CUDA GPU(s), {visible}; {which}"
         )
+
+
+def assumed(device_type: str) -> bool:
+    """Whether devices of ``device_type`` are described now (`assume`), not the host's: what
+    is measured on the host then says nothing of them."""
+    return device_type in _assumed
 
 
 @contextmanager
