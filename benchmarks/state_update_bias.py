@@ -8,9 +8,9 @@ summed magnitude of the weights' change against torch's and each element's ratio
 5% quantile): a ratio under 1 everywhere is a bias that shrinks updates, not noise.
 
 ``--candidates`` adds two int4 layouts registered here as state formats of their own (not
-mixprec's): the second moment stored as its root on int4's linear map (``int4-roots``), and
-as its root on the unsigned 4-bit dynamic map, a positive root never coded 0
-(``int4-roots-dynamic``), the ways int8 and float8 store it.
+mixprec's): the second moment itself on int4's linear map (``int4-v``: int4 before
+2026-12-06, and torchao's), and its root on the unsigned 4-bit dynamic map, a positive root
+never coded 0 (``int4-roots-dynamic``).
 
     python benchmarks/state_update_bias.py [--elements 4096] [--steps 100] [--seed 0]
         [--candidates]
@@ -19,7 +19,6 @@ as its root on the unsigned 4-bit dynamic map, a positive root never coded 0
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
@@ -30,6 +29,7 @@ from mixprec.optim.states.codecs import (
     _decades,
     _read,
     _root_scaled,
+    _scaled,
     dynamic_map,
     dynamic_nearest,
     pack4,
@@ -38,28 +38,21 @@ from mixprec.optim.states.codecs import (
 )
 
 
-class _Int4Roots(Int4Codec):
-    """int4 with the second moment's root on its linear map 1/16 .. 1, the scale negated."""
+class _Int4V(Int4Codec):
+    """int4 as it stored the second moment before 2026-12-06 (and as torchao does): ``v``
+    itself on the linear map 1/16 .. 1, the block's scale positive (which mixprec's int4
+    still decodes as such)."""
 
-    name = "int4-roots"
+    name = "int4-v"
 
     def encode(self, x, signed, table):  # type: ignore[no-untyped-def]
         if signed:
             return super().encode(x, signed, table)
-        y, root = _root_scaled(x)
-        return pack4(self.nearest(y, False).reshape(-1).to(torch.uint8)), -root
-
-    def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
-        if signed:
-            return super().decode(codes, scales, block, signed, table)
-        values = (unpack4(codes).to(torch.float32) + 1.0).reshape(-1, block) * 0.0625
-        magnitude = scales.abs()
-        magnitude = torch.where(magnitude == math.inf, math.nan, magnitude)[:, None]
-        stored = values * magnitude
-        return _at_least_tiny(stored * stored, values, magnitude)
+        y, largest = _scaled(x)
+        return pack4(self.nearest(y, False).reshape(-1).to(torch.uint8)), largest
 
 
-class _Int4RootsDynamic(_Int4Roots):
+class _Int4RootsDynamic(Int4Codec):
     """int4 with the second moment's root on the unsigned 4-bit dynamic map (3 exponent
     bits), a positive root coded at least as the map's smallest positive value."""
 
@@ -71,7 +64,7 @@ class _Int4RootsDynamic(_Int4Roots):
 
     def encode(self, x, signed, table):  # type: ignore[no-untyped-def]
         if signed:
-            return Int4Codec.encode(self, x, signed, table)
+            return super().encode(x, signed, table)
         y, root = _root_scaled(x)
         codes = dynamic_nearest(y, self._UNSIGNED, False)
         codes = torch.where(y > 0, codes.clamp_min(1), codes)
@@ -79,7 +72,7 @@ class _Int4RootsDynamic(_Int4Roots):
 
     def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
         if signed:
-            return Int4Codec.decode(self, codes, scales, block, signed, table)
+            return super().decode(codes, scales, block, signed, table)
         values = _read(table, unpack4(codes)).view(-1, block)
         magnitude = scales.abs()[:, None]
         stored = values * magnitude
@@ -114,7 +107,7 @@ def main() -> None:
     torch.set_num_threads(1)
     formats = ["int8", "float8", "int4"]
     if args.candidates:
-        for codec in (_Int4Roots(), _Int4RootsDynamic()):
+        for codec in (_Int4V(), _Int4RootsDynamic()):
             register_state_format(codec)
             formats.append(codec.name)
     print("| states | summed update / torch's | median element ratio | 5% quantile |")

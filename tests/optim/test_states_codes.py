@@ -173,6 +173,36 @@ def test_int8_keeps_roots_and_codes_a_positive_root_below_its_smallest_code_as_t
     assert dequantize(codes, scales, "int8/block=4", (4,), signed=False).tolist() == [0.0] * 4
 
 
+def test_int4_keeps_roots_so_a_small_second_moment_is_not_lifted_to_a_sixteenth():
+    """int4 stored ``v`` itself on its linear map 1/16 .. 1: every ``v`` under 1/32 of its
+    block's largest decoded as 1/16 of it (a ``v`` at 1/100: 6.25x itself), and AdamW's
+    summed update fell to 0.67 of float32 states' on ordinary gradients. It stores roots now
+    (the scale the largest root, negated): the floor lifts a ``v`` under 1/1024 only, and a
+    ``v`` at 1/100 decodes within 1.6x of itself."""
+    fmt = StateFormat("int4", 8)
+    v = torch.tensor([1.0, 0.01, 0.002, 0.25, 0.5, 1e-6, 0.0, 0.04])
+    codes, scales = quantize(v, fmt, signed=False)
+    assert scales.tolist() == [-1.0]
+    back = dequantize(codes, scales, fmt, (8,), signed=False)
+    ratio = back / v
+    assert float(ratio[1]) < 1.6 and float(ratio[2]) < 2.0 and float(ratio[7]) < 1.6
+    assert back[0] == 1.0 and back[3] == 0.25
+    # under 1/1024 of the largest (0 too: the map has no zero): the floor, a sixteenth root
+    assert back[5] == back[6] == 1 / 256
+
+    g = torch.Generator().manual_seed(0)
+    mean = torch.randn(1024, generator=g)
+    ref, low = nn.Parameter(torch.zeros(1024)), nn.Parameter(torch.zeros(1024))
+    torchs = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.0)
+    ours = LowBitAdamW([low], lr=1e-3, weight_decay=0.0, states="int4", min_size=0)
+    for _ in range(30):
+        grad = mean + 0.5 * mean.abs() * torch.randn(1024, generator=g)
+        ref.grad, low.grad = grad.clone(), grad.clone()
+        torchs.step()
+        ours.step()
+    assert float(low.detach().abs().sum() / ref.detach().abs().sum()) > 0.8
+
+
 # -- states saved when int8 kept v itself ----------------------------------------------------
 
 
@@ -293,8 +323,9 @@ def test_e4m3_from_bits_is_torchs_conversion_bit_for_bit(compiled):
 def test_int4_second_moments_decode_as_their_map_reads_every_code(compiled):
     """The int4 second moment's linear map is read by arithmetic where a table read costs
     more (not on AVX2 CPUs): every code of both halves of a byte, under scales of either
-    sign, zero, subnormal, float32's extremes, infinite and NaN, decodes bit for bit as
-    the map's table says (an infinite scale as NaN); and no blocks decode to none."""
+    sign (a negative one: codes of roots, squared), zero, subnormal, float32's extremes,
+    infinite and NaN, decodes bit for bit as the map's table says (an infinite scale as
+    NaN); and no blocks decode to none."""
     from mixprec.optim.engine import can_compile
     from mixprec.optim.states.codecs import _at_least_tiny, pack4, state_codec
 
@@ -319,7 +350,10 @@ def test_int4_second_moments_decode_as_their_map_reads_every_code(compiled):
     magnitude = scales.abs()[:, None]
     # (an infinite scale, a second moment past float32's range, decodes as NaN)
     magnitude = torch.where(magnitude == math.inf, math.nan, magnitude)
-    expected = _at_least_tiny(values * magnitude, values, magnitude)
+    stored = values * magnitude  # (a negative scale: the codes are of roots, squared back)
+    expected = _at_least_tiny(
+        torch.where(scales[:, None] < 0, stored * stored, stored), values, magnitude
+    )
     assert got[-3:].isnan().all()
     assert torch.equal(got.isnan(), expected.isnan())
     assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))

@@ -17,8 +17,8 @@ The builtin codecs (see `mixprec.optim.states.formats` for the maps and why):
 - ``float32``: as torch keeps moments (``exp_avg``, ...); nothing encoded.
 - ``int8`` (block 256): an index into a dynamic code map; the second moment stored as its
   square root, the block's scale negated to mark it.
-- ``int4`` (block 128): a 4-bit index, two per byte; the second moment on a linear map
-  without zero.
+- ``int4`` (block 128): a 4-bit index, two per byte; the second moment's square root on a
+  linear map without zero, the block's scale negated to mark it.
 - ``float8`` (block 256; also spelled ``fp8``): float8 e4m3 codes of the element over its
   block's scale; the second moment stored as its square root.
 """
@@ -469,7 +469,12 @@ def unpack4(packed: torch.Tensor) -> torch.Tensor:
 class Int4Codec(StateCodec):
     """4-bit indices, two per byte (the first in the low half): the signed dynamic map with
     3 exponent bits for the first moment; for the second a linear map without zero, 1/16 ..
-    16/16 (a second moment rounded to zero turns ``m / sqrt(v)`` into a huge step)."""
+    16/16 (a second moment rounded to zero turns ``m / sqrt(v)`` into a huge step), of its
+    square root, the block's scale negated to mark it, as int8 stores it: the map's floor
+    (which shrinks an update, never grows one) then lifts a ``v`` under 1/1024 of the
+    block's largest, where on ``v`` itself it lifted every one under 1/32. A block with a
+    positive scale holds codes of ``v`` itself (states saved before int4 kept roots) and
+    decodes as then."""
 
     name = "int4"
     default_block = 128
@@ -491,9 +496,10 @@ class Int4Codec(StateCodec):
         return dynamic_nearest(y, self._D, True)
 
     def encode(self, x, signed, table):  # type: ignore[no-untyped-def]
-        y, absmax = _scaled(x)
+        y, absmax = _scaled(x) if signed else _root_scaled(x)
         codes = self.nearest(y, signed)
-        return pack4(codes.reshape(-1).to(torch.uint8)), absmax
+        # (a second moment's scale negated: the block's codes are of roots)
+        return pack4(codes.reshape(-1).to(torch.uint8)), absmax if signed else -absmax
 
     def decode(self, codes, scales, block, signed, table):  # type: ignore[no-untyped-def]
         if signed or (_AVX2 and codes.device.type == "cpu"):
@@ -509,7 +515,9 @@ class Int4Codec(StateCodec):
         # infinities, with no code below 1/16, the whole block's updates would be 0, frozen
         magnitude = scales.abs()
         magnitude = torch.where(magnitude == math.inf, math.nan, magnitude)[:, None]
-        return _at_least_tiny(values * magnitude, values, magnitude)
+        stored = values * magnitude
+        v = torch.where(scales[:, None] < 0, stored * stored, stored)
+        return _at_least_tiny(v, values, magnitude)
 
 
 # the float32 value of each e4m3 byte (NaN for the two NaN codes): a table read in place of

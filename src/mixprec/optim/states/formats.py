@@ -16,8 +16,8 @@ one code per element:
   codes of ``v`` itself, as states saved before int8 kept roots hold, and decodes as then.
 - ``int4`` (block 128): a 4-bit index, two packed per byte: the signed dynamic map with 3
   exponent bits (-1 in place of its smallest positive value) for the first moment, a linear
-  map with no zero, 1/16 .. 16/16, for the second, as the 4-bit optimizer study (Li et al.,
-  arXiv 2309.01507) advises: a second moment rounded to zero makes a huge step.
+  map with no zero, 1/16 .. 16/16 (Li et al., arXiv 2309.01507), for the second's square
+  root, the scale negated as int8's (docs/states.md says why).
 - ``float8`` (block 256; ``fp8`` is accepted for it): float8 e4m3 codes of the element
   divided by its block's scale (the block's largest magnitude over 448, e4m3's largest
   finite value). The second moment is stored as its square root, and a positive root below
