@@ -29,3 +29,14 @@ def test_a_view_inside_a_longer_span_pairs_with_the_one_reaching_furthest():
     buffer = torch.zeros(100)
     pairs = overlapping_pairs([buffer[:10], buffer, buffer[50:60]])
     assert sorted(tuple(sorted(p)) for p in pairs) == [(0, 1), (1, 2)]
+
+
+def test_meta_tensors_overlap_only_within_their_own_storage():
+    """Every meta tensor is at address 0: distinct ones all overlapped, so an optimizer
+    stepped each meta parameter alone where it joins them on a CPU. Without memory, a
+    tensor's addresses count within its storage: a tied weight and its transpose still
+    overlap there, distinct tensors do not."""
+    a, b, tied = (torch.zeros(4, 4, device="meta") for _ in range(3))
+    assert overlapping([a, b]) == set()
+    assert overlapping([a, tied, b, tied.t()]) == {1, 3}
+    assert overlapping([tied[:2], tied[2:]]) == set()

@@ -20,13 +20,24 @@ def memory_span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
+def _memory(t: torch.Tensor) -> tuple[str, int, int]:
+    """What ``t``'s addresses count in: its device's memory, or for a tensor with none (the
+    meta device's, all at address 0) its storage, which its views share."""
+    storage = t.untyped_storage()
+    own = 0 if storage.data_ptr() else storage._cdata
+    return t.device.type, -1 if t.device.index is None else t.device.index, own
+
+
 def overlapping_pairs(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     """Pairs of positions in ``tensors`` whose spans overlap (empty tensors never do): for
-    each tensor that starts inside an earlier one's span, it and the one reaching furthest."""
-    spans = sorted((*memory_span(t), i) for i, t in enumerate(tensors) if t.numel())
+    each tensor that starts inside an earlier one's span in the same memory, it and the one
+    reaching furthest."""
+    spans = sorted((_memory(t), *memory_span(t), i) for i, t in enumerate(tensors) if t.numel())
     pairs: list[tuple[int, int]] = []
-    reach, holder = -1, -1
-    for start, end, i in spans:
+    memory, reach, holder = None, -1, -1
+    for where, start, end, i in spans:
+        if where != memory:
+            memory, reach, holder = where, -1, -1
         if start < reach:
             pairs.append((holder, i))
         if end > reach:

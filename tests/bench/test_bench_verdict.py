@@ -402,6 +402,16 @@ def test_a_slower_verdict_on_busy_cores_with_several_threads_gives_no_float32_ad
     ), sentence
     report.metadata.update(threads=1)  # (one thread: the figure stands, and so the advice)
     assert "train in float32 unless memory is what you need." in conclusion(report, summaries)
+    # the caveat's ending follows the advice it stands in for: no faster (advised at one
+    # thread) ends so, and so does the note of an untimed fast precision the advice carried
+    report, summaries = _with_interval(0.80, 0.88, 1.02)
+    report.metadata.update(threads=2, load_average_before=[9.0] * 3, auto_precision="16-mixed")
+    sentence = conclusion(report, summaries)
+    assert "while here it is no faster than float32" in sentence and "train in" not in sentence
+    assert sentence.endswith(
+        "before float32 is chosen over it; 16-mixed, which mixprec info rates fast here, was "
+        "not timed: add it to --precision before settling on float32."
+    ), sentence
 
 
 def test_intervals_on_both_sides_of_the_seeds_figure_say_so():

@@ -981,22 +981,34 @@ def test_state_bytes_counts_the_padding_of_joined_kahan_buffers():
     assert state_bytes(opt) == sum(storages.values())
 
 
-@pytest.mark.parametrize("states", ["float32", "int8"])
-def test_state_bytes_on_the_meta_device_equal_the_cpus(states):
+@pytest.mark.parametrize(
+    ("states", "dtype", "compensation"),
+    [
+        ("float32", torch.float32, None),
+        ("int8", torch.float32, None),
+        ("int4", torch.bfloat16, "kahan"),
+        ("fp8", torch.bfloat16, "kahan"),
+    ],
+)
+def test_state_bytes_on_the_meta_device_equal_the_cpus(states, dtype, compensation):
     """Every storage on the meta device has the address 0: `state_bytes` counted the first
     state tensor of a meta model and no other (torch's AdamW a quarter of its bytes), where
-    a meta model is how one sizes states without their memory. Counted as on the CPU."""
+    a meta model is how one sizes states without their memory; and the step took every meta
+    parameter for one overlapping the others, stepping each alone, so Kahan buffers were not
+    joined (nor their padding counted) as on the CPU. Counted and laid out as on the CPU."""
     counts = []
     for device in ("cpu", "meta"):
         params = [
-            nn.Parameter(torch.zeros(64, 128, device=device)),
-            nn.Parameter(torch.zeros(8192, device=device)),
+            nn.Parameter(torch.zeros(64, 128, device=device, dtype=dtype)),
+            nn.Parameter(torch.zeros(8200, device=device, dtype=dtype)),
         ]
         for p in params:
             p.grad = torch.zeros_like(p)
-        ours, torchs = LowBitAdamW(params, states=states), torch.optim.AdamW(params)
+        kw = {} if compensation is None else {"compensation": compensation}
+        ours = LowBitAdamW(params, states=states, min_size=0, **kw)
+        torchs = torch.optim.AdamW(params)
         ours.step()
         torchs.step()
         counts.append((state_bytes(ours), state_bytes(torchs)))
     assert counts[0] == counts[1]
-    assert counts[0][1] == 2 * 4 * (64 * 128 + 8192)
+    assert counts[0][1] == 2 * dtype.itemsize * (64 * 128 + 8200)

@@ -524,6 +524,9 @@ def test_a_cpu_described_without_flags_is_not_rated_fast_at_int8():
     assert int8_support(bare).status == hardware.SUPPORTED
     assert "no VNNI" in int8_support(bare).reason
     assert hardware.policy_support("bf16-mixed", bare).status == hardware.SLOW
+    # a host whose flags could not be read (an Arm one's, by an older torch) is not "bare"
+    unread = hardware.DeviceInfo("cpu", "Arm", unknown_flags=frozenset({"bf16"}))
+    assert int8_support(unread).status == hardware.FAST
 
 
 def test_quantize_takes_a_modes_options_in_its_name_as_a_policy_does():

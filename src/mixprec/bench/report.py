@@ -1163,11 +1163,11 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         and threads > 1
         and _is_busy(other[0], threads, meta.get("device_type", ""), _cores(meta))
     )
-    if (
-        not contended
-        and (slower or all(i.high < min(blog) for i in intervals))
-        and statistics.median(speed) < 0.9 * min(blog)
-    ):
+    # (float32 advised where this row is slower or pays less than the seed did, by a tenth)
+    advice = (slower or all(i.high < min(blog) for i in intervals)) and statistics.median(
+        speed
+    ) < 0.9 * min(blog)
+    if advice and not contended:
         untimed = _untimed_auto(meta)
         if memory and memory.endswith("less peak memory"):
             than += ": train in float32 unless memory is what you need"
@@ -1190,7 +1190,8 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
             "threads then wait for each other at every op, which may cost the shorter "
             "low-precision step more, so this ratio can be lower than free cores give; "
             f"--threads 1 measures what {label} itself buys"
-            + (" before float32 is chosen over it." if slower or slower_at else ".")
+            + (" before float32 is chosen over it" + _untimed_auto(meta) if advice else "")
+            + "."
         )
     return sentence
 

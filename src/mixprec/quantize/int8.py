@@ -944,9 +944,10 @@ def int8_support(info: DeviceInfo) -> Support:
             "no integer matmul on mps, and the exact fallback sums in float64, which MPS "
             "lacks: int8 layers would fail there",
         )
-    # (a CPU described with no flags at all is rated as its bfloat16 is: nothing assumed that
-    # is not listed, so as an x86 without VNNI)
-    x86 = info.type == "cpu" and (bool(info.cpu_flags & _X86_FLAGS) or not info.cpu_flags)
+    # (a CPU described with no flags at all, none of them unknown, is rated as its bfloat16
+    # is: nothing assumed that is not listed, so as an x86 without VNNI)
+    bare = not info.cpu_flags and not info.unknown_flags
+    x86 = info.type == "cpu" and (bool(info.cpu_flags & _X86_FLAGS) or bare)
     vnni = sorted(info.cpu_flags & _VNNI_FLAGS)
     if vnni:
         return Support(Status.FAST, f"VNNI dot products ({', '.join(vnni)})")
