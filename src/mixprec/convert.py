@@ -489,17 +489,23 @@ class _CountedRegion(_Region):
                 return super().__call__(*args, **kwargs)
             finally:
                 family.traced -= 1  # type: ignore[union-attr]
-        running, family = _INSIDE.running, self.family
-        running[family] = running.get(family, 0) + 1  # type: ignore[index]
-        family.eager += 1  # type: ignore[union-attr]
-        try:
-            return super().__call__(*args, **kwargs)
-        finally:
-            family.eager -= 1  # type: ignore[union-attr]
-            if running[family] == 1:  # type: ignore[index]
-                del running[family]  # type: ignore[arg-type]
-            else:
-                running[family] -= 1  # type: ignore[index]
+        return _counted(self.family, super().__call__, args, kwargs)  # type: ignore[arg-type]
+
+
+def _counted(family: _Family, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``forward(*args, **kwargs)`` with ``family``'s model counted as running eagerly, in
+    this thread (`_INSIDE`) and in any (``family.eager``)."""
+    running = _INSIDE.running
+    running[family] = running.get(family, 0) + 1
+    family.eager += 1
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        family.eager -= 1
+        if running[family] == 1:
+            del running[family]
+        else:
+            running[family] -= 1
 
 
 class _Entry(_CountedRegion):
@@ -537,33 +543,18 @@ class _Entry(_CountedRegion):
                     if not marks:
                         setattr(around, _MARK, marks)
                     marks.add(id(self))
-            if through:  # (its children its forward runs with autocast off stay so)
-                return self._inside(args, kwargs)
+            if through:  # (counted as inside its model: so its children run as there, a
+                # float32 router its forward runs with autocast off staying float32)
+                return _counted(family, self._as_is, args, kwargs)  # type: ignore[arg-type]
         if through:
-            if self.original is None:
-                return type(self.module).forward(self.module, *args, **kwargs)
-            return self.original(*args, **kwargs)
+            return self._as_is(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
-    def _inside(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run the forward as it is, its model counted as running in this thread, as where
-        it ran inside its model's forward: the entries below it then run as they do there (a
-        float32 router its parent calls with autocast off stays float32). Called so from
-        outside its model under its own autocast, and recomputed where its forward did not
-        enter its region."""
-        running, family = _INSIDE.running, self.family
-        running[family] = running.get(family, 0) + 1  # type: ignore[index]
-        family.eager += 1  # type: ignore[union-attr]
-        try:
-            if self.original is None:
-                return type(self.module).forward(self.module, *args, **kwargs)
-            return self.original(*args, **kwargs)
-        finally:
-            family.eager -= 1  # type: ignore[union-attr]
-            if running[family] == 1:  # type: ignore[index]
-                del running[family]  # type: ignore[arg-type]
-            else:
-                running[family] -= 1  # type: ignore[index]
+    def _as_is(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's own forward, nothing entered or cast."""
+        if self.original is None:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return self.original(*args, **kwargs)
 
     def _under_own_autocast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         device_type = _device_type(args, kwargs, self.module, self.probe)
