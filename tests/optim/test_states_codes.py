@@ -203,6 +203,16 @@ def test_int4_keeps_roots_so_a_small_second_moment_is_not_lifted_to_a_sixteenth(
     assert float(low.detach().abs().sum() / ref.detach().abs().sum()) > 0.8
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4", "float8"])
+def test_quantize_refuses_a_negative_value_for_the_second_moments_map(kind):
+    """``signed=False`` takes values >= 0: a negative one went through a square root to NaN
+    and a NaN cast to a code (int4 decoded it as 1/256 of the block's largest, int8 as 1)."""
+    with pytest.raises(ValueError, match=r"signed=False\) stores values >= 0.*got -1"):
+        quantize(torch.tensor([-1.0, 2.0, 0.5]), kind, signed=False)
+    codes, scales = quantize(torch.tensor([1.0, 2.0, 0.5, math.nan]), kind, signed=False)
+    assert dequantize(codes, scales, kind, (4,), signed=False).isnan().all()  # (NaN: as before)
+
+
 # -- states saved when int8 kept v itself ----------------------------------------------------
 
 

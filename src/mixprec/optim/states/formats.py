@@ -271,6 +271,13 @@ def quantize(
     if not fmt.quantized:
         blocked = ", ".join(repr(c.name) for c in state_codecs() if c.quantized)
         raise ValueError(f"quantize takes a blocked state format ({blocked}), got {str(fmt)!r}")
+    # (the second moment's maps hold no negative value: its root would be NaN, and its code
+    # whatever a NaN cast to an integer gives)
+    if not signed and bool((x < 0).any()):
+        raise ValueError(
+            f"quantize(..., signed=False) stores values >= 0 (a second moment), got "
+            f"{float(x.min()):g}: pass signed=True for values of either sign"
+        )
     return encode(_blocked(x, fmt), fmt, signed, code_tables(fmt, signed, x.device), tensor=True)
 
 
