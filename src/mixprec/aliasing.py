@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["memory_span", "overlapping", "overlapping_pairs"]
+__all__ = ["memory_of", "memory_span", "overlapping", "overlapping_pairs"]
 
 
 def memory_span(t: torch.Tensor) -> tuple[int, int]:
@@ -20,7 +20,7 @@ def memory_span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
-def _memory(t: torch.Tensor) -> tuple[str, int, int]:
+def memory_of(t: torch.Tensor) -> tuple[str, int, int]:
     """What ``t``'s addresses count in: its device's memory, or for a tensor with none (the
     meta device's, all at address 0) its storage, which its views share."""
     storage = t.untyped_storage()
@@ -32,7 +32,7 @@ def overlapping_pairs(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     """Pairs of positions in ``tensors`` whose spans overlap (empty tensors never do): for
     each tensor that starts inside an earlier one's span in the same memory, it and the one
     reaching furthest."""
-    spans = sorted((_memory(t), *memory_span(t), i) for i, t in enumerate(tensors) if t.numel())
+    spans = sorted((memory_of(t), *memory_span(t), i) for i, t in enumerate(tensors) if t.numel())
     pairs: list[tuple[int, int]] = []
     memory, reach, holder = None, -1, -1
     for where, start, end, i in spans:

@@ -257,6 +257,13 @@ class _StandIn:
         forward = type(self.module).forward if self.original is None else self.original
         return forward.__code__
 
+    def _as_is(self, *args: Any, **kwargs: Any) -> Any:
+        """The forward it stands in for, called as it is (the class's function with the
+        module, not a bound method, which torch.compile rebuilds as the stand-in)."""
+        if self.original is None:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return self.original(*args, **kwargs)
+
 
 class _AttentionIsland(_StandIn):
     """Stands in for the `forward` of a module that calls attention under a policy computing
@@ -279,9 +286,7 @@ class _AttentionIsland(_StandIn):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with _Float32Attention(self.dtype, self.mixed):
-            if self.original is None:  # the class's function, as `_Region` calls it
-                return type(self.module).forward(self.module, *args, **kwargs)
-            return self.original(*args, **kwargs)
+            return self._as_is(*args, **kwargs)
 
 
 class _Region(_StandIn):
@@ -549,12 +554,6 @@ class _Entry(_CountedRegion):
         if through:
             return self._as_is(*args, **kwargs)
         return super().__call__(*args, **kwargs)
-
-    def _as_is(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's own forward, nothing entered or cast."""
-        if self.original is None:
-            return type(self.module).forward(self.module, *args, **kwargs)
-        return self.original(*args, **kwargs)
 
     def _under_own_autocast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
         device_type = _device_type(args, kwargs, self.module, self.probe)

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from mixprec.aliasing import overlapping
+from mixprec.aliasing import memory_of, overlapping
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
     COMPILE_MIN_ELEMENTS,
@@ -1337,11 +1337,11 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     for state in optimizer.state.values():
         for name, value in state.items():
             if name != "step" and torch.is_tensor(value):
-                storage = local_part(value).untyped_storage()
-                # a storage by its memory on its device; one without memory (the meta
-                # device's, where every address is 0) by the storage itself
-                ptr = storage.data_ptr()
-                key = (storage.device, ptr) if ptr else (None, storage._cdata)
+                local = local_part(value)
+                storage = local.untyped_storage()
+                # (by its address in its memory: `aliasing.memory_of` tells the meta
+                # device's storages apart, all at address 0)
+                key = (memory_of(local), storage.data_ptr())
                 if key not in seen:
                     seen.add(key)
                     total += storage.nbytes()
