@@ -1389,6 +1389,51 @@ def test_a_child_run_with_autocast_off_inside_nested_checkpoints_recomputes_as_i
         assert torch.equal(a, b)
 
 
+class _RoutedBody(_RoutedLayer):
+    """`_RoutedLayer` whose forward checkpoints a plain function of its own (``outer``): the
+    layer's call is not what the outer checkpoint recomputes."""
+
+    def __init__(self, outer: Any, inner: Any) -> None:
+        super().__init__(inner)
+        self.outer = outer
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.outer(super().forward, h)
+
+
+@pytest.mark.parametrize("inner", [True, False, None])
+@pytest.mark.parametrize("outer", [True, False])
+def test_a_float32_router_inside_nested_checkpoints_of_a_plain_function_recomputes_as_it_ran(
+    outer, inner
+):
+    """The layer's forward checkpoints a function of its own (not the layer's call), inside
+    which the router runs with autocast off, checkpointed again: in the outer recomputation
+    no entry ran before the router's, which met the inner checkpoint's forward, read a call
+    from outside and entered its bfloat16 region (the gradients 0.76% off). The router's
+    entry now reads the record of the checkpoint recomputed around it, where its forward
+    ran inside the model: every gradient equals the un-checkpointed one."""
+
+    def checkpointed(reentrant: bool | None) -> Any:
+        if reentrant is None:
+            return lambda f, h: f(h)
+        return lambda f, h: torch.utils.checkpoint.checkpoint(f, h, use_reentrant=reentrant)
+
+    def grads(outer: Any, inner: Any) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = _RoutedLayers(lambda f, h: f(h), inner)
+        model.layers = nn.ModuleList(_RoutedBody(outer, inner) for _ in range(2))
+        model = mixprec.apply(model, "bf16-mixed")
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        model(x).float().square().sum().backward()
+        return [x.grad, *(p.grad for p in model.parameters())]
+
+    plain = checkpointed(None)
+    expected = grads(plain, plain)
+    got = grads(checkpointed(outer), checkpointed(inner))
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_an_entry_entered_and_then_called_under_its_own_autocast_recomputes_both_calls(reentrant):
     """A checkpointed function of one's own calls the encoder from outside twice: first

@@ -523,7 +523,8 @@ class _Entry(_CountedRegion):
     where it computed in float32 or in its caller's dtype. Recomputed by torch's checkpoint
     in the backward, it enters its region again where its forward in that checkpoint did
     (checkpointed from outside its model, its recomputation ran in float32: the checkpoint
-    records it, `_checkpoint_around`), else runs as it is. Run as it is from outside its
+    records it, `_checkpoints_around`), else runs as it is, also where the checkpoint
+    recomputed is an outer one, around a plain function that ran inside the model. Run as it is from outside its
     model's forward (its own autocast, a recomputation), its model counts as running, so
     its children run as inside it (a float32 router stays float32). Traced by
     torch.compile, it runs as it is inside its model's traced regions (counted on the
@@ -538,15 +539,16 @@ class _Entry(_CountedRegion):
         elif family in _INSIDE.running:
             through = True
         else:
-            recomputing, around = _checkpoint_around()
-            marks = set() if around is None else getattr(around, _MARK, set())
-            if recomputing:  # (as its forward ran where `around` ran it)
-                through = id(self) not in marks or self._under_own_autocast(args, kwargs)
-            else:  # (a forward; or a recomputation of another scheme: as a call from outside)
-                through = self._under_own_autocast(args, kwargs)
-                if not through and around is not None:
-                    if not marks:
-                        setattr(around, _MARK, marks)
+            recomputed, forwards = _checkpoints_around()
+            through = self._under_own_autocast(args, kwargs)
+            if recomputed is not None and not through:  # (as its forward ran there)
+                through = id(self) not in getattr(recomputed, _MARK, ())
+            if not through:  # (said on every checkpoint around whose forward runs now)
+                for record in forwards:
+                    marks = getattr(record, _MARK, None)
+                    if marks is None:
+                        marks = set()
+                        setattr(record, _MARK, marks)
                     marks.add(id(self))
             if through:  # (counted as inside its model: so its children run as there, a
                 # float32 router its forward runs with autocast off staying float32)
@@ -563,7 +565,7 @@ class _Entry(_CountedRegion):
         )
 
 
-# the attribute of a torch checkpoint's record (`_checkpoint_around`) naming the entries
+# the attribute of a torch checkpoint's record (`_checkpoints_around`) naming the entries
 # (by id) that entered their region in its forward (once is enough: a call under its own
 # autocast from the same forward recomputes under it again, and passes through)
 _MARK = "_mixprec_entries_entered"
@@ -580,37 +582,39 @@ _RECOMPUTING = frozenset(code for code in _HOOKS if code.co_name == "unpack_hook
 _CHECKPOINT_PACK = next((code for code in _HOOKS if code.co_name == "pack_hook"), None)
 
 
-def _checkpoint_around() -> tuple[bool, Any]:
-    """(whether the caller runs in torch's checkpoint recomputing its function in the
-    backward, the record of that checkpoint, or of the one whose forward the caller runs in:
-    the innermost, found on the stack; None where there is none). The record, the same object
-    in the forward and in its recomputation, is where an entry that entered its region in
-    the forward says so, for the recomputation to enter it alike: a reentrant checkpoint's
-    ``ctx``; a non-reentrant one's frame (its generator's ``new_frame``, or the composable
-    checkpoint's saved-tensor hooks' ``frame``, while the forward runs; its unpack hook's
-    ``frame`` while it recomputes)."""
+def _checkpoints_around() -> tuple[Any, list[Any]]:
+    """(the record of the innermost torch checkpoint recomputing its function in the
+    backward around the caller, or None; the records of the checkpoints whose forwards run
+    inside that recomputation, or of every one around the caller where none recomputes,
+    innermost first), found on the stack. A record, the same object in a checkpoint's
+    forward and in its recomputation, is where an entry that entered its region in the
+    forward says so, for the recomputation to enter it alike; said on every checkpoint
+    around, so that the recomputation of an outer one (around a plain function, whose
+    forward ran the entry inside its model or entered it) finds it too: a reentrant
+    checkpoint's ``ctx``; a non-reentrant one's frame (its generator's ``new_frame``, or the
+    composable checkpoint's saved-tensor hooks' ``frame``, while the forward runs; its
+    unpack hook's ``frame`` while it recomputes)."""
+    # (the innermost forward's hooks: a composable checkpoint runs no function of its own;
+    # in a backward only hooks pushed in the recomputation are active)
     hooked = _hooked_checkpoint()
+    forwards = [] if hooked is None else [hooked]
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
+        record = None
         if code in _RECOMPUTING or code is _REENTRANT_BACKWARD:
-            if hooked is not None:  # (a checkpoint's forward inside the recomputation: in a
-                return False, hooked  # backward only hooks pushed there are active)
-            return True, frame.f_locals.get("frame" if code in _RECOMPUTING else "ctx")
+            return frame.f_locals.get("frame" if code in _RECOMPUTING else "ctx"), forwards
         if code is _REENTRANT_FORWARD:
-            return False, frame.f_locals.get("ctx")
-        if code is _CHECKPOINT:
-            gen = frame.f_locals.get("gen")
-            inner = getattr(gen, "gi_frame", None)
+            record = frame.f_locals.get("ctx")
+        elif code is _CHECKPOINT:
+            inner = getattr(frame.f_locals.get("gen"), "gi_frame", None)
             record = None if inner is None else inner.f_locals.get("new_frame")
-            # (a composable checkpoint inside it: its hooks are the innermost)
-            return False, record if hooked is None else hooked
-        if code is _MODULE_CALL:  # (a module torch's composable checkpoint runs)
+        elif code is _MODULE_CALL:  # (a module torch's composable checkpoint runs)
             record = _composable_record(frame.f_locals.get("self"))
-            if record is not None:
-                return False, record
+        if record is not None and all(record is not seen for seen in forwards):
+            forwards.append(record)
         frame = frame.f_back
-    return False, hooked
+    return None, forwards
 
 
 _MODULE_CALL = nn.Module._call_impl.__code__

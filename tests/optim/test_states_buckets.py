@@ -641,6 +641,35 @@ def _real(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
+@pytest.mark.parametrize("algorithm", ["adamw", "sgd"])
+def test_float32_parameters_over_one_memory_step_as_torchs_fused_optimizers_bit_for_bit(
+    algorithm,
+):
+    """Parameters over one memory step one at a time, as torch's fused call steps its list;
+    float32 ones were stepped by the update of our own (its lerp and its order of float32
+    operations: thousands of elements a last bit off torch's). Now by torch's fused kernel,
+    one call each: the parameters end as `torch.optim.AdamW(fused=True)`'s bit for bit."""
+    ends = {}
+    for torchs in (False, True):
+        torch.manual_seed(0)
+        base = torch.randn(64, 64)
+        ps = [nn.Parameter(base), nn.Parameter(base[0]), nn.Parameter(torch.randn(10, 10))]
+        if algorithm == "sgd":
+            cls, kw = (torch.optim.SGD, {}) if torchs else (LowBitSGD, {"states": "float32"})
+            kw["momentum"] = 0.9
+        else:
+            cls, kw = (torch.optim.AdamW, {}) if torchs else (LowBitAdamW, {"states": "float32"})
+        opt = cls(ps, lr=1e-2, **kw, **({"fused": True} if torchs else {"compile": False}))
+        for i in range(4):
+            g = torch.Generator().manual_seed(i)
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        ends[torchs] = [p.detach().clone() for p in ps]
+    for ours, theirs in zip(ends[False], ends[True], strict=True):
+        assert torch.equal(ours, theirs)
+
+
 @pytest.mark.parametrize(
     "kind, dtype",
     [("int8", torch.float32), ("fp8", torch.float32), ("float32", torch.bfloat16)],

@@ -764,6 +764,21 @@ def test_a_parameter_listed_twice_in_a_group_is_refused():
         AdamW8bit([p, p], **KW)
 
 
+def test_a_parameter_listed_twice_by_an_iterator_group_is_refused():
+    """A group's parameters given as an iterator (``itertools.chain`` of two modules'
+    parameters, one of them tied to both) went past the check, which read lists only: the
+    weight moved two steps' worth while its count said one. The group's parameters are read
+    as the list torch makes of them, and that list is checked."""
+    import itertools
+
+    tied = _params(((64, 96),))[0]
+    with pytest.raises(ValueError, match=r"lists a parameter of shape \[64, 96\] twice"):
+        AdamW8bit([{"params": itertools.chain([tied], iter([tied]))}], **KW)
+    p, q = _params(((64, 96), (32, 8)))
+    opt = AdamW8bit([{"params": (t for t in (p, q))}], **KW)  # (read once, kept as a list)
+    assert opt.param_groups[0]["params"] == [p, q]
+
+
 def test_a_state_dict_leaves_the_live_state_as_it_was():
     """The layout a state dict records ("shards") went into the live state too (torch's
     state dict holds the state's own dicts), where a later load found an int among the

@@ -200,6 +200,35 @@ _PICKING = frozenset(
     + [torch.median, _T.median, torch.nanmedian, _T.nanmedian]
 )
 _NORMS = frozenset([torch.norm, _T.norm, torch.linalg.vector_norm, torch.linalg.norm])
+_A = torch.ops.aten
+# functions whose backward sends each element's gradient to one side by comparing two saved
+# tensors (``maximum(a, b)``: ``a >= b``), or a saved tensor with a bound: rounded each on its
+# own, two close values (an offset shared by both) swap sides, and the gradient goes to the
+# wrong one. Kept exact where a bound is a tensor or a number other than 0 (a bound of 0
+# compares signs, which rounding keeps, as a ReLU's save does) (`_kept_exact`).
+_COMPARING = frozenset(
+    [torch.maximum, _T.maximum, _A.maximum, torch.minimum, _T.minimum, _A.minimum]
+    + [torch.fmax, _T.fmax, _A.fmax, torch.fmin, _T.fmin, _A.fmin]
+    + [torch.clamp, _T.clamp, _T.clamp_, torch.clamp_, _A.clamp, _A.clamp_]
+    + [torch.clip, _T.clip, _T.clip_, torch.clip_, _A.clip, _A.clip_]
+    + [torch.clamp_min, _T.clamp_min, _T.clamp_min_, torch.clamp_min_, _A.clamp_min]
+    + [_A.clamp_min_, torch.clamp_max, _T.clamp_max, _T.clamp_max_, torch.clamp_max_]
+    + [_A.clamp_max, _A.clamp_max_, F.hardtanh, F.hardtanh_, _A.hardtanh, _A.hardtanh_]
+    + [F.relu6, _A.relu6]
+)
+# the bounds of a `_COMPARING` clamp: (position, keyword) of each
+_BOUNDS = {
+    **dict.fromkeys([torch.clamp, _T.clamp, _T.clamp_, torch.clamp_, _A.clamp, _A.clamp_],
+                    ((1, "min"), (2, "max"))),
+    **dict.fromkeys([torch.clip, _T.clip, _T.clip_, torch.clip_, _A.clip, _A.clip_],
+                    ((1, "min"), (2, "max"))),
+    **dict.fromkeys([torch.clamp_min, _T.clamp_min, _T.clamp_min_, torch.clamp_min_,
+                     _A.clamp_min, _A.clamp_min_], ((1, "min"),)),
+    **dict.fromkeys([torch.clamp_max, _T.clamp_max, _T.clamp_max_, torch.clamp_max_,
+                     _A.clamp_max, _A.clamp_max_], ((1, "max"),)),
+    **dict.fromkeys([F.hardtanh, F.hardtanh_, _A.hardtanh, _A.hardtanh_],
+                    ((1, "min_val"), (2, "max_val"))),
+}  # fmt: skip
 # functions whose backward divides by a saved value: fp8's block scales round a small
 # value to exactly 0, and their gradient is infinite. Kept exact under fp8 (bfloat16 keeps
 # float32's range); a power's only for an exponent below 1 (`_kept_exact`).
@@ -231,7 +260,6 @@ _SIGMOIDS = frozenset(
     [torch.sigmoid, torch.sigmoid_, _T.sigmoid, _T.sigmoid_, F.sigmoid, torch.special.expit]
     + [torch.ops.aten.sigmoid, torch.ops.aten.sigmoid_]
 )
-_A = torch.ops.aten
 # functions whose backward subtracts saved values of about the same size, each rounded on
 # its own: a log-sum-exp's exp(input - result), a layer norm's or a variance's
 # input - mean, a distance's (cdist, dist, pdist) or a regression loss's input - other, a
@@ -315,12 +343,21 @@ def _centred(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
 
 def _kept_exact(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fp8: bool) -> bool:
     """Whether ``func(*args, **kwargs)``'s saves are kept exact (`_PICKING`, `_NEAR_ONE`,
-    `_CANCELLING`, `_DIVIDING`; an aten op's overload as the op): a norm of an infinite order
-    (which picks its largest element) and, under fp8, any other (divided by); a power of an
-    exponent below 1 (or of a tensor exponent) under fp8."""
+    `_CANCELLING`, `_COMPARING`, `_DIVIDING`; an aten op's overload as the op): a norm of an
+    infinite order (which picks its largest element) and, under fp8, any other (divided by);
+    a clamp to a tensor or to a bound other than 0; a power of an exponent below 1 (or of a
+    tensor exponent) under fp8."""
     func = _op(func)
     if func in _PICKING or func in _NEAR_ONE or func in _CANCELLING:
         return True
+    if func in _COMPARING:
+        places = _BOUNDS.get(func)
+        if places is None:  # (two tensors compared; relu6's bound is 6)
+            return True
+        bounds = [_argument(args, kwargs, i, name) for i, name in places]
+        if func in (F.hardtanh, F.hardtanh_, _A.hardtanh, _A.hardtanh_):  # (-1 and 1 unsaid)
+            bounds = [(-1.0, 1.0)[k] if b is None else b for k, b in enumerate(bounds)]
+        return any(torch.is_tensor(b) or (b is not None and b != 0) for b in bounds)
     if func in _NORMS:
         order = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else None))
         return fp8 or (isinstance(order, (int, float)) and math.isinf(order))
@@ -342,10 +379,12 @@ class _SavesByFunction(TorchFunctionMode):
       no longer match it (docs/activations.md). nn.MultiheadAttention's functional form is
       stored so whole, its projections' inputs too;
     - the saves of functions picking elements by equality (`_PICKING`: amax, median, an inf
-      norm), growing without bound near magnitude one (`_NEAR_ONE`: asin, atanh, logit,
-      log1p, binary cross-entropy) or subtracting saved values of about the same size
-      (`_CANCELLING`: logsumexp, var, mse_loss), and under fp8 of those dividing by a saved
-      value (`_DIVIDING`: log, division, sqrt), are kept exact; a layer, group or instance
+      norm) or by comparing two saves, or a save with a bound (`_COMPARING`: maximum, a
+      clamp to a tensor or a bound other than 0, hardtanh), growing without bound near
+      magnitude one (`_NEAR_ONE`: asin, atanh, logit, log1p, binary cross-entropy) or
+      subtracting saved values of about the same size (`_CANCELLING`: logsumexp, var,
+      mse_loss), and under fp8 of those dividing by a saved value (`_DIVIDING`: log,
+      division, sqrt), are kept exact; a layer, group or instance
       norm's input (`_ROW_NORMS`) is stored centred on its rows' means (`Centered`), a
       sigmoid's output (`_SIGMOIDS`) as its distance from 0 or 1 (`NearOne`).
 

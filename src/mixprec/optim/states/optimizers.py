@@ -475,7 +475,10 @@ class LowBitOptimizer(StateCheckpoint):
                 f"it out, or step these parameters with the torch optimizer"
             )
         params = param_group.get("params")
-        if isinstance(params, (list, tuple)):
+        if params is not None and not torch.is_tensor(params) and not isinstance(params, set):
+            # (an iterator, as ``itertools.chain`` of two modules' parameters, read once: as
+            # the list torch makes of it, and checked as a list is)
+            params = param_group["params"] = list(params)
             seen: set[int] = set()
             for p in params:
                 if torch.is_tensor(p) and id(p) in seen:
@@ -714,7 +717,13 @@ class LowBitOptimizer(StateCheckpoint):
             # flat updates, a parameter too large to be worth a copy steps on its own
             alone = real.numel() > buckets_.FLAT_MAX and (way, real.device.type) != ("fused", "cpu")
             if own or alone:
-                runs.append(("one", [planned], compensation))
+                # (a float32 one over another's memory, whole and contiguous: torch's fused
+                # step on its own, as torch's fused call steps it, one tensor after another)
+                fused = way == "fused" and id(p) in shared and local_part(p) is p
+                fused = fused and real.is_contiguous()
+                runs.append(
+                    ("fused", [planned], None) if fused else ("one", [planned], compensation)
+                )
                 origins.append(None)
                 continue
             # (complex apart: a complex moment's piece of a joined float32 run is read back
