@@ -18,7 +18,7 @@ SRC = Path(mixprec.__file__).parent
 # Lower layers first; a module may import only from its own layer's package or from layers
 # below it. Utilities with no knowledge of precision sit at the bottom.
 LAYERS: list[set[str]] = [
-    {"errors", "version", "textout", "timing", "memory", "tree", "files", "aliasing"},
+    {"errors", "version", "textout", "timing", "memory", "tree", "files", "aliasing", "eager"},
     {"dtypes", "compensated", "optim.compensated", "optim.engine"},
     {"device"},
     {"formats"},

@@ -524,9 +524,9 @@ class _Entry(_CountedRegion):
     in the backward, it enters its region again where its forward in that checkpoint did
     (checkpointed from outside its model, its recomputation ran in float32: the checkpoint
     records it, `_checkpoints_around`), else runs as it is, also where the checkpoint
-    recomputed is an outer one, around a plain function that ran inside the model. Run as it is from outside its
-    model's forward (its own autocast, a recomputation), its model counts as running, so
-    its children run as inside it (a float32 router stays float32). Traced by
+    recomputed is an outer one, around a plain function that ran inside the model. Run as
+    it is from outside its model's forward (its own autocast, a recomputation), its model
+    counts as running, so its children run as inside it (a float32 router stays float32). Traced by
     torch.compile, it runs as it is inside its model's traced regions (counted on the
     family) or under its own autocast, else enters its region (compiled on its own,
     ``torch.compile(model.get_encoder())`` ran in float32)."""

@@ -28,6 +28,7 @@ from mixprec.activations.codecs import CODECS, Centered, Codec, Keep, NearOne, T
 from mixprec.activations.options import OPTIONS, accepted, refusal
 from mixprec.activations.recompute import recomputed
 from mixprec.activations.rules import Choice, never_called
+from mixprec.eager import uncompiled
 from mixprec.errors import PolicySpecError, caller_level
 
 __all__ = [
@@ -448,7 +449,7 @@ def _exact_inputs() -> Any:
     return saved_tensors_hooks(_EXACT.pack, _EXACT.unpack)
 
 
-@torch.compiler.disable
+@uncompiled
 def _stored(
     wrapper: ActivationForward, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:

@@ -17,6 +17,7 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from mixprec.aliasing import overlapping
+from mixprec.eager import uncompiled
 from mixprec.optim.compensated.kernels import KERNELS, compiled_step, on_memory
 from mixprec.optim.compensated.rules import check_optimizer
 from mixprec.optim.engine import (
@@ -397,7 +398,7 @@ class Compensator:
         optimizer.register_load_state_dict_pre_hook(before)
         optimizer.register_load_state_dict_post_hook(after)
 
-    @torch.compiler.disable
+    @uncompiled
     def step(
         self,
         optimizer: torch.optim.Optimizer,

@@ -199,18 +199,29 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "sgd": sgd_update,
 }
 _COMPILED: dict[str, Callable[..., None]] = {}
-# the dynamo settings of every compiled call (`run_compiled` says why): a function setting
-# them that returns the one restoring them (dynamo's low-overhead patcher, a third of a
-# context manager's cost, where the installed torch has it)
+# the dynamo settings of every compiled call (`run_compiled` says why)
 _SETTINGS = dict(recompile_limit=RECOMPILE_LIMIT, automatic_dynamic_shapes=False)
-if hasattr(torch._dynamo.config, "_make_closure_patcher"):
-    _apply_settings = torch._dynamo.config._make_closure_patcher(**_SETTINGS)
-else:  # pragma: no cover - torch without it
+_PATCHER: list[Callable[[], Callable[[], None]]] = []
 
-    def _apply_settings() -> Callable[[], None]:
-        patch = torch._dynamo.config.patch(**_SETTINGS)
-        patch.__enter__()
-        return lambda: patch.__exit__(None, None, None)
+
+def _apply_settings() -> Callable[[], None]:
+    """Set `_SETTINGS` and return the function restoring them: dynamo's low-overhead patcher
+    (a third of a context manager's cost) where the installed torch has it, made at the
+    first compiled call (importing dynamo takes about a second, which a process that never
+    compiles, as the bench's and the planner's measuring ones, does not pay)."""
+    if not _PATCHER:
+        config = torch._dynamo.config
+        if hasattr(config, "_make_closure_patcher"):
+            _PATCHER.append(config._make_closure_patcher(**_SETTINGS))
+        else:  # pragma: no cover - torch without it
+
+            def patcher() -> Callable[[], None]:
+                patch = config.patch(**_SETTINGS)
+                patch.__enter__()
+                return lambda: patch.__exit__(None, None, None)
+
+            _PATCHER.append(patcher)
+    return _PATCHER[0]()
 
 
 def _options() -> dict[str, Any]:

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import torch
 
 from mixprec.aliasing import memory_of, overlapping
+from mixprec.eager import uncompiled
 from mixprec.optim.engine import (
     COMPENSATED_DTYPES,
     COMPILE_MIN_ELEMENTS,
@@ -587,7 +588,7 @@ class LowBitOptimizer(StateCheckpoint):
 
     # -- the step ----------------------------------------------------------------------------
 
-    @torch.compiler.disable
+    @uncompiled
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of every parameter with a gradient; ``closure`` re-evaluates the loss

@@ -1,0 +1,33 @@
+"""Functions that run outside any enclosing ``torch.compile``, with dynamo loaded at their
+first call rather than when the module defining them is imported.
+
+``torch.compiler.disable`` applied as a decorator imports torch's dynamo on the spot (about
+a second): a process that never compiles (the bench's and the planner's measuring
+processes, ``mixprec info``, a launched rank) paid it for every class so decorated.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["uncompiled"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def uncompiled(fn: F) -> F:
+    """``fn`` as ``torch.compiler.disable(fn)`` runs it (a graph break in a compiled caller;
+    nothing traced inside), the disabled function made at the first call."""
+    made: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not made:
+            made.append(torch.compiler.disable(fn))
+        return made[0](*args, **kwargs)
+
+    return call  # type: ignore[return-value]
