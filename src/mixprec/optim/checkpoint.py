@@ -153,6 +153,7 @@ class OptimizerCheckpoint:
         self.__dict__.update(state)
         if self._compensator is not None:
             self._keep_saved_dtypes_on_direct_loads()
+        self._count_from_loads()
 
     def _load_inner(self, state: Mapping[str, Any]) -> None:
         """The wrapped optimizer's ``load_state_dict``, without the direct-load hook (the

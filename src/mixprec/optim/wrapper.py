@@ -152,6 +152,10 @@ class LossScaleOptimizer(OptimizerCheckpoint):
             _warn_uncompensated(optimizer, self._masters.dtypes)
         else:
             self._keep_saved_dtypes_on_direct_loads()
+        # the steps taken since the optimizer's state was last loaded (None: never): what a
+        # scheduler loaded from the same checkpoint missed before its first gated step
+        self._taken_since_load: int | None = None
+        self._count_from_loads()
         # a compensated step runs our code, not a fused kernel that could skip by itself
         self._fused_kernel = self._compensator is None and bool(
             getattr(optimizer, "_step_supports_amp_scaling", False)
@@ -177,6 +181,18 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         first = next(iter(self._all_params()), None)
         if first is not None and self.scaler.device != first.device:
             self.scaler.to(first.device)
+
+    def _count_from_loads(self) -> None:
+        """Start `_taken_since_load` at every load of the wrapped optimizer's state (through
+        this wrapper or directly, as Lightning restores optimizers)."""
+        owner = weakref.ref(self)
+
+        def loaded(optimizer: torch.optim.Optimizer) -> None:
+            wrapper = owner()
+            if wrapper is not None and wrapper.optimizer is optimizer:
+                wrapper._taken_since_load = 0
+
+        self.optimizer.register_load_state_dict_post_hook(loaded)
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy or a pickle looks its schedulers up again (they are not its to carry)."""
@@ -542,6 +558,8 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         for scheduler in self._followers:  # each counts the step, taken or skipped
             state = scheduler.__dict__
             state[TAKEN_SINCE] = (state.get(TAKEN_SINCE) or 0) + stepped
+        if getattr(self, "_taken_since_load", None) is not None:
+            self._taken_since_load += stepped
         self._stage = OptState.STEPPED
         self._found_inf = None
         self._grad_scale = None
@@ -1035,9 +1053,10 @@ def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) ->
     steps or once an epoch (a skip in the window does not cost it the window's advance).
     Where the steps since are unknown (its first gated step, unless `follow_steps` started
     the count earlier), the last step decides, as it does before any step (not skipped).
-    The count is kept in the scheduler's state, so a checkpoint resumes it; a scheduler
-    loaded so adds the last step to it at its first gated step (`follow_steps` after the
-    load counts every step since instead).
+    The count is kept in the scheduler's state, so a checkpoint resumes it: a scheduler
+    loaded so adds to it, at its first gated step, the steps taken since the optimizer's
+    state was loaded (from the same checkpoint), or, where the optimizer's was not, the last
+    step (`follow_steps` after the load counts every step since instead).
 
     torch's schedulers cannot tell a skipped step from a taken one; without this gate a run
     with many overflows moves through its learning-rate schedule too fast. ``args`` and
@@ -1050,8 +1069,10 @@ def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) ->
         taken = state.get(TAKEN_SINCE)
         if taken is not None and scheduler not in _followers(lso.optimizer):
             # a count loaded (a resumed or copied scheduler) that no step since has added to:
-            # the last step is the one known since
-            taken += not lso.step_was_skipped
+            # the steps taken since the optimizer's state was loaded (a resume, from the same
+            # checkpoint), else the last step, the one known since
+            since = getattr(lso, "_taken_since_load", None)
+            taken += (not lso.step_was_skipped) if since is None else since
         follow_steps(scheduler, lso)
         advance = not lso.step_was_skipped if taken is None else taken > 0
         if TAKEN_SINCE in state:
