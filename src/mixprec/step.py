@@ -13,8 +13,9 @@ the model's region sees its own autocast already on and adds nothing, so a step 
 the same ops in the same dtypes as that loop (torch's losses are on autocast's float32 lists,
 on CPU and CUDA), but for the float32 islands the policy adds (norms and softmax-type layers
 in float32, docs/conversion.md, where CPU autocast runs a layer norm in float16 under
-``16-mixed``; ``float32_islands=False`` leaves them to autocast). Under a "true" policy the model's region casts and hands the outputs back
-in the output dtype, and ``loss_fn`` runs on them. Code that calls into the model from
+``16-mixed``; ``float32_islands=False`` leaves them to autocast). Under a "true" policy the
+model's region casts and hands the outputs back in the output dtype, and ``loss_fn`` runs on
+them. Code that calls into the model from
 outside (a ``training_step``, a module compiled in place under a "true" policy, where the
 region's switch of torch's default dtype would be a graph boundary) runs in
 ``Precision.forward_context()`` too, which is all a region would have done around it.
