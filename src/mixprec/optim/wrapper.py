@@ -182,6 +182,13 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         if first is not None and self.scaler.device != first.device:
             self.scaler.to(first.device)
 
+    @property
+    def steps_taken_since_load(self) -> int | None:
+        """The steps taken since the wrapped optimizer's state was last loaded (None: it
+        never was): what a scheduler loaded from the same checkpoint missed before its first
+        gated step (`scheduler_step`)."""
+        return getattr(self, "_taken_since_load", None)
+
     def _count_from_loads(self) -> None:
         """Start `_taken_since_load` at every load of the wrapped optimizer's state (through
         this wrapper or directly, as Lightning restores optimizers)."""
@@ -1071,7 +1078,7 @@ def scheduler_step(scheduler: Any, optimizer: Any, *args: Any, **kwargs: Any) ->
             # a count loaded (a resumed or copied scheduler) that no step since has added to:
             # the steps taken since the optimizer's state was loaded (a resume, from the same
             # checkpoint), else the last step, the one known since
-            since = getattr(lso, "_taken_since_load", None)
+            since = lso.steps_taken_since_load
             taken += (not lso.step_was_skipped) if since is None else since
         follow_steps(scheduler, lso)
         advance = not lso.step_was_skipped if taken is None else taken > 0
