@@ -4,6 +4,7 @@ metric buffering and the summary, device flags, the config, a configured Precisi
 from __future__ import annotations
 
 import collections
+import csv
 import math
 import warnings
 
@@ -360,6 +361,36 @@ def test_an_inf_free_run_at_a_low_init_scale_logs_that_scale(tmp_path):
     data = TensorDataset(torch.randn(4, 4), torch.randn(4, 1))
     trainer.fit(nn.Linear(4, 1), DataLoader(data, batch_size=4), loss_fn=F.mse_loss)
     assert math.isclose(trainer.callback_metrics["loss_scale"], 256.0)
+
+
+def test_each_logged_step_carries_the_loss_scale_it_ran_at(tmp_path):
+    """A step's row holds the lr that step used but took the live loss scale, updated by
+    the step: an overflowing step at 256 was logged at 128, and a step growing the scale
+    at the one after. Each row now holds the scale its step ran at."""
+    given = mixprec.Precision(
+        "16-mixed",
+        scaler=DynamicLossScaler(init_scale=256.0, growth_interval=2),
+        allow_slow=True,
+    )
+    seen = []
+
+    class Overflow(nn.Linear):
+        def forward(self, x):
+            step = len(seen)
+            seen.append(float(given.scaler.loss_scale))
+            out = super().forward(x)
+            return out * math.inf if step == 1 else out
+
+    trainer = Trainer(
+        precision=given, max_steps=5, default_root_dir=tmp_path, log_every_n_steps=1,
+        enable_progress_bar=False, enable_checkpointing=False,
+    )  # fmt: skip
+    data = TensorDataset(torch.randn(4, 4), torch.randn(4, 1))
+    trainer.fit(Overflow(4, 1), DataLoader(data, batch_size=1), loss_fn=F.mse_loss)
+    rows = list(csv.DictReader(open(trainer.run_dir / "metrics.csv")))
+    logged = [float(r["loss_scale"]) for r in rows if r["loss"]]
+    assert seen == [256.0, 256.0, 128.0, 128.0, 256.0]  # (skip, backoff; two clean: growth)
+    assert logged == seen
 
 
 def test_logged_bfloat16_values_are_averaged_in_float64():

@@ -538,8 +538,10 @@ def closure_step(run: FitRun, batch: Any, batch_idx: int) -> Any:
         return run.strategy.mean(loss) if run.strategy.world_size > 1 else loss.detach()
 
     run.stepping = True
+    scaler = run.precision.scaler
+    used = scaler.scale_tensor.clone() if scaler.enabled else None  # (`optimizer_step`)
     run.precision.step(opt, closure=closure)
-    after_step(run)
+    after_step(run, used)
     run.stepping = False
     return first[0]
 
@@ -585,9 +587,13 @@ def optimizer_step(run: FitRun) -> None:
     clip = run.config.gradient_clip_val is not None
     if clip or run.calls["on_before_optimizer_step", True, True]:
         before_step(run)  # (else nothing reads the gradients before the step unscales them)
+    # the scale this step runs at (the step updates the live one in place): its row's, as
+    # its lr is the one it used (a copy on the device, nothing read back)
+    scaler = precision.scaler
+    used = scaler.scale_tensor.clone() if scaler.enabled else None
     if not precision.step():
         run.skipped_steps += 1
-    after_step(run)
+    after_step(run, used)
     run.stepping = False
 
 
@@ -611,8 +617,9 @@ def before_step(run: FitRun) -> None:
                 precision.clip_grad_value_(opt, config.gradient_clip_val)
 
 
-def after_step(run: FitRun) -> None:
-    """Gradients cleared, the step counted, step-interval schedulers, the step's values."""
+def after_step(run: FitRun, scale: Tensor | None = None) -> None:
+    """Gradients cleared, the step counted, step-interval schedulers, the step's values
+    (``scale``: the loss scale the step ran at; None when nothing is scaled)."""
     for opt in run.optimizers:
         opt.zero_grad(set_to_none=True)
     run.progress.global_step += 1
@@ -644,10 +651,8 @@ def after_step(run: FitRun) -> None:
     # callbacks and monitors read) until the batch's end hooks have run and `log_step`
     # takes its row
     own: dict[str, Tensor | float] = {"loss": loss, "lr": lr}
-    scaler = run.precision.scaler
-    if scaler.enabled:
-        # read before the next step updates it: the row is logged or replaced by then
-        own["loss_scale"] = scaler.scale_tensor
+    if scale is not None:
+        own["loss_scale"] = scale
         own["skipped_steps"] = float(run.skipped_steps)
     run.step_values = own
     # (a name the step logged itself keeps the step's value: self.log("loss", data_term))
