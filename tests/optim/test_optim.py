@@ -409,6 +409,34 @@ def test_a_scheduler_resumed_inside_its_window_counts_every_step_taken_since_the
     assert run(True) == run(False)
 
 
+def test_steps_taken_since_load_counts_from_a_load_through_the_wrapper_or_directly():
+    """None before any load; a load through the wrapper or into its torch optimizer (as
+    Lightning restores optimizers) starts the count at 0; taken steps add, skipped ones
+    do not; a deep copy keeps counting its own."""
+    model = mlp(8, 16, 1)
+    opt = LossScaleOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), StaticLossScaler(8.0))
+
+    def step(skip: bool = False) -> None:
+        x, y = _batches(1)[0]
+        opt.backward(F.mse_loss(model(x), y))
+        if skip:
+            model[0].weight.grad.fill_(math.inf)
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    assert opt.steps_taken_since_load is None
+    opt.load_state_dict(opt.state_dict())
+    assert opt.steps_taken_since_load == 0
+    step(), step(skip=True), step()
+    assert opt.steps_taken_since_load == 2
+    opt.optimizer.load_state_dict(opt.optimizer.state_dict())
+    assert opt.steps_taken_since_load == 0
+    step()
+    copied = copy.deepcopy(opt)
+    assert copied.steps_taken_since_load == 1
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_step_without_any_gradient_after_a_scaled_backward_is_refused(fused):
     """zero_grad() between backward and step: the step returned True, grew the scale and

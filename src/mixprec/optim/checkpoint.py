@@ -151,9 +151,10 @@ class OptimizerCheckpoint:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy's torch optimizer has no hooks (torch's pickle drops them): hooked again."""
         self.__dict__.update(state)
+        if "_seen_state" not in state:  # (pickled before loads were counted)
+            self._taken_since_load, self._seen_state = None, None
         if self._compensator is not None:
             self._keep_saved_dtypes_on_direct_loads()
-        self._count_from_loads()
 
     def _load_inner(self, state: Mapping[str, Any]) -> None:
         """The wrapped optimizer's ``load_state_dict``, without the direct-load hook (the

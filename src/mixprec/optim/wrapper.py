@@ -153,9 +153,11 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         else:
             self._keep_saved_dtypes_on_direct_loads()
         # the steps taken since the optimizer's state was last loaded (None: never): what a
-        # scheduler loaded from the same checkpoint missed before its first gated step
+        # scheduler loaded from the same checkpoint missed before its first gated step. A
+        # load (through this wrapper or directly, as Lightning restores optimizers) gives
+        # the torch optimizer a new state dict: the one seen last tells
         self._taken_since_load: int | None = None
-        self._count_from_loads()
+        self._seen_state = optimizer.state
         # a compensated step runs our code, not a fused kernel that could skip by itself
         self._fused_kernel = self._compensator is None and bool(
             getattr(optimizer, "_step_supports_amp_scaling", False)
@@ -187,19 +189,9 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         """The steps taken since the wrapped optimizer's state was last loaded (None: it
         never was): what a scheduler loaded from the same checkpoint missed before its first
         gated step (`scheduler_step`)."""
-        return getattr(self, "_taken_since_load", None)
-
-    def _count_from_loads(self) -> None:
-        """Start `_taken_since_load` at every load of the wrapped optimizer's state (through
-        this wrapper or directly, as Lightning restores optimizers)."""
-        owner = weakref.ref(self)
-
-        def loaded(optimizer: torch.optim.Optimizer) -> None:
-            wrapper = owner()
-            if wrapper is not None and wrapper.optimizer is optimizer:
-                wrapper._taken_since_load = 0
-
-        self.optimizer.register_load_state_dict_post_hook(loaded)
+        if self.optimizer.state is not self._seen_state:
+            return 0  # (loaded since the last step)
+        return self._taken_since_load
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy or a pickle looks its schedulers up again (they are not its to carry)."""
@@ -565,7 +557,9 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         for scheduler in self._followers:  # each counts the step, taken or skipped
             state = scheduler.__dict__
             state[TAKEN_SINCE] = (state.get(TAKEN_SINCE) or 0) + stepped
-        if getattr(self, "_taken_since_load", None) is not None:
+        if self.optimizer.state is not self._seen_state:  # (loaded since the last step)
+            self._seen_state, self._taken_since_load = self.optimizer.state, 0
+        if self._taken_since_load is not None:
             self._taken_since_load += stepped
         self._stage = OptState.STEPPED
         self._found_inf = None
