@@ -624,9 +624,15 @@ def test_compile_must_be_a_bool_or_none():
 # -- state kept in float32, closures, hooks, and what is refused ------------------------------
 
 
-@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("kind", ["kahan", "stochastic"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "dtype, kind, compile",
+    [
+        *((d, k, False) for d in (torch.bfloat16, torch.float16) for k in ("kahan", "stochastic")),
+        # (compiled: a build per dtype and kind; one of each)
+        pytest.param(torch.bfloat16, "kahan", True, marks=pytest.mark.slow),
+        pytest.param(torch.float16, "stochastic", True, marks=pytest.mark.slow),
+    ],
+)
 def test_float32_moments_of_16_bit_weights_stay_float32_math(dtype, kind, compile):
     """Moments a user keeps in float32 beside 16-bit weights are float32 arithmetic, bit for
     bit: only the weight's update is compensated. The second moment was stochastically
