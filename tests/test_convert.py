@@ -1360,6 +1360,30 @@ class _RoutedLayers(nn.Module):
         return self.head(x)
 
 
+def _checkpointed(reentrant: bool | None) -> Any:
+    """``f(h)`` through torch's checkpoint (reentrant or not), or called plainly (None)."""
+    if reentrant is None:
+        return lambda f, h: f(h)
+    return lambda f, h: torch.utils.checkpoint.checkpoint(f, h, use_reentrant=reentrant)
+
+
+def _routed_grads(model: nn.Module) -> list[torch.Tensor]:
+    """The input's and every parameter's gradient of ``model`` under bf16-mixed."""
+    model = mixprec.apply(model, "bf16-mixed")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    model(x).float().square().sum().backward()
+    return [x.grad, *(p.grad for p in model.parameters())]
+
+
+def _assert_recomputed_as_it_ran(grads: Any, outer: bool, inner: bool | None) -> None:
+    """``grads(outer, inner)`` with those checkpoints equals it with none, bit for bit."""
+    plain = _checkpointed(None)
+    expected = grads(plain, plain)
+    got = grads(_checkpointed(outer), _checkpointed(inner))
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("inner", [True, False, None])
 @pytest.mark.parametrize("outer", [True, False])
 def test_a_child_run_with_autocast_off_inside_nested_checkpoints_recomputes_as_it_ran(outer, inner):
@@ -1370,23 +1394,11 @@ def test_a_child_run_with_autocast_off_inside_nested_checkpoints_recomputes_as_i
     its bfloat16 region (the gradients 0.3-0.6% off). Recomputed, an entry that ran inside
     its model's forward runs counted so: every gradient equals the un-checkpointed one."""
 
-    def checkpointed(reentrant: bool | None) -> Any:
-        if reentrant is None:
-            return lambda f, h: f(h)
-        return lambda f, h: torch.utils.checkpoint.checkpoint(f, h, use_reentrant=reentrant)
-
     def grads(outer: Any, inner: Any) -> list[torch.Tensor]:
         torch.manual_seed(0)
-        model = mixprec.apply(_RoutedLayers(outer, inner), "bf16-mixed")
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        model(x).float().square().sum().backward()
-        return [x.grad, *(p.grad for p in model.parameters())]
+        return _routed_grads(_RoutedLayers(outer, inner))
 
-    plain = checkpointed(None)
-    expected = grads(plain, plain)
-    got = grads(checkpointed(outer), checkpointed(inner))
-    for a, b in zip(got, expected, strict=True):
-        assert torch.equal(a, b)
+    _assert_recomputed_as_it_ran(grads, outer, inner)
 
 
 class _RoutedBody(_RoutedLayer):
@@ -1413,25 +1425,13 @@ def test_a_float32_router_inside_nested_checkpoints_of_a_plain_function_recomput
     entry now reads the record of the checkpoint recomputed around it, where its forward
     ran inside the model: every gradient equals the un-checkpointed one."""
 
-    def checkpointed(reentrant: bool | None) -> Any:
-        if reentrant is None:
-            return lambda f, h: f(h)
-        return lambda f, h: torch.utils.checkpoint.checkpoint(f, h, use_reentrant=reentrant)
-
     def grads(outer: Any, inner: Any) -> list[torch.Tensor]:
         torch.manual_seed(0)
         model = _RoutedLayers(lambda f, h: f(h), inner)
         model.layers = nn.ModuleList(_RoutedBody(outer, inner) for _ in range(2))
-        model = mixprec.apply(model, "bf16-mixed")
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        model(x).float().square().sum().backward()
-        return [x.grad, *(p.grad for p in model.parameters())]
+        return _routed_grads(model)
 
-    plain = checkpointed(None)
-    expected = grads(plain, plain)
-    got = grads(checkpointed(outer), checkpointed(inner))
-    for a, b in zip(got, expected, strict=True):
-        assert torch.equal(a, b)
+    _assert_recomputed_as_it_ran(grads, outer, inner)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
