@@ -592,7 +592,7 @@ def test_dynamos_build_limit_falls_back_to_eager_under_compile_none(monkeypatch)
     optimizer with compile=False steps, bit for bit; under compile=True it raises. (It
     raised under None too: a default step failing after enough builds elsewhere.)"""
     from mixprec.optim.engine import can_compile
-    from mixprec.optim.states import kernels
+    from mixprec.optim.states import kernels, native
     from mixprec.optim.states import optimizers as optimizers_module
 
     if not can_compile("cpu"):
@@ -608,6 +608,7 @@ def test_dynamos_build_limit_falls_back_to_eager_under_compile_none(monkeypatch)
     monkeypatch.setattr(kernels, "_KERNELS", {"adam": _fresh(kernels.adam_update)})
     monkeypatch.setattr(kernels, "_COMPILED", {})
     monkeypatch.setattr(optimizers_module, "COMPILE_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(native, "library", lambda: None)  # (the build is the subject)
     g = torch.Generator().manual_seed(0)
     params = [nn.Parameter(torch.randn(1000, generator=g)) for _ in range(2)]
     plain = [nn.Parameter(p.detach().clone()) for p in params]

@@ -43,6 +43,7 @@ from mixprec.timing import WIDE, Paired, paired_rounds
 __all__ = [
     "CACHE_ENV",
     "GemmRatios",
+    "cache_path",
     "measure",
     "rate",
 ]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from mixprec.optim.engine import Lanes, can_compile, write_back
+from mixprec.optim.states import native
 from mixprec.optim.states.formats import StateFormat, decode, encode
 
 __all__ = ["can_compile"]
@@ -259,6 +260,8 @@ def run_compiled(algorithm: str, args: tuple) -> None:
     """Call the compiled update of ``algorithm`` on ``args`` (those of `adam_update` or
     `sgd_update`), the first dimension of every tensor but the tables and ``hp`` marked
     dynamic: one build serves every size, while the block stays a constant of the code."""
+    if algorithm == "adam" and native.adam(args):  # the hand-written kernel, where it applies
+        return None
     for t in args[:-6]:  # not hp, the key and the constants after them
         if torch.is_tensor(t):
             torch._dynamo.maybe_mark_dynamic(t, 0)

@@ -1,0 +1,229 @@
+/* The low-bit Adam/AdamW update of mixprec.optim.states.kernels.adam_update, for float32
+ * parameters and gradients with int8 or int4 moments and no compensation, written out per
+ * block: decode both moments, update them, find each block's new scale, encode, update the
+ * parameter, in one pass a block while the block sits in L1. The same arithmetic as the
+ * eager update, in the same order (built with -ffp-contract=off, so that no multiply and add
+ * is fused where the eager update rounds twice; the moment's lerp is one fused multiply-add,
+ * as torch's CPU lerp computes it). See native.py for the build and the call. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define SMALLEST_V 1.17549435e-38f /* float32's smallest normal number */
+
+/* A dynamic map's decades as codecs._Decades holds them, in float32 (the layout native.py
+ * writes); copied into locals before a loop, so that the compiler keeps them in registers */
+typedef struct {
+    float slopes[8], offsets[8], uppers[8];
+    float end_slope, end_offset, zero, zero_positive, one, last;
+} decades_t;
+
+/* A map's decades in locals (small arrays the compiler keeps in registers once the loops
+ * over them are unrolled; the whole struct in the vectorized loop is not) */
+#define DECADE_LOCALS(P, D)                                                                  \
+    float P##sl[8], P##of[8], P##up[8];                                                     \
+    for (int k = 0; k < 8; k++) {                                                           \
+        P##sl[k] = (D)->slopes[k];                                                          \
+        P##of[k] = (D)->offsets[k];                                                         \
+        P##up[k] = (D)->uppers[k];                                                          \
+    }                                                                                       \
+    const float P##es = (D)->end_slope, P##eo = (D)->end_offset, P##z = (D)->zero;          \
+    const float P##zp = (D)->zero_positive, P##one = (D)->one, P##last = (D)->last;
+
+/* codecs.dynamic_nearest for a map of `nd` decades: the code as a float32 whole number */
+static inline __attribute__((always_inline)) float dynamic_nearest(
+    float y, const float *sl, const float *of, const float *up, const float es, const float eo,
+    const float zero, const float zero_positive, const float one, const float last,
+    const int nd, const int sign) {
+    float a = fabsf(y);
+    a = (a <= 1.0f) ? a : 1.0f; /* a NaN: the code of +-1 */
+    float slope = sl[0], offset = of[0];
+    for (int i = 1; i < nd; i++) {
+        const int above = a > up[i - 1];
+        slope = above ? sl[i] : slope;
+        offset = above ? of[i] : offset;
+    }
+    const float end = floorf(offset * es + eo);
+    float t = floorf(a * slope + offset);
+    t = (t < end) ? t : end;
+    t = (a > one) ? last : t;
+    if (!sign) return (a < zero) ? 0.0f : t + 1.0f;
+    const int negative = y < 0.0f;
+    float k = negative ? t + 1.0f : ((t < 1.0f) ? 1.0f : t);
+    k = (a < (negative ? zero : zero_positive)) ? 0.0f : k;
+    const float half = last + 1.0f;
+    return negative ? half - k : half + k;
+}
+
+#define NEAREST(Y, P, ND, SIGN) \
+    dynamic_nearest(Y, P##sl, P##of, P##up, P##es, P##eo, P##z, P##zp, P##one, P##last, ND, SIGN)
+
+/* The largest magnitude of n values, NaN if any is NaN (torch's abs().amax()): as the bits
+ * of a magnitude order as the magnitudes do, with a NaN's past infinity's, the largest of
+ * them as integers (a float max with NaN propagation does not vectorize; an integer one does) */
+static inline float abs_max(const float *restrict x, int n) {
+    int32_t m = 0;
+    for (int i = 0; i < n; i++) {
+        int32_t bits;
+        memcpy(&bits, x + i, sizeof bits);
+        bits &= 0x7fffffff;
+        m = (bits > m) ? bits : m;
+    }
+    float r;
+    memcpy(&r, &m, sizeof r);
+    return r;
+}
+
+/* codecs._over's factors for a block of largest magnitude `scale`: x * up * inverse */
+static inline void over(float scale, float *up, float *inverse) {
+    *up = (scale < SMALLEST_V) ? 18446744073709551616.0f : 1.0f;
+    const float safe = (scale > 0.0f) ? scale * *up : 1.0f;
+    *inverse = 1.0f / safe;
+}
+
+static inline uint8_t to_code(float c) { return (uint8_t)(int32_t)c; }
+
+/* codecs._e4m3: the float8 e4m3 byte of y, as a float32 whole number, from y's bits as torch
+ * converts (round to nearest even, subnormals, past 448 saturated to 448, NaN to NaN) */
+static inline float e4m3_code(float y) {
+    uint32_t bits;
+    memcpy(&bits, &y, sizeof bits);
+    const uint32_t magnitude = bits & 0x7fffffffu;
+    const int32_t normal = (int32_t)((magnitude + 0x7ffffu + ((magnitude >> 20) & 1u)) >> 20) - (120 << 3);
+    const int32_t subnormal = (int32_t)rintf(fabsf(y) * 512.0f); /* multiples of 2^-9 */
+    int32_t code = (magnitude < 0x3c800000u) ? subnormal : normal;
+    code = (magnitude > 0x43e00000u) ? 0x7e : code;
+    code = (magnitude > 0x7f800000u) ? 0x7f : code;
+    code |= (int32_t)((bits >> 24) & 0x80u);
+    return (float)code;
+}
+
+/* hp: lr, beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2, gain1, gain2.
+ * bits: 8 (int8: one code a byte), 4 (int4: two a byte, the first in the low half; the
+ * second moment on the linear map k/16, k = 1..16) or 0 (float8: e4m3 bytes of the moment
+ * over its scale, the block's largest magnitude over 448; mt and vt then e4m3's values). dm, dv: the decades of the first and second moment's
+ * maps (dv unused for int4). m_scales, v_scales: one float32 a block. */
+static inline __attribute__((always_inline)) void adam_block(float *restrict p, const float *restrict g, uint8_t *restrict mc,
+                       float *restrict ms, uint8_t *restrict vc, float *restrict vs,
+                       const float *restrict mt, const float *restrict vt,
+                       const float *restrict hp, const decades_t *restrict dm_,
+                       const decades_t *restrict dv_, const int block, const int bits,
+                       const int decoupled, float *restrict m1, float *restrict m2,
+                       float *restrict codes, int32_t *restrict index) {
+    const float lr = hp[0], beta2 = hp[2], eps = hp[3], wd = hp[4];
+    const float step_size = hp[5], inv_sqrt_bc2 = hp[6], gain1 = hp[7], gain2 = hp[8];
+    DECADE_LOCALS(m_, dm_)
+    DECADE_LOCALS(v_, dv_)
+    const float ms_old = *ms, vs_old = *vs;
+    float vmag = fabsf(vs_old);
+    if (bits == 4 && vmag == INFINITY) vmag = NAN; /* int4: past float32's range decodes NaN */
+    const int roots = (bits == 0) || vs_old < 0.0f; /* (float8 always stores roots) */
+    /* lerp's coefficient and base choice, as torch's vectorized CPU lerp */
+    const int small = fabsf(gain1) < 0.5f;
+    const float coeff = small ? gain1 : gain1 - 1.0f;
+    if (bits == 4) { /* the codes unpacked first: a nibble's shift by position does not vectorize */
+        for (int j = 0; j < block / 2; j++) {
+            index[2 * j] = mc[j] & 15;
+            index[2 * j + 1] = mc[j] >> 4;
+            index[block + 2 * j] = vc[j] & 15;
+            index[block + 2 * j + 1] = vc[j] >> 4;
+        }
+    }
+    for (int i = 0; i < block; i++) {
+        const int mcode = (bits == 4) ? index[i] : mc[i];
+        const int vcode = (bits == 4) ? index[block + i] : vc[i];
+        const float p32 = p[i];
+        float g32 = g[i];
+        if (!decoupled) g32 = g32 + wd * p32;
+        const float m = mt[mcode] * ms_old;
+        const float values = vt[vcode];
+        const float stored = values * vmag;
+        float v = roots ? stored * stored : stored;
+        v = (values > 0.0f && vmag > 0.0f) ? ((v < SMALLEST_V) ? SMALLEST_V : v) : v;
+        m1[i] = fmaf(coeff, g32 - m, small ? m : g32);
+        m2[i] = v * beta2 + gain2 * g32 * g32;
+    }
+    /* the new scales: the largest magnitude of m1, the largest root of m2 */
+    float mabs = abs_max(m1, block);
+    /* (m2 >= 0 or NaN: its largest is its largest magnitude) */
+    float vroot = fabsf(sqrtf(abs_max(m2, block)));
+    if (bits == 0) { /* float8's scales: over e4m3's largest finite value */
+        mabs = mabs / 448.0f;
+        vroot = vroot / 448.0f;
+    }
+    float mup, minv, vup, vinv;
+    over(mabs, &mup, &minv);
+    over(vroot, &vup, &vinv);
+    for (int i = 0; i < block; i++) {
+        const float root = sqrtf(m2[i]);
+        const float ym = (m1[i] * mup) * minv;
+        const float yv = (root * vup) * vinv;
+        float cm, cv;
+        if (bits == 8) {
+            cm = NEAREST(ym, m_, 7, 1);
+            cv = NEAREST(yv, v_, 7, 0);
+            const float lowest = (yv > 0.0f) ? 1.0f : 0.0f; /* a positive root: not 0's code */
+            cv = (cv < lowest) ? lowest : cv;
+        } else if (bits == 0) {
+            cm = e4m3_code(ym);
+            cv = e4m3_code((yv > 0.0f) ? ((yv < 0x1p-9f) ? 0x1p-9f : yv) : yv);
+        } else {
+            cm = NEAREST(ym, m_, 3, 1);
+            cv = ceilf(yv * 16.0f - 0.5f) - 1.0f;
+            cv = (cv < 0.0f) ? 0.0f : ((cv > 15.0f) ? 15.0f : cv);
+        }
+        codes[i] = cm; /* (floats: a select chain ending in a byte store does not vectorize) */
+        codes[block + i] = cv;
+        float u = -((step_size * m1[i]) / (root * inv_sqrt_bc2 + eps));
+        if (decoupled) u = u - (lr * wd) * p[i];
+        p[i] = p[i] + u;
+    }
+    if (bits != 4) {
+        for (int i = 0; i < block; i++) {
+            mc[i] = to_code(codes[i]);
+            vc[i] = to_code(codes[block + i]);
+        }
+    } else {
+        for (int i = 0; i < block / 2; i++) {
+            mc[i] = (uint8_t)(to_code(codes[2 * i]) | (to_code(codes[2 * i + 1]) << 4));
+            vc[i] = (uint8_t)(to_code(codes[block + 2 * i]) | (to_code(codes[block + 2 * i + 1]) << 4));
+        }
+    }
+    *ms = mabs;
+    *vs = (bits == 0) ? vroot : -vroot; /* (int8, int4: negated, to mark roots) */
+}
+
+/* One update of `blocks` blocks (adam_block each; block <= MAX_BLOCK, whose scratch stays
+ * on the stack), split over `threads` OpenMP threads. */
+#define MAX_BLOCK 4096
+
+int mixprec_max_block(void) { return MAX_BLOCK; }
+
+void mixprec_adam(float *p, const float *g, uint8_t *mc, float *ms, uint8_t *vc, float *vs,
+                  const float *mt, const float *vt, const float *hp, const decades_t *dm,
+                  const decades_t *dv, int64_t blocks, int block, int bits, int decoupled,
+                  int threads) {
+    const int64_t per = bits == 4 ? block / 2 : block;
+#define ADAM_LOOP(BITS, DECOUPLED)                                                              \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")          \
+    for (int64_t b = 0; b < blocks; b++) {                                                   \
+        float m1[MAX_BLOCK], m2[MAX_BLOCK];                                                  \
+        float codes[2 * MAX_BLOCK];                                                        \
+        int32_t index[2 * MAX_BLOCK];                                                      \
+        adam_block(p + b * block, g + b * block, mc + b * per, ms + b, vc + b * per, vs + b, \
+                   mt, vt, hp, dm, dv, block, BITS, DECOUPLED, m1, m2, codes, index);               \
+    }
+    if (bits == 8 && decoupled) {
+        ADAM_LOOP(8, 1)
+    } else if (bits == 8) {
+        ADAM_LOOP(8, 0)
+    } else if (bits == 0 && decoupled) {
+        ADAM_LOOP(0, 1)
+    } else if (bits == 0) {
+        ADAM_LOOP(0, 0)
+    } else if (decoupled) {
+        ADAM_LOOP(4, 1)
+    } else {
+        ADAM_LOOP(4, 0)
+    }
+}

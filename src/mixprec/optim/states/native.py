@@ -1,0 +1,157 @@
+"""The hand-written CPU kernel of the commonest low-bit step: Adam/AdamW on float32
+parameters and gradients with int8 or int4 moments, no compensation (`native.c`).
+
+Where it applies it stands in for the compiled update (`kernels.run_compiled`): the same
+arithmetic as the eager update, one pass a block while the block sits in L1, where inductor's
+build reads the code tables element by element and pays dynamo's call (benchmarks/results/
+states_step.md has the times). It is built with the host's C compiler on first use, as
+inductor builds its kernels, for the instruction sets torch's own kernels use
+(`torch.backends.cpu.get_cpu_capability`), cached beside mixprec's other caches
+(``MIXPREC_CACHE_DIR``), and called through ``ctypes``. Where it cannot be built (no
+compiler), or ``MIXPREC_NATIVE=0``, the compiled update runs as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from mixprec.device.gemm_ratio import cache_path
+from mixprec.optim.states.codecs import _E4M3_VALUES, Int4Codec, Int8Codec, _Decades
+
+__all__ = ["NATIVE_ENV", "adam", "library"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native.c")
+# set to 0 to run the compiled update instead
+NATIVE_ENV = "MIXPREC_NATIVE"
+_BITS = {"int8": 8, "int4": 4, "float8": 0}
+_LIBRARY: list[ctypes.CDLL | None] = []
+_DECADES: dict[tuple[str, bool], torch.Tensor] = {}
+
+
+def _flags() -> list[str]:
+    """The compiler's flags: IEEE arithmetic as the eager update's (no fused multiply-add
+    where it rounds twice, no fast math), vectorized for the instruction sets torch's kernels
+    use in this process (capped by ``ATEN_CPU_CAPABILITY``, as on an AVX2-only CPU)."""
+    isa = {
+        "AVX512": ["-march=native", "-mprefer-vector-width=512"],
+        "AVX2": ["-mavx2", "-mfma"],
+    }.get(torch.backends.cpu.get_cpu_capability(), [])
+    if platform.machine() not in ("x86_64", "AMD64"):
+        isa = ["-mcpu=native"] if platform.machine() in ("aarch64", "arm64") else []
+    base = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+    return [*base, *isa, "-fopenmp", "-shared", "-fPIC"]
+
+
+def _host() -> str:
+    """What the build depends on besides the source and flags: the CPU (``-march=native``)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [x for x in info.splitlines() if x.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor()]
+    return "\n".join([platform.machine(), *lines])
+
+
+def _build() -> ctypes.CDLL | None:
+    """The kernel's library: loaded from the cache, or compiled into it (written under a
+    temporary name, then renamed, so a concurrent process reads a whole file or none)."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        log.info("no C compiler: the low-bit update runs compiled by torch instead")
+        return None
+    flags = _flags()
+    digest = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), compiler, *flags, _host()]).encode()
+    ).hexdigest()[:20]
+    folder = cache_path().parent / "native"
+    path = folder / f"lowbit-{digest}.so"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, temp = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(handle)
+        command = [compiler, *flags, str(SOURCE), "-o", temp]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(temp)
+            log.info(
+                "the low-bit kernel did not build (%s): the update runs compiled by torch instead",
+                done.stderr.strip().splitlines()[-1:] or done.returncode,
+            )
+            return None
+        os.replace(temp, path)
+    library = ctypes.CDLL(str(path))
+    pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    library.mixprec_adam.argtypes = [pointer] * 11 + [i64, i32, i32, i32, i32]
+    library.mixprec_adam.restype = None
+    library.mixprec_max_block.restype = i32
+    return library
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None where it is switched off or cannot be built (once a process)."""
+    if not _LIBRARY:
+        off = os.environ.get(NATIVE_ENV, "1") == "0"
+        _LIBRARY.append(None if off else _build())
+    return _LIBRARY[0]
+
+
+def _decades(kind: str, signed: bool) -> torch.Tensor:
+    """The float32 constants of a map's nearest code in `native.c`'s ``decades_t`` layout:
+    the values the eager update's comparisons and products round them to."""
+    key = (kind, signed)
+    if key not in _DECADES:
+        codec = Int8Codec if kind == "int8" else Int4Codec
+        d: _Decades = codec._D[signed] if kind == "int8" else codec._D  # type: ignore[index]
+        padded = [list(x) + [0.0] * (8 - len(x)) for x in (d.slopes, d.offsets, d.uppers)]
+        values = [*padded[0], *padded[1], *padded[2], d.end_slope, d.end_offset, d.zero]
+        values += [d.zero_positive, d.one, float(d.last)]
+        _DECADES[key] = torch.tensor(values, dtype=torch.float32)
+    return _DECADES[key]
+
+
+def adam(args: tuple) -> bool:
+    """Run `kernels.adam_update`'s ``args`` through the kernel and return True, or return
+    False (nothing ran) where it does not apply: not a CPU tensor, not float32 parameters and
+    gradients, not int8, int4 or float8 moments, a compensation, a strided tensor, or a block
+    past the kernel's stack scratch."""
+    p, g, m, m_scales, v, v_scales, tables, buf, hp, _key, kind, block, decoupled, comp = args
+    bits = _BITS.get(kind)
+    if (
+        bits is None
+        or comp is not None
+        or p.device.type != "cpu"
+        or p.dtype != torch.float32
+        or g.dtype != torch.float32
+        or hp.dtype != torch.float32
+    ):
+        return False
+    lib = library()
+    if lib is None or block > lib.mixprec_max_block():
+        return False
+    if not all(t.is_contiguous() for t in (p, g, m, m_scales, v, v_scales, hp)):
+        return False
+    if bits == 0:  # (float8: the codes are e4m3 bytes, read as values; no decades read)
+        tables, kind = (_E4M3_VALUES, _E4M3_VALUES), "int8"
+    # (int4's second map is linear: its decades are not read)
+    first, second = _decades(kind, True), _decades(kind, bits == 4)
+    ptr = torch.Tensor.data_ptr
+    lib.mixprec_adam(
+        ptr(p), ptr(g), ptr(m), ptr(m_scales), ptr(v), ptr(v_scales),
+        ptr(tables[0]), ptr(tables[1]), ptr(hp), ptr(first), ptr(second),
+        p.numel() // block, block, bits, int(decoupled), torch.get_num_threads(),
+    )  # fmt: skip
+    # (written through pointers: autograd's in-place checks must still see the write)
+    torch.autograd.graph.increment_version(p)
+    return True

@@ -1,0 +1,188 @@
+"""The hand-written CPU kernel of the low-bit Adam/AdamW step (`mixprec.optim.states.native`)
+held to the eager update: the first moment's codes and scales bit for bit (its arithmetic
+has no square root), the second's within the last bit of a root (the kernel's square root is
+correctly rounded, torch's vectorized one may be a last bit off), the parameters within a
+float32 rounding; on gradients spanning orders of magnitude, zeros, a NaN, partial blocks,
+both decays; the same bits on one thread and two; and the fallbacks: switched off, no
+compiler, a block past its scratch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.optim.engine import can_compile
+from mixprec.optim.states import LowBitAdam, LowBitAdamW, kernels, native
+
+pytestmark = pytest.mark.skipif(not can_compile("cpu"), reason="no C compiler on this host")
+
+KINDS = ["int8", "int4", "float8"]
+
+
+def _params(seed: int = 0) -> list[nn.Parameter]:
+    """A matrix, a vector of a partial last block, a parameter of one block."""
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=g)) for s in ((40, 37), (300,), (128,))]
+
+
+def _grads(params: list[nn.Parameter], step: int) -> list[torch.Tensor]:
+    """Gradients from 1e-3 to 1e2 by step, one block of the matrix zero on even steps."""
+    g = torch.Generator().manual_seed(100 + step)
+    grads = [torch.randn(p.shape, generator=g) * 10.0 ** (step % 6 - 3) for p in params]
+    if step % 2 == 0:
+        grads[0].view(-1)[256:512] = 0.0
+    return grads
+
+
+def _stepped(cls, kind: str, compile: bool, steps: int = 12, **kw) -> tuple[list, object]:
+    params = _params()
+    opt = cls(params, lr=1e-2, states=kind, min_size=0, compile=compile, weight_decay=0.05, **kw)
+    for step in range(steps):
+        for p, grad in zip(params, _grads(params, step), strict=True):
+            p.grad = grad
+        opt.step()
+    return params, opt
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """The number of native kernel calls (the test fails if the compiled build is asked)."""
+    calls = []
+    run = native.adam
+
+    def adam(args):
+        ran = run(args)
+        calls.append(ran)
+        return ran
+
+    def no_build(algorithm):
+        raise AssertionError(f"the compiled {algorithm} update was built")
+
+    monkeypatch.setattr(native, "adam", adam)
+    monkeypatch.setattr(kernels, "compiled", no_build)
+    return calls
+
+
+@pytest.mark.parametrize("cls", [LowBitAdamW, LowBitAdam], ids=["decoupled", "l2"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_kernel_steps_as_the_eager_update(cls, kind, counted):
+    ours, fast = _stepped(cls, kind, compile=True)
+    assert counted and all(counted)
+    plain, slow = _stepped(cls, kind, compile=False)
+    for p, q in zip(ours, plain, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        a, b = fast.state[p], slow.state[q]
+        assert torch.equal(_bits(a["exp_avg_codes"]), _bits(b["exp_avg_codes"]))
+        assert torch.equal(a["exp_avg_scales"], b["exp_avg_scales"])
+        torch.testing.assert_close(
+            a["exp_avg_sq_scales"], b["exp_avg_sq_scales"], rtol=3e-7, atol=0
+        )
+        # a root a last bit off may move a code across a boundary: a handful at most
+        differ = _bits(a["exp_avg_sq_codes"]) != _bits(b["exp_avg_sq_codes"])
+        assert int(differ.sum()) <= 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_nan_gradient_spoils_its_block_and_no_other(kind, counted):
+    runs = []
+    for compile in (True, False):
+        params = _params()
+        opt = LowBitAdamW(params, states=kind, min_size=0, compile=compile)
+        for step in range(3):
+            for p, grad in zip(params, _grads(params, step), strict=True):
+                p.grad = grad
+            if step == 1:
+                params[1].grad[5] = float("nan")
+            opt.step()
+        runs.append((params, opt))
+    (ours, fast), (plain, slow) = runs
+    spoiled = ours[1].isnan()
+    assert torch.equal(spoiled, plain[1].isnan())
+    assert spoiled.any() and not spoiled.all()  # its block, not the parameter's others
+    torch.testing.assert_close(ours[1][~spoiled], plain[1][~spoiled], rtol=1e-5, atol=1e-6)
+    for key in ("exp_avg_scales", "exp_avg_sq_scales"):
+        assert torch.equal(fast.state[ours[1]][key].isnan(), slow.state[plain[1]][key].isnan())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_one_thread_and_two_step_the_same_bits(kind):
+    before = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            runs.append(_stepped(LowBitAdamW, kind, compile=True, steps=4))
+    finally:
+        torch.set_num_threads(before)
+    (ours, one), (theirs, two) = runs
+    for p, q in zip(ours, theirs, strict=True):
+        assert torch.equal(p, q)
+        for key in ("exp_avg_codes", "exp_avg_sq_codes", "exp_avg_scales", "exp_avg_sq_scales"):
+            assert torch.equal(_bits(one.state[p][key]), _bits(two.state[q][key]))
+
+
+def _args(p=None, g=None, kind="int8", block=256, compensation=None) -> tuple:
+    """`kernels.adam_update`'s arguments for two blocks of zeros."""
+    p = torch.zeros(512) if p is None else p
+    g = torch.zeros(512) if g is None else g
+    codes, scales, hp = torch.zeros(512, dtype=torch.uint8), torch.zeros(2), torch.zeros(9)
+    tables = (torch.zeros(256), torch.zeros(256))
+    return (
+        p,
+        g,
+        codes,
+        scales,
+        codes,
+        scales,
+        tables,
+        None,
+        hp,
+        0,
+        kind,
+        block,
+        True,
+        compensation,
+    )
+
+
+def test_switched_off_or_unbuildable_the_compiled_update_runs(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_LIBRARY", [])
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert native.library() is None
+    # a compiler that fails: no library, nothing left behind in the cache
+    monkeypatch.setattr(native, "_LIBRARY", [])
+    monkeypatch.delenv(native.NATIVE_ENV)
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    assert native.library() is None
+    assert list(tmp_path.rglob("*.so")) == []
+    assert native.adam(_args()) is False
+
+
+def test_a_build_is_cached_and_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_LIBRARY", [])
+    assert native.library() is not None
+    built = list(tmp_path.rglob("*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_LIBRARY", [])
+    assert native.library() is not None
+    assert [p.stat().st_mtime_ns for p in tmp_path.rglob("*.so")] == [stamp]
+
+
+def test_what_the_kernel_does_not_take_is_left_to_the_compiled_update():
+    lib = native.library()
+    assert lib is not None
+    assert native.adam(_args()) is True
+    assert native.adam(_args(p=torch.zeros(512).bfloat16())) is False
+    assert native.adam(_args(g=torch.zeros(512).double())) is False
+    assert native.adam(_args(p=torch.zeros(512, 2)[:, 0])) is False  # strided
+    assert native.adam(_args(kind="float32")) is False
+    assert native.adam(_args(compensation="kahan")) is False
+    assert native.adam(_args(block=2 * lib.mixprec_max_block())) is False
