@@ -3,8 +3,8 @@
  * block: decode both moments, update them, find each block's new scale, encode, update the
  * parameter, in one pass a block while the block sits in L1. The same arithmetic as the
  * eager update, in the same order (built with -ffp-contract=off, so that no multiply and add
- * is fused where the eager update rounds twice; the moment's lerp is one fused multiply-add,
- * as torch's CPU lerp computes it). See native.py for the build and the call. */
+ * is fused where the eager update rounds twice; the moment's lerp is one fused multiply-add
+ * where torch's vectorized CPU lerp computes it so, MIXPREC_FUSED_LERP). See native.py for the build and the call. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -140,7 +140,11 @@ static inline __attribute__((always_inline)) void adam_block(float *restrict p, 
         const float stored = values * vmag;
         float v = roots ? stored * stored : stored;
         v = (values > 0.0f && vmag > 0.0f) ? ((v < SMALLEST_V) ? SMALLEST_V : v) : v;
+#if MIXPREC_FUSED_LERP
         m1[i] = fmaf(coeff, g32 - m, small ? m : g32);
+#else
+        m1[i] = coeff * (g32 - m) + (small ? m : g32);
+#endif
         m2[i] = v * beta2 + gain2 * g32 * g32;
     }
     /* the new scales: the largest magnitude of m1, the largest root of m2 */
@@ -164,9 +168,12 @@ static inline __attribute__((always_inline)) void adam_block(float *restrict p, 
             cv = NEAREST(yv, v_, 7, 0);
             const float lowest = (yv > 0.0f) ? 1.0f : 0.0f; /* a positive root: not 0's code */
             cv = (cv < lowest) ? lowest : cv;
-        } else if (bits == 0) {
-            cm = e4m3_code(ym);
-            cv = e4m3_code((yv > 0.0f) ? ((yv < 0x1p-9f) ? 0x1p-9f : yv) : yv);
+        } else if (bits == 0) { /* (the e4m3 bytes in a loop of their own, below) */
+            cm = ym;
+            /* a positive root below e4m3's smallest subnormal stored as it (two selects: the
+             * nested one is not if-converted) */
+            const float lifted = (yv < 0x1p-9f) ? 0x1p-9f : yv;
+            cv = (yv > 0.0f) ? lifted : yv;
         } else {
             cm = NEAREST(ym, m_, 3, 1);
             cv = ceilf(yv * 16.0f - 0.5f) - 1.0f;
@@ -177,6 +184,9 @@ static inline __attribute__((always_inline)) void adam_block(float *restrict p, 
         float u = -((step_size * m1[i]) / (root * inv_sqrt_bc2 + eps));
         if (decoupled) u = u - (lr * wd) * p[i];
         p[i] = p[i] + u;
+    }
+    if (bits == 0) { /* (within the loop above, the byte's integer selects are not if-converted) */
+        for (int i = 0; i < 2 * block; i++) codes[i] = e4m3_code(codes[i]);
     }
     if (bits != 4) {
         for (int i = 0; i < block; i++) {

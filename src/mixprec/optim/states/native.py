@@ -50,8 +50,11 @@ def _flags() -> list[str]:
     }.get(torch.backends.cpu.get_cpu_capability(), [])
     if platform.machine() not in ("x86_64", "AMD64"):
         isa = ["-mcpu=native"] if platform.machine() in ("aarch64", "arm64") else []
+    # torch's lerp is one fused multiply-add where its kernels are vectorized (not on an x86
+    # CPU capped to no vector extension, where it rounds twice)
+    fused = int(bool(isa))
     base = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
-    return [*base, *isa, "-fopenmp", "-shared", "-fPIC"]
+    return [*base, *isa, f"-DMIXPREC_FUSED_LERP={fused}", "-fopenmp", "-shared", "-fPIC"]
 
 
 def _host() -> str:
