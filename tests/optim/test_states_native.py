@@ -186,3 +186,20 @@ def test_what_the_kernel_does_not_take_is_left_to_the_compiled_update():
     assert native.adam(_args(kind="float32")) is False
     assert native.adam(_args(compensation="kahan")) is False
     assert native.adam(_args(block=2 * lib.mixprec_max_block())) is False
+
+
+def test_a_step_too_small_to_compile_takes_the_kernel_under_compile_none(counted):
+    """compile=None compiles no update of fewer than 2^16 elements (a build takes seconds),
+    but the kernel, built once in about a second, steps it; compile=False stays eager."""
+    params = _params()
+    opt = LowBitAdamW(params, states="int8", min_size=0)
+    for p, grad in zip(params, _grads(params, 0), strict=True):
+        p.grad = grad
+    opt.step()
+    assert counted and all(counted)
+    counted.clear()
+    eager = LowBitAdamW(_params(), states="int8", min_size=0, compile=False)
+    for p, grad in zip(eager.param_groups[0]["params"], _grads(params, 0), strict=True):
+        p.grad = grad
+    eager.step()
+    assert counted == []

@@ -46,7 +46,7 @@ from mixprec.optim.engine import (
     wrap32,
 )
 from mixprec.optim.states import buckets as buckets_
-from mixprec.optim.states import codecs, kernels
+from mixprec.optim.states import codecs, kernels, native
 from mixprec.optim.states.checkpoint import UNSUPPORTED_FLAGS, StateCheckpoint, refuse_flags
 from mixprec.optim.states.formats import (
     StateFormat,
@@ -904,6 +904,7 @@ class LowBitOptimizer(StateCheckpoint):
                 tail_buf = buf.new_zeros(size)
                 tail_buf[: n - cut] = buf[cut:]
             pieces.append((pad[0], pad[1], states, tail_buf, cut))
+        small_native = not compiled and self._gate.compile is None and self.algorithm == "adam"
         for piece_p, piece_g, states, piece_buf, begin in pieces:
             piece_key: torch.Tensor | int = 0  # (no random bits without a compensation)
             if compensation is not None:
@@ -913,8 +914,13 @@ class LowBitOptimizer(StateCheckpoint):
             args = (piece_p, piece_g, *(t for pair in states for t in pair))
             args += (planned.tables, piece_buf, planned.hp, piece_key, fmt.kind, fmt.block)
             args += (*planned.statics, compensation)
-            if not (compiled and self._compiled(args)):
-                kernels.eager(self.algorithm)(*args)
+            if compiled and self._compiled(args):
+                continue
+            # under compile=None a step too small to compile still takes the C kernel (built
+            # once, in a second, where a compiled update's build takes many)
+            if small_native and native.adam(args):
+                continue
+            kernels.eager(self.algorithm)(*args)
         if cut < n:
             flat[cut:] = pieces[-1][0][: n - cut]
             if buf is not None:
