@@ -366,6 +366,8 @@ def test_a_cap_set_after_the_process_multiplied_is_not_measured_under_its_key(tm
     """oneDNN reads ONEDNN_MAX_CPU_ISA once: a process that multiplied before setting it runs
     its GEMMs uncapped, so what it measures must not be cached as the capped CPU's (every later
     capped process would read it). The capped view it asked for is rated by its flags."""
+    if device.cap_cpu_flags(device._cpu_flags()[0], {"ONEDNN_MAX_CPU_ISA": "AVX2"})[1] is None:
+        pytest.skip("this CPU has nothing past AVX2: the cap changes nothing in a real process")
     script = (
         "import json, os, torch\n"
         "from mixprec import device, hardware\n"
@@ -401,7 +403,13 @@ def test_a_late_cap_reads_what_a_process_under_it_measured(tmp_path, monkeypatch
     monkeypatch.setitem(device._ONEDNN_AT_IMPORT, "ONEDNN_MAX_CPU_ISA", None)
     monkeypatch.setitem(device._ONEDNN_AT_IMPORT, "DNNL_MAX_CPU_ISA", None)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    # a CPU with instructions past the cap, whatever this host has (on an AVX2-only one the
+    # cap would change nothing)
+    host = device._cpu_flags()
+    past = frozenset({"avx512f", "avx512bw", "avx512_bf16"})
+    monkeypatch.setattr(device, "_cpu_flags", lambda: (host[0] | past, host[1]))
     flags, cap = device.cap_cpu_flags(device._cpu_flags()[0], {"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert cap is not None
     key = {"cpu": device._cpu_name(), "flags": sorted(flags), "isa_cap": cap}
     measured = {**_MEASURED, "ratios": {"bfloat16": 0.02, "float16": 0.03}}
     key = {**key, "torch": torch.__version__, "method": gemm_ratio.METHOD}

@@ -1,10 +1,11 @@
 /* The low-bit Adam/AdamW update of mixprec.optim.states.kernels.adam_update, for float32
- * parameters and gradients with int8 or int4 moments and no compensation, written out per
- * block: decode both moments, update them, find each block's new scale, encode, update the
- * parameter, in one pass a block while the block sits in L1. The same arithmetic as the
- * eager update, in the same order (built with -ffp-contract=off, so that no multiply and add
- * is fused where the eager update rounds twice; the moment's lerp is one fused multiply-add
- * where torch's vectorized CPU lerp computes it so, MIXPREC_FUSED_LERP). See native.py for the build and the call. */
+ * parameters and gradients with int8, int4 or float8 moments and no compensation, written
+ * out per block: decode both moments, update them, find each block's new scales, encode,
+ * update the parameter, in one pass a block while the block sits in L1. The same arithmetic
+ * as the eager update, in the same order (built with -ffp-contract=off, so that no multiply
+ * and add is fused where the eager update rounds twice; the moment's lerp is one fused
+ * multiply-add where torch's vectorized CPU lerp computes it so: MIXPREC_FUSED_LERP).
+ * native.py builds and calls it. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -89,7 +90,9 @@ static inline float e4m3_code(float y) {
     uint32_t bits;
     memcpy(&bits, &y, sizeof bits);
     const uint32_t magnitude = bits & 0x7fffffffu;
-    const int32_t normal = (int32_t)((magnitude + 0x7ffffu + ((magnitude >> 20) & 1u)) >> 20) - (120 << 3);
+    /* a normal e4m3: exponent rebiased, three mantissa bits kept, rounded to nearest even */
+    const uint32_t rounded = (magnitude + 0x7ffffu + ((magnitude >> 20) & 1u)) >> 20;
+    const int32_t normal = (int32_t)rounded - (120 << 3);
     const int32_t subnormal = (int32_t)rintf(fabsf(y) * 512.0f); /* multiples of 2^-9 */
     int32_t code = (magnitude < 0x3c800000u) ? subnormal : normal;
     code = (magnitude > 0x43e00000u) ? 0x7e : code;
@@ -101,9 +104,11 @@ static inline float e4m3_code(float y) {
 /* hp: lr, beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2, gain1, gain2.
  * bits: 8 (int8: one code a byte), 4 (int4: two a byte, the first in the low half; the
  * second moment on the linear map k/16, k = 1..16) or 0 (float8: e4m3 bytes of the moment
- * over its scale, the block's largest magnitude over 448; mt and vt then e4m3's values). dm, dv: the decades of the first and second moment's
- * maps (dv unused for int4). m_scales, v_scales: one float32 a block. */
-static inline __attribute__((always_inline)) void adam_block(float *restrict p, const float *restrict g, uint8_t *restrict mc,
+ * over its scale, the block's largest magnitude over 448; mt and vt then e4m3's values).
+ * dm, dv: the decades of the first and second moment's maps (read for int8 and int4's first
+ * moment). ms, vs: the block's float32 scales. m1, m2, codes, index: scratch of the block. */
+static inline __attribute__((always_inline)) void adam_block(
+                       float *restrict p, const float *restrict g, uint8_t *restrict mc,
                        float *restrict ms, uint8_t *restrict vc, float *restrict vs,
                        const float *restrict mt, const float *restrict vt,
                        const float *restrict hp, const decades_t *restrict dm_,
@@ -121,7 +126,7 @@ static inline __attribute__((always_inline)) void adam_block(float *restrict p, 
     /* lerp's coefficient and base choice, as torch's vectorized CPU lerp */
     const int small = fabsf(gain1) < 0.5f;
     const float coeff = small ? gain1 : gain1 - 1.0f;
-    if (bits == 4) { /* the codes unpacked first: a nibble's shift by position does not vectorize */
+    if (bits == 4) { /* unpacked first: a nibble's shift by position does not vectorize */
         for (int j = 0; j < block / 2; j++) {
             index[2 * j] = mc[j] & 15;
             index[2 * j + 1] = mc[j] >> 4;
@@ -195,8 +200,9 @@ static inline __attribute__((always_inline)) void adam_block(float *restrict p, 
         }
     } else {
         for (int i = 0; i < block / 2; i++) {
+            const float *v = codes + block;
             mc[i] = (uint8_t)(to_code(codes[2 * i]) | (to_code(codes[2 * i + 1]) << 4));
-            vc[i] = (uint8_t)(to_code(codes[block + 2 * i]) | (to_code(codes[block + 2 * i + 1]) << 4));
+            vc[i] = (uint8_t)(to_code(v[2 * i]) | (to_code(v[2 * i + 1]) << 4));
         }
     }
     *ms = mabs;
@@ -214,14 +220,13 @@ void mixprec_adam(float *p, const float *g, uint8_t *mc, float *ms, uint8_t *vc,
                   const decades_t *dv, int64_t blocks, int block, int bits, int decoupled,
                   int threads) {
     const int64_t per = bits == 4 ? block / 2 : block;
-#define ADAM_LOOP(BITS, DECOUPLED)                                                              \
-    _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")          \
-    for (int64_t b = 0; b < blocks; b++) {                                                   \
-        float m1[MAX_BLOCK], m2[MAX_BLOCK];                                                  \
-        float codes[2 * MAX_BLOCK];                                                        \
+#define ADAM_LOOP(BITS, DECOUPLED)                                                         \
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")     \
+    for (int64_t b = 0; b < blocks; b++) {                                                 \
+        float m1[MAX_BLOCK], m2[MAX_BLOCK], codes[2 * MAX_BLOCK];                          \
         int32_t index[2 * MAX_BLOCK];                                                      \
         adam_block(p + b * block, g + b * block, mc + b * per, ms + b, vc + b * per, vs + b, \
-                   mt, vt, hp, dm, dv, block, BITS, DECOUPLED, m1, m2, codes, index);               \
+                   mt, vt, hp, dm, dv, block, BITS, DECOUPLED, m1, m2, codes, index);       \
     }
     if (bits == 8 && decoupled) {
         ADAM_LOOP(8, 1)

@@ -26,7 +26,15 @@ from pathlib import Path
 import torch
 
 from mixprec.device.gemm_ratio import cache_path
-from mixprec.optim.states.codecs import _E4M3_VALUES, Int4Codec, Int8Codec, _Decades
+from mixprec.optim.states.codecs import (
+    _E4M3_VALUES,
+    Float8Codec,
+    Int4Codec,
+    Int8Codec,
+    StateCodec,
+    _Decades,
+    state_codec,
+)
 
 __all__ = ["NATIVE_ENV", "adam", "library"]
 
@@ -35,9 +43,10 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("native.c")
 # set to 0 to run the compiled update instead
 NATIVE_ENV = "MIXPREC_NATIVE"
-_BITS = {"int8": 8, "int4": 4, "float8": 0}
+# the codecs the kernel decodes and encodes, by the number it knows each by
+_BITS: dict[type, int] = {Int8Codec: 8, Int4Codec: 4, Float8Codec: 0}
 _LIBRARY: list[ctypes.CDLL | None] = []
-_DECADES: dict[tuple[str, bool], torch.Tensor] = {}
+_DECADES: dict[tuple[type, bool], torch.Tensor] = {}
 
 
 def _flags() -> list[str]:
@@ -110,13 +119,14 @@ def library() -> ctypes.CDLL | None:
     return _LIBRARY[0]
 
 
-def _decades(kind: str, signed: bool) -> torch.Tensor:
-    """The float32 constants of a map's nearest code in `native.c`'s ``decades_t`` layout:
-    the values the eager update's comparisons and products round them to."""
-    key = (kind, signed)
+def _decades(codec: StateCodec, signed: bool) -> torch.Tensor:
+    """The float32 constants of a dynamic map's nearest code (int8's, int4's first moment's)
+    in `native.c`'s ``decades_t`` layout: the values the eager update's comparisons and
+    products round them to."""
+    key = (type(codec), signed)
     if key not in _DECADES:
-        codec = Int8Codec if kind == "int8" else Int4Codec
-        d: _Decades = codec._D[signed] if kind == "int8" else codec._D  # type: ignore[index]
+        maps = codec._D  # type: ignore[attr-defined]
+        d: _Decades = maps[signed] if isinstance(maps, dict) else maps
         padded = [list(x) + [0.0] * (8 - len(x)) for x in (d.slopes, d.offsets, d.uppers)]
         values = [*padded[0], *padded[1], *padded[2], d.end_slope, d.end_offset, d.zero]
         values += [d.zero_positive, d.one, float(d.last)]
@@ -130,7 +140,8 @@ def adam(args: tuple) -> bool:
     gradients, not int8, int4 or float8 moments, a compensation, a strided tensor, or a block
     past the kernel's stack scratch."""
     p, g, m, m_scales, v, v_scales, tables, buf, hp, _key, kind, block, decoupled, comp = args
-    bits = _BITS.get(kind)
+    codec = state_codec(kind)
+    bits = _BITS.get(type(codec))
     if (
         bits is None
         or comp is not None
@@ -146,9 +157,9 @@ def adam(args: tuple) -> bool:
     if not all(t.is_contiguous() for t in (p, g, m, m_scales, v, v_scales, hp)):
         return False
     if bits == 0:  # (float8: the codes are e4m3 bytes, read as values; no decades read)
-        tables, kind = (_E4M3_VALUES, _E4M3_VALUES), "int8"
+        tables, codec = (_E4M3_VALUES, _E4M3_VALUES), state_codec("int8")
     # (int4's second map is linear: its decades are not read)
-    first, second = _decades(kind, True), _decades(kind, bits == 4)
+    first, second = _decades(codec, True), _decades(codec, bits == 4)
     ptr = torch.Tensor.data_ptr
     lib.mixprec_adam(
         ptr(p), ptr(g), ptr(m), ptr(m_scales), ptr(v), ptr(v_scales),
