@@ -52,6 +52,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 ROOT = Path(__file__).resolve().parents[1]
+# (not this folder: its kernels.py would stand in for the `kernels` package transformers imports)
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 sys.path.insert(0, str(ROOT / "examples"))
 
 from charlm import CharGPT, charlm_loaders  # noqa: E402

@@ -1,8 +1,8 @@
 """One benchmark configuration (model, precision, batch size), run in this process or in a
 fresh one; docs/bench.md ("How it measures") tells the method in full.
 
-`run_in_process` runs it here (threads and TF32 flags restored afterwards); `run_isolated`
-starts `python -m mixprec.bench.runner SPEC RESULT`, whose child writes a JSON result. A fresh
+`run_in_process` runs it here (threads and TF32 flags restored afterwards); `run_isolated` runs
+`main` in a fresh process (`mixprec.bench.forkserver`), which writes a JSON result. A fresh
 process is needed only where the process itself shapes a figure (`fresh_process_reason`): a
 memory limit caps a whole process, and torch.compile's caches carry over between models.
 
@@ -48,6 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mixprec.bench import forkserver
 from mixprec.bench.rounds import RoundPolicy, run_rounds
 from mixprec.memory import measured
 from mixprec.tree import map_tensors
@@ -618,7 +619,9 @@ def run_side_by_side(
 
 
 def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> RunResult:
-    """Run `spec` in a fresh Python process and return its result.
+    """Run `spec` in a fresh process and return its result: forked from mixprec's fork
+    server (`mixprec.bench.forkserver`: torch already imported, so it starts in milliseconds)
+    or, where that cannot run, a new Python interpreter.
 
     A child killed by SIGKILL (the kernel's out-of-memory killer) is reported as OOM; a
     crash or an exception in the child as an error carrying the end of its output.
@@ -626,24 +629,36 @@ def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> 
     workdir.mkdir(parents=True, exist_ok=True)
     tag = f"{spec.precision}-{spec.activations}-{spec.batch_size}-{spec.tf32}"
     tag = tag.replace("/", "_").replace(",", "_")
-    out_path = workdir / f"result-{tag}-{os.getpid()}-{time.monotonic_ns()}.json"
+    stem = f"{tag}-{os.getpid()}-{time.monotonic_ns()}"
+    out_path = workdir / f"result-{stem}.json"
+    log_path = workdir / f"log-{stem}.txt"
     env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads))
-    cmd = [sys.executable, "-m", "mixprec.bench.runner", json.dumps(asdict(spec)), str(out_path)]
+    argv = [json.dumps(asdict(spec)), str(out_path)]
+    server = forkserver.server()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return replace(_timeout_result(timeout), fresh_process=True)
-    try:
+        if server is not None:
+            code = server.run(argv, str(log_path), env, timeout)
+            if code is None:
+                return replace(_timeout_result(timeout), fresh_process=True)
+            output = log_path.read_text(errors="replace") if log_path.exists() else ""
+        else:
+            cmd = [sys.executable, "-m", "mixprec.bench.runner", *argv]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+            except subprocess.TimeoutExpired:
+                return replace(_timeout_result(timeout), fresh_process=True)
+            code, output = proc.returncode, proc.stderr or proc.stdout or ""
         if out_path.exists():
             result = RunResult.from_dict(json.loads(out_path.read_text()))
             return replace(result, fresh_process=True)
     finally:
         out_path.unlink(missing_ok=True)
-    if proc.returncode == -9:
+        log_path.unlink(missing_ok=True)
+    if code == -9:
         msg = "killed by SIGKILL, the usual sign of running out of host memory"
         return RunResult(OOM, LoopResult(OOM, msg), error=msg, fresh_process=True)
-    tail = (proc.stderr or proc.stdout or "").strip()[-1500:]
-    msg = f"benchmark process exited with code {proc.returncode}: {tail}"
+    tail = output.strip()[-1500:]
+    msg = f"benchmark process exited with code {code}: {tail}"
     return RunResult(ERROR, LoopResult(ERROR, msg), error=msg, fresh_process=True)
 
 
