@@ -8,11 +8,13 @@ recomputed), never written as a machine figure; float32 and int8 run alike on ev
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from mixprec.bench import forkserver
 from mixprec.cli import main
 from mixprec.plan.fitting import step_peaks
 from mixprec.policy.map import PolicyMap
@@ -103,6 +105,8 @@ def test_doctor_fit_writes_a_plan_whose_step_measured_in_a_fresh_process_fits(
     assert policy.activations is not None  # keeping every activation does not fit
     assert f"--fit {budget}B" in (out_dir / "fit.md").read_text()
     assert _fresh_peak(spec, policy, tmp_path) <= budget
+    # (the plans were measured in processes forked from the fork server, where there is fork)
+    assert forkserver._SERVER or not hasattr(os, "fork")
     # (below the smallest plan, exit 1 and the shortfall in bytes: the last test here; with
     # plans measured over a budget, tests/plan/test_fit.py)
 

@@ -1,9 +1,10 @@
-"""Fresh processes for the configurations that need one, in milliseconds instead of seconds.
+"""Fresh processes for the measurements that need one, in milliseconds instead of seconds.
 
-A configuration run under a memory limit or compiled needs a process of its own
-(`runner.fresh_process_reason`). Started as a new interpreter, each pays for importing torch
-and mixprec (about two seconds on a CPU), which a ``--max-batch`` search pays once per probe.
-So a server process imports them once and forks a child per configuration: the child is a
+A bench configuration run under a memory limit or compiled needs a process of its own
+(`runner.fresh_process_reason`), as does each plan `mixprec doctor --fit` measures. Started as
+a new interpreter, each pays for importing torch and mixprec (seconds on a CPU), which a
+``--max-batch`` search pays once per probe. So a server process imports them once and forks a
+child per measurement: the child is a
 new process (its own address space, limit and allocator; nothing was ever run, compiled or
 placed on a GPU in the server, which starts no thread), started from the state a new
 interpreter reaches after the same imports. The server is started on the first request with
@@ -11,16 +12,18 @@ this process's environment and again whenever the environment has changed since 
 read at import, such as ``ATEN_CPU_CAPABILITY``, must be the child's); each child takes the
 caller's environment of the moment.
 
-Protocol, one JSON line each way: the parent sends ``{"argv": [...], "log": path, "env":
-{...}}``; the server answers ``{"pid": n}`` when the child runs and ``{"exit": code}`` (a
-negative signal number for a killed child) when it ends. The child runs
-``runner.main(argv)`` with its output in ``log``. Where fork is not available, or the server
+Protocol, one JSON line each way: the parent sends ``{"target": "module:function", "argv":
+[...], "log": path, "env": {...}}``; the server answers ``{"pid": n}`` when the child runs and
+``{"exit": code}`` (a negative signal number for a killed child) when it ends. The child runs
+``function(argv)`` with its output in ``log`` (exit code 0 unless it returns another or
+raises). Where fork is not available, or the server
 cannot start, `Server.start` returns None and the caller starts an interpreter as before.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib
 import json
 import os
 import select
@@ -65,13 +68,19 @@ class Server:
         return self.proc.poll() is None
 
     def run(
-        self, argv: list[str], log: str, env: dict[str, str], timeout: float | None
+        self,
+        target: str,
+        argv: list[str],
+        log: str,
+        env: dict[str, str],
+        timeout: float | None = None,
     ) -> int | None:
-        """Run ``runner.main(argv)`` in a forked child with the environment ``env`` and its
-        output in ``log``: its exit code (a negative signal number when a signal ended it),
-        or None when ``timeout`` passed (the child is killed). An exception while waiting
-        (Ctrl-C, SIGTERM raised as one) kills the child and the server, and propagates."""
-        request = {"argv": argv, "log": log, "env": env}
+        """Run ``target`` (``"module:function"``) on ``argv`` in a forked child with the
+        environment ``env`` and its output in ``log``: its exit code (a negative signal
+        number when a signal ended it), or None when ``timeout`` passed (the child is
+        killed). An exception while waiting (Ctrl-C, SIGTERM raised as one) kills the child
+        and ends the server, and propagates."""
+        request = {"target": target, "argv": argv, "log": log, "env": env}
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps(request) + "\n")
@@ -165,7 +174,7 @@ def _serve() -> None:
     child per request."""
     import torch._dynamo  # noqa: F401
 
-    from mixprec.bench import runner
+    import mixprec.bench.runner  # noqa: F401
 
     if threading.active_count() != 1:  # forking a process with threads is unsafe
         print(json.dumps({"ready": False}), flush=True)
@@ -178,14 +187,15 @@ def _serve() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _child(runner.main, request)
+            _child(request)
         print(json.dumps({"pid": pid}), flush=True)
         _, status = os.waitpid(pid, 0)
         print(json.dumps({"exit": os.waitstatus_to_exitcode(status)}), flush=True)
 
 
-def _child(main: Any, request: dict[str, Any]) -> None:
-    """A forked child: the request's environment and output file, ``main(argv)``, exit."""
+def _child(request: dict[str, Any]) -> None:
+    """A forked child: the request's environment and output file, its target on its argv,
+    exit."""
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -196,7 +206,8 @@ def _child(main: Any, request: dict[str, Any]) -> None:
         os.dup2(out, 2)
         os.environ.clear()
         os.environ.update(request["env"])
-        code = main(request["argv"])
+        module, name = request["target"].split(":")
+        code = getattr(importlib.import_module(module), name)(request["argv"]) or 0
     except BaseException:  # noqa: BLE001 - the child's error goes to its log, then it exits
         import traceback
 

@@ -637,7 +637,7 @@ def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> 
     server = forkserver.server()
     try:
         if server is not None:
-            code = server.run(argv, str(log_path), env, timeout)
+            code = server.run("mixprec.bench.runner:main", argv, str(log_path), env, timeout)
             if code is None:
                 return replace(_timeout_result(timeout), fresh_process=True)
             output = log_path.read_text(errors="replace") if log_path.exists() else ""

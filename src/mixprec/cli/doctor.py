@@ -42,6 +42,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from mixprec.bench import forkserver
 from mixprec.bench.factory import FactoryError, call_factory, load_factory
 from mixprec.cli.outputs import check_output_dir
 from mixprec.doctor.diagnosis import Diagnosis, ReferenceRunError, diagnose
@@ -244,8 +245,9 @@ def fit_child(argv: list[str]) -> None:
 
 
 def _fresh_measure(args: argparse.Namespace) -> Any:
-    """Measures each plan in a fresh Python process of its own (`fit_child`): nothing a
-    plan measured before it ran leaves its mark on the allocator."""
+    """Measures each plan in a fresh process of its own (`fit_child`, forked from
+    `mixprec.bench.forkserver`, else a new interpreter): nothing a plan measured before it
+    ran leaves its mark on the allocator."""
     from mixprec.plan.fitting import Peak
 
     def measure(plans: list[Any]) -> list[Peak]:
@@ -260,17 +262,24 @@ def _fresh_measure(args: argparse.Namespace) -> Any:
             "lr": args.lr or 1e-3,
         }
         with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "peaks.json"
-            proc = subprocess.run(
-                [sys.executable, "-c", _CHILD, json.dumps(spec), str(out)],
-                capture_output=True,
-                text=True,
-                env=dict(os.environ),
-            )
-            if proc.returncode != 0 or not out.exists():
-                tail = (proc.stderr or proc.stdout).strip()[-1500:]
+            out, log = Path(tmp) / "peaks.json", Path(tmp) / "log.txt"
+            argv = [json.dumps(spec), str(out)]
+            server = forkserver.server()  # (forked from it: milliseconds, not seconds)
+            if server is not None:
+                code = server.run("mixprec.cli.doctor:fit_child", argv, str(log), dict(os.environ))
+                output = log.read_text(errors="replace") if log.exists() else ""
+            else:
+                proc = subprocess.run(
+                    [sys.executable, "-c", _CHILD, *argv],
+                    capture_output=True,
+                    text=True,
+                    env=dict(os.environ),
+                )
+                code, output = proc.returncode, proc.stderr or proc.stdout
+            if code != 0 or not out.exists():
+                tail = output.strip()[-1500:]
                 raise RuntimeError(
-                    f"the process measuring the plans exited with code {proc.returncode}: {tail}"
+                    f"the process measuring the plans exited with code {code}: {tail}"
                 )
             return [Peak(bytes=int(b), loss=float(x)) for b, x in json.loads(out.read_text())]
 
