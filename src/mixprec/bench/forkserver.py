@@ -13,11 +13,11 @@ read at import, such as ``ATEN_CPU_CAPABILITY``, must be the child's); each chil
 caller's environment of the moment.
 
 Protocol, one JSON line each way: the parent sends ``{"target": "module:function", "argv":
-[...], "log": path, "env": {...}}``; the server answers ``{"pid": n}`` when the child runs and
-``{"exit": code}`` (a negative signal number for a killed child) when it ends. The child runs
-``function(argv)`` with its output in ``log`` (exit code 0 unless it returns another or
-raises). Where fork is not available, or the server
-cannot start, `Server.start` returns None and the caller starts an interpreter as before.
+[...], "log": path, "env": {...}, "cwd": folder}``; the server answers ``{"pid": n}`` when
+the child runs and ``{"exit": code}`` (a negative signal number for a killed child) when it
+ends. The child runs ``function(argv)`` in ``cwd`` with its output in ``log`` (exit code 0
+unless it returns another or raises). Where fork is not available, or the server
+cannot start or stops under way, `run_fresh` starts a new interpreter instead.
 """
 
 from __future__ import annotations
@@ -30,10 +30,16 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["Server", "server"]
+__all__ = ["Server", "ServerStopped", "run_fresh", "server"]
+
+
+class ServerStopped(RuntimeError):
+    """The fork server ended while a request was under way (its child's fate unknown)."""
 
 
 class Server:
@@ -43,6 +49,7 @@ class Server:
         self.proc = proc
         self.env = env
         self.child: int | None = None
+        self._lock = threading.Lock()  # (one request at a time)
 
     @classmethod
     def start(cls) -> Server | None:
@@ -80,14 +87,21 @@ class Server:
         number when a signal ended it), or None when ``timeout`` passed (the child is
         killed). An exception while waiting (Ctrl-C, SIGTERM raised as one) kills the child
         and ends the server, and propagates."""
-        request = {"target": target, "argv": argv, "log": log, "env": env}
+        request = {"target": target, "argv": argv, "log": log, "env": env, "cwd": os.getcwd()}
+        with self._lock:
+            return self._run(request, timeout)
+
+    def _run(self, request: dict[str, Any], timeout: float | None) -> int | None:
         try:
             assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps(request) + "\n")
-            self.proc.stdin.flush()
+            try:
+                self.proc.stdin.write(json.dumps(request) + "\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError as error:
+                raise ServerStopped("the fork server had stopped") from error
             started = _read(self.proc.stdout, None)
             if not started or "pid" not in started:
-                raise RuntimeError("the benchmark's fork server stopped")
+                raise ServerStopped("the fork server stopped before its child started")
             self.child = started["pid"]
             ended = _read(self.proc.stdout, timeout)
             if ended is None:  # the time is up: kill the child, then take its exit
@@ -95,7 +109,7 @@ class Server:
                 _read(self.proc.stdout, None)
                 return None
             if "exit" not in ended:
-                raise RuntimeError("the benchmark's fork server stopped")
+                raise ServerStopped("the fork server stopped while its child ran")
             return int(ended["exit"])
         except BaseException:
             self.close(kill=True)
@@ -151,6 +165,38 @@ def _environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in _VOLATILE}
 
 
+def run_fresh(
+    target: str, argv: list[str], env: dict[str, str], timeout: float | None = None
+) -> tuple[int | None, str]:
+    """Run ``target`` (``"module:function"``) on ``argv`` in a fresh process with the
+    environment ``env``: forked from this process's server, or a new interpreter where the
+    server cannot run or stopped under way. (Its exit code, None when ``timeout`` passed and
+    it was killed; what it wrote to stdout and stderr.)"""
+    found = server()
+    if found is not None:
+        with tempfile.TemporaryDirectory(prefix="mixprec-fresh-") as tmp:
+            log = Path(tmp) / "output.txt"
+            try:
+                code = found.run(target, argv, str(log), env, timeout)
+            except ServerStopped:
+                pass  # (the interpreter below)
+            else:
+                return code, log.read_text(errors="replace") if log.exists() else ""
+    module, name = target.split(":")
+    call = f"import sys; from {module} import {name}; sys.exit({name}(sys.argv[1:]) or 0)"
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", call, *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return None, ""
+    return proc.returncode, proc.stderr or proc.stdout or ""
+
+
 @atexit.register
 def _stop() -> None:
     while _SERVER:
@@ -194,8 +240,8 @@ def _serve() -> None:
 
 
 def _child(request: dict[str, Any]) -> None:
-    """A forked child: the request's environment and output file, its target on its argv,
-    exit."""
+    """A forked child: the request's environment, working folder and output file, its target
+    on its argv, exit."""
     code = 1
     try:
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -206,6 +252,7 @@ def _child(request: dict[str, Any]) -> None:
         os.dup2(out, 2)
         os.environ.clear()
         os.environ.update(request["env"])
+        os.chdir(request["cwd"])  # (as a new interpreter's '' on sys.path: the caller's folder)
         module, name = request["target"].split(":")
         code = getattr(importlib.import_module(module), name)(request["argv"]) or 0
     except BaseException:  # noqa: BLE001 - the child's error goes to its log, then it exits

@@ -35,7 +35,6 @@ import gc
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 import traceback
@@ -619,9 +618,9 @@ def run_side_by_side(
 
 
 def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> RunResult:
-    """Run `spec` in a fresh process and return its result: forked from mixprec's fork
-    server (`mixprec.bench.forkserver`: torch already imported, so it starts in milliseconds)
-    or, where that cannot run, a new Python interpreter.
+    """Run `spec` in a fresh process and return its result (`forkserver.run_fresh`: forked
+    from a server that imported torch once, so it starts in milliseconds, or a new Python
+    interpreter where that cannot run).
 
     A child killed by SIGKILL (the kernel's out-of-memory killer) is reported as OOM; a
     crash or an exception in the child as an error carrying the end of its output.
@@ -629,31 +628,18 @@ def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> 
     workdir.mkdir(parents=True, exist_ok=True)
     tag = f"{spec.precision}-{spec.activations}-{spec.batch_size}-{spec.tf32}"
     tag = tag.replace("/", "_").replace(",", "_")
-    stem = f"{tag}-{os.getpid()}-{time.monotonic_ns()}"
-    out_path = workdir / f"result-{stem}.json"
-    log_path = workdir / f"log-{stem}.txt"
+    out_path = workdir / f"result-{tag}-{os.getpid()}-{time.monotonic_ns()}.json"
     env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads))
     argv = [json.dumps(asdict(spec)), str(out_path)]
-    server = forkserver.server()
     try:
-        if server is not None:
-            code = server.run("mixprec.bench.runner:main", argv, str(log_path), env, timeout)
-            if code is None:
-                return replace(_timeout_result(timeout), fresh_process=True)
-            output = log_path.read_text(errors="replace") if log_path.exists() else ""
-        else:
-            cmd = [sys.executable, "-m", "mixprec.bench.runner", *argv]
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-            except subprocess.TimeoutExpired:
-                return replace(_timeout_result(timeout), fresh_process=True)
-            code, output = proc.returncode, proc.stderr or proc.stdout or ""
+        code, output = forkserver.run_fresh("mixprec.bench.runner:main", argv, env, timeout)
+        if code is None:
+            return replace(_timeout_result(timeout), fresh_process=True)
         if out_path.exists():
             result = RunResult.from_dict(json.loads(out_path.read_text()))
             return replace(result, fresh_process=True)
     finally:
         out_path.unlink(missing_ok=True)
-        log_path.unlink(missing_ok=True)
     if code == -9:
         msg = "killed by SIGKILL, the usual sign of running out of host memory"
         return RunResult(OOM, LoopResult(OOM, msg), error=msg, fresh_process=True)

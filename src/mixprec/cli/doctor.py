@@ -34,7 +34,6 @@ import importlib.util
 import json
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 import warnings
@@ -218,7 +217,6 @@ def _search(args: argparse.Namespace) -> int:
 
 
 # what a fresh process runs to measure plans: `fit_child` with its arguments
-_CHILD = "import sys; from mixprec.cli.doctor import fit_child; fit_child(sys.argv[1:])"
 FIT_FILES = ("policy.json", "fit.md")
 
 
@@ -262,20 +260,11 @@ def _fresh_measure(args: argparse.Namespace) -> Any:
             "lr": args.lr or 1e-3,
         }
         with tempfile.TemporaryDirectory() as tmp:
-            out, log = Path(tmp) / "peaks.json", Path(tmp) / "log.txt"
+            out = Path(tmp) / "peaks.json"
             argv = [json.dumps(spec), str(out)]
-            server = forkserver.server()  # (forked from it: milliseconds, not seconds)
-            if server is not None:
-                code = server.run("mixprec.cli.doctor:fit_child", argv, str(log), dict(os.environ))
-                output = log.read_text(errors="replace") if log.exists() else ""
-            else:
-                proc = subprocess.run(
-                    [sys.executable, "-c", _CHILD, *argv],
-                    capture_output=True,
-                    text=True,
-                    env=dict(os.environ),
-                )
-                code, output = proc.returncode, proc.stderr or proc.stdout
+            code, output = forkserver.run_fresh(
+                "mixprec.cli.doctor:fit_child", argv, dict(os.environ)
+            )
             if code != 0 or not out.exists():
                 tail = output.strip()[-1500:]
                 raise RuntimeError(
