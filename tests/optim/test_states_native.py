@@ -164,6 +164,15 @@ def test_switched_off_or_unbuildable_the_compiled_update_runs(monkeypatch, tmp_p
     assert native.adam(_args()) is False
 
 
+def test_a_cache_that_cannot_be_written_leaves_the_update_as_it_was(monkeypatch, tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")  # (the cache folder's parent is a file: no folder can be made)
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(blocked))
+    monkeypatch.setattr(native, "_LIBRARY", [])
+    assert native.library() is None
+    assert native.adam(_args()) is False
+
+
 def test_a_build_is_cached_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(native, "_LIBRARY", [])

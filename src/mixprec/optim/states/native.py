@@ -1,5 +1,5 @@
 """The hand-written CPU kernel of the commonest low-bit step: Adam/AdamW on float32
-parameters and gradients with int8 or int4 moments, no compensation (`native.c`).
+parameters and gradients with int8, int4 or float8 moments, no compensation (`native.c`).
 
 Where it applies it stands in for the compiled update (`kernels.run_compiled`): the same
 arithmetic as the eager update, one pass a block while the block sits in L1, where inductor's
@@ -7,8 +7,9 @@ build reads the code tables element by element and pays dynamo's call (benchmark
 states_step.md has the times). It is built with the host's C compiler on first use, as
 inductor builds its kernels, for the instruction sets torch's own kernels use
 (`torch.backends.cpu.get_cpu_capability`), cached beside mixprec's other caches
-(``MIXPREC_CACHE_DIR``), and called through ``ctypes``. Where it cannot be built (no
-compiler), or ``MIXPREC_NATIVE=0``, the compiled update runs as before.
+(``MIXPREC_CACHE_DIR``), and called through ``ctypes``. Under ``compile=None`` it also steps
+what is too small to compile. Where it cannot be built (no compiler, no OpenMP, a cache that
+cannot be written), or with ``MIXPREC_NATIVE=0``, the compiled (or eager) update runs as before.
 """
 
 from __future__ import annotations
@@ -89,21 +90,22 @@ def _build() -> ctypes.CDLL | None:
     ).hexdigest()[:20]
     folder = cache_path().parent / "native"
     path = folder / f"lowbit-{digest}.so"
-    if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        handle, temp = tempfile.mkstemp(suffix=".so", dir=folder)
-        os.close(handle)
-        command = [compiler, *flags, str(SOURCE), "-o", temp]
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            os.unlink(temp)
-            log.info(
-                "the low-bit kernel did not build (%s): the update runs compiled by torch instead",
-                done.stderr.strip().splitlines()[-1:] or done.returncode,
+    try:
+        if not path.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            handle, temp = tempfile.mkstemp(suffix=".so", dir=folder)
+            os.close(handle)
+            done = subprocess.run(
+                [compiler, *flags, str(SOURCE), "-o", temp], capture_output=True, text=True
             )
-            return None
-        os.replace(temp, path)
-    library = ctypes.CDLL(str(path))
+            if done.returncode != 0:
+                os.unlink(temp)
+                raise OSError(done.stderr.strip().splitlines()[-1:] or done.returncode)
+            os.replace(temp, path)
+        library = ctypes.CDLL(str(path))
+    except OSError as error:  # (no cache folder, a compiler that fails, a library not loaded)
+        log.info("the low-bit kernel did not build (%s): the update runs as before", error)
+        return None
     pointer, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     library.mixprec_adam.argtypes = [pointer] * 11 + [i64, i32, i32, i32, i32]
     library.mixprec_adam.restype = None
