@@ -1,5 +1,6 @@
-"""Multi-process tests run their ranks through `run_ranks`: spawned, one thread each, in a
-gloo process group this module owns, and bounded in time.
+"""Multi-process tests run their ranks through `run_ranks`: forked from a server process
+that imported torch and mixprec once, one thread each, in a gloo process group this module
+owns, and bounded in time.
 
 The group is destroyed only after the worker has returned and everything it built is freed:
 a group freed after `destroy_process_group` with its last holder (a DistributedDataParallel
@@ -31,9 +32,24 @@ LIMIT_S = 300.0
 WORLD = 2
 
 
+# Ranks fork from a server process that imported torch and mixprec once (a spawned rank
+# imports them afresh: seconds, twice a test); each takes the test's environment and folder
+mp.set_forkserver_preload(["torch", "torch.distributed", "mixprec", "spawning"])
+
+
 def _rank(
-    rank: int, worker: Callable[..., None], limit_s: float, nprocs: int, port: int, *args: Any
+    rank: int,
+    worker: Callable[..., None],
+    limit_s: float,
+    nprocs: int,
+    port: int,
+    place: tuple[dict[str, str], str],
+    *args: Any,
 ) -> None:
+    env, cwd = place
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
@@ -60,15 +76,16 @@ def run_ranks(
     exits.
     """
     port = free_port()
+    place = (dict(os.environ), os.getcwd())
     ctx = mp.start_processes(
         _rank,
-        args=(worker, limit_s, nprocs, port, *args),
+        args=(worker, limit_s, nprocs, port, place, *args),
         nprocs=nprocs,
         join=False,
-        start_method="spawn",
+        start_method="forkserver",
     )
     deadline = time.monotonic() + limit_s + 30  # the ranks' own limit fires first
-    while not ctx.join(timeout=1):
+    while not ctx.join(timeout=0.1):
         if time.monotonic() > deadline:
             alive = [rank for rank, p in enumerate(ctx.processes) if p.is_alive()]
             for p in ctx.processes:
