@@ -212,3 +212,46 @@ def test_a_step_too_small_to_compile_takes_the_kernel_under_compile_none(counted
         p.grad = grad
     eager.step()
     assert counted == []
+
+
+def _hostile(name: str) -> list[torch.Tensor]:
+    """Two gradients of one hostile kind."""
+    g = torch.Generator().manual_seed(7)
+    n = 1024
+    if name == "one":
+        return [torch.randn(1, generator=g), torch.randn(1, generator=g)]
+    if name == "empty":
+        return [torch.zeros(0), torch.zeros(0)]
+    x = torch.randn(n, generator=g)
+    if name == "span":  # magnitudes from 1e-2 to 1e2 in every block
+        x = x * torch.logspace(-2, 2, n)
+    elif name == "outlier":
+        x = x * 1e-3
+        x[7] = 1e6
+    elif name == "denormal":
+        x = x * 1e-40
+    elif name == "inf":
+        x[3] = float("inf")
+    return [x, x * 0.5]
+
+
+@pytest.mark.parametrize("name", ["span", "outlier", "denormal", "inf", "one", "empty"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_hostile_gradients_step_as_the_eager_update(kind, name, counted):
+    runs = []
+    for compile in (True, False):
+        grads = _hostile(name)
+        p = nn.Parameter(torch.randn(grads[0].shape, generator=torch.Generator().manual_seed(1)))
+        opt = LowBitAdamW([p], lr=1e-2, states=kind, min_size=0, compile=compile)
+        for grad in grads:
+            p.grad = grad
+            opt.step()
+        runs.append((p.detach(), opt.state[p]))
+    (ours, fast), (plain, slow) = runs
+    assert torch.equal(ours.isnan(), plain.isnan())
+    finite = ~ours.isnan()
+    torch.testing.assert_close(ours[finite], plain[finite], rtol=1e-5, atol=1e-6)
+    assert torch.equal(_bits(fast["exp_avg_codes"]), _bits(slow["exp_avg_codes"]))
+    assert torch.equal(fast["exp_avg_scales"].isnan(), slow["exp_avg_scales"].isnan())
+    scales = ~fast["exp_avg_scales"].isnan()
+    assert torch.equal(fast["exp_avg_scales"][scales], slow["exp_avg_scales"][scales])
