@@ -29,6 +29,7 @@ from mixprec.activations.codecs import (
 )
 from mixprec.memory import measured
 from mixprec.optim.engine import can_compile
+from mixprec.optim.states import native
 from mixprec.optim.states.formats import dequantize, quantize
 
 
@@ -55,17 +56,29 @@ def saved_by(codec, work):
 
 @pytest.fixture
 def compiled(request, monkeypatch):
-    """The fp8 codec run compiled (True: whatever the size) or eagerly (False); the list the
-    compiled kernels called are named in, and the flag."""
-    if request.param and not can_compile("cpu"):
+    """The fp8 codec run by the hand-written kernel ("native", where it builds), compiled
+    (True: whatever the size) or eagerly (False), the other paths off; the list the compiled
+    kernels called are named in, and the flag (False for "native": nothing compiled runs)."""
+    path = request.param
+    if path is True and not can_compile("cpu"):
         pytest.skip("no C++ compiler to build the compiled codec with")
-    monkeypatch.setattr(codecs.GATE, "compile", request.param)
+    monkeypatch.setattr(native, "_LIBRARY", [])
+    if path == "native":
+        monkeypatch.delenv(native.NATIVE_ENV, raising=False)
+        if native.library() is None:
+            pytest.skip("no C compiler to build the hand-written kernel with")
+    else:
+        monkeypatch.setenv(native.NATIVE_ENV, "0")
+    monkeypatch.setattr(codecs.GATE, "compile", path is True)
     calls, kernel = [], codecs._compiled
     monkeypatch.setattr(codecs, "_compiled", lambda name: calls.append(name) or kernel(name))
-    return calls, request.param
+    return calls, path is True
 
 
-@pytest.mark.parametrize("compiled", [False, True], indirect=True)
+PATHS = ["native", False, True]
+
+
+@pytest.mark.parametrize("compiled", PATHS, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("columns", "kernels"), [(33, ""), (64, "_blocks")])
 def test_an_fp8_saved_tensor_decodes_bit_for_bit_as_the_states_codec(
@@ -92,7 +105,7 @@ def test_an_fp8_saved_tensor_decodes_bit_for_bit_as_the_states_codec(
     assert not torch.equal(read, original)  # lossy: e4m3 keeps 3 mantissa bits
 
 
-@pytest.mark.parametrize("compiled", [False, True], indirect=True)
+@pytest.mark.parametrize("compiled", PATHS, indirect=True)
 def test_a_transposed_saved_tensor_is_coded_as_it_lies_in_memory_and_read_back_so(compiled):
     """A saved view whose elements fill their memory in another order (attention's heads
     view of a projection) is coded in memory order, with no copy: its codes are the states'
@@ -501,7 +514,7 @@ class _MaskedLogSoftmax(nn.Module):
         return torch.log_softmax(y.masked_fill(~allowed, float("-inf")), dim=-1)
 
 
-@pytest.mark.parametrize("compiled", [False, True], indirect=True)
+@pytest.mark.parametrize("compiled", PATHS, indirect=True)
 def test_fp8_keeps_an_inf_of_a_saved_tensor_to_its_element(compiled):
     """One -inf in a block (a masked log-softmax's saved output) made its scale inf and
     every element of the block decode to NaN: NaN weight gradients where keep's and bf16's
@@ -1245,6 +1258,40 @@ def test_a_norms_input_cast_by_autocast_is_still_stored_centred(inner):
     assert isinstance(packed, CenteredSaved)
     error = (codec.unpack(packed) - copy).norm() / (copy - copy.mean(1, keepdim=True)).norm()
     assert error < (0.01 if inner.name == "bf16" else 0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("row", [256, 96])
+def test_fp8_centres_in_the_hand_written_kernel_as_in_torch(monkeypatch, dtype, row):
+    """On a CPU the kernel codes a norm's input less its rows' means as it reads it, and adds
+    them back as it decodes (rows of whole blocks; others, 96 here, centred by torch first):
+    the codes, scales, means and values read are those of torch's centring and the codec,
+    rows holding an inf or a NaN included."""
+    if native.library() is None:
+        pytest.skip("no C compiler to build the hand-written kernel with")
+    torch.manual_seed(0)
+    base = torch.randn(12, row) * torch.logspace(-2, 2, 12)[:, None]
+    base[3, 5], base[7, 0] = torch.inf, torch.nan
+    given = (30.0 + base.requires_grad_()).to(dtype)  # (an activation: made in the graph)
+    fused, calls, encode = Centered(ToFp8(), given, row), [], native.fp8_encode
+    monkeypatch.setattr(native, "fp8_encode", lambda *a: calls.append(len(a)) or encode(*a))
+    packed = fused.pack(given)
+    read = fused.unpack(packed)
+    # (with the means; rows not of whole blocks: declined, then centred by torch first)
+    assert calls == ([3] if row % FP8.block == 0 else [3, 2])
+    monkeypatch.setattr(native, "_LIBRARY", [None])
+    plain = Centered(ToFp8(), given, row)
+    expected = plain.pack(given)
+    assert isinstance(packed, CenteredSaved) and isinstance(expected, CenteredSaved)
+    assert torch.equal(packed.means.isnan(), expected.means.isnan())
+    assert torch.equal(packed.means.nan_to_num(), expected.means.nan_to_num())
+    codes, scales = packed.inner.codes, packed.inner.scales
+    assert torch.equal(codes.view(torch.uint8), expected.inner.codes.view(torch.uint8))
+    assert torch.equal(scales, expected.inner.scales)
+    wanted = plain.unpack(expected)
+    assert read.dtype == dtype and read.shape == given.shape
+    assert torch.equal(read.isnan(), wanted.isnan()) and read.isnan()[[3, 7]].all()
+    assert torch.equal(read.nan_to_num(), wanted.nan_to_num())
 
 
 def test_a_layer_norms_row_holding_an_inf_spoils_its_own_row_only():

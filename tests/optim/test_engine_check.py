@@ -16,7 +16,7 @@ from mixprec.activations.codecs import ToFp8
 from mixprec.optim import engine
 from mixprec.optim.compensated import Compensator
 from mixprec.optim.engine import CompileGate, can_compile
-from mixprec.optim.states import LowBitAdamW
+from mixprec.optim.states import LowBitAdamW, native
 
 needs_compiler = pytest.mark.skipif(not can_compile("cpu"), reason="no C++ compiler here")
 
@@ -118,6 +118,7 @@ def test_the_compensated_step_and_the_fp8_codec_pass_their_check(untrusted, monk
     comp = Compensator("kahan", seed=1, compile=True)
     monkeypatch.setattr(codecs.GATE, "compile", True)
     monkeypatch.setattr(codecs.GATE, "checked", set())
+    monkeypatch.setattr(native, "_LIBRARY", [None])  # (the compiled codec, as off the CPU)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         params[0].grad = torch.randn(70000, generator=g).to(torch.bfloat16)
@@ -220,6 +221,7 @@ def test_the_fp8_codec_builds_once_for_saves_under_autocast_and_outside(monkeypa
 
     monkeypatch.setattr(codecs, "_COMPILED", {})
     monkeypatch.setattr(codecs.GATE, "compile", True)
+    monkeypatch.setattr(native, "_LIBRARY", [None])  # (the compiled codec, as off the CPU)
     torch._dynamo.reset()
     x = torch.randn(128, 256).to(torch.bfloat16)
     outside = ToFp8().encode(x)

@@ -4,7 +4,8 @@ has no square root), the second's within the last bit of a root (the kernel's sq
 correctly rounded, torch's vectorized one may be a last bit off), the parameters within a
 float32 rounding; on gradients spanning orders of magnitude, zeros, a NaN, partial blocks,
 both decays; the same bits on one thread and two; and the fallbacks: switched off, no
-compiler, a block past its scratch."""
+compiler, a block past its scratch. And its float8 codec of a saved activation, held to the
+states' codec bit for bit on hostile values."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 from mixprec.optim.engine import can_compile
-from mixprec.optim.states import LowBitAdam, LowBitAdamW, kernels, native
+from mixprec.optim.states import LowBitAdam, LowBitAdamW, formats, kernels, native
 
 pytestmark = pytest.mark.skipif(not can_compile("cpu"), reason="no C compiler on this host")
 
@@ -255,3 +256,76 @@ def test_hostile_gradients_step_as_the_eager_update(kind, name, counted):
     assert torch.equal(fast["exp_avg_scales"].isnan(), slow["exp_avg_scales"].isnan())
     scales = ~fast["exp_avg_scales"].isnan()
     assert torch.equal(fast["exp_avg_scales"][scales], slow["exp_avg_scales"][scales])
+
+
+def _hostile_values() -> dict[str, torch.Tensor]:
+    """Tensors the activation codec must code as the states' codec does: ordinary values,
+    magnitudes spanning float32's range, infinities, NaN, -0, subnormals, values past
+    e4m3's largest over a small scale, zeros, and lengths ending in a partial block."""
+    g = torch.Generator().manual_seed(3)
+    special = torch.randn(777, generator=g)
+    special[[5, 70]] = torch.tensor([torch.inf, -torch.inf])
+    special[[200, 300, 301]] = torch.tensor([torch.nan, 1e-40, -0.0])
+    return {
+        "normal": torch.randn(1 << 14, generator=g),
+        "span": torch.randn(1000, generator=g) * torch.logspace(-30, 30, 1000),
+        "special": special,
+        "zeros": torch.zeros(130),
+        "all_inf": torch.full((64,), -torch.inf),
+        "extremes": torch.tensor([3e38, -3e38, 1e-45] * 30),
+        "subnormal": torch.randn(65, generator=g) * 1e-39,
+        "one": torch.tensor([2.5]),
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(_hostile_values()))
+def test_the_fp8_codec_codes_and_decodes_as_the_states_codec(dtype, name):
+    """`fp8_encode` gives `quantize`'s codes and scales bit for bit, `fp8_decode`
+    `dequantize`'s values in the tensor's dtype (NaN where it has NaN, signs of zeros too)."""
+    x = _hostile_values()[name].to(dtype)
+    fmt = formats.StateFormat("fp8", 64)
+    codes, scales = formats.quantize(x, fmt, signed=True)
+    got = native.fp8_encode(x, 64)
+    assert got is not None
+    assert torch.equal(got[0].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(got[1].isnan(), scales.isnan())
+    assert torch.equal(got[1].nan_to_num(), scales.nan_to_num())
+    expected = formats.dequantize(codes, scales, fmt, (x.numel(),), signed=True).to(dtype)
+    out = native.fp8_decode(got[0], got[1], x.numel(), dtype, 64)
+    assert out is not None and out.dtype == dtype
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out.nan_to_num(), expected.nan_to_num())
+    assert torch.equal(out.signbit() & ~out.isnan(), expected.signbit() & ~expected.isnan())
+
+
+def test_the_fp8_codec_gives_the_same_bits_on_one_thread_and_two():
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(4)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.fp8_encode(x, 64)
+        torch.set_num_threads(2)
+        two = native.fp8_encode(x, 64)
+        decoded = native.fp8_decode(two[0], two[1], x.numel(), x.dtype, 64)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0].view(torch.uint8), two[0].view(torch.uint8))
+    assert torch.equal(one[1], two[1])
+    assert torch.equal(decoded, native.fp8_decode(one[0], one[1], x.numel(), x.dtype, 64))
+
+
+def test_what_the_fp8_codec_does_not_take_is_left_to_the_caller(monkeypatch):
+    """float16 and float64, a strided tensor, a block past the scratch: None (the caller's
+    compiled or eager codec runs); and nothing where the kernel is switched off."""
+    x = torch.randn(256)
+    assert native.fp8_encode(x.half(), 64) is None
+    assert native.fp8_encode(x.double(), 64) is None
+    assert native.fp8_encode(x[::2], 64) is None
+    assert native.fp8_encode(x, 2 * native.library().mixprec_max_block()) is None
+    codes, scales = native.fp8_encode(x, 64)
+    assert native.fp8_decode(codes, scales, 256, torch.float16, 64) is None
+    monkeypatch.setattr(native, "_LIBRARY", [])
+    monkeypatch.setenv(native.NATIVE_ENV, "0")
+    assert native.fp8_encode(x, 64) is None
+    assert native.fp8_decode(codes, scales, 256, torch.float32, 64) is None

@@ -12,11 +12,14 @@ fewer neighbours their precision (the char LM's held-out loss after 300 steps st
 the activation target at 64 and not at 256; docs/activations.md). A saved tensor decodes bit
 for bit as a state of that block does. A tensor of fewer elements than one block is kept as
 it is: its padded block would be larger.
-From `COMPILE_MIN` elements, on a device that can build (`mixprec.optim.engine.can_compile`),
-the states' own `quantize` and `dequantize` run as one torch.compile'd kernel each (shapes
-dynamic: one build per dtype), reading the tensor once and writing codes and scales, or
-writing the decoded tensor in its dtype; elsewhere, or after a failed build (warned once),
-eagerly, a chunk of blocks at a time. Both give the same codes and values.
+On a CPU, float32 and bfloat16 tensors are coded by the states' hand-written kernel
+(`mixprec.optim.states.native`: a block in L1 at a time, no guards to check before a call).
+Elsewhere, from `COMPILE_MIN` elements, on a device that can build
+(`mixprec.optim.engine.can_compile`), the states' own `quantize` and `dequantize` run as one
+torch.compile'd kernel each (shapes dynamic: one build per dtype), reading the tensor once
+and writing codes and scales, or writing the decoded tensor in its dtype; elsewhere, or
+after a failed build (warned once), eagerly, a chunk of blocks at a time. All give the same
+codes and values.
 
 ``bf16`` stores a finite float32 value past bfloat16's range as its largest of that sign, so
 a finite activation stays finite: on a CPU after one read of the tensor's range (no clamp
@@ -39,6 +42,7 @@ import torch.utils.checkpoint as checkpoint
 from torch import Tensor
 
 from mixprec.optim.engine import CompileGate, difference
+from mixprec.optim.states import native
 
 # the one place the states' codec is imported from
 from mixprec.optim.states.formats import StateFormat, code_tables, dequantize, quantize
@@ -514,6 +518,9 @@ class ToFp8(Codec):
         if t.numel() < FP8.block:  # (a small view of a larger activation: `stores`)
             return (t.clone(), t.dtype)
         flat, stride = _in_memory_order(t)
+        done = native.fp8_encode(flat, FP8.block)
+        if done is not None:
+            return Fp8Saved(done[0], done[1], t.shape, t.dtype, stride)
         if GATE.wants(flat.device, flat.numel()):
             if flat.numel() % FP8.block:
                 pair, ran = _run("encode", _fresh(flat))
@@ -536,6 +543,9 @@ class ToFp8(Codec):
         if isinstance(packed, tuple):  # (a small view's copy: `encode`)
             return packed[0].to(packed[1])
         numel = math.prod(packed.shape)
+        out = native.fp8_decode(packed.codes, packed.scales, numel, packed.dtype, FP8.block)
+        if out is not None:
+            return _shaped(out, packed)
         if GATE.wants(packed.codes.device, numel):
             if numel % FP8.block:
                 out, ran = _run("decode", packed.codes, packed.scales, numel, packed.dtype)
@@ -615,6 +625,12 @@ class Centered(Codec):
     def encode(self, t: Tensor) -> Any:
         rows = t.reshape(-1, self.row)
         means = rows.mean(dim=1, dtype=torch.float32)
+        if isinstance(self.inner, ToFp8):  # (the differences coded as they are made, on a CPU)
+            done = native.fp8_encode(rows.view(-1), FP8.block, means)
+            if done is not None:
+                means.masked_fill_(~means.isfinite(), math.nan)
+                inner = Fp8Saved(done[0], done[1], torch.Size([t.numel()]), torch.float32)
+                return CenteredSaved(inner, means, t.shape, t.dtype)
         rest = rows - means[:, None]  # (float32, the one copy of the input made)
         # (a row holding an inf or NaN: its mean NaN and its differences 0, so that it decodes
         # to NaN, as its norm is, without spreading over an fp8 block shared with other rows)
@@ -626,6 +642,12 @@ class Centered(Codec):
     def decode(self, packed: Any) -> Tensor:
         if not isinstance(packed, CenteredSaved):
             return packed
+        inner, means = packed.inner, packed.means
+        if isinstance(inner, Fp8Saved):  # (the means added as it is decoded, on a CPU)
+            numel, dtype = math.prod(packed.shape), packed.dtype
+            out = native.fp8_decode(inner.codes, inner.scales, numel, dtype, FP8.block, means)
+            if out is not None:
+                return out.view(packed.shape)
         rest = self.inner.decode(packed.inner).reshape(-1, self.row)  # (float32, fresh)
         return rest.add_(packed.means[:, None]).to(packed.dtype).view(packed.shape)
 

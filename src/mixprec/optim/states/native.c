@@ -84,9 +84,10 @@ static inline void over(float scale, float *up, float *inverse) {
 
 static inline uint8_t to_code(float c) { return (uint8_t)(int32_t)c; }
 
-/* codecs._e4m3: the float8 e4m3 byte of y, as a float32 whole number, from y's bits as torch
- * converts (round to nearest even, subnormals, past 448 saturated to 448, NaN to NaN) */
-static inline float e4m3_code(float y) {
+/* codecs._e4m3: the float8 e4m3 byte of y from y's bits as torch converts (round to nearest
+ * even, subnormals, past 448 saturated to 448, NaN to NaN); with `infinities`, an infinity to
+ * the NaN code of its sign instead of 448 (the codec of a tensor stored once) */
+static inline __attribute__((always_inline)) int32_t e4m3_bits(float y, const int infinities) {
     uint32_t bits;
     memcpy(&bits, &y, sizeof bits);
     const uint32_t magnitude = bits & 0x7fffffffu;
@@ -96,10 +97,13 @@ static inline float e4m3_code(float y) {
     const int32_t subnormal = (int32_t)rintf(fabsf(y) * 512.0f); /* multiples of 2^-9 */
     int32_t code = (magnitude < 0x3c800000u) ? subnormal : normal;
     code = (magnitude > 0x43e00000u) ? 0x7e : code;
-    code = (magnitude > 0x7f800000u) ? 0x7f : code;
+    code = (magnitude >= (infinities ? 0x7f800000u : 0x7f800001u)) ? 0x7f : code;
     code |= (int32_t)((bits >> 24) & 0x80u);
-    return (float)code;
+    return code;
 }
+
+/* e4m3_bits as a float32 whole number (for a select chain over floats) */
+static inline float e4m3_code(float y) { return (float)e4m3_bits(y, 0); }
 
 /* hp: lr, beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2, gain1, gain2.
  * bits: 8 (int8: one code a byte), 4 (int4: two a byte, the first in the low half; the
@@ -240,5 +244,131 @@ void mixprec_adam(float *p, const float *g, uint8_t *mc, float *ms, uint8_t *vc,
         ADAM_LOOP(4, 1)
     } else {
         ADAM_LOOP(4, 0)
+    }
+}
+
+/* The float8 codec of a tensor stored once (codecs.Float8Codec.encode_tensor and
+ * decode_tensor, signed: a saved activation), a block at a time: the block's scale is its
+ * largest finite magnitude over 448 (NaN where it holds a NaN), each element's code the e4m3
+ * byte of it over that scale, an infinity the NaN code of its sign, which decodes back to
+ * the infinity. `dtype`: 0 float32, 1 bfloat16 (read and written as their top 16 bits). A
+ * last partial block is coded as if padded with zeros (codes and scales as formats.quantize's,
+ * whose codes hold whole blocks). With `means` (one float32 a row of `row` elements, a
+ * multiple of the block), what is coded is each element less its row's mean, in float32,
+ * a row whose mean is not finite as zeros, and decoding adds the mean back before the cast
+ * (activations.codecs.Centered: a layer norm's input). */
+enum { F32 = 0, BF16 = 1 };
+
+static inline float from_bf16(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float32 to bfloat16, rounded to nearest even, a NaN to the quiet NaN (as torch converts) */
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return (uint16_t)(((bits & 0x7fffffffu) > 0x7f800000u) ? 0x7fc0u : rounded);
+}
+
+/* e4m3's magnitude of the byte c, its sign and NaN codes aside (0x7f: read as 480) */
+static inline float e4m3_magnitude(uint32_t c) {
+    const uint32_t bits = ((c & 0x7fu) << 20) + (120u << 23); /* exponent rebiased from 7 */
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return ((c & 0x78u) == 0u) ? (float)(c & 7u) * 0x1p-9f : v; /* (subnormal: m 2^-9) */
+}
+
+static inline __attribute__((always_inline)) void fp8_encode_block(
+    const float *restrict x, int n, uint8_t *restrict codes, float *restrict scale,
+    int32_t *restrict scratch) {
+    /* the largest finite magnitude, NaN over all (as integers: an infinity's bits as 0) */
+    int32_t m = 0;
+    for (int i = 0; i < n; i++) {
+        int32_t bits;
+        memcpy(&bits, x + i, sizeof bits);
+        bits &= 0x7fffffff;
+        bits = (bits == 0x7f800000) ? 0 : bits;
+        m = (bits > m) ? bits : m;
+    }
+    float largest;
+    memcpy(&largest, &m, sizeof largest);
+    const float s = largest / 448.0f;
+    float up, inverse;
+    over(s, &up, &inverse);
+    /* x over the scale is infinite exactly where x is, NaN where x is, of x's sign everywhere:
+     * e4m3_bits with infinities gives the eager codec's select and copysign their codes */
+    if (up == 1.0f) { /* (x * 1 is x: one product an element) */
+        for (int i = 0; i < n; i++) scratch[i] = e4m3_bits(x[i] * inverse, 1);
+    } else {
+        for (int i = 0; i < n; i++) scratch[i] = e4m3_bits((x[i] * up) * inverse, 1);
+    }
+    for (int i = 0; i < n; i++) codes[i] = (uint8_t)scratch[i];
+    *scale = s;
+}
+
+static inline __attribute__((always_inline)) void fp8_decode_block(
+    const uint8_t *restrict codes, float scale, int n, float *restrict out) {
+    /* a NaN code under a finite scale is an infinity of its sign; under a NaN one, NaN (a
+     * NaN scale makes every value of the block NaN) */
+    const float special = (scale == scale) ? INFINITY : NAN;
+    for (int i = 0; i < n; i++) {
+        const uint32_t c = codes[i];
+        float v = ((c & 0x7fu) == 0x7fu) ? special : e4m3_magnitude(c) * scale;
+        uint32_t bits;
+        memcpy(&bits, &v, sizeof bits);
+        bits |= (c & 0x80u) << 24;
+        memcpy(out + i, &bits, sizeof bits);
+    }
+}
+
+void mixprec_fp8_encode(const void *x, int dtype, int64_t n, const float *means, int64_t row,
+                        uint8_t *codes, float *scales, int block, int threads) {
+    const int64_t blocks = (n + block - 1) / block;
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")
+    for (int64_t b = 0; b < blocks; b++) {
+        float xb[MAX_BLOCK];
+        int32_t scratch[MAX_BLOCK];
+        const int64_t start = b * block;
+        const int len = (int)((n - start < block) ? n - start : block);
+        if (dtype == BF16) {
+            const uint16_t *h = (const uint16_t *)x + start;
+            for (int i = 0; i < len; i++) xb[i] = from_bf16(h[i]);
+        } else {
+            memcpy(xb, (const float *)x + start, (size_t)len * sizeof(float));
+        }
+        if (means) {
+            const float mean = means[start / row];
+            const int finite = fabsf(mean) <= 3.40282347e38f;
+            for (int i = 0; i < len; i++) xb[i] = finite ? xb[i] - mean : 0.0f;
+        }
+        for (int i = len; i < block; i++) xb[i] = 0.0f; /* (a partial block: zeros, as padded) */
+        fp8_encode_block(xb, block, codes + start, scales + b, scratch);
+    }
+}
+
+void mixprec_fp8_decode(const uint8_t *codes, const float *scales, int64_t n, int block,
+                        const float *means, int64_t row, void *out, int dtype, int threads) {
+    const int64_t blocks = (n + block - 1) / block;
+    _Pragma("omp parallel for num_threads(threads) schedule(static) if (threads > 1)")
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t start = b * block;
+        const int len = (int)((n - start < block) ? n - start : block);
+        float ob[MAX_BLOCK];
+        float *o = (dtype == BF16 || means) ? ob : (float *)out + start;
+        fp8_decode_block(codes + start, scales[b], len, o);
+        if (means) {
+            const float mean = means[start / row];
+            for (int i = 0; i < len; i++) o[i] = o[i] + mean;
+        }
+        if (dtype == BF16) {
+            uint16_t *h = (uint16_t *)out + start;
+            for (int i = 0; i < len; i++) h[i] = to_bf16(o[i]);
+        } else if (means) {
+            memcpy((float *)out + start, o, (size_t)len * sizeof(float));
+        }
     }
 }

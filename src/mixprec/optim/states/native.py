@@ -1,5 +1,6 @@
-"""The hand-written CPU kernel of the commonest low-bit step: Adam/AdamW on float32
-parameters and gradients with int8, int4 or float8 moments, no compensation (`native.c`).
+"""The hand-written CPU kernels of the commonest low-bit step, Adam/AdamW on float32
+parameters and gradients with int8, int4 or float8 moments and no compensation, and of the
+float8 codec of a tensor stored once, the ``fp8`` storage of saved activations (`native.c`).
 
 Where it applies it stands in for the compiled update (`kernels.run_compiled`): the same
 arithmetic as the eager update, one pass a block while the block sits in L1, where inductor's
@@ -10,6 +11,8 @@ inductor builds its kernels, for the instruction sets torch's own kernels use
 (``MIXPREC_CACHE_DIR``), and called through ``ctypes``. Under ``compile=None`` it also steps
 what is too small to compile. Where it cannot be built (no compiler, no OpenMP, a cache that
 cannot be written), or with ``MIXPREC_NATIVE=0``, the compiled (or eager) update runs as before.
+The codec's kernels (`fp8_encode`, `fp8_decode`) code float32 and bfloat16 tensors bit for bit
+as the states' codec does, a block in L1 at a time, without dynamo's guards before each call.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from mixprec.optim.states.codecs import (
     state_codec,
 )
 
-__all__ = ["NATIVE_ENV", "adam", "library"]
+__all__ = ["NATIVE_ENV", "adam", "fp8_decode", "fp8_encode", "library"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,14 @@ def _build() -> ctypes.CDLL | None:
     library.mixprec_adam.argtypes = [pointer] * 11 + [i64, i32, i32, i32, i32]
     library.mixprec_adam.restype = None
     library.mixprec_max_block.restype = i32
+    # the largest block its stack scratch takes (asked once: the codec checks each save)
+    library.max_block = library.mixprec_max_block()
+    library.mixprec_fp8_encode.argtypes = [pointer, i32, i64, pointer, i64, pointer, pointer]
+    library.mixprec_fp8_encode.argtypes += [i32, i32]
+    library.mixprec_fp8_encode.restype = None
+    library.mixprec_fp8_decode.argtypes = [pointer, pointer, i64, i32, pointer, i64, pointer]
+    library.mixprec_fp8_decode.argtypes += [i32, i32]
+    library.mixprec_fp8_decode.restype = None
     return library
 
 
@@ -154,7 +165,7 @@ def adam(args: tuple) -> bool:
     ):
         return False
     lib = library()
-    if lib is None or block > lib.mixprec_max_block():
+    if lib is None or block > lib.max_block:
         return False
     if not all(t.is_contiguous() for t in (p, g, m, m_scales, v, v_scales, hp)):
         return False
@@ -171,3 +182,78 @@ def adam(args: tuple) -> bool:
     # (written through pointers: autograd's in-place checks must still see the write)
     torch.autograd.graph.increment_version(p)
     return True
+
+
+# the dtypes the codec's kernels read and write, by the number `native.c` knows each by
+_CODEC_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _codec_library(device: torch.device, dtype: torch.dtype, block: int) -> ctypes.CDLL | None:
+    """The kernel's library where its codec takes a `dtype` tensor on `device` in blocks of
+    `block`, else None."""
+    if device.type != "cpu" or dtype not in _CODEC_DTYPES:
+        return None
+    lib = library()
+    return lib if lib is not None and block <= lib.max_block else None
+
+
+def fp8_encode(
+    flat: torch.Tensor, block: int, means: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`formats.quantize` of the flat contiguous CPU tensor `flat` in the signed float8
+    format of `block` elements a block: (e4m3 codes of whole blocks, float32 scales), or None
+    where the kernel does not take it (not a float32 or bfloat16 CPU tensor, switched off or
+    not built). With `means` (float32, one a row of a multiple of `block` elements), of
+    ``flat``'s rows less their means in float32, a row of a mean not finite as zeros."""
+    lib = _codec_library(flat.device, flat.dtype, block)
+    row = _row(flat.numel(), block, means)
+    if lib is None or row is None or not flat.is_contiguous():
+        return None
+    blocks = -(-flat.numel() // block)
+    codes = torch.empty(blocks * block, dtype=torch.uint8)
+    scales = torch.empty(blocks, dtype=torch.float32)
+    lib.mixprec_fp8_encode(
+        flat.data_ptr(), _CODEC_DTYPES[flat.dtype], flat.numel(),
+        None if means is None else means.data_ptr(), row, codes.data_ptr(), scales.data_ptr(),
+        block, torch.get_num_threads(),
+    )  # fmt: skip
+    return codes.view(torch.float8_e4m3fn), scales
+
+
+def fp8_decode(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    numel: int,
+    dtype: torch.dtype,
+    block: int,
+    means: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """`formats.dequantize` of `fp8_encode`'s codes and scales (blocks of `block`) to
+    `numel` elements, cast to `dtype` (flat), each row's mean added in float32 before the
+    cast where `means` is given; or None where the kernel does not take it (as `fp8_encode`)."""
+    lib = _codec_library(codes.device, dtype, block)
+    row = _row(numel, block, means)
+    if lib is None or row is None or not (codes.is_contiguous() and scales.is_contiguous()):
+        return None
+    out = torch.empty(numel, dtype=dtype)
+    lib.mixprec_fp8_decode(
+        codes.data_ptr(), scales.data_ptr(), numel, block,
+        None if means is None else means.data_ptr(), row, out.data_ptr(),
+        _CODEC_DTYPES[dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def _row(numel: int, block: int, means: torch.Tensor | None) -> int | None:
+    """The elements of a row `means` holds one float32 mean each of (0 without means), or
+    None where the kernel cannot take them: rows of a length that is not a whole number of
+    blocks (a block would span two means), or means that are not a contiguous float32
+    CPU tensor."""
+    if means is None:
+        return 0
+    if means.dtype != torch.float32 or means.device.type != "cpu" or not means.is_contiguous():
+        return None
+    if not means.numel() or numel % means.numel():
+        return None
+    row = numel // means.numel()
+    return row if row % block == 0 else None
