@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mixprec.trainer.strategy import end_finished_process, free_port
+from mixprec.trainer.strategy import end_finished_process, free_port, fresh_start_method
 
 LIMIT_S = 300.0
 # the ranks of a multi-process test: two, one per core of the machines CI runs on
@@ -33,8 +33,10 @@ WORLD = 2
 
 
 # Ranks fork from a server process that imported torch and mixprec once (a spawned rank
-# imports them afresh: seconds, twice a test); each takes the test's environment and folder
-mp.set_forkserver_preload(["torch", "torch.distributed", "mixprec", "spawning"])
+# imports them afresh: seconds, twice a test), the one the Trainer's launches fork from
+# (`fresh_start_method`: spawned where that server's environment is not the test's); each
+# takes the test's environment and folder
+mp.set_forkserver_preload(["spawning"])
 
 
 def _rank(
@@ -68,7 +70,7 @@ def _rank(
 def run_ranks(
     worker: Callable[..., None], *args: Any, nprocs: int = 2, limit_s: float = LIMIT_S
 ) -> None:
-    """Run ``worker(rank, *args)`` on `nprocs` spawned ranks and wait for all of them.
+    """Run ``worker(rank, *args)`` on `nprocs` fresh ranks and wait for all of them.
 
     Each rank runs inside an initialized gloo default group, with the environment of a
     torchrun launch (``RANK``, ``WORLD_SIZE``, ``MASTER_PORT``...). A rank's exception fails
@@ -82,7 +84,7 @@ def run_ranks(
         args=(worker, limit_s, nprocs, port, place, *args),
         nprocs=nprocs,
         join=False,
-        start_method="forkserver",
+        start_method=fresh_start_method(),
     )
     deadline = time.monotonic() + limit_s + 30  # the ranks' own limit fires first
     while not ctx.join(timeout=0.1):

@@ -467,3 +467,101 @@ def test_a_launched_fits_callbacks_start_the_next_fit_afresh(tmp_path):
     trainer.fit(ScoredByEpoch([0.9, 0.8, 0.7, 0.6]), loader, loader)
     assert trainer.current_epoch == 4
     assert checkpoint.best_model_score == pytest.approx(0.6) and checkpoint.best_model_path != first
+
+
+class DumpLaunch(Callback):
+    """Each rank writes what it sees of its start: a variable of its environment, its
+    parent's process id, and the launcher's."""
+
+    def __init__(self, directory: Path, variable: str) -> None:
+        self.directory, self.variable = directory, variable
+
+    def on_fit_start(self, trainer, model):
+        import multiprocessing
+
+        seen = {
+            "value": os.environ.get(self.variable),
+            "parent": os.getppid(),
+            "launcher": multiprocessing.parent_process().pid,
+        }
+        torch.save(seen, self.directory / f"launch{trainer.strategy.global_rank}.pt")
+
+
+def _launched(tmp_path: Path, variable: str) -> list[dict]:
+    trainer = Trainer(
+        devices=2, strategy="ddp", max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, callbacks=[DumpLaunch(tmp_path, variable)],
+    )  # fmt: skip
+    trainer.fit(model(), DataLoader(data(), batch_size=16), loss_fn=F.mse_loss)
+    return [torch.load(tmp_path / f"launch{r}.pt") for r in range(2)]
+
+
+def test_fresh_ranks_fork_from_a_server_and_take_the_launchers_environment(tmp_path, monkeypatch):
+    """strategy='ddp' forks its ranks from multiprocessing's fork server (torch and mixprec
+    imported once: a launch costs a fork, not an interpreter importing torch), each with the
+    launcher's environment of the launch, not the server's; an environment changed since the
+    server started (what an import reads may differ) spawns them instead."""
+    from mixprec.trainer import strategy
+
+    if strategy.fresh_start_method() != "forkserver":
+        pytest.skip("the fork server here is not mixprec's, or this platform has none")
+    first = _launched(tmp_path, "TORCHINDUCTOR_CACHE_DIR")
+    assert all(r["parent"] != r["launcher"] == os.getpid() for r in first)  # (the server's)
+    # a variable read when used, not on import, changed after the server started
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    assert strategy.fresh_start_method() == "forkserver"
+    forked = _launched(tmp_path, "TORCHINDUCTOR_CACHE_DIR")
+    assert [r["value"] for r in forked] == [str(tmp_path / "inductor")] * 2
+    assert all(r["parent"] != os.getpid() for r in forked)
+    # any other change: spawned, the launcher their parent, the variable theirs
+    monkeypatch.setenv("MIXPREC_TEST_SETTING", "read at import, perhaps")
+    assert strategy.fresh_start_method() == "spawn"
+    spawned = _launched(tmp_path, "MIXPREC_TEST_SETTING")
+    assert [(r["value"], r["parent"]) for r in spawned] == [
+        ("read at import, perhaps", os.getpid())
+    ] * 2
+    monkeypatch.delenv("MIXPREC_TEST_SETTING")
+    assert strategy.fresh_start_method() == "forkserver"
+
+
+class CollectsGarbage(Callback):
+    """Each rank collects its garbage, the launcher's inherited by a fork with it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_fit_start(self, trainer, model):
+        import gc
+
+        gc.collect()
+        (self.directory / f"collected{trainer.strategy.global_rank}").touch()
+
+
+def test_a_forked_launch_frees_the_launchers_garbage_before_it_forks(tmp_path):
+    """A gloo process group left in a reference cycle in the launcher (a test's, a fit's
+    before): its destructor joins the group's threads. Collected in a forked rank, which has
+    none of them, it killed the rank (SIGSEGV) as soon as that rank's collector ran."""
+    import datetime
+    import faulthandler
+    import gc
+
+    import torch.distributed as dist
+
+    gc.disable()  # (the launcher's own collector must not free the group first)
+    # (a rank may also block for good joining a thread it does not have: end the run then)
+    faulthandler.dump_traceback_later(120, exit=True)
+    try:
+        group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+        cycle: list = [group]
+        cycle.append(cycle)
+        del group, cycle
+        trainer = Trainer(
+            devices=2, strategy="ddp_fork", max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False,
+            callbacks=[CollectsGarbage(tmp_path)],
+        )  # fmt: skip
+        trainer.fit(model(), DataLoader(data(), batch_size=16), loss_fn=F.mse_loss)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        gc.enable()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["collected0", "collected1"]

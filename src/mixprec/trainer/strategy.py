@@ -7,16 +7,24 @@ what the Trainer and its loops ask of each; none of them knows the Trainer.
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``), each process joins the
 group the launcher described; this is also how training spans several machines. Started from
 a plain ``python`` process, the Trainer launches the processes itself on this machine
-(``torch.multiprocessing``, "spawn" by default, "fork" with ``strategy="ddp_fork"``); each
-child then sees the same environment variables a torchrun child would and takes the first
-path. The backend is gloo on CPU and nccl on CUDA. ``FSDPStrategy`` launches the same way.
+(``torch.multiprocessing``: fresh processes by default, "fork" with ``strategy="ddp_fork"``);
+each child then sees the same environment variables a torchrun child would and takes the
+first path. The backend is gloo on CPU and nccl on CUDA. ``FSDPStrategy`` launches the same
+way. Fresh processes are forked from a server process that imported torch and mixprec once
+(multiprocessing's "forkserver", Python 3.14's default on Linux: a launch costs a fork, not
+an interpreter importing torch, seconds a rank), each taking the launcher's environment;
+where that cannot hold (no forkserver on the platform, a server started by other code, or
+an environment changed since the server started, which modules read when imported) they
+are spawned.
 """
 
 from __future__ import annotations
 
 import abc
 import contextlib
+import gc
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import socket
@@ -50,6 +58,7 @@ __all__ = [
     "FSDP",
     "end_finished_process",
     "free_port",
+    "fresh_start_method",
     "run_processes",
 ]
 
@@ -413,7 +422,8 @@ class ProcessGroupStrategy(Strategy):
                 payload = pickle.dumps((function, args))
             except (pickle.PicklingError, AttributeError, TypeError) as err:
                 raise TypeError(
-                    f"strategy='ddp' starts {nprocs} fresh processes (spawn), so the model, data, "
+                    f"strategy='ddp' starts {nprocs} fresh processes (forkserver or spawn), so the "
+                    "model, data, "
                     f"loss_fn, optimizer and callbacks must be picklable: {err}. Define them at "
                     "module level (not lambdas or local classes), launch with torchrun, or use "
                     "strategy='ddp_fork' (Linux, CPU)"
@@ -422,11 +432,17 @@ class ProcessGroupStrategy(Strategy):
         with tempfile.TemporaryDirectory(prefix="mixprec-ddp-") as tmp:
             try:
                 # when one process fails, torch stops the others (SIGTERM, then SIGKILL)
+                method = self.start_method
+                if method == "spawn":
+                    method = fresh_start_method()
+                # (a process forked from the fork server has the server's environment: it
+                # takes the launcher's; forked or spawned ones have it already)
+                env = dict(os.environ) if method == "forkserver" else None
                 run_processes(
                     _child,
-                    (payload, nprocs, free_port(), tmp, threads),
+                    (payload, nprocs, free_port(), tmp, threads, env),
                     nprocs,
-                    self.start_method,
+                    method,
                     grace=CTRL_C_GRACE_S,
                 )
             except ProcessException as err:
@@ -529,6 +545,42 @@ class FSDPStrategy(ProcessGroupStrategy):
         return contextlib.nullcontext()
 
 
+# what a fork server started here imports once for every process it forks
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "mixprec", "mixprec.trainer")
+# environment variables that change between launches without changing what an import does:
+# pytest's name of the running test, and inductor's cache folder, which torch writes into the
+# environment on first use (a rank reads it when it compiles, in the launcher's environment)
+_NOT_READ_AT_IMPORT = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+# the environment the fork server this process started was started in (empty: none started)
+_SERVER_ENV: list[dict[str, str]] = []
+
+
+def fresh_start_method() -> str:
+    """How fresh processes start: "forkserver" where multiprocessing's fork server is this
+    process's own (started here, or to be started now, importing `FORKSERVER_PRELOAD`) and
+    runs in the environment of now, else "spawn". A server started by other code, or in an
+    environment since changed, imported torch and mixprec under settings read at import
+    (``ATEN_CPU_CAPABILITY``, thread counts) that may not be the launch's."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    env = {k: v for k, v in os.environ.items() if k not in _NOT_READ_AT_IMPORT}
+    server = multiprocessing.forkserver._forkserver
+    # (private attributes, read with a default: where they are missing, spawn)
+    running = getattr(server, "_forkserver_pid", 1) is not None
+    if not _SERVER_ENV:
+        if running:  # (someone else's, or attributes this Python lacks)
+            return "spawn"
+        preload = list(getattr(server, "_preload_modules", []))
+        multiprocessing.set_forkserver_preload(
+            [*preload, *(m for m in FORKSERVER_PRELOAD if m not in preload)]
+        )
+        _SERVER_ENV.append(env)
+        return "forkserver"
+    if not running:  # (ended: the next launch starts it again, in this environment)
+        _SERVER_ENV[0] = env
+    return "forkserver" if _SERVER_ENV[0] == env else "spawn"
+
+
 def free_port() -> int:
     """A TCP port free on this host now, for a process group's rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -563,11 +615,23 @@ def run_processes(
     held it for torch's 30-minute store timeout. A Ctrl-C while the processes start is held
     until they are all started, so none is left behind."""
     context = None
+    fork = start_method == "fork"
+    if fork:
+        # garbage this process holds is freed here, where its threads run: a forked process
+        # collecting it (a process group dropped in a cycle, whose destructor joins its
+        # threads) joined threads it does not have and died (SIGSEGV); what is alive at the
+        # fork is frozen, so that a forked process's collector leaves it alone
+        gc.collect()
+        gc.freeze()
     try:
         with ctrl_c_deferred():
-            context = mp.start_processes(
-                function, args=args, nprocs=nprocs, start_method=start_method, join=False
-            )
+            try:
+                context = mp.start_processes(
+                    function, args=args, nprocs=nprocs, start_method=start_method, join=False
+                )
+            finally:
+                if fork:
+                    gc.unfreeze()
         while not context.join():
             pass
     except KeyboardInterrupt:
@@ -605,15 +669,17 @@ def _end_with_launcher(rank: int) -> None:
     ends it `LAUNCHER_GONE_GRACE_S` seconds later. On POSIX the thread watches this process's
     parent id, which changes when the launcher dies: the launcher's sentinel pipe stays open
     while a sibling forked after this rank (``ddp_fork``) holds a copy of its write end, so
-    that rank 0 learnt of the death only after rank 1 had ended. Elsewhere it waits on the
-    sentinel (a process handle on Windows)."""
+    that rank 0 learnt of the death only after rank 1 had ended. A process forked by the fork
+    server has the server for parent: it watches the launcher's process id itself. Elsewhere
+    it waits on the sentinel (a process handle on Windows)."""
     launcher = multiprocessing.parent_process()
     if launcher is None:  # not started by multiprocessing
         return
+    own_child = os.getppid() == launcher.pid
 
     def watch() -> None:
         if os.name == "posix":
-            while os.getppid() == launcher.pid:
+            while os.getppid() == launcher.pid if own_child else _running(launcher.pid):
                 time.sleep(0.25)
         else:
             launcher.join()  # returns once the launcher has exited
@@ -629,7 +695,36 @@ def _end_with_launcher(rank: int) -> None:
     threading.Thread(target=watch, name="mixprec-launcher-watch", daemon=True).start()
 
 
-def _child(rank: int, payload: Any, nprocs: int, port: int, tmp: str, threads: int) -> None:
+def _running(pid: int) -> bool:
+    """Whether the process `pid` runs: it exists and has not ended (a zombie, ended but not
+    yet reaped by its parent, has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # (no /proc: whether the process exists)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _child(
+    rank: int,
+    payload: Any,
+    nprocs: int,
+    port: int,
+    tmp: str,
+    threads: int,
+    env: dict[str, str] | None,
+) -> None:
+    if env is not None:  # (forked from the fork server: the launcher's environment)
+        os.environ.clear()
+        os.environ.update(env)
     _end_with_launcher(rank)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
