@@ -1,5 +1,6 @@
 """Fixtures every test gets: no state leaks in from the environment or between tests."""
 
+import multiprocessing.forkserver
 import os
 import signal
 import tempfile
@@ -9,6 +10,7 @@ import pytest
 import mixprec
 from mixprec.device.gemm_ratio import CACHE_ENV
 from mixprec.hardware import ALLOW_SLOW_ENV
+from mixprec.trainer.strategy import fresh_start_method
 
 _GEMM_CACHE = tempfile.TemporaryDirectory(prefix="mixprec-cache-")
 
@@ -16,8 +18,13 @@ _GEMM_CACHE = tempfile.TemporaryDirectory(prefix="mixprec-cache-")
 def pytest_configure(config):
     """The host's GEMM ratios are measured once per run into a cache of its own (child
     processes inherit it), never read from or written to the user's; set before collection,
-    since a test module may detect the host when it is imported."""
+    since a test module may detect the host when it is imported. The fork server the
+    Trainer's ranks and the multi-process tests' fork from starts now, in the session's
+    environment (a test changing a variable read on import spawns its ranks instead)."""
     os.environ[CACHE_ENV] = _GEMM_CACHE.name
+    os.environ.pop(ALLOW_SLOW_ENV, None)  # (as every test sees it: `_isolated`)
+    if fresh_start_method() == "forkserver":
+        multiprocessing.forkserver.ensure_running()
 
 
 def pytest_unconfigure(config):

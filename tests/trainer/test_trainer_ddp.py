@@ -505,15 +505,17 @@ def test_fresh_ranks_fork_from_a_server_and_take_the_launchers_environment(tmp_p
 
     if strategy.fresh_start_method() != "forkserver":
         pytest.skip("the fork server here is not mixprec's, or this platform has none")
-    first = _launched(tmp_path, "TORCHINDUCTOR_CACHE_DIR")
+    first = _launched(tmp_path, "CUBLAS_WORKSPACE_CONFIG")
     assert all(r["parent"] != r["launcher"] == os.getpid() for r in first)  # (the server's)
-    # a variable read when used, not on import, changed after the server started
+    # variables read when used, not on import, changed after the server started
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     assert strategy.fresh_start_method() == "forkserver"
-    forked = _launched(tmp_path, "TORCHINDUCTOR_CACHE_DIR")
-    assert [r["value"] for r in forked] == [str(tmp_path / "inductor")] * 2
+    forked = _launched(tmp_path, "CUBLAS_WORKSPACE_CONFIG")
+    assert [r["value"] for r in forked] == [":16:8"] * 2
     assert all(r["parent"] != os.getpid() for r in forked)
-    # any other change: spawned, the launcher their parent, the variable theirs
+    # a variable read on import (mixprec's, torch's, OpenMP's...): spawned, the launcher
+    # their parent, the variable theirs
     monkeypatch.setenv("MIXPREC_TEST_SETTING", "read at import, perhaps")
     assert strategy.fresh_start_method() == "spawn"
     spawned = _launched(tmp_path, "MIXPREC_TEST_SETTING")

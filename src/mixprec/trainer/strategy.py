@@ -14,8 +14,7 @@ way. Fresh processes are forked from a server process that imported torch and mi
 (multiprocessing's "forkserver", Python 3.14's default on Linux: a launch costs a fork, not
 an interpreter importing torch, seconds a rank), each taking the launcher's environment;
 where that cannot hold (no forkserver on the platform, a server started by other code, or
-an environment changed since the server started, which modules read when imported) they
-are spawned.
+a variable read on import changed since the server started) they are spawned.
 """
 
 from __future__ import annotations
@@ -547,10 +546,16 @@ class FSDPStrategy(ProcessGroupStrategy):
 
 # what a fork server started here imports once for every process it forks
 FORKSERVER_PRELOAD = ("torch", "torch.distributed", "mixprec", "mixprec.trainer")
-# environment variables that change between launches without changing what an import does:
-# pytest's name of the running test, and inductor's cache folder, which torch writes into the
-# environment on first use (a rank reads it when it compiles, in the launcher's environment)
-_NOT_READ_AT_IMPORT = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+# the environment variables a process forked from the server may have read before the
+# launch: what the server's interpreter, torch, its libraries (OpenMP, oneDNN, BLAS) and
+# mixprec read when they load or import (every other variable is read in the rank, after it
+# takes the launcher's environment: CUDA's, a process group's, cuBLAS's workspace)
+_READ_ON_IMPORT = (
+    "ATEN_", "ONEDNN_", "DNNL_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH",
+    "PYTORCH_", "MIXPREC_", "PYTHON", "LD_",
+)  # fmt: skip
+# of those, one torch writes into the environment on first use and reads when it compiles
+_NOT_READ_ON_IMPORT = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
 # the environment the fork server this process started was started in (empty: none started)
 _SERVER_ENV: list[dict[str, str]] = []
 
@@ -558,12 +563,17 @@ _SERVER_ENV: list[dict[str, str]] = []
 def fresh_start_method() -> str:
     """How fresh processes start: "forkserver" where multiprocessing's fork server is this
     process's own (started here, or to be started now, importing `FORKSERVER_PRELOAD`) and
-    runs in the environment of now, else "spawn". A server started by other code, or in an
-    environment since changed, imported torch and mixprec under settings read at import
-    (``ATEN_CPU_CAPABILITY``, thread counts) that may not be the launch's."""
+    was started with the variables read on import (`_READ_ON_IMPORT`) as they are now, else
+    "spawn". A server started by other code, or under other such variables, imported torch
+    and mixprec under settings (``ATEN_CPU_CAPABILITY``, thread counts) that may not be the
+    launch's."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    env = {k: v for k, v in os.environ.items() if k not in _NOT_READ_AT_IMPORT}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(_READ_ON_IMPORT) and k not in _NOT_READ_ON_IMPORT
+    }
     server = multiprocessing.forkserver._forkserver
     # (private attributes, read with a default: where they are missing, spawn)
     running = getattr(server, "_forkserver_pid", 1) is not None
