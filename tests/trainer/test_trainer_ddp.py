@@ -3,6 +3,7 @@ Every rank ends with the same parameters, equal to one process training on the g
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import os
@@ -544,14 +545,11 @@ def test_a_forked_launch_frees_the_launchers_garbage_before_it_forks(tmp_path):
     before): its destructor joins the group's threads. Collected in a forked rank, which has
     none of them, it killed the rank (SIGSEGV) as soon as that rank's collector ran."""
     import datetime
-    import faulthandler
     import gc
 
     import torch.distributed as dist
 
     gc.disable()  # (the launcher's own collector must not free the group first)
-    # (a rank may also block for good joining a thread it does not have: end the run then)
-    faulthandler.dump_traceback_later(120, exit=True)
     try:
         group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
         cycle: list = [group]
@@ -562,8 +560,74 @@ def test_a_forked_launch_frees_the_launchers_garbage_before_it_forks(tmp_path):
             enable_checkpointing=False, enable_progress_bar=False,
             callbacks=[CollectsGarbage(tmp_path)],
         )  # fmt: skip
-        trainer.fit(model(), DataLoader(data(), batch_size=16), loss_fn=F.mse_loss)
+        # (a rank may also block for good, joining a thread it does not have)
+        with _ranks_killed_after(120):
+            trainer.fit(model(), DataLoader(data(), batch_size=16), loss_fn=F.mse_loss)
     finally:
-        faulthandler.cancel_dump_traceback_later()
         gc.enable()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["collected0", "collected1"]
+
+
+@contextlib.contextmanager
+def _ranks_killed_after(seconds: float):
+    """Kill this process's launched ranks if they still run after `seconds`: a hung rank
+    fails the fit (and the test) instead of the suite."""
+    import multiprocessing
+    import threading
+
+    def kill() -> None:
+        for child in multiprocessing.active_children():
+            child.kill()
+
+    timer = threading.Timer(seconds, kill)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+class DumpThreads(Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def on_fit_start(self, trainer, model):
+        rank = trainer.strategy.global_rank
+        (self.directory / f"threads{rank}").write_text(str(torch.get_num_threads()))
+
+
+def test_forked_ranks_take_one_thread_after_the_launcher_ran_a_parallel_region(
+    tmp_path, monkeypatch
+):
+    """OpenMP's threads do not survive a fork: on a machine of 4 cores a forked rank took 2,
+    and its first parallel region after the launcher had run one waited for ever for threads
+    it did not have (torch's own elementwise ops; on this machine's 2 cores, 1 a rank, never
+    seen). Forked ranks take one thread."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    try:
+        torch.set_num_threads(2)
+        a = torch.randn(1000, 1000)
+        (a + a).sum()  # (a parallel region in the launcher: OpenMP's team of 2)
+        trainer = Trainer(
+            devices=2, strategy="ddp_fork", max_epochs=1, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False,
+            callbacks=[DumpThreads(tmp_path)],
+        )  # fmt: skip
+        with _ranks_killed_after(60):
+            trainer.fit(BigBatch(), DataLoader(data(), batch_size=16), loss_fn=F.mse_loss)
+    finally:
+        torch.set_num_threads(threads)
+    assert [(tmp_path / f"threads{r}").read_text() for r in range(2)] == ["1", "1"]
+
+
+class BigBatch(nn.Module):
+    """A model whose step runs parallel regions: an elementwise op over a million elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = model()
+
+    def forward(self, x):
+        big = torch.randn(1000, 1000)
+        return self.net(x) + 0.0 * (big + big).sum()

@@ -428,6 +428,11 @@ class ProcessGroupStrategy(Strategy):
                     "strategy='ddp_fork' (Linux, CPU)"
                 ) from None
         threads = max(1, (os.cpu_count() or 1) // nprocs) if self.accelerator == "cpu" else 0
+        if self.start_method == "fork":
+            # OpenMP's threads do not survive a fork: a forked rank entering a parallel region
+            # on more than one thread, after this process had run one, waited for them for
+            # ever (torch's own ops too: its DataLoader's forked workers take one thread)
+            threads = 1
         with tempfile.TemporaryDirectory(prefix="mixprec-ddp-") as tmp:
             try:
                 # when one process fails, torch stops the others (SIGTERM, then SIGKILL)
@@ -554,8 +559,10 @@ _READ_ON_IMPORT = (
     "ATEN_", "ONEDNN_", "DNNL_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH",
     "PYTORCH_", "MIXPREC_", "PYTHON", "LD_",
 )  # fmt: skip
-# of those, one torch writes into the environment on first use and reads when it compiles
-_NOT_READ_ON_IMPORT = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+# of those, ones written into the environment as a program runs and read when used: inductor's
+# cache folder (torch writes it on first use), the NVML check of CUDA's presence (transformers'
+# Trainer writes it)
+_NOT_READ_ON_IMPORT = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"})
 # the environment the fork server this process started was started in (empty: none started)
 _SERVER_ENV: list[dict[str, str]] = []
 
