@@ -261,7 +261,8 @@ def test_hostile_gradients_step_as_the_eager_update(kind, name, counted):
 def _hostile_values() -> dict[str, torch.Tensor]:
     """Tensors the activation codec must code as the states' codec does: ordinary values,
     magnitudes spanning float32's range, infinities, NaN, -0, subnormals, values past
-    e4m3's largest over a small scale, zeros, and lengths ending in a partial block."""
+    e4m3's largest over a small scale, zeros, one element, none, and lengths ending in a partial
+    block."""
     g = torch.Generator().manual_seed(3)
     special = torch.randn(777, generator=g)
     special[[5, 70]] = torch.tensor([torch.inf, -torch.inf])
@@ -275,6 +276,7 @@ def _hostile_values() -> dict[str, torch.Tensor]:
         "extremes": torch.tensor([3e38, -3e38, 1e-45] * 30),
         "subnormal": torch.randn(65, generator=g) * 1e-39,
         "one": torch.tensor([2.5]),
+        "empty": torch.zeros(0),
     }
 
 

@@ -488,12 +488,19 @@ class DumpLaunch(Callback):
         torch.save(seen, self.directory / f"launch{trainer.strategy.global_rank}.pt")
 
 
-def _launched(tmp_path: Path, variable: str) -> list[dict]:
+def _one_epoch(strategy: str, net: nn.Module, callback: Callback, limit_s: float = 120.0) -> None:
+    """A one-epoch fit of `net` on two ranks launched by `strategy`, with `callback`; ranks
+    still running after `limit_s` are killed (a hung rank fails the test, not the suite)."""
     trainer = Trainer(
-        devices=2, strategy="ddp", max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, callbacks=[DumpLaunch(tmp_path, variable)],
+        devices=2, strategy=strategy, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, callbacks=[callback],
     )  # fmt: skip
-    trainer.fit(model(), DataLoader(data(), batch_size=16), loss_fn=F.mse_loss)
+    with _ranks_killed_after(limit_s):
+        trainer.fit(net, DataLoader(data(), batch_size=16), loss_fn=F.mse_loss)
+
+
+def _launched(tmp_path: Path, variable: str) -> list[dict]:
+    _one_epoch("ddp", model(), DumpLaunch(tmp_path, variable))
     return [torch.load(tmp_path / f"launch{r}.pt") for r in range(2)]
 
 
@@ -555,14 +562,8 @@ def test_a_forked_launch_frees_the_launchers_garbage_before_it_forks(tmp_path):
         cycle: list = [group]
         cycle.append(cycle)
         del group, cycle
-        trainer = Trainer(
-            devices=2, strategy="ddp_fork", max_epochs=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False,
-            callbacks=[CollectsGarbage(tmp_path)],
-        )  # fmt: skip
         # (a rank may also block for good, joining a thread it does not have)
-        with _ranks_killed_after(120):
-            trainer.fit(model(), DataLoader(data(), batch_size=16), loss_fn=F.mse_loss)
+        _one_epoch("ddp_fork", model(), CollectsGarbage(tmp_path))
     finally:
         gc.enable()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["collected0", "collected1"]
@@ -609,13 +610,7 @@ def test_forked_ranks_take_one_thread_after_the_launcher_ran_a_parallel_region(
         torch.set_num_threads(2)
         a = torch.randn(1000, 1000)
         (a + a).sum()  # (a parallel region in the launcher: OpenMP's team of 2)
-        trainer = Trainer(
-            devices=2, strategy="ddp_fork", max_epochs=1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False,
-            callbacks=[DumpThreads(tmp_path)],
-        )  # fmt: skip
-        with _ranks_killed_after(60):
-            trainer.fit(BigBatch(), DataLoader(data(), batch_size=16), loss_fn=F.mse_loss)
+        _one_epoch("ddp_fork", BigBatch(), DumpThreads(tmp_path), limit_s=60.0)
     finally:
         torch.set_num_threads(threads)
     assert [(tmp_path / f"threads{r}").read_text() for r in range(2)] == ["1", "1"]

@@ -719,13 +719,13 @@ def _running(pid: int) -> bool:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return False
-    except OSError:  # (no /proc: whether the process exists)
+    except OSError:  # (no /proc: whether the process exists, ours to signal or not)
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True
+            pass
         return True
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
