@@ -331,3 +331,24 @@ def test_what_the_fp8_codec_does_not_take_is_left_to_the_caller(monkeypatch):
     monkeypatch.setenv(native.NATIVE_ENV, "0")
     assert native.fp8_encode(x, 64) is None
     assert native.fp8_decode(codes, scales, 256, torch.float32, 64) is None
+
+
+def test_the_fp8_codec_refuses_sizes_it_would_read_past():
+    """Codes and scales too few for the elements asked for (read past by the kernel: values
+    of whatever memory follows), and a block that is not a positive number of elements (the
+    kernel divided by zero, or returned memory never written), raise, naming what was given."""
+    x = torch.randn(4096)
+    codes, scales = native.fp8_encode(x, 64)
+    with pytest.raises(ValueError, match="take 4096 codes and 64 scales, got 64 codes and 1"):
+        native.fp8_decode(codes[:64], scales[:1], 4096, torch.float32, 64)
+    with pytest.raises(ValueError, match="take 4096 codes and 128 scales"):
+        native.fp8_decode(codes, scales, 4096, torch.float32, 32)
+    with pytest.raises(ValueError, match="one-byte codes and float32 scales"):
+        native.fp8_decode(codes, scales.double(), 4096, torch.float32, 64)
+    for block in (0, -64):
+        with pytest.raises(ValueError, match=f"at least 1 element, got {block}"):
+            native.fp8_decode(codes, scales, 4096, torch.float32, block)
+        with pytest.raises(ValueError, match=f"at least 1 element, got {block}"):
+            native.fp8_encode(x, block)
+    with pytest.raises(ValueError, match="numel must be at least 0"):
+        native.fp8_decode(codes, scales, -1, torch.float32, 64)

@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -565,6 +565,9 @@ _READ_ON_IMPORT = (
 _NOT_READ_ON_IMPORT = frozenset({"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"})
 # the environment the fork server this process started was started in (empty: none started)
 _SERVER_ENV: list[dict[str, str]] = []
+# the process that started it: a process forked from this one inherits the server's record
+# but not the server, which only the process that started it can use
+_SERVER_OWNER: list[int] = []
 
 
 def fresh_start_method() -> str:
@@ -584,6 +587,8 @@ def fresh_start_method() -> str:
     server = multiprocessing.forkserver._forkserver
     # (private attributes, read with a default: where they are missing, spawn)
     running = getattr(server, "_forkserver_pid", 1) is not None
+    if _SERVER_OWNER and _SERVER_OWNER[0] != os.getpid():  # (a forked copy: not ours)
+        return "spawn"
     if not _SERVER_ENV:
         if running:  # (someone else's, or attributes this Python lacks)
             return "spawn"
@@ -592,6 +597,7 @@ def fresh_start_method() -> str:
             [*preload, *(m for m in FORKSERVER_PRELOAD if m not in preload)]
         )
         _SERVER_ENV.append(env)
+        _SERVER_OWNER.append(os.getpid())
         return "forkserver"
     if not running:  # (ended: the next launch starts it again, in this environment)
         _SERVER_ENV[0] = env
@@ -632,29 +638,38 @@ def run_processes(
     held it for torch's 30-minute store timeout. A Ctrl-C while the processes start is held
     until they are all started, so none is left behind."""
     context = None
-    fork = start_method == "fork"
-    if fork:
-        # garbage this process holds is freed here, where its threads run: a forked process
-        # collecting it (a process group dropped in a cycle, whose destructor joins its
-        # threads) joined threads it does not have and died (SIGSEGV); what is alive at the
-        # fork is frozen, so that a forked process's collector leaves it alone
-        gc.collect()
-        gc.freeze()
     try:
-        with ctrl_c_deferred():
-            try:
-                context = mp.start_processes(
-                    function, args=args, nprocs=nprocs, start_method=start_method, join=False
-                )
-            finally:
-                if fork:
-                    gc.unfreeze()
+        with ctrl_c_deferred(), _frozen_for_fork(start_method == "fork"):
+            context = mp.start_processes(
+                function, args=args, nprocs=nprocs, start_method=start_method, join=False
+            )
         while not context.join():
             pass
     except KeyboardInterrupt:
         if context is not None:
             _stop(context.processes, grace)
         raise
+
+
+@contextlib.contextmanager
+def _frozen_for_fork(fork: bool) -> Iterator[None]:
+    """Around forking processes: garbage this process holds is freed first, where its
+    threads run (a forked process collecting it, a process group dropped in a cycle whose
+    destructor joins its threads, joined threads it does not have and died: SIGSEGV), and what
+    is alive at the fork is frozen, so that a forked process's collector leaves it alone; it
+    is thawed after, unless the caller had frozen objects itself (a thaw would take theirs
+    too, so the objects frozen here stay frozen with them)."""
+    if not fork:
+        yield
+        return
+    thaw = gc.get_freeze_count() == 0
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if thaw:
+            gc.unfreeze()
 
 
 def _stop(processes: list[Any], grace: float) -> None:
@@ -717,10 +732,10 @@ def _running(pid: int) -> bool:
     yet reaped by its parent, has)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    except OSError:  # (no /proc: whether the process exists, ours to signal or not)
-        try:
+    except OSError:
+        if Path("/proc/self/stat").exists():  # (a /proc without the process: gone)
+            return False
+        try:  # (no /proc, as on macOS: whether the process exists, ours to signal or not)
             os.kill(pid, 0)
         except ProcessLookupError:
             return False

@@ -313,14 +313,17 @@ static inline __attribute__((always_inline)) void fp8_encode_block(
 static inline __attribute__((always_inline)) void fp8_decode_block(
     const uint8_t *restrict codes, float scale, int n, float *restrict out) {
     /* a NaN code under a finite scale is an infinity of its sign; under a NaN one, NaN (a
-     * NaN scale makes every value of the block NaN) */
-    const float special = (scale == scale) ? INFINITY : NAN;
+     * NaN scale makes every value of the block NaN: the scale's, unsigned, as a product
+     * with it is) */
+    const int finite = scale == scale;
+    const float special = finite ? INFINITY : scale;
+    const uint32_t sign = finite ? 0x80u : 0u;
     for (int i = 0; i < n; i++) {
         const uint32_t c = codes[i];
         float v = ((c & 0x7fu) == 0x7fu) ? special : e4m3_magnitude(c) * scale;
         uint32_t bits;
         memcpy(&bits, &v, sizeof bits);
-        bits |= (c & 0x80u) << 24;
+        bits |= (c & sign) << 24;
         memcpy(out + i, &bits, sizeof bits);
     }
 }

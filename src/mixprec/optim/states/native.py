@@ -205,6 +205,7 @@ def fp8_encode(
     where the kernel does not take it (not a float32 or bfloat16 CPU tensor, switched off or
     not built). With `means` (float32, one a row of a multiple of `block` elements), of
     ``flat``'s rows less their means in float32, a row of a mean not finite as zeros."""
+    _check_block(block)
     lib = _codec_library(flat.device, flat.dtype, block)
     row = _row(flat.numel(), block, means)
     if lib is None or row is None or not flat.is_contiguous():
@@ -230,11 +231,32 @@ def fp8_decode(
 ) -> torch.Tensor | None:
     """`formats.dequantize` of `fp8_encode`'s codes and scales (blocks of `block`) to
     `numel` elements, cast to `dtype` (flat), each row's mean added in float32 before the
-    cast where `means` is given; or None where the kernel does not take it (as `fp8_encode`)."""
+    cast where `means` is given; or None where the kernel does not take it (as `fp8_encode`,
+    or codes and scales not contiguous CPU tensors). Codes and scales too few for `numel`
+    elements raise: the kernel would read past them."""
+    _check_block(block)
+    if numel < 0:
+        raise ValueError(f"numel must be at least 0, got {numel}")
     lib = _codec_library(codes.device, dtype, block)
     row = _row(numel, block, means)
-    if lib is None or row is None or not (codes.is_contiguous() and scales.is_contiguous()):
+    if (
+        lib is None
+        or row is None
+        or scales.device.type != "cpu"
+        or not (codes.is_contiguous() and scales.is_contiguous())
+    ):
         return None
+    blocks = -(-numel // block)
+    if codes.element_size() != 1 or scales.dtype != torch.float32:
+        raise ValueError(
+            f"fp8_decode takes one-byte codes and float32 scales, got {codes.dtype} codes and "
+            f"{scales.dtype} scales"
+        )
+    if codes.numel() < blocks * block or scales.numel() < blocks:
+        raise ValueError(
+            f"{numel} elements in blocks of {block} take {blocks * block} codes and {blocks} "
+            f"scales, got {codes.numel()} codes and {scales.numel()} scales"
+        )
     out = torch.empty(numel, dtype=dtype)
     lib.mixprec_fp8_decode(
         codes.data_ptr(), scales.data_ptr(), numel, block,
@@ -242,6 +264,11 @@ def fp8_decode(
         _CODEC_DTYPES[dtype], torch.get_num_threads(),
     )  # fmt: skip
     return out
+
+
+def _check_block(block: int) -> None:
+    if block < 1:
+        raise ValueError(f"the codec's block must be at least 1 element, got {block}")
 
 
 def _row(numel: int, block: int, means: torch.Tensor | None) -> int | None:
