@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import threading
 import time
 
@@ -859,3 +860,47 @@ def test_checkpoint_under_functional_call_recomputes_from_the_tensors_given(bloc
         precision.backward(out.float().square().mean())
         grads[option] = [t.grad for t in given.values()]
     assert all(torch.equal(a, b) for a, b in zip(grads[None], grads["checkpoint"], strict=True))
+
+
+class _TorchCheckpointed(nn.Module):
+    """Blocks each run through torch's own checkpoint in the forward (as Hugging Face's
+    ``gradient_checkpointing_enable()`` runs its layers)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return x
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("option", ["bf16", "fp8"])
+def test_a_storing_module_inside_torchs_checkpoint_leaves_its_saves_to_the_recomputation(
+    option, reentrant
+):
+    """A module taking `bf16` or `fp8` inside a block torch's checkpoint recomputes: its
+    hooks, innermost, stored and held its saves from the forward to the backward, so nothing
+    of it was recomputed, and its gradients carried the rounding (2.6% off under fp8). It is
+    left to torch's checkpoint, as the `checkpoint` option's own region leaves its modules:
+    nothing stored is held after the forward, and the gradients are the checkpointed ones
+    bit for bit."""
+    from mixprec.activations import codecs
+
+    x = torch.randn(8, 32)
+    grads, held = {}, {}
+    for activations in (None, {r"blocks\.\d+\.(fc|out)": option}):
+        torch.manual_seed(0)
+        model = mixprec.apply(
+            _TorchCheckpointed(reentrant), PolicyMap("32-true", activations=activations)
+        )
+        out = model(x.requires_grad_(reentrant))
+        stored = (codecs.Fp8Saved, codecs.Copied)
+        held[activations is None] = [o for o in gc.get_objects() if type(o) in stored]
+        out.square().sum().backward()
+        grads[activations is None] = [p.grad for p in model.parameters()]
+    assert held[False] == []
+    assert all(torch.equal(g, k) for g, k in zip(grads[False], grads[True], strict=True))

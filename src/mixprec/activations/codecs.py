@@ -54,6 +54,7 @@ __all__ = [
     "CHUNK_ACCELERATOR",
     "AsIs",
     "Centered",
+    "Copied",
     "CenteredSaved",
     "FP8",
     "GATE",
@@ -131,8 +132,14 @@ def record_to(record: Callable[[Tensor, int, int], None] | None) -> None:
 
 
 def has_storage(t: Tensor) -> bool:
-    """Whether `t` has a storage to read: not a sparse or nested tensor."""
-    return t.layout == torch.strided and not t.is_nested
+    """Whether `t` has a storage to read: not a sparse or nested tensor, nor a tensor
+    subclass dispatching its ops in Python (DTensor, a float8 training tensor), whose storage
+    may be only a placeholder with no memory to read (kept as it is)."""
+    return (
+        t.layout == torch.strided
+        and not t.is_nested
+        and not torch._C._dispatch_keys(t).has(torch._C.DispatchKey.Python)
+    )
 
 
 def _plain_layout(t: Tensor) -> bool:
@@ -302,12 +309,14 @@ class Codec:
 
     def __init__(self) -> None:
         # (storage, offset, elements, dtype, version) -> (weak reference to the tensor packed,
-        # its shape, packed, its strides where it is not contiguous): an entry lives while
-        # that tensor does, so its memory is not another tensor's
+        # its shape, weak reference to what it was packed to, its strides where it is not
+        # contiguous): an entry lives while that tensor does, so its memory is not another
+        # tensor's, and holds the packed object only while a graph does (a tensor the caller
+        # keeps, a returned hidden state, does not keep its stored copy after the backward)
         self._packed: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-        # (weak reference to the packed object last read, what it decoded to) while more
-        # reads of it are to come
-        self._last: tuple[weakref.ref[Any], Tensor] | None = None
+        # (weak reference to the packed object last read, what it decoded to, that tensor's
+        # version then) while more reads of it are to come
+        self._last: tuple[weakref.ref[Any], Tensor, int] | None = None
 
     def stores(self, t: Tensor) -> bool:
         """Whether `t` is stored otherwise than as it is."""
@@ -339,14 +348,15 @@ class Codec:
         # the memory it fills: ``y @ y.t()`` saves both)
         dense = contiguous or _dense(t)
         seen = self._packed.get(key) if dense else None
-        if seen is not None and seen[0]() is not None:
-            if isinstance(seen[2], Fp8Saved):
-                seen[2].reads[0] += 1
+        earlier = seen[2]() if seen is not None and seen[0]() is not None else None
+        if earlier is not None:
+            if isinstance(earlier, Fp8Saved):
+                earlier.reads[0] += 1
             if seen[1] == t.shape and seen[3] == (None if contiguous else t.stride()):
-                return seen[2]
+                return earlier
             if contiguous and seen[3] is None:
-                return Reshaped(seen[2], t.shape)
-            return Reshaped(seen[2], t.shape, t.stride())
+                return Reshaped(earlier, t.shape)
+            return Reshaped(earlier, t.shape, t.stride())
         # (torch function modes off: a save torch calls the hook for from Python, as an
         # autograd.Function's or torch's checkpoint's, runs while `wrapper`'s mode is on, and
         # the compiled codec traced into it and failed)
@@ -356,7 +366,8 @@ class Codec:
         if dense:
             forget = self._packed.pop
             original = weakref.ref(t, lambda _, k=key: forget(k, None))
-            self._packed[key] = (original, t.shape, packed, None if contiguous else t.stride())
+            stride = None if contiguous else t.stride()
+            self._packed[key] = (original, t.shape, weakref.ref(packed), stride)
         return packed
 
     def unpack(self, packed: Any) -> Tensor:
@@ -376,10 +387,13 @@ class Codec:
         if not isinstance(packed, Fp8Saved):
             return self.decode(packed)
         last, self._last = self._last, None
-        out = last[1] if last is not None and last[0]() is packed else self.decode(packed)
+        # (again where a backward wrote into the tensor it was handed: the next read is the
+        # forward's values, as a save kept apart is)
+        reuse = last is not None and last[0]() is packed and last[1]._version == last[2]
+        out = last[1] if reuse else self.decode(packed)
         packed.reads[0] -= 1
         if packed.reads[0] > 0:  # weakly: a graph freed before its last read drops it
-            self._last = (weakref.ref(packed, self._forget), out)
+            self._last = (weakref.ref(packed, self._forget), out, out._version)
         return out
 
     def _forget(self, ref: weakref.ref[Any]) -> None:
@@ -423,16 +437,30 @@ class Reshaped:
     stride: tuple[int, ...] | None = None
 
 
+@dataclass(frozen=True)
+class Copied:
+    """A saved tensor stored as a copy: `tensor` (bfloat16 for ``bf16``'s float32, a small
+    view's copy under ``fp8``), read back as `dtype`."""
+
+    tensor: Tensor
+    dtype: torch.dtype
+
+    def read(self) -> Tensor:
+        return self.tensor.to(self.dtype)
+
+
 def _bytes(packed: Any) -> int:
     if isinstance(packed, Tensor):
         return packed.untyped_storage().nbytes()
+    if isinstance(packed, Copied):
+        return _bytes(packed.tensor)
     if isinstance(packed, Fp8Saved):
         return packed.codes.nbytes + packed.scales.nbytes
     if isinstance(packed, CenteredSaved):
         return _bytes(packed.inner) + packed.means.nbytes
     if isinstance(packed, NearOneSaved):
         return _bytes(packed.inner)
-    return sum(_bytes(p) for p in packed if isinstance(p, Tensor | Fp8Saved))
+    raise TypeError(f"not a stored activation: {type(packed).__name__}")
 
 
 class Keep(Codec):
@@ -457,7 +485,7 @@ class ToBfloat16(Codec):
 
     def encode(self, t: Tensor) -> Any:
         if not t.numel():
-            return (t.to(torch.bfloat16),)
+            return Copied(t.to(torch.bfloat16), t.dtype)
         if t.device.type == "cpu":
             # (a CPU's `isinf` takes several casts' time: the cast's range, read in one pass
             # in memory order and without a cost to sync there, spares the common activation
@@ -467,17 +495,18 @@ class ToBfloat16(Codec):
             out = t.to(torch.bfloat16)  # (dense, in `t`'s order where `t` is dense)
             low, high = torch.aminmax(_in_memory_order(out)[0])
             if -_BF16_MAX <= float(low) and float(high) <= _BF16_MAX:
-                return (out,)
+                return Copied(out, t.dtype)
         elif GATE.wants(t.device, t.numel()):
             # (no sync on an accelerator: the clamp, fused into the cast, reads the tensor once)
             flat, stride = _in_memory_order(t)
             out, ran = _run("to_bfloat16", _fresh(flat))
             if ran:
-                return (out.view(t.shape) if stride is None else out.as_strided(t.shape, stride),)
-        return (_to_bfloat16(t),)
+                shaped = out.view(t.shape) if stride is None else out.as_strided(t.shape, stride)
+                return Copied(shaped, t.dtype)
+        return Copied(_to_bfloat16(t), t.dtype)
 
     def decode(self, packed: Any) -> Tensor:
-        return packed[0].to(torch.float32)
+        return packed.read()
 
 
 @dataclass(frozen=True)
@@ -516,7 +545,7 @@ class ToFp8(Codec):
 
     def encode(self, t: Tensor) -> Any:
         if t.numel() < FP8.block:  # (a small view of a larger activation: `stores`)
-            return (t.clone(), t.dtype)
+            return Copied(t.clone(), t.dtype)
         flat, stride = _in_memory_order(t)
         done = native.fp8_encode(flat, FP8.block)
         if done is not None:
@@ -540,8 +569,8 @@ class ToFp8(Codec):
     def decode(self, packed: Any) -> Tensor:
         if isinstance(packed, Tensor):
             return packed
-        if isinstance(packed, tuple):  # (a small view's copy: `encode`)
-            return packed[0].to(packed[1])
+        if isinstance(packed, Copied):  # (a small view's copy: `encode`)
+            return packed.read()
         numel = math.prod(packed.shape)
         out = native.fp8_decode(packed.codes, packed.scales, numel, packed.dtype, FP8.block)
         if out is not None:

@@ -24,7 +24,15 @@ from torch import Tensor, nn
 from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
-from mixprec.activations.codecs import CODECS, Centered, Codec, Keep, NearOne, ToBfloat16
+from mixprec.activations.codecs import (
+    CODECS,
+    Centered,
+    Codec,
+    Keep,
+    NearOne,
+    ToBfloat16,
+    has_storage,
+)
 from mixprec.activations.options import OPTIONS, accepted, refusal
 from mixprec.activations.recompute import recomputed
 from mixprec.activations.rules import Choice, never_called
@@ -239,6 +247,14 @@ _DIVIDING = frozenset(
     + [torch.div, _T.div, _T.div_, torch.divide, _T.divide, _T.divide_, torch.true_divide]
     + [_T.true_divide, _T.true_divide_, _T.__truediv__, _T.__itruediv__, _T.__rtruediv__]
     + [torch.xlogy, _T.xlogy, _T.xlogy_, torch.special.xlogy]
+    # (a quotient by a sum of squares, a saved root, a pole at 0: one at 0 is NaN)
+    + [torch.atan2, _T.atan2, _T.atan2_, torch.arctan2, _T.arctan2, _T.arctan2_, _A.atan2]
+    + [torch.hypot, _T.hypot, _T.hypot_, _A.hypot, torch.special.entr, _A.special_entr]
+    + [torch.lgamma, _T.lgamma, _T.lgamma_, _A.lgamma, torch.special.gammaln]
+    + [torch.digamma, _T.digamma, _T.digamma_, _A.digamma, torch.special.digamma]
+    + [torch.special.psi, torch.polygamma, _T.polygamma, _T.polygamma_, _A.polygamma]
+    + [torch.special.polygamma, torch.mvlgamma, _T.mvlgamma, _T.mvlgamma_, _A.mvlgamma]
+    + [torch.special.multigammaln]
 )
 # functions whose backward grows without bound as the saved value nears a point of
 # magnitude one (asin at 1, log1p at -1, logit at 1, a binary cross-entropy's
@@ -336,7 +352,7 @@ def _centred(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
     if _op(func) not in _ROW_NORMS:
         return None
     given = _argument(args, kwargs, 0, "input")
-    if not isinstance(given, Tensor):
+    if not isinstance(given, Tensor) or not has_storage(given):
         return None
     row = _row(func, given, args, kwargs)
     return (given, row) if row and given.numel() % row == 0 else None
@@ -457,6 +473,8 @@ def _stored(
     `_SavesByFunction`) or ``save_on_cpu``. Never traced: the graphs of torch.compile do
     not run saved_tensors_hooks, so under it this module's forward runs eagerly (the modules
     around it still compile)."""
+    if _in_torch_checkpoint():
+        return forward(*args, **kwargs)
     codec = wrapper.codec
     if codec is not None:
         by_function = (
@@ -471,6 +489,26 @@ def _stored(
         raise _offload_refused(f"{type(wrapper.module).__name__} runs on {device.type}")
     with save_on_cpu(pin_memory=True):
         return forward(*args, **kwargs)
+
+
+# torch's checkpoint's saved-tensor hooks: in the forward, dropping each save for the
+# recomputation; in the recomputation, handing its saves to the backward
+_TORCH_CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
+
+
+def _in_torch_checkpoint() -> bool:
+    """Whether the module runs inside ``torch.utils.checkpoint`` (as under Hugging Face's
+    gradient checkpointing): the innermost saved-tensor hooks are its checkpoint's, which
+    hold nothing from the forward to the backward, or a backward runs (the reentrant one's
+    recomputation, whose saves live only for its block's backward). A storing module's hooks,
+    put innermost, stored and held its saves instead, undoing the recomputation, or rounded
+    them for nothing. Its saves are left to torch's checkpoint, as a module inside the
+    ``checkpoint`` option leaves its own (docs/activations.md)."""
+    if torch._C._current_graph_task_id() != -1:  # (reentrant: recomputed in a backward)
+        return True
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    name = getattr(top[0], "__qualname__", "") if top is not None else ""
+    return name.startswith(_TORCH_CHECKPOINT_HOOKS)
 
 
 def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module) -> Any:
