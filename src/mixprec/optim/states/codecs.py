@@ -610,7 +610,8 @@ class Float8Codec(StateCodec):
             y = torch.where(y > 0, y.clamp_min(_FP8_TINY), y)
         if infinities:
             y = _coded_infinities(y, x)
-        if _AVX2 and y.device.type == "cpu":
+        if _AVX2 and y.device.type == "cpu" and y.dtype == torch.float32:
+            # (a float64 parameter's update is float64: converted by torch, in one rounding)
             return _e4m3(y).reshape(-1), scales
         return y.to(torch.float8_e4m3fn).reshape(-1), scales
 
