@@ -24,6 +24,7 @@ from typing import TypeVar
 __all__ = [
     "WIDE",
     "Paired",
+    "add_own_cpu",
     "busy_cores",
     "cpu_sample",
     "free_threads",
@@ -196,10 +197,22 @@ def busy_cores(
 CpuSample = tuple[int, int, float, float]
 
 
+# CPU seconds of finished processes this one ran that are not its children, so not in its
+# rusage (the bench's fork server forks them: `add_own_cpu`)
+_OWN_ELSEWHERE = [0.0]
+
+
+def add_own_cpu(seconds: float) -> None:
+    """Count `seconds` of CPU time used for this process by one that is not its child (a
+    measurement forked by a server it started) as its own in `cpu_sample`."""
+    _OWN_ELSEWHERE[0] += seconds
+
+
 def cpu_sample(stat: str | None = None) -> CpuSample | None:
     """(busy and all jiffies of every CPU (`_cpu_ticks` of /proc/stat, or of `stat`, its
-    text); this process's CPU seconds with its finished children's; `time.monotonic()`),
-    for `other_busy_cores`; None without /proc/stat."""
+    text); this process's CPU seconds with its finished children's and those run for it
+    elsewhere (`add_own_cpu`); `time.monotonic()`), for `other_busy_cores`; None without
+    /proc/stat."""
     if stat is None:
         try:
             with open("/proc/stat") as f:
@@ -214,7 +227,7 @@ def cpu_sample(stat: str | None = None) -> CpuSample | None:
             resource.getrusage(resource.RUSAGE_CHILDREN),
         )
     )
-    return busy, total, own, time.monotonic()
+    return busy, total, own + _OWN_ELSEWHERE[0], time.monotonic()
 
 
 def other_busy_cores(start: CpuSample | None, end: CpuSample | None, cores: int) -> float | None:

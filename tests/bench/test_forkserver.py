@@ -115,3 +115,31 @@ def test_an_interrupt_while_waiting_kills_the_child_and_the_server(tmp_path, spe
     with pytest.raises(ProcessLookupError):
         os.kill(killed[0], 0)  # (reaped by the server, which then ended)
     assert not server.alive()  # (the next configuration starts a new one: `server`)
+
+
+BURN = """
+import time
+
+
+def burn(argv):
+    start = time.process_time()
+    while time.process_time() - start < float(argv[0]):
+        pass
+"""
+
+
+def test_the_cpu_time_of_a_forked_child_counts_as_the_callers_own(tmp_path, monkeypatch):
+    """A configuration forked by the server is the server's child, not the caller's: its CPU
+    time was in no rusage the caller read, so the bench counted its own measurements as
+    other work (`other_busy_cores` about one core too high per busy thread). The server
+    sends each child's CPU time back with its exit, and the caller counts it."""
+    from mixprec.timing import cpu_sample
+
+    (tmp_path / "mixprec_burn_test.py").write_text(BURN)
+    monkeypatch.chdir(tmp_path)
+    assert forkserver.server() is not None  # (started first: its own imports are not timed)
+    before = cpu_sample()
+    code, output = forkserver.run_fresh("mixprec_burn_test:burn", ["0.5"], dict(os.environ))
+    after = cpu_sample()
+    assert code == 0, output
+    assert after[2] - before[2] >= 0.45

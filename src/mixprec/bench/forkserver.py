@@ -14,8 +14,9 @@ caller's environment of the moment.
 
 Protocol, one JSON line each way: the parent sends ``{"target": "module:function", "argv":
 [...], "log": path, "env": {...}, "cwd": folder}``; the server answers ``{"pid": n}`` when
-the child runs and ``{"exit": code}`` (a negative signal number for a killed child) when it
-ends. The child runs ``function(argv)`` in ``cwd`` with its output in ``log`` (exit code 0
+the child runs and ``{"exit": code, "cpu": seconds}`` (a negative signal number for a killed
+child; the CPU time it used, which the parent counts as its own: `timing.add_own_cpu`) when
+it ends. The child runs ``function(argv)`` in ``cwd`` with its output in ``log`` (exit code 0
 unless it returns another or raises). Where fork is not available, or the server
 cannot start or stops under way, `run_fresh` starts a new interpreter instead.
 """
@@ -34,6 +35,8 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import IO, Any
+
+from mixprec.timing import add_own_cpu
 
 __all__ = ["Server", "ServerStopped", "run_fresh", "server"]
 
@@ -110,6 +113,8 @@ class Server:
                 return None
             if "exit" not in ended:
                 raise ServerStopped("the fork server stopped while its child ran")
+            # (the server's child, not this process's: its CPU time is not in this rusage)
+            add_own_cpu(float(ended.get("cpu", 0.0)))
             return int(ended["exit"])
         except BaseException:
             self.close(kill=True)
@@ -235,8 +240,9 @@ def _serve() -> None:
         if pid == 0:
             _child(request)
         print(json.dumps({"pid": pid}), flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(json.dumps({"exit": os.waitstatus_to_exitcode(status)}), flush=True)
+        _, status, usage = os.wait4(pid, 0)
+        cpu = usage.ru_utime + usage.ru_stime
+        print(json.dumps({"exit": os.waitstatus_to_exitcode(status), "cpu": cpu}), flush=True)
 
 
 def _child(request: dict[str, Any]) -> None:

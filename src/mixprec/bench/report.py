@@ -298,10 +298,11 @@ def _bounds(value: float, low: float, high: float) -> str:
 
 
 def _speedup_cell(s: Summary) -> str:
-    """The speedup against float32 (`_ratio_cell`; float32 itself: "1.00x")."""
+    """The speedup against float32 (`_ratio_cell`; float32's row itself, 1 against itself
+    in every round: "1.00x"; a second float32 row, CUDA's "TF32 on", takes its interval)."""
     if s.speedup is None:
         return "-"
-    if _is_baseline(s):
+    if _is_baseline(s) and s.speedup == 1.0 and s.speedup_low in (None, 1.0):
         return f"{s.speedup:.2f}x"
     return _ratio_cell(
         s.speedup, s.speedup_low, s.speedup_high, s.rounds, s.speedup_confidence, s.paired
@@ -803,10 +804,14 @@ def _float32_name(rows: list[Summary], fp32: dict[int, Summary]) -> str:
     return "float32"
 
 
-def _other_float32(rows: list[Summary], summaries: list[Summary], fp32: dict[int, Summary]) -> str:
+def _other_float32(
+    report: BenchReport, rows: list[Summary], summaries: list[Summary], fp32: dict[int, Summary]
+) -> str:
     """The finding against float32's second row at the same batch sizes (on CUDA, "TF32
-    on" beside "TF32 off"): its speed ratio (medians) and memory, as a sentence; '' with
-    none."""
+    on" beside "TF32 off"): its speed ratio and memory, as a sentence; '' with none. The
+    ratio is the median of the rounds' ratios with its interval where both rows were timed
+    in the same rounds, and said to be within the noise where no interval carries a finding
+    (`carries_finding`); the ratio of the medians, so named, where they were not."""
     others: dict[int, Summary] = {}
     for s in summaries:
         if _is_baseline(s) and s.median_ms and s is not fp32.get(s.batch_size):
@@ -815,18 +820,34 @@ def _other_float32(rows: list[Summary], summaries: list[Summary], fp32: dict[int
     if not paired:
         return ""
     name = _float32_name(paired, others)
-    ratios = [others[s.batch_size].median_ms / s.median_ms for s in paired]  # type: ignore[operator]
     memory = _memory_clause(paired, others)
     where = (
         ""
         if len(paired) == len(rows)
         else f" at batch {', '.join(str(s.batch_size) for s in paired)}"
     )
-    return (
-        f" Against {name}{where} it runs at {_span(ratios, '{:.2f}')}x its speed (medians)"
-        + (f", with {memory}" if memory else "")
-        + "."
-    )
+    row_of = {id(s): row for row, s in zip(report.rows, summaries, strict=True)}
+    intervals = []
+    for s in paired:
+        theirs, ours = row_of[id(others[s.batch_size])].result, row_of[id(s)].result
+        shared = theirs.paired and ours.paired
+        interval = ratio_interval(theirs.mixprec.step_ms, ours.mixprec.step_ms) if shared else None
+        intervals.append(interval)
+    if all(i is not None and i.n > 1 for i in intervals):
+        known = [i for i in intervals if i is not None]
+        low, high = min(i.low for i in known), max(i.high for i in known)
+        places = max(ratio_places(i.median, i.low, i.high) for i in known)
+        lo, hi = _outward(low, high, places)
+        bounds = f"{CONFIDENCE:.0%} intervals within {lo:.{places}f}-{hi:.{places}f}x"
+        if any(carries_finding(i) for i in known):
+            medians = [i.median for i in known]
+            speed = f"it runs at {_span(medians, f'{{:.{places}f}}')}x its speed ({bounds})"
+        else:
+            speed = f"its speed is within this run's noise of it ({bounds})"
+    else:
+        ratios = [others[s.batch_size].median_ms / s.median_ms for s in paired]  # type: ignore[operator]
+        speed = f"it runs at {_span(ratios, '{:.2f}')}x its speed (medians)"
+    return f" Against {name}{where} {speed}" + (f", with {memory}" if memory else "") + "."
 
 
 def _fits_where_float32_did_not(summaries: list[Summary]) -> str:
@@ -1177,7 +1198,7 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
             than += ": train in float32 here"
         than += untimed
     sentence = f"On this machine {label} {buys} (batch {batches}; {certainty}); {seed}, {than}."
-    sentence += _other_float32(rows, summaries, fp32)
+    sentence += _other_float32(report, rows, summaries, fp32)
     sentence += noisy_tail
     fits = _fits_where_float32_did_not(
         [s for s in summaries if s.label == label or _is_baseline(s)]
