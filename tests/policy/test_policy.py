@@ -104,6 +104,25 @@ def test_flags():
     assert not Policy("32-true").needs_loss_scaling
     assert Policy("bf16-mixed").is_mixed and not Policy("bf16-true").is_mixed
     assert Policy("p=f16,c=bf16").needs_loss_scaling and Policy("p=bf16,c=f16").needs_loss_scaling
+    assert Policy("p=f32,c=f32,o=f16").needs_loss_scaling
+    assert Policy("p=f32,c=bf16,o=f16").needs_loss_scaling
+
+
+@pytest.mark.parametrize("spec", ["p=f32,c=f32,o=f16", "p=f32,c=bf16,o=f16"])
+def test_a_float16_output_gets_a_loss_scale_and_keeps_small_gradients(spec):
+    """A policy whose only float16 is its output took no loss scale: the gradient reaching
+    that output is float16 too (its cast's backward), and a loss whose gradients there are
+    under 6e-8 trained the layer with zeros, silently (a mean over 262,144 outputs)."""
+    import mixprec
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 1024)
+    precision = mixprec.Precision(spec, allow_slow=True)
+    model, _ = precision.setup(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    out = model(torch.randn(256, 16))
+    assert out.dtype == torch.float16 and precision.scaler.kind == "dynamic"
+    precision.backward(1e-3 * torch.nn.functional.mse_loss(out.float(), torch.zeros(256, 1024)))
+    assert (model.weight.grad != 0).float().mean() > 0.99
     for name in POLICY_NAMES:  # autocast or one dtype: nothing to cast
         assert not Policy(name).casts_params
         assert Policy(name).buffer_dtype == Policy(name).param_dtype

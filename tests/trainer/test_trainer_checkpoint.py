@@ -951,3 +951,28 @@ def test_a_checkpoint_from_before_the_validated_step_was_kept_ranks_no_unmeasure
     torch.save(state, tmp_path / "old.ckpt")
     resumed = run(3, str(tmp_path / "old.ckpt"))
     assert {Path(p).name for p in resumed.best_k_models} == {"epoch=0-step=2.ckpt"}
+
+
+def test_resume_with_another_kind_of_loss_scaler_starts_it_fresh(tmp_path, caplog):
+    """A run saved under a static scale and resumed with the dynamic one (as the divergence
+    error advises) raised in the optimizer's load, after the weights had been loaded: the
+    model was the checkpoint's and the run had not started. The scaler starts fresh, as
+    built, and the rest resumes as saved."""
+    from mixprec import Precision
+
+    train, _ = loaders()
+    static = Precision("16-mixed", allow_slow=True, scaler=1024.0)
+    first = trainer(tmp_path / "a", static, max_steps=2)
+    first.fit(DropoutNet(0), train)
+    path = first.save_checkpoint(tmp_path / "static.ckpt")
+    saved = [p.detach().clone() for p in first.optimizers[0].master_params.values()]
+    resumed = DropoutNet(seed=9)
+    with caplog.at_level(logging.INFO, logger="mixprec"):
+        dynamic = Precision("16-mixed", allow_slow=True)
+        again = trainer(tmp_path / "b", dynamic, max_steps=2)
+        again.fit(resumed, train, ckpt_path=path)  # nothing left to train: only restores
+    assert "'static' loss scaler, this run uses 'dynamic': starting it fresh" in caplog.text
+    assert again.global_step == 2
+    assert again.precision.scaler.kind == "dynamic" and again.precision.scaler.loss_scale == 2.0**16
+    masters = list(again.optimizers[0].master_params.values())
+    assert all(torch.equal(m, s) for m, s in zip(masters, saved, strict=True))

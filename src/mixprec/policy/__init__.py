@@ -206,8 +206,10 @@ class Policy(metaclass=_PolicyFactory):
 
     @property
     def needs_loss_scaling(self) -> bool:
-        """Float16 gradients underflow without a loss scale; bfloat16 and wider do not."""
-        return torch.float16 in (self._compute, self._param)
+        """Float16 gradients underflow without a loss scale; bfloat16 and wider do not. A
+        float16 output takes its gradient in float16 too (the backward of its cast), where
+        one under 6e-8 is 0, whatever the dtypes inside the layer."""
+        return torch.float16 in (self._compute, self._param, self._output)
 
     @property
     def name(self) -> str:

@@ -356,6 +356,14 @@ def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
             f"mid-epoch needs the same number (this run has {world})"
         )
     check_resume_point(run, loop, path)
+    precision = run.precision
+    scaler_state = state["precision"]["scaler"]
+    fresh_scaler = scaler_state.get("kind") != precision.scaler.kind
+    if fresh_scaler:  # (each optimizer's copy of it too: it is this run's scaler, as built)
+        state["optimizers"] = [
+            {**saved, "scaler": opt.scaler.state_dict()} if "scaler" in saved else saved
+            for opt, saved in zip(run.optimizers, state["optimizers"], strict=True)
+        ]
     same = load_weights(run, state, path)
     if not same:
         # this run's masters come from the checkpoint's own weights (a float32 checkpoint's
@@ -368,9 +376,7 @@ def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
             opt.load_state_dict_across_precisions(saved, full)
     for s, saved in zip(run.schedulers, state["schedulers"], strict=True):
         s.scheduler.load_state_dict(saved)
-    precision = run.precision
-    scaler_state = state["precision"]["scaler"]
-    if scaler_state.get("kind") == precision.scaler.kind:
+    if not fresh_scaler:
         precision.load_state_dict(state["precision"])
     else:
         log.info(
