@@ -103,3 +103,35 @@ def test_a_precision_pickled_before_its_flags_were_attributes_steps_after_loadin
     loaded = Precision.__new__(Precision)
     loaded.__setstate__(pickle.loads(pickle.dumps(old)))
     assert loaded.mixed is True and loaded.forward_context() is not None
+
+
+def test_init_module_under_a_map_builds_in_its_widest_param_dtype():
+    """Under ``PolicyMap("bf16-true", {"1": "32-true"})`` the float32 layer was built in
+    bfloat16 (the default's dtype) and cast up at setup: its weights kept bfloat16's
+    rounding for good, and a buffer computed at init an error of up to 2. Built in the
+    widest of the map's param dtypes, it is float32 as a model built outside the context."""
+    import mixprec
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("pos", torch.arange(1000) * 1.0)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), Positions())
+
+    plain = build()
+    precision = mixprec.Precision(
+        mixprec.PolicyMap("bf16-true", {"1": "32-true", "0": "bf16-true"}), allow_slow=True
+    )
+    with precision.init_module():
+        built = build()
+    assert torch.equal(built[1].pos, plain[1].pos) and built[1].pos.dtype == torch.float32
+    model = precision.setup(built)
+    assert model[0].weight.dtype == torch.bfloat16 and model[1].pos.dtype == torch.float32
+    assert torch.equal(model[1].pos, plain[1].pos)
+    with mixprec.Precision(
+        "bf16-true", allow_slow=True
+    ).init_module():  # (one dtype: built in it, as before)
+        assert torch.get_default_dtype() == torch.bfloat16

@@ -323,9 +323,17 @@ class Precision:
         """Build a model directly in its storage dtype: parameters created inside this
         context get the policy's param dtype (``bfloat16`` under ``"bf16-true"``, float32
         under mixed policies) instead of being created in float32 and cast at ``setup``.
-        The default dtype is restored on exit, also when construction raises."""
+        Under a map whose rules store some layers wider than its default (a float32 head in a
+        ``"bf16-true"`` model), the widest of its param dtypes: which layer a parameter is for
+        is not known while it is built, and one built narrower, then cast up at ``setup``,
+        kept its rounding for good (a buffer computed at init too). The default dtype is
+        restored on exit, also when construction raises."""
+        dtypes = [p.param_dtype for p in self.policy.policies() if p.param_dtype.is_floating_point]
+        widest = max(dtypes, key=lambda d: torch.finfo(d).bits, default=torch.float32)
+        default = self.policy.default.param_dtype
+        chosen = default if torch.finfo(default).bits >= torch.finfo(widest).bits else widest
         previous = torch.get_default_dtype()
-        torch.set_default_dtype(self.policy.default.param_dtype)
+        torch.set_default_dtype(chosen)
         try:
             yield
         finally:
