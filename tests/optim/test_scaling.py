@@ -2,6 +2,7 @@
 divergence, state round-trips, and real float16 gradients."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -236,7 +237,8 @@ def test_fp16_underflow_survives_with_scaling():
 def test_state_dict_round_trip_before_first_step_and_mid_run():
     fresh = DynamicLossScaler(init_scale=256.0, growth_interval=5, hysteresis=2)
     restored = DynamicLossScaler()
-    restored.load_state_dict(fresh.state_dict())
+    with pytest.warns(UserWarning, match=r"growth_interval 5 \(built with 2000\), hysteresis 2"):
+        restored.load_state_dict(fresh.state_dict())
     assert restored.loss_scale == 256.0 and restored.hysteresis == 2
 
     overflows = [False, True, True, False, False, True, False]
@@ -246,6 +248,24 @@ def test_state_dict_round_trip_before_first_step_and_mid_run():
     b.load_state_dict(a.state_dict())
     assert _trajectory(a, overflows[4:] * 3) == _trajectory(b, overflows[4:] * 3)
     assert a.stats() == b.stats()
+
+
+def test_a_static_scaler_keeps_the_scale_it_was_built_with_and_says_so():
+    """A static scale is a setting: a run resumed with the scale lowered (as
+    `LossScaleDivergedError` advises) trained on at the checkpoint's, unsaid. The built one
+    is kept, the counters are the checkpoint's, and a warning names both scales."""
+    saved = StaticLossScaler(1024.0)
+    _trajectory(saved, [False, True, False])
+    lowered = StaticLossScaler(8.0)
+    with pytest.warns(UserWarning, match="built with, 8, is kept over the checkpoint's 1024"):
+        lowered.load_state_dict(saved.state_dict())
+    counters = {k: v for k, v in saved.state_dict().items() if k != "scale"}
+    assert lowered.loss_scale == 8.0
+    assert {k: v for k, v in lowered.state_dict().items() if k != "scale"} == counters
+    same = StaticLossScaler(1024.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the settings it was built with: nothing to say)
+        same.load_state_dict(saved.state_dict())
 
 
 def test_loading_another_kind_of_state_is_refused():

@@ -423,9 +423,18 @@ class LossScaler:
             self._check_saved(state)
         except (TypeError, ValueError) as err:
             raise ValueError(f"invalid {self.kind!r} loss scaler state: {err}") from None
-        self._scale.fill_(state["scale"])
+        _warn_settings_replaced(self, state)
+        self._scale.fill_(self._loaded_scale(state))
         for key, attr in self._SAVED.items():
             setattr(self, attr, state[key])
+
+    # settings a saved state holds, which loading it restores (as torch.amp.GradScaler
+    # restores its own): a scaler built with others is told so (`_warn_settings_replaced`)
+    _SETTINGS: ClassVar[tuple[str, ...]] = ("max_skips_at_min_scale",)
+
+    def _loaded_scale(self, state: Mapping[str, Any]) -> float:
+        """The scale a loaded state leaves: the saved one."""
+        return float(state["scale"])
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(scale={self.loss_scale:g}, steps={self._steps})"
@@ -562,12 +571,19 @@ class StaticLossScaler(LossScaler):
 
     kind = "static"
 
+    def _loaded_scale(self, state: Mapping[str, Any]) -> float:
+        """The scale this scaler was built with: a static scale is a setting, not a state,
+        and a run resumed with another (lowered after `LossScaleDivergedError`) trains at the
+        one it asked for (`_warn_settings_replaced` says so)."""
+        return self.loss_scale
+
     def _divergence_message(self) -> str:
         # a fixed scale chosen too large overflows every step: lowering it may well help
         return (
             f"training diverged: gradients were inf/NaN on {self._skips_at_floor} consecutive "
             f"steps under the static loss scale {self.loss_scale:g}, which never moves; "
-            f"{self._skipped} of {self._steps} steps were skipped. Lower the scale, or let it "
+            f"{self._skipped} of {self._steps} steps were skipped. Lower the scale (a run "
+            f"resumed from a checkpoint takes the one it is built with), or let it "
             f"adapt: scaler='dynamic'. If they overflow at a small scale too, the forward or "
             f"backward pass itself produces inf/NaN: run `mixprec doctor` to find the layer, "
             f"or train with bfloat16 ('bf16-mixed'), which needs no loss scaling."
@@ -595,6 +611,15 @@ class DynamicLossScaler(LossScaler):
     """
 
     kind = "dynamic"
+    _SETTINGS = (
+        *LossScaler._SETTINGS,
+        "growth_factor",
+        "backoff_factor",
+        "growth_interval",
+        "hysteresis",
+        "min_scale",
+        "max_scale",
+    )
     # its settings too, each under its own name
     _SAVED: ClassVar[dict[str, str]] = {
         **LossScaler._SAVED,
@@ -813,6 +838,34 @@ class DynamicLossScaler(LossScaler):
         self._growth_tracker.fill_(tracker)
         self._host = (_float32(float(state["scale"])), tracker)
         self._credits.fill_(state["credits"])
+
+
+def _warn_settings_replaced(scaler: LossScaler, state: Mapping[str, Any]) -> None:
+    """Warn where a saved state's settings (`LossScaler._SETTINGS`) differ from those
+    `scaler` was built with, which loading replaces, and where a static scale differs from
+    the one built, which is kept: a run resumed with new settings would otherwise train on
+    with the old ones unsaid."""
+    replaced = [
+        f"{key} {state[key]!r} (built with {getattr(scaler, key)!r})"
+        for key in scaler._SETTINGS
+        if state[key] != getattr(scaler, key)
+    ]
+    notes = []
+    if replaced:
+        notes.append(
+            f"the checkpoint's {', '.join(replaced)} {'is' if len(replaced) == 1 else 'are'} "
+            "restored, as torch.amp.GradScaler restores its own: set the attribute on the "
+            "scaler after loading to train on with another"
+        )
+    if scaler.kind == "static" and float(state["scale"]) != scaler.loss_scale:
+        notes.append(
+            f"the static scale it was built with, {scaler.loss_scale:g}, is kept over the "
+            f"checkpoint's {float(state['scale']):g}"
+        )
+    if notes:
+        warnings.warn(
+            f"loading a {scaler.kind!r} loss scaler state: {'; '.join(notes)}", stacklevel=4
+        )
 
 
 def as_loss_scaler(
