@@ -1,15 +1,15 @@
 """Paired timing: how fast pieces of work run against a baseline, measured so that other work on
 the machine moves the answer as little as it can.
 
-`take_turns` is the one schedule the bench and the GEMM ratings time with: the pieces take
-turns within each round, the order rotating from round to round, so a burst of other work falls
-on them alike, until a stopping rule says enough. Each round gives a paired ratio, the
-baseline's time over each piece's (2.0: twice the baseline's speed). The answer is a low
-quantile of a piece's ratios (`QUANTILE`, the lower quartile): a round in which other work
-slowed the baseline cannot raise it, and it claims a speed-up only most rounds showed. The
-ratio of the quartiles, the spread, says how far to trust it: rounds are added while it is
-wider than `WIDE`, within a time budget, and `Paired.noisy` names the pieces whose spread
-stayed wide.
+`take_turns` is the one schedule the bench and the GEMM ratings time with: the pieces take turns
+within each round, the order changing from round to round (`balanced_order`: each piece in each
+place and after each other equally often), so a burst of other work, or what one piece leaves
+for the next, falls on them alike, until a stopping rule says enough. Each round gives a paired
+ratio, the baseline's time over each piece's (2.0: twice the baseline's speed). The answer is a
+low quantile of a piece's ratios (`QUANTILE`, the lower quartile): a round in which other work
+slowed the baseline cannot raise it, and it claims a speed-up only most rounds showed. The ratio
+of the quartiles, the spread, says how far to trust it: rounds are added while it is wider than
+`WIDE`, within a time budget, and `Paired.noisy` names the pieces whose spread stayed wide.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ __all__ = [
     "WIDE",
     "Paired",
     "add_own_cpu",
+    "balanced_order",
     "busy_cores",
     "cpu_sample",
     "free_threads",
@@ -85,6 +86,27 @@ class Paired:
         return [n for n in self.times if n != self.baseline and self.spread(n) > wide]
 
 
+def balanced_order(items: Sequence[K], round_index: int) -> list[K]:
+    """`items` in the order of round `round_index` of a Williams design: over a cycle of
+    ``n`` rounds (``2n`` for an odd number of items) each item runs in each position equally
+    often and right after each other item equally often. A plain rotation balances only the
+    positions: with three steps, one ran after float32 in two rounds of three and another in
+    one, so what a step leaves behind for the next (a cache, the allocator's state) fell on
+    their ratios unevenly."""
+    n = len(items)
+    first, low, high = [0], 1, n - 1  # the first round's: 0, 1, n-1, 2, n-2, ...
+    while len(first) < n:
+        if len(first) % 2:
+            first.append(low)
+            low += 1
+        else:
+            first.append(high)
+            high -= 1
+    k = round_index % (n if n % 2 == 0 else 2 * n)
+    row = [items[(i + k % n) % n] for i in first]
+    return row[::-1] if k >= n else row
+
+
 def take_turns(
     steps: Mapping[K, Callable[[], float | None]],
     stop: Callable[[dict[K, list[float]], int, float], str | None],
@@ -94,7 +116,7 @@ def take_turns(
     before_round: Callable[[], None] = lambda: None,
 ) -> tuple[dict[K, list[float]], str]:
     """Rounds in which each of `steps` runs once (returning its time, or None when it failed
-    and leaves the rounds), the order rotating each round, until `stop(times, rounds,
+    and leaves the rounds), in `balanced_order`, until `stop(times, rounds,
     seconds)`, asked before every round with the rounds run and the seconds taken so far,
     names why they end. `prior` holds earlier rounds of the same steps, which the times
     start from (its seconds are not counted). `before_round` may raise to stop. Returns each
@@ -107,8 +129,7 @@ def take_turns(
         if reason is not None:
             return times, reason
         before_round()
-        shift = len(times[live[0]]) % len(live)
-        for key in live[shift:] + live[:shift]:
+        for key in balanced_order(live, len(times[live[0]])):
             took = steps[key]()
             if took is None:
                 live.remove(key)

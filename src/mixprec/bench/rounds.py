@@ -1,6 +1,7 @@
 """Paired, interleaved rounds: the loops compared take turns (`mixprec.timing.take_turns`),
-one step each per round, the order rotating from round to round, so that other work on the
-machine falls on all of them alike and each round gives one ratio per pair
+one step each per round, the order changing from round to round (`timing.balanced_order`),
+so that other work on the machine, and what a step leaves for the next, fall on all of them
+alike and each round gives one ratio per pair
 (`verdict.ratio_interval`).
 
 At least `RoundPolicy.min_rounds` rounds run; then more while some pair's interval is wider

@@ -24,7 +24,7 @@ apart as `first_step_s`.
 A mixed configuration also runs a hand-written `torch.autocast` loop (plus
 `torch.amp.GradScaler` for float16) on an identical model, so that "mixprec overhead"
 compares like with like. `run_group` runs the configurations of one batch size side by side,
-in rounds (`rounds.run_rounds`) of one step of each loop in an order rotating from round to
+in rounds (`rounds.run_rounds`) of one step of each loop in an order changing from round to
 round, so that float32's step of round i and bf16's make one paired ratio
 (`verdict.ratio_interval`).
 """

@@ -726,7 +726,8 @@ def _timing(p: Plan) -> str:
     return (
         f"{step}; the configurations of a batch size (float32, each mixed precision and its "
         "raw torch.autocast twin) take one step each per round in one process, in an order "
-        f"rotating by round; at least {o.steps} round{'' if o.steps == 1 else 's'}, then "
+        "changing by round (each loop after each other equally often); at least "
+        f"{o.steps} round{'' if o.steps == 1 else 's'}, then "
         f"more while a speedup's {STOP_CONFIDENCE:.0%} interval is wider than "
         f"{TARGET_WIDTH:.2f}x (high/low), within "
         f"{o.time_budget:g} s of rounds per batch size and {MAX_ROUNDS} rounds; warm-up "
