@@ -102,3 +102,48 @@ def _disagreeing(rank: int) -> None:
 def test_ranks_sharding_under_different_policies_are_refused_on_every_rank():
     # before: gloo aborted the processes ("Received data size doesn't match expected size")
     run_ranks(_disagreeing)
+
+
+class _Masked(nn.Module):
+    """Attention scores with an additive float32 mask, its padded row at float32's lowest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.layers = nn.ModuleList([nn.Linear(8, 8)])
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = self.q(x) @ x.transpose(-1, -2) + mask
+        return self.layers[0](torch.softmax(scores, -1) @ x)
+
+
+@pytest.mark.parametrize("spec", ["bf16-true", "bf16-mixed"])
+def test_a_masks_lowest_value_stays_finite_when_a_unit_casts_its_inputs(one_rank, spec):
+    """FSDP2 cast each unit's inputs with a plain cast: a float32 mask's lowest value became
+    -inf in bfloat16, and a fully masked (padded) row's softmax NaN, where `apply` keeps it
+    at bfloat16's lowest. The units' inputs are cast as `apply` casts them."""
+    x = torch.randn(1, 3, 8)
+    mask = torch.zeros(1, 3, 3)
+    mask[0, 0, :] = torch.finfo(torch.float32).min
+    torch.manual_seed(0)
+    sharded = shard(_Masked(), spec, allow_slow=True)
+    out = sharded(x, mask=mask)
+    assert not out.isnan().any()
+    torch.manual_seed(0)
+    applied = mixprec.apply(_Masked(), spec)
+    assert torch.equal(out, applied(x, mask))
+
+
+@pytest.mark.parametrize(
+    "rules", [("bf16-true", {"head": "bf16-mixed"}), ("bf16-mixed", {r"blocks\.0": "bf16-true"})]
+)
+def test_a_rule_changing_only_the_storage_dtype_is_a_unit_of_its_own(one_rank, rules):
+    """A rule storing its module's weights in another dtype than its parent's, at the same
+    compute dtype, left it inside its parent's unit, and FSDP2 failed at the first forward
+    ("expects uniform original parameter dtype"), after `shard` had cast and sharded the
+    model. It is a unit of its own and trains."""
+    default, rule = rules
+    model = shard(BlockNet(), PolicyMap(default, rule), allow_slow=True)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    nn.functional.mse_loss(model(x).float(), y).backward()
+    assert all(p.grad is not None for p in model.parameters())

@@ -56,6 +56,7 @@ __all__ = [
     "applied_policy",
     "apply",
     "cast_buffer",
+    "cast_floating",
     "check_scales",
     "default_dtype",
     "explain",

@@ -29,6 +29,7 @@ from mixprec.activations import wrapped as wrapped_activations
 from mixprec.convert import (
     applied_policy,
     cast_buffer,
+    cast_floating,
     check_scales,
     device_slow_attention,
     install_attention_islands,
@@ -98,8 +99,9 @@ def units(model: nn.Module, policy: Any, wrap: WrapFn | None = None) -> dict[str
 
     Units are the `wrap(name, module)` hits (default: the blocks of top-level ModuleLists and
     Sequentials), plus every module whose policy computes in another dtype than its parent's
-    (float32 islands, rules): FSDP2 casts per unit, so a different compute dtype needs one;
-    a container without a forward (a ModuleList a rule names) stands for its children.
+    (float32 islands, rules): FSDP2 casts per unit, so a different compute dtype needs one,
+    as does a different storage dtype (a unit's parameters are stored in one dtype); a
+    container without a forward (a ModuleList a rule names) stands for its children.
     A quantized embedding under a mixed policy computes in its param dtype (its scales'), so
     it is such a unit too, and hands its rows back in its parent's compute dtype. Call it on
     the model as `shard` sees it: quantized by `quantize_for`."""
@@ -130,7 +132,12 @@ def units(model: nn.Module, policy: Any, wrap: WrapFn | None = None) -> dict[str
             )
     for name, _ in model.named_modules():
         parent = name.rpartition(".")[0]
-        if name and policies[name].compute_dtype != policies[parent].compute_dtype:
+        here, there = policies[name], policies[parent]
+        # (a unit's parameters are stored in one dtype: FSDP2 refuses a mix at the first
+        # forward, so a rule changing only the storage dtype makes a unit too)
+        if name and (
+            here.compute_dtype != there.compute_dtype or here.param_dtype != there.param_dtype
+        ):
             chosen.add(name)
     # a container without a forward of its own (ModuleList, ModuleDict) is not a unit FSDP2
     # can shard (its parent calls its children): its children are, each under its policy
@@ -197,7 +204,9 @@ def mixed_precision_policy(
     """FSDP2's settings for one unit computing under `policy` inside a unit computing under
     `enclosing` (None: the root).
 
-    Parameters are all-gathered and inputs cast to the compute dtype. Only the root casts its
+    Parameters are all-gathered in the compute dtype; inputs are cast to it by `shard`'s own
+    hook (`_cast_inputs`), not FSDP2's plain cast, which made a mask's float32 lowest value an
+    infinity (a padded row's softmax NaN). Only the root casts its
     output to the policy's output dtype; an inner unit hands its output back in the dtype its
     enclosing unit computes in (nothing, when that is its own), since the enclosing unit's own
     layers take it uncast: a float32 output there fails as "mixed dtype (CPU)"."""
@@ -211,8 +220,18 @@ def mixed_precision_policy(
         param_dtype=policy.compute_dtype,
         reduce_dtype=reduce_dtype,
         output_dtype=output,
-        cast_forward_inputs=True,
+        cast_forward_inputs=False,
     )
+
+
+def _cast_inputs(dtype: torch.dtype) -> Any:
+    """A forward pre-hook casting a unit's floating inputs to `dtype` as FSDP2 would, but a
+    mask's lowest value to `dtype`'s lowest, not an infinity (`convert.cast_floating`)."""
+
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return cast_floating(args, dtype), cast_floating(kwargs, dtype)
+
+    return hook
 
 
 def _check_ready(
@@ -452,6 +471,7 @@ def shard(
         unit.__dict__["forward"] = _UnitAutocast(
             unit, unit_policy.compute_dtype, device.type, unit.__dict__.get("forward")
         )
+        unit.register_forward_pre_hook(_cast_inputs(unit_policy.compute_dtype), with_kwargs=True)
     # attention in float32 where the map (or, left to it, the device) asks: FSDP2 casts
     # parameters and inputs, and the caller may run autocast or not
     install_attention_islands(model, resolved, either=True)
