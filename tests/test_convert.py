@@ -17,6 +17,7 @@ from torch import nn
 
 import mixprec
 from mixprec import Policy, PolicyMap
+from mixprec.convert import applied_policy
 
 f64, f32, f16, bf16 = torch.float64, torch.float32, torch.float16, torch.bfloat16
 NORMS = (nn.BatchNorm2d, nn.LayerNorm)
@@ -1700,3 +1701,60 @@ def test_a_copy_taken_while_a_forward_runs_counts_no_region_running():
         compiled = torch.compile(copied.encoder, backend="eager")
         x = torch.randn(2, 8)
         assert torch.equal(compiled(x), copied.encoder(x))
+
+
+def test_removing_a_policy_from_a_model_sharing_a_changed_module_with_another_is_refused():
+    """A teacher and a student sharing an embedding, both bf16-true: `remove(teacher)` cast
+    the shared weight back to float32 and took off its region, under the student, whose
+    next forward failed on mixed dtypes. It is refused, naming the module, before anything
+    changes; once the student's policy is removed, the teacher's goes too."""
+    shared = nn.Embedding(10, 8)
+    teacher = mixprec.apply(nn.Sequential(shared, nn.Linear(8, 8)), "bf16-true")
+    student = mixprec.apply(nn.Sequential(shared, nn.Linear(8, 4)), "bf16-true")
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(mixprec.PolicySpecError, match=r"0 is also in a Sequential that is still"):
+        mixprec.remove(teacher)
+    assert shared.weight.dtype == torch.bfloat16 and student(ids).dtype == torch.bfloat16
+    assert applied_policy(teacher) is not None
+    mixprec.remove(student)
+    mixprec.remove(teacher)
+    assert shared.weight.dtype == torch.float32 and teacher(ids).dtype == torch.float32
+
+
+def test_a_forward_wrapped_after_apply_is_refused_by_remove_and_a_new_policy():
+    """A forward replaced after `apply` by a wrapper around mixprec's (a user's, a
+    library's) hid the region: a new policy and `remove` left it computing inside, silently
+    (bf16 logits after `remove`). Both refuse, naming the module, before anything changes;
+    a forward deleted since holds no region and is not asked about."""
+    model = mixprec.apply(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), "bf16-mixed")
+    region = model.forward
+    model.forward = lambda *args, **kwargs: region(*args, **kwargs)
+    for undo in (mixprec.remove, lambda m: mixprec.apply(m, "32-true")):
+        with pytest.raises(mixprec.PolicySpecError, match=r"forward of '<root>' \(Sequential\)"):
+            undo(model)
+    assert str(applied_policy(model)) == str(mixprec.PolicyMap("bf16-mixed"))
+    model.forward = region  # (put back: both go on)
+    mixprec.remove(model)
+    assert model(torch.randn(2, 8)).dtype == torch.float32
+    again = mixprec.apply(nn.Sequential(nn.Linear(8, 8)), "bf16-mixed")
+    del again.forward
+    mixprec.remove(again)
+
+
+def test_a_float_buffer_at_its_dtypes_lowest_value_stays_finite_when_cast():
+    """Inputs at float32's lowest value (a mask's fill) keep bfloat16's lowest when cast, but
+    buffers were cast plainly: a causal mask buffer became -inf under bf16-true, and a fully
+    masked row's softmax NaN. Buffers are cast as inputs are."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("mask", torch.full((4,), torch.finfo(torch.float32).min))
+
+        def forward(self, x):
+            return torch.softmax(self.lin(x) * 0 + self.mask, -1)
+
+    model = mixprec.apply(Masked(), "bf16-true")
+    assert model.mask.dtype == torch.bfloat16 and model.mask.isfinite().all()
+    assert not model(torch.randn(2, 4)).isnan().any()

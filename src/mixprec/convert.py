@@ -705,10 +705,39 @@ def _region_key(p: Policy) -> tuple[bool, torch.dtype, torch.dtype]:
     return (p.is_mixed, p.compute_dtype, p.output_dtype)
 
 
+_STAND_INS = (_Region, _AttentionIsland, ActivationForward)
+# the modules whose forward `apply` replaced with one of mixprec's stand-ins
+_INSTALLED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _record_installed(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module.__dict__.get("forward"), _STAND_INS):
+            _INSTALLED.add(module)
+        else:
+            _INSTALLED.discard(module)
+
+
+def _check_forwards(model: nn.Module) -> None:
+    """Refuse, before anything changes, a model a forward of which `apply` replaced with
+    its own and something else replaced since (a wrapper around it: a user's, a library's):
+    mixprec's region would stay inside that wrapper, unseen, and a re-apply or `remove`
+    would leave it computing as before, silently. (A forward deleted since holds nothing.)"""
+    for name, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if module in _INSTALLED and forward is not None and not isinstance(forward, _STAND_INS):
+            raise PolicySpecError(
+                f"the forward of {name or '<root>'!r} ({type(module).__name__}) was replaced "
+                f"after mixprec.apply, by {forward!r}: mixprec's region may be inside it, "
+                "where neither a new policy nor mixprec.remove can reach it. Put back the "
+                "forward apply left in its place, or build the model again"
+            )
+
+
 def _strip_regions(model: nn.Module) -> None:
     for module in model.modules():
         region = module.__dict__.get("forward")
-        while isinstance(region, (_Region, _AttentionIsland, ActivationForward)):
+        while isinstance(region, _STAND_INS):
             if region.original is None:
                 del module.__dict__["forward"]
             else:
@@ -741,13 +770,16 @@ def cast_buffer(
     its codes (`ScaledCodes.cast_scales`: requantized where a rounded scale would no longer
     cover its row; `check_scales` makes sure the dtype can hold them), the codes of layers
     sharing them once (``casts``); any other buffer is cast once (``done``, by the old
-    tensor's id), so one shared by two modules stays shared."""
+    tensor's id), so one shared by two modules stays shared, as inputs are cast (`_cast`: a
+    causal mask filled with float32's lowest value keeps bfloat16's, not -inf)."""
     t = module._buffers[key]
     if key == "weight_scale" and isinstance(module, ScaledCodes):
         module.cast_scales(dtype, casts)
         done[id(t)] = module.weight_scale
+    elif id(t) not in done:
+        module._buffers[key] = done[id(t)] = _cast(t, dtype)
     else:
-        module._buffers[key] = done.setdefault(id(t), t.to(dtype))
+        module._buffers[key] = done[id(t)]
 
 
 def _check_model(model: Any) -> None:
@@ -844,6 +876,8 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     # re-apply leaves the previous policy in place, weights unrounded
     check_bypassed(model, resolved)
     _check_shared(model, resolved, slow)
+    if state is not None:
+        _check_forwards(model)
     dtype_plan(model, resolved, replaced=True)
     check_scales(model, resolved)
     if state is None:
@@ -874,6 +908,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
         install_activations(model, pmap.activation_choices(model))
     set_fast_paths(model)  # torch's fused transformer layers would pass regions over
     model.__dict__[_STATE] = AppliedState(pmap, original)
+    _record_installed(model)
     for module in model.modules():
         _OWNERS.setdefault(module, weakref.WeakSet()).add(model)
     return model
@@ -1253,9 +1288,23 @@ def remove(model: nn.Module) -> nn.Module:
     """Undo `apply`: plain forwards again and the dtypes the model had before, for every
     parameter and buffer (non-persistent ones such as a rotary `inv_freq` included).
     Layers a quantized policy swapped stay quantized (`mixprec.quantize.dequantize`)."""
-    state: AppliedState | None = model.__dict__.pop(_STATE, None)
+    state: AppliedState | None = model.__dict__.get(_STATE)
     if state is None:
         return model
+    _check_forwards(model)
+    shared = _held_by_others(model, state)
+    if shared:  # (a model dropped but not yet collected holds nothing)
+        gc.collect()
+        shared = _held_by_others(model, state)
+    if shared:
+        paths, other = shared
+        raise PolicySpecError(
+            f"cannot remove the policy of this {type(model).__name__}: {', '.join(paths)} "
+            f"{'is' if len(paths) == 1 else 'are'} also in a {type(other).__name__} that is "
+            "still converted, whose forward and weights' dtypes would change under it. Remove "
+            "that model's policy first (mixprec.remove), then this one's"
+        )
+    del model.__dict__[_STATE]
     for module in model.modules():
         _OWNERS.get(module, weakref.WeakSet()).discard(model)
     _strip_regions(model)
@@ -1277,6 +1326,40 @@ def remove(model: nn.Module) -> nn.Module:
             elif owner._buffers.get(key) is not None and owner._buffers[key].dtype != dtype:
                 cast_buffer(owner, key, dtype, casts, restored)
     return model
+
+
+def _held_by_others(model: nn.Module, state: AppliedState) -> tuple[list[str], nn.Module] | None:
+    """The paths of `model`'s modules that `remove` would change (a forward of mixprec's, a
+    tensor in another dtype than `state` recorded) and that another model converted by
+    `apply` holds too (a layer shared by a teacher and a student), and that model; None when
+    there are none. A model inside `model`, or holding it, applied on its own is an override
+    of one by the other (as `_check_shared` takes it), not another model."""
+    found: dict[int, tuple[list[str], nn.Module]] = {}
+    mine = {id(m) for m in model.modules()}
+    for name, module in model.named_modules():
+        if not _changed_by_apply(name, module, state):
+            continue
+        for other in list(_OWNERS.get(module, ())):
+            if id(other) in mine or _STATE not in other.__dict__:
+                continue
+            if any(m is model for m in other.modules()):
+                continue
+            found.setdefault(id(other), ([], other))[0].append(name or "<root>")
+    return next(iter(found.values()), None)
+
+
+def _changed_by_apply(name: str, module: nn.Module, state: AppliedState) -> bool:
+    """Whether `apply` changed `module` (at `name`): a forward of mixprec's in its place, or
+    one of its own parameters or buffers in another dtype than it had."""
+    if isinstance(module.__dict__.get("forward"), _STAND_INS):
+        return True
+    own = {**module._parameters, **module._buffers}
+    return any(
+        t is not None
+        and (name, key) in state.original_dtypes
+        and t.dtype != state.original_dtypes[(name, key)]
+        for key, t in own.items()
+    )
 
 
 def applied_policy(model: nn.Module) -> PolicyMap | None:
