@@ -249,3 +249,14 @@ def test_an_inf_under_a_finite_scale_casts_to_nan_compiled_as_eagerly(device, fp
     assert torch.equal(_bits(compiled), _bits(eager))
     assert torch.isnan(compiled[0, 1:4].float()).all()
     assert torch.isfinite(compiled[0, [0, 4, 5]].float()).all()
+
+
+def test_casts_compile_only_on_gpus_whose_triton_writes_float8():
+    """Triton writes e4m3 from compute capability 8.9 (Ada, Hopper): on an A100, T4 or RTX
+    30xx a compiled cast failed to build at the first float8 forward. Below 8.9 the casts
+    run op by op (warned once per GPU); the decision is the capability's alone."""
+    assert float8_casts.TRITON_FLOAT8_FROM == (8, 9)
+    for capability in [(7, 5), (8, 0), (8, 6), (8, 7)]:
+        assert not float8_casts.triton_writes_float8(capability)
+    for capability in [(8, 9), (9, 0), (10, 0), (12, 0)]:
+        assert float8_casts.triton_writes_float8(capability)

@@ -13,8 +13,9 @@ their own, so an eager model gets the fused kernels too:
   shapes share one compiled graph per input dtype instead of recompiling per shape;
 - they run as plain torch ops elsewhere, and also inside a ``torch.compile`` trace (which
   fuses them with their neighbours itself), on tensor subclasses, under a dispatch mode,
-  while a CUDA graph is being captured, when the input wants a gradient, and where this
-  torch cannot compile (a one-time warning says so).
+  while a CUDA graph is being captured, when the input wants a gradient, on a GPU whose
+  Triton cannot write float8 (compute capability under 8.9: A100, T4, RTX 30xx), and where
+  this torch cannot compile (a one-time warning says each of the last two).
 
 Both forms are the same Python function and use only ops whose result does not depend on
 how a kernel computes them: a max in any order, a float32 multiply, clamp, adding a zero,
@@ -37,7 +38,9 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = [
+    "TRITON_FLOAT8_FROM",
     "set_compiled_casts",
+    "triton_writes_float8",
 ]
 
 _devices: tuple[str, ...] = ("cuda",)
@@ -111,7 +114,39 @@ def _wants_compiled(x: Tensor, *others: Tensor) -> bool:
         return False
     if device == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
+    if device == "cuda" and not _cuda_writes_float8(x.device):
+        return False
     return _why_not_compiled(device) is None
+
+
+# the lowest compute capability whose Triton kernels write e4m3 (Ada, Hopper): on an A100,
+# T4 or RTX 30xx a compiled cast failed to build ("fp8e4nv not supported in this
+# architecture") at the first float8 forward
+TRITON_FLOAT8_FROM = (8, 9)
+_cuda_float8: dict[int, bool] = {}
+
+
+def triton_writes_float8(capability: tuple[int, int]) -> bool:
+    """Whether Triton's kernels write float8 e4m3 on a GPU of `capability`."""
+    return tuple(capability) >= TRITON_FLOAT8_FROM
+
+
+def _cuda_writes_float8(device: torch.device) -> bool:
+    """`triton_writes_float8` of `device`'s GPU, asked once per GPU; warned once where not
+    (the casts then run op by op: the same numbers, slower)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _cuda_float8:
+        capability = torch.cuda.get_device_capability(index)
+        _cuda_float8[index] = triton_writes_float8(capability)
+        if not _cuda_float8[index]:
+            warnings.warn(
+                f"float8 casts on cuda:{index} (compute capability {capability[0]}."
+                f"{capability[1]}) run op by op: Triton writes float8 from "
+                f"{TRITON_FLOAT8_FROM[0]}.{TRITON_FLOAT8_FROM[1]} on; the same numbers, slower",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    return _cuda_float8[index]
 
 
 def _run(fn: Callable[..., Tensor], x: Tensor, *args: Any) -> Tensor:
