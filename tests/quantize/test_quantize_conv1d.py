@@ -172,7 +172,23 @@ class _ComputesInABaseClassProperty(_WeightProperty):
         return F.linear(x, self._weight)
 
 
+class _ComputesThroughALocalName(nn.Module):
+    """Reads its children's weights through local names (missed: the literal
+    ``self.<child>.weight`` was the only form seen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+        self.blocks = nn.ModuleList([nn.Linear(64, 64)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        proj = self.proj
+        blocks = self.blocks  # (a container: its child's weight below it)
+        return F.linear(F.linear(x, proj.weight), blocks[0].weight)
+
+
 READERS = {
+    _ComputesThroughALocalName: ["0.blocks.0", "0.proj"],
     _ComputesInAHelper: ["0.proj"],
     _ComputesWithAGrandchildWeight: ["0.block.0", "0.heads.a.1"],
     _ComputesInABaseClassProperty: ["0.proj"],

@@ -86,7 +86,8 @@ class MetadataRead(str):
 
 # a read of a descendant's weight after the module's own name: ``.wo.weight``,
 # ``.block[0].weight``, ``.a.b.weight``, ``.heads["q"].weight`` (literal indices and keys)
-_CHAIN = r"((?:\.\w+|\[\s*(?:-?\d+|'\w+'|\"\w+\")\s*\])+)\.weight\b"
+_STEPS = r"((?:\.\w+|\[\s*(?:-?\d+|'\w+'|\"\w+\")\s*\])+)"
+_CHAIN = _STEPS + r"\.weight\b"
 _STEP = re.compile(r"\.(\w+)|\[\s*(?:(-?\d+)|'(\w+)'|\"(\w+)\")\s*\]")
 
 
@@ -97,9 +98,10 @@ def _weights_read(cls: type) -> dict[tuple[str | int, ...], bool]:
     and indices down to each, from the source of forward and of the methods and properties
     it reaches through ``self`` (`_own_function`), each with whether it computes with it (a
     read other than of its dtype, device or shape); none where the source cannot be read,
-    or the reads are in torch's inference fast path of an encoder layer, which
-    `set_fast_paths` turns off around quantized layers."""
-    if issubclass(cls, nn.TransformerEncoderLayer):
+    or the reads are in torch's inference fast path of an encoder or its layers (checks of
+    the first layer's weights, through a local name), which `set_fast_paths` turns off
+    around quantized layers."""
+    if issubclass(cls, (nn.TransformerEncoderLayer, nn.TransformerEncoder)):
         return {}
     out: dict[tuple[str | int, ...], bool] = {}
     todo, seen = ["forward"], {"forward"}
@@ -117,10 +119,15 @@ def _weights_read(cls: type) -> dict[tuple[str | int, ...], bool]:
             if name not in seen:
                 seen.add(name)
                 todo.append(name)
-        for read in re.finditer(rf"\b{me}{_CHAIN}", source):
+        # (a descendant under a local name first: ``head = self.head`` ... ``head.weight``)
+        reads = [(m, m[1]) for m in re.finditer(rf"\b{me}{_CHAIN}", source)]
+        for alias in re.finditer(rf"^\s*(\w+)\s*=\s*{me}{_STEPS}\s*(?:#.*)?$", source, re.M):
+            found = re.finditer(rf"(?<![\w.]){alias[1]}((?:{_STEPS})?)\.weight\b", source)
+            reads += [(m, alias[2] + m[1]) for m in found]
+        for read, steps in reads:
             chain = tuple(
                 int(step[2]) if step[2] else step[1] or step[3] or step[4]
-                for step in _STEP.finditer(read[1])
+                for step in _STEP.finditer(steps)
             )
             metadata = _METADATA.match(source, read.end()) or re.search(
                 r"isinstance\(\s*$", source[: read.start()]
