@@ -80,6 +80,12 @@ def test_a_memory_budget_is_taken_in_bytes_with_a_unit_and_bad_sizes_are_refused
     assert Budget.of({"memory_bytes": 4096}).kinds == ["memory"]
     assert Budget.of("memory=0.5").memory == 0.5  # a bare number stays a fraction
     assert parse_bytes("512MiB") == 512 * 2**20
+    # (the bench's --memory-limit and the doctor's --fit read a size written out alike:
+    # "512M" was refused by --fit)
+    from mixprec.cli.bench import parse_size
+
+    for text in ("512M", "1.5G", "4GiB", "500MB", "100000B", "2k", "3gb"):
+        assert parse_bytes(text) == parse_size(text), text
     for bad in ("4XB", "GiB", "4", "-1GiB", "0B", ""):
         with pytest.raises(ValueError, match="size|at least one byte"):
             parse_bytes(bad)

@@ -19,7 +19,8 @@ __all__ = [
 ]
 
 BUDGET_KINDS = ("memory", "speed")
-# the units a size is written in: powers of 1000 and of 1024
+# the units a size is written in: powers of 1000 and of 1024, a bare prefix binary (as
+# `mixprec bench --memory-limit` reads them: "512M" is 512 MiB in both)
 SIZE_UNITS = {
     "B": 1,
     "KB": 10**3,
@@ -30,6 +31,10 @@ SIZE_UNITS = {
     "MiB": 2**20,
     "GiB": 2**30,
     "TiB": 2**40,
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,
 }
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]+)\s*")
 
