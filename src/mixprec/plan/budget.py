@@ -20,7 +20,7 @@ __all__ = [
 
 BUDGET_KINDS = ("memory", "speed")
 # the units a size is written in: powers of 1000 and of 1024, a bare prefix binary (as
-# `mixprec bench --memory-limit` reads them: "512M" is 512 MiB in both)
+# `mixprec bench --memory-limit` reads them: a bare M is a MiB in both)
 SIZE_UNITS = {
     "B": 1,
     "KB": 10**3,
