@@ -133,8 +133,8 @@ def record_to(record: Callable[[Tensor, int, int], None] | None) -> None:
 
 def has_storage(t: Tensor) -> bool:
     """Whether `t` has a storage to read: not a sparse or nested tensor, nor a tensor
-    subclass dispatching its ops in Python (DTensor, a float8 training tensor), whose storage
-    may be only a placeholder with no memory to read (kept as it is)."""
+    subclass dispatching its ops in Python (DTensor, a float8 training tensor), whose
+    storage may have no memory behind it (such a tensor is kept as it is)."""
     return (
         t.layout == torch.strided
         and not t.is_nested
