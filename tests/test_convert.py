@@ -417,6 +417,35 @@ def test_remove_restores_what_was_added_between_two_applies():
 
 
 @pytest.mark.parametrize(
+    "spec, change", [("bf16-true", "half"), ("bf16-true", "float"), ("bf16-mixed", "half")]
+)
+def test_a_dtype_changed_after_apply_is_named_when_torch_refuses_it(spec, change):
+    """`.half()` / `.float()` after `apply` leaves regions casting inputs as apply chose:
+    torch's dtype clash comes out naming the parameter moved and the way back; an `apply`
+    again converts the model anew, `remove` restores float32."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    mixprec.apply(model, spec, warn=False)
+    getattr(model, change)()
+    moved = "float16" if change == "half" else "float32"
+    with pytest.raises(mixprec.PrecisionError, match=rf"0\.weight is {moved}, but mixprec") as err:
+        model(torch.randn(2, 4))
+    assert isinstance(err.value.__cause__, RuntimeError)
+    assert "mixprec.apply(model, policy)" in str(err.value)
+    mixprec.apply(model, spec, warn=False)
+    assert model(torch.randn(2, 4)).dtype == (bf16 if spec == "bf16-true" else f32)
+    mixprec.remove(model)
+    assert {p.dtype for p in model.parameters()} == {f32}
+
+
+def test_a_torch_error_with_dtypes_as_apply_set_them_passes_through():
+    """A forward's own error (a wrong input shape) is torch's, unchanged."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    mixprec.apply(model, "bf16-true", warn=False)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        model(torch.randn(2, 5))
+
+
+@pytest.mark.parametrize(
     "saved, loaded", [("bf16-true", "32-true"), ("32-true", "16-true"), ("bf16-mixed", "64-true")]
 )
 def test_checkpoint_from_one_policy_loads_under_another(saved, loaded):

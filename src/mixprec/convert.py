@@ -20,7 +20,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -345,6 +345,13 @@ class _Region(_StandIn):
         self.probe = _weight_probe(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._call(*args, **kwargs)
+        except RuntimeError as err:  # (torch's dtype clash, explained where dtypes moved)
+            _explain_dtype_change(err, self.module)
+            raise
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         output_dtype = self.output_dtype
         if self.follow_input:
@@ -695,10 +702,39 @@ def _explain_rnn_error(
 
 @dataclass
 class AppliedState:
-    """What `apply` left on the root module: the map used and the dtypes it replaced."""
+    """What `apply` left on the root module: the map used, the dtypes it replaced and
+    those it set."""
 
     policy: PolicyMap
     original_dtypes: dict[tuple[str, str], torch.dtype]
+    applied_dtypes: dict[tuple[str, str], torch.dtype] = field(default_factory=dict)
+
+
+def _explain_dtype_change(err: RuntimeError, module: nn.Module) -> None:
+    """Turn torch's dtype clash inside a region into what caused it, where a model's
+    parameters or buffers changed dtype after `apply` (``model.half()``, ``.float()``,
+    ``.to(dtype)``): the regions still cast inputs to the dtypes `apply` chose."""
+    for owner in list(_OWNERS.get(module, ())):
+        state = owner.__dict__.get(_STATE)
+        if state is None or not state.applied_dtypes:
+            continue
+        now = _floating_dtypes(owner)
+        moved = [
+            (name, key, was, now[name, key])
+            for (name, key), was in state.applied_dtypes.items()
+            if now.get((name, key), was) != was
+        ]
+        if moved:
+            name, key, was, is_ = moved[0]
+            where = f"{name}.{key}" if name else key
+            raise PrecisionError(
+                f"{type(owner).__name__}'s {where} is {dtype_name(is_)}, but mixprec.apply "
+                f"set it to {dtype_name(was)} ({len(moved)} of its parameters and buffers "
+                "changed dtype since, as .half(), .float() or .to(dtype) change them) while "
+                "its regions still cast inputs as apply chose. To compute in another precision, "
+                "call mixprec.apply(model, policy) with it (mixprec.remove(model) puts the "
+                "original dtypes back)"
+            ) from err
 
 
 def _region_key(p: Policy) -> tuple[bool, torch.dtype, torch.dtype]:
@@ -907,7 +943,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     if pmap.activations is not None:  # outside the regions
         install_activations(model, pmap.activation_choices(model))
     set_fast_paths(model)  # torch's fused transformer layers would pass regions over
-    model.__dict__[_STATE] = AppliedState(pmap, original)
+    model.__dict__[_STATE] = AppliedState(pmap, original, _floating_dtypes(model))
     _record_installed(model)
     for module in model.modules():
         _OWNERS.setdefault(module, weakref.WeakSet()).add(model)
