@@ -437,6 +437,58 @@ def test_a_dtype_changed_after_apply_is_named_when_torch_refuses_it(spec, change
     assert {p.dtype for p in model.parameters()} == {f32}
 
 
+@pytest.mark.parametrize("rule, parent", [("16-true", "bf16-mixed"), ("bf16-true", "16-mixed")])
+def test_a_result_in_the_other_16_bit_dtype_comes_back_float32_in_a_mixed_parent(rule, parent):
+    """A float16 layer's result inside a bfloat16-mixed parent came back float16, and the
+    parent's ops autocast does not list (exp) ran in float16: exp(12) overflowed to inf."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            with torch.no_grad():
+                self.a.weight.copy_(torch.eye(4))
+                self.a.bias.zero_()
+
+        def forward(self, x):
+            h = torch.exp(self.a(x))
+            return h, h.dtype
+
+    model = mixprec.apply(Net(), PolicyMap(parent, {"a": rule}), warn=False)
+    out, dtype = model(torch.full((1, 4), 12.0))
+    assert dtype == f32 and torch.isfinite(out).all()
+
+
+def test_a_true_region_casts_a_tensor_given_twice_once():
+    """(h, h, h) to a "true" attention became three copies: `query is key` failed inside,
+    torch's MHA took its separate-projection path and differed from a plain bf16 one."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+        def forward(self, h):
+            return self.attn(h, h, h, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    model = Net().eval()
+    plain = copy.deepcopy(model.attn).to(bf16)
+    seen = []
+    forward = model.attn.forward
+    model.attn.forward = lambda q, k, v, **kw: seen.append(q is k is v) or forward(q, k, v, **kw)
+    mixprec.apply(model, PolicyMap("32-true", {"attn": "bf16-true"}), warn=False)
+    h = torch.randn(2, 5, 16)
+    with torch.no_grad():
+        out = model(h)
+        hb = h.to(bf16)
+        assert torch.equal(out, plain(hb, hb, hb, need_weights=False)[0].float())
+    assert seen == [True]
+    x = torch.randn(3)
+    a, b, c = mixprec.convert.cast_floating((x, x, torch.ones(1)), bf16)
+    assert a is b and a.dtype == bf16 and b is not c
+
+
 def test_a_torch_error_with_dtypes_as_apply_set_them_passes_through():
     """A forward's own error (a wrong input shape) is torch's, unchanged."""
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))

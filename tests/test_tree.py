@@ -243,6 +243,22 @@ class Tagged(tuple):
         return new
 
 
+def test_a_defaultdict_subclass_whose_init_takes_other_arguments_keeps_its_factory():
+    """Copied without its __init__, its default_factory (held in C) was lost: None."""
+
+    class Outputs(defaultdict):
+        def __init__(self, step: int) -> None:
+            super().__init__(list)
+            self.step = step
+
+    tree = Outputs(3)
+    tree["logits"] = _x()
+    out = map_tensors(lambda t: t.float(), tree)
+    assert type(out) is Outputs and out.step == 3 and out["logits"].dtype == f32
+    out["aux"].append(1)
+    assert out.default_factory is list and out["aux"] == [1]
+
+
 def test_tuple_subclasses_torch_return_types_and_custom_ones():
     r = torch.max(torch.ones(3, 4, dtype=f64), 1)
     out = mixprec.convert.cast_floating(r, f32)

@@ -111,7 +111,14 @@ def cast_floating(obj: Any, dtype: torch.dtype) -> Any:
         else:
             return obj
         if type(obj) is tuple and all(isinstance(t, Tensor) for t in obj):
-            return tuple(cast_floating(t, dtype) for t in obj)
+            # a tensor given twice (attention's query, key and value) is cast once: the
+            # callee's `query is key` still holds (compared by identity: an `id()` memo
+            # would make torch.compile guard on each batch)
+            out: list[Tensor] = []
+            for i, t in enumerate(obj):
+                same = next((out[j] for j in range(i) if obj[j] is t), None)
+                out.append(cast_floating(t, dtype) if same is None else same)
+            return tuple(out)
     if type(obj) is dict and not obj:
         return obj
     return map_tensors(
@@ -366,10 +373,12 @@ class _Region(_StandIn):
             # dtype, computes as float32 here (`_as_float32`)
             uncast = self.uncast
             if not one or args[0].dtype in uncast:
-                args, kwargs = _as_float32(args, uncast), _as_float32(kwargs, uncast)
+                args, kwargs = _as_float32((args, kwargs), uncast)
         elif not one:  # a "true" region computes on its inputs in its own dtype
-            args = cast_floating(args, self.compute_dtype)
-            kwargs = cast_floating(kwargs, self.compute_dtype)
+            if kwargs:  # (one walk: a tensor passed both ways stays one tensor)
+                args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
+            else:
+                args = cast_floating(args, self.compute_dtype)
         elif args[0].dtype != self.compute_dtype and args[0].is_floating_point():
             t, dtype = args[0], self.compute_dtype
             # (`_cast`, called only where it may change a value: a call here cost torch.compile
@@ -1266,10 +1275,17 @@ def _output_dtype(policy: Policy, parent: Policy | None) -> torch.dtype:
     """The dtype a region of `policy` hands its result back in, inside `parent`: inside a
     "true" parent nothing casts between siblings, so the parent's compute dtype; inside a
     mixed one autocast casts between them but leaves float64 alone, so a float64 result
-    comes back as float32 (the mixed parent's parameters'); elsewhere its own output dtype."""
+    comes back as float32 (the mixed parent's parameters'), and so does the result of a
+    layer computing in the other 16-bit dtype (a float16 layer's in a bfloat16 parent would
+    run the ops autocast does not list in float16: an ``exp`` overflowing; an output dtype
+    asked apart from the compute dtype, ``o=f16``, is kept); elsewhere its own output dtype."""
     if parent is not None and not parent.is_mixed:
         return parent.compute_dtype
-    if parent is not None and policy.output_dtype == torch.float64:
+    other = _OTHER_16_BIT.get(parent.compute_dtype) if parent is not None else None
+    if parent is not None and (
+        policy.output_dtype == torch.float64
+        or policy.output_dtype == policy.compute_dtype == other
+    ):
         return torch.float32
     return policy.output_dtype
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections import ChainMap
+from collections import ChainMap, defaultdict
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any, TypeVar
 
@@ -34,6 +34,8 @@ def shallow_copy(obj: Any) -> Any:
         new = cls.__new__(cls)
         if hasattr(obj, "__dict__"):
             new.__dict__.update(obj.__dict__)
+        if isinstance(obj, defaultdict):  # (held in C, not in `__dict__`)
+            new.default_factory = obj.default_factory
         return new
 
 

@@ -204,6 +204,30 @@ def test_a_type_rule_of_a_local_class_is_refused_at_save_not_at_load(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_type_rule_of_a_nested_class_loads_back(tmp_path, monkeypatch):
+    """save() wrote 'nestedmod.Outer.Inner', which load() read as a module 'nestedmod.Outer'
+    and refused; it imports the longest module prefix, then the attributes."""
+    (tmp_path / "nestedmod.py").write_text(
+        "from torch import nn\nclass Outer:\n    class Inner(nn.Linear):\n        pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from nestedmod import Outer  # type: ignore[import-not-found]
+
+    pmap = PolicyMap("bf16-mixed", {Outer.Inner: "32-true"}, activations={Outer.Inner: "bf16"})
+    assert PolicyMap.load(pmap.save(tmp_path / "policy.json")) == pmap
+    with pytest.raises(PolicySpecError, match="cannot import module type 'nestedmod.Outer.Nope'"):
+        mixprec.policy.files.import_type("nestedmod.Outer.Nope")
+
+
+def test_a_dict_of_type_rules_given_as_a_policy_points_to_a_policy_map():
+    """Two type keys (or a path and a type) failed sorting them: TypeError '<' not supported."""
+    two_types = {nn.Linear: "32-true", nn.LayerNorm: "bf16-mixed"}
+    for rules in (two_types, {"head": "32-true", nn.LayerNorm: "16-mixed"}):
+        with pytest.raises(PolicySpecError, match="unknown policy config keys .*LayerNorm.*"
+                           "go in a PolicyMap"):  # fmt: skip
+            mixprec.apply(nn.Linear(2, 2), rules)
+
+
 def test_a_policy_file_where_one_policy_is_taken_or_without_json_says_so(tmp_path, monkeypatch):
     """'unknown precision' said nothing of files: for a .json path where one policy is taken
     (Policy, policy_scope), or for an existing policy file whose name lacks '.json'."""

@@ -240,9 +240,10 @@ class Policy(metaclass=_PolicyFactory):
         if "quantization_mode" in config:
             return QuantizedPolicy.from_config(config)
         unknown = set(config) - {"param_dtype", "compute_dtype", "output_dtype"}
-        if unknown:
+        if unknown:  # (types too: a dict of rules given where a policy goes)
+            keys = sorted(getattr(k, "__qualname__", None) or repr(k) for k in unknown)
             raise PolicySpecError(
-                f"unknown policy config keys {sorted(unknown)}; expected param_dtype, "
+                f"unknown policy config keys {', '.join(keys)}; expected param_dtype, "
                 "compute_dtype, output_dtype (what to_config() returns). Rules by layer path "
                 "or type go in a PolicyMap: PolicyMap('bf16-mixed', {'head': 'float32'})"
             )

@@ -63,14 +63,23 @@ def code_name(t: type) -> str:
 
 
 def import_type(path: str) -> type:
-    module, _, name = path.rpartition(".")
-    try:
-        obj: Any = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError):
-        raise PolicySpecError(f"cannot import module type {path!r} named in a policy map") from None
-    return obj
+    """The class a policy file names by its import path: the longest importable module
+    prefix, then attributes (a class nested in another, ``pkg.mod.Outer.Inner``)."""
+    parts = path.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        except ValueError:  # (an empty name: "..Linear")
+            break
+        try:
+            for part in parts[cut:]:
+                obj = getattr(obj, part)
+        except AttributeError:
+            break
+        return obj
+    raise PolicySpecError(f"cannot import module type {path!r} named in a policy map")
 
 
 def activations_config(rules: ActivationRules) -> str | list[dict[str, str]]:
