@@ -271,13 +271,34 @@ class Strategy(abc.ABC):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
+def _group_size() -> int:
+    """How many processes this one runs beside: its process group's size, or where it has
+    none yet, the ``WORLD_SIZE`` a launcher (torchrun) gave it."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
 class SingleDeviceStrategy(Strategy):
     """Everything in this process on one device."""
 
     name = "single_device"
 
     def setup(self) -> None:
-        pass  # no group to join; the device is the one given
+        """No group to join; refused inside one of several processes (torchrun's, or a
+        group initialised by hand), where each would train the same run alone and write the
+        same checkpoints, and the loss scale's overflow flag, float8's amaxes and the
+        rounding seed would wait on collectives the others never join."""
+        size = _group_size()
+        if size > 1:
+            raise ValueError(
+                f"this process is one of {size} in a process group (torchrun, or "
+                "dist.init_process_group), but the Trainer runs on one device alone "
+                f"(strategy={self.name!r}): each process would train the same run and write "
+                "the same checkpoints, and mixprec's collectives would wait on the others. "
+                "Train across them with strategy='ddp' or 'fsdp' and devices=<processes per "
+                "machine>, or start a single process"
+            )
 
     def teardown(self, failed: bool = False) -> None:
         pass
@@ -328,8 +349,9 @@ class ProcessGroupStrategy(Strategy):
 
     @property
     def launches_processes(self) -> bool:  # type: ignore[override]
-        """True when this process must start the others (not launched by torchrun)."""
-        return not launched_by_torchrun()
+        """True when this process must start the others: not launched by torchrun, nor
+        already in a process group (one a script initialised itself, as under srun)."""
+        return not (launched_by_torchrun() or (dist.is_available() and dist.is_initialized()))
 
     def setup(self) -> None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", len(self.device_ids)))
@@ -343,10 +365,23 @@ class ProcessGroupStrategy(Strategy):
             self._owns_group = True
         self.world_size = dist.get_world_size()
         self.global_rank = dist.get_rank()
-        self.local_rank = int(os.environ["LOCAL_RANK"])
+        self.local_rank = self._local_rank()
         if self.accelerator == "cuda":
             self.device = torch.device("cuda", self.device_ids[self.local_rank])
             torch.cuda.set_device(self.device)
+
+    def _local_rank(self) -> int:
+        """This process's index among this machine's: the launcher's ``LOCAL_RANK``; in a
+        group initialised without it, the rank, where the group is this machine's alone."""
+        if "LOCAL_RANK" in os.environ:
+            return int(os.environ["LOCAL_RANK"])
+        if self.world_size == len(self.device_ids):
+            return self.global_rank
+        raise ValueError(
+            f"this process group has {self.world_size} processes but Trainer(devices="
+            f"{len(self.device_ids)}) and no LOCAL_RANK says which device is this process's; "
+            "set LOCAL_RANK (and LOCAL_WORLD_SIZE) as torchrun does"
+        )
 
     def no_sync(self, wrapped: nn.Module, sync: bool) -> AbstractContextManager[Any]:
         return contextlib.nullcontext() if sync else wrapped.no_sync()  # type: ignore[operator]
