@@ -143,6 +143,13 @@ def distributed(
     loader = _check_map_style(loader, "strategy='ddp' (to insert a DistributedSampler)")
     if any(isinstance(s, DistributedSampler) for s in _samplers(loader)):
         return loader
+    if type(loader) is not DataLoader:  # (rebuilt as a plain one, it would lose its class)
+        raise TypeError(
+            f"cannot insert a DistributedSampler into a {type(loader).__name__} (a DataLoader "
+            "subclass): the loader would be rebuilt as a plain DataLoader, without what your "
+            "class does. Give it a DistributedSampler yourself (sampler=DistributedSampler("
+            "dataset, shuffle=...); the Trainer calls its set_epoch) and it is used as it is"
+        )
     batch_sampler = loader.batch_sampler
     if type(batch_sampler) is not BatchSampler:
         raise TypeError(
@@ -252,10 +259,11 @@ def iterate_from(
     is given the loader iterated before it is (`then` not run yet), to start its workers.
 
     A DataLoader over a map-style dataset skips on its batch sampler (nothing is loaded);
-    anything else is iterated and the first ``skip`` batches are dropped, the first of them
-    given to ``first`` (to check it is the batch expected).
+    anything else, a DataLoader subclass too (rebuilt, it would lose what its class does),
+    is iterated and the first ``skip`` batches are dropped, the first of them given to
+    ``first`` (to check it is the batch expected).
     """
-    if isinstance(loader, DataLoader) and loader.batch_sampler is not None:
+    if type(loader) is DataLoader and loader.batch_sampler is not None:
         if not isinstance(loader.dataset, IterableDataset):
             skipping = SkipBatches(loader.batch_sampler, skip)
             rebuilt = _rebuild(loader, skipping)
