@@ -380,6 +380,43 @@ def test_a_checkpoint_of_another_compensation_is_refused():
         opt("stochastic").load_state_dict(opt("kahan").state_dict())
 
 
+@pytest.mark.parametrize(
+    "saved, loading",
+    [
+        (dict(compensation="stochastic"), dict(compensation="kahan")),
+        (dict(compensation="kahan"), dict()),  # (its buffers would be dropped, silently)
+        (dict(master_weights=True), dict(compensation="kahan")),
+    ],
+)
+def test_check_state_dict_refuses_what_load_refuses_and_a_refused_load_changes_nothing(
+    saved, loading
+):
+    """Found by a review: check_state_dict (which the Trainer's resume runs before loading
+    the weights) passed another compensation kind and another set of masters, which
+    load_state_dict then refused after the model was loaded; and a refused load had already
+    given float32 masters to the optimizer's groups."""
+
+    def built(**kw):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1).to(torch.bfloat16)
+        opt = LossScaleOptimizer(torch.optim.AdamW(model.parameters()), model=model,
+                                 scaler="none", **kw)  # fmt: skip
+        opt.zero_grad()
+        model(torch.randn(2, 3, dtype=torch.bfloat16)).float().sum().backward()
+        return opt
+
+    state = built(**saved).state_dict()
+    opt = built(**loading)
+    dtypes = [p.dtype for g in opt.param_groups for p in g["params"]]
+    assert not opt.loads_directly(state)
+    with pytest.raises(ValueError, match="load_state_dict_across_precisions"):
+        opt.check_state_dict(state)
+    with pytest.raises(ValueError, match="load_state_dict_across_precisions"):
+        opt.load_state_dict(state)
+    assert [p.dtype for g in opt.param_groups for p in g["params"]] == dtypes
+    assert opt.loads_directly(built(**loading).state_dict())
+
+
 # -- the compiled step ----------------------------------------------------------------------
 
 STEPPERS = {

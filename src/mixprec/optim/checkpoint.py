@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from mixprec.optim.compensated import Compensator
-from mixprec.optim.masters import MasterWeights
+from mixprec.optim.masters import MasterWeights, check_positions
 from mixprec.optim.scaling import LossScaler
 
 __all__ = []
@@ -103,12 +103,6 @@ class OptimizerCheckpoint:
             stepped=state["optimizer"]["state"],
         )
         compensation = state.get("compensation")
-        if self._compensator is not None and compensation is not None:
-            if compensation.get("kind") != self._compensator.kind:
-                raise ValueError(
-                    f"the checkpoint was trained with compensation {compensation.get('kind')!r}"
-                    f", this optimizer uses {self._compensator.kind!r}"
-                )
         self.scaler.load_state_dict(state["scaler"])  # checks its state before changing it
         self._load_inner(state["optimizer"])
         self._keep_saved_dtypes(state["optimizer"])
@@ -198,6 +192,55 @@ class OptimizerCheckpoint:
             return
         self._check_keys(state)
         self._check_inner_state(state["optimizer"], state["param_shapes"])
+        self._check_compensation(state)
+        self._check_masters(state)
+
+    def loads_directly(self, state: Mapping[str, Any]) -> bool:
+        """Whether `load_state_dict` takes ``state`` (a `state_dict` of this precision) as it
+        is: the same compensation and masters for the same parameters; else it goes to
+        `load_state_dict_across_precisions`, as one saved under another precision does."""
+        if "optimizer" not in state or self.compensation_differs(state):
+            return "optimizer" not in state
+        try:
+            self._check_masters(state)
+        except ValueError:
+            return False
+        return True
+
+    def _check_masters(self, state: Mapping[str, Any]) -> None:
+        saved = state["master_weights"]
+        here = (
+            self._masters.positions_after_add(self.optimizer, saved)
+            if isinstance(saved, Mapping)
+            else set()
+        )
+        check_positions(saved, here, stepped=state["optimizer"]["state"])
+
+    def check_state_dict_across_precisions(self, state: Mapping[str, Any]) -> None:
+        """Raise, changing nothing, what `load_state_dict_across_precisions` refuses in
+        ``state`` before it changes anything (its keys, its parameters)."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
+        self._check_keys(state)
+        self._check_inner_state(state["optimizer"], state["param_shapes"])
+
+    def compensation_differs(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` (a `state_dict`) was saved with a compensation this optimizer
+        cannot take over as it is: another kind, or Kahan buffers where it keeps none."""
+        saved = state.get("compensation") if "optimizer" in state else None
+        kind = saved.get("kind") if isinstance(saved, Mapping) else None
+        mine = self._compensator.kind if self._compensator is not None else None
+        return kind is not None and kind != mine and (mine is not None or kind == "kahan")
+
+    def _check_compensation(self, state: Mapping[str, Any]) -> None:
+        if self.compensation_differs(state):
+            mine = self._compensator.kind if self._compensator is not None else None
+            raise ValueError(
+                f"the checkpoint was trained with compensation "
+                f"{state['compensation'].get('kind')!r}, this optimizer uses {mine!r}: load "
+                "it with load_state_dict_across_precisions(state, weights), which folds the "
+                "saved Kahan buffers into the weights (mixprec.optim.master_weights_by_name)"
+            )
 
     def load_state_dict_across_precisions(
         self, state: Mapping[str, Any], weights: Mapping[str, torch.Tensor]
@@ -212,10 +255,7 @@ class OptimizerCheckpoint:
         holds them folded into the weights (`master_weights_by_name`), and a buffer kept
         would add them again or go stale. Everything is checked before anything is changed.
         """
-        if not isinstance(state, Mapping):
-            raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
-        self._check_keys(state)
-        self._check_inner_state(state["optimizer"], state["param_shapes"])
+        self.check_state_dict_across_precisions(state)
         params = list(self._all_params())
         masters = self._masters.by_name(weights, params, self._param_names(), self._describe)
         self._load_inner(state["optimizer"])  # (cast to this run's dtypes: no dtype kept)

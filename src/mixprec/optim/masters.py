@@ -31,6 +31,24 @@ MASTER_DTYPES: dict[bool | None, tuple[torch.dtype, ...]] = {
 }
 
 
+def check_positions(saved: Any, here: set[int], stepped: Iterable[int] = ()) -> None:
+    """Refuse saved masters (position -> tensor) that do not correspond to those kept
+    ``here``: the same positions, or fewer where the missing ones were never stepped
+    (``stepped``: a layer frozen when the checkpoint was saved)."""
+    if isinstance(saved, Mapping) and set(saved) < here and not (here - set(saved)) & set(stepped):
+        return
+    if not isinstance(saved, Mapping) or set(saved) != here:
+        got = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
+        raise ValueError(
+            f"the checkpoint has float32 master weights for parameters {got}, this "
+            f"optimizer keeps them for {sorted(here)}: it was saved under another "
+            f"precision policy (or master_weights setting). To change precision, load "
+            f"the model's state with mixprec.optim.master_weights_by_name(state, "
+            f"model_state) over it, then this optimizer's with "
+            f"load_state_dict_across_precisions(state, weights)"
+        )
+
+
 def _refuse_aliases(params: list[torch.Tensor]) -> None:
     """Refuse parameters (distinct objects) over overlapping memory: each would get a float32
     master of its own, written back in turn, so one's update would overwrite the other's."""
@@ -77,6 +95,19 @@ class MasterWeights:
             self._link(p, master)
             self._seen[p] = other._seen[p]
         self._grads_stale = other._grads_stale
+
+    def positions_after_add(self, optimizer: torch.optim.Optimizer, saved: Iterable[int]) -> set:
+        """The positions (in ``optimizer``'s order) that would hold masters after
+        ``add(optimizer, saved)``, changing nothing: those mastered now and those `add`
+        would give one."""
+        saved = set(saved)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return {
+            i
+            for i, p in enumerate(params)
+            if p in self.param_of
+            or (p.dtype in self.dtypes and (p.requires_grad or p.grad is not None or i in saved))
+        }
 
     def add(self, optimizer: torch.optim.Optimizer, saved: Iterable[int] = ()) -> None:
         """Give every trainable parameter of a master dtype in ``optimizer``'s groups its
@@ -227,25 +258,12 @@ class MasterWeights:
         (``stepped``: those it holds state for; a layer frozen when it was saved), takes its
         model parameter's value, as a master made now does."""
         here = {i for i, p in enumerate(params) if p in self.param_of}
-        if (
-            isinstance(saved, Mapping)
-            and set(saved) < here
-            and not (here - set(saved)) & set(stepped)
-        ):
+        check_positions(saved, here, stepped)
+        if set(saved) < here:
             saved = {
                 **saved,
                 **{i: self.param_of[params[i]].detach() for i in here - set(saved)},
             }
-        if not isinstance(saved, Mapping) or set(saved) != here:
-            got = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
-            raise ValueError(
-                f"the checkpoint has float32 master weights for parameters {got}, this "
-                f"optimizer keeps them for {sorted(here)}: it was saved under another "
-                f"precision policy (or master_weights setting). To change precision, load "
-                f"the model's state with mixprec.optim.master_weights_by_name(state, "
-                f"model_state) over it, then this optimizer's with "
-                f"load_state_dict_across_precisions(state, weights)"
-            )
         out = {}
         for i in sorted(here):
             if saved[i].shape != params[i].shape:

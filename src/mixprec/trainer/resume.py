@@ -283,15 +283,14 @@ def _check_order(run: FitRun, loop: dict[str, Any], path: Path) -> None:
         )
 
 
-def load_weights(run: Run, state: dict[str, Any], path: Path) -> bool:
-    """Load the model weights; return whether the checkpoint's precision is this run's.
+def load_weights(run: Run, state: dict[str, Any], path: Path) -> None:
+    """Load the model weights.
 
     Across precisions the float32 master weights (if the checkpoint has them) are used in
     place of the 16-bit parameters they shadow, and everything is cast to this run's dtypes.
     """
     check_weights(run.model, state, path)
-    saved_policy = state["precision"]["policy"]
-    same = resumable_config(saved_policy) == resumable_config(run.precision.policy.to_config())
+    same = same_precision(run, state)
     weights = dict(state["model"])
     if not same:
         log.info(
@@ -313,7 +312,12 @@ def load_weights(run: Run, state: dict[str, Any], path: Path) -> bool:
         set_model_state_dict(run.model, weights, options=StateDictOptions(full_state_dict=True))
     else:
         run.model.load_state_dict(weights)
-    return same
+
+
+def same_precision(run: Run, state: dict[str, Any]) -> bool:
+    """Whether the checkpoint ``state`` was trained in ``run``'s precision policy."""
+    saved_policy = state["precision"]["policy"]
+    return resumable_config(saved_policy) == resumable_config(run.precision.policy.to_config())
 
 
 def saved_masters(state: dict[str, Any]) -> dict[str, Tensor]:
@@ -340,9 +344,20 @@ def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
     state = across_state_formats(state, run.optimizers, path)
     _check_optimizers(run, state, path)
     check_groups(run, state, path)
+    # an optimizer whose compensation or masters differ from the checkpoint's (Kahan buffers
+    # saved, none kept now) restores as one across precisions does: it folds what it cannot
+    # keep into the weights; checked before anything is loaded, as every other
+    same = same_precision(run, state)
+    direct = [
+        same and opt.loads_directly(saved)
+        for opt, saved in zip(run.optimizers, state["optimizers"], strict=True)
+    ]
     for i, (opt, saved) in enumerate(zip(run.optimizers, state["optimizers"], strict=True)):
         try:
-            opt.check_state_dict(saved)
+            if direct[i]:
+                opt.check_state_dict(saved)
+            else:
+                opt.check_state_dict_across_precisions(saved)
         except (TypeError, ValueError) as error:
             raise CheckpointError(
                 f"{path}: the state of optimizer {i} does not fit this run's: {error}. "
@@ -364,13 +379,13 @@ def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
             {**saved, "scaler": opt.scaler.state_dict()} if "scaler" in saved else saved
             for opt, saved in zip(run.optimizers, state["optimizers"], strict=True)
         ]
-    same = load_weights(run, state, path)
-    if not same:
+    load_weights(run, state, path)
+    if not all(direct):
         # this run's masters come from the checkpoint's own weights (a float32 checkpoint's
         # exactly, not as this run's 16-bit model holds them) or its masters
         full = {**run.model.state_dict(), **state["model"], **saved_masters(state)}
-    for opt, saved in zip(run.optimizers, state["optimizers"], strict=True):
-        if same:
+    for opt, saved, as_saved in zip(run.optimizers, state["optimizers"], direct, strict=True):
+        if as_saved:
             opt.load_state_dict(saved)
         else:  # this run's masters from full-precision weights
             opt.load_state_dict_across_precisions(saved, full)
