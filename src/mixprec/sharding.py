@@ -302,6 +302,14 @@ def _check_ready(
             "and step through LossScaleOptimizer(optimizer, scaler), or pass "
             "scaler=Precision('16-mixed').scaler"
         )
+    if reduce_dtype == torch.float16 and (not isinstance(scaler, LossScaler) or not scaler.enabled):
+        raise PrecisionError(
+            "reduce_dtype=torch.float16 sums gradients in float16, where they overflow past "
+            "65504 and flush to zero under 6e-8, and without a loss scaler nothing checks or "
+            "scales them: reduce in torch.float32 or torch.bfloat16, or pass "
+            "scaler=DynamicLossScaler() (mixprec.optim.scaling) and step through "
+            "LossScaleOptimizer(optimizer, scaler)"
+        )
     if mesh is None and not (dist.is_available() and dist.is_initialized()):
         raise PrecisionError(
             "shard needs torch.distributed: call dist.init_process_group(...) first (gloo on "
