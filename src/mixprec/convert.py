@@ -1283,8 +1283,7 @@ def _output_dtype(policy: Policy, parent: Policy | None) -> torch.dtype:
         return parent.compute_dtype
     other = _OTHER_16_BIT.get(parent.compute_dtype) if parent is not None else None
     if parent is not None and (
-        policy.output_dtype == torch.float64
-        or policy.output_dtype == policy.compute_dtype == other
+        policy.output_dtype == torch.float64 or policy.output_dtype == policy.compute_dtype == other
     ):
         return torch.float32
     return policy.output_dtype

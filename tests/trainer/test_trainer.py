@@ -1083,3 +1083,139 @@ def test_a_bare_trainer_step_makes_few_python_calls_beyond_the_torch_autocast_lo
     # without calls where they are the common ones; the loss checked twice in full had
     # taken it to 86 unseen)
     assert per_step[trainer] - per_step[raw] <= 52, per_step
+
+
+def with_step_lr(key: str):
+    """A configure_optimizers returning {"optimizer": SGD, key: StepLR}."""
+
+    def config(model):
+        opt = torch.optim.SGD(model.parameters(), 0.1)
+        return {"optimizer": opt, key: torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}
+
+    return config
+
+
+@pytest.mark.parametrize("key", ["lr_schedular", "scheduler"])
+def test_an_unknown_configure_optimizers_key_is_refused_naming_the_accepted_ones(key):
+    """A misspelt "lr_scheduler" trained without any scheduler, silently."""
+    trainer = Trainer(max_epochs=1, **QUIET)
+    accepted = r"'optimizer' \(required\), 'lr_scheduler' .* and 'monitor' .*"
+    with pytest.raises(ValueError, match=rf"{accepted}got unknown keys \['{key}'\]"):
+        trainer.fit(Classifier(with_step_lr(key)), DataLoader(class_data(), batch_size=32))
+    assert trainer.global_step == 0
+
+
+class PlateauTopLevel(PlateauEachStep):
+    """Lightning's form: a bare ReduceLROnPlateau, its metric as the dict's "monitor"."""
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+        return {"optimizer": opt, "lr_scheduler": sched, "monitor": "flat"}
+
+
+def test_a_top_level_monitor_is_the_metric_of_a_bare_plateau_scheduler_as_in_lightning():
+    """It was refused: "ReduceLROnPlateau needs a 'monitor' in its scheduler config"."""
+    trainer = Trainer(max_epochs=3, **QUIET)
+    trainer.fit(PlateauTopLevel(), DataLoader(small_targets(64), batch_size=64))
+    # epoch-interval: the first epoch sets the best value, each later one fails to improve
+    assert trainer.lr_schedulers[0].best == 1.0
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**2)
+
+
+def test_a_top_level_monitor_no_scheduler_reads_is_warned_about():
+    """Lightning ignores it beside a scheduler that takes no metric: said, not silent."""
+
+    def config(model):
+        return {**with_step_lr("lr_scheduler")(model), "monitor": "val_loss"}
+
+    trainer = Trainer(max_epochs=1, **QUIET)
+    with pytest.warns(UserWarning, match="'monitor': 'val_loss' is not used: StepLR steps"):
+        trainer.fit(Classifier(config), DataLoader(class_data(), batch_size=32))
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+class Batches(Callback):
+    def __init__(self) -> None:
+        self.trained = 0
+
+    def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+        self.trained += 1
+
+
+@pytest.mark.parametrize(
+    ("flags", "stream", "message"),
+    [
+        (dict(limit_val_batches=0.5), "val", r"limit_val_batches=0.5 is a fraction, but the val"),
+        (dict(val_check_interval=0.25), "train", r"val_check_interval=0.25 is a fraction of an"),
+    ],
+    ids=["limit_val_batches", "val_check_interval"],
+)
+def test_a_fraction_of_data_without_length_is_refused_before_training(flags, stream, message):
+    """limit_val_batches failed at the first validation, after a whole training epoch;
+    val_check_interval was ignored (one validation, when the data ran out)."""
+    data = regression_data(80)
+    loaders = {"train": DataLoader(data, batch_size=8), "val": DataLoader(data, batch_size=40)}
+    loaders[stream] = DataLoader(Stream(data), batch_size=8)
+    seen = Batches()
+    trainer = Trainer(max_epochs=1, callbacks=[seen], **QUIET, **flags)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(mlp(), loaders["train"], loaders["val"], loss_fn=F.mse_loss)
+    assert seen.trained == 0
+
+
+def test_a_fractional_interval_over_data_without_length_limited_to_batches_validates():
+    """limit_train_batches gives the epoch its length: a fraction of it is not refused."""
+    data = regression_data(80)
+    seen = ValidatedAt()
+    trainer = Trainer(
+        max_epochs=1, limit_train_batches=8, val_check_interval=0.5, callbacks=[seen], **QUIET
+    )
+    trainer.fit(mlp(), DataLoader(Stream(data), batch_size=8), DataLoader(data), loss_fn=F.mse_loss)
+    assert [batches for _, batches, _ in seen.at] == [4, 8]
+
+
+def test_a_plain_module_predicts_on_input_only_batches():
+    """TensorDataset(x) yields [x]: refused, saying batches needed a target."""
+    model = mlp()
+    trainer = Trainer(max_epochs=1, **QUIET)
+    trainer.fit(model, DataLoader(regression_data(32), batch_size=16), loss_fn=F.mse_loss)
+    x = regression_data(32).tensors[0]
+    expected = model(x).detach()
+    for loader in (DataLoader(TensorDataset(x), batch_size=16), [(x[:16],), (x[16:],)]):
+        assert torch.allclose(torch.cat(trainer.predict(model, loader)), expected)
+    with pytest.raises(TypeError, match=r"predict with a plain module takes.*got dict") as err:
+        trainer.predict(model, [{"x": x}])
+    assert "target" not in str(err.value)  # (a prediction needs none)
+    with pytest.raises(TypeError, match=r"\(inputs..., target\) tuples or lists, got list of len"):
+        trainer.fit(model, DataLoader(TensorDataset(x), batch_size=16), loss_fn=F.mse_loss)
+
+
+class StepScheduledAdamW(TrainingModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return F.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def test_a_scheduler_on_an_optimizer_converted_to_low_bit_states_warns_nothing():
+    """Re-pointed to the converted optimizer, a scheduler's first step warned that
+    "optimizer.step() has been overridden after learning rate scheduler initialization"."""
+    lrs = {}
+    for states in (None, "int8"):
+        trainer = Trainer(max_steps=4, optimizer_states=states, **QUIET)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            trainer.fit(StepScheduledAdamW(), DataLoader(small_targets(64), batch_size=16))
+        sched = trainer.lr_schedulers[0]
+        assert sched.optimizer is trainer.optimizers[0].optimizer
+        lrs[states] = (sched.last_epoch, trainer.optimizers[0].param_groups[0]["lr"])
+    assert lrs["int8"] == lrs[None] == (4, pytest.approx(1e-2 * 0.5**4))

@@ -976,3 +976,104 @@ def test_resume_with_another_kind_of_loss_scaler_starts_it_fresh(tmp_path, caplo
     assert again.precision.scaler.kind == "dynamic" and again.precision.scaler.loss_scale == 2.0**16
     masters = list(again.optimizers[0].master_params.values())
     assert all(torch.equal(m, s) for m, s in zip(masters, saved, strict=True))
+
+
+class NumpyBest(Callback):
+    """Keeps its best loss as a numpy.float64, which torch.load(weights_only=True) refuses."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.best = np.float64(np.inf)
+
+    def on_train_epoch_end(self, trainer, model):
+        import numpy as np
+
+        self.best = min(self.best, np.float64(trainer.callback_metrics["train_loss"]))
+
+    def state_dict(self):
+        return {"history": [1.0, {"best": self.best}]}
+
+    def load_state_dict(self, state):
+        self.best = state["history"][1]["best"]
+
+
+def test_a_callback_state_no_resume_could_read_is_refused_when_saved(tmp_path):
+    """The save succeeded and every resume from it failed, saying the file held pickled
+    objects, "e.g. a whole model saved with torch.save(model)"."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True)
+    trainer = Trainer(max_epochs=1, callbacks=[NumpyBest(), checkpoints], **SILENT)
+    where = r"state_dict\(\)\['history'\]\[1\]\['best'\] of callback 'NumpyBest'"
+    with pytest.raises(TypeError, match=rf"{where} is a numpy.float64, .*float\(x\)"):
+        trainer.fit(Flat(), _flat_data(16))
+    assert list((tmp_path / "ck").iterdir()) == []  # (its temporary file removed)
+    assert checkpoints.last_model_path == checkpoints.best_model_path == ""
+
+
+def test_a_checkpoint_torch_will_not_load_is_refused_saying_what_it_holds(tmp_path):
+    """A checkpoint saved before such states were refused: the error named only "a whole
+    model saved with torch.save(model)", not the type torch refused."""
+    import numpy as np
+
+    path = tmp_path / "old.ckpt"
+    torch.save({"format": ckpt_io.FORMAT, "callbacks": {"Track": {"best": np.float64(1)}}}, path)
+    with pytest.raises(ckpt_io.CheckpointError, match=r"Unsupported global: GLOBAL numpy\..*"):
+        ckpt_io.load(path)
+
+
+@pytest.mark.parametrize(
+    ("filename", "left"),
+    [("run/{epoch}", ["run", "run/2.ckpt"]), ("{epoch}/model", ["2", "2/model.ckpt"])],
+)
+def test_save_top_k_removes_its_older_checkpoints_in_a_sub_directory(tmp_path, filename, left):
+    """A file not directly in dirpath was never removed: every epoch's stayed."""
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, filename=filename, save_top_k=1)
+    trainer = Trainer(max_epochs=3, callbacks=[checkpoints], **SILENT)
+    trainer.fit(Flat(), _flat_data(16))
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == left
+    assert checkpoints.best_model_path == str(tmp_path / left[1])
+
+
+def test_a_top_k_filename_that_is_the_last_copys_name_is_refused():
+    """filename="last" with save_last=True: save_top_k deleted last.ckpt between saves."""
+    with pytest.raises(ValueError, match=r"filename='last', save_last=True\) names its top-k"):
+        ModelCheckpoint(filename="last", save_last=True)
+    ModelCheckpoint(filename="last")  # no last copy: a name like any other
+    ModelCheckpoint(filename="last", save_last=True, save_top_k=0)  # and no top-k files
+
+
+def test_a_checkpoint_linked_onto_itself_leaves_no_temporary_file(tmp_path):
+    """Each such link left a stray .last.ckpt.<host>.<pid>.<token>.tmp hard link: renaming
+    a file onto a hard link of itself does nothing."""
+    path = ckpt_io.atomic_save({"x": torch.ones(2)}, tmp_path / "a.ckpt")
+    os.link(path, tmp_path / "b.ckpt")
+    for name in ("a.ckpt", "b.ckpt"):
+        ckpt_io.atomic_link(path, tmp_path / name)
+    tmp = ckpt_io.new_tmp(path)
+    tmp.unlink()
+    os.link(path, tmp)
+    ckpt_io.install(tmp, tmp_path / "b.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt", "b.ckpt"]
+    assert torch.equal(torch.load(tmp_path / "b.ckpt", weights_only=True)["x"], torch.ones(2))
+
+
+class SetsAndSizes(Callback):
+    """A state of values that are not plain numbers but that torch reads back."""
+
+    def state_dict(self):
+        return {"seen": {1, 2}, "shape": torch.Size([2, 3]), "dtype": torch.float16}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def test_a_callback_state_torch_reads_back_saves_and_resumes(tmp_path):
+    trainer = Trainer(
+        max_epochs=1, callbacks=[SetsAndSizes()], **SILENT, enable_checkpointing=False
+    )
+    trainer.fit(Flat(), _flat_data(16))
+    path = trainer.save_checkpoint(tmp_path / "sets.ckpt")
+    resumed = SetsAndSizes()
+    again = Trainer(max_epochs=2, callbacks=[resumed], **SILENT, enable_checkpointing=False)
+    again.fit(Flat(), _flat_data(16), ckpt_path=path)
+    assert resumed.loaded == {"seen": {1, 2}, "shape": torch.Size([2, 3]), "dtype": torch.float16}

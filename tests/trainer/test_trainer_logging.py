@@ -4,8 +4,12 @@ event file (read back with TensorBoard's own reader)."""
 from __future__ import annotations
 
 import csv
+import importlib.util
 import io
 import pickle
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -832,3 +836,143 @@ def test_trainers_and_loggers_pickled_before_new_runs_were_kept_fit_again(tmp_pa
     loader = DataLoader(data(8), batch_size=4)
     trainer.fit(Model(), loader)
     trainer.fit(Model(), loader)
+
+
+def csv_steps(path: Path) -> list[int]:
+    """The steps of the training step rows (those with a loss) in a metrics.csv on disk."""
+    with open(path, newline="", encoding="utf-8") as f:
+        return [int(row["step"]) for row in csv.DictReader(f) if row.get("loss")]
+
+
+def tensorboard_steps(run: Path) -> list[int]:
+    """The steps of the ``loss`` scalars in a run directory's event files on disk."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run))
+    events.Reload()
+    return [e.step for e in events.Scalars("loss")] if "loss" in events.Tags()["scalars"] else []
+
+
+class SavesThenReads(Callback):
+    """Saves a checkpoint at step ``at``, then reads what the loggers' files hold on disk."""
+
+    def __init__(self, at: int, path: Path) -> None:
+        self.at, self.path = at, path
+        self.on_disk: tuple[list[int], list[int]] | None = None
+
+    def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+        if trainer.global_step == self.at and self.on_disk is None:
+            trainer.save_checkpoint(self.path)
+            run = trainer.run_dir
+            self.on_disk = (csv_steps(run / "metrics.csv"), tensorboard_steps(run))
+
+
+def test_the_logged_rows_are_on_disk_once_a_checkpoint_is_written(tmp_path):
+    """A resume logs only the steps after its checkpoint: rows still buffered (CSVLogger
+    flushed every 100 rows) were lost for good when the process was killed after the save
+    (SIGKILL, a preemption). TensorBoard's, which its writer's thread writes soon, too."""
+    seen = SavesThenReads(3, tmp_path / "at3.ckpt")
+    loggers = [CSVLogger(tmp_path, version=0), TensorBoardLogger(tmp_path, version=0)]
+    trainer = Trainer(
+        max_epochs=1,
+        logger=loggers,
+        log_every_n_steps=1,
+        callbacks=[seen],
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(Model(), DataLoader(data(), batch_size=16))
+    # (step 3's own row comes after its batch's end, where the save is: the checkpoint holds it)
+    assert seen.on_disk == ([1, 2], [1, 2])
+
+
+KILLED_RUN = """
+import os, signal, sys
+import torch, torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from mixprec.trainer import Callback, CSVLogger, ModelCheckpoint, Trainer
+
+class Kill(Callback):
+    def __init__(self, at):
+        self.at = at
+
+    def on_train_batch_end(self, trainer, model, outputs, batch, batch_idx):
+        if trainer.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+def fit(root, kill_at, ckpt_path=None):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    x = torch.randn(48, 4, generator=torch.Generator().manual_seed(0))
+    checkpoints = ModelCheckpoint(
+        dirpath=os.path.join(root, "ck"), filename="{step}", every_n_train_steps=4, save_top_k=-1
+    )
+    trainer = Trainer(
+        max_epochs=1, logger=CSVLogger(root, version=0), log_every_n_steps=1,
+        callbacks=[Kill(kill_at), checkpoints], enable_progress_bar=False,
+    )
+    data = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+    trainer.fit(model, data, loss_fn=F.mse_loss, ckpt_path=ckpt_path)
+
+if __name__ == "__main__":
+    fit(sys.argv[1], int(sys.argv[2]))
+"""
+
+
+def test_a_run_killed_after_a_checkpoint_and_resumed_logs_every_step(tmp_path):
+    """Killed at step 10 after the checkpoint of step 8, resumed from it: the CSV lacked
+    steps 2 to 7, still buffered at the kill (the file held its first row alone)."""
+    script = tmp_path / "killed_run.py"
+    script.write_text(KILLED_RUN)
+    child = subprocess.run([sys.executable, str(script), str(tmp_path), "10"], check=False)
+    assert child.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["4.ckpt", "8.ckpt"]
+    spec = importlib.util.spec_from_file_location("killed_run", script)
+    killed_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(killed_run)  # (the killed run's own code resumes it)
+    killed_run.fit(str(tmp_path), kill_at=-1, ckpt_path=tmp_path / "ck" / "8.ckpt")
+    assert csv_steps(tmp_path / "logs" / "version_0" / "metrics.csv") == list(range(1, 13))
+
+
+class FailsItsFirstValidation(Model):
+    """Its first validation_step raises ``error``; ``train_ce`` is a step value."""
+
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__()
+        self.error: type[BaseException] | None = error
+
+    def validation_step(self, batch, batch_idx):
+        error, self.error = self.error, None
+        if error is not None:
+            raise error("in validation_step")
+        super().validation_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    ("stage", "error"),
+    [("validate", RuntimeError), ("fit", KeyboardInterrupt)],
+    ids=["validate-raised", "ctrl-c-in-fit"],
+)
+def test_a_fit_after_an_evaluation_cut_short_logs_training_values_as_such(tmp_path, stage, error):
+    """A validate that raised (or a Ctrl-C in a fit's validation) left the Trainer logging
+    as in an evaluation: the next fit's training step values (train_ce) were summed into
+    epoch values, missing from every step row."""
+    held = Held(tmp_path)
+    trainer = Trainer(
+        max_epochs=2,
+        logger=held,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+    )
+    model = FailsItsFirstValidation(error)
+    train, val = DataLoader(data(), batch_size=16), DataLoader(data(32), batch_size=16)
+    with pytest.raises(error, match="in validation_step"):
+        trainer.validate(model, val) if stage == "validate" else trainer.fit(model, train, val)
+    held.rows.clear()
+    trainer.fit(model, train, val)
+    step_rows = [names for _, names in held.rows if "loss" in names]
+    assert len(step_rows) == trainer.global_step == 8
+    assert all("train_ce" in names for names in step_rows)
+    assert not [names for _, names in held.rows if "train_ce" in names and "loss" not in names]

@@ -284,6 +284,8 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"save_top_k must be -1 (keep all), 0 or more, got {save_top_k}")
         if every_n_epochs < 1 or (every_n_train_steps is not None and every_n_train_steps < 1):
             raise ValueError("every_n_epochs and every_n_train_steps must be positive")
+        if save_last and save_top_k != 0 and filename is not None and _names_last(filename):
+            raise ValueError(_LAST_NAME_TAKEN.format(filename=filename))
         self.dirpath = Path(dirpath) if dirpath is not None else None
         # from the arguments, not from the run directory chosen later: the key must be the
         # same when a resumed run restores the state (before on_fit_start)
@@ -393,6 +395,8 @@ class ModelCheckpoint(Callback):
                 f"ModelCheckpoint filename {self.filename!r} cannot be filled: {err}; "
                 f"available fields: {', '.join(sorted(fields))}"
             ) from None
+        if self.save_last and _names_last(name):  # (a template filled as "last")
+            raise ValueError(_LAST_NAME_TAKEN.format(filename=self.filename))
         path = directory / f"{name}.ckpt"
         version = 1
         while str(path) in self._saved or (path.exists() and str(path) not in self.best_k_models):
@@ -558,9 +562,10 @@ class ModelCheckpoint(Callback):
             self._saved.remove(path)
         target = Path(path)
         # never the checkpoint this fit resumed from, nor a file outside this callback's
-        # directory (another run's)
+        # directory (another run's); one in a sub-directory of it (filename="run/{epoch}")
+        # is this callback's
         resumed = trainer.ckpt_path is not None and _same_file(target, trainer.ckpt_path)
-        if resumed or self.dirpath is None or target.parent.resolve() != self.dirpath.resolve():
+        if resumed or self.dirpath is None or not _inside(target, self.dirpath):
             return
         if not trainer.is_global_zero:
             return
@@ -570,6 +575,7 @@ class ModelCheckpoint(Callback):
             shutil.rmtree(aside)
         else:
             target.unlink(missing_ok=True)
+        _remove_empty_parents(target, self.dirpath)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -786,6 +792,39 @@ def _saved_at(path: Path) -> tuple[int, dict[str, Any]] | None:
         return int(state["loop"]["global_step"]), dict(state.get("callbacks", {}))
     except Exception:  # (anything unreadable is judged by its time alone, as before)
         return None
+
+
+_LAST_NAME_TAKEN = (
+    "ModelCheckpoint(filename={filename!r}, save_last=True) names its top-k checkpoints "
+    "last.ckpt, the name of the save_last copy: each save would replace the other, and "
+    "save_top_k would delete last.ckpt between saves. Give another filename (the default is "
+    "'epoch={{epoch}}-step={{step}}'), or leave save_last out"
+)
+
+
+def _names_last(name: str) -> bool:
+    """Whether a checkpoint named ``name`` (``.ckpt`` added) is the save_last copy,
+    ``last.ckpt`` in the same directory."""
+    return Path(f"{name}.ckpt") == Path("last.ckpt")
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    """Whether ``path`` lies in ``directory`` or any sub-directory of it."""
+    path, directory = path.resolve(), directory.resolve()
+    return path != directory and path.is_relative_to(directory)
+
+
+def _remove_empty_parents(path: Path, directory: Path) -> None:
+    """Remove the directories between ``path`` and ``directory`` that are left empty (a
+    ``filename="{epoch}/model"`` makes one per save)."""
+    top = directory.resolve()
+    for parent in path.parents:
+        if parent.resolve() == top or not _inside(parent, top):
+            return
+        try:
+            parent.rmdir()
+        except OSError:  # (not empty: other checkpoints, or the user's files)
+            return
 
 
 def _same_file(a: Path, b: Path) -> bool:

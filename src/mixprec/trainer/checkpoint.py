@@ -12,9 +12,11 @@ and plain Python values only, so loading one never runs code from the file.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import glob
+import io
 import logging
 import os
 import pickle
@@ -187,6 +189,8 @@ def install(tmp: Path, path: Path) -> None:
         _remove(aside)
     else:
         os.replace(tmp, path)
+        # (a rename onto a hard link of the same file does nothing: the temporary stays)
+        tmp.unlink(missing_ok=True)
         _fsync_dir(path.parent)
 
 
@@ -233,14 +237,23 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     """``torch.save`` to ``path`` with `atomic_write`: readers see the old file or the new
     one, never half.
 
-    Stale temporary files of killed saves in that directory are removed first. A full disk
-    raises ``OSError`` naming the path; Ctrl-C during the save lets it finish, then raises
+    An ``obj`` holding values other than containers, numbers, strings and tensors (a
+    callback's numpy number) has its file read back (``torch.load(weights_only=True)``,
+    tensors mapped, not read) before it replaces anything: one `load` would refuse raises
+    ``TypeError`` naming the value (every resume from it would fail). Stale temporary files
+    of killed saves in that directory are removed first. A full disk raises ``OSError``
+    naming the path; Ctrl-C during the save lets it finish, then raises
     ``KeyboardInterrupt`` (a second Ctrl-C abandons the save, leaving the old file).
     """
     path = Path(path)
+    unusual = list(unusual_parts(obj))
     try:
-        with atomic_write(path) as tmp, open(tmp, "wb") as f:
-            torch.save(obj, f)
+        with atomic_write(path) as tmp:
+            with open(tmp, "wb") as f:
+                torch.save(obj, f)
+            reason = refusal(tmp) if unusual else None
+            if reason is not None:  # (the temporary file is removed; the target untouched)
+                raise unreadable_error(unusual, reason)
     except BaseException as exc:
         cause = _cause(exc)
         if isinstance(cause, KeyboardInterrupt):
@@ -260,6 +273,8 @@ def atomic_link(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Pat
     """Make ``dst`` an atomic copy of the checkpoint ``src``, a file or a sharded one's
     directory, with `atomic_write`: hard links where the filesystem allows, else copies."""
     src, dst = Path(src), Path(dst)
+    if _same_entry(src, dst):  # (a link of a file onto itself would leave its temporary)
+        return dst
     with atomic_write(dst, directory=src.is_dir()) as tmp:
         if src.is_dir():
             for entry in src.iterdir():
@@ -270,6 +285,14 @@ def atomic_link(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> Pat
     return dst
 
 
+def _same_entry(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` are one file or directory (the same path, or hard links)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # (either is missing)
+        return False
+
+
 def _link_or_copy(src: Path, dst: Path) -> None:
     try:
         os.link(src, dst)
@@ -278,6 +301,86 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 # -- read back safely ----------------------------------------------------------------------------
+
+
+# what `torch.load(weights_only=True)` surely reads: a state of only these needs no check
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.nn.Parameter)
+_CONTAINERS = (dict, collections.OrderedDict, list, tuple)
+
+
+def unusual_parts(value: Any, where: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """(where, part) of each part of ``value`` that is neither a container (walked, its
+    keys too) nor a plain value (`_PLAIN`): a numpy number, a Path, a dataclass, a set...,
+    which ``torch.load(weights_only=True)`` may refuse. Nothing is pickled."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return
+    if kind not in _CONTAINERS:
+        yield where, value
+        return
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        if type(key) not in _PLAIN:
+            yield (*where, key), key
+        yield from unusual_parts(item, (*where, key))
+
+
+def refusal(source: Path | io.BytesIO) -> str | None:
+    """Why ``torch.load(weights_only=True)`` refuses the file (what torch's unpickler said),
+    or None when it reads it. Tensors are mapped, not read, from a file."""
+    try:
+        torch.load(source, map_location="cpu", weights_only=True, mmap=isinstance(source, Path))
+    except pickle.UnpicklingError as err:
+        return unpickler_reason(err, first_sentence=True)
+    except (OSError, RuntimeError):  # (a file system without mmap: the check cannot tell)
+        return None
+    return None
+
+
+def unpickler_reason(err: BaseException, first_sentence: bool = False) -> str:
+    """The line of a failed ``torch.load(weights_only=True)`` that says what it refused
+    (torch's own message wraps it in general advice), without terminal escapes; with
+    ``first_sentence``, without torch's advice on allowing it either."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    marker = "WeightsUnpickler error:"
+    found = [line.split(marker, 1)[1] for line in text.splitlines() if marker in line]
+    if not found:
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return f"{type(err).__name__}: {lines[0] if lines else ''}"
+    reason = found[0].strip()
+    return reason.split(". ", 1)[0] if first_sentence else reason
+
+
+def _refused_alone(part: Any) -> bool:
+    """Whether ``torch.load(weights_only=True)`` refuses ``part`` saved alone."""
+    buffer = io.BytesIO()
+    torch.save(part, buffer)
+    buffer.seek(0)
+    return refusal(buffer) is not None
+
+
+def _owner(where: tuple[Any, ...]) -> str:
+    """Whose state holds the part at ``where`` in a Trainer checkpoint, and where in it."""
+    inside = "".join(f"[{key!r}]" for key in where[2:])
+    if len(where) >= 2 and where[0] == "callbacks":
+        return f"state_dict(){inside} of callback {where[1]!r}"
+    if len(where) >= 2 and where[0] == "schedulers":
+        return f"state_dict(){inside} of scheduler {where[1]}"
+    return "the checkpoint's " + "".join(f"[{key!r}]" for key in where)
+
+
+def unreadable_error(parts: list[tuple[tuple[Any, ...], Any]], reason: str) -> TypeError:
+    """The error of a save whose file ``torch.load(weights_only=True)`` refuses (``reason``,
+    torch's), naming the first of the unusual ``parts`` refused alone."""
+    where, part = next(((w, p) for w, p in parts if _refused_alone(p)), parts[0])
+    kind = type(part)
+    return TypeError(
+        f"cannot checkpoint: {_owner(where)} is a {kind.__module__}.{kind.__qualname__}, "
+        f"which torch.load(weights_only=True) does not read back ({reason}), so no resume "
+        "could load the checkpoint. Keep Python numbers (float(x), int(x)), strings, lists, "
+        "dicts and tensors in state_dict, or allow the type with "
+        "torch.serialization.add_safe_globals. The previous checkpoint, if any, is intact"
+    )
 
 
 class CheckpointError(ValueError):
@@ -302,11 +405,13 @@ def load(
     hint = "save one with Trainer.save_checkpoint or ModelCheckpoint"
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as err:
         raise CheckpointError(
-            f"{path} is not a readable mixprec checkpoint: it holds pickled Python objects "
-            "(e.g. a whole model saved with torch.save(model)), and loading those would run "
-            f"code from the file; {hint}"
+            f"{path} is not a readable mixprec checkpoint: it holds Python objects that "
+            f"torch's safe load does not read ({unpickler_reason(err)}), and loading them "
+            "would run code from the file. A whole model saved with "
+            "torch.save(model) holds such objects, and so does a checkpoint whose callback "
+            f"state held one (a numpy number); {hint}"
         ) from None
     except Exception as err:  # torch raises many kinds for a damaged file
         detail = (str(err).strip().splitlines() or [""])[0][:120]

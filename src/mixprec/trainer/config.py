@@ -36,6 +36,7 @@ from mixprec.trainer.callbacks import (
     keeps_state,
     state_key,
 )
+from mixprec.trainer.data import num_batches
 from mixprec.trainer.module import TrainingModule, hooks_not_called
 from mixprec.trainer.progress import RichProgressBar
 
@@ -399,8 +400,9 @@ def check_one_loader(data: Any, argument: str) -> None:
 
 def check_fit_inputs(trainer: Trainer, model: Any, train: Any, val: Any) -> None:
     """What would otherwise fail only after the first epoch, or never end: no training data,
-    several loaders for one, validation data the model cannot validate, directories that
-    cannot be written; and a warning for Lightning hooks the module defines that never run."""
+    several loaders for one, validation data the model cannot validate, fractions of data
+    without len(), directories that cannot be written; and a warning for Lightning hooks the
+    module defines that never run."""
     if train is None:
         raise ValueError(
             "fit needs training data: train_dataloaders is None (pass a DataLoader or any "
@@ -408,6 +410,8 @@ def check_fit_inputs(trainer: Trainer, model: Any, train: Any, val: Any) -> None
         )
     check_one_loader(train, "train_dataloaders")
     check_one_loader(val, "val_dataloaders")
+    if val is not None and trainer.config.limit_val_batches != 0:
+        check_fractions(trainer.config, train, val)
     names = hooks_not_called(model) if isinstance(model, TrainingModule) else []
     if names:
         warnings.warn(
@@ -435,6 +439,24 @@ def check_fit_inputs(trainer: Trainer, model: Any, train: Any, val: Any) -> None
                 _check_writable(cb.dirpath, "ModelCheckpoint dirpath")
             elif not trainer.loggers:  # it saves under <default_root_dir>/checkpoints
                 _check_writable(trainer.config.default_root_dir, "default_root_dir")
+
+
+def check_fractions(config: TrainerConfig, train: Any, val: Any) -> None:
+    """Refuse before training a fraction of data without ``len()`` (a stream, an
+    IterableDataset): ``limit_val_batches`` of such validation data would fail at the first
+    validation, after a training epoch; ``val_check_interval`` of such training data would
+    be ignored (an epoch's length is unknown), as Lightning refuses it too."""
+    num_batches(val, config.limit_val_batches, "val")  # (raises for a fraction of no len())
+    interval = config.val_check_interval
+    if not isinstance(interval, float) or interval == 1.0:
+        return
+    if num_batches(train, config.limit_train_batches, "train") is None:
+        raise ValueError(
+            f"val_check_interval={interval} is a fraction of an epoch, but the training data "
+            "has no len(), so an epoch's length is unknown: give a number of training batches "
+            "(val_check_interval=100 validates every 100 batches), 1.0 (once the data runs "
+            "out), or a number of batches as limit_train_batches"
+        )
 
 
 def check_model(model: Any, loss_fn: Any) -> None:

@@ -117,7 +117,8 @@ class CSVLogger(Logger):
     Columns are ``step`` then metric names in order of first appearance. When a new name shows
     up the file is rewritten once with the wider header (rows are kept in memory for that;
     the rewrite replaces the file atomically); otherwise rows are appended, and the file is
-    flushed every ``flush_every`` rows. A file already there (a run resumed with its version)
+    flushed every ``flush_every`` rows (the Trainer flushes it too at each epoch's end, and
+    before it writes a checkpoint). A file already there (a run resumed with its version)
     is continued: its rows are kept, but those past the step the fit resumes from (a run
     killed after its checkpoint logged them; the resumed fit logs them again), and new
     ones follow.

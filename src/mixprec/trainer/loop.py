@@ -79,10 +79,27 @@ class StepRunner(nn.Module):
         if kind != "predict":
             # the loops converted the batch before their hooks saw it
             return batch_loss(precision, model, batch, self.loss_fn, converted=True)
-        # the target, if the batch has one, is not needed
-        inputs = [batch] if isinstance(batch, Tensor) else split_batch(batch)[0]
         with step_context(precision, model):
-            return model(*inputs)
+            return model(*predict_inputs(batch))
+
+
+def predict_inputs(batch: Any) -> list[Any]:
+    """A plain module's inputs in a prediction batch: a tensor; a list or tuple of one
+    (``TensorDataset(x)`` yields ``[x]``); or ``(inputs..., target)``, whose target is not
+    needed."""
+    if isinstance(batch, Tensor):
+        return [batch]
+    if isinstance(batch, (list, tuple)) and len(batch) == 1:
+        return list(batch)
+    if isinstance(batch, (list, tuple)) and len(batch) > 1:
+        return split_batch(batch)[0]
+    got = type(batch).__name__ + (" of length 0" if isinstance(batch, (list, tuple)) else "")
+    raise TypeError(
+        "predict with a plain module takes batches that are a tensor, a list or tuple of one "
+        "([x], as TensorDataset(x) yields: model(x)), or a longer one whose last item is "
+        f"left out ((x, y): model(x)); got {got}. For other batches, define predict_step in "
+        "a TrainingModule"
+    )
 
 
 class EmptyEpochError(ValueError):
@@ -724,6 +741,7 @@ def val_due(run: FitRun, batch_idx: int) -> bool:
         return True  # every epoch ends with a validation
     interval = run.config.val_check_interval
     if isinstance(interval, float):
+        # (data without len() takes 1.0 alone: `config.check_fractions` refuses the others)
         if interval == 1.0 or n is None:
             return False
         interval = max(1, int(n * interval))
@@ -831,44 +849,56 @@ def modes_kept(model: nn.Module) -> Iterator[None]:
 def run_eval(
     run: Run, kind: str, loader: Iterable[Any], limit: int | float | None
 ) -> dict[str, float]:
-    """One validation or test pass; returns its epoch metrics (also logged)."""
+    """One validation or test pass; returns its epoch metrics (also logged). The metric
+    store logs evaluation values meanwhile, and is put back however the pass ends (an
+    error, Ctrl-C): left evaluating, a later fit of the Trainer would log its training
+    values as evaluation epoch values."""
     what = "val" if kind == "validation" else "test"
     n = run.progress.num_eval_batches = num_batches(loader, limit, what)
+    metrics_store = run.metrics
+    # (a validation inside a training batch: its on_train_batch_end logs weigh that batch)
+    training, training_batch = metrics_store.training, metrics_store.batch_size
+    metrics_store.training = False
+    try:
+        with modes_kept(run.runner), rng_unchanged(), torch.no_grad():
+            run.runner.eval()
+            return eval_pass(run, kind, loader, n)
+    finally:
+        metrics_store.training, metrics_store.batch_size = training, training_batch
+
+
+def eval_pass(run: Run, kind: str, loader: Iterable[Any], n: int | None) -> dict[str, float]:
+    """`run_eval`'s pass over at most ``n`` batches (all when None), hooks and rows."""
+    what = "val" if kind == "validation" else "test"
     model, metrics_store = run.model, run.metrics
     plain = not isinstance(model, TrainingModule)
-    metrics_store.training = False
-    # (a validation inside a training batch: its on_train_batch_end logs weigh that batch)
-    training_batch = metrics_store.batch_size
-    with modes_kept(run.runner), rng_unchanged(), torch.no_grad():
-        run.runner.eval()
-        run.hook(f"on_{kind}_start")
-        if isinstance(model, TrainingModule):
-            with metrics_store.epoch_hook(f"on_{kind}_epoch_start"):
-                getattr(model, f"on_{kind}_epoch_start")()
-        for batch_idx, batch in enumerate(loader):
-            if n is not None and batch_idx >= n:
-                break
-            batch = run.precision.convert_input(to_device(batch, run.strategy.device))
-            metrics_store.batch_size = batch_size_of(batch)  # (what a logged value weighs)
-            output = run.runner(kind, batch, batch_idx)
-            if plain:
-                metrics_store.log(f"{what}_loss", output)
-            # the batch's values, shown to its batch-end hook, then handed to the loggers
-            # in one row with what the hook logs
-            shown = run.log.show(dict(metrics_store.take_step(run.strategy.mean)))
-            run.hook(f"on_{kind}_batch_end", output, batch, batch_idx)
-            row = {**shown, **metrics_store.take_step(run.strategy.mean)}
-            if row:
-                run.log.add(run.progress.global_step, row, flush=True)
-        if isinstance(model, TrainingModule):
-            with metrics_store.epoch_hook(f"on_{kind}_epoch_end"):
-                getattr(model, f"on_{kind}_epoch_end")()
-        metrics_store.batch_size = None
-        metrics = metrics_store.take_epoch(run.strategy.mean, run.strategy.union)
-        run.log.add(run.progress.global_step, dict(metrics), flush=True)
-        with metrics_store.refusing(f"on_{kind}_end"):
-            run.hook(f"on_{kind}_end")
-    metrics_store.training, metrics_store.batch_size = True, training_batch
+    run.hook(f"on_{kind}_start")
+    if isinstance(model, TrainingModule):
+        with metrics_store.epoch_hook(f"on_{kind}_epoch_start"):
+            getattr(model, f"on_{kind}_epoch_start")()
+    for batch_idx, batch in enumerate(loader):
+        if n is not None and batch_idx >= n:
+            break
+        batch = run.precision.convert_input(to_device(batch, run.strategy.device))
+        metrics_store.batch_size = batch_size_of(batch)  # (what a logged value weighs)
+        output = run.runner(kind, batch, batch_idx)
+        if plain:
+            metrics_store.log(f"{what}_loss", output)
+        # the batch's values, shown to its batch-end hook, then handed to the loggers
+        # in one row with what the hook logs
+        shown = run.log.show(dict(metrics_store.take_step(run.strategy.mean)))
+        run.hook(f"on_{kind}_batch_end", output, batch, batch_idx)
+        row = {**shown, **metrics_store.take_step(run.strategy.mean)}
+        if row:
+            run.log.add(run.progress.global_step, row, flush=True)
+    if isinstance(model, TrainingModule):
+        with metrics_store.epoch_hook(f"on_{kind}_epoch_end"):
+            getattr(model, f"on_{kind}_epoch_end")()
+    metrics_store.batch_size = None
+    metrics = metrics_store.take_epoch(run.strategy.mean, run.strategy.union)
+    run.log.add(run.progress.global_step, dict(metrics), flush=True)
+    with metrics_store.refusing(f"on_{kind}_end"):
+        run.hook(f"on_{kind}_end")
     return metrics
 
 

@@ -221,12 +221,15 @@ class MetricStore:
         }
 
     def clear(self) -> None:
-        """Forget everything logged (between runs)."""
+        """Forget everything logged, and start in training again (between runs: one cut
+        short inside an evaluation, by an error or Ctrl-C, may have left it evaluating)."""
         for store in (*self._step.values(), *self._epoch.values()):
             store.clear()
         self._synced.clear()
         self._shown.clear()
         self.prog_bar.clear()
+        self.training, self.batch_size = True, None
+        self._hook = self._refusing = None
 
 
 def reset_peak_memory(device: torch.device) -> None:

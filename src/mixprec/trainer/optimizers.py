@@ -3,10 +3,12 @@ optimizers, and schedulers with their interval, frequency and monitored metric."
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import numbers
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,24 +51,73 @@ class Scheduler:
     name: str | None = None  # (Lightning's name for it: said in messages)
 
 
+_SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name")
+_OPTIMIZER_KEYS = ("optimizer", "lr_scheduler", "monitor")
+
+
+def sched_config(s: Any) -> dict[str, Any]:
+    """A scheduler config dict (Lightning's keys) from a scheduler or such a dict."""
+    if not isinstance(s, dict):
+        return {"scheduler": s}
+    if "scheduler" not in s:
+        raise ValueError(f"a scheduler config dict needs a 'scheduler' key, got {sorted(s)}")
+    unknown = set(s) - set(_SCHEDULER_KEYS)
+    if unknown:
+        raise ValueError(
+            f"unknown scheduler config keys {sorted(unknown)}; accepted: scheduler, "
+            "interval ('epoch' or 'step'), frequency, monitor, strict, name"
+        )
+    return dict(s)
+
+
+def optimizer_dict(d: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """The optimizer and scheduler config of one ``{"optimizer": ..., "lr_scheduler": ...,
+    "monitor": ...}`` dict. Any other key is refused: a misspelt ``"lr_scheduler"`` would
+    train without its scheduler. A top-level ``"monitor"`` is the metric of a
+    ReduceLROnPlateau whose config names none (Lightning's form: a bare one); unused
+    elsewhere, it is warned about (Lightning ignores it there)."""
+    unknown = [str(k) for k in d if k not in _OPTIMIZER_KEYS]
+    if unknown or "optimizer" not in d:
+        got = f"unknown keys {sorted(unknown)}" if unknown else f"no 'optimizer' in {sorted(d)}"
+        raise ValueError(
+            "configure_optimizers must return dicts with the keys 'optimizer' (required), "
+            "'lr_scheduler' (a scheduler, or a config dict with 'scheduler', 'interval', "
+            "'frequency', 'monitor', 'strict', 'name') and 'monitor' (the metric of a "
+            f"ReduceLROnPlateau given as a bare 'lr_scheduler'); got {got}"
+        )
+    monitor, sched = d.get("monitor"), d.get("lr_scheduler")
+    if monitor is not None and not isinstance(monitor, str):
+        raise ValueError(f"'monitor' must be a metric name, got {monitor!r}")
+    if sched is None:
+        _unused_monitor(monitor, "there is no 'lr_scheduler'")
+        return d["optimizer"], None
+    config = sched_config(sched)
+    own = config.get("monitor")
+    if monitor is None or own == monitor:
+        return d["optimizer"], config
+    if own is None and isinstance(config["scheduler"], torch.optim.lr_scheduler.ReduceLROnPlateau):
+        config["monitor"] = monitor
+    elif own is not None:
+        _unused_monitor(monitor, f"the scheduler's config dict monitors {own!r}")
+    else:
+        _unused_monitor(monitor, f"{type(config['scheduler']).__name__} steps without a metric")
+    return d["optimizer"], config
+
+
+def _unused_monitor(monitor: str | None, why: str) -> None:
+    """Warn that a top-level ``"monitor"`` is not used (Lightning ignores it there)."""
+    if monitor is not None:
+        warnings.warn(
+            f"configure_optimizers' 'monitor': {monitor!r} is not used: {why}. It is the "
+            "metric of a ReduceLROnPlateau whose config names none (a bare 'lr_scheduler'); "
+            "another scheduler monitors what its config dict names ({'scheduler': ..., "
+            "'monitor': ...})",
+            stacklevel=2,
+        )
+
+
 def parse_optimizers(config: Any) -> tuple[list[Any], list[dict[str, Any]]]:
     """Lightning's accepted ``configure_optimizers`` results -> (optimizers, scheduler configs)."""
-
-    def sched_config(s: Any) -> dict[str, Any]:
-        if isinstance(s, dict):
-            if "scheduler" not in s:
-                raise ValueError(
-                    f"a scheduler config dict needs a 'scheduler' key, got {sorted(s)}"
-                )
-            unknown = set(s) - {"scheduler", "interval", "frequency", "monitor", "strict", "name"}
-            if unknown:
-                raise ValueError(
-                    f"unknown scheduler config keys {sorted(unknown)}; accepted: scheduler, "
-                    "interval ('epoch' or 'step'), frequency, monitor, strict, name"
-                )
-            return dict(s)
-        return {"scheduler": s}
-
     if isinstance(config, torch.optim.Optimizer):
         return [config], []
     if isinstance(config, dict):
@@ -79,16 +130,14 @@ def parse_optimizers(config: Any) -> tuple[list[Any], list[dict[str, Any]]]:
                 return list(opts), [sched_config(s) for s in scheds]
         if config and all(isinstance(o, torch.optim.Optimizer) for o in config):
             return list(config), []
-        if config and all(isinstance(d, dict) and "optimizer" in d for d in config):
-            opts = [d["optimizer"] for d in config]
-            scheds = [
-                sched_config(d["lr_scheduler"]) for d in config if d.get("lr_scheduler") is not None
-            ]
-            return opts, scheds
+        if config and all(isinstance(d, dict) for d in config):
+            pairs = [optimizer_dict(d) for d in config]
+            return [o for o, _ in pairs], [s for _, s in pairs if s is not None]
     raise ValueError(
         "configure_optimizers must return an optimizer, a list of optimizers, "
-        "([optimizers], [schedulers]), or {'optimizer': ..., 'lr_scheduler': ...} (or a list "
-        f"of such dicts); got {type(config).__name__}"
+        "([optimizers], [schedulers]), or {'optimizer': ..., 'lr_scheduler': ..., "
+        "'monitor': ...} (or a list of such dicts); "
+        f"got {type(config).__name__}"
     )
 
 
@@ -107,7 +156,11 @@ def scheduler_entry(config: dict[str, Any], optimizers: list[LossScaleOptimizer]
         raise ValueError(f"scheduler interval must be 'epoch' or 'step', got {interval!r}")
     monitor = config.get("monitor")
     if monitor is None and isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        raise ValueError("ReduceLROnPlateau needs a 'monitor' in its scheduler config")
+        raise ValueError(
+            "ReduceLROnPlateau needs a metric to monitor: {'optimizer': ..., 'lr_scheduler': "
+            "scheduler, 'monitor': 'val_loss'}, or 'lr_scheduler': {'scheduler': scheduler, "
+            "'monitor': 'val_loss'}"
+        )
     frequency = config.get("frequency", 1)
     if isinstance(frequency, bool) or not isinstance(frequency, numbers.Integral) or frequency < 1:
         raise ValueError(
@@ -229,8 +282,9 @@ def repoint_converted(configs: list[dict[str, Any]], precision: Precision) -> No
     states (``optimizer_states=``) drive the converted one: `states.from_optimizer` keeps
     the parameter groups one to one, in order (a parameter's own format is held per
     parameter, not by splitting its group), and `Precision.setup` gave the torch optimizer
-    the converted one's groups and steps, so the learning rates it sets land where they did
-    and torch's check of the step order passes."""
+    the converted one's groups and steps, so the learning rates it sets land where they did.
+    The converted one's step is patched as torch patches a scheduler's optimizer
+    (`count_steps_for_schedulers`), so torch's check of the step order passes, silently."""
     for config in configs:
         sched = config["scheduler"]
         old = getattr(sched, "optimizer", None)
@@ -238,6 +292,30 @@ def repoint_converted(configs: list[dict[str, Any]], precision: Precision) -> No
         if new is None:
             continue
         sched.optimizer = new
+        count_steps_for_schedulers(new)
+
+
+def count_steps_for_schedulers(optimizer: torch.optim.Optimizer) -> None:
+    """Patch ``optimizer.step`` as torch's ``LRScheduler.__init__`` patches its optimizer's
+    (torch has no public call for it): each step marks the optimizer as stepped, which
+    torch's check that a scheduler steps after its optimizer reads. A scheduler moved onto
+    another optimizer needs it, or its first step warns that ``optimizer.step()`` was
+    overridden. Like torch's, the patch holds the optimizer by a weak reference, and a copy
+    of the optimizer (torch copies its defaults, state and groups) goes without it."""
+    step = optimizer.step
+    if hasattr(step, "_wrapped_by_lr_sched"):
+        return
+    owner = weakref.ref(optimizer)
+    func = step.__func__
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = owner()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, type(opt))(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
 
 
 OptimizerFactory = Callable[[nn.Module], torch.optim.Optimizer]

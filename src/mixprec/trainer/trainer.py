@@ -439,6 +439,7 @@ class Trainer:
                 "accumulated gradients are not saved; save after an optimizer step"
             )
         path = Path(path)
+        self._flush_logs()
         if self.strategy.sharded:
             sharded.save(run, path)
         else:
@@ -456,6 +457,15 @@ class Trainer:
             if self.is_global_zero:
                 ckpt_io.atomic_save(resume.checkpoint_state(run, ranks), path)
         return path
+
+    def _flush_logs(self) -> None:
+        """Hand the rows logged so far to the loggers and push them to disk, before a
+        checkpoint is written: a fit resumed from it logs only the steps after it again, so
+        rows still buffered when the process is killed (SIGKILL, a preemption) would be
+        lost for good."""
+        self._log.flush()
+        for lg in self.loggers:
+            lg.flush()
 
     def link_checkpoint(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
         """Make ``dst`` an atomic copy of the checkpoint ``src`` (rank 0 copies; a sharded
