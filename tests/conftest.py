@@ -54,9 +54,12 @@ def _isolated(monkeypatch):
 
 @pytest.fixture
 def fresh_detect():
-    """Device detection (remembered per process) made afresh before and after the test."""
-    from mixprec.device import _detect
+    """Device detection (remembered per process) made afresh before and after the test, the
+    measurements a cache file could not take forgotten too."""
+    from mixprec.device import _detect, gemm_ratio
 
     _detect.cache_clear()
+    gemm_ratio._UNSTORED.clear()
     yield
     _detect.cache_clear()
+    gemm_ratio._UNSTORED.clear()

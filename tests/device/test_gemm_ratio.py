@@ -206,6 +206,22 @@ def test_a_cache_that_cannot_be_written_is_said_and_the_host_still_rated(tmp_pat
     assert "could not cache" in str(w.message) and gemm_ratio.CACHE_ENV in str(w.message)
 
 
+@pytest.mark.usefixtures("fresh_detect")
+def test_a_remeasure_that_cannot_be_cached_measures_once(tmp_path, monkeypatch):
+    """Found by a review: `mixprec info --measure` with an unwritable cache measured twice
+    (and warned twice), the first measurement thrown away."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    _fresh(monkeypatch, blocker / "cache")
+    calls = []
+    fixed = _measured_at_fixed_ratios(monkeypatch)
+    monkeypatch.setattr(gemm_ratio, "measure", lambda *args: calls.append(1) or fixed)
+    with pytest.warns(RuntimeWarning, match="could not cache") as said:
+        info = device.remeasure()
+    assert len(calls) == 1 and len(said) == 1
+    assert info.gemm_ratios == fixed.ratios and device.detect("cpu") is info
+
+
 def test_the_cache_lives_where_the_user_cache_is(tmp_path):
     assert gemm_ratio.cache_path({gemm_ratio.CACHE_ENV: "/a", "XDG_CACHE_HOME": "/b"}) == (
         gemm_ratio.Path("/a/gemm-ratios.json")

@@ -315,6 +315,25 @@ def test_a_state_rule_matches_its_module_path_as_written() -> None:
     assert opt.optimizer.state[model.body.weight]["format"] == "float8"
 
 
+def test_a_state_rule_for_the_roots_own_parameters_is_not_called_a_typo() -> None:
+    """Found by a review: the doctor's own suggestion for a parameter of the model itself,
+    ``{"": "float32"}``, applied but was warned of as matching no module."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(64, 64))
+            self.lin = nn.Linear(64, 64)
+
+    pmap = PolicyMap("32-true", states={"": "float32"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pmap.warn_unmatched_states(Scaled())
+    assert pmap.state_formats(Scaled(), "int8")["scale"][1] == "state rule ''"
+    with pytest.warns(UserWarning, match="state rule '' matches no module"):
+        pmap.warn_unmatched_states(nn.Sequential(nn.Linear(4, 4)))
+
+
 def test_bad_state_rules_are_refused_naming_the_rule() -> None:
     with pytest.raises(PolicySpecError, match=r"state rule 'head'.*unknown state format"):
         PolicyMap("32-true", states={"head": "int3"})

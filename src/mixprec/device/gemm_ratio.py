@@ -315,17 +315,26 @@ def lookup(key: Mapping[str, Any]) -> GemmRatios | None:
     return None
 
 
+# measurements a cache file could not take, by file and key: this process's own
+_UNSTORED: dict[str, tuple[GemmRatios, str]] = {}
+
+
 def cached(key: Mapping[str, Any], refresh: bool = False) -> tuple[GemmRatios, str | None]:
     """The ratios measured for `key` (what decides them: CPU model and flags, the ISA cap this
     process's kernels run under, torch version), from the cache file, or measured now and
     stored there when the file has none for `key` or `refresh` asks; and why they are not in
     the cache file (None when they are), so that no one says they were cached. The caller
     vouches that `key` describes this process: its GEMMs are what is measured. A cache that
-    cannot be written is warned about, and the measurement is then only the caller's."""
+    cannot be written is warned about, and the measurement is then this process's alone
+    (`_UNSTORED`: asked again, it is not measured again)."""
     key = dict(key)
     path = cache_path()
-    if not refresh and (found := lookup(key)) is not None:
-        return found, None
+    held = json.dumps([str(path), key], sort_keys=True)  # (another cache file: tried anew)
+    if not refresh:
+        if (found := lookup(key)) is not None:
+            return found, None
+        if held in _UNSTORED:
+            return _UNSTORED[held]
     entries = _entries(path)
     found = measure()
     kept = [e for e in entries if e.get("key") != key]
@@ -338,5 +347,7 @@ def cached(key: Mapping[str, Any], refresh: bool = False) -> tuple[GemmRatios, s
             RuntimeWarning,
             stacklevel=3,
         )
-        return found, f"{path} could not be written: {err.strerror or err}"
+        _UNSTORED[held] = (found, f"{path} could not be written: {err.strerror or err}")
+        return _UNSTORED[held]
+    _UNSTORED.pop(held, None)
     return found, None

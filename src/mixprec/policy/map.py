@@ -523,7 +523,7 @@ class PolicyMap:
         if not isinstance(self.states, dict):
             return
         params = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-        owners = sorted({n.rpartition(".")[0] for n in params} - {""})
+        owners = sorted({n.rpartition(".")[0] for n in params})  # ("" where the root has some)
         modules = [n for n, _ in model.named_modules(remove_duplicate=False) if n]
         unmatched = {}
         for key in self.states:
