@@ -429,7 +429,7 @@ def test_a_dtype_changed_after_apply_is_named_when_torch_refuses_it(spec, change
     moved = "float16" if change == "half" else "float32"
     with pytest.raises(mixprec.PrecisionError, match=rf"0\.weight is {moved}, but mixprec") as err:
         model(torch.randn(2, 4))
-    assert isinstance(err.value.__cause__, RuntimeError)
+    assert isinstance(err.value.__cause__, RuntimeError) and isinstance(err.value, RuntimeError)
     assert "mixprec.apply(model, policy)" in str(err.value)
     mixprec.apply(model, spec, warn=False)
     assert model(torch.randn(2, 4)).dtype == (bf16 if spec == "bf16-true" else f32)
@@ -457,6 +457,37 @@ def test_a_result_in_the_other_16_bit_dtype_comes_back_float32_in_a_mixed_parent
     model = mixprec.apply(Net(), PolicyMap(parent, {"a": rule}), warn=False)
     out, dtype = model(torch.full((1, 4), 12.0))
     assert dtype == f32 and torch.isfinite(out).all()
+
+
+def test_a_shared_float16_embedding_hands_a_bfloat16_mixed_caller_float32():
+    """Found by a review of the fix above: an embedding shared by a bf16-mixed and a
+    bf16-true parent, under a 16-true rule, still handed the mixed one float16 (its ids are
+    no floating input to follow), and exp(15) there overflowed."""
+
+    class Parent(nn.Module):
+        def __init__(self, emb):
+            super().__init__()
+            self.emb = emb
+
+        def forward(self, ids):
+            e = self.emb(ids)
+            return torch.exp(e * 30), e.dtype
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            emb = nn.Embedding(10, 4)
+            with torch.no_grad():
+                emb.weight.fill_(0.5)
+            self.mixed, self.true = Parent(emb), Parent(emb)
+
+        def forward(self, ids):
+            return self.mixed(ids), self.true(ids)
+
+    rules = {"true": "bf16-true", nn.Embedding: "16-true"}
+    model = mixprec.apply(Root(), PolicyMap("bf16-mixed", rules), warn=False)
+    (out, dtype), (_, true_dtype) = model(torch.tensor([1, 2]))
+    assert dtype == f32 and torch.isfinite(out).all() and true_dtype == bf16
 
 
 def test_a_true_region_casts_a_tensor_given_twice_once():
@@ -489,12 +520,21 @@ def test_a_true_region_casts_a_tensor_given_twice_once():
     assert a is b and a.dtype == bf16 and b is not c
 
 
-def test_a_torch_error_with_dtypes_as_apply_set_them_passes_through():
-    """A forward's own error (a wrong input shape) is torch's, unchanged."""
+def test_a_torch_error_other_than_a_dtype_clash_passes_through():
+    """A forward's own error (a wrong input shape) is torch's, unchanged, with the dtypes as
+    apply set them and after they moved (a review found any RuntimeError, out-of-memory
+    included, turned into the dtype explanation once a parameter had moved)."""
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
     mixprec.apply(model, "bf16-true", warn=False)
-    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as err:
         model(torch.randn(2, 5))
+    assert type(err.value) is RuntimeError
+    model = mixprec.apply(nn.Sequential(nn.Linear(4, 4)), "bf16-mixed", warn=False)
+    model.to(bf16)  # (runs: autocast casts)
+    assert model(torch.randn(2, 4)).dtype == f32
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as err:
+        model(torch.randn(2, 5))
+    assert type(err.value) is RuntimeError
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ import copy
 import functools
 import gc
 import inspect
+import re
 import sys
 import threading
 import weakref
@@ -36,7 +37,7 @@ from mixprec.activations import install as install_activations
 from mixprec.activations.rules import never_called
 from mixprec.device import detect, device_of, parse_device
 from mixprec.dtypes import default_dtype, dtype_name, exclusive, needs_default_dtype
-from mixprec.errors import PolicySpecError, PrecisionError
+from mixprec.errors import DtypeChangedError, PolicySpecError, PrecisionError
 from mixprec.hardware import slow_attention, warn_if_unsupported
 from mixprec.policy import APPLIED_STATE, REGION_MARK, Policy, explanation
 from mixprec.policy.explanation import Explanation
@@ -352,90 +353,91 @@ class _Region(_StandIn):
         self.probe = _weight_probe(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self._call(*args, **kwargs)
-        except RuntimeError as err:  # (torch's dtype clash, explained where dtypes moved)
+        try:  # (no cost in the common case; torch's dtype clash explained where dtypes moved)
+            module = self.module
+            output_dtype = self.output_dtype
+            if self.follow_input:
+                output_dtype = next(
+                    (t.dtype for t in iter_tensors((args, kwargs)) if t.is_floating_point()),
+                    None,
+                ) or _caller_dtype(
+                    self.mixed_output,
+                    _device_type(args, kwargs, module, self.probe),
+                    self.compute_dtype,
+                )
+            # the common case, one plain tensor, tested without a call
+            one = not kwargs and args and not args[1:] and type(args[0]) is Tensor
+            if self.autocast:
+                # a float64 input (a float64 neighbour's output), or one of the other 16-bit
+                # dtype, computes as float32 here (`_as_float32`)
+                uncast = self.uncast
+                if not one or args[0].dtype in uncast:
+                    args, kwargs = _as_float32((args, kwargs), uncast)
+            elif not one:  # a "true" region computes on its inputs in its own dtype
+                if kwargs:  # (one walk: a tensor passed both ways stays one tensor)
+                    args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
+                else:
+                    args = cast_floating(args, self.compute_dtype)
+            elif args[0].dtype != self.compute_dtype and args[0].is_floating_point():
+                t, dtype = args[0], self.compute_dtype
+                # (`_cast`, called only where it may change a value: a call here cost torch.compile
+                # a graph of its own before the region's break)
+                narrows = not t.requires_grad and (t.dtype, dtype) in _SENTINELS
+                args = (_cast(t, dtype) if narrows else t.to(dtype),)
+            if self.original is None:
+                # the class's function with the module as an argument, never a bound method:
+                # torch.compile rebuilds bound methods as `module.forward`, which is this region
+                args = (module, *args)
+                forward = type(module).forward
+            else:
+                forward = self.original
+            if self.autocast:
+                if self.default is not None:  # (rare: not a call on the common path)
+                    forward = functools.partial(_with_default_dtype, self.default, forward)
+                device_type = _device_type(args, kwargs, module, self.probe)
+                if (
+                    torch.is_autocast_enabled(device_type)
+                    and torch.get_autocast_dtype(device_type) == self.compute_dtype
+                ):
+                    # This very autocast runs already: the region adds none. The root's caller
+                    # runs it (a training step, the precision's forward context): the outputs
+                    # stay as autocast made them for the loss computed inside it, as in a
+                    # torch.autocast loop. Inside the model (a parent region's, or the caller's
+                    # around a layer it calls) a region still hands back its output dtype.
+                    out = forward(*args, **kwargs)
+                    if self.root:
+                        return out
+                else:
+                    try:
+                        with torch.autocast(device_type, dtype=self.compute_dtype):
+                            out = forward(*args, **kwargs)
+                    except RuntimeError as err:
+                        _explain_rnn_error(err, module, device_type, self.compute_dtype)
+                        raise
+            else:
+                # A "true" region computes in its own dtype even inside an enclosing autocast (a
+                # parent's mixed region, or the caller's): autocast is switched off for it.
+                autocast_on = torch._C._is_any_autocast_enabled()
+                if self.cast:  # (copies swapped in: one thread at a time, `exclusive`)
+                    with exclusive():
+                        copies = _compute_copies(module, self.cast, self.compute_dtype)
+                        out = self._swapped(forward, args, kwargs, copies, autocast_on)
+                elif not (autocast_on or needs_default_dtype(self.compute_dtype)):
+                    out = forward(*args, **kwargs)  # (float32 as it is: nothing to set)
+                else:
+                    out = self._swapped(forward, args, kwargs, {}, autocast_on)
+            if self.keeps_losses:
+                return _cast_but_losses(out, output_dtype)
+            if isinstance(out, Tensor):  # `cast_floating`'s first case, without its call
+                if not out.is_floating_point() or out.dtype == output_dtype:
+                    return out
+                if type(out) is Tensor and output_dtype == torch.float32 and out.dtype != _F64:
+                    return out.float()  # a plain tensor's `to(torch.float32)`, parsed faster
+                return _cast(out, output_dtype)
+            return cast_floating(out, output_dtype)
+        except RuntimeError as err:
             _explain_dtype_change(err, self.module)
             raise
-
-    def _call(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
-        output_dtype = self.output_dtype
-        if self.follow_input:
-            output_dtype = next(
-                (t.dtype for t in iter_tensors((args, kwargs)) if t.is_floating_point()),
-                None,
-            ) or _caller_dtype(self.mixed_output, _device_type(args, kwargs, module, self.probe))
-        # the common case, one plain tensor, tested without a call
-        one = not kwargs and args and not args[1:] and type(args[0]) is Tensor
-        if self.autocast:
-            # a float64 input (a float64 neighbour's output), or one of the other 16-bit
-            # dtype, computes as float32 here (`_as_float32`)
-            uncast = self.uncast
-            if not one or args[0].dtype in uncast:
-                args, kwargs = _as_float32((args, kwargs), uncast)
-        elif not one:  # a "true" region computes on its inputs in its own dtype
-            if kwargs:  # (one walk: a tensor passed both ways stays one tensor)
-                args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
-            else:
-                args = cast_floating(args, self.compute_dtype)
-        elif args[0].dtype != self.compute_dtype and args[0].is_floating_point():
-            t, dtype = args[0], self.compute_dtype
-            # (`_cast`, called only where it may change a value: a call here cost torch.compile
-            # a graph of its own before the region's break)
-            narrows = not t.requires_grad and (t.dtype, dtype) in _SENTINELS
-            args = (_cast(t, dtype) if narrows else t.to(dtype),)
-        if self.original is None:
-            # the class's function with the module as an argument, never a bound method:
-            # torch.compile rebuilds bound methods as `module.forward`, which is this region
-            args = (module, *args)
-            forward = type(module).forward
-        else:
-            forward = self.original
-        if self.autocast:
-            if self.default is not None:  # (rare: not a call on the common path)
-                forward = functools.partial(_with_default_dtype, self.default, forward)
-            device_type = _device_type(args, kwargs, module, self.probe)
-            if (
-                torch.is_autocast_enabled(device_type)
-                and torch.get_autocast_dtype(device_type) == self.compute_dtype
-            ):
-                # This very autocast runs already: the region adds none. The root's caller
-                # runs it (a training step, the precision's forward context): the outputs
-                # stay as autocast made them for the loss computed inside it, as in a
-                # torch.autocast loop. Inside the model (a parent region's, or the caller's
-                # around a layer it calls) a region still hands back its output dtype.
-                out = forward(*args, **kwargs)
-                if self.root:
-                    return out
-            else:
-                try:
-                    with torch.autocast(device_type, dtype=self.compute_dtype):
-                        out = forward(*args, **kwargs)
-                except RuntimeError as err:
-                    _explain_rnn_error(err, module, device_type, self.compute_dtype)
-                    raise
-        else:
-            # A "true" region computes in its own dtype even inside an enclosing autocast (a
-            # parent's mixed region, or the caller's): autocast is switched off for it.
-            autocast_on = torch._C._is_any_autocast_enabled()
-            if self.cast:  # (copies swapped in: one thread at a time, `exclusive`)
-                with exclusive():
-                    copies = _compute_copies(module, self.cast, self.compute_dtype)
-                    out = self._swapped(forward, args, kwargs, copies, autocast_on)
-            elif not (autocast_on or needs_default_dtype(self.compute_dtype)):
-                out = forward(*args, **kwargs)  # (float32 as it is: nothing to set)
-            else:
-                out = self._swapped(forward, args, kwargs, {}, autocast_on)
-        if self.keeps_losses:
-            return _cast_but_losses(out, output_dtype)
-        if isinstance(out, Tensor):  # `cast_floating`'s first case, without its call
-            if not out.is_floating_point() or out.dtype == output_dtype:
-                return out
-            if type(out) is Tensor and output_dtype == torch.float32 and out.dtype != _F64:
-                return out.float()  # a plain tensor's `to(torch.float32)`, parsed faster
-            return _cast(out, output_dtype)
-        return cast_floating(out, output_dtype)
 
     def _swapped(
         self,
@@ -721,29 +723,43 @@ class AppliedState:
 
 def _explain_dtype_change(err: RuntimeError, module: nn.Module) -> None:
     """Turn torch's dtype clash inside a region into what caused it, where a model's
-    parameters or buffers changed dtype after `apply` (``model.half()``, ``.float()``,
-    ``.to(dtype)``): the regions still cast inputs to the dtypes `apply` chose."""
+    parameters changed dtype after `apply` (``model.half()``, ``.float()``,
+    ``.to(dtype)``): the regions still cast inputs to the dtypes `apply` chose. Other errors
+    (a shape, out of memory) and buffers a model re-registers itself (a cache made in its
+    input's dtype) are left as they are."""
+    if type(err) is not RuntimeError or not _DTYPE_CLASH.search(str(err)):
+        return
     for owner in list(_OWNERS.get(module, ())):
         state = owner.__dict__.get(_STATE)
         if state is None or not state.applied_dtypes:
             continue
-        now = _floating_dtypes(owner)
+        now = {
+            (name, key): p.dtype
+            for name, m in owner.named_modules()
+            for key, p in m._parameters.items()
+            if p is not None and p.is_floating_point()
+        }
         moved = [
             (name, key, was, now[name, key])
             for (name, key), was in state.applied_dtypes.items()
-            if now.get((name, key), was) != was
+            if (name, key) in now and now[name, key] != was
         ]
         if moved:
             name, key, was, is_ = moved[0]
             where = f"{name}.{key}" if name else key
-            raise PrecisionError(
+            raise DtypeChangedError(
                 f"{type(owner).__name__}'s {where} is {dtype_name(is_)}, but mixprec.apply "
-                f"set it to {dtype_name(was)} ({len(moved)} of its parameters and buffers "
-                "changed dtype since, as .half(), .float() or .to(dtype) change them) while "
-                "its regions still cast inputs as apply chose. To compute in another precision, "
-                "call mixprec.apply(model, policy) with it (mixprec.remove(model) puts the "
-                "original dtypes back)"
+                f"set it to {dtype_name(was)} ({len(moved)} of its parameters changed dtype "
+                "since, as .half(), .float() or .to(dtype) change them) while its regions "
+                "still cast inputs as apply chose. To compute in another precision, call "
+                "mixprec.apply(model, policy) with it (mixprec.remove(model) puts the "
+                f"original dtypes back). Torch said: {err}"
             ) from err
+
+
+# torch's words for operands of different dtypes ("mat1 and mat2 must have the same dtype",
+# "expected scalar type Float but found BFloat16", "mixed dtype (CPU)")
+_DTYPE_CLASH = re.compile(r"dtype|scalar type|BFloat16|Half|Float|Double")
 
 
 def _region_key(p: Policy) -> tuple[bool, torch.dtype, torch.dtype]:
@@ -1289,13 +1305,18 @@ def _output_dtype(policy: Policy, parent: Policy | None) -> torch.dtype:
     return policy.output_dtype
 
 
-def _caller_dtype(mixed_output: torch.dtype, device_type: str) -> torch.dtype:
+def _caller_dtype(
+    mixed_output: torch.dtype, device_type: str, compute_dtype: torch.dtype
+) -> torch.dtype:
     """The dtype the caller of a shared region given no floating input wants its result
     in, read from where the call runs: under autocast on the region's device (a mixed
     parent's, or the caller's), ``mixed_output``, as for any child of a mixed parent
-    (`_output_dtype`); else the caller's "true" compute dtype, which its region made
-    torch's default."""
+    (`_output_dtype`: float32 for a region computing in the other 16-bit dtype); else the
+    caller's "true" compute dtype, which its region made torch's default."""
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        other = _OTHER_16_BIT.get(torch.get_autocast_dtype(device_type))
+        if mixed_output == compute_dtype == other:
+            return torch.float32
         return mixed_output
     return torch.get_default_dtype()
 

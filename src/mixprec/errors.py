@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 
 __all__ = [
+    "DtypeChangedError",
     "FactoryError",
     "LossTypeError",
     "PolicySpecError",
@@ -28,6 +29,11 @@ class PrecisionError(ValueError):
 
 class SlowPrecisionError(PrecisionError):
     """The precision runs on this device but slower than float32; pass allow_slow=True."""
+
+
+class DtypeChangedError(PrecisionError, RuntimeError):
+    """Torch refused mixed dtypes in a converted model whose parameters changed dtype after
+    `mixprec.apply` (``.half()``): a RuntimeError still, as torch's own was."""
 
 
 class SlowPrecisionWarning(UserWarning):

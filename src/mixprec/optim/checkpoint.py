@@ -181,6 +181,21 @@ class OptimizerCheckpoint:
                 ):
                     loaded[name] = value.to(loaded[name].device, copy=True)
 
+    def _widen_float16_moments(self, saved: Mapping[str, Any]) -> None:
+        """With compensation, the moments of float16 parameters from their saved values in
+        float32, as the compensated step keeps them (`Compensator._prepared`), not as torch's
+        load cast them to float16 (second moments under its range became 0)."""
+        if self._compensator is None:
+            return
+        index = [i for g in saved["param_groups"] for i in g["params"]]
+        for p, key in zip(self._all_params(), index, strict=True):
+            if p.dtype != torch.float16:
+                continue
+            loaded = self.optimizer.state.get(p, {})
+            for name, value in saved["state"].get(key, {}).items():
+                if name in ("exp_avg", "exp_avg_sq") and torch.is_tensor(loaded.get(name)):
+                    loaded[name] = value.to(p.device, torch.float32, copy=True)
+
     def check_state_dict(self, state: Mapping[str, Any]) -> None:
         """Raise, changing nothing, what `load_state_dict` refuses in ``state`` (its keys;
         its parameters: their number per group, their shapes; the optimizer class that saved
@@ -258,7 +273,8 @@ class OptimizerCheckpoint:
         self.check_state_dict_across_precisions(state)
         params = list(self._all_params())
         masters = self._masters.by_name(weights, params, self._param_names(), self._describe)
-        self._load_inner(state["optimizer"])  # (cast to this run's dtypes: no dtype kept)
+        self._load_inner(state["optimizer"])  # (cast to this run's dtypes, but ...)
+        self._widen_float16_moments(state["optimizer"])
         for inner in self.optimizer.state.values():
             inner.pop("compensation", None)
         self._masters.load(masters)
