@@ -45,7 +45,6 @@ from mixprec.policy.map import as_map, check_bypassed, island_policy
 from mixprec.quantize import QuantizeResult, quantize_modules
 from mixprec.quantize.int8 import CodeCasts
 from mixprec.quantize.rules import weights_read_by_parents
-from mixprec.tree import iter_tensors, map_tensors
 
 __all__ = [
     "quantize_for",
@@ -167,7 +166,6 @@ class _UnitAutocast:
     without one, as it is."""
 
     mixprec_wrapper = True  # (keeps the forward it replaced as `original`)
-    handback: _Handback | None = None  # (the root's, or a wider unit's inside the root)
 
     def __init__(self, module: nn.Module, dtype: torch.dtype, device_type: str, original: Any):
         self.module = module
@@ -175,7 +173,6 @@ class _UnitAutocast:
         self.low = dtype in (torch.bfloat16, torch.float16)
         self.device_type = device_type
         self.original = original
-        self.root = False
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -184,19 +181,6 @@ class _UnitAutocast:
         return inspect.signature(type(self.module).forward.__get__(self.module))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        handback = self.handback
-        if handback is None or torch.compiler.is_compiling():
-            return self._run(args, kwargs)
-        if not self.root:
-            handback.computed = self._run(args, kwargs)
-            return handback.computed
-        handback.clear()  # (what a forward that raised left)
-        try:
-            return handback.restored(self._run(args, kwargs))
-        finally:
-            handback.clear()
-
-    def _run(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.original is None:  # the class's function, as mixprec's regions call it
             args = (self.module, *args)
             forward = type(self.module).forward
@@ -214,43 +198,6 @@ class _UnitAutocast:
             return forward(*args, **kwargs)
 
 
-class _Handback:
-    """What a unit computing wider than the root that holds it (a float32 head in a bfloat16
-    model) computed, beside what FSDP2 handed the root instead (its output cast to the root's
-    compute dtype, which the root's own layers take): a tensor the root returns as it got it
-    is returned as the unit computed it, as `apply` hands it back, so a float32 head's
-    logits reach the loss in float32 (not rounded to 16 bits; in float16, logits past its
-    range were inf). Used inside the root's forward, it stays the cast one."""
-
-    def __init__(self) -> None:
-        self.computed: Any = None  # (the wider unit's last output, before FSDP2's cast)
-        self.pairs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def pair(self, module: nn.Module, args: Any, output: Any) -> None:
-        """A forward hook after FSDP2's: its cast tensors paired with what was computed."""
-        cast, computed = list(iter_tensors(output)), list(iter_tensors(self.computed))
-        self.computed = None
-        if len(cast) == len(computed):
-            for low, wide in zip(cast, computed, strict=True):
-                if low is not wide:
-                    self.pairs[id(low)] = (low, wide)
-
-    def restored(self, output: Any) -> Any:
-        pairs = self.pairs
-        if not pairs:
-            return output
-
-        def back(t: torch.Tensor) -> torch.Tensor:
-            low, wide = pairs.get(id(t), (None, t))
-            return wide if low is t else t
-
-        return map_tensors(back, output)
-
-    def clear(self) -> None:
-        self.computed = None
-        self.pairs.clear()
-
-
 def mixed_precision_policy(
     policy: Policy, *, enclosing: Policy | None, reduce_dtype: torch.dtype = torch.float32
 ) -> MixedPrecisionPolicy:
@@ -259,12 +206,17 @@ def mixed_precision_policy(
 
     Parameters are all-gathered in the compute dtype; inputs are cast to it by `shard`'s own
     hook (`_cast_inputs`), not FSDP2's plain cast, which made a mask's float32 lowest value an
-    infinity (a padded row's softmax NaN). Only the root casts its
-    output to the policy's output dtype; an inner unit hands its output back in the dtype its
-    enclosing unit computes in (nothing, when that is its own), since the enclosing unit's own
-    layers take it uncast: a float32 output there fails as "mixed dtype (CPU)"."""
+    infinity (a padded row's softmax NaN). Only the root casts its output to the policy's
+    output dtype. An inner unit computing in a narrower dtype than its enclosing one hands its
+    output back in the enclosing one's (the float32 layers there take it uncast); one
+    computing wider (a float32 head, an island in a bfloat16 block) hands it back as it
+    computed it, as `apply` does, rounded to 16 bits only where a layer of the enclosing unit
+    takes it (`_narrowing_hooks`): cast here, a float32 head's logits reached the loss in
+    bfloat16 (in float16, overflowed to inf)."""
     if enclosing is None:
         output = policy.output_dtype
+    elif _wider(policy.compute_dtype, enclosing.compute_dtype):
+        output = None
     elif enclosing.compute_dtype != policy.compute_dtype:
         output = enclosing.compute_dtype
     else:
@@ -275,6 +227,30 @@ def mixed_precision_policy(
         output_dtype=output,
         cast_forward_inputs=False,
     )
+
+
+def _wider(dtype: torch.dtype, than: torch.dtype) -> bool:
+    return torch.finfo(dtype).bits > torch.finfo(than).bits
+
+
+def _narrowing_hooks(model: nn.Module, plan: dict[str, Policy], enclosing: dict[str, str]) -> None:
+    """In each unit enclosing a unit that computes wider (`mixed_precision_policy` leaves
+    that one's output as it computed it), cast the floating inputs of the unit's own
+    layers holding parameters to the unit's compute dtype (`_cast_inputs`), as its
+    parameters are gathered in: a float32 output from the wider unit reaching one of them
+    would meet 16-bit weights. The unit's own element-wise operations promote instead."""
+    widened = {
+        enclosing[name]
+        for name, policy in plan.items()
+        if name and _wider(policy.compute_dtype, plan[enclosing[name]].compute_dtype)
+    }
+    for outer in widened:
+        dtype = plan[outer].compute_dtype
+        for name, module in model.named_modules():
+            if name in plan or _unit_of(name, plan) != outer:  # (a unit casts at its entry)
+                continue
+            if any(p.is_floating_point() for p in module.parameters(recurse=False)):
+                module.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
 
 
 def _cast_inputs(dtype: torch.dtype) -> Any:
@@ -538,27 +514,18 @@ def shard(
     install_attention_islands(model, resolved, either=True)
     if pmap.activations is not None:  # inside FSDP2's hooks, which gather a recomputed unit
         install_activations(model, pmap.activation_choices(model))
-    handback, widest = _Handback(), torch.finfo(plan[""].compute_dtype).bits
+    outer = {name: _unit_of(name.rpartition(".")[0], plan) for name in plan if name}
+    _narrowing_hooks(model, plan, outer)
     for name, unit_policy in plan.items():
-        enclosing, up = None, None
-        if name:
-            up = name.rpartition(".")[0]
-            while up and up not in plan:
-                up = up.rpartition(".")[0]
-            enclosing = plan[up]
         fully_shard(
             modules[name],
             mesh=mesh,
             mp_policy=mixed_precision_policy(
-                unit_policy, enclosing=enclosing, reduce_dtype=reduce_dtype
+                unit_policy,
+                enclosing=plan[outer[name]] if name else None,
+                reduce_dtype=reduce_dtype,
             ),
         )
-        if up == "" and torch.finfo(unit_policy.compute_dtype).bits > widest:
-            # (a hook after FSDP2's: it pairs FSDP2's cast output with what was computed)
-            modules[name].__dict__["forward"].handback = handback
-            modules[name].register_forward_hook(handback.pair)
-            root = modules[""].__dict__["forward"]
-            root.handback, root.root = handback, True
     if optimizer_factory is not None:
         return model, optimizer_factory(model.parameters())
     return model
