@@ -206,17 +206,12 @@ def mixed_precision_policy(
 
     Parameters are all-gathered in the compute dtype; inputs are cast to it by `shard`'s own
     hook (`_cast_inputs`), not FSDP2's plain cast, which made a mask's float32 lowest value an
-    infinity (a padded row's softmax NaN). Only the root casts its output to the policy's
-    output dtype. An inner unit computing in a narrower dtype than its enclosing one hands its
-    output back in the enclosing one's (the float32 layers there take it uncast); one
-    computing wider (a float32 head, an island in a bfloat16 block) hands it back as it
-    computed it, as `apply` does, rounded to 16 bits only where a layer of the enclosing unit
-    takes it (`_narrowing_hooks`): cast here, a float32 head's logits reached the loss in
-    bfloat16 (in float16, overflowed to inf)."""
+    infinity (a padded row's softmax NaN). Only the root casts its
+    output to the policy's output dtype; an inner unit hands its output back in the dtype its
+    enclosing unit computes in (nothing, when that is its own), since the enclosing unit's own
+    layers take it uncast: a float32 output there fails as "mixed dtype (CPU)"."""
     if enclosing is None:
         output = policy.output_dtype
-    elif _wider(policy.compute_dtype, enclosing.compute_dtype):
-        output = None
     elif enclosing.compute_dtype != policy.compute_dtype:
         output = enclosing.compute_dtype
     else:
@@ -227,30 +222,6 @@ def mixed_precision_policy(
         output_dtype=output,
         cast_forward_inputs=False,
     )
-
-
-def _wider(dtype: torch.dtype, than: torch.dtype) -> bool:
-    return torch.finfo(dtype).bits > torch.finfo(than).bits
-
-
-def _narrowing_hooks(model: nn.Module, plan: dict[str, Policy], enclosing: dict[str, str]) -> None:
-    """In each unit enclosing a unit that computes wider (`mixed_precision_policy` leaves
-    that one's output as it computed it), cast the floating inputs of the unit's own
-    layers holding parameters to the unit's compute dtype (`_cast_inputs`), as its
-    parameters are gathered in: a float32 output from the wider unit reaching one of them
-    would meet 16-bit weights. The unit's own element-wise operations promote instead."""
-    widened = {
-        enclosing[name]
-        for name, policy in plan.items()
-        if name and _wider(policy.compute_dtype, plan[enclosing[name]].compute_dtype)
-    }
-    for outer in widened:
-        dtype = plan[outer].compute_dtype
-        for name, module in model.named_modules():
-            if name in plan or _unit_of(name, plan) != outer:  # (a unit casts at its entry)
-                continue
-            if any(p.is_floating_point() for p in module.parameters(recurse=False)):
-                module.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
 
 
 def _cast_inputs(dtype: torch.dtype) -> Any:
@@ -514,16 +485,18 @@ def shard(
     install_attention_islands(model, resolved, either=True)
     if pmap.activations is not None:  # inside FSDP2's hooks, which gather a recomputed unit
         install_activations(model, pmap.activation_choices(model))
-    outer = {name: _unit_of(name.rpartition(".")[0], plan) for name in plan if name}
-    _narrowing_hooks(model, plan, outer)
     for name, unit_policy in plan.items():
+        enclosing = None
+        if name:
+            up = name.rpartition(".")[0]
+            while up and up not in plan:
+                up = up.rpartition(".")[0]
+            enclosing = plan[up]
         fully_shard(
             modules[name],
             mesh=mesh,
             mp_policy=mixed_precision_policy(
-                unit_policy,
-                enclosing=plan[outer[name]] if name else None,
-                reduce_dtype=reduce_dtype,
+                unit_policy, enclosing=enclosing, reduce_dtype=reduce_dtype
             ),
         )
     if optimizer_factory is not None:
