@@ -12,9 +12,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainers import QUIET
 
 import mixprec
-from mixprec.doctor.monitor import PrecisionMonitor, PrecisionWarning
+from mixprec.doctor.monitor import LayerSample, PrecisionMonitor, PrecisionWarning
 from mixprec.optim.scaling import DynamicLossScaler
 from mixprec.trainer import Callback, Logger, Trainer
+from mixprec.trainer.callbacks import callback_states, load_callback_states
 
 pytestmark = pytest.mark.filterwarnings("ignore:precision .* is slow")
 
@@ -352,9 +353,9 @@ def test_a_validation_that_raised_leaves_the_monitor_counting_in_the_next_fit():
 
     with pytest.raises(RuntimeError, match="validation data broken"):
         trainer().validate(nn.Sequential(nn.Linear(4, 2)), BrokenLoader(), loss_fn=F.cross_entropy)
-    trainer().fit(nn.Sequential(nn.Linear(4, 2)), data, loss_fn=F.cross_entropy)
-    trainer().fit(nn.Sequential(nn.Linear(4, 2)), data, loss_fn=F.cross_entropy)
-    assert [s.step for s in monitor.history["0"]] == [0, 1, 0, 1]
+    for _ in range(2):  # (each fit records its own steps: a new fit starts afresh)
+        trainer().fit(nn.Sequential(nn.Linear(4, 2)), data, loss_fn=F.cross_entropy)
+        assert [s.step for s in monitor.history["0"]] == [0, 1]
     # one key for one setting, however it is written
     assert PrecisionMonitor(headroom=4).state_key == PrecisionMonitor(headroom=4.0).state_key
 
@@ -427,3 +428,229 @@ def test_a_nan_from_any_call_of_a_layer_is_kept(order):
         model(torch.randn(4, 8, dtype=torch.float16)).float().sum().backward()
         metrics = monitor.end_step(0)
     assert math.isnan(metrics["precision/sm/amax"])
+
+
+class _Residual(nn.Module):
+    """A block written as torchvision's BasicBlock: its residual added in place to its
+    layer's output, then an in-place ReLU (the identity ``fc``: outputs computed by hand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4, bias=False)
+        self.relu = nn.ReLU(inplace=True)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.eye(4))
+
+    def forward(self, x):
+        out = self.fc(x)
+        out += x
+        return self.relu(out)
+
+
+def _residuals() -> nn.Sequential:
+    return nn.Sequential(_Residual(), _Residual(), nn.Linear(4, 2)).half()
+
+
+def test_an_output_changed_in_place_after_its_sample_is_sampled_again():
+    """``fc``'s output, sampled before ``out += x``, was taken as the block's output handed
+    on: block 0's 4e4 was never seen, and block 1's inf (4e4 + 4e4 in float16) was blamed
+    on ``<root>``."""
+    model = _residuals()
+    x = torch.tensor([[20000.0, 1.0, 2.0, 3.0]], dtype=torch.float16)
+    monitor = PrecisionMonitor(every_n_steps=1).attach(model)
+    monitor.start_step(0)
+    with pytest.warns(PrecisionWarning):
+        model(x)
+        metrics = monitor.end_step(0)
+    assert metrics["precision/0.fc/amax"] == 20000.0  # (its sample, taken before the add)
+    assert metrics["precision/0.relu/amax"] == 40000.0  # block 0's output: 2 * 2e4
+    assert metrics["precision/1.fc/amax"] == 40000.0
+    assert metrics["precision/1.relu/amax"] == math.inf  # 8e4 overflows float16
+    nonfinite = [w for w in monitor.warnings if "produced inf/NaN" in w]
+    assert len(nonfinite) == 1 and nonfinite[0].startswith("layer 1 produced inf/NaN")
+
+
+def test_the_gradient_of_each_version_of_an_output_changed_in_place():
+    """``fc``'s hook gets the gradient of its output before the add (the ReLU's cut where
+    2x < 0: 3), the ReLU's that of the block's output (the loss's weights: 5); the outputs
+    and gradients are those of a run without the monitor."""
+
+    def run(monitored: bool):
+        model = nn.Sequential(_Residual()).half()
+        x = torch.tensor([[1.0, -3.0, 2.0, 0.5]], dtype=torch.float16, requires_grad=True)
+        weights = torch.tensor([1.0, 5.0, 2.0, 3.0], dtype=torch.float16)
+        monitor = PrecisionMonitor(every_n_steps=1).attach(model)
+        if monitored:
+            monitor.start_step(0)
+        out = model(x)
+        (out * weights).sum().backward()
+        return out, x.grad, model[0].fc.weight.grad, monitor.end_step(0)
+
+    out, x_grad, w_grad, metrics = run(True)
+    assert metrics["precision/0.fc/grad_amax"] == 3.0
+    assert metrics["precision/0.relu/grad_amax"] == 5.0
+    assert metrics["precision/0.relu/amax"] == 4.0  # relu(2 * [1, -3, 2, 0.5])
+    bare = run(False)
+    assert bare[3] == {}
+    for a, b in zip((out, x_grad, w_grad), bare[:3], strict=True):
+        assert torch.equal(a, b)
+
+
+class _ToFloat8(nn.Module):
+    def forward(self, x):
+        return x.to(torch.float8_e4m3fn)
+
+
+class _Dequantize(nn.Module):
+    def forward(self, x):
+        return x.to(torch.float16) * 2
+
+
+class _Sparse(nn.Module):
+    """A float16 output the monitor cannot measure (no aminmax for sparse tensors)."""
+
+    def forward(self, x):
+        return x.to(torch.float16).to_sparse()
+
+
+def test_a_float8_input_is_measured():
+    """A module given a float8 input broke the step ("max_values_cpu" not implemented for
+    Float8_e4m3fn)."""
+    model = nn.Sequential(_ToFloat8(), _Dequantize())
+    monitor = PrecisionMonitor(every_n_steps=1).attach(model)
+    monitor.start_step(0)
+    model(torch.tensor([1.0, 2.0]))
+    metrics = monitor.end_step(0)
+    assert metrics["precision/0/amax"] == 2.0 and metrics["precision/1/amax"] == 4.0
+    assert hooks(model) == 0
+
+
+def test_a_measure_that_raises_leaves_no_hook_on_the_model():
+    """The step fails; the hooks stayed on the model, measuring every later forward."""
+    model = nn.Sequential(nn.Linear(2, 2), _Sparse())
+    monitor = PrecisionMonitor(every_n_steps=1).attach(model)
+    monitor.start_step(0)
+    with pytest.raises(NotImplementedError):
+        model(torch.ones(1, 2))
+    assert hooks(model) == 0
+    assert monitor.start_step(0) is False  # (the step is over: not measured again)
+    assert monitor.end_step(0) == {}
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x):
+        return x * self.factor
+
+
+def _flush_step(monitor, model, step: int, factor: float, upstream: float) -> dict:
+    """One monitored step: float16 inputs of 2^-14 (its smallest normal) scaled by `factor`,
+    gradients of `upstream` from above (0 where float16 cannot hold it)."""
+    model[0].factor = factor
+    x = torch.full((8,), 2.0**-14, dtype=torch.float16, requires_grad=True)
+    monitor.start_step(step)
+    model(x).backward(torch.full((8,), upstream, dtype=torch.float16))
+    return monitor.end_step(step)
+
+
+def test_outputs_and_gradients_flushed_to_zero_are_flagged_and_warned():
+    """All zero reads as 0% underflow (a fraction of the nonzero values): gradients flushed
+    entirely read as recovered. Now ``flushed`` / ``grad_flushed`` mark a layer all zero
+    where its last sample was not, and warn naming it; a layer zero from its first sample
+    (a zero-initialized branch) is not flushed."""
+    model = nn.Sequential(_Scale(), _Scale())
+    monitor = PrecisionMonitor(every_n_steps=1).attach(model)
+    with pytest.warns(PrecisionWarning, match="below float16's smallest normal"):
+        first = _flush_step(monitor, model, 0, 1.0, 2.0**-15)  # subnormal gradients
+    assert first["precision/0/grad_underflow"] == 1.0 and "precision/0/grad_flushed" not in first
+    with pytest.warns(PrecisionWarning) as caught:
+        # 2^-14 * 2^-12 and 2^-26: below float16's smallest subnormal 2^-24, stored as 0
+        metrics = _flush_step(monitor, model, 1, 2.0**-12, 2.0**-26)
+    assert metrics["precision/0/underflow"] == 0.0 == metrics["precision/0/grad_underflow"]
+    assert metrics["precision/0/flushed"] == 1.0 == metrics["precision/0/grad_flushed"]
+    sample = monitor.history["0"][-1]
+    assert (sample.amax, sample.grad_amax, sample.flushed, sample.grad_flushed) == (0, 0, 1, 1)
+    messages = [str(w.message) for w in caught]
+    assert (
+        "layer 0: all its outputs are 0 at step 1, nonzero before: flushed to zero below "
+        "float16's smallest subnormal 6e-08, or cut off"
+    ) in messages
+    assert (
+        "layer 0: all the (scaled) gradients reaching it are 0 at step 1, nonzero before: "
+        "flushed to zero below float16's smallest subnormal 6e-08, or cut off: raise the "
+        "loss scale"
+    ) in messages
+    _flush_step(monitor, model, 2, 2.0**-12, 2.0**-26)  # still flushed, warned once
+    assert monitor.history["0"][-1].grad_flushed and len(monitor.warnings) == len(messages) + 2
+    # kept by a checkpoint; a row from before the flags loads as not flushed
+    restored = PrecisionMonitor(every_n_steps=1)
+    restored.load_state_dict(monitor.state_dict())
+    assert restored.history == monitor.history
+    assert LayerSample(*(0, "float16", 0.0, 0.0, 0.0, 0.0)).grad_flushed is False
+    zero_from_the_start = PrecisionMonitor(every_n_steps=1).attach(model)
+    assert "precision/0/grad_flushed" not in _flush_step(zero_from_the_start, model, 0, 1, 0)
+    assert zero_from_the_start.warnings == []
+
+
+class _Overflows(nn.Module):
+    def forward(self, x):
+        return x * 1e5
+
+
+def test_a_trainers_next_fit_starts_the_monitor_afresh():
+    """The second fit of a Trainer kept the first's history (steps 0, 1, 2, 3, 0, 1...), its
+    warnings given (the same overflow was not warned again) and the scaler's counts; a
+    state handed back from launched processes is not one to resume from either."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)
+    data = DataLoader(TensorDataset(x, y), batch_size=4)
+    monitor = PrecisionMonitor(every_n_steps=1, skip_patience=2)
+    trainer = Trainer(precision="16-mixed", allow_slow_precision=True, max_steps=4,
+                      callbacks=[monitor], **QUIET)  # fmt: skip
+
+    def fit() -> list[str]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), _Overflows(), nn.Linear(4, 2))
+        with pytest.warns(PrecisionWarning) as caught:
+            trainer.fit(model, data, loss_fn=F.cross_entropy)
+        return [str(w.message) for w in caught if issubclass(w.category, PrecisionWarning)]
+
+    warned, first = fit(), repr(monitor.state_dict())  # (repr: NaN == NaN)
+    assert warned[0].startswith("layer 1 produced inf/NaN in float16 at step 0")
+    assert any("keeps skipping" in w for w in warned)
+    assert [s.step for s in monitor.history["1"]] == [0, 1, 2, 3]
+    assert fit() == warned and repr(monitor.state_dict()) == first
+    load_callback_states([monitor], callback_states([monitor]), resume=False)
+    assert fit() == warned and repr(monitor.state_dict()) == first
+
+
+class _CopiesToHost(torch.overrides.TorchFunctionMode):
+    """Counts the ``Tensor.cpu`` calls made under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.Tensor.cpu
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_steps_numbers_come_to_the_host_in_one_copy_per_device():
+    """Each scalar was copied on its own (a device sync each: 15 here, 3 numbers for each
+    of 2 layers' outputs and gradients, and 3 layers' inputs), though one transfer was
+    promised."""
+    model = nn.Sequential(_Scale(), _Scale())
+    monitor = PrecisionMonitor(every_n_steps=1).attach(model)
+    model[0].factor = 2.0
+    x = torch.full((8,), 0.5, dtype=torch.float16, requires_grad=True)
+    monitor.start_step(0)
+    model(x).sum().backward()
+    with _CopiesToHost() as copies:
+        metrics = monitor.end_step(0)
+    assert copies.calls == 1
+    assert metrics["precision/0/amax"] == 1.0 == metrics["precision/1/amax"]
+    assert metrics["precision/0/grad_amax"] == 1.0 == metrics["precision/1/grad_amax"]

@@ -4,13 +4,15 @@ as 0 makes huge, where each moment's own relative error stays tiny."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
 from mixprec.doctor import StateError, StateErrors
 from mixprec.doctor.state_errors import moment_errors, update_error
-from mixprec.optim.states import StateFormat, code_map, dequantize, quantize
+from mixprec.optim.states import StateFormat, code_map, dequantize, moment_error, quantize
 from mixprec.optim.states.formats import code_tables, nearest_code
 
 BETA2 = 0.999
@@ -136,3 +138,36 @@ def test_moment_errors_are_seeded_and_leave_the_callers_generator_alone():
         results.append({name: e["int4"].update for name, e in errors.items()})
     assert results[0] == results[1]
     assert model.training and model[1].training
+
+
+class _Imaginary(nn.Module):
+    """A complex weight whose loss reads only its imaginary part: gradients and moments are
+    purely imaginary (their real halves 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(64, 64, dtype=torch.complex64))
+
+    def forward(self, x):
+        return (x.to(torch.complex64) @ self.weight).imag
+
+
+def test_complex_moments_are_measured_over_both_halves():
+    """``exp_avg.float()`` kept the real half only (0 here: every error read 0) and torch
+    warned that casting complex values to real discards the imaginary part. Measured as
+    AdamW steps them, over ``view_as_real``'s real and imaginary parts."""
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g))]
+    model = _Imaginary()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (torch's "discards the imaginary part" included)
+        row = moment_errors(model, batches, nn.functional.mse_loss, ["int8"])["weight"]["int8"]
+    state = _adamw_moments(model, batches)
+    m, v = torch.view_as_real(state["exp_avg"]), torch.view_as_real(state["exp_avg_sq"])
+    assert not m[..., 0].any() and m[..., 1].abs().amin() > 0  # (imaginary only)
+    m_read = dequantize(*quantize(m, "int8"), "int8", m.shape)
+    v_read = dequantize(*quantize(v, "int8", signed=False), "int8", v.shape, signed=False)
+    expected = update_error(m, v, m_read, v_read, bias_correction2=1 - BETA2**3)
+    assert expected > 0 and row.update == pytest.approx(expected, rel=1e-5)
+    assert row.first == pytest.approx(moment_error(m, "int8", signed=True), rel=1e-5)

@@ -4,12 +4,14 @@ Every `every_n_steps` optimizer steps, forward hooks measure each layer's output
 low-precision dtype (float16, bfloat16, float8): its amax and the fraction of nonzero values
 below the dtype's smallest normal; tensor hooks do the same for the gradient flowing back
 into it. On other steps no hook is installed, so they cost nothing. The numbers stay on the
-device until the step ends, then come back in one transfer.
+device until the step ends, then come back in one transfer per device.
 
 Warnings (a `PrecisionWarning` and a log record, each naming the layer) are raised once per
 layer and kind when a layer's amax comes within `headroom` of its dtype's max, when its
 growth over recent samples projects it past the max within `horizon_steps`, when it is
-already inf/NaN, and when the loss scaler keeps skipping steps.
+already inf/NaN, when its outputs or gradients are all zero where its last sample's were not
+(flushed to zero: the underflow fraction counts nonzero values only), and when the loss scaler
+keeps skipping steps.
 
 Pass it to the Trainer's ``callbacks=`` (it defines the Trainer hooks it needs and does not
 import the Trainer: the Trainer calls the hooks an object has), or use it in any loop::
@@ -59,7 +61,10 @@ class PrecisionWarning(RuntimeWarning):
 @dataclass(frozen=True)
 class LayerSample:
     """One layer's numbers at one monitored step (gradient fields are NaN before backward
-    reached the layer or when its output needs no gradient)."""
+    reached the layer or when its output needs no gradient). `underflow` is the fraction of
+    the nonzero values below the dtype's smallest normal; `flushed`: every value is 0 where
+    the layer's last sample had a nonzero one (or was flushed itself), which `underflow`
+    (0.0 then) cannot show. `grad_*` the same for the gradient."""
 
     step: int
     dtype: str
@@ -67,6 +72,8 @@ class LayerSample:
     underflow: float
     grad_amax: float
     grad_underflow: float
+    flushed: bool = False  # (defaults: a checkpoint's rows from before they were kept)
+    grad_flushed: bool = False
 
 
 class PrecisionMonitor:
@@ -99,6 +106,7 @@ class PrecisionMonitor:
     """
 
     across_ranks: bool | None = None  # (a monitor pickled before it was kept)
+    _loaded = False  # load_state_dict gave the state the next fit resumes from
 
     def __init__(
         self,
@@ -144,7 +152,9 @@ class PrecisionMonitor:
         # parent handing on its last child's output has no sample of its own
         self._inputs: dict[str, Tensor] = {}
         self._finished: list[tuple[str, str]] = []
-        self._owners: dict[int, str] = {}
+        # each output sampled: the layer whose sample it is and its version then (an output
+        # changed in place since is sampled again where it is handed on)
+        self._owners: dict[int, tuple[str, int]] = {}
         self._seen: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self._armed_step: int | None = None
         self._done_step: int | None = None
@@ -186,7 +196,8 @@ class PrecisionMonitor:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state_dict`'s values."""
+        """Continue from `state_dict`'s values (as a Trainer callback: the next fit, a
+        resume, goes on from them rather than starting afresh)."""
         self.history = {
             name: deque((LayerSample(*row) for row in rows), maxlen=self._maxlen)
             for name, rows in state["history"].items()
@@ -195,11 +206,19 @@ class PrecisionMonitor:
         self._warned = {tuple(w) for w in state["warned"]}  # type: ignore[misc]
         last = state["last_scaler"]
         self._last_scaler = tuple(last) if last is not None else None  # type: ignore[assignment]
+        self._loaded = True
+
+    def reset(self) -> None:
+        """Forget the history, the warnings given and the scaler's counts: a new run (a
+        Trainer's next fit that does not resume) judges its own steps and warns again."""
+        self.history, self.warnings = {}, []
+        self._warned, self._last_scaler, self._done_step = set(), None, None
 
     # -- the standalone interface ------------------------------------------------------------
 
     def attach(self, model: nn.Module) -> PrecisionMonitor:
-        """Watch `model` (after `mixprec.apply` or `Precision.setup`); returns self."""
+        """Watch `model` (after `mixprec.apply` or `Precision.setup`); returns self. The
+        history and warnings stay (see `reset`)."""
         self.detach()
         self._model = model
         self._names = {id(m): name for name, m in model.named_modules()}
@@ -259,7 +278,7 @@ class PrecisionMonitor:
             grad_names, input_names = [n for n, _ in grads], [n for n, _ in inputs]
             tensors = [t for *_, stats in forward for t in stats]
             tensors += [t for _, stats in grads for t in stats] + [t for _, t in inputs]
-            values = torch.stack([t.float().cpu() for t in tensors]).tolist() if tensors else []
+            values = _to_host(tensors)
         inputs = dict(zip(input_names, values[len(values) - len(input_names) :], strict=True))
         samples = self._samples(step, names, grad_names, values[: len(values) - len(input_names)])
         metrics: dict[str, float] = {}
@@ -275,12 +294,9 @@ class PrecisionMonitor:
             (b for b in bad if math.isfinite(inputs.get(b[0], 0.0))), bad[0] if bad else None
         )
         for name, sample in samples.items():
+            sample = samples[name] = self._flag_flushed(name, sample)
             self.history.setdefault(name, deque(maxlen=self._maxlen)).append(sample)
-            metrics[f"precision/{name}/amax"] = sample.amax
-            metrics[f"precision/{name}/underflow"] = sample.underflow
-            if not math.isnan(sample.grad_amax):
-                metrics[f"precision/{name}/grad_amax"] = sample.grad_amax
-                metrics[f"precision/{name}/grad_underflow"] = sample.grad_underflow
+            metrics.update(_sample_metrics(name, sample))
             if math.isfinite(sample.amax):
                 self._check_layer(name, sample)
         if culprit is not None:
@@ -296,42 +312,64 @@ class PrecisionMonitor:
     def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._paused:  # (a validation inside the step's accumulation window)
             return
-        name = self._names.get(id(module), "?") or "<root>"
-        sizes = [t.detach().abs().amax().float() for t in floating_tensors(args) if t.numel()]
-        if sizes:  # (combined over several calls: one bad call makes its inputs bad)
+        try:
+            name = self._names.get(id(module), "?") or "<root>"
+            self._record_inputs(name, args)
+            for t in floating_tensors(output):
+                if t.dtype in LOW_PRECISION_FLOATS and t.numel():
+                    self._record_output(name, t)
+        except BaseException:
+            self._abandon_step()
+            raise
+
+    def _record_inputs(self, name: str, args: Any) -> None:
+        """Keep `name`'s largest floating input magnitude (over all its calls: one bad call
+        makes its inputs bad)."""
+        sizes = [_amax(t) for t in floating_tensors(args) if t.numel()]
+        if sizes:
             largest = torch.stack(sizes).amax() if len(sizes) > 1 else sizes[0]
             old = self._inputs.get(name)
             self._inputs[name] = largest if old is None else torch.maximum(old, largest)
-        for t in floating_tensors(output):
-            if t.dtype not in LOW_PRECISION_FLOATS or not t.numel():
-                continue
-            if id(t) in self._seen:  # (a child's output handed on)
-                self._finished.append((name, self._owners[id(t)]))
-                continue
-            self._seen[id(t)] = t
-            self._owners[id(t)] = name
-            self._finished.append((name, name))
-            info = format_info(t.dtype)
-            self._pending.setdefault(name, []).append((t.dtype, _range_stats(t, info)))
-            if t.requires_grad:
-                self._handles.append(t.register_hook(self._grad_hook(name, info)))
+
+    def _record_output(self, name: str, t: Tensor) -> None:
+        """Sample the output `t` of layer `name`, unless it is a child's output handed on
+        unchanged (one changed in place since its sample, a residual ``out += x``, is
+        sampled again: the old sample no longer says what this layer gives)."""
+        owner = self._owners.get(id(t))
+        version = _version(t)
+        if id(t) in self._seen and owner is not None and owner[1] == version:
+            self._finished.append((name, owner[0]))
+            return
+        self._seen[id(t)] = t
+        self._owners[id(t)] = (name, version)
+        self._finished.append((name, name))
+        info = format_info(t.dtype)
+        self._pending.setdefault(name, []).append((t.dtype, _range_stats(t, info)))
+        if t.requires_grad:  # (registered now: the gradient of this version of `t`)
+            self._handles.append(t.register_hook(self._grad_hook(name, info)))
 
     def _grad_hook(self, name: str, info: Any) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             if not grad.numel():
                 return
-            amax, under, nonzero = _range_stats(grad, info)
+            try:
+                amax, under, nonzero = _range_stats(grad, info)
+            except BaseException:
+                self._abandon_step()
+                raise
             old = self._grads.get(name)
             if old is None:
                 self._grads[name] = [amax, under, nonzero]
             else:  # several outputs or calls: combine
-                self._grads[name] = [
-                    torch.maximum(old[0], amax),
-                    old[1] + under,
-                    old[2] + nonzero,
-                ]
+                self._grads[name] = [torch.maximum(old[0], amax), old[1] + under, old[2] + nonzero]
 
         return hook
+
+    def _abandon_step(self) -> None:
+        """Remove every hook, measuring having raised: the step fails, and hooks left on
+        the user's model would measure each later forward (the step is not retried)."""
+        self._done_step = self._armed_step
+        self._disarm()
 
     def _disarm(self) -> None:
         for handle in self._handles:
@@ -431,6 +469,44 @@ class PrecisionMonitor:
                 f"layer {name}: {s.grad_underflow:.0%} of the (scaled) gradients reaching it "
                 f"are below {s.dtype}'s smallest normal at step {s.step}: raise the loss scale",
             )
+        self._check_flushed(name, s, info)
+
+    def _check_flushed(self, name: str, s: LayerSample, info: Any) -> None:
+        """Warn of outputs or gradients all zero where the layer's last sample had nonzero
+        ones: flushed below the dtype's smallest subnormal (or cut off), which the underflow
+        fraction, over nonzero values only, cannot show."""
+        if s.flushed:
+            self._warn(
+                name,
+                "flushed",
+                f"layer {name}: all its outputs are 0 at step {s.step}, nonzero before: "
+                f"flushed to zero below {s.dtype}'s smallest subnormal "
+                f"{info.smallest_subnormal:.2g}, or cut off",
+            )
+        if s.grad_flushed:
+            self._warn(
+                name,
+                "grad-flushed",
+                f"layer {name}: all the (scaled) gradients reaching it are 0 at step {s.step}, "
+                f"nonzero before: flushed to zero below {s.dtype}'s smallest subnormal "
+                f"{info.smallest_subnormal:.2g}, or cut off: raise the loss scale",
+            )
+
+    def _flag_flushed(self, name: str, s: LayerSample) -> LayerSample:
+        """`s` with `flushed` / `grad_flushed` set where its values are all zero and the
+        layer's last sample (with a gradient, for `grad_flushed`) had nonzero ones or was
+        flushed itself (a layer zero from its first sample, a zero-initialized branch, is
+        not flushed)."""
+        past = self.history.get(name, ())
+        last = past[-1] if past else None
+        flushed = s.amax == 0 and last is not None and (last.amax != 0 or last.flushed)
+        grad = next((p for p in reversed(past) if not math.isnan(p.grad_amax)), None)
+        grad_flushed = (
+            s.grad_amax == 0 and grad is not None and (grad.grad_amax != 0 or grad.grad_flushed)
+        )
+        if not (flushed or grad_flushed):
+            return s
+        return dataclasses.replace(s, flushed=flushed, grad_flushed=grad_flushed)
 
     def _projected_overflow(self, name: str, limit: float) -> int | None:
         """Step at which a least-squares line through log2(amax) of the last samples crosses
@@ -493,8 +569,17 @@ class PrecisionMonitor:
         combines the ranks' numbers."""
         if self.across_ranks is None:
             self.across_ranks = True
+        # (a state handed back from an earlier run's processes is not one to resume from: a
+        # resume in this process loads its own before on_fit_start)
+        self._loaded = False
 
     def on_fit_start(self, trainer: Trainer, model: nn.Module) -> None:
+        # a fit resumed from a checkpoint that held this monitor's state (loaded just before
+        # this hook) goes on from it; any other fit, a Trainer's second included, starts
+        # afresh (its steps count from 0 again, its scaler is new)
+        if not (self._loaded and trainer.ckpt_path is not None):
+            self.reset()
+        self._loaded = False
         self.attach(model)
 
     def on_train_batch_start(
@@ -583,6 +668,51 @@ def _across_ranks(
             values += [amaxes[k], *rest[j : j + extra]]
             k, j = k + 1, j + extra
     return keys[0], keys[1], keys[2], values, keys[3]
+
+
+def _to_host(tensors: list[Tensor]) -> list[float]:
+    """The values of the 0-d `tensors`, in order, as floats: stacked on their own device
+    and copied to the host once per device (one copy per scalar makes a device sync each)."""
+    at: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        at.setdefault(t.device, []).append(i)
+    values = [0.0] * len(tensors)
+    for where in at.values():
+        host = torch.stack([tensors[i].float() for i in where]).cpu().tolist()
+        for i, v in zip(where, host, strict=True):
+            values[i] = v
+    return values
+
+
+def _sample_metrics(name: str, s: LayerSample) -> dict[str, float]:
+    """The logged numbers of layer `name`'s sample (the flushed flags, as 1.0, only where
+    they hold)."""
+    out = {f"precision/{name}/amax": s.amax, f"precision/{name}/underflow": s.underflow}
+    if not math.isnan(s.grad_amax):
+        out[f"precision/{name}/grad_amax"] = s.grad_amax
+        out[f"precision/{name}/grad_underflow"] = s.grad_underflow
+    if s.flushed:
+        out[f"precision/{name}/flushed"] = 1.0
+    if s.grad_flushed:
+        out[f"precision/{name}/grad_flushed"] = 1.0
+    return out
+
+
+def _version(t: Tensor) -> int:
+    """`t`'s in-place version counter (inference tensors keep none: -1). (Not asked while
+    compiling: ``is_inference`` breaks the traced hook's graph, and the tensors a broken
+    graph hands on are new objects, sampled again.)"""
+    if not torch.compiler.is_compiling() and t.is_inference():
+        return -1
+    return t._version
+
+
+def _amax(t: Tensor) -> Tensor:
+    """Largest magnitude of `t` in float32, on its device (inf/NaN when it holds any)."""
+    t = t.detach()
+    if t.dtype not in _NORM_OK:
+        t = t.float()  # float8 has no abs/max kernels on every device
+    return t.abs().amax().float()
 
 
 def _range_stats(t: Tensor, info: Any) -> tuple[Tensor, Tensor, Tensor]:

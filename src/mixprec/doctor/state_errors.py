@@ -124,11 +124,20 @@ def _read_back(x: Tensor, fmt: StateFormat, signed: bool) -> Tensor:
     return dequantize(*quantize(x, fmt, signed=signed), fmt, x.shape, signed=signed)
 
 
+def _as_real(x: Tensor) -> Tensor:
+    """A moment detached in float32; a complex one as its real and imaginary parts (a last
+    dimension of 2, as AdamW steps it): ``float()`` would drop the imaginary half."""
+    x = x.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x.resolve_conj())
+    return x.float()
+
+
 def _stored_error(
     name: str, state: dict[str, Any], fmt: StateFormat, eps: float, beta2: float
 ) -> StateError:
     """The errors of the AdamW ``state`` of the parameter ``name`` stored in ``fmt``."""
-    m, v = state["exp_avg"].detach().float(), state["exp_avg_sq"].detach().float()
+    m, v = _as_real(state["exp_avg"]), _as_real(state["exp_avg_sq"])
     m_read, v_read = _read_back(m, fmt, True), _read_back(v, fmt, False)
     correction = 1 - beta2 ** float(state["step"])
     return StateError(
