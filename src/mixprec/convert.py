@@ -843,11 +843,25 @@ def cast_buffer(
         module._buffers[key] = done[id(t)]
 
 
+def _compiled_wrapper(model: Any) -> bool:
+    """Whether ``model`` is torch.compile's wrapper (loaded with torch._dynamo: by a compile)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
+
+
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"apply needs an nn.Module, got {type(model).__name__}; pass the model, then the "
             "policy: mixprec.apply(model, 'bf16-mixed')"
+        )
+    if _compiled_wrapper(model):
+        raise TypeError(
+            "apply got a torch.compile wrapper (OptimizedModule): its rules would see paths "
+            "under '_orig_mod.', and its regions would enter autocast outside the compiled "
+            "graph, whose backward then ran in 16 bits in float32 layers. Convert the model, "
+            "then compile it: torch.compile(mixprec.apply(model, policy)), or "
+            "mixprec.apply(model._orig_mod, policy)"
         )
     sharded = sharded_units(model)
     if sharded:
@@ -1178,7 +1192,10 @@ def explain(
     backward in one training-mode forward of a converted copy of `model` on it
     (`Explanation.saved_bytes`). A module whose region hands
     its result back in another dtype than its policy's output dtype (inside a "true"
-    parent: the parent's compute dtype) shows that dtype (`Explanation.handed_back`)."""
+    parent: the parent's compute dtype) shows that dtype (`Explanation.handed_back`). Of a
+    torch.compile wrapper, its model's."""
+    if _compiled_wrapper(model):
+        model = model._orig_mod
     where = parse_device(device) if device is not None else device_of(model)
     found = explanation.explain(
         model,
@@ -1359,7 +1376,11 @@ def _caller(name: str, paths: dict[str, nn.Module]) -> str:
 def remove(model: nn.Module) -> nn.Module:
     """Undo `apply`: plain forwards again and the dtypes the model had before, for every
     parameter and buffer (non-persistent ones such as a rotary `inv_freq` included).
-    Layers a quantized policy swapped stay quantized (`mixprec.quantize.dequantize`)."""
+    Layers a quantized policy swapped stay quantized (`mixprec.quantize.dequantize`). A
+    torch.compile wrapper's model is the one changed (the wrapper compiles it anew)."""
+    if _compiled_wrapper(model):
+        remove(model._orig_mod)
+        return model
     state: AppliedState | None = model.__dict__.get(_STATE)
     if state is None:
         return model

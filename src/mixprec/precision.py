@@ -677,7 +677,12 @@ class Precision:
         backward run inside it (Lightning's manual optimization): torch's own tracing."""
         if self.mixed:  # (every step enters this)
             autocast = self.autocast(cache_enabled=cache_enabled)
-            return ForwardAutocast(autocast) if backward_after else autocast
+            # (traced, as code compiled whole with the context inside it: the plain
+            # autocast, which dynamo traces into the graph; `ForwardAutocast`, which it
+            # cannot, broke the graph there and left its backward traced in autocast)
+            if backward_after and not torch.compiler.is_compiling():
+                return ForwardAutocast(autocast)
+            return autocast
         if needs_default_dtype(self.policy.default.compute_dtype):
             return default_dtype(self._compute_dtype)
         return contextlib.nullcontext()
