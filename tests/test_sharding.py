@@ -480,6 +480,53 @@ def test_activation_options_go_on_before_sharding_and_recompute_bit_for_bit(rank
             torch.testing.assert_close(fp8[key], value, atol=2e-2, rtol=2e-2)
 
 
+class _TwoIslands(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+        self.norm2, self.fc2 = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = x + self.fc(self.norm(x))
+        return x + self.fc2(self.norm2(x))
+
+
+def test_selective_over_two_units_is_refused_before_sharding(one_rank):
+    """Found by a review: `selective` on a block holding two float32 islands (or on the
+    root, holding the blocks) failed at the first backward inside torch's selective
+    checkpoint ("invocation index ... not found in storage"); a block with one island
+    recomputes exactly (the two-rank test above)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ModuleList([_TwoIslands(), _TwoIslands()]))
+    for option in ({r"1\.\d+": "selective"}, "selective"):
+        policy = PolicyMap("bf16-mixed", activations=option)
+        with pytest.raises(PolicySpecError, match=r"would recompute \d+ FSDP2 units inside it"):
+            shard(model, policy, allow_slow=True)
+        assert not sharded_units(model)
+
+
+class _Scales(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.plist = nn.ParameterList([nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))])
+
+    def forward(self, x):
+        for p in self.plist:
+            x = x * p
+        return self.fc(x)
+
+
+def test_a_storage_rule_on_a_parameter_list_is_refused_before_sharding(one_rank):
+    """Found by a review: shard cast the list's parameters to bfloat16 and FSDP2 failed at
+    the first forward ("FSDP expects uniform original parameter dtype"): a ParameterList has
+    no forward to shard as a unit of its own."""
+    model = _Scales()
+    with pytest.raises(PolicySpecError, match=r"rule on 'plist' \(ParameterList\).*parent"):
+        shard(model, PolicyMap("32-true", {"plist": "bf16-true"}), allow_slow=True)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert not sharded_units(model)
+
+
 def test_an_activation_option_a_module_cannot_take_is_refused_before_sharding(one_rank):
     """As apply refuses it: checkpoint on a block holding a BatchNorm that tracks running
     statistics, before anything is sharded; and setup(convert=False) refuses a model that

@@ -146,6 +146,15 @@ def units(model: nn.Module, policy: Any, wrap: WrapFn | None = None) -> dict[str
     while containers:
         name = containers.pop()
         chosen.discard(name)
+        held = [key for key, p in modules[name]._parameters.items() if p is not None]
+        if held and policies[name].param_dtype != policies[name.rpartition(".")[0]].param_dtype:
+            raise PolicySpecError(
+                f"the rule on {name!r} ({type(modules[name]).__name__}) stores its parameters "
+                f"({', '.join(held)}) in {policies[name].param_dtype}, apart from its parent's, "
+                "but it has no forward of its own to shard as a unit (its parent's forward "
+                "uses them, and FSDP2 keeps one storage dtype a unit): put the rule on the "
+                "parent"
+            )
         for child, module in modules[name].named_children():
             path = f"{name}.{child}"
             chosen.add(path)
@@ -374,6 +383,27 @@ def _check_units_apart(model: nn.Module, plan: dict[str, Policy]) -> None:
                 )
 
 
+def _check_selective_apart(choices: dict[str, Any], plan: dict[str, Policy]) -> None:
+    """Refuse, before the model changes, `selective` on a module holding two FSDP2 units or
+    more below it (a block holding two float32 islands, the root holding the blocks): the
+    units' profiler records in its recomputation do not line up with its forward's, and the
+    first backward failed inside torch's selective checkpoint ("invocation index ... not
+    found in storage"). One unit below (a block with one island) recomputes exactly."""
+    for name, (option, _) in choices.items():
+        parent = name.rpartition(".")[0] if name else None
+        if option != "selective" or (parent is not None and choices[parent][0] == "selective"):
+            continue
+        inside = [u for u in plan if u != name and (not name or u.startswith(name + "."))]
+        if len(inside) > 1:
+            raise PolicySpecError(
+                f"activation option 'selective' on {name or '<root>'!r} would recompute "
+                f"{len(inside)} FSDP2 units inside it ({', '.join(map(repr, inside))}), "
+                "which torch's selective checkpoint cannot replay under FSDP2 (the first "
+                "backward fails): use 'checkpoint' there, or 'selective' on modules holding "
+                "one unit or none (each block, the layers below its islands)"
+            )
+
+
 def _check_ranks_agree(
     pmap: Any, plan: dict[str, Policy], reduce_dtype: torch.dtype, mesh: DeviceMesh | None
 ) -> None:
@@ -451,6 +481,8 @@ def shard(
     check_bypassed(model, before)  # (MultiheadAttention's out_proj, as apply)
     check_scales(model, before)  # (scales of layers quantized already: as apply)
     _check_units_apart(model, units(model, pmap, wrap))
+    if pmap.activations is not None:
+        _check_selective_apart(pmap.activation_choices(model), units(model, pmap, wrap))
     quantize_for(model, pmap)
     plan = units(model, pmap, wrap)
     _check_ranks_agree(pmap, plan, reduce_dtype, mesh)
