@@ -65,6 +65,11 @@ def test_one_device_in_one_of_several_processes_is_refused(monkeypatch, tmp_path
     with pytest.raises(ValueError, match="one of 2 in a process group.*strategy='ddp' or 'fsdp'"):
         trainer.fit(model, DataLoader(data(), batch_size=4), loss_fn=F.mse_loss)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    # (an evaluation or a prediction on one process, as after a DDP fit, runs: found by a
+    # review, the refusal first covered them too)
+    one = Trainer(default_root_dir=tmp_path, **SILENT)
+    assert len(one.predict(model, DataLoader(data().tensors[0], batch_size=8))) == 4
+    one.validate(model, DataLoader(data(), batch_size=8), loss_fn=F.mse_loss)
     monkeypatch.setenv("WORLD_SIZE", "1")
     Trainer(max_steps=1, default_root_dir=tmp_path, **SILENT).fit(
         model, DataLoader(data(), batch_size=4), loss_fn=F.mse_loss

@@ -206,8 +206,9 @@ class Strategy(abc.ABC):
         return self.global_rank == 0
 
     @abc.abstractmethod
-    def setup(self) -> None:
-        """Join the process group, if any, and pin this process's device."""
+    def setup(self, stage: str = "fit") -> None:
+        """Join the process group, if any, and pin this process's device, for ``stage``
+        (fit, validate, test, predict)."""
 
     @abc.abstractmethod
     def teardown(self, failed: bool = False) -> None:
@@ -284,13 +285,14 @@ class SingleDeviceStrategy(Strategy):
 
     name = "single_device"
 
-    def setup(self) -> None:
-        """No group to join; refused inside one of several processes (torchrun's, or a
-        group initialised by hand), where each would train the same run alone and write the
-        same checkpoints, and the loss scale's overflow flag, float8's amaxes and the
-        rounding seed would wait on collectives the others never join."""
+    def setup(self, stage: str = "fit") -> None:
+        """No group to join; a fit refused inside one of several processes (torchrun's, or
+        a group initialised by hand), where each would train the same run alone and write
+        the same checkpoints, and the loss scale's overflow flag, float8's amaxes and the
+        rounding seed would wait on collectives the others never join (an evaluation or a
+        prediction on one process, as after a DDP fit, runs)."""
         size = _group_size()
-        if size > 1:
+        if size > 1 and stage == "fit":
             raise ValueError(
                 f"this process is one of {size} in a process group (torchrun, or "
                 "dist.init_process_group), but the Trainer runs on one device alone "
@@ -353,7 +355,7 @@ class ProcessGroupStrategy(Strategy):
         already in a process group (one a script initialised itself, as under srun)."""
         return not (launched_by_torchrun() or (dist.is_available() and dist.is_initialized()))
 
-    def setup(self) -> None:
+    def setup(self, stage: str = "fit") -> None:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", len(self.device_ids)))
         if local_world != len(self.device_ids):
             raise ValueError(

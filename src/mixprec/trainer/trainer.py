@@ -577,7 +577,7 @@ class Trainer:
         if self.config.seed is not None:
             seed_everything(self.config.seed)
         with determinism(self.config.deterministic):
-            self.strategy.setup()
+            self.strategy.setup(stage)
             reset_peak_memory(self.strategy.device)
             failed = True
             try:
