@@ -4,7 +4,6 @@ have to rebuild it to insert its sampler, asks for a DistributedSampler instead.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,11 +57,24 @@ def test_a_mid_epoch_resume_keeps_the_loaders_class(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters(), strict=True))
 
 
-def test_ddp_asks_a_loader_subclass_for_its_own_distributed_sampler():
+def test_ddp_shards_a_loader_subclass_keeping_its_class():
     """Rebuilt with a DistributedSampler, the subclass became a plain DataLoader for the
-    whole run; one given its DistributedSampler is used as it is."""
-    with pytest.raises(TypeError, match="into a ScaledLoader .*Give it a DistributedSampler"):
-        distributed(loader(), 0, 2, 0)
-    data = loader().dataset
+    whole run (its __iter__ gone: other data, no warning); a first fix refused subclasses,
+    which a launched run cannot give a DistributedSampler of its own. The copy keeps the
+    class and its options, and each rank gets its half; one given its own DistributedSampler
+    is used as it is."""
+    whole = loader()
+    halves = [distributed(whole, rank, 2, 0) for rank in range(2)]
+    seen = []
+    for half in halves:
+        assert type(half) is ScaledLoader and len(half) == 2
+        assert isinstance(half.sampler, DistributedSampler)
+        seen += [x for x, _ in half]
+    assert all(x.abs().max() > 10 for x in seen)  # (scaled by the subclass's __iter__)
+    rows, original = torch.cat(seen) / 100.0, whole.dataset.tensors[0]
+    by_first = rows[rows[:, 0].argsort()]  # (each sample once over the two ranks)
+    torch.testing.assert_close(by_first, original[original[:, 0].argsort()])
+    assert len(whole) == 4 and whole.sampler is not halves[0].sampler  # (the original kept)
+    data = whole.dataset
     own = ScaledLoader(data, batch_size=4, sampler=DistributedSampler(data, 2, 0, seed=0))
     assert distributed(own, 0, 2, 0) is own

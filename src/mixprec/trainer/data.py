@@ -8,6 +8,7 @@ happens on the batch sampler, so skipped batches are never loaded.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -114,9 +115,22 @@ _LOADER_OPTIONS = (
 
 
 def _rebuild(loader: DataLoader, batch_sampler: Iterable[list[int]]) -> DataLoader:
-    """`loader` with another batch sampler, its other options as they were."""
-    options = {name: getattr(loader, name) for name in _LOADER_OPTIONS}
-    return DataLoader(loader.dataset, batch_sampler=batch_sampler, **options)
+    """`loader` with another batch sampler, its other options as they were; a subclass
+    stays its class (a shallow copy given the sampler, as its own __init__ would take other
+    arguments; DataLoader refuses the attribute after __init__, not in ``__dict__``)."""
+    if type(loader) is DataLoader:
+        options = {name: getattr(loader, name) for name in _LOADER_OPTIONS}
+        return DataLoader(loader.dataset, batch_sampler=batch_sampler, **options)
+    copied = copy.copy(loader)
+    inner = getattr(batch_sampler, "sampler", None)
+    copied.__dict__.update(
+        batch_sampler=batch_sampler,
+        batch_size=None,  # (as DataLoader keeps them for a batch_sampler given)
+        drop_last=False,
+        _iterator=None,  # (a persistent worker pool over the old order)
+        **({"sampler": inner} if inner is not None else {}),
+    )
+    return copied
 
 
 def _check_map_style(loader: Any, why: str) -> DataLoader:
@@ -143,13 +157,6 @@ def distributed(
     loader = _check_map_style(loader, "strategy='ddp' (to insert a DistributedSampler)")
     if any(isinstance(s, DistributedSampler) for s in _samplers(loader)):
         return loader
-    if type(loader) is not DataLoader:  # (rebuilt as a plain one, it would lose its class)
-        raise TypeError(
-            f"cannot insert a DistributedSampler into a {type(loader).__name__} (a DataLoader "
-            "subclass): the loader would be rebuilt as a plain DataLoader, without what your "
-            "class does. Give it a DistributedSampler yourself (sampler=DistributedSampler("
-            "dataset, shuffle=...); the Trainer calls its set_epoch) and it is used as it is"
-        )
     batch_sampler = loader.batch_sampler
     if type(batch_sampler) is not BatchSampler:
         raise TypeError(
