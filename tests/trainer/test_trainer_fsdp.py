@@ -360,6 +360,12 @@ def test_bad_fsdp_settings_and_predict_are_refused():
         FSDP(sync_micro_batches="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="reduce_dtype"):
         FSDP(reduce_dtype=torch.int8)
+    # (said when the Trainer is built, not in each launched process with shard's advice)
+    with pytest.raises(ValueError, match=r"reduce_dtype=torch.float16.*precision='16-mixed'"):
+        Trainer(precision="bf16-mixed", strategy=FSDP(reduce_dtype=torch.float16), devices=2,
+                allow_slow_precision=True)  # fmt: skip
+    Trainer(precision="16-mixed", strategy=FSDP(reduce_dtype=torch.float16), devices=2,
+            allow_slow_precision=True)  # fmt: skip
     with pytest.raises(ValueError, match="FSDP\\(\\.\\.\\.\\)"):
         Trainer(strategy="fsdp2")
     trainer = Trainer(strategy=FSDP(), devices=2, **QUIET)

@@ -133,7 +133,8 @@ class FSDP:
         wrap: ``(name, module) -> bool``, the modules sharded as units of their own (default:
             the blocks of top-level ModuleLists/Sequentials; float32 islands always are).
             A module-level function: spawned processes unpickle it.
-        reduce_dtype: the dtype gradients are reduce-scattered in (float32 by default).
+        reduce_dtype: the dtype gradients are reduce-scattered in (float32 by default;
+            float16 only under a loss-scaling precision, ``16-mixed``).
         sync_micro_batches: with ``accumulate_grad_batches > 1``, False (default) keeps each
             window's gradients unsharded and its parameters gathered between micro-batches
             (no communication until the window's last backward, like DDP's ``no_sync``; one

@@ -159,6 +159,19 @@ class Trainer:
             precision, self.strategy.device, allow_slow_precision, optimizer_states, activations
         )
         self.policy = self._precision.policy
+        settings = getattr(self.strategy, "settings", None)
+        if (
+            isinstance(settings, FSDP)
+            and settings.reduce_dtype == torch.float16
+            and not self._precision.scaler.enabled
+        ):  # (said here, not in each launched process, in the Trainer's own terms)
+            raise ValueError(
+                f"FSDP(reduce_dtype=torch.float16) sums gradients in float16, where they "
+                f"overflow past 65504 and flush to zero under 6e-8, and precision "
+                f"{self.policy.name!r} scales no loss to keep them in range nor checks them: "
+                "reduce in torch.float32 (the default) or torch.bfloat16, or train with "
+                "precision='16-mixed'"
+            )
         self.loggers = make_loggers(logger, self.config.default_root_dir)
         self.callbacks = make_callbacks(callbacks, enable_progress_bar, enable_checkpointing)
 
