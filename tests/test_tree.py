@@ -265,3 +265,27 @@ def test_tuple_subclasses_torch_return_types_and_custom_ones():
     assert type(out) is type(r) and out.values.dtype == f32 and out.indices.dtype == torch.int64
     tagged = mixprec.convert.cast_floating(Tagged([_x()], tag="kept"), f32)
     assert type(tagged) is Tagged and tagged.tag == "kept" and tagged[0].dtype == f32
+
+
+def test_a_tensor_given_twice_stays_one_tensor_under_compile_without_recompiles():
+    """Found by a review: under torch.compile the walker kept no memo (an `id()` memo makes
+    dynamo guard on each batch), so a tensor given twice (attention's query and key) came
+    out as two and ``query is key`` no longer held. Compiled, the memo compares by `is`:
+    shared stays shared, and new batches of the same shape run the one graph."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    def walk(batch: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        out = map_tensors(lambda t: t * 2, batch)
+        return out, out["q"] is out["k"] and out["k"] is out["v"][0]
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(walk, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            x = torch.randn(3, generator=torch.Generator().manual_seed(seed))
+            out, shared = compiled({"q": x, "k": x, "v": [x, torch.ones(2)]})
+            assert shared and out["q"] is out["k"] and torch.equal(out["q"], x * 2)
+    assert counters["frames"]["ok"] == 1 and not counters["graph_break"]
+    torch._dynamo.reset()

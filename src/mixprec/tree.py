@@ -59,13 +59,16 @@ def _is_dataclass_instance(obj: Any) -> bool:
 class _Mapper:
     """One `map_tensors` call: `memo` keeps a tensor or container seen twice shared.
 
-    Under torch.compile there is no memo: `id()` of an input would make the compiled graph
-    guard on that very object and recompile for every new batch (inside a graph, mapping a
-    tensor twice costs nothing at run time)."""
+    Under torch.compile the memo is `traced`, a list of (original, mapped) tensors compared
+    with `is`: `id()` of an input would make the compiled graph guard on that very object and
+    recompile for every new batch, and without a memo a tensor passed twice (attention's
+    ``query is key``) would come out as two tensors, taking the callee down another path
+    than eagerly."""
 
     def __init__(self, fn: Callable[[Tensor], Any]) -> None:
         self.fn = fn
         self.memo: dict[int, tuple[Any, Any]] | None = None if torch.compiler.is_compiling() else {}
+        self.traced: list[tuple[Tensor, Any]] = []
 
     def __call__(self, obj: Any) -> Any:
         is_tensor = isinstance(obj, Tensor)
@@ -74,12 +77,24 @@ class _Mapper:
         ):
             return obj
         if self.memo is None:
-            return self.fn(obj) if is_tensor else self._rebuild(obj)
+            return self._by_identity(obj) if is_tensor else self._rebuild(obj)
         seen = self.memo.get(id(obj))
         if seen is not None:
             return seen[1]
         new = self.fn(obj) if is_tensor else self._rebuild(obj)
         self.memo[id(obj)] = (obj, new)  # keeps `obj` alive so its id stays unique
+        return new
+
+    def _by_identity(self, t: Tensor) -> Any:
+        """Tensor `t` mapped under torch.compile: what it was mapped to before if it was seen
+        (compared with `is`, no `id()`: no guard on the object), else mapped now. Tensors
+        only: dynamo cannot trace `is` between two tuples, and a container seen twice is
+        rebuilt twice (its tensors still shared)."""
+        for old, new in self.traced:
+            if old is t:
+                return new
+        new = self.fn(t)
+        self.traced.append((t, new))
         return new
 
     def _rebuild(self, obj: Any) -> Any:

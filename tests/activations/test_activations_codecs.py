@@ -797,6 +797,28 @@ class _Picks(nn.Module):
 
 
 @pytest.mark.parametrize("option", ["bf16", "fp8"])
+def test_a_tensor_standing_in_for_a_weight_is_kept_as_the_weight(option):
+    """A computed tensor in a parameter's place (``functional_call``'s, as a "true" region's
+    copy made inside a compiled graph is) is a weight, not an activation: kept exact, the
+    input's gradient is keep's, and `is_activation` says so only while the module runs."""
+    torch.manual_seed(0)
+    model = mixprec.apply(nn.Linear(64, 64), mixprec.PolicyMap("32-true", activations=option))
+    grads = []
+    for stored in (False, True):
+        weight = model.weight * 1.5  # (has a history: alone, `is_activation` calls it one)
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        if stored:
+            torch.func.functional_call(model, {"weight": weight}, (x,)).sum().backward()
+        else:
+            F.linear(x, weight, model.bias).sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+    assert is_activation(weight) and is_activation(weight.t())
+    with codecs.weights_standing({id(weight): weight}):
+        assert not is_activation(weight) and not is_activation(weight.t())
+
+
+@pytest.mark.parametrize("option", ["bf16", "fp8"])
 @pytest.mark.parametrize(
     "op",
     [

@@ -28,11 +28,12 @@ where none is needed), elsewhere in one compiled kernel under the same gate (no 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,7 @@ __all__ = [
     "has_storage",
     "is_activation",
     "record_to",
+    "weights_standing",
 ]
 
 FP8 = StateFormat("fp8", 64)
@@ -281,11 +283,38 @@ def _record(original: Tensor, stored: int, key: int) -> None:
         record(original, stored, key)
 
 
+# .tensors: by id, the tensors standing in for the parameters of the module whose forward a
+# codec stores now (`weights_standing`); held, so that no other tensor takes their ids
+_standing = threading.local()
+
+
+@contextlib.contextmanager
+def weights_standing(tensors: dict[int, Tensor]) -> Iterator[None]:
+    """While it runs, `is_activation` takes `tensors` (by id) and their views for weights:
+    a "true" region's compute-dtype copies of the parameters, which, made inside a compiled
+    graph, are that graph's outputs and would look like activations (eagerly they are casts
+    of the parameters). Nested calls add to the outer one's tensors."""
+    outer: dict[int, Tensor] = getattr(_standing, "tensors", {})
+    _standing.tensors = {**outer, **tensors} if outer else tensors
+    try:
+        yield
+    finally:
+        _standing.tensors = outer
+
+
+def _stands_for_weight(t: Tensor) -> bool:
+    """Whether `t` (a view's base) stands in for a parameter now (`weights_standing`)."""
+    return id(t) in getattr(_standing, "tensors", {})
+
+
 def is_activation(t: Tensor) -> bool:
-    """Whether `t` was computed in this forward, not a parameter, buffer, input or a cast or
-    view of a parameter: the tensors a codec stores otherwise."""
+    """Whether `t` was computed in this forward, not a parameter, buffer, input, a tensor
+    standing in for a parameter (`weights_standing`) or a cast or view of a parameter: the
+    tensors a codec stores otherwise."""
     while t._is_view():  # (a view is what its base is: a split of a weight is the weight)
         t = t._base  # type: ignore[assignment]
+    if _stands_for_weight(t):
+        return False
     node = t.grad_fn
     while node is not None and type(node).__name__ in _CAST_OR_VIEW:
         nexts = [n for n, _ in node.next_functions if n is not None]

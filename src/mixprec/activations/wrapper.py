@@ -32,6 +32,7 @@ from mixprec.activations.codecs import (
     NearOne,
     ToBfloat16,
     has_storage,
+    weights_standing,
 )
 from mixprec.activations.options import OPTIONS, accepted, refusal
 from mixprec.activations.recompute import recomputed
@@ -482,13 +483,32 @@ def _stored(
             if codec.name in ("bf16", "fp8")
             else contextlib.nullcontext()
         )
-        with saved_tensors_hooks(codec.pack, codec.unpack), by_function:
+        with (
+            weights_standing(_standing_in(wrapper.module)),
+            saved_tensors_hooks(codec.pack, codec.unpack),
+            by_function,
+        ):
             return forward(*args, **kwargs)
     device = _device_of(args, kwargs, wrapper.module)
     if device is not None and device.type != "cuda":
         raise _offload_refused(f"{type(wrapper.module).__name__} runs on {device.type}")
     with save_on_cpu(pin_memory=True):
         return forward(*args, **kwargs)
+
+
+def _standing_in(module: nn.Module) -> dict[int, Tensor]:
+    """The tensors, by id, in the place of parameters of `module` and below that are not
+    parameters: a "true" region's compute-dtype copies (or ``functional_call``'s tensors).
+    A codec keeps them as the weights they are; made by a compiled graph around the module
+    (a region computing on copies in another dtype: ``p=bf16,c=f32``) they have that graph's
+    history, and `is_activation` alone would store them rounded (eagerly, casts of the
+    parameters, they are kept)."""
+    return {
+        id(t): t
+        for m in module.modules()
+        for t in m._parameters.values()
+        if t is not None and not isinstance(t, nn.Parameter)
+    }
 
 
 # torch's checkpoint's saved-tensor hooks: in the forward, dropping each save for the
