@@ -504,6 +504,24 @@ def test_selective_over_two_units_is_refused_before_sharding(one_rank):
         assert not sharded_units(model)
 
 
+class _ReadsItsNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(F.layer_norm(x, (8,), self.norm.weight, self.norm.bias))
+
+
+def test_a_parent_reading_an_islands_weight_is_told_how_to_keep_the_island_in(one_rank):
+    """Found by a review: the refusal said "give it its parent's rule" where the user gave
+    no rule (the LayerNorm is a float32 island by default)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ModuleList([_ReadsItsNorm()]))
+    with pytest.raises(PolicySpecError, match=r"reads its weight.*float32_islands=False"):
+        shard(model, "bf16-mixed", allow_slow=True)
+    shard(model, PolicyMap("bf16-mixed", float32_islands=False), allow_slow=True)
+
+
 class _Scales(nn.Module):
     def __init__(self) -> None:
         super().__init__()

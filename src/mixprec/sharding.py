@@ -41,7 +41,7 @@ from mixprec.hardware import check, device_of
 from mixprec.optim import check_sharded_masters
 from mixprec.optim.scaling import LossScaler
 from mixprec.policy import Policy
-from mixprec.policy.map import as_map, check_bypassed, island_policy
+from mixprec.policy.map import ISLAND_TYPES, as_map, check_bypassed, island_policy
 from mixprec.quantize import QuantizeResult, quantize_modules
 from mixprec.quantize.int8 import CodeCasts
 from mixprec.quantize.rules import weights_read_by_parents
@@ -379,8 +379,19 @@ def _check_units_apart(model: nn.Module, plan: dict[str, Policy]) -> None:
                     f"{name!r} shards in a unit of its own, but its parent "
                     f"{parent or '<root>'!r} ({read[id(module)]}) reads its weight in its own "
                     "forward, where that weight would be a shard; give it its parent's rule "
-                    "(or rule the parent instead)"
+                    f"(or rule the parent instead){_island_hint(module)}"
                 )
+
+
+def _island_hint(module: nn.Module) -> str:
+    """What to add to a refusal naming a module that may be a float32 island no rule of the
+    user's made: how to keep it in its parent's policy."""
+    if not isinstance(module, ISLAND_TYPES):
+        return ""
+    return (
+        f" (a {type(module).__name__} is a float32 island under a mixed policy by default: "
+        "PolicyMap(..., float32_islands=False), or a rule giving it its parent's policy)"
+    )
 
 
 def _check_selective_apart(choices: dict[str, Any], plan: dict[str, Policy]) -> None:

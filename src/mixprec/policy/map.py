@@ -83,6 +83,7 @@ from mixprec.quantize.rules import skip_reason, weights_read_by_parents
 __all__ = [
     "PolicyMap",
     "Resolution",
+    "ISLAND_TYPES",
     "as_map",
     "dtype_plan",
     "check_bypassed",
