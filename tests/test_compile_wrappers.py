@@ -4,6 +4,8 @@ gradients of a function compiled whole with `forward_context` inside, and `apply
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch._dynamo
@@ -63,3 +65,23 @@ def test_apply_refuses_a_compile_wrapper_and_remove_and_explain_see_through_it()
     assert mixprec.explain(wrapped)["0"] == mixprec.Policy("bf16-true")
     assert mixprec.remove(wrapped) is wrapped
     assert model[0].weight.dtype == torch.float32 and mixprec.convert.applied_policy(model) is None
+
+
+def test_the_trainer_warns_that_a_whole_model_storing_activations_compiles_nothing():
+    """Found by a review: Trainer(compile=..., activations="fp8") ran the whole model eagerly
+    (a storing module runs outside compiled graphs, and it was the model) while its summary
+    said "compiled"; options on blocks leave the rest compiling, unwarned."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from mixprec.trainer import Trainer
+
+    x = torch.randn(8, 4)
+    data = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)
+    quiet = dict(max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    trainer = Trainer(compile={"backend": BACKEND}, activations="fp8", **quiet)
+    with pytest.warns(UserWarning, match="activations 'fp8' on the whole model.*nothing compiles"):
+        trainer.fit(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), data, loss_fn=F.mse_loss)
+    trainer = Trainer(compile={"backend": BACKEND}, activations={"0": "fp8"}, **quiet)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*nothing compiles")
+        trainer.fit(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), data, loss_fn=F.mse_loss)

@@ -24,7 +24,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from mixprec.activations import as_rules, check_device
+from mixprec.activations import as_rules, check_device, wrapped
+from mixprec.errors import caller_level
 from mixprec.hardware import DeviceInfo, Support
 from mixprec.optim.states import parse_state_format
 from mixprec.policy.map import PolicyMap
@@ -188,6 +189,16 @@ def compile_model(model: nn.Module, options: dict[str, Any]) -> Callable[[], Non
 
     Called once the model is converted and on its device, before any DDP wrapping: the
     compiled graph then traces mixprec's regions and casts with the final dtypes."""
+    eager = wrapped(model).get("")
+    if eager in ("bf16", "fp8", "offload"):
+        warnings.warn(
+            f"compile= with activations {eager!r} on the whole model: torch.compile's graphs "
+            "run no saved-tensor hooks, so a module storing its activations runs eagerly, "
+            "and here that module is the model: nothing compiles. Give the option to its "
+            "blocks (activations={r'blocks\\.\\d+': ...}) so the rest compiles, or drop compile=",
+            UserWarning,
+            stacklevel=caller_level(),
+        )
     before = model.__dict__.get("_compiled_call_impl")
     model.compile(**options)
     shown = ", ".join(f"{k}={v!r}" for k, v in options.items())
