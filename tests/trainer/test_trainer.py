@@ -1164,6 +1164,18 @@ def test_a_fraction_of_data_without_length_is_refused_before_training(flags, str
     assert seen.trained == 0
 
 
+def test_all_or_none_of_validation_data_without_length_is_taken_as_lightning_takes_it():
+    """limit_val_batches=1.0 (all of it) and 0.0 (none) need no length: they were refused
+    as fractions."""
+    data = regression_data(80)
+    for limit, validated in ((1.0, [10]), (0.0, [])):
+        seen = ValidatedAt()
+        trainer = Trainer(max_epochs=1, limit_val_batches=limit, callbacks=[seen], **QUIET)
+        trainer.fit(mlp(), DataLoader(data, batch_size=8), DataLoader(Stream(data), batch_size=8),
+                    loss_fn=F.mse_loss)  # fmt: skip
+        assert [batches for _, batches, _ in seen.at] == validated
+
+
 def test_a_fractional_interval_over_data_without_length_limited_to_batches_validates():
     """limit_train_batches gives the epoch its length: a fraction of it is not refused."""
     data = regression_data(80)

@@ -59,7 +59,8 @@ def num_batches(loader: Iterable[Any], limit: int | float | None, what: str) -> 
     """How many batches of ``loader`` one epoch uses, given a ``limit_*_batches`` value.
 
     None means the loader has no length (then the epoch ends when it is exhausted, and a
-    fractional limit is refused).
+    fractional limit is refused, but for 1.0, all of it, and 0.0, none, as Lightning takes
+    them).
     """
     try:
         total: int | None = len(loader)  # type: ignore[arg-type]
@@ -68,6 +69,8 @@ def num_batches(loader: Iterable[Any], limit: int | float | None, what: str) -> 
     if limit is None:
         return total
     if isinstance(limit, float):
+        if total is None and limit in (0.0, 1.0):
+            return None if limit else 0
         if total is None:
             raise ValueError(
                 f"limit_{what}_batches={limit} is a fraction, but the {what} data has no len(); "
