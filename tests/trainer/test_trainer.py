@@ -1105,6 +1105,19 @@ def test_an_unknown_configure_optimizers_key_is_refused_naming_the_accepted_ones
     assert trainer.global_step == 0
 
 
+def test_lightning_1x_optimizer_frequencies_are_refused_saying_where_the_keys_go():
+    """A review found the refusal of 'frequency' beside 'optimizer' (Lightning 1.x's
+    optimizers stepping in turn) said nothing of it."""
+    trainer = Trainer(max_epochs=1, **QUIET)
+
+    def config(model):
+        opt = torch.optim.SGD(model.parameters(), 0.1)
+        return {"optimizer": opt, "frequency": 1}
+
+    with pytest.raises(ValueError, match=r"'frequency' beside 'optimizer' is Lightning 1.x"):
+        trainer.fit(Classifier(config), DataLoader(class_data(), batch_size=32))
+
+
 class PlateauTopLevel(PlateauEachStep):
     """Lightning's form: a bare ReduceLROnPlateau, its metric as the dict's "monitor"."""
 

@@ -15,11 +15,13 @@ from mixprec.trainer.data import distributed
 
 
 class ScaledLoader(DataLoader):
-    """Scales its batches in ``__iter__``, as a loader normalising or augmenting does."""
+    """Scales its batches in ``__iter__``, as a loader normalising or augmenting does, and
+    yields full batches only (its own code reading its batch_size)."""
 
     def __iter__(self):
         for x, y in super().__iter__():
-            yield x * 100.0, y * 100.0
+            if len(x) == self.batch_size:
+                yield x * 100.0, y * 100.0
 
 
 class Largest(Callback):

@@ -308,21 +308,32 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch
 _CONTAINERS = (dict, collections.OrderedDict, list, tuple)
 
 
-def unusual_parts(value: Any, where: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
-    """(where, part) of each part of ``value`` that is neither a container (walked, its
-    keys too) nor a plain value (`_PLAIN`): a numpy number, a Path, a dataclass, a set...,
-    which ``torch.load(weights_only=True)`` may refuse. Nothing is pickled."""
+def unusual_parts(
+    value: Any, where: tuple[Any, ...] = (), walked: set[int] | None = None
+) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """(where, part) of each part of ``value`` that is neither a container (walked once,
+    its keys too: a container held twice, or holding itself, is not walked again) nor a
+    plain value (`_PLAIN`): a numpy number, a Path, a dataclass, a set..., which
+    ``torch.load(weights_only=True)`` may refuse. Nothing is pickled. Nested past Python's
+    recursion limit, the whole is reported unusual (the file is then read back)."""
     kind = type(value)
     if kind in _PLAIN:
         return
     if kind not in _CONTAINERS:
         yield where, value
         return
+    walked = set() if walked is None else walked
+    if id(value) in walked:
+        return
+    walked.add(id(value))
     items = value.items() if isinstance(value, dict) else enumerate(value)
-    for key, item in items:
-        if type(key) not in _PLAIN:
-            yield (*where, key), key
-        yield from unusual_parts(item, (*where, key))
+    try:
+        for key, item in items:
+            if type(key) not in _PLAIN:
+                yield (*where, key), key
+            yield from unusual_parts(item, (*where, key), walked)
+    except RecursionError:
+        yield where, value
 
 
 def refusal(source: Path | io.BytesIO) -> str | None:

@@ -124,12 +124,10 @@ def _rebuild(loader: DataLoader, batch_sampler: Iterable[list[int]]) -> DataLoad
     if type(loader) is DataLoader:
         options = {name: getattr(loader, name) for name in _LOADER_OPTIONS}
         return DataLoader(loader.dataset, batch_sampler=batch_sampler, **options)
-    copied = copy.copy(loader)
+    copied = copy.copy(loader)  # (its batch_size and drop_last kept: its own code reads them)
     inner = getattr(batch_sampler, "sampler", None)
     copied.__dict__.update(
         batch_sampler=batch_sampler,
-        batch_size=None,  # (as DataLoader keeps them for a batch_sampler given)
-        drop_last=False,
         _iterator=None,  # (a persistent worker pool over the old order)
         **({"sampler": inner} if inner is not None else {}),
     )

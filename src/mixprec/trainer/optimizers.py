@@ -79,11 +79,19 @@ def optimizer_dict(d: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
     unknown = [str(k) for k in d if k not in _OPTIMIZER_KEYS]
     if unknown or "optimizer" not in d:
         got = f"unknown keys {sorted(unknown)}" if unknown else f"no 'optimizer' in {sorted(d)}"
+        lightning = [k for k in unknown if k in ("frequency", "interval")]
+        hint = (
+            f"; {' and '.join(map(repr, lightning))} beside 'optimizer' is Lightning 1.x's "
+            "form (optimizers stepping in turn, which mixprec does not do): a scheduler's "
+            "'interval' and 'frequency' go in its config dict, as 'lr_scheduler'"
+            if lightning
+            else ""
+        )
         raise ValueError(
             "configure_optimizers must return dicts with the keys 'optimizer' (required), "
             "'lr_scheduler' (a scheduler, or a config dict with 'scheduler', 'interval', "
             "'frequency', 'monitor', 'strict', 'name') and 'monitor' (the metric of a "
-            f"ReduceLROnPlateau given as a bare 'lr_scheduler'); got {got}"
+            f"ReduceLROnPlateau given as a bare 'lr_scheduler'); got {got}{hint}"
         )
     monitor, sched = d.get("monitor"), d.get("lr_scheduler")
     if monitor is not None and not isinstance(monitor, str):
