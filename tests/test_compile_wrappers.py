@@ -52,16 +52,31 @@ def test_forward_context_compiled_inside_a_function_gives_eagers_gradients():
         assert torch.equal(grad, compiled[name]), name
 
 
-def test_apply_refuses_a_compile_wrapper_and_remove_and_explain_see_through_it():
-    """apply on torch.compile(model) converted the wrapper: regions outside the graph (16-bit
-    backward in float32 rules), rules under '_orig_mod.'; remove and explain of the wrapper
-    found no policy (remove did nothing, silently)."""
+def test_apply_remove_and_explain_of_a_compile_wrapper_act_on_its_model():
+    """apply on torch.compile(model) converted the wrapper: regions outside the graph
+    (16-bit backward in float32 rules), rules under '_orig_mod.'; remove and explain of the
+    wrapper found no policy (remove did nothing, silently). Its model is converted now, with
+    gradients as compiling the converted model gives (a Hugging Face or Accelerate user hands
+    over a model compiled already)."""
+
+    def gradients(wrap_first: bool) -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        policy = PolicyMap("bf16-mixed", {"2": "float32"})
+        model = _net()
+        if wrap_first:
+            run = mixprec.apply(torch.compile(model, backend=BACKEND), policy, warn=False)
+        else:
+            run = torch.compile(mixprec.apply(model, policy, warn=False), backend=BACKEND)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        F.mse_loss(run(x), torch.ones(8, 4)).backward()
+        return [p.grad for p in model.parameters()]
+
+    for first, then in zip(gradients(True), gradients(False), strict=True):
+        assert torch.equal(first, then)
     model = _net()
-    with pytest.raises(TypeError, match="torch.compile wrapper .*torch.compile\\(mixprec.apply"):
-        mixprec.apply(torch.compile(model, backend=BACKEND), "bf16-true")
-    assert mixprec.convert.applied_policy(model) is None
-    mixprec.apply(model, "bf16-true", warn=False)
     wrapped = torch.compile(model, backend=BACKEND)
+    assert mixprec.apply(wrapped, "bf16-true", warn=False) is wrapped
+    assert model[0].weight.dtype == torch.bfloat16
     assert mixprec.explain(wrapped)["0"] == mixprec.Policy("bf16-true")
     assert mixprec.remove(wrapped) is wrapped
     assert model[0].weight.dtype == torch.float32 and mixprec.convert.applied_policy(model) is None
@@ -79,9 +94,44 @@ def test_the_trainer_warns_that_a_whole_model_storing_activations_compiles_nothi
     data = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)
     quiet = dict(max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False)
     trainer = Trainer(compile={"backend": BACKEND}, activations="fp8", **quiet)
-    with pytest.warns(UserWarning, match="activations 'fp8' on the whole model.*nothing compiles"):
+    with pytest.warns(UserWarning, match="<root>: 'fp8'.*nothing of weight compiles"):
         trainer.fit(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), data, loss_fn=F.mse_loss)
+
+    class Wrapper(nn.Module):  # (all of it one child: the same trap a level down)
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+
+        def forward(self, x):
+            return self.net(x)
+
+    trainer = Trainer(compile={"backend": BACKEND}, activations={"net": "bf16"}, **quiet)
+    with pytest.warns(UserWarning, match="net: 'bf16'.*nothing of weight compiles"):
+        trainer.fit(Wrapper(), data, loss_fn=F.mse_loss)
     trainer = Trainer(compile={"backend": BACKEND}, activations={"0": "fp8"}, **quiet)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*nothing compiles")
         trainer.fit(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), data, loss_fn=F.mse_loss)
+
+
+def test_accelerate_prepares_a_model_compiled_before_it_is_handed_over():
+    """A review of the first fix (which refused torch.compile's wrapper in apply) found
+    `prepare` refusing a model the user compiled before handing it over, as it had run."""
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+
+    from mixprec.integrations.huggingface import prepare
+
+    model = _net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = mixprec.Precision("bf16-mixed", allow_slow=True)
+    accelerator = Accelerator(cpu=True, mixed_precision="no")
+    prepared, opt = prepare(
+        accelerator, precision, torch.compile(model, backend=BACKEND), optimizer
+    )
+    with precision.forward_context():
+        loss = prepared(torch.randn(4, 16)).float().sum()
+    accelerator.backward(loss)
+    opt.step()
+    assert mixprec.convert.applied_policy(model) is not None
+    assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -855,14 +855,6 @@ def _check_model(model: Any) -> None:
             f"apply needs an nn.Module, got {type(model).__name__}; pass the model, then the "
             "policy: mixprec.apply(model, 'bf16-mixed')"
         )
-    if _compiled_wrapper(model):
-        raise TypeError(
-            "apply got a torch.compile wrapper (OptimizedModule): its rules would see paths "
-            "under '_orig_mod.', and its regions would enter autocast outside the compiled "
-            "graph, whose backward then ran in 16 bits in float32 layers. Convert the model, "
-            "then compile it: torch.compile(mixprec.apply(model, policy)), or "
-            "mixprec.apply(model._orig_mod, policy)"
-        )
     sharded = sharded_units(model)
     if sharded:
         raise TypeError(
@@ -933,7 +925,14 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     follows its source float policy.
 
     Warns when the policy is slow or refused on the model's device, and when path rules
-    match no module (one warning naming them); `warn=False` warns of neither."""
+    match no module (one warning naming them); `warn=False` warns of neither.
+
+    Of a torch.compile wrapper, its model is converted (rule paths are the model's) and the
+    wrapper returned: on the wrapper, regions would enter autocast outside the compiled
+    graph, whose backward then ran in 16 bits in float32 layers."""
+    if _compiled_wrapper(model):
+        apply(model._orig_mod, policy, warn=warn)
+        return model
     _check_model(model)
     _check_nesting(model)
     pmap = as_map(policy)

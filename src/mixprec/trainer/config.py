@@ -182,6 +182,11 @@ def compile_options(value: Any) -> dict[str, Any] | None:
     )
 
 
+def _under(name: str, paths: Mapping[str, Any]) -> bool:
+    """Whether module `name` is one of `paths` or inside one."""
+    return any(not p or name == p or name.startswith(p + ".") for p in paths)
+
+
 def compile_model(model: nn.Module, options: dict[str, Any]) -> Callable[[], None]:
     """Compile ``model`` in place (``nn.Module.compile``: its ``__call__`` runs compiled, its
     parameters, state-dict keys and ``forward`` stay as they are, so checkpoints carry no
@@ -189,13 +194,16 @@ def compile_model(model: nn.Module, options: dict[str, Any]) -> Callable[[], Non
 
     Called once the model is converted and on its device, before any DDP wrapping: the
     compiled graph then traces mixprec's regions and casts with the final dtypes."""
-    eager = wrapped(model).get("")
-    if eager in ("bf16", "fp8", "offload"):
+    storing = {p: o for p, o in wrapped(model).items() if o in ("bf16", "fp8", "offload")}
+    held = [n for n, m in model.named_modules() if any(True for _ in m.parameters(False))]
+    if storing and all(_under(name, storing) for name in held):
+        shown = ", ".join(f"{p or '<root>'}: {o!r}" for p, o in storing.items())
         warnings.warn(
-            f"compile= with activations {eager!r} on the whole model: torch.compile's graphs "
-            "run no saved-tensor hooks, so a module storing its activations runs eagerly, "
-            "and here that module is the model: nothing compiles. Give the option to its "
-            "blocks (activations={r'blocks\\.\\d+': ...}) so the rest compiles, or drop compile=",
+            f"compile= with activations stored ({shown}) around every layer holding "
+            "parameters: torch.compile's graphs run no saved-tensor hooks, so a module "
+            "storing its activations runs eagerly, and here they hold all the model's "
+            "layers: nothing of weight compiles. Give the option to some blocks so the rest "
+            "compiles, or drop compile=",
             UserWarning,
             stacklevel=caller_level(),
         )
