@@ -37,6 +37,7 @@ from mixprec.activations import install as install_activations
 from mixprec.activations.rules import never_called
 from mixprec.device import detect, device_of, parse_device
 from mixprec.dtypes import default_dtype, dtype_name, exclusive, needs_default_dtype
+from mixprec.eager import compiled_wrapper
 from mixprec.errors import DtypeChangedError, PolicySpecError, PrecisionError
 from mixprec.hardware import slow_attention, warn_if_unsupported
 from mixprec.policy import APPLIED_STATE, REGION_MARK, Policy, explanation
@@ -714,7 +715,7 @@ def _explain_rnn_error(
 @dataclass
 class AppliedState:
     """What `apply` left on the root module: the map used, the dtypes it replaced and
-    those it set."""
+    those it set its parameters to."""
 
     policy: PolicyMap
     original_dtypes: dict[tuple[str, str], torch.dtype]
@@ -733,12 +734,7 @@ def _explain_dtype_change(err: RuntimeError, module: nn.Module) -> None:
         state = owner.__dict__.get(_STATE)
         if state is None or not state.applied_dtypes:
             continue
-        now = {
-            (name, key): p.dtype
-            for name, m in owner.named_modules()
-            for key, p in m._parameters.items()
-            if p is not None and p.is_floating_point()
-        }
+        now = _floating_dtypes(owner, buffers=False)
         moved = [
             (name, key, was, now[name, key])
             for (name, key), was in state.applied_dtypes.items()
@@ -843,12 +839,6 @@ def cast_buffer(
         module._buffers[key] = done[id(t)]
 
 
-def _compiled_wrapper(model: Any) -> bool:
-    """Whether ``model`` is torch.compile's wrapper (loaded with torch._dynamo: by a compile)."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
-
-
 def _check_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -893,12 +883,15 @@ def warn_unmatched(pmap: PolicyMap, model: nn.Module) -> None:
     pmap.warn_unmatched_rules(model, stacklevel=3)
 
 
-def _floating_dtypes(model: nn.Module) -> dict[tuple[str, str], torch.dtype]:
-    """Dtype of every floating parameter and buffer, persistent or not, by (owner, key)."""
+def _floating_dtypes(
+    model: nn.Module, *, buffers: bool = True
+) -> dict[tuple[str, str], torch.dtype]:
+    """Dtype of every floating parameter and (``buffers``) buffer, persistent or not, by
+    (owner, key)."""
     return {
         (name, key): t.dtype
         for name, module in model.named_modules()
-        for store in (module._parameters, module._buffers)
+        for store in ((module._parameters, module._buffers) if buffers else (module._parameters,))
         for key, t in store.items()
         if t is not None and t.is_floating_point()
     }
@@ -930,7 +923,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     Of a torch.compile wrapper, its model is converted (rule paths are the model's) and the
     wrapper returned: on the wrapper, regions would enter autocast outside the compiled
     graph, whose backward then ran in 16 bits in float32 layers."""
-    if _compiled_wrapper(model):
+    if compiled_wrapper(model):
         apply(model._orig_mod, policy, warn=warn)
         return model
     _check_model(model)
@@ -981,7 +974,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     if pmap.activations is not None:  # outside the regions
         install_activations(model, pmap.activation_choices(model))
     set_fast_paths(model)  # torch's fused transformer layers would pass regions over
-    model.__dict__[_STATE] = AppliedState(pmap, original, _floating_dtypes(model))
+    model.__dict__[_STATE] = AppliedState(pmap, original, _floating_dtypes(model, buffers=False))
     _record_installed(model)
     for module in model.modules():
         _OWNERS.setdefault(module, weakref.WeakSet()).add(model)
@@ -1193,7 +1186,7 @@ def explain(
     its result back in another dtype than its policy's output dtype (inside a "true"
     parent: the parent's compute dtype) shows that dtype (`Explanation.handed_back`). Of a
     torch.compile wrapper, its model's."""
-    if _compiled_wrapper(model):
+    if compiled_wrapper(model):
         model = model._orig_mod
     where = parse_device(device) if device is not None else device_of(model)
     found = explanation.explain(
@@ -1377,7 +1370,7 @@ def remove(model: nn.Module) -> nn.Module:
     parameter and buffer (non-persistent ones such as a rotary `inv_freq` included).
     Layers a quantized policy swapped stay quantized (`mixprec.quantize.dequantize`). A
     torch.compile wrapper's model is the one changed (the wrapper compiles it anew)."""
-    if _compiled_wrapper(model):
+    if compiled_wrapper(model):
         remove(model._orig_mod)
         return model
     state: AppliedState | None = model.__dict__.get(_STATE)

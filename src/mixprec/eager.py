@@ -9,14 +9,22 @@ processes, ``mixprec info``, a launched rank) paid it for every class so decorat
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["uncompiled"]
+__all__ = ["compiled_wrapper", "uncompiled"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def compiled_wrapper(model: Any) -> bool:
+    """Whether ``model`` is torch.compile's wrapper of a module (``OptimizedModule``), asked
+    without importing dynamo: loaded only by a compile, it made none where it is absent."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
 def uncompiled(fn: F) -> F:

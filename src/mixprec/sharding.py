@@ -12,7 +12,6 @@ It also refuses the set-ups that would fail late or silently (see `shard`).
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,6 +35,7 @@ from mixprec.convert import (
     sharded_units,
     warn_unmatched,
 )
+from mixprec.eager import compiled_wrapper
 from mixprec.errors import PolicySpecError, PrecisionError
 from mixprec.hardware import check, device_of
 from mixprec.optim import check_sharded_masters
@@ -263,10 +263,7 @@ def _check_ready(
             f"got {reduce_dtype!r}"
         )
     wrappers = (nn.parallel.DistributedDataParallel, nn.DataParallel)
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded by any torch.compile
-    if isinstance(model, wrappers) or (
-        eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
-    ):
+    if isinstance(model, wrappers) or compiled_wrapper(model):
         raise PrecisionError(
             f"shard got a {type(model).__name__} wrapper: its rules would see paths under "
             "'module.'/'_orig_mod.' and its blocks would not be units. Pass the plain model "

@@ -102,12 +102,12 @@ class MasterWeights:
         would give one."""
         saved = set(saved)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        return {
-            i
-            for i, p in enumerate(params)
-            if p in self.param_of
-            or (p.dtype in self.dtypes and (p.requires_grad or p.grad is not None or i in saved))
-        }
+        return {i for i, p in enumerate(params) if p in self.param_of or self._takes(p, i in saved)}
+
+    def _takes(self, p: torch.Tensor, saved: bool) -> bool:
+        """Whether `add` gives ``p`` a master: trainable (or one a checkpoint holds a master
+        for, ``saved``) and of a master dtype (one mastered already is float32)."""
+        return p.dtype in self.dtypes and (p.requires_grad or p.grad is not None or saved)
 
     def add(self, optimizer: torch.optim.Optimizer, saved: Iterable[int] = ()) -> None:
         """Give every trainable parameter of a master dtype in ``optimizer``'s groups its
@@ -124,8 +124,7 @@ class MasterWeights:
             params = group["params"]
             for i, p in enumerate(params):
                 index += 1
-                trainable = p.requires_grad or p.grad is not None or index in saved
-                if trainable and p.dtype in self.dtypes:
+                if self._takes(p, index in saved):
                     taken.append((params, i, p))
         if taken:
             _refuse_aliases([p for *_, p in taken] + self.params)

@@ -13,7 +13,6 @@ import inspect
 import logging
 import os
 import random
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from mixprec.activations import as_rules, check_device, wrapped
+from mixprec.eager import compiled_wrapper
 from mixprec.errors import caller_level
 from mixprec.hardware import DeviceInfo, Support
 from mixprec.optim.states import parse_state_format
@@ -482,8 +482,7 @@ def check_model(model: Any, loss_fn: Any) -> None:
     """A model the Trainer can run: an nn.Module, with a loss_fn unless a TrainingModule."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded by any torch.compile
-    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+    if compiled_wrapper(model):
         raise TypeError(
             "model was compiled before mixprec converted it (torch.compile(model)), which "
             "also prefixes its checkpoint keys with '_orig_mod.'; pass the plain model and "
