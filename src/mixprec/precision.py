@@ -66,7 +66,9 @@ from mixprec.policy.map import PolicyMap, as_map
 
 __all__ = ["BackwardOutsideAutocast", "Precision"]
 
-ParamsLike = nn.Module | LossScaleOptimizer | torch.Tensor | Iterable[torch.Tensor]
+ParamsLike = (
+    nn.Module | LossScaleOptimizer | torch.optim.Optimizer | torch.Tensor | Iterable[torch.Tensor]
+)
 
 
 # the parameter names of mixprec's LoRA adapters (`mixprec.quantize.enable_lora`)
@@ -133,6 +135,27 @@ class ForwardAutocast:
             if self.restore is not None:
                 self.restore()
                 self.restore = None
+
+
+class ForwardDefaultDtype:
+    """`Precision.forward_context` of a "true" policy: torch's default dtype set to the
+    compute dtype while entered (`default_dtype`), restored on exit. It may be entered again
+    and again, as an autocast object may (``ctx = precision.forward_context()`` built once,
+    ``with ctx:`` every step, the way loops written for torch.amp keep theirs)."""
+
+    __slots__ = ("dtype", "entered")
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.entered: list[AbstractContextManager[None]] = []
+
+    def __enter__(self) -> None:
+        block = default_dtype(self.dtype)
+        block.__enter__()
+        self.entered.append(block)
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.entered.pop().__exit__(*exc)
 
 
 class Precision:
@@ -544,7 +567,8 @@ class Precision:
         error_if_nonfinite: bool = False,
     ) -> torch.Tensor:
         """Unscale, then clip the gradients of ``params`` (a model, an optimizer from
-        ``setup``, or tensors) to total norm ``max_norm``; returns the norm before clipping.
+        ``setup`` or the one passed to it, or tensors) to total norm ``max_norm``; returns the
+        norm before clipping.
 
         Float16 parameters with float32 masters are clipped through their masters, which
         hold the unscaled gradients the optimizer will use.
@@ -684,7 +708,9 @@ class Precision:
                 return ForwardAutocast(autocast)
             return autocast
         if needs_default_dtype(self.policy.default.compute_dtype):
-            return default_dtype(self._compute_dtype)
+            if torch.compiler.is_compiling():  # (traced as it always was)
+                return default_dtype(self._compute_dtype)
+            return ForwardDefaultDtype(self._compute_dtype)
         return contextlib.nullcontext()
 
     def convert_input(self, batch: Any) -> Any:
@@ -743,6 +769,8 @@ class Precision:
         """Unscale the optimizers owning ``params``, then return the tensors holding their
         gradients (masters in place of low-precision parameters). Looked up afresh on each
         call, so groups added and parameters unfrozen after ``setup`` are covered."""
+        if isinstance(params, torch.optim.Optimizer):  # (the plain one set up, as step takes)
+            params = self._as_wrapper(params)
         if isinstance(params, LossScaleOptimizer):
             params.unscale_()
             return params.params_with_grads()

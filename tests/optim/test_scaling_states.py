@@ -247,14 +247,18 @@ def test_lowering_the_growth_interval_past_the_clean_run_grows_at_the_next_clean
     assert scaler.loss_scale == 4.0 and scaler._at_floor()
 
 
-def test_a_scaler_pickled_while_growth_interval_was_an_attribute_unpickles():
-    """growth_interval became a property over ``_growth_interval``: a scaler pickled before
-    (its interval in ``growth_interval``) failed at its first update with AttributeError."""
-    state = dict(DynamicLossScaler(8.0, growth_interval=5).__dict__)
-    state["growth_interval"] = state.pop("_growth_interval")
+def test_a_scaler_pickled_while_its_settings_were_attributes_unpickles():
+    """The settings became properties over ``_<name>``: a scaler pickled before (its interval
+    in ``growth_interval``, its bounds in ``max_scale``...) failed at its first update with
+    AttributeError."""
+    state = dict(DynamicLossScaler(8.0, growth_interval=5, max_scale=64.0).__dict__)
+    for name in ("growth_interval", "init_scale", "growth_factor", "backoff_factor"):
+        state[name] = state.pop(f"_{name}")
+    for name in ("hysteresis", "min_scale", "max_scale"):
+        state[name] = state.pop(f"_{name}")
     old = DynamicLossScaler.__new__(DynamicLossScaler)
     old.__setstate__(state)
-    assert old.growth_interval == 5
+    assert old.growth_interval == 5 and old.max_scale == 64.0 and old.init_scale == 8.0
     for _ in range(5):
         old.update(torch.tensor(0.0), False)
     assert old.loss_scale == 16.0

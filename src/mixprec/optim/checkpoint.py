@@ -199,7 +199,8 @@ class OptimizerCheckpoint:
     def check_state_dict(self, state: Mapping[str, Any]) -> None:
         """Raise, changing nothing, what `load_state_dict` refuses in ``state`` (its keys;
         its parameters: their number per group, their shapes; the optimizer class that saved
-        it), for a caller that loads other things first (a Trainer's resume, the weights)."""
+        it; its compensation, masters and scaler state), for a caller that loads other things
+        first (a Trainer's resume, the weights)."""
         if not isinstance(state, Mapping):
             raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
         if "optimizer" not in state and {"state", "param_groups"} <= state.keys():
@@ -209,6 +210,7 @@ class OptimizerCheckpoint:
         self._check_inner_state(state["optimizer"], state["param_shapes"])
         self._check_compensation(state)
         self._check_masters(state)
+        self.scaler.check_state_dict(state["scaler"])
 
     def loads_directly(self, state: Mapping[str, Any]) -> bool:
         """Whether `load_state_dict` takes ``state`` (a `state_dict` of this precision) as it

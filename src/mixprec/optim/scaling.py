@@ -408,10 +408,23 @@ class LossScaler:
 
         A dynamic scaler also takes the state of a ``torch.amp.GradScaler``.
         """
+        self.check_state_dict(state)
+        if "kind" not in state:
+            self._load_foreign_state(state)
+            return
+        _warn_settings_replaced(self, state)
+        self._scale.fill_(self._loaded_scale(state))
+        for key, attr in self._SAVED.items():
+            setattr(self, attr, state[key])
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Raise, changing nothing, what `load_state_dict` refuses in ``state``: another kind,
+        missing keys, settings or counters the constructor would refuse, a torch.amp.GradScaler
+        state this kind cannot take."""
         if not isinstance(state, Mapping):
             raise TypeError(f"a loss scaler state is a dict, got {type(state).__name__}")
         if "kind" not in state:
-            self._load_foreign_state(state)
+            self._check_foreign_state(state)
             return
         if state["kind"] != self.kind:
             raise ValueError(
@@ -423,10 +436,6 @@ class LossScaler:
             self._check_saved(state)
         except (TypeError, ValueError) as err:
             raise ValueError(f"invalid {self.kind!r} loss scaler state: {err}") from None
-        _warn_settings_replaced(self, state)
-        self._scale.fill_(self._loaded_scale(state))
-        for key, attr in self._SAVED.items():
-            setattr(self, attr, state[key])
 
     # settings a saved state holds, which loading it restores (as torch.amp.GradScaler
     # restores its own): a scaler built with others is told so (`_warn_settings_replaced`)
@@ -453,6 +462,10 @@ class LossScaler:
             _count("last_overflow_step", state["last_overflow_step"], "None or ")
 
     def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
+        """Load a state without a ``kind`` that `_check_foreign_state` took (nothing to load
+        here: only a disabled GradScaler's empty state is taken, by `NoLossScaler`)."""
+
+    def _check_foreign_state(self, state: Mapping[str, Any]) -> None:
         """A state without a ``kind``: from torch.amp.GradScaler, or not a scaler's at all."""
         if not state:
             raise ValueError(
@@ -551,10 +564,10 @@ class NoLossScaler(LossScaler):
         """Count the step."""
         self._steps += 1
 
-    def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
+    def _check_foreign_state(self, state: Mapping[str, Any]) -> None:
         # a disabled torch.amp.GradScaler saves {}: no scaling, nothing to restore
         if state:
-            super()._load_foreign_state(state)
+            super()._check_foreign_state(state)
 
     @property
     def loss_scale(self) -> float:
@@ -624,7 +637,7 @@ class DynamicLossScaler(LossScaler):
     _SAVED: ClassVar[dict[str, str]] = {
         **LossScaler._SAVED,
         **{
-            name: name
+            name: f"_{name}"  # (set as saved: a loaded state is checked whole first)
             for name in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
             + ("hysteresis", "min_scale", "max_scale")
         },
@@ -660,24 +673,110 @@ class DynamicLossScaler(LossScaler):
                 f"need 0 <= min_scale <= init_scale <= max_scale, "
                 f"got {min_scale}, {init}, {max_scale}"
             )
-        self.init_scale = init
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
+        self._init_scale = init
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
         device = self._scale.device
         self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
         self.growth_interval = growth_interval
-        self.hysteresis = _positive_int("hysteresis", hysteresis)
-        self.min_scale = min_scale
-        self.max_scale = max_scale
-        self._credits = torch.full((), self.hysteresis, dtype=torch.int32, device=device)
+        self._hysteresis = _positive_int("hysteresis", hysteresis)
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._credits = torch.full((), self._hysteresis, dtype=torch.int32, device=device)
         # (scale, growth tracker) as the host knows them; None: to be read from the device
         self._host: tuple[float, int] | None = (_float32(init), 0)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # (a scaler pickled while growth_interval was a plain attribute)
-        if "growth_interval" in state:
-            state["_growth_interval"] = state.pop("growth_interval")
+        # (a scaler pickled while its settings were plain attributes)
+        for name in ("growth_interval", "init_scale", "growth_factor", "backoff_factor") + (
+            "hysteresis",
+            "min_scale",
+            "max_scale",
+        ):
+            if name in state:
+                state[f"_{name}"] = state.pop(name)
         self.__dict__.update(state)
+
+    # The settings, each checked when set after building (as a load's warning invites), so
+    # that what the scaler then saves loads again: the bounds take the scale, and the
+    # initial scale, into them; fewer hysteresis credits take the unspent ones down.
+
+    @property
+    def init_scale(self) -> float:
+        """The scale training started from (within ``[min_scale, max_scale]``)."""
+        return self._init_scale
+
+    @init_scale.setter
+    def init_scale(self, value: float) -> None:
+        init, _ = _initial_scale("init_scale", value)
+        if not self._min_scale <= init <= self._max_scale:
+            raise ValueError(
+                f"init_scale must be within [min_scale, max_scale] = "
+                f"[{self._min_scale}, {self._max_scale}], got {init}"
+            )
+        self._init_scale = init
+
+    @property
+    def growth_factor(self) -> float:
+        """Multiplier when the scale grows (> 1)."""
+        return self._growth_factor
+
+    @growth_factor.setter
+    def growth_factor(self, value: float) -> None:
+        value = _real("growth_factor", value)
+        if not 1.0 < value < math.inf:
+            raise ValueError(f"growth_factor must be a finite number > 1, got {value}")
+        self._growth_factor = value
+
+    @property
+    def backoff_factor(self) -> float:
+        """Multiplier when the scale backs off (in (0, 1))."""
+        return self._backoff_factor
+
+    @backoff_factor.setter
+    def backoff_factor(self, value: float) -> None:
+        value = _real("backoff_factor", value)
+        if not 0.0 < value < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {value}")
+        self._backoff_factor = value
+
+    @property
+    def hysteresis(self) -> int:
+        """Overflow credits; set lower, the unspent credits are capped at the new number."""
+        return self._hysteresis
+
+    @hysteresis.setter
+    def hysteresis(self, value: int) -> None:
+        self._hysteresis = _positive_int("hysteresis", value)
+        self._credits.clamp_(max=self._hysteresis)
+
+    @property
+    def min_scale(self) -> float:
+        """The scale's floor; set above the scale (or the initial scale), raises them to it."""
+        return self._min_scale
+
+    @min_scale.setter
+    def min_scale(self, value: float) -> None:
+        self._set_bounds(_real("min_scale", value), self._max_scale)
+
+    @property
+    def max_scale(self) -> float:
+        """The scale's ceiling; set below the scale (or the initial scale), lowers them to it."""
+        return self._max_scale
+
+    @max_scale.setter
+    def max_scale(self, value: float) -> None:
+        self._set_bounds(self._min_scale, _real("max_scale", value))
+
+    def _set_bounds(self, low: float, high: float) -> None:
+        if not 0.0 <= low <= high:
+            raise ValueError(f"need 0 <= min_scale <= max_scale, got {low}, {high}")
+        self._min_scale, self._max_scale = low, high
+        self._init_scale = min(max(self._init_scale, low), high)
+        self._scale.clamp_(low, high)  # (as an update would)
+        if self._host is not None:
+            scale = min(max(self._host[0], _float32(low)), _float32(high))
+            self._host = (scale, self._host[1])
 
     @property
     def growth_interval(self) -> int:
@@ -754,6 +853,7 @@ class DynamicLossScaler(LossScaler):
         self._scale.copy_(new_scale)
         self._growth_tracker.copy_(torch.where(grow, 0, clean_run))
         self._credits.copy_(torch.where(grow, self.hysteresis, credits.clamp(min=0)))
+        self._host = None  # (not mirrored: read from the device if hysteresis becomes 1)
 
     def _at_floor(self) -> bool:
         # the clamp holds the scale at min_scale rounded to float32 (0.1 -> 0.10000000149):
@@ -792,20 +892,20 @@ class DynamicLossScaler(LossScaler):
                 f"[{state['min_scale']}, {state['max_scale']}]"
             )
 
-    def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
-        """Resume from ``torch.amp.GradScaler.state_dict()``: its scale, growth tracker,
-        factors and interval. It has no hysteresis, bounds or counters: this scaler keeps its
-        own hysteresis and bounds (a scale outside them, which GradScaler's unbounded growth
-        reaches, is taken to the nearest, as an update would: its own state then saves and
-        loads again), refills its credits and starts its counters at zero."""
-        if not (state and _TORCH_GRAD_SCALER_KEYS <= state.keys()):
-            super()._load_foreign_state(state)
-            return
+    def _check_foreign_state(self, state: Mapping[str, Any]) -> None:
+        if state and _TORCH_GRAD_SCALER_KEYS <= state.keys():
+            self._grad_scaler_values(state)
+        else:
+            super()._check_foreign_state(state)
+
+    @staticmethod
+    def _grad_scaler_values(state: Mapping[str, Any]) -> tuple[float, float, float, int, int]:
+        """A ``torch.amp.GradScaler`` state's scale, factors, interval and growth tracker,
+        checked."""
         scale = _real("scale", state["scale"])
         growth_factor = _real("growth_factor", state["growth_factor"])
         backoff_factor = _real("backoff_factor", state["backoff_factor"])
         growth_interval = _positive_int("growth_interval", state["growth_interval"])
-        tracker = state["_growth_tracker"]
         if (
             not 0 < scale < math.inf
             or not 1.0 < growth_factor < math.inf
@@ -813,9 +913,21 @@ class DynamicLossScaler(LossScaler):
         ):
             raise ValueError(f"invalid torch.amp.GradScaler state: {dict(state)}")
         try:
-            tracker = _within_interval(_count("_growth_tracker", tracker), growth_interval)
+            tracker = _count("_growth_tracker", state["_growth_tracker"])
         except ValueError as err:
             raise ValueError(f"invalid torch.amp.GradScaler state: {err}") from None
+        return scale, growth_factor, backoff_factor, growth_interval, tracker
+
+    def _load_foreign_state(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``torch.amp.GradScaler.state_dict()``: its scale, growth tracker,
+        factors and interval. It has no hysteresis, bounds or counters: this scaler keeps its
+        own hysteresis and bounds (a scale outside them, which GradScaler's unbounded growth
+        reaches, is taken to the nearest, as an update would: its own state then saves and
+        loads again), refills its credits and starts its counters at zero."""
+        scale, growth_factor, backoff_factor, growth_interval, tracker = self._grad_scaler_values(
+            state
+        )
+        tracker = _within_interval(tracker, growth_interval)
         scale = min(max(_float32(scale), _float32(self.min_scale)), _float32(self.max_scale))
         self._scale.fill_(scale)
         self.growth_interval = growth_interval

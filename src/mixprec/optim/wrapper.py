@@ -274,6 +274,15 @@ class LossScaleOptimizer(OptimizerCheckpoint):
         given = [params] if isinstance(params, torch.Tensor) else list(params or ())
         trainable = [p for p in given if isinstance(p, torch.Tensor) and p.requires_grad]
         _check_sharded_params(self.optimizer, trainable, self._master_weights, self.compensation)
+        # (torch's own check cannot see a parameter its groups hold as a float32 master)
+        held = {id(self.model_param(q)) for q in self._all_params()}
+        again = [p for p in given if id(p) in held]
+        if again:
+            raise ValueError(
+                f"some parameters appear in more than one parameter group: "
+                f"{len(again)} of the new group's are stepped already (as torch.optim refuses "
+                f"for its own groups); nothing was added"
+            )
         self.optimizer.add_param_group(group)
         self._masters.add(self.optimizer)
 

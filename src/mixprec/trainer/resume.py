@@ -347,6 +347,14 @@ def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
     # an optimizer whose compensation or masters differ from the checkpoint's (Kahan buffers
     # saved, none kept now) restores as one across precisions does: it folds what it cannot
     # keep into the weights; checked before anything is loaded, as every other
+    precision = run.precision
+    scaler_state = state["precision"]["scaler"]
+    fresh_scaler = scaler_state.get("kind") != precision.scaler.kind
+    if fresh_scaler:  # (each optimizer's copy of it too: it is this run's scaler, as built)
+        state["optimizers"] = [
+            {**saved, "scaler": opt.scaler.state_dict()} if "scaler" in saved else saved
+            for opt, saved in zip(run.optimizers, state["optimizers"], strict=True)
+        ]
     same = same_precision(run, state)
     direct = [
         same and opt.loads_directly(saved)
@@ -371,14 +379,6 @@ def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
             f"mid-epoch needs the same number (this run has {world})"
         )
     check_resume_point(run, loop, path)
-    precision = run.precision
-    scaler_state = state["precision"]["scaler"]
-    fresh_scaler = scaler_state.get("kind") != precision.scaler.kind
-    if fresh_scaler:  # (each optimizer's copy of it too: it is this run's scaler, as built)
-        state["optimizers"] = [
-            {**saved, "scaler": opt.scaler.state_dict()} if "scaler" in saved else saved
-            for opt, saved in zip(run.optimizers, state["optimizers"], strict=True)
-        ]
     load_weights(run, state, path)
     if not all(direct):
         # this run's masters come from the checkpoint's own weights (a float32 checkpoint's

@@ -1,0 +1,168 @@
+"""A dynamic scaler's settings changed after it was built (as a resume's warning invites):
+what it saves then loads back, and its scale keeps to the new bounds from the next step."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec.optim.scaling import DynamicLossScaler, LossScaleDivergedError
+
+CLEAN, INF = torch.tensor(0.0), torch.tensor(1.0)
+
+
+def _loads_back(scaler: DynamicLossScaler) -> None:
+    state = scaler.state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (settings other than a fresh scaler's)
+        DynamicLossScaler().load_state_dict(state)
+        scaler.load_state_dict(state)
+
+
+def test_a_lowered_max_scale_takes_the_scale_and_the_initial_scale_down_and_saves_loadably():
+    scaler = DynamicLossScaler()  # init 2**16, max 2**24
+    scaler.max_scale = 2.0**12
+    assert scaler.loss_scale == 2.0**12 and scaler.init_scale == 2.0**12
+    _loads_back(scaler)
+    for _ in range(3):
+        scaler.update(CLEAN, False)
+    assert scaler.loss_scale == 2.0**12
+    _loads_back(scaler)
+
+
+def test_a_raised_min_scale_takes_the_scale_up():
+    scaler = DynamicLossScaler(4.0, min_scale=1.0)
+    scaler.min_scale = 16.0
+    assert scaler.loss_scale == 16.0 and scaler.init_scale == 16.0
+    scaler.update(INF, True)
+    assert scaler.loss_scale == 16.0
+    _loads_back(scaler)
+
+
+def test_lowered_hysteresis_caps_the_unspent_credits():
+    scaler = DynamicLossScaler(8.0, hysteresis=3)
+    scaler.hysteresis = 1
+    assert scaler.state_dict()["credits"] == 1
+    _loads_back(scaler)
+
+
+def test_hysteresis_lowered_to_one_keeps_the_bounds_and_the_floor():
+    """The hysteresis update does not mirror the scale on the host; the first update without
+    it reads the scale back (its bounds and floor were judged from the scale at build)."""
+    scaler = DynamicLossScaler(16.0, growth_interval=1, hysteresis=2, max_scale=64.0)
+    for _ in range(4):
+        scaler.update(CLEAN, False)
+    assert scaler.loss_scale == 64.0
+    scaler.hysteresis = 1
+    for _ in range(3):
+        scaler.update(CLEAN, False)
+        assert scaler.loss_scale == 64.0
+    _loads_back(scaler)
+
+    scaler = DynamicLossScaler(4.0, hysteresis=2, min_scale=1.0, max_skips_at_min_scale=3)
+    for _ in range(4):  # a credit, then 4 -> 2 -> 1
+        scaler.update(INF, True)
+    assert scaler.loss_scale == 1.0
+    scaler.hysteresis = 1
+    skips = 0
+    with pytest.raises(LossScaleDivergedError):
+        for skips in range(1, 10):  # noqa: B007 (read after the raise)
+            scaler.update(INF, True)
+    assert skips == 2  # the overflow that reached the floor counted, then two more
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "error", "match"),
+    [
+        ("growth_factor", 1.0, ValueError, "growth_factor must be a finite number > 1"),
+        ("backoff_factor", 1.5, ValueError, r"backoff_factor must be in \(0, 1\)"),
+        ("hysteresis", 0, ValueError, "hysteresis must be >= 1"),
+        ("hysteresis", 1.5, TypeError, "hysteresis must be an integer"),
+        ("min_scale", 2.0**30, ValueError, "need 0 <= min_scale <= max_scale"),
+        ("max_scale", -1.0, ValueError, "need 0 <= min_scale <= max_scale"),
+        ("init_scale", 2.0**30, ValueError, r"init_scale must be within \[min_scale"),
+    ],
+)
+def test_a_setting_set_after_building_is_checked_as_the_constructor_checks(
+    name, value, error, match
+):
+    scaler = DynamicLossScaler()
+    before = scaler.state_dict()
+    with pytest.raises(error, match=match):
+        setattr(scaler, name, value)
+    assert scaler.state_dict() == before
+
+
+def _set_up(spec_scaler):
+    model = nn.Linear(4, 4)
+    precision = mixprec.Precision("32-true", scaler=spec_scaler)
+    model, opt = precision.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    precision.backward(model(torch.ones(1, 4)).sum())
+    precision.step(opt)
+    return precision, opt
+
+
+def test_an_optimizers_check_state_dict_refuses_what_its_scaler_would():
+    """check_state_dict is what a resume runs before it loads the weights: a scaler state the
+    load then refuses must be refused here, changing nothing."""
+    _, saved_opt = _set_up("dynamic")
+    state = saved_opt.state_dict()
+    _, opt = _set_up("dynamic")
+    before = opt.state_dict()
+    bad = {**state, "scaler": {**state["scaler"], "credits": 5}}
+    with pytest.raises(ValueError, match="credits must be at most hysteresis"):
+        opt.check_state_dict(bad)
+    _, static_opt = _set_up(8.0)
+    with pytest.raises(ValueError, match="cannot load a 'dynamic' loss scaler state into a"):
+        static_opt.check_state_dict(state)
+    opt.check_state_dict(state)
+    assert opt.state_dict()["scaler"] == before["scaler"]
+    opt.load_state_dict(state)
+
+
+@pytest.mark.parametrize("spec", ["bf16-true", "16-true", "64-true", "bf16-mixed"])
+def test_a_forward_context_built_once_is_entered_every_step(spec):
+    """As loops written for torch.amp keep ``ctx = autocast(...)`` and enter it each step."""
+    precision = mixprec.Precision(spec, allow_slow=True)
+    model, opt = precision.setup(nn.Linear(4, 4), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    ctx = precision.forward_context()
+    for _ in range(2):
+        with ctx:
+            out = model(torch.ones(2, 4))
+            made = torch.ones(1)
+        assert torch.get_default_dtype() == torch.float32
+        if not precision.mixed:
+            assert made.dtype == out.dtype == precision.policy.default.compute_dtype
+    with ctx, ctx:  # (nested too)
+        pass
+    assert torch.get_default_dtype() == torch.float32
+
+
+@pytest.mark.parametrize("spec", ["32-true", "16-true"])
+def test_a_group_holding_a_parameter_stepped_already_is_refused_as_torch_refuses_it(spec):
+    """Under float32 masters the groups hold masters, so torch's own check could not see the
+    parameter: the group was added and every later step raised."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    precision = mixprec.Precision(spec, allow_slow=True)
+    model, opt = precision.setup(model, torch.optim.SGD(model[0].parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="appear in more than one parameter group"):
+        opt.add_param_group({"params": list(model.parameters())})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": list(model[1].parameters())})
+    x = torch.full((2, 4), 0.01, dtype=model[0].weight.dtype)
+    precision.backward(model(x).float().sum())
+    precision.step(opt)
+    assert len(opt.param_groups) == 2
+
+
+def test_clipping_takes_the_plain_optimizer_as_step_does():
+    model = nn.Linear(4, 4)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)
+    precision = mixprec.Precision("32-true", scaler=4.0)
+    model, opt = precision.setup(model, plain)
+    precision.backward(model(torch.ones(1, 4)).sum())
+    norm = precision.clip_grad_norm_(plain, 1.0)
+    assert torch.isclose(norm, torch.tensor(20.0**0.5))  # unscaled: weight ones, bias ones
+    assert precision.step(plain)
