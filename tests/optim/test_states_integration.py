@@ -783,3 +783,18 @@ def test_explain_shows_the_block_a_run_cuts_to_the_parameter():
     for name, p in model.named_parameters():
         assert str(shown[name][0]) == opt.optimizer.state[p]["format"]
     assert str(shown["0.weight"][0]) == "int8/block=4096"
+
+
+def test_keep_float32_still_picks_a_parameter_once_it_has_a_float32_master() -> None:
+    """Masters are other tensors than the ones ``keep_float32`` was written about: asked of
+    the master it answered False, and the embedding got int8 moments, without a word."""
+    model = nn.Sequential(nn.Embedding(512, 16), nn.Linear(16, 512)).half()
+    emb, head = model[0].weight, model[1].weight
+    opt = LowBitAdamW(
+        model.parameters(), min_size=0, keep_float32=lambda p: p is emb, formats={head: "int4"}
+    )
+    wrapped = mixprec.optim.LossScaleOptimizer(opt, scaler="none")
+    wrapped.backward(model(torch.arange(4)).float().square().mean())
+    wrapped.step()
+    formats = [opt.state[p]["format"] for g in opt.param_groups for p in g["params"]]
+    assert formats == ["float32", "int4", "int8"]

@@ -19,7 +19,7 @@ from torch import nn
 
 from mixprec.aliasing import overlapping
 from mixprec.optim.engine import written_mark
-from mixprec.optim.states import LowBitOptimizer
+from mixprec.optim.states import LowBitOptimizer, parse_state_format
 
 __all__ = []
 
@@ -131,9 +131,15 @@ class MasterWeights:
         for params, i, p in taken:
             master = nn.Parameter(p.detach().to(torch.float32))
             params[i] = master
-            if isinstance(optimizer, LowBitOptimizer) and p in optimizer.formats:
-                # a state format given to the parameter is its master's: the one stepped
-                optimizer.formats[master] = optimizer.formats.pop(p)
+            if isinstance(optimizer, LowBitOptimizer):
+                # a state format given to the parameter is its master's: the one stepped; so
+                # is float32 where ``keep_float32`` picks it (asked of the master, a tensor
+                # the caller's function never saw, it answered False)
+                if optimizer.keep_float32 is not None and optimizer.keep_float32(p):
+                    optimizer.formats.pop(p, None)
+                    optimizer.formats[master] = parse_state_format("float32")
+                elif p in optimizer.formats:
+                    optimizer.formats[master] = optimizer.formats.pop(p)
             if p in optimizer.state:
                 optimizer.state[master] = {
                     k: v.to(torch.float32) if torch.is_tensor(v) and v.dtype == p.dtype else v
