@@ -52,7 +52,8 @@ class Option:
 @dataclass
 class UnitRow:
     """A searched layer (or tied group): its options, the chosen one, and why it was kept
-    above cheaper formats: (format, its damage over the median layer's in that format)."""
+    above cheaper formats: (format, its damage over the median layer's in that format; inf
+    where it overflows)."""
 
     unit: Unit
     options: dict[str, Option] = field(default_factory=dict)
@@ -62,10 +63,12 @@ class UnitRow:
 
     def reason(self) -> str:
         """Why this layer is not in a cheaper format (empty when it is in the cheapest, or
-        the budget had room for it)."""
+        the budget had room for it): one that overflows here before one that hurts it most."""
         if not self.why:
             return ""
-        fmt, ratio = max(self.why, key=lambda w: w[1])
+        fmt, ratio = max(self.why, key=lambda w: (w[1], self.options[w[0]].damage))
+        if self.options[fmt].damage == math.inf:
+            return f"{fmt} overflows here (its output is not finite where float32's is)"
         times = "inf" if ratio == math.inf else f"{ratio:.3g}"
         return f"{fmt} would hurt it {times}x the median layer's damage in {fmt}"
 
@@ -250,6 +253,13 @@ class SearchReport:
         """The uniform plans measured ("all <format>")."""
         return [n for n in self.measured if n.startswith("all ")]
 
+    def _one_format(self) -> list[str]:
+        """The measured plans of one format everywhere a summary weighs the plan against:
+        the baseline, float32 when it is one of the formats (under a 32-true baseline it is
+        the baseline), and the uniform plans."""
+        f32 = "32-true" in self.formats and self.baseline != "32-true"
+        return ["baseline", *(["float32"] if f32 else []), *self.uniform]
+
     @property
     def beats_uniform(self) -> bool:
         """Whether the plan's loss is strictly below every uniform plan that fits."""
@@ -294,7 +304,13 @@ class SearchReport:
             f"({p.unit_bytes / b.unit_bytes:.3f}x); step {p.seconds * 1e3:.3g} ms vs "
             f"{b.seconds * 1e3:.3g} ms ({p.seconds / b.seconds:.2f}x)",
         ]
-        same = [n for n in self.uniform if self._formats_of(n) == self._formats_of("plan")]
+        # (a plan storing or recomputing a block's activations equals none of them)
+        same = [
+            n
+            for n in self._one_format()
+            if all(b.chosen == "keep" for b in self.blocks)
+            and self._formats_of(n) == self._formats_of("plan")
+        ]
         solved = min(self.attempts, key=lambda a: ranked(a.loss)) if self.attempts else None
         if (
             self.uniform_won is not None
@@ -311,8 +327,15 @@ class SearchReport:
                 f"a lower loss than every plan the solver chose (the lowest {solved.loss:.6g})"
             )
         elif same:
-            lines.append(f"the plan is {same[0]}: every layer the format takes is in it")
-        fitting = [n for n in self.uniform if self.fits(n) and n not in same]
+            whole = {
+                "baseline": f"no layer moved from {self.baseline}",
+                "float32": "every layer in 32-true",
+            }
+            lines.append(
+                f"the plan is {same[0]}: "
+                + whole.get(same[0], "every layer the format takes is in it")
+            )
+        fitting = [n for n in self._one_format() if self.fits(n) and n not in same]
         beaten = [n for n in fitting if ranked(p.loss) < ranked(self.measured[n].loss)]
         if beaten:
             lines.append(f"better than the uniform plans that fit: {', '.join(beaten)}")
@@ -339,7 +362,8 @@ class SearchReport:
                 f"saved by the blocks ({counts}) vs {describe_bytes(b.activation_bytes)} kept"
             )
         speed = getattr(self.budget, "speed", None)
-        if speed is not None and p.seconds is not None and b.seconds:
+        # (the plan is the baseline: its ratio to itself is timing noise)
+        if speed is not None and p.seconds is not None and b.seconds and "baseline" not in same:
             ratio = p.seconds / b.seconds
             if ratio > speed:
                 lines.append(
@@ -459,8 +483,8 @@ class SearchReport:
             )
         w("\n## Per layer\n\n")
         w("damage: the Fisher-weighted output error of the chosen format (predicted loss ")
-        w("increase over float32); why: the cheaper format that would have hurt it most, ")
-        w("against the median layer.\n\n")
+        w("increase over float32); why: a cheaper format that overflows there, or the one ")
+        w("that would have hurt it most, against the median layer.\n\n")
         w(_md_table(self._LAYER_HEADERS, self._layer_rows()))
         w("\n## Damage per format\n\n")
         headers = ("layer", *self.formats)

@@ -285,8 +285,9 @@ def _report(
 def _why_kept(rows: list[UnitRow], formats: list[str], kind: str) -> None:
     """For each layer left above a format cheaper by the budgeted cost (`kind`: bytes or
     seconds), note how much more that format would hurt it than the median layer, when
-    clearly more (`WHY_RATIO`): the reason the search paid for it. A layer without such a note was
-    kept because the budget had room, not because it is sensitive."""
+    clearly more (`WHY_RATIO`), or that it overflows there: the reason the search paid for it.
+    A layer without such a note was kept because the budget had room, not because it is
+    sensitive."""
     cost = "counted_bytes" if kind == "memory" else "seconds"
     for fmt in formats:
         damages = sorted(r.options[fmt].damage for r in rows if fmt in r.options)
@@ -300,6 +301,7 @@ def _why_kept(rows: list[UnitRow], formats: list[str], kind: str) -> None:
                 continue
             cheaper = getattr(r.options[fmt], cost) < getattr(r.options[r.chosen], cost)
             damage = r.options[fmt].damage
-            ratio = damage / median if median > 0 else math.inf
+            # (infinite damage: the format overflows in this layer, whatever the median)
+            ratio = math.inf if damage == math.inf or median == 0 else damage / median
             if cheaper and damage > 0 and ratio >= WHY_RATIO:
                 r.why.append((fmt, ratio))

@@ -14,6 +14,9 @@ converted to a format) is then run on the same inputs alone, and its output erro
   an empirical Fisher of rank 16, blind to almost every direction a quantization error
   takes, and far below the loss change it predicts (docs/doctor.md gives the figures).
 
+A candidate whose output is not finite where float32's is (it overflows) scores both terms
+``inf``: the solver never gives the layer that format.
+
 The damage the solver minimises is the Fisher term (averaged over batches): the
 first-order term of a trained model is noise whose sign the next batch does not keep. The
 report predicts a plan's loss change as the sum of both over its layers, and checks it
@@ -26,6 +29,7 @@ inputs, ``reps`` times, candidates of a layer taking turns, the median kept.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -184,9 +188,15 @@ def score(holder: nn.ModuleList, unit: Unit, calls: dict[str, Calls], scores: Sc
             for args, kwargs, y, g in zip(c.args, c.kwargs, c.outputs, c.grads, strict=True):
                 if g is None:  # the output did not reach the loss
                     continue
+                out, y = layer(*args, **kwargs).float(), y.float()
+                if bool((torch.isfinite(y) & ~torch.isfinite(out)).any()):
+                    # the format overflows here (float16 past 65504): the loss goes with
+                    # it, however small the gradient there (0 * inf would score NaN)
+                    scores.add(math.inf, math.inf)
+                    continue
                 # float32 elementwise (an output's float32 difference is exact to its last
                 # bit), sums per sample in float64
-                d = layer(*args, **kwargs).float() - y.float()
+                d = out - y
                 rows = (g.float() * d).reshape(-1, d.shape[-1] if d.dim() else 1)
                 gd = rows.sum(dim=1, dtype=torch.float64)
                 m = gd.numel()

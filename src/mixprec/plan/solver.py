@@ -125,14 +125,20 @@ def _edge_plan(
 ) -> list[int] | None:
     """The least damaging of a few plans that fit every true budget, for when the rounded
     costs fit none (rounding each unit's cost up can lose a plan at a budget's very edge):
-    each unit's cheapest option under one budget (ties: the cheaper under the others), and
-    every unit taking the same option (the baseline, exactly at budgets given
-    relative to it, among them). None if none of them fits."""
+    each unit's cheapest option of finite damage under one budget (ties: the cheaper under
+    the others), and every unit taking the same option (the baseline, exactly at budgets
+    given relative to it, among them). None if none of them fits."""
     kinds = range(len(budgets))
     units = range(len(costs[0]))
     plans = [
         [
-            min(range(len(costs[k][u])), key=lambda f, u=u: [costs[j][u][f] for j in (k, *kinds)])
+            min(
+                range(len(costs[k][u])),
+                key=lambda f, u=u: [
+                    not math.isfinite(damages[u][f]),
+                    *(costs[j][u][f] for j in (k, *kinds)),
+                ],
+            )
             for u in units
         ]
         for k in kinds

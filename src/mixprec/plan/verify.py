@@ -350,7 +350,10 @@ def _solve(
     picked = solver.solve(damages, costs, limits)
     phases["solve"] += time.perf_counter() - solving
     if picked is None:
-        raise BudgetError(_too_small(s.budget, rows, names, base_costs, blocks, fixed))
+        units = [(r.unit.name, names) for r in rows] + [
+            (b.path, opts) for b, opts in zip(blocks, block_names, strict=True)
+        ]
+        raise BudgetError(_too_small(s.budget, base_costs, units, damages, costs, names, fixed))
     return (
         tuple(names[f] for f in picked[: len(rows)]),
         tuple(opts[f] for opts, f in zip(block_names, picked[len(rows) :], strict=True)),
@@ -446,45 +449,61 @@ def _uniform_winner(
 
 def _too_small(
     budget: Budget,
-    rows: list[UnitRow],
-    names: list[str],
     base_costs: dict[str, float],
-    blocks: list[BlockRow] | None = None,
+    units: list[tuple[str, list[str]]],
+    damages: list[list[float]],
+    costs: list[list[list[float]]],
+    formats: list[str],
     fixed: float = 0.0,
 ) -> str:
-    """Why no plan fits: the smallest fraction (or bytes) reachable for each budget on its
-    own, and the formats and activation options that reach it."""
+    """Why no plan fits, from what the solver was given (each layer's and block's name and
+    option names, `damages`, `costs` per budget kind): the smallest fraction (or bytes)
+    reachable for each budget on its own, with each in its cheapest option of finite damage
+    (one that overflows there the solver never takes), those options, and the layers where
+    a cheaper format overflows."""
+    tail = (
+        f". Formats tried: {', '.join(formats)}; add cheaper ones with formats=[...] or "
+        "raise the budget"
+    )
+    takes = [[f for f, d in enumerate(row) if math.isfinite(d)] for row in damages]
+    stuck = [name for (name, _), t in zip(units, takes, strict=True) if not t]
+    if stuck:
+        return f"no plan fits any budget: {', '.join(stuck)} overflow(s) in every format" + tail
     parts, reachable = [], []
-    for k in budget.kinds:
+    overflows: dict[str, dict[str, None]] = {}  # format -> the layers it overflows in
+    for k, kind in enumerate(budget.kinds):
         least, fmts = 0.0, set()
-        for r in [*rows, *(blocks or [])]:
-            cost = {
-                n: o.counted_bytes if k == "memory" else o.seconds for n, o in r.options.items()
-            }
-            lowest = min(cost.values())
+        for (name, options), t, cost in zip(units, takes, costs[k], strict=True):
+            lowest = min(cost[f] for f in t)
             least += lowest
-            fmts |= {n for n, c in cost.items() if c == lowest}
-        if k == "memory" and budget.memory_bytes is not None:
-            smallest = int(least + fixed)
-            reachable.append(smallest <= budget.memory_bytes)
+            fmts |= {options[f] for f in t if cost[f] == lowest}
+            for f, c in enumerate(cost):
+                if c < lowest and f not in t:  # cheaper, but overflows here
+                    overflows.setdefault(options[f], {})[name] = None
+        if kind == "memory" and budget.memory_bytes is not None:
+            smallest = math.ceil(least + fixed)
+            over = smallest - budget.memory_bytes
+            reachable.append(over <= 0)
             parts.append(
                 f"memory <= {budget.memory_bytes} bytes: the smallest plan counts {smallest} "
-                f"bytes, {smallest - budget.memory_bytes} over (each layer and block in its "
+                f"bytes{f', {over} over' if over > 0 else ''} (each layer and block in its "
                 f"cheapest option: {', '.join(sorted(fmts))})"
             )
             continue
-        frac = least / base_costs[k]
-        reachable.append(frac <= getattr(budget, k))
+        frac = least / base_costs[kind]
+        reachable.append(frac <= getattr(budget, kind))
         parts.append(
-            f"{k} <= {getattr(budget, k):g}x the baseline: the smallest reachable is "
+            f"{kind} <= {getattr(budget, kind):g}x the baseline: the smallest reachable is "
             f"{math.ceil(frac * 1000) / 1000:g}x (each layer in its cheapest format: "
             f"{', '.join(sorted(fmts))})"
         )
-    both = " (each is reachable alone, not both together)" if all(reachable) else ""
-    return (
-        "no plan fits the budget "
-        + "; ".join(parts)
-        + both
-        + f". Formats tried: {', '.join(names)}; add cheaper ones with formats=[...] or "
-        "raise the budget"
+    both = (
+        " (each is reachable alone, not both together)"
+        if len(parts) == 2 and all(reachable)
+        else ""
     )
+    cheaper = "".join(
+        f"; {fmt} overflows in layers {', '.join(names)} (infinite damage: never taken there)"
+        for fmt, names in overflows.items()
+    )
+    return "no plan fits the budget " + "; ".join(parts) + both + cheaper + tail
