@@ -613,10 +613,25 @@ def test_a_checkpoint_another_plugin_saved_is_refused_on_resume(tmp_path):
         def validation_step(self, batch, batch_idx):
             self.log("val_loss", nn.functional.mse_loss(self(batch[0]).float(), batch[1]))
 
+        def predict_step(self, batch, batch_idx):
+            return self(batch[0])
+
     evaluating = _trainer(MixprecPrecision("bf16-mixed", allow_slow=True))
     torch.manual_seed(0)
     [scores] = evaluating.validate(Validated(), _loader(), ckpt_path=tmp_path / "amp.ckpt")
     assert math.isfinite(scores["val_loss"])
+    # nor a checkpoint this plugin saved, in its precision or another: Lightning restores
+    # the plugin's state for an evaluation too, which compared optimizers (none set up) and
+    # policies and refused it (a review found trainer.test(ckpt_path=best) failing)
+    trainer = _trainer(MixprecPrecision("bf16-mixed", allow_slow=True), max_steps=2)
+    trainer.fit(_model(), _loader())
+    trainer.save_checkpoint(tmp_path / "mixprec.ckpt")
+    for spec in ("bf16-mixed", "32-true"):
+        evaluating = _trainer(MixprecPrecision(spec, allow_slow=True))
+        [scores] = evaluating.validate(Validated(), _loader(), ckpt_path=tmp_path / "mixprec.ckpt")
+        assert math.isfinite(scores["val_loss"])
+        predicting = _trainer(MixprecPrecision(spec, allow_slow=True))
+        assert predicting.predict(Validated(), _loader(), ckpt_path=tmp_path / "mixprec.ckpt")
     # a key that merely ends in "Precision" (a datamodule's, a user's) is no plugin's state
     checkpoint = torch.load(path, weights_only=False)
     checkpoint["ModelPrecision"] = {"notes": 1}

@@ -398,9 +398,7 @@ class MixprecPrecision(LightningPrecision):
         plugin's state only where the checkpoint holds it, so a foreign one went on
         silently, its scaler fresh). One without any plugin state, as Lightning's default
         32-true writes, resumes under a 32-true policy."""
-        trainer = getattr(getattr(self, "_module", None), "_trainer", None)
-        fitting = trainer is None or trainer.state.fn == "fit"
-        if type(self).__qualname__ in checkpoint or not fitting:
+        if type(self).__qualname__ in checkpoint or not self._fitting():
             return  # (an evaluation takes the weights only: any precision may evaluate them)
         others = sorted(k for k in checkpoint if k in _plugin_state_keys())
         plain = resumable_config(PolicyMap("32-true").to_config())
@@ -420,9 +418,18 @@ class MixprecPrecision(LightningPrecision):
             "and fit without ckpt_path"
         )
 
+    def _fitting(self) -> bool:
+        """Whether the trainer this plugin serves is fitting (or none is known yet)."""
+        trainer = getattr(getattr(self, "_module", None), "_trainer", None)
+        return trainer is None or trainer.state.fn == "fit"
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore the scaler, each optimizer's masters and a converted optimizer's state;
-        Lightning restores the optimizers it holds afterwards."""
+        Lightning restores the optimizers it holds afterwards. Lightning calls this for an
+        evaluation from a checkpoint too (``trainer.test(ckpt_path=...)``), which takes the
+        weights only: nothing is restored then, under any precision."""
+        if not self._fitting():
+            return
         if not isinstance(state_dict, Mapping) or not {"precision", "optimizers"} <= set(
             state_dict
         ):
