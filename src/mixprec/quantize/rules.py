@@ -84,18 +84,52 @@ class MetadataRead(str):
     child's weight's dtype, device or shape: harmless where the format keeps the weight."""
 
 
-# a read of a descendant's weight after the module's own name: ``.wo.weight``,
-# ``.block[0].weight``, ``.a.b.weight``, ``.heads["q"].weight`` (literal indices and keys)
-_STEPS = r"((?:\.\w+|\[\s*(?:-?\d+|'\w+'|\"\w+\")\s*\])+)"
-_CHAIN = _STEPS + r"\.weight\b"
-_STEP = re.compile(r"\.(\w+)|\[\s*(?:(-?\d+)|'(\w+)'|\"(\w+)\")\s*\]")
+# a read of a descendant's weight after the module's own name, or after a local name or loop
+# variable naming one: ``.wo.weight``, ``.block[0].weight``, ``.a.b.weight``,
+# ``.heads["q"].weight``, ``[i].weight`` (an index or key that is not a literal: any child)
+_STEPS = r"((?:\.\w+|\[(?:[^\[\]\n]|\[[^\[\]\n]*\])*\])*)"
+_STEP = re.compile(r"\.(\w+)|\[((?:[^\[\]\n]|\[[^\[\]\n]*\])*)\]")
+# the steps `_descendants` reads as every child (an index or key that is not a literal, the
+# items of a loop) and as every module below (a loop over ``.modules()``)
+_ANY_CHILD = "*"
+_ANY_BELOW = "**"
+
+
+def _chain(steps: str) -> tuple[str | int, ...]:
+    """The names and indices a `_STEPS` match steps through: `_ANY_CHILD` for an index or key
+    that is not a literal; a slice leaves the module's children as they were."""
+    chain: list[str | int] = []
+    for name, index in _STEP.findall(steps):
+        index = index.strip()
+        if name:
+            chain.append(name)
+        elif re.fullmatch(r"-?\d+", index):
+            chain.append(int(index))
+        elif re.fullmatch(r"'[^']*'|\"[^\"]*\"", index):
+            chain.append(index[1:-1])
+        elif ":" not in index:
+            chain.append(_ANY_CHILD)
+    return tuple(chain)
+
+
+def _iterated(source: str, start: int) -> str:
+    """What the ``for`` whose ``in`` ends at ``start`` iterates over: up to its ``:``, or the
+    bracket closing its comprehension or generator (across lines inside brackets)."""
+    depth = 0
+    for end in range(start, len(source)):
+        depth += (source[end] in "([{") - (source[end] in ")]}")
+        if depth < 0 or (depth == 0 and source[end] in ":\n"):
+            return source[start:end]
+    return source[start:]
 
 
 @functools.cache
 def _weights_read(cls: type) -> dict[tuple[str | int, ...], bool]:
     """The descendants whose weight ``cls``'s forward reads itself (``self.wo.weight``, as
-    Hugging Face's T5 feed-forward does to pick its input's dtype), as the chain of names
-    and indices down to each, from the source of forward and of the methods and properties
+    Hugging Face's T5 feed-forward does to pick its input's dtype; ``layer.weight`` for
+    ``layer`` in ``self.layers``; ``self.layers[i].weight``), as the chain of names and
+    indices down to each (`_ANY_CHILD`, `_ANY_BELOW` where a loop or an index that is not a
+    literal may reach any), from the source of forward and of the methods and properties
     it reaches through ``self`` (`_own_function`), each with whether it computes with it (a
     read other than of its dtype, device or shape); none where the source cannot be read,
     or the reads are in torch's inference fast path of an encoder or its layers (checks of
@@ -114,25 +148,44 @@ def _weights_read(cls: type) -> dict[tuple[str | int, ...], bool]:
         except (OSError, TypeError):
             continue
         # (the module as the method names it: ``self`` by convention, not always)
-        me = re.escape(next(iter(inspect.signature(function).parameters), "self"))
-        for name in re.findall(rf"\b{me}\.(\w+)", source):
+        me = next(iter(inspect.signature(function).parameters), "self")
+        for name in re.findall(rf"\b{re.escape(me)}\.(\w+)", source):
             if name not in seen:
                 seen.add(name)
                 todo.append(name)
-        # (a descendant under a local name first: ``head = self.head`` ... ``head.weight``)
-        reads = [(m, m[1]) for m in re.finditer(rf"\b{me}{_CHAIN}", source)]
-        for alias in re.finditer(rf"^\s*(\w+)\s*=\s*{me}{_STEPS}\s*(?:#.*)?$", source, re.M):
-            found = re.finditer(rf"(?<![\w.]){alias[1]}((?:{_STEPS})?)\.weight\b", source)
-            reads += [(m, alias[2] + m[1]) for m in found]
-        for read, steps in reads:
-            chain = tuple(
-                int(step[2]) if step[2] else step[1] or step[3] or step[4]
-                for step in _STEP.finditer(steps)
-            )
-            metadata = _METADATA.match(source, read.end()) or re.search(
-                r"isinstance\(\s*$", source[: read.start()]
-            )
-            out[chain] = out.get(chain, False) or not metadata
+        # the names for the module and what is below it: ``head = self.head``, ``layer`` in
+        # ``for layer in self.layers`` or ``[e.weight for e in self.experts]``, zip's and
+        # enumerate's variables (each for all it iterates over), ``.items()``'s
+        roots: list[tuple[str, tuple[str | int, ...]]] = [(me, ())]
+        for root, above in roots:  # (growing as it goes: a loop inside a loop)
+            at = rf"(?<![\w.]){re.escape(root)}{_STEPS}"
+            below = [
+                (alias[1], above + _chain(alias[2]))
+                for alias in re.finditer(rf"^\s*(\w+)\s*=\s*{at}\s*(?:#.*)?$", source, re.M)
+            ]
+            for loop in re.finditer(r"\bfor\s+([\w\s,()]+?)\s+in\b", source):
+                for each in re.finditer(rf"{at}(\()?", _iterated(source, loop.end())):
+                    chain, step = above + _chain(each[1]), _ANY_CHILD
+                    if each[2] and re.search(r"\.\w+$", each[1]):  # (``.values()``)
+                        if chain[-1] in ("modules", "named_modules"):
+                            step = _ANY_BELOW
+                        chain = chain[:-1]
+                    below += [(name, (*chain, step)) for name in re.findall(r"\w+", loop[1])]
+            for name, chain in below:
+                # (a name assigned from itself, ``node = node.next``: every module below)
+                known = [c for n, c in roots if n == name and chain[: len(c)] == c]
+                if known and chain not in known:
+                    chain = (*min(known, key=len), _ANY_BELOW)
+                if (name, chain) not in roots:
+                    roots.append((name, chain))
+            for read in re.finditer(rf"{at}\.weight\b", source):
+                chain = above + _chain(read[1])
+                if not chain:  # (the module's own weight)
+                    continue
+                metadata = _METADATA.match(source, read.end()) or re.search(
+                    r"isinstance\(\s*$", source[: read.start()]
+                )
+                out[chain] = out.get(chain, False) or not metadata
     return out
 
 
@@ -150,21 +203,24 @@ def _own_function(cls: type, name: str) -> Callable[..., Any] | None:
     return None
 
 
-def _descendant(module: nn.Module, chain: tuple[str | int, ...]) -> nn.Module | None:
-    """The submodule of ``module`` a `_weights_read` chain names: attribute names and
-    ModuleDict keys, positions in a Sequential or ModuleList; None where it names none."""
+def _descendants(module: nn.Module, chain: tuple[str | int, ...]) -> list[nn.Module]:
+    """The submodules of ``module`` a `_weights_read` chain names: attribute names and
+    ModuleDict keys, positions in a Sequential or ModuleList, every child (`_ANY_CHILD`) or
+    every module below (`_ANY_BELOW`); none where it names none."""
+    found = [module]
     for step in chain:
-        positional = isinstance(module, (nn.Sequential, nn.ModuleList))
-        if isinstance(step, str):
-            found = module._modules.get(step)
-        elif positional and -len(module) <= step < len(module):
-            found = module[step]
-        else:
-            return None
-        if not isinstance(found, nn.Module):
-            return None
-        module = found
-    return module
+        below: list[nn.Module | None] = []
+        for m in found:
+            if step == _ANY_CHILD:
+                below += m.children()
+            elif step == _ANY_BELOW:
+                below += list(m.modules())[1:]
+            elif isinstance(step, str):
+                below.append(m._modules.get(step))
+            elif isinstance(m, (nn.Sequential, nn.ModuleList)) and -len(m) <= step < len(m):
+                below.append(m[step])
+        found = [m for m in below if isinstance(m, nn.Module)]
+    return found
 
 
 def weights_read_by_parents(model: nn.Module) -> dict[int, str]:
@@ -176,11 +232,11 @@ def weights_read_by_parents(model: nn.Module) -> dict[int, str]:
     out: dict[int, str] = {}
     for parent in model.modules():
         for chain, computes in _weights_read(type(parent)).items():
-            child = _descendant(parent, chain)
-            # (a reader computing with the weight outranks one reading its dtype)
-            if child is not None and (computes or id(child) not in out):
-                kind = str if computes else MetadataRead
-                out[id(child)] = kind(type(parent).__name__)
+            for child in _descendants(parent, chain):
+                # (a reader computing with the weight outranks one reading its dtype)
+                if computes or id(child) not in out:
+                    kind = str if computes else MetadataRead
+                    out[id(child)] = kind(type(parent).__name__)
         if type(parent).__module__.startswith("peft."):
             for child in parent._modules.values():
                 weight = getattr(child, "_parameters", {}).get("weight")
