@@ -650,15 +650,20 @@ class Centered(Codec):
         super().__init__()
         self.inner, self.name, self.row = inner, inner.name, row
         self.target = (target.data_ptr(), target.numel(), target.dtype)
-        self.shape = target.shape
+        self.shape, self.copied = target.shape, not target.is_contiguous()
 
     def _is_input(self, t: Tensor) -> bool:
         """Whether the save `t` is the norm's input: the tensor given (or a view of it of
-        its size: an instance norm saves its input reshaped), or its copy in another dtype
-        (CUDA's autocast runs the norms in float32 on a cast copy of the input)."""
+        its size: an instance norm saves its input reshaped), its copy in another dtype
+        (CUDA's autocast runs the norms in float32 on a cast copy of the input), or, of an
+        input not contiguous, its contiguous copy (an instance norm, and a group norm off
+        the CPU, normalize a copy of a channels_last input, whose rows are whole in memory:
+        kept as it is, it held the input's float32 bytes)."""
         if (t.data_ptr(), t.numel(), t.dtype) == self.target:
             return True
-        return t.dtype != self.target[2] and t.shape == self.shape
+        if t.dtype != self.target[2]:
+            return t.shape == self.shape
+        return self.copied and t.numel() == self.target[1] and t.is_contiguous()
 
     def stores(self, t: Tensor) -> bool:
         return (

@@ -37,7 +37,7 @@ from mixprec.activations.codecs import (
 from mixprec.activations.options import OPTIONS, accepted, refusal
 from mixprec.activations.recompute import recomputed
 from mixprec.activations.rules import Choice, never_called
-from mixprec.eager import uncompiled
+from mixprec.eager import compiled_wrapper, uncompiled
 from mixprec.errors import PolicySpecError, caller_level
 
 __all__ = [
@@ -212,10 +212,13 @@ _PICKING = frozenset(
 _NORMS = frozenset([torch.norm, _T.norm, torch.linalg.vector_norm, torch.linalg.norm])
 _A = torch.ops.aten
 # functions whose backward sends each element's gradient to one side by comparing two saved
-# tensors (``maximum(a, b)``: ``a >= b``), or a saved tensor with a bound: rounded each on its
-# own, two close values (an offset shared by both) swap sides, and the gradient goes to the
-# wrong one. Kept exact where a bound is a tensor or a number other than 0 (a bound of 0
-# compares signs, which rounding keeps, as a ReLU's save does) (`_kept_exact`).
+# tensors (``maximum(a, b)``: ``a >= b``), or a saved tensor with a bound where the gradient
+# jumps (a clamp's 0 or 1, a threshold's or a shrink's 1 or 0, a hard sigmoid's 1/6 or 0):
+# rounded each on its own, two close values (an offset shared by both) swap sides, and the
+# gradient goes to the wrong one. Kept exact where a bound is a tensor or a number other
+# than 0 (a bound of 0 compares signs, which rounding keeps: a ReLU's save is stored, and so
+# are those of leaky_relu, rrelu, elu, celu and selu, which compare with 0) (`_kept_exact`).
+_NN = torch._C._nn
 _COMPARING = frozenset(
     [torch.maximum, _T.maximum, _A.maximum, torch.minimum, _T.minimum, _A.minimum]
     + [torch.fmax, _T.fmax, _A.fmax, torch.fmin, _T.fmin, _A.fmin]
@@ -224,20 +227,28 @@ _COMPARING = frozenset(
     + [torch.clamp_min, _T.clamp_min, _T.clamp_min_, torch.clamp_min_, _A.clamp_min]
     + [_A.clamp_min_, torch.clamp_max, _T.clamp_max, _T.clamp_max_, torch.clamp_max_]
     + [_A.clamp_max, _A.clamp_max_, F.hardtanh, F.hardtanh_, _A.hardtanh, _A.hardtanh_]
-    + [F.relu6, _A.relu6]
+    + [F.relu6, _A.relu6, F.threshold, torch.threshold, torch.threshold_, _A.threshold]
+    + [_A.threshold_, torch.hardshrink, _T.hardshrink, _A.hardshrink, _NN.softshrink]
+    + [_A.softshrink, F.hardsigmoid, _NN.hardsigmoid, _NN.hardsigmoid_, _A.hardsigmoid]
+    + [_A.hardsigmoid_, F.hardswish, _NN.hardswish, _NN.hardswish_, _A.hardswish]
+    + [_A.hardswish_]
 )
-# the bounds of a `_COMPARING` clamp: (position, keyword) of each
+# the bounds of a `_COMPARING` function: (position, keyword, value when not given) of each
 _BOUNDS = {
     **dict.fromkeys([torch.clamp, _T.clamp, _T.clamp_, torch.clamp_, _A.clamp, _A.clamp_],
-                    ((1, "min"), (2, "max"))),
+                    ((1, "min", None), (2, "max", None))),
     **dict.fromkeys([torch.clip, _T.clip, _T.clip_, torch.clip_, _A.clip, _A.clip_],
-                    ((1, "min"), (2, "max"))),
+                    ((1, "min", None), (2, "max", None))),
     **dict.fromkeys([torch.clamp_min, _T.clamp_min, _T.clamp_min_, torch.clamp_min_,
-                     _A.clamp_min, _A.clamp_min_], ((1, "min"),)),
+                     _A.clamp_min, _A.clamp_min_], ((1, "min", None),)),
     **dict.fromkeys([torch.clamp_max, _T.clamp_max, _T.clamp_max_, torch.clamp_max_,
-                     _A.clamp_max, _A.clamp_max_], ((1, "max"),)),
+                     _A.clamp_max, _A.clamp_max_], ((1, "max", None),)),
     **dict.fromkeys([F.hardtanh, F.hardtanh_, _A.hardtanh, _A.hardtanh_],
-                    ((1, "min_val"), (2, "max_val"))),
+                    ((1, "min_val", -1.0), (2, "max_val", 1.0))),
+    **dict.fromkeys([F.threshold, torch.threshold, torch.threshold_, _A.threshold,
+                     _A.threshold_], ((1, "threshold", None),)),
+    **dict.fromkeys([torch.hardshrink, _T.hardshrink, _A.hardshrink, _NN.softshrink,
+                     _A.softshrink], ((1, "lambd", 0.5),)),
 }  # fmt: skip
 # functions whose backward divides by a saved value: fp8's block scales round a small
 # value to exactly 0, and their gradient is infinite. Kept exact under fp8 (bfloat16 keeps
@@ -320,9 +331,12 @@ def _op(func: Any) -> Any:
     return func.overloadpacket if isinstance(func, torch._ops.OpOverload) else func
 
 
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str) -> Any:
-    """A call's argument, given by position ``index`` or by keyword ``name`` (else None)."""
-    return args[index] if len(args) > index else kwargs.get(name)
+def _argument(
+    args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None
+) -> Any:
+    """A call's argument, given by position ``index`` or by keyword ``name`` (else
+    ``default``)."""
+    return args[index] if len(args) > index else kwargs.get(name, default)
 
 
 def _row(func: Any, given: Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -363,18 +377,16 @@ def _kept_exact(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fp8: b
     """Whether ``func(*args, **kwargs)``'s saves are kept exact (`_PICKING`, `_NEAR_ONE`,
     `_CANCELLING`, `_COMPARING`, `_DIVIDING`; an aten op's overload as the op): a norm of an
     infinite order (which picks its largest element) and, under fp8, any other (divided by);
-    a clamp to a tensor or to a bound other than 0; a power of an exponent below 1 (or of a
-    tensor exponent) under fp8."""
+    a clamp, threshold or shrink to a tensor or to a bound other than 0, a hard sigmoid or
+    swish; a power of an exponent below 1 (or of a tensor exponent) under fp8."""
     func = _op(func)
     if func in _PICKING or func in _NEAR_ONE or func in _CANCELLING:
         return True
     if func in _COMPARING:
         places = _BOUNDS.get(func)
-        if places is None:  # (two tensors compared; relu6's bound is 6)
+        if places is None:  # (two tensors compared; relu6's bound is 6, a hard sigmoid's 3)
             return True
-        bounds = [_argument(args, kwargs, i, name) for i, name in places]
-        if func in (F.hardtanh, F.hardtanh_, _A.hardtanh, _A.hardtanh_):  # (-1 and 1 unsaid)
-            bounds = [(-1.0, 1.0)[k] if b is None else b for k, b in enumerate(bounds)]
+        bounds = [_argument(args, kwargs, *place) for place in places]
         return any(torch.is_tensor(b) or (b is not None and b != 0) for b in bounds)
     if func in _NORMS:
         order = kwargs.get("ord", kwargs.get("p", args[1] if len(args) > 1 else None))
@@ -398,11 +410,11 @@ class _SavesByFunction(TorchFunctionMode):
       stored so whole, its projections' inputs too;
     - the saves of functions picking elements by equality (`_PICKING`: amax, median, an inf
       norm) or by comparing two saves, or a save with a bound (`_COMPARING`: maximum, a
-      clamp to a tensor or a bound other than 0, hardtanh), growing without bound near
-      magnitude one (`_NEAR_ONE`: asin, atanh, logit, log1p, binary cross-entropy) or
-      subtracting saved values of about the same size (`_CANCELLING`: logsumexp, var,
-      mse_loss), and under fp8 of those dividing by a saved value (`_DIVIDING`: log,
-      division, sqrt), are kept exact; a layer, group or instance
+      clamp, threshold or shrink to a tensor or a bound other than 0, hardtanh, hardsigmoid,
+      hardswish), growing without bound near magnitude one (`_NEAR_ONE`: asin, atanh,
+      logit, log1p, binary cross-entropy) or subtracting saved values of about the same size
+      (`_CANCELLING`: logsumexp, var, mse_loss), and under fp8 of those dividing by a saved
+      value (`_DIVIDING`: log, division, sqrt), are kept exact; a layer, group or instance
       norm's input (`_ROW_NORMS`) is stored centred on its rows' means (`Centered`), a
       sigmoid's output (`_SIGMOIDS`) as its distance from 0 or 1 (`NearOne`).
 
@@ -543,7 +555,11 @@ def _wrapped(choices: dict[str, Choice], model: nn.Module) -> list[tuple[nn.Modu
     """(module, option) of each module that gets a wrapper: where its option differs from
     the one in force where it is called (its nearest called ancestor's: a container never
     called, `never_called`, is not wrapped, its children are), outside any recomputed
-    module (the root: unless it keeps)."""
+    module (the root: unless it keeps). Of torch.compile's wrapper of a module compiled on its
+    own (``blocks[i] = torch.compile(block)``), the module it wraps, as `mixprec.apply` takes
+    a compiled model's: on the wrapper, outside its graph, a codec's hooks saw only the
+    graph's saves, made without history, and kept them all; a recomputation ran torch's
+    checkpoint around a compiled call, which failed."""
     found: dict[int, tuple[nn.Module, str]] = {}
     active: dict[str, str] = {}  # path -> the option in force inside that module's forward
     for name, module in model.named_modules(remove_duplicate=False):
@@ -554,6 +570,8 @@ def _wrapped(choices: dict[str, Choice], model: nn.Module) -> list[tuple[nn.Modu
             continue
         active[name] = option
         if option != ambient:
+            if compiled_wrapper(module):
+                module = module._orig_mod
             found.setdefault(id(module), (module, option))
     return list(found.values())
 
