@@ -1027,3 +1027,16 @@ def test_a_float64_only_run_does_not_say_float32_ran():
     meta = {"model": "cnn", "precisions": ["64-true"], "comparison_gap": gap}
     sentence = conclusion(BenchReport(meta, rows), summarize(BenchReport(meta, rows)))
     assert sentence.startswith("Only 64-true was asked for, so no mixed precision ran to compare")
+
+
+def test_a_slow_precision_the_environment_allowed_is_reproduced_with_the_flag(monkeypatch):
+    """MIXPREC_ALLOW_SLOW=1 ran bf16-mixed on a CPU without fast bf16, and the reproduce
+    line left --allow-slow out: run in a shell without the variable, it was refused."""
+    monkeypatch.setenv(ALLOW_SLOW_ENV, "1")
+    options = BenchOptions(batch_sizes=[2], precisions=["32-true", "bf16-mixed"], threads=1)
+    with hardware.assume(AVX2_CPU):
+        p = plan(options)
+        assert "--allow-slow" in p.command.split()
+        monkeypatch.delenv(ALLOW_SLOW_ENV)
+        fast_only = plan(replace(options, precisions=["32-true"]))
+    assert "--allow-slow" not in fast_only.command.split()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from mixprec.bench.runner import (
     RunResult,
     RunSpec,
     fresh_process_reason,
+    is_oom,
     run_config,
     run_in_process,
     run_isolated,
@@ -33,6 +35,7 @@ from mixprec.bench.runner import (
 )
 from mixprec.bench.suite import Config, Row
 from mixprec.cli import main
+from mixprec.device import DeviceInfo, assume
 
 FACTORY = textwrap.dedent(
     """
@@ -429,3 +432,37 @@ def test_a_cut_search_counts_only_probes_that_ran_out_of_memory(tmp_path):
     journal.path.write_text("\n".join(journal.path.read_text().splitlines()[:-2]) + "\n")
     found = load(journal.path).max_batch["32-true"]
     assert (found["max_batch"], found["first_oom"]) == (4, None)
+
+
+def test_a_fresh_process_judges_the_device_assumed_here(factories, tmp_path):
+    """Under `assume`, the plan rated bf16-mixed fast on a described AMX CPU, but a row run
+    in a fresh process (a memory limit, a largest-batch probe) rated the host and refused it
+    as slow: 'every mixed precision configuration failed'."""
+    amx = DeviceInfo(
+        "cpu",
+        "Intel Xeon Platinum 8480+",
+        cpu_flags=frozenset({"avx2", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16"}),
+        gemm_ratios={"bfloat16": 3.0, "float16": 0.05},
+    )
+    slow_here = DeviceInfo("cpu", "a CPU without bf16", cpu_flags=frozenset({"avx2"}))
+    spec = replace(_spec("make", "bf16-mixed"), allow_slow=False)
+    with assume(amx):
+        result = run_isolated(spec, tmp_path / "work")
+    assert result.status == OK, result.error
+    with assume(slow_here):
+        refused = run_isolated(spec, tmp_path / "work")
+    assert "slower than float32" in refused.error
+
+
+def test_allocation_failures_in_other_words_are_out_of_memory():
+    """LAPACK's workspace fails with std::bad_alloc; under the bench's address-space cap a
+    oneDNN primitive whose scratch memory cannot be had 'could not execute'."""
+    assert is_oom(RuntimeError("std::bad_alloc"))
+    primitive = RuntimeError("could not execute a primitive")
+    assert not is_oom(primitive)  # (no cap: some other failure)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (2**46, hard))
+    try:
+        assert is_oom(primitive)
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))

@@ -621,7 +621,9 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
         out.append(warning)
     for name, status in meta["support"].items():
         if status.startswith("slow"):
-            out.append(f"{name} is {status} (run because of --allow-slow)")
+            out.append(
+                f"{name} is {status} (run because --allow-slow or MIXPREC_ALLOW_SLOW=1 allowed it)"
+            )
     for s in summaries:
         if s.skipped_steps or s.raw_skipped_steps:
             raw = f" (raw loop: {s.raw_skipped_steps})" if s.raw_skipped_steps is not None else ""

@@ -31,6 +31,7 @@ round, so that float32's step of round i and bf16's make one paired ratio
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -39,7 +40,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from torch import Tensor
 
 from mixprec.bench import forkserver
 from mixprec.bench.rounds import RoundPolicy, run_rounds
+from mixprec.device import DeviceInfo, assume, assumed, detect
 from mixprec.memory import measured
 from mixprec.tree import map_tensors
 
@@ -190,12 +192,16 @@ def is_oom(err: BaseException) -> bool:
     if isinstance(err, (MemoryError, torch.OutOfMemoryError)):
         return True
     msg = str(err)
-    # cuBLAS / cuDNN report a failed workspace allocation in their own words
-    library = ("ALLOC_FAILED", "ALLOCATION_FAILED", "NOT_ENOUGH_WORKSPACE")
+    # cuBLAS / cuDNN report a failed workspace allocation in their own words, C++ code
+    # (LAPACK's workspace) its own; under the bench's address-space cap a oneDNN primitive
+    # whose scratch memory cannot be had fails to execute, in no words about memory
+    library = ("ALLOC_FAILED", "ALLOCATION_FAILED", "NOT_ENOUGH_WORKSPACE", "std::bad_alloc")
+    capped = resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
     return (
         "can't allocate memory" in msg
         or "out of memory" in msg.lower()
         or any(word in msg for word in library)
+        or (capped and "could not execute a primitive" in msg)
     )
 
 
@@ -631,6 +637,9 @@ def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> 
     out_path = workdir / f"result-{tag}-{os.getpid()}-{time.monotonic_ns()}.json"
     env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads))
     argv = [json.dumps(asdict(spec)), str(out_path)]
+    kind = torch.device(spec.device).type
+    if assumed(kind):  # (the child judges the device the plan judged, not the host)
+        argv.append(_device_json(detect(kind)))
     try:
         code, output = forkserver.run_fresh("mixprec.bench.runner:main", argv, env, timeout)
         if code is None:
@@ -648,12 +657,33 @@ def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> 
     return RunResult(ERROR, LoopResult(ERROR, msg), error=msg, fresh_process=True)
 
 
+def _device_json(info: DeviceInfo) -> str:
+    """A described device (`mixprec.device.assume`) as JSON, for a fresh process."""
+    facts = {f.name: getattr(info, f.name) for f in fields(info)}
+    for name in ("cpu_flags", "unknown_flags"):
+        facts[name] = sorted(facts[name])
+    if facts["gemm_ratios"] is not None:
+        facts["gemm_ratios"] = dict(facts["gemm_ratios"])
+    return json.dumps(facts)
+
+
+def _device_from_json(text: str) -> DeviceInfo:
+    facts = json.loads(text)
+    for name in ("cpu_flags", "unknown_flags"):
+        facts[name] = frozenset(facts[name])
+    for name in ("capability", "macos"):
+        if facts[name] is not None:
+            facts[name] = tuple(facts[name])
+    return DeviceInfo(**facts)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Child entry point: `python -m mixprec.bench.runner SPEC_JSON RESULT_PATH`."""
-    spec_json, result_path = argv if argv is not None else sys.argv[1:3]
+    spec_json, result_path, *described = argv if argv is not None else sys.argv[1:]
     spec = RunSpec(**json.loads(spec_json))
     try:
-        result = run_config(spec)
+        with assume(_device_from_json(described[0])) if described else contextlib.nullcontext():
+            result = run_config(spec)
     except Exception as err:  # noqa: BLE001 - reported to the parent, which shows it
         detail = _detail(err)
         result = RunResult(ERROR, LoopResult(ERROR, detail), error=detail)

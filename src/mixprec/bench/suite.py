@@ -437,6 +437,10 @@ def plan(options: BenchOptions) -> Plan:
         )
     with _torch_threads(opts.threads or 1):  # (its errors describe the device)
         policies, support = _precisions(opts.precisions, device, opts.allow_slow)
+    if any(s.startswith("slow") for s in support.values()):
+        # (allowed by MIXPREC_ALLOW_SLOW where not by the flag: the reproduce command, run
+        # in a shell without it, needs the flag)
+        opts = replace(opts, allow_slow=True)
     activations = _activation_options(opts.activations, policies, device)
     check_workload(opts.model)  # last: it calls a user's factory
     if activations:
