@@ -654,3 +654,24 @@ def test_a_steps_numbers_come_to_the_host_in_one_copy_per_device():
     assert copies.calls == 1
     assert metrics["precision/0/amax"] == 1.0 == metrics["precision/1/amax"]
     assert metrics["precision/0/grad_amax"] == 1.0 == metrics["precision/1/grad_amax"]
+
+
+@pytest.mark.parametrize("option", ["selective", "checkpoint"])
+def test_a_block_recomputed_in_the_backward_is_sampled_once_and_trains(option):
+    """The hooks ran again in the recomputation, and the running input max they keep added
+    an op the forward never ran: torch's selective checkpoint refused the backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)), nn.Linear(16, 4)
+    )
+    precision = mixprec.Precision("bf16-mixed", allow_slow=True, activations={"0": option})
+    model, opt = precision.setup(model, torch.optim.AdamW(model.parameters()))
+    monitor = PrecisionMonitor(every_n_steps=1).attach(model)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for step in range(2):
+        monitor.start_step(step)
+        precision.backward(F.cross_entropy(model(x), y))
+        monitor.end_step(step)
+        precision.step(opt)
+        opt.zero_grad()
+    assert [s.step for s in monitor.history["0.0"]] == [0, 1]

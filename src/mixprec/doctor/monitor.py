@@ -312,6 +312,11 @@ class PrecisionMonitor:
     def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._paused:  # (a validation inside the step's accumulation window)
             return
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            # a forward recomputed in the backward (`checkpoint`, `selective`): its values
+            # were sampled when it first ran, and ops added here broke torch's selective
+            # checkpoint, which replays exactly the forward's ops
+            return
         try:
             name = self._names.get(id(module), "?") or "<root>"
             self._record_inputs(name, args)
