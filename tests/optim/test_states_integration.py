@@ -414,8 +414,20 @@ def test_a_checkpoint_resumes_in_another_state_format_announced(tmp_path):
         assert opt.param_groups[0]["states"] == now
 
     back = Trainer(precision="32-true", max_steps=8, default_root_dir=tmp_path / "c", **SILENT)
-    with pytest.raises(CheckpointError, match=r"int8 \(LowBitAdamW\).*optimizer_states='int8'"):
+    with pytest.raises(CheckpointError, match=r"int8 .*\(LowBitAdamW\).*optimizer_states='int8'"):
         back.fit(StatesNet(), loader(), ckpt_path=int8)
+    # formats set per parameter by a map's states rules: those rules, not one
+    # optimizer_states (which stored the int8 moments again in float32, and said the
+    # checkpoint held float32 ones)
+    ruled = Trainer(
+        precision=PolicyMap("32-true", states={r"body\.1": "int8"}), max_steps=2,
+        default_root_dir=tmp_path / "r", **SILENT,
+    )  # fmt: skip
+    ruled.fit(StatesNet(), loader())
+    ruled.save_checkpoint(tmp_path / "ruled.ckpt")
+    back = Trainer(precision="32-true", max_steps=4, default_root_dir=tmp_path / "d", **SILENT)
+    with pytest.raises(CheckpointError, match=r"int8 \(\d parameters\).*states rules it was"):
+        back.fit(StatesNet(), loader(), ckpt_path=tmp_path / "ruled.ckpt")
 
 
 def test_float16_weights_step_int8_states_through_their_float32_masters(tmp_path):

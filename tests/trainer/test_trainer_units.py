@@ -7,6 +7,7 @@ import collections
 import csv
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from trainers import QUIET
 import mixprec
 from mixprec.optim.scaling import DynamicLossScaler
 from mixprec.trainer import Trainer
+from mixprec.trainer.checkpoint import CheckpointError
 from mixprec.trainer.config import TrainerConfig
 from mixprec.trainer.data import (
     batch_size_of,
@@ -30,6 +32,7 @@ from mixprec.trainer.data import (
     to_device,
 )
 from mixprec.trainer.metrics import MetricStore, StepLog, summary_rows
+from mixprec.trainer.resume import check_world
 from mixprec.trainer.strategy import resolve_devices
 
 # -- data -------------------------------------------------------------------------------------
@@ -424,3 +427,13 @@ def test_closure_optimizers_are_found_and_fsdp_is_refused_for_them():
     assert check_closure_fit([wrapped], False, 1, "ddp")
     with pytest.raises(ValueError, match="LBFGS works on whole gradients.*strategy='ddp'"):
         check_closure_fit([wrapped], False, 1, "fsdp")
+
+
+def test_a_checkpoint_from_inside_an_epoch_needs_its_process_count_its_last_batch_too():
+    """A checkpoint on an epoch's last batch was refused as 'saved mid-epoch' where the docs
+    said an epoch boundary resumes with any count: the message and docs now say it needs the
+    same count (its epoch's end runs again on resume from what each process accumulated)."""
+    with pytest.raises(CheckpointError, match=r"after its batch 6\) with 2 .* also from its last"):
+        check_world(Path("run.ckpt"), 2, 1, {"batch": 6})
+    check_world(Path("run.ckpt"), 2, 1, {"batch": 0})  # saved at an epoch's end
+    check_world(Path("run.ckpt"), 2, 2, {"batch": 6})

@@ -9,6 +9,7 @@ import logging
 import numbers
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,6 +218,33 @@ def saved_state_formats(saved: list[list[str]]) -> list[list[str]]:
     return [[str(parse_state_format(f)) for f in groups] for groups in saved]
 
 
+def _per_parameter(saved: dict[str, Any]) -> Counter[str]:
+    """How many parameters a low-bit optimizer state holds in each format (as recorded)."""
+    return Counter(str(st["format"]) for st in saved["state"].values() if "format" in st)
+
+
+def _held_formats(saved: dict[str, Any]) -> str:
+    """The formats a low-bit optimizer state holds: its parameters' (with their counts
+    where they differ), else its groups'."""
+    counts = _per_parameter(saved)
+    if len(counts) > 1:
+        return ", ".join(f"{f} ({n} parameters)" for f, n in sorted(counts.items()))
+    return ", ".join(sorted(counts) or {g["states"] for g in saved["param_groups"]})
+
+
+def _resume_advice(saved: dict[str, Any]) -> str:
+    """How to resume a low-bit optimizer state in its formats: one ``optimizer_states``
+    where its groups' format is every parameter's (float32 aside: small parameters keep
+    it), the rules that set them otherwise."""
+    groups = {str(parse_state_format(g["states"])) for g in saved["param_groups"]}
+    if len(groups) == 1 and set(_per_parameter(saved)) <= {*groups, "float32"}:
+        return f"resume with optimizer_states={groups.pop()!r}"
+    return (
+        "resume with the states rules it was trained with (a PolicyMap's states=, or a "
+        "low-bit optimizer's formats=)"
+    )
+
+
 def across_state_formats(
     state: dict[str, Any], optimizers: list[LossScaleOptimizer], path: Path
 ) -> dict[str, Any]:
@@ -238,11 +266,10 @@ def across_state_formats(
         inner, groups = opt.optimizer, saved["optimizer"]["param_groups"]
         low_bit = "states" in groups[0] if groups else False
         if low_bit and not isinstance(inner, LowBitOptimizer):
-            was = sorted({g["states"] for g in groups})
             raise CheckpointError(
-                f"{path} holds optimizer {i}'s states in {', '.join(was)} ({saved_type}); this "
-                f"run's {type(inner).__name__} keeps float32 ones: resume with "
-                f"optimizer_states={was[0]!r}, as the checkpoint was trained"
+                f"{path} holds optimizer {i}'s states in {_held_formats(saved['optimizer'])} "
+                f"({saved_type}); this run's {type(inner).__name__} keeps float32 ones: "
+                f"{_resume_advice(saved['optimizer'])}, as the checkpoint was trained"
             )
         if not low_bit and isinstance(inner, LowBitOptimizer):
             torch_names = next(names for cls, names in _CONVERTED_FROM if isinstance(inner, cls))

@@ -329,6 +329,18 @@ def saved_masters(state: dict[str, Any]) -> dict[str, Tensor]:
     return out
 
 
+def check_world(path: Path, saved: int, world: int, loop: dict[str, Any]) -> None:
+    """Refuse a checkpoint saved inside an epoch by another number of processes."""
+    if saved != world and loop["batch"]:
+        raise CheckpointError(
+            f"{path} was saved inside an epoch (after its batch {loop['batch']}) with "
+            f"{saved} processes; resuming inside an epoch needs the same number (this run "
+            f"has {world}), also from its last batch, whose resume runs the epoch's end again "
+            "from what each process accumulated; a checkpoint saved at an epoch's end "
+            "resumes with any"
+        )
+
+
 def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
     """Put ``run`` and its progress back where the checkpoint ``state`` left them."""
     # everything is checked before anything is loaded: a failed resume leaves the model as it was
@@ -372,12 +384,7 @@ def restore(run: FitRun, state: dict[str, Any], path: Path) -> None:
                 "Nothing was loaded"
             ) from error
     loop = state["loop"]
-    world = run.strategy.world_size
-    if state.get("world_size", 1) != world and loop["batch"]:
-        raise CheckpointError(
-            f"{path} was saved mid-epoch with {state['world_size']} processes; resuming "
-            f"mid-epoch needs the same number (this run has {world})"
-        )
+    check_world(path, state.get("world_size", 1), run.strategy.world_size, loop)
     check_resume_point(run, loop, path)
     load_weights(run, state, path)
     if not all(direct):

@@ -46,7 +46,13 @@ from mixprec.trainer.optimizers import (
     state_formats,
     state_shards,
 )
-from mixprec.trainer.resume import check_groups, check_resume_point, restore_progress, run_state
+from mixprec.trainer.resume import (
+    check_groups,
+    check_resume_point,
+    check_world,
+    restore_progress,
+    run_state,
+)
 
 if TYPE_CHECKING:
     from mixprec.trainer.loop import FitRun, Run
@@ -251,11 +257,7 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
             "Resume with the strategy and number of processes that saved it. Nothing was loaded"
         )
     loop = state["loop"]
-    if saved_world != world and loop["batch"]:
-        raise ckpt_io.CheckpointError(
-            f"{path} was saved mid-epoch with {saved_world} processes; resuming mid-epoch "
-            f"needs the same number (this run has {world})"
-        )
+    check_world(path, saved_world, world, loop)
     check_resume_point(run, loop, path)
     model_state, optim_state, _ = _state_dicts(run)
     _as_saved_before_layouts(optim_state, path)
