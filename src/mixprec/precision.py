@@ -137,11 +137,12 @@ class ForwardAutocast:
                 self.restore = None
 
 
-class ForwardDefaultDtype:
+class ForwardDefaultDtype(contextlib.ContextDecorator):
     """`Precision.forward_context` of a "true" policy: torch's default dtype set to the
     compute dtype while entered (`default_dtype`), restored on exit. It may be entered again
     and again, as an autocast object may (``ctx = precision.forward_context()`` built once,
-    ``with ctx:`` every step, the way loops written for torch.amp keep theirs)."""
+    ``with ctx:`` every step, the way loops written for torch.amp keep theirs), and decorate
+    a function."""
 
     __slots__ = ("dtype", "entered")
 

@@ -1,6 +1,7 @@
 """A dynamic scaler's settings changed after it was built (as a resume's warning invites):
 what it saves then loads back, and its scale keeps to the new bounds from the next step."""
 
+import math
 import warnings
 
 import pytest
@@ -83,6 +84,8 @@ def test_hysteresis_lowered_to_one_keeps_the_bounds_and_the_floor():
         ("min_scale", 2.0**30, ValueError, "need 0 <= min_scale <= max_scale"),
         ("max_scale", -1.0, ValueError, "need 0 <= min_scale <= max_scale"),
         ("init_scale", 2.0**30, ValueError, r"init_scale must be within \[min_scale"),
+        ("max_skips_at_min_scale", 0, ValueError, "max_skips_at_min_scale must be >= 1"),
+        ("max_skips_at_min_scale", "3", TypeError, "max_skips_at_min_scale must be an int"),
     ],
 )
 def test_a_setting_set_after_building_is_checked_as_the_constructor_checks(
@@ -93,6 +96,16 @@ def test_a_setting_set_after_building_is_checked_as_the_constructor_checks(
     with pytest.raises(error, match=match):
         setattr(scaler, name, value)
     assert scaler.state_dict() == before
+
+
+@pytest.mark.parametrize(("low", "high"), [(0.0, 0.0), (0.0, 1e-50), (1e39, 1e39)])
+def test_bounds_leaving_no_positive_finite_float32_scale_are_refused(low, high):
+    """The scale is clamped between the bounds: 0 (1e-50 in float32) or inf saved a state
+    no load takes."""
+    scaler = DynamicLossScaler(min_scale=0.0, max_scale=math.inf)
+    with pytest.raises(ValueError, match="need 0 <= min_scale <= max_scale"):
+        scaler.max_scale, scaler.min_scale = high, low
+    _loads_back(scaler)
 
 
 def _set_up(spec_scaler):
@@ -135,9 +148,11 @@ def test_a_forward_context_built_once_is_entered_every_step(spec):
         assert torch.get_default_dtype() == torch.float32
         if not precision.mixed:
             assert made.dtype == out.dtype == precision.policy.default.compute_dtype
-    with ctx, ctx:  # (nested too)
-        pass
+    if not precision.mixed:  # (nested too; torch's autocast object is not, nor is the mixed one)
+        with ctx, ctx:
+            pass
     assert torch.get_default_dtype() == torch.float32
+    assert not torch.is_autocast_enabled("cpu")
 
 
 @pytest.mark.parametrize("spec", ["32-true", "16-true"])
@@ -166,3 +181,29 @@ def test_clipping_takes_the_plain_optimizer_as_step_does():
     norm = precision.clip_grad_norm_(plain, 1.0)
     assert torch.isclose(norm, torch.tensor(20.0**0.5))  # unscaled: weight ones, bias ones
     assert precision.step(plain)
+
+
+def test_a_true_policys_forward_context_decorates_a_function():
+    """As the generator context it replaced did (`@precision.forward_context()`)."""
+    precision = mixprec.Precision("bf16-true", allow_slow=True)
+    precision.setup(nn.Linear(2, 2))
+
+    @precision.forward_context()
+    def made() -> torch.dtype:
+        return torch.ones(1).dtype
+
+    assert made() == made() == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_a_group_added_on_the_plain_optimizer_with_a_stepped_parameter_is_named_so():
+    """Through the torch optimizer given to setup (whose groups hold masters), the next step
+    called it tied memory ('b.weight = nn.Parameter(a.weight.data)')."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).half()
+    plain = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    precision = mixprec.Precision("16-true", allow_slow=True)
+    model, opt = precision.setup(model, plain)
+    plain.add_param_group({"params": list(model.parameters())})
+    precision.backward(model(torch.full((2, 4), 0.01, dtype=torch.float16)).float().sum())
+    with pytest.raises(ValueError, match="appear in more than one parameter group"):
+        precision.step(opt)

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from trainers import SILENT
 
+from mixprec import Precision
 from mixprec.trainer import Callback, CheckpointError, ModelCheckpoint, Trainer, TrainingModule
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.strategy import free_port
@@ -591,3 +592,20 @@ def test_two_model_checkpoints_in_one_directory_keep_their_sharded_files_on_resu
         ranked = fit(4, resume=True)
     assert sorted(Path(p).name for p in ranked.best_k_models) == ["ranked-2.ckpt", "ranked-4.ckpt"]
     assert (tmp_path / "ranked-2.ckpt").is_dir() and (tmp_path / "ranked-4.ckpt").is_dir()
+
+
+def test_a_sharded_checkpoint_resumed_with_another_kind_of_scaler_starts_it_fresh(tmp_path):
+    """As a file checkpoint's resume does; the sharded one raised a bare ValueError after
+    loading the model and the optimizers."""
+    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    Trainer(
+        precision="16-mixed", strategy="fsdp", devices=1, max_steps=2, callbacks=[every_2],
+        **RUN,
+    ).fit(ShardedDropoutNet(), one_rank_loader())  # fmt: skip
+    static = Precision("16-mixed", scaler=1024.0, allow_slow=True)
+    again = Trainer(
+        precision=static, strategy="fsdp", devices=1, max_steps=4, enable_checkpointing=False,
+        **RUN,
+    )  # fmt: skip
+    again.fit(ShardedDropoutNet(), one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
+    assert again.global_step == 4 and static.scaler.loss_scale == 1024.0

@@ -63,6 +63,20 @@ def _refuse_aliases(params: list[torch.Tensor]) -> None:
         )
 
 
+def _refuse_repeats(params: list[torch.Tensor], mastered: Mapping[torch.Tensor, Any]) -> None:
+    """Refuse a parameter given twice, or given again beside its float32 master (a group
+    added on the optimizer after setup): torch's own check cannot see it behind the master,
+    and the alias check would call it tied memory."""
+    ids = [id(p) for p in params]
+    repeated = [p for p in params if p in mastered or ids.count(id(p)) > 1]
+    if repeated:
+        raise ValueError(
+            f"some parameters appear in more than one parameter group ({len(repeated)} of "
+            "those given: a group added holds parameters the optimizer steps already, "
+            "through their float32 masters, or one twice); remove them from the new group"
+        )
+
+
 class MasterWeights:
     """The float32 masters of one optimizer's parameters of ``dtypes``, each linked to the
     model parameter it stands for (``master_of``) and back (``param_of``).
@@ -127,6 +141,7 @@ class MasterWeights:
                 if self._takes(p, index in saved):
                     taken.append((params, i, p))
         if taken:
+            _refuse_repeats([p for *_, p in taken], self.master_of)
             _refuse_aliases([p for *_, p in taken] + self.params)
         for params, i, p in taken:
             master = nn.Parameter(p.detach().to(torch.float32))

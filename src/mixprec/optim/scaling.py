@@ -253,7 +253,7 @@ class LossScaler:
         "consecutive_skips": "_consecutive",
         "skips_at_min_scale": "_skips_at_floor",
         "last_overflow_step": "_last_overflow",
-        "max_skips_at_min_scale": "max_skips_at_min_scale",
+        "max_skips_at_min_scale": "_max_skips",  # (set as saved: a load checks it first)
     }
 
     def __init__(
@@ -264,9 +264,7 @@ class LossScaler:
         process_group: Any = None,
     ) -> None:
         value, device = _initial_scale("loss scale", scale)
-        self.max_skips_at_min_scale = _positive_int(
-            "max_skips_at_min_scale", max_skips_at_min_scale
-        )
+        self.max_skips_at_min_scale = max_skips_at_min_scale
         self.process_group = process_group
         self._scale = torch.full((), value, dtype=torch.float32, device=device)
         self._steps = 0
@@ -275,6 +273,22 @@ class LossScaler:
         self._skips_at_floor = 0
         self._last_overflow: int | None = None
         self._scaled_since_update = False
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # (a scaler pickled while its settings were plain attributes)
+        if "max_skips_at_min_scale" in state:
+            state["_max_skips"] = state.pop("max_skips_at_min_scale")
+        self.__dict__.update(state)
+
+    @property
+    def max_skips_at_min_scale(self) -> int:
+        """Overflowing steps in a row at the scale's floor before `LossScaleDivergedError`
+        (an int >= 1, checked when set)."""
+        return self._max_skips
+
+    @max_skips_at_min_scale.setter
+    def max_skips_at_min_scale(self, value: int) -> None:
+        self._max_skips = _positive_int("max_skips_at_min_scale", value)
 
     # -- device placement -------------------------------------------------------------------
 
@@ -695,7 +709,7 @@ class DynamicLossScaler(LossScaler):
         ):
             if name in state:
                 state[f"_{name}"] = state.pop(name)
-        self.__dict__.update(state)
+        super().__setstate__(state)
 
     # The settings, each checked when set after building (as a load's warning invites), so
     # that what the scaler then saves loads again: the bounds take the scale, and the
@@ -769,11 +783,15 @@ class DynamicLossScaler(LossScaler):
         self._set_bounds(self._min_scale, _real("max_scale", value))
 
     def _set_bounds(self, low: float, high: float) -> None:
-        if not 0.0 <= low <= high:
-            raise ValueError(f"need 0 <= min_scale <= max_scale, got {low}, {high}")
+        # (as the constructor: the scale between them must be positive and finite in float32)
+        if not 0.0 <= low <= high or _float32(low) == math.inf or _float32(high) == 0.0:
+            raise ValueError(
+                f"need 0 <= min_scale <= max_scale, min_scale finite and max_scale above 0 "
+                f"in float32 (the scale lies between them), got {low}, {high}"
+            )
         self._min_scale, self._max_scale = low, high
         self._init_scale = min(max(self._init_scale, low), high)
-        self._scale.clamp_(low, high)  # (as an update would)
+        self._scale.clamp_(_float32(low), _float32(high))  # (as an update would)
         if self._host is not None:
             scale = min(max(self._host[0], _float32(low)), _float32(high))
             self._host = (scale, self._host[1])
@@ -797,7 +815,7 @@ class DynamicLossScaler(LossScaler):
     def _update_scale(self, found_inf: torch.Tensor, overflow: bool) -> None:
         if self.hysteresis > 1:
             self._update_with_hysteresis(found_inf)
-            self._scale.clamp_(self.min_scale, self.max_scale)
+            self._scale.clamp_(_float32(self.min_scale), _float32(self.max_scale))
             return
         scale, clean_run = self._mirror()
         torch._amp_update_scale_(
@@ -821,7 +839,7 @@ class DynamicLossScaler(LossScaler):
             clean_run += 1
         low, high = _float32(self.min_scale), _float32(self.max_scale)
         if not low <= scale <= high:
-            self._scale.clamp_(self.min_scale, self.max_scale)
+            self._scale.clamp_(_float32(self.min_scale), _float32(self.max_scale))
             scale = min(max(scale, low), high)
         self._host = (scale, clean_run)
 

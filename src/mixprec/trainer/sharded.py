@@ -259,6 +259,18 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
     loop = state["loop"]
     check_world(path, saved_world, world, loop)
     check_resume_point(run, loop, path)
+    # another kind of scaler starts fresh, as a file checkpoint's resume does; the same kind
+    # is checked before anything is loaded
+    scaler_state = state["precision"]["scaler"]
+    fresh_scaler = scaler_state.get("kind") != run.precision.scaler.kind
+    if not fresh_scaler:
+        try:
+            run.precision.scaler.check_state_dict(scaler_state)
+        except (TypeError, ValueError) as error:
+            raise ckpt_io.CheckpointError(
+                f"{path}: its loss scaler state does not fit this run's: {error}. Nothing "
+                "was loaded"
+            ) from error
     model_state, optim_state, _ = _state_dicts(run)
     _as_saved_before_layouts(optim_state, path)
     _dcp_load({"model": model_state, "optim": optim_state}, path)
@@ -271,7 +283,15 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
             opt.state.clear()
     for s, saved in zip(run.schedulers, state["schedulers"], strict=True):
         s.scheduler.load_state_dict(saved)
-    run.precision.load_state_dict(state["precision"])
+    if fresh_scaler:
+        log.info(
+            "%s had a %r loss scaler, this run uses %r: starting it fresh",
+            path,
+            scaler_state.get("kind"),
+            run.precision.scaler.kind,
+        )
+    else:
+        run.precision.load_state_dict(state["precision"])
     load_callback_states(run.callbacks, state["callbacks"])
     if saved_world != world:
         log.info(
