@@ -101,6 +101,16 @@ class _Nested(nn.Module):
         return x
 
 
+class _FusedQKV(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(64, 64, bias=False) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = torch.cat([lin.weight for lin in (self.q, self.k, self.v)])
+        return F.linear(x, w).sum(-1, keepdim=True).expand(-1, 64)
+
+
 READERS = {
     _Loop: ["0.layers.0", "0.layers.1"],
     _StackedExperts: ["0.experts.0", "0.experts.1"],
@@ -110,6 +120,7 @@ READERS = {
     _Enumerated: ["0.layers.0", "0.layers.1"],
     _Zipped: ["0.down.0", "0.down.1", "0.up.0", "0.up.1"],
     _Nested: ["0.blocks.0.layers.0", "0.blocks.1.layers.0"],
+    _FusedQKV: ["0.k", "0.q", "0.v"],  # (a tuple written out: its items, not their children)
 }
 
 

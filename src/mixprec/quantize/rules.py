@@ -170,7 +170,10 @@ def _weights_read(cls: type) -> dict[tuple[str | int, ...], bool]:
                         if chain[-1] in ("modules", "named_modules"):
                             step = _ANY_BELOW
                         chain = chain[:-1]
-                    below += [(name, (*chain, step)) for name in re.findall(r"\w+", loop[1])]
+                    # (each item of a container; or the module itself, an item of a tuple
+                    # or list written out: ``for lin in (self.q, self.k, self.v)``)
+                    items = [(*chain, step)] + ([chain] if not each[2] and chain else [])
+                    below += [(n, c) for n in re.findall(r"\w+", loop[1]) for c in items]
             for name, chain in below:
                 # (a name assigned from itself, ``node = node.next``: every module below)
                 known = [c for n, c in roots if n == name and chain[: len(c)] == c]
