@@ -675,3 +675,36 @@ def test_a_block_recomputed_in_the_backward_is_sampled_once_and_trains(option):
         precision.step(opt)
         opt.zero_grad()
     assert [s.step for s in monitor.history["0.0"]] == [0, 1]
+
+
+class _Checkpointed(nn.Module):
+    """A block run through torch's checkpoint, reentrant or not, by the model's own code."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.inp, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.blk = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(self.blk, self.inp(x), use_reentrant=self.reentrant)
+        return self.head(h)
+
+
+def test_a_reentrant_checkpoints_layers_keep_their_gradient_samples():
+    """Its first forward runs without grad, so the layers' gradients are hooked in the
+    recomputation; skipping the recomputation whole lost them (its values are sampled once,
+    in the first forward, either way)."""
+    metrics = []
+    for reentrant in (True, False):
+        torch.manual_seed(0)
+        precision = mixprec.Precision("bf16-mixed", allow_slow=True)
+        model = precision.setup(_Checkpointed(reentrant))
+        monitor = PrecisionMonitor(every_n_steps=1).attach(model)
+        monitor.start_step(0)
+        precision.backward(F.cross_entropy(model(torch.randn(8, 16)), torch.arange(8) % 4))
+        metrics.append(
+            {k: v for k, v in monitor.end_step(0).items() if k.startswith("precision/blk")}
+        )
+    assert "precision/blk.2/grad_amax" in metrics[0]
+    assert metrics[0] == metrics[1]

@@ -313,9 +313,7 @@ class PrecisionMonitor:
         if self._paused:  # (a validation inside the step's accumulation window)
             return
         if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            # a forward recomputed in the backward (`checkpoint`, `selective`): its values
-            # were sampled when it first ran, and ops added here broke torch's selective
-            # checkpoint, which replays exactly the forward's ops
+            self._hook_recomputed(self._names.get(id(module), "?") or "<root>", output)
             return
         try:
             name = self._names.get(id(module), "?") or "<root>"
@@ -326,6 +324,19 @@ class PrecisionMonitor:
         except BaseException:
             self._abandon_step()
             raise
+
+    def _hook_recomputed(self, name: str, output: Any) -> None:
+        """A forward recomputed in the backward (`checkpoint`, `selective`, a reentrant
+        checkpoint): its values were sampled when it first ran, and an op added here breaks
+        torch's selective checkpoint, which replays exactly the forward's ops; only a
+        gradient hook, for the outputs of a reentrant checkpoint's recomputation, whose
+        gradients flow through them (its first run, without grad, took none)."""
+        for t in floating_tensors(output):
+            if t.dtype in LOW_PRECISION_FLOATS and t.numel() and t.requires_grad:
+                if id(t) not in self._seen:  # (a child's output handed on: the child's)
+                    self._seen[id(t)] = t
+                    hook = self._grad_hook(name, format_info(t.dtype))
+                    self._handles.append(t.register_hook(hook))
 
     def _record_inputs(self, name: str, args: Any) -> None:
         """Keep `name`'s largest floating input magnitude (over all its calls: one bad call
