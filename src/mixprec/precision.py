@@ -108,14 +108,15 @@ class BackwardOutsideAutocast:
             self.restore = None
 
 
-class ForwardAutocast:
+class ForwardAutocast(contextlib.ContextDecorator):
     """`Precision.forward_context`'s autocast for a forward whose backward runs after it,
     outside autocast: while it is entered (outside compiled code), torch.compile traces a
     compiled model's backward outside autocast, as eager runs it. Under torch's default
     (``torch._functorch.config.backward_pass_autocast`` "same_as_forward") the backward was
     traced in this autocast, and a float32 region's backward ran in bfloat16: gradients
     other than eager's. Code compiled whole, context included, traces it inside its graph,
-    where nothing surrounds it; the setting is the user's again on exit."""
+    where nothing surrounds it; the setting is the user's again on exit. Decorates a
+    function as torch.autocast does."""
 
     __slots__ = ("autocast", "restore")
 
@@ -157,6 +158,11 @@ class ForwardDefaultDtype(contextlib.ContextDecorator):
 
     def __exit__(self, *exc: Any) -> Any:
         return self.entered.pop().__exit__(*exc)
+
+
+class _Unchanged(contextlib.nullcontext, contextlib.ContextDecorator):
+    """`Precision.forward_context` where nothing changes (a float32 policy): entered or
+    decorating a function, as the other policies' contexts are."""
 
 
 class Precision:
@@ -712,7 +718,7 @@ class Precision:
             if torch.compiler.is_compiling():  # (traced as it always was)
                 return default_dtype(self._compute_dtype)
             return ForwardDefaultDtype(self._compute_dtype)
-        return contextlib.nullcontext()
+        return _Unchanged()
 
     def convert_input(self, batch: Any) -> Any:
         """Cast the floating tensors of ``batch`` (any nesting `mixprec.tree` walks) to the

@@ -98,7 +98,9 @@ def test_a_setting_set_after_building_is_checked_as_the_constructor_checks(
     assert scaler.state_dict() == before
 
 
-@pytest.mark.parametrize(("low", "high"), [(0.0, 0.0), (0.0, 1e-50), (1e39, 1e39)])
+@pytest.mark.parametrize(
+    ("low", "high"), [(0.0, 0.0), (0.0, 1e-50), (1e39, 1e39), (3.40282356e38, 3.5e38)]
+)
 def test_bounds_leaving_no_positive_finite_float32_scale_are_refused(low, high):
     """The scale is clamped between the bounds: 0 (1e-50 in float32) or inf saved a state
     no load takes."""
@@ -207,3 +209,18 @@ def test_a_group_added_on_the_plain_optimizer_with_a_stepped_parameter_is_named_
     precision.backward(model(torch.full((2, 4), 0.01, dtype=torch.float16)).float().sum())
     with pytest.raises(ValueError, match="appear in more than one parameter group"):
         precision.step(opt)
+
+
+@pytest.mark.parametrize("spec", ["bf16-mixed", "32-true"])
+def test_every_policys_forward_context_decorates_a_function(spec):
+    """torch.autocast decorates; the mixed policies' context stopped doing so when it began
+    to set how torch.compile traces the backward, and float32's never did."""
+    precision = mixprec.Precision(spec, allow_slow=True)
+    precision.setup(nn.Linear(2, 2))
+
+    @precision.forward_context()
+    def state() -> bool:
+        return torch.is_autocast_enabled("cpu")
+
+    assert state() == state() == precision.mixed
+    assert not torch.is_autocast_enabled("cpu")

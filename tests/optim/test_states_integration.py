@@ -426,7 +426,9 @@ def test_a_checkpoint_resumes_in_another_state_format_announced(tmp_path):
     ruled.fit(StatesNet(), loader())
     ruled.save_checkpoint(tmp_path / "ruled.ckpt")
     back = Trainer(precision="32-true", max_steps=4, default_root_dir=tmp_path / "d", **SILENT)
-    with pytest.raises(CheckpointError, match=r"int8 \(\d parameters\).*states rules it was"):
+    with pytest.raises(
+        CheckpointError, match=r"float32 \(per parameter: .*1 in int8\).*states rules"
+    ):
         back.fit(StatesNet(), loader(), ckpt_path=tmp_path / "ruled.ckpt")
 
 

@@ -111,6 +111,12 @@ class _FusedQKV(nn.Module):
         return F.linear(x, w).sum(-1, keepdim=True).expand(-1, 64)
 
 
+class _LocalTuple(_FusedQKV):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        projs = (self.q, self.k, self.v)
+        return sum(F.linear(x, lin.weight) for lin in projs)
+
+
 READERS = {
     _Loop: ["0.layers.0", "0.layers.1"],
     _StackedExperts: ["0.experts.0", "0.experts.1"],
@@ -121,6 +127,7 @@ READERS = {
     _Zipped: ["0.down.0", "0.down.1", "0.up.0", "0.up.1"],
     _Nested: ["0.blocks.0.layers.0", "0.blocks.1.layers.0"],
     _FusedQKV: ["0.k", "0.q", "0.v"],  # (a tuple written out: its items, not their children)
+    _LocalTuple: ["0.k", "0.q", "0.v"],
 }
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from trainers import SILENT
 
-from mixprec import Precision
+from mixprec import PolicyMap, Precision
 from mixprec.trainer import Callback, CheckpointError, ModelCheckpoint, Trainer, TrainingModule
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.strategy import free_port
@@ -609,3 +609,15 @@ def test_a_sharded_checkpoint_resumed_with_another_kind_of_scaler_starts_it_fres
     )  # fmt: skip
     again.fit(ShardedDropoutNet(), one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")
     assert again.global_step == 4 and static.scaler.loss_scale == 1024.0
+
+
+def test_a_sharded_checkpoint_of_a_map_with_states_rules_names_them_when_refused(tmp_path):
+    """Two maps of one name: the refusal said 'trained in 32-true, this run uses 32-true'."""
+    ruled = PolicyMap("32-true", states={r"blocks\.0": "int8"})
+    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    Trainer(
+        precision=ruled, strategy="fsdp", devices=1, max_steps=2, callbacks=[every_2], **RUN
+    ).fit(ShardedDropoutNet(), one_rank_loader())
+    plain = Trainer(precision="32-true", strategy="fsdp", devices=1, max_steps=4, **RUN)
+    with pytest.raises(CheckpointError, match=r"states=\{'blocks\\\\\.0': 'int8'\}\), this run"):
+        plain.fit(ShardedDropoutNet(), one_rank_loader(), ckpt_path=tmp_path / "last.ckpt")

@@ -32,6 +32,7 @@ from mixprec.trainer.data import (
     to_device,
 )
 from mixprec.trainer.metrics import MetricStore, StepLog, summary_rows
+from mixprec.trainer.optimizers import _held_formats, _resume_advice
 from mixprec.trainer.resume import check_world
 from mixprec.trainer.strategy import resolve_devices
 
@@ -437,3 +438,25 @@ def test_a_checkpoint_from_inside_an_epoch_needs_its_process_count_its_last_batc
         check_world(Path("run.ckpt"), 2, 1, {"batch": 6})
     check_world(Path("run.ckpt"), 2, 1, {"batch": 0})  # saved at an epoch's end
     check_world(Path("run.ckpt"), 2, 2, {"batch": 6})
+
+
+def test_a_low_bit_resume_refusal_names_the_formats_and_advises_by_kind():
+    """A block cut to a smaller parameter (int8/block=8192 under 16384) is its group's kind:
+    one optimizer_states resumes it (the first fix advised states rules there); a map's
+    rules setting int8 on some parameters of a float32 group need those rules."""
+
+    def saved(group: str, formats: list[str]) -> dict:
+        state = {i: {"format": f} for i, f in enumerate(formats)}
+        return {"param_groups": [{"states": group}], "state": state}
+
+    cut = saved("int8/block=16384", ["float32", "int8/block=8192"])
+    assert _held_formats(cut) == (
+        "int8/block=16384 (per parameter: 1 in float32, 1 in int8/block=8192)"
+    )
+    assert _resume_advice(cut) == "resume with optimizer_states='int8/block=16384'"
+    small = saved("int8", ["float32", "float32"])
+    assert _held_formats(small) == "int8 (per parameter: 2 in float32)"
+    assert _resume_advice(small) == "resume with optimizer_states='int8'"
+    ruled = saved("float32", ["float32", "int8"])
+    assert "states rules it was trained with" in _resume_advice(ruled)
+    assert _held_formats(saved("int8", ["int8"])) == "int8"

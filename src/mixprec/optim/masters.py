@@ -68,12 +68,13 @@ def _refuse_repeats(params: list[torch.Tensor], mastered: Mapping[torch.Tensor, 
     added on the optimizer after setup): torch's own check cannot see it behind the master,
     and the alias check would call it tied memory."""
     ids = [id(p) for p in params]
-    repeated = [p for p in params if p in mastered or ids.count(id(p)) > 1]
+    repeated = {id(p) for p in params if p in mastered or ids.count(id(p)) > 1}
     if repeated:
         raise ValueError(
-            f"some parameters appear in more than one parameter group ({len(repeated)} of "
-            "those given: a group added holds parameters the optimizer steps already, "
-            "through their float32 masters, or one twice); remove them from the new group"
+            f"some parameters appear in more than one parameter group, or twice in one "
+            f"({len(repeated)} of them), which torch.optim refuses for its own groups (a "
+            "group added after setup holding parameters the optimizer steps already, through "
+            "their float32 masters, is one such case): list each parameter once"
         )
 
 

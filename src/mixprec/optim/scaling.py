@@ -39,6 +39,8 @@ __all__ = [
 
 Outputs = TypeVar("Outputs")
 
+# the largest float32: a floor above it leaves no finite scale
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 # the keys of torch.amp.GradScaler.state_dict() (an enabled scaler)
 _TORCH_GRAD_SCALER_KEYS = frozenset(
     {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
@@ -784,7 +786,7 @@ class DynamicLossScaler(LossScaler):
 
     def _set_bounds(self, low: float, high: float) -> None:
         # (as the constructor: the scale between them must be positive and finite in float32)
-        if not 0.0 <= low <= high or _float32(low) == math.inf or _float32(high) == 0.0:
+        if not 0.0 <= low <= high or low > _FLOAT32_MAX or _float32(high) == 0.0:
             raise ValueError(
                 f"need 0 <= min_scale <= max_scale, min_scale finite and max_scale above 0 "
                 f"in float32 (the scale lies between them), got {low}, {high}"

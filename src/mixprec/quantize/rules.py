@@ -163,6 +163,9 @@ def _weights_read(cls: type) -> dict[tuple[str | int, ...], bool]:
                 (alias[1], above + _chain(alias[2]))
                 for alias in re.finditer(rf"^\s*(\w+)\s*=\s*{at}\s*(?:#.*)?$", source, re.M)
             ]
+            # (a tuple or list of them under a name: ``projs = (self.q, self.k, self.v)``)
+            for held in re.finditer(r"^\s*(\w+)\s*=\s*[(\[]([^()\[\]\n]*)[)\]]", source, re.M):
+                below += [(held[1], above + _chain(m[1])) for m in re.finditer(at, held[2])]
             for loop in re.finditer(r"\bfor\s+([\w\s,()]+?)\s+in\b", source):
                 for each in re.finditer(rf"{at}(\()?", _iterated(source, loop.end())):
                     chain, step = above + _chain(each[1]), _ANY_CHILD

@@ -224,20 +224,25 @@ def _per_parameter(saved: dict[str, Any]) -> Counter[str]:
 
 
 def _held_formats(saved: dict[str, Any]) -> str:
-    """The formats a low-bit optimizer state holds: its parameters' (with their counts
-    where they differ), else its groups'."""
+    """The formats a low-bit optimizer state's groups hold, and its parameters' (with their
+    counts) where those differ: small parameters keep float32, a block is cut to a smaller
+    parameter, a map's states rules set them one by one."""
+    groups = sorted({str(parse_state_format(g["states"])) for g in saved["param_groups"]})
     counts = _per_parameter(saved)
-    if len(counts) > 1:
-        return ", ".join(f"{f} ({n} parameters)" for f, n in sorted(counts.items()))
-    return ", ".join(sorted(counts) or {g["states"] for g in saved["param_groups"]})
+    text = ", ".join(groups)
+    if set(counts) - set(groups):
+        each = ", ".join(f"{n} in {f}" for f, n in sorted(counts.items()))
+        text += f" (per parameter: {each})"
+    return text
 
 
 def _resume_advice(saved: dict[str, Any]) -> str:
     """How to resume a low-bit optimizer state in its formats: one ``optimizer_states``
-    where its groups' format is every parameter's (float32 aside: small parameters keep
-    it), the rules that set them otherwise."""
+    where its groups' kind is every parameter's (float32 aside: small parameters keep it;
+    a block cut to a smaller parameter is that kind's), the rules that set them otherwise."""
     groups = {str(parse_state_format(g["states"])) for g in saved["param_groups"]}
-    if len(groups) == 1 and set(_per_parameter(saved)) <= {*groups, "float32"}:
+    kinds = {parse_state_format(f).kind for f in _per_parameter(saved)}
+    if len(groups) == 1 and kinds <= {parse_state_format(next(iter(groups))).kind, "float32"}:
         return f"resume with optimizer_states={groups.pop()!r}"
     return (
         "resume with the states rules it was trained with (a PolicyMap's states=, or a "

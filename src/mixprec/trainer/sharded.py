@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from mixprec.policy.map import resumable_config
+from mixprec.policy.map import config_in_words, resumable_config
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer.callbacks import RUN_STATE, load_callback_states
 from mixprec.trainer.interrupt import ctrl_c_deferred
@@ -191,9 +191,10 @@ def _check_keys(run: Run, path: Path, optimizers: bool) -> None:
 def _check_policy(run: Run, state: dict[str, Any], path: Path) -> None:
     saved = state["precision"]["policy"]
     if resumable_config(saved) != resumable_config(run.precision.policy.to_config()):
+        # (the maps in full: two of one name differ in their rules, states rules among them)
         raise ckpt_io.CheckpointError(
-            f"{path} was trained in precision {state.get('policy_name', '?')}, this run uses "
-            f"{run.precision.policy.name}: a sharded checkpoint resumes in its own precision. "
+            f"{path} was trained in precision {config_in_words(saved)}, this run uses "
+            f"{run.precision.policy!r}: a sharded checkpoint resumes in its own precision. "
             "To change precision, export the weights (Trainer.save_full_state_dict) and start "
             "a new fit from them"
         )
