@@ -345,8 +345,7 @@ class Float8Linear(SwappedLinear):
     step. A forward that activation checkpointing (`torch.utils.checkpoint`, reentrant or
     not) recomputes inside a backward keeps the scales the original forward set, so it
     recomputes the same values, and each amax is pushed once, by the one backward that
-    runs per step (a graph backpropagated twice, ``retain_graph=True`` for two losses,
-    pushes twice, as a layer called twice does: the window is shorter, its max the same). A
+    runs per step (twice for a graph backpropagated twice: docs/quantized.md). A
     training forward with gradients enabled but nothing requiring grad
     (so no backward) pushes the input and weight amaxes at once; eval and no-grad forwards
     push nothing. Under several processes `sync_amax_histories` (the format's
