@@ -1417,10 +1417,14 @@ def test_cli_a_type_or_value_error_of_the_users_model_or_loss_exits_3(cli_faults
     assert code == 2 and "already gives a non-finite loss" in err and "Traceback" not in err
 
 
-def test_cli_a_loss_scale_fix_is_said_and_checked_with_its_scale(cli_faults, tmp_path, capsys):
+def test_cli_a_loss_scale_fix_is_said_and_checked_with_its_scale(
+    cli_faults, tmp_path, capsys, monkeypatch
+):
     """Found by a review: with a loss scale as the whole fix, policy.json held the diagnosed
     policy unchanged (diagnosing again with it failed as before), the CLI pointed at it as
-    the fix, and the scale was printed as 1.67772e+07 and as 16777216."""
+    the fix, and the scale was printed as 1.67772e+07 and as 16777216. (A console wide
+    enough for the command's path: a long temporary folder must not wrap it mid-word.)"""
+    monkeypatch.setenv("COLUMNS", "400")
     out = tmp_path / "rep"
     code = main(["doctor", f"{cli_faults}:flush", "--out", str(out)])
     printed = " ".join(capsys.readouterr().out.split())
