@@ -1278,3 +1278,36 @@ def test_low_bit_adam_takes_torch_adams_decoupled_weight_decay():
     again = LowBitAdam([w], decoupled_weight_decay=True, states="float32")
     again.load_state_dict(plain.state_dict())
     assert again.param_groups[0]["decoupled_weight_decay"]
+
+
+@pytest.mark.parametrize(
+    "make, tensors",
+    [
+        (LowBitAdamW, {"eps": 1e-3, "weight_decay": 0.1, "betas": (0.8, 0.9)}),
+        (LowBitSGD, {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}),
+    ],
+)
+def test_one_element_tensor_hyperparameters_step_as_their_numbers(make, tensors):
+    """Found by a review: a 1-D one-element tensor ``eps``/``weight_decay``/``momentum``/
+    ``dampening`` was accepted (torch's optimizers take it) and the float32 states' fused
+    step raised torch's bare TypeError; it steps as the same numbers do (to float32's
+    rounding: a tensor holds 0.8 in float32, a number in double)."""
+
+    def run(as_tensor: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(4, 8))
+        kw = {
+            k: (tuple(torch.tensor([b]) for b in v) if isinstance(v, tuple) else torch.tensor([v]))
+            if as_tensor
+            else v
+            for k, v in tensors.items()
+        }
+        opt = make([p], lr=0.01, states="float32", **kw)
+        for _ in range(3):
+            p.grad = torch.randn_like(p)
+            opt.step()
+        moments = [t.clone() for t in opt.state[p].values() if torch.is_tensor(t) and t.dim()]
+        return [p.detach().clone(), *moments]
+
+    for a, b in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(a, b)

@@ -108,6 +108,12 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool)
 
 
+def _scalar(x: Any) -> Any:
+    """A one-element tensor hyperparameter as a 0-dim one (torch's fused steps take numbers
+    and 0-dim tensors only; torch's own optimizers take either shape)."""
+    return x.reshape(()) if torch.is_tensor(x) and x.dim() else x
+
+
 def fitted_format(fmt: StateFormat, p: torch.Tensor) -> StateFormat:
     """The format ``p``'s moments take in ``fmt``: its block no larger than ``p``'s elements
     rounded up to the kind's default block (a block past the parameter would only store
@@ -1178,10 +1184,11 @@ class LowBitAdamW(LowBitOptimizer):
 
     def _hyper(self, group: dict[str, Any], state: dict[str, Any], step: int) -> _Hyper:
         lr = float(group["lr"])
-        beta1, beta2 = group["betas"]
+        beta1, beta2 = map(_scalar, group["betas"])
         bc1 = 1 - beta1**step
         bc2 = 1 - beta2**step
-        values = [lr, beta1, beta2, group["eps"], group["weight_decay"], lr / bc1, bc2**-0.5]
+        eps, decay = _scalar(group["eps"]), _scalar(group["weight_decay"])
+        values = [lr, beta1, beta2, eps, decay, lr / bc1, bc2**-0.5]
         values += [1 - beta1, 1 - beta2]  # (in double: `kernels.adam_update` says why)
         # (a group's own decoupled_weight_decay, as torch's Adam and AdamW keep it and
         # from_optimizer carries it over, chooses its decay's form; the class's without one)
@@ -1302,15 +1309,16 @@ class LowBitSGD(LowBitOptimizer):
 
     def _values(self, group: dict[str, Any], state: dict[str, Any]) -> _Hyper:
         """`_hyper`'s answer whether or not ``state`` has its buffer yet."""
-        momentum = group["momentum"]
+        momentum, dampening = _scalar(group["momentum"]), _scalar(group["dampening"])
+        decay = _scalar(group["weight_decay"])
         # as torch's SGD: the buffer starts as the gradient at the first step with momentum
         # (the first step, or a later one when the momentum is raised from 0)
         first = bool(momentum) and not {"momentum_buffer", "momentum_buffer_codes"} & set(state)
         lr = float(group["lr"])
-        keep, gain = (0.0, 1.0) if first else (momentum, 1 - group["dampening"])
-        values = [lr, keep, gain, group["weight_decay"], momentum]
+        keep, gain = (0.0, 1.0) if first else (momentum, 1 - dampening)
+        values = [lr, keep, gain, decay, momentum]
         # (the fused step's floats: lr, momentum, dampening, weight decay, first)
-        floats = [lr, momentum, group["dampening"], group["weight_decay"], float(first)]
+        floats = [lr, momentum, dampening, decay, float(first)]
         nesterov = bool(group["nesterov"])
         return _Hyper((first, lr), values, floats, (nesterov,), (nesterov, bool(momentum)))
 
