@@ -19,8 +19,10 @@ import mixprec
 from mixprec import Policy, PolicyMap, PolicySpecError, PrecisionError, hardware
 from mixprec.cli import main
 from mixprec.doctor import AT_RISK, BROKEN, OK, diagnose
+from mixprec.doctor.diagnosis import ReferenceRunError
 from mixprec.doctor.probe import Comparisons, RefTensor, Scratch
 from mixprec.doctor.verdicts import FindingKind
+from mixprec.errors import LossTypeError
 from mixprec.optim.scaling import LossScaleDivergedError
 from mixprec.precision import Precision
 from mixprec.trainer import TrainingModule
@@ -1329,6 +1331,11 @@ def loss_bug():  # 8 outputs, 5 targets: a ValueError in the loss
     return model, (torch.randn(8, 4), torch.randint(0, 3, (5,))), F.cross_entropy
 
 
+def frozen():  # no parameter trains: the loss does not require grad
+    model = nn.Sequential(nn.Linear(4, 3)).requires_grad_(False)
+    return model, (torch.randn(8, 4), torch.randint(0, 3, (8,))), F.cross_entropy
+
+
 def inf_loss():
     batch = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
     return nn.Linear(4, 3), batch, lambda out, y: F.cross_entropy(out, y) * float("inf")
@@ -1954,3 +1961,136 @@ def test_a_weight_the_model_itself_holds_keeps_the_module_from_moving_alone():
     # (the embedding, holding it too, moves with the head; the model itself does not)
     assert "head cannot move alone (parameter emb.weight is shared with 'weight'" in said
     assert "try a mixed policy" not in said
+
+
+# -- found by a review: blame, the reference, refusals -----------------------------------------
+
+
+class _Lossy(nn.Module):  # (x + 2000) - 2000 keeps about one unit of x in float16
+    def forward(self, x):
+        return (x + 2000.0) - 2000.0
+
+
+class _MaskedAttention(nn.Module):  # healthy: attention with an additive mask, and a residual
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.qkv, self.o = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, h, mask):
+        q, k, v = self.qkv(h).chunk(3, -1)
+        return h + self.o(torch.softmax(q @ k.transpose(-1, -2) / 4.0 + mask, -1) @ v)
+
+
+class _MaskedNet(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.inp, self.lossy, self.head = nn.Linear(8, d), _Lossy(), nn.Linear(d, 3)
+        self.blocks = nn.ModuleList(_MaskedAttention(d) for _ in range(2))
+
+    def forward(self, x, keep):
+        mask = (1.0 - keep)[:, None, :] * -10000.0  # Hugging Face's additive mask: exact
+        h = self.lossy(self.inp(x))
+        for block in self.blocks:
+            h = block(h, mask)
+        return self.head(h.mean(1))
+
+
+class _Tiny(nn.Module):  # its output is below float16's smallest normal
+    def forward(self, x):
+        return x * 1e-6
+
+
+class _Gate(nn.Module):  # healthy: passes h on where a wide, normal-range gate allows
+    def forward(self, h, gate):
+        return h * (gate[:, : h.shape[1]] > -10).to(h.dtype)
+
+
+class _GatedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.tiny, self.gate = nn.Linear(8, 16), _Tiny(), _Gate()
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x, g):
+        return self.head(self.gate(self.tiny(self.inp(x)), g.to(self.inp.weight.dtype)) * 1e6)
+
+
+def test_an_exact_input_beside_one_carrying_error_does_not_move_the_blame_downstream():
+    """Found by a review: a module's input error and underflow were pooled over its input
+    tensors, so a large exact one (an additive attention mask of -1e4) swamped the hidden
+    state's 0.48 error ("grows to 0.48 here (inputs 0.00023)"), and every healthy block
+    after the real culprit was blamed too; likewise a gate whose float16 input underflows
+    whole was blamed, pooled with a wider normal input (20%). Its worst input counts now."""
+    torch.manual_seed(0)
+    keep = torch.ones(4, 12)
+    keep[:, 9:] = 0
+    batch = (torch.randn(4, 12, 8), keep, torch.randint(0, 3, (4,)))
+    found = diagnose(_MaskedNet(), batch, F.cross_entropy, precision="16-mixed")
+    assert names(found) == ["lossy"]
+    lossy, first = found.modules["lossy"], found.modules["blocks.0"]
+    assert lossy.rel_error > 0.4 and first.input_rel_error == lossy.rel_error
+    torch.manual_seed(0)
+    batch = (torch.randn(16, 8), torch.randn(16, 64), torch.randint(0, 3, (16,)))
+    found = diagnose(_GatedNet(), batch, F.cross_entropy, precision="16-true")
+    assert names(found) == ["tiny"]
+    assert found.modules["gate"].input_underflow == 1.0
+
+
+class _SqrtAtZero(nn.Module):  # d/dx sqrt(x*x - x*x) at 0 is inf * 0: NaN in any precision
+    def forward(self, x):
+        return x + torch.sqrt(x[:, :1] * x[:, :1] - x[:, :1] * x[:, :1])
+
+
+def test_a_float64_reference_with_nan_gradients_is_refused_too():
+    """Found by a review: a 64-true reference's NaN gradients (finite loss) were not checked,
+    as if float64's could only be its overflow past float32, so the target was blamed
+    ("its backward produces inf/NaN") and recommend raised; 32-true was refused. Both are."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _SqrtAtZero(), nn.Linear(16, 3))
+    batch = (torch.randn(16, 8), torch.randint(0, 3, (16,)))
+    for reference in ("32-true", "64-true"):
+        with pytest.raises(ReferenceRunError, match=r"already gives inf/NaN gradients .*0\.weight"):
+            diagnose(model, batch, F.cross_entropy, precision="bf16-mixed", reference=reference)
+
+
+class _Block(nn.Module):
+    def __init__(self, softmax: nn.Module, k: float) -> None:
+        super().__init__()
+        self.lin, self.sm, self.k = nn.Linear(16, 16), softmax, k
+
+    def forward(self, x):
+        return self.sm(self.lin(x) * self.k)
+
+
+class _SharedSoftmaxNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        softmax = NaiveSoftmax()  # one module at b1.sm and b2.sm
+        self.b1, self.b2, self.head = _Block(softmax, 1.0), _Block(softmax, 40.0), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.b2(self.b1(x)))
+
+
+def test_a_block_holding_a_shared_module_at_another_path_is_not_blamed():
+    """Found by a review: a softmax shared by two blocks (named b1.sm by its first path)
+    overflowing in b2's call was blamed, and so was b2, which only contains it (as b2.sm):
+    containment was read from the path names alone."""
+    torch.manual_seed(0)
+    model = _SharedSoftmaxNet()
+    batch = (torch.randn(16, 16), torch.randint(0, 3, (16,)))
+    found = diagnose(model, batch, F.cross_entropy, precision="16-mixed")
+    assert names(found) == ["b1.sm"]
+    assert found.modules["b1.sm"].aliases == ("b2.sm",)
+    assert found.modules["b2"].note == "contains b1.sm (broken), here as b2.sm"
+
+
+def test_cli_a_frozen_model_is_refused_in_one_line(cli_faults, capsys):
+    """Found by a review: "the loss does not require grad" was a plain ValueError raised
+    after the model ran, so the CLI took it for the model's own error (exit 3, with a
+    traceback) where it is mixprec's refusal (exit 2, one line)."""
+    code, _, err = _doctor(capsys, f"{cli_faults}:frozen")
+    assert code == 2 and "the loss does not require grad" in err and "Traceback" not in err
+    model = nn.Sequential(nn.Linear(4, 3)).requires_grad_(False)
+    with pytest.raises(LossTypeError, match="the loss does not require grad"):
+        diagnose(model, (torch.randn(8, 4), torch.randint(0, 3, (8,))), F.cross_entropy)

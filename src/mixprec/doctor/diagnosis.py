@@ -873,13 +873,8 @@ def diagnose(
             f"the reference run ({ref_map.name}) already gives a non-finite loss "
             f"({ref.loss}): the problem is not the precision; check the data and the model"
         )
-    wide = ref_map.default.param_dtype == torch.float64  # (its gradients kept in float32)
-    bad = [
-        name
-        for name, g in ref.param_grads.items()
-        if not wide and g is not None and not bool(torch.isfinite(g.value).all())
-    ]
-    if bad:  # (a low precision would be blamed for what float32 does too)
+    bad = ref.nonfinite_grads  # (in their own dtype: a float64 reference's are float64)
+    if bad:  # (a low precision would be blamed for what the reference does too)
         raise ReferenceRunError(
             f"the reference run ({ref_map.name}) already gives inf/NaN gradients (of "
             f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}) with a finite loss: the "

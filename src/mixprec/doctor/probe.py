@@ -436,7 +436,12 @@ class Recording:
         self.loss: float = math.nan
         self.loss_dtype: torch.dtype = torch.float32
         self.param_grads: dict[str, RefTensor | None] = {}
+        # reference runs: the parameters whose gradients hold inf/NaN in their own dtype (a
+        # float64 one's overflow past float32 is no inf there, its NaN is)
+        self.nonfinite_grads: list[str] = []
         self.types: dict[str, str] = {}
+        # a module at several paths (shared by two blocks), by its name here: its other paths
+        self.aliases: dict[str, tuple[str, ...]] = {}
         self.params_of: dict[str, list[str]] = {}
         self.param_limits: dict[str, torch.dtype] = {}
         self.scratch = Scratch()
@@ -582,6 +587,8 @@ def measure_param_grads(
             recording.param_grads[name] = (
                 RefTensor(grad, recording.scratch) if grad is not None else None
             )
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                recording.nonfinite_grads.append(name)
             continue
         twin = reference.param_grads.get(name)
         if grad is None or twin is None:

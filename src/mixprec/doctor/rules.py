@@ -227,8 +227,8 @@ def outputs_underflow(m: ModuleReport, run: RunFacts) -> Finding | None:
     such values are harmless, most of an output is a range problem. At risk; broken where
     the output's error grows here to `ERROR_BROKEN` (SQNR 6 dB or less, as `error_grows`
     breaks on: an output flushed whole carries no signal); a wider range fixes it. Not
-    blamed when its low-precision inputs underflow as much (the problem starts
-    upstream)."""
+    blamed when one of its low-precision inputs underflows as much (the problem starts
+    upstream; its worst input counts, as a wider normal one beside it hides nothing)."""
     if not (
         _low(m)
         and m.underflow >= UNDERFLOW_AT_RISK
@@ -275,8 +275,9 @@ def gradients_underflow(m: ModuleReport, run: RunFacts) -> Finding | None:
 
 def error_grows(m: ModuleReport, run: RunFacts) -> Finding | None:
     """The output's relative error against the reference is above `ERROR_AT_RISK` (0.1,
-    SQNR below 20 dB) and `ERROR_GROWTH` (10) times its inputs' error: the precision is
-    lost here, not upstream. Broken at `ERROR_BROKEN` (0.5, SQNR 6 dB or less), where the
+    SQNR below 20 dB) and `ERROR_GROWTH` (10) times its worst input's error (an exact input
+    beside it, such as an attention mask, hides none): the precision is lost here, not
+    upstream. Broken at `ERROR_BROKEN` (0.5, SQNR 6 dB or less), where the
     output carries little signal. A quantized layer's finding is the quantization's (its
     source float policy fixes it), any other layer's needs float32. Never the model itself
     (""): its inputs are the batch, which holds no error, so an error built up over its
@@ -344,8 +345,9 @@ def first_finding(m: ModuleReport, run: RunFacts) -> Finding | None:
 
 
 def blame_innermost(modules: dict[str, ModuleReport]) -> None:
-    """Clear every flagged block that contains another flagged module, noting which: the
-    problem is blamed where it starts. One exception: a block broken by an overflow (kind
+    """Clear every flagged block that contains another flagged module, at any of its paths
+    (a module shared by two blocks is in both), noting which: the problem is blamed where
+    it starts. One exception: a block broken by an overflow (kind
     range) holding modules only at risk keeps its verdict, as its own code (an op between
     its children) overflowed, and moving the block fixes it; an error that grows over its
     children is theirs to fix first. The model itself is cleared whenever it holds a
@@ -357,13 +359,17 @@ def blame_innermost(modules: dict[str, ModuleReport]) -> None:
     for m in flagged:
         own = m.name != "" and m.verdict == BROKEN and m.kind == FindingKind.RANGE
         inner = [
-            c
+            (c, path)
             for c in flagged
-            if c is not m and _is_inside(c.name, m.name) and not (own and c.verdict == AT_RISK)
+            if c is not m
+            and not (own and c.verdict == AT_RISK)
+            and (path := _path_inside(c, m.name)) is not None
         ]
         if inner:
+            c, path = inner[0]
             m.verdict, m.kind, m.reason = OK, FindingKind.NONE, ""
-            m.note = f"contains {inner[0].display_name} ({inner[0].verdict})"
+            m.note = f"contains {c.display_name} ({c.verdict})"
+            m.note += f", here as {path}" if path != c.name else ""
 
 
 def loss_outside_modules(modules: dict[str, ModuleReport], run: RunFacts) -> Finding | None:
@@ -531,6 +537,12 @@ def _inherited(m: ModuleReport) -> bool:
 
 def _is_inside(child: str, parent: str) -> bool:
     return (parent == "" and child != "") or child.startswith(parent + ".")
+
+
+def _path_inside(m: ModuleReport, parent: str) -> str | None:
+    """The first of `m`'s paths (its name, then the other paths of a shared module) inside
+    the module `parent`; None when it is not inside."""
+    return next((p for p in (m.name, *m.aliases) if _is_inside(p, parent)), None)
 
 
 def _fmt(x: float) -> str:

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from mixprec.convert import apply
 from mixprec.doctor.probe import Probe, Recording, lowest_float, measure_param_grads
 from mixprec.doctor.verdicts import UpdateModel
+from mixprec.errors import LossTypeError
 from mixprec.optim.scaling import StaticLossScaler
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
@@ -80,8 +81,8 @@ class Session:
         probe = Probe(model, reference, grad_scale=scale)
         with seeded(self.seed, self.device), probe as rec:
             loss = batch_loss(precision, model, fresh(self.batch), self.loss_fn)
-            if not loss.requires_grad:
-                raise ValueError(
+            if not loss.requires_grad:  # (mixprec's refusal, not the model's own error)
+                raise LossTypeError(
                     "the loss does not require grad: is the model frozen or run under no_grad?"
                 )
             backward(precision, loss)
@@ -90,6 +91,10 @@ class Session:
         measure_param_grads(params, rec, reference, limits, scale)
         rec.param_limits = limits
         rec.types = {name: type(m).__name__ for name, m in model.named_modules()}
+        paths: dict[int, list[str]] = {}  # (the first is the name the probe gives it)
+        for path, m in model.named_modules(remove_duplicate=False):
+            paths.setdefault(id(m), []).append(path)
+        rec.aliases = {p[0]: tuple(p[1:]) for p in paths.values() if len(p) > 1}
         rec.params_of = {
             name: [f"{name}.{k}" if name else k for k, v in m._parameters.items() if v is not None]
             for name, m in model.named_modules()

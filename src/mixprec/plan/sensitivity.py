@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from mixprec.errors import LossTypeError
 from mixprec.plan.units import Unit
 
 __all__: list[str] = []
@@ -164,7 +165,7 @@ def record(
         with readers:
             loss = step()
         if not loss.requires_grad:
-            raise ValueError(
+            raise LossTypeError(
                 "the loss does not require grad: is the model frozen or run under no_grad?"
             )
         loss.backward()
