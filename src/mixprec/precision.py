@@ -487,12 +487,25 @@ class Precision:
         self, optimizer: torch.optim.Optimizer | LossScaleOptimizer, model: nn.Module
     ) -> LossScaleOptimizer:
         """The wrapper of ``optimizer``: the one made by an earlier ``setup`` (setting up
-        twice is harmless), else a new one sharing this precision's scaler."""
+        twice is harmless), else a new one sharing this precision's scaler. A wrapper given
+        as such is taken with its own scaler and compensation: refused where they differ."""
         if isinstance(optimizer, LossScaleOptimizer):
             if optimizer.scaler is not self.scaler:
                 raise ValueError(
                     "this LossScaleOptimizer has its own scaler; pass the plain optimizer to "
                     "setup(), or build Precision(scaler=optimizer.scaler)"
+                )
+            # (its own, or that of the low-bit optimizer it wraps, which compensates itself)
+            kept = optimizer.compensation
+            if kept is None and isinstance(optimizer.optimizer, LowBitOptimizer):
+                kept = optimizer.optimizer.compensation
+            if self.compensation is not None and kept != self.compensation:
+                raise ValueError(
+                    f"this precision's compensation={self.compensation!r}, but the "
+                    f"LossScaleOptimizer given steps with compensation={kept!r}, which setup "
+                    f"takes as it is: pass the plain optimizer to setup() (wrapped with this "
+                    f"precision's compensation), or build the LossScaleOptimizer with "
+                    f"compensation={self.compensation!r}"
                 )
             lso = optimizer
         else:

@@ -1888,3 +1888,70 @@ def test_a_seed_that_is_not_an_int_is_refused_where_it_is_given(seed):
     with pytest.raises(ValueError, match="has no 'seed'"):
         comp.load_state_dict({"kind": "kahan"})
     assert comp.seed == 3
+
+
+@pytest.mark.parametrize("how", ["replaced", "data"])
+def test_a_state_of_fewer_dims_than_its_weight_steps_as_a_fresh_compensator_steps_it(how):
+    """Found by a review: a kept pack was keyed by the weights' shapes only, so a state of
+    the same size with fewer dims ((8,) beside a (1, 8) weight) copied into its
+    weight-shaped piece by broadcasting and failed at the copy out, after the weights were
+    written and the step count moved; a fresh Compensator stepped it."""
+    import pickle
+
+    def run(keep: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 1), nn.Linear(1, 3)).to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        comp = Compensator("kahan", seed=2, compile=False)
+        for i in range(4):
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            if i == 2:
+                state = opt.state[model[0].weight]
+                if how == "replaced":
+                    state["exp_avg"] = state["exp_avg"].reshape(8).clone()
+                else:  # (the same memory seen in another shape)
+                    state["exp_avg"].data = state["exp_avg"].data.view(8)
+            if not keep:
+                comp = pickle.loads(pickle.dumps(comp))
+            comp.step(opt)
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False), strict=True))
+
+
+def test_a_compensation_an_optimizer_converted_before_cannot_take_is_refused():
+    """Found by a review: Precision(compensation=...) was dropped without a word when setup
+    got a torch optimizer converted before (optimizer_states): it stands for its low-bit
+    optimizer, which keeps the compensation it was converted with (None)."""
+    model = nn.Linear(8, 4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, low = mixprec.Precision("bf16-true", optimizer_states="int8", allow_slow=True).setup(
+            model, opt
+        )
+        kahan = mixprec.Precision(
+            "bf16-true", optimizer_states="int8", compensation="kahan", allow_slow=True
+        )
+        with pytest.raises(ValueError, match=r"converted before.*compensation=None"):
+            kahan.setup(model, opt)
+        assert low.optimizer.compensation is None
+
+
+def test_a_compensation_a_wrapper_given_to_setup_lacks_is_refused():
+    """Found by a review: Precision("bf16-true", compensation="kahan").setup(model, lso)
+    took the LossScaleOptimizer given, which steps without compensation, as it is: the
+    precision's compensation was dropped without a word (as its scaler is refused when it
+    differs)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = nn.Linear(8, 4).to(torch.bfloat16)
+        precision = mixprec.Precision("bf16-true", compensation="kahan", allow_slow=True)
+        given = LossScaleOptimizer(torch.optim.AdamW(model.parameters()), precision.scaler)
+        with pytest.raises(ValueError, match=r"LossScaleOptimizer given steps with compensation"):
+            precision.setup(model, given)
+        given = LossScaleOptimizer(
+            torch.optim.AdamW(model.parameters()), precision.scaler, compensation="kahan"
+        )
+        assert precision.setup(model, given)[1] is given  # the same one: taken as it is

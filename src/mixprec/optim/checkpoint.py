@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from mixprec.optim.compensated import Compensator
-from mixprec.optim.masters import MasterWeights, check_positions
+from mixprec.optim.masters import MasterWeights, check_positions, saved_compensation
 from mixprec.optim.scaling import LossScaler
+from mixprec.optim.states import LowBitOptimizer
 
 __all__ = []
 
@@ -57,24 +58,38 @@ class OptimizerCheckpoint:
         a master)."""
         return self._masters.param_of.get(tensor, tensor)
 
+    def _compensation_kind(self) -> str | None:
+        """How the 16-bit parameters' updates are compensated: by the wrapper's
+        `Compensator`, or by a low-bit optimizer's own (whose Kahan buffers are its states'
+        ``"compensation"``, as the Compensator's are); None without."""
+        if self._compensator is not None:
+            return self._compensator.kind
+        if isinstance(self.optimizer, LowBitOptimizer):
+            return self.optimizer.compensation
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state (with Kahan buffers), the scaler's state, the float32 master
         weights by parameter index, each parameter's shape and names (by index, as in the
-        optimizer's state), and the compensation's kind and random generator states. The
-        masters first take what was written into their parameters since the last step (a
-        model state loaded, an edit), as the next step would: saved stale, a resume copied
-        the old masters over the loaded model."""
+        optimizer's state), and the compensation's kind and seed (the wrapper's, or a
+        low-bit optimizer's own, whose Kahan buffers a load or `master_weights_by_name`
+        treats as the wrapper's). The masters first take what was written into their
+        parameters since the last step (a model state loaded, an edit), as the next step
+        would: saved stale, a resume copied the old masters over the loaded model."""
         self._masters.follow_edits()
         params = list(self._all_params())
+        compensation = None
+        if self._compensator is not None:
+            compensation = self._compensator.state_dict()
+        elif self._compensation_kind() is not None:
+            compensation = {"kind": self._compensation_kind(), "seed": self.optimizer.seed}
         return {
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "master_weights": self._masters.by_index(params),
             "param_shapes": [list(self.model_param(p).shape) for p in params],
             "param_names": self._param_names(),
-            "compensation": (
-                self._compensator.state_dict() if self._compensator is not None else None
-            ),
+            "compensation": compensation,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -199,8 +214,9 @@ class OptimizerCheckpoint:
     def check_state_dict(self, state: Mapping[str, Any]) -> None:
         """Raise, changing nothing, what `load_state_dict` refuses in ``state`` (its keys;
         its parameters: their number per group, their shapes; the optimizer class that saved
-        it; its compensation, masters and scaler state), for a caller that loads other things
-        first (a Trainer's resume, the weights)."""
+        it; its compensation (its kind, and the entry the Compensator's load refuses), masters
+        and scaler state), for a caller that loads other things first (a Trainer's resume,
+        the weights)."""
         if not isinstance(state, Mapping):
             raise TypeError(f"an optimizer state is a dict, got {type(state).__name__}")
         if "optimizer" not in state and {"state", "param_groups"} <= state.keys():
@@ -243,21 +259,24 @@ class OptimizerCheckpoint:
 
     def compensation_differs(self, state: Mapping[str, Any]) -> bool:
         """Whether ``state`` (a `state_dict`) was saved with a compensation this optimizer
-        cannot take over as it is: another kind, or Kahan buffers where it keeps none."""
-        saved = state.get("compensation") if "optimizer" in state else None
-        kind = saved.get("kind") if isinstance(saved, Mapping) else None
-        mine = self._compensator.kind if self._compensator is not None else None
+        cannot take over as it is: another kind, or Kahan buffers (the wrapper's or a
+        low-bit optimizer's own) where it keeps none."""
+        kind = saved_compensation(state) if "optimizer" in state else None
+        mine = self._compensation_kind()
         return kind is not None and kind != mine and (mine is not None or kind == "kahan")
 
     def _check_compensation(self, state: Mapping[str, Any]) -> None:
         if self.compensation_differs(state):
-            mine = self._compensator.kind if self._compensator is not None else None
             raise ValueError(
-                f"the checkpoint was trained with compensation "
-                f"{state['compensation'].get('kind')!r}, this optimizer uses {mine!r}: load "
-                "it with load_state_dict_across_precisions(state, weights), which folds the "
-                "saved Kahan buffers into the weights (mixprec.optim.master_weights_by_name)"
+                f"the checkpoint was trained with compensation {saved_compensation(state)!r}, "
+                f"this optimizer uses {self._compensation_kind()!r}: load it with "
+                "load_state_dict_across_precisions(state, weights), which folds the saved "
+                "Kahan buffers into the weights (mixprec.optim.master_weights_by_name)"
             )
+        saved = state.get("compensation")
+        if self._compensator is not None and saved is not None:
+            # (what `load_state_dict` hands the Compensator after loading the rest)
+            self._compensator.check_state_dict(saved)
 
     def load_state_dict_across_precisions(
         self, state: Mapping[str, Any], weights: Mapping[str, torch.Tensor]

@@ -43,7 +43,8 @@ def convert_for(
     """``optimizer`` with its states in the formats ``policy_map`` gives each parameter of
     ``model``: a torch AdamW, Adam or SGD converted (and handed over, `hand_over`), a
     low-bit optimizer or a wrapper as it is (refused when it keeps another format than the
-    one given, or than the map's state rules give some of its parameters).
+    one given, or than the map's state rules give some of its parameters; a torch optimizer
+    converted before, when its low-bit one keeps another compensation than the one given).
 
     ``optimizer_states``: the run's default format (`Precision`'s), else the map's single
     ``states``, else float32. ``compensation``: the converted optimizer's (it compensates
@@ -54,9 +55,11 @@ def convert_for(
     # a torch optimizer converted before (a second fit, a setup after reset()) stands for
     # the low-bit one it became, whose moments and counts go on: converting it again would
     # start them afresh from its empty state
+    given = optimizer
     optimizer = getattr(optimizer, "_converted_into", optimizer)
     if isinstance(optimizer, (LowBitOptimizer, LossScaleOptimizer)):
         inner = getattr(optimizer, "optimizer", optimizer)
+        _check_kept_compensation(given, optimizer, inner, compensation)
         kept = inner.defaults["states"] if isinstance(inner, LowBitOptimizer) else None
         if kept is None and default is not None and str(default) != "float32":
             raise ValueError(
@@ -105,6 +108,25 @@ def convert_for(
     )
     hand_over(optimizer, converted)
     return converted
+
+
+def _check_kept_compensation(
+    given: Any, taken: Any, inner: torch.optim.Optimizer, compensation: str | None
+) -> None:
+    """A torch optimizer converted before stands for its low-bit optimizer, which keeps the
+    compensation it was converted with: refuse another one asked for (``compensation``),
+    which would be dropped without a word. (A low-bit optimizer or a wrapper given as such
+    is refused at its wrapping, `Precision.setup`.)"""
+    if compensation is None or given is taken or not isinstance(inner, LowBitOptimizer):
+        return
+    if inner.compensation != compensation:
+        raise ValueError(
+            f"compensation={compensation!r}, but the {type(given).__name__} given was "
+            f"converted before (optimizer_states) into {type(inner).__name__} with "
+            f"compensation={inner.compensation!r}, whose moments and counts go on: it keeps "
+            f"that compensation. Build a new {type(given).__name__} to convert with "
+            f"compensation={compensation!r}, or set compensation={inner.compensation!r}"
+        )
 
 
 def check_kept_formats(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mixprec.aliasing import overlapping
-from mixprec.optim.engine import written_mark
+from mixprec.optim.engine import COMPENSATED_DTYPES, settled, written_mark
 from mixprec.optim.states import LowBitOptimizer, parse_state_format
 
 __all__ = []
@@ -391,14 +391,23 @@ def master_weights_by_name(
     return out
 
 
+def saved_compensation(optimizer_state: Mapping[str, Any]) -> str | None:
+    """The compensation a ``LossScaleOptimizer.state_dict()`` was saved with (its entry's
+    kind: the wrapper's, or a low-bit optimizer's own), None without one."""
+    entry = optimizer_state.get("compensation")
+    return entry.get("kind") if isinstance(entry, Mapping) else None
+
+
 def _full_weights(
     optimizer_state: Mapping[str, Any], model_state: Mapping[str, torch.Tensor]
 ) -> dict[int, torch.Tensor]:
     """Parameter index -> its full-precision weight in ``optimizer_state``: its float32
-    master, or (saved by a Kahan-compensated step) its weight plus its compensation."""
+    master, or (saved by a Kahan-compensated step, the wrapper's or a low-bit optimizer's)
+    its weight plus the entries of its compensation the next step would keep
+    (`engine.settled`: a weight written since its last step, pruned or loaded, takes no
+    old weight's error)."""
     out = dict(optimizer_state["master_weights"])
-    compensation = optimizer_state.get("compensation")
-    if not isinstance(compensation, Mapping) or compensation.get("kind") != "kahan":
+    if saved_compensation(optimizer_state) != "kahan":
         return out
     names = optimizer_state["param_names"]
     for index, state in optimizer_state["optimizer"]["state"].items():
@@ -407,5 +416,8 @@ def _full_weights(
             continue
         weight = model_state.get(names[index][0])
         if isinstance(weight, torch.Tensor) and weight.shape == buffer.shape:
-            out[index] = weight.float() + buffer.float()
+            w, c = weight.float(), buffer.to(weight.device, torch.float32)
+            # (the grid the step rounds to: the weight's, else the buffer's, stored in it)
+            grid = next((t.dtype for t in (weight, buffer) if t.dtype in COMPENSATED_DTYPES), None)
+            out[index] = w + (c if grid is None else settled(w, c, grid))
     return out

@@ -239,7 +239,9 @@ class LossScaleOptimizer(OptimizerCheckpoint):
 
     @property
     def compensation(self) -> str | None:
-        """``"kahan"``, ``"stochastic"`` or None: how 16-bit parameters are updated."""
+        """``"kahan"``, ``"stochastic"`` or None: how this wrapper updates 16-bit parameters
+        (None too where the low-bit optimizer it wraps compensates them itself: its own
+        ``compensation``, which ``state_dict`` records as this one's)."""
         return self._compensator.kind if self._compensator is not None else None
 
     @property

@@ -798,11 +798,7 @@ class Compensator:
             return
         # in: every column's tensors onto the pack's pieces, one copy for all
         src = [t for col in columns if col[0] is not None for t in col]
-        try:
-            torch._foreach_copy_(pack.into, src)
-        except RuntimeError:  # a state reshaped since the kept pack was made: one of its own
-            pack = _Pack(columns, call.pairs)
-            torch._foreach_copy_(pack.into, src)
+        torch._foreach_copy_(pack.into, src)
         self._kernel(call, pack.lanes, s, call.rows[0][0], compensated)
         # out: the results back onto the weights and states (the gradient is only read)
         dst = [t for j, col in enumerate(columns) if j != 1 and col[0] is not None for t in col]
@@ -813,11 +809,12 @@ class Compensator:
         between steps for the same tensors' shapes and dtypes when it is small (a step of a
         small model is its calls' Python cost: slicing a fresh copy cost more than the
         copies), else made for this step."""
-        # (by the weights' shapes: a state reshaped since, which torch's own steps refuse,
-        # gets a pack of its own in `_run`)
+        # (by every tensor's shape, the states' too: a state of its weight's size in another
+        # shape, (8,) beside a (1, 8) weight, copies into the weight-shaped piece by
+        # broadcasting, and its copy out, after the weights were written, would fail)
         key = (call.pairs, columns[0][0].device)
         key += tuple(None if col[0] is None else col[0].dtype for col in columns)
-        key += tuple(t.shape for t in columns[0])
+        key += tuple(t.shape for col in columns if col[0] is not None for t in col)
         packs = self._packs
         pack = packs.pop(key, None)
         if pack is None:
@@ -885,10 +882,15 @@ class Compensator:
         the optimizer's state holds)."""
         return {"kind": self.kind, "seed": self.seed}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore ``state_dict``; the kind must match (a run changes it by starting anew).
-        Other keys (random-generator states, which some saved states hold) are ignored: the
-        rounding draws from no generator."""
+    def check_state_dict(self, state: Any) -> None:
+        """Raise, changing nothing, what `load_state_dict` refuses in ``state``: not a dict,
+        another kind (a run changes it by starting anew), no seed, or a seed that is not an
+        int (`LossScaleOptimizer.check_state_dict` asks it before loading anything)."""
+        if not isinstance(state, Mapping):
+            raise TypeError(
+                f"a compensation state is a dict (from Compensator.state_dict()), got "
+                f"{type(state).__name__}"
+            )
         if state.get("kind") != self.kind:
             raise ValueError(
                 f"the checkpoint was trained with compensation {state.get('kind')!r}, this "
@@ -899,6 +901,13 @@ class Compensator:
                 f"this compensation state has no 'seed' (keys {sorted(state)}): pass the "
                 f"dict Compensator.state_dict() returned"
             )
+        check_seed(state["seed"])
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict``, refused as `check_state_dict` says. Other keys
+        (random-generator states, which some saved states hold) are ignored: the rounding
+        draws from no generator."""
+        self.check_state_dict(state)
         self.seed = check_seed(state["seed"])
 
 
