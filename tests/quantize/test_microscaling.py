@@ -152,6 +152,20 @@ def test_stochastic_rounding_is_unbiased(element, v):
     assert abs(got.double().mean().item() - v) <= 5 * (above - below) / 2 / n**0.5 + 1e-9
 
 
+@pytest.mark.parametrize("element", sorted(FORMATS))
+def test_stochastic_rounding_keeps_the_sign_of_zero(element):
+    """Found by a review: stochastic rounding gave +0.0 for -0.0 and for negative values
+    rounded up to zero (``floor(v / ulp) + 1`` is -1.0 + 1.0, +0.0), where rounding to
+    nearest and the module's casts keep the sign of zero."""
+    tiny = code_values(element)[1].item()  # the format's smallest subnormal
+    v = torch.tensor([-0.0, -0.2 * tiny, -0.9 * tiny, 0.0, 0.2 * tiny])
+    noise = torch.tensor([0.5, 0.9, 0.95, 0.9, 0.1])
+    for rounder in (round_to_element, round_by_definition):
+        got = rounder(v, element, noise=noise)
+        assert got.tolist() == [0.0] * 5, rounder.__name__
+        assert torch.signbit(got).tolist() == [True, True, True, False, False], rounder.__name__
+
+
 def test_stochastic_rounding_refuses_noise_it_cannot_use():
     x = torch.full((2,), 0.3)
     with pytest.raises(ValueError, match=r"noise values must lie in \[0, 1\)"):

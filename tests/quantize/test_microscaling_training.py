@@ -174,6 +174,21 @@ def test_under_bf16_autocast_the_output_and_gradients_take_the_right_dtypes():
     assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("spec", ["mxfp8", "nvfp4"])
+def test_a_float64_input_inside_autocast_gives_float64_as_nn_linear_does(spec):
+    """Found by a review: inside bfloat16 autocast, a float64 input came out in bfloat16,
+    where nn.Linear returns float64 (autocast leaves float64 alone)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 32).double()
+    layer = MicroscalingLinear.from_float(linear, spec)
+    x = torch.randn(8, 64, dtype=torch.float64)
+    outside = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear(x).dtype == torch.float64
+        inside = layer(x)
+    assert inside.dtype == torch.float64 and torch.equal(inside, outside)
+
+
 def test_a_non_finite_gradient_stays_non_finite_for_the_loss_scaler():
     torch.manual_seed(0)
     layer = MicroscalingLinear.from_float(nn.Linear(64, 32), "mxfp8")

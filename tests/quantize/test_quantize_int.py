@@ -336,6 +336,23 @@ def test_int4_linear_computes_in_a_16_bit_inputs_dtype_outside_autocast(group):
         _assert_within_int4_kernel_rounding(layer, x, out)
 
 
+@pytest.mark.parametrize("mode", ["int8", "int4/32", "int4/16"])
+def test_a_float64_input_inside_autocast_gives_float64_as_nn_linear_does(mode):
+    """Found by a review: inside bfloat16 autocast, a float64 input came out in bfloat16,
+    where nn.Linear returns float64 (autocast leaves float64 alone)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 8).double()
+    model = nn.Sequential(copy.deepcopy(lin))
+    quantize(model, mode)
+    x = torch.randn(3, 64, dtype=torch.float64)
+    outside = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lin(x).dtype == torch.float64
+        inside = model(x)
+        assert model(x.float()).dtype == torch.bfloat16  # (float32: autocast's, as before)
+    assert inside.dtype == torch.float64 and torch.equal(inside, outside)
+
+
 def test_int4_embedding_dequantizes_only_the_rows_looked_up():
     torch.manual_seed(0)
     emb = nn.Embedding(30, 20)
@@ -1665,3 +1682,116 @@ def test_setup_warns_when_lora_adapters_are_in_no_optimizer():
     with warnings_module.catch_warnings():
         warnings_module.simplefilter("error")
         mixprec.Precision("int8_from_float32").setup(model, torch.optim.AdamW(adapters))
+
+
+def _code_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if "lora" not in k}
+
+
+def _assert_same_buffers(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    moved = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+    assert not moved, moved
+
+
+INT_MODES = ["int8", "int4/32", "int4/16", "int4/-1"]
+SCALE_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", SCALE_DTYPES, ids=str)
+@pytest.mark.parametrize("mode", INT_MODES)
+def test_a_layers_own_weight_quantizes_back_to_its_codes_and_scales(mode, dtype):
+    """Found by a review: quantize -> dequantize -> quantize was not idempotent where scales
+    are 16-bit. int4's scale, rounded up to a stored value, can leave a group's codes one
+    step short of 15 (a symmetric group's ends at 7.4999 steps both round inward), so the
+    group came back 14/15 as wide; int8's float16 scales went one ulp up about half the
+    time, never down. The weight a layer stands for (exactly, or as `dequantized_weight`
+    rounds it to the scales' dtype) quantizes to the same codes and scales, bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(40, 48), nn.Linear(48, 40)).to(dtype)
+    quantize(model, mode)
+    before = _code_buffers(model)
+    for layer in model:
+        exact = layer.weight_from(
+            {**layer.code_buffers(), "weight_scale": layer.weight_scale.float()}
+        )
+        for weight in (exact, layer.dequantized_weight(), exact.double()):
+            layer.requantize(weight)
+            _assert_same_buffers(_code_buffers(model), before)
+    for _ in range(3):  # through the float layers
+        dequantize(model)
+        quantize(model, mode)
+        _assert_same_buffers(_code_buffers(model), before)
+
+
+def test_int4_symmetric_bfloat16_group_keeps_its_width_through_rounds():
+    """Found by a review: the reviewer's group, -0.122 .. 0.122 in bfloat16, shrank by 1/15
+    a round (scale 0.0163574, then 0.0152588, ...): its dequantized values, on the int4 grid
+    of a bfloat16 scale, quantize back to the same codes, scale and zero point."""
+    w = torch.linspace(-0.122, 0.122, 32).bfloat16()[None]
+    first = quantize_groups(w, 32)
+    assert first[1].item() == 0.016357421875 and first[2].item() == 7  # codes 0..14
+    for _ in range(10):
+        w = dequantize_groups(first[0], first[1].bfloat16(), first[2], 32, 32)
+        again = quantize_groups(w, 32)
+        assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True))
+    assert (w.float() - torch.linspace(-0.122, 0.122, 32)).abs().max() <= first[1] / 2
+
+
+def test_int8_float16_scales_do_not_ratchet_up_through_rounds():
+    """Found by a review: rows of codes times float16 scales, computed in float16, got
+    scales one ulp larger on a second quantization about half the time and never smaller
+    (29 of 64 rows grew, up to 5% in 50 rounds). They keep their scales and codes."""
+    torch.manual_seed(0)
+    q0, s0 = quantize_rows((torch.randn(64, 64) * 0.05).half())
+    q, s = q0, s0
+    for _ in range(50):
+        q, s = quantize_rows(q.half() * s.half()[:, None])  # as Int8 layers dequantize
+    assert torch.equal(q, q0) and torch.equal(s, s0)
+
+
+@pytest.mark.parametrize("dtype", SCALE_DTYPES, ids=str)
+@pytest.mark.parametrize("mode", INT_MODES)
+def test_merging_adapters_that_change_nothing_leaves_the_layer_as_it_is(mode, dtype):
+    """Found by a review: `merge_lora` quantizes the weight plus the adapters' change again;
+    with adapters that change nothing (B = 0, as `enable_lora` makes them) each merge moved
+    the layer, and rounds added up: int4/32 bfloat16 outputs 2.1% off after one merge, 12.5%
+    after ten; int8 float16 scales ratcheted up. Now they change nothing, bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(40, 48), nn.Linear(48, 40)).to(dtype)
+    quantize(model, mode)
+    before = _code_buffers(model)
+    x = torch.randint(0, 40, (2, 5))
+    y = model(x)
+    for _ in range(5):
+        enable_lora(model, rank=2)
+        assert merge_lora(model) == 2
+    _assert_same_buffers(_code_buffers(model), before)
+    assert torch.equal(model(x), y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("mode", ["int8", "int4/16"])
+def test_merging_adds_the_adapters_to_the_exact_weight(mode, dtype):
+    """`merge_lora` quantizes the weight the codes stand for plus the adapters' change, the
+    weight taken exactly (codes times scales in float32), not first rounded to the 16-bit
+    dtype of the scales."""
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(48, 40).to(dtype))
+    quantize(layer, mode)
+    layer = layer[0]
+    layer.enable_lora(2)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.01)
+    buffers = {**layer.code_buffers(), "weight_scale": layer.weight_scale.float()}
+    merged = layer.weight_from(buffers) + layer.lora_delta()
+    expected = layer.quantized_buffers(merged, dtype)
+    layer.merge_lora()
+    _assert_same_buffers(layer.code_buffers(), expected)
+
+
+def test_int4_of_a_transposed_weight_is_that_of_its_contiguous_copy():
+    """A Hugging Face Conv1D's weight is quantized transposed: a view of it, not a copy."""
+    w = torch.randn(64, 40)
+    got, want = quantize_groups(w.t(), 16), quantize_groups(w.t().contiguous(), 16)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

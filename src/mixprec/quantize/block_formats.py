@@ -183,6 +183,8 @@ def _round_by_definition(v: Tensor, fmt: ElementFormat, noise: Tensor | None) ->
     else:
         below = torch.floor(scaled)
         rounded = below + (noise >= 1 - (scaled - below)).to(torch.float32)
+        # (-1.0 + 1.0 is +0.0: a negative value rounded up to zero keeps its sign, as -0.0)
+        rounded = torch.copysign(rounded, scaled)
     out = (rounded * ulp).clamp(-fmt.max, fmt.max)
     return torch.where(torch.isfinite(v), out, torch.nan)
 

@@ -4,7 +4,9 @@ The quantized weight stays frozen (it is a buffer); A and B are float parameters
 of the layer's scales, one of them zeros so an enabled adapter changes nothing until it
 trains. Linear: A Kaiming-uniform, B zeros. Embedding (as peft): A (rank, num_embeddings)
 zeros, B (embedding_dim, rank) normal, and A's row lookup is ``F.embedding(idx, A.T)``.
-`merge_lora` folds the weight-shaped ``lora_delta()`` into the weight and quantizes again.
+`merge_lora` folds the weight-shaped ``lora_delta()`` into the weight (exactly: codes times
+scales in float32) and quantizes again; a weight on its grid quantizes back to the same codes
+and scales, so adapters that change nothing leave the layer as it is.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ __all__: list[str] = []
 
 
 class LoraMixin:
-    """Adapters for a quantized Linear that has ``dequantized_weight()``, ``requantize(w)``,
+    """Adapters for a quantized Linear that has ``float32_weight()``, ``requantize(w)``,
     ``weight_scale``, ``bias``, ``in_features`` and ``out_features``."""
 
     lora_rank: int = 0
@@ -76,7 +78,10 @@ class LoraMixin:
         if not self.lora_rank:
             raise ValueError("LoRA is not enabled on this layer; nothing to merge")
         with torch.no_grad():
-            self.requantize(self.dequantized_weight().float() + self.lora_delta())  # type: ignore[attr-defined]
+            # the weight exactly (not rounded to 16-bit scales' dtype, off the codes' grid):
+            # adapters that change nothing leave the codes and scales as they are
+            weight = self.float32_weight()  # type: ignore[attr-defined]
+            self.requantize(weight + self.lora_delta())  # type: ignore[attr-defined]
         self.lora_A = self.lora_B = None
         self.lora_rank, self.lora_alpha = 0, 0.0
         if getattr(self, "bias", None) is not None:

@@ -31,6 +31,7 @@ from mixprec.formats.microscaling import MicroscalingConfig
 from mixprec.formats.registry import Format, Status, Support
 from mixprec.quantize.block_formats import fake_quantize
 from mixprec.quantize.first_order import first_order
+from mixprec.quantize.int8 import output_dtype
 from mixprec.quantize.rules import SwappedLinear
 
 if TYPE_CHECKING:
@@ -149,9 +150,9 @@ class MicroscalingLinear(SwappedLinear):
     docstring for what each GEMM quantizes.
 
     The output comes out in the compute dtype (autocast's inside `torch.autocast`, else the
-    input's); the bias is added in it, never quantized. Gradients are cast to the input's
-    and the weight's dtypes. The weight and bias are the Linear's own parameters, so
-    state-dict keys are a Linear's.
+    input's; a float64 input stays float64, as autocast leaves it); the bias is added in it,
+    never quantized. Gradients are cast to the input's and the weight's dtypes. The weight
+    and bias are the Linear's own parameters, so state-dict keys are a Linear's.
     """
 
     def _setup(self, config: MicroscalingConfig | str = "mxfp8") -> None:
@@ -176,11 +177,8 @@ class MicroscalingLinear(SwappedLinear):
                 f"input whose last dim is {self.in_features}, got {x.dtype} of shape "
                 f"{tuple(x.shape)}"
             )
-        device = x.device.type
-        autocast = torch.is_autocast_enabled(device)
-        out_dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
         out = _BlockScaledMatmul.apply(
-            x.reshape(-1, self.in_features), self.weight, self.config, out_dtype
+            x.reshape(-1, self.in_features), self.weight, self.config, output_dtype(x)
         )
         out = out.reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
