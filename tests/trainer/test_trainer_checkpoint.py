@@ -1091,3 +1091,57 @@ def test_the_save_check_walks_a_shared_or_self_holding_state_once(tmp_path):
     looped.append(looped)
     assert list(ckpt_io.unusual_parts(looped)) == []
     ckpt_io.atomic_save({"state": shared}, tmp_path / "shared.ckpt")
+
+
+class Listed(Callback):
+    """The checkpoint files after each epoch's saves (seen when the next epoch starts, and
+    at the fit's end), and the epoch each one holds."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.seen: list[dict[str, int]] = []
+
+    def on_train_epoch_start(self, trainer, model):
+        if trainer.current_epoch:
+            self.on_fit_end(trainer, model)
+
+    def on_fit_end(self, trainer, model):
+        self.seen.append(
+            {
+                p.name: torch.load(p, weights_only=True)["loop"]["epoch"]
+                for p in sorted(self.directory.glob("*.ckpt"))
+            }
+        )
+
+
+@pytest.mark.parametrize(
+    ("settings", "seen"),
+    [
+        (
+            dict(filename="best", monitor="m"),
+            [{"best.ckpt": 1}, {"best.ckpt": 2}, {"best.ckpt": 3}],
+        ),
+        (dict(filename="model"), [{"model.ckpt": 1}, {"model.ckpt": 2}, {"model.ckpt": 3}]),
+        (
+            dict(filename="best", monitor="m", save_top_k=2),
+            [
+                {"best.ckpt": 1},
+                {"best.ckpt": 1, "best-v1.ckpt": 2},
+                {"best.ckpt": 3, "best-v1.ckpt": 2},
+            ],
+        ),
+    ],
+    ids=["monitored", "latest", "top-2"],
+)
+def test_a_fixed_filename_is_written_over_in_place(tmp_path, settings, seen):
+    """Found by a review: a fixed filename with save_top_k=1 swapped between best.ckpt and
+    best-v1.ckpt at every save (the name of the file the save replaced counted as taken),
+    monitored or not. The file a save replaces is written over in place (the write is
+    atomic), as in Lightning; distinct files kept together still get -v1 (top 2)."""
+    listed = Listed(tmp_path)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, **settings)
+    trainer = Trainer(max_epochs=3, callbacks=[checkpoints, listed], **SILENT)
+    trainer.fit(Scored(), _flat_data(8), _flat_data(8))  # m: 3.0, 2.0, 1.0
+    assert listed.seen == seen
+    assert Path(checkpoints.best_model_path).name == next(iter(seen[-1]))
+    assert sorted(checkpoints._saved) == sorted(str(tmp_path / name) for name in seen[-1])

@@ -976,3 +976,159 @@ def test_a_fit_after_an_evaluation_cut_short_logs_training_values_as_such(tmp_pa
     assert len(step_rows) == trainer.global_step == 8
     assert all("train_ce" in names for names in step_rows)
     assert not [names for _, names in held.rows if "train_ce" in names and "loss" not in names]
+
+
+class WithTestStep(EpochRows):
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", F.mse_loss(self(batch[0]), batch[1]))
+
+
+def _everything(run: Path) -> tuple[list[tuple], dict[str, list]]:
+    """A run directory's CSV rows (timings left out), as a sorted multiset, and every
+    scalar of its event files, as (step, value) by tag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    timed = ("samples_per_sec", "peak_memory_mib")
+    rows = sorted(
+        tuple(sorted((k, float(v)) for k, v in r.items() if v and k not in timed))
+        for r in csv.DictReader(open(run / "metrics.csv"))
+    )
+    events = EventAccumulator(str(run))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    return rows, {t: [(e.step, e.value) for e in events.Scalars(t)] for t in tags if t not in timed}
+
+
+class StopOnce(Callback):
+    """Stops the fit at its first epoch's end (its state is no checkpoint's: a resumed fit
+    in this process trains on)."""
+
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def on_train_epoch_end(self, trainer, model):
+        if not self.stopped:
+            trainer.should_stop = self.stopped = True
+
+
+@pytest.mark.parametrize("resume", ["nothing-left", "new-trainer", "trains-on", "epoch-end"])
+def test_a_resume_keeps_the_validate_and_test_rows_logged_after_its_checkpoint(tmp_path, resume):
+    """Found by a review: the documented flow fit, validate(ckpt_path="best"), test,
+    fit(ckpt_path="last") dropped the validate and test rows from metrics.csv and purged
+    them from the event file: a resume dropped every row at its step but those its
+    checkpoint held, and no checkpoint holds what a validate or test call logs after it.
+    Now a resume that logs nothing (nothing left to train) leaves the logs alone, and one
+    that logs hands those rows back to the loggers after its drop (only the rows the
+    resumed fit logs again are dropped): a fit trained on from an early stop, or one
+    resumed from a save on its last batch that runs that epoch's end again."""
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)  # 4 batches an epoch
+    run = tmp_path / "logs" / "version_0"
+
+    def trainer(callbacks) -> Trainer:
+        loggers = [CSVLogger(tmp_path, version=0), TensorBoardLogger(tmp_path, version=0)]
+        return Trainer(
+            max_epochs=2 if resume == "trains-on" else 1,
+            logger=loggers,
+            callbacks=callbacks,
+            log_every_n_steps=1,
+            seed=0,
+            enable_progress_bar=False,
+        )
+
+    if resume == "epoch-end":  # saved on the last batch, before the epoch's end
+        saves = ModelCheckpoint(tmp_path / "ck", "{step}", every_n_train_steps=4, save_top_k=-1)
+    else:
+        saves = ModelCheckpoint(tmp_path / "ck", monitor="val_loss", save_last=True)
+    first = trainer([saves, StopOnce()])
+    model = WithTestStep()
+    first.fit(model, loader, loader)
+    first.validate(model, loader, ckpt_path=None if resume == "epoch-end" else "best")
+    first.test(model, loader)
+    before = _everything(run)
+    rows, events = before
+    assert [dict(r)["step"] for r in rows if "test_loss" in dict(r)] == [4.0]
+    assert [step for step, _ in events["val_loss"]] == [4, 4]
+    ckpt = tmp_path / "ck" / ("4.ckpt" if resume == "epoch-end" else "last.ckpt")
+    again = trainer([]) if resume == "new-trainer" else first
+    again.fit(model, loader, loader, ckpt_path=ckpt)
+    rows, events = _everything(run)
+    if resume == "trains-on":  # epoch 1 after them: steps 5 to 8, validated at 8
+        assert sorted(dict(r)["step"] for r in rows if "loss" in dict(r)) == list(range(1, 9))
+        assert events["val_loss"][:2] == before[1]["val_loss"]
+        assert [step for step, _ in events["val_loss"]] == [4, 4, 8]
+        assert events["test_loss"] == before[1]["test_loss"]
+        assert set(before[0]) <= set(rows)
+    else:  # the same rows, each once (from a last-batch save: its epoch's end again)
+        assert (rows, events) == before
+
+
+@pytest.mark.parametrize("log_every", [1, 2])
+def test_a_resumed_steps_row_keeps_its_throughput_and_memory(tmp_path, log_every):
+    """Found by a review: a save in on_train_batch_end holds the step's row, logged right
+    after it, for the resumed run to log again; that row lacked samples_per_sec and
+    peak_memory_mib (added when the row is logged), so the resumed log's row of the saved
+    step had neither, in the CSV file and the event file. The checkpoint's row has them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)  # 8 batches, 8 steps
+
+    def fit(steps: int, ckpt_path=None) -> None:
+        saves = ModelCheckpoint(tmp_path / "ck", "{step}", every_n_train_steps=4, save_top_k=-1)
+        Trainer(
+            max_steps=steps,
+            logger=[CSVLogger(tmp_path, version=0), TensorBoardLogger(tmp_path, version=0)],
+            callbacks=[] if ckpt_path else [saves],
+            log_every_n_steps=log_every,
+            seed=0,
+            enable_progress_bar=False,
+        ).fit(nn.Linear(4, 1), loader, loss_fn=F.mse_loss, ckpt_path=ckpt_path)
+
+    fit(6)  # killed after step 6
+    fit(8, tmp_path / "ck" / "4.ckpt")
+    run = tmp_path / "logs" / "version_0"
+    logged = list(range(log_every, 9, log_every))
+    rows = [r for r in csv.DictReader(open(run / "metrics.csv")) if r["loss"]]
+    assert [int(r["step"]) for r in rows] == logged
+    assert all(float(r["samples_per_sec"]) > 0 and float(r["peak_memory_mib"]) > 1 for r in rows)
+    events = EventAccumulator(str(run))
+    events.Reload()
+    for tag in ("loss", "samples_per_sec", "peak_memory_mib"):
+        assert [e.step for e in events.Scalars(tag)] == logged, tag
+
+
+class LogsNoValidation(EpochRows):
+    def validation_step(self, batch, batch_idx):
+        pass
+
+
+@pytest.mark.parametrize("empty", ["logs-nothing", "no-batches"])
+def test_a_validation_that_logs_nothing_writes_no_row(tmp_path, empty):
+    """Found by a review: a validation whose steps log nothing (or a validation loader
+    without batches) wrote an empty row (``4,,,``) to metrics.csv and an empty summary to
+    the event file at each validation."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    val = x[:0] if empty == "no-batches" else x
+    trainer = Trainer(
+        max_epochs=2,
+        logger=[CSVLogger(tmp_path, version=0), TensorBoardLogger(tmp_path, version=0)],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
+    train = DataLoader(TensorDataset(x, x[:, :1]), batch_size=4)
+    trainer.fit(LogsNoValidation(), train, DataLoader(TensorDataset(val, val[:, :1]), batch_size=4))
+    assert trainer.validate(LogsNoValidation(), DataLoader(TensorDataset(x, x[:, :1]))) == [{}]
+    rows = list(csv.DictReader(open(trainer.run_dir / "metrics.csv")))
+    assert len(rows) == 10  # 8 steps, 2 epoch rows (seen_epoch)
+    assert all(any(v for k, v in r.items() if k != "step") for r in rows)
+    summaries = [
+        event.summary
+        for path in sorted(trainer.run_dir.glob("events.out.tfevents.*"))
+        for event in EventFileLoader(str(path)).Load()
+        if event.HasField("summary")
+    ]
+    assert len(summaries) == 10 and all(s.value for s in summaries)

@@ -263,6 +263,8 @@ def fit_loop(run: FitRun) -> None:
     first window would add them to its own."""
     for opt in run.optimizers:
         opt.zero_grad(set_to_none=True)
+    if run.trainer.ckpt_path is None:
+        run.log.forget_evaluations()
     run.hook("on_train_start")
     if run.progress.batches_done == 0:  # resuming at an epoch boundary, or starting
         restore_resume_rng(run)
@@ -721,7 +723,8 @@ def rows_after_save(run: FitRun) -> list[dict[str, float]]:
     progress = run.progress
     due = progress.global_step % run.log.every_n_steps == 0 or progress.should_stop
     if run.step_values is not None and due:
-        rows.append({**run.step_values, **run.metrics.training_step_values()})
+        # (with the throughput columns it gets when logged, as of now)
+        rows.append({**run.step_values, **run.metrics.training_step_values(), **run.log.timing()})
     if run.epoch_finished:
         sums = run.metrics.training_epoch_sums()
         rows.append({name: total / weight for name, (total, weight) in sums.items() if weight})
@@ -859,6 +862,8 @@ def run_eval(
     # (a validation inside a training batch: its on_train_batch_end logs weigh that batch)
     training, training_batch = metrics_store.training, metrics_store.batch_size
     metrics_store.training = False
+    if not isinstance(run, FitRun):  # a validate or test call: its rows are kept (`replay`)
+        run.log.evaluating = True
     try:
         with modes_kept(run.runner), rng_unchanged(), torch.no_grad():
             run.runner.eval()

@@ -379,6 +379,14 @@ class StepLog:
         self.step_peak = 0  # tensor bytes at the peak so far of the step being measured
         # the rows handed to the loggers since the last training step's row, by step
         self.step_rows: dict[int, list[dict[str, float]]] = {}
+        # the rows a validate or test call handed to the loggers (while `evaluating`) since
+        # the last fit that was not a resume: no fit logs them again, so a resume that drops
+        # the rows past its step hands them back (`replay`)
+        self.evaluations: list[tuple[int, dict[str, float]]] = []
+        self.evaluating = False
+        # a resume's drop and the rows it hands back, done at the first row the resumed fit
+        # hands the loggers (`replay`)
+        self._resume: tuple[int, list[tuple[int, dict[str, float]]]] | None = None
 
     def start_timing(self) -> None:
         """Training time counts from now (an epoch's start, after a validation)."""
@@ -401,6 +409,7 @@ class StepLog:
         self._since = None
         self.memory, self.measured_steps, self.step_peak = None, 0, 0
         self.step_rows = {}
+        self.evaluating, self._resume = False, None
 
     def step_row(self, step: int, row: dict[str, Tensor | float], force: bool = False) -> None:
         """The row of training step ``step``: logged now, with the throughput since the last
@@ -415,10 +424,8 @@ class StepLog:
         self.latest = None
         if self.samples:
             now = time.perf_counter()
-            seconds = self._seconds + (now - self._since if self._since is not None else 0.0)
-            seconds = max(seconds, 1e-9)
-            row["samples_per_sec"] = self.samples * self.where.world_size / seconds
-            row["peak_memory_mib"] = peak_memory_mib(self.where.device)
+            seconds = self._training_seconds(now)
+            row.update(self.timing(now))
             self.fit_samples += self.samples
             self.fit_seconds += seconds
             self.samples, self._seconds = 0, 0.0
@@ -427,10 +434,28 @@ class StepLog:
         self.pending.append((step, row))
         self.flush()
 
+    def _training_seconds(self, now: float) -> float:
+        """Training time since the last logged step row (at least a nanosecond)."""
+        seconds = self._seconds + (now - self._since if self._since is not None else 0.0)
+        return max(seconds, 1e-9)
+
+    def timing(self, now: float | None = None) -> dict[str, float]:
+        """The throughput columns a step row logged now gets (`step_row`): samples per second
+        since the last logged row and the peak memory; none without samples."""
+        if not self.samples:
+            return {}
+        seconds = self._training_seconds(time.perf_counter() if now is None else now)
+        return {
+            "samples_per_sec": self.samples * self.where.world_size / seconds,
+            "peak_memory_mib": peak_memory_mib(self.where.device),
+        }
+
     def add(self, step: int, row: dict[str, Tensor | float], flush: bool = False) -> None:
         """Queue ``row`` for ``step`` for the loggers; read back now if asked, else with the
-        next flush (at the latest ``every_n_steps`` rows later)."""
-        self.pending.append((step, row))
+        next flush (at the latest ``every_n_steps`` rows later). An empty row is no row (a
+        validation that logged nothing)."""
+        if row:
+            self.pending.append((step, row))
         if flush or len(self.pending) >= self.every_n_steps:
             self.flush()
 
@@ -472,23 +497,45 @@ class StepLog:
         in an accumulation window, an epoch's end run again). The loggers that drop what
         they held past a resumed step (``drops_resumed_rows``) drop their rows from ``step``
         on and are handed again the checkpoint's ``rows`` (those logged before the save, and
-        after it those the resumed run does not log), so that each row is held once; the
-        others resume at ``step``."""
-        dropping = [lg for lg in self.loggers if getattr(lg, "drops_resumed_rows", False)]
-        for lg in self.loggers:
-            lg.resume_at(step - 1 if lg in dropping else step)
+        after it those the resumed run does not log), then the rows of validate and test
+        calls of this process there (`evaluations`: no fit logs them again), so that each
+        row is held once; the others resume at ``step``. All that is done at the first row
+        the resumed fit hands the loggers: one that logs nothing (nothing left to train)
+        leaves the logs as they are."""
+        kept = [(s, values) for s, values in self.evaluations if s >= step]
         for values in rows:
             self.logged_metrics.update(values)
             self.step_rows.setdefault(step, []).append(values)
-            if self.where.is_global_zero:
+        for s, values in kept:
+            if s == step:  # (at this step before any later save: that one holds them)
+                self.step_rows.setdefault(step, []).append(values)
+        self._resume = (step, [(step, values) for values in rows] + kept)
+
+    def forget_evaluations(self) -> None:
+        """A fit that is no resume starts: its log owes nothing to the evaluations before."""
+        self.evaluations = []
+
+    def _resume_loggers(self) -> None:
+        """The drop `replay` put off, and the rows it hands back, before the resumed fit's
+        first row."""
+        (step, rows), self._resume = self._resume or (0, []), None
+        dropping = [lg for lg in self.loggers if getattr(lg, "drops_resumed_rows", False)]
+        for lg in self.loggers:
+            lg.resume_at(step - 1 if lg in dropping else step)
+        if self.where.is_global_zero:
+            for at, values in rows:
                 for lg in dropping:
-                    lg.log_metrics(values, step)
+                    lg.log_metrics(values, at)
 
     def _hand(self, step: int, values: dict[str, float]) -> None:
         """Give a row read back to the loggers (rank 0's), noting it as logged."""
         self.logged_metrics.update(values)
         if self.loggers:
+            if self._resume is not None:
+                self._resume_loggers()
             self.step_rows.setdefault(step, []).append(values)
+            if self.evaluating:
+                self.evaluations.append((step, values))
             if self.where.is_global_zero:
                 for lg in self.loggers:
                     lg.log_metrics(values, step)
