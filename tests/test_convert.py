@@ -396,6 +396,30 @@ def test_two_parameters_over_one_memory_are_refused_a_dtype_change():
     assert tied["a"].weight is tied["b"].weight and tied["a"].weight.dtype == torch.bfloat16
 
 
+def test_parameters_over_disjoint_interleaved_parts_of_one_tensor_are_converted():
+    """Found by a review: two Parameters over the column halves of one tensor
+    (``nn.Parameter(big[:, :8])``, ``nn.Parameter(big[:, 8:])``) share no byte, but their
+    spans from first to last element meet, and `apply` refused them as two Parameters over
+    the same memory. They are cast apart, as any two Parameters are; halves that do share
+    a column are still refused."""
+
+    class Halves(nn.Module):
+        def __init__(self, split: int) -> None:
+            super().__init__()
+            big = torch.arange(64.0).view(4, 16)
+            self.a, self.b = nn.Parameter(big[:, :split]), nn.Parameter(big[:, 8:])
+
+        def forward(self, x):
+            return x @ self.a[:, :8].T + x @ self.b.T
+
+    model = mixprec.apply(Halves(8), "bf16-true", warn=False)
+    assert model.a.dtype == model.b.dtype == bf16
+    assert model.a.tolist() == torch.arange(64.0).view(4, 16)[:, :8].tolist()
+    assert model(torch.ones(2, 8)).dtype == bf16
+    with pytest.raises(mixprec.PolicySpecError, match="a and b are two Parameters"):
+        mixprec.apply(Halves(9), "bf16-true", warn=False)
+
+
 def test_remove_restores_what_was_added_between_two_applies():
     """A layer and a buffer added after `apply` and converted by a second `apply` come back
     float32 from `remove`, as the first apply's do (they stayed in bfloat16); one added
@@ -1308,6 +1332,83 @@ def test_a_rule_on_a_list_of_layers_is_carried_out_by_each_layer(default, rule, 
     assert model.computed == [computed, computed]
 
 
+class _Computes(nn.Linear):
+    """A Linear recording the dtype its forward computes in (autocast's, else its input's)."""
+
+    def forward(self, x):
+        on = torch.is_autocast_enabled("cpu")
+        self.computed = torch.get_autocast_dtype("cpu") if on else x.dtype
+        return super().forward(x)
+
+
+class _Reaching(nn.Module):
+    """Blocks in an `nn.Sequential` (one nested), which the model reaches in one of the ways
+    models do: calling it, iterating it, slicing it, or calling each block itself."""
+
+    def __init__(self, way: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.way = way
+        self.stem, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.blocks = nn.Sequential(
+            _Computes(8, 8), nn.Sequential(_Computes(8, 8), _Computes(8, 8))
+        )
+
+    def forward(self, x):
+        x, blocks = self.stem(x), self.blocks
+        if self.way == "call":
+            x = blocks(x)
+        elif self.way == "iterate":  # (timm's forward_intermediates, a hook per block)
+            for block in blocks:
+                x = block(x)
+        elif self.way == "slice":  # (torchvision's features[:k]: new Sequentials)
+            x = blocks[1:](blocks[:1](x))
+        else:
+            for block in (blocks[0], *blocks[1]):
+                x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    ("default", "rules", "computed"),
+    [
+        ("bf16-mixed", {"blocks": "32-true"}, [f32, f32, f32]),
+        ("32-true", {"blocks": "bf16-mixed"}, [bf16, bf16, bf16]),
+        ("32-true", {"blocks": "bf16-true"}, [bf16, bf16, bf16]),
+        ("32-true", {"blocks": "bf16-true", r"blocks\.1\.0": "32-true"}, [bf16, f32, bf16]),
+    ],
+)
+def test_a_rule_on_a_sequential_holds_however_the_model_reaches_its_blocks(
+    default, rules, computed
+):
+    """Found by a review: a block of an `nn.Sequential` computing as the Sequential's rule
+    got no region (its caller taken as the Sequential), so a model iterating, slicing or
+    indexing the Sequential ran its blocks in its own precision, silently (a "true" rule:
+    torch's dtype error), while `explain` showed the rule. The blocks compute under it
+    whichever way they are reached, to the same result; called whole, they run inside its
+    region as before, nothing cast between them (a mixed rule's blocks hand back
+    autocast's bfloat16)."""
+    x = torch.randn(2, 8)
+    out = {}
+    for way in ("call", "iterate", "slice", "each"):
+        model = mixprec.apply(_Reaching(way), PolicyMap(default, rules), warn=False)
+        blocks = [model.blocks[0], *model.blocks[1]]
+        handed: list[torch.dtype] = []
+        for block in blocks:
+            block.register_forward_hook(lambda m, i, o, handed=handed: handed.append(o.dtype))
+        out[way] = model(x)
+        assert [b.computed for b in blocks] == computed, way
+        if way == "call" and rules["blocks"] == "bf16-mixed":
+            assert handed == [bf16, bf16, bf16]
+        out[way, "copied"] = copy.deepcopy(model)(x)
+        explained = mixprec.explain(model)
+        assert [explained[n].compute_dtype for n in ("blocks.0", "blocks.1.0", "blocks.1.1")] == (
+            computed
+        )
+    for key, result in out.items():
+        assert result.dtype == f32 and torch.equal(result, out["call"]), key
+
+
 def test_a_shared_module_given_no_floating_input_runs_on_the_meta_device():
     """Its caller's dtype asked autocast about "meta", which torch refuses: a model sized on
     the meta device raised in the forward."""
@@ -1860,6 +1961,65 @@ def test_a_forward_wrapped_after_apply_is_refused_by_remove_and_a_new_policy():
     again = mixprec.apply(nn.Sequential(nn.Linear(8, 8)), "bf16-mixed")
     del again.forward
     mixprec.remove(again)
+
+
+class _Swappable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.extra, self.drop, self.head = (
+            nn.Linear(8, 8),
+            nn.Identity(),
+            nn.Dropout(0.0),
+            nn.Linear(8, 4),
+        )
+
+    def forward(self, x):
+        return self.head(self.drop(self.extra(self.fc(x))))
+
+
+def test_a_module_replaced_after_apply_is_named_by_explain_and_the_forward():
+    """Found by a review: a module set after `apply` (a LayerNorm in place of an Identity,
+    a new head under a float32 rule) ran without its float32 island or rule, silently,
+    while `explain` re-resolved the map over the new modules and listed both as in force.
+    `explain` says their rows are not in force and names them in a warning, the next
+    forward warns once, and applying again puts them in force; a module set where the
+    policy gives it nothing (a Dropout swapped for an Identity) is not named."""
+    model = mixprec.apply(_Swappable(), PolicyMap("bf16-mixed", {"head": "32-true"}), warn=False)
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model.drop = nn.Identity()
+        model(x)
+        assert mixprec.explain(model).not_applied == []
+    model.extra, model.head = nn.LayerNorm(8), nn.Linear(8, 4)
+    with pytest.warns(UserWarning, match="'extra', 'head' were added or replaced") as caught:
+        explained = mixprec.explain(model)
+    assert caught[0].filename == __file__
+    assert explained.not_applied == ["extra", "head"]
+    assert explained.sources["head"].startswith("path rule 'head'; not in force: added")
+    assert "not in force" in str(explained) and "not in force" not in explained.sources["fc"]
+    assert explained.sources["extra"].startswith("float32 island; not in force")
+    seen, handles = record_outputs(model)
+    with pytest.warns(UserWarning, match="after mixprec.apply") as caught:
+        model(x)  # (the forward's warning: at the caller's line)
+    assert [w.filename for w in caught] == [__file__]
+    assert seen["extra"] == seen["head"] == bf16  # (autocast's: no island, no rule)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x)  # (once)
+        for handle in handles:
+            handle.remove()
+        mixprec.apply(model, PolicyMap("bf16-mixed", {"head": "32-true"}), warn=False)
+        seen, _ = record_outputs(model)
+        model(x)
+        assert seen["extra"] == seen["head"] == f32
+        again = mixprec.explain(model)
+        assert again.not_applied == [] and again.sources["head"] == "path rule 'head'"
+        copied = copy.deepcopy(model)  # (a copy takes its modules as they are)
+        copied(x)
+    copied.head = nn.Linear(8, 4)
+    with pytest.warns(UserWarning, match="'head' was added or replaced"):
+        copied(x)
 
 
 def test_a_float_buffer_at_its_dtypes_lowest_value_stays_finite_when_cast():
