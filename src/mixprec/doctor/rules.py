@@ -228,7 +228,7 @@ def outputs_underflow(m: ModuleReport, run: RunFacts) -> Finding | None:
     the output's error grows here to `ERROR_BROKEN` (SQNR 6 dB or less, as `error_grows`
     breaks on: an output flushed whole carries no signal); a wider range fixes it. Not
     blamed when one of its low-precision inputs underflows as much (the problem starts
-    upstream; its worst input counts, as a wider normal one beside it hides nothing)."""
+    upstream; pooled over the inputs that underflow, a wider normal one hides nothing)."""
     if not (
         _low(m)
         and m.underflow >= UNDERFLOW_AT_RISK
@@ -275,13 +275,14 @@ def gradients_underflow(m: ModuleReport, run: RunFacts) -> Finding | None:
 
 def error_grows(m: ModuleReport, run: RunFacts) -> Finding | None:
     """The output's relative error against the reference is above `ERROR_AT_RISK` (0.1,
-    SQNR below 20 dB) and `ERROR_GROWTH` (10) times its worst input's error (an exact input
-    beside it, such as an attention mask, hides none): the precision is lost here, not
-    upstream. Broken at `ERROR_BROKEN` (0.5, SQNR 6 dB or less), where the
-    output carries little signal. A quantized layer's finding is the quantization's (its
-    source float policy fixes it), any other layer's needs float32. Never the model itself
-    (""): its inputs are the batch, which holds no error, so an error built up over its
-    layers would read as made in it, and its fix would be the whole model in float32."""
+    SQNR below 20 dB) and `ERROR_GROWTH` (10) times its inputs' error (pooled over those
+    carrying any: an exact input beside them, such as an attention mask, hides none): the
+    precision is lost here, not upstream. Broken at `ERROR_BROKEN` (0.5, SQNR 6 dB or
+    less), where the output carries little signal. A quantized layer's finding is the
+    quantization's (its source float policy fixes it), any other layer's needs float32.
+    Never the model itself (""): its inputs are the batch, which holds no error, so an
+    error built up over its layers would read as made in it, and its fix would be the whole
+    model in float32."""
     if not (
         m.name != ""
         and math.isfinite(m.rel_error)

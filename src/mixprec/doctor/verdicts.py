@@ -176,8 +176,8 @@ class ModuleReport:
     dtype's max / below its smallest normal (`underflow` of the nonzero ones); `flushed` is
     the fraction of nonzero reference values that underflow and are exactly zero in the
     target; `nonfinite` counts inf/NaN in the target; `rel_error` and `sqnr_db` compare the
-    target output with the reference output. `input_rel_error`/`input_underflow` are its
-    worst input tensor's (an exact mask beside a hidden state hides none of the state's).
+    target output with the reference output. `input_rel_error`/`input_underflow` pool its
+    input tensors that carry any (an exact mask beside a hidden state hides none of it).
     `grad_nonfinite`/`input_grad_nonfinite` count inf/NaN in the target's gradients of its
     output/inputs (at the run's loss scale); `param_*` describe the module's own parameters'
     gradients; `aliases` are its other paths (a module shared by two blocks, which the
@@ -378,9 +378,12 @@ def _module_report(
     out, inp = _rows(values, out_keys), _rows(values, in_keys)
     if not out:
         return None
-    # the error and underflow an input brings are its worst tensor's: pooled, a large exact
-    # input (an additive attention mask) would swamp a hidden state's error beside it
+    # the error and underflow the inputs bring, pooled over the inputs that carry any: a
+    # large exact input (an additive attention mask) would swamp a hidden state's error
+    # beside it; the worst tensor alone would let a small side input hide a culprit
     ins = [values[k] for k in dict.fromkeys(in_keys) if k in values and values[k].numel]
+    erring = combine([s for s in ins if s.rel_error > 0])
+    under = combine([s for s in ins if s.underflow])
     # (a parameter whose reference gradients are all at float32's rounding noise beside the
     # module's largest, such as attention's key bias, whose true gradient is zero: its
     # values are no signal to lose, and would count as underflowing)
@@ -399,8 +402,8 @@ def _module_report(
         sqnr_db=out.sqnr_db,
         input_amax=inp.amax if inp else 0.0,
         input_nonfinite=int(inp.nonfinite) if inp else 0,
-        input_rel_error=max((s.rel_error for s in ins), default=0.0),
-        input_underflow=max((_frac(s.underflow, s.nonzero) for s in ins), default=0.0),
+        input_rel_error=erring.rel_error if erring else 0.0,
+        input_underflow=_frac(under.underflow, under.nonzero) if under else 0.0,
         input_dtype=dtype_name(lowest_float([target.slots[k].dtype for k in in_keys])),
         grad_nonfinite=_bad_grads(target, out_keys),
         input_grad_nonfinite=_bad_grads(target, in_keys),

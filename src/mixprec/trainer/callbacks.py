@@ -384,11 +384,7 @@ class ModelCheckpoint(Callback):
             )
         return self.dirpath
 
-    def _path_for(self, trainer: Trainer, replaced: list[str]) -> Path:
-        """Where this save goes: the filled ``filename``, with ``-v1``, ``-v2``... where
-        that names another file this callback keeps (or one of someone else's); a file
-        this save ``replaced`` (the worst of the top k, the oldest kept) is written over in
-        place, the write being atomic, as Lightning does: a fixed name stays that name."""
+    def _path_for(self, trainer: Trainer) -> Path:
         directory = self._directory()
         fields = {k.replace("/", "_"): v for k, v in trainer.callback_metrics.items()}
         fields.update(epoch=trainer.current_epoch, step=trainer.global_step)
@@ -403,9 +399,7 @@ class ModelCheckpoint(Callback):
             raise ValueError(_LAST_NAME_TAKEN.format(filename=self.filename))
         path = directory / f"{name}.ckpt"
         version = 1
-        while str(path) not in replaced and (
-            str(path) in self._saved or (path.exists() and str(path) not in self.best_k_models)
-        ):
+        while str(path) in self._saved or (path.exists() and str(path) not in self.best_k_models):
             path = directory / f"{name}-v{version}.ckpt"
             version += 1
         # rank 0's name on every rank: a value each logged for itself (without sync_dist)
@@ -472,26 +466,13 @@ class ModelCheckpoint(Callback):
         path: Path | None = None
         stale: list[str] = []
         if keep != 0:
-            # the files this save displaces, whose name it may take (never the checkpoint
-            # this fit resumed from, which is kept: `_remove`)
-            if score is not None:
-                replaced = [worst] if worst is not None else []
-            else:
-                replaced = self._saved[: max(0, len(self._saved) + 1 - keep)] if keep > 0 else []
-            resumed = trainer.ckpt_path
-            replaced = [
-                p for p in replaced if resumed is None or not _same_file(Path(p), Path(resumed))
-            ]
-            path = self._path_for(trainer, replaced)
-            if str(path) in self._saved:  # (written over: recorded once, as the newest)
-                self._saved.remove(str(path))
+            path = self._path_for(trainer)
             self._saved.append(str(path))
             if score is not None:
-                if worst is not None:
-                    del self.best_k_models[worst]
-                    if worst != str(path):
-                        stale.append(worst)
                 self.best_k_models[str(path)] = score
+                if worst is not None:
+                    stale.append(worst)
+                    del self.best_k_models[worst]
                 best = min if self.mode == "min" else max
                 self.best_model_path = best(self.best_k_models, key=self.best_k_models.__getitem__)
                 self.best_model_score = self.best_k_models[self.best_model_path]
