@@ -499,16 +499,14 @@ class StepLog:
         on and are handed again the checkpoint's ``rows`` (those logged before the save, and
         after it those the resumed run does not log), then the rows of validate and test
         calls of this process there (`evaluations`: no fit logs them again), so that each
-        row is held once; the others resume at ``step``. All that is done at the first row
-        the resumed fit hands the loggers: one that logs nothing (nothing left to train)
-        leaves the logs as they are."""
+        row is held once; the others resume at ``step``. (Those rows stay out of the step's
+        rows a later save holds: this process hands them back at each resume.) All that is
+        done at the first row the resumed fit hands the loggers: one that logs nothing
+        (nothing left to train) leaves the logs as they are."""
         kept = [(s, values) for s, values in self.evaluations if s >= step]
         for values in rows:
             self.logged_metrics.update(values)
             self.step_rows.setdefault(step, []).append(values)
-        for s, values in kept:
-            if s == step:  # (at this step before any later save: that one holds them)
-                self.step_rows.setdefault(step, []).append(values)
         self._resume = (step, [(step, values) for values in rows] + kept)
 
     def forget_evaluations(self) -> None:
