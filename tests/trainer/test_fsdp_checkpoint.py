@@ -93,12 +93,44 @@ class ExportAtEpochEnd(Callback):
         trainer.save_full_state_dict(self.path)
 
 
-def _fit(max_steps: int, callbacks: list[Callback], out: Path, **fit: Any) -> Trainer:
+class Pooled(ShardedDropoutNet):
+    """`ShardedDropoutNet` with a layer its forward never uses (as a Hugging Face model's
+    pooler under a language-model loss): its parameters require a gradient, never get one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pooler = nn.Linear(3, 3)
+
+
+class HeldStates(Callback):
+    """Rank 0 saves to ``path`` the names of the parameters with optimizer state as the fit
+    starts (a resume's loaded) and as it ends."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @staticmethod
+    def held(trainer: Trainer, model: nn.Module) -> list[str]:
+        names = {id(p): n for n, p in model.named_parameters()}
+        return sorted(names[id(p)] for opt in trainer.optimizers for p in opt.optimizer.state)
+
+    def on_fit_start(self, trainer, model):
+        self.start = self.held(trainer, model)
+
+    def on_fit_end(self, trainer, model):
+        if trainer.is_global_zero:
+            torch.save({"start": self.start, "end": self.held(trainer, model)}, self.path)
+
+
+def _fit(
+    max_steps: int, callbacks: list[Callback], out: Path, net: nn.Module | None = None,
+    precision: str = "bf16-mixed", **fit: Any,
+) -> Trainer:  # fmt: skip
     trainer = Trainer(
-        precision="bf16-mixed", strategy="fsdp", devices=WORLD, max_steps=max_steps,
+        precision=precision, strategy="fsdp", devices=WORLD, max_steps=max_steps,
         callbacks=callbacks, **RUN,
     )  # fmt: skip
-    trainer.fit(ShardedDropoutNet(), loader(), **fit)
+    trainer.fit(net if net is not None else ShardedDropoutNet(), loader(), **fit)
     trainer.save_full_state_dict(out)
     return trainer
 
@@ -129,6 +161,20 @@ def _worker(rank: int, out: str) -> None:
         _interrupted_save(d / "half", d / "half" / "last.ckpt")
     dist.barrier()
     _fit(6, [every_3()], d / "resumed.pt", ckpt_path=d / "half" / "epoch=0-step=3.ckpt")
+
+    def every_2(name: str) -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=d / name, every_n_train_steps=2, save_top_k=-1)
+
+    # a layer that never gets a gradient has no optimizer state when saved
+    ends = ModelCheckpoint(dirpath=d / "pooled-ends", save_top_k=-1)  # (for one device)
+    pooled = [every_2("pooled"), ends, HeldStates(d / "pooled-straight-states.pt")]
+    _fit(6, pooled, d / "pooled-straight.pt", Pooled())
+    again = [every_2("pooled-again"), HeldStates(d / "pooled-resumed-states.pt")]
+    mid = d / "pooled" / "epoch=0-step=2.ckpt"
+    _fit(6, again, d / "pooled-resumed.pt", Pooled(), ckpt_path=mid)
+    # an int8 run (quantized before its optimizers are built), to resume on one device
+    int8 = ModelCheckpoint(dirpath=d / "int8", save_top_k=-1)  # (at the epoch's end)
+    _fit(4, [int8], d / "int8.pt", precision="int8_from_float32")
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +277,57 @@ def test_sharded_checkpoints_that_do_not_fit_are_refused(saved):
     with pytest.raises(CheckpointError, match="shapes differ.*Nothing was loaded"):
         one.fit(model, loader(), ckpt_path=end)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.slow
+def test_parameters_without_optimizer_state_resume_without_it(saved):
+    """Found by a review: a sharded checkpoint of a model with a trainable parameter that
+    had no optimizer state yet (an unused pooler, an expert no batch reached) could not be
+    resumed at all, on 2 ranks or one device: torch's get_state_dict makes the fresh
+    optimizer a state for every parameter, and DCP's load then asked the checkpoint for keys
+    it never saved (a CheckpointException, "Missing key ... optim.state.pooler.weight.step").
+    They now resume without state, as saved: bit for bit the run that never stopped."""
+    straight = _weights(saved / "pooled-straight.pt")
+    resumed = _weights(saved / "pooled-resumed.pt")
+    start = Pooled().state_dict()
+    for k, v in straight.items():
+        assert torch.equal(v, resumed[k]), k
+    assert torch.equal(straight["pooler.weight"], start["pooler.weight"])  # (never stepped)
+    trained = sorted(n for n in start if not n.startswith("pooler."))
+    straight_held, resumed_held = (
+        torch.load(saved / f"pooled-{n}-states.pt") for n in ("straight", "resumed")
+    )
+    assert straight_held["end"] == resumed_held["start"] == resumed_held["end"] == trained
+
+    checkpoint = saved / "pooled-ends" / "epoch=0-step=4.ckpt"  # (an epoch's end: any world)
+    model = Pooled()
+    trainer = Trainer(precision="bf16-mixed", max_steps=6, enable_checkpointing=False, **RUN)
+    trainer.fit(model, loader(), ckpt_path=checkpoint)
+    assert trainer.global_step == 6
+    assert HeldStates.held(trainer, model) == trained
+    assert torch.equal(model.pooler.weight, start["pooler.weight"])
+
+
+@pytest.mark.slow
+def test_an_int8_fsdp_checkpoint_resumes_on_one_device_whose_optimizer_holds_the_model(saved):
+    """Found by a review: on one device (and DDP) the Trainer built the optimizer before it
+    quantized the model, FSDP after: the optimizer kept the float weights the int8 layers
+    replaced (alive, stepped for nothing, with a warning to build the optimizer after setup,
+    which a Trainer user cannot), and an int8 FSDP checkpoint was refused on one device for
+    other parameter groups. Both now quantize first; the checkpoint reshards as documented."""
+    model = ShardedDropoutNet()
+    trainer = Trainer(precision="int8_from_float32", max_steps=4, enable_checkpointing=False, **RUN)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(), ckpt_path=saved / "int8" / "epoch=0-step=4.ckpt")
+    assert not [w for w in seen if "replaced" in str(w.message)]
+    assert type(model.blocks[1]).__name__ == "Int8Linear"
+    [opt] = trainer.optimizers
+    held = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    assert {id(p) for p in held} == {id(p) for p in model.parameters()}
+    assert all(s["step"].item() == 4 for s in opt.optimizer.state.values())
+    for k, v in _weights(saved / "int8.pt").items():  # gathered by the 2-rank run, step 4
+        assert torch.equal(model.state_dict()[k].to(v.dtype), v), k
 
 
 KILLED_SAVE_SCRIPT = """
@@ -408,6 +505,28 @@ def test_a_file_checkpoint_loads_into_fsdp_for_evaluation_and_refuses_to_resume_
     )
     for k, v in trained.state_dict().items():
         assert torch.equal(evaluated.state_dict()[k], v), k
+
+
+def test_predict_runs_in_an_fsdp_process_of_one_and_more_are_told_what_to_change(tmp_path):
+    """Found by a review: the docs said a file checkpoint loads into an FSDP run for
+    predict, but predict refused every DDP/FSDP Trainer, strategy="fsdp", devices=1 too,
+    saying "use a Trainer with devices=1". A process group of one now predicts (in order,
+    as one device does); more processes are refused naming the strategy to use instead."""
+    every_2 = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)
+    Trainer(precision="32-true", max_steps=2, callbacks=[every_2], **RUN).fit(
+        ShardedDropoutNet(), one_rank_loader()
+    )
+    batches = [x for x, _ in one_rank_loader()][:2]
+    last = tmp_path / "last.ckpt"
+    one = Trainer(precision="32-true", **RUN).predict(ShardedDropoutNet(), batches, ckpt_path=last)
+    sharded = Trainer(precision="32-true", strategy="fsdp", devices=1, **RUN)
+    outputs = sharded.predict(ShardedDropoutNet(), batches, ckpt_path=last)
+    assert len(outputs) == len(one) == 2
+    for got, expected in zip(outputs, one, strict=True):
+        assert torch.equal(got, expected)
+    more = Trainer(strategy="fsdp", devices=2, **RUN)
+    with pytest.raises(ValueError, match=r"2 processes \(strategy='fsdp'\).*'auto', devices=1"):
+        more.predict(ShardedDropoutNet(), batches)
 
 
 def test_a_sharded_checkpoint_saved_before_layouts_were_recorded_resumes(tmp_path):

@@ -20,11 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from spawning import WORLD, run_ranks
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Sampler, TensorDataset
+from trainers import QUIET
 
-from mixprec.trainer import Callback, TrainingModule
+from mixprec.trainer import Callback, Trainer, TrainingModule
 
 # what a script run in a subprocess imports from: this folder (the test module) and the
 # tests folder (the shared helpers)
@@ -283,3 +286,71 @@ def test_ranks_end_when_the_process_that_launched_them_is_killed(tmp_path, strat
     said = (tmp_path / "stderr.txt").read_text()
     for rank in range(2):
         assert f"the process that launched DDP rank {rank} (pid {launcher.pid}) is gone" in said
+
+
+class DropsTailOnRankOne(Sampler):
+    """Batches of ``size`` over a DistributedSampler, as a bucketing batch sampler makes
+    them: rank 1 drops its short last batch, rank 0 keeps it (one batch more)."""
+
+    def __init__(self, sampler: DistributedSampler, size: int) -> None:
+        self.sampler, self.size = sampler, size
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.size if self.sampler.rank == 1 else -(-n // self.size)
+
+    def __iter__(self):
+        order = list(self.sampler)
+        for i in range(len(self)):
+            yield order[i * self.size : (i + 1) * self.size]
+
+
+def _uneven_loader() -> DataLoader:
+    """16 samples a rank in batches of 5: 4 batches on rank 0, 3 on rank 1."""
+    sampler = DistributedSampler(data(), num_replicas=2, rank=dist.get_rank(), shuffle=False)
+    return DataLoader(data(), batch_sampler=DropsTailOnRankOne(sampler, 5))
+
+
+def _uneven_worker(rank: int, out: str) -> None:
+    """Each case's error (or None: it ran) on this rank."""
+
+    def attempt(strategy: str, stage: str, train: DataLoader, val: DataLoader) -> str | None:
+        trainer = Trainer(strategy=strategy, devices=2, max_epochs=1, **QUIET)
+        net = nn.Sequential(nn.Linear(4, 1))
+        try:
+            if stage == "fit":
+                trainer.fit(net, train, val, loss_fn=F.mse_loss)
+            else:
+                trainer.validate(net, val, loss_fn=F.mse_loss)
+        except ValueError as err:
+            return str(err)
+        return None
+
+    even = DataLoader(data(), batch_size=4)  # (the Trainer gives each rank as many)
+    results = {
+        "ddp_train": attempt("ddp", "fit", _uneven_loader(), even),
+        "fsdp_train": attempt("fsdp", "fit", _uneven_loader(), even),
+        "fsdp_val": attempt("fsdp", "fit", even, _uneven_loader()),
+        "fsdp_validate": attempt("fsdp", "validate", even, _uneven_loader()),
+        # DDP's evaluation runs no collective per batch: uneven ranks keep exact means
+        "ddp_val": attempt("ddp", "fit", even, _uneven_loader()),
+    }
+    torch.save(results, Path(out) / f"uneven{rank}.pt")
+
+
+def test_ranks_with_different_numbers_of_batches_are_refused_at_the_start(tmp_path):
+    """Found by a review: ranks whose loaders gave different numbers of batches (a batch
+    sampler over the DistributedSampler dropping a short batch on one rank) hung in the
+    step's collectives until the process group's timeout (30 minutes by default), saying
+    only gloo's "Timed out waiting ... recv". The counts are compared as the run starts, and
+    every rank raises naming each rank's; FSDP's evaluation (a collective each forward) too."""
+    run_ranks(_uneven_worker, str(tmp_path), nprocs=WORLD, limit_s=120)
+    ranks = [torch.load(tmp_path / f"uneven{r}.pt") for r in range(WORLD)]
+    for r in ranks:
+        for case in ("ddp_train", "fsdp_train"):
+            assert "different numbers of training batches (rank 0: 4, rank 1: 3)" in r[case]
+            assert "limit_train_batches=3" in r[case]
+        assert "numbers of validation batches (rank 0: 4, rank 1: 3)" in r["fsdp_val"]
+        assert "limit_val_batches=3" in r["fsdp_validate"]
+        assert "strategy='fsdp'" in r["fsdp_val"]
+        assert r["ddp_val"] is None

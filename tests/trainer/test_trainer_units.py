@@ -460,3 +460,56 @@ def test_a_low_bit_resume_refusal_names_the_formats_and_advises_by_kind():
     ruled = saved("float32", ["float32", "int8"])
     assert "states rules it was trained with" in _resume_advice(ruled)
     assert _held_formats(saved("int8", ["int8"])) == "int8"
+
+
+def _int8_net() -> nn.Module:
+    """An int8 policy quantizes the last Linear (16 inputs); the first (4 inputs) stays."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def test_a_quantized_fit_builds_its_optimizers_on_the_quantized_model():
+    """Found by a review: on one device (and DDP) the Trainer built the optimizer, from a
+    factory or configure_optimizers, before the int8 policy swapped in quantized layers: it
+    held the float weights they replaced (alive, the memory quantizing saves, and stepped
+    for nothing), with a warning to build the optimizer after setup, which a Trainer user
+    cannot. The layers are swapped first now, as FSDP does; an optimizer object built before
+    the fit is told what to pass instead; a refused set-up gives the float layers back."""
+    loader = DataLoader(_data(), batch_size=8)
+    trainer = Trainer(precision="int8_from_float32", max_steps=2, **QUIET)
+    model = _int8_net()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader, loss_fn=F.mse_loss, optimizer=_adamw)
+    assert not [w for w in seen if "replaced" in str(w.message)]
+    assert type(model[2]).__name__ == "Int8Linear"
+    [opt] = trainer.optimizers
+    held = [p for g in opt.optimizer.param_groups for p in g["params"]]
+    assert [id(p) for p in held] == [id(p) for p in model.parameters()]
+
+    model = _int8_net()
+    early = torch.optim.AdamW(model.parameters(), lr=0.01)
+    with pytest.warns(
+        UserWarning, match=r"built before the fit .* 1 weight.*\(2\.weight\).*partial"
+    ):
+        trainer.fit(model, loader, loss_fn=F.mse_loss, optimizer=early)
+
+    model = _int8_net()
+    before = [type(m) for m in model]
+
+    def refused(params):
+        raise ValueError("a factory that fails")
+
+    with pytest.raises(ValueError, match="a factory that fails"):
+        trainer.fit(model, loader, loss_fn=F.mse_loss, optimizer=refused)
+    assert [type(m) for m in model] == before  # the float layers, given back
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=0.01)
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 4, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True))

@@ -34,7 +34,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 from mixprec.policy.map import config_in_words, resumable_config
 from mixprec.trainer import checkpoint as ckpt_io
@@ -90,13 +96,25 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
         dcp.load(state, checkpoint_id=path, no_dist=True)
 
 
-def _as_saved_before_layouts(optim_state: dict[str, Any], path: Path) -> None:
-    """Leave out of the optimizer state to load the low-bit records (``"shards"``, the
-    layout; ``"shape"``, the parameter's) the checkpoint at ``path`` does not hold: one
-    saved before they were recorded, which DCP's strict load would refuse for the missing
-    keys (the run state's world size stands for the layout then, `restore`)."""
+def _as_saved(optim_state: dict[str, Any], path: Path) -> None:
+    """Leave out of the optimizer state to load what the checkpoint at ``path`` does not
+    hold, which DCP's strict load would refuse for the missing keys: the whole state of a
+    parameter that had none at the save (it requires a gradient but never got one: an
+    unused pooler, an expert no batch reached; torch's placeholder step gives it one here),
+    and the low-bit records (``"shards"``, the layout; ``"shape"``, the parameter's) of a
+    checkpoint saved before they were recorded (the run state's world size stands for the
+    layout then, `restore`)."""
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    for fqn, entry in optim_state.get("state", {}).items():
+    held = set()  # every dotted prefix of the saved optimizer state's keys
+    for key in saved:
+        if key.startswith("optim.state."):
+            parts = key.split(".")
+            held.update(".".join(parts[:i]) for i in range(3, len(parts)))
+    states = optim_state.get("state", {})
+    for fqn, entry in list(states.items()):
+        if f"optim.state.{fqn}" not in held:
+            del states[fqn]  # (it loads without state, as it was saved)
+            continue
         if not isinstance(entry, dict):
             continue
         for key in ("shards", "shape"):
@@ -273,11 +291,12 @@ def restore(run: FitRun, path: str | os.PathLike[str]) -> None:
                 "was loaded"
             ) from error
     model_state, optim_state, _ = _state_dicts(run)
-    _as_saved_before_layouts(optim_state, path)
+    _as_saved(optim_state, path)
     _dcp_load({"model": model_state, "optim": optim_state}, path)
-    set_state_dict(
-        run.model, _inner(run), model_state_dict=model_state, optim_state_dict=optim_state
-    )
+    # (not strict: a parameter saved without state loads without one)
+    lenient = StateDictOptions(strict=False)
+    set_optimizer_state_dict(run.model, _inner(run), optim_state, options=lenient)
+    set_model_state_dict(run.model, model_state)
     unstepped = state.get("optimizers_unstepped", [])  # (absent from older checkpoints)
     for opt, empty in zip(_inner(run), unstepped, strict=False):
         if empty:  # saved before its first real step: it resumes as it was, without state

@@ -21,8 +21,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mixprec.convert import apply
+from mixprec.errors import caller_level
 from mixprec.optim import LossScaleOptimizer
+from mixprec.policy import APPLIED_STATE, QuantizedPolicy
+from mixprec.policy.map import as_map
 from mixprec.precision import Precision
+from mixprec.quantize.rules import set_fast_paths
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer import resume, sharded
 from mixprec.trainer.callbacks import (
@@ -70,7 +74,7 @@ from mixprec.trainer.optimizers import (
     repoint_converted,
     scheduler_entry,
 )
-from mixprec.trainer.strategy import FSDP, ProcessGroupStrategy, make_strategy
+from mixprec.trainer.strategy import FSDP, ProcessGroupStrategy, Strategy, make_strategy
 
 __all__ = ["Trainer"]
 
@@ -415,12 +419,12 @@ class Trainer:
         *,
         ckpt_path: str | os.PathLike[str] | None = None,
     ) -> list[Any]:
-        """Return the outputs of ``predict_step`` (or of the module) for each batch."""
-        if isinstance(self.strategy, ProcessGroupStrategy):
-            raise ValueError(
-                "predict runs on one device (outputs stay in order); use a Trainer with "
-                "devices=1 for prediction"
-            )
+        """Return the outputs of ``predict_step`` (or of the module) for each batch.
+
+        It runs in one process, the outputs in order: under ``"ddp"``/``"fsdp"`` with
+        ``devices=1`` too (a process group of one), not with more processes."""
+        if isinstance(self.strategy, ProcessGroupStrategy) and len(self.strategy.device_ids) > 1:
+            raise ValueError(_predict_refusal(self.strategy, len(self.strategy.device_ids)))
         model = _model_for(model, self.model, dataloaders, "predict")
         return self._launch("predict", model, dict(loader=dataloaders, ckpt_path=ckpt_path))
 
@@ -628,19 +632,32 @@ class Trainer:
     def _setup(
         self, model: nn.Module, loss_fn: Any, optimizer: Any = None, fit: bool = False
     ) -> tuple[Precision, StepRunner, list[LossScaleOptimizer], list[dict[str, Any]]]:
-        """Device, then sharding (FSDP), then the optimizers (``fit``: built after sharding,
-        which replaces the parameters), then precision (conversion unless sharded, optimizer
-        wrapping), then compilation (``compile=``): in that order; DDP wraps the result.
-        Returns the scheduler configs too."""
+        """Device, then sharding (FSDP) or, on whole models, the quantized policy's layer
+        swaps, then the optimizers (``fit``: built after both replace parameters), then
+        precision (conversion of the rest unless sharded, optimizer wrapping), then
+        compilation (``compile=``): in that order; DDP wraps the result. Returns the
+        scheduler configs too."""
         device = self.strategy.device
         model.to(device)
         precision = self._precision
         precision.reset()  # each run starts from the scaler as configured, no optimizers
         is_sharded = self.strategy.shard(model, precision)
-        optimizers, scheduler_configs = configured_optimizers(model, optimizer) if fit else ([], [])
-        made = [opt(model) if callable(opt) else opt for opt in optimizers]
-        self.strategy.check_optimizers(model, made)
-        wrapped = precision.setup(model, *made, convert=not is_sharded)
+        undo = None if is_sharded else _quantize_first(model, precision)
+        converted = model.__dict__.get(APPLIED_STATE)
+        try:
+            optimizers, scheduler_configs = (
+                configured_optimizers(model, optimizer) if fit else ([], [])
+            )
+            made = [opt(model) if callable(opt) else opt for opt in optimizers]
+            self.strategy.check_optimizers(model, made)
+            if undo is not None:
+                _warn_stale(made, undo[1], precision)
+            wrapped = precision.setup(model, *made, convert=not is_sharded)
+        except BaseException:
+            # (refused before the conversion changed the model: it goes back as it came)
+            if undo is not None and model.__dict__.get(APPLIED_STATE) is converted:
+                undo[0]()
+            raise
         repoint_converted(scheduler_configs, precision)
         if self.config.compile is not None and self._uncompile is None:
             self._uncompile = compile_model(model, self.config.compile)
@@ -682,6 +699,11 @@ class Trainer:
             opts, precision.scaler.enabled, self.config.accumulate_grad_batches, self.strategy.name
         )
         self._current = run
+        counts = {"training": run.num_training_batches}
+        if run.val_loader is not None and self.strategy.sharded:  # (see `_check_same_batches`)
+            limit = self.config.limit_val_batches
+            counts["validation"] = _known_batches(run.val_loader, limit, "val")
+        _check_same_batches(self.strategy, counts)
         if run.num_training_batches == 0:
             raise EmptyEpochError(f"the training data has no batch: {why_empty(train)}")
         interval, n = self.config.val_check_interval, run.num_training_batches
@@ -714,6 +736,8 @@ class Trainer:
         ckpt_path: Path | None,
         loss_fn: Any = None,
     ) -> Any:
+        if stage == "predict" and self.strategy.world_size > 1:  # (devices=1 on each machine)
+            raise ValueError(_predict_refusal(self.strategy, self.strategy.world_size))
         precision, runner, _, _ = self._setup(model, loss_fn)
         run = Run(**self._run_parts(model, precision, runner))
         self._current = run
@@ -724,6 +748,10 @@ class Trainer:
         if stage == "predict":
             return predict_loop(run, loader)
         loader = self.strategy.prepare_loader(loader, self.config.seed or 0, evaluation=True)
+        if self.strategy.sharded:  # (see `_check_same_batches`)
+            kind = "validation" if stage == "validate" else "test"
+            limit = self.config.limit_val_batches if stage == "validate" else None
+            _check_same_batches(self.strategy, {kind: _known_batches(loader, limit, "val")})
         if stage == "validate":
             return [run_eval(run, "validation", loader, self.config.limit_val_batches)]
         return [run_eval(run, "test", loader, None)]
@@ -800,3 +828,97 @@ def _model_for(model: nn.Module | None, last: nn.Module | None, data: Any, stage
         raise ValueError(f"{stage} needs dataloaders")
     check_one_loader(data, "dataloaders")
     return chosen
+
+
+def _quantize_first(
+    model: nn.Module, precision: Precision
+) -> tuple[Callable[[], None], dict[int, str]] | None:
+    """Swap the layers ``precision``'s policy quantizes (`mixprec.sharding.quantize_for`, as
+    FSDP's set-up does before it builds the optimizers), so that the optimizers hold the
+    model's real parameters, not the float weights the swap replaces (alive in the optimizer:
+    the memory quantizing saves). None when it swapped none; else a function putting the
+    float layers back, and the replaced weights' names by id."""
+    from mixprec.sharding import quantize_for
+
+    if not any(isinstance(p, QuantizedPolicy) for p in as_map(precision.policy).policies()):
+        return None  # (without resolving the model: nothing to swap)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    weights = dict(model.named_parameters())
+    if not quantize_for(model, precision.policy).quantized:
+        return None
+    kept = {id(p) for p in model.parameters()}
+    replaced = {id(p): name for name, p in weights.items() if id(p) not in kept}
+
+    def undo() -> None:
+        for path, module in modules.items():  # (each parent, as it was, holds its child again)
+            if path:
+                parent, _, name = path.rpartition(".")
+                modules[parent]._modules[name] = module
+        set_fast_paths(model)
+
+    return undo, replaced
+
+
+def _warn_stale(optimizers: list[Any], replaced: dict[int, str], precision: Precision) -> None:
+    """Warn when an optimizer given to ``fit`` as an object, built before the fit, holds
+    weights that the quantized layers replaced (kept alive and stepped for nothing)."""
+    for opt in optimizers:
+        held = [replaced[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in replaced]
+        if held:
+            warnings.warn(
+                f"this {type(opt).__name__} was built before the fit and holds {len(held)} "
+                f"weight(s) that precision {precision.policy.name!r} replaced with quantized "
+                f"layers ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}): it keeps "
+                "them in memory and steps tensors the model no longer uses. Pass a factory, "
+                "fit(..., optimizer=functools.partial(torch.optim.AdamW, lr=1e-3)), or build "
+                "it in configure_optimizers",
+                stacklevel=caller_level(),
+            )
+
+
+def _known_batches(loader: Iterable[Any], limit: int | float | None, what: str) -> int | None:
+    """The batches a pass over ``loader`` runs, None where its length is unknown or its
+    limit cannot apply (the pass itself says why)."""
+    try:
+        return num_batches(loader, limit, what)
+    except ValueError:
+        return None
+
+
+# what each kind of pass's batch count is capped with
+_LIMITS = {"training": "limit_train_batches", "validation": "limit_val_batches"}
+
+
+def _check_same_batches(strategy: Strategy, counts: dict[str, int | None]) -> None:
+    """Raise, on every rank alike, when the ranks would run different numbers of batches of
+    a pass whose every batch runs collectives: a training batch's gradient reduction, any
+    forward of a sharded model (FSDP's gathers). The ranks done first would leave the others
+    waiting until the process group's timeout (30 minutes by default). One gather; a pass
+    some rank cannot count (data without a length) is not checked. (DDP's evaluation runs
+    no collective per batch: uneven ranks there keep exact epoch means.)"""
+    if strategy.world_size == 1:
+        return
+    ranks = strategy.gather(counts)
+    for kind in counts:
+        seen = [r[kind] for r in ranks]
+        if None in seen or len(set(seen)) == 1:
+            continue
+        each = ", ".join(f"rank {i}: {n}" for i, n in enumerate(seen))
+        cap = _LIMITS.get(kind)
+        raise ValueError(
+            f"the {strategy.world_size} processes have different numbers of {kind} batches "
+            f"({each}), and each batch runs collectives that wait for every process "
+            f"(strategy={strategy.name!r}): the run would hang until the process group's "
+            "timeout. Give every rank's loader the same length (a DistributedSampler gives "
+            "each as many samples; a batch sampler over it must not drop or merge batches on "
+            "some ranks only)" + (f", or cap the pass with {cap}={min(seen)}" if cap else "")
+        )
+
+
+def _predict_refusal(strategy: Strategy, processes: int) -> str:
+    return (
+        f"predict runs on one device, in one process (its outputs in order), and this "
+        f"Trainer runs {processes} processes (strategy={strategy.name!r}): predict with "
+        "Trainer(strategy='auto', devices=1), which loads file and sharded checkpoints "
+        "alike (ckpt_path=...)"
+    )
