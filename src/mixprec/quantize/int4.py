@@ -4,11 +4,8 @@ Each output channel's input features are cut into groups (default 128; -1: one g
 channel; a short last group is padded with zeros). A group gets an asymmetric 4-bit grid
 spanning ``[min(w, 0), max(w, 0)]``: ``scale = (hi - lo) / 15``, ``zero = round(-lo / scale)``,
 ``q = clamp(round(w / scale) + zero, 0, 15)``, ``w ~= (q - zero) * scale``, so zero is exact
-and ``|w - dequantized| <= scale / 2``. A group already on an int4 grid (a layer's own
-dequantized weight) keeps its scale: a stored one next to ``(hi - lo) / 15`` or
-``(hi - lo) / 14`` that reproduces it exactly (`keep_grid`). Values are packed two per byte
-(low nibble first); these codes, scales and zero points are the layer's state
-(``state_dict``, checkpoints).
+and ``|w - dequantized| <= scale / 2``. Values are packed two per byte (low nibble first);
+these codes, scales and zero points are the layer's state (``state_dict``, checkpoints).
 
 The matmul: float32 and bfloat16 inputs go through torch's packed int4 kernel (W4A16, as
 torchao's int4 weight-only layouts: ``aten._weight_int4pack_mm_for_cpu`` on CPUs with AVX2 or
@@ -45,9 +42,7 @@ from mixprec.quantize.int8 import (
     check_finite,
     check_input,
     float_layer,
-    keep_grid,
     output_dtype,
-    scale_candidates,
     storable_scale,
 )
 from mixprec.quantize.lora import LoraEmbeddingMixin, LoraMixin
@@ -106,23 +101,7 @@ def quantize_groups(
     # the codes reach from the zero point as far as the group's weights reach from 0, one
     # step more for the rounding of the zero point: not the whole 15 steps both ways
     reach = (torch.maximum(-lo, hi) / scale).ceil().add_(1).clamp_(max=QMAX)
-    dtype = w.dtype if dtype is None else dtype
-    scale = storable_scale(scale, dtype, name, reach)
-    # a group already on an int4 grid keeps it (`keep_grid`): its codes span 15 steps, or
-    # 14 where the scale was rounded up to a stored value (one end rounded inward)
-    candidates = scale_candidates([span / QMAX, span / (QMAX - 1)], dtype)[1:]
-    # (its ends and a few other values: a cheap first test of a group)
-    ends = torch.cat((lo[..., None], hi[..., None], w32[..., :: max(1, size // 4)]), dim=-1)
-    flat = [c.view(-1) for c in candidates]
-    scale = keep_grid(
-        w32.reshape(rows * n, size),
-        scale.view(-1),
-        flat,
-        dtype,
-        QMAX,
-        ends.flatten(0, 1),
-        lo.view(-1),
-    ).view(rows, n)
+    scale = storable_scale(scale, w.dtype if dtype is None else dtype, name, reach)
     zero = torch.round(-lo / scale).clamp_(0, QMAX)
     q = (torch.round(w32 / scale[..., None]) + zero[..., None]).clamp_(0, QMAX)
     return pack(q.to(torch.uint8).view(rows, n * size)), scale, zero.to(torch.uint8)

@@ -106,7 +106,9 @@ def storable_scale(scale: Tensor, dtype: torch.dtype, name: str, largest: int | 
     point as the group's weights reach from 0)."""
     if torch.finfo(dtype).bits >= 32:
         return scale
-    stored = _rounded_up(scale, dtype)
+    stored = scale.to(dtype)
+    up = torch.nextafter(stored, torch.full_like(stored, torch.inf))
+    stored = torch.where(stored.float() < scale, up, stored)
     if isinstance(largest, Tensor):  # (multiplied in `dtype`, as a stored scale is used)
         largest = largest.to(dtype)
     if not scale.is_meta and torch.isinf(stored * largest).any():
@@ -120,95 +122,6 @@ def storable_scale(scale: Tensor, dtype: torch.dtype, name: str, largest: int | 
             detail,
         )
     return stored.float()
-
-
-def _rounded_up(scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """float32 `scale` rounded up to a value of the 16-bit `dtype`, in `dtype`."""
-    stored = scale.to(dtype)
-    up = torch.nextafter(stored, torch.full_like(stored, torch.inf))
-    return torch.where(stored.float() < scale, up, stored)
-
-
-def _grid_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype whose values scales stored in `dtype` take: float32's for 32+ bit dtypes
-    (scales are computed in float32)."""
-    return dtype if torch.finfo(dtype).bits < 32 else torch.float32
-
-
-def scale_candidates(bases: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    """For each float32 scale in `bases`: the value stored in `dtype` for it (rounded up, as
-    `storable_scale` does; float32's own for 32+ bit dtypes), then the stored values just
-    below and just above that one, as float32."""
-    grid = _grid_dtype(dtype)
-    out = []
-    for base in bases:
-        c = _rounded_up(base, grid) if grid is dtype else base.to(grid)
-        out += [
-            c,
-            torch.nextafter(c, torch.zeros_like(c)),
-            torch.nextafter(c, c.new_tensor(torch.inf)),
-        ]
-    return [c.float() for c in out]
-
-
-def _dequantized(v: Tensor, scale: Tensor, lo: Tensor | None, qmax: int) -> Tensor:
-    """float32 `v` [G, K] quantized with one scale a row (`scale` [G]) and dequantized in
-    float32: int8's symmetric codes when `lo` is None, else int4's codes in [0, `qmax`] with
-    the zero point ``round(-lo / scale)`` of each row's minimum `lo` [G]."""
-    s = scale[:, None]
-    if lo is None:
-        return torch.round(v / s).clamp_(-qmax, qmax) * s
-    zero = torch.round(-lo / scale).clamp_(0, qmax)[:, None]
-    return ((torch.round(v / s) + zero).clamp_(0, qmax) - zero) * s
-
-
-def keep_grid(
-    v: Tensor,
-    scale: Tensor,
-    candidates: list[Tensor],
-    dtype: torch.dtype,
-    qmax: int,
-    ends: Tensor,
-    lo: Tensor | None = None,
-) -> Tensor:
-    """`scale` [G] of the rows of float32 `v` [G, K], except where a row is not the
-    dequantization of its codes with it but is with one of `candidates` (each [G], tried in
-    order): that candidate. A row "is" the dequantization where every value equals codes
-    times scale, exactly or rounded to `dtype` (as a layer with scales in `dtype` dequantizes
-    it). `ends` [G, E] are values of each row tried first (its extremes: cheap to check);
-    `lo`, `qmax`: as `_dequantized`.
-
-    So a weight already on a quantized grid quantizes back to it: from the weight's values
-    alone the scale can come out one stored value off (int8's ``max|w| / 127`` one float16
-    ulp above the scale after a rounding to float16, rounded up), or a step of codes short
-    (a bfloat16 scale rounded up: int4 codes spanning 14 steps, int8's largest code 126),
-    and each round of quantization would move the weight again."""
-    if v.is_meta or not v.numel():
-        return scale
-    narrow = torch.finfo(dtype).bits < 32
-
-    def matches(values: Tensor, c: Tensor, low: Tensor | None) -> Tensor:
-        deq = _dequantized(values, c, low, qmax)
-        same = deq == values
-        if narrow:
-            same |= deq.to(dtype).float() == values
-        return same.all(dim=-1)
-
-    def hits(c: Tensor, among: Tensor) -> Tensor:
-        ok = among & (c > 0) & torch.isfinite(c) & matches(ends, c, lo)
-        rows = ok.nonzero().squeeze(-1)
-        if rows.numel():
-            ok[rows] = matches(v[rows], c[rows], None if lo is None else lo[rows])
-        return ok
-
-    left = ~hits(scale, torch.ones_like(scale, dtype=torch.bool))
-    for c in candidates:
-        if not left.any():
-            break
-        hit = hits(c, left)
-        scale = torch.where(hit, c, scale)
-        left &= ~hit
-    return scale
 
 
 # 1.5 * 2**23. Added to a float32 below 2**22 in magnitude, the sum, between 2**23 and 2**24
@@ -238,15 +151,6 @@ def _quantize_rows(
     holding values `dtype` holds exactly (see `storable_scale`); an all-zero row gets scale 1.
     A row holding an inf or NaN gets codes 0 and scale NaN, so whatever is computed from it
     comes out NaN. (A forward takes `_quantize_tokens`: fewer tensor calls, the same codes.)"""
-    x, amax, scale = _row_scales(x, dtype, name, smallest)
-    return _codes(x, scale), scale.squeeze(-1)
-
-
-def _row_scales(
-    x: Tensor, dtype: torch.dtype, name: str, smallest: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(x, amax, scale)`` of `_quantize_rows`: `x` as its codes are taken from, its rows'
-    max |x| and scales [rows, 1], float32."""
     if x.requires_grad:
         x = x.detach()
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -255,7 +159,8 @@ def _row_scales(
     amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
     scale = torch.where(amax > 0, (amax / QMAX).clamp_min(smallest), 1.0)
     scale = torch.where(torch.isfinite(amax), scale, torch.nan)
-    return x, amax, storable_scale(scale, dtype, name, QMAX)
+    scale = storable_scale(scale, dtype, name, QMAX)
+    return _codes(x, scale), scale.squeeze(-1)
 
 
 def _quantize_tokens(x: Tensor, zero_point: int = 0) -> tuple[Tensor, Tensor]:
@@ -283,30 +188,16 @@ def quantize_rows(
     """Symmetric per-row int8 of a weight: ``(q, scale)`` with ``w ~= q * scale[:, None]``,
     ``q`` in [-127, 127] and ``|w - q * scale| <= scale / 2``; an all-zero row gets scale 1.
     `scale` is float32 holding values of `dtype` (the scales' storage dtype, by default
-    `w`'s); a row already on an int8 grid keeps its scale (`keep_grid`). A weight holding
-    inf or NaN is refused (`check_finite`; `name` says which in the error)."""
+    `w`'s). A weight holding inf or NaN is refused (`check_finite`; `name` says which in the
+    error)."""
     check_finite(w, name)
-    dtype = w.dtype if dtype is None else dtype
     # contiguous codes: the kernels prepack them from memory (a transposed weight's codes
     # read as rows gave other sums)
     # (scales at least float32's smallest subnormal: a row of weights under 127 times it
     # would take scale 0 and come back as zeros)
-    x, amax, scale = _row_scales(w.contiguous(), dtype, name, _SMALLEST_SUBNORMAL)
-    # a row already on an int8 grid keeps it (`keep_grid`): its largest code is 127, or 126
-    # where the scale, rounded up, can grow past 127/126.5 of max|w| / 127 (bfloat16's)
-    x32 = x.float()
-    ends = amax
-    if x.shape[-1]:  # its largest value and a few others: a cheap first test of a row
-        top = x32.gather(-1, x32.abs().argmax(dim=-1, keepdim=True))
-        ends = torch.cat((top, x32[:, :: max(1, x.shape[-1] // 4)]), dim=-1)
-    bases = [amax / QMAX]
-    if QMAX / (1 + torch.finfo(_grid_dtype(dtype)).eps) < QMAX - 0.5:
-        bases.append(amax / (QMAX - 1))
-    candidates = scale_candidates(bases, dtype)[1:]
-    scale = keep_grid(
-        x32, scale.squeeze(-1), [c.squeeze(-1) for c in candidates], dtype, QMAX, ends
-    )[:, None]
-    return _codes(x, scale), scale.squeeze(-1)
+    return _quantize_rows(
+        w.contiguous(), w.dtype if dtype is None else dtype, name, _SMALLEST_SUBNORMAL
+    )
 
 
 def check_sums_fit(scale: Tensor, features: int, name: str) -> None:

@@ -5,8 +5,7 @@ of the layer's scales, one of them zeros so an enabled adapter changes nothing u
 trains. Linear: A Kaiming-uniform, B zeros. Embedding (as peft): A (rank, num_embeddings)
 zeros, B (embedding_dim, rank) normal, and A's row lookup is ``F.embedding(idx, A.T)``.
 `merge_lora` folds the weight-shaped ``lora_delta()`` into the weight (exactly: codes times
-scales in float32) and quantizes again; a weight on its grid quantizes back to the same codes
-and scales, so adapters that change nothing leave the layer as it is.
+scales in float32, not rounded to 16-bit scales first) and quantizes again.
 """
 
 from __future__ import annotations
@@ -78,8 +77,7 @@ class LoraMixin:
         if not self.lora_rank:
             raise ValueError("LoRA is not enabled on this layer; nothing to merge")
         with torch.no_grad():
-            # the weight exactly (not rounded to 16-bit scales' dtype, off the codes' grid):
-            # adapters that change nothing leave the codes and scales as they are
+            # the weight exactly (not rounded to 16-bit scales' dtype, off the codes' grid)
             weight = self.float32_weight()  # type: ignore[attr-defined]
             self.requantize(weight + self.lora_delta())  # type: ignore[attr-defined]
         self.lora_A = self.lora_B = None
