@@ -3,8 +3,7 @@
 Parameters and floating buffers go to each module's param dtype. The root module's forward
 runs in the policy's compute region (autocast for mixed policies, a cast of floating inputs
 for "true" ones) and casts floating outputs to the output dtype. Below the root, a module
-gets a region of its own only where its policy computes differently from its caller's (its
-parent's; past an `nn.Sequential`, which models iterate and slice, its caller's too), so a
+gets a region of its own only where its policy computes differently from its parent's, so a
 uniform policy costs one region. A module whose forward calls attention under a policy
 computing in 16 bits may also get an attention island (`Resolution.float32_attention`): its
 `scaled_dot_product_attention` calls run in float32. State-dict keys and shapes never change.
@@ -20,11 +19,9 @@ import inspect
 import re
 import sys
 import threading
-import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,11 +35,10 @@ from mixprec.activations import ActivationForward, mark_region_cast, saved_bytes
 from mixprec.activations import check as check_activations
 from mixprec.activations import install as install_activations
 from mixprec.activations.rules import never_called
-from mixprec.activations.wrapper import _wrapped as wrapped_by
 from mixprec.device import detect, device_of, parse_device
 from mixprec.dtypes import default_dtype, dtype_name, exclusive, needs_default_dtype
 from mixprec.eager import compiled_wrapper
-from mixprec.errors import DtypeChangedError, PolicySpecError, PrecisionError, caller_level
+from mixprec.errors import DtypeChangedError, PolicySpecError, PrecisionError
 from mixprec.hardware import slow_attention, warn_if_unsupported
 from mixprec.policy import APPLIED_STATE, REGION_MARK, Policy, explanation
 from mixprec.policy.explanation import Explanation
@@ -67,7 +63,6 @@ __all__ = [
     "default_dtype",
     "explain",
     "needs_default_dtype",
-    "not_applied",
     "remove",
 ]
 
@@ -313,9 +308,6 @@ class _Region(_StandIn):
 
     mixprec_wrapper = True  # (keeps the forward it replaced as `original`)
     uncast: tuple[torch.dtype, ...] = (torch.float64,)  # (a region pickled before it was kept)
-    # the root's: its model's `AppliedState`, whose modules it looks at when one was set
-    # inside the model since `apply` (`_look`)
-    watch: AppliedState | None = None
 
     def __init__(
         self,
@@ -343,7 +335,14 @@ class _Region(_StandIn):
         # a mixed region inside a "true" one computing in another dtype than its weights':
         # that region made its compute dtype torch's default, which this one puts back to
         # its weights' (tensors its forward makes without a dtype matched the parent's)
-        self.default = _default_inside(policy, parent)
+        self.default = (
+            policy.param_dtype
+            if self.autocast
+            and parent is not None
+            and not parent.is_mixed
+            and parent.compute_dtype != policy.param_dtype
+            else None
+        )
         # a module shared by parents that want its result in different dtypes hands it back
         # in its caller's: the dtype of its first floating input, or with none (an
         # embedding's ids) the dtype its caller computes in (`_caller_dtype`)
@@ -355,9 +354,6 @@ class _Region(_StandIn):
         self.probe = _weight_probe(module)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        watch = self.watch
-        if watch is not None and watch.check and not torch.compiler.is_compiling():
-            _look(self.module, watch)
         try:  # (no cost in the common case; torch's dtype clash explained where dtypes moved)
             module = self.module
             output_dtype = self.output_dtype
@@ -589,73 +585,6 @@ class _Entry(_CountedRegion):
         )
 
 
-class _Container(_StandIn):
-    """Stands in for the forward of an `nn.Sequential` (`_bypassable`) holding modules that
-    compute otherwise when its caller calls them itself (`_Member`): counts it running in
-    this thread (`_counted`, its own ``family``), so that they know it called them."""
-
-    mixprec_wrapper = True  # (keeps the forward it replaced as `original`)
-
-    def __init__(self, module: nn.Module, family: _Family, original: Any) -> None:
-        self.module = module
-        self.family = family
-        self.original = original
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        family = self.family
-        if torch.compiler.is_compiling():  # (traced: counted on the family, for the trace)
-            family.traced += 1
-            try:
-                return self._as_is(*args, **kwargs)
-            finally:
-                family.traced -= 1
-        return _counted(family, self._as_is, args, kwargs)
-
-
-class _Member(_StandIn):
-    """Stands in for the forward of a module inside `nn.Sequential` containers that its
-    caller may call itself, past them (``for block in self.blocks``, ``self.features[:3]``,
-    ``self.blocks[0]``), where it would compute otherwise than inside them (a rule on the
-    container): runs as the innermost container around it running now wants (``choices``:
-    each container's `_Container` family, innermost first, and the region to enter there,
-    or None to run as it is), else as the caller past them all wants (``otherwise``)."""
-
-    mixprec_wrapper = True  # (keeps the forward it replaced as `original`)
-
-    def __init__(
-        self,
-        module: nn.Module,
-        original: Any,
-        choices: tuple[tuple[_Family, _Region | None], ...],
-        otherwise: _Region | None,
-    ) -> None:
-        self.module = module
-        self.original = original
-        self.choices = choices
-        self.otherwise = otherwise
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        forward = self.otherwise
-        if torch.compiler.is_compiling():  # (as `_Entry` reads its model's family)
-            for family, region in self.choices:
-                if family.traced > 0 or family.eager > 0:
-                    forward = region
-                    break
-        else:
-            running = _INSIDE.running
-            for family, region in self.choices:
-                if family in running:
-                    forward = region
-                    break
-        if forward is None:
-            return self._as_is(*args, **kwargs)
-        return forward(*args, **kwargs)
-
-
-for _kind in (_Container, _Member):
-    setattr(_kind, REGION_MARK, True)  # (mixprec's forwards, as a region)
-
-
 # the attribute of a torch checkpoint's record (`_checkpoints_around`) naming the entries
 # (by id) that entered their region in its forward (once is enough: a call under its own
 # autocast from the same forward recomputes under it again, and passes through)
@@ -786,18 +715,11 @@ def _explain_rnn_error(
 @dataclass
 class AppliedState:
     """What `apply` left on the root module: the map used, the dtypes it replaced and
-    those it set its parameters to; and whether a look at its modules is due (`_look`: a
-    module was set inside the model since, or the model is a copy, whose modules `apply`
-    never saw)."""
+    those it set its parameters to."""
 
     policy: PolicyMap
     original_dtypes: dict[tuple[str, str], torch.dtype]
     applied_dtypes: dict[tuple[str, str], torch.dtype] = field(default_factory=dict)
-    check: bool = field(default=False, compare=False)
-
-    def __getstate__(self) -> dict[str, Any]:
-        """A copy (deepcopy, pickle) has its modules looked at when it first runs."""
-        return {**self.__dict__, "check": True}
 
 
 def _explain_dtype_change(err: RuntimeError, module: nn.Module) -> None:
@@ -840,7 +762,7 @@ def _region_key(p: Policy) -> tuple[bool, torch.dtype, torch.dtype]:
     return (p.is_mixed, p.compute_dtype, p.output_dtype)
 
 
-_STAND_INS = (_Region, _AttentionIsland, ActivationForward, _Container, _Member)
+_STAND_INS = (_Region, _AttentionIsland, ActivationForward)
 # the modules whose forward `apply` replaced with one of mixprec's stand-ins
 _INSTALLED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -1056,7 +978,6 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     _record_installed(model)
     for module in model.modules():
         _OWNERS.setdefault(module, weakref.WeakSet()).add(model)
-    _watch(model)
     return model
 
 
@@ -1080,121 +1001,6 @@ def check_scales(model: nn.Module, resolved: dict[str, Resolution]) -> None:
                 "16-mixed), or a rule keeping this layer in float32: "
                 f"PolicyMap(policy, {{{path!r}: '32-true'}})"
             )
-
-
-# each module of an applied model -> the applied models whose `apply` converted it (weakly):
-# a module set inside such a model later (`_on_module_set`) is not among them
-_SEEN: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]] = (
-    weakref.WeakKeyDictionary()
-)
-_SEEN_HOOK: list[Any] = []  # (torch's handle of `_on_module_set`, registered once)
-
-
-def _watch(model: nn.Module) -> None:
-    """Record `model`'s modules as those its `apply` converted (`_SEEN`), and have its root
-    region look at them when a module is set inside it later (`_on_module_set`, `_look`)."""
-    if not _SEEN_HOOK:
-        _SEEN_HOOK.append(
-            torch.nn.modules.module.register_module_module_registration_hook(_on_module_set)
-        )
-    for module in model.modules():
-        _SEEN.setdefault(module, weakref.WeakSet()).add(model)
-    state = model.__dict__[_STATE]
-    state.check = False
-    forward = model.__dict__.get("forward")
-    while isinstance(forward, _STAND_INS) and not isinstance(forward, _Region):
-        forward = forward.original
-    if isinstance(forward, _Region):
-        forward.watch = state
-
-
-def _on_module_set(parent: nn.Module, name: str, module: nn.Module | None) -> None:
-    """Torch's hook on every module set inside another (``model.head = nn.Linear(...)``):
-    where that other is a module of an applied model, a look at the model's modules is due
-    at its next forward (`_look`). Costs a lookup per module set anywhere."""
-    models = _SEEN.get(parent)
-    if models and parent._modules.get(name) is not module:
-        for model in list(models):
-            state = model.__dict__.get(_STATE)
-            if state is not None:
-                state.check = True
-
-
-def _look(model: nn.Module, state: AppliedState) -> None:
-    """At the forward of an applied model in which a module was set since `apply`: warn
-    of those that run without what `apply` would give them (`not_applied`). A copy of an
-    applied model (deepcopy, pickle) takes its modules as they are."""
-    state.check = False
-    if model not in _SEEN.get(model, ()):
-        _watch(model)
-        return
-    missed = not_applied(model)
-    if missed:
-        warnings.warn(_not_applied_message(missed), UserWarning, stacklevel=_caller_of_forward())
-
-
-_LIBRARIES = (str(Path(__file__).resolve().parent), str(Path(torch.__file__).resolve().parent))
-
-
-def _caller_of_forward() -> int:
-    """The ``stacklevel`` of the first frame outside mixprec and torch (the line calling
-    the model, past torch's module call)."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(
-        _LIBRARIES
-    ):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def not_applied(model: nn.Module) -> list[str]:
-    """The paths of the modules of applied `model` added or replaced since its `apply`,
-    which never converted them, that `apply` would give something to (a region of their
-    own, as a rule or a float32 island asks; float32 attention; other parameter or buffer
-    dtypes; an activation option's wrapper): they run without it until it runs again."""
-    state: AppliedState | None = model.__dict__.get(_STATE)
-    if state is None or model not in _SEEN.get(model, ()):
-        return []
-    unseen = {
-        id(m): name or "<root>"
-        for name, m in model.named_modules()
-        # (a module compiled on its own since, `blocks[i] = torch.compile(block)`, runs
-        # the converted module it wraps)
-        if model not in _SEEN.get(m._orig_mod if compiled_wrapper(m) else m, ())
-    }
-    if not unseen:
-        return []
-    try:
-        device = device_of(model)
-        pmap = state.policy
-        resolved = pmap.resolve(
-            model, slow_attention=device_slow_attention(device), device_type=device.type
-        )
-        regions, members = _regions(model, resolved)
-        given = {id(m) for m, *_ in regions} | {id(member.module) for member in members}
-        given |= {id(m) for m, *_ in dtype_plan(model, resolved)}
-        given |= {
-            id(m)
-            for name, m in model.named_modules(remove_duplicate=False)
-            if resolved[name].float32_attention
-        }
-        if pmap.activations is not None:
-            given |= {id(m) for m, _ in wrapped_by(pmap.activation_choices(model), model)}
-    except Exception:  # (the map no longer resolves over the model: each one is named)
-        return list(unseen.values())
-    return [name for key, name in unseen.items() if key in given]
-
-
-def _not_applied_message(paths: list[str]) -> str:
-    shown = ", ".join(repr(p) for p in paths[:8]) + (", ..." if len(paths) > 8 else "")
-    one = len(paths) == 1
-    return (
-        f"{shown} {'was' if one else 'were'} added or replaced in the model after "
-        f"mixprec.apply, which never converted {'it' if one else 'them'}: "
-        f"{'it runs' if one else 'they run'} without the region, float32 island or "
-        "dtypes the policy gives them (what mixprec.explain lists for them is not in force). "
-        "Call mixprec.apply(model, policy) again after changing the model"
-    )
 
 
 # each module of an applied model -> the applied models holding it (weakly, all): a module
@@ -1265,7 +1071,8 @@ def _check_nesting(model: nn.Module) -> None:
                 "policy as a rule of this map"
             )
     if _STATE not in model.__dict__ and any(
-        isinstance(m.__dict__.get("forward"), _STAND_INS) for m in model.modules()
+        isinstance(m.__dict__.get("forward"), (_Region, _AttentionIsland, ActivationForward))
+        for m in model.modules()
     ):
         raise PolicySpecError(
             f"this {type(model).__name__} is part of a model mixprec.apply converted: give it "
@@ -1274,53 +1081,29 @@ def _check_nesting(model: nn.Module) -> None:
 
 
 def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
-    regions, members = _regions(model, resolved)
+    regions = _regions(model, resolved)
     policies = {id(module): policy for module, policy, _, _ in regions}
-    policies.update((id(member.module), member.policy) for member in members)
     entries = _entries(model, resolved, policies)
     above = _above(model, {id(entry) for entry, _ in entries})
     family = _Family()
-
-    def region(module: nn.Module, policy_here: Policy, parent: Policy | None, **kw: Any) -> Any:
+    for module, policy_here, parent, follow_input in regions:
         cast = () if policy_here.is_mixed else _to_cast(module, policy_here, policies)
         kind = _CountedRegion if id(module) in above else _Region
-        made = kind(
+        region = module.__dict__["forward"] = kind(
             module,
             policy_here,
             parent=parent,
             original=module.__dict__.get("forward"),
             cast=cast,
-            **kw,
+            follow_input=follow_input,
         )
         if kind is _CountedRegion:
-            made.family = family
-        return made
-
-    for module, policy_here, parent, follow_input in regions:
-        module.__dict__["forward"] = region(module, policy_here, parent, follow_input=follow_input)
+            region.family = family
     for module, policy_here in entries:
         forward = module.__dict__.get("forward")
         entry = _Entry(module, policy_here, parent=None, original=forward)
         entry.family = family
         module.__dict__["forward"] = entry
-    # a member's regions, one per caller that wants one; then the containers, counted
-    # around whatever forward they have (a region, an entry, a member's own)
-    containers: dict[int, tuple[nn.Module, _Family]] = {}
-    for member in members:
-        m, here = member.module, member.policy
-        choices = tuple(
-            (
-                containers.setdefault(id(container), (container, _Family()))[1],
-                None if parent is None else region(m, here, parent),
-            )
-            for container, parent in member.inside
-        )
-        otherwise = None if member.outside is None else region(m, here, member.outside)
-        m.__dict__["forward"] = _Member(m, m.__dict__.get("forward"), choices, otherwise)
-    for container, counter in containers.values():
-        container.__dict__["forward"] = _Container(
-            container, counter, container.__dict__.get("forward")
-        )
     install_attention_islands(model, resolved)
 
 
@@ -1401,9 +1184,7 @@ def explain(
     backward in one training-mode forward of a converted copy of `model` on it
     (`Explanation.saved_bytes`). A module whose region hands
     its result back in another dtype than its policy's output dtype (inside a "true"
-    parent: the parent's compute dtype) shows that dtype (`Explanation.handed_back`). Of
-    the applied policy, the modules set in the model since `apply` that run without what
-    it would give them are marked and named in a warning (`Explanation.not_applied`). Of a
+    parent: the parent's compute dtype) shows that dtype (`Explanation.handed_back`). Of a
     torch.compile wrapper, its model's."""
     if compiled_wrapper(model):
         model = model._orig_mod
@@ -1416,12 +1197,6 @@ def explain(
         optimizer_states=optimizer_states,
     )
     found.handed_back = _handed_back(model, found)
-    if policy is None:  # (what runs: the applied policy, where apply converted the module)
-        found.mark_not_applied(not_applied(model))
-        if found.not_applied:
-            warnings.warn(
-                _not_applied_message(found.not_applied), UserWarning, stacklevel=caller_level()
-            )
     if batch is not None:
         found.saved_bytes = _saved_in_training(model, policy or applied_policy(model), batch)
     return found
@@ -1463,26 +1238,24 @@ def _handed_back(model: nn.Module, policies: Mapping[str, Policy]) -> dict[str, 
     a region's output dtype (float32 for a float64 one). A module shared by callers wanting
     other dtypes follows its input's (nothing is claimed for it)."""
     paths: dict[str, nn.Module] = {}
-    claims: dict[int, list[tuple[str, torch.dtype | None]]] = {}
+    claims: dict[int, dict[str, torch.dtype | None]] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         paths[name] = module
         if not name or never_called(module):
             continue
-        here = policies[name]
-        for caller in _callers(name, paths):  # (past a Sequential, its caller's too)
-            parent = policies[caller]
-            if not parent.is_mixed:
-                out: torch.dtype | None = parent.compute_dtype
-            elif _region_key(parent) != _region_key(here):
-                out = _output_dtype(here, parent)
-            else:
-                out = None  # (what autocast computed it in: each op's own)
-            claims.setdefault(id(module), []).append((name, out))
+        here, parent = policies[name], policies[_caller(name, paths)]
+        if not parent.is_mixed:
+            out: torch.dtype | None = parent.compute_dtype
+        elif _region_key(parent) != _region_key(here):
+            out = _output_dtype(here, parent)
+        else:
+            out = None  # (what autocast computed it in: each op's own)
+        claims.setdefault(id(module), {})[name] = out
     found: dict[str, torch.dtype] = {}
     for at in claims.values():
-        if len({out for _, out in at}) > 1:
+        if len(set(at.values())) > 1:
             continue
-        for name, out in at:
+        for name, out in at.items():
             if out is not None and out != policies[name].output_dtype:
                 found[name] = out
     return found
@@ -1557,113 +1330,28 @@ def _caller_dtype(
     return torch.get_default_dtype()
 
 
-@dataclass
-class _Reached:
-    """A module that computes otherwise when its caller calls it past the `nn.Sequential`
-    containers around it than inside them (`_Member`): for each container (innermost
-    first) the policy of the caller its region inside that container stands for (None: it
-    runs as it is there), and the same for the caller past them all."""
-
-    module: nn.Module
-    policy: Policy
-    inside: list[tuple[nn.Module, Policy | None]]
-    outside: Policy | None
-
-
-def _default_inside(policy: Policy, parent: Policy | None) -> torch.dtype | None:
-    """The default dtype a mixed region of `policy` puts back inside a "true" `parent`
-    computing in another dtype than its weights' (`_Region.default`), else None."""
-    if policy.is_mixed and parent is not None and not parent.is_mixed:
-        return policy.param_dtype if parent.compute_dtype != policy.param_dtype else None
-    return None
-
-
-def _way(module: nn.Module, policy: Policy, caller: Policy) -> tuple[Any, ...] | None:
-    """How a module of `policy` runs when `caller` calls it: None, as it is (it computes as
-    its caller does); else in a region of its own handing back this dtype, with this
-    default dtype (`_Region`)."""
-    if _region_key(caller) == _region_key(policy) and not _casts_own(module, policy):
-        return None
-    return (_output_dtype(policy, caller), _default_inside(policy, caller))
-
-
 def _regions(
     model: nn.Module, resolved: dict[str, Resolution]
-) -> tuple[list[tuple[nn.Module, Policy, Policy | None, bool]], list[_Reached]]:
-    """(module, policy, parent policy, follow input) for each module that needs a region of
-    its own: the root, a module computing differently from its caller at any of its paths
-    (a module shared by two parents gets one when either differs, so it computes as its
-    policy says whichever path calls it; it hands back what its caller wants, `_Region`),
-    and a module whose parameters its policy casts for compute (so a training step calling
-    it directly, not through the root, casts them too). Its callers (`_callers`) include
-    the callers past the `nn.Sequential` containers around it; a module at one path that
-    would run otherwise under each (a rule on the container) is a `_Reached` instead."""
+) -> list[tuple[nn.Module, Policy, Policy | None, bool]]:
+    """(module, policy, parent policy) for each module that needs a region of its own: the
+    root, a module computing differently from its parent at any of its paths (a module
+    shared by two parents gets one when either differs, so it computes as its policy says
+    whichever path calls it), and a module whose parameters its policy casts for compute
+    (so a training step calling it directly, not through the root, casts them too)."""
     found: dict[int, tuple[nn.Module, Policy, Policy | None]] = {}
-    outputs: dict[int, set[torch.dtype]] = {}  # what each caller wants back
-    reached: dict[int, list[list[tuple[str, Policy]]]] = {}  # each path's callers
-    members: list[_Reached] = []
+    outputs: dict[int, set[torch.dtype]] = {}  # what each path's parent wants back
     paths: dict[str, nn.Module] = {}
     for name, module in model.named_modules(remove_duplicate=False):
         paths[name] = module
+        if name and never_called(module):
+            continue  # (a list's children: its parent calls them, in its own region)
         here = resolved[name].policy
-        if not name:
-            found[id(module)] = (module, here, None)
-            outputs[id(module)] = {_output_dtype(here, None)}
-        elif not never_called(module):  # (a list's children: its parent calls them)
-            callers = [(c, resolved[c].policy) for c in _callers(name, paths)]
-            reached.setdefault(id(module), []).append(callers)
-    for name, module in model.named_modules():  # (each module once, at its first path)
-        at = reached.get(id(module))
-        if at is None:
-            continue
-        here = resolved[name].policy
-        ways = [(c, q, _way(module, here, q)) for callers in at for c, q in callers]
-        if len(at) == 1 and len({way for _, _, way in ways}) > 1:
-            members.append(_member(module, here, ways, paths))
-            continue
-        outputs[id(module)] = {_output_dtype(here, q) for _, q, _ in ways}
-        first = next((q for _, q, way in ways if way is not None), None)
-        if first is not None:
-            found[id(module)] = (module, here, first)
-    return [(*entry, len(outputs[key]) > 1) for key, entry in found.items()], members
-
-
-def _member(
-    module: nn.Module,
-    policy: Policy,
-    ways: list[tuple[str, Policy, tuple[Any, ...] | None]],
-    paths: dict[str, nn.Module],
-) -> _Reached:
-    """The `_Reached` of `module` from how each of its callers, innermost first, has it run
-    (`_way`); the containers as far out as run it as the caller past them all does are
-    left out (the member runs so where none of the others runs)."""
-    *inside, (_, outer, outer_way) = ways
-    while inside and inside[-1][2] == outer_way:
-        inside.pop()
-    return _Reached(
-        module,
-        policy,
-        [(paths[c], None if way is None else q) for c, q, way in inside],
-        None if outer_way is None else outer,
-    )
-
-
-def _bypassable(module: nn.Module) -> bool:
-    """Whether a caller may call `module`'s children itself, past its forward: an
-    `nn.Sequential`, which models iterate (``for block in self.blocks``), index and slice
-    (``self.features[:3]``, a new Sequential over the same children; torch's
-    ``checkpoint_sequential`` calls them in turn too)."""
-    return isinstance(module, nn.Sequential)
-
-
-def _callers(name: str, paths: dict[str, nn.Module]) -> list[str]:
-    """The paths of the modules whose forward may call the one at ``name``, innermost
-    first: its parent (`_caller`), and past an `nn.Sequential` (`_bypassable`) the
-    container's caller too, which may reach into it."""
-    found = [_caller(name, paths)]
-    while found[-1] and _bypassable(paths[found[-1]]):
-        found.append(_caller(found[-1], paths))
-    return found
+        parent = resolved[_caller(name, paths)].policy if name else None
+        outputs.setdefault(id(module), set()).add(_output_dtype(here, parent))
+        if parent is None or _region_key(parent) != _region_key(here) or _casts_own(module, here):
+            found.setdefault(id(module), (module, here, parent))
+    # (a module shared by parents wanting its result in different dtypes: its caller's)
+    return [(*entry, len(outputs[key]) > 1) for key, entry in found.items()]
 
 
 def _caller(name: str, paths: dict[str, nn.Module]) -> str:
@@ -1704,7 +1392,6 @@ def remove(model: nn.Module) -> nn.Module:
     del model.__dict__[_STATE]
     for module in model.modules():
         _OWNERS.get(module, weakref.WeakSet()).discard(model)
-        _SEEN.get(module, weakref.WeakSet()).discard(model)
     _strip_regions(model)
     set_fast_paths(model)
     modules = dict(model.named_modules())

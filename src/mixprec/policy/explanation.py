@@ -77,9 +77,6 @@ class Explanation(dict):
         # policy's output dtype: inside a "true" parent, the parent's compute dtype
         # (`mixprec.explain` fills it in, as `apply` installs the regions)
         self.handed_back: dict[str, torch.dtype] = {}
-        # modules added or replaced since `apply` converted the model, which run without
-        # what their rows say (`mixprec.explain` fills it in: `mark_not_applied`)
-        self.not_applied: list[str] = []
         # under a quantized policy: "int8" etc. for a quantized layer, "skipped: why" for a
         # layer it leaves in its source float policy; layers quantized before, their mode
         self.quantization: dict[str, str] = {}
@@ -91,19 +88,6 @@ class Explanation(dict):
                 self.quantization[name] = f"skipped: {r.skipped}"
             elif isinstance(getattr(module, "quantization_mode", None), str):
                 self.quantization[name] = module.quantization_mode
-
-    def mark_not_applied(self, paths: list[str]) -> None:
-        """Say of the modules at `paths` (added or replaced in the model since `apply`,
-        which never converted them) that their rows are what `apply` would give them, not
-        what runs now: their reason says so, and `not_applied` lists them."""
-        self.not_applied = list(paths)
-        for path in paths:
-            name = "" if path == "<root>" else path
-            if name in self.sources:
-                self.sources[name] += (
-                    "; not in force: added or replaced after apply, which never converted "
-                    "it (apply again)"
-                )
 
     @property
     def quantized(self) -> list[str]:
