@@ -21,12 +21,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from mixprec.convert import apply
-from mixprec.errors import caller_level
 from mixprec.optim import LossScaleOptimizer
-from mixprec.policy import APPLIED_STATE, QuantizedPolicy
-from mixprec.policy.map import as_map
 from mixprec.precision import Precision
-from mixprec.quantize.rules import set_fast_paths
 from mixprec.trainer import checkpoint as ckpt_io
 from mixprec.trainer import resume, sharded
 from mixprec.trainer.callbacks import (
@@ -632,32 +628,19 @@ class Trainer:
     def _setup(
         self, model: nn.Module, loss_fn: Any, optimizer: Any = None, fit: bool = False
     ) -> tuple[Precision, StepRunner, list[LossScaleOptimizer], list[dict[str, Any]]]:
-        """Device, then sharding (FSDP) or, on whole models, the quantized policy's layer
-        swaps, then the optimizers (``fit``: built after both replace parameters), then
-        precision (conversion of the rest unless sharded, optimizer wrapping), then
-        compilation (``compile=``): in that order; DDP wraps the result. Returns the
-        scheduler configs too."""
+        """Device, then sharding (FSDP), then the optimizers (``fit``: built after sharding,
+        which replaces the parameters), then precision (conversion unless sharded, optimizer
+        wrapping), then compilation (``compile=``): in that order; DDP wraps the result.
+        Returns the scheduler configs too."""
         device = self.strategy.device
         model.to(device)
         precision = self._precision
         precision.reset()  # each run starts from the scaler as configured, no optimizers
         is_sharded = self.strategy.shard(model, precision)
-        undo = None if is_sharded else _quantize_first(model, precision)
-        converted = model.__dict__.get(APPLIED_STATE)
-        try:
-            optimizers, scheduler_configs = (
-                configured_optimizers(model, optimizer) if fit else ([], [])
-            )
-            made = [opt(model) if callable(opt) else opt for opt in optimizers]
-            self.strategy.check_optimizers(model, made)
-            if undo is not None:
-                _warn_stale(made, undo[1], precision)
-            wrapped = precision.setup(model, *made, convert=not is_sharded)
-        except BaseException:
-            # (refused before the conversion changed the model: it goes back as it came)
-            if undo is not None and model.__dict__.get(APPLIED_STATE) is converted:
-                undo[0]()
-            raise
+        optimizers, scheduler_configs = configured_optimizers(model, optimizer) if fit else ([], [])
+        made = [opt(model) if callable(opt) else opt for opt in optimizers]
+        self.strategy.check_optimizers(model, made)
+        wrapped = precision.setup(model, *made, convert=not is_sharded)
         repoint_converted(scheduler_configs, precision)
         if self.config.compile is not None and self._uncompile is None:
             self._uncompile = compile_model(model, self.config.compile)
@@ -828,52 +811,6 @@ def _model_for(model: nn.Module | None, last: nn.Module | None, data: Any, stage
         raise ValueError(f"{stage} needs dataloaders")
     check_one_loader(data, "dataloaders")
     return chosen
-
-
-def _quantize_first(
-    model: nn.Module, precision: Precision
-) -> tuple[Callable[[], None], dict[int, str]] | None:
-    """Swap the layers ``precision``'s policy quantizes (`mixprec.sharding.quantize_for`, as
-    FSDP's set-up does before it builds the optimizers), so that the optimizers hold the
-    model's real parameters, not the float weights the swap replaces (alive in the optimizer:
-    the memory quantizing saves). None when it swapped none; else a function putting the
-    float layers back, and the replaced weights' names by id."""
-    from mixprec.sharding import quantize_for
-
-    if not any(isinstance(p, QuantizedPolicy) for p in as_map(precision.policy).policies()):
-        return None  # (without resolving the model: nothing to swap)
-    modules = dict(model.named_modules(remove_duplicate=False))
-    weights = dict(model.named_parameters())
-    if not quantize_for(model, precision.policy).quantized:
-        return None
-    kept = {id(p) for p in model.parameters()}
-    replaced = {id(p): name for name, p in weights.items() if id(p) not in kept}
-
-    def undo() -> None:
-        for path, module in modules.items():  # (each parent, as it was, holds its child again)
-            if path:
-                parent, _, name = path.rpartition(".")
-                modules[parent]._modules[name] = module
-        set_fast_paths(model)
-
-    return undo, replaced
-
-
-def _warn_stale(optimizers: list[Any], replaced: dict[int, str], precision: Precision) -> None:
-    """Warn when an optimizer given to ``fit`` as an object, built before the fit, holds
-    weights that the quantized layers replaced (kept alive and stepped for nothing)."""
-    for opt in optimizers:
-        held = [replaced[id(p)] for g in opt.param_groups for p in g["params"] if id(p) in replaced]
-        if held:
-            warnings.warn(
-                f"this {type(opt).__name__} was built before the fit and holds {len(held)} "
-                f"weight(s) that precision {precision.policy.name!r} replaced with quantized "
-                f"layers ({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}): it keeps "
-                "them in memory and steps tensors the model no longer uses. Pass a factory, "
-                "fit(..., optimizer=functools.partial(torch.optim.AdamW, lr=1e-3)), or build "
-                "it in configure_optimizers",
-                stacklevel=caller_level(),
-            )
 
 
 def _known_batches(loader: Iterable[Any], limit: int | float | None, what: str) -> int | None:
