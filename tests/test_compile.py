@@ -336,6 +336,97 @@ def test_a_backward_inside_the_context_keeps_torchs_tracing():
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
 
 
+class BrokenNet(IslandNet):
+    """`IslandNet` with a graph break between its first layer and the float32 head."""
+
+    def forward(self, x: torch.Tensor):
+        h = torch.relu(self.norm(self.fc1(x)))
+        torch._dynamo.graph_break()
+        return self.head(h)
+
+
+def _grads(model: nn.Module, autocast: bool = False) -> list[torch.Tensor]:
+    """The gradients of one mse step of ``model`` on `X` (the backward after the forward);
+    ``autocast``: the forward and the backward inside the caller's bfloat16 autocast."""
+    target = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = F.mse_loss(model(X).float(), target)
+        if autocast:
+            loss.backward()
+    if not autocast:
+        loss.backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _applied(cls: type[nn.Module]) -> nn.Module:
+    torch.manual_seed(0)
+    model = cls()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bfloat16 is slow on CPUs without bf16 hardware
+        return mixprec.apply(model, with_rule("bf16-mixed"))
+
+
+def test_a_graph_break_before_a_float32_rule_backpropagates_as_eager():
+    """Found by a review: `apply` alone, compiled whole, with a graph break inside the
+    model. Dynamo runs the root region's body eagerly after the break and compiles the rest
+    of the forward on its own, with the region's bfloat16 autocast around it, and torch's
+    default traced that part's backward in it: the float32 head's backward ran in bfloat16
+    (gradients up to 1.6e-2 apart from eager's). The region traces what it calls with the
+    backward outside autocast, as eager runs it: every gradient equal, bit for bit."""
+    from torch._functorch import config
+
+    eager = _grads(_applied(BrokenNet))
+    compiled = _grads(torch.compile(_applied(BrokenNet), backend=BACKEND))
+    assert counters["stats"]["unique_graphs"] >= 2  # (the break split the forward)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+    assert config.backward_pass_autocast == "same_as_forward"  # (the user's again after)
+
+
+def test_a_compiled_submodule_holding_a_float32_rule_backpropagates_as_eager():
+    """An applied model run eagerly with one submodule compiled in place (``.compile()``),
+    the float32 head inside it: its backward is traced outside the root's autocast, as
+    eager runs it (under torch's default it ran in bfloat16)."""
+
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mid = nn.Linear(32, 32)
+            self.head = nn.Linear(32, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.mid(x))
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = nn.Linear(16, 32)
+            self.inner = Inner()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(torch.relu(self.fc1(x)))
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return mixprec.apply(Outer(), PolicyMap("bf16-mixed", {"inner.head": "float32"}))
+
+    eager = _grads(model())
+    partly = model()
+    partly.inner.compile(backend=BACKEND)
+    compiled = _grads(partly)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+
+
+def test_a_backward_inside_the_callers_autocast_keeps_torchs_tracing():
+    """The caller's own autocast around forward and backward (the region adds none): the
+    backward runs under autocast eagerly, torch's own tracing matches it, and the region
+    leaves it so: compiled and eager gradients equal, bit for bit."""
+    eager = _grads(_applied(BrokenNet), autocast=True)
+    compiled = _grads(torch.compile(_applied(BrokenNet), backend=BACKEND), autocast=True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
+
+
 @pytest.mark.slow
 def test_inductor_build_of_a_mixed_model_with_islands():
     """The default backend, as users get it: one compile, float32 outputs, bf16 numerics."""

@@ -37,7 +37,7 @@ from mixprec.activations import install as install_activations
 from mixprec.activations.rules import never_called
 from mixprec.device import detect, device_of, parse_device
 from mixprec.dtypes import default_dtype, dtype_name, exclusive, needs_default_dtype
-from mixprec.eager import compiled_wrapper
+from mixprec.eager import backward_outside_autocast, compiled_wrapper
 from mixprec.errors import DtypeChangedError, PolicySpecError, PrecisionError
 from mixprec.hardware import slow_attention, warn_if_unsupported
 from mixprec.policy import APPLIED_STATE, REGION_MARK, Policy, explanation
@@ -409,9 +409,27 @@ class _Region(_StandIn):
                     if self.root:
                         return out
                 else:
+                    # (dynamo loaded: a torch.compile made, whose code this may call)
+                    first = not torch.is_autocast_enabled(device_type) and _DYNAMO in sys.modules
                     try:
                         with torch.autocast(device_type, dtype=self.compute_dtype):
-                            out = forward(*args, **kwargs)
+                            # With no autocast before, this one ends with the forward and
+                            # its backward runs outside it. Run eagerly, code it calls that
+                            # torch.compile traces (a compiled submodule; after a graph
+                            # break, the rest of a compiled model, for which dynamo runs
+                            # this block eagerly) gets its backward traced so too: under
+                            # torch's default ("same_as_forward") a float32 rule's backward
+                            # ran in bfloat16. Checked inside the `with`, in this frame,
+                            # where dynamo's eager fallback resumes; traced whole, the
+                            # autocast is in the graph and nothing surrounds it.
+                            if first and not torch.compiler.is_compiling():
+                                restore = backward_outside_autocast()
+                                try:
+                                    out = forward(*args, **kwargs)
+                                finally:
+                                    restore()
+                            else:
+                                out = forward(*args, **kwargs)
                     except RuntimeError as err:
                         _explain_rnn_error(err, module, device_type, self.compute_dtype)
                         raise
@@ -463,6 +481,10 @@ class _Region(_StandIn):
                 return forward(*args, **kwargs)
         with off, swap:
             return forward(*args, **kwargs)
+
+
+# the module a torch.compile call loads (`compiled_wrapper`): absent, nothing is compiled
+_DYNAMO = "torch._dynamo.eval_frame"
 
 
 setattr(_Region, REGION_MARK, True)  # (what layer-swapping tools look for)

@@ -1,5 +1,6 @@
 """Functions that run outside any enclosing ``torch.compile``, with dynamo loaded at their
-first call rather than when the module defining them is imported.
+first call rather than when the module defining them is imported, and the switch that makes
+torch.compile trace a compiled region's backward as eager runs it.
 
 ``torch.compiler.disable`` applied as a decorator imports torch's dynamo on the spot (about
 a second): a process that never compiles (the bench's and the planner's measuring
@@ -14,10 +15,25 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch._functorch import config as functorch_config
 
-__all__ = ["compiled_wrapper", "uncompiled"]
+__all__ = ["backward_outside_autocast", "compiled_wrapper", "uncompiled"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+# sets torch's tracing of a compiled region's backward to "outside autocast" and returns the
+# function that puts the setting back (dynamo's low-overhead patcher where torch has it)
+if hasattr(functorch_config, "_make_closure_patcher") and hasattr(
+    functorch_config, "backward_pass_autocast"
+):
+    backward_outside_autocast: Callable[[], Callable[[], None]] = (
+        functorch_config._make_closure_patcher(backward_pass_autocast="off")
+    )
+else:  # pragma: no cover - a torch without the setting traces its backward as it does
+
+    def backward_outside_autocast() -> Callable[[], None]:
+        return lambda: None
 
 
 def compiled_wrapper(model: Any) -> bool:

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._functorch import config as functorch_config
 
 from mixprec.activations import ActivationsSpec, as_rules, check_device, installed
 from mixprec.activations import wrapped as wrapped_activations
@@ -37,6 +36,7 @@ from mixprec.convert import (
     needs_default_dtype,
     warn_unmatched,
 )
+from mixprec.eager import backward_outside_autocast
 from mixprec.errors import caller_level
 from mixprec.formats.registry import StepWork, before_step, step_work
 from mixprec.hardware import (
@@ -75,18 +75,6 @@ ParamsLike = (
 _ADAPTERS = frozenset({"lora_A", "lora_B"})
 
 
-# sets torch's tracing of a compiled model's backward to "outside autocast", and returns
-# the function that puts the setting back (dynamo's low-overhead patcher where torch has it)
-if hasattr(functorch_config, "_make_closure_patcher") and hasattr(
-    functorch_config, "backward_pass_autocast"
-):
-    _backward_outside = functorch_config._make_closure_patcher(backward_pass_autocast="off")
-else:  # pragma: no cover - a torch without the setting traces its backward as it does
-
-    def _backward_outside() -> Callable[[], None]:
-        return lambda: None
-
-
 class BackwardOutsideAutocast:
     """While entered (outside compiled code), torch.compile traces a compiled model's
     backward outside autocast, as eager runs it: for a forward whose backward runs after it
@@ -100,7 +88,7 @@ class BackwardOutsideAutocast:
 
     def __enter__(self) -> None:
         if not torch.compiler.is_compiling():
-            self.restore = _backward_outside()
+            self.restore = backward_outside_autocast()
 
     def __exit__(self, *exc: Any) -> None:
         if self.restore is not None:
@@ -126,7 +114,7 @@ class ForwardAutocast(contextlib.ContextDecorator):
 
     def __enter__(self) -> Any:
         if not torch.compiler.is_compiling():
-            self.restore = _backward_outside()
+            self.restore = backward_outside_autocast()
         return self.autocast.__enter__()
 
     def __exit__(self, *exc: Any) -> Any:
