@@ -561,6 +561,37 @@ def test_a_torch_error_other_than_a_dtype_clash_passes_through():
     assert type(err.value) is RuntimeError
 
 
+class RefusedRNN(nn.Module):
+    """An LSTM whose forward fails as oneDNN does on a CPU without a 16-bit RNN kernel under
+    CPU autocast (so the test runs on any CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 4, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("could not create a primitive descriptor for the LSTM forward")
+        return self.rnn(x)[0]
+
+
+@pytest.mark.parametrize("caller", ["bare", "forward_context"])
+def test_a_refused_16_bit_rnn_is_named_also_under_the_callers_autocast(caller):
+    """Found by a review: the known limitation (a 16-bit RNN under CPU autocast on a CPU
+    without its kernel) was explained for a bare ``model(x)`` only; in a training step,
+    where the caller's autocast runs the root region, oneDNN's bare RuntimeError came
+    through. Named both ways, with the rule that fixes it."""
+    precision = mixprec.Precision("bf16-mixed", allow_slow=True)
+    model = precision.setup(RefusedRNN())
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(mixprec.PrecisionError, match=r"RNN layers .*\(rnn\).*nn.LSTM: 'float32'"):
+        if caller == "bare":
+            model(x)
+        else:
+            with precision.forward_context():
+                model(x)
+
+
 @pytest.mark.parametrize(
     "saved, loaded", [("bf16-true", "32-true"), ("32-true", "16-true"), ("bf16-mixed", "64-true")]
 )

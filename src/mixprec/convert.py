@@ -411,28 +411,24 @@ class _Region(_StandIn):
                 else:
                     # (dynamo loaded: a torch.compile made, whose code this may call)
                     first = not torch.is_autocast_enabled(device_type) and _DYNAMO in sys.modules
-                    try:
-                        with torch.autocast(device_type, dtype=self.compute_dtype):
-                            # With no autocast before, this one ends with the forward and
-                            # its backward runs outside it. Run eagerly, code it calls that
-                            # torch.compile traces (a compiled submodule; after a graph
-                            # break, the rest of a compiled model, for which dynamo runs
-                            # this block eagerly) gets its backward traced so too: under
-                            # torch's default ("same_as_forward") a float32 rule's backward
-                            # ran in bfloat16. Checked inside the `with`, in this frame,
-                            # where dynamo's eager fallback resumes; traced whole, the
-                            # autocast is in the graph and nothing surrounds it.
-                            if first and not torch.compiler.is_compiling():
-                                restore = backward_outside_autocast()
-                                try:
-                                    out = forward(*args, **kwargs)
-                                finally:
-                                    restore()
-                            else:
+                    with torch.autocast(device_type, dtype=self.compute_dtype):
+                        # With no autocast before, this one ends with the forward and
+                        # its backward runs outside it. Run eagerly, code it calls that
+                        # torch.compile traces (a compiled submodule; after a graph
+                        # break, the rest of a compiled model, for which dynamo runs
+                        # this block eagerly) gets its backward traced so too: under
+                        # torch's default ("same_as_forward") a float32 rule's backward
+                        # ran in bfloat16. Checked inside the `with`, in this frame,
+                        # where dynamo's eager fallback resumes; traced whole, the
+                        # autocast is in the graph and nothing surrounds it.
+                        if first and not torch.compiler.is_compiling():
+                            restore = backward_outside_autocast()
+                            try:
                                 out = forward(*args, **kwargs)
-                    except RuntimeError as err:
-                        _explain_rnn_error(err, module, device_type, self.compute_dtype)
-                        raise
+                            finally:
+                                restore()
+                        else:
+                            out = forward(*args, **kwargs)
             else:
                 # A "true" region computes in its own dtype even inside an enclosing autocast (a
                 # parent's mixed region, or the caller's): autocast is switched off for it.
@@ -455,6 +451,9 @@ class _Region(_StandIn):
                 return _cast(out, output_dtype)
             return cast_floating(out, output_dtype)
         except RuntimeError as err:
+            if self.autocast:  # (also where the caller's autocast runs it: a training step)
+                device_type = _device_type(args, kwargs, self.module, self.probe)
+                _explain_rnn_error(err, self.module, device_type, self.compute_dtype)
             _explain_dtype_change(err, self.module)
             raise
 
