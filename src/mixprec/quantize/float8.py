@@ -44,6 +44,7 @@ from mixprec.formats.registry import Format, Status, Support, agree
 from mixprec.policy.names import accepted_quantized, spelled_int
 from mixprec.quantize.first_order import first_order
 from mixprec.quantize.float8_casts import abs_max, saturated_cast, set_compiled_casts
+from mixprec.quantize.int8 import output_dtype
 from mixprec.quantize.rules import (
     Filter,
     SwappedLinear,
@@ -419,11 +420,7 @@ class Float8Linear(SwappedLinear):
                 f"Float8Linear({self.in_features}, {self.out_features}) needs a floating input "
                 f"whose last dim is {self.in_features}, got {x.dtype} of shape {tuple(x.shape)}"
             )
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            out_dtype = torch.get_autocast_dtype(device)
-        else:
-            out_dtype = x.dtype
+        out_dtype = output_dtype(x)  # (as nn.Linear: float64 stays float64 under autocast)
         record, delayed = None, []
         if self.recipe == "delayed":
             recomputed = _backward_running()
