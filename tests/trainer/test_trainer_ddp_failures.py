@@ -314,8 +314,11 @@ def _uneven_loader() -> DataLoader:
 def _uneven_worker(rank: int, out: str) -> None:
     """Each case's error (or None: it ran) on this rank."""
 
-    def attempt(strategy: str, stage: str, train: DataLoader, val: DataLoader) -> str | None:
-        trainer = Trainer(strategy=strategy, devices=2, max_epochs=1, **QUIET)
+    def attempt(
+        strategy: str, stage: str, train: DataLoader, val: DataLoader, steps: int | None = None
+    ) -> str | None:
+        ends = {"max_steps": steps} if steps is not None else {"max_epochs": 1}
+        trainer = Trainer(strategy=strategy, devices=2, **ends, **QUIET)
         net = nn.Sequential(nn.Linear(4, 1))
         try:
             if stage == "fit":
@@ -334,6 +337,10 @@ def _uneven_worker(rank: int, out: str) -> None:
         "fsdp_validate": attempt("fsdp", "validate", even, _uneven_loader()),
         # DDP's evaluation runs no collective per batch: uneven ranks keep exact means
         "ddp_val": attempt("ddp", "fit", even, _uneven_loader()),
+        # max_steps ends the run before the shorter rank's epoch does: nothing waits (at 3,
+        # rank 1 would end its epoch alone, with the epoch's collectives)
+        "ddp_capped": attempt("ddp", "fit", _uneven_loader(), None, steps=2),
+        "ddp_past_cap": attempt("ddp", "fit", _uneven_loader(), None, steps=3),
     }
     torch.save(results, Path(out) / f"uneven{rank}.pt")
 
@@ -354,3 +361,5 @@ def test_ranks_with_different_numbers_of_batches_are_refused_at_the_start(tmp_pa
         assert "limit_val_batches=3" in r["fsdp_validate"]
         assert "strategy='fsdp'" in r["fsdp_val"]
         assert r["ddp_val"] is None
+        assert r["ddp_capped"] is None  # (a review found it refused, though it cannot hang)
+        assert "different numbers of training batches (rank 0: 4, rank 1: 3)" in r["ddp_past_cap"]

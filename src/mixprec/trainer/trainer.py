@@ -686,7 +686,9 @@ class Trainer:
         if run.val_loader is not None and self.strategy.sharded:  # (see `_check_same_batches`)
             limit = self.config.limit_val_batches
             counts["validation"] = _known_batches(run.val_loader, limit, "val")
-        _check_same_batches(self.strategy, counts)
+        steps = self.config.max_steps  # (a run that ends before any rank's data does)
+        needed = steps * self.config.accumulate_grad_batches if steps is not None else None
+        _check_same_batches(self.strategy, counts, needed)
         if run.num_training_batches == 0:
             raise EmptyEpochError(f"the training data has no batch: {why_empty(train)}")
         interval, n = self.config.val_check_interval, run.num_training_batches
@@ -826,19 +828,25 @@ def _known_batches(loader: Iterable[Any], limit: int | float | None, what: str) 
 _LIMITS = {"training": "limit_train_batches", "validation": "limit_val_batches"}
 
 
-def _check_same_batches(strategy: Strategy, counts: dict[str, int | None]) -> None:
+def _check_same_batches(
+    strategy: Strategy, counts: dict[str, int | None], training_needed: int | None = None
+) -> None:
     """Raise, on every rank alike, when the ranks would run different numbers of batches of
     a pass whose every batch runs collectives: a training batch's gradient reduction, any
     forward of a sharded model (FSDP's gathers). The ranks done first would leave the others
     waiting until the process group's timeout (30 minutes by default). One gather; a pass
-    some rank cannot count (data without a length) is not checked. (DDP's evaluation runs
-    no collective per batch: uneven ranks there keep exact epoch means.)"""
+    some rank cannot count (data without a length) is not checked, nor training that ends
+    (``training_needed`` batches: max_steps) before the shortest rank's epoch does. (DDP's
+    evaluation runs no collective per batch: uneven ranks there keep exact epoch means.)"""
     if strategy.world_size == 1:
         return
     ranks = strategy.gather(counts)
     for kind in counts:
         seen = [r[kind] for r in ranks]
         if None in seen or len(set(seen)) == 1:
+            continue
+        # (past the end of none: a rank whose epoch ends there runs its epoch's end alone)
+        if kind == "training" and training_needed is not None and min(seen) > training_needed:
             continue
         each = ", ".join(f"rank {i}: {n}" for i, n in enumerate(seen))
         cap = _LIMITS.get(kind)
