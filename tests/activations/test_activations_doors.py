@@ -268,3 +268,29 @@ def test_an_option_on_a_model_whose_own_forward_never_runs_is_warned_of_once():
         assert len(told) == direct  # (once)
         if direct:
             assert "activations={'net': 'fp8'}" in str(told[0].message)
+
+
+@pytest.mark.parametrize("option", ["keep", *STORED, *RECOMPUTED])
+def test_torch_func_grad_takes_keep_only_as_the_docs_say(option):
+    """Found by a review: under `torch.func.grad` (per-sample gradients by `vmap(grad)`) a
+    model set up with any option but keep raised torch's refusal of saved-tensor hooks,
+    unsaid; docs/activations.md's known limits say so, and that keep works."""
+    from torch.func import functional_call, grad
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.GELU()))
+    spec = option if option in STORED or option == "keep" else {"1": option}
+    model = Precision("32-true", activations=spec).setup(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (x,)).square().sum()
+
+    x = torch.randn(2, 8)
+    if option == "keep":
+        assert grad(loss)(params, x)["0.weight"].shape == (8, 8)
+        return
+    with pytest.raises(RuntimeError, match="don't yet support saved tensor hooks"):
+        grad(loss)(params, x)
+    said = (Path(__file__).parents[2] / "docs" / "activations.md").read_text()
+    assert "don't yet support saved tensor hooks" in said

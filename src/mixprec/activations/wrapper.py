@@ -373,6 +373,19 @@ def _centred(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[
     return (given, row) if row and given.numel() % row == 0 else None
 
 
+def _with_input(
+    args: tuple[Any, ...], kwargs: dict[str, Any], given: Tensor
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A layer norm call's arguments with its input replaced by ``given``: its contiguous
+    copy, for an input not contiguous (ConvNeXt's, permuted to channels-last). Its kernels,
+    forward and backward, normalize such a copy anyway (their output is contiguous either
+    way), and a saved contiguous input has its rows whole in memory, to store centred
+    (`Centered`), where saved as it is it would be stored uncentred."""
+    if args:
+        return (given, *args[1:]), kwargs
+    return args, {**kwargs, "input": given}
+
+
 def _kept_exact(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], fp8: bool) -> bool:
     """Whether ``func(*args, **kwargs)``'s saves are kept exact (`_PICKING`, `_NEAR_ONE`,
     `_CANCELLING`, `_COMPARING`, `_DIVIDING`; an aten op's overload as the op): a norm of an
@@ -445,7 +458,11 @@ class _SavesByFunction(TorchFunctionMode):
         if codec is None or codec.name not in ("bf16", "fp8"):
             return func(*args, **kwargs)
         if norm is not None:  # (per call: the input it centres is this call's)
-            hooks = Centered(codec, *norm)
+            given, row = norm
+            if _op(func) in _LAYER_NORMS and not given.is_contiguous():
+                given = given.contiguous()
+                args, kwargs = _with_input(args, kwargs, given)
+            hooks = Centered(codec, given, row)
         elif hooks is None:
             hooks = NearOne(codec)
         with saved_tensors_hooks(hooks.pack, hooks.unpack):
@@ -578,10 +595,11 @@ def _wrapped(choices: dict[str, Choice], model: nn.Module) -> list[tuple[nn.Modu
 
 def check(model: nn.Module, choices: dict[str, Choice]) -> None:
     """Refuse the options the modules of `model` cannot take (`refusal`), and ``offload``
-    where no CUDA device exists; changes nothing."""
+    where no CUDA device exists; changes nothing. A container never called (`never_called`)
+    is not checked: its children carry its option, and each is checked on its own."""
     for name, module in model.named_modules():
         option, why = choices[name]
-        if why.startswith("recomputed with"):
+        if why.startswith("recomputed with") or never_called(module):
             continue
         reason = refusal(module, option)
         if reason is not None:
