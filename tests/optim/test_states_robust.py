@@ -727,6 +727,41 @@ def test_float64_weights_take_their_hyperparameters_in_double(dtype):
     assert _gap(real(ours[0]), real(theirs[0])) < 1e-14
 
 
+@pytest.mark.parametrize("states", ["float32", "int8"])
+@pytest.mark.parametrize("cls", [LowBitAdamW, LowBitAdam, LowBitSGD])
+def test_a_complex128_parameters_export_steps_in_torch(cls, states):
+    """Found by a review: `to_float32_state_dict()` gave a complex128 parameter complex64
+    moments; torch's optimizer loads them as they are (it casts only a real parameter's
+    state) and failed at its step ("expected dtype float for `end` but got dtype double").
+    They are exported in the parameter's dtype, of the values the low-bit state decodes to,
+    and torch steps on from them as this optimizer does."""
+    torch_cls = {LowBitAdamW: torch.optim.AdamW, LowBitAdam: torch.optim.Adam}
+    kw = dict(lr=1e-2) if cls is not LowBitSGD else dict(lr=1e-2, momentum=0.9)
+    ours = _params(((48, 64),), dtype=torch.complex128)
+    opt = cls(ours, states=states, min_size=0, **kw, **KW)
+    _run(opt, ours, range(2))
+    exported = opt.to_float32_state_dict()
+    names = ("momentum_buffer",) if cls is LowBitSGD else ("exp_avg", "exp_avg_sq")
+    state = opt.state[ours[0]]
+    for name in names:
+        if states == "float32":
+            decoded = state[name]
+        else:
+            codes, scales = state[f"{name}_codes"], state[f"{name}_scales"]
+            real = dequantize(codes, scales, states, (48, 64, 2), signed=name != "exp_avg_sq")
+            decoded = torch.view_as_complex(real)
+        moment = exported["state"][0][name]
+        assert moment.dtype == torch.complex128
+        assert torch.equal(moment, decoded.to(torch.complex128))
+    theirs = [nn.Parameter(ours[0].detach().clone())]
+    plain = torch_cls.get(cls, torch.optim.SGD)(theirs, **kw)
+    plain.load_state_dict(copy.deepcopy(exported))
+    _run(plain, theirs, range(2, 3))
+    if states == "float32":  # (int8 rounds its moments again at the step)
+        _run(opt, ours, range(2, 3))
+        assert _gap(torch.view_as_real(ours[0]), torch.view_as_real(theirs[0])) < 1e-6
+
+
 @pytest.mark.parametrize("flag", ["maximize", "amsgrad", "capturable", "differentiable"])
 @pytest.mark.parametrize("cls", [LowBitAdamW, LowBitSGD])
 def test_a_group_asking_for_a_flag_the_step_ignores_is_refused(cls, flag):
@@ -1311,3 +1346,22 @@ def test_one_element_tensor_hyperparameters_step_as_their_numbers(make, tensors)
 
     for a, b in zip(run(True), run(False), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_the_uncompensated_warning_gives_a_low_bit_optimizer_the_advice_it_takes(recwarn):
+    """Found by a review: `LossScaleOptimizer(LowBitAdamW(<bfloat16 parameters>))` warned
+    "Pass compensation='kahan' (or 'stochastic') to Precision / LossScaleOptimizer", which
+    both refuse for a low-bit optimizer (it compensates its own updates); the warning now
+    says to build it with compensation=, and following that warns no more."""
+    model = nn.Linear(64, 64).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="round away") as caught:
+        LossScaleOptimizer(LowBitAdamW(model.parameters(), lr=1e-3, **KW), scaler="none")
+    said = str(caught[0].message)
+    assert "LowBitAdamW(..., compensation='kahan')" in said
+    assert "'stochastic') to Precision" not in said
+    recwarn.clear()
+    low = LowBitAdamW(model.parameters(), lr=1e-3, compensation="kahan", **KW)
+    LossScaleOptimizer(low, scaler="none")
+    assert not [w for w in recwarn if "round away" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"'stochastic'\) to Precision"):  # (torch's)
+        LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), scaler="none")

@@ -841,16 +841,27 @@ def _warn_uncompensated(
     }
     if plain:
         sharded = bool(_sharded(_trainable(optimizer)))
-        fix = (
-            "Sharded with FSDP, train a *-mixed policy instead: FSDP keeps float32 sharded "
-            "masters and computes in 16 bits (compensation and master_weights are not offered "
-            "for sharded 16-bit weights)"
-            if sharded
-            else "Pass compensation='kahan' (or 'stochastic') to Precision / "
-            "LossScaleOptimizer, or master_weights=True"
-        )
+        name = type(optimizer).__name__
+        if sharded:
+            fix = (
+                "Sharded with FSDP, train a *-mixed policy instead: FSDP keeps float32 sharded "
+                "masters and computes in 16 bits (compensation and master_weights are not "
+                "offered for sharded 16-bit weights)"
+            )
+        elif isinstance(optimizer, LowBitOptimizer):
+            # (it compensates its own updates: Precision / LossScaleOptimizer refuse one)
+            fix = (
+                f"Build it with compensation='kahan' (or 'stochastic'): {name}(..., "
+                "compensation='kahan'), or pass master_weights=True to Precision / "
+                "LossScaleOptimizer"
+            )
+        else:
+            fix = (
+                "Pass compensation='kahan' (or 'stochastic') to Precision / "
+                "LossScaleOptimizer, or master_weights=True"
+            )
         warnings.warn(
-            f"{type(optimizer).__name__} updates {'/'.join(sorted(plain))} parameters in place "
+            f"{name} updates {'/'.join(sorted(plain))} parameters in place "
             f"without float32 master weights: updates much smaller than a weight round away "
             f"and training stalls. {fix}",
             UserWarning,

@@ -344,7 +344,8 @@ class StateCheckpoint(torch.optim.Optimizer):
     def to_float32_state_dict(self) -> dict[str, Any]:
         """This optimizer's state as torch's optimizer of the same algorithm saves it
         (float32 ``exp_avg``/``exp_avg_sq`` or ``momentum_buffer`` of each parameter's shape,
-        ``step``; no formats, codes or Kahan buffers): loadable into ``torch.optim.AdamW``
+        ``step``; no formats, codes or Kahan buffers; complex64 ones of a complex parameter,
+        complex128 of a complex128 one): loadable into ``torch.optim.AdamW``
         (``Adam``, ``SGD``) of the same parameters. An Adam group says which weight decay
         its steps took (``decoupled_weight_decay``), as torch's own groups do."""
         out = super().state_dict()
@@ -357,7 +358,11 @@ class StateCheckpoint(torch.optim.Optimizer):
             plain: dict[str, Any] = {"step": state["step"].clone()}
             for name, signed in MOMENTS[self.algorithm]:
                 if name in state or f"{name}_codes" in state:
-                    plain[name] = float32_moment(state, name, p, fmt, signed)
+                    value = float32_moment(state, name, p, fmt, signed)
+                    # (a complex128 parameter's in its dtype, exactly: torch's load casts
+                    # only a real parameter's state, and its step needs the two to match)
+                    wide = p.dtype == torch.complex128
+                    plain[name] = value.to(torch.complex128) if wide else value
             out["state"][key] = plain
         for group in out["param_groups"]:
             group.pop("states", None)
