@@ -561,6 +561,82 @@ def test_a_torch_error_other_than_a_dtype_clash_passes_through():
     assert type(err.value) is RuntimeError
 
 
+class IteratedBlocks(nn.Module):
+    """Two blocks in an nn.Sequential, which the forward iterates (``iterate``, as
+    checkpoint_sequential and timm's checkpoint_seq do) or calls; ``shared``: the first
+    block also at a second path."""
+
+    def __init__(self, iterate: bool, shared: bool = False) -> None:
+        super().__init__()
+        self.iterate = iterate
+        self.stem = nn.Linear(8, 8)
+        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 8))
+        if shared:
+            self.first = self.blocks[0]
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        if self.iterate:
+            for block in self.blocks:
+                x = block(x)
+        else:
+            x = self.blocks(x)
+        return self.head(x)
+
+
+def _passed_over(model: nn.Module, calls: int = 2) -> list[str]:
+    """The "not carried out" warnings of `calls` training forwards of `model`."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(calls):
+            model(torch.randn(2, 8)).float().sum().backward()
+    return [str(w.message) for w in said if "not carried out" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "pmap, rule",
+    [
+        (PolicyMap("bf16-mixed", {"blocks": "32-true"}), "policy '32-true'"),
+        (PolicyMap("32-true", activations={"blocks": "checkpoint"}), "activation option"),
+    ],
+)
+def test_a_rule_on_a_sequential_the_parent_iterates_is_warned_of(pmap, rule):
+    """Found by a review: a rule on an nn.Sequential whose parent iterates it was not
+    carried out (its forward never runs; its children ran in the parent's region, their
+    activations kept) without a word. The first forward watches such modules and warns once,
+    naming the module, what ran without it and the regex key that gives them the rule;
+    called as a module, or with the first block also reachable elsewhere, nothing is said."""
+    said = _passed_over(mixprec.apply(IteratedBlocks(True), pmap, warn=False))
+    assert len(said) == 1 and f"the {rule}" in said[0]
+    assert "'blocks' (Sequential)" in said[0] and "(blocks.0, blocks.1)" in said[0]
+    assert "blocks\\.\\d+ as a regex key" in said[0]
+    assert _passed_over(mixprec.apply(IteratedBlocks(False), pmap, warn=False)) == []
+
+
+def test_a_module_also_held_elsewhere_is_not_taken_as_passed_over():
+    """A block reachable at another path too may be called there: only the modules the
+    passed-over one alone holds are named."""
+    pmap = PolicyMap("bf16-mixed", {"blocks": "32-true", "first": "32-true"})
+    said = _passed_over(mixprec.apply(IteratedBlocks(True, shared=True), pmap, warn=False))
+    assert len(said) == 1 and "(blocks.1)" in said[0]
+
+
+def test_the_first_forward_watching_rules_changes_no_result():
+    """The watched first forward computes what the later ones do (hooks only record), and
+    leaves no hook behind."""
+    torch.manual_seed(0)
+    model = mixprec.apply(
+        IteratedBlocks(True), PolicyMap("32-true", activations={"blocks": "checkpoint"}), warn=False
+    )
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = model(x)
+    assert torch.equal(first, model(x))
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
 class RefusedRNN(nn.Module):
     """An LSTM whose forward fails as oneDNN does on a CPU without a 16-bit RNN kernel under
     CPU autocast (so the test runs on any CPU)."""

@@ -19,7 +19,9 @@ import inspect
 import re
 import sys
 import threading
+import warnings
 import weakref
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +40,7 @@ from mixprec.activations.rules import never_called
 from mixprec.device import detect, device_of, parse_device
 from mixprec.dtypes import default_dtype, dtype_name, exclusive, needs_default_dtype
 from mixprec.eager import backward_outside_autocast, compiled_wrapper
-from mixprec.errors import DtypeChangedError, PolicySpecError, PrecisionError
+from mixprec.errors import DtypeChangedError, PolicySpecError, PrecisionError, caller_level
 from mixprec.hardware import slow_attention, warn_if_unsupported
 from mixprec.policy import APPLIED_STATE, REGION_MARK, Policy, explanation
 from mixprec.policy.explanation import Explanation
@@ -353,7 +355,13 @@ class _Region(_StandIn):
         self.original = original
         self.probe = _weight_probe(module)
 
+    # the modules below a root region whose rule a forward could pass over (`_arm_probe`):
+    # looked at in its first eager forward, then emptied
+    carriers: tuple[tuple[str, nn.Module, str, tuple[tuple[str, nn.Module], ...]], ...] = ()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.carriers and not torch.compiler.is_compiling():
+            return self._first(args, kwargs)
         try:  # (no cost in the common case; torch's dtype clash explained where dtypes moved)
             module = self.module
             output_dtype = self.output_dtype
@@ -456,6 +464,42 @@ class _Region(_StandIn):
                 _explain_rnn_error(err, self.module, device_type, self.compute_dtype)
             _explain_dtype_change(err, self.module)
             raise
+
+    def _first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The root's first eager forward, watching its `carriers`: a module with a rule
+        whose forward did not run while modules only it holds did was passed over (its
+        parent iterates, indexes or slices it: an nn.Sequential), so its rule was not
+        carried out and they ran as their caller computes. Warned of once, by path."""
+        carriers, self.carriers = self.carriers, ()
+        ran: set[int] = set()
+
+        def seen(module: nn.Module, _: Any) -> None:
+            ran.add(id(module))
+
+        handles = []
+        try:
+            for _, module, _, children in carriers:
+                handles.append(module.register_forward_pre_hook(seen))
+                handles.extend(child.register_forward_pre_hook(seen) for _, child in children)
+            out = self(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for path, module, rule, children in carriers:
+            called = [name for name, child in children if id(child) in ran]
+            if id(module) in ran or not called:
+                continue
+            warnings.warn(
+                f"the {rule} of {path!r} ({type(module).__name__}) was not carried out: its "
+                f"forward did not run while modules inside it did ({', '.join(called[:3])}"
+                f"{', ...' if len(called) > 3 else ''}), called directly (the parent "
+                "iterates, indexes or slices it), so they ran without it. Give the rule "
+                f"to the modules it holds ({re.escape(path)}\\.\\d+ as a regex key) or "
+                "call the module itself (docs/conversion.md)",
+                UserWarning,
+                stacklevel=caller_level(),
+            )
+        return out
 
     def _swapped(
         self,
@@ -995,6 +1039,7 @@ def apply(model: nn.Module, policy: Any = None, *, warn: bool = True) -> nn.Modu
     if pmap.activations is not None:  # outside the regions
         install_activations(model, pmap.activation_choices(model))
     set_fast_paths(model)  # torch's fused transformer layers would pass regions over
+    _arm_probe(model, resolved)
     model.__dict__[_STATE] = AppliedState(pmap, original, _floating_dtypes(model, buffers=False))
     _record_installed(model)
     for module in model.modules():
@@ -1126,6 +1171,56 @@ def _install_regions(model: nn.Module, resolved: dict[str, Resolution]) -> None:
         entry.family = family
         module.__dict__["forward"] = entry
     install_attention_islands(model, resolved)
+
+
+def _arm_probe(model: nn.Module, resolved: dict[str, Resolution]) -> None:
+    """Give `model`'s root region the modules whose rule (a policy region of their own, an
+    activation option) a forward could pass over, each with the modules only it holds that
+    a parent could call directly (`_Region._first`)."""
+    root = model.__dict__.get("forward")
+    while root is not None and not isinstance(root, _Region):
+        root = getattr(root, "original", None)
+    if root is None:
+        return
+    paths = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    carriers = []
+    for path, module in model.named_modules():
+        if not path or never_called(module):
+            continue
+        rule = _rule_of(module, resolved[path].policy)
+        children = tuple(
+            (f"{path}.{name}", child)
+            for name, child in _called_children(module)
+            if paths[id(child)] == 1  # (shared: the other path may call it)
+        )
+        if rule is not None and children:
+            carriers.append((path, module, rule, children))
+    root.carriers = tuple(carriers)
+
+
+def _rule_of(module: nn.Module, policy: Policy) -> str | None:
+    """What `module`'s stand-ins carry out that its children do not on their own: its
+    activation option, its region's policy (an `_Entry` computes as its caller does)."""
+    said = []
+    forward = module.__dict__.get("forward")
+    while forward is not None:
+        if isinstance(forward, ActivationForward):
+            said.append(f"activation option {forward.option!r}")
+        elif isinstance(forward, _Region) and not isinstance(forward, _Entry):
+            said.append(f"policy {str(policy)!r}")
+        forward = getattr(forward, "original", None)
+    return " and ".join(reversed(said)) or None
+
+
+def _called_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """`module`'s children that a forward calls, past containers nothing calls."""
+    found = []
+    for name, child in module.named_children():
+        if never_called(child):
+            found.extend((f"{name}.{n}", c) for n, c in _called_children(child))
+        else:
+            found.append((name, child))
+    return found
 
 
 def _above(model: nn.Module, targets: set[int]) -> set[int]:
