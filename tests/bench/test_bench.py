@@ -1040,3 +1040,94 @@ def test_a_slow_precision_the_environment_allowed_is_reproduced_with_the_flag(mo
         monkeypatch.delenv(ALLOW_SLOW_ENV)
         fast_only = plan(replace(options, precisions=["32-true"]))
     assert "--allow-slow" not in fast_only.command.split()
+
+
+def test_a_quantized_row_has_no_raw_twin_and_the_report_says_why():
+    """Found by a review: float8_from_bf16-mixed got a raw "twin" that was a plain bfloat16
+    autocast loop without float8 (autocast cannot quantize), so its "mixprec overhead"
+    (+67%) measured the quantization, not mixprec. Such a row has no twin, as a policy
+    file's has none, and the report says why its overhead is empty."""
+    names = ["32-true", "float8_from_bf16-mixed", "bf16-mixed"]
+    options = BenchOptions(
+        model="mlp", batch_sizes=[2], precisions=names, threads=1, allow_slow=True, steps=1
+    )
+    with hardware.assume(AVX2_CPU):
+        p = plan(options)
+    assert [(c.label, c.raw) for c in p.configs] == [
+        ("32-true", False),
+        ("float8_from_mixed_bfloat16", False),
+        ("bf16-mixed", True),
+    ]
+    loop = LoopResult(step_ms=[2.0] * 6, peak_memory=100)
+    rows = [
+        Row(c, RunResult(OK, loop, raw=loop if c.raw else None, paired=True)) for c in p.configs
+    ]
+    report = _report(rows)
+    from mixprec.bench.report import notes
+
+    lines = notes(report, summarize(report))
+    why = next(line for line in lines if line.startswith("mixprec overhead: none for"))
+    assert why.startswith("mixprec overhead: none for float8_from_mixed_bfloat16, which quantize")
+    assert "bf16-mixed," not in why  # (its twin ran)
+    overhead = next(line for line in lines if line.startswith("mixprec overhead: the median"))
+    assert overhead.endswith(
+        "empty where a row has no raw twin: policy files, activation options other than "
+        "keep, quantized precisions"
+    )
+
+
+def test_a_presets_steps_leave_the_default_time_budget():
+    """Found by a review: --preset blog set the time budget to 0, as if --steps had been
+    typed, because its `steps: 10` was merged before the budget's default was chosen; the
+    help says the budget is 30 s unless --steps is given."""
+    options = BenchOptions(preset="blog", precisions=["32-true"], device="cpu", threads=1)
+    p = plan(options)
+    assert (p.options.steps, p.options.time_budget) == (10, 30.0)
+    assert "--steps 10 --time-budget 30 --warmup 3" in p.command
+    typed = plan(replace(options, steps=10))
+    assert (typed.options.steps, typed.options.time_budget) == (10, 0.0)
+
+
+def test_a_memory_limit_given_as_a_float_is_whole_bytes_or_refused():
+    """Found by a review: `memory_limit=1.5 * 2**30` passed `plan`, every row then failed
+    with a TypeError and the reproduce command read `--memory-limit 1536.0MiB`. An integral
+    float is taken as its int; a fraction of a byte is refused by `plan`."""
+    options = BenchOptions(model="mlp", batch_sizes=[2], precisions=["32-true"], threads=1, steps=1)
+    p = plan(replace(options, memory_limit=1.5 * 2**30))
+    assert p.options.memory_limit == 1610612736 and type(p.options.memory_limit) is int
+    assert "--memory-limit 1536MiB" in p.command
+    with pytest.raises(ValueError, match="--memory-limit must be a whole number of bytes"):
+        plan(replace(options, memory_limit=1000.5))
+
+
+def test_auto_asked_for_is_said_as_asked_and_what_it_resolved_to():
+    """Found by a review: `--precision auto` resolved to 32-true on a CPU without fast 16-bit,
+    and the report said "Only 32-true was asked for (--precision)", which the user had not
+    typed. It says auto was asked for, what it resolved to here, and why."""
+    from mixprec.bench.report import comparison_gap_lines
+    from mixprec.bench.suite import comparison_gap, metadata
+
+    options = BenchOptions(model="mlp", batch_sizes=[2], precisions=["auto"], threads=1, steps=1)
+    with hardware.assume(AVX2_CPU):  # (described: no rates are measured)
+        p = plan(options)
+        meta = dict(metadata(p), comparison_gap=comparison_gap(p), memory_method="m")
+    assert p.options.precisions == ["32-true"]
+    assert (meta["comparison_gap"]["given"], meta["comparison_gap"]["auto"]) == (
+        ["auto"],
+        "32-true",
+    )
+    (config,) = p.configs
+    loop = LoopResult(step_ms=[2.0] * 6, peak_memory=100)
+    report = BenchReport(meta, [Row(config, RunResult(OK, loop, paired=True))])
+    summaries = summarize(report)
+    resolved = (
+        "auto resolved to 32-true on this device (auto picks bf16-mixed or 16-mixed only "
+        "where it is fast, and neither is here)"
+    )
+    lines = comparison_gap_lines(report, summaries)
+    assert lines[0] == (
+        f"timed: only auto was asked for (--precision); {resolved}, so only float32 was timed"
+    )
+    assert conclusion(report, summaries).startswith(
+        f"Only auto was asked for; {resolved}, so no mixed precision ran beside float32"
+    )

@@ -14,7 +14,7 @@ import sys
 import textwrap
 import threading
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -466,3 +466,58 @@ def test_allocation_failures_in_other_words_are_out_of_memory():
         assert is_oom(primitive)
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_each_fresh_process_compiles_with_empty_caches_and_the_raw_twin_alone(
+    tmp_path, monkeypatch
+):
+    """Found by a review: `bench --compile` compiled the raw torch.autocast twin right after
+    mixprec's loop in one process, dynamo and inductor warm (3-4x faster than alone), and
+    inductor's disk cache in /tmp carried over between processes and runs (a second run's
+    raw loop compiled in 0.1 s). Each fresh process gets an empty compile cache folder of
+    its own, removed after it, and the twin's first step is timed in a process of its own."""
+    from mixprec.bench import runner
+
+    calls = []
+
+    def fake(target, argv, env, timeout=None):
+        cache = Path(env["TORCHINDUCTOR_CACHE_DIR"])
+        assert cache.is_dir() and not any(cache.iterdir())  # empty, this process's own
+        assert env["TRITON_CACHE_DIR"] == str(cache / "triton")
+        calls.append((target.split(":")[1], cache))
+        alone = LoopResult(first_step_s=4.0)  # (the twin compiled alone)
+        ours, warm = LoopResult(first_step_s=5.0), LoopResult(first_step_s=1.0)
+        found = RunResult(OK, ours, warm) if target.endswith(":main") else alone
+        Path(argv[1]).write_text(json.dumps(asdict(found)))
+        return 0, ""
+
+    monkeypatch.setattr(runner.forkserver, "run_fresh", fake)
+    spec = replace(_spec("make", "bf16-mixed", raw=True), compile=True)
+    result = run_isolated(spec, tmp_path / "work")
+    assert [target for target, _ in calls] == ["main", "raw_first_step"]
+    assert calls[0][1] != calls[1][1] and not any(c.exists() for _, c in calls)
+    assert (result.mixprec.first_step_s, result.raw.first_step_s) == (5.0, 4.0)
+    calls.clear()  # an uncompiled row under a memory limit: one process, its own cache too
+    run_isolated(replace(spec, compile=False, memory_limit=2**30), tmp_path / "work")
+    assert [target for target, _ in calls] == ["main"]
+
+
+def test_the_raw_twins_first_step_process_builds_the_raw_loop_alone(
+    factories, tmp_path, monkeypatch
+):
+    """Found by a review (see above): the process timing the raw twin's compilation readies
+    the raw loop alone, as `run_group` readies it (same peak), and no mixprec loop first."""
+    from mixprec.bench import runner
+
+    spec = _spec("make", "bf16-mixed", raw=True)
+    expected = run_config(spec).raw
+
+    def refused(*args):
+        raise AssertionError("mixprec's loop was built")
+
+    monkeypatch.setattr(runner, "_build_mixprec", refused)
+    path = tmp_path / "raw.json"
+    assert runner.raw_first_step([json.dumps(asdict(spec)), str(path)]) == 0
+    alone = LoopResult(**json.loads(path.read_text()))
+    assert alone.status == OK and alone.first_step_s > 0
+    assert alone.peak_memory == expected.peak_memory

@@ -178,3 +178,18 @@ def test_mps_without_mps_is_a_usage_error_everywhere(annotated, tmp_path, capsys
     assert "sees no Apple GPU" in " ".join(capsys.readouterr().err.split())
     assert main(["bench", "--device", "mps", "--out", str(tmp_path / "o")]) == 2
     assert "mixprec bench runs on cpu or cuda, not mps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--precision", "32-true", "bf16[/]"], "unknown precision 'bf16[/]'; accepted: "),
+        (["--model", "m[/x].py:make", "--batch-sizes", "2"], "no such file: m[/x].py"),
+    ],
+)
+def test_bench_input_with_brackets_gets_its_usage_error(tmp_path, capsys, args, message):
+    """Found by a review: a `--precision 'bf16[/]'` typo or a `--model 'm[/x].py:make'`
+    crashed with rich's MarkupError (exit 3) while printing the error, instead of the usage
+    error (exit 2) listing what is accepted: the error names user text, printed as given."""
+    assert main(["bench", *args, "--threads", "1", "--out", str(tmp_path / "o")]) == 2
+    assert message in " ".join(capsys.readouterr().err.split())

@@ -258,3 +258,33 @@ def test_written_to_a_file_a_table_keeps_every_column_and_wraps_between_words():
     out = io.StringIO()
     textout.FileConsole(width=textout.FILE_WIDTH, file=out).print(table)
     assert long in out.getvalue() and "left out" not in out.getvalue()
+
+
+def test_user_text_with_brackets_is_printed_as_given_not_read_as_markup(
+    tmp_path, capsys, monkeypatch
+):
+    """Found by a review: a policy file `exp[lr=1e-3]/policy.json` was printed as
+    `exp/policy.json` (rich read `[lr=1e-3]` as markup) in the header, the progress lines,
+    the table and the reproduce command, which then named another file. User text is
+    printed as given everywhere."""
+    monkeypatch.chdir(tmp_path)
+    folder = Path("exp[lr=1e-3]")
+    folder.mkdir()
+    PolicyMap("32-true").save(folder / "policy.json")
+    (tmp_path / "tinybench.py").write_text(
+        "import torch\nfrom torch import nn\n\n\ndef make():\n    torch.manual_seed(0)\n"
+        "    batch = lambda n: (torch.randn(n, 4), torch.randint(0, 2, (n,)))\n"
+        "    return nn.Linear(4, 2), batch, nn.functional.cross_entropy\n"
+    )
+    name = str(folder / "policy.json")
+    args = ["bench", "--model", "tinybench.py:make", "--batch-sizes", "2"]
+    args += ["--precision", "32-true", name, "--steps", "2", "--warmup", "0", "--threads", "1"]
+    with hardware.assume(ZEN4):  # (described: no matmul rates measured for the gap)
+        assert main([*args, "--out", "o"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert name in next(line for line in lines if line.startswith("mixprec bench:"))
+    assert any(line.startswith(f"[2/2] {name} @ 2: ok") for line in lines)
+    assert any(f"│ {name} │" in line for line in lines)  # the table's row
+    assert f"'{name}'" in next(line for line in lines if line.startswith("reproduce:"))
+    assert "exp/policy.json" not in out

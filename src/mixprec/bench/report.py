@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from rich.markup import escape
+
 from mixprec.bench.runner import OK, OOM, UNTIMED_STEPS
 from mixprec.bench.suite import (
     BASELINE,
@@ -24,6 +26,7 @@ from mixprec.bench.suite import (
     Row,
     activation_label,
     cores_shared,
+    quantized,
     size_text,
 )
 from mixprec.bench.verdict import (
@@ -38,7 +41,9 @@ from mixprec.bench.verdict import (
     ratio_interval,
     speed_verdict,
 )
+from mixprec.errors import PolicySpecError
 from mixprec.files import write_atomically, write_figure
+from mixprec.policy.map import PolicyMap, is_policy_file
 from mixprec.textout import Column, FittedTable
 
 __all__ = [
@@ -415,14 +420,15 @@ def rich_table(report: BenchReport, summaries: list[Summary]) -> FittedTable:
     terminal the least useful ones too (named under it), never cut; report.md has the rest."""
     meta = report.metadata
     keep = shown_columns(summaries)
+    # (cells and title are rich markup: a label such as "exp[lr=1e-3]/policy.json" escaped)
     table = FittedTable(
-        f"mixprec bench: {meta['model']} on {meta['device']}",
+        escape(f"mixprec bench: {meta['model']} on {meta['device']}"),
         [Column(COLUMNS[i], "left" if i == 1 else "right", _KEEP.get(COLUMNS[i])) for i in keep],
         full="every column is in report.md",
     )
     for s in summaries:
         cells = _cells(s)
-        table.add_row([cells[i] for i in keep], style="red" if s.status != OK else None)
+        table.add_row([escape(cells[i]) for i in keep], style="red" if s.status != OK else None)
     return table
 
 
@@ -606,7 +612,15 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
             f"torch.autocast loop's - 1, with its {CONFIDENCE:.0%} interval (mixed "
             "precisions only); mixprec computes layer-norm-type and softmax layers in float32 "
             "islands where the device's autocast does not (rows marked 'no f32 islands' leave "
-            "them to autocast, as the raw loop does)"
+            "them to autocast, as the raw loop does); empty where a row has no raw twin: "
+            "policy files, activation options other than keep, quantized precisions"
+        )
+    if bare := _quantized_labels(summaries):
+        out.append(
+            f"mixprec overhead: none for {', '.join(bare)}, which quantize matmuls (float8, "
+            "block-scaled) where torch.autocast cannot: a raw autocast twin would be a plain "
+            "16-bit loop, and its overhead the quantization's cost, not mixprec's, so there "
+            "is no twin"
         )
     warning = busy_machine_warning(
         meta.get("load_average_before"),
@@ -639,7 +653,9 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
         out.append(
             "compiled: every model runs under torch.compile (torch's defaults), compiled after "
             "mixprec's conversion, in our loop and the raw torch loop alike; the first step "
-            "compiles, so it is timed apart (below) and the timed steps exclude it"
+            "compiles, so it is timed apart (below) and the timed steps exclude it; each "
+            "loop's first step compiles first in a fresh process with empty compile caches "
+            "(the raw loop's in one of its own, not after ours)"
         )
     for s in summaries:
         if s.compiled and s.first_step_s is not None:
@@ -649,6 +665,20 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
                 f"{s.first_step_s:.1f} s{raw}"
             )
     return out
+
+
+def _quantized_labels(summaries: list[Summary]) -> list[str]:
+    """The labels of rows whose precision quantizes matmuls (so they have no raw twin)."""
+    labels = []
+    for s in summaries:
+        if is_policy_file(s.precision):  # (no twin for a file in any case)
+            continue
+        try:
+            if quantized(PolicyMap(s.precision)):
+                labels.append(s.label)
+        except (PolicySpecError, ValueError):  # (a name an older mixprec wrote)
+            continue
+    return list(dict.fromkeys(labels))
 
 
 def _was(names: list[str]) -> str:
@@ -665,6 +695,19 @@ def _duration(ms: float) -> str:
     return f"{seconds / 3600:,.1f} h"
 
 
+def _auto_resolved(gap: dict[str, Any]) -> str:
+    """What "auto" among the precisions asked for resolved to on this device, and why
+    (empty when it was not asked for)."""
+    auto = gap.get("auto")
+    if auto is None:
+        return ""
+    if auto == BASELINE:
+        why = "auto picks bf16-mixed or 16-mixed only where it is fast, and neither is here"
+    else:
+        why = "the fastest stable mixed precision here"
+    return f"; auto resolved to {auto} on this device ({why})"
+
+
 def comparison_gap_lines(report: BenchReport, summaries: list[Summary]) -> list[str]:
     """Why no mixed precision was timed, as short labelled lines: what was timed, each
     precision left out and why, the dtype rates measured here, what timing them would cost,
@@ -677,8 +720,11 @@ def comparison_gap_lines(report: BenchReport, summaries: list[Summary]) -> list[
     rates = gap["matmul_gflops"]
     base = rates.get("float32")
     if gap["asked"]:
-        asked = meta["precisions"]
-        first = f"only {', '.join(asked)} {_was(asked)} asked for (--precision), so "
+        asked = gap.get("given") or meta["precisions"]
+        first = (
+            f"only {', '.join(asked)} {_was(asked)} asked for (--precision)"
+            f"{_auto_resolved(gap)}, so "
+        )
     else:
         first = "no mixed precision is fast on this device, so "
     # (results written before the gap said what was timed: the rows' precisions)
@@ -1066,10 +1112,10 @@ def conclusion(report: BenchReport, summaries: list[Summary]) -> str:
         if gap and gap["asked"]:  # left out because not asked for: nothing found against them
             also = f" ({', '.join(fast)} would be fast here: see above)" if fast else ""
             beside = "beside float32 " if BASELINE in meta["precisions"] else ""
-            asked = meta["precisions"]
+            asked = gap.get("given") or meta["precisions"]
             return (
-                f"Only {', '.join(asked)} {_was(asked)} asked for, so no mixed precision "
-                f"ran {beside}to compare{also}; {seed}."
+                f"Only {', '.join(asked)} {_was(asked)} asked for{_auto_resolved(gap)}, so no "
+                f"mixed precision ran {beside}to compare{also}; {seed}."
             )
         if gap:
             return (

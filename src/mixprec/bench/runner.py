@@ -19,7 +19,7 @@ that `torch.profiler` records (`profile_memory=True`).
 With `compile`, both loops' models are compiled alike, with `torch.compile(model)` after
 conversion and placement (not `model.compile()`, which leaves a model made of torch.nn
 modules only, such as a raw `nn.Sequential`, uncompiled); the first step's time is kept
-apart as `first_step_s`.
+apart as `first_step_s`, each loop's compiling first in a fresh process (`run_isolated`).
 
 A mixed configuration also runs a hand-written `torch.autocast` loop (plus
 `torch.amp.GradScaler` for float16) on an identical model, so that "mixprec overhead"
@@ -37,6 +37,7 @@ import json
 import os
 import resource
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -67,6 +68,7 @@ __all__ = [
     "fresh_process_reason",
     "is_oom",
     "main",
+    "raw_first_step",
     "run_config",
     "run_in_process",
     "run_isolated",
@@ -626,35 +628,71 @@ def run_side_by_side(
 def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> RunResult:
     """Run `spec` in a fresh process and return its result (`forkserver.run_fresh`: forked
     from a server that imported torch once, so it starts in milliseconds, or a new Python
-    interpreter where that cannot run).
+    interpreter where that cannot run). Each fresh process has empty torch.compile disk
+    caches of its own (`_fresh_env`).
+
+    Compiled with a raw twin, the twin's first step (its compilation) is timed again in a
+    fresh process of its own (`raw_first_step`), as ours was: compiled after ours in one
+    process, it found dynamo and inductor warm and took a third of the time.
 
     A child killed by SIGKILL (the kernel's out-of-memory killer) is reported as OOM; a
     crash or an exception in the child as an error carrying the end of its output.
     """
-    workdir.mkdir(parents=True, exist_ok=True)
-    tag = f"{spec.precision}-{spec.activations}-{spec.batch_size}-{spec.tf32}"
-    tag = tag.replace("/", "_").replace(",", "_")
-    out_path = workdir / f"result-{tag}-{os.getpid()}-{time.monotonic_ns()}.json"
-    env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads))
-    argv = [json.dumps(asdict(spec)), str(out_path)]
-    kind = torch.device(spec.device).type
-    if assumed(kind):  # (the child judges the device the plan judged, not the host)
-        argv.append(_device_json(detect(kind)))
-    try:
-        code, output = forkserver.run_fresh("mixprec.bench.runner:main", argv, env, timeout)
-        if code is None:
-            return replace(_timeout_result(timeout), fresh_process=True)
-        if out_path.exists():
-            result = RunResult.from_dict(json.loads(out_path.read_text()))
-            return replace(result, fresh_process=True)
-    finally:
-        out_path.unlink(missing_ok=True)
+    code, output, found = _run_fresh(spec, "main", workdir, timeout)
+    if code is None:
+        return replace(_timeout_result(timeout), fresh_process=True)
+    if found is not None:
+        result = replace(RunResult.from_dict(found), fresh_process=True)
+        raw = result.raw
+        if spec.compile and raw is not None and raw.status == OK:
+            _, _, alone = _run_fresh(spec, "raw_first_step", workdir, timeout)
+            # (None when it failed: no compilation time is better than a warm one)
+            raw.first_step_s = None if alone is None else LoopResult(**alone).first_step_s
+        return result
     if code == -9:
         msg = "killed by SIGKILL, the usual sign of running out of host memory"
         return RunResult(OOM, LoopResult(OOM, msg), error=msg, fresh_process=True)
     tail = output.strip()[-1500:]
     msg = f"benchmark process exited with code {code}: {tail}"
     return RunResult(ERROR, LoopResult(ERROR, msg), error=msg, fresh_process=True)
+
+
+def _fresh_env(spec: RunSpec, cache: str) -> dict[str, str]:
+    """A fresh process's environment: `spec`'s threads, and torch.compile's on-disk caches
+    (inductor's FX graph, AOTAutograd and kernel caches, Triton's kernels) in `cache`, an
+    empty folder of its own, so that no process compiles less for what another (or an
+    earlier run, in /tmp/torchinductor_<user>) compiled."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec.threads))
+    env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+    return env
+
+
+def _run_fresh(
+    spec: RunSpec, target: str, workdir: Path, timeout: float | None
+) -> tuple[int | None, str, dict[str, Any] | None]:
+    """Run this module's `target` on `spec` in a fresh process with empty compile caches
+    (removed afterwards): its exit code (None: timed out), output and JSON result (None
+    when it wrote none)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    tag = f"{spec.precision}-{spec.activations}-{spec.batch_size}-{spec.tf32}"
+    tag = tag.replace("/", "_").replace(",", "_")
+    out_path = workdir / f"result-{tag}-{os.getpid()}-{time.monotonic_ns()}.json"
+    argv = [json.dumps(asdict(spec)), str(out_path)]
+    kind = torch.device(spec.device).type
+    if assumed(kind):  # (the child judges the device the plan judged, not the host)
+        argv.append(_device_json(detect(kind)))
+    with tempfile.TemporaryDirectory(
+        prefix="mixprec-compile-cache-", ignore_cleanup_errors=True
+    ) as cache:
+        try:
+            code, output = forkserver.run_fresh(
+                f"mixprec.bench.runner:{target}", argv, _fresh_env(spec, cache), timeout
+            )
+            found = json.loads(out_path.read_text()) if out_path.exists() else None
+        finally:
+            out_path.unlink(missing_ok=True)
+    return code, output, found if code is not None else None
 
 
 def _device_json(info: DeviceInfo) -> str:
@@ -689,6 +727,24 @@ def main(argv: list[str] | None = None) -> int:
         result = RunResult(ERROR, LoopResult(ERROR, detail), error=detail)
         traceback.print_exc()
     Path(result_path).write_text(json.dumps(asdict(result)))
+    return 0
+
+
+def raw_first_step(argv: list[str]) -> int:
+    """Child entry point (`run_isolated`): the raw twin of a compiled `spec` alone, readied as
+    in `run_group` (eager warm-up, then compiled up to its first update, memory measured),
+    its `LoopResult` written; no mixprec loop compiles before it in this process."""
+    spec_json, result_path, *described = argv
+    spec = RunSpec(**json.loads(spec_json))
+    device = torch.device(spec.device)
+    torch.set_num_threads(spec.threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _use_tf32(spec, device)
+    res = LoopResult()
+    with assume(_device_from_json(described[0])) if described else contextlib.nullcontext():
+        _ready_loop(spec, "raw", res, device, None)
+    Path(result_path).write_text(json.dumps(asdict(res)))
     return 0
 
 

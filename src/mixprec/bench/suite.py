@@ -67,6 +67,7 @@ from mixprec.hardware import (
 from mixprec.hardware.measuring import measure_rates, rate_doubts
 from mixprec.policy import Policy, QuantizedPolicy
 from mixprec.policy.map import PolicyMap, is_policy_file
+from mixprec.policy.names import is_auto
 from mixprec.timing import busy_cores, cpu_sample, free_threads, other_busy_cores
 from mixprec.version import __version__
 
@@ -85,6 +86,7 @@ __all__ = [
     "memory_method",
     "metadata",
     "plan",
+    "quantized",
     "run_bench",
     "size_text",
     "times_paired",
@@ -199,6 +201,8 @@ class Plan:
     # how many cores other work kept busy as the plan was made (`timing.busy_cores`), where
     # it was sampled (a CPU run); None elsewhere
     busy_cores: float | None = None
+    # the precisions as asked for ("auto" as typed, not what it resolved to); None: not asked
+    given: list[str] | None = None
 
     @property
     def times_low_precision(self) -> bool:
@@ -229,13 +233,25 @@ class BenchReport:
     max_batch: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+def _whole_bytes(limit: float | None) -> int | None:
+    """A memory limit as whole bytes: an integral float (``1.5 * 2**30``) as its int, a
+    fraction of a byte refused (the limit caps allocations, counted in bytes)."""
+    if limit is None or isinstance(limit, int):
+        return limit
+    if isinstance(limit, float) and limit.is_integer():
+        return int(limit)
+    raise ValueError(f"--memory-limit must be a whole number of bytes, got {limit!r}")
+
+
 def _positive(name: str, value: int | None, minimum: int = 1) -> None:
     if value is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def _resolve(opts: BenchOptions) -> BenchOptions:
-    """Fill defaults: the preset's values first, then the model's, then the machine's."""
+    """Fill defaults: the preset's values first, then the model's, then the machine's.
+    A preset's steps are a default, not a typed ``--steps``: the budget keeps its default."""
+    given_steps = opts.steps
     if opts.preset is not None:
         if opts.preset not in PRESETS:
             raise ValueError(f"unknown preset {opts.preset!r}; known: {', '.join(PRESETS)}")
@@ -254,7 +270,7 @@ def _resolve(opts: BenchOptions) -> BenchOptions:
         raise ValueError(f"--model {opts.model} needs --batch-sizes (no defaults for it)")
     budget = opts.time_budget
     if budget is None:
-        budget = DEFAULT_TIME_BUDGET if opts.steps is None else 0.0
+        budget = DEFAULT_TIME_BUDGET if given_steps is None else 0.0
     return replace(
         opts,
         time_budget=budget,
@@ -404,6 +420,7 @@ def reproduce_command(opts: BenchOptions, device: torch.device) -> str:
 def plan(options: BenchOptions) -> Plan:
     """Validate `options` and list the configurations; raises ValueError on bad input."""
     opts = _resolve(options)
+    opts = replace(opts, memory_limit=_whole_bytes(opts.memory_limit))
     for name, value, minimum in (
         ("--steps", opts.steps, 1),
         ("--warmup", opts.warmup, 0),
@@ -472,6 +489,9 @@ def plan(options: BenchOptions) -> Plan:
             # a policy file runs as it is written: its own islands, no hand-written twin
             from_file = is_policy_file(name)
             mixed = policy.default.is_mixed and not from_file
+            # autocast cannot quantize: a quantized row's twin would be a plain 16-bit loop,
+            # and its "overhead" the quantization's cost, not mixprec's
+            twin = mixed and not quantized(policy)
             for tf32 in modes if fp32_compute else modes[:1]:
                 for island in islands if mixed else [policy.float32_islands]:
                     for option in activations or [None]:
@@ -481,7 +501,7 @@ def plan(options: BenchOptions) -> Plan:
                         if opts.compile:
                             label += " (compiled)"
                         # the raw torch loop keeps every activation: a twin of keep only
-                        raw = mixed and option in (None, "keep")
+                        raw = twin and option in (None, "keep")
                         configs.append(
                             Config(label, name, batch, tf32, raw, island, opts.compile, option)
                         )
@@ -497,7 +517,14 @@ def plan(options: BenchOptions) -> Plan:
         left_out,
         threads_note,
         None if busy is None else round(busy, 2),
+        list(options.precisions) if options.precisions is not None else None,
     )
+
+
+def quantized(policy: PolicyMap) -> bool:
+    """Whether any layer of `policy` quantizes its matmuls (float8, the block-scaled
+    formats), which no ``torch.autocast`` loop does: such a row has no raw twin."""
+    return any(isinstance(p, QuantizedPolicy) for p in policy.policies())
 
 
 def activation_label(name: str, option: str | None) -> str:
@@ -580,8 +607,12 @@ def comparison_gap(p: Plan) -> dict[str, Any] | None:
 
     # the fast ones first; the slow ones (whose cost the report estimates) by their own command
     runnable = fast or others
+    auto = resolve_auto(detect(p.device)).name
     return {
         "asked": p.asked,
+        # what was asked for as typed, and what "auto" among it resolved to here
+        "given": p.given,
+        "auto": auto if any(is_auto(s) for s in p.given or []) else None,
         "timed": sorted({dtype_name(d) for m in p.precisions.values() for d in m.compute_dtypes()}),
         "left_out": {
             name: {

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.markdown import Markdown
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -333,25 +334,28 @@ def _print_results(
     and raw torch.autocast twins, why no mixed precision was timed, the largest batches."""
     console.print(rich_table(report, summaries))
     for line in notes(report, summaries, busy=busy):
-        console.print(f"  {line}", highlight=False)
+        console.print(f"  {line}", highlight=False, markup=False)
     for s in summaries:
         if s.status not in (OK, OOM):
-            err.print(f"[red]{s.label} @ {s.batch_size}: {s.status}[/] {s.error}", highlight=False)
+            err.print(
+                f"[red]{escape(s.label)} @ {s.batch_size}: {s.status}[/] {escape(str(s.error))}",
+                highlight=False,
+            )
         if s.raw_error:  # (its table row ran: the raw column's "-" says nothing more)
             err.print(
-                f"[red]{s.label} @ {s.batch_size}, its raw torch.autocast twin:[/] "
-                f"{s.raw_error}; mixprec's loop ran (its row above)",
+                f"[red]{escape(s.label)} @ {s.batch_size}, its raw torch.autocast twin:[/] "
+                f"{escape(s.raw_error)}; mixprec's loop ran (its row above)",
                 highlight=False,
             )
     gap = comparison_gap_lines(report, summaries)
     if gap:
         console.print("[yellow bold]why no mixed precision was timed[/]")
         for line in gap:
-            console.print(f"  {line}", highlight=False)
+            console.print(f"  {line}", highlight=False, markup=False)
     if report.max_batch:
         console.print("[bold]largest batch that fits[/]")
         for line in max_batch_lines(report):
-            console.print(f"  {line}", highlight=False)
+            console.print(f"  {line}", highlight=False, markup=False)
 
 
 def run_memory_command(
@@ -365,7 +369,9 @@ def run_memory_command(
     try:
         device, precisions, out = _checked_memory_args(args, console, model, sizes, devices, out)
     except ValueError as e:
-        err.print(f"[red]mixprec bench: error:[/] {e}", highlight=False, soft_wrap=True)
+        err.print(
+            f"[red]mixprec bench: error:[/] {escape(str(e))}", highlight=False, soft_wrap=True
+        )
         return 2
     batch = sizes[0]
     threads = args.threads or max(1, (os.cpu_count() or 1) // devices)
@@ -385,7 +391,7 @@ def run_memory_command(
         for strategy in strategies
     ]
     command = distributed.command_line()
-    console.print(f"reproduce: {command}", highlight=False, soft_wrap=True)
+    console.print(f"reproduce: {command}", highlight=False, soft_wrap=True, markup=False)
     rows, interrupted = _run_memory_specs(specs, out, console)
     meta = {
         "command": command,
@@ -400,8 +406,11 @@ def run_memory_command(
     console.print(Markdown(paths[1].read_text()))
     failed = [r for r in rows if isinstance(r, distributed.FailedRun)]
     for r in failed:
-        err.print(f"[red]{r.strategy} {r.precision}: failed[/] {r.error}", highlight=False)
-    console.print(f"results: {', '.join(map(str, paths))}", highlight=False)
+        err.print(
+            f"[red]{r.strategy} {escape(r.precision)}: failed[/] {escape(str(r.error))}",
+            highlight=False,
+        )
+    console.print(f"results: {', '.join(map(str, paths))}", highlight=False, markup=False)
     if interrupted:
         err.print("[red]interrupted (Ctrl-C):[/] the rows measured before it are written")
         return 130
@@ -442,6 +451,7 @@ def _checked_memory_args(
             console.print(
                 f"left out {spec}: slow or refused here ({why}); --allow-slow times it anyway",
                 highlight=False,
+                markup=False,
                 soft_wrap=True,
             )
     # "auto" means the fastest stable precision of the measured device
@@ -462,10 +472,14 @@ def _run_memory_specs(
     def done(spec: distributed.MemorySpec, rows: list[distributed.Row]) -> None:
         ranks = [r for r in rows if isinstance(r, distributed.RankMemory)]
         if len(ranks) != len(rows):
-            console.print(f"{spec.strategy} {spec.precision}: failed", highlight=False)
+            console.print(
+                f"{spec.strategy} {spec.precision}: failed", highlight=False, markup=False
+            )
             return
         held = ", ".join(f"rank {r.rank} {r.held / 2**20:.2f} MiB" for r in ranks)
-        console.print(f"{spec.strategy} {spec.precision}: held {held}", highlight=False)
+        console.print(
+            f"{spec.strategy} {spec.precision}: held {held}", highlight=False, markup=False
+        )
 
     try:
         return distributed.run(specs, out / "ranks", done), False
@@ -508,17 +522,19 @@ class _Printer(Listener):
         self.console, self.progress, self.task, self.total = console, progress, task, total
 
     def measured(self, row: Row, index: int, seconds: float) -> None:
-        self.console.print(progress_line(row, index, self.total, seconds), highlight=False)
+        self.console.print(
+            progress_line(row, index, self.total, seconds), highlight=False, markup=False
+        )
         shown = "OOM" if row.result.status == OOM else row.result.status
         c = row.config
         self.progress.update(
-            self.task, advance=1, description=f"{c.label} @ {c.batch_size}: {shown}"
+            self.task, advance=1, description=f"{escape(c.label)} @ {c.batch_size}: {shown}"
         )
 
     def probed(self, name: str, batch: int, status: str) -> None:
         shown = {OK: "fits", OOM: "OOM"}.get(status, status)
-        self.console.print(f"max batch {name}: {batch} {shown}", highlight=False)
-        self.progress.update(self.task, description=f"max batch {name}: {batch} {shown}")
+        self.console.print(f"max batch {name}: {batch} {shown}", highlight=False, markup=False)
+        self.progress.update(self.task, description=f"max batch {escape(name)}: {batch} {shown}")
 
 
 def _busy_warning(p: Plan) -> str | None:
@@ -558,7 +574,9 @@ def run_command(args: argparse.Namespace) -> int:
         p = plan(_options(args))
         out = _output_dir(out, (*OUTPUT_FILES, JOURNAL))
     except ValueError as e:
-        err.print(f"[red]mixprec bench: error:[/] {e}", highlight=False, soft_wrap=True)
+        err.print(
+            f"[red]mixprec bench: error:[/] {escape(str(e))}", highlight=False, soft_wrap=True
+        )
         return 2
     png = importlib.util.find_spec("matplotlib") is not None
     if not png:
@@ -568,15 +586,15 @@ def run_command(args: argparse.Namespace) -> int:
         )
     o = p.options
     console.print(
-        f"[bold]mixprec bench[/]: {o.model}, {', '.join(p.precisions)}, "
+        f"[bold]mixprec bench[/]: {escape(o.model)}, {escape(', '.join(p.precisions))}, "
         f"batch {', '.join(map(str, o.batch_sizes or []))} on {p.device}"
     )
-    console.print(f"reproduce: {p.command}", highlight=False, soft_wrap=True)
+    console.print(f"reproduce: {p.command}", highlight=False, soft_wrap=True, markup=False)
     if p.threads_note:
-        err.print(f"[yellow]{p.threads_note}[/]", highlight=False, soft_wrap=True)
+        err.print(f"[yellow]{escape(p.threads_note)}[/]", highlight=False, soft_wrap=True)
     busy = _busy_warning(p)
     if busy:
-        err.print(f"[yellow]{busy}[/]", highlight=False, soft_wrap=True)
+        err.print(f"[yellow]{escape(busy)}[/]", highlight=False, soft_wrap=True)
 
     journal, stopped_by = _run_configs(p, console, out)
     report = load_journal(journal.path)  # what is on disk, however the run ended
@@ -589,11 +607,11 @@ def run_command(args: argparse.Namespace) -> int:
     # the busy-machine warning was given once, at the start
     _print_results(report, summaries, console, err, busy=busy is None)
     paths = [*write_outputs(out, report, png=png), journal.path]
-    console.print(f"results: {', '.join(map(str, paths))}", highlight=False)
-    console.print(f"\n[bold]{conclusion(report, summaries)}[/]", highlight=False)
+    console.print(f"results: {', '.join(map(str, paths))}", highlight=False, markup=False)
+    console.print(f"\n[bold]{escape(conclusion(report, summaries))}[/]", highlight=False)
     stopped = stopped_line(report)
     if stopped_by is not None and stopped is not None:
-        err.print(f"[yellow bold]{stopped}[/]", highlight=False, soft_wrap=True)
+        err.print(f"[yellow bold]{escape(stopped)}[/]", highlight=False, soft_wrap=True)
         return _STOPPED_EXIT[stopped_by]
     failed = (
         any(s.status not in (OK, OOM) for s in summaries)
