@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from mixprec import LossScaleOptimizer
+from mixprec import LossScaleOptimizer, Precision
 from mixprec.optim.states import (
     AdamW4bit,
     AdamW8bit,
@@ -1365,3 +1365,24 @@ def test_the_uncompensated_warning_gives_a_low_bit_optimizer_the_advice_it_takes
     assert not [w for w in recwarn if "round away" in str(w.message)]
     with pytest.warns(UserWarning, match=r"'stochastic'\) to Precision"):  # (torch's)
         LossScaleOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), scaler="none")
+
+
+def test_a_converted_low_bit_optimizer_is_told_to_pass_compensation_to_precision(recwarn):
+    """Found by a diff review: the low-bit optimizer `Precision(optimizer_states=...)`
+    converts from the user's torch AdamW was told to build itself with compensation=, which
+    the user never builds; passing compensation= to Precision converts it with one, and
+    silences the warning."""
+    model = nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with pytest.warns(UserWarning, match="round away") as caught:
+        Precision("bf16-true", optimizer_states="int8", allow_slow=True).setup(model, opt)
+    said = str(caught[0].message)
+    assert "Pass compensation='kahan' (or 'stochastic') to Precision" in said
+    assert "LowBitAdamW(..., compensation" not in said
+    recwarn.clear()
+    model = nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    Precision("bf16-true", optimizer_states="int8", compensation="kahan", allow_slow=True).setup(
+        model, opt
+    )
+    assert not [w for w in recwarn if "round away" in str(w.message)]

@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from mixprec.activations.codecs import (
     CODECS,
+    FP8,
     Centered,
     Codec,
     Keep,
@@ -459,7 +460,14 @@ class _SavesByFunction(TorchFunctionMode):
             return func(*args, **kwargs)
         if norm is not None:  # (per call: the input it centres is this call's)
             given, row = norm
-            if _op(func) in _LAYER_NORMS and not given.is_contiguous():
+            # (only a copy the codec stores centred: one it keeps as it is, a 16-bit input
+            # under bf16, would be held beside the input's own memory for nothing)
+            if (
+                _op(func) in _LAYER_NORMS
+                and not given.is_contiguous()
+                and given.numel() >= FP8.block
+                and codec.stores(given)
+            ):
                 given = given.contiguous()
                 args, kwargs = _with_input(args, kwargs, given)
             hooks = Centered(codec, given, row)

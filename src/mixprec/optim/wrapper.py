@@ -842,18 +842,24 @@ def _warn_uncompensated(
     if plain:
         sharded = bool(_sharded(_trainable(optimizer)))
         name = type(optimizer).__name__
-        if sharded:
+        # (master weights are not offered for sharded 16-bit weights)
+        masters = "" if sharded else ", or pass master_weights=True to Precision"
+        if isinstance(optimizer, LowBitOptimizer) and optimizer.stands_for is not None:
+            # (converted from the torch optimizer given: Precision converts it with one)
+            fix = "Pass compensation='kahan' (or 'stochastic') to Precision" + (
+                "" if sharded else ", or master_weights=True"
+            )
+        elif isinstance(optimizer, LowBitOptimizer):
+            # (it compensates its own updates, sharded too: Precision refuses to add one)
+            fix = (
+                f"Build it with compensation='kahan' (or 'stochastic'): {name}(..., "
+                f"compensation='kahan'){masters}{'' if sharded else ' / LossScaleOptimizer'}"
+            )
+        elif sharded:
             fix = (
                 "Sharded with FSDP, train a *-mixed policy instead: FSDP keeps float32 sharded "
                 "masters and computes in 16 bits (compensation and master_weights are not "
                 "offered for sharded 16-bit weights)"
-            )
-        elif isinstance(optimizer, LowBitOptimizer):
-            # (it compensates its own updates: Precision / LossScaleOptimizer refuse one)
-            fix = (
-                f"Build it with compensation='kahan' (or 'stochastic'): {name}(..., "
-                "compensation='kahan'), or pass master_weights=True to Precision / "
-                "LossScaleOptimizer"
             )
         else:
             fix = (
