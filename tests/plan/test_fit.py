@@ -10,6 +10,7 @@ from a first count or measurement in the test, never written as machine figures.
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -19,7 +20,7 @@ from torch import nn
 
 from mixprec.activations import saved_bytes
 from mixprec.plan import Budget, BudgetError, search
-from mixprec.plan.activation_choice import batch_at, saved_under, split_saved
+from mixprec.plan.activation_choice import batch_at, plan_activations, saved_under, split_saved
 from mixprec.plan.budget import parse_bytes
 from mixprec.plan.fitting import FitReport, Peak, Tried, _against_uniform, fit, step_peaks
 from mixprec.plan.measure import convert
@@ -27,7 +28,8 @@ from mixprec.plan.report import BlockRow, Option
 from mixprec.plan.units import state_bytes
 from mixprec.policy.map import PolicyMap
 
-FORMATS = ["32-true", "int8_from_32-true"]
+INT8 = "int8_from_32-true"
+FORMATS = ["32-true", INT8]
 FAST = {"formats": FORMATS, "baseline": "32-true", "reps": 1, "retries": 0}
 
 
@@ -395,6 +397,100 @@ def test_a_fit_never_chooses_a_plan_whose_loss_is_not_finite_over_one_that_is() 
     fitted = fit(model, batches, F.mse_loss, budget=budget, measure=measure, **FAST)
     assert any(t.name.startswith("all ") and t.fits for t in fitted.tried)
     assert fitted.tried[-1].name == "smallest" and fitted.chosen is fitted.tried[-1]
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, 4 * d)
+        self.b = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(F.gelu(self.a(x)))
+
+
+def mlp_blocks() -> tuple[nn.Module, list]:
+    """Three residual MLP blocks at batch 256: all int8 measures a lower loss than float32
+    before training (by 0.01%, noise), and a much higher one after two steps (frozen)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), *(MLPBlock(32) for _ in range(3)), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(1)
+    return model, [(torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g))]
+
+
+def test_a_fit_with_room_for_float32_does_not_return_frozen_int8_weights() -> None:
+    """Found by a review: with room for float32, `fit` returned int8 weights everywhere
+    (frozen: they cannot train) at a loss after its steps far above float32's, which fit.
+    Inside the fit the search let all int8 win on a loss before training lower by 0.01%
+    (noise), and the fit measured only that plan's activation variants, never the baseline
+    or the other uniform plans. It now measures those too and returns the least loss
+    after the steps among all that fit."""
+    model, batches = mlp_blocks()
+
+    def measure(plans):
+        return step_peaks(model, batches[0], F.cross_entropy, plans)
+
+    linears = {n: INT8 for n, mod in model.named_modules() if isinstance(mod, nn.Linear)}
+    float32, int8 = measure([PolicyMap("32-true"), PolicyMap("32-true", linears)])
+    assert float32.loss < int8.loss and int8.bytes < float32.bytes
+    budget = 2 * float32.bytes
+    report = fit(model, batches, F.cross_entropy, budget=budget, measure=measure, **FAST)
+    assert report.chosen is not None and report.chosen.peak <= budget
+    assert report.chosen.loss <= float32.loss < int8.loss
+    assert not report.chosen.policy.rules  # every layer in float32: it trains
+    # the uniform plans of one format were measured beside the solved plan's variants
+    names = [t.name for t in report.tried]
+    assert f"all {INT8.replace('32-true', 'float32')}" in names, names
+    fitting = [t for t in report.tried if t.fits]
+    assert report.chosen.loss == min(t.loss for t in fitting)
+
+
+def test_when_nothing_fits_the_distance_is_the_smallest_measured_peaks() -> None:
+    """Found by a review: when nothing fit, only the smallest plan (each block in its
+    cheapest option by count, mostly recomputed) was measured, and "N bytes over" was its
+    peak's distance, while its formats with every block in fp8 peaked 96 KB lower. Its
+    formats with every block in each option are now measured too, and the distance is the
+    smallest measured peak's."""
+    model, batches = mlp_blocks()
+
+    def measure(plans):
+        return step_peaks(model, batches[0], F.cross_entropy, plans)
+
+    (float32,) = measure([PolicyMap("32-true")])
+    budget = float32.bytes // 4
+    report = fit(model, batches, F.cross_entropy, budget=budget, measure=measure, **FAST)
+    assert report.chosen is None and report.over == min(t.peak for t in report.tried) - budget
+    smallest = next(t for t in report.tried if t.name == "smallest")
+    options = ["keep", "bf16", "fp8", "checkpoint"]
+    variants = [
+        smallest.policy.replace(activations=plan_activations(dict.fromkeys("1234", o)))
+        for o in options
+    ]
+    for option, peak in zip(options, measure(variants), strict=True):
+        assert peak.bytes - budget >= report.over, option
+    assert f"{report.over} bytes" in report.summary()
+
+
+def test_a_budget_error_says_its_count_is_the_solvers_sum() -> None:
+    """Found by a review: with a layer used twice (its saved tensors in two blocks'
+    counts), `BudgetError` said "the smallest plan counts 177108 bytes, 12108 over" while
+    a search with that much room returned a plan whose count (total_bytes) was 159700:
+    the solver's sum counts a tensor several blocks save once per block. The message now
+    says the count is that sum, which a plan's own count can be below."""
+    torch.manual_seed(0)
+    shared = nn.Linear(32, 32)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), shared, nn.ReLU(), shared, nn.Dropout(0.0), nn.Linear(32, 4)
+    )
+    batches = [(torch.randn(16, 16), torch.randint(0, 4, (16,)))]
+    kw = dict(count="training", batch_size=512, **FAST)
+    with pytest.raises(BudgetError) as err:
+        search(model, batches, F.cross_entropy, budget=Budget(memory_bytes=1), **kw)
+    said = str(err.value)
+    assert "as the solver sums its layers and blocks" in said and "total_bytes" in said
+    summed = int(re.search(r"the smallest plan counts (\d+) bytes", said).group(1))
+    found = search(model, batches, F.cross_entropy, budget=Budget(memory_bytes=summed), **kw)
+    assert found.total_bytes < summed
 
 
 # --- each measured plan counted in its own dtypes ---------------------------------------------

@@ -783,18 +783,64 @@ def test_training_bytes_of_a_plan_that_freezes_every_layer_are_measured() -> Non
     )
     assert set(report.plan.values()) == {"int8_from_float32"}
     assert report.measured["plan"].unit_bytes == 32 * 32 + 32 * 4 + 8 * 32 + 8 * 4
-    with pytest.raises(ValueError, match="leaves nothing to train"):
-        search(
-            model,
-            [batch],
-            F.mse_loss,
-            budget={"memory": 0.1},
-            formats=[INT8],
-            baseline="32-true",
-            count="training",
-            reps=1,
-            train_steps=2,
-        )
+    assert report.measured["plan"].trainable == 0
+
+
+def test_a_plan_leaving_nothing_to_train_is_returned_untrained_with_why() -> None:
+    """Found by a review: `search(train_steps=3)` whose plan quantized every layer (frozen
+    int8/int4 weights) finished the whole search and then raised "the plan leaves nothing
+    to train", throwing the search away. The plan is now returned, the training run not
+    run, and the report says why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.GELU(), nn.Linear(32, 4, bias=False))
+    batch = (torch.randn(32, 16), torch.randint(0, 4, (32,)))
+    report = search(
+        model,
+        [batch],
+        F.cross_entropy,
+        budget={"memory": 0.3},
+        formats=["32-true", INT8, INT4],
+        baseline="32-true",
+        reps=1,
+        train_steps=3,
+    )
+    assert "32-true" not in report.plan.values() and report.trained == {}
+    assert report.untrained.startswith("train_steps=3 not run: the plan leaves nothing to train")
+    assert report.untrained in report.summary() and report.untrained in report.to_markdown()
+    assert report.to_dict()["untrained"] == report.untrained
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.a = nn.Linear(d, 4 * d)
+        self.b = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(F.gelu(self.a(x)))
+
+
+def test_a_frozen_uniform_plan_does_not_win_a_training_search_on_noise() -> None:
+    """Found by a review: with room for float32 and count="training", int8 everywhere
+    (frozen weights: nothing but the biases trains) measured a loss before training 0.01%
+    below float32's, noise, and was returned over the solved float32 plan; trained, its
+    loss is far higher. Under count="training" a plan with fewer trainable parameters
+    replaces the solved one only when lower by more than the tolerance; under
+    count="weights" the lowest loss still wins."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), *(MLPBlock(32) for _ in range(3)), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(256, 16, generator=g), torch.randint(0, 4, (256,), generator=g))
+    kw = dict(formats=["32-true", INT8], baseline="32-true", reps=1, retries=0)
+    int8 = "all int8_from_float32"
+    trained = search(model, [batch], F.cross_entropy, budget="memory=3MB", count="training", **kw)
+    m = trained.measured
+    assert m[int8].loss < m["plan"].loss < m[int8].loss * (1 + trained.tolerance)
+    assert m[int8].trainable < m["plan"].trainable and trained.fits(int8)
+    assert trained.uniform_won is None and set(trained.plan.values()) == {"32-true"}
+    assert "int8/int4 weights are frozen" in trained.summary()
+    weights = search(model, [batch], F.cross_entropy, budget={"memory": 1.0}, **kw)
+    assert weights.uniform_won == int8
 
 
 def test_a_budget_at_the_cheapest_plan_is_met_when_rounding_leaves_no_room() -> None:

@@ -109,7 +109,9 @@ def test_bytes_counted_under_low_bit_states_are_the_bytes_the_plan_holds() -> No
 def test_a_plan_measured_over_the_byte_limit_is_not_returned_as_fitting() -> None:
     unit = Unit(paths=("0",), kinds=("Linear",), params=10)
     rows = [UnitRow(unit=unit, options={"32-true": Option(100), "bf16-true": Option(60)})]
-    s = SimpleNamespace(base=as_policy("32-true"), names=["32-true", "bf16-true"])
+    s = SimpleNamespace(
+        base=as_policy("32-true"), names=["32-true", "bf16-true"], count="weights", tolerance=0.01
+    )
     v = Verified(plans={n: PolicyMap("32-true") for n in ("plan", "baseline", "all bf16-true")})
     v.measured = {
         "plan": Measured(loss=1.0, unit_bytes=90, model_bytes=90, seconds=1.0),
@@ -132,13 +134,51 @@ def test_a_uniform_plan_with_a_finite_loss_is_returned_over_a_solved_one_at_nan(
     false, and the NaN plan was returned."""
     unit = Unit(paths=("0",), kinds=("Linear",), params=10)
     rows = [UnitRow(unit=unit, options={"32-true": Option(100), "bf16-true": Option(60)})]
-    s = SimpleNamespace(base=as_policy("32-true"), names=["32-true", "bf16-true"])
+    s = SimpleNamespace(
+        base=as_policy("32-true"), names=["32-true", "bf16-true"], count="weights", tolerance=0.01
+    )
     v = Verified(plans={n: PolicyMap("32-true") for n in ("plan", "baseline", "all bf16-true")})
+    plan_at_nan = Measured(loss=math.nan, unit_bytes=60, model_bytes=60, seconds=1.0)
     v.measured = {
-        "plan": Measured(loss=math.nan, unit_bytes=60, model_bytes=60, seconds=1.0),
+        "plan": plan_at_nan,
         "baseline": Measured(loss=1.0, unit_bytes=100, model_bytes=100, seconds=1.0),
         "all bf16-true": Measured(loss=1.5, unit_bytes=60, model_bytes=60, seconds=1.0),
     }
     v.best = Attempt(chosen=["bf16-true"], loss=math.nan, gap=math.nan, predicted=0.0)
     keep(s, rows, v, {"memory": 80.0}, {"verify": 0.0})
     assert v.winner == "all bf16-true" and v.measured["plan"].loss == 1.5
+    # counting training, a plan training fewer parameters still wins over a NaN one (no
+    # margin below a loss that is not finite)
+    s.count, v.winner, v.measured["plan"] = "training", None, plan_at_nan
+    v.measured["plan"].trainable, v.measured["all bf16-true"].trainable = 10, 5
+    keep(s, rows, v, {"memory": 80.0}, {"verify": 0.0})
+    assert v.winner == "all bf16-true"
+
+
+def test_under_a_training_count_a_frozen_plan_wins_only_by_more_than_the_tolerance() -> None:
+    """Found by a review: counting training, all int8 (frozen weights) was returned over
+    the solved float32 plan on a loss before training 0.01% lower, noise; it trained to a
+    far higher one. A plan training fewer parameters now wins only when lower by more than
+    the tolerance; counting weights, or training as many, the lowest loss wins."""
+    unit = Unit(paths=("0",), kinds=("Linear",), params=10)
+    rows = [UnitRow(unit=unit, options={"32-true": Option(100), "bf16-true": Option(60)})]
+    s = SimpleNamespace(
+        base=as_policy("32-true"), names=["32-true", "bf16-true"], count="training", tolerance=0.01
+    )
+
+    def winner(loss: float, trainable: int, count: str = "training") -> str | None:
+        v = Verified(plans={n: PolicyMap("32-true") for n in ("plan", "baseline", "all bf16-true")})
+        v.measured = {
+            "plan": Measured(1.0, 100, 100, 1.0, trainable=10),
+            "baseline": Measured(1.0, 100, 100, 1.0, trainable=10),
+            "all bf16-true": Measured(loss, 60, 60, 1.0, trainable=trainable),
+        }
+        v.best = Attempt(chosen=["32-true"], loss=1.0, gap=0.0, predicted=0.0)
+        s.count = count
+        keep(s, rows, v, {"memory": 200.0}, {"verify": 0.0})
+        return v.winner
+
+    assert winner(0.995, trainable=5) is None  # within the tolerance: noise
+    assert winner(0.98, trainable=5) == "all bf16-true"
+    assert winner(0.995, trainable=10) == "all bf16-true"  # trains as much
+    assert winner(0.995, trainable=5, count="weights") == "all bf16-true"

@@ -7,10 +7,14 @@ tensors, a recomputed block's forward). So each plan is *measured*: `measure` ru
 fresh process, where the caller's CLI spawns one) and returns its peak. While the plan's
 peak is over the budget, the search solves again within a budget lowered by the overshoot
 (the measured peak less the counted bytes), the next cheaper plan, up to `MAX_STEPS` times.
-The plan that fits is then measured beside the uniform activation plans (its formats, every
-block in one option) and the one of least loss after the measured steps among those that
-fit is returned. When none fits, the smallest plan (each layer and block in its cheapest
-option) is measured and the report says by how many bytes it is over. Each plan measured
+The plan that fits (else the first) is measured beside its uniform activation plans (its
+formats, every block in one option), and so are the plans of one format the search
+verifies (float32, the baseline, each format everywhere; those over the budget with every
+block in each option too): the search's loss is before training, and frozen int8/int4
+weights may train to a worse one. When no solved plan fits, the smallest plan (each layer
+and block in its cheapest option) and its uniform activation plans are measured too. Of
+all measured that fit, the one of least loss after the steps is returned; when none fits,
+the report says by how many bytes the smallest measured peak is over. Each plan measured
 is counted as the search counts the plans it verifies (`_counter`): in its own formats and
 activation options, never below what its parameters, gradients and states hold.
 
@@ -48,7 +52,7 @@ from mixprec.plan.measure import convert, held_bytes
 from mixprec.plan.report import SearchReport, ranked
 from mixprec.plan.searching import Scored, planned, scored
 from mixprec.plan.units import describe_bytes, state_bytes
-from mixprec.plan.verify import extra_bytes, plan_map
+from mixprec.plan.verify import extra_bytes, plan_map, uniform_plans
 from mixprec.policy.map import PolicyMap
 from mixprec.precision import Precision
 from mixprec.step import backward, batch_loss, fresh, seeded
@@ -95,12 +99,14 @@ class FitReport:
     Attributes:
         budget: the budget, in bytes.
         batch_size: the batch the plans were counted and measured at.
-        tried: every plan measured, in order: the solved plans stepping down, then the
-            uniform activation plans of the one that fit (when none did: of the first, the
-            least-loss formats, and then "smallest").
+        tried: every plan measured, in order: the solved plans stepping down, the uniform
+            activation plans of the one that fit (when none did: of the first), the plans
+            of one format ("float32", "all <format>", "<those> with all fp8"), and when no
+            solved plan fit, "smallest" and "smallest with all <option>".
         chosen: the plan returned (the least loss among those that fit), None when none fits.
         search: the search report of the solved plan the chosen one is, or takes the
-            formats of (None when none does: the smallest plan chosen, or nothing fits).
+            formats of (None when none does: a plan of one format or the smallest chosen,
+            or nothing fits).
     """
 
     budget: int
@@ -200,23 +206,21 @@ def fit(
         target = min(counted - 1, report.budget - (peak.bytes - counted))
         if target <= 0:
             break
-    if report.chosen is None:
-        # the search's plans are over: their formats with every block in one option may fit
-        # (all fp8 beside the least-loss formats), at less loss than the smallest plan
-        if first is not None:
-            _against_uniform(report, m, measure, count, *first)
+    solved = report.chosen
+    # the plan that fits, else the first (least-loss formats), with every block in one option
+    if solved is not None:
+        assert report.search is not None
+        _against_uniform(report, m, measure, count, solved, report.search)
+    elif first is not None:
+        _against_uniform(report, m, measure, count, *first)
+    # the search's loss is before training: a plan of one format may train to a lower one
+    _against_formats(report, s, m, measure, count)
+    if solved is None:
+        # nothing solved fits: the smallest plan, and its formats with every block in one
+        # option (its cheapest option per block by count need not peak lowest)
         policy = _smallest(s.base, s.units, m)
-        peak = measure([policy])[0]
-        smallest = Tried("smallest", policy, count(policy), peak.bytes, peak.loss, False)
-        smallest.fits = peak.bytes <= report.budget
-        report.tried.append(smallest)
-        if smallest.fits and (
-            report.chosen is None or ranked(smallest.loss) < ranked(report.chosen.loss)
-        ):
-            report.chosen, report.search = smallest, None
-        return report
-    assert report.search is not None
-    _against_uniform(report, m, measure, count, report.chosen, report.search)
+        (smallest,) = _measure_new(report, measure, count, [("smallest", policy)], None, True)
+        _against_uniform(report, m, measure, count, smallest, None, f"{smallest.name} with ")
     return report
 
 
@@ -278,22 +282,76 @@ def _counter(s: SearchInputs, m: Scored) -> Count:
 
 
 def _against_uniform(
-    report: FitReport, m: Scored, measure: Measure, count: Count, base: Tried, found: SearchReport
+    report: FitReport,
+    m: Scored,
+    measure: Measure,
+    count: Count,
+    base: Tried,
+    found: SearchReport | None,
+    prefix: str = "",
 ) -> None:
     """Measure ``base``'s formats (a plan the search ``found``) with every block in one
-    option, each counted by `count`; one that fits with a lower loss than the plan chosen
-    so far (or the first that fits, none being chosen) is chosen instead."""
+    option ("all fp8", after `prefix`), each counted by `count`; one that fits with a lower
+    loss than the plan chosen so far (or the first that fits, none being chosen) is chosen
+    instead. With a `prefix`, a policy measured before is not measured again."""
     options = sorted({o for b in m.blocks for o in b.options}, key=_ORDER.index)
     if not options:  # no block saves anything: no activation plan to compare
         return
-    policies = [_with_activations(base.policy, m, option) for option in options]
-    peaks = measure(policies)
-    for option, policy, peak in zip(options, policies, peaks, strict=True):
-        t = Tried(f"all {option}", policy, count(policy), peak.bytes, peak.loss, False)
+    named = [(f"{prefix}all {o}", _with_activations(base.policy, m, o)) for o in options]
+    _measure_new(report, measure, count, named, found, again=not prefix)
+
+
+def _measure_new(
+    report: FitReport,
+    measure: Measure,
+    count: Count,
+    named: list[tuple[str, PolicyMap]],
+    found: SearchReport | None,
+    again: bool = False,
+) -> list[Tried]:
+    """Measure the (name, policy) pairs in one call, those measured before left out unless
+    `again`, each counted by `count` and added to ``report.tried``; one that fits with a
+    lower loss than the plan chosen so far is chosen (its search: `found`). Returns them."""
+    if not again:
+        seen = [t.policy for t in report.tried]
+        named = [(n, p) for i, (n, p) in enumerate(named) if p not in seen + _policies(named[:i])]
+    if not named:
+        return []
+    peaks = measure([p for _, p in named])
+    out = []
+    for (name, policy), peak in zip(named, peaks, strict=True):
+        t = Tried(name, policy, count(policy), peak.bytes, peak.loss, False)
         t.fits = peak.bytes <= report.budget
         report.tried.append(t)
+        out.append(t)
         if t.fits and (report.chosen is None or ranked(t.loss) < ranked(report.chosen.loss)):
             report.chosen, report.search = t, found
+    return out
+
+
+def _against_formats(
+    report: FitReport, s: SearchInputs, m: Scored, measure: Measure, count: Count
+) -> None:
+    """Measure the uniform plans the search verifies (the baseline, float32 when it is one
+    of the formats, as the search lets it win, each format everywhere it applies) with
+    every activation kept, and those over the budget with every block in each other
+    option; one that fits at a lower loss than the plan chosen so far is chosen (its
+    search: none). A plan measured before is not measured again."""
+    plans = [
+        (name, policy)
+        for name, policy in uniform_plans(s, m.rows, m.unit_states).items()
+        if name != "float32" or "32-true" in s.names
+    ]
+    _measure_new(report, measure, count, plans, None)
+    for name, policy in plans:
+        # (measured now, or before under another name)
+        t = next(t for t in report.tried if t.policy == policy)
+        if not t.fits:
+            _against_uniform(report, m, measure, count, t, None, f"{name} with ")
+
+
+def _policies(named: list[tuple[str, PolicyMap]]) -> list[PolicyMap]:
+    return [p for _, p in named]
 
 
 _ORDER = ("keep", "bf16", "fp8", "checkpoint", "selective", "offload")

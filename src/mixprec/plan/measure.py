@@ -28,7 +28,8 @@ class Measured:
     """A plan as it ran: mean loss over the evaluation batches, bytes of the searched layers
     and of the whole model, median seconds of one step; under a search's ``batch_size``, the
     bytes its blocks save at that batch, measured in the plan's own dtypes and options, and
-    the seconds its blocks' options count (`activation_choice`)."""
+    the seconds its blocks' options count (`activation_choice`); the elements of its
+    trainable parameters (int8/int4 weights are frozen; None: not counted)."""
 
     loss: float
     unit_bytes: int
@@ -40,6 +41,7 @@ class Measured:
     # counted: its unsearched layers and the activations saved outside its blocks, in the
     # plan's own dtypes (float32's are larger), less the baseline's
     extra_bytes: int = 0
+    trainable: int | None = None
 
 
 @dataclass
@@ -155,6 +157,7 @@ def measure_plans(
             unit_bytes=held[name][0],
             model_bytes=held[name][1],
             seconds=statistics.median(times[name]) if name in times else None,
+            trainable=trainable_elements(converted[name]),
         )
         for name in converted
     }
@@ -175,6 +178,12 @@ def held_bytes(
 
 def _trainable(model: nn.Module) -> list[Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
+
+
+def trainable_elements(model: nn.Module) -> int:
+    """The elements of `model`'s trainable parameters (a converted plan's: its int8/int4
+    weights are frozen), each parameter once."""
+    return sum(p.numel() for p in _trainable(model))
 
 
 def train(

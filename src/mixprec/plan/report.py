@@ -166,12 +166,12 @@ class SearchReport:
         base_costs: the searched layers' baseline bytes ("memory"), summed step seconds ("speed").
         limits: each budget kind's limit in those units.
         policy: the plan, as a `PolicyMap`.
-        measured: each verified plan ("plan", "baseline", "float32", "all <format>") as it
-            ran: loss, bytes, step time.
+        measured: each verified plan ("plan", "baseline", "float32", "all <format>") as run.
         attempts: every solve and its verification; the kept one is the plan.
         tolerance: how far (a fraction) the plan's loss may exceed the baseline's.
         held_out: whether the losses were measured on held-out evaluation batches.
         trained: the short training runs of the plan and the baseline, if asked for.
+        untrained: why the training runs asked for were not run ("" when they were).
         reference_loss: the float32 model's mean loss on the search batches (not held out).
         device: the device searched on, as `mixprec info` describes it.
         seconds: how long the search took.
@@ -207,6 +207,7 @@ class SearchReport:
     blocks: list[BlockRow] = field(default_factory=list)
     batch_size: int | None = None
     fixed_bytes: int = 0
+    untrained: str = ""
 
     # --- verdicts -------------------------------------------------------------------
     @property
@@ -346,9 +347,22 @@ class SearchReport:
             if (m.loss, m.unit_bytes) == (p.loss, p.unit_bytes):  # (another name, one plan)
                 lines.append(f"the same loss and bytes as {n}")
                 continue
+            frozen = (
+                self.count == "training"
+                and m.trainable is not None
+                and p.trainable is not None
+                and m.trainable < p.trainable
+            )
             lines.append(
                 f"NOT better than {n}, which fits: loss {m.loss:.6g} "
                 f"({m.unit_bytes / b.unit_bytes:.3f}x the bytes)"
+                + (
+                    f"; it trains {m.trainable} parameters to the plan's {p.trainable} "
+                    "(int8/int4 weights are frozen), and a lower loss before training "
+                    "within the tolerance does not replace the plan"
+                    if frozen
+                    else ""
+                )
             )
         if not fitting and not same:
             lines.append("no uniform plan fits the budget")
@@ -380,6 +394,8 @@ class SearchReport:
             lines.append(f"{len(self.attempts)} attempts; the plan is attempt {k} ({how})")
         elif self.attempts[0].note:
             lines.append(self.attempts[0].note)
+        if self.untrained:
+            lines.append(self.untrained)
         return "\n".join(lines)
 
     def _plan_rows(self) -> list[list[str]]:
@@ -513,6 +529,8 @@ class SearchReport:
             for name, t in self.trained.items():
                 w(f"| {name} | {t.losses[0]:.6g} | {t.losses[-1]:.6g} | {t.eval_loss:.6g} |\n")
             w(f"\n{len(next(iter(self.trained.values())).losses)} AdamW steps each.\n")
+        elif self.untrained:
+            w(f"\n## Training run\n\n{self.untrained}.\n")
         return out.getvalue()
 
     def to_dict(self) -> dict[str, Any]:
@@ -565,6 +583,7 @@ class SearchReport:
                     for r in self.rows
                 ],
                 "trained": {k: vars(t) for k, t in self.trained.items()},
+                "untrained": self.untrained,
             }
         )
 

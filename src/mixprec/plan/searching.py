@@ -17,9 +17,10 @@ budget, verified by running the plan.
    same batches, when larger, and is solved again (`retries` times; a plan found before
    ends it), each attempt reported, the lowest measured loss kept; a uniform plan (the
    baseline and float32 among them) that fits and measured lower still is returned instead,
-   the report saying so (`uniform_won`).
-5. Optionally a short training run of the plan beside the baseline (`train_steps`), and the
-   `SearchReport`.
+   the report saying so (`uniform_won`); under ``count="training"`` one training fewer
+   parameters (int8/int4 weights frozen) only when lower by more than the tolerance.
+5. Optionally a short training run of the plan beside the baseline (`train_steps`; not run,
+   the report saying why, when the plan leaves nothing to train), and the `SearchReport`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from mixprec.optim.states import StateFormat
 from mixprec.plan.activation_choice import block_rows, layer_activations
 from mixprec.plan.budget import Budget
 from mixprec.plan.inputs import SearchInputs, search_inputs
-from mixprec.plan.measure import Trained, convert, train
+from mixprec.plan.measure import Trained, convert, train, trainable_elements
 from mixprec.plan.report import BlockRow, SearchReport, UnitRow
 from mixprec.plan.scoring import candidates, score
 from mixprec.plan.units import compensated, state_bytes
@@ -100,8 +101,8 @@ def search(
         eval_batches: held-out batches the plans are verified on (default: `batches`).
         tolerance: the plan's loss may exceed the baseline's by this fraction.
         retries: solves again this many times with measured damages if the plan misses.
-        train_steps: also train the plan and the baseline this many AdamW steps (`lr`), on
-            `train_batches` in turn (default: `batches`), and compare their held-out losses.
+        train_steps: also train the plan and the baseline this many AdamW steps (`lr`) on
+            `train_batches` (default: `batches`), held out compared (`untrained`: why not).
         reps: timed repetitions per layer and per plan (medians).
         device_info: judge formats for a described device (`mixprec.hardware.DeviceInfo`).
         allow_slow: accept given formats the device runs far slower than float32.
@@ -206,9 +207,9 @@ def planned(s: SearchInputs, m: Scored, started: float) -> SearchReport:
         b.chosen = option
     _why_kept(rows, s.names, s.budget.kinds[0])
     clock = time.perf_counter()
-    trained = _train(s, verified)
+    trained, untrained = _train(s, verified)
     phases["train"] = time.perf_counter() - clock
-    return _report(
+    report = _report(
         s,
         rows,
         verified,
@@ -221,12 +222,21 @@ def planned(s: SearchInputs, m: Scored, started: float) -> SearchReport:
         blocks,
         m.fixed,
     )
+    report.untrained = untrained
+    return report
 
 
-def _train(s: SearchInputs, v: Verified) -> dict[str, Trained]:
-    """The plan and the baseline each trained `train_steps` steps, when asked for."""
+def _train(s: SearchInputs, v: Verified) -> tuple[dict[str, Trained], str]:
+    """The plan and the baseline each trained `train_steps` steps, when asked for; none
+    when the plan leaves nothing to train (every trainable layer in a frozen int8/int4
+    format), with why (the search's plan stands: a finished search is not thrown away)."""
     if not s.train_steps:
-        return {}
+        return {}, ""
+    if not trainable_elements(convert(s.model, v.plans["plan"])):
+        return {}, (
+            f"train_steps={s.train_steps} not run: the plan leaves nothing to train (every "
+            "trainable layer quantized; int8/int4 weights are frozen)"
+        )
     return {
         name: train(
             s.model,
@@ -240,7 +250,7 @@ def _train(s: SearchInputs, v: Verified) -> dict[str, Trained]:
             seed=s.seed,
         )
         for name in ("plan", "baseline")
-    }
+    }, ""
 
 
 def _report(

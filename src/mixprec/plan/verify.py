@@ -89,7 +89,7 @@ def verify(
     memory_at = (
         kinds.index("memory") if "memory" in kinds and s.budget.memory_bytes is not None else None
     )
-    v = Verified(plans=_uniform_plans(s, rows, states))
+    v = Verified(plans=uniform_plans(s, rows, states))
     tried: dict[tuple[str, ...], int] = {}  # plan -> its attempt
     best: tuple[Attempt, Measured, PolicyMap, tuple[str, ...], int] | None = None
     clock = time.perf_counter()
@@ -233,15 +233,21 @@ def keep(
     phases: dict[str, float],
 ) -> None:
     """The plan returned: the kept solved one, or a measured uniform plan that fits with a
-    lower loss (`v.winner`, measured again beside the baseline when it was not timed), or
-    with any loss when the solved plan's measured bytes exceed the limit (none fitting: the
-    solved plan, its attempt noting it); each row's chosen format and measured damages
-    written in."""
+    lower loss (`v.winner`, measured again beside the baseline when it was not timed; under
+    ``count="training"`` one with fewer trainable elements, int8/int4 weights frozen, lower
+    by more than the tolerance), or with any loss when the solved plan's measured bytes
+    exceed the limit (none fitting: the solved plan, its attempt noting it); each row's
+    chosen format and measured damages written in."""
     assert v.best is not None
     chosen = tuple(v.best.chosen)
     bytes_only = {k: limit for k, limit in limits.items() if k == "memory"}
     over = within(costs_of(v.measured["plan"], rows, None), bytes_only) is False
-    won = _uniform_winner(v.measured, rows, s.base.name, s.names, limits, any_loss=over)
+    # a loss before training does not show what freezing layers costs in training: under
+    # count="training" a plan freezing more wins only by more than the tolerance
+    margin = s.tolerance if s.count == "training" else 0.0
+    won = _uniform_winner(
+        v.measured, rows, s.base.name, s.names, limits, any_loss=over, margin=margin
+    )
     if over:
         said = f"; {won[0]} returned, which fits" if won else "; no measured plan fits"
         v.best.note = "; ".join(
@@ -273,7 +279,7 @@ def keep(
                 r.options[fmt].measured_damage = value
 
 
-def _uniform_plans(
+def uniform_plans(
     s: SearchInputs, rows: list[UnitRow], states: list[StateFormat | None] | None
 ) -> dict[str, PolicyMap]:
     """float32, the baseline, and each format everywhere it applies (the baseline
@@ -353,7 +359,9 @@ def _solve(
         units = [(r.unit.name, names) for r in rows] + [
             (b.path, opts) for b, opts in zip(blocks, block_names, strict=True)
         ]
-        raise BudgetError(_too_small(s.budget, base_costs, units, damages, costs, names, fixed))
+        raise BudgetError(
+            _too_small(s.budget, base_costs, units, damages, costs, names, fixed, bool(blocks))
+        )
     return (
         tuple(names[f] for f in picked[: len(rows)]),
         tuple(opts[f] for opts, f in zip(block_names, picked[len(rows) :], strict=True)),
@@ -432,17 +440,30 @@ def _uniform_winner(
     names: list[str],
     limits: dict[str, float],
     any_loss: bool = False,
+    margin: float = 0.0,
 ) -> tuple[str, list[str]] | None:
     """The measured plan other than the solved one (a uniform plan, the baseline, float32
     when it is one of the formats) that fits the budget with the lowest loss, if that loss
     is below the solved plan's (with `any_loss`, whatever it is): the damages the solver
-    adds up are predictions, the losses measured. Returned with the format of each layer."""
-    winner, lowest = None, math.inf if any_loss else ranked(verified["plan"].loss)
+    adds up are predictions, the losses measured. A plan with fewer trainable elements
+    than the solved one must be below it by more than `margin` (a fraction of its loss).
+    Returned with the format of each layer."""
+    plan = verified["plan"]
+    winner, lowest = None, math.inf if any_loss else ranked(plan.loss)
     for name, measured in verified.items():
         formats = formats_of(name, rows, baseline, names) if name != "plan" else None
         if formats is None or within(costs_of(measured, rows, formats), limits) is not True:
             continue
-        if ranked(measured.loss) < lowest:
+        bar = lowest
+        frozen = (
+            measured.trainable is not None
+            and plan.trainable is not None
+            and measured.trainable < plan.trainable
+        )
+        # (a solved plan of non-finite loss sets no margin: any finite loss is below it)
+        if not any_loss and frozen and math.isfinite(plan.loss):
+            bar = min(bar, plan.loss - margin * abs(plan.loss))
+        if ranked(measured.loss) < bar:
             winner, lowest = (name, formats), ranked(measured.loss)
     return winner
 
@@ -455,12 +476,14 @@ def _too_small(
     costs: list[list[list[float]]],
     formats: list[str],
     fixed: float = 0.0,
+    blocks: bool = False,
 ) -> str:
     """Why no plan fits, from what the solver was given (each layer's and block's name and
     option names, `damages`, `costs` per budget kind): the smallest fraction (or bytes)
     reachable for each budget on its own, with each in its cheapest option of finite damage
     (one that overflows there the solver never takes), those options, and the layers where
-    a cheaper format overflows."""
+    a cheaper format overflows. With `blocks`, the bytes are said to be the solver's sum: a
+    tensor several blocks save is in each block's count, once in a plan's own count."""
     tail = (
         f". Formats tried: {', '.join(formats)}; add cheaper ones with formats=[...] or "
         "raise the budget"
@@ -484,10 +507,18 @@ def _too_small(
             smallest = math.ceil(least + fixed)
             over = smallest - budget.memory_bytes
             reachable.append(over <= 0)
+            # (a plan the search verifies is counted whole, each saved tensor once: its
+            # total_bytes can be below this sum)
+            bound = (
+                " as the solver sums its layers and blocks (a tensor several blocks save is "
+                "in each one's count: a plan's own count, total_bytes, can be lower)"
+                if blocks
+                else ""
+            )
             parts.append(
                 f"memory <= {budget.memory_bytes} bytes: the smallest plan counts {smallest} "
-                f"bytes{f', {over} over' if over > 0 else ''} (each layer and block in its "
-                f"cheapest option: {', '.join(sorted(fmts))})"
+                f"bytes{bound}{f', {over} over' if over > 0 else ''} (each layer and block in "
+                f"its cheapest option: {', '.join(sorted(fmts))})"
             )
             continue
         frac = least / base_costs[kind]
