@@ -418,6 +418,44 @@ def test_a_compiled_submodule_holding_a_float32_rule_backpropagates_as_eager():
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled, strict=True))
 
 
+def test_blocks_compiled_in_place_compile_once_beside_the_first_forwards_watch():
+    """Found by a diff review: the first forward's watch for passed-over rules (hooks on
+    the modules with a rule and their children) ran around compiled blocks, whose graphs
+    were then guarded on the hooks and compiled again at the next step (6 blocks reached
+    dynamo's recompile limit). Where compiled code may run inside, nothing is watched:
+    each block compiles once."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.norm, self.b = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.b(torch.relu(self.norm(self.a(x))))
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = mixprec.apply(Blocks(), PolicyMap("bf16-mixed", {"layers.0": "float32"}))
+    for layer in model.layers:
+        layer.compile(backend=BACKEND)
+    model(torch.randn(4, 8)).float().sum().backward()
+    first = counters["stats"]["unique_graphs"]
+    for _ in range(2):
+        model(torch.randn(4, 8)).float().sum().backward()
+    assert counters["stats"]["unique_graphs"] == first  # (with the watch: twice as many)
+
+
 def test_a_backward_inside_the_callers_autocast_keeps_torchs_tracing():
     """The caller's own autocast around forward and backward (the region adds none): the
     backward runs under autocast eagerly, torch's own tracing matches it, and the region

@@ -4,6 +4,7 @@ import copy
 import io
 import math
 import pickle
+import re
 import time
 import warnings
 from collections import OrderedDict
@@ -620,6 +621,44 @@ def test_a_module_also_held_elsewhere_is_not_taken_as_passed_over():
     pmap = PolicyMap("bf16-mixed", {"blocks": "32-true", "first": "32-true"})
     said = _passed_over(mixprec.apply(IteratedBlocks(True, shared=True), pmap, warn=False))
     assert len(said) == 1 and "(blocks.1)" in said[0]
+
+
+def test_a_rule_carried_out_through_forward_or_after_a_raising_first_call_is_judged_right():
+    """Found by a diff review: a module with a rule called as ``module.forward(x)`` (its
+    region runs; a hook does not fire) was said to be passed over; a first forward that
+    raised ended the watch; a parent calling the children by name was told a ``\\d+`` key
+    that matches none of them."""
+
+    class Named(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Sequential()
+            self.emb.word, self.emb.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+            self.head = nn.Linear(8, 4)
+            self.through_forward = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[-1] != 8:
+                raise ValueError("bad input")
+            if self.through_forward:
+                return self.head(self.emb.forward(x))
+            return self.head(self.emb.norm(self.emb.word(x)))
+
+    pmap = PolicyMap("bf16-mixed", {"emb": "32-true"})
+    model = mixprec.apply(Named(), pmap, warn=False)
+    model.through_forward = True
+    assert _passed_over(model) == []
+    model = mixprec.apply(Named(), pmap, warn=False)
+    with pytest.raises(ValueError, match="bad input"):
+        model(torch.randn(2, 3))
+    said = _passed_over(model)
+    assert len(said) == 1 and "(emb.word, emb.norm)" in said[0]
+    key = re.search(r"in its place \((.+) as a regex key, no rule on 'emb'", said[0]).group(1)
+    assert key == r"emb\.(norm|word)"
+    fixed = mixprec.apply(Named(), PolicyMap("bf16-mixed", {key: "32-true"}), warn=False)
+    assert _passed_over(fixed) == []
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (the children's own regions now)
+        assert fixed.emb.word(torch.randn(2, 8)).dtype == torch.float32
 
 
 def test_the_first_forward_watching_rules_changes_no_result():

@@ -360,7 +360,8 @@ class _Region(_StandIn):
     carriers: tuple[tuple[str, nn.Module, str, tuple[tuple[str, nn.Module], ...]], ...] = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.carriers and not torch.compiler.is_compiling():
+        # (is_compiling first: a traced call reads nothing more, nor guards on it)
+        if not torch.compiler.is_compiling() and self.carriers:
             return self._first(args, kwargs)
         try:  # (no cost in the common case; torch's dtype clash explained where dtypes moved)
             module = self.module
@@ -468,36 +469,51 @@ class _Region(_StandIn):
     def _first(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The root's first eager forward, watching its `carriers`: a module with a rule
         whose forward did not run while modules only it holds did was passed over (its
-        parent iterates, indexes or slices it: an nn.Sequential), so its rule was not
-        carried out and they ran as their caller computes. Warned of once, by path."""
+        parent iterates, indexes or slices it, an nn.Sequential, or calls its children by
+        name), so its rule was not carried out and they ran as their caller computes. Warned
+        of once, by path. Not watched where compiled code may run inside (a compiled
+        submodule, the eager rest of a compiled model after a graph break): the watch would
+        change what its graphs were guarded on, and compile them again at the next step.
+        A first forward that raises leaves the watch to the next."""
         carriers, self.carriers = self.carriers, ()
+        if _compiled_inside(self.module):
+            return _Region.__call__(self, *args, **kwargs)
         ran: set[int] = set()
 
         def seen(module: nn.Module, _: Any) -> None:
             ran.add(id(module))
 
-        handles = []
+        handles, watched = [], []
         try:
             for _, module, _, children in carriers:
-                handles.append(module.register_forward_pre_hook(seen))
+                # (its own stand-in watched: a hook misses a call of ``module.forward(x)``)
+                watched.append(_Watched.install(module, ran))
                 handles.extend(child.register_forward_pre_hook(seen) for _, child in children)
-            out = self(*args, **kwargs)
+            out = _Region.__call__(self, *args, **kwargs)
+        except BaseException:
+            self.carriers = carriers
+            raise
         finally:
             for handle in handles:
                 handle.remove()
+            for watch in watched:
+                watch.uninstall()
         for path, module, rule, children in carriers:
             called = [name for name, child in children if id(child) in ran]
             if id(module) in ran or not called:
                 continue
+            names = sorted({name[len(path) + 1 :].split(".")[0] for name in called})
+            key = r"\d+" if all(n.isdigit() for n in names) else f"({'|'.join(names)})"
             warnings.warn(
                 f"the {rule} of {path!r} ({type(module).__name__}) was not carried out: its "
                 f"forward did not run while modules inside it did ({', '.join(called[:3])}"
                 f"{', ...' if len(called) > 3 else ''}), called directly (the parent "
-                "iterates, indexes or slices it), so they ran without it. Give the rule "
-                f"to the modules it holds ({re.escape(path)}\\.\\d+ as a regex key) or "
-                "call the module itself (docs/conversion.md)",
+                "iterates, indexes or slices it, or calls them by name), so they ran without "
+                f"it. Give the rule to the modules it holds in its place "
+                f"({re.escape(path)}\\.{key} as a regex key, no rule on {path!r}: they "
+                "compute as it does otherwise) or call the module itself (docs/conversion.md)",
                 UserWarning,
-                stacklevel=caller_level(),
+                stacklevel=caller_level(past_modules=True),
             )
         return out
 
@@ -531,6 +547,48 @@ _DYNAMO = "torch._dynamo.eval_frame"
 
 
 setattr(_Region, REGION_MARK, True)  # (what layer-swapping tools look for)
+
+
+class _Watched:
+    """A module's forward stand-in, for the root's first forward (`_Region._first`): notes
+    the module ran, then runs what stood there."""
+
+    def __init__(self, module: nn.Module, ran: set[int]) -> None:
+        self.module, self.ran = module, ran
+        self.inner = module.__dict__.get("forward")
+
+    @classmethod
+    def install(cls, module: nn.Module, ran: set[int]) -> _Watched:
+        watch = cls(module, ran)
+        module.__dict__["forward"] = watch
+        return watch
+
+    def uninstall(self) -> None:
+        if self.module.__dict__.get("forward") is self:  # (unless replaced meanwhile)
+            if self.inner is None:
+                del self.module.__dict__["forward"]
+            else:
+                self.module.__dict__["forward"] = self.inner
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.inner or type(self.module).forward.__get__(self.module))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.ran.add(id(self.module))
+        if self.inner is None:
+            return type(self.module).forward(self.module, *args, **kwargs)
+        return self.inner(*args, **kwargs)
+
+
+def _compiled_inside(model: nn.Module) -> bool:
+    """Whether compiled code may run in `model`'s forward now: dynamo's frame evaluation is
+    on (the eager rest of a compiled call), or a module of it is compiled in place."""
+    if _DYNAMO not in sys.modules:
+        return False
+    if torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None:
+        return True
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
 class _Inside(threading.local):

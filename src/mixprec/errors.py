@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import warnings
 from pathlib import Path
@@ -55,15 +56,19 @@ class LossTypeError(TypeError):
 
 # the mixprec package's folder: frames in it are not the caller a warning points at
 _PACKAGE = str(Path(__file__).resolve().parent)
+# torch's nn package (module calls, hooks), found without importing torch here
+_TORCH_NN = str(Path(importlib.util.find_spec("torch").origin).resolve().parent / "nn")
 
 
-def caller_level() -> int:
+def caller_level(past_modules: bool = False) -> int:
     """The ``stacklevel`` that makes a warning raised in the calling function point at the
     first frame outside mixprec, the user's line, however deep in mixprec it is raised
     (`apply`, the doctor, the search and `Precision` reach the same checks by paths of
-    different depths)."""
+    different depths); ``past_modules``: outside torch's module call machinery too (a
+    warning raised in a forward, pointing at the line calling the model)."""
+    inside = (_PACKAGE, _TORCH_NN) if past_modules else (_PACKAGE,)
     level, frame = 1, sys._getframe(1)
-    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE):
+    while frame is not None and str(Path(frame.f_code.co_filename).resolve()).startswith(inside):
         frame, level = frame.f_back, level + 1
     return level
 
