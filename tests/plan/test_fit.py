@@ -322,7 +322,7 @@ def test_when_no_searched_plan_fits_its_uniform_activation_plans_are_measured() 
 
     report = fit(model, batches, token_loss, budget=budget, measure=measure, **FAST)
     names = [t.name for t in report.tried]
-    assert "all fp8" in names and names[-1] == "smallest"
+    assert "all fp8" in names and "smallest" in names
     assert report.chosen is not None and report.chosen.name.startswith("all ")
     assert report.chosen.loss == min(t.loss for t in report.tried if t.fits)
     assert report.search is not None  # the formats are the first plan's

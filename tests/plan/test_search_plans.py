@@ -166,10 +166,12 @@ def test_under_a_training_count_a_frozen_plan_wins_only_by_more_than_the_toleran
         base=as_policy("32-true"), names=["32-true", "bf16-true"], count="training", tolerance=0.01
     )
 
-    def winner(loss: float, trainable: int, count: str = "training") -> str | None:
+    def winner(
+        loss: float, trainable: int, count: str = "training", plan: float = 1.0
+    ) -> str | None:
         v = Verified(plans={n: PolicyMap("32-true") for n in ("plan", "baseline", "all bf16-true")})
         v.measured = {
-            "plan": Measured(1.0, 100, 100, 1.0, trainable=10),
+            "plan": Measured(plan, 100, 100, 1.0, trainable=10),
             "baseline": Measured(1.0, 100, 100, 1.0, trainable=10),
             "all bf16-true": Measured(loss, 60, 60, 1.0, trainable=trainable),
         }
@@ -182,3 +184,25 @@ def test_under_a_training_count_a_frozen_plan_wins_only_by_more_than_the_toleran
     assert winner(0.98, trainable=5) == "all bf16-true"
     assert winner(0.995, trainable=10) == "all bf16-true"  # trains as much
     assert winner(0.995, trainable=5, count="weights") == "all bf16-true"
+
+
+def test_a_solved_plan_missing_the_tolerance_gives_way_to_any_lower_frozen_loss() -> None:
+    """Found by a diff review: the margin a frozen plan must beat applied to a solved plan
+    that misses the tolerance too, so it was kept (the search failing) over all int8 that
+    fits and meets it."""
+    unit = Unit(paths=("0",), kinds=("Linear",), params=10)
+    formats = {"32-true": Option(100), "bf16-true": Option(60), "int8_from_32-true": Option(30)}
+    rows = [UnitRow(unit=unit, options=formats)]
+    s = SimpleNamespace(base=as_policy("32-true"), names=list(formats), count="training")
+    s.tolerance = 0.01
+    names = ("plan", "baseline", "all bf16-true", "all int8_from_32-true")
+    v = Verified(plans={n: PolicyMap("32-true") for n in names})
+    v.measured = {
+        "plan": Measured(1.03, 60, 60, 1.0, trainable=10),
+        "baseline": Measured(1.0, 100, 100, 1.0, trainable=10),  # (over the budget)
+        "all bf16-true": Measured(1.03, 60, 60, 1.0, trainable=10),
+        "all int8_from_32-true": Measured(1.025, 30, 30, 1.0, trainable=5),
+    }
+    v.best = Attempt(chosen=["bf16-true"], loss=1.03, gap=0.03, predicted=0.0)
+    keep(s, rows, v, {"memory": 80.0}, {"verify": 0.0})
+    assert v.winner == "all int8_from_32-true"

@@ -293,7 +293,8 @@ def _against_uniform(
     """Measure ``base``'s formats (a plan the search ``found``) with every block in one
     option ("all fp8", after `prefix`), each counted by `count`; one that fits with a lower
     loss than the plan chosen so far (or the first that fits, none being chosen) is chosen
-    instead. With a `prefix`, a policy measured before is not measured again."""
+    instead. With a `prefix`, a policy measured before is not measured again (without one,
+    the plan's own variants are measured together, its "all keep" again beside them)."""
     options = sorted({o for b in m.blocks for o in b.options}, key=_ORDER.index)
     if not options:  # no block saves anything: no activation plan to compare
         return
@@ -335,8 +336,9 @@ def _against_formats(
     """Measure the uniform plans the search verifies (the baseline, float32 when it is one
     of the formats, as the search lets it win, each format everywhere it applies) with
     every activation kept, and those over the budget with every block in each other
-    option; one that fits at a lower loss than the plan chosen so far is chosen (its
-    search: none). A plan measured before is not measured again."""
+    option unless its loss is no lower than the plan chosen so far; one that fits at a lower
+    loss than that plan is chosen (its search: none). A plan measured before is not
+    measured again."""
     plans = [
         (name, policy)
         for name, policy in uniform_plans(s, m.rows, m.unit_states).items()
@@ -346,7 +348,10 @@ def _against_formats(
     for name, policy in plans:
         # (measured now, or before under another name)
         t = next(t for t in report.tried if t.policy == policy)
-        if not t.fits:
+        # (a plan at no lower a loss than the chosen one's, every activation kept, left:
+        # recomputing changes no loss, storing in bf16/fp8 changes it by their rounding)
+        beaten = report.chosen is not None and ranked(t.loss) >= ranked(report.chosen.loss)
+        if not t.fits and not beaten:
             _against_uniform(report, m, measure, count, t, None, f"{name} with ")
 
 

@@ -233,10 +233,12 @@ def _train(s: SearchInputs, v: Verified) -> tuple[dict[str, Trained], str]:
     if not s.train_steps:
         return {}, ""
     if not trainable_elements(convert(s.model, v.plans["plan"])):
-        return {}, (
-            f"train_steps={s.train_steps} not run: the plan leaves nothing to train (every "
-            "trainable layer quantized; int8/int4 weights are frozen)"
+        why = (
+            "every trainable layer quantized; int8/int4 weights are frozen"
+            if any(p.requires_grad for p in s.model.parameters())
+            else "the model has no parameter that requires grad"
         )
+        return {}, f"train_steps={s.train_steps} not run: the plan leaves nothing to train ({why})"
     return {
         name: train(
             s.model,

@@ -243,8 +243,11 @@ def keep(
     bytes_only = {k: limit for k, limit in limits.items() if k == "memory"}
     over = within(costs_of(v.measured["plan"], rows, None), bytes_only) is False
     # a loss before training does not show what freezing layers costs in training: under
-    # count="training" a plan freezing more wins only by more than the tolerance
-    margin = s.tolerance if s.count == "training" else 0.0
+    # count="training" a plan freezing more wins only by more than the tolerance, over a
+    # solved plan that meets it (one that misses it gives way to any lower loss)
+    plan, base = v.measured["plan"].loss, v.measured["baseline"].loss
+    meets = (plan - base) / max(abs(base), 1e-12) <= s.tolerance
+    margin = s.tolerance if s.count == "training" and meets else 0.0
     won = _uniform_winner(
         v.measured, rows, s.base.name, s.names, limits, any_loss=over, margin=margin
     )
