@@ -1067,7 +1067,7 @@ def test_a_quantized_row_has_no_raw_twin_and_the_report_says_why():
 
     lines = notes(report, summarize(report))
     why = next(line for line in lines if line.startswith("mixprec overhead: none for"))
-    assert why.startswith("mixprec overhead: none for float8_from_mixed_bfloat16, which quantize")
+    assert why.startswith("mixprec overhead: none for float8_from_mixed_bfloat16: it quantizes")
     assert "bf16-mixed," not in why  # (its twin ran)
     overhead = next(line for line in lines if line.startswith("mixprec overhead: the median"))
     assert overhead.endswith(
@@ -1131,3 +1131,75 @@ def test_auto_asked_for_is_said_as_asked_and_what_it_resolved_to():
     assert conclusion(report, summaries).startswith(
         f"Only auto was asked for; {resolved}, so no mixed precision ran beside float32"
     )
+
+
+def test_precisions_asked_for_as_dtypes_or_ints_are_said_by_their_names():
+    """Found by a review: the precisions as asked for were kept as given, so
+    `precisions=[torch.float32]` failed writing the journal (a dtype is not JSON) and `[32]`
+    failed joining the report's "only ... asked for"; `"AUTO "` was echoed as typed and a
+    repeated one twice. They are kept by their names ("auto" as such), once each."""
+    from mixprec.bench.report import comparison_gap_lines
+    from mixprec.bench.suite import comparison_gap, metadata
+
+    asked = [32, torch.float32, "AUTO ", "32-true"]
+    options = BenchOptions(model="mlp", batch_sizes=[2], precisions=asked, threads=1, steps=1)
+    with hardware.assume(AVX2_CPU):
+        p = plan(options)
+        meta = dict(metadata(p), comparison_gap=comparison_gap(p), memory_method="m")
+    assert p.given == ["32-true", "auto"] and meta["comparison_gap"]["given"] == p.given
+    meta = json.loads(json.dumps(meta))  # (as the journal writes it)
+    (config,) = p.configs
+    loop = LoopResult(step_ms=[2.0] * 6, peak_memory=100)
+    report = BenchReport(meta, [Row(config, RunResult(OK, loop, paired=True))])
+    lines = comparison_gap_lines(report, summarize(report))
+    assert lines[0].startswith(
+        "timed: only 32-true, auto were asked for (--precision); auto resolved to 32-true"
+    )
+
+
+def test_a_memory_limit_of_any_integral_number_is_kept_as_a_plain_int():
+    """Found by a review: `memory_limit=numpy.int64(2**30)` was refused ("must be a whole
+    number of bytes") while `numpy.float64(2.0**30)` was taken. Any integral number is taken,
+    kept as a plain int (the journal writes it as JSON); a bool is no number of bytes."""
+    import numpy as np
+
+    options = BenchOptions(model="mlp", batch_sizes=[2], precisions=["32-true"], threads=1, steps=1)
+    for limit in (np.int64(2**30), np.float64(2.0**30), np.int32(2**30)):
+        p = plan(replace(options, memory_limit=limit))
+        assert type(p.options.memory_limit) is int and p.options.memory_limit == 2**30
+        assert json.dumps(p.options.memory_limit) == "1073741824"
+    with pytest.raises(ValueError, match="--memory-limit must be a whole number of bytes"):
+        plan(replace(options, memory_limit=True))
+
+
+def test_the_quantized_rows_note_names_only_rows_that_lost_a_twin_and_only_beside_overheads():
+    """Found by a review: the note on quantized rows without a raw twin joined labels that
+    hold commas with commas ("float8_..., activations keep, float8_..., activations bf16"),
+    named rows that never had a twin (float8_from_32-true is not mixed; an activation option
+    other than keep has none) and was printed where no overhead column was shown. It names
+    only rows that lost their twin to quantization, "; " between them, beside the column."""
+    from mixprec.bench.report import notes
+    from mixprec.bench.suite import comparison_gap, metadata
+
+    def quantized_note(names, **kw):
+        options = BenchOptions(model="mlp", batch_sizes=[2], precisions=names, threads=1)
+        with hardware.assume(AVX2_CPU):
+            p = plan(replace(options, allow_slow=True, steps=1, **kw))
+            meta = dict(metadata(p), comparison_gap=comparison_gap(p), memory_method="m")
+        loop = LoopResult(step_ms=[2.0] * 6, peak_memory=100)
+        rows = [
+            Row(c, RunResult(OK, loop, loop if c.raw else None, paired=True)) for c in p.configs
+        ]
+        report = BenchReport(meta, rows)
+        lines = notes(report, summarize(report))
+        return [line for line in lines if line.startswith("mixprec overhead: none for")]
+
+    names = ["32-true", "float8_from_bf16-mixed", "float8_from_32-true", "bf16-mixed"]
+    (note,) = quantized_note(names, activations=["keep", "bf16"], float32_islands="both")
+    assert note.startswith(
+        "mixprec overhead: none for float8_from_mixed_bfloat16, activations keep; "
+        "float8_from_mixed_bfloat16, activations keep (no f32 islands): they quantize matmuls"
+    )
+    assert "float8_from_float32" not in note and "activations bf16" not in note
+    # no raw twin ran, so no overhead column: nothing to explain
+    assert quantized_note(["32-true", "float8_from_bf16-mixed"]) == []

@@ -521,3 +521,145 @@ def test_the_raw_twins_first_step_process_builds_the_raw_loop_alone(
     alone = LoopResult(**json.loads(path.read_text()))
     assert alone.status == OK and alone.first_step_s > 0
     assert alone.peak_memory == expected.peak_memory
+
+
+def _fake_processes(monkeypatch, twin, calls=None):
+    """`forkserver.run_fresh` faked: mixprec's process measures both loops (its compile 5 s),
+    the raw twin's cold-compile process does `twin(argv)` (its exit code and output)."""
+    from mixprec.bench import runner
+
+    def fake(target, argv, env, timeout=None):
+        if calls is not None:
+            calls.append((target.split(":")[1], timeout))
+        if target.endswith(":main"):
+            loop = LoopResult(first_step_s=5.0, step_ms=[1.0, 1.0])
+            found = RunResult(OK, loop, replace(loop, first_step_s=1.0))
+            Path(argv[1]).write_text(json.dumps(asdict(found)))
+            return 0, ""
+        return twin(argv)
+
+    monkeypatch.setattr(runner.forkserver, "run_fresh", fake)
+
+
+def test_a_stop_while_the_raw_twin_compiles_keeps_the_measured_row(tmp_path, monkeypatch):
+    """Found by a review: with --compile, SIGTERM (or Ctrl-C) during the raw twin's
+    cold-compile process, after mixprec's process had measured everything, dropped the whole
+    row: nothing was journaled ("stopped by SIGTERM after 0 of 1 configurations"). The row is
+    journaled, only the twin's compile time missing and said why, then the stop propagates."""
+    from devices import AVX2_CPU
+
+    from mixprec import hardware
+    from mixprec.bench.suite import BenchOptions, plan, run_bench
+
+    def stopped(argv):
+        raise KeyboardInterrupt
+
+    _fake_processes(monkeypatch, stopped)
+    options = BenchOptions(model="mlp", batch_sizes=[2], precisions=["bf16-mixed"], threads=1)
+    with hardware.assume(AVX2_CPU):
+        p = plan(replace(options, compile=True, allow_slow=True, steps=2, warmup=0))
+        with pytest.raises(KeyboardInterrupt):
+            run_bench(p, [Journal(tmp_path / JOURNAL)])
+    report = load(tmp_path / JOURNAL)
+    (row,) = report.rows
+    assert report.metadata["stopped"]["finished"] == 1
+    assert row.result.status == OK and row.result.mixprec.first_step_s == 5.0
+    assert row.result.raw.first_step_s is None  # (not the warm 1.0 s)
+    assert row.result.raw.first_step_error == "the run was stopped while it compiled"
+
+
+def _crashed(argv):
+    return 1, "Traceback (most recent call last):\nRuntimeError: inductor exploded"
+
+
+def _failed(argv):
+    failed = LoopResult(status="error", error="RuntimeError: compile failed")
+    Path(argv[1]).write_text(json.dumps(asdict(failed)))
+    return 0, ""
+
+
+@pytest.mark.parametrize(
+    "twin, why",
+    [
+        (_crashed, "its process exited with code 1: RuntimeError: inductor exploded"),
+        (lambda argv: (None, ""), "timed out (after the "),
+        (lambda argv: (-9, ""), "killed by SIGKILL, the usual sign of running out of host"),
+        (_failed, "error: RuntimeError: compile failed"),
+    ],
+)
+def test_a_failed_raw_cold_compile_says_why_it_is_missing(tmp_path, monkeypatch, twin, why):
+    """Found by a review: where the raw twin's cold-compile process crashed, timed out, was
+    killed or failed, its compile time went missing without a word (the row stayed ok, the
+    note just left the raw time out). The twin's `first_step_error` says why, and the note."""
+    from devices import AVX2_CPU
+
+    from mixprec import hardware
+    from mixprec.bench.report import notes, summarize
+    from mixprec.bench.suite import BenchOptions, BenchReport, metadata, plan
+
+    _fake_processes(monkeypatch, twin)
+    spec = replace(_spec("make", "bf16-mixed", raw=True), compile=True)
+    result = run_isolated(spec, tmp_path / "work", timeout=60)
+    assert result.status == OK and result.raw.status == OK
+    assert result.raw.first_step_s is None and result.raw.first_step_error.startswith(why)
+    options = BenchOptions(model="mlp", batch_sizes=[4], precisions=["bf16-mixed"], threads=1)
+    with hardware.assume(AVX2_CPU):
+        p = plan(replace(options, compile=True, allow_slow=True, steps=2))
+        meta = dict(metadata(p), comparison_gap=None, memory_method="m")
+    (config,) = p.configs
+    report = BenchReport(meta, [Row(config, result)])
+    line = next(n for n in notes(report, summarize(report)) if "first step (comp" in n)
+    assert line.startswith(
+        "bf16-mixed (compiled) at batch 4: first step (compilation) 5.0 s; raw loop's cold "
+        f"compile not measured: {why}"
+    )
+
+
+def test_the_raw_cold_compile_runs_after_mixprecs_loop_worked_within_the_timeout(
+    tmp_path, monkeypatch
+):
+    """Found by a review: the raw twin's cold-compile process ran even where mixprec's own
+    compiled loop had failed (its row an error: nothing to compare), and with the whole
+    `--timeout` again, so a configuration could take twice its "seconds per configuration".
+    It runs only after mixprec's loop succeeded, in the time the first process left."""
+    from mixprec.bench import runner
+
+    clock = [1000.0]
+
+    class Clock:  # (mixprec's process takes 40 s of the configuration's 60)
+        monotonic = staticmethod(lambda: clock[0])
+        monotonic_ns = staticmethod(time.monotonic_ns)
+
+    def alone(argv):
+        Path(argv[1]).write_text(json.dumps(asdict(LoopResult(first_step_s=4.0))))
+        return 0, ""
+
+    calls = []
+    _fake_processes(monkeypatch, alone, calls)
+    fake = runner.forkserver.run_fresh
+
+    def slow(target, argv, env, timeout=None):
+        clock[0] += 40.0 if target.endswith(":main") else 0.0
+        return fake(target, argv, env, timeout)
+
+    monkeypatch.setattr(runner.forkserver, "run_fresh", slow)
+    monkeypatch.setattr(runner, "time", Clock)
+    spec = replace(_spec("make", "bf16-mixed", raw=True), compile=True)
+    assert run_isolated(spec, tmp_path / "work", timeout=60).raw.first_step_s == 4.0
+    assert calls == [("main", 60), ("raw_first_step", 20.0)]
+    calls.clear()  # no time left: no second process, and why
+    result = run_isolated(spec, tmp_path / "work", timeout=30)
+    assert calls == [("main", 30)]
+    assert result.raw.first_step_error == "no time left of --timeout (30 s per configuration)"
+    calls.clear()  # mixprec's loop failed: the row is an error, no twin compiled for it
+
+    def failed(target, argv, env, timeout=None):
+        calls.append((target.split(":")[1], timeout))
+        error = LoopResult(status="error", error="RuntimeError: mixprec compile failed")
+        found = RunResult("error", error, LoopResult(first_step_s=1.0), error=error.error)
+        Path(argv[1]).write_text(json.dumps(asdict(found)))
+        return 0, ""
+
+    monkeypatch.setattr(runner.forkserver, "run_fresh", failed)
+    assert run_isolated(spec, tmp_path / "work", timeout=60).status == "error"
+    assert calls == [("main", 60)]

@@ -285,6 +285,54 @@ def test_user_text_with_brackets_is_printed_as_given_not_read_as_markup(
     lines = out.splitlines()
     assert name in next(line for line in lines if line.startswith("mixprec bench:"))
     assert any(line.startswith(f"[2/2] {name} @ 2: ok") for line in lines)
-    assert any(f"│ {name} │" in line for line in lines)  # the table's row
+    assert any(f"│ {name} │" in line for line in lines), out  # the table row
     assert f"'{name}'" in next(line for line in lines if line.startswith("reproduce:"))
     assert "exp/policy.json" not in out
+
+
+_TINY = (
+    "import torch\nfrom torch import nn\n\n\ndef make():\n    torch.manual_seed(0)\n"
+    "    batch = lambda n: (torch.randn(n, 4), torch.randint(0, 2, (n,)))\n"
+    "    return nn.Linear(4, 2), batch, nn.functional.cross_entropy\n"
+)
+
+
+def test_user_text_with_emoji_codes_is_printed_as_given(tmp_path, capsys, monkeypatch):
+    """Found by a review: rich read `:name:` in user text as an emoji code, so a policy file
+    `run:100:a/policy.json` was printed `run💯a/policy.json` in the header, the progress
+    lines, the table and the reproduce command (which then named another file)."""
+    monkeypatch.chdir(tmp_path)
+    folder = Path("run:100:a")
+    folder.mkdir()
+    PolicyMap("32-true").save(folder / "policy.json")
+    (tmp_path / "tinybench.py").write_text(_TINY)
+    name = str(folder / "policy.json")
+    args = ["bench", "--model", "tinybench.py:make", "--batch-sizes", "2"]
+    args += ["--precision", "32-true", name, "--steps", "2", "--warmup", "0", "--threads", "1"]
+    with hardware.assume(ZEN4):  # (described: no matmul rates measured for the gap)
+        assert main([*args, "--out", "o"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert name in next(line for line in lines if line.startswith("mixprec bench:"))
+    assert any(line.startswith(f"[2/2] {name} @ 2: ok") for line in lines)
+    assert "\N{HUNDRED POINTS SYMBOL}" not in out, out
+    assert any(f"│ {name} │" in line for line in lines), out  # the table row
+    assert f" {name} " in next(line for line in lines if line.startswith("reproduce:"))
+
+
+def test_an_error_ending_in_a_backslash_is_printed_as_raised(tmp_path, capsys, monkeypatch):
+    """Found by a review: an error message ending in a backslash was printed with two (rich's
+    `escape` adds one, to keep a tag after it a tag, and none followed), and `:fire:` in it
+    as an emoji. The error is printed as raised."""
+    monkeypatch.chdir(tmp_path)
+    message = "boom [bold]x[/] :fire: \\[q] end\\"
+    (tmp_path / "bad.py").write_text(
+        _TINY.replace("nn.functional.cross_entropy", "loss")
+        + f"\n\ndef loss(out, target):\n    raise RuntimeError({message!r})\n"
+    )
+    args = ["bench", "--model", "bad.py:make", "--batch-sizes", "2", "--precision", "32-true"]
+    args += ["--steps", "2", "--warmup", "0", "--threads", "1", "--out", "o"]
+    with hardware.assume(ZEN4):
+        assert main(args) == 1
+    err = capsys.readouterr().err
+    assert f"32-true @ 2: error RuntimeError: {message}\n" in err, err

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
+from rich.text import Text
 
 from mixprec.bench.runner import OK, OOM, UNTIMED_STEPS
 from mixprec.bench.suite import (
@@ -130,6 +131,8 @@ class Summary:
     compiled: bool = False
     first_step_s: float | None = None
     raw_first_step_s: float | None = None
+    # why the raw twin's cold compile was not timed (`LoopResult.first_step_error`)
+    raw_first_step_error: str | None = None
     speedup_low: float | None = None
     speedup_high: float | None = None
     speedup_confidence: float | None = None
@@ -224,6 +227,7 @@ def summarize(report: BenchReport) -> list[Summary]:
                 compiled=c.compiled,
                 first_step_s=ours.first_step_s,
                 raw_first_step_s=raw.first_step_s if raw is not None else None,
+                raw_first_step_error=raw.first_step_error if raw is not None else None,
                 speedup_low=speed.low if speed and paired else None,
                 speedup_high=speed.high if speed and paired else None,
                 speedup_confidence=speed.confidence if speed and paired else None,
@@ -422,14 +426,25 @@ def rich_table(report: BenchReport, summaries: list[Summary]) -> FittedTable:
     keep = shown_columns(summaries)
     # (cells and title are rich markup: a label such as "exp[lr=1e-3]/policy.json" escaped)
     table = FittedTable(
-        escape(f"mixprec bench: {meta['model']} on {meta['device']}"),
+        _literal(f"mixprec bench: {meta['model']} on {meta['device']}"),
         [Column(COLUMNS[i], "left" if i == 1 else "right", _KEEP.get(COLUMNS[i])) for i in keep],
         full="every column is in report.md",
     )
     for s in summaries:
         cells = _cells(s)
-        table.add_row([escape(cells[i]) for i in keep], style="red" if s.status != OK else None)
+        table.add_row([_literal(cells[i]) for i in keep], style="red" if s.status != OK else None)
     return table
+
+
+def _literal(text: str) -> str:
+    """`text` as rich markup that reads as itself where no tag follows it (a table cell):
+    `escape` less the backslash it adds after a trailing one (there to keep a tag after it
+    a tag: it would print doubled here), and no emoji code read in it (a path such as
+    ``run:100:a/policy.json``, else printed and sized by `FittedTable` as an emoji)."""
+    markup = escape(text + ".")[:-1]
+    if Text.from_markup(markup).plain != text:  # (an empty tag after each colon ends the
+        markup = markup.replace(":", ":[b][/b]")  # text there: no code spans two colons)
+    return markup
 
 
 def max_batch_lines(report: BenchReport) -> list[str]:
@@ -615,13 +630,14 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
             "them to autocast, as the raw loop does); empty where a row has no raw twin: "
             "policy files, activation options other than keep, quantized precisions"
         )
-    if bare := _quantized_labels(summaries):
-        out.append(
-            f"mixprec overhead: none for {', '.join(bare)}, which quantize matmuls (float8, "
-            "block-scaled) where torch.autocast cannot: a raw autocast twin would be a plain "
-            "16-bit loop, and its overhead the quantization's cost, not mixprec's, so there "
-            "is no twin"
-        )
+        if bare := _quantized_labels(summaries):  # (labels hold commas: "; " between them)
+            they = "it quantizes" if len(bare) == 1 else "they quantize"
+            out.append(
+                f"mixprec overhead: none for {'; '.join(bare)}: {they} matmuls (float8, "
+                "block-scaled) where torch.autocast cannot, so a raw autocast twin would be a "
+                "plain 16-bit loop, and its overhead the quantization's cost, not mixprec's; "
+                "there is no twin"
+            )
     warning = busy_machine_warning(
         meta.get("load_average_before"),
         meta["threads"],
@@ -660,6 +676,8 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
     for s in summaries:
         if s.compiled and s.first_step_s is not None:
             raw = f", raw loop {s.raw_first_step_s:.1f} s" if s.raw_first_step_s else ""
+            if s.raw_first_step_error:
+                raw = f"; raw loop's cold compile not measured: {s.raw_first_step_error}"
             out.append(
                 f"{s.label} at batch {s.batch_size}: first step (compilation) "
                 f"{s.first_step_s:.1f} s{raw}"
@@ -668,16 +686,18 @@ def notes(report: BenchReport, summaries: list[Summary], busy: bool = True) -> l
 
 
 def _quantized_labels(summaries: list[Summary]) -> list[str]:
-    """The labels of rows whose precision quantizes matmuls (so they have no raw twin)."""
+    """The labels of rows left without a raw twin only because their precision quantizes
+    matmuls: mixed, not a policy file, every activation kept (others have none anyway)."""
     labels = []
     for s in summaries:
-        if is_policy_file(s.precision):  # (no twin for a file in any case)
+        if is_policy_file(s.precision) or s.activations not in (None, "keep"):
             continue
         try:
-            if quantized(PolicyMap(s.precision)):
-                labels.append(s.label)
+            policy = PolicyMap(s.precision)
         except (PolicySpecError, ValueError):  # (a name an older mixprec wrote)
             continue
+        if policy.default.is_mixed and quantized(policy):
+            labels.append(s.label)
     return list(dict.fromkeys(labels))
 
 
@@ -697,14 +717,12 @@ def _duration(ms: float) -> str:
 
 def _auto_resolved(gap: dict[str, Any]) -> str:
     """What "auto" among the precisions asked for resolved to on this device, and why
-    (empty when it was not asked for)."""
+    (empty when it was not asked for). A gap is only where no mixed precision was timed,
+    so auto, where asked for, resolved to float32 (`comparison_gap`)."""
     auto = gap.get("auto")
     if auto is None:
         return ""
-    if auto == BASELINE:
-        why = "auto picks bf16-mixed or 16-mixed only where it is fast, and neither is here"
-    else:
-        why = "the fastest stable mixed precision here"
+    why = "auto picks bf16-mixed or 16-mixed only where it is fast, and neither is here"
     return f"; auto resolved to {auto} on this device ({why})"
 
 

@@ -149,6 +149,9 @@ class LoopResult:
     skipped_steps: int = 0
     final_loss: float | None = None
     first_step_s: float | None = None
+    # why `first_step_s` is missing where it was to be timed (a compiled raw twin's cold
+    # compile in a process of its own failed, timed out or was stopped); None: not missing
+    first_step_error: str | None = None
 
     def __post_init__(self) -> None:
         self.status = RunStatus(self.status)  # read back from JSON as its value
@@ -625,29 +628,46 @@ def run_side_by_side(
         _release(device)
 
 
-def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> RunResult:
+def run_isolated(
+    spec: RunSpec,
+    workdir: Path,
+    timeout: float | None = None,
+    stopped: Callable[[RunResult], None] | None = None,
+) -> RunResult:
     """Run `spec` in a fresh process and return its result (`forkserver.run_fresh`: forked
     from a server that imported torch once, so it starts in milliseconds, or a new Python
     interpreter where that cannot run). Each fresh process has empty torch.compile disk
     caches of its own (`_fresh_env`).
 
-    Compiled with a raw twin, the twin's first step (its compilation) is timed again in a
-    fresh process of its own (`raw_first_step`), as ours was: compiled after ours in one
-    process, it found dynamo and inductor warm and took a third of the time.
+    Compiled with a raw twin, where both loops ran, the twin's first step (its compilation)
+    is timed again in a fresh process of its own (`raw_first_step`), as ours was: compiled
+    after ours in one process, it found dynamo and inductor warm and took a third of the
+    time. The two processes share `timeout` (seconds for the configuration): the second
+    gets what the first left. Where it gives no time, the twin's `first_step_error` says why.
+    A stop (Ctrl-C, SIGTERM raised as an exception) during it leaves the rest measured:
+    `stopped` gets that result before the stop propagates.
 
     A child killed by SIGKILL (the kernel's out-of-memory killer) is reported as OOM; a
     crash or an exception in the child as an error carrying the end of its output.
     """
+    start = time.monotonic()
     code, output, found = _run_fresh(spec, "main", workdir, timeout)
     if code is None:
         return replace(_timeout_result(timeout), fresh_process=True)
     if found is not None:
         result = replace(RunResult.from_dict(found), fresh_process=True)
         raw = result.raw
-        if spec.compile and raw is not None and raw.status == OK:
-            _, _, alone = _run_fresh(spec, "raw_first_step", workdir, timeout)
-            # (None when it failed: no compilation time is better than a warm one)
-            raw.first_step_s = None if alone is None else LoopResult(**alone).first_step_s
+        if spec.compile and result.status == OK and raw is not None and raw.status == OK:
+            # (no compilation time is better than the warm one it took after ours)
+            raw.first_step_s = None
+            left = None if timeout is None else timeout - (time.monotonic() - start)
+            try:
+                _raw_cold_compile(spec, raw, workdir, left, timeout)
+            except BaseException:
+                raw.first_step_error = "the run was stopped while it compiled"
+                if stopped is not None:
+                    stopped(result)
+                raise
         return result
     if code == -9:
         msg = "killed by SIGKILL, the usual sign of running out of host memory"
@@ -655,6 +675,32 @@ def run_isolated(spec: RunSpec, workdir: Path, timeout: float | None = None) -> 
     tail = output.strip()[-1500:]
     msg = f"benchmark process exited with code {code}: {tail}"
     return RunResult(ERROR, LoopResult(ERROR, msg), error=msg, fresh_process=True)
+
+
+def _raw_cold_compile(
+    spec: RunSpec, raw: LoopResult, workdir: Path, left: float | None, timeout: float | None
+) -> None:
+    """Time the raw twin's first step in a fresh process of its own (`raw_first_step`),
+    within the `left` seconds of the configuration's `timeout`: into `raw.first_step_s`, or
+    why not into `raw.first_step_error`."""
+    if left is not None and left <= 0:
+        raw.first_step_error = f"no time left of --timeout ({timeout:g} s per configuration)"
+        return
+    code, output, alone = _run_fresh(spec, "raw_first_step", workdir, left)
+    if code is None:
+        why = f"timed out (after the {left:.1f} s left of --timeout's {timeout:g} s)"
+    elif alone is not None:
+        loop = LoopResult(**alone)
+        if loop.status == OK and loop.first_step_s is not None:
+            raw.first_step_s = loop.first_step_s
+            return
+        why = f"{loop.status}: {loop.error}"
+    elif code == -9:
+        why = "killed by SIGKILL, the usual sign of running out of host memory"
+    else:
+        last = output.strip().splitlines()[-1:] or ["no output"]  # (a traceback's error)
+        why = f"its process exited with code {code}: {last[0][-300:]}"
+    raw.first_step_error = why
 
 
 def _fresh_env(spec: RunSpec, cache: str) -> dict[str, str]:

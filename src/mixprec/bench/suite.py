@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import numbers
 import os
 import shlex
 import tempfile
@@ -201,7 +202,8 @@ class Plan:
     # how many cores other work kept busy as the plan was made (`timing.busy_cores`), where
     # it was sampled (a CPU run); None elsewhere
     busy_cores: float | None = None
-    # the precisions as asked for ("auto" as typed, not what it resolved to); None: not asked
+    # the precisions as asked for, once each, by their labels (32 or torch.float32 as 32-true)
+    # and "auto" as such, not what it resolved to; None: not asked for
     given: list[str] | None = None
 
     @property
@@ -234,12 +236,14 @@ class BenchReport:
 
 
 def _whole_bytes(limit: float | None) -> int | None:
-    """A memory limit as whole bytes: an integral float (``1.5 * 2**30``) as its int, a
-    fraction of a byte refused (the limit caps allocations, counted in bytes)."""
-    if limit is None or isinstance(limit, int):
-        return limit
-    if isinstance(limit, float) and limit.is_integer():
-        return int(limit)
+    """A memory limit as whole bytes, a plain int (the journal writes it): any integral
+    number (``numpy.int64``, ``1.5 * 2**30``) as its int, a fraction of a byte refused (the
+    limit caps allocations, counted in bytes), as are a bool and what is not a number."""
+    if limit is None:
+        return None
+    if isinstance(limit, numbers.Real) and not isinstance(limit, bool):
+        if isinstance(limit, numbers.Integral) or float(limit).is_integer():
+            return int(limit)
     raise ValueError(f"--memory-limit must be a whole number of bytes, got {limit!r}")
 
 
@@ -298,8 +302,9 @@ def _device(name: str | None) -> torch.device:
 
 def _precisions(
     specs: list[str] | None, device: torch.device, allow_slow: bool
-) -> tuple[dict[str, PolicyMap], dict[str, str]]:
-    """Parse and hardware-check every spec; label -> policy and label -> support note.
+) -> tuple[dict[str, PolicyMap], dict[str, str], list[str]]:
+    """Parse and hardware-check every spec; label -> policy, label -> support note, and the
+    specs as asked for, each by its label ("auto" as such), once each.
 
     A precision is labelled by its name; a policy file (the doctor's ``policy.json``) by its
     path, and keeps its per-layer rules and float32-island setting."""
@@ -309,6 +314,7 @@ def _precisions(
         specs = ["32-true"] if auto.name == "32-true" else ["32-true", auto.name]
     policies: dict[str, PolicyMap] = {}
     support: dict[str, str] = {}
+    given: list[str] = []
     for spec in specs:
         try:
             # "auto" means the fastest stable precision of the benchmarked device
@@ -322,7 +328,9 @@ def _precisions(
         label = spec if is_policy_file(spec) else policy.default.name
         policies.setdefault(label, policy)
         support[label] = f"{s.status}: {s.reason}" if s.status == SLOW else s.status
-    return policies, support
+        # (a dtype or an int as its name: the journal and the report's wording take text)
+        given.append("auto" if is_auto(spec) else label)
+    return policies, support, list(dict.fromkeys(given))
 
 
 def _refuse_frozen_weights(spec: str, policy: PolicyMap) -> None:
@@ -453,7 +461,7 @@ def plan(options: BenchOptions) -> Plan:
             "and swaps long before a batch 'does not fit'"
         )
     with _torch_threads(opts.threads or 1):  # (its errors describe the device)
-        policies, support = _precisions(opts.precisions, device, opts.allow_slow)
+        policies, support, given = _precisions(opts.precisions, device, opts.allow_slow)
     if any(s.startswith("slow") for s in support.values()):
         # (allowed by MIXPREC_ALLOW_SLOW where not by the flag: the reproduce command, run
         # in a shell without it, needs the flag)
@@ -517,7 +525,7 @@ def plan(options: BenchOptions) -> Plan:
         left_out,
         threads_note,
         None if busy is None else round(busy, 2),
-        list(options.precisions) if options.precisions is not None else None,
+        given if options.precisions is not None else None,
     )
 
 
@@ -786,14 +794,29 @@ def _groups(configs: Sequence[Config]) -> list[list[int]]:
     return list(groups.values())
 
 
-def run_batch(p: Plan, configs: Sequence[Config], workdir: Path) -> list[RunResult]:
+def run_batch(
+    p: Plan,
+    configs: Sequence[Config],
+    workdir: Path,
+    stopped: Callable[[list[RunResult]], None] | None = None,
+) -> list[RunResult]:
     """The configurations of one batch size: side by side in rounds in this process, each
     step time paired with float32's of the same round; where a fresh process changes a
-    figure (`runner.fresh_process_reason`), each in its own, one after another (unpaired)."""
+    figure (`runner.fresh_process_reason`), each in its own, one after another (unpaired).
+    A stop (Ctrl-C, SIGTERM) among fresh processes gives `stopped` the results finished
+    before it (in order), then propagates."""
     specs = [_spec(p, c) for c in configs]
     timeout = p.options.timeout
     if any(fresh_process_reason(s) for s in specs):
-        return [run_isolated(s, workdir, timeout) for s in specs]
+        results: list[RunResult] = []
+        try:
+            for s in specs:
+                results.append(run_isolated(s, workdir, timeout, stopped=results.append))
+        except BaseException:
+            if stopped is not None and results:
+                stopped(results)
+            raise
+        return results
     base = next(
         (
             i
@@ -936,13 +959,19 @@ def run_bench(p: Plan, listeners: Sequence[Listener] = ()) -> BenchReport:
         for group in _groups(p.configs):
             start = time.perf_counter()
             configs = [p.configs[i] for i in group]
-            results = run_batch(p, configs, Path(tmp))
-            seconds = time.perf_counter() - start
-            for index, config, result in zip(group, configs, results, strict=True):
-                row = Row(config, result)
-                rows.append(row)
-                for listener in listeners:
-                    listener.measured(row, index + 1, seconds)
+
+            def tell(
+                results: list[RunResult], group: list[int] = group, start: float = start
+            ) -> None:
+                seconds = time.perf_counter() - start
+                for index, result in zip(group, results, strict=False):
+                    row = Row(p.configs[index], result)
+                    rows.append(row)
+                    for listener in listeners:
+                        listener.measured(row, index + 1, seconds)
+
+            # (rows finished before a stop are told, and so journaled, before it propagates)
+            tell(run_batch(p, configs, Path(tmp), stopped=tell))
         max_batch = {}
         for name, option, label in searches:
 

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.markdown import Markdown
-from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -28,6 +27,7 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.text import Text
 
 from mixprec import textout
 from mixprec.activations.options import OPTIONS
@@ -303,7 +303,7 @@ def _run_configs(p: Plan, console: Console, out: Path) -> tuple[Journal, str | N
     """Run the plan's configurations with a progress bar, each row journaled in `out` as
     it ends; the journal and what stopped the run early (Ctrl-C, SIGTERM or None)."""
     progress = Progress(
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # (labels are user text)
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -337,16 +337,11 @@ def _print_results(
         console.print(f"  {line}", highlight=False, markup=False)
     for s in summaries:
         if s.status not in (OK, OOM):
-            err.print(
-                f"[red]{escape(s.label)} @ {s.batch_size}: {s.status}[/] {escape(str(s.error))}",
-                highlight=False,
-            )
+            err.print(_styled(f"{s.label} @ {s.batch_size}: {s.status}", "red", f" {s.error}"))
         if s.raw_error:  # (its table row ran: the raw column's "-" says nothing more)
-            err.print(
-                f"[red]{escape(s.label)} @ {s.batch_size}, its raw torch.autocast twin:[/] "
-                f"{escape(s.raw_error)}; mixprec's loop ran (its row above)",
-                highlight=False,
-            )
+            head = f"{s.label} @ {s.batch_size}, its raw torch.autocast twin:"
+            rest = f" {s.raw_error}; mixprec's loop ran (its row above)"
+            err.print(_styled(head, "red", rest))
     gap = comparison_gap_lines(report, summaries)
     if gap:
         console.print("[yellow bold]why no mixed precision was timed[/]")
@@ -369,9 +364,7 @@ def run_memory_command(
     try:
         device, precisions, out = _checked_memory_args(args, console, model, sizes, devices, out)
     except ValueError as e:
-        err.print(
-            f"[red]mixprec bench: error:[/] {escape(str(e))}", highlight=False, soft_wrap=True
-        )
+        err.print(_styled("mixprec bench: error:", "red", f" {e}"), soft_wrap=True)
         return 2
     batch = sizes[0]
     threads = args.threads or max(1, (os.cpu_count() or 1) // devices)
@@ -406,10 +399,7 @@ def run_memory_command(
     console.print(Markdown(paths[1].read_text()))
     failed = [r for r in rows if isinstance(r, distributed.FailedRun)]
     for r in failed:
-        err.print(
-            f"[red]{r.strategy} {escape(r.precision)}: failed[/] {escape(str(r.error))}",
-            highlight=False,
-        )
+        err.print(_styled(f"{r.strategy} {r.precision}: failed", "red", f" {r.error}"))
     console.print(f"results: {', '.join(map(str, paths))}", highlight=False, markup=False)
     if interrupted:
         err.print("[red]interrupted (Ctrl-C):[/] the rows measured before it are written")
@@ -528,13 +518,13 @@ class _Printer(Listener):
         shown = "OOM" if row.result.status == OOM else row.result.status
         c = row.config
         self.progress.update(
-            self.task, advance=1, description=f"{escape(c.label)} @ {c.batch_size}: {shown}"
+            self.task, advance=1, description=f"{c.label} @ {c.batch_size}: {shown}"
         )
 
     def probed(self, name: str, batch: int, status: str) -> None:
         shown = {OK: "fits", OOM: "OOM"}.get(status, status)
         self.console.print(f"max batch {name}: {batch} {shown}", highlight=False, markup=False)
-        self.progress.update(self.task, description=f"max batch {escape(name)}: {batch} {shown}")
+        self.progress.update(self.task, description=f"max batch {name}: {batch} {shown}")
 
 
 def _busy_warning(p: Plan) -> str | None:
@@ -560,10 +550,25 @@ def _twin_failed(row: Row) -> bool:
     return row.result.status == OK and raw is not None and raw.status not in (OK, OOM)
 
 
+def _console(stderr: bool = False) -> Console:
+    """`textout.console`, reading no emoji codes: user text (a path such as
+    ``run:100:a/policy.json``, a label in the table) is printed as typed, and mixprec's own
+    text has none."""
+    made = textout.console(stderr=stderr)
+    # (a file's console has a width of its own; a terminal's follows the terminal)
+    width = {} if type(made) is Console else {"width": made.width}
+    return type(made)(stderr=stderr, emoji=False, **width)
+
+
+def _styled(head: str, style: str, rest: str = "") -> Text:
+    """`head` in `style`, then `rest`, both as given: user text is not read as rich markup
+    (escaping it doubled a trailing backslash)."""
+    return Text.assemble((head, style), rest)
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run the benchmark described by parsed `args`; returns the exit code."""
-    console = textout.console()
-    err = textout.console(stderr=True)
+    console, err = _console(), _console(stderr=True)
     out = args.out
     if args.strategy is not None:
         return run_memory_command(args, console, err, out)
@@ -574,9 +579,7 @@ def run_command(args: argparse.Namespace) -> int:
         p = plan(_options(args))
         out = _output_dir(out, (*OUTPUT_FILES, JOURNAL))
     except ValueError as e:
-        err.print(
-            f"[red]mixprec bench: error:[/] {escape(str(e))}", highlight=False, soft_wrap=True
-        )
+        err.print(_styled("mixprec bench: error:", "red", f" {e}"), soft_wrap=True)
         return 2
     png = importlib.util.find_spec("matplotlib") is not None
     if not png:
@@ -585,16 +588,17 @@ def run_command(args: argparse.Namespace) -> int:
             "(pip install 'matplotlib>=3.7' 'torch==2.13.0', the plot extra)"
         )
     o = p.options
+    sizes = ", ".join(map(str, o.batch_sizes or []))
     console.print(
-        f"[bold]mixprec bench[/]: {escape(o.model)}, {escape(', '.join(p.precisions))}, "
-        f"batch {', '.join(map(str, o.batch_sizes or []))} on {p.device}"
+        _styled("mixprec bench", "bold", f": {o.model}, {', '.join(p.precisions)}, ")
+        + f"batch {sizes} on {p.device}"
     )
     console.print(f"reproduce: {p.command}", highlight=False, soft_wrap=True, markup=False)
     if p.threads_note:
-        err.print(f"[yellow]{escape(p.threads_note)}[/]", highlight=False, soft_wrap=True)
+        err.print(_styled(p.threads_note, "yellow"), soft_wrap=True)
     busy = _busy_warning(p)
     if busy:
-        err.print(f"[yellow]{escape(busy)}[/]", highlight=False, soft_wrap=True)
+        err.print(_styled(busy, "yellow"), soft_wrap=True)
 
     journal, stopped_by = _run_configs(p, console, out)
     report = load_journal(journal.path)  # what is on disk, however the run ended
@@ -608,10 +612,10 @@ def run_command(args: argparse.Namespace) -> int:
     _print_results(report, summaries, console, err, busy=busy is None)
     paths = [*write_outputs(out, report, png=png), journal.path]
     console.print(f"results: {', '.join(map(str, paths))}", highlight=False, markup=False)
-    console.print(f"\n[bold]{escape(conclusion(report, summaries))}[/]", highlight=False)
+    console.print(_styled(f"\n{conclusion(report, summaries)}", "bold"))
     stopped = stopped_line(report)
     if stopped_by is not None and stopped is not None:
-        err.print(f"[yellow bold]{escape(stopped)}[/]", highlight=False, soft_wrap=True)
+        err.print(_styled(stopped, "yellow bold"), soft_wrap=True)
         return _STOPPED_EXIT[stopped_by]
     failed = (
         any(s.status not in (OK, OOM) for s in summaries)
