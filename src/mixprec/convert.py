@@ -360,8 +360,9 @@ class _Region(_StandIn):
     carriers: tuple[tuple[str, nn.Module, str, tuple[tuple[str, nn.Module], ...]], ...] = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # (is_compiling first: a traced call reads nothing more, nor guards on it)
-        if not torch.compiler.is_compiling() and self.carriers:
+        # (empty after the first eager forward, read without a call; a compiled call made
+        # before it guards on it, and compiles once more after it)
+        if self.carriers and not torch.compiler.is_compiling():
             return self._first(args, kwargs)
         try:  # (no cost in the common case; torch's dtype clash explained where dtypes moved)
             module = self.module

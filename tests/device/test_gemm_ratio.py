@@ -110,7 +110,7 @@ def test_the_search_and_the_bench_plan_read_the_same_rating():
     chosen, left_out = default_formats(as_policy("32-true"), AVX512_CPU)
     assert "bf16-true" not in chosen and "measured 0.42x" in left_out["bf16-true"]
     with hardware.assume(AVX512_CPU):
-        policies, _ = suite._precisions(None, torch.device("cpu"), allow_slow=False)
+        policies, _, _ = suite._precisions(None, torch.device("cpu"), allow_slow=False)
         with pytest.raises(ValueError, match=r"0\.42x.*--allow-slow"):
             suite._precisions(["bf16-mixed"], torch.device("cpu"), allow_slow=False)
     assert list(policies) == ["32-true"]

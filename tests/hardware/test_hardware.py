@@ -368,7 +368,7 @@ def test_bench_auto_on_the_cpu_of_a_gpu_machine_is_the_cpus_choice():
     from mixprec.bench import suite
 
     with _gpu_machine(AVX2_CPU, H100):
-        policies, _ = suite._precisions(["auto"], torch.device("cpu"), allow_slow=False)
+        policies, _, _ = suite._precisions(["auto"], torch.device("cpu"), allow_slow=False)
     assert list(policies) == ["32-true"]
 
 

@@ -657,9 +657,12 @@ def run_isolated(
     if found is not None:
         result = replace(RunResult.from_dict(found), fresh_process=True)
         raw = result.raw
-        if spec.compile and result.status == OK and raw is not None and raw.status == OK:
+        if spec.compile and raw is not None and raw.first_step_s is not None:
             # (no compilation time is better than the warm one it took after ours)
             raw.first_step_s = None
+            if result.status != OK or raw.status != OK:
+                raw.first_step_error = "not timed alone: a loop of this configuration failed"
+        if spec.compile and result.status == OK and raw is not None and raw.status == OK:
             left = None if timeout is None else timeout - (time.monotonic() - start)
             try:
                 _raw_cold_compile(spec, raw, workdir, left, timeout)

@@ -171,7 +171,6 @@ class SearchReport:
         tolerance: how far (a fraction) the plan's loss may exceed the baseline's.
         held_out: whether the losses were measured on held-out evaluation batches.
         trained: the short training runs of the plan and the baseline, if asked for.
-        untrained: why the training runs asked for were not run ("" when they were).
         reference_loss: the float32 model's mean loss on the search batches (not held out).
         device: the device searched on, as `mixprec info` describes it.
         seconds: how long the search took.
@@ -183,6 +182,7 @@ class SearchReport:
         batch_size: the batch activations were counted at (None: not counted).
         fixed_bytes: bytes no choice changes, counted with a budget in bytes: the unsearched
             parameters (as ``count`` counts them) and the activations saved outside blocks.
+        untrained: why the training runs asked for were not run ("" when they were).
     """
 
     rows: list[UnitRow]
