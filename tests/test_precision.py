@@ -221,12 +221,13 @@ def test_a_float16_loss_cannot_carry_the_default_scale():
     assert taken == [False, True] and precision.scaler.loss_scale == 2.0**15
 
 
-# (today 42 and 4: a weak dictionary's length read at each step had taken bf16-mixed to 30
-# unseen; a 32-true region walked its inputs with the module among them, 58. 16 of
+# (today 42-46 and 4: a weak dictionary's length read at each step had taken bf16-mixed to 30
+# unseen; a 32-true region walked its inputs with the module among them, 58. 16 to 20 of
 # bf16-mixed's are the root region's switch of torch.compile's backward tracing, set and put
-# back around a forward that enters its own autocast once dynamo is loaded)
+# back around a forward that enters its own autocast once dynamo is loaded: torch's config
+# marks the setting dirty in a set of its own, 2 calls more each way once a compile made it)
 @pytest.mark.parametrize(
-    ("spec", "dtype", "most"), [("bf16-mixed", torch.bfloat16, 43), ("32-true", None, 8)]
+    ("spec", "dtype", "most"), [("bf16-mixed", torch.bfloat16, 48), ("32-true", None, 8)]
 )
 def test_a_step_makes_few_python_calls_beyond_the_torch_autocast_loop(spec, dtype, most):
     """In a launch-bound step the Python around the ops is the time: a `Precision` step (the
