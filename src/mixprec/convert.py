@@ -39,7 +39,7 @@ from mixprec.activations import install as install_activations
 from mixprec.activations.rules import never_called
 from mixprec.device import detect, device_of, parse_device
 from mixprec.dtypes import default_dtype, dtype_name, exclusive, needs_default_dtype
-from mixprec.eager import backward_outside_autocast, compiled_wrapper
+from mixprec.eager import DYNAMO, backward_outside_autocast, compiled_wrapper
 from mixprec.errors import DtypeChangedError, PolicySpecError, PrecisionError, caller_level
 from mixprec.hardware import slow_attention, warn_if_unsupported
 from mixprec.policy import APPLIED_STATE, REGION_MARK, Policy, explanation
@@ -420,7 +420,7 @@ class _Region(_StandIn):
                         return out
                 else:
                     # (dynamo loaded: a torch.compile made, whose code this may call)
-                    first = not torch.is_autocast_enabled(device_type) and _DYNAMO in sys.modules
+                    first = not torch.is_autocast_enabled(device_type) and DYNAMO in sys.modules
                     with torch.autocast(device_type, dtype=self.compute_dtype):
                         # With no autocast before, this one ends with the forward and
                         # its backward runs outside it. Run eagerly, code it calls that
@@ -543,20 +543,16 @@ class _Region(_StandIn):
             return forward(*args, **kwargs)
 
 
-# the module a torch.compile call loads (`compiled_wrapper`): absent, nothing is compiled
-_DYNAMO = "torch._dynamo.eval_frame"
-
-
 setattr(_Region, REGION_MARK, True)  # (what layer-swapping tools look for)
 
 
-class _Watched:
+class _Watched(_StandIn):
     """A module's forward stand-in, for the root's first forward (`_Region._first`): notes
     the module ran, then runs what stood there."""
 
     def __init__(self, module: nn.Module, ran: set[int]) -> None:
         self.module, self.ran = module, ran
-        self.inner = module.__dict__.get("forward")
+        self.original = module.__dict__.get("forward")
 
     @classmethod
     def install(cls, module: nn.Module, ran: set[int]) -> _Watched:
@@ -566,26 +562,20 @@ class _Watched:
 
     def uninstall(self) -> None:
         if self.module.__dict__.get("forward") is self:  # (unless replaced meanwhile)
-            if self.inner is None:
+            if self.original is None:
                 del self.module.__dict__["forward"]
             else:
-                self.module.__dict__["forward"] = self.inner
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self.inner or type(self.module).forward.__get__(self.module))
+                self.module.__dict__["forward"] = self.original
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.ran.add(id(self.module))
-        if self.inner is None:
-            return type(self.module).forward(self.module, *args, **kwargs)
-        return self.inner(*args, **kwargs)
+        return self._as_is(*args, **kwargs)
 
 
 def _compiled_inside(model: nn.Module) -> bool:
     """Whether compiled code may run in `model`'s forward now: dynamo's frame evaluation is
     on (the eager rest of a compiled call), or a module of it is compiled in place."""
-    if _DYNAMO not in sys.modules:
+    if DYNAMO not in sys.modules:
         return False
     if torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None:
         return True

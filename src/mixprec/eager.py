@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import torch
 from torch._functorch import config as functorch_config
 
-__all__ = ["backward_outside_autocast", "compiled_wrapper", "uncompiled"]
+__all__ = ["DYNAMO", "backward_outside_autocast", "compiled_wrapper", "uncompiled"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -36,10 +36,14 @@ else:  # pragma: no cover - a torch without the setting traces its backward as i
         return lambda: None
 
 
+# the module a torch.compile call loads: absent, nothing in the process is compiled
+DYNAMO = "torch._dynamo.eval_frame"
+
+
 def compiled_wrapper(model: Any) -> bool:
     """Whether ``model`` is torch.compile's wrapper of a module (``OptimizedModule``), asked
     without importing dynamo: loaded only by a compile, it made none where it is absent."""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    eval_frame = sys.modules.get(DYNAMO)
     return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
